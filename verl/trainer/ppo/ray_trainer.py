@@ -1,0 +1,649 @@
+"""The PPO/GRPO driver: one Python process that holds the dataflow and dispatches to worker groups.
+
+`RayPPOTrainer.step()` reads like the algorithm, one call per phase:
+
+    batch = next prompts -> generate (n samples each) -> reward -> old log-probs -> ref log-probs
+          -> values -> advantages (driver side, pure math) -> update critic -> update actor
+
+Design decisions:
+- Each phase is a short method; variants are composed in, never nested inside `step()`: ReMax's
+  greedy baseline is `_compute_remax_baseline`, DAPO's dynamic sampling is the
+  `_collect_filtered_batch` rollout strategy chosen once in `__init__`.
+- Advantage estimators are looked up in core_algos' table; their keyword inputs are filled from
+  what the batch has (`_estimator_kwargs`), so adding an estimator never touches the driver.
+- Checkpoints: workers write `global_step_N/{actor,critic}`; the driver writes `data.pt`
+  (dataloader position, KL controller, driver RNG) and then, last and atomically,
+  `latest_checkpointed_iteration.txt`. A crash at any point of a save leaves the previous
+  checkpoint as the one resume picks.
+- uids are deterministic (`<step>_<index>`) rather than random, so a resumed run groups samples
+  exactly as an uninterrupted run does.
+"""
+
+from __future__ import annotations
+
+import inspect
+import os
+import random
+import shutil
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Any
+
+import numpy as np
+import torch
+
+from verl.protocol import DataProto, pad_dataproto_to_divisor, unpad_dataproto
+from verl.trainer.ppo import core_algos
+from verl.trainer.ppo.metric_utils import (
+    compute_data_metrics,
+    compute_throughput_metrics,
+    compute_timing_metrics,
+    flatten_validation_metrics,
+    process_validation_metrics,
+    reduce_metrics,
+)
+from verl.utils.logging_utils import get_logger
+from verl.utils.timer import marked_timer
+
+logger = get_logger(__name__, "INFO")
+
+LATEST_CHECKPOINT_FILE = "latest_checkpointed_iteration.txt"
+GEN_BATCH_KEYS = ("input_ids", "attention_mask", "position_ids")
+
+
+class Role(Enum):
+    """The roles a worker process can play; several may share one process (colocation)."""
+
+    Actor = 0
+    Rollout = 1
+    ActorRollout = 2
+    Critic = 3
+    RefPolicy = 4
+    RewardModel = 5
+    ActorRolloutRef = 6
+
+
+@dataclass
+class _StepState:
+    """What a step accumulates besides the batch: phase timings and metrics."""
+
+    timing: dict[str, float] = field(default_factory=dict)
+    metrics: dict[str, Any] = field(default_factory=dict)
+
+
+def _meta_metrics(output: DataProto) -> dict[str, float]:
+    return reduce_metrics(output.meta_info.get("metrics", {}))
+
+
+class RayPPOTrainer:
+    """Driver of PPO-family training over Ray worker groups (upstream-compatible constructor)."""
+
+    def __init__(
+        self,
+        config,
+        tokenizer,
+        role_worker_mapping: dict[Role, Any],
+        resource_pool_manager,
+        ray_worker_group_cls=None,
+        processor=None,
+        reward_fn=None,
+        val_reward_fn=None,
+        train_dataset=None,
+        val_dataset=None,
+        collate_fn=None,
+        train_sampler=None,
+        device_name: str | None = None,
+    ):
+        from verl.single_controller.ray import RayWorkerGroup
+
+        self.config = config
+        self.tokenizer = tokenizer
+        self.processor = processor
+        self.role_worker_mapping = role_worker_mapping
+        self.resource_pool_manager = resource_pool_manager
+        self.ray_worker_group_cls = ray_worker_group_cls or RayWorkerGroup
+        self.reward_fn = reward_fn
+        self.val_reward_fn = val_reward_fn
+        self.device_name = device_name
+
+        algo = config.algorithm
+        self.use_critic = Role.Critic in role_worker_mapping
+        self.use_reference_policy = Role.RefPolicy in role_worker_mapping or Role.ActorRolloutRef in role_worker_mapping
+        self.use_rm = Role.RewardModel in role_worker_mapping
+        self.kl_ctrl_in_reward = (
+            core_algos.get_kl_controller(
+                algo.kl_ctrl.type, algo.kl_ctrl.kl_coef, algo.kl_ctrl.get("target_kl"), algo.kl_ctrl.get("horizon")
+            )
+            if algo.use_kl_in_reward
+            else None
+        )
+        filter_groups = algo.get("filter_groups") or {}
+        self._rollout_strategy = (
+            self._collect_filtered_batch if filter_groups.get("enable", False) else self._generate_and_score
+        )
+        self.global_steps = 0
+        self._create_dataloader(train_dataset, val_dataset, collate_fn, train_sampler)
+
+    # ------------------------------------------------------------------ setup
+    def _create_dataloader(self, train_dataset, val_dataset, collate_fn, train_sampler) -> None:
+        from verl.utils.dataset.rl_dataset import collate_fn as default_collate_fn
+        from verl.utils.dataset.sampler import ResumableDataLoader
+
+        data = self.config.data
+        collate_fn = collate_fn or default_collate_fn
+        self.train_dataloader = ResumableDataLoader(
+            train_dataset,
+            batch_size=data.get("gen_batch_size") or data.train_batch_size,
+            shuffle=data.get("shuffle", True),
+            seed=data.get("seed", 1),
+            collate_fn=collate_fn,
+            drop_last=True,
+            sampler=train_sampler,
+            num_workers=data.get("dataloader_num_workers", 0),
+        )
+        if len(self.train_dataloader) == 0:
+            raise ValueError(
+                f"the training set has {len(train_dataset)} prompts, fewer than one batch of "
+                f"data.train_batch_size={data.train_batch_size}; add data or lower data.train_batch_size"
+            )
+        self.val_dataloader = None
+        if val_dataset is not None and len(val_dataset) > 0:
+            self.val_dataloader = torch.utils.data.DataLoader(
+                val_dataset,
+                batch_size=data.get("val_batch_size") or len(val_dataset),
+                shuffle=False,
+                drop_last=False,
+                collate_fn=collate_fn,
+            )
+        total = self.config.trainer.get("total_training_steps")
+        self.total_training_steps = total or len(self.train_dataloader) * self.config.trainer.total_epochs
+        logger.info(
+            f"train batches per epoch: {len(self.train_dataloader)}, total training steps: {self.total_training_steps}"
+        )
+
+    def init_workers(self) -> None:
+        """Create the resource pools, spawn one worker group per pool and build the models."""
+        from verl.single_controller.ray import RayClassWithInitArgs, create_colocated_worker_cls
+
+        self.resource_pool_manager.create_resource_pool()
+        arc = self.config.actor_rollout_ref
+        roles_in_pool: dict[Any, dict[str, RayClassWithInitArgs]] = {}
+
+        def add(role: Role, name: str, cls_with_args: RayClassWithInitArgs) -> None:
+            pool = self.resource_pool_manager.get_resource_pool(role)
+            roles_in_pool.setdefault(pool, {})[name] = cls_with_args
+
+        actor_role = Role.ActorRolloutRef if Role.ActorRolloutRef in self.role_worker_mapping else Role.ActorRollout
+        worker_role = "actor_rollout_ref" if actor_role == Role.ActorRolloutRef else "actor_rollout"
+        add(actor_role, "actor_rollout", RayClassWithInitArgs(self.role_worker_mapping[actor_role], config=arc, role=worker_role))
+        if self.use_critic:
+            add(Role.Critic, "critic", RayClassWithInitArgs(self.role_worker_mapping[Role.Critic], config=self.config.critic))
+        if Role.RefPolicy in self.role_worker_mapping:
+            add(Role.RefPolicy, "ref", RayClassWithInitArgs(self.role_worker_mapping[Role.RefPolicy], config=arc, role="ref"))
+        if self.use_rm:
+            add(
+                Role.RewardModel,
+                "rm",
+                RayClassWithInitArgs(self.role_worker_mapping[Role.RewardModel], config=self.config.reward_model),
+            )
+
+        timeout = self.config.trainer.get("rpc_timeout_s")
+        groups: dict[str, Any] = {}
+        for pool, class_dict in roles_in_pool.items():
+            colocated = create_colocated_worker_cls(class_dict)
+            kwargs = {"resource_pool": pool, "ray_cls_with_init": colocated}
+            if timeout:
+                kwargs["timeout_s"] = timeout
+            wg = self.ray_worker_group_cls(**kwargs)
+            groups.update(wg.spawn(prefix_set=class_dict.keys()))
+
+        # Build order: helpers first, the actor last (its rollout engine sizes itself after them).
+        if self.use_critic:
+            self.critic_wg = groups["critic"]
+            self.critic_wg.init_model()
+        if Role.RefPolicy in self.role_worker_mapping:
+            self.ref_policy_wg = groups["ref"]
+            self.ref_policy_wg.init_model()
+        if self.use_rm:
+            self.rm_wg = groups["rm"]
+            self.rm_wg.init_model()
+        self.actor_rollout_wg = groups["actor_rollout"]
+        self.actor_rollout_wg.init_model()
+        if actor_role == Role.ActorRolloutRef:
+            self.ref_policy_wg = self.actor_rollout_wg
+
+    # ------------------------------------------------------------------ the step
+    def step(self) -> dict[str, Any]:
+        """One PPO/GRPO iteration over one training batch; returns the step's metrics."""
+        state = _StepState()
+        with marked_timer("step", state.timing):
+            batch = self._rollout_strategy(state)
+            if self.config.trainer.get("balance_batch", True):
+                self._balance_batch(batch, state)
+            batch.meta_info["global_token_num"] = batch.batch["attention_mask"].sum(-1).tolist()
+
+            with marked_timer("old_log_prob", state.timing):
+                batch = self._compute_old_log_prob(batch, state)
+            if self.use_reference_policy:
+                with marked_timer("ref", state.timing):
+                    batch = self._compute_ref_log_prob(batch)
+            if self.use_critic:
+                with marked_timer("values", state.timing):
+                    batch = self._compute_values(batch)
+            with marked_timer("adv", state.timing):
+                batch = self._compute_advantage(batch, state)
+            if self.use_critic:
+                with marked_timer("update_critic", state.timing):
+                    state.metrics.update(self._update_critic(batch))
+            if self.global_steps > self.config.trainer.get("critic_warmup", 0):
+                with marked_timer("update_actor", state.timing):
+                    state.metrics.update(self._update_actor(batch))
+
+        state.metrics.update(compute_data_metrics(batch, use_critic=self.use_critic))
+        state.metrics.update(compute_timing_metrics(batch, state.timing))
+        n_devices = self.config.trainer.nnodes * self.config.trainer.n_gpus_per_node
+        state.metrics.update(compute_throughput_metrics(batch, state.timing, n_devices))
+        self._last_batch = batch
+        return state.metrics
+
+    # ------------------------------------------------------------------ phases
+    def _generate_and_score(self, state: _StepState) -> DataProto:
+        """Default rollout strategy: one batch of prompts, n samples each, scored."""
+        batch = self._next_batch()
+        batch = self._generate(batch, state)
+        return self._compute_reward(batch, state)
+
+    def _collect_filtered_batch(self, state: _StepState) -> DataProto:
+        """DAPO dynamic sampling: keep generating until train_batch_size prompts have groups whose
+        `filter_groups.metric` is not constant (constant groups carry no GRPO signal)."""
+        cfg = self.config.algorithm.filter_groups
+        target = self.config.data.train_batch_size
+        kept: list[DataProto] = []
+        num_prompts = num_gen_batches = 0
+        while num_prompts < target:
+            max_batches = cfg.get("max_num_gen_batches", 0)
+            if max_batches and num_gen_batches >= max_batches:
+                raise RuntimeError(
+                    f"dynamic sampling generated {num_gen_batches} batches but only {num_prompts} of "
+                    f"{target} prompts had non-constant '{cfg.metric}'; the data is too easy or too hard "
+                    "for the model. Raise algorithm.filter_groups.max_num_gen_batches (0 = unlimited) "
+                    "or disable algorithm.filter_groups.enable"
+                )
+            batch = self._compute_reward(self._generate(self._next_batch(), state), state)
+            num_gen_batches += 1
+            metric = cfg.get("metric") or "seq_final_reward"
+            values = self._group_filter_metric(batch, metric)
+            keep_mask = core_algos.filter_groups_by_metric_variance(values, batch.non_tensor_batch["uid"])
+            keep_idx = np.nonzero(np.asarray(keep_mask))[0]
+            if len(keep_idx):
+                kept.append(batch.select_idxs(keep_idx))
+                num_prompts += len(keep_idx) // self.config.actor_rollout_ref.rollout.n
+        state.metrics["train/num_gen_batches"] = num_gen_batches
+        batch = DataProto.concat(kept)
+        return batch[: target * self.config.actor_rollout_ref.rollout.n]
+
+    @staticmethod
+    def _group_filter_metric(batch: DataProto, metric: str) -> np.ndarray:
+        if metric in ("seq_final_reward", "seq_reward"):
+            key = "token_level_rewards" if metric == "seq_final_reward" else "token_level_scores"
+            return batch.batch[key].sum(-1).numpy()
+        if metric in batch.non_tensor_batch:
+            return np.asarray(batch.non_tensor_batch[metric], dtype=np.float64)
+        raise KeyError(
+            f"algorithm.filter_groups.metric={metric!r} is neither seq_final_reward/seq_reward nor a "
+            f"reward extra info key; available: {sorted(batch.non_tensor_batch)}"
+        )
+
+    def _next_batch(self) -> DataProto:
+        """The next batch of prompts as a DataProto, with a deterministic uid per prompt."""
+        batch = DataProto.from_single_dict(self.train_dataloader.next_batch())
+        batch.non_tensor_batch["uid"] = np.array([f"{self.global_steps}_{i}" for i in range(len(batch))], dtype=object)
+        return batch
+
+    def _gen_batch(self, batch: DataProto, **meta) -> DataProto:
+        non_tensor_keys = [k for k in ("raw_prompt_ids", "raw_prompt", "multi_modal_data") if k in batch.non_tensor_batch]
+        gen = batch.select(batch_keys=list(GEN_BATCH_KEYS), non_tensor_batch_keys=non_tensor_keys)
+        gen.meta_info.update(
+            eos_token_id=self.tokenizer.eos_token_id,
+            pad_token_id=self.tokenizer.pad_token_id,
+            global_steps=self.global_steps,
+            **meta,
+        )
+        return gen
+
+    def _generate(self, batch: DataProto, state: _StepState) -> DataProto:
+        n = self.config.actor_rollout_ref.rollout.n
+        with marked_timer("gen", state.timing):
+            gen_batch = self._gen_batch(batch).repeat(repeat_times=n, interleave=True)
+            gen_out = self.actor_rollout_wg.generate_sequences(gen_batch)
+        state.metrics.update(_meta_metrics(gen_out))
+        if self.config.algorithm.adv_estimator == "remax":
+            with marked_timer("gen_max", state.timing):
+                batch.batch["reward_baselines"] = self._compute_remax_baseline(batch, state)
+        batch = batch.repeat(repeat_times=n, interleave=True)
+        for key in GEN_BATCH_KEYS:
+            batch.batch.pop(key)
+        return batch.union(gen_out)
+
+    def _compute_remax_baseline(self, batch: DataProto, state: _StepState) -> torch.Tensor:
+        """ReMax: the reward of the greedy response to each prompt is that prompt's baseline."""
+        greedy = self.actor_rollout_wg.generate_sequences(self._gen_batch(batch, do_sample=False))
+        return self._score(_with_generation(batch, greedy), state, count=False).sum(-1)
+
+    def _score(self, batch: DataProto, state: _StepState, count: bool = True) -> torch.Tensor:
+        """Token-level scores [B, R]: the reward model's (if any) plus the rule reward function's."""
+        scores = None
+        if self.use_rm:
+            scores = self.rm_wg.compute_rm_score(batch).batch["rm_scores"]
+        if self.reward_fn is not None:
+            result = self.reward_fn(batch, return_dict=True)
+            rule = result["reward_tensor"]
+            scores = rule if scores is None else scores + rule
+            extra = result.get("reward_extra_info", {})
+            if count:
+                if "reward_error" in extra:
+                    state.metrics["reward/num_errors"] = float(np.sum(np.asarray(extra["reward_error"], dtype=np.float64)))
+                for key, values in extra.items():
+                    if len(values) == len(batch):
+                        batch.non_tensor_batch[key] = np.asarray(values)
+        if scores is None:
+            raise RuntimeError("no reward: enable reward_model or give a reward function (custom_reward_function.path)")
+        return scores
+
+    def _compute_reward(self, batch: DataProto, state: _StepState) -> DataProto:
+        with marked_timer("reward", state.timing):
+            batch.batch["token_level_scores"] = self._score(batch, state)
+            if self.kl_ctrl_in_reward is not None:
+                state.metrics.update(self._apply_kl_in_reward(batch))
+            else:
+                batch.batch["token_level_rewards"] = batch.batch["token_level_scores"]
+        return batch
+
+    def _apply_kl_in_reward(self, batch: DataProto) -> dict[str, float]:
+        # The in-reward KL needs the current policy and reference log-probs before the reward is
+        # final; compute them here (they are reused by the later phases and not recomputed).
+        if "old_log_probs" not in batch.batch.keys():
+            batch.union(self.actor_rollout_wg.compute_log_prob(batch).select(batch_keys=["old_log_probs"]))
+        if "ref_log_prob" not in batch.batch.keys():
+            batch.union(self.ref_policy_wg.compute_ref_log_prob(batch))
+        rewards, current_kl = core_algos.apply_kl_penalty_tensors(
+            batch.batch["token_level_scores"],
+            batch.batch["old_log_probs"],
+            batch.batch["ref_log_prob"],
+            batch.batch["response_mask"],
+            kl_coef=self.kl_ctrl_in_reward.value,
+            kl_penalty=self.config.algorithm.kl_penalty,
+        )
+        batch.batch["token_level_rewards"] = rewards
+        current_kl = float(current_kl)
+        metrics = {"actor/reward_kl_penalty": current_kl, "actor/reward_kl_penalty_coeff": self.kl_ctrl_in_reward.value}
+        self.kl_ctrl_in_reward.update(current_kl=current_kl, n_steps=self.config.data.train_batch_size)
+        return metrics
+
+    def _balance_batch(self, batch: DataProto, state: _StepState) -> None:
+        """Reorder samples so each data-parallel rank receives about the same number of tokens."""
+        from verl.utils.seqlen_balancing import get_seqlen_balanced_partitions, log_seqlen_unbalance
+
+        world_size = self.actor_rollout_wg.world_size
+        seqlens = batch.batch["attention_mask"].sum(-1).tolist()
+        partitions = get_seqlen_balanced_partitions(seqlens, k_partitions=world_size, equal_size=True)
+        batch.reorder(torch.tensor([i for part in partitions for i in part]))
+        state.metrics.update(log_seqlen_unbalance(seqlen_list=seqlens, partitions=partitions, prefix="global_seqlen"))
+
+    def _compute_old_log_prob(self, batch: DataProto, state: _StepState) -> DataProto:
+        if "old_log_probs" in batch.batch.keys():  # already computed for the in-reward KL
+            return batch
+        out = self.actor_rollout_wg.compute_log_prob(batch)
+        state.metrics.update(_meta_metrics(out))
+        if "entropys" in out.batch.keys():
+            entropys = out.batch.pop("entropys")
+            state.metrics["actor/entropy"] = core_algos.agg_loss(
+                entropys, batch.batch["response_mask"], self.config.actor_rollout_ref.actor.loss_agg_mode
+            ).item()
+        if "rollout_log_probs" in batch.batch.keys():
+            state.metrics.update(_rollout_mismatch_metrics(batch, out.batch["old_log_probs"]))
+        return batch.union(out)
+
+    def _compute_ref_log_prob(self, batch: DataProto) -> DataProto:
+        if "ref_log_prob" in batch.batch.keys():
+            return batch
+        return batch.union(self.ref_policy_wg.compute_ref_log_prob(batch))
+
+    def _compute_values(self, batch: DataProto) -> DataProto:
+        return batch.union(self.critic_wg.compute_values(batch))
+
+    def _compute_advantage(self, batch: DataProto, state: _StepState) -> DataProto:
+        algo = self.config.algorithm
+        estimator = core_algos.get_adv_estimator_fn(algo.adv_estimator)
+        advantages, returns = estimator(**self._estimator_kwargs(estimator, batch))
+        batch.batch["advantages"] = advantages
+        batch.batch["returns"] = returns
+        return batch
+
+    def _estimator_kwargs(self, estimator, batch: DataProto) -> dict[str, Any]:
+        """Fill an estimator's parameters from the batch and `algorithm.*` by name."""
+        algo = self.config.algorithm
+        available = {
+            "token_level_rewards": batch.batch["token_level_rewards"],
+            "response_mask": batch.batch["response_mask"],
+            "index": batch.non_tensor_batch["uid"],
+            "gamma": algo.get("gamma", 1.0),
+            "lam": algo.get("lam", 1.0),
+            "norm_adv_by_std_in_grpo": algo.get("norm_adv_by_std_in_grpo", True),
+        }
+        for key in ("values", "reward_baselines"):
+            if key in batch.batch.keys():
+                available[key] = batch.batch[key]
+        params = inspect.signature(estimator).parameters
+        missing = [
+            name
+            for name, p in params.items()
+            if p.default is inspect.Parameter.empty and p.kind is p.POSITIONAL_OR_KEYWORD and name not in available
+        ]
+        if missing:
+            raise RuntimeError(
+                f"algorithm.adv_estimator={algo.adv_estimator!r} needs {missing}, which this run does not "
+                "produce (e.g. 'values' needs a critic: gae requires critic.enable or the default critic)"
+            )
+        return {name: available[name] for name in params if name in available}
+
+    def _update_critic(self, batch: DataProto) -> dict[str, float]:
+        return _meta_metrics(self.critic_wg.update_critic(batch))
+
+    def _update_actor(self, batch: DataProto) -> dict[str, float]:
+        batch.meta_info["multi_turn"] = self.config.actor_rollout_ref.rollout.get("multi_turn", {}).get("enable", False)
+        return _meta_metrics(self.actor_rollout_wg.update_actor(batch))
+
+    # ------------------------------------------------------------------ validation
+    def _validate(self) -> dict[str, float]:
+        """Generate for every validation prompt (val_kwargs.n samples, greedy by default) and score."""
+        rollout = self.config.actor_rollout_ref.rollout
+        val_kwargs = rollout.get("val_kwargs", {})
+        n = val_kwargs.get("n", 1)
+        sources, uids, infos = [], [], {"reward": [], "acc": []}
+        extra_infos: dict[str, list] = {}
+        dp = self.actor_rollout_wg.world_size
+        for batch_dict in self.val_dataloader:
+            batch = DataProto.from_single_dict(batch_dict)
+            batch.non_tensor_batch["uid"] = np.array([f"val_{len(uids)}_{i}" for i in range(len(batch))], dtype=object)
+            gen = self._gen_batch(batch, validate=True, do_sample=val_kwargs.get("do_sample", False))
+            gen = gen.repeat(repeat_times=n, interleave=True)
+            gen, pad = pad_dataproto_to_divisor(gen, dp)
+            out = unpad_dataproto(self.actor_rollout_wg.generate_sequences(gen), pad)
+            batch = _with_generation(batch.repeat(repeat_times=n, interleave=True), out)
+            result = self.val_reward_fn(batch, return_dict=True)
+            scores = result["reward_tensor"].sum(-1).tolist()
+            extra = result.get("reward_extra_info", {})
+            infos["reward"].extend(scores)
+            infos["acc"].extend(extra.get("acc", scores))
+            for key, values in extra.items():
+                if key != "acc" and len(values) == len(batch):
+                    extra_infos.setdefault(key, []).extend(values)
+            sources.extend(batch.non_tensor_batch.get("data_source", np.array(["unknown"] * len(batch))).tolist())
+            uids.extend(batch.non_tensor_batch["uid"].tolist())
+        infos.update(extra_infos)
+        nested = process_validation_metrics(np.array(sources, dtype=object), np.array(uids, dtype=object), infos)
+        return flatten_validation_metrics(nested)
+
+    # ------------------------------------------------------------------ the loop
+    def fit(self) -> dict[str, float]:
+        """Train for `total_training_steps` steps; validate every `test_freq`, save every `save_freq`.
+
+        Returns the last step's metrics.
+        """
+        from tqdm import tqdm
+
+        from verl.utils.tracking import Tracking
+
+        trainer_cfg = self.config.trainer
+        tracker = Tracking(
+            project_name=trainer_cfg.project_name,
+            experiment_name=trainer_cfg.experiment_name,
+            default_backend=trainer_cfg.logger,
+            config=self.config,
+        )
+        self.tracker = tracker
+        self._load_checkpoint()
+        last: dict[str, float] = {}
+        if self.val_dataloader is not None and self.val_reward_fn is not None and trainer_cfg.get("val_before_train", True):
+            last = self._validate()
+            tracker.log(last, step=self.global_steps)
+            if trainer_cfg.get("val_only", False):
+                tracker.finish()
+                return last
+
+        progress = tqdm(total=self.total_training_steps, initial=self.global_steps, desc="Training Progress")
+        while self.global_steps < self.total_training_steps:
+            self.global_steps += 1
+            is_last = self.global_steps >= self.total_training_steps
+            metrics = self.step()
+            test_freq = trainer_cfg.get("test_freq", -1)
+            if self.val_dataloader is not None and self.val_reward_fn is not None and test_freq > 0:
+                if is_last or self.global_steps % test_freq == 0:
+                    with marked_timer("testing", timing := {}):
+                        metrics.update(self._validate())
+                    metrics["timing_s/testing"] = timing["testing"]
+            save_freq = trainer_cfg.get("save_freq", -1)
+            if save_freq > 0 and (is_last or self.global_steps % save_freq == 0):
+                with marked_timer("save_checkpoint", timing := {}):
+                    self._save_checkpoint()
+                metrics["timing_s/save_checkpoint"] = timing["save_checkpoint"]
+            metrics["training/global_step"] = self.global_steps
+            metrics["training/epoch"] = self.train_dataloader.epoch
+            tracker.log(metrics, step=self.global_steps)
+            progress.update(1)
+            last = metrics
+        progress.close()
+        tracker.finish()
+        return last
+
+    # ------------------------------------------------------------------ checkpoints
+    def _checkpoint_root(self) -> str:
+        return os.path.abspath(os.path.expanduser(self.config.trainer.default_local_dir))
+
+    def _save_checkpoint(self) -> str:
+        """Write global_step_N/{actor,critic,data.pt}, then point the tracker file at it."""
+        root = self._checkpoint_root()
+        step_dir = os.path.join(root, f"global_step_{self.global_steps}")
+        trainer_cfg = self.config.trainer
+        self.actor_rollout_wg.save_checkpoint(
+            os.path.join(step_dir, "actor"), self.global_steps, trainer_cfg.get("max_actor_ckpt_to_keep")
+        )
+        if self.use_critic:
+            self.critic_wg.save_checkpoint(
+                os.path.join(step_dir, "critic"), self.global_steps, trainer_cfg.get("max_critic_ckpt_to_keep")
+            )
+        driver_state = {
+            "dataloader": self.train_dataloader.state_dict(),
+            "global_steps": self.global_steps,
+            "kl_coef": None if self.kl_ctrl_in_reward is None else self.kl_ctrl_in_reward.value,
+            "rng": {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()},
+        }
+        tmp = os.path.join(step_dir, "data.pt.tmp")
+        torch.save(driver_state, tmp)
+        os.replace(tmp, os.path.join(step_dir, "data.pt"))
+        _atomic_write(os.path.join(root, LATEST_CHECKPOINT_FILE), str(self.global_steps))
+        self._remove_old_checkpoints(root)
+        return step_dir
+
+    def _remove_old_checkpoints(self, root: str) -> None:
+        keep = self.config.trainer.get("max_actor_ckpt_to_keep")
+        if not keep or keep <= 0:
+            return
+        steps = sorted(int(d.split("_")[-1]) for d in os.listdir(root) if d.startswith("global_step_"))
+        for step in steps[:-keep]:
+            shutil.rmtree(os.path.join(root, f"global_step_{step}"), ignore_errors=True)
+
+    def _find_resume_dir(self) -> str | None:
+        trainer_cfg = self.config.trainer
+        mode = trainer_cfg.get("resume_mode", "auto")
+        if mode == "disable":
+            return None
+        if mode == "resume_path":
+            path = trainer_cfg.get("resume_from_path")
+            if not path or "global_step_" not in os.path.basename(os.path.normpath(str(path))):
+                raise ValueError(
+                    f"trainer.resume_mode=resume_path needs trainer.resume_from_path pointing at a "
+                    f"global_step_N directory, got {path!r}; e.g. "
+                    f"trainer.resume_from_path={self._checkpoint_root()}/global_step_10"
+                )
+            if not os.path.isdir(path):
+                raise FileNotFoundError(f"trainer.resume_from_path={path} does not exist")
+            return os.path.abspath(path)
+        if mode != "auto":
+            raise ValueError(f"trainer.resume_mode={mode!r} is not one of auto, disable, resume_path")
+        tracker = os.path.join(self._checkpoint_root(), LATEST_CHECKPOINT_FILE)
+        if not os.path.exists(tracker):
+            return None
+        with open(tracker) as f:
+            step = int(f.read().strip())
+        return os.path.join(self._checkpoint_root(), f"global_step_{step}")
+
+    def _load_checkpoint(self) -> None:
+        step_dir = self._find_resume_dir()
+        if step_dir is None:
+            return
+        logger.info(f"resuming from {step_dir}")
+        self.actor_rollout_wg.load_checkpoint(os.path.join(step_dir, "actor"))
+        if self.use_critic:
+            self.critic_wg.load_checkpoint(os.path.join(step_dir, "critic"))
+        state = torch.load(os.path.join(step_dir, "data.pt"), weights_only=False)
+        self.global_steps = state["global_steps"]
+        self.train_dataloader.load_state_dict(state["dataloader"])
+        if self.kl_ctrl_in_reward is not None and state.get("kl_coef") is not None:
+            self.kl_ctrl_in_reward.value = state["kl_coef"]
+        rng = state["rng"]
+        random.setstate(rng["python"])
+        np.random.set_state(rng["numpy"])
+        torch.set_rng_state(rng["torch"])
+
+
+def _with_generation(batch: DataProto, gen_out: DataProto) -> DataProto:
+    """The prompt batch with its generation-side tensors replaced by the rollout's output."""
+    batch = DataProto(batch=batch.batch.clone() if batch.batch is not None else None,
+                      non_tensor_batch=dict(batch.non_tensor_batch), meta_info=dict(batch.meta_info))
+    for key in GEN_BATCH_KEYS:
+        if batch.batch is not None and key in batch.batch.keys():
+            batch.batch.pop(key)
+    return batch.union(gen_out)
+
+
+def _rollout_mismatch_metrics(batch: DataProto, old_log_probs: torch.Tensor) -> dict[str, float]:
+    """training/rollout_probs_diff_*: |p_train - p_rollout| over valid response tokens."""
+    mask = batch.batch["response_mask"].bool()
+    diff = (old_log_probs.exp() - batch.batch["rollout_log_probs"].exp()).abs()[mask]
+    if diff.numel() == 0:
+        return {}
+    return {
+        "training/rollout_probs_diff_mean": diff.mean().item(),
+        "training/rollout_probs_diff_max": diff.max().item(),
+    }
+
+
+def _atomic_write(path: str, text: str) -> None:
+    tmp = f"{path}.tmp"
+    with open(tmp, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)

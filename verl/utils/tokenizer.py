@@ -1,0 +1,40 @@
+"""Loading tokenizers the way every worker needs them: offline-friendly, with a pad token."""
+
+from __future__ import annotations
+
+import os
+
+from verl.utils.logging_utils import get_logger
+
+logger = get_logger(__name__)
+
+
+def hf_tokenizer(name_or_path: str, trust_remote_code: bool = False, correct_pad_token: bool = True, **kwargs):
+    """`AutoTokenizer.from_pretrained` with a pad token guaranteed.
+
+    A tokenizer without a pad token is handled, not an error: eos is used for padding (batches are
+    masked, so the pad id never reaches a loss). A path that looks local but does not exist fails
+    with a message naming it, instead of an attempt to reach the hub.
+    """
+    from transformers import AutoTokenizer
+
+    path = os.path.expanduser(str(name_or_path))
+    looks_local = str(name_or_path).startswith(("/", "./", "../", "~"))
+    if looks_local and not os.path.exists(path):
+        raise FileNotFoundError(
+            f"tokenizer path {name_or_path!r} does not exist (cwd: {os.getcwd()}); set "
+            "actor_rollout_ref.model.path (or model.tokenizer_path) to a Hugging Face model directory"
+        )
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code, **kwargs)
+    except (OSError, ValueError) as e:
+        raise OSError(
+            f"could not load a tokenizer from {name_or_path!r}: {e}. Point the model path at a directory "
+            "with tokenizer files (tokenizer.json or tokenizer.model + tokenizer_config.json)"
+        ) from e
+    if correct_pad_token and tokenizer.pad_token_id is None:
+        if tokenizer.eos_token_id is None:
+            raise ValueError(f"the tokenizer at {name_or_path!r} has neither a pad nor an eos token; add one of them")
+        tokenizer.pad_token = tokenizer.eos_token
+        logger.warning(f"tokenizer at {name_or_path} has no pad token; using eos ({tokenizer.eos_token!r}) for padding")
+    return tokenizer

@@ -1,0 +1,340 @@
+"""The Ray-facing workers: FSDP2 training, the rollout engine and reference/critic/reward models.
+
+Each class is a thin RPC surface. The training logic lives in Ray-free classes
+(`DataParallelPPOActor`, `DataParallelPPOCritic`, the rollout engines) and this module wires them
+to devices, FSDP2 and checkpoints.
+
+`ActorRolloutRefWorker(config, role)` is built by composition: the role string decides once, in
+`__init__`, which of three parts exist — `_ActorPart` (FSDP model + optimizer + scheduler +
+checkpoints), `_RolloutPart` (the generation engine, fed weights from the actor before each
+generation and put to sleep afterwards: the hybrid engine) and `_RefPart` (a frozen FSDP copy).
+Every RPC delegates to its part; calling an RPC whose part this role lacks is a clear error.
+
+Batch-size normalisation follows upstream: `ppo_mini_batch_size` counts prompts, so it is
+multiplied by `rollout.n` and divided by the data-parallel size; `*_micro_batch_size_per_gpu` is
+already per rank.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+from omegaconf import DictConfig, OmegaConf, open_dict
+
+from verl.protocol import DataProto
+from verl.single_controller.base import Worker
+from verl.single_controller.base.decorator import Dispatch, register
+from verl.utils import device as dev
+from verl.utils.logging_utils import get_logger
+
+logger = get_logger(__name__)
+
+_ROLES = {
+    "actor": ("actor",),
+    "rollout": ("rollout",),
+    "ref": ("ref",),
+    "actor_rollout": ("actor", "rollout"),
+    "actor_rollout_ref": ("actor", "rollout", "ref"),
+}
+
+
+def init_distributed(timeout_s: float | None = None) -> None:
+    """Join the worker group's torch.distributed group (env set by the worker group), once per process."""
+    if dist.is_initialized():
+        return
+    timeout = timedelta(seconds=timeout_s or float(os.environ.get("VERL_DIST_TIMEOUT_S", 600)))
+    dist.init_process_group(backend=dev.get_dist_backend(), timeout=timeout)
+    dev.set_device()
+    # One CPU bundle per worker: use the threads Ray granted, not every core of the machine.
+    if not dev.is_cuda_available():
+        torch.set_num_threads(max(1, int(os.environ.get("OMP_NUM_THREADS", 1))))
+
+
+def _normalize_batch_sizes(actor_cfg: DictConfig, rollout_n: int, dp_size: int) -> None:
+    """Turn prompt-counted global sizes into per-rank sample counts, with errors that say how to fix."""
+    with open_dict(actor_cfg):
+        global_mini = actor_cfg.ppo_mini_batch_size * rollout_n
+        if global_mini % dp_size:
+            raise ValueError(
+                f"actor.ppo_mini_batch_size={actor_cfg.ppo_mini_batch_size} x rollout.n={rollout_n} = {global_mini} "
+                f"samples is not divisible by the {dp_size} data-parallel ranks; choose a mini-batch size "
+                f"so that the product is a multiple of {dp_size}"
+            )
+        actor_cfg.ppo_mini_batch_size = global_mini // dp_size
+        micro = actor_cfg.get("ppo_micro_batch_size_per_gpu")
+        if not actor_cfg.get("use_dynamic_bsz", False) and micro:
+            if actor_cfg.ppo_mini_batch_size % micro and micro < actor_cfg.ppo_mini_batch_size:
+                raise ValueError(
+                    f"the per-rank mini-batch of {actor_cfg.ppo_mini_batch_size} samples is not divisible by "
+                    f"actor.ppo_micro_batch_size_per_gpu={micro}; pick a micro-batch size that divides it"
+                )
+
+
+def _log_prob_meta(data: DataProto, cfg: DictConfig, temperature: float) -> None:
+    data.meta_info.setdefault("micro_batch_size", cfg.get("log_prob_micro_batch_size_per_gpu") or len(data))
+    data.meta_info.setdefault("use_dynamic_bsz", cfg.get("log_prob_use_dynamic_bsz", False))
+    data.meta_info.setdefault("max_token_len", cfg.get("log_prob_max_token_len_per_gpu", 16384))
+    data.meta_info.setdefault("temperature", temperature)
+
+
+class _FSDPModel:
+    """An HF model on this rank's device, wrapped with FSDP2 over all ranks of the group."""
+
+    def __init__(self, model_cfg: DictConfig, fsdp_cfg: DictConfig, for_training: bool, value_head: bool = False):
+        from verl.utils.fsdp_utils import apply_fsdp2
+        from verl.utils.model import load_causal_lm, load_value_model
+
+        loader = load_value_model if value_head else load_causal_lm
+        self.module = loader(
+            model_cfg.path,
+            trust_remote_code=model_cfg.get("trust_remote_code", False),
+            override_config=OmegaConf.to_container(model_cfg.get("override_config", {}) or {}),
+        )
+        if for_training and model_cfg.get("enable_gradient_checkpointing", False):
+            self.module.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        if not for_training:
+            self.module.requires_grad_(False)
+        self.module = apply_fsdp2(self.module, fsdp_cfg or {}, for_training=for_training)
+
+
+class _OptimizedModel(_FSDPModel):
+    """An FSDP model with its AdamW optimizer, LR schedule and checkpoint manager."""
+
+    def __init__(self, model_cfg, fsdp_cfg, optim_cfg, checkpoint_cfg, tokenizer, value_head: bool = False):
+        super().__init__(model_cfg, fsdp_cfg, for_training=True, value_head=value_head)
+        from verl.utils.checkpoint.fsdp_checkpoint_manager import FSDPCheckpointManager
+        from verl.utils.torch_functional import build_lr_scheduler
+
+        betas = tuple(optim_cfg.get("betas", (0.9, 0.999)))
+        self.optimizer = torch.optim.AdamW(
+            self.module.parameters(), lr=optim_cfg.lr, betas=betas, weight_decay=optim_cfg.get("weight_decay", 0.01)
+        )
+        self.lr_scheduler = build_lr_scheduler(self.optimizer, optim_cfg)
+        self.checkpoint_manager = FSDPCheckpointManager(
+            model=self.module,
+            optimizer=self.optimizer,
+            lr_scheduler=self.lr_scheduler,
+            processing_class=tokenizer,
+            checkpoint_config=checkpoint_cfg,
+        )
+
+    def step_scheduler(self) -> float:
+        lr = self.lr_scheduler.get_last_lr()[0]
+        self.lr_scheduler.step()
+        return lr
+
+
+class ActorRolloutRefWorker(Worker):
+    """Actor (FSDP2 training), rollout (generation engine) and reference policy, in any combination."""
+
+    def __init__(self, config: DictConfig, role: str):
+        super().__init__()
+        if role not in _ROLES:
+            raise ValueError(f"unknown worker role {role!r}; valid roles: {sorted(_ROLES)}")
+        self.config = config
+        self.role = role
+        self.parts = _ROLES[role]
+        os.environ["VERL_ROLE"] = role
+        init_distributed()
+        self.dp_size = dist.get_world_size()
+        if "actor" in self.parts:
+            _normalize_batch_sizes(self.config.actor, self.config.rollout.n, self.dp_size)
+        self.actor = self.rollout = self.ref = None
+
+    def _need(self, part: str, method: str):
+        obj = getattr(self, part)
+        if obj is None:
+            raise RuntimeError(f"{method} needs the {part} part, but this worker has role {self.role!r}")
+        return obj
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def init_model(self) -> None:
+        from verl.utils.tokenizer import hf_tokenizer
+        from verl.workers.actor.dp_actor import DataParallelPPOActor
+
+        cfg = self.config
+        self.tokenizer = hf_tokenizer(cfg.model.get("tokenizer_path") or cfg.model.path)
+        if "actor" in self.parts:
+            self.actor_model = _OptimizedModel(
+                cfg.model, cfg.actor.get("fsdp_config"), cfg.actor.optim, cfg.actor.get("checkpoint"), self.tokenizer
+            )
+            self.actor = DataParallelPPOActor(cfg.actor, self.actor_model.module, self.actor_model.optimizer)
+        if "rollout" in self.parts:
+            from verl.workers.rollout import build_rollout
+
+            self.rollout = build_rollout(cfg.rollout, cfg.model, self.tokenizer)
+            if self.actor is not None:
+                self.rollout.sleep()  # weights arrive from the actor before each generation
+        if "ref" in self.parts:
+            ref_cfg = cfg.get("ref", {})
+            self.ref_model = _FSDPModel(cfg.model, ref_cfg.get("fsdp_config"), for_training=False)
+            self.ref = DataParallelPPOActor(ref_cfg or cfg.actor, self.ref_model.module)
+
+    @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO)
+    def generate_sequences(self, prompts: DataProto) -> DataProto:
+        """Sync weights into the engine (hybrid engine), generate, then put the engine to sleep."""
+        from verl.utils.fsdp_utils import iter_full_params
+
+        rollout = self._need("rollout", "generate_sequences")
+        metrics = {}
+        if self.actor is not None:
+            start = time.perf_counter()
+            rollout.wake_up()
+            rollout.update_weights(iter_full_params(self.actor_model.module))
+            metrics["timing_s/update_weights"] = time.perf_counter() - start
+        start = time.perf_counter()
+        output = rollout.generate_sequences(prompts)
+        metrics["timing_s/generate_sequences"] = time.perf_counter() - start
+        if self.actor is not None and self.config.rollout.get("free_cache_engine", True):
+            rollout.sleep()
+        output.meta_info["metrics"] = metrics
+        dev.empty_cache()
+        return output
+
+    @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO)
+    def compute_log_prob(self, data: DataProto) -> DataProto:
+        actor = self._need("actor", "compute_log_prob")
+        _log_prob_meta(data, self.config.rollout, self.config.rollout.temperature)
+        log_probs, entropys = actor.compute_log_prob(data, calculate_entropy=True)
+        tensors = {"old_log_probs": log_probs}
+        if entropys is not None:
+            tensors["entropys"] = entropys
+        return DataProto.from_dict(tensors=tensors)
+
+    @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO)
+    def compute_ref_log_prob(self, data: DataProto) -> DataProto:
+        ref = self._need("ref", "compute_ref_log_prob")
+        _log_prob_meta(data, self.config.get("ref", {}) or self.config.rollout, self.config.rollout.temperature)
+        log_probs, _ = ref.compute_log_prob(data, calculate_entropy=False)
+        return DataProto.from_dict(tensors={"ref_log_prob": log_probs})
+
+    @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO)
+    def update_actor(self, data: DataProto) -> DataProto:
+        actor = self._need("actor", "update_actor")
+        data.meta_info.setdefault("temperature", self.config.rollout.temperature)
+        start = time.perf_counter()
+        metrics = actor.update_policy(data)
+        metrics["actor/lr"] = self.actor_model.step_scheduler()
+        metrics["perf/update_actor_s"] = time.perf_counter() - start
+        mem = dev.memory_stats()
+        for key in ("max_allocated_gb", "cpu_rss_gb"):
+            if key in mem:
+                metrics[f"perf/{'max_memory_allocated_gb' if key == 'max_allocated_gb' else key}"] = mem[key]
+        return DataProto(meta_info={"metrics": metrics})
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def save_checkpoint(self, local_path: str, global_step: int = 0, max_ckpt_to_keep: int | None = None) -> None:
+        self._need("actor", "save_checkpoint")
+        self.actor_model.checkpoint_manager.save_checkpoint(local_path, global_step, max_ckpt_to_keep)
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def load_checkpoint(self, local_path: str, del_local_after_load: bool = False) -> None:
+        self._need("actor", "load_checkpoint")
+        self.actor_model.checkpoint_manager.load_checkpoint(local_path)
+
+
+class CriticWorker(Worker):
+    """The value model (an LM body with a one-output token head), trained with the clipped value loss."""
+
+    def __init__(self, config: DictConfig):
+        super().__init__()
+        self.config = config
+        os.environ["VERL_ROLE"] = "critic"
+        init_distributed()
+        dp = dist.get_world_size()
+        with open_dict(self.config):
+            n = config.get("rollout_n", 1)
+            self.config.ppo_mini_batch_size = config.ppo_mini_batch_size * n // dp
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def init_model(self) -> None:
+        from verl.utils.tokenizer import hf_tokenizer
+        from verl.workers.critic.dp_critic import DataParallelPPOCritic
+
+        cfg = self.config
+        self.tokenizer = hf_tokenizer(cfg.model.get("tokenizer_path") or cfg.model.path)
+        self.critic_model = _OptimizedModel(
+            cfg.model, cfg.model.get("fsdp_config"), cfg.optim, cfg.get("checkpoint"), self.tokenizer, value_head=True
+        )
+        self.critic = DataParallelPPOCritic(cfg, self.critic_model.module, self.critic_model.optimizer)
+
+    @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO)
+    def compute_values(self, data: DataProto) -> DataProto:
+        data.meta_info.setdefault("micro_batch_size", self.config.get("forward_micro_batch_size_per_gpu") or len(data))
+        data.meta_info.setdefault("use_dynamic_bsz", self.config.get("use_dynamic_bsz", False))
+        data.meta_info.setdefault("max_token_len", self.config.get("forward_max_token_len_per_gpu", 16384))
+        return DataProto.from_dict(tensors={"values": self.critic.compute_values(data)})
+
+    @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO)
+    def update_critic(self, data: DataProto) -> DataProto:
+        metrics = self.critic.update_critic(data)
+        metrics["critic/lr"] = self.critic_model.step_scheduler()
+        return DataProto(meta_info={"metrics": metrics})
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def save_checkpoint(self, local_path: str, global_step: int = 0, max_ckpt_to_keep: int | None = None) -> None:
+        self.critic_model.checkpoint_manager.save_checkpoint(local_path, global_step, max_ckpt_to_keep)
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def load_checkpoint(self, local_path: str, del_local_after_load: bool = False) -> None:
+        self.critic_model.checkpoint_manager.load_checkpoint(local_path)
+
+
+class RewardModelWorker(Worker):
+    """Scores responses with a sequence-classification model; re-tokenises when its tokenizer differs."""
+
+    def __init__(self, config: DictConfig):
+        super().__init__()
+        self.config = config
+        os.environ["VERL_ROLE"] = "reward_model"
+        init_distributed()
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def init_model(self) -> None:
+        from verl.utils.model import load_reward_model
+        from verl.utils.tokenizer import hf_tokenizer
+
+        model_cfg = self.config.model
+        self.model = load_reward_model(model_cfg.path, trust_remote_code=model_cfg.get("trust_remote_code", False))
+        self.model.to(dev.get_device()).eval()
+        self.rm_tokenizer = hf_tokenizer(model_cfg.path)
+        input_tok = model_cfg.get("input_tokenizer")
+        self.input_tokenizer = hf_tokenizer(input_tok) if input_tok else None
+
+    def _rm_inputs(self, data: DataProto) -> tuple[torch.Tensor, torch.Tensor]:
+        """Token ids for the reward model: the policy's ids as they are, or re-tokenised chat text."""
+        if self.input_tokenizer is None:
+            return data.batch["input_ids"], data.batch["attention_mask"]
+        texts = []
+        responses = data.batch["responses"]
+        response_mask = data.batch["response_mask"]
+        for i in range(len(data)):
+            response = self.input_tokenizer.decode(responses[i][response_mask[i].bool()], skip_special_tokens=True)
+            chat = list(data.non_tensor_batch["raw_prompt"][i]) + [{"role": "assistant", "content": response}]
+            texts.append(self.rm_tokenizer.apply_chat_template(chat, tokenize=False))
+        enc = self.rm_tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=False)
+        return enc["input_ids"], enc["attention_mask"]
+
+    @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO)
+    def compute_rm_score(self, data: DataProto) -> DataProto:
+        input_ids, attention_mask = self._rm_inputs(data)
+        micro = self.config.get("micro_batch_size_per_gpu") or len(data)
+        scores = []
+        with torch.no_grad():
+            for start in range(0, len(data), micro):
+                ids = input_ids[start : start + micro].to(dev.get_device())
+                mask = attention_mask[start : start + micro].to(dev.get_device())
+                position_ids = (mask.cumsum(-1) - 1).clamp(min=0)
+                logits = self.model(input_ids=ids, attention_mask=mask, position_ids=position_ids).logits
+                scores.append(logits[:, -1].float().squeeze(-1).cpu() if logits.dim() == 2 else logits.float().cpu())
+        seq_scores = torch.cat(scores).reshape(-1)
+        # The score sits on the last valid response token, like a rule reward.
+        response_mask = data.batch["response_mask"]
+        last = (response_mask.sum(-1) - 1).clamp(min=0)
+        rm_scores = torch.zeros_like(response_mask, dtype=torch.float32)
+        rm_scores[torch.arange(len(data)), last] = seq_scores
+        return DataProto.from_dict(tensors={"rm_scores": rm_scores})
