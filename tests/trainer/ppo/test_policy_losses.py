@@ -344,3 +344,22 @@ def test_legacy_compute_policy_loss_returns_upstream_four_tuple():
     ref_loss, m = compute_policy_loss_vanilla(old, new, adv, mask, "token-mean", DAPO)
     assert loss.item() == ref_loss.item()
     assert (clipfrac, kl, lower) == (m["pg_clipfrac"], m["ppo_kl"], m["pg_clipfrac_lower"])
+
+
+def test_params_from_an_actor_config_read_upstream_keys_and_keep_defaults_for_the_rest():
+    import types
+
+    cfg = {
+        "clip_ratio": 0.2,
+        "clip_ratio_high": 0.28,
+        "clip_ratio_c": 10.0,
+        "tis_imp_ratio_cap": -1,
+        "policy_loss": {"loss_mode": "kl_cov", "kl_cov_ratio": 0.002, "ppo_kl_coef": 1.0},
+    }
+    params = PolicyLossParams.from_actor_config(cfg)
+    assert (params.low, params.high, params.clip_ratio_c) == (0.2, 0.28, 10.0)
+    assert (params.kl_cov_ratio, params.ppo_kl_coef, params.clip_cov_ub) == (0.002, 1.0, 5.0)
+    assert not params.tis_enabled
+    attr_style = types.SimpleNamespace(clip_ratio=0.1, policy_loss=types.SimpleNamespace(clip_cov_lb=2.0))
+    params = PolicyLossParams.from_actor_config(attr_style)
+    assert (params.low, params.high, params.clip_cov_lb) == (0.1, 0.1, 2.0)
