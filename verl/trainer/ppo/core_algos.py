@@ -280,7 +280,7 @@ def compute_grpo_passk_outcome_advantage(
     epsilon: float = 1e-6,
     norm_adv_by_std_in_grpo: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    r"""Pass@k advantage in GRPO form (arXiv:2503.19595); `grpo_passk`.
+    r"""Pass@k advantage in GRPO form (Tang et al., arXiv:2503.19595); `grpo_passk`.
 
     Only the best response of each group learns: $A_{i^*} = s_{(1)} - s_{(2)}$ (best minus
     second-best score, divided by $\mathrm{std}_g(s) + \epsilon$ when `norm_adv_by_std_in_grpo`);
