@@ -1,0 +1,487 @@
+"""`@register`: how a worker method is called from the driver.
+
+A worker class marks each remote procedure with `@register(dispatch_mode=..., execute_mode=...,
+blocking=..., materialize_futures=...)`. The worker group reads those marks and exposes each
+method on the group object: `wg.update_actor(batch)` splits `batch` across the workers (dispatch),
+runs the method on each (execute), and merges what they return (collect).
+
+A dispatch mode is one object with two halves:
+
+- `dispatch(worker_group, args, kwargs) -> (per_worker, state)`: one `(args, kwargs)` pair per
+  worker, plus whatever `collect` needs later (the padding added, say);
+- `collect(worker_group, outputs, state, futures)`: merge the per-worker outputs; `futures` is True
+  when the call is non-blocking and `outputs` are object references, not values.
+
+Built-in modes (the dispatch table in docs/single_controller.md):
+
+| mode                       | each worker receives                       | the driver gets back            |
+|----------------------------|--------------------------------------------|---------------------------------|
+| ONE_TO_ALL, ALL_TO_ALL     | the same arguments                         | list of results, rank order     |
+| DP_COMPUTE                 | entry i of each list argument              | list of results                 |
+| DP_COMPUTE_PROTO           | chunk i of each DataProto (auto-padded)    | one DataProto, padding removed  |
+| DP_COMPUTE_PROTO_WITH_FUNC | the first argument (a function) + chunk i  | one DataProto, padding removed  |
+| DP_COMPUTE_METRIC          | chunk i of each DataProto (auto-padded)    | list of results (e.g. metrics)  |
+| RANK_ZERO                  | rank 0 only, the arguments unchanged       | rank 0's result                 |
+| make_nd_compute_dataproto_dispatch_fn(mesh) | chunk dp_rank of each DataProto | concat of the collecting ranks |
+
+The mesh-aware mode serves tensor/pipeline parallelism: several ranks hold the same data-parallel
+shard. Each worker registers `(dp_rank, is_collect)` per mesh name with
+`Worker._register_dispatch_collect_info`; the group asks the workers once and caches the answer.
+
+ONE_TO_ALL and ALL_TO_ALL are the same here (upstream's ALL_TO_ALL guessed from argument types
+whether to split lists; we don't guess: use DP_COMPUTE to split). Padding duplicates the first rows
+of the batch so every rank gets an equal chunk; the extra rows are cut from the result.
+
+`register_dispatch_mode(name, dispatch_fn, collect_fn)` adds a mode written in upstream's style:
+`dispatch_fn(worker_group, *args, **kwargs)` returns `(args, kwargs)` whose every entry is a list
+with one value per worker, and `collect_fn(worker_group, outputs)` merges the list of outputs.
+
+This module imports neither ray nor torch; `verl.protocol` is imported only when a DataProto is
+actually handled.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass
+from enum import Enum
+from typing import Any
+
+__all__ = [
+    "Dispatch",
+    "DispatchMode",
+    "Execute",
+    "RegisteredMethod",
+    "get_registered_methods",
+    "make_nd_compute_dataproto_dispatch_fn",
+    "register",
+    "register_dispatch_mode",
+    "update_dispatch_mode",
+]
+
+_REGISTER_ATTR = "_verl_registered_method"
+
+PerWorkerCall = tuple[tuple, dict]
+
+
+class Execute(Enum):
+    """Which workers run the method: all of them, or rank 0 only (its result is returned as is)."""
+
+    ALL = "all"
+    RANK_ZERO = "rank_zero"
+
+
+class DispatchMode:
+    """Base class of dispatch modes; subclasses implement `dispatch` and `collect`."""
+
+    name: str = "CUSTOM"
+
+    def dispatch(self, worker_group, args: tuple, kwargs: dict) -> tuple[list[PerWorkerCall], Any]:
+        raise NotImplementedError
+
+    def collect(self, worker_group, outputs: list, state: Any, futures: bool) -> Any:
+        raise NotImplementedError
+
+    def __repr__(self) -> str:
+        return f"Dispatch.{self.name}"
+
+
+# ---------------------------------------------------------------------------------------------
+# Helpers shared by the modes
+# ---------------------------------------------------------------------------------------------
+
+
+def _protocol():
+    import verl.protocol as protocol
+
+    return protocol
+
+
+def _broadcast(world_size: int, args: tuple, kwargs: dict) -> list[PerWorkerCall]:
+    # The very same objects for every worker: the Ray layer spots the identity and ships a large
+    # argument to the object store once, not once per worker.
+    return [(args, kwargs)] * world_size
+
+
+def _split_data_protos(
+    method_desc: str, num_chunks: int, args: tuple, kwargs: dict, pad: bool
+) -> tuple[list[list], dict[str, list], int]:
+    """Pad every DataProto argument to a multiple of `num_chunks` and chunk it.
+
+    Returns per-argument chunk lists and the number of padding rows added (0 when none, or
+    when the arguments are futures, which cannot be padded before they exist).
+    """
+    protocol = _protocol()
+    values = list(args) + list(kwargs.values())
+    for pos, value in enumerate(values):
+        if not isinstance(value, protocol.DataProto | protocol.DataProtoFuture):
+            name = f"argument {pos}" if pos < len(args) else f"keyword argument {list(kwargs)[pos - len(args)]!r}"
+            raise TypeError(
+                f"{method_desc} dispatches DataProto chunks to the data-parallel ranks, but its {name} is a "
+                f"{type(value).__name__}; pass DataProto objects only (put scalars in data.meta_info) or register "
+                "the method with another dispatch mode"
+            )
+    lengths = {len(v) for v in values if isinstance(v, protocol.DataProto)}
+    if len(lengths) > 1:
+        raise ValueError(
+            f"{method_desc} got DataProto arguments of different lengths {sorted(lengths)}; they are chunked "
+            "together across ranks, so every DataProto argument must have the same number of rows"
+        )
+    pad_size = 0
+    if pad and lengths:
+        length = lengths.pop()
+        if length == 0:
+            raise ValueError(f"{method_desc} got an empty DataProto; there is nothing to split across ranks")
+        pad_size = -length % num_chunks
+    if pad_size:
+        values = [
+            protocol.pad_dataproto_to_divisor(v, num_chunks)[0] if isinstance(v, protocol.DataProto) else v
+            for v in values
+        ]
+    chunks = [v.chunk(num_chunks) for v in values]
+    return chunks[: len(args)], dict(zip(kwargs, chunks[len(args) :])), pad_size
+
+
+def _concat_outputs(outputs: list, pad_size: int):
+    protocol = _protocol()
+    for rank, out in enumerate(outputs):
+        if not isinstance(out, protocol.DataProto):
+            raise TypeError(
+                f"a DataProto-dispatched method must return a DataProto from every rank so the results can be "
+                f"concatenated, but rank {rank} returned {type(out).__name__}; return a DataProto or register the "
+                "method with DP_COMPUTE_METRIC / DP_COMPUTE to get a list"
+            )
+    merged = protocol.DataProto.concat(outputs)
+    return protocol.unpad_dataproto(merged, pad_size) if pad_size else merged
+
+
+def _future_of_concat(refs: list, pad_size: int):
+    """A DataProtoFuture over the per-rank object references, concatenated (and unpadded) on get()."""
+    protocol = _protocol()
+    return protocol.DataProtoFuture(collect_fn=functools.partial(_concat_outputs, pad_size=pad_size), futures=refs)
+
+
+# ---------------------------------------------------------------------------------------------
+# Built-in modes
+# ---------------------------------------------------------------------------------------------
+
+
+class _OneToAll(DispatchMode):
+    def __init__(self, name: str):
+        self.name = name
+
+    def dispatch(self, worker_group, args, kwargs):
+        return _broadcast(worker_group.world_size, args, kwargs), None
+
+    def collect(self, worker_group, outputs, state, futures):
+        return list(outputs)
+
+
+class _RankZero(DispatchMode):
+    name = "RANK_ZERO"
+
+    def dispatch(self, worker_group, args, kwargs):
+        return _broadcast(worker_group.world_size, args, kwargs), None
+
+    def collect(self, worker_group, outputs, state, futures):
+        return outputs[0]
+
+
+class _DPCompute(DispatchMode):
+    name = "DP_COMPUTE"
+
+    def dispatch(self, worker_group, args, kwargs):
+        world_size = worker_group.world_size
+        for label, value in [(f"argument {i}", a) for i, a in enumerate(args)] + [
+            (f"keyword argument {k!r}", v) for k, v in kwargs.items()
+        ]:
+            if not isinstance(value, list | tuple) or len(value) != world_size:
+                got = f"a {type(value).__name__} of length {len(value)}" if isinstance(value, list | tuple) else (
+                    f"a {type(value).__name__}"
+                )
+                raise ValueError(
+                    f"DP_COMPUTE sends entry i of each argument to rank i, so every argument must be a list with "
+                    f"one entry per worker ({world_size}); {label} is {got}"
+                )
+        calls = [
+            (tuple(a[rank] for a in args), {k: v[rank] for k, v in kwargs.items()}) for rank in range(world_size)
+        ]
+        return calls, None
+
+    def collect(self, worker_group, outputs, state, futures):
+        return list(outputs)
+
+
+class _DPComputeProto(DispatchMode):
+    """Chunk DataProto arguments across ranks; concat (or list) the results."""
+
+    def __init__(self, name: str, with_func: bool, concat: bool):
+        self.name = name
+        self.with_func = with_func
+        self.concat = concat
+
+    def dispatch(self, worker_group, args, kwargs):
+        world_size = worker_group.world_size
+        head: tuple = ()
+        if self.with_func:
+            if not args or not callable(args[0]):
+                raise TypeError(
+                    f"{self.name} expects a function as the first argument (it is sent unchanged to every rank), "
+                    f"followed by DataProto arguments; got {type(args[0]).__name__ if args else 'no arguments'}"
+                )
+            head, args = args[:1], args[1:]
+        arg_chunks, kwarg_chunks, pad_size = _split_data_protos(f"{self.name}", world_size, args, kwargs, pad=True)
+        calls = [
+            (head + tuple(c[rank] for c in arg_chunks), {k: c[rank] for k, c in kwarg_chunks.items()})
+            for rank in range(world_size)
+        ]
+        return calls, pad_size
+
+    def collect(self, worker_group, outputs, state, futures):
+        if not self.concat:
+            return list(outputs)
+        if futures:
+            return _future_of_concat(list(outputs), state)
+        return _concat_outputs(list(outputs), state)
+
+
+class _NDComputeProto(DispatchMode):
+    """Dispatch by each worker's registered data-parallel rank on one device mesh; collect only from
+    the ranks marked as collecting (one per data-parallel rank)."""
+
+    def __init__(self, mesh_name: str):
+        self.mesh_name = mesh_name
+        self.name = f"ND_COMPUTE_PROTO[{mesh_name}]"
+
+    def dispatch(self, worker_group, args, kwargs):
+        dp_ranks = worker_group._query_dispatch_info(self.mesh_name)
+        dp_size = max(dp_ranks) + 1
+        arg_chunks, kwarg_chunks, pad_size = _split_data_protos(self.name, dp_size, args, kwargs, pad=True)
+        calls = [
+            (tuple(c[dp] for c in arg_chunks), {k: c[dp] for k, c in kwarg_chunks.items()}) for dp in dp_ranks
+        ]
+        return calls, pad_size
+
+    def collect(self, worker_group, outputs, state, futures):
+        dp_ranks = worker_group._query_dispatch_info(self.mesh_name)
+        is_collect = worker_group._query_collect_info(self.mesh_name)
+        by_dp = {}
+        for rank, (dp, collect) in enumerate(zip(dp_ranks, is_collect)):
+            if collect:
+                if dp in by_dp:
+                    raise ValueError(
+                        f"mesh {self.mesh_name!r}: ranks {by_dp[dp][0]} and {rank} are both marked as collecting for "
+                        f"data-parallel rank {dp}; mark exactly one rank per data-parallel shard with is_collect=True"
+                    )
+                by_dp[dp] = (rank, outputs[rank])
+        missing = sorted(set(dp_ranks) - set(by_dp))
+        if missing:
+            raise ValueError(
+                f"mesh {self.mesh_name!r}: no rank is marked as collecting for data-parallel rank(s) {missing}; "
+                "mark exactly one rank per data-parallel shard with is_collect=True"
+            )
+        selected = [by_dp[dp][1] for dp in sorted(by_dp)]
+        if futures:
+            return _future_of_concat(selected, state)
+        return _concat_outputs(selected, state)
+
+
+class _FunctionMode(DispatchMode):
+    """A mode given as upstream-style `dispatch_fn` / `collect_fn` functions."""
+
+    def __init__(self, name: str, dispatch_fn: Callable, collect_fn: Callable):
+        self.name = name
+        self.dispatch_fn = dispatch_fn
+        self.collect_fn = collect_fn
+
+    def dispatch(self, worker_group, args, kwargs):
+        world_size = worker_group.world_size
+        new_args, new_kwargs = self.dispatch_fn(worker_group, *args, **kwargs)
+        for label, value in [(f"argument {i}", a) for i, a in enumerate(new_args)] + [
+            (f"keyword argument {k!r}", v) for k, v in new_kwargs.items()
+        ]:
+            if not isinstance(value, list | tuple) or len(value) != world_size:
+                raise ValueError(
+                    f"dispatch mode {self.name}: dispatch_fn must return (args, kwargs) whose every entry is a list "
+                    f"with one value per worker ({world_size}); {label} is {type(value).__name__}"
+                    + (f" of length {len(value)}" if isinstance(value, list | tuple) else "")
+                )
+        calls = [
+            (tuple(a[rank] for a in new_args), {k: v[rank] for k, v in new_kwargs.items()})
+            for rank in range(world_size)
+        ]
+        return calls, None
+
+    def collect(self, worker_group, outputs, state, futures):
+        return self.collect_fn(worker_group, list(outputs))
+
+
+class _DispatchRegistry(type):
+    """Lets `Dispatch` be used like an enum that users can extend (`Dispatch.MY_MODE`)."""
+
+    def __getitem__(cls, name: str) -> DispatchMode:
+        mode = cls._modes.get(name)
+        if mode is None:
+            raise KeyError(f"unknown dispatch mode {name!r}; known modes: {sorted(cls._modes)}")
+        return mode
+
+    def __iter__(cls):
+        return iter(cls._modes.values())
+
+    def __contains__(cls, name: str) -> bool:
+        return name in cls._modes
+
+
+class Dispatch(metaclass=_DispatchRegistry):
+    """The dispatch modes; `register_dispatch_mode` adds attributes to this class."""
+
+    _modes: dict[str, DispatchMode] = {}
+
+    ONE_TO_ALL = _OneToAll("ONE_TO_ALL")
+    ALL_TO_ALL = _OneToAll("ALL_TO_ALL")
+    RANK_ZERO = _RankZero()
+    DP_COMPUTE = _DPCompute()
+    DP_COMPUTE_PROTO = _DPComputeProto("DP_COMPUTE_PROTO", with_func=False, concat=True)
+    DP_COMPUTE_PROTO_WITH_FUNC = _DPComputeProto("DP_COMPUTE_PROTO_WITH_FUNC", with_func=True, concat=True)
+    DP_COMPUTE_METRIC = _DPComputeProto("DP_COMPUTE_METRIC", with_func=False, concat=False)
+
+
+Dispatch._modes.update({m.name: m for m in vars(Dispatch).values() if isinstance(m, DispatchMode)})
+
+
+def register_dispatch_mode(name: str, dispatch_fn: Callable, collect_fn: Callable) -> DispatchMode:
+    """Add a user-defined mode, reachable afterwards as `Dispatch.<name>`.
+
+    `dispatch_fn(worker_group, *args, **kwargs) -> (args, kwargs)` with one value per worker in
+    every entry; `collect_fn(worker_group, outputs) -> result`.
+    """
+    if not name.isidentifier() or name.startswith("_"):
+        raise ValueError(f"dispatch mode name {name!r} must be a public Python identifier, e.g. 'MY_MODE'")
+    if name in Dispatch._modes:
+        raise ValueError(
+            f"dispatch mode {name!r} already exists; use update_dispatch_mode(Dispatch.{name}, ...) to replace its "
+            "functions"
+        )
+    mode = _FunctionMode(name, dispatch_fn, collect_fn)
+    Dispatch._modes[name] = mode
+    setattr(Dispatch, name, mode)
+    return mode
+
+
+def update_dispatch_mode(dispatch_mode: DispatchMode | str, dispatch_fn: Callable, collect_fn: Callable) -> None:
+    """Replace the functions of a mode added with `register_dispatch_mode`."""
+    name = dispatch_mode if isinstance(dispatch_mode, str) else dispatch_mode.name
+    mode = Dispatch._modes.get(name)
+    if not isinstance(mode, _FunctionMode):
+        raise ValueError(
+            f"only modes added with register_dispatch_mode can be updated; {name!r} is "
+            + ("built in" if mode is not None else "unknown")
+        )
+    mode.dispatch_fn = dispatch_fn
+    mode.collect_fn = collect_fn
+
+
+@functools.cache
+def make_nd_compute_dataproto_dispatch_fn(mesh_name: str) -> DispatchMode:
+    """The mesh-aware DataProto mode for `mesh_name` (one object per mesh name)."""
+    return _NDComputeProto(mesh_name)
+
+
+def _resolve_mode(dispatch_mode) -> DispatchMode:
+    if isinstance(dispatch_mode, DispatchMode):
+        return dispatch_mode
+    if isinstance(dispatch_mode, str):
+        return Dispatch[dispatch_mode]
+    if isinstance(dispatch_mode, dict) and set(dispatch_mode) == {"dispatch_fn", "collect_fn"}:
+        fn = dispatch_mode["dispatch_fn"]
+        return _FunctionMode(getattr(fn, "__name__", "CUSTOM"), fn, dispatch_mode["collect_fn"])
+    raise TypeError(
+        f"dispatch_mode={dispatch_mode!r} is not a dispatch mode; use a Dispatch member (e.g. Dispatch.ONE_TO_ALL), "
+        "a mode name, or a dict {'dispatch_fn': ..., 'collect_fn': ...}"
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+# @register
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class RegisteredMethod:
+    """What `@register` recorded about a worker method."""
+
+    dispatch_mode: DispatchMode
+    execute_mode: Execute
+    blocking: bool
+    materialize_futures: bool
+
+
+def _materialize_futures(args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    protocol = sys.modules.get("verl.protocol")
+    if protocol is None:  # no DataProtoFuture can exist in a process that never imported it
+        return args, kwargs
+    future_cls = protocol.DataProtoFuture
+    args = tuple(a.get() if isinstance(a, future_cls) else a for a in args)
+    kwargs = {k: v.get() if isinstance(v, future_cls) else v for k, v in kwargs.items()}
+    return args, kwargs
+
+
+def register(
+    dispatch_mode=Dispatch.ALL_TO_ALL,
+    execute_mode: Execute = Execute.ALL,
+    blocking: bool = True,
+    materialize_futures: bool = True,
+):
+    """Mark a worker method as callable on the worker group.
+
+    Args:
+        dispatch_mode: how arguments are split and results merged (a `Dispatch` member, the result
+            of `make_nd_compute_dataproto_dispatch_fn`, or `{"dispatch_fn": f, "collect_fn": g}`).
+        execute_mode: `Execute.ALL` runs on every worker; `Execute.RANK_ZERO` on rank 0 only.
+        blocking: False makes the group call return at once with futures (a `DataProtoFuture` for
+            DataProto modes, else a list of object references).
+        materialize_futures: resolve `DataProtoFuture` arguments on the worker before the call.
+    """
+    mode = _resolve_mode(dispatch_mode)
+    if not isinstance(execute_mode, Execute):
+        raise TypeError(f"execute_mode={execute_mode!r} is not an Execute member; use Execute.ALL or Execute.RANK_ZERO")
+    if mode is Dispatch.RANK_ZERO:
+        execute_mode = Execute.RANK_ZERO
+    info = RegisteredMethod(mode, execute_mode, bool(blocking), bool(materialize_futures))
+
+    def decorator(func):
+        if inspect.iscoroutinefunction(func):
+            raise TypeError(
+                f"@register supports regular methods only, and {func.__qualname__} is async; make it a regular method "
+                "or call it directly on the actor handles (worker_group.workers)"
+            )
+
+        @functools.wraps(func)
+        def inner(*args, **kwargs):
+            if materialize_futures:
+                args, kwargs = _materialize_futures(args, kwargs)
+            return func(*args, **kwargs)
+
+        setattr(inner, _REGISTER_ATTR, info)
+        return inner
+
+    return decorator
+
+
+def get_registered_methods(cls) -> dict[str, RegisteredMethod]:
+    """{method name: RegisteredMethod} for every `@register`-ed method of `cls` (inherited included)."""
+    found = {}
+    for name in dir(cls):
+        if name.startswith("__"):
+            continue
+        try:
+            attr = inspect.getattr_static(cls, name)
+        except AttributeError:
+            continue
+        info = getattr(attr, _REGISTER_ATTR, None)
+        if isinstance(info, RegisteredMethod):
+            found[name] = info
+    return found

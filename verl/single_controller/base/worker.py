@@ -1,0 +1,188 @@
+"""`Worker`: the base class of every process a worker group drives.
+
+A worker learns its place from the standard torch.distributed environment variables (RANK,
+WORLD_SIZE, MASTER_ADDR, MASTER_PORT, LOCAL_RANK, LOCAL_WORLD_SIZE), which the worker group sets
+for each process, so the same class also runs under torchrun. Without them it is rank 0 of 1,
+which keeps worker logic usable in a plain Python process.
+
+Creating the torch.distributed process group is left to the subclass (`self.init_process_group()`
+in `__init__` or an `init_model` RPC) because some workers need none and others need it only after
+loading a model. It always has a deadline: a peer that never starts is an error after
+`VERL_DIST_TIMEOUT_S` seconds (default 600), not a hang.
+
+For tensor- or pipeline-parallel layouts a worker records, per device mesh, its data-parallel rank
+and whether its output is collected (`_register_dispatch_collect_info`); the mesh-aware dispatch
+mode reads this.
+
+Every call from a worker group enters through `_verl_rpc`, which turns an exception into one that
+names the rank and the method and carries the traceback as text, and wraps a returned DataProto
+for cheap transport (see transport.py).
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import pickle
+import socket
+import traceback
+
+from verl.single_controller.base.decorator import Dispatch, register
+from verl.single_controller.base.errors import _WorkerSideError
+from verl.single_controller.base.transport import to_wire
+
+DEFAULT_DIST_TIMEOUT_S = 600.0
+
+
+def _env_int(name: str, default: int | None) -> int | None:
+    value = os.environ.get(name)
+    if value is None or value == "":
+        return default
+    try:
+        return int(value)
+    except ValueError:
+        raise ValueError(f"environment variable {name}={value!r} must be an integer") from None
+
+
+def get_free_port() -> int:
+    """A TCP port that was free a moment ago (the OS may hand it out again; use it promptly)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("", 0))
+        return sock.getsockname()[1]
+
+
+def dist_timeout_s(timeout_s: float | None = None) -> float:
+    """The torch.distributed timeout: the argument, else `VERL_DIST_TIMEOUT_S`, else 600 s."""
+    if timeout_s is not None:
+        return float(timeout_s)
+    return float(os.environ.get("VERL_DIST_TIMEOUT_S", DEFAULT_DIST_TIMEOUT_S))
+
+
+def init_process_group(backend: str | None = None, timeout_s: float | None = None) -> None:
+    """Join the global torch.distributed group described by the environment, with a deadline.
+
+    Idempotent. `backend` defaults to gloo on CPU and NCCL on GPU. The timeout covers both the
+    rendezvous (a missing peer) and later collectives.
+    """
+    import torch.distributed as dist
+
+    from verl.utils.device import get_dist_backend, set_device
+
+    if dist.is_initialized():
+        return
+    rank = _env_int("RANK", 0)
+    world_size = _env_int("WORLD_SIZE", 1)
+    if world_size == 1 and "MASTER_ADDR" not in os.environ:
+        os.environ["MASTER_ADDR"] = "127.0.0.1"
+        os.environ["MASTER_PORT"] = str(get_free_port())
+    if "MASTER_ADDR" not in os.environ or "MASTER_PORT" not in os.environ:
+        raise RuntimeError(
+            f"rank {rank} of {world_size}: MASTER_ADDR/MASTER_PORT are not set, so this process cannot find its "
+            "peers; start workers through a worker group (which sets them) or torchrun"
+        )
+    backend = backend or get_dist_backend()
+    if backend == "nccl":
+        set_device()
+    timeout = dist_timeout_s(timeout_s)
+    try:
+        dist.init_process_group(
+            backend=backend, rank=rank, world_size=world_size, timeout=datetime.timedelta(seconds=timeout)
+        )
+    except Exception as exc:
+        raise RuntimeError(
+            f"rank {rank} of {world_size} could not form the torch.distributed group ({backend}) at "
+            f"{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']} within {timeout:g} s: {exc}. "
+            "A peer worker probably failed to start or died; check the other ranks' logs "
+            "(raise VERL_DIST_TIMEOUT_S if peers are just slow to start)"
+        ) from exc
+
+
+class Worker:
+    """Base class of remote workers. Subclasses call `super().__init__()` first."""
+
+    def __init__(self, cuda_visible_devices: str | None = None):
+        world_size = _env_int("WORLD_SIZE", 1)
+        rank = _env_int("RANK", None)
+        if rank is None:
+            if world_size != 1:
+                raise RuntimeError(f"WORLD_SIZE={world_size} is set but RANK is not; set both (or neither)")
+            rank = 0
+        if not 0 <= rank < world_size:
+            raise ValueError(f"RANK={rank} is outside [0, WORLD_SIZE={world_size})")
+        self._rank = rank
+        self._world_size = world_size
+        self._local_rank = _env_int("LOCAL_RANK", 0)
+        self._local_world_size = _env_int("LOCAL_WORLD_SIZE", 1)
+        self._master_addr = os.environ.get("MASTER_ADDR")
+        self._master_port = os.environ.get("MASTER_PORT")
+        self._cuda_visible_devices = cuda_visible_devices or os.environ.get("CUDA_VISIBLE_DEVICES")
+        self._dispatch_collect_info: dict[str, tuple[int, bool]] = {}
+
+    @property
+    def rank(self) -> int:
+        return self._rank
+
+    @property
+    def world_size(self) -> int:
+        return self._world_size
+
+    @property
+    def local_rank(self) -> int:
+        return self._local_rank
+
+    @property
+    def local_world_size(self) -> int:
+        return self._local_world_size
+
+    def get_master_addr_port(self) -> tuple[str | None, str | None]:
+        return self._master_addr, self._master_port
+
+    def get_cuda_visible_devices(self) -> str | None:
+        return self._cuda_visible_devices
+
+    def init_process_group(self, backend: str | None = None, timeout_s: float | None = None) -> None:
+        """Join the group's torch.distributed process group (see the module docstring)."""
+        init_process_group(backend=backend, timeout_s=timeout_s)
+
+    # --- per-mesh dispatch/collect info ---------------------------------------------------------
+
+    def _register_dispatch_collect_info(self, mesh_name: str, dp_rank: int, is_collect: bool) -> None:
+        """Record this rank's data-parallel rank on `mesh_name` and whether its output is collected."""
+        if mesh_name in self._dispatch_collect_info:
+            raise ValueError(f"rank {self.rank}: mesh {mesh_name!r} is already registered")
+        self._dispatch_collect_info[mesh_name] = (int(dp_rank), bool(is_collect))
+
+    def _query_dispatch_info(self, mesh_name: str) -> int | None:
+        info = self._dispatch_collect_info.get(mesh_name)
+        return None if info is None else info[0]
+
+    def _query_collect_info(self, mesh_name: str) -> bool | None:
+        info = self._dispatch_collect_info.get(mesh_name)
+        return None if info is None else info[1]
+
+    # --- helpers callable from the driver -------------------------------------------------------
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def execute_with_func_generator(self, func, *args, **kwargs):
+        """Run `func(self, *args, **kwargs)` on every worker (debugging and one-off setup)."""
+        return func(self, *args, **kwargs)
+
+    @register(dispatch_mode=Dispatch.RANK_ZERO)
+    def execute_func_rank_zero(self, func, *args, **kwargs):
+        """Run `func(self, *args, **kwargs)` on rank 0 only."""
+        return func(self, *args, **kwargs)
+
+    # --- the entry point of every group call ----------------------------------------------------
+
+    def _verl_rpc(self, method_name: str, *args, **kwargs):
+        try:
+            result = getattr(self, method_name)(*args, **kwargs)
+        except Exception as exc:
+            try:
+                original = exc if pickle.loads(pickle.dumps(exc)) is not None else None
+            except Exception:
+                original = None
+            raise _WorkerSideError(
+                self._rank, method_name, type(exc).__qualname__, str(exc), traceback.format_exc(), original
+            ) from None
+        return to_wire(result)

@@ -1,0 +1,17 @@
+"""Worker groups on Ray (see base.py for the design)."""
+
+from verl.single_controller.ray.base import (
+    RayClassWithInitArgs,
+    RayResourcePool,
+    RayWorkerGroup,
+    create_colocated_worker_cls,
+)
+from verl.single_controller.ray.resource_pool_manager import ResourcePoolManager
+
+__all__ = [
+    "RayClassWithInitArgs",
+    "RayResourcePool",
+    "RayWorkerGroup",
+    "ResourcePoolManager",
+    "create_colocated_worker_cls",
+]

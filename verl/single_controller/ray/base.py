@@ -1,0 +1,558 @@
+"""Worker groups on Ray: placement groups, one actor per bundle, calls with deadlines.
+
+- `RayResourcePool(process_on_nodes=[n, ...], use_gpu=..., max_colocate_count=...)` reserves one
+  STRICT_PACK placement group per node with one bundle per worker: `{"CPU": 1, "GPU": 1}` on GPU,
+  `{"CPU": 1}` without. Each actor takes `1/max_colocate_count` of its bundle, so that many worker
+  groups can share the devices. Placement groups are created on first use, checked against the
+  cluster's totals first (an impossible request fails at once, naming what is missing) and then
+  awaited with a deadline (`VERL_PLACEMENT_TIMEOUT_S`, default 300 s). They are ordered by node
+  IP address, so ranks are contiguous per node and stable from run to run.
+- `RayWorkerGroup(resource_pool, RayClassWithInitArgs(cls, ...))` starts rank r in bundle r with
+  RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR and MASTER_PORT in its environment
+  (the driver picks rank 0's address and a free port before starting anyone), so the workers
+  form one torch.distributed group with `Worker.init_process_group()` (gloo on CPU, NCCL on GPU).
+- `create_colocated_worker_cls({role: cls})` fuses several roles into one actor class; methods
+  appear as `<role>_<method>`, and `wg.spawn(prefix_set=...)` returns one view per role.
+
+Transport: a DataProto argument is sent as out-of-band numpy buffers (base/transport.py), once
+per destination; an argument shared by every worker (ONE_TO_ALL) goes to the object store once
+with `ray.put` and every worker reads that one copy.
+
+Failures: see base/errors.py. A worker that died makes the call fail with `WorkerDiedError` as soon
+as Ray notices (milliseconds after the process exits), never after the deadline.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import uuid
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import ray
+from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
+from ray.util.placement_group import PlacementGroup, placement_group, placement_group_table, remove_placement_group
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy, PlacementGroupSchedulingStrategy
+
+from verl.single_controller.base.decorator import _REGISTER_ATTR, RegisteredMethod, get_registered_methods
+from verl.single_controller.base.errors import (
+    ResourceUnavailableError,
+    WorkerDiedError,
+    WorkerGroupError,
+    WorkerMethodError,
+    WorkerTimeoutError,
+    _WorkerSideError,
+)
+from verl.single_controller.base.transport import to_wire
+from verl.single_controller.base.worker import Worker, get_free_port
+from verl.single_controller.base.worker_group import ClassWithInitArgs, ResourcePool, WorkerGroup
+
+__all__ = [
+    "RayClassWithInitArgs",
+    "RayResourcePool",
+    "RayWorkerGroup",
+    "create_colocated_worker_cls",
+    "sort_placement_groups_by_node",
+]
+
+DEFAULT_PLACEMENT_TIMEOUT_S = 300.0
+
+# Arguments shared by several workers are put in the object store once when at least this large;
+# smaller ones are cheaper to inline into each call (a ray.put costs about a millisecond).
+_SHARE_MIN_BYTES = 64 * 1024
+
+
+def _placement_timeout_s() -> float:
+    return float(os.environ.get("VERL_PLACEMENT_TIMEOUT_S", DEFAULT_PLACEMENT_TIMEOUT_S))
+
+
+def sort_placement_groups_by_node(items: Sequence[tuple[str, str]]) -> list[int]:
+    """Order of placement groups given `(node_ip, node_id)` per group: by IP address (numerically
+    for IPv4), then node id; groups on the same node keep their creation order."""
+
+    def key(index: int):
+        ip, node_id = items[index]
+        parts = ip.split(".")
+        ip_key = tuple(int(p) for p in parts) if len(parts) == 4 and all(p.isdigit() for p in parts) else (ip,)
+        return (ip_key, node_id, index)
+
+    return sorted(range(len(items)), key=key)
+
+
+def _node_ips() -> dict[str, str]:
+    return {node["NodeID"]: node["NodeManagerAddress"] for node in ray.nodes() if node.get("Alive")}
+
+
+class RayResourcePool(ResourcePool):
+    """Workers per node, held as Ray placement groups (see the module docstring)."""
+
+    def __init__(
+        self,
+        process_on_nodes: Sequence[int] | None = None,
+        use_gpu: bool = True,
+        name_prefix: str | None = None,
+        max_colocate_count: int = 10,
+        detached: bool = False,
+    ):
+        super().__init__(process_on_nodes, max_colocate_count)
+        self.use_gpu = use_gpu
+        self.name_prefix = name_prefix or ""
+        self.detached = detached
+        self.pgs: list[PlacementGroup] | None = None
+        self.pg_node_ids: list[str] = []
+
+    @property
+    def device_resource(self) -> str:
+        return "GPU" if self.use_gpu else "CPU"
+
+    def bundle(self) -> dict[str, float]:
+        return {"CPU": 1, "GPU": 1} if self.use_gpu else {"CPU": 1}
+
+    def actor_resources(self) -> dict[str, float]:
+        """The `num_cpus` / `num_gpus` options of one actor in one bundle."""
+        share = 1.0 / self.max_colocate_count
+        return {"num_cpus": share, "num_gpus": share} if self.use_gpu else {"num_cpus": share}
+
+    def check_cluster_totals(self) -> None:
+        """Fail at once when the whole cluster could never hold this pool."""
+        totals = ray.cluster_resources()
+        for resource, per_bundle in self.bundle().items():
+            need = per_bundle * self.world_size
+            have = totals.get(resource, 0)
+            if have < need:
+                hint = (
+                    "; no GPU is visible to Ray: use CPU bundles (use_gpu=False, trainer.device=cpu)"
+                    if resource == "GPU" and have == 0
+                    else "; lower the number of workers or add nodes"
+                )
+                raise ResourceUnavailableError(
+                    f"resource pool {self.name_prefix or '(unnamed)'} needs {need:g} {resource} "
+                    f"({self.world_size} workers in bundles of {self.bundle()}, process_on_nodes={self.store}) but the "
+                    f"Ray cluster has {have:g} {resource} in total{hint}"
+                )
+
+    def get_placement_groups(self, strategy: str = "STRICT_PACK", name: str | None = None) -> list[PlacementGroup]:
+        if self.pgs is not None:
+            return self.pgs
+        self.check_cluster_totals()
+        prefix = name or self.name_prefix or f"verl_pool_{uuid.uuid4().hex[:8]}"
+        lifetime = "detached" if self.detached else None
+        pgs = [
+            placement_group(
+                [self.bundle() for _ in range(n)], strategy=strategy, name=f"{prefix}_node{i}", lifetime=lifetime
+            )
+            for i, n in enumerate(self.store)
+        ]
+        timeout = _placement_timeout_s()
+        ready, _ = ray.wait([pg.ready() for pg in pgs], num_returns=len(pgs), timeout=timeout)
+        if len(ready) < len(pgs):
+            for pg in pgs:
+                remove_placement_group(pg)
+            raise ResourceUnavailableError(
+                f"resource pool {prefix}: only {len(ready)} of {len(pgs)} node placement groups "
+                f"(process_on_nodes={self.store}, bundles of {self.bundle()}) could be placed within {timeout:g} s. "
+                f"Free resources now: {ray.available_resources()}. Other worker groups may hold the devices, or no "
+                "single node has enough free for one node's bundles; free them, lower the request, or raise "
+                "VERL_PLACEMENT_TIMEOUT_S"
+            )
+        node_ids = [placement_group_table(pg)["bundles_to_node_id"][0] for pg in pgs]
+        ips = _node_ips()
+        order = sort_placement_groups_by_node([(ips.get(node, ""), node) for node in node_ids])
+        self.pgs = [pgs[i] for i in order]
+        self.pg_node_ids = [node_ids[i] for i in order]
+        self._store = [self.store[i] for i in order]
+        return self.pgs
+
+    def remove_placement_groups(self) -> None:
+        """Give the reserved resources back to Ray (kill the pool's worker groups first)."""
+        for pg in self.pgs or []:
+            remove_placement_group(pg)
+        self.pgs = None
+        self.pg_node_ids = []
+
+
+class RayClassWithInitArgs(ClassWithInitArgs):
+    """A worker class (plain or `ray.remote`-decorated) plus its constructor arguments and actor
+    options (`update_options`, `set_additional_resource`)."""
+
+    def __init__(self, cls, *args, **kwargs):
+        super().__init__(cls, *args, **kwargs)
+        self._options: dict[str, Any] = {}
+        self._additional_resource: dict[str, float] = {}
+
+    @property
+    def worker_cls(self) -> type:
+        """The user's class, unwrapped from `ray.remote`."""
+        return getattr(self.cls, "__ray_actor_class__", self.cls)
+
+    def update_options(self, options: Mapping[str, Any]) -> None:
+        self._options.update(options)
+
+    def set_additional_resource(self, additional_resource: Mapping[str, float]) -> None:
+        self._additional_resource = dict(additional_resource)
+
+    def create_actor(self, options: Mapping[str, Any], env_vars: Mapping[str, str]):
+        """Start one actor with our options plus the user's, and `env_vars` in its environment."""
+        merged = {**self._options, **options}
+        runtime_env = dict(self._options.get("runtime_env") or {})
+        runtime_env["env_vars"] = {**(runtime_env.get("env_vars") or {}), **env_vars}
+        merged["runtime_env"] = runtime_env
+        if self._additional_resource:
+            merged["resources"] = {**merged.get("resources", {}), **self._additional_resource}
+        actor_cls = ray.remote(self.worker_cls) if not hasattr(self.cls, "__ray_actor_class__") else self.cls
+        return actor_cls.options(**merged).remote(*self.args, **self.kwargs)
+
+
+@ray.remote(num_cpus=0)
+def _node_ip_and_free_port() -> tuple[str, int]:
+    return ray.util.get_node_ip_address(), get_free_port()
+
+
+def _estimated_nbytes(value) -> int:
+    """A cheap lower bound of a value's pickled size, enough to decide whether to ray.put it."""
+    nbytes = getattr(value, "nbytes", None)
+    if isinstance(nbytes, int):
+        return nbytes
+    if isinstance(value, bytes | bytearray | str):
+        return len(value)
+    if isinstance(value, Mapping):
+        return sum(_estimated_nbytes(v) for v in value.values())
+    if isinstance(value, list | tuple):
+        return sum(_estimated_nbytes(v) for v in value)
+    batch = getattr(value, "batch", None)  # DataProto
+    if batch is not None and hasattr(batch, "values"):
+        return sum(t.nbytes for t in batch.values() if hasattr(t, "nbytes"))
+    return 0
+
+
+class RayWorkerGroup(WorkerGroup):
+    """One Ray actor per bundle of a resource pool, driven as one object.
+
+    Either start workers (`resource_pool` + `ray_cls_with_init`) or attach to running ones
+    (`worker_handles` or `worker_names`, with `ray_cls_with_init` naming their class).
+    `role` names the group in errors (default: the worker class's name); `timeout_s` is the
+    deadline of every blocking call (default: `VERL_RPC_TIMEOUT_S`, else 3600 s).
+    """
+
+    def __init__(
+        self,
+        resource_pool: RayResourcePool | None = None,
+        ray_cls_with_init: RayClassWithInitArgs | None = None,
+        name_prefix: str | None = None,
+        detached: bool = False,
+        worker_names: Sequence[str] | None = None,
+        worker_handles: Sequence[Any] | None = None,
+        role: str | None = None,
+        timeout_s: float | None = None,
+    ):
+        if ray_cls_with_init is None:
+            raise ValueError("RayWorkerGroup needs ray_cls_with_init=RayClassWithInitArgs(cls=YourWorker, ...)")
+        user_cls = ray_cls_with_init.worker_cls
+        if not (isinstance(user_cls, type) and issubclass(user_cls, Worker)):
+            raise TypeError(
+                f"{user_cls!r} is not a subclass of verl.single_controller.base.Worker; worker classes must derive "
+                "from Worker (and call super().__init__()) so the group can set their rank and dispatch their methods"
+            )
+        roles = getattr(user_cls, "_verl_roles", None)
+        role = role or ("+".join(roles) if roles else user_cls.__name__)
+        self.ray_cls_with_init = ray_cls_with_init
+        self.name_prefix = name_prefix or f"verl_{uuid.uuid4().hex[:8]}"
+        self.detached = detached
+        if worker_handles is None and worker_names is not None:
+            worker_handles = [ray.get_actor(name) for name in worker_names]
+        if worker_handles is not None:
+            self._workers = list(worker_handles)
+            self._worker_names = list(worker_names) if worker_names is not None else []
+        else:
+            if resource_pool is None:
+                raise ValueError("RayWorkerGroup needs a resource_pool to start workers (or worker_handles to attach)")
+            self._workers, self._worker_names = self._start_workers(resource_pool, ray_cls_with_init, role)
+        super().__init__(world_size=len(self._workers), role=role, timeout_s=timeout_s)
+        self._actor_rank = {w._actor_id.hex(): rank for rank, w in enumerate(self._workers)}
+        self._bind_worker_methods(user_cls)
+
+    # --- starting and attaching -----------------------------------------------------------------
+
+    def _start_workers(self, pool: RayResourcePool, ray_cls: RayClassWithInitArgs, role: str):
+        pgs = pool.get_placement_groups()
+        master_addr, master_port = self._pick_master_address(pool.pg_node_ids[0])
+        world_size = pool.world_size
+        passthrough = {k: os.environ[k] for k in ("VERL_DEVICE", "VERL_LOGGING_LEVEL") if k in os.environ}
+        workers, names = [], []
+        rank = 0
+        for pg, local_world_size in zip(pgs, pool.store):
+            for local_rank in range(local_world_size):
+                env = {
+                    **passthrough,
+                    "RANK": str(rank),
+                    "WORLD_SIZE": str(world_size),
+                    "LOCAL_RANK": str(local_rank),
+                    "LOCAL_WORLD_SIZE": str(local_world_size),
+                    "MASTER_ADDR": master_addr,
+                    "MASTER_PORT": str(master_port),
+                    "VERL_ROLE": role,
+                    "WG_PREFIX": self.name_prefix,
+                }
+                name = f"{self.name_prefix}:{rank}"
+                options = {
+                    **pool.actor_resources(),
+                    "scheduling_strategy": PlacementGroupSchedulingStrategy(
+                        placement_group=pg, placement_group_bundle_index=local_rank
+                    ),
+                    "name": name,
+                }
+                if self.detached:
+                    options["lifetime"] = "detached"
+                workers.append(ray_cls.create_actor(options, env))
+                names.append(name)
+                rank += 1
+        return workers, names
+
+    def _pick_master_address(self, node_id: str) -> tuple[str, int]:
+        """Rank 0's node IP and a free port there, chosen before any worker starts."""
+        if node_id == ray.get_runtime_context().get_node_id():
+            return ray.util.get_node_ip_address(), get_free_port()
+        ref = _node_ip_and_free_port.options(
+            scheduling_strategy=NodeAffinitySchedulingStrategy(node_id=node_id, soft=False)
+        ).remote()
+        try:
+            return ray.get(ref, timeout=_placement_timeout_s())
+        except GetTimeoutError:
+            raise ResourceUnavailableError(
+                f"{self.name_prefix}: could not run a task on node {node_id} to pick MASTER_PORT within "
+                f"{_placement_timeout_s():g} s; is the node alive?"
+            ) from None
+
+    @classmethod
+    def from_detached(
+        cls,
+        name_prefix: str | None = None,
+        worker_names: Sequence[str] | None = None,
+        worker_handles: Sequence[Any] | None = None,
+        ray_cls_with_init: RayClassWithInitArgs | None = None,
+        role: str | None = None,
+        timeout_s: float | None = None,
+    ) -> RayWorkerGroup:
+        """Attach to running named workers: by handles, by names, or by the group's `name_prefix`
+        (every actor named `<name_prefix>:<rank>` in the current namespace, in rank order)."""
+        if worker_handles is None and worker_names is None:
+            if name_prefix is None:
+                raise ValueError("from_detached needs worker_handles, worker_names or the group's name_prefix")
+            pattern = re.compile(rf"^{re.escape(name_prefix)}:(\d+)$")
+            found = sorted(
+                (int(m.group(1)), name)
+                for name in ray.util.list_named_actors()
+                if (m := pattern.match(name if isinstance(name, str) else name["name"]))
+            )
+            if not found or [rank for rank, _ in found] != list(range(len(found))):
+                raise ValueError(
+                    f"no complete worker group named {name_prefix!r} in this Ray namespace (found ranks "
+                    f"{[rank for rank, _ in found]}); was it created with detached=True and this name_prefix?"
+                )
+            worker_names = [name for _, name in found]
+        return cls(
+            ray_cls_with_init=ray_cls_with_init,
+            name_prefix=name_prefix,
+            worker_names=worker_names,
+            worker_handles=worker_handles,
+            role=role,
+            timeout_s=timeout_s,
+        )
+
+    def spawn(self, prefix_set) -> dict[str, RayWorkerGroup]:
+        """Per-role views of a colocated group: {role: group whose methods drop the role prefix}."""
+        roles = getattr(self.ray_cls_with_init.worker_cls, "_verl_roles", None)
+        if roles is None:
+            raise TypeError("spawn() needs a group of a colocated class; build it with create_colocated_worker_cls")
+        unknown = sorted(set(prefix_set) - set(roles))
+        if unknown:
+            raise KeyError(f"unknown role(s) {unknown}; this colocated group has roles {list(roles)}")
+        views = {}
+        for prefix in prefix_set:
+            view = object.__new__(type(self))
+            view.ray_cls_with_init = self.ray_cls_with_init
+            view.name_prefix = self.name_prefix
+            view.detached = self.detached
+            view._workers = self._workers
+            view._worker_names = self._worker_names
+            view._actor_rank = self._actor_rank
+            WorkerGroup.__init__(view, world_size=self.world_size, role=prefix, timeout_s=self.timeout_s)
+            view._bind_worker_methods(self.ray_cls_with_init.worker_cls, prefix=prefix)
+            views[prefix] = view
+        return views
+
+    @property
+    def workers(self) -> list:
+        return self._workers
+
+    @property
+    def worker_names(self) -> list[str]:
+        return self._worker_names
+
+    def shutdown(self) -> None:
+        """Kill every worker of the group (detached ones included)."""
+        for worker in self._workers:
+            ray.kill(worker, no_restart=True)
+
+    # --- the call path --------------------------------------------------------------------------
+
+    def _submit(self, remote_name: str, calls: list[tuple[tuple, dict]]) -> list:
+        if len(calls) > 1 and all(call is calls[0] for call in calls):
+            # Broadcast (ONE_TO_ALL and friends): prepare the arguments once, share big ones.
+            args, kwargs = calls[0]
+            args = tuple(self._shared(a) for a in args)
+            kwargs = {k: self._shared(v) for k, v in kwargs.items()}
+            return [w._verl_rpc.remote(remote_name, *args, **kwargs) for w in self._workers[: len(calls)]]
+        refs = []
+        for worker, (args, kwargs) in zip(self._workers, calls):
+            args = tuple(to_wire(a) for a in args)
+            kwargs = {k: to_wire(v) for k, v in kwargs.items()}
+            refs.append(worker._verl_rpc.remote(remote_name, *args, **kwargs))
+        return refs
+
+    @staticmethod
+    def _shared(value):
+        value = to_wire(value)
+        if isinstance(value, ray.ObjectRef):
+            return value
+        data = getattr(value, "data", value)  # a WireDataProto wraps the DataProto
+        return ray.put(value) if _estimated_nbytes(data) >= _SHARE_MIN_BYTES else value
+
+    def _wait(self, refs: list, ranks: list[int], role: str, method: str) -> list:
+        try:
+            return ray.get(refs, timeout=self.timeout_s)
+        except RayTaskError as exc:
+            raise self._method_error(exc, refs, ranks, role, method) from None
+        except RayActorError as exc:
+            rank = self._actor_rank.get(getattr(exc, "actor_id", None) or "", None)
+            where = f"rank {rank}" if rank is not None else "a rank"
+            raise WorkerDiedError(
+                f"{role} {where} died during {method}() (or before it: a failing __init__ counts): {exc}",
+                role=role,
+                rank=rank,
+                method=method,
+            ) from None
+        except GetTimeoutError:
+            _, pending = ray.wait(refs, num_returns=len(refs), timeout=0)
+            pending_ranks = [ranks[refs.index(r)] for r in pending]
+            raise WorkerTimeoutError(
+                f"{role}.{method}() did not finish within {self.timeout_s:g} s; rank(s) {pending_ranks} of "
+                f"{self.world_size} had not answered (they may be hung, e.g. in a collective waiting for a peer). "
+                "Raise the deadline with RayWorkerGroup(timeout_s=...) or VERL_RPC_TIMEOUT_S if the work is just slow",
+                role=role,
+                rank=pending_ranks[0] if pending_ranks else None,
+                method=method,
+            ) from None
+
+    def _method_error(self, exc: RayTaskError, refs, ranks, role: str, method: str) -> WorkerGroupError:
+        cause = getattr(exc, "cause", None)
+        if isinstance(cause, _WorkerSideError):
+            return WorkerMethodError(
+                f"{role} rank {cause.rank}: {method}() raised {cause.exc_type}: {cause.message}\n"
+                f"--- traceback on {role} rank {cause.rank} ---\n{cause.traceback_text}",
+                role=role,
+                rank=cause.rank,
+                method=method,
+                exc_type=cause.exc_type,
+                remote_traceback=cause.traceback_text,
+                remote_exception=cause.original,
+            )
+        # Raised outside _verl_rpc (a plain actor method, argument deserialization): find the rank.
+        rank = None
+        for ref, candidate in zip(refs, ranks):
+            done, _ = ray.wait([ref], timeout=0)
+            if done:
+                try:
+                    ray.get(ref, timeout=0)
+                except Exception:
+                    rank = candidate
+                    break
+        return WorkerMethodError(
+            f"{role} rank {rank if rank is not None else '?'}: {method}() failed: {exc}",
+            role=role,
+            rank=rank,
+            method=method,
+            exc_type=type(cause).__qualname__ if cause is not None else "",
+            remote_traceback=str(exc),
+            remote_exception=cause,
+        )
+
+    def _query_all(self, worker_method: str, *args) -> list:
+        refs = [getattr(w, worker_method).remote(*args) for w in self._workers]
+        return self._wait(refs, ranks=list(range(len(refs))), role=self.role, method=worker_method)
+
+
+# ---------------------------------------------------------------------------------------------
+# Colocated roles
+# ---------------------------------------------------------------------------------------------
+
+
+def _forwarder(role: str, method_name: str, info: RegisteredMethod):
+    def forward(self, *args, **kwargs):
+        return getattr(self.worker_dict[role], method_name)(*args, **kwargs)
+
+    forward.__name__ = f"{role}_{method_name}"
+    # Same dispatch as the role's method; futures are materialized by that method itself.
+    setattr(forward, _REGISTER_ATTR, info)
+    return forward
+
+
+def create_colocated_worker_cls(class_dict: Mapping[str, RayClassWithInitArgs | type]) -> RayClassWithInitArgs:
+    """One worker class holding an instance of each role's class in the same process.
+
+    `class_dict` maps a role name to a `RayClassWithInitArgs` (or a bare class, constructed without
+    arguments). The fused class exposes each role's registered methods as `<role>_<method>`; its
+    instances keep the role objects in `worker_dict`, so roles may reach each other in-process.
+    """
+    if not class_dict:
+        raise ValueError("create_colocated_worker_cls needs at least one {role: worker class} entry")
+    specs: dict[str, tuple[type, tuple, dict]] = {}
+    options: dict[str, Any] = {}
+    for role, spec in class_dict.items():
+        if not role.isidentifier():
+            raise ValueError(f"role name {role!r} must be a Python identifier (it prefixes method names)")
+        if not isinstance(spec, ClassWithInitArgs):
+            spec = RayClassWithInitArgs(spec)
+        user_cls = getattr(spec.cls, "__ray_actor_class__", spec.cls)
+        if not (isinstance(user_cls, type) and issubclass(user_cls, Worker)):
+            raise TypeError(f"role {role!r}: {user_cls!r} is not a subclass of verl.single_controller.base.Worker")
+        specs[role] = (user_cls, spec.args, spec.kwargs)
+        options.update(getattr(spec, "_options", {}))
+
+    class WorkerDict(Worker):
+        def __init__(self):
+            super().__init__()
+            self.worker_dict = {role: cls(*args, **kwargs) for role, (cls, args, kwargs) in specs.items()}
+
+        def _query_dispatch_info(self, mesh_name):
+            for worker in (self, *self.worker_dict.values()):
+                info = Worker._query_dispatch_info(worker, mesh_name)
+                if info is not None:
+                    return info
+            return None
+
+        def _query_collect_info(self, mesh_name):
+            for worker in (self, *self.worker_dict.values()):
+                info = Worker._query_collect_info(worker, mesh_name)
+                if info is not None:
+                    return info
+            return None
+
+    role_methods: dict[str, tuple[str, str]] = {}
+    for role, (user_cls, _, _) in specs.items():
+        for method_name, info in get_registered_methods(user_cls).items():
+            fused_name = f"{role}_{method_name}"
+            if fused_name in role_methods or hasattr(WorkerDict, fused_name):
+                raise ValueError(
+                    f"colocated method name {fused_name!r} is produced twice (role/method names overlap); rename a role"
+                )
+            setattr(WorkerDict, fused_name, _forwarder(role, method_name, info))
+            role_methods[fused_name] = (role, method_name)
+    WorkerDict._verl_roles = tuple(specs)
+    WorkerDict._verl_role_methods = role_methods
+    WorkerDict.__qualname__ = WorkerDict.__name__ = "WorkerDict_" + "_".join(specs)
+
+    fused = RayClassWithInitArgs(WorkerDict)
+    fused.update_options(options)
+    return fused
