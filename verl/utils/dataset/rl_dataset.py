@@ -30,7 +30,6 @@ Design decisions:
 from __future__ import annotations
 
 import copy
-import json
 import os
 from collections import defaultdict
 from collections.abc import Mapping, Sequence
@@ -40,12 +39,12 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
+from verl.utils.dataset.files import read_rows
 from verl.utils.logging_utils import get_logger
 
 logger = get_logger(__name__)
 
 TRUNCATIONS = ("error", "left", "right", "middle")
-_SUPPORTED_SUFFIXES = (".parquet", ".json", ".jsonl")
 
 
 def collate_fn(data_list: list[dict]) -> dict:
@@ -79,55 +78,6 @@ def _to_plain_config(config) -> dict:
             k: OmegaConf.to_container(v, resolve=True) if isinstance(v, DictConfig) else v for k, v in config.items()
         }
     raise TypeError(f"the data config must be a dict or an omegaconf DictConfig, got {type(config).__name__}")
-
-
-def _read_json_rows(path: str) -> list[dict]:
-    with open(path, encoding="utf-8") as f:
-        text = f.read()
-    if not text.strip():
-        return []
-    if not path.endswith(".jsonl"):
-        try:
-            data = json.loads(text)
-        except json.JSONDecodeError:
-            data = None  # a ".json" file holding JSON lines: parse it line by line below
-        if isinstance(data, list):
-            return data
-        if isinstance(data, dict):
-            raise ValueError(
-                f"{path}: a JSON data file must hold a list of row objects (or one object per line), "
-                "found a single object"
-            )
-    rows = []
-    for line_number, line in enumerate(text.splitlines(), start=1):
-        if line.strip():
-            try:
-                rows.append(json.loads(line))
-            except json.JSONDecodeError as e:
-                raise ValueError(f"{path}, line {line_number}: not valid JSON ({e})") from None
-    return rows
-
-
-def read_rows(path: str) -> list[dict]:
-    """All rows of one parquet / JSON / JSON-lines file as plain Python dicts."""
-    path = os.path.expanduser(str(path))
-    if not os.path.exists(path):
-        raise FileNotFoundError(
-            f"data file {path!r} does not exist (working directory {os.getcwd()!r}); check data.train_files / "
-            "data.val_files, or create it with a script in examples/data_preprocess/"
-        )
-    if path.endswith(".parquet"):
-        import pyarrow.parquet as pq
-
-        rows = pq.read_table(path).to_pylist()
-    elif path.endswith((".json", ".jsonl")):
-        rows = _read_json_rows(path)
-    else:
-        raise ValueError(f"data file {path!r} has an unsupported format; use one of {list(_SUPPORTED_SUFFIXES)}")
-    bad = next((i for i, row in enumerate(rows) if not isinstance(row, dict)), None)
-    if bad is not None:
-        raise TypeError(f"{path}, row {bad}: each row must be an object with named columns, got {type(rows[bad])}")
-    return rows
 
 
 def _check_messages(messages, prompt_key: str, where: str) -> None:
