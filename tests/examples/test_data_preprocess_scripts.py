@@ -139,10 +139,11 @@ def test_countdown_generated_offline_is_solvable_and_splits_are_disjoint(tmp_pat
         assert str(truth["numbers"]) in row["prompt"][0]["content"]
         answer = f"<think>...</think><answer>{row['extra_info']['solution']}</answer>"
         assert default_compute_score("countdown", answer, truth) == 1.0
-    key = lambda r: (
-        tuple(sorted(r["reward_model"]["ground_truth"]["numbers"])),
-        r["reward_model"]["ground_truth"]["target"],
-    )  # noqa: E731
+
+    def key(row):
+        truth = row["reward_model"]["ground_truth"]
+        return tuple(sorted(truth["numbers"])), truth["target"]
+
     assert not {key(r) for r in train} & {key(r) for r in test}
 
 
