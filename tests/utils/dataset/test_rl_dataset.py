@@ -258,3 +258,25 @@ def test_collate_keeps_equal_length_lists_as_one_object_per_item(arith_file, cha
     batch = collate_fn(items)
     assert batch["raw_prompt_ids"].shape == (2,)
     assert batch["raw_prompt_ids"][1] == items[1]["raw_prompt_ids"]
+
+
+def test_columns_missing_from_some_files_are_none_so_batches_stay_aligned(tmp_path, char_tokenizer):
+    a = _write_parquet(tmp_path / "a.parquet", [{**_row("What is 1+1?", "2", 0), "difficulty": 3}])
+    b = _write_jsonl(tmp_path / "b.jsonl", [_row("What is 2+2?", "4", 1)])
+    dataset = RLHFDataset([a, b], char_tokenizer, _config())
+    batch = collate_fn([dataset[0], dataset[1]])
+    assert batch["difficulty"].tolist() == [3, None]
+    assert all(len(value) == 2 for value in batch.values())
+
+
+def test_collated_batch_builds_a_dataproto(arith_file, char_tokenizer):
+    from verl.protocol import DataProto
+
+    dataset = RLHFDataset(arith_file, char_tokenizer, _config(return_raw_chat=True))
+    proto = DataProto.from_single_dict(collate_fn([dataset[i] for i in range(4)]))
+    assert len(proto) == 4
+    assert set(proto.batch.keys()) == {"input_ids", "attention_mask", "position_ids"}
+    assert {"raw_prompt_ids", "raw_prompt", "data_source", "reward_model", "extra_info", "index", "ability"} <= set(
+        proto.non_tensor_batch
+    )
+    assert proto[3].non_tensor_batch["reward_model"]["ground_truth"] == "3"

@@ -11,7 +11,8 @@ Design decisions:
 
 - Rows are read once into plain Python dicts (pyarrow for parquet, ``json`` for JSON/JSON lines). No
   ``datasets`` dependency and no cache directory: prompt sets are small, and upstream also reads all
-  files into memory.
+  files into memory. A column missing from some files is None in their rows, so every batch has the
+  same keys.
 - Mistakes surface when the dataset is built, not at step 500: a missing prompt column, an empty
   file, a prompt that is not a list of ``{"role", "content"}`` messages, and (with
   ``truncation="error"``) an overlong prompt all raise here, naming the file and row. Checking lengths
@@ -182,6 +183,13 @@ class RLHFDataset(Dataset):
                 _check_messages(row.get(self.prompt_key), self.prompt_key, f"{path}, row {i}")
             rows.extend(file_rows)
             origins.extend((path, i) for i in range(len(file_rows)))
+        # Files (or JSON rows) may differ in their extra columns; every item must carry the same keys so
+        # that a collated batch has one value per row for each of them.
+        all_columns = set().union(*(row.keys() for row in rows))
+        for row in rows:
+            if len(row) != len(all_columns):
+                for column in all_columns.difference(row):
+                    row[column] = None
         return rows, origins
 
     def _select_max_samples(self, shuffle: bool, seed) -> None:
