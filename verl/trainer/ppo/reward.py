@@ -1,0 +1,97 @@
+"""Build the trainer's rule-based reward function from the config (upstream verl's entry points).
+
+- ``get_custom_reward_fn(config)``: the user function named by ``custom_reward_function.path`` /
+  ``.name`` (default name ``compute_score``), with ``custom_reward_function.reward_kwargs`` bound as
+  keyword arguments; None when no path is set. Loading errors name the setting and say how to fix it
+  (missing file with the working directory, import failure with the original exception, missing
+  function with the callables the file does define).
+- ``load_reward_manager(config, tokenizer, num_examine, **reward_kwargs)``: the manager named by
+  ``reward_model.reward_manager`` (default "naive") around that function or
+  ``default_compute_score``; manager options come from ``reward_model.reward_kwargs`` (e.g.
+  ``on_error``), overridden by explicit keyword arguments.
+- ``compute_reward(data, reward_fn)`` -> ``(reward_tensor, reward_extra_info)``; errors propagate
+  (upstream's silent fallback to a second call is deliberately not reproduced).
+- ``compute_reward_async``: ``compute_reward`` as a Ray task (``compute_reward_async.remote(data,
+  reward_fn)``), created on first use so importing this module does not import ray.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Mapping
+
+
+def _plain(value) -> dict:
+    if value is None:
+        return {}
+    try:
+        from omegaconf import DictConfig, OmegaConf
+
+        if isinstance(value, DictConfig):
+            return OmegaConf.to_container(value, resolve=True)
+    except ImportError:  # pragma: no cover - omegaconf is a hard dependency
+        pass
+    if not isinstance(value, Mapping):
+        raise TypeError(f"expected a mapping of keyword arguments, got {type(value).__name__}: {value!r}")
+    return dict(value)
+
+
+def get_custom_reward_fn(config) -> Callable | None:
+    """The custom reward function of ``config.custom_reward_function``, or None if no path is set."""
+    from verl.utils.import_utils import load_extern_object
+
+    section = config.get("custom_reward_function") or {}
+    path = section.get("path")
+    if not path:
+        return None
+    name = section.get("name") or "compute_score"
+    fn = load_extern_object(path, name, config_key="custom_reward_function")
+    if not callable(fn):
+        raise TypeError(
+            f"custom_reward_function.name={name!r} in {path!r} is a {type(fn).__name__}, not a function; point it "
+            "at a function compute_score(data_source, solution_str, ground_truth, extra_info=None)"
+        )
+    reward_kwargs = _plain(section.get("reward_kwargs"))
+    return functools.partial(fn, **reward_kwargs) if reward_kwargs else fn
+
+
+def load_reward_manager(config, tokenizer, num_examine: int, **reward_kwargs):
+    """The reward manager described by ``config`` (the full trainer config)."""
+    from verl.workers.reward_manager import get_reward_manager_cls
+
+    reward_model = config.get("reward_model") or {}
+    name = reward_model.get("reward_manager") or "naive"
+    manager_cls = get_reward_manager_cls(name)
+    kwargs = {**_plain(reward_model.get("reward_kwargs")), **reward_kwargs}
+    data = config.get("data") or {}
+    try:
+        return manager_cls(
+            tokenizer=tokenizer,
+            num_examine=num_examine,
+            compute_score=get_custom_reward_fn(config),
+            reward_fn_key=data.get("reward_fn_key") or "data_source",
+            **kwargs,
+        )
+    except TypeError as e:
+        if kwargs and "unexpected keyword argument" in str(e):
+            raise TypeError(
+                f"reward manager {name!r} ({manager_cls.__name__}) does not take the options {sorted(kwargs)} "
+                f"(from reward_model.reward_kwargs or the trainer): {e}"
+            ) from e
+        raise
+
+
+def compute_reward(data, reward_fn) -> tuple:
+    """Score a batch: ``(reward_tensor [B, R], reward_extra_info {name: list of B values})``."""
+    result = reward_fn(data, return_dict=True)
+    return result["reward_tensor"], result.get("reward_extra_info", {})
+
+
+def __getattr__(name):
+    if name == "compute_reward_async":
+        import ray
+
+        remote = ray.remote(num_cpus=1)(compute_reward)
+        globals()[name] = remote
+        return remote
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -1,0 +1,313 @@
+"""Prompt dataset for RL: parquet/JSON rows in upstream verl's schema -> left-padded prompt tensors.
+
+Each row holds ``prompt`` (a list of chat messages), ``data_source``, ``ability``, ``reward_model``
+({style, ground_truth}) and ``extra_info`` ({split, index, ...}); see ``examples/data_preprocess``.
+``RLHFDataset[i]`` renders the messages with the tokenizer's chat template (generation prompt added),
+tokenizes without extra special tokens, applies ``truncation`` and left-pads to ``max_prompt_length``.
+Every other column passes through untouched, so ``collate_fn`` + ``DataProto.from_single_dict`` carry
+them to the reward function.
+
+Design decisions:
+
+- Rows are read once into plain Python dicts (pyarrow for parquet, ``json`` for JSON/JSON lines). No
+  ``datasets`` dependency and no cache directory: prompt sets are small, and upstream also reads all
+  files into memory. A column missing from some files is None in their rows, so every batch has the
+  same keys.
+- Mistakes surface when the dataset is built, not at step 500: a missing prompt column, an empty
+  file, a prompt that is not a list of ``{"role", "content"}`` messages, and (with
+  ``truncation="error"``) an overlong prompt all raise here, naming the file and row. Checking lengths
+  up front costs one batched tokenization of the prompt set; it is done only when
+  ``filter_overlong_prompts`` is on or ``truncation="error"``.
+- A tokenizer without a pad token pads with its eos token (the tokenizer is not modified); the pad
+  positions are masked out, so the value does not matter.
+- A tokenizer without a chat template is an error by default (a silent fallback would train on a
+  format the model never saw). ``data.use_chat_template=False`` opts into joining the message contents
+  with newlines instead, for base models prompted with plain text.
+- ``max_samples`` (upstream's ``data.train_max_samples``/``val_max_samples``, passed by
+  ``create_rl_dataset``) keeps the first N rows, or a seeded random subset when ``data.shuffle`` is on.
+- Multi-modal processors are not supported: a ``processor`` argument other than None is an error.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+from collections import defaultdict
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import numpy as np
+import torch
+from torch.utils.data import Dataset
+
+from verl.utils.dataset.files import read_rows
+from verl.utils.logging_utils import get_logger
+
+logger = get_logger(__name__)
+
+TRUNCATIONS = ("error", "left", "right", "middle")
+
+
+def collate_fn(data_list: list[dict]) -> dict:
+    """Stack the tensor fields of a list of items; every other field becomes a numpy object array [B].
+
+    The result is what ``DataProto.from_single_dict`` takes: tensors go to ``batch``, arrays to
+    ``non_tensor_batch``.
+    """
+    tensors: dict[str, list] = defaultdict(list)
+    non_tensors: dict[str, list] = defaultdict(list)
+    for item in data_list:
+        for key, value in item.items():
+            (tensors if isinstance(value, torch.Tensor) else non_tensors)[key].append(value)
+    batch: dict[str, Any] = {key: torch.stack(values, dim=0) for key, values in tensors.items()}
+    for key, values in non_tensors.items():
+        # Fill element by element: np.array(values) would turn equal-length lists into a 2-D array.
+        array = np.empty(len(values), dtype=object)
+        for i, value in enumerate(values):
+            array[i] = value
+        batch[key] = array
+    return batch
+
+
+def _to_plain_config(config) -> dict:
+    from omegaconf import DictConfig, OmegaConf
+
+    if isinstance(config, DictConfig):
+        return OmegaConf.to_container(config, resolve=True)
+    if isinstance(config, Mapping):
+        return {
+            k: OmegaConf.to_container(v, resolve=True) if isinstance(v, DictConfig) else v for k, v in config.items()
+        }
+    raise TypeError(f"the data config must be a dict or an omegaconf DictConfig, got {type(config).__name__}")
+
+
+def _check_messages(messages, prompt_key: str, where: str) -> None:
+    example = "[{'role': 'user', 'content': 'What is 37+48?'}]"
+    if isinstance(messages, str) or not isinstance(messages, Sequence) or len(messages) == 0:
+        raise TypeError(
+            f"{where}: column {prompt_key!r} must be a non-empty list of chat messages like {example}, "
+            f"got {type(messages).__name__} {str(messages)[:80]!r}; rewrite the file with the scripts in "
+            "examples/data_preprocess/ or wrap each prompt as a one-message list"
+        )
+    for message in messages:
+        if (
+            not isinstance(message, Mapping)
+            or not isinstance(message.get("role"), str)
+            or not isinstance(message.get("content"), str)
+        ):
+            raise TypeError(
+                f"{where}: every message in column {prompt_key!r} must be a dict with string 'role' and "
+                f"'content' keys like {example}, got {str(message)[:80]!r}"
+            )
+
+
+class RLHFDataset(Dataset):
+    """Prompts for RL rollouts, read from one or many parquet/JSON files (upstream verl's interface).
+
+    Args:
+        data_files: a path or a list of paths (``.parquet``, ``.json``, ``.jsonl``); ``~`` is expanded.
+        tokenizer: a Hugging Face tokenizer.
+        config: the ``data`` section (DictConfig or dict). Keys read: ``prompt_key`` ("prompt"),
+            ``max_prompt_length`` (1024), ``filter_overlong_prompts`` (True), ``truncation``
+            ("error" | "left" | "right" | "middle"), ``return_raw_chat`` (False), ``return_full_prompt``
+            (False), ``apply_chat_template_kwargs`` ({}), ``use_chat_template`` (True), ``shuffle`` and
+            ``seed`` (for the ``max_samples`` subset), ``max_samples`` (used when the argument is -1).
+        processor: multi-modal processor; not supported, must be None.
+        max_samples: keep at most this many rows (-1: all).
+    """
+
+    def __init__(self, data_files, tokenizer, config, processor=None, max_samples: int = -1):
+        if processor is not None:
+            raise NotImplementedError(
+                "RLHFDataset handles text prompts only; multi-modal processors are not supported, pass processor=None"
+            )
+        config = _to_plain_config(config)
+        self.tokenizer = tokenizer
+        self.prompt_key = config.get("prompt_key", "prompt")
+        self.max_prompt_length = int(config.get("max_prompt_length", 1024))
+        self.filter_overlong_prompts = bool(config.get("filter_overlong_prompts", True))
+        self.truncation = config.get("truncation", "error")
+        self.return_raw_chat = bool(config.get("return_raw_chat", False))
+        self.return_full_prompt = bool(config.get("return_full_prompt", False))
+        self.apply_chat_template_kwargs = dict(config.get("apply_chat_template_kwargs") or {})
+        self.use_chat_template = bool(config.get("use_chat_template", True))
+        if max_samples is None or max_samples < 0:
+            max_samples = config.get("max_samples", -1)
+        self.max_samples = -1 if max_samples is None else int(max_samples)
+
+        if self.truncation not in TRUNCATIONS:
+            raise ValueError(f"data.truncation={self.truncation!r} is not one of {list(TRUNCATIONS)}")
+        if self.max_prompt_length <= 0:
+            raise ValueError(
+                f"data.max_prompt_length must be a positive number of tokens, got {self.max_prompt_length}"
+            )
+        self.pad_token_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+        if self.pad_token_id is None:
+            raise ValueError(
+                f"tokenizer {type(tokenizer).__name__} has neither a pad token nor an eos token to pad prompts "
+                "with; set tokenizer.pad_token before building the dataset"
+            )
+        if self.use_chat_template and getattr(tokenizer, "chat_template", None) is None:
+            raise ValueError(
+                f"tokenizer {getattr(tokenizer, 'name_or_path', '') or type(tokenizer).__name__!r} has no chat "
+                "template, so chat-message prompts cannot be rendered; use a tokenizer that has one (an instruct "
+                "or chat model), set tokenizer.chat_template, or set data.use_chat_template=False to join the "
+                "message contents with newlines"
+            )
+
+        if isinstance(data_files, str | os.PathLike):
+            data_files = [data_files]
+        self.data_files = [os.path.expanduser(str(f)) for f in data_files]
+        if not self.data_files:
+            raise ValueError("RLHFDataset needs at least one data file; data.train_files / data.val_files is empty")
+        self.rows, self._origins = self._read_all()
+        self._select_max_samples(bool(config.get("shuffle", False)), config.get("seed"))
+        if self.filter_overlong_prompts or self.truncation == "error":
+            self._check_lengths()
+
+    # ----------------------------------------------------------------------------------------------
+    # loading
+    def _read_all(self) -> tuple[list[dict], list[tuple[str, int]]]:
+        rows, origins = [], []
+        for path in self.data_files:
+            file_rows = read_rows(path)
+            if not file_rows:
+                raise ValueError(f"data file {path!r} has no rows; regenerate it or remove it from the file list")
+            columns = set().union(*(row.keys() for row in file_rows[:100]))
+            if self.prompt_key not in columns:
+                raise ValueError(
+                    f"data file {path!r} has no column {self.prompt_key!r} (data.prompt_key); its columns are "
+                    f"{sorted(columns)}. Set data.prompt_key to the column holding the chat messages"
+                )
+            for i, row in enumerate(file_rows):
+                _check_messages(row.get(self.prompt_key), self.prompt_key, f"{path}, row {i}")
+            rows.extend(file_rows)
+            origins.extend((path, i) for i in range(len(file_rows)))
+        # Files (or JSON rows) may differ in their extra columns; every item must carry the same keys so
+        # that a collated batch has one value per row for each of them.
+        all_columns = set().union(*(row.keys() for row in rows))
+        for row in rows:
+            if len(row) != len(all_columns):
+                for column in all_columns.difference(row):
+                    row[column] = None
+        return rows, origins
+
+    def _select_max_samples(self, shuffle: bool, seed) -> None:
+        total = len(self.rows)
+        if not 0 <= self.max_samples < total:
+            return
+        if shuffle:
+            rng = np.random.default_rng(seed)
+            keep = sorted(rng.choice(total, size=self.max_samples, replace=False).tolist())
+        else:
+            keep = range(self.max_samples)
+        self.rows = [self.rows[i] for i in keep]
+        self._origins = [self._origins[i] for i in keep]
+
+    def _check_lengths(self) -> None:
+        texts = [self._render(row[self.prompt_key]) for row in self.rows]
+        lengths = [len(ids) for ids in self.tokenizer(texts, add_special_tokens=False)["input_ids"]] if texts else []
+        too_long = [i for i, n in enumerate(lengths) if n > self.max_prompt_length]
+        if not too_long:
+            return
+        if self.filter_overlong_prompts:
+            if len(too_long) == len(self.rows):
+                raise ValueError(
+                    f"all {len(self.rows)} prompts are longer than data.max_prompt_length={self.max_prompt_length} "
+                    f"tokens (the shortest has {min(lengths)}); raise data.max_prompt_length"
+                )
+            drop = set(too_long)
+            self.rows = [row for i, row in enumerate(self.rows) if i not in drop]
+            self._origins = [o for i, o in enumerate(self._origins) if i not in drop]
+            logger.warning(
+                "dropped %d of %d prompts longer than data.max_prompt_length=%d tokens (filter_overlong_prompts)",
+                len(drop),
+                len(lengths),
+                self.max_prompt_length,
+            )
+            return
+        path, row = self._origins[too_long[0]]
+        raise ValueError(
+            f"{len(too_long)} prompts are longer than data.max_prompt_length={self.max_prompt_length} tokens, e.g. "
+            f"{path}, row {row} with {lengths[too_long[0]]} tokens, and data.truncation='error'. Raise "
+            "data.max_prompt_length, set data.filter_overlong_prompts=True to drop them, or set data.truncation "
+            "to 'left', 'right' or 'middle'"
+        )
+
+    # ----------------------------------------------------------------------------------------------
+    # items
+    def _render(self, messages) -> str:
+        messages = [dict(m) for m in messages]
+        if not self.use_chat_template:
+            return "\n".join(m["content"] for m in messages)
+        return self.tokenizer.apply_chat_template(
+            messages, add_generation_prompt=True, tokenize=False, **self.apply_chat_template_kwargs
+        )
+
+    def _truncate(self, ids: list[int], where: str) -> list[int]:
+        limit = self.max_prompt_length
+        if len(ids) <= limit:
+            return ids
+        if self.truncation == "left":
+            return ids[-limit:]
+        if self.truncation == "right":
+            return ids[:limit]
+        if self.truncation == "middle":
+            head = limit // 2
+            return ids[:head] + ids[len(ids) - (limit - head) :]
+        raise ValueError(
+            f"{where}: prompt has {len(ids)} tokens > data.max_prompt_length={limit} and data.truncation='error'"
+        )
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def __getitem__(self, item: int) -> dict:
+        row = copy.deepcopy(self.rows[item])
+        messages = row.pop(self.prompt_key)
+        text = self._render(messages)
+        path, file_row = self._origins[item]
+        ids = self._truncate(self.tokenizer(text, add_special_tokens=False)["input_ids"], f"{path}, row {file_row}")
+
+        num_pad = self.max_prompt_length - len(ids)
+        input_ids = torch.tensor([self.pad_token_id] * num_pad + ids, dtype=torch.long)
+        attention_mask = torch.tensor([0] * num_pad + [1] * len(ids), dtype=torch.long)
+        row["input_ids"] = input_ids
+        row["attention_mask"] = attention_mask
+        row["position_ids"] = torch.clamp(torch.cumsum(attention_mask, dim=0) - 1, min=0)
+        row["raw_prompt_ids"] = ids
+        if self.return_raw_chat:
+            row["raw_prompt"] = messages
+        if self.return_full_prompt:
+            row["full_prompts"] = text
+        extra_info = row.get("extra_info")
+        index = extra_info.get("index") if isinstance(extra_info, Mapping) else None
+        row["index"] = item if index is None else index
+        return row
+
+
+def create_rl_dataset(data_paths, data_config, tokenizer, processor=None, is_train: bool = True) -> Dataset:
+    """The RL prompt dataset for ``data.train_files`` (is_train) or ``data.val_files``.
+
+    ``data.custom_cls.path``/``.name`` selects a user Dataset class (same constructor as RLHFDataset);
+    ``data.train_max_samples`` / ``data.val_max_samples`` cap the number of rows (-1: all).
+    """
+    custom = data_config.get("custom_cls") or {}
+    dataset_cls = RLHFDataset
+    if custom.get("path"):
+        from verl.utils.import_utils import load_extern_type
+
+        dataset_cls = load_extern_type(custom["path"], custom.get("name"), config_key="data.custom_cls")
+        if not issubclass(dataset_cls, Dataset):
+            raise TypeError(
+                f"data.custom_cls {custom.get('name')!r} from {custom['path']!r} must be a subclass of "
+                "torch.utils.data.Dataset"
+            )
+    max_samples = data_config.get("train_max_samples" if is_train else "val_max_samples", -1)
+    return dataset_cls(
+        data_files=data_paths,
+        tokenizer=tokenizer,
+        config=data_config,
+        processor=processor,
+        max_samples=-1 if max_samples is None else max_samples,
+    )

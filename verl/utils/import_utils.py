@@ -1,0 +1,70 @@
+"""Load user code from a Python file given by path (custom reward functions, custom dataset classes).
+
+The file is imported under a module name derived from its absolute path and registered in
+``sys.modules``, so the objects it defines can be pickled by reference (process pools forked from this
+process find the module) and two different files never shadow each other. Each failure names the
+config key that pointed at the file and says how to fix it: a missing file (with the working
+directory relative paths are resolved from), a file that raises while importing (the original
+exception is chained), a name that the file does not define (with the callables it does define).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import os
+import sys
+from types import ModuleType
+
+
+def load_module(file_path: str, config_key: str = "path") -> ModuleType:
+    """Import the Python file at ``file_path``; ``config_key`` names the setting it came from, for errors."""
+    path = os.path.abspath(os.path.expanduser(str(file_path)))
+    if not os.path.isfile(path):
+        raise FileNotFoundError(
+            f"{config_key}={file_path!r} does not exist (resolved to {path!r}; relative paths are resolved from "
+            f"the working directory {os.getcwd()!r}); set {config_key} to an existing .py file"
+        )
+    stem = os.path.splitext(os.path.basename(path))[0]
+    module_name = f"verl_extern_{hashlib.sha1(path.encode()).hexdigest()[:10]}_{stem}"
+    spec = importlib.util.spec_from_file_location(module_name, path)
+    if spec is None or spec.loader is None:
+        raise ImportError(f"{config_key}={file_path!r} cannot be imported as Python source; give a .py file")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[module_name] = module
+    try:
+        spec.loader.exec_module(module)
+    except Exception as e:
+        del sys.modules[module_name]
+        raise RuntimeError(
+            f"importing {config_key}={file_path!r} raised {type(e).__name__}: {e} (see the traceback above); "
+            "fix the file, or check that its dependencies are installed in this environment"
+        ) from e
+    return module
+
+
+def _public_callables(module: ModuleType) -> list[str]:
+    return sorted(name for name, value in vars(module).items() if callable(value) and not name.startswith("_"))
+
+
+def load_extern_object(file_path: str, name: str, config_key: str = "custom") -> object:
+    """The object called ``name`` defined in the Python file ``file_path``.
+
+    ``config_key`` is the config section the two values came from (``custom_reward_function``), so errors
+    can name ``<config_key>.path`` and ``<config_key>.name``.
+    """
+    module = load_module(file_path, config_key=f"{config_key}.path")
+    if not name or not hasattr(module, name):
+        raise AttributeError(
+            f"{config_key}.name={name!r} is not defined in {config_key}.path={file_path!r}; the file defines "
+            f"these callables: {_public_callables(module)}. Set {config_key}.name to one of them"
+        )
+    return getattr(module, name)
+
+
+def load_extern_type(file_path: str, type_name: str, config_key: str = "custom_cls") -> type:
+    """A class defined in a Python file (upstream's name for ``load_extern_object`` restricted to types)."""
+    obj = load_extern_object(file_path, type_name, config_key=config_key)
+    if not isinstance(obj, type):
+        raise TypeError(f"{config_key}.name={type_name!r} in {file_path!r} is a {type(obj).__name__}, not a class")
+    return obj

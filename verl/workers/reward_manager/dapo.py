@@ -1,0 +1,70 @@
+"""DAPO's reward manager: per-sample scores plus the overlong-buffer length penalty.
+
+With ``overlong_buffer_cfg.enable``, a response longer than ``max_resp_len - len`` loses
+``penalty_factor`` times the fraction of the buffer it runs into, linearly, down to ``-penalty_factor``
+at ``max_resp_len`` (DAPO paper, "soft overlong punishment"). With ``log``, the penalty and whether it
+applied are reported per sample (``overlong_reward``, ``overlong``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+
+from verl.workers.reward_manager.abstract import AbstractRewardManager, Sample, ScoreOutcome
+from verl.workers.reward_manager.registry import register
+
+
+@register("dapo")
+class DAPORewardManager(AbstractRewardManager):
+    """NaiveRewardManager + overlong penalty.
+
+    Args (beyond the base class):
+        max_resp_len: the rollout's maximum response length in tokens (``data.max_response_length``).
+        overlong_buffer_cfg: ``{enable, len, penalty_factor, log}`` (``reward_model.overlong_buffer``).
+    """
+
+    def __init__(
+        self,
+        tokenizer,
+        num_examine: int,
+        compute_score: Callable | None = None,
+        reward_fn_key: str = "data_source",
+        max_resp_len: int | None = None,
+        overlong_buffer_cfg: Mapping | None = None,
+        on_error: str = "raise",
+    ):
+        super().__init__(tokenizer, num_examine, compute_score, reward_fn_key, on_error)
+        cfg = dict(overlong_buffer_cfg or {})
+        self.overlong_enable = bool(cfg.get("enable", False))
+        self.overlong_len = int(cfg.get("len", 0) or 0)
+        self.overlong_penalty_factor = float(cfg.get("penalty_factor", 1.0))
+        self.overlong_log = bool(cfg.get("log", False))
+        self.max_resp_len = max_resp_len
+        if self.overlong_enable:
+            if max_resp_len is None:
+                raise ValueError(
+                    "the overlong buffer (reward_model.overlong_buffer.enable=True) needs max_resp_len; pass "
+                    "max_resp_len=data.max_response_length to the reward manager"
+                )
+            if not 0 < self.overlong_len <= max_resp_len:
+                raise ValueError(
+                    f"reward_model.overlong_buffer.len={self.overlong_len} must be in (0, max_resp_len={max_resp_len}]; "
+                    "otherwise every response would be penalised. Lower the buffer or raise data.max_response_length"
+                )
+
+    def compute_scores(self, samples: list[Sample]) -> list[ScoreOutcome]:
+        return [self.call_one(sample) for sample in samples]
+
+    def adjust_scores(self, samples: list[Sample], scores: list[float], extra_info: dict[str, list]) -> list[float]:
+        if not self.overlong_enable:
+            return scores
+        expected_len = self.max_resp_len - self.overlong_len
+        adjusted = []
+        for sample, score in zip(samples, scores):
+            exceed = sample.valid_response_length - expected_len
+            penalty = min(-exceed / self.overlong_len * self.overlong_penalty_factor, 0.0)
+            adjusted.append(score + penalty)
+            if self.overlong_log:
+                extra_info["overlong_reward"][sample.index] = penalty
+                extra_info["overlong"][sample.index] = penalty < 0
+        return adjusted
