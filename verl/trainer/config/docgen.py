@@ -75,12 +75,12 @@ def _status(meta: dict) -> str:
     return {S.SUPPORTED: "yes", S.IGNORED: "ignored"}[status]
 
 
-def _section(cls: type, path: str, defaults: dict, out: list[str], level: int) -> None:
+def _section(cls: type, path: str, about: str, defaults: dict, out: list[str], level: int) -> None:
     hints = typing.get_type_hints(cls)
     fields = dataclasses.fields(cls)
     leaves = [f for f in fields if not _is_dataclass_type(hints[f.name])]
     out.append(f"{'#' * level} `{path}`\n")
-    out.append(inspect.getdoc(cls) + "\n")
+    out.append(f"{about} {inspect.getdoc(cls)}\n")
     if S.is_open(cls):
         out.append("Keys not listed here are accepted and passed through.\n")
     if leaves:
@@ -98,7 +98,8 @@ def _section(cls: type, path: str, defaults: dict, out: list[str], level: int) -
         out.append("")
     for f in fields:
         if _is_dataclass_type(hints[f.name]):
-            _section(hints[f.name], f"{path}.{f.name}", defaults.get(f.name) or {}, out, min(level + 1, 4))
+            about = S.field_meta(f)["doc"]
+            _section(hints[f.name], f"{path}.{f.name}", about, defaults.get(f.name) or {}, out, min(level + 1, 4))
 
 
 def render() -> str:
@@ -107,7 +108,7 @@ def render() -> str:
     out = [_HEADER]
     hints = typing.get_type_hints(S.PPOConfig)
     for f in dataclasses.fields(S.PPOConfig):
-        _section(hints[f.name], f.name, raw.get(f.name) or {}, out, 2)
+        _section(hints[f.name], f.name, S.field_meta(f)["doc"], raw.get(f.name) or {}, out, 2)
     return "\n".join(out).rstrip() + "\n"
 
 

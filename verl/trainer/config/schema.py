@@ -19,6 +19,7 @@ Design decisions:
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -54,7 +55,15 @@ ROLLOUT_MODES = ("sync", "async")
 STRATEGIES = ("fsdp", "fsdp2", "megatron")
 LOGGERS = ("console", "file", "mlflow", "tensorboard", "wandb")
 RESUME_MODES = ("auto", "disable", "resume_path")
-DEVICES = ("auto", "cpu", "cuda")
+
+
+def device_choices() -> tuple[str, ...]:
+    """Valid `trainer.device` values, owned by verl.utils.device (imported lazily: it imports torch)."""
+    from verl.utils.device import _VALID
+
+    return tuple(_VALID)
+
+
 TRUNCATIONS = ("error", "left", "right", "middle")
 LR_SCHEDULES = ("constant", "cosine")
 KL_CTRL_TYPES = ("fixed", "adaptive")
@@ -68,14 +77,15 @@ PF_PPO_METHODS = ("pow", "max_min", "max_random")
 def doc(
     text: str,
     *,
-    choices: tuple | None = None,
+    choices: tuple | Callable[[], tuple] | None = None,
     status: str = SUPPORTED,
     neutral: Any = _NO_NEUTRAL,
     replacement: str | None = None,
 ):
     """Declare one config key: its documentation and how the validator treats it.
 
-    choices: valid values (each element is checked when the value is a list).
+    choices: valid values (each element is checked when the value is a list), or a function
+        returning them (for tables owned by a module too heavy to import here).
     status: SUPPORTED, IGNORED, UNSUPPORTED (needs `neutral`) or DEPRECATED (needs `replacement`).
     neutral: for UNSUPPORTED keys, the only value accepted (the one that switches the feature off).
     """
@@ -575,7 +585,7 @@ class TrainerConfig:
     max_actor_ckpt_to_keep: int | None = doc("Keep only the newest N actor checkpoints (null: all).")
     max_critic_ckpt_to_keep: int | None = doc("Keep only the newest N critic checkpoints (null: all).")
     ray_wait_register_center_timeout: int = doc("Seconds to wait for the worker group to register.")
-    device: str = doc("auto: CUDA when torch sees a GPU, else CPU.", choices=DEVICES)
+    device: str = doc("auto: CUDA when torch sees a GPU, else CPU.", choices=device_choices)
     use_legacy_worker_impl: str = doc("Upstream worker-implementation switch.", status=IGNORED)
     run_dir: str = doc(
         "Run directory: resolved config.yaml, metrics.jsonl, training-curve PNG, tensorboard/wandb files."
@@ -635,8 +645,11 @@ class PPOConfig:
 
 
 def field_meta(f: dataclasses.Field) -> dict:
-    """The `doc(...)` metadata of a schema field."""
-    return dict(f.metadata)
+    """The `doc(...)` metadata of a schema field, with `choices` evaluated to a tuple (or None)."""
+    meta = dict(f.metadata)
+    if callable(meta["choices"]):
+        meta["choices"] = meta["choices"]()
+    return meta
 
 
 def is_open(cls: type) -> bool:
