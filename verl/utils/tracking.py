@@ -190,7 +190,8 @@ class MlflowLogger:
         uri = os.environ.get("MLFLOW_TRACKING_URI")
         if not uri:
             uri = "file:" + str(Path("mlruns").resolve())
-            os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")
+            if not os.environ.get("MLFLOW_ALLOW_FILE_STORE"):
+                os.environ["MLFLOW_ALLOW_FILE_STORE"] = "true"
         self.tracking_uri = uri
         self.client = mlflow.MlflowClient(tracking_uri=uri)
         exp = self.client.get_experiment_by_name(project_name)
