@@ -38,6 +38,8 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
+from verl.utils.plotting import is_plotted_metric
+
 BACKENDS = ("console", "file", "mlflow", "tensorboard", "wandb")
 # backend -> (module that must import, install command)
 _BACKEND_PACKAGES = {
@@ -364,8 +366,6 @@ class Tracking:
         for name, logger in self.logger.items():
             if backend is None or name in ([backend] if isinstance(backend, str) else backend):
                 logger.log(data=data, step=step)
-        from verl.utils.plotting import is_plotted_metric
-
         kept = {k: s for k, v in data.items() if is_plotted_metric(k) and (s := _scalar(v)) is not None}
         if kept:
             self._history.append({"step": step, "data": kept})

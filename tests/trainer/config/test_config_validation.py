@@ -75,6 +75,11 @@ def test_open_sections_accept_extra_keys(defaults):
     validate_ppo_config(with_(defaults, ray_kwargs__ray_init__runtime_env={"env_vars": {"A": "1"}}))
 
 
+def test_hydra_target_keys_from_upstream_yaml_are_accepted(defaults):
+    cfg = with_(defaults, algorithm___target_="verl.trainer.config.AlgoConfig")
+    validate_ppo_config(cfg)
+
+
 def test_string_where_int_expected_names_key_type_and_value(defaults):
     msg = error_of(with_(defaults, data__train_batch_size="32x"))
     assert "data.train_batch_size='32x'" in msg and "int is expected" in msg and "whole number" in msg

@@ -10,6 +10,8 @@ Design decisions:
 - Batch semantics are upstream's: `data.train_batch_size` and `ppo_mini_batch_size` count
   prompts (x `rollout.n` sequences), split evenly over the data-parallel ranks;
   `*_micro_batch_size_per_gpu` counts sequences on one rank.
+- `_target_` keys (Hydra instantiation hints in upstream's newer YAML files) and a top-level
+  `hydra` section are accepted anywhere and ignored, so a config copied from upstream loads.
 - Type checks are strict on purpose (no string-to-number coercion): after Hydra's parsing a
   string where a number belongs means a typo such as `data.train_batch_size=32x`.
 """
@@ -123,7 +125,7 @@ def _check_section(
     hints = typing.get_type_hints(cls)
     fields = {f.name: f for f in dataclasses.fields(cls)}
     for key in value:
-        if key in fields or S.is_open(cls) or (not path and key == "hydra"):
+        if key in fields or key == "_target_" or S.is_open(cls) or (not path and key == "hydra"):
             continue
         full = f"{path}{key}"
         hint = did_you_mean(str(key), list(fields), prefix=path, all_keys=all_keys, full_key=full)
