@@ -219,3 +219,11 @@ def test_role_helpers_follow_upstream_rules():
     kl = load_ppo_config(["actor_rollout_ref.actor.use_kl_loss=true"])
     assert need_reference_policy(kl)
     assert need_reference_policy(load_ppo_config(["algorithm.use_kl_in_reward=true"]))
+
+
+def test_override_can_fill_a_mandatory_value():
+    from verl.trainer.config import apply_overrides
+
+    cfg = OmegaConf.create({"rollout": {"name": "???", "n": "${other}"}})
+    apply_overrides(cfg, ["rollout.name=vllm", "rollout.n=4"])  # neither value is resolved to check existence
+    assert cfg.rollout.name == "vllm" and cfg.rollout.n == 4

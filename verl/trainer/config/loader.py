@@ -122,11 +122,22 @@ def _all_keys(cfg, prefix: str = "") -> list[str]:
     return keys
 
 
+def _has_key(cfg: DictConfig, key: str) -> bool:
+    """Whether dotted `key` exists, without resolving anything (a ??? value still exists)."""
+    node = cfg
+    for part in key.split("."):
+        # `.keys()` on purpose: `in` on a DictConfig reports a ??? value as absent
+        if not isinstance(node, DictConfig) or node._is_none() or part not in node.keys():  # noqa: SIM118
+            return False
+        node = node._get_node(part)
+    return True
+
+
 def _missing_key_error(cfg: DictConfig, key: str, override: str) -> ConfigError:
     parts = key.split(".")
     node = cfg
     for i, part in enumerate(parts):
-        if isinstance(node, DictConfig) and part in node:
+        if isinstance(node, DictConfig) and not node._is_none() and part in node.keys():  # noqa: SIM118
             node = node._get_node(part)
             continue
         parent = ".".join(parts[:i])
@@ -168,7 +179,7 @@ def apply_overrides(cfg: DictConfig, overrides: list[str]) -> None:
             raise ConfigError(
                 f"override {text!r}: config-group and sweep overrides are not supported; set one value per key"
             )
-        exists = OmegaConf.select(cfg, key, default=_ABSENT, throw_on_missing=False) is not _ABSENT
+        exists = _has_key(cfg, key)
         if ov.is_delete():
             if not exists:
                 raise _missing_key_error(cfg, key, text)
