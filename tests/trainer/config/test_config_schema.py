@@ -10,7 +10,7 @@ from omegaconf import OmegaConf
 
 from verl.trainer.config import CONFIG_DIR, PPOConfig
 from verl.trainer.config import schema as S
-from verl.trainer.config.validate import _is_dataclass_type, iter_schema_fields, schema_keys
+from verl.trainer.config.validate import is_section_type, iter_schema_fields, schema_keys
 
 
 def raw_yaml() -> dict:
@@ -28,7 +28,7 @@ def yaml_keys(node: dict, prefix: str = "") -> list[str]:
 
 def dict_valued_fields() -> set[str]:
     """Keys whose value is a free-form dict (their contents are not schema keys)."""
-    return {k for k, _, tp, _ in iter_schema_fields() if not _is_dataclass_type(tp) and "dict" in str(tp)}
+    return {k for k, _, tp, _ in iter_schema_fields() if not is_section_type(tp) and "dict" in str(tp)}
 
 
 def test_yaml_and_schema_list_the_same_keys():
@@ -49,7 +49,7 @@ def test_every_field_is_documented():
 def test_yaml_defaults_are_valid_choices_and_neutral_values():
     raw = raw_yaml()
     for key, f, tp, _ in iter_schema_fields():
-        if _is_dataclass_type(tp):
+        if is_section_type(tp):
             continue
         value = raw
         for part in key.split("."):
@@ -67,7 +67,7 @@ def test_yaml_defaults_are_valid_choices_and_neutral_values():
 def test_schema_types_are_ones_the_validator_understands():
     allowed = {int, float, bool, str, dict, type(None)}
     for key, _, tp, _ in iter_schema_fields():
-        if _is_dataclass_type(tp):
+        if is_section_type(tp):
             continue
         for arg in typing.get_args(tp) or (tp,):
             inner = typing.get_args(arg) if typing.get_origin(arg) is list else (arg,)

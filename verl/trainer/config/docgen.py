@@ -18,7 +18,7 @@ from omegaconf import OmegaConf
 
 from verl.trainer.config import schema as S
 from verl.trainer.config.loader import CONFIG_DIR, DEFAULT_CONFIG_NAME
-from verl.trainer.config.validate import _is_dataclass_type, type_name
+from verl.trainer.config.validate import is_section_type, type_name
 
 _HEADER = """\
 # Configuration reference
@@ -78,7 +78,7 @@ def _status(meta: dict) -> str:
 def _section(cls: type, path: str, about: str, defaults: dict, out: list[str], level: int) -> None:
     hints = typing.get_type_hints(cls)
     fields = dataclasses.fields(cls)
-    leaves = [f for f in fields if not _is_dataclass_type(hints[f.name])]
+    leaves = [f for f in fields if not is_section_type(hints[f.name])]
     out.append(f"{'#' * level} `{path}`\n")
     out.append(f"{about} {inspect.getdoc(cls)}\n")
     if S.is_open(cls):
@@ -97,7 +97,7 @@ def _section(cls: type, path: str, about: str, defaults: dict, out: list[str], l
             )
         out.append("")
     for f in fields:
-        if _is_dataclass_type(hints[f.name]):
+        if is_section_type(hints[f.name]):
             about = S.field_meta(f)["doc"]
             _section(hints[f.name], f"{path}.{f.name}", about, defaults.get(f.name) or {}, out, min(level + 1, 4))
 

@@ -35,7 +35,8 @@ from verl.trainer.config.errors import ConfigError, ConfigWarning, did_you_mean
 # --------------------------------------------------------------------------------------- types
 
 
-def _is_dataclass_type(tp) -> bool:
+def is_section_type(tp) -> bool:
+    """Whether a schema type is a nested section (a dataclass) rather than a value."""
     return isinstance(tp, type) and dataclasses.is_dataclass(tp)
 
 
@@ -53,7 +54,7 @@ def type_name(tp) -> str:
         return "dict"
     if tp is Any:
         return "any"
-    if _is_dataclass_type(tp):
+    if is_section_type(tp):
         return "section"
     return tp.__name__
 
@@ -96,26 +97,19 @@ def _type_hint(tp) -> str:
 # ---------------------------------------------------------------------------------- schema walk
 
 
-def schema_keys(cls: type = S.PPOConfig, prefix: str = "") -> list[str]:
-    """Every dotted key the schema declares, sections included."""
-    keys = []
-    hints = typing.get_type_hints(cls)
-    for f in dataclasses.fields(cls):
-        full = f"{prefix}{f.name}"
-        keys.append(full)
-        if _is_dataclass_type(hints[f.name]):
-            keys.extend(schema_keys(hints[f.name], full + "."))
-    return keys
-
-
 def iter_schema_fields(cls: type = S.PPOConfig, prefix: str = ""):
     """Yield (dotted key, field, type, owning dataclass) for every leaf and section, depth first."""
     hints = typing.get_type_hints(cls)
     for f in dataclasses.fields(cls):
         full = f"{prefix}{f.name}"
         yield full, f, hints[f.name], cls
-        if _is_dataclass_type(hints[f.name]):
+        if is_section_type(hints[f.name]):
             yield from iter_schema_fields(hints[f.name], full + ".")
+
+
+def schema_keys() -> list[str]:
+    """Every dotted key the schema declares, sections included."""
+    return [key for key, *_ in iter_schema_fields()]
 
 
 def _check_section(
@@ -152,7 +146,7 @@ def _check_section(
         if v == "???":
             errors.append((full, f"config key {full} must be set (it is ???); pass {full}=..."))
             continue
-        if _is_dataclass_type(tp):
+        if is_section_type(tp):
             if not isinstance(v, dict):
                 errors.append(
                     (
