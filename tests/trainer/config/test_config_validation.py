@@ -1,0 +1,370 @@
+"""Start-up validation: every class of user error fails with a message saying what, why and how to fix.
+
+Most tests edit a plain-dict copy of the resolved defaults (fast); the loader tests cover the same
+errors arriving through command-line overrides.
+"""
+
+from __future__ import annotations
+
+import copy
+import warnings
+
+import pytest
+
+from verl.trainer.config import ConfigError, ConfigWarning, load_ppo_config, validate_ppo_config
+from verl.trainer.config.schema import GROUP_ADV_ESTIMATORS
+
+
+@pytest.fixture(scope="module")
+def defaults() -> dict:
+    from omegaconf import OmegaConf
+
+    return OmegaConf.to_container(load_ppo_config(), resolve=True)
+
+
+def with_(base: dict, **changes) -> dict:
+    """A copy of `base` with dotted keys (written with __ for dots) set."""
+    cfg = copy.deepcopy(base)
+    for dotted, value in changes.items():
+        *parents, leaf = dotted.split("__")
+        node = cfg
+        for p in parents:
+            node = node[p]
+        node[leaf] = value
+    return cfg
+
+
+def error_of(cfg) -> str:
+    with pytest.raises(ConfigError) as e:
+        validate_ppo_config(cfg)
+    return str(e.value)
+
+
+def test_defaults_validate_without_warnings(defaults):
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        validate_ppo_config(defaults)
+
+
+# ------------------------------------------------------------------------------ structure, types
+
+
+def test_unknown_key_names_full_key_and_closest_valid_key(defaults):
+    cfg = with_(defaults, trainer__projct_name="x")
+    msg = error_of(cfg)
+    assert "unknown config key 'trainer.projct_name'" in msg
+    assert "Did you mean trainer.project_name?" in msg
+
+
+def test_unknown_key_deep_in_the_tree_suggests_the_nested_key(defaults):
+    cfg = with_(defaults, actor_rollout_ref__rollout__val_kwargs__temprature=0.5)
+    assert "Did you mean actor_rollout_ref.rollout.val_kwargs.temperature?" in error_of(cfg)
+
+
+def test_unknown_section_suggests_the_section(defaults):
+    cfg = with_(defaults, algoritm={"adv_estimator": "grpo"})
+    assert "Did you mean algorithm?" in error_of(cfg)
+
+
+def test_unknown_key_with_nothing_close_gets_no_wild_guess(defaults):
+    msg = error_of(with_(defaults, trainer__zzzqqq=1))
+    assert "trainer.zzzqqq" in msg and "Did you mean" not in msg
+
+
+def test_open_sections_accept_extra_keys(defaults):
+    validate_ppo_config(with_(defaults, ray_kwargs__ray_init__runtime_env={"env_vars": {"A": "1"}}))
+
+
+def test_hydra_target_keys_from_upstream_yaml_are_accepted(defaults):
+    cfg = with_(defaults, algorithm___target_="verl.trainer.config.AlgoConfig")
+    validate_ppo_config(cfg)
+
+
+def test_string_where_int_expected_names_key_type_and_value(defaults):
+    msg = error_of(with_(defaults, data__train_batch_size="32x"))
+    assert "data.train_batch_size='32x'" in msg and "int is expected" in msg and "whole number" in msg
+
+
+@pytest.mark.parametrize(
+    "key, value, expected",
+    [
+        ("trainer__n_gpus_per_node", 2.0, "int"),  # a float is not a count
+        ("actor_rollout_ref__actor__use_kl_loss", 1, "bool"),  # 1 is not a boolean
+        ("data__train_batch_size", True, "int"),  # bool is not an int
+        ("actor_rollout_ref__actor__optim__lr", "1e-4", "float"),  # quoted number stays a string
+        ("trainer__logger", 3, "list[str] | str"),
+        ("data__train_files", ["a.parquet", 3], "str | list[str]"),
+    ],
+)
+def test_wrong_types_are_rejected(defaults, key, value, expected):
+    msg = error_of(with_(defaults, **{key: value}))
+    assert f"{key.replace('__', '.')}={value!r}" in msg and f"{expected} is expected" in msg
+
+
+def test_int_is_accepted_where_float_is_expected(defaults):
+    validate_ppo_config(with_(defaults, actor_rollout_ref__actor__optim__lr=1))
+
+
+def test_section_set_to_a_scalar_is_rejected(defaults):
+    assert "actor_rollout_ref.actor.optim is a section" in error_of(
+        with_(defaults, actor_rollout_ref__actor__optim=0.1)
+    )
+
+
+def test_missing_value_marker_must_be_set(defaults):
+    assert "must be set" in error_of(with_(defaults, actor_rollout_ref__rollout__name="???"))
+
+
+@pytest.mark.parametrize(
+    "key, bad, valid",
+    [
+        ("algorithm__adv_estimator", "grpoo", "grpo"),
+        ("actor_rollout_ref__actor__loss_agg_mode", "token_mean", "token-mean"),
+        ("actor_rollout_ref__rollout__name", "vllmm", "vllm"),
+        ("algorithm__kl_penalty", "low-var-kl", "low_var_kl"),
+        ("actor_rollout_ref__actor__kl_loss_type", "k4", "low_var_kl"),
+        ("trainer__resume_mode", "resume", "resume_path"),
+        ("trainer__device", "tpu", "cuda"),
+        ("reward_model__reward_manager", "naïve", "naive"),
+    ],
+)
+def test_invalid_choices_list_the_valid_values(defaults, key, bad, valid):
+    msg = error_of(with_(defaults, **{key: bad}))
+    assert f"{key.replace('__', '.')}={bad!r} is not a valid choice" in msg
+    assert "Valid values:" in msg and valid in msg.split("Valid values:")[1]
+
+
+def test_each_logger_name_is_checked(defaults):
+    msg = error_of(with_(defaults, trainer__logger=["console", "wandbb"]))
+    assert "trainer.logger='wandbb'" in msg and "Did you mean wandb?" in msg
+    assert "console, file, mlflow, tensorboard, wandb" in msg
+
+
+def test_straight_through_kl_estimators_are_valid(defaults):
+    validate_ppo_config(with_(defaults, algorithm__kl_penalty="low_var_kl+"))
+
+
+def test_unimplemented_feature_is_refused_not_ignored(defaults):
+    msg = error_of(with_(defaults, actor_rollout_ref__model__lora_rank=16))
+    assert "actor_rollout_ref.model.lora_rank=16 is not implemented" in msg
+    assert "keep actor_rollout_ref.model.lora_rank=0" in msg
+
+
+def test_unimplemented_feature_at_its_neutral_value_is_fine(defaults):
+    validate_ppo_config(with_(defaults, actor_rollout_ref__rollout__multi_turn__enable=False))
+
+
+def test_deprecated_key_warns_and_names_replacement(defaults):
+    cfg = with_(
+        defaults,
+        actor_rollout_ref__actor__ppo_micro_batch_size=128,
+        actor_rollout_ref__actor__ppo_micro_batch_size_per_gpu=None,
+    )
+    with pytest.warns(ConfigWarning, match="ppo_micro_batch_size is deprecated; use ppo_micro_batch_size_per_gpu"):
+        validate_ppo_config(cfg)
+
+
+def test_all_problems_are_reported_at_once(defaults):
+    cfg = with_(defaults, data__shufle=True, algorithm__adv_estimator="ppo", trainer__nnodes="1")
+    with pytest.raises(ConfigError) as e:
+        validate_ppo_config(cfg)
+    assert len(e.value.errors) == 3
+    assert str(e.value).startswith("invalid config (3 problems):")
+
+
+def test_a_bad_value_copied_by_interpolation_is_reported_once():
+    with pytest.raises(ConfigError) as e:
+        load_ppo_config(["data.train_batch_size=abc"])
+    assert len(e.value.errors) == 1  # not again for data.gen_batch_size / ppo_mini_batch_size
+    assert "data.train_batch_size='abc'" in e.value.errors[0]
+
+
+# ----------------------------------------------------------------------------- batch arithmetic
+
+
+def test_batch_not_divisible_by_workers_suggests_a_batch_size(defaults):
+    msg = error_of(with_(defaults, trainer__n_gpus_per_node=3))
+    assert "32 x 8 = 256 sequences per step is not divisible by the 3 workers" in msg
+    assert "data.train_batch_size=33" in msg  # 33 x 8 = 264 = 3 x 88: the next size that works
+    assert "trainer.n_gpus_per_node" in msg
+
+
+def test_mini_batch_larger_than_batch(defaults):
+    msg = error_of(with_(defaults, actor_rollout_ref__actor__ppo_mini_batch_size=64))
+    assert "ppo_mini_batch_size=64 is larger than data.train_batch_size=32" in msg
+    assert "at most 32" in msg
+
+
+def test_batch_not_divisible_by_mini_batch_suggests_a_divisor(defaults):
+    cfg = with_(
+        defaults,
+        actor_rollout_ref__actor__ppo_mini_batch_size=12,
+        actor_rollout_ref__actor__ppo_micro_batch_size_per_gpu=8,
+    )
+    msg = error_of(cfg)
+    assert "data.train_batch_size=32 is not divisible by actor_rollout_ref.actor.ppo_mini_batch_size=12" in msg
+    assert "such as 8" in msg
+
+
+def test_mini_batch_sequences_not_divisible_by_data_parallel_ranks(defaults):
+    # 4 ranks, n=2: the step's 64 sequences split, but a 1-prompt mini-batch (2 sequences) cannot.
+    cfg = with_(
+        defaults,
+        trainer__n_gpus_per_node=4,
+        actor_rollout_ref__rollout__n=2,
+        critic__rollout_n=2,
+        actor_rollout_ref__actor__ppo_mini_batch_size=1,
+    )
+    msg = error_of(cfg)
+    assert "1 x 2 = 2 sequences is not divisible by the 4 data-parallel ranks" in msg
+    assert "ppo_mini_batch_size=2" in msg
+
+
+def test_micro_batch_larger_than_per_rank_mini_batch(defaults):
+    msg = error_of(with_(defaults, actor_rollout_ref__actor__ppo_micro_batch_size_per_gpu=256))
+    assert "ppo_micro_batch_size_per_gpu=256 is larger than the 128 sequences each rank gets" in msg
+
+
+def test_micro_batch_must_divide_per_rank_mini_batch(defaults):
+    msg = error_of(with_(defaults, actor_rollout_ref__actor__ppo_micro_batch_size_per_gpu=48))
+    assert "does not divide the 128 sequences" in msg and "such as 32" in msg
+
+
+def test_both_micro_batch_spellings_conflict(defaults):
+    msg = error_of(with_(defaults, actor_rollout_ref__actor__ppo_micro_batch_size=32))
+    assert "are both set" in msg and "keep only actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu" in msg
+
+
+def test_micro_batch_required_unless_dynamic_batching(defaults):
+    cfg = with_(defaults, actor_rollout_ref__rollout__log_prob_micro_batch_size_per_gpu=None)
+    assert "old-log-prob pass needs a micro-batch size" in error_of(cfg)
+    validate_ppo_config(with_(cfg, actor_rollout_ref__rollout__log_prob_use_dynamic_bsz=True))
+
+
+def test_reference_micro_batch_only_checked_when_a_kl_term_needs_the_reference(defaults):
+    cfg = with_(defaults, actor_rollout_ref__ref__log_prob_micro_batch_size_per_gpu=None)
+    validate_ppo_config(cfg)
+    assert "reference policy needs a micro-batch size" in error_of(
+        with_(cfg, actor_rollout_ref__actor__use_kl_loss=True)
+    )
+
+
+def test_critic_batches_only_checked_when_the_critic_trains(defaults):
+    cfg = with_(defaults, critic__ppo_micro_batch_size_per_gpu=3)
+    validate_ppo_config(cfg)  # grpo: no critic
+    assert "critic.ppo_micro_batch_size_per_gpu=3 does not divide the 128 sequences" in error_of(
+        with_(cfg, algorithm__adv_estimator="gae")
+    )
+
+
+def test_rollout_tensor_parallel_must_divide_workers(defaults):
+    msg = error_of(with_(defaults, actor_rollout_ref__rollout__tensor_model_parallel_size=4))
+    assert "tensor_model_parallel_size=4 does not divide the 2 workers" in msg
+
+
+def test_bigger_cluster_arithmetic_passes(defaults):
+    cfg = with_(
+        defaults,
+        trainer__nnodes=2,
+        trainer__n_gpus_per_node=8,
+        data__train_batch_size=1024,
+        actor_rollout_ref__actor__ppo_mini_batch_size=256,
+        actor_rollout_ref__actor__ppo_micro_batch_size_per_gpu=16,  # 256 x 8 / 16 = 128 per rank
+        actor_rollout_ref__rollout__tensor_model_parallel_size=2,
+    )
+    validate_ppo_config(cfg)
+
+
+def test_reward_model_needs_a_path_and_micro_batch(defaults):
+    msg = error_of(with_(defaults, reward_model__enable=True))
+    assert "reward_model.model.path is null" in msg and "reward model needs a micro-batch size" in msg
+
+
+# ---------------------------------------------------------------------------- algorithm rules
+
+
+@pytest.mark.parametrize("estimator", GROUP_ADV_ESTIMATORS)
+def test_group_estimators_need_several_samples_per_prompt(defaults, estimator):
+    cfg = with_(
+        defaults,
+        algorithm__adv_estimator=estimator,
+        actor_rollout_ref__rollout__n=1,
+        critic__rollout_n=1,
+        actor_rollout_ref__actor__ppo_micro_batch_size_per_gpu=16,
+    )
+    msg = error_of(cfg)
+    assert f"algorithm.adv_estimator={estimator}" in msg and "rollout.n to 2 or more" in msg
+
+
+def test_single_sample_estimators_accept_n_equal_one(defaults):
+    cfg = with_(
+        defaults,
+        algorithm__adv_estimator="remax",
+        actor_rollout_ref__rollout__n=1,
+        critic__rollout_n=1,
+        actor_rollout_ref__actor__ppo_micro_batch_size_per_gpu=16,
+    )
+    validate_ppo_config(cfg)
+
+
+def test_gae_without_critic_is_an_error(defaults):
+    assert "gae needs a value function" in error_of(
+        with_(defaults, algorithm__adv_estimator="gae", critic__enable=False)
+    )
+
+
+def test_kl_in_loss_and_reward_together_warns(defaults):
+    cfg = with_(defaults, actor_rollout_ref__actor__use_kl_loss=True, algorithm__use_kl_in_reward=True)
+    with pytest.warns(ConfigWarning, match="penalised twice"):
+        validate_ppo_config(cfg)
+
+
+def test_greedy_rollouts_with_group_estimator_warn(defaults):
+    with pytest.warns(ConfigWarning, match="zero advantage"):
+        validate_ppo_config(with_(defaults, actor_rollout_ref__rollout__do_sample=False))
+
+
+def test_sampling_needs_a_positive_temperature(defaults):
+    assert "cannot sample" in error_of(with_(defaults, actor_rollout_ref__rollout__temperature=0.0))
+    msg = error_of(with_(defaults, actor_rollout_ref__rollout__val_kwargs__do_sample=True))
+    assert "val_kwargs.do_sample=true with temperature=0" in msg
+
+
+def test_critic_rollout_n_must_follow_rollout_n(defaults):
+    assert "critic.rollout_n=4 differs" in error_of(with_(defaults, critic__rollout_n=4))
+
+
+def test_filter_groups_needs_a_metric(defaults):
+    assert "filter_groups.metric" in error_of(with_(defaults, algorithm__filter_groups__enable=True))
+    validate_ppo_config(with_(defaults, algorithm__filter_groups__enable=True, algorithm__filter_groups__metric="acc"))
+
+
+# ------------------------------------------------------------------------------ trainer rules
+
+
+def test_zero_frequencies_are_rejected(defaults):
+    assert "trainer.test_freq=0 is not a step interval" in error_of(with_(defaults, trainer__test_freq=0))
+
+
+def test_resume_path_mode_needs_a_path(defaults):
+    assert "needs trainer.resume_from_path" in error_of(with_(defaults, trainer__resume_mode="resume_path"))
+
+
+def test_missing_custom_reward_file_is_reported(defaults, tmp_path):
+    msg = error_of(with_(defaults, custom_reward_function__path=str(tmp_path / "reward.py")))
+    assert "custom_reward_function.path" in msg and "does not exist" in msg
+    (tmp_path / "reward.py").write_text("def compute_score(*a): return 0.0\n")
+    validate_ppo_config(with_(defaults, custom_reward_function__path=str(tmp_path / "reward.py")))
+
+
+def test_logger_whose_package_is_missing_says_what_to_install(defaults, monkeypatch):
+    from verl.utils import tracking
+
+    monkeypatch.setitem(tracking._BACKEND_PACKAGES, "wandb", ("verl_no_such_package_xyz", "pip install wandb"))
+    msg = error_of(with_(defaults, trainer__logger=["console", "wandb"]))
+    assert "'wandb'" in msg and "pip install wandb" in msg
+
+
+def test_model_length_budget(defaults):
+    msg = error_of(with_(defaults, actor_rollout_ref__rollout__max_model_len=16))
+    assert "max_model_len=16 is shorter than prompt_length + response_length = 40" in msg

@@ -1,0 +1,215 @@
+"""Tracking backends write real files that their own readers can read back."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import numpy as np
+import pytest
+import torch
+
+from verl.utils import tracking
+from verl.utils.tracking import Tracking, restore_mlflow_key, sanitize_mlflow_key
+
+STEPS = {
+    1: {"critic/score/mean": 0.25, "response_length/mean": 4.0, "val-core/arith/acc/mean@1": 0.3},
+    2: {"critic/score/mean": 0.5, "response_length/mean": 3.5},
+    3: {"critic/score/mean": 0.75, "response_length/mean": 3.0, "val-core/arith/acc/mean@1": 0.9},
+}
+
+
+@pytest.fixture(autouse=True)
+def _isolated(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    for var in ("VERL_FILE_LOGGER_PATH", "MLFLOW_TRACKING_URI", "TENSORBOARD_DIR", "WANDB_DIR"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "")  # restored afterwards even though the logger sets it
+
+
+def test_console_prints_one_sorted_compact_line_per_step(capsys):
+    t = Tracking("p", "e", "console")
+    t.log({"b/x": 0.123456, "a": 1, "c": "txt", "d": np.float32(2.5), "e": torch.tensor(1e-5)}, step=3)
+    t.finish()
+    assert capsys.readouterr().out == "step 3 | a=1 b/x=0.1235 c=txt d=2.5 e=1e-05\n"
+
+
+def test_file_backend_writes_one_json_object_per_step(tmp_path):
+    t = Tracking("proj", "exp", ["file"], run_dir=tmp_path / "run")
+    for step, data in STEPS.items():
+        t.log(data, step=step)
+    t.log({"np": np.float64(1.5), "tensor": torch.tensor(2.0), "count": np.int64(7), "text": "hi"}, step=4)
+    t.finish()
+    lines = (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
+    records = [json.loads(line) for line in lines]
+    assert [r["step"] for r in records] == [1, 2, 3, 4]
+    assert records[2]["data"] == STEPS[3]
+    assert records[3]["data"] == {"np": 1.5, "tensor": 2.0, "count": 7.0, "text": "hi"}
+
+
+def test_file_backend_honours_env_path_and_appends_across_runs(tmp_path, monkeypatch):
+    path = tmp_path / "elsewhere" / "m.jsonl"
+    monkeypatch.setenv("VERL_FILE_LOGGER_PATH", str(path))
+    for step in (1, 2):  # a resumed run continues the same file
+        t = Tracking("p", "e", "file", run_dir=tmp_path / "run")
+        t.log({"x": float(step)}, step=step)
+        t.finish()
+    assert [json.loads(line)["step"] for line in path.read_text().splitlines()] == [1, 2]
+    assert not (tmp_path / "run" / "metrics.jsonl").exists()
+
+
+def test_run_dir_comes_from_the_config(tmp_path):
+    from verl.trainer.config import load_ppo_config
+
+    cfg = load_ppo_config([f"trainer.run_dir={tmp_path / 'from_cfg'}"])
+    t = Tracking("p", "e", "file", config=cfg)
+    t.log({"x": 1.0}, step=1)
+    t.finish()
+    assert (tmp_path / "from_cfg" / "metrics.jsonl").exists()
+    assert Tracking("proj", "exp", "console").run_dir.as_posix() == "outputs/proj/exp"
+
+
+def test_mlflow_local_file_store_round_trip(tmp_path):
+    import mlflow
+
+    from verl.trainer.config import load_ppo_config
+
+    cfg = load_ppo_config()
+    t = Tracking("verl_test", "run1", ["mlflow", "file"], config=cfg, run_dir=tmp_path / "run")
+    for step, data in STEPS.items():
+        t.log({**data, "odd#name,x": float(step)}, step=step)
+    t.finish()
+
+    client = mlflow.MlflowClient(tracking_uri="file:" + str(tmp_path / "mlruns"))
+    exp = client.get_experiment_by_name("verl_test")
+    (run,) = client.search_runs([exp.experiment_id])
+    assert run.info.run_name == "run1" and run.info.status == "FINISHED"
+    history = client.get_metric_history(run.info.run_id, "val-core/arith/acc/mean_at_1")
+    assert [(m.step, m.value) for m in history] == [(1, 0.3), (3, 0.9)]
+    reward = client.get_metric_history(run.info.run_id, "critic/score/mean")
+    assert [(m.step, m.value) for m in reward] == [(1, 0.25), (2, 0.5), (3, 0.75)]
+    odd = client.get_metric_history(run.info.run_id, sanitize_mlflow_key("odd#name,x"))
+    assert [m.value for m in odd] == [1.0, 2.0, 3.0]
+    assert run.data.params["data.train_batch_size"] == "32"
+    assert run.data.params["trainer.logger"] == '["console", "file"]'
+    assert "training_curves.png" in [a.path for a in client.list_artifacts(run.info.run_id)]
+
+
+def test_mlflow_respects_tracking_uri(tmp_path, monkeypatch):
+    import mlflow
+
+    uri = "file:" + str(tmp_path / "custom_store")
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
+    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")
+    t = Tracking("p2", "e2", "mlflow")
+    t.log({"loss": 2.0}, step=5)
+    t.finish()
+    client = mlflow.MlflowClient(tracking_uri=uri)
+    (run,) = client.search_runs([client.get_experiment_by_name("p2").experiment_id])
+    assert [(m.step, m.value) for m in client.get_metric_history(run.info.run_id, "loss")] == [(5, 2.0)]
+    assert not (tmp_path / "mlruns").exists()
+
+
+def test_mlflow_key_mapping_is_reversible():
+    names = ["val-core/arith/acc/mean@1", "a#b", "x,y@z", "plain/name-1.0 ok:yes", "best@8/std"]
+    for name in names:
+        safe = sanitize_mlflow_key(name)
+        assert "@" not in safe and "#" not in safe and "," not in safe
+        assert restore_mlflow_key(safe) == name
+    assert sanitize_mlflow_key("val-core/arith/acc/mean@1") == "val-core/arith/acc/mean_at_1"  # upstream's mapping
+
+
+def test_tensorboard_event_files_read_back(tmp_path):
+    pytest.importorskip("tensorboard")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    t = Tracking("p", "e", "tensorboard", run_dir=tmp_path / "run")
+    for step, data in STEPS.items():
+        t.log({**data, "text": "ignored"}, step=step)
+    t.finish()
+    acc = EventAccumulator(str(tmp_path / "run" / "tensorboard"))
+    acc.Reload()
+    assert "text" not in acc.Tags()["scalars"]
+    events = acc.Scalars("critic/score/mean")
+    assert [e.step for e in events] == [1, 2, 3]
+    assert [e.value for e in events] == pytest.approx([0.25, 0.5, 0.75])
+    assert [e.step for e in acc.Scalars("val-core/arith/acc/mean@1")] == [1, 3]
+
+
+def test_tensorboard_respects_env_dir(tmp_path, monkeypatch):
+    pytest.importorskip("tensorboard")
+    monkeypatch.setenv("TENSORBOARD_DIR", str(tmp_path / "tb"))
+    t = Tracking("p", "e", "tensorboard", run_dir=tmp_path / "run")
+    t.log({"x": 1.0}, step=1)
+    t.finish()
+    assert list((tmp_path / "tb").glob("events.out.tfevents.*"))
+
+
+def test_wandb_goes_offline_without_credentials(tmp_path, monkeypatch):
+    pytest.importorskip("wandb")
+    for var in ("WANDB_API_KEY", "WANDB_MODE"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv("HOME", str(tmp_path))  # no ~/.netrc, no stored login
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    t = Tracking("p", "e", "wandb", run_dir=tmp_path / "run")
+    assert t.logger["wandb"].mode == "offline"
+    for step, data in STEPS.items():
+        t.log(data, step=step)
+    t.finish()
+    (run_file,) = (tmp_path / "run" / "wandb").glob("offline-run-*/run-*.wandb")
+    # wandb 0.31 ships no public reader for offline runs; its records are protobuf messages holding
+    # each metric's key beside its JSON value, so the last step's value must sit right after the key.
+    raw = run_file.read_bytes()
+    assert re.search(rb"critic/score/mean.{1,4}0\.75", raw, re.S), "the last step was not committed"
+    assert re.search(rb"val-core/arith/acc/mean@1.{1,4}0\.9", raw, re.S)
+
+
+def test_unknown_backend_lists_valid_ones():
+    with pytest.raises(ValueError, match="console, file, mlflow, tensorboard, wandb"):
+        Tracking("p", "e", ["console", "swanlab"])
+
+
+def test_missing_package_says_what_to_install(monkeypatch):
+    monkeypatch.setitem(
+        tracking._BACKEND_PACKAGES, "tensorboard", ("verl_no_such_package_xyz", "pip install tensorboard")
+    )
+    with pytest.raises(ImportError, match="pip install tensorboard"):
+        Tracking("p", "e", ["console", "tensorboard"])
+
+
+def test_finish_draws_the_curves_png_once(tmp_path):
+    t = Tracking("p", "e", ["file"], run_dir=tmp_path)
+    for step, data in STEPS.items():
+        t.log(data, step=step)
+    t.finish()
+    png = tmp_path / "training_curves.png"
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    mtime = png.stat().st_mtime_ns
+    t.finish()  # idempotent
+    assert png.stat().st_mtime_ns == mtime
+
+
+def test_no_curves_png_without_plotted_metrics(tmp_path):
+    t = Tracking("p", "e", ["file"], run_dir=tmp_path)
+    t.log({"sft/loss": 1.0}, step=1)
+    t.finish()
+    assert not (tmp_path / "training_curves.png").exists()
+
+
+def test_log_can_target_one_backend(tmp_path, capsys):
+    t = Tracking("p", "e", ["console", "file"], run_dir=tmp_path)
+    t.log({"x": 1.0}, step=1, backend="file")
+    t.finish()
+    assert capsys.readouterr().out == ""
+    assert (tmp_path / "metrics.jsonl").read_text().count("\n") == 1
+
+
+def test_validation_generations_are_kept_beside_the_metrics(tmp_path):
+    t = Tracking("p", "e", ["file"], run_dir=tmp_path)
+    t.log_generations([("What is 2+2?", "4", 1.0), ("What is 3+3?", "7", 0.0)], step=10)
+    t.finish()
+    rows = [json.loads(line) for line in (tmp_path / "val_generations.jsonl").read_text().splitlines()]
+    assert rows == [
+        {"step": 10, "input": "What is 2+2?", "output": "4", "score": 1.0},
+        {"step": 10, "input": "What is 3+3?", "output": "7", "score": 0.0},
+    ]

@@ -1,0 +1,657 @@
+"""Typed schema of `ppo_trainer.yaml`: one dataclass per section, one documented field per key.
+
+Design decisions:
+- The YAML file holds the defaults (it is what users read and what Hydra composes); the
+  dataclasses here hold the *contract*: each key's type, its documentation, its valid choices and
+  whether this implementation honours it. Keeping defaults out of the dataclasses means there is
+  one source for each fact; a test checks that YAML and schema list exactly the same keys.
+- Field metadata is plain data (`doc`, `choices`, `status`, ...) so the validator
+  (`validate.py`) and the reference-docs generator (`docgen.py`) read the same table.
+- Key names follow upstream verl so its users' scripts run unchanged. Upstream keys we have not
+  implemented are either accepted and documented as having no effect (when ignoring them cannot
+  change results, e.g. a memory-saving knob of an engine we do not run), or rejected with a
+  config error as soon as they leave their neutral value (when ignoring them would silently
+  train something else, e.g. LoRA).
+- A dataclass marked `OPEN_KEYS = True` also accepts keys it does not list (passed through to a
+  third-party API such as `ray.init`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+# Field status values (see `field_status`).
+SUPPORTED = "supported"
+IGNORED = "ignored"  # accepted for compatibility with upstream configs; has no effect here
+UNSUPPORTED = "unsupported"  # rejected unless it holds its neutral value
+DEPRECATED = "deprecated"  # still honoured, with a warning naming the replacement
+
+_NO_NEUTRAL = object()
+
+# Option tables. Each is the one place a reader finds every valid name for a config choice.
+# The advantage-estimator names follow upstream's `AdvantageEstimator`; the group-based ones need
+# several samples per prompt (rollout.n >= 2) because their baseline is the group's statistics.
+ADV_ESTIMATORS = (
+    "gae",
+    "grpo",
+    "reinforce_plus_plus",
+    "reinforce_plus_plus_baseline",
+    "remax",
+    "rloo",
+    "opo",
+    "grpo_passk",
+    "gpg",
+)
+GROUP_ADV_ESTIMATORS = ("grpo", "rloo", "opo", "grpo_passk", "gpg", "reinforce_plus_plus_baseline")
+LOSS_AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
+POLICY_LOSS_MODES = ("vanilla", "clip-cov", "kl-cov", "gpg", "geo_mean", "gspo")
+# "+" suffix: straight-through variant (value from the named estimator, gradient of k2).
+KL_PENALTIES = ("kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3", "full", "k1+", "low_var_kl+", "k3+")
+ROLLOUT_NAMES = ("hf", "vllm", "sglang")
+ROLLOUT_MODES = ("sync", "async")
+STRATEGIES = ("fsdp", "fsdp2", "megatron")
+LOGGERS = ("console", "file", "mlflow", "tensorboard", "wandb")
+RESUME_MODES = ("auto", "disable", "resume_path")
+
+
+def device_choices() -> tuple[str, ...]:
+    """Valid `trainer.device` values, owned by verl.utils.device (imported lazily: it imports torch)."""
+    from verl.utils.device import _VALID
+
+    return tuple(_VALID)
+
+
+TRUNCATIONS = ("error", "left", "right", "middle")
+LR_SCHEDULES = ("constant", "cosine")
+KL_CTRL_TYPES = ("fixed", "adaptive")
+REWARD_MANAGERS = ("naive", "batch", "dapo", "prime")
+CHECKPOINT_CONTENTS = ("model", "optimizer", "extra", "hf_model")
+ROLLOUT_DTYPES = ("auto", "bfloat16", "float16", "float32", "bf16", "fp16", "fp32")
+MODEL_DTYPES = ("fp32", "bf16", "fp16", "float32", "bfloat16", "float16")
+PF_PPO_METHODS = ("pow", "max_min", "max_random")
+
+
+def doc(
+    text: str,
+    *,
+    choices: tuple | Callable[[], tuple] | None = None,
+    status: str = SUPPORTED,
+    neutral: Any = _NO_NEUTRAL,
+    replacement: str | None = None,
+):
+    """Declare one config key: its documentation and how the validator treats it.
+
+    choices: valid values (each element is checked when the value is a list), or a function
+        returning them (for tables owned by a module too heavy to import here).
+    status: SUPPORTED, IGNORED, UNSUPPORTED (needs `neutral`) or DEPRECATED (needs `replacement`).
+    neutral: for UNSUPPORTED keys, the only value accepted (the one that switches the feature off).
+    """
+    if status == UNSUPPORTED and neutral is _NO_NEUTRAL:
+        raise TypeError("an unsupported key needs the neutral value it must keep")
+    if status == DEPRECATED and not replacement:
+        raise TypeError("a deprecated key needs the name of its replacement")
+    meta = {"doc": text, "choices": choices, "status": status, "neutral": neutral, "replacement": replacement}
+    return dataclasses.field(metadata=meta)
+
+
+# --------------------------------------------------------------------------------------- data
+
+
+@dataclass
+class ClassRefConfig:
+    """A user class loaded from a Python file: `path` to the file, `name` of the class."""
+
+    path: str | None = doc("Python file holding the class; null uses the built-in implementation.")
+    name: str | None = doc("Name of the class inside `path`.")
+
+
+@dataclass
+class SamplerConfig:
+    """A custom (e.g. curriculum) sampler over the training set."""
+
+    class_path: str | None = doc("Python file or module holding the sampler class; null uses the default sampler.")
+    class_name: str | None = doc("Name of the sampler class.")
+
+
+@dataclass
+class DataConfig:
+    """Datasets (parquet files with upstream's schema) and batch sizes counted in prompts."""
+
+    tokenizer: str | None = doc("Tokenizer name or path; null uses the policy model's tokenizer.")
+    use_shm: bool = doc("Copy data files to shared memory before loading.", status=IGNORED)
+    train_files: str | list[str] = doc("Training parquet file(s); local paths (`~` expanded).")
+    val_files: str | list[str] = doc("Validation parquet file(s).")
+    train_max_samples: int = doc("Use at most this many training rows (-1: all).")
+    val_max_samples: int = doc("Use at most this many validation rows (-1: all).")
+    prompt_key: str = doc("Column holding the chat-format prompt (list of {role, content}).")
+    reward_fn_key: str = doc("Column that selects the rule-based reward function (upstream: data_source).")
+    max_prompt_length: int = doc("Prompts are left-padded to this many tokens; longer ones follow `truncation`.")
+    max_response_length: int = doc("Maximum number of generated tokens per response.")
+    train_batch_size: int = doc("Prompts per training step (each sampled `rollout.n` times).")
+    val_batch_size: int | None = doc(
+        "Prompts per validation batch; null validates the whole set in one batch.",
+        status=DEPRECATED,
+        replacement="leave it null: validation runs the whole set at once",
+    )
+    gen_batch_size: int = doc("Prompts generated per round when `algorithm.filter_groups` refills a batch (DAPO).")
+    return_raw_input_ids: bool = doc("Also return prompt ids without the chat template (for a reward model).")
+    return_raw_chat: bool = doc("Also return the prompt messages before templating (`raw_prompt`).")
+    return_full_prompt: bool = doc("Also return the templated prompt text.")
+    shuffle: bool = doc("Shuffle the training set each epoch.")
+    seed: int | None = doc("Seed of the training-set shuffle; null means 1.")
+    dataloader_num_workers: int = doc("DataLoader worker processes (0 loads in the driver).")
+    validation_shuffle: bool = doc("Shuffle the validation set.")
+    filter_overlong_prompts: bool = doc("Drop prompts longer than `max_prompt_length` when loading.")
+    filter_overlong_prompts_workers: int = doc("Processes used to filter overlong prompts.")
+    truncation: str = doc("What to do with prompts over `max_prompt_length`.", choices=TRUNCATIONS)
+    image_key: str = doc("Column with images (multi-modal data only).", status=IGNORED)
+    video_key: str = doc("Column with videos (multi-modal data only).", status=IGNORED)
+    trust_remote_code: bool = doc("Allow the tokenizer's own Python code to run.")
+    custom_cls: ClassRefConfig = doc("Custom dataset class replacing the built-in RLHF dataset.")
+    return_multi_modal_inputs: bool = doc("Return multi-modal inputs with each sample.", status=IGNORED)
+    sampler: SamplerConfig = doc("Custom sampler of the training set.")
+    datagen: ClassRefConfig = doc("Dynamic data generator.", status=IGNORED)
+    apply_chat_template_kwargs: dict = doc("Extra keyword arguments for `tokenizer.apply_chat_template`.")
+
+
+# ------------------------------------------------------------------------------ model, actor
+
+
+@dataclass
+class FSDPConfig:
+    """FSDP sharding and offload of one model (optimizer keys have no effect for forward-only models)."""
+
+    wrap_policy: dict = doc("Auto-wrap policy, e.g. {min_num_params: 0} or {transformer_layer_cls_to_wrap: [...]}.")
+    param_offload: bool = doc("Keep parameters on CPU between uses (saves device memory).")
+    optimizer_offload: bool = doc("Keep optimizer state on CPU between updates.")
+    offload_policy: bool = doc("FSDP2 CPUOffloadPolicy during training (params, grads and optimizer on CPU).")
+    reshard_after_forward: bool | int = doc(
+        "FSDP2: free gathered parameters after forward (True, False or a group size)."
+    )
+    fsdp_size: int = doc("Ranks per FSDP shard group (-1: all ranks, i.e. plain FSDP).")
+    forward_prefetch: bool = doc("Prefetch the next layer's all-gather during forward.")
+    model_dtype: str = doc("Dtype the trained (master) weights are kept in.", choices=MODEL_DTYPES)
+    mixed_precision: dict | None = doc(
+        "{param_dtype, reduce_dtype, buffer_dtype}; null: bf16 compute on GPU, fp32 on CPU."
+    )
+
+
+@dataclass
+class ModelConfig:
+    """The policy model (shared by actor, rollout and reference)."""
+
+    path: str = doc("HF-format model directory (or hub id); `${verl_asset:NAME}` names a bundled model.")
+    tokenizer_path: str | None = doc("Tokenizer directory when it differs from `path`; null uses `path`.")
+    custom_chat_template: str | None = doc("Jinja chat template replacing the tokenizer's own.")
+    use_shm: bool = doc("Copy the model to shared memory before loading.", status=IGNORED)
+    external_lib: str | None = doc("Python module imported before loading the model (registers custom models).")
+    override_config: dict = doc("Values overriding the model's HF config (e.g. {attention_dropout: 0.0}).")
+    enable_gradient_checkpointing: bool = doc("Recompute activations in backward (saves memory, costs ~30% time).")
+    enable_activation_offload: bool = doc("Offload activations to CPU during training.", status=IGNORED)
+    use_remove_padding: bool = doc("Pack sequences without padding (varlen attention); a speed knob.")
+    lora_rank: int = doc("LoRA rank; 0 trains all weights.", status=UNSUPPORTED, neutral=0)
+    lora_alpha: int = doc("LoRA scaling alpha (used only with lora_rank > 0).")
+    target_modules: str | list[str] = doc("Modules LoRA adapts (used only with lora_rank > 0).")
+    exclude_modules: str | list[str] | None = doc("Modules LoRA skips (used only with lora_rank > 0).")
+    use_liger: bool = doc("Use Liger kernels (GPU only; a speed knob).", status=IGNORED)
+    use_fused_kernels: bool = doc("Fused log-prob/entropy kernels (a speed knob).", status=IGNORED)
+    fused_kernel_options: dict = doc("Options of the fused kernels, e.g. {impl_backend: torch}.", status=IGNORED)
+    trust_remote_code: bool = doc("Allow the model repository's own Python code to run.")
+
+
+@dataclass
+class OptimConfig:
+    """AdamW optimizer and learning-rate schedule of one trained model."""
+
+    lr: float = doc("Peak learning rate.")
+    lr_warmup_steps: int = doc("Linear warm-up steps; negative defers to `lr_warmup_steps_ratio`.")
+    lr_warmup_steps_ratio: float = doc("Warm-up length as a fraction of the total training steps.")
+    min_lr_ratio: float | None = doc("Cosine schedule floor as a fraction of `lr` (null: 0).")
+    num_cycles: float = doc("Number of cosine half-waves over training (0.5: one decay to the floor).")
+    warmup_style: str = doc("Schedule after warm-up.", choices=LR_SCHEDULES)
+    lr_scheduler_type: str | None = doc(
+        "Newer upstream name for `warmup_style`; wins when set.", choices=(None, *LR_SCHEDULES)
+    )
+    total_training_steps: int = doc("Schedule length; -1 is filled in by the trainer from the run length.")
+    weight_decay: float = doc("AdamW decoupled weight decay.")
+    betas: list[float] = doc("AdamW (beta1, beta2).")
+
+
+@dataclass
+class CheckpointConfig:
+    """What a checkpoint holds."""
+
+    save_contents: list[str] = doc("Parts written at each save.", choices=CHECKPOINT_CONTENTS)
+    load_contents: list[str] = doc("Parts read when resuming.", choices=CHECKPOINT_CONTENTS)
+    async_save: bool = doc("Write checkpoints in the background.", status=UNSUPPORTED, neutral=False)
+
+
+@dataclass
+class PolicyLossConfig:
+    """Policy-gradient loss variant and its parameters."""
+
+    loss_mode: str = doc("Policy loss: vanilla PPO clip or a variant.", choices=POLICY_LOSS_MODES)
+    clip_cov_ratio: float = doc("clip-cov: fraction of tokens whose gradient is clipped.")
+    clip_cov_lb: float = doc("clip-cov: lower bound of the covariance window.")
+    clip_cov_ub: float = doc("clip-cov: upper bound of the covariance window.")
+    kl_cov_ratio: float = doc("kl-cov: fraction of tokens given a KL penalty.")
+    ppo_kl_coef: float = doc("kl-cov: coefficient of that KL penalty.")
+
+
+@dataclass
+class ActorConfig:
+    """Policy training: PPO mini-batches, clipping, KL loss, optimizer, sharding."""
+
+    strategy: str = doc("Training backend.", choices=STRATEGIES)
+    ppo_mini_batch_size: int = doc("Prompts per optimizer step (times rollout.n sequences, split over ranks).")
+    ppo_micro_batch_size: int | None = doc(
+        "Global micro-batch (sequences).", status=DEPRECATED, replacement="use ppo_micro_batch_size_per_gpu"
+    )
+    ppo_micro_batch_size_per_gpu: int | None = doc(
+        "Sequences per forward/backward on one rank (gradient accumulation)."
+    )
+    use_dynamic_bsz: bool = doc("Pack micro-batches by token count instead of a fixed size.")
+    ppo_max_token_len_per_gpu: int = doc("Token budget of one packed micro-batch (with use_dynamic_bsz).")
+    grad_clip: float = doc("Clip the global gradient norm to this value.")
+    clip_ratio: float = doc("PPO clip range epsilon (used where the low/high values are null).")
+    clip_ratio_low: float | None = doc("Lower clip epsilon: ratio >= 1 - clip_ratio_low.")
+    clip_ratio_high: float | None = doc("Upper clip epsilon: ratio <= 1 + clip_ratio_high (DAPO clip-higher).")
+    clip_ratio_c: float = doc("Dual-clip PPO bound for negative advantages (> 1).")
+    policy_loss: PolicyLossConfig = doc("Policy loss variant.")
+    loss_agg_mode: str = doc("How token losses are averaged into the batch loss.", choices=LOSS_AGG_MODES)
+    entropy_coeff: float = doc("Weight of the entropy bonus (0 disables it).")
+    use_kl_loss: bool = doc("Add a KL(policy || reference) term to the loss (GRPO-style); needs the reference model.")
+    use_torch_compile: bool = doc("torch.compile the log-prob/entropy helpers (needs a C++ compiler on CPU).")
+    kl_loss_coef: float = doc("Weight of the KL loss.")
+    kl_loss_type: str = doc("KL estimator of the KL loss.", choices=KL_PENALTIES)
+    ppo_epochs: int = doc("Passes over each batch.")
+    shuffle: bool = doc("Shuffle mini-batches between PPO epochs.")
+    ulysses_sequence_parallel_size: int = doc("Ulysses sequence-parallel group size.", status=UNSUPPORTED, neutral=1)
+    entropy_from_logits_with_chunking: bool = doc("Compute entropy in chunks to save memory.", status=IGNORED)
+    entropy_checkpointing: bool = doc("Recompute entropy in backward to save memory.", status=IGNORED)
+    checkpoint: CheckpointConfig = doc("Checkpoint contents.")
+    optim: OptimConfig = doc("Optimizer and schedule.")
+    fsdp_config: FSDPConfig = doc("Sharding and offload.")
+
+
+@dataclass
+class RefConfig:
+    """Reference policy (frozen copy of the initial policy) for the KL terms."""
+
+    strategy: str = doc("Backend of the reference model.", choices=STRATEGIES)
+    use_torch_compile: bool = doc("torch.compile the log-prob helpers.")
+    log_prob_micro_batch_size: int | None = doc(
+        "Global micro-batch.", status=DEPRECATED, replacement="use log_prob_micro_batch_size_per_gpu"
+    )
+    log_prob_micro_batch_size_per_gpu: int | None = doc("Sequences per forward pass on one rank.")
+    log_prob_use_dynamic_bsz: bool = doc("Pack forward micro-batches by token count.")
+    log_prob_max_token_len_per_gpu: int = doc("Token budget of one packed forward micro-batch.")
+    ulysses_sequence_parallel_size: int = doc("Sequence-parallel group size.", status=UNSUPPORTED, neutral=1)
+    entropy_from_logits_with_chunking: bool = doc("Compute entropy in chunks.", status=IGNORED)
+    entropy_checkpointing: bool = doc("Recompute entropy in backward.", status=IGNORED)
+    fsdp_config: FSDPConfig = doc("Sharding and offload.")
+
+
+@dataclass
+class SamplingConfig:
+    """Sampling parameters of validation generation."""
+
+    top_k: int = doc("Keep the k most likely tokens (-1 or 0: off).")
+    top_p: float = doc("Nucleus sampling mass.")
+    temperature: float = doc("Sampling temperature (0 with do_sample=False: greedy).")
+    n: int = doc("Samples per validation prompt.")
+    do_sample: bool = doc("Sample (True) or decode greedily (False).")
+
+
+@dataclass
+class MultiTurnConfig:
+    """Multi-turn rollouts with tool calls (not implemented: every field but `enable` is inert)."""
+
+    enable: bool = doc("Multi-turn tool-calling rollouts.", status=UNSUPPORTED, neutral=False)
+    max_assistant_turns: int | None = doc("Assistant turns per conversation.")
+    max_user_turns: int | None = doc("User turns per conversation.")
+    tool_config_path: str | None = doc("YAML listing the tools.")
+    interaction_config_path: str | None = doc("YAML describing the simulated user.")
+    max_parallel_calls: int = doc("Tool calls executed in parallel per turn.")
+    max_tool_response_length: int = doc("Characters kept of a tool's answer.")
+    tool_response_truncate_side: str = doc("Where a long tool answer is cut.", choices=("left", "right", "middle"))
+    use_inference_chat_template: bool = doc("Use the model's inference chat template.")
+    tokenization_sanity_check_mode: str = doc(
+        "Tokenization consistency check.", choices=("strict", "ignore_strippable", "disable")
+    )
+    format: str = doc("Tool-call format.")
+
+
+@dataclass
+class RolloutConfig:
+    """Response generation: engine, sampling, batch sizes of the old-log-prob pass."""
+
+    name: str = doc("Generation engine: hf (built in, CPU and GPU), vllm or sglang.", choices=ROLLOUT_NAMES)
+    mode: str = doc("sync: batch generation; async: server-based engine.", choices=ROLLOUT_MODES)
+    temperature: float = doc("Sampling temperature of training rollouts.")
+    top_k: int = doc("Keep the k most likely tokens (-1 or 0: off).")
+    top_p: float = doc("Nucleus sampling mass.")
+    use_fire_sampling: bool = doc("FIRE sampling (higher first-token temperature).", status=UNSUPPORTED, neutral=False)
+    prompt_length: int = doc("Prompt tokens the engine accepts (follows data.max_prompt_length).")
+    response_length: int = doc("Tokens generated at most (follows data.max_response_length).")
+    dtype: str = doc("Engine dtype; auto: bfloat16 on GPU, float32 on CPU.", choices=ROLLOUT_DTYPES)
+    gpu_memory_utilization: float = doc("vLLM/SGLang: fraction of device memory for weights + KV cache.")
+    ignore_eos: bool = doc("Keep generating past the end-of-sequence token.")
+    enforce_eager: bool = doc("vLLM: disable CUDA graphs.")
+    free_cache_engine: bool = doc("Free the KV cache between rollouts (hybrid engine sleep/wake).")
+    load_format: str = doc("vLLM weight-loading format (dummy_dtensor: weights come from the trainer).")
+    layered_summon: bool = doc("Gather FSDP weights layer by layer when syncing to the engine.", status=IGNORED)
+    tensor_model_parallel_size: int = doc("Tensor-parallel size of the engine (divides the worker count).")
+    max_num_batched_tokens: int = doc("vLLM/SGLang scheduler token budget.")
+    max_model_len: int | None = doc("Engine context length; null: prompt_length + response_length.")
+    max_num_seqs: int = doc("vLLM/SGLang: concurrent sequences.")
+    log_prob_micro_batch_size: int | None = doc(
+        "Global micro-batch.", status=DEPRECATED, replacement="use log_prob_micro_batch_size_per_gpu"
+    )
+    log_prob_micro_batch_size_per_gpu: int | None = doc("Sequences per forward pass on one rank (old log-probs).")
+    log_prob_use_dynamic_bsz: bool = doc("Pack forward micro-batches by token count.")
+    log_prob_max_token_len_per_gpu: int = doc("Token budget of one packed forward micro-batch.")
+    disable_log_stats: bool = doc("vLLM: silence engine statistics.")
+    enable_chunked_prefill: bool = doc("vLLM: chunked prefill.")
+    do_sample: bool = doc("Sample (True) or decode greedily (False) during training rollouts.")
+    n: int = doc("Responses sampled per prompt (>= 2 for group-based advantage estimators).")
+    calculate_log_probs: bool = doc("Return the engine's log-probs as `rollout_log_probs` (for mismatch metrics).")
+    update_weights_bucket_megabytes: int = doc("Size of the buckets weights are streamed to the engine in.")
+    engine_kwargs: dict = doc("Extra engine arguments per engine: {vllm: {...}, sglang: {...}, hf: {...}}.")
+    val_kwargs: SamplingConfig = doc("Sampling for validation.")
+    multi_turn: MultiTurnConfig = doc("Multi-turn tool-calling rollouts.")
+
+
+@dataclass
+class ActorRolloutRefConfig:
+    """The hybrid engine: actor, rollout and reference colocated in one worker group."""
+
+    hybrid_engine: bool = doc(
+        "Colocate actor and rollout in one worker group, resharding weights between phases.",
+        status=UNSUPPORTED,
+        neutral=True,
+    )
+    nccl_timeout: int = doc("Seconds a collective may wait before torch.distributed fails it.")
+    model: ModelConfig = doc("The policy model.")
+    actor: ActorConfig = doc("Policy training.")
+    ref: RefConfig = doc("Reference policy.")
+    rollout: RolloutConfig = doc("Generation.")
+
+
+# -------------------------------------------------------------------------------------- critic
+
+
+@dataclass
+class CriticModelConfig:
+    """The value model (a language model with a scalar head)."""
+
+    path: str = doc("HF-format model directory; defaults to the policy model.")
+    tokenizer_path: str | None = doc("Tokenizer directory; defaults to the policy model.")
+    override_config: dict = doc("Values overriding the model's HF config.")
+    external_lib: str | None = doc("Python module imported before loading the model.")
+    trust_remote_code: bool = doc("Allow the model repository's own Python code to run.")
+    use_shm: bool = doc("Copy the model to shared memory before loading.", status=IGNORED)
+    enable_gradient_checkpointing: bool = doc("Recompute activations in backward.")
+    enable_activation_offload: bool = doc("Offload activations to CPU.", status=IGNORED)
+    use_remove_padding: bool = doc("Pack sequences without padding.")
+    fsdp_config: FSDPConfig = doc("Sharding and offload.")
+    lora_rank: int = doc("LoRA rank; 0 trains all weights.", status=UNSUPPORTED, neutral=0)
+    lora_alpha: int = doc("LoRA alpha.")
+    target_modules: str | list[str] = doc("Modules LoRA adapts.")
+
+
+@dataclass
+class CriticConfig:
+    """Value function for GAE: model, optimizer, PPO value loss."""
+
+    enable: bool | None = doc("Train a critic; null: only when algorithm.adv_estimator=gae.")
+    rollout_n: int = doc("Samples per prompt (follows actor_rollout_ref.rollout.n).")
+    strategy: str = doc("Training backend.", choices=STRATEGIES)
+    optim: OptimConfig = doc("Optimizer and schedule.")
+    model: CriticModelConfig = doc("Value model.")
+    ppo_mini_batch_size: int = doc("Prompts per optimizer step (follows the actor's).")
+    ppo_micro_batch_size: int | None = doc(
+        "Global micro-batch.", status=DEPRECATED, replacement="use ppo_micro_batch_size_per_gpu"
+    )
+    ppo_micro_batch_size_per_gpu: int | None = doc("Sequences per forward/backward on one rank.")
+    forward_micro_batch_size: int | None = doc(
+        "Global forward micro-batch.", status=DEPRECATED, replacement="use forward_micro_batch_size_per_gpu"
+    )
+    forward_micro_batch_size_per_gpu: int | None = doc("Sequences per value forward pass on one rank.")
+    use_dynamic_bsz: bool = doc("Pack micro-batches by token count.")
+    ppo_max_token_len_per_gpu: int = doc("Token budget of one packed training micro-batch.")
+    forward_max_token_len_per_gpu: int = doc("Token budget of one packed forward micro-batch.")
+    ulysses_sequence_parallel_size: int = doc("Sequence-parallel group size.", status=UNSUPPORTED, neutral=1)
+    ppo_epochs: int = doc("Passes over each batch.")
+    shuffle: bool = doc("Shuffle mini-batches between epochs.")
+    grad_clip: float = doc("Clip the global gradient norm to this value.")
+    cliprange_value: float = doc("Clip range of the value update around the old values.")
+    loss_agg_mode: str = doc("How token losses are averaged.", choices=LOSS_AGG_MODES)
+    checkpoint: CheckpointConfig = doc("Checkpoint contents.")
+
+
+# -------------------------------------------------------------------------------- reward model
+
+
+@dataclass
+class RewardModelModelConfig:
+    """A learned reward model (sequence classifier)."""
+
+    input_tokenizer: str | None = doc(
+        "Policy tokenizer used to decode responses before re-tokenizing; null: same template."
+    )
+    path: str | None = doc("HF-format reward-model directory.")
+    external_lib: str | None = doc("Python module imported before loading the model.")
+    trust_remote_code: bool = doc("Allow the model repository's own Python code to run.")
+    use_shm: bool = doc("Copy the model to shared memory before loading.", status=IGNORED)
+    use_remove_padding: bool = doc("Pack sequences without padding.")
+    use_fused_kernels: bool = doc("Fused kernels.", status=IGNORED)
+    fsdp_config: FSDPConfig = doc("Sharding and offload.")
+
+
+@dataclass
+class OverlongBufferConfig:
+    """DAPO soft overlong punishment: a linear penalty over the last `len` tokens of the budget."""
+
+    enable: bool = doc("Penalise responses that run into the buffer.")
+    len: int = doc("Buffer length in tokens at the end of max_response_length.")
+    penalty_factor: float = doc("Penalty at the very end of the budget.")
+    log: bool = doc("Log the penalty as a metric.")
+
+
+@dataclass
+class SandboxFusionConfig:
+    """Remote code-execution sandbox for code rewards (not available: no network)."""
+
+    url: str | None = doc("Sandbox endpoint.", status=UNSUPPORTED, neutral=None)
+    max_concurrent: int = doc("Concurrent sandbox requests.")
+    memory_limit_mb: int = doc("Memory limit per execution.")
+
+
+@dataclass
+class RewardModelConfig:
+    """Reward computation: the reward manager, and optionally a learned reward model."""
+
+    enable: bool = doc("Score responses with a learned reward model (otherwise rule-based rewards only).")
+    strategy: str = doc("Backend of the reward model.", choices=STRATEGIES)
+    model: RewardModelModelConfig = doc("The reward model.")
+    micro_batch_size: int | None = doc(
+        "Global micro-batch.", status=DEPRECATED, replacement="use micro_batch_size_per_gpu"
+    )
+    micro_batch_size_per_gpu: int | None = doc("Sequences per reward-model forward pass on one rank.")
+    max_length: int | None = doc("Maximum sequence length fed to the reward model.")
+    ulysses_sequence_parallel_size: int = doc("Sequence-parallel group size.", status=UNSUPPORTED, neutral=1)
+    use_dynamic_bsz: bool = doc("Pack micro-batches by token count.")
+    forward_max_token_len_per_gpu: int = doc("Token budget of one packed forward micro-batch.")
+    reward_manager: str = doc("Turns scores into token-level rewards.", choices=REWARD_MANAGERS)
+    launch_reward_fn_async: bool = doc("Compute rule rewards in a background task during the log-prob pass.")
+    reward_kwargs: dict = doc("Extra keyword arguments of the reward manager.")
+    overlong_buffer: OverlongBufferConfig = doc("DAPO overlong penalty (used by reward_manager=dapo).")
+    sandbox_fusion: SandboxFusionConfig = doc("Code-execution sandbox.")
+
+
+@dataclass
+class CustomRewardFunctionConfig:
+    """A user reward function `fn(data_source, solution_str, ground_truth, extra_info) -> float | dict`."""
+
+    path: str | None = doc(
+        "Python file defining the function; null uses verl.utils.reward_score.default_compute_score."
+    )
+    name: str = doc("Function name inside `path`.")
+
+
+# ----------------------------------------------------------------------------------- algorithm
+
+
+@dataclass
+class KLControlConfig:
+    """Controller of the in-reward KL coefficient."""
+
+    type: str = doc("fixed: constant coefficient; adaptive: steer towards `target_kl`.", choices=KL_CTRL_TYPES)
+    kl_coef: float = doc("(Initial) KL coefficient.")
+    horizon: int = doc("Adaptive controller horizon in samples.")
+    target_kl: float = doc("Adaptive controller target KL.")
+
+
+@dataclass
+class PFPPOConfig:
+    """Policy-filtration PPO: resample the batch by reward weight."""
+
+    reweight_method: str = doc("Weighting of samples.", choices=PF_PPO_METHODS)
+    weight_pow: float = doc("Exponent of the `pow` method.")
+
+
+@dataclass
+class FilterGroupsConfig:
+    """DAPO dynamic sampling: drop groups whose samples all score the same and generate more."""
+
+    enable: bool = doc("Drop zero-variance groups and refill the batch.")
+    metric: str | None = doc("Per-sample metric whose spread decides (e.g. acc, score, seq_reward).")
+    max_num_gen_batches: int = doc("Generation rounds per step before giving up (<= 0: unlimited).")
+
+
+@dataclass
+class AlgorithmConfig:
+    """Advantage estimation and the KL penalty in the reward."""
+
+    gamma: float = doc("Discount factor.")
+    lam: float = doc("GAE lambda.")
+    adv_estimator: str = doc("Advantage estimator.", choices=ADV_ESTIMATORS)
+    norm_adv_by_std_in_grpo: bool = doc("GRPO: divide by the group's std (False: Dr. GRPO).")
+    use_kl_in_reward: bool = doc("Subtract a KL(policy || reference) penalty from the reward; needs the reference.")
+    kl_penalty: str = doc("KL estimator of the in-reward penalty.", choices=KL_PENALTIES)
+    kl_ctrl: KLControlConfig = doc("KL coefficient controller.")
+    use_pf_ppo: bool = doc("Policy-filtration PPO.", status=UNSUPPORTED, neutral=False)
+    pf_ppo: PFPPOConfig = doc("PF-PPO parameters.")
+    filter_groups: FilterGroupsConfig = doc("DAPO dynamic sampling.")
+
+
+# ------------------------------------------------------------------------------------- trainer
+
+
+@dataclass
+class TrainerConfig:
+    """The driver loop: length, resources, validation, checkpoints, logging."""
+
+    balance_batch: bool = doc("Reorder each batch so every rank gets a similar number of tokens.")
+    total_epochs: int = doc("Passes over the training set (the run stops at whichever limit comes first).")
+    total_training_steps: int | None = doc("Stop after this many steps; null: total_epochs x batches per epoch.")
+    project_name: str = doc("Tracker project (also names the run directory).")
+    experiment_name: str = doc("Tracker run name (also names the run directory).")
+    logger: list[str] | str = doc("Metric trackers.", choices=LOGGERS)
+    log_val_generations: int = doc("Validation samples (prompt, response, score) logged per validation.")
+    rollout_data_dir: str | None = doc("Dump each step's rollouts as JSONL here (null: no dump).")
+    validation_data_dir: str | None = doc("Dump validation generations as JSONL here (null: no dump).")
+    nnodes: int = doc("Machines in the Ray cluster.")
+    n_gpus_per_node: int = doc("Workers per machine: GPUs on CUDA, worker processes on CPU.")
+    save_freq: int = doc("Checkpoint every this many steps and at the end (-1: never).")
+    esi_redundant_time: int = doc("Elastic-instance expiry margin (cloud specific).", status=IGNORED)
+    resume_mode: str = doc(
+        "auto: latest checkpoint in default_local_dir; resume_path: resume_from_path.", choices=RESUME_MODES
+    )
+    resume_from_path: str | None = doc("Checkpoint directory (global_step_N) for resume_mode=resume_path.")
+    val_before_train: bool = doc("Validate once before the first step.")
+    val_only: bool = doc("Validate and exit without training.")
+    test_freq: int = doc("Validate every this many steps and at the end (-1: never).")
+    critic_warmup: int = doc("Steps that train only the critic before the actor starts.")
+    default_hdfs_dir: str | None = doc(
+        "Also copy checkpoints to this HDFS directory.", status=UNSUPPORTED, neutral=None
+    )
+    del_local_ckpt_after_load: bool = doc("Delete the local checkpoint after resuming from it.")
+    default_local_dir: str = doc("Checkpoint directory.")
+    max_actor_ckpt_to_keep: int | None = doc("Keep only the newest N actor checkpoints (null: all).")
+    max_critic_ckpt_to_keep: int | None = doc("Keep only the newest N critic checkpoints (null: all).")
+    ray_wait_register_center_timeout: int = doc("Seconds to wait for the worker group to register.")
+    device: str = doc("auto: CUDA when torch sees a GPU, else CPU.", choices=device_choices)
+    use_legacy_worker_impl: str = doc("Upstream worker-implementation switch.", status=IGNORED)
+    run_dir: str = doc(
+        "Run directory: resolved config.yaml, metrics.jsonl, training-curve PNG, tensorboard/wandb files."
+    )
+    rpc_timeout_s: float = doc(
+        "Deadline of one blocking worker call; a hang becomes an error naming role, rank, method."
+    )
+    progress_bar: bool = doc("Show a tqdm progress bar over training steps.")
+
+
+# --------------------------------------------------------------------------------------- ray
+
+
+@dataclass
+class RayInitConfig:
+    """Arguments of `ray.init` (any other `ray.init` keyword is accepted and passed through)."""
+
+    OPEN_KEYS = True
+
+    num_cpus: int | None = doc("CPUs Ray may schedule on; null: all (may hang under SLURM-like limits).")
+
+
+@dataclass
+class RayKwargsConfig:
+    """Ray start-up."""
+
+    ray_init: RayInitConfig = doc("Keyword arguments of ray.init.")
+    timeline_json_file: str | None = doc("Write a Ray timeline (chrome://tracing JSON) here at the end.")
+
+
+@dataclass
+class LegacyRayInitConfig:
+    """Older upstream spelling of `ray_kwargs` (`ray_init.num_cpus`); non-null values win."""
+
+    OPEN_KEYS = True
+
+    num_cpus: int | None = doc("CPUs Ray may schedule on (overrides ray_kwargs.ray_init.num_cpus when set).")
+    timeline_json_file: str | None = doc("Ray timeline output (overrides ray_kwargs.timeline_json_file when set).")
+
+
+# ----------------------------------------------------------------------------------------- root
+
+
+@dataclass
+class PPOConfig:
+    """The whole PPO/GRPO run (`python -m verl.trainer.main_ppo key=value ...`)."""
+
+    data: DataConfig = doc("Datasets and batch sizes.")
+    actor_rollout_ref: ActorRolloutRefConfig = doc("Policy: model, training, generation, reference.")
+    critic: CriticConfig = doc("Value function (PPO with GAE).")
+    reward_model: RewardModelConfig = doc("Rewards.")
+    custom_reward_function: CustomRewardFunctionConfig = doc("User reward function.")
+    algorithm: AlgorithmConfig = doc("Advantage estimation and KL.")
+    trainer: TrainerConfig = doc("Driver loop.")
+    ray_kwargs: RayKwargsConfig = doc("Ray start-up.")
+    ray_init: LegacyRayInitConfig = doc("Legacy spelling of ray_kwargs.ray_init.")
+
+
+def field_meta(f: dataclasses.Field) -> dict:
+    """The `doc(...)` metadata of a schema field, with `choices` evaluated to a tuple (or None)."""
+    meta = dict(f.metadata)
+    if callable(meta["choices"]):
+        meta["choices"] = meta["choices"]()
+    return meta
+
+
+def is_open(cls: type) -> bool:
+    """Whether a section accepts keys beyond its declared fields."""
+    return bool(getattr(cls, "OPEN_KEYS", False))

@@ -1,0 +1,597 @@
+"""Start-up validation of the PPO config: structure and types first, then the rules between keys.
+
+Design decisions:
+- Every problem is collected and reported in one `ConfigError`, one line each, so a user fixes a
+  broken command line in one round trip instead of one error per run.
+- Structure (unknown keys with a did-you-mean, missing keys, types, choices, unimplemented
+  features) comes from the dataclass table in `schema.py`; the cross-key rules (batch
+  arithmetic, estimator/critic consistency, sampling sanity) are written out below, one short
+  function per concern, mirroring the checks upstream's trainer does before it builds workers.
+- Batch semantics are upstream's: `data.train_batch_size` and `ppo_mini_batch_size` count
+  prompts (x `rollout.n` sequences), split evenly over the data-parallel ranks;
+  `*_micro_batch_size_per_gpu` counts sequences on one rank.
+- `_target_` keys (Hydra instantiation hints in upstream's newer YAML files) and a top-level
+  `hydra` section are accepted anywhere and ignored, so a config copied from upstream loads.
+- Type checks are strict on purpose (no string-to-number coercion): after Hydra's parsing a
+  string where a number belongs means a typo such as `data.train_batch_size=32x`.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import os
+import re
+import types
+import typing
+import warnings
+from typing import Any
+
+from omegaconf import DictConfig, OmegaConf
+
+from verl.trainer.config import schema as S
+from verl.trainer.config.errors import ConfigError, ConfigWarning, did_you_mean
+
+# --------------------------------------------------------------------------------------- types
+
+
+def is_section_type(tp) -> bool:
+    """Whether a schema type is a nested section (a dataclass) rather than a value."""
+    return isinstance(tp, type) and dataclasses.is_dataclass(tp)
+
+
+def type_name(tp) -> str:
+    """Readable name of a schema type: `int | null`, `list[str]`, `dict`."""
+    origin = typing.get_origin(tp)
+    if origin in (typing.Union, types.UnionType):
+        return " | ".join(type_name(a) for a in typing.get_args(tp))
+    if tp is type(None):
+        return "null"
+    if origin is list:
+        (arg,) = typing.get_args(tp) or (Any,)
+        return f"list[{type_name(arg)}]"
+    if tp is dict or origin is dict:
+        return "dict"
+    if tp is Any:
+        return "any"
+    if is_section_type(tp):
+        return "section"
+    return tp.__name__
+
+
+def _matches(value, tp) -> bool:
+    origin = typing.get_origin(tp)
+    if tp is Any:
+        return True
+    if origin in (typing.Union, types.UnionType):
+        return any(_matches(value, a) for a in typing.get_args(tp))
+    if tp is type(None):
+        return value is None
+    if tp is bool:
+        return isinstance(value, bool)
+    if tp is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    if tp is float:
+        return isinstance(value, int | float) and not isinstance(value, bool)
+    if tp is str:
+        return isinstance(value, str)
+    if origin is list:
+        (arg,) = typing.get_args(tp) or (Any,)
+        return isinstance(value, list) and all(_matches(v, arg) for v in value)
+    if tp is dict or origin is dict:
+        return isinstance(value, dict)
+    raise TypeError(f"schema type {tp!r} is not supported by the validator")
+
+
+_EXAMPLE = {int: "a whole number such as 8", float: "a number such as 0.5", bool: "true or false", str: "a string"}
+
+
+def _type_hint(tp) -> str:
+    base = [a for a in typing.get_args(tp) if a is not type(None)] or [tp]
+    for b in base:
+        if b in _EXAMPLE:
+            return _EXAMPLE[b]
+    return f"a value of type {type_name(tp)}"
+
+
+# ---------------------------------------------------------------------------------- schema walk
+
+
+def iter_schema_fields(cls: type = S.PPOConfig, prefix: str = ""):
+    """Yield (dotted key, field, type, owning dataclass) for every leaf and section, depth first."""
+    hints = typing.get_type_hints(cls)
+    for f in dataclasses.fields(cls):
+        full = f"{prefix}{f.name}"
+        yield full, f, hints[f.name], cls
+        if is_section_type(hints[f.name]):
+            yield from iter_schema_fields(hints[f.name], full + ".")
+
+
+def schema_keys() -> list[str]:
+    """Every dotted key the schema declares, sections included."""
+    return [key for key, *_ in iter_schema_fields()]
+
+
+def _check_section(
+    value: dict, cls: type, path: str, errors: list[tuple[str, str]], warns: list[str], all_keys: list[str]
+):
+    """Check one section against its dataclass; errors are (dotted key, message)."""
+    hints = typing.get_type_hints(cls)
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    for key in value:
+        if key in fields or key == "_target_" or S.is_open(cls) or (not path and key == "hydra"):
+            continue
+        full = f"{path}{key}"
+        hint = did_you_mean(str(key), list(fields), prefix=path, all_keys=all_keys, full_key=full)
+        where = path.rstrip(".") or "the top level"
+        errors.append(
+            (
+                full,
+                f"unknown config key {full!r}: {where} has no key {key!r}.{hint} "
+                "Fix the spelling, or remove it (see docs/config_reference.md for every key)",
+            )
+        )
+    for name, f in fields.items():
+        full = f"{path}{name}"
+        tp = hints[name]
+        if name not in value:
+            errors.append(
+                (
+                    full,
+                    f"config key {full} is missing; it has no default here because the YAML provides it: add it back",
+                )
+            )
+            continue
+        v = value[name]
+        if v == "???":
+            errors.append((full, f"config key {full} must be set (it is ???); pass {full}=..."))
+            continue
+        if is_section_type(tp):
+            if not isinstance(v, dict):
+                errors.append(
+                    (
+                        full,
+                        f"{full} is a section of keys, but it is set to {v!r}; set its keys instead, e.g. {full}.<key>=...",
+                    )
+                )
+            else:
+                _check_section(v, tp, full + ".", errors, warns, all_keys)
+            continue
+        if not _matches(v, tp):
+            errors.append(
+                (
+                    full,
+                    f"{full}={v!r} has type {type(v).__name__}, but {type_name(tp)} is expected; set it to {_type_hint(tp)}",
+                )
+            )
+            continue
+        meta = S.field_meta(f)
+        choices = meta["choices"]
+        if choices:
+            for item in v if isinstance(v, list) else [v]:
+                if item is not None and item not in choices:
+                    hint = did_you_mean(str(item), [str(c) for c in choices])
+                    errors.append(
+                        (
+                            full,
+                            f"{full}={item!r} is not a valid choice.{hint} Valid values: {', '.join(map(str, choices))}",
+                        )
+                    )
+        if meta["status"] == S.UNSUPPORTED and v != meta["neutral"]:
+            errors.append(
+                (
+                    full,
+                    f"{full}={_yaml(v)} is not implemented in this verl ({meta['doc'].rstrip('.')}); running without it "
+                    f"would silently train something else, so remove the override (keep {full}={_yaml(meta['neutral'])})",
+                )
+            )
+        if meta["status"] == S.DEPRECATED and v is not None:
+            warns.append(f"{full} is deprecated; {meta['replacement']}")
+
+
+def _yaml(v) -> str:
+    if v is None:
+        return "null"
+    return str(v).lower() if isinstance(v, bool) else str(v)
+
+
+# ------------------------------------------------------------------------------- cross-key rules
+
+
+def _get(c: dict, key: str):
+    node = c
+    for part in key.split("."):
+        node = node[part]
+    return node
+
+
+def need_critic(cfg) -> bool:
+    """Whether the run trains a value function (upstream: critic.enable, else adv_estimator == gae)."""
+    c = _plain(cfg)
+    enable = c["critic"].get("enable")
+    return bool(enable) if enable is not None else c["algorithm"]["adv_estimator"] == "gae"
+
+
+def need_reference_policy(cfg) -> bool:
+    """Whether the run needs the frozen reference policy (any KL term)."""
+    c = _plain(cfg)
+    return bool(c["actor_rollout_ref"]["actor"]["use_kl_loss"] or c["algorithm"]["use_kl_in_reward"])
+
+
+def world_size(cfg) -> int:
+    """Worker processes (GPUs, or CPU processes) in the trainer's worker group."""
+    c = _plain(cfg)
+    return c["trainer"]["nnodes"] * c["trainer"]["n_gpus_per_node"]
+
+
+def _next_multiple(start: int, ok) -> int:
+    m = max(start, 1)
+    while not ok(m):
+        m += 1
+    return m
+
+
+def _check_positive(c: dict, errors: list[str]):
+    for key, minimum in (
+        ("data.train_batch_size", 1),
+        ("data.max_prompt_length", 1),
+        ("data.max_response_length", 1),
+        ("actor_rollout_ref.rollout.n", 1),
+        ("actor_rollout_ref.rollout.tensor_model_parallel_size", 1),
+        ("actor_rollout_ref.actor.ppo_mini_batch_size", 1),
+        ("actor_rollout_ref.actor.ppo_epochs", 1),
+        ("actor_rollout_ref.rollout.val_kwargs.n", 1),
+        ("trainer.nnodes", 1),
+        ("trainer.n_gpus_per_node", 1),
+        ("trainer.total_epochs", 1),
+        ("trainer.log_val_generations", 0),
+        ("trainer.critic_warmup", 0),
+    ):
+        v = _get(c, key)
+        if v < minimum:
+            errors.append(f"{key}={v} must be at least {minimum}")
+    steps = c["trainer"]["total_training_steps"]
+    if steps is not None and steps < 1:
+        errors.append(
+            f"trainer.total_training_steps={steps} must be at least 1, or null to run trainer.total_epochs epochs"
+        )
+    for key in ("trainer.save_freq", "trainer.test_freq"):
+        v = _get(c, key)
+        if v == 0 or v < -1:
+            errors.append(f"{key}={v} is not a step interval; use a positive number of steps, or -1 to disable")
+    if c["actor_rollout_ref"]["actor"]["optim"]["lr"] <= 0:
+        errors.append(f"actor_rollout_ref.actor.optim.lr={c['actor_rollout_ref']['actor']['optim']['lr']} must be > 0")
+
+
+def _check_rollout_layout(c: dict, errors: list[str]) -> int | None:
+    """Rollout tensor parallelism must tile the workers; returns the world size when it does."""
+    world = world_size(c)
+    tp = c["actor_rollout_ref"]["rollout"]["tensor_model_parallel_size"]
+    if tp < 1 or world < 1:
+        return None
+    if world % tp:
+        errors.append(
+            f"actor_rollout_ref.rollout.tensor_model_parallel_size={tp} does not divide the {world} workers "
+            f"(trainer.nnodes x trainer.n_gpus_per_node), so the engine's tensor-parallel groups cannot be formed; "
+            f"use a divisor of {world} or change trainer.n_gpus_per_node"
+        )
+        return None
+    return world
+
+
+def _check_micro(
+    errors: list[str],
+    *,
+    role: str,
+    global_key: str,
+    per_gpu_key: str,
+    values: dict,
+    dp: int,
+    dynamic: bool,
+    dynamic_key: str,
+    per_rank_batch: int | None = None,
+    batch_desc: str = "",
+):
+    """One role's micro-batch: exactly one spelling, required unless packing by tokens, and tiling the mini-batch."""
+    g, p = values[global_key.rsplit(".", 1)[-1]], values[per_gpu_key.rsplit(".", 1)[-1]]
+    if g is not None and p is not None:
+        errors.append(
+            f"{global_key}={g} and {per_gpu_key}={p} are both set, but they say the same thing two ways; "
+            f"keep only {per_gpu_key} ({global_key} is deprecated)"
+        )
+        return
+    if g is not None:
+        if g % dp:
+            errors.append(
+                f"{global_key}={g} is not divisible by the {dp} data-parallel ranks; set {per_gpu_key} instead"
+            )
+            return
+        p = g // dp
+    if p is None:
+        if not dynamic:
+            errors.append(
+                f"{role} needs a micro-batch size: set {per_gpu_key} (sequences per forward pass on one rank), "
+                f"or {dynamic_key}=true to pack micro-batches by token count"
+            )
+        return
+    if p < 1:
+        errors.append(f"{per_gpu_key}={p} must be at least 1")
+        return
+    if per_rank_batch is None or dynamic:
+        return
+    if p > per_rank_batch:
+        errors.append(
+            f"{per_gpu_key}={p} is larger than the {per_rank_batch} sequences each rank gets per mini-batch "
+            f"({batch_desc}); set it to at most {per_rank_batch}, ideally a divisor of it"
+        )
+    elif per_rank_batch % p:
+        divisors = [d for d in range(1, per_rank_batch + 1) if per_rank_batch % d == 0 and d <= p]
+        errors.append(
+            f"{per_gpu_key}={p} does not divide the {per_rank_batch} sequences each rank gets per mini-batch "
+            f"({batch_desc}), so gradient accumulation would drop or double-count sequences; "
+            f"use a divisor such as {divisors[-1]}"
+        )
+
+
+def _check_train_batches(c: dict, errors: list[str], world: int):
+    """Batch arithmetic of the actor (and the critic when it is trained)."""
+    arr = c["actor_rollout_ref"]
+    n = arr["rollout"]["n"]
+    tbs = c["data"]["train_batch_size"]
+    sp = arr["actor"]["ulysses_sequence_parallel_size"] or 1
+    dp = world // sp if world % sp == 0 else world
+    if (tbs * n) % world:
+        good = _next_multiple(tbs, lambda m: (m * n) % world == 0)
+        errors.append(
+            f"data.train_batch_size x actor_rollout_ref.rollout.n = {tbs} x {n} = {tbs * n} sequences per step is not "
+            f"divisible by the {world} workers (trainer.nnodes x trainer.n_gpus_per_node), so the batch cannot be "
+            f"split evenly across them; set data.train_batch_size={good} (or another value making the product a "
+            f"multiple of {world}) or change trainer.n_gpus_per_node"
+        )
+    roles = [("actor", "actor_rollout_ref.actor", arr["actor"])]
+    if need_critic(c):
+        roles.append(("critic", "critic", c["critic"]))
+    for role, prefix, sec in roles:
+        mini = sec["ppo_mini_batch_size"]
+        if mini < 1:
+            continue
+        if mini > tbs:
+            errors.append(
+                f"{prefix}.ppo_mini_batch_size={mini} is larger than data.train_batch_size={tbs}: a mini-batch is a "
+                f"slice of the step's batch (both count prompts); set {prefix}.ppo_mini_batch_size to at most {tbs}"
+            )
+            continue
+        if tbs % mini:
+            divs = [d for d in range(1, tbs + 1) if tbs % d == 0 and d <= mini]
+            errors.append(
+                f"data.train_batch_size={tbs} is not divisible by {prefix}.ppo_mini_batch_size={mini}, so the last "
+                f"optimizer step of each batch would see fewer prompts; use a divisor such as {divs[-1]}"
+            )
+        if (mini * n) % dp:
+            errors.append(
+                f"{prefix}.ppo_mini_batch_size x rollout.n = {mini} x {n} = {mini * n} sequences is not divisible by "
+                f"the {dp} data-parallel ranks, so a mini-batch cannot be split evenly; make it a multiple of {dp} "
+                f"(e.g. {prefix}.ppo_mini_batch_size={_next_multiple(mini, lambda m: (m * n) % dp == 0)})"
+            )
+            continue
+        per_rank = mini * n // dp
+        _check_micro(
+            errors,
+            role=role,
+            global_key=f"{prefix}.ppo_micro_batch_size",
+            per_gpu_key=f"{prefix}.ppo_micro_batch_size_per_gpu",
+            values=sec,
+            dp=dp,
+            dynamic=sec["use_dynamic_bsz"],
+            dynamic_key=f"{prefix}.use_dynamic_bsz",
+            per_rank_batch=per_rank,
+            batch_desc=f"{prefix}.ppo_mini_batch_size {mini} x rollout.n {n} / {dp} ranks",
+        )
+
+
+def _check_forward_batches(c: dict, errors: list[str], world: int):
+    """Micro-batches of the forward-only passes (old log-probs, reference, values, reward model)."""
+    arr = c["actor_rollout_ref"]
+    rollout = arr["rollout"]
+    passes = [("old-log-prob pass", "actor_rollout_ref.rollout", rollout, "log_prob")]
+    if need_reference_policy(c):
+        passes.append(("reference policy", "actor_rollout_ref.ref", arr["ref"], "log_prob"))
+    for role, prefix, sec, stem in passes:
+        _check_micro(
+            errors,
+            role=role,
+            global_key=f"{prefix}.{stem}_micro_batch_size",
+            per_gpu_key=f"{prefix}.{stem}_micro_batch_size_per_gpu",
+            values=sec,
+            dp=world,
+            dynamic=sec["log_prob_use_dynamic_bsz"],
+            dynamic_key=f"{prefix}.log_prob_use_dynamic_bsz",
+        )
+    if need_critic(c):
+        _check_micro(
+            errors,
+            role="critic value pass",
+            global_key="critic.forward_micro_batch_size",
+            per_gpu_key="critic.forward_micro_batch_size_per_gpu",
+            values=c["critic"],
+            dp=world,
+            dynamic=c["critic"]["use_dynamic_bsz"],
+            dynamic_key="critic.use_dynamic_bsz",
+        )
+    rm = c["reward_model"]
+    if rm["enable"]:
+        if not rm["model"]["path"]:
+            errors.append(
+                "reward_model.enable=true but reward_model.model.path is null; set it to the reward model's directory"
+            )
+        _check_micro(
+            errors,
+            role="reward model",
+            global_key="reward_model.micro_batch_size",
+            per_gpu_key="reward_model.micro_batch_size_per_gpu",
+            values=rm,
+            dp=world,
+            dynamic=rm["use_dynamic_bsz"],
+            dynamic_key="reward_model.use_dynamic_bsz",
+        )
+
+
+def _check_algorithm(c: dict, errors: list[str], warns: list[str]):
+    alg = c["algorithm"]
+    arr = c["actor_rollout_ref"]
+    rollout = arr["rollout"]
+    est = alg["adv_estimator"]
+    n = rollout["n"]
+    if est in S.GROUP_ADV_ESTIMATORS and n < 2:
+        errors.append(
+            f"algorithm.adv_estimator={est} compares each response with the other responses to the same prompt, "
+            f"but actor_rollout_ref.rollout.n={n} samples one per prompt, so every advantage would be zero; "
+            "set actor_rollout_ref.rollout.n to 2 or more (8 is typical)"
+        )
+    if est == "gae" and c["critic"]["enable"] is False:
+        errors.append(
+            "algorithm.adv_estimator=gae needs a value function, but critic.enable=false; "
+            "set critic.enable=true (or null), or choose a critic-free estimator such as grpo"
+        )
+    if c["critic"]["rollout_n"] != n:
+        errors.append(
+            f"critic.rollout_n={c['critic']['rollout_n']} differs from actor_rollout_ref.rollout.n={n}; "
+            "leave critic.rollout_n at its default (${actor_rollout_ref.rollout.n})"
+        )
+    if arr["actor"]["use_kl_loss"] and alg["use_kl_in_reward"]:
+        warns.append(
+            "actor_rollout_ref.actor.use_kl_loss and algorithm.use_kl_in_reward are both on, so the KL to the "
+            "reference is penalised twice (in the loss and in the reward); usually only one is wanted"
+        )
+    if rollout["do_sample"] and rollout["temperature"] <= 0:
+        errors.append(
+            f"actor_rollout_ref.rollout.do_sample=true with temperature={rollout['temperature']} cannot sample; "
+            "set temperature > 0 (1.0 is typical) or do_sample=false for greedy decoding"
+        )
+    if not rollout["do_sample"] and n > 1 and est in S.GROUP_ADV_ESTIMATORS:
+        warns.append(
+            f"actor_rollout_ref.rollout.do_sample=false decodes greedily, so the {n} responses per prompt are "
+            f"identical and {est} gives them zero advantage; set do_sample=true to learn"
+        )
+    val = rollout["val_kwargs"]
+    if val["do_sample"] and val["temperature"] <= 0:
+        errors.append(
+            f"actor_rollout_ref.rollout.val_kwargs.do_sample=true with temperature={val['temperature']} cannot sample; "
+            "set val_kwargs.temperature > 0, or val_kwargs.do_sample=false for greedy validation"
+        )
+    if arr["actor"]["clip_ratio_c"] <= 1:
+        errors.append(
+            f"actor_rollout_ref.actor.clip_ratio_c={arr['actor']['clip_ratio_c']} must be > 1 (dual-clip bound; 3.0 is typical)"
+        )
+    ctrl = alg["kl_ctrl"]
+    if ctrl["type"] == "adaptive" and (ctrl["target_kl"] <= 0 or ctrl["horizon"] <= 0):
+        errors.append("algorithm.kl_ctrl.type=adaptive needs target_kl > 0 and horizon > 0")
+    fg = alg["filter_groups"]
+    if fg["enable"] and not fg["metric"]:
+        errors.append("algorithm.filter_groups.enable=true needs algorithm.filter_groups.metric (e.g. acc or score)")
+    ob = c["reward_model"]["overlong_buffer"]
+    if ob["enable"] and ob["len"] > c["data"]["max_response_length"]:
+        errors.append(
+            f"reward_model.overlong_buffer.len={ob['len']} exceeds data.max_response_length="
+            f"{c['data']['max_response_length']}; the buffer is the tail of the response budget, so make it shorter"
+        )
+
+
+def _check_lengths(c: dict, errors: list[str]):
+    rollout = c["actor_rollout_ref"]["rollout"]
+    total = rollout["prompt_length"] + rollout["response_length"]
+    if rollout["max_model_len"] is not None and rollout["max_model_len"] < total:
+        errors.append(
+            f"actor_rollout_ref.rollout.max_model_len={rollout['max_model_len']} is shorter than prompt_length + "
+            f"response_length = {total}; raise it or leave it null"
+        )
+    for key in ("actor_rollout_ref.actor.optim", "critic.optim"):
+        ratio = _get(c, key)["lr_warmup_steps_ratio"]
+        if not 0 <= ratio <= 1:
+            errors.append(f"{key}.lr_warmup_steps_ratio={ratio} must be between 0 and 1")
+
+
+def _check_trainer(c: dict, errors: list[str]):
+    t = c["trainer"]
+    if t["resume_mode"] == "resume_path" and not t["resume_from_path"]:
+        errors.append("trainer.resume_mode=resume_path needs trainer.resume_from_path (a .../global_step_N directory)")
+    path = c["custom_reward_function"]["path"]
+    if path and not os.path.isfile(os.path.expanduser(path)):
+        errors.append(
+            f"custom_reward_function.path={path!r} does not exist; point it at the Python file defining {c['custom_reward_function']['name']}()"
+        )
+    loggers = [t["logger"]] if isinstance(t["logger"], str) else t["logger"]
+    from verl.utils.tracking import missing_backend_packages
+
+    for backend, install in missing_backend_packages([b for b in loggers if b in S.LOGGERS]):
+        errors.append(
+            f"trainer.logger includes {backend!r}, but its package is not installed; run `{install}` or remove it from trainer.logger"
+        )
+
+
+# ---------------------------------------------------------------------------------------- entry
+
+
+def _plain(cfg) -> dict:
+    if isinstance(cfg, dict):
+        return cfg
+    from verl.trainer.config.loader import resolve
+
+    resolved = resolve(copy.deepcopy(cfg)) if isinstance(cfg, DictConfig) else cfg
+    return OmegaConf.to_container(resolved, resolve=True, throw_on_missing=False)
+
+
+def _interpolation_sources(cfg: DictConfig, prefix: str = "") -> dict[str, str]:
+    """{key: the key it copies} for every plain `${other.key}` / `${.sibling}` interpolation."""
+    out = {}
+    for k in cfg:
+        full = f"{prefix}{k}"
+        if OmegaConf.is_interpolation(cfg, k):
+            m = re.fullmatch(r"\$\{(\.*)([\w.]+)\}", str(cfg._get_node(k)._value()))
+            if m:
+                dots, target = m.groups()
+                base = full.split(".")[: -len(dots)] if dots else []
+                out[full] = ".".join([*base, target])
+            continue
+        node = cfg._get_node(k)
+        if isinstance(node, DictConfig) and not node._is_none() and not node._is_missing():
+            out.update(_interpolation_sources(node, full + "."))
+    return out
+
+
+def _raise(errors: list[str]):
+    if len(errors) == 1:
+        raise ConfigError(f"invalid config: {errors[0]}", errors)
+    lines = "\n".join(f"  - {e}" for e in errors)
+    raise ConfigError(f"invalid config ({len(errors)} problems):\n{lines}", errors)
+
+
+def validate_ppo_config(cfg: DictConfig | dict) -> None:
+    """Fail fast on a config that cannot run as asked; warn (ConfigWarning) on one that probably should not.
+
+    Raises ConfigError listing every problem found. Accepts a resolved or unresolved DictConfig
+    (e.g. straight from Hydra) or a plain dict; `cfg` is not modified.
+    """
+    c = _plain(cfg)
+    keyed: list[tuple[str, str]] = []
+    warns: list[str] = []
+    _check_section(c, S.PPOConfig, "", keyed, warns, schema_keys())
+    if keyed:
+        # A key copied by interpolation (`gen_batch_size: ${data.train_batch_size}`) inherits its
+        # source's bad value; report the source only.
+        bad = {k for k, _ in keyed}
+        follows = _interpolation_sources(cfg) if isinstance(cfg, DictConfig) else {}
+        _raise([msg for k, msg in keyed if follows.get(k) not in bad])
+    errors: list[str] = []
+    _check_positive(c, errors)
+    world = _check_rollout_layout(c, errors)
+    if world is not None and not errors:
+        _check_train_batches(c, errors, world)
+        _check_forward_batches(c, errors, world)
+    _check_algorithm(c, errors, warns)
+    _check_lengths(c, errors)
+    _check_trainer(c, errors)
+    if errors:
+        _raise(errors)
+    for w in warns:
+        warnings.warn(w, ConfigWarning, stacklevel=2)

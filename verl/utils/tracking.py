@@ -1,0 +1,423 @@
+"""Experiment tracking: one `Tracking` object fans each step's metrics out to the chosen backends.
+
+Upstream-compatible surface: `Tracking(project_name, experiment_name, default_backend, config)`,
+`.log(data, step)`, `.finish()`, and the backend names of `trainer.logger`.
+
+Backends (each imported only when chosen, so `import verl` stays light):
+- console: one compact line per step, keys sorted, floats to 4 significant digits; printed with
+  `tqdm.write` so it does not tear a progress bar.
+- file: JSONL, one `{"step": N, "data": {...}}` object per `log` call (upstream's format) at
+  `$VERL_FILE_LOGGER_PATH`, else `<run_dir>/metrics.jsonl`; appended to, so a resumed run
+  continues the same file.
+- mlflow: `$MLFLOW_TRACKING_URI`, else a local file store `./mlruns` (MLflow 3 refuses file stores
+  unless `MLFLOW_ALLOW_FILE_STORE=true`, which is set for that default only). Experiment =
+  project, run = experiment name, the flattened config as params. MLflow forbids some characters
+  in metric names: `@` becomes `_at_` (as upstream does, so dashboards match) and any other
+  forbidden character c becomes `_u%04x_`; `restore_mlflow_key` inverts this (names that
+  already contain those escapes are the one ambiguity).
+- tensorboard: `$TENSORBOARD_DIR`, else `<run_dir>/tensorboard`.
+- wandb: `$WANDB_DIR`, else `<run_dir>`. Without credentials (no `WANDB_API_KEY`, no netrc
+  entry) and no explicit `WANDB_MODE`, the run is written offline (`wandb sync` uploads it later)
+  instead of failing on a machine without network.
+
+`finish()` also draws reward, validation accuracy and response length against step into
+`<run_dir>/training_curves.png` (when any of those metrics was logged) and attaches the PNG to the
+mlflow and wandb runs. Only scalar values reach mlflow/tensorboard/wandb; console and file keep
+everything.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+import numbers
+import os
+import re
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+from verl.utils.plotting import is_plotted_metric
+
+BACKENDS = ("console", "file", "mlflow", "tensorboard", "wandb")
+# backend -> (module that must import, install command)
+_BACKEND_PACKAGES = {
+    "mlflow": ("mlflow", "pip install mlflow"),
+    "tensorboard": ("tensorboard", "pip install tensorboard"),
+    "wandb": ("wandb", "pip install wandb"),
+}
+CURVES_PNG = "training_curves.png"
+
+
+def missing_backend_packages(backends: Iterable[str]) -> list[tuple[str, str]]:
+    """(backend, install command) for each chosen backend whose package is not importable."""
+    missing = []
+    for b in dict.fromkeys(backends):
+        if b in _BACKEND_PACKAGES and importlib.util.find_spec(_BACKEND_PACKAGES[b][0]) is None:
+            missing.append((b, _BACKEND_PACKAGES[b][1]))
+    return missing
+
+
+def _scalar(v: Any) -> float | None:
+    """A float for number-like values (python and numpy numbers, one-element arrays/tensors), else None."""
+    if isinstance(v, numbers.Number) and not isinstance(v, complex):
+        return float(v)
+    item, size = getattr(v, "item", None), getattr(v, "size", None)
+    if callable(size):  # torch.Tensor.size is a method; numel is the element count
+        size = v.numel() if hasattr(v, "numel") else None
+    if item is not None and size == 1:
+        try:
+            return float(item())
+        except (TypeError, ValueError):
+            return None
+    return None
+
+
+def _jsonable(v: Any) -> Any:
+    s = _scalar(v)
+    if s is not None:
+        return int(v) if isinstance(v, int) and not isinstance(v, bool) else s
+    if isinstance(v, dict):
+        return {str(k): _jsonable(x) for k, x in v.items()}
+    if isinstance(v, list | tuple):
+        return [_jsonable(x) for x in v]
+    if v is None or isinstance(v, str):
+        return v
+    return str(v)
+
+
+def _fmt(v: Any) -> str:
+    s = _scalar(v)
+    if s is None:
+        return str(v)
+    if isinstance(v, int) and not isinstance(v, bool):
+        return str(v)
+    return f"{s:.4g}"
+
+
+# ------------------------------------------------------------------------------------ mlflow keys
+
+_MLFLOW_OK = re.compile(r"[\w\-. /:]")
+
+
+def sanitize_mlflow_key(name: str) -> str:
+    """An MLflow-legal metric name: `@` -> `_at_`, other forbidden characters -> `_uXXXX_`."""
+    out = []
+    for ch in name:
+        if ch == "@":
+            out.append("_at_")
+        elif _MLFLOW_OK.fullmatch(ch):
+            out.append(ch)
+        else:
+            out.append(f"_u{ord(ch):04x}_")
+    return "".join(out)
+
+
+def restore_mlflow_key(name: str) -> str:
+    """Inverse of `sanitize_mlflow_key`."""
+    name = re.sub(r"_u([0-9a-f]{4})_", lambda m: chr(int(m.group(1), 16)), name)
+    return name.replace("_at_", "@")
+
+
+def flatten_config(config: Any, sep: str = ".") -> dict[str, str]:
+    """Nested config -> {dotted key: string value} (lists kept as one value)."""
+    if config is None:
+        return {}
+    try:
+        from omegaconf import DictConfig, ListConfig, OmegaConf
+
+        if isinstance(config, DictConfig | ListConfig):
+            config = OmegaConf.to_container(config, resolve=True, throw_on_missing=False)
+    except ImportError:  # omegaconf is a dependency; plain dicts work without it
+        pass
+    flat: dict[str, str] = {}
+
+    def walk(node, prefix):
+        if isinstance(node, dict) and node:
+            for k, v in node.items():
+                walk(v, f"{prefix}{sep}{k}" if prefix else str(k))
+        else:
+            flat[prefix] = json.dumps(node) if isinstance(node, list | dict) else str(node)
+
+    walk(config, "")
+    return flat
+
+
+# ----------------------------------------------------------------------------------- backends
+
+
+class ConsoleLogger:
+    """One line per step: `step 12 | a/x=0.5 b/y=3`."""
+
+    def log(self, data: dict, step: int) -> None:
+        line = f"step {step} | " + " ".join(f"{k}={_fmt(data[k])}" for k in sorted(data))
+        try:
+            from tqdm import tqdm
+
+            tqdm.write(line)
+        except ImportError:  # tqdm is a dependency; stay usable without it
+            print(line, flush=True)
+
+    def finish(self) -> None:
+        pass
+
+
+class FileLogger:
+    """JSONL metrics, one object per `log` call."""
+
+    def __init__(self, run_dir: Path):
+        self.path = Path(os.environ.get("VERL_FILE_LOGGER_PATH") or run_dir / "metrics.jsonl")
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._fp = open(self.path, "a", encoding="utf-8")  # noqa: SIM115 - kept open for the run
+
+    def log(self, data: dict, step: int) -> None:
+        self._fp.write(json.dumps({"step": step, "data": _jsonable(data)}) + "\n")
+        self._fp.flush()
+
+    def finish(self) -> None:
+        if not self._fp.closed:
+            self._fp.close()
+
+
+class MlflowLogger:
+    """An MLflow run driven through `MlflowClient` (no global active-run state)."""
+
+    _BATCH = 100  # MLflow accepts at most 100 params (1000 metrics) per batch call
+
+    def __init__(self, project_name: str, experiment_name: str, config: Any):
+        import mlflow
+        from mlflow.entities import Param
+
+        uri = os.environ.get("MLFLOW_TRACKING_URI")
+        if not uri:
+            uri = "file:" + str(Path("mlruns").resolve())
+            if not os.environ.get("MLFLOW_ALLOW_FILE_STORE"):
+                os.environ["MLFLOW_ALLOW_FILE_STORE"] = "true"
+        self.tracking_uri = uri
+        self.client = mlflow.MlflowClient(tracking_uri=uri)
+        exp = self.client.get_experiment_by_name(project_name)
+        exp_id = exp.experiment_id if exp is not None else self.client.create_experiment(project_name)
+        self.run_id = self.client.create_run(exp_id, run_name=experiment_name).info.run_id
+        params = [Param(sanitize_mlflow_key(k)[:250], v[:6000]) for k, v in flatten_config(config).items()]
+        for i in range(0, len(params), self._BATCH):
+            self.client.log_batch(self.run_id, params=params[i : i + self._BATCH])
+        self._finished = False
+
+    def log(self, data: dict, step: int) -> None:
+        import time
+
+        from mlflow.entities import Metric
+
+        now = int(time.time() * 1000)
+        metrics = []
+        for k, v in data.items():
+            s = _scalar(v)
+            if s is not None and math.isfinite(s):
+                metrics.append(Metric(sanitize_mlflow_key(k), s, now, step))
+        for i in range(0, len(metrics), 1000):
+            self.client.log_batch(self.run_id, metrics=metrics[i : i + 1000])
+
+    def log_artifact(self, path: str | Path) -> None:
+        self.client.log_artifact(self.run_id, str(path))
+
+    def log_text(self, text: str, artifact_file: str) -> None:
+        self.client.log_text(self.run_id, text, artifact_file)
+
+    def finish(self) -> None:
+        if not self._finished:
+            self.client.set_terminated(self.run_id)
+            self._finished = True
+
+
+class TensorboardLogger:
+    """Scalars through torch's SummaryWriter."""
+
+    def __init__(self, run_dir: Path):
+        from torch.utils.tensorboard import SummaryWriter
+
+        self.log_dir = Path(os.environ.get("TENSORBOARD_DIR") or run_dir / "tensorboard")
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        self.writer = SummaryWriter(log_dir=str(self.log_dir))
+
+    def log(self, data: dict, step: int) -> None:
+        for k, v in data.items():
+            s = _scalar(v)
+            if s is not None:
+                self.writer.add_scalar(k, s, step)
+        self.writer.flush()
+
+    def log_text(self, tag: str, text: str, step: int) -> None:
+        self.writer.add_text(tag, text, step)
+        self.writer.flush()
+
+    def finish(self) -> None:
+        self.writer.close()
+
+
+def _wandb_has_credentials() -> bool:
+    if os.environ.get("WANDB_API_KEY"):
+        return True
+    import netrc
+
+    try:
+        host = os.environ.get("WANDB_BASE_URL", "https://api.wandb.ai").split("://")[-1].split("/")[0]
+        return netrc.netrc().authenticators(host) is not None
+    except (FileNotFoundError, netrc.NetrcParseError, OSError):
+        return False
+
+
+class WandbLogger:
+    """A wandb run; offline when there are no credentials and WANDB_MODE is not set."""
+
+    def __init__(self, project_name: str, experiment_name: str, config: Any, run_dir: Path):
+        import wandb
+
+        mode = os.environ.get("WANDB_MODE") or ("online" if _wandb_has_credentials() else "offline")
+        directory = Path(os.environ.get("WANDB_DIR") or run_dir)
+        directory.mkdir(parents=True, exist_ok=True)
+        cfg = None
+        if config is not None:
+            from omegaconf import DictConfig, OmegaConf
+
+            cfg = OmegaConf.to_container(config, resolve=True) if isinstance(config, DictConfig) else config
+        self.mode = mode
+        self.run = wandb.init(project=project_name, name=experiment_name, config=cfg, dir=str(directory), mode=mode)
+
+    def log(self, data: dict, step: int) -> None:
+        scalars = {k: s for k, v in data.items() if (s := _scalar(v)) is not None}
+        self.run.log(scalars, step=step)
+
+    def log_artifact(self, path: str | Path) -> None:
+        import wandb
+
+        self.run.log({Path(path).stem: wandb.Image(str(path))})
+
+    def finish(self) -> None:
+        self.run.finish()
+
+
+# ------------------------------------------------------------------------------------- facade
+
+
+def _default_run_dir(project_name: str, experiment_name: str, config: Any) -> Path:
+    try:
+        run_dir = config["trainer"]["run_dir"]
+    except (KeyError, TypeError, IndexError):
+        run_dir = None
+    return Path(run_dir) if run_dir else Path("outputs") / project_name / experiment_name
+
+
+class Tracking:
+    """Log metrics to several backends at once (see the module docstring for each backend).
+
+    project_name, experiment_name: tracker project and run names.
+    default_backend: a backend name or a list of them (`trainer.logger`).
+    config: the run's config (logged as params/config by mlflow and wandb; its
+        `trainer.run_dir` is the default run directory).
+    run_dir: where file/tensorboard/wandb output and the curves PNG go; default
+        `config.trainer.run_dir`, else `outputs/<project>/<experiment>`.
+    """
+
+    supported_backend = list(BACKENDS)
+
+    def __init__(
+        self,
+        project_name: str,
+        experiment_name: str,
+        default_backend: str | list[str] = "console",
+        config: Any = None,
+        run_dir: str | os.PathLike | None = None,
+    ):
+        backends = [default_backend] if isinstance(default_backend, str) else list(default_backend)
+        unknown = [b for b in backends if b not in BACKENDS]
+        if unknown:
+            raise ValueError(
+                f"unknown tracking backend(s) {unknown} in trainer.logger; valid backends: {', '.join(BACKENDS)}"
+            )
+        missing = missing_backend_packages(backends)
+        if missing:
+            raise ImportError(
+                "; ".join(
+                    f"trainer.logger includes {b!r} but its package is not installed: run `{cmd}`" for b, cmd in missing
+                )
+                + " (or remove it from trainer.logger)"
+            )
+        self.project_name = project_name
+        self.experiment_name = experiment_name
+        self.run_dir = Path(run_dir) if run_dir is not None else _default_run_dir(project_name, experiment_name, config)
+        self.logger: dict[str, Any] = {}
+        for b in dict.fromkeys(backends):
+            if b == "console":
+                self.logger[b] = ConsoleLogger()
+            elif b == "file":
+                self.logger[b] = FileLogger(self.run_dir)
+            elif b == "mlflow":
+                self.logger[b] = MlflowLogger(project_name, experiment_name, config)
+            elif b == "tensorboard":
+                self.logger[b] = TensorboardLogger(self.run_dir)
+            elif b == "wandb":
+                self.logger[b] = WandbLogger(project_name, experiment_name, config, self.run_dir)
+        self._history: list[dict] = []
+        self._finished = False
+
+    def log(self, data: dict, step: int, backend: str | list[str] | None = None) -> None:
+        """Send `data` (metric name -> value) for `step` to every backend (or only to `backend`)."""
+        for name, logger in self.logger.items():
+            if backend is None or name in ([backend] if isinstance(backend, str) else backend):
+                logger.log(data=data, step=step)
+        kept = {k: s for k, v in data.items() if is_plotted_metric(k) and (s := _scalar(v)) is not None}
+        if kept:
+            self._history.append({"step": step, "data": kept})
+
+    def log_artifact(self, path: str | os.PathLike) -> None:
+        """Attach a file (e.g. a plot) to the mlflow and wandb runs, when those backends are on."""
+        for name in ("mlflow", "wandb"):
+            if name in self.logger:
+                self.logger[name].log_artifact(path)
+
+    def log_generations(self, samples: list[tuple[str, str, float]], step: int) -> None:
+        """Record validation samples (prompt, response, score): JSONL in the run dir, mlflow artifact, tensorboard text."""
+        if not samples:
+            return
+        rows = [{"step": step, "input": i, "output": o, "score": _jsonable(s)} for i, o, s in samples]
+        if "file" in self.logger:
+            path = self.run_dir / "val_generations.jsonl"
+            path.parent.mkdir(parents=True, exist_ok=True)
+            with open(path, "a", encoding="utf-8") as f:
+                f.writelines(json.dumps(r) + "\n" for r in rows)
+        if "mlflow" in self.logger:
+            self.logger["mlflow"].log_text(json.dumps(rows, indent=1), f"val_generations/step_{step}.json")
+        if "tensorboard" in self.logger:
+            text = "\n\n".join(
+                f"**input:** {r['input']}  \n**output:** {r['output']}  \n**score:** {r['score']}" for r in rows
+            )
+            self.logger["tensorboard"].log_text("val/generations", text, step)
+
+    def plot_curves(self) -> Path | None:
+        """Draw the training curves logged so far into `<run_dir>/training_curves.png`; None if nothing to draw."""
+        if not self._history:
+            return None
+        from verl.utils.plotting import plot_curves_from_records
+
+        return plot_curves_from_records(self._history, self.run_dir / CURVES_PNG)
+
+    def finish(self) -> None:
+        """Plot the curves, attach them to mlflow/wandb, and close every backend (idempotent)."""
+        if self._finished:
+            return
+        self._finished = True
+        png = self.plot_curves()
+        if png is not None:
+            self.log_artifact(png)
+        for logger in self.logger.values():
+            logger.finish()
+
+    def __del__(self):
+        # Best effort for users who never call finish(); at interpreter exit modules may be gone.
+        try:
+            if not getattr(self, "_finished", True):
+                for logger in self.logger.values():
+                    logger.finish()
+        except Exception:
+            pass
