@@ -1,7 +1,7 @@
 """`python -m verl.trainer.main_ppo key=value ...`: the PPO/GRPO entry point.
 
-Hydra parses the overrides against `config/ppo_trainer.yaml`; the config is validated before Ray
-starts (a typo fails in a second, not after model loading). The driver then connects to Ray (a
+Overrides use Hydra's grammar against `config/ppo_trainer.yaml`; the config is validated before
+Ray starts (a typo fails in a second with a did-you-mean, not after model loading). The driver then connects to Ray (a
 local cluster by default, an existing one through RAY_ADDRESS or `ray_kwargs.ray_init.address`)
 and runs everything inside a `TaskRunner` actor, so a job submitted to a cluster (`ray job
 submit ... -- python -m verl.trainer.main_ppo ...`) behaves the same as a local run.
@@ -13,38 +13,44 @@ GRPO on CPU, with the data generated on first use.
 from __future__ import annotations
 
 import os
+import sys
 
-import hydra
 
+def main(argv: list[str] | None = None) -> None:
+    """Parse Hydra-style overrides (`key=value`, `+key=value`, `--config-path/--config-name`),
+    validate, and train. A config mistake exits with status 2 and one message listing every problem."""
+    from verl.trainer.config import ConfigError, load_ppo_config, parse_cli_args
 
-@hydra.main(config_path="config", config_name="ppo_trainer", version_base=None)
-def main(config) -> None:
+    try:
+        config_path, overrides = parse_cli_args(sys.argv[1:] if argv is None else argv)
+        config = load_ppo_config(overrides, config_path)
+    except ConfigError as e:
+        print(f"verl: invalid configuration\n{e}", file=sys.stderr)
+        raise SystemExit(2) from None
     run_ppo(config)
 
 
 def _ray_init_kwargs(config) -> dict:
-    from omegaconf import OmegaConf
+    """`ray_kwargs.ray_init` plus a runtime_env that makes workers import this checkout's verl."""
+    from verl.trainer.config import ray_init_kwargs
 
-    ray_init = OmegaConf.to_container(config.get("ray_kwargs", {}).get("ray_init", {}) or {}, resolve=True)
-    ray_init = {k: v for k, v in ray_init.items() if v is not None}
+    kwargs = ray_init_kwargs(config)
+    package_root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    pythonpath = os.pathsep.join(p for p in (package_root, os.environ.get("PYTHONPATH", "")) if p)
     env_vars = {
         "TOKENIZERS_PARALLELISM": "true",
-        "NCCL_DEBUG": "WARN",
         "VERL_LOGGING_LEVEL": os.environ.get("VERL_LOGGING_LEVEL", "WARNING"),
         "VERL_DEVICE": os.environ.get("VERL_DEVICE", "auto"),
+        "PYTHONPATH": pythonpath,
     }
-    # Workers must import this checkout's verl, also when it is not pip-installed.
-    package_root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    pythonpath = os.environ.get("PYTHONPATH", "")
-    env_vars["PYTHONPATH"] = package_root + (os.pathsep + pythonpath if pythonpath else "")
-    runtime_env = ray_init.pop("runtime_env", {}) or {}
-    runtime_env.setdefault("env_vars", {}).update({k: v for k, v in env_vars.items() if k not in runtime_env["env_vars"]})
-    ray_init.setdefault("include_dashboard", False)
-    return {"runtime_env": runtime_env, **ray_init}
+    runtime_env = dict(kwargs.pop("runtime_env", None) or {})
+    runtime_env["env_vars"] = {**env_vars, **(runtime_env.get("env_vars") or {})}
+    kwargs.setdefault("include_dashboard", False)
+    return {"runtime_env": runtime_env, **kwargs}
 
 
 def run_ppo(config, task_runner_cls=None) -> dict:
-    """Validate `config`, start or join Ray, and train in a TaskRunner actor; returns final metrics."""
+    """Start or join Ray and train in a TaskRunner actor; returns the final step's metrics."""
     import ray
 
     from verl.trainer.config import validate_ppo_config
@@ -60,26 +66,18 @@ def run_ppo(config, task_runner_cls=None) -> dict:
 
 
 def build_role_worker_mapping(config):
-    """Roles -> worker classes, and every role -> the one shared pool (the hybrid engine)."""
+    """Roles -> worker classes. The reference policy shares the actor's worker (the hybrid engine)."""
+    from verl.trainer.config import need_critic, need_reference_policy
     from verl.trainer.ppo.ray_trainer import Role
     from verl.workers.fsdp_workers import ActorRolloutRefWorker, CriticWorker, RewardModelWorker
 
-    algo = config.algorithm
-    arc = config.actor_rollout_ref
-    needs_ref = bool(arc.actor.get("use_kl_loss", False) or algo.get("use_kl_in_reward", False))
-    actor_role = Role.ActorRolloutRef if needs_ref else Role.ActorRollout
+    actor_role = Role.ActorRolloutRef if need_reference_policy(config) else Role.ActorRollout
     mapping = {actor_role: ActorRolloutRefWorker}
-    if use_critic(config):
+    if need_critic(config):
         mapping[Role.Critic] = CriticWorker
     if config.reward_model.get("enable", False):
         mapping[Role.RewardModel] = RewardModelWorker
     return mapping
-
-
-def use_critic(config) -> bool:
-    """A critic runs when the estimator needs values (gae), unless critic.enable says otherwise."""
-    enable = config.critic.get("enable", None)
-    return bool(enable) if enable is not None else config.algorithm.adv_estimator == "gae"
 
 
 class TaskRunner:

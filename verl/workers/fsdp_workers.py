@@ -19,8 +19,6 @@ from __future__ import annotations
 
 import os
 import time
-from datetime import timedelta
-
 import torch
 import torch.distributed as dist
 from omegaconf import DictConfig, OmegaConf, open_dict
@@ -42,12 +40,10 @@ _ROLES = {
 }
 
 
-def init_distributed(timeout_s: float | None = None) -> None:
-    """Join the worker group's torch.distributed group (env set by the worker group), once per process."""
-    if dist.is_initialized():
-        return
-    timeout = timedelta(seconds=timeout_s or float(os.environ.get("VERL_DIST_TIMEOUT_S", 600)))
-    dist.init_process_group(backend=dev.get_dist_backend(), timeout=timeout)
+def _join_group(worker: Worker) -> None:
+    """Join the group's torch.distributed group once per process (colocated roles share it)."""
+    if not dist.is_initialized():
+        worker.init_process_group(backend=dev.get_dist_backend())
     dev.set_device()
     # One CPU bundle per worker: use the threads Ray granted, not every core of the machine.
     if not dev.is_cuda_available():
@@ -139,7 +135,7 @@ class ActorRolloutRefWorker(Worker):
         self.role = role
         self.parts = _ROLES[role]
         os.environ["VERL_ROLE"] = role
-        init_distributed()
+        _join_group(self)
         self.dp_size = dist.get_world_size()
         if "actor" in self.parts:
             _normalize_batch_sizes(self.config.actor, self.config.rollout.n, self.dp_size)
@@ -244,7 +240,7 @@ class CriticWorker(Worker):
         super().__init__()
         self.config = config
         os.environ["VERL_ROLE"] = "critic"
-        init_distributed()
+        _join_group(self)
         dp = dist.get_world_size()
         with open_dict(self.config):
             n = config.get("rollout_n", 1)
@@ -291,7 +287,7 @@ class RewardModelWorker(Worker):
         super().__init__()
         self.config = config
         os.environ["VERL_ROLE"] = "reward_model"
-        init_distributed()
+        _join_group(self)
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def init_model(self) -> None:

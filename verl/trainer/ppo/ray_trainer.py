@@ -21,7 +21,6 @@ Design decisions:
 
 from __future__ import annotations
 
-import inspect
 import os
 import random
 import shutil
@@ -127,34 +126,29 @@ class RayPPOTrainer:
     # ------------------------------------------------------------------ setup
     def _create_dataloader(self, train_dataset, val_dataset, collate_fn, train_sampler) -> None:
         from verl.utils.dataset.rl_dataset import collate_fn as default_collate_fn
-        from verl.utils.dataset.sampler import ResumableDataLoader
+        from verl.utils.dataset.sampler import StatefulDataLoader, create_rl_dataloader, create_rl_sampler
 
         data = self.config.data
         collate_fn = collate_fn or default_collate_fn
-        self.train_dataloader = ResumableDataLoader(
+        # DAPO's dynamic sampling draws gen_batch_size prompts at a time; everyone else train_batch_size.
+        batch_size = data.get("gen_batch_size") or data.train_batch_size
+        if batch_size > len(train_dataset):
+            raise ValueError(
+                f"data.train_batch_size={batch_size} is larger than the {len(train_dataset)} prompts of the "
+                "training set (after filtering overlong prompts); lower data.train_batch_size or add data"
+            )
+        self.train_dataloader = StatefulDataLoader(
             train_dataset,
-            batch_size=data.get("gen_batch_size") or data.train_batch_size,
-            shuffle=data.get("shuffle", True),
-            seed=data.get("seed", 1),
+            batch_size=batch_size,
+            sampler=train_sampler or create_rl_sampler(data, train_dataset),
             collate_fn=collate_fn,
             drop_last=True,
-            sampler=train_sampler,
-            num_workers=data.get("dataloader_num_workers", 0),
+            num_workers=data.get("dataloader_num_workers") or 0,
         )
-        if len(self.train_dataloader) == 0:
-            raise ValueError(
-                f"the training set has {len(train_dataset)} prompts, fewer than one batch of "
-                f"data.train_batch_size={data.train_batch_size}; add data or lower data.train_batch_size"
-            )
+        self._train_iter = None
         self.val_dataloader = None
         if val_dataset is not None and len(val_dataset) > 0:
-            self.val_dataloader = torch.utils.data.DataLoader(
-                val_dataset,
-                batch_size=data.get("val_batch_size") or len(val_dataset),
-                shuffle=False,
-                drop_last=False,
-                collate_fn=collate_fn,
-            )
+            self.val_dataloader = create_rl_dataloader(val_dataset, data, is_train=False, collate_fn=collate_fn)
         total = self.config.trainer.get("total_training_steps")
         self.total_training_steps = total or len(self.train_dataloader) * self.config.trainer.total_epochs
         logger.info(
@@ -273,7 +267,7 @@ class RayPPOTrainer:
             num_gen_batches += 1
             metric = cfg.get("metric") or "seq_final_reward"
             values = self._group_filter_metric(batch, metric)
-            keep_mask = core_algos.filter_groups_by_metric_variance(values, batch.non_tensor_batch["uid"])
+            keep_mask, _ = core_algos.filter_groups_by_metric_variance(values, batch.non_tensor_batch["uid"])
             keep_idx = np.nonzero(np.asarray(keep_mask))[0]
             if len(keep_idx):
                 kept.append(batch.select_idxs(keep_idx))
@@ -296,7 +290,11 @@ class RayPPOTrainer:
 
     def _next_batch(self) -> DataProto:
         """The next batch of prompts as a DataProto, with a deterministic uid per prompt."""
-        batch = DataProto.from_single_dict(self.train_dataloader.next_batch())
+        batch_dict = next(self._train_iter, None) if self._train_iter is not None else None
+        if batch_dict is None:  # no epoch started yet, or the last one ended: begin the next
+            self._train_iter = iter(self.train_dataloader)
+            batch_dict = next(self._train_iter)
+        batch = DataProto.from_single_dict(batch_dict)
         batch.non_tensor_batch["uid"] = np.array([f"{self.global_steps}_{i}" for i in range(len(batch))], dtype=object)
         return batch
 
@@ -413,17 +411,9 @@ class RayPPOTrainer:
         return batch.union(self.critic_wg.compute_values(batch))
 
     def _compute_advantage(self, batch: DataProto, state: _StepState) -> DataProto:
+        """Driver-side advantage estimation: core_algos picks the inputs the estimator takes."""
         algo = self.config.algorithm
-        estimator = core_algos.get_adv_estimator_fn(algo.adv_estimator)
-        advantages, returns = estimator(**self._estimator_kwargs(estimator, batch))
-        batch.batch["advantages"] = advantages
-        batch.batch["returns"] = returns
-        return batch
-
-    def _estimator_kwargs(self, estimator, batch: DataProto) -> dict[str, Any]:
-        """Fill an estimator's parameters from the batch and `algorithm.*` by name."""
-        algo = self.config.algorithm
-        available = {
+        inputs = {
             "token_level_rewards": batch.batch["token_level_rewards"],
             "response_mask": batch.batch["response_mask"],
             "index": batch.non_tensor_batch["uid"],
@@ -431,21 +421,11 @@ class RayPPOTrainer:
             "lam": algo.get("lam", 1.0),
             "norm_adv_by_std_in_grpo": algo.get("norm_adv_by_std_in_grpo", True),
         }
-        for key in ("values", "reward_baselines"):
-            if key in batch.batch.keys():
-                available[key] = batch.batch[key]
-        params = inspect.signature(estimator).parameters
-        missing = [
-            name
-            for name, p in params.items()
-            if p.default is inspect.Parameter.empty and p.kind is p.POSITIONAL_OR_KEYWORD and name not in available
-        ]
-        if missing:
-            raise RuntimeError(
-                f"algorithm.adv_estimator={algo.adv_estimator!r} needs {missing}, which this run does not "
-                "produce (e.g. 'values' needs a critic: gae requires critic.enable or the default critic)"
-            )
-        return {name: available[name] for name in params if name in available}
+        inputs.update({k: batch.batch[k] for k in ("values", "reward_baselines") if k in batch.batch.keys()})
+        advantages, returns = core_algos.compute_advantage_from_tensors(algo.adv_estimator, **inputs)
+        batch.batch["advantages"] = advantages
+        batch.batch["returns"] = returns
+        return batch
 
     def _update_critic(self, batch: DataProto) -> dict[str, float]:
         return _meta_metrics(self.critic_wg.update_critic(batch))
@@ -610,6 +590,7 @@ class RayPPOTrainer:
         state = torch.load(os.path.join(step_dir, "data.pt"), weights_only=False)
         self.global_steps = state["global_steps"]
         self.train_dataloader.load_state_dict(state["dataloader"])
+        self._train_iter = None
         if self.kl_ctrl_in_reward is not None and state.get("kl_coef") is not None:
             self.kl_ctrl_in_reward.value = state["kl_coef"]
         rng = state["rng"]
