@@ -1,76 +1,231 @@
-"""Learning-rate schedules and padding helpers.
+"""Tensor helpers shared by the algorithms, the actor and the critic: masked statistics, log-probs
+and entropy from logits.
 
-The loss math (log-probs from logits, entropy, masked means, KL) lives in
-`verl.trainer.ppo.core_algos`; this module holds the non-math tensor plumbing the workers share.
-Schedules are `LambdaLR`s, so their state is a step counter that checkpoints restore exactly.
+Design decisions:
+
+- Masked statistics ignore padding *exactly*: a padded position contributes nothing, even when it
+  holds NaN or inf (we select with `torch.where` rather than multiply by the mask, because
+  `nan * 0` is NaN). An empty mask gives 0 rather than 0/0, so a micro-batch whose responses are
+  all padding yields a finite loss and zero gradient instead of poisoning the step with NaN.
+- Log-probs and entropy of a large vocabulary are computed in chunks of rows with a hand-written
+  backward, so neither the forward nor the backward ever holds a float32 copy of the whole
+  [tokens, vocab] logits: only one chunk at a time. Low-precision logits (bf16/fp16) are upcast to
+  float32 per chunk; float64 stays float64 (the tests use it for exact references).
+- Nothing here calls `.item()` or synchronises with the host, so the functions are safe inside a
+  compiled or CUDA-graph-captured step.
+
+Public names follow upstream verl (`verl.utils.torch_functional as verl_F`): `masked_sum`,
+`masked_mean`, `masked_var`, `masked_whiten`, `entropy_from_logits`,
+`entropy_from_logits_with_chunking`, `logprobs_from_logits`.
 """
 
 from __future__ import annotations
 
-import math
-
 import torch
-from torch.optim.lr_scheduler import LambdaLR
 
 __all__ = [
-    "get_constant_schedule_with_warmup",
-    "get_cosine_schedule_with_warmup",
-    "pad_2d_list_to_length",
-    "pad_sequence_to_length",
+    "entropy_from_logits",
+    "entropy_from_logits_with_chunking",
+    "logprobs_from_logits",
+    "masked_mean",
+    "masked_sum",
+    "masked_var",
+    "masked_whiten",
 ]
 
-
-def get_constant_schedule_with_warmup(
-    optimizer: torch.optim.Optimizer, num_warmup_steps: int, last_epoch: int = -1
-) -> LambdaLR:
-    """Linear warm-up from 0 to the base lr over `num_warmup_steps`, then constant."""
-
-    def factor(step: int) -> float:
-        if step < num_warmup_steps:
-            return float(step) / float(max(1, num_warmup_steps))
-        return 1.0
-
-    return LambdaLR(optimizer, factor, last_epoch)
+# Chunks of logits rows are sized so one float32 chunk stays around this many bytes.
+_DEFAULT_CHUNK_BYTES = 256 * 2**20
 
 
-def get_cosine_schedule_with_warmup(
-    optimizer: torch.optim.Optimizer,
-    num_warmup_steps: int,
-    num_training_steps: int,
-    min_lr_ratio: float = 0.0,
-    num_cycles: float = 0.5,
-    last_epoch: int = -1,
-) -> LambdaLR:
-    """Linear warm-up, then cosine decay from the base lr to `min_lr_ratio * lr`.
+# ----------------------------------------------------------------------------------------------
+# Masked statistics
+# ----------------------------------------------------------------------------------------------
 
-    With the default half cycle the lr reaches `min_lr_ratio * lr` at `num_training_steps`.
+
+def _masked(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """`values * mask` where the mask is non-zero and exactly 0 elsewhere (even for NaN/inf values)."""
+    if mask.shape != values.shape:
+        mask = mask.expand_as(values)
+    return torch.where(mask != 0, values * mask, torch.zeros((), dtype=values.dtype, device=values.device))
+
+
+def masked_sum(values: torch.Tensor, mask: torch.Tensor, axis: int | None = None) -> torch.Tensor:
+    """Sum of `values` over positions where `mask` is non-zero (weighted by the mask).
+
+    values, mask: same shape (mask may be bool, int or float; a float mask acts as weights).
+    axis: reduce this dimension only; None reduces everything to a scalar.
     """
-    if not 0.0 <= min_lr_ratio <= 1.0:
-        raise ValueError(f"optim.min_lr_ratio must be in [0, 1], got {min_lr_ratio}")
-
-    def factor(step: int) -> float:
-        if step < num_warmup_steps:
-            return float(step) / float(max(1, num_warmup_steps))
-        progress = float(step - num_warmup_steps) / float(max(1, num_training_steps - num_warmup_steps))
-        cosine = 0.5 * (1.0 + math.cos(math.pi * float(num_cycles) * 2.0 * progress))
-        return min_lr_ratio + (1.0 - min_lr_ratio) * max(0.0, cosine)
-
-    return LambdaLR(optimizer, factor, last_epoch)
+    masked = _masked(values, mask)
+    return masked.sum() if axis is None else masked.sum(dim=axis)
 
 
-def pad_sequence_to_length(
-    tensors: torch.Tensor, max_seq_len: int, pad_token_id, left_pad: bool = False
-) -> torch.Tensor:
-    """Pad the last dimension of [B, L] to `max_seq_len` (no-op when already that long)."""
-    if tensors.shape[-1] >= max_seq_len:
-        return tensors
-    pad = (max_seq_len - tensors.shape[-1], 0) if left_pad else (0, max_seq_len - tensors.shape[-1])
-    return torch.nn.functional.pad(tensors, pad, "constant", pad_token_id)
+def masked_mean(values: torch.Tensor, mask: torch.Tensor, axis: int | None = None) -> torch.Tensor:
+    r"""Mean of `values` over the unmasked positions: $\sum_i m_i x_i / \sum_i m_i$.
+
+    values, mask: same shape. axis: reduce this dimension only (None: all). Where the mask is empty
+    the result is 0 (documented choice: no tokens contribute nothing, never NaN).
+    """
+    total = masked_sum(values, mask, axis)
+    count = mask.to(values.dtype)
+    if count.shape != values.shape:
+        count = count.expand_as(values)
+    count = count.sum() if axis is None else count.sum(dim=axis)
+    return torch.where(count != 0, total / torch.where(count != 0, count, torch.ones_like(count)), 0.0)
 
 
-def pad_2d_list_to_length(response: list[list[int]], pad_token_id, max_length: int | None = None) -> torch.Tensor:
-    """Right-pad a list of token lists to a [B, max(len, max_length)] tensor."""
-    width = max((len(row) for row in response), default=0)
-    if max_length is not None:
-        width = max(width, max_length)
-    return torch.tensor([list(row) + [pad_token_id] * (width - len(row)) for row in response])
+def masked_var(values: torch.Tensor, mask: torch.Tensor, unbiased: bool = True) -> torch.Tensor:
+    r"""Variance of `values` over all unmasked positions (a scalar).
+
+    $\mathrm{Var} = \frac{n}{n-1}\cdot\frac{\sum_i m_i (x_i - \bar x)^2}{\sum_i m_i}$ with Bessel's
+    correction when `unbiased`, $n = \sum_i m_i$. With fewer than two unmasked positions (where the
+    unbiased variance is undefined) the result is 0, never NaN or an error.
+    """
+    mean = masked_mean(values, mask)
+    var = masked_mean((values - mean) ** 2, mask)
+    if unbiased:
+        n = mask.to(values.dtype).sum()
+        var = torch.where(n > 1, var * n / torch.where(n > 1, n - 1, torch.ones_like(n)), 0.0)
+    return var
+
+
+def masked_whiten(values: torch.Tensor, mask: torch.Tensor, shift_mean: bool = True) -> torch.Tensor:
+    r"""Normalise `values` to zero mean and unit variance over the unmasked positions.
+
+    $\hat x = (x - \bar x) / \sqrt{\mathrm{Var}_{unbiased}(x) + 10^{-8}}$ (mean added back when
+    `shift_mean=False`), statistics from unmasked positions only. Padded positions are 0 in the
+    output. Constant values (zero variance) map to 0, not NaN.
+    """
+    mean = masked_mean(values, mask)
+    var = masked_var(values, mask)
+    whitened = (values - mean) * torch.rsqrt(var + 1e-8)
+    if not shift_mean:
+        whitened = whitened + mean
+    return _masked(whitened, (mask != 0).to(values.dtype))
+
+
+# ----------------------------------------------------------------------------------------------
+# Log-probs and entropy from logits
+# ----------------------------------------------------------------------------------------------
+
+
+def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    """float32 for half precision, the dtype itself for float32/float64."""
+    return torch.promote_types(dtype, torch.float32)
+
+
+def _rows_per_chunk(vocab_size: int, chunk_size: int | None) -> int:
+    if chunk_size is not None:
+        if chunk_size < 1:
+            raise ValueError(f"chunk_size={chunk_size} must be a positive number of rows")
+        return chunk_size
+    return max(1, _DEFAULT_CHUNK_BYTES // (4 * max(vocab_size, 1)))
+
+
+def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:
+    r"""Entropy of the categorical distribution given by `logits` [..., V] -> [...].
+
+    $H = -\sum_v p_v \log p_v$ with $\log p = \mathrm{log\_softmax}(z)$, computed in float32 (or
+    float64) in one piece. Differentiable by autograd. Holds a float32 copy of the whole tensor:
+    for large vocabularies use `entropy_from_logits_with_chunking`.
+    """
+    z = logits.to(_compute_dtype(logits.dtype))
+    logp = torch.log_softmax(z, dim=-1)
+    p = logp.exp()
+    return -torch.where(p > 0, p * logp, 0.0).sum(dim=-1)
+
+
+class _ChunkedEntropy(torch.autograd.Function):
+    """Entropy per row of a [N, V] tensor, chunk by chunk, with the gradient
+    dH/dz_v = -p_v (log p_v + H) recomputed chunk by chunk in backward."""
+
+    @staticmethod
+    def forward(ctx, logits: torch.Tensor, rows: int) -> torch.Tensor:
+        cdtype = _compute_dtype(logits.dtype)
+        out = torch.empty(logits.shape[0], dtype=cdtype, device=logits.device)
+        for start in range(0, logits.shape[0], rows):
+            logp = torch.log_softmax(logits[start : start + rows].to(cdtype), dim=-1)
+            p = logp.exp()
+            out[start : start + rows] = -torch.where(p > 0, p * logp, 0.0).sum(dim=-1)
+        ctx.rows = rows
+        ctx.save_for_backward(logits, out)
+        return out
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad_out: torch.Tensor):
+        logits, entropy = ctx.saved_tensors
+        cdtype = entropy.dtype
+        grad = torch.empty_like(logits)
+        for start in range(0, logits.shape[0], ctx.rows):
+            end = start + ctx.rows
+            logp = torch.log_softmax(logits[start:end].to(cdtype), dim=-1)
+            p = logp.exp()
+            g = -torch.where(p > 0, p * (logp + entropy[start:end, None]), 0.0)
+            grad[start:end] = (g * grad_out[start:end, None].to(cdtype)).to(logits.dtype)
+        return grad, None
+
+
+def entropy_from_logits_with_chunking(logits: torch.Tensor, chunk_size: int | None = None) -> torch.Tensor:
+    r"""Entropy $H = -\sum_v p_v \log p_v$ of `logits` [..., V] -> [...], `chunk_size` rows at a time.
+
+    Same values as `entropy_from_logits`, but memory stays bounded by one float32 chunk of
+    [chunk_size, V] in forward and backward (the backward recomputes the softmax per chunk instead
+    of keeping it). `chunk_size=None` picks rows so a chunk is about 256 MiB. Result dtype is
+    float32 (float64 for float64 logits).
+    """
+    lead, vocab = logits.shape[:-1], logits.shape[-1]
+    flat = logits.reshape(-1, vocab)
+    return _ChunkedEntropy.apply(flat, _rows_per_chunk(vocab, chunk_size)).reshape(lead)
+
+
+class _ChunkedLogProb(torch.autograd.Function):
+    """log p(label) per row of a [N, V] tensor, chunk by chunk; backward is onehot - softmax."""
+
+    @staticmethod
+    def forward(ctx, logits: torch.Tensor, labels: torch.Tensor, rows: int) -> torch.Tensor:
+        cdtype = _compute_dtype(logits.dtype)
+        out = torch.empty(logits.shape[0], dtype=cdtype, device=logits.device)
+        lse = torch.empty_like(out)
+        for start in range(0, logits.shape[0], rows):
+            z = logits[start : start + rows].to(cdtype)
+            lse[start : start + rows] = torch.logsumexp(z, dim=-1)
+            picked = z.gather(-1, labels[start : start + rows, None]).squeeze(-1)
+            out[start : start + rows] = picked - lse[start : start + rows]
+        ctx.rows = rows
+        ctx.save_for_backward(logits, labels, lse)
+        return out
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad_out: torch.Tensor):
+        logits, labels, lse = ctx.saved_tensors
+        cdtype = lse.dtype
+        grad = torch.empty_like(logits)
+        for start in range(0, logits.shape[0], ctx.rows):
+            end = start + ctx.rows
+            g_rows = grad_out[start:end, None].to(cdtype)
+            g = -torch.exp(logits[start:end].to(cdtype) - lse[start:end, None]) * g_rows
+            g.scatter_add_(-1, labels[start:end, None], g_rows)
+            grad[start:end] = g.to(logits.dtype)
+        return grad, None, None
+
+
+def logprobs_from_logits(logits: torch.Tensor, labels: torch.Tensor, chunk_size: int | None = None) -> torch.Tensor:
+    r"""Log-probability of each label: $\log p(y) = z_y - \log\sum_v e^{z_v}$.
+
+    logits: [..., V] (any float dtype); labels: [...] integer token ids. Returns [...] in float32
+    (float64 for float64 logits). The math runs in float32 at least, `chunk_size` rows at a time, and
+    the hand-written backward ($\partial/\partial z = \mathbb{1}_y - p$) recomputes the softmax per
+    chunk, so memory stays bounded by one float32 chunk beyond the logits and their gradient.
+    `chunk_size=None` picks rows so a chunk is about 256 MiB.
+    """
+    if labels.shape != logits.shape[:-1]:
+        raise ValueError(
+            f"labels shape {tuple(labels.shape)} must equal the logits shape without the vocabulary "
+            f"dimension {tuple(logits.shape[:-1])}"
+        )
+    lead, vocab = logits.shape[:-1], logits.shape[-1]
+    flat_logits = logits.reshape(-1, vocab)
+    flat_labels = labels.reshape(-1).long()
+    out = _ChunkedLogProb.apply(flat_logits, flat_labels, _rows_per_chunk(vocab, chunk_size))
+    return out.reshape(lead)
