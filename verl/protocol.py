@@ -1,0 +1,835 @@
+"""DataProto: the one data container that flows between the driver and the workers.
+
+A `DataProto` is three things that share a leading batch dimension of length N:
+
+- `batch`: a `tensordict.TensorDict` of tensors with `batch_size=[N]` (or `None` for a proto that
+  carries only non-tensor data),
+- `non_tensor_batch`: a dict of numpy arrays (normally `dtype=object`) of length N, for strings,
+  dicts and other per-sample Python objects (`uid`, `data_source`, `reward_model`, ...),
+- `meta_info`: a plain dict of per-batch values (`temperature`, `eos_token_id`, `metrics`, ...).
+
+The public API follows upstream verl so its users' code works unchanged. Design decisions:
+
+- Cheap on the hot path. The single controller chunks a proto before every data-parallel RPC and
+  concatenates the results after it, so every row operation works per key on whole tensors
+  (`torch.cat`, one gather per key, slicing into views) and per key on whole numpy arrays
+  (`np.concatenate`, fancy indexing); there is no per-row Python loop for tensors. `repeat`,
+  `reorder`, `select_idxs` and padding are all one gather with a computed index.
+- Pickling is ours, not tensordict's. torch pickles a view together with its whole storage, so
+  a chunk of a 64 MB batch would ship 64 MB to each worker. `__getstate__` instead writes each
+  tensor as a flat, contiguous uint8 numpy array covering exactly its own elements (any dtype,
+  bfloat16 included), which pickle protocol 5 and Ray serialise out-of-band without extra copies.
+  Unpickled tensors are always on the CPU (the driver may have no accelerator); call `.to()` on
+  the receiving side.
+- Derived protos (slices, chunks, selections) get a shallow copy of `meta_info`, so setting a key
+  on a chunk never leaks into its parent; slices and chunks share tensor storage with the parent.
+- `concat` merges `meta_info`: equal values are kept, `metrics` (a dict of name -> value or list
+  of values, or a list of such dicts) become one dict of flat lists across all parts (so a mean
+  over a list is the mean over all ranks), `timing` (name -> seconds) keeps the maximum (parallel
+  ranks finish when the slowest does), and any other key whose values differ is an error.
+- Ray is imported only inside `DataProtoFuture` methods; importing this module never imports ray.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+import pickle
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from functools import partial
+from typing import Any
+
+import numpy as np
+import torch
+from tensordict import TensorDict, TensorDictBase
+
+__all__ = [
+    "DataProto",
+    "DataProtoFuture",
+    "DataProtoItem",
+    "collate_fn",
+    "list_of_dict_to_dict_of_list",
+    "pad_dataproto_to_divisor",
+    "union_numpy_dict",
+    "union_tensor_dict",
+    "unpad_dataproto",
+]
+
+_SUPPORTED_DATALOADER_KWARGS = ("shuffle", "drop_last")
+
+
+class DataProtoKeyError(KeyError):
+    """A missing key; subclasses KeyError but prints its message without KeyError's quoting."""
+
+    def __str__(self) -> str:
+        return str(self.args[0])
+
+
+def _missing_key_error(where: str, missing: Sequence, available) -> DataProtoKeyError:
+    names = ", ".join(repr(k) for k in missing)
+    return DataProtoKeyError(f"key {names} not found in {where}; available keys: {sorted(map(str, available))}")
+
+
+def _to_object_array(values) -> np.ndarray:
+    """A 1-D object array of len(values); np.array(list_of_equal_length_lists) would build 2-D."""
+    if isinstance(values, np.ndarray):
+        return values
+    arr = np.empty(len(values), dtype=object)
+    for i, v in enumerate(values):
+        arr[i] = v
+    return arr
+
+
+def _values_equal(a, b) -> bool:
+    """Equality for meta_info and non-tensor values: tensors, arrays, containers; NaN equals NaN."""
+    if a is b:
+        return True
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        if not (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)):
+            return False
+        return a.shape == b.shape and a.dtype == b.dtype and bool(torch.equal(a.cpu(), b.cpu()))
+    if isinstance(a, np.ndarray) or isinstance(b, np.ndarray):
+        return _numpy_equal(np.asarray(a), np.asarray(b))
+    if isinstance(a, dict) and isinstance(b, dict):
+        return a.keys() == b.keys() and all(_values_equal(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
+        return type(a) is type(b) and len(a) == len(b) and all(_values_equal(x, y) for x, y in zip(a, b))
+    if isinstance(a, float) and isinstance(b, float) and math.isnan(a) and math.isnan(b):
+        return True
+    try:
+        return bool(a == b)
+    except (TypeError, ValueError):
+        return False
+
+
+def _numpy_equal(a: np.ndarray, b: np.ndarray) -> bool:
+    if a is b:
+        return True
+    if a.shape != b.shape:
+        return False
+    if a.dtype != object and b.dtype != object:
+        return bool(np.array_equal(a, b, equal_nan=a.dtype.kind in "fc" and b.dtype.kind in "fc"))
+    return all(_values_equal(x, y) for x, y in zip(a.reshape(-1), b.reshape(-1)))
+
+
+def union_tensor_dict(tensor_dict1: TensorDict, tensor_dict2: TensorDict) -> TensorDict:
+    """Add the keys of `tensor_dict2` to `tensor_dict1` (in place) and return it.
+
+    Keys present in both must hold equal tensors; a conflict is an error naming the key.
+    """
+    if tensor_dict1.batch_size != tensor_dict2.batch_size:
+        raise ValueError(
+            f"cannot union TensorDicts with batch sizes {tuple(tensor_dict1.batch_size)} and "
+            f"{tuple(tensor_dict2.batch_size)}; both must describe the same rows"
+        )
+    existing = set(tensor_dict1.keys(include_nested=True, leaves_only=True))
+    for key, value in tensor_dict2.items(include_nested=True, leaves_only=True):
+        if key not in existing:
+            tensor_dict1.set(key, value)
+        elif not _values_equal(tensor_dict1.get(key), value):
+            raise ValueError(
+                f"union: batch key {key!r} exists on both sides with different values; rename or pop "
+                "one of them before union (union only adds keys, it never overwrites)"
+            )
+    return tensor_dict1
+
+
+def union_numpy_dict(dict1: dict[str, np.ndarray], dict2: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """Add the arrays of `dict2` to `dict1` (in place) and return it; shared keys must be equal."""
+    for key, value in dict2.items():
+        if key in dict1 and not _numpy_equal(dict1[key], value):
+            raise ValueError(
+                f"union: non_tensor_batch key {key!r} exists on both sides with different values; rename or "
+                "pop one of them before union (union only adds keys, it never overwrites)"
+            )
+        dict1[key] = value
+    return dict1
+
+
+def _union_meta_info(meta1: dict, meta2: dict) -> dict:
+    for key, value in meta2.items():
+        if key in meta1 and not _values_equal(meta1[key], value):
+            raise ValueError(
+                f"union: meta_info[{key!r}] differs between the two protos ({meta1[key]!r} vs {value!r}); "
+                "make them equal or pop the key from one side before union"
+            )
+        meta1[key] = value
+    return meta1
+
+
+def list_of_dict_to_dict_of_list(list_of_dict: list[dict]) -> dict[str, list]:
+    """[{'a': 1, 'b': 2}, {'a': 3, 'b': 4}] -> {'a': [1, 3], 'b': [2, 4]} (keys of the first dict)."""
+    if not list_of_dict:
+        return {}
+    keys = list_of_dict[0].keys()
+    return {key: [d[key] for d in list_of_dict] for key in keys}
+
+
+def _merge_metrics(parts: list) -> dict[str, list]:
+    """Merge per-part metrics into one dict of flat lists, in part order."""
+    merged: dict[str, list] = {}
+    for metrics in parts:
+        for one in metrics if isinstance(metrics, list) else [metrics]:
+            if not isinstance(one, dict):
+                raise TypeError(
+                    f"meta_info['metrics'] must be a dict of name -> value (or list of values), or a list of "
+                    f"such dicts; got {type(one).__name__}"
+                )
+            for name, value in one.items():
+                bucket = merged.setdefault(name, [])
+                if isinstance(value, (list, tuple)):
+                    bucket.extend(value)
+                else:
+                    bucket.append(value)
+    return merged
+
+
+def _merge_meta_info(metas: list[dict]) -> dict:
+    merged: dict = {}
+    metrics_parts = []
+    timing: dict | None = None
+    for meta in metas:
+        for key, value in meta.items():
+            if key == "metrics":
+                if value is not None:
+                    metrics_parts.append(value)
+            elif key == "timing" and isinstance(value, dict):
+                timing = {} if timing is None else timing
+                for name, seconds in value.items():
+                    timing[name] = max(timing.get(name, seconds), seconds)
+            elif key not in merged:
+                merged[key] = value
+            elif not _values_equal(merged[key], value):
+                raise ValueError(
+                    f"DataProto.concat: meta_info[{key!r}] differs between the parts ({merged[key]!r} vs {value!r}) "
+                    "and one value cannot represent them all; make it equal on every part, or report per-part "
+                    "values under meta_info['metrics'] (lists there are concatenated)"
+                )
+    if metrics_parts:
+        merged["metrics"] = _merge_metrics(metrics_parts)
+    if timing is not None:
+        merged["timing"] = timing
+    return merged
+
+
+def _new_td(source: dict, num_rows: int, device) -> TensorDict:
+    return TensorDict(source, batch_size=[num_rows], device=device)
+
+
+def _as_index(idxs, length: int) -> tuple[torch.Tensor, np.ndarray]:
+    """Normalise list / numpy / tensor indices or a boolean mask to (int64 tensor, int64 numpy)."""
+    if isinstance(idxs, torch.Tensor):
+        idx_t = idxs.detach().cpu()
+    elif isinstance(idxs, np.ndarray):
+        idx_t = torch.from_numpy(idxs)
+    elif isinstance(idxs, (list, tuple, range)):
+        idx_t = torch.as_tensor(list(idxs)) if len(idxs) else torch.zeros(0, dtype=torch.int64)
+    else:
+        raise TypeError(f"indices must be a list, numpy array or torch tensor, got {type(idxs).__name__}")
+    if idx_t.dtype == torch.bool:
+        if idx_t.shape != (length,):
+            raise IndexError(f"boolean mask of shape {tuple(idx_t.shape)} does not match the DataProto length {length}")
+        idx_t = torch.nonzero(idx_t).reshape(-1)
+    elif idx_t.dtype.is_floating_point or idx_t.dtype.is_complex or idx_t.dim() != 1:
+        raise IndexError(
+            f"indices must be a 1-D integer or boolean sequence, got {idx_t.dtype} of shape {tuple(idx_t.shape)}"
+        )
+    idx_t = idx_t.to(torch.int64)
+    return idx_t, idx_t.numpy()
+
+
+# ----------------------------------------------------------------------------------------------
+# Compact serialisation of a TensorDict: exactly the bytes of each leaf, as a flat uint8 numpy array.
+
+
+def _encode_tensor(tensor: torch.Tensor) -> tuple[np.ndarray, torch.dtype, tuple[int, ...]]:
+    flat = tensor.detach().to("cpu").contiguous().reshape(-1)
+    return flat.view(torch.uint8).numpy(), tensor.dtype, tuple(tensor.shape)
+
+
+def _decode_tensor(payload: tuple[np.ndarray, torch.dtype, tuple[int, ...]]) -> torch.Tensor:
+    raw, dtype, shape = payload
+    # Ray hands back read-only views of its shared-memory store; a tensor must own writable,
+    # aligned memory, so copy in that case (a plain pickle round trip needs no copy).
+    if not raw.flags.writeable or raw.ctypes.data % 64:
+        raw = raw.copy()
+    return torch.from_numpy(raw).view(dtype).reshape(shape)
+
+
+def _encode_batch(batch: TensorDict | None):
+    if batch is None:
+        return None
+    leaves = {}
+    for key, value in batch.items(include_nested=True, leaves_only=True):
+        if not isinstance(value, torch.Tensor):
+            # Exotic leaves (non-tensor data inside the TensorDict): fall back to tensordict's pickling.
+            return ("tensordict", pickle.dumps(batch.cpu(), protocol=pickle.HIGHEST_PROTOCOL))
+        leaves[key] = _encode_tensor(value)
+    return ("leaves", leaves, int(batch.batch_size[0]))
+
+
+def _decode_batch(state) -> TensorDict | None:
+    if state is None:
+        return None
+    if state[0] == "tensordict":
+        return pickle.loads(state[1])
+    _, leaves, num_rows = state
+    return _new_td({key: _decode_tensor(p) for key, p in leaves.items()}, num_rows, device=None)
+
+
+@dataclass(eq=False)
+class DataProtoItem:
+    """One row of a DataProto (`proto[i]`): 0-dim TensorDict, per-key values, shared meta_info."""
+
+    batch: TensorDict | None = None
+    non_tensor_batch: dict = field(default_factory=dict)
+    meta_info: dict = field(default_factory=dict)
+
+
+def collate_fn(data: list[DataProtoItem]) -> DataProto:
+    """Stack DataProtoItems back into a DataProto (for `torch.utils.data.DataLoader(proto, ...)`)."""
+    if not data:
+        raise ValueError("collate_fn needs at least one DataProtoItem")
+    batch = torch.stack([d.batch for d in data]) if data[0].batch is not None else None
+    non_tensor = {key: _to_object_array([d.non_tensor_batch[key] for d in data]) for key in data[0].non_tensor_batch}
+    return DataProto(batch=batch, non_tensor_batch=non_tensor, meta_info=data[0].meta_info)
+
+
+@dataclass(eq=False)
+class DataProto:
+    """A batch of samples: tensors in `batch`, Python objects in `non_tensor_batch`, per-batch `meta_info`.
+
+    Row operations (slicing, indexing, chunk, split, concat, repeat, reorder, padding) keep the
+    three parts aligned; see the module docstring for the design decisions.
+    """
+
+    batch: TensorDict | None = None
+    non_tensor_batch: dict[str, np.ndarray] = field(default_factory=dict)
+    meta_info: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self):
+        self.check_consistency()
+
+    # ------------------------------------------------------------------ construction and checks
+
+    @classmethod
+    def from_dict(
+        cls,
+        tensors: dict[str, torch.Tensor] | None = None,
+        non_tensors: dict[str, Any] | None = None,
+        meta_info: dict | None = None,
+    ) -> DataProto:
+        """Build from a dict of tensors (same leading size) and a dict of per-row values.
+
+        Non-tensor values may be lists/tuples (converted to 1-D object arrays) or numpy arrays.
+        With no tensors, `batch` is None.
+        """
+        tensors = tensors or {}
+        non_tensors = dict(non_tensors or {})
+        batch = None
+        if tensors:
+            sizes = {}
+            for key, value in tensors.items():
+                if not isinstance(value, torch.Tensor):
+                    raise TypeError(
+                        f"tensors[{key!r}] is a {type(value).__name__}, not a torch.Tensor; pass per-row "
+                        "Python objects through non_tensors instead"
+                    )
+                if value.dim() == 0:
+                    raise ValueError(
+                        f"tensors[{key!r}] is a 0-dim tensor; every tensor needs a leading batch dimension"
+                    )
+                sizes[key] = value.shape[0]
+            if len(set(sizes.values())) != 1:
+                raise ValueError(
+                    f"tensors disagree on the batch size (leading dimension): {sizes}; every tensor must have one "
+                    "row per sample"
+                )
+            batch = _new_td(dict(tensors), next(iter(sizes.values())), device=None)
+        for key, value in non_tensors.items():
+            if isinstance(value, torch.Tensor):
+                raise TypeError(f"non_tensors[{key!r}] is a torch.Tensor; pass it through tensors instead")
+            non_tensors[key] = _to_object_array(value)
+        return cls(batch=batch, non_tensor_batch=non_tensors, meta_info=dict(meta_info or {}))
+
+    @classmethod
+    def from_single_dict(cls, data: dict[str, Any], meta_info: dict | None = None) -> DataProto:
+        """Build from one dict: torch tensors go to `batch`, numpy arrays and lists to `non_tensor_batch`."""
+        tensors, non_tensors = {}, {}
+        for key, value in data.items():
+            if isinstance(value, torch.Tensor):
+                tensors[key] = value
+            elif isinstance(value, (np.ndarray, list, tuple)):
+                non_tensors[key] = value
+            else:
+                raise TypeError(
+                    f"from_single_dict: {key!r} is a {type(value).__name__}; values must be torch tensors "
+                    "(-> batch) or numpy arrays / lists with one entry per row (-> non_tensor_batch). "
+                    "Per-batch scalars belong in meta_info."
+                )
+        return cls.from_dict(tensors=tensors, non_tensors=non_tensors, meta_info=meta_info)
+
+    def check_consistency(self) -> None:
+        """Check that batch and non_tensor_batch describe the same rows; raise a clear error if not."""
+        if self.batch is not None:
+            if not isinstance(self.batch, TensorDictBase):
+                raise TypeError(
+                    f"DataProto.batch must be a tensordict.TensorDict or None, got {type(self.batch).__name__}; "
+                    "build protos with DataProto.from_dict(tensors=...)"
+                )
+            if self.batch.batch_dims != 1:
+                raise ValueError(
+                    f"DataProto.batch must have exactly one batch dimension, got batch_size="
+                    f"{list(self.batch.batch_size)}"
+                )
+        if not isinstance(self.non_tensor_batch, dict):
+            raise TypeError(f"DataProto.non_tensor_batch must be a dict, got {type(self.non_tensor_batch).__name__}")
+        if not isinstance(self.meta_info, dict):
+            raise TypeError(f"DataProto.meta_info must be a dict, got {type(self.meta_info).__name__}")
+        lengths = {}
+        for key, value in self.non_tensor_batch.items():
+            if not isinstance(value, np.ndarray):
+                raise TypeError(
+                    f"non_tensor_batch[{key!r}] is a {type(value).__name__}, not a numpy array; wrap it with "
+                    "np.array(values, dtype=object) or build the proto with DataProto.from_dict, which converts lists"
+                )
+            if value.ndim == 0:
+                raise ValueError(f"non_tensor_batch[{key!r}] is a 0-dim array; it needs one entry per row")
+            lengths[key] = len(value)
+        if self.batch is not None:
+            expected = int(self.batch.batch_size[0])
+            wrong = {k: n for k, n in lengths.items() if n != expected}
+            if wrong:
+                raise ValueError(
+                    f"non_tensor_batch lengths {wrong} differ from the batch size {expected} of the tensors "
+                    f"{sorted(self.batch.keys())}; every entry needs exactly one row per sample"
+                )
+        elif len(set(lengths.values())) > 1:
+            raise ValueError(f"non_tensor_batch entries have different lengths {lengths}; they must all be equal")
+
+    # ------------------------------------------------------------------ basics
+
+    def __len__(self) -> int:
+        if self.batch is not None:
+            return int(self.batch.batch_size[0])
+        if self.non_tensor_batch:
+            return len(next(iter(self.non_tensor_batch.values())))
+        return 0
+
+    def __repr__(self) -> str:
+        lines = [f"DataProto(len={len(self)}"]
+        if self.batch is None:
+            lines.append("  batch: None")
+        else:
+            lines.append("  batch:")
+            for key, value in self.batch.items(include_nested=True, leaves_only=True):
+                name = ".".join(key) if isinstance(key, tuple) else key
+                lines.append(f"    {name}: {tuple(value.shape)} {value.dtype} {value.device}")
+        if self.non_tensor_batch:
+            lines.append("  non_tensor_batch:")
+            for key, value in self.non_tensor_batch.items():
+                lines.append(f"    {key}: {value.shape} {value.dtype}")
+        lines.append(f"  meta_info keys: {list(self.meta_info.keys())})")
+        return "\n".join(lines)
+
+    def _derive(self, batch, non_tensor_batch) -> DataProto:
+        return type(self)(batch=batch, non_tensor_batch=non_tensor_batch, meta_info=dict(self.meta_info))
+
+    def __getitem__(self, item):
+        """int -> DataProtoItem; slice -> view; list / numpy / tensor indices or bool mask -> gathered copy."""
+        if isinstance(item, (int, np.integer)) and not isinstance(item, bool):
+            n = len(self)
+            index = int(item) + n if item < 0 else int(item)
+            if not 0 <= index < n:
+                raise IndexError(f"index {int(item)} is out of range for a DataProto of length {n}")
+            batch = self.batch[index] if self.batch is not None else None
+            return DataProtoItem(
+                batch=batch,
+                non_tensor_batch={k: v[index] for k, v in self.non_tensor_batch.items()},
+                meta_info=self.meta_info,
+            )
+        if isinstance(item, slice):
+            return self.slice(item.start, item.stop, item.step)
+        if isinstance(item, (list, tuple, range, np.ndarray, torch.Tensor)):
+            return self.select_idxs(item)
+        raise TypeError(
+            f"DataProto indices must be an int, a slice, or a list/array/tensor of indices or a boolean mask; "
+            f"got {type(item).__name__}"
+        )
+
+    def slice(self, start: int | None = None, end: int | None = None, step: int | None = None) -> DataProto:
+        """Rows `start:end:step` as views of this proto's tensors and arrays (no copy)."""
+        s = slice(start, end, step)
+        num_rows = len(range(*s.indices(len(self))))
+        batch = None
+        if self.batch is not None:
+            batch = _new_td({k: v[s] for k, v in self.batch.items()}, num_rows, self.batch.device)
+        return self._derive(batch, {k: v[s] for k, v in self.non_tensor_batch.items()})
+
+    def select_idxs(self, idxs) -> DataProto:
+        """Rows at the given indices (list / numpy / tensor) or where a boolean mask is True."""
+        idx_t, idx_np = _as_index(idxs, len(self))
+        return self._take(idx_t, idx_np)
+
+    def _take(self, idx_t: torch.Tensor, idx_np: np.ndarray) -> DataProto:
+        batch = None
+        if self.batch is not None:
+            if self.batch.device is not None and self.batch.device.type != "cpu":
+                idx_t = idx_t.to(self.batch.device)
+            batch = _new_td({k: v[idx_t] for k, v in self.batch.items()}, len(idx_np), self.batch.device)
+        return self._derive(batch, {k: v[idx_np] for k, v in self.non_tensor_batch.items()})
+
+    def to(self, device) -> DataProto:
+        """Move the tensors to `device` (in place, like upstream) and return self."""
+        if self.batch is not None:
+            self.batch = self.batch.to(device)
+        return self
+
+    # ------------------------------------------------------------------ keys
+
+    def select(
+        self,
+        batch_keys: Sequence[str] | None = None,
+        non_tensor_batch_keys: Sequence[str] | None = None,
+        meta_info_keys: Sequence[str] | None = None,
+        deepcopy: bool = False,
+    ) -> DataProto:
+        """A proto with only the given keys (None keeps every key of that part); tensors are shared."""
+        if batch_keys is not None:
+            batch_keys = [batch_keys] if isinstance(batch_keys, str) else list(batch_keys)
+            available = [] if self.batch is None else list(self.batch.keys())
+            missing = [k for k in batch_keys if k not in available]
+            if missing:
+                raise _missing_key_error("DataProto.batch", missing, available)
+            batch = None if self.batch is None else self.batch.select(*batch_keys)
+        else:
+            batch = self.batch
+        if batch is not None:
+            batch = _new_td(dict(batch.items()), len(self), batch.device)
+        non_tensor = self._pick(self.non_tensor_batch, non_tensor_batch_keys, "DataProto.non_tensor_batch")
+        meta = self._pick(self.meta_info, meta_info_keys, "DataProto.meta_info")
+        out = type(self)(batch=batch, non_tensor_batch=non_tensor, meta_info=meta)
+        return copy.deepcopy(out) if deepcopy else out
+
+    @staticmethod
+    def _pick(source: dict, keys, where: str) -> dict:
+        if keys is None:
+            return dict(source)
+        keys = [keys] if isinstance(keys, str) else list(keys)
+        missing = [k for k in keys if k not in source]
+        if missing:
+            raise _missing_key_error(where, missing, source.keys())
+        return {k: source[k] for k in keys}
+
+    def pop(
+        self,
+        batch_keys: Sequence[str] | None = None,
+        non_tensor_batch_keys: Sequence[str] | None = None,
+        meta_info_keys: Sequence[str] | None = None,
+    ) -> DataProto:
+        """Remove the given keys from this proto and return them as a new proto."""
+        batch_keys = [batch_keys] if isinstance(batch_keys, str) else list(batch_keys or [])
+        non_tensor_batch_keys = (
+            [non_tensor_batch_keys] if isinstance(non_tensor_batch_keys, str) else list(non_tensor_batch_keys or [])
+        )
+        meta_info_keys = [meta_info_keys] if isinstance(meta_info_keys, str) else list(meta_info_keys or [])
+        available = [] if self.batch is None else list(self.batch.keys())
+        for keys, pool, where in (
+            (batch_keys, available, "DataProto.batch"),
+            (non_tensor_batch_keys, self.non_tensor_batch.keys(), "DataProto.non_tensor_batch"),
+            (meta_info_keys, self.meta_info.keys(), "DataProto.meta_info"),
+        ):
+            missing = [k for k in keys if k not in pool]
+            if missing:
+                raise _missing_key_error(where, missing, pool)
+        batch = None
+        if batch_keys:
+            batch = _new_td({k: self.batch.pop(k) for k in batch_keys}, len(self), self.batch.device)
+        non_tensor = {k: self.non_tensor_batch.pop(k) for k in non_tensor_batch_keys}
+        meta = {k: self.meta_info.pop(k) for k in meta_info_keys}
+        return type(self)(batch=batch, non_tensor_batch=non_tensor, meta_info=meta)
+
+    def rename(self, old_keys: str | Sequence[str] | None = None, new_keys: str | Sequence[str] | None = None):
+        """Rename keys (in place) in `batch` or `non_tensor_batch`, wherever each old key lives; returns self."""
+        old_keys = [old_keys] if isinstance(old_keys, str) else list(old_keys or [])
+        new_keys = [new_keys] if isinstance(new_keys, str) else list(new_keys or [])
+        if len(old_keys) != len(new_keys):
+            raise ValueError(f"rename got {len(old_keys)} old keys {old_keys} but {len(new_keys)} new keys {new_keys}")
+        batch_keys = [] if self.batch is None else list(self.batch.keys())
+        for old, new in zip(old_keys, new_keys):
+            if old in batch_keys:
+                self.batch.rename_key_(old, new)
+                batch_keys = list(self.batch.keys())
+            elif old in self.non_tensor_batch:
+                self.non_tensor_batch[new] = self.non_tensor_batch.pop(old)
+            else:
+                raise _missing_key_error(
+                    "DataProto.batch or non_tensor_batch", [old], [*batch_keys, *self.non_tensor_batch]
+                )
+        return self
+
+    def union(self, other: DataProto) -> DataProto:
+        """Add `other`'s keys to this proto (in place) and return self; shared keys must be equal."""
+        if len(self) != len(other) and (self.batch is not None or self.non_tensor_batch):
+            raise ValueError(f"union needs protos of the same length, got {len(self)} and {len(other)}")
+        if other.batch is not None:
+            if self.batch is None:
+                self.batch = _new_td(dict(other.batch.items()), len(other), other.batch.device)
+            else:
+                self.batch = union_tensor_dict(self.batch, other.batch)
+        self.non_tensor_batch = union_numpy_dict(self.non_tensor_batch, other.non_tensor_batch)
+        self.meta_info = _union_meta_info(self.meta_info, other.meta_info)
+        self.check_consistency()
+        return self
+
+    # ------------------------------------------------------------------ splitting and joining
+
+    def chunk(self, chunks: int) -> list[DataProto]:
+        """Split into `chunks` equal parts (views); the length must divide evenly."""
+        if not isinstance(chunks, (int, np.integer)) or chunks < 1:
+            raise ValueError(f"chunk needs a positive number of chunks, got {chunks!r}")
+        n = len(self)
+        if n % chunks:
+            raise ValueError(
+                f"DataProto.chunk({chunks}): {n} rows do not split evenly into {chunks} chunks. Pad first with "
+                f"`padded, pad_size = pad_dataproto_to_divisor(data, {chunks})` and drop the padding from the "
+                f"concatenated result with `unpad_dataproto(output, pad_size)`, or use a batch size divisible by {chunks}"
+            )
+        size = n // chunks
+        return [self.slice(i * size, (i + 1) * size) for i in range(chunks)]
+
+    def split(self, split_size: int) -> list[DataProto]:
+        """Consecutive parts of `split_size` rows (views); the last part may be shorter."""
+        if not isinstance(split_size, (int, np.integer)) or split_size < 1:
+            raise ValueError(f"split needs a positive split_size, got {split_size!r}")
+        return [self.slice(i, i + split_size) for i in range(0, len(self), split_size)]
+
+    @staticmethod
+    def concat(data: list[DataProto]) -> DataProto:
+        """Concatenate protos along the batch dimension; meta_info is merged (see module docstring)."""
+        data = list(data)
+        if not data:
+            raise ValueError("DataProto.concat needs at least one DataProto")
+        has_batch = [d.batch is not None for d in data]
+        if any(has_batch) and not all(has_batch):
+            raise ValueError(
+                f"DataProto.concat: parts {[i for i, h in enumerate(has_batch) if not h]} have no tensors (batch=None) "
+                "while others do; all parts must carry the same keys"
+            )
+        _check_same_keys([set(d.batch.keys()) if d.batch is not None else set() for d in data], "batch")
+        _check_same_keys([set(d.non_tensor_batch) for d in data], "non_tensor_batch")
+        total = sum(len(d) for d in data)
+        batch = None
+        if data[0].batch is not None:
+            keys = data[0].batch.keys()  # iterating a TensorDict itself would walk its rows
+            device = data[0].batch.device
+            batch = _new_td({k: torch.cat([d.batch[k] for d in data]) for k in keys}, total, device)
+        non_tensor = {k: np.concatenate([d.non_tensor_batch[k] for d in data]) for k in data[0].non_tensor_batch}
+        meta_info = _merge_meta_info([d.meta_info for d in data])
+        return type(data[0])(batch=batch, non_tensor_batch=non_tensor, meta_info=meta_info)
+
+    def repeat(self, repeat_times: int = 2, interleave: bool = True) -> DataProto:
+        """Repeat every row `repeat_times` times.
+
+        interleave=True:  [a, b] -> [a, a, b, b]   (the samples of one prompt stay adjacent)
+        interleave=False: [a, b] -> [a, b, a, b]
+        """
+        if not isinstance(repeat_times, (int, np.integer)) or repeat_times < 1:
+            raise ValueError(f"repeat_times must be a positive integer, got {repeat_times!r}")
+        n = len(self)
+        rows = torch.arange(n * repeat_times)
+        idx = rows // repeat_times if interleave else rows % max(n, 1)
+        return self._take(idx, idx.numpy())
+
+    def reorder(self, indices) -> None:
+        """Permute the rows in place: row i becomes old row indices[i]."""
+        idx_t, idx_np = _as_index(indices, len(self))
+        reordered = self._take(idx_t, idx_np)
+        self.batch, self.non_tensor_batch = reordered.batch, reordered.non_tensor_batch
+
+    def make_iterator(
+        self, mini_batch_size: int, epochs: int, seed: int | None = None, dataloader_kwargs: dict | None = None
+    ) -> Iterator[DataProto]:
+        """Iterate over mini-batches of `mini_batch_size` rows for `epochs` passes.
+
+        `dataloader_kwargs` accepts `shuffle` (default False) and `drop_last` (default False: the
+        length must divide by `mini_batch_size`; True: the incomplete last mini-batch is dropped).
+        With a `seed` the order is deterministic and identical to `torch.utils.data.DataLoader(...,
+        shuffle=True, generator=torch.Generator().manual_seed(seed))`; each epoch draws a new permutation.
+        """
+        dataloader_kwargs = dict(dataloader_kwargs or {})
+        unknown = sorted(set(dataloader_kwargs) - set(_SUPPORTED_DATALOADER_KWARGS))
+        if unknown:
+            raise ValueError(
+                f"make_iterator: unsupported dataloader_kwargs {unknown}; supported: {list(_SUPPORTED_DATALOADER_KWARGS)} "
+                "(mini-batches are gathered directly, without a DataLoader)"
+            )
+        n = len(self)
+        if not isinstance(mini_batch_size, (int, np.integer)) or mini_batch_size < 1:
+            raise ValueError(f"mini_batch_size must be a positive integer, got {mini_batch_size!r}")
+        drop_last = bool(dataloader_kwargs.get("drop_last", False))
+        if n % mini_batch_size and not drop_last:
+            raise ValueError(
+                f"make_iterator: {n} rows are not divisible by mini_batch_size={mini_batch_size}; choose a mini-batch "
+                f"size that divides the batch, pad with pad_dataproto_to_divisor(data, {mini_batch_size}), or pass "
+                "dataloader_kwargs={'drop_last': True} to skip the incomplete last mini-batch"
+            )
+        shuffle = bool(dataloader_kwargs.get("shuffle", False))
+        generator = torch.Generator().manual_seed(seed) if seed is not None else None
+        return self._iterate(mini_batch_size, epochs, shuffle, generator)
+
+    def _iterate(self, mini_batch_size: int, epochs: int, shuffle: bool, generator) -> Iterator[DataProto]:
+        n = len(self)
+        num_full = n - n % mini_batch_size
+        for _ in range(epochs):
+            if shuffle:
+                if generator is None:
+                    order = torch.randperm(n)
+                else:
+                    # DataLoader draws one base seed from its generator per epoch, then the sampler's
+                    # permutation; doing the same keeps seeded orders identical to a DataLoader's.
+                    torch.empty((), dtype=torch.int64).random_(generator=generator)
+                    order = torch.randperm(n, generator=generator)
+                for start in range(0, num_full, mini_batch_size):
+                    part = order[start : start + mini_batch_size]
+                    mini_batch = self._take(part, part.numpy())
+                    yield mini_batch
+            else:
+                for start in range(0, num_full, mini_batch_size):
+                    yield self.slice(start, start + mini_batch_size)
+
+    # ------------------------------------------------------------------ persistence
+
+    def __getstate__(self):
+        return {
+            "batch": _encode_batch(self.batch),
+            "non_tensor_batch": self.non_tensor_batch,
+            "meta_info": self.meta_info,
+        }
+
+    def __setstate__(self, state):
+        self.batch = _decode_batch(state["batch"])
+        self.non_tensor_batch = state["non_tensor_batch"]
+        self.meta_info = state["meta_info"]
+
+    def __copy__(self) -> DataProto:
+        batch = None if self.batch is None else _new_td(dict(self.batch.items()), len(self), self.batch.device)
+        return type(self)(batch=batch, non_tensor_batch=dict(self.non_tensor_batch), meta_info=dict(self.meta_info))
+
+    def __deepcopy__(self, memo) -> DataProto:
+        return type(self)(
+            batch=None if self.batch is None else self.batch.clone(),
+            non_tensor_batch=copy.deepcopy(self.non_tensor_batch, memo),
+            meta_info=copy.deepcopy(self.meta_info, memo),
+        )
+
+    def save_to_disk(self, filepath) -> None:
+        with open(filepath, "wb") as f:
+            pickle.dump(self, f, protocol=pickle.HIGHEST_PROTOCOL)
+
+    @staticmethod
+    def load_from_disk(filepath) -> DataProto:
+        with open(filepath, "rb") as f:
+            data = pickle.load(f)
+        if not isinstance(data, DataProto):
+            raise TypeError(f"{filepath} holds a {type(data).__name__}, not a DataProto saved with save_to_disk")
+        return data
+
+
+def _check_same_keys(key_sets: list[set], part: str) -> None:
+    first = key_sets[0]
+    for i, keys in enumerate(key_sets[1:], start=1):
+        if keys != first:
+            raise ValueError(
+                f"DataProto.concat: part {i} has {part} keys {sorted(map(str, keys))} but part 0 has "
+                f"{sorted(map(str, first))}; all parts must carry the same keys (missing in part {i}: "
+                f"{sorted(map(str, first - keys))}, extra: {sorted(map(str, keys - first))})"
+            )
+
+
+def pad_dataproto_to_divisor(data: DataProto, size_divisor: int) -> tuple[DataProto, int]:
+    """Pad `data` with copies of its first rows until its length divides by `size_divisor`.
+
+    Returns `(padded, pad_size)`; `unpad_dataproto(result, pad_size)` drops the padding again.
+    Padding rows repeat rows from the start (cycling when pad_size exceeds the length), so they
+    are valid samples for any worker; their outputs are simply discarded.
+    """
+    if not isinstance(size_divisor, (int, np.integer)) or size_divisor < 1:
+        raise ValueError(f"size_divisor must be a positive integer, got {size_divisor!r}")
+    n = len(data)
+    pad_size = -n % size_divisor
+    if pad_size == 0:
+        return data, 0
+    if n == 0:
+        raise ValueError("cannot pad an empty DataProto: there are no rows to repeat")
+    idx = torch.arange(n + pad_size) % n
+    return data._take(idx, idx.numpy()), pad_size
+
+
+def unpad_dataproto(data: DataProto, pad_size: int) -> DataProto:
+    """Drop the last `pad_size` rows added by `pad_dataproto_to_divisor`."""
+    if pad_size < 0 or pad_size > len(data):
+        raise ValueError(f"pad_size={pad_size} is outside [0, {len(data)}] for a DataProto of length {len(data)}")
+    return data[: len(data) - pad_size] if pad_size else data
+
+
+# ----------------------------------------------------------------------------------------------
+# Lazy chunk/concat over Ray object refs.
+
+
+def _pick_chunk(data: DataProto, index: int, chunks: int, inner: Callable | None) -> DataProto:
+    if inner is not None:
+        data = inner(data)
+    return data.chunk(chunks)[index]
+
+
+@dataclass(eq=False)
+class DataProtoFuture:
+    """A DataProto not yet materialised: the outputs of several workers, still in Ray's object store.
+
+    `get()` fetches `futures` (ray.ObjectRefs to DataProtos), merges them with `collect_fn`
+    (normally `DataProto.concat`) and, when set, applies `dispatch_fn` (e.g. "take chunk i of n").
+    This lets the driver pass one worker group's output straight to the next group without
+    pulling the data through the driver: each worker calls `get()` for its own chunk.
+    """
+
+    collect_fn: Callable
+    futures: list
+    dispatch_fn: Callable | None = None
+
+    @staticmethod
+    def concat(data: list) -> DataProtoFuture:
+        """A future for the concatenation of the DataProtos behind `data` (a list of ray.ObjectRefs)."""
+        import ray
+
+        data = list(data)
+        bad = [type(x).__name__ for x in data if not isinstance(x, ray.ObjectRef)]
+        if bad:
+            raise TypeError(f"DataProtoFuture.concat expects ray.ObjectRefs, got {bad}")
+        return DataProtoFuture(collect_fn=DataProto.concat, futures=data)
+
+    def chunk(self, chunks: int) -> list[DataProtoFuture]:
+        """`chunks` futures; the i-th yields chunk i of this future's result after `get()`."""
+        if not isinstance(chunks, (int, np.integer)) or chunks < 1:
+            raise ValueError(f"chunk needs a positive number of chunks, got {chunks!r}")
+        return [
+            DataProtoFuture(
+                collect_fn=self.collect_fn,
+                futures=self.futures,
+                dispatch_fn=partial(_pick_chunk, index=i, chunks=int(chunks), inner=self.dispatch_fn),
+            )
+            for i in range(chunks)
+        ]
+
+    def get(self) -> DataProto:
+        import ray
+
+        outputs = ray.get(self.futures)
+        bad = [type(o).__name__ for o in outputs if not isinstance(o, DataProto)]
+        if bad:
+            raise TypeError(f"DataProtoFuture.get: the futures resolved to {bad}, expected DataProtos")
+        output = self.collect_fn(outputs)
+        if self.dispatch_fn is not None:
+            output = self.dispatch_fn(output)
+        return output
