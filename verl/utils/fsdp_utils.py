@@ -6,9 +6,10 @@ final norm, head). The decoder-layer class comes from the model's `_no_split_mod
 list HF uses for device maps, overridable with `fsdp_config.wrap_policy.transformer_layer_cls_to_wrap`.
 Untied input embeddings get their own unit too, as upstream does, because they are large.
 
-Precision: the optimizer holds float32 master weights. On CUDA, compute runs in bf16 and
-gradients are reduced in fp32 (MixedPrecisionPolicy); on CPU everything stays fp32 because CPU
-bf16 matmuls are slow and lose the comparison against single-process references.
+Precision: the optimizer holds the master weights in the dtype the model was loaded in (float32
+for training). On CUDA, compute runs in bf16 and gradients are reduced in fp32
+(MixedPrecisionPolicy); on CPU nothing is cast, because CPU bf16 matmuls are slow, and so that a
+float64 model gives float64-exact comparisons against single-process references in tests.
 
 Offload, two kinds:
 * `fsdp_config.offload_policy=True` hands FSDP2 a `CPUOffloadPolicy`: parameters live on the host
@@ -57,6 +58,8 @@ _DTYPES = {
     "fp32": torch.float32,
     "float32": torch.float32,
     "float": torch.float32,
+    "fp64": torch.float64,
+    "float64": torch.float64,
 }
 
 
@@ -93,17 +96,21 @@ def create_device_mesh(world_size: int | None = None, fsdp_size: int = -1):
 
 
 def get_mixed_precision_policy(mixed_precision_config=None):
-    """bf16 compute + fp32 reduce on CUDA, fp32 throughout on CPU; config keys override.
+    """bf16 compute + fp32 gradient reduction on CUDA; on CPU no casting at all (the model's own dtype).
 
     `mixed_precision_config` may set `param_dtype` and `reduce_dtype` (upstream also has
     `buffer_dtype`, which FSDP2 does not use: buffers keep the model's dtype).
     """
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
-    default_param = torch.bfloat16 if is_cuda_available() else torch.float32
-    param_dtype = to_torch_dtype(_cfg_get(mixed_precision_config, "param_dtype", default_param))
-    reduce_dtype = to_torch_dtype(_cfg_get(mixed_precision_config, "reduce_dtype", torch.float32))
-    return MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype, cast_forward_inputs=True)
+    cuda = is_cuda_available()
+    param_dtype = _cfg_get(mixed_precision_config, "param_dtype", torch.bfloat16 if cuda else None)
+    reduce_dtype = _cfg_get(mixed_precision_config, "reduce_dtype", torch.float32 if cuda else None)
+    return MixedPrecisionPolicy(
+        param_dtype=None if param_dtype is None else to_torch_dtype(param_dtype),
+        reduce_dtype=None if reduce_dtype is None else to_torch_dtype(reduce_dtype),
+        cast_forward_inputs=True,
+    )
 
 
 def get_offload_policy(enabled: bool):
