@@ -199,16 +199,16 @@ class _DPCompute(DispatchMode):
             (f"keyword argument {k!r}", v) for k, v in kwargs.items()
         ]:
             if not isinstance(value, list | tuple) or len(value) != world_size:
-                got = f"a {type(value).__name__} of length {len(value)}" if isinstance(value, list | tuple) else (
-                    f"a {type(value).__name__}"
+                got = (
+                    f"a {type(value).__name__} of length {len(value)}"
+                    if isinstance(value, list | tuple)
+                    else (f"a {type(value).__name__}")
                 )
                 raise ValueError(
                     f"DP_COMPUTE sends entry i of each argument to rank i, so every argument must be a list with "
                     f"one entry per worker ({world_size}); {label} is {got}"
                 )
-        calls = [
-            (tuple(a[rank] for a in args), {k: v[rank] for k, v in kwargs.items()}) for rank in range(world_size)
-        ]
+        calls = [(tuple(a[rank] for a in args), {k: v[rank] for k, v in kwargs.items()}) for rank in range(world_size)]
         return calls, None
 
     def collect(self, worker_group, outputs, state, futures):
@@ -260,9 +260,7 @@ class _NDComputeProto(DispatchMode):
         dp_ranks = worker_group._query_dispatch_info(self.mesh_name)
         dp_size = max(dp_ranks) + 1
         arg_chunks, kwarg_chunks, pad_size = _split_data_protos(self.name, dp_size, args, kwargs, pad=True)
-        calls = [
-            (tuple(c[dp] for c in arg_chunks), {k: c[dp] for k, c in kwarg_chunks.items()}) for dp in dp_ranks
-        ]
+        calls = [(tuple(c[dp] for c in arg_chunks), {k: c[dp] for k, c in kwarg_chunks.items()}) for dp in dp_ranks]
         return calls, pad_size
 
     def collect(self, worker_group, outputs, state, futures):

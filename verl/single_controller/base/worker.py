@@ -15,8 +15,7 @@ and whether its output is collected (`_register_dispatch_collect_info`); the mes
 mode reads this.
 
 Every call from a worker group enters through `_verl_rpc`, which turns an exception into one that
-names the rank and the method and carries the traceback as text, and wraps a returned DataProto
-for cheap transport (see transport.py).
+names the rank and the method and carries the traceback as text.
 """
 
 from __future__ import annotations
@@ -29,7 +28,6 @@ import traceback
 
 from verl.single_controller.base.decorator import Dispatch, register
 from verl.single_controller.base.errors import _WorkerSideError
-from verl.single_controller.base.transport import to_wire
 
 DEFAULT_DIST_TIMEOUT_S = 600.0
 
@@ -185,4 +183,4 @@ class Worker:
             raise _WorkerSideError(
                 self._rank, method_name, type(exc).__qualname__, str(exc), traceback.format_exc(), original
             ) from None
-        return to_wire(result)
+        return result

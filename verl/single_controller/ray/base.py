@@ -14,9 +14,10 @@
 - `create_colocated_worker_cls({role: cls})` fuses several roles into one actor class; methods
   appear as `<role>_<method>`, and `wg.spawn(prefix_set=...)` returns one view per role.
 
-Transport: a DataProto argument is sent as out-of-band numpy buffers (base/transport.py), once
-per destination; an argument shared by every worker (ONE_TO_ALL) goes to the object store once
-with `ray.put` and every worker reads that one copy.
+Transport: a DataProto pickles as flat out-of-band numpy buffers (verl/protocol.py), which Ray
+copies once into its shared-memory object store; each chunk of a data-parallel call travels once,
+to its one destination. An argument shared by every worker (ONE_TO_ALL) is put in the object store
+once with `ray.put` and every worker reads that one copy.
 
 Failures: see base/errors.py. A worker that died makes the call fail with `WorkerDiedError` as soon
 as Ray notices (milliseconds after the process exits), never after the deadline.
@@ -44,7 +45,6 @@ from verl.single_controller.base.errors import (
     WorkerTimeoutError,
     _WorkerSideError,
 )
-from verl.single_controller.base.transport import to_wire
 from verl.single_controller.base.worker import Worker, get_free_port
 from verl.single_controller.base.worker_group import ClassWithInitArgs, ResourcePool, WorkerGroup
 
@@ -406,18 +406,14 @@ class RayWorkerGroup(WorkerGroup):
             return [w._verl_rpc.remote(remote_name, *args, **kwargs) for w in self._workers[: len(calls)]]
         refs = []
         for worker, (args, kwargs) in zip(self._workers, calls):
-            args = tuple(to_wire(a) for a in args)
-            kwargs = {k: to_wire(v) for k, v in kwargs.items()}
             refs.append(worker._verl_rpc.remote(remote_name, *args, **kwargs))
         return refs
 
     @staticmethod
     def _shared(value):
-        value = to_wire(value)
         if isinstance(value, ray.ObjectRef):
             return value
-        data = getattr(value, "data", value)  # a WireDataProto wraps the DataProto
-        return ray.put(value) if _estimated_nbytes(data) >= _SHARE_MIN_BYTES else value
+        return ray.put(value) if _estimated_nbytes(value) >= _SHARE_MIN_BYTES else value
 
     def _wait(self, refs: list, ranks: list[int], role: str, method: str) -> list:
         try:

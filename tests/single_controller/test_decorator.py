@@ -1,0 +1,155 @@
+"""Dispatch modes as pure functions of a group's shape (the Ray path is in test_ray_worker_group.py)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from verl.protocol import DataProto
+from verl.single_controller.base import Worker
+from verl.single_controller.base.decorator import (
+    Dispatch,
+    Execute,
+    get_registered_methods,
+    make_nd_compute_dataproto_dispatch_fn,
+    register,
+    register_dispatch_mode,
+    update_dispatch_mode,
+)
+
+
+class _Shape:
+    """The two things a dispatch mode asks a worker group: its size and its mesh layout."""
+
+    def __init__(self, world_size, dp_ranks=None, collect=None):
+        self.world_size = world_size
+        self._dp, self._collect = dp_ranks, collect
+
+    def _query_dispatch_info(self, mesh_name):
+        return self._dp
+
+    def _query_collect_info(self, mesh_name):
+        return self._collect
+
+
+def _proto(n):
+    return DataProto.from_dict(
+        tensors={"x": torch.arange(n, dtype=torch.float64)},
+        non_tensors={"uid": np.array([str(i) for i in range(n)], dtype=object)},
+    )
+
+
+def test_dp_compute_proto_pads_to_a_multiple_of_the_world_size_and_unpads_on_collect():
+    data = _proto(7)
+    calls, pad = Dispatch.DP_COMPUTE_PROTO.dispatch(_Shape(3), (data,), {})
+    assert pad == 2
+    chunks = [args[0] for args, _ in calls]
+    assert [len(c) for c in chunks] == [3, 3, 3]
+    # padding repeats the first rows: the last chunk is rows 6, 0, 1
+    assert chunks[2].batch["x"].tolist() == [6.0, 0.0, 1.0]
+    merged = Dispatch.DP_COMPUTE_PROTO.collect(_Shape(3), chunks, pad, futures=False)
+    assert merged.batch["x"].tolist() == list(range(7))
+    assert list(merged.non_tensor_batch["uid"]) == [str(i) for i in range(7)]
+
+
+def test_dp_compute_proto_chunks_keyword_arguments_too():
+    calls, pad = Dispatch.DP_COMPUTE_PROTO.dispatch(_Shape(2), (), {"data": _proto(4)})
+    assert pad == 0
+    assert [kwargs["data"].batch["x"].tolist() for _, kwargs in calls] == [[0.0, 1.0], [2.0, 3.0]]
+
+
+def test_dp_compute_proto_rejects_non_dataproto_arguments_and_mismatched_lengths():
+    with pytest.raises(TypeError, match="its argument 1 is a int"):
+        Dispatch.DP_COMPUTE_PROTO.dispatch(_Shape(2), (_proto(2), 5), {})
+    with pytest.raises(ValueError, match=r"different lengths \[2, 3\]"):
+        Dispatch.DP_COMPUTE_PROTO.dispatch(_Shape(2), (_proto(2), _proto(3)), {})
+
+
+def test_collect_explains_a_rank_that_did_not_return_a_dataproto():
+    with pytest.raises(TypeError, match="rank 1 returned dict"):
+        Dispatch.DP_COMPUTE_PROTO.collect(_Shape(2), [_proto(1), {"loss": 1.0}], 0, futures=False)
+
+
+def test_one_to_all_hands_every_worker_the_same_objects():
+    payload = torch.zeros(3)
+    calls, _ = Dispatch.ONE_TO_ALL.dispatch(_Shape(4), (payload,), {"k": 1})
+    assert len(calls) == 4 and all(args[0] is payload and kwargs == {"k": 1} for args, kwargs in calls)
+
+
+def test_mesh_mode_dispatches_by_dp_rank_and_collects_one_rank_per_shard():
+    # 4 workers = dp 2 x tp 2; ranks 0 and 2 collect
+    shape = _Shape(4, dp_ranks=[0, 0, 1, 1], collect=[True, False, True, False])
+    mode = make_nd_compute_dataproto_dispatch_fn("actor")
+    assert mode is make_nd_compute_dataproto_dispatch_fn("actor")
+    calls, pad = mode.dispatch(shape, (_proto(3),), {})
+    assert pad == 1
+    assert [args[0].batch["x"].tolist() for args, _ in calls] == [[0.0, 1.0], [0.0, 1.0], [2.0, 0.0], [2.0, 0.0]]
+    outputs = [args[0] for args, _ in calls]
+    outputs[1] = outputs[3] = None  # non-collecting ranks' outputs are never looked at
+    assert mode.collect(shape, outputs, pad, futures=False).batch["x"].tolist() == [0.0, 1.0, 2.0]
+
+
+def test_mesh_mode_rejects_two_collectors_for_one_shard():
+    shape = _Shape(2, dp_ranks=[0, 0], collect=[True, True])
+    with pytest.raises(ValueError, match="ranks 0 and 1 are both marked as collecting"):
+        make_nd_compute_dataproto_dispatch_fn("m").collect(shape, [_proto(1), _proto(1)], 0, futures=False)
+
+
+def test_user_dispatch_mode_is_registered_by_name_and_can_be_updated():
+    name = "TEST_EVERY_OTHER"
+    if name not in Dispatch:
+        register_dispatch_mode(name, lambda wg, xs: ((xs[::2],), {}), lambda wg, outs: outs)
+    mode = Dispatch[name]
+    assert getattr(Dispatch, name) is mode
+    calls, _ = mode.dispatch(_Shape(2), ([1, 2, 3, 4],), {})
+    assert [args for args, _ in calls] == [(1,), (3,)]
+    update_dispatch_mode(mode, lambda wg, xs: ((xs[1::2],), {}), lambda wg, outs: sum(outs))
+    calls, _ = mode.dispatch(_Shape(2), ([1, 2, 3, 4],), {})
+    assert [args for args, _ in calls] == [(2,), (4,)]
+    assert mode.collect(_Shape(2), [2, 4], None, futures=False) == 6
+    with pytest.raises(ValueError, match="already exists"):
+        register_dispatch_mode(name, None, None)
+    with pytest.raises(ValueError, match="built in"):
+        update_dispatch_mode(Dispatch.ONE_TO_ALL, None, None)
+
+
+def test_user_dispatch_fn_must_return_one_value_per_worker():
+    mode = Dispatch[
+        "TEST_BROKEN"
+        if "TEST_BROKEN" in Dispatch
+        else register_dispatch_mode("TEST_BROKEN", lambda wg, x: ((x,), {}), lambda wg, o: o).name
+    ]
+    with pytest.raises(ValueError, match=r"one value per worker \(2\); argument 0 is int"):
+        mode.dispatch(_Shape(2), (7,), {})
+
+
+def test_register_records_modes_and_rank_zero_implies_rank_zero_execution():
+    class Roles(Worker):
+        @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO, blocking=False)
+        def update(self, data):
+            return data
+
+        @register(dispatch_mode=Dispatch.RANK_ZERO)
+        def save(self, path):
+            return path
+
+        def helper(self):
+            return None
+
+    methods = get_registered_methods(Roles)
+    assert {"update", "save", "execute_with_func_generator", "execute_func_rank_zero"} <= set(methods)
+    assert "helper" not in methods
+    assert methods["update"].dispatch_mode is Dispatch.DP_COMPUTE_PROTO and not methods["update"].blocking
+    assert methods["save"].execute_mode is Execute.RANK_ZERO
+
+
+def test_register_rejects_async_methods_and_unknown_modes():
+    with pytest.raises(TypeError, match="is async"):
+
+        @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+        async def generate(self):
+            return None
+
+    with pytest.raises(KeyError, match="unknown dispatch mode 'NOPE'"):
+        register(dispatch_mode="NOPE")

@@ -1,0 +1,157 @@
+"""Colocated roles, several resource pools, detached groups and dead workers, on a real Ray cluster."""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import time
+
+import pytest
+import torch
+from ray import cloudpickle
+
+from verl.protocol import DataProto
+from verl.single_controller.base import ResourceUnavailableError, Worker, WorkerDiedError, WorkerMethodError
+from verl.single_controller.base.decorator import Dispatch, register
+from verl.single_controller.ray import (
+    RayClassWithInitArgs,
+    RayResourcePool,
+    RayWorkerGroup,
+    ResourcePoolManager,
+    create_colocated_worker_cls,
+)
+from verl.single_controller.ray.base import sort_placement_groups_by_node
+
+cloudpickle.register_pickle_by_value(sys.modules[__name__])
+
+
+class Actor(Worker):
+    def __init__(self, lr: float):
+        super().__init__()
+        self.lr = lr
+
+    @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO)
+    def update_actor(self, data):
+        return DataProto.from_dict(tensors={"new": data.batch["x"] - self.lr})
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def pid(self):
+        return os.getpid()
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def boom(self):
+        raise RuntimeError("actor update diverged")
+
+
+class Critic(Worker):
+    @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO)
+    def compute_values(self, data):
+        return DataProto.from_dict(tensors={"values": data.batch["x"] * 10 + self.rank})
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def pid(self):
+        return os.getpid()
+
+
+def _data(n):
+    return DataProto.from_dict(tensors={"x": torch.arange(n, dtype=torch.float32)})
+
+
+@pytest.fixture
+def cpu_pool(ray_session):
+    pools = []
+
+    def make(process_on_nodes, **kwargs):
+        pool = RayResourcePool(process_on_nodes=process_on_nodes, use_gpu=False, max_colocate_count=1, **kwargs)
+        pools.append(pool)
+        return pool
+
+    yield make
+    for pool in pools:
+        pool.remove_placement_groups()
+
+
+def test_colocated_roles_share_a_process_and_expose_prefixed_methods(cpu_pool):
+    cls = create_colocated_worker_cls({"actor": RayClassWithInitArgs(Actor, lr=0.5), "critic": Critic})
+    wg = RayWorkerGroup(cpu_pool([2]), cls)
+    try:
+        assert wg.actor_pid() == wg.critic_pid()
+        torch.testing.assert_close(wg.actor_update_actor(_data(3)).batch["new"], torch.arange(3.0) - 0.5)
+        views = wg.spawn(prefix_set={"actor", "critic"})
+        assert set(views) == {"actor", "critic"}
+        values = views["critic"].compute_values(_data(4)).batch["values"]
+        torch.testing.assert_close(values, torch.tensor([0.0, 10.0, 21.0, 31.0]))  # + rank of the chunk owner
+        assert not hasattr(views["critic"], "update_actor")
+        with pytest.raises(WorkerMethodError, match="actor rank 0: boom") as info:
+            views["actor"].boom()
+        assert info.value.role == "actor"
+        with pytest.raises(WorkerMethodError) as info:
+            wg.actor_boom()
+        assert (info.value.role, info.value.method) == ("actor", "actor_boom")
+    finally:
+        wg.shutdown()
+
+
+def test_killed_worker_fails_the_next_call_within_seconds(cpu_pool):
+    wg = RayWorkerGroup(cpu_pool([2]), RayClassWithInitArgs(Actor, lr=0.0), role="actor_rollout")
+    pids = wg.pid()
+    os.kill(pids[1], signal.SIGKILL)
+    start = time.monotonic()
+    with pytest.raises(WorkerDiedError) as info:
+        wg.update_actor(_data(4))
+    assert time.monotonic() - start < 10
+    err = info.value
+    assert (err.role, err.rank, err.method) == ("actor_rollout", 1, "update_actor")
+    assert "actor_rollout rank 1 died during update_actor()" in str(err)
+    wg.shutdown()
+
+
+def test_two_pools_run_separate_groups_and_a_detached_one_can_be_reattached(ray_session):
+    manager = ResourcePoolManager(
+        resource_pool_spec={"train": [1], "reward": [1]},
+        mapping={"actor": "train", "critic": "reward"},
+        use_gpu=False,
+    )
+    manager.create_resource_pool()
+    try:
+        actor = RayWorkerGroup(manager.get_resource_pool("actor"), RayClassWithInitArgs(Actor, lr=1.0))
+        critic_cls = RayClassWithInitArgs(Critic)
+        critic = RayWorkerGroup(
+            manager.get_resource_pool("critic"), critic_cls, name_prefix="test_detached_critic", detached=True
+        )
+        assert actor.world_size == critic.world_size == 1
+        assert actor.pid() != critic.pid()
+        torch.testing.assert_close(critic.compute_values(_data(2)).batch["values"], torch.tensor([0.0, 10.0]))
+        torch.testing.assert_close(actor.update_actor(_data(2)).batch["new"], torch.tensor([-1.0, 0.0]))
+
+        again = RayWorkerGroup.from_detached(name_prefix="test_detached_critic", ray_cls_with_init=critic_cls)
+        assert again.worker_names == ["test_detached_critic:0"]
+        assert again.pid() == critic.pid()
+        actor.shutdown()
+        critic.shutdown()
+    finally:
+        for pool in manager.resource_pool_dict.values():
+            pool.remove_placement_groups()
+
+
+def test_resource_check_says_what_is_missing(ray_session):
+    gpus = ResourcePoolManager({"global_pool": [8]}, {"actor": "global_pool"}, use_gpu=True)
+    with pytest.raises(ResourceUnavailableError, match=r"cannot place 8 GPUs on one node.*no GPU is visible to Ray"):
+        gpus.create_resource_pool()
+    cpus = ResourcePoolManager({"a": [2], "b": [64]}, {"actor": "a"}, use_gpu=False)
+    with pytest.raises(ResourceUnavailableError, match=r"cannot place 64 CPUs on one node for pool 'b'"):
+        cpus.create_resource_pool()
+    with pytest.raises(ValueError, match="undefined resource pools"):
+        ResourcePoolManager({"a": [1]}, {"actor": "missing"})
+
+
+def test_resource_pool_without_gpus_in_the_cluster_fails_at_once(ray_session):
+    with pytest.raises(ResourceUnavailableError, match="needs 2 GPU .* has 0 GPU in total; no GPU is visible"):
+        RayResourcePool(process_on_nodes=[2], use_gpu=True).get_placement_groups()
+
+
+def test_placement_groups_are_ordered_by_node_address():
+    nodes = [("10.0.0.12", "b"), ("10.0.0.9", "a"), ("10.0.0.12", "b"), ("10.0.0.10", "c")]
+    # numeric IPv4 order (9 < 10 < 12), creation order kept on the same node
+    assert sort_placement_groups_by_node(nodes) == [1, 3, 0, 2]

@@ -1,0 +1,266 @@
+"""Worker groups on a real local Ray cluster: every dispatch mode, padding, futures, gloo, errors.
+
+One 2-worker group (CPU bundles) serves most tests; tests that kill or reconfigure workers start
+their own. Worker classes live in this module and travel to the workers by value.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+
+import numpy as np
+import pytest
+import torch
+from ray import cloudpickle
+
+from verl.protocol import DataProto, DataProtoFuture
+from verl.single_controller.base import Worker, WorkerMethodError, WorkerTimeoutError
+from verl.single_controller.base.decorator import (
+    Dispatch,
+    Execute,
+    make_nd_compute_dataproto_dispatch_fn,
+    register,
+    register_dispatch_mode,
+)
+from verl.single_controller.ray import RayClassWithInitArgs, RayResourcePool, RayWorkerGroup
+
+cloudpickle.register_pickle_by_value(sys.modules[__name__])
+
+
+def _dispatch_reversed(worker_group, values):
+    """Rank i gets values[world_size - 1 - i]."""
+    return (list(reversed(values)),), {}
+
+
+def _collect_by_rank(worker_group, outputs):
+    return dict(outputs)
+
+
+REVERSED = (
+    Dispatch.TEST_REVERSED
+    if "TEST_REVERSED" in Dispatch
+    else register_dispatch_mode("TEST_REVERSED", _dispatch_reversed, _collect_by_rank)
+)
+
+
+def _rows_out(data: DataProto, rank: int, y: torch.Tensor) -> DataProto:
+    return DataProto.from_dict(
+        tensors={"y": y, "rank": torch.full((len(data),), rank)},
+        non_tensors={"uid": data.non_tensor_batch["uid"]},
+    )
+
+
+class EchoWorker(Worker):
+    def __init__(self, scale: float = 1.0):
+        super().__init__()
+        self.scale = scale
+        self.calls = 0
+        # "tp": all ranks hold the same shard (dp 0) and only the last rank's output is collected.
+        self._register_dispatch_collect_info("tp", dp_rank=0, is_collect=self.rank == self.world_size - 1)
+        self._register_dispatch_collect_info("dp", dp_rank=self.rank, is_collect=True)
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def whoami(self):
+        return {
+            "rank": self.rank,
+            "world_size": self.world_size,
+            "local_rank": self.local_rank,
+            "master": self.get_master_addr_port(),
+            "pid": os.getpid(),
+            "role": os.environ.get("VERL_ROLE"),
+            "calls": self.calls,
+        }
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def weighted_sum(self, tensor, weight=1.0):
+        return float(tensor.double().sum()) * weight * self.scale
+
+    @register(dispatch_mode=Dispatch.DP_COMPUTE)
+    def add_rank(self, value, offset=0):
+        return value + self.rank + offset
+
+    @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO)
+    def scale_rows(self, data):
+        return _rows_out(data, self.rank, data.batch["x"] * self.scale)
+
+    @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO, blocking=False)
+    def scale_rows_async(self, data):
+        out = DataProto.from_dict(tensors={"x": data.batch["x"] * self.scale})
+        out.non_tensor_batch["uid"] = data.non_tensor_batch["uid"]
+        return out
+
+    @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO_WITH_FUNC)
+    def apply(self, func, data):
+        return func(data)
+
+    @register(dispatch_mode=Dispatch.DP_COMPUTE_METRIC)
+    def chunk_stats(self, data):
+        return {"rank": self.rank, "rows": len(data), "sum": float(data.batch["x"].sum())}
+
+    @register(dispatch_mode=Dispatch.RANK_ZERO)
+    def bump(self, amount):
+        self.calls += amount
+        return self.rank, self.calls
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL, execute_mode=Execute.RANK_ZERO)
+    def rank_zero_echo(self, value):
+        return self.rank, value
+
+    @register(dispatch_mode=REVERSED)
+    def tag(self, value):
+        return self.rank, value
+
+    @register(dispatch_mode=make_nd_compute_dataproto_dispatch_fn("tp"))
+    def tp_forward(self, data):
+        return _rows_out(data, self.rank, data.batch["x"] + 1)
+
+    @register(dispatch_mode=make_nd_compute_dataproto_dispatch_fn("dp"))
+    def dp_forward(self, data):
+        return _rows_out(data, self.rank, data.batch["x"] + 1)
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def all_reduce_ranks(self):
+        import torch.distributed as dist
+
+        self.init_process_group(timeout_s=60)
+        value = torch.tensor([float(self.rank + 1)])
+        dist.all_reduce(value)
+        return dist.get_backend(), value.item()
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def fail_on_rank(self, bad_rank):
+        if self.rank == bad_rank:
+            raise ValueError(f"bad input seen on rank {self.rank}")
+        return "ok"
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def nap(self, seconds):
+        time.sleep(seconds)
+        return os.getpid()
+
+
+def _batch(n: int) -> DataProto:
+    return DataProto.from_dict(
+        tensors={"x": torch.arange(n, dtype=torch.float32)},
+        non_tensors={"uid": np.array([f"u{i}" for i in range(n)], dtype=object)},
+    )
+
+
+@pytest.fixture(scope="module")
+def group(ray_session):
+    pool = RayResourcePool(process_on_nodes=[2], use_gpu=False, max_colocate_count=1)
+    wg = RayWorkerGroup(pool, RayClassWithInitArgs(EchoWorker, scale=3.0), role="echo")
+    yield wg
+    wg.shutdown()
+    pool.remove_placement_groups()
+
+
+def test_workers_get_ranks_and_one_master_address(group):
+    infos = group.whoami()
+    assert [i["rank"] for i in infos] == [0, 1]
+    assert {i["world_size"] for i in infos} == {2}
+    assert [i["local_rank"] for i in infos] == [0, 1]
+    assert infos[0]["master"] == infos[1]["master"] and infos[0]["master"][1] is not None
+    assert infos[0]["pid"] != infos[1]["pid"]
+    assert {i["role"] for i in infos} == {"echo"}
+
+
+def test_one_to_all_sends_the_same_large_tensor_to_every_worker(group):
+    tensor = torch.rand(256, 256)  # 256 KiB: shared through the object store once
+    expected = float(tensor.double().sum()) * 2.0 * 3.0
+    assert group.weighted_sum(tensor, weight=2.0) == pytest.approx([expected, expected])
+
+
+def test_dp_compute_gives_rank_i_entry_i(group):
+    assert group.add_rank([10, 20], offset=[100, 200]) == [110, 221]
+    with pytest.raises(ValueError, match="one entry per worker"):
+        group.add_rank([1, 2, 3])
+
+
+@pytest.mark.parametrize("n", [2, 5, 7])
+def test_dp_compute_proto_pads_uneven_batches_and_returns_rows_in_order(group, n):
+    out = group.scale_rows(_batch(n))
+    assert len(out) == n
+    torch.testing.assert_close(out.batch["y"], torch.arange(n, dtype=torch.float32) * 3.0)
+    assert list(out.non_tensor_batch["uid"]) == [f"u{i}" for i in range(n)]
+    # chunk size is ceil(n / 2): the first chunk went to rank 0, the rest to rank 1
+    per_rank = -(-n // 2)
+    assert out.batch["rank"].tolist() == [0] * per_rank + [1] * (n - per_rank)
+
+
+def test_dp_compute_proto_with_func_sends_the_function_to_every_rank(group):
+    out = group.apply(lambda d: DataProto.from_dict(tensors={"sq": d.batch["x"] ** 2}), _batch(4))
+    torch.testing.assert_close(out.batch["sq"], torch.arange(4, dtype=torch.float32) ** 2)
+
+
+def test_dp_compute_metric_returns_one_result_per_rank(group):
+    stats = group.chunk_stats(_batch(6))
+    assert stats == [{"rank": 0, "rows": 3, "sum": 0 + 1 + 2}, {"rank": 1, "rows": 3, "sum": 3 + 4 + 5}]
+
+
+def test_rank_zero_dispatch_runs_only_on_rank_zero(group):
+    before = [i["calls"] for i in group.whoami()]
+    assert group.bump(5) == (0, before[0] + 5)
+    after = [i["calls"] for i in group.whoami()]
+    assert after == [before[0] + 5, before[1]]
+
+
+def test_execute_rank_zero_returns_rank_zeros_result(group):
+    assert group.rank_zero_echo("hi") == (0, "hi")
+    assert group.execute_rank_zero("whoami")["rank"] == 0
+    assert [i["rank"] for i in group.execute_all("whoami")] == [0, 1]
+
+
+def test_user_registered_dispatch_mode(group):
+    assert group.tag(["first", "second"]) == {0: "second", 1: "first"}
+
+
+def test_mesh_dispatch_collects_only_from_collecting_ranks(group):
+    data = _batch(3)
+    tp = group.tp_forward(data)  # both ranks see all 3 rows; only rank 1 is collected
+    assert tp.batch["rank"].tolist() == [1, 1, 1]
+    torch.testing.assert_close(tp.batch["y"], torch.arange(3, dtype=torch.float32) + 1)
+    dp = group.dp_forward(data)  # 3 rows padded to 4, two per rank, padding dropped
+    assert dp.batch["rank"].tolist() == [0, 0, 1]
+    torch.testing.assert_close(dp.batch["y"], torch.arange(3, dtype=torch.float32) + 1)
+
+
+def test_non_blocking_call_returns_a_future_that_chains_into_the_next_call(group):
+    future = group.scale_rows_async(_batch(4))
+    assert isinstance(future, DataProtoFuture)
+    # The future goes straight to the workers (each materializes its own chunk), not via the driver.
+    chained = group.scale_rows(future)
+    torch.testing.assert_close(chained.batch["y"], torch.arange(4, dtype=torch.float32) * 9.0)
+    torch.testing.assert_close(future.get().batch["x"], torch.arange(4, dtype=torch.float32) * 3.0)
+    # padding also applies to non-blocking calls: 3 rows on 2 ranks come back as 3
+    assert len(group.scale_rows_async(_batch(3)).get()) == 3
+
+
+def test_two_rank_group_does_a_real_gloo_all_reduce(group):
+    assert group.all_reduce_ranks() == [("gloo", 3.0), ("gloo", 3.0)]
+
+
+def test_a_raising_method_reports_role_rank_method_and_remote_traceback(group):
+    with pytest.raises(WorkerMethodError) as info:
+        group.fail_on_rank(1)
+    err = info.value
+    assert (err.role, err.rank, err.method, err.exc_type) == ("echo", 1, "fail_on_rank", "ValueError")
+    assert "bad input seen on rank 1" in str(err)
+    assert "in fail_on_rank" in err.remote_traceback  # the worker-side frame
+    assert isinstance(err.remote_exception, ValueError)
+    assert group.fail_on_rank(-1) == ["ok", "ok"]  # the group is still usable
+
+
+def test_a_call_past_its_deadline_raises_naming_the_pending_ranks(group):
+    group.timeout_s = 0.5
+    try:
+        start = time.monotonic()
+        with pytest.raises(WorkerTimeoutError, match=r"rank\(s\) \[0, 1\]") as info:
+            group.nap(2.0)
+        assert time.monotonic() - start < 1.5
+        assert info.value.method == "nap"
+    finally:
+        group.timeout_s = 60.0
+    group.nap(0)  # drains the queue behind the slow call

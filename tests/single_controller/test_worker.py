@@ -1,0 +1,83 @@
+"""The Worker base class outside Ray: environment, mesh info, the RPC entry point, dist init."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch.distributed as dist
+
+from verl.single_controller.base import Worker
+from verl.single_controller.base.errors import _WorkerSideError
+from verl.single_controller.base.worker import get_free_port
+
+
+def test_worker_reads_the_torch_distributed_environment(monkeypatch):
+    monkeypatch.setenv("RANK", "3")
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    monkeypatch.setenv("MASTER_ADDR", "10.0.0.7")
+    monkeypatch.setenv("MASTER_PORT", "1234")
+    worker = Worker()
+    assert (worker.rank, worker.world_size, worker.local_rank, worker.local_world_size) == (3, 4, 1, 2)
+    assert worker.get_master_addr_port() == ("10.0.0.7", "1234")
+
+
+def test_worker_without_environment_is_rank_zero_of_one(monkeypatch):
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(name, raising=False)
+    worker = Worker()
+    assert (worker.rank, worker.world_size, worker.local_rank) == (0, 1, 0)
+
+
+def test_worker_rejects_a_rank_outside_the_world(monkeypatch):
+    monkeypatch.setenv("RANK", "2")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(ValueError, match=r"RANK=2 is outside \[0, WORLD_SIZE=2\)"):
+        Worker()
+
+
+def test_mesh_info_is_recorded_per_mesh(monkeypatch):
+    monkeypatch.delenv("RANK", raising=False)
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    worker = Worker()
+    worker._register_dispatch_collect_info("actor", dp_rank=1, is_collect=False)
+    assert (worker._query_dispatch_info("actor"), worker._query_collect_info("actor")) == (1, False)
+    assert worker._query_dispatch_info("critic") is None
+    with pytest.raises(ValueError, match="already registered"):
+        worker._register_dispatch_collect_info("actor", dp_rank=0, is_collect=True)
+
+
+class _Raiser(Worker):
+    def explode(self, value):
+        raise KeyError(value)
+
+    def echo(self, value):
+        return value
+
+
+def test_rpc_entry_point_names_rank_method_and_keeps_the_traceback(monkeypatch):
+    monkeypatch.delenv("RANK", raising=False)
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    worker = _Raiser()
+    assert worker._verl_rpc("echo", 5) == 5
+    with pytest.raises(_WorkerSideError) as info:
+        worker._verl_rpc("explode", "missing-key")
+    err = info.value
+    assert (err.rank, err.method, err.exc_type) == (0, "explode", "KeyError")
+    assert "raise KeyError(value)" in err.traceback_text
+    assert isinstance(err.original, KeyError)
+
+
+def test_dist_init_with_a_missing_peer_fails_within_the_timeout(monkeypatch):
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "2")  # rank 1 never comes
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", str(get_free_port()))
+    worker = Worker()
+    start = time.monotonic()
+    with pytest.raises(RuntimeError, match="rank 0 of 2 could not form the torch.distributed group"):
+        worker.init_process_group(backend="gloo", timeout_s=1.5)
+    assert time.monotonic() - start < 15
+    assert not dist.is_initialized()

@@ -1,0 +1,269 @@
+"""DataParallelPPOActor: log-probs against per-sequence HF forwards, update semantics, FSDP2 on 2 ranks.
+
+Single-process tests use a plain float64 module (the actor does not need FSDP); the 2-rank test
+shards the same model with FSDP2 over gloo and compares against the single-process actor.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from tests.distributed_helpers import (
+    make_ppo_batch,
+    make_tiny_causal_lm,
+    one_thread,
+    reference_response_log_probs,
+    run_distributed,
+)
+from verl.protocol import DataProto
+from verl.trainer.ppo.core_algos import agg_loss, get_policy_loss_fn
+from verl.workers.actor import DataParallelPPOActor
+
+TEMPERATURE = 0.7
+
+pytestmark = pytest.mark.usefixtures(one_thread.__name__)
+
+
+def actor_config(**overrides):
+    config = {
+        "ppo_mini_batch_size": 8,
+        "ppo_micro_batch_size_per_gpu": 2,
+        "use_dynamic_bsz": False,
+        "ppo_max_token_len_per_gpu": 24,
+        "ppo_epochs": 1,
+        "grad_clip": 1e9,
+        "clip_ratio": 0.2,
+        "loss_agg_mode": "token-mean",
+        "entropy_coeff": 0.0,
+        "use_kl_loss": False,
+        "policy_loss": {"loss_mode": "vanilla"},
+        "use_remove_padding": False,
+        "ulysses_sequence_parallel_size": 1,
+    }
+    config.update(overrides)
+    return config
+
+
+def training_batch(batch_size=8, seed=0, advantages=None, **kwargs) -> DataProto:
+    """A batch whose old log-probs are the model's own (ratio 1) and advantages are +-1 per sequence."""
+    td = make_ppo_batch(batch_size=batch_size, seed=seed, **kwargs)
+    model = make_tiny_causal_lm()
+    old, _ = reference_response_log_probs(model, td, TEMPERATURE)
+    if advantages is None:
+        sign = torch.tensor([1.0 if i % 2 == 0 else -1.0 for i in range(batch_size)], dtype=torch.float64)
+        advantages = sign[:, None].expand_as(old).clone()
+    td["old_log_probs"] = old
+    td["advantages"] = advantages * td["response_mask"]
+    return DataProto.from_dict(tensors=dict(td.items()), meta_info={"temperature": TEMPERATURE})
+
+
+def sgd_actor(config, model=None, lr=1.0):
+    model = model or make_tiny_causal_lm()
+    return DataParallelPPOActor(config, model, torch.optim.SGD(model.parameters(), lr=lr))
+
+
+def param_delta(before: torch.nn.Module, after: torch.nn.Module) -> dict[str, torch.Tensor]:
+    return {n: p.detach() - before.get_parameter(n).detach() for n, p in after.named_parameters()}
+
+
+def assert_same_delta(a: dict, b: dict, atol=1e-11):
+    assert a.keys() == b.keys()
+    for name in a:
+        torch.testing.assert_close(a[name], b[name], atol=atol, rtol=1e-9, msg=name)
+
+
+def reference_full_batch_delta(data: DataProto, loss_agg_mode: str) -> dict[str, torch.Tensor]:
+    """-grad of the policy loss over the whole mini-batch in one padded forward (SGD lr=1 delta)."""
+    model = make_tiny_causal_lm()
+    td = data.batch
+    response_length = td["responses"].shape[1]
+    logits = model(
+        input_ids=td["input_ids"], attention_mask=td["attention_mask"], position_ids=td["position_ids"], use_cache=False
+    ).logits[:, -response_length - 1 : -1]
+    log_prob = torch.log_softmax(logits / TEMPERATURE, -1).gather(-1, td["responses"][..., None])[..., 0]
+    loss, _ = get_policy_loss_fn("vanilla")(
+        td["old_log_probs"], log_prob, td["advantages"], td["response_mask"], loss_agg_mode
+    )
+    loss.backward()
+    return {n: -p.grad for n, p in model.named_parameters()}
+
+
+@pytest.mark.parametrize("use_remove_padding", [False, True])
+def test_log_probs_and_entropy_equal_per_sequence_hf_forward_at_temperature(use_remove_padding):
+    data = training_batch()
+    model = make_tiny_causal_lm()
+    actor = DataParallelPPOActor(actor_config(use_remove_padding=use_remove_padding), model)
+    expected_lp, expected_ent = reference_response_log_probs(model, data.batch, TEMPERATURE)
+    mask = data.batch["response_mask"].bool()
+    for meta in ({"micro_batch_size": 3}, {"use_dynamic_bsz": True, "max_token_len": 20}):
+        data.meta_info.update(meta)
+        log_probs, entropy = actor.compute_log_prob(data, calculate_entropy=True)
+        assert log_probs.shape == data.batch["responses"].shape
+        torch.testing.assert_close(log_probs[mask], expected_lp[mask], atol=1e-12, rtol=0)
+        torch.testing.assert_close(entropy[mask], expected_ent[mask], atol=1e-12, rtol=0)
+        data.meta_info.pop("use_dynamic_bsz", None)
+    log_probs_no_entropy, none = actor.compute_log_prob(data)
+    assert none is None
+    torch.testing.assert_close(log_probs_no_entropy[mask], expected_lp[mask], atol=1e-12, rtol=0)
+
+
+@pytest.mark.parametrize("loss_agg_mode", ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"])
+def test_fixed_uneven_and_dynamic_micro_batches_give_the_full_batch_gradient(loss_agg_mode):
+    """Gradient accumulation must reproduce the loss over the whole mini-batch, however it is split."""
+    data = training_batch(batch_size=8, seed=1)
+    expected = reference_full_batch_delta(data, loss_agg_mode)
+    splits = [
+        {"ppo_micro_batch_size_per_gpu": 2},
+        {"ppo_micro_batch_size_per_gpu": 3},  # 3 + 3 + 2: unequal micro-batches
+        {"use_dynamic_bsz": True, "ppo_max_token_len_per_gpu": 22},
+    ]
+    for split in splits:
+        actor = sgd_actor(actor_config(loss_agg_mode=loss_agg_mode, **split))
+        before = copy.deepcopy(actor.actor_module)
+        metrics = actor.update_policy(data)
+        assert_same_delta(param_delta(before, actor.actor_module), expected)
+        if split.get("use_dynamic_bsz"):
+            assert len(metrics["actor/pg_loss"]) >= 3, "the token budget should force several micro-batches"
+
+
+def test_remove_padding_and_gradient_checkpointing_give_the_padded_update():
+    from verl.utils.model import enable_gradient_checkpointing
+
+    data = training_batch(seed=2)
+    deltas = []
+    for rmpad, checkpointing in ((False, False), (True, False), (True, True)):
+        model = make_tiny_causal_lm()
+        if checkpointing:
+            enable_gradient_checkpointing(model)
+        actor = sgd_actor(actor_config(use_remove_padding=rmpad), model)
+        before = copy.deepcopy(model)
+        actor.update_policy(data)
+        deltas.append(param_delta(before, model))
+    assert_same_delta(deltas[1], deltas[0])
+    assert_same_delta(deltas[2], deltas[0])
+
+
+def test_one_update_raises_positive_and_lowers_negative_advantage_log_probs():
+    data = training_batch(seed=3)
+    model = make_tiny_causal_lm()
+    actor = DataParallelPPOActor(actor_config(), model, torch.optim.AdamW(model.parameters(), lr=3e-3))
+    data.meta_info["micro_batch_size"] = 4
+    before, _ = actor.compute_log_prob(data)
+    metrics = actor.update_policy(data)
+    after, _ = actor.compute_log_prob(data)
+    mask = data.batch["response_mask"].bool()
+    adv = data.batch["advantages"]
+    change = after - before
+    assert change[mask & (adv > 0)].mean() > 1e-3
+    assert change[mask & (adv < 0)].mean() < -1e-3
+    # first step: old == current policy, so the ratio is 1 and nothing is clipped
+    assert max(abs(v) for v in metrics["actor/ppo_kl"]) < 1e-12
+    assert metrics["actor/pg_clipfrac"] == [0.0] * 4
+    assert metrics["actor/lr"] == [3e-3]
+    assert metrics["actor/skipped_nonfinite_grad"] == [0.0]
+
+
+def test_entropy_bonus_and_kl_loss_are_reported_and_kl_is_zero_against_itself():
+    data = training_batch(seed=4)
+    data.batch["ref_log_prob"] = data.batch["old_log_probs"].clone()
+    actor = sgd_actor(actor_config(entropy_coeff=0.01, use_kl_loss=True, kl_loss_coef=0.1), lr=0.0)
+    metrics = actor.update_policy(data)
+    assert len(metrics["actor/entropy"]) == 4 and all(e > 0 for e in metrics["actor/entropy"])
+    assert max(abs(k) for k in metrics["actor/kl_loss"]) < 1e-12
+    assert metrics["actor/kl_coef"] == [0.1] * 4
+    _, expected_ent = reference_response_log_probs(make_tiny_causal_lm(), data.batch, TEMPERATURE)
+    first = data.batch[:2]
+    expected_first = float(agg_loss(expected_ent[:2], first["response_mask"], "token-mean"))
+    assert metrics["actor/entropy"][0] == pytest.approx(expected_first, abs=1e-12)
+
+
+def test_zero_advantage_minibatch_skips_the_adamw_step_unless_disabled():
+    data = training_batch(seed=5, advantages=torch.zeros(8, 5, dtype=torch.float64))
+    for skip in (True, False):
+        model = make_tiny_causal_lm()
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+        actor = DataParallelPPOActor(
+            actor_config(skip_zero_advantage_step=skip, ppo_mini_batch_size=4), model, optimizer
+        )
+        before = copy.deepcopy(model)
+        metrics = actor.update_policy(data)
+        moved = max(float(d.abs().max()) for d in param_delta(before, model).values())
+        if skip:
+            assert metrics["actor/skipped_zero_adv"] == [1.0, 1.0] and "actor/pg_loss" not in metrics
+            assert moved == 0.0
+        else:
+            assert metrics["actor/skipped_zero_adv"] == [0.0, 0.0]
+            assert moved > 0.0, "AdamW's weight decay moves weights even with a zero gradient"
+
+
+def test_nonfinite_gradient_skips_the_step_and_is_counted():
+    advantages = torch.ones(8, 5, dtype=torch.float64)
+    advantages[0, 0] = float("nan")
+    data = training_batch(seed=6, advantages=advantages)
+    actor = sgd_actor(actor_config(ppo_mini_batch_size=4), lr=0.1)
+    before = copy.deepcopy(actor.actor_module)
+    metrics = actor.update_policy(data)
+    assert metrics["actor/skipped_nonfinite_grad"] == [1.0, 0.0]
+    assert not torch.isfinite(torch.tensor(metrics["actor/grad_norm"][0]))
+    delta = param_delta(before, actor.actor_module)
+    assert all(torch.isfinite(d).all() for d in delta.values()), "a NaN step must not reach the weights"
+    assert max(float(d.abs().max()) for d in delta.values()) > 0, "the second, finite mini-batch still steps"
+
+
+def test_user_errors_say_what_to_change():
+    model = make_tiny_causal_lm()
+    with pytest.raises(NotImplementedError, match="ulysses_sequence_parallel_size"):
+        DataParallelPPOActor(actor_config(ulysses_sequence_parallel_size=2), model)
+    actor = sgd_actor(actor_config(ppo_mini_batch_size=3), model)
+    data = training_batch()
+    with pytest.raises(ValueError, match="ppo_mini_batch_size=3"):
+        actor.update_policy(data)
+    del data.meta_info["temperature"]
+    with pytest.raises(KeyError, match="temperature"):
+        actor.compute_log_prob(data)
+    with pytest.raises(KeyError, match="ref_log_prob"):
+        sgd_actor(actor_config(use_kl_loss=True), model).update_policy(training_batch())
+
+
+# ---------------------------------------------------------------------------------------- 2 ranks
+
+
+def _two_rank_actor(rank, world_size):
+    from verl.utils.fsdp_utils import apply_fsdp2, iter_full_params
+
+    data = training_batch(batch_size=8, seed=7)
+    # rank 0 gets the long sequences, rank 1 the short ones: token budgets then need different
+    # numbers of micro-batches per rank, which the actor must equalise
+    lengths = data.batch["attention_mask"].sum(-1)
+    order = torch.argsort(lengths, descending=True, stable=True)
+    local = data.select_idxs(order[rank * 4 : (rank + 1) * 4])
+
+    fsdp_model = apply_fsdp2(make_tiny_causal_lm())
+    config = actor_config(ppo_mini_batch_size=4, use_dynamic_bsz=True, ppo_max_token_len_per_gpu=14)
+    actor = DataParallelPPOActor(config, fsdp_model, torch.optim.SGD(fsdp_model.parameters(), lr=1.0))
+
+    # log-probs of the sharded model equal the unsharded per-sequence forward
+    reference_model = make_tiny_causal_lm()
+    expected, _ = reference_response_log_probs(reference_model, local.batch, TEMPERATURE)
+    local.meta_info.update(use_dynamic_bsz=True, max_token_len=14)
+    log_probs, _ = actor.compute_log_prob(local)
+    mask = local.batch["response_mask"].bool()
+    torch.testing.assert_close(log_probs[mask], expected[mask], atol=1e-12, rtol=0)
+
+    # one update over 2 ranks x token-budget micro-batches == one single-process update of all 8
+    metrics = actor.update_policy(local)
+    single = sgd_actor(actor_config(ppo_mini_batch_size=8, ppo_micro_batch_size_per_gpu=8))
+    single_metrics = single.update_policy(data)
+    full = dict(iter_full_params(fsdp_model))
+    for name, tensor in single.actor_module.state_dict().items():
+        torch.testing.assert_close(full[name], tensor, atol=1e-11, rtol=1e-9, msg=name)
+    # the gradient norm is the full model's, identical on both ranks and to the single process
+    assert metrics["actor/grad_norm"][0] == pytest.approx(single_metrics["actor/grad_norm"][0], rel=1e-9)
+    assert len(metrics["actor/pg_loss"]) >= 2
+
+
+def test_fsdp2_actor_on_two_ranks_matches_single_process():
+    run_distributed(_two_rank_actor, 2)

@@ -1,0 +1,215 @@
+"""Build small causal LMs from plain transformers configs, with the local character tokenizer.
+
+Every preset is an ordinary Qwen2 or Llama model, saved as an ordinary HF directory
+(config.json, model.safetensors, tokenizer files, generation_config.json) that
+`AutoModelForCausalLM.from_pretrained` / `AutoTokenizer.from_pretrained` load offline and that
+vLLM and SGLang serve: no custom modelling code, no `trust_remote_code`.
+
+Design decisions:
+- head_dim is 64 in every preset (hidden_size = 64 * num_attention_heads) because vLLM's
+  attention backends only accept a fixed set of head sizes, and 64 is the smallest common one.
+- Presets span the sizes this project needs: `tiny` (~1M, learns 2-digit addition in a few hundred
+  CPU steps, the bundled model's architecture), `small` (~5M), `base` (~24M, Llama architecture, so
+  both model families are exercised) and `qwen2.5-0.5b-shape` (Qwen2.5-0.5B's dimensions, random
+  weights, for GPU benchmarks only).
+- The small presets' vocabulary is exactly the tokenizer's (263 tokens). The 0.5B-shaped preset
+  keeps Qwen2.5's 151,936-row vocabulary, the tokenizer padded with reserved tokens to match, so the
+  LM head and logits cost what they cost in the real model.
+- Weights are initialised by transformers from a fixed seed, so a preset plus a seed is a
+  reproducible checkpoint.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from dataclasses import dataclass
+
+HEAD_DIM = 64
+
+
+@dataclass(frozen=True)
+class ModelPreset:
+    """Dimensions of one preset. All sizes are counts; head_dim is always 64."""
+
+    architecture: str
+    """`qwen2` (Qwen2ForCausalLM) or `llama` (LlamaForCausalLM)."""
+    hidden_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    intermediate_size: int
+    vocab_size: int | None = None
+    """Embedding rows; None means exactly the character tokenizer's size."""
+    max_position_embeddings: int = 2048
+    tie_word_embeddings: bool = True
+    rope_theta: float = 10000.0
+    rms_norm_eps: float = 1e-6
+    description: str = ""
+
+    def __post_init__(self):
+        if self.architecture not in ARCHITECTURES:
+            raise ValueError(f"architecture={self.architecture!r} is not one of {sorted(ARCHITECTURES)}")
+        if self.hidden_size != HEAD_DIM * self.num_attention_heads:
+            raise ValueError(
+                f"hidden_size={self.hidden_size} with {self.num_attention_heads} heads gives head_dim "
+                f"{self.hidden_size / self.num_attention_heads:g}; vLLM needs head_dim {HEAD_DIM}, so set "
+                f"hidden_size = {HEAD_DIM} * num_attention_heads"
+            )
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ValueError(
+                f"num_attention_heads={self.num_attention_heads} is not a multiple of "
+                f"num_key_value_heads={self.num_key_value_heads}"
+            )
+
+
+# architecture name -> transformers config class name
+ARCHITECTURES = {"qwen2": "Qwen2Config", "llama": "LlamaConfig"}
+
+PRESETS: dict[str, ModelPreset] = {
+    "tiny": ModelPreset(
+        architecture="qwen2",
+        hidden_size=128,
+        num_hidden_layers=4,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        intermediate_size=512,
+        description="~1M parameters; learns 2-digit addition on CPU in minutes (the bundled arith-tiny)",
+    ),
+    "small": ModelPreset(
+        architecture="qwen2",
+        hidden_size=256,
+        num_hidden_layers=5,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        intermediate_size=1024,
+        description="~5M parameters",
+    ),
+    "base": ModelPreset(
+        architecture="llama",
+        hidden_size=512,
+        num_hidden_layers=8,
+        num_attention_heads=8,
+        num_key_value_heads=4,
+        intermediate_size=1408,
+        description="~24M parameters, Llama architecture with grouped-query attention",
+    ),
+    "qwen2.5-0.5b-shape": ModelPreset(
+        architecture="qwen2",
+        hidden_size=896,
+        num_hidden_layers=24,
+        num_attention_heads=14,
+        num_key_value_heads=2,
+        intermediate_size=4864,
+        vocab_size=151936,
+        max_position_embeddings=32768,
+        rope_theta=1000000.0,
+        description="Qwen2.5-0.5B dimensions (~494M), random weights, for GPU benchmarks",
+    ),
+}
+
+
+def get_preset(name: str) -> ModelPreset:
+    if name not in PRESETS:
+        raise ValueError(f"unknown model preset {name!r}; choose one of {sorted(PRESETS)}")
+    return PRESETS[name]
+
+
+def build_tokenizer(preset: ModelPreset | str = "tiny"):
+    """The character tokenizer sized for `preset` (padded with reserved tokens when the preset's
+    vocabulary is larger)."""
+    from verl.models.tokenizer import build_char_tokenizer
+
+    preset = get_preset(preset) if isinstance(preset, str) else preset
+    return build_char_tokenizer(reserved_to=preset.vocab_size, model_max_length=preset.max_position_embeddings)
+
+
+def build_config(preset: ModelPreset | str, tokenizer):
+    """A transformers config for `preset` whose special-token ids come from `tokenizer`."""
+    import transformers
+
+    preset = get_preset(preset) if isinstance(preset, str) else preset
+    vocab_size = preset.vocab_size or len(tokenizer)
+    if vocab_size < len(tokenizer):
+        raise ValueError(f"preset vocab_size={vocab_size} is smaller than the tokenizer's {len(tokenizer)} tokens")
+    config_cls = getattr(transformers, ARCHITECTURES[preset.architecture])
+    return config_cls(
+        vocab_size=vocab_size,
+        hidden_size=preset.hidden_size,
+        num_hidden_layers=preset.num_hidden_layers,
+        num_attention_heads=preset.num_attention_heads,
+        num_key_value_heads=preset.num_key_value_heads,
+        intermediate_size=preset.intermediate_size,
+        max_position_embeddings=preset.max_position_embeddings,
+        tie_word_embeddings=preset.tie_word_embeddings,
+        rope_theta=preset.rope_theta,
+        rms_norm_eps=preset.rms_norm_eps,
+        head_dim=HEAD_DIM,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+
+
+def count_parameters(preset: ModelPreset | str) -> int:
+    """Parameter count of `preset` (tied embeddings counted once), computed on the meta device."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    preset = get_preset(preset) if isinstance(preset, str) else preset
+    config = build_config(preset, build_tokenizer(preset))
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    return sum(p.numel() for p in model.parameters())
+
+
+def build_model(preset: ModelPreset | str = "tiny", seed: int = 0, dtype: str = "float32"):
+    """A freshly initialised `(model, tokenizer)` pair for `preset`, seeded for reproducibility."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    preset = get_preset(preset) if isinstance(preset, str) else preset
+    tokenizer = build_tokenizer(preset)
+    config = build_config(preset, tokenizer)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=_torch_dtype(dtype))
+    model.generation_config.bos_token_id = tokenizer.bos_token_id
+    model.generation_config.eos_token_id = tokenizer.eos_token_id
+    model.generation_config.pad_token_id = tokenizer.pad_token_id
+    return model, tokenizer
+
+
+def save_model(model, tokenizer, out_dir: str) -> str:
+    """Write `model` and `tokenizer` as one HF directory (safetensors weights, portable tokenizer
+    files, generation_config.json)."""
+    from verl.models.tokenizer import save_tokenizer
+
+    os.makedirs(out_dir, exist_ok=True)
+    model.save_pretrained(out_dir, safe_serialization=True)
+    save_tokenizer(tokenizer, out_dir)
+    return out_dir
+
+
+def make_tiny(preset: str, out_dir: str, seed: int = 0, dtype: str = "float32") -> str:
+    """Build a randomly initialised `preset` model with its tokenizer and save it to `out_dir`."""
+    model, tokenizer = build_model(preset, seed=seed, dtype=dtype)
+    return save_model(model, tokenizer, out_dir)
+
+
+def preset_table() -> str:
+    """One line per preset: name, architecture, dimensions and description."""
+    lines = []
+    for name, p in PRESETS.items():
+        fields = {f.name: getattr(p, f.name) for f in dataclasses.fields(p) if f.name != "description"}
+        dims = " ".join(f"{k}={v}" for k, v in fields.items() if v is not None)
+        lines.append(f"{name}: {dims} -- {p.description}")
+    return "\n".join(lines)
+
+
+def _torch_dtype(name: str):
+    import torch
+
+    table = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
+    if name not in table:
+        raise ValueError(f"dtype={name!r} is not one of {sorted(table)}")
+    return table[name]

@@ -1,0 +1,1 @@
+"""Checkpoint managers (FSDP2 via torch.distributed.checkpoint) and resume helpers."""

@@ -1,0 +1,221 @@
+"""Save and restore an FSDP2 model, its optimizer and lr scheduler, crash-safely.
+
+Layout of one checkpoint directory (`local_path`, e.g. `.../global_step_10/actor`):
+
+    model/                                  DCP: one shard file per rank + .metadata
+    optim/                                  DCP: the optimizer state, sharded the same way
+    extra_state_world_size_<W>_rank_<r>.pt  lr scheduler state, RNG states, global step
+    huggingface/                            config.json, generation config, tokenizer files,
+                                            and model.safetensors when save_contents has hf_model
+
+Model and optimizer go through `torch.distributed.checkpoint` (DCP) with the state-dict API
+(`get_model_state_dict` / `set_model_state_dict`), so each rank writes only its shard, nothing is
+gathered, and a checkpoint loads on a different number of ranks (DCP reshards on load). The
+per-rank extra state holds what differs per rank (RNG); on a different world size the lr
+scheduler is taken from rank 0's file and the RNG is left as is.
+
+Crash safety: everything is written into `<local_path>.tmp` and rank 0 renames it to
+`local_path` only after every rank finished (a barrier). A crash mid-save leaves at most a stale
+`.tmp` (removed by the next save) and never touches an existing checkpoint. When re-saving over an
+existing `local_path` the old one is first renamed to `<local_path>.old` and deleted after the swap;
+`load_checkpoint` falls back to `.old` if a crash hit between those two renames. Retention
+(`max_ckpt_to_keep`) deletes old checkpoints only after the new one is complete.
+
+All ranks must see the same filesystem at `local_path` (as DCP needs for loading anyway). The
+caller must have the model and optimizer on the device (load them back if offloaded).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+
+import torch
+import torch.distributed as dist
+
+from verl.utils.checkpoint.checkpoint_manager import BaseCheckpointManager
+from verl.utils.logging_utils import get_logger
+
+__all__ = ["FSDPCheckpointManager"]
+
+logger = get_logger(__name__)
+
+
+def _rank_world() -> tuple[int, int]:
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+def _barrier() -> None:
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()
+
+
+def _unwrapped_class(model):
+    """The HF class under FSDP2's dynamic `FSDP<Name>` subclass."""
+    from torch.distributed.fsdp import FSDPModule
+
+    for cls in type(model).__mro__:
+        if not issubclass(cls, FSDPModule):
+            return cls
+    raise TypeError(f"cannot find the model class of {type(model).__name__}")
+
+
+class FSDPCheckpointManager(BaseCheckpointManager):
+    """Checkpoint manager for FSDP2-sharded HF models (also works unsharded, in one process).
+
+    Args:
+        model: the (sharded) HF model.
+        optimizer: its optimizer, or None (e.g. the reference policy).
+        lr_scheduler: its lr scheduler, or None.
+        processing_class: tokenizer or processor saved to `huggingface/` for export.
+        checkpoint_config: `save_contents` / `load_contents` lists (see BaseCheckpointManager).
+    """
+
+    def __init__(self, model, optimizer=None, lr_scheduler=None, processing_class=None, checkpoint_config=None):
+        super().__init__(model, optimizer, lr_scheduler, processing_class, checkpoint_config)
+
+    @staticmethod
+    def _extra_state_name(world_size: int, rank: int) -> str:
+        return f"extra_state_world_size_{world_size}_rank_{rank}.pt"
+
+    def save_checkpoint(
+        self, local_path: str, hdfs_path: str | None = None, global_step: int = 0, max_ckpt_to_keep: int | None = None
+    ) -> None:
+        """Write the checkpoint to `local_path` (collective: every rank calls it).
+
+        `hdfs_path` is accepted for upstream signature compatibility; remote copies are not implemented.
+        """
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
+
+        if hdfs_path is not None:
+            raise NotImplementedError("hdfs_path is not supported; copy local checkpoints with your own tooling")
+        rank, world_size = _rank_world()
+        final = os.path.abspath(local_path)
+        tmp = final + ".tmp"
+        if rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)  # leftovers of a crashed save
+            os.makedirs(tmp)
+        _barrier()
+
+        if "model" in self.save_contents:
+            dcp.save(get_model_state_dict(self.model), checkpoint_id=os.path.join(tmp, "model"))
+        if "optimizer" in self.save_contents and self.optimizer is not None:
+            dcp.save(get_optimizer_state_dict(self.model, self.optimizer), checkpoint_id=os.path.join(tmp, "optim"))
+        if "extra" in self.save_contents:
+            extra = {
+                "lr_scheduler": self.lr_scheduler.state_dict() if self.lr_scheduler is not None else None,
+                "rng": self.get_rng_state(),
+                "global_step": global_step,
+            }
+            torch.save(extra, os.path.join(tmp, self._extra_state_name(world_size, rank)))
+        self._save_huggingface(os.path.join(tmp, "huggingface"), rank)
+        _barrier()
+
+        if rank == 0:
+            old = final + ".old"
+            if os.path.exists(final):
+                shutil.rmtree(old, ignore_errors=True)
+                os.rename(final, old)
+                os.rename(tmp, final)
+                shutil.rmtree(old)
+            else:
+                os.makedirs(os.path.dirname(final), exist_ok=True)
+                os.rename(tmp, final)
+            if final in self.previous_saved_paths:
+                self.previous_saved_paths.remove(final)
+            self.previous_saved_paths.append(final)
+            self._prune_old(max_ckpt_to_keep)
+        _barrier()
+
+    def _save_huggingface(self, hf_dir: str, rank: int) -> None:
+        """Config, generation config and tokenizer on rank 0; full weights too when asked (collective)."""
+        full_state = None
+        if "hf_model" in self.save_contents:
+            from verl.utils.fsdp_utils import get_full_state_dict
+
+            full_state = get_full_state_dict(self.model, rank0_only=True)
+        if rank != 0:
+            return
+        os.makedirs(hf_dir, exist_ok=True)
+        config = getattr(self.model, "config", None)
+        if config is not None:
+            config.save_pretrained(hf_dir)
+        generation_config = getattr(self.model, "generation_config", None)
+        if generation_config is not None:
+            generation_config.save_pretrained(hf_dir)
+        if self.processing_class is not None:
+            self.processing_class.save_pretrained(hf_dir)
+        if full_state is not None:
+            # an empty (meta) instance of the model class writes the weights HF-style: tied weights,
+            # sharding of large files and the safetensors metadata are handled by save_pretrained
+            with torch.device("meta"):
+                shell = _unwrapped_class(self.model)._from_config(config)
+            shell.save_pretrained(hf_dir, state_dict=full_state)
+
+    def load_checkpoint(self, local_path: str | None, hdfs_path: str | None = None, del_local_after_load=False):
+        """Restore what `load_contents` lists from `local_path` (collective). None is a no-op."""
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import (
+            get_model_state_dict,
+            get_optimizer_state_dict,
+            set_model_state_dict,
+            set_optimizer_state_dict,
+        )
+
+        if local_path is None:
+            return
+        path = os.path.abspath(local_path)
+        if not os.path.isdir(path) and os.path.isdir(path + ".old"):
+            logger.warning(
+                "checkpoint %s is missing but %s.old exists (a save was interrupted); loading it", path, path
+            )
+            path = path + ".old"
+        if not os.path.isdir(path):
+            raise FileNotFoundError(
+                f"checkpoint directory {local_path!r} does not exist; check trainer.resume_from_path / "
+                "trainer.default_local_dir, or set trainer.resume_mode=disable to start fresh"
+            )
+        rank, world_size = _rank_world()
+
+        if "model" in self.load_contents:
+            model_state = get_model_state_dict(self.model)
+            dcp.load(model_state, checkpoint_id=self._require(path, "model"))
+            set_model_state_dict(self.model, model_state)
+        if "optimizer" in self.load_contents and self.optimizer is not None:
+            optim_state = get_optimizer_state_dict(self.model, self.optimizer)
+            dcp.load(optim_state, checkpoint_id=self._require(path, "optim"))
+            set_optimizer_state_dict(self.model, self.optimizer, optim_state)
+        if "extra" in self.load_contents:
+            self._load_extra_state(path, rank, world_size)
+        if del_local_after_load and rank == 0:
+            shutil.rmtree(path, ignore_errors=True)
+        _barrier()
+
+    @staticmethod
+    def _require(path: str, name: str) -> str:
+        sub = os.path.join(path, name)
+        if not os.path.isdir(sub):
+            raise FileNotFoundError(
+                f"checkpoint {path!r} has no {name}/ directory (it was saved without it); remove {name!r} from "
+                "checkpoint.load_contents"
+            )
+        return sub
+
+    def _load_extra_state(self, path: str, rank: int, world_size: int) -> None:
+        own = os.path.join(path, self._extra_state_name(world_size, rank))
+        if os.path.exists(own):
+            extra = torch.load(own, weights_only=False)
+            self.load_rng_state(extra["rng"])
+        else:
+            saved = sorted(f for f in os.listdir(path) if f.startswith("extra_state_") and f.endswith("_rank_0.pt"))
+            if not saved:
+                raise FileNotFoundError(
+                    f"checkpoint {path!r} has no extra_state_*.pt files; remove 'extra' from checkpoint.load_contents"
+                )
+            logger.warning("checkpoint %s was saved on another world size; restoring the lr scheduler only", path)
+            extra = torch.load(os.path.join(path, saved[0]), weights_only=False)
+        if self.lr_scheduler is not None and extra["lr_scheduler"] is not None:
+            self.lr_scheduler.load_state_dict(extra["lr_scheduler"])

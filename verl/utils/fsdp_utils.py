@@ -1,0 +1,271 @@
+"""FSDP2 (`torch.distributed.fsdp.fully_shard`) helpers for the actor, reference and critic.
+
+Sharding layout: every decoder layer is its own FSDP unit (so only one layer's full parameters
+exist at a time in forward and backward), plus the root module for what is left (embeddings,
+final norm, head). The decoder-layer class comes from the model's `_no_split_modules`, the same
+list HF uses for device maps, overridable with `fsdp_config.wrap_policy.transformer_layer_cls_to_wrap`.
+Untied input embeddings get their own unit too, as upstream does, because they are large.
+
+Precision: the optimizer holds the master weights in the dtype the model was loaded in (float32
+for training). On CUDA, compute runs in bf16 and gradients are reduced in fp32
+(MixedPrecisionPolicy); on CPU nothing is cast, because CPU bf16 matmuls are slow, and so that a
+float64 model gives float64-exact comparisons against single-process references in tests.
+
+Offload, two kinds:
+* `fsdp_config.offload_policy=True` hands FSDP2 a `CPUOffloadPolicy`: parameters live on the host
+  and are copied to the device per unit for compute; the optimizer step runs on the host.
+* `param_offload` / `optimizer_offload` are manual and coarse-grained, for the hybrid engine:
+  the worker moves the whole sharded model (or the optimizer state) to the host while the rollout
+  engine uses the device, and back before training (`offload_fsdp_model_to_cpu`,
+  `load_fsdp_model_to_device`, `offload_fsdp_optimizer`, `load_fsdp_optimizer`).
+
+Weight sync to a rollout engine reads full parameters one at a time (`iter_full_params`): each
+DTensor is all-gathered on its own, so at most one unsharded tensor exists beyond the shards.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from verl.utils.device import empty_cache, get_device, get_device_name, is_cuda_available
+
+__all__ = [
+    "apply_fsdp2",
+    "create_device_mesh",
+    "fsdp2_clip_grad_norm_",
+    "get_fsdp_wrap_modules",
+    "get_full_state_dict",
+    "get_mixed_precision_policy",
+    "get_offload_policy",
+    "iter_full_params",
+    "load_fsdp_model_to_device",
+    "load_fsdp_optimizer",
+    "offload_fsdp_model_to_cpu",
+    "offload_fsdp_optimizer",
+    "to_torch_dtype",
+]
+
+_DTYPES = {
+    "bf16": torch.bfloat16,
+    "bfloat16": torch.bfloat16,
+    "fp16": torch.float16,
+    "float16": torch.float16,
+    "half": torch.float16,
+    "fp32": torch.float32,
+    "float32": torch.float32,
+    "float": torch.float32,
+    "fp64": torch.float64,
+    "float64": torch.float64,
+}
+
+
+def _cfg_get(cfg, key, default=None):
+    if cfg is None:
+        return default
+    value = cfg.get(key, default)
+    return default if value is None else value
+
+
+def to_torch_dtype(name) -> torch.dtype:
+    """'bf16' | 'bfloat16' | 'fp32' | ... (or a torch.dtype) -> torch.dtype."""
+    if isinstance(name, torch.dtype):
+        return name
+    try:
+        return _DTYPES[str(name).lower()]
+    except KeyError:
+        raise ValueError(f"unknown dtype {name!r}; use one of {sorted(_DTYPES)}") from None
+
+
+def create_device_mesh(world_size: int | None = None, fsdp_size: int = -1):
+    """1-D mesh over all ranks ('fsdp'); 2-D ('ddp', 'fsdp') for HSDP when 0 < fsdp_size < world."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    world_size = world_size or dist.get_world_size()
+    if fsdp_size <= 0 or fsdp_size >= world_size:
+        return init_device_mesh(get_device_name(), (world_size,), mesh_dim_names=("fsdp",))
+    if world_size % fsdp_size != 0:
+        raise ValueError(
+            f"fsdp_config.fsdp_size={fsdp_size} does not divide the world size {world_size}; "
+            "use a divisor of the number of ranks, or -1 to shard over all of them"
+        )
+    return init_device_mesh(get_device_name(), (world_size // fsdp_size, fsdp_size), mesh_dim_names=("ddp", "fsdp"))
+
+
+def get_mixed_precision_policy(mixed_precision_config=None):
+    """bf16 compute + fp32 gradient reduction on CUDA; on CPU no casting at all (the model's own dtype).
+
+    `mixed_precision_config` may set `param_dtype` and `reduce_dtype` (upstream also has
+    `buffer_dtype`, which FSDP2 does not use: buffers keep the model's dtype).
+    """
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    cuda = is_cuda_available()
+    param_dtype = _cfg_get(mixed_precision_config, "param_dtype", torch.bfloat16 if cuda else None)
+    reduce_dtype = _cfg_get(mixed_precision_config, "reduce_dtype", torch.float32 if cuda else None)
+    return MixedPrecisionPolicy(
+        param_dtype=None if param_dtype is None else to_torch_dtype(param_dtype),
+        reduce_dtype=None if reduce_dtype is None else to_torch_dtype(reduce_dtype),
+        cast_forward_inputs=True,
+    )
+
+
+def get_offload_policy(enabled: bool):
+    """FSDP2's CPUOffloadPolicy when enabled (pinned host memory only where a GPU copies from it)."""
+    from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy
+
+    return CPUOffloadPolicy(pin_memory=is_cuda_available()) if enabled else OffloadPolicy()
+
+
+def get_fsdp_wrap_modules(model: nn.Module, wrap_policy=None) -> list[nn.Module]:
+    """The submodules that become FSDP units: decoder layers (+ untied input embeddings).
+
+    The layer class names come from `wrap_policy.transformer_layer_cls_to_wrap` when given, else from
+    `model._no_split_modules`.
+    """
+    names = _cfg_get(wrap_policy, "transformer_layer_cls_to_wrap", None) or getattr(model, "_no_split_modules", None)
+    if not names:
+        raise ValueError(
+            f"{type(model).__name__} declares no `_no_split_modules`, so the decoder-layer class to shard is "
+            "unknown; set fsdp_config.wrap_policy.transformer_layer_cls_to_wrap=[<DecoderLayerClassName>]"
+        )
+    names = {names} if isinstance(names, str) else set(names)
+    config = getattr(model, "config", None)
+    tied = bool(getattr(config, "tie_word_embeddings", False))
+    modules = []
+    for module in model.modules():
+        if module is model:
+            continue
+        if type(module).__name__ in names or (isinstance(module, nn.Embedding) and not tied):
+            modules.append(module)
+    if not any(type(m).__name__ in names for m in modules):
+        present = sorted({type(m).__name__ for m in model.modules()})
+        raise ValueError(
+            f"no submodule of {type(model).__name__} has a class in {sorted(names)}; classes present: {present}. "
+            "Fix fsdp_config.wrap_policy.transformer_layer_cls_to_wrap"
+        )
+    return modules
+
+
+def apply_fsdp2(model: nn.Module, fsdp_config=None, device_mesh=None) -> nn.Module:
+    """Shard `model` in place with `fully_shard`: each decoder layer, then the root.
+
+    `fsdp_config` keys (upstream names): `reshard_after_forward` (default True),
+    `offload_policy` (FSDP2 CPU offload), `mixed_precision` {param_dtype, reduce_dtype},
+    `wrap_policy` {transformer_layer_cls_to_wrap}, `fsdp_size` (HSDP group size, -1 = all ranks).
+    `fully_shard` moves each unit's parameters and buffers to the mesh's device as it shards them
+    (parameters stay on the host under CPU offload).
+    """
+    from torch.distributed.fsdp import fully_shard
+
+    if device_mesh is None:
+        device_mesh = create_device_mesh(fsdp_size=int(_cfg_get(fsdp_config, "fsdp_size", -1)))
+    offload = bool(_cfg_get(fsdp_config, "offload_policy", False))
+    kwargs = {
+        "mesh": device_mesh,
+        "mp_policy": get_mixed_precision_policy(_cfg_get(fsdp_config, "mixed_precision", None)),
+        "offload_policy": get_offload_policy(offload),
+        "reshard_after_forward": bool(_cfg_get(fsdp_config, "reshard_after_forward", True)),
+    }
+    for module in get_fsdp_wrap_modules(model, _cfg_get(fsdp_config, "wrap_policy", None)):
+        fully_shard(module, **kwargs)
+    fully_shard(model, **kwargs)
+    return model
+
+
+@torch.no_grad()
+def fsdp2_clip_grad_norm_(
+    parameters, max_norm: float, norm_type: float = 2.0, error_if_nonfinite: bool = False, foreach=None
+) -> torch.Tensor:
+    """`clip_grad_norm_` for DTensor gradients: the norm is over the full (unsharded) gradient.
+
+    Returns the total norm before clipping as a plain tensor, identical on every rank. A
+    non-finite norm is returned as is (clipping then leaves NaN/inf in the gradients; the caller
+    decides to skip the step).
+    """
+    from torch.distributed.tensor import DTensor
+
+    params = [p for p in parameters if p.grad is not None]
+    grads = [p.grad for p in params]
+    if not grads:
+        return torch.tensor(0.0, device=get_device())
+    total = torch.nn.utils.get_total_norm(grads, norm_type, error_if_nonfinite, foreach)
+    if isinstance(total, DTensor):
+        total = total.full_tensor()
+    # CPU-offloaded gradients give a host tensor; keep the result on the compute device
+    total = total.to(get_device())
+    torch.nn.utils.clip_grads_with_norm_(params, max_norm, total.to(grads[0].device), foreach)
+    return total
+
+
+@torch.no_grad()
+def iter_full_params(module: nn.Module, dtype: torch.dtype | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield `(hf_name, full_tensor)` for every entry of `module.state_dict()`, one at a time.
+
+    Names are the HF names (FSDP2 does not rename parameters). Each sharded tensor is all-gathered
+    on the compute device only when the consumer asks for it, so peak extra memory is one full
+    tensor; the consumer should drop its reference before asking for the next. Every rank must
+    iterate to the end (the gathers are collectives). `dtype` casts each tensor (e.g. bf16 for a
+    rollout engine) after gathering.
+    """
+    from torch.distributed.tensor import DTensor
+
+    device = get_device()
+    for name, tensor in module.state_dict().items():
+        if isinstance(tensor, DTensor):
+            if tensor.device != device:  # offloaded shards: gather on the device the backend supports
+                tensor = tensor.to(device)
+            tensor = tensor.full_tensor()
+        if dtype is not None and tensor.is_floating_point():
+            tensor = tensor.to(dtype)
+        yield name, tensor
+
+
+def get_full_state_dict(module: nn.Module, rank0_only: bool = True) -> dict[str, torch.Tensor]:
+    """Unsharded state dict on the host: on rank 0 only (`{}` elsewhere) unless `rank0_only=False`.
+
+    Every rank must call it (it gathers).
+    """
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    if rank0_only:
+        options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+        return get_model_state_dict(module, options=options)
+    return {name: tensor.cpu() for name, tensor in iter_full_params(module)}
+
+
+def offload_fsdp_model_to_cpu(model: nn.Module, empty_device_cache: bool = True) -> None:
+    """Move the sharded parameters (and gradients) to the host; a no-op on a CPU device."""
+    model.to("cpu")
+    if empty_device_cache:
+        empty_cache()
+
+
+def load_fsdp_model_to_device(model: nn.Module) -> None:
+    """Bring the sharded parameters back to this rank's device after `offload_fsdp_model_to_cpu`."""
+    model.to(get_device())
+
+
+def _move_optimizer_state(optimizer: torch.optim.Optimizer, device) -> None:
+    for group in optimizer.param_groups:
+        for param in group["params"]:
+            state = optimizer.state.get(param)
+            if not state:
+                continue
+            for key, value in state.items():
+                if isinstance(value, torch.Tensor) and key != "step":
+                    state[key] = value.to(device, non_blocking=True)
+
+
+def offload_fsdp_optimizer(optimizer: torch.optim.Optimizer) -> None:
+    """Move the optimizer state (Adam moments) to the host."""
+    _move_optimizer_state(optimizer, "cpu")
+    empty_cache()
+
+
+def load_fsdp_optimizer(optimizer: torch.optim.Optimizer, device=None) -> None:
+    """Move the optimizer state back to `device` (default: this rank's device)."""
+    _move_optimizer_state(optimizer, device or get_device())

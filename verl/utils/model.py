@@ -1,0 +1,144 @@
+"""Loading HF models for the actor, reference and critic, and small model helpers.
+
+The actor and reference policies are `AutoModelForCausalLM`. The critic is the same backbone with
+a one-output token-classification head (`AutoModelForTokenClassification`, `num_labels=1`), as
+upstream verl does: loading a causal-LM checkpoint that way keeps the backbone and initialises
+the `score` head fresh, so any decoder with a `*ForTokenClassification` class can be a critic.
+
+Loading errors say which config key to fix: a path that does not exist, a checkpoint whose model
+type has no causal-LM (or token-classification) class.
+
+Attention backend: flash-attention 2 when a CUDA device is in use and `flash_attn` is installed
+(its varlen kernel serves the packed remove-padding path), SDPA otherwise (CPU included).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+
+import torch
+
+from verl.utils.device import is_cuda_available
+
+__all__ = [
+    "compute_position_id_with_mask",
+    "enable_gradient_checkpointing",
+    "get_attn_implementation",
+    "get_generation_config",
+    "load_causal_lm",
+    "load_model_config",
+    "load_valuehead_model",
+]
+
+
+def compute_position_id_with_mask(mask: torch.Tensor) -> torch.Tensor:
+    """Positions [B, L] counting real tokens from 0 in each row; pad positions get 0.
+
+    Works for left padding (prompts) and right padding (responses) alike, and gives each row's
+    real tokens contiguous positions, which the packed forward relies on.
+    """
+    return torch.clip(torch.cumsum(mask, dim=-1) - 1, min=0)
+
+
+def get_attn_implementation() -> str:
+    """'flash_attention_2' on CUDA with flash-attn installed, else 'sdpa'."""
+    if is_cuda_available() and importlib.util.find_spec("flash_attn") is not None:
+        return "flash_attention_2"
+    return "sdpa"
+
+
+def load_model_config(path: str, trust_remote_code: bool = False, override_config: dict | None = None):
+    """`AutoConfig` for `path` with overrides applied; a clear error when the path is not a model."""
+    from transformers import AutoConfig
+
+    try:
+        config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
+    except (OSError, ValueError) as e:
+        where = "a local directory without a config.json" if os.path.isdir(path) else "not a local directory"
+        raise FileNotFoundError(
+            f"model path {path!r} could not be loaded ({where}; Hugging Face said: {e}). Set the model's "
+            "`path` key (e.g. actor_rollout_ref.model.path or critic.model.path) to a directory holding a "
+            "Hugging Face checkpoint (config.json + weights), or to a model id that is in the local HF cache"
+        ) from e
+    for key, value in (override_config or {}).items():
+        setattr(config, key, value)
+    return config
+
+
+def _auto_load(auto_cls, kind: str, path: str, config, torch_dtype, attn_implementation, trust_remote_code):
+    if type(config) not in auto_cls._model_mapping and not trust_remote_code:
+        raise ValueError(
+            f"model at {path!r} has model_type={config.model_type!r}, which has no {kind} class in transformers "
+            f"(architectures: {getattr(config, 'architectures', None)}); point the model path at a decoder-only "
+            "language model such as Qwen2 or Llama"
+        )
+    return auto_cls.from_pretrained(
+        path,
+        config=config,
+        dtype=torch_dtype,
+        attn_implementation=attn_implementation or get_attn_implementation(),
+        trust_remote_code=trust_remote_code,
+    )
+
+
+def load_causal_lm(
+    path: str,
+    torch_dtype: torch.dtype = torch.float32,
+    attn_implementation: str | None = None,
+    trust_remote_code: bool = False,
+    override_config: dict | None = None,
+):
+    """`AutoModelForCausalLM` from `path` (weights in `torch_dtype`, on CPU)."""
+    from transformers import AutoModelForCausalLM
+
+    config = load_model_config(path, trust_remote_code, override_config)
+    return _auto_load(
+        AutoModelForCausalLM, "causal-LM", path, config, torch_dtype, attn_implementation, trust_remote_code
+    )
+
+
+def load_valuehead_model(
+    path: str,
+    torch_dtype: torch.dtype = torch.float32,
+    attn_implementation: str | None = None,
+    trust_remote_code: bool = False,
+    override_config: dict | None = None,
+):
+    """Critic: the backbone at `path` with a fresh scalar head (`*ForTokenClassification`, 1 label).
+
+    Dropout in the head is disabled: value targets are regressed, and dropout would make
+    `compute_values` and `update_critic` see different functions.
+    """
+    from transformers import AutoModelForTokenClassification
+
+    overrides = {"num_labels": 1, "classifier_dropout": 0.0, "hidden_dropout": 0.0, **(override_config or {})}
+    config = load_model_config(path, trust_remote_code, overrides)
+    return _auto_load(
+        AutoModelForTokenClassification,
+        "token-classification (value head)",
+        path,
+        config,
+        torch_dtype,
+        attn_implementation,
+        trust_remote_code,
+    )
+
+
+def get_generation_config(path: str, trust_remote_code: bool = False):
+    """The checkpoint's `GenerationConfig`, or one derived from its model config when absent."""
+    from transformers import GenerationConfig
+
+    try:
+        return GenerationConfig.from_pretrained(path)
+    except OSError:
+        return GenerationConfig.from_model_config(load_model_config(path, trust_remote_code))
+
+
+def enable_gradient_checkpointing(model) -> None:
+    """Recompute each decoder layer's activations in the backward (non-reentrant, FSDP2-safe)."""
+    kwargs = {"use_reentrant": False}
+    if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5.x name
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)

@@ -1,0 +1,214 @@
+"""Balanced partitioning of sequences by length, and token-budget micro-batches.
+
+Two users:
+
+* the trainer reorders a global batch so that every data-parallel rank receives about the same
+  number of tokens (`get_seqlen_balanced_partitions(..., equal_size=True)`, each rank also keeps
+  the same number of samples);
+* the actor and critic cut a mini-batch into micro-batches holding at most
+  `ppo_max_token_len_per_gpu` tokens each (`rearrange_micro_batches`, the `use_dynamic_bsz` path).
+
+Partitioning uses the Karmarkar-Karp largest-differencing method: every item starts as a
+k-partition of its own, and the two partitions with the largest spread are merged repeatedly,
+pairing the heaviest part of one with the lightest part of the other. It is within a few tokens
+of optimal on the length distributions RL produces and runs in O(n log n). A greedy
+(longest-first into the lightest part) partitioner is provided as the simple alternative.
+
+Token budget: upstream uses `ceil(total / budget)` micro-batches, which can overshoot the budget
+when the partition is not perfectly even. Here the count starts there and grows until the
+balanced partition fits the budget, so a micro-batch exceeds it only when one sequence alone
+does (which is an error: raise the budget). Every rank of the data-parallel group then uses the
+largest count of any rank, because FSDP runs one collective per forward and all ranks must run
+the same number of forwards.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+from collections.abc import Sequence
+
+import torch
+
+__all__ = [
+    "get_reverse_idx",
+    "get_seqlen_balanced_partitions",
+    "greedy_partition",
+    "karmarkar_karp",
+    "log_seqlen_unbalance",
+    "rearrange_micro_batches",
+]
+
+
+class _State:
+    """A k-way partition under construction: parts sorted heaviest first."""
+
+    __slots__ = ("parts", "sums")
+
+    def __init__(self, parts: list[list[int]], sums: list[int]):
+        order = sorted(range(len(parts)), key=lambda i: (-sums[i], min(parts[i], default=-1)))
+        self.parts = [parts[i] for i in order]
+        self.sums = [sums[i] for i in order]
+
+    @property
+    def spread(self) -> int:
+        return self.sums[0] - self.sums[-1]
+
+    def merge(self, other: _State) -> _State:
+        # heaviest part of self with the lightest of other, and so on
+        k = len(self.parts)
+        parts = [self.parts[i] + other.parts[k - 1 - i] for i in range(k)]
+        sums = [self.sums[i] + other.sums[k - 1 - i] for i in range(k)]
+        return _State(parts, sums)
+
+
+def karmarkar_karp(seqlen_list: Sequence[int], k_partitions: int, equal_size: bool) -> list[list[int]]:
+    """Split item indices into `k_partitions` parts with nearly equal length sums.
+
+    With `equal_size`, every part gets exactly `len(seqlen_list) / k_partitions` items: the
+    initial states are groups of k consecutive items in length order, one item per part, so every
+    merge keeps the part sizes equal.
+    """
+    n = len(seqlen_list)
+    order = sorted(range(n), key=lambda i: (seqlen_list[i], i))
+    states: list[_State] = []
+    if equal_size:
+        if n % k_partitions != 0:
+            raise ValueError(f"{n} items cannot be split into {k_partitions} parts of equal size")
+        for start in range(0, n, k_partitions):
+            group = order[start : start + k_partitions]
+            states.append(_State([[i] for i in group], [seqlen_list[i] for i in group]))
+    else:
+        for i in order:
+            parts = [[i]] + [[] for _ in range(k_partitions - 1)]
+            states.append(_State(parts, [seqlen_list[i]] + [0] * (k_partitions - 1)))
+    # max-heap on spread; the counter keeps ordering deterministic for ties
+    heap = [(-s.spread, c, s) for c, s in enumerate(states)]
+    heapq.heapify(heap)
+    counter = len(heap)
+    while len(heap) > 1:
+        _, _, a = heapq.heappop(heap)
+        _, _, b = heapq.heappop(heap)
+        merged = a.merge(b)
+        heapq.heappush(heap, (-merged.spread, counter, merged))
+        counter += 1
+    final = heap[0][2] if heap else _State([[] for _ in range(k_partitions)], [0] * k_partitions)
+    return [sorted(p) for p in final.parts]
+
+
+def greedy_partition(seqlen_list: Sequence[int], k_partitions: int, equal_size: bool) -> list[list[int]]:
+    """Longest item first into the currently lightest part (that still has room when `equal_size`)."""
+    n = len(seqlen_list)
+    if equal_size and n % k_partitions != 0:
+        raise ValueError(f"{n} items cannot be split into {k_partitions} parts of equal size")
+    capacity = n // k_partitions if equal_size else n
+    parts: list[list[int]] = [[] for _ in range(k_partitions)]
+    sums = [0] * k_partitions
+    for i in sorted(range(n), key=lambda i: (-seqlen_list[i], i)):
+        j = min((j for j in range(k_partitions) if len(parts[j]) < capacity), key=lambda j: (sums[j], j))
+        parts[j].append(i)
+        sums[j] += seqlen_list[i]
+    return [sorted(p) for p in parts]
+
+
+def get_seqlen_balanced_partitions(seqlen_list: Sequence[int], k_partitions: int, equal_size: bool) -> list[list[int]]:
+    """Karmarkar-Karp partition of item indices into `k_partitions` non-empty parts.
+
+    Returns a list of `k_partitions` sorted index lists covering every item exactly once.
+    """
+    if k_partitions < 1:
+        raise ValueError(f"k_partitions must be at least 1, got {k_partitions}")
+    if len(seqlen_list) < k_partitions:
+        raise ValueError(
+            f"cannot split {len(seqlen_list)} sequences into {k_partitions} non-empty parts; "
+            "every part needs at least one sequence"
+        )
+    partitions = karmarkar_karp(seqlen_list, k_partitions, equal_size)
+    assert all(partitions), "Karmarkar-Karp produced an empty part although n >= k"
+    assert sorted(i for p in partitions for i in p) == list(range(len(seqlen_list)))
+    return partitions
+
+
+def log_seqlen_unbalance(seqlen_list: Sequence[int], partitions: list[list[int]], prefix: str) -> dict[str, float]:
+    """Token-count spread before (consecutive chunks) and after balancing, as metrics."""
+    k = len(partitions)
+    n = len(seqlen_list)
+    chunk = math.ceil(n / k)
+    before = [sum(seqlen_list[i : i + chunk]) for i in range(0, n, chunk)]
+    after = [sum(seqlen_list[i] for i in p) for p in partitions]
+    return {
+        f"{prefix}/min": float(min(before)),
+        f"{prefix}/max": float(max(before)),
+        f"{prefix}/minmax_diff": float(max(before) - min(before)),
+        f"{prefix}/balanced_min": float(min(after)),
+        f"{prefix}/balanced_max": float(max(after)),
+        f"{prefix}/mean": float(sum(after) / k),
+    }
+
+
+def _num_micro_batches_for_budget(seqlens: list[int], max_token_len: int) -> int:
+    """Fewest balanced parts whose every part fits the budget."""
+    k = max(1, math.ceil(sum(seqlens) / max_token_len))
+    while k < len(seqlens):
+        parts = karmarkar_karp(seqlens, k, equal_size=False)
+        if max(sum(seqlens[i] for i in p) for p in parts) <= max_token_len:
+            return k
+        k += 1
+    return len(seqlens)
+
+
+def rearrange_micro_batches(
+    batch,
+    max_token_len: int,
+    dp_group=None,
+    same_micro_num_in_dp: bool = True,
+    min_num_micro_batch: int | None = None,
+):
+    """Cut `batch` (a TensorDict with `attention_mask`) into token-budget micro-batches.
+
+    Args:
+        batch: TensorDict with leading batch dimension and an `attention_mask` [B, L].
+        max_token_len: budget of non-pad tokens per micro-batch on this rank.
+        dp_group: process group whose ranks must use the same number of micro-batches (default:
+            the world group when torch.distributed is initialised).
+        same_micro_num_in_dp: agree on the largest count across `dp_group` (needed under FSDP).
+        min_num_micro_batch: use at least this many micro-batches.
+
+    Returns:
+        (micro_batches, partitions): the list of TensorDicts and, for each, the indices into
+        `batch` it holds. `get_reverse_idx` of the concatenated indices restores the input order.
+    """
+    seqlens = batch["attention_mask"].sum(dim=-1).tolist()
+    longest = max(seqlens)
+    if longest > max_token_len:
+        raise ValueError(
+            f"a sequence has {longest} tokens but the micro-batch token budget is {max_token_len}; "
+            "raise ppo_max_token_len_per_gpu (or log_prob_max_token_len_per_gpu) to at least the longest "
+            "prompt + response length"
+        )
+    num_micro = _num_micro_batches_for_budget(seqlens, max_token_len)
+    if min_num_micro_batch is not None:
+        num_micro = max(num_micro, min_num_micro_batch)
+    if same_micro_num_in_dp and torch.distributed.is_available() and torch.distributed.is_initialized():
+        count = torch.tensor([num_micro], dtype=torch.int64, device=batch["attention_mask"].device)
+        torch.distributed.all_reduce(count, op=torch.distributed.ReduceOp.MAX, group=dp_group)
+        num_micro = int(count.item())
+    if num_micro > len(seqlens):
+        raise ValueError(
+            f"this rank holds {len(seqlens)} sequences but the data-parallel group needs {num_micro} "
+            "micro-batches (another rank has more or longer sequences); every rank must receive the same "
+            "number of samples, and the token budget must allow at least one sequence per micro-batch"
+        )
+    partitions = get_seqlen_balanced_partitions(seqlens, num_micro, equal_size=False)
+    # longest micro-batches first: peak memory shows up on the first step, not the last
+    partitions.sort(key=lambda p: (-sum(seqlens[i] for i in p), p[0]))
+    micro_batches = [batch[torch.tensor(p, dtype=torch.long)] for p in partitions]
+    return micro_batches, partitions
+
+
+def get_reverse_idx(idx_map: Sequence[int]) -> list[int]:
+    """Inverse permutation: `x[idx_map][get_reverse_idx(idx_map)] == x`."""
+    reverse = [0] * len(idx_map)
+    for position, original in enumerate(idx_map):
+        reverse[original] = position
+    return reverse

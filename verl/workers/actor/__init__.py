@@ -1,0 +1,6 @@
+"""The PPO actor's training logic (free of Ray): log-probs and policy updates on a sharded model."""
+
+from verl.workers.actor.base import BasePPOActor
+from verl.workers.actor.dp_actor import DataParallelPPOActor
+
+__all__ = ["BasePPOActor", "DataParallelPPOActor"]

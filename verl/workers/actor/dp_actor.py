@@ -1,0 +1,308 @@
+"""The PPO actor on a data-parallel (FSDP2) model, free of Ray: log-probs and policy updates.
+
+`DataParallelPPOActor(config, actor_module, actor_optimizer=None)` works on any HF causal LM
+module: an FSDP2-sharded one inside a worker, or a plain module in one process (tests, scripts).
+The worker owns the model, optimizer and lr scheduler; this class owns the training loop.
+
+Batch semantics (upstream's): `ppo_mini_batch_size` arrives already normalised by the worker to
+samples per rank per optimizer step; each mini-batch is cut into micro-batches of
+`ppo_micro_batch_size_per_gpu` samples, or, with `use_dynamic_bsz`, into micro-batches of at most
+`ppo_max_token_len_per_gpu` tokens, balanced by Karmarkar-Karp and equal in number on every rank.
+Gradients accumulate over the micro-batches; each mini-batch ends with gradient clipping
+(`grad_clip`) and one optimizer step; `ppo_epochs` passes go over the data. How micro-batch
+losses are weighted so the split never changes the gradient: see `verl.workers.dp_training`.
+
+Forward: logits are divided by the sampling temperature in place before the log-softmax, exactly
+as the rollout engines do, so `old_log_probs` and the rollout's log-probs agree.
+`use_remove_padding` packs the micro-batch's real tokens into one sequence (see
+`verl.utils.remove_padding`); results equal the padded path to float rounding.
+
+Two guarded steps:
+* a non-finite gradient norm skips the optimizer step (gradients cleared), reported as
+  `actor/skipped_nonfinite_grad` (1.0 per skipped step, 0.0 otherwise; its mean is the fraction);
+* `skip_zero_advantage_step` (default True): when every advantage of a mini-batch is zero on all
+  ranks and no KL loss or entropy bonus is used, the gradient is exactly zero, yet AdamW would
+  still move the weights (momentum and weight decay). Such mini-batches are skipped without a
+  forward pass, reported as `actor/skipped_zero_adv`. GRPO groups whose samples all score the
+  same produce exactly this.
+
+Config keys read (the `actor_rollout_ref.actor` section; DictConfig, dataclass or dict):
+ppo_mini_batch_size, ppo_micro_batch_size_per_gpu, use_dynamic_bsz, ppo_max_token_len_per_gpu,
+ppo_epochs, shuffle, data_loader_seed, grad_clip, clip_ratio, clip_ratio_low, clip_ratio_high,
+clip_ratio_c, tis_imp_ratio_cap, policy_loss {loss_mode, clip_cov_*, kl_cov_ratio, ppo_kl_coef},
+loss_agg_mode, entropy_coeff, use_kl_loss, kl_loss_coef, kl_loss_type, use_remove_padding,
+ulysses_sequence_parallel_size (must be 1), skip_zero_advantage_step. `use_torch_compile` is
+accepted and has no effect: the log-prob and entropy kernels are chunked autograd functions that
+already bound memory, and compiling them gains little. compute_log_prob reads its micro-batching
+from `data.meta_info` (`micro_batch_size`, `use_dynamic_bsz`, `max_token_len`, `temperature`), as
+upstream's worker passes it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+import torch.distributed as dist
+
+from verl.trainer.ppo.core_algos import (
+    PolicyLossParams,
+    agg_loss,
+    entropy_from_logits_with_chunking,
+    get_policy_loss_fn,
+    kl_penalty,
+    logprobs_from_logits,
+)
+from verl.utils.device import get_device
+from verl.utils.remove_padding import pad_input, unpad_input, unpad_position_ids
+from verl.workers.actor.base import BasePPOActor
+from verl.workers.dp_training import (
+    append_to_dict,
+    clip_grad_and_step,
+    config_to_dict,
+    dp_group_and_size,
+    loss_normaliser,
+    response_mask_of,
+    split_micro_batches,
+)
+
+__all__ = ["DataParallelPPOActor"]
+
+_MODEL_INPUTS = ["responses", "input_ids", "attention_mask", "position_ids"]
+
+
+def _require_temperature(meta_info: dict) -> float:
+    if "temperature" not in meta_info:
+        raise KeyError(
+            "data.meta_info['temperature'] is missing: set it to the rollout's sampling temperature "
+            "(actor_rollout_ref.rollout.temperature); log-probs must be computed at the temperature the "
+            "responses were sampled with"
+        )
+    temperature = float(meta_info["temperature"])
+    if temperature <= 0:
+        raise ValueError(
+            f"temperature={temperature} in data.meta_info: log-probs need a positive sampling temperature "
+            "(greedy decoding has no log-probs to train on; use 1.0 for training rollouts)"
+        )
+    return temperature
+
+
+class DataParallelPPOActor(BasePPOActor):
+    """PPO/GRPO actor over an HF causal LM (FSDP2-sharded or plain)."""
+
+    def __init__(self, config, actor_module: torch.nn.Module, actor_optimizer: torch.optim.Optimizer | None = None):
+        super().__init__(config)
+        self.actor_module = actor_module
+        self.actor_optimizer = actor_optimizer
+        cfg = config_to_dict(config)
+        self._cfg = cfg
+        sp = int(cfg.get("ulysses_sequence_parallel_size", 1) or 1)
+        if sp != 1:
+            raise NotImplementedError(
+                f"actor.ulysses_sequence_parallel_size={sp}: sequence parallelism is not implemented; set it to 1 "
+                "(use use_remove_padding and use_dynamic_bsz to fit long sequences)"
+            )
+        self.use_remove_padding = bool(cfg.get("use_remove_padding", False))
+        self.loss_agg_mode = cfg.get("loss_agg_mode", "token-mean")
+        policy_loss_cfg = cfg.get("policy_loss") or {}
+        self.policy_loss_fn = get_policy_loss_fn(policy_loss_cfg.get("loss_mode", "vanilla"))
+        self.policy_loss_params = self._policy_loss_params(cfg, policy_loss_cfg)
+        self.entropy_coeff = float(cfg.get("entropy_coeff", 0.0) or 0.0)
+        self.use_kl_loss = bool(cfg.get("use_kl_loss", False))
+        self.kl_loss_coef = float(cfg.get("kl_loss_coef", 0.001))
+        self.kl_loss_type = cfg.get("kl_loss_type", "low_var_kl")
+        self.skip_zero_advantage_step = bool(cfg.get("skip_zero_advantage_step", True))
+        self._shuffle_generator = torch.Generator().manual_seed(int(cfg.get("data_loader_seed", 0) or 0))
+        self._dp_group, self._dp_size = dp_group_and_size(actor_module)
+
+    @staticmethod
+    def _policy_loss_params(cfg: dict, policy_loss_cfg: dict) -> PolicyLossParams:
+        """Every PolicyLossParams field from `policy_loss.<field>`, else `actor.<field>`, else its default."""
+        values = {}
+        for field in dataclasses.fields(PolicyLossParams):
+            value = policy_loss_cfg.get(field.name, cfg.get(field.name))
+            if value is not None:
+                values[field.name] = value
+        return PolicyLossParams(**values)
+
+    # ------------------------------------------------------------------ forward
+
+    def _forward_micro_batch(
+        self, micro_batch, temperature: float, calculate_entropy: bool = False
+    ) -> tuple[torch.Tensor | None, torch.Tensor]:
+        """(entropy [B, R] or None, log_probs [B, R]) of the responses in `micro_batch`."""
+        input_ids = micro_batch["input_ids"]
+        batch_size, seqlen = input_ids.shape
+        response_length = micro_batch["responses"].shape[-1]
+        if self.use_remove_padding:
+            packed_ids, indices = unpad_input(input_ids, micro_batch["attention_mask"])
+            packed_pos = unpad_position_ids(micro_batch["position_ids"], indices)
+            logits = self.actor_module(input_ids=packed_ids, position_ids=packed_pos, use_cache=False).logits[0]
+            logits.div_(temperature)
+            # label of each packed position = the next packed token; it is wrong only at a sequence's
+            # last token, whose prediction is never a (valid) response token
+            labels = torch.roll(packed_ids[0], shifts=-1)
+            log_probs = pad_input(logprobs_from_logits(logits, labels), indices, batch_size, seqlen)
+            log_probs = log_probs[:, -response_length - 1 : -1]
+            entropy = None
+            if calculate_entropy:
+                entropy = pad_input(entropy_from_logits_with_chunking(logits), indices, batch_size, seqlen)
+                entropy = entropy[:, -response_length - 1 : -1]
+            return entropy, log_probs
+        output = self.actor_module(
+            input_ids=input_ids,
+            attention_mask=micro_batch["attention_mask"],
+            position_ids=micro_batch["position_ids"],
+            use_cache=False,
+        )
+        logits = output.logits[:, -response_length - 1 : -1, :]
+        logits.div_(temperature)
+        log_probs = logprobs_from_logits(logits, micro_batch["responses"])
+        entropy = entropy_from_logits_with_chunking(logits) if calculate_entropy else None
+        return entropy, log_probs
+
+    # ------------------------------------------------------------------ inference
+
+    @torch.no_grad()
+    def compute_log_prob(self, data, calculate_entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Log-probs [B, R] of the responses (and entropies [B, R] when `calculate_entropy`).
+
+        `data.meta_info` gives `temperature`, `micro_batch_size` (or `use_dynamic_bsz` +
+        `max_token_len`). Every rank must call it with the same number of samples.
+        """
+        self.actor_module.eval()
+        meta = data.meta_info
+        temperature = _require_temperature(meta)
+        batch = data.batch.select(*_MODEL_INPUTS)
+        micro_batches, reverse_idx = split_micro_batches(
+            batch,
+            micro_batch_size=meta.get("micro_batch_size"),
+            use_dynamic_bsz=bool(meta.get("use_dynamic_bsz", False)),
+            max_token_len=meta.get("max_token_len"),
+            dp_group=self._dp_group,
+        )
+        log_probs, entropys = [], []
+        for micro_batch in micro_batches:
+            entropy, log_prob = self._forward_micro_batch(micro_batch.to(get_device()), temperature, calculate_entropy)
+            log_probs.append(log_prob)
+            if calculate_entropy:
+                entropys.append(entropy)
+        log_probs = torch.cat(log_probs, dim=0)
+        entropy_out = torch.cat(entropys, dim=0) if calculate_entropy else None
+        if reverse_idx is not None:
+            log_probs = log_probs[reverse_idx.to(log_probs.device)]
+            if entropy_out is not None:
+                entropy_out = entropy_out[reverse_idx.to(entropy_out.device)]
+        return log_probs, entropy_out
+
+    # ------------------------------------------------------------------ training
+
+    def _training_keys(self, batch) -> list[str]:
+        keys = [*_MODEL_INPUTS, "old_log_probs", "advantages"]
+        present = set(batch.keys())
+        missing = [k for k in keys if k not in present]
+        if self.use_kl_loss:
+            keys.append("ref_log_prob")
+            if "ref_log_prob" not in present:
+                missing.append("ref_log_prob (actor.use_kl_loss is on: compute reference log-probs first)")
+        if missing:
+            raise KeyError(f"update_policy needs batch keys {missing}; the batch has {sorted(present)}")
+        keys += [k for k in ("response_mask", "rollout_log_probs") if k in present]
+        return keys
+
+    def update_policy(self, data) -> dict[str, list[float]]:
+        """PPO epochs x mini-batches x micro-batches on `data`; returns metric lists (the worker reduces).
+
+        Metrics: actor/pg_loss, actor/pg_clipfrac, actor/pg_clipfrac_lower, actor/ppo_kl,
+        actor/entropy (entropy_coeff != 0), actor/kl_loss + actor/kl_coef (use_kl_loss) per
+        micro-batch; actor/grad_norm, actor/lr, actor/skipped_nonfinite_grad, actor/skipped_zero_adv
+        per mini-batch.
+        """
+        if self.actor_optimizer is None:
+            raise RuntimeError("this actor was built without an optimizer (a reference policy?); it cannot be updated")
+        self.actor_module.train()
+        temperature = _require_temperature(data.meta_info)
+        batch = data.batch.select(*self._training_keys(data.batch))
+        mini_batch_size = int(self._cfg.get("ppo_mini_batch_size") or 0)
+        if mini_batch_size <= 0 or len(batch) % mini_batch_size != 0:
+            raise ValueError(
+                f"this rank holds {len(batch)} samples, which is not a positive multiple of the per-rank "
+                f"ppo_mini_batch_size={mini_batch_size} (ppo_mini_batch_size * rollout.n / data-parallel size); "
+                "make data.train_batch_size a multiple of actor.ppo_mini_batch_size"
+            )
+        metrics: dict[str, list[float]] = {}
+        for _ in range(int(self._cfg.get("ppo_epochs", 1) or 1)):
+            epoch_batch = batch
+            if self._cfg.get("shuffle", False):
+                epoch_batch = batch[torch.randperm(len(batch), generator=self._shuffle_generator)]
+            for mini_batch in epoch_batch.split(mini_batch_size):
+                self._update_on_mini_batch(mini_batch, temperature, metrics)
+        self.actor_optimizer.zero_grad()
+        return metrics
+
+    def _update_on_mini_batch(self, mini_batch, temperature: float, metrics: dict) -> None:
+        response_mask = response_mask_of(mini_batch)
+        adv_nonzero = ((mini_batch["advantages"] != 0) & (response_mask != 0)).any().to(torch.float64)
+        totals = torch.stack([loss_normaliser(response_mask, self.loss_agg_mode), adv_nonzero]).to(get_device())
+        if self._dp_size > 1:
+            dist.all_reduce(totals, group=self._dp_group)
+        normaliser, num_ranks_with_adv = totals.tolist()
+        only_pg_loss = not self.use_kl_loss and self.entropy_coeff == 0
+        if self.skip_zero_advantage_step and only_pg_loss and num_ranks_with_adv == 0:
+            append_to_dict(metrics, {"actor/skipped_zero_adv": 1.0})
+            return
+
+        micro_batches, _ = split_micro_batches(
+            mini_batch,
+            micro_batch_size=self._cfg.get("ppo_micro_batch_size_per_gpu"),
+            use_dynamic_bsz=bool(self._cfg.get("use_dynamic_bsz", False)),
+            max_token_len=self._cfg.get("ppo_max_token_len_per_gpu"),
+            dp_group=self._dp_group,
+        )
+        self.actor_optimizer.zero_grad()
+        for micro_batch in micro_batches:
+            micro_batch = micro_batch.to(get_device())
+            micro_metrics = self._backward_micro_batch(micro_batch, temperature, normaliser)
+            append_to_dict(metrics, micro_metrics)
+        grad_norm, stepped = clip_grad_and_step(
+            self.actor_module, self.actor_optimizer, self._cfg.get("grad_clip", 1.0)
+        )
+        append_to_dict(
+            metrics,
+            {
+                "actor/grad_norm": grad_norm,
+                "actor/lr": float(self.actor_optimizer.param_groups[0]["lr"]),
+                "actor/skipped_nonfinite_grad": 0.0 if stepped else 1.0,
+                "actor/skipped_zero_adv": 0.0,
+            },
+        )
+
+    def _backward_micro_batch(self, micro_batch, temperature: float, normaliser: float) -> dict[str, float]:
+        response_mask = response_mask_of(micro_batch)
+        entropy, log_prob = self._forward_micro_batch(micro_batch, temperature, self.entropy_coeff != 0)
+        pg_loss, pg_metrics = self.policy_loss_fn(
+            micro_batch["old_log_probs"],
+            log_prob,
+            micro_batch["advantages"],
+            response_mask,
+            self.loss_agg_mode,
+            params=self.policy_loss_params,
+            rollout_log_probs=micro_batch.get("rollout_log_probs", None),
+        )
+        loss = pg_loss
+        out = {f"actor/{name}": float(value) for name, value in pg_metrics.items()}
+        out["actor/pg_loss"] = float(pg_loss.detach())
+        if self.entropy_coeff != 0:
+            entropy_loss = agg_loss(entropy, response_mask, self.loss_agg_mode)
+            loss = loss - self.entropy_coeff * entropy_loss
+            out["actor/entropy"] = float(entropy_loss.detach())
+        if self.use_kl_loss:
+            kld = kl_penalty(log_prob, micro_batch["ref_log_prob"], self.kl_loss_type)
+            kl_loss = agg_loss(kld, response_mask, self.loss_agg_mode)
+            loss = loss + self.kl_loss_coef * kl_loss
+            out["actor/kl_loss"] = float(kl_loss.detach())
+            out["actor/kl_coef"] = self.kl_loss_coef
+        # weight of this micro-batch in the mini-batch loss over all ranks (see verl.workers.dp_training)
+        scale = 0.0 if normaliser == 0 else float(loss_normaliser(response_mask, self.loss_agg_mode)) / normaliser
+        (loss * (scale * self._dp_size)).backward()
+        return out

@@ -1,0 +1,6 @@
+"""The PPO critic's training logic (free of Ray): value predictions and value-loss updates."""
+
+from verl.workers.critic.base import BasePPOCritic
+from verl.workers.critic.dp_critic import DataParallelPPOCritic
+
+__all__ = ["BasePPOCritic", "DataParallelPPOCritic"]

@@ -1,0 +1,149 @@
+"""Data-parallel training plumbing shared by the PPO actor and critic (no Ray, no loss math).
+
+Loss normalisation across micro-batches and ranks (the one subtle part). A mini-batch's loss is
+defined as `agg_loss` over *all* the samples of the mini-batch on *all* data-parallel ranks, so
+the gradient does not depend on how the mini-batch is cut into micro-batches (fixed size or token
+budget) nor on how samples are spread over ranks. Each micro-batch's aggregated loss is
+multiplied by
+
+    scale = n_micro / n_global * dp_size
+
+where `n` counts what the aggregation mode averages over: valid tokens for `token-mean`,
+non-empty responses for `seq-mean-token-sum` / `seq-mean-token-mean`, responses for
+`seq-mean-token-sum-norm` (see `core_algos.agg_loss`). `n_global` is summed over the ranks with
+one all-reduce per mini-batch, and `dp_size` undoes FSDP's averaging of gradients over ranks.
+Upstream verl weights micro-batches by sample count, which makes token-mean depend on the split;
+here dynamic and fixed micro-batches give the same gradients (a test checks it).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+
+import torch
+import torch.distributed as dist
+
+from verl.utils.seqlen_balancing import get_reverse_idx, rearrange_micro_batches
+
+__all__ = [
+    "append_to_dict",
+    "clip_grad_and_step",
+    "config_to_dict",
+    "dp_group_and_size",
+    "loss_normaliser",
+    "response_mask_of",
+    "split_micro_batches",
+]
+
+
+def config_to_dict(config) -> dict:
+    """A plain dict from an OmegaConf DictConfig, a dataclass or a mapping."""
+    if config is None:
+        return {}
+    if dataclasses.is_dataclass(config) and not isinstance(config, type):
+        return dataclasses.asdict(config)
+    try:
+        from omegaconf import DictConfig, OmegaConf
+
+        if isinstance(config, DictConfig):
+            return OmegaConf.to_container(config, resolve=True)
+    except ImportError:  # omegaconf is a dependency; plain dicts work without it
+        pass
+    if isinstance(config, Mapping):
+        return {k: (config_to_dict(v) if isinstance(v, Mapping) else v) for k, v in config.items()}
+    raise TypeError(f"expected a DictConfig, dataclass or dict config, got {type(config).__name__}")
+
+
+def append_to_dict(metrics: dict[str, list], data: dict) -> None:
+    """Append each value of `data` to the list under the same key in `metrics`."""
+    for key, value in data.items():
+        metrics.setdefault(key, []).append(value)
+
+
+def response_mask_of(batch) -> torch.Tensor:
+    """`response_mask` [B, R] when the batch has it, else the response part of `attention_mask`."""
+    if "response_mask" in batch:
+        return batch["response_mask"]
+    return batch["attention_mask"][:, -batch["responses"].shape[-1] :]
+
+
+def loss_normaliser(response_mask: torch.Tensor, loss_agg_mode: str) -> torch.Tensor:
+    """What `agg_loss(..., loss_agg_mode)` divides by, as a float64 scalar tensor."""
+    if loss_agg_mode == "token-mean":
+        n = (response_mask != 0).sum()
+    elif loss_agg_mode in ("seq-mean-token-sum", "seq-mean-token-mean"):
+        n = (response_mask != 0).any(dim=-1).sum()
+    elif loss_agg_mode == "seq-mean-token-sum-norm":
+        n = torch.tensor(response_mask.shape[0], device=response_mask.device)
+    else:
+        from verl.trainer.ppo.core_algos import LOSS_AGG_MODES
+
+        raise ValueError(f"unknown loss_agg_mode {loss_agg_mode!r}; valid: {list(LOSS_AGG_MODES)}")
+    return n.to(torch.float64)
+
+
+def dp_group_and_size(module: torch.nn.Module):
+    """(process group, size) over which gradients of `module` are averaged.
+
+    FSDP2 modules average over their whole device mesh (both dimensions under HSDP); a plain
+    module has no gradient sync, so each process is its own group of one.
+    """
+    from torch.distributed.tensor import DTensor
+
+    param = next(module.parameters(), None)
+    if not isinstance(param, DTensor):
+        return None, 1
+    mesh = param.device_mesh
+    if mesh.size() == dist.get_world_size():
+        return None, mesh.size()
+    return mesh.get_group(), mesh.size()
+
+
+def split_micro_batches(
+    batch, micro_batch_size: int | None, use_dynamic_bsz: bool, max_token_len: int | None, dp_group
+):
+    """Cut a TensorDict into micro-batches: fixed size, or by token budget (balanced, same count on all ranks).
+
+    Returns (micro_batches, reverse_idx): `reverse_idx` restores the input order after
+    concatenating per-micro-batch outputs (None for fixed-size splits, which keep the order).
+    """
+    if use_dynamic_bsz:
+        if not max_token_len:
+            raise ValueError(
+                "use_dynamic_bsz is on but no token budget was given; set ppo_max_token_len_per_gpu "
+                "(or log_prob_max_token_len_per_gpu / forward_max_token_len_per_gpu)"
+            )
+        micro_batches, partitions = rearrange_micro_batches(batch, max_token_len=int(max_token_len), dp_group=dp_group)
+        order = [i for p in partitions for i in p]
+        return micro_batches, torch.tensor(get_reverse_idx(order), dtype=torch.long)
+    if not micro_batch_size or micro_batch_size <= 0:
+        raise ValueError(
+            f"micro batch size is {micro_batch_size!r}; set ppo_micro_batch_size_per_gpu (or "
+            "log_prob_micro_batch_size_per_gpu / forward_micro_batch_size_per_gpu) to a positive number, or "
+            "turn on use_dynamic_bsz"
+        )
+    return list(batch.split(int(micro_batch_size))), None
+
+
+def clip_grad_and_step(module: torch.nn.Module, optimizer: torch.optim.Optimizer, grad_clip: float | None):
+    """Clip gradients to `grad_clip` (total norm over the full model) and step the optimizer.
+
+    A non-finite norm skips the step and clears the gradients instead of raising; the norm is the
+    same on every rank, so all ranks skip together. Returns (grad_norm, stepped).
+    """
+    from torch.distributed.fsdp import FSDPModule
+
+    from verl.utils.fsdp_utils import fsdp2_clip_grad_norm_
+
+    max_norm = float("inf") if grad_clip is None else float(grad_clip)
+    if isinstance(module, FSDPModule):
+        grad_norm = fsdp2_clip_grad_norm_(module.parameters(), max_norm=max_norm)
+    else:
+        grad_norm = torch.nn.utils.clip_grad_norm_(module.parameters(), max_norm=max_norm)
+    grad_norm = float(grad_norm)
+    if not torch.isfinite(torch.tensor(grad_norm)):
+        optimizer.zero_grad()
+        return grad_norm, False
+    optimizer.step()
+    return grad_norm, True

@@ -1,0 +1,276 @@
+"""The built-in generation engine: a batched sampling loop over a static-cache decoder.
+
+`GenerationEngine.generate` is the tensor-level core (no DataProto): left-padded prompts in,
+right-padded responses, their mask and optional log-probs out. Per token the host does only
+launch work: select tokens (on device), write one column of each output buffer, update the
+finished flags, and run the decoder (a CUDA-graph replay on GPU). The only host sync is a cheap
+"is every row finished?" check every `stop_check_interval` steps (each step on CPU, where it costs
+nothing; every 16 on GPU, where each check drains the launch queue).
+
+Weight sync and memory (the hybrid engine's contract, shared with the vLLM/SGLang adapters):
+- `update_weights(named_tensors)` copies HF-named tensors into the decoder's buffers in place, as
+  they arrive (one FSDP-gathered tensor at a time is fine), and reports `timing_s/update_weights`;
+- `sleep(level=2)` frees the KV cache and the weight copy (level 1 frees only the KV cache);
+- `wake_up()` re-allocates the weight buffers; the KV cache is allocated lazily by the next
+  `generate`, so waking, syncing and dropping the trainer's gathered copies never holds weights,
+  gathered weights and a KV cache at once.
+Generating while asleep, or after a level-2 wake-up before every weight was synced again, is an
+error that says which call is missing.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from verl.utils.device import empty_cache, get_device, synchronize
+from verl.workers.rollout.native.cuda_graph import DecodeGraphRunner, batch_bucket
+from verl.workers.rollout.native.hf_decoder import HFModelDecoder
+from verl.workers.rollout.native.llama_decoder import LlamaDecoder, spec_from_hf_config, unsupported_reason
+from verl.workers.rollout.sampling import SamplingParams, select_tokens
+
+logger = logging.getLogger(__name__)
+
+_DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
+_DTYPES.update({"float16": torch.float16, "fp16": torch.float16, "half": torch.float16})
+
+
+def resolve_dtype(dtype, device: torch.device) -> torch.dtype:
+    """`None`/'auto' -> float32 on CPU, bfloat16 on an accelerator; names and torch dtypes pass through."""
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype in (None, "auto"):
+        return torch.float32 if device.type == "cpu" else torch.bfloat16
+    if dtype not in _DTYPES:
+        raise ValueError(f"rollout dtype={dtype!r} is not one of {sorted(_DTYPES)} or 'auto'")
+    return _DTYPES[dtype]
+
+
+@dataclass
+class GenerationOutput:
+    """responses [B, R] right-padded with pad_token_id; response_mask [B, R] (1 up to and including
+    EOS); logprobs [B, R] float32 (0 where masked) or None."""
+
+    responses: torch.Tensor
+    response_mask: torch.Tensor
+    logprobs: torch.Tensor | None = None
+
+
+def _iter_checkpoint_tensors(path: Path):
+    """Stream (name, tensor) pairs from a safetensors checkpoint, one tensor at a time."""
+    from safetensors import safe_open
+
+    for file in sorted(path.glob("*.safetensors")):
+        with safe_open(str(file), framework="pt") as f:
+            for name in f.keys():  # noqa: SIM118 (safe_open is not a mapping)
+                yield name, f.get_tensor(name)
+
+
+class GenerationEngine:
+    """Static-cache generation over a `LlamaDecoder` (native) or an `HFModelDecoder` (generic)."""
+
+    def __init__(self, decoder, use_cuda_graph: bool = False, stop_check_interval: int | None = None):
+        self.decoder = decoder
+        self.device = decoder.device
+        self.graphs = DecodeGraphRunner(decoder) if use_cuda_graph else None
+        if stop_check_interval is None:
+            stop_check_interval = 1 if self.device.type == "cpu" else 16
+        self.stop_check_interval = stop_check_interval
+        self._step = torch.zeros(1, dtype=torch.long, device=self.device)
+        self._asleep = False
+        self._weights_released = False
+        self._synced: set[str] = set(decoder.parameter_names())
+
+    @property
+    def is_native(self) -> bool:
+        return isinstance(self.decoder, LlamaDecoder)
+
+    # ------------------------------------------------------------------------------ construction
+    @classmethod
+    def from_model(
+        cls,
+        model_path_or_module,
+        device: torch.device | str | None = None,
+        dtype=None,
+        use_cuda_graph: bool | None = None,
+        allow_native: bool = True,
+        stop_check_interval: int | None = None,
+    ) -> GenerationEngine:
+        """Build an engine with its own copy of the weights of an HF checkpoint directory or model.
+
+        The native decoder is used when the architecture allows it (and `allow_native`), else the
+        generic HF path. CUDA graphs default to on for the native decoder on an accelerator.
+        """
+        from transformers import AutoConfig, AutoModelForCausalLM
+
+        device = torch.device(device) if device is not None else get_device()
+        dtype = resolve_dtype(dtype, device)
+        is_path = isinstance(model_path_or_module, (str, Path))
+        if is_path:
+            path = Path(model_path_or_module)
+            if not (path / "config.json").exists():
+                raise FileNotFoundError(
+                    f"rollout model path {str(path)!r} has no config.json; pass an HF checkpoint directory "
+                    "(actor_rollout_ref.model.path) or an HF model instance"
+                )
+            config = AutoConfig.from_pretrained(path)
+        else:
+            config = model_path_or_module.config
+        reason = unsupported_reason(config) if allow_native else "native decoder disabled"
+
+        if reason is None:
+            decoder = LlamaDecoder(spec_from_hf_config(config), device, dtype)
+            decoder.allocate_weights()
+            if not is_path:
+                source = model_path_or_module.state_dict().items()
+            elif list(path.glob("*.safetensors")):
+                source = _iter_checkpoint_tensors(path)
+            else:
+                source = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).state_dict().items()
+            missing = set(decoder.parameter_names()) - decoder.load_weights(source)
+            if missing:
+                raise ValueError(
+                    f"the checkpoint lacks {len(missing)} weights the model needs, e.g. {sorted(missing)[:3]}"
+                )
+        else:
+            logger.info("rollout uses the generic HF decoder: %s", reason)
+            if is_path:
+                model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
+            else:
+                model = AutoModelForCausalLM.from_config(config)
+                model.load_state_dict(
+                    {
+                        k: v.full_tensor() if hasattr(v, "full_tensor") else v
+                        for k, v in model_path_or_module.state_dict().items()
+                    }
+                )
+            decoder = HFModelDecoder(model, device, dtype)
+
+        if use_cuda_graph is None:
+            use_cuda_graph = reason is None and device.type != "cpu"
+        if use_cuda_graph and reason is not None:
+            raise ValueError(f"CUDA graphs need the native decoder, which cannot run this model: {reason}")
+        return cls(decoder, use_cuda_graph=use_cuda_graph, stop_check_interval=stop_check_interval)
+
+    # --------------------------------------------------------------------------- weights, memory
+    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> dict[str, float]:
+        """Copy HF-named tensors (streamed, any order) into the engine; returns timing metrics."""
+        if self._asleep:
+            raise RuntimeError("update_weights() on a sleeping rollout engine; call wake_up() first")
+        start = time.perf_counter()
+        self._synced |= self.decoder.load_weights(named_tensors)
+        synchronize()
+        return {"timing_s/update_weights": time.perf_counter() - start}
+
+    def sleep(self, level: int = 2) -> None:
+        """Free the KV cache (level 1) and also the weight copy (level 2, the default)."""
+        if level not in (1, 2):
+            raise ValueError(f"sleep level={level} must be 1 (free the KV cache) or 2 (also free the weights)")
+        if self.graphs is not None:
+            self.graphs.reset()
+        self.decoder.release_cache()
+        if level == 2:
+            self.decoder.release_weights()
+            self._weights_released = True
+            self._synced = set()
+        self._asleep = True
+        empty_cache()
+
+    def wake_up(self) -> None:
+        """Re-allocate what `sleep` freed; after a level-2 sleep the weights must be synced again."""
+        if not self._asleep:
+            return
+        if self._weights_released:
+            self.decoder.allocate_weights()
+            self._weights_released = False
+        self._asleep = False
+
+    def memory_bytes(self) -> dict[str, int]:
+        return {"weights": self.decoder.weight_bytes(), "kv_cache": self.decoder.cache_bytes()}
+
+    def _check_ready(self) -> None:
+        if self._asleep:
+            raise RuntimeError(
+                "generate() on a sleeping rollout engine: its weights/KV cache are freed; call wake_up() "
+                "(and update_weights(...) after a level-2 sleep) before generating"
+            )
+        missing = set(self.decoder.parameter_names()) - self._synced
+        if missing:
+            raise RuntimeError(
+                f"{len(missing)} of the rollout's weights were not synced since wake_up(), e.g. "
+                f"{sorted(missing)[:3]}; call update_weights() with the full model state before generating"
+            )
+
+    # -------------------------------------------------------------------------------- generation
+    @torch.no_grad()
+    def generate(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor,
+        max_new_tokens: int,
+        sampling: SamplingParams | None = None,
+        eos_token_id: int | Iterable[int] | None = None,
+        pad_token_id: int = 0,
+        position_ids: torch.Tensor | None = None,
+        return_logprobs: bool = False,
+        generator: torch.Generator | None = None,
+    ) -> GenerationOutput:
+        """Generate up to `max_new_tokens` per left-padded prompt row of `input_ids` [B, P].
+
+        A row stops after emitting any of `eos_token_id` (the EOS token is kept and masked 1);
+        later columns hold `pad_token_id` with mask 0. `position_ids` default to the running count
+        of attended prompt tokens (what the trainer uses); responses continue from the last one.
+        """
+        self._check_ready()
+        sampling = sampling or SamplingParams()
+        if max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens={max_new_tokens} must be at least 1 (rollout.response_length)")
+        dev = self.device
+        input_ids = input_ids.to(dev)
+        attention_mask = attention_mask.to(dev)
+        if position_ids is None:
+            position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
+        position_ids = position_ids.to(dev)
+        B, P = input_ids.shape
+        R = max_new_tokens
+
+        if self.graphs is not None:
+            grown = self.decoder.reserve(batch_bucket(B), self.graphs.round_len(P + R), int(position_ids.max()) + R + 1)
+            if grown:
+                self.graphs.reset()
+        else:
+            self.decoder.reserve(B, P + R, int(position_ids.max()) + R + 1)
+
+        eos_ids = [eos_token_id] if isinstance(eos_token_id, int) else list(eos_token_id or [])
+        eos = torch.tensor(eos_ids, dtype=torch.long, device=dev) if eos_ids else None
+        responses = torch.full((B, R), pad_token_id, dtype=torch.long, device=dev)
+        response_mask = torch.zeros((B, R), dtype=attention_mask.dtype, device=dev)
+        logprobs = torch.zeros((B, R), dtype=torch.float32, device=dev) if return_logprobs else None
+        finished = torch.zeros(B, dtype=torch.bool, device=dev)
+        next_position = position_ids[:, -1] + 1
+
+        logits = self.decoder.prefill(input_ids, attention_mask, position_ids)
+        for i in range(R):
+            tokens, token_logprobs = select_tokens(logits, sampling, return_logprobs, generator)
+            tokens.masked_fill_(finished, pad_token_id)
+            responses[:, i] = tokens
+            response_mask[:, i] = finished.logical_not()
+            if logprobs is not None:
+                logprobs[:, i] = token_logprobs.masked_fill(finished, 0.0)
+            if eos is not None:
+                finished |= torch.isin(tokens, eos)
+            if i == R - 1 or ((i + 1) % self.stop_check_interval == 0 and bool(finished.all())):
+                break
+            logits = self._decode(tokens, next_position + i, P + i)
+        return GenerationOutput(responses, response_mask, logprobs)
+
+    def _decode(self, tokens: torch.Tensor, positions: torch.Tensor, column: int) -> torch.Tensor:
+        if self.graphs is not None:
+            return self.graphs.run(tokens, positions, column, column + 1)
+        self._step.fill_(column)
+        return self.decoder.decode_step(tokens, positions, self._step, column + 1)

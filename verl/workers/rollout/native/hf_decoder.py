@@ -1,0 +1,127 @@
+"""The generic path: any transformers causal LM, driven through its own forward and KV cache.
+
+Used when `llama_decoder.unsupported_reason` refuses a model (GPT-2, sliding-window models,
+dynamic RoPE, ...), so every causal LM still generates with the same engine loop, sampling,
+weight sync and sleep/wake semantics; it is as slow per step as transformers itself.
+
+It exposes the same surface as `LlamaDecoder` (allocate/load/release weights, reserve/prefill/
+decode_step). The model is the engine's own copy: weights arrive through `load_weights`, and
+`release_weights` swaps every parameter's storage for an empty tensor (shapes are remembered),
+so sleeping frees the memory without rebuilding the module.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+
+from verl.workers.rollout.native.llama_decoder import canonical_name
+
+
+class HFModelDecoder:
+    """Wraps an HF `PreTrainedModel` (owned by the engine) as a prefill/decode decoder."""
+
+    def __init__(self, model: torch.nn.Module, device: torch.device, dtype: torch.dtype):
+        self.device = torch.device(device)
+        self.dtype = dtype
+        self.model = model.to(device=self.device, dtype=dtype).eval()
+        self.vocab_size = model.config.vocab_size
+        # every name a state dict may use (tied aliases included) -> the module attribute holding it
+        self._params = dict(self.model.named_parameters(remove_duplicate=False))
+        self._shapes = {n: tuple(p.shape) for n, p in self.model.named_parameters()}
+        self._released = False
+        self._cache = None
+        self._mask: torch.Tensor | None = None
+
+    # ----------------------------------------------------------------------------------- weights
+    def parameter_names(self) -> list[str]:
+        return list(self._shapes)
+
+    def allocate_weights(self) -> None:
+        if not self._released:
+            return
+        for name, param in self.model.named_parameters():
+            param.data = torch.empty(self._shapes[name], device=self.device, dtype=self.dtype)
+        self._released = False
+
+    def release_weights(self) -> None:
+        for param in self.model.parameters():
+            param.data = torch.empty(0, device=self.device, dtype=self.dtype)
+        self._released = True
+
+    def weight_bytes(self) -> int:
+        return sum(p.numel() * p.element_size() for p in self.model.parameters())
+
+    @torch.no_grad()
+    def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        if self._released:
+            raise RuntimeError("the decoder's weights are released (sleep); call wake_up() before update_weights()")
+        loaded = set()
+        for raw_name, tensor in named_tensors:
+            name = canonical_name(raw_name)
+            param = self._params.get(name)
+            if param is None:
+                if name in dict(self.model.named_buffers()):
+                    continue  # buffers (rotary tables, position ids) are derived from the config
+                raise KeyError(f"weight {raw_name!r} is not a parameter of the rollout's {type(self.model).__name__}")
+            if hasattr(tensor, "full_tensor"):
+                tensor = tensor.full_tensor()
+            if tuple(tensor.shape) != tuple(param.shape):
+                raise ValueError(
+                    f"weight {raw_name!r} has shape {tuple(tensor.shape)} but the rollout model expects "
+                    f"{tuple(param.shape)}; the synced model must have the same config as the rollout's"
+                )
+            param.data.copy_(tensor)
+            loaded.add(name)
+        # names of one tied parameter count as one
+        by_id = {id(p): n for n, p in self.model.named_parameters()}
+        return {by_id[id(self._params[n])] for n in loaded}
+
+    # ------------------------------------------------------------------------------------- cache
+    def reserve(self, batch: int, max_len: int, max_position: int) -> bool:
+        self._mask = torch.zeros(batch, max_len, dtype=torch.long, device=self.device)
+        return True
+
+    def release_cache(self) -> None:
+        self._cache = None
+        self._mask = None
+
+    def cache_bytes(self) -> int:
+        return 0 if self._mask is None else self._mask.numel() * self._mask.element_size()
+
+    # ----------------------------------------------------------------------------------- forward
+    @torch.no_grad()
+    def prefill(
+        self, input_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor
+    ) -> torch.Tensor:
+        from transformers import DynamicCache
+
+        B, P = input_ids.shape
+        self._mask = self._mask[:B]
+        self._mask.zero_()
+        self._mask[:, :P] = attention_mask
+        self._cache = DynamicCache(config=self.model.config)
+        out = self.model(
+            input_ids=input_ids,
+            attention_mask=self._mask[:, :P],
+            position_ids=position_ids,
+            past_key_values=self._cache,
+            use_cache=True,
+            logits_to_keep=1,
+        )
+        return out.logits[:, -1]
+
+    @torch.no_grad()
+    def decode_step(
+        self, tokens: torch.Tensor, positions: torch.Tensor, step_index: torch.Tensor, kv_len: int
+    ) -> torch.Tensor:
+        self._mask.index_fill_(1, step_index, 1)
+        out = self.model(
+            input_ids=tokens[:, None],
+            attention_mask=self._mask[:, :kv_len],
+            position_ids=positions[:, None],
+            past_key_values=self._cache,
+            use_cache=True,
+        )
+        return out.logits[:, -1]
