@@ -162,10 +162,14 @@ def run_distributed(fn, world_size: int = 2, *args) -> None:
     """Run `fn(rank, world_size, *args)` in `world_size` processes forming a gloo group.
 
     The processes are forked, not spawned: they inherit the already imported torch and
-    transformers, which saves ~10 s of imports per rank on a loaded 2-core machine. Each rank
+    transformers, which saves ~10 s of imports per rank on a loaded 2-core machine; import what
+    the ranks need at the top of the test module for the same reason. Each rank
     uses one intra-op thread (as DataLoader workers do, which keeps OpenMP safe after fork). An
     exception in any rank fails the caller with that rank's traceback.
     """
+    # build one model first, so transformers' lazy imports happen once here and the forked ranks
+    # inherit them instead of each paying ~10 s
+    make_tiny_causal_lm()
     ctx = mp.get_context("fork")
     errors = ctx.SimpleQueue()
     try:
