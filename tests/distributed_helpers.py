@@ -170,11 +170,14 @@ def run_distributed(fn, world_size: int = 2, *args) -> None:
     # build one model first, so transformers' lazy imports happen once here and the forked ranks
     # inherit them instead of each paying ~10 s
     make_tiny_causal_lm()
-    ctx = mp.get_context("fork")
+    # CUDA cannot be used again in a child forked after the parent initialised it (a GPU test ran
+    # earlier in this session): spawn then, although the ranks stay on CPU
+    start_method = "spawn" if torch.cuda.is_initialized() else "fork"
+    ctx = mp.get_context(start_method)
     errors = ctx.SimpleQueue()
     try:
         mp.start_processes(
-            _entry, args=(world_size, free_port(), fn, args, errors), nprocs=world_size, start_method="fork"
+            _entry, args=(world_size, free_port(), fn, args, errors), nprocs=world_size, start_method=start_method
         )
     except Exception as e:
         messages = []

@@ -70,6 +70,12 @@ def _two_rank_fsdp_utils(rank, world_size):
     for (name, p), ref in zip(model.named_parameters(), reference.parameters()):
         torch.testing.assert_close(p.grad.full_tensor(), ref.grad, atol=1e-12, rtol=1e-10, msg=name)
 
+    # FSDP2's own CPU offload (offload_policy) gives the same gradients
+    offloaded = fsdp_utils.apply_fsdp2(make_tiny_causal_lm(tie_word_embeddings=False), {"offload_policy": True})
+    offloaded(input_ids=batch["input_ids"], use_cache=False).logits.square().mean().backward()
+    offloaded_norm = fsdp_utils.fsdp2_clip_grad_norm_(offloaded.parameters(), max_norm=0.5)
+    torch.testing.assert_close(offloaded_norm, expected_norm, atol=1e-12, rtol=1e-10)
+
     # hybrid-engine offload and load-back keep parameters and optimizer state intact
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     optimizer.step()

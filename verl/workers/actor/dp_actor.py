@@ -120,7 +120,9 @@ class DataParallelPPOActor(BasePPOActor):
         """Every PolicyLossParams field from `policy_loss.<field>`, else `actor.<field>`, else its default."""
         values = {}
         for field in dataclasses.fields(PolicyLossParams):
-            value = policy_loss_cfg.get(field.name, cfg.get(field.name))
+            value = policy_loss_cfg.get(field.name)
+            if value is None:
+                value = cfg.get(field.name)
             if value is not None:
                 values[field.name] = value
         return PolicyLossParams(**values)
