@@ -180,6 +180,9 @@ def _group_ids(index: Any, batch_size: int, device: torch.device) -> tuple[torch
             f"index (the per-sample uids) has {len(index)} entries but the batch has {batch_size} responses; "
             "pass non_tensor_batch['uid'] of the same batch"
         )
+    if isinstance(index, torch.Tensor):
+        # 0-d tensors hash by identity, so equal uids would land in different groups
+        index = index.tolist()
     ids: dict[Any, int] = {}
     dense = [ids.setdefault(uid, len(ids)) for uid in index]
     return torch.as_tensor(dense, dtype=torch.long, device=device), len(ids)
@@ -280,7 +283,7 @@ def compute_grpo_passk_outcome_advantage(
     epsilon: float = 1e-6,
     norm_adv_by_std_in_grpo: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    r"""Pass@k advantage in GRPO form (arXiv:2503.19595); `grpo_passk`.
+    r"""Pass@k advantage in GRPO form (Tang et al., arXiv:2503.19595); `grpo_passk`.
 
     Only the best response of each group learns: $A_{i^*} = s_{(1)} - s_{(2)}$ (best minus
     second-best score, divided by $\mathrm{std}_g(s) + \epsilon$ when `norm_adv_by_std_in_grpo`);
@@ -578,6 +581,26 @@ class PolicyLossParams:
                 f"actor.policy_loss.clip_cov_lb={self.clip_cov_lb} must be below clip_cov_ub={self.clip_cov_ub}"
             )
 
+    @classmethod
+    def from_actor_config(cls, actor_config: Any) -> PolicyLossParams:
+        """Read the numbers from an `actor_rollout_ref.actor` config (a mapping or an attribute-style
+        object, e.g. a DictConfig or a dataclass); keys it lacks keep their defaults.
+
+        Upstream's keys: `clip_ratio`, `clip_ratio_low`, `clip_ratio_high`, `clip_ratio_c`,
+        `tis_imp_ratio_cap` and `policy_loss.{clip_cov_ratio, clip_cov_lb, clip_cov_ub,
+        kl_cov_ratio, ppo_kl_coef}`.
+        """
+
+        def read(node: Any, key: str) -> Any:
+            if node is None:
+                return None
+            return node.get(key) if hasattr(node, "get") else getattr(node, key, None)
+
+        policy_loss = read(actor_config, "policy_loss")
+        found = {key: read(actor_config, key) for key in _ACTOR_KEYS}
+        found.update({key: read(policy_loss, key) for key in _POLICY_LOSS_KEYS})
+        return cls(**{key: value for key, value in found.items() if value is not None})
+
     @property
     def low(self) -> float:
         """The effective lower clip range."""
@@ -593,6 +616,8 @@ class PolicyLossParams:
         return self.tis_imp_ratio_cap is not None and self.tis_imp_ratio_cap > 0
 
 
+_ACTOR_KEYS = ("clip_ratio", "clip_ratio_low", "clip_ratio_high", "clip_ratio_c", "tis_imp_ratio_cap")
+_POLICY_LOSS_KEYS = ("clip_cov_ratio", "clip_cov_lb", "clip_cov_ub", "kl_cov_ratio", "ppo_kl_coef")
 _DEFAULT_PARAMS = PolicyLossParams()
 
 
