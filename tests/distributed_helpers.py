@@ -162,15 +162,22 @@ def run_distributed(fn, world_size: int = 2, *args) -> None:
     """Run `fn(rank, world_size, *args)` in `world_size` processes forming a gloo group.
 
     The processes are forked, not spawned: they inherit the already imported torch and
-    transformers, which saves ~10 s of imports per rank on a loaded 2-core machine. Each rank
+    transformers, which saves ~10 s of imports per rank on a loaded 2-core machine; import what
+    the ranks need at the top of the test module for the same reason. Each rank
     uses one intra-op thread (as DataLoader workers do, which keeps OpenMP safe after fork). An
     exception in any rank fails the caller with that rank's traceback.
     """
-    ctx = mp.get_context("fork")
+    # build one model first, so transformers' lazy imports happen once here and the forked ranks
+    # inherit them instead of each paying ~10 s
+    make_tiny_causal_lm()
+    # CUDA cannot be used again in a child forked after the parent initialised it (a GPU test ran
+    # earlier in this session): spawn then, although the ranks stay on CPU
+    start_method = "spawn" if torch.cuda.is_initialized() else "fork"
+    ctx = mp.get_context(start_method)
     errors = ctx.SimpleQueue()
     try:
         mp.start_processes(
-            _entry, args=(world_size, free_port(), fn, args, errors), nprocs=world_size, start_method="fork"
+            _entry, args=(world_size, free_port(), fn, args, errors), nprocs=world_size, start_method=start_method
         )
     except Exception as e:
         messages = []

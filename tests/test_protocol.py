@@ -30,6 +30,8 @@ from verl.protocol import (
     unpad_dataproto,
 )
 
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
 
 def make_proto(n: int = 6, meta_info: dict | None = None) -> DataProto:
     """Row i holds obs=[i, 10i], mask=i%2, label=f"s{i}", info={"row": i}."""
@@ -66,7 +68,7 @@ def ray_cluster():
         ray.init(
             num_cpus=1,
             include_dashboard=False,
-            runtime_env={"env_vars": {"PYTHONPATH": os.getcwd()}},
+            runtime_env={"env_vars": {"PYTHONPATH": REPO_ROOT}},
         )
     yield ray
     ray.cloudpickle.unregister_pickle_by_value(sys.modules[__name__])
@@ -590,7 +592,7 @@ def test_list_of_dict_to_dict_of_list():
 
 def test_importing_protocol_does_not_import_ray():
     code = "import sys, verl.protocol; print('ray' in sys.modules)"
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, env={**os.environ})
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=REPO_ROOT)
     assert out.stdout.strip() == "False"
 
 

@@ -176,3 +176,22 @@ def test_chunked_logprobs_and_entropy_on_the_accelerator_match_float64_cpu():
     torch.testing.assert_close(logp.double().cpu(), ref_logp, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(ent.double().cpu(), ref_ent, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(dev_logits.grad.double().cpu(), exact.grad, rtol=2e-2, atol=1e-3)
+
+
+def test_sliced_logits_are_read_in_place_and_give_the_same_values_and_gradients():
+    from verl.utils.torch_functional import _row_blocks
+
+    g = torch.Generator().manual_seed(5)
+    full = torch.randn(3, 9, 50, generator=g, dtype=torch.float64, requires_grad=True)
+    sliced = full[:, 2:-1, :]  # how an actor takes the response logits; not flattenable as a view
+    labels = torch.randint(0, 50, sliced.shape[:-1], generator=g)
+    assert _row_blocks(sliced).untyped_storage().data_ptr() == full.untyped_storage().data_ptr()
+    out = logprobs_from_logits(sliced, labels, chunk_size=4) + entropy_from_logits_with_chunking(sliced, chunk_size=4)
+    out.sum().backward()
+    chunked_grad = full.grad.clone()
+    full.grad = None
+    ref_logits = full[:, 2:-1, :]
+    ref = torch.log_softmax(ref_logits, -1).gather(-1, labels[..., None]).squeeze(-1) + entropy_from_logits(ref_logits)
+    torch.testing.assert_close(out, ref)
+    ref.sum().backward()
+    torch.testing.assert_close(chunked_grad, full.grad)

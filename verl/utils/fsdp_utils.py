@@ -193,10 +193,11 @@ def fsdp2_clip_grad_norm_(
     if not grads:
         return torch.tensor(0.0, device=get_device())
     total = torch.nn.utils.get_total_norm(grads, norm_type, error_if_nonfinite, foreach)
+    # CPU-offloaded gradients give a host tensor: move it to the compute device before any
+    # cross-rank reduction, which the device's backend (NCCL) must carry out
+    total = total.to(get_device())
     if isinstance(total, DTensor):
         total = total.full_tensor()
-    # CPU-offloaded gradients give a host tensor; keep the result on the compute device
-    total = total.to(get_device())
     torch.nn.utils.clip_grads_with_norm_(params, max_norm, total.to(grads[0].device), foreach)
     return total
 

@@ -1,22 +1,68 @@
-"""AdamW and its lr schedule from an `optim` config section (upstream keys).
+"""AdamW and its lr schedule from an `optim` config section (upstream keys), and the schedules.
 
 Keys read: `lr`, `weight_decay`, `betas`, `eps`; `lr_warmup_steps` (used when > 0, else
 `lr_warmup_steps_ratio * total_training_steps`), `lr_scheduler_type` or the older `warmup_style`
 (`constant` | `cosine`), `min_lr_ratio`, `num_cycles`, `total_training_steps` (filled in by the
 trainer once the dataloader length is known).
+
+Schedules are `LambdaLR`s, so their whole state is a step counter that checkpoints restore
+exactly. (Upstream exposes the two schedule functions from `verl.utils.torch_functional`.)
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable
 
 import torch
+from torch.optim.lr_scheduler import LambdaLR
 
-from verl.utils.torch_functional import get_constant_schedule_with_warmup, get_cosine_schedule_with_warmup
-
-__all__ = ["build_lr_scheduler", "build_optimizer"]
+__all__ = [
+    "build_lr_scheduler",
+    "build_optimizer",
+    "get_constant_schedule_with_warmup",
+    "get_cosine_schedule_with_warmup",
+]
 
 _SCHEDULES = ("constant", "cosine")
+
+
+def get_constant_schedule_with_warmup(
+    optimizer: torch.optim.Optimizer, num_warmup_steps: int, last_epoch: int = -1
+) -> LambdaLR:
+    """Linear warm-up from 0 to the base lr over `num_warmup_steps`, then constant."""
+
+    def factor(step: int) -> float:
+        if step < num_warmup_steps:
+            return float(step) / float(max(1, num_warmup_steps))
+        return 1.0
+
+    return LambdaLR(optimizer, factor, last_epoch)
+
+
+def get_cosine_schedule_with_warmup(
+    optimizer: torch.optim.Optimizer,
+    num_warmup_steps: int,
+    num_training_steps: int,
+    min_lr_ratio: float = 0.0,
+    num_cycles: float = 0.5,
+    last_epoch: int = -1,
+) -> LambdaLR:
+    """Linear warm-up, then cosine decay from the base lr to `min_lr_ratio * lr`.
+
+    With the default half cycle the lr reaches `min_lr_ratio * lr` at `num_training_steps`.
+    """
+    if not 0.0 <= min_lr_ratio <= 1.0:
+        raise ValueError(f"optim.min_lr_ratio must be in [0, 1], got {min_lr_ratio}")
+
+    def factor(step: int) -> float:
+        if step < num_warmup_steps:
+            return float(step) / float(max(1, num_warmup_steps))
+        progress = float(step - num_warmup_steps) / float(max(1, num_training_steps - num_warmup_steps))
+        cosine = 0.5 * (1.0 + math.cos(math.pi * float(num_cycles) * 2.0 * progress))
+        return min_lr_ratio + (1.0 - min_lr_ratio) * max(0.0, cosine)
+
+    return LambdaLR(optimizer, factor, last_epoch)
 
 
 def _get(cfg, key, default=None):

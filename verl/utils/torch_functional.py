@@ -134,34 +134,54 @@ def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:
     return -torch.where(p > 0, p * logp, 0.0).sum(dim=-1)
 
 
+def _row_blocks(logits: torch.Tensor) -> torch.Tensor:
+    """View logits [..., V] as [P, Q, V] without copying.
+
+    All rows form one block when the leading dims flatten to a view; otherwise there is one block
+    per index of the first dimension, so a slice such as `logits[:, :-1]` of a [B, T, V] tensor
+    (which cannot be flattened without a copy) is still read in place.
+    """
+    vocab = logits.shape[-1]
+    try:
+        return logits.view(1, -1, vocab)
+    except RuntimeError:
+        return logits.reshape(logits.shape[0], -1, vocab)
+
+
+def _chunks(blocks: torch.Tensor, rows: int):
+    """Index tuples selecting `rows` rows at a time from a [P, Q, V] tensor (or its [P, Q] outputs)."""
+    for p in range(blocks.shape[0]):
+        for start in range(0, blocks.shape[1], rows):
+            yield p, slice(start, start + rows)
+
+
 class _ChunkedEntropy(torch.autograd.Function):
-    """Entropy per row of a [N, V] tensor, chunk by chunk, with the gradient
+    """Entropy per row of a [P, Q, V] tensor, chunk by chunk, with the gradient
     dH/dz_v = -p_v (log p_v + H) recomputed chunk by chunk in backward."""
 
     @staticmethod
-    def forward(ctx, logits: torch.Tensor, rows: int) -> torch.Tensor:
-        cdtype = _compute_dtype(logits.dtype)
-        out = torch.empty(logits.shape[0], dtype=cdtype, device=logits.device)
-        for start in range(0, logits.shape[0], rows):
-            logp = torch.log_softmax(logits[start : start + rows].to(cdtype), dim=-1)
+    def forward(ctx, blocks: torch.Tensor, rows: int) -> torch.Tensor:
+        cdtype = _compute_dtype(blocks.dtype)
+        out = torch.empty(blocks.shape[:-1], dtype=cdtype, device=blocks.device)
+        for idx in _chunks(blocks, rows):
+            logp = torch.log_softmax(blocks[idx].to(cdtype), dim=-1)
             p = logp.exp()
-            out[start : start + rows] = -torch.where(p > 0, p * logp, 0.0).sum(dim=-1)
+            out[idx] = -torch.where(p > 0, p * logp, 0.0).sum(dim=-1)
         ctx.rows = rows
-        ctx.save_for_backward(logits, out)
+        ctx.save_for_backward(blocks, out)
         return out
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad_out: torch.Tensor):
-        logits, entropy = ctx.saved_tensors
+        blocks, entropy = ctx.saved_tensors
         cdtype = entropy.dtype
-        grad = torch.empty_like(logits)
-        for start in range(0, logits.shape[0], ctx.rows):
-            end = start + ctx.rows
-            logp = torch.log_softmax(logits[start:end].to(cdtype), dim=-1)
+        grad = torch.empty_like(blocks)
+        for idx in _chunks(blocks, ctx.rows):
+            logp = torch.log_softmax(blocks[idx].to(cdtype), dim=-1)
             p = logp.exp()
-            g = -torch.where(p > 0, p * (logp + entropy[start:end, None]), 0.0)
-            grad[start:end] = (g * grad_out[start:end, None].to(cdtype)).to(logits.dtype)
+            g = -torch.where(p > 0, p * (logp + entropy[idx].unsqueeze(-1)), 0.0)
+            grad[idx] = (g * grad_out[idx].unsqueeze(-1).to(cdtype)).to(blocks.dtype)
         return grad, None
 
 
@@ -170,43 +190,42 @@ def entropy_from_logits_with_chunking(logits: torch.Tensor, chunk_size: int | No
 
     Same values as `entropy_from_logits`, but memory stays bounded by one float32 chunk of
     [chunk_size, V] in forward and backward (the backward recomputes the softmax per chunk instead
-    of keeping it). `chunk_size=None` picks rows so a chunk is about 256 MiB. Result dtype is
+    of keeping it), and the logits are read in place (no flattening copy, also for a sliced
+    [B, R, V] view). `chunk_size=None` picks rows so a chunk is about 256 MiB. Result dtype is
     float32 (float64 for float64 logits).
     """
-    lead, vocab = logits.shape[:-1], logits.shape[-1]
-    flat = logits.reshape(-1, vocab)
-    return _ChunkedEntropy.apply(flat, _rows_per_chunk(vocab, chunk_size)).reshape(lead)
+    blocks = _row_blocks(logits)
+    out = _ChunkedEntropy.apply(blocks, _rows_per_chunk(logits.shape[-1], chunk_size))
+    return out.reshape(logits.shape[:-1])
 
 
 class _ChunkedLogProb(torch.autograd.Function):
-    """log p(label) per row of a [N, V] tensor, chunk by chunk; backward is onehot - softmax."""
+    """log p(label) per row of a [P, Q, V] tensor, chunk by chunk; backward is onehot - softmax."""
 
     @staticmethod
-    def forward(ctx, logits: torch.Tensor, labels: torch.Tensor, rows: int) -> torch.Tensor:
-        cdtype = _compute_dtype(logits.dtype)
-        out = torch.empty(logits.shape[0], dtype=cdtype, device=logits.device)
+    def forward(ctx, blocks: torch.Tensor, labels: torch.Tensor, rows: int) -> torch.Tensor:
+        cdtype = _compute_dtype(blocks.dtype)
+        out = torch.empty(blocks.shape[:-1], dtype=cdtype, device=blocks.device)
         lse = torch.empty_like(out)
-        for start in range(0, logits.shape[0], rows):
-            z = logits[start : start + rows].to(cdtype)
-            lse[start : start + rows] = torch.logsumexp(z, dim=-1)
-            picked = z.gather(-1, labels[start : start + rows, None]).squeeze(-1)
-            out[start : start + rows] = picked - lse[start : start + rows]
+        for idx in _chunks(blocks, rows):
+            z = blocks[idx].to(cdtype)
+            lse[idx] = torch.logsumexp(z, dim=-1)
+            out[idx] = z.gather(-1, labels[idx].unsqueeze(-1)).squeeze(-1) - lse[idx]
         ctx.rows = rows
-        ctx.save_for_backward(logits, labels, lse)
+        ctx.save_for_backward(blocks, labels, lse)
         return out
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad_out: torch.Tensor):
-        logits, labels, lse = ctx.saved_tensors
+        blocks, labels, lse = ctx.saved_tensors
         cdtype = lse.dtype
-        grad = torch.empty_like(logits)
-        for start in range(0, logits.shape[0], ctx.rows):
-            end = start + ctx.rows
-            g_rows = grad_out[start:end, None].to(cdtype)
-            g = -torch.exp(logits[start:end].to(cdtype) - lse[start:end, None]) * g_rows
-            g.scatter_add_(-1, labels[start:end, None], g_rows)
-            grad[start:end] = g.to(logits.dtype)
+        grad = torch.empty_like(blocks)
+        for idx in _chunks(blocks, ctx.rows):
+            g_rows = grad_out[idx].unsqueeze(-1).to(cdtype)
+            g = -torch.exp(blocks[idx].to(cdtype) - lse[idx].unsqueeze(-1)) * g_rows
+            g.scatter_add_(-1, labels[idx].unsqueeze(-1), g_rows)
+            grad[idx] = g.to(blocks.dtype)
         return grad, None, None
 
 
@@ -216,16 +235,16 @@ def logprobs_from_logits(logits: torch.Tensor, labels: torch.Tensor, chunk_size:
     logits: [..., V] (any float dtype); labels: [...] integer token ids. Returns [...] in float32
     (float64 for float64 logits). The math runs in float32 at least, `chunk_size` rows at a time, and
     the hand-written backward ($\partial/\partial z = \mathbb{1}_y - p$) recomputes the softmax per
-    chunk, so memory stays bounded by one float32 chunk beyond the logits and their gradient.
-    `chunk_size=None` picks rows so a chunk is about 256 MiB.
+    chunk, so memory stays bounded by one float32 chunk beyond the logits and their gradient; the
+    logits are read in place (no flattening copy). `chunk_size=None` picks rows so a chunk is about
+    256 MiB.
     """
     if labels.shape != logits.shape[:-1]:
         raise ValueError(
             f"labels shape {tuple(labels.shape)} must equal the logits shape without the vocabulary "
             f"dimension {tuple(logits.shape[:-1])}"
         )
-    lead, vocab = logits.shape[:-1], logits.shape[-1]
-    flat_logits = logits.reshape(-1, vocab)
-    flat_labels = labels.reshape(-1).long()
-    out = _ChunkedLogProb.apply(flat_logits, flat_labels, _rows_per_chunk(vocab, chunk_size))
-    return out.reshape(lead)
+    blocks = _row_blocks(logits)
+    block_labels = labels.long().reshape(blocks.shape[:-1])
+    out = _ChunkedLogProb.apply(blocks, block_labels, _rows_per_chunk(logits.shape[-1], chunk_size))
+    return out.reshape(logits.shape[:-1])

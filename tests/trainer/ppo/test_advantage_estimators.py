@@ -334,3 +334,11 @@ def test_estimators_do_not_track_gradients():
     rewards.requires_grad_(True)
     adv, _ = core_algos.compute_grpo_outcome_advantage(rewards, mask, UIDS)
     assert not adv.requires_grad
+
+
+def test_uids_given_as_a_tensor_or_a_list_group_like_the_numpy_array():
+    rewards, mask = outcome_batch()
+    expected, _ = compute_grpo_outcome_advantage(rewards, mask, UIDS)
+    as_ints = torch.tensor([ord(u) for u in UIDS])
+    torch.testing.assert_close(compute_grpo_outcome_advantage(rewards, mask, as_ints)[0], expected)
+    torch.testing.assert_close(compute_grpo_outcome_advantage(rewards, mask, list(UIDS))[0], expected)

@@ -180,6 +180,9 @@ def _group_ids(index: Any, batch_size: int, device: torch.device) -> tuple[torch
             f"index (the per-sample uids) has {len(index)} entries but the batch has {batch_size} responses; "
             "pass non_tensor_batch['uid'] of the same batch"
         )
+    if isinstance(index, torch.Tensor):
+        # 0-d tensors hash by identity, so equal uids would land in different groups
+        index = index.tolist()
     ids: dict[Any, int] = {}
     dense = [ids.setdefault(uid, len(ids)) for uid in index]
     return torch.as_tensor(dense, dtype=torch.long, device=device), len(ids)

@@ -105,12 +105,7 @@ class FSDPCheckpointManager(BaseCheckpointManager):
         if "optimizer" in self.save_contents and self.optimizer is not None:
             dcp.save(get_optimizer_state_dict(self.model, self.optimizer), checkpoint_id=os.path.join(tmp, "optim"))
         if "extra" in self.save_contents:
-            extra = {
-                "lr_scheduler": self.lr_scheduler.state_dict() if self.lr_scheduler is not None else None,
-                "rng": self.get_rng_state(),
-                "global_step": global_step,
-            }
-            torch.save(extra, os.path.join(tmp, self._extra_state_name(world_size, rank)))
+            self._save_extra_state(os.path.join(tmp, self._extra_state_name(world_size, rank)), global_step)
         self._save_huggingface(os.path.join(tmp, "huggingface"), rank)
         _barrier()
 
@@ -129,6 +124,14 @@ class FSDPCheckpointManager(BaseCheckpointManager):
             self.previous_saved_paths.append(final)
             self._prune_old(max_ckpt_to_keep)
         _barrier()
+
+    def _save_extra_state(self, file: str, global_step: int) -> None:
+        extra = {
+            "lr_scheduler": self.lr_scheduler.state_dict() if self.lr_scheduler is not None else None,
+            "rng": self.get_rng_state(),
+            "global_step": global_step,
+        }
+        torch.save(extra, file)
 
     def _save_huggingface(self, hf_dir: str, rank: int) -> None:
         """Config, generation config and tokenizer on rank 0; full weights too when asked (collective)."""

@@ -40,8 +40,6 @@ upstream's worker passes it.
 
 from __future__ import annotations
 
-import dataclasses
-
 import torch
 import torch.distributed as dist
 
@@ -106,7 +104,7 @@ class DataParallelPPOActor(BasePPOActor):
         self.loss_agg_mode = cfg.get("loss_agg_mode", "token-mean")
         policy_loss_cfg = cfg.get("policy_loss") or {}
         self.policy_loss_fn = get_policy_loss_fn(policy_loss_cfg.get("loss_mode", "vanilla"))
-        self.policy_loss_params = self._policy_loss_params(cfg, policy_loss_cfg)
+        self.policy_loss_params = PolicyLossParams.from_actor_config(cfg)
         self.entropy_coeff = float(cfg.get("entropy_coeff", 0.0) or 0.0)
         self.use_kl_loss = bool(cfg.get("use_kl_loss", False))
         self.kl_loss_coef = float(cfg.get("kl_loss_coef", 0.001))
@@ -114,16 +112,6 @@ class DataParallelPPOActor(BasePPOActor):
         self.skip_zero_advantage_step = bool(cfg.get("skip_zero_advantage_step", True))
         self._shuffle_generator = torch.Generator().manual_seed(int(cfg.get("data_loader_seed", 0) or 0))
         self._dp_group, self._dp_size = dp_group_and_size(actor_module)
-
-    @staticmethod
-    def _policy_loss_params(cfg: dict, policy_loss_cfg: dict) -> PolicyLossParams:
-        """Every PolicyLossParams field from `policy_loss.<field>`, else `actor.<field>`, else its default."""
-        values = {}
-        for field in dataclasses.fields(PolicyLossParams):
-            value = policy_loss_cfg.get(field.name, cfg.get(field.name))
-            if value is not None:
-                values[field.name] = value
-        return PolicyLossParams(**values)
 
     # ------------------------------------------------------------------ forward
 

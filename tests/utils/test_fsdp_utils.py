@@ -1,0 +1,112 @@
+"""FSDP2 helpers: sharding layout, mixed precision choice, full-parameter streaming, grad clipping."""
+
+import pytest
+import torch
+
+from tests.distributed_helpers import make_ppo_batch, make_tiny_causal_lm, one_thread, run_distributed
+from verl.utils import fsdp_utils
+
+pytestmark = pytest.mark.usefixtures(one_thread.__name__)
+
+
+def test_wrap_modules_are_the_decoder_layers_plus_untied_embeddings():
+    tied = make_tiny_causal_lm(tie_word_embeddings=True)
+    assert fsdp_utils.get_fsdp_wrap_modules(tied) == list(tied.model.layers)
+    untied = make_tiny_causal_lm(tie_word_embeddings=False)
+    assert fsdp_utils.get_fsdp_wrap_modules(untied) == [untied.model.embed_tokens, *untied.model.layers]
+    with pytest.raises(ValueError, match="transformer_layer_cls_to_wrap"):
+        fsdp_utils.get_fsdp_wrap_modules(tied, {"transformer_layer_cls_to_wrap": ["LlamaDecoderLayer"]})
+
+
+def test_mixed_precision_is_bf16_with_fp32_reduce_on_cuda_and_no_cast_on_cpu(monkeypatch):
+    cpu = fsdp_utils.get_mixed_precision_policy()
+    assert (cpu.param_dtype, cpu.reduce_dtype) == (None, None)
+    monkeypatch.setattr(fsdp_utils, "is_cuda_available", lambda: True)
+    gpu = fsdp_utils.get_mixed_precision_policy()
+    assert (gpu.param_dtype, gpu.reduce_dtype) == (torch.bfloat16, torch.float32)
+    custom = fsdp_utils.get_mixed_precision_policy({"param_dtype": "fp32", "reduce_dtype": "fp32"})
+    assert custom.param_dtype == torch.float32
+    with pytest.raises(ValueError, match="unknown dtype"):
+        fsdp_utils.to_torch_dtype("fp8")
+
+
+def _two_rank_fsdp_utils(rank, world_size):
+    import torch.distributed as dist
+    from torch.distributed.tensor import DTensor
+
+    from verl.utils.seqlen_balancing import rearrange_micro_batches
+
+    for tie in (True, False):
+        reference = make_tiny_causal_lm(tie_word_embeddings=tie)
+        model = fsdp_utils.apply_fsdp2(make_tiny_causal_lm(tie_word_embeddings=tie))
+        assert all(isinstance(p, DTensor) for p in model.parameters())
+        local = sum(p.to_local().numel() for p in model.parameters())
+        assert local < sum(p.numel() for p in reference.parameters()), "parameters must be sharded"
+
+        # streaming full parameters gives exactly the HF state dict, in its order
+        streamed = list(fsdp_utils.iter_full_params(model))
+        expected = reference.state_dict()
+        assert [name for name, _ in streamed] == list(expected)
+        for name, tensor in streamed:
+            assert not isinstance(tensor, DTensor) and torch.equal(tensor, expected[name]), name
+        assert all(t.dtype == torch.float32 for _, t in fsdp_utils.iter_full_params(model, dtype=torch.float32))
+        full = fsdp_utils.get_full_state_dict(model)
+        if rank == 0:
+            assert full.keys() == expected.keys() and all(torch.equal(full[k], expected[k]) for k in expected)
+        else:
+            assert full == {}
+
+    # gradient norm and clipping over shards equal the unsharded model's
+    batch = make_ppo_batch(batch_size=4, seed=rank)
+    all_ids = [torch.zeros_like(batch["input_ids"]) for _ in range(world_size)]
+    dist.all_gather(all_ids, batch["input_ids"])
+    model(input_ids=batch["input_ids"], use_cache=False).logits.square().mean().backward()
+    reference_loss = sum(reference(input_ids=ids, use_cache=False).logits.square().mean() for ids in all_ids)
+    (reference_loss / world_size).backward()
+    norm = fsdp_utils.fsdp2_clip_grad_norm_(model.parameters(), max_norm=0.5)
+    expected_norm = torch.nn.utils.clip_grad_norm_(reference.parameters(), max_norm=0.5)
+    assert not isinstance(norm, DTensor)
+    torch.testing.assert_close(norm, expected_norm, atol=1e-12, rtol=1e-10)
+    for (name, p), ref in zip(model.named_parameters(), reference.parameters()):
+        torch.testing.assert_close(p.grad.full_tensor(), ref.grad, atol=1e-12, rtol=1e-10, msg=name)
+
+    # FSDP2's own CPU offload (offload_policy) gives the same gradients
+    offloaded = fsdp_utils.apply_fsdp2(make_tiny_causal_lm(tie_word_embeddings=False), {"offload_policy": True})
+    offloaded(input_ids=batch["input_ids"], use_cache=False).logits.square().mean().backward()
+    offloaded_norm = fsdp_utils.fsdp2_clip_grad_norm_(offloaded.parameters(), max_norm=0.5)
+    torch.testing.assert_close(offloaded_norm, expected_norm, atol=1e-12, rtol=1e-10)
+
+    # hybrid-engine offload and load-back keep parameters and optimizer state intact
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    optimizer.step()
+    params = {n: p.detach().to_local().clone() for n, p in model.named_parameters()}
+    moments = [s["exp_avg"].to_local().clone() for s in optimizer.state.values()]
+    fsdp_utils.offload_fsdp_model_to_cpu(model)
+    fsdp_utils.offload_fsdp_optimizer(optimizer)
+    assert all(p.device.type == "cpu" for p in model.parameters())
+    fsdp_utils.load_fsdp_model_to_device(model)
+    fsdp_utils.load_fsdp_optimizer(optimizer)
+    assert all(torch.equal(p.detach().to_local(), params[n]) for n, p in model.named_parameters())
+    assert all(torch.equal(s["exp_avg"].to_local(), m) for s, m in zip(optimizer.state.values(), moments))
+    optimizer.step()
+
+    # token-budget micro-batches: the rank with short sequences follows the rank with long ones
+    lengths = [[12, 12, 12, 12], [2, 2, 2, 2]][rank]
+    mask = (torch.arange(12)[None] < torch.tensor(lengths)[:, None]).long()
+    from tensordict import TensorDict
+
+    micro_batches, _ = rearrange_micro_batches(TensorDict({"attention_mask": mask}, batch_size=[4]), 24)
+    assert len(micro_batches) == 2
+
+
+def test_fsdp2_utilities_on_two_ranks():
+    run_distributed(_two_rank_fsdp_utils, 2)
+
+
+def test_clip_grad_norm_reports_a_nonfinite_norm_instead_of_raising():
+    model = make_tiny_causal_lm()
+    for p in model.parameters():
+        p.grad = torch.zeros_like(p)
+    next(model.parameters()).grad[0, 0] = float("inf")
+    norm = fsdp_utils.fsdp2_clip_grad_norm_(model.parameters(), max_norm=1.0)
+    assert not torch.isfinite(norm)
