@@ -80,21 +80,21 @@ def _log_prob_meta(data: DataProto, cfg: DictConfig, temperature: float) -> None
 class _FSDPModel:
     """An HF model on this rank's device, wrapped with FSDP2 over all ranks of the group."""
 
-    def __init__(self, model_cfg: DictConfig, fsdp_cfg: DictConfig, for_training: bool, value_head: bool = False):
+    def __init__(self, model_cfg: DictConfig, fsdp_cfg, for_training: bool, value_head: bool = False):
         from verl.utils.fsdp_utils import apply_fsdp2
-        from verl.utils.model import load_causal_lm, load_value_model
+        from verl.utils.model import enable_gradient_checkpointing, load_causal_lm, load_valuehead_model
 
-        loader = load_value_model if value_head else load_causal_lm
+        loader = load_valuehead_model if value_head else load_causal_lm
         self.module = loader(
             model_cfg.path,
             trust_remote_code=model_cfg.get("trust_remote_code", False),
-            override_config=OmegaConf.to_container(model_cfg.get("override_config", {}) or {}),
+            override_config=OmegaConf.to_container(model_cfg.get("override_config") or {}),
         )
         if for_training and model_cfg.get("enable_gradient_checkpointing", False):
-            self.module.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            enable_gradient_checkpointing(self.module)
         if not for_training:
             self.module.requires_grad_(False)
-        self.module = apply_fsdp2(self.module, fsdp_cfg or {}, for_training=for_training)
+        self.module = apply_fsdp2(self.module, fsdp_cfg)
 
 
 class _OptimizedModel(_FSDPModel):
@@ -103,12 +103,9 @@ class _OptimizedModel(_FSDPModel):
     def __init__(self, model_cfg, fsdp_cfg, optim_cfg, checkpoint_cfg, tokenizer, value_head: bool = False):
         super().__init__(model_cfg, fsdp_cfg, for_training=True, value_head=value_head)
         from verl.utils.checkpoint.fsdp_checkpoint_manager import FSDPCheckpointManager
-        from verl.utils.torch_functional import build_lr_scheduler
+        from verl.utils.optim import build_lr_scheduler, build_optimizer
 
-        betas = tuple(optim_cfg.get("betas", (0.9, 0.999)))
-        self.optimizer = torch.optim.AdamW(
-            self.module.parameters(), lr=optim_cfg.lr, betas=betas, weight_decay=optim_cfg.get("weight_decay", 0.01)
-        )
+        self.optimizer = build_optimizer(self.module.parameters(), optim_cfg)
         self.lr_scheduler = build_lr_scheduler(self.optimizer, optim_cfg)
         self.checkpoint_manager = FSDPCheckpointManager(
             model=self.module,
@@ -122,6 +119,9 @@ class _OptimizedModel(_FSDPModel):
         lr = self.lr_scheduler.get_last_lr()[0]
         self.lr_scheduler.step()
         return lr
+
+    def save(self, local_path: str, global_step: int, max_ckpt_to_keep: int | None) -> None:
+        self.checkpoint_manager.save_checkpoint(local_path, global_step=global_step, max_ckpt_to_keep=max_ckpt_to_keep)
 
 
 class ActorRolloutRefWorker(Worker):
@@ -137,6 +137,8 @@ class ActorRolloutRefWorker(Worker):
         os.environ["VERL_ROLE"] = role
         _join_group(self)
         self.dp_size = dist.get_world_size()
+        with open_dict(self.config):
+            self.config.actor.use_remove_padding = self.config.model.get("use_remove_padding", False)
         if "actor" in self.parts:
             _normalize_batch_sizes(self.config.actor, self.config.rollout.n, self.dp_size)
         self.actor = self.rollout = self.ref = None
@@ -166,9 +168,10 @@ class ActorRolloutRefWorker(Worker):
             if self.actor is not None:
                 self.rollout.sleep()  # weights arrive from the actor before each generation
         if "ref" in self.parts:
-            ref_cfg = cfg.get("ref", {})
+            ref_cfg = cfg.get("ref") or {}
             self.ref_model = _FSDPModel(cfg.model, ref_cfg.get("fsdp_config"), for_training=False)
-            self.ref = DataParallelPPOActor(ref_cfg or cfg.actor, self.ref_model.module)
+            # Only compute_log_prob is used, which reads the actor's model-side keys (remove padding, ...).
+            self.ref = DataParallelPPOActor(cfg.actor, self.ref_model.module)
 
     @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO)
     def generate_sequences(self, prompts: DataProto) -> DataProto:
@@ -225,7 +228,7 @@ class ActorRolloutRefWorker(Worker):
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def save_checkpoint(self, local_path: str, global_step: int = 0, max_ckpt_to_keep: int | None = None) -> None:
         self._need("actor", "save_checkpoint")
-        self.actor_model.checkpoint_manager.save_checkpoint(local_path, global_step, max_ckpt_to_keep)
+        self.actor_model.save(local_path, global_step, max_ckpt_to_keep)
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def load_checkpoint(self, local_path: str, del_local_after_load: bool = False) -> None:
@@ -245,6 +248,7 @@ class CriticWorker(Worker):
         with open_dict(self.config):
             n = config.get("rollout_n", 1)
             self.config.ppo_mini_batch_size = config.ppo_mini_batch_size * n // dp
+            self.config.use_remove_padding = config.model.get("use_remove_padding", False)
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def init_model(self) -> None:
@@ -273,7 +277,7 @@ class CriticWorker(Worker):
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def save_checkpoint(self, local_path: str, global_step: int = 0, max_ckpt_to_keep: int | None = None) -> None:
-        self.critic_model.checkpoint_manager.save_checkpoint(local_path, global_step, max_ckpt_to_keep)
+        self.critic_model.save(local_path, global_step, max_ckpt_to_keep)
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def load_checkpoint(self, local_path: str, del_local_after_load: bool = False) -> None:
@@ -291,11 +295,13 @@ class RewardModelWorker(Worker):
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def init_model(self) -> None:
-        from verl.utils.model import load_reward_model
+        from transformers import AutoModelForSequenceClassification
         from verl.utils.tokenizer import hf_tokenizer
 
         model_cfg = self.config.model
-        self.model = load_reward_model(model_cfg.path, trust_remote_code=model_cfg.get("trust_remote_code", False))
+        self.model = AutoModelForSequenceClassification.from_pretrained(
+            model_cfg.path, num_labels=1, trust_remote_code=model_cfg.get("trust_remote_code", False)
+        )
         self.model.to(dev.get_device()).eval()
         self.rm_tokenizer = hf_tokenizer(model_cfg.path)
         input_tok = model_cfg.get("input_tokenizer")
