@@ -124,14 +124,25 @@ def build_tokenizer(preset: ModelPreset | str = "tiny"):
     return build_char_tokenizer(reserved_to=preset.vocab_size, model_max_length=preset.max_position_embeddings)
 
 
-def build_config(preset: ModelPreset | str, tokenizer):
-    """A transformers config for `preset` whose special-token ids come from `tokenizer`."""
+def build_config(preset: ModelPreset | str, tokenizer=None):
+    """A transformers config for `preset`. Special-token ids come from `tokenizer`, or are the
+    character tokenizer's fixed ids when it is None (no need to build a 150k-entry tokenizer just to
+    size a model)."""
     import transformers
 
+    from verl.models import tokenizer as char_tokenizer
+
     preset = get_preset(preset) if isinstance(preset, str) else preset
-    vocab_size = preset.vocab_size or len(tokenizer)
-    if vocab_size < len(tokenizer):
-        raise ValueError(f"preset vocab_size={vocab_size} is smaller than the tokenizer's {len(tokenizer)} tokens")
+    if tokenizer is None:
+        ids = dict(zip(("pad", "bos", "eos"), (0, 2, 3)))
+        assert [char_tokenizer.SPECIAL_TOKENS[i] for i in ids.values()] == ["<pad>", "<bos>", "<eos>"]
+        num_tokens = preset.vocab_size or char_tokenizer.base_vocab_size()
+    else:
+        ids = {"pad": tokenizer.pad_token_id, "bos": tokenizer.bos_token_id, "eos": tokenizer.eos_token_id}
+        num_tokens = len(tokenizer)
+    vocab_size = preset.vocab_size or num_tokens
+    if vocab_size < num_tokens:
+        raise ValueError(f"preset vocab_size={vocab_size} is smaller than the tokenizer's {num_tokens} tokens")
     config_cls = getattr(transformers, ARCHITECTURES[preset.architecture])
     return config_cls(
         vocab_size=vocab_size,
@@ -145,9 +156,9 @@ def build_config(preset: ModelPreset | str, tokenizer):
         rope_theta=preset.rope_theta,
         rms_norm_eps=preset.rms_norm_eps,
         head_dim=HEAD_DIM,
-        bos_token_id=tokenizer.bos_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id,
+        bos_token_id=ids["bos"],
+        eos_token_id=ids["eos"],
+        pad_token_id=ids["pad"],
     )
 
 
@@ -156,8 +167,7 @@ def count_parameters(preset: ModelPreset | str) -> int:
     import torch
     from transformers import AutoModelForCausalLM
 
-    preset = get_preset(preset) if isinstance(preset, str) else preset
-    config = build_config(preset, build_tokenizer(preset))
+    config = build_config(preset)
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config)
     return sum(p.numel() for p in model.parameters())

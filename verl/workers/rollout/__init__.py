@@ -1,0 +1,31 @@
+"""Rollout engines: `BaseRollout` and the table of engines by `actor_rollout_ref.rollout.name`.
+
+Engines are imported only when asked for, so importing this package stays light.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+
+# rollout.name -> "module:Class"; vLLM and SGLang adapters add their rows here
+ROLLOUT_ENGINES = {"hf": "verl.workers.rollout.hf_rollout:HFRollout"}
+
+
+def default_rollout_name() -> str:
+    """`vllm` when it is installed and registered, else the built-in `hf` engine."""
+    if "vllm" in ROLLOUT_ENGINES and importlib.util.find_spec("vllm") is not None:
+        return "vllm"
+    return "hf"
+
+
+def get_rollout_class(name: str):
+    if name not in ROLLOUT_ENGINES:
+        raise ValueError(
+            f"actor_rollout_ref.rollout.name={name!r} is not a known rollout engine; choose one of {sorted(ROLLOUT_ENGINES)}"
+        )
+    module, cls = ROLLOUT_ENGINES[name].split(":")
+    return getattr(importlib.import_module(module), cls)
+
+
+__all__ = ["ROLLOUT_ENGINES", "default_rollout_name", "get_rollout_class"]

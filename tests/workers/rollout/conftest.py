@@ -1,0 +1,82 @@
+"""Tiny random-init HF models for the rollout tests (head_dim 64, float32, CPU).
+
+`initializer_range` is raised above transformers' default so next-token distributions are peaked:
+with near-uniform logits, a greedy comparison would hinge on last-ulp ties between two correct
+implementations instead of on real differences.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+VOCAB = 48
+
+
+def build_model(arch: str = "qwen2", seed: int = 0, **overrides):
+    from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+    common = dict(
+        vocab_size=VOCAB,
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        head_dim=64,
+        initializer_range=0.2,
+        tie_word_embeddings=True,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=0,
+    )
+    if arch == "gpt2":
+        config = GPT2Config(vocab_size=VOCAB, n_embd=128, n_layer=2, n_head=2, n_positions=128, initializer_range=0.2)
+        cls = GPT2LMHeadModel
+    elif arch == "llama":
+        # grouped-query attention, untied head, rope scaling: exercises the paths Qwen2 does not
+        common.update(num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False, hidden_size=256)
+        common.update(overrides)
+        config, cls = LlamaConfig(**common), LlamaForCausalLM
+    else:
+        common.update(overrides)
+        config, cls = Qwen2Config(**common), Qwen2ForCausalLM
+    torch.manual_seed(seed)
+    return cls(config).eval()
+
+
+def left_padded_prompts(lengths, seed: int = 0, width: int | None = None):
+    """Random prompts of the given lengths, left-padded with 0 to `width` (default: the longest)."""
+    gen = torch.Generator().manual_seed(seed)
+    width = width or max(lengths)
+    input_ids = torch.zeros(len(lengths), width, dtype=torch.long)
+    attention_mask = torch.zeros(len(lengths), width, dtype=torch.long)
+    for row, n in enumerate(lengths):
+        input_ids[row, width - n :] = torch.randint(3, VOCAB, (n,), generator=gen)
+        attention_mask[row, width - n :] = 1
+    return input_ids, attention_mask
+
+
+def hf_greedy_loop(model, input_ids, attention_mask, new_tokens: int):
+    """Independent reference: full HF forward (no cache) + argmax, one token at a time."""
+    ids, mask = input_ids.clone(), attention_mask.clone()
+    out = []
+    with torch.no_grad():
+        for _ in range(new_tokens):
+            pos = (mask.cumsum(-1) - 1).clamp(min=0)
+            logits = model(input_ids=ids, attention_mask=mask, position_ids=pos).logits[:, -1]
+            nxt = logits.argmax(-1)
+            out.append(nxt)
+            ids = torch.cat([ids, nxt[:, None]], dim=1)
+            mask = torch.cat([mask, torch.ones_like(nxt)[:, None]], dim=1)
+    return torch.stack(out, dim=1)
+
+
+@pytest.fixture(scope="module")
+def qwen2_model():
+    return build_model("qwen2")
+
+
+@pytest.fixture(scope="module")
+def llama_model():
+    return build_model("llama")

@@ -1,0 +1,162 @@
+"""The engine's greedy tokens equal transformers' (generate() and a plain forward/argmax loop), for
+left-padded prompts of different lengths, on the native decoder and the generic HF path."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import build_model, hf_greedy_loop, left_padded_prompts
+
+from verl.workers.rollout.native.engine import GenerationEngine
+from verl.workers.rollout.native.llama_decoder import unsupported_reason
+from verl.workers.rollout.sampling import SamplingParams
+
+GREEDY = SamplingParams(do_sample=False)
+LENGTHS = [7, 3, 5, 1]
+
+
+def _generate_greedy(engine, input_ids, attention_mask, new_tokens, **kw):
+    return engine.generate(input_ids, attention_mask, new_tokens, GREEDY, pad_token_id=0, **kw)
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "llama"])
+def test_native_greedy_matches_hf_generate_and_forward_loop_with_left_padding(arch, request):
+    model = request.getfixturevalue(f"{arch}_model")
+    engine = GenerationEngine.from_model(model, device="cpu")
+    assert engine.is_native
+    input_ids, attention_mask = left_padded_prompts(LENGTHS)
+    P, R = input_ids.shape[1], 12
+
+    out = _generate_greedy(engine, input_ids, attention_mask, R)
+    torch.testing.assert_close(out.responses, hf_greedy_loop(model, input_ids, attention_mask, R), rtol=0, atol=0)
+    assert out.response_mask.all()
+
+    # with EOS (id 2 in the model config): generate() pads finished rows with pad_token_id, as we do
+    out = _generate_greedy(engine, input_ids, attention_mask, R, eos_token_id=2)
+    hf = model.generate(input_ids, attention_mask=attention_mask, do_sample=False, max_new_tokens=R, pad_token_id=0)
+    hf = torch.nn.functional.pad(hf[:, P:], (0, R - (hf.shape[1] - P)), value=0)
+    torch.testing.assert_close(out.responses, hf, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize(
+    "rope",
+    [
+        {"rope_type": "linear", "factor": 2.0},
+        {
+            "rope_type": "llama3",
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 16,
+        },
+    ],
+)
+def test_native_greedy_matches_hf_with_scaled_rope(rope):
+    model = build_model("llama", rope_parameters={"rope_theta": 500.0, **rope})
+    engine = GenerationEngine.from_model(model, device="cpu")
+    assert engine.is_native
+    input_ids, attention_mask = left_padded_prompts([9, 4], seed=1)
+    out = _generate_greedy(engine, input_ids, attention_mask, 10)
+    torch.testing.assert_close(out.responses, hf_greedy_loop(model, input_ids, attention_mask, 10), rtol=0, atol=0)
+
+
+def test_generic_path_runs_any_causal_lm_and_matches_hf():
+    model = build_model("gpt2")
+    assert unsupported_reason(model.config) is not None
+    engine = GenerationEngine.from_model(model, device="cpu")
+    assert not engine.is_native
+    input_ids, attention_mask = left_padded_prompts(LENGTHS, seed=2)
+    out = _generate_greedy(engine, input_ids, attention_mask, 8)
+    torch.testing.assert_close(out.responses, hf_greedy_loop(model, input_ids, attention_mask, 8), rtol=0, atol=0)
+
+
+def test_generic_path_can_be_forced_for_a_supported_model(qwen2_model):
+    engine = GenerationEngine.from_model(qwen2_model, device="cpu", allow_native=False)
+    assert not engine.is_native
+    input_ids, attention_mask = left_padded_prompts(LENGTHS)
+    out = _generate_greedy(engine, input_ids, attention_mask, 6)
+    torch.testing.assert_close(out.responses, hf_greedy_loop(qwen2_model, input_ids, attention_mask, 6), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("allow_native", [True, False])
+def test_rows_stop_at_eos_keep_it_and_pad_after(qwen2_model, allow_native):
+    engine = GenerationEngine.from_model(qwen2_model, device="cpu", allow_native=allow_native)
+    input_ids, attention_mask = left_padded_prompts(LENGTHS)
+    free = _generate_greedy(engine, input_ids, attention_mask, 10).responses
+    # declare as EOS the token row 0 emits at step 3 (and never before): row 0 must stop right there
+    eos = int(free[0, 3])
+    assert eos not in free[0, :3].tolist()
+    out = engine.generate(input_ids, attention_mask, 10, GREEDY, eos_token_id=[eos], pad_token_id=0)
+    for row in range(len(LENGTHS)):
+        hits = (free[row] == eos).nonzero()
+        stop = int(hits[0]) + 1 if len(hits) else 10
+        assert out.responses[row, :stop].tolist() == free[row, :stop].tolist()
+        assert out.responses[row, stop:].eq(0).all()
+        assert out.response_mask[row].tolist() == [1] * stop + [0] * (10 - stop)
+    assert out.response_mask[0].sum() == 4
+
+
+def test_generation_stops_early_when_every_row_finished(qwen2_model):
+    engine = GenerationEngine.from_model(qwen2_model, device="cpu")
+    input_ids, attention_mask = left_padded_prompts([4])
+    first = int(_generate_greedy(engine, input_ids, attention_mask, 1).responses[0, 0])
+    calls = []
+    decode = engine._decode
+    engine._decode = lambda *a: calls.append(1) or decode(*a)
+    out = engine.generate(input_ids, attention_mask, 50, GREEDY, eos_token_id=first, pad_token_id=0)
+    assert out.responses.shape == (1, 50) and out.response_mask.sum() == 1
+    assert calls == []  # the only row finished at the first token: no decode step ran
+
+
+def test_logprobs_equal_log_softmax_of_scaled_logits_from_a_full_forward(qwen2_model):
+    """Sampled tokens' log-probs equal log_softmax(logits / T) of a teacher-forced HF forward."""
+    engine = GenerationEngine.from_model(qwen2_model, device="cpu")
+    input_ids, attention_mask = left_padded_prompts(LENGTHS, seed=3)
+    temperature = 0.7
+    params = SamplingParams(do_sample=True, temperature=temperature, top_k=20, top_p=0.9)
+    gen = torch.Generator().manual_seed(0)
+    out = engine.generate(
+        input_ids, attention_mask, 8, params, eos_token_id=2, pad_token_id=0, return_logprobs=True, generator=gen
+    )
+    seq = torch.cat([input_ids, out.responses], 1)
+    mask = torch.cat([attention_mask, out.response_mask], 1)
+    with torch.no_grad():
+        logits = qwen2_model(seq, attention_mask=mask, position_ids=(mask.cumsum(-1) - 1).clamp(min=0)).logits.double()
+    P = input_ids.shape[1]
+    ref = (logits[:, P - 1 : -1] / temperature).log_softmax(-1).gather(-1, out.responses[..., None]).squeeze(-1)
+    ref = ref * out.response_mask
+    torch.testing.assert_close(out.logprobs.double(), ref, atol=1e-4, rtol=0)
+    assert (out.logprobs[out.response_mask == 0] == 0).all()
+
+
+def test_sampling_is_reproducible_with_a_generator_and_varies_without_one(qwen2_model):
+    engine = GenerationEngine.from_model(qwen2_model, device="cpu")
+    input_ids, attention_mask = left_padded_prompts([5] * 8)
+    params = SamplingParams(do_sample=True, temperature=1.5)
+    a = engine.generate(input_ids, attention_mask, 8, params, generator=torch.Generator().manual_seed(7)).responses
+    b = engine.generate(input_ids, attention_mask, 8, params, generator=torch.Generator().manual_seed(7)).responses
+    c = engine.generate(input_ids, attention_mask, 8, params, generator=torch.Generator().manual_seed(8)).responses
+    assert torch.equal(a, b) and not torch.equal(a, c)
+
+
+def test_cache_is_reused_across_batches_and_grows_when_needed(qwen2_model):
+    engine = GenerationEngine.from_model(qwen2_model, device="cpu")
+    big_ids, big_mask = left_padded_prompts([6, 2, 4, 5])
+    engine.generate(big_ids, big_mask, 8, GREEDY)
+    k_cache = engine.decoder.k_cache
+    small_ids, small_mask = left_padded_prompts([3, 2], seed=5)
+    out = _generate_greedy(engine, small_ids, small_mask, 4)
+    assert engine.decoder.k_cache is k_cache  # smaller batch: same buffers
+    torch.testing.assert_close(out.responses, hf_greedy_loop(qwen2_model, small_ids, small_mask, 4), rtol=0, atol=0)
+    long_ids, long_mask = left_padded_prompts([20], seed=6)
+    out = _generate_greedy(engine, long_ids, long_mask, 12)
+    assert engine.decoder.k_cache is not k_cache
+    torch.testing.assert_close(out.responses, hf_greedy_loop(qwen2_model, long_ids, long_mask, 12), rtol=0, atol=0)
+
+
+def test_unsupported_architectures_are_named():
+    assert "sliding" in unsupported_reason(build_model("qwen2", use_sliding_window=True, max_window_layers=0).config)
+    assert "rope_type" in unsupported_reason(
+        build_model("llama", rope_parameters={"rope_type": "dynamic", "factor": 2.0, "rope_theta": 1e4}).config
+    )
+    assert unsupported_reason(build_model("llama", mlp_bias=True).config) == "mlp_bias=True"

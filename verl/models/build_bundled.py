@@ -1,0 +1,223 @@
+"""Rebuild the bundled `verl/assets/arith-tiny` model from scratch with verl's own SFT trainer.
+
+    python -m verl.models.build_bundled                 # writes verl/assets/arith-tiny
+    python -m verl.models.build_bundled --out /tmp/arith-tiny --seed 1
+
+Recipe: a freshly initialised `tiny` preset (Qwen2, ~1M parameters, seed 0) is fine-tuned with
+`verl.trainer.fsdp_sft_trainer` (one process, FSDP2 over a one-rank mesh) on the default
+arithmetic task (2-digit addition, 5000 training problems, seed 0): batch 64, AdamW lr 1e-3,
+constant schedule, loss on the answer tokens only, one CPU thread. Every `--eval-every` steps the held-out greedy
+accuracy on the 500 test problems is measured and training stops at the first evaluation inside
+[`--min-accuracy`, `--max-accuracy`] (default 25%-50%).
+
+Why stop early: the RL examples start from this checkpoint and must have room to show learning.
+SFT on this task jumps from a few percent to over 90% within ~100 steps, so the band is caught by
+evaluating often rather than by fixing a step count, which would drift with library versions.
+The result, its accuracy history and the exact settings are written to `training_info.json`
+beside the weights, and `README.md` there repeats how to reproduce it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import sys
+import tempfile
+import time
+
+TRAIN_BATCH_SIZE = 64
+LEARNING_RATE = 1e-3
+
+
+def build(
+    out_dir: str,
+    seed: int = 0,
+    data_seed: int = 0,
+    min_accuracy: float = 0.25,
+    max_accuracy: float = 0.50,
+    eval_every: int = 10,
+    eval_from: int = 100,
+    max_steps: int = 2000,
+) -> dict:
+    """Train, stop inside the accuracy band, save the model to `out_dir` and return the training info."""
+    import torch
+    import transformers
+    from omegaconf import OmegaConf
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from verl.models.factory import get_preset, make_tiny
+    from verl.trainer.fsdp_sft_trainer import run_sft
+    from verl.utils.dataset.arith import (
+        DEFAULT_NUM_TEST,
+        DEFAULT_NUM_TRAIN,
+        evaluate_greedy_accuracy,
+        load_rows,
+        write_arith_parquet,
+    )
+
+    if not 0.0 <= min_accuracy < max_accuracy <= 1.0:
+        raise ValueError(f"need 0 <= --min-accuracy ({min_accuracy}) < --max-accuracy ({max_accuracy}) <= 1")
+    # One thread: the float reduction order, hence the exact checkpoint, does not depend on the
+    # machine's core count, and a busy machine does not stall OpenMP threads waiting on each other.
+    torch.set_num_threads(1)
+    work = tempfile.mkdtemp(prefix="verl-build-arith-tiny-")
+    start = time.time()
+    init_dir = make_tiny("tiny", os.path.join(work, "init"), seed=seed)
+    train_path, test_path = write_arith_parquet(os.path.join(work, "data"), seed=data_seed)
+    test_rows = load_rows(test_path)
+
+    config = OmegaConf.load(os.path.join(os.path.dirname(__file__), "..", "trainer", "config", "sft_trainer.yaml"))
+    config.merge_with_dotlist(
+        [
+            f"data.train_files={train_path}",
+            f"data.val_files={test_path}",
+            f"data.train_batch_size={TRAIN_BATCH_SIZE}",
+            f"data.micro_batch_size_per_gpu={TRAIN_BATCH_SIZE}",
+            "data.max_length=64",
+            f"model.partial_pretrain={init_dir}",
+            f"optim.lr={LEARNING_RATE}",
+            "optim.betas=[0.9,0.999]",
+            "optim.weight_decay=0.0",
+            "optim.warmup_steps_ratio=0.0",
+            "optim.lr_scheduler=constant",
+            f"trainer.default_local_dir={os.path.join(work, 'checkpoints')}",
+            f"trainer.total_training_steps={max_steps}",
+            f"trainer.test_freq={eval_every}",
+            "trainer.resume_mode=disable",
+            f"trainer.seed={seed}",
+            "trainer.device=cpu",
+        ]
+    )
+    history: list[dict] = []
+
+    def in_band(trainer, step: int) -> bool:
+        if step < eval_from:
+            return False
+        accuracy = evaluate_greedy_accuracy(trainer.model, trainer.tokenizer, test_rows)
+        history.append({"step": step, "heldout_greedy_accuracy": accuracy})
+        print(f"step {step}: held-out greedy accuracy {accuracy:.1%}", flush=True)
+        if accuracy > max_accuracy:
+            raise RuntimeError(
+                f"held-out accuracy jumped past the band to {accuracy:.1%} at step {step}; rebuild with a smaller "
+                f"--eval-every (now {eval_every}) so an evaluation lands inside [{min_accuracy:.0%}, {max_accuracy:.0%}]"
+            )
+        return accuracy >= min_accuracy
+
+    import torch.distributed as dist
+
+    trainer = run_sft(config, should_stop=in_band)
+    steps = trainer.global_step
+    dist.destroy_process_group()
+    if not history or history[-1]["heldout_greedy_accuracy"] < min_accuracy:
+        raise RuntimeError(f"no evaluation reached {min_accuracy:.0%} within {max_steps} steps; raise --max-steps")
+    export = os.path.join(work, "checkpoints", f"global_step_{steps}", "huggingface")
+
+    # Measure what users will measure: the exported directory, loaded fresh.
+    model = AutoModelForCausalLM.from_pretrained(export)
+    tokenizer = AutoTokenizer.from_pretrained(export)
+    accuracy = evaluate_greedy_accuracy(model, tokenizer, test_rows)
+
+    if os.path.isdir(out_dir):
+        shutil.rmtree(out_dir)
+    shutil.copytree(export, out_dir)
+    info = {
+        "name": "arith-tiny",
+        "heldout_greedy_accuracy": accuracy,
+        "heldout_problems": len(test_rows),
+        "sft_steps": steps,
+        "accuracy_history": history,
+        "model": {"preset": "tiny", "init_seed": seed, **vars(get_preset("tiny"))},
+        "parameters": sum(p.numel() for p in model.parameters()),
+        "data": {
+            "task": "2-digit addition, operands 10-99, plain 'What is a+b?' prompts",
+            "num_train": DEFAULT_NUM_TRAIN,
+            "num_test": DEFAULT_NUM_TEST,
+            "seed": data_seed,
+        },
+        "sft": {
+            "train_batch_size": TRAIN_BATCH_SIZE,
+            "optimizer": "AdamW",
+            "lr": LEARNING_RATE,
+            "betas": [0.9, 0.999],
+            "weight_decay": 0.0,
+            "lr_scheduler": "constant",
+            "loss": "cross-entropy on answer tokens (digits + <eos>) only",
+            "stop_rule": f"first evaluation (every {eval_every} steps from step {eval_from}) with held-out greedy "
+            f"accuracy in [{min_accuracy}, {max_accuracy}]",
+        },
+        "versions": {"torch": torch.__version__, "transformers": transformers.__version__},
+        "torch_threads": 1,
+        "build_seconds": round(time.time() - start, 1),
+        "reproduce": "python -m verl.models.build_bundled  (or examples/sft/build_arith_tiny.sh)",
+    }
+    with open(os.path.join(out_dir, "training_info.json"), "w") as f:
+        json.dump(info, f, indent=2)
+        f.write("\n")
+    with open(os.path.join(out_dir, "README.md"), "w") as f:
+        f.write(_readme(info))
+    shutil.rmtree(work, ignore_errors=True)
+    return info
+
+
+def _readme(info: dict) -> str:
+    return f"""# arith-tiny
+
+A {info["parameters"]:,}-parameter Qwen2 model (hidden 128, 4 layers, 2 heads of 64, tied embeddings,
+byte-level tokenizer without merges) fine-tuned by verl's own FSDP2 SFT trainer on 2-digit addition.
+It is the starting point of every quickstart and test: good enough to answer some problems, far from
+perfect, so reinforcement learning has room to show learning.
+
+- Held-out greedy accuracy: **{info["heldout_greedy_accuracy"]:.1%}** on the {info["heldout_problems"]} test problems of
+  the default arithmetic task (`verl.utils.dataset.arith.ensure_arith_data()`), first integer of the
+  completion against the ground truth.
+- SFT: {info["sft_steps"]} steps of batch {info["sft"]["train_batch_size"]}, AdamW lr {info["sft"]["lr"]}, constant schedule, loss on
+  the answer tokens only; stopped at the first evaluation inside the target accuracy band.
+- Prompt format: `<bos><|user|>What is 37+48?<|assistant|>`; expected completion `85<eos>`.
+
+Load it with `verl.models.bundled_model_path("arith-tiny")` and the usual
+`AutoModelForCausalLM.from_pretrained` / `AutoTokenizer.from_pretrained` (offline).
+
+Reproduce from scratch (about a few minutes on 2 CPU cores):
+
+```bash
+python -m verl.models.build_bundled        # or: bash examples/sft/build_arith_tiny.sh
+```
+
+`training_info.json` records the settings, the accuracy at each evaluation and the library versions.
+"""
+
+
+def main(argv: list[str] | None = None) -> None:
+    from verl.models import ASSETS_DIR
+
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", default=os.path.join(ASSETS_DIR, "arith-tiny"), help="output model directory")
+    parser.add_argument("--seed", type=int, default=0, help="model initialisation and data-order seed")
+    parser.add_argument("--data-seed", type=int, default=0, help="arithmetic task seed (0 = the default task)")
+    parser.add_argument("--min-accuracy", type=float, default=0.25)
+    parser.add_argument("--max-accuracy", type=float, default=0.50)
+    parser.add_argument("--eval-every", type=int, default=10, help="steps between held-out evaluations")
+    parser.add_argument("--eval-from", type=int, default=100, help="first step to evaluate at")
+    parser.add_argument("--max-steps", type=int, default=2000)
+    args = parser.parse_args(argv)
+    info = build(
+        args.out,
+        seed=args.seed,
+        data_seed=args.data_seed,
+        min_accuracy=args.min_accuracy,
+        max_accuracy=args.max_accuracy,
+        eval_every=args.eval_every,
+        eval_from=args.eval_from,
+        max_steps=args.max_steps,
+    )
+    print(
+        f"wrote {args.out}: held-out greedy accuracy {info['heldout_greedy_accuracy']:.1%} after {info['sft_steps']} "
+        f"SFT steps ({info['build_seconds']} s)",
+        file=sys.stderr,
+    )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,551 @@
+"""Supervised fine-tuning of a causal LM with FSDP2, under torchrun (or as one plain process).
+
+    torchrun --nproc_per_node=2 -m verl.trainer.fsdp_sft_trainer \\
+        data.train_files=~/data/arith/train.parquet data.val_files=~/data/arith/test.parquet \\
+        data.prompt_key=prompt data.response_key=extra_info.answer \\
+        model.partial_pretrain=/path/to/hf_model trainer.default_local_dir=/tmp/sft trainer.total_epochs=2
+
+Design decisions:
+- Every rank holds a shard of the model: each decoder layer, then the root module, is wrapped with
+  `torch.distributed.fsdp.fully_shard` over a 1-D device mesh of all ranks (gloo on CPU, NCCL on
+  GPU; `verl.utils.device` decides). CPU is a first-class device here, not a simulation.
+- The loss is the mean cross-entropy over all response tokens of the global batch (every rank and
+  every micro-batch), not a mean of per-micro-batch means: each micro-batch's summed token loss is
+  divided by the global token count (one all-reduce per step) and multiplied by the world size,
+  because FSDP averages gradients across ranks. Gradient accumulation and the number of ranks
+  therefore do not change the result.
+- Each rank's batch is cut to its longest sequence before the forward pass (the dataset pads to
+  `data.max_length`), so a short task costs what its tokens cost.
+- Checkpoints: `default_local_dir/global_step_N/` holds the sharded model and optimizer state
+  written with torch.distributed.checkpoint (`dcp/`), the scheduler and step counters
+  (`extra_state.pt`) and a plain HF export (`huggingface/`: config, safetensors weights,
+  tokenizer) that `from_pretrained` loads anywhere. `latest_checkpointed_iteration.txt` names the
+  newest complete checkpoint; it is written only after every rank finished, so a crash mid-save
+  resumes from the previous one. Resuming restores the data order too: the sampler is seeded by
+  epoch and the already-seen batches of the current epoch are skipped.
+- Metrics go to the console (through tqdm, on rank 0) and optionally to `metrics.jsonl`
+  (`trainer.logger=['console','file']`). Other tracking back-ends are the job of
+  `verl.utils.tracking` and are not wired in here.
+- `fit(should_stop=...)` accepts a callback consulted after each validation, which is how the
+  bundled model's build script stops at a target held-out accuracy without a special trainer.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+import socket
+import time
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+from torch.utils.data import DataLoader, DistributedSampler
+
+from verl.utils import device as device_utils
+from verl.utils.logging_utils import get_logger
+
+logger = get_logger(__name__, level=os.environ.get("VERL_LOGGING_LEVEL", "INFO"))
+
+CHECKPOINT_TRACKER = "latest_checkpointed_iteration.txt"
+RESUME_MODES = ("auto", "disable", "resume_path")
+LR_SCHEDULERS = ("cosine", "constant")
+LOGGERS = ("console", "file")
+_DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16, "bfloat16": torch.bfloat16}
+
+
+class FSDPSFTTrainer:
+    """Owns the sharded model, optimizer, data loaders and checkpoints of one SFT run.
+
+    Args:
+        config: the resolved `sft_trainer.yaml` config (an OmegaConf DictConfig).
+        device_mesh: 1-D mesh over all ranks.
+        tokenizer: saved with every HF export.
+        train_dataset, val_dataset: map-style datasets yielding `SFTDataset` items; `val_dataset`
+            may be None (no validation).
+    """
+
+    def __init__(self, config, device_mesh, tokenizer, train_dataset, val_dataset=None):
+        self.config = config
+        self.device_mesh = device_mesh
+        self.tokenizer = tokenizer
+        self.train_dataset = train_dataset
+        self.val_dataset = val_dataset
+        self.rank = dist.get_rank()
+        self.world_size = dist.get_world_size()
+        self.device = device_utils.get_device()
+
+        data = config.data
+        self.micro_batch_size = int(data.micro_batch_size_per_gpu)
+        self.batch_size_per_rank = _per_rank_batch_size(
+            int(data.train_batch_size), self.micro_batch_size, self.world_size
+        )
+        self.steps_per_epoch = len(train_dataset) // int(data.train_batch_size)
+        if self.steps_per_epoch == 0:
+            raise ValueError(
+                f"the training data has {len(train_dataset)} rows, fewer than data.train_batch_size="
+                f"{data.train_batch_size}, so not even one step fits in an epoch; lower data.train_batch_size"
+            )
+        trainer = config.trainer
+        if trainer.total_training_steps is not None:
+            self.total_steps = int(trainer.total_training_steps)
+        else:
+            self.total_steps = self.steps_per_epoch * int(trainer.total_epochs)
+        if self.total_steps < 1:
+            raise ValueError(
+                f"{self.total_steps} training steps planned; set trainer.total_epochs or trainer.total_training_steps >= 1"
+            )
+        self.checkpoint_dir = os.path.expanduser(trainer.default_local_dir)
+        self.global_step = 0
+
+        self.model = self._build_model()
+        self.optimizer = torch.optim.AdamW(
+            self.model.parameters(),
+            lr=float(config.optim.lr),
+            betas=tuple(float(b) for b in config.optim.betas),
+            weight_decay=float(config.optim.weight_decay),
+        )
+        # The learning rate is a pure function of the step (no scheduler state to checkpoint), so a
+        # resumed run, even one with a longer schedule, uses the rate its current config prescribes.
+        self.lr_factor = _lr_lambda(
+            self.total_steps,
+            float(config.optim.warmup_steps_ratio),
+            config.optim.lr_scheduler,
+            float(config.optim.min_lr_ratio),
+        )
+        self.metrics = _MetricsLogger(list(trainer.logger), self.checkpoint_dir, enabled=self.rank == 0)
+
+    # ----------------------------------------------------------------------------- model
+    def _build_model(self):
+        from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
+        from transformers import AutoModelForCausalLM
+
+        model_cfg = self.config.model
+        model = AutoModelForCausalLM.from_pretrained(
+            os.path.expanduser(model_cfg.partial_pretrain),
+            dtype=torch.float32,  # master weights stay fp32; mixed precision applies to compute only
+            trust_remote_code=bool(model_cfg.trust_remote_code),
+        )
+        model.config.use_cache = False
+        if model_cfg.enable_gradient_checkpointing:
+            model.gradient_checkpointing_enable()
+        fsdp_cfg = model_cfg.fsdp_config
+        kwargs = {
+            "mesh": self.device_mesh,
+            "mp_policy": MixedPrecisionPolicy(
+                param_dtype=_dtype(fsdp_cfg.mixed_precision.param_dtype, "param_dtype"),
+                reduce_dtype=_dtype(fsdp_cfg.mixed_precision.reduce_dtype, "reduce_dtype"),
+            ),
+        }
+        if fsdp_cfg.cpu_offload:
+            # Pinned host memory only helps (and only exists) with an accelerator to copy to.
+            kwargs["offload_policy"] = CPUOffloadPolicy(pin_memory=device_utils.is_cuda_available())
+        else:
+            model.to(self.device)
+        layers = _decoder_layers(model)
+        for layer in layers:
+            fully_shard(layer, **kwargs)
+        fully_shard(model, **kwargs)
+        return model
+
+    # ----------------------------------------------------------------------------- data
+    def _train_loader(self, epoch: int, skip_batches: int) -> DataLoader:
+        sampler = DistributedSampler(
+            self.train_dataset,
+            num_replicas=self.world_size,
+            rank=self.rank,
+            shuffle=True,
+            seed=int(self.config.trainer.seed),
+            drop_last=True,
+        )
+        sampler.set_epoch(epoch)
+        # A list of indices is a valid sampler; slicing it resumes mid-epoch without re-reading data.
+        indices = list(sampler)[skip_batches * self.batch_size_per_rank :]
+        return DataLoader(self.train_dataset, batch_size=self.batch_size_per_rank, sampler=indices, drop_last=True)
+
+    def _val_loader(self) -> DataLoader:
+        sampler = DistributedSampler(self.val_dataset, num_replicas=self.world_size, rank=self.rank, shuffle=False)
+        return DataLoader(self.val_dataset, batch_size=self.micro_batch_size, sampler=sampler)
+
+    # ----------------------------------------------------------------------------- steps
+    def _token_losses(self, micro_batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Summed next-token cross-entropy over loss-masked tokens, and their count."""
+        input_ids = micro_batch["input_ids"].to(self.device)
+        loss_mask = micro_batch["loss_mask"][:, 1:].to(self.device)
+        logits = self.model(
+            input_ids=input_ids,
+            attention_mask=micro_batch["attention_mask"].to(self.device),
+            position_ids=micro_batch["position_ids"].to(self.device),
+            use_cache=False,
+        ).logits
+        losses = torch.nn.functional.cross_entropy(
+            logits[:, :-1].float().transpose(1, 2), input_ids[:, 1:], reduction="none"
+        )
+        return (losses * loss_mask).sum(), loss_mask.sum()
+
+    def accumulate_gradients(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Forward/backward over this rank's micro-batches so that the accumulated gradient is the
+        gradient of the global-batch mean token loss. Returns (summed token loss, token count), both
+        summed over all ranks."""
+        num_tokens = _all_reduce_sum(batch["loss_mask"][:, 1:].sum().to(self.device, torch.float32))
+        if num_tokens.item() == 0:
+            raise ValueError(
+                f"step {self.global_step + 1}: the global batch has no response tokens to learn from (every "
+                "loss_mask is zero, e.g. all responses truncated away); check data.max_length and data.truncation"
+            )
+        loss_sum = torch.zeros((), device=self.device)
+        for micro_batch in _split(batch, self.micro_batch_size):
+            token_loss_sum, _ = self._token_losses(micro_batch)
+            (token_loss_sum / num_tokens * self.world_size).backward()
+            loss_sum += token_loss_sum.detach()
+        return _all_reduce_sum(loss_sum), num_tokens
+
+    def training_step(self, batch: dict[str, torch.Tensor]) -> dict[str, float]:
+        """One optimizer step on this rank's share of the global batch."""
+        self.model.train()
+        start = time.perf_counter()
+        batch = _trim_padding(batch)
+        loss_sum, num_tokens = self.accumulate_gradients(batch)
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), float(self.config.optim.clip_grad))
+        grad_norm = float(grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm)
+        lr = float(self.config.optim.lr) * self.lr_factor(self.global_step)
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        if math.isfinite(grad_norm):
+            self.optimizer.step()
+        else:
+            logger.warning(f"step {self.global_step + 1}: gradient norm is {grad_norm}; skipping the update")
+        self.optimizer.zero_grad(set_to_none=True)
+        tokens_total = _all_reduce_sum(batch["attention_mask"].sum().to(self.device, torch.float32))
+        elapsed = time.perf_counter() - start
+        return {
+            "train/loss": (loss_sum / num_tokens).item(),
+            "train/lr": lr,
+            "train/grad_norm": grad_norm,
+            "train/response_tokens": num_tokens.item(),
+            "perf/step_time_s": elapsed,
+            "perf/tokens_per_s": tokens_total.item() / elapsed,
+        }
+
+    def validation_step(self) -> dict[str, float]:
+        """Mean response-token cross-entropy over the whole validation set."""
+        self.model.eval()
+        loss_sum = torch.zeros((), device=self.device)
+        num_tokens = torch.zeros((), device=self.device)
+        with torch.no_grad():
+            for batch in self._val_loader():
+                token_loss_sum, count = self._token_losses(_trim_padding(batch))
+                loss_sum += token_loss_sum
+                num_tokens += count
+        return {"val/loss": (_all_reduce_sum(loss_sum) / _all_reduce_sum(num_tokens).clamp(min=1)).item()}
+
+    # ----------------------------------------------------------------------------- loop
+    def fit(self, should_stop: Callable[[FSDPSFTTrainer, int], bool] | None = None) -> int:
+        """Train until `total_steps` (or until `should_stop` says so) and return the last global step.
+
+        `should_stop(trainer, global_step)` runs on every rank after each validation; it may run
+        collectives (for instance a forward pass of the sharded model). Rank 0's answer decides.
+        """
+        from tqdm import tqdm
+
+        self.load_checkpoint()
+        if self.global_step >= self.total_steps:
+            logger.info(f"checkpoint is at step {self.global_step} >= {self.total_steps} planned steps; nothing to do")
+            return self.global_step
+        test_freq = int(self.config.trainer.test_freq)
+        save_freq = int(self.config.trainer.save_freq)
+        progress = tqdm(
+            total=self.total_steps, initial=self.global_step, desc="sft", disable=self.rank != 0, dynamic_ncols=True
+        )
+        stop = False
+        while not stop and self.global_step < self.total_steps:
+            epoch, skip = divmod(self.global_step, self.steps_per_epoch)
+            for batch in self._train_loader(epoch, skip):
+                metrics = self.training_step(batch)
+                self.global_step += 1
+                progress.update(1)
+                last = self.global_step >= self.total_steps
+                if self.val_dataset is not None and (last or (test_freq > 0 and self.global_step % test_freq == 0)):
+                    metrics.update(self.validation_step())
+                    stop = should_stop is not None and _broadcast_bool(should_stop(self, self.global_step))
+                self.metrics.log(metrics, self.global_step, progress)
+                if last or stop or (save_freq > 0 and self.global_step % save_freq == 0):
+                    self.save_checkpoint()
+                if last or stop:
+                    break
+        progress.close()
+        return self.global_step
+
+    # ----------------------------------------------------------------------------- checkpoints
+    def save_checkpoint(self) -> str:
+        """Write `global_step_N/` (DCP shards, extra state, HF export) and advance the tracker file."""
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_state_dict
+
+        from verl.models.tokenizer import save_tokenizer
+
+        path = os.path.join(self.checkpoint_dir, f"global_step_{self.global_step}")
+        model_state, optim_state = get_state_dict(self.model, self.optimizer)
+        dcp.save({"model": model_state, "optimizer": optim_state}, checkpoint_id=os.path.join(path, "dcp"))
+
+        full_state = get_model_state_dict(
+            self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
+        )  # a collective: every rank takes part, rank 0 receives the full tensors
+        if self.rank == 0:
+            torch.save(
+                {"global_step": self.global_step, "world_size": self.world_size},
+                os.path.join(path, "extra_state.pt"),
+            )
+            hf_dir = os.path.join(path, "huggingface")
+            self.model.save_pretrained(hf_dir, state_dict=full_state, safe_serialization=True)
+            save_tokenizer(self.tokenizer, hf_dir)
+        dist.barrier()
+        if self.rank == 0:
+            _atomic_write_text(os.path.join(self.checkpoint_dir, CHECKPOINT_TRACKER), str(self.global_step))
+            self._remove_old_checkpoints()
+        dist.barrier()
+        logger.info(f"saved checkpoint {path}")
+        return path
+
+    def load_checkpoint(self) -> None:
+        """Restore model, optimizer and step from the checkpoint `trainer.resume_mode` selects."""
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+        path = resolve_resume_path(self.config.trainer, self.checkpoint_dir)
+        if path is None:
+            return
+        state = dict(zip(("model", "optimizer"), get_state_dict(self.model, self.optimizer)))
+        dcp.load(state, checkpoint_id=os.path.join(path, "dcp"))
+        set_state_dict(self.model, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
+        extra = torch.load(os.path.join(path, "extra_state.pt"), weights_only=True)
+        self.global_step = int(extra["global_step"])
+        logger.info(f"resumed from {path} at global step {self.global_step}")
+
+    def _remove_old_checkpoints(self) -> None:
+        keep = self.config.trainer.max_ckpt_to_keep
+        if keep is None or int(keep) <= 0:
+            return
+        steps = sorted(
+            int(name.removeprefix("global_step_"))
+            for name in os.listdir(self.checkpoint_dir)
+            if name.startswith("global_step_") and name.removeprefix("global_step_").isdigit()
+        )
+        for step in steps[: -int(keep)]:
+            shutil.rmtree(os.path.join(self.checkpoint_dir, f"global_step_{step}"), ignore_errors=True)
+
+
+# --------------------------------------------------------------------------------- helpers
+def resolve_resume_path(trainer_config, checkpoint_dir: str) -> str | None:
+    """The `global_step_N` directory to resume from, or None to start from scratch."""
+    mode = trainer_config.resume_mode
+    if mode not in RESUME_MODES:
+        raise ValueError(f"trainer.resume_mode={mode!r} is not one of {list(RESUME_MODES)}")
+    if mode == "disable":
+        return None
+    if mode == "resume_path":
+        path = trainer_config.resume_from_path
+        if not path:
+            raise ValueError("trainer.resume_mode=resume_path needs trainer.resume_from_path=<dir>/global_step_N")
+        path = os.path.expanduser(path)
+        if not os.path.isfile(os.path.join(path, "extra_state.pt")):
+            raise FileNotFoundError(
+                f"trainer.resume_from_path={path} is not a complete checkpoint (no extra_state.pt); "
+                "point it at a global_step_N directory written by this trainer"
+            )
+        return path
+    tracker = os.path.join(checkpoint_dir, CHECKPOINT_TRACKER)
+    if not os.path.isfile(tracker):
+        return None
+    with open(tracker) as f:
+        step = int(f.read().strip())
+    return os.path.join(checkpoint_dir, f"global_step_{step}")
+
+
+def _per_rank_batch_size(train_batch_size: int, micro_batch_size: int, world_size: int) -> int:
+    if train_batch_size % world_size:
+        raise ValueError(
+            f"data.train_batch_size={train_batch_size} is not divisible by the {world_size} data-parallel ranks; "
+            f"set it to a multiple of {world_size} or change --nproc_per_node"
+        )
+    per_rank = train_batch_size // world_size
+    if micro_batch_size < 1 or per_rank % micro_batch_size:
+        raise ValueError(
+            f"data.train_batch_size={train_batch_size} gives {per_rank} sequences per rank, which "
+            f"data.micro_batch_size_per_gpu={micro_batch_size} does not divide; pick a micro batch size that "
+            f"divides {per_rank}"
+        )
+    return per_rank
+
+
+def _lr_lambda(total_steps: int, warmup_ratio: float, schedule: str, min_lr_ratio: float):
+    if schedule not in LR_SCHEDULERS:
+        raise ValueError(f"optim.lr_scheduler={schedule!r} is not one of {list(LR_SCHEDULERS)}")
+    if not 0.0 <= warmup_ratio < 1.0:
+        raise ValueError(f"optim.warmup_steps_ratio={warmup_ratio} must be in [0, 1)")
+    warmup = int(total_steps * warmup_ratio)
+
+    def factor(step: int) -> float:
+        if step < warmup:
+            return (step + 1) / warmup
+        if schedule == "constant":
+            return 1.0
+        progress = (step - warmup) / max(1, total_steps - warmup)
+        return min_lr_ratio + (1.0 - min_lr_ratio) * 0.5 * (1.0 + math.cos(math.pi * min(progress, 1.0)))
+
+    return factor
+
+
+def _decoder_layers(model) -> list[torch.nn.Module]:
+    """The repeated transformer blocks, each its own FSDP unit (all-gathered one at a time)."""
+    layers = getattr(getattr(model, "model", None), "layers", None)
+    if layers is None:
+        raise ValueError(
+            f"{type(model).__name__} has no `model.layers` list of decoder blocks to shard; the SFT trainer supports "
+            "decoder-only HF models laid out like Llama/Qwen2"
+        )
+    return list(layers)
+
+
+def _dtype(name: str, key: str) -> torch.dtype:
+    if name not in _DTYPES:
+        raise ValueError(f"model.fsdp_config.mixed_precision.{key}={name!r} is not one of {sorted(_DTYPES)}")
+    return _DTYPES[name]
+
+
+def _trim_padding(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Drop the right-padding columns that no sequence in `batch` uses."""
+    length = max(int(batch["attention_mask"].sum(dim=1).max()), 2)
+    return {k: v[:, :length] for k, v in batch.items()}
+
+
+def _split(batch: dict[str, torch.Tensor], size: int) -> list[dict[str, torch.Tensor]]:
+    num_rows = next(iter(batch.values())).shape[0]
+    return [{k: v[i : i + size] for k, v in batch.items()} for i in range(0, num_rows, size)]
+
+
+def _all_reduce_sum(value: torch.Tensor) -> torch.Tensor:
+    value = value.clone()
+    dist.all_reduce(value, op=dist.ReduceOp.SUM)
+    return value
+
+
+def _broadcast_bool(flag: bool) -> bool:
+    value = torch.tensor([int(bool(flag))], device=device_utils.get_device())
+    dist.broadcast(value, src=0)
+    return bool(value.item())
+
+
+def _atomic_write_text(path: str, text: str) -> None:
+    tmp = f"{path}.tmp-{os.getpid()}"
+    with open(tmp, "w") as f:
+        f.write(text)
+    os.replace(tmp, path)
+
+
+class _MetricsLogger:
+    """Console lines (through tqdm so the progress bar stays intact) and an optional metrics.jsonl."""
+
+    def __init__(self, backends: list[str], directory: str, enabled: bool):
+        unknown = [b for b in backends if b not in LOGGERS]
+        if unknown:
+            raise ValueError(
+                f"trainer.logger={backends}: {unknown} not available in the SFT trainer; use any of {list(LOGGERS)}"
+            )
+        self.console = enabled and "console" in backends
+        self.file = os.path.join(directory, "metrics.jsonl") if enabled and "file" in backends else None
+
+    def log(self, metrics: dict[str, float], step: int, progress) -> None:
+        if self.console:
+            progress.write(f"step {step}: " + " ".join(f"{k}={_fmt(v)}" for k, v in metrics.items()))
+        if self.file:
+            os.makedirs(os.path.dirname(self.file), exist_ok=True)
+            with open(self.file, "a") as f:
+                f.write(json.dumps({"step": step, **metrics}) + "\n")
+
+
+def _fmt(value: float) -> str:
+    return f"{value:.4g}" if isinstance(value, float) else str(value)
+
+
+# --------------------------------------------------------------------------------- entry point
+def init_distributed() -> None:
+    """Join the torchrun process group, or form a one-process group when started without torchrun."""
+    if dist.is_initialized():
+        return
+    if "RANK" not in os.environ:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    device_utils.set_device()
+    dist.init_process_group(backend=device_utils.get_dist_backend())
+
+
+def resolve_defaults(config) -> None:
+    """Fill the embedded defaults: the bundled arith-tiny model and the generated arithmetic task."""
+    from omegaconf import open_dict
+
+    with open_dict(config):
+        if config.model.partial_pretrain is None:
+            from verl.models import bundled_model_path
+
+            config.model.partial_pretrain = bundled_model_path("arith-tiny")
+        if config.data.train_files is None:
+            from verl.utils.dataset.arith import ensure_arith_data
+
+            if dist.get_rank() == 0:
+                ensure_arith_data()  # one writer; the others read after the barrier
+            dist.barrier()
+            train_path, test_path = ensure_arith_data()
+            config.data.train_files = train_path
+            if config.data.val_files is None:
+                config.data.val_files = test_path
+
+
+def run_sft(config, should_stop: Callable[[FSDPSFTTrainer, int], bool] | None = None) -> FSDPSFTTrainer:
+    """Build everything from `config` in this (already distributed) process and train."""
+    from omegaconf import OmegaConf
+    from torch.distributed.device_mesh import init_device_mesh
+    from transformers import AutoTokenizer
+
+    from verl.utils.dataset.sft_dataset import SFTDataset
+
+    device_utils.set_device_preference(config.trainer.device)
+    init_distributed()
+    resolve_defaults(config)
+    torch.manual_seed(int(config.trainer.seed))
+    mesh = init_device_mesh(device_utils.get_device_name(), (dist.get_world_size(),), mesh_dim_names=("fsdp",))
+    tokenizer = AutoTokenizer.from_pretrained(
+        os.path.expanduser(config.model.partial_pretrain), trust_remote_code=bool(config.model.trust_remote_code)
+    )
+    data_config = OmegaConf.to_container(config.data, resolve=True)
+    train_dataset = SFTDataset(config.data.train_files, tokenizer, data_config)
+    val_dataset = SFTDataset(config.data.val_files, tokenizer, data_config) if config.data.val_files else None
+    trainer = FSDPSFTTrainer(config, mesh, tokenizer, train_dataset, val_dataset)
+    if dist.get_rank() == 0:
+        os.makedirs(trainer.checkpoint_dir, exist_ok=True)
+        OmegaConf.save(config, os.path.join(trainer.checkpoint_dir, "sft_config.yaml"), resolve=True)
+    trainer.fit(should_stop=should_stop)
+    return trainer
+
+
+def main() -> None:
+    import hydra
+
+    # An absolute path, so Hydra reads the YAML as a file whether this runs as a module or a script
+    # and does not need verl/trainer/config to be a Python package.
+    config_dir = os.path.join(os.path.dirname(os.path.abspath(__file__)), "config")
+
+    @hydra.main(config_path=config_dir, config_name="sft_trainer", version_base=None)
+    def _main(config) -> None:
+        run_sft(config)
+        dist.destroy_process_group()
+
+    _main()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,50 @@
+"""The interface every rollout engine implements: the built-in `hf` engine, vLLM and SGLang.
+
+The hybrid engine (actor and rollout on the same devices) drives it in this order each step:
+
+    rollout.wake_up()                         # re-allocate the weight buffers freed by sleep()
+    rollout.update_weights(named_tensors)     # HF-named tensors, streamed as FSDP gathers them
+    out = rollout.generate_sequences(prompts) # DataProto in, DataProto out (see hf_rollout.py)
+    rollout.sleep()                           # free the KV cache and the weight copy for training
+
+`update_weights` returns metrics (`timing_s/update_weights`) for the caller to log. An engine that
+owns no separate weight copy may implement sleep/wake_up as no-ops, but must keep the call order
+above valid.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Iterable
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
+
+    from verl.protocol import DataProto
+
+
+class BaseRollout(ABC):
+    """A generation engine the actor worker owns."""
+
+    @abstractmethod
+    def generate_sequences(self, prompts: DataProto) -> DataProto:
+        """Left-padded prompts (`input_ids`, `attention_mask`, `position_ids`) in; `prompts`,
+        `responses`, `input_ids`, `attention_mask`, `position_ids`, `response_mask` (and optionally
+        `rollout_log_probs`) out, with `non_tensor_batch` and `meta_info` passed through."""
+
+    @abstractmethod
+    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> dict[str, float]:
+        """Load HF-named parameters (any order, possibly one at a time) into the engine in place."""
+
+    @abstractmethod
+    def sleep(self) -> None:
+        """Free the KV cache and the engine's weight copy so training can use the memory."""
+
+    @abstractmethod
+    def wake_up(self) -> None:
+        """Re-allocate what `sleep` freed; weights must then be synced with `update_weights`."""
+
+    def release(self) -> None:
+        """Free everything for good (end of training); the default is a sleep."""
+        self.sleep()
