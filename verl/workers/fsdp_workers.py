@@ -162,9 +162,10 @@ class ActorRolloutRefWorker(Worker):
             )
             self.actor = DataParallelPPOActor(cfg.actor, self.actor_model.module, self.actor_model.optimizer)
         if "rollout" in self.parts:
-            from verl.workers.rollout import build_rollout
+            from verl.workers.rollout import get_rollout_class
 
-            self.rollout = build_rollout(cfg.rollout, cfg.model, self.tokenizer)
+            rollout_cls = get_rollout_class(cfg.rollout.name)
+            self.rollout = rollout_cls(cfg.model.path, config=cfg.rollout, tokenizer=self.tokenizer)
             if self.actor is not None:
                 self.rollout.sleep()  # weights arrive from the actor before each generation
         if "ref" in self.parts:
