@@ -80,6 +80,19 @@ def build_role_worker_mapping(config):
     return mapping
 
 
+def _ensure_default_data(config) -> None:
+    """Generate the embedded arithmetic task on first use when the config points at its cache files."""
+    from verl.utils.dataset.arith import default_cache_dir, ensure_arith_data
+
+    defaults = {os.path.realpath(os.path.join(default_cache_dir(), name)) for name in ("train.parquet", "test.parquet")}
+    files = []
+    for key in ("train_files", "val_files"):
+        value = config.data.get(key)
+        files.extend([value] if isinstance(value, str) else list(value or []))
+    if any(os.path.realpath(os.path.expanduser(f)) in defaults for f in files):
+        ensure_arith_data()
+
+
 class TaskRunner:
     """Builds tokenizer, datasets, reward functions, worker roles and pools, then trains."""
 
@@ -87,11 +100,10 @@ class TaskRunner:
         from verl.single_controller.ray import ResourcePoolManager
         from verl.trainer.ppo.ray_trainer import RayPPOTrainer
         from verl.trainer.ppo.reward import load_reward_manager
-        from verl.utils.dataset.arith import ensure_default_data
         from verl.utils.dataset.rl_dataset import RLHFDataset
         from verl.utils.tokenizer import hf_tokenizer
 
-        ensure_default_data(config)
+        _ensure_default_data(config)
         model_path = config.actor_rollout_ref.model.path
         tokenizer = hf_tokenizer(config.actor_rollout_ref.model.get("tokenizer_path") or model_path)
 
@@ -105,7 +117,9 @@ class TaskRunner:
         reward_fn = load_reward_manager(config, tokenizer, num_examine=0)
         val_reward_fn = load_reward_manager(config, tokenizer, num_examine=1)
         train_dataset = RLHFDataset(config.data.train_files, tokenizer, config.data)
-        val_dataset = RLHFDataset(config.data.val_files, tokenizer, config.data) if config.data.get("val_files") else None
+        val_dataset = (
+            RLHFDataset(config.data.val_files, tokenizer, config.data) if config.data.get("val_files") else None
+        )
 
         trainer = RayPPOTrainer(
             config=config,

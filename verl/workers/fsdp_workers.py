@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import os
 import time
+
 import torch
 import torch.distributed as dist
 from omegaconf import DictConfig, OmegaConf, open_dict
@@ -77,6 +78,13 @@ def _log_prob_meta(data: DataProto, cfg: DictConfig, temperature: float) -> None
     data.meta_info.setdefault("temperature", temperature)
 
 
+def _plain(section) -> dict:
+    """A config section (DictConfig, dict or None) as a plain dict."""
+    if section is None:
+        return {}
+    return OmegaConf.to_container(section, resolve=True) if OmegaConf.is_config(section) else dict(section)
+
+
 class _FSDPModel:
     """An HF model on this rank's device, wrapped with FSDP2 over all ranks of the group."""
 
@@ -88,7 +96,7 @@ class _FSDPModel:
         self.module = loader(
             model_cfg.path,
             trust_remote_code=model_cfg.get("trust_remote_code", False),
-            override_config=OmegaConf.to_container(model_cfg.get("override_config") or {}),
+            override_config=_plain(model_cfg.get("override_config")),
         )
         if for_training and model_cfg.get("enable_gradient_checkpointing", False):
             enable_gradient_checkpointing(self.module)
@@ -297,6 +305,7 @@ class RewardModelWorker(Worker):
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def init_model(self) -> None:
         from transformers import AutoModelForSequenceClassification
+
         from verl.utils.tokenizer import hf_tokenizer
 
         model_cfg = self.config.model

@@ -31,7 +31,9 @@ def _lengths(batch) -> tuple[torch.Tensor, torch.Tensor, int, int]:
     response_length = batch.batch["responses"].shape[-1]
     attention_mask = batch.batch["attention_mask"]
     prompt_mask = attention_mask[:, :-response_length]
-    response_mask = batch.batch["response_mask"] if "response_mask" in batch.batch.keys() else attention_mask[:, -response_length:]
+    response_mask = (
+        batch.batch["response_mask"] if "response_mask" in batch.batch.keys() else attention_mask[:, -response_length:]
+    )
     return prompt_mask.sum(-1).float(), response_mask.sum(-1).float(), prompt_mask.shape[-1], response_length
 
 
@@ -144,7 +146,9 @@ def process_validation_metrics(
     return result
 
 
-def flatten_validation_metrics(nested: dict[str, dict[str, dict[str, float]]], core_var: str = "acc") -> dict[str, float]:
+def flatten_validation_metrics(
+    nested: dict[str, dict[str, dict[str, float]]], core_var: str = "acc"
+) -> dict[str, float]:
     """val-core/<source>/<var>/<metric> for the core variable's headline metrics, val-aux/... otherwise.
 
     The core variable is `acc` when present, else `reward`. Headline metrics are mean@N, maj@N/mean

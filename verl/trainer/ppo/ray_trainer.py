@@ -169,11 +169,23 @@ class RayPPOTrainer:
 
         actor_role = Role.ActorRolloutRef if Role.ActorRolloutRef in self.role_worker_mapping else Role.ActorRollout
         worker_role = "actor_rollout_ref" if actor_role == Role.ActorRolloutRef else "actor_rollout"
-        add(actor_role, "actor_rollout", RayClassWithInitArgs(self.role_worker_mapping[actor_role], config=arc, role=worker_role))
+        add(
+            actor_role,
+            "actor_rollout",
+            RayClassWithInitArgs(self.role_worker_mapping[actor_role], config=arc, role=worker_role),
+        )
         if self.use_critic:
-            add(Role.Critic, "critic", RayClassWithInitArgs(self.role_worker_mapping[Role.Critic], config=self.config.critic))
+            add(
+                Role.Critic,
+                "critic",
+                RayClassWithInitArgs(self.role_worker_mapping[Role.Critic], config=self.config.critic),
+            )
         if Role.RefPolicy in self.role_worker_mapping:
-            add(Role.RefPolicy, "ref", RayClassWithInitArgs(self.role_worker_mapping[Role.RefPolicy], config=arc, role="ref"))
+            add(
+                Role.RefPolicy,
+                "ref",
+                RayClassWithInitArgs(self.role_worker_mapping[Role.RefPolicy], config=arc, role="ref"),
+            )
         if self.use_rm:
             add(
                 Role.RewardModel,
@@ -299,12 +311,15 @@ class RayPPOTrainer:
         return batch
 
     def _gen_batch(self, batch: DataProto, **meta) -> DataProto:
-        non_tensor_keys = [k for k in ("raw_prompt_ids", "raw_prompt", "multi_modal_data") if k in batch.non_tensor_batch]
+        non_tensor_keys = [
+            k for k in ("raw_prompt_ids", "raw_prompt", "multi_modal_data") if k in batch.non_tensor_batch
+        ]
         gen = batch.select(batch_keys=list(GEN_BATCH_KEYS), non_tensor_batch_keys=non_tensor_keys)
         gen.meta_info.update(
             eos_token_id=self.tokenizer.eos_token_id,
             pad_token_id=self.tokenizer.pad_token_id,
             global_steps=self.global_steps,
+            n=1,  # the driver repeats each prompt itself (rows sharing a uid); one sample per row
             **meta,
         )
         return gen
@@ -340,7 +355,9 @@ class RayPPOTrainer:
             extra = result.get("reward_extra_info", {})
             if count:
                 if "reward_error" in extra:
-                    state.metrics["reward/num_errors"] = float(np.sum(np.asarray(extra["reward_error"], dtype=np.float64)))
+                    state.metrics["reward/num_errors"] = float(
+                        np.sum(np.asarray(extra["reward_error"], dtype=np.float64))
+                    )
                 for key, values in extra.items():
                     if len(values) == len(batch):
                         batch.non_tensor_batch[key] = np.asarray(values)
@@ -485,7 +502,11 @@ class RayPPOTrainer:
         self.tracker = tracker
         self._load_checkpoint()
         last: dict[str, float] = {}
-        if self.val_dataloader is not None and self.val_reward_fn is not None and trainer_cfg.get("val_before_train", True):
+        if (
+            self.val_dataloader is not None
+            and self.val_reward_fn is not None
+            and trainer_cfg.get("val_before_train", True)
+        ):
             last = self._validate()
             tracker.log(last, step=self.global_steps)
             if trainer_cfg.get("val_only", False):
@@ -601,8 +622,11 @@ class RayPPOTrainer:
 
 def _with_generation(batch: DataProto, gen_out: DataProto) -> DataProto:
     """The prompt batch with its generation-side tensors replaced by the rollout's output."""
-    batch = DataProto(batch=batch.batch.clone() if batch.batch is not None else None,
-                      non_tensor_batch=dict(batch.non_tensor_batch), meta_info=dict(batch.meta_info))
+    batch = DataProto(
+        batch=batch.batch.clone() if batch.batch is not None else None,
+        non_tensor_batch=dict(batch.non_tensor_batch),
+        meta_info=dict(batch.meta_info),
+    )
     for key in GEN_BATCH_KEYS:
         if batch.batch is not None and key in batch.batch.keys():
             batch.batch.pop(key)
