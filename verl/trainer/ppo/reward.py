@@ -64,6 +64,9 @@ def load_reward_manager(config, tokenizer, num_examine: int, **reward_kwargs):
     manager_cls = get_reward_manager_cls(name)
     kwargs = {**_plain(reward_model.get("reward_kwargs")), **reward_kwargs}
     data = config.get("data") or {}
+    if name == "dapo":  # DAPO's overlong shaping reads two trainer keys, as upstream's recipe passes them
+        kwargs.setdefault("max_resp_len", data.get("max_response_length"))
+        kwargs.setdefault("overlong_buffer_cfg", _plain(reward_model.get("overlong_buffer")))
     try:
         return manager_cls(
             tokenizer=tokenizer,
