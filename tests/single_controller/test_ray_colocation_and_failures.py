@@ -83,9 +83,10 @@ def test_colocated_roles_share_a_process_and_expose_prefixed_methods(cpu_pool):
         values = views["critic"].compute_values(_data(4)).batch["values"]
         torch.testing.assert_close(values, torch.tensor([0.0, 10.0, 21.0, 31.0]))  # + rank of the chunk owner
         assert not hasattr(views["critic"], "update_actor")
-        with pytest.raises(WorkerMethodError, match="actor rank 0: boom") as info:
+        # Every rank raises; whichever failure Ray reports first is named.
+        with pytest.raises(WorkerMethodError, match=r"actor rank [01]: boom\(\) raised RuntimeError") as info:
             views["actor"].boom()
-        assert info.value.role == "actor"
+        assert info.value.role == "actor" and info.value.rank in (0, 1)
         with pytest.raises(WorkerMethodError) as info:
             wg.actor_boom()
         assert (info.value.role, info.value.method) == ("actor", "actor_boom")

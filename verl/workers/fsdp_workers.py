@@ -42,13 +42,26 @@ _ROLES = {
 
 
 def _join_group(worker: Worker) -> None:
-    """Join the group's torch.distributed group once per process (colocated roles share it)."""
+    """Join the group's torch.distributed group once per process (colocated roles share it).
+
+    Seeds torch identically on every rank, so freshly initialised weights (a critic's value head)
+    agree across ranks; `_seed_sampling` later gives each rank its own sampling stream.
+    """
     if not dist.is_initialized():
         worker.init_process_group(backend=dev.get_dist_backend())
     dev.set_device()
+    torch.manual_seed(_SEED)
     # One CPU bundle per worker: use the threads Ray granted, not every core of the machine.
     if not dev.is_cuda_available():
         torch.set_num_threads(max(1, int(os.environ.get("OMP_NUM_THREADS", 1))))
+
+
+_SEED = 0
+
+
+def _seed_sampling() -> None:
+    """A per-rank random stream for sampling, so a fixed-seed run is reproducible (checkpoints save it)."""
+    torch.manual_seed(_SEED + dist.get_rank())
 
 
 def _normalize_batch_sizes(actor_cfg: DictConfig, rollout_n: int, dp_size: int) -> None:
@@ -181,6 +194,7 @@ class ActorRolloutRefWorker(Worker):
             self.ref_model = _FSDPModel(cfg.model, ref_cfg.get("fsdp_config"), for_training=False)
             # Only compute_log_prob is used, which reads the actor's model-side keys (remove padding, ...).
             self.ref = DataParallelPPOActor(cfg.actor, self.ref_model.module)
+        _seed_sampling()
 
     @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO)
     def generate_sequences(self, prompts: DataProto) -> DataProto:
