@@ -128,7 +128,6 @@ class FSDPSFTTrainer:
             dtype=torch.float32,  # master weights stay fp32; mixed precision applies to compute only
             trust_remote_code=bool(model_cfg.trust_remote_code),
         )
-        model.config.use_cache = False
         if model_cfg.enable_gradient_checkpointing:
             model.gradient_checkpointing_enable()
         fsdp_cfg = model_cfg.fsdp_config
