@@ -25,7 +25,7 @@ def test_bundled_model_path_points_at_a_small_hf_directory():
 
 
 def test_unknown_bundled_model_lists_the_available_ones():
-    with pytest.raises(FileNotFoundError, match=r"bundled models: \['arith-tiny'\]"):
+    with pytest.raises(FileNotFoundError, match=r"bundled models: \[.*'arith-tiny'"):
         bundled_model_path("nope")
 
 
