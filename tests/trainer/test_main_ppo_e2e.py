@@ -55,7 +55,9 @@ def _metrics(tmp_path: Path) -> list[dict]:
 
 def _run(cmd: list[str], tmp_path: Path, timeout: int = 420) -> subprocess.CompletedProcess:
     proc = subprocess.run(cmd, cwd=ROOT, env=_env(tmp_path), capture_output=True, text=True, timeout=timeout)
-    assert proc.returncode == 0, f"exit {proc.returncode}\n--- stdout ---\n{proc.stdout[-4000:]}\n--- stderr ---\n{proc.stderr[-6000:]}"
+    assert proc.returncode == 0, (
+        f"exit {proc.returncode}\n--- stdout ---\n{proc.stdout[-4000:]}\n--- stderr ---\n{proc.stderr[-6000:]}"
+    )
     return proc
 
 
@@ -111,7 +113,13 @@ def _wait_for_checkpoint(ckpt: Path, step: int, proc: subprocess.Popen, timeout:
 def test_resume_after_kill_9_reproduces_the_uninterrupted_run(tmp_path):
     """4 steps straight == 2 steps, kill -9, resume, 2 more steps (same metrics on CPU)."""
     steps = 4
-    base = ["bash", "examples/grpo_trainer/run_arith_tiny_cpu.sh", "trainer.save_freq=2", "data.train_batch_size=16"]
+    base = [
+        "bash",
+        "examples/grpo_trainer/run_arith_tiny_cpu.sh",
+        "trainer.save_freq=2",
+        "data.train_batch_size=16",
+        "actor_rollout_ref.actor.ppo_mini_batch_size=16",
+    ]
     straight = tmp_path / "straight"
     straight.mkdir()
     _run([*base, *_common(straight, steps)], straight)
@@ -119,8 +127,9 @@ def test_resume_after_kill_9_reproduces_the_uninterrupted_run(tmp_path):
     killed = tmp_path / "killed"
     killed.mkdir()
     cmd = [*base, *_common(killed, steps)]
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=_env(killed), start_new_session=True,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    proc = subprocess.Popen(
+        cmd, cwd=ROOT, env=_env(killed), start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+    )
     try:
         _wait_for_checkpoint(killed / "ckpt", 2, proc, timeout=300)
     finally:

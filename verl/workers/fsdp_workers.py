@@ -76,12 +76,12 @@ def _normalize_batch_sizes(actor_cfg: DictConfig, rollout_n: int, dp_size: int) 
             )
         actor_cfg.ppo_mini_batch_size = global_mini // dp_size
         micro = actor_cfg.get("ppo_micro_batch_size_per_gpu")
-        if not actor_cfg.get("use_dynamic_bsz", False) and micro:
-            if actor_cfg.ppo_mini_batch_size % micro and micro < actor_cfg.ppo_mini_batch_size:
-                raise ValueError(
-                    f"the per-rank mini-batch of {actor_cfg.ppo_mini_batch_size} samples is not divisible by "
-                    f"actor.ppo_micro_batch_size_per_gpu={micro}; pick a micro-batch size that divides it"
-                )
+        per_rank = actor_cfg.ppo_mini_batch_size
+        if not actor_cfg.get("use_dynamic_bsz", False) and micro and micro < per_rank and per_rank % micro:
+            raise ValueError(
+                f"the per-rank mini-batch of {per_rank} samples is not divisible by "
+                f"actor.ppo_micro_batch_size_per_gpu={micro}; pick a micro-batch size that divides it"
+            )
 
 
 def _log_prob_meta(data: DataProto, cfg: DictConfig, temperature: float) -> None:

@@ -32,7 +32,7 @@ def _lengths(batch) -> tuple[torch.Tensor, torch.Tensor, int, int]:
     attention_mask = batch.batch["attention_mask"]
     prompt_mask = attention_mask[:, :-response_length]
     response_mask = (
-        batch.batch["response_mask"] if "response_mask" in batch.batch.keys() else attention_mask[:, -response_length:]
+        batch.batch["response_mask"] if "response_mask" in batch.batch else attention_mask[:, -response_length:]
     )
     return prompt_mask.sum(-1).float(), response_mask.sum(-1).float(), prompt_mask.shape[-1], response_length
 
@@ -49,16 +49,16 @@ def compute_data_metrics(batch, use_critic: bool = True) -> dict[str, float]:
     metrics: dict[str, float] = {}
 
     for name, key in (("score", "token_level_scores"), ("rewards", "token_level_rewards")):
-        if key in batch.batch.keys():
+        if key in batch.batch:
             seq = batch.batch[key].sum(-1).float()
             metrics[f"critic/{name}/mean"] = seq.mean().item()
             metrics[f"critic/{name}/max"] = seq.max().item()
             metrics[f"critic/{name}/min"] = seq.min().item()
     for name in ("advantages", "returns") + (("values",) if use_critic else ()):
-        if name in batch.batch.keys():
+        if name in batch.batch:
             mean, mx, mn = _masked_stats(batch.batch[name], response_mask)
             metrics[f"critic/{name}/mean"], metrics[f"critic/{name}/max"], metrics[f"critic/{name}/min"] = mean, mx, mn
-    if use_critic and "values" in batch.batch.keys() and "returns" in batch.batch.keys():
+    if use_critic and "values" in batch.batch and "returns" in batch.batch:
         returns = batch.batch["returns"][response_mask].float()
         values = batch.batch["values"][response_mask].float()
         var_returns = torch.var(returns, unbiased=False)

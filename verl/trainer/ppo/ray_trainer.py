@@ -377,9 +377,9 @@ class RayPPOTrainer:
     def _apply_kl_in_reward(self, batch: DataProto) -> dict[str, float]:
         # The in-reward KL needs the current policy and reference log-probs before the reward is
         # final; compute them here (they are reused by the later phases and not recomputed).
-        if "old_log_probs" not in batch.batch.keys():
+        if "old_log_probs" not in batch.batch:
             batch.union(self.actor_rollout_wg.compute_log_prob(batch).select(batch_keys=["old_log_probs"]))
-        if "ref_log_prob" not in batch.batch.keys():
+        if "ref_log_prob" not in batch.batch:
             batch.union(self.ref_policy_wg.compute_ref_log_prob(batch))
         rewards, current_kl = core_algos.apply_kl_penalty_tensors(
             batch.batch["token_level_scores"],
@@ -406,21 +406,21 @@ class RayPPOTrainer:
         state.metrics.update(log_seqlen_unbalance(seqlen_list=seqlens, partitions=partitions, prefix="global_seqlen"))
 
     def _compute_old_log_prob(self, batch: DataProto, state: _StepState) -> DataProto:
-        if "old_log_probs" in batch.batch.keys():  # already computed for the in-reward KL
+        if "old_log_probs" in batch.batch:  # already computed for the in-reward KL
             return batch
         out = self.actor_rollout_wg.compute_log_prob(batch)
         state.metrics.update(_meta_metrics(out))
-        if "entropys" in out.batch.keys():
+        if "entropys" in out.batch:
             entropys = out.batch.pop("entropys")
             state.metrics["actor/entropy"] = core_algos.agg_loss(
                 entropys, batch.batch["response_mask"], self.config.actor_rollout_ref.actor.loss_agg_mode
             ).item()
-        if "rollout_log_probs" in batch.batch.keys():
+        if "rollout_log_probs" in batch.batch:
             state.metrics.update(_rollout_mismatch_metrics(batch, out.batch["old_log_probs"]))
         return batch.union(out)
 
     def _compute_ref_log_prob(self, batch: DataProto) -> DataProto:
-        if "ref_log_prob" in batch.batch.keys():
+        if "ref_log_prob" in batch.batch:
             return batch
         return batch.union(self.ref_policy_wg.compute_ref_log_prob(batch))
 
@@ -438,7 +438,7 @@ class RayPPOTrainer:
             "lam": algo.get("lam", 1.0),
             "norm_adv_by_std_in_grpo": algo.get("norm_adv_by_std_in_grpo", True),
         }
-        inputs.update({k: batch.batch[k] for k in ("values", "reward_baselines") if k in batch.batch.keys()})
+        inputs.update({k: batch.batch[k] for k in ("values", "reward_baselines") if k in batch.batch})
         advantages, returns = core_algos.compute_advantage_from_tensors(algo.adv_estimator, **inputs)
         batch.batch["advantages"] = advantages
         batch.batch["returns"] = returns
@@ -502,11 +502,8 @@ class RayPPOTrainer:
         self.tracker = tracker
         self._load_checkpoint()
         last: dict[str, float] = {}
-        if (
-            self.val_dataloader is not None
-            and self.val_reward_fn is not None
-            and trainer_cfg.get("val_before_train", True)
-        ):
+        can_validate = self.val_dataloader is not None and self.val_reward_fn is not None
+        if can_validate and trainer_cfg.get("val_before_train", True):
             last = self._validate()
             tracker.log(last, step=self.global_steps)
             if trainer_cfg.get("val_only", False):
@@ -518,17 +515,14 @@ class RayPPOTrainer:
             self.global_steps += 1
             is_last = self.global_steps >= self.total_training_steps
             metrics = self.step()
-            test_freq = trainer_cfg.get("test_freq", -1)
-            if self.val_dataloader is not None and self.val_reward_fn is not None and test_freq > 0:
-                if is_last or self.global_steps % test_freq == 0:
-                    with marked_timer("testing", timing := {}):
-                        metrics.update(self._validate())
-                    metrics["timing_s/testing"] = timing["testing"]
-            save_freq = trainer_cfg.get("save_freq", -1)
-            if save_freq > 0 and (is_last or self.global_steps % save_freq == 0):
-                with marked_timer("save_checkpoint", timing := {}):
+            timing: dict[str, float] = {}
+            if can_validate and _due(trainer_cfg.get("test_freq", -1), self.global_steps, is_last):
+                with marked_timer("testing", timing):
+                    metrics.update(self._validate())
+            if _due(trainer_cfg.get("save_freq", -1), self.global_steps, is_last):
+                with marked_timer("save_checkpoint", timing):
                     self._save_checkpoint()
-                metrics["timing_s/save_checkpoint"] = timing["save_checkpoint"]
+            metrics.update({f"timing_s/{name}": seconds for name, seconds in timing.items()})
             metrics["training/global_step"] = self.global_steps
             metrics["training/epoch"] = self.train_dataloader.epoch
             tracker.log(metrics, step=self.global_steps)
@@ -620,6 +614,11 @@ class RayPPOTrainer:
         torch.set_rng_state(rng["torch"])
 
 
+def _due(freq: int, step: int, is_last: bool) -> bool:
+    """Whether a periodic action (test_freq, save_freq; <= 0 disables) runs at `step`."""
+    return freq > 0 and (is_last or step % freq == 0)
+
+
 def _with_generation(batch: DataProto, gen_out: DataProto) -> DataProto:
     """The prompt batch with its generation-side tensors replaced by the rollout's output."""
     batch = DataProto(
@@ -628,7 +627,7 @@ def _with_generation(batch: DataProto, gen_out: DataProto) -> DataProto:
         meta_info=dict(batch.meta_info),
     )
     for key in GEN_BATCH_KEYS:
-        if batch.batch is not None and key in batch.batch.keys():
+        if batch.batch is not None and key in batch.batch:
             batch.batch.pop(key)
     return batch.union(gen_out)
 
