@@ -4,6 +4,8 @@ The reference for what is generated is transformers' own `generate()` on each pr
 decoded the way the reward managers decode: an independent implementation of the same decoding.
 """
 
+import json
+
 import pyarrow.parquet as pq
 import pytest
 import torch
@@ -12,6 +14,7 @@ from transformers import AutoModelForCausalLM
 from tests.distributed_helpers import one_thread
 from verl.models.factory import build_model, save_model
 from verl.trainer.main_generation import main
+from verl.trainer.tool_config import load_tool_config
 from verl.utils.dataset.arith import write_arith_parquet
 from verl.utils.tokenizer import hf_tokenizer
 
@@ -123,3 +126,27 @@ def test_an_overlong_prompt_names_its_row_unless_truncation_is_chosen(setup, tmp
         main(overrides(setup, tmp_path / "o.parquet", "rollout.prompt_length=4", "data.n_samples=1"))
     main(overrides(setup, tmp_path / "left.parquet", "rollout.prompt_length=4", "data.truncation=left"))
     assert pq.read_table(tmp_path / "left.parquet").num_rows == NUM_PROMPTS
+
+
+def test_generated_file_is_what_main_eval_scores(setup, tmp_path):
+    from verl.trainer.main_eval import main as eval_main
+    from verl.utils.reward_score.arith import compute_score
+
+    out = tmp_path / "gen.parquet"
+    main(overrides(setup, out, "data.n_samples=2"))
+    eval_main([f"data.path={out}", f"data.output_path={tmp_path / 'm.json'}"])
+    metrics = json.loads((tmp_path / "m.json").read_text())
+    rows = pq.read_table(out).to_pylist()
+    scores = [compute_score(r, row["reward_model"]["ground_truth"]) for row in rows for r in row["responses"]]
+    assert list(metrics) == ["arith"]
+    arith = metrics["arith"]
+    assert set(arith) == {"num_prompts", "n", "mean@2", "pass@1", "pass@2"}
+    assert (arith["num_prompts"], arith["n"]) == (NUM_PROMPTS, 2)
+    assert arith["mean@2"] == pytest.approx(sum(scores) / len(scores)) and arith["pass@1"] == arith["mean@2"]
+
+
+def test_defaults_chain_the_bundled_model_generation_and_evaluation():
+    generation = load_tool_config("generation", [])
+    evaluation = load_tool_config("evaluation", [])
+    assert generation.model.path.endswith("arith-tiny") and generation.data.path.endswith("arith/test.parquet")
+    assert evaluation.data.path == generation.data.output_path
