@@ -112,6 +112,7 @@ def test_saved_directory_is_a_plain_hf_checkpoint(tiny_dir):
     with open(os.path.join(tiny_dir, "config.json")) as f:
         config = json.load(f)
     assert config["architectures"] == ["Qwen2ForCausalLM"] and config["head_dim"] == 64
+    assert config["rope_theta"] == config["rope_parameters"]["rope_theta"] == 10000.0  # read by 4.x and 5
     with open(os.path.join(tiny_dir, "tokenizer_config.json")) as f:
         tok_config = json.load(f)
     # Readable by transformers 4.x too: a known class name and the template inline.

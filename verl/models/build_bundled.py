@@ -179,7 +179,7 @@ perfect, so reinforcement learning has room to show learning.
 Load it with `verl.models.bundled_model_path("arith-tiny")` and the usual
 `AutoModelForCausalLM.from_pretrained` / `AutoTokenizer.from_pretrained` (offline).
 
-Reproduce from scratch (about a few minutes on 2 CPU cores):
+Reproduce from scratch (one CPU thread; this build took {info["build_seconds"]:.0f} s on a shared machine):
 
 ```bash
 python -m verl.models.build_bundled        # or: bash examples/sft/build_arith_tiny.sh

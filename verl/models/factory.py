@@ -22,6 +22,7 @@ Design decisions:
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 from dataclasses import dataclass
 
@@ -196,8 +197,23 @@ def save_model(model, tokenizer, out_dir: str) -> str:
 
     os.makedirs(out_dir, exist_ok=True)
     model.save_pretrained(out_dir, safe_serialization=True)
+    add_legacy_rope_theta(os.path.join(out_dir, "config.json"))
     save_tokenizer(tokenizer, out_dir)
     return out_dir
+
+
+def add_legacy_rope_theta(config_path: str) -> None:
+    """transformers 5 writes the RoPE base only inside `rope_parameters`; transformers 4.x (and the
+    engines pinned to it) read a top-level `rope_theta` and would silently fall back to 10000, so a
+    rollout engine and the trainer would disagree on positions. Write both; version 5 reads either."""
+    with open(config_path) as f:
+        config = json.load(f)
+    theta = (config.get("rope_parameters") or {}).get("rope_theta")
+    if theta is not None and "rope_theta" not in config:
+        config["rope_theta"] = theta
+        with open(config_path, "w") as f:
+            json.dump(config, f, indent=2, sort_keys=True)
+            f.write("\n")
 
 
 def make_tiny(preset: str, out_dir: str, seed: int = 0, dtype: str = "float32") -> str:

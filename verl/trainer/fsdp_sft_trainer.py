@@ -128,7 +128,6 @@ class FSDPSFTTrainer:
             dtype=torch.float32,  # master weights stay fp32; mixed precision applies to compute only
             trust_remote_code=bool(model_cfg.trust_remote_code),
         )
-        model.config.use_cache = False
         if model_cfg.enable_gradient_checkpointing:
             model.gradient_checkpointing_enable()
         fsdp_cfg = model_cfg.fsdp_config
@@ -284,6 +283,7 @@ class FSDPSFTTrainer:
         import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_state_dict
 
+        from verl.models.factory import add_legacy_rope_theta
         from verl.models.tokenizer import save_tokenizer
 
         path = os.path.join(self.checkpoint_dir, f"global_step_{self.global_step}")
@@ -300,6 +300,7 @@ class FSDPSFTTrainer:
             )
             hf_dir = os.path.join(path, "huggingface")
             self.model.save_pretrained(hf_dir, state_dict=full_state, safe_serialization=True)
+            add_legacy_rope_theta(os.path.join(hf_dir, "config.json"))
             save_tokenizer(self.tokenizer, hf_dir)
         dist.barrier()
         if self.rank == 0:
