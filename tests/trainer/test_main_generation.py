@@ -128,14 +128,18 @@ def test_an_overlong_prompt_names_its_row_unless_truncation_is_chosen(setup, tmp
     assert pq.read_table(tmp_path / "left.parquet").num_rows == NUM_PROMPTS
 
 
+def eval_main_metrics(eval_main, path, tmp_path) -> dict:
+    eval_main([f"data.path={path}", f"data.output_path={tmp_path / 'metrics.json'}"])
+    return json.loads((tmp_path / "metrics.json").read_text())
+
+
 def test_generated_file_is_what_main_eval_scores(setup, tmp_path):
     from verl.trainer.main_eval import main as eval_main
     from verl.utils.reward_score.arith import compute_score
 
     out = tmp_path / "gen.parquet"
     main(overrides(setup, out, "data.n_samples=2"))
-    eval_main([f"data.path={out}", f"data.output_path={tmp_path / 'm.json'}"])
-    metrics = json.loads((tmp_path / "m.json").read_text())
+    metrics = eval_main_metrics(eval_main, out, tmp_path)
     rows = pq.read_table(out).to_pylist()
     scores = [compute_score(r, row["reward_model"]["ground_truth"]) for row in rows for r in row["responses"]]
     assert list(metrics) == ["arith"]
@@ -150,3 +154,30 @@ def test_defaults_chain_the_bundled_model_generation_and_evaluation():
     evaluation = load_tool_config("evaluation", [])
     assert generation.model.path.endswith("arith-tiny") and generation.data.path.endswith("arith/test.parquet")
     assert evaluation.data.path == generation.data.output_path
+
+
+def test_bundled_model_scores_the_same_through_generation_and_eval_as_through_hf_generate(tmp_path):
+    from verl.models import bundled_model_path
+    from verl.trainer.main_eval import main as eval_main
+    from verl.utils.dataset.arith import evaluate_greedy_accuracy, load_rows
+
+    model_dir = bundled_model_path("arith-tiny")
+    _, test_path = write_arith_parquet(str(tmp_path / "data"), num_train=4, num_test=100, seed=1)
+    out = tmp_path / "gen.parquet"
+    main(
+        [
+            f"data.path={test_path}",
+            f"data.output_path={out}",
+            f"model.path={model_dir}",
+            "rollout.do_sample=false",
+            "data.n_samples=1",
+            "rollout.prompt_length=64",
+            "rollout.response_length=8",
+            "trainer.device=cpu",
+        ]
+    )
+    metrics = eval_main_metrics(eval_main, out, tmp_path)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    expected = evaluate_greedy_accuracy(model, hf_tokenizer(model_dir), load_rows(test_path))
+    assert 0.1 < expected < 0.5, "the bundled model answers some problems, not all"
+    assert metrics["arith"]["pass@1"] == pytest.approx(expected, abs=1e-12)
