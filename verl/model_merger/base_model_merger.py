@@ -227,7 +227,7 @@ class BaseModelMerger(ABC):
         if self.target_dtype is not None:
             state_dict = {k: v.to(self.target_dtype) if v.is_floating_point() else v for k, v in state_dict.items()}
         model_class = self.get_transformers_auto_model_class(state_dict)
-        self._check_tied_weights(model_class, state_dict)
+        self._tie_shared_weights(model_class, state_dict)
         return state_dict, model_class
 
     def merge_and_save(self) -> str:
@@ -308,7 +308,7 @@ class BaseModelMerger(ABC):
         with torch.device("meta"):
             return model_class.from_config(self.model_config, dtype=dtype)
 
-    def _check_tied_weights(self, model_class, state_dict: dict[str, torch.Tensor]) -> None:
+    def _tie_shared_weights(self, model_class, state_dict: dict[str, torch.Tensor]) -> None:
         """Names sharing one parameter in the model must hold equal tensors in the checkpoint.
 
         They are then made one tensor again (DCP stores each name separately), so that
