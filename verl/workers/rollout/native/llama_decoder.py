@@ -172,6 +172,7 @@ class LlamaDecoder:
         self._cos: torch.Tensor | None = None
         self._sin: torch.Tensor | None = None
         self._targets: dict[str, torch.Tensor] = {}
+        self._layers: list[tuple] = []
 
     # ----------------------------------------------------------------------------------- weights
     def allocate_weights(self) -> None:
@@ -200,6 +201,21 @@ class LlamaDecoder:
             w["lm_head"] = empty(s.vocab_size, Hd)
         self.weights = w
         self._targets = self._target_views(w)
+        self._layers = [self._layer_views(w, i) for i in range(L)]
+
+    @staticmethod
+    def _layer_views(w: dict[str, torch.Tensor], i: int) -> tuple:
+        """Per-layer weight views for the decode step, transposed for `addmm` (built once, not per token)."""
+        return (
+            w["ln1"][i],
+            w["qkv"][i].t(),
+            w["qkv_b"][i] if "qkv_b" in w else None,
+            w["o"][i],
+            w["o_b"][i] if "o_b" in w else None,
+            w["ln2"][i],
+            w["gate_up"][i].t(),
+            w["down"][i].t(),
+        )
 
     def _target_views(self, w: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         s = self.spec
@@ -261,6 +277,7 @@ class LlamaDecoder:
     def release_weights(self) -> None:
         self.weights = {}
         self._targets = {}
+        self._layers = []
 
     def weight_bytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.weights.values())
@@ -375,31 +392,31 @@ class LlamaDecoder:
         """One token per row: `tokens`/`positions` [B], written at cache column `step_index` ([1] int64
         device tensor); attends over the first `kv_len` columns. Returns logits [B, V].
 
-        Capture-safe for CUDA graphs: no host syncs and no data-dependent shapes.
+        Capture-safe for CUDA graphs: no host syncs and no data-dependent shapes. Hidden states stay
+        2-D [B, hidden] and residual adds ride on `addmm`, to keep the op count per layer minimal.
         """
-        s, w = self.spec, self.weights
+        s = self.spec
         B = tokens.shape[0]
-        H, KV, D = s.num_heads, s.num_kv_heads, s.head_dim
-        G = H // KV
+        H, KV, D, I = s.num_heads, s.num_kv_heads, s.head_dim, s.intermediate_size  # noqa: E741
+        G, qk_size, scale = H // KV, (H + KV) * D, D**-0.5
         key_bias = self.key_bias[:B]
         key_bias.index_fill_(1, step_index, 0.0)
         bias = key_bias[:, None, None, :kv_len]
-        cos = self._cos[positions][:, None, None, :]
-        sin = self._sin[positions][:, None, None, :]
-        scale = D**-0.5
+        cos = self._cos[positions][:, None, :]
+        sin = self._sin[positions][:, None, :]
 
-        x = F.embedding(tokens, w["embed"])[:, None, :]
-        for i in range(s.num_layers):
-            h = self._norm(x, w["ln1"][i])
-            qkv = F.linear(h, w["qkv"][i], w["qkv_b"][i] if "qkv_b" in w else None)
-            qk = self._rotate(qkv[..., : (H + KV) * D].view(B, 1, H + KV, D), cos, sin)
+        x = F.embedding(tokens, self.weights["embed"])
+        for i, (ln1, qkv_t, qkv_b, o_w, o_b, ln2, gate_up_t, down_t) in enumerate(self._layers):
+            h = self._norm(x, ln1)
+            qkv = torch.addmm(qkv_b, h, qkv_t) if qkv_b is not None else h @ qkv_t
+            qk = self._rotate(qkv[:, :qk_size].view(B, H + KV, D), cos, sin)
             k_cache, v_cache = self.k_cache[i, :B], self.v_cache[i, :B]
-            k_cache.index_copy_(2, step_index, qk[:, :, H:].transpose(1, 2))
-            v_cache.index_copy_(2, step_index, qkv[..., (H + KV) * D :].view(B, 1, KV, D).transpose(1, 2))
-            q = qk[:, 0, :H].reshape(B, KV, G, D)
-            scores = torch.matmul(q, k_cache[:, :, :kv_len].transpose(-1, -2))
+            k_cache.index_copy_(2, step_index, qk[:, H:, None])
+            v_cache.index_copy_(2, step_index, qkv[:, qk_size:].view(B, KV, 1, D))
+            scores = torch.matmul(qk[:, :H].view(B, KV, G, D), k_cache[:, :, :kv_len].transpose(-1, -2))
             probs = (scores.float() * scale + bias).softmax(dim=-1).to(self.dtype)
-            o = torch.matmul(probs, v_cache[:, :, :kv_len]).reshape(B, 1, H * D)
-            x = x + F.linear(o, w["o"][i], w["o_b"][i] if "o_b" in w else None)
-            x = self._mlp(x, i)
-        return self._logits(x[:, 0])
+            o = torch.matmul(probs, v_cache[:, :, :kv_len]).view(B, H * D)
+            x = x + F.linear(o, o_w, o_b) if o_b is not None else torch.addmm(x, o, o_w.t())
+            gate_up = self._norm(x, ln2) @ gate_up_t
+            x = torch.addmm(x, F.silu(gate_up[:, :I]) * gate_up[:, I:], down_t)
+        return self._logits(x)
