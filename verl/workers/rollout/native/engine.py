@@ -262,7 +262,7 @@ class GenerationEngine:
             if logprobs is not None:
                 logprobs[:, i] = token_logprobs
             if eos is not None:
-                finished |= torch.isin(tokens, eos)
+                finished |= (tokens[:, None] == eos).any(-1)  # not isin: it may sync on some devices
             if i == R - 1 or ((i + 1) % self.stop_check_interval == 0 and eos is not None and bool(finished.all())):
                 break
             logits = self._decode(tokens, positions[:, i], P + i)
@@ -271,7 +271,7 @@ class GenerationEngine:
         if eos is None:
             response_mask = torch.ones((B, R), dtype=attention_mask.dtype, device=dev)
         else:
-            is_eos = torch.isin(responses, eos).to(attention_mask.dtype)
+            is_eos = (responses[..., None] == eos).any(-1).to(attention_mask.dtype)
             response_mask = ((is_eos.cumsum(-1) - is_eos) == 0).to(attention_mask.dtype)
             responses.masked_fill_(response_mask == 0, pad_token_id)
             if logprobs is not None:

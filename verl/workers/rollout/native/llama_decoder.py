@@ -173,6 +173,7 @@ class LlamaDecoder:
         self._sin: torch.Tensor | None = None
         self._targets: dict[str, torch.Tensor] = {}
         self._layers: list[tuple] = []
+        self._batch_views: dict[int, tuple] = {}
 
     # ----------------------------------------------------------------------------------- weights
     def allocate_weights(self) -> None:
@@ -211,6 +212,7 @@ class LlamaDecoder:
             w["qkv"][i].t(),
             w["qkv_b"][i] if "qkv_b" in w else None,
             w["o"][i],
+            w["o"][i].t(),
             w["o_b"][i] if "o_b" in w else None,
             w["ln2"][i],
             w["gate_up"][i].t(),
@@ -300,6 +302,7 @@ class LlamaDecoder:
             self.k_cache = torch.zeros(shape, device=self.device, dtype=self.dtype)
             self.v_cache = torch.zeros(shape, device=self.device, dtype=self.dtype)
             self.key_bias = torch.zeros(batch, max_len, device=self.device, dtype=torch.float32)
+            self._batch_views = {}
             grown = True
         if self._cos is None or self._cos.shape[0] < max_position:
             self._build_rope_table(max(max_position, self.cache_capacity()[1]))
@@ -317,7 +320,16 @@ class LlamaDecoder:
         sin[:, : s.head_dim // 2].neg_()
         self._sin = sin
 
+    def _views_for(self, batch: int) -> tuple[torch.Tensor, list[tuple[torch.Tensor, torch.Tensor]]]:
+        """Key bias and per-layer (K, V) cache views for the first `batch` rows, built once per size."""
+        views = self._batch_views.get(batch)
+        if views is None:
+            layers = [(self.k_cache[i, :batch], self.v_cache[i, :batch]) for i in range(self.spec.num_layers)]
+            views = self._batch_views[batch] = (self.key_bias[:batch], layers)
+        return views
+
     def release_cache(self) -> None:
+        self._batch_views = {}
         self.k_cache = self.v_cache = self.key_bias = None
         self._cos = self._sin = None
 
@@ -399,24 +411,32 @@ class LlamaDecoder:
         B = tokens.shape[0]
         H, KV, D, I = s.num_heads, s.num_kv_heads, s.head_dim, s.intermediate_size  # noqa: E741
         G, qk_size, scale = H // KV, (H + KV) * D, D**-0.5
-        key_bias = self.key_bias[:B]
+        key_bias, caches = self._views_for(B)
         key_bias.index_fill_(1, step_index, 0.0)
         bias = key_bias[:, None, None, :kv_len]
         cos = self._cos[positions][:, None, :]
         sin = self._sin[positions][:, None, :]
+        # CPU: SDPA is one call (its flash kernel handles GQA and the additive mask). Accelerators:
+        # explicit grouped matmuls, which read each K/V once and are safe inside a CUDA graph.
+        fused_attention = self.device.type == "cpu"
 
         x = F.embedding(tokens, self.weights["embed"])
-        for i, (ln1, qkv_t, qkv_b, o_w, o_b, ln2, gate_up_t, down_t) in enumerate(self._layers):
+        for (ln1, qkv_t, qkv_b, o_w, o_t, o_b, ln2, gate_up_t, down_t), (k_cache, v_cache) in zip(self._layers, caches):
             h = self._norm(x, ln1)
             qkv = torch.addmm(qkv_b, h, qkv_t) if qkv_b is not None else h @ qkv_t
             qk = self._rotate(qkv[:, :qk_size].view(B, H + KV, D), cos, sin)
-            k_cache, v_cache = self.k_cache[i, :B], self.v_cache[i, :B]
             k_cache.index_copy_(2, step_index, qk[:, H:, None])
             v_cache.index_copy_(2, step_index, qkv[:, qk_size:].view(B, KV, 1, D))
-            scores = torch.matmul(qk[:, :H].view(B, KV, G, D), k_cache[:, :, :kv_len].transpose(-1, -2))
-            probs = (scores.float() * scale + bias).softmax(dim=-1).to(self.dtype)
-            o = torch.matmul(probs, v_cache[:, :, :kv_len]).view(B, H * D)
-            x = x + F.linear(o, o_w, o_b) if o_b is not None else torch.addmm(x, o, o_w.t())
+            keys, values = k_cache[:, :, :kv_len], v_cache[:, :, :kv_len]
+            if fused_attention:
+                o = F.scaled_dot_product_attention(
+                    qk[:, :H, None], keys, values, attn_mask=bias, scale=scale, enable_gqa=G > 1
+                ).view(B, H * D)
+            else:
+                scores = torch.matmul(qk[:, :H].view(B, KV, G, D), keys.transpose(-1, -2))
+                probs = (scores.float() * scale + bias).softmax(dim=-1).to(self.dtype)
+                o = torch.matmul(probs, values).view(B, H * D)
+            x = x + F.linear(o, o_w, o_b) if o_b is not None else torch.addmm(x, o, o_t)
             gate_up = self._norm(x, ln2) @ gate_up_t
             x = torch.addmm(x, F.silu(gate_up[:, :I]) * gate_up[:, I:], down_t)
         return self._logits(x)
