@@ -174,6 +174,9 @@ class LlamaDecoder:
         self._targets: dict[str, torch.Tensor] = {}
         self._layers: list[tuple] = []
         self._batch_views: dict[int, tuple] = {}
+        # Decode attention. CPU: SDPA, one call (its flash kernel handles GQA and the additive mask).
+        # Accelerators: explicit grouped matmuls, which read each K/V once and are graph-safe.
+        self.fused_attention = self.device.type == "cpu"
 
     # ----------------------------------------------------------------------------------- weights
     def allocate_weights(self) -> None:
@@ -416,9 +419,6 @@ class LlamaDecoder:
         bias = key_bias[:, None, None, :kv_len]
         cos = self._cos[positions][:, None, :]
         sin = self._sin[positions][:, None, :]
-        # CPU: SDPA is one call (its flash kernel handles GQA and the additive mask). Accelerators:
-        # explicit grouped matmuls, which read each K/V once and are safe inside a CUDA graph.
-        fused_attention = self.device.type == "cpu"
 
         x = F.embedding(tokens, self.weights["embed"])
         for (ln1, qkv_t, qkv_b, o_w, o_t, o_b, ln2, gate_up_t, down_t), (k_cache, v_cache) in zip(self._layers, caches):
@@ -428,7 +428,7 @@ class LlamaDecoder:
             k_cache.index_copy_(2, step_index, qk[:, H:, None])
             v_cache.index_copy_(2, step_index, qkv[:, qk_size:].view(B, KV, 1, D))
             keys, values = k_cache[:, :, :kv_len], v_cache[:, :, :kv_len]
-            if fused_attention:
+            if self.fused_attention:
                 o = F.scaled_dot_product_attention(
                     qk[:, :H, None], keys, values, attn_mask=bias, scale=scale, enable_gqa=G > 1
                 ).view(B, H * D)
