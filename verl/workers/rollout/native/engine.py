@@ -23,8 +23,8 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Iterable
-from dataclasses import dataclass
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 
@@ -51,10 +51,9 @@ def resolve_dtype(dtype, device: torch.device) -> torch.dtype:
     return _DTYPES[dtype]
 
 
-@dataclass
-class GenerationOutput:
+class GenerationOutput(NamedTuple):
     """responses [B, R] right-padded with pad_token_id; response_mask [B, R] (1 up to and including
-    EOS); logprobs [B, R] float32 (0 where masked) or None."""
+    EOS); logprobs [B, R] float32 (0 where masked) or None. Unpacks as a tuple in that order."""
 
     responses: torch.Tensor
     response_mask: torch.Tensor

@@ -401,8 +401,10 @@ class LlamaDecoder:
             v = qkv[..., (H + KV) * D :].view(B, P, KV, D).transpose(1, 2)
             self.k_cache[i, :B, :, :P] = k
             self.v_cache[i, :B, :, :P] = v
+            if i == s.num_layers - 1:  # past the last K/V write only the last position matters
+                q, mask, x = q[:, :, -1:], mask[:, :, -1:], x[:, -1:]
             o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=D**-0.5, enable_gqa=H != KV)
-            o = o.transpose(1, 2).reshape(B, P, H * D)
+            o = o.transpose(1, 2).reshape(B, q.shape[2], H * D)
             x = x + F.linear(o, w["o"][i], w["o_b"][i] if "o_b" in w else None)
             x = self._mlp(x, i)
         return self._logits(x[:, -1])
