@@ -160,3 +160,12 @@ def test_unsupported_architectures_are_named():
         build_model("llama", rope_parameters={"rope_type": "dynamic", "factor": 2.0, "rope_theta": 1e4}).config
     )
     assert unsupported_reason(build_model("llama", mlp_bias=True).config) == "mlp_bias=True"
+
+
+def test_native_greedy_matches_hf_for_llama_with_attention_biases():
+    model = build_model("llama", attention_bias=True)
+    engine = GenerationEngine.from_model(model, device="cpu")
+    assert engine.is_native and engine.decoder.spec.o_bias
+    input_ids, attention_mask = left_padded_prompts(LENGTHS, seed=4)
+    out = _generate_greedy(engine, input_ids, attention_mask, 8)
+    torch.testing.assert_close(out.responses, hf_greedy_loop(model, input_ids, attention_mask, 8), rtol=0, atol=0)

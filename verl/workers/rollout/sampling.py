@@ -7,9 +7,10 @@ Pure tensor functions, no host synchronisation (so a CUDA decode loop never stal
 - Top-k then top-p filtering follow the semantics of transformers' warpers (the k-th largest
   logit and ties with it survive top-k; top-p drops the low tail whose cumulative probability is at
   most `1 - top_p` and always keeps the most likely token).
-- Sampling uses the exponential-race form of categorical sampling (`argmax(p / E)` with
-  `E ~ Exp(1)`), which draws exactly from `p`, needs one random fill and no `multinomial` (whose
-  CUDA kernel is not graph-friendly).
+- Sampling inverts the CDF: one uniform number per row, `searchsorted` over the cumulative
+  probabilities. It draws exactly from the filtered distribution (a token of probability 0 can
+  never be chosen), costs B random numbers instead of B*V (CPU random fills are slow), and is free
+  of host syncs, unlike some `multinomial` kernels.
 - The log-prob returned for a token is taken from the temperature-scaled distribution *before*
   top-k/top-p filtering: that is the distribution the trainer evaluates, and using the filtered
   one would make the importance ratio of the first PPO step differ from 1 for no reason. Greedy
@@ -83,9 +84,10 @@ def select_tokens(
     logits = logits.float()
     if params.do_sample:
         scaled = logits / params.temperature if params.temperature != 1.0 else logits
-        probs = filter_logits(scaled, params.top_k, params.top_p).softmax(dim=-1)
-        race = torch.empty_like(probs).exponential_(generator=generator)
-        tokens = (probs / race).argmax(dim=-1)
+        cdf = filter_logits(scaled, params.top_k, params.top_p).softmax(dim=-1).cumsum(dim=-1)
+        # u in (0, total]: the first index with cdf >= u exists and has cdf[i-1] < u <= cdf[i], so p[i] > 0
+        u = (1.0 - torch.rand(cdf.shape[0], 1, device=cdf.device, generator=generator)) * cdf[:, -1:]
+        tokens = torch.searchsorted(cdf, u).squeeze(-1)
     else:
         scaled = logits
         tokens = logits.argmax(dim=-1)

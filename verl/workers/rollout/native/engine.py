@@ -23,8 +23,8 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Iterable
-from dataclasses import dataclass
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 
@@ -51,10 +51,9 @@ def resolve_dtype(dtype, device: torch.device) -> torch.dtype:
     return _DTYPES[dtype]
 
 
-@dataclass
-class GenerationOutput:
+class GenerationOutput(NamedTuple):
     """responses [B, R] right-padded with pad_token_id; response_mask [B, R] (1 up to and including
-    EOS); logprobs [B, R] float32 (0 where masked) or None."""
+    EOS); logprobs [B, R] float32 (0 where masked) or None. Unpacks as a tuple in that order."""
 
     responses: torch.Tensor
     response_mask: torch.Tensor
@@ -249,24 +248,33 @@ class GenerationEngine:
         eos_ids = [eos_token_id] if isinstance(eos_token_id, int) else list(eos_token_id or [])
         eos = torch.tensor(eos_ids, dtype=torch.long, device=dev) if eos_ids else None
         responses = torch.full((B, R), pad_token_id, dtype=torch.long, device=dev)
-        response_mask = torch.zeros((B, R), dtype=attention_mask.dtype, device=dev)
         logprobs = torch.zeros((B, R), dtype=torch.float32, device=dev) if return_logprobs else None
         finished = torch.zeros(B, dtype=torch.bool, device=dev)
-        next_position = position_ids[:, -1] + 1
+        positions = position_ids[:, -1:] + torch.arange(1, R + 1, device=dev)
 
+        # The loop only records what each row samples; rows that already emitted EOS keep decoding
+        # (their extra tokens are masked to pad afterwards) so no step needs a per-row branch.
         logits = self.decoder.prefill(input_ids, attention_mask, position_ids)
         for i in range(R):
             tokens, token_logprobs = select_tokens(logits, sampling, return_logprobs, generator)
-            tokens.masked_fill_(finished, pad_token_id)
             responses[:, i] = tokens
-            response_mask[:, i] = finished.logical_not()
             if logprobs is not None:
-                logprobs[:, i] = token_logprobs.masked_fill(finished, 0.0)
+                logprobs[:, i] = token_logprobs
             if eos is not None:
-                finished |= torch.isin(tokens, eos)
-            if i == R - 1 or ((i + 1) % self.stop_check_interval == 0 and bool(finished.all())):
+                finished |= (tokens[:, None] == eos).any(-1)  # not isin: it may sync on some devices
+            if i == R - 1 or ((i + 1) % self.stop_check_interval == 0 and eos is not None and bool(finished.all())):
                 break
-            logits = self._decode(tokens, next_position + i, P + i)
+            logits = self._decode(tokens, positions[:, i], P + i)
+
+        # 1 up to and including each row's first EOS; unsampled columns (early stop) are pad already
+        if eos is None:
+            response_mask = torch.ones((B, R), dtype=attention_mask.dtype, device=dev)
+        else:
+            is_eos = (responses[..., None] == eos).any(-1).to(attention_mask.dtype)
+            response_mask = ((is_eos.cumsum(-1) - is_eos) == 0).to(attention_mask.dtype)
+            responses.masked_fill_(response_mask == 0, pad_token_id)
+            if logprobs is not None:
+                logprobs.masked_fill_(response_mask == 0, 0.0)
         return GenerationOutput(responses, response_mask, logprobs)
 
     def _decode(self, tokens: torch.Tensor, positions: torch.Tensor, column: int) -> torch.Tensor:
