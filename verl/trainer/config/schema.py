@@ -31,23 +31,26 @@ DEPRECATED = "deprecated"  # still honoured, with a warning naming the replaceme
 
 _NO_NEUTRAL = object()
 
+
 # Option tables. Each is the one place a reader finds every valid name for a config choice.
 # The advantage-estimator names follow upstream's `AdvantageEstimator`; the group-based ones need
 # several samples per prompt (rollout.n >= 2) because their baseline is the group's statistics.
-ADV_ESTIMATORS = (
-    "gae",
-    "grpo",
-    "reinforce_plus_plus",
-    "reinforce_plus_plus_baseline",
-    "remax",
-    "rloo",
-    "opo",
-    "grpo_passk",
-    "gpg",
-)
+def adv_estimator_choices() -> tuple[str, ...]:
+    """`algorithm.adv_estimator` names: core_algos' table (user-registered estimators included)."""
+    from verl.trainer.ppo.core_algos import ADV_ESTIMATORS
+
+    return tuple(ADV_ESTIMATORS)
+
+
+def policy_loss_choices() -> tuple[str, ...]:
+    """`actor.policy_loss.loss_mode` names: core_algos' table, plus upstream's hyphenated spellings."""
+    from verl.trainer.ppo.core_algos import POLICY_LOSSES
+
+    return tuple(POLICY_LOSSES) + tuple(n.replace("_", "-") for n in POLICY_LOSSES if "_" in n and n != "geo_mean")
+
+
 GROUP_ADV_ESTIMATORS = ("grpo", "rloo", "opo", "grpo_passk", "gpg", "reinforce_plus_plus_baseline")
 LOSS_AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
-POLICY_LOSS_MODES = ("vanilla", "clip-cov", "kl-cov", "gpg", "geo_mean", "gspo")
 # "+" suffix: straight-through variant (value from the named estimator, gradient of k2).
 KL_PENALTIES = ("kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3", "full", "k1+", "low_var_kl+", "k3+")
 ROLLOUT_NAMES = ("hf", "vllm", "sglang")
@@ -233,7 +236,7 @@ class CheckpointConfig:
 class PolicyLossConfig:
     """Policy-gradient loss variant and its parameters."""
 
-    loss_mode: str = doc("Policy loss: vanilla PPO clip or a variant.", choices=POLICY_LOSS_MODES)
+    loss_mode: str = doc("Policy loss: vanilla PPO clip or a variant.", choices=policy_loss_choices)
     clip_cov_ratio: float = doc("clip-cov: fraction of tokens whose gradient is clipped.")
     clip_cov_lb: float = doc("clip-cov: lower bound of the covariance window.")
     clip_cov_ub: float = doc("clip-cov: upper bound of the covariance window.")
@@ -272,6 +275,15 @@ class ActorConfig:
     ulysses_sequence_parallel_size: int = doc("Ulysses sequence-parallel group size.", status=UNSUPPORTED, neutral=1)
     entropy_from_logits_with_chunking: bool = doc("Compute entropy in chunks to save memory.", status=IGNORED)
     entropy_checkpointing: bool = doc("Recompute entropy in backward to save memory.", status=IGNORED)
+    recompute_log_prob: bool = doc(
+        "Always run the separate old-log-prob forward. Off: a strictly on-policy step (ppo_epochs=1, "
+        "ppo_mini_batch_size=data.train_batch_size, no in-reward KL, no rollout log-probs) reuses the "
+        "update's own detached log-probs instead (identical gradient, one forward pass fewer)."
+    )
+    skip_zero_advantage_step: bool = doc(
+        "Skip the optimizer step of a mini-batch whose advantages are all zero on every rank and that has no "
+        "KL or entropy term (its gradient is zero, but AdamW's momentum would still move the weights)."
+    )
     checkpoint: CheckpointConfig = doc("Checkpoint contents.")
     optim: OptimConfig = doc("Optimizer and schedule.")
     fsdp_config: FSDPConfig = doc("Sharding and offload.")
@@ -539,7 +551,7 @@ class AlgorithmConfig:
 
     gamma: float = doc("Discount factor.")
     lam: float = doc("GAE lambda.")
-    adv_estimator: str = doc("Advantage estimator.", choices=ADV_ESTIMATORS)
+    adv_estimator: str = doc("Advantage estimator.", choices=adv_estimator_choices)
     norm_adv_by_std_in_grpo: bool = doc("GRPO: divide by the group's std (False: Dr. GRPO).")
     use_kl_in_reward: bool = doc("Subtract a KL(policy || reference) penalty from the reward; needs the reference.")
     kl_penalty: str = doc("KL estimator of the in-reward penalty.", choices=KL_PENALTIES)

@@ -912,7 +912,10 @@ def register_policy_loss(name: str) -> Callable:
 
 
 def get_policy_loss_fn(name: str) -> Callable[..., tuple[torch.Tensor, dict[str, torch.Tensor]]]:
-    """The policy loss for an `actor.policy_loss.loss_mode` name."""
+    """The policy loss for an `actor.policy_loss.loss_mode` name (upstream's docs spell some with a
+    hyphen, e.g. `clip-cov`; both spellings select the same loss)."""
+    if name not in POLICY_LOSSES and name.replace("-", "_") in POLICY_LOSSES:
+        name = name.replace("-", "_")
     if name not in POLICY_LOSSES:
         raise _unknown_name_error("actor.policy_loss.loss_mode", name, POLICY_LOSSES)
     return POLICY_LOSSES[name]

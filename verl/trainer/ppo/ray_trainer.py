@@ -405,8 +405,21 @@ class RayPPOTrainer:
         batch.reorder(torch.tensor([i for part in partitions for i in part]))
         state.metrics.update(log_seqlen_unbalance(seqlen_list=seqlens, partitions=partitions, prefix="global_seqlen"))
 
+    def _reuses_current_log_probs(self) -> bool:
+        """Strictly on-policy training (one PPO epoch over one mini-batch, nothing else reading the
+        old log-probs) needs no separate old-log-prob pass: they equal the current policy's, so the
+        actor uses its own detached log-probs (ratio exactly 1), saving a forward over the batch."""
+        arc = self.config.actor_rollout_ref
+        return (
+            not arc.actor.get("recompute_log_prob", False)
+            and arc.actor.ppo_epochs == 1
+            and arc.actor.ppo_mini_batch_size == self.config.data.train_batch_size
+            and not self.config.algorithm.use_kl_in_reward
+            and not arc.rollout.get("calculate_log_probs", False)
+        )
+
     def _compute_old_log_prob(self, batch: DataProto, state: _StepState) -> DataProto:
-        if "old_log_probs" in batch.batch:  # already computed for the in-reward KL
+        if "old_log_probs" in batch.batch or self._reuses_current_log_probs():
             return batch
         out = self.actor_rollout_wg.compute_log_prob(batch)
         state.metrics.update(_meta_metrics(out))

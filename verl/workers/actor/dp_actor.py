@@ -186,8 +186,10 @@ class DataParallelPPOActor(BasePPOActor):
     # ------------------------------------------------------------------ training
 
     def _training_keys(self, batch) -> list[str]:
-        keys = [*_MODEL_INPUTS, "old_log_probs", "advantages"]
         present = set(batch.keys())
+        # Without old_log_probs the update is strictly on-policy: the current log-probs, detached,
+        # stand in for them (see `update_policy`).
+        keys = [*_MODEL_INPUTS, *(["old_log_probs"] if "old_log_probs" in present else []), "advantages"]
         missing = [k for k in keys if k not in present]
         if self.use_kl_loss:
             keys.append("ref_log_prob")
@@ -218,8 +220,15 @@ class DataParallelPPOActor(BasePPOActor):
                 f"ppo_mini_batch_size={mini_batch_size} (ppo_mini_batch_size * rollout.n / data-parallel size); "
                 "make data.train_batch_size a multiple of actor.ppo_mini_batch_size"
             )
+        epochs = int(self._cfg.get("ppo_epochs", 1) or 1)
+        if "old_log_probs" not in batch.keys() and (epochs > 1 or len(batch) > mini_batch_size):
+            raise KeyError(
+                "update_policy got no old_log_probs, which is only valid for a strictly on-policy update "
+                f"(one PPO epoch and one mini-batch), but ppo_epochs={epochs} and this rank has {len(batch)} samples "
+                f"in mini-batches of {mini_batch_size}; compute old log-probs first (compute_log_prob)"
+            )
         metrics: dict[str, list[float]] = {}
-        for _ in range(int(self._cfg.get("ppo_epochs", 1) or 1)):
+        for _ in range(epochs):
             epoch_batch = batch
             if self._cfg.get("shuffle", False):
                 epoch_batch = batch[torch.randperm(len(batch), generator=self._shuffle_generator)]
@@ -267,9 +276,10 @@ class DataParallelPPOActor(BasePPOActor):
 
     def _backward_micro_batch(self, micro_batch, temperature: float, normaliser: float) -> dict[str, float]:
         response_mask = response_mask_of(micro_batch)
-        entropy, log_prob = self._forward_micro_batch(micro_batch, temperature, self.entropy_coeff != 0)
+        on_policy = "old_log_probs" not in micro_batch.keys()
+        entropy, log_prob = self._forward_micro_batch(micro_batch, temperature, self.entropy_coeff != 0 or on_policy)
         pg_loss, pg_metrics = self.policy_loss_fn(
-            micro_batch["old_log_probs"],
+            log_prob.detach() if on_policy else micro_batch["old_log_probs"],
             log_prob,
             micro_batch["advantages"],
             response_mask,
@@ -284,6 +294,8 @@ class DataParallelPPOActor(BasePPOActor):
             entropy_loss = agg_loss(entropy, response_mask, self.loss_agg_mode)
             loss = loss - self.entropy_coeff * entropy_loss
             out["actor/entropy"] = float(entropy_loss.detach())
+        elif on_policy:  # the driver skipped compute_log_prob, which normally reports the entropy
+            out["actor/entropy"] = float(agg_loss(entropy.detach(), response_mask, self.loss_agg_mode))
         if self.use_kl_loss:
             kld = kl_penalty(log_prob, micro_batch["ref_log_prob"], self.kl_loss_type)
             kl_loss = agg_loss(kld, response_mask, self.loss_agg_mode)
