@@ -221,7 +221,7 @@ class DataParallelPPOActor(BasePPOActor):
                 "make data.train_batch_size a multiple of actor.ppo_mini_batch_size"
             )
         epochs = int(self._cfg.get("ppo_epochs", 1) or 1)
-        if "old_log_probs" not in batch.keys() and (epochs > 1 or len(batch) > mini_batch_size):
+        if "old_log_probs" not in batch and (epochs > 1 or len(batch) > mini_batch_size):
             raise KeyError(
                 "update_policy got no old_log_probs, which is only valid for a strictly on-policy update "
                 f"(one PPO epoch and one mini-batch), but ppo_epochs={epochs} and this rank has {len(batch)} samples "
@@ -276,7 +276,7 @@ class DataParallelPPOActor(BasePPOActor):
 
     def _backward_micro_batch(self, micro_batch, temperature: float, normaliser: float) -> dict[str, float]:
         response_mask = response_mask_of(micro_batch)
-        on_policy = "old_log_probs" not in micro_batch.keys()
+        on_policy = "old_log_probs" not in micro_batch
         entropy, log_prob = self._forward_micro_batch(micro_batch, temperature, self.entropy_coeff != 0 or on_policy)
         pg_loss, pg_metrics = self.policy_loss_fn(
             log_prob.detach() if on_policy else micro_batch["old_log_probs"],
