@@ -96,6 +96,10 @@ def test_example_script_trains_two_steps(script, tmp_path):
     for key in (EXAMPLES[script], "critic/score/mean", "response_length/mean", "timing_s/gen", "perf/throughput"):
         assert key in last, f"{key} missing from step metrics of {script}: {sorted(last)}"
     assert 0.0 <= last["critic/score/mean"] <= 1.0 or script.startswith("recipes/dapo")
+    run_dir = tmp_path / "run"
+    assert (run_dir / "config.yaml").read_text().count("adv_estimator") == 1  # the resolved config
+    png = run_dir / "training_curves.png"
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
 def _wait_for_checkpoint(ckpt: Path, step: int, proc: subprocess.Popen, timeout: float) -> None:

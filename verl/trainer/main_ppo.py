@@ -132,19 +132,7 @@ class TaskRunner:
             val_dataset=val_dataset,
         )
         trainer.init_workers()
-        metrics = trainer.fit()
-        self._plot(config, trainer)
-        return metrics
-
-    @staticmethod
-    def _plot(config, trainer) -> None:
-        from verl.utils.plotting import plot_training_curves
-
-        path = trainer.tracker.jsonl_path if hasattr(trainer.tracker, "jsonl_path") else None
-        if path and os.path.exists(path):
-            out = os.path.join(os.path.dirname(path), "training_curves.png")
-            plot_training_curves(path, out)
-            trainer.tracker.log_artifact(out) if hasattr(trainer.tracker, "log_artifact") else None
+        return trainer.fit()  # the tracker writes metrics.jsonl and training_curves.png into trainer.run_dir
 
 
 if __name__ == "__main__":

@@ -503,6 +503,7 @@ class RayPPOTrainer:
         """
         from tqdm import tqdm
 
+        from verl.trainer.config import save_resolved_config
         from verl.utils.tracking import Tracking
 
         trainer_cfg = self.config.trainer
@@ -511,7 +512,10 @@ class RayPPOTrainer:
             experiment_name=trainer_cfg.experiment_name,
             default_backend=trainer_cfg.logger,
             config=self.config,
+            run_dir=trainer_cfg.get("run_dir"),
         )
+        if trainer_cfg.get("run_dir"):
+            save_resolved_config(self.config, trainer_cfg.run_dir)
         self.tracker = tracker
         self._load_checkpoint()
         last: dict[str, float] = {}
