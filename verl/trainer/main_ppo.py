@@ -30,19 +30,34 @@ def main(argv: list[str] | None = None) -> None:
     run_ppo(config)
 
 
+def _job_runtime_env() -> dict:
+    """The runtime_env of the Ray job this driver runs in (`ray job submit --runtime-env-json`), or {}."""
+    import json
+
+    raw = os.environ.get("RAY_JOB_CONFIG_JSON_ENV_VAR")  # set by Ray's job manager for the entrypoint
+    return (json.loads(raw).get("runtime_env") or {}) if raw else {}
+
+
 def _ray_init_kwargs(config) -> dict:
-    """`ray_kwargs.ray_init` plus a runtime_env that makes workers import this checkout's verl."""
+    """`ray_kwargs.ray_init` plus a runtime_env that makes workers import this checkout's verl.
+
+    Inside a submitted job, Ray merges the job's runtime_env with the one given to `ray.init` and
+    refuses any env var set by both; our env vars are only defaults, so those the job sets are left
+    to the job.
+    """
     from verl.trainer.config import ray_init_kwargs
 
     kwargs = ray_init_kwargs(config)
     package_root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     pythonpath = os.pathsep.join(p for p in (package_root, os.environ.get("PYTHONPATH", "")) if p)
-    env_vars = {
+    defaults = {
         "TOKENIZERS_PARALLELISM": "true",
         "VERL_LOGGING_LEVEL": os.environ.get("VERL_LOGGING_LEVEL", "WARNING"),
         "VERL_DEVICE": os.environ.get("VERL_DEVICE", "auto"),
         "PYTHONPATH": pythonpath,
     }
+    job_env_vars = _job_runtime_env().get("env_vars") or {}
+    env_vars = {k: v for k, v in defaults.items() if k not in job_env_vars}
     runtime_env = dict(kwargs.pop("runtime_env", None) or {})
     runtime_env["env_vars"] = {**env_vars, **(runtime_env.get("env_vars") or {})}
     kwargs.setdefault("include_dashboard", False)
