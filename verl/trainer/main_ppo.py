@@ -18,7 +18,9 @@ import sys
 
 def main(argv: list[str] | None = None) -> None:
     """Parse Hydra-style overrides (`key=value`, `+key=value`, `--config-path/--config-name`),
-    validate, and train. A config mistake exits with status 2 and one message listing every problem."""
+    validate, and train. A config mistake exits with status 2 and one message listing every problem;
+    a cluster too small for the run (a missing node, too few devices) exits with status 1 and the
+    message that says what is missing."""
     from verl.trainer.config import ConfigError, load_ppo_config, parse_cli_args
 
     try:
@@ -27,7 +29,13 @@ def main(argv: list[str] | None = None) -> None:
     except ConfigError as e:
         print(f"verl: invalid configuration\n{e}", file=sys.stderr)
         raise SystemExit(2) from None
-    run_ppo(config)
+    from verl.single_controller.base import ResourceUnavailableError
+
+    try:
+        run_ppo(config)
+    except ResourceUnavailableError as e:  # raised in the TaskRunner: print the message, not Ray's traceback
+        print(f"verl: the Ray cluster cannot hold this run\n{getattr(e, 'cause', None) or e}", file=sys.stderr)
+        raise SystemExit(1) from None
 
 
 def _job_runtime_env() -> dict:
@@ -146,8 +154,15 @@ class TaskRunner:
             train_dataset=train_dataset,
             val_dataset=val_dataset,
         )
-        trainer.init_workers()
-        return trainer.fit()  # the tracker writes metrics.jsonl and training_curves.png into trainer.run_dir
+        try:
+            trainer.init_workers()
+            return trainer.fit()  # the tracker writes metrics.jsonl and training_curves.png into trainer.run_dir
+        finally:
+            # Placement groups live as long as the driver's job, not this actor: give the devices
+            # back now (removing a group also ends its worker actors), so a second run_ppo in the
+            # same driver can place its workers.
+            for pool in pool_manager.resource_pool_dict.values():
+                pool.remove_placement_groups()
 
 
 if __name__ == "__main__":

@@ -5,8 +5,12 @@
   `{"CPU": 1}` without. Each actor takes `1/max_colocate_count` of its bundle, so that many worker
   groups can share the devices. Placement groups are created on first use, checked against the
   cluster's totals first (an impossible request fails at once, naming what is missing) and then
-  awaited with a deadline (`VERL_PLACEMENT_TIMEOUT_S`, default 300 s). They are ordered by node
-  IP address, so ranks are contiguous per node and stable from run to run.
+  awaited with a deadline (`VERL_PLACEMENT_TIMEOUT_S`, default 300 s). Each entry of a
+  multi-node pool is pinned to its own node (Ray's `ray.io/node-id` label), chosen among the nodes
+  with room: `[1, 1]` means two machines, never two bundles packed on one, and asking for more
+  nodes than the cluster has fails at once instead of waiting. Nodes are ordered by IP address,
+  then node id (several Ray nodes on one machine share an IP), so ranks are contiguous per node
+  and rank r lands on the same node every time on the same cluster.
 - `RayWorkerGroup(resource_pool, RayClassWithInitArgs(cls, ...))` starts rank r in bundle r with
   RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR and MASTER_PORT in its environment
   (the driver picks rank 0's address and a free port before starting anyone), so the workers
@@ -25,10 +29,12 @@ as Ray notices (milliseconds after the process exits), never after the deadline.
 
 from __future__ import annotations
 
+import inspect
 import os
 import re
 import uuid
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import ray
@@ -58,6 +64,9 @@ __all__ = [
 
 DEFAULT_PLACEMENT_TIMEOUT_S = 300.0
 
+# Ray's built-in label holding each node's id (label selectors exist from Ray 2.49).
+NODE_ID_LABEL = "ray.io/node-id"
+
 # Arguments shared by several workers are put in the object store once when at least this large;
 # smaller ones are cheaper to inline into each call (a ray.put costs about a millisecond).
 _SHARE_MIN_BYTES = 64 * 1024
@@ -67,17 +76,78 @@ def _placement_timeout_s() -> float:
     return float(os.environ.get("VERL_PLACEMENT_TIMEOUT_S", DEFAULT_PLACEMENT_TIMEOUT_S))
 
 
+def _node_sort_key(ip: str, node_id: str) -> tuple:
+    """Rank order of nodes: by IP address (numerically for IPv4), then node id (nodes that share an
+    IP, e.g. several Ray nodes on one machine, keep one order for the cluster's lifetime)."""
+    parts = ip.split(".")
+    ip_key = tuple(int(p) for p in parts) if len(parts) == 4 and all(p.isdigit() for p in parts) else (ip,)
+    return (ip_key, node_id)
+
+
 def sort_placement_groups_by_node(items: Sequence[tuple[str, str]]) -> list[int]:
     """Order of placement groups given `(node_ip, node_id)` per group: by IP address (numerically
     for IPv4), then node id; groups on the same node keep their creation order."""
+    return sorted(range(len(items)), key=lambda i: (*_node_sort_key(*items[i]), i))
 
-    def key(index: int):
-        ip, node_id = items[index]
-        parts = ip.split(".")
-        ip_key = tuple(int(p) for p in parts) if len(parts) == 4 and all(p.isdigit() for p in parts) else (ip,)
-        return (ip_key, node_id, index)
 
-    return sorted(range(len(items)), key=key)
+@dataclass(frozen=True)
+class NodeInfo:
+    """One alive Ray node: its IP, id, and free and total resources (`{"CPU": 3.0, "GPU": 1.0}`)."""
+
+    ip: str
+    node_id: str
+    free: dict[str, float]
+    total: dict[str, float]
+
+    @property
+    def label(self) -> str:
+        return f"{self.ip} ({self.node_id[:8]})"
+
+
+def alive_nodes() -> list[NodeInfo]:
+    """Every alive node with its resources, in rank order (see `_node_sort_key`)."""
+    alive = [n for n in ray.nodes() if n.get("Alive")]
+    try:
+        from ray._private.state import available_resources_per_node
+
+        free = available_resources_per_node()
+    except (ImportError, AttributeError):  # private API moved: fall back to node totals
+        free = {n["NodeID"]: n["Resources"] for n in alive}
+    nodes = [
+        NodeInfo(n["NodeManagerAddress"], n["NodeID"], dict(free.get(n["NodeID"], {})), dict(n["Resources"]))
+        for n in alive
+    ]
+    return sorted(nodes, key=lambda n: _node_sort_key(n.ip, n.node_id))
+
+
+def assign_nodes(
+    process_on_nodes: Sequence[int], capacity: Sequence[float], fallback: Sequence[float] | None = None
+) -> list[int | None]:
+    """Put each entry of `process_on_nodes` (workers on one node) on a node of its own.
+
+    `capacity[j]` is how many bundles node j can take, nodes in preference order. The largest
+    entry goes first, each to the first unused node that fits it. Entries left over then go, the
+    same way, to unused nodes by `fallback` capacity (e.g. free room first, total size second);
+    an entry that still fits nowhere gets None. Returns one node index (or None) per entry.
+    """
+    placement: list[int | None] = [None] * len(process_on_nodes)
+    used: set[int] = set()
+    order = sorted(range(len(process_on_nodes)), key=lambda i: -process_on_nodes[i])
+    for caps in (capacity, fallback) if fallback is not None else (capacity,):
+        for entry in order:
+            if placement[entry] is not None:
+                continue
+            need = process_on_nodes[entry]
+            node = next((j for j, cap in enumerate(caps) if j not in used and cap >= need), None)
+            if node is not None:
+                used.add(node)
+                placement[entry] = node
+    return placement
+
+
+def bundles_that_fit(free: Mapping[str, float], bundle: Mapping[str, float]) -> int:
+    """How many copies of `bundle` fit into the free resources `free`."""
+    return int(min(free.get(resource, 0.0) // amount for resource, amount in bundle.items()))
 
 
 def _node_ips() -> dict[str, str]:
@@ -138,12 +208,12 @@ class RayResourcePool(ResourcePool):
         self.check_cluster_totals()
         prefix = name or self.name_prefix or f"verl_pool_{uuid.uuid4().hex[:8]}"
         lifetime = "detached" if self.detached else None
-        pgs = [
-            placement_group(
-                [self.bundle() for _ in range(n)], strategy=strategy, name=f"{prefix}_node{i}", lifetime=lifetime
-            )
-            for i, n in enumerate(self.store)
-        ]
+        targets = self._target_nodes(prefix) if len(self.store) > 1 else [None]
+        pgs = []
+        for i, (n, node_id) in enumerate(zip(self.store, targets)):
+            pin = {"bundle_label_selector": [{NODE_ID_LABEL: node_id}] * n} if node_id else {}
+            bundles = [self.bundle() for _ in range(n)]
+            pgs.append(placement_group(bundles, strategy=strategy, name=f"{prefix}_node{i}", lifetime=lifetime, **pin))
         timeout = _placement_timeout_s()
         ready, _ = ray.wait([pg.ready() for pg in pgs], num_returns=len(pgs), timeout=timeout)
         if len(ready) < len(pgs):
@@ -163,6 +233,34 @@ class RayResourcePool(ResourcePool):
         self.pg_node_ids = [node_ids[i] for i in order]
         self._store = [self.store[i] for i in order]
         return self.pgs
+
+    def _target_nodes(self, prefix: str) -> list[str]:
+        """One distinct node per entry of `process_on_nodes`.
+
+        Without pinning, Ray may pack several "nodes" of a pool onto one machine, or wait forever
+        for a machine that is not there. Nodes with free room now are preferred, then nodes big
+        enough to hold the entry at all (busy ones: the placement then waits, with its deadline,
+        for them to free up); an entry no node is big enough for is an immediate error.
+        """
+        if "bundle_label_selector" not in inspect.signature(placement_group).parameters:
+            raise ResourceUnavailableError(
+                f"resource pool {prefix}: placing process_on_nodes={self.store} on distinct nodes needs Ray >= 2.49 "
+                f"(placement-group label selectors); this is Ray {ray.__version__}. Upgrade Ray or use one node"
+            )
+        nodes = alive_nodes()
+        free = [bundles_that_fit(node.free, self.bundle()) for node in nodes]
+        total = [bundles_that_fit(node.total, self.bundle()) for node in nodes]
+        placement = assign_nodes(self.store, free, fallback=total)
+        if None not in placement:
+            return [nodes[j].node_id for j in placement]
+        sizes = ", ".join(f"{node.label}: {cap} bundle(s)" for node, cap in zip(nodes, total)) or "none"
+        raise ResourceUnavailableError(
+            f"resource pool {prefix}: process_on_nodes={self.store} needs {len(self.store)} distinct nodes, entry i "
+            f"on a node that holds process_on_nodes[i] bundles of {self.bundle()}, but the cluster has "
+            f"{len(nodes)} alive node(s), sized {sizes}. Start the missing nodes (`ray start "
+            "--address=<head-ip>:<port>` on each) or ask for fewer or smaller nodes (trainer.nnodes, "
+            "trainer.n_gpus_per_node)"
+        )
 
     def remove_placement_groups(self) -> None:
         """Give the reserved resources back to Ray (kill the pool's worker groups first)."""

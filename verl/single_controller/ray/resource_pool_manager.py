@@ -3,7 +3,8 @@
 `resource_pool_spec` names the pools (`{"global_pool": [8, 8]}`: two nodes of eight workers),
 `mapping` assigns each role to one (`{Role.ActorRollout: "global_pool", Role.Critic:
 "global_pool"}`). `create_resource_pool()` first checks that the cluster's free resources can hold
-every pool, node by node, and fails with a message that says what is missing; only then does it
+every pool, each entry of a pool on a distinct node (the rule RayResourcePool places by), and
+fails with a message that says what is missing (a node, or devices on one); only then does it
 build the `RayResourcePool`s. The trainer re-exports this class (upstream keeps it in
 verl/trainer/ppo/ray_trainer.py).
 
@@ -19,29 +20,13 @@ from typing import Any
 import ray
 
 from verl.single_controller.base.errors import ResourceUnavailableError
-from verl.single_controller.ray.base import RayResourcePool
+from verl.single_controller.ray.base import RayResourcePool, alive_nodes, assign_nodes, bundles_that_fit
 
 __all__ = ["ResourcePoolManager"]
 
 
 def _role_name(role: Any) -> str:
     return getattr(role, "name", str(role))
-
-
-def _free_per_node() -> dict[str, dict[str, float]]:
-    """Free resources of every alive node, keyed by node IP (node id when IPs repeat)."""
-    try:
-        from ray._private.state import available_resources_per_node
-
-        per_node = available_resources_per_node()
-    except (ImportError, AttributeError):  # private API moved: fall back to node totals
-        per_node = {n["NodeID"]: n["Resources"] for n in ray.nodes() if n.get("Alive")}
-    ips = {n["NodeID"]: n["NodeManagerAddress"] for n in ray.nodes() if n.get("Alive")}
-    named = {}
-    for node_id, free in per_node.items():
-        label = ips.get(node_id, node_id)
-        named[label if label not in named else f"{label} ({node_id[:8]})"] = free
-    return named
 
 
 @dataclass
@@ -97,38 +82,40 @@ class ResourcePoolManager:
         return sum(sum(nodes) for nodes in self.resource_pool_spec.values())
 
     def _check_resource_available(self, use_gpu: bool | None = None) -> None:
-        """Raise ResourceUnavailableError unless every pool's per-node demand fits the free
-        resources (first-fit, largest demand first, each node entry on a single node)."""
+        """Raise ResourceUnavailableError unless every pool fits the free resources now: each
+        entry of a pool on its own node (pools may share nodes), largest entry first."""
         use_gpu = self._resolved_use_gpu() if use_gpu is None else use_gpu
         device = "GPU" if use_gpu else "CPU"
-        free = _free_per_node()
-        capacity = {node: {"CPU": res.get("CPU", 0.0), "GPU": res.get("GPU", 0.0)} for node, res in free.items()}
-        demands = sorted(
-            ((n, pool) for pool, nodes in self.resource_pool_spec.items() for n in nodes),
-            key=lambda item: -item[0],
+        bundle = {"CPU": 1, "GPU": 1} if use_gpu else {"CPU": 1}
+        nodes = alive_nodes()
+        capacity = [bundles_that_fit(node.free, bundle) for node in nodes]
+        unplaced, short_of_nodes = [], []
+        for pool, process_on_nodes in self.resource_pool_spec.items():
+            placement = assign_nodes(process_on_nodes, capacity)
+            for entry, node in enumerate(placement):
+                if node is None:
+                    unplaced.append((pool, process_on_nodes[entry]))
+                else:
+                    capacity[node] -= process_on_nodes[entry]
+            if len(process_on_nodes) > len(nodes):
+                short_of_nodes.append(f"pool {pool!r} spans {len(process_on_nodes)} nodes {process_on_nodes}")
+        if not unplaced:
+            return
+        problems = "cannot place " + ", ".join(
+            f"{n} {device}{'s' * (n != 1)} on one node for pool {pool!r}" for pool, n in unplaced
         )
-        unplaced = []
-        for n, pool in demands:
-            need = {"CPU": n, "GPU": n} if use_gpu else {"CPU": n}
-            node = next((nd for nd, cap in capacity.items() if all(cap[r] >= v for r, v in need.items())), None)
-            if node is None:
-                unplaced.append((pool, n))
-                continue
-            for resource, amount in need.items():
-                capacity[node][resource] -= amount
-        if unplaced:
-            total_needed = self.get_n_gpus()
-            total_free = sum(res.get(device, 0.0) for res in free.values())
-            nodes_desc = ", ".join(f"{node}: {res.get(device, 0.0):g} {device}" for node, res in free.items()) or "none"
-            missing = ", ".join(f"{n} {device}s on one node for pool {pool!r}" for pool, n in unplaced)
+        if short_of_nodes:
+            problems += f" ({'; '.join(short_of_nodes)} but the cluster has {len(nodes)} alive node(s))"
+        free_desc = ", ".join(f"{n.label}: {n.free.get(device, 0.0):g} {device} free" for n in nodes) or "none"
+        total_free = sum(n.free.get(device, 0.0) for n in nodes)
+        if use_gpu and total_free == 0:
+            hint = "no GPU is visible to Ray; run on CPU (trainer.device=cpu) or start Ray on GPU nodes"
+        else:
             hint = (
-                "no GPU is visible to Ray; run on CPU (trainer.device=cpu) or start Ray on GPU nodes"
-                if use_gpu and total_free == 0
-                else "lower trainer.n_gpus_per_node / trainer.nnodes (or the pool sizes), free resources held by "
-                "other jobs, or add nodes"
+                "start the missing nodes (`ray start --address=<head-ip>:<port>` on each), lower trainer.nnodes / "
+                "trainer.n_gpus_per_node (or the pool sizes), or free the resources other jobs hold"
             )
-            raise ResourceUnavailableError(
-                f"the Ray cluster cannot hold the resource pools {self.resource_pool_spec} ({total_needed} {device}s, "
-                f"one per worker): cannot place {missing}. Free now: {nodes_desc} ({total_free:g} {device}s in "
-                f"total). {hint}"
-            )
+        raise ResourceUnavailableError(
+            f"the Ray cluster cannot hold the resource pools {self.resource_pool_spec} (one {device} per worker, "
+            f"each list entry on a distinct node): {problems}. Nodes now: {free_desc}. To fix: {hint}"
+        )
