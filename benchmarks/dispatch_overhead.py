@@ -23,7 +23,7 @@ import torch
 from verl.protocol import DataProto
 from verl.single_controller.base import Worker
 from verl.single_controller.base.decorator import Dispatch, register
-from verl.single_controller.ray import RayClassWithInitArgs, RayResourcePool, RayWorkerGroup
+from verl.single_controller.ray import RAY_SYSTEM_CONFIG, RayClassWithInitArgs, RayResourcePool, RayWorkerGroup
 
 ROW_FLOATS = 1024  # one row = 4 KiB
 
@@ -58,6 +58,7 @@ def main() -> None:
     ray.init(
         num_cpus=4,
         include_dashboard=False,
+        _system_config=RAY_SYSTEM_CONFIG,
         runtime_env={"env_vars": {"PYTHONPATH": os.getcwd()}},
     )
     pool = RayResourcePool(process_on_nodes=[2], use_gpu=False, max_colocate_count=1)

@@ -45,11 +45,11 @@ import torch.distributed as dist
 from torch.utils.data import DataLoader, DistributedSampler
 
 from verl.utils import device as device_utils
+from verl.utils.checkpoint.checkpoint_manager import find_latest_ckpt_path, write_checkpoint_tracker
 from verl.utils.logging_utils import get_logger
 
 logger = get_logger(__name__, level=os.environ.get("VERL_LOGGING_LEVEL", "INFO"))
 
-CHECKPOINT_TRACKER = "latest_checkpointed_iteration.txt"
 RESUME_MODES = ("auto", "disable", "resume_path")
 LR_SCHEDULERS = ("cosine", "constant")
 LOGGERS = ("console", "file")
@@ -304,7 +304,7 @@ class FSDPSFTTrainer:
             save_tokenizer(self.tokenizer, hf_dir)
         dist.barrier()
         if self.rank == 0:
-            _atomic_write_text(os.path.join(self.checkpoint_dir, CHECKPOINT_TRACKER), str(self.global_step))
+            write_checkpoint_tracker(self.checkpoint_dir, self.global_step)
             self._remove_old_checkpoints()
         dist.barrier()
         logger.info(f"saved checkpoint {path}")
@@ -357,12 +357,7 @@ def resolve_resume_path(trainer_config, checkpoint_dir: str) -> str | None:
                 "point it at a global_step_N directory written by this trainer"
             )
         return path
-    tracker = os.path.join(checkpoint_dir, CHECKPOINT_TRACKER)
-    if not os.path.isfile(tracker):
-        return None
-    with open(tracker) as f:
-        step = int(f.read().strip())
-    return os.path.join(checkpoint_dir, f"global_step_{step}")
+    return find_latest_ckpt_path(checkpoint_dir)
 
 
 def _per_rank_batch_size(train_batch_size: int, micro_batch_size: int, world_size: int) -> int:
@@ -437,13 +432,6 @@ def _broadcast_bool(flag: bool) -> bool:
     value = torch.tensor([int(bool(flag))], device=device_utils.get_device())
     dist.broadcast(value, src=0)
     return bool(value.item())
-
-
-def _atomic_write_text(path: str, text: str) -> None:
-    tmp = f"{path}.tmp-{os.getpid()}"
-    with open(tmp, "w") as f:
-        f.write(text)
-    os.replace(tmp, path)
 
 
 class _MetricsLogger:

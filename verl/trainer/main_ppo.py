@@ -69,6 +69,10 @@ def _ray_init_kwargs(config) -> dict:
     runtime_env = dict(kwargs.pop("runtime_env", None) or {})
     runtime_env["env_vars"] = {**env_vars, **(runtime_env.get("env_vars") or {})}
     kwargs.setdefault("include_dashboard", False)
+    if not kwargs.get("address") and not os.environ.get("RAY_ADDRESS"):  # we start the cluster: tune it
+        from verl.single_controller.ray import RAY_SYSTEM_CONFIG
+
+        kwargs.setdefault("_system_config", RAY_SYSTEM_CONFIG)
     return {"runtime_env": runtime_env, **kwargs}
 
 

@@ -1,6 +1,7 @@
 """Worker groups on Ray (see base.py for the design)."""
 
 from verl.single_controller.ray.base import (
+    RAY_SYSTEM_CONFIG,
     RayClassWithInitArgs,
     RayResourcePool,
     RayWorkerGroup,
@@ -9,6 +10,7 @@ from verl.single_controller.ray.base import (
 from verl.single_controller.ray.resource_pool_manager import ResourcePoolManager
 
 __all__ = [
+    "RAY_SYSTEM_CONFIG",
     "RayClassWithInitArgs",
     "RayResourcePool",
     "RayWorkerGroup",

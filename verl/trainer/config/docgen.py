@@ -32,6 +32,7 @@ on the command line (`data.train_batch_size=64`), in a YAML file passed with
 
 ```python
 from verl.trainer.config import load_ppo_config
+
 cfg = load_ppo_config(["algorithm.adv_estimator=rloo", "trainer.logger=[console,mlflow]"])
 ```
 

@@ -41,12 +41,12 @@ from verl.trainer.ppo.metric_utils import (
     process_validation_metrics,
     reduce_metrics,
 )
+from verl.utils.checkpoint.checkpoint_manager import find_latest_ckpt_path, write_checkpoint_tracker
 from verl.utils.logging_utils import get_logger
 from verl.utils.timer import marked_timer
 
 logger = get_logger(__name__, "INFO")
 
-LATEST_CHECKPOINT_FILE = "latest_checkpointed_iteration.txt"
 GEN_BATCH_KEYS = ("input_ids", "attention_mask", "position_ids")
 
 
@@ -574,7 +574,7 @@ class RayPPOTrainer:
         tmp = os.path.join(step_dir, "data.pt.tmp")
         torch.save(driver_state, tmp)
         os.replace(tmp, os.path.join(step_dir, "data.pt"))
-        _atomic_write(os.path.join(root, LATEST_CHECKPOINT_FILE), str(self.global_steps))
+        write_checkpoint_tracker(root, self.global_steps)
         self._remove_old_checkpoints(root)
         return step_dir
 
@@ -604,12 +604,7 @@ class RayPPOTrainer:
             return os.path.abspath(path)
         if mode != "auto":
             raise ValueError(f"trainer.resume_mode={mode!r} is not one of auto, disable, resume_path")
-        tracker = os.path.join(self._checkpoint_root(), LATEST_CHECKPOINT_FILE)
-        if not os.path.exists(tracker):
-            return None
-        with open(tracker) as f:
-            step = int(f.read().strip())
-        return os.path.join(self._checkpoint_root(), f"global_step_{step}")
+        return find_latest_ckpt_path(self._checkpoint_root())
 
     def _load_checkpoint(self) -> None:
         step_dir = self._find_resume_dir()
@@ -659,12 +654,3 @@ def _rollout_mismatch_metrics(batch: DataProto, old_log_probs: torch.Tensor) -> 
         "training/rollout_probs_diff_mean": diff.mean().item(),
         "training/rollout_probs_diff_max": diff.max().item(),
     }
-
-
-def _atomic_write(path: str, text: str) -> None:
-    tmp = f"{path}.tmp"
-    with open(tmp, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)

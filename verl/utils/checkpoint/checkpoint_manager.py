@@ -15,13 +15,31 @@ import torch
 
 from verl.utils.device import get_torch_device, is_cuda_available
 
-__all__ = ["BaseCheckpointManager", "find_latest_ckpt_path", "get_checkpoint_tracker_filename"]
+__all__ = [
+    "BaseCheckpointManager",
+    "find_latest_ckpt_path",
+    "get_checkpoint_tracker_filename",
+    "write_checkpoint_tracker",
+]
 
 _VALID_CONTENTS = ("model", "optimizer", "extra", "hf_model")
 
 
 def get_checkpoint_tracker_filename(root_path: str) -> str:
     return os.path.join(root_path, "latest_checkpointed_iteration.txt")
+
+
+def write_checkpoint_tracker(root_path: str, step: int) -> None:
+    """Point the tracker file at `global_step_<step>`: written to a temp file, fsynced, then renamed,
+    so a crash leaves either the old or the new step, never a torn file. Call it only after every
+    part of the step's checkpoint is on disk."""
+    path = get_checkpoint_tracker_filename(root_path)
+    tmp = f"{path}.tmp-{os.getpid()}"
+    with open(tmp, "w") as f:
+        f.write(str(step))
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
 
 
 def find_latest_ckpt_path(path: str | None, directory_format: str = "global_step_{}") -> str | None:
