@@ -19,6 +19,8 @@ from tests.integration.ray_cluster_helpers import kill_cluster, short_temp_dir
 
 ROOT = Path(__file__).resolve().parents[2]
 
+pytestmark = pytest.mark.slow
+
 
 @pytest.fixture(scope="module")
 def two_node_run():

@@ -43,3 +43,8 @@ def test_entries_without_free_room_fall_back_to_nodes_big_enough_to_wait_on():
     assert assign_nodes([2, 2], [0, 2, 0], fallback=[2, 2, 2]) == [1, 0]
     # No node is big enough for 4: that entry stays unplaced.
     assert assign_nodes([4, 1], [1, 1], fallback=[2, 2]) == [None, 0]
+
+
+def test_ipv6_and_ipv4_nodes_sort_without_comparing_across_kinds():
+    items = [("fe80::2", "a"), ("10.0.0.1", "b"), ("fe80::1", "c")]
+    assert sort_placement_groups_by_node(items) == [1, 2, 0]

@@ -90,8 +90,9 @@ def _node_sort_key(ip: str, node_id: str) -> tuple:
     """Rank order of nodes: by IP address (numerically for IPv4), then node id (nodes that share an
     IP, e.g. several Ray nodes on one machine, keep one order for the cluster's lifetime)."""
     parts = ip.split(".")
-    ip_key = tuple(int(p) for p in parts) if len(parts) == 4 and all(p.isdigit() for p in parts) else (ip,)
-    return (ip_key, node_id)
+    if len(parts) == 4 and all(p.isdigit() for p in parts):
+        return (0, tuple(int(p) for p in parts), "", node_id)
+    return (1, (), ip, node_id)  # IPv6 or a host name: after every IPv4 address, never compared with one
 
 
 def sort_placement_groups_by_node(items: Sequence[tuple[str, str]]) -> list[int]:
