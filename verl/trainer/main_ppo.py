@@ -107,6 +107,17 @@ def build_role_worker_mapping(config):
     return mapping
 
 
+def build_datasets(config, tokenizer) -> tuple:
+    """(train, validation or None) prompt datasets: `data.custom_cls` swaps in a user Dataset class
+    (RLHFDataset's constructor), `data.train_max_samples` / `data.val_max_samples` cap the rows."""
+    from verl.utils.dataset.rl_dataset import create_rl_dataset
+
+    train = create_rl_dataset(config.data.train_files, config.data, tokenizer, is_train=True)
+    val_files = config.data.get("val_files")
+    val = create_rl_dataset(val_files, config.data, tokenizer, is_train=False) if val_files else None
+    return train, val
+
+
 def _ensure_default_data(config) -> None:
     """Generate the embedded arithmetic task on first use when the config points at its cache files."""
     from verl.utils.dataset.arith import default_cache_dir, ensure_arith_data
@@ -127,7 +138,6 @@ class TaskRunner:
         from verl.single_controller.ray import ResourcePoolManager
         from verl.trainer.ppo.ray_trainer import RayPPOTrainer
         from verl.trainer.ppo.reward import load_reward_manager
-        from verl.utils.dataset.rl_dataset import RLHFDataset
         from verl.utils.tokenizer import hf_tokenizer
 
         _ensure_default_data(config)
@@ -143,10 +153,7 @@ class TaskRunner:
 
         reward_fn = load_reward_manager(config, tokenizer, num_examine=0)
         val_reward_fn = load_reward_manager(config, tokenizer, num_examine=1)
-        train_dataset = RLHFDataset(config.data.train_files, tokenizer, config.data)
-        val_dataset = (
-            RLHFDataset(config.data.val_files, tokenizer, config.data) if config.data.get("val_files") else None
-        )
+        train_dataset, val_dataset = build_datasets(config, tokenizer)
 
         trainer = RayPPOTrainer(
             config=config,
