@@ -86,13 +86,17 @@ def test_the_dashboard_and_job_server_listen_on_localhost_only(ray_head):
     assert listening == ["127.0.0.1"]
 
 
-def test_a_request_without_the_token_is_refused(ray_head, tmp_path):
+def test_the_job_server_refuses_requests_without_the_token(ray_head, tmp_path):
     env = {**_clean_env(), "HOME": str(tmp_path)}  # no ~/.ray/auth_token either
-    proc = subprocess.run(
-        [RAY, "job", "list", "--address", ray_head["address"]], env=env, capture_output=True, text=True, timeout=120
-    )
-    assert proc.returncode != 0
-    assert "Unauthorized" in proc.stdout + proc.stderr
+    list_jobs = [RAY, "job", "list", "--address", ray_head["address"]]
+    refused = subprocess.run(list_jobs, env=env, capture_output=True, text=True, timeout=120)
+    assert refused.returncode != 0
+    assert "Unauthorized" in refused.stdout + refused.stderr
+    # The token may also come from the environment (RAY_AUTH_TOKEN) instead of a file.
+    token = Path(ray_head["env"]["RAY_AUTH_TOKEN_PATH"]).read_text()
+    env.update(RAY_AUTH_MODE="token", RAY_AUTH_TOKEN=token)
+    accepted = subprocess.run(list_jobs, env=env, capture_output=True, text=True, timeout=120)
+    assert accepted.returncode == 0, accepted.stdout + accepted.stderr
 
 
 def test_a_submitted_ppo_job_trains_checkpoints_and_succeeds(ray_head):
