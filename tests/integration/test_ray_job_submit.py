@@ -33,8 +33,16 @@ pytestmark = pytest.mark.slow
 
 
 def _clean_env() -> dict:
-    """This environment minus anything that would point Ray at another cluster or token."""
-    drop = ("RAY_ADDRESS", "RAY_AUTH_MODE", "RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH", "RAY_JOB_CONFIG_JSON_ENV_VAR")
+    """This environment minus anything that would point Ray at another cluster or token, or hand
+    the cluster this checkout through PYTHONPATH (the jobs must get the code from working_dir)."""
+    drop = (
+        "RAY_ADDRESS",
+        "RAY_AUTH_MODE",
+        "RAY_AUTH_TOKEN",
+        "RAY_AUTH_TOKEN_PATH",
+        "RAY_JOB_CONFIG_JSON_ENV_VAR",
+        "PYTHONPATH",
+    )
     env = {k: v for k, v in os.environ.items() if k not in drop}
     env["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), env.get("PATH", "")])
     return env
@@ -129,3 +137,15 @@ def test_a_submitted_ppo_job_trains_checkpoints_and_succeeds(ray_head):
     assert (work / "ckpt" / "global_step_2" / "actor").is_dir()
     steps = [json.loads(line)["step"] for line in (work / "run" / "metrics.jsonl").read_text().splitlines()]
     assert steps[-1] == 2
+
+
+def test_upstreams_runtime_env_file_ships_this_checkout_to_the_job(ray_head):
+    submit = [
+        RAY, "job", "submit", "--address", ray_head["address"],
+        "--runtime-env", "verl/trainer/runtime_env.yaml", "--",
+        "python", "-c", "import verl; print('verl imported from', verl.__file__)",
+    ]  # fmt: skip
+    proc = subprocess.run(submit, cwd=ROOT, env=ray_head["env"], capture_output=True, text=True, timeout=300)
+    line = next((x for x in proc.stdout.splitlines() if x.startswith("verl imported from")), "")
+    # the uploaded copy in the cluster's session dir, not this checkout
+    assert "working_dir_files" in line and str(ROOT) not in line, proc.stdout[-3000:] + proc.stderr[-3000:]
