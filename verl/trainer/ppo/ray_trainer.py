@@ -654,3 +654,13 @@ def _rollout_mismatch_metrics(batch: DataProto, old_log_probs: torch.Tensor) -> 
         "training/rollout_probs_diff_mean": diff.mean().item(),
         "training/rollout_probs_diff_max": diff.max().item(),
     }
+
+
+def __getattr__(name: str):
+    # Upstream scripts import ResourcePoolManager from here; it lives in the single controller and is
+    # resolved on first use, so importing this module does not import ray.
+    if name == "ResourcePoolManager":
+        from verl.single_controller.ray import ResourcePoolManager
+
+        return ResourcePoolManager
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
