@@ -577,8 +577,11 @@ class TrainerConfig:
     log_val_generations: int = doc("Validation samples (prompt, response, score) logged per validation.")
     rollout_data_dir: str | None = doc("Dump each step's rollouts as JSONL here (null: no dump).")
     validation_data_dir: str | None = doc("Dump validation generations as JSONL here (null: no dump).")
-    nnodes: int = doc("Machines in the Ray cluster.")
-    n_gpus_per_node: int = doc("Workers per machine: GPUs on CUDA, worker processes on CPU.")
+    nnodes: int = doc(
+        "Ray nodes to spread the workers over, each a distinct node (ranks fill nodes in IP order); "
+        "a missing node is an error at start-up."
+    )
+    n_gpus_per_node: int = doc("Workers per node: GPUs on CUDA, worker processes on CPU.")
     save_freq: int = doc("Checkpoint every this many steps and at the end (-1: never).")
     esi_redundant_time: int = doc("Elastic-instance expiry margin (cloud specific).", status=IGNORED)
     resume_mode: str = doc(
