@@ -17,6 +17,7 @@ import secrets
 import shutil
 import subprocess
 import sys
+import time
 import urllib.request
 import uuid
 from pathlib import Path
@@ -75,6 +76,17 @@ def ray_head():
         shutil.rmtree(temp, ignore_errors=True)
 
 
+def _submit(cmd: list[str], head: dict, timeout: float) -> subprocess.CompletedProcess:
+    """Run `ray job submit` from the checkout. Right after `ray start` the head's job agent may not
+    have registered yet (Ray answers "No available agent"); that one answer is retried."""
+    for _ in range(3):
+        proc = subprocess.run(cmd, cwd=ROOT, env=head["env"], capture_output=True, text=True, timeout=timeout)
+        if "No available agent" not in proc.stdout + proc.stderr:
+            break
+        time.sleep(2)
+    return proc
+
+
 def _job_info(head: dict, job_id: str) -> dict:
     """The job server's record of a job (its REST API, with the cluster's token)."""
     token = Path(head["env"]["RAY_AUTH_TOKEN_PATH"]).read_text().strip()
@@ -128,7 +140,7 @@ def test_a_submitted_ppo_job_trains_checkpoints_and_succeeds(ray_head):
         f"trainer.default_local_dir={work / 'ckpt'}", f"trainer.run_dir={work / 'run'}",
     ]  # fmt: skip
     # Blocks while tailing the job's logs; the timeout is the job's deadline.
-    proc = subprocess.run(submit, cwd=ROOT, env=ray_head["env"], capture_output=True, text=True, timeout=420)
+    proc = _submit(submit, ray_head, timeout=420)
     logs = proc.stdout + proc.stderr
     status = _job_info(ray_head, job_id)["status"]
     assert status == "SUCCEEDED", f"job {job_id} is {status}\n--- job ---\n{logs[-6000:]}"
@@ -145,7 +157,7 @@ def test_upstreams_runtime_env_file_ships_this_checkout_to_the_job(ray_head):
         "--runtime-env", "verl/trainer/runtime_env.yaml", "--",
         "python", "-c", "import verl; print('verl imported from', verl.__file__)",
     ]  # fmt: skip
-    proc = subprocess.run(submit, cwd=ROOT, env=ray_head["env"], capture_output=True, text=True, timeout=300)
+    proc = _submit(submit, ray_head, timeout=300)
     line = next((x for x in proc.stdout.splitlines() if x.startswith("verl imported from")), "")
     # the uploaded copy in the cluster's session dir, not this checkout
     assert "working_dir_files" in line and str(ROOT) not in line, proc.stdout[-3000:] + proc.stderr[-3000:]
