@@ -44,6 +44,16 @@ class Actor(Worker):
         raise RuntimeError("actor update diverged")
 
 
+class BrokenInit(Worker):
+    def __init__(self):
+        super().__init__()
+        raise FileNotFoundError("no checkpoint at /nonexistent/ckpt")
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def ping(self):
+        return "pong"
+
+
 class Critic(Worker):
     @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO)
     def compute_values(self, data):
@@ -104,6 +114,14 @@ def test_killed_worker_fails_the_next_call_within_seconds(cpu_pool):
     err = info.value
     assert (err.role, err.rank, err.method) == ("actor_rollout", 1, "update_actor")
     assert "actor_rollout rank 1 died during update_actor()" in str(err)
+    wg.shutdown()
+
+
+def test_worker_whose_init_raises_is_reported_with_the_init_error(cpu_pool):
+    wg = RayWorkerGroup(cpu_pool([1]), RayClassWithInitArgs(BrokenInit), role="ref")
+    with pytest.raises(WorkerDiedError, match=r"ref rank 0 is dead: its __init__ raised") as info:
+        wg.ping()
+    assert "no checkpoint at /nonexistent/ckpt" in str(info.value)
     wg.shutdown()
 
 

@@ -173,6 +173,11 @@ class Worker:
     # --- the entry point of every group call ----------------------------------------------------
 
     def _verl_rpc(self, method_name: str, *args, **kwargs):
+        if "_rank" not in self.__dict__:
+            raise RuntimeError(
+                f"{type(self).__name__}.__init__ did not call super().__init__(); Worker subclasses must, so that "
+                "the worker knows its rank and mesh layout"
+            )
         try:
             result = getattr(self, method_name)(*args, **kwargs)
         except Exception as exc:

@@ -422,13 +422,12 @@ class RayWorkerGroup(WorkerGroup):
             raise self._method_error(exc, refs, ranks, role, method) from None
         except RayActorError as exc:
             rank = self._actor_rank.get(getattr(exc, "actor_id", None) or "", None)
-            where = f"rank {rank}" if rank is not None else "a rank"
-            raise WorkerDiedError(
-                f"{role} {where} died during {method}() (or before it: a failing __init__ counts): {exc}",
-                role=role,
-                rank=rank,
-                method=method,
-            ) from None
+            where = f"{role} rank {rank}" if rank is not None else f"a {role} rank"
+            if "creation task" in str(exc):
+                what = f"{where} is dead: its __init__ raised (so {method}() could not run)"
+            else:
+                what = f"{where} died during {method}() (killed, out of memory or crashed)"
+            raise WorkerDiedError(f"{what}. Ray's report: {exc}", role=role, rank=rank, method=method) from None
         except GetTimeoutError:
             _, pending = ray.wait(refs, num_returns=len(refs), timeout=0)
             pending_ranks = [ranks[refs.index(r)] for r in pending]
