@@ -70,6 +70,7 @@ class EchoWorker(Worker):
             "master": self.get_master_addr_port(),
             "pid": os.getpid(),
             "role": os.environ.get("VERL_ROLE"),
+            "dist_timeout": os.environ.get("VERL_DIST_TIMEOUT_S"),
             "calls": self.calls,
         }
 
@@ -151,7 +152,15 @@ def _batch(n: int) -> DataProto:
 @pytest.fixture(scope="module")
 def group(ray_session):
     pool = RayResourcePool(process_on_nodes=[2], use_gpu=False, max_colocate_count=1)
-    wg = RayWorkerGroup(pool, RayClassWithInitArgs(EchoWorker, scale=3.0), role="echo")
+    saved = os.environ.get("VERL_DIST_TIMEOUT_S")
+    os.environ["VERL_DIST_TIMEOUT_S"] = "45"  # the driver's VERL_* settings reach the workers
+    try:
+        wg = RayWorkerGroup(pool, RayClassWithInitArgs(EchoWorker, scale=3.0), role="echo")
+    finally:
+        if saved is None:
+            del os.environ["VERL_DIST_TIMEOUT_S"]
+        else:
+            os.environ["VERL_DIST_TIMEOUT_S"] = saved
     yield wg
     wg.shutdown()
     pool.remove_placement_groups()
@@ -165,6 +174,7 @@ def test_workers_get_ranks_and_one_master_address(group):
     assert infos[0]["master"] == infos[1]["master"] and infos[0]["master"][1] is not None
     assert infos[0]["pid"] != infos[1]["pid"]
     assert {i["role"] for i in infos} == {"echo"}
+    assert {i["dist_timeout"] for i in infos} == {"45"}
 
 
 def test_one_to_all_sends_the_same_large_tensor_to_every_worker(group):
@@ -211,6 +221,14 @@ def test_execute_rank_zero_returns_rank_zeros_result(group):
     assert group.rank_zero_echo("hi") == (0, "hi")
     assert group.execute_rank_zero("whoami")["rank"] == 0
     assert [i["rank"] for i in group.execute_all("whoami")] == [0, 1]
+
+
+def test_worker_base_helpers_run_functions_on_the_workers(group):
+    ranks = group.execute_with_func_generator(
+        lambda worker, data: DataProto.from_dict(tensors={"r": torch.full((len(data),), worker.rank)}), _batch(4)
+    )
+    assert ranks.batch["r"].tolist() == [0, 0, 1, 1]
+    assert group.execute_func_rank_zero(lambda worker, k: (worker.rank, k), "k") == (0, "k")
 
 
 def test_user_registered_dispatch_mode(group):

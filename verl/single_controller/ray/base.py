@@ -278,7 +278,8 @@ class RayWorkerGroup(WorkerGroup):
         pgs = pool.get_placement_groups()
         master_addr, master_port = self._pick_master_address(pool.pg_node_ids[0])
         world_size = pool.world_size
-        passthrough = {k: os.environ[k] for k in ("VERL_DEVICE", "VERL_LOGGING_LEVEL") if k in os.environ}
+        # The driver's VERL_* settings (device, timeouts, logging level) hold in the workers too.
+        passthrough = {k: v for k, v in os.environ.items() if k.startswith("VERL_")}
         workers, names = [], []
         rank = 0
         for pg, local_world_size in zip(pgs, pool.store):
