@@ -18,7 +18,8 @@ The public API follows upstream verl so its users' code works unchanged. Design 
 - Pickling is ours, not tensordict's. torch pickles a view together with its whole storage, so
   a chunk of a 64 MB batch would ship 64 MB to each worker. `__getstate__` instead writes each
   tensor as a flat, contiguous uint8 numpy array covering exactly its own elements (any dtype,
-  bfloat16 included), which pickle protocol 5 and Ray serialise out-of-band without extra copies.
+  bfloat16 included): pickle writes it as one block, and Ray moves it out-of-band into its object
+  store without an intermediate copy (measured in benchmarks/bench_protocol.py).
   Unpickled tensors are always on the CPU (the driver may have no accelerator); call `.to()` on
   the receiving side.
 - Derived protos (slices, chunks, selections) get a shallow copy of `meta_info`, so setting a key
@@ -88,7 +89,12 @@ def _values_equal(a, b) -> bool:
     if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
         if not (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)):
             return False
-        return a.shape == b.shape and a.dtype == b.dtype and bool(torch.equal(a.cpu(), b.cpu()))
+        if a.shape != b.shape or a.dtype != b.dtype:
+            return False
+        a, b = a.detach().cpu(), b.detach().cpu()
+        if torch.equal(a, b):
+            return True
+        return a.is_floating_point() and bool(torch.allclose(a, b, rtol=0.0, atol=0.0, equal_nan=True))
     if isinstance(a, np.ndarray) or isinstance(b, np.ndarray):
         return _numpy_equal(np.asarray(a), np.asarray(b))
     if isinstance(a, dict) and isinstance(b, dict):
@@ -124,14 +130,17 @@ def union_tensor_dict(tensor_dict1: TensorDict, tensor_dict2: TensorDict) -> Ten
             f"{tuple(tensor_dict2.batch_size)}; both must describe the same rows"
         )
     existing = set(tensor_dict1.keys(include_nested=True, leaves_only=True))
+    new_leaves = {}
     for key, value in tensor_dict2.items(include_nested=True, leaves_only=True):
         if key not in existing:
-            tensor_dict1.set(key, value)
+            new_leaves[key] = value
         elif not _values_equal(tensor_dict1.get(key), value):
             raise ValueError(
                 f"union: batch key {key!r} exists on both sides with different values; rename or pop "
                 "one of them before union (union only adds keys, it never overwrites)"
             )
+    for key, value in new_leaves.items():  # only after every key checked: a conflict changes nothing
+        tensor_dict1.set(key, value)
     return tensor_dict1
 
 
@@ -143,7 +152,7 @@ def union_numpy_dict(dict1: dict[str, np.ndarray], dict2: dict[str, np.ndarray])
                 f"union: non_tensor_batch key {key!r} exists on both sides with different values; rename or "
                 "pop one of them before union (union only adds keys, it never overwrites)"
             )
-        dict1[key] = value
+    dict1.update(dict2)
     return dict1
 
 
@@ -154,7 +163,7 @@ def _union_meta_info(meta1: dict, meta2: dict) -> dict:
                 f"union: meta_info[{key!r}] differs between the two protos ({meta1[key]!r} vs {value!r}); "
                 "make them equal or pop the key from one side before union"
             )
-        meta1[key] = value
+    meta1.update(meta2)
     return meta1
 
 
@@ -244,7 +253,7 @@ def _as_index(idxs, length: int) -> tuple[torch.Tensor, np.ndarray]:
 
 
 def _encode_tensor(tensor: torch.Tensor) -> tuple[np.ndarray, torch.dtype, tuple[int, ...]]:
-    flat = tensor.detach().to("cpu").contiguous().reshape(-1)
+    flat = tensor.detach().to("cpu").resolve_conj().resolve_neg().contiguous().reshape(-1)
     return flat.view(torch.uint8).numpy(), tensor.dtype, tuple(tensor.shape)
 
 
@@ -252,21 +261,37 @@ def _decode_tensor(payload: tuple[np.ndarray, torch.dtype, tuple[int, ...]]) -> 
     raw, dtype, shape = payload
     # Ray hands back read-only views of its shared-memory store; a tensor must own writable,
     # aligned memory, so copy in that case (a plain pickle round trip needs no copy).
-    if not raw.flags.writeable or raw.ctypes.data % 64:
+    if not raw.flags.writeable or raw.ctypes.data % 16:
         raw = raw.copy()
     return torch.from_numpy(raw).view(dtype).reshape(shape)
+
+
+def _strided_leaves(td: TensorDictBase, prefix: tuple = ()) -> dict | None:
+    """{key: tensor} for every leaf of a plain (possibly nested) TensorDict; None if any leaf is exotic."""
+    if type(td) is not TensorDict:
+        return None
+    leaves = {}
+    for key, value in td.items():
+        if isinstance(value, TensorDictBase):
+            nested = _strided_leaves(value, (*prefix, key))
+            if nested is None:
+                return None
+            leaves.update(nested)
+        elif isinstance(value, torch.Tensor) and value.layout == torch.strided and not value.is_nested:
+            leaves[(*prefix, key) if prefix else key] = value
+        else:
+            return None
+    return leaves
 
 
 def _encode_batch(batch: TensorDict | None):
     if batch is None:
         return None
-    leaves = {}
-    for key, value in batch.items(include_nested=True, leaves_only=True):
-        if not isinstance(value, torch.Tensor):
-            # Exotic leaves (non-tensor data inside the TensorDict): fall back to tensordict's pickling.
-            return ("tensordict", pickle.dumps(batch.cpu(), protocol=pickle.HIGHEST_PROTOCOL))
-        leaves[key] = _encode_tensor(value)
-    return ("leaves", leaves, int(batch.batch_size[0]))
+    leaves = _strided_leaves(batch)
+    if leaves is None:
+        # Non-tensor data, sparse/nested tensors or lazy stacks inside the batch: tensordict pickles those.
+        return ("tensordict", pickle.dumps(batch.cpu(), protocol=pickle.HIGHEST_PROTOCOL))
+    return ("leaves", {key: _encode_tensor(value) for key, value in leaves.items()}, int(batch.batch_size[0]))
 
 
 def _decode_batch(state) -> TensorDict | None:
@@ -502,11 +527,10 @@ class DataProto:
             missing = [k for k in batch_keys if k not in available]
             if missing:
                 raise _missing_key_error("DataProto.batch", missing, available)
-            batch = None if self.batch is None else self.batch.select(*batch_keys)
+            source = {k: self.batch[k] for k in batch_keys} if batch_keys else {}
         else:
-            batch = self.batch
-        if batch is not None:
-            batch = _new_td(dict(batch.items()), len(self), batch.device)
+            source = None if self.batch is None else dict(self.batch.items())
+        batch = None if source is None or self.batch is None else _new_td(source, len(self), self.batch.device)
         non_tensor = self._pick(self.non_tensor_batch, non_tensor_batch_keys, "DataProto.non_tensor_batch")
         meta = self._pick(self.meta_info, meta_info_keys, "DataProto.meta_info")
         out = type(self)(batch=batch, non_tensor_batch=non_tensor, meta_info=meta)
@@ -573,13 +597,16 @@ class DataProto:
         """Add `other`'s keys to this proto (in place) and return self; shared keys must be equal."""
         if len(self) != len(other) and (self.batch is not None or self.non_tensor_batch):
             raise ValueError(f"union needs protos of the same length, got {len(self)} and {len(other)}")
+        # Merge into shallow copies and assign at the end, so a conflict leaves self unchanged.
+        batch = self.batch
         if other.batch is not None:
-            if self.batch is None:
-                self.batch = _new_td(dict(other.batch.items()), len(other), other.batch.device)
+            if batch is None:
+                batch = _new_td(dict(other.batch.items()), len(other), other.batch.device)
             else:
-                self.batch = union_tensor_dict(self.batch, other.batch)
-        self.non_tensor_batch = union_numpy_dict(self.non_tensor_batch, other.non_tensor_batch)
-        self.meta_info = _union_meta_info(self.meta_info, other.meta_info)
+                batch = union_tensor_dict(_new_td(dict(batch.items()), len(self), batch.device), other.batch)
+        non_tensor = union_numpy_dict(dict(self.non_tensor_batch), other.non_tensor_batch)
+        meta_info = _union_meta_info(dict(self.meta_info), other.meta_info)
+        self.batch, self.non_tensor_batch, self.meta_info = batch, non_tensor, meta_info
         self.check_consistency()
         return self
 
@@ -687,14 +714,15 @@ class DataProto:
                 if generator is None:
                     order = torch.randperm(n)
                 else:
-                    # DataLoader draws one base seed from its generator per epoch, then the sampler's
-                    # permutation; doing the same keeps seeded orders identical to a DataLoader's.
+                    # Same generator draws as a DataLoader(shuffle=True, generator=...) epoch: a base
+                    # seed, the permutation, then the sampler's (here unused) tail permutation, so
+                    # seeded orders match upstream verl, which iterated such a DataLoader.
                     torch.empty((), dtype=torch.int64).random_(generator=generator)
                     order = torch.randperm(n, generator=generator)
+                    torch.randperm(n, generator=generator)
                 for start in range(0, num_full, mini_batch_size):
                     part = order[start : start + mini_batch_size]
-                    mini_batch = self._take(part, part.numpy())
-                    yield mini_batch
+                    yield self._take(part, part.numpy())
             else:
                 for start in range(0, num_full, mini_batch_size):
                     yield self.slice(start, start + mini_batch_size)
@@ -759,10 +787,8 @@ def pad_dataproto_to_divisor(data: DataProto, size_divisor: int) -> tuple[DataPr
         raise ValueError(f"size_divisor must be a positive integer, got {size_divisor!r}")
     n = len(data)
     pad_size = -n % size_divisor
-    if pad_size == 0:
+    if pad_size == 0:  # an empty proto divides by anything, so n > 0 below
         return data, 0
-    if n == 0:
-        raise ValueError("cannot pad an empty DataProto: there are no rows to repeat")
     idx = torch.arange(n + pad_size) % n
     return data._take(idx, idx.numpy()), pad_size
 
