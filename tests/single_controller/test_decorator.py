@@ -67,7 +67,7 @@ def test_dp_compute_proto_rejects_non_dataproto_arguments_and_mismatched_lengths
 
 
 def test_collect_explains_a_rank_that_did_not_return_a_dataproto():
-    with pytest.raises(TypeError, match="rank 1 returned dict"):
+    with pytest.raises(TypeError, match="data-parallel rank 1 returned dict"):
         Dispatch.DP_COMPUTE_PROTO.collect(_Shape(2), [_proto(1), {"loss": 1.0}], 0, futures=False)
 
 

@@ -183,6 +183,15 @@ def test_one_to_all_sends_the_same_large_tensor_to_every_worker(group):
     assert group.weighted_sum(tensor, weight=2.0) == pytest.approx([expected, expected])
 
 
+def test_large_arguments_going_to_several_workers_are_put_in_the_object_store_once(ray_session):
+    big = torch.rand(64 * 1024)  # 256 KiB, sent to both workers
+    small = {"lr": 0.1}  # cheaper to inline into each call
+    chunks = torch.rand(2, 100_000)  # one per worker
+    shared = RayWorkerGroup._put_repeated_args([((big, small, chunks[0]), {}), ((big, small, chunks[1]), {})])
+    assert set(shared) == {id(big)}
+    assert torch.equal(ray_session.get(shared[id(big)]), big)
+
+
 def test_dp_compute_gives_rank_i_entry_i(group):
     assert group.add_rank([10, 20], offset=[100, 200]) == [110, 221]
     with pytest.raises(ValueError, match="one entry per worker"):

@@ -28,6 +28,7 @@ from __future__ import annotations
 import os
 import re
 import uuid
+from collections import Counter
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -399,22 +400,32 @@ class RayWorkerGroup(WorkerGroup):
     # --- the call path --------------------------------------------------------------------------
 
     def _submit(self, remote_name: str, calls: list[tuple[tuple, dict]]) -> list:
-        if len(calls) > 1 and all(call is calls[0] for call in calls):
-            # Broadcast (ONE_TO_ALL and friends): prepare the arguments once, share big ones.
-            args, kwargs = calls[0]
-            args = tuple(self._shared(a) for a in args)
-            kwargs = {k: self._shared(v) for k, v in kwargs.items()}
-            return [w._verl_rpc.remote(remote_name, *args, **kwargs) for w in self._workers[: len(calls)]]
+        shared = self._put_repeated_args(calls) if len(calls) > 1 else {}
         refs = []
         for worker, (args, kwargs) in zip(self._workers, calls):
+            if shared:
+                args = tuple(shared.get(id(a), a) for a in args)
+                kwargs = {k: shared.get(id(v), v) for k, v in kwargs.items()}
             refs.append(worker._verl_rpc.remote(remote_name, *args, **kwargs))
         return refs
 
     @staticmethod
-    def _shared(value):
-        if isinstance(value, ray.ObjectRef):
-            return value
-        return ray.put(value) if _estimated_nbytes(value) >= _SHARE_MIN_BYTES else value
+    def _put_repeated_args(calls: list[tuple[tuple, dict]]) -> dict[int, ray.ObjectRef]:
+        """ray.put each large argument object that goes to several workers (ONE_TO_ALL, or the
+        same chunk to the tensor-parallel ranks of one shard) once; {id(object): reference}."""
+        counts: Counter = Counter()
+        objects = {}
+        for args, kwargs in calls:
+            for value in (*args, *kwargs.values()):
+                counts[id(value)] += 1
+                objects[id(value)] = value
+        return {
+            key: ray.put(objects[key])
+            for key, count in counts.items()
+            if count > 1
+            and not isinstance(objects[key], ray.ObjectRef)
+            and _estimated_nbytes(objects[key]) >= _SHARE_MIN_BYTES
+        }
 
     def _wait(self, refs: list, ranks: list[int], role: str, method: str) -> list:
         try:
