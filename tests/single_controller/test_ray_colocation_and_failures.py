@@ -170,6 +170,6 @@ def test_resource_pool_without_gpus_in_the_cluster_fails_at_once(ray_session):
 
 
 def test_placement_groups_are_ordered_by_node_address():
-    nodes = [("10.0.0.12", "b"), ("10.0.0.9", "a"), ("10.0.0.12", "b"), ("10.0.0.10", "c")]
-    # numeric IPv4 order (9 < 10 < 12), creation order kept on the same node
-    assert sort_placement_groups_by_node(nodes) == [1, 3, 0, 2]
+    nodes = [("10.0.0.12", "b"), ("10.0.0.9", "a"), ("fd00::1", "e"), ("10.0.0.12", "b"), ("10.0.0.10", "c")]
+    # numeric IPv4 order (9 < 10 < 12), creation order kept on the same node, IPv6 after IPv4
+    assert sort_placement_groups_by_node(nodes) == [1, 4, 0, 3, 2]

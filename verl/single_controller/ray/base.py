@@ -33,7 +33,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 import ray
-from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
+from ray.exceptions import GetTimeoutError, RayActorError, RayError, RayTaskError
 from ray.util.placement_group import PlacementGroup, placement_group, placement_group_table, remove_placement_group
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy, PlacementGroupSchedulingStrategy
 
@@ -75,8 +75,9 @@ def sort_placement_groups_by_node(items: Sequence[tuple[str, str]]) -> list[int]
     def key(index: int):
         ip, node_id = items[index]
         parts = ip.split(".")
-        ip_key = tuple(int(p) for p in parts) if len(parts) == 4 and all(p.isdigit() for p in parts) else (ip,)
-        return (ip_key, node_id, index)
+        if len(parts) == 4 and all(p.isdigit() for p in parts):
+            return (0, tuple(int(p) for p in parts), "", node_id, index)
+        return (1, (), ip, node_id, index)
 
     return sorted(range(len(items)), key=key)
 
@@ -137,7 +138,7 @@ class RayResourcePool(ResourcePool):
         if self.pgs is not None:
             return self.pgs
         self.check_cluster_totals()
-        prefix = name or self.name_prefix or f"verl_pool_{uuid.uuid4().hex[:8]}"
+        prefix = f"{name or self.name_prefix or 'verl_pool'}_{uuid.uuid4().hex[:8]}"
         lifetime = "detached" if self.detached else None
         pgs = [
             placement_group(
@@ -451,6 +452,8 @@ class RayWorkerGroup(WorkerGroup):
                 rank=pending_ranks[0] if pending_ranks else None,
                 method=method,
             ) from None
+        except RayError as exc:  # object lost, owner died, out of memory, ...
+            raise WorkerGroupError(f"{role}.{method}() failed in Ray: {exc}", role=role, method=method) from exc
 
     def _method_error(self, exc: RayTaskError, refs, ranks, role: str, method: str) -> WorkerGroupError:
         cause = getattr(exc, "cause", None)
