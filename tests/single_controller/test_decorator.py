@@ -153,3 +153,15 @@ def test_register_rejects_async_methods_and_unknown_modes():
 
     with pytest.raises(KeyError, match="unknown dispatch mode 'NOPE'"):
         register(dispatch_mode="NOPE")
+
+
+def test_importing_the_base_package_pulls_in_neither_ray_nor_torch():
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, verl.single_controller.base.decorator, verl.single_controller.base;"
+        "print(','.join(m for m in ('ray', 'torch') if m in sys.modules))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == ""
