@@ -67,7 +67,7 @@ def test_dp_compute_proto_rejects_non_dataproto_arguments_and_mismatched_lengths
 
 
 def test_collect_explains_a_rank_that_did_not_return_a_dataproto():
-    with pytest.raises(TypeError, match="rank 1 returned dict"):
+    with pytest.raises(TypeError, match="data-parallel rank 1 returned dict"):
         Dispatch.DP_COMPUTE_PROTO.collect(_Shape(2), [_proto(1), {"loss": 1.0}], 0, futures=False)
 
 
@@ -153,3 +153,15 @@ def test_register_rejects_async_methods_and_unknown_modes():
 
     with pytest.raises(KeyError, match="unknown dispatch mode 'NOPE'"):
         register(dispatch_mode="NOPE")
+
+
+def test_importing_the_base_package_pulls_in_neither_ray_nor_torch():
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, verl.single_controller.base.decorator, verl.single_controller.base;"
+        "print(','.join(m for m in ('ray', 'torch') if m in sys.modules))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == ""

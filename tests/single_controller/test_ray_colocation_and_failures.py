@@ -44,6 +44,16 @@ class Actor(Worker):
         raise RuntimeError("actor update diverged")
 
 
+class BrokenInit(Worker):
+    def __init__(self):
+        super().__init__()
+        raise FileNotFoundError("no checkpoint at /nonexistent/ckpt")
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def ping(self):
+        return "pong"
+
+
 class Critic(Worker):
     @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO)
     def compute_values(self, data):
@@ -108,6 +118,14 @@ def test_killed_worker_fails_the_next_call_within_seconds(cpu_pool):
     wg.shutdown()
 
 
+def test_worker_whose_init_raises_is_reported_with_the_init_error(cpu_pool):
+    wg = RayWorkerGroup(cpu_pool([1]), RayClassWithInitArgs(BrokenInit), role="ref")
+    with pytest.raises(WorkerDiedError, match=r"ref rank 0 is dead: its __init__ raised") as info:
+        wg.ping()
+    assert "no checkpoint at /nonexistent/ckpt" in str(info.value)
+    wg.shutdown()
+
+
 def test_two_pools_run_separate_groups_and_a_detached_one_can_be_reattached(ray_session):
     manager = ResourcePoolManager(
         resource_pool_spec={"train": [1], "reward": [1]},
@@ -153,6 +171,6 @@ def test_resource_pool_without_gpus_in_the_cluster_fails_at_once(ray_session):
 
 
 def test_placement_groups_are_ordered_by_node_address():
-    nodes = [("10.0.0.12", "b"), ("10.0.0.9", "a"), ("10.0.0.12", "b"), ("10.0.0.10", "c")]
-    # numeric IPv4 order (9 < 10 < 12), creation order kept on the same node
-    assert sort_placement_groups_by_node(nodes) == [1, 3, 0, 2]
+    nodes = [("10.0.0.12", "b"), ("10.0.0.9", "a"), ("fd00::1", "e"), ("10.0.0.12", "b"), ("10.0.0.10", "c")]
+    # numeric IPv4 order (9 < 10 < 12), creation order kept on the same node, IPv6 after IPv4
+    assert sort_placement_groups_by_node(nodes) == [1, 4, 0, 3, 2]

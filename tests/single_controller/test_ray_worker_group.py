@@ -70,6 +70,7 @@ class EchoWorker(Worker):
             "master": self.get_master_addr_port(),
             "pid": os.getpid(),
             "role": os.environ.get("VERL_ROLE"),
+            "dist_timeout": os.environ.get("VERL_DIST_TIMEOUT_S"),
             "calls": self.calls,
         }
 
@@ -151,7 +152,15 @@ def _batch(n: int) -> DataProto:
 @pytest.fixture(scope="module")
 def group(ray_session):
     pool = RayResourcePool(process_on_nodes=[2], use_gpu=False, max_colocate_count=1)
-    wg = RayWorkerGroup(pool, RayClassWithInitArgs(EchoWorker, scale=3.0), role="echo")
+    saved = os.environ.get("VERL_DIST_TIMEOUT_S")
+    os.environ["VERL_DIST_TIMEOUT_S"] = "45"  # the driver's VERL_* settings reach the workers
+    try:
+        wg = RayWorkerGroup(pool, RayClassWithInitArgs(EchoWorker, scale=3.0), role="echo")
+    finally:
+        if saved is None:
+            del os.environ["VERL_DIST_TIMEOUT_S"]
+        else:
+            os.environ["VERL_DIST_TIMEOUT_S"] = saved
     yield wg
     wg.shutdown()
     pool.remove_placement_groups()
@@ -165,12 +174,22 @@ def test_workers_get_ranks_and_one_master_address(group):
     assert infos[0]["master"] == infos[1]["master"] and infos[0]["master"][1] is not None
     assert infos[0]["pid"] != infos[1]["pid"]
     assert {i["role"] for i in infos} == {"echo"}
+    assert {i["dist_timeout"] for i in infos} == {"45"}
 
 
 def test_one_to_all_sends_the_same_large_tensor_to_every_worker(group):
     tensor = torch.rand(256, 256)  # 256 KiB: shared through the object store once
     expected = float(tensor.double().sum()) * 2.0 * 3.0
     assert group.weighted_sum(tensor, weight=2.0) == pytest.approx([expected, expected])
+
+
+def test_large_arguments_going_to_several_workers_are_put_in_the_object_store_once(ray_session):
+    big = torch.rand(64 * 1024)  # 256 KiB, sent to both workers
+    small = {"lr": 0.1}  # cheaper to inline into each call
+    chunks = torch.rand(2, 100_000)  # one per worker
+    shared = RayWorkerGroup._put_repeated_args([((big, small, chunks[0]), {}), ((big, small, chunks[1]), {})])
+    assert set(shared) == {id(big)}
+    assert torch.equal(ray_session.get(shared[id(big)]), big)
 
 
 def test_dp_compute_gives_rank_i_entry_i(group):
@@ -211,6 +230,14 @@ def test_execute_rank_zero_returns_rank_zeros_result(group):
     assert group.rank_zero_echo("hi") == (0, "hi")
     assert group.execute_rank_zero("whoami")["rank"] == 0
     assert [i["rank"] for i in group.execute_all("whoami")] == [0, 1]
+
+
+def test_worker_base_helpers_run_functions_on_the_workers(group):
+    ranks = group.execute_with_func_generator(
+        lambda worker, data: DataProto.from_dict(tensors={"r": torch.full((len(data),), worker.rank)}), _batch(4)
+    )
+    assert ranks.batch["r"].tolist() == [0, 0, 1, 1]
+    assert group.execute_func_rank_zero(lambda worker, k: (worker.rank, k), "k") == (0, "k")
 
 
 def test_user_registered_dispatch_mode(group):
@@ -254,12 +281,12 @@ def test_a_raising_method_reports_role_rank_method_and_remote_traceback(group):
 
 
 def test_a_call_past_its_deadline_raises_naming_the_pending_ranks(group):
-    group.timeout_s = 0.5
+    group.timeout_s = 0.3
     try:
         start = time.monotonic()
         with pytest.raises(WorkerTimeoutError, match=r"rank\(s\) \[0, 1\]") as info:
-            group.nap(2.0)
-        assert time.monotonic() - start < 1.5
+            group.nap(1.0)
+        assert time.monotonic() - start < 0.9
         assert info.value.method == "nap"
     finally:
         group.timeout_s = 60.0

@@ -107,12 +107,12 @@ def _broadcast(world_size: int, args: tuple, kwargs: dict) -> list[PerWorkerCall
 
 
 def _split_data_protos(
-    method_desc: str, num_chunks: int, args: tuple, kwargs: dict, pad: bool
+    method_desc: str, num_chunks: int, args: tuple, kwargs: dict
 ) -> tuple[list[list], dict[str, list], int]:
     """Pad every DataProto argument to a multiple of `num_chunks` and chunk it.
 
-    Returns per-argument chunk lists and the number of padding rows added (0 when none, or
-    when the arguments are futures, which cannot be padded before they exist).
+    Returns per-argument chunk lists and the number of padding rows added. DataProtoFutures
+    cannot be padded (their length is unknown until they resolve): they must divide evenly.
     """
     protocol = _protocol()
     values = list(args) + list(kwargs.values())
@@ -131,11 +131,17 @@ def _split_data_protos(
             "together across ranks, so every DataProto argument must have the same number of rows"
         )
     pad_size = 0
-    if pad and lengths:
+    if lengths:
         length = lengths.pop()
         if length == 0:
             raise ValueError(f"{method_desc} got an empty DataProto; there is nothing to split across ranks")
         pad_size = -length % num_chunks
+    if pad_size and any(isinstance(v, protocol.DataProtoFuture) for v in values):
+        raise ValueError(
+            f"{method_desc}: {length} rows need {pad_size} padding rows to split across {num_chunks} ranks, but a "
+            "DataProtoFuture argument cannot be padded alongside them; materialize it with .get() first or use a "
+            f"batch size divisible by {num_chunks}"
+        )
     if pad_size:
         values = [
             protocol.pad_dataproto_to_divisor(v, num_chunks)[0] if isinstance(v, protocol.DataProto) else v
@@ -147,12 +153,12 @@ def _split_data_protos(
 
 def _concat_outputs(outputs: list, pad_size: int):
     protocol = _protocol()
-    for rank, out in enumerate(outputs):
+    for dp_rank, out in enumerate(outputs):
         if not isinstance(out, protocol.DataProto):
             raise TypeError(
                 f"a DataProto-dispatched method must return a DataProto from every rank so the results can be "
-                f"concatenated, but rank {rank} returned {type(out).__name__}; return a DataProto or register the "
-                "method with DP_COMPUTE_METRIC / DP_COMPUTE to get a list"
+                f"concatenated, but data-parallel rank {dp_rank} returned {type(out).__name__}; return a DataProto "
+                "or register the method with DP_COMPUTE_METRIC / DP_COMPUTE to get a list"
             )
     merged = protocol.DataProto.concat(outputs)
     return protocol.unpad_dataproto(merged, pad_size) if pad_size else merged
@@ -233,7 +239,7 @@ class _DPComputeProto(DispatchMode):
                     f"followed by DataProto arguments; got {type(args[0]).__name__ if args else 'no arguments'}"
                 )
             head, args = args[:1], args[1:]
-        arg_chunks, kwarg_chunks, pad_size = _split_data_protos(f"{self.name}", world_size, args, kwargs, pad=True)
+        arg_chunks, kwarg_chunks, pad_size = _split_data_protos(self.name, world_size, args, kwargs)
         calls = [
             (head + tuple(c[rank] for c in arg_chunks), {k: c[rank] for k, c in kwarg_chunks.items()})
             for rank in range(world_size)
@@ -259,7 +265,7 @@ class _NDComputeProto(DispatchMode):
     def dispatch(self, worker_group, args, kwargs):
         dp_ranks = worker_group._query_dispatch_info(self.mesh_name)
         dp_size = max(dp_ranks) + 1
-        arg_chunks, kwarg_chunks, pad_size = _split_data_protos(self.name, dp_size, args, kwargs, pad=True)
+        arg_chunks, kwarg_chunks, pad_size = _split_data_protos(self.name, dp_size, args, kwargs)
         calls = [(tuple(c[dp] for c in arg_chunks), {k: c[dp] for k, c in kwarg_chunks.items()}) for dp in dp_ranks]
         return calls, pad_size
 

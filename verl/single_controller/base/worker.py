@@ -160,19 +160,25 @@ class Worker:
 
     # --- helpers callable from the driver -------------------------------------------------------
 
-    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO_WITH_FUNC)
     def execute_with_func_generator(self, func, *args, **kwargs):
-        """Run `func(self, *args, **kwargs)` on every worker (debugging and one-off setup)."""
+        """Run `func(self, *chunks)` on every worker, each with its chunk of the DataProto arguments;
+        `func` returns a DataProto and the group concatenates them."""
         return func(self, *args, **kwargs)
 
     @register(dispatch_mode=Dispatch.RANK_ZERO)
     def execute_func_rank_zero(self, func, *args, **kwargs):
-        """Run `func(self, *args, **kwargs)` on rank 0 only."""
+        """Run `func(self, *args, **kwargs)` on rank 0 only and return its result."""
         return func(self, *args, **kwargs)
 
     # --- the entry point of every group call ----------------------------------------------------
 
     def _verl_rpc(self, method_name: str, *args, **kwargs):
+        if "_rank" not in self.__dict__:
+            raise RuntimeError(
+                f"{type(self).__name__}.__init__ did not call super().__init__(); Worker subclasses must, so that "
+                "the worker knows its rank and mesh layout"
+            )
         try:
             result = getattr(self, method_name)(*args, **kwargs)
         except Exception as exc:

@@ -33,12 +33,13 @@ import inspect
 import os
 import re
 import uuid
+from collections import Counter
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import ray
-from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
+from ray.exceptions import GetTimeoutError, RayActorError, RayError, RayTaskError
 from ray.util.placement_group import PlacementGroup, placement_group, placement_group_table, remove_placement_group
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy, PlacementGroupSchedulingStrategy
 
@@ -217,7 +218,7 @@ class RayResourcePool(ResourcePool):
         if self.pgs is not None:
             return self.pgs
         self.check_cluster_totals()
-        prefix = name or self.name_prefix or f"verl_pool_{uuid.uuid4().hex[:8]}"
+        prefix = f"{name or self.name_prefix or 'verl_pool'}_{uuid.uuid4().hex[:8]}"
         lifetime = "detached" if self.detached else None
         targets = self._target_nodes(prefix) if len(self.store) > 1 else [None]
         pgs = []
@@ -387,7 +388,8 @@ class RayWorkerGroup(WorkerGroup):
         pgs = pool.get_placement_groups()
         master_addr, master_port = self._pick_master_address(pool.pg_node_ids[0])
         world_size = pool.world_size
-        passthrough = {k: os.environ[k] for k in ("VERL_DEVICE", "VERL_LOGGING_LEVEL") if k in os.environ}
+        # The driver's VERL_* settings (device, timeouts, logging level) hold in the workers too.
+        passthrough = {k: v for k, v in os.environ.items() if k.startswith("VERL_")}
         workers, names = [], []
         rank = 0
         for pg, local_world_size in zip(pgs, pool.store):
@@ -507,22 +509,32 @@ class RayWorkerGroup(WorkerGroup):
     # --- the call path --------------------------------------------------------------------------
 
     def _submit(self, remote_name: str, calls: list[tuple[tuple, dict]]) -> list:
-        if len(calls) > 1 and all(call is calls[0] for call in calls):
-            # Broadcast (ONE_TO_ALL and friends): prepare the arguments once, share big ones.
-            args, kwargs = calls[0]
-            args = tuple(self._shared(a) for a in args)
-            kwargs = {k: self._shared(v) for k, v in kwargs.items()}
-            return [w._verl_rpc.remote(remote_name, *args, **kwargs) for w in self._workers[: len(calls)]]
+        shared = self._put_repeated_args(calls) if len(calls) > 1 else {}
         refs = []
         for worker, (args, kwargs) in zip(self._workers, calls):
+            if shared:
+                args = tuple(shared.get(id(a), a) for a in args)
+                kwargs = {k: shared.get(id(v), v) for k, v in kwargs.items()}
             refs.append(worker._verl_rpc.remote(remote_name, *args, **kwargs))
         return refs
 
     @staticmethod
-    def _shared(value):
-        if isinstance(value, ray.ObjectRef):
-            return value
-        return ray.put(value) if _estimated_nbytes(value) >= _SHARE_MIN_BYTES else value
+    def _put_repeated_args(calls: list[tuple[tuple, dict]]) -> dict[int, ray.ObjectRef]:
+        """ray.put each large argument object that goes to several workers (ONE_TO_ALL, or the
+        same chunk to the tensor-parallel ranks of one shard) once; {id(object): reference}."""
+        counts: Counter = Counter()
+        objects = {}
+        for args, kwargs in calls:
+            for value in (*args, *kwargs.values()):
+                counts[id(value)] += 1
+                objects[id(value)] = value
+        return {
+            key: ray.put(objects[key])
+            for key, count in counts.items()
+            if count > 1
+            and not isinstance(objects[key], ray.ObjectRef)
+            and _estimated_nbytes(objects[key]) >= _SHARE_MIN_BYTES
+        }
 
     def _wait(self, refs: list, ranks: list[int], role: str, method: str) -> list:
         try:
@@ -531,13 +543,12 @@ class RayWorkerGroup(WorkerGroup):
             raise self._method_error(exc, refs, ranks, role, method) from None
         except RayActorError as exc:
             rank = self._actor_rank.get(getattr(exc, "actor_id", None) or "", None)
-            where = f"rank {rank}" if rank is not None else "a rank"
-            raise WorkerDiedError(
-                f"{role} {where} died during {method}() (or before it: a failing __init__ counts): {exc}",
-                role=role,
-                rank=rank,
-                method=method,
-            ) from None
+            where = f"{role} rank {rank}" if rank is not None else f"a {role} rank"
+            if "creation task" in str(exc):
+                what = f"{where} is dead: its __init__ raised (so {method}() could not run)"
+            else:
+                what = f"{where} died during {method}() (killed, out of memory or crashed)"
+            raise WorkerDiedError(f"{what}. Ray's report: {exc}", role=role, rank=rank, method=method) from None
         except GetTimeoutError:
             _, pending = ray.wait(refs, num_returns=len(refs), timeout=0)
             pending_ranks = [ranks[refs.index(r)] for r in pending]
@@ -549,6 +560,8 @@ class RayWorkerGroup(WorkerGroup):
                 rank=pending_ranks[0] if pending_ranks else None,
                 method=method,
             ) from None
+        except RayError as exc:  # object lost, owner died, out of memory, ...
+            raise WorkerGroupError(f"{role}.{method}() failed in Ray: {exc}", role=role, method=method) from exc
 
     def _method_error(self, exc: RayTaskError, refs, ranks, role: str, method: str) -> WorkerGroupError:
         cause = getattr(exc, "cause", None)
