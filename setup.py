@@ -10,14 +10,14 @@ version = re.search(r'__version__ = "([^"]+)"', Path("verl/__init__.py").read_te
 
 install_requires = [
     "torch>=2.4",
-    "ray[default]>=2.40",
+    "ray[default]>=2.49",
     "hydra-core>=1.3",
     "omegaconf>=2.3",
     "tensordict>=0.8",
     "pyarrow>=15",
     "pandas>=2.0",
     "numpy>=1.26",
-    "transformers>=4.50",
+    "transformers>=4.56",
     "safetensors>=0.4",
     "tokenizers>=0.20",
     "tqdm>=4.60",
