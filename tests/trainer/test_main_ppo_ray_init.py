@@ -27,9 +27,11 @@ def test_env_vars_set_by_the_submitted_job_are_left_to_the_job(monkeypatch):
     job_config = {"runtime_env": {"working_dir": "gcs://_ray_pkg_x.zip", "env_vars": {"PYTHONPATH": "/job/code"}}}
     job_config["runtime_env"]["env_vars"]["TOKENIZERS_PARALLELISM"] = "false"
     monkeypatch.setenv("RAY_JOB_CONFIG_JSON_ENV_VAR", json.dumps(job_config))
+    # the driver's device preference (earlier in-process runs may have set it) reaches the workers
+    monkeypatch.setenv("VERL_DEVICE", "cpu")
     env_vars = _ray_init_kwargs(load_ppo_config([]))["runtime_env"]["env_vars"]
     assert "PYTHONPATH" not in env_vars and "TOKENIZERS_PARALLELISM" not in env_vars
-    assert env_vars["VERL_DEVICE"] == "auto"  # a default the job did not set is still passed on
+    assert env_vars["VERL_DEVICE"] == "cpu"  # a default the job did not set is still passed on
     # Ray's own merge rule accepts the pair (it returns None on a conflict).
     from ray.runtime_env.runtime_env import _merge_runtime_env
 
