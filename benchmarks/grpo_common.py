@@ -44,6 +44,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import warnings
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 
@@ -154,7 +155,17 @@ def ours_overrides(
     test_freq: int = -1,
     val_before_train: bool = False,
 ) -> list[str]:
-    """Hydra overrides for `main_ppo` that pin every `GRPOSetup` value; logs go to `<work_dir>/run`."""
+    """Hydra overrides for `main_ppo` that pin every `GRPOSetup` value; logs go to `<work_dir>/run`.
+
+    The actor's micro-batch (a memory/speed knob with no effect on the maths) stays at the yaml's
+    value unless it does not divide the sequences each rank gets per mini-batch, as for a smaller
+    batch than the default; then it is the largest divisor below it.
+    """
+    from omegaconf import OmegaConf
+
+    per_rank = setup.mini_batch_size * setup.n // setup.workers
+    micro = int(OmegaConf.load(PPO_YAML).actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu)
+    micro = max(d for d in range(1, min(micro, per_rank) + 1) if per_rank % d == 0)
     return [
         f"actor_rollout_ref.model.path={setup.model}",
         f"data.train_batch_size={setup.batch_size}",
@@ -163,6 +174,7 @@ def ours_overrides(
         f"data.seed={setup.seed}",
         f"actor_rollout_ref.actor.ppo_mini_batch_size={setup.mini_batch_size}",
         f"actor_rollout_ref.actor.ppo_epochs={setup.epochs}",
+        f"actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu={micro}",
         f"actor_rollout_ref.rollout.n={setup.n}",
         f"actor_rollout_ref.rollout.temperature={setup.temperature}",
         f"actor_rollout_ref.actor.optim.lr={setup.lr}",
@@ -357,8 +369,11 @@ def make_trl_trainer(
     """
     import datasets
     import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM, AutoTokenizer, PrinterCallback
     from trl import GRPOConfig, GRPOTrainer
+
+    # transformers 5 renames gradient_checkpointing to activation_checkpointing; TRL 1.x still sets it
+    warnings.filterwarnings("ignore", message=".*gradient_checkpointing.*", category=FutureWarning)
 
     torch.manual_seed(setup.seed)
     config = GRPOConfig(
@@ -415,6 +430,10 @@ def make_trl_trainer(
         processing_class=tokenizer,
         callbacks=callbacks,
     )
+    # Metrics are still logged every step (into trainer.state.log_history), just not printed.
+    trainer.remove_callback(PrinterCallback)
+    if trainer.model.is_gradient_checkpointing:
+        raise RuntimeError("TRL turned gradient checkpointing on; the comparison needs it off on both sides")
     return trainer, reward
 
 

@@ -20,7 +20,9 @@ time until the first evaluation at or above `--threshold` (default 0.5).
 
 Evaluation time is EXCLUDED on both sides (the two evaluators differ: ours runs validation through
 the framework's rollout workers, TRL's callback uses transformers' `generate()` in-process), and so
-is start-up (Ray, model loading). The table also shows the totals with evaluation included. Both
+is start-up (Ray, model loading). The second table also shows each side's periodic evaluation
+time and the total with it included (the step-0 evaluation of the starting model, done by both
+before training as our `trainer.val_before_train`, is in no figure). Both
 sides check the threshold only every `--test-freq` batches, so times are resolved to that many
 steps. Each side stops at the threshold or after `--max-minutes` of training time, whichever comes
 first; a side that never reaches the threshold reports `inf`. ratio = ours_min / trl_min (the issue's
@@ -41,7 +43,6 @@ from __future__ import annotations
 import argparse
 import math
 import tempfile
-import time
 
 from grpo_common import (
     GRPOSetup,
@@ -96,27 +97,21 @@ def trl_time_to_accuracy(
     optimizer_steps_per_batch = setup.batch_size // setup.mini_batch_size
     state = {"curve": [], "reached_s": math.inf}
 
-    class EvalEveryK(make_step_clock_class()):
-        def _accuracy(self, model, tokenizer) -> float:
-            return evaluate_greedy_accuracy(model, tokenizer, test_rows, max_new_tokens=setup.max_response_length)
+    def accuracy(model, tokenizer) -> float:
+        return evaluate_greedy_accuracy(model, tokenizer, test_rows, max_new_tokens=setup.max_response_length)
 
-        def on_train_begin(self, args, state_, control, model=None, processing_class=None, **kwargs):
-            start = time.perf_counter()
-            accuracy = self._accuracy(model, processing_class)
-            state["curve"].append((0, 0.0, accuracy))
-            self.eval_seconds += time.perf_counter() - start
-            if accuracy >= threshold:
-                state["reached_s"] = 0.0
-                control.should_training_stop = True
-            super().on_train_begin(args, state_, control, **kwargs)
+    class EvalEveryK(make_step_clock_class()):
+        """Evaluates every `test_freq` generated batches and at the last step (as our trainer
+        validates at its last step too); stops at the threshold or the time cap."""
 
         def evaluate(self, state_, control, model=None, processing_class=None, **kwargs) -> None:
             train_s = sum(self.step_seconds)
             batches, remainder = divmod(state_.global_step, optimizer_steps_per_batch)
-            if remainder == 0 and batches % test_freq == 0:
-                accuracy = self._accuracy(model, processing_class)
-                state["curve"].append((batches, train_s, accuracy))
-                if accuracy >= threshold:
+            due = batches % test_freq == 0 or state_.global_step >= state_.max_steps
+            if remainder == 0 and due:
+                acc = accuracy(model, processing_class)
+                state["curve"].append((batches, train_s, acc))
+                if acc >= threshold:
                     state["reached_s"] = train_s
                     control.should_training_stop = True
             if train_s >= max_s:
@@ -132,7 +127,12 @@ def trl_time_to_accuracy(
             callbacks=[clock],
             micro_batch_size=micro_batch,
         )
-        trainer.train()
+        # Step 0 (like our val_before_train), outside the step clock and the evaluation total.
+        state["curve"].append((0, 0.0, accuracy(trainer.model, trainer.processing_class)))
+        if state["curve"][0][2] >= threshold:
+            state["reached_s"] = 0.0
+        else:
+            trainer.train()
     state["train_s"], state["eval_s"] = sum(clock.step_seconds), clock.eval_seconds
     return state
 
