@@ -39,6 +39,7 @@ def test_trl_batch_args_reject_a_mini_batch_or_micro_batch_that_does_not_divide(
         trl_batch_args(32, 8, 32, 100)
 
 
+@pytest.mark.filterwarnings("ignore:.*gradient_checkpointing.*:FutureWarning")  # transformers 5 renamed it
 @pytest.mark.parametrize(("mini", "micro"), [(32, None), (32, 64), (8, 32)])
 def test_trls_own_config_derives_the_same_generation_batch_and_optimizer_steps(mini, micro):
     trl = pytest.importorskip("trl")
