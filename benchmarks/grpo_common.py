@@ -163,7 +163,7 @@ def ours_overrides(
     """
     from omegaconf import OmegaConf
 
-    per_rank = setup.mini_batch_size * setup.n // setup.workers
+    per_rank = max(1, setup.mini_batch_size * setup.n // setup.workers)  # main_ppo reports a bad split itself
     micro = int(OmegaConf.load(PPO_YAML).actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu)
     micro = max(d for d in range(1, min(micro, per_rank) + 1) if per_rank % d == 0)
     return [
