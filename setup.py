@@ -32,7 +32,7 @@ extras_require = {
     "vllm": ["vllm>=0.8"],
     "sglang": ["sglang>=0.4"],
     "mcore": ["megatron-core>=0.12"],
-    "bench": ["trl>=0.20", "datasets>=2.18", "accelerate>=1.0"],
+    "bench": ["trl>=1.16,<2", "datasets>=2.18", "accelerate>=1.0"],
     "gpu": ["flash-attn>=2.5", "liger-kernel>=0.5"],
     "trackers": ["tensorboard>=2.15", "wandb>=0.17"],
 }
