@@ -153,6 +153,21 @@ def test_recipe_readme_names_every_key_its_config_sets(name):
     assert "--config-name" in readme  # the GPU command uses the same config
 
 
+@pytest.mark.parametrize("name", ALL_RECIPES)
+def test_recipe_readme_gpu_command_is_a_valid_config(name, monkeypatch):
+    """The README's `--config-name` command (paths as written, relative to the repository root) validates."""
+    from verl.trainer.config import load_ppo_config, parse_cli_args
+
+    monkeypatch.chdir(ROOT)
+    readme = (RECIPES_DIR / name / "README.md").read_text()
+    (command,) = [b for b in re.findall(r"```bash\n(.*?)```", readme, flags=re.S) if "--config-name" in b]
+    args = shlex.split(command.replace("\\\n", " ").replace("$HOME", "/data"))
+    config_path, overrides = parse_cli_args(args[args.index("verl.trainer.main_ppo") + 1 :])
+    assert Path(config_path).resolve() == RECIPES_DIR / name / "config" / f"{name}_trainer.yaml"
+    cfg = load_ppo_config(overrides, config_path)
+    assert cfg.trainer.n_gpus_per_node == 8 and cfg.actor_rollout_ref.rollout.name == "vllm"
+
+
 # ----------------------------------------------------------------------------------- the runs
 
 
