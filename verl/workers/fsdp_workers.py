@@ -10,6 +10,11 @@ checkpoints), `_RolloutPart` (the generation engine, fed weights from the actor 
 generation and put to sleep afterwards: the hybrid engine) and `_RefPart` (a frozen FSDP copy).
 Every RPC delegates to its part; calling an RPC whose part this role lacks is a clear error.
 
+LoRA (`model.lora_rank > 0`, see `verl.utils.lora`): the actor's model is wrapped with peft
+before sharding and only the adapters train. The reference policy is then not a second model
+but the actor's own module with its adapters switched off, and the rollout engine receives the
+merged weights `W + scaling * B @ A` under plain HF names.
+
 Batch-size normalisation follows upstream: `ppo_mini_batch_size` counts prompts, so it is
 multiplied by `rollout.n` and divided by the data-parallel size; `*_micro_batch_size_per_gpu` is
 already per rank.
@@ -17,6 +22,7 @@ already per rank.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import time
 
@@ -99,10 +105,15 @@ def _plain(section) -> dict:
 
 
 class _FSDPModel:
-    """An HF model on this rank's device, wrapped with FSDP2 over all ranks of the group."""
+    """An HF model on this rank's device, wrapped with FSDP2 over all ranks of the group.
+
+    A model trained with `model_cfg.lora_rank > 0` is wrapped with LoRA adapters first (FSDP2
+    then shards base weights and adapters alike; only the adapters require gradients).
+    """
 
     def __init__(self, model_cfg: DictConfig, fsdp_cfg, for_training: bool, value_head: bool = False):
         from verl.utils.fsdp_utils import apply_fsdp2
+        from verl.utils.lora import apply_lora, lora_enabled
         from verl.utils.model import enable_gradient_checkpointing, load_causal_lm, load_valuehead_model
 
         loader = load_valuehead_model if value_head else load_causal_lm
@@ -115,7 +126,24 @@ class _FSDPModel:
             enable_gradient_checkpointing(self.module)
         if not for_training:
             self.module.requires_grad_(False)
+        self.lora = for_training and not value_head and lora_enabled(model_cfg)
+        if self.lora:
+            self.module = apply_lora(self.module, model_cfg)
         self.module = apply_fsdp2(self.module, fsdp_cfg)
+
+    def hf_params(self):
+        """`(hf_name, full_tensor)` pairs, streamed (collective): with LoRA, the merged weights."""
+        from verl.utils.fsdp_utils import iter_full_params
+
+        if not self.lora:
+            return iter_full_params(self.module)
+        from verl.utils.lora import lora_scalings, merge_lora_state
+
+        return merge_lora_state(iter_full_params(self.module), lora_scalings(self.module))
+
+    def adapters_disabled(self):
+        """Context in which the model computes as its base model (LoRA adapters off); a no-op without LoRA."""
+        return self.module.disable_adapter() if self.lora else contextlib.nullcontext()
 
 
 class _OptimizedModel(_FSDPModel):
@@ -126,7 +154,8 @@ class _OptimizedModel(_FSDPModel):
         from verl.utils.checkpoint.fsdp_checkpoint_manager import FSDPCheckpointManager
         from verl.utils.optim import build_lr_scheduler, build_optimizer
 
-        self.optimizer = build_optimizer(self.module.parameters(), optim_cfg)
+        # with LoRA only the adapters require gradients: AdamW state for them alone
+        self.optimizer = build_optimizer([p for p in self.module.parameters() if p.requires_grad], optim_cfg)
         self.lr_scheduler = build_lr_scheduler(self.optimizer, optim_cfg)
         self.checkpoint_manager = FSDPCheckpointManager(
             model=self.module,
@@ -190,8 +219,12 @@ class ActorRolloutRefWorker(Worker):
             if self.actor is not None:
                 self.rollout.sleep()  # weights arrive from the actor before each generation
         if "ref" in self.parts:
-            ref_cfg = cfg.get("ref") or {}
-            self.ref_model = _FSDPModel(cfg.model, ref_cfg.get("fsdp_config"), for_training=False)
+            if self.actor is not None and self.actor_model.lora:
+                # the frozen base under the adapters is the initial policy: no second copy of the weights
+                self.ref_model = self.actor_model
+            else:
+                ref_cfg = cfg.get("ref") or {}
+                self.ref_model = _FSDPModel(cfg.model, ref_cfg.get("fsdp_config"), for_training=False)
             # Only compute_log_prob is used, which reads the actor's model-side keys (remove padding, ...).
             self.ref = DataParallelPPOActor(cfg.actor, self.ref_model.module)
         _seed_sampling()
@@ -199,14 +232,12 @@ class ActorRolloutRefWorker(Worker):
     @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO)
     def generate_sequences(self, prompts: DataProto) -> DataProto:
         """Sync weights into the engine (hybrid engine), generate, then put the engine to sleep."""
-        from verl.utils.fsdp_utils import iter_full_params
-
         rollout = self._need("rollout", "generate_sequences")
         metrics = {}
         if self.actor is not None:
             start = time.perf_counter()
             rollout.wake_up()
-            rollout.update_weights(iter_full_params(self.actor_model.module))
+            rollout.update_weights(self.actor_model.hf_params())
             metrics["timing_s/update_weights"] = time.perf_counter() - start
         start = time.perf_counter()
         output = rollout.generate_sequences(prompts)
@@ -231,7 +262,8 @@ class ActorRolloutRefWorker(Worker):
     def compute_ref_log_prob(self, data: DataProto) -> DataProto:
         ref = self._need("ref", "compute_ref_log_prob")
         _log_prob_meta(data, self.config.get("ref", {}) or self.config.rollout, self.config.rollout.temperature)
-        log_probs, _ = ref.compute_log_prob(data, calculate_entropy=False)
+        with self.ref_model.adapters_disabled():
+            log_probs, _ = ref.compute_log_prob(data, calculate_entropy=False)
         return DataProto.from_dict(tensors={"ref_log_prob": log_probs})
 
     @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO)

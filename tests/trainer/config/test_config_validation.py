@@ -145,9 +145,22 @@ def test_straight_through_kl_estimators_are_valid(defaults):
 
 
 def test_unimplemented_feature_is_refused_not_ignored(defaults):
-    msg = error_of(with_(defaults, actor_rollout_ref__model__lora_rank=16))
-    assert "actor_rollout_ref.model.lora_rank=16 is not implemented" in msg
-    assert "keep actor_rollout_ref.model.lora_rank=0" in msg
+    msg = error_of(with_(defaults, critic__model__lora_rank=16))
+    assert "critic.model.lora_rank=16 is not implemented" in msg
+    assert "keep critic.model.lora_rank=0" in msg
+
+
+def test_actor_lora_is_accepted(defaults):
+    validate_ppo_config(
+        with_(defaults, actor_rollout_ref__model__lora_rank=8, actor_rollout_ref__model__target_modules=["q_proj"])
+    )
+
+
+def test_lora_with_a_non_positive_alpha_or_a_negative_rank_is_refused(defaults):
+    msg = error_of(with_(defaults, actor_rollout_ref__model__lora_rank=8, actor_rollout_ref__model__lora_alpha=0))
+    assert "actor_rollout_ref.model.lora_alpha=0 must be positive" in msg
+    msg = error_of(with_(defaults, actor_rollout_ref__model__lora_rank=-1))
+    assert "actor_rollout_ref.model.lora_rank=-1 must be 0" in msg
 
 
 def test_unimplemented_feature_at_its_neutral_value_is_fine(defaults):

@@ -195,10 +195,16 @@ class ModelConfig:
     enable_gradient_checkpointing: bool = doc("Recompute activations in backward (saves memory, costs ~30% time).")
     enable_activation_offload: bool = doc("Offload activations to CPU during training.", status=IGNORED)
     use_remove_padding: bool = doc("Pack sequences without padding (varlen attention); a speed knob.")
-    lora_rank: int = doc("LoRA rank; 0 trains all weights.", status=UNSUPPORTED, neutral=0)
-    lora_alpha: int = doc("LoRA scaling alpha (used only with lora_rank > 0).")
-    target_modules: str | list[str] = doc("Modules LoRA adapts (used only with lora_rank > 0).")
-    exclude_modules: str | list[str] | None = doc("Modules LoRA skips (used only with lora_rank > 0).")
+    lora_rank: int = doc(
+        "LoRA rank r of the actor (peft): > 0 trains only low-rank adapters (the reference policy is the "
+        "base model with adapters off); 0 trains all weights."
+    )
+    lora_alpha: int = doc("LoRA alpha: the adapter's update is scaled by lora_alpha / lora_rank.")
+    target_modules: str | list[str] = doc(
+        "Layers that get adapters: `all-linear` (every linear layer but the output head) or a list of "
+        "module names, e.g. [q_proj,k_proj,v_proj,o_proj]."
+    )
+    exclude_modules: str | list[str] | None = doc("Layers (names or a regex) that get no adapter; null: none.")
     use_liger: bool = doc("Use Liger kernels (GPU only; a speed knob).", status=IGNORED)
     use_fused_kernels: bool = doc("Fused log-prob/entropy kernels (a speed knob).", status=IGNORED)
     fused_kernel_options: dict = doc("Options of the fused kernels, e.g. {impl_backend: torch}.", status=IGNORED)
@@ -410,7 +416,7 @@ class CriticModelConfig:
     enable_activation_offload: bool = doc("Offload activations to CPU.", status=IGNORED)
     use_remove_padding: bool = doc("Pack sequences without padding.")
     fsdp_config: FSDPConfig = doc("Sharding and offload.")
-    lora_rank: int = doc("LoRA rank; 0 trains all weights.", status=UNSUPPORTED, neutral=0)
+    lora_rank: int = doc("LoRA rank of the critic; 0 trains all weights.", status=UNSUPPORTED, neutral=0)
     lora_alpha: int = doc("LoRA alpha.")
     target_modules: str | list[str] = doc("Modules LoRA adapts.")
 

@@ -529,6 +529,32 @@ def _check_trainer(c: dict, errors: list[str]):
         )
 
 
+def _check_lora(c: dict, errors: list[str]):
+    model = c["actor_rollout_ref"]["model"]
+    rank, alpha = model["lora_rank"], model["lora_alpha"]
+    if rank < 0:
+        errors.append(f"actor_rollout_ref.model.lora_rank={rank} must be 0 (train all weights) or a positive LoRA rank")
+    if rank <= 0:
+        return
+    if alpha <= 0:
+        errors.append(
+            f"actor_rollout_ref.model.lora_alpha={alpha} must be positive: the adapter's update is scaled by "
+            "lora_alpha / lora_rank (16 or 2 x lora_rank are usual)"
+        )
+    if not model["target_modules"]:
+        errors.append(
+            "actor_rollout_ref.model.target_modules is empty, so LoRA would adapt nothing; use all-linear or a list "
+            "of linear layer names"
+        )
+    import importlib.util
+
+    if importlib.util.find_spec("peft") is None:
+        errors.append(
+            f"actor_rollout_ref.model.lora_rank={rank} needs the peft package, which is not installed; run "
+            "`pip install peft` or set lora_rank=0"
+        )
+
+
 # ---------------------------------------------------------------------------------------- entry
 
 
@@ -591,6 +617,7 @@ def validate_ppo_config(cfg: DictConfig | dict) -> None:
     _check_algorithm(c, errors, warns)
     _check_lengths(c, errors)
     _check_trainer(c, errors)
+    _check_lora(c, errors)
     if errors:
         _raise(errors)
     for w in warns:
