@@ -25,6 +25,7 @@ install_requires = [
     "psutil>=5.9",
     "mlflow>=2.10",
     "matplotlib>=3.7",
+    "peft>=0.21",  # actor LoRA (imported only when lora_rank > 0)
 ]
 
 extras_require = {
