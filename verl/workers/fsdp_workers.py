@@ -97,6 +97,18 @@ def _log_prob_meta(data: DataProto, cfg: DictConfig, temperature: float) -> None
     data.meta_info.setdefault("temperature", temperature)
 
 
+def _mfu_metric(model, data: DataProto, seconds: float, passes: int) -> float | None:
+    """perf/mfu of an update over the global batch (its per-sequence token counts ride in meta_info)."""
+    from verl.utils.flops_counter import FlopsCounter, mfu
+
+    seqlens = data.meta_info.get("global_token_num")
+    config = getattr(model, "config", None)
+    if not seqlens or config is None:
+        return None
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    return mfu(FlopsCounter(config), seqlens, seconds, world, passes=passes)
+
+
 def _plain(section) -> dict:
     """A config section (DictConfig, dict or None) as a plain dict."""
     if section is None:
@@ -273,7 +285,10 @@ class ActorRolloutRefWorker(Worker):
         start = time.perf_counter()
         metrics = actor.update_policy(data)
         metrics["actor/lr"] = self.actor_model.step_scheduler()
-        metrics["perf/update_actor_s"] = time.perf_counter() - start
+        metrics["perf/update_actor_s"] = seconds = time.perf_counter() - start
+        actor_mfu = _mfu_metric(self.actor_model.module, data, seconds, self.config.actor.get("ppo_epochs", 1))
+        if actor_mfu is not None:
+            metrics["perf/mfu/actor"] = actor_mfu
         mem = dev.memory_stats()
         for key in ("max_allocated_gb", "cpu_rss_gb"):
             if key in mem:
@@ -326,8 +341,12 @@ class CriticWorker(Worker):
 
     @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO)
     def update_critic(self, data: DataProto) -> DataProto:
+        start = time.perf_counter()
         metrics = self.critic.update_critic(data)
         metrics["critic/lr"] = self.critic_model.step_scheduler()
+        critic_mfu = _mfu_metric(self.critic_model.module, data, time.perf_counter() - start, self.config.get("ppo_epochs", 1))
+        if critic_mfu is not None:
+            metrics["perf/mfu/critic"] = critic_mfu
         return DataProto(meta_info={"metrics": metrics})
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
