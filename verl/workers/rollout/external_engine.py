@@ -161,9 +161,7 @@ class ExternalEngineRollout(BaseRollout):
         timing = dict(meta.get("timing", {}))
         timing["generate_sequences"] = time.perf_counter() - start
         meta["timing"] = timing
-        return assemble_output(
-            prompts, responses, response_length, pad, eos_ids, self.config.calculate_log_probs, meta
-        )
+        return assemble_output(prompts, responses, response_length, pad, eos_ids, self.config.calculate_log_probs, meta)
 
     def _gather_group_requests(self, mine: list[list[int]]) -> tuple[list[list[int]], int]:
         """(the requests of the whole tensor-parallel group, offset of this rank's rows in them)."""

@@ -41,6 +41,7 @@ from verl.workers.rollout.engine_io import EngineResponse, hf_weight_name
 from verl.workers.rollout.external_engine import ExternalEngineConfig, ExternalEngineRollout
 from verl.workers.rollout.sampling import SamplingParams
 
+
 def sglang_engine_kwargs(model_path: str, config: ExternalEngineConfig, seed: int = 0) -> dict:
     """Keyword arguments of `sglang.Engine(...)` for a rollout config."""
     dtype = config.dtype
@@ -124,13 +125,14 @@ class SGLangRollout(ExternalEngineRollout):
     """SGLang offline engine behind `BaseRollout` (see the module docstring for what is tested)."""
 
     def __init__(self, model_path: str, config=None, tokenizer=None):
-        super().__init__(model_path, config, tokenizer)
-        if self.config.tensor_model_parallel_size != 1:
+        config = self.config_class.from_any(config)
+        if config.tensor_model_parallel_size != 1:
             raise NotImplementedError(
-                f"rollout.name=sglang with tensor_model_parallel_size={self.config.tensor_model_parallel_size}: "
+                f"rollout.name=sglang with tensor_model_parallel_size={config.tensor_model_parallel_size}: "
                 "SGLang's tensor parallelism runs its own processes over several devices, which a one-device "
                 "worker cannot host; use tensor_model_parallel_size=1 (one engine per worker) or rollout.name=vllm"
             )
+        super().__init__(model_path, config, tokenizer)
         try:
             import sglang
         except ImportError as err:

@@ -136,7 +136,7 @@ def parse_vllm_output(completion, with_logprobs: bool) -> EngineResponse:
     return EngineResponse(token_ids=token_ids, logprobs=logprobs)
 
 
-class vLLMRollout(ExternalEngineRollout):  # noqa: N801 - upstream's class name
+class vLLMRollout(ExternalEngineRollout):
     """vLLM's offline engine behind `BaseRollout`, in the worker's process (module docstring)."""
 
     def __init__(self, model_path: str, config=None, tokenizer=None):
