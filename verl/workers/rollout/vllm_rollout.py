@@ -12,8 +12,12 @@ vLLM calls used (vLLM >= 0.10, V1 engine):
   load_format=..., enable_sleep_mode=..., logprobs_mode="processed_logprobs", seed=...)`;
   token ids in and out, so the model's tokenizer is never loaded by vLLM;
 - `LLM.generate([TokensPrompt(prompt_token_ids=...)], SamplingParams(...))`;
-- `LLM.apply_model(lambda model: model.load_weights(named_tensors))`: vLLM's per-model loader
-  takes Hugging Face names and fuses q/k/v and gate/up itself;
+- `LLM.collective_rpc("reload_weights", kwargs={"weights_iterator": named_tensors,
+  "is_checkpoint_format": True})`: vLLM's in-place reload, which takes Hugging Face names (the
+  model's loader fuses q/k/v and gate/up) and then redoes the post-load processing; this matters on
+  CPU, where vLLM repacks linear weights into kernel formats after loading, so a plain
+  `model.load_weights` after start-up fails. Engines without it (vLLM < 0.11) fall back to
+  `LLM.apply_model(lambda model: model.load_weights(named_tensors))`;
 - `LLM.sleep(level=1)` / `LLM.wake_up(tags=["weights"])`, `wake_up(tags=["kv_cache"])`;
   `LLM.reset_prefix_cache()` after every weight update (cached prefixes were computed with the old
   weights and would otherwise be reused).
@@ -156,6 +160,9 @@ class vLLMRollout(ExternalEngineRollout):
         dp_rank = (dist.get_rank() // self._tp_size) if dist.is_initialized() else 0
         self._sleep_mode = is_cuda_available() and self.config.free_cache_engine
         self.llm = vllm.LLM(**vllm_engine_kwargs(model_path, self.config, seed=dp_rank))
+        # vLLM >= 0.11 reloads in place and re-runs the kernels' post-load processing (weight
+        # prepacking on CPU, quantisation); older versions only have the model's own load_weights
+        self._inplace_reload = self.llm.collective_rpc(lambda worker: hasattr(worker, "reload_weights"))[0]
         self._asleep = False
         self._kv_cache_asleep = False
 
@@ -182,7 +189,12 @@ class vLLMRollout(ExternalEngineRollout):
         if self._asleep:
             self.wake_up()
         renamed = ((hf_weight_name(name), tensor) for name, tensor in named_tensors)
-        self.llm.apply_model(lambda model: model.load_weights(renamed))
+        if self._inplace_reload:
+            self.llm.collective_rpc(
+                "reload_weights", kwargs={"weights_iterator": renamed, "is_checkpoint_format": True}
+            )
+        else:
+            self.llm.apply_model(lambda model: model.load_weights(renamed))
         self.llm.reset_prefix_cache()
         return {"timing_s/update_weights": time.perf_counter() - start}
 

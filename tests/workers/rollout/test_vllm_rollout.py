@@ -1,0 +1,186 @@
+"""vLLMRollout with a real vLLM engine (marker `vllm`; runs in the vllm virtualenv, see .ci/vllm.sh).
+
+- after a weight sync, vLLM's greedy output equals the synced Hugging Face model's greedy decode
+  (an engine started with random weights, as the hybrid engine starts it, then a perturbed model);
+- the log-probs vLLM reports for sampled tokens equal the trainer's recomputation (the actor's
+  `compute_log_prob` at the sampling temperature) within float32 tolerance;
+- `python -m verl.trainer.main_ppo` runs GRPO with rollout.name=vllm on 2 workers, reporting the
+  train/rollout mismatch and applying the truncated-importance-sampling correction.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import hf_greedy_loop
+
+pytest.importorskip("vllm")
+pytestmark = pytest.mark.vllm
+
+from verl.protocol import DataProto  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[3]
+EOS, PAD = 3, 0
+R = 8
+
+
+def _model_path() -> str:
+    from verl.models import bundled_model_path
+
+    return bundled_model_path()
+
+
+def _prompts(questions, **meta) -> DataProto:
+    from verl.utils.tokenizer import hf_tokenizer
+
+    tok = hf_tokenizer(_model_path())
+    texts = [
+        tok.apply_chat_template(
+            [{"role": "user", "content": f"What is {q}?"}], add_generation_prompt=True, tokenize=False
+        )
+        for q in questions
+    ]
+    enc = tok(texts, return_tensors="pt", padding=True, add_special_tokens=False)
+    mask = enc["attention_mask"]
+    return DataProto.from_dict(
+        tensors={"input_ids": enc["input_ids"], "attention_mask": mask, "position_ids": (mask.cumsum(-1) - 1).clamp(0)},
+        non_tensors={"uid": [f"u{i}" for i in range(len(questions))]},
+        meta_info={"eos_token_id": EOS, "pad_token_id": PAD, **meta},
+    )
+
+
+QUESTIONS = ["12+34", "7+80", "99+1", "45+45", "23+19", "60+7"]
+
+
+@pytest.fixture(scope="module")
+def rollout():
+    from verl.workers.rollout.vllm_rollout import vLLMRollout
+
+    # the hybrid engine's start: random weights (load_format=dummy_*) that the trainer overwrites
+    engine = vLLMRollout(
+        _model_path(),
+        {
+            "prompt_length": 32,
+            "response_length": R,
+            "load_format": "dummy_dtensor",
+            "calculate_log_probs": True,
+            "max_num_seqs": 64,
+            "enforce_eager": True,
+        },
+    )
+    yield engine
+    engine.release()
+
+
+def _hf_model():
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(_model_path()).eval()
+
+
+def _expected_greedy(model, prompts) -> tuple[torch.Tensor, torch.Tensor]:
+    """(responses, response_mask) of an independent greedy decode, cut after the first EOS."""
+    ref = hf_greedy_loop(model, prompts.batch["input_ids"], prompts.batch["attention_mask"], R)
+    mask = torch.zeros_like(ref)
+    for row in range(ref.shape[0]):
+        hits = (ref[row] == EOS).nonzero()
+        stop = int(hits[0]) + 1 if len(hits) else R
+        mask[row, :stop] = 1
+    return torch.where(mask.bool(), ref, PAD), mask
+
+
+def _sync_and_generate(rollout, model, prompts) -> DataProto:
+    """The hybrid engine's sequence: wake up, sync the trainer's weights, generate, sleep."""
+    rollout.wake_up()
+    rollout.update_weights(iter(model.state_dict().items()))
+    out = rollout.generate_sequences(prompts)
+    rollout.sleep()
+    return out
+
+
+def test_after_a_weight_sync_greedy_output_equals_the_synced_models(rollout):
+    prompts = _prompts(QUESTIONS, do_sample=False)
+    model = _hf_model()
+    out = _sync_and_generate(rollout, model, prompts)
+    responses, mask = _expected_greedy(model, prompts)
+    assert torch.equal(out.batch["responses"], responses) and torch.equal(out.batch["response_mask"], mask)
+    assert mask.sum(-1).lt(R).any(), "no response stopped at EOS: the stop handling is not exercised"
+
+    # a trained model (perturbed weights) must come through the next sync exactly
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn(p.shape, generator=torch.Generator().manual_seed(p.numel())) * 0.05)
+    trained_responses, trained_mask = _expected_greedy(model, prompts)
+    assert not torch.equal(trained_responses, responses), "the perturbation did not change greedy outputs"
+    out = _sync_and_generate(rollout, model, prompts)
+    assert torch.equal(out.batch["responses"], trained_responses)
+    assert torch.equal(out.batch["response_mask"], trained_mask)
+    b = out.batch
+    assert torch.equal(b["input_ids"], torch.cat([b["prompts"], b["responses"]], 1))
+
+
+def test_sampled_log_probs_match_the_trainers_recomputation(rollout):
+    from verl.workers.actor import DataParallelPPOActor
+
+    temperature = 0.8
+    model = _hf_model()
+    prompts = _prompts(QUESTIONS, temperature=temperature)
+    out = _sync_and_generate(rollout, model, prompts.repeat(4, interleave=True))
+    b = out.batch
+    assert b["responses"].shape == (4 * len(QUESTIONS), R)
+    actor = DataParallelPPOActor({"ppo_mini_batch_size": 1}, model)
+    data = DataProto(batch=b.clone(), meta_info={"temperature": temperature, "micro_batch_size": 8})
+    trainer_log_probs, _ = actor.compute_log_prob(data)
+    mask = b["response_mask"].bool()
+    diff = (b["rollout_log_probs"] - trainer_log_probs).abs()[mask]
+    assert diff.max().item() < 2e-3, f"vLLM vs trainer log-prob gap {diff.max().item():.2e}"
+    assert (b["rollout_log_probs"][~mask] == 0).all()
+    # sampling, not greedy: the four samples of some prompt differ
+    groups = b["responses"].view(len(QUESTIONS), 4, R)
+    assert any(len({tuple(s.tolist()) for s in g}) > 1 for g in groups)
+
+
+def test_main_ppo_grpo_with_vllm_reports_the_mismatch_and_corrects_it(tmp_path):
+    env = dict(os.environ)
+    env.update(
+        PYTHONPATH=str(ROOT),
+        PYTHON=sys.executable,
+        VERL_CACHE_DIR=str(tmp_path / "cache"),
+        VERL_FILE_LOGGER_PATH=str(tmp_path / "metrics.jsonl"),
+        MLFLOW_TRACKING_URI=f"file:{tmp_path / 'mlruns'}",
+        VLLM_ENABLE_V1_MULTIPROCESSING="0",
+    )
+    cmd = [
+        "bash",
+        "examples/grpo_trainer/run_arith_tiny_cpu.sh",
+        f"actor_rollout_ref.model.path={_model_path()}",
+        "actor_rollout_ref.rollout.name=vllm",
+        "actor_rollout_ref.rollout.calculate_log_probs=true",
+        "actor_rollout_ref.actor.tis_imp_ratio_cap=2.0",
+        "actor_rollout_ref.rollout.max_num_seqs=64",
+        "data.train_batch_size=8",
+        "actor_rollout_ref.actor.ppo_mini_batch_size=8",
+        "actor_rollout_ref.rollout.n=4",
+        "trainer.total_training_steps=2",
+        "trainer.val_before_train=False",
+        "trainer.test_freq=-1",
+        "trainer.logger=[console,file]",
+        f"trainer.default_local_dir={tmp_path / 'ckpt'}",
+    ]
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, f"exit {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
+    records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    assert [r["step"] for r in records] == [1, 2]
+    for record in records:
+        data = record["data"]
+        for key in ("actor/pg_loss", "training/rollout_probs_diff_mean", "training/rollout_probs_diff_max"):
+            assert key in data, f"{key} missing from {sorted(data)}"
+        # both sides compute in float32 on CPU: the engines agree to rounding
+        assert 0 <= data["training/rollout_probs_diff_mean"] < 1e-3
+        assert data["training/rollout_probs_diff_max"] < 1e-2
