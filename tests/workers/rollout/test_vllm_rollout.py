@@ -167,6 +167,8 @@ def test_main_ppo_grpo_with_vllm_reports_the_mismatch_and_corrects_it(tmp_path):
         "data.train_batch_size=8",
         "actor_rollout_ref.actor.ppo_mini_batch_size=8",
         "actor_rollout_ref.rollout.n=4",
+        "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=16",
+        "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=16",
         "trainer.total_training_steps=2",
         "trainer.val_before_train=False",
         "trainer.test_freq=-1",
