@@ -23,7 +23,7 @@ from verl.protocol import DataProto
 from verl.workers.rollout import get_rollout_class
 from verl.workers.rollout.base import BaseRollout
 from verl.workers.rollout.engine_io import EngineResponse, assemble_output, hf_weight_name, prompt_token_lists
-from verl.workers.rollout.external_engine import ExternalEngineConfig
+from verl.workers.rollout.external_engine import ExternalEngineConfig, ExternalEngineRollout
 from verl.workers.rollout.sampling import SamplingParams
 from verl.workers.rollout.sglang_rollout import (
     SGLangRollout,
@@ -320,3 +320,52 @@ def test_sglang_adapter_end_to_end_against_a_stand_in_engine(stand_in_sglang):
 def test_sglang_refuses_tensor_parallelism_it_cannot_host(stand_in_sglang):
     with pytest.raises(NotImplementedError, match="tensor_model_parallel_size=1"):
         SGLangRollout(_model_path(), {"tensor_model_parallel_size": 2})
+
+
+# ---------------------------------------------------------------------- engine tensor parallelism
+
+
+class _RecordingEngineRollout(ExternalEngineRollout):
+    """A trivial engine: each response is its prompt reversed; remembers what it was asked."""
+
+    def _generate(self, prompts, sampling, max_new_tokens, stop_token_ids, with_logprobs):
+        self.requests = prompts
+        return [EngineResponse(list(reversed(p))[:max_new_tokens]) for p in prompts]
+
+    def update_weights(self, named_tensors):
+        return {}
+
+    def sleep(self):
+        pass
+
+    def wake_up(self):
+        pass
+
+
+def _tp_rank(rank: int, world_size: int) -> None:
+    import torch.distributed as dist
+
+    rollout = _RecordingEngineRollout(_model_path(), {"tensor_model_parallel_size": 2, "response_length": 4})
+    # rank 0 holds two prompts, rank 1 one: the engine group must run all three on both ranks
+    mine = [[10, 11, 12], [13, 14]] if rank == 0 else [[20, 21, 22, 23]]
+    width = 4
+    ids = torch.zeros(len(mine), width, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for row, p in enumerate(mine):
+        ids[row, width - len(p) :] = torch.tensor(p)
+        mask[row, width - len(p) :] = 1
+    prompts = DataProto.from_dict(
+        tensors={"input_ids": ids, "attention_mask": mask}, meta_info={"do_sample": False, "eos_token_id": EOS}
+    )
+    out = rollout.generate_sequences(prompts)
+    assert rollout.requests == [[10, 11, 12], [13, 14], [20, 21, 22, 23]]
+    got = out.batch["responses"].tolist()
+    assert [row[: len(p)] for row, p in zip(got, mine)] == [list(reversed(p)) for p in mine]
+    assert out.batch["response_mask"].sum(-1).tolist() == [len(p) for p in mine]
+    dist.barrier()
+
+
+def test_tensor_parallel_group_runs_the_union_of_its_ranks_prompts_and_each_keeps_its_own():
+    from tests.distributed_helpers import run_distributed
+
+    run_distributed(_tp_rank, 2)
