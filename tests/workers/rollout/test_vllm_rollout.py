@@ -146,6 +146,43 @@ def test_sampled_log_probs_match_the_trainers_recomputation(rollout):
     assert any(len({tuple(s.tolist()) for s in g}) > 1 for g in groups)
 
 
+def _tensor_parallel_rank(rank: int, world_size: int, port: int, results) -> None:
+    import torch.distributed as dist
+
+    from verl.workers.rollout.vllm_rollout import vLLMRollout
+
+    os.environ.update(
+        RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)
+    )
+    dist.init_process_group("gloo", rank=rank, world_size=world_size)
+    torch.set_num_threads(1)
+    engine = vLLMRollout(
+        _model_path(),
+        {"prompt_length": 32, "response_length": R, "tensor_model_parallel_size": 2, "max_num_seqs": 16},
+    )
+    engine.update_weights(iter(_hf_model().state_dict().items()))
+    # each rank brings its own prompts (data-parallel dispatch); the engine group runs all of them
+    mine = QUESTIONS[:4] if rank == 0 else QUESTIONS[4:]
+    out = engine.generate_sequences(_prompts(mine, do_sample=False))
+    results[rank] = (out.batch["responses"].tolist(), out.batch["response_mask"].tolist())
+    dist.barrier()
+
+
+def test_tensor_parallel_engine_shared_by_two_workers_generates_each_workers_prompts():
+    import torch.multiprocessing as mp
+
+    from tests.distributed_helpers import free_port
+
+    with mp.Manager() as manager:
+        results = manager.dict()
+        mp.spawn(_tensor_parallel_rank, args=(2, free_port(), results), nprocs=2)
+        got = dict(results)
+    # the batch of all prompts is padded wider than each rank's own: compare per prompt
+    for rank, questions in ((0, QUESTIONS[:4]), (1, QUESTIONS[4:])):
+        responses, mask = _expected_greedy(_hf_model(), _prompts(questions))
+        assert got[rank] == (responses.tolist(), mask.tolist())
+
+
 def test_main_ppo_grpo_with_vllm_reports_the_mismatch_and_corrects_it(tmp_path):
     env = dict(os.environ)
     env.update(
