@@ -34,8 +34,13 @@ fi
 # vLLM's engine runs in-process (the rollout loads weights into it directly) and on CPU by default.
 export VLLM_ENABLE_V1_MULTIPROCESSING=0
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+if [ $# -gt 0 ]; then
+    tests=("$@")
+else
+    tests=(tests/workers/rollout tests/trainer/test_main_ppo_rollout_backends.py)
+fi
 rc=0
-"$PY" -m pytest -q -m vllm "${@:-tests/workers/rollout}" || rc=$?
+"$PY" -m pytest -q -m vllm "${tests[@]}" || rc=$?
 if [ "$rc" -eq 5 ]; then
     echo "pytest ran no vllm test: vllm did not import in $VLLM_VENV, or every test was deselected" >&2
     exit 1
