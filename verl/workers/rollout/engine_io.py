@@ -19,7 +19,6 @@ for external engines reduce to "build requests, call the engine, read back token
 
 from __future__ import annotations
 
-import dataclasses
 import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -162,16 +161,3 @@ def assemble_output(
         tensors["rollout_log_probs"] = out_logprobs.to(device)
     batch = TensorDict(tensors, batch_size=[batch_size])
     return DataProto(batch=batch, non_tensor_batch=dict(prompts.non_tensor_batch), meta_info=meta)
-
-
-def config_dict(config) -> dict:
-    """A rollout config (dataclass, mapping, OmegaConf DictConfig or None) as a plain dict."""
-    if config is None:
-        return {}
-    if dataclasses.is_dataclass(config) and not isinstance(config, type):
-        return dataclasses.asdict(config)
-    if isinstance(config, Mapping):
-        return dict(config)
-    from omegaconf import OmegaConf
-
-    return OmegaConf.to_container(config, resolve=True)

@@ -26,7 +26,6 @@ what the trainer recomputes (vLLM: `logprobs_mode="processed_logprobs"`; see vll
 
 from __future__ import annotations
 
-import dataclasses
 import time
 from abc import abstractmethod
 from collections.abc import Mapping
@@ -94,12 +93,6 @@ class ExternalEngineConfig(HFRolloutConfig):
     def engine_specific(self, engine: str) -> dict:
         extra = self.engine_kwargs.get(engine) if isinstance(self.engine_kwargs, Mapping) else None
         return dict(extra or {})
-
-    @classmethod
-    def from_any(cls, config) -> ExternalEngineConfig:
-        if config is not None and not isinstance(config, cls) and dataclasses.is_dataclass(config):
-            config = dataclasses.asdict(config)
-        return super().from_any(config)
 
 
 class ExternalEngineRollout(BaseRollout):

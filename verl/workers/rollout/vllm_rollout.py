@@ -163,7 +163,7 @@ class vLLMRollout(ExternalEngineRollout):
         # vLLM >= 0.11 reloads in place and re-runs the kernels' post-load processing (weight
         # prepacking on CPU, quantisation); older versions only have the model's own load_weights
         self._inplace_reload = self.llm.collective_rpc(lambda worker: hasattr(worker, "reload_weights"))[0]
-        self._asleep = False
+        self._weights_asleep = False
         self._kv_cache_asleep = False
 
     # ------------------------------------------------------------------------------- generation
@@ -171,7 +171,7 @@ class vLLMRollout(ExternalEngineRollout):
         from vllm import SamplingParams as VllmSamplingParams
         from vllm.inputs import TokensPrompt
 
-        if self._asleep:
+        if self._weights_asleep:
             self.wake_up()
         if self._kv_cache_asleep:
             self.llm.wake_up(tags=["kv_cache"])
@@ -186,7 +186,7 @@ class vLLMRollout(ExternalEngineRollout):
     # ------------------------------------------------------------------------------- weights
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> dict[str, float]:
         start = time.perf_counter()
-        if self._asleep:
+        if self._weights_asleep:
             self.wake_up()
         renamed = ((hf_weight_name(name), tensor) for name, tensor in named_tensors)
         if self._inplace_reload:
@@ -200,14 +200,14 @@ class vLLMRollout(ExternalEngineRollout):
 
     # ------------------------------------------------------------------------------- memory
     def sleep(self) -> None:
-        if self._sleep_mode and not self._asleep:
+        if self._sleep_mode and not self._weights_asleep:
             self.llm.sleep(level=1)
-            self._asleep = self._kv_cache_asleep = True
+            self._weights_asleep = self._kv_cache_asleep = True
 
     def wake_up(self) -> None:
-        if self._sleep_mode and self._asleep:
+        if self._sleep_mode and self._weights_asleep:
             self.llm.wake_up(tags=["weights"])
-            self._asleep = False
+            self._weights_asleep = False
 
     def release(self) -> None:
         self.sleep()
