@@ -381,3 +381,15 @@ def test_logger_whose_package_is_missing_says_what_to_install(defaults, monkeypa
 def test_model_length_budget(defaults):
     msg = error_of(with_(defaults, actor_rollout_ref__rollout__max_model_len=16))
     assert "max_model_len=16 is shorter than prompt_length + response_length = 40" in msg
+
+
+def test_truncated_importance_sampling_needs_rollout_log_probs(defaults):
+    msg = error_of(with_(defaults, actor_rollout_ref__actor__tis_imp_ratio_cap=2.0))
+    assert "tis_imp_ratio_cap=2.0" in msg and "actor_rollout_ref.rollout.calculate_log_probs=true" in msg
+    validate_ppo_config(
+        with_(
+            defaults,
+            actor_rollout_ref__actor__tis_imp_ratio_cap=2.0,
+            actor_rollout_ref__rollout__calculate_log_probs=True,
+        )
+    )

@@ -269,6 +269,10 @@ class ActorConfig:
     clip_ratio_low: float | None = doc("Lower clip epsilon: ratio >= 1 - clip_ratio_low.")
     clip_ratio_high: float | None = doc("Upper clip epsilon: ratio <= 1 + clip_ratio_high (DAPO clip-higher).")
     clip_ratio_c: float = doc("Dual-clip PPO bound for negative advantages (> 1).")
+    tis_imp_ratio_cap: float = doc(
+        "Truncated importance sampling against the rollout engine's log-probs: each token's loss is weighted by "
+        "min(pi_old / pi_rollout, cap). -1 (or any value <= 0) turns it off; needs rollout.calculate_log_probs=true."
+    )
     policy_loss: PolicyLossConfig = doc("Policy loss variant.")
     loss_agg_mode: str = doc("How token losses are averaged into the batch loss.", choices=LOSS_AGG_MODES)
     entropy_coeff: float = doc("Weight of the entropy bonus (0 disables it).")
@@ -376,7 +380,10 @@ class RolloutConfig:
     enable_chunked_prefill: bool = doc("vLLM: chunked prefill.")
     do_sample: bool = doc("Sample (True) or decode greedily (False) during training rollouts.")
     n: int = doc("Responses sampled per prompt (>= 2 for group-based advantage estimators).")
-    calculate_log_probs: bool = doc("Return the engine's log-probs as `rollout_log_probs` (for mismatch metrics).")
+    calculate_log_probs: bool = doc(
+        "Return the engine's log-probs as `rollout_log_probs`; the trainer then reports the train/rollout "
+        "mismatch each step (training/rollout_probs_diff_mean, _max) and actor.tis_imp_ratio_cap can correct it."
+    )
     update_weights_bucket_megabytes: int = doc("Size of the buckets weights are streamed to the engine in.")
     engine_kwargs: dict = doc("Extra engine arguments per engine: {vllm: {...}, sglang: {...}, hf: {...}}.")
     val_kwargs: SamplingConfig = doc("Sampling for validation.")

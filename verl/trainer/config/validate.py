@@ -483,6 +483,12 @@ def _check_algorithm(c: dict, errors: list[str], warns: list[str]):
         errors.append(
             f"actor_rollout_ref.actor.clip_ratio_c={arr['actor']['clip_ratio_c']} must be > 1 (dual-clip bound; 3.0 is typical)"
         )
+    tis_cap = arr["actor"]["tis_imp_ratio_cap"]
+    if tis_cap is not None and tis_cap > 0 and not arr["rollout"]["calculate_log_probs"]:
+        errors.append(
+            f"actor_rollout_ref.actor.tis_imp_ratio_cap={tis_cap} weights the loss by the rollout engine's log-probs, "
+            "which are not computed; set actor_rollout_ref.rollout.calculate_log_probs=true (or tis_imp_ratio_cap=-1)"
+        )
     ctrl = alg["kl_ctrl"]
     if ctrl["type"] == "adaptive" and (ctrl["target_kl"] <= 0 or ctrl["horizon"] <= 0):
         errors.append("algorithm.kl_ctrl.type=adaptive needs target_kl > 0 and horizon > 0")
