@@ -405,7 +405,9 @@ class CriticWorker(Worker):
         start = time.perf_counter()
         metrics = self.critic.update_critic(data)
         metrics["critic/lr"] = self.critic_model.step_scheduler()
-        critic_mfu = _mfu_metric(self.critic_model.module, data, time.perf_counter() - start, self.config.get("ppo_epochs", 1))
+        critic_mfu = _mfu_metric(
+            self.critic_model.module, data, time.perf_counter() - start, self.config.get("ppo_epochs", 1)
+        )
         if critic_mfu is not None:
             metrics["perf/mfu/critic"] = critic_mfu
         return DataProto(meta_info={"metrics": metrics})

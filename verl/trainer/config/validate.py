@@ -576,7 +576,8 @@ def _check_async_training(c: dict, errors: list[str]):
     algo = c["algorithm"]
     clashes = {
         "algorithm.filter_groups.enable=true (DAPO dynamic sampling)": algo["filter_groups"]["enable"],
-        "algorithm.adv_estimator=remax (its greedy baseline needs the current weights)": algo["adv_estimator"] == "remax",
+        "algorithm.adv_estimator=remax (its greedy baseline needs the current weights)": algo["adv_estimator"]
+        == "remax",
         "algorithm.use_kl_in_reward=true (the in-reward KL needs the trained step's log-probs)": algo[
             "use_kl_in_reward"
         ],

@@ -192,9 +192,7 @@ class AsyncRolloutSource:
         while self.num_drawn < last_batch:
             self.num_drawn += 1
             batch = self.trainer._next_batch()
-            batch.non_tensor_batch["uid"] = np.array(
-                [f"{self.num_drawn}_{i}" for i in range(len(batch))], dtype=object
-            )
+            batch.non_tensor_batch["uid"] = np.array([f"{self.num_drawn}_{i}" for i in range(len(batch))], dtype=object)
             self._submit_groups(self.num_drawn, batch.repeat(repeat_times=self.n, interleave=True))
 
     def _submit_groups(self, batch_index: int, rows: DataProto) -> None:

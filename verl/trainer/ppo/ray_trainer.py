@@ -560,6 +560,8 @@ class RayPPOTrainer:
             self.global_steps += 1
             is_last = self.global_steps >= self.total_training_steps
             metrics = self.step()
+            if trainer_cfg.get("rollout_data_dir"):
+                self._dump_rollouts(trainer_cfg.rollout_data_dir)
             timing: dict[str, float] = {}
             if can_validate and _due(trainer_cfg.get("test_freq", -1), self.global_steps, is_last):
                 with marked_timer("testing", timing):
@@ -576,6 +578,25 @@ class RayPPOTrainer:
         progress.close()
         tracker.finish()
         return last
+
+    def _dump_rollouts(self, directory: str) -> None:
+        """`<rollout_data_dir>/<step>.jsonl`: one line per trained sample (uid, input, output, score,
+        and the weight version that generated it when generation runs ahead)."""
+        import json
+
+        batch = self._last_batch
+        os.makedirs(directory, exist_ok=True)
+        inputs = self.tokenizer.batch_decode(batch.batch["prompts"], skip_special_tokens=True)
+        outputs = self.tokenizer.batch_decode(batch.batch["responses"], skip_special_tokens=True)
+        scores = batch.batch["token_level_scores"].sum(-1).tolist()
+        versions = batch.non_tensor_batch.get("weight_version")
+        with open(os.path.join(directory, f"{self.global_steps}.jsonl"), "w") as f:
+            for i, uid in enumerate(batch.non_tensor_batch["uid"]):
+                row = {"step": self.global_steps, "uid": str(uid), "input": inputs[i], "output": outputs[i]}
+                row["score"] = scores[i]
+                if versions is not None:
+                    row["weight_version"] = int(versions[i])
+                f.write(json.dumps(row) + "\n")
 
     # ------------------------------------------------------------------ checkpoints
     def _checkpoint_root(self) -> str:
