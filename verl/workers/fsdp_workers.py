@@ -204,6 +204,10 @@ class ActorRolloutRefWorker(Worker):
         if "actor" in self.parts:
             _normalize_batch_sizes(self.config.actor, self.config.rollout.n, self.dp_size)
         self.actor = self.rollout = self.ref = None
+        # Asynchronous training (separate pools): the weight version a rollout-only worker holds,
+        # stamped on every sample it generates; None in the hybrid engine (always current weights).
+        self.weight_version: int | None = 0 if self.parts == ("rollout",) else None
+        self._weight_sync_store = self._weight_sender = self._weight_receiver = None
 
     def _need(self, part: str, method: str):
         obj = getattr(self, part)
@@ -257,8 +261,65 @@ class ActorRolloutRefWorker(Worker):
         if self.actor is not None and self.config.rollout.get("free_cache_engine", True):
             rollout.sleep()
         output.meta_info["metrics"] = metrics
+        if self.weight_version is not None:
+            import numpy as np
+
+            output.non_tensor_batch["weight_version"] = np.full(len(output), self.weight_version, dtype=np.int64)
         dev.empty_cache()
         return output
+
+    # ---------------------------------------------- weight transfer between separate pools (async training)
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def host_weight_sync(self, timeout_s: float) -> tuple[str, int] | None:
+        """Actor rank 0 hosts the weight-sync rendezvous store: returns its (host, port); None elsewhere."""
+        self._need("actor", "host_weight_sync")
+        if self.rank != 0:
+            return None
+        from verl.workers.weight_sync import host_weight_sync_store
+
+        self._weight_sync_store, host, port = host_weight_sync_store(timeout_s)
+        return host, port
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL, blocking=False)
+    def init_weight_sync(self, host: str, port: int, world_size: int, timeout_s: float, bucket_megabytes: int) -> None:
+        """Join the trainer->rollout weight-sync group: actor rank 0 as sender (group rank 0), rollout
+        rank r as receiver r + 1. Both pools must call it concurrently (the rendezvous waits for all)."""
+        from verl.workers.weight_sync import WeightReceiver, WeightSender, connect_store
+
+        if self.actor is not None:
+            if self.rank == 0:
+                self._weight_sender = WeightSender(
+                    self._weight_sync_store, world_size, timeout_s, bucket_bytes=int(bucket_megabytes) << 20
+                )
+            return
+        self._need("rollout", "init_weight_sync")
+        store = connect_store(host, port, timeout_s)
+        self._weight_receiver = WeightReceiver(store, self.rank + 1, world_size, timeout_s)
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL, blocking=False)
+    def send_weights(self, version: int) -> dict[str, float]:
+        """Gather the full weights (every actor rank takes part) and start broadcasting them from rank 0
+        in the background; returns once rank 0 holds its copy, so the next update can start."""
+        self._need("actor", "send_weights")
+        start = time.perf_counter()
+        params = self.actor_model.hf_params()
+        if self._weight_sender is None:
+            for _ in params:  # the gathers are collectives: every rank iterates to the end
+                pass
+        else:
+            self._weight_sender.send_async(version, self._weight_sender.pack(params))
+        return {"timing_s/gather_weights": time.perf_counter() - start}
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL, blocking=False)
+    def receive_weights(self, version: int) -> dict[str, float]:
+        """Load weight `version` from the trainer into this rollout engine; later samples carry it."""
+        rollout = self._need("rollout", "receive_weights")
+        if self._weight_receiver is None:
+            raise RuntimeError("receive_weights before init_weight_sync: the weight-sync group does not exist yet")
+        start = time.perf_counter()
+        rollout.update_weights(self._weight_receiver.receive(version))
+        self.weight_version = int(version)
+        return {"timing_s/receive_weights": time.perf_counter() - start}
 
     @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO)
     def compute_log_prob(self, data: DataProto) -> DataProto:
@@ -344,7 +405,9 @@ class CriticWorker(Worker):
         start = time.perf_counter()
         metrics = self.critic.update_critic(data)
         metrics["critic/lr"] = self.critic_model.step_scheduler()
-        critic_mfu = _mfu_metric(self.critic_model.module, data, time.perf_counter() - start, self.config.get("ppo_epochs", 1))
+        critic_mfu = _mfu_metric(
+            self.critic_model.module, data, time.perf_counter() - start, self.config.get("ppo_epochs", 1)
+        )
         if critic_mfu is not None:
             metrics["perf/mfu/critic"] = critic_mfu
         return DataProto(meta_info={"metrics": metrics})

@@ -654,6 +654,47 @@ class LegacyRayInitConfig:
     timeline_json_file: str | None = doc("Ray timeline output (overrides ray_kwargs.timeline_json_file when set).")
 
 
+# ------------------------------------------------------------------------------ async training
+
+OFF_POLICY_CORRECTIONS = ("decoupled", "tis", "none")
+STALE_SAMPLE_POLICIES = ("regenerate", "drop")
+
+
+@dataclass
+class AsyncTrainingConfig:
+    """Generation running ahead of training in a separate rollout pool (see docs/async.md)."""
+
+    staleness_threshold: int = doc(
+        "How many batches generation may run ahead of training: 0 is the synchronous colocated step; 1 is "
+        "one-step-off (batch t+1 is generated while batch t trains); k >= 1 moves generation to its own pool "
+        "(`rollout.*`) and no trained sample is more than k weight versions old. Upstream's fractional values "
+        "(partial batches) are not implemented: use an integer."
+    )
+    off_policy_correction: str = doc(
+        "decoupled: PPO ratio clipped against the recomputed (proximal) log-probs, each token weighted by "
+        "min(pi_prox/pi_behav, actor.tis_imp_ratio_cap) (2 when unset); tis: no proximal pass, the PPO ratio is "
+        "taken against the behaviour (rollout) log-probs; none: proximal only, behaviour ignored.",
+        choices=OFF_POLICY_CORRECTIONS,
+    )
+    stale_sample_policy: str = doc(
+        "What happens to a group older than staleness_threshold when it reaches training: regenerate it with "
+        "current weights (no prompt lost) or drop it.",
+        choices=STALE_SAMPLE_POLICIES,
+    )
+    weight_sync_timeout_s: float = doc(
+        "Deadline of each trainer -> rollout weight transfer (and of forming its process group); on expiry the "
+        "error names the side that did not arrive."
+    )
+
+
+@dataclass
+class RolloutPoolConfig:
+    """The separate rollout pool of asynchronous training (upstream's top-level `rollout` section)."""
+
+    nnodes: int = doc("Nodes of the rollout pool.")
+    n_gpus_per_node: int = doc("Rollout workers per node: GPUs on CUDA, worker processes on CPU.")
+
+
 # ----------------------------------------------------------------------------------------- root
 
 
@@ -670,6 +711,8 @@ class PPOConfig:
     trainer: TrainerConfig = doc("Driver loop.")
     ray_kwargs: RayKwargsConfig = doc("Ray start-up.")
     ray_init: LegacyRayInitConfig = doc("Legacy spelling of ray_kwargs.ray_init.")
+    async_training: AsyncTrainingConfig = doc("Generation running ahead of training.")
+    rollout: RolloutPoolConfig = doc("The separate rollout pool used when async_training.staleness_threshold >= 1.")
 
 
 def field_meta(f: dataclasses.Field) -> dict:

@@ -564,6 +564,38 @@ def _check_lora(c: dict, errors: list[str]):
 # ---------------------------------------------------------------------------------------- entry
 
 
+def _check_async_training(c: dict, errors: list[str]):
+    """Generation ahead of training: what it cannot be combined with, and the rollout pool's size."""
+    k = c["async_training"]["staleness_threshold"]
+    if k < 0:
+        errors.append(
+            f"async_training.staleness_threshold={k} must be >= 0 (0: synchronous; k: generation up to k batches ahead)"
+        )
+    if k <= 0:
+        return
+    algo = c["algorithm"]
+    clashes = {
+        "algorithm.filter_groups.enable=true (DAPO dynamic sampling)": algo["filter_groups"]["enable"],
+        "algorithm.adv_estimator=remax (its greedy baseline needs the current weights)": algo["adv_estimator"]
+        == "remax",
+        "algorithm.use_kl_in_reward=true (the in-reward KL needs the trained step's log-probs)": algo[
+            "use_kl_in_reward"
+        ],
+    }
+    for what, clash in clashes.items():
+        if clash:
+            errors.append(
+                f"async_training.staleness_threshold={k} cannot be combined with {what}; set "
+                "async_training.staleness_threshold=0 or turn that option off"
+            )
+    for key in ("nnodes", "n_gpus_per_node"):
+        if c["rollout"][key] < 1:
+            errors.append(
+                f"rollout.{key}={c['rollout'][key]} must be >= 1: with async_training.staleness_threshold={k} "
+                "generation runs in its own pool of rollout.nnodes x rollout.n_gpus_per_node workers"
+            )
+
+
 def _plain(cfg) -> dict:
     if isinstance(cfg, dict):
         return cfg
@@ -624,6 +656,7 @@ def validate_ppo_config(cfg: DictConfig | dict) -> None:
     _check_lengths(c, errors)
     _check_trainer(c, errors)
     _check_lora(c, errors)
+    _check_async_training(c, errors)
     if errors:
         _raise(errors)
     for w in warns:
