@@ -265,6 +265,9 @@ def _as_index(idxs, length: int) -> tuple[torch.Tensor, np.ndarray]:
 # memcpy per contiguous part) through an integer view of the same element size, which covers every
 # torch dtype up to 8 bytes, bfloat16, bool and float8 included. Anything else (accelerator
 # tensors, autograd, subclasses, sparse or nested layouts, conjugate views) goes to torch.
+# numpy also allocates the result: it asks the kernel for transparent huge pages on large
+# arrays, so a fresh 64 MB result takes ~500 page faults instead of ~16K (copy time 27 ms
+# instead of ~100 ms, measured on the busy 2-core machine).
 
 _BITS_DTYPE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
@@ -294,9 +297,7 @@ def _cat_rows(parts: list[torch.Tensor]) -> torch.Tensor:
     first = parts[0]
     if not all(_numpy_copyable(p) and p.dtype == first.dtype and p.shape[1:] == first.shape[1:] for p in parts):
         return torch.cat(parts)
-    out = torch.empty((sum(p.shape[0] for p in parts), *first.shape[1:]), dtype=first.dtype)
-    np.concatenate([_bits(p) for p in parts], axis=0, out=_bits(out))
-    return out
+    return torch.from_numpy(np.concatenate([_bits(p) for p in parts], axis=0)).view(first.dtype)
 
 
 def _take_rows(tensor: torch.Tensor, idx_t: torch.Tensor, idx_np: np.ndarray) -> torch.Tensor:
