@@ -343,7 +343,8 @@ def _borrow_buffers():
     so that every tensor owns writable memory. A caller that copies every tensor out of the
     unpickled protos before anything else can see them (the worker group, whose DataProto modes
     concatenate the results of a call) opens this around its `ray.get` and saves that copy: one
-    pass over every returned byte on the driver.
+    pass over every returned byte on the driver. Only the protos' own batches are copied by the
+    concat; a DataProto nested in a result's meta_info or non_tensor_batch would stay borrowed.
     """
     previous = getattr(_borrowing, "active", False)
     _borrowing.active = True
