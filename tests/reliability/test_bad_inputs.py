@@ -13,7 +13,6 @@ import os
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import pytest
 from reliability_helpers import (
@@ -162,7 +161,9 @@ def test_misspelled_key_suggests_the_right_one(run):
 
 def test_batch_that_does_not_divide_over_the_workers_gives_a_valid_value(run):
     _expect(
-        run("data.train_batch_size=5", "actor_rollout_ref.actor.ppo_mini_batch_size=5", "actor_rollout_ref.rollout.n=3"),
+        run(
+            "data.train_batch_size=5", "actor_rollout_ref.actor.ppo_mini_batch_size=5", "actor_rollout_ref.rollout.n=3"
+        ),
         "5 x 3 = 15 sequences per step is not divisible by the 2 workers",
         "set data.train_batch_size=6",
     )
@@ -200,7 +201,9 @@ def test_custom_reward_file_that_is_missing(run, tmp_path):
 
 def test_custom_reward_function_name_not_in_the_file_lists_its_functions(run, tmp_path):
     reward = tmp_path / "my_reward.py"
-    reward.write_text("import math\n\ndef score(data_source, solution_str, ground_truth, extra_info=None):\n    return 0.0\n")
+    reward.write_text(
+        "import math\n\ndef score(data_source, solution_str, ground_truth, extra_info=None):\n    return 0.0\n"
+    )
     _expect(
         run(f"custom_reward_function.path={reward}", "custom_reward_function.name=compute_score"),
         "custom_reward_function.name='compute_score' is not defined",
@@ -289,7 +292,13 @@ def test_command_line_exits_2_within_seconds_without_starting_ray(tmp_path):
     before = fingerprint(ckpt)
     start = time.monotonic()
     proc = subprocess.run(
-        [sys.executable, "-m", "verl.trainer.main_ppo", *small_run(tmp_path), f"data.train_files={tmp_path / 'x.parquet'}"],
+        [
+            sys.executable,
+            "-m",
+            "verl.trainer.main_ppo",
+            *small_run(tmp_path),
+            f"data.train_files={tmp_path / 'x.parquet'}",
+        ],
         cwd=ROOT,
         env=run_env(tmp_path),
         capture_output=True,
