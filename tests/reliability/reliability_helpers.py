@@ -8,6 +8,7 @@ found exactly, never by name: other runs, and other people's Ray clusters, are l
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 import shutil
@@ -130,10 +131,8 @@ def wait_until_gone(run_id: str, timeout_s: float) -> list[str]:
 def kill_run(run_id: str) -> None:
     """Clean-up after a test: SIGKILL whatever the run left (only its own processes)."""
     for proc in run_processes(run_id):
-        try:
+        with contextlib.suppress(psutil.Error):
             proc.send_signal(signal.SIGKILL)
-        except psutil.Error:
-            pass
 
 
 def wait_for(predicate, timeout_s: float, proc: subprocess.Popen | None = None, poll_s: float = 0.02, what: str = ""):

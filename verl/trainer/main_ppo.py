@@ -165,20 +165,21 @@ def _stop_run(runner, shutdown: bool, timeout_s: float = 20.0) -> None:
     """Ctrl-C: kill the TaskRunner and this job's worker actors, then stop the local cluster if we
     started it, so no worker outlives the driver. Bounded: after a terminal Ctrl-C the Ray daemons
     (same process group as the driver) may already be gone, and nothing here may hang on them."""
+    import contextlib
     import threading
 
     import ray
 
     def stop() -> None:
-        try:
+        # Worker actors are owned by the TaskRunner and die with it; they are also killed by name, so
+        # they are gone before the cluster is, not whenever Ray notices that their owner died. Any of
+        # these calls may fail once the cluster is going down; shutting it down is then all that is left.
+        with contextlib.suppress(Exception):
             ray.kill(runner, no_restart=True)
-            # Worker actors are owned by the TaskRunner and die with it; kill them explicitly too, so
-            # they are gone before the cluster is, not whenever Ray notices their owner died.
             for name in ray.util.list_named_actors():
                 if name.startswith("verl_"):
-                    ray.kill(ray.get_actor(name), no_restart=True)
-        except Exception:  # the cluster is already going down: shutting it down below is all that is left
-            pass
+                    with contextlib.suppress(Exception):  # already dead with its owner
+                        ray.kill(ray.get_actor(name), no_restart=True)
         if shutdown:
             ray.shutdown()
 
