@@ -10,6 +10,11 @@ checkpoints), `_RolloutPart` (the generation engine, fed weights from the actor 
 generation and put to sleep afterwards: the hybrid engine) and `_RefPart` (a frozen FSDP copy).
 Every RPC delegates to its part; calling an RPC whose part this role lacks is a clear error.
 
+Offload (`fsdp_config.param_offload` / `optimizer_offload`, upstream's hybrid-engine switches): the
+sharded parameters, and the Adam moments, live on the host between uses and come to the device only
+for the RPC that needs them (`_FSDPModel.on_device`), so the rollout engine and the training phases
+do not hold them at the same time. On a CPU device both are no-ops.
+
 Batch-size normalisation follows upstream: `ppo_mini_batch_size` counts prompts, so it is
 multiplied by `rollout.n` and divided by the data-parallel size; `*_micro_batch_size_per_gpu` is
 already per rank.
@@ -17,6 +22,7 @@ already per rank.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import time
 
@@ -116,6 +122,34 @@ class _FSDPModel:
         if not for_training:
             self.module.requires_grad_(False)
         self.module = apply_fsdp2(self.module, fsdp_cfg)
+        self.optimizer = None
+        fsdp = _plain(fsdp_cfg)
+        self.param_offload = bool(fsdp.get("param_offload", False))
+        self.optimizer_offload = bool(fsdp.get("optimizer_offload", False)) and for_training
+        self._offload(optimizer=False)
+
+    def _offload(self, optimizer: bool) -> None:
+        from verl.utils.fsdp_utils import offload_fsdp_model_to_cpu, offload_fsdp_optimizer
+
+        if self.param_offload:
+            offload_fsdp_model_to_cpu(self.module)
+        if optimizer and self.optimizer_offload and self.optimizer is not None:
+            offload_fsdp_optimizer(self.optimizer)
+
+    @contextlib.contextmanager
+    def on_device(self, optimizer: bool = False):
+        """The parameters (and, with `optimizer`, the optimizer state) on the device for the block;
+        back on the host afterwards when offloaded."""
+        from verl.utils.fsdp_utils import load_fsdp_model_to_device, load_fsdp_optimizer
+
+        if self.param_offload:
+            load_fsdp_model_to_device(self.module)
+        if optimizer and self.optimizer_offload and self.optimizer is not None:
+            load_fsdp_optimizer(self.optimizer)
+        try:
+            yield
+        finally:
+            self._offload(optimizer)
 
 
 class _OptimizedModel(_FSDPModel):
@@ -142,7 +176,14 @@ class _OptimizedModel(_FSDPModel):
         return lr
 
     def save(self, local_path: str, global_step: int, max_ckpt_to_keep: int | None) -> None:
-        self.checkpoint_manager.save_checkpoint(local_path, global_step=global_step, max_ckpt_to_keep=max_ckpt_to_keep)
+        with self.on_device(optimizer=True):  # the checkpoint manager reads state on the device
+            self.checkpoint_manager.save_checkpoint(
+                local_path, global_step=global_step, max_ckpt_to_keep=max_ckpt_to_keep
+            )
+
+    def load(self, local_path: str) -> None:
+        with self.on_device(optimizer=True):
+            self.checkpoint_manager.load_checkpoint(local_path)
 
 
 class ActorRolloutRefWorker(Worker):
@@ -206,7 +247,8 @@ class ActorRolloutRefWorker(Worker):
         if self.actor is not None:
             start = time.perf_counter()
             rollout.wake_up()
-            rollout.update_weights(iter_full_params(self.actor_model.module))
+            with self.actor_model.on_device():
+                rollout.update_weights(iter_full_params(self.actor_model.module))
             metrics["timing_s/update_weights"] = time.perf_counter() - start
         start = time.perf_counter()
         output = rollout.generate_sequences(prompts)
@@ -221,7 +263,8 @@ class ActorRolloutRefWorker(Worker):
     def compute_log_prob(self, data: DataProto) -> DataProto:
         actor = self._need("actor", "compute_log_prob")
         _log_prob_meta(data, self.config.rollout, self.config.rollout.temperature)
-        log_probs, entropys = actor.compute_log_prob(data, calculate_entropy=True)
+        with self.actor_model.on_device():
+            log_probs, entropys = actor.compute_log_prob(data, calculate_entropy=True)
         tensors = {"old_log_probs": log_probs}
         if entropys is not None:
             tensors["entropys"] = entropys
@@ -231,7 +274,8 @@ class ActorRolloutRefWorker(Worker):
     def compute_ref_log_prob(self, data: DataProto) -> DataProto:
         ref = self._need("ref", "compute_ref_log_prob")
         _log_prob_meta(data, self.config.get("ref", {}) or self.config.rollout, self.config.rollout.temperature)
-        log_probs, _ = ref.compute_log_prob(data, calculate_entropy=False)
+        with self.ref_model.on_device():
+            log_probs, _ = ref.compute_log_prob(data, calculate_entropy=False)
         return DataProto.from_dict(tensors={"ref_log_prob": log_probs})
 
     @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO)
@@ -239,7 +283,8 @@ class ActorRolloutRefWorker(Worker):
         actor = self._need("actor", "update_actor")
         data.meta_info.setdefault("temperature", self.config.rollout.temperature)
         start = time.perf_counter()
-        metrics = actor.update_policy(data)
+        with self.actor_model.on_device(optimizer=True):
+            metrics = actor.update_policy(data)
         metrics["actor/lr"] = self.actor_model.step_scheduler()
         metrics["perf/update_actor_s"] = time.perf_counter() - start
         mem = dev.memory_stats()
@@ -256,7 +301,7 @@ class ActorRolloutRefWorker(Worker):
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def load_checkpoint(self, local_path: str, del_local_after_load: bool = False) -> None:
         self._need("actor", "load_checkpoint")
-        self.actor_model.checkpoint_manager.load_checkpoint(local_path)
+        self.actor_model.load(local_path)
 
 
 class CriticWorker(Worker):
@@ -290,11 +335,14 @@ class CriticWorker(Worker):
         data.meta_info.setdefault("micro_batch_size", self.config.get("forward_micro_batch_size_per_gpu") or len(data))
         data.meta_info.setdefault("use_dynamic_bsz", self.config.get("use_dynamic_bsz", False))
         data.meta_info.setdefault("max_token_len", self.config.get("forward_max_token_len_per_gpu", 16384))
-        return DataProto.from_dict(tensors={"values": self.critic.compute_values(data)})
+        with self.critic_model.on_device():
+            values = self.critic.compute_values(data)
+        return DataProto.from_dict(tensors={"values": values})
 
     @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO)
     def update_critic(self, data: DataProto) -> DataProto:
-        metrics = self.critic.update_critic(data)
+        with self.critic_model.on_device(optimizer=True):
+            metrics = self.critic.update_critic(data)
         metrics["critic/lr"] = self.critic_model.step_scheduler()
         return DataProto(meta_info={"metrics": metrics})
 
@@ -304,7 +352,7 @@ class CriticWorker(Worker):
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def load_checkpoint(self, local_path: str, del_local_after_load: bool = False) -> None:
-        self.critic_model.checkpoint_manager.load_checkpoint(local_path)
+        self.critic_model.load(local_path)
 
 
 class RewardModelWorker(Worker):
