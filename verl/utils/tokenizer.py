@@ -34,7 +34,9 @@ def hf_tokenizer(name_or_path: str, trust_remote_code: bool = False, correct_pad
         ) from e
     if correct_pad_token:
         vocab_size = _model_vocab_size(path)
-        invented = vocab_size is not None and tokenizer.pad_token_id is not None and tokenizer.pad_token_id >= vocab_size
+        invented = (
+            vocab_size is not None and tokenizer.pad_token_id is not None and tokenizer.pad_token_id >= vocab_size
+        )
         if tokenizer.pad_token_id is None or invented:
             if tokenizer.eos_token_id is None:
                 raise ValueError(

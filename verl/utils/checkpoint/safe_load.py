@@ -121,6 +121,7 @@ def dcp_load(state_dict: dict, path: str, **kwargs) -> None:
     import torch.distributed.checkpoint as dcp
 
     reader, planner = _reader_and_planner(path)
+    reader.read_metadata()  # fail here, with our message, rather than wrapped inside DCP's collective load
     dcp.load(state_dict, storage_reader=reader, planner=planner, **kwargs)
 
 
