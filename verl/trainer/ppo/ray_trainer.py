@@ -17,6 +17,12 @@ Design decisions:
   checkpoint as the one resume picks.
 - uids are deterministic (`<step>_<index>`) rather than random, so a resumed run groups samples
   exactly as an uninterrupted run does.
+- Non-finite losses: the workers skip an optimizer step whose gradient norm is NaN/inf and report
+  it (`*/skipped_nonfinite_grad`); the driver counts such steps in a row and stops with
+  `NonFiniteLossError` after `trainer.max_consecutive_nonfinite_steps`, before that step's
+  checkpoint, so the last checkpoint is one saved before the trouble began or during it (its
+  weights unchanged by the skipped updates).
+- Checkpoints are loaded with `weights_only=True` (see verl.utils.checkpoint.safe_load).
 """
 
 from __future__ import annotations
