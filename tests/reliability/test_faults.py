@@ -66,6 +66,7 @@ def killed_during_save(run_dir):
         step_at_kill = tracker_step(ckpt)
         returncode = proc.wait(timeout=120)
         exit_s = time.monotonic() - killed_at
+        print(f"kill -9 of worker rank 1 -> driver exit {returncode} after {exit_s:.1f} s")
         left = wait_until_gone(run_id, timeout_s=15)
     finally:
         if proc.poll() is None:
@@ -132,6 +133,7 @@ def test_resume_after_the_kill_then_ctrl_c_stops_every_process(run_dir, killed_d
         interrupted_at = time.monotonic()
         returncode = proc.wait(timeout=60)
         exit_s = time.monotonic() - interrupted_at
+        print(f"Ctrl-C -> driver exit {returncode} after {exit_s:.1f} s")
         left = wait_until_gone(run_id, timeout_s=15)
     finally:
         if proc.poll() is None:
