@@ -308,7 +308,7 @@ def test_command_line_exits_2_within_seconds_without_starting_ray(tmp_path):
     elapsed = time.monotonic() - start
     assert proc.returncode == 2, proc.stderr[-3000:]
     assert elapsed < 60
-    assert proc.stderr.startswith("verl: cannot start\n"), proc.stderr[-3000:]
+    assert proc.stderr.startswith("verl: cannot start: data.train_files: data file"), proc.stderr[-3000:]
     assert "x.parquet' does not exist" in proc.stderr
     assert "Traceback" not in proc.stderr and "Started a local Ray instance" not in proc.stderr + proc.stdout
     assert fingerprint(ckpt) == before

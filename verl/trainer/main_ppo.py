@@ -25,9 +25,9 @@ import sys
 
 def main(argv: list[str] | None = None) -> None:
     """Parse Hydra-style overrides (`key=value`, `+key=value`, `--config-path/--config-name`),
-    validate, and train. A config mistake exits with status 2 and one message listing every problem;
-    a cluster too small for the run (a missing node, too few devices) exits with status 1 and the
-    message that says what is missing."""
+    validate, and train. A config or input mistake exits with status 2 and one message listing every
+    problem; a failed run (a dead worker, a cluster too small for the run, ...) exits with status 1
+    and the message that says what went wrong; Ctrl-C stops the workers and exits with 130."""
     from verl.trainer.config import ConfigError, load_ppo_config, parse_cli_args
 
     try:
@@ -57,9 +57,11 @@ def _report_failure(error: BaseException) -> int:
     from verl.trainer.preflight import RunInputError
 
     cause = getattr(error, "cause", None) or error  # a RayTaskError carries the TaskRunner's exception
+    if isinstance(cause, RunInputError):  # its message starts with "cannot start"
+        print(f"verl: {cause}", file=sys.stderr)
+        return 2
     if isinstance(cause, ConfigError):
-        headline = "cannot start" if isinstance(cause, RunInputError) else "invalid configuration"
-        print(f"verl: {headline}\n{cause}", file=sys.stderr)
+        print(f"verl: invalid configuration\n{cause}", file=sys.stderr)
         return 2
     user_fixable = _user_fixable_errors()
     if not isinstance(cause, user_fixable) or os.environ.get("VERL_LOGGING_LEVEL", "").upper() == "DEBUG":
