@@ -103,13 +103,25 @@ def test_a_tokenizer_without_pad_token_pads_with_eos_and_trains(setup, tmp_path)
     assert metrics["response_length/mean"] > 0 and metrics.get("actor/skipped_nonfinite_grad", 0.0) == 0
 
 
-def test_reward_function_that_raises_stops_the_step_showing_the_sample(setup):
+def _exit_report(error: BaseException, capsys) -> tuple[int, str]:
+    """What `python -m verl.trainer.main_ppo` prints and returns for this failure of the run."""
+    from verl.trainer.main_ppo import _report_failure
+
+    capsys.readouterr()
+    status = _report_failure(error)
+    return status, capsys.readouterr().err
+
+
+def test_reward_function_that_raises_stops_the_step_showing_the_sample(setup, capsys):
     from verl.workers.reward_manager.abstract import RewardFunctionError
 
     trainer, tmp = setup
     trainer.reward_fn = _reward_fn(trainer, tmp, "raise_on_second")
     with pytest.raises(RewardFunctionError) as info:
         trainer.step()
+    status, err = _exit_report(info.value, capsys)
+    assert status == 1 and err.startswith("verl: training failed: RewardFunctionError: reward function")
+    assert "Traceback" not in err  # the message says it all
     message = str(info.value)
     for part in (
         "reward function raise_on_second failed on sample 1 of 8: ZeroDivisionError: division by zero in my parser",
@@ -141,7 +153,7 @@ def test_reward_that_returns_nan_is_an_error_or_a_counted_zero(setup):
     assert metrics["critic/score/max"] <= 1.0  # the NaN never reached the scores
 
 
-def test_nan_losses_skip_their_updates_and_stop_the_run_after_k_in_a_row(setup, tmp_path, capfd):
+def test_nan_losses_skip_their_updates_and_stop_the_run_after_k_in_a_row(setup, tmp_path, capfd, capsys):
     """Rewards of +-1e30 (unnormalised GRPO) overflow the gradient: each step's update is skipped
     and counted; the 2nd in a row (max_consecutive_nonfinite_steps=2) stops the run before its
     checkpoint, so the one saved after step 1 stays the latest."""
@@ -161,6 +173,9 @@ def test_nan_losses_skip_their_updates_and_stop_the_run_after_k_in_a_row(setup, 
     finally:
         OmegaConf.update(config, "algorithm.norm_adv_by_std_in_grpo", True)
         OmegaConf.update(config, "trainer.save_freq", -1)
+    assert "Training Progress" not in capfd.readouterr().err  # trainer.progress_bar=false
+    status, err = _exit_report(info.value, capsys)
+    assert status == 1 and err.startswith("verl: training failed: NonFiniteLossError: stopping: the loss")
     assert "NaN or infinite in 2 steps in a row (steps 1-2" in str(info.value)
     assert "checkpoints in trainer.default_local_dir are untouched" in str(info.value)
     records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
@@ -169,7 +184,6 @@ def test_nan_losses_skip_their_updates_and_stop_the_run_after_k_in_a_row(setup, 
         assert record["data"]["actor/skipped_nonfinite_grad"] == 1.0
         assert record["data"]["training/nonfinite_steps_in_a_row"] == i
     assert tracker_step(tmp_path / "ckpt") == 1 and not (tmp_path / "ckpt" / "global_step_2").exists()
-    assert "Training Progress" not in capfd.readouterr().err  # trainer.progress_bar=false
 
 
 def test_prompt_longer_than_max_prompt_length_with_truncation_error_fails_at_start(setup, tmp_path):
