@@ -103,13 +103,13 @@ def test_a_tokenizer_without_pad_token_pads_with_eos_and_trains(setup, tmp_path)
     assert metrics["response_length/mean"] > 0 and metrics.get("actor/skipped_nonfinite_grad", 0.0) == 0
 
 
-def _exit_report(error: BaseException, capsys) -> tuple[int, str]:
-    """What `python -m verl.trainer.main_ppo` prints and returns for this failure of the run."""
+def _exit_report(error: BaseException, capture) -> tuple[int, str]:
+    """What `python -m verl.trainer.main_ppo` prints and returns for this failure (capture: capsys/capfd)."""
     from verl.trainer.main_ppo import _report_failure
 
-    capsys.readouterr()
+    capture.readouterr()
     status = _report_failure(error)
-    return status, capsys.readouterr().err
+    return status, capture.readouterr().err
 
 
 def test_reward_function_that_raises_stops_the_step_showing_the_sample(setup, capsys):
@@ -153,7 +153,7 @@ def test_reward_that_returns_nan_is_an_error_or_a_counted_zero(setup):
     assert metrics["critic/score/max"] <= 1.0  # the NaN never reached the scores
 
 
-def test_nan_losses_skip_their_updates_and_stop_the_run_after_k_in_a_row(setup, tmp_path, capfd, capsys):
+def test_nan_losses_skip_their_updates_and_stop_the_run_after_k_in_a_row(setup, tmp_path, capfd):
     """Rewards of +-1e30 (unnormalised GRPO) overflow the gradient: each step's update is skipped
     and counted; the 2nd in a row (max_consecutive_nonfinite_steps=2) stops the run before its
     checkpoint, so the one saved after step 1 stays the latest."""
@@ -174,7 +174,7 @@ def test_nan_losses_skip_their_updates_and_stop_the_run_after_k_in_a_row(setup, 
         OmegaConf.update(config, "algorithm.norm_adv_by_std_in_grpo", True)
         OmegaConf.update(config, "trainer.save_freq", -1)
     assert "Training Progress" not in capfd.readouterr().err  # trainer.progress_bar=false
-    status, err = _exit_report(info.value, capsys)
+    status, err = _exit_report(info.value, capfd)
     assert status == 1 and err.startswith("verl: training failed: NonFiniteLossError: stopping: the loss")
     assert "NaN or infinite in 2 steps in a row (steps 1-2" in str(info.value)
     assert "checkpoints in trainer.default_local_dir are untouched" in str(info.value)
