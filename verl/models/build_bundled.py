@@ -5,7 +5,7 @@
 
 Recipe: a freshly initialised `tiny` preset (Qwen2, ~1M parameters, seed 0) is fine-tuned with
 `verl.trainer.fsdp_sft_trainer` (one process, FSDP2 over a one-rank mesh) on the default
-arithmetic task (2-digit addition, 5000 training problems, seed 0): batch 64, AdamW lr 1e-3,
+arithmetic task (2-digit addition, 5000 training problems, seed 0): batch 64, AdamW lr 3e-4,
 constant schedule, loss on the answer tokens only, one CPU thread. Every `--eval-every` steps the held-out greedy
 accuracy on the 500 test problems is measured and training stops at the first evaluation inside
 [`--min-accuracy`, `--max-accuracy`] (default 25%-50%).
@@ -28,7 +28,7 @@ import tempfile
 import time
 
 TRAIN_BATCH_SIZE = 64
-LEARNING_RATE = 1e-3
+LEARNING_RATE = 3e-4
 
 
 def build(

@@ -194,6 +194,7 @@ def _stop_run(runner, shutdown: bool, timeout_s: float = 20.0) -> None:
 def build_role_worker_mapping(config):
     """Roles -> worker classes. The reference policy shares the actor's worker (the hybrid engine)."""
     from verl.trainer.config import need_critic, need_reference_policy
+    from verl.trainer.ppo.async_rollout import staleness_threshold
     from verl.trainer.ppo.ray_trainer import Role
     from verl.workers.fsdp_workers import ActorRolloutRefWorker, CriticWorker, RewardModelWorker
 
@@ -203,7 +204,23 @@ def build_role_worker_mapping(config):
         mapping[Role.Critic] = CriticWorker
     if config.reward_model.get("enable", False):
         mapping[Role.RewardModel] = RewardModelWorker
+    if staleness_threshold(config) > 0:  # generation runs ahead of training in its own pool
+        mapping[Role.Rollout] = ActorRolloutRefWorker
     return mapping
+
+
+def build_resource_pools(config, mapping) -> tuple[dict, dict]:
+    """(pool name -> workers per node, role -> pool name): one global pool, plus a `rollout_pool`
+    of `rollout.nnodes x rollout.n_gpus_per_node` when generation has a pool of its own."""
+    from verl.trainer.ppo.ray_trainer import Role
+
+    trainer_cfg = config.trainer
+    spec = {"global_pool": [trainer_cfg.n_gpus_per_node] * trainer_cfg.nnodes}
+    roles = {role: "global_pool" for role in mapping}
+    if Role.Rollout in mapping:
+        spec["rollout_pool"] = [config.rollout.n_gpus_per_node] * config.rollout.nnodes
+        roles[Role.Rollout] = "rollout_pool"
+    return spec, roles
 
 
 def build_datasets(config, tokenizer) -> tuple:
@@ -252,11 +269,8 @@ class TaskRunner:
             raise RunInputError(f"cannot start: the data is not usable: {e}") from e
 
         mapping = build_role_worker_mapping(config)
-        trainer_cfg = config.trainer
-        pool_spec = {"global_pool": [trainer_cfg.n_gpus_per_node] * trainer_cfg.nnodes}
-        pool_manager = ResourcePoolManager(
-            resource_pool_spec=pool_spec, mapping={role: "global_pool" for role in mapping}
-        )
+        pool_spec, role_pools = build_resource_pools(config, mapping)
+        pool_manager = ResourcePoolManager(resource_pool_spec=pool_spec, mapping=role_pools)
 
         reward_fn = load_reward_manager(config, tokenizer, num_examine=0)
         val_reward_fn = load_reward_manager(config, tokenizer, num_examine=1)

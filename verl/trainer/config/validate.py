@@ -483,6 +483,12 @@ def _check_algorithm(c: dict, errors: list[str], warns: list[str]):
         errors.append(
             f"actor_rollout_ref.actor.clip_ratio_c={arr['actor']['clip_ratio_c']} must be > 1 (dual-clip bound; 3.0 is typical)"
         )
+    tis_cap = arr["actor"]["tis_imp_ratio_cap"]
+    if tis_cap is not None and tis_cap > 0 and not arr["rollout"]["calculate_log_probs"]:
+        errors.append(
+            f"actor_rollout_ref.actor.tis_imp_ratio_cap={tis_cap} weights the loss by the rollout engine's log-probs, "
+            "which are not computed; set actor_rollout_ref.rollout.calculate_log_probs=true (or tis_imp_ratio_cap=-1)"
+        )
     ctrl = alg["kl_ctrl"]
     if ctrl["type"] == "adaptive" and (ctrl["target_kl"] <= 0 or ctrl["horizon"] <= 0):
         errors.append("algorithm.kl_ctrl.type=adaptive needs target_kl > 0 and horizon > 0")
@@ -530,8 +536,9 @@ def _check_not_implemented(c: dict, errors: list[str]):
     if arr["rollout"]["mode"] == "async":
         errors.append(
             "actor_rollout_ref.rollout.mode=async (upstream's server-based agent-loop rollout) is not supported yet: "
-            "every engine here generates a whole batch at once, so the run would silently be synchronous; "
-            "set actor_rollout_ref.rollout.mode=sync"
+            "the engines here generate whole batches, so the run would silently be synchronous; set "
+            "actor_rollout_ref.rollout.mode=sync (to let generation run ahead of training, set "
+            "async_training.staleness_threshold instead, see docs/async.md)"
         )
 
 
@@ -581,7 +588,65 @@ def _check_trainer(c: dict, errors: list[str], warns: list[str]):
         )
 
 
+def _check_lora(c: dict, errors: list[str]):
+    model = c["actor_rollout_ref"]["model"]
+    rank, alpha = model["lora_rank"], model["lora_alpha"]
+    if rank < 0:
+        errors.append(f"actor_rollout_ref.model.lora_rank={rank} must be 0 (train all weights) or a positive LoRA rank")
+    if rank <= 0:
+        return
+    if alpha <= 0:
+        errors.append(
+            f"actor_rollout_ref.model.lora_alpha={alpha} must be positive: the adapter's update is scaled by "
+            "lora_alpha / lora_rank (16 or 2 x lora_rank are usual)"
+        )
+    if not model["target_modules"]:
+        errors.append(
+            "actor_rollout_ref.model.target_modules is empty, so LoRA would adapt nothing; use all-linear or a list "
+            "of linear layer names"
+        )
+    import importlib.util
+
+    if importlib.util.find_spec("peft") is None:
+        errors.append(
+            f"actor_rollout_ref.model.lora_rank={rank} needs the peft package, which is not installed; run "
+            "`pip install peft` or set lora_rank=0"
+        )
+
+
 # ---------------------------------------------------------------------------------------- entry
+
+
+def _check_async_training(c: dict, errors: list[str]):
+    """Generation ahead of training: what it cannot be combined with, and the rollout pool's size."""
+    k = c["async_training"]["staleness_threshold"]
+    if k < 0:
+        errors.append(
+            f"async_training.staleness_threshold={k} must be >= 0 (0: synchronous; k: generation up to k batches ahead)"
+        )
+    if k <= 0:
+        return
+    algo = c["algorithm"]
+    clashes = {
+        "algorithm.filter_groups.enable=true (DAPO dynamic sampling)": algo["filter_groups"]["enable"],
+        "algorithm.adv_estimator=remax (its greedy baseline needs the current weights)": algo["adv_estimator"]
+        == "remax",
+        "algorithm.use_kl_in_reward=true (the in-reward KL needs the trained step's log-probs)": algo[
+            "use_kl_in_reward"
+        ],
+    }
+    for what, clash in clashes.items():
+        if clash:
+            errors.append(
+                f"async_training.staleness_threshold={k} cannot be combined with {what}; set "
+                "async_training.staleness_threshold=0 or turn that option off"
+            )
+    for key in ("nnodes", "n_gpus_per_node"):
+        if c["rollout"][key] < 1:
+            errors.append(
+                f"rollout.{key}={c['rollout'][key]} must be >= 1: with async_training.staleness_threshold={k} "
+                "generation runs in its own pool of rollout.nnodes x rollout.n_gpus_per_node workers"
+            )
 
 
 def _plain(cfg) -> dict:
@@ -644,6 +709,8 @@ def validate_ppo_config(cfg: DictConfig | dict) -> None:
     _check_lengths(c, errors)
     _check_not_implemented(c, errors)
     _check_trainer(c, errors, warns)
+    _check_lora(c, errors)
+    _check_async_training(c, errors)
     if errors:
         _raise(errors)
     for w in warns:

@@ -39,6 +39,11 @@ import torch
 
 from verl.protocol import DataProto, pad_dataproto_to_divisor, unpad_dataproto
 from verl.trainer.ppo import core_algos
+from verl.trainer.ppo.async_rollout import (
+    configure_off_policy_correction,
+    importance_weight_metrics,
+    staleness_threshold,
+)
 from verl.trainer.ppo.metric_utils import (
     compute_data_metrics,
     compute_throughput_metrics,
@@ -48,7 +53,7 @@ from verl.trainer.ppo.metric_utils import (
     reduce_metrics,
 )
 from verl.utils.checkpoint.checkpoint_manager import find_latest_ckpt_path, write_checkpoint_tracker
-from verl.utils.checkpoint.safe_load import numpy_rng_state, set_numpy_rng_state, torch_load
+from verl.utils.checkpoint.safe_load import from_plain, numpy_rng_state, set_numpy_rng_state, to_plain, torch_load
 from verl.utils.logging_utils import get_logger
 from verl.utils.timer import marked_timer
 
@@ -133,6 +138,9 @@ class RayPPOTrainer:
         self._rollout_strategy = (
             self._collect_filtered_batch if filter_groups.get("enable", False) else self._generate_and_score
         )
+        self._async_rollout = None  # AsyncRolloutSource, built in init_workers when generation runs ahead
+        if staleness_threshold(config) > 0:
+            configure_off_policy_correction(config)
         self.global_steps = 0
         self._nonfinite_in_a_row = 0
         self._create_dataloader(train_dataset, val_dataset, collate_fn, train_sampler)
@@ -200,6 +208,12 @@ class RayPPOTrainer:
                 "ref",
                 RayClassWithInitArgs(self.role_worker_mapping[Role.RefPolicy], config=arc, role="ref"),
             )
+        if Role.Rollout in self.role_worker_mapping:  # generation in its own pool (async training)
+            add(
+                Role.Rollout,
+                "rollout",
+                RayClassWithInitArgs(self.role_worker_mapping[Role.Rollout], config=arc, role="rollout"),
+            )
         if self.use_rm:
             add(
                 Role.RewardModel,
@@ -231,6 +245,13 @@ class RayPPOTrainer:
         self.actor_rollout_wg.init_model()
         if actor_role == Role.ActorRolloutRef:
             self.ref_policy_wg = self.actor_rollout_wg
+        if "rollout" in groups:
+            from verl.trainer.ppo.async_rollout import AsyncRolloutSource
+
+            self.rollout_wg = groups["rollout"]
+            self.rollout_wg.init_model()
+            self._async_rollout = AsyncRolloutSource(self, self.rollout_wg)
+            self._rollout_strategy = self._async_rollout
 
     # ------------------------------------------------------------------ the step
     def step(self) -> dict[str, Any]:
@@ -444,6 +465,13 @@ class RayPPOTrainer:
             ).item()
         if "rollout_log_probs" in batch.batch:
             state.metrics.update(_rollout_mismatch_metrics(batch, out.batch["old_log_probs"]))
+            if self._async_rollout is not None:
+                cap = self.config.actor_rollout_ref.actor.get("tis_imp_ratio_cap")
+                state.metrics.update(
+                    importance_weight_metrics(
+                        out.batch["old_log_probs"], batch.batch["rollout_log_probs"], batch.batch["response_mask"], cap
+                    )
+                )
         return batch.union(out)
 
     def _compute_ref_log_prob(self, batch: DataProto) -> DataProto:
@@ -555,6 +583,8 @@ class RayPPOTrainer:
                 tracker.log(metrics, step=self.global_steps)
                 progress.close()
                 raise NonFiniteLossError(self._nonfinite_message())
+            if trainer_cfg.get("rollout_data_dir"):
+                self._dump_rollouts(trainer_cfg.rollout_data_dir)
             timing: dict[str, float] = {}
             if can_validate and _due(trainer_cfg.get("test_freq", -1), self.global_steps, is_last):
                 with marked_timer("testing", timing):
@@ -592,6 +622,25 @@ class RayPPOTrainer:
             "train in bf16 or fp32) and resume: the checkpoints in trainer.default_local_dir are untouched"
         )
 
+    def _dump_rollouts(self, directory: str) -> None:
+        """`<rollout_data_dir>/<step>.jsonl`: one line per trained sample (uid, input, output, score,
+        and the weight version that generated it when generation runs ahead)."""
+        import json
+
+        batch = self._last_batch
+        os.makedirs(directory, exist_ok=True)
+        inputs = self.tokenizer.batch_decode(batch.batch["prompts"], skip_special_tokens=True)
+        outputs = self.tokenizer.batch_decode(batch.batch["responses"], skip_special_tokens=True)
+        scores = batch.batch["token_level_scores"].sum(-1).tolist()
+        versions = batch.non_tensor_batch.get("weight_version")
+        with open(os.path.join(directory, f"{self.global_steps}.jsonl"), "w") as f:
+            for i, uid in enumerate(batch.non_tensor_batch["uid"]):
+                row = {"step": self.global_steps, "uid": str(uid), "input": inputs[i], "output": outputs[i]}
+                row["score"] = scores[i]
+                if versions is not None:
+                    row["weight_version"] = int(versions[i])
+                f.write(json.dumps(row) + "\n")
+
     # ------------------------------------------------------------------ checkpoints
     def _checkpoint_root(self) -> str:
         return os.path.abspath(os.path.expanduser(self.config.trainer.default_local_dir))
@@ -614,6 +663,8 @@ class RayPPOTrainer:
             "kl_coef": None if self.kl_ctrl_in_reward is None else self.kl_ctrl_in_reward.value,
             "rng": {"python": random.getstate(), "numpy": numpy_rng_state(), "torch": torch.get_rng_state()},
         }
+        if self._async_rollout is not None:  # the drawn-but-untrained groups (the dataloader counts them)
+            driver_state["async_rollout"] = to_plain(self._async_rollout.state_dict())
         tmp = os.path.join(step_dir, "data.pt.tmp")
         torch.save(driver_state, tmp)
         os.replace(tmp, os.path.join(step_dir, "data.pt"))
@@ -661,6 +712,8 @@ class RayPPOTrainer:
         self.global_steps = state["global_steps"]
         self.train_dataloader.load_state_dict(state["dataloader"])
         self._train_iter = None
+        if self._async_rollout is not None and "async_rollout" in state:
+            self._async_rollout.load_state_dict(from_plain(state["async_rollout"]))
         if self.kl_ctrl_in_reward is not None and state.get("kl_coef") is not None:
             self.kl_ctrl_in_reward.value = state["kl_coef"]
         rng = state["rng"]

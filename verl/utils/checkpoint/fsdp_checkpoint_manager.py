@@ -7,6 +7,8 @@ Layout of one checkpoint directory (`local_path`, e.g. `.../global_step_10/actor
     extra_state_world_size_<W>_rank_<r>.pt  lr scheduler state, RNG states, global step
     huggingface/                            config.json, generation config, tokenizer files,
                                             and model.safetensors when save_contents has hf_model
+    lora_adapter/                           a LoRA model only: the adapter in PEFT's format
+                                            (adapter_config.json, adapter_model.safetensors)
 
 Model and optimizer go through `torch.distributed.checkpoint` (DCP) with the state-dict API
 (`get_model_state_dict` / `set_model_state_dict`), so each rank writes only its shard, nothing is
@@ -20,6 +22,10 @@ Crash safety: everything is written into `<local_path>.tmp` and rank 0 renames i
 existing `local_path` the old one is first renamed to `<local_path>.old` and deleted after the swap;
 `load_checkpoint` falls back to `.old` if a crash hit between those two renames. Retention
 (`max_ckpt_to_keep`) deletes old checkpoints only after the new one is complete.
+
+A LoRA (peft) model is saved whole in `model/` (base and adapters, under peft's names), so a
+resume restores it exactly; `lora_adapter/` is the adapter alone for `PeftModel.from_pretrained`,
+and `hf_model` writes the merged weights under plain HF names.
 
 Loading never executes code from the checkpoint: DCP goes through `safe_load.dcp_load` and the
 extra state through `torch.load(weights_only=True)` (see verl.utils.checkpoint.safe_load).
@@ -39,6 +45,7 @@ import torch.distributed as dist
 from verl.utils.checkpoint.checkpoint_manager import BaseCheckpointManager
 from verl.utils.checkpoint.safe_load import dcp_load, torch_load
 from verl.utils.logging_utils import get_logger
+from verl.utils.lora import ADAPTER_DIR, is_peft_model, lora_scalings, merge_lora_state, save_lora_adapter
 
 __all__ = ["FSDPCheckpointManager"]
 
@@ -111,6 +118,8 @@ class FSDPCheckpointManager(BaseCheckpointManager):
         if "extra" in self.save_contents:
             self._save_extra_state(os.path.join(tmp, self._extra_state_name(world_size, rank)), global_step)
         self._save_huggingface(os.path.join(tmp, "huggingface"), rank)
+        if is_peft_model(self.model):
+            save_lora_adapter(self.model, os.path.join(tmp, ADAPTER_DIR))
         _barrier()
 
         if rank == 0:
@@ -140,10 +149,13 @@ class FSDPCheckpointManager(BaseCheckpointManager):
     def _save_huggingface(self, hf_dir: str, rank: int) -> None:
         """Config, generation config and tokenizer on rank 0; full weights too when asked (collective)."""
         full_state = None
+        hf_model = self.model.get_base_model() if is_peft_model(self.model) else self.model
         if "hf_model" in self.save_contents:
             from verl.utils.fsdp_utils import get_full_state_dict
 
             full_state = get_full_state_dict(self.model, rank0_only=True)
+            if full_state and is_peft_model(self.model):
+                full_state = dict(merge_lora_state(full_state.items(), lora_scalings(self.model)))
         if rank != 0:
             return
         os.makedirs(hf_dir, exist_ok=True)
@@ -159,7 +171,7 @@ class FSDPCheckpointManager(BaseCheckpointManager):
             # an empty (meta) instance of the model class writes the weights HF-style: tied weights,
             # sharding of large files and the safetensors metadata are handled by save_pretrained
             with torch.device("meta"):
-                shell = _unwrapped_class(self.model)._from_config(config)
+                shell = _unwrapped_class(hf_model)._from_config(config)
             shell.save_pretrained(hf_dir, state_dict=full_state)
 
     def load_checkpoint(self, local_path: str | None, hdfs_path: str | None = None, del_local_after_load=False):

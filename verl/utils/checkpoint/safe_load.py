@@ -3,7 +3,9 @@
 A checkpoint is data someone else may have written (a shared directory, a downloaded run), and
 Python's pickle runs whatever a file tells it to. `torch.load(..., weights_only=True)` only rebuilds
 tensors and plain containers; everything verl writes with `torch.save` is kept in that subset
-(RNG states included: numpy's generator state is stored as a tensor, see `numpy_rng_state`).
+(RNG states included: numpy's generator state is stored as a tensor, see `numpy_rng_state`; batches
+held across a checkpoint, such as asynchronous rollouts waiting to be trained, go through
+`to_plain` / `from_plain`).
 
 `torch.distributed.checkpoint` (DCP), which holds the sharded model and optimizer, is the
 exception in torch itself: it reads its `.metadata` file with plain `pickle.load` and the
@@ -26,8 +28,10 @@ __all__ = [
     "UnsafeCheckpointError",
     "dcp_load",
     "dcp_metadata",
+    "from_plain",
     "numpy_rng_state",
     "set_numpy_rng_state",
+    "to_plain",
     "torch_load",
 ]
 
@@ -135,6 +139,69 @@ def torch_load(path: str, what: str):
             "checkpoints with weights_only=True so that a checkpoint cannot run code. Re-save it with this version "
             "of verl, or only if you wrote the file yourself, convert it offline"
         ) from e
+
+
+_TAG = "__verl_plain__"
+
+
+def to_plain(obj):
+    """`obj` with every DataProto, numpy array and numpy scalar turned into tensors and plain containers,
+    so that `torch.save` writes something `torch.load(weights_only=True)` reads (see `from_plain`).
+    Dicts, lists and tuples are converted recursively; other values are left as they are."""
+    from verl.protocol import DataProto
+
+    if isinstance(obj, DataProto):
+        batch = None if obj.batch is None else {k: v for k, v in obj.batch.items()}
+        return {
+            _TAG: "DataProto",
+            "batch": batch,
+            "batch_size": None if obj.batch is None else int(obj.batch.batch_size[0]),
+            "non_tensor_batch": {k: to_plain(v) for k, v in obj.non_tensor_batch.items()},
+            "meta_info": to_plain(dict(obj.meta_info)),
+        }
+    if isinstance(obj, np.ndarray):
+        if obj.dtype.kind in "biuf":
+            return {_TAG: "ndarray", "tensor": torch.from_numpy(np.ascontiguousarray(obj)), "dtype": obj.dtype.str}
+        return {_TAG: "ndarray_items", "items": [to_plain(x) for x in obj.ravel().tolist()], "shape": list(obj.shape)}
+    if isinstance(obj, np.generic):
+        return obj.item()
+    if isinstance(obj, dict):
+        return {k: to_plain(v) for k, v in obj.items()}
+    if isinstance(obj, list | tuple):
+        return type(obj)(to_plain(v) for v in obj)
+    return obj
+
+
+def from_plain(obj):
+    """Inverse of `to_plain` (numpy scalars come back as Python numbers)."""
+    if isinstance(obj, dict) and _TAG in obj:
+        kind = obj[_TAG]
+        if kind == "ndarray":
+            return obj["tensor"].numpy().astype(np.dtype(obj["dtype"]), copy=False)
+        if kind == "ndarray_items":
+            items = [from_plain(x) for x in obj["items"]]
+            array = np.empty(len(items), dtype=object)
+            array[:] = items if items else array
+            return array.reshape(obj["shape"])
+        if kind == "DataProto":
+            from tensordict import TensorDict
+
+            from verl.protocol import DataProto
+
+            batch = None
+            if obj["batch"] is not None:
+                batch = TensorDict(obj["batch"], batch_size=[obj["batch_size"]])
+            return DataProto(
+                batch=batch,
+                non_tensor_batch={k: from_plain(v) for k, v in obj["non_tensor_batch"].items()},
+                meta_info=from_plain(obj["meta_info"]),
+            )
+        raise ValueError(f"unknown plain-data tag {kind!r} in a checkpoint")
+    if isinstance(obj, dict):
+        return {k: from_plain(v) for k, v in obj.items()}
+    if isinstance(obj, list | tuple):
+        return type(obj)(from_plain(v) for v in obj)
+    return obj
 
 
 def numpy_rng_state() -> tuple:
