@@ -70,7 +70,9 @@ def peak_flops(dtype=None) -> float | None:
         try:
             value = float(override)
         except ValueError:
-            raise ValueError(f"VERL_PEAK_FLOPS={override!r} is not a number; give FLOP/s per device, e.g. 2e12") from None
+            raise ValueError(
+                f"VERL_PEAK_FLOPS={override!r} is not a number; give FLOP/s per device, e.g. 2e12"
+            ) from None
         return value if value > 0 else None
     import torch
 

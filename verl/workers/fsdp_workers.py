@@ -15,6 +15,11 @@ before sharding and only the adapters train. The reference policy is then not a 
 but the actor's own module with its adapters switched off, and the rollout engine receives the
 merged weights `W + scaling * B @ A` under plain HF names.
 
+Offload (`fsdp_config.param_offload` / `optimizer_offload`, upstream's hybrid-engine switches): the
+sharded parameters, and the Adam moments, live on the host between uses and come to the device only
+for the RPC that needs them (`_FSDPModel.on_device`), so the rollout engine and the training phases
+do not hold them at the same time. On a CPU device both are no-ops.
+
 Batch-size normalisation follows upstream: `ppo_mini_batch_size` counts prompts, so it is
 multiplied by `rollout.n` and divided by the data-parallel size; `*_micro_batch_size_per_gpu` is
 already per rank.
@@ -142,6 +147,34 @@ class _FSDPModel:
         if self.lora:
             self.module = apply_lora(self.module, model_cfg)
         self.module = apply_fsdp2(self.module, fsdp_cfg)
+        self.optimizer = None
+        fsdp = _plain(fsdp_cfg)
+        self.param_offload = bool(fsdp.get("param_offload", False))
+        self.optimizer_offload = bool(fsdp.get("optimizer_offload", False)) and for_training
+        self._offload(optimizer=False)
+
+    def _offload(self, optimizer: bool) -> None:
+        from verl.utils.fsdp_utils import offload_fsdp_model_to_cpu, offload_fsdp_optimizer
+
+        if self.param_offload:
+            offload_fsdp_model_to_cpu(self.module)
+        if optimizer and self.optimizer_offload and self.optimizer is not None:
+            offload_fsdp_optimizer(self.optimizer)
+
+    @contextlib.contextmanager
+    def on_device(self, optimizer: bool = False):
+        """The parameters (and, with `optimizer`, the optimizer state) on the device for the block;
+        back on the host afterwards when offloaded."""
+        from verl.utils.fsdp_utils import load_fsdp_model_to_device, load_fsdp_optimizer
+
+        if self.param_offload:
+            load_fsdp_model_to_device(self.module)
+        if optimizer and self.optimizer_offload and self.optimizer is not None:
+            load_fsdp_optimizer(self.optimizer)
+        try:
+            yield
+        finally:
+            self._offload(optimizer)
 
     def hf_params(self):
         """`(hf_name, full_tensor)` pairs, streamed (collective): with LoRA, the merged weights."""
@@ -183,7 +216,14 @@ class _OptimizedModel(_FSDPModel):
         return lr
 
     def save(self, local_path: str, global_step: int, max_ckpt_to_keep: int | None) -> None:
-        self.checkpoint_manager.save_checkpoint(local_path, global_step=global_step, max_ckpt_to_keep=max_ckpt_to_keep)
+        with self.on_device(optimizer=True):  # the checkpoint manager reads state on the device
+            self.checkpoint_manager.save_checkpoint(
+                local_path, global_step=global_step, max_ckpt_to_keep=max_ckpt_to_keep
+            )
+
+    def load(self, local_path: str) -> None:
+        with self.on_device(optimizer=True):
+            self.checkpoint_manager.load_checkpoint(local_path)
 
 
 class ActorRolloutRefWorker(Worker):
@@ -253,7 +293,8 @@ class ActorRolloutRefWorker(Worker):
         if self.actor is not None:
             start = time.perf_counter()
             rollout.wake_up()
-            rollout.update_weights(self.actor_model.hf_params())
+            with self.actor_model.on_device():
+                rollout.update_weights(self.actor_model.hf_params())
             metrics["timing_s/update_weights"] = time.perf_counter() - start
         start = time.perf_counter()
         output = rollout.generate_sequences(prompts)
@@ -302,12 +343,13 @@ class ActorRolloutRefWorker(Worker):
         in the background; returns once rank 0 holds its copy, so the next update can start."""
         self._need("actor", "send_weights")
         start = time.perf_counter()
-        params = self.actor_model.hf_params()
-        if self._weight_sender is None:
-            for _ in params:  # the gathers are collectives: every rank iterates to the end
-                pass
-        else:
-            self._weight_sender.send_async(version, self._weight_sender.pack(params))
+        with self.actor_model.on_device():  # pack() copies the weights: the background send needs no params
+            params = self.actor_model.hf_params()
+            if self._weight_sender is None:
+                for _ in params:  # the gathers are collectives: every rank iterates to the end
+                    pass
+            else:
+                self._weight_sender.send_async(version, self._weight_sender.pack(params))
         return {"timing_s/gather_weights": time.perf_counter() - start}
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL, blocking=False)
@@ -325,7 +367,8 @@ class ActorRolloutRefWorker(Worker):
     def compute_log_prob(self, data: DataProto) -> DataProto:
         actor = self._need("actor", "compute_log_prob")
         _log_prob_meta(data, self.config.rollout, self.config.rollout.temperature)
-        log_probs, entropys = actor.compute_log_prob(data, calculate_entropy=True)
+        with self.actor_model.on_device():
+            log_probs, entropys = actor.compute_log_prob(data, calculate_entropy=True)
         tensors = {"old_log_probs": log_probs}
         if entropys is not None:
             tensors["entropys"] = entropys
@@ -335,7 +378,7 @@ class ActorRolloutRefWorker(Worker):
     def compute_ref_log_prob(self, data: DataProto) -> DataProto:
         ref = self._need("ref", "compute_ref_log_prob")
         _log_prob_meta(data, self.config.get("ref", {}) or self.config.rollout, self.config.rollout.temperature)
-        with self.ref_model.adapters_disabled():
+        with self.ref_model.on_device(), self.ref_model.adapters_disabled():
             log_probs, _ = ref.compute_log_prob(data, calculate_entropy=False)
         return DataProto.from_dict(tensors={"ref_log_prob": log_probs})
 
@@ -344,7 +387,8 @@ class ActorRolloutRefWorker(Worker):
         actor = self._need("actor", "update_actor")
         data.meta_info.setdefault("temperature", self.config.rollout.temperature)
         start = time.perf_counter()
-        metrics = actor.update_policy(data)
+        with self.actor_model.on_device(optimizer=True):
+            metrics = actor.update_policy(data)
         metrics["actor/lr"] = self.actor_model.step_scheduler()
         metrics["perf/update_actor_s"] = seconds = time.perf_counter() - start
         actor_mfu = _mfu_metric(self.actor_model.module, data, seconds, self.config.actor.get("ppo_epochs", 1))
@@ -364,7 +408,7 @@ class ActorRolloutRefWorker(Worker):
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def load_checkpoint(self, local_path: str, del_local_after_load: bool = False) -> None:
         self._need("actor", "load_checkpoint")
-        self.actor_model.checkpoint_manager.load_checkpoint(local_path)
+        self.actor_model.load(local_path)
 
 
 class CriticWorker(Worker):
@@ -398,12 +442,15 @@ class CriticWorker(Worker):
         data.meta_info.setdefault("micro_batch_size", self.config.get("forward_micro_batch_size_per_gpu") or len(data))
         data.meta_info.setdefault("use_dynamic_bsz", self.config.get("use_dynamic_bsz", False))
         data.meta_info.setdefault("max_token_len", self.config.get("forward_max_token_len_per_gpu", 16384))
-        return DataProto.from_dict(tensors={"values": self.critic.compute_values(data)})
+        with self.critic_model.on_device():
+            values = self.critic.compute_values(data)
+        return DataProto.from_dict(tensors={"values": values})
 
     @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO)
     def update_critic(self, data: DataProto) -> DataProto:
         start = time.perf_counter()
-        metrics = self.critic.update_critic(data)
+        with self.critic_model.on_device(optimizer=True):
+            metrics = self.critic.update_critic(data)
         metrics["critic/lr"] = self.critic_model.step_scheduler()
         critic_mfu = _mfu_metric(
             self.critic_model.module, data, time.perf_counter() - start, self.config.get("ppo_epochs", 1)
@@ -418,7 +465,7 @@ class CriticWorker(Worker):
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def load_checkpoint(self, local_path: str, del_local_after_load: bool = False) -> None:
-        self.critic_model.checkpoint_manager.load_checkpoint(local_path)
+        self.critic_model.load(local_path)
 
 
 class RewardModelWorker(Worker):

@@ -27,7 +27,7 @@ Design decisions:
 from __future__ import annotations
 
 import datetime
-import pickle
+import json
 import threading
 from collections.abc import Iterable, Iterator
 
@@ -173,7 +173,8 @@ class WeightSender(_Endpoint):
     def send(self, version: int, buckets: list[tuple[dict, torch.Tensor]]) -> None:
         """Broadcast one version's buckets (blocks until every receiver has them)."""
         for i, (layout, flat) in enumerate(buckets):
-            self.store.set(f"v{version}/b{i}", pickle.dumps({**layout, "numel": flat.numel()}))
+            # JSON, not pickle: the store is a network port, and what it hands a receiver must not run code
+            self.store.set(f"v{version}/b{i}", json.dumps({**layout, "numel": flat.numel()}).encode())
             self._broadcast(flat, f"broadcasting bucket {i} of weight version {version}")
         self.store.set(f"v{version}/b{len(buckets)}", _END)
 
@@ -218,7 +219,7 @@ class WeightReceiver(_Endpoint):
                 raise self._timeout_error(f"waiting for bucket {i} of weight version {version}", exc) from None
             if raw == _END:
                 return
-            layout = pickle.loads(raw)
+            layout = json.loads(raw)
             flat = torch.empty(layout["numel"], dtype=getattr(torch, layout["dtype"]), device=self.device)
             self._broadcast(flat, f"receiving bucket {i} of weight version {version}")
             offset = 0

@@ -55,7 +55,7 @@ LOSS_AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "se
 KL_PENALTIES = ("kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3", "full", "k1+", "low_var_kl+", "k3+")
 ROLLOUT_NAMES = ("hf", "vllm", "sglang")
 ROLLOUT_MODES = ("sync", "async")
-STRATEGIES = ("fsdp", "fsdp2", "megatron")
+STRATEGIES = ("fsdp", "fsdp2", "megatron")  # megatron: rejected by the validator (UNIMPLEMENTED_STRATEGIES)
 LOGGERS = ("console", "file", "mlflow", "tensorboard", "wandb")
 RESUME_MODES = ("auto", "disable", "resume_path")
 
@@ -75,6 +75,9 @@ CHECKPOINT_CONTENTS = ("model", "optimizer", "extra", "hf_model")
 ROLLOUT_DTYPES = ("auto", "bfloat16", "float16", "float32", "bf16", "fp16", "fp32")
 MODEL_DTYPES = ("fp32", "bf16", "fp16", "float32", "bfloat16", "float16")
 PF_PPO_METHODS = ("pow", "max_min", "max_random")
+REWARD_ON_ERROR = ("raise", "zero")
+# Training backends that are valid upstream names but not implemented here (a config error, not a silent FSDP run).
+UNIMPLEMENTED_STRATEGIES = ("megatron",)
 
 
 def doc(
@@ -254,7 +257,9 @@ class PolicyLossConfig:
 class ActorConfig:
     """Policy training: PPO mini-batches, clipping, KL loss, optimizer, sharding."""
 
-    strategy: str = doc("Training backend.", choices=STRATEGIES)
+    strategy: str = doc(
+        "Training backend (fsdp and fsdp2 both mean FSDP2; megatron is not implemented yet).", choices=STRATEGIES
+    )
     ppo_mini_batch_size: int = doc("Prompts per optimizer step (times rollout.n sequences, split over ranks).")
     ppo_micro_batch_size: int | None = doc(
         "Global micro-batch (sequences).", status=DEPRECATED, replacement="use ppo_micro_batch_size_per_gpu"
@@ -352,7 +357,11 @@ class RolloutConfig:
     """Response generation: engine, sampling, batch sizes of the old-log-prob pass."""
 
     name: str = doc("Generation engine: hf (built in, CPU and GPU), vllm or sglang.", choices=ROLLOUT_NAMES)
-    mode: str = doc("sync: batch generation; async: server-based engine.", choices=ROLLOUT_MODES)
+    mode: str = doc(
+        "sync: batch generation (async, upstream's server-based agent loop, is not implemented: a config error; "
+        "generation running ahead of training is async_training.*).",
+        choices=ROLLOUT_MODES,
+    )
     temperature: float = doc("Sampling temperature of training rollouts.")
     top_k: int = doc("Keep the k most likely tokens (-1 or 0: off).")
     top_p: float = doc("Nucleus sampling mass.")
@@ -523,9 +532,16 @@ class CustomRewardFunctionConfig:
     """A user reward function `fn(data_source, solution_str, ground_truth, extra_info) -> float | dict`."""
 
     path: str | None = doc(
-        "Python file defining the function; null uses verl.utils.reward_score.default_compute_score."
+        "Python file defining the function; null uses verl.utils.reward_score.default_compute_score. The file "
+        "is imported and run in the trainer's processes with your permissions: point it only at code you trust."
     )
     name: str = doc("Function name inside `path`.")
+    reward_kwargs: dict = doc("Keyword arguments bound to the function at every call (e.g. {format_score: 0.1}).")
+    on_error: str = doc(
+        "A reward function that raises, or returns NaN, infinity or a non-number (custom or built-in): raise stops "
+        "the run showing the failing sample; zero scores that sample 0 and counts it in reward/num_errors.",
+        choices=REWARD_ON_ERROR,
+    )
 
 
 # ----------------------------------------------------------------------------------- algorithm
@@ -621,7 +637,13 @@ class TrainerConfig:
     rpc_timeout_s: float = doc(
         "Deadline of one blocking worker call; a hang becomes an error naming role, rank, method."
     )
-    progress_bar: bool = doc("Show a tqdm progress bar over training steps.")
+    progress_bar: bool = doc(
+        "Show progress bars: the driver's bar over training steps and the workers' model-loading bars."
+    )
+    max_consecutive_nonfinite_steps: int | None = doc(
+        "Stop the run after this many steps in a row whose loss or gradient was NaN or infinite (each such update "
+        "is skipped and counted in actor/skipped_nonfinite_grad); null never stops."
+    )
 
 
 # --------------------------------------------------------------------------------------- ray

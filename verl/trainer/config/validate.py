@@ -517,10 +517,63 @@ def _check_lengths(c: dict, errors: list[str]):
             errors.append(f"{key}.lr_warmup_steps_ratio={ratio} must be between 0 and 1")
 
 
-def _check_trainer(c: dict, errors: list[str]):
+def _check_not_implemented(c: dict, errors: list[str]):
+    """Upstream choices this implementation does not have yet: fail instead of silently running something else."""
+    arr = c["actor_rollout_ref"]
+    strategies = [("actor_rollout_ref.actor.strategy", arr["actor"]["strategy"])]
+    if arr["ref"]["strategy"] != arr["actor"]["strategy"]:  # by default it copies the actor's
+        strategies.append(("actor_rollout_ref.ref.strategy", arr["ref"]["strategy"]))
+    if need_critic(c):
+        strategies.append(("critic.strategy", c["critic"]["strategy"]))
+    if c["reward_model"]["enable"]:
+        strategies.append(("reward_model.strategy", c["reward_model"]["strategy"]))
+    for key, value in strategies:
+        if value in S.UNIMPLEMENTED_STRATEGIES:
+            errors.append(
+                f"{key}={value} is not supported yet: this verl trains with FSDP2 only, so the run would silently use "
+                f"FSDP instead of {value}'s tensor/pipeline parallelism; set {key}=fsdp"
+            )
+    if arr["rollout"]["mode"] == "async":
+        errors.append(
+            "actor_rollout_ref.rollout.mode=async (upstream's server-based agent-loop rollout) is not supported yet: "
+            "the engines here generate whole batches, so the run would silently be synchronous; set "
+            "actor_rollout_ref.rollout.mode=sync (to let generation run ahead of training, set "
+            "async_training.staleness_threshold instead, see docs/async.md)"
+        )
+
+
+def _check_trainer(c: dict, errors: list[str], warns: list[str]):
     t = c["trainer"]
-    if t["resume_mode"] == "resume_path" and not t["resume_from_path"]:
+    resume_path = t["resume_from_path"]
+    if t["resume_mode"] == "resume_path" and not resume_path:
         errors.append("trainer.resume_mode=resume_path needs trainer.resume_from_path (a .../global_step_N directory)")
+    elif t["resume_mode"] == "resume_path" and not re.fullmatch(
+        r"global_step_\d+", os.path.basename(os.path.normpath(str(resume_path)))
+    ):
+        errors.append(
+            f"trainer.resume_from_path={resume_path} does not name a checkpoint: resuming needs one step's directory, "
+            f"whose name is global_step_N; point it at e.g. {os.path.join(str(resume_path), 'global_step_100')}, or "
+            "set trainer.resume_mode=auto to resume from the latest checkpoint in trainer.default_local_dir"
+        )
+    elif resume_path and t["resume_mode"] == "auto":
+        warns.append(
+            f"trainer.resume_from_path={resume_path} is set but trainer.resume_mode=auto ignores it (auto resumes from "
+            "the latest checkpoint in trainer.default_local_dir); set trainer.resume_mode=resume_path to use it, or "
+            "remove trainer.resume_from_path"
+        )
+    nonfinite = t["max_consecutive_nonfinite_steps"]
+    if nonfinite is not None and nonfinite < 1:
+        errors.append(
+            f"trainer.max_consecutive_nonfinite_steps={nonfinite} must be at least 1, or null to never stop on "
+            "NaN/inf losses"
+        )
+    crf = c["custom_reward_function"]
+    manager_on_error = (c["reward_model"]["reward_kwargs"] or {}).get("on_error")
+    if manager_on_error is not None and manager_on_error != crf["on_error"] and crf["on_error"] != "raise":
+        errors.append(
+            f"custom_reward_function.on_error={crf['on_error']} and reward_model.reward_kwargs.on_error="
+            f"{manager_on_error} disagree; set only custom_reward_function.on_error"
+        )
     path = c["custom_reward_function"]["path"]
     if path and not os.path.isfile(os.path.expanduser(path)):
         errors.append(
@@ -654,7 +707,8 @@ def validate_ppo_config(cfg: DictConfig | dict) -> None:
         _check_forward_batches(c, errors, world)
     _check_algorithm(c, errors, warns)
     _check_lengths(c, errors)
-    _check_trainer(c, errors)
+    _check_not_implemented(c, errors)
+    _check_trainer(c, errors, warns)
     _check_lora(c, errors)
     _check_async_training(c, errors)
     if errors:

@@ -27,6 +27,9 @@ A LoRA (peft) model is saved whole in `model/` (base and adapters, under peft's 
 resume restores it exactly; `lora_adapter/` is the adapter alone for `PeftModel.from_pretrained`,
 and `hf_model` writes the merged weights under plain HF names.
 
+Loading never executes code from the checkpoint: DCP goes through `safe_load.dcp_load` and the
+extra state through `torch.load(weights_only=True)` (see verl.utils.checkpoint.safe_load).
+
 All ranks must see the same filesystem at `local_path` (as DCP needs for loading anyway). The
 caller must have the model and optimizer on the device (load them back if offloaded).
 """
@@ -40,6 +43,7 @@ import torch
 import torch.distributed as dist
 
 from verl.utils.checkpoint.checkpoint_manager import BaseCheckpointManager
+from verl.utils.checkpoint.safe_load import dcp_load, torch_load
 from verl.utils.logging_utils import get_logger
 from verl.utils.lora import ADAPTER_DIR, is_peft_model, lora_scalings, merge_lora_state, save_lora_adapter
 
@@ -172,7 +176,6 @@ class FSDPCheckpointManager(BaseCheckpointManager):
 
     def load_checkpoint(self, local_path: str | None, hdfs_path: str | None = None, del_local_after_load=False):
         """Restore what `load_contents` lists from `local_path` (collective). None is a no-op."""
-        import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint.state_dict import (
             get_model_state_dict,
             get_optimizer_state_dict,
@@ -197,11 +200,11 @@ class FSDPCheckpointManager(BaseCheckpointManager):
 
         if "model" in self.load_contents:
             model_state = get_model_state_dict(self.model)
-            dcp.load(model_state, checkpoint_id=self._require(path, "model"))
+            dcp_load(model_state, self._require(path, "model"))
             set_model_state_dict(self.model, model_state)
         if "optimizer" in self.load_contents and self.optimizer is not None:
             optim_state = get_optimizer_state_dict(self.model, self.optimizer)
-            dcp.load(optim_state, checkpoint_id=self._require(path, "optim"))
+            dcp_load(optim_state, self._require(path, "optim"))
             set_optimizer_state_dict(self.model, self.optimizer, optim_state)
         if "extra" in self.load_contents:
             self._load_extra_state(path, rank, world_size)
@@ -222,7 +225,7 @@ class FSDPCheckpointManager(BaseCheckpointManager):
     def _load_extra_state(self, path: str, rank: int, world_size: int) -> None:
         own = os.path.join(path, self._extra_state_name(world_size, rank))
         if os.path.exists(own):
-            extra = torch.load(own, weights_only=False)
+            extra = torch_load(own, "checkpoint state file")
             self.load_rng_state(extra["rng"])
         else:
             saved = sorted(f for f in os.listdir(path) if f.startswith("extra_state_") and f.endswith("_rank_0.pt"))
@@ -231,6 +234,6 @@ class FSDPCheckpointManager(BaseCheckpointManager):
                     f"checkpoint {path!r} has no extra_state_*.pt files; remove 'extra' from checkpoint.load_contents"
                 )
             logger.warning("checkpoint %s was saved on another world size; restoring the lr scheduler only", path)
-            extra = torch.load(os.path.join(path, saved[0]), weights_only=False)
+            extra = torch_load(os.path.join(path, saved[0]), "checkpoint state file")
         if self.lr_scheduler is not None and extra["lr_scheduler"] is not None:
             self.lr_scheduler.load_state_dict(extra["lr_scheduler"])

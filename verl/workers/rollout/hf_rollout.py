@@ -76,6 +76,8 @@ class HFRolloutConfig:
     """True disables CUDA-graph decoding on GPU."""
     max_num_seqs: int = 1024
     """At most this many sequences generate at once; larger batches run in chunks."""
+    ignore_eos: bool = False
+    """Generate `response_length` tokens even past end-of-sequence (benchmarks, load tests)."""
     val_kwargs: ValKwargs = field(default_factory=ValKwargs)
 
     def __post_init__(self):
@@ -180,6 +182,8 @@ class HFRollout(BaseRollout):
         if n > 1:
             prompts = prompts.repeat(repeat_times=n, interleave=True)
         eos_ids, pad = self._token_ids(meta)
+        if self.config.ignore_eos:  # no row stops early: every response is response_length tokens long
+            eos_ids = []
         response_length = int(meta.get("response_length", self.config.response_length))
 
         input_ids = prompts.batch["input_ids"]
