@@ -338,6 +338,17 @@ class LlamaDecoder:
             views = self._batch_views[batch] = (self.key_bias[:batch], layers)
         return views
 
+    def select_rows(self, index: torch.Tensor, columns: int) -> None:
+        """Cache rows [0, len(index)) become copies of rows `index` (cache columns [0, columns)).
+
+        Drops finished rows (a subset, in order) or fans a prefilled prompt out to the rows that
+        repeat it (indices repeat). Rows past len(index) keep stale but finite contents, which
+        CUDA-graph bucket padding may read."""
+        n = index.shape[0]
+        self.k_cache[:, :n, :, :columns] = self.k_cache[:, index, :, :columns]
+        self.v_cache[:, :n, :, :columns] = self.v_cache[:, index, :, :columns]
+        self.key_bias[:n, :columns] = self.key_bias[index, :columns]
+
     def release_cache(self) -> None:
         self._batch_views = {}
         self.k_cache = self.v_cache = self.key_bias = None
