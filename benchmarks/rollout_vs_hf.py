@@ -16,6 +16,7 @@ machine load hits them alike, and the median of each is reported.
 
     python benchmarks/rollout_vs_hf.py                      # tiny and small presets, then grpo
     python benchmarks/rollout_vs_hf.py --presets tiny --repeats 3 --threads 1
+    python benchmarks/rollout_vs_hf.py --threads 1 --cpu-time   # on a loaded machine: CPU time, not wall
 
 Last line: `bench rollout_vs_hf: ours_tok_s=... hf_tok_s=... ratio=... hf_static_tok_s=...
 static_ratio=...` for the first preset, the same keys prefixed with each further preset's name,
@@ -53,7 +54,7 @@ def prompts(batch: int, vocab: int, min_len: int, max_len: int, seed: int = 0):
     return input_ids * attention_mask, attention_mask
 
 
-def alternate(fns: dict, warmup: int, repeats: int) -> dict[str, float]:
+def alternate(fns: dict, warmup: int, repeats: int, clock=time.perf_counter) -> dict[str, float]:
     """Median seconds per call of each function, timed in alternation."""
     for _ in range(warmup):
         for fn in fns.values():
@@ -61,9 +62,9 @@ def alternate(fns: dict, warmup: int, repeats: int) -> dict[str, float]:
     runs = {name: [] for name in fns}
     for _ in range(repeats):
         for name, fn in fns.items():
-            start = time.perf_counter()
+            start = clock()
             fn()
-            runs[name].append(time.perf_counter() - start)
+            runs[name].append(clock() - start)
     return {name: statistics.median(times) for name, times in runs.items()}
 
 
@@ -108,7 +109,10 @@ def bench_fixed(preset: str, args, workdir: Path) -> dict[str, float]:
         assert out.shape == (args.batch, input_ids.shape[1] + new_tokens)
 
     seconds = alternate(
-        {"ours": ours, "hf": hf, "hf_static": lambda: hf(cache_implementation="static")}, args.warmup, args.repeats
+        {"ours": ours, "hf": hf, "hf_static": lambda: hf(cache_implementation="static")},
+        args.warmup,
+        args.repeats,
+        args.clock,
     )
     tok_s = {name: args.batch * new_tokens / s for name, s in seconds.items()}
     params = sum(p.numel() for p in hf_model.parameters())
@@ -155,7 +159,7 @@ def bench_grpo(args) -> dict[str, float]:
         is_eos = (response == eos).long()
         lengths["hf"].append(((is_eos.cumsum(-1) - is_eos) == 0).sum(-1).float().mean().item())
 
-    seconds = alternate({"ours": ours, "hf": hf}, args.warmup, args.repeats)
+    seconds = alternate({"ours": ours, "hf": hf}, args.warmup, args.repeats, args.clock)
     ms = {name: s * 1e3 for name, s in seconds.items()}
     mean_len = {name: statistics.mean(v) for name, v in lengths.items()}
     print(
@@ -179,9 +183,17 @@ def main():
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
+    parser.add_argument(
+        "--cpu-time",
+        action="store_true",
+        help="time with the process's CPU time instead of wall time: stable on a loaded machine, needs --threads 1",
+    )
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
+    if args.cpu_time and torch.get_num_threads() != 1:
+        parser.error("--cpu-time counts every thread's time, spin-waits included; use it with --threads 1")
+    args.clock = time.process_time if args.cpu_time else time.perf_counter
 
     fields = []
     with tempfile.TemporaryDirectory() as tmp:
