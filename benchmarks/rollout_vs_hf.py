@@ -5,8 +5,9 @@ top-k/top-p, after `--warmup` untimed runs; the engines then run alternately `--
 machine load hits them alike, and the median of each is reported.
 
 - fixed (per `--presets` model): random left-padded prompts of mixed lengths, exactly
-  `--new-tokens` tokens per row (EOS disabled: `min_new_tokens` for transformers, no EOS id for
-  ours). Every engine does the same work; this is the per-token speed. transformers runs twice:
+  `--new-tokens` tokens per row with no EOS handling in either engine (no EOS id for ours; the model's
+  generation config loses its EOS for transformers, so it runs no EOS logits processor or stopping
+  check). Every engine does the same work; this is the per-token speed. transformers runs twice:
   with its default dynamic cache (`hf`) and with `cache_implementation="static"` (`hf_static`).
 - grpo: the project's RL workload, the bundled arith-tiny model on arithmetic prompts
   (`examples/grpo_trainer/run_arith_tiny_cpu.sh`: each prompt sampled `--grpo-n` times, up to 8
@@ -92,6 +93,7 @@ def bench_fixed(preset: str, args, workdir: Path) -> dict[str, float]:
 
     path = model_dir(preset, workdir)
     hf_model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    hf_model.generation_config.eos_token_id = None
     engine = GenerationEngine.from_model(path, device="cpu", dtype=torch.float32)
     input_ids, attention_mask = prompts(args.batch, hf_model.config.vocab_size, args.prompt_len // 2, args.prompt_len)
     new_tokens = args.new_tokens
@@ -103,9 +105,7 @@ def bench_fixed(preset: str, args, workdir: Path) -> dict[str, float]:
         assert out.responses.shape == (args.batch, new_tokens)
 
     def hf(**kwargs):
-        out = hf_generate(
-            hf_model, input_ids, attention_mask, new_tokens, min_new_tokens=new_tokens, pad_token_id=0, **kwargs
-        )
+        out = hf_generate(hf_model, input_ids, attention_mask, new_tokens, pad_token_id=0, **kwargs)
         assert out.shape == (args.batch, input_ids.shape[1] + new_tokens)
 
     seconds = alternate(
