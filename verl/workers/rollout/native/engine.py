@@ -4,8 +4,18 @@
 right-padded responses, their mask and optional log-probs out. Per token the host does only
 launch work: select tokens (on device), write one column of each output buffer, update the
 finished flags, and run the decoder (a CUDA-graph replay on GPU). The only host sync is a cheap
-"is every row finished?" check every `stop_check_interval` steps (each step on CPU, where it costs
-nothing; every 16 on GPU, where each check drains the launch queue).
+"how many rows are still generating?" check every `stop_check_interval` steps (each step on CPU,
+where it costs nothing; every 16 on GPU, where each check drains the launch queue).
+
+Work the batch does not need is skipped, which is where the RL workload's time goes (the GRPO
+arithmetic task: every prompt sampled n times, most answers done after 3 of 8 tokens):
+- Repeated prompts are prefilled once: rows with identical (prompt, mask, positions) share one
+  prefill, whose cache columns are then copied to every row that repeats it (`_prefill`).
+- Finished rows leave the batch: at a check, once an eighth of the active rows have emitted EOS
+  (with CUDA graphs: once the rest fits a smaller batch bucket), the live rows' cache rows are
+  gathered to the front (`decoder.select_rows`) and later steps compute only those; a slot -> row
+  map writes their tokens to the right output rows. Until then finished rows keep decoding and
+  their extra tokens are masked to pad at the end, so no step branches per row.
 
 Weight sync and memory (the hybrid engine's contract, shared with the vLLM/SGLang adapters):
 - `update_weights(named_tensors)` copies HF-named tensors into the decoder's buffers in place, as
@@ -252,10 +262,8 @@ class GenerationEngine:
         positions = position_ids[:, -1:] + torch.arange(1, R + 1, device=dev)
 
         logits = self._prefill(input_ids, attention_mask, position_ids)
-        # Active rows occupy decoder slots [0, live). `rows` maps slot -> output row once finished
-        # rows have been dropped (None while slot i is row i). Rows that emitted EOS keep decoding
-        # until the next compaction (their extra tokens are masked to pad afterwards), so no step
-        # needs a per-row branch.
+        # Active rows occupy decoder slots [0, live); `rows` maps slot -> output row once finished
+        # rows have been dropped (None while slot i is row i).
         rows, live = None, B
         finished = torch.zeros(B, dtype=torch.bool, device=dev)
         for i in range(R):
