@@ -83,6 +83,11 @@ class HFModelDecoder:
         self._mask = torch.zeros(batch, max_len, dtype=torch.long, device=self.device)
         return True
 
+    def select_rows(self, index: torch.Tensor, columns: int) -> None:
+        """Rows of the cache and mask become rows `index` (see `LlamaDecoder.select_rows`)."""
+        self._cache.reorder_cache(index)
+        self._mask = self._mask[index]
+
     def release_cache(self) -> None:
         self._cache = None
         self._mask = None

@@ -338,6 +338,18 @@ class LlamaDecoder:
             views = self._batch_views[batch] = (self.key_bias[:batch], layers)
         return views
 
+    def select_rows(self, index: torch.Tensor, columns: int) -> None:
+        """Cache rows [0, len(index)) become copies of rows `index` (cache columns [0, columns)).
+
+        Drops finished rows (a subset, in order) or fans a prefilled prompt out to the rows that
+        repeat it (indices repeat). Rows past len(index) keep stale but finite contents, which
+        CUDA-graph bucket padding may read."""
+        n = index.shape[0]
+        # index_select, not advanced indexing: ~1.5x faster on CPU for these strided gathers
+        for cache in (self.k_cache, self.v_cache):
+            cache[:, :n, :, :columns] = cache[:, :, :, :columns].index_select(1, index)
+        self.key_bias[:n, :columns] = self.key_bias[:, :columns].index_select(0, index)
+
     def release_cache(self) -> None:
         self._batch_views = {}
         self.k_cache = self.v_cache = self.key_bias = None
