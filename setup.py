@@ -29,7 +29,7 @@ install_requires = [
 ]
 
 extras_require = {
-    "test": ["pytest>=8", "pytest-timeout>=2.3", "ruff>=0.6", "pre-commit>=3", "tensorboard>=2.15"],
+    "test": ["pytest>=8", "pytest-timeout>=2.3", "ruff>=0.6", "pre-commit>=3", "tensorboard>=2.15", "wandb>=0.17"],
     "vllm": ["vllm>=0.10.2"],
     "sglang": ["sglang>=0.4"],
     "mcore": ["megatron-core>=0.12"],
