@@ -213,7 +213,7 @@ def test_repeated_prompts_are_prefilled_once_and_generate_like_distinct_rows(qwe
     input_ids, attention_mask = distinct_ids.repeat_interleave(4, 0), distinct_mask.repeat_interleave(4, 0)
     prefill_rows = []
     prefill = engine.decoder.prefill
-    engine.decoder.prefill = lambda ids, *a: prefill_rows.append(ids.shape[0]) or prefill(ids, *a)
+    engine.decoder.prefill = lambda ids, *a, **kw: prefill_rows.append(ids.shape[0]) or prefill(ids, *a, **kw)
 
     out = _generate_greedy(engine, input_ids, attention_mask, 8)
     assert prefill_rows == [3]
