@@ -23,6 +23,14 @@ Design decisions:
   (`[B, kv, group, D]` against `[B, kv, len, D]`), which read each K/V once, do not depend on which
   SDPA backend accepts a mask, and are valid inside a CUDA graph (the step index is a device
   tensor; `kv_len` is a Python int that the graph runner buckets).
+- Row bookkeeping for the engine: `prefill(..., rows=)` writes each distinct prompt's K/V to every
+  cache row that repeats it, straight from the layer's fresh K/V; `select_rows` gathers the rows
+  still generating to the front, one layer at a time (a whole-cache temporary measured ~2x slower
+  on CPU: page faults and cache misses).
+- Where a CPU decode step goes (tiny model, batch 64, one thread): matmuls ~48% (at ~73 GFLOP/s,
+  MKL's per-core rate; pre-packed MKL/oneDNN weights were no faster), attention ~28% (reading the
+  KV cache, memory-bound), everything else ~24%. Tried and not kept, within noise: in-place
+  SiLU-and-multiply, and RoPE as one in-place complex multiply with one combined K/V write (~2%).
 - No torch.compile: on torch 2.13 CPU the inductor-compiled decode step measured ~5x slower than
   eager (it turns the in-place cache writes into whole-cache copies and emits loop code for the
   tiny per-head matmuls), after ~20 s of compilation per shape. CUDA graphs are the accelerator's
