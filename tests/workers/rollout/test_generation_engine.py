@@ -213,7 +213,7 @@ def test_repeated_prompts_are_prefilled_once_and_generate_like_distinct_rows(qwe
     input_ids, attention_mask = distinct_ids.repeat_interleave(4, 0), distinct_mask.repeat_interleave(4, 0)
     prefill_rows = []
     prefill = engine.decoder.prefill
-    engine.decoder.prefill = lambda ids, *a: prefill_rows.append(ids.shape[0]) or prefill(ids, *a)
+    engine.decoder.prefill = lambda ids, *a, **kw: prefill_rows.append(ids.shape[0]) or prefill(ids, *a, **kw)
 
     out = _generate_greedy(engine, input_ids, attention_mask, 8)
     assert prefill_rows == [3]
@@ -232,3 +232,12 @@ def test_repeated_prompts_are_prefilled_once_and_generate_like_distinct_rows(qwe
     P = input_ids.shape[1]
     ref = (logits[:, P - 1 : -1] / 1.5).log_softmax(-1).gather(-1, out.responses[..., None]).squeeze(-1)
     torch.testing.assert_close(out.logprobs.double(), ref, atol=1e-4, rtol=0)
+
+
+def test_compaction_waits_for_an_eighth_of_the_rows_or_a_smaller_cuda_graph_bucket(qwen2_model):
+    eager = GenerationEngine.from_model(qwen2_model, device="cpu")
+    assert not eager._worth_compacting(57, 64) and eager._worth_compacting(56, 64)
+    # with CUDA graphs a step costs its batch bucket (a power of two), whatever the live rows
+    graphed = GenerationEngine(eager.decoder, use_cuda_graph=True)
+    assert not graphed._worth_compacting(33, 64) and graphed._worth_compacting(32, 64)
+    assert not graphed._worth_compacting(40, 48)  # 40 and 48 both replay the 64-row graph

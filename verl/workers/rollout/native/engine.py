@@ -307,12 +307,12 @@ class GenerationEngine:
     def _prefill(
         self, input_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor
     ) -> torch.Tensor:
-        """Prefill each distinct prompt once, then copy its cache rows to the rows that repeat it.
+        """Prefill each distinct prompt once; its keys/values are written to every row that repeats it.
 
         GRPO-style batches repeat every prompt `n` times; their prefill is the same computation, and
-        copying `P` cache columns per row costs far less than recomputing them.
+        writing `P` cache columns per row costs far less than recomputing them.
         """
-        B, P = input_ids.shape
+        B = input_ids.shape[0]
         mask = attention_mask.to(input_ids.dtype)
         key = torch.cat((input_ids * mask, mask, position_ids.to(input_ids.dtype)), dim=1)
         distinct, inverse = torch.unique(key, dim=0, return_inverse=True)
@@ -321,8 +321,7 @@ class GenerationEngine:
         # any row of each distinct prompt represents it: take the first
         first = torch.full((distinct.shape[0],), B, dtype=torch.long, device=input_ids.device)
         first.scatter_reduce_(0, inverse, torch.arange(B, device=input_ids.device), reduce="amin")
-        logits = self.decoder.prefill(input_ids[first], attention_mask[first], position_ids[first])
-        self.decoder.select_rows(inverse, P)
+        logits = self.decoder.prefill(input_ids[first], attention_mask[first], position_ids[first], rows=inverse)
         return logits[inverse]
 
     def _worth_compacting(self, remaining: int, live: int) -> bool:
