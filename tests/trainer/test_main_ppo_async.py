@@ -12,8 +12,6 @@ import subprocess
 from collections import Counter
 from pathlib import Path
 
-import pytest
-
 from tests.trainer.test_main_ppo_e2e import ROOT, _common, _env, _metrics, _run, _wait_for_checkpoint
 
 BATCH = 4
@@ -64,12 +62,6 @@ def test_one_step_off_trains_batch_t_on_samples_of_weight_version_t_minus_2(tmp_
     assert last["off_policy/is_weight_min"] <= 1.0 <= last["off_policy/is_weight_max"]
 
 
-@pytest.mark.xfail(
-    reason="known bug (issue #12 note): in the final CI run the resumed step 3 trained batch 2's groups instead of "
-    "batch 3's (each group still trained exactly once); the queue state saved at a checkpoint does not yet pin "
-    "which queued batch a step takes. Passed on the helper's branch; not fixed this session.",
-    strict=False,
-)
 def test_staleness_never_exceeds_the_bound_and_resume_mid_run_loses_or_repeats_no_sample(tmp_path):
     """k=2: versions are max(0, t-3), staleness <= 2 every step; killing the run right after the
     step-2 checkpoint (two generated batches still queued) and resuming trains every prompt group

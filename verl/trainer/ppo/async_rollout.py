@@ -224,11 +224,23 @@ class AsyncRolloutSource:
 
         done = [c for c in self._chunks if c.output is not None]
         if not done:
-            ready, _ = ray.wait([c.ref for c in self._chunks], num_returns=1, timeout=self.rollout_wg.timeout_s)
+            pending = [c.ref for c in self._chunks]
+            # Everything already finished, not just the one `ray.wait` happens to report first: it
+            # may report a later request before an earlier one that is also done.
+            ready, _ = ray.wait(pending, num_returns=len(pending), timeout=0)
+            if not ready:
+                ready, _ = ray.wait(pending, num_returns=1, timeout=self.rollout_wg.timeout_s)
             if not ready:
                 self._wait(self.rollout_wg, [self._chunks[0].ref], "generate_sequences")  # raises the timeout
             ready_ids = set(ready)
-            done = [c for c in self._chunks if c.ref in ready_ids]
+            finished = [c for c in self._chunks if c.ref in ready_ids]
+            # A rollout worker runs its requests one at a time in submission order, so the older
+            # requests of a worker that finished one are finished too: take them in that order.
+            # This keeps which batch a step trains independent of timing (resume replays it).
+            newest = {}
+            for c in finished:
+                newest[c.rank] = max(newest.get(c.rank, -1), c.seq)
+            done = [c for c in self._chunks if c.seq <= newest.get(c.rank, -1)]
             for c in done:
                 c.output = self._wait(self.rollout_wg, [c.ref], "generate_sequences")[0]
         chunk = min(done, key=lambda c: c.seq)
