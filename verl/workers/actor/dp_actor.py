@@ -16,6 +16,9 @@ Forward: logits are divided by the sampling temperature in place before the log-
 as the rollout engines do, so `old_log_probs` and the rollout's log-probs agree.
 `use_remove_padding` packs the micro-batch's real tokens into one sequence (see
 `verl.utils.remove_padding`); results equal the padded path to float rounding.
+`share_prompt_forward` (default True) runs each distinct prompt of a micro-batch once and the
+responses on its expanded KV cache (see `verl.utils.shared_prompt`): GRPO repeats every prompt
+`rollout.n` times, so this removes most prompt tokens from the forward and backward passes.
 
 Two guarded steps:
 * a non-finite gradient norm skips the optimizer step (gradients cleared), reported as
@@ -31,7 +34,7 @@ ppo_mini_batch_size, ppo_micro_batch_size_per_gpu, use_dynamic_bsz, ppo_max_toke
 ppo_epochs, shuffle, data_loader_seed, grad_clip, clip_ratio, clip_ratio_low, clip_ratio_high,
 clip_ratio_c, tis_imp_ratio_cap, policy_loss {loss_mode, clip_cov_*, kl_cov_ratio, ppo_kl_coef},
 loss_agg_mode, entropy_coeff, use_kl_loss, kl_loss_coef, kl_loss_type, use_remove_padding,
-ulysses_sequence_parallel_size (must be 1), skip_zero_advantage_step. `use_torch_compile` is
+ulysses_sequence_parallel_size (must be 1), skip_zero_advantage_step, share_prompt_forward. `use_torch_compile` is
 accepted and has no effect: the log-prob and entropy kernels are chunked autograd functions that
 already bound memory, and compiling them gains little. compute_log_prob reads its micro-batching
 from `data.meta_info` (`micro_batch_size`, `use_dynamic_bsz`, `max_token_len`, `temperature`), as
