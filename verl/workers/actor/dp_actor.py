@@ -16,6 +16,9 @@ Forward: logits are divided by the sampling temperature in place before the log-
 as the rollout engines do, so `old_log_probs` and the rollout's log-probs agree.
 `use_remove_padding` packs the micro-batch's real tokens into one sequence (see
 `verl.utils.remove_padding`); results equal the padded path to float rounding.
+`share_prompt_forward` (default True) runs each distinct prompt of a micro-batch once and the
+responses on its expanded KV cache (see `verl.utils.shared_prompt`): GRPO repeats every prompt
+`rollout.n` times, so this removes most prompt tokens from the forward and backward passes.
 
 Two guarded steps:
 * a non-finite gradient norm skips the optimizer step (gradients cleared), reported as
@@ -31,7 +34,7 @@ ppo_mini_batch_size, ppo_micro_batch_size_per_gpu, use_dynamic_bsz, ppo_max_toke
 ppo_epochs, shuffle, data_loader_seed, grad_clip, clip_ratio, clip_ratio_low, clip_ratio_high,
 clip_ratio_c, tis_imp_ratio_cap, policy_loss {loss_mode, clip_cov_*, kl_cov_ratio, ppo_kl_coef},
 loss_agg_mode, entropy_coeff, use_kl_loss, kl_loss_coef, kl_loss_type, use_remove_padding,
-ulysses_sequence_parallel_size (must be 1), skip_zero_advantage_step. `use_torch_compile` is
+ulysses_sequence_parallel_size (must be 1), skip_zero_advantage_step, share_prompt_forward. `use_torch_compile` is
 accepted and has no effect: the log-prob and entropy kernels are chunked autograd functions that
 already bound memory, and compiling them gains little. compute_log_prob reads its micro-batching
 from `data.meta_info` (`micro_batch_size`, `use_dynamic_bsz`, `max_token_len`, `temperature`), as
@@ -55,6 +58,7 @@ from verl.trainer.ppo.core_algos import (
 )
 from verl.utils.device import get_device
 from verl.utils.remove_padding import pad_input, unpad_input, unpad_position_ids
+from verl.utils.shared_prompt import prompt_groups, shared_prompt_logits
 from verl.workers.actor.base import BasePPOActor
 from verl.workers.dp_training import (
     append_to_dict,
@@ -107,7 +111,15 @@ class DataParallelPPOActor(BasePPOActor):
         self.use_remove_padding = bool(cfg.get("use_remove_padding", False))
         # a peft model forwards its keyword arguments to the HF model it wraps: ask that one
         hf_module = actor_module.get_base_model() if hasattr(actor_module, "get_base_model") else actor_module
-        self._accepts_logits_to_keep = "logits_to_keep" in inspect.signature(hf_module.forward).parameters
+        forward_params = inspect.signature(hf_module.forward).parameters
+        self._accepts_logits_to_keep = "logits_to_keep" in forward_params
+        self._hf_module = hf_module
+        # the shared-prompt path needs a KV cache and the padded layout (see `_share_prompts`)
+        self.share_prompt_forward = (
+            bool(cfg.get("share_prompt_forward", True))
+            and not self.use_remove_padding
+            and "past_key_values" in forward_params
+        )
         self.loss_agg_mode = cfg.get("loss_agg_mode", "token-mean")
         policy_loss_cfg = cfg.get("policy_loss") or {}
         self.policy_loss_fn = get_policy_loss_fn(policy_loss_cfg.get("loss_mode", "vanilla"))
@@ -144,10 +156,26 @@ class DataParallelPPOActor(BasePPOActor):
                 entropy = pad_input(entropy_from_logits_with_chunking(logits), indices, batch_size, seqlen)
                 entropy = entropy[:, -response_length - 1 : -1]
             return entropy, log_probs
-        # Only the last R + 1 positions predict response tokens: skip the LM head everywhere else
-        # (a large saving for real vocabularies, e.g. 152k for Qwen2.5).
         # Columns that are padding in every row are left out (see `token_window`).
         start, end, kept = token_window(micro_batch["attention_mask"], response_length)
+        groups = self._share_prompts(micro_batch, response_length)
+        if groups is not None:
+            first_logits, rest_logits = shared_prompt_logits(
+                self.actor_module,
+                input_ids,
+                micro_batch["attention_mask"],
+                micro_batch["position_ids"],
+                response_length,
+                *groups,
+                start=start,
+                kept=kept,
+                accepts_logits_to_keep=self._accepts_logits_to_keep,
+            )
+            return self._response_outputs(
+                [first_logits[:, None, :], rest_logits], micro_batch["responses"], temperature, calculate_entropy
+            )
+        # Only the last R + 1 positions predict response tokens: skip the LM head everywhere else
+        # (a large saving for real vocabularies, e.g. 152k for Qwen2.5).
         keep = {"logits_to_keep": kept + 1} if self._accepts_logits_to_keep else {}
         output = self.actor_module(
             input_ids=input_ids[:, start:end],
@@ -156,15 +184,57 @@ class DataParallelPPOActor(BasePPOActor):
             use_cache=False,
             **keep,
         )
-        logits = output.logits[:, -kept - 1 : -1, :]
-        logits.div_(temperature)
-        log_probs = pad_response_columns(
-            logprobs_from_logits(logits, micro_batch["responses"][:, :kept]), response_length
+        return self._response_outputs(
+            [output.logits[:, -kept - 1 : -1, :]], micro_batch["responses"], temperature, calculate_entropy
         )
-        entropy = None
-        if calculate_entropy:
-            entropy = pad_response_columns(entropy_from_logits_with_chunking(logits), response_length)
-        return entropy, log_probs
+
+    @staticmethod
+    def _response_outputs(logit_parts, responses, temperature: float, calculate_entropy: bool):
+        """(entropy or None, log_probs), both [B, R], from logits [B, k_i, V] of consecutive response columns."""
+        response_length = responses.shape[-1]
+        log_probs, entropy, col = [], [], 0
+        for logits in logit_parts:
+            width = logits.shape[1]
+            if width == 0:
+                continue
+            logits.div_(temperature)
+            log_probs.append(logprobs_from_logits(logits, responses[:, col : col + width]))
+            if calculate_entropy:
+                entropy.append(entropy_from_logits_with_chunking(logits))
+            col += width
+        log_probs = pad_response_columns(torch.cat(log_probs, dim=1), response_length)
+        if not calculate_entropy:
+            return None, log_probs
+        return pad_response_columns(torch.cat(entropy, dim=1), response_length), log_probs
+
+    def _share_prompts(self, micro_batch, response_length: int):
+        """(first_rows, inverse) when this micro-batch takes the shared-prompt path, else None.
+
+        Worth it when at most half the rows have distinct prompts (GRPO's rollout.n copies). Under
+        FSDP2 every rank must make the same number of forward calls, so the choice is agreed over
+        the data-parallel group: any rank that gains makes all take the path, which is exact
+        whatever the grouping. With gradient checkpointing in training HF drops the KV cache, so
+        the plain path runs then.
+        """
+        if not self.share_prompt_forward:
+            return None
+        if self.actor_module.training and any(
+            getattr(m, "gradient_checkpointing", False) for m in self._hf_module.modules()
+        ):
+            return None
+        input_ids = micro_batch["input_ids"]
+        position_ids = micro_batch["position_ids"]
+        if position_ids.dim() != 2:  # multi-dimensional (mrope) position ids: the same on every rank
+            return None
+        groups = prompt_groups(
+            input_ids, micro_batch["attention_mask"], position_ids, input_ids.shape[1] - response_length
+        )
+        gains = 2 * len(groups[0]) <= len(input_ids)
+        if self._dp_size > 1:
+            flag = torch.tensor([1.0 if gains else 0.0], device=input_ids.device)
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self._dp_group)
+            gains = bool(flag[0] > 0)
+        return groups if gains else None
 
     # ------------------------------------------------------------------ inference
 

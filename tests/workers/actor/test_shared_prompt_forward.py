@@ -1,0 +1,241 @@
+"""Shared-prompt forward (actor.share_prompt_forward): same log-probs, entropies and gradients as one padded
+forward per sample, on 1 process and on 2 FSDP2 ranks; the plain path when prompts do not repeat.
+
+Batches repeat each prompt several times (GRPO's rollout.n) and shuffle the rows, so a group's rows
+are not contiguous; responses differ in content and length within a group.
+
+Gradient comparisons use `float64_rms_norm`: HF's Qwen2RMSNorm computes in float32 even for a
+float64 model, so the shared path's gradient (one prompt forward, the group's gradients summed
+before the norm's backward) and the per-sample one (summed after it) differ by float32 rounding,
+~1e-7 relative. With the norm in float64 they agree to 1e-11; one test also bounds the difference
+with the stock float32 norm.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+import verl.workers.actor.dp_actor as dp_actor_module
+from tests.distributed_helpers import (
+    make_ppo_batch,
+    make_tiny_causal_lm,
+    one_thread,
+    reference_response_log_probs,
+    run_distributed,
+)
+from verl.protocol import DataProto
+from verl.utils.model import compute_position_id_with_mask
+from verl.utils.shared_prompt import prompt_groups
+from verl.workers.actor import DataParallelPPOActor
+
+TEMPERATURE = 0.7
+PROMPT_LENGTH = 6
+RESPONSE_LENGTH = 5
+
+pytestmark = pytest.mark.usefixtures(one_thread.__name__)
+
+
+def repeated_prompt_batch(num_prompts: int = 3, n: int = 4, seed: int = 0) -> DataProto:
+    """`num_prompts` prompts x `n` responses each, rows shuffled; advantages +-1 per row; old log-probs = current."""
+    g = torch.Generator().manual_seed(seed)
+    base = make_ppo_batch(batch_size=num_prompts, prompt_length=PROMPT_LENGTH, seed=seed)
+    rows = num_prompts * n
+    order = torch.arange(num_prompts).repeat(n)[torch.randperm(rows, generator=g)]
+    prompts, prompt_mask = base["prompts"][order], base["attention_mask"][order, :PROMPT_LENGTH]
+    lengths = torch.randint(1, RESPONSE_LENGTH + 1, (rows,), generator=g)
+    response_mask = (torch.arange(RESPONSE_LENGTH)[None] < lengths[:, None]).long()
+    responses = torch.randint(3, 40, (rows, RESPONSE_LENGTH), generator=g) * response_mask
+    attention_mask = torch.cat([prompt_mask, response_mask], dim=1)
+    tensors = {
+        "prompts": prompts,
+        "responses": responses,
+        "input_ids": torch.cat([prompts, responses], dim=1),
+        "attention_mask": attention_mask,
+        "position_ids": compute_position_id_with_mask(attention_mask),
+        "response_mask": response_mask,
+    }
+    data = DataProto.from_dict(tensors=tensors, meta_info={"temperature": TEMPERATURE})
+    old, _ = reference_response_log_probs(make_tiny_causal_lm(), data.batch, TEMPERATURE)
+    sign = torch.where(torch.arange(rows) % 3 == 0, 1.0, -1.0).to(torch.float64)
+    data.batch["old_log_probs"] = old
+    data.batch["advantages"] = sign[:, None] * response_mask
+    return data
+
+
+def _rms_norm_in_input_dtype(self, hidden_states):
+    dtype = hidden_states.dtype
+    x = hidden_states.to(torch.promote_types(dtype, torch.float32))
+    x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.variance_epsilon)
+    return self.weight * x.to(dtype)
+
+
+def use_float64_rms_norm():
+    from transformers.models.qwen2 import modeling_qwen2
+
+    modeling_qwen2.Qwen2RMSNorm.forward = _rms_norm_in_input_dtype
+
+
+@pytest.fixture
+def float64_rms_norm(monkeypatch):
+    from transformers.models.qwen2 import modeling_qwen2
+
+    monkeypatch.setattr(modeling_qwen2.Qwen2RMSNorm, "forward", _rms_norm_in_input_dtype)
+
+
+def actor_config(**overrides):
+    config = {
+        "ppo_mini_batch_size": 12,
+        "ppo_micro_batch_size_per_gpu": 12,
+        "ppo_epochs": 1,
+        "grad_clip": 1e9,
+        "clip_ratio": 0.2,
+        "loss_agg_mode": "token-mean",
+        "entropy_coeff": 0.01,
+        "share_prompt_forward": True,
+    }
+    config.update(overrides)
+    return config
+
+
+@pytest.fixture
+def shared_calls(monkeypatch):
+    """Counts the micro-batches that took the shared-prompt path."""
+    use_float64_rms_norm()
+    calls = []
+    original = dp_actor_module.shared_prompt_logits
+
+    def counting(*args, **kwargs):
+        calls.append(len(args[1]))
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(dp_actor_module, "shared_prompt_logits", counting)
+    return calls
+
+
+def sgd_update_delta(config, data: DataProto, model=None) -> dict[str, torch.Tensor]:
+    model = model or make_tiny_causal_lm()
+    actor = DataParallelPPOActor(config, model, torch.optim.SGD(model.parameters(), lr=1.0))
+    before = copy.deepcopy(model)
+    actor.update_policy(data)
+    return {n: p.detach() - before.get_parameter(n).detach() for n, p in model.named_parameters()}
+
+
+def test_prompt_groups_match_rows_with_equal_real_prompt_tokens():
+    input_ids = torch.tensor([[0, 5, 6, 1], [9, 5, 6, 2], [0, 0, 6, 3], [0, 5, 6, 4]])
+    mask = torch.tensor([[0, 1, 1, 1], [0, 1, 1, 1], [0, 0, 1, 1], [0, 1, 1, 1]])
+    first_rows, inverse = prompt_groups(input_ids, mask, compute_position_id_with_mask(mask), prompt_length=3)
+    # rows 0, 1, 3 share "5 6" (the token under row 1's padding does not count); row 2 is "6" alone
+    assert inverse[0] == inverse[1] == inverse[3] != inverse[2]
+    assert first_rows[inverse].tolist() == [0, 0, 2, 0]
+
+
+@pytest.mark.parametrize("micro_batch", [{"micro_batch_size": 12}, {"use_dynamic_bsz": True, "max_token_len": 48}])
+def test_log_probs_and_entropy_equal_per_sequence_references(shared_calls, micro_batch):
+    data = repeated_prompt_batch()
+    model = make_tiny_causal_lm()
+    expected_lp, expected_ent = reference_response_log_probs(model, data.batch, TEMPERATURE)
+    data.meta_info.update(micro_batch)
+    log_probs, entropy = DataParallelPPOActor(actor_config(), model).compute_log_prob(data, calculate_entropy=True)
+    assert shared_calls, "the repeated prompts should take the shared-prompt path"
+    mask = data.batch["response_mask"].bool()
+    torch.testing.assert_close(log_probs[mask], expected_lp[mask], atol=1e-12, rtol=0)
+    torch.testing.assert_close(entropy[mask], expected_ent[mask], atol=1e-12, rtol=0)
+
+
+def test_single_response_column_is_predicted_by_the_prompt_pass_alone(shared_calls):
+    data = repeated_prompt_batch(seed=1)
+    data.batch["attention_mask"][:, PROMPT_LENGTH + 1 :] = 0
+    data.batch["response_mask"][:, 1:] = 0
+    data.batch["responses"][:, 1:] = 0
+    model = make_tiny_causal_lm()
+    expected, _ = reference_response_log_probs(model, data.batch, TEMPERATURE)
+    data.meta_info["micro_batch_size"] = 12
+    log_probs, _ = DataParallelPPOActor(actor_config(), model).compute_log_prob(data)
+    assert shared_calls == [12]
+    torch.testing.assert_close(log_probs[:, 0], expected[:, 0], atol=1e-12, rtol=0)
+
+
+@pytest.mark.parametrize("loss_agg_mode", ["token-mean", "seq-mean-token-sum-norm"])
+def test_update_equals_the_per_sample_forward_update(shared_calls, float64_rms_norm, loss_agg_mode):
+    data = repeated_prompt_batch(seed=2)
+    config = actor_config(loss_agg_mode=loss_agg_mode, ppo_micro_batch_size_per_gpu=6)
+    shared = sgd_update_delta(config, data)
+    assert len(shared_calls) == 2
+    plain = sgd_update_delta({**config, "share_prompt_forward": False}, data)
+    assert len(shared_calls) == 2
+    assert max(float(d.abs().max()) for d in plain.values()) > 1e-3, "the update must move the weights"
+    for name in plain:
+        torch.testing.assert_close(shared[name], plain[name], atol=1e-11, rtol=1e-9, msg=name)
+
+
+def test_update_with_the_stock_float32_rms_norm_differs_only_by_float32_rounding(shared_calls):
+    data = repeated_prompt_batch(seed=2)
+    shared = sgd_update_delta(actor_config(), data)
+    plain = sgd_update_delta(actor_config(share_prompt_forward=False), data)
+    assert len(shared_calls) == 1
+    for name in plain:
+        torch.testing.assert_close(shared[name], plain[name], atol=1e-6 * float(plain[name].abs().max()), rtol=0)
+
+
+def test_distinct_prompts_remove_padding_and_gradient_checkpointing_take_the_plain_path(shared_calls):
+    from verl.utils.model import enable_gradient_checkpointing
+
+    distinct = repeated_prompt_batch(num_prompts=12, n=1, seed=3)
+    distinct.meta_info["micro_batch_size"] = 12
+    DataParallelPPOActor(actor_config(), make_tiny_causal_lm()).compute_log_prob(distinct)
+    repeated = repeated_prompt_batch(seed=3)
+    repeated.meta_info["micro_batch_size"] = 12
+    DataParallelPPOActor(actor_config(use_remove_padding=True), make_tiny_causal_lm()).compute_log_prob(repeated)
+    DataParallelPPOActor(actor_config(share_prompt_forward=False), make_tiny_causal_lm()).compute_log_prob(repeated)
+    assert shared_calls == []
+    # HF drops the KV cache of checkpointed layers in training: the update runs the plain path
+    checkpointed = make_tiny_causal_lm()
+    enable_gradient_checkpointing(checkpointed)
+    sgd_update_delta(actor_config(), repeated_prompt_batch(seed=3), checkpointed)
+    assert shared_calls == []
+
+
+# ---------------------------------------------------------------------------------------- 2 ranks
+
+
+def _two_rank_shared_update(rank, world_size):
+    from verl.utils.fsdp_utils import apply_fsdp2, iter_full_params
+
+    use_float64_rms_norm()
+    calls = []
+    original = dp_actor_module.shared_prompt_logits
+    dp_actor_module.shared_prompt_logits = lambda *a, **k: calls.append(1) or original(*a, **k)
+
+    # rank 0's rows repeat 2 prompts, rank 1's 6 prompts are distinct: the ranks must still agree on
+    # the path (the same number of FSDP forward calls), which the actor settles with one all-reduce
+    parts = [repeated_prompt_batch(num_prompts=2, n=3, seed=4), repeated_prompt_batch(num_prompts=6, n=1, seed=5)]
+    data, local = DataProto.concat(parts), parts[rank]
+
+    fsdp_model = apply_fsdp2(make_tiny_causal_lm())
+    actor = DataParallelPPOActor(
+        actor_config(ppo_mini_batch_size=6, ppo_micro_batch_size_per_gpu=6),
+        fsdp_model,
+        torch.optim.SGD(fsdp_model.parameters(), lr=1.0),
+    )
+    expected, _ = reference_response_log_probs(make_tiny_causal_lm(), local.batch, TEMPERATURE)
+    local.meta_info["micro_batch_size"] = 6
+    log_probs, _ = actor.compute_log_prob(local)
+    mask = local.batch["response_mask"].bool()
+    torch.testing.assert_close(log_probs[mask], expected[mask], atol=1e-12, rtol=0)
+    assert len(calls) == 1
+
+    actor.update_policy(local)
+    assert len(calls) == 2
+    single = make_tiny_causal_lm()
+    config = actor_config(ppo_mini_batch_size=12, share_prompt_forward=False)
+    DataParallelPPOActor(config, single, torch.optim.SGD(single.parameters(), lr=1.0)).update_policy(data)
+    full = dict(iter_full_params(fsdp_model))
+    for name, tensor in single.state_dict().items():
+        torch.testing.assert_close(full[name], tensor, atol=1e-11, rtol=1e-9, msg=name)
+
+
+def test_fsdp2_shared_update_on_two_ranks_equals_the_single_process_plain_update():
+    run_distributed(_two_rank_shared_update, 2)
