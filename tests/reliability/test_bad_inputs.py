@@ -246,6 +246,38 @@ def test_checkpoint_directory_without_write_permission(run, tmp_path):
         locked.chmod(0o755)
 
 
+@pytest.mark.skipif(os.geteuid() != 0, reason="covered by the test above when not root")
+def test_checkpoint_directory_without_write_permission_as_a_dropped_root(tmp_path):
+    """Root writes anywhere, so the test above cannot deny it; here the same check runs in a child
+    that drops to the unprivileged `nobody` user, against a real read-only directory."""
+    import multiprocessing
+    import tempfile
+
+    from verl.trainer import preflight
+
+    base = tempfile.mkdtemp(prefix="verl-locked-")  # pytest's tmp_path is private to root (0700)
+    os.chmod(base, 0o755)
+    locked = os.path.join(base, "locked")
+    os.mkdir(locked, 0o555)
+    os.chmod(locked, 0o555)
+
+    def check(queue):
+        os.setgid(65534)
+        os.setuid(65534)
+        queue.put(preflight._unwritable_reason(os.path.join(locked, "ckpt")))
+
+    queue = multiprocessing.get_context("fork").Queue()
+    child = multiprocessing.get_context("fork").Process(target=check, args=(queue,))
+    child.start()
+    reason = queue.get(timeout=30)
+    child.join(30)
+    os.chmod(locked, 0o755)
+    os.rmdir(locked)
+    os.rmdir(base)
+    assert reason == f"cannot create files in {locked}: Permission denied"
+    assert preflight._unwritable_reason(os.path.join(locked + "-gone", "ckpt")) is None  # root, writable parent
+
+
 def test_resume_from_path_without_global_step(run, tmp_path):
     _expect(
         run("trainer.resume_mode=resume_path", f"trainer.resume_from_path={tmp_path / 'ckpt'}"),
