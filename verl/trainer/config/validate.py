@@ -511,6 +511,31 @@ def _check_lengths(c: dict, errors: list[str]):
             errors.append(f"{key}.lr_warmup_steps_ratio={ratio} must be between 0 and 1")
 
 
+def _check_multi_turn(c: dict, errors: list[str]):
+    rollout = c["actor_rollout_ref"]["rollout"]
+    mt = rollout["multi_turn"]
+    if not mt["enable"]:
+        return
+    if rollout["tensor_model_parallel_size"] > 1:
+        errors.append(
+            f"actor_rollout_ref.rollout.multi_turn.enable=true needs rollout.tensor_model_parallel_size=1 (got "
+            f"{rollout['tensor_model_parallel_size']}): conversations on different workers make different numbers "
+            "of engine calls, which a tensor-parallel engine group cannot match"
+        )
+    path = mt["tool_config_path"]
+    if path and not os.path.isfile(os.path.expanduser(path)):
+        errors.append(
+            f"actor_rollout_ref.rollout.multi_turn.tool_config_path={path!r} does not exist; point it at a tool "
+            "config YAML (see docs/multi_turn.md) or leave it null for no tools"
+        )
+    for key in ("max_assistant_turns", "max_user_turns"):
+        if mt[key] is not None and mt[key] < 1:
+            errors.append(f"actor_rollout_ref.rollout.multi_turn.{key}={mt[key]} must be >= 1, or null for no limit")
+    for key in ("max_parallel_calls", "max_tool_response_length"):
+        if mt[key] < 1:
+            errors.append(f"actor_rollout_ref.rollout.multi_turn.{key}={mt[key]} must be >= 1")
+
+
 def _check_trainer(c: dict, errors: list[str]):
     t = c["trainer"]
     if t["resume_mode"] == "resume_path" and not t["resume_from_path"]:
@@ -590,6 +615,7 @@ def validate_ppo_config(cfg: DictConfig | dict) -> None:
         _check_forward_batches(c, errors, world)
     _check_algorithm(c, errors, warns)
     _check_lengths(c, errors)
+    _check_multi_turn(c, errors)
     _check_trainer(c, errors)
     if errors:
         _raise(errors)
