@@ -30,13 +30,14 @@ def call_text(expression: str, name: str = "calculator") -> str:
     return "<tool_call>" + json.dumps({"name": name, "arguments": {"expression": expression}}) + "</tool_call>"
 
 
-def question_batch(tokenizer, questions: list[str], **meta) -> DataProto:
+def question_batch(tokenizer, questions: list[str], width: int = P, **meta) -> DataProto:
+    """Chat prompts left-padded to `width`, with their messages as `raw_prompt` (as the dataset returns them)."""
     rows = [chat_prompt_ids(tokenizer, q) for q in questions]
-    ids = torch.zeros(len(rows), P, dtype=torch.long)
+    ids = torch.zeros(len(rows), width, dtype=torch.long)
     mask = torch.zeros_like(ids)
     for i, row in enumerate(rows):
-        ids[i, P - len(row) :] = torch.tensor(row)
-        mask[i, P - len(row) :] = 1
+        ids[i, width - len(row) :] = torch.tensor(row)
+        mask[i, width - len(row) :] = 1
     raw = np.empty(len(questions), dtype=object)
     raw[:] = [[{"role": "user", "content": q}] for q in questions]
     meta = {"eos_token_id": tokenizer.eos_token_id, "pad_token_id": tokenizer.pad_token_id, "do_sample": False, **meta}
