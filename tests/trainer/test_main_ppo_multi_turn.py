@@ -19,6 +19,8 @@ def test_calculator_example_validates_and_trains_two_steps_with_tool_calls(tmp_p
         "data.train_batch_size=4",
         "actor_rollout_ref.rollout.n=4",
         "actor_rollout_ref.actor.ppo_mini_batch_size=4",
+        "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=8",
+        "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=8",
     ]
     env = {**_env(tmp_path), "DATA_DIR": str(tmp_path / "data")}
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)

@@ -49,8 +49,9 @@ def chat_prompt_ids(tokenizer, question: str) -> list[int]:
 class ForcedRollout(BaseRollout):
     """Answers each request with `script(context_ids) -> response ids` (module docstring)."""
 
-    def __init__(self, model, script, pad_token_id: int = 0):
+    def __init__(self, model, script, pad_token_id: int = 0, compute_logprobs: bool = True):
         self.model = model
+        self.compute_logprobs = compute_logprobs
         self.script = script
         self.pad = pad_token_id
         self.contexts: list[list[int]] = []
@@ -74,12 +75,13 @@ class ForcedRollout(BaseRollout):
             context = ids[row][mask[row]].tolist()
             self.contexts.append(context)
             forced = list(self.script(context))[:R]
-            full = torch.tensor([context + forced])
-            logits = self.model(input_ids=full).logits[0, len(context) - 1 : -1].float()
-            token_lp = logits.log_softmax(-1).gather(-1, torch.tensor(forced)[:, None]).squeeze(-1)
             responses[row, : len(forced)] = torch.tensor(forced)
             response_mask[row, : len(forced)] = 1
-            logprobs[row, : len(forced)] = token_lp
+            if self.compute_logprobs:
+                logits = self.model(input_ids=torch.tensor([context + forced])).logits[0, len(context) - 1 : -1]
+                logprobs[row, : len(forced)] = (
+                    logits.float().log_softmax(-1).gather(-1, torch.tensor(forced)[:, None])[:, 0]
+                )
         tensors = {"responses": responses, "response_mask": response_mask, "rollout_log_probs": logprobs}
         return DataProto(batch=TensorDict(tensors, batch_size=[B]), meta_info=dict(meta))
 
