@@ -12,10 +12,11 @@ integer, float -> number, bool -> boolean, str -> string, list -> array, dict ->
 else is left untyped), required when it has no default. A tool config may also name a function as
 its `class_name`; its `tool_schema` then wins over the derived one.
 
-Calls: a coroutine function is awaited in the event loop; a plain function runs in a worker thread,
-so a slow function never stalls the other conversations (a thread cannot be killed, so a plain
-function that overruns its timeout keeps running in the background while the conversation moves
-on; use an async function or a subprocess for work that must really stop). The return value becomes
+Calls: a coroutine function is awaited in the event loop; a plain function runs in the tool's own
+thread pool (`config.max_workers` threads, default 8), so a slow function never stalls the other
+conversations. A thread cannot be killed: a plain function that overruns its timeout keeps running
+in the background while the conversation moves on (in the tool's pool, so it never holds up the end
+of a rollout); use an async function or a subprocess for work that must really stop. The return value becomes
 the tool message: a string as is, anything else as JSON (falling back to `str`). An exception
 becomes an `Error: ...` message for the model.
 """
@@ -23,10 +24,12 @@ becomes an `Error: ...` message for the model.
 from __future__ import annotations
 
 import asyncio
+import functools
 import inspect
 import json
 import typing
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from verl.tools.base_tool import BaseTool
@@ -86,6 +89,7 @@ class FunctionTool(BaseTool):
         if not callable(fn):
             raise TypeError(f"FunctionTool needs a callable, got {type(fn).__name__}")
         self.fn = fn
+        self._pool = None
         # an async def, or an object whose __call__ is one
         self._is_async = inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(type(fn).__call__)
         super().__init__(config, tool_schema or schema_from_function(fn, name))
@@ -94,5 +98,8 @@ class FunctionTool(BaseTool):
         if self._is_async:
             result = await self.fn(**parameters)
         else:
-            result = await asyncio.to_thread(self.fn, **parameters)
+            if self._pool is None:
+                self._pool = ThreadPoolExecutor(int(self.config.get("max_workers", 8)), thread_name_prefix=self.name)
+            call = functools.partial(self.fn, **parameters)
+            result = await asyncio.get_running_loop().run_in_executor(self._pool, call)
         return ToolResponse(text=format_result(result)), 0.0, {}

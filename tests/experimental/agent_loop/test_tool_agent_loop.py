@@ -256,3 +256,23 @@ def test_long_tool_answers_are_cut_on_the_configured_side(tokenizer, tiny_model)
     out = rollout.generate_sequences(question_batch(tokenizer, ["What is 1?"]))
     text = tokenizer.decode(out.batch["responses"][0][out.batch["attention_mask"][0, P:].bool()])
     assert "<tool_response>01234...(truncated)...56789</tool_response>" in text
+
+
+def test_a_blocking_function_that_overruns_its_timeout_does_not_hold_up_the_rollout(tokenizer, tiny_model):
+    import time
+
+    def calculator(expression: str) -> str:
+        time.sleep(3)  # a thread cannot be cancelled; the rollout must not wait for it
+        return "late"
+
+    eos = tokenizer.eos_token_id
+
+    def script(context):
+        return encode(tokenizer, call_text("1+1") if assistant_turns(tokenizer, context) == 1 else "2") + [eos]
+
+    tool = FunctionTool(calculator, config={"timeout": 0.2})
+    rollout = AgentLoopRollout(ForcedRollout(tiny_model, script), rollout_config(256), tokenizer, tools=[tool])
+    start = time.monotonic()
+    out = rollout.generate_sequences(question_batch(tokenizer, ["What is 1+1?"]))
+    assert time.monotonic() - start < 2.5
+    assert out.meta_info["metrics"]["agent_loop/tool_errors"] == 1.0
