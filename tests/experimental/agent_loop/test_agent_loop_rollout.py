@@ -11,7 +11,8 @@ import torch
 
 from tests.experimental.agent_loop.conftest import ForcedRollout, encode
 from tests.experimental.agent_loop.test_tool_agent_loop import P, question_batch, rollout_config
-from verl.experimental.agent_loop import AgentLoopBase, AgentLoopRollout, Trajectory
+from verl.experimental.agent_loop import AgentLoopBase, AgentLoopRollout, AsyncRolloutEngine, Trajectory
+from verl.experimental.agent_loop.engine import rollout_batch_generator
 from verl.tools.calculator_tool import CalculatorTool
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -104,3 +105,33 @@ def test_tensor_parallel_engines_are_refused(tokenizer, tiny_model):
         AgentLoopRollout(
             ForcedRollout(tiny_model, None), {**rollout_config(8), "tensor_model_parallel_size": 2}, tokenizer
         )
+
+
+class PerRequestEngine(AsyncRolloutEngine):
+    """An async-native engine: each request is its own call (as to a server that schedules them)."""
+
+    def __init__(self, rollout, eos_ids, pad, with_logprobs):
+        self.generate_batch = rollout_batch_generator(rollout, eos_ids, pad, with_logprobs)
+        self.requests = 0
+
+    async def generate(self, prompt_ids, sampling, max_new_tokens):
+        self.requests += 1
+        return self.generate_batch([list(prompt_ids)], sampling, max_new_tokens)[0]
+
+
+class ServerRollout(ForcedRollout):
+    """A rollout whose adapter offers its own async engine."""
+
+    def async_engine(self, eos_token_ids, pad_token_id, with_logprobs):
+        self.engine = PerRequestEngine(self, eos_token_ids, pad_token_id, with_logprobs)
+        return self.engine
+
+
+def test_a_rollout_with_its_own_async_engine_serves_the_episodes_directly(tokenizer, tiny_model):
+    server = ServerRollout(tiny_model, lambda context: encode(tokenizer, "46") + [tokenizer.eos_token_id])
+    out = AgentLoopRollout(server, rollout_config(8), tokenizer).generate_sequences(
+        question_batch(tokenizer, QUESTIONS)
+    )
+    assert server.engine.requests == len(QUESTIONS) and server.batch_sizes == [1] * len(QUESTIONS)
+    assert out.batch["responses"][:, :3].tolist() == [encode(tokenizer, "46") + [tokenizer.eos_token_id]] * 4
+    assert "agent_loop/engine_batches" not in out.meta_info["metrics"]

@@ -4,8 +4,8 @@ With `actor_rollout_ref.rollout.multi_turn.enable=true` the actor worker wraps i
 `vllm`, `sglang`) in this class; everything else about the worker and the trainer stays the same.
 `generate_sequences` turns each row of the prompt batch into an `AgentSample`, runs every episode
 concurrently in one asyncio event loop (agent loop per row: the `agent_name` column, else
-`tool_agent`), with a `MicroBatchEngine` over the wrapped rollout batching their model turns, and
-returns the usual rollout layout:
+`tool_agent`), with a `MicroBatchEngine` over the wrapped rollout batching their model turns (or the
+rollout's own `async_engine`, see `make_engine`), and returns the usual rollout layout:
 
 - `prompts` [B, P]: each episode's first prompt, left-padded (P = the incoming prompt width);
 - `responses` [B, R]: every turn after the prompt (model and tool turns), right-padded to
@@ -39,7 +39,7 @@ from verl.experimental.agent_loop.agent_loop import (
     Trajectory,
     get_agent_loop_class,
 )
-from verl.experimental.agent_loop.engine import MicroBatchEngine, rollout_batch_generator
+from verl.experimental.agent_loop.engine import AsyncRolloutEngine, MicroBatchEngine, rollout_batch_generator
 from verl.workers.rollout.base import BaseRollout
 
 SAMPLING_KEYS = ("do_sample", "validate", "temperature", "top_k", "top_p")
@@ -163,11 +163,20 @@ class AgentLoopRollout(BaseRollout):
             )
         return out
 
-    async def run_episodes(self, samples: list[AgentSample], agent_names: list[str], eos_ids, pad) -> tuple:
-        """Every episode concurrently; returns (trajectories in sample order, engine batch stats)."""
-        engine = MicroBatchEngine(
+    def make_engine(self, eos_ids: list[int], pad: int) -> AsyncRolloutEngine:
+        """The engine the episodes call: the wrapped rollout's own async engine when it offers one
+        (`rollout.async_engine(eos_token_ids, pad_token_id, with_logprobs)`, e.g. an adapter over a
+        server that schedules requests itself), else a `MicroBatchEngine` over its `generate_sequences`."""
+        factory = getattr(self.inner, "async_engine", None)
+        if factory is not None:
+            return factory(eos_ids, pad, self.with_logprobs)
+        return MicroBatchEngine(
             rollout_batch_generator(self.inner, eos_ids, pad, self.with_logprobs), executor=self._engine_thread
         )
+
+    async def run_episodes(self, samples: list[AgentSample], agent_names: list[str], eos_ids, pad) -> tuple:
+        """Every episode concurrently; returns (trajectories in sample order, engine batch stats or None)."""
+        engine = self.make_engine(eos_ids, pad)
 
         async def episode(sample: AgentSample, name: str) -> Trajectory:
             async with engine.client():
@@ -175,11 +184,12 @@ class AgentLoopRollout(BaseRollout):
 
         tasks = [asyncio.ensure_future(episode(s, n)) for s, n in zip(samples, agent_names)]
         try:
-            return await asyncio.gather(*tasks), engine.stats
+            return await asyncio.gather(*tasks), getattr(engine, "stats", None)
         finally:
             for task in tasks:
                 task.cancel()
-            await engine.aclose()
+            if hasattr(engine, "aclose"):
+                await engine.aclose()
 
     def generate_sequences(self, prompts):
         start = time.perf_counter()
@@ -198,9 +208,10 @@ class AgentLoopRollout(BaseRollout):
         out = trajectories_to_proto(prompts, trajectories, self.settings.response_length, pad, self.with_logprobs, meta)
         metrics = dict(meta.get("metrics", {}))
         metrics.update(_episode_metrics(trajectories))
-        metrics["agent_loop/engine_batches"] = float(stats.num_batches)
-        metrics["agent_loop/engine_batch_size_mean"] = stats.num_requests / max(stats.num_batches, 1)
-        metrics["timing_s/agent_loop_generate"] = stats.generate_s
+        if stats is not None:
+            metrics["agent_loop/engine_batches"] = float(stats.num_batches)
+            metrics["agent_loop/engine_batch_size_mean"] = stats.num_requests / max(stats.num_batches, 1)
+            metrics["timing_s/agent_loop_generate"] = stats.generate_s
         metrics["timing_s/agent_loop"] = time.perf_counter() - start
         out.meta_info["metrics"] = metrics
         return out
