@@ -276,3 +276,28 @@ def test_a_blocking_function_that_overruns_its_timeout_does_not_hold_up_the_roll
     out = rollout.generate_sequences(question_batch(tokenizer, ["What is 1+1?"]))
     assert time.monotonic() - start < 2.5
     assert out.meta_info["metrics"]["agent_loop/tool_errors"] == 1.0
+
+
+def test_text_the_template_puts_after_the_end_of_turn_token_goes_into_the_tool_turn(tokenizer, tiny_model):
+    """Like Qwen's template (a newline after `<|im_end|>`): the tool turn starts with that newline,
+    so the sequence is the template's rendering, except the final newline the model never writes."""
+    import copy
+
+    qwen_like = copy.deepcopy(tokenizer)
+    qwen_like.chat_template = (
+        "{{ bos_token }}{% for m in messages %}"
+        "{% if m['role'] == 'user' %}{{ '<|user|>' + m['content'] + '\\n' }}"
+        "{% elif m['role'] == 'assistant' %}{{ '<|assistant|>' + m['content'] + eos_token + '\\n' }}"
+        "{% else %}{{ '<|user|><tool_response>' + m['content'] + '</tool_response>\\n' }}{% endif %}"
+        "{% endfor %}{% if add_generation_prompt %}{{ '<|assistant|>' }}{% endif %}"
+    )
+    forced = ForcedRollout(tiny_model, calculator_script(tokenizer))
+    rollout = AgentLoopRollout(forced, rollout_config(), qwen_like, tools=[CalculatorTool()])
+    out = rollout.generate_sequences(question_batch(tokenizer, ["What is 12+34*5?"]))  # re-rendered by this template
+
+    eos = tokenizer.eos_token_id
+    tool_turn = encode(tokenizer, "\n<|user|><tool_response>182</tool_response>\n<|assistant|>")
+    expected = encode(tokenizer, call_text("12+34*5")) + [eos] + tool_turn + encode(tokenizer, "182") + [eos]
+    assert out.batch["responses"][0, : len(expected)].tolist() == expected
+    assert out.batch["prompts"][0, -3:].tolist() == encode(tokenizer, "?\n<|assistant|>")
+    assert out.meta_info["metrics"]["agent_loop/tokenization_mismatch"] == 0.0

@@ -99,13 +99,17 @@ class ToolAgentLoop(AgentLoopBase):
             return self._encode(self._render([dict(m) for m in sample.messages], add_generation_prompt=True))
         return list(sample.prompt_ids)
 
-    def tool_turn_ids(self, tool_messages: list[dict], end_of_turn: int) -> list[int]:
-        """Ids of the tool messages + generation prompt that follow a model turn ending on `end_of_turn`."""
+    def _anchor(self, end_of_turn: int) -> tuple[list[int], int]:
+        """The anchor conversation's ids and the index just past its last `end_of_turn` token."""
         if end_of_turn not in self._anchor_cache:
             ids = self._encode(self._render(_ANCHOR, add_generation_prompt=False))
             cut = max((i + 1 for i, t in enumerate(ids) if t == end_of_turn), default=len(ids))
             self._anchor_cache[end_of_turn] = (ids, cut)
-        anchor, cut = self._anchor_cache[end_of_turn]
+        return self._anchor_cache[end_of_turn]
+
+    def tool_turn_ids(self, tool_messages: list[dict], end_of_turn: int) -> list[int]:
+        """Ids of the tool messages + generation prompt that follow a model turn ending on `end_of_turn`."""
+        anchor, cut = self._anchor(end_of_turn)
         full = self._encode(self._render(_ANCHOR + tool_messages, add_generation_prompt=True))
         if full[:cut] != anchor[:cut] and self.settings.tokenization_sanity_check_mode != "disable":
             raise ValueError(
@@ -209,7 +213,8 @@ class ToolAgentLoop(AgentLoopBase):
 
         metrics = {"tool_calls": float(num_calls), "tool_errors": float(num_errors), "tool_s": tool_s}
         if messages is not None and out.stopped and s.tokenization_sanity_check_mode != "disable":
-            metrics["tokenization_mismatch"] = float(not self._matches_template(messages, prompt_ids + response_ids))
+            ids = prompt_ids + response_ids
+            metrics["tokenization_mismatch"] = float(not self._matches_template(messages, ids, out.token_ids[-1]))
         return Trajectory(
             prompt_ids=prompt_ids,
             response_ids=response_ids,
@@ -220,9 +225,15 @@ class ToolAgentLoop(AgentLoopBase):
             metrics=metrics,
         )
 
-    def _matches_template(self, messages: list[dict], ids: list[int]) -> bool:
-        """Whether the ids equal the template's rendering of the messages (see sanity check mode)."""
+    def _matches_template(self, messages: list[dict], ids: list[int], end_of_turn: int) -> bool:
+        """Whether the ids equal the template's rendering of the messages (see sanity check mode).
+
+        The rendering may go on after the last end-of-turn token (Qwen's newline after `<|im_end|>`),
+        which the model never generates; that template suffix is appended to the ids before comparing.
+        """
         global _warned_mismatch
+        anchor, cut = self._anchor(end_of_turn)
+        ids = ids + anchor[cut:]
         reference = self._encode(self._render(messages, add_generation_prompt=False))
         if self.settings.tokenization_sanity_check_mode == "ignore_strippable":
             same = "".join(self.tokenizer.decode(reference).split()) == "".join(self.tokenizer.decode(ids).split())
