@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Multi-turn GRPO with a calculator tool on CPU: the bundled arith-tool-tiny model (arith-tiny taught
-# the tool-call protocol by a short SFT) solves "What is 12+34*5?" by calling the calculator, and RL
+# the tool-call protocol by a short SFT) solves "What is 12+34*56?" by calling the calculator, and RL
 # makes it copy expressions and answers more reliably. See docs/multi_turn.md.
 # Extra Hydra overrides are appended: bash run_arith_calculator_tiny_cpu.sh trainer.total_training_steps=40
 set -euo pipefail

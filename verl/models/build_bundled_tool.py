@@ -5,7 +5,7 @@
 
 Recipe: start from the bundled `arith-tiny` (2-digit addition) and fine-tune it with verl's FSDP2 SFT
 trainer (one process, one CPU thread) on perfect calculator transcripts of the calculator task
-(`verl.utils.dataset.arith_tool`: "What is 12+34*5?" -> tool call -> `182` -> "182"), in the
+(`verl.utils.dataset.arith_tool`: "What is 12+34*56?" -> tool call -> `1916` -> "1916"), in the
 multi-turn SFT format, loss on the assistant turns only. Every `--eval-every` steps the greedy
 multi-turn accuracy on the first `--eval-problems` test problems is measured by running the real
 agent loop (built-in engine + calculator) and training stops at the first evaluation inside
@@ -124,6 +124,8 @@ def build(
     if os.path.isdir(out_dir):
         shutil.rmtree(out_dir)
     shutil.copytree(export, out_dir)
+    for name in ("tokenizer.json", "tokenizer_config.json"):  # the unchanged tokenizer, byte for byte
+        shutil.copy(os.path.join(bundled_model_path("arith-tiny"), name), os.path.join(out_dir, name))
     info = {
         "name": "arith-tool-tiny",
         "heldout": {**final, "problems": len(load_rows(test_path)), "decoding": "greedy, calculator tool"},
@@ -161,10 +163,10 @@ def _readme(info: dict) -> str:
     return f"""# arith-tool-tiny
 
 The bundled `arith-tiny` model ({info["parameters"]:,} parameters) fine-tuned to use the calculator
-tool on two-operation arithmetic ("What is 12+34*5?"), the multi-turn example of docs/multi_turn.md:
+tool on two-operation arithmetic ("What is 12+34*56?"), the multi-turn example of docs/multi_turn.md:
 
-    <bos><|user|>What is 12+34*5?<|assistant|><tool_call>{{"name": "calculator", "arguments": {{"expression": "12+34*5"}}}}</tool_call><eos>
-    <|user|><tool_response>182</tool_response><|assistant|>182<eos>
+    <bos><|user|>What is 12+34*56?<|assistant|><tool_call>{{"name": "calculator", "arguments": {{"expression": "12+34*56"}}}}</tool_call><eos>
+    <|user|><tool_response>1916</tool_response><|assistant|>1916<eos>
 
 - Greedy multi-turn accuracy with the calculator: **{h["accuracy"]:.1%}** on the {h["problems"]} test problems
   (`verl.utils.dataset.arith_tool`), calling the tool in {h["tool_use"]:.0%} of them. Without the tool the

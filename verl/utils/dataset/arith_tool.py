@@ -1,6 +1,6 @@
 """The calculator task: multi-step arithmetic that a tiny model solves only with a tool.
 
-"What is 12+34*5?" -> the model calls the calculator, reads `182` back and answers `182`. Two-digit
+"What is 12+34*56?" -> the model calls the calculator, reads `1916` back and answers `1916`. Two-digit
 operands and two operations (`+ - *`, usual precedence) put most answers beyond what a ~1M-parameter
 model computes in its head, but well within what it can copy: the skill the task trains is tool
 use — writing the call (a copy of the expression) and restating the tool's answer.
