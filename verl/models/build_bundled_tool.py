@@ -40,6 +40,7 @@ def _plain_copy(fsdp_model):
 
 def build(
     out_dir: str,
+    init: str | None = None,
     seed: int = 1,
     min_accuracy: float = 0.15,
     max_accuracy: float = 0.50,
@@ -81,7 +82,7 @@ def build(
             "data.multiturn.enable=true",
             "data.multiturn.messages_key=messages",
             f"data.max_length={MAX_LENGTH}",
-            f"model.partial_pretrain={bundled_model_path('arith-tiny')}",
+            f"model.partial_pretrain={init or bundled_model_path('arith-tiny')}",
             f"optim.lr={LEARNING_RATE}",
             "optim.betas=[0.9,0.999]",
             "optim.weight_decay=0.0",
@@ -131,7 +132,7 @@ def build(
         "heldout": {**final, "problems": len(load_rows(test_path)), "decoding": "greedy, calculator tool"},
         "sft_steps": steps,
         "history": history,
-        "start": "arith-tiny",
+        "start": init or "arith-tiny",
         "parameters": sum(p.numel() for p in model.parameters()),
         "data": {"task": f"{TASK}", "num_train": DEFAULT_NUM_TRAIN, "format": "multi-turn transcripts (messages)"},
         "sft": {
@@ -187,6 +188,7 @@ def main(argv: list[str] | None = None) -> None:
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", default=os.path.join(ASSETS_DIR, "arith-tool-tiny"), help="output model directory")
+    parser.add_argument("--init", default=None, help="model to fine-tune (default: the bundled arith-tiny)")
     parser.add_argument("--seed", type=int, default=1, help="data-order seed")
     parser.add_argument("--min-accuracy", type=float, default=0.15)
     parser.add_argument("--max-accuracy", type=float, default=0.50)
@@ -197,6 +199,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     info = build(
         args.out,
+        init=args.init,
         seed=args.seed,
         min_accuracy=args.min_accuracy,
         max_accuracy=args.max_accuracy,
