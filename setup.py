@@ -25,11 +25,12 @@ install_requires = [
     "psutil>=5.9",
     "mlflow>=2.10",
     "matplotlib>=3.7",
+    "peft>=0.21",  # actor LoRA (imported only when lora_rank > 0)
 ]
 
 extras_require = {
-    "test": ["pytest>=8", "pytest-timeout>=2.3", "ruff>=0.6", "pre-commit>=3", "tensorboard>=2.15"],
-    "vllm": ["vllm>=0.8"],
+    "test": ["pytest>=8", "pytest-timeout>=2.3", "ruff>=0.6", "pre-commit>=3", "tensorboard>=2.15", "wandb>=0.17"],
+    "vllm": ["vllm>=0.10.2"],
     "sglang": ["sglang>=0.4"],
     "mcore": ["megatron-core>=0.12"],
     "bench": ["trl>=1.16,<2", "datasets>=2.18", "accelerate>=1.0"],

@@ -547,6 +547,92 @@ def test_pickle_round_trip_of_non_contiguous_tensors():
     assert torch.equal(again.batch["t"], base[:, ::2]) and torch.equal(again.batch["tt"], base)
 
 
+class TaggedProto(DataProto):
+    """A user subclass; pickling must give it back as itself."""
+
+
+def test_pickle_keeps_a_subclass_and_ships_tensor_bytes_out_of_band_with_protocol_5():
+    proto = TaggedProto.from_dict(tensors={"x": torch.arange(4096.0).reshape(64, 64)}, meta_info={"k": 1})
+    buffers = []
+    payload = pickle.dumps(proto, protocol=5, buffer_callback=buffers.append)
+    assert len(buffers) == 1 and buffers[0].raw().nbytes == 64 * 64 * 4 and len(payload) < 1024
+    again = pickle.loads(payload, buffers=buffers)
+    assert type(again) is TaggedProto and again.meta_info == {"k": 1}
+    assert torch.equal(again.batch["x"], proto.batch["x"])
+    assert type(pickle.loads(pickle.dumps(proto, protocol=4))) is TaggedProto  # in band, as numpy arrays
+
+
+def test_unpickled_tensors_copy_read_only_buffers_unless_the_caller_borrows_them():
+    from verl.protocol import _borrow_buffers, _borrowing
+
+    proto = DataProto.from_dict(tensors={"x": torch.arange(64.0).reshape(16, 4)})
+    buffers = []
+    payload = pickle.dumps(proto, protocol=5, buffer_callback=buffers.append)
+    frozen = np.frombuffer(buffers[0], dtype=np.uint8).copy()
+    frozen.flags.writeable = False  # like the views Ray hands out of its object store
+    owned = pickle.loads(payload, buffers=[frozen])
+    assert owned.batch["x"].data_ptr() != frozen.ctypes.data  # a writable copy
+    with _borrow_buffers():
+        borrowed = pickle.loads(payload, buffers=[frozen])
+    assert not _borrowing.active
+    assert borrowed.batch["x"].data_ptr() == frozen.ctypes.data  # no copy
+    merged = DataProto.concat([borrowed, owned])  # what the worker group does with borrowed results
+    assert merged.batch["x"].data_ptr() not in (frozen.ctypes.data, owned.batch["x"].data_ptr())
+    assert torch.equal(merged.batch["x"], torch.cat([proto.batch["x"], proto.batch["x"]]))
+
+
+def _bits_of(tensor: torch.Tensor) -> torch.Tensor:
+    """The raw bits, so that float8, complex and NaN payloads compare exactly."""
+    ints = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+    return tensor.contiguous().view(ints[tensor.element_size()])
+
+
+@pytest.mark.parametrize(
+    "dtype",
+    [
+        torch.float32,
+        torch.bfloat16,
+        torch.float16,
+        torch.int8,
+        torch.int64,
+        torch.bool,
+        torch.complex64,
+        torch.float8_e4m3fn,
+    ],
+)
+def test_concat_pad_and_gathers_copy_exactly_what_torch_would_for_any_dtype_and_strided_parts(dtype):
+    base = torch.randn(10, 6, generator=torch.Generator().manual_seed(0)) * 4
+    full = base > 0 if dtype == torch.bool else base.to(dtype)
+    parts = [full[:3, ::2], full[3:, ::2].contiguous()]  # one strided part, one contiguous
+    merged = DataProto.concat([DataProto.from_dict(tensors={"v": p}) for p in parts]).batch["v"]
+    expected = full[:, ::2]
+    assert merged.dtype == dtype and merged.shape == expected.shape
+    assert torch.equal(_bits_of(merged), _bits_of(expected))
+    proto = DataProto.from_dict(tensors={"v": full[:7]})
+    idx = [6, -1, 0, 0, 3]
+    assert torch.equal(_bits_of(proto.select_idxs(idx).batch["v"]), _bits_of(full[:7][torch.tensor(idx)]))
+    padded, pad_size = pad_dataproto_to_divisor(proto, 4)
+    assert pad_size == 1 and torch.equal(_bits_of(padded.batch["v"]), _bits_of(full[[0, 1, 2, 3, 4, 5, 6, 0]]))
+    repeated = proto.repeat(2, interleave=True).batch["v"]
+    assert torch.equal(_bits_of(repeated), _bits_of(full[:7].repeat_interleave(2, dim=0)))
+
+
+def test_concat_and_gathers_keep_autograd_and_type_promotion_like_torch():
+    weight = torch.randn(4, 3, requires_grad=True)
+    merged = DataProto.concat([DataProto.from_dict(tensors={"w": weight}), DataProto.from_dict(tensors={"w": weight})])
+    merged.batch["w"].sum().backward()
+    assert torch.equal(weight.grad, torch.full((4, 3), 2.0))
+    gathered = DataProto.from_dict(tensors={"w": weight}).select_idxs([1, 1]).batch["w"]
+    assert gathered.requires_grad
+    mixed = DataProto.concat(
+        [
+            DataProto.from_dict(tensors={"v": torch.tensor([1, 2])}),
+            DataProto.from_dict(tensors={"v": torch.tensor([0.5])}),
+        ]
+    )
+    assert mixed.batch["v"].dtype == torch.float32 and mixed.batch["v"].tolist() == [1.0, 2.0, 0.5]
+
+
 def test_save_to_disk_and_load_from_disk_round_trip(tmp_path):
     proto = rich_proto()
     path = tmp_path / "proto.pkl"

@@ -12,14 +12,17 @@ The public API follows upstream verl so its users' code works unchanged. Design 
 
 - Cheap on the hot path. The single controller chunks a proto before every data-parallel RPC and
   concatenates the results after it, so every row operation works per key on whole tensors
-  (`torch.cat`, one gather per key, slicing into views) and per key on whole numpy arrays
+  (one concatenation or gather per key, slicing into views) and per key on whole numpy arrays
   (`np.concatenate`, fancy indexing); there is no per-row Python loop for tensors. `repeat`,
-  `reorder`, `select_idxs` and padding are all one gather with a computed index.
+  `reorder`, `select_idxs` and padding are all one gather with a computed index. CPU tensors are
+  concatenated and gathered on one thread, by numpy: torch's intra-op threads cost milliseconds to
+  wake on a busy machine, far more than the copy itself (see `_cat_rows`).
 - Pickling is ours, not tensordict's. torch pickles a view together with its whole storage, so
-  a chunk of a 64 MB batch would ship 64 MB to each worker. `__getstate__` instead writes each
-  tensor as a flat, contiguous uint8 numpy array covering exactly its own elements (any dtype,
-  bfloat16 included): pickle writes it as one block, and Ray moves it out-of-band into its object
-  store without an intermediate copy (measured in benchmarks/bench_protocol.py).
+  a chunk of a 64 MB batch would ship 64 MB to each worker. `__reduce_ex__` instead writes each
+  tensor as one flat, contiguous byte buffer covering exactly its own elements (any dtype,
+  bfloat16 included), next to its dtype name and shape: pickle writes it as one block, and Ray
+  moves it out-of-band into its object store without an intermediate copy (measured in
+  benchmarks/bench_protocol.py).
   Unpickled tensors are always on the CPU (the driver may have no accelerator); call `.to()` on
   the receiving side.
 - Derived protos (slices, chunks, selections) get a shallow copy of `meta_info`, so setting a key
@@ -33,9 +36,12 @@ The public API follows upstream verl so its users' code works unchanged. Design 
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import math
 import pickle
+import threading
+import warnings
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from functools import partial
@@ -249,20 +255,119 @@ def _as_index(idxs, length: int) -> tuple[torch.Tensor, np.ndarray]:
 
 
 # ----------------------------------------------------------------------------------------------
-# Compact serialisation of a TensorDict: exactly the bytes of each leaf, as a flat uint8 numpy array.
+# Row copies of CPU tensors on one thread.
+#
+# torch.cat and index gathers split any copy above ~32K elements over the intra-op thread pool and
+# then wait for every pool thread. On a busy machine a sleeping pool thread takes milliseconds to be
+# scheduled: joining two 0.5 MB halves took ~23 ms with torch's two threads and ~0.1 ms with one
+# (2 cores, load ~7). The driver concatenates after every data-parallel call and gathers when it
+# pads, repeats or reorders, so plain CPU tensors are copied by numpy instead (one thread, one
+# memcpy per contiguous part) through an integer view of the same element size, which covers every
+# torch dtype up to 8 bytes, bfloat16, bool and float8 included. Anything else (accelerator
+# tensors, autograd, subclasses, sparse or nested layouts, conjugate views) goes to torch.
+# numpy also allocates the result: it asks the kernel for transparent huge pages on large
+# arrays, so a fresh 64 MB result takes ~500 page faults instead of ~16K (copy time 27 ms
+# instead of ~100 ms, measured on the busy 2-core machine).
+
+_BITS_DTYPE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
-def _encode_tensor(tensor: torch.Tensor) -> tuple[np.ndarray, torch.dtype, tuple[int, ...]]:
-    flat = tensor.detach().to("cpu").resolve_conj().resolve_neg().contiguous().reshape(-1)
-    return flat.view(torch.uint8).numpy(), tensor.dtype, tuple(tensor.shape)
+def _numpy_copyable(tensor: torch.Tensor) -> bool:
+    return (
+        type(tensor) is torch.Tensor
+        and tensor.device.type == "cpu"
+        and tensor.layout == torch.strided
+        and tensor.dim() > 0
+        and not tensor.is_nested
+        and not tensor.is_quantized
+        and not tensor.requires_grad
+        and not tensor.is_conj()
+        and not tensor.is_neg()
+        and tensor.element_size() in _BITS_DTYPE
+    )
 
 
-def _decode_tensor(payload: tuple[np.ndarray, torch.dtype, tuple[int, ...]]) -> torch.Tensor:
-    raw, dtype, shape = payload
-    # Ray hands back read-only views of its shared-memory store; a tensor must own writable,
-    # aligned memory, so copy in that case (a plain pickle round trip needs no copy).
-    if not raw.flags.writeable or raw.ctypes.data % 16:
+def _bits(tensor: torch.Tensor) -> np.ndarray:
+    """The tensor's memory as a numpy integer array of the same shape and strides (no copy)."""
+    return tensor.view(_BITS_DTYPE[tensor.element_size()]).numpy()
+
+
+def _cat_rows(parts: list[torch.Tensor]) -> torch.Tensor:
+    """`torch.cat(parts)` along dim 0, on one thread for plain CPU tensors."""
+    first = parts[0]
+    if not all(_numpy_copyable(p) and p.dtype == first.dtype and p.shape[1:] == first.shape[1:] for p in parts):
+        return torch.cat(parts)
+    return torch.from_numpy(np.concatenate([_bits(p) for p in parts], axis=0)).view(first.dtype)
+
+
+def _take_rows(tensor: torch.Tensor, idx_t: torch.Tensor, idx_np: np.ndarray) -> torch.Tensor:
+    """`tensor[idx_t]` (`idx_np`: the same int64 index), on one thread for plain CPU tensors."""
+    if not _numpy_copyable(tensor):
+        return tensor[idx_t]
+    return torch.from_numpy(np.take(_bits(tensor), idx_np, axis=0)).view(tensor.dtype)
+
+
+# ----------------------------------------------------------------------------------------------
+# Compact serialisation of a TensorDict: exactly the bytes of each leaf, as one flat buffer.
+#
+# The state holds only builtins (tuples, strings, ints) around the buffers: Ray pickles every
+# argument with cloudpickle, whose per-object hooks make each class, function or dtype object in
+# the state cost microseconds; this layout pickles about twice as fast as a numpy-array-per-leaf one.
+# With pickle protocol 5 each buffer is a `pickle.PickleBuffer`, which Ray ships out of band
+# (no copy into the pickle); older protocols write it in band as numpy arrays.
+
+_DTYPE_BY_NAME = {str(d).removeprefix("torch."): d for d in vars(torch).values() if isinstance(d, torch.dtype)}
+
+
+def _encode_tensor(tensor: torch.Tensor, out_of_band: bool) -> tuple:
+    tensor = tensor.detach()
+    if _numpy_copyable(tensor):
+        raw = np.ascontiguousarray(_bits(tensor)).reshape(-1).view(np.uint8)  # copies only a strided view
+    else:
+        raw = tensor.to("cpu").resolve_conj().resolve_neg().contiguous().reshape(-1).view(torch.uint8).numpy()
+    return (
+        (pickle.PickleBuffer(raw) if out_of_band else raw),
+        str(tensor.dtype).removeprefix("torch."),
+        tuple(tensor.shape),
+    )
+
+
+_borrowing = threading.local()
+
+
+@contextlib.contextmanager
+def _borrow_buffers():
+    """While open, tensors unpickled in this thread alias read-only buffers instead of copying them.
+
+    Ray hands unpickling read-only views of its buffers, and `_decode_tensor` normally copies them
+    so that every tensor owns writable memory. A caller that copies every tensor out of the
+    unpickled protos before anything else can see them (the worker group, whose DataProto modes
+    concatenate the results of a call) opens this around its `ray.get` and saves that copy: one
+    pass over every returned byte on the driver. Only the protos' own batches are copied by the
+    concat; a DataProto nested in a result's meta_info or non_tensor_batch would stay borrowed.
+    """
+    previous = getattr(_borrowing, "active", False)
+    _borrowing.active = True
+    try:
+        yield
+    finally:
+        _borrowing.active = previous
+
+
+def _decode_tensor(raw, dtype_name: str, shape) -> torch.Tensor:
+    raw = raw if isinstance(raw, np.ndarray) else np.frombuffer(raw, dtype=np.uint8)
+    dtype = _DTYPE_BY_NAME[dtype_name]
+    if raw.ctypes.data % 16:  # torch kernels expect aligned memory
         raw = raw.copy()
+    elif not raw.flags.writeable:
+        # Ray's views of its buffers are read-only; a tensor must own writable memory, so copy
+        # unless the caller borrows (see `_borrow_buffers`). A plain pickle round trip needs no copy.
+        if not getattr(_borrowing, "active", False):
+            raw = raw.copy()
+        else:
+            with warnings.catch_warnings():  # torch warns that it cannot mark the tensor read-only
+                warnings.simplefilter("ignore", UserWarning)
+                return torch.from_numpy(raw).view(dtype).reshape(shape)
     return torch.from_numpy(raw).view(dtype).reshape(shape)
 
 
@@ -284,14 +389,15 @@ def _strided_leaves(td: TensorDictBase, prefix: tuple = ()) -> dict | None:
     return leaves
 
 
-def _encode_batch(batch: TensorDict | None):
+def _encode_batch(batch: TensorDict | None, out_of_band: bool):
     if batch is None:
         return None
     leaves = _strided_leaves(batch)
     if leaves is None:
         # Non-tensor data, sparse/nested tensors or lazy stacks inside the batch: tensordict pickles those.
         return ("tensordict", pickle.dumps(batch.cpu(), protocol=pickle.HIGHEST_PROTOCOL))
-    return ("leaves", {key: _encode_tensor(value) for key, value in leaves.items()}, int(batch.batch_size[0]))
+    encoded = tuple((key, *_encode_tensor(value, out_of_band)) for key, value in leaves.items())
+    return ("leaves", int(batch.batch_size[0]), encoded)
 
 
 def _decode_batch(state) -> TensorDict | None:
@@ -299,8 +405,16 @@ def _decode_batch(state) -> TensorDict | None:
         return None
     if state[0] == "tensordict":
         return pickle.loads(state[1])
-    _, leaves, num_rows = state
-    return _new_td({key: _decode_tensor(p) for key, p in leaves.items()}, num_rows, device=None)
+    _, num_rows, leaves = state
+    return _new_td({key: _decode_tensor(raw, dtype, shape) for key, raw, dtype, shape in leaves}, num_rows, None)
+
+
+def _rebuild_data_proto(batch_state, non_tensor_batch: dict, meta_info: dict, cls: type | None = None) -> DataProto:
+    proto = object.__new__(cls or DataProto)
+    proto.batch = _decode_batch(batch_state)
+    proto.non_tensor_batch = non_tensor_batch
+    proto.meta_info = meta_info
+    return proto
 
 
 @dataclass(eq=False)
@@ -502,7 +616,9 @@ class DataProto:
         if self.batch is not None:
             if self.batch.device is not None and self.batch.device.type != "cpu":
                 idx_t = idx_t.to(self.batch.device)
-            batch = _new_td({k: v[idx_t] for k, v in self.batch.items()}, len(idx_np), self.batch.device)
+            batch = _new_td(
+                {k: _take_rows(v, idx_t, idx_np) for k, v in self.batch.items()}, len(idx_np), self.batch.device
+            )
         return self._derive(batch, {k: v[idx_np] for k, v in self.non_tensor_batch.items()})
 
     def to(self, device) -> DataProto:
@@ -651,7 +767,7 @@ class DataProto:
         if data[0].batch is not None:
             keys = data[0].batch.keys()  # iterating a TensorDict itself would walk its rows
             device = data[0].batch.device
-            batch = _new_td({k: torch.cat([d.batch[k] for d in data]) for k in keys}, total, device)
+            batch = _new_td({k: _cat_rows([d.batch[k] for d in data]) for k in keys}, total, device)
         non_tensor = {k: np.concatenate([d.non_tensor_batch[k] for d in data]) for k in data[0].non_tensor_batch}
         meta_info = _merge_meta_info([d.meta_info for d in data])
         return type(data[0])(batch=batch, non_tensor_batch=non_tensor, meta_info=meta_info)
@@ -729,17 +845,10 @@ class DataProto:
 
     # ------------------------------------------------------------------ persistence
 
-    def __getstate__(self):
-        return {
-            "batch": _encode_batch(self.batch),
-            "non_tensor_batch": self.non_tensor_batch,
-            "meta_info": self.meta_info,
-        }
-
-    def __setstate__(self, state):
-        self.batch = _decode_batch(state["batch"])
-        self.non_tensor_batch = state["non_tensor_batch"]
-        self.meta_info = state["meta_info"]
+    def __reduce_ex__(self, protocol):
+        # Our own state instead of the dataclass fields (see "Compact serialisation" above).
+        args = (_encode_batch(self.batch, out_of_band=protocol >= 5), self.non_tensor_batch, self.meta_info)
+        return _rebuild_data_proto, args if type(self) is DataProto else (*args, type(self))
 
     def __copy__(self) -> DataProto:
         batch = None if self.batch is None else _new_td(dict(self.batch.items()), len(self), self.batch.device)

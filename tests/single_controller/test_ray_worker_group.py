@@ -92,6 +92,16 @@ class EchoWorker(Worker):
         out.non_tensor_batch["uid"] = data.non_tensor_batch["uid"]
         return out
 
+    @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO)
+    def widen(self, data):
+        """Rows of 64K values (128-256 KiB): results this large travel through Ray's object store."""
+        if data.meta_info.get("fail_rank") == self.rank:
+            raise ValueError(f"rank {self.rank} asked to fail")
+        x = data.batch["x"]
+        return DataProto.from_dict(
+            tensors={"wide": x[:, None].expand(-1, 65536).to(torch.bfloat16).contiguous(), "f32": x[:, None] * 65536.0}
+        )
+
     @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO_WITH_FUNC)
     def apply(self, func, data):
         return func(data)
@@ -207,6 +217,22 @@ def test_dp_compute_proto_pads_uneven_batches_and_returns_rows_in_order(group, n
     # chunk size is ceil(n / 2): the first chunk went to rank 0, the rest to rank 1
     per_rank = -(-n // 2)
     assert out.batch["rank"].tolist() == [0] * per_rank + [1] * (n - per_rank)
+
+
+def test_dp_compute_proto_results_from_the_object_store_come_back_exact_in_fresh_memory(group):
+    from verl.protocol import _borrowing
+
+    out = group.widen(_batch(5))  # padded to 6 rows, 3 per rank: 384 KiB of bfloat16 per result
+    expected = torch.arange(5, dtype=torch.bfloat16)[:, None].expand(-1, 65536)
+    assert out.batch["wide"].dtype == torch.bfloat16 and torch.equal(out.batch["wide"], expected)
+    assert out.batch["f32"].view(-1).tolist() == [i * 65536.0 for i in range(5)]
+    out.batch["wide"].add_(1)  # the concatenated result owns its memory
+    assert torch.equal(group.widen(_batch(5)).batch["wide"], expected)
+    failing = _batch(4)
+    failing.meta_info["fail_rank"] = 1
+    with pytest.raises(WorkerMethodError, match="rank 1 asked to fail"):
+        group.widen(failing)
+    assert not getattr(_borrowing, "active", False)  # later unpickling copies again
 
 
 def test_dp_compute_proto_with_func_sends_the_function_to_every_rank(group):

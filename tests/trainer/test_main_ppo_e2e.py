@@ -115,7 +115,9 @@ def _wait_for_checkpoint(ckpt: Path, step: int, proc: subprocess.Popen, timeout:
 
 
 def test_resume_after_kill_9_reproduces_the_uninterrupted_run(tmp_path):
-    """4 steps straight == 2 steps, kill -9, resume, 2 more steps (same metrics on CPU)."""
+    """4 steps straight == 2 steps, kill -9, resume, 2 more steps (same metrics on CPU). With 32
+    training rows in batches of 16 the kill falls on an epoch boundary: the resumed run must start
+    the second epoch with the same shuffle as the uninterrupted one."""
     steps = 4
     base = [
         "bash",
@@ -123,6 +125,7 @@ def test_resume_after_kill_9_reproduces_the_uninterrupted_run(tmp_path):
         "trainer.save_freq=2",
         "data.train_batch_size=16",
         "actor_rollout_ref.actor.ppo_mini_batch_size=16",
+        "data.train_max_samples=32",
     ]
     straight = tmp_path / "straight"
     straight.mkdir()
@@ -143,6 +146,8 @@ def test_resume_after_kill_9_reproduces_the_uninterrupted_run(tmp_path):
 
     expected = {r["step"]: r["data"] for r in _metrics(straight)}
     resumed = {r["step"]: r["data"] for r in _metrics(killed)}  # later lines (the resumed run) win
+    assert expected[3]["training/epoch"] == expected[2]["training/epoch"] + 1  # the kill sat on the boundary
     for step in (3, 4):
+        assert resumed[step]["training/epoch"] == expected[step]["training/epoch"]
         for key in ("critic/score/mean", "actor/pg_loss", "response_length/mean", "actor/entropy", "actor/grad_norm"):
             assert resumed[step][key] == pytest.approx(expected[step][key], rel=1e-4, abs=1e-6), (step, key)

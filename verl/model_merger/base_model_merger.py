@@ -21,8 +21,12 @@ Design decisions:
 - The tokenizer files and generation_config.json are copied byte for byte from the checkpoint's
   `huggingface/` folder rather than re-saved through a tokenizer class, so inference sees exactly
   what training used.
-- Left out: LoRA adapters (the trainer has no LoRA), multimodal processors, and Megatron
-  checkpoints (`--backend megatron` says it is not available yet).
+- A LoRA checkpoint (peft names, `base_model.model.*`, plus the adapter in `lora_adapter/`) is
+  merged: each adapted layer becomes `W + scaling * B @ A` (scaling from the adapter's
+  `adapter_config.json`) under its plain HF name, so the output is an ordinary HF model; the
+  adapter directory is copied beside it (`<target_dir>/lora_adapter`) for use with peft.
+- Left out: multimodal processors, and Megatron checkpoints (`--backend megatron` says it is not
+  available yet).
 """
 
 from __future__ import annotations
@@ -34,6 +38,14 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 
 import torch
+
+from verl.utils.lora import (
+    ADAPTER_DIR,
+    PEFT_PREFIX,
+    merge_lora_state,
+    read_adapter_config,
+    scaling_from_adapter_config,
+)
 
 __all__ = [
     "BaseModelMerger",
@@ -223,7 +235,7 @@ class BaseModelMerger(ABC):
 
     def merged_state_dict(self) -> tuple[dict[str, torch.Tensor], type]:
         """(the state dict in the requested dtype, the auto-model class its names belong to)."""
-        state_dict = self.load_state_dict()
+        state_dict = self._merge_lora(self.load_state_dict())
         if self.target_dtype is not None:
             state_dict = {k: v.to(self.target_dtype) if v.is_floating_point() else v for k, v in state_dict.items()}
         model_class = self.get_transformers_auto_model_class(state_dict)
@@ -239,6 +251,8 @@ class BaseModelMerger(ABC):
         print(f"saving {type(shell).__name__} ({len(state_dict)} tensors) to {target}")
         shell.save_pretrained(target, state_dict=state_dict)
         self._copy_tokenizer_and_generation_config(target)
+        if os.path.isdir(self.lora_adapter_dir):
+            shutil.copytree(self.lora_adapter_dir, os.path.join(target, ADAPTER_DIR), dirs_exist_ok=True)
         if self.config.hf_upload:
             self.upload_to_huggingface(target)
         return target
@@ -279,6 +293,33 @@ class BaseModelMerger(ABC):
         print(f"uploaded {folder} to the Hugging Face Hub as {self.config.hf_upload_path}")
 
     # --------------------------------------------------------------------------------- helpers
+    @property
+    def lora_adapter_dir(self) -> str:
+        return os.path.join(self.config.local_dir, ADAPTER_DIR)
+
+    def _merge_lora(self, state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """A peft (LoRA) state dict merged into plain HF names; any other state dict unchanged."""
+        if not any(name.startswith(PEFT_PREFIX) for name in state_dict):
+            return state_dict
+        if not os.path.isfile(os.path.join(self.lora_adapter_dir, "adapter_config.json")):
+            raise ModelMergerError(
+                f"{self.config.local_dir!r} holds a LoRA model (peft names such as "
+                f"{_sample([n for n in state_dict if '.lora_' in n], 1)}) but no {ADAPTER_DIR}/adapter_config.json, "
+                "which gives the adapter's scaling (lora_alpha / r); restore that directory from the checkpoint"
+            )
+        adapter_config = read_adapter_config(self.lora_adapter_dir)
+        try:
+            merged = merge_lora_state(
+                state_dict.items(),
+                scaling_from_adapter_config(adapter_config),
+                fan_in_fan_out=bool(adapter_config.get("fan_in_fan_out", False)),
+            )
+            state_dict = dict(merged)
+        except (KeyError, NotImplementedError) as e:
+            raise ModelMergerError(f"cannot merge the LoRA adapter of {self.config.local_dir!r}: {e}") from e
+        print(f"merged the LoRA adapter (r={adapter_config['r']}, lora_alpha={adapter_config['lora_alpha']})")
+        return state_dict
+
     def get_transformers_auto_model_class(self, state_dict: dict[str, torch.Tensor]):
         """The auto class whose model, built from the config, has exactly the checkpoint's tensor names."""
         names = set(state_dict)

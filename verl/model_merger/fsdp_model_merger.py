@@ -76,8 +76,9 @@ class FSDPModelMerger(BaseModelMerger):
     def load_state_dict(self) -> dict[str, torch.Tensor]:
         import torch.distributed.checkpoint as dcp
 
-        reader = dcp.FileSystemReader(self.model_dir)
-        metadata = reader.read_metadata()
+        from verl.utils.checkpoint.safe_load import dcp_load, dcp_metadata
+
+        metadata = dcp_metadata(self.model_dir)
         state_dict = {
             name: torch.empty(meta.size, dtype=meta.properties.dtype)
             for name, meta in metadata.state_dict_metadata.items()
@@ -91,5 +92,5 @@ class FSDPModelMerger(BaseModelMerger):
         print(f"loading {len(state_dict)} tensors from {num_shards} shard file(s) in {self.model_dir}")
         with warnings.catch_warnings():  # DCP warns that it loads in one process: exactly the intent here
             warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
-            dcp.load(state_dict, storage_reader=reader, no_dist=True)
+            dcp_load(state_dict, self.model_dir, no_dist=True)
         return state_dict

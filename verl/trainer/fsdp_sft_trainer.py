@@ -312,14 +312,15 @@ class FSDPSFTTrainer:
 
     def load_checkpoint(self) -> None:
         """Restore model, optimizer and step from the checkpoint `trainer.resume_mode` selects."""
-        import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+        from verl.utils.checkpoint.safe_load import dcp_load
 
         path = resolve_resume_path(self.config.trainer, self.checkpoint_dir)
         if path is None:
             return
         state = dict(zip(("model", "optimizer"), get_state_dict(self.model, self.optimizer)))
-        dcp.load(state, checkpoint_id=os.path.join(path, "dcp"))
+        dcp_load(state, os.path.join(path, "dcp"))
         set_state_dict(self.model, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
         extra = torch.load(os.path.join(path, "extra_state.pt"), weights_only=True)
         self.global_step = int(extra["global_step"])

@@ -8,6 +8,13 @@ submit ... -- python -m verl.trainer.main_ppo ...`) behaves the same as a local 
 
 With no overrides it runs the embedded task: the bundled tiny model learns 2-digit addition with
 GRPO on CPU, with the data generated on first use.
+
+How a run ends (docs/reliability.md): 0 when training completes; 2 when the config or the run's
+inputs are wrong (checked before Ray starts: `validate_ppo_config`, then `verl.trainer.preflight`);
+1 when training fails, with the cause's message as the last line of stderr (a worker that died,
+a reward function that raised, NaN losses in a row, ...); 130 after Ctrl-C, once the workers are
+stopped. Failures the user can fix print only their message; anything else also prints its
+traceback (set VERL_LOGGING_LEVEL=DEBUG to get it for every failure).
 """
 
 from __future__ import annotations
@@ -18,9 +25,9 @@ import sys
 
 def main(argv: list[str] | None = None) -> None:
     """Parse Hydra-style overrides (`key=value`, `+key=value`, `--config-path/--config-name`),
-    validate, and train. A config mistake exits with status 2 and one message listing every problem;
-    a cluster too small for the run (a missing node, too few devices) exits with status 1 and the
-    message that says what is missing."""
+    validate, and train. A config or input mistake exits with status 2 and one message listing every
+    problem; a failed run (a dead worker, a cluster too small for the run, ...) exits with status 1
+    and the message that says what went wrong; Ctrl-C stops the workers and exits with 130."""
     from verl.trainer.config import ConfigError, load_ppo_config, parse_cli_args
 
     try:
@@ -29,13 +36,60 @@ def main(argv: list[str] | None = None) -> None:
     except ConfigError as e:
         print(f"verl: invalid configuration\n{e}", file=sys.stderr)
         raise SystemExit(2) from None
-    from verl.single_controller.base import ResourceUnavailableError
-
     try:
         run_ppo(config)
-    except ResourceUnavailableError as e:  # raised in the TaskRunner: print the message, not Ray's traceback
-        print(f"verl: the Ray cluster cannot hold this run\n{getattr(e, 'cause', None) or e}", file=sys.stderr)
-        raise SystemExit(1) from None
+    except KeyboardInterrupt:
+        print(
+            "verl: interrupted; the workers were stopped. Checkpoints up to the last completed save are intact: run "
+            "the same command again to resume from it (trainer.resume_mode=auto)",
+            file=sys.stderr,
+        )
+        raise SystemExit(130) from None
+    except Exception as e:
+        raise SystemExit(_report_failure(e)) from None
+
+
+def _report_failure(error: BaseException) -> int:
+    """Print why the run failed (the remote cause, not Ray's wrapper) and return the exit status."""
+    import traceback
+
+    from verl.trainer.config import ConfigError
+    from verl.trainer.preflight import RunInputError
+
+    cause = getattr(error, "cause", None) or error  # a RayTaskError carries the TaskRunner's exception
+    if isinstance(cause, RunInputError):  # its message starts with "cannot start"
+        print(f"verl: {cause}", file=sys.stderr)
+        return 2
+    if isinstance(cause, ConfigError):
+        print(f"verl: invalid configuration\n{cause}", file=sys.stderr)
+        return 2
+    user_fixable = _user_fixable_errors()
+    if not isinstance(cause, user_fixable) or os.environ.get("VERL_LOGGING_LEVEL", "").upper() == "DEBUG":
+        traceback.print_exception(error, file=sys.stderr)
+    from verl.single_controller.base import ResourceUnavailableError
+
+    if isinstance(cause, ResourceUnavailableError):
+        print(f"verl: the Ray cluster cannot hold this run\n{cause}", file=sys.stderr)
+    else:
+        print(f"verl: training failed: {type(cause).__name__}: {cause}", file=sys.stderr)
+    return 1
+
+
+def _user_fixable_errors() -> tuple[type, ...]:
+    """Failures whose message says everything (what, where, what to do); their tracebacks are noise."""
+    from verl.single_controller.base import ResourceUnavailableError, WorkerDiedError, WorkerTimeoutError
+    from verl.trainer.ppo.ray_trainer import NonFiniteLossError
+    from verl.utils.checkpoint.safe_load import UnsafeCheckpointError
+    from verl.workers.reward_manager.abstract import RewardFunctionError
+
+    return (
+        ResourceUnavailableError,
+        WorkerDiedError,
+        WorkerTimeoutError,
+        NonFiniteLossError,
+        RewardFunctionError,
+        UnsafeCheckpointError,
+    )
 
 
 def _job_runtime_env() -> dict:
@@ -64,11 +118,16 @@ def _ray_init_kwargs(config) -> dict:
         "VERL_DEVICE": os.environ.get("VERL_DEVICE", "auto"),
         "PYTHONPATH": pythonpath,
     }
+    if not config.trainer.get("progress_bar", True):  # the workers' model-loading bars (huggingface_hub's switch)
+        defaults["HF_HUB_DISABLE_PROGRESS_BARS"] = "1"
     job_env_vars = _job_runtime_env().get("env_vars") or {}
     env_vars = {k: v for k, v in defaults.items() if k not in job_env_vars}
     runtime_env = dict(kwargs.pop("runtime_env", None) or {})
     runtime_env["env_vars"] = {**env_vars, **(runtime_env.get("env_vars") or {})}
+    # Nothing listens for HTTP unless asked: no dashboard by default, and a dashboard that is turned on
+    # serves localhost only (dashboard_host opens it up; docs/reliability.md, Security).
     kwargs.setdefault("include_dashboard", False)
+    kwargs.setdefault("dashboard_host", "127.0.0.1")
     if not kwargs.get("address") and not os.environ.get("RAY_ADDRESS"):  # we start the cluster: tune it
         from verl.single_controller.ray import RAY_SYSTEM_CONFIG
 
@@ -77,24 +136,65 @@ def _ray_init_kwargs(config) -> dict:
 
 
 def run_ppo(config, task_runner_cls=None) -> dict:
-    """Start or join Ray and train in a TaskRunner actor; returns the final step's metrics."""
+    """Start or join Ray and train in a TaskRunner actor; returns the final step's metrics.
+
+    The config and the run's inputs are checked first (`ConfigError`, before Ray starts). On
+    KeyboardInterrupt (Ctrl-C) the TaskRunner and its workers are stopped before it propagates.
+    """
     import ray
 
     from verl.trainer.config import validate_ppo_config
+    from verl.trainer.preflight import check_run_inputs, skip_reason
     from verl.utils.device import set_device_preference
 
     validate_ppo_config(config)
+    if skip_reason(config) is None:
+        check_run_inputs(config)
     set_device_preference(config.trainer.get("device", "auto"))
-    if not ray.is_initialized():
+    started_cluster = not ray.is_initialized()
+    if started_cluster:
         ray.init(**_ray_init_kwargs(config))
     runner_cls = ray.remote(num_cpus=0)(task_runner_cls or TaskRunner)
     runner = runner_cls.remote()
-    return ray.get(runner.run.remote(config))
+    try:
+        return ray.get(runner.run.remote(config))
+    except KeyboardInterrupt:
+        _stop_run(runner, shutdown=started_cluster)
+        raise
+
+
+def _stop_run(runner, shutdown: bool, timeout_s: float = 20.0) -> None:
+    """Ctrl-C: kill the TaskRunner and this job's worker actors, then stop the local cluster if we
+    started it, so no worker outlives the driver. Bounded: after a terminal Ctrl-C the Ray daemons
+    (same process group as the driver) may already be gone, and nothing here may hang on them."""
+    import contextlib
+    import threading
+
+    import ray
+
+    def stop() -> None:
+        # Worker actors are owned by the TaskRunner and die with it; they are also killed by name, so
+        # they are gone before the cluster is, not whenever Ray notices that their owner died. Any of
+        # these calls may fail once the cluster is going down; shutting it down is then all that is left.
+        with contextlib.suppress(Exception):
+            ray.kill(runner, no_restart=True)
+            for name in ray.util.list_named_actors():
+                if name.startswith("verl_"):
+                    with contextlib.suppress(Exception):  # already dead with its owner
+                        ray.kill(ray.get_actor(name), no_restart=True)
+        if shutdown:
+            ray.shutdown()
+
+    print("verl: interrupted; stopping the workers ...", file=sys.stderr)
+    thread = threading.Thread(target=stop, name="verl-stop-run", daemon=True)
+    thread.start()
+    thread.join(timeout_s)
 
 
 def build_role_worker_mapping(config):
     """Roles -> worker classes. The reference policy shares the actor's worker (the hybrid engine)."""
     from verl.trainer.config import need_critic, need_reference_policy
+    from verl.trainer.ppo.async_rollout import staleness_threshold
     from verl.trainer.ppo.ray_trainer import Role
     from verl.workers.fsdp_workers import ActorRolloutRefWorker, CriticWorker, RewardModelWorker
 
@@ -104,7 +204,23 @@ def build_role_worker_mapping(config):
         mapping[Role.Critic] = CriticWorker
     if config.reward_model.get("enable", False):
         mapping[Role.RewardModel] = RewardModelWorker
+    if staleness_threshold(config) > 0:  # generation runs ahead of training in its own pool
+        mapping[Role.Rollout] = ActorRolloutRefWorker
     return mapping
+
+
+def build_resource_pools(config, mapping) -> tuple[dict, dict]:
+    """(pool name -> workers per node, role -> pool name): one global pool, plus a `rollout_pool`
+    of `rollout.nnodes x rollout.n_gpus_per_node` when generation has a pool of its own."""
+    from verl.trainer.ppo.ray_trainer import Role
+
+    trainer_cfg = config.trainer
+    spec = {"global_pool": [trainer_cfg.n_gpus_per_node] * trainer_cfg.nnodes}
+    roles = {role: "global_pool" for role in mapping}
+    if Role.Rollout in mapping:
+        spec["rollout_pool"] = [config.rollout.n_gpus_per_node] * config.rollout.nnodes
+        roles[Role.Rollout] = "rollout_pool"
+    return spec, roles
 
 
 def build_datasets(config, tokenizer) -> tuple:
@@ -150,17 +266,21 @@ class TaskRunner:
         _ensure_default_data(config)
         model_path = config.actor_rollout_ref.model.path
         tokenizer = hf_tokenizer(config.actor_rollout_ref.model.get("tokenizer_path") or model_path)
+        # The datasets first: their checks (malformed rows, over-long prompts with data.truncation=error)
+        # are the most likely start-up failures left after the driver's pre-flight checks.
+        try:
+            train_dataset, val_dataset = build_datasets(config, tokenizer)
+        except (ValueError, TypeError, OSError) as e:  # the dataset's messages name the file, row and fix
+            from verl.trainer.preflight import RunInputError
+
+            raise RunInputError(f"cannot start: the data is not usable: {e}") from e
 
         mapping = build_role_worker_mapping(config)
-        trainer_cfg = config.trainer
-        pool_spec = {"global_pool": [trainer_cfg.n_gpus_per_node] * trainer_cfg.nnodes}
-        pool_manager = ResourcePoolManager(
-            resource_pool_spec=pool_spec, mapping={role: "global_pool" for role in mapping}
-        )
+        pool_spec, role_pools = build_resource_pools(config, mapping)
+        pool_manager = ResourcePoolManager(resource_pool_spec=pool_spec, mapping=role_pools)
 
         reward_fn = load_reward_manager(config, tokenizer, num_examine=0)
         val_reward_fn = load_reward_manager(config, tokenizer, num_examine=1)
-        train_dataset, val_dataset = build_datasets(config, tokenizer)
 
         trainer = RayPPOTrainer(
             config=config,

@@ -25,7 +25,7 @@ DTensor is all-gathered on its own, so at most one unsharded tensor exists beyon
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import torch
 import torch.distributed as dist
@@ -203,19 +203,24 @@ def fsdp2_clip_grad_norm_(
 
 
 @torch.no_grad()
-def iter_full_params(module: nn.Module, dtype: torch.dtype | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+def iter_full_params(
+    module: nn.Module, dtype: torch.dtype | None = None, name_filter: Callable[[str], bool] | None = None
+) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield `(hf_name, full_tensor)` for every entry of `module.state_dict()`, one at a time.
 
     Names are the HF names (FSDP2 does not rename parameters). Each sharded tensor is all-gathered
     on the compute device only when the consumer asks for it, so peak extra memory is one full
     tensor; the consumer should drop its reference before asking for the next. Every rank must
     iterate to the end (the gathers are collectives). `dtype` casts each tensor (e.g. bf16 for a
-    rollout engine) after gathering.
+    rollout engine) after gathering. `name_filter` keeps only the names it accepts (it must accept
+    the same names on every rank).
     """
     from torch.distributed.tensor import DTensor
 
     device = get_device()
     for name, tensor in module.state_dict().items():
+        if name_filter is not None and not name_filter(name):
+            continue
         if isinstance(tensor, DTensor):
             if tensor.device != device:  # offloaded shards: gather on the device the backend supports
                 tensor = tensor.to(device)

@@ -32,9 +32,39 @@ def hf_tokenizer(name_or_path: str, trust_remote_code: bool = False, correct_pad
             f"could not load a tokenizer from {name_or_path!r}: {e}. Point the model path at a directory "
             "with tokenizer files (tokenizer.json or tokenizer.model + tokenizer_config.json)"
         ) from e
-    if correct_pad_token and tokenizer.pad_token_id is None:
-        if tokenizer.eos_token_id is None:
-            raise ValueError(f"the tokenizer at {name_or_path!r} has neither a pad nor an eos token; add one of them")
-        tokenizer.pad_token = tokenizer.eos_token
-        logger.warning(f"tokenizer at {name_or_path} has no pad token; using eos ({tokenizer.eos_token!r}) for padding")
+    if correct_pad_token:
+        vocab_size = _model_vocab_size(path)
+        invented = (
+            vocab_size is not None and tokenizer.pad_token_id is not None and tokenizer.pad_token_id >= vocab_size
+        )
+        if tokenizer.pad_token_id is None or invented:
+            if tokenizer.eos_token_id is None:
+                raise ValueError(
+                    f"the tokenizer at {name_or_path!r} has neither a pad nor an eos token; add one of them"
+                )
+            if invented:
+                # Some tokenizer classes (Qwen2Tokenizer) add a default pad token at load time when the files
+                # define none; its id lies past the model's embedding table, and padding with it would crash.
+                logger.warning(
+                    f"tokenizer at {name_or_path} has no pad token of the model's vocabulary (its class added "
+                    f"{tokenizer.pad_token!r} with id {tokenizer.pad_token_id} >= vocab_size {vocab_size})"
+                )
+            tokenizer.pad_token = tokenizer.eos_token
+            logger.warning(
+                f"tokenizer at {name_or_path} has no pad token; using eos ({tokenizer.eos_token!r}) for padding"
+            )
     return tokenizer
+
+
+def _model_vocab_size(path: str) -> int | None:
+    """`vocab_size` from the model's config.json when `path` is a model directory, else None."""
+    import json
+
+    config_file = os.path.join(path, "config.json")
+    try:
+        with open(config_file, encoding="utf-8") as f:
+            config = json.load(f)
+    except (OSError, ValueError):
+        return None
+    vocab_size = config.get("vocab_size") or (config.get("text_config") or {}).get("vocab_size")
+    return vocab_size if isinstance(vocab_size, int) else None

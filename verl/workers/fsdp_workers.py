@@ -10,6 +10,16 @@ checkpoints), `_RolloutPart` (the generation engine, fed weights from the actor 
 generation and put to sleep afterwards: the hybrid engine) and `_RefPart` (a frozen FSDP copy).
 Every RPC delegates to its part; calling an RPC whose part this role lacks is a clear error.
 
+LoRA (`model.lora_rank > 0`, see `verl.utils.lora`): the actor's model is wrapped with peft
+before sharding and only the adapters train. The reference policy is then not a second model
+but the actor's own module with its adapters switched off, and the rollout engine receives the
+merged weights `W + scaling * B @ A` under plain HF names.
+
+Offload (`fsdp_config.param_offload` / `optimizer_offload`, upstream's hybrid-engine switches): the
+sharded parameters, and the Adam moments, live on the host between uses and come to the device only
+for the RPC that needs them (`_FSDPModel.on_device`), so the rollout engine and the training phases
+do not hold them at the same time. On a CPU device both are no-ops.
+
 Batch-size normalisation follows upstream: `ppo_mini_batch_size` counts prompts, so it is
 multiplied by `rollout.n` and divided by the data-parallel size; `*_micro_batch_size_per_gpu` is
 already per rank.
@@ -17,6 +27,7 @@ already per rank.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import time
 
@@ -91,6 +102,18 @@ def _log_prob_meta(data: DataProto, cfg: DictConfig, temperature: float) -> None
     data.meta_info.setdefault("temperature", temperature)
 
 
+def _mfu_metric(model, data: DataProto, seconds: float, passes: int) -> float | None:
+    """perf/mfu of an update over the global batch (its per-sequence token counts ride in meta_info)."""
+    from verl.utils.flops_counter import FlopsCounter, mfu
+
+    seqlens = data.meta_info.get("global_token_num")
+    config = getattr(model, "config", None)
+    if not seqlens or config is None:
+        return None
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    return mfu(FlopsCounter(config), seqlens, seconds, world, passes=passes)
+
+
 def _plain(section) -> dict:
     """A config section (DictConfig, dict or None) as a plain dict."""
     if section is None:
@@ -99,10 +122,15 @@ def _plain(section) -> dict:
 
 
 class _FSDPModel:
-    """An HF model on this rank's device, wrapped with FSDP2 over all ranks of the group."""
+    """An HF model on this rank's device, wrapped with FSDP2 over all ranks of the group.
+
+    A model trained with `model_cfg.lora_rank > 0` is wrapped with LoRA adapters first (FSDP2
+    then shards base weights and adapters alike; only the adapters require gradients).
+    """
 
     def __init__(self, model_cfg: DictConfig, fsdp_cfg, for_training: bool, value_head: bool = False):
         from verl.utils.fsdp_utils import apply_fsdp2
+        from verl.utils.lora import apply_lora, lora_enabled
         from verl.utils.model import enable_gradient_checkpointing, load_causal_lm, load_valuehead_model
 
         loader = load_valuehead_model if value_head else load_causal_lm
@@ -115,7 +143,52 @@ class _FSDPModel:
             enable_gradient_checkpointing(self.module)
         if not for_training:
             self.module.requires_grad_(False)
+        self.lora = for_training and not value_head and lora_enabled(model_cfg)
+        if self.lora:
+            self.module = apply_lora(self.module, model_cfg)
         self.module = apply_fsdp2(self.module, fsdp_cfg)
+        self.optimizer = None
+        fsdp = _plain(fsdp_cfg)
+        self.param_offload = bool(fsdp.get("param_offload", False))
+        self.optimizer_offload = bool(fsdp.get("optimizer_offload", False)) and for_training
+        self._offload(optimizer=False)
+
+    def _offload(self, optimizer: bool) -> None:
+        from verl.utils.fsdp_utils import offload_fsdp_model_to_cpu, offload_fsdp_optimizer
+
+        if self.param_offload:
+            offload_fsdp_model_to_cpu(self.module)
+        if optimizer and self.optimizer_offload and self.optimizer is not None:
+            offload_fsdp_optimizer(self.optimizer)
+
+    @contextlib.contextmanager
+    def on_device(self, optimizer: bool = False):
+        """The parameters (and, with `optimizer`, the optimizer state) on the device for the block;
+        back on the host afterwards when offloaded."""
+        from verl.utils.fsdp_utils import load_fsdp_model_to_device, load_fsdp_optimizer
+
+        if self.param_offload:
+            load_fsdp_model_to_device(self.module)
+        if optimizer and self.optimizer_offload and self.optimizer is not None:
+            load_fsdp_optimizer(self.optimizer)
+        try:
+            yield
+        finally:
+            self._offload(optimizer)
+
+    def hf_params(self):
+        """`(hf_name, full_tensor)` pairs, streamed (collective): with LoRA, the merged weights."""
+        from verl.utils.fsdp_utils import iter_full_params
+
+        if not self.lora:
+            return iter_full_params(self.module)
+        from verl.utils.lora import lora_scalings, merge_lora_state
+
+        return merge_lora_state(iter_full_params(self.module), lora_scalings(self.module))
+
+    def adapters_disabled(self):
+        """Context in which the model computes as its base model (LoRA adapters off); a no-op without LoRA."""
+        return self.module.disable_adapter() if self.lora else contextlib.nullcontext()
 
 
 class _OptimizedModel(_FSDPModel):
@@ -126,7 +199,8 @@ class _OptimizedModel(_FSDPModel):
         from verl.utils.checkpoint.fsdp_checkpoint_manager import FSDPCheckpointManager
         from verl.utils.optim import build_lr_scheduler, build_optimizer
 
-        self.optimizer = build_optimizer(self.module.parameters(), optim_cfg)
+        # with LoRA only the adapters require gradients: AdamW state for them alone
+        self.optimizer = build_optimizer([p for p in self.module.parameters() if p.requires_grad], optim_cfg)
         self.lr_scheduler = build_lr_scheduler(self.optimizer, optim_cfg)
         self.checkpoint_manager = FSDPCheckpointManager(
             model=self.module,
@@ -142,7 +216,14 @@ class _OptimizedModel(_FSDPModel):
         return lr
 
     def save(self, local_path: str, global_step: int, max_ckpt_to_keep: int | None) -> None:
-        self.checkpoint_manager.save_checkpoint(local_path, global_step=global_step, max_ckpt_to_keep=max_ckpt_to_keep)
+        with self.on_device(optimizer=True):  # the checkpoint manager reads state on the device
+            self.checkpoint_manager.save_checkpoint(
+                local_path, global_step=global_step, max_ckpt_to_keep=max_ckpt_to_keep
+            )
+
+    def load(self, local_path: str) -> None:
+        with self.on_device(optimizer=True):
+            self.checkpoint_manager.load_checkpoint(local_path)
 
 
 class ActorRolloutRefWorker(Worker):
@@ -163,6 +244,10 @@ class ActorRolloutRefWorker(Worker):
         if "actor" in self.parts:
             _normalize_batch_sizes(self.config.actor, self.config.rollout.n, self.dp_size)
         self.actor = self.rollout = self.ref = None
+        # Asynchronous training (separate pools): the weight version a rollout-only worker holds,
+        # stamped on every sample it generates; None in the hybrid engine (always current weights).
+        self.weight_version: int | None = 0 if self.parts == ("rollout",) else None
+        self._weight_sync_store = self._weight_sender = self._weight_receiver = None
 
     def _need(self, part: str, method: str):
         obj = getattr(self, part)
@@ -195,8 +280,12 @@ class ActorRolloutRefWorker(Worker):
             if self.actor is not None:
                 self.rollout.sleep()  # weights arrive from the actor before each generation
         if "ref" in self.parts:
-            ref_cfg = cfg.get("ref") or {}
-            self.ref_model = _FSDPModel(cfg.model, ref_cfg.get("fsdp_config"), for_training=False)
+            if self.actor is not None and self.actor_model.lora:
+                # the frozen base under the adapters is the initial policy: no second copy of the weights
+                self.ref_model = self.actor_model
+            else:
+                ref_cfg = cfg.get("ref") or {}
+                self.ref_model = _FSDPModel(cfg.model, ref_cfg.get("fsdp_config"), for_training=False)
             # Only compute_log_prob is used, which reads the actor's model-side keys (remove padding, ...).
             self.ref = DataParallelPPOActor(cfg.actor, self.ref_model.module)
         _seed_sampling()
@@ -204,14 +293,13 @@ class ActorRolloutRefWorker(Worker):
     @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO)
     def generate_sequences(self, prompts: DataProto) -> DataProto:
         """Sync weights into the engine (hybrid engine), generate, then put the engine to sleep."""
-        from verl.utils.fsdp_utils import iter_full_params
-
         rollout = self._need("rollout", "generate_sequences")
         metrics = {}
         if self.actor is not None:
             start = time.perf_counter()
             rollout.wake_up()
-            rollout.update_weights(iter_full_params(self.actor_model.module))
+            with self.actor_model.on_device():
+                rollout.update_weights(self.actor_model.hf_params())
             metrics["timing_s/update_weights"] = time.perf_counter() - start
         start = time.perf_counter()
         output = rollout.generate_sequences(prompts)
@@ -219,14 +307,73 @@ class ActorRolloutRefWorker(Worker):
         if self.actor is not None and self.config.rollout.get("free_cache_engine", True):
             rollout.sleep()
         output.meta_info["metrics"] = {**output.meta_info.get("metrics", {}), **metrics}
+        if self.weight_version is not None:
+            import numpy as np
+
+            output.non_tensor_batch["weight_version"] = np.full(len(output), self.weight_version, dtype=np.int64)
         dev.empty_cache()
         return output
+
+    # ---------------------------------------------- weight transfer between separate pools (async training)
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def host_weight_sync(self, timeout_s: float) -> tuple[str, int] | None:
+        """Actor rank 0 hosts the weight-sync rendezvous store: returns its (host, port); None elsewhere."""
+        self._need("actor", "host_weight_sync")
+        if self.rank != 0:
+            return None
+        from verl.workers.weight_sync import host_weight_sync_store
+
+        self._weight_sync_store, host, port = host_weight_sync_store(timeout_s)
+        return host, port
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL, blocking=False)
+    def init_weight_sync(self, host: str, port: int, world_size: int, timeout_s: float, bucket_megabytes: int) -> None:
+        """Join the trainer->rollout weight-sync group: actor rank 0 as sender (group rank 0), rollout
+        rank r as receiver r + 1. Both pools must call it concurrently (the rendezvous waits for all)."""
+        from verl.workers.weight_sync import WeightReceiver, WeightSender, connect_store
+
+        if self.actor is not None:
+            if self.rank == 0:
+                self._weight_sender = WeightSender(
+                    self._weight_sync_store, world_size, timeout_s, bucket_bytes=int(bucket_megabytes) << 20
+                )
+            return
+        self._need("rollout", "init_weight_sync")
+        store = connect_store(host, port, timeout_s)
+        self._weight_receiver = WeightReceiver(store, self.rank + 1, world_size, timeout_s)
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL, blocking=False)
+    def send_weights(self, version: int) -> dict[str, float]:
+        """Gather the full weights (every actor rank takes part) and start broadcasting them from rank 0
+        in the background; returns once rank 0 holds its copy, so the next update can start."""
+        self._need("actor", "send_weights")
+        start = time.perf_counter()
+        with self.actor_model.on_device():  # pack() copies the weights: the background send needs no params
+            params = self.actor_model.hf_params()
+            if self._weight_sender is None:
+                for _ in params:  # the gathers are collectives: every rank iterates to the end
+                    pass
+            else:
+                self._weight_sender.send_async(version, self._weight_sender.pack(params))
+        return {"timing_s/gather_weights": time.perf_counter() - start}
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL, blocking=False)
+    def receive_weights(self, version: int) -> dict[str, float]:
+        """Load weight `version` from the trainer into this rollout engine; later samples carry it."""
+        rollout = self._need("rollout", "receive_weights")
+        if self._weight_receiver is None:
+            raise RuntimeError("receive_weights before init_weight_sync: the weight-sync group does not exist yet")
+        start = time.perf_counter()
+        rollout.update_weights(self._weight_receiver.receive(version))
+        self.weight_version = int(version)
+        return {"timing_s/receive_weights": time.perf_counter() - start}
 
     @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO)
     def compute_log_prob(self, data: DataProto) -> DataProto:
         actor = self._need("actor", "compute_log_prob")
         _log_prob_meta(data, self.config.rollout, self.config.rollout.temperature)
-        log_probs, entropys = actor.compute_log_prob(data, calculate_entropy=True)
+        with self.actor_model.on_device():
+            log_probs, entropys = actor.compute_log_prob(data, calculate_entropy=True)
         tensors = {"old_log_probs": log_probs}
         if entropys is not None:
             tensors["entropys"] = entropys
@@ -236,7 +383,8 @@ class ActorRolloutRefWorker(Worker):
     def compute_ref_log_prob(self, data: DataProto) -> DataProto:
         ref = self._need("ref", "compute_ref_log_prob")
         _log_prob_meta(data, self.config.get("ref", {}) or self.config.rollout, self.config.rollout.temperature)
-        log_probs, _ = ref.compute_log_prob(data, calculate_entropy=False)
+        with self.ref_model.on_device(), self.ref_model.adapters_disabled():
+            log_probs, _ = ref.compute_log_prob(data, calculate_entropy=False)
         return DataProto.from_dict(tensors={"ref_log_prob": log_probs})
 
     @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO)
@@ -244,9 +392,13 @@ class ActorRolloutRefWorker(Worker):
         actor = self._need("actor", "update_actor")
         data.meta_info.setdefault("temperature", self.config.rollout.temperature)
         start = time.perf_counter()
-        metrics = actor.update_policy(data)
+        with self.actor_model.on_device(optimizer=True):
+            metrics = actor.update_policy(data)
         metrics["actor/lr"] = self.actor_model.step_scheduler()
-        metrics["perf/update_actor_s"] = time.perf_counter() - start
+        metrics["perf/update_actor_s"] = seconds = time.perf_counter() - start
+        actor_mfu = _mfu_metric(self.actor_model.module, data, seconds, self.config.actor.get("ppo_epochs", 1))
+        if actor_mfu is not None:
+            metrics["perf/mfu/actor"] = actor_mfu
         mem = dev.memory_stats()
         for key in ("max_allocated_gb", "cpu_rss_gb"):
             if key in mem:
@@ -261,7 +413,7 @@ class ActorRolloutRefWorker(Worker):
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def load_checkpoint(self, local_path: str, del_local_after_load: bool = False) -> None:
         self._need("actor", "load_checkpoint")
-        self.actor_model.checkpoint_manager.load_checkpoint(local_path)
+        self.actor_model.load(local_path)
 
 
 class CriticWorker(Worker):
@@ -295,12 +447,21 @@ class CriticWorker(Worker):
         data.meta_info.setdefault("micro_batch_size", self.config.get("forward_micro_batch_size_per_gpu") or len(data))
         data.meta_info.setdefault("use_dynamic_bsz", self.config.get("use_dynamic_bsz", False))
         data.meta_info.setdefault("max_token_len", self.config.get("forward_max_token_len_per_gpu", 16384))
-        return DataProto.from_dict(tensors={"values": self.critic.compute_values(data)})
+        with self.critic_model.on_device():
+            values = self.critic.compute_values(data)
+        return DataProto.from_dict(tensors={"values": values})
 
     @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO)
     def update_critic(self, data: DataProto) -> DataProto:
-        metrics = self.critic.update_critic(data)
+        start = time.perf_counter()
+        with self.critic_model.on_device(optimizer=True):
+            metrics = self.critic.update_critic(data)
         metrics["critic/lr"] = self.critic_model.step_scheduler()
+        critic_mfu = _mfu_metric(
+            self.critic_model.module, data, time.perf_counter() - start, self.config.get("ppo_epochs", 1)
+        )
+        if critic_mfu is not None:
+            metrics["perf/mfu/critic"] = critic_mfu
         return DataProto(meta_info={"metrics": metrics})
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
@@ -309,7 +470,7 @@ class CriticWorker(Worker):
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def load_checkpoint(self, local_path: str, del_local_after_load: bool = False) -> None:
-        self.critic_model.checkpoint_manager.load_checkpoint(local_path)
+        self.critic_model.load(local_path)
 
 
 class RewardModelWorker(Worker):

@@ -272,4 +272,6 @@ def test_root_schema_sections():
         "trainer",
         "ray_kwargs",
         "ray_init",
+        "async_training",
+        "rollout",
     ]

@@ -145,9 +145,22 @@ def test_straight_through_kl_estimators_are_valid(defaults):
 
 
 def test_unimplemented_feature_is_refused_not_ignored(defaults):
-    msg = error_of(with_(defaults, actor_rollout_ref__model__lora_rank=16))
-    assert "actor_rollout_ref.model.lora_rank=16 is not implemented" in msg
-    assert "keep actor_rollout_ref.model.lora_rank=0" in msg
+    msg = error_of(with_(defaults, critic__model__lora_rank=16))
+    assert "critic.model.lora_rank=16 is not implemented" in msg
+    assert "keep critic.model.lora_rank=0" in msg
+
+
+def test_actor_lora_is_accepted(defaults):
+    validate_ppo_config(
+        with_(defaults, actor_rollout_ref__model__lora_rank=8, actor_rollout_ref__model__target_modules=["q_proj"])
+    )
+
+
+def test_lora_with_a_non_positive_alpha_or_a_negative_rank_is_refused(defaults):
+    msg = error_of(with_(defaults, actor_rollout_ref__model__lora_rank=8, actor_rollout_ref__model__lora_alpha=0))
+    assert "actor_rollout_ref.model.lora_alpha=0 must be positive" in msg
+    msg = error_of(with_(defaults, actor_rollout_ref__model__lora_rank=-1))
+    assert "actor_rollout_ref.model.lora_rank=-1 must be 0" in msg
 
 
 def test_unimplemented_feature_at_its_neutral_value_is_fine(defaults):
@@ -368,3 +381,15 @@ def test_logger_whose_package_is_missing_says_what_to_install(defaults, monkeypa
 def test_model_length_budget(defaults):
     msg = error_of(with_(defaults, actor_rollout_ref__rollout__max_model_len=16))
     assert "max_model_len=16 is shorter than prompt_length + response_length = 40" in msg
+
+
+def test_truncated_importance_sampling_needs_rollout_log_probs(defaults):
+    msg = error_of(with_(defaults, actor_rollout_ref__actor__tis_imp_ratio_cap=2.0))
+    assert "tis_imp_ratio_cap=2.0" in msg and "actor_rollout_ref.rollout.calculate_log_probs=true" in msg
+    validate_ppo_config(
+        with_(
+            defaults,
+            actor_rollout_ref__actor__tis_imp_ratio_cap=2.0,
+            actor_rollout_ref__rollout__calculate_log_probs=True,
+        )
+    )

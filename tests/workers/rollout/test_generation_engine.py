@@ -169,3 +169,75 @@ def test_native_greedy_matches_hf_for_llama_with_attention_biases():
     input_ids, attention_mask = left_padded_prompts(LENGTHS, seed=4)
     out = _generate_greedy(engine, input_ids, attention_mask, 8)
     torch.testing.assert_close(out.responses, hf_greedy_loop(model, input_ids, attention_mask, 8), rtol=0, atol=0)
+
+
+def _record_decode_batches(engine) -> list[int]:
+    sizes = []
+    decode = engine._decode
+    engine._decode = lambda tokens, *a: sizes.append(tokens.shape[0]) or decode(tokens, *a)
+    return sizes
+
+
+@pytest.mark.parametrize("allow_native", [True, False])
+def test_finished_rows_leave_the_batch_without_changing_any_row(qwen2_model, allow_native):
+    engine = GenerationEngine.from_model(qwen2_model, device="cpu", allow_native=allow_native)
+    lengths = [7, 3, 5, 1, 6, 2, 4, 8]
+    input_ids, attention_mask = left_padded_prompts(lengths, seed=4)
+    R = 12
+    free = engine.generate(input_ids, attention_mask, R, GREEDY, pad_token_id=0, return_logprobs=True)
+    # EOS = the tokens rows 0..3 emit at steps 1..4: rows stop at different steps, some never
+    eos = sorted({int(free.responses[row, row + 1]) for row in range(4)})
+    sizes = _record_decode_batches(engine)
+    out = engine.generate(input_ids, attention_mask, R, GREEDY, eos_token_id=eos, pad_token_id=0, return_logprobs=True)
+
+    stops = []
+    for row in range(len(lengths)):
+        hits = torch.isin(free.responses[row], torch.tensor(eos)).nonzero()
+        stop = int(hits[0]) + 1 if len(hits) else R
+        stops.append(stop)
+        assert out.responses[row, :stop].tolist() == free.responses[row, :stop].tolist()
+        assert out.responses[row, stop:].eq(0).all() and out.response_mask[row].sum() == stop
+        torch.testing.assert_close(out.logprobs[row, :stop], free.logprobs[row, :stop], rtol=0, atol=1e-5)
+        assert out.logprobs[row, stop:].eq(0).all()
+    assert len(set(stops)) >= 4 and max(stops) == R  # rows finish at different steps, some never
+    # the decode batch shrank as rows finished: never more rows than were still generating
+    assert sizes[0] == len(lengths) and min(sizes) < len(lengths)
+    for step, size in enumerate(sizes, start=1):
+        assert sum(stop > step for stop in stops) <= size
+
+
+@pytest.mark.parametrize("allow_native", [True, False])
+def test_repeated_prompts_are_prefilled_once_and_generate_like_distinct_rows(qwen2_model, allow_native):
+    engine = GenerationEngine.from_model(qwen2_model, device="cpu", allow_native=allow_native)
+    distinct_ids, distinct_mask = left_padded_prompts([6, 2, 4], seed=8)
+    input_ids, attention_mask = distinct_ids.repeat_interleave(4, 0), distinct_mask.repeat_interleave(4, 0)
+    prefill_rows = []
+    prefill = engine.decoder.prefill
+    engine.decoder.prefill = lambda ids, *a, **kw: prefill_rows.append(ids.shape[0]) or prefill(ids, *a, **kw)
+
+    out = _generate_greedy(engine, input_ids, attention_mask, 8)
+    assert prefill_rows == [3]
+    expected = hf_greedy_loop(qwen2_model, distinct_ids, distinct_mask, 8).repeat_interleave(4, 0)
+    torch.testing.assert_close(out.responses, expected, rtol=0, atol=0)
+
+    # sampling: copies of a prompt draw their own tokens, each scored under the right context
+    params = SamplingParams(do_sample=True, temperature=1.5)
+    gen = torch.Generator().manual_seed(0)
+    out = engine.generate(input_ids, attention_mask, 8, params, pad_token_id=0, return_logprobs=True, generator=gen)
+    assert all(len({tuple(r) for r in out.responses[i : i + 4].tolist()}) > 1 for i in range(0, 12, 4))
+    seq = torch.cat([input_ids, out.responses], 1)
+    mask = torch.cat([attention_mask, out.response_mask], 1)
+    with torch.no_grad():
+        logits = qwen2_model(seq, attention_mask=mask, position_ids=(mask.cumsum(-1) - 1).clamp(min=0)).logits.double()
+    P = input_ids.shape[1]
+    ref = (logits[:, P - 1 : -1] / 1.5).log_softmax(-1).gather(-1, out.responses[..., None]).squeeze(-1)
+    torch.testing.assert_close(out.logprobs.double(), ref, atol=1e-4, rtol=0)
+
+
+def test_compaction_waits_for_an_eighth_of_the_rows_or_a_smaller_cuda_graph_bucket(qwen2_model):
+    eager = GenerationEngine.from_model(qwen2_model, device="cpu")
+    assert not eager._worth_compacting(57, 64) and eager._worth_compacting(56, 64)
+    # with CUDA graphs a step costs its batch bucket (a power of two), whatever the live rows
+    graphed = GenerationEngine(eager.decoder, use_cuda_graph=True)
+    assert not graphed._worth_compacting(33, 64) and graphed._worth_compacting(32, 64)
+    assert not graphed._worth_compacting(40, 48)  # 40 and 48 both replay the 64-row graph

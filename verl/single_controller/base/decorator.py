@@ -78,6 +78,9 @@ class DispatchMode:
     """Base class of dispatch modes; subclasses implement `dispatch` and `collect`."""
 
     name: str = "CUSTOM"
+    # True when `collect` copies every tensor out of the per-worker outputs (it concatenates them):
+    # the worker group may then let those outputs borrow Ray's buffers instead of copying them first.
+    copies_outputs: bool = False
 
     def dispatch(self, worker_group, args: tuple, kwargs: dict) -> tuple[list[PerWorkerCall], Any]:
         raise NotImplementedError
@@ -228,6 +231,7 @@ class _DPComputeProto(DispatchMode):
         self.name = name
         self.with_func = with_func
         self.concat = concat
+        self.copies_outputs = concat
 
     def dispatch(self, worker_group, args, kwargs):
         world_size = worker_group.world_size
@@ -257,6 +261,8 @@ class _DPComputeProto(DispatchMode):
 class _NDComputeProto(DispatchMode):
     """Dispatch by each worker's registered data-parallel rank on one device mesh; collect only from
     the ranks marked as collecting (one per data-parallel rank)."""
+
+    copies_outputs = True
 
     def __init__(self, mesh_name: str):
         self.mesh_name = mesh_name

@@ -144,10 +144,16 @@ class WorkerGroup:
         calls, state = info.dispatch_mode.dispatch(self, args, kwargs)
         ranks = [0] if info.execute_mode is Execute.RANK_ZERO else range(self._world_size)
         refs = self._submit(remote_name, [calls[rank] for rank in ranks])
-        if info.blocking:
-            outputs = self._wait(refs, ranks=list(ranks), role=role, method=public_name)
-        else:
+        if not info.blocking:
             outputs = refs
+        elif info.execute_mode is Execute.ALL and info.dispatch_mode.copies_outputs:
+            # collect concatenates (copies) the outputs, so they need not be copied out of Ray first
+            from verl.protocol import _borrow_buffers
+
+            with _borrow_buffers():
+                outputs = self._wait(refs, ranks=list(ranks), role=role, method=public_name)
+        else:
+            outputs = self._wait(refs, ranks=list(ranks), role=role, method=public_name)
         if info.execute_mode is Execute.RANK_ZERO:
             return outputs[0]
         return info.dispatch_mode.collect(self, outputs, state, futures=not info.blocking)

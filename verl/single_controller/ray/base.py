@@ -18,10 +18,12 @@
 - `create_colocated_worker_cls({role: cls})` fuses several roles into one actor class; methods
   appear as `<role>_<method>`, and `wg.spawn(prefix_set=...)` returns one view per role.
 
-Transport: a DataProto pickles as flat out-of-band numpy buffers (verl/protocol.py), which Ray
-copies once into its shared-memory object store; each chunk of a data-parallel call travels once,
-to its one destination. An argument shared by every worker (ONE_TO_ALL) is put in the object store
-once with `ray.put` and every worker reads that one copy.
+Transport: a DataProto pickles as flat out-of-band buffers (verl/protocol.py), which Ray inlines
+into the call (up to `max_direct_call_object_size`, see RAY_SYSTEM_CONFIG) or copies once into its
+shared-memory object store; each chunk of a data-parallel call travels once, to its one
+destination. An argument shared by every worker (ONE_TO_ALL) is put in the object store once with
+`ray.put` and every worker reads that one copy. Results that the dispatch mode concatenates are
+unpickled as views of Ray's buffers and copied once, straight into the concatenated result.
 
 Failures: see base/errors.py. A worker that died makes the call fail with `WorkerDiedError` as soon
 as Ray notices (milliseconds after the process exits), never after the deadline.

@@ -55,7 +55,7 @@ LOSS_AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "se
 KL_PENALTIES = ("kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3", "full", "k1+", "low_var_kl+", "k3+")
 ROLLOUT_NAMES = ("hf", "vllm", "sglang")
 ROLLOUT_MODES = ("sync", "async")
-STRATEGIES = ("fsdp", "fsdp2", "megatron")
+STRATEGIES = ("fsdp", "fsdp2", "megatron")  # megatron: rejected by the validator (UNIMPLEMENTED_STRATEGIES)
 LOGGERS = ("console", "file", "mlflow", "tensorboard", "wandb")
 RESUME_MODES = ("auto", "disable", "resume_path")
 
@@ -82,6 +82,9 @@ CHECKPOINT_CONTENTS = ("model", "optimizer", "extra", "hf_model")
 ROLLOUT_DTYPES = ("auto", "bfloat16", "float16", "float32", "bf16", "fp16", "fp32")
 MODEL_DTYPES = ("fp32", "bf16", "fp16", "float32", "bfloat16", "float16")
 PF_PPO_METHODS = ("pow", "max_min", "max_random")
+REWARD_ON_ERROR = ("raise", "zero")
+# Training backends that are valid upstream names but not implemented here (a config error, not a silent FSDP run).
+UNIMPLEMENTED_STRATEGIES = ("megatron",)
 
 
 def doc(
@@ -202,10 +205,16 @@ class ModelConfig:
     enable_gradient_checkpointing: bool = doc("Recompute activations in backward (saves memory, costs ~30% time).")
     enable_activation_offload: bool = doc("Offload activations to CPU during training.", status=IGNORED)
     use_remove_padding: bool = doc("Pack sequences without padding (varlen attention); a speed knob.")
-    lora_rank: int = doc("LoRA rank; 0 trains all weights.", status=UNSUPPORTED, neutral=0)
-    lora_alpha: int = doc("LoRA scaling alpha (used only with lora_rank > 0).")
-    target_modules: str | list[str] = doc("Modules LoRA adapts (used only with lora_rank > 0).")
-    exclude_modules: str | list[str] | None = doc("Modules LoRA skips (used only with lora_rank > 0).")
+    lora_rank: int = doc(
+        "LoRA rank r of the actor (peft): > 0 trains only low-rank adapters (the reference policy is the "
+        "base model with adapters off); 0 trains all weights."
+    )
+    lora_alpha: int = doc("LoRA alpha: the adapter's update is scaled by lora_alpha / lora_rank.")
+    target_modules: str | list[str] = doc(
+        "Layers that get adapters: `all-linear` (every linear layer but the output head) or a list of "
+        "module names, e.g. [q_proj,k_proj,v_proj,o_proj]."
+    )
+    exclude_modules: str | list[str] | None = doc("Layers (names or a regex) that get no adapter; null: none.")
     use_liger: bool = doc("Use Liger kernels (GPU only; a speed knob).", status=IGNORED)
     use_fused_kernels: bool = doc("Fused log-prob/entropy kernels (a speed knob).", status=IGNORED)
     fused_kernel_options: dict = doc("Options of the fused kernels, e.g. {impl_backend: torch}.", status=IGNORED)
@@ -255,7 +264,9 @@ class PolicyLossConfig:
 class ActorConfig:
     """Policy training: PPO mini-batches, clipping, KL loss, optimizer, sharding."""
 
-    strategy: str = doc("Training backend.", choices=STRATEGIES)
+    strategy: str = doc(
+        "Training backend (fsdp and fsdp2 both mean FSDP2; megatron is not implemented yet).", choices=STRATEGIES
+    )
     ppo_mini_batch_size: int = doc("Prompts per optimizer step (times rollout.n sequences, split over ranks).")
     ppo_micro_batch_size: int | None = doc(
         "Global micro-batch (sequences).", status=DEPRECATED, replacement="use ppo_micro_batch_size_per_gpu"
@@ -270,6 +281,10 @@ class ActorConfig:
     clip_ratio_low: float | None = doc("Lower clip epsilon: ratio >= 1 - clip_ratio_low.")
     clip_ratio_high: float | None = doc("Upper clip epsilon: ratio <= 1 + clip_ratio_high (DAPO clip-higher).")
     clip_ratio_c: float = doc("Dual-clip PPO bound for negative advantages (> 1).")
+    tis_imp_ratio_cap: float = doc(
+        "Truncated importance sampling against the rollout engine's log-probs: each token's loss is weighted by "
+        "min(pi_old / pi_rollout, cap). -1 (or any value <= 0) turns it off; needs rollout.calculate_log_probs=true."
+    )
     policy_loss: PolicyLossConfig = doc("Policy loss variant.")
     loss_agg_mode: str = doc("How token losses are averaged into the batch loss.", choices=LOSS_AGG_MODES)
     entropy_coeff: float = doc("Weight of the entropy bonus (0 disables it).")
@@ -359,7 +374,11 @@ class RolloutConfig:
     """Response generation: engine, sampling, batch sizes of the old-log-prob pass."""
 
     name: str = doc("Generation engine: hf (built in, CPU and GPU), vllm or sglang.", choices=ROLLOUT_NAMES)
-    mode: str = doc("sync: batch generation; async: server-based engine.", choices=ROLLOUT_MODES)
+    mode: str = doc(
+        "sync: batch generation (async, upstream's server-based agent loop, is not implemented: a config error; "
+        "generation running ahead of training is async_training.*).",
+        choices=ROLLOUT_MODES,
+    )
     temperature: float = doc("Sampling temperature of training rollouts.")
     top_k: int = doc("Keep the k most likely tokens (-1 or 0: off).")
     top_p: float = doc("Nucleus sampling mass.")
@@ -387,7 +406,10 @@ class RolloutConfig:
     enable_chunked_prefill: bool = doc("vLLM: chunked prefill.")
     do_sample: bool = doc("Sample (True) or decode greedily (False) during training rollouts.")
     n: int = doc("Responses sampled per prompt (>= 2 for group-based advantage estimators).")
-    calculate_log_probs: bool = doc("Return the engine's log-probs as `rollout_log_probs` (for mismatch metrics).")
+    calculate_log_probs: bool = doc(
+        "Return the engine's log-probs as `rollout_log_probs`; the trainer then reports the train/rollout "
+        "mismatch each step (training/rollout_probs_diff_mean, _max) and actor.tis_imp_ratio_cap can correct it."
+    )
     update_weights_bucket_megabytes: int = doc("Size of the buckets weights are streamed to the engine in.")
     engine_kwargs: dict = doc("Extra engine arguments per engine: {vllm: {...}, sglang: {...}, hf: {...}}.")
     val_kwargs: SamplingConfig = doc("Sampling for validation.")
@@ -427,7 +449,7 @@ class CriticModelConfig:
     enable_activation_offload: bool = doc("Offload activations to CPU.", status=IGNORED)
     use_remove_padding: bool = doc("Pack sequences without padding.")
     fsdp_config: FSDPConfig = doc("Sharding and offload.")
-    lora_rank: int = doc("LoRA rank; 0 trains all weights.", status=UNSUPPORTED, neutral=0)
+    lora_rank: int = doc("LoRA rank of the critic; 0 trains all weights.", status=UNSUPPORTED, neutral=0)
     lora_alpha: int = doc("LoRA alpha.")
     target_modules: str | list[str] = doc("Modules LoRA adapts.")
 
@@ -527,9 +549,16 @@ class CustomRewardFunctionConfig:
     """A user reward function `fn(data_source, solution_str, ground_truth, extra_info) -> float | dict`."""
 
     path: str | None = doc(
-        "Python file defining the function; null uses verl.utils.reward_score.default_compute_score."
+        "Python file defining the function; null uses verl.utils.reward_score.default_compute_score. The file "
+        "is imported and run in the trainer's processes with your permissions: point it only at code you trust."
     )
     name: str = doc("Function name inside `path`.")
+    reward_kwargs: dict = doc("Keyword arguments bound to the function at every call (e.g. {format_score: 0.1}).")
+    on_error: str = doc(
+        "A reward function that raises, or returns NaN, infinity or a non-number (custom or built-in): raise stops "
+        "the run showing the failing sample; zero scores that sample 0 and counts it in reward/num_errors.",
+        choices=REWARD_ON_ERROR,
+    )
 
 
 # ----------------------------------------------------------------------------------- algorithm
@@ -625,7 +654,13 @@ class TrainerConfig:
     rpc_timeout_s: float = doc(
         "Deadline of one blocking worker call; a hang becomes an error naming role, rank, method."
     )
-    progress_bar: bool = doc("Show a tqdm progress bar over training steps.")
+    progress_bar: bool = doc(
+        "Show progress bars: the driver's bar over training steps and the workers' model-loading bars."
+    )
+    max_consecutive_nonfinite_steps: int | None = doc(
+        "Stop the run after this many steps in a row whose loss or gradient was NaN or infinite (each such update "
+        "is skipped and counted in actor/skipped_nonfinite_grad); null never stops."
+    )
 
 
 # --------------------------------------------------------------------------------------- ray
@@ -658,6 +693,47 @@ class LegacyRayInitConfig:
     timeline_json_file: str | None = doc("Ray timeline output (overrides ray_kwargs.timeline_json_file when set).")
 
 
+# ------------------------------------------------------------------------------ async training
+
+OFF_POLICY_CORRECTIONS = ("decoupled", "tis", "none")
+STALE_SAMPLE_POLICIES = ("regenerate", "drop")
+
+
+@dataclass
+class AsyncTrainingConfig:
+    """Generation running ahead of training in a separate rollout pool (see docs/async.md)."""
+
+    staleness_threshold: int = doc(
+        "How many batches generation may run ahead of training: 0 is the synchronous colocated step; 1 is "
+        "one-step-off (batch t+1 is generated while batch t trains); k >= 1 moves generation to its own pool "
+        "(`rollout.*`) and no trained sample is more than k weight versions old. Upstream's fractional values "
+        "(partial batches) are not implemented: use an integer."
+    )
+    off_policy_correction: str = doc(
+        "decoupled: PPO ratio clipped against the recomputed (proximal) log-probs, each token weighted by "
+        "min(pi_prox/pi_behav, actor.tis_imp_ratio_cap) (2 when unset); tis: no proximal pass, the PPO ratio is "
+        "taken against the behaviour (rollout) log-probs; none: proximal only, behaviour ignored.",
+        choices=OFF_POLICY_CORRECTIONS,
+    )
+    stale_sample_policy: str = doc(
+        "What happens to a group older than staleness_threshold when it reaches training: regenerate it with "
+        "current weights (no prompt lost) or drop it.",
+        choices=STALE_SAMPLE_POLICIES,
+    )
+    weight_sync_timeout_s: float = doc(
+        "Deadline of each trainer -> rollout weight transfer (and of forming its process group); on expiry the "
+        "error names the side that did not arrive."
+    )
+
+
+@dataclass
+class RolloutPoolConfig:
+    """The separate rollout pool of asynchronous training (upstream's top-level `rollout` section)."""
+
+    nnodes: int = doc("Nodes of the rollout pool.")
+    n_gpus_per_node: int = doc("Rollout workers per node: GPUs on CUDA, worker processes on CPU.")
+
+
 # ----------------------------------------------------------------------------------------- root
 
 
@@ -674,6 +750,8 @@ class PPOConfig:
     trainer: TrainerConfig = doc("Driver loop.")
     ray_kwargs: RayKwargsConfig = doc("Ray start-up.")
     ray_init: LegacyRayInitConfig = doc("Legacy spelling of ray_kwargs.ray_init.")
+    async_training: AsyncTrainingConfig = doc("Generation running ahead of training.")
+    rollout: RolloutPoolConfig = doc("The separate rollout pool used when async_training.staleness_threshold >= 1.")
 
 
 def field_meta(f: dataclasses.Field) -> dict:

@@ -483,6 +483,12 @@ def _check_algorithm(c: dict, errors: list[str], warns: list[str]):
         errors.append(
             f"actor_rollout_ref.actor.clip_ratio_c={arr['actor']['clip_ratio_c']} must be > 1 (dual-clip bound; 3.0 is typical)"
         )
+    tis_cap = arr["actor"]["tis_imp_ratio_cap"]
+    if tis_cap is not None and tis_cap > 0 and not arr["rollout"]["calculate_log_probs"]:
+        errors.append(
+            f"actor_rollout_ref.actor.tis_imp_ratio_cap={tis_cap} weights the loss by the rollout engine's log-probs, "
+            "which are not computed; set actor_rollout_ref.rollout.calculate_log_probs=true (or tis_imp_ratio_cap=-1)"
+        )
     ctrl = alg["kl_ctrl"]
     if ctrl["type"] == "adaptive" and (ctrl["target_kl"] <= 0 or ctrl["horizon"] <= 0):
         errors.append("algorithm.kl_ctrl.type=adaptive needs target_kl > 0 and horizon > 0")
@@ -536,10 +542,63 @@ def _check_multi_turn(c: dict, errors: list[str]):
             errors.append(f"actor_rollout_ref.rollout.multi_turn.{key}={mt[key]} must be >= 1")
 
 
-def _check_trainer(c: dict, errors: list[str]):
+def _check_not_implemented(c: dict, errors: list[str]):
+    """Upstream choices this implementation does not have yet: fail instead of silently running something else."""
+    arr = c["actor_rollout_ref"]
+    strategies = [("actor_rollout_ref.actor.strategy", arr["actor"]["strategy"])]
+    if arr["ref"]["strategy"] != arr["actor"]["strategy"]:  # by default it copies the actor's
+        strategies.append(("actor_rollout_ref.ref.strategy", arr["ref"]["strategy"]))
+    if need_critic(c):
+        strategies.append(("critic.strategy", c["critic"]["strategy"]))
+    if c["reward_model"]["enable"]:
+        strategies.append(("reward_model.strategy", c["reward_model"]["strategy"]))
+    for key, value in strategies:
+        if value in S.UNIMPLEMENTED_STRATEGIES:
+            errors.append(
+                f"{key}={value} is not supported yet: this verl trains with FSDP2 only, so the run would silently use "
+                f"FSDP instead of {value}'s tensor/pipeline parallelism; set {key}=fsdp"
+            )
+    if arr["rollout"]["mode"] == "async" and not arr["rollout"]["multi_turn"]["enable"]:
+        errors.append(
+            "actor_rollout_ref.rollout.mode=async (upstream's server-based agent-loop rollout) runs here only as the "
+            "multi-turn agent loop: set actor_rollout_ref.rollout.multi_turn.enable=true for tool-calling rollouts "
+            "(docs/multi_turn.md), or actor_rollout_ref.rollout.mode=sync for single-turn generation (to let "
+            "generation run ahead of training, set async_training.staleness_threshold, see docs/async.md)"
+        )
+
+
+def _check_trainer(c: dict, errors: list[str], warns: list[str]):
     t = c["trainer"]
-    if t["resume_mode"] == "resume_path" and not t["resume_from_path"]:
+    resume_path = t["resume_from_path"]
+    if t["resume_mode"] == "resume_path" and not resume_path:
         errors.append("trainer.resume_mode=resume_path needs trainer.resume_from_path (a .../global_step_N directory)")
+    elif t["resume_mode"] == "resume_path" and not re.fullmatch(
+        r"global_step_\d+", os.path.basename(os.path.normpath(str(resume_path)))
+    ):
+        errors.append(
+            f"trainer.resume_from_path={resume_path} does not name a checkpoint: resuming needs one step's directory, "
+            f"whose name is global_step_N; point it at e.g. {os.path.join(str(resume_path), 'global_step_100')}, or "
+            "set trainer.resume_mode=auto to resume from the latest checkpoint in trainer.default_local_dir"
+        )
+    elif resume_path and t["resume_mode"] == "auto":
+        warns.append(
+            f"trainer.resume_from_path={resume_path} is set but trainer.resume_mode=auto ignores it (auto resumes from "
+            "the latest checkpoint in trainer.default_local_dir); set trainer.resume_mode=resume_path to use it, or "
+            "remove trainer.resume_from_path"
+        )
+    nonfinite = t["max_consecutive_nonfinite_steps"]
+    if nonfinite is not None and nonfinite < 1:
+        errors.append(
+            f"trainer.max_consecutive_nonfinite_steps={nonfinite} must be at least 1, or null to never stop on "
+            "NaN/inf losses"
+        )
+    crf = c["custom_reward_function"]
+    manager_on_error = (c["reward_model"]["reward_kwargs"] or {}).get("on_error")
+    if manager_on_error is not None and manager_on_error != crf["on_error"] and crf["on_error"] != "raise":
+        errors.append(
+            f"custom_reward_function.on_error={crf['on_error']} and reward_model.reward_kwargs.on_error="
+            f"{manager_on_error} disagree; set only custom_reward_function.on_error"
+        )
     path = c["custom_reward_function"]["path"]
     if path and not os.path.isfile(os.path.expanduser(path)):
         errors.append(
@@ -554,7 +613,65 @@ def _check_trainer(c: dict, errors: list[str]):
         )
 
 
+def _check_lora(c: dict, errors: list[str]):
+    model = c["actor_rollout_ref"]["model"]
+    rank, alpha = model["lora_rank"], model["lora_alpha"]
+    if rank < 0:
+        errors.append(f"actor_rollout_ref.model.lora_rank={rank} must be 0 (train all weights) or a positive LoRA rank")
+    if rank <= 0:
+        return
+    if alpha <= 0:
+        errors.append(
+            f"actor_rollout_ref.model.lora_alpha={alpha} must be positive: the adapter's update is scaled by "
+            "lora_alpha / lora_rank (16 or 2 x lora_rank are usual)"
+        )
+    if not model["target_modules"]:
+        errors.append(
+            "actor_rollout_ref.model.target_modules is empty, so LoRA would adapt nothing; use all-linear or a list "
+            "of linear layer names"
+        )
+    import importlib.util
+
+    if importlib.util.find_spec("peft") is None:
+        errors.append(
+            f"actor_rollout_ref.model.lora_rank={rank} needs the peft package, which is not installed; run "
+            "`pip install peft` or set lora_rank=0"
+        )
+
+
 # ---------------------------------------------------------------------------------------- entry
+
+
+def _check_async_training(c: dict, errors: list[str]):
+    """Generation ahead of training: what it cannot be combined with, and the rollout pool's size."""
+    k = c["async_training"]["staleness_threshold"]
+    if k < 0:
+        errors.append(
+            f"async_training.staleness_threshold={k} must be >= 0 (0: synchronous; k: generation up to k batches ahead)"
+        )
+    if k <= 0:
+        return
+    algo = c["algorithm"]
+    clashes = {
+        "algorithm.filter_groups.enable=true (DAPO dynamic sampling)": algo["filter_groups"]["enable"],
+        "algorithm.adv_estimator=remax (its greedy baseline needs the current weights)": algo["adv_estimator"]
+        == "remax",
+        "algorithm.use_kl_in_reward=true (the in-reward KL needs the trained step's log-probs)": algo[
+            "use_kl_in_reward"
+        ],
+    }
+    for what, clash in clashes.items():
+        if clash:
+            errors.append(
+                f"async_training.staleness_threshold={k} cannot be combined with {what}; set "
+                "async_training.staleness_threshold=0 or turn that option off"
+            )
+    for key in ("nnodes", "n_gpus_per_node"):
+        if c["rollout"][key] < 1:
+            errors.append(
+                f"rollout.{key}={c['rollout'][key]} must be >= 1: with async_training.staleness_threshold={k} "
+                "generation runs in its own pool of rollout.nnodes x rollout.n_gpus_per_node workers"
+            )
 
 
 def _plain(cfg) -> dict:
@@ -616,7 +733,10 @@ def validate_ppo_config(cfg: DictConfig | dict) -> None:
     _check_algorithm(c, errors, warns)
     _check_lengths(c, errors)
     _check_multi_turn(c, errors)
-    _check_trainer(c, errors)
+    _check_not_implemented(c, errors)
+    _check_trainer(c, errors, warns)
+    _check_lora(c, errors)
+    _check_async_training(c, errors)
     if errors:
         _raise(errors)
     for w in warns:

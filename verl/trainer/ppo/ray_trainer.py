@@ -17,6 +17,12 @@ Design decisions:
   checkpoint as the one resume picks.
 - uids are deterministic (`<step>_<index>`) rather than random, so a resumed run groups samples
   exactly as an uninterrupted run does.
+- Non-finite losses: the workers skip an optimizer step whose gradient norm is NaN/inf and report
+  it (`*/skipped_nonfinite_grad`); the driver counts such steps in a row and stops with
+  `NonFiniteLossError` after `trainer.max_consecutive_nonfinite_steps`, before that step's
+  checkpoint, so the last checkpoint is one saved before the trouble began or during it (its
+  weights unchanged by the skipped updates).
+- Checkpoints are loaded with `weights_only=True` (see verl.utils.checkpoint.safe_load).
 """
 
 from __future__ import annotations
@@ -33,6 +39,11 @@ import torch
 
 from verl.protocol import DataProto, pad_dataproto_to_divisor, unpad_dataproto
 from verl.trainer.ppo import core_algos
+from verl.trainer.ppo.async_rollout import (
+    configure_off_policy_correction,
+    importance_weight_metrics,
+    staleness_threshold,
+)
 from verl.trainer.ppo.metric_utils import (
     compute_data_metrics,
     compute_throughput_metrics,
@@ -42,6 +53,7 @@ from verl.trainer.ppo.metric_utils import (
     reduce_metrics,
 )
 from verl.utils.checkpoint.checkpoint_manager import find_latest_ckpt_path, write_checkpoint_tracker
+from verl.utils.checkpoint.safe_load import from_plain, numpy_rng_state, set_numpy_rng_state, to_plain, torch_load
 from verl.utils.logging_utils import get_logger
 from verl.utils.timer import marked_timer
 
@@ -51,6 +63,12 @@ GEN_BATCH_KEYS = ("input_ids", "attention_mask", "position_ids")
 # What agent loops read per sample besides the prompt: the loop's name and the tools' arguments
 # (upstream's `agent_name` and `extra_info.tools_kwargs` columns).
 MULTI_TURN_KEYS = ("agent_name", "tools_kwargs", "extra_info")
+# Metrics the workers report per update: > 0 when an optimizer step was skipped for a NaN/inf gradient.
+NONFINITE_METRICS = ("actor/skipped_nonfinite_grad", "critic/skipped_nonfinite_grad")
+
+
+class NonFiniteLossError(RuntimeError):
+    """`trainer.max_consecutive_nonfinite_steps` steps in a row had a NaN/inf loss or gradient."""
 
 
 class Role(Enum):
@@ -123,7 +141,11 @@ class RayPPOTrainer:
         self._rollout_strategy = (
             self._collect_filtered_batch if filter_groups.get("enable", False) else self._generate_and_score
         )
+        self._async_rollout = None  # AsyncRolloutSource, built in init_workers when generation runs ahead
+        if staleness_threshold(config) > 0:
+            configure_off_policy_correction(config)
         self.global_steps = 0
+        self._nonfinite_in_a_row = 0
         self._create_dataloader(train_dataset, val_dataset, collate_fn, train_sampler)
 
     # ------------------------------------------------------------------ setup
@@ -189,6 +211,12 @@ class RayPPOTrainer:
                 "ref",
                 RayClassWithInitArgs(self.role_worker_mapping[Role.RefPolicy], config=arc, role="ref"),
             )
+        if Role.Rollout in self.role_worker_mapping:  # generation in its own pool (async training)
+            add(
+                Role.Rollout,
+                "rollout",
+                RayClassWithInitArgs(self.role_worker_mapping[Role.Rollout], config=arc, role="rollout"),
+            )
         if self.use_rm:
             add(
                 Role.RewardModel,
@@ -220,6 +248,13 @@ class RayPPOTrainer:
         self.actor_rollout_wg.init_model()
         if actor_role == Role.ActorRolloutRef:
             self.ref_policy_wg = self.actor_rollout_wg
+        if "rollout" in groups:
+            from verl.trainer.ppo.async_rollout import AsyncRolloutSource
+
+            self.rollout_wg = groups["rollout"]
+            self.rollout_wg.init_model()
+            self._async_rollout = AsyncRolloutSource(self, self.rollout_wg)
+            self._rollout_strategy = self._async_rollout
 
     # ------------------------------------------------------------------ the step
     def step(self) -> dict[str, Any]:
@@ -434,6 +469,13 @@ class RayPPOTrainer:
             ).item()
         if "rollout_log_probs" in batch.batch:
             state.metrics.update(_rollout_mismatch_metrics(batch, out.batch["old_log_probs"]))
+            if self._async_rollout is not None:
+                cap = self.config.actor_rollout_ref.actor.get("tis_imp_ratio_cap")
+                state.metrics.update(
+                    importance_weight_metrics(
+                        out.batch["old_log_probs"], batch.batch["rollout_log_probs"], batch.batch["response_mask"], cap
+                    )
+                )
         return batch.union(out)
 
     def _compute_ref_log_prob(self, batch: DataProto) -> DataProto:
@@ -531,11 +573,22 @@ class RayPPOTrainer:
                 tracker.finish()
                 return last
 
-        progress = tqdm(total=self.total_training_steps, initial=self.global_steps, desc="Training Progress")
+        progress = tqdm(
+            total=self.total_training_steps,
+            initial=self.global_steps,
+            desc="Training Progress",
+            disable=not trainer_cfg.get("progress_bar", True),
+        )
         while self.global_steps < self.total_training_steps:
             self.global_steps += 1
             is_last = self.global_steps >= self.total_training_steps
             metrics = self.step()
+            if self._count_nonfinite_step(metrics):
+                tracker.log(metrics, step=self.global_steps)
+                progress.close()
+                raise NonFiniteLossError(self._nonfinite_message())
+            if trainer_cfg.get("rollout_data_dir"):
+                self._dump_rollouts(trainer_cfg.rollout_data_dir)
             timing: dict[str, float] = {}
             if can_validate and _due(trainer_cfg.get("test_freq", -1), self.global_steps, is_last):
                 with marked_timer("testing", timing):
@@ -552,6 +605,45 @@ class RayPPOTrainer:
         progress.close()
         tracker.finish()
         return last
+
+    def _count_nonfinite_step(self, metrics: dict[str, Any]) -> bool:
+        """Count steps in a row whose actor or critic skipped an update for a NaN/inf loss or gradient
+        (`*/skipped_nonfinite_grad`); True when `trainer.max_consecutive_nonfinite_steps` is reached."""
+        skipped = any(metrics.get(key, 0.0) > 0 for key in NONFINITE_METRICS)
+        self._nonfinite_in_a_row = self._nonfinite_in_a_row + 1 if skipped else 0
+        metrics["training/nonfinite_steps_in_a_row"] = self._nonfinite_in_a_row
+        limit = self.config.trainer.get("max_consecutive_nonfinite_steps")
+        return limit is not None and self._nonfinite_in_a_row >= limit
+
+    def _nonfinite_message(self) -> str:
+        n, last = self._nonfinite_in_a_row, self.global_steps
+        steps = f"steps {last - n + 1}-{last}" if n > 1 else f"step {last}"
+        return (
+            f"stopping: the loss or gradient norm was NaN or infinite in {n} steps in a row ({steps}; "
+            f"trainer.max_consecutive_nonfinite_steps={n}), so their updates were skipped and the model stopped "
+            "learning. Usual causes: rewards of extreme magnitude (see critic/score/*), a learning rate that is too "
+            "high, or fp16 overflow. Fix the cause (lower actor_rollout_ref.actor.optim.lr, rescale the reward, "
+            "train in bf16 or fp32) and resume: the checkpoints in trainer.default_local_dir are untouched"
+        )
+
+    def _dump_rollouts(self, directory: str) -> None:
+        """`<rollout_data_dir>/<step>.jsonl`: one line per trained sample (uid, input, output, score,
+        and the weight version that generated it when generation runs ahead)."""
+        import json
+
+        batch = self._last_batch
+        os.makedirs(directory, exist_ok=True)
+        inputs = self.tokenizer.batch_decode(batch.batch["prompts"], skip_special_tokens=True)
+        outputs = self.tokenizer.batch_decode(batch.batch["responses"], skip_special_tokens=True)
+        scores = batch.batch["token_level_scores"].sum(-1).tolist()
+        versions = batch.non_tensor_batch.get("weight_version")
+        with open(os.path.join(directory, f"{self.global_steps}.jsonl"), "w") as f:
+            for i, uid in enumerate(batch.non_tensor_batch["uid"]):
+                row = {"step": self.global_steps, "uid": str(uid), "input": inputs[i], "output": outputs[i]}
+                row["score"] = scores[i]
+                if versions is not None:
+                    row["weight_version"] = int(versions[i])
+                f.write(json.dumps(row) + "\n")
 
     # ------------------------------------------------------------------ checkpoints
     def _checkpoint_root(self) -> str:
@@ -573,8 +665,10 @@ class RayPPOTrainer:
             "dataloader": self.train_dataloader.state_dict(),
             "global_steps": self.global_steps,
             "kl_coef": None if self.kl_ctrl_in_reward is None else self.kl_ctrl_in_reward.value,
-            "rng": {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()},
+            "rng": {"python": random.getstate(), "numpy": numpy_rng_state(), "torch": torch.get_rng_state()},
         }
+        if self._async_rollout is not None:  # the drawn-but-untrained groups (the dataloader counts them)
+            driver_state["async_rollout"] = to_plain(self._async_rollout.state_dict())
         tmp = os.path.join(step_dir, "data.pt.tmp")
         torch.save(driver_state, tmp)
         os.replace(tmp, os.path.join(step_dir, "data.pt"))
@@ -618,15 +712,17 @@ class RayPPOTrainer:
         self.actor_rollout_wg.load_checkpoint(os.path.join(step_dir, "actor"))
         if self.use_critic:
             self.critic_wg.load_checkpoint(os.path.join(step_dir, "critic"))
-        state = torch.load(os.path.join(step_dir, "data.pt"), weights_only=False)
+        state = torch_load(os.path.join(step_dir, "data.pt"), "driver checkpoint state")
         self.global_steps = state["global_steps"]
         self.train_dataloader.load_state_dict(state["dataloader"])
         self._train_iter = None
+        if self._async_rollout is not None and "async_rollout" in state:
+            self._async_rollout.load_state_dict(from_plain(state["async_rollout"]))
         if self.kl_ctrl_in_reward is not None and state.get("kl_coef") is not None:
             self.kl_ctrl_in_reward.value = state["kl_coef"]
         rng = state["rng"]
         random.setstate(rng["python"])
-        np.random.set_state(rng["numpy"])
+        set_numpy_rng_state(rng["numpy"])
         torch.set_rng_state(rng["torch"])
 
 

@@ -7,8 +7,9 @@
   function with the callables the file does define).
 - ``load_reward_manager(config, tokenizer, num_examine, **reward_kwargs)``: the manager named by
   ``reward_model.reward_manager`` (default "naive") around that function or
-  ``default_compute_score``; manager options come from ``reward_model.reward_kwargs`` (e.g.
-  ``on_error``), overridden by explicit keyword arguments.
+  ``default_compute_score``; manager options come from ``reward_model.reward_kwargs``, overridden by
+  explicit keyword arguments. What a failing reward function does is ``custom_reward_function.on_error``
+  (raise | zero); ``reward_model.reward_kwargs.on_error``, the older spelling, still works.
 - ``compute_reward(data, reward_fn)`` -> ``(reward_tensor, reward_extra_info)``; errors propagate
   (upstream's silent fallback to a second call is deliberately not reproduced).
 - ``compute_reward_async``: ``compute_reward`` as a Ray task (``compute_reward_async.remote(data,
@@ -63,6 +64,9 @@ def load_reward_manager(config, tokenizer, num_examine: int, **reward_kwargs):
     name = reward_model.get("reward_manager") or "naive"
     manager_cls = get_reward_manager_cls(name)
     kwargs = {**_plain(reward_model.get("reward_kwargs")), **reward_kwargs}
+    on_error = (config.get("custom_reward_function") or {}).get("on_error")
+    if on_error and on_error != "raise":  # "raise" is every manager's default; leave the older spelling in charge
+        kwargs.setdefault("on_error", on_error)
     data = config.get("data") or {}
     if name == "dapo":  # DAPO's overlong shaping reads two trainer keys, as upstream's recipe passes them
         kwargs.setdefault("max_resp_len", data.get("max_response_length"))

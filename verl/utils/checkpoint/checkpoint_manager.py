@@ -10,9 +10,9 @@ import os
 import random
 import shutil
 
-import numpy as np
 import torch
 
+from verl.utils.checkpoint.safe_load import numpy_rng_state, set_numpy_rng_state
 from verl.utils.device import get_torch_device, is_cuda_available
 
 __all__ = [
@@ -85,7 +85,7 @@ class BaseCheckpointManager:
 
     @staticmethod
     def get_rng_state() -> dict:
-        state = {"cpu": torch.get_rng_state(), "numpy": np.random.get_state(), "random": random.getstate()}
+        state = {"cpu": torch.get_rng_state(), "numpy": numpy_rng_state(), "random": random.getstate()}
         if is_cuda_available():
             state["device"] = get_torch_device().get_rng_state()
         return state
@@ -93,7 +93,7 @@ class BaseCheckpointManager:
     @staticmethod
     def load_rng_state(state: dict) -> None:
         torch.set_rng_state(state["cpu"])
-        np.random.set_state(state["numpy"])
+        set_numpy_rng_state(state["numpy"])
         random.setstate(state["random"])
         if is_cuda_available() and "device" in state:
             get_torch_device().set_rng_state(state["device"])

@@ -7,6 +7,8 @@ Layout of one checkpoint directory (`local_path`, e.g. `.../global_step_10/actor
     extra_state_world_size_<W>_rank_<r>.pt  lr scheduler state, RNG states, global step
     huggingface/                            config.json, generation config, tokenizer files,
                                             and model.safetensors when save_contents has hf_model
+    lora_adapter/                           a LoRA model only: the adapter in PEFT's format
+                                            (adapter_config.json, adapter_model.safetensors)
 
 Model and optimizer go through `torch.distributed.checkpoint` (DCP) with the state-dict API
 (`get_model_state_dict` / `set_model_state_dict`), so each rank writes only its shard, nothing is
@@ -21,6 +23,13 @@ existing `local_path` the old one is first renamed to `<local_path>.old` and del
 `load_checkpoint` falls back to `.old` if a crash hit between those two renames. Retention
 (`max_ckpt_to_keep`) deletes old checkpoints only after the new one is complete.
 
+A LoRA (peft) model is saved whole in `model/` (base and adapters, under peft's names), so a
+resume restores it exactly; `lora_adapter/` is the adapter alone for `PeftModel.from_pretrained`,
+and `hf_model` writes the merged weights under plain HF names.
+
+Loading never executes code from the checkpoint: DCP goes through `safe_load.dcp_load` and the
+extra state through `torch.load(weights_only=True)` (see verl.utils.checkpoint.safe_load).
+
 All ranks must see the same filesystem at `local_path` (as DCP needs for loading anyway). The
 caller must have the model and optimizer on the device (load them back if offloaded).
 """
@@ -34,7 +43,9 @@ import torch
 import torch.distributed as dist
 
 from verl.utils.checkpoint.checkpoint_manager import BaseCheckpointManager
+from verl.utils.checkpoint.safe_load import dcp_load, torch_load
 from verl.utils.logging_utils import get_logger
+from verl.utils.lora import ADAPTER_DIR, is_peft_model, lora_scalings, merge_lora_state, save_lora_adapter
 
 __all__ = ["FSDPCheckpointManager"]
 
@@ -107,6 +118,8 @@ class FSDPCheckpointManager(BaseCheckpointManager):
         if "extra" in self.save_contents:
             self._save_extra_state(os.path.join(tmp, self._extra_state_name(world_size, rank)), global_step)
         self._save_huggingface(os.path.join(tmp, "huggingface"), rank)
+        if is_peft_model(self.model):
+            save_lora_adapter(self.model, os.path.join(tmp, ADAPTER_DIR))
         _barrier()
 
         if rank == 0:
@@ -136,10 +149,13 @@ class FSDPCheckpointManager(BaseCheckpointManager):
     def _save_huggingface(self, hf_dir: str, rank: int) -> None:
         """Config, generation config and tokenizer on rank 0; full weights too when asked (collective)."""
         full_state = None
+        hf_model = self.model.get_base_model() if is_peft_model(self.model) else self.model
         if "hf_model" in self.save_contents:
             from verl.utils.fsdp_utils import get_full_state_dict
 
             full_state = get_full_state_dict(self.model, rank0_only=True)
+            if full_state and is_peft_model(self.model):
+                full_state = dict(merge_lora_state(full_state.items(), lora_scalings(self.model)))
         if rank != 0:
             return
         os.makedirs(hf_dir, exist_ok=True)
@@ -155,12 +171,11 @@ class FSDPCheckpointManager(BaseCheckpointManager):
             # an empty (meta) instance of the model class writes the weights HF-style: tied weights,
             # sharding of large files and the safetensors metadata are handled by save_pretrained
             with torch.device("meta"):
-                shell = _unwrapped_class(self.model)._from_config(config)
+                shell = _unwrapped_class(hf_model)._from_config(config)
             shell.save_pretrained(hf_dir, state_dict=full_state)
 
     def load_checkpoint(self, local_path: str | None, hdfs_path: str | None = None, del_local_after_load=False):
         """Restore what `load_contents` lists from `local_path` (collective). None is a no-op."""
-        import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint.state_dict import (
             get_model_state_dict,
             get_optimizer_state_dict,
@@ -185,11 +200,11 @@ class FSDPCheckpointManager(BaseCheckpointManager):
 
         if "model" in self.load_contents:
             model_state = get_model_state_dict(self.model)
-            dcp.load(model_state, checkpoint_id=self._require(path, "model"))
+            dcp_load(model_state, self._require(path, "model"))
             set_model_state_dict(self.model, model_state)
         if "optimizer" in self.load_contents and self.optimizer is not None:
             optim_state = get_optimizer_state_dict(self.model, self.optimizer)
-            dcp.load(optim_state, checkpoint_id=self._require(path, "optim"))
+            dcp_load(optim_state, self._require(path, "optim"))
             set_optimizer_state_dict(self.model, self.optimizer, optim_state)
         if "extra" in self.load_contents:
             self._load_extra_state(path, rank, world_size)
@@ -210,7 +225,7 @@ class FSDPCheckpointManager(BaseCheckpointManager):
     def _load_extra_state(self, path: str, rank: int, world_size: int) -> None:
         own = os.path.join(path, self._extra_state_name(world_size, rank))
         if os.path.exists(own):
-            extra = torch.load(own, weights_only=False)
+            extra = torch_load(own, "checkpoint state file")
             self.load_rng_state(extra["rng"])
         else:
             saved = sorted(f for f in os.listdir(path) if f.startswith("extra_state_") and f.endswith("_rank_0.pt"))
@@ -219,6 +234,6 @@ class FSDPCheckpointManager(BaseCheckpointManager):
                     f"checkpoint {path!r} has no extra_state_*.pt files; remove 'extra' from checkpoint.load_contents"
                 )
             logger.warning("checkpoint %s was saved on another world size; restoring the lr scheduler only", path)
-            extra = torch.load(os.path.join(path, saved[0]), weights_only=False)
+            extra = torch_load(os.path.join(path, saved[0]), "checkpoint state file")
         if self.lr_scheduler is not None and extra["lr_scheduler"] is not None:
             self.lr_scheduler.load_state_dict(extra["lr_scheduler"])

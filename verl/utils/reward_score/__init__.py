@@ -4,10 +4,11 @@
 configured. The routing is one explicit table, ``SCORE_FNS``; every scorer is plain Python with no heavy
 imports, so this package is cheap to import in any worker.
 
-What is deliberately not here: code execution sandboxes and model-based judges. Upstream's extra keyword
-arguments for them (``sandbox_fusion_url``, ...) are accepted and ignored so that callers written for
-upstream keep working; a data source that needs them raises the same NotImplementedError as any unknown
-one.
+What is deliberately not here: code-execution data sources and model-based judges. Upstream's extra
+keyword arguments for them (``sandbox_fusion_url``, ...) are accepted and ignored so that callers written
+for upstream keep working; a data source that needs them raises the same NotImplementedError as any
+unknown one. A custom reward that executes generated code runs it through ``sandbox.run_python`` (a
+separate, resource-limited, throw-away process), never in the trainer's own process.
 """
 
 from __future__ import annotations

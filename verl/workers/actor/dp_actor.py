@@ -103,7 +103,9 @@ class DataParallelPPOActor(BasePPOActor):
                 "(use use_remove_padding and use_dynamic_bsz to fit long sequences)"
             )
         self.use_remove_padding = bool(cfg.get("use_remove_padding", False))
-        self._accepts_logits_to_keep = "logits_to_keep" in inspect.signature(actor_module.forward).parameters
+        # a peft model forwards its keyword arguments to the HF model it wraps: ask that one
+        hf_module = actor_module.get_base_model() if hasattr(actor_module, "get_base_model") else actor_module
+        self._accepts_logits_to_keep = "logits_to_keep" in inspect.signature(hf_module.forward).parameters
         self.loss_agg_mode = cfg.get("loss_agg_mode", "token-mean")
         policy_loss_cfg = cfg.get("policy_loss") or {}
         self.policy_loss_fn = get_policy_loss_fn(policy_loss_cfg.get("loss_mode", "vanilla"))

@@ -94,7 +94,7 @@ class AbstractRewardManager:
     ):
         if on_error not in ON_ERROR_CHOICES:
             raise ValueError(
-                f"on_error={on_error!r} is not one of {list(ON_ERROR_CHOICES)} (reward_model.reward_kwargs.on_error)"
+                f"on_error={on_error!r} is not one of {list(ON_ERROR_CHOICES)} (custom_reward_function.on_error)"
             )
         self.tokenizer = tokenizer
         self.num_examine = int(num_examine)
@@ -247,7 +247,7 @@ class AbstractRewardManager:
             f"  data_source: {sample.data_source!r}\n"
             f"  ground_truth: {sample.ground_truth!r}\n"
             f"  response: {response!r}\n"
-            "Fix the reward function (custom_reward_function.path), or set reward_model.reward_kwargs.on_error=zero "
+            "Fix the reward function (custom_reward_function.path), or set custom_reward_function.on_error=zero "
             "to score such samples 0 and count them in reward/num_errors."
         )
 

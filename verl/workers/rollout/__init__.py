@@ -8,8 +8,12 @@ from __future__ import annotations
 import importlib
 import importlib.util
 
-# rollout.name -> "module:Class"; vLLM and SGLang adapters add their rows here
-ROLLOUT_ENGINES = {"hf": "verl.workers.rollout.hf_rollout:HFRollout"}
+# rollout.name -> "module:Class"
+ROLLOUT_ENGINES = {
+    "hf": "verl.workers.rollout.hf_rollout:HFRollout",
+    "vllm": "verl.workers.rollout.vllm_rollout:vLLMRollout",
+    "sglang": "verl.workers.rollout.sglang_rollout:SGLangRollout",
+}
 
 
 def default_rollout_name() -> str:

@@ -30,11 +30,11 @@ import time
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
-import numpy as np
 import torch
 
 from verl.utils.device import get_device
 from verl.workers.rollout.base import BaseRollout
+from verl.workers.rollout.engine_io import resolve_sampling, resolve_token_ids
 from verl.workers.rollout.sampling import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -76,6 +76,8 @@ class HFRolloutConfig:
     """True disables CUDA-graph decoding on GPU."""
     max_num_seqs: int = 1024
     """At most this many sequences generate at once; larger batches run in chunks."""
+    ignore_eos: bool = False
+    """Generate `response_length` tokens even past end-of-sequence (benchmarks, load tests)."""
     val_kwargs: ValKwargs = field(default_factory=ValKwargs)
 
     def __post_init__(self):
@@ -107,19 +109,8 @@ class HFRolloutConfig:
         return cls(**values)
 
 
-def _sampling(do_sample: bool, temperature: float, top_k: int, top_p: float) -> SamplingParams:
-    if not do_sample or temperature == 0:
-        return SamplingParams(do_sample=False)
-    return SamplingParams(do_sample=True, temperature=float(temperature), top_k=int(top_k), top_p=float(top_p))
-
-
 def _first_set(*values):
     return next((v for v in values if v is not None), None)
-
-
-def _was_repeated(prompts) -> bool:
-    uid = prompts.non_tensor_batch.get("uid")
-    return uid is not None and len(set(uid.tolist())) < len(uid)
 
 
 class HFRollout(BaseRollout):
@@ -174,38 +165,10 @@ class HFRollout(BaseRollout):
 
     # ------------------------------------------------------------------------------- generation
     def _sampling_and_n(self, meta: dict, prompts) -> tuple[SamplingParams, int]:
-        cfg = self.config
-        if meta.get("do_sample", cfg.do_sample) is False:
-            return SamplingParams(do_sample=False), meta.get("n", 1)
-        if meta.get("validate", False):
-            vk = cfg.val_kwargs
-            params, n = _sampling(vk.do_sample, vk.temperature, vk.top_k, vk.top_p), vk.n
-        else:
-            params = _sampling(
-                True,
-                meta.get("temperature", cfg.temperature),
-                meta.get("top_k", cfg.top_k),
-                meta.get("top_p", cfg.top_p),
-            )
-            n = cfg.n
-        if "n" in meta:
-            return params, int(meta["n"])
-        if not params.do_sample or _was_repeated(prompts):
-            return params, 1
-        return params, n
+        return resolve_sampling(self.config, meta, prompts)
 
     def _token_ids(self, meta: dict) -> tuple[list[int], int]:
-        eos = meta.get("eos_token_id", self._default_eos)
-        eos_ids = [] if eos is None else ([int(eos)] if isinstance(eos, (int, np.integer)) else [int(e) for e in eos])
-        pad = meta.get("pad_token_id", self._default_pad)
-        if pad is None:
-            pad = eos_ids[0] if eos_ids else None
-        if pad is None:
-            raise ValueError(
-                "the rollout cannot tell which token pads responses: put pad_token_id (or eos_token_id) in "
-                "meta_info, pass a tokenizer to HFRollout, or set pad_token_id in the model config"
-            )
-        return eos_ids, int(pad)
+        return resolve_token_ids(meta, self._default_eos, self._default_pad)
 
     @torch.no_grad()
     def generate_sequences(self, prompts):
@@ -219,6 +182,8 @@ class HFRollout(BaseRollout):
         if n > 1:
             prompts = prompts.repeat(repeat_times=n, interleave=True)
         eos_ids, pad = self._token_ids(meta)
+        if self.config.ignore_eos:  # no row stops early: every response is response_length tokens long
+            eos_ids = []
         response_length = int(meta.get("response_length", self.config.response_length))
 
         input_ids = prompts.batch["input_ids"]

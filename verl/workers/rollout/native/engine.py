@@ -4,8 +4,18 @@
 right-padded responses, their mask and optional log-probs out. Per token the host does only
 launch work: select tokens (on device), write one column of each output buffer, update the
 finished flags, and run the decoder (a CUDA-graph replay on GPU). The only host sync is a cheap
-"is every row finished?" check every `stop_check_interval` steps (each step on CPU, where it costs
-nothing; every 16 on GPU, where each check drains the launch queue).
+"how many rows are still generating?" check every `stop_check_interval` steps (each step on CPU,
+where it costs nothing; every 16 on GPU, where each check drains the launch queue).
+
+Work the batch does not need is skipped, which is where the RL workload's time goes (the GRPO
+arithmetic task: every prompt sampled n times, most answers done after 3 of 8 tokens):
+- Repeated prompts are prefilled once: rows with identical (prompt, mask, positions) share one
+  prefill, whose cache columns are then copied to every row that repeats it (`_prefill`).
+- Finished rows leave the batch: at a check, once an eighth of the active rows have emitted EOS
+  (with CUDA graphs: once the rest fits a smaller batch bucket), the live rows' cache rows are
+  gathered to the front (`decoder.select_rows`) and later steps compute only those; a slot -> row
+  map writes their tokens to the right output rows. Until then finished rows keep decoding and
+  their extra tokens are masked to pad at the end, so no step branches per row.
 
 Weight sync and memory (the hybrid engine's contract, shared with the vLLM/SGLang adapters):
 - `update_weights(named_tensors)` copies HF-named tensors into the decoder's buffers in place, as
@@ -249,21 +259,38 @@ class GenerationEngine:
         eos = torch.tensor(eos_ids, dtype=torch.long, device=dev) if eos_ids else None
         responses = torch.full((B, R), pad_token_id, dtype=torch.long, device=dev)
         logprobs = torch.zeros((B, R), dtype=torch.float32, device=dev) if return_logprobs else None
-        finished = torch.zeros(B, dtype=torch.bool, device=dev)
         positions = position_ids[:, -1:] + torch.arange(1, R + 1, device=dev)
 
-        # The loop only records what each row samples; rows that already emitted EOS keep decoding
-        # (their extra tokens are masked to pad afterwards) so no step needs a per-row branch.
-        logits = self.decoder.prefill(input_ids, attention_mask, position_ids)
+        logits = self._prefill(input_ids, attention_mask, position_ids)
+        # Active rows occupy decoder slots [0, live); `rows` maps slot -> output row once finished
+        # rows have been dropped (None while slot i is row i).
+        rows, live = None, B
+        finished = torch.zeros(B, dtype=torch.bool, device=dev)
         for i in range(R):
             tokens, token_logprobs = select_tokens(logits, sampling, return_logprobs, generator)
-            responses[:, i] = tokens
-            if logprobs is not None:
-                logprobs[:, i] = token_logprobs
+            if rows is None:
+                responses[:, i] = tokens
+                if logprobs is not None:
+                    logprobs[:, i] = token_logprobs
+            else:
+                responses[rows, i] = tokens
+                if logprobs is not None:
+                    logprobs[rows, i] = token_logprobs
+            if i == R - 1:
+                break
             if eos is not None:
                 finished |= (tokens[:, None] == eos).any(-1)  # not isin: it may sync on some devices
-            if i == R - 1 or ((i + 1) % self.stop_check_interval == 0 and eos is not None and bool(finished.all())):
-                break
+                if (i + 1) % self.stop_check_interval == 0:
+                    remaining = live - int(finished.sum())
+                    if remaining == 0:
+                        break
+                    if self._worth_compacting(remaining, live):
+                        keep = (~finished).nonzero().squeeze(1)
+                        self.decoder.select_rows(keep, P + i)
+                        rows = keep if rows is None else rows[keep]
+                        tokens, positions = tokens[keep], positions[keep]
+                        finished = torch.zeros(remaining, dtype=torch.bool, device=dev)
+                        live = remaining
             logits = self._decode(tokens, positions[:, i], P + i)
 
         # 1 up to and including each row's first EOS; unsampled columns (early stop) are pad already
@@ -276,6 +303,34 @@ class GenerationEngine:
             if logprobs is not None:
                 logprobs.masked_fill_(response_mask == 0, 0.0)
         return GenerationOutput(responses, response_mask, logprobs)
+
+    def _prefill(
+        self, input_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor
+    ) -> torch.Tensor:
+        """Prefill each distinct prompt once; its keys/values are written to every row that repeats it.
+
+        GRPO-style batches repeat every prompt `n` times; their prefill is the same computation, and
+        writing `P` cache columns per row costs far less than recomputing them.
+        """
+        B = input_ids.shape[0]
+        mask = attention_mask.to(input_ids.dtype)
+        key = torch.cat((input_ids * mask, mask, position_ids.to(input_ids.dtype)), dim=1)
+        distinct, inverse = torch.unique(key, dim=0, return_inverse=True)
+        if distinct.shape[0] == B:
+            return self.decoder.prefill(input_ids, attention_mask, position_ids)
+        # any row of each distinct prompt represents it: take the first
+        first = torch.full((distinct.shape[0],), B, dtype=torch.long, device=input_ids.device)
+        first.scatter_reduce_(0, inverse, torch.arange(B, device=input_ids.device), reduce="amin")
+        logits = self.decoder.prefill(input_ids[first], attention_mask[first], position_ids[first], rows=inverse)
+        return logits[inverse]
+
+    def _worth_compacting(self, remaining: int, live: int) -> bool:
+        """Drop finished rows once they are an eighth of the batch (CUDA graphs: once the batch fits a
+        smaller graph bucket). A compaction copies the live rows' cache columns once, about what
+        one decode step reads; each later step then computes `remaining` rows instead of `live`."""
+        if self.graphs is not None:
+            return batch_bucket(remaining) < batch_bucket(live)
+        return remaining * 8 <= live * 7
 
     def _decode(self, tokens: torch.Tensor, positions: torch.Tensor, column: int) -> torch.Tensor:
         if self.graphs is not None:

@@ -83,6 +83,11 @@ class HFModelDecoder:
         self._mask = torch.zeros(batch, max_len, dtype=torch.long, device=self.device)
         return True
 
+    def select_rows(self, index: torch.Tensor, columns: int) -> None:
+        """Keep rows `index` of the cache and mask (see `LlamaDecoder.select_rows`)."""
+        self._cache.reorder_cache(index)
+        self._mask = self._mask[index]
+
     def release_cache(self) -> None:
         self._cache = None
         self._mask = None
@@ -93,7 +98,11 @@ class HFModelDecoder:
     # ----------------------------------------------------------------------------------- forward
     @torch.no_grad()
     def prefill(
-        self, input_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor,
+        position_ids: torch.Tensor,
+        rows: torch.Tensor | None = None,
     ) -> torch.Tensor:
         from transformers import DynamicCache
 
@@ -110,6 +119,9 @@ class HFModelDecoder:
             use_cache=True,
             logits_to_keep=1,
         )
+        if rows is not None:  # fan the prompts out to the cache rows that repeat them
+            self._cache.reorder_cache(rows)
+            self._mask = self._mask[rows]
         return out.logits[:, -1]
 
     @torch.no_grad()

@@ -23,6 +23,14 @@ Design decisions:
   (`[B, kv, group, D]` against `[B, kv, len, D]`), which read each K/V once, do not depend on which
   SDPA backend accepts a mask, and are valid inside a CUDA graph (the step index is a device
   tensor; `kv_len` is a Python int that the graph runner buckets).
+- Row bookkeeping for the engine: `prefill(..., rows=)` writes each distinct prompt's K/V to every
+  cache row that repeats it, straight from the layer's fresh K/V; `select_rows` gathers the rows
+  still generating to the front, one layer at a time (a whole-cache temporary measured ~2x slower
+  on CPU: page faults and cache misses).
+- Where a CPU decode step goes (tiny model, batch 64, one thread): matmuls ~48% (at ~73 GFLOP/s,
+  MKL's per-core rate; pre-packed MKL/oneDNN weights were no faster), attention ~28% (reading the
+  KV cache, memory-bound), everything else ~24%. Tried and not kept, within noise: in-place
+  SiLU-and-multiply, and RoPE as one in-place complex multiply with one combined K/V write (~2%).
 - No torch.compile: on torch 2.13 CPU the inductor-compiled decode step measured ~5x slower than
   eager (it turns the in-place cache writes into whole-cache copies and emits loop code for the
   tiny per-head matmuls), after ~20 s of compilation per shape. CUDA graphs are the accelerator's
@@ -338,6 +346,18 @@ class LlamaDecoder:
             views = self._batch_views[batch] = (self.key_bias[:batch], layers)
         return views
 
+    def select_rows(self, index: torch.Tensor, columns: int) -> None:
+        """Cache rows [0, len(index)) become copies of rows `index` (cache columns [0, columns)).
+
+        Drops finished rows (a subset, in order). Rows past len(index) keep stale but finite
+        contents, which CUDA-graph bucket padding may read. Gathered one layer at a time: on CPU a
+        whole-cache temporary costs ~2x more (page faults, cache misses) than per-layer ones."""
+        n = index.shape[0]
+        for cache in (self.k_cache, self.v_cache):
+            for layer in cache:
+                layer[:n, :, :columns] = layer[:, :, :columns].index_select(0, index)
+        self.key_bias[:n, :columns] = self.key_bias[:, :columns].index_select(0, index)
+
     def release_cache(self) -> None:
         self._batch_views = {}
         self.k_cache = self.v_cache = self.key_bias = None
@@ -374,16 +394,25 @@ class LlamaDecoder:
 
     @torch.no_grad()
     def prefill(
-        self, input_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor,
+        position_ids: torch.Tensor,
+        rows: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """Run the left-padded prompts [B, P], fill cache columns [0, P); returns last-position logits [B, V]."""
+        """Run the left-padded prompts [B, P], fill cache columns [0, P); returns last-position logits [B, V].
+
+        `rows` [N] (optional) fans the prompts out: cache row r gets prompt `rows[r]`'s keys and
+        values, for rows [0, N), written straight from each layer's fresh K/V (no second pass).
+        """
         s, w = self.spec, self.weights
         B, P = input_ids.shape
         H, KV, D = s.num_heads, s.num_kv_heads, s.head_dim
         valid = attention_mask.bool()
+        N = B if rows is None else rows.shape[0]
         self.key_bias.fill_(_NEG)
-        self.key_bias[B:, 0] = 0.0  # rows beyond B (CUDA-graph bucket padding) must not be fully masked
-        self.key_bias[:B, :P].masked_fill_(valid, 0.0)
+        self.key_bias[N:, 0] = 0.0  # rows beyond N (CUDA-graph bucket padding) must not be fully masked
+        self.key_bias[:N, :P].masked_fill_(valid if rows is None else valid[rows], 0.0)
 
         # causal over real keys; a padding query attends to itself only, so it stays finite
         causal = torch.ones(P, P, dtype=torch.bool, device=self.device).tril()
@@ -399,8 +428,8 @@ class LlamaDecoder:
             q = qk[:, :, :H].transpose(1, 2)
             k = qk[:, :, H:].transpose(1, 2)
             v = qkv[..., (H + KV) * D :].view(B, P, KV, D).transpose(1, 2)
-            self.k_cache[i, :B, :, :P] = k
-            self.v_cache[i, :B, :, :P] = v
+            self.k_cache[i, :N, :, :P] = k if rows is None else k.index_select(0, rows)
+            self.v_cache[i, :N, :, :P] = v if rows is None else v.index_select(0, rows)
             if i == s.num_layers - 1:  # past the last K/V write only the last position matters
                 q, mask, x = q[:, :, -1:], mask[:, :, -1:], x[:, -1:]
             o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=D**-0.5, enable_gqa=H != KV)

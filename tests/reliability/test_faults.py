@@ -1,0 +1,151 @@
+"""Faults during `python -m verl.trainer.main_ppo`: a worker killed with SIGKILL while a checkpoint is
+being saved, resuming afterwards, and Ctrl-C. Two real runs, each in its own session like a job
+started from a terminal, with every process they start tracked (see reliability_helpers):
+
+1. a worker is killed with `kill -9` while step 2's checkpoint is being written: the driver fails
+   within 30 s naming the role and the rank, exits non-zero and leaves no process behind; the
+   tracker still names step 1, whose checkpoint is complete;
+2. the same command again resumes from step 1 and trains on; Ctrl-C (SIGINT to the process group,
+   as a terminal sends it) then stops the driver and every worker cleanly, exit status 130.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+
+import psutil
+import pytest
+from reliability_helpers import (
+    arith_rows,
+    kill_run,
+    launch,
+    run_processes,
+    small_run,
+    tracker_step,
+    wait_for,
+    wait_until_gone,
+    worker_pid,
+    write_rows,
+)
+
+STARTUP_S = 300  # generous: on a busy 2-core machine a run needs a minute or more to reach step 1
+
+
+@pytest.fixture(scope="module")
+def run_dir(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("faults")
+    data = write_rows(tmp / "train.parquet", arith_rows(64))
+    args = [
+        *small_run(tmp, steps=50),
+        f"data.train_files={data}",
+        f"data.val_files={data}",
+        "trainer.save_freq=1",
+        # the HF export makes each save last long enough to be hit reliably
+        "actor_rollout_ref.actor.checkpoint.save_contents=[model,optimizer,extra,hf_model]",
+        "trainer.progress_bar=false",
+    ]
+    return tmp, args
+
+
+@pytest.fixture(scope="module")
+def killed_during_save(run_dir):
+    """Run 1: SIGKILL worker rank 1 as soon as step 2's checkpoint directory appears."""
+    tmp, args = run_dir
+    ckpt = tmp / "ckpt"
+    proc, run_id, log = launch(args, tmp, "run1.log")
+    try:
+        wait_for(lambda: tracker_step(ckpt) == 1, STARTUP_S, proc, what="the checkpoint of step 1")
+        victim = worker_pid(run_id, rank=1)
+        listening = _listening_ports(run_id)
+        wait_for(lambda: (ckpt / "global_step_2").exists(), 120, proc, poll_s=0.005, what="the save of step 2")
+        os.kill(victim, signal.SIGKILL)
+        killed_at = time.monotonic()
+        step_at_kill = tracker_step(ckpt)
+        returncode = proc.wait(timeout=120)
+        exit_s = time.monotonic() - killed_at
+        print(f"kill -9 of worker rank 1 -> driver exit {returncode} after {exit_s:.1f} s")
+        left = wait_until_gone(run_id, timeout_s=15)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        kill_run(run_id)
+    return {
+        "returncode": returncode,
+        "exit_s": exit_s,
+        "left": left,
+        "log": log.read_text(errors="replace"),
+        "step_at_kill": step_at_kill,
+        "listening": listening,
+    }
+
+
+def _listening_ports(run_id: str) -> dict[int, str]:
+    """{port: address} of every TCP socket the run's processes listen on."""
+    pids = {p.pid for p in run_processes(run_id)}
+    return {
+        c.laddr.port: c.laddr.ip
+        for c in psutil.net_connections(kind="tcp")
+        if c.status == psutil.CONN_LISTEN and c.pid in pids
+    }
+
+
+def test_kill_9_of_a_worker_fails_the_run_naming_role_and_rank_within_30_s(killed_during_save):
+    result = killed_during_save
+    assert result["step_at_kill"] == 1, "the kill landed after the save finished; the test did not hit the save"
+    assert result["returncode"] == 1, result["log"][-3000:]
+    assert result["exit_s"] < 30, f"the driver needed {result['exit_s']:.1f} s to fail"
+    last = result["log"].rstrip().splitlines()
+    summary = next(line for line in reversed(last) if line.startswith("verl: training failed"))
+    assert "WorkerDiedError: actor_rollout rank 1 died during save_checkpoint()" in summary
+    assert "Traceback" not in result["log"]  # a dead worker is explained by its message alone
+
+
+def test_a_killed_run_leaves_no_process_behind(killed_during_save):
+    assert killed_during_save["left"] == []
+
+
+def test_a_kill_during_a_save_leaves_the_previous_checkpoint_complete(run_dir, killed_during_save):
+    from verl.utils.checkpoint.safe_load import dcp_metadata, torch_load
+
+    ckpt = run_dir[0] / "ckpt"
+    assert tracker_step(ckpt) == 1
+    assert not (ckpt / "global_step_2" / "data.pt").exists()  # step 2 was cut short
+    state = torch_load(str(ckpt / "global_step_1" / "data.pt"), "driver state")  # weights_only=True
+    assert state["global_steps"] == 1
+    assert dcp_metadata(str(ckpt / "global_step_1" / "actor" / "model")).state_dict_metadata
+
+
+def test_the_run_serves_no_dashboard(killed_during_save):
+    listening = killed_during_save["listening"]
+    assert 8265 not in listening, listening  # Ray's dashboard port: off unless asked for
+
+
+def test_resume_after_the_kill_then_ctrl_c_stops_every_process(run_dir, killed_during_save):
+    tmp, args = run_dir
+    ckpt = tmp / "ckpt"
+    proc, run_id, log = launch(args, tmp, "run2.log")
+    try:
+        wait_for(lambda: tracker_step(ckpt) == 2, STARTUP_S, proc, what="the checkpoint of step 2 after resuming")
+        os.killpg(proc.pid, signal.SIGINT)  # what a terminal sends on Ctrl-C
+        interrupted_at = time.monotonic()
+        returncode = proc.wait(timeout=60)
+        exit_s = time.monotonic() - interrupted_at
+        print(f"Ctrl-C -> driver exit {returncode} after {exit_s:.1f} s")
+        left = wait_until_gone(run_id, timeout_s=15)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        kill_run(run_id)
+    text = log.read_text(errors="replace")
+    assert "resuming from" in text and "global_step_1" in text, text[-3000:]
+    steps = [json.loads(line)["step"] for line in (tmp / "metrics.jsonl").read_text().splitlines()]
+    assert steps[0] == 1 and 1 not in steps[1:], steps  # step 1 came from the killed run only
+    assert returncode == 130, text[-3000:]
+    assert "verl: interrupted; the workers were stopped" in text
+    assert exit_s < 30, f"Ctrl-C took {exit_s:.1f} s"
+    assert left == []
+    # trainer.progress_bar=false silences the driver's step bar and the workers' model-loading bars
+    assert "Training Progress" not in text and "Loading weights" not in text

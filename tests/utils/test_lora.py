@@ -1,0 +1,125 @@
+"""verl.utils.lora in one process: wrapping, the streamed merge (against a hand-computed float64
+merge and against peft's own `merge_and_unload`), and the adapter saved in PEFT's format."""
+
+from __future__ import annotations
+
+import json
+import random
+
+import pytest
+import torch
+from omegaconf import OmegaConf
+
+from tests.distributed_helpers import make_tiny_causal_lm
+from verl.utils.lora import (
+    PEFT_PREFIX,
+    apply_lora,
+    is_peft_model,
+    lora_enabled,
+    lora_scalings,
+    merge_lora_state,
+    read_adapter_config,
+    save_lora_adapter,
+    scaling_from_adapter_config,
+)
+
+RANK, ALPHA = 4, 8
+
+
+def model_cfg(**overrides):
+    cfg = {"lora_rank": RANK, "lora_alpha": ALPHA, "target_modules": "all-linear", "exclude_modules": None}
+    cfg.update(overrides)
+    return OmegaConf.create(cfg)
+
+
+def lora_model_with_random_adapters(seed: int = 0, **overrides):
+    """A float64 tiny Qwen2 with LoRA whose B factors are random (peft starts them at zero)."""
+    model = apply_lora(make_tiny_causal_lm(seed), model_cfg(**overrides))
+    gen = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if ".lora_B." in name:
+                param.copy_(torch.randn(param.shape, generator=gen, dtype=param.dtype) * 0.5)
+    return model
+
+
+def test_lora_is_enabled_by_a_positive_rank_only():
+    assert lora_enabled({"lora_rank": 8}) and not lora_enabled({"lora_rank": 0}) and not lora_enabled({})
+
+
+def test_only_the_adapters_of_the_targeted_linear_layers_train():
+    model = apply_lora(make_tiny_causal_lm(), model_cfg(target_modules=["q_proj", "v_proj"]))
+    assert is_peft_model(model) and not is_peft_model(make_tiny_causal_lm())
+    trainable = sorted(n for n, p in model.named_parameters() if p.requires_grad)
+    assert trainable and all(".lora_A." in n or ".lora_B." in n for n in trainable)
+    assert {n.split(".")[-4] for n in trainable} == {"q_proj", "v_proj"}
+    assert len(trainable) == 2 * 2 * 2  # 2 layers x 2 modules x (A, B)
+    assert set(lora_scalings(model).values()) == {(ALPHA / RANK, False)}
+
+
+def test_exclude_modules_keeps_adapters_off_those_layers():
+    model = apply_lora(make_tiny_causal_lm(), model_cfg(exclude_modules=["down_proj", "up_proj"]))
+    adapted = {name.rsplit(".", 1)[-1] for name in lora_scalings(model)}
+    assert adapted == {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj"}  # never lm_head
+
+
+def test_target_modules_that_match_nothing_say_what_to_set():
+    with pytest.raises(ValueError, match=r"target_modules=.*no_such_proj.*actor_rollout_ref.model.target_modules"):
+        apply_lora(make_tiny_causal_lm(), model_cfg(target_modules=["no_such_proj"]))
+
+
+def test_one_merged_layer_equals_the_hand_computed_float64_merge():
+    model = lora_model_with_random_adapters()
+    sd = model.state_dict()
+    prefix = f"{PEFT_PREFIX}model.layers.1.mlp.down_proj"
+    w, a, b = (
+        sd[f"{prefix}.base_layer.weight"],
+        sd[f"{prefix}.lora_A.default.weight"],
+        sd[f"{prefix}.lora_B.default.weight"],
+    )
+    expected = w.clone()
+    for k in range(RANK):  # W + alpha / r * sum_k (column k of B) outer (row k of A)
+        expected += ALPHA / RANK * torch.outer(b[:, k], a[k, :])
+    merged = dict(merge_lora_state(sd.items(), lora_scalings(model)))
+    torch.testing.assert_close(merged["model.layers.1.mlp.down_proj.weight"], expected, rtol=1e-12, atol=1e-12)
+    assert not torch.allclose(expected, w)  # the adapter really contributes
+
+
+def test_streamed_merge_in_any_order_equals_peft_merge_and_unload():
+    model = lora_model_with_random_adapters()
+    items = list(model.state_dict().items())
+    random.Random(0).shuffle(items)
+    merged = dict(merge_lora_state(iter(items), ALPHA / RANK))  # one scaling, as read from adapter_config.json
+    reference = model.merge_and_unload().state_dict()
+    assert merged.keys() == reference.keys()
+    for name, tensor in reference.items():
+        torch.testing.assert_close(merged[name], tensor, rtol=1e-12, atol=1e-12, msg=name)
+
+
+def test_merge_refuses_a_layer_with_a_missing_factor_or_a_non_peft_name():
+    sd = lora_model_with_random_adapters().state_dict()
+    partial = [(n, t) for n, t in sd.items() if "layers.0.self_attn.q_proj.lora_B" not in n]
+    with pytest.raises(KeyError, match=r"model.layers.0.self_attn.q_proj.*\['A', 'W'\]"):
+        list(merge_lora_state(partial, ALPHA / RANK))
+    with pytest.raises(KeyError, match="not a peft state-dict name"):
+        list(merge_lora_state([("model.norm.weight", torch.ones(2))], 1.0))
+
+
+def test_scaling_from_an_adapter_config_follows_peft():
+    assert scaling_from_adapter_config({"r": 8, "lora_alpha": 16}) == 2.0
+    assert scaling_from_adapter_config({"r": 16, "lora_alpha": 16, "use_rslora": True}) == 4.0
+
+
+def test_saved_adapter_loads_with_peft_from_pretrained(tmp_path):
+    from peft import PeftModel
+
+    model = lora_model_with_random_adapters()
+    save_lora_adapter(model, str(tmp_path))
+    config = read_adapter_config(str(tmp_path))
+    assert (config["r"], config["lora_alpha"], config["peft_type"]) == (RANK, ALPHA, "LORA")
+    assert json.loads((tmp_path / "adapter_config.json").read_text()) == config
+    loaded = PeftModel.from_pretrained(make_tiny_causal_lm(), str(tmp_path))
+    expected = {n: t for n, t in model.state_dict().items() if ".lora_" in n}
+    got = loaded.state_dict()
+    for name, tensor in expected.items():
+        assert torch.equal(got[name], tensor), name

@@ -1,0 +1,339 @@
+"""Generation that runs ahead of training, with bounded staleness (`async_training.*`).
+
+`AsyncRolloutSource` is a rollout strategy of `RayPPOTrainer` (the `_rollout_strategy` hook that
+`step()` calls first), so the driver's step is not forked: with `staleness_threshold=k >= 1` the
+batch a step trains on comes from a queue that a separate rollout pool keeps filling.
+
+    k = 0   the synchronous colocated step (this module is not used)
+    k = 1   one-step-off: batch t+1 is generated while the trainer trains on batch t
+    k >= 2  generation may run up to k batches ahead of training
+
+Versions. The actor's weights after `s` updates are weight version `s`; step `t` trains with
+version `t-1` and pushes it to the rollout pool before it asks for more samples. Every rollout
+worker stamps each sample with the version it generated it with (`non_tensor_batch
+["weight_version"]`, set by the worker, never guessed by the driver). A sample's staleness at
+step t is `(t-1) - weight_version`. Prompt batches are submitted to the rollout pool at most `k`
+batches ahead of the step that trains them, behind the weight push of the step that submits them,
+so batch `b` is generated with version `max(0, b-1-k)` and trained at step `b` with staleness
+`min(k, b-1)`: the bound holds by construction. It is checked again when a batch is taken, and a
+group older than the bound (possible after a change of `k` on resume) is regenerated with current
+weights (`stale_sample_policy=regenerate`, no prompt is lost) or dropped (`drop`).
+
+Streaming. Each prompt batch is cut into group-aligned chunks, one request per rollout worker;
+a chunk is scored (reward function) as soon as it is back, and the trainer takes whole groups in
+the order they finished, as soon as `train_batch_size` groups are ready.
+
+Off-policy correction (`async_training.off_policy_correction`):
+- `decoupled` (default): the trainer recomputes `old_log_probs` with its current weights (the
+  proximal policy); the PPO ratio is clipped against them and each token is weighted by
+  min(pi_prox / pi_behav, C), the behaviour policy's log-probs being the rollout's own
+  (`rollout.calculate_log_probs`, forced on) and C `actor.tis_imp_ratio_cap` (2 when unset).
+- `tis`: no proximal pass: `old_log_probs` are the behaviour log-probs, so PPO's clipped ratio
+  pi_theta / pi_behav is a truncated importance weight against the policy that generated the
+  samples (one forward pass less per step; coarser when samples are stale).
+- `none`: recompute `old_log_probs`, ignore the behaviour policy (a baseline to compare with).
+
+Resume. A checkpoint waits for the generations in flight and saves every drawn-but-untrained
+group (with its responses, scores and version tags) in `data.pt`, beside the dataloader position
+that already counts them; resuming puts them back in the queue, so no sample is lost or trained
+twice. The rollout pool then receives the checkpoint's weights before generating anything.
+
+Validation keeps running on the trainer pool's own (hybrid) engine, with the current weights.
+Not implemented: partial rollouts (interrupting a generation to push weights), syncing weights
+less often than every step, and DAPO dynamic sampling / ReMax / KL-in-reward with `k >= 1`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+from omegaconf import open_dict
+
+from verl.protocol import DataProto
+from verl.utils.logging_utils import get_logger
+from verl.utils.timer import marked_timer
+
+logger = get_logger(__name__, "INFO")
+
+OFF_POLICY_CORRECTIONS = ("decoupled", "tis", "none")
+STALE_SAMPLE_POLICIES = ("regenerate", "drop")
+DEFAULT_IMP_RATIO_CAP = 2.0
+
+
+def staleness_threshold(config) -> int:
+    """`async_training.staleness_threshold` of a PPO config (0 when the section is absent)."""
+    section = config.get("async_training") or {}
+    return int(section.get("staleness_threshold", 0) or 0)
+
+
+def configure_off_policy_correction(config) -> None:
+    """Set the keys the chosen correction needs (in place, before the workers are built)."""
+    mode = config.async_training.get("off_policy_correction", "decoupled")
+    arc = config.actor_rollout_ref
+    with open_dict(arc):
+        if mode in ("decoupled", "tis"):
+            arc.rollout.calculate_log_probs = True
+        if mode == "decoupled" and not (arc.actor.get("tis_imp_ratio_cap") or -1) > 0:
+            arc.actor.tis_imp_ratio_cap = DEFAULT_IMP_RATIO_CAP
+
+
+def importance_weight_metrics(
+    old_log_probs: torch.Tensor, rollout_log_probs: torch.Tensor, response_mask: torch.Tensor, cap: float | None
+) -> dict[str, float]:
+    """off_policy/is_weight_{mean,min,max} of pi_old / pi_rollout over valid tokens, and the fraction
+    of tokens whose weight the cap truncates (`is_weight_truncated_frac`, when a cap is set)."""
+    mask = response_mask.bool()
+    log_w = (old_log_probs - rollout_log_probs)[mask]
+    if log_w.numel() == 0:
+        return {}
+    w = torch.exp(log_w.clamp(max=20.0))
+    out = {
+        "off_policy/is_weight_mean": w.mean().item(),
+        "off_policy/is_weight_min": w.min().item(),
+        "off_policy/is_weight_max": w.max().item(),
+    }
+    if cap is not None and cap > 0:
+        out["off_policy/is_weight_truncated_frac"] = (w > cap).float().mean().item()
+    return out
+
+
+@dataclass
+class _Chunk:
+    """One generation request: a group-aligned slice of a prompt batch sent to one rollout worker."""
+
+    batch_index: int
+    rows: DataProto  # the prompt rows, repeated n times, uid set (what the reward function reads)
+    gen: DataProto  # what the rollout engine gets
+    rank: int
+    ref: Any = None
+    output: DataProto | None = None
+    seq: int = 0  # submission order: among finished chunks, the oldest is taken first
+
+
+@dataclass
+class _Stats:
+    dropped_groups: int = 0
+    regenerated_groups: int = 0
+    extra: dict = field(default_factory=dict)
+
+
+class AsyncRolloutSource:
+    """The rollout strategy for `async_training.staleness_threshold >= 1` (see the module docstring).
+
+    trainer: the `RayPPOTrainer` (its `actor_rollout_wg`, `_next_batch`, `_gen_batch`, `_compute_reward`).
+    rollout_wg: the rollout-only worker group (a separate resource pool).
+    """
+
+    def __init__(self, trainer, rollout_wg):
+        cfg = trainer.config.async_training
+        self.trainer = trainer
+        self.rollout_wg = rollout_wg
+        self.k = int(cfg.staleness_threshold)
+        self.correction = cfg.get("off_policy_correction", "decoupled")
+        self.stale_policy = cfg.get("stale_sample_policy", "regenerate")
+        self.timeout_s = float(cfg.get("weight_sync_timeout_s", 600))
+        rollout_cfg = trainer.config.actor_rollout_ref.rollout
+        self.bucket_mb = int(rollout_cfg.get("update_weights_bucket_megabytes", 512) or 512)
+        self.n = int(rollout_cfg.n)
+        self.groups_per_step = int(trainer.config.data.train_batch_size)
+        self.num_drawn = 0
+        self._seq = 0
+        self._chunks: list[_Chunk] = []  # submitted, not yet scored
+        self._ready: list[DataProto] = []  # scored, not yet trained (group-aligned)
+        self._synced_version: int | None = None
+        self._receive_refs: list = []
+        self._stats = _Stats()
+
+    # ------------------------------------------------------------------ the strategy
+    def __call__(self, state) -> DataProto:
+        step = self.trainer.global_steps
+        with marked_timer("sync_weights", state.timing):
+            self._push_weights(step - 1)
+        self._submit_until(min(step + self.k, self.trainer.total_training_steps))
+        with marked_timer("wait_rollout", state.timing):
+            batch = self._take(step, state)
+        state.metrics.update(self._metrics(batch, step))
+        if self.correction == "tis":
+            batch.batch["old_log_probs"] = batch.batch["rollout_log_probs"]
+        return batch
+
+    # ------------------------------------------------------------------ weights
+    def _push_weights(self, version: int) -> None:
+        """Make `version` the rollout pool's weights for every request submitted from now on."""
+        if self._synced_version == version:
+            return
+        actor_wg = self.trainer.actor_rollout_wg
+        if self._synced_version is None:
+            self._init_group(actor_wg)
+        self._wait(self.rollout_wg, self._receive_refs, "receive_weights")
+        send = actor_wg.send_weights(version)
+        # Queued behind the generations already submitted: those keep their older version.
+        self._receive_refs = self.rollout_wg.receive_weights(version)
+        self._wait(actor_wg, send, "send_weights")
+        self._synced_version = version
+
+    def _init_group(self, actor_wg) -> None:
+        host, port = next(a for a in actor_wg.host_weight_sync(self.timeout_s) if a is not None)
+        world = 1 + self.rollout_wg.world_size
+        args = (host, port, world, self.timeout_s, self.bucket_mb)
+        refs = actor_wg.init_weight_sync(*args), self.rollout_wg.init_weight_sync(*args)
+        self._wait(actor_wg, refs[0], "init_weight_sync")
+        self._wait(self.rollout_wg, refs[1], "init_weight_sync")
+
+    @staticmethod
+    def _wait(wg, refs: list, method: str) -> list:
+        return wg._wait(list(refs), ranks=list(range(len(refs))), role=wg.role, method=method) if refs else []
+
+    # ------------------------------------------------------------------ generation requests
+    def _submit_until(self, last_batch: int) -> None:
+        while self.num_drawn < last_batch:
+            self.num_drawn += 1
+            batch = self.trainer._next_batch()
+            batch.non_tensor_batch["uid"] = np.array([f"{self.num_drawn}_{i}" for i in range(len(batch))], dtype=object)
+            self._submit_groups(self.num_drawn, batch.repeat(repeat_times=self.n, interleave=True))
+
+    def _submit_groups(self, batch_index: int, rows: DataProto) -> None:
+        """Cut group-aligned rows into one chunk per rollout worker and submit each."""
+        from verl.trainer.ppo.ray_trainer import GEN_BATCH_KEYS
+
+        num_groups = len(rows) // self.n
+        workers = self.rollout_wg.world_size
+        per_worker = -(-num_groups // workers)
+        for w, start in enumerate(range(0, num_groups, per_worker)):
+            part = rows.slice(start * self.n, min(num_groups, start + per_worker) * self.n)
+            gen = self.trainer._gen_batch(part)
+            gen.meta_info["global_steps"] = batch_index
+            rank = (batch_index + w) % workers  # rotate so no worker always gets the short tail chunk
+            chunk = _Chunk(batch_index=batch_index, rows=part, gen=gen, rank=rank, seq=self._seq)
+            self._seq += 1
+            chunk.ref = self.rollout_wg.workers[rank]._verl_rpc.remote(self._generate_name(), gen)
+            self._chunks.append(chunk)
+            assert set(GEN_BATCH_KEYS) <= set(gen.batch.keys())
+
+    def _generate_name(self) -> str:
+        return self.rollout_wg.generate_sequences._remote_name
+
+    def _finish_one(self, state) -> None:
+        """Wait for the oldest finished chunk, score it, queue its groups for training."""
+        import ray
+
+        from verl.trainer.ppo.ray_trainer import _with_generation
+
+        done = [c for c in self._chunks if c.output is not None]
+        if not done:
+            pending = [c.ref for c in self._chunks]
+            # Everything already finished, not just the one `ray.wait` happens to report first: it
+            # may report a later request before an earlier one that is also done.
+            ready, _ = ray.wait(pending, num_returns=len(pending), timeout=0)
+            if not ready:
+                ready, _ = ray.wait(pending, num_returns=1, timeout=self.rollout_wg.timeout_s)
+            if not ready:
+                self._wait(self.rollout_wg, [self._chunks[0].ref], "generate_sequences")  # raises the timeout
+            ready_ids = set(ready)
+            finished = [c for c in self._chunks if c.ref in ready_ids]
+            # A rollout worker runs its requests one at a time in submission order, so the older
+            # requests of a worker that finished one are finished too: take them in that order.
+            # This keeps which batch a step trains independent of timing (resume replays it).
+            newest = {}
+            for c in finished:
+                newest[c.rank] = max(newest.get(c.rank, -1), c.seq)
+            done = [c for c in self._chunks if c.seq <= newest.get(c.rank, -1)]
+            for c in done:
+                c.output = self._wait(self.rollout_wg, [c.ref], "generate_sequences")[0]
+        chunk = min(done, key=lambda c: c.seq)
+        self._chunks.remove(chunk)
+        scored = self.trainer._compute_reward(_with_generation(chunk.rows, chunk.output), state)
+        scored.meta_info.pop("metrics", None)
+        self._ready.append(scored)
+
+    def _take(self, step: int, state) -> DataProto:
+        """The first `train_batch_size` finished groups within the staleness bound."""
+        need = self.groups_per_step * self.n
+        while True:
+            self._enforce_bound(step)
+            if sum(len(b) for b in self._ready) >= need:
+                break
+            if not self._chunks:  # everything stale was dropped: draw fresh prompts
+                self._submit_until(self.num_drawn + 1)
+            self._finish_one(state)
+        merged = DataProto.concat(self._ready) if len(self._ready) > 1 else self._ready[0]
+        batch = merged.slice(0, need)
+        self._ready = [merged.slice(need, len(merged))] if len(merged) > need else []
+        return batch
+
+    def _enforce_bound(self, step: int) -> None:
+        kept = []
+        for part in self._ready:
+            stale = (step - 1) - part.non_tensor_batch["weight_version"] > self.k
+            if not stale.any():
+                kept.append(part)
+                continue
+            fresh = part.select_idxs(np.nonzero(~stale)[0]) if not stale.all() else None
+            if fresh is not None:
+                kept.append(fresh)
+            old = part.select_idxs(np.nonzero(stale)[0])
+            num_groups = len(old) // self.n
+            if self.stale_policy == "regenerate":
+                self._stats.regenerated_groups += num_groups
+                batch_index = int(str(old.non_tensor_batch["uid"][0]).split("_")[0])
+                self._submit_groups(batch_index, _prompt_rows(old))
+            else:
+                self._stats.dropped_groups += num_groups
+        self._ready = kept
+
+    # ------------------------------------------------------------------ metrics
+    def _metrics(self, batch: DataProto, step: int) -> dict[str, float]:
+        versions = batch.non_tensor_batch["weight_version"].astype(np.int64)
+        staleness = (step - 1) - versions
+        return {
+            "async/staleness_mean": float(staleness.mean()),
+            "async/staleness_max": float(staleness.max()),
+            "async/staleness_min": float(staleness.min()),
+            "async/weight_version_min": float(versions.min()),
+            "async/weight_version_max": float(versions.max()),
+            "async/staleness_threshold": float(self.k),
+            "async/queued_batches": float(self.num_drawn - step),
+            "async/dropped_stale_groups": float(self._stats.dropped_groups),
+            "async/regenerated_stale_groups": float(self._stats.regenerated_groups),
+        }
+
+    # ------------------------------------------------------------------ checkpoints
+    def state_dict(self) -> dict:
+        """Every drawn-but-untrained group (waiting for the generations in flight)."""
+        for c in self._chunks:
+            if c.output is None:
+                c.output = self._wait(self.rollout_wg, [c.ref], "generate_sequences")[0]
+        return {
+            "num_drawn": self.num_drawn,
+            "ready": list(self._ready),
+            "chunks": [(c.batch_index, c.rows, c.gen, c.rank, c.output, c.seq) for c in self._chunks],
+            "stats": (self._stats.dropped_groups, self._stats.regenerated_groups),
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        self.num_drawn = int(state["num_drawn"])
+        self._ready = list(state["ready"])
+        self._chunks = [
+            _Chunk(batch_index=b, rows=rows, gen=gen, rank=rank, output=out, seq=seq)
+            for b, rows, gen, rank, out, seq in state["chunks"]
+        ]
+        self._seq = 1 + max((c.seq for c in self._chunks), default=-1)
+        self._stats.dropped_groups, self._stats.regenerated_groups = state["stats"]
+        self._synced_version = None  # the rollout pool restarts from the model path: push weights first
+
+
+def _prompt_rows(scored: DataProto) -> DataProto:
+    """The prompt side of scored rows (what `_submit_groups` needs to generate them again)."""
+    prompts = scored.batch["prompts"]
+    prompt_len = prompts.shape[1]
+    tensors = {
+        "input_ids": prompts,
+        "attention_mask": scored.batch["attention_mask"][:, :prompt_len],
+        "position_ids": scored.batch["position_ids"][:, :prompt_len],
+    }
+    generated = {"weight_version", "token_level_scores", "token_level_rewards"}
+    non_tensors = {k: v for k, v in scored.non_tensor_batch.items() if k not in generated}
+    return DataProto.from_dict(tensors=tensors, non_tensors=non_tensors)

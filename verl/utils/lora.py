@@ -1,0 +1,242 @@
+"""LoRA for the actor, through peft: wrapping, merged weights for the rollout, the adapter on disk.
+
+`actor_rollout_ref.model.lora_rank > 0` wraps the actor's HF model with peft's LoRA
+(`apply_lora`) before FSDP2 shards it: every targeted linear layer `W` gains trainable `A` [r, in]
+and `B` [out, r] (B starts at zero, so training starts from the base model), the base weights are
+frozen and the optimizer only sees the adapters. The layer computes
+`W x + scaling * B A x` with `scaling = lora_alpha / r`.
+
+Design decisions:
+- The reference policy is the same model with the adapters switched off (peft's
+  `disable_adapter()`), so LoRA runs hold one copy of the base weights, not two (upstream does the
+  same). The base is frozen, so this *is* the initial policy.
+- The rollout engine never sees peft: `merge_lora_state` turns the streamed peft state dict
+  (`base_model.model.<name>.base_layer.weight`, `...lora_A.default.weight`, ...) into plain HF
+  names with `W + scaling * B @ A` per adapted layer, one layer at a time (peak memory: one full
+  weight plus its two small factors), computed in at least float32.
+- Checkpoints hold the whole peft model in `model/` (so a resume restores base and adapters
+  exactly) plus the adapter alone in PEFT's own format in `lora_adapter/`
+  (`adapter_config.json` + `adapter_model.safetensors`, what `PeftModel.from_pretrained` loads).
+  The model merger uses that config's `lora_alpha`/`r` to write merged HF weights.
+- Only peft's `Linear` LoRA layers are merged (what `target_modules=all-linear` or a list of
+  linear layers creates); other adapted layer types (embeddings, convolutions) are refused with
+  the name of the layer, rather than synced without their adapter.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import warnings
+from collections.abc import Iterable, Iterator, Mapping
+
+import torch
+
+__all__ = [
+    "ADAPTER_DIR",
+    "PEFT_PREFIX",
+    "apply_lora",
+    "build_lora_config",
+    "is_peft_model",
+    "lora_enabled",
+    "lora_scalings",
+    "merge_lora_state",
+    "read_adapter_config",
+    "save_lora_adapter",
+    "scaling_from_adapter_config",
+]
+
+PEFT_PREFIX = "base_model.model."
+ADAPTER_DIR = "lora_adapter"
+ADAPTER_NAME = "default"
+
+
+def _plain(value):
+    """OmegaConf lists/dicts as plain Python (peft validates types)."""
+    try:
+        from omegaconf import OmegaConf
+
+        if OmegaConf.is_config(value):
+            return OmegaConf.to_container(value, resolve=True)
+    except ImportError:  # omegaconf is a dependency; plain values work without it
+        pass
+    return value
+
+
+def lora_enabled(model_cfg) -> bool:
+    """Whether `model.lora_rank` asks for LoRA (a positive rank)."""
+    return int((model_cfg or {}).get("lora_rank", 0) or 0) > 0
+
+
+def build_lora_config(model_cfg):
+    """peft `LoraConfig` from the model section: `lora_rank`, `lora_alpha`, `target_modules`, `exclude_modules`."""
+    from peft import LoraConfig
+
+    rank = int(model_cfg.get("lora_rank", 0) or 0)
+    if rank <= 0:
+        raise ValueError(f"model.lora_rank={rank}: LoRA needs a positive rank (0 trains all weights without LoRA)")
+    alpha = model_cfg.get("lora_alpha", 16)
+    if alpha is None or float(alpha) <= 0:
+        raise ValueError(
+            f"model.lora_alpha={alpha!r} must be positive (the adapter is scaled by lora_alpha / lora_rank)"
+        )
+    target = _plain(model_cfg.get("target_modules", "all-linear")) or "all-linear"
+    exclude = _plain(model_cfg.get("exclude_modules", None))
+    return LoraConfig(
+        task_type="CAUSAL_LM",
+        r=rank,
+        lora_alpha=alpha,
+        target_modules=target,
+        exclude_modules=exclude,
+        lora_dropout=0.0,
+        bias="none",
+    )
+
+
+def apply_lora(model: torch.nn.Module, model_cfg) -> torch.nn.Module:
+    """Wrap an HF causal LM with LoRA adapters (peft `get_peft_model`); only the adapters train."""
+    from peft import get_peft_model
+
+    config = build_lora_config(model_cfg)
+    try:
+        with warnings.catch_warnings():  # peft calls a transformers method deprecated in v5
+            warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing", category=FutureWarning)
+            peft_model = get_peft_model(model, config)
+    except ValueError as e:  # e.g. no module matched target_modules
+        raise ValueError(
+            f"cannot apply LoRA with target_modules={config.target_modules!r}, "
+            f"exclude_modules={config.exclude_modules!r} to {type(model).__name__}: {e}. Set "
+            "actor_rollout_ref.model.target_modules to all-linear or to a list of linear layer names of this model "
+            "(e.g. [q_proj,k_proj,v_proj,o_proj])"
+        ) from e
+    _check_mergeable(peft_model)
+    return peft_model
+
+
+def is_peft_model(module: torch.nn.Module) -> bool:
+    """Whether `module` is a peft model (also after FSDP2 swapped in its `FSDP<Name>` subclass)."""
+    try:
+        from peft import PeftModel
+    except ImportError:
+        return False
+    return isinstance(module, PeftModel)
+
+
+def _lora_layers(peft_model) -> Iterator[tuple[str, torch.nn.Module]]:
+    from peft.tuners.lora import LoraLayer
+
+    for name, module in peft_model.named_modules():
+        if isinstance(module, LoraLayer):
+            yield name.removeprefix(PEFT_PREFIX), module
+
+
+def _check_mergeable(peft_model) -> None:
+    for name, layer in _lora_layers(peft_model):
+        if ADAPTER_NAME not in getattr(layer, "lora_A", {}):
+            raise NotImplementedError(
+                f"LoRA layer {name} ({type(layer).__name__}) is not a linear LoRA layer; only linear layers can be "
+                "merged for the rollout engine. Exclude it with actor_rollout_ref.model.exclude_modules or narrow "
+                "target_modules"
+            )
+
+
+def lora_scalings(peft_model) -> dict[str, tuple[float, bool]]:
+    """{HF module name: (scaling, fan_in_fan_out)} of every LoRA layer of `peft_model`."""
+    return {
+        name: (float(layer.scaling[ADAPTER_NAME]), bool(getattr(layer, "fan_in_fan_out", False)))
+        for name, layer in _lora_layers(peft_model)
+    }
+
+
+def scaling_from_adapter_config(adapter_config: Mapping) -> float:
+    """The scaling peft applies, from a saved `adapter_config.json` (rank and alpha patterns refused)."""
+    if adapter_config.get("rank_pattern") or adapter_config.get("alpha_pattern"):
+        raise NotImplementedError("adapter configs with rank_pattern/alpha_pattern are not supported by the merger")
+    r, alpha = int(adapter_config["r"]), float(adapter_config["lora_alpha"])
+    return alpha / math.sqrt(r) if adapter_config.get("use_rslora") else alpha / r
+
+
+def merge_lora_state(
+    named_tensors: Iterable[tuple[str, torch.Tensor]],
+    scalings: Mapping[str, tuple[float, bool]] | float,
+    fan_in_fan_out: bool = False,
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """Stream a peft state dict as the merged model's HF state dict.
+
+    `named_tensors` yields peft names (`base_model.model.<module>.base_layer.weight`,
+    `<module>.lora_A.default.weight`, `<module>.lora_B.default.weight`, and plain
+    `base_model.model.<name>` for untouched tensors), in any order. Each adapted layer comes out
+    once as `<module>.weight = W + scaling * B @ A` (transposed for fan-in-fan-out layers), as soon
+    as its three tensors have arrived; everything else passes through with the prefix removed.
+    `scalings` maps module names to `(scaling, fan_in_fan_out)` (`lora_scalings`), or is one
+    scaling for all layers (with `fan_in_fan_out`), as read from an adapter config.
+    """
+    pending: dict[str, dict[str, torch.Tensor]] = {}
+    for name, tensor in named_tensors:
+        if not name.startswith(PEFT_PREFIX):
+            raise KeyError(f"{name!r} is not a peft state-dict name (expected the prefix {PEFT_PREFIX!r})")
+        rest = name[len(PEFT_PREFIX) :]
+        if ".base_layer." in rest:
+            module, _, leaf = rest.partition(".base_layer.")
+            if leaf != "weight":  # the bias is not adapted
+                yield f"{module}.{leaf}", tensor
+                continue
+            part = "W"
+        elif ".lora_A." in rest or ".lora_B." in rest:
+            kind = "A" if ".lora_A." in rest else "B"
+            module, _, leaf = rest.partition(f".lora_{kind}.")
+            if leaf != f"{ADAPTER_NAME}.weight":
+                raise KeyError(f"{name!r}: only the {ADAPTER_NAME!r} adapter's weights are merged")
+            part = kind
+        else:
+            yield rest, tensor
+            continue
+        parts = pending.setdefault(module, {})
+        parts[part] = tensor
+        if len(parts) == 3:
+            del pending[module]
+            scaling, transpose = (
+                (float(scalings), fan_in_fan_out) if isinstance(scalings, int | float) else scalings[module]
+            )
+            yield f"{module}.weight", _merge(parts["W"], parts["A"], parts["B"], scaling, transpose)
+    if pending:
+        incomplete = {module: sorted(parts) for module, parts in pending.items()}
+        raise KeyError(f"LoRA layers without all of base weight W and factors A, B: {incomplete}")
+
+
+def _merge(weight: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scaling: float, transpose: bool) -> torch.Tensor:
+    dtype = torch.promote_types(weight.dtype, torch.float32)
+    delta = (b.to(dtype) @ a.to(dtype)) * scaling
+    if transpose:
+        delta = delta.T
+    return (weight.to(dtype) + delta).to(weight.dtype)
+
+
+def save_lora_adapter(peft_model, path: str) -> None:
+    """Write the adapter in PEFT's format to `path` (collective: every rank calls it; rank 0 writes).
+
+    `PeftModel.from_pretrained(base_model, path)` loads it.
+    """
+    import torch.distributed as dist
+    from peft.utils import get_peft_model_state_dict
+    from safetensors.torch import save_file
+
+    from verl.utils.fsdp_utils import iter_full_params
+
+    lora = {
+        name: tensor.detach().cpu().contiguous()
+        for name, tensor in iter_full_params(peft_model, name_filter=lambda n: ".lora_" in n)
+    }
+    if dist.is_initialized() and dist.get_rank() != 0:
+        return
+    state = get_peft_model_state_dict(peft_model, state_dict=lora, save_embedding_layers=False)
+    os.makedirs(path, exist_ok=True)
+    save_file(state, os.path.join(path, "adapter_model.safetensors"), metadata={"format": "pt"})
+    peft_model.peft_config[ADAPTER_NAME].save_pretrained(path)
+
+
+def read_adapter_config(path: str) -> dict:
+    """The `adapter_config.json` in directory `path`."""
+    with open(os.path.join(path, "adapter_config.json")) as f:
+        return json.load(f)

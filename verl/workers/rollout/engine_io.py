@@ -1,0 +1,163 @@
+"""What the rollout engine adapters share: sampling resolution, request building, output layout.
+
+Every engine (`hf`, `vllm`, `sglang`) turns the same DataProto of left-padded prompts into the same
+DataProto of responses; this module holds the engine-independent halves of that, so the adapters
+for external engines reduce to "build requests, call the engine, read back token ids and log-probs":
+
+- `resolve_sampling(config, meta, prompts)` decides greedy vs sampling, temperature/top-k/top-p and
+  how many samples each row gets, in upstream verl's precedence (see `hf_rollout`).
+- `prompt_token_lists(input_ids, attention_mask)` strips the left padding into plain token lists,
+  the request format of vLLM (`TokensPrompt`) and SGLang (`input_ids=`).
+- `assemble_output(...)` pads the engine's responses back into the batch layout of DESIGN.md:
+  `responses` right-padded with pad_token_id, `response_mask` 1 up to and including the first
+  stop token, positions continuing from the prompt's last, and `rollout_log_probs` (0 where
+  masked) when the engine returned them. Everything after the first stop token is dropped, so an
+  engine that reports a few tokens past a stop cannot leak them into training.
+- `hf_weight_name(name)` strips the wrappers FSDP, activation checkpointing and torch.compile add
+  to parameter names, so engines receive plain Hugging Face names.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from verl.workers.rollout.sampling import SamplingParams
+
+_WRAPPER_PREFIXES = re.compile(r"(_fsdp_wrapped_module\.|_checkpoint_wrapped_module\.|_orig_mod\.)")
+
+
+def hf_weight_name(name: str) -> str:
+    """`model.layers.0._checkpoint_wrapped_module.mlp.up_proj.weight` -> `model.layers.0.mlp.up_proj.weight`."""
+    return _WRAPPER_PREFIXES.sub("", name)
+
+
+def _sampling(do_sample: bool, temperature: float, top_k: int, top_p: float) -> SamplingParams:
+    if not do_sample or temperature == 0:
+        return SamplingParams(do_sample=False)
+    return SamplingParams(do_sample=True, temperature=float(temperature), top_k=int(top_k), top_p=float(top_p))
+
+
+def _was_repeated(prompts) -> bool:
+    uid = prompts.non_tensor_batch.get("uid")
+    return uid is not None and len(set(uid.tolist())) < len(uid)
+
+
+def resolve_sampling(config, meta: Mapping, prompts) -> tuple[SamplingParams, int]:
+    """(sampling parameters, samples per row) for one `generate_sequences` call.
+
+    `config` has the rollout keys do_sample, temperature, top_k, top_p, n and val_kwargs (an object
+    with do_sample, temperature, top_k, top_p, n). Precedence: `meta["do_sample"] is False` ->
+    greedy; `meta["validate"]` -> val_kwargs; else the config, each key overridable by meta. Rows
+    are repeated only when `meta["n"]` asks for it, or when n > 1 and the batch evidently was not
+    repeated by the driver (no `uid`, or every `uid` distinct).
+    """
+    if meta.get("do_sample", config.do_sample) is False:
+        return SamplingParams(do_sample=False), int(meta.get("n", 1))
+    if meta.get("validate", False):
+        vk = config.val_kwargs
+        params, n = _sampling(vk.do_sample, vk.temperature, vk.top_k, vk.top_p), vk.n
+    else:
+        params = _sampling(
+            True,
+            meta.get("temperature", config.temperature),
+            meta.get("top_k", config.top_k),
+            meta.get("top_p", config.top_p),
+        )
+        n = config.n
+    if "n" in meta:
+        return params, int(meta["n"])
+    if not params.do_sample or _was_repeated(prompts):
+        return params, 1
+    return params, int(n)
+
+
+def resolve_token_ids(meta: Mapping, default_eos, default_pad) -> tuple[list[int], int]:
+    """(stop token ids, pad token id) from meta_info, falling back to the tokenizer/model defaults."""
+    eos = meta.get("eos_token_id", default_eos)
+    eos_ids = [] if eos is None else ([int(eos)] if isinstance(eos, (int, np.integer)) else [int(e) for e in eos])
+    pad = meta.get("pad_token_id", default_pad)
+    if pad is None:
+        pad = eos_ids[0] if eos_ids else None
+    if pad is None:
+        raise ValueError(
+            "the rollout cannot tell which token pads responses: put pad_token_id (or eos_token_id) in "
+            "meta_info, pass a tokenizer to the rollout, or set pad_token_id in the model config"
+        )
+    return eos_ids, int(pad)
+
+
+def prompt_token_lists(input_ids: torch.Tensor, attention_mask: torch.Tensor) -> list[list[int]]:
+    """The unpadded token ids of each row of a left-padded [B, P] prompt batch."""
+    ids, mask = input_ids.cpu(), attention_mask.cpu().bool()
+    return [row[m].tolist() for row, m in zip(ids, mask)]
+
+
+@dataclass
+class EngineResponse:
+    """One generated response as an engine returns it: token ids and, optionally, their log-probs."""
+
+    token_ids: Sequence[int]
+    logprobs: Sequence[float] | None = None
+
+
+def assemble_output(
+    prompts,
+    responses: Sequence[EngineResponse],
+    response_length: int,
+    pad_token_id: int,
+    eos_token_ids: Sequence[int],
+    with_logprobs: bool,
+    meta: dict,
+):
+    """The rollout's output DataProto from per-row engine responses (see the module docstring).
+
+    `prompts` is the (already repeated) input DataProto; `responses[i]` belongs to its row i.
+    """
+    from tensordict import TensorDict
+
+    from verl.protocol import DataProto
+
+    input_ids = prompts.batch["input_ids"]
+    attention_mask = prompts.batch["attention_mask"]
+    position_ids = prompts.batch.get("position_ids", None)
+    if position_ids is None:
+        position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
+    if len(responses) != input_ids.shape[0]:
+        raise RuntimeError(f"the engine returned {len(responses)} responses for {input_ids.shape[0]} prompts")
+    batch_size, device = input_ids.shape[0], input_ids.device
+    out_ids = torch.full((batch_size, response_length), pad_token_id, dtype=input_ids.dtype)
+    out_mask = torch.zeros(batch_size, response_length, dtype=attention_mask.dtype)
+    out_logprobs = torch.zeros(batch_size, response_length, dtype=torch.float32)
+    stops = set(int(t) for t in eos_token_ids)
+    for row, response in enumerate(responses):
+        tokens = [int(t) for t in response.token_ids[:response_length]]
+        length = next((i + 1 for i, t in enumerate(tokens) if t in stops), len(tokens))
+        out_ids[row, :length] = torch.tensor(tokens[:length], dtype=input_ids.dtype)
+        out_mask[row, :length] = 1
+        if with_logprobs:
+            if response.logprobs is None or len(response.logprobs) < length:
+                raise RuntimeError(
+                    f"the engine returned {0 if response.logprobs is None else len(response.logprobs)} log-probs "
+                    f"for a response of {length} tokens; rollout_log_probs need one per token"
+                )
+            out_logprobs[row, :length] = torch.tensor([float(x) for x in response.logprobs[:length]])
+
+    out_ids, out_mask = out_ids.to(device), out_mask.to(device)
+    delta = torch.arange(1, response_length + 1, device=device, dtype=position_ids.dtype)
+    tensors = {
+        "prompts": input_ids,
+        "responses": out_ids,
+        "input_ids": torch.cat([input_ids, out_ids], dim=-1),
+        "attention_mask": torch.cat([attention_mask, out_mask], dim=-1),
+        "position_ids": torch.cat([position_ids, position_ids[:, -1:] + delta], dim=-1),
+        "response_mask": out_mask,
+    }
+    if with_logprobs:
+        tensors["rollout_log_probs"] = out_logprobs.to(device)
+    batch = TensorDict(tensors, batch_size=[batch_size])
+    return DataProto(batch=batch, non_tensor_batch=dict(prompts.non_tensor_batch), meta_info=meta)

@@ -1,0 +1,197 @@
+"""`ExternalEngineRollout`: the part of the vLLM and SGLang adapters that is not about either engine.
+
+An adapter subclasses it and implements four engine calls: `_generate(requests)` (token lists in,
+`EngineResponse`s out), `update_weights`, `sleep` and `wake_up`. This class does the rest of the
+`BaseRollout` contract, identically for both engines:
+
+1. resolve sampling and samples-per-row from config + meta_info (`engine_io.resolve_sampling`),
+   repeating rows when asked;
+2. strip the left padding into token lists;
+3. under engine tensor parallelism, gather the token lists of the whole tensor-parallel group (see
+   below), so every rank of the group submits identical requests, then keep its own rows;
+4. pad the responses into the batch layout (`engine_io.assemble_output`), with
+   `rollout_log_probs` when `calculate_log_probs` is on.
+
+Tensor parallelism (`rollout.tensor_model_parallel_size = tp > 1`). The trainer's data-parallel
+dispatch hands each worker its own slice of prompts; an engine sharded over `tp` workers needs all
+of them to run the same requests. Rather than teach the dispatcher about engine layouts (which
+would leak the backend into the trainer), the workers of one tensor-parallel group (consecutive
+ranks `[k*tp, (k+1)*tp)`) all-gather their prompts, generate the concatenation, and each keeps the
+rows it was given. The driver sees the usual data-parallel output.
+
+Sampling parameters map one to one onto both engines: greedy is temperature 0; top_k -1 (or 0)
+is off; log-probs are of the temperature-scaled distribution before top-k/top-p filtering, which is
+what the trainer recomputes (vLLM: `logprobs_mode="processed_logprobs"`; see vllm_rollout).
+"""
+
+from __future__ import annotations
+
+import time
+from abc import abstractmethod
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+from verl.workers.rollout.base import BaseRollout
+from verl.workers.rollout.engine_io import (
+    EngineResponse,
+    assemble_output,
+    prompt_token_lists,
+    resolve_sampling,
+    resolve_token_ids,
+)
+from verl.workers.rollout.hf_rollout import HFRolloutConfig
+from verl.workers.rollout.sampling import SamplingParams
+
+
+@dataclass
+class ExternalEngineConfig(HFRolloutConfig):
+    """The rollout keys vLLM and SGLang read, on top of the sampling/length keys of the built-in engine.
+
+    Each maps to the engine's own argument (vLLM name / SGLang name); `engine_kwargs[<engine>]`
+    is passed through verbatim and wins over everything derived here.
+    """
+
+    tensor_model_parallel_size: int = 1
+    """vLLM tensor_parallel_size / SGLang tp_size: workers that shard one engine."""
+    gpu_memory_utilization: float = 0.5
+    """vLLM gpu_memory_utilization / SGLang mem_fraction_static: device memory for weights + KV cache."""
+    max_num_batched_tokens: int = 8192
+    """vLLM max_num_batched_tokens / SGLang chunked_prefill_size: scheduler token budget per step."""
+    max_model_len: int | None = None
+    """vLLM max_model_len / SGLang context_length; None: prompt_length + response_length."""
+    load_format: str = "auto"
+    """`dummy*` (upstream's dummy_dtensor, ...): start with random weights that the trainer's sync
+    replaces (skips reading the checkpoint); anything else: the engine's own loader format."""
+    enable_chunked_prefill: bool = True
+    disable_log_stats: bool = True
+    ignore_eos: bool = False
+    """Keep generating past the stop token (benchmarks); responses then always fill response_length."""
+    update_weights_bucket_megabytes: int = 512
+    """Weights are handed to the engine in buckets of this size (bounds the extra memory of a sync)."""
+    engine_kwargs: dict = field(default_factory=dict)
+    """{vllm: {...}, sglang: {...}}: extra engine constructor arguments, per engine."""
+
+    def __post_init__(self):
+        super().__post_init__()
+        if int(self.tensor_model_parallel_size) < 1:
+            raise ValueError(
+                f"actor_rollout_ref.rollout.tensor_model_parallel_size={self.tensor_model_parallel_size} must be >= 1"
+            )
+        if not 0.0 < float(self.gpu_memory_utilization) <= 1.0:
+            raise ValueError(
+                f"actor_rollout_ref.rollout.gpu_memory_utilization={self.gpu_memory_utilization} must be a "
+                "fraction in (0, 1] of device memory (e.g. 0.5 when the trainer shares the device)"
+            )
+
+    @property
+    def weights_from_trainer(self) -> bool:
+        return str(self.load_format).startswith("dummy")
+
+    def max_len(self) -> int:
+        return int(self.max_model_len or (self.prompt_length + self.response_length))
+
+    def engine_specific(self, engine: str) -> dict:
+        extra = self.engine_kwargs.get(engine) if isinstance(self.engine_kwargs, Mapping) else None
+        return dict(extra or {})
+
+
+class ExternalEngineRollout(BaseRollout):
+    """Shared `generate_sequences` of the adapters for engines with their own runtime (module docstring)."""
+
+    config_class = ExternalEngineConfig
+
+    def __init__(self, model_path: str, config=None, tokenizer=None):
+        if not isinstance(model_path, str):
+            raise TypeError(
+                f"{type(self).__name__} loads the model itself and needs a checkpoint directory, got a "
+                f"{type(model_path).__name__}; save the model with save_pretrained() and pass its path"
+            )
+        self.config = self.config_class.from_any(config)
+        self.model_path = model_path
+        self.tokenizer = tokenizer
+        from transformers import AutoConfig
+
+        hf_config = AutoConfig.from_pretrained(model_path)
+        self._default_eos = next(
+            (v for v in (getattr(tokenizer, "eos_token_id", None), hf_config.eos_token_id) if v is not None), None
+        )
+        self._default_pad = next(
+            (v for v in (getattr(tokenizer, "pad_token_id", None), hf_config.pad_token_id) if v is not None), None
+        )
+        self._tp_group, self._tp_rank, self._tp_size = _tensor_parallel_group(self.config.tensor_model_parallel_size)
+
+    # ------------------------------------------------------------------------------ engine calls
+    @abstractmethod
+    def _generate(
+        self,
+        prompts: list[list[int]],
+        sampling: SamplingParams,
+        max_new_tokens: int,
+        stop_token_ids: list[int],
+        with_logprobs: bool,
+    ) -> list[EngineResponse]:
+        """One response per prompt, in order (the engine is free to batch and schedule them)."""
+
+    # ------------------------------------------------------------------------------- generation
+    def generate_sequences(self, prompts):
+        start = time.perf_counter()
+        meta = dict(prompts.meta_info)
+        sampling, n = resolve_sampling(self.config, meta, prompts)
+        if n > 1:
+            prompts = prompts.repeat(repeat_times=n, interleave=True)
+        eos_ids, pad = resolve_token_ids(meta, self._default_eos, self._default_pad)
+        response_length = int(meta.get("response_length", self.config.response_length))
+        if prompts.batch["input_ids"].dim() != 2:
+            raise ValueError("the rollout expects input_ids of shape [batch, prompt_len]")
+
+        mine = prompt_token_lists(prompts.batch["input_ids"], prompts.batch["attention_mask"])
+        everyone, lo = self._gather_group_requests(mine)
+        responses = self._generate(
+            everyone, sampling, response_length, eos_ids, with_logprobs=self.config.calculate_log_probs
+        )
+        responses = responses[lo : lo + len(mine)]
+
+        timing = dict(meta.get("timing", {}))
+        timing["generate_sequences"] = time.perf_counter() - start
+        meta["timing"] = timing
+        return assemble_output(prompts, responses, response_length, pad, eos_ids, self.config.calculate_log_probs, meta)
+
+    def _gather_group_requests(self, mine: list[list[int]]) -> tuple[list[list[int]], int]:
+        """(the requests of the whole tensor-parallel group, offset of this rank's rows in them)."""
+        if self._tp_size == 1:
+            return mine, 0
+        import torch.distributed as dist
+
+        gathered: list = [None] * self._tp_size
+        dist.all_gather_object(gathered, mine, group=self._tp_group)
+        offset = sum(len(part) for part in gathered[: self._tp_rank])
+        return [request for part in gathered for request in part], offset
+
+
+def _tensor_parallel_group(tp: int):
+    """(process group, rank in it, size) of this worker's engine tensor-parallel group.
+
+    Groups are consecutive ranks; every rank must create every group (torch.distributed requires it).
+    """
+    tp = int(tp)
+    if tp == 1:
+        return None, 0, 1
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        raise RuntimeError(
+            f"rollout.tensor_model_parallel_size={tp} needs the workers' torch.distributed group, which is not "
+            "initialised; run the rollout inside the trainer's worker group or set tensor_model_parallel_size=1"
+        )
+    world, rank = dist.get_world_size(), dist.get_rank()
+    if world % tp:
+        raise ValueError(
+            f"rollout.tensor_model_parallel_size={tp} does not divide the {world} workers; use a divisor of {world}"
+        )
+    mine = None
+    for first in range(0, world, tp):
+        ranks = list(range(first, first + tp))
+        group = dist.new_group(ranks)
+        if rank in ranks:
+            mine = group
+    return mine, rank % tp, tp
