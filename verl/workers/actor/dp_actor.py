@@ -62,8 +62,10 @@ from verl.workers.dp_training import (
     config_to_dict,
     dp_group_and_size,
     loss_normaliser,
+    pad_response_columns,
     response_mask_of,
     split_micro_batches,
+    token_window,
 )
 
 __all__ = ["DataParallelPPOActor"]
@@ -144,18 +146,24 @@ class DataParallelPPOActor(BasePPOActor):
             return entropy, log_probs
         # Only the last R + 1 positions predict response tokens: skip the LM head everywhere else
         # (a large saving for real vocabularies, e.g. 152k for Qwen2.5).
-        keep = {"logits_to_keep": response_length + 1} if self._accepts_logits_to_keep else {}
+        # Columns that are padding in every row are left out (see `token_window`).
+        start, end, kept = token_window(micro_batch["attention_mask"], response_length)
+        keep = {"logits_to_keep": kept + 1} if self._accepts_logits_to_keep else {}
         output = self.actor_module(
-            input_ids=input_ids,
-            attention_mask=micro_batch["attention_mask"],
-            position_ids=micro_batch["position_ids"],
+            input_ids=input_ids[:, start:end],
+            attention_mask=micro_batch["attention_mask"][:, start:end],
+            position_ids=micro_batch["position_ids"][:, start:end],
             use_cache=False,
             **keep,
         )
-        logits = output.logits[:, -response_length - 1 : -1, :]
+        logits = output.logits[:, -kept - 1 : -1, :]
         logits.div_(temperature)
-        log_probs = logprobs_from_logits(logits, micro_batch["responses"])
-        entropy = entropy_from_logits_with_chunking(logits) if calculate_entropy else None
+        log_probs = pad_response_columns(
+            logprobs_from_logits(logits, micro_batch["responses"][:, :kept]), response_length
+        )
+        entropy = None
+        if calculate_entropy:
+            entropy = pad_response_columns(entropy_from_logits_with_chunking(logits), response_length)
         return entropy, log_probs
 
     # ------------------------------------------------------------------ inference

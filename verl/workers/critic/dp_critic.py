@@ -30,8 +30,10 @@ from verl.workers.dp_training import (
     config_to_dict,
     dp_group_and_size,
     loss_normaliser,
+    pad_response_columns,
     response_mask_of,
     split_micro_batches,
+    token_window,
 )
 
 __all__ = ["DataParallelPPOCritic"]
@@ -70,15 +72,16 @@ class DataParallelPPOCritic(BasePPOCritic):
             packed_pos = unpad_position_ids(micro_batch["position_ids"], indices)
             out = self.critic_module(input_ids=packed_ids, position_ids=packed_pos, use_cache=False).logits
             values = pad_input(out[0, :, 0], indices, batch_size, seqlen)
-        else:
-            out = self.critic_module(
-                input_ids=input_ids,
-                attention_mask=micro_batch["attention_mask"],
-                position_ids=micro_batch["position_ids"],
-                use_cache=False,
-            ).logits
-            values = out[..., 0]
-        return values[:, -response_length - 1 : -1]
+            return values[:, -response_length - 1 : -1]
+        # Columns that are padding in every row are left out (see `token_window`).
+        start, end, kept = token_window(micro_batch["attention_mask"], response_length)
+        out = self.critic_module(
+            input_ids=input_ids[:, start:end],
+            attention_mask=micro_batch["attention_mask"][:, start:end],
+            position_ids=micro_batch["position_ids"][:, start:end],
+            use_cache=False,
+        ).logits
+        return pad_response_columns(out[:, -kept - 1 : -1, 0], response_length)
 
     @torch.no_grad()
     def compute_values(self, data) -> torch.Tensor:
