@@ -21,7 +21,10 @@ Design decisions:
 - Chat template: `<bos>` once, then `<|system|>`/`<|user|>` + content for those turns and
   `<|assistant|>` + content + `<eos>` for assistant turns; the generation prompt is `<|assistant|>`.
   So `[{"role": "user", "content": "What is 37+48?"}]` with a generation prompt renders as
-  `<bos><|user|>What is 37+48?<|assistant|>` and the expected completion is `85<eos>`. Every
+  `<bos><|user|>What is 37+48?<|assistant|>` and the expected completion is `85<eos>`. A `tool`
+  message (the result of a tool call, see docs/multi_turn.md) renders as a user turn wrapping its
+  content in Hermes-style tags, `<|user|><tool_response>...</tool_response>`, as Qwen2.5's template
+  does; no new token is needed, so the ids of every other rendering are unchanged. Every
   rendering of a conversation prefix is a token-prefix of the longer one, which is what the SFT
   dataset relies on to mask the loss to assistant tokens.
 """
@@ -46,7 +49,8 @@ CHAT_TEMPLATE = (
     "{% if message['role'] == 'system' %}{{ '<|system|>' + message['content'] }}"
     "{% elif message['role'] == 'user' %}{{ '<|user|>' + message['content'] }}"
     "{% elif message['role'] == 'assistant' %}{{ '<|assistant|>' + message['content'] + eos_token }}"
-    "{% else %}{{ raise_exception('unknown chat role ' + message['role'] + '; use system, user or assistant') }}"
+    "{% elif message['role'] == 'tool' %}{{ '<|user|><tool_response>' + message['content'] + '</tool_response>' }}"
+    "{% else %}{{ raise_exception('unknown chat role ' + message['role'] + '; use system, user, assistant or tool') }}"
     "{% endif %}"
     "{% endfor %}"
     "{% if add_generation_prompt %}{{ '<|assistant|>' }}{% endif %}"

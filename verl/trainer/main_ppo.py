@@ -225,12 +225,19 @@ def build_resource_pools(config, mapping) -> tuple[dict, dict]:
 
 def build_datasets(config, tokenizer) -> tuple:
     """(train, validation or None) prompt datasets: `data.custom_cls` swaps in a user Dataset class
-    (RLHFDataset's constructor), `data.train_max_samples` / `data.val_max_samples` cap the rows."""
+    (RLHFDataset's constructor), `data.train_max_samples` / `data.val_max_samples` cap the rows.
+    Multi-turn rollouts always get the prompt messages (`data.return_raw_chat`)."""
+    from omegaconf import OmegaConf
+
     from verl.utils.dataset.rl_dataset import create_rl_dataset
 
-    train = create_rl_dataset(config.data.train_files, config.data, tokenizer, is_train=True)
-    val_files = config.data.get("val_files")
-    val = create_rl_dataset(val_files, config.data, tokenizer, is_train=False) if val_files else None
+    data = config.data
+    if config.actor_rollout_ref.rollout.get("multi_turn", {}).get("enable", False):
+        # agent loops render the prompt messages with the tool schemas and check tokenization against them
+        data = OmegaConf.merge(data, {"return_raw_chat": True})
+    train = create_rl_dataset(data.train_files, data, tokenizer, is_train=True)
+    val_files = data.get("val_files")
+    val = create_rl_dataset(val_files, data, tokenizer, is_train=False) if val_files else None
     return train, val
 
 

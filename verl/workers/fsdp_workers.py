@@ -272,6 +272,11 @@ class ActorRolloutRefWorker(Worker):
 
             rollout_cls = get_rollout_class(cfg.rollout.name)
             self.rollout = rollout_cls(cfg.model.path, config=cfg.rollout, tokenizer=self.tokenizer)
+            if (cfg.rollout.get("multi_turn") or {}).get("enable", False):
+                from verl.experimental.agent_loop import AgentLoopRollout
+
+                # agent loops (tool calls) over the same engine; weight sync and sleep pass through
+                self.rollout = AgentLoopRollout(self.rollout, cfg.rollout, self.tokenizer)
             if self.actor is not None:
                 self.rollout.sleep()  # weights arrive from the actor before each generation
         if "ref" in self.parts:
@@ -301,7 +306,7 @@ class ActorRolloutRefWorker(Worker):
         metrics["timing_s/generate_sequences"] = time.perf_counter() - start
         if self.actor is not None and self.config.rollout.get("free_cache_engine", True):
             rollout.sleep()
-        output.meta_info["metrics"] = metrics
+        output.meta_info["metrics"] = {**output.meta_info.get("metrics", {}), **metrics}
         if self.weight_version is not None:
             import numpy as np
 

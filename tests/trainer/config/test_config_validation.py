@@ -164,7 +164,7 @@ def test_lora_with_a_non_positive_alpha_or_a_negative_rank_is_refused(defaults):
 
 
 def test_unimplemented_feature_at_its_neutral_value_is_fine(defaults):
-    validate_ppo_config(with_(defaults, actor_rollout_ref__rollout__multi_turn__enable=False))
+    validate_ppo_config(with_(defaults, actor_rollout_ref__rollout__multi_turn__interaction_config_path=None))
 
 
 def test_deprecated_key_warns_and_names_replacement(defaults):

@@ -110,7 +110,7 @@ def test_non_text_response_is_a_type_error_with_the_row(tmp_path, tokenizer):
 
 def test_malformed_messages_are_type_errors(tmp_path, tokenizer):
     path = _write(tmp_path, [{"messages": [{"role": "robot", "content": "x"}]}])
-    with pytest.raises(TypeError, match=r"message 0 .*'role' in \['system', 'user', 'assistant'\]"):
+    with pytest.raises(TypeError, match=r"message 0 .*'role' in \['system', 'user', 'assistant', 'tool'\]"):
         SFTDataset(path, tokenizer, {"multiturn": {"enable": True}})
 
 

@@ -60,6 +60,13 @@ LOGGERS = ("console", "file", "mlflow", "tensorboard", "wandb")
 RESUME_MODES = ("auto", "disable", "resume_path")
 
 
+def tool_format_choices() -> tuple[str, ...]:
+    """`rollout.multi_turn.format` names: the agent loop's tool-parser table."""
+    from verl.experimental.agent_loop.tool_parser import TOOL_PARSERS
+
+    return tuple(TOOL_PARSERS)
+
+
 def device_choices() -> tuple[str, ...]:
     """Valid `trainer.device` values, owned by verl.utils.device (imported lazily: it imports torch)."""
     from verl.utils.device import _VALID
@@ -342,21 +349,31 @@ class SamplingConfig:
 
 @dataclass
 class MultiTurnConfig:
-    """Multi-turn rollouts with tool calls (not implemented: every field but `enable` is inert)."""
+    """The model calls tools and continues after their answers (docs/multi_turn.md)."""
 
-    enable: bool = doc("Multi-turn tool-calling rollouts.", status=UNSUPPORTED, neutral=False)
-    max_assistant_turns: int | None = doc("Assistant turns per conversation.")
-    max_user_turns: int | None = doc("User turns per conversation.")
-    tool_config_path: str | None = doc("YAML listing the tools.")
-    interaction_config_path: str | None = doc("YAML describing the simulated user.")
-    max_parallel_calls: int = doc("Tool calls executed in parallel per turn.")
-    max_tool_response_length: int = doc("Characters kept of a tool's answer.")
-    tool_response_truncate_side: str = doc("Where a long tool answer is cut.", choices=("left", "right", "middle"))
-    use_inference_chat_template: bool = doc("Use the model's inference chat template.")
-    tokenization_sanity_check_mode: str = doc(
-        "Tokenization consistency check.", choices=("strict", "ignore_strippable", "disable")
+    enable: bool = doc("Run agent loops (tool calling) instead of one generation per prompt.")
+    max_assistant_turns: int | None = doc("Model turns per conversation at most; null: only the token budget limits.")
+    max_user_turns: int | None = doc("Tool-response turns per conversation at most; null: no limit.")
+    tool_config_path: str | None = doc(
+        "Tool config YAML (upstream's format: tools: [{class_name, config, tool_schema}])."
     )
-    format: str = doc("Tool-call format.")
+    interaction_config_path: str | None = doc("YAML describing a simulated user.", status=UNSUPPORTED, neutral=None)
+    max_parallel_calls: int = doc("Tool calls run per model turn (concurrently); further calls get an error message.")
+    max_tool_response_length: int = doc("Characters of a tool's answer kept in the conversation.")
+    tool_response_truncate_side: str = doc(
+        "Which part of a long tool answer is kept: left (the beginning), right (the end), middle (both ends).",
+        choices=("left", "right", "middle"),
+    )
+    use_inference_chat_template: bool = doc(
+        "Train on the inference-time rendering: always the case here (training uses the rollout's exact ids).",
+        status=IGNORED,
+    )
+    tokenization_sanity_check_mode: str = doc(
+        "Compare each finished conversation with the chat template's rendering of its messages "
+        "(agent_loop/tokenization_mismatch): strict, ignore_strippable (ignore whitespace) or disable.",
+        choices=("strict", "ignore_strippable", "disable"),
+    )
+    format: str = doc("Tool-call format of the model's chat template.", choices=tool_format_choices)
 
 
 @dataclass

@@ -517,6 +517,31 @@ def _check_lengths(c: dict, errors: list[str]):
             errors.append(f"{key}.lr_warmup_steps_ratio={ratio} must be between 0 and 1")
 
 
+def _check_multi_turn(c: dict, errors: list[str]):
+    rollout = c["actor_rollout_ref"]["rollout"]
+    mt = rollout["multi_turn"]
+    if not mt["enable"]:
+        return
+    if rollout["tensor_model_parallel_size"] > 1:
+        errors.append(
+            f"actor_rollout_ref.rollout.multi_turn.enable=true needs rollout.tensor_model_parallel_size=1 (got "
+            f"{rollout['tensor_model_parallel_size']}): conversations on different workers make different numbers "
+            "of engine calls, which a tensor-parallel engine group cannot match"
+        )
+    path = mt["tool_config_path"]
+    if path and not os.path.isfile(os.path.expanduser(path)):
+        errors.append(
+            f"actor_rollout_ref.rollout.multi_turn.tool_config_path={path!r} does not exist; point it at a tool "
+            "config YAML (see docs/multi_turn.md) or leave it null for no tools"
+        )
+    for key in ("max_assistant_turns", "max_user_turns"):
+        if mt[key] is not None and mt[key] < 1:
+            errors.append(f"actor_rollout_ref.rollout.multi_turn.{key}={mt[key]} must be >= 1, or null for no limit")
+    for key in ("max_parallel_calls", "max_tool_response_length"):
+        if mt[key] < 1:
+            errors.append(f"actor_rollout_ref.rollout.multi_turn.{key}={mt[key]} must be >= 1")
+
+
 def _check_not_implemented(c: dict, errors: list[str]):
     """Upstream choices this implementation does not have yet: fail instead of silently running something else."""
     arr = c["actor_rollout_ref"]
@@ -533,12 +558,12 @@ def _check_not_implemented(c: dict, errors: list[str]):
                 f"{key}={value} is not supported yet: this verl trains with FSDP2 only, so the run would silently use "
                 f"FSDP instead of {value}'s tensor/pipeline parallelism; set {key}=fsdp"
             )
-    if arr["rollout"]["mode"] == "async":
+    if arr["rollout"]["mode"] == "async" and not arr["rollout"]["multi_turn"]["enable"]:
         errors.append(
-            "actor_rollout_ref.rollout.mode=async (upstream's server-based agent-loop rollout) is not supported yet: "
-            "the engines here generate whole batches, so the run would silently be synchronous; set "
-            "actor_rollout_ref.rollout.mode=sync (to let generation run ahead of training, set "
-            "async_training.staleness_threshold instead, see docs/async.md)"
+            "actor_rollout_ref.rollout.mode=async (upstream's server-based agent-loop rollout) runs here only as the "
+            "multi-turn agent loop: set actor_rollout_ref.rollout.multi_turn.enable=true for tool-calling rollouts "
+            "(docs/multi_turn.md), or actor_rollout_ref.rollout.mode=sync for single-turn generation (to let "
+            "generation run ahead of training, set async_training.staleness_threshold, see docs/async.md)"
         )
 
 
@@ -707,6 +732,7 @@ def validate_ppo_config(cfg: DictConfig | dict) -> None:
         _check_forward_batches(c, errors, world)
     _check_algorithm(c, errors, warns)
     _check_lengths(c, errors)
+    _check_multi_turn(c, errors)
     _check_not_implemented(c, errors)
     _check_trainer(c, errors, warns)
     _check_lora(c, errors)

@@ -4,7 +4,7 @@ Pure functions of a DataProto batch and the step's phase timings, so the driver'
 list of phases and these stay testable on hand-built batches.
 
 - `compute_data_metrics`: critic/score|rewards|advantages|returns|values/*, response_length/*,
-  prompt_length/* (with clip ratios).
+  prompt_length/* (with clip ratios), num_turns/* (multi-turn rollouts).
 - `compute_timing_metrics`: timing_s/<phase> and timing_per_token_ms/<phase>.
 - `compute_throughput_metrics`: perf/total_num_tokens, perf/time_per_step, perf/throughput.
 - `process_validation_metrics`: mean@N, best@N, worst@N, maj@N per data source and variable.
@@ -73,6 +73,11 @@ def compute_data_metrics(batch, use_critic: bool = True) -> dict[str, float]:
         metrics[f"{name}/max"] = lengths.max().item()
         metrics[f"{name}/min"] = lengths.min().item()
         metrics[f"{name}/clip_ratio"] = (lengths >= max_len).float().mean().item()
+    if "__num_turns__" in batch.non_tensor_batch:  # multi-turn rollouts: messages per conversation
+        num_turns = np.asarray(batch.non_tensor_batch["__num_turns__"], dtype=np.float64)
+        metrics["num_turns/min"] = float(num_turns.min())
+        metrics["num_turns/max"] = float(num_turns.max())
+        metrics["num_turns/mean"] = float(num_turns.mean())
     return metrics
 
 

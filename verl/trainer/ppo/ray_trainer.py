@@ -60,6 +60,9 @@ from verl.utils.timer import marked_timer
 logger = get_logger(__name__, "INFO")
 
 GEN_BATCH_KEYS = ("input_ids", "attention_mask", "position_ids")
+# What agent loops read per sample besides the prompt: the loop's name and the tools' arguments
+# (upstream's `agent_name` and `extra_info.tools_kwargs` columns).
+MULTI_TURN_KEYS = ("agent_name", "tools_kwargs", "extra_info")
 # Metrics the workers report per update: > 0 when an optimizer step was skipped for a NaN/inf gradient.
 NONFINITE_METRICS = ("actor/skipped_nonfinite_grad", "critic/skipped_nonfinite_grad")
 
@@ -346,9 +349,10 @@ class RayPPOTrainer:
         return batch
 
     def _gen_batch(self, batch: DataProto, **meta) -> DataProto:
-        non_tensor_keys = [
-            k for k in ("raw_prompt_ids", "raw_prompt", "multi_modal_data") if k in batch.non_tensor_batch
-        ]
+        keys = ("raw_prompt_ids", "raw_prompt", "multi_modal_data")
+        if self.config.actor_rollout_ref.rollout.get("multi_turn", {}).get("enable", False):
+            keys += MULTI_TURN_KEYS
+        non_tensor_keys = [k for k in keys if k in batch.non_tensor_batch]
         gen = batch.select(batch_keys=list(GEN_BATCH_KEYS), non_tensor_batch_keys=non_tensor_keys)
         gen.meta_info.update(
             eos_token_id=self.tokenizer.eos_token_id,

@@ -35,7 +35,7 @@ import torch
 from torch.utils.data import Dataset
 
 TRUNCATION_MODES = ("error", "left", "right")
-ROLES = ("system", "user", "assistant")
+ROLES = ("system", "user", "assistant", "tool")  # tool: a tool call's result (multi-turn agents)
 
 
 class SFTDataset(Dataset):
@@ -224,7 +224,7 @@ def _check_messages(messages, index: int, key: str) -> list[dict]:
     if not isinstance(messages, list) or not messages:
         raise TypeError(
             f"row {index}: {key!r} holds {_short(messages)}; expected a non-empty list of "
-            "{'role': 'user'|'assistant'|'system', 'content': str} messages"
+            "{'role': 'user'|'assistant'|'system'|'tool', 'content': str} messages"
         )
     for turn, message in enumerate(messages):
         if (

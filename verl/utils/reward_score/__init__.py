@@ -23,6 +23,7 @@ SCORE_FNS: dict[str, Callable[[str, object], float | dict]] = {
     "DigitalLearningGmbH/MATH-lighteval": math_reward.compute_score,
     "HuggingFaceH4/MATH-500": math_reward.compute_score,
     "arith": arith.compute_score,
+    "arith_tool": arith.compute_score_after_tools,
     "countdown": countdown.compute_score,
 }
 

@@ -1,0 +1,68 @@
+"""The hermes tool-call parser on hand-written model outputs, well-formed and malformed."""
+
+from __future__ import annotations
+
+import pytest
+
+from verl.experimental.agent_loop.tool_parser import HermesToolParser, ToolCall, get_tool_parser
+
+parse = HermesToolParser().parse
+
+
+def test_text_without_tool_calls_is_a_final_answer():
+    turn = parse("The answer is 182.")
+    assert turn.content == "The answer is 182." and turn.tool_calls == [] and turn.errors == []
+    assert not turn.wants_tools
+
+
+def test_one_call_with_surrounding_text_and_whitespace():
+    turn = parse(
+        'Let me compute.\n<tool_call>\n{"name": "calculator", "arguments": {"expression": "12+34*5"}}\n</tool_call>'
+    )
+    assert turn.tool_calls == [ToolCall("calculator", {"expression": "12+34*5"})]
+    assert turn.content == "Let me compute." and turn.errors == [] and turn.wants_tools
+
+
+def test_several_calls_keep_their_order():
+    text = '<tool_call>{"name": "a", "arguments": {"x": 1}}</tool_call> and <tool_call>{"name": "b", "arguments": {}}</tool_call>'
+    turn = parse(text)
+    assert [c.name for c in turn.tool_calls] == ["a", "b"]
+    assert turn.tool_calls[0].arguments == {"x": 1}
+    assert turn.content == "and"
+
+
+def test_arguments_given_as_a_json_string_or_omitted_are_accepted():
+    turn = parse(
+        '<tool_call>{"name": "f", "arguments": "{\\"x\\": 2}"}</tool_call><tool_call>{"name": "g"}</tool_call>'
+    )
+    assert turn.tool_calls == [ToolCall("f", {"x": 2}), ToolCall("g", {})]
+
+
+@pytest.mark.parametrize(
+    ("body", "message"),
+    [
+        ('{"name": "f", "arguments": {"x": 1}', "not valid JSON"),
+        ('["f", {"x": 1}]', "must be a JSON object"),
+        ('{"arguments": {"x": 1}}', 'no "name" string'),
+        ('{"name": "", "arguments": {}}', 'no "name" string'),
+        ('{"name": "f", "arguments": [1, 2]}', "must be a JSON object, got [1, 2]"),
+        ('{"name": "f", "arguments": "x=1"}', "not a JSON object"),
+    ],
+)
+def test_malformed_calls_become_errors_and_keep_well_formed_ones(body, message):
+    turn = parse(f'<tool_call>{body}</tool_call><tool_call>{{"name": "ok", "arguments": {{}}}}</tool_call>')
+    assert turn.tool_calls == [ToolCall("ok", {})]
+    assert len(turn.errors) == 1 and message in turn.errors[0]
+    assert turn.wants_tools
+
+
+def test_an_unclosed_call_is_an_error_and_is_not_part_of_the_content():
+    turn = parse('Sure. <tool_call>{"name": "calculator", "arguments": {"expression": "1+')
+    assert turn.tool_calls == []
+    assert turn.errors == ["<tool_call> without a closing </tool_call>"]
+    assert turn.content == "Sure."
+
+
+def test_unknown_format_names_the_valid_ones():
+    with pytest.raises(ValueError, match=r"multi_turn.format='json'.*\['hermes'\]"):
+        get_tool_parser("json")

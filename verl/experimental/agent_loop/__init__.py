@@ -1,0 +1,49 @@
+"""Agent loops: multi-turn rollouts in which the model calls tools (docs/multi_turn.md).
+
+- `agent_loop`: the interface (`AgentLoopBase.run_episode(engine, sample) -> Trajectory`), the
+  registry (`register`, `AGENT_LOOPS`) and `SingleTurnAgentLoop` (`single_turn_agent`).
+- `tool_agent_loop.ToolAgentLoop` (`tool_agent`): generate, call tools, append their answers, repeat.
+- `tool_parser`: tool-call formats (`hermes`).
+- `engine`: `AsyncRolloutEngine` (one request per call) and `MicroBatchEngine` (batches concurrent
+  requests for a batch-synchronous engine).
+- `rollout.AgentLoopRollout`: a `BaseRollout` running agent loops over any rollout engine; the actor
+  worker uses it when `actor_rollout_ref.rollout.multi_turn.enable=true`.
+
+Importing this package imports torch but not transformers or Ray.
+"""
+
+from verl.experimental.agent_loop.agent_loop import (
+    AGENT_LOOPS,
+    AgentLoopBase,
+    AgentLoopSettings,
+    AgentSample,
+    SingleTurnAgentLoop,
+    Trajectory,
+    get_agent_loop_class,
+    register,
+)
+from verl.experimental.agent_loop.engine import AsyncRolloutEngine, MicroBatchEngine, TokenOutput
+from verl.experimental.agent_loop.rollout import AgentLoopRollout, settings_from_config
+from verl.experimental.agent_loop.tool_agent_loop import ToolAgentLoop
+from verl.experimental.agent_loop.tool_parser import TOOL_PARSERS, HermesToolParser, ToolCall, get_tool_parser
+
+__all__ = [
+    "AGENT_LOOPS",
+    "AgentLoopBase",
+    "AgentLoopRollout",
+    "AgentLoopSettings",
+    "AgentSample",
+    "AsyncRolloutEngine",
+    "HermesToolParser",
+    "MicroBatchEngine",
+    "SingleTurnAgentLoop",
+    "TOOL_PARSERS",
+    "TokenOutput",
+    "ToolAgentLoop",
+    "ToolCall",
+    "Trajectory",
+    "get_agent_loop_class",
+    "get_tool_parser",
+    "register",
+    "settings_from_config",
+]

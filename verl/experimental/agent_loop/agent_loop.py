@@ -1,0 +1,147 @@
+"""The agent-loop interface: `await loop.run_episode(engine, sample) -> Trajectory`.
+
+An agent loop plays one conversation (an "episode") against an `AsyncRolloutEngine`: it decides
+what to send to the model, what to do with what comes back (call tools, stop) and returns the
+token-level record the trainer needs. Many episodes run concurrently in one event loop; the engine
+batches their requests (see engine.py), so a loop is written one conversation at a time.
+
+Token bookkeeping is the loop's contract with the trainer (`Trajectory`):
+- `prompt_ids`: the first prompt, exactly as sent to the engine;
+- `response_ids`: everything after it, in order: the model's tokens verbatim (never decoded and
+  re-encoded, so training sees exactly what was sampled) and the tokens the loop inserted (tool
+  messages rendered by the chat template);
+- `response_mask`: 1 on the model's tokens, 0 on inserted ones, so only generated tokens are trained;
+- `response_logprobs`: the engine's log-prob of each generated token (0 on inserted ones), when
+  the rollout computes them.
+`num_turns` counts messages as upstream verl does: the user prompt, each assistant turn and each
+tool-response turn (a single-turn episode has 2).
+
+Loops are chosen by name (`AGENT_LOOPS`, filled by `@register`): a sample's `agent_name` column,
+else `tool_agent` when multi-turn is enabled. A name that is not registered but looks like an
+import path (`my_pkg.agents.MyLoop`) is imported, so a user loop needs no change here.
+"""
+
+from __future__ import annotations
+
+import importlib
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from verl.experimental.agent_loop.engine import AsyncRolloutEngine
+
+AGENT_LOOPS: dict[str, type[AgentLoopBase]] = {}
+
+
+def register(name: str):
+    """Class decorator: make an `AgentLoopBase` subclass selectable as `agent_name=name`."""
+
+    def decorate(cls):
+        AGENT_LOOPS[name] = cls
+        return cls
+
+    return decorate
+
+
+def get_agent_loop_class(name: str) -> type[AgentLoopBase]:
+    if name in AGENT_LOOPS:
+        return AGENT_LOOPS[name]
+    module_name, _, attr = name.rpartition(".")
+    if module_name:
+        try:
+            cls = getattr(importlib.import_module(module_name), attr)
+        except (ImportError, AttributeError) as e:
+            raise ValueError(
+                f"agent loop {name!r} is neither registered ({sorted(AGENT_LOOPS)}) nor importable: {e}"
+            ) from e
+        if isinstance(cls, type) and issubclass(cls, AgentLoopBase):
+            return cls
+    raise ValueError(
+        f"unknown agent loop {name!r}; registered loops: {sorted(AGENT_LOOPS)}, or give the import path of an "
+        "AgentLoopBase subclass (e.g. my_pkg.agents.MyLoop)"
+    )
+
+
+@dataclass
+class AgentLoopSettings:
+    """What every agent loop reads (from `actor_rollout_ref.rollout` and its `multi_turn` section)."""
+
+    response_length: int
+    """Budget of response tokens per episode, generated and inserted together (rollout.response_length)."""
+    max_assistant_turns: int | None = None
+    """Stop after this many assistant turns (None: only the token budget limits them)."""
+    max_user_turns: int | None = None
+    """Stop before the (N+1)-th tool-response turn."""
+    max_parallel_calls: int = 1
+    """Tool calls executed per assistant turn; further calls are answered with an error."""
+    max_tool_response_length: int = 256
+    """Characters of a tool's answer kept in the conversation."""
+    tool_response_truncate_side: str = "middle"
+    """left: keep the beginning; right: keep the end; middle: keep both ends."""
+    format: str = "hermes"
+    """Tool-call format (tool_parser.TOOL_PARSERS)."""
+    tokenization_sanity_check_mode: str = "strict"
+    """strict: compare each finished episode's ids with the chat template's rendering of its messages;
+    ignore_strippable: the same, ignoring whitespace; disable: no check."""
+    apply_chat_template_kwargs: dict = field(default_factory=dict)
+
+
+@dataclass
+class AgentSample:
+    """One episode's input."""
+
+    prompt_ids: list[int]
+    """The prompt as the dataset tokenised it (left padding removed)."""
+    messages: list[dict] | None = None
+    """The prompt's chat messages (`raw_prompt`), when the dataset returned them."""
+    sampling: dict[str, Any] = field(default_factory=dict)
+    tools_kwargs: dict[str, Any] = field(default_factory=dict)
+    """Per-tool keyword arguments (`extra_info.tools_kwargs`): {tool: {create_kwargs: {...}, ...}}."""
+    extra_info: Any = None
+    index: int = 0
+
+
+@dataclass
+class Trajectory:
+    """One finished episode (see the module docstring for the token contract)."""
+
+    prompt_ids: list[int]
+    response_ids: list[int]
+    response_mask: list[int]
+    response_logprobs: list[float] | None = None
+    num_turns: int = 2
+    messages: list[dict] | None = None
+    metrics: dict[str, float] = field(default_factory=dict)
+
+    def __post_init__(self):
+        assert len(self.response_ids) == len(self.response_mask), "response ids and mask must align"
+        assert self.response_logprobs is None or len(self.response_logprobs) == len(self.response_ids)
+
+
+class AgentLoopBase(ABC):
+    """Base of agent loops; one instance serves every episode of a rollout, concurrently."""
+
+    def __init__(self, tokenizer, settings: AgentLoopSettings, tools: Sequence = ()):
+        self.tokenizer = tokenizer
+        self.settings = settings
+        self.tools = {tool.name: tool for tool in tools}
+
+    @abstractmethod
+    async def run_episode(self, engine: AsyncRolloutEngine, sample: AgentSample) -> Trajectory:
+        """Play one conversation and return its trajectory."""
+
+
+@register("single_turn_agent")
+class SingleTurnAgentLoop(AgentLoopBase):
+    """One model turn: what the trainer does without multi-turn."""
+
+    async def run_episode(self, engine: AsyncRolloutEngine, sample: AgentSample) -> Trajectory:
+        out = await engine.generate(sample.prompt_ids, sample.sampling, self.settings.response_length)
+        return Trajectory(
+            prompt_ids=list(sample.prompt_ids),
+            response_ids=list(out.token_ids),
+            response_mask=[1] * len(out.token_ids),
+            response_logprobs=None if out.log_probs is None else list(out.log_probs),
+            num_turns=2,
+        )

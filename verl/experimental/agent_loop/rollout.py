@@ -1,0 +1,280 @@
+"""`AgentLoopRollout`: a `BaseRollout` that plays agent loops over any other rollout.
+
+With `actor_rollout_ref.rollout.multi_turn.enable=true` the actor worker wraps its engine (`hf`,
+`vllm`, `sglang`) in this class; everything else about the worker and the trainer stays the same.
+`generate_sequences` turns each row of the prompt batch into an `AgentSample`, runs every episode
+concurrently in one asyncio event loop (agent loop per row: the `agent_name` column, else
+`tool_agent`), with a `MicroBatchEngine` over the wrapped rollout batching their model turns (or the
+rollout's own `async_engine`, see `make_engine`), and returns the usual rollout layout:
+
+- `prompts` [B, P]: each episode's first prompt, left-padded (P = the incoming prompt width);
+- `responses` [B, R]: every turn after the prompt (model and tool turns), right-padded to
+  R = rollout.response_length;
+- `response_mask` [B, R]: 1 on model-generated tokens only; `attention_mask` [B, P+R]: 1 on every
+  real token, tool turns included; `position_ids` continue from the prompt's last;
+- `rollout_log_probs` [B, R] with `calculate_log_probs` (0 on tool tokens);
+- `non_tensor_batch["__num_turns__"]`: messages per episode (the trainer reports `num_turns/*`);
+- `meta_info["metrics"]`: `agent_loop/*` means over the episodes (tool calls, tool errors,
+  tokenization mismatches) and how the engine batched them.
+
+Deliberately left out: the engine's tensor parallelism across workers (episodes on different ranks
+make different numbers of engine calls, which a collective cannot match), multi-modal prompts, and
+simulated users (`interaction_config_path`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+import torch
+
+from verl.experimental.agent_loop.agent_loop import (
+    AgentLoopBase,
+    AgentLoopSettings,
+    AgentSample,
+    Trajectory,
+    get_agent_loop_class,
+)
+from verl.experimental.agent_loop.engine import AsyncRolloutEngine, MicroBatchEngine, rollout_batch_generator
+from verl.workers.rollout.base import BaseRollout
+
+SAMPLING_KEYS = ("do_sample", "validate", "temperature", "top_k", "top_p")
+DEFAULT_AGENT = "tool_agent"
+
+
+def settings_from_config(rollout_config, apply_chat_template_kwargs: dict | None = None) -> AgentLoopSettings:
+    """`AgentLoopSettings` from the rollout config (DictConfig or dict) and its `multi_turn` section."""
+    mt = rollout_config.get("multi_turn") or {}
+    return AgentLoopSettings(
+        response_length=int(rollout_config.get("response_length")),
+        max_assistant_turns=mt.get("max_assistant_turns"),
+        max_user_turns=mt.get("max_user_turns"),
+        max_parallel_calls=int(mt.get("max_parallel_calls") or 1),
+        max_tool_response_length=int(mt.get("max_tool_response_length") or 256),
+        tool_response_truncate_side=mt.get("tool_response_truncate_side") or "middle",
+        format=mt.get("format") or "hermes",
+        tokenization_sanity_check_mode=mt.get("tokenization_sanity_check_mode") or "strict",
+        apply_chat_template_kwargs=dict(apply_chat_template_kwargs or {}),
+    )
+
+
+def _run_sync(coro):
+    """Run a coroutine to completion from synchronous code, even if this thread already runs a loop."""
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return asyncio.run(coro)
+    with ThreadPoolExecutor(max_workers=1) as pool:  # e.g. called from a notebook's event loop
+        return pool.submit(asyncio.run, coro).result()
+
+
+class AgentLoopRollout(BaseRollout):
+    """Agent loops over a wrapped rollout engine (module docstring).
+
+    rollout: the engine that generates (any `BaseRollout`).
+    config: the rollout config (`response_length`, `calculate_log_probs`, `multi_turn.*`).
+    tokenizer: the policy's tokenizer (chat template, decoding turns).
+    tools: the tools; None reads `multi_turn.tool_config_path` (no path: no tools).
+    apply_chat_template_kwargs: passed to every chat-template rendering (`data.apply_chat_template_kwargs`).
+    """
+
+    def __init__(
+        self,
+        rollout: BaseRollout,
+        config,
+        tokenizer,
+        tools: Sequence | None = None,
+        apply_chat_template_kwargs: dict | None = None,
+    ):
+        tp = int(config.get("tensor_model_parallel_size", 1) or 1)
+        if tp > 1:
+            raise ValueError(
+                f"multi-turn rollouts do not support actor_rollout_ref.rollout.tensor_model_parallel_size={tp}: "
+                "episodes on different workers make different numbers of engine calls; set it to 1"
+            )
+        self.inner = rollout
+        self.tokenizer = tokenizer
+        self.settings = settings_from_config(config, apply_chat_template_kwargs)
+        self.with_logprobs = bool(config.get("calculate_log_probs", False))
+        if tools is None:
+            path = (config.get("multi_turn") or {}).get("tool_config_path")
+            if path:
+                from verl.tools.utils.tool_registry import initialize_tools_from_config
+
+                tools = initialize_tools_from_config(path)
+        self.tools = list(tools or [])
+        self._loops: dict[str, AgentLoopBase] = {}
+        self._engine_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="rollout-engine")
+
+    # -------------------------------------------------------------------- engine (delegated)
+    def update_weights(self, named_tensors):
+        return self.inner.update_weights(named_tensors)
+
+    def sleep(self, *args, **kwargs) -> None:
+        self.inner.sleep(*args, **kwargs)
+
+    def wake_up(self) -> None:
+        self.inner.wake_up()
+
+    def release(self) -> None:
+        self.inner.release()
+
+    # ----------------------------------------------------------------------------- episodes
+    def agent_loop(self, name: str) -> AgentLoopBase:
+        if name not in self._loops:
+            self._loops[name] = get_agent_loop_class(name)(self.tokenizer, self.settings, self.tools)
+        return self._loops[name]
+
+    def _token_ids(self, meta: dict) -> tuple[list[int], int]:
+        eos = meta.get("eos_token_id", self.tokenizer.eos_token_id)
+        eos_ids = [] if eos is None else [int(eos)] if np.isscalar(eos) else [int(e) for e in eos]
+        pad = meta.get("pad_token_id", self.tokenizer.pad_token_id)
+        pad = eos_ids[0] if pad is None and eos_ids else pad
+        if pad is None:
+            raise ValueError("the rollout cannot tell which token pads responses: put pad_token_id in meta_info")
+        return eos_ids, int(pad)
+
+    @staticmethod
+    def samples(prompts, meta: dict) -> list[AgentSample]:
+        """One `AgentSample` per row of a left-padded prompt batch."""
+        ids, mask = prompts.batch["input_ids"].cpu(), prompts.batch["attention_mask"].cpu().bool()
+        nt = prompts.non_tensor_batch
+        sampling = {k: meta[k] for k in SAMPLING_KEYS if k in meta}
+        out = []
+        for i in range(len(ids)):
+            extra = nt["extra_info"][i] if "extra_info" in nt else None
+            tools_kwargs = nt["tools_kwargs"][i] if "tools_kwargs" in nt else None
+            if tools_kwargs is None and isinstance(extra, dict):
+                tools_kwargs = extra.get("tools_kwargs")
+            messages = nt["raw_prompt"][i] if "raw_prompt" in nt else None
+            out.append(
+                AgentSample(
+                    prompt_ids=ids[i][mask[i]].tolist(),
+                    messages=None if messages is None else [dict(m) for m in messages],
+                    sampling=dict(sampling),
+                    tools_kwargs=dict(tools_kwargs or {}),
+                    extra_info=extra,
+                    index=i,
+                )
+            )
+        return out
+
+    def make_engine(self, eos_ids: list[int], pad: int) -> AsyncRolloutEngine:
+        """The engine the episodes call: the wrapped rollout's own async engine when it offers one
+        (`rollout.async_engine(eos_token_ids, pad_token_id, with_logprobs)`, e.g. an adapter over a
+        server that schedules requests itself), else a `MicroBatchEngine` over its `generate_sequences`."""
+        factory = getattr(self.inner, "async_engine", None)
+        if factory is not None:
+            return factory(eos_ids, pad, self.with_logprobs)
+        return MicroBatchEngine(
+            rollout_batch_generator(self.inner, eos_ids, pad, self.with_logprobs), executor=self._engine_thread
+        )
+
+    async def run_episodes(self, samples: list[AgentSample], agent_names: list[str], eos_ids, pad) -> tuple:
+        """Every episode concurrently; returns (trajectories in sample order, engine batch stats or None)."""
+        engine = self.make_engine(eos_ids, pad)
+
+        async def episode(sample: AgentSample, name: str) -> Trajectory:
+            async with engine.client():
+                return await self.agent_loop(name).run_episode(engine, sample)
+
+        tasks = [asyncio.ensure_future(episode(s, n)) for s, n in zip(samples, agent_names)]
+        try:
+            return await asyncio.gather(*tasks), getattr(engine, "stats", None)
+        finally:
+            for task in tasks:
+                task.cancel()
+            if hasattr(engine, "aclose"):
+                await engine.aclose()
+
+    def generate_sequences(self, prompts):
+        start = time.perf_counter()
+        meta = dict(prompts.meta_info)
+        n = int(meta.get("n", 1))
+        if n > 1:
+            prompts = prompts.repeat(repeat_times=n, interleave=True)
+        eos_ids, pad = self._token_ids(meta)
+        samples = self.samples(prompts, meta)
+        names = prompts.non_tensor_batch.get("agent_name")
+        names = [DEFAULT_AGENT if not name else str(name) for name in names] if names is not None else None
+        trajectories, stats = _run_sync(
+            self.run_episodes(samples, names or [DEFAULT_AGENT] * len(samples), eos_ids, pad)
+        )
+
+        out = trajectories_to_proto(prompts, trajectories, self.settings.response_length, pad, self.with_logprobs, meta)
+        metrics = dict(meta.get("metrics", {}))
+        metrics.update(_episode_metrics(trajectories))
+        if stats is not None:
+            metrics["agent_loop/engine_batches"] = float(stats.num_batches)
+            metrics["agent_loop/engine_batch_size_mean"] = stats.num_requests / max(stats.num_batches, 1)
+            metrics["timing_s/agent_loop_generate"] = stats.generate_s
+        metrics["timing_s/agent_loop"] = time.perf_counter() - start
+        out.meta_info["metrics"] = metrics
+        return out
+
+
+def _episode_metrics(trajectories: list[Trajectory]) -> dict[str, float]:
+    keys = sorted({k for t in trajectories for k in t.metrics})
+    metrics = {}
+    for key in keys:
+        values = [t.metrics[key] for t in trajectories if key in t.metrics]
+        metrics[f"agent_loop/{key}"] = float(np.mean(values))
+    return metrics
+
+
+def trajectories_to_proto(prompts, trajectories: list[Trajectory], response_length: int, pad: int, with_logprobs, meta):
+    """The rollout output layout (module docstring) from finished episodes, row i from trajectory i."""
+    from tensordict import TensorDict
+
+    from verl.protocol import DataProto
+
+    B, P = prompts.batch["input_ids"].shape
+    R = int(response_length)
+    device = prompts.batch["input_ids"].device
+    prompt_ids = torch.full((B, P), pad, dtype=torch.long)
+    prompt_mask = torch.zeros((B, P), dtype=torch.long)
+    responses = torch.full((B, R), pad, dtype=torch.long)
+    response_attn = torch.zeros((B, R), dtype=torch.long)
+    response_mask = torch.zeros((B, R), dtype=torch.long)
+    logprobs = torch.zeros((B, R), dtype=torch.float32)
+    for row, t in enumerate(trajectories):
+        if len(t.prompt_ids) > P:
+            raise ValueError(
+                f"an episode's prompt has {len(t.prompt_ids)} tokens (with the tool schemas rendered by the chat "
+                f"template) but prompts are {P} tokens wide; raise data.max_prompt_length"
+            )
+        n = min(len(t.response_ids), R)
+        prompt_ids[row, P - len(t.prompt_ids) :] = torch.tensor(t.prompt_ids, dtype=torch.long)
+        prompt_mask[row, P - len(t.prompt_ids) :] = 1
+        responses[row, :n] = torch.tensor(t.response_ids[:n], dtype=torch.long)
+        response_attn[row, :n] = 1
+        response_mask[row, :n] = torch.tensor(t.response_mask[:n], dtype=torch.long)
+        if with_logprobs and t.response_logprobs is not None:
+            logprobs[row, :n] = torch.tensor(t.response_logprobs[:n], dtype=torch.float32)
+    prompt_positions = (prompt_mask.cumsum(-1) - 1).clamp(min=0)
+    response_positions = prompt_positions[:, -1:] + torch.arange(1, R + 1)
+    tensors = {
+        "prompts": prompt_ids,
+        "responses": responses,
+        "input_ids": torch.cat([prompt_ids, responses], dim=-1),
+        "attention_mask": torch.cat([prompt_mask, response_attn], dim=-1),
+        "position_ids": torch.cat([prompt_positions, response_positions], dim=-1),
+        "response_mask": response_mask,
+    }
+    if with_logprobs:
+        tensors["rollout_log_probs"] = logprobs
+    mask_dtype = prompts.batch["attention_mask"].dtype
+    for key in ("attention_mask", "response_mask"):
+        tensors[key] = tensors[key].to(mask_dtype)
+    batch = TensorDict({k: v.to(device) for k, v in tensors.items()}, batch_size=[B])
+    non_tensor = dict(prompts.non_tensor_batch)
+    non_tensor["__num_turns__"] = np.array([t.num_turns for t in trajectories], dtype=np.int64)
+    meta = {k: v for k, v in meta.items() if k != "metrics"}
+    return DataProto(batch=batch, non_tensor_batch=non_tensor, meta_info=meta)
+
+
+__all__ = ["AgentLoopRollout", "settings_from_config", "trajectories_to_proto", "SAMPLING_KEYS", "DEFAULT_AGENT"]

@@ -1,0 +1,113 @@
+"""Reading tool calls out of a model's turn (`actor_rollout_ref.rollout.multi_turn.format`).
+
+The format is a property of the model's chat template: the template shows the tools to the model
+and teaches it how to write a call. `hermes` (Qwen2.5/Qwen3, Hermes, and the bundled tiny model's
+examples) writes each call as
+
+    <tool_call>{"name": "calculator", "arguments": {"expression": "12+34*5"}}</tool_call>
+
+A parser returns the turn's text without the calls (`content`), the well-formed calls, and one
+error message per malformed call. The agent loop answers an error with a tool message saying what
+was wrong, so the model learns from it instead of the conversation silently ending: a call that is
+not valid JSON, not an object, has no string `name`, has `arguments` that are neither an object
+nor a JSON string of one, or a `<tool_call>` that is never closed. Text without any `<tool_call>`
+is a final answer.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass(frozen=True)
+class ToolCall:
+    """A well-formed call: the tool's name and its arguments object."""
+
+    name: str
+    arguments: dict[str, Any]
+
+
+@dataclass
+class ParsedTurn:
+    """An assistant turn split into its text, its tool calls and its malformed calls."""
+
+    content: str
+    tool_calls: list[ToolCall] = field(default_factory=list)
+    errors: list[str] = field(default_factory=list)
+
+    @property
+    def wants_tools(self) -> bool:
+        """Whether the turn asked for any tool (well-formed or not), i.e. expects an answer."""
+        return bool(self.tool_calls or self.errors)
+
+
+class ToolParser(ABC):
+    """Splits a decoded assistant turn into text and tool calls."""
+
+    @abstractmethod
+    def parse(self, text: str) -> ParsedTurn: ...
+
+
+class HermesToolParser(ToolParser):
+    """`<tool_call>{"name": ..., "arguments": {...}}</tool_call>`, any number per turn."""
+
+    open_tag = "<tool_call>"
+    close_tag = "</tool_call>"
+
+    def __init__(self):
+        self._block = re.compile(re.escape(self.open_tag) + r"(.*?)" + re.escape(self.close_tag), re.DOTALL)
+
+    def parse(self, text: str) -> ParsedTurn:
+        calls, errors = [], []
+        for body in self._block.findall(text):
+            call = _parse_call(body.strip())
+            if isinstance(call, ToolCall):
+                calls.append(call)
+            else:
+                errors.append(call)
+        rest = self._block.sub("", text)
+        if self.open_tag in rest:
+            errors.append(f"{self.open_tag} without a closing {self.close_tag}")
+            rest = rest[: rest.index(self.open_tag)]
+        return ParsedTurn(content=rest.strip(), tool_calls=calls, errors=errors)
+
+
+def _parse_call(body: str) -> ToolCall | str:
+    """A ToolCall, or the error message for a malformed one."""
+    try:
+        obj = json.loads(body)
+    except json.JSONDecodeError as e:
+        return f"the tool call is not valid JSON ({e.msg} at character {e.pos}): {body[:200]}"
+    if not isinstance(obj, dict):
+        return f'the tool call must be a JSON object {{"name": ..., "arguments": {{...}}}}, got {body[:200]}'
+    name = obj.get("name")
+    if not isinstance(name, str) or not name:
+        return f'the tool call has no "name" string: {body[:200]}'
+    arguments = obj.get("arguments", obj.get("parameters", {}))
+    if isinstance(arguments, str):  # some models write the arguments as a JSON string
+        try:
+            arguments = json.loads(arguments) if arguments.strip() else {}
+        except json.JSONDecodeError:
+            return f'the "arguments" of the call to {name!r} are a string that is not a JSON object: {arguments[:200]}'
+    if arguments is None:
+        arguments = {}
+    if not isinstance(arguments, dict):
+        return f'the "arguments" of the call to {name!r} must be a JSON object, got {json.dumps(arguments)[:200]}'
+    return ToolCall(name=name, arguments=arguments)
+
+
+# multi_turn.format -> parser class; the one place every supported format is listed
+TOOL_PARSERS: dict[str, type[ToolParser]] = {"hermes": HermesToolParser}
+
+
+def get_tool_parser(name: str) -> ToolParser:
+    if name not in TOOL_PARSERS:
+        raise ValueError(
+            f"actor_rollout_ref.rollout.multi_turn.format={name!r} is not a known tool-call format; "
+            f"choose one of {sorted(TOOL_PARSERS)}"
+        )
+    return TOOL_PARSERS[name]()

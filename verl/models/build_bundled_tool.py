@@ -1,0 +1,219 @@
+"""Build `verl/assets/arith-tool-tiny`: the bundled tiny model taught to call the calculator.
+
+    python -m verl.models.build_bundled_tool                 # writes verl/assets/arith-tool-tiny
+    python -m verl.models.build_bundled_tool --out /tmp/arith-tool-tiny
+
+Recipe: start from the bundled `arith-tiny` (2-digit addition) and fine-tune it with verl's FSDP2 SFT
+trainer (one process, one CPU thread) on perfect calculator transcripts of the calculator task
+(`verl.utils.dataset.arith_tool`: "What is 12+34*56?" -> tool call -> `1916` -> "1916"), in the
+multi-turn SFT format, loss on the assistant turns only. Every `--eval-every` steps the greedy
+multi-turn accuracy on the first `--eval-problems` test problems is measured by running the real
+agent loop (built-in engine + calculator) and training stops at the first evaluation inside
+[`--min-accuracy`, `--max-accuracy`] (default 15%-50%): a model that knows the protocol but copies
+expressions and answers unreliably, so the multi-turn RL example has room to show learning.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import sys
+import tempfile
+import time
+
+TRAIN_BATCH_SIZE = 64
+LEARNING_RATE = 1e-3
+MAX_LENGTH = 160
+
+
+def _plain_copy(fsdp_model):
+    """A plain HF model holding the (one-rank FSDP) model's current weights, for evaluation."""
+    from transformers import AutoModelForCausalLM
+
+    state = {k: v.full_tensor() if hasattr(v, "full_tensor") else v for k, v in fsdp_model.state_dict().items()}
+    model = AutoModelForCausalLM.from_config(fsdp_model.config)
+    model.load_state_dict(state)
+    return model.eval()
+
+
+def build(
+    out_dir: str,
+    init: str | None = None,
+    seed: int = 1,
+    min_accuracy: float = 0.15,
+    max_accuracy: float = 0.50,
+    eval_every: int = 20,
+    eval_from: int = 300,
+    eval_problems: int = 200,
+    max_steps: int = 3000,
+) -> dict:
+    """Train, stop inside the accuracy band, save the model to `out_dir` and return the training info."""
+    import torch
+    import torch.distributed as dist
+    import transformers
+    from omegaconf import OmegaConf
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from verl.models import bundled_model_path
+    from verl.trainer.fsdp_sft_trainer import run_sft
+    from verl.utils.dataset.arith import _write_parquet_atomic, load_rows
+    from verl.utils.dataset.arith_tool import DEFAULT_NUM_TRAIN, TASK, evaluate_tool_use, write_arith_tool_parquet
+
+    if not 0.0 <= min_accuracy < max_accuracy <= 1.0:
+        raise ValueError(f"need 0 <= --min-accuracy ({min_accuracy}) < --max-accuracy ({max_accuracy}) <= 1")
+    torch.set_num_threads(1)
+    work = tempfile.mkdtemp(prefix="verl-build-arith-tool-tiny-")
+    start = time.time()
+    train_path, test_path = write_arith_tool_parquet(os.path.join(work, "data"))
+    eval_rows = load_rows(test_path)[:eval_problems]
+    # the trainer consults the stop rule after each validation; a small validation file keeps that cheap
+    val_path = os.path.join(work, "data", "val.parquet")
+    _write_parquet_atomic(eval_rows[:TRAIN_BATCH_SIZE], val_path)
+
+    config = OmegaConf.load(os.path.join(os.path.dirname(__file__), "..", "trainer", "config", "sft_trainer.yaml"))
+    config.merge_with_dotlist(
+        [
+            f"data.train_files={train_path}",
+            f"data.val_files={val_path}",
+            f"data.train_batch_size={TRAIN_BATCH_SIZE}",
+            f"data.micro_batch_size_per_gpu={TRAIN_BATCH_SIZE}",
+            "data.multiturn.enable=true",
+            "data.multiturn.messages_key=messages",
+            f"data.max_length={MAX_LENGTH}",
+            f"model.partial_pretrain={init or bundled_model_path('arith-tiny')}",
+            f"optim.lr={LEARNING_RATE}",
+            "optim.betas=[0.9,0.999]",
+            "optim.weight_decay=0.0",
+            "optim.warmup_steps_ratio=0.0",
+            "optim.lr_scheduler=constant",
+            f"trainer.default_local_dir={os.path.join(work, 'checkpoints')}",
+            f"trainer.total_training_steps={max_steps}",
+            f"trainer.test_freq={eval_every}",
+            "trainer.resume_mode=disable",
+            f"trainer.seed={seed}",
+            "trainer.device=cpu",
+        ]
+    )
+    history: list[dict] = []
+
+    def in_band(trainer, step: int) -> bool:
+        if step < eval_from:
+            return False
+        result = evaluate_tool_use(_plain_copy(trainer.model), trainer.tokenizer, eval_rows)
+        history.append({"step": step, **result})
+        print(f"step {step}: {result}", flush=True)
+        if result["accuracy"] > max_accuracy:
+            raise RuntimeError(
+                f"accuracy jumped past the band to {result['accuracy']:.1%} at step {step}; rebuild with a smaller "
+                f"--eval-every (now {eval_every}) so an evaluation lands inside [{min_accuracy:.0%}, {max_accuracy:.0%}]"
+            )
+        return result["accuracy"] >= min_accuracy
+
+    trainer = run_sft(config, should_stop=in_band)
+    steps = trainer.global_step
+    dist.destroy_process_group()
+    if not history or history[-1]["accuracy"] < min_accuracy:
+        raise RuntimeError(f"no evaluation reached {min_accuracy:.0%} within {max_steps} steps; raise --max-steps")
+    export = os.path.join(work, "checkpoints", f"global_step_{steps}", "huggingface")
+
+    model = AutoModelForCausalLM.from_pretrained(export)
+    tokenizer = AutoTokenizer.from_pretrained(export)
+    final = evaluate_tool_use(model, tokenizer, load_rows(test_path))
+
+    if os.path.isdir(out_dir):
+        shutil.rmtree(out_dir)
+    shutil.copytree(export, out_dir)
+    for name in ("tokenizer.json", "tokenizer_config.json"):  # the unchanged tokenizer, byte for byte
+        shutil.copy(os.path.join(bundled_model_path("arith-tiny"), name), os.path.join(out_dir, name))
+    info = {
+        "name": "arith-tool-tiny",
+        "heldout": {**final, "problems": len(load_rows(test_path)), "decoding": "greedy, calculator tool"},
+        "sft_steps": steps,
+        "history": history,
+        "start": init or "arith-tiny",
+        "parameters": sum(p.numel() for p in model.parameters()),
+        "data": {"task": f"{TASK}", "num_train": DEFAULT_NUM_TRAIN, "format": "multi-turn transcripts (messages)"},
+        "sft": {
+            "train_batch_size": TRAIN_BATCH_SIZE,
+            "optimizer": "AdamW",
+            "lr": LEARNING_RATE,
+            "lr_scheduler": "constant",
+            "loss": "cross-entropy on the assistant turns (tool call, final answer) only",
+            "stop_rule": f"first evaluation (every {eval_every} steps from step {eval_from}, first {eval_problems} "
+            "test problems) with "
+            f"greedy multi-turn accuracy in [{min_accuracy}, {max_accuracy}]",
+        },
+        "versions": {"torch": torch.__version__, "transformers": transformers.__version__},
+        "torch_threads": 1,
+        "build_seconds": round(time.time() - start, 1),
+        "reproduce": "python -m verl.models.build_bundled_tool",
+    }
+    with open(os.path.join(out_dir, "training_info.json"), "w") as f:
+        json.dump(info, f, indent=2)
+        f.write("\n")
+    with open(os.path.join(out_dir, "README.md"), "w") as f:
+        f.write(_readme(info))
+    shutil.rmtree(work, ignore_errors=True)
+    return info
+
+
+def _readme(info: dict) -> str:
+    h = info["heldout"]
+    return f"""# arith-tool-tiny
+
+The bundled `arith-tiny` model ({info["parameters"]:,} parameters) fine-tuned to use the calculator
+tool on two-operation arithmetic ("What is 12+34*56?"), the multi-turn example of docs/multi_turn.md:
+
+    <bos><|user|>What is 12+34*56?<|assistant|><tool_call>{{"name": "calculator", "arguments": {{"expression": "12+34*56"}}}}</tool_call><eos>
+    <|user|><tool_response>1916</tool_response><|assistant|>1916<eos>
+
+- Greedy multi-turn accuracy with the calculator: **{h["accuracy"]:.1%}** on the {h["problems"]} test problems
+  (`verl.utils.dataset.arith_tool`), calling the tool in {h["tool_use"]:.0%} of them. Without the tool the
+  task is out of reach for a model this size; the errors are miscopied expressions and answers.
+- SFT: {info["sft_steps"]} steps of batch {info["sft"]["train_batch_size"]}, AdamW lr {info["sft"]["lr"]}, loss on the
+  assistant turns only; stopped at the first evaluation inside the target accuracy band.
+
+Reproduce (one CPU thread; this build took {info["build_seconds"]:.0f} s on a shared machine):
+
+```bash
+python -m verl.models.build_bundled_tool
+```
+"""
+
+
+def main(argv: list[str] | None = None) -> None:
+    from verl.models import ASSETS_DIR
+
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", default=os.path.join(ASSETS_DIR, "arith-tool-tiny"), help="output model directory")
+    parser.add_argument("--init", default=None, help="model to fine-tune (default: the bundled arith-tiny)")
+    parser.add_argument("--seed", type=int, default=1, help="data-order seed")
+    parser.add_argument("--min-accuracy", type=float, default=0.15)
+    parser.add_argument("--max-accuracy", type=float, default=0.50)
+    parser.add_argument("--eval-every", type=int, default=20, help="steps between evaluations")
+    parser.add_argument("--eval-from", type=int, default=300, help="first step to evaluate at")
+    parser.add_argument("--eval-problems", type=int, default=200, help="test problems per evaluation")
+    parser.add_argument("--max-steps", type=int, default=3000)
+    args = parser.parse_args(argv)
+    info = build(
+        args.out,
+        init=args.init,
+        seed=args.seed,
+        min_accuracy=args.min_accuracy,
+        max_accuracy=args.max_accuracy,
+        eval_every=args.eval_every,
+        eval_from=args.eval_from,
+        eval_problems=args.eval_problems,
+        max_steps=args.max_steps,
+    )
+    print(
+        f"wrote {args.out}: greedy accuracy with the calculator {info['heldout']['accuracy']:.1%} after "
+        f"{info['sft_steps']} SFT steps ({info['build_seconds']} s)",
+        file=sys.stderr,
+    )
+
+
+if __name__ == "__main__":
+    main()

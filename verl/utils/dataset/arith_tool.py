@@ -1,0 +1,123 @@
+"""The calculator task: multi-step arithmetic that a tiny model solves only with a tool.
+
+"What is 12+34*56?" -> the model calls the calculator, reads `1916` back and answers `1916`. Two-digit
+operands and two operations (`+ - *`, usual precedence) put most answers beyond what a ~1M-parameter
+model computes in its head, but well within what it can copy: the skill the task trains is tool
+use — writing the call (a copy of the expression) and restating the tool's answer.
+
+Rows follow upstream verl's RL schema with `data_source="arith_tool"` (scored on the final answer
+only, `verl.utils.reward_score.arith.compute_score_after_tools`) and `agent_name="tool_agent"`; they
+carry no `extra_info.tools_kwargs` because the calculator keeps no per-conversation state. `transcript(problem)` is the
+conversation a perfect tool user has; the SFT warm-start (`verl.models.build_bundled_tool`) trains
+on those, in the multi-turn SFT format (`messages`).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+from verl.utils.dataset.arith import ArithTask, Problem, _write_parquet_atomic, make_splits
+
+DATA_SOURCE = "arith_tool"
+TASK = ArithTask(digits=2, ops=("+", "-", "*"), steps=2)
+DEFAULT_NUM_TRAIN = 5000
+DEFAULT_NUM_TEST = 500
+
+
+def tool_call_text(expression: str) -> str:
+    """A hermes-format call of the built-in calculator."""
+    return "<tool_call>" + json.dumps({"name": "calculator", "arguments": {"expression": expression}}) + "</tool_call>"
+
+
+def transcript(problem: Problem) -> list[dict]:
+    """The conversation of a model that uses the calculator perfectly."""
+    answer = str(problem.answer)
+    return [
+        {"role": "user", "content": problem.question},
+        {"role": "assistant", "content": tool_call_text(problem.expression)},
+        {"role": "tool", "content": answer},
+        {"role": "assistant", "content": answer},
+    ]
+
+
+def problem_to_row(problem: Problem, split: str, index: int) -> dict:
+    answer = str(problem.answer)
+    return {
+        "data_source": DATA_SOURCE,
+        "agent_name": "tool_agent",
+        "prompt": [{"role": "user", "content": problem.question}],
+        "ability": "math",
+        "reward_model": {"style": "rule", "ground_truth": answer},
+        "extra_info": {
+            "split": split,
+            "index": index,
+            "answer": answer,
+            "question": problem.question,
+            "expression": problem.expression,
+        },
+        "messages": transcript(problem),
+    }
+
+
+def write_arith_tool_parquet(
+    out_dir: str, num_train: int = DEFAULT_NUM_TRAIN, num_test: int = DEFAULT_NUM_TEST, seed: int = 0
+) -> tuple[str, str]:
+    """`train.parquet` and `test.parquet` under `out_dir`; each row has both the RL columns and the
+    SFT `messages` column, so one file serves the warm-start and the RL run."""
+    train, test = make_splits(TASK, num_train, num_test, seed)
+    os.makedirs(out_dir, exist_ok=True)
+    paths = []
+    for name, problems in (("train", train), ("test", test)):
+        path = os.path.join(out_dir, f"{name}.parquet")
+        _write_parquet_atomic([problem_to_row(p, name, i) for i, p in enumerate(problems)], path)
+        paths.append(path)
+    return paths[0], paths[1]
+
+
+def evaluate_tool_use(model, tokenizer, rows: list[dict], response_length: int = 160, prompt_length: int = 32) -> dict:
+    """Greedy multi-turn episodes with the calculator on `rows`; returns accuracy (final answer),
+    the fraction of episodes that called the tool, and the mean number of turns.
+
+    `model` is an HF causal LM (its current weights are used) or a checkpoint directory.
+    """
+    import numpy as np
+    import torch
+
+    from verl.experimental.agent_loop import AgentLoopRollout
+    from verl.protocol import DataProto
+    from verl.tools.calculator_tool import CalculatorTool
+    from verl.utils.reward_score.arith import compute_score_after_tools
+    from verl.workers.rollout.hf_rollout import HFRollout
+
+    config = {"response_length": response_length, "prompt_length": prompt_length, "multi_turn": {}}
+    engine = HFRollout(model, config=config, tokenizer=tokenizer, device="cpu")
+    rollout = AgentLoopRollout(engine, config, tokenizer, tools=[CalculatorTool()])
+    prompts = [
+        tokenizer(
+            tokenizer.apply_chat_template(list(r["prompt"]), add_generation_prompt=True, tokenize=False),
+            add_special_tokens=False,
+        )["input_ids"]
+        for r in rows
+    ]
+    width = max(len(p) for p in prompts)
+    ids = torch.full((len(rows), width), tokenizer.pad_token_id, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for i, p in enumerate(prompts):
+        ids[i, width - len(p) :] = torch.tensor(p)
+        mask[i, width - len(p) :] = 1
+    raw = np.empty(len(rows), dtype=object)
+    raw[:] = [list(r["prompt"]) for r in rows]
+    batch = DataProto.from_dict(
+        tensors={"input_ids": ids, "attention_mask": mask, "position_ids": (mask.cumsum(-1) - 1).clamp(min=0)},
+        non_tensors={"raw_prompt": raw},
+        meta_info={"do_sample": False, "eos_token_id": tokenizer.eos_token_id, "pad_token_id": tokenizer.pad_token_id},
+    )
+    out = rollout.generate_sequences(batch)
+    attended = out.batch["attention_mask"][:, width:].bool()
+    texts = tokenizer.batch_decode(
+        [out.batch["responses"][i][attended[i]].tolist() for i in range(len(rows))], skip_special_tokens=True
+    )
+    scores = [compute_score_after_tools(t, r["reward_model"]["ground_truth"]) for t, r in zip(texts, rows)]
+    turns = out.non_tensor_batch["__num_turns__"].astype(float)
+    return {"accuracy": float(np.mean(scores)), "tool_use": float(np.mean(turns > 2)), "num_turns": float(turns.mean())}
