@@ -440,7 +440,16 @@ class RayPPOTrainer:
 
         world_size = self.actor_rollout_wg.world_size
         seqlens = batch.batch["attention_mask"].sum(-1).tolist()
-        partitions = get_seqlen_balanced_partitions(seqlens, k_partitions=world_size, equal_size=True)
+        groups = _equal_groups(batch.non_tensor_batch.get("uid"), world_size)
+        if groups is not None:
+            # Whole groups (one prompt's samples) go to one rank, contiguously: the actor then runs
+            # each prompt once per micro-batch (`actor.share_prompt_forward`) instead of once per
+            # rank and micro-batch it was scattered over.
+            group_lens = [sum(seqlens[i] for i in rows) for rows in groups]
+            group_parts = get_seqlen_balanced_partitions(group_lens, k_partitions=world_size, equal_size=True)
+            partitions = [[i for g in sorted(part) for i in groups[g]] for part in group_parts]
+        else:
+            partitions = get_seqlen_balanced_partitions(seqlens, k_partitions=world_size, equal_size=True)
         batch.reorder(torch.tensor([i for part in partitions for i in part]))
         state.metrics.update(log_seqlen_unbalance(seqlen_list=seqlens, partitions=partitions, prefix="global_seqlen"))
 
@@ -724,6 +733,20 @@ class RayPPOTrainer:
         random.setstate(rng["python"])
         set_numpy_rng_state(rng["numpy"])
         torch.set_rng_state(rng["torch"])
+
+
+def _equal_groups(uids, world_size: int) -> list[list[int]] | None:
+    """Row indices per uid (in order of first appearance) when every group has the same size and
+    the number of groups divides evenly over `world_size` ranks; else None (balance rows instead)."""
+    if uids is None or len(uids) == 0:
+        return None
+    index: dict = {}
+    for row, uid in enumerate(uids.tolist()):
+        index.setdefault(uid, []).append(row)
+    groups = list(index.values())
+    if len(groups) % world_size or len({len(g) for g in groups}) != 1 or len(groups) == len(uids):
+        return None
+    return groups
 
 
 def _due(freq: int, step: int, is_last: bool) -> bool:
