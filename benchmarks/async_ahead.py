@@ -58,8 +58,8 @@ def run(ahead: int, args, workdir: Path) -> dict:
         f"data.train_batch_size={args.batch_size}",
         f"actor_rollout_ref.actor.ppo_mini_batch_size={args.batch_size}",
         f"actor_rollout_ref.rollout.n={args.n}",
-        # a micro-batch that divides every setting's per-rank mini-batch
-        f"actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu={min(64, args.batch_size * args.n // args.workers)}",
+        # the per-rank mini-batch when every worker trains (ahead=0), half of it with one rollout worker
+        f"actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu={args.batch_size * args.n // args.workers}",
         f"async_training.staleness_threshold={ahead}",
         *workers,
     ]

@@ -157,15 +157,12 @@ def ours_overrides(
 ) -> list[str]:
     """Hydra overrides for `main_ppo` that pin every `GRPOSetup` value; logs go to `<work_dir>/run`.
 
-    The actor's micro-batch (a memory/speed knob with no effect on the maths) stays at the yaml's
-    value unless it does not divide the sequences each rank gets per mini-batch, as for a smaller
-    batch than the default; then it is the largest divisor below it.
+    The actor's micro-batch (a memory/speed knob with no effect on the maths) is the whole mini-batch
+    of a rank, as in `examples/grpo_trainer/run_arith_tiny_cpu.sh` and as TRL's side runs its batch
+    in one forward: on a model this small every extra micro-batch only adds FSDP gathers and reduces.
     """
-    from omegaconf import OmegaConf
-
     per_rank = max(1, setup.mini_batch_size * setup.n // setup.workers)  # main_ppo reports a bad split itself
-    micro = int(OmegaConf.load(PPO_YAML).actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu)
-    micro = max(d for d in range(1, min(micro, per_rank) + 1) if per_rank % d == 0)
+    micro = per_rank
     return [
         f"actor_rollout_ref.model.path={setup.model}",
         f"data.train_batch_size={setup.batch_size}",

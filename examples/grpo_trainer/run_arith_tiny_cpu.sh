@@ -11,6 +11,7 @@ ${PYTHON:-python3} -m verl.trainer.main_ppo \
     actor_rollout_ref.rollout.n=8 \
     actor_rollout_ref.actor.optim.lr=1e-4 \
     actor_rollout_ref.actor.ppo_mini_batch_size=32 \
+    actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=128 \
     actor_rollout_ref.actor.use_kl_loss=False \
     trainer.device=cpu \
     trainer.n_gpus_per_node=2 \

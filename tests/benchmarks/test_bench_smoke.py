@@ -75,7 +75,7 @@ def test_ours_overrides_are_accepted_by_main_ppos_loader_and_pin_every_value(tmp
     assert (actor.optim.lr, actor.optim.weight_decay, actor.ppo_epochs) == (3e-4, 0.0, 2)
     assert actor.use_kl_loss is True and actor.kl_loss_coef == 0.01
     assert (cfg.trainer.total_training_steps, cfg.trainer.test_freq) == (7, 5)
-    assert actor.ppo_micro_batch_size_per_gpu == 16  # 8 prompts x 4 / 2 ranks: the yaml's 64 would not divide
+    assert actor.ppo_micro_batch_size_per_gpu == 16  # 8 prompts x 4 / 2 ranks: one micro-batch per rank
     assert cfg.trainer.run_dir == str(tmp_path / "run")
 
 
