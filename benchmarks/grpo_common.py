@@ -172,6 +172,7 @@ def ours_overrides(
         f"actor_rollout_ref.actor.ppo_mini_batch_size={setup.mini_batch_size}",
         f"actor_rollout_ref.actor.ppo_epochs={setup.epochs}",
         f"actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu={micro}",
+        "actor_rollout_ref.actor.fsdp_config.fsdp_size=1",  # replicated, as run_arith_tiny_cpu.sh
         f"actor_rollout_ref.rollout.n={setup.n}",
         f"actor_rollout_ref.rollout.temperature={setup.temperature}",
         f"actor_rollout_ref.actor.optim.lr={setup.lr}",

@@ -231,7 +231,7 @@ def test_user_errors_say_what_to_change():
 # ---------------------------------------------------------------------------------------- 2 ranks
 
 
-def _two_rank_actor(rank, world_size):
+def _two_rank_actor(rank, world_size, fsdp_size=-1):
     from verl.utils.fsdp_utils import apply_fsdp2, iter_full_params
 
     data = training_batch(batch_size=8, seed=7)
@@ -241,7 +241,9 @@ def _two_rank_actor(rank, world_size):
     order = torch.argsort(lengths, descending=True, stable=True)
     local = data.select_idxs(order[rank * 4 : (rank + 1) * 4])
 
-    fsdp_model = apply_fsdp2(make_tiny_causal_lm())
+    # fsdp_size -1 shards every parameter over both ranks; 1 replicates them (HSDP with shard groups of
+    # one rank: gradients are all-reduced, as the CPU example runs a model this small)
+    fsdp_model = apply_fsdp2(make_tiny_causal_lm(), {"fsdp_size": fsdp_size})
     config = actor_config(ppo_mini_batch_size=4, use_dynamic_bsz=True, ppo_max_token_len_per_gpu=14)
     actor = DataParallelPPOActor(config, fsdp_model, torch.optim.SGD(fsdp_model.parameters(), lr=1.0))
 
@@ -265,5 +267,6 @@ def _two_rank_actor(rank, world_size):
     assert len(metrics["actor/pg_loss"]) >= 2
 
 
-def test_fsdp2_actor_on_two_ranks_matches_single_process():
-    run_distributed(_two_rank_actor, 2)
+@pytest.mark.parametrize("fsdp_size", [-1, 1])
+def test_fsdp2_actor_on_two_ranks_matches_single_process(fsdp_size):
+    run_distributed(_two_rank_actor, 2, fsdp_size)
