@@ -213,7 +213,9 @@ def iter_full_params(
     tensor; the consumer should drop its reference before asking for the next. Every rank must
     iterate to the end (the gathers are collectives). `dtype` casts each tensor (e.g. bf16 for a
     rollout engine) after gathering. `name_filter` keeps only the names it accepts (it must accept
-    the same names on every rank).
+    the same names on every rank). A replicated parameter (`fsdp_size=1`, or a module without FSDP)
+    is yielded without a copy: it shares the module's storage, so consumers copy it and never write
+    to it.
     """
     from torch.distributed.tensor import DTensor
 
@@ -222,12 +224,22 @@ def iter_full_params(
         if name_filter is not None and not name_filter(name):
             continue
         if isinstance(tensor, DTensor):
-            if tensor.device != device:  # offloaded shards: gather on the device the backend supports
-                tensor = tensor.to(device)
-            tensor = tensor.full_tensor()
+            if _holds_full_tensor(tensor):  # replicated (fsdp_size=1): the local tensor is already whole
+                tensor = tensor.to_local()
+            else:
+                if tensor.device != device:  # offloaded shards: gather on the device the backend supports
+                    tensor = tensor.to(device)
+                tensor = tensor.full_tensor()
         if dtype is not None and tensor.is_floating_point():
             tensor = tensor.to(dtype)
         yield name, tensor
+
+
+def _holds_full_tensor(tensor) -> bool:
+    """Whether each rank's local part of DTensor `tensor` is the whole tensor: every placement is
+    Replicate or a Shard over a mesh dimension of size 1 (no Partial sums pending)."""
+    mesh = tensor.device_mesh
+    return all(p.is_replicate() or (p.is_shard() and mesh.size(dim) == 1) for dim, p in enumerate(tensor.placements))
 
 
 def get_full_state_dict(module: nn.Module, rank0_only: bool = True) -> dict[str, torch.Tensor]:
