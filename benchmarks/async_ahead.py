@@ -60,7 +60,6 @@ def run(ahead: int, args, workdir: Path) -> dict:
         f"actor_rollout_ref.rollout.n={args.n}",
         # the per-rank mini-batch when every worker trains (ahead=0), half of it with one rollout worker
         f"actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu={args.batch_size * args.n // args.workers}",
-        "actor_rollout_ref.actor.fsdp_config.fsdp_size=1",
         f"async_training.staleness_threshold={ahead}",
         *workers,
     ]

@@ -158,7 +158,7 @@ def ours_overrides(
     """Hydra overrides for `main_ppo` that pin every `GRPOSetup` value; logs go to `<work_dir>/run`.
 
     The actor's micro-batch (a memory/speed knob with no effect on the maths) is the whole mini-batch
-    of a rank, as in `examples/grpo_trainer/run_arith_tiny_cpu.sh` and as TRL's side runs its batch
+    of a rank (the yaml default for the default batch), as TRL's side runs its batch
     in one forward: on a model this small every extra micro-batch only adds FSDP gathers and reduces.
     """
     per_rank = max(1, setup.mini_batch_size * setup.n // setup.workers)  # main_ppo reports a bad split itself
@@ -172,7 +172,6 @@ def ours_overrides(
         f"actor_rollout_ref.actor.ppo_mini_batch_size={setup.mini_batch_size}",
         f"actor_rollout_ref.actor.ppo_epochs={setup.epochs}",
         f"actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu={micro}",
-        "actor_rollout_ref.actor.fsdp_config.fsdp_size=1",  # replicated, as run_arith_tiny_cpu.sh
         f"actor_rollout_ref.rollout.n={setup.n}",
         f"actor_rollout_ref.rollout.temperature={setup.temperature}",
         f"actor_rollout_ref.actor.optim.lr={setup.lr}",

@@ -188,9 +188,8 @@ def run_ours(args) -> list[float]:
             f"actor_rollout_ref.model.path={args.model}",
             f"data.train_batch_size={args.batch_size}",
             f"actor_rollout_ref.actor.ppo_mini_batch_size={args.batch_size}",
-            # one micro-batch per rank and a replicated model, as examples/grpo_trainer/run_arith_tiny_cpu.sh
+            # one micro-batch per rank, as the yaml default
             f"actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu={args.batch_size * args.n // 2}",
-            "actor_rollout_ref.actor.fsdp_config.fsdp_size=1",
             f"actor_rollout_ref.rollout.n={args.n}",
             f"data.max_response_length={args.max_new_tokens}",
             "actor_rollout_ref.rollout.temperature=1.0",

@@ -1,9 +1,6 @@
 #!/usr/bin/env bash
 # GRPO on the bundled tiny model and the arithmetic task, on CPU with 2 worker processes.
 # Extra Hydra overrides are appended: bash run_arith_tiny_cpu.sh trainer.total_training_steps=50
-# The model is 4 MB, so each rank keeps a full copy (fsdp_size=1: FSDP2 replicates it and all-reduces
-# gradients) and trains its whole mini-batch in one micro-batch: sharding and extra micro-batches would
-# only add collectives (docs/benchmarks.md). Drop both overrides for a model that does not fit one rank.
 set -euo pipefail
 ${PYTHON:-python3} -m verl.trainer.main_ppo \
     algorithm.adv_estimator=grpo \
@@ -14,8 +11,6 @@ ${PYTHON:-python3} -m verl.trainer.main_ppo \
     actor_rollout_ref.rollout.n=8 \
     actor_rollout_ref.actor.optim.lr=1e-4 \
     actor_rollout_ref.actor.ppo_mini_batch_size=32 \
-    actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=128 \
-    actor_rollout_ref.actor.fsdp_config.fsdp_size=1 \
     actor_rollout_ref.actor.use_kl_loss=False \
     trainer.device=cpu \
     trainer.n_gpus_per_node=2 \

@@ -146,7 +146,7 @@ class _FSDPModel:
         self.lora = for_training and not value_head and lora_enabled(model_cfg)
         if self.lora:
             self.module = apply_lora(self.module, model_cfg)
-        self.module = apply_fsdp2(self.module, fsdp_cfg)
+        self.module = apply_fsdp2(self.module, _auto_replicate(fsdp_cfg, self.module))
         self.optimizer = None
         fsdp = _plain(fsdp_cfg)
         self.param_offload = bool(fsdp.get("param_offload", False))
@@ -189,6 +189,21 @@ class _FSDPModel:
     def adapters_disabled(self):
         """Context in which the model computes as its base model (LoRA adapters off); a no-op without LoRA."""
         return self.module.disable_adapter() if self.lora else contextlib.nullcontext()
+
+
+# Below this many parameters `fsdp_size=-1` replicates the model (fsdp_size=1) instead of sharding
+# it: the whole training state (weights, gradients, AdamW moments: 16 bytes per fp32 parameter) is
+# then at most 256 MiB per rank, and every per-layer all-gather and reduce-scatter is saved (on the
+# CPU example's 1M-parameter model sharding cost more time than the model's own matmuls).
+REPLICATE_BELOW_PARAMS = 16_000_000
+
+
+def _auto_replicate(fsdp_cfg, module):
+    """`fsdp_cfg` with fsdp_size=1 when it asks for -1 (all ranks) and `module` is small; else as given."""
+    fsdp = _plain(fsdp_cfg) or {}
+    if int(fsdp.get("fsdp_size", -1)) != -1 or sum(p.numel() for p in module.parameters()) >= REPLICATE_BELOW_PARAMS:
+        return fsdp_cfg
+    return {**fsdp, "fsdp_size": 1}
 
 
 class _OptimizedModel(_FSDPModel):

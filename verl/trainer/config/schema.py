@@ -184,7 +184,10 @@ class FSDPConfig:
     reshard_after_forward: bool | int = doc(
         "FSDP2: free gathered parameters after forward (True, False or a group size)."
     )
-    fsdp_size: int = doc("Ranks per FSDP shard group (-1: all ranks, i.e. plain FSDP).")
+    fsdp_size: int = doc(
+        "Ranks per FSDP shard group (-1: all ranks, i.e. plain FSDP; a model under 16M parameters is then "
+        "replicated instead, as with 1: sharding it only adds collectives). 1 replicates the model on every rank."
+    )
     forward_prefetch: bool = doc("Prefetch the next layer's all-gather during forward.")
     model_dtype: str = doc("Dtype the trained (master) weights are kept in.", choices=MODEL_DTYPES)
     mixed_precision: dict | None = doc(

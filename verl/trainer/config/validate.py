@@ -319,12 +319,9 @@ def _check_micro(
         return
     if per_rank_batch is None or dynamic:
         return
-    if p > per_rank_batch:
-        errors.append(
-            f"{per_gpu_key}={p} is larger than the {per_rank_batch} sequences each rank gets per mini-batch "
-            f"({batch_desc}); set it to at most {per_rank_batch}, ideally a divisor of it"
-        )
-    elif per_rank_batch % p:
+    if p >= per_rank_batch:  # an upper bound: the whole mini-batch of a rank fits in one micro-batch
+        return
+    if per_rank_batch % p:
         divisors = [d for d in range(1, per_rank_batch + 1) if per_rank_batch % d == 0 and d <= p]
         errors.append(
             f"{per_gpu_key}={p} does not divide the {per_rank_batch} sequences each rank gets per mini-batch "
