@@ -558,9 +558,10 @@ def _check_not_implemented(c: dict, errors: list[str]):
     if arr["rollout"]["mode"] == "async" and not arr["rollout"]["multi_turn"]["enable"]:
         errors.append(
             "actor_rollout_ref.rollout.mode=async (upstream's server-based agent-loop rollout) runs here only as the "
-            "multi-turn agent loop: set actor_rollout_ref.rollout.multi_turn.enable=true for tool-calling rollouts "
-            "(docs/multi_turn.md), or actor_rollout_ref.rollout.mode=sync for single-turn generation (to let "
-            "generation run ahead of training, set async_training.staleness_threshold, see docs/async.md)"
+            "multi-turn agent loop; without actor_rollout_ref.rollout.multi_turn.enable=true the run would silently "
+            "be synchronous. Set multi_turn.enable=true for tool-calling rollouts (docs/multi_turn.md), or "
+            "actor_rollout_ref.rollout.mode=sync for single-turn generation (to let generation run ahead of "
+            "training, set async_training.staleness_threshold, see docs/async.md)"
         )
 
 
