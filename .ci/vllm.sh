@@ -44,7 +44,7 @@ export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 if [ $# -gt 0 ]; then
     tests=("$@")
 else
-    tests=(tests/workers/rollout tests/trainer/test_main_ppo_rollout_backends.py)
+    tests=(tests/workers/rollout tests/trainer/test_main_ppo_rollout_backends.py tests/experimental/agent_loop)
 fi
 rc=0
 "$PY" -m pytest -q -m vllm "${tests[@]}" || rc=$?
