@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Multi-turn GRPO with a calculator tool on CPU: the bundled arith-tool-tiny model (arith-tiny taught
-# the tool-call protocol by a short SFT) solves "What is 12+34*56?" by calling the calculator, and RL
-# makes it copy expressions and answers more reliably. See docs/multi_turn.md.
+# the tool-call protocol by a short SFT) solves "What is 12+34*56?" by calling the calculator; RL is
+# meant to make it copy expressions and answers more reliably, which it does not do yet with this
+# small model (measured: docs/multi_turn.md).
 # Extra Hydra overrides are appended: bash run_arith_calculator_tiny_cpu.sh trainer.total_training_steps=40
 set -euo pipefail
 data_dir=${DATA_DIR:-$HOME/data/arith_tool}
