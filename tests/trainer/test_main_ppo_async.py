@@ -100,3 +100,30 @@ def test_staleness_never_exceeds_the_bound_and_resume_mid_run_loses_or_repeats_n
     for step in range(1, steps + 1):
         assert {r["uid"] for r in resumed[step]} == {r["uid"] for r in trained[step]}
         assert {r["weight_version"] for r in resumed[step]} == {r["weight_version"] for r in trained[step]}
+
+
+def _step_metrics(tmp_path: Path, correction: str, steps: int = 2) -> dict[int, dict]:
+    _run(_cmd(tmp_path, steps, 1, f"async_training.off_policy_correction={correction}"), tmp_path)
+    return {r["step"]: r["data"] for r in _metrics(tmp_path)}
+
+
+def test_off_policy_corrections_decoupled_tis_and_none_differ_as_documented(tmp_path):
+    """k=1, so at step 2 every sample is one version behind the trainer's weights.
+
+    decoupled: old_log_probs are the trainer's current (proximal) log-probs, so the PPO ratio starts
+    at exactly 1 (ppo_kl 0); the behaviour/proximal weights are reported and differ from 1.
+    tis: old_log_probs are the rollout's own, so the ratio is against the stale behaviour policy
+    (ppo_kl != 0 at step 2) and no proximal pass runs (no importance-weight metrics).
+    none: proximal recompute, the behaviour policy ignored (ppo_kl 0, no importance weights)."""
+    runs = {}
+    for correction in ("decoupled", "tis", "none"):
+        (tmp_path / correction).mkdir()
+        runs[correction] = _step_metrics(tmp_path / correction, correction)
+    decoupled, tis, none = (runs[c][2] for c in ("decoupled", "tis", "none"))
+    # the proximal pass and the update's forward run the same model on the same rows
+    assert abs(decoupled["actor/ppo_kl"]) < 1e-6 and abs(none["actor/ppo_kl"]) < 1e-6
+    assert tis["actor/ppo_kl"] > 1e-4, tis["actor/ppo_kl"]  # measured ~6e-3
+    assert decoupled["off_policy/is_weight_min"] < 1.0 < decoupled["off_policy/is_weight_max"]
+    assert "off_policy/is_weight_mean" not in tis and "off_policy/is_weight_mean" not in none
+    # step 1 trains on version-0 samples with version-0 weights: only engine-vs-trainer rounding
+    assert all(abs(runs[c][1]["actor/ppo_kl"]) < 1e-6 for c in runs)
