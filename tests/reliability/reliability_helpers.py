@@ -81,8 +81,16 @@ def launch(args: list[str], tmp: Path, log_name: str = "run.log") -> tuple[subpr
             stdout=out,
             stderr=subprocess.STDOUT,
             start_new_session=True,
+            # a terminal job takes Ctrl-C: undo an ignored SIGINT inherited from a CI job started in
+            # the background (non-interactive shells start `cmd &` with SIGINT ignored, and Python
+            # then never raises KeyboardInterrupt)
+            preexec_fn=_default_sigint,
         )
     return proc, run_id, log
+
+
+def _default_sigint() -> None:
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
 def run_processes(run_id: str) -> list[psutil.Process]:

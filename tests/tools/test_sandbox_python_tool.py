@@ -30,7 +30,8 @@ def test_a_busy_loop_and_a_sleep_are_killed_at_the_timeout():
         start = time.monotonic()
         result = run(code, timeout_s=1.0)
         assert result.timed_out and result.exit_code is None
-        assert time.monotonic() - start < 4
+        # not a speed check: the sleep alone would take 60 s, so this only proves the kill (loose for busy CI)
+        assert time.monotonic() - start < 30
         assert "[timed out]" in result.to_text()
 
 
@@ -44,7 +45,7 @@ def test_output_is_capped_and_a_flood_is_stopped():
     start = time.monotonic()
     result = run("while True: print('x' * 1000)", max_output_bytes=5000)
     assert result.output_truncated and len(result.stdout) == 5000 and not result.timed_out
-    assert time.monotonic() - start < 4
+    assert time.monotonic() - start < 30  # the flood never ends by itself: this proves it was stopped
     assert result.to_text().endswith("[output truncated]")
 
 
