@@ -41,15 +41,20 @@ echo "vllm virtualenv $VLLM_VENV ready in $(($(date +%s) - start)) s"
 # vLLM's engine runs in-process (the rollout loads weights into it directly) and on CPU by default.
 export VLLM_ENABLE_V1_MULTIPROCESSING=0
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+# Each group runs in its own pytest process: both directories have a conftest.py whose helpers their
+# tests import by the bare module name `conftest`, which one process can hold only once.
 if [ $# -gt 0 ]; then
-    tests=("$@")
+    groups=("$*")
 else
-    tests=(tests/workers/rollout tests/trainer/test_main_ppo_rollout_backends.py tests/experimental/agent_loop)
+    groups=("tests/workers/rollout tests/trainer/test_main_ppo_rollout_backends.py" "tests/experimental/agent_loop")
 fi
-rc=0
-"$PY" -m pytest -q -m vllm "${tests[@]}" || rc=$?
-if [ "$rc" -eq 5 ]; then
-    echo "pytest ran no vllm test: vllm did not import in $VLLM_VENV, or every test was deselected" >&2
-    exit 1
-fi
-exit "$rc"
+for group in "${groups[@]}"; do
+    rc=0
+    # shellcheck disable=SC2086  # a group is a space-separated list of test paths
+    "$PY" -m pytest -q -m vllm $group || rc=$?
+    if [ "$rc" -eq 5 ]; then
+        echo "pytest ran no vllm test in $group: vllm did not import in $VLLM_VENV, or every test was deselected" >&2
+        exit 1
+    fi
+    [ "$rc" -eq 0 ] || exit "$rc"
+done
