@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 import os
 
+from verl.utils.dataset import arith
 from verl.utils.dataset.arith import ArithTask, Problem, _write_parquet_atomic, make_splits
 
 DATA_SOURCE = "arith_tool"
@@ -42,22 +43,9 @@ def transcript(problem: Problem) -> list[dict]:
 
 
 def problem_to_row(problem: Problem, split: str, index: int) -> dict:
-    answer = str(problem.answer)
-    return {
-        "data_source": DATA_SOURCE,
-        "agent_name": "tool_agent",
-        "prompt": [{"role": "user", "content": problem.question}],
-        "ability": "math",
-        "reward_model": {"style": "rule", "ground_truth": answer},
-        "extra_info": {
-            "split": split,
-            "index": index,
-            "answer": answer,
-            "question": problem.question,
-            "expression": problem.expression,
-        },
-        "messages": transcript(problem),
-    }
+    row = arith.problem_to_row(problem, split, index)  # the single-turn schema, then the tool task's parts
+    row.update(data_source=DATA_SOURCE, agent_name="tool_agent", messages=transcript(problem))
+    return row
 
 
 def write_arith_tool_parquet(
