@@ -127,3 +127,57 @@ def test_off_policy_corrections_decoupled_tis_and_none_differ_as_documented(tmp_
     assert "off_policy/is_weight_mean" not in tis and "off_policy/is_weight_mean" not in none
     # step 1 trains on version-0 samples with version-0 weights: only engine-vs-trainer rounding
     assert all(abs(runs[c][1]["actor/ppo_kl"]) < 1e-6 for c in runs)
+
+
+def test_groups_over_a_lowered_bound_are_regenerated_or_dropped_on_resume(tmp_path):
+    """k=2 run, then resumed from its step-2 checkpoint with k=1. The checkpoint holds batch 3
+    (made with version 0) and batch 4 (version 1): at step 3 the trainer holds version 2, so batch 3
+    is 2 versions stale, over the new bound, and batch 4 is 1 version stale, within it.
+
+    regenerate: batch 3's prompts are generated again with the current weights and trained later,
+    so every prompt of batches 1-4 is trained exactly once. drop: batch 3 is never trained and a
+    fresh batch (5) takes its place. Either way no trained sample is staler than the new bound."""
+    steps = 4
+    first = tmp_path / "k2"
+    first.mkdir()
+    _run(_cmd(first, steps, 2, "trainer.save_freq=2"), first)
+    trained_first = _trained(first)
+    assert {r["weight_version"] for r in trained_first[3]} == {0}  # as generated before the checkpoint
+    assert {r["weight_version"] for r in trained_first[4]} == {1}
+
+    resumed = {}
+    for policy in ("regenerate", "drop"):
+        run = tmp_path / policy
+        run.mkdir()
+        _run(
+            _cmd(
+                run,
+                steps,
+                1,
+                "trainer.resume_mode=resume_path",
+                f"trainer.resume_from_path={first / 'ckpt' / 'global_step_2'}",
+                f"async_training.stale_sample_policy={policy}",
+            ),
+            run,
+        )
+        trained = _trained(run)
+        assert sorted(trained) == [3, 4], policy
+        for step, rows in trained.items():
+            assert max((step - 1) - r["weight_version"] for r in rows) <= 1, (policy, step)
+        resumed[policy] = (trained, {r["step"]: r["data"] for r in _metrics(run)})
+
+    batch = lambda rows: {r["uid"].split("_")[0] for r in rows}  # noqa: E731
+    trained, metrics = resumed["regenerate"]
+    assert batch(trained[3]) == {"4"} and {r["weight_version"] for r in trained[3]} == {1}
+    assert batch(trained[4]) == {"3"} and {r["weight_version"] for r in trained[4]} == {2}  # made after resume
+    every = Counter(r["uid"] for step in (1, 2) for r in trained_first[step])
+    every.update(r["uid"] for rows in trained.values() for r in rows)
+    assert set(every.values()) == {N} and {u.split("_")[0] for u in every} == {"1", "2", "3", "4"}
+    assert metrics[3]["async/regenerated_stale_groups"] == BATCH
+    assert metrics[4]["async/dropped_stale_groups"] == 0
+
+    trained, metrics = resumed["drop"]
+    assert batch(trained[3]) == {"4"} and batch(trained[4]) == {"5"}
+    assert {r["weight_version"] for r in trained[4]} == {3}  # drawn fresh at step 4
+    assert metrics[3]["async/dropped_stale_groups"] == BATCH
+    assert metrics[4]["async/regenerated_stale_groups"] == 0
