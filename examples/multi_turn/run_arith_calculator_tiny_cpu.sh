@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Multi-turn GRPO with a calculator tool on CPU: the bundled arith-tool-tiny model (arith-tiny taught
-# the tool-call protocol by a short SFT) solves "What is 12+34*56?" by calling the calculator; RL is
-# meant to make it copy expressions and answers more reliably, which it does not do yet with this
-# small model (measured: docs/multi_turn.md).
+# the tool-call protocol by SFT) solves "What is 12+34*56?" by calling the calculator; GRPO makes it
+# copy expressions and answers more reliably: held-out greedy accuracy 54.0% -> 62.6%, training
+# reward 0.40 -> 0.55-0.62 in 150 steps, 8 minutes on 2 CPU cores (docs/multi_turn.md).
 # Extra Hydra overrides are appended: bash run_arith_calculator_tiny_cpu.sh trainer.total_training_steps=40
 set -euo pipefail
 data_dir=${DATA_DIR:-$HOME/data/arith_tool}
@@ -13,7 +13,7 @@ ${PYTHON:-python3} -m verl.trainer.main_ppo \
     algorithm.adv_estimator=grpo \
     data.train_files="$data_dir/train.parquet" \
     data.val_files="$data_dir/test.parquet" \
-    data.val_max_samples=200 \
+    data.val_max_samples=500 \
     data.train_batch_size=16 \
     data.max_prompt_length=32 \
     data.max_response_length=160 \
@@ -32,7 +32,8 @@ ${PYTHON:-python3} -m verl.trainer.main_ppo \
     trainer.device=cpu \
     trainer.n_gpus_per_node=2 \
     trainer.nnodes=1 \
-    trainer.test_freq=5 \
+    trainer.total_training_steps=150 \
+    trainer.test_freq=25 \
     trainer.project_name=verl_examples \
     trainer.experiment_name=grpo_arith_calculator_tiny \
     "$@"

@@ -52,3 +52,39 @@ def test_recorded_heldout_accuracy_is_in_the_rl_starting_band_and_reproduces():
     finally:
         torch.set_num_threads(threads)
     assert accuracy == pytest.approx(info["heldout_greedy_accuracy"], abs=0.01)
+
+
+def test_bundled_tool_model_renders_tool_turns_and_its_recorded_accuracy_reproduces(tmp_path):
+    """arith-tool-tiny (the multi-turn example's model): its tokenizer carries the chat template
+    with the tool role, and the greedy accuracy its build recorded is what the agent loop with the
+    calculator measures again on the 500 held-out problems."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from verl.utils.dataset.arith import load_rows
+    from verl.utils.dataset.arith_tool import evaluate_tool_use, write_arith_tool_parquet
+
+    path = bundled_model_path("arith-tool-tiny")
+    with open(os.path.join(path, "training_info.json")) as f:
+        info = json.load(f)
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    conversation = [
+        {"role": "user", "content": "What is 1+2*3?"},
+        {"role": "assistant", "content": "<tool_call>{}</tool_call>"},
+        {"role": "tool", "content": "7"},
+    ]
+    rendered = tokenizer.apply_chat_template(conversation, add_generation_prompt=True, tokenize=False)
+    assert rendered.endswith("<eos><|user|><tool_response>7</tool_response><|assistant|>"), rendered
+
+    _, test_path = write_arith_tool_parquet(str(tmp_path))
+    rows = load_rows(test_path)
+    assert len(rows) == info["heldout"]["problems"] == 500
+    model = AutoModelForCausalLM.from_pretrained(path)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # as the build measured
+    try:
+        result = evaluate_tool_use(model, tokenizer, rows)
+    finally:
+        torch.set_num_threads(threads)
+    assert result["accuracy"] == pytest.approx(info["heldout"]["accuracy"], abs=0.01)
+    assert result["tool_use"] >= 0.95

@@ -1,16 +1,21 @@
 """Build `verl/assets/arith-tool-tiny`: the bundled tiny model taught to call the calculator.
 
-    python -m verl.models.build_bundled_tool                 # writes verl/assets/arith-tool-tiny
+    python -m verl.models.build_bundled_tool                 # one stage from arith-tiny, default flags
     python -m verl.models.build_bundled_tool --out /tmp/arith-tool-tiny
 
-Recipe: start from the bundled `arith-tiny` (2-digit addition) and fine-tune it with verl's FSDP2 SFT
-trainer (one process, one CPU thread) on perfect calculator transcripts of the calculator task
-(`verl.utils.dataset.arith_tool`: "What is 12+34*56?" -> tool call -> `1916` -> "1916"), in the
-multi-turn SFT format, loss on the assistant turns only. Every `--eval-every` steps the greedy
-multi-turn accuracy on the first `--eval-problems` test problems is measured by running the real
-agent loop (built-in engine + calculator) and training stops at the first evaluation inside
-[`--min-accuracy`, `--max-accuracy`] (default 15%-50%): a model that knows the protocol but copies
-expressions and answers unreliably, so the multi-turn RL example has room to show learning.
+A stage: start from a model (`--init`, default the bundled `arith-tiny`, 2-digit addition) and
+fine-tune it with verl's FSDP2 SFT trainer (one process, one CPU thread) on perfect calculator
+transcripts of the calculator task (`verl.utils.dataset.arith_tool`: "What is 12+34*56?" -> tool
+call -> `1916` -> "1916"), in the multi-turn SFT format, loss on the assistant turns only. Every
+`--eval-every` steps the greedy multi-turn accuracy on the first `--eval-problems` test problems is
+measured by running the real agent loop (built-in engine + calculator) and training stops at the
+first evaluation inside [`--min-accuracy`, `--max-accuracy`].
+
+The shipped model took two stages (its `training_info.json` holds both, and its README the two
+commands): the defaults (15%-50%) teach the protocol but stop at ~16%, where the model still
+miscopies most expressions and answers and GRPO barely moves it; a second stage from there with a
+fresh data order (`--seed 2`, band 45%-85%) stops at ~50%, where GRPO improves the copying within
+minutes (docs/multi_turn.md).
 """
 
 from __future__ import annotations
@@ -26,6 +31,23 @@ import time
 TRAIN_BATCH_SIZE = 64
 LEARNING_RATE = 1e-3
 MAX_LENGTH = 160
+
+
+def _training_info(model_dir: str) -> dict | None:
+    path = os.path.join(model_dir, "training_info.json")
+    if not os.path.exists(path):
+        return None
+    with open(path) as f:
+        return json.load(f)
+
+
+def _stages(info: dict) -> list[dict]:
+    """The stages that built a model, first first (each stage's info names the one before it)."""
+    chain = []
+    while info:
+        chain.append(info)
+        info = info.get("previous")
+    return chain[::-1]
 
 
 def _plain_copy(fsdp_model):
@@ -48,6 +70,7 @@ def build(
     eval_from: int = 300,
     eval_problems: int = 200,
     max_steps: int = 3000,
+    reproduce_flags: list[str] | None = None,
 ) -> dict:
     """Train, stop inside the accuracy band, save the model to `out_dir` and return the training info."""
     import torch
@@ -125,14 +148,17 @@ def build(
     if os.path.isdir(out_dir):
         shutil.rmtree(out_dir)
     shutil.copytree(export, out_dir)
-    for name in ("tokenizer.json", "tokenizer_config.json"):  # the unchanged tokenizer, byte for byte
-        shutil.copy(os.path.join(bundled_model_path("arith-tiny"), name), os.path.join(out_dir, name))
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):  # arith-tiny's, byte for byte
+        source = os.path.join(bundled_model_path("arith-tiny"), name)
+        if os.path.exists(source):
+            shutil.copy(source, os.path.join(out_dir, name))
     info = {
         "name": "arith-tool-tiny",
         "heldout": {**final, "problems": len(load_rows(test_path)), "decoding": "greedy, calculator tool"},
         "sft_steps": steps,
         "history": history,
         "start": init or "arith-tiny",
+        "previous": _training_info(init) if init else None,
         "parameters": sum(p.numel() for p in model.parameters()),
         "data": {"task": f"{TASK}", "num_train": DEFAULT_NUM_TRAIN, "format": "multi-turn transcripts (messages)"},
         "sft": {
@@ -148,7 +174,7 @@ def build(
         "versions": {"torch": torch.__version__, "transformers": transformers.__version__},
         "torch_threads": 1,
         "build_seconds": round(time.time() - start, 1),
-        "reproduce": "python -m verl.models.build_bundled_tool",
+        "reproduce": " ".join(["python -m verl.models.build_bundled_tool", *(reproduce_flags or [])]),
     }
     with open(os.path.join(out_dir, "training_info.json"), "w") as f:
         json.dump(info, f, indent=2)
@@ -161,6 +187,18 @@ def build(
 
 def _readme(info: dict) -> str:
     h = info["heldout"]
+    stages = _stages(info)
+    commands, steps = [], []
+    for i, stage in enumerate(stages, start=1):
+        # the recorded command holds the stage's own flags; the model paths are chained here
+        command = stage.get("reproduce", "python -m verl.models.build_bundled_tool")
+        if i > 1:
+            command += f" --init /tmp/arith-tool-tiny-stage{i - 1}"
+        if i < len(stages):
+            command += f" --out /tmp/arith-tool-tiny-stage{i}"
+        commands.append(command)
+        steps.append(str(stage["sft_steps"]))
+    seconds = sum(stage["build_seconds"] for stage in stages)
     return f"""# arith-tool-tiny
 
 The bundled `arith-tiny` model ({info["parameters"]:,} parameters) fine-tuned to use the calculator
@@ -172,13 +210,14 @@ tool on two-operation arithmetic ("What is 12+34*56?"), the multi-turn example o
 - Greedy multi-turn accuracy with the calculator: **{h["accuracy"]:.1%}** on the {h["problems"]} test problems
   (`verl.utils.dataset.arith_tool`), calling the tool in {h["tool_use"]:.0%} of them. Without the tool the
   task is out of reach for a model this size; the errors are miscopied expressions and answers.
-- SFT: {info["sft_steps"]} steps of batch {info["sft"]["train_batch_size"]}, AdamW lr {info["sft"]["lr"]}, loss on the
-  assistant turns only; stopped at the first evaluation inside the target accuracy band.
+- SFT in {len(stages)} stage(s) of {" + ".join(steps)} steps, batch {info["sft"]["train_batch_size"]}, AdamW lr
+  {info["sft"]["lr"]}, loss on the assistant turns only; each stage stopped at its first evaluation inside
+  its accuracy band (`training_info.json`: `history`, and `previous` for the stage before).
 
-Reproduce (one CPU thread; this build took {info["build_seconds"]:.0f} s on a shared machine):
+Reproduce (one CPU thread; the stages took {seconds:.0f} s in all on a shared machine):
 
 ```bash
-python -m verl.models.build_bundled_tool
+{chr(10).join(commands)}
 ```
 """
 
@@ -207,6 +246,11 @@ def main(argv: list[str] | None = None) -> None:
         eval_from=args.eval_from,
         eval_problems=args.eval_problems,
         max_steps=args.max_steps,
+        reproduce_flags=[
+            f"--{action.dest.replace('_', '-')} {getattr(args, action.dest)}"
+            for action in parser._actions
+            if action.dest not in ("help", "out", "init") and getattr(args, action.dest) != action.default
+        ],
     )
     print(
         f"wrote {args.out}: greedy accuracy with the calculator {info['heldout']['accuracy']:.1%} after "
