@@ -149,3 +149,38 @@ def test_resume_after_the_kill_then_ctrl_c_stops_every_process(run_dir, killed_d
     assert left == []
     # trainer.progress_bar=false silences the driver's step bar and the workers' model-loading bars
     assert "Training Progress" not in text and "Loading weights" not in text
+
+
+def test_sigterm_to_the_driver_stops_every_process_and_exits_143(tmp_path):
+    """`kill PID`, `timeout`, a scheduler's preemption: SIGTERM to the driver alone stops the run like
+    Ctrl-C does (workers first, a message, no process left), not with Ray's stack dump and abort."""
+    data = write_rows(tmp_path / "train.parquet", arith_rows(64))
+    args = [
+        *small_run(tmp_path, steps=50),
+        f"data.train_files={data}",
+        f"data.val_files={data}",
+        "trainer.save_freq=1",
+        "trainer.progress_bar=false",
+    ]
+    ckpt = tmp_path / "ckpt"
+    proc, run_id, log = launch(args, tmp_path)
+    try:
+        wait_for(lambda: tracker_step(ckpt) == 1, STARTUP_S, proc, what="the checkpoint of step 1")
+        proc.send_signal(signal.SIGTERM)
+        terminated_at = time.monotonic()
+        returncode = proc.wait(timeout=60)
+        exit_s = time.monotonic() - terminated_at
+        print(f"SIGTERM -> driver exit {returncode} after {exit_s:.1f} s")
+        left = wait_until_gone(run_id, timeout_s=15)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        kill_run(run_id)
+    text = log.read_text(errors="replace")
+    assert returncode == 143, text[-3000:]
+    assert "verl: terminated (SIGTERM); the workers were stopped" in text
+    assert "SIGTERM received" not in text  # Ray's own handler: a stack dump, then abort
+    assert exit_s < 30, f"SIGTERM took {exit_s:.1f} s"
+    assert left == []
+    step = tracker_step(ckpt)
+    assert step >= 1 and (ckpt / f"global_step_{step}" / "data.pt").exists()  # the tracker names a whole save

@@ -12,15 +12,18 @@ GRPO on CPU, with the data generated on first use.
 How a run ends (docs/reliability.md): 0 when training completes; 2 when the config or the run's
 inputs are wrong (checked before Ray starts: `validate_ppo_config`, then `verl.trainer.preflight`);
 1 when training fails, with the cause's message as the last line of stderr (a worker that died,
-a reward function that raised, NaN losses in a row, ...); 130 after Ctrl-C, once the workers are
-stopped. Failures the user can fix print only their message; anything else also prints its
+a reward function that raised, NaN losses in a row, ...); 130 after Ctrl-C and 143 after SIGTERM
+(`kill`, `timeout`, a scheduler's preemption, `ray job stop`), once the workers are stopped. Failures the user can fix print only their message; anything else also prints its
 traceback (set VERL_LOGGING_LEVEL=DEBUG to get it for every failure).
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
+import signal
 import sys
+import threading
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -38,13 +41,15 @@ def main(argv: list[str] | None = None) -> None:
         raise SystemExit(2) from None
     try:
         run_ppo(config)
-    except KeyboardInterrupt:
+    except KeyboardInterrupt as e:
+        terminated = isinstance(e, Terminated)
         print(
-            "verl: interrupted; the workers were stopped. Checkpoints up to the last completed save are intact: run "
-            "the same command again to resume from it (trainer.resume_mode=auto)",
+            f"verl: {'terminated (SIGTERM)' if terminated else 'interrupted'}; the workers were stopped. Checkpoints "
+            "up to the last completed save are intact: run the same command again to resume from it "
+            "(trainer.resume_mode=auto)",
             file=sys.stderr,
         )
-        raise SystemExit(130) from None
+        raise SystemExit(143 if terminated else 130) from None
     except Exception as e:
         raise SystemExit(_report_failure(e)) from None
 
@@ -135,6 +140,33 @@ def _ray_init_kwargs(config) -> dict:
     return {"runtime_env": runtime_env, **kwargs}
 
 
+class Terminated(KeyboardInterrupt):
+    """SIGTERM reached the driver: stopped like Ctrl-C (workers first), exit status 143."""
+
+
+_sigterm_received = threading.Event()
+
+
+def _raise_terminated(signum, frame):
+    _sigterm_received.set()  # ray.get turns any KeyboardInterrupt raised inside it into a plain one
+    raise Terminated()
+
+
+@contextlib.contextmanager
+def _sigterm_stops_the_run():
+    """While open (main thread only), SIGTERM raises `Terminated` in the driver instead of Ray's
+    default for its driver process (a stack dump and abort that leaves the workers to Ray's cleanup)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    _sigterm_received.clear()
+    previous = signal.signal(signal.SIGTERM, _raise_terminated)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
 def run_ppo(config, task_runner_cls=None) -> dict:
     """Start or join Ray and train in a TaskRunner actor; returns the final step's metrics.
 
@@ -155,16 +187,20 @@ def run_ppo(config, task_runner_cls=None) -> dict:
     if started_cluster:
         ray.init(**_ray_init_kwargs(config))
     runner_cls = ray.remote(num_cpus=0)(task_runner_cls or TaskRunner)
-    runner = runner_cls.remote()
-    try:
-        return ray.get(runner.run.remote(config))
-    except KeyboardInterrupt:
-        _stop_run(runner, shutdown=started_cluster)
-        raise
+    with _sigterm_stops_the_run():  # installed after ray.init, which sets its own handler
+        runner = runner_cls.remote()
+        try:
+            return ray.get(runner.run.remote(config))
+        except KeyboardInterrupt as e:
+            terminated = isinstance(e, Terminated) or _sigterm_received.is_set()
+            _stop_run(runner, shutdown=started_cluster, why="terminated" if terminated else "interrupted")
+            if terminated and not isinstance(e, Terminated):
+                raise Terminated() from None
+            raise
 
 
-def _stop_run(runner, shutdown: bool, timeout_s: float = 20.0) -> None:
-    """Ctrl-C: kill the TaskRunner and this job's worker actors, then stop the local cluster if we
+def _stop_run(runner, shutdown: bool, timeout_s: float = 20.0, why: str = "interrupted") -> None:
+    """Ctrl-C or SIGTERM: kill the TaskRunner and this job's worker actors, then stop the local cluster if we
     started it, so no worker outlives the driver. Bounded: after a terminal Ctrl-C the Ray daemons
     (same process group as the driver) may already be gone, and nothing here may hang on them."""
     import contextlib
@@ -185,7 +221,7 @@ def _stop_run(runner, shutdown: bool, timeout_s: float = 20.0) -> None:
         if shutdown:
             ray.shutdown()
 
-    print("verl: interrupted; stopping the workers ...", file=sys.stderr)
+    print(f"verl: {why}; stopping the workers ...", file=sys.stderr)
     thread = threading.Thread(target=stop, name="verl-stop-run", daemon=True)
     thread.start()
     thread.join(timeout_s)
