@@ -123,23 +123,34 @@ def test_the_run_serves_no_dashboard(killed_during_save):
     assert 8265 not in listening, listening  # Ray's dashboard port: off unless asked for
 
 
-def test_resume_after_the_kill_then_ctrl_c_stops_every_process(run_dir, killed_during_save):
-    tmp, args = run_dir
-    ckpt = tmp / "ckpt"
-    proc, run_id, log = launch(args, tmp, "run2.log")
+def _signal_after_checkpoint(args, tmp, log_name: str, step: int, send) -> tuple[int, float, list[str], str]:
+    """Launch a run, `send(proc)` a signal once checkpoint `step` is saved, and wait for the end.
+    Returns (driver exit status, seconds from the signal to the exit, processes left, log text)."""
+    proc, run_id, log = launch(args, tmp, log_name)
     try:
-        wait_for(lambda: tracker_step(ckpt) == 2, STARTUP_S, proc, what="the checkpoint of step 2 after resuming")
-        os.killpg(proc.pid, signal.SIGINT)  # what a terminal sends on Ctrl-C
-        interrupted_at = time.monotonic()
+        wait_for(lambda: tracker_step(tmp / "ckpt") == step, STARTUP_S, proc, what=f"the checkpoint of step {step}")
+        send(proc)
+        sent_at = time.monotonic()
         returncode = proc.wait(timeout=60)
-        exit_s = time.monotonic() - interrupted_at
-        print(f"Ctrl-C -> driver exit {returncode} after {exit_s:.1f} s")
+        exit_s = time.monotonic() - sent_at
+        print(f"signal -> driver exit {returncode} after {exit_s:.1f} s")
         left = wait_until_gone(run_id, timeout_s=15)
     finally:
         if proc.poll() is None:
             proc.kill()
         kill_run(run_id)
-    text = log.read_text(errors="replace")
+    return returncode, exit_s, left, log.read_text(errors="replace")
+
+
+def test_resume_after_the_kill_then_ctrl_c_stops_every_process(run_dir, killed_during_save):
+    tmp, args = run_dir
+    returncode, exit_s, left, text = _signal_after_checkpoint(
+        args,
+        tmp,
+        "run2.log",
+        step=2,
+        send=lambda proc: os.killpg(proc.pid, signal.SIGINT),  # a terminal's Ctrl-C
+    )
     assert "resuming from" in text and "global_step_1" in text, text[-3000:]
     steps = [json.loads(line)["step"] for line in (tmp / "metrics.jsonl").read_text().splitlines()]
     assert steps[0] == 1 and 1 not in steps[1:], steps  # step 1 came from the killed run only
@@ -163,20 +174,9 @@ def test_sigterm_to_the_driver_stops_every_process_and_exits_143(tmp_path):
         "trainer.progress_bar=false",
     ]
     ckpt = tmp_path / "ckpt"
-    proc, run_id, log = launch(args, tmp_path)
-    try:
-        wait_for(lambda: tracker_step(ckpt) == 1, STARTUP_S, proc, what="the checkpoint of step 1")
-        proc.send_signal(signal.SIGTERM)
-        terminated_at = time.monotonic()
-        returncode = proc.wait(timeout=60)
-        exit_s = time.monotonic() - terminated_at
-        print(f"SIGTERM -> driver exit {returncode} after {exit_s:.1f} s")
-        left = wait_until_gone(run_id, timeout_s=15)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-        kill_run(run_id)
-    text = log.read_text(errors="replace")
+    returncode, exit_s, left, text = _signal_after_checkpoint(
+        args, tmp_path, "run.log", step=1, send=lambda proc: proc.send_signal(signal.SIGTERM)
+    )
     assert returncode == 143, text[-3000:]
     assert "verl: terminated (SIGTERM); the workers were stopped" in text
     assert "SIGTERM received" not in text  # Ray's own handler: a stack dump, then abort
