@@ -62,3 +62,59 @@ def test_rows_are_balanced_one_by_one_when_groups_differ_in_size():
     rows = batch.batch["row"].tolist()
     assert sorted(rows) == list(range(6))
     assert sorted(lengths[r] for r in rows[:3]) == [1, 1, 10] == sorted(lengths[r] for r in rows[3:])
+
+
+def _trainer(world_size: int, **actor):
+    from omegaconf import OmegaConf
+
+    config = OmegaConf.create(
+        {
+            "trainer": {"balance_batch": True},
+            "actor_rollout_ref": {
+                "actor": {"ppo_mini_batch_size": 8, "policy_loss": {"loss_mode": "vanilla"}, **actor},
+                "rollout": {"n": 4},
+            },
+        }
+    )
+    trainer = SimpleNamespace(actor_rollout_wg=SimpleNamespace(world_size=world_size), config=config)
+    trainer._balance_batch = lambda *a, **k: RayPPOTrainer._balance_batch(trainer, *a, **k)
+    return trainer
+
+
+def _zero_groups_first(num_groups: int = 8, n: int = 4) -> DataProto:
+    """Groups of `n` equal-length rows; the first half of the groups scored all alike (advantage 0)."""
+    uids = [f"g{g}" for g in range(num_groups) for _ in range(n)]
+    batch = _batch(uids, [6] * len(uids))
+    advantages = torch.ones(len(uids), 3)
+    advantages[: num_groups // 2 * n] = 0.0
+    batch.batch["advantages"] = advantages
+    batch.batch["response_mask"] = torch.ones(len(uids), 3, dtype=torch.long)
+    return batch
+
+
+def _trained_rows_per_rank(batch: DataProto) -> list[int]:
+    trained = (batch.batch["advantages"] != 0).any(-1)
+    half = len(batch) // 2
+    return [int(trained[:half].sum()), int(trained[half:].sum())]
+
+
+def test_before_an_update_that_skips_zero_advantage_rows_the_trained_groups_are_spread_over_the_ranks():
+    """8 groups of 4 on 2 ranks, the 4 all-alike (zero-advantage) groups first: as they come (and
+    balanced by tokens alone: every row has the same length) one rank would train nothing while the
+    other trains 4 groups. Balanced by trained tokens each rank trains 2."""
+    batch = _zero_groups_first()
+    assert _trained_rows_per_rank(batch) == [0, 16]
+    RayPPOTrainer._balance_update_work(_trainer(2), batch)
+    assert _trained_rows_per_rank(batch) == [8, 8]
+    got = batch.non_tensor_batch["uid"].tolist()
+    assert not set(got[:16]) & set(got[16:])  # groups still whole
+
+
+def test_the_order_is_left_alone_when_the_actor_trains_every_row():
+    for actor in ({"entropy_coeff": 0.01}, {"use_kl_loss": True}, {"skip_zero_advantage_rows": False}):
+        batch = _zero_groups_first()
+        RayPPOTrainer._balance_update_work(_trainer(2, **actor), batch)
+        assert _trained_rows_per_rank(batch) == [0, 16], actor
+    batch = _zero_groups_first()
+    RayPPOTrainer._balance_update_work(_trainer(2, ppo_mini_batch_size=4), batch)  # two optimizer steps
+    assert _trained_rows_per_rank(batch) == [0, 16]

@@ -45,3 +45,25 @@ def test_schedule_errors_name_the_key():
         build_lr_scheduler(optimizer(), {"lr_scheduler_type": "cosine"})
     with pytest.raises(ValueError, match="lr_scheduler_type='linear'"):
         build_lr_scheduler(optimizer(), {"lr_scheduler_type": "linear"})
+
+
+def test_adamw_is_fused_and_steps_like_the_float64_textbook_update():
+    """Five steps of the fused AdamW against AdamW written out by hand in float64 (bias-corrected
+    moments, decoupled weight decay)."""
+    torch.manual_seed(0)
+    start = torch.randn(3, 4)
+    grads = [torch.randn(3, 4) for _ in range(5)]
+    param = torch.nn.Parameter(start.clone())
+    cfg = {"lr": 0.1, "weight_decay": 0.01, "betas": [0.9, 0.95], "eps": 1e-8}
+    opt = build_optimizer([param], cfg)
+    assert opt.defaults["fused"] is True
+    p, m, v = start.double(), torch.zeros(3, 4, dtype=torch.float64), torch.zeros(3, 4, dtype=torch.float64)
+    for t, g in enumerate(grads, start=1):
+        param.grad = g.clone()
+        opt.step()
+        g = g.double()
+        p = p * (1 - cfg["lr"] * cfg["weight_decay"])
+        m = 0.9 * m + 0.1 * g
+        v = 0.95 * v + 0.05 * g * g
+        p = p - cfg["lr"] * (m / (1 - 0.9**t)) / ((v / (1 - 0.95**t)).sqrt() + cfg["eps"])
+    torch.testing.assert_close(param.detach().double(), p, atol=1e-6, rtol=1e-6)

@@ -146,7 +146,7 @@ def log_seqlen_unbalance(seqlen_list: Sequence[int], partitions: list[list[int]]
     }
 
 
-def _num_micro_batches_for_budget(seqlens: list[int], max_token_len: int) -> int:
+def num_micro_batches_for_budget(seqlens: list[int], max_token_len: int) -> int:
     """Fewest balanced parts whose every part fits the budget."""
     k = max(1, math.ceil(sum(seqlens) / max_token_len))
     while k < len(seqlens):
@@ -186,7 +186,7 @@ def rearrange_micro_batches(
             "raise ppo_max_token_len_per_gpu (or log_prob_max_token_len_per_gpu) to at least the longest "
             "prompt + response length"
         )
-    num_micro = _num_micro_batches_for_budget(seqlens, max_token_len)
+    num_micro = num_micro_batches_for_budget(seqlens, max_token_len)
     if min_num_micro_batch is not None:
         num_micro = max(num_micro, min_num_micro_batch)
     if same_micro_num_in_dp and torch.distributed.is_available() and torch.distributed.is_initialized():

@@ -270,3 +270,89 @@ def _two_rank_actor(rank, world_size, fsdp_size=-1):
 @pytest.mark.parametrize("fsdp_size", [-1, 1])
 def test_fsdp2_actor_on_two_ranks_matches_single_process(fsdp_size):
     run_distributed(_two_rank_actor, 2, fsdp_size)
+
+
+# ------------------------------------------------------------------------- zero-advantage rows
+
+ZERO_ROWS = (1, 2, 5)
+
+
+def _with_zero_rows(data: DataProto, zero_rows=ZERO_ROWS) -> DataProto:
+    data.batch["advantages"][list(zero_rows)] = 0.0
+    return data
+
+
+def _count_forward_rows(model: torch.nn.Module) -> list[int]:
+    rows = []
+    model.register_forward_hook(
+        lambda module, args, kwargs, out: rows.append(kwargs["input_ids"].shape[0]), with_kwargs=True
+    )
+    return rows
+
+
+@pytest.mark.parametrize("loss_agg_mode", ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"])
+@pytest.mark.parametrize(
+    "split",
+    [{"ppo_micro_batch_size_per_gpu": 2}, {"ppo_micro_batch_size_per_gpu": 3}, {"use_dynamic_bsz": True}],
+    ids=["micro2", "micro3", "dynamic"],
+)
+def test_zero_advantage_rows_are_not_forwarded_and_the_gradient_is_the_full_batch_one(loss_agg_mode, split):
+    data = _with_zero_rows(training_batch(batch_size=8, seed=8))
+    expected = reference_full_batch_delta(data, loss_agg_mode)  # one forward over all 8 rows
+    actor = sgd_actor(actor_config(loss_agg_mode=loss_agg_mode, **split))
+    forwarded = _count_forward_rows(actor.actor_module)
+    before = copy.deepcopy(actor.actor_module)
+    metrics = actor.update_policy(data)
+    assert_same_delta(param_delta(before, actor.actor_module), expected)
+    assert sum(forwarded) == 8 - len(ZERO_ROWS)
+    assert metrics["actor/zero_adv_rows_skipped"] == [len(ZERO_ROWS) / 8]
+
+
+def test_zero_advantage_rows_are_trained_when_they_add_to_the_loss_or_when_disabled():
+    """An entropy bonus, a KL loss or a batch-coupled policy loss (kl_cov penalises any row) give
+    zero-advantage rows a gradient of their own: every row is forwarded then, as with the switch off."""
+    data = _with_zero_rows(training_batch(batch_size=8, seed=9))
+    data.batch["ref_log_prob"] = data.batch["old_log_probs"] - 0.1
+    for overrides in (
+        {"entropy_coeff": 0.01},
+        {"use_kl_loss": True},
+        {"policy_loss": {"loss_mode": "kl_cov"}},
+        {"skip_zero_advantage_rows": False},
+    ):
+        actor = sgd_actor(actor_config(**overrides))
+        forwarded = _count_forward_rows(actor.actor_module)
+        metrics = actor.update_policy(data)
+        assert sum(forwarded) == 8, overrides
+        assert "actor/zero_adv_rows_skipped" not in metrics, overrides
+
+
+def _two_rank_zero_rows(rank, world_size, fsdp_size, split):
+    from verl.utils.fsdp_utils import apply_fsdp2, iter_full_params
+
+    # rank 0 holds 3 rows to train, rank 1 only 1: rank 0 needs two micro-batches (of 2 rows, or of
+    # 14 tokens), and rank 1 must run two as well (FSDP's collectives), one on a zero-advantage row
+    data = _with_zero_rows(training_batch(batch_size=8, seed=10), zero_rows=(1, 4, 5, 6))
+    local = data.select_idxs(torch.arange(rank * 4, (rank + 1) * 4))
+    fsdp_model = apply_fsdp2(make_tiny_causal_lm(), {"fsdp_size": fsdp_size})
+    config = actor_config(ppo_mini_batch_size=4, **split)
+    actor = DataParallelPPOActor(config, fsdp_model, torch.optim.SGD(fsdp_model.parameters(), lr=1.0))
+    metrics = actor.update_policy(local)
+    single = sgd_actor(
+        actor_config(ppo_mini_batch_size=8, ppo_micro_batch_size_per_gpu=8, skip_zero_advantage_rows=False)
+    )
+    single.update_policy(data)
+    full = dict(iter_full_params(fsdp_model))
+    for name, tensor in single.actor_module.state_dict().items():
+        torch.testing.assert_close(full[name], tensor, atol=1e-11, rtol=1e-9, msg=name)
+    # rank 0's 3 rows need 2 micro-batches under either split; rank 1 trains one zero-advantage row
+    assert metrics["actor/zero_adv_rows_skipped"] == [0.25 if rank == 0 else 0.5]
+
+
+@pytest.mark.parametrize("fsdp_size", [-1, 1])
+@pytest.mark.parametrize(
+    "split",
+    [{"ppo_micro_batch_size_per_gpu": 2}, {"use_dynamic_bsz": True, "ppo_max_token_len_per_gpu": 14}],
+    ids=["micro2", "dynamic"],
+)
+def test_ranks_with_unequal_rows_to_train_run_equally_many_micro_batches(fsdp_size, split):
+    run_distributed(_two_rank_zero_rows, 2, fsdp_size, split)

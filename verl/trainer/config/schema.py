@@ -309,6 +309,13 @@ class ActorConfig:
         "Skip the optimizer step of a mini-batch whose advantages are all zero on every rank and that has no "
         "KL or entropy term (its gradient is zero, but AdamW's momentum would still move the weights)."
     )
+    skip_zero_advantage_rows: bool = doc(
+        "Leave rows whose advantages are all zero out of the update's forward and backward passes when their loss "
+        "is exactly zero: policy loss vanilla, gspo or gpg, no KL loss, no entropy bonus. The loss is still "
+        "normalised over the whole mini-batch, so the gradient is unchanged (to float rounding); GRPO groups whose "
+        "samples all score the same are such rows. actor/zero_adv_rows_skipped reports the fraction; "
+        "actor/pg_clipfrac, actor/ppo_kl and the on-policy actor/entropy then cover the trained rows."
+    )
     share_prompt_forward: bool = doc(
         "Forward each distinct prompt of a micro-batch once (GRPO repeats every prompt rollout.n times) and run "
         "the responses on its KV cache expanded to the group's rows; also for old and reference log-probs. Same "

@@ -280,6 +280,7 @@ class RayPPOTrainer:
                 with marked_timer("update_critic", state.timing):
                     state.metrics.update(self._update_critic(batch))
             if self.global_steps > self.config.trainer.get("critic_warmup", 0):
+                self._balance_update_work(batch)
                 with marked_timer("update_actor", state.timing):
                     state.metrics.update(self._update_actor(batch))
 
@@ -434,24 +435,55 @@ class RayPPOTrainer:
         self.kl_ctrl_in_reward.update(current_kl=current_kl, n_steps=self.config.data.train_batch_size)
         return metrics
 
-    def _balance_batch(self, batch: DataProto, state: _StepState) -> None:
-        """Reorder samples so each data-parallel rank receives about the same number of tokens."""
+    def _balance_batch(self, batch: DataProto, state: _StepState | None, work: list[int] | None = None) -> None:
+        """Reorder samples so each data-parallel rank receives about the same work: tokens per row, or
+        `work` per row when given (then no `global_seqlen/*` metrics)."""
         from verl.utils.seqlen_balancing import get_seqlen_balanced_partitions, log_seqlen_unbalance
 
         world_size = self.actor_rollout_wg.world_size
         seqlens = batch.batch["attention_mask"].sum(-1).tolist()
+        weights = seqlens if work is None else work
         groups = _equal_groups(batch.non_tensor_batch.get("uid"), world_size)
         if groups is not None:
             # Whole groups (one prompt's samples) go to one rank, contiguously: the actor then runs
             # each prompt once per micro-batch (`actor.share_prompt_forward`) instead of once per
             # rank and micro-batch it was scattered over.
-            group_lens = [sum(seqlens[i] for i in rows) for rows in groups]
+            group_lens = [sum(weights[i] for i in rows) for rows in groups]
             group_parts = get_seqlen_balanced_partitions(group_lens, k_partitions=world_size, equal_size=True)
             partitions = [[i for g in sorted(part) for i in groups[g]] for part in group_parts]
+        elif work is not None:
+            return  # rows are already balanced by tokens; without groups there is little to gain
         else:
             partitions = get_seqlen_balanced_partitions(seqlens, k_partitions=world_size, equal_size=True)
         batch.reorder(torch.tensor([i for part in partitions for i in part]))
-        state.metrics.update(log_seqlen_unbalance(seqlen_list=seqlens, partitions=partitions, prefix="global_seqlen"))
+        if state is not None and work is None:
+            state.metrics.update(
+                log_seqlen_unbalance(seqlen_list=seqlens, partitions=partitions, prefix="global_seqlen")
+            )
+
+    def _balance_update_work(self, batch: DataProto) -> None:
+        """Before a one-mini-batch actor update that leaves zero-advantage rows out
+        (`actor.skip_zero_advantage_rows`): balance the rows that will be trained, not all rows.
+        The update waits for its slowest rank, and GRPO's all-alike groups (zero advantage) can
+        gather on one rank. One mini-batch only, so the order changes no optimizer step."""
+        from verl.workers.actor.dp_actor import ROW_SEPARABLE_LOSSES
+
+        actor = self.config.actor_rollout_ref.actor
+        if not (
+            self.config.trainer.get("balance_batch", True)
+            and actor.get("skip_zero_advantage_rows", True)
+            and actor.get("policy_loss", {}).get("loss_mode", "vanilla") in ROW_SEPARABLE_LOSSES
+            and not actor.get("use_kl_loss", False)
+            and not actor.get("entropy_coeff", 0)
+            and actor.ppo_mini_batch_size * self.config.actor_rollout_ref.rollout.n >= len(batch)
+        ):
+            return
+        mask = batch.batch["response_mask"]
+        trained = ((batch.batch["advantages"] != 0) & (mask != 0)).any(-1)
+        if bool(trained.all()):
+            return
+        work = (batch.batch["attention_mask"].sum(-1) * trained).tolist()
+        self._balance_batch(batch, None, work=work)
 
     def _reuses_current_log_probs(self) -> bool:
         """Strictly on-policy training (one PPO epoch over one mini-batch, nothing else reading the

@@ -29,12 +29,26 @@ Two guarded steps:
   forward pass, reported as `actor/skipped_zero_adv`. GRPO groups whose samples all score the
   same produce exactly this.
 
+`skip_zero_advantage_rows` (default True) applies the same reasoning to single rows: with a
+policy loss in which a zero advantage makes the row's loss exactly zero (`vanilla`, `gspo`,
+`gpg`), no KL loss and no entropy bonus, a row whose advantages are all zero adds nothing to the
+gradient, so it is left out of the forward and backward passes. The loss normaliser is still
+taken over the whole mini-batch, so the gradient is the one of the full mini-batch (to float
+rounding). Ranks must run equally many micro-batches (FSDP's collectives): a rank with fewer rows
+to train splits them into as many micro-batches as the busiest rank, keeping back some of its
+zero-advantage rows where it has too few (they add zero). Reported as `actor/zero_adv_rows_skipped`
+(the fraction of rows left out); `actor/pg_clipfrac`, `actor/ppo_kl` and the on-policy
+`actor/entropy` then describe the trained rows. GRPO groups whose samples all score the same
+(every group of a problem the model always or never solves) are such rows: about a third of the
+bundled task's groups at the start.
+
 Config keys read (the `actor_rollout_ref.actor` section; DictConfig, dataclass or dict):
 ppo_mini_batch_size, ppo_micro_batch_size_per_gpu, use_dynamic_bsz, ppo_max_token_len_per_gpu,
 ppo_epochs, shuffle, data_loader_seed, grad_clip, clip_ratio, clip_ratio_low, clip_ratio_high,
 clip_ratio_c, tis_imp_ratio_cap, policy_loss {loss_mode, clip_cov_*, kl_cov_ratio, ppo_kl_coef},
 loss_agg_mode, entropy_coeff, use_kl_loss, kl_loss_coef, kl_loss_type, use_remove_padding,
-ulysses_sequence_parallel_size (must be 1), skip_zero_advantage_step, share_prompt_forward. `use_torch_compile` is
+ulysses_sequence_parallel_size (must be 1), skip_zero_advantage_step, skip_zero_advantage_rows,
+share_prompt_forward. `use_torch_compile` is
 accepted and has no effect: the log-prob and entropy kernels are chunked autograd functions that
 already bound memory, and compiling them gains little. compute_log_prob reads its micro-batching
 from `data.meta_info` (`micro_batch_size`, `use_dynamic_bsz`, `max_token_len`, `temperature`), as
@@ -58,6 +72,7 @@ from verl.trainer.ppo.core_algos import (
 )
 from verl.utils.device import get_device
 from verl.utils.remove_padding import pad_input, unpad_input, unpad_position_ids
+from verl.utils.seqlen_balancing import num_micro_batches_for_budget
 from verl.utils.shared_prompt import prompt_groups, shared_prompt_logits
 from verl.workers.actor.base import BasePPOActor
 from verl.workers.dp_training import (
@@ -73,6 +88,9 @@ from verl.workers.dp_training import (
 )
 
 __all__ = ["DataParallelPPOActor"]
+
+# policy losses whose per-row loss is exactly zero when the row's advantages are (see the module docstring)
+ROW_SEPARABLE_LOSSES = ("vanilla", "gspo", "gpg")
 
 _MODEL_INPUTS = ["responses", "input_ids", "attention_mask", "position_ids"]
 
@@ -123,12 +141,14 @@ class DataParallelPPOActor(BasePPOActor):
         self.loss_agg_mode = cfg.get("loss_agg_mode", "token-mean")
         policy_loss_cfg = cfg.get("policy_loss") or {}
         self.policy_loss_fn = get_policy_loss_fn(policy_loss_cfg.get("loss_mode", "vanilla"))
+        self._row_separable_loss = policy_loss_cfg.get("loss_mode", "vanilla") in ROW_SEPARABLE_LOSSES
         self.policy_loss_params = PolicyLossParams.from_actor_config(cfg)
         self.entropy_coeff = float(cfg.get("entropy_coeff", 0.0) or 0.0)
         self.use_kl_loss = bool(cfg.get("use_kl_loss", False))
         self.kl_loss_coef = float(cfg.get("kl_loss_coef", 0.001))
         self.kl_loss_type = cfg.get("kl_loss_type", "low_var_kl")
         self.skip_zero_advantage_step = bool(cfg.get("skip_zero_advantage_step", True))
+        self.skip_zero_advantage_rows = bool(cfg.get("skip_zero_advantage_rows", True))
         self._shuffle_generator = torch.Generator().manual_seed(int(cfg.get("data_loader_seed", 0) or 0))
         self._dp_group, self._dp_size = dp_group_and_size(actor_module)
 
@@ -336,13 +356,23 @@ class DataParallelPPOActor(BasePPOActor):
             append_to_dict(metrics, {"actor/skipped_zero_adv": 1.0})
             return
 
-        micro_batches, _ = split_micro_batches(
-            mini_batch,
-            micro_batch_size=self._cfg.get("ppo_micro_batch_size_per_gpu"),
-            use_dynamic_bsz=bool(self._cfg.get("use_dynamic_bsz", False)),
-            max_token_len=self._cfg.get("ppo_max_token_len_per_gpu"),
-            dp_group=self._dp_group,
-        )
+        use_dynamic_bsz = bool(self._cfg.get("use_dynamic_bsz", False))
+        num_micro = None
+        if self.skip_zero_advantage_rows and only_pg_loss and self._row_separable_loss:
+            rows = len(mini_batch)
+            mini_batch, num_micro = self._rows_with_advantage(mini_batch, response_mask, use_dynamic_bsz)
+            append_to_dict(metrics, {"actor/zero_adv_rows_skipped": 1.0 - len(mini_batch) / rows})
+        if num_micro is not None:  # as many micro-batches as the busiest rank, each within the size limit
+            base, extra = divmod(len(mini_batch), num_micro)
+            micro_batches = list(mini_batch.split([base + (i < extra) for i in range(num_micro)]))
+        else:
+            micro_batches, _ = split_micro_batches(
+                mini_batch,
+                micro_batch_size=self._cfg.get("ppo_micro_batch_size_per_gpu"),
+                use_dynamic_bsz=use_dynamic_bsz,
+                max_token_len=self._cfg.get("ppo_max_token_len_per_gpu"),
+                dp_group=self._dp_group,
+            )
         self.actor_optimizer.zero_grad()
         for micro_batch in micro_batches:
             micro_batch = micro_batch.to(get_device())
@@ -360,6 +390,34 @@ class DataParallelPPOActor(BasePPOActor):
                 "actor/skipped_zero_adv": 0.0,
             },
         )
+
+    def _rows_with_advantage(self, mini_batch, response_mask: torch.Tensor, use_dynamic_bsz: bool):
+        """The rows of `mini_batch` with a nonzero advantage on some response token, in order, and the
+        number of fixed-size micro-batches every rank runs (None with use_dynamic_bsz, whose split
+        equalises the count itself). Zero-advantage rows are kept back where a rank would otherwise
+        have fewer rows than the busiest rank has micro-batches."""
+        keep = ((mini_batch["advantages"] != 0) & (response_mask != 0)).any(dim=-1)
+        kept = int(keep.sum())
+        if use_dynamic_bsz:
+            budget = int(self._cfg.get("ppo_max_token_len_per_gpu") or 0)
+            seqlens = mini_batch["attention_mask"][keep].sum(dim=-1).tolist()
+            local = num_micro_batches_for_budget(seqlens, budget) if kept and budget > 0 else 1
+        else:
+            size = int(self._cfg.get("ppo_micro_batch_size_per_gpu") or 0)
+            local = -(-max(kept, 1) // size) if size > 0 else 1  # split_micro_batches explains a bad size
+        count = torch.tensor([local], dtype=torch.int64, device=get_device())
+        if self._dp_size > 1:
+            dist.all_reduce(count, op=dist.ReduceOp.MAX, group=self._dp_group)
+        need = int(count.item())
+        # the dynamic split agrees on its own count, which these rows cannot raise (each fits the budget)
+        num_micro = None if use_dynamic_bsz or local <= 0 else need
+        if kept < need:
+            filler = torch.nonzero(~keep)[: need - kept, 0]
+            keep = keep.clone()
+            keep[filler] = True
+        if bool(keep.all()):
+            return mini_batch, num_micro
+        return mini_batch[torch.nonzero(keep)[:, 0]], num_micro
 
     def _backward_micro_batch(self, micro_batch, temperature: float, normaliser: float) -> dict[str, float]:
         response_mask = response_mask_of(micro_batch)
