@@ -121,6 +121,25 @@ def test_prime_runs_closures_and_reports_worker_errors(char_tokenizer, make_batc
         PrimeRewardManager(char_tokenizer, 0, compute_score=closure, num_processes=2)(data)
 
 
+def test_prime_workers_die_on_sigterm_even_when_the_parent_catches_it(char_tokenizer, make_batch):
+    """Inside a Ray process SIGTERM has a handler (Ray's failure handler, which can hang a forked
+    child); forked pool workers would inherit it, and `Pool.terminate()` ends them with SIGTERM.
+    The workers reset it: each sample scores 1 only if its worker has SIGTERM's default action."""
+    import signal
+
+    def sigterm_is_default(data_source, solution_str, ground_truth, extra_info=None):
+        return float(signal.getsignal(signal.SIGTERM) == signal.SIG_DFL)
+
+    data = make_batch(["1<eos>", "2<eos>"], ["1", "1"])
+    manager = PrimeRewardManager(char_tokenizer, 0, compute_score=sigterm_is_default, num_processes=2)
+    previous = signal.signal(signal.SIGTERM, lambda signum, frame: None)  # a handler that does not exit
+    try:
+        reward = manager(data)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    assert reward.sum(dim=1).tolist() == [1.0, 1.0]
+
+
 # ---------------------------------------------------------------------------------------- registry
 
 

@@ -45,6 +45,10 @@ def _init_worker(fn: Callable) -> None:
     global _worker_fn
     _worker_fn = fn
     signal.signal(signal.SIGALRM, _on_alarm)
+    # A forked worker inherits the parent's SIGTERM handler: inside a Ray process (the TaskRunner, or
+    # any driver after ray.init) that is Ray's failure handler, under which `Pool.terminate()`'s
+    # SIGTERM leaves an idle worker alive and the parent's join hangs forever. Let SIGTERM kill.
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
 
 
 def _score_in_worker(kwargs: dict, timeout: float) -> tuple[str, object]:
