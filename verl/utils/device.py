@@ -111,3 +111,9 @@ def peak_flops_per_device(dtype: torch.dtype = torch.bfloat16) -> float | None:
         if key in name:
             return flops if dtype in (torch.bfloat16, torch.float16) else flops / 2
     return None
+
+
+def has_fused_adamw(tensor: torch.Tensor) -> bool:
+    """Whether torch's fused AdamW kernel runs on `tensor`: a floating-point tensor (or DTensor) on
+    CPU or CUDA."""
+    return tensor.is_floating_point() and tensor.device.type in ("cpu", "cuda")

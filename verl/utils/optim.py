@@ -78,9 +78,11 @@ def build_optimizer(parameters: Iterable[torch.nn.Parameter], optim_config) -> t
     each dispatched through DTensor under FSDP2. Measured on the bundled model (2 gloo ranks, 50
     parameters): 2.4 ms per step fused against 20.9 ms for the loop (7.6 ms with foreach).
     """
+    from verl.utils.device import has_fused_adamw
+
     params = list(parameters)
     tensors = [p for group in params for p in (group["params"] if isinstance(group, dict) else [group])]
-    fused = bool(tensors) and all(p.is_floating_point() and p.device.type in ("cpu", "cuda") for p in tensors)
+    fused = bool(tensors) and all(has_fused_adamw(p) for p in tensors)
     betas = tuple(_get(optim_config, "betas", (0.9, 0.999)))
     return torch.optim.AdamW(
         params,
