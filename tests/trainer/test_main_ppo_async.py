@@ -6,13 +6,10 @@ broadcast. Each trained sample's weight version comes from the rollout worker th
 from __future__ import annotations
 
 import json
-import os
-import signal
-import subprocess
 from collections import Counter
 from pathlib import Path
 
-from tests.trainer.test_main_ppo_e2e import ROOT, _common, _env, _metrics, _run, _wait_for_checkpoint
+from tests.trainer.test_main_ppo_e2e import _common, _metrics, _run, _run_and_kill_9_after_checkpoint
 
 BATCH = 4
 N = 4
@@ -80,14 +77,7 @@ def test_staleness_never_exceeds_the_bound_and_resume_mid_run_loses_or_repeats_n
     killed = tmp_path / "killed"
     killed.mkdir()
     cmd = _cmd(killed, steps, ahead, "trainer.save_freq=2")
-    proc = subprocess.Popen(
-        cmd, cwd=ROOT, env=_env(killed), start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
-    )
-    try:
-        _wait_for_checkpoint(killed / "ckpt", 2, proc, timeout=300)
-    finally:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
+    _run_and_kill_9_after_checkpoint(cmd, killed, 2)
     for f in (killed / "rollouts").glob("*.jsonl"):  # steps after the checkpoint are retrained on resume
         if int(f.stem) > 2:
             f.unlink()

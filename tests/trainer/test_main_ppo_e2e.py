@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import subprocess
 import sys
 import time
@@ -110,8 +109,34 @@ def _wait_for_checkpoint(ckpt: Path, step: int, proc: subprocess.Popen, timeout:
             return
         if proc.poll() is not None:
             raise AssertionError(f"training exited ({proc.returncode}) before checkpoint {step}")
-        time.sleep(0.2)
+        time.sleep(0.02)  # a step of the tiny runs takes ~0.2 s
     raise AssertionError(f"no checkpoint {step} within {timeout} s")
+
+
+def _run_and_kill_9_after_checkpoint(cmd: list[str], run_dir: Path, step: int) -> None:
+    """Start `cmd` and, once checkpoint `step` is saved, SIGKILL every process of the run at once
+    (driver, Ray daemons, TaskRunner, workers), as a machine crash would. Killing the driver's
+    process group alone is not that: Ray's worker processes are outside it, and the TaskRunner,
+    which runs the training loop, goes on training and checkpointing for about a second, until Ray
+    notices that its driver is gone."""
+    import uuid
+
+    from tests.reliability.reliability_helpers import RUN_ID_VAR, kill_run, wait_until_gone
+
+    run_id = uuid.uuid4().hex
+    env = {**_env(run_dir), RUN_ID_VAR: run_id}
+    proc = subprocess.Popen(
+        cmd, cwd=ROOT, env=env, start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+    )
+    try:
+        _wait_for_checkpoint(run_dir / "ckpt", step, proc, timeout=300)
+    finally:
+        kill_run(run_id)
+        proc.wait()
+        left = wait_until_gone(run_id, timeout_s=15)
+    assert left == [], left
+    tracker = (run_dir / "ckpt" / "latest_checkpointed_iteration.txt").read_text().strip()
+    assert tracker == str(step), f"the run saved checkpoint {tracker} before the kill landed; the test needs {step}"
 
 
 def test_resume_after_kill_9_reproduces_the_uninterrupted_run(tmp_path):
@@ -134,14 +159,7 @@ def test_resume_after_kill_9_reproduces_the_uninterrupted_run(tmp_path):
     killed = tmp_path / "killed"
     killed.mkdir()
     cmd = [*base, *_common(killed, steps)]
-    proc = subprocess.Popen(
-        cmd, cwd=ROOT, env=_env(killed), start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
-    )
-    try:
-        _wait_for_checkpoint(killed / "ckpt", 2, proc, timeout=300)
-    finally:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
+    _run_and_kill_9_after_checkpoint(cmd, killed, 2)
     _run(cmd, killed)
 
     expected = {r["step"]: r["data"] for r in _metrics(straight)}
