@@ -1,3 +1,4 @@
+import os
 import time
 
 import pytest
@@ -138,6 +139,44 @@ def test_prime_workers_die_on_sigterm_even_when_the_parent_catches_it(char_token
     finally:
         signal.signal(signal.SIGTERM, previous)
     assert reward.sum(dim=1).tolist() == [1.0, 1.0]
+
+
+_FORKS = {"count": 0, "slow": False}
+
+
+def _slow_second_fork_child():
+    if _FORKS["slow"] and _FORKS["count"] == 2:
+        time.sleep(2.0)  # the second pool worker is still starting when the work is done
+
+
+def _count_fork():
+    _FORKS["count"] += 1
+
+
+os.register_at_fork(before=_count_fork, after_in_child=_slow_second_fork_child)
+
+
+def test_prime_pool_ends_a_worker_signalled_while_it_is_still_starting(char_tokenizer, make_batch):
+    """Worker 1 scores both samples while worker 2 is still starting; `Pool.terminate()` then sends
+    worker 2 SIGTERM before its initializer has run. Under a parent SIGTERM handler that does not exit
+    (Ray's, in a Ray process) the worker must still die, or the call never returns."""
+    import signal
+    import threading
+
+    data = make_batch(["1<eos>", "2<eos>"], ["1", "1"])
+    manager = PrimeRewardManager(char_tokenizer, 0, num_processes=2)
+    done = []
+    previous = signal.signal(signal.SIGTERM, lambda signum, frame: None)
+    _FORKS.update(count=0, slow=True)
+    try:
+        worker = threading.Thread(target=lambda: done.append(manager(data)), daemon=True)
+        worker.start()
+        worker.join(timeout=30)
+    finally:
+        _FORKS["slow"] = False
+        signal.signal(signal.SIGTERM, previous)
+    assert done, "the prime reward manager hung: a worker signalled while starting never exited"
+    assert done[0].sum(dim=1).tolist() == [1.0, 0.0]
 
 
 # ---------------------------------------------------------------------------------------- registry

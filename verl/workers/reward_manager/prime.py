@@ -47,8 +47,21 @@ def _init_worker(fn: Callable) -> None:
     signal.signal(signal.SIGALRM, _on_alarm)
     # A forked worker inherits the parent's SIGTERM handler: inside a Ray process (the TaskRunner, or
     # any driver after ray.init) that is Ray's failure handler, under which `Pool.terminate()`'s
-    # SIGTERM leaves an idle worker alive and the parent's join hangs forever. Let SIGTERM kill.
+    # SIGTERM leaves a worker alive and the parent's join hangs forever. SIGTERM arrives blocked
+    # (see `_fork_pool`), so one sent before this line waits and then kills with the default action.
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM})
+
+
+def _fork_pool(num_workers: int, fn: Callable):
+    """A pool whose workers start with SIGTERM blocked (the mask of the forking thread, and of the
+    pool's own threads, which fork replacements), until `_init_worker` makes its action the default:
+    `Pool.terminate()` may signal a worker that is still starting up."""
+    previous = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
+    try:
+        return _pool_context().Pool(num_workers, initializer=_init_worker, initargs=(fn,))
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, previous)
 
 
 def _score_in_worker(kwargs: dict, timeout: float) -> tuple[str, object]:
@@ -102,7 +115,7 @@ class PrimeRewardManager(AbstractRewardManager):
         num_workers = min(self.num_processes, len(samples))
         rounds = math.ceil(len(samples) / num_workers)
         deadline = time.monotonic() + self.timeout * rounds + _DEADLINE_MARGIN_S
-        pool = _pool_context().Pool(num_workers, initializer=_init_worker, initargs=(self.compute_score,))
+        pool = _fork_pool(num_workers, self.compute_score)
         try:
             pending = [
                 pool.apply_async(
