@@ -226,6 +226,10 @@ def test_user_errors_say_what_to_change():
         actor.compute_log_prob(data)
     with pytest.raises(KeyError, match="ref_log_prob"):
         sgd_actor(actor_config(use_kl_loss=True), model).update_policy(training_batch())
+    # also when zero-advantage rows are left out, which re-cuts the micro-batches
+    zero_rows = training_batch(advantages=torch.tensor([[1.0], [0.0]]).repeat(4, 5))
+    with pytest.raises(ValueError, match="ppo_micro_batch_size_per_gpu"):
+        sgd_actor(actor_config(ppo_micro_batch_size_per_gpu=0), model).update_policy(zero_rows)
 
 
 # ---------------------------------------------------------------------------------------- 2 ranks

@@ -466,20 +466,16 @@ class RayPPOTrainer:
         (`actor.skip_zero_advantage_rows`): balance the rows that will be trained, not all rows.
         The update waits for its slowest rank, and GRPO's all-alike groups (zero advantage) can
         gather on one rank. One mini-batch only, so the order changes no optimizer step."""
-        from verl.workers.actor.dp_actor import ROW_SEPARABLE_LOSSES
+        from verl.workers.actor.dp_actor import rows_with_advantage, skips_zero_advantage_rows
 
         actor = self.config.actor_rollout_ref.actor
         if not (
             self.config.trainer.get("balance_batch", True)
-            and actor.get("skip_zero_advantage_rows", True)
-            and actor.get("policy_loss", {}).get("loss_mode", "vanilla") in ROW_SEPARABLE_LOSSES
-            and not actor.get("use_kl_loss", False)
-            and not actor.get("entropy_coeff", 0)
+            and skips_zero_advantage_rows(actor)
             and actor.ppo_mini_batch_size * self.config.actor_rollout_ref.rollout.n >= len(batch)
         ):
             return
-        mask = batch.batch["response_mask"]
-        trained = ((batch.batch["advantages"] != 0) & (mask != 0)).any(-1)
+        trained = rows_with_advantage(batch.batch["advantages"], batch.batch["response_mask"])
         if bool(trained.all()):
             return
         work = (batch.batch["attention_mask"].sum(-1) * trained).tolist()

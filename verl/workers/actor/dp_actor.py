@@ -92,6 +92,26 @@ __all__ = ["DataParallelPPOActor"]
 # policy losses whose per-row loss is exactly zero when the row's advantages are (see the module docstring)
 ROW_SEPARABLE_LOSSES = ("vanilla", "gspo", "gpg")
 
+
+def skips_zero_advantage_rows(actor_cfg) -> bool:
+    """Whether an actor with this config (`actor_rollout_ref.actor`: DictConfig or dict) leaves
+    zero-advantage rows out of its update: switched on, a row-separable policy loss, and no KL
+    loss or entropy bonus that would give such rows a gradient of their own."""
+    policy_loss = actor_cfg.get("policy_loss") or {}
+    return (
+        bool(actor_cfg.get("skip_zero_advantage_rows", True))
+        and policy_loss.get("loss_mode", "vanilla") in ROW_SEPARABLE_LOSSES
+        and not actor_cfg.get("use_kl_loss", False)
+        and not float(actor_cfg.get("entropy_coeff", 0.0) or 0.0)
+    )
+
+
+def rows_with_advantage(advantages: torch.Tensor, response_mask: torch.Tensor) -> torch.Tensor:
+    """[B] bool: the rows with a nonzero advantage on some response token (the rows an actor that
+    `skips_zero_advantage_rows` trains)."""
+    return ((advantages != 0) & (response_mask != 0)).any(dim=-1)
+
+
 _MODEL_INPUTS = ["responses", "input_ids", "attention_mask", "position_ids"]
 
 
@@ -141,14 +161,13 @@ class DataParallelPPOActor(BasePPOActor):
         self.loss_agg_mode = cfg.get("loss_agg_mode", "token-mean")
         policy_loss_cfg = cfg.get("policy_loss") or {}
         self.policy_loss_fn = get_policy_loss_fn(policy_loss_cfg.get("loss_mode", "vanilla"))
-        self._row_separable_loss = policy_loss_cfg.get("loss_mode", "vanilla") in ROW_SEPARABLE_LOSSES
         self.policy_loss_params = PolicyLossParams.from_actor_config(cfg)
         self.entropy_coeff = float(cfg.get("entropy_coeff", 0.0) or 0.0)
         self.use_kl_loss = bool(cfg.get("use_kl_loss", False))
         self.kl_loss_coef = float(cfg.get("kl_loss_coef", 0.001))
         self.kl_loss_type = cfg.get("kl_loss_type", "low_var_kl")
         self.skip_zero_advantage_step = bool(cfg.get("skip_zero_advantage_step", True))
-        self.skip_zero_advantage_rows = bool(cfg.get("skip_zero_advantage_rows", True))
+        self.skip_zero_advantage_rows = skips_zero_advantage_rows(cfg)
         self._shuffle_generator = torch.Generator().manual_seed(int(cfg.get("data_loader_seed", 0) or 0))
         self._dp_group, self._dp_size = dp_group_and_size(actor_module)
 
@@ -346,7 +365,7 @@ class DataParallelPPOActor(BasePPOActor):
 
     def _update_on_mini_batch(self, mini_batch, temperature: float, metrics: dict) -> None:
         response_mask = response_mask_of(mini_batch)
-        adv_nonzero = ((mini_batch["advantages"] != 0) & (response_mask != 0)).any().to(torch.float64)
+        adv_nonzero = rows_with_advantage(mini_batch["advantages"], response_mask).any().to(torch.float64)
         totals = torch.stack([loss_normaliser(response_mask, self.loss_agg_mode), adv_nonzero]).to(get_device())
         if self._dp_size > 1:
             dist.all_reduce(totals, group=self._dp_group)
@@ -358,7 +377,7 @@ class DataParallelPPOActor(BasePPOActor):
 
         use_dynamic_bsz = bool(self._cfg.get("use_dynamic_bsz", False))
         num_micro = None
-        if self.skip_zero_advantage_rows and only_pg_loss and self._row_separable_loss:
+        if self.skip_zero_advantage_rows:
             rows = len(mini_batch)
             mini_batch, num_micro = self._rows_with_advantage(mini_batch, response_mask, use_dynamic_bsz)
             append_to_dict(metrics, {"actor/zero_adv_rows_skipped": 1.0 - len(mini_batch) / rows})
@@ -396,7 +415,7 @@ class DataParallelPPOActor(BasePPOActor):
         number of fixed-size micro-batches every rank runs (None with use_dynamic_bsz, whose split
         equalises the count itself). Zero-advantage rows are kept back where a rank would otherwise
         have fewer rows than the busiest rank has micro-batches."""
-        keep = ((mini_batch["advantages"] != 0) & (response_mask != 0)).any(dim=-1)
+        keep = rows_with_advantage(mini_batch["advantages"], response_mask)
         kept = int(keep.sum())
         if use_dynamic_bsz:
             budget = int(self._cfg.get("ppo_max_token_len_per_gpu") or 0)
@@ -404,13 +423,15 @@ class DataParallelPPOActor(BasePPOActor):
             local = num_micro_batches_for_budget(seqlens, budget) if kept and budget > 0 else 1
         else:
             size = int(self._cfg.get("ppo_micro_batch_size_per_gpu") or 0)
-            local = -(-max(kept, 1) // size) if size > 0 else 1  # split_micro_batches explains a bad size
+            if size <= 0:  # the same on every rank: split_micro_batches explains the setting
+                return mini_batch, None
+            local = -(-max(kept, 1) // size)
         count = torch.tensor([local], dtype=torch.int64, device=get_device())
         if self._dp_size > 1:
             dist.all_reduce(count, op=dist.ReduceOp.MAX, group=self._dp_group)
         need = int(count.item())
         # the dynamic split agrees on its own count, which these rows cannot raise (each fits the budget)
-        num_micro = None if use_dynamic_bsz or local <= 0 else need
+        num_micro = None if use_dynamic_bsz else need
         if kept < need:
             filler = torch.nonzero(~keep)[: need - kept, 0]
             keep = keep.clone()
