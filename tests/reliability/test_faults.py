@@ -34,19 +34,26 @@ from reliability_helpers import (
 STARTUP_S = 300  # generous: on a busy 2-core machine a run needs a minute or more to reach step 1
 
 
-@pytest.fixture(scope="module")
-def run_dir(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("faults")
+def _long_run_saving_every_step(tmp, *extra: str) -> list[str]:
+    """Overrides for a 50-step run of the small config that checkpoints after every step."""
     data = write_rows(tmp / "train.parquet", arith_rows(64))
-    args = [
+    return [
         *small_run(tmp, steps=50),
         f"data.train_files={data}",
         f"data.val_files={data}",
         "trainer.save_freq=1",
-        # the HF export makes each save last long enough to be hit reliably
-        "actor_rollout_ref.actor.checkpoint.save_contents=[model,optimizer,extra,hf_model]",
         "trainer.progress_bar=false",
+        *extra,
     ]
+
+
+@pytest.fixture(scope="module")
+def run_dir(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("faults")
+    # the HF export makes each save last long enough to be hit reliably
+    args = _long_run_saving_every_step(
+        tmp, "actor_rollout_ref.actor.checkpoint.save_contents=[model,optimizer,extra,hf_model]"
+    )
     return tmp, args
 
 
@@ -165,17 +172,13 @@ def test_resume_after_the_kill_then_ctrl_c_stops_every_process(run_dir, killed_d
 def test_sigterm_to_the_driver_stops_every_process_and_exits_143(tmp_path):
     """`kill PID`, `timeout`, a scheduler's preemption: SIGTERM to the driver alone stops the run like
     Ctrl-C does (workers first, a message, no process left), not with Ray's stack dump and abort."""
-    data = write_rows(tmp_path / "train.parquet", arith_rows(64))
-    args = [
-        *small_run(tmp_path, steps=50),
-        f"data.train_files={data}",
-        f"data.val_files={data}",
-        "trainer.save_freq=1",
-        "trainer.progress_bar=false",
-    ]
     ckpt = tmp_path / "ckpt"
     returncode, exit_s, left, text = _signal_after_checkpoint(
-        args, tmp_path, "run.log", step=1, send=lambda proc: proc.send_signal(signal.SIGTERM)
+        _long_run_saving_every_step(tmp_path),
+        tmp_path,
+        "run.log",
+        step=1,
+        send=lambda proc: proc.send_signal(signal.SIGTERM),
     )
     assert returncode == 143, text[-3000:]
     assert "verl: terminated (SIGTERM); the workers were stopped" in text

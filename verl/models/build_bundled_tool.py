@@ -246,10 +246,10 @@ def main(argv: list[str] | None = None) -> None:
         eval_from=args.eval_from,
         eval_problems=args.eval_problems,
         max_steps=args.max_steps,
-        reproduce_flags=[
-            f"--{action.dest.replace('_', '-')} {getattr(args, action.dest)}"
-            for action in parser._actions
-            if action.dest not in ("help", "out", "init") and getattr(args, action.dest) != action.default
+        reproduce_flags=[  # the flags that differ from their defaults; the model paths are chained in the README
+            f"--{dest.replace('_', '-')} {value}"
+            for dest, value in vars(args).items()
+            if dest not in ("out", "init") and value != parser.get_default(dest)
         ],
     )
     print(

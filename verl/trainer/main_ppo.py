@@ -13,7 +13,8 @@ How a run ends (docs/reliability.md): 0 when training completes; 2 when the conf
 inputs are wrong (checked before Ray starts: `validate_ppo_config`, then `verl.trainer.preflight`);
 1 when training fails, with the cause's message as the last line of stderr (a worker that died,
 a reward function that raised, NaN losses in a row, ...); 130 after Ctrl-C and 143 after SIGTERM
-(`kill`, `timeout`, a scheduler's preemption, `ray job stop`), once the workers are stopped. Failures the user can fix print only their message; anything else also prints its
+(`kill`, `timeout`, a scheduler's preemption, `ray job stop`), once the workers are stopped.
+Failures the user can fix print only their message; anything else also prints its
 traceback (set VERL_LOGGING_LEVEL=DEBUG to get it for every failure).
 """
 
@@ -192,7 +193,7 @@ def run_ppo(config, task_runner_cls=None) -> dict:
         try:
             return ray.get(runner.run.remote(config))
         except KeyboardInterrupt as e:
-            terminated = isinstance(e, Terminated) or _sigterm_received.is_set()
+            terminated = _sigterm_received.is_set()  # set by the handler before it raises
             _stop_run(runner, shutdown=started_cluster, why="terminated" if terminated else "interrupted")
             if terminated and not isinstance(e, Terminated):
                 raise Terminated() from None
