@@ -241,6 +241,26 @@ class _OptimizedModel(_FSDPModel):
             self.checkpoint_manager.load_checkpoint(local_path)
 
 
+class _PendingWeights:
+    """A rollout-only worker's `WeightRefresh` for partial rollouts (see `HFRollout`): newer weights are
+    pending once the trainer has announced a version newer than the one this worker holds."""
+
+    def __init__(self, worker: ActorRolloutRefWorker):
+        self.worker = worker
+
+    @property
+    def version(self) -> int:
+        return self.worker.weight_version
+
+    def pending(self) -> bool:
+        latest = self.worker._weight_receiver.latest_version()
+        return latest is not None and latest > self.worker.weight_version
+
+    def load(self) -> int:
+        self.worker._load_weight_version(self.worker._weight_receiver.latest_version())
+        return self.version
+
+
 class ActorRolloutRefWorker(Worker):
     """Actor (FSDP2 training), rollout (generation engine) and reference policy, in any combination."""
 
@@ -322,10 +342,12 @@ class ActorRolloutRefWorker(Worker):
         if self.actor is not None and self.config.rollout.get("free_cache_engine", True):
             rollout.sleep()
         output.meta_info["metrics"] = {**output.meta_info.get("metrics", {}), **metrics}
-        if self.weight_version is not None:
+        if self.weight_version is not None and "weight_version" not in output.non_tensor_batch:
             import numpy as np
 
-            output.non_tensor_batch["weight_version"] = np.full(len(output), self.weight_version, dtype=np.int64)
+            # one version for the whole request (a partial rollout sets each row's oldest and newest itself)
+            for key in ("weight_version", "weight_version_max"):
+                output.non_tensor_batch[key] = np.full(len(output), self.weight_version, dtype=np.int64)
         dev.empty_cache()
         return output
 
@@ -356,6 +378,7 @@ class ActorRolloutRefWorker(Worker):
         self._need("rollout", "init_weight_sync")
         store = connect_store(host, port, timeout_s)
         self._weight_receiver = WeightReceiver(store, self.rank + 1, world_size, timeout_s)
+        self.rollout.weight_refresh = _PendingWeights(self)  # engines without partial rollouts ignore it
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL, blocking=False)
     def send_weights(self, version: int) -> dict[str, float]:
@@ -374,14 +397,20 @@ class ActorRolloutRefWorker(Worker):
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL, blocking=False)
     def receive_weights(self, version: int) -> dict[str, float]:
-        """Load weight `version` from the trainer into this rollout engine; later samples carry it."""
-        rollout = self._need("rollout", "receive_weights")
+        """Load weight `version` from the trainer into this rollout engine; later samples carry it.
+        A no-op when a partial rollout already took this version in the middle of a generation."""
+        self._need("rollout", "receive_weights")
         if self._weight_receiver is None:
             raise RuntimeError("receive_weights before init_weight_sync: the weight-sync group does not exist yet")
+        if self.weight_version is not None and self.weight_version >= version:
+            return {}
         start = time.perf_counter()
-        rollout.update_weights(self._weight_receiver.receive(version))
-        self.weight_version = int(version)
+        self._load_weight_version(int(version))
         return {"timing_s/receive_weights": time.perf_counter() - start}
+
+    def _load_weight_version(self, version: int) -> None:
+        self.rollout.update_weights(self._weight_receiver.receive(version))
+        self.weight_version = version
 
     @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO)
     def compute_log_prob(self, data: DataProto) -> DataProto:

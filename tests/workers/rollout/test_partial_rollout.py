@@ -64,7 +64,9 @@ def _token_log_probs(model, out: DataProto) -> torch.Tensor:
     model = copy.deepcopy(model).double()
     b = out.batch
     with torch.no_grad():
-        logits = model(input_ids=b["input_ids"], attention_mask=b["attention_mask"], position_ids=b["position_ids"]).logits
+        logits = model(
+            input_ids=b["input_ids"], attention_mask=b["attention_mask"], position_ids=b["position_ids"]
+        ).logits
     P = b["prompts"].shape[1]
     scores = torch.log_softmax(logits[:, P - 1 : -1].double(), -1)
     return scores.gather(-1, b["responses"][..., None]).squeeze(-1) * b["response_mask"]
