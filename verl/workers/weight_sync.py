@@ -177,16 +177,22 @@ class WeightSender(_Endpoint):
 
     def send(self, version: int, buckets: list[tuple[dict, torch.Tensor]]) -> None:
         """Broadcast one version's buckets (blocks until every receiver has them)."""
-        self.store.set(_LATEST, str(int(version)).encode())
+        self.announce(version)
         for i, (layout, flat) in enumerate(buckets):
             # JSON, not pickle: the store is a network port, and what it hands a receiver must not run code
             self.store.set(f"v{version}/b{i}", json.dumps({**layout, "numel": flat.numel()}).encode())
             self._broadcast(flat, f"broadcasting bucket {i} of weight version {version}")
         self.store.set(f"v{version}/b{len(buckets)}", _END)
 
+    def announce(self, version: int) -> None:
+        """Tell receivers (`latest_version`) that `version` is on its way."""
+        self.store.set(_LATEST, str(int(version)).encode())
+
     def send_async(self, version: int, buckets: list[tuple[dict, torch.Tensor]]) -> None:
-        """`send` in a background thread, after the previous send has finished (raising its error)."""
+        """`send` in a background thread, after the previous send has finished (raising its error).
+        The version is announced before this returns, so a receiver asking next sees it."""
         self.wait()
+        self.announce(version)
         self._thread = threading.Thread(target=self._run, args=(version, buckets), daemon=True, name="weight-sync")
         self._thread.start()
 
