@@ -254,7 +254,8 @@ class _PendingWeights:
 
     def pending(self) -> bool:
         latest = self.worker._weight_receiver.latest_version()
-        return latest is not None and latest > self.worker.weight_version
+        received = self.worker._received_version
+        return latest is not None and (received is None or latest > received)
 
     def load(self) -> int:
         self.worker._load_weight_version(self.worker._weight_receiver.latest_version())
@@ -283,6 +284,9 @@ class ActorRolloutRefWorker(Worker):
         # stamped on every sample it generates; None in the hybrid engine (always current weights).
         self.weight_version: int | None = 0 if self.parts == ("rollout",) else None
         self._weight_sync_store = self._weight_sender = self._weight_receiver = None
+        # The last version taken from the weight-sync group: every version sent must be taken once
+        # (its buckets are collectives), by receive_weights or mid-generation by a partial rollout.
+        self._received_version: int | None = None
 
     def _need(self, part: str, method: str):
         obj = getattr(self, part)
@@ -402,7 +406,7 @@ class ActorRolloutRefWorker(Worker):
         self._need("rollout", "receive_weights")
         if self._weight_receiver is None:
             raise RuntimeError("receive_weights before init_weight_sync: the weight-sync group does not exist yet")
-        if self.weight_version is not None and self.weight_version >= version:
+        if self._received_version is not None and self._received_version >= version:
             return {}
         start = time.perf_counter()
         self._load_weight_version(int(version))
@@ -410,7 +414,7 @@ class ActorRolloutRefWorker(Worker):
 
     def _load_weight_version(self, version: int) -> None:
         self.rollout.update_weights(self._weight_receiver.receive(version))
-        self.weight_version = version
+        self.weight_version = self._received_version = version
 
     @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO)
     def compute_log_prob(self, data: DataProto) -> DataProto:
