@@ -9,15 +9,27 @@ batch a step trains on comes from a queue that a separate rollout pool keeps fil
     k >= 2  generation may run up to k batches ahead of training
 
 Versions. The actor's weights after `s` updates are weight version `s`; step `t` trains with
-version `t-1` and pushes it to the rollout pool before it asks for more samples. Every rollout
-worker stamps each sample with the version it generated it with (`non_tensor_batch
-["weight_version"]`, set by the worker, never guessed by the driver). A sample's staleness at
-step t is `(t-1) - weight_version`. Prompt batches are submitted to the rollout pool at most `k`
-batches ahead of the step that trains them, behind the weight push of the step that submits them,
-so batch `b` is generated with version `max(0, b-1-k)` and trained at step `b` with staleness
-`min(k, b-1)`: the bound holds by construction. It is checked again when a batch is taken, and a
-group older than the bound (possible after a change of `k` on resume) is regenerated with current
-weights (`stale_sample_policy=regenerate`, no prompt is lost) or dropped (`drop`).
+version `t-1`. Every rollout worker stamps each sample with the version it generated it with
+(`non_tensor_batch["weight_version"]`, set by the worker, never guessed by the driver). A sample's
+staleness at step t is `(t-1) - weight_version`.
+
+Sync schedule (`trigger_parameter_sync_step=N`, default 1). Step t pushes `v(t-1)` to the rollout
+pool when `t-1` is a multiple of N, so between syncs the pool holds `p = N * floor((t-1)/N)`,
+up to N-1 versions behind the trainer. Prompt batches are submitted behind the push, up to batch
+`p + 1 + k`: batch b is then generated with a version >= b-1-k and its staleness at step b is at
+most k, whatever N. So the bound stays the bound, and N trades lookahead for fewer syncs: right
+after a sync generation runs k batches ahead, right before the next one k-N+1. N > k+1 would
+leave the batch before a sync unreachable within the bound: a config error. With N=1 batch b is
+generated with `max(0, b-1-k)`, staleness `min(k, b-1)`. The bound is checked again when a batch
+is taken, and a group older than it (possible after a change of `k` on resume) is regenerated
+with current weights (`stale_sample_policy=regenerate`, no prompt is lost) or dropped (`drop`).
+
+Partial rollouts (`partial_rollout=true`, built-in engine). A generation in flight when a push is
+announced is paused between two decode steps, the worker takes the weights, and the unfinished
+samples go on from prompt + partial response with them (see `HFRollout`). A sample's
+`weight_version` is then its oldest token's version (staleness and the bound use it) and
+`weight_version_max` its newest; `rollout_log_probs` hold each token's log-prob under the version
+that sampled it, which is what the off-policy correction needs as behaviour policy.
 
 Streaming. Each prompt batch is cut into group-aligned chunks, one request per rollout worker;
 a chunk is scored (reward function) as soon as it is back, and the trainer takes whole groups in
@@ -36,11 +48,16 @@ Off-policy correction (`async_training.off_policy_correction`):
 Resume. A checkpoint waits for the generations in flight and saves every drawn-but-untrained
 group (with its responses, scores and version tags) in `data.pt`, beside the dataloader position
 that already counts them; resuming puts them back in the queue, so no sample is lost or trained
-twice. The rollout pool then receives the checkpoint's weights before generating anything.
+twice. The rollout pool then receives the checkpoint's weights before generating anything. The
+checkpoint also records the schedule's pool version `p`: a run resumed between two syncs keeps
+submitting up to batch `p + 1 + k` until the next sync, as the uninterrupted run does (every
+batch within that window was already submitted before the checkpoint, so the checkpoint's newer
+weights the restarted pool receives generate nothing but regenerated groups).
 
 Validation keeps running on the trainer pool's own (hybrid) engine, with the current weights.
-Not implemented: partial rollouts (interrupting a generation to push weights), syncing weights
-less often than every step, and DAPO dynamic sampling / ReMax / KL-in-reward with `k >= 1`.
+Not implemented: DAPO dynamic sampling / ReMax / KL-in-reward with `k >= 1`; partial rollouts for
+vLLM/SGLang; replaying partial rollouts identically on resume (where a generation is paused
+depends on timing).
 """
 
 from __future__ import annotations

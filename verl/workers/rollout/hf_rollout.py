@@ -20,6 +20,14 @@ Output layout (DESIGN.md): `prompts` [B, P], `responses` [B, R] right-padded wit
 the mask is 1 up to and including the EOS token), `response_mask` [B, R] and, with
 `calculate_log_probs`, `rollout_log_probs` [B, R] (0 where masked). R is always the configured
 response length, whatever the longest response.
+
+Partial rollouts (asynchronous training, `meta_info["partial_rollout"]`): the rollout worker sets
+`weight_refresh`; every `partial_rollout_check_steps` decode steps the engine asks it whether newer
+weights wait, and if so pauses, loads them and resumes the unfinished rows from prompt + partial
+response. The KV cache is recomputed by that prefill rather than kept: keys and values of the old
+weights under the new ones would be neither policy, and the rollout log-probs must be the sampling
+policy's own. The output then carries per-row `weight_version` / `weight_version_max` (oldest and
+newest version that sampled a token of the row).
 """
 
 from __future__ import annotations
