@@ -1,11 +1,15 @@
-"""Generation ahead of training: wall-clock and final accuracy at 0, 1 and 2 steps ahead (issue #12).
+"""Generation ahead of training: wall-clock and final accuracy at 0, 1 and 2 steps ahead (issue #12),
+plus weights synced every 2 updates and partial rollouts.
 
 Each setting runs `python -m verl.trainer.main_ppo` for the same number of steps from the bundled
 SFT model on the arithmetic task, with the same total number of CPU worker processes:
 
 - ahead=0: the synchronous colocated step, `trainer.n_gpus_per_node=--workers` (hybrid engine);
 - ahead=k>=1: `async_training.staleness_threshold=k`, the workers split into a trainer pool and a
-  rollout pool (`--rollout-workers` of them), generation of the next batches overlapping training.
+  rollout pool (`--rollout-workers` of them), generation of the next batches overlapping training;
+- `2s2`: k=2 with `async_training.trigger_parameter_sync_step=2` (weights pushed every 2 updates);
+- `1p`: k=1 with `async_training.partial_rollout=true` (weights taken mid-generation, checked every
+  decode step); `mixed` reports the fraction of trained samples whose tokens span two versions.
 
 Reported per setting: training wall-clock (sum of `timing_s/step`, start-up and validation
 excluded), the trainer's idle time waiting for samples (`timing_s/wait_rollout`), the greedy
@@ -17,6 +21,7 @@ overlap (less idle time) against older samples (staleness up to k weight version
 Run:
     python benchmarks/async_ahead.py                      # 40 steps each
     python benchmarks/async_ahead.py --steps 2            # smoke run
+    python benchmarks/async_ahead.py --ahead 0 1          # a subset of the settings
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -33,8 +39,18 @@ ROOT = Path(__file__).resolve().parents[1]
 VAL_KEY = "val-core/arith/acc/mean@1"
 
 
-def run(ahead: int, args, workdir: Path) -> dict:
+def parse_setting(text: str) -> tuple[int, int, bool]:
+    """'2' -> (ahead 2, sync every 1, no partial rollouts); '2s2' -> sync every 2; '1p' -> partial."""
+    m = re.fullmatch(r"(\d+)(?:s(\d+))?(p?)", text)
+    if m is None:
+        raise SystemExit(f"--ahead {text!r}: expected K, KsN (sync every N updates) or Kp (partial rollouts)")
+    return int(m.group(1)), int(m.group(2) or 1), bool(m.group(3))
+
+
+def run(setting: str, args, workdir: Path) -> dict:
     from verl.models import bundled_model_path
+
+    ahead, sync_every, partial = parse_setting(setting)
 
     metrics_file = workdir / "metrics.jsonl"
     workers = [f"trainer.n_gpus_per_node={args.workers}"]
@@ -63,10 +79,14 @@ def run(ahead: int, args, workdir: Path) -> dict:
         f"async_training.staleness_threshold={ahead}",
         *workers,
     ]
+    if sync_every > 1:
+        cmd.append(f"async_training.trigger_parameter_sync_step={sync_every}")
+    if partial:
+        cmd += ["async_training.partial_rollout=true", "async_training.partial_rollout_check_steps=1"]
     env = dict(os.environ, PYTHONPATH=str(ROOT), VERL_FILE_LOGGER_PATH=str(metrics_file))
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
     if proc.returncode != 0:
-        raise RuntimeError(f"ahead={ahead} failed ({proc.returncode}):\n{proc.stderr[-4000:]}")
+        raise RuntimeError(f"ahead={setting} failed ({proc.returncode}):\n{proc.stderr[-4000:]}")
     records = [json.loads(line)["data"] for line in metrics_file.read_text().splitlines() if line.strip()]
     train = [r for r in records if "timing_s/step" in r]
     return {
@@ -74,6 +94,8 @@ def run(ahead: int, args, workdir: Path) -> dict:
         "wait_s": sum(r.get("timing_s/wait_rollout", 0.0) for r in train),
         "acc": next((r[VAL_KEY] for r in reversed(records) if VAL_KEY in r), float("nan")),
         "staleness": sum(r.get("async/staleness_mean", 0.0) for r in train) / max(1, len(train)),
+        "syncs": max((r.get("async/weight_syncs", 0.0) for r in train), default=0.0),
+        "mixed": sum(r.get("async/mixed_version_frac", 0.0) for r in train) / max(1, len(train)),
     }
 
 
@@ -84,7 +106,9 @@ def main() -> None:
     parser.add_argument("--n", type=int, default=8)
     parser.add_argument("--workers", type=int, default=2, help="worker processes in total, every setting")
     parser.add_argument("--rollout-workers", type=int, default=1, help="of which in the rollout pool (ahead >= 1)")
-    parser.add_argument("--ahead", type=int, nargs="+", default=[0, 1, 2])
+    parser.add_argument(
+        "--ahead", nargs="+", default=["0", "1", "2", "2s2", "1p"], help="settings: K, KsN (sync every N), Kp (partial)"
+    )
     args = parser.parse_args()
     results = {}
     for ahead in args.ahead:
@@ -93,7 +117,8 @@ def main() -> None:
         r = results[ahead]
         print(
             f"ahead={ahead}: train {r['time_s']:.1f} s (waiting for rollout {r['wait_s']:.1f} s), "
-            f"final greedy acc {r['acc']:.3f}, mean staleness {r['staleness']:.2f}",
+            f"final greedy acc {r['acc']:.3f}, mean staleness {r['staleness']:.2f}, weight syncs {r['syncs']:.0f}, "
+            f"mixed-version samples {r['mixed']:.2f}",
             flush=True,
         )
     base = results[args.ahead[0]]["time_s"]

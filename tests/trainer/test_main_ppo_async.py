@@ -171,3 +171,65 @@ def test_groups_over_a_lowered_bound_are_regenerated_or_dropped_on_resume(tmp_pa
     assert {r["weight_version"] for r in trained[4]} == {3}  # drawn fresh at step 4
     assert metrics[3]["async/dropped_stale_groups"] == BATCH
     assert metrics[4]["async/regenerated_stale_groups"] == 0
+
+
+def test_syncing_every_2_updates_pushes_weights_at_steps_1_3_5_and_keeps_staleness_within_the_bound(tmp_path):
+    """k=1, trigger_parameter_sync_step=2 (the most lag k=1 allows): the pool gets v0 at step 1, v2 at
+    step 3, v4 at step 5, and generates ahead only while the bound holds: batches 1-2 with v0, 3-4 with
+    v2, 5 with v4 (staleness 0, 1, 0, 1, 0). Versions 1 and 3 never reach the rollout worker."""
+    steps = 5
+    _run(_cmd(tmp_path, steps, 1, "async_training.trigger_parameter_sync_step=2"), tmp_path)
+    trained = _trained(tmp_path)
+    expected = {1: 0, 2: 0, 3: 2, 4: 2, 5: 4}
+    for step, rows in trained.items():
+        assert {r["weight_version"] for r in rows} == {expected[step]}, step
+        assert {r["weight_version_max"] for r in rows} == {expected[step]}, step  # no partial rollouts
+        assert {r["uid"].split("_")[0] for r in rows} == {str(step)}
+    records = {r["step"]: r["data"] for r in _metrics(tmp_path)}
+    assert [records[s]["async/staleness_max"] for s in range(1, steps + 1)] == [0, 1, 0, 1, 0]
+    assert [s for s in records if "timing_s/sync_weights" in records[s]] == [1, 3, 5]
+    assert [records[s]["async/weight_syncs"] for s in range(1, steps + 1)] == [1, 1, 2, 2, 3]
+    assert [records[s]["async/rollout_weight_version"] for s in range(1, steps + 1)] == [0, 0, 2, 2, 4]
+
+
+def test_resume_between_two_syncs_trains_every_group_once_with_the_tags_of_an_uninterrupted_run(tmp_path):
+    """k=2, trigger_parameter_sync_step=2, killed after the step-3 checkpoint, between the syncs of
+    steps 3 and 5. An uninterrupted run generates batches 1-3 with v0, 4-5 with v2 and 6 with v4
+    (submitted at step 5, right after its sync): the resumed run must too, so it keeps the
+    checkpoint's pool version (2) for what it submits until the next sync, although it pushes the
+    checkpoint's own weights (v3) to the restarted rollout pool."""
+    steps, ahead = 6, 2
+    expected = {1: 0, 2: 0, 3: 0, 4: 2, 5: 2, 6: 4}
+    cmd = _cmd(tmp_path, steps, ahead, "async_training.trigger_parameter_sync_step=2", "trainer.save_freq=3")
+    _run_and_kill_9_after_checkpoint(cmd, tmp_path, 3)
+    for f in (tmp_path / "rollouts").glob("*.jsonl"):  # steps after the checkpoint are retrained on resume
+        if int(f.stem) > 3:
+            f.unlink()
+    _run(cmd, tmp_path)
+    resumed = _trained(tmp_path)
+    assert sorted(resumed) == list(range(1, steps + 1))
+    groups = Counter(r["uid"] for rows in resumed.values() for r in rows)
+    assert set(groups.values()) == {N} and len(groups) == steps * BATCH  # each group trained once
+    for step, rows in resumed.items():
+        assert {r["uid"].split("_")[0] for r in rows} == {str(step)}, step
+        assert {r["weight_version"] for r in rows} == {expected[step]}, step
+        assert max((step - 1) - r["weight_version"] for r in rows) <= ahead
+
+
+def test_partial_rollouts_tag_each_sample_with_its_oldest_and_newest_version_within_the_bound(tmp_path):
+    """k=1 with partial rollouts checked every decode step. Whether a generation is in flight when the
+    weights arrive depends on timing (the worker test pins it down); here every sample's versions
+    must be ordered, the oldest within the bound, and the newest never ahead of the trainer."""
+    steps = 3
+    cmd = _cmd(
+        tmp_path, steps, 1, "async_training.partial_rollout=true", "async_training.partial_rollout_check_steps=1"
+    )
+    _run(cmd, tmp_path)
+    trained = _trained(tmp_path)
+    assert sorted(trained) == list(range(1, steps + 1))
+    for step, rows in trained.items():
+        for r in rows:
+            assert r["weight_version"] <= r["weight_version_max"] <= step - 1, (step, r)
+            assert (step - 1) - r["weight_version"] <= 1, (step, r)
+    records = {r["step"]: r["data"] for r in _metrics(tmp_path)}
+    assert all(0.0 <= records[s]["async/mixed_version_frac"] <= 1.0 for s in records)

@@ -241,6 +241,27 @@ class _OptimizedModel(_FSDPModel):
             self.checkpoint_manager.load_checkpoint(local_path)
 
 
+class _PendingWeights:
+    """A rollout-only worker's `WeightRefresh` for partial rollouts (see `HFRollout`): newer weights are
+    pending once the trainer has announced a version newer than the one this worker holds."""
+
+    def __init__(self, worker: ActorRolloutRefWorker):
+        self.worker = worker
+
+    @property
+    def version(self) -> int:
+        return self.worker.weight_version
+
+    def pending(self) -> bool:
+        latest = self.worker._weight_receiver.latest_version()
+        received = self.worker._received_version
+        return latest is not None and (received is None or latest > received)
+
+    def load(self) -> int:
+        self.worker._load_weight_version(self.worker._weight_receiver.latest_version())
+        return self.version
+
+
 class ActorRolloutRefWorker(Worker):
     """Actor (FSDP2 training), rollout (generation engine) and reference policy, in any combination."""
 
@@ -263,6 +284,9 @@ class ActorRolloutRefWorker(Worker):
         # stamped on every sample it generates; None in the hybrid engine (always current weights).
         self.weight_version: int | None = 0 if self.parts == ("rollout",) else None
         self._weight_sync_store = self._weight_sender = self._weight_receiver = None
+        # The last version taken from the weight-sync group: every version sent must be taken once
+        # (its buckets are collectives), by receive_weights or mid-generation by a partial rollout.
+        self._received_version: int | None = None
 
     def _need(self, part: str, method: str):
         obj = getattr(self, part)
@@ -322,10 +346,12 @@ class ActorRolloutRefWorker(Worker):
         if self.actor is not None and self.config.rollout.get("free_cache_engine", True):
             rollout.sleep()
         output.meta_info["metrics"] = {**output.meta_info.get("metrics", {}), **metrics}
-        if self.weight_version is not None:
+        if self.weight_version is not None and "weight_version" not in output.non_tensor_batch:
             import numpy as np
 
-            output.non_tensor_batch["weight_version"] = np.full(len(output), self.weight_version, dtype=np.int64)
+            # one version for the whole request (a partial rollout sets each row's oldest and newest itself)
+            for key in ("weight_version", "weight_version_max"):
+                output.non_tensor_batch[key] = np.full(len(output), self.weight_version, dtype=np.int64)
         dev.empty_cache()
         return output
 
@@ -356,6 +382,7 @@ class ActorRolloutRefWorker(Worker):
         self._need("rollout", "init_weight_sync")
         store = connect_store(host, port, timeout_s)
         self._weight_receiver = WeightReceiver(store, self.rank + 1, world_size, timeout_s)
+        self.rollout.weight_refresh = _PendingWeights(self)  # engines without partial rollouts ignore it
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL, blocking=False)
     def send_weights(self, version: int) -> dict[str, float]:
@@ -374,14 +401,20 @@ class ActorRolloutRefWorker(Worker):
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL, blocking=False)
     def receive_weights(self, version: int) -> dict[str, float]:
-        """Load weight `version` from the trainer into this rollout engine; later samples carry it."""
-        rollout = self._need("rollout", "receive_weights")
+        """Load weight `version` from the trainer into this rollout engine; later samples carry it.
+        A no-op when a partial rollout already took this version in the middle of a generation."""
+        self._need("rollout", "receive_weights")
         if self._weight_receiver is None:
             raise RuntimeError("receive_weights before init_weight_sync: the weight-sync group does not exist yet")
+        if self._received_version is not None and self._received_version >= version:
+            return {}
         start = time.perf_counter()
-        rollout.update_weights(self._weight_receiver.receive(version))
-        self.weight_version = int(version)
+        self._load_weight_version(int(version))
         return {"timing_s/receive_weights": time.perf_counter() - start}
+
+    def _load_weight_version(self, version: int) -> None:
+        self.rollout.update_weights(self._weight_receiver.receive(version))
+        self.weight_version = self._received_version = version
 
     @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO)
     def compute_log_prob(self, data: DataProto) -> DataProto:

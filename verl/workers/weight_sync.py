@@ -22,6 +22,10 @@ Design decisions:
 - Sending runs in a background thread (`WeightSender.send_async`): the trainer's next update can
   start while the rollout workers are still busy generating and have not reached the receive.
   Versions are sent strictly in order (a send first joins the previous one).
+- Announcement: a send first writes its version under `latest`, so a receiver busy generating
+  can ask, without blocking, whether newer weights are on their way (`WeightReceiver.latest_version`)
+  and take them mid-generation (partial rollouts); every receiver must still take every version
+  sent, since each bucket is a collective.
 """
 
 from __future__ import annotations
@@ -40,6 +44,7 @@ __all__ = ["WeightSender", "WeightReceiver", "WeightSyncError", "WeightSyncTimeo
 
 _PREFIX = "verl_weight_sync"
 _END = b"end"
+_LATEST = "latest"
 
 
 class WeightSyncError(RuntimeError):
@@ -172,15 +177,22 @@ class WeightSender(_Endpoint):
 
     def send(self, version: int, buckets: list[tuple[dict, torch.Tensor]]) -> None:
         """Broadcast one version's buckets (blocks until every receiver has them)."""
+        self.announce(version)
         for i, (layout, flat) in enumerate(buckets):
             # JSON, not pickle: the store is a network port, and what it hands a receiver must not run code
             self.store.set(f"v{version}/b{i}", json.dumps({**layout, "numel": flat.numel()}).encode())
             self._broadcast(flat, f"broadcasting bucket {i} of weight version {version}")
         self.store.set(f"v{version}/b{len(buckets)}", _END)
 
+    def announce(self, version: int) -> None:
+        """Tell receivers (`latest_version`) that `version` is on its way."""
+        self.store.set(_LATEST, str(int(version)).encode())
+
     def send_async(self, version: int, buckets: list[tuple[dict, torch.Tensor]]) -> None:
-        """`send` in a background thread, after the previous send has finished (raising its error)."""
+        """`send` in a background thread, after the previous send has finished (raising its error).
+        The version is announced before this returns, so a receiver asking next sees it."""
         self.wait()
+        self.announce(version)
         self._thread = threading.Thread(target=self._run, args=(version, buckets), daemon=True, name="weight-sync")
         self._thread.start()
 
@@ -207,6 +219,15 @@ class WeightReceiver(_Endpoint):
         if rank < 1:
             raise ValueError(f"a receiver's weight-sync rank must be >= 1 (rank 0 sends), got {rank}")
         super().__init__(store, rank, world_size, timeout_s, backend)
+
+    def latest_version(self) -> int | None:
+        """The newest version the sender has started to send (None before the first); does not block."""
+        try:
+            if not self.store.check([_LATEST]):
+                return None
+            return int(self.store.get(_LATEST))
+        except Exception as exc:
+            raise self._timeout_error("asking for the newest weight version", exc) from None
 
     def receive(self, version: int) -> Iterator[tuple[str, torch.Tensor]]:
         """Named tensors of weight `version` (consume the iterator to the end: every bucket is a collective)."""

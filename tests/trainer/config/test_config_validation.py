@@ -395,3 +395,30 @@ def test_truncated_importance_sampling_needs_rollout_log_probs(defaults):
             actor_rollout_ref__rollout__calculate_log_probs=True,
         )
     )
+
+
+def test_syncing_weights_less_often_than_the_staleness_bound_allows_is_refused(defaults):
+    ok = with_(defaults, async_training__staleness_threshold=1, async_training__trigger_parameter_sync_step=2)
+    validate_ppo_config(ok)  # the pool lags at most 1 version: within the bound of 1
+    msg = error_of(with_(ok, async_training__trigger_parameter_sync_step=3))
+    assert "async_training.trigger_parameter_sync_step=3 with staleness_threshold=1" in msg
+    assert "2 versions old, over the bound of 1" in msg
+    assert "set staleness_threshold >= 2 or trigger_parameter_sync_step <= 2" in msg
+    assert "must be >= 1" in error_of(with_(ok, async_training__trigger_parameter_sync_step=0))
+
+
+def test_sync_schedule_and_partial_rollouts_need_generation_running_ahead(defaults):
+    msg = error_of(with_(defaults, async_training__trigger_parameter_sync_step=2))
+    assert "async_training.trigger_parameter_sync_step=2 only applies" in msg
+    assert "async_training.staleness_threshold >= 1" in msg
+    assert "async_training.partial_rollout=True only applies" in error_of(
+        with_(defaults, async_training__partial_rollout=True)
+    )
+
+
+def test_partial_rollouts_need_the_built_in_engine(defaults):
+    ahead = with_(defaults, async_training__staleness_threshold=1, async_training__partial_rollout=True)
+    validate_ppo_config(ahead)
+    msg = error_of(with_(ahead, actor_rollout_ref__rollout__name="vllm"))
+    assert "not for actor_rollout_ref.rollout.name=vllm" in msg and "async_training.partial_rollout=false" in msg
+    assert "must be >= 1" in error_of(with_(ahead, async_training__partial_rollout_check_steps=0))

@@ -741,6 +741,21 @@ class AsyncTrainingConfig:
         "Deadline of each trainer -> rollout weight transfer (and of forming its process group); on expiry the "
         "error names the side that did not arrive."
     )
+    trigger_parameter_sync_step: int = doc(
+        "Push the trainer's weights to the rollout pool every N updates (1: after every update). Fewer syncs, "
+        "but the pool's weights lag up to N-1 more versions behind, so generation runs ahead only while the "
+        "staleness bound still holds (between k-N+1 and k batches); N <= staleness_threshold + 1."
+    )
+    partial_rollout: bool = doc(
+        "Weights arriving while a generation is in flight are loaded between two decode steps and the unfinished "
+        "samples go on with them (re-prefilling prompt + partial response), instead of finishing with the old "
+        "weights. A sample's weight_version is its oldest token's version (staleness), weight_version_max its "
+        "newest; rollout log-probs are those of the version that sampled each token. Built-in engine (rollout."
+        "name=hf) only."
+    )
+    partial_rollout_check_steps: int = doc(
+        "With partial_rollout: decode steps between two checks for newer weights (each a store round trip)."
+    )
 
 
 @dataclass

@@ -642,13 +642,48 @@ def _check_lora(c: dict, errors: list[str]):
 
 def _check_async_training(c: dict, errors: list[str]):
     """Generation ahead of training: what it cannot be combined with, and the rollout pool's size."""
-    k = c["async_training"]["staleness_threshold"]
+    at = c["async_training"]
+    k = at["staleness_threshold"]
     if k < 0:
         errors.append(
             f"async_training.staleness_threshold={k} must be >= 0 (0: synchronous; k: generation up to k batches ahead)"
         )
+    n = at["trigger_parameter_sync_step"]
+    if n < 1:
+        errors.append(
+            f"async_training.trigger_parameter_sync_step={n} must be >= 1 (1: push weights after every update)"
+        )
+    if at["partial_rollout_check_steps"] < 1:
+        errors.append(
+            f"async_training.partial_rollout_check_steps={at['partial_rollout_check_steps']} must be >= 1 "
+            "(decode steps between two checks for newer weights)"
+        )
     if k <= 0:
+        for key, off in (("trigger_parameter_sync_step", n == 1), ("partial_rollout", not at["partial_rollout"])):
+            if not off:
+                errors.append(
+                    f"async_training.{key}={at[key]} only applies to generation running ahead of training in its "
+                    "own rollout pool, but async_training.staleness_threshold=0 (the colocated engine always "
+                    "generates with the current weights); set async_training.staleness_threshold >= 1 or drop it"
+                )
         return
+    if n > k + 1:
+        errors.append(
+            f"async_training.trigger_parameter_sync_step={n} with staleness_threshold={k}: between two syncs the "
+            f"rollout pool's weights fall up to {n - 1} versions behind the trainer's, so the batch trained right "
+            f"before a sync would be {n - 1} versions old, over the bound of {k}; set staleness_threshold >= {n - 1} "
+            f"or trigger_parameter_sync_step <= {k + 1}"
+        )
+    rollout = c["actor_rollout_ref"]["rollout"]
+    if at["partial_rollout"] and (rollout["name"] != "hf" or rollout["multi_turn"]["enable"]):
+        what = (
+            "multi-turn agent loops" if rollout["name"] == "hf" else f"actor_rollout_ref.rollout.name={rollout['name']}"
+        )
+        errors.append(
+            f"async_training.partial_rollout=true is implemented for the built-in engine's batch generation only, "
+            f"not for {what} (it cannot pause a generation to load weights); set actor_rollout_ref.rollout.name=hf "
+            "without multi_turn, or async_training.partial_rollout=false"
+        )
     algo = c["algorithm"]
     clashes = {
         "algorithm.filter_groups.enable=true (DAPO dynamic sampling)": algo["filter_groups"]["enable"],

@@ -9,15 +9,27 @@ batch a step trains on comes from a queue that a separate rollout pool keeps fil
     k >= 2  generation may run up to k batches ahead of training
 
 Versions. The actor's weights after `s` updates are weight version `s`; step `t` trains with
-version `t-1` and pushes it to the rollout pool before it asks for more samples. Every rollout
-worker stamps each sample with the version it generated it with (`non_tensor_batch
-["weight_version"]`, set by the worker, never guessed by the driver). A sample's staleness at
-step t is `(t-1) - weight_version`. Prompt batches are submitted to the rollout pool at most `k`
-batches ahead of the step that trains them, behind the weight push of the step that submits them,
-so batch `b` is generated with version `max(0, b-1-k)` and trained at step `b` with staleness
-`min(k, b-1)`: the bound holds by construction. It is checked again when a batch is taken, and a
-group older than the bound (possible after a change of `k` on resume) is regenerated with current
-weights (`stale_sample_policy=regenerate`, no prompt is lost) or dropped (`drop`).
+version `t-1`. Every rollout worker stamps each sample with the version it generated it with
+(`non_tensor_batch["weight_version"]`, set by the worker, never guessed by the driver). A sample's
+staleness at step t is `(t-1) - weight_version`.
+
+Sync schedule (`trigger_parameter_sync_step=N`, default 1). Step t pushes `v(t-1)` to the rollout
+pool when `t-1` is a multiple of N, so between syncs the pool holds `p = N * floor((t-1)/N)`,
+up to N-1 versions behind the trainer. Prompt batches are submitted behind the push, up to batch
+`p + 1 + k`: batch b is then generated with a version >= b-1-k and its staleness at step b is at
+most k, whatever N. So the bound stays the bound, and N trades lookahead for fewer syncs: right
+after a sync generation runs k batches ahead, right before the next one k-N+1. N > k+1 would
+leave the batch before a sync unreachable within the bound: a config error. With N=1 batch b is
+generated with `max(0, b-1-k)`, staleness `min(k, b-1)`. The bound is checked again when a batch
+is taken, and a group older than it (possible after a change of `k` on resume) is regenerated
+with current weights (`stale_sample_policy=regenerate`, no prompt is lost) or dropped (`drop`).
+
+Partial rollouts (`partial_rollout=true`, built-in engine). A generation in flight when a push is
+announced is paused between two decode steps, the worker takes the weights, and the unfinished
+samples go on from prompt + partial response with them (see `HFRollout`). A sample's
+`weight_version` is then its oldest token's version (staleness and the bound use it) and
+`weight_version_max` its newest; `rollout_log_probs` hold each token's log-prob under the version
+that sampled it, which is what the off-policy correction needs as behaviour policy.
 
 Streaming. Each prompt batch is cut into group-aligned chunks, one request per rollout worker;
 a chunk is scored (reward function) as soon as it is back, and the trainer takes whole groups in
@@ -36,11 +48,16 @@ Off-policy correction (`async_training.off_policy_correction`):
 Resume. A checkpoint waits for the generations in flight and saves every drawn-but-untrained
 group (with its responses, scores and version tags) in `data.pt`, beside the dataloader position
 that already counts them; resuming puts them back in the queue, so no sample is lost or trained
-twice. The rollout pool then receives the checkpoint's weights before generating anything.
+twice. The rollout pool then receives the checkpoint's weights before generating anything. The
+checkpoint also records the schedule's pool version `p`: a run resumed between two syncs keeps
+submitting up to batch `p + 1 + k` until the next sync, as the uninterrupted run does (every
+batch within that window was already submitted before the checkpoint, so the checkpoint's newer
+weights the restarted pool receives generate nothing but regenerated groups).
 
 Validation keeps running on the trainer pool's own (hybrid) engine, with the current weights.
-Not implemented: partial rollouts (interrupting a generation to push weights), syncing weights
-less often than every step, and DAPO dynamic sampling / ReMax / KL-in-reward with `k >= 1`.
+Not implemented: DAPO dynamic sampling / ReMax / KL-in-reward with `k >= 1`; partial rollouts for
+vLLM/SGLang; replaying partial rollouts identically on resume (where a generation is paused
+depends on timing).
 """
 
 from __future__ import annotations
@@ -117,6 +134,7 @@ class _Chunk:
 class _Stats:
     dropped_groups: int = 0
     regenerated_groups: int = 0
+    num_syncs: int = 0
     extra: dict = field(default_factory=dict)
 
 
@@ -135,6 +153,9 @@ class AsyncRolloutSource:
         self.correction = cfg.get("off_policy_correction", "decoupled")
         self.stale_policy = cfg.get("stale_sample_policy", "regenerate")
         self.timeout_s = float(cfg.get("weight_sync_timeout_s", 600))
+        self.sync_every = int(cfg.get("trigger_parameter_sync_step", 1) or 1)
+        self.partial_rollout = bool(cfg.get("partial_rollout", False))
+        self.partial_check_steps = int(cfg.get("partial_rollout_check_steps", 8) or 8)
         rollout_cfg = trainer.config.actor_rollout_ref.rollout
         self.bucket_mb = int(rollout_cfg.get("update_weights_bucket_megabytes", 512) or 512)
         self.n = int(rollout_cfg.n)
@@ -143,16 +164,19 @@ class AsyncRolloutSource:
         self._seq = 0
         self._chunks: list[_Chunk] = []  # submitted, not yet scored
         self._ready: list[DataProto] = []  # scored, not yet trained (group-aligned)
-        self._synced_version: int | None = None
+        # The version the rollout pool holds by the sync schedule (checkpointed: it decides what is
+        # submitted next), and the version this process last pushed (None until the first push).
+        self._pool_version: int | None = None
+        self._pushed_version: int | None = None
         self._receive_refs: list = []
         self._stats = _Stats()
 
     # ------------------------------------------------------------------ the strategy
     def __call__(self, state) -> DataProto:
         step = self.trainer.global_steps
-        with marked_timer("sync_weights", state.timing):
-            self._push_weights(step - 1)
-        self._submit_until(min(step + self.k, self.trainer.total_training_steps))
+        self._sync_weights(step, state)
+        # Batch b may be generated with the pool's version p only if (b-1) - p <= k.
+        self._submit_until(min(self._pool_version + 1 + self.k, self.trainer.total_training_steps))
         with marked_timer("wait_rollout", state.timing):
             batch = self._take(step, state)
         state.metrics.update(self._metrics(batch, step))
@@ -161,19 +185,32 @@ class AsyncRolloutSource:
         return batch
 
     # ------------------------------------------------------------------ weights
+    def _sync_weights(self, step: int, state) -> None:
+        """Push the trainer's weights (version step-1) when the schedule says so: every
+        `trigger_parameter_sync_step` updates, i.e. at steps whose version step-1 is a multiple of
+        it. A run resumed between two syncs pushes too (its rollout pool restarted from the model
+        path), but keeps the checkpoint's schedule version: what it submits next stays the same."""
+        due = self.sync_every * ((step - 1) // self.sync_every)
+        scheduled = self._pool_version is None or self._pool_version < due
+        if not scheduled and self._pushed_version is not None:
+            return
+        with marked_timer("sync_weights", state.timing):
+            self._push_weights(step - 1)
+        if scheduled:
+            self._pool_version = step - 1
+            self._stats.num_syncs += 1
+
     def _push_weights(self, version: int) -> None:
         """Make `version` the rollout pool's weights for every request submitted from now on."""
-        if self._synced_version == version:
-            return
         actor_wg = self.trainer.actor_rollout_wg
-        if self._synced_version is None:
+        if self._pushed_version is None:
             self._init_group(actor_wg)
         self._wait(self.rollout_wg, self._receive_refs, "receive_weights")
         send = actor_wg.send_weights(version)
         # Queued behind the generations already submitted: those keep their older version.
         self._receive_refs = self.rollout_wg.receive_weights(version)
         self._wait(actor_wg, send, "send_weights")
-        self._synced_version = version
+        self._pushed_version = version
 
     def _init_group(self, actor_wg) -> None:
         host, port = next(a for a in actor_wg.host_weight_sync(self.timeout_s) if a is not None)
@@ -206,6 +243,9 @@ class AsyncRolloutSource:
             part = rows.slice(start * self.n, min(num_groups, start + per_worker) * self.n)
             gen = self.trainer._gen_batch(part)
             gen.meta_info["global_steps"] = batch_index
+            if self.partial_rollout:
+                gen.meta_info["partial_rollout"] = True
+                gen.meta_info["partial_rollout_check_steps"] = self.partial_check_steps
             rank = (batch_index + w) % workers  # rotate so no worker always gets the short tail chunk
             chunk = _Chunk(batch_index=batch_index, rows=part, gen=gen, rank=rank, seq=self._seq)
             self._seq += 1
@@ -287,7 +327,8 @@ class AsyncRolloutSource:
     # ------------------------------------------------------------------ metrics
     def _metrics(self, batch: DataProto, step: int) -> dict[str, float]:
         versions = batch.non_tensor_batch["weight_version"].astype(np.int64)
-        staleness = (step - 1) - versions
+        newest = batch.non_tensor_batch.get("weight_version_max", versions).astype(np.int64)
+        staleness = (step - 1) - versions  # by each sample's oldest token
         return {
             "async/staleness_mean": float(staleness.mean()),
             "async/staleness_max": float(staleness.max()),
@@ -298,6 +339,9 @@ class AsyncRolloutSource:
             "async/queued_batches": float(self.num_drawn - step),
             "async/dropped_stale_groups": float(self._stats.dropped_groups),
             "async/regenerated_stale_groups": float(self._stats.regenerated_groups),
+            "async/weight_syncs": float(self._stats.num_syncs),
+            "async/rollout_weight_version": float(self._pool_version),
+            "async/mixed_version_frac": float((newest > versions).mean()),
         }
 
     # ------------------------------------------------------------------ checkpoints
@@ -311,6 +355,8 @@ class AsyncRolloutSource:
             "ready": list(self._ready),
             "chunks": [(c.batch_index, c.rows, c.gen, c.rank, c.output, c.seq) for c in self._chunks],
             "stats": (self._stats.dropped_groups, self._stats.regenerated_groups),
+            "pool_version": self._pool_version,
+            "num_syncs": self._stats.num_syncs,
         }
 
     def load_state_dict(self, state: dict) -> None:
@@ -322,7 +368,10 @@ class AsyncRolloutSource:
         ]
         self._seq = 1 + max((c.seq for c in self._chunks), default=-1)
         self._stats.dropped_groups, self._stats.regenerated_groups = state["stats"]
-        self._synced_version = None  # the rollout pool restarts from the model path: push weights first
+        self._stats.num_syncs = int(state.get("num_syncs", 0))
+        # None (an older checkpoint): sync at the first step, as a run without a schedule would.
+        self._pool_version = state.get("pool_version")
+        self._pushed_version = None  # the rollout pool restarts from the model path: push weights first
 
 
 def _prompt_rows(scored: DataProto) -> DataProto:
@@ -334,6 +383,6 @@ def _prompt_rows(scored: DataProto) -> DataProto:
         "attention_mask": scored.batch["attention_mask"][:, :prompt_len],
         "position_ids": scored.batch["position_ids"][:, :prompt_len],
     }
-    generated = {"weight_version", "token_level_scores", "token_level_rewards"}
+    generated = {"weight_version", "weight_version_max", "token_level_scores", "token_level_rewards"}
     non_tensors = {k: v for k, v in scored.non_tensor_batch.items() if k not in generated}
     return DataProto.from_dict(tensors=tensors, non_tensors=non_tensors)

@@ -665,7 +665,7 @@ class RayPPOTrainer:
 
     def _dump_rollouts(self, directory: str) -> None:
         """`<rollout_data_dir>/<step>.jsonl`: one line per trained sample (uid, input, output, score,
-        and the weight version that generated it when generation runs ahead)."""
+        and when generation runs ahead the oldest and newest weight versions that generated it)."""
         import json
 
         batch = self._last_batch
@@ -674,12 +674,15 @@ class RayPPOTrainer:
         outputs = self.tokenizer.batch_decode(batch.batch["responses"], skip_special_tokens=True)
         scores = batch.batch["token_level_scores"].sum(-1).tolist()
         versions = batch.non_tensor_batch.get("weight_version")
+        newest = batch.non_tensor_batch.get("weight_version_max")
         with open(os.path.join(directory, f"{self.global_steps}.jsonl"), "w") as f:
             for i, uid in enumerate(batch.non_tensor_batch["uid"]):
                 row = {"step": self.global_steps, "uid": str(uid), "input": inputs[i], "output": outputs[i]}
                 row["score"] = scores[i]
                 if versions is not None:
                     row["weight_version"] = int(versions[i])
+                if newest is not None:
+                    row["weight_version_max"] = int(newest[i])
                 f.write(json.dumps(row) + "\n")
 
     # ------------------------------------------------------------------ checkpoints

@@ -20,6 +20,14 @@ Output layout (DESIGN.md): `prompts` [B, P], `responses` [B, R] right-padded wit
 the mask is 1 up to and including the EOS token), `response_mask` [B, R] and, with
 `calculate_log_probs`, `rollout_log_probs` [B, R] (0 where masked). R is always the configured
 response length, whatever the longest response.
+
+Partial rollouts (asynchronous training, `meta_info["partial_rollout"]`): the rollout worker sets
+`weight_refresh`; every `partial_rollout_check_steps` decode steps the engine asks it whether newer
+weights wait, and if so pauses, loads them and resumes the unfinished rows from prompt + partial
+response. The KV cache is recomputed by that prefill rather than kept: keys and values of the old
+weights under the new ones would be neither policy, and the rollout log-probs must be the sampling
+policy's own. The output then carries per-row `weight_version` / `weight_version_max` (oldest and
+newest version that sampled a token of the row).
 """
 
 from __future__ import annotations
@@ -29,6 +37,7 @@ import logging
 import time
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
+from typing import NamedTuple, Protocol
 
 import torch
 
@@ -109,6 +118,30 @@ class HFRolloutConfig:
         return cls(**values)
 
 
+class WeightRefresh(Protocol):
+    """What partial rollouts need from whoever delivers new weights (the rollout worker of
+    asynchronous training): the version the engine holds, whether a newer one is waiting, and a
+    way to load it into the engine."""
+
+    version: int
+
+    def pending(self) -> bool:
+        """Whether newer weights than `version` are waiting (cheap: called every few decode steps)."""
+        ...
+
+    def load(self) -> int:
+        """Load the waiting weights into the engine; returns (and sets `version` to) their version."""
+        ...
+
+
+class _PartialOutput(NamedTuple):
+    responses: torch.Tensor
+    response_mask: torch.Tensor
+    logprobs: torch.Tensor | None
+    version_min: torch.Tensor  # [B] int64, the oldest weight version that sampled a token of the row
+    version_max: torch.Tensor  # [B] int64, the newest
+
+
 def _first_set(*values):
     return next((v for v in values if v is not None), None)
 
@@ -134,6 +167,8 @@ class HFRollout(BaseRollout):
             dtype=self.config.dtype,
             use_cuda_graph=None if not self.config.enforce_eager else False,
         )
+        # Set by the rollout worker of asynchronous training; used when a request asks for partial rollouts.
+        self.weight_refresh: WeightRefresh | None = None
         hf_config = self._hf_config(model_path_or_module)
         self._default_eos = _first_set(
             getattr(tokenizer, "eos_token_id", None), getattr(hf_config, "eos_token_id", None)
@@ -197,22 +232,15 @@ class HFRollout(BaseRollout):
                 "positions [batch, prompt_len] only (no multimodal rope)"
             )
         out_device = input_ids.device
+        refresh = self.weight_refresh if meta.get("partial_rollout") else None
+        check_steps = int(meta.get("partial_rollout_check_steps", 1))
 
         parts = []
         chunk = self.config.max_num_seqs
         for lo in range(0, input_ids.shape[0], chunk):
-            parts.append(
-                self.engine.generate(
-                    input_ids[lo : lo + chunk],
-                    attention_mask[lo : lo + chunk],
-                    response_length,
-                    sampling,
-                    eos_token_id=eos_ids,
-                    pad_token_id=pad,
-                    position_ids=position_ids[lo : lo + chunk],
-                    return_logprobs=self.config.calculate_log_probs,
-                )
-            )
+            rows = slice(lo, lo + chunk)
+            args = (input_ids[rows], attention_mask[rows], position_ids[rows], response_length, sampling, eos_ids, pad)
+            parts.append(self._generate_partial(*args, refresh, check_steps) if refresh else self._generate(*args))
         responses = torch.cat([p.responses for p in parts]).to(out_device)
         response_mask = torch.cat([p.response_mask for p in parts]).to(out_device, attention_mask.dtype)
 
@@ -232,4 +260,82 @@ class HFRollout(BaseRollout):
         timing["generate_sequences"] = time.perf_counter() - start
         meta["timing"] = timing
         batch = TensorDict(tensors, batch_size=[input_ids.shape[0]])
-        return DataProto(batch=batch, non_tensor_batch=dict(prompts.non_tensor_batch), meta_info=meta)
+        non_tensors = dict(prompts.non_tensor_batch)
+        if refresh is not None:
+            non_tensors["weight_version"] = torch.cat([p.version_min for p in parts]).numpy()
+            non_tensors["weight_version_max"] = torch.cat([p.version_max for p in parts]).numpy()
+        return DataProto(batch=batch, non_tensor_batch=non_tensors, meta_info=meta)
+
+    def _generate(self, input_ids, attention_mask, position_ids, response_length, sampling, eos_ids, pad):
+        return self.engine.generate(
+            input_ids,
+            attention_mask,
+            response_length,
+            sampling,
+            eos_token_id=eos_ids,
+            pad_token_id=pad,
+            position_ids=position_ids,
+            return_logprobs=self.config.calculate_log_probs,
+        )
+
+    def _generate_partial(
+        self, input_ids, attention_mask, position_ids, response_length, sampling, eos_ids, pad, refresh, check_steps
+    ) -> _PartialOutput:
+        """Generation that lets newer weights in mid-way (see `WeightRefresh`).
+
+        Every `check_steps` columns the engine asks `refresh.pending()`; when newer weights wait, it
+        stops, they are loaded, and the rows without EOS yet go on from prompt + partial response,
+        which is prefilled again with the new weights (an unfinished row has no padding inside its
+        partial response, so the concatenation is a valid left-padded prompt). Each token's
+        log-prob is thus the one of the weights that sampled it.
+        """
+        B, R = input_ids.shape[0], response_length
+        device = input_ids.device
+        responses = torch.full((B, R), pad, dtype=torch.long, device=device)
+        response_mask = torch.zeros((B, R), dtype=attention_mask.dtype, device=device)
+        logprobs = torch.zeros((B, R), dtype=torch.float32, device=device) if self.config.calculate_log_probs else None
+        version_min = torch.full((B,), refresh.version, dtype=torch.int64)
+        version_max = version_min.clone()
+        eos = torch.tensor(eos_ids, dtype=torch.long, device=device) if eos_ids else None
+        active = torch.arange(B, device=device)  # output rows still generating
+        done = 0  # response columns sampled so far by every active row
+        while True:
+            out = self.engine.generate(
+                input_ids,
+                attention_mask,
+                R - done,
+                sampling,
+                eos_token_id=eos_ids,
+                pad_token_id=pad,
+                position_ids=position_ids,
+                return_logprobs=logprobs is not None,
+                pause=refresh.pending,
+                pause_check_steps=check_steps,
+            )
+            width = R - done if out.paused_at is None else out.paused_at
+            columns = slice(done, done + width)
+            responses[active, columns] = out.responses[:, :width].to(device)
+            response_mask[active, columns] = out.response_mask[:, :width].to(device, response_mask.dtype)
+            if logprobs is not None:
+                logprobs[active, columns] = out.logprobs[:, :width].to(device)
+            version_max[active.cpu()] = refresh.version
+            if out.paused_at is None:
+                break
+            refresh.load()
+            new_tokens = out.responses[:, :width].to(device)
+            going = (
+                ~(new_tokens[..., None] == eos).any(-1).any(-1)
+                if eos is not None
+                else torch.ones_like(active, dtype=torch.bool)
+            )
+            if not going.any():
+                break
+            active, new_tokens = active[going], new_tokens[going]
+            last = position_ids[going, -1:]
+            input_ids = torch.cat([input_ids[going], new_tokens], dim=-1)
+            attention_mask = torch.cat(
+                [attention_mask[going], torch.ones_like(new_tokens, dtype=attention_mask.dtype)], dim=-1
+            )
+            position_ids = torch.cat([position_ids[going], last + torch.arange(1, width + 1, device=device)], dim=-1)
+            done += width
+        return _PartialOutput(responses, response_mask, logprobs, version_min, version_max)

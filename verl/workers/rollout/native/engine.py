@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import NamedTuple
 
@@ -63,11 +63,14 @@ def resolve_dtype(dtype, device: torch.device) -> torch.dtype:
 
 class GenerationOutput(NamedTuple):
     """responses [B, R] right-padded with pad_token_id; response_mask [B, R] (1 up to and including
-    EOS); logprobs [B, R] float32 (0 where masked) or None. Unpacks as a tuple in that order."""
+    EOS); logprobs [B, R] float32 (0 where masked) or None; paused_at: the number of response
+    columns sampled before `pause()` stopped generation (columns from there on are pad, mask 0),
+    None when it ran to the end. Unpacks as a tuple in that order."""
 
     responses: torch.Tensor
     response_mask: torch.Tensor
     logprobs: torch.Tensor | None = None
+    paused_at: int | None = None
 
 
 def _iter_checkpoint_tensors(path: Path):
@@ -228,12 +231,19 @@ class GenerationEngine:
         position_ids: torch.Tensor | None = None,
         return_logprobs: bool = False,
         generator: torch.Generator | None = None,
+        pause: Callable[[], bool] | None = None,
+        pause_check_steps: int = 1,
     ) -> GenerationOutput:
         """Generate up to `max_new_tokens` per left-padded prompt row of `input_ids` [B, P].
 
         A row stops after emitting any of `eos_token_id` (the EOS token is kept and masked 1);
         later columns hold `pad_token_id` with mask 0. `position_ids` default to the running count
         of attended prompt tokens (what the trainer uses); responses continue from the last one.
+
+        `pause` (partial rollouts) is asked every `pause_check_steps` sampled columns; when it says
+        True the whole batch stops there and `paused_at` tells how many columns were sampled. The
+        caller resumes by generating again from prompt + partial response: the KV cache is not kept,
+        since after a weight update it would hold the old weights' keys and values.
         """
         self._check_ready()
         sampling = sampling or SamplingParams()
@@ -266,6 +276,7 @@ class GenerationEngine:
         # rows have been dropped (None while slot i is row i).
         rows, live = None, B
         finished = torch.zeros(B, dtype=torch.bool, device=dev)
+        paused_at = None
         for i in range(R):
             tokens, token_logprobs = select_tokens(logits, sampling, return_logprobs, generator)
             if rows is None:
@@ -291,6 +302,9 @@ class GenerationEngine:
                         tokens, positions = tokens[keep], positions[keep]
                         finished = torch.zeros(remaining, dtype=torch.bool, device=dev)
                         live = remaining
+            if pause is not None and (i + 1) % pause_check_steps == 0 and pause():
+                paused_at = i + 1
+                break
             logits = self._decode(tokens, positions[:, i], P + i)
 
         # 1 up to and including each row's first EOS; unsampled columns (early stop) are pad already
@@ -300,9 +314,11 @@ class GenerationEngine:
             is_eos = (responses[..., None] == eos).any(-1).to(attention_mask.dtype)
             response_mask = ((is_eos.cumsum(-1) - is_eos) == 0).to(attention_mask.dtype)
             responses.masked_fill_(response_mask == 0, pad_token_id)
-            if logprobs is not None:
-                logprobs.masked_fill_(response_mask == 0, 0.0)
-        return GenerationOutput(responses, response_mask, logprobs)
+        if paused_at is not None:
+            response_mask[:, paused_at:] = 0
+        if logprobs is not None:
+            logprobs.masked_fill_(response_mask == 0, 0.0)
+        return GenerationOutput(responses, response_mask, logprobs, paused_at)
 
     def _prefill(
         self, input_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor

@@ -1,0 +1,127 @@
+"""Partial rollouts in the built-in engine: newer weights arriving mid-generation are loaded
+between two decode steps and the unfinished rows go on with them.
+
+The reference scores every sampled token with each weight version in float64 by a plain HF
+forward over prompt + response (no KV cache, nothing shared with the engine): the rollout's
+log-prob of a token must be the one of the version that sampled it.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import numpy as np
+import torch
+from conftest import build_model, left_padded_prompts
+
+from verl.protocol import DataProto
+from verl.workers.rollout.hf_rollout import HFRollout
+
+PAD = 0
+# Many stop tokens, so that with 8 sampled rows some stop before the pause and some go on past it.
+EOS = list(range(2, 10))
+R = 10
+PAUSE_AFTER = 3  # partial_rollout_check_steps: the first check comes after 3 sampled columns
+LENGTHS = [6, 2, 4, 5, 3, 6, 4, 2, 5, 3, 4, 6]
+
+
+class _SwapTo:
+    """A stand-in for the rollout worker's weight receiver: `model`'s weights wait from the start
+    (when `waiting`), so the first check pauses; counts the engine's checks."""
+
+    def __init__(self, rollout: HFRollout, model, waiting: bool = True):
+        self.rollout, self.model, self.waiting = rollout, model, waiting
+        self.version = 0
+        self.num_checks = 0
+
+    def pending(self) -> bool:
+        self.num_checks += 1
+        return self.waiting
+
+    def load(self) -> int:
+        self.rollout.update_weights(self.model.state_dict().items())
+        self.waiting = False
+        self.version = 1
+        return self.version
+
+
+def _prompts(**meta) -> DataProto:
+    input_ids, attention_mask = left_padded_prompts(LENGTHS, seed=3)
+    position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
+    return DataProto.from_dict(
+        tensors={"input_ids": input_ids, "attention_mask": attention_mask, "position_ids": position_ids},
+        non_tensors={"uid": np.array([f"u{i}" for i in range(len(LENGTHS))], dtype=object)},
+        meta_info={"eos_token_id": EOS, "pad_token_id": PAD, "do_sample": True, **meta},
+    )
+
+
+def _rollout(model) -> HFRollout:
+    return HFRollout(model, {"response_length": R, "calculate_log_probs": True, "temperature": 1.0}, device="cpu")
+
+
+def _token_log_probs(model, out: DataProto) -> torch.Tensor:
+    """[B, R] float64 log-prob of each response token under `model` (full forward, no cache)."""
+    model = copy.deepcopy(model).double()
+    b = out.batch
+    with torch.no_grad():
+        logits = model(
+            input_ids=b["input_ids"], attention_mask=b["attention_mask"], position_ids=b["position_ids"]
+        ).logits
+    P = b["prompts"].shape[1]
+    scores = torch.log_softmax(logits[:, P - 1 : -1].double(), -1)
+    return scores.gather(-1, b["responses"][..., None]).squeeze(-1) * b["response_mask"]
+
+
+def test_interrupted_rows_hold_tokens_of_two_versions_each_with_the_log_probs_of_the_version_that_sampled_it():
+    v0, v1 = build_model("qwen2", seed=0), build_model("qwen2", seed=1)
+    rollout = _rollout(v0)
+    rollout.weight_refresh = _SwapTo(rollout, v1)
+    torch.manual_seed(0)
+    out = rollout.generate_sequences(_prompts(partial_rollout=True, partial_rollout_check_steps=PAUSE_AFTER))
+
+    mask = out.batch["response_mask"].bool()
+    interrupted = mask[:, PAUSE_AFTER].numpy()  # still generating when the new weights came in
+    assert interrupted.sum() >= 2 and (~interrupted).sum() >= 1, "need rows on both sides for the test to mean much"
+    assert out.non_tensor_batch["weight_version"].tolist() == [0] * len(LENGTHS)
+    assert out.non_tensor_batch["weight_version_max"].tolist() == interrupted.astype(int).tolist()
+
+    got = out.batch["rollout_log_probs"].double()
+    lp0, lp1 = _token_log_probs(v0, out), _token_log_probs(v1, out)
+    before, after = slice(0, PAUSE_AFTER), slice(PAUSE_AFTER, R)
+    torch.testing.assert_close(got[:, before], lp0[:, before], atol=1e-4, rtol=0)
+    torch.testing.assert_close(got[:, after], lp1[:, after], atol=1e-4, rtol=0)
+    # the two versions disagree on the continued tokens, so the check above tells them apart
+    assert (lp0[:, after] - lp1[:, after]).abs().max() > 0.1
+    # and the tokens after the pause are what v1 samples: the engine really switched weights
+    assert rollout.weight_refresh.version == 1
+    torch.testing.assert_close(
+        dict(rollout.engine.decoder._targets)["model.norm.weight"], v1.state_dict()["model.norm.weight"]
+    )
+
+
+def test_without_partial_rollout_or_without_new_weights_generation_is_unchanged():
+    v0, v1 = build_model("qwen2", seed=0), build_model("qwen2", seed=1)
+    torch.manual_seed(5)
+    plain = _rollout(v0).generate_sequences(_prompts())
+
+    # partial rollouts off: weights waiting are not looked at, every token comes from v0
+    off = _rollout(v0)
+    off.weight_refresh = _SwapTo(off, v1, waiting=True)
+    torch.manual_seed(5)
+    out_off = off.generate_sequences(_prompts(partial_rollout=False, partial_rollout_check_steps=1))
+    assert off.weight_refresh.num_checks == 0 and off.weight_refresh.version == 0
+    assert "weight_version" not in out_off.non_tensor_batch  # the worker stamps its single version
+
+    # partial rollouts on but nothing newer arrives: checked every step, same samples
+    on = _rollout(v0)
+    on.weight_refresh = _SwapTo(on, v1, waiting=False)
+    torch.manual_seed(5)
+    out_on = on.generate_sequences(_prompts(partial_rollout=True, partial_rollout_check_steps=1))
+    assert on.weight_refresh.num_checks > 0
+    assert out_on.non_tensor_batch["weight_version_max"].tolist() == [0] * len(LENGTHS)
+
+    for out in (out_off, out_on):
+        for key in ("responses", "response_mask", "rollout_log_probs", "input_ids", "position_ids"):
+            assert torch.equal(out.batch[key], plain.batch[key]), key
+    lp0 = _token_log_probs(v0, plain)
+    torch.testing.assert_close(plain.batch["rollout_log_probs"].double(), lp0, atol=1e-4, rtol=0)
