@@ -187,7 +187,9 @@ def test_upstream_choices_not_implemented_here_are_config_errors(run):
 
 def test_megatron_layout_that_does_not_divide_the_ranks(run):
     _expect(
-        run("actor_rollout_ref.actor.strategy=megatron", "actor_rollout_ref.actor.megatron.tensor_model_parallel_size=3"),
+        run(
+            "actor_rollout_ref.actor.strategy=megatron", "actor_rollout_ref.actor.megatron.tensor_model_parallel_size=3"
+        ),
         "actor_rollout_ref.actor.megatron.tensor_model_parallel_size=3 x pipeline_model_parallel_size=1 = 3 ranks",
         "does not divide the 2 ranks",
     )

@@ -582,6 +582,21 @@ def _check_megatron(c: dict, errors: list[str]):
             "strategy=megatron needs megatron-core, which is not installed; `pip install -e .[mcore]` "
             "(megatron-core 0.16.1 or newer), or use strategy=fsdp"
         )
+    if actor_meg:
+        for key, value, neutral, why in (
+            ("actor_rollout_ref.model.lora_rank", arr["model"]["lora_rank"], 0, "LoRA adapters"),
+            (
+                "async_training.staleness_threshold",
+                c["async_training"]["staleness_threshold"],
+                0,
+                "generation in a separate rollout pool",
+            ),
+        ):
+            if value != neutral:
+                errors.append(
+                    f"{key}={value} ({why}) is not available with actor_rollout_ref.actor.strategy=megatron yet; "
+                    f"set {key}={neutral} or use strategy=fsdp"
+                )
     world = c["trainer"]["nnodes"] * c["trainer"]["n_gpus_per_node"]
     sections = [("actor_rollout_ref.actor", arr["actor"])] if actor_meg else []
     if critic_meg:
