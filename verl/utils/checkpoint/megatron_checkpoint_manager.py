@@ -21,7 +21,10 @@ Design decisions:
   order would depend on the layout.
 - Crash safety as in `FSDPCheckpointManager`: everything goes into `<local_path>.tmp`, renamed by
   rank 0 after a barrier, with the previous checkpoint kept as `.old` until the swap is done.
-- One model chunk per rank (no virtual pipeline), see `verl.utils.megatron.checkpoint`.
+- One model chunk per rank (no virtual pipeline): megatron keys each interleaved chunk
+  separately, so a virtual-pipeline checkpoint would be tied to its chunk count; it is refused.
+- On CPU dist_checkpointing needs `verl.utils.megatron.cpu_compat` (switched on with the parallel
+  groups) and psutil, without which a save hangs.
 """
 
 from __future__ import annotations
