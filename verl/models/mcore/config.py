@@ -153,7 +153,7 @@ def build_gpt_model(
 ):
     """This rank's GPTModel stage (`pre_process`/`post_process` default to this pp rank's role).
 
-    `value_head=True` replaces the LM head with a [1, hidden] linear layer (not tensor-parallel),
+    `value_head=True` replaces the LM head with a [1, hidden] linear layer with bias (not tensor-parallel),
     giving values [B, S, 1]; the embeddings are then never tied to it.
     """
     from megatron.core import parallel_state as mpu
@@ -191,14 +191,16 @@ def build_gpt_model(
 
 
 class _ValueHead(torch.nn.Module):
-    """A [1, hidden] value projection called like megatron's output layer: (output, bias)."""
+    """HF's token-classification `score` ([1, hidden] weight and a bias), called like megatron's
+    output layer: (output, bias)."""
 
     def __init__(self, hidden_size: int, dtype: torch.dtype):
         super().__init__()
         self.weight = torch.nn.Parameter(torch.zeros(1, hidden_size, dtype=dtype))
+        self.bias = torch.nn.Parameter(torch.zeros(1, dtype=dtype))
 
     def forward(self, hidden_states, weight=None, runtime_gather_output=None, **kwargs):
-        return torch.nn.functional.linear(hidden_states, self.weight), None
+        return torch.nn.functional.linear(hidden_states, self.weight, self.bias), None
 
 
 def build_model_chunks(hf_config, tf_config, value_head: bool = False) -> list:

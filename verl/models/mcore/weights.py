@@ -116,7 +116,7 @@ def hf_to_mcore_state_dict(
 
     `hf_state_dict` is the full HF state dict (model.* names; `lm_head.weight` optional when the
     embeddings are tied). With `value_head`, `score.weight` (HF token-classification head, [1, H])
-    becomes the value head, when present.
+    and `score.bias` become the value head, when present.
     """
     if tf_config.tensor_model_parallel_size != tp_size or tf_config.pipeline_model_parallel_size != pp_size:
         raise ValueError(
@@ -154,8 +154,9 @@ def hf_to_mcore_state_dict(
     if post_process:
         out["decoder.final_layernorm.weight"] = hf("model.norm.weight").clone()
         if value_head:
-            if "score.weight" in hf_state_dict:
-                out["output_layer.weight"] = hf_state_dict["score.weight"].clone()
+            for suffix in ("weight", "bias"):
+                if f"score.{suffix}" in hf_state_dict:
+                    out[f"output_layer.{suffix}"] = hf_state_dict[f"score.{suffix}"].clone()
         elif not hf_config.tie_word_embeddings:
             out["output_layer.weight"] = shard(_vocab_rows(hf("lm_head.weight"), tp_size))
         elif not pre_process:  # the last stage's own copy of the tied embedding
@@ -181,7 +182,9 @@ def load_hf_state_dict(model_chunks, hf_state_dict: dict[str, torch.Tensor], hf_
         )
         params = dict(chunk.named_parameters())
         unexpected = sorted(set(shards) - set(params))
-        missing = sorted(set(params) - set(shards) - ({"output_layer.weight"} if value_head else set()))
+        missing = sorted(
+            set(params) - set(shards) - ({"output_layer.weight", "output_layer.bias"} if value_head else set())
+        )
         if unexpected or missing:
             raise RuntimeError(f"HF -> megatron conversion mismatch: unexpected {unexpected}, missing {missing}")
         with torch.no_grad():
@@ -202,6 +205,7 @@ def _hf_names_and_shapes(hf_config, value_head: bool):
     yield "model.norm.weight", (hidden,), "final_norm", None
     if value_head:
         yield "score.weight", (1, hidden), "value_head", None
+        yield "score.bias", (1,), "value_head", None
     elif not hf_config.tie_word_embeddings:
         yield "lm_head.weight", (vocab, hidden), "lm_head", None
 
@@ -262,7 +266,7 @@ def mcore_to_hf_named_tensors(model_chunks, hf_config, value_head: bool = False)
             param = params[0].get("embedding.word_embeddings.weight") if pp_rank == 0 else None
             yield emit(name, vocab_weight(param), 0, shape)
         elif kind in ("final_norm", "lm_head", "value_head"):
-            mcore = {"final_norm": "decoder.final_layernorm.weight"}.get(kind, "output_layer.weight")
+            mcore = {"final_norm": "decoder.final_layernorm.weight"}.get(kind, "output_layer." + name.split(".")[-1])
             param = params[-1].get(mcore) if pp_rank == pp_size - 1 else None
             if kind == "lm_head":
                 yield emit(name, vocab_weight(param), pp_size - 1, shape)

@@ -46,7 +46,13 @@ from verl.utils.megatron.tensor_parallel import vocab_parallel_log_probs_and_ent
 from verl.workers.actor.dp_actor import _MODEL_INPUTS, DataParallelPPOActor, _require_temperature, rows_with_advantage
 from verl.workers.dp_training import append_to_dict, loss_normaliser, response_mask_of, split_micro_batches
 
-__all__ = ["MegatronPPOActor", "clip_grad_and_step_megatron", "finalize_megatron_grads"]
+__all__ = [
+    "MegatronPPOActor",
+    "broadcast_from_last_stage",
+    "clip_grad_and_step_megatron",
+    "finalize_megatron_grads",
+    "run_megatron_schedule",
+]
 
 
 def _dp_group_and_size():
@@ -55,7 +61,7 @@ def _dp_group_and_size():
     return mpu.get_data_parallel_group(), mpu.get_data_parallel_world_size()
 
 
-def _broadcast_from_last_stage(obj):
+def broadcast_from_last_stage(obj):
     """`obj` (a picklable value on the last pipeline stage) on every stage."""
     from megatron.core import parallel_state as mpu
 
@@ -129,6 +135,44 @@ def clip_grad_and_step_megatron(model_chunks, optimizer, grad_clip: float | None
     return grad_norm, True
 
 
+def run_megatron_schedule(model_chunks, micro_batches: list, loss_fn, forward_only: bool) -> list:
+    """Forward (and backward) the micro-batches (TensorDicts in the project layout) through
+    megatron's schedule; returns the per-micro-batch dicts of `loss_fn(micro_batch, output) ->
+    (loss, dict)` as seen on the last pipeline stage (empty elsewhere). `micro_batch` is a dict
+    holding the tensors plus `_aligned`, its left-aligned form."""
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    def loss_wrapper(micro_batch, output):
+        loss, result = loss_fn(micro_batch, output)
+        # megatron's (loss, num_tokens, reduced) form; calculate_per_token_loss keeps `loss` unscaled
+        return loss, torch.ones((), dtype=torch.int), result
+
+    def forward_step(data_iterator, model):
+        micro_batch = next(data_iterator)
+        aligned = micro_batch["_aligned"]
+        output = model(aligned.input_ids, aligned.position_ids, None)
+        return output, partial(loss_wrapper, micro_batch)
+
+    prepared = []
+    for micro_batch in micro_batches:
+        micro_batch = dict(micro_batch.to(get_device()).items())
+        response_length = micro_batch["responses"].shape[-1]
+        micro_batch["_aligned"] = left_align(
+            micro_batch["input_ids"], micro_batch["attention_mask"], micro_batch["position_ids"], response_length
+        )
+        prepared.append(micro_batch)
+    iterators = [iter(prepared) for _ in model_chunks]
+    return get_forward_backward_func()(
+        forward_step_func=forward_step,
+        data_iterator=iterators if len(iterators) > 1 else iterators[0],
+        model=list(model_chunks),
+        num_microbatches=len(prepared),
+        seq_length=max(m["_aligned"].input_ids.shape[1] for m in prepared),
+        micro_batch_size=max(m["_aligned"].input_ids.shape[0] for m in prepared),
+        forward_only=forward_only,
+    )
+
+
 class MegatronPPOActor(DataParallelPPOActor):
     """PPO/GRPO actor over this rank's megatron GPTModel chunks (one, or `vpp` with interleaving)."""
 
@@ -155,43 +199,7 @@ class MegatronPPOActor(DataParallelPPOActor):
         return (response_columns(entropy, aligned) if calculate_entropy else None), log_probs
 
     def _run_schedule(self, micro_batches: list, loss_fn, forward_only: bool) -> list:
-        """Forward (and backward) all micro-batches through megatron's schedule; the per-micro-batch
-        results of `loss_fn(micro_batch, output)` (a dict) as seen on the last pipeline stage."""
-        from megatron.core.pipeline_parallel import get_forward_backward_func
-
-        def forward_step(data_iterator, model):
-            micro_batch = next(data_iterator)
-            aligned = micro_batch["_aligned"]
-            output = model(aligned.input_ids, aligned.position_ids, None)
-            return output, partial(self._loss_wrapper, loss_fn, micro_batch)
-
-        prepared = []
-        for micro_batch in micro_batches:
-            micro_batch = dict(micro_batch.to(get_device()).items())
-            response_length = micro_batch["responses"].shape[-1]
-            micro_batch["_aligned"] = left_align(
-                micro_batch["input_ids"], micro_batch["attention_mask"], micro_batch["position_ids"], response_length
-            )
-            prepared.append(micro_batch)
-        max_len = max(m["_aligned"].input_ids.shape[1] for m in prepared)
-        max_rows = max(m["_aligned"].input_ids.shape[0] for m in prepared)
-        iterators = [iter(prepared) for _ in self.model_chunks]
-        results = get_forward_backward_func()(
-            forward_step_func=forward_step,
-            data_iterator=iterators if len(iterators) > 1 else iterators[0],
-            model=self.model_chunks,
-            num_microbatches=len(prepared),
-            seq_length=max_len,
-            micro_batch_size=max_rows,
-            forward_only=forward_only,
-        )
-        return results
-
-    @staticmethod
-    def _loss_wrapper(loss_fn, micro_batch, output):
-        loss, result = loss_fn(micro_batch, output)
-        # megatron's (loss, num_tokens, reduced) form; calculate_per_token_loss keeps `loss` unscaled
-        return loss, torch.ones((), dtype=torch.int), result
+        return run_megatron_schedule(self.model_chunks, micro_batches, loss_fn, forward_only)
 
     # ------------------------------------------------------------------ inference
 
@@ -216,7 +224,7 @@ class MegatronPPOActor(DataParallelPPOActor):
             entropy, log_probs = self._micro_batch_outputs(micro_batch, temperature, calculate_entropy, output)
             return output.new_zeros(()), {"log_probs": log_probs, "entropy": entropy}
 
-        results = _broadcast_from_last_stage(self._run_schedule(micro_batches, loss_fn, forward_only=True))
+        results = broadcast_from_last_stage(self._run_schedule(micro_batches, loss_fn, forward_only=True))
         log_probs = torch.cat([r["log_probs"] for r in results], dim=0)
         entropy = torch.cat([r["entropy"] for r in results], dim=0) if calculate_entropy else None
         if reverse_idx is not None:
@@ -269,7 +277,7 @@ class MegatronPPOActor(DataParallelPPOActor):
         results = self._run_schedule(
             micro_batches, partial(self._policy_loss, temperature=temperature, normaliser=normaliser), False
         )
-        for micro_metrics in _broadcast_from_last_stage(results):
+        for micro_metrics in broadcast_from_last_stage(results):
             append_to_dict(metrics, micro_metrics)
         finalize_megatron_grads(self.model_chunks)
         grad_norm, stepped = clip_grad_and_step_megatron(
