@@ -29,10 +29,18 @@ install_requires = [
 ]
 
 extras_require = {
-    "test": ["pytest>=8", "pytest-timeout>=2.3", "ruff>=0.6", "pre-commit>=3", "tensorboard>=2.15", "wandb>=0.17"],
+    "test": [
+        "pytest>=8",
+        "pytest-timeout>=2.3",
+        "ruff>=0.6",
+        "pre-commit>=3",
+        "tensorboard>=2.15",
+        "wandb>=0.17",
+        "megatron-core>=0.16.1,<0.17",  # the megatron backend's CPU tests (0.16 is the newest for Python 3.11)
+    ],
     "vllm": ["vllm>=0.10.2"],
     "sglang": ["sglang>=0.4"],
-    "mcore": ["megatron-core>=0.12"],
+    "mcore": ["megatron-core>=0.16.1"],  # strategy=megatron (docs/megatron.md)
     "bench": ["trl>=1.16,<2", "datasets>=2.18", "accelerate>=1.0"],
     "gpu": ["flash-attn>=2.5", "liger-kernel>=0.5"],
     "trackers": ["tensorboard>=2.15", "wandb>=0.17"],

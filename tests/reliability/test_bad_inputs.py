@@ -177,15 +177,22 @@ def test_group_estimator_with_one_sample_per_prompt(run):
     )
 
 
-@pytest.mark.parametrize(
-    ("override", "message"),
-    [
-        ("actor_rollout_ref.actor.strategy=megatron", "actor_rollout_ref.actor.strategy=megatron is not supported yet"),
-        ("actor_rollout_ref.rollout.mode=async", "actor_rollout_ref.rollout.mode=async (upstream's server-based"),
-    ],
-)
-def test_upstream_choices_not_implemented_here_are_config_errors(run, override, message):
-    _expect(run(override), message, "would silently")
+def test_upstream_choices_not_implemented_here_are_config_errors(run):
+    _expect(
+        run("actor_rollout_ref.rollout.mode=async"),
+        "actor_rollout_ref.rollout.mode=async (upstream's server-based",
+        "would silently",
+    )
+
+
+def test_megatron_layout_that_does_not_divide_the_ranks(run):
+    _expect(
+        run(
+            "actor_rollout_ref.actor.strategy=megatron", "actor_rollout_ref.actor.megatron.tensor_model_parallel_size=3"
+        ),
+        "actor_rollout_ref.actor.megatron.tensor_model_parallel_size=3 x pipeline_model_parallel_size=1 = 3 ranks",
+        "does not divide the 2 ranks",
+    )
 
 
 # --------------------------------------------------------------------------------- reward function

@@ -233,12 +233,20 @@ def build_role_worker_mapping(config):
     from verl.trainer.config import need_critic, need_reference_policy
     from verl.trainer.ppo.async_rollout import staleness_threshold
     from verl.trainer.ppo.ray_trainer import Role
-    from verl.workers.fsdp_workers import ActorRolloutRefWorker, CriticWorker, RewardModelWorker
+    from verl.workers import fsdp_workers
+    from verl.workers.fsdp_workers import ActorRolloutRefWorker, RewardModelWorker
+
+    def backend(strategy: str):
+        if strategy == "megatron":
+            from verl.workers import megatron_workers
+
+            return megatron_workers
+        return fsdp_workers
 
     actor_role = Role.ActorRolloutRef if need_reference_policy(config) else Role.ActorRollout
-    mapping = {actor_role: ActorRolloutRefWorker}
+    mapping = {actor_role: backend(config.actor_rollout_ref.actor.strategy).ActorRolloutRefWorker}
     if need_critic(config):
-        mapping[Role.Critic] = CriticWorker
+        mapping[Role.Critic] = backend(config.critic.strategy).CriticWorker
     if config.reward_model.get("enable", False):
         mapping[Role.RewardModel] = RewardModelWorker
     if staleness_threshold(config) > 0:  # generation runs ahead of training in its own pool

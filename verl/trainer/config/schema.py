@@ -55,7 +55,7 @@ LOSS_AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "se
 KL_PENALTIES = ("kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3", "full", "k1+", "low_var_kl+", "k3+")
 ROLLOUT_NAMES = ("hf", "vllm", "sglang")
 ROLLOUT_MODES = ("sync", "async")
-STRATEGIES = ("fsdp", "fsdp2", "megatron")  # megatron: rejected by the validator (UNIMPLEMENTED_STRATEGIES)
+STRATEGIES = ("fsdp", "fsdp2", "megatron")
 LOGGERS = ("console", "file", "mlflow", "tensorboard", "wandb")
 RESUME_MODES = ("auto", "disable", "resume_path")
 
@@ -83,8 +83,6 @@ ROLLOUT_DTYPES = ("auto", "bfloat16", "float16", "float32", "bf16", "fp16", "fp3
 MODEL_DTYPES = ("fp32", "bf16", "fp16", "float32", "bfloat16", "float16")
 PF_PPO_METHODS = ("pow", "max_min", "max_random")
 REWARD_ON_ERROR = ("raise", "zero")
-# Training backends that are valid upstream names but not implemented here (a config error, not a silent FSDP run).
-UNIMPLEMENTED_STRATEGIES = ("megatron",)
 
 
 def doc(
@@ -196,6 +194,49 @@ class FSDPConfig:
 
 
 @dataclass
+class MegatronConfig:
+    """Megatron-core parallelism of one model (read only when its `strategy` is megatron; docs/megatron.md)."""
+
+    param_offload: bool = doc("Keep parameters on the host between uses (saves device memory; no-op on CPU).")
+    grad_offload: bool = doc("Keep gradients on the host between updates.", status=IGNORED)
+    optimizer_offload: bool = doc("Keep the Adam moments on the host between updates (no-op on CPU).")
+    tensor_model_parallel_size: int = doc("Ranks one layer's weights are split over (attention heads, MLP, vocab).")
+    expert_model_parallel_size: int = doc("Expert parallelism (mixture-of-experts).", status=UNSUPPORTED, neutral=1)
+    expert_tensor_parallel_size: int | None = doc(
+        "Tensor parallelism inside experts.", status=UNSUPPORTED, neutral=None
+    )
+    pipeline_model_parallel_size: int = doc("Pipeline stages the layers are split into.")
+    virtual_pipeline_model_parallel_size: int | None = doc(
+        "Interleaved pipeline chunks per stage.", status=UNSUPPORTED, neutral=None
+    )
+    context_parallel_size: int = doc(
+        "Ranks one sequence is split over (needs TransformerEngine attention).", status=UNSUPPORTED, neutral=1
+    )
+    sequence_parallel: bool = doc(
+        "Split activations outside attention/MLP along the sequence over the tensor-parallel ranks (memory only, "
+        "same results). Needs TransformerEngine or apex and tensor_model_parallel_size > 1; turned off with a "
+        "warning where they are missing."
+    )
+    use_distributed_optimizer: bool = doc(
+        "Shard the optimizer state over data-parallel ranks (memory only, same results).", status=IGNORED
+    )
+    use_dist_checkpointing: bool = doc(
+        "Start from a Megatron dist checkpoint instead of the HF weights.", status=UNSUPPORTED, neutral=False
+    )
+    dist_checkpointing_path: str | None = doc("That checkpoint's directory.", status=IGNORED)
+    dist_checkpointing_prefix: str = doc("Key prefix inside that checkpoint.", status=IGNORED)
+    seed: int = doc("Seed of Megatron's model-parallel random streams.")
+    override_ddp_config: dict = doc("Megatron DistributedDataParallelConfig fields.", status=IGNORED)
+    override_transformer_config: dict = doc(
+        "TransformerConfig fields set on top of those derived from the HF config (e.g. recompute_granularity)."
+    )
+    override_mcore_model_config: dict = doc("GPTModel constructor overrides.", status=IGNORED)
+    use_mbridge: bool = doc("Convert weights with the mbridge package.", status=UNSUPPORTED, neutral=False)
+    forward_only: bool = doc("Build the model for inference only.", status=IGNORED)
+    dtype: str = doc("Compute dtype of the Megatron model.", choices=MODEL_DTYPES)
+
+
+@dataclass
 class ModelConfig:
     """The policy model (shared by actor, rollout and reference)."""
 
@@ -268,7 +309,8 @@ class ActorConfig:
     """Policy training: PPO mini-batches, clipping, KL loss, optimizer, sharding."""
 
     strategy: str = doc(
-        "Training backend (fsdp and fsdp2 both mean FSDP2; megatron is not implemented yet).", choices=STRATEGIES
+        "Training backend: fsdp and fsdp2 both mean FSDP2; megatron is Megatron-core (tensor/pipeline parallel).",
+        choices=STRATEGIES,
     )
     ppo_mini_batch_size: int = doc("Prompts per optimizer step (times rollout.n sequences, split over ranks).")
     ppo_micro_batch_size: int | None = doc(
@@ -326,6 +368,7 @@ class ActorConfig:
     checkpoint: CheckpointConfig = doc("Checkpoint contents.")
     optim: OptimConfig = doc("Optimizer and schedule.")
     fsdp_config: FSDPConfig = doc("Sharding and offload.")
+    megatron: MegatronConfig = doc("Megatron-core parallelism (used when strategy=megatron).")
 
 
 @dataclass
@@ -344,6 +387,7 @@ class RefConfig:
     entropy_from_logits_with_chunking: bool = doc("Compute entropy in chunks.", status=IGNORED)
     entropy_checkpointing: bool = doc("Recompute entropy in backward.", status=IGNORED)
     fsdp_config: FSDPConfig = doc("Sharding and offload.")
+    megatron: MegatronConfig = doc("Megatron-core parallelism (used when strategy=megatron).")
 
 
 @dataclass
@@ -499,6 +543,7 @@ class CriticConfig:
     cliprange_value: float = doc("Clip range of the value update around the old values.")
     loss_agg_mode: str = doc("How token losses are averaged.", choices=LOSS_AGG_MODES)
     checkpoint: CheckpointConfig = doc("Checkpoint contents.")
+    megatron: MegatronConfig = doc("Megatron-core parallelism (used when strategy=megatron).")
 
 
 # -------------------------------------------------------------------------------- reward model

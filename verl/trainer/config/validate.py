@@ -542,19 +542,12 @@ def _check_multi_turn(c: dict, errors: list[str]):
 def _check_not_implemented(c: dict, errors: list[str]):
     """Upstream choices this implementation does not have yet: fail instead of silently running something else."""
     arr = c["actor_rollout_ref"]
-    strategies = [("actor_rollout_ref.actor.strategy", arr["actor"]["strategy"])]
-    if arr["ref"]["strategy"] != arr["actor"]["strategy"]:  # by default it copies the actor's
-        strategies.append(("actor_rollout_ref.ref.strategy", arr["ref"]["strategy"]))
-    if need_critic(c):
-        strategies.append(("critic.strategy", c["critic"]["strategy"]))
-    if c["reward_model"]["enable"]:
-        strategies.append(("reward_model.strategy", c["reward_model"]["strategy"]))
-    for key, value in strategies:
-        if value in S.UNIMPLEMENTED_STRATEGIES:
-            errors.append(
-                f"{key}={value} is not supported yet: this verl trains with FSDP2 only, so the run would silently use "
-                f"FSDP instead of {value}'s tensor/pipeline parallelism; set {key}=fsdp"
-            )
+    if c["reward_model"]["enable"] and c["reward_model"]["strategy"] == "megatron":
+        errors.append(
+            "reward_model.strategy=megatron is not supported: the learned reward model runs as a plain HF model "
+            "(forward only, one copy per worker); set reward_model.strategy=fsdp"
+        )
+    _check_megatron(c, errors)
     if arr["rollout"]["mode"] == "async" and not arr["rollout"]["multi_turn"]["enable"]:
         errors.append(
             "actor_rollout_ref.rollout.mode=async (upstream's server-based agent-loop rollout) runs here only as the "
@@ -563,6 +556,64 @@ def _check_not_implemented(c: dict, errors: list[str]):
             "actor_rollout_ref.rollout.mode=sync for single-turn generation (to let generation run ahead of "
             "training, set async_training.staleness_threshold, see docs/async.md)"
         )
+
+
+def _is_megatron(strategy: str) -> bool:
+    return strategy == "megatron"
+
+
+def _check_megatron(c: dict, errors: list[str]):
+    """strategy=megatron: the package is there, the layout fits the ranks, actor and reference agree."""
+    arr = c["actor_rollout_ref"]
+    actor_meg = _is_megatron(arr["actor"]["strategy"])
+    critic_meg = need_critic(c) and _is_megatron(c["critic"]["strategy"])
+    if arr["ref"]["strategy"] != arr["actor"]["strategy"] and need_reference_policy(c):
+        errors.append(
+            f"actor_rollout_ref.ref.strategy={arr['ref']['strategy']} differs from actor_rollout_ref.actor.strategy="
+            f"{arr['actor']['strategy']}: the reference policy lives in the actor's workers and uses its backend; "
+            "leave ref.strategy at its default (the actor's)"
+        )
+    if not (actor_meg or critic_meg):
+        return
+    from importlib.util import find_spec
+
+    if find_spec("megatron") is None or find_spec("megatron.core") is None:
+        errors.append(
+            "strategy=megatron needs megatron-core, which is not installed; `pip install -e .[mcore]` "
+            "(megatron-core 0.16.1 or newer), or use strategy=fsdp"
+        )
+    if actor_meg:
+        for key, value, neutral, why in (
+            ("actor_rollout_ref.model.lora_rank", arr["model"]["lora_rank"], 0, "LoRA adapters"),
+            (
+                "async_training.staleness_threshold",
+                c["async_training"]["staleness_threshold"],
+                0,
+                "generation in a separate rollout pool",
+            ),
+        ):
+            if value != neutral:
+                errors.append(
+                    f"{key}={value} ({why}) is not available with actor_rollout_ref.actor.strategy=megatron yet; "
+                    f"set {key}={neutral} or use strategy=fsdp"
+                )
+    world = c["trainer"]["nnodes"] * c["trainer"]["n_gpus_per_node"]
+    sections = [("actor_rollout_ref.actor", arr["actor"])] if actor_meg else []
+    if critic_meg:
+        sections.append(("critic", c["critic"]))
+    for name, section in sections:
+        m = section["megatron"]
+        tp, pp = m["tensor_model_parallel_size"], m["pipeline_model_parallel_size"]
+        for key, value in (("tensor_model_parallel_size", tp), ("pipeline_model_parallel_size", pp)):
+            if not isinstance(value, int) or value < 1:
+                errors.append(f"{name}.megatron.{key}={value!r} must be a positive integer")
+                return
+        if world % (tp * pp):
+            errors.append(
+                f"{name}.megatron.tensor_model_parallel_size={tp} x pipeline_model_parallel_size={pp} = {tp * pp} "
+                f"ranks per model copy does not divide the {world} ranks (trainer.nnodes x trainer.n_gpus_per_node); "
+                f"choose sizes whose product divides {world}"
+            )
 
 
 def _check_trainer(c: dict, errors: list[str], warns: list[str]):

@@ -1,0 +1,65 @@
+"""Test helpers for the megatron backend: tiny HF Qwen2/Llama models with every weight perturbed.
+
+The models use grouped-query attention (4 heads, 2 key/value groups) so tensor parallelism splits
+both heads and groups, and the 263-token character vocabulary, which tp=2 must pad: both are
+where a layout mistake would show. Weights (biases and norm scales included) get random noise, so
+a conversion that drops or swaps one cannot go unnoticed.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from verl.models.factory import ModelPreset, build_model
+
+
+def tiny_hf_model(architecture: str = "qwen2", tie_word_embeddings: bool = True, num_layers: int = 2, seed: int = 0):
+    preset = ModelPreset(
+        architecture=architecture,
+        hidden_size=256,
+        num_hidden_layers=num_layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        intermediate_size=192,
+        max_position_embeddings=64,
+        tie_word_embeddings=tie_word_embeddings,
+    )
+    model, _ = build_model(preset, seed=seed, dtype="float32")
+    generator = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():
+        for param in model.parameters():
+            param.add_(0.02 * torch.randn(param.shape, generator=generator))
+    return model.eval()
+
+
+def hf_state_dict(model) -> dict[str, torch.Tensor]:
+    """The model's state dict as HF saves it: without lm_head when the embeddings are tied."""
+    state = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    if model.config.tie_word_embeddings:
+        state.pop("lm_head.weight", None)
+    return state
+
+
+def setup_megatron(tp: int = 1, pp: int = 1, vpp: int | None = None, seed: int = 0) -> None:
+    from verl.utils.megatron.parallel_state import initialize_model_parallel
+
+    initialize_model_parallel(tp, pp, vpp, seed=seed)
+
+
+def build_loaded_chunks(hf_model, tp: int = 1, pp: int = 1, vpp: int | None = None, value_head: bool = False):
+    """This rank's megatron chunks holding `hf_model`'s weights (model-parallel groups set up here)."""
+    from verl.models.mcore import build_model_chunks, hf_to_mcore_config, load_hf_state_dict
+
+    setup_megatron(tp, pp, vpp)
+    tf_config = hf_to_mcore_config(
+        hf_model.config,
+        {
+            "tensor_model_parallel_size": tp,
+            "pipeline_model_parallel_size": pp,
+            "virtual_pipeline_model_parallel_size": vpp,
+        },
+        torch.float32,
+    )
+    chunks = build_model_chunks(hf_model.config, tf_config, value_head=value_head)
+    load_hf_state_dict(chunks, hf_state_dict(hf_model), hf_model.config, value_head=value_head)
+    return chunks

@@ -1,0 +1,133 @@
+"""Weights saved at tp=2 load bit-exactly at tp=1 and at pp=2.
+
+A megatron checkpoint resumes training exactly, also at another layout: saved after one PPO
+update at tp=2, loaded at tp=1 x dp=2, the next update gives the weights the uninterrupted tp=2
+run reaches. The Adam moments and step count travel with the weights (without them the next
+update differs, which the test also shows)."""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+
+from tests.distributed_helpers import make_ppo_batch, run_distributed
+from tests.megatron_helpers import build_loaded_chunks, hf_state_dict, tiny_hf_model
+from verl.protocol import DataProto
+
+OPTIM = {"lr": 0.02, "weight_decay": 0.01, "betas": [0.9, 0.99], "warmup_style": "constant", "total_training_steps": 4}
+
+
+def _actor_config(mini_batch: int) -> dict:
+    return {
+        "ppo_mini_batch_size": mini_batch,
+        "ppo_micro_batch_size_per_gpu": 2,
+        "ppo_epochs": 1,
+        "grad_clip": 1.0,
+        "clip_ratio": 0.2,
+        "loss_agg_mode": "token-mean",
+        "policy_loss": {"loss_mode": "vanilla"},
+    }
+
+
+def _data(seed: int) -> DataProto:
+    td = make_ppo_batch(batch_size=8, prompt_length=6, response_length=5, seed=seed)
+    g = torch.Generator().manual_seed(seed + 10)
+    td["old_log_probs"] = -3.0 + 0.2 * torch.randn(td["responses"].shape, generator=g)
+    td["advantages"] = torch.randn(td["responses"].shape, generator=g) * td["response_mask"]
+    return DataProto.from_dict(tensors=dict(td.items()), meta_info={"temperature": 1.0})
+
+
+def _trainer(hf_model, tp: int, mini_batch: int):
+    from verl.utils.checkpoint.megatron_checkpoint_manager import MegatronCheckpointManager
+    from verl.utils.optim import build_lr_scheduler, build_optimizer
+    from verl.workers.actor.megatron_actor import MegatronPPOActor
+
+    chunks = build_loaded_chunks(hf_model, tp=tp)
+    optimizer = build_optimizer([p for c in chunks for p in c.parameters()], OPTIM)
+    scheduler = build_lr_scheduler(optimizer, OPTIM)
+    actor = MegatronPPOActor(_actor_config(mini_batch), chunks, hf_model.config, optimizer)
+    manager = MegatronCheckpointManager(chunks, optimizer, scheduler, hf_config=hf_model.config)
+    return chunks, actor, scheduler, manager
+
+
+def _weights(chunks, hf_config) -> dict[str, torch.Tensor]:
+    from verl.models.mcore import mcore_to_hf_named_tensors
+
+    return {k: v.clone() for k, v in mcore_to_hf_named_tensors(chunks, hf_config)}
+
+
+def _my_rows(data: DataProto, rank: int, dp: int) -> DataProto:
+    return data.chunk(dp)[rank] if dp > 1 else data
+
+
+def _resume_across_layouts(rank, world_size, ckpt_dir):
+    from verl.utils.megatron.parallel_state import destroy_model_parallel
+
+    hf_model = tiny_hf_model("qwen2", tie_word_embeddings=True, num_layers=2)
+    first, second = _data(1), _data(2)
+
+    # uninterrupted: two updates at tp=2 (dp=1, each rank sees all 8 rows), saving after the first
+    chunks, actor, scheduler, manager = _trainer(copy.deepcopy(hf_model), tp=2, mini_batch=8)
+    actor.update_policy(copy.deepcopy(first))
+    scheduler.step()
+    manager.save_checkpoint(ckpt_dir, global_step=1)
+    actor.update_policy(copy.deepcopy(second))
+    uninterrupted = _weights(chunks, hf_model.config)
+    destroy_model_parallel()
+
+    # resumed: tp=1 x dp=2 (each rank 4 of the 8 rows), fresh model and optimizer, then the checkpoint
+    chunks, actor, scheduler, manager = _trainer(copy.deepcopy(hf_model), tp=1, mini_batch=4)
+    manager.load_checkpoint(ckpt_dir)
+    assert scheduler.last_epoch == 1
+    actor.update_policy(copy.deepcopy(_my_rows(second, rank, 2)))
+    resumed = _weights(chunks, hf_model.config)
+    destroy_model_parallel()
+
+    # control: the saved weights without the saved Adam state give another update
+    chunks, actor, scheduler, manager = _trainer(copy.deepcopy(hf_model), tp=1, mini_batch=4)
+    manager.load_contents = ["model"]
+    manager.load_checkpoint(ckpt_dir)
+    actor.update_policy(copy.deepcopy(_my_rows(second, rank, 2)))
+    weights_only = _weights(chunks, hf_model.config)
+    destroy_model_parallel()
+
+    assert sorted(resumed) == sorted(uninterrupted)
+    for name in uninterrupted:
+        # A key bias shifts all attention scores of a query equally and softmax cancels it: its
+        # gradient is zero up to float rounding. Adam divides that noise by its own running size, so
+        # the bias moves by amplified rounding noise (~1e-5 here) that depends on the layout.
+        atol = 5e-5 if name.endswith("k_proj.bias") else 2e-6
+        torch.testing.assert_close(resumed[name], uninterrupted[name], atol=atol, rtol=0, msg=name)
+    gap = max(float((weights_only[n] - uninterrupted[n]).abs().max()) for n in uninterrupted)
+    assert gap > 1e-3, "the Adam state should change the resumed update"
+
+
+def test_checkpoint_saved_at_tp2_resumes_training_exactly_at_tp1(tmp_path):
+    run_distributed(_resume_across_layouts, 2, str(tmp_path / "actor"))
+
+
+def _save_tp2_load_elsewhere(rank, world_size, path):
+    from verl.models.mcore import mcore_to_hf_named_tensors
+    from verl.utils.checkpoint.megatron_checkpoint_manager import MegatronCheckpointManager
+    from verl.utils.megatron.parallel_state import destroy_model_parallel
+
+    saved_model = tiny_hf_model("qwen2", num_layers=2, seed=0)
+    other_model = tiny_hf_model("qwen2", num_layers=2, seed=5)  # different weights, overwritten by the load
+    weights_only = {"save_contents": ["model"]}
+    chunks = build_loaded_chunks(saved_model, tp=2)
+    MegatronCheckpointManager(chunks, checkpoint_config=weights_only).save_checkpoint(path)
+    want = hf_state_dict(saved_model)
+    for tp, pp in ((1, 1), (1, 2)):
+        destroy_model_parallel()
+        chunks = build_loaded_chunks(other_model, tp=tp, pp=pp)
+        MegatronCheckpointManager(chunks, checkpoint_config=weights_only).load_checkpoint(path)
+        got = dict(mcore_to_hf_named_tensors(chunks, saved_model.config))
+        assert sorted(got) == sorted(want)
+        for name, tensor in got.items():
+            assert torch.equal(tensor, want[name]), f"{name} at tp={tp}, pp={pp}"
+    destroy_model_parallel()
+
+
+def test_weights_saved_at_tp2_load_bit_exactly_at_tp1_and_pp2(tmp_path):
+    run_distributed(_save_tp2_load_elsewhere, 2, str(tmp_path / "actor"))

@@ -1,0 +1,211 @@
+"""HF config -> megatron-core TransformerConfig, and the GPTModel built from it (Qwen2, Llama).
+
+Design decisions:
+- One translation for both families: they differ only in the q/k/v bias (Qwen2 always has it,
+  Llama has it when `attention_bias`, which then also puts a bias on o_proj: not supported).
+  Anything the translation cannot represent exactly (rope scaling, sliding windows, MoE, an
+  MLP bias) is an error that names the HF field rather than a silently different model.
+- The "local" layer spec (megatron's own modules, torch RMSNorm fallback) is used: it runs
+  without TransformerEngine or apex, so CPU and GPU build the same modules. All fusions are off
+  (they need those kernels), dropout is 0 as in HF's inference.
+- The vocabulary is padded to a multiple of the tensor-parallel size (megatron shards the
+  embedding and LM head by rows); padded rows are zero and the log-prob code masks their logits,
+  so padding never changes a probability (`padded_vocab_size`).
+- `calculate_per_token_loss=True` so megatron's schedules never rescale our losses: the actor
+  already weights micro-batches itself (see `verl.workers.dp_training`), and
+  `variable_seq_lengths=True` because micro-batches are trimmed to their longest row.
+- A value model (critic) is the same GPTModel whose LM head has one output, replicated on the
+  tensor-parallel ranks (`build_gpt_model(..., value_head=True)`).
+"""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = ["hf_to_mcore_config", "build_gpt_model", "build_model_chunks", "padded_vocab_size", "rope_theta_of"]
+
+_SUPPORTED = ("qwen2", "llama")
+
+
+def _get(cfg, key, default=None):
+    if cfg is None:
+        return default
+    if hasattr(cfg, "get"):
+        value = cfg.get(key, default)
+    else:
+        value = getattr(cfg, key, default)
+    return default if value is None else value
+
+
+def rope_theta_of(hf_config) -> float:
+    """RoPE base of an HF config (transformers 5 keeps it in `rope_parameters`); errors on rope scaling."""
+    params = getattr(hf_config, "rope_parameters", None) or {}
+    scaling = getattr(hf_config, "rope_scaling", None) or {}
+    rope_type = params.get("rope_type") or scaling.get("rope_type") or scaling.get("type") or "default"
+    if rope_type != "default":
+        raise NotImplementedError(
+            f"{hf_config.model_type} config has rope_type={rope_type!r}; the megatron backend implements plain RoPE "
+            "only. Use actor.strategy=fsdp for this model"
+        )
+    return float(params.get("rope_theta", getattr(hf_config, "rope_theta", 10000.0)))
+
+
+def padded_vocab_size(vocab_size: int, tp_size: int) -> int:
+    """Vocabulary rounded up to a multiple of the tensor-parallel size."""
+    return -(-vocab_size // tp_size) * tp_size
+
+
+def _has_qkv_bias(hf_config) -> bool:
+    if hf_config.model_type == "qwen2":
+        return True
+    if getattr(hf_config, "attention_bias", False):
+        raise NotImplementedError(
+            "llama config has attention_bias=True, which also adds an o_proj bias that megatron's local spec "
+            "cannot hold without biasing every linear layer; use actor.strategy=fsdp for this model"
+        )
+    return False
+
+
+def hf_to_mcore_config(hf_config, megatron_cfg=None, dtype: torch.dtype = torch.float32):
+    """A megatron `TransformerConfig` equal to the HF Qwen2/Llama `hf_config`.
+
+    `megatron_cfg` is the `actor.megatron` section (dict/DictConfig/None): tensor_model_parallel_size,
+    pipeline_model_parallel_size, virtual_pipeline_model_parallel_size, context_parallel_size,
+    sequence_parallel. `dtype` is the parameter dtype (float32, bfloat16 or float16).
+    """
+    import torch.nn.functional as F
+    from megatron.core.transformer import TransformerConfig
+
+    model_type = getattr(hf_config, "model_type", None)
+    if model_type not in _SUPPORTED:
+        raise NotImplementedError(
+            f"the megatron backend supports model_type in {list(_SUPPORTED)}, got {model_type!r}; "
+            "use actor.strategy=fsdp for other architectures"
+        )
+    if getattr(hf_config, "mlp_bias", False):
+        raise NotImplementedError("llama config has mlp_bias=True, which the megatron backend does not implement")
+    if getattr(hf_config, "use_sliding_window", False):
+        raise NotImplementedError("qwen2 config has use_sliding_window=True, which the megatron backend does not do")
+    rope_theta_of(hf_config)  # validates rope scaling
+    tp = int(_get(megatron_cfg, "tensor_model_parallel_size", 1))
+    pp = int(_get(megatron_cfg, "pipeline_model_parallel_size", 1))
+    vpp = _get(megatron_cfg, "virtual_pipeline_model_parallel_size", None)
+    vpp = None if vpp in (None, 0, 1) else int(vpp)
+    cp = int(_get(megatron_cfg, "context_parallel_size", 1))
+    sequence_parallel = bool(_get(megatron_cfg, "sequence_parallel", False)) and tp > 1
+    num_layers = hf_config.num_hidden_layers
+    if num_layers % (pp * (vpp or 1)):
+        raise ValueError(
+            f"the model's {num_layers} layers cannot be split evenly into pipeline_model_parallel_size={pp} x "
+            f"virtual_pipeline_model_parallel_size={vpp or 1} stages; choose sizes whose product divides {num_layers}"
+        )
+    heads, groups = hf_config.num_attention_heads, hf_config.num_key_value_heads
+    if heads % tp or groups % tp:
+        raise ValueError(
+            f"tensor_model_parallel_size={tp} must divide both num_attention_heads={heads} and "
+            f"num_key_value_heads={groups} (megatron splits attention by heads and query groups)"
+        )
+    head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // heads
+    return TransformerConfig(
+        num_layers=num_layers,
+        hidden_size=hf_config.hidden_size,
+        ffn_hidden_size=hf_config.intermediate_size,
+        num_attention_heads=heads,
+        num_query_groups=groups,
+        kv_channels=head_dim,
+        normalization="RMSNorm",
+        layernorm_epsilon=hf_config.rms_norm_eps,
+        gated_linear_unit=True,
+        activation_func=F.silu,
+        add_bias_linear=False,
+        add_qkv_bias=_has_qkv_bias(hf_config),
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        bias_activation_fusion=False,
+        bias_dropout_fusion=False,
+        masked_softmax_fusion=False,
+        apply_rope_fusion=False,
+        persist_layer_norm=False,
+        gradient_accumulation_fusion=False,
+        params_dtype=dtype,
+        pipeline_dtype=dtype,
+        bf16=dtype == torch.bfloat16,
+        fp16=dtype == torch.float16,
+        use_cpu_initialization=True,
+        variable_seq_lengths=True,
+        moe_token_dispatcher_type="alltoall",  # unused by dense models; megatron refuses its default here
+        calculate_per_token_loss=True,
+        tensor_model_parallel_size=tp,
+        pipeline_model_parallel_size=pp,
+        virtual_pipeline_model_parallel_size=vpp,
+        context_parallel_size=cp,
+        sequence_parallel=sequence_parallel,
+    )
+
+
+def build_gpt_model(
+    hf_config,
+    tf_config,
+    pre_process: bool | None = None,
+    post_process: bool | None = None,
+    vp_stage: int | None = None,
+    value_head: bool = False,
+):
+    """This rank's GPTModel stage (`pre_process`/`post_process` default to this pp rank's role).
+
+    `value_head=True` replaces the LM head with a [1, hidden] linear layer with bias (not tensor-parallel),
+    giving values [B, S, 1]; the embeddings are then never tied to it.
+    """
+    from megatron.core import parallel_state as mpu
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+
+    if tf_config.sequence_parallel:
+        from verl.utils.device import is_cuda_available
+
+        if not is_cuda_available():
+            raise NotImplementedError(
+                "actor.megatron.sequence_parallel=True needs TransformerEngine or apex kernels (GPU only); "
+                "set it to False on CPU"
+            )
+    if pre_process is None:
+        pre_process = mpu.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage)
+    if post_process is None:
+        post_process = mpu.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage)
+    tp = tf_config.tensor_model_parallel_size
+    model = GPTModel(
+        config=tf_config,
+        transformer_layer_spec=get_gpt_layer_local_spec(normalization="RMSNorm"),
+        vocab_size=padded_vocab_size(hf_config.vocab_size, tp),
+        max_sequence_length=hf_config.max_position_embeddings,
+        pre_process=pre_process,
+        post_process=post_process,
+        share_embeddings_and_output_weights=bool(hf_config.tie_word_embeddings) and not value_head,
+        position_embedding_type="rope",
+        rotary_base=rope_theta_of(hf_config),
+        vp_stage=vp_stage,
+    )
+    if value_head and post_process:
+        model.output_layer = _ValueHead(tf_config.hidden_size, tf_config.params_dtype)
+    return model
+
+
+class _ValueHead(torch.nn.Module):
+    """HF's token-classification `score` ([1, hidden] weight and a bias), called like megatron's
+    output layer: (output, bias)."""
+
+    def __init__(self, hidden_size: int, dtype: torch.dtype):
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.zeros(1, hidden_size, dtype=dtype))
+        self.bias = torch.nn.Parameter(torch.zeros(1, dtype=dtype))
+
+    def forward(self, hidden_states, weight=None, runtime_gather_output=None, **kwargs):
+        return torch.nn.functional.linear(hidden_states, self.weight, self.bias), None
+
+
+def build_model_chunks(hf_config, tf_config, value_head: bool = False) -> list:
+    """This rank's model chunks: one GPTModel stage, or `vpp` of them with virtual pipelining."""
+    vpp = tf_config.virtual_pipeline_model_parallel_size
+    if vpp is None:
+        return [build_gpt_model(hf_config, tf_config, value_head=value_head)]
+    return [build_gpt_model(hf_config, tf_config, vp_stage=v, value_head=value_head) for v in range(vpp)]

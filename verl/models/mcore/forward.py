@@ -1,0 +1,69 @@
+"""Run a megatron GPTModel on the project's padded PPO batches.
+
+The batch layout is left-padded prompts followed by right-padded responses, with position ids
+counting from each row's first real token. Megatron's GPTModel derives rotary positions from
+the column index (it ignores `position_ids` under RoPE) and its local attention cannot take
+packed sequences, so each row is shifted left until its first real token sits in column 0
+(`left_align`): positions then equal column indices, all padding trails the real tokens, and
+the plain causal mask is exact for every real token. Nothing else is needed; the outputs are
+mapped back to response columns afterwards (`response_columns`). Trailing columns that are
+padding in every row are dropped, which also shortens the sequence.
+"""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = ["AlignedBatch", "left_align", "response_columns"]
+
+
+class AlignedBatch:
+    """Rows shifted so their first real token is column 0: `input_ids` [B, L], `labels` [B, L]
+    (the next token, the last column's is padding), and the index of each response token's
+    predicting column, `response_index` [B, R]."""
+
+    def __init__(self, input_ids: torch.Tensor, labels: torch.Tensor, response_index: torch.Tensor):
+        self.input_ids, self.labels, self.response_index = input_ids, labels, response_index
+
+    @property
+    def position_ids(self) -> torch.Tensor:
+        length = self.input_ids.shape[1]
+        return torch.arange(length, device=self.input_ids.device).expand_as(self.input_ids)
+
+
+def left_align(
+    input_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor, response_length: int
+) -> AlignedBatch:
+    """Shift each row of a [B, S] batch left to its first real token (see the module docstring).
+
+    Raises when a row's real tokens are not contiguous or its position ids do not count from 0,
+    since the aligned layout would then change the model's inputs.
+    """
+    batch_size, seqlen = input_ids.shape
+    mask = attention_mask.bool()
+    lengths = mask.sum(dim=1)
+    first = mask.int().argmax(dim=1)
+    length = max(int(lengths.max()), 2)
+    columns = torch.arange(length, device=input_ids.device)
+    index = (first[:, None] + columns[None]).clamp(max=seqlen - 1)
+    real = columns[None] < lengths[:, None]
+    aligned_mask = torch.gather(mask, 1, index) & real
+    aligned_pos = torch.gather(position_ids, 1, index)
+    if not torch.equal(aligned_mask, real) or not torch.equal(aligned_pos[real], columns.expand_as(index)[real]):
+        raise ValueError(
+            "the megatron backend needs each row's real tokens to be contiguous with position ids 0, 1, ...; "
+            "got a batch with holes in attention_mask or other position ids (multi-turn masks, mrope)"
+        )
+    aligned = torch.where(real, torch.gather(input_ids, 1, index), torch.zeros_like(index))
+    labels = torch.roll(aligned, shifts=-1, dims=1)
+    num_prompt = (seqlen - response_length) - first
+    if bool((num_prompt < 1).any()):
+        raise ValueError("every row needs at least one prompt token to predict its first response token from")
+    response_index = (num_prompt - 1)[:, None] + torch.arange(response_length, device=input_ids.device)[None]
+    return AlignedBatch(aligned, labels, response_index.clamp(max=length - 1))
+
+
+def response_columns(per_token: torch.Tensor, aligned: AlignedBatch) -> torch.Tensor:
+    """[B, L] values at aligned columns -> [B, R] at response columns (padding columns hold whatever
+    the model gave there; callers mask with response_mask)."""
+    return torch.gather(per_token, 1, aligned.response_index)

@@ -1,0 +1,324 @@
+"""Weight conversion between HF Qwen2/Llama checkpoints and megatron-core GPTModel shards.
+
+Two directions, both exact (pure reshapes, concatenations and slices; no arithmetic):
+- `hf_to_mcore_state_dict`: the megatron parameters one (tp_rank, pp_rank, vp_stage) holds, cut
+  from a full HF state dict. Every rank reads the HF checkpoint itself at start-up and keeps only
+  its shard; nothing is communicated.
+- `mcore_to_hf_named_tensors`: a generator of (HF name, full tensor) for the rollout engine's
+  `update_weights` and the model merger. Each tensor is all-gathered over the tensor-parallel
+  group on the pipeline stage that owns it, then broadcast over the pipeline group, so every rank
+  sees the same stream and at most one full layer weight exists at a time. Shapes follow from the
+  HF config, so no metadata is exchanged.
+
+Megatron's layouts (local spec):
+- `linear_qkv` fuses q, k and v per query group: for each of the G groups, the group's
+  `heads/G` query heads, then its key head, then its value head (each `head_dim` rows). Tensor
+  parallelism splits the fused rows into contiguous chunks, i.e. by whole groups.
+- `linear_fc1` fuses [gate; up] per tensor-parallel rank: rank r holds gate's r-th row chunk
+  followed by up's r-th row chunk (not a split of the concatenation).
+- Embedding and LM head are split by vocabulary rows (padded to a multiple of tp; padded rows
+  are zero and are dropped on the way back). With tied embeddings and pp > 1, the last stage keeps
+  its own copy of the embedding as the LM head (megatron keeps the copies equal by all-reducing
+  their gradients); the way back yields only `model.embed_tokens.weight` then, as HF saves it.
+- Layer names are local to a stage (`decoder.layers.0` on every stage); the global layer index
+  comes from megatron's layer offset for (pp_rank, vp_stage).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import torch
+import torch.distributed as dist
+
+from verl.models.mcore.config import padded_vocab_size
+
+__all__ = ["hf_to_mcore_state_dict", "load_hf_state_dict", "mcore_to_hf_named_tensors", "layer_owners"]
+
+_LAYER_NORMS = {
+    "input_layernorm.weight": "input_layernorm.weight",
+    "pre_mlp_layernorm.weight": "post_attention_layernorm.weight",
+}
+
+
+def _layer_range(tf_config, pp_rank: int, vp_stage: int | None) -> range:
+    from megatron.core.transformer.transformer_block import get_num_layers_to_build
+    from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
+
+    offset = get_transformer_layer_offset(tf_config, vp_stage=vp_stage, pp_rank=pp_rank)
+    return range(offset, offset + get_num_layers_to_build(tf_config, vp_stage=vp_stage, pp_rank=pp_rank))
+
+
+def _stage_roles(tf_config, pp_rank: int, vp_stage: int | None) -> tuple[bool, bool]:
+    """(pre_process, post_process) of one model chunk."""
+    pp = tf_config.pipeline_model_parallel_size
+    vpp = tf_config.virtual_pipeline_model_parallel_size or 1
+    first = pp_rank == 0 and (vp_stage or 0) == 0
+    last = pp_rank == pp - 1 and (vp_stage or 0) == vpp - 1
+    return first, last
+
+
+def layer_owners(tf_config) -> dict[int, tuple[int, int | None, int]]:
+    """Global layer index -> (pp_rank, vp_stage, local index in that chunk's decoder)."""
+    owners = {}
+    vpp = tf_config.virtual_pipeline_model_parallel_size
+    for pp_rank in range(tf_config.pipeline_model_parallel_size):
+        for vp_stage in range(vpp) if vpp else [None]:
+            for local, layer in enumerate(_layer_range(tf_config, pp_rank, vp_stage)):
+                owners[layer] = (pp_rank, vp_stage, local)
+    return owners
+
+
+def _shape(hf_config):
+    heads, groups = hf_config.num_attention_heads, hf_config.num_key_value_heads
+    head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // heads
+    return heads, groups, head_dim
+
+
+def _fuse_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, hf_config) -> torch.Tensor:
+    """HF q/k/v (weights [out, H] or biases [out]) -> megatron's group-major fused rows."""
+    heads, groups, head_dim = _shape(hf_config)
+    tail = q.shape[1:]
+    q = q.reshape(groups, heads // groups * head_dim, *tail)
+    k = k.reshape(groups, head_dim, *tail)
+    v = v.reshape(groups, head_dim, *tail)
+    return torch.cat([q, k, v], dim=1).reshape(-1, *tail)
+
+
+def _split_qkv(fused: torch.Tensor, hf_config) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    heads, groups, head_dim = _shape(hf_config)
+    tail = fused.shape[1:]
+    per_group = fused.reshape(groups, (heads // groups + 2) * head_dim, *tail)
+    q, k, v = per_group.split([heads // groups * head_dim, head_dim, head_dim], dim=1)
+    return q.reshape(-1, *tail), k.reshape(-1, *tail), v.reshape(-1, *tail)
+
+
+def _vocab_rows(weight: torch.Tensor, tp_size: int) -> torch.Tensor:
+    """[V, H] -> [V_padded, H] with zero rows appended."""
+    padded = padded_vocab_size(weight.shape[0], tp_size)
+    if padded == weight.shape[0]:
+        return weight
+    return torch.cat([weight, weight.new_zeros(padded - weight.shape[0], *weight.shape[1:])])
+
+
+def hf_to_mcore_state_dict(
+    hf_state_dict: dict[str, torch.Tensor],
+    hf_config,
+    tf_config,
+    tp_rank: int,
+    tp_size: int,
+    pp_rank: int,
+    pp_size: int,
+    vp_stage: int | None = None,
+    value_head: bool = False,
+) -> dict[str, torch.Tensor]:
+    """The megatron GPTModel parameters (name -> tensor) of one (tp_rank, pp_rank, vp_stage) chunk.
+
+    `hf_state_dict` is the full HF state dict (model.* names; `lm_head.weight` optional when the
+    embeddings are tied). With `value_head`, `score.weight` (HF token-classification head, [1, H])
+    and `score.bias` become the value head, when present.
+    """
+    if tf_config.tensor_model_parallel_size != tp_size or tf_config.pipeline_model_parallel_size != pp_size:
+        raise ValueError(
+            f"tf_config was built for tp={tf_config.tensor_model_parallel_size}, "
+            f"pp={tf_config.pipeline_model_parallel_size}, not tp={tp_size}, pp={pp_size}"
+        )
+
+    def shard(tensor: torch.Tensor, dim: int = 0) -> torch.Tensor:
+        return tensor.chunk(tp_size, dim=dim)[tp_rank].clone()
+
+    def hf(name: str) -> torch.Tensor:
+        if name not in hf_state_dict:
+            raise KeyError(f"the HF checkpoint has no {name!r}; is it a Qwen2/Llama causal LM?")
+        return hf_state_dict[name]
+
+    out: dict[str, torch.Tensor] = {}
+    pre_process, post_process = _stage_roles(tf_config, pp_rank, vp_stage)
+    if pre_process:
+        out["embedding.word_embeddings.weight"] = shard(_vocab_rows(hf("model.embed_tokens.weight"), tp_size))
+    for local, layer in enumerate(_layer_range(tf_config, pp_rank, vp_stage)):
+        src, dst = f"model.layers.{layer}.", f"decoder.layers.{local}."
+        for mcore_name, hf_name in _LAYER_NORMS.items():
+            out[dst + mcore_name] = hf(src + hf_name).clone()
+        attn = src + "self_attn."
+        qkv = _fuse_qkv(hf(attn + "q_proj.weight"), hf(attn + "k_proj.weight"), hf(attn + "v_proj.weight"), hf_config)
+        out[dst + "self_attention.linear_qkv.weight"] = shard(qkv)
+        if tf_config.add_qkv_bias:
+            bias = _fuse_qkv(hf(attn + "q_proj.bias"), hf(attn + "k_proj.bias"), hf(attn + "v_proj.bias"), hf_config)
+            out[dst + "self_attention.linear_qkv.bias"] = shard(bias)
+        out[dst + "self_attention.linear_proj.weight"] = shard(hf(attn + "o_proj.weight"), dim=1)
+        mlp = src + "mlp."
+        gate, up = shard(hf(mlp + "gate_proj.weight")), shard(hf(mlp + "up_proj.weight"))
+        out[dst + "mlp.linear_fc1.weight"] = torch.cat([gate, up])
+        out[dst + "mlp.linear_fc2.weight"] = shard(hf(mlp + "down_proj.weight"), dim=1)
+    if post_process:
+        out["decoder.final_layernorm.weight"] = hf("model.norm.weight").clone()
+        if value_head:
+            for suffix in ("weight", "bias"):
+                if f"score.{suffix}" in hf_state_dict:
+                    out[f"output_layer.{suffix}"] = hf_state_dict[f"score.{suffix}"].clone()
+        elif not hf_config.tie_word_embeddings:
+            out["output_layer.weight"] = shard(_vocab_rows(hf("lm_head.weight"), tp_size))
+        elif not pre_process:  # the last stage's own copy of the tied embedding
+            out["output_layer.weight"] = shard(_vocab_rows(hf("model.embed_tokens.weight"), tp_size))
+    return out
+
+
+def load_hf_state_dict(model_chunks, hf_state_dict: dict[str, torch.Tensor], hf_config, value_head: bool = False):
+    """Copy a full HF state dict into this rank's model chunks (ranks from megatron's parallel state).
+
+    Every parameter must be covered (except a value head absent from a causal-LM checkpoint, which
+    keeps its initialisation); an unexpected name is an error.
+    """
+    from megatron.core import parallel_state as mpu
+
+    tp_rank, tp_size = mpu.get_tensor_model_parallel_rank(), mpu.get_tensor_model_parallel_world_size()
+    pp_rank, pp_size = mpu.get_pipeline_model_parallel_rank(), mpu.get_pipeline_model_parallel_world_size()
+    for chunk_index, chunk in enumerate(model_chunks):
+        tf_config = chunk.config
+        vp_stage = chunk_index if tf_config.virtual_pipeline_model_parallel_size else None
+        shards = hf_to_mcore_state_dict(
+            hf_state_dict, hf_config, tf_config, tp_rank, tp_size, pp_rank, pp_size, vp_stage, value_head
+        )
+        params = dict(chunk.named_parameters())
+        unexpected = sorted(set(shards) - set(params))
+        missing = sorted(
+            set(params) - set(shards) - ({"output_layer.weight", "output_layer.bias"} if value_head else set())
+        )
+        if unexpected or missing:
+            raise RuntimeError(f"HF -> megatron conversion mismatch: unexpected {unexpected}, missing {missing}")
+        with torch.no_grad():
+            for name, tensor in shards.items():
+                if params[name].shape != tensor.shape:
+                    raise RuntimeError(
+                        f"{name}: converted shape {tuple(tensor.shape)} != model {tuple(params[name].shape)}"
+                    )
+                params[name].copy_(tensor)
+
+
+def _hf_names_and_shapes(hf_config, value_head: bool):
+    """(hf_name, shape, kind, global layer or None) in the order they are streamed."""
+    hidden, vocab = hf_config.hidden_size, hf_config.vocab_size
+    yield "model.embed_tokens.weight", (vocab, hidden), "embedding", None
+    for layer in range(hf_config.num_hidden_layers):
+        yield f"model.layers.{layer}.", None, "layer", layer
+    yield "model.norm.weight", (hidden,), "final_norm", None
+    if value_head:
+        yield "score.weight", (1, hidden), "value_head", None
+        yield "score.bias", (1,), "value_head", None
+    elif not hf_config.tie_word_embeddings:
+        yield "lm_head.weight", (vocab, hidden), "lm_head", None
+
+
+def _tp_gather(local: torch.Tensor, dim: int) -> list[torch.Tensor]:
+    from megatron.core import parallel_state as mpu
+
+    tp_size = mpu.get_tensor_model_parallel_world_size()
+    if tp_size == 1:
+        return [local]
+    parts = [torch.empty_like(local) for _ in range(tp_size)]
+    dist.all_gather(parts, local.contiguous(), group=mpu.get_tensor_model_parallel_group())
+    return parts
+
+
+def _from_owner(tensor: torch.Tensor | None, owner_pp_rank: int, shape, dtype, device) -> torch.Tensor:
+    """Broadcast `tensor` (present on the owning pipeline stage) to every stage."""
+    from megatron.core import parallel_state as mpu
+
+    if mpu.get_pipeline_model_parallel_world_size() == 1:
+        return tensor
+    group = mpu.get_pipeline_model_parallel_group()
+    if tensor is None:
+        tensor = torch.empty(shape, dtype=dtype, device=device)
+    dist.broadcast(tensor, src=dist.get_global_rank(group, owner_pp_rank), group=group)
+    return tensor
+
+
+def mcore_to_hf_named_tensors(model_chunks, hf_config, value_head: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield (HF name, full tensor) for the whole model, one tensor at a time, on every rank.
+
+    A collective: every rank of the model-parallel group must iterate the generator to the end
+    (or, equivalently, in step). Padded vocabulary rows are removed.
+    """
+    from megatron.core import parallel_state as mpu
+
+    tf_config = model_chunks[0].config
+    pp_rank = mpu.get_pipeline_model_parallel_rank()
+    pp_size = tf_config.pipeline_model_parallel_size
+    vpp = tf_config.virtual_pipeline_model_parallel_size
+    params = [dict(chunk.named_parameters()) for chunk in model_chunks]
+    sample = next(iter(params[0].values()))
+    dtype, device = sample.dtype, sample.device
+    owners = layer_owners(tf_config)
+    heads, groups, head_dim = _shape(hf_config)
+    hidden, inter, vocab = hf_config.hidden_size, hf_config.intermediate_size, hf_config.vocab_size
+
+    def emit(name, local_fn, owner, shape):
+        """Gather on the owner stage (local_fn runs only there), then broadcast along the pipeline."""
+        full = local_fn() if pp_rank == owner else None
+        return name, _from_owner(full, owner, shape, dtype, device)
+
+    def vocab_weight(param):
+        return lambda: torch.cat(_tp_gather(param.detach(), 0))[:vocab]
+
+    for name, shape, kind, layer in _hf_names_and_shapes(hf_config, value_head):
+        if kind == "embedding":
+            param = params[0].get("embedding.word_embeddings.weight") if pp_rank == 0 else None
+            yield emit(name, vocab_weight(param), 0, shape)
+        elif kind in ("final_norm", "lm_head", "value_head"):
+            mcore = {"final_norm": "decoder.final_layernorm.weight"}.get(kind, "output_layer." + name.split(".")[-1])
+            param = params[-1].get(mcore) if pp_rank == pp_size - 1 else None
+            if kind == "lm_head":
+                yield emit(name, vocab_weight(param), pp_size - 1, shape)
+            else:
+                yield emit(name, lambda p=param: p.detach().clone(), pp_size - 1, shape)
+        else:
+            owner, vp_stage, local = owners[layer]
+            chunk_params = params[vp_stage or 0] if vpp else params[0]
+            src = f"decoder.layers.{local}."
+
+            def local_param(suffix, src=src, chunk_params=chunk_params):
+                return chunk_params[src + suffix].detach()
+
+            dst = name
+            for mcore_name, hf_name in _LAYER_NORMS.items():
+                yield emit(dst + hf_name, lambda m=mcore_name: local_param(m).clone(), owner, (hidden,))
+            qkv_rows = (heads + 2 * groups) * head_dim
+            fused = emit(
+                None,
+                lambda: torch.cat(_tp_gather(local_param("self_attention.linear_qkv.weight"), 0)),
+                owner,
+                (qkv_rows, hidden),
+            )[1]
+            for proj, tensor in zip(("q_proj", "k_proj", "v_proj"), _split_qkv(fused, hf_config)):
+                yield f"{dst}self_attn.{proj}.weight", tensor.clone()
+            if tf_config.add_qkv_bias:
+                fused = emit(
+                    None,
+                    lambda: torch.cat(_tp_gather(local_param("self_attention.linear_qkv.bias"), 0)),
+                    owner,
+                    (qkv_rows,),
+                )[1]
+                for proj, tensor in zip(("q_proj", "k_proj", "v_proj"), _split_qkv(fused, hf_config)):
+                    yield f"{dst}self_attn.{proj}.bias", tensor.clone()
+            yield emit(
+                f"{dst}self_attn.o_proj.weight",
+                lambda: torch.cat(_tp_gather(local_param("self_attention.linear_proj.weight"), 1), dim=1),
+                owner,
+                (hidden, heads * head_dim),
+            )
+
+            def gate_up():
+                parts = [p.chunk(2) for p in _tp_gather(local_param("mlp.linear_fc1.weight"), 0)]
+                return torch.cat([torch.cat([g for g, _ in parts]), torch.cat([u for _, u in parts])])
+
+            fc1 = emit(None, gate_up, owner, (2 * inter, hidden))[1]
+            gate, up = fc1.chunk(2)
+            yield f"{dst}mlp.gate_proj.weight", gate.clone()
+            yield f"{dst}mlp.up_proj.weight", up.clone()
+            yield emit(
+                f"{dst}mlp.down_proj.weight",
+                lambda: torch.cat(_tp_gather(local_param("mlp.linear_fc2.weight"), 1), dim=1),
+                owner,
+                (hidden, inter),
+            )

@@ -1,0 +1,271 @@
+"""Save and restore a megatron-core model, its AdamW state and lr scheduler, reshardably and crash-safely.
+
+Layout of one checkpoint directory (`local_path`, e.g. `.../global_step_10/actor`):
+
+    dist_ckpt/                              megatron dist_checkpointing: the weights and the Adam
+                                            moments, each tensor with its global shape
+    extra_state_world_size_<W>_rank_<r>.pt  lr scheduler, RNG states, optimizer step and hyper-parameters
+    huggingface/                            config.json, tokenizer files, and model.safetensors
+                                            (full HF weights) when save_contents has hf_model
+
+Design decisions:
+- The optimizer is a plain torch AdamW over this rank's parameter shards (see
+  `verl.workers.actor.megatron_actor`), so megatron's own optimizer checkpointing does not apply.
+  Adam's moments have exactly their parameter's shape and sharding, so each moment is saved as a
+  copy of its parameter's `ShardedTensor` (same global offsets and replica id) under the key
+  `optimizer.<moment>.<parameter key>`. dist_checkpointing then reshards moments exactly like
+  weights: a checkpoint written at tp=2 resumes at tp=1 or pp=2 with the same weights *and* the
+  same Adam state, and the next update equals the one an uninterrupted run would make.
+- Adam's step count is the same for every parameter that was ever stepped (the actor steps all of
+  them together), so one number is kept in the extra state instead of a per-parameter table whose
+  order would depend on the layout.
+- Crash safety as in `FSDPCheckpointManager`: everything goes into `<local_path>.tmp`, renamed by
+  rank 0 after a barrier, with the previous checkpoint kept as `.old` until the swap is done.
+- One model chunk per rank (no virtual pipeline): megatron keys each interleaved chunk
+  separately, so a virtual-pipeline checkpoint would be tied to its chunk count; it is refused.
+- On CPU dist_checkpointing needs `verl.utils.megatron.cpu_compat` (switched on with the parallel
+  groups) and psutil, without which a save hangs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import shutil
+
+import torch
+import torch.distributed as dist
+
+from verl.utils.checkpoint.checkpoint_manager import BaseCheckpointManager
+from verl.utils.checkpoint.safe_load import torch_load
+from verl.utils.logging_utils import get_logger
+
+__all__ = ["MegatronCheckpointManager"]
+
+logger = get_logger(__name__)
+
+_MOMENTS = ("exp_avg", "exp_avg_sq")
+DIST_CKPT_DIR = "dist_ckpt"
+
+
+def _require_psutil() -> None:
+    from importlib.util import find_spec
+
+    if find_spec("psutil") is None:
+        raise ImportError("megatron's dist_checkpointing needs psutil (without it a save hangs); pip install psutil")
+
+
+def _barrier() -> None:
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()
+
+
+def _sharded_entries(sharded: dict):
+    """Every ShardedTensor or ShardedTensorFactory (megatron describes the fused [gate; up] weight
+    with a factory) of a nested sharded state dict: both carry `key` and the local `data`."""
+    from megatron.core.dist_checkpointing import ShardedTensor
+    from megatron.core.dist_checkpointing.mapping import ShardedTensorFactory
+
+    for name, value in sharded.items():
+        if isinstance(value, ShardedTensor | ShardedTensorFactory):
+            yield name, value
+        elif isinstance(value, dict):
+            yield from _sharded_entries(value)
+
+
+def _param_keys(model, optimizer) -> list[tuple[torch.nn.Parameter, str, object]]:
+    """(trained parameter, its local state-dict name, its sharded entry), matched by storage. The
+    entry's own key is global (all layers of a stage share one key, the layer being an axis of the
+    global tensor), so the local name is what tells the layers apart on this rank."""
+    by_ptr = {p.data_ptr(): p for group in optimizer.param_groups for p in group["params"] if p.requires_grad}
+    triples, seen = [], set()
+    for name, entry in _sharded_entries(model.sharded_state_dict()):
+        param = by_ptr.get(entry.data.data_ptr())
+        if param is not None and entry.data.shape == param.shape and id(param) not in seen:
+            seen.add(id(param))
+            triples.append((param, name, entry))
+    return triples
+
+
+def _moment_sharded_state(model, optimizer) -> dict:
+    """The Adam moments as sharded entries shaped and sharded like their parameters (zeros for a
+    parameter not stepped yet, without touching the optimizer's state)."""
+    out = {}
+    for param, name, entry in _param_keys(model, optimizer):
+        state = optimizer.state.get(param, {})
+        for moment in _MOMENTS:
+            data = state[moment] if moment in state else torch.zeros_like(param)
+            out[f"optimizer.{moment}.{name}"] = dataclasses.replace(
+                entry, key=f"optimizer.{moment}.{entry.key}", data=data
+            )
+    return out
+
+
+class MegatronCheckpointManager(BaseCheckpointManager):
+    """Checkpoints of one megatron model chunk with its AdamW optimizer and lr scheduler.
+
+    `model` is the list of this rank's model chunks (one chunk: no virtual pipeline); `hf_config` is
+    the HF config the model was built from (written to `huggingface/` and used for hf_model).
+    """
+
+    def __init__(
+        self,
+        model,
+        optimizer=None,
+        lr_scheduler=None,
+        processing_class=None,
+        checkpoint_config=None,
+        *,
+        hf_config=None,
+        value_head: bool = False,
+    ):
+        super().__init__(model, optimizer, lr_scheduler, processing_class, checkpoint_config)
+        if len(model) != 1:
+            raise NotImplementedError(
+                f"cannot checkpoint a megatron model with {len(model)} virtual pipeline chunks; set "
+                "actor.megatron.virtual_pipeline_model_parallel_size=null"
+            )
+        self.chunk = model[0]
+        self.hf_config = hf_config
+        self.value_head = value_head
+
+    @staticmethod
+    def _extra_state_name(world_size: int, rank: int) -> str:
+        return f"extra_state_world_size_{world_size}_rank_{rank}.pt"
+
+    def _optimizer_step(self) -> int:
+        steps = [int(s["step"]) for s in self.optimizer.state.values() if "step" in s]
+        return max(steps, default=0)
+
+    def save_checkpoint(self, local_path: str, hdfs_path=None, global_step: int = 0, max_ckpt_to_keep=None):
+        from megatron.core import dist_checkpointing
+
+        _require_psutil()
+        rank, world = dist.get_rank(), dist.get_world_size()
+        local_path = os.path.abspath(local_path)
+        tmp = local_path + ".tmp"
+        if rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+            os.makedirs(os.path.join(tmp, DIST_CKPT_DIR))
+        _barrier()
+        sharded = {}
+        if "model" in self.save_contents:
+            sharded.update(self.chunk.sharded_state_dict())
+        if "optimizer" in self.save_contents and self.optimizer is not None:
+            sharded.update(_moment_sharded_state(self.chunk, self.optimizer))
+        if sharded:
+            dist_checkpointing.save(sharded, os.path.join(tmp, DIST_CKPT_DIR))
+        if "extra" in self.save_contents or "optimizer" in self.save_contents:
+            extra = {"global_step": global_step, "rng": self.get_rng_state()}
+            if self.lr_scheduler is not None:
+                extra["lr_scheduler"] = self.lr_scheduler.state_dict()
+            if self.optimizer is not None:
+                extra["optimizer_step"] = self._optimizer_step()
+                extra["param_groups"] = [
+                    {k: v for k, v in g.items() if k != "params"} for g in self.optimizer.param_groups
+                ]
+            torch.save(extra, os.path.join(tmp, self._extra_state_name(world, rank)))
+        hf_dir = os.path.join(tmp, "huggingface")
+        self._save_huggingface(hf_dir, rank)
+        _barrier()
+        if rank == 0:
+            old = local_path + ".old"
+            if os.path.exists(local_path):
+                shutil.rmtree(old, ignore_errors=True)
+                os.rename(local_path, old)
+            os.rename(tmp, local_path)
+            shutil.rmtree(old, ignore_errors=True)
+        _barrier()
+        if local_path not in self.previous_saved_paths:
+            self.previous_saved_paths.append(local_path)
+        if rank == 0:
+            self._prune_old(max_ckpt_to_keep)
+
+    def _save_huggingface(self, hf_dir: str, rank: int) -> None:
+        """Config and tokenizer always; the full HF weights (gathered, collective) with hf_model."""
+        if rank == 0:
+            os.makedirs(hf_dir, exist_ok=True)
+            if self.hf_config is not None:
+                self.hf_config.save_pretrained(hf_dir)
+            if self.processing_class is not None:
+                self.processing_class.save_pretrained(hf_dir)
+        if "hf_model" not in self.save_contents:
+            return
+        from safetensors.torch import save_file
+
+        from verl.models.mcore import mcore_to_hf_named_tensors
+
+        tensors = {
+            name: tensor.detach().cpu().contiguous()
+            for name, tensor in mcore_to_hf_named_tensors([self.chunk], self.hf_config, value_head=self.value_head)
+        }
+        if rank == 0:
+            save_file(tensors, os.path.join(hf_dir, "model.safetensors"), metadata={"format": "pt"})
+
+    def load_checkpoint(self, local_path: str | None, hdfs_path=None, del_local_after_load=False):
+        from megatron.core import dist_checkpointing
+
+        if local_path is None:
+            return
+        _require_psutil()
+        local_path = os.path.abspath(local_path)
+        if not os.path.isdir(local_path) and os.path.isdir(local_path + ".old"):
+            local_path += ".old"  # a crash between the two renames of a save
+        ckpt = os.path.join(local_path, DIST_CKPT_DIR)
+        want_model = "model" in self.load_contents
+        want_optim = "optimizer" in self.load_contents and self.optimizer is not None
+        if (want_model or want_optim) and not os.path.isdir(ckpt):
+            raise FileNotFoundError(
+                f"no megatron checkpoint at {ckpt}: {local_path} was not written by the megatron backend "
+                "(an FSDP checkpoint cannot be resumed with strategy=megatron); resume with the backend that saved it"
+            )
+        rank, world = dist.get_rank(), dist.get_world_size()
+        extra_file = os.path.join(local_path, self._extra_state_name(world, rank))
+        if not os.path.exists(extra_file):  # written on another number of ranks: rank 0's file serves all
+            names = sorted(n for n in os.listdir(local_path) if n.startswith("extra_state_world_size_"))
+            extra_file = os.path.join(local_path, names[0]) if names else None
+        extra = torch_load(extra_file, "extra state") if extra_file else {}
+        sharded = {}
+        if want_model:
+            sharded.update(self.chunk.sharded_state_dict())
+        if want_optim:
+            sharded.update(_moment_sharded_state(self.chunk, self.optimizer))
+        if sharded:
+            loaded = dist_checkpointing.load(sharded, ckpt)
+            model_state = {k: v for k, v in loaded.items() if not k.startswith("optimizer.")}
+            if want_model:
+                result = self.chunk.load_state_dict(model_state, strict=False)
+                missing = [k for k in result.missing_keys if not k.endswith("_extra_state")]
+                if missing or result.unexpected_keys:
+                    raise RuntimeError(
+                        f"megatron checkpoint {ckpt} does not match the model: missing {missing}, unexpected "
+                        f"{result.unexpected_keys}; was it written for another architecture?"
+                    )
+        if want_optim:
+            self._restore_optimizer(loaded, extra)
+        if "extra" in self.load_contents and extra:
+            if self.lr_scheduler is not None and "lr_scheduler" in extra:
+                self.lr_scheduler.load_state_dict(extra["lr_scheduler"])
+            if "rng" in extra and extra_file and extra_file.endswith(self._extra_state_name(world, rank)):
+                self.load_rng_state(extra["rng"])
+
+    def _restore_optimizer(self, loaded: dict, extra: dict) -> None:
+        """Loaded moments are already in the optimizer's tensors (dist_checkpointing loads in place,
+        or returns them); set the step count and the saved hyper-parameters through the optimizer's
+        own load_state_dict, which puts `step` where this optimizer keeps it."""
+        moments = {k: v for k, v in loaded.items() if k.startswith("optimizer.")}
+        by_key = {}
+        for key, value in moments.items():
+            _, moment, param_key = key.split(".", 2)
+            by_key.setdefault(param_key, {})[moment] = value
+        state = self.optimizer.state_dict()
+        index = {id(param): name for param, name, _ in _param_keys(self.chunk, self.optimizer)}
+        step = float(extra.get("optimizer_step", 0))
+        flat = [p for group in self.optimizer.param_groups for p in group["params"]]
+        for i, param in enumerate(flat):
+            key = index.get(id(param))
+            if step > 0 and key in by_key:
+                state["state"][i] = {"step": torch.tensor(step), **{m: by_key[key][m] for m in _MOMENTS}}
+        for group, saved in zip(state["param_groups"], extra.get("param_groups", [])):
+            group.update({k: v for k, v in saved.items() if k in group})
+        self.optimizer.load_state_dict(state)

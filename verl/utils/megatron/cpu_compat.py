@@ -1,0 +1,178 @@
+"""Run megatron-core on a CPU-only torch: the one compatibility shim, active only without CUDA.
+
+megatron-core assumes a GPU in a handful of places that our CPU path reaches: the pipeline
+schedules allocate token counters with a hard-coded accelerator device, the p2p layer and the
+global memory buffer (used by the local attention's `baddbmm`) allocate on
+`torch.cuda.current_device()`, p2p and dist_checkpointing call `torch.cuda.synchronize()`, and
+the model-parallel RNG seeding reads the accelerator's generator. Everything else (the layers,
+the tensor-parallel collectives over gloo, the schedules' logic) is plain torch and runs as is.
+
+Design decisions:
+- Patch megatron, not torch. `enable_cpu_compat()` rebinds the global name `torch` inside the
+  already imported `megatron.core` modules to a thin proxy of torch whose `cuda` namespace answers
+  for a CPU (current device = cpu, synchronize / streams / events are no-ops) and whose tensor
+  factories map any accelerator device to cpu. torch itself, and every other library in the
+  process (the rollout engine, transformers), keep the real `torch.cuda`.
+- It is a no-op when `verl.utils.device.is_cuda_available()`: on a GPU megatron runs unpatched.
+- It is idempotent and imports the megatron modules it patches itself, so callers only call it
+  once before building a model (`verl.utils.megatron.parallel_state.initialize_model_parallel`
+  does).
+- The RNG: `seed_model_parallel_rng` seeds megatron's tracker with `inference_rng_tracker=True`,
+  a tracker that keeps CPU generator states; with it tensor-parallel runs are bit-identical to
+  tp=1 (measured), because dropout is off and initialisation happens on CPU.
+- What it does not fix: sequence parallel (needs TransformerEngine or apex kernels) and context
+  parallel (needs TransformerEngine attention); callers refuse those on CPU with a clear error.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import sys
+import types
+
+import torch
+
+from verl.utils.device import is_cuda_available
+
+__all__ = ["enable_cpu_compat", "is_cpu_compat_enabled", "seed_model_parallel_rng"]
+
+# megatron modules that touch the accelerator on the paths we run; imported (and so patched) eagerly
+_MODULES = (
+    "megatron.core.utils",
+    "megatron.core.parallel_state",
+    "megatron.core.tensor_parallel.random",
+    "megatron.core.tensor_parallel.layers",
+    "megatron.core.pipeline_parallel.schedules",
+    "megatron.core.pipeline_parallel.p2p_communication",
+    "megatron.core.dist_checkpointing.strategies.torch",
+    "megatron.core.dist_checkpointing.strategies.filesystem_async",
+    "megatron.core.dist_checkpointing.exchange_utils",
+)
+_FACTORIES = ("empty", "zeros", "ones", "full", "tensor", "arange", "randn", "rand", "empty_like", "zeros_like")
+
+_enabled = False
+
+
+def _on_cpu(device):
+    """`device` with any accelerator replaced by cpu (None stays None: torch's default is cpu here)."""
+    if device is None:
+        return None
+    if isinstance(device, int):
+        return torch.device("cpu")
+    return device if torch.device(device).type == "cpu" else torch.device("cpu")
+
+
+class _NoOpStream:
+    """Stands in for an accelerator stream or event: CPU work is synchronous, so all waits are no-ops."""
+
+    def __init__(self, *args, **kwargs):
+        pass
+
+    def __getattr__(self, name):
+        return lambda *args, **kwargs: None
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+def _make_cuda_namespace() -> types.SimpleNamespace:
+    def current_stream(*args, **kwargs):
+        return _NoOpStream()
+
+    return types.SimpleNamespace(
+        is_available=lambda: False,
+        is_initialized=lambda: False,
+        current_device=lambda: torch.device("cpu"),
+        device_count=lambda: 0,
+        synchronize=lambda *a, **k: None,
+        empty_cache=lambda: None,
+        set_device=lambda *a, **k: None,
+        manual_seed=lambda seed: None,
+        manual_seed_all=lambda seed: None,
+        current_stream=current_stream,
+        default_stream=current_stream,
+        Stream=_NoOpStream,
+        Event=_NoOpStream,
+        stream=lambda *a, **k: contextlib.nullcontext(),
+        nvtx=types.SimpleNamespace(range_push=lambda *a, **k: None, range_pop=lambda *a, **k: None),
+        memory_allocated=lambda *a, **k: 0,
+        max_memory_allocated=lambda *a, **k: 0,
+        amp=torch.amp,
+    )
+
+
+class _CpuTorch(types.ModuleType):
+    """torch, except that `cuda` describes a CPU and tensor factories never target an accelerator."""
+
+    def __init__(self):
+        super().__init__("torch")
+        self.cuda = _make_cuda_namespace()
+        for name in _FACTORIES:
+            setattr(self, name, self._factory(getattr(torch, name)))
+
+    @staticmethod
+    def _factory(fn):
+        def wrapped(*args, **kwargs):
+            if "device" in kwargs:
+                kwargs["device"] = _on_cpu(kwargs["device"])
+            return fn(*args, **kwargs)
+
+        return wrapped
+
+    def __getattr__(self, name):
+        return getattr(torch, name)
+
+
+def is_cpu_compat_enabled() -> bool:
+    return _enabled
+
+
+def enable_cpu_compat() -> None:
+    """Make megatron-core's GPU assumptions hold on CPU (see the module docstring); no-op with CUDA."""
+    global _enabled
+    if _enabled or is_cuda_available():
+        return
+    proxy = _CpuTorch()
+    for name in _MODULES:
+        importlib.import_module(name)
+    # also any other megatron.core module already loaded (the model's layers import more)
+    for name, module in list(sys.modules.items()):
+        if name.startswith("megatron.core") and getattr(module, "torch", None) is torch:
+            module.torch = proxy
+    _keep_tied_embedding_on_cpu()
+    _enabled = True
+
+
+def _keep_tied_embedding_on_cpu() -> None:
+    """With pp > 1 and tied embeddings, megatron moves the last stage's copy of the embedding to the
+    accelerator (`Tensor.cuda` on `weight.data`) before all-reducing it with the first stage's; on CPU the copy
+    stays where it is. Only that one method sees the change."""
+    from megatron.core.models.common.language_module.language_module import LanguageModule
+
+    original = LanguageModule.setup_embeddings_and_output_layer
+
+    def setup_embeddings_and_output_layer(self):
+        to_accelerator = torch.Tensor.cuda
+        torch.Tensor.cuda = lambda tensor, *args, **kwargs: tensor
+        try:
+            return original(self)
+        finally:
+            torch.Tensor.cuda = to_accelerator
+
+    LanguageModule.setup_embeddings_and_output_layer = setup_embeddings_and_output_layer
+
+
+def seed_model_parallel_rng(seed: int) -> None:
+    """Seed torch and megatron's model-parallel RNG tracker the same way on CPU and GPU.
+
+    Tensor-parallel ranks get distinct streams for their shards' initialisation as megatron
+    intends; with `inference_rng_tracker=True` the tracker works on CPU generator states.
+    """
+    from megatron.core import tensor_parallel
+
+    torch.manual_seed(seed)
+    tensor_parallel.model_parallel_cuda_manual_seed(seed, inference_rng_tracker=not is_cuda_available())

@@ -1,0 +1,108 @@
+"""Set up megatron-core's model-parallel groups on an already initialised torch.distributed world.
+
+The worker (Ray or torchrun) owns `torch.distributed.init_process_group` (gloo on CPU, NCCL on
+GPU); this module only carves that world into megatron's tensor / pipeline / context / data
+parallel groups, in megatron's default order (tp fastest, then cp, dp, pp), seeds the
+model-parallel RNG and, on CPU, switches on `verl.utils.megatron.cpu_compat`.
+
+Sizes are validated here with errors that name the config keys
+(`actor_rollout_ref.actor.megatron.*`), since this is the first place that knows the world size.
+"""
+
+from __future__ import annotations
+
+import torch.distributed as dist
+
+from verl.utils.device import is_cuda_available
+
+__all__ = ["initialize_model_parallel", "destroy_model_parallel", "MegatronParallelSizes"]
+
+
+class MegatronParallelSizes:
+    """The parallel layout of one megatron model: tp, pp, vpp (None = no interleaving), cp, dp."""
+
+    def __init__(self, tp: int, pp: int, vpp: int | None, cp: int, dp: int):
+        self.tp, self.pp, self.vpp, self.cp, self.dp = tp, pp, vpp, cp, dp
+
+    def __repr__(self):
+        return f"MegatronParallelSizes(tp={self.tp}, pp={self.pp}, vpp={self.vpp}, cp={self.cp}, dp={self.dp})"
+
+
+def initialize_model_parallel(
+    tensor_model_parallel_size: int = 1,
+    pipeline_model_parallel_size: int = 1,
+    virtual_pipeline_model_parallel_size: int | None = None,
+    context_parallel_size: int = 1,
+    seed: int = 0,
+) -> MegatronParallelSizes:
+    """Create megatron's parallel groups over the current torch.distributed world and seed its RNG.
+
+    Idempotent for the same sizes (a worker holding actor and reference shares one layout);
+    different sizes in the same process are an error, since megatron's groups are process-global.
+    """
+    from megatron.core import parallel_state as mpu
+
+    from verl.utils.megatron.cpu_compat import enable_cpu_compat, seed_model_parallel_rng
+
+    if not dist.is_initialized():
+        raise RuntimeError(
+            "torch.distributed is not initialised: the worker must call init_process_group before setting up "
+            "megatron's model-parallel groups"
+        )
+    tp, pp, cp = int(tensor_model_parallel_size), int(pipeline_model_parallel_size), int(context_parallel_size)
+    vpp = None if virtual_pipeline_model_parallel_size in (None, 0, 1) else int(virtual_pipeline_model_parallel_size)
+    world = dist.get_world_size()
+    for key, value in (
+        ("tensor_model_parallel_size", tp),
+        ("pipeline_model_parallel_size", pp),
+        ("context_parallel_size", cp),
+    ):
+        if value < 1:
+            raise ValueError(f"actor.megatron.{key}={value} must be >= 1")
+    if world % (tp * pp * cp):
+        raise ValueError(
+            f"{world} ranks cannot be split into tensor_model_parallel_size={tp} x pipeline_model_parallel_size={pp} "
+            f"x context_parallel_size={cp}: the product must divide the world size; change actor.megatron.* or "
+            "trainer.n_gpus_per_node * trainer.nnodes"
+        )
+    if vpp is not None and pp < 2:
+        raise ValueError(
+            f"actor.megatron.virtual_pipeline_model_parallel_size={vpp} needs pipeline_model_parallel_size >= 2 "
+            f"(got {pp}); set it to null or raise the pipeline size"
+        )
+    if cp > 1 and not is_cuda_available():
+        raise NotImplementedError(
+            f"actor.megatron.context_parallel_size={cp}: context parallelism needs TransformerEngine's attention, "
+            "which is GPU-only; set it to 1 on CPU"
+        )
+    sizes = MegatronParallelSizes(tp, pp, vpp, cp, world // (tp * pp * cp))
+    enable_cpu_compat()
+    if mpu.model_parallel_is_initialized():
+        current = (
+            mpu.get_tensor_model_parallel_world_size(),
+            mpu.get_pipeline_model_parallel_world_size(),
+            mpu.get_virtual_pipeline_model_parallel_world_size(),
+            mpu.get_context_parallel_world_size(),
+        )
+        if current != (tp, pp, vpp, cp):
+            raise RuntimeError(
+                f"megatron's parallel groups already exist with (tp, pp, vpp, cp)={current}, not {(tp, pp, vpp, cp)}; "
+                "all megatron models in one process must share one layout"
+            )
+        return sizes
+    mpu.initialize_model_parallel(
+        tensor_model_parallel_size=tp,
+        pipeline_model_parallel_size=pp,
+        virtual_pipeline_model_parallel_size=vpp,
+        context_parallel_size=cp,
+        create_gloo_process_groups=False,
+    )
+    seed_model_parallel_rng(seed)
+    return sizes
+
+
+def destroy_model_parallel() -> None:
+    """Tear down megatron's groups (tests, or a worker that re-initialises with another layout)."""
+    from megatron.core import parallel_state as mpu
+
+    mpu.destroy_model_parallel()

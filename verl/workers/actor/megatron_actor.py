@@ -1,0 +1,328 @@
+"""The PPO actor on a megatron-core GPTModel (tensor / pipeline parallel), free of Ray.
+
+`MegatronPPOActor(config, model_chunks, hf_config, actor_optimizer=None)` has the FSDP actor's
+contract: the same config keys, batch semantics, micro-batching, loss functions
+(`verl.trainer.ppo.core_algos`), loss normalisation (`verl.workers.dp_training`), guarded steps
+and metric names. It subclasses `DataParallelPPOActor` to inherit all of that (batch-key checks,
+epochs and shuffling, zero-advantage skipping) and replaces only what touches the model: the
+forward pass, gradient synchronisation and clipping.
+
+Design decisions:
+- Forward and backward go through megatron's `get_forward_backward_func()`, one call per
+  mini-batch with all of its micro-batches, so pipeline (and interleaved pipeline) parallelism
+  overlaps micro-batches as megatron intends. The loss function runs on the last stage; metrics
+  and log-probs are broadcast from it to the other stages, so every rank returns the same thing.
+- Rows are left-aligned before the forward (see `verl.models.mcore.forward`); logits are divided
+  by the sampling temperature as in the FSDP actor, and log-probs/entropy come from the
+  tensor-parallel vocabulary shards without gathering them
+  (`verl.utils.megatron.tensor_parallel`).
+- The optimizer is a plain torch optimizer (AdamW from the worker) over this rank's parameter
+  shards, not megatron's `DistributedOptimizer`: Adam is elementwise, so stepping shards is exactly
+  stepping the full model; megatron's optimizer needs its DDP gradient buffers and, for speed,
+  apex or TransformerEngine, none of which exist on CPU. The price is no optimizer-state sharding
+  over data-parallel ranks (`use_distributed_optimizer` is not honoured yet).
+- Gradients are synchronised by hand after each mini-batch: averaged over megatron's data-parallel
+  group, summed over the embedding group for tied embeddings split across pipeline stages, then
+  clipped by the norm over the whole model (each tensor-parallel shard once, replicated
+  parameters once, the tied copy once) as `torch.nn.utils.clip_grad_norm_` would compute it on the
+  unsharded model.
+
+Not supported (clear errors): `use_remove_padding` is ignored (rows are already left-aligned
+and trimmed), ulysses sequence parallelism, multi-dimensional position ids.
+"""
+
+from __future__ import annotations
+
+import math
+from functools import partial
+
+import torch
+import torch.distributed as dist
+
+from verl.models.mcore.forward import left_align, response_columns
+from verl.trainer.ppo.core_algos import agg_loss, kl_penalty
+from verl.utils.device import get_device
+from verl.utils.megatron.tensor_parallel import vocab_parallel_log_probs_and_entropy
+from verl.workers.actor.dp_actor import _MODEL_INPUTS, DataParallelPPOActor, _require_temperature, rows_with_advantage
+from verl.workers.dp_training import append_to_dict, loss_normaliser, response_mask_of, split_micro_batches
+
+__all__ = [
+    "MegatronPPOActor",
+    "broadcast_from_last_stage",
+    "clip_grad_and_step_megatron",
+    "finalize_megatron_grads",
+    "run_megatron_schedule",
+]
+
+
+def _dp_group_and_size():
+    from megatron.core import parallel_state as mpu
+
+    return mpu.get_data_parallel_group(), mpu.get_data_parallel_world_size()
+
+
+def broadcast_from_last_stage(obj):
+    """`obj` (a picklable value on the last pipeline stage) on every stage."""
+    from megatron.core import parallel_state as mpu
+
+    if mpu.get_pipeline_model_parallel_world_size() == 1:
+        return obj
+    group = mpu.get_pipeline_model_parallel_group()
+    holder = [obj]
+    last = dist.get_global_rank(group, mpu.get_pipeline_model_parallel_world_size() - 1)
+    dist.broadcast_object_list(holder, src=last, group=group)
+    return holder[0]
+
+
+def finalize_megatron_grads(model_chunks) -> None:
+    """Average gradients over the data-parallel group and sum the tied embedding's two copies
+    (first and last pipeline stage); megatron's DDP would do this, we train without its wrapper."""
+    from megatron.core import parallel_state as mpu
+
+    dp_size = mpu.get_data_parallel_world_size()
+    if dp_size > 1:
+        group = mpu.get_data_parallel_group()
+        for chunk in model_chunks:
+            for param in chunk.parameters():
+                if param.grad is not None:
+                    dist.all_reduce(param.grad, group=group)
+                    param.grad.div_(dp_size)
+    if mpu.get_pipeline_model_parallel_world_size() > 1 and mpu.is_rank_in_embedding_group(ignore_virtual=True):
+        for chunk in (model_chunks[0], model_chunks[-1]):
+            if not chunk.share_embeddings_and_output_weights:
+                continue
+            weight = chunk.shared_embedding_or_output_weight()
+            if weight is not None and weight.grad is not None:
+                dist.all_reduce(weight.grad, group=mpu.get_embedding_group())
+                break
+
+
+def _grad_norm(model_chunks) -> float:
+    """L2 norm of the full model's gradient: each parameter counted once across tp and pp ranks."""
+    from megatron.core import parallel_state as mpu
+    from megatron.core.tensor_parallel import param_is_not_tensor_parallel_duplicate
+
+    total = torch.zeros((), dtype=torch.float64, device=get_device())
+    seen = set()
+    for chunk in model_chunks:
+        for param in chunk.parameters():
+            if param.grad is None or id(param) in seen:
+                continue
+            seen.add(id(param))
+            if getattr(param, "shared", False):  # the last stage's copy of the tied embedding
+                continue
+            if not param_is_not_tensor_parallel_duplicate(param):
+                continue
+            total += param.grad.detach().double().pow(2).sum()
+    dist.all_reduce(total, group=mpu.get_model_parallel_group())
+    return math.sqrt(float(total))
+
+
+def clip_grad_and_step_megatron(model_chunks, optimizer, grad_clip: float | None) -> tuple[float, bool]:
+    """Clip to `grad_clip` by the full model's norm and step; skip (and clear) on a non-finite norm.
+    Same scaling as `torch.nn.utils.clip_grad_norm_`. Returns (grad_norm, stepped)."""
+    grad_norm = _grad_norm(model_chunks)
+    if not math.isfinite(grad_norm):
+        optimizer.zero_grad()
+        return grad_norm, False
+    max_norm = float("inf") if grad_clip is None else float(grad_clip)
+    coef = min(max_norm / (grad_norm + 1e-6), 1.0)
+    for chunk in model_chunks:
+        for param in chunk.parameters():
+            if param.grad is not None:
+                param.grad.mul_(coef)
+    optimizer.step()
+    return grad_norm, True
+
+
+def run_megatron_schedule(model_chunks, micro_batches: list, loss_fn, forward_only: bool) -> list:
+    """Forward (and backward) the micro-batches (TensorDicts in the project layout) through
+    megatron's schedule; returns the per-micro-batch dicts of `loss_fn(micro_batch, output) ->
+    (loss, dict)` as seen on the last pipeline stage (empty elsewhere). `micro_batch` is a dict
+    holding the tensors plus `_aligned`, its left-aligned form."""
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    def loss_wrapper(micro_batch, output):
+        loss, result = loss_fn(micro_batch, output)
+        # megatron's (loss, num_tokens, reduced) form; calculate_per_token_loss keeps `loss` unscaled
+        return loss, torch.ones((), dtype=torch.int), result
+
+    def forward_step(data_iterator, model):
+        micro_batch = next(data_iterator)
+        aligned = micro_batch["_aligned"]
+        output = model(aligned.input_ids, aligned.position_ids, None)
+        return output, partial(loss_wrapper, micro_batch)
+
+    prepared = []
+    for micro_batch in micro_batches:
+        micro_batch = dict(micro_batch.to(get_device()).items())
+        response_length = micro_batch["responses"].shape[-1]
+        micro_batch["_aligned"] = left_align(
+            micro_batch["input_ids"], micro_batch["attention_mask"], micro_batch["position_ids"], response_length
+        )
+        prepared.append(micro_batch)
+    iterators = [iter(prepared) for _ in model_chunks]
+    return get_forward_backward_func()(
+        forward_step_func=forward_step,
+        data_iterator=iterators if len(iterators) > 1 else iterators[0],
+        model=list(model_chunks),
+        num_microbatches=len(prepared),
+        seq_length=max(m["_aligned"].input_ids.shape[1] for m in prepared),
+        micro_batch_size=max(m["_aligned"].input_ids.shape[0] for m in prepared),
+        forward_only=forward_only,
+    )
+
+
+class MegatronPPOActor(DataParallelPPOActor):
+    """PPO/GRPO actor over this rank's megatron GPTModel chunks (one, or `vpp` with interleaving)."""
+
+    def __init__(self, config, model_chunks: list, hf_config, actor_optimizer: torch.optim.Optimizer | None = None):
+        if not isinstance(model_chunks, (list, tuple)):
+            model_chunks = [model_chunks]
+        super().__init__(config, model_chunks[0], actor_optimizer)
+        self.model_chunks = list(model_chunks)
+        self.hf_config = hf_config
+        self.use_remove_padding = False
+        self.share_prompt_forward = False
+        self._dp_group, self._dp_size = _dp_group_and_size()
+
+    # ------------------------------------------------------------------ forward
+
+    def _micro_batch_outputs(self, micro_batch, temperature: float, calculate_entropy: bool, output):
+        """(entropy or None, log_probs), both [B, R], from the last stage's logits `output`."""
+        aligned = micro_batch["_aligned"]
+        logits = output / temperature
+        log_probs, entropy = vocab_parallel_log_probs_and_entropy(
+            logits, aligned.labels, self.hf_config.vocab_size, calculate_entropy
+        )
+        log_probs = response_columns(log_probs, aligned)
+        return (response_columns(entropy, aligned) if calculate_entropy else None), log_probs
+
+    def _run_schedule(self, micro_batches: list, loss_fn, forward_only: bool) -> list:
+        return run_megatron_schedule(self.model_chunks, micro_batches, loss_fn, forward_only)
+
+    # ------------------------------------------------------------------ inference
+
+    @torch.no_grad()
+    def compute_log_prob(self, data, calculate_entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Log-probs [B, R] of the responses (and entropies [B, R]), the same on every rank of the
+        model-parallel group; `data.meta_info` as for the FSDP actor."""
+        for chunk in self.model_chunks:
+            chunk.eval()
+        meta = data.meta_info
+        temperature = _require_temperature(meta)
+        batch = data.batch.select(*_MODEL_INPUTS)
+        micro_batches, reverse_idx = split_micro_batches(
+            batch,
+            micro_batch_size=meta.get("micro_batch_size"),
+            use_dynamic_bsz=bool(meta.get("use_dynamic_bsz", False)),
+            max_token_len=meta.get("max_token_len"),
+            dp_group=self._dp_group,
+        )
+
+        def loss_fn(micro_batch, output):
+            entropy, log_probs = self._micro_batch_outputs(micro_batch, temperature, calculate_entropy, output)
+            return output.new_zeros(()), {"log_probs": log_probs, "entropy": entropy}
+
+        results = broadcast_from_last_stage(self._run_schedule(micro_batches, loss_fn, forward_only=True))
+        log_probs = torch.cat([r["log_probs"] for r in results], dim=0)
+        entropy = torch.cat([r["entropy"] for r in results], dim=0) if calculate_entropy else None
+        if reverse_idx is not None:
+            log_probs = log_probs[reverse_idx.to(log_probs.device)]
+            if entropy is not None:
+                entropy = entropy[reverse_idx.to(entropy.device)]
+        return log_probs, entropy
+
+    # ------------------------------------------------------------------ training
+
+    def update_policy(self, data) -> dict[str, list[float]]:
+        for chunk in self.model_chunks:
+            chunk.train()
+        return super().update_policy(data)
+
+    def _update_on_mini_batch(self, mini_batch, temperature: float, metrics: dict) -> None:
+        response_mask = response_mask_of(mini_batch)
+        adv_nonzero = rows_with_advantage(mini_batch["advantages"], response_mask).any().to(torch.float64)
+        totals = torch.stack([loss_normaliser(response_mask, self.loss_agg_mode), adv_nonzero]).to(get_device())
+        if self._dp_size > 1:
+            dist.all_reduce(totals, group=self._dp_group)
+        normaliser, num_ranks_with_adv = totals.tolist()
+        if (
+            self.skip_zero_advantage_step
+            and not self.use_kl_loss
+            and self.entropy_coeff == 0
+            and not num_ranks_with_adv
+        ):
+            append_to_dict(metrics, {"actor/skipped_zero_adv": 1.0})
+            return
+        num_micro = None
+        if self.skip_zero_advantage_rows:
+            rows = len(mini_batch)
+            mini_batch, num_micro = self._rows_with_advantage(
+                mini_batch, response_mask, bool(self._cfg.get("use_dynamic_bsz", False))
+            )
+            append_to_dict(metrics, {"actor/zero_adv_rows_skipped": 1.0 - len(mini_batch) / rows})
+        if num_micro is not None:
+            base, extra = divmod(len(mini_batch), num_micro)
+            micro_batches = list(mini_batch.split([base + (i < extra) for i in range(num_micro)]))
+        else:
+            micro_batches, _ = split_micro_batches(
+                mini_batch,
+                micro_batch_size=self._cfg.get("ppo_micro_batch_size_per_gpu"),
+                use_dynamic_bsz=bool(self._cfg.get("use_dynamic_bsz", False)),
+                max_token_len=self._cfg.get("ppo_max_token_len_per_gpu"),
+                dp_group=self._dp_group,
+            )
+        self.actor_optimizer.zero_grad()
+        results = self._run_schedule(
+            micro_batches, partial(self._policy_loss, temperature=temperature, normaliser=normaliser), False
+        )
+        for micro_metrics in broadcast_from_last_stage(results):
+            append_to_dict(metrics, micro_metrics)
+        finalize_megatron_grads(self.model_chunks)
+        grad_norm, stepped = clip_grad_and_step_megatron(
+            self.model_chunks, self.actor_optimizer, self._cfg.get("grad_clip", 1.0)
+        )
+        append_to_dict(
+            metrics,
+            {
+                "actor/grad_norm": grad_norm,
+                "actor/lr": float(self.actor_optimizer.param_groups[0]["lr"]),
+                "actor/skipped_nonfinite_grad": 0.0 if stepped else 1.0,
+                "actor/skipped_zero_adv": 0.0,
+            },
+        )
+
+    def _policy_loss(self, micro_batch, output, temperature: float, normaliser: float):
+        """(scaled loss, metrics) of one micro-batch: the FSDP actor's loss, weighted the same way."""
+        response_mask = response_mask_of(micro_batch)
+        on_policy = "old_log_probs" not in micro_batch
+        entropy, log_prob = self._micro_batch_outputs(
+            micro_batch, temperature, self.entropy_coeff != 0 or on_policy, output
+        )
+        pg_loss, pg_metrics = self.policy_loss_fn(
+            log_prob.detach() if on_policy else micro_batch["old_log_probs"],
+            log_prob,
+            micro_batch["advantages"],
+            response_mask,
+            self.loss_agg_mode,
+            params=self.policy_loss_params,
+            rollout_log_probs=micro_batch.get("rollout_log_probs", None),
+        )
+        loss = pg_loss
+        out = {f"actor/{name}": float(value) for name, value in pg_metrics.items()}
+        out["actor/pg_loss"] = float(pg_loss.detach())
+        if self.entropy_coeff != 0:
+            entropy_loss = agg_loss(entropy, response_mask, self.loss_agg_mode)
+            loss = loss - self.entropy_coeff * entropy_loss
+            out["actor/entropy"] = float(entropy_loss.detach())
+        elif on_policy:
+            out["actor/entropy"] = float(agg_loss(entropy.detach(), response_mask, self.loss_agg_mode))
+        if self.use_kl_loss:
+            kld = kl_penalty(log_prob, micro_batch["ref_log_prob"], self.kl_loss_type)
+            kl_loss = agg_loss(kld, response_mask, self.loss_agg_mode)
+            loss = loss + self.kl_loss_coef * kl_loss
+            out["actor/kl_loss"] = float(kl_loss.detach())
+            out["actor/kl_coef"] = self.kl_loss_coef
+        scale = 0.0 if normaliser == 0 else float(loss_normaliser(response_mask, self.loss_agg_mode)) / normaliser
+        return loss * (scale * self._dp_size), out

@@ -1,0 +1,133 @@
+"""The PPO critic on a megatron-core GPTModel with a value head, free of Ray.
+
+`MegatronPPOCritic(config, model_chunks, critic_optimizer)` has the FSDP critic's contract (same
+config keys, batching, loss weighting and metrics; see `verl.workers.critic.dp_critic`), which it
+subclasses; only the forward pass and the gradient handling differ, and those are the megatron
+actor's (`verl.workers.actor.megatron_actor`): megatron's schedule per mini-batch, left-aligned
+rows, gradients averaged over data-parallel ranks and clipped by the full model's norm.
+
+The model is built with `verl.models.mcore.build_model_chunks(..., value_head=True)`: the LM head
+becomes HF's token-classification `score` layer ([1, hidden] weight and bias), replicated on the
+tensor-parallel ranks, so a critic converts to and from an HF `*ForTokenClassification`
+checkpoint with the same functions as the actor (`score.*` names).
+"""
+
+from __future__ import annotations
+
+from functools import partial
+
+import torch
+import torch.distributed as dist
+
+from verl.models.mcore.forward import response_columns
+from verl.trainer.ppo.core_algos import compute_value_loss, masked_mean
+from verl.utils.device import get_device
+from verl.workers.actor.megatron_actor import (
+    broadcast_from_last_stage,
+    clip_grad_and_step_megatron,
+    finalize_megatron_grads,
+    run_megatron_schedule,
+)
+from verl.workers.critic.dp_critic import _MODEL_INPUTS, DataParallelPPOCritic
+from verl.workers.dp_training import append_to_dict, loss_normaliser, response_mask_of, split_micro_batches
+
+__all__ = ["MegatronPPOCritic"]
+
+
+class MegatronPPOCritic(DataParallelPPOCritic):
+    """Value function over this rank's megatron GPTModel chunks (value head on the last stage)."""
+
+    def __init__(self, config, model_chunks: list, critic_optimizer: torch.optim.Optimizer | None = None):
+        from megatron.core import parallel_state as mpu
+
+        if not isinstance(model_chunks, (list, tuple)):
+            model_chunks = [model_chunks]
+        super().__init__(config, model_chunks[0], critic_optimizer)
+        self.model_chunks = list(model_chunks)
+        self.use_remove_padding = False
+        self._dp_group, self._dp_size = mpu.get_data_parallel_group(), mpu.get_data_parallel_world_size()
+
+    @staticmethod
+    def _values(micro_batch, output) -> torch.Tensor:
+        """Values [B, R] at the response columns from the last stage's output [B, L, 1]."""
+        return response_columns(output[..., 0], micro_batch["_aligned"])
+
+    @torch.no_grad()
+    def compute_values(self, data) -> torch.Tensor:
+        """Values [B, R], zero outside the response mask, the same on every model-parallel rank."""
+        for chunk in self.model_chunks:
+            chunk.eval()
+        meta = data.meta_info
+        keys = _MODEL_INPUTS + (["response_mask"] if "response_mask" in data.batch else [])
+        micro_batches, reverse_idx = split_micro_batches(
+            data.batch.select(*keys),
+            micro_batch_size=meta.get("micro_batch_size"),
+            use_dynamic_bsz=bool(meta.get("use_dynamic_bsz", False)),
+            max_token_len=meta.get("max_token_len"),
+            dp_group=self._dp_group,
+        )
+
+        def loss_fn(micro_batch, output):
+            values = self._values(micro_batch, output) * response_mask_of(micro_batch)
+            return output.new_zeros(()), {"values": values}
+
+        results = broadcast_from_last_stage(run_megatron_schedule(self.model_chunks, micro_batches, loss_fn, True))
+        values = torch.cat([r["values"] for r in results], dim=0)
+        if reverse_idx is not None:
+            values = values[reverse_idx.to(values.device)]
+        return values
+
+    def update_critic(self, data) -> dict[str, list[float]]:
+        for chunk in self.model_chunks:
+            chunk.train()
+        return super().update_critic(data)
+
+    def _update_on_mini_batch(self, mini_batch, metrics: dict) -> None:
+        normaliser = loss_normaliser(response_mask_of(mini_batch), self.loss_agg_mode).to(get_device())
+        if self._dp_size > 1:
+            dist.all_reduce(normaliser, group=self._dp_group)
+        micro_batches, _ = split_micro_batches(
+            mini_batch,
+            micro_batch_size=self._cfg.get("ppo_micro_batch_size_per_gpu"),
+            use_dynamic_bsz=bool(self._cfg.get("use_dynamic_bsz", False)),
+            max_token_len=self._cfg.get("ppo_max_token_len_per_gpu"),
+            dp_group=self._dp_group,
+        )
+        self.critic_optimizer.zero_grad()
+        loss_fn = partial(self._value_loss, normaliser=float(normaliser))
+        for micro_metrics in broadcast_from_last_stage(
+            run_megatron_schedule(self.model_chunks, micro_batches, loss_fn, False)
+        ):
+            append_to_dict(metrics, micro_metrics)
+        finalize_megatron_grads(self.model_chunks)
+        grad_norm, stepped = clip_grad_and_step_megatron(
+            self.model_chunks, self.critic_optimizer, self._cfg.get("grad_clip", 1.0)
+        )
+        append_to_dict(
+            metrics,
+            {
+                "critic/grad_norm": grad_norm,
+                "critic/lr": float(self.critic_optimizer.param_groups[0]["lr"]),
+                "critic/skipped_nonfinite_grad": 0.0 if stepped else 1.0,
+            },
+        )
+
+    def _value_loss(self, micro_batch, output, normaliser: float):
+        """(scaled loss, metrics) of one micro-batch, weighted as the FSDP critic weights it."""
+        response_mask = response_mask_of(micro_batch)
+        vpreds = self._values(micro_batch, output)
+        vf_loss, vf_clipfrac = compute_value_loss(
+            vpreds,
+            micro_batch["returns"],
+            micro_batch["values"],
+            response_mask,
+            cliprange_value=self.cliprange_value,
+            loss_agg_mode=self.loss_agg_mode,
+        )
+        scale = 0.0 if normaliser == 0 else float(loss_normaliser(response_mask, self.loss_agg_mode)) / normaliser
+        out = {
+            "critic/vf_loss": float(vf_loss.detach()),
+            "critic/vf_clipfrac": float(vf_clipfrac),
+            "critic/vpred_mean": float(masked_mean(vpreds.detach(), response_mask)),
+        }
+        return vf_loss * (scale * self._dp_size), out
