@@ -102,12 +102,12 @@ def _log_prob_meta(data: DataProto, cfg: DictConfig, temperature: float) -> None
     data.meta_info.setdefault("temperature", temperature)
 
 
-def _mfu_metric(model, data: DataProto, seconds: float, passes: int) -> float | None:
-    """perf/mfu of an update over the global batch (its per-sequence token counts ride in meta_info)."""
+def _mfu_metric(config, data: DataProto, seconds: float, passes: int) -> float | None:
+    """perf/mfu of an update over the global batch (its per-sequence token counts ride in meta_info);
+    `config` is the trained model's HF config."""
     from verl.utils.flops_counter import FlopsCounter, mfu
 
     seqlens = data.meta_info.get("global_token_num")
-    config = getattr(model, "config", None)
     if not seqlens or config is None:
         return None
     world = dist.get_world_size() if dist.is_initialized() else 1
@@ -175,6 +175,11 @@ class _FSDPModel:
             yield
         finally:
             self._offload(optimizer)
+
+    @property
+    def hf_config(self):
+        """The HF config of the model (for FLOP counts)."""
+        return getattr(self.module, "config", None)
 
     def hf_params(self):
         """`(hf_name, full_tensor)` pairs, streamed (collective): with LoRA, the merged weights."""
@@ -263,7 +268,12 @@ class _PendingWeights:
 
 
 class ActorRolloutRefWorker(Worker):
-    """Actor (FSDP2 training), rollout (generation engine) and reference policy, in any combination."""
+    """Actor (FSDP2 training), rollout (generation engine) and reference policy, in any combination.
+
+    Another training backend (`verl.workers.megatron_workers`) subclasses it: it overrides the
+    hooks `_data_parallel_size` (its own process layout), `_build_actor`, `_build_ref` and
+    `_builds_engine`, and registers the data RPCs with its own dispatch; the RPC bodies are shared.
+    """
 
     def __init__(self, config: DictConfig, role: str):
         super().__init__()
@@ -274,7 +284,7 @@ class ActorRolloutRefWorker(Worker):
         self.parts = _ROLES[role]
         os.environ["VERL_ROLE"] = role
         _join_group(self)
-        self.dp_size = dist.get_world_size()
+        self.dp_size = self._data_parallel_size()
         with open_dict(self.config):
             self.config.actor.use_remove_padding = self.config.model.get("use_remove_padding", False)
         if "actor" in self.parts:
@@ -289,24 +299,51 @@ class ActorRolloutRefWorker(Worker):
         self._received_version: int | None = None
 
     def _need(self, part: str, method: str):
-        obj = getattr(self, part)
-        if obj is None:
+        if part not in self.parts:
             raise RuntimeError(f"{method} needs the {part} part, but this worker has role {self.role!r}")
-        return obj
+        return getattr(self, part)
+
+    # ------------------------------------------------------------ backend hooks
+    def _data_parallel_size(self) -> int:
+        """Ranks holding different data (FSDP: every rank)."""
+        return dist.get_world_size()
+
+    def _build_actor(self):
+        """(model holder, actor) of the trained policy."""
+        from verl.workers.actor.dp_actor import DataParallelPPOActor
+
+        cfg = self.config
+        model = _OptimizedModel(
+            cfg.model, cfg.actor.get("fsdp_config"), cfg.actor.optim, cfg.actor.get("checkpoint"), self.tokenizer
+        )
+        return model, DataParallelPPOActor(cfg.actor, model.module, model.optimizer)
+
+    def _build_ref(self):
+        """(model holder, log-prob scorer) of the frozen reference policy."""
+        from verl.workers.actor.dp_actor import DataParallelPPOActor
+
+        cfg = self.config
+        if self.actor is not None and self.actor_model.lora:
+            # the frozen base under the adapters is the initial policy: no second copy of the weights
+            model = self.actor_model
+        else:
+            model = _FSDPModel(cfg.model, (cfg.get("ref") or {}).get("fsdp_config"), for_training=False)
+        # Only compute_log_prob is used, which reads the actor's model-side keys (remove padding, ...).
+        return model, DataParallelPPOActor(cfg.actor, model.module)
+
+    def _builds_engine(self) -> bool:
+        """Whether this rank holds a generation engine (FSDP: every rank generates its own chunk)."""
+        return True
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def init_model(self) -> None:
         from verl.utils.tokenizer import hf_tokenizer
-        from verl.workers.actor.dp_actor import DataParallelPPOActor
 
         cfg = self.config
         self.tokenizer = hf_tokenizer(cfg.model.get("tokenizer_path") or cfg.model.path)
         if "actor" in self.parts:
-            self.actor_model = _OptimizedModel(
-                cfg.model, cfg.actor.get("fsdp_config"), cfg.actor.optim, cfg.actor.get("checkpoint"), self.tokenizer
-            )
-            self.actor = DataParallelPPOActor(cfg.actor, self.actor_model.module, self.actor_model.optimizer)
-        if "rollout" in self.parts:
+            self.actor_model, self.actor = self._build_actor()
+        if "rollout" in self.parts and self._builds_engine():
             from verl.workers.rollout import get_rollout_class
 
             rollout_cls = get_rollout_class(cfg.rollout.name)
@@ -319,27 +356,30 @@ class ActorRolloutRefWorker(Worker):
             if self.actor is not None:
                 self.rollout.sleep()  # weights arrive from the actor before each generation
         if "ref" in self.parts:
-            if self.actor is not None and self.actor_model.lora:
-                # the frozen base under the adapters is the initial policy: no second copy of the weights
-                self.ref_model = self.actor_model
-            else:
-                ref_cfg = cfg.get("ref") or {}
-                self.ref_model = _FSDPModel(cfg.model, ref_cfg.get("fsdp_config"), for_training=False)
-            # Only compute_log_prob is used, which reads the actor's model-side keys (remove padding, ...).
-            self.ref = DataParallelPPOActor(cfg.actor, self.ref_model.module)
+            self.ref_model, self.ref = self._build_ref()
         _seed_sampling()
 
     @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO)
     def generate_sequences(self, prompts: DataProto) -> DataProto:
-        """Sync weights into the engine (hybrid engine), generate, then put the engine to sleep."""
+        """Sync weights into the engine (hybrid engine), generate, then put the engine to sleep.
+
+        A rank without an engine (see `_builds_engine`) takes part in the weight gather, a
+        collective, and returns an empty DataProto, which its dispatch mode does not collect."""
         rollout = self._need("rollout", "generate_sequences")
         metrics = {}
         if self.actor is not None:
             start = time.perf_counter()
-            rollout.wake_up()
             with self.actor_model.on_device():
-                rollout.update_weights(self.actor_model.hf_params())
+                params = self.actor_model.hf_params()
+                if rollout is None:
+                    for _ in params:
+                        pass
+                else:
+                    rollout.wake_up()
+                    rollout.update_weights(params)
             metrics["timing_s/update_weights"] = time.perf_counter() - start
+        if rollout is None:
+            return DataProto()
         start = time.perf_counter()
         output = rollout.generate_sequences(prompts)
         metrics["timing_s/generate_sequences"] = time.perf_counter() - start
@@ -444,7 +484,7 @@ class ActorRolloutRefWorker(Worker):
             metrics = actor.update_policy(data)
         metrics["actor/lr"] = self.actor_model.step_scheduler()
         metrics["perf/update_actor_s"] = seconds = time.perf_counter() - start
-        actor_mfu = _mfu_metric(self.actor_model.module, data, seconds, self.config.actor.get("ppo_epochs", 1))
+        actor_mfu = _mfu_metric(self.actor_model.hf_config, data, seconds, self.config.actor.get("ppo_epochs", 1))
         if actor_mfu is not None:
             metrics["perf/mfu/actor"] = actor_mfu
         mem = dev.memory_stats()
@@ -465,30 +505,41 @@ class ActorRolloutRefWorker(Worker):
 
 
 class CriticWorker(Worker):
-    """The value model (an LM body with a one-output token head), trained with the clipped value loss."""
+    """The value model (an LM body with a one-output token head), trained with the clipped value loss.
+
+    Hooks for another backend, as in `ActorRolloutRefWorker`: `_data_parallel_size`, `_build_critic`."""
 
     def __init__(self, config: DictConfig):
         super().__init__()
         self.config = config
         os.environ["VERL_ROLE"] = "critic"
         _join_group(self)
-        dp = dist.get_world_size()
+        dp = self._data_parallel_size()
         with open_dict(self.config):
             n = config.get("rollout_n", 1)
             self.config.ppo_mini_batch_size = config.ppo_mini_batch_size * n // dp
             self.config.use_remove_padding = config.model.get("use_remove_padding", False)
 
-    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
-    def init_model(self) -> None:
-        from verl.utils.tokenizer import hf_tokenizer
+    def _data_parallel_size(self) -> int:
+        return dist.get_world_size()
+
+    def _build_critic(self):
+        """(model holder, critic) of the value model."""
         from verl.workers.critic.dp_critic import DataParallelPPOCritic
 
         cfg = self.config
-        self.tokenizer = hf_tokenizer(cfg.model.get("tokenizer_path") or cfg.model.path)
-        self.critic_model = _OptimizedModel(
+        model = _OptimizedModel(
             cfg.model, cfg.model.get("fsdp_config"), cfg.optim, cfg.get("checkpoint"), self.tokenizer, value_head=True
         )
-        self.critic = DataParallelPPOCritic(cfg, self.critic_model.module, self.critic_model.optimizer)
+        return model, DataParallelPPOCritic(cfg, model.module, model.optimizer)
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def init_model(self) -> None:
+        from verl.utils.tokenizer import hf_tokenizer
+
+        cfg = self.config
+        self.tokenizer = hf_tokenizer(cfg.model.get("tokenizer_path") or cfg.model.path)
+        self.critic_model, self.critic = self._build_critic()
 
     @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO)
     def compute_values(self, data: DataProto) -> DataProto:
@@ -506,7 +557,7 @@ class CriticWorker(Worker):
             metrics = self.critic.update_critic(data)
         metrics["critic/lr"] = self.critic_model.step_scheduler()
         critic_mfu = _mfu_metric(
-            self.critic_model.module, data, time.perf_counter() - start, self.config.get("ppo_epochs", 1)
+            self.critic_model.hf_config, data, time.perf_counter() - start, self.config.get("ppo_epochs", 1)
         )
         if critic_mfu is not None:
             metrics["perf/mfu/critic"] = critic_mfu

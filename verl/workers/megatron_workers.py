@@ -1,9 +1,10 @@
 """The Ray-facing workers on the Megatron-core backend (`strategy=megatron`).
 
-Same RPCs, roles and returned keys as `verl.workers.fsdp_workers`, so the trainer does not know
-which backend it drives. The training logic is `MegatronPPOActor` / `MegatronPPOCritic`; this
-module builds the megatron model from the HF checkpoint, wires it to devices, optimizer,
-checkpoints and the rollout engine, and tells the worker group how data is laid out.
+They are the FSDP workers (`verl.workers.fsdp_workers`) with megatron models behind the FSDP
+workers' backend hooks and the data RPCs dispatched over the megatron mesh: same RPCs, roles,
+returned keys and RPC bodies, so the trainer does not know which backend it drives. The training
+logic is `MegatronPPOActor` / `MegatronPPOCritic`; this module builds the megatron model from the
+HF checkpoint and wires it to devices, optimizer, checkpoints and the rollout engine.
 
 Design decisions:
 - Layout: the worker group's ranks are carved into megatron's tensor / pipeline / data parallel
@@ -33,26 +34,16 @@ Design decisions:
 from __future__ import annotations
 
 import contextlib
-import os
-import time
 import warnings
 
 import torch
-from omegaconf import DictConfig, open_dict
+from omegaconf import DictConfig
 
-from verl.protocol import DataProto
 from verl.single_controller.base import Worker
-from verl.single_controller.base.decorator import Dispatch, make_nd_compute_dataproto_dispatch_fn, register
+from verl.single_controller.base.decorator import make_nd_compute_dataproto_dispatch_fn, register
 from verl.utils import device as dev
-from verl.workers.fsdp_workers import (
-    _ROLES,
-    _join_group,
-    _log_prob_meta,
-    _mfu_metric,
-    _normalize_batch_sizes,
-    _plain,
-    _seed_sampling,
-)
+from verl.workers import fsdp_workers
+from verl.workers.fsdp_workers import _plain
 
 _ACTOR_MESH = make_nd_compute_dataproto_dispatch_fn("actor")
 _CRITIC_MESH = make_nd_compute_dataproto_dispatch_fn("critic")
@@ -169,6 +160,10 @@ class _MegatronModel:
         finally:
             self._offload(optimizer)
 
+    def adapters_disabled(self):
+        """No LoRA on this backend: the model always computes as itself."""
+        return contextlib.nullcontext()
+
     def hf_params(self):
         """`(hf_name, full_tensor)` pairs, streamed; a collective over the tensor and pipeline groups."""
         from verl.models.mcore import mcore_to_hf_named_tensors
@@ -212,203 +207,78 @@ class _OptimizedMegatronModel(_MegatronModel):
             self.checkpoint_manager.load_checkpoint(local_path)
 
 
-def _memory_metrics(metrics: dict) -> None:
-    mem = dev.memory_stats()
-    for key in ("max_allocated_gb", "cpu_rss_gb"):
-        if key in mem:
-            metrics[f"perf/{'max_memory_allocated_gb' if key == 'max_allocated_gb' else key}"] = mem[key]
+def _on_mesh(rpc, mesh):
+    """The FSDP worker's RPC `rpc` (its body), registered with the megatron mesh dispatch `mesh`."""
+    return register(dispatch_mode=mesh)(rpc.__wrapped__)
 
 
-class ActorRolloutRefWorker(Worker):
-    """Actor (megatron training), rollout (generation engine) and reference policy, in any combination."""
+class ActorRolloutRefWorker(fsdp_workers.ActorRolloutRefWorker):
+    """Actor (megatron training), rollout (generation engine) and reference policy, in any combination.
+
+    The FSDP worker's RPC bodies, with megatron models behind its hooks and the data RPCs
+    dispatched over the megatron mesh."""
 
     def __init__(self, config: DictConfig, role: str):
-        super().__init__()
-        if role not in _ROLES:
-            raise ValueError(f"unknown worker role {role!r}; valid roles: {sorted(_ROLES)}")
         if role == "rollout":
             raise ValueError(
                 "the megatron workers do not serve a rollout-only pool; asynchronous training "
                 "(async_training.staleness_threshold >= 1) runs with actor.strategy=fsdp"
             )
-        self.config = config
-        self.role = role
-        self.parts = _ROLES[role]
-        os.environ["VERL_ROLE"] = role
-        _join_group(self)
-        _setup_parallel(_plain(config.actor.megatron))
+        super().__init__(config, role)
+
+    def _data_parallel_size(self) -> int:
+        _setup_parallel(_plain(self.config.actor.megatron))
+        self.is_collect = _register_mesh(self, "actor")
         from megatron.core import parallel_state as mpu
 
-        self.is_collect = _register_mesh(self, "actor")
-        self.dp_size = mpu.get_data_parallel_world_size()
-        if "actor" in self.parts:
-            _normalize_batch_sizes(self.config.actor, self.config.rollout.n, self.dp_size)
-        self.actor = self.rollout = self.ref = None
+        return mpu.get_data_parallel_world_size()
 
-    def _need(self, part: str, method: str):
-        if part not in self.parts:
-            raise RuntimeError(f"{method} needs the {part} part, but this worker has role {self.role!r}")
-        return getattr(self, part)  # None for the rollout on a replica's non-collecting ranks
-
-    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
-    def init_model(self) -> None:
-        from verl.utils.tokenizer import hf_tokenizer
+    def _build_actor(self):
         from verl.workers.actor.megatron_actor import MegatronPPOActor
 
         cfg = self.config
-        self.tokenizer = hf_tokenizer(cfg.model.get("tokenizer_path") or cfg.model.path)
-        if "actor" in self.parts:
-            self.actor_model = _OptimizedMegatronModel(
-                cfg.model, cfg.actor.megatron, cfg.actor.optim, cfg.actor.get("checkpoint"), self.tokenizer
-            )
-            self.actor = MegatronPPOActor(
-                cfg.actor, self.actor_model.chunks, self.actor_model.hf_config, self.actor_model.optimizer
-            )
-        if "rollout" in self.parts and self.is_collect:
-            from verl.workers.rollout import get_rollout_class
+        model = _OptimizedMegatronModel(
+            cfg.model, cfg.actor.megatron, cfg.actor.optim, cfg.actor.get("checkpoint"), self.tokenizer
+        )
+        return model, MegatronPPOActor(cfg.actor, model.chunks, model.hf_config, model.optimizer)
 
-            rollout_cls = get_rollout_class(cfg.rollout.name)
-            self.rollout = rollout_cls(cfg.model.path, config=cfg.rollout, tokenizer=self.tokenizer)
-            if (cfg.rollout.get("multi_turn") or {}).get("enable", False):
-                from verl.experimental.agent_loop import AgentLoopRollout
+    def _build_ref(self):
+        from verl.workers.actor.megatron_actor import MegatronPPOActor
 
-                self.rollout = AgentLoopRollout(self.rollout, cfg.rollout, self.tokenizer)
-            if self.actor is not None:
-                self.rollout.sleep()  # weights arrive from the actor before each generation
-        if "ref" in self.parts:
-            ref_meg = (cfg.get("ref") or {}).get("megatron") or cfg.actor.megatron
-            self.ref_model = _MegatronModel(cfg.model, ref_meg, for_training=False)
-            self.ref = MegatronPPOActor(cfg.actor, self.ref_model.chunks, self.ref_model.hf_config)
-        _seed_sampling()
+        cfg = self.config
+        model = _MegatronModel(cfg.model, (cfg.get("ref") or {}).get("megatron") or cfg.actor.megatron, False)
+        return model, MegatronPPOActor(cfg.actor, model.chunks, model.hf_config)
 
-    @register(dispatch_mode=_ACTOR_MESH)
-    def generate_sequences(self, prompts: DataProto) -> DataProto:
-        """Gather the actor's weights into the engine (every rank: a collective), generate on the
-        replica's collecting rank, put the engine to sleep."""
-        self._need("rollout", "generate_sequences")
-        rollout = self.rollout
-        metrics = {}
-        if self.actor is not None:
-            start = time.perf_counter()
-            with self.actor_model.on_device():
-                params = self.actor_model.hf_params()
-                if rollout is None:
-                    for _ in params:  # take part in the gathers; this rank keeps no engine
-                        pass
-                else:
-                    rollout.wake_up()
-                    rollout.update_weights(params)
-            metrics["timing_s/update_weights"] = time.perf_counter() - start
-        if rollout is None:
-            return DataProto()
-        start = time.perf_counter()
-        output = rollout.generate_sequences(prompts)
-        metrics["timing_s/generate_sequences"] = time.perf_counter() - start
-        if self.actor is not None and self.config.rollout.get("free_cache_engine", True):
-            rollout.sleep()
-        output.meta_info["metrics"] = {**output.meta_info.get("metrics", {}), **metrics}
-        dev.empty_cache()
-        return output
+    def _builds_engine(self) -> bool:
+        return self.is_collect
 
-    @register(dispatch_mode=_ACTOR_MESH)
-    def compute_log_prob(self, data: DataProto) -> DataProto:
-        actor = self._need("actor", "compute_log_prob")
-        _log_prob_meta(data, self.config.rollout, self.config.rollout.temperature)
-        with self.actor_model.on_device():
-            log_probs, entropys = actor.compute_log_prob(data, calculate_entropy=True)
-        tensors = {"old_log_probs": log_probs}
-        if entropys is not None:
-            tensors["entropys"] = entropys
-        return DataProto.from_dict(tensors=tensors)
-
-    @register(dispatch_mode=_ACTOR_MESH)
-    def compute_ref_log_prob(self, data: DataProto) -> DataProto:
-        ref = self._need("ref", "compute_ref_log_prob")
-        _log_prob_meta(data, self.config.get("ref", {}) or self.config.rollout, self.config.rollout.temperature)
-        with self.ref_model.on_device():
-            log_probs, _ = ref.compute_log_prob(data, calculate_entropy=False)
-        return DataProto.from_dict(tensors={"ref_log_prob": log_probs})
-
-    @register(dispatch_mode=_ACTOR_MESH)
-    def update_actor(self, data: DataProto) -> DataProto:
-        actor = self._need("actor", "update_actor")
-        data.meta_info.setdefault("temperature", self.config.rollout.temperature)
-        start = time.perf_counter()
-        with self.actor_model.on_device(optimizer=True):
-            metrics = actor.update_policy(data)
-        metrics["actor/lr"] = self.actor_model.step_scheduler()
-        metrics["perf/update_actor_s"] = seconds = time.perf_counter() - start
-        # the HF config stands in for the model in the FLOP count (the model is split over ranks)
-        holder = type("_Model", (), {"config": self.actor_model.hf_config})()
-        actor_mfu = _mfu_metric(holder, data, seconds, self.config.actor.get("ppo_epochs", 1))
-        if actor_mfu is not None:
-            metrics["perf/mfu/actor"] = actor_mfu
-        _memory_metrics(metrics)
-        return DataProto(meta_info={"metrics": metrics})
-
-    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
-    def save_checkpoint(self, local_path: str, global_step: int = 0, max_ckpt_to_keep: int | None = None) -> None:
-        self._need("actor", "save_checkpoint")
-        self.actor_model.save(local_path, global_step, max_ckpt_to_keep)
-
-    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
-    def load_checkpoint(self, local_path: str, del_local_after_load: bool = False) -> None:
-        self._need("actor", "load_checkpoint")
-        self.actor_model.load(local_path)
+    generate_sequences = _on_mesh(fsdp_workers.ActorRolloutRefWorker.generate_sequences, _ACTOR_MESH)
+    compute_log_prob = _on_mesh(fsdp_workers.ActorRolloutRefWorker.compute_log_prob, _ACTOR_MESH)
+    compute_ref_log_prob = _on_mesh(fsdp_workers.ActorRolloutRefWorker.compute_ref_log_prob, _ACTOR_MESH)
+    update_actor = _on_mesh(fsdp_workers.ActorRolloutRefWorker.update_actor, _ACTOR_MESH)
 
 
-class CriticWorker(Worker):
+class CriticWorker(fsdp_workers.CriticWorker):
     """The value model on megatron: the LM body with a [1, hidden] head, trained with the clipped value loss."""
 
-    def __init__(self, config: DictConfig):
-        super().__init__()
-        self.config = config
-        os.environ["VERL_ROLE"] = "critic"
-        _join_group(self)
-        _setup_parallel(_plain(config.megatron))
+    def _data_parallel_size(self) -> int:
+        _setup_parallel(_plain(self.config.megatron))
+        _register_mesh(self, "critic")
         from megatron.core import parallel_state as mpu
 
-        _register_mesh(self, "critic")
-        dp = mpu.get_data_parallel_world_size()
-        with open_dict(self.config):
-            n = config.get("rollout_n", 1)
-            self.config.ppo_mini_batch_size = config.ppo_mini_batch_size * n // dp
+        return mpu.get_data_parallel_world_size()
 
-    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
-    def init_model(self) -> None:
-        from verl.utils.tokenizer import hf_tokenizer
+    def _build_critic(self):
         from verl.workers.critic.megatron_critic import MegatronPPOCritic
 
         cfg = self.config
-        self.tokenizer = hf_tokenizer(cfg.model.get("tokenizer_path") or cfg.model.path)
-        self.critic_model = _OptimizedMegatronModel(
+        model = _OptimizedMegatronModel(
             cfg.model, cfg.megatron, cfg.optim, cfg.get("checkpoint"), self.tokenizer, value_head=True
         )
-        self.critic = MegatronPPOCritic(cfg, self.critic_model.chunks, self.critic_model.optimizer)
+        return model, MegatronPPOCritic(cfg, model.chunks, model.optimizer)
 
-    @register(dispatch_mode=_CRITIC_MESH)
-    def compute_values(self, data: DataProto) -> DataProto:
-        data.meta_info.setdefault("micro_batch_size", self.config.get("forward_micro_batch_size_per_gpu") or len(data))
-        data.meta_info.setdefault("use_dynamic_bsz", self.config.get("use_dynamic_bsz", False))
-        data.meta_info.setdefault("max_token_len", self.config.get("forward_max_token_len_per_gpu", 16384))
-        with self.critic_model.on_device():
-            values = self.critic.compute_values(data)
-        return DataProto.from_dict(tensors={"values": values})
-
-    @register(dispatch_mode=_CRITIC_MESH)
-    def update_critic(self, data: DataProto) -> DataProto:
-        with self.critic_model.on_device(optimizer=True):
-            metrics = self.critic.update_critic(data)
-        metrics["critic/lr"] = self.critic_model.step_scheduler()
-        return DataProto(meta_info={"metrics": metrics})
-
-    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
-    def save_checkpoint(self, local_path: str, global_step: int = 0, max_ckpt_to_keep: int | None = None) -> None:
-        self.critic_model.save(local_path, global_step, max_ckpt_to_keep)
-
-    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
-    def load_checkpoint(self, local_path: str, del_local_after_load: bool = False) -> None:
-        self.critic_model.load(local_path)
+    compute_values = _on_mesh(fsdp_workers.CriticWorker.compute_values, _CRITIC_MESH)
+    update_critic = _on_mesh(fsdp_workers.CriticWorker.update_critic, _CRITIC_MESH)
 
 
 __all__ = ["ActorRolloutRefWorker", "CriticWorker"]
