@@ -76,7 +76,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     subparsers = parser.add_subparsers(dest="operation", required=True, metavar="{merge,test}")
 
     common = argparse.ArgumentParser(add_help=False)
-    common.add_argument("--backend", required=True, choices=BACKENDS, help="the trainer's strategy: fsdp (fsdp, fsdp2) or megatron")
+    common.add_argument(
+        "--backend", required=True, choices=BACKENDS, help="the trainer's strategy: fsdp (fsdp, fsdp2) or megatron"
+    )
     common.add_argument(
         "--local_dir",
         required=True,

@@ -93,7 +93,9 @@ class MegatronModelMerger(BaseModelMerger):
                 f"This looks like a global_step directory; pass the role's directory, e.g. "
                 f"--local_dir {os.path.join(local_dir, roles[0])}"
             )
-        elif present and not os.path.isdir(self.dist_ckpt_dir) and os.path.isdir(os.path.join(local_dir, "huggingface")):
+        elif (
+            present and not os.path.isdir(self.dist_ckpt_dir) and os.path.isdir(os.path.join(local_dir, "huggingface"))
+        ):
             hint = (
                 "It has no dist_ckpt/: the model was not saved (checkpoint.save_contents without 'model'); "
                 "if huggingface/ holds model.safetensors (save_contents with 'hf_model'), use that directory directly"
