@@ -56,12 +56,12 @@ def ckpt(tmp_path_factory):
     return root
 
 
-def merge(ckpt, role, out, *extra):
+def merge(ckpt, role, out, *extra, backend="fsdp"):
     main(
         [
             "merge",
             "--backend",
-            "fsdp",
+            backend,
             "--local_dir",
             str(ckpt / "global_step_1" / role),
             "--target_dir",
@@ -166,7 +166,9 @@ def test_tying_weights_the_checkpoint_does_not_share_is_refused(ckpt, tmp_path, 
     assert "holds different tensors" in capsys.readouterr().err
 
 
-def test_megatron_backend_is_not_available_yet(ckpt, capsys):
-    with pytest.raises(SystemExit):
-        main(["merge", "--backend", "megatron", "--local_dir", str(ckpt / "global_step_1" / "actor")])
-    assert "megatron is not available yet" in capsys.readouterr().err
+def test_fsdp_checkpoint_given_to_the_megatron_backend_says_to_use_fsdp(ckpt, tmp_path, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        merge(ckpt, "actor", tmp_path / "o", backend="megatron")
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2 and "is not a megatron checkpoint" in err and "--backend fsdp" in err
+    assert not (tmp_path / "o").exists()

@@ -1,6 +1,6 @@
 """Turn a training checkpoint into a plain Hugging Face model directory.
 
-    python -m verl.model_merger merge --backend fsdp \\
+    python -m verl.model_merger merge --backend fsdp \\   # or --backend megatron
         --local_dir checkpoints/PROJECT/EXPERIMENT/global_step_100/actor --target_dir ./merged
     python -m verl.model_merger test --backend fsdp --local_dir ... --test_hf_dir REFERENCE_HF_DIR
 

@@ -1,4 +1,4 @@
-"""`python -m verl.model_merger {merge,test} --backend fsdp --local_dir DIR ...` (see the package docstring)."""
+"""`python -m verl.model_merger {merge,test} --backend {fsdp,megatron} --local_dir DIR ...` (see the package docstring)."""
 
 from __future__ import annotations
 
@@ -14,11 +14,10 @@ def get_merger(config: ModelMergerConfig):
 
         return FSDPModelMerger(config)
     if config.backend == "megatron":
-        raise NotImplementedError(
-            "--backend megatron is not available yet: this verl trains with FSDP only, so there are no Megatron "
-            "checkpoints to merge. Use --backend fsdp for checkpoints written by actor/critic strategy fsdp or fsdp2"
-        )
-    raise ModelMergerError(f"unknown backend {config.backend!r}; use fsdp")
+        from verl.model_merger.megatron_model_merger import MegatronModelMerger
+
+        return MegatronModelMerger(config)
+    raise ModelMergerError(f"unknown backend {config.backend!r}; use fsdp or megatron")
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -1,6 +1,6 @@
 """What every model merger shares: the command line, its config, and writing or checking an HF directory.
 
-A backend (`FSDPModelMerger`) only has to say whether a directory is one of its checkpoints and
+A backend (`FSDPModelMerger`, `MegatronModelMerger`) only has to say whether a directory is one of its checkpoints and
 load the full state dict from it; everything after that is here.
 
 Design decisions:
@@ -25,8 +25,7 @@ Design decisions:
   merged: each adapted layer becomes `W + scaling * B @ A` (scaling from the adapter's
   `adapter_config.json`) under its plain HF name, so the output is an ordinary HF model; the
   adapter directory is copied beside it (`<target_dir>/lora_adapter`) for use with peft.
-- Left out: multimodal processors, and Megatron checkpoints (`--backend megatron` says it is not
-  available yet).
+- Left out: multimodal processors.
 """
 
 from __future__ import annotations
@@ -53,6 +52,7 @@ __all__ = [
     "ModelMergerError",
     "generate_config_from_args",
     "parse_args",
+    "require_checkpoint_dir",
 ]
 
 BACKENDS = ("fsdp", "megatron")
@@ -76,7 +76,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     subparsers = parser.add_subparsers(dest="operation", required=True, metavar="{merge,test}")
 
     common = argparse.ArgumentParser(add_help=False)
-    common.add_argument("--backend", required=True, choices=BACKENDS, help="the trainer's strategy (fsdp)")
+    common.add_argument(
+        "--backend", required=True, choices=BACKENDS, help="the trainer's strategy: fsdp (fsdp, fsdp2) or megatron"
+    )
     common.add_argument(
         "--local_dir",
         required=True,
@@ -174,6 +176,19 @@ def generate_config_from_args(args: argparse.Namespace) -> ModelMergerConfig:
         use_cpu_initialization=args.use_cpu_initialization,
         dtype=args.dtype,
     )
+
+
+def require_checkpoint_dir(local_dir: str) -> None:
+    """Raise ModelMergerError unless `local_dir` exists, pointing at an interrupted save's leftovers."""
+    if os.path.isdir(local_dir):
+        return
+    hint = ""
+    if os.path.isdir(local_dir + ".tmp") or os.path.isdir(local_dir + ".old"):
+        hint = (
+            " A .tmp or .old directory of that name exists: the save was interrupted; use the previous "
+            "global_step directory, or the .old one if a re-save crashed"
+        )
+    raise ModelMergerError(f"checkpoint directory {local_dir!r} does not exist.{hint}")
 
 
 def _auto_classes(is_value_model: bool) -> list:

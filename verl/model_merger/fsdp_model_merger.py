@@ -20,7 +20,7 @@ import warnings
 
 import torch
 
-from verl.model_merger.base_model_merger import BaseModelMerger, ModelMergerError
+from verl.model_merger.base_model_merger import BaseModelMerger, ModelMergerError, require_checkpoint_dir
 
 __all__ = ["FSDPModelMerger"]
 
@@ -39,19 +39,17 @@ class FSDPModelMerger(BaseModelMerger):
 
     def check_checkpoint_layout(self) -> None:
         local_dir = self.config.local_dir
-        if not os.path.isdir(local_dir):
-            hint = ""
-            if os.path.isdir(local_dir + ".tmp") or os.path.isdir(local_dir + ".old"):
-                hint = (
-                    " A .tmp or .old directory of that name exists: the save was interrupted; use the previous "
-                    "global_step directory, or the .old one if a re-save crashed"
-                )
-            raise ModelMergerError(f"checkpoint directory {local_dir!r} does not exist.{hint}")
+        require_checkpoint_dir(local_dir)
         if os.path.isfile(os.path.join(self.model_dir, ".metadata")):
             return
         present = sorted(os.listdir(local_dir))
         roles = [d for d in present if os.path.isfile(os.path.join(local_dir, d, "model", ".metadata"))]
-        if roles:
+        if os.path.isfile(os.path.join(local_dir, "dist_ckpt", "metadata.json")):
+            hint = (
+                "It holds dist_ckpt/ (megatron dist_checkpointing): it was written by the megatron backend "
+                "(actor.strategy=megatron); merge it with --backend megatron"
+            )
+        elif roles:
             hint = (
                 f"This looks like a global_step directory; pass the role's directory, e.g. "
                 f"--local_dir {os.path.join(local_dir, roles[0])}"
