@@ -2,8 +2,8 @@
 
 The checkpoints are written once per module by 2 gloo ranks (tp=2, which also pads the 263-token
 vocabulary to 264): a causal LM with tied embeddings, saved with its Adam moments as training
-saves it, one with an untied LM head, and a critic with a value head. They are merged in this
-single process, which must come out with no process group left behind. The reference for every
+saves it, one with an untied LM head, and a critic with a value head. They are merged by the CLI
+in one process, as users run it. The reference for every
 comparison is the HF model the megatron chunks were loaded from (`tests.megatron_helpers`, all
 weights perturbed), so the whole round trip HF -> megatron shards -> dist_checkpointing -> merged
 HF directory must be bit-exact.
@@ -11,10 +11,12 @@ HF directory must be bit-exact.
 
 import json
 import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
-import torch.distributed as dist
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoModelForTokenClassification, AutoTokenizer
 
@@ -23,6 +25,7 @@ from tests.megatron_helpers import build_loaded_chunks, hf_state_dict, tiny_hf_m
 from verl.model_merger.__main__ import main
 from verl.models.factory import build_tokenizer
 
+ROOT = Path(__file__).resolve().parents[2]
 MODELS = {  # role -> (tie_word_embeddings, seed, value head)
     "actor": (True, 1, False),
     "untied": (False, 2, False),
@@ -74,14 +77,24 @@ def ckpt(tmp_path_factory):
     return root
 
 
+def cli(*args) -> subprocess.CompletedProcess:
+    """`python -m verl.model_merger ARGS` as users run it. Not in this process: the merger sets up
+    torch.distributed (gloo) here, and a pytest process that later forks the ranks of other tests
+    must not have had gloo's threads running in it (a forked child can then hang in gloo)."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    return subprocess.run(
+        [sys.executable, "-m", "verl.model_merger", *args], cwd=ROOT, env=env, capture_output=True, text=True
+    )
+
+
 def merge(ckpt, role, out, *extra, backend="megatron"):
     local_dir = ckpt / "global_step_1" / role
-    main(["merge", "--backend", backend, "--local_dir", str(local_dir), "--target_dir", str(out), *extra])
+    proc = cli("merge", "--backend", backend, "--local_dir", str(local_dir), "--target_dir", str(out), *extra)
+    assert proc.returncode == 0, proc.stderr[-3000:]
 
 
 def test_tp2_checkpoint_merges_in_one_process_into_the_original_hf_weights_bit_exactly(ckpt, tmp_path):
     merge(ckpt, "actor", tmp_path / "hf")
-    assert not dist.is_initialized(), "the merger's 1-rank group must be torn down"
 
     expected = hf_state_dict(reference_model("actor"))
     stored = load_file(tmp_path / "hf" / "model.safetensors")
@@ -124,19 +137,18 @@ def test_critic_checkpoint_is_detected_and_becomes_a_one_label_token_classificat
     assert all(torch.equal(t, expected[k]) for k, t in model.state_dict().items())
 
 
-def test_test_subcommand_compares_the_checkpoint_with_an_hf_directory(ckpt, tmp_path, capsys):
+def test_test_subcommand_compares_the_checkpoint_with_an_hf_directory(ckpt, tmp_path):
     reference = reference_model("actor")
     reference.save_pretrained(tmp_path / "ref")
     actor = str(ckpt / "global_step_1" / "actor")
-    main(["test", "--backend", "megatron", "--local_dir", actor, "--test_hf_dir", str(tmp_path / "ref")])
-    assert "test passed" in capsys.readouterr().out
+    proc = cli("test", "--backend", "megatron", "--local_dir", actor, "--test_hf_dir", str(tmp_path / "ref"))
+    assert proc.returncode == 0 and "test passed" in proc.stdout, proc.stderr[-3000:]
 
     other = reference_model("untied")  # same architecture, other weights
     other.config.tie_word_embeddings = True
     other.save_pretrained(tmp_path / "other")
-    with pytest.raises(SystemExit) as exit_info:
-        main(["test", "--backend", "megatron", "--local_dir", actor, "--test_hf_dir", str(tmp_path / "other")])
-    assert exit_info.value.code == 2 and "model.layers.1.mlp.up_proj.weight: values differ" in capsys.readouterr().err
+    proc = cli("test", "--backend", "megatron", "--local_dir", actor, "--test_hf_dir", str(tmp_path / "other"))
+    assert proc.returncode == 2 and "model.layers.1.mlp.up_proj.weight: values differ" in proc.stderr
 
 
 def test_megatron_checkpoint_given_to_fsdp_or_a_wrong_directory_says_what_to_pass_instead(ckpt, tmp_path, capsys):

@@ -162,7 +162,7 @@ class MegatronModelMerger(BaseModelMerger):
                 for name, tensor in mcore_to_hf_named_tensors(chunks, hf_config, value_head=value_head)
             }
         if value_head:
-            # the critic's config is the causal LM's (num_labels=2 by default); its head has one output
+            # a config saved as the causal LM's (num_labels=2 by default) still has a one-output head
             self.model_config.num_labels = 1
         elif hf_config.tie_word_embeddings:
             # the conversion yields a tied head once, as HF files store it; the full state dict names it twice

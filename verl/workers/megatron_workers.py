@@ -106,7 +106,9 @@ class _MegatronModel:
         meg = _plain(megatron_cfg)
         trust = model_cfg.get("trust_remote_code", False)
         overrides = _plain(model_cfg.get("override_config"))
-        self.hf_config = load_model_config(model_cfg.path, trust, overrides)
+        # a value model's saved config says one output, as the FSDP critic's does
+        config_overrides = {"num_labels": 1, **(overrides or {})} if value_head else overrides
+        self.hf_config = load_model_config(model_cfg.path, trust, config_overrides)
         self.value_head = value_head
         dtype = _DTYPES[str(meg.get("dtype", "fp32"))]
         tf_config = hf_to_mcore_config(self.hf_config, {**meg, "sequence_parallel": _sequence_parallel(meg)}, dtype)

@@ -393,13 +393,7 @@ class DataParallelPPOActor(BasePPOActor):
                 dp_group=self._dp_group,
             )
         self.actor_optimizer.zero_grad()
-        for micro_batch in micro_batches:
-            micro_batch = micro_batch.to(get_device())
-            micro_metrics = self._backward_micro_batch(micro_batch, temperature, normaliser)
-            append_to_dict(metrics, micro_metrics)
-        grad_norm, stepped = clip_grad_and_step(
-            self.actor_module, self.actor_optimizer, self._cfg.get("grad_clip", 1.0)
-        )
+        grad_norm, stepped = self._train_and_step(micro_batches, temperature, normaliser, metrics)
         append_to_dict(
             metrics,
             {
@@ -409,6 +403,14 @@ class DataParallelPPOActor(BasePPOActor):
                 "actor/skipped_zero_adv": 0.0,
             },
         )
+
+    def _train_and_step(self, micro_batches: list, temperature: float, normaliser: float, metrics: dict):
+        """Forward and backward every micro-batch of one mini-batch, then clip and step: (grad norm,
+        whether the optimizer stepped). The one part another backend's actor replaces."""
+        for micro_batch in micro_batches:
+            micro_batch = micro_batch.to(get_device())
+            append_to_dict(metrics, self._backward_micro_batch(micro_batch, temperature, normaliser))
+        return clip_grad_and_step(self.actor_module, self.actor_optimizer, self._cfg.get("grad_clip", 1.0))
 
     def _rows_with_advantage(self, mini_batch, response_mask: torch.Tensor, use_dynamic_bsz: bool):
         """The rows of `mini_batch` with a nonzero advantage on some response token, in order, and the
@@ -441,9 +443,21 @@ class DataParallelPPOActor(BasePPOActor):
         return mini_batch[torch.nonzero(keep)[:, 0]], num_micro
 
     def _backward_micro_batch(self, micro_batch, temperature: float, normaliser: float) -> dict[str, float]:
+        entropy, log_prob = self._forward_micro_batch(micro_batch, temperature, self.needs_entropy(micro_batch))
+        loss, out = self._micro_batch_loss(micro_batch, log_prob, entropy, normaliser)
+        loss.backward()
+        return out
+
+    def needs_entropy(self, micro_batch) -> bool:
+        """Whether the loss of `micro_batch` needs the entropy (bonus, or reported on-policy)."""
+        return self.entropy_coeff != 0 or "old_log_probs" not in micro_batch
+
+    def _micro_batch_loss(self, micro_batch, log_prob, entropy, normaliser: float) -> tuple[torch.Tensor, dict]:
+        """(loss to backpropagate, metrics) of one micro-batch from its log-probs and entropy [b, R]:
+        policy loss, entropy bonus and KL loss, scaled by the micro-batch's weight in the mini-batch
+        loss over all ranks (see verl.workers.dp_training). Shared by every backend's actor."""
         response_mask = response_mask_of(micro_batch)
         on_policy = "old_log_probs" not in micro_batch
-        entropy, log_prob = self._forward_micro_batch(micro_batch, temperature, self.entropy_coeff != 0 or on_policy)
         pg_loss, pg_metrics = self.policy_loss_fn(
             log_prob.detach() if on_policy else micro_batch["old_log_probs"],
             log_prob,
@@ -468,7 +482,5 @@ class DataParallelPPOActor(BasePPOActor):
             loss = loss + self.kl_loss_coef * kl_loss
             out["actor/kl_loss"] = float(kl_loss.detach())
             out["actor/kl_coef"] = self.kl_loss_coef
-        # weight of this micro-batch in the mini-batch loss over all ranks (see verl.workers.dp_training)
         scale = 0.0 if normaliser == 0 else float(loss_normaliser(response_mask, self.loss_agg_mode)) / normaliser
-        (loss * (scale * self._dp_size)).backward()
-        return out
+        return loss * (scale * self._dp_size), out

@@ -40,11 +40,10 @@ import torch
 import torch.distributed as dist
 
 from verl.models.mcore.forward import left_align, response_columns
-from verl.trainer.ppo.core_algos import agg_loss, kl_penalty
 from verl.utils.device import get_device
 from verl.utils.megatron.tensor_parallel import vocab_parallel_log_probs_and_entropy
-from verl.workers.actor.dp_actor import _MODEL_INPUTS, DataParallelPPOActor, _require_temperature, rows_with_advantage
-from verl.workers.dp_training import append_to_dict, loss_normaliser, response_mask_of, split_micro_batches
+from verl.workers.actor.dp_actor import _MODEL_INPUTS, DataParallelPPOActor, _require_temperature
+from verl.workers.dp_training import append_to_dict, split_micro_batches
 
 __all__ = [
     "MegatronPPOActor",
@@ -240,89 +239,17 @@ class MegatronPPOActor(DataParallelPPOActor):
             chunk.train()
         return super().update_policy(data)
 
-    def _update_on_mini_batch(self, mini_batch, temperature: float, metrics: dict) -> None:
-        response_mask = response_mask_of(mini_batch)
-        adv_nonzero = rows_with_advantage(mini_batch["advantages"], response_mask).any().to(torch.float64)
-        totals = torch.stack([loss_normaliser(response_mask, self.loss_agg_mode), adv_nonzero]).to(get_device())
-        if self._dp_size > 1:
-            dist.all_reduce(totals, group=self._dp_group)
-        normaliser, num_ranks_with_adv = totals.tolist()
-        if (
-            self.skip_zero_advantage_step
-            and not self.use_kl_loss
-            and self.entropy_coeff == 0
-            and not num_ranks_with_adv
-        ):
-            append_to_dict(metrics, {"actor/skipped_zero_adv": 1.0})
-            return
-        num_micro = None
-        if self.skip_zero_advantage_rows:
-            rows = len(mini_batch)
-            mini_batch, num_micro = self._rows_with_advantage(
-                mini_batch, response_mask, bool(self._cfg.get("use_dynamic_bsz", False))
-            )
-            append_to_dict(metrics, {"actor/zero_adv_rows_skipped": 1.0 - len(mini_batch) / rows})
-        if num_micro is not None:
-            base, extra = divmod(len(mini_batch), num_micro)
-            micro_batches = list(mini_batch.split([base + (i < extra) for i in range(num_micro)]))
-        else:
-            micro_batches, _ = split_micro_batches(
-                mini_batch,
-                micro_batch_size=self._cfg.get("ppo_micro_batch_size_per_gpu"),
-                use_dynamic_bsz=bool(self._cfg.get("use_dynamic_bsz", False)),
-                max_token_len=self._cfg.get("ppo_max_token_len_per_gpu"),
-                dp_group=self._dp_group,
-            )
-        self.actor_optimizer.zero_grad()
+    def _train_and_step(self, micro_batches: list, temperature: float, normaliser: float, metrics: dict):
+        """Megatron's schedule over the micro-batches, then gradient reduction, clipping and the step."""
         results = self._run_schedule(
             micro_batches, partial(self._policy_loss, temperature=temperature, normaliser=normaliser), False
         )
         for micro_metrics in broadcast_from_last_stage(results):
             append_to_dict(metrics, micro_metrics)
         finalize_megatron_grads(self.model_chunks)
-        grad_norm, stepped = clip_grad_and_step_megatron(
-            self.model_chunks, self.actor_optimizer, self._cfg.get("grad_clip", 1.0)
-        )
-        append_to_dict(
-            metrics,
-            {
-                "actor/grad_norm": grad_norm,
-                "actor/lr": float(self.actor_optimizer.param_groups[0]["lr"]),
-                "actor/skipped_nonfinite_grad": 0.0 if stepped else 1.0,
-                "actor/skipped_zero_adv": 0.0,
-            },
-        )
+        return clip_grad_and_step_megatron(self.model_chunks, self.actor_optimizer, self._cfg.get("grad_clip", 1.0))
 
     def _policy_loss(self, micro_batch, output, temperature: float, normaliser: float):
         """(scaled loss, metrics) of one micro-batch: the FSDP actor's loss, weighted the same way."""
-        response_mask = response_mask_of(micro_batch)
-        on_policy = "old_log_probs" not in micro_batch
-        entropy, log_prob = self._micro_batch_outputs(
-            micro_batch, temperature, self.entropy_coeff != 0 or on_policy, output
-        )
-        pg_loss, pg_metrics = self.policy_loss_fn(
-            log_prob.detach() if on_policy else micro_batch["old_log_probs"],
-            log_prob,
-            micro_batch["advantages"],
-            response_mask,
-            self.loss_agg_mode,
-            params=self.policy_loss_params,
-            rollout_log_probs=micro_batch.get("rollout_log_probs", None),
-        )
-        loss = pg_loss
-        out = {f"actor/{name}": float(value) for name, value in pg_metrics.items()}
-        out["actor/pg_loss"] = float(pg_loss.detach())
-        if self.entropy_coeff != 0:
-            entropy_loss = agg_loss(entropy, response_mask, self.loss_agg_mode)
-            loss = loss - self.entropy_coeff * entropy_loss
-            out["actor/entropy"] = float(entropy_loss.detach())
-        elif on_policy:
-            out["actor/entropy"] = float(agg_loss(entropy.detach(), response_mask, self.loss_agg_mode))
-        if self.use_kl_loss:
-            kld = kl_penalty(log_prob, micro_batch["ref_log_prob"], self.kl_loss_type)
-            kl_loss = agg_loss(kld, response_mask, self.loss_agg_mode)
-            loss = loss + self.kl_loss_coef * kl_loss
-            out["actor/kl_loss"] = float(kl_loss.detach())
-            out["actor/kl_coef"] = self.kl_loss_coef
-        scale = 0.0 if normaliser == 0 else float(loss_normaliser(response_mask, self.loss_agg_mode)) / normaliser
-        return loss * (scale * self._dp_size), out
+        entropy, log_prob = self._micro_batch_outputs(micro_batch, temperature, self.needs_entropy(micro_batch), output)
+        return self._micro_batch_loss(micro_batch, log_prob, entropy, normaliser)

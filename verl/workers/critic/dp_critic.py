@@ -140,10 +140,25 @@ class DataParallelPPOCritic(BasePPOCritic):
         return metrics
 
     def _update_on_mini_batch(self, mini_batch, metrics: dict) -> None:
+        normaliser, micro_batches = self._mini_batch_plan(mini_batch)
+        self.critic_optimizer.zero_grad()
+        for micro_batch in micro_batches:
+            micro_batch = micro_batch.to(get_device())
+            loss, micro_metrics = self._micro_batch_loss(
+                micro_batch, self._forward_micro_batch(micro_batch), normaliser
+            )
+            loss.backward()
+            append_to_dict(metrics, micro_metrics)
+        grad_norm, stepped = clip_grad_and_step(
+            self.critic_module, self.critic_optimizer, self._cfg.get("grad_clip", 1.0)
+        )
+        append_to_dict(metrics, self._step_metrics(grad_norm, stepped))
+
+    def _mini_batch_plan(self, mini_batch) -> tuple[float, list]:
+        """(loss normaliser over all ranks, micro-batches) of one mini-batch."""
         normaliser = loss_normaliser(response_mask_of(mini_batch), self.loss_agg_mode).to(get_device())
         if self._dp_size > 1:
             dist.all_reduce(normaliser, group=self._dp_group)
-        normaliser = float(normaliser)
         micro_batches, _ = split_micro_batches(
             mini_batch,
             micro_batch_size=self._cfg.get("ppo_micro_batch_size_per_gpu"),
@@ -151,37 +166,32 @@ class DataParallelPPOCritic(BasePPOCritic):
             max_token_len=self._cfg.get("ppo_max_token_len_per_gpu"),
             dp_group=self._dp_group,
         )
-        self.critic_optimizer.zero_grad()
-        for micro_batch in micro_batches:
-            micro_batch = micro_batch.to(get_device())
-            response_mask = response_mask_of(micro_batch)
-            vpreds = self._forward_micro_batch(micro_batch)
-            vf_loss, vf_clipfrac = compute_value_loss(
-                vpreds,
-                micro_batch["returns"],
-                micro_batch["values"],
-                response_mask,
-                cliprange_value=self.cliprange_value,
-                loss_agg_mode=self.loss_agg_mode,
-            )
-            scale = 0.0 if normaliser == 0 else float(loss_normaliser(response_mask, self.loss_agg_mode)) / normaliser
-            (vf_loss * (scale * self._dp_size)).backward()
-            append_to_dict(
-                metrics,
-                {
-                    "critic/vf_loss": float(vf_loss.detach()),
-                    "critic/vf_clipfrac": float(vf_clipfrac),
-                    "critic/vpred_mean": float(masked_mean(vpreds.detach(), response_mask)),
-                },
-            )
-        grad_norm, stepped = clip_grad_and_step(
-            self.critic_module, self.critic_optimizer, self._cfg.get("grad_clip", 1.0)
+        return float(normaliser), micro_batches
+
+    def _micro_batch_loss(self, micro_batch, vpreds, normaliser: float) -> tuple[torch.Tensor, dict]:
+        """(loss to backpropagate, metrics) of one micro-batch from its predicted values [b, R]: the
+        clipped value loss, scaled by the micro-batch's weight in the mini-batch loss over all ranks
+        (see verl.workers.dp_training). Shared by every backend's critic."""
+        response_mask = response_mask_of(micro_batch)
+        vf_loss, vf_clipfrac = compute_value_loss(
+            vpreds,
+            micro_batch["returns"],
+            micro_batch["values"],
+            response_mask,
+            cliprange_value=self.cliprange_value,
+            loss_agg_mode=self.loss_agg_mode,
         )
-        append_to_dict(
-            metrics,
-            {
-                "critic/grad_norm": grad_norm,
-                "critic/lr": float(self.critic_optimizer.param_groups[0]["lr"]),
-                "critic/skipped_nonfinite_grad": 0.0 if stepped else 1.0,
-            },
-        )
+        scale = 0.0 if normaliser == 0 else float(loss_normaliser(response_mask, self.loss_agg_mode)) / normaliser
+        out = {
+            "critic/vf_loss": float(vf_loss.detach()),
+            "critic/vf_clipfrac": float(vf_clipfrac),
+            "critic/vpred_mean": float(masked_mean(vpreds.detach(), response_mask)),
+        }
+        return vf_loss * (scale * self._dp_size), out
+
+    def _step_metrics(self, grad_norm: float, stepped: bool) -> dict[str, float]:
+        return {
+            "critic/grad_norm": grad_norm,
+            "critic/lr": float(self.critic_optimizer.param_groups[0]["lr"]),
+            "critic/skipped_nonfinite_grad": 0.0 if stepped else 1.0,
+        }

@@ -17,11 +17,8 @@ from __future__ import annotations
 from functools import partial
 
 import torch
-import torch.distributed as dist
 
 from verl.models.mcore.forward import response_columns
-from verl.trainer.ppo.core_algos import compute_value_loss, masked_mean
-from verl.utils.device import get_device
 from verl.workers.actor.megatron_actor import (
     broadcast_from_last_stage,
     clip_grad_and_step_megatron,
@@ -29,7 +26,7 @@ from verl.workers.actor.megatron_actor import (
     run_megatron_schedule,
 )
 from verl.workers.critic.dp_critic import _MODEL_INPUTS, DataParallelPPOCritic
-from verl.workers.dp_training import append_to_dict, loss_normaliser, response_mask_of, split_micro_batches
+from verl.workers.dp_training import append_to_dict, response_mask_of, split_micro_batches
 
 __all__ = ["MegatronPPOCritic"]
 
@@ -83,18 +80,9 @@ class MegatronPPOCritic(DataParallelPPOCritic):
         return super().update_critic(data)
 
     def _update_on_mini_batch(self, mini_batch, metrics: dict) -> None:
-        normaliser = loss_normaliser(response_mask_of(mini_batch), self.loss_agg_mode).to(get_device())
-        if self._dp_size > 1:
-            dist.all_reduce(normaliser, group=self._dp_group)
-        micro_batches, _ = split_micro_batches(
-            mini_batch,
-            micro_batch_size=self._cfg.get("ppo_micro_batch_size_per_gpu"),
-            use_dynamic_bsz=bool(self._cfg.get("use_dynamic_bsz", False)),
-            max_token_len=self._cfg.get("ppo_max_token_len_per_gpu"),
-            dp_group=self._dp_group,
-        )
+        normaliser, micro_batches = self._mini_batch_plan(mini_batch)
         self.critic_optimizer.zero_grad()
-        loss_fn = partial(self._value_loss, normaliser=float(normaliser))
+        loss_fn = partial(self._value_loss, normaliser=normaliser)
         for micro_metrics in broadcast_from_last_stage(
             run_megatron_schedule(self.model_chunks, micro_batches, loss_fn, False)
         ):
@@ -103,31 +91,8 @@ class MegatronPPOCritic(DataParallelPPOCritic):
         grad_norm, stepped = clip_grad_and_step_megatron(
             self.model_chunks, self.critic_optimizer, self._cfg.get("grad_clip", 1.0)
         )
-        append_to_dict(
-            metrics,
-            {
-                "critic/grad_norm": grad_norm,
-                "critic/lr": float(self.critic_optimizer.param_groups[0]["lr"]),
-                "critic/skipped_nonfinite_grad": 0.0 if stepped else 1.0,
-            },
-        )
+        append_to_dict(metrics, self._step_metrics(grad_norm, stepped))
 
     def _value_loss(self, micro_batch, output, normaliser: float):
         """(scaled loss, metrics) of one micro-batch, weighted as the FSDP critic weights it."""
-        response_mask = response_mask_of(micro_batch)
-        vpreds = self._values(micro_batch, output)
-        vf_loss, vf_clipfrac = compute_value_loss(
-            vpreds,
-            micro_batch["returns"],
-            micro_batch["values"],
-            response_mask,
-            cliprange_value=self.cliprange_value,
-            loss_agg_mode=self.loss_agg_mode,
-        )
-        scale = 0.0 if normaliser == 0 else float(loss_normaliser(response_mask, self.loss_agg_mode)) / normaliser
-        out = {
-            "critic/vf_loss": float(vf_loss.detach()),
-            "critic/vf_clipfrac": float(vf_clipfrac),
-            "critic/vpred_mean": float(masked_mean(vpreds.detach(), response_mask)),
-        }
-        return vf_loss * (scale * self._dp_size), out
+        return self._micro_batch_loss(micro_batch, self._values(micro_batch, output), normaliser)
