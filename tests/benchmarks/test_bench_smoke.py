@@ -91,3 +91,24 @@ def test_arith_reward_scores_the_first_integer_and_counts_completion_tokens():
     )
     assert scores == [1.0, 0.0, 0.0]  # the answer must come first
     assert reward.tokens_per_call == [11]
+
+
+@pytest.mark.parametrize(("layout", "tp", "pp"), [("fsdp", None, None), ("tp2", 2, 1), ("pp2", 1, 2)])
+def test_megatron_vs_fsdp_layouts_configure_the_backend_and_parallel_sizes_they_name(layout, tp, pp):
+    import argparse
+
+    from benchmarks.megatron_vs_fsdp import _overrides
+    from verl.models import bundled_model_path
+    from verl.trainer.config import load_ppo_config
+
+    args = argparse.Namespace(ranks=2, batch=8, seq_len=32, micro_batch=2, dtype="fp32", gradient_checkpointing=False)
+    cfg = load_ppo_config(_overrides(args, layout, bundled_model_path()))
+    actor = cfg.actor_rollout_ref.actor
+    assert actor.ppo_mini_batch_size == 8 and actor.ppo_micro_batch_size_per_gpu == 2
+    assert cfg.data.max_prompt_length + cfg.data.max_response_length == 32
+    if tp is None:
+        assert actor.strategy == "fsdp"
+    else:
+        assert actor.strategy == "megatron"
+        assert actor.megatron.tensor_model_parallel_size == tp
+        assert actor.megatron.pipeline_model_parallel_size == pp
