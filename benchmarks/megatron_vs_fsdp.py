@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import socket
 import tempfile
 import time
@@ -81,15 +82,20 @@ def _overrides(args, layout: str, model_dir: str) -> list[str]:
         if args.dtype == "bf16":
             common.append("actor_rollout_ref.actor.fsdp_config.mixed_precision.param_dtype=bf16")
         return common
-    kind, size = layout[:2], int(layout[2:])
-    key = {"tp": "tensor_model_parallel_size", "pp": "pipeline_model_parallel_size"}[kind]
-    return [
+    match = re.fullmatch(r"(tp|pp)(\d+)(?:v(\d+))?", layout)
+    if match is None or (match[3] and match[1] != "pp"):
+        raise ValueError(f"unknown layout {layout!r}: use fsdp, tpN, ppN or ppNvM (M virtual stages per stage)")
+    key = {"tp": "tensor_model_parallel_size", "pp": "pipeline_model_parallel_size"}[match[1]]
+    out = [
         *common,
         "actor_rollout_ref.actor.strategy=megatron",
         "actor_rollout_ref.ref.strategy=megatron",
-        f"actor_rollout_ref.actor.megatron.{key}={size}",
+        f"actor_rollout_ref.actor.megatron.{key}={match[2]}",
         f"actor_rollout_ref.actor.megatron.dtype={args.dtype}",
     ]
+    if match[3]:
+        out.append(f"actor_rollout_ref.actor.megatron.virtual_pipeline_model_parallel_size={match[3]}")
+    return out
 
 
 def _rank(rank: int, world: int, port: int, args, layout: str, model_dir: str, results) -> None:
@@ -150,7 +156,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--preset", default="base", help="verl.models.factory preset (random weights)")
     parser.add_argument("--ranks", type=int, default=2)
-    parser.add_argument("--layouts", default="fsdp,tp2,pp2", help="comma-separated: fsdp, tpN, ppN")
+    parser.add_argument(
+        "--layouts", default="fsdp,tp2,pp2", help="comma-separated: fsdp, tpN, ppN, ppNvM (M virtual stages)"
+    )
     parser.add_argument("--batch", type=int, default=16, help="sequences per update (whole group)")
     parser.add_argument("--seq-len", type=int, default=128)
     parser.add_argument("--micro-batch", type=int, default=8, help="micro-batch size per rank")

@@ -93,8 +93,11 @@ def test_arith_reward_scores_the_first_integer_and_counts_completion_tokens():
     assert reward.tokens_per_call == [11]
 
 
-@pytest.mark.parametrize(("layout", "tp", "pp"), [("fsdp", None, None), ("tp2", 2, 1), ("pp2", 1, 2)])
-def test_megatron_vs_fsdp_layouts_configure_the_backend_and_parallel_sizes_they_name(layout, tp, pp):
+@pytest.mark.parametrize(
+    ("layout", "tp", "pp", "vpp"),
+    [("fsdp", None, None, None), ("tp2", 2, 1, None), ("pp2", 1, 2, None), ("pp2v2", 1, 2, 2)],
+)
+def test_megatron_vs_fsdp_layouts_configure_the_backend_and_parallel_sizes_they_name(layout, tp, pp, vpp):
     import argparse
 
     from benchmarks.megatron_vs_fsdp import _overrides
@@ -112,3 +115,4 @@ def test_megatron_vs_fsdp_layouts_configure_the_backend_and_parallel_sizes_they_
         assert actor.strategy == "megatron"
         assert actor.megatron.tensor_model_parallel_size == tp
         assert actor.megatron.pipeline_model_parallel_size == pp
+        assert actor.megatron.virtual_pipeline_model_parallel_size == vpp

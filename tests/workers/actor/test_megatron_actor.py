@@ -55,24 +55,37 @@ def _gathered_weights(chunks, hf_config) -> dict[str, torch.Tensor]:
     return dict(mcore_to_hf_named_tensors(chunks, hf_config))
 
 
-def _check_against_fsdp_actor(rank, world_size, tp, pp, architecture, tie):
+def _check_against_fsdp_actor(rank, world_size, tp, pp, architecture, tie, vpp=None, micro=2):
     from verl.workers.actor.megatron_actor import MegatronPPOActor
 
-    hf_model = tiny_hf_model(architecture, tie_word_embeddings=tie, num_layers=2 * pp)
+    hf_model = tiny_hf_model(architecture, tie_word_embeddings=tie, num_layers=2 * pp * (vpp or 1))
     data = _training_data(hf_model)
     mask = data.batch["response_mask"].bool()
 
     # reference: the FSDP actor's code path on the plain HF model
     reference_model = copy.deepcopy(hf_model)
     reference = DataParallelPPOActor(
-        _actor_config(), reference_model, torch.optim.SGD(reference_model.parameters(), lr=LR)
+        _actor_config(ppo_micro_batch_size_per_gpu=micro),
+        reference_model,
+        torch.optim.SGD(reference_model.parameters(), lr=LR),
     )
-    chunks = build_loaded_chunks(hf_model, tp=tp, pp=pp)
+    chunks = build_loaded_chunks(hf_model, tp=tp, pp=pp, vpp=vpp)
+    assert len(chunks) == (vpp or 1)
     params = [p for chunk in chunks for p in chunk.parameters()]
-    actor = MegatronPPOActor(_actor_config(), chunks, hf_model.config, torch.optim.SGD(params, lr=LR))
+    actor = MegatronPPOActor(
+        _actor_config(ppo_micro_batch_size_per_gpu=micro), chunks, hf_model.config, torch.optim.SGD(params, lr=LR)
+    )
+
+    if vpp:
+        from verl.workers.actor.megatron_actor import _interleavable
+
+        with pytest.raises(ValueError, match="needs at least pipeline_model_parallel_size=2 micro-batches"):
+            _interleavable([data.batch[:1]], chunks)
 
     log_prob_data = copy.deepcopy(data)
-    log_prob_data.meta_info.update(micro_batch_size=3)
+    # one micro-batch of all 8 rows when the training micro-batch is the whole mini-batch: the
+    # interleaved schedule then splits it (it needs one micro-batch per pipeline stage at least)
+    log_prob_data.meta_info.update(micro_batch_size=3 if micro < 4 else 8)
     want_lp, want_ent = reference.compute_log_prob(log_prob_data, calculate_entropy=True)
     got_lp, got_ent = actor.compute_log_prob(log_prob_data, calculate_entropy=True)
     torch.testing.assert_close(got_lp[mask], want_lp[mask], atol=1e-5, rtol=0)
@@ -82,7 +95,8 @@ def _check_against_fsdp_actor(rank, world_size, tp, pp, architecture, tie):
     got_metrics = actor.update_policy(copy.deepcopy(data))
     assert sorted(got_metrics) == sorted(want_metrics)
     assert len(got_metrics["actor/grad_norm"]) == 2  # two mini-batches, two optimizer steps
-    for key in want_metrics:
+    # per-micro-batch metrics describe other micro-batches once the schedule has split them
+    for key in want_metrics if micro < 4 else ["actor/grad_norm"]:
         torch.testing.assert_close(
             torch.tensor(got_metrics[key], dtype=torch.float64),
             torch.tensor(want_metrics[key], dtype=torch.float64),
@@ -102,8 +116,16 @@ def _check_against_fsdp_actor(rank, world_size, tp, pp, architecture, tie):
 
 
 @pytest.mark.parametrize(
-    "tp,pp,architecture,tie",
-    [(1, 1, "qwen2", True), (2, 1, "qwen2", True), (2, 1, "llama", False), (1, 2, "qwen2", True)],
+    "tp,pp,vpp,micro,architecture,tie",
+    [
+        (1, 1, None, 2, "qwen2", True),
+        (2, 1, None, 2, "qwen2", True),
+        (2, 1, None, 2, "llama", False),
+        (1, 2, None, 2, "qwen2", True),
+        # interleaved (virtual pipeline): each stage holds two chunks of layers
+        (1, 2, 2, 2, "llama", False),
+        (1, 2, 2, 4, "qwen2", True),  # one micro-batch per mini-batch: the schedule splits it
+    ],
 )
-def test_megatron_actor_matches_fsdp_actor(tp, pp, architecture, tie):
-    run_distributed(_check_against_fsdp_actor, tp * pp, tp, pp, architecture, tie)
+def test_megatron_actor_matches_fsdp_actor(tp, pp, vpp, micro, architecture, tie):
+    run_distributed(_check_against_fsdp_actor, tp * pp, tp, pp, architecture, tie, vpp, micro)

@@ -14,6 +14,8 @@ Design decisions:
 - `calculate_per_token_loss=True` so megatron's schedules never rescale our losses: the actor
   already weights micro-batches itself (see `verl.workers.dp_training`), and
   `variable_seq_lengths=True` because micro-batches are trimmed to their longest row.
+- With a virtual pipeline (vpp > 1) the interleaved schedule's p2p is per direction, not batched
+  (`overlap_p2p_comm`): the batched form deadlocks on gloo during training.
 - A value model (critic) is the same GPTModel whose LM head has one output, replicated on the
   tensor-parallel ranks (`build_gpt_model(..., value_head=True)`).
 """
@@ -138,6 +140,11 @@ def hf_to_mcore_config(hf_config, megatron_cfg=None, dtype: torch.dtype = torch.
         tensor_model_parallel_size=tp,
         pipeline_model_parallel_size=pp,
         virtual_pipeline_model_parallel_size=vpp,
+        # the interleaved schedule with batched p2p (megatron's default) deadlocks in training on
+        # gloo (measured: pp=2 and pp=4 with vpp=2, variable sequence lengths); its per-direction
+        # (overlapped) p2p path runs on gloo and NCCL alike
+        overlap_p2p_comm=bool(vpp),
+        batch_p2p_comm=not vpp,
         context_parallel_size=cp,
         sequence_parallel=sequence_parallel,
     )

@@ -207,7 +207,8 @@ class MegatronConfig:
     )
     pipeline_model_parallel_size: int = doc("Pipeline stages the layers are split into.")
     virtual_pipeline_model_parallel_size: int | None = doc(
-        "Interleaved pipeline chunks per stage.", status=UNSUPPORTED, neutral=None
+        "Interleaved pipeline chunks (virtual stages) per pipeline stage; needs pipeline_model_parallel_size >= 2 "
+        "and at least that many micro-batches per rank. null: no interleaving."
     )
     context_parallel_size: int = doc(
         "Ranks one sequence is split over (needs TransformerEngine attention).", status=UNSUPPORTED, neutral=1

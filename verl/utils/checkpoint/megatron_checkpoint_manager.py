@@ -21,8 +21,11 @@ Design decisions:
   order would depend on the layout.
 - Crash safety as in `FSDPCheckpointManager`: everything goes into `<local_path>.tmp`, renamed by
   rank 0 after a barrier, with the previous checkpoint kept as `.old` until the swap is done.
-- One model chunk per rank (no virtual pipeline): megatron keys each interleaved chunk
-  separately, so a virtual-pipeline checkpoint would be tied to its chunk count; it is refused.
+- Virtual pipeline: a rank holds several model chunks. Each chunk's sharded entries already carry
+  global keys (a layer's global index is its offset along the layer axis), so the files do not
+  depend on the chunk count; only the local state-dict names repeat across chunks, so the chunks
+  are nested as `model0`, `model1`, ... (and moment names prefixed the same way) on this rank. A
+  checkpoint written at pp=2 with 2 virtual stages loads at pp=1 without them, and back.
 - On CPU dist_checkpointing needs `verl.utils.megatron.cpu_compat` (switched on with the parallel
   groups) and psutil, without which a save hangs.
 """
@@ -87,11 +90,32 @@ def _param_keys(model, optimizer) -> list[tuple[torch.nn.Parameter, str, object]
     return triples
 
 
-def _moment_sharded_state(model, optimizer) -> dict:
+def _chunk_prefixes(chunks) -> list[str]:
+    """The local namespace of each model chunk: none for a single chunk (the layout of a checkpoint
+    without virtual pipeline), `model<i>.` for interleaved chunks, whose local names repeat."""
+    return [""] if len(chunks) == 1 else [f"model{i}." for i in range(len(chunks))]
+
+
+def _model_sharded_state(chunks) -> dict:
+    if len(chunks) == 1:
+        return chunks[0].sharded_state_dict()
+    return {prefix[:-1]: chunk.sharded_state_dict() for prefix, chunk in zip(_chunk_prefixes(chunks), chunks)}
+
+
+def _chunk_param_keys(chunks, optimizer) -> list[tuple[torch.nn.Parameter, str, object]]:
+    """`_param_keys` of every chunk, local names prefixed with their chunk's namespace."""
+    return [
+        (param, prefix + name, entry)
+        for prefix, chunk in zip(_chunk_prefixes(chunks), chunks)
+        for param, name, entry in _param_keys(chunk, optimizer)
+    ]
+
+
+def _moment_sharded_state(chunks, optimizer) -> dict:
     """The Adam moments as sharded entries shaped and sharded like their parameters (zeros for a
     parameter not stepped yet, without touching the optimizer's state)."""
     out = {}
-    for param, name, entry in _param_keys(model, optimizer):
+    for param, name, entry in _chunk_param_keys(chunks, optimizer):
         state = optimizer.state.get(param, {})
         for moment in _MOMENTS:
             data = state[moment] if moment in state else torch.zeros_like(param)
@@ -102,9 +126,9 @@ def _moment_sharded_state(model, optimizer) -> dict:
 
 
 class MegatronCheckpointManager(BaseCheckpointManager):
-    """Checkpoints of one megatron model chunk with its AdamW optimizer and lr scheduler.
+    """Checkpoints of a megatron model with its AdamW optimizer and lr scheduler.
 
-    `model` is the list of this rank's model chunks (one chunk: no virtual pipeline); `hf_config` is
+    `model` is the list of this rank's model chunks (several with virtual pipeline); `hf_config` is
     the HF config the model was built from (written to `huggingface/` and used for hf_model).
     """
 
@@ -120,12 +144,7 @@ class MegatronCheckpointManager(BaseCheckpointManager):
         value_head: bool = False,
     ):
         super().__init__(model, optimizer, lr_scheduler, processing_class, checkpoint_config)
-        if len(model) != 1:
-            raise NotImplementedError(
-                f"cannot checkpoint a megatron model with {len(model)} virtual pipeline chunks; set "
-                "actor.megatron.virtual_pipeline_model_parallel_size=null"
-            )
-        self.chunk = model[0]
+        self.chunks = list(model)
         self.hf_config = hf_config
         self.value_head = value_head
 
@@ -150,9 +169,9 @@ class MegatronCheckpointManager(BaseCheckpointManager):
         _barrier()
         sharded = {}
         if "model" in self.save_contents:
-            sharded.update(self.chunk.sharded_state_dict())
+            sharded.update(_model_sharded_state(self.chunks))
         if "optimizer" in self.save_contents and self.optimizer is not None:
-            sharded.update(_moment_sharded_state(self.chunk, self.optimizer))
+            sharded.update(_moment_sharded_state(self.chunks, self.optimizer))
         if sharded:
             dist_checkpointing.save(sharded, os.path.join(tmp, DIST_CKPT_DIR))
         if "extra" in self.save_contents or "optimizer" in self.save_contents:
@@ -197,7 +216,7 @@ class MegatronCheckpointManager(BaseCheckpointManager):
 
         tensors = {
             name: tensor.detach().cpu().contiguous()
-            for name, tensor in mcore_to_hf_named_tensors([self.chunk], self.hf_config, value_head=self.value_head)
+            for name, tensor in mcore_to_hf_named_tensors(self.chunks, self.hf_config, value_head=self.value_head)
         }
         if rank == 0:
             save_file(tensors, os.path.join(hf_dir, "model.safetensors"), metadata={"format": "pt"})
@@ -227,20 +246,26 @@ class MegatronCheckpointManager(BaseCheckpointManager):
         extra = torch_load(extra_file, "extra state") if extra_file else {}
         sharded = {}
         if want_model:
-            sharded.update(self.chunk.sharded_state_dict())
+            sharded.update(_model_sharded_state(self.chunks))
         if want_optim:
-            sharded.update(_moment_sharded_state(self.chunk, self.optimizer))
+            sharded.update(_moment_sharded_state(self.chunks, self.optimizer))
         if sharded:
             loaded = dist_checkpointing.load(sharded, ckpt)
-            model_state = {k: v for k, v in loaded.items() if not k.startswith("optimizer.")}
             if want_model:
-                result = self.chunk.load_state_dict(model_state, strict=False)
-                missing = [k for k in result.missing_keys if not k.endswith("_extra_state")]
-                if missing or result.unexpected_keys:
-                    raise RuntimeError(
-                        f"megatron checkpoint {ckpt} does not match the model: missing {missing}, unexpected "
-                        f"{result.unexpected_keys}; was it written for another architecture?"
-                    )
+                model_state = {k: v for k, v in loaded.items() if not k.startswith("optimizer.")}
+                states = (
+                    [model_state]
+                    if len(self.chunks) == 1
+                    else [model_state[f"model{i}"] for i in range(len(self.chunks))]
+                )
+                for chunk, state in zip(self.chunks, states):
+                    result = chunk.load_state_dict(state, strict=False)
+                    missing = [k for k in result.missing_keys if not k.endswith("_extra_state")]
+                    if missing or result.unexpected_keys:
+                        raise RuntimeError(
+                            f"megatron checkpoint {ckpt} does not match the model: missing {missing}, unexpected "
+                            f"{result.unexpected_keys}; was it written for another architecture?"
+                        )
         if want_optim:
             self._restore_optimizer(loaded, extra)
         if "extra" in self.load_contents and extra:
@@ -259,7 +284,7 @@ class MegatronCheckpointManager(BaseCheckpointManager):
             _, moment, param_key = key.split(".", 2)
             by_key.setdefault(param_key, {})[moment] = value
         state = self.optimizer.state_dict()
-        index = {id(param): name for param, name, _ in _param_keys(self.chunk, self.optimizer)}
+        index = {id(param): name for param, name, _ in _chunk_param_keys(self.chunks, self.optimizer)}
         step = float(extra.get("optimizer_step", 0))
         flat = [p for group in self.optimizer.param_groups for p in group["params"]]
         for i, param in enumerate(flat):

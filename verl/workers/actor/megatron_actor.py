@@ -134,6 +134,36 @@ def clip_grad_and_step_megatron(model_chunks, optimizer, grad_clip: float | None
     return grad_norm, True
 
 
+def _interleavable(micro_batches: list, model_chunks) -> list:
+    """The micro-batches in a form megatron's interleaved (virtual pipeline) schedule runs: at least
+    one per pipeline stage (the largest is halved until there are), with the chunks' group size
+    (micro-batches run back to back per virtual stage) set so that the last group is not shorter
+    than the pipeline. Splitting rows changes no loss or gradient: every micro-batch's loss is
+    weighted by the mini-batch's normaliser, not by its own size."""
+    from megatron.core import parallel_state as mpu
+
+    pp = mpu.get_pipeline_model_parallel_world_size()
+    micro_batches = list(micro_batches)
+    while len(micro_batches) < pp:
+        largest = max(range(len(micro_batches)), key=lambda i: micro_batches[i].batch_size[0])
+        rows = micro_batches[largest].batch_size[0]
+        if rows < 2:
+            total = sum(m.batch_size[0] for m in micro_batches)
+            raise ValueError(
+                f"the interleaved pipeline schedule (virtual_pipeline_model_parallel_size="
+                f"{len(model_chunks)}) needs at least pipeline_model_parallel_size={pp} micro-batches, "
+                f"but this rank's batch has only {total} rows; use a larger batch per data-parallel rank "
+                "or set virtual_pipeline_model_parallel_size=null"
+            )
+        half = micro_batches.pop(largest)
+        micro_batches[largest:largest] = [half[: rows // 2], half[rows // 2 :]]
+    count = len(micro_batches)
+    group = next(n for n in range(pp, count + 1) if count % n == 0 or count % n >= pp)
+    for chunk in model_chunks:
+        chunk.config.microbatch_group_size_per_vp_stage = group
+    return micro_batches
+
+
 def run_megatron_schedule(model_chunks, micro_batches: list, loss_fn, forward_only: bool) -> list:
     """Forward (and backward) the micro-batches (TensorDicts in the project layout) through
     megatron's schedule; returns the per-micro-batch dicts of `loss_fn(micro_batch, output) ->
@@ -152,6 +182,8 @@ def run_megatron_schedule(model_chunks, micro_batches: list, loss_fn, forward_on
         output = model(aligned.input_ids, aligned.position_ids, None)
         return output, partial(loss_wrapper, micro_batch)
 
+    if len(model_chunks) > 1:
+        micro_batches = _interleavable(micro_batches, model_chunks)
     prepared = []
     for micro_batch in micro_batches:
         micro_batch = dict(micro_batch.to(get_device()).items())
