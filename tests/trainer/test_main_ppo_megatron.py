@@ -1,6 +1,7 @@
 """`main_ppo --config-name=ppo_megatron_trainer` end to end on CPU: PPO (GAE) with a megatron actor
 and critic and the built-in engine at tensor parallel size 2, checkpointed, then resumed at tensor
-parallel size 1 (the checkpoint reshards)."""
+parallel size 1 (the checkpoint reshards; at tp=1 the two ranks are data-parallel replicas, so the
+default use_distributed_optimizer=true splits the Adam state between them)."""
 
 from __future__ import annotations
 

@@ -20,6 +20,8 @@ from torch.optim.lr_scheduler import LambdaLR
 __all__ = [
     "build_lr_scheduler",
     "build_optimizer",
+    "local_optimizer",
+    "owns_state",
     "get_constant_schedule_with_warmup",
     "get_cosine_schedule_with_warmup",
 ]
@@ -70,28 +72,56 @@ def _get(cfg, key, default=None):
     return default if value is None else value
 
 
-def build_optimizer(parameters: Iterable[torch.nn.Parameter], optim_config) -> torch.optim.AdamW:
+def build_optimizer(
+    parameters: Iterable[torch.nn.Parameter], optim_config, shard_state_over=None
+) -> torch.optim.Optimizer:
     """AdamW over `parameters` (FSDP2 DTensor parameters work unchanged).
 
     The fused implementation (one kernel per parameter) when every parameter is a floating-point
     tensor on CPU or CUDA: torch's default on CPU is a per-parameter Python loop of about ten ops,
     each dispatched through DTensor under FSDP2. Measured on the bundled model (2 gloo ranks, 50
     parameters): 2.4 ms per step fused against 20.9 ms for the loop (7.6 ms with foreach).
+
+    `shard_state_over`: a process group of data-parallel replicas (every rank holding the same
+    parameters, each with the averaged gradient). With more than one rank the Adam state is split
+    over them by whole parameters (ZeRO stage 1, torch's `ZeroRedundancyOptimizer`): each rank
+    steps only the parameters it owns and broadcasts them to the others. Adam is elementwise, so
+    the result equals the unsharded step; `local_optimizer` gives the AdamW holding this rank's part.
     """
     from verl.utils.device import has_fused_adamw
 
     params = list(parameters)
     tensors = [p for group in params for p in (group["params"] if isinstance(group, dict) else [group])]
     fused = bool(tensors) and all(has_fused_adamw(p) for p in tensors)
-    betas = tuple(_get(optim_config, "betas", (0.9, 0.999)))
-    return torch.optim.AdamW(
-        params,
-        lr=float(_get(optim_config, "lr", 1e-6)),
-        betas=betas,
-        eps=float(_get(optim_config, "eps", 1e-8)),
-        weight_decay=float(_get(optim_config, "weight_decay", 1e-2)),
-        fused=fused or None,
-    )
+    kwargs = {
+        "lr": float(_get(optim_config, "lr", 1e-6)),
+        "betas": tuple(_get(optim_config, "betas", (0.9, 0.999))),
+        "eps": float(_get(optim_config, "eps", 1e-8)),
+        "weight_decay": float(_get(optim_config, "weight_decay", 1e-2)),
+        "fused": fused or None,
+    }
+    if shard_state_over is not None and torch.distributed.get_world_size(shard_state_over) > 1:
+        from torch.distributed.optim import ZeroRedundancyOptimizer
+
+        return ZeroRedundancyOptimizer(
+            params, optimizer_class=torch.optim.AdamW, process_group=shard_state_over, **kwargs
+        )
+    return torch.optim.AdamW(params, **kwargs)
+
+
+def local_optimizer(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+    """The optimizer whose `state` holds this rank's Adam moments: `optimizer` itself, or the local
+    AdamW of a `ZeroRedundancyOptimizer` (whose own `state` stays empty)."""
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+
+    return optimizer.optim if isinstance(optimizer, ZeroRedundancyOptimizer) else optimizer
+
+
+def owns_state(optimizer: torch.optim.Optimizer, param: torch.Tensor) -> bool:
+    """Whether this rank keeps (and steps) `param`'s Adam state: always, unless the state is
+    sharded over data-parallel ranks and another rank owns it."""
+    local = local_optimizer(optimizer)
+    return local is optimizer or any(p is param for group in local.param_groups for p in group["params"])
 
 
 def build_lr_scheduler(optimizer: torch.optim.Optimizer, optim_config) -> torch.optim.lr_scheduler.LambdaLR:

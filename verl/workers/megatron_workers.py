@@ -42,6 +42,7 @@ from omegaconf import DictConfig
 from verl.single_controller.base import Worker
 from verl.single_controller.base.decorator import make_nd_compute_dataproto_dispatch_fn, register
 from verl.utils import device as dev
+from verl.utils.optim import local_optimizer
 from verl.workers import fsdp_workers
 from verl.workers.fsdp_workers import _plain
 
@@ -145,7 +146,7 @@ class _MegatronModel:
             for chunk in self.chunks:
                 offload_fsdp_model_to_cpu(chunk)
         if optimizer and self.optimizer_offload and self.optimizer is not None:
-            offload_fsdp_optimizer(self.optimizer)
+            offload_fsdp_optimizer(local_optimizer(self.optimizer))
 
     @contextlib.contextmanager
     def on_device(self, optimizer: bool = False):
@@ -156,7 +157,7 @@ class _MegatronModel:
             for chunk in self.chunks:
                 load_fsdp_model_to_device(chunk)
         if optimizer and self.optimizer_offload and self.optimizer is not None:
-            load_fsdp_optimizer(self.optimizer)
+            load_fsdp_optimizer(local_optimizer(self.optimizer))
         try:
             yield
         finally:
@@ -178,10 +179,16 @@ class _OptimizedMegatronModel(_MegatronModel):
 
     def __init__(self, model_cfg, megatron_cfg, optim_cfg, checkpoint_cfg, tokenizer, value_head: bool = False):
         super().__init__(model_cfg, megatron_cfg, for_training=True, value_head=value_head)
+        from megatron.core import parallel_state as mpu
+
         from verl.utils.checkpoint.megatron_checkpoint_manager import MegatronCheckpointManager
         from verl.utils.optim import build_lr_scheduler, build_optimizer
 
-        self.optimizer = build_optimizer([p for p in self.parameters() if p.requires_grad], optim_cfg)
+        # use_distributed_optimizer: Adam state split over the data-parallel replicas (ZeRO-1)
+        shard_over = mpu.get_data_parallel_group() if _plain(megatron_cfg).get("use_distributed_optimizer") else None
+        self.optimizer = build_optimizer(
+            [p for p in self.parameters() if p.requires_grad], optim_cfg, shard_state_over=shard_over
+        )
         self.lr_scheduler = build_lr_scheduler(self.optimizer, optim_cfg)
         self.checkpoint_manager = MegatronCheckpointManager(
             self.chunks,

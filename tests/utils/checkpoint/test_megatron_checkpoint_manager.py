@@ -39,13 +39,17 @@ def _data(seed: int) -> DataProto:
     return DataProto.from_dict(tensors=dict(td.items()), meta_info={"temperature": 1.0})
 
 
-def _trainer(hf_model, tp: int, mini_batch: int, pp: int = 1, vpp: int | None = None):
+def _trainer(hf_model, tp: int, mini_batch: int, pp: int = 1, vpp: int | None = None, zero: bool = False):
+    """zero: the distributed optimizer (Adam state split over the data-parallel ranks)."""
+    from megatron.core import parallel_state as mpu
+
     from verl.utils.checkpoint.megatron_checkpoint_manager import MegatronCheckpointManager
     from verl.utils.optim import build_lr_scheduler, build_optimizer
     from verl.workers.actor.megatron_actor import MegatronPPOActor
 
     chunks = build_loaded_chunks(hf_model, tp=tp, pp=pp, vpp=vpp)
-    optimizer = build_optimizer([p for c in chunks for p in c.parameters()], OPTIM)
+    shard_over = mpu.get_data_parallel_group() if zero else None
+    optimizer = build_optimizer([p for c in chunks for p in c.parameters()], OPTIM, shard_state_over=shard_over)
     scheduler = build_lr_scheduler(optimizer, OPTIM)
     actor = MegatronPPOActor(_actor_config(mini_batch), chunks, hf_model.config, optimizer)
     manager = MegatronCheckpointManager(chunks, optimizer, scheduler, hf_config=hf_model.config)
@@ -65,21 +69,25 @@ def _my_rows(data: DataProto, rank: int, dp: int) -> DataProto:
 def _resume_across_layouts(rank, world_size, ckpt_dir, layout):
     from verl.utils.megatron.parallel_state import destroy_model_parallel
 
-    tp, pp, vpp = layout
+    tp, pp, vpp, zero = layout
+    dp = world_size // (tp * pp)
     hf_model = tiny_hf_model("qwen2", tie_word_embeddings=True, num_layers=4 if vpp else 2)
     first, second = _data(1), _data(2)
 
-    # uninterrupted: two updates at the saving layout (dp=1, each rank sees all 8 rows), saving after the first
-    chunks, actor, scheduler, manager = _trainer(copy.deepcopy(hf_model), tp=tp, mini_batch=8, pp=pp, vpp=vpp)
-    actor.update_policy(copy.deepcopy(first))
+    # uninterrupted: two updates at the saving layout (the 8 rows split over its dp ranks), saving after the first
+    chunks, actor, scheduler, manager = _trainer(
+        copy.deepcopy(hf_model), tp=tp, mini_batch=8 // dp, pp=pp, vpp=vpp, zero=zero
+    )
+    actor.update_policy(copy.deepcopy(_my_rows(first, rank, dp)))
     scheduler.step()
     manager.save_checkpoint(ckpt_dir, global_step=1)
-    actor.update_policy(copy.deepcopy(second))
+    actor.update_policy(copy.deepcopy(_my_rows(second, rank, dp)))
     uninterrupted = _weights(chunks, hf_model.config)
     destroy_model_parallel()
 
-    # resumed: tp=1 x dp=2 (each rank 4 of the 8 rows), fresh model and optimizer, then the checkpoint
-    chunks, actor, scheduler, manager = _trainer(copy.deepcopy(hf_model), tp=1, mini_batch=4)
+    # resumed: tp=1 x dp=2 (each rank 4 of the 8 rows), fresh model and optimizer, then the checkpoint;
+    # the optimizer's state is split over the two ranks exactly when the saving run's was not
+    chunks, actor, scheduler, manager = _trainer(copy.deepcopy(hf_model), tp=1, mini_batch=4, zero=not zero)
     manager.load_checkpoint(ckpt_dir)
     assert scheduler.last_epoch == 1
     actor.update_policy(copy.deepcopy(_my_rows(second, rank, 2)))
@@ -107,8 +115,10 @@ def _resume_across_layouts(rank, world_size, ckpt_dir, layout):
     assert gap > 1e-3, "the Adam state should change the resumed update"
 
 
-@pytest.mark.parametrize("layout", [(2, 1, None), (1, 2, 2)], ids=["tp2", "pp2_vpp2"])
-def test_checkpoint_resumes_training_exactly_at_tp1(tmp_path, layout):
+@pytest.mark.parametrize(
+    "layout", [(2, 1, None, False), (1, 2, 2, False), (1, 1, None, True)], ids=["tp2", "pp2_vpp2", "dp2_zero"]
+)
+def test_checkpoint_resumes_training_exactly_at_tp1_dp2(tmp_path, layout):
     run_distributed(_resume_across_layouts, 2, str(tmp_path / "actor"), layout)
 
 
@@ -168,3 +178,32 @@ def _virtual_pipeline_round_trip(rank, world_size, path):
 
 def test_virtual_pipeline_checkpoint_loads_bit_exactly_without_it_and_back(tmp_path):
     run_distributed(_virtual_pipeline_round_trip, 2, str(tmp_path / "actor"))
+
+
+def _zero_equals_adamw(rank, world_size):
+    from verl.utils.megatron.parallel_state import destroy_model_parallel
+    from verl.utils.optim import local_optimizer
+
+    hf_model = tiny_hf_model("qwen2", tie_word_embeddings=True, num_layers=2)
+    results = {}
+    for zero in (False, True):
+        chunks, actor, scheduler, _ = _trainer(copy.deepcopy(hf_model), tp=1, mini_batch=4, zero=zero)
+        for seed in (1, 2):
+            actor.update_policy(copy.deepcopy(_my_rows(_data(seed), rank, 2)))
+            scheduler.step()
+        params = [p for chunk in chunks for p in chunk.parameters()]
+        state = local_optimizer(actor.actor_optimizer).state
+        held = sum(state[p]["exp_avg"].numel() for p in params if p in state)
+        results[zero] = (_weights(chunks, hf_model.config), held, sum(p.numel() for p in params))
+        destroy_model_parallel()
+    (plain, plain_held, total), (sharded, zero_held, _) = results[False], results[True]
+    for name in plain:  # Adam is elementwise: the owner's step is the replicated step, bit for bit
+        assert torch.equal(sharded[name], plain[name]), name
+    assert plain_held == total
+    both = torch.tensor([zero_held])
+    torch.distributed.all_reduce(both)
+    assert 0 < zero_held < total and int(both) == total, (zero_held, int(both), total)
+
+
+def test_distributed_optimizer_steps_like_adamw_with_its_state_split_over_dp_ranks():
+    run_distributed(_zero_equals_adamw, 2)

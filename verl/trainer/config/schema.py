@@ -219,7 +219,7 @@ class MegatronConfig:
         "warning where they are missing."
     )
     use_distributed_optimizer: bool = doc(
-        "Shard the optimizer state over data-parallel ranks (memory only, same results).", status=IGNORED
+        "Split the Adam state over data-parallel ranks by whole parameters (ZeRO stage 1; memory only, same results)."
     )
     use_dist_checkpointing: bool = doc(
         "Start from a Megatron dist checkpoint instead of the HF weights.", status=UNSUPPORTED, neutral=False

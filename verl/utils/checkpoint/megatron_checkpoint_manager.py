@@ -16,6 +16,9 @@ Design decisions:
   `optimizer.<moment>.<parameter key>`. dist_checkpointing then reshards moments exactly like
   weights: a checkpoint written at tp=2 resumes at tp=1 or pp=2 with the same weights *and* the
   same Adam state, and the next update equals the one an uninterrupted run would make.
+- With the Adam state split over data-parallel ranks (`use_distributed_optimizer`, torch's
+  ZeroRedundancyOptimizer), each rank holds the moments of the parameters it owns: the owner gets
+  the writing replica id, so the files are the same as without it and load either way.
 - Adam's step count is the same for every parameter that was ever stepped (the actor steps all of
   them together), so one number is kept in the extra state instead of a per-parameter table whose
   order would depend on the layout.
@@ -111,16 +114,36 @@ def _chunk_param_keys(chunks, optimizer) -> list[tuple[torch.nn.Parameter, str, 
     ]
 
 
+def _owner_replica_id(replica_id, owned: bool):
+    """The replica id that makes the data-parallel rank owning a parameter's Adam state the one that
+    writes it (megatron's last replica coordinate is the data-parallel rank; all zeros writes)."""
+    from megatron.core import parallel_state as mpu
+
+    other = mpu.get_data_parallel_rank() + 1
+    if isinstance(replica_id, tuple):
+        return (*replica_id[:-1], 0 if owned else other)
+    return 0 if owned else other
+
+
 def _moment_sharded_state(chunks, optimizer) -> dict:
     """The Adam moments as sharded entries shaped and sharded like their parameters (zeros for a
-    parameter not stepped yet, without touching the optimizer's state)."""
+    parameter not stepped yet, or whose state another data-parallel rank owns, without touching the
+    optimizer's state). With the state sharded over data-parallel ranks, each moment is written by
+    its owner."""
+    from verl.utils.optim import local_optimizer, owns_state
+
+    local = local_optimizer(optimizer)
+    sharded = local is not optimizer
     out = {}
     for param, name, entry in _chunk_param_keys(chunks, optimizer):
-        state = optimizer.state.get(param, {})
+        state = local.state.get(param, {})
+        extra = {}
+        if sharded:
+            extra["replica_id"] = _owner_replica_id(entry.replica_id, owns_state(optimizer, param))
         for moment in _MOMENTS:
             data = state[moment] if moment in state else torch.zeros_like(param)
             out[f"optimizer.{moment}.{name}"] = dataclasses.replace(
-                entry, key=f"optimizer.{moment}.{entry.key}", data=data
+                entry, key=f"optimizer.{moment}.{entry.key}", data=data, **extra
             )
     return out
 
@@ -153,8 +176,14 @@ class MegatronCheckpointManager(BaseCheckpointManager):
         return f"extra_state_world_size_{world_size}_rank_{rank}.pt"
 
     def _optimizer_step(self) -> int:
-        steps = [int(s["step"]) for s in self.optimizer.state.values() if "step" in s]
-        return max(steps, default=0)
+        """Adam's step count (the same for every stepped parameter); a collective, since with the
+        state sharded over data-parallel ranks a rank may hold no stepped parameter."""
+        from verl.utils.optim import local_optimizer
+
+        steps = [int(s["step"]) for s in local_optimizer(self.optimizer).state.values() if "step" in s]
+        step = torch.tensor(max(steps, default=0), dtype=torch.int64)
+        dist.all_reduce(step, op=dist.ReduceOp.MAX)
+        return int(step)
 
     def save_checkpoint(self, local_path: str, hdfs_path=None, global_step: int = 0, max_ckpt_to_keep=None):
         from megatron.core import dist_checkpointing
@@ -283,14 +312,21 @@ class MegatronCheckpointManager(BaseCheckpointManager):
         for key, value in moments.items():
             _, moment, param_key = key.split(".", 2)
             by_key.setdefault(param_key, {})[moment] = value
-        state = self.optimizer.state_dict()
+        from verl.utils.optim import local_optimizer
+
+        local = local_optimizer(self.optimizer)  # with sharded state: only this rank's parameters
+        state = local.state_dict()
         index = {id(param): name for param, name, _ in _chunk_param_keys(self.chunks, self.optimizer)}
         step = float(extra.get("optimizer_step", 0))
-        flat = [p for group in self.optimizer.param_groups for p in group["params"]]
+        flat = [p for group in local.param_groups for p in group["params"]]
         for i, param in enumerate(flat):
             key = index.get(id(param))
             if step > 0 and key in by_key:
                 state["state"][i] = {"step": torch.tensor(step), **{m: by_key[key][m] for m in _MOMENTS}}
-        for group, saved in zip(state["param_groups"], extra.get("param_groups", [])):
+        saved_groups = extra.get("param_groups", [])
+        for group, saved in zip(state["param_groups"], saved_groups):
             group.update({k: v for k, v in saved.items() if k in group})
-        self.optimizer.load_state_dict(state)
+        local.load_state_dict(state)
+        if local is not self.optimizer:  # the wrapper's hyper-parameters are copied to the local one at each step
+            for group, saved in zip(self.optimizer.param_groups, saved_groups):
+                group.update({k: v for k, v in saved.items() if k in group and k != "params"})

@@ -19,8 +19,8 @@ Design decisions:
 - The optimizer is a plain torch optimizer (AdamW from the worker) over this rank's parameter
   shards, not megatron's `DistributedOptimizer`: Adam is elementwise, so stepping shards is exactly
   stepping the full model; megatron's optimizer needs its DDP gradient buffers and, for speed,
-  apex or TransformerEngine, none of which exist on CPU. The price is no optimizer-state sharding
-  over data-parallel ranks (`use_distributed_optimizer` is not honoured yet).
+  apex or TransformerEngine, none of which exist on CPU. `use_distributed_optimizer` splits the
+  Adam state over data-parallel ranks with torch's ZeroRedundancyOptimizer (`verl.utils.optim`).
 - Gradients are synchronised by hand after each mini-batch: averaged over megatron's data-parallel
   group, summed over the embedding group for tied embeddings split across pipeline stages, then
   clipped by the norm over the whole model (each tensor-parallel shard once, replicated
