@@ -233,3 +233,30 @@ def test_partial_rollouts_tag_each_sample_with_its_oldest_and_newest_version_wit
             assert (step - 1) - r["weight_version"] <= 1, (step, r)
     records = {r["step"]: r["data"] for r in _metrics(tmp_path)}
     assert all(0.0 <= records[s]["async/mixed_version_frac"] <= 1.0 for s in records)
+
+
+def test_one_step_off_with_a_megatron_actor_at_tp2_broadcasts_the_gathered_weights(tmp_path):
+    """The trainer pool is a megatron actor at tp=2 (two ranks); its tensor-parallel shards are
+    gathered into HF tensors and broadcast to the separate rollout pool (the FSDP backend's rollout
+    worker: generation needs no megatron). Version tags are the same as with FSDP."""
+    steps = 3
+    _run(
+        _cmd(
+            tmp_path,
+            steps,
+            1,
+            "trainer.n_gpus_per_node=2",
+            "actor_rollout_ref.actor.strategy=megatron",
+            "actor_rollout_ref.actor.megatron.tensor_model_parallel_size=2",
+            "ray_kwargs.ray_init.num_cpus=3",  # three worker processes on a 2-core machine
+        ),
+        tmp_path,
+    )
+    trained = _trained(tmp_path)
+    assert sorted(trained) == list(range(1, steps + 1))
+    for step, rows in trained.items():
+        assert {r["weight_version"] for r in rows} == {max(0, step - 2)}, step
+    records = {r["step"]: r["data"] for r in _metrics(tmp_path)}
+    assert [records[s]["async/staleness_max"] for s in range(1, steps + 1)] == [0, 1, 1]
+    # the rollout pool generated with weights it received: its log-probs stay close to the trainer's
+    assert records[steps]["training/rollout_probs_diff_mean"] < 0.05

@@ -230,8 +230,8 @@ class ActorRolloutRefWorker(fsdp_workers.ActorRolloutRefWorker):
     def __init__(self, config: DictConfig, role: str):
         if role == "rollout":
             raise ValueError(
-                "the megatron workers do not serve a rollout-only pool; asynchronous training "
-                "(async_training.staleness_threshold >= 1) runs with actor.strategy=fsdp"
+                "the megatron workers do not serve a rollout-only pool: a rollout pool only generates, so use "
+                "verl.workers.fsdp_workers.ActorRolloutRefWorker for it (main_ppo does, for any actor strategy)"
             )
         super().__init__(config, role)
 

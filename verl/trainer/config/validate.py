@@ -585,12 +585,6 @@ def _check_megatron(c: dict, errors: list[str]):
     if actor_meg:
         for key, value, neutral, why in (
             ("actor_rollout_ref.model.lora_rank", arr["model"]["lora_rank"], 0, "LoRA adapters"),
-            (
-                "async_training.staleness_threshold",
-                c["async_training"]["staleness_threshold"],
-                0,
-                "generation in a separate rollout pool",
-            ),
         ):
             if value != neutral:
                 errors.append(
