@@ -5,13 +5,14 @@ calls) in its own group of `--ranks` processes, on the same model directory and 
 
 - `fsdp`: `verl.workers.fsdp_workers` (FSDP2 over all ranks);
 - `tpN` / `ppN`: `verl.workers.megatron_workers` with tensor / pipeline parallel size N (the
-  remaining ranks are data parallel).
+  remaining ranks are data parallel); `ppNvM`: pipeline size N with M virtual stages per rank
+  (the interleaved schedule).
 
 Every update is one optimizer step over `--batch` sequences of `--seq-len` tokens (prompt half,
 response half; no padding), after one warm-up update. Tokens/s counts every token of the batch,
 forward and backward, over the whole group; MFU is reported where the device's peak is known.
 
-    python benchmarks/megatron_vs_fsdp.py                    # CPU: 2 gloo ranks, `base` preset (24M)
+    python benchmarks/megatron_vs_fsdp.py                    # CPU: 2 gloo ranks, `base` preset (24M), fsdp,tp2,pp2,pp2v2
     python benchmarks/megatron_vs_fsdp.py --ranks 1 --layouts fsdp,tp1 --preset qwen2.5-0.5b-shape \
         --dtype bf16 --batch 4 --seq-len 4096                # one GPU (not run yet: see docs)
 
@@ -157,7 +158,7 @@ def main() -> None:
     parser.add_argument("--preset", default="base", help="verl.models.factory preset (random weights)")
     parser.add_argument("--ranks", type=int, default=2)
     parser.add_argument(
-        "--layouts", default="fsdp,tp2,pp2", help="comma-separated: fsdp, tpN, ppN, ppNvM (M virtual stages)"
+        "--layouts", default="fsdp,tp2,pp2,pp2v2", help="comma-separated: fsdp, tpN, ppN, ppNvM (M virtual stages)"
     )
     parser.add_argument("--batch", type=int, default=16, help="sequences per update (whole group)")
     parser.add_argument("--seq-len", type=int, default=128)
