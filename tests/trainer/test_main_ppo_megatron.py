@@ -50,3 +50,30 @@ def test_ppo_with_megatron_actor_and_critic_at_tp2_resumes_at_tp1(tmp_path):
     assert "resuming from" in proc.stdout + proc.stderr
     steps = [r["step"] for r in _metrics(resumed) if "actor/pg_loss" in r["data"]]
     assert steps == [2]  # step 1 came from the checkpoint
+
+
+def test_grpo_with_a_megatron_reward_model_scores_with_the_classifier(tmp_path):
+    """reward_model.strategy=megatron in the actor's workers (tp=2 both), with its own chat template, so
+    the trainer hands it the prompt messages to re-render: the step's scores are the classifier's
+    (random head: far outside the rule reward's [0, 1]), not the rule's."""
+    from tests.workers.test_reward_model_worker import _make_reward_model
+
+    rm = tmp_path / "rm"
+    _make_reward_model(rm, other_template=True)
+    _run(
+        [
+            sys.executable,
+            "-m",
+            "verl.trainer.main_ppo",
+            "--config-name=ppo_megatron_trainer",
+            "actor_rollout_ref.actor.megatron.tensor_model_parallel_size=2",
+            "reward_model.enable=true",
+            "reward_model.strategy=megatron",
+            f"reward_model.model.path={rm}",
+            "reward_model.micro_batch_size_per_gpu=16",
+            *_common(tmp_path, steps=1),
+        ],
+        tmp_path,
+    )
+    (row,) = [r["data"] for r in _metrics(tmp_path) if "actor/pg_loss" in r["data"]]
+    assert row["critic/score/max"] > 1.5 or row["critic/score/min"] < -0.5, row

@@ -234,7 +234,7 @@ def build_role_worker_mapping(config):
     from verl.trainer.ppo.async_rollout import staleness_threshold
     from verl.trainer.ppo.ray_trainer import Role
     from verl.workers import fsdp_workers
-    from verl.workers.fsdp_workers import ActorRolloutRefWorker, RewardModelWorker
+    from verl.workers.fsdp_workers import ActorRolloutRefWorker
 
     def backend(strategy: str):
         if strategy == "megatron":
@@ -248,7 +248,7 @@ def build_role_worker_mapping(config):
     if need_critic(config):
         mapping[Role.Critic] = backend(config.critic.strategy).CriticWorker
     if config.reward_model.get("enable", False):
-        mapping[Role.RewardModel] = RewardModelWorker
+        mapping[Role.RewardModel] = backend(config.reward_model.get("strategy", "fsdp")).RewardModelWorker
     if staleness_threshold(config) > 0:  # generation runs ahead of training in its own pool
         mapping[Role.Rollout] = ActorRolloutRefWorker
     return mapping
@@ -271,14 +271,19 @@ def build_resource_pools(config, mapping) -> tuple[dict, dict]:
 def build_datasets(config, tokenizer) -> tuple:
     """(train, validation or None) prompt datasets: `data.custom_cls` swaps in a user Dataset class
     (RLHFDataset's constructor), `data.train_max_samples` / `data.val_max_samples` cap the rows.
-    Multi-turn rollouts always get the prompt messages (`data.return_raw_chat`)."""
+    Multi-turn rollouts and a learned reward model with `input_tokenizer` always get the prompt
+    messages (`data.return_raw_chat`)."""
     from omegaconf import OmegaConf
 
     from verl.utils.dataset.rl_dataset import create_rl_dataset
 
     data = config.data
-    if config.actor_rollout_ref.rollout.get("multi_turn", {}).get("enable", False):
-        # agent loops render the prompt messages with the tool schemas and check tokenization against them
+    rm = config.get("reward_model") or {}
+    if config.actor_rollout_ref.rollout.get("multi_turn", {}).get("enable", False) or (
+        rm.get("enable", False) and rm.get("model", {}).get("input_tokenizer")
+    ):
+        # agent loops render the prompt messages with the tool schemas and check tokenization against
+        # them; a reward model with its own tokenizer re-renders them with its chat template
         data = OmegaConf.merge(data, {"return_raw_chat": True})
     train = create_rl_dataset(data.train_files, data, tokenizer, is_train=True)
     val_files = data.get("val_files")

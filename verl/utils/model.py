@@ -125,6 +125,28 @@ def load_valuehead_model(
     )
 
 
+def load_sequence_classifier(
+    path: str,
+    torch_dtype: torch.dtype = torch.float32,
+    attn_implementation: str | None = None,
+    trust_remote_code: bool = False,
+    override_config: dict | None = None,
+):
+    """Reward model: the `*ForSequenceClassification` checkpoint at `path` with one output."""
+    from transformers import AutoModelForSequenceClassification
+
+    config = load_model_config(path, trust_remote_code, {"num_labels": 1, **(override_config or {})})
+    return _auto_load(
+        AutoModelForSequenceClassification,
+        "sequence-classification (reward model)",
+        path,
+        config,
+        torch_dtype,
+        attn_implementation,
+        trust_remote_code,
+    )
+
+
 def get_generation_config(path: str, trust_remote_code: bool = False):
     """The checkpoint's `GenerationConfig`, or one derived from its model config when absent."""
     from transformers import GenerationConfig

@@ -572,6 +572,16 @@ class CriticWorker(Worker):
         self.critic_model.load(local_path)
 
 
+def _same_tokenizer(a, b) -> bool:
+    """Whether two HF tokenizers turn every chat into the same ids (same vocabulary, special tokens and
+    chat template)."""
+    return (
+        a.get_vocab() == b.get_vocab()
+        and a.all_special_tokens == b.all_special_tokens
+        and getattr(a, "chat_template", None) == getattr(b, "chat_template", None)
+    )
+
+
 class RewardModelWorker(Worker):
     """Scores responses with a sequence-classification model; re-tokenises when its tokenizer differs."""
 
@@ -585,21 +595,37 @@ class RewardModelWorker(Worker):
     def init_model(self) -> None:
         from transformers import AutoModelForSequenceClassification
 
-        from verl.utils.tokenizer import hf_tokenizer
-
         model_cfg = self.config.model
         self.model = AutoModelForSequenceClassification.from_pretrained(
             model_cfg.path, num_labels=1, trust_remote_code=model_cfg.get("trust_remote_code", False)
         )
         self.model.to(dev.get_device()).eval()
+        self._load_tokenizers()
+        self._load_tokenizers()
+
+    def _load_tokenizers(self) -> None:
+        """The reward model's tokenizer, and the policy's when responses must be re-tokenised: only
+        when `model.input_tokenizer` is set and differs from the reward model's (vocabulary or chat
+        template); with the same tokenizer the policy's token ids are already the model's input."""
+        from verl.utils.tokenizer import hf_tokenizer
+
+        model_cfg = self.config.model
         self.rm_tokenizer = hf_tokenizer(model_cfg.path)
         input_tok = model_cfg.get("input_tokenizer")
         self.input_tokenizer = hf_tokenizer(input_tok) if input_tok else None
+        if self.input_tokenizer is not None and _same_tokenizer(self.input_tokenizer, self.rm_tokenizer):
+            self.input_tokenizer = None
 
     def _rm_inputs(self, data: DataProto) -> tuple[torch.Tensor, torch.Tensor]:
         """Token ids for the reward model: the policy's ids as they are, or re-tokenised chat text."""
         if self.input_tokenizer is None:
             return data.batch["input_ids"], data.batch["attention_mask"]
+        if "raw_prompt" not in data.non_tensor_batch:
+            raise ValueError(
+                "the reward model's tokenizer differs from the policy's (reward_model.model.input_tokenizer), so "
+                "its inputs are re-rendered from the prompt messages, but the batch has no 'raw_prompt'; set "
+                "data.return_raw_chat=true (main_ppo does when a reward model is enabled)"
+            )
         texts = []
         responses = data.batch["responses"]
         response_mask = data.batch["response_mask"]
@@ -610,19 +636,23 @@ class RewardModelWorker(Worker):
         enc = self.rm_tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=False)
         return enc["input_ids"], enc["attention_mask"]
 
-    @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO)
-    def compute_rm_score(self, data: DataProto) -> DataProto:
-        input_ids, attention_mask = self._rm_inputs(data)
-        micro = self.config.get("micro_batch_size_per_gpu") or len(data)
+    def _sequence_scores(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        """One score per row [B] (float32, CPU): the classifier's output at its pooled token."""
+        micro = self.config.get("micro_batch_size_per_gpu") or len(input_ids)
         scores = []
         with torch.no_grad():
-            for start in range(0, len(data), micro):
+            for start in range(0, len(input_ids), micro):
                 ids = input_ids[start : start + micro].to(dev.get_device())
                 mask = attention_mask[start : start + micro].to(dev.get_device())
                 position_ids = (mask.cumsum(-1) - 1).clamp(min=0)
                 logits = self.model(input_ids=ids, attention_mask=mask, position_ids=position_ids).logits
-                scores.append(logits[:, -1].float().squeeze(-1).cpu() if logits.dim() == 2 else logits.float().cpu())
-        seq_scores = torch.cat(scores).reshape(-1)
+                # [rows, num_labels]: the last (with one label, the only) output; a 1-row batch keeps its row
+                scores.append(logits.float().reshape(len(ids), -1)[:, -1].cpu())
+        return torch.cat(scores).reshape(-1)
+
+    @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO)
+    def compute_rm_score(self, data: DataProto) -> DataProto:
+        seq_scores = self._sequence_scores(*self._rm_inputs(data))
         # The score sits on the last valid response token, like a rule reward.
         response_mask = data.batch["response_mask"]
         last = (response_mask.sum(-1) - 1).clamp(min=0)

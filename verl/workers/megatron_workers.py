@@ -40,7 +40,7 @@ import torch
 from omegaconf import DictConfig
 
 from verl.single_controller.base import Worker
-from verl.single_controller.base.decorator import make_nd_compute_dataproto_dispatch_fn, register
+from verl.single_controller.base.decorator import Dispatch, make_nd_compute_dataproto_dispatch_fn, register
 from verl.utils import device as dev
 from verl.utils.optim import local_optimizer
 from verl.workers import fsdp_workers
@@ -48,6 +48,7 @@ from verl.workers.fsdp_workers import _plain
 
 _ACTOR_MESH = make_nd_compute_dataproto_dispatch_fn("actor")
 _CRITIC_MESH = make_nd_compute_dataproto_dispatch_fn("critic")
+_REWARD_MESH = make_nd_compute_dataproto_dispatch_fn("reward")
 
 _DTYPES = {
     "fp32": torch.float32,
@@ -100,9 +101,24 @@ def _register_mesh(worker: Worker, mesh: str) -> None:
 class _MegatronModel:
     """This rank's megatron chunks of the HF model at `model_cfg.path` (weights converted on load)."""
 
-    def __init__(self, model_cfg: DictConfig, megatron_cfg, for_training: bool, value_head: bool = False):
+    def __init__(
+        self,
+        model_cfg: DictConfig,
+        megatron_cfg,
+        for_training: bool,
+        value_head: bool = False,
+        sequence_classifier: bool = False,
+    ):
+        """value_head: a [1, hidden] score head instead of the LM head, from a token-classification
+        checkpoint (critic), or with `sequence_classifier` from a sequence-classification one (reward
+        model, whose head has no bias: it gets a zero one)."""
         from verl.models.mcore import build_model_chunks, hf_to_mcore_config, load_hf_state_dict
-        from verl.utils.model import load_causal_lm, load_model_config, load_valuehead_model
+        from verl.utils.model import (
+            load_causal_lm,
+            load_model_config,
+            load_sequence_classifier,
+            load_valuehead_model,
+        )
 
         meg = _plain(megatron_cfg)
         trust = model_cfg.get("trust_remote_code", False)
@@ -120,9 +136,14 @@ class _MegatronModel:
                 )
             setattr(tf_config, key, value)
         self.chunks = build_model_chunks(self.hf_config, tf_config, value_head=value_head)
-        loader = load_valuehead_model if value_head else load_causal_lm
+        if sequence_classifier:
+            loader = load_sequence_classifier
+        else:
+            loader = load_valuehead_model if value_head else load_causal_lm
         hf_model = loader(model_cfg.path, trust_remote_code=trust, override_config=overrides)
         state = {k: v for k, v in hf_model.state_dict().items()}
+        if sequence_classifier and "score.bias" not in state:
+            state["score.bias"] = torch.zeros(1, dtype=state["score.weight"].dtype)
         if getattr(self.hf_config, "tie_word_embeddings", False):
             state.pop("lm_head.weight", None)
         load_hf_state_dict(self.chunks, state, self.hf_config, value_head=value_head)
@@ -290,4 +311,70 @@ class CriticWorker(fsdp_workers.CriticWorker):
     update_critic = _on_mesh(fsdp_workers.CriticWorker.update_critic, _CRITIC_MESH)
 
 
-__all__ = ["ActorRolloutRefWorker", "CriticWorker"]
+def _pooled_columns(input_ids: torch.Tensor, attention_mask: torch.Tensor, pad_token_id) -> torch.Tensor:
+    """[B] column of each row's pooled token after `left_align`: the token HF's
+    `*ForSequenceClassification` pools (the rightmost one that is not the pad token), or the last
+    real token when the config has no pad token (HF then only scores unpadded single rows)."""
+    columns = torch.arange(input_ids.shape[1], device=input_ids.device)
+    if pad_token_id is None:
+        keep = attention_mask.bool()
+    else:
+        keep = input_ids != pad_token_id
+    last = (columns * keep.long()).argmax(dim=1)
+    first = attention_mask.long().argmax(dim=1)
+    return (last - first).clamp(min=0)
+
+
+class RewardModelWorker(fsdp_workers.RewardModelWorker):
+    """The learned reward model on megatron (`reward_model.strategy=megatron`), tensor/pipeline parallel.
+
+    An HF `*ForSequenceClassification` checkpoint becomes a GPTModel whose output layer is its
+    [1, hidden] `score` head (the critic's value head, with a zero bias), so the model gives a score
+    at every token; each row's score is the one at the token HF's classifier pools. Inputs, the
+    re-tokenisation with the reward model's own tokenizer and the placement of the score on the
+    last response token are the FSDP worker's."""
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def init_model(self) -> None:
+        _setup_parallel(_plain(self.config.megatron))
+        _register_mesh(self, "reward")
+        self.reward_model = _MegatronModel(
+            self.config.model, self.config.megatron, for_training=False, value_head=True, sequence_classifier=True
+        )
+        self._load_tokenizers()
+
+    @torch.no_grad()
+    def _sequence_scores(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        from tensordict import TensorDict
+
+        from verl.workers.actor.megatron_actor import broadcast_from_last_stage, run_megatron_schedule
+
+        model = self.reward_model
+        rows = len(input_ids)
+        batch = TensorDict(
+            {
+                "input_ids": input_ids,
+                "attention_mask": attention_mask,
+                "position_ids": (attention_mask.long().cumsum(-1) - 1).clamp(min=0),
+                "responses": input_ids[:, -1:],  # the schedule's row layout wants one; nothing reads it
+                "pooled": _pooled_columns(input_ids, attention_mask, model.hf_config.get_text_config().pad_token_id),
+            },
+            batch_size=[rows],
+        )
+        micro = int(self.config.get("micro_batch_size_per_gpu") or rows)
+
+        def score_fn(micro_batch, output):
+            scores = output[..., 0].gather(1, micro_batch["pooled"][:, None]).squeeze(1)
+            return output.new_zeros(()), {"scores": scores}
+
+        for chunk in model.chunks:
+            chunk.eval()
+        with model.on_device():
+            results = run_megatron_schedule(model.chunks, list(batch.split(micro)), score_fn, forward_only=True)
+        results = broadcast_from_last_stage(results)
+        return torch.cat([r["scores"] for r in results]).float().cpu()
+
+    compute_rm_score = _on_mesh(fsdp_workers.RewardModelWorker.compute_rm_score, _REWARD_MESH)
+
+
+__all__ = ["ActorRolloutRefWorker", "CriticWorker", "RewardModelWorker"]

@@ -422,3 +422,31 @@ def test_partial_rollouts_need_the_built_in_engine(defaults):
     msg = error_of(with_(ahead, actor_rollout_ref__rollout__name="vllm"))
     assert "not for actor_rollout_ref.rollout.name=vllm" in msg and "async_training.partial_rollout=false" in msg
     assert "must be >= 1" in error_of(with_(ahead, async_training__partial_rollout_check_steps=0))
+
+
+def test_megatron_models_in_one_process_need_one_layout(defaults):
+    """Actor, critic and reward model share the worker processes, which hold one set of megatron
+    parallel groups: different layouts are a config error naming each."""
+    cfg = with_(
+        defaults,
+        actor_rollout_ref__actor__strategy="megatron",
+        critic__strategy="megatron",
+        algorithm__adv_estimator="gae",
+        critic__megatron__tensor_model_parallel_size=2,
+    )
+    msg = error_of(cfg)
+    assert "layouts differ" in msg and "critic.megatron (tp, pp, vpp)=(2, 1, None)" in msg, msg
+    assert "actor_rollout_ref.actor.megatron (tp, pp, vpp)=(1, 1, None)" in msg
+    validate_ppo_config(with_(cfg, actor_rollout_ref__actor__megatron__tensor_model_parallel_size=2))
+    rm = with_(
+        defaults,
+        reward_model__enable=True,
+        reward_model__strategy="megatron",
+        reward_model__model__path="/some/rm",
+        reward_model__micro_batch_size_per_gpu=4,
+        reward_model__megatron__pipeline_model_parallel_size=2,
+    )
+    validate_ppo_config(rm)  # an FSDP actor: the reward model is the only megatron model
+    assert "reward_model.megatron (tp, pp, vpp)=(1, 2, None)" in error_of(
+        with_(rm, actor_rollout_ref__actor__strategy="megatron")
+    )

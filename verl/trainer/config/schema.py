@@ -600,6 +600,10 @@ class RewardModelConfig:
     ulysses_sequence_parallel_size: int = doc("Sequence-parallel group size.", status=UNSUPPORTED, neutral=1)
     use_dynamic_bsz: bool = doc("Pack micro-batches by token count.")
     forward_max_token_len_per_gpu: int = doc("Token budget of one packed forward micro-batch.")
+    megatron: MegatronConfig = doc(
+        "Megatron-core parallelism of the reward model (used when strategy=megatron; it shares the actor's "
+        "worker processes, so a megatron actor or critic there must use the same layout)."
+    )
     reward_manager: str = doc("Turns scores into token-level rewards.", choices=REWARD_MANAGERS)
     launch_reward_fn_async: bool = doc("Compute rule rewards in a background task during the log-prob pass.")
     reward_kwargs: dict = doc("Extra keyword arguments of the reward manager.")

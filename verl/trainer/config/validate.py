@@ -542,11 +542,6 @@ def _check_multi_turn(c: dict, errors: list[str]):
 def _check_not_implemented(c: dict, errors: list[str]):
     """Upstream choices this implementation does not have yet: fail instead of silently running something else."""
     arr = c["actor_rollout_ref"]
-    if c["reward_model"]["enable"] and c["reward_model"]["strategy"] == "megatron":
-        errors.append(
-            "reward_model.strategy=megatron is not supported: the learned reward model runs as a plain HF model "
-            "(forward only, one copy per worker); set reward_model.strategy=fsdp"
-        )
     _check_megatron(c, errors)
     if arr["rollout"]["mode"] == "async" and not arr["rollout"]["multi_turn"]["enable"]:
         errors.append(
@@ -567,13 +562,14 @@ def _check_megatron(c: dict, errors: list[str]):
     arr = c["actor_rollout_ref"]
     actor_meg = _is_megatron(arr["actor"]["strategy"])
     critic_meg = need_critic(c) and _is_megatron(c["critic"]["strategy"])
+    rm_meg = c["reward_model"]["enable"] and _is_megatron(c["reward_model"]["strategy"])
     if arr["ref"]["strategy"] != arr["actor"]["strategy"] and need_reference_policy(c):
         errors.append(
             f"actor_rollout_ref.ref.strategy={arr['ref']['strategy']} differs from actor_rollout_ref.actor.strategy="
             f"{arr['actor']['strategy']}: the reference policy lives in the actor's workers and uses its backend; "
             "leave ref.strategy at its default (the actor's)"
         )
-    if not (actor_meg or critic_meg):
+    if not (actor_meg or critic_meg or rm_meg):
         return
     from importlib.util import find_spec
 
@@ -595,6 +591,24 @@ def _check_megatron(c: dict, errors: list[str]):
     sections = [("actor_rollout_ref.actor", arr["actor"])] if actor_meg else []
     if critic_meg:
         sections.append(("critic", c["critic"]))
+    if rm_meg:
+        sections.append(("reward_model", c["reward_model"]))
+    layouts = {
+        name: (
+            section["megatron"]["tensor_model_parallel_size"],
+            section["megatron"]["pipeline_model_parallel_size"],
+            section["megatron"]["virtual_pipeline_model_parallel_size"]
+            if (section["megatron"]["virtual_pipeline_model_parallel_size"] or 1) > 1
+            else None,
+        )
+        for name, section in sections
+    }
+    if len(set(layouts.values())) > 1:
+        listed = ", ".join(f"{name}.megatron (tp, pp, vpp)={layout}" for name, layout in layouts.items())
+        errors.append(
+            f"the megatron models share the worker processes (one set of megatron parallel groups per process) but "
+            f"their layouts differ: {listed}; give them the same tensor/pipeline/virtual-pipeline sizes"
+        )
     for name, section in sections:
         m = section["megatron"]
         tp, pp = m["tensor_model_parallel_size"], m["pipeline_model_parallel_size"]

@@ -1,0 +1,140 @@
+"""The reward-model workers score what the HF sequence classifier scores: the FSDP backend's worker
+and the megatron one at tp=2 and pp=2, on the policy's token ids and after re-tokenising with the
+reward model's own tokenizer and chat template. The reference scores each row alone, unpadded, in
+float64; the score sits on each row's last response token and nowhere else."""
+
+from __future__ import annotations
+
+import shutil
+
+import numpy as np
+import pytest
+import torch
+
+from tests.distributed_helpers import make_ppo_batch, run_distributed
+from verl.models import bundled_model_path
+from verl.protocol import DataProto
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
+
+
+def _make_reward_model(path, other_template: bool = False) -> None:
+    """A Qwen2 sequence classifier on the bundled model's body, with a random, large score head, and
+    the bundled tokenizer (with `other_template`, under another chat template)."""
+    from pathlib import Path
+
+    path = Path(path)
+    from transformers import AutoConfig, AutoModelForSequenceClassification
+
+    config = AutoConfig.from_pretrained(bundled_model_path())
+    config.num_labels = 1
+    config.architectures = ["Qwen2ForSequenceClassification"]
+    torch.manual_seed(0)
+    model = AutoModelForSequenceClassification.from_config(config)
+    with torch.no_grad():
+        model.score.weight.mul_(50.0)  # scores of order 1, so that a wrong pooled token shows
+    model.save_pretrained(path)
+    for name in TOKENIZER_FILES:
+        shutil.copy(f"{bundled_model_path()}/{name}", path)
+    if other_template:  # the policy's ids then are not this model's input: responses are re-rendered
+        (path / "chat_template.jinja").write_text("{% for m in messages %}[{{ m.role }}] {{ m.content }}\n{% endfor %}")
+
+
+def _data() -> DataProto:
+    td = make_ppo_batch(batch_size=8, prompt_length=6, response_length=5, seed=3)
+    raw = np.empty(8, dtype=object)
+    for i in range(8):
+        raw[i] = [{"role": "user", "content": f"What is {i} + {i + 1}?"}]
+    return DataProto.from_dict(tensors=dict(td.items()), non_tensors={"raw_prompt": raw})
+
+
+@torch.no_grad()
+def _reference(path, data: DataProto, retokenize: bool) -> torch.Tensor:
+    """[B] float64 scores, one row at a time without padding."""
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+    model = AutoModelForSequenceClassification.from_pretrained(path).double().eval()
+    tok = AutoTokenizer.from_pretrained(path)
+    scores = []
+    for i in range(len(data)):
+        if retokenize:
+            response = data.batch["responses"][i][data.batch["response_mask"][i].bool()]
+            chat = [
+                *data.non_tensor_batch["raw_prompt"][i],
+                {"role": "assistant", "content": tok.decode(response, skip_special_tokens=True)},
+            ]
+            ids = torch.tensor(
+                tok(tok.apply_chat_template(chat, tokenize=False), add_special_tokens=False)["input_ids"]
+            )
+        else:
+            ids = data.batch["input_ids"][i][data.batch["attention_mask"][i].bool()]
+        scores.append(model(input_ids=ids[None]).logits[0, 0])
+    return torch.stack(scores)
+
+
+def _config(path, strategy: str, retokenize: bool, tp: int = 1, pp: int = 1):
+    from verl.trainer.config import load_ppo_config
+
+    overrides = [
+        "reward_model.enable=true",
+        f"reward_model.strategy={strategy}",
+        f"reward_model.model.path={path}",
+        "reward_model.micro_batch_size_per_gpu=3",  # uneven micro-batches
+        f"reward_model.model.input_tokenizer={bundled_model_path() if retokenize else 'null'}",
+        f"reward_model.megatron.tensor_model_parallel_size={tp}",
+        f"reward_model.megatron.pipeline_model_parallel_size={pp}",
+        "trainer.n_gpus_per_node=2",
+    ]
+    return load_ppo_config(overrides).reward_model
+
+
+def _check(scores: DataProto, data: DataProto, expected: torch.Tensor, what: str) -> None:
+    rm_scores = scores.batch["rm_scores"]
+    mask = data.batch["response_mask"]
+    last = mask.sum(-1) - 1
+    rows = torch.arange(len(data))
+    # float32 workers against a float64 reference, scores up to ~30: about 1e-5 of rounding
+    torch.testing.assert_close(rm_scores[rows, last].double(), expected, atol=5e-5, rtol=0, msg=what)
+    rm_scores[rows, last] = 0
+    assert not rm_scores.any(), f"{what}: scores outside the last response token"
+
+
+def _score_everywhere(rank, world_size, same_path, other_path):
+    from verl.utils.megatron.parallel_state import destroy_model_parallel
+    from verl.workers import fsdp_workers, megatron_workers
+
+    data = _data()
+    expected = {False: _reference(same_path, data, False), True: _reference(other_path, data, True)}
+    assert expected[False].abs().max() > 0.1 and not torch.allclose(expected[False], expected[True])
+
+    # the policy's tokenizer is the reward model's: its ids are scored as they are, no raw_prompt needed
+    worker = fsdp_workers.RewardModelWorker(_config(same_path, "fsdp", True))
+    worker.init_model()
+    assert worker.input_tokenizer is None
+    plain = DataProto.from_dict(tensors=dict(data.batch.items()))
+    half = plain.chunk(world_size)[rank]
+    _check(worker.compute_rm_score(half), half, expected[False].chunk(world_size)[rank], "same tokenizer")
+    worker = fsdp_workers.RewardModelWorker(_config(other_path, "fsdp", True))
+    worker.init_model()
+    with pytest.raises(ValueError, match="data.return_raw_chat=true"):
+        worker.compute_rm_score(half)
+
+    for retokenize in (False, True):
+        path = other_path if retokenize else same_path
+        # FSDP backend: data-parallel, each rank scores its half
+        worker = fsdp_workers.RewardModelWorker(_config(path, "fsdp", retokenize))
+        worker.init_model()
+        half = data.chunk(world_size)[rank]
+        _check(worker.compute_rm_score(half), half, expected[retokenize].chunk(world_size)[rank], f"fsdp {retokenize}")
+        # megatron backend: one model copy over both ranks, every rank sees the whole batch
+        for tp, pp in ((2, 1), (1, 2)):
+            worker = megatron_workers.RewardModelWorker(_config(path, "megatron", retokenize, tp, pp))
+            worker.init_model()
+            _check(worker.compute_rm_score(data), data, expected[retokenize], f"megatron tp={tp} pp={pp} {retokenize}")
+            destroy_model_parallel()
+
+
+def test_reward_model_workers_score_like_the_hf_classifier(tmp_path):
+    _make_reward_model(tmp_path / "rm")
+    _make_reward_model(tmp_path / "rm_other_template", other_template=True)
+    run_distributed(_score_everywhere, 2, str(tmp_path / "rm"), str(tmp_path / "rm_other_template"))
