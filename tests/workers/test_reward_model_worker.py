@@ -1,6 +1,6 @@
 """The reward-model workers score what the HF sequence classifier scores: the FSDP backend's worker
-and the megatron one at tp=2 and pp=2, on the policy's token ids and after re-tokenising with the
-reward model's own tokenizer and chat template. The reference scores each row alone, unpadded, in
+and the megatron one at tp=2 and pp=2, on the policy's token ids, after re-tokenising with the
+reward model's own tokenizer and chat template, and cut to reward_model.max_length. The reference scores each row alone, unpadded, in
 float64; the score sits on each row's last response token and nowhere else."""
 
 from __future__ import annotations
@@ -49,8 +49,8 @@ def _data() -> DataProto:
 
 
 @torch.no_grad()
-def _reference(path, data: DataProto, retokenize: bool) -> torch.Tensor:
-    """[B] float64 scores, one row at a time without padding."""
+def _reference(path, data: DataProto, retokenize: bool, keep_last: int | None = None) -> torch.Tensor:
+    """[B] float64 scores, one row at a time without padding (`keep_last`: its last tokens only)."""
     from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
     model = AutoModelForSequenceClassification.from_pretrained(path).double().eval()
@@ -68,11 +68,13 @@ def _reference(path, data: DataProto, retokenize: bool) -> torch.Tensor:
             )
         else:
             ids = data.batch["input_ids"][i][data.batch["attention_mask"][i].bool()]
+        if keep_last is not None:
+            ids = ids[-keep_last:]
         scores.append(model(input_ids=ids[None]).logits[0, 0])
     return torch.stack(scores)
 
 
-def _config(path, strategy: str, retokenize: bool, tp: int = 1, pp: int = 1):
+def _config(path, strategy: str, retokenize: bool, tp: int = 1, pp: int = 1, max_length: int | None = None):
     from verl.trainer.config import load_ppo_config
 
     overrides = [
@@ -84,6 +86,7 @@ def _config(path, strategy: str, retokenize: bool, tp: int = 1, pp: int = 1):
         f"reward_model.megatron.tensor_model_parallel_size={tp}",
         f"reward_model.megatron.pipeline_model_parallel_size={pp}",
         "trainer.n_gpus_per_node=2",
+        f"reward_model.max_length={max_length or 'null'}",
     ]
     return load_ppo_config(overrides).reward_model
 
@@ -132,6 +135,18 @@ def _score_everywhere(rank, world_size, same_path, other_path):
             worker.init_model()
             _check(worker.compute_rm_score(data), data, expected[retokenize], f"megatron tp={tp} pp={pp} {retokenize}")
             destroy_model_parallel()
+
+    # reward_model.max_length: a longer row keeps its last tokens (the response), on both backends
+    cut = _reference(same_path, data, False, keep_last=6)
+    assert not torch.allclose(cut, expected[False])
+    worker = fsdp_workers.RewardModelWorker(_config(same_path, "fsdp", False, max_length=6))
+    worker.init_model()
+    half = data.chunk(world_size)[rank]
+    _check(worker.compute_rm_score(half), half, cut.chunk(world_size)[rank], "fsdp max_length")
+    worker = megatron_workers.RewardModelWorker(_config(same_path, "megatron", False, 2, 1, max_length=6))
+    worker.init_model()
+    _check(worker.compute_rm_score(data), data, cut, "megatron max_length")
+    destroy_model_parallel()
 
 
 def test_reward_model_workers_score_like_the_hf_classifier(tmp_path):

@@ -572,6 +572,19 @@ class CriticWorker(Worker):
         self.critic_model.load(local_path)
 
 
+def _keep_last_tokens(input_ids: torch.Tensor, attention_mask: torch.Tensor, max_length: int, pad_id: int):
+    """Each row's last `max_length` real tokens (the end of the response, which the score judges,
+    survives; the start of the prompt goes), right-padded with `pad_id` to the longest kept row."""
+    rows = [ids[mask.bool()][-max_length:] for ids, mask in zip(input_ids, attention_mask, strict=True)]
+    width = max(len(r) for r in rows)
+    out_ids = torch.full((len(rows), width), pad_id, dtype=input_ids.dtype)
+    out_mask = torch.zeros((len(rows), width), dtype=attention_mask.dtype)
+    for i, row in enumerate(rows):
+        out_ids[i, : len(row)] = row
+        out_mask[i, : len(row)] = 1
+    return out_ids, out_mask
+
+
 def _same_tokenizer(a, b) -> bool:
     """Whether two HF tokenizers turn every chat into the same ids (same vocabulary, special tokens and
     chat template)."""
@@ -617,7 +630,19 @@ class RewardModelWorker(Worker):
             self.input_tokenizer = None
 
     def _rm_inputs(self, data: DataProto) -> tuple[torch.Tensor, torch.Tensor]:
-        """Token ids for the reward model: the policy's ids as they are, or re-tokenised chat text."""
+        """Token ids for the reward model (the policy's ids as they are, or re-tokenised chat text),
+        each row cut to its last `reward_model.max_length` tokens when it is longer."""
+        input_ids, attention_mask = self._rm_tokens(data)
+        max_length = self.config.get("max_length")
+        if max_length and int(attention_mask.sum(-1).max()) > int(max_length):
+            input_ids, attention_mask = _keep_last_tokens(input_ids, attention_mask, int(max_length), self._pad_id())
+        return input_ids, attention_mask
+
+    def _pad_id(self) -> int:
+        pad = self.rm_tokenizer.pad_token_id
+        return pad if pad is not None else (self.rm_tokenizer.eos_token_id or 0)
+
+    def _rm_tokens(self, data: DataProto) -> tuple[torch.Tensor, torch.Tensor]:
         if self.input_tokenizer is None:
             return data.batch["input_ids"], data.batch["attention_mask"]
         if "raw_prompt" not in data.non_tensor_batch:

@@ -555,13 +555,16 @@ class RewardModelModelConfig:
     """A learned reward model (sequence classifier)."""
 
     input_tokenizer: str | None = doc(
-        "Policy tokenizer used to decode responses before re-tokenizing; null: same template."
+        "Policy tokenizer, to decode responses and re-render them with the reward model's chat template when "
+        "the two tokenizers differ (vocabulary or template); null, or the same tokenizer: the policy's ids are used."
     )
     path: str | None = doc("HF-format reward-model directory.")
     external_lib: str | None = doc("Python module imported before loading the model.")
     trust_remote_code: bool = doc("Allow the model repository's own Python code to run.")
     use_shm: bool = doc("Copy the model to shared memory before loading.", status=IGNORED)
-    use_remove_padding: bool = doc("Pack sequences without padding.")
+    use_remove_padding: bool = doc(
+        "Pack sequences without padding (a speed knob; the reward model runs padded rows).", status=IGNORED
+    )
     use_fused_kernels: bool = doc("Fused kernels.", status=IGNORED)
     fsdp_config: FSDPConfig = doc("Sharding and offload.")
 
@@ -596,10 +599,16 @@ class RewardModelConfig:
         "Global micro-batch.", status=DEPRECATED, replacement="use micro_batch_size_per_gpu"
     )
     micro_batch_size_per_gpu: int | None = doc("Sequences per reward-model forward pass on one rank.")
-    max_length: int | None = doc("Maximum sequence length fed to the reward model.")
+    max_length: int | None = doc(
+        "Maximum sequence length fed to the reward model: a longer row keeps its last max_length tokens (the "
+        "response's end survives, the prompt's start goes); null: no limit."
+    )
     ulysses_sequence_parallel_size: int = doc("Sequence-parallel group size.", status=UNSUPPORTED, neutral=1)
-    use_dynamic_bsz: bool = doc("Pack micro-batches by token count.")
-    forward_max_token_len_per_gpu: int = doc("Token budget of one packed forward micro-batch.")
+    use_dynamic_bsz: bool = doc(
+        "Pack micro-batches by token count (a speed knob; the reward model runs micro_batch_size_per_gpu rows).",
+        status=IGNORED,
+    )
+    forward_max_token_len_per_gpu: int = doc("Token budget of one packed forward micro-batch.", status=IGNORED)
     megatron: MegatronConfig = doc(
         "Megatron-core parallelism of the reward model (used when strategy=megatron; it shares the actor's "
         "worker processes, so a megatron actor or critic there must use the same layout)."
