@@ -21,7 +21,6 @@ __all__ = [
     "build_lr_scheduler",
     "build_optimizer",
     "local_optimizer",
-    "owns_state",
     "get_constant_schedule_with_warmup",
     "get_cosine_schedule_with_warmup",
 ]
@@ -115,13 +114,6 @@ def local_optimizer(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
     from torch.distributed.optim import ZeroRedundancyOptimizer
 
     return optimizer.optim if isinstance(optimizer, ZeroRedundancyOptimizer) else optimizer
-
-
-def owns_state(optimizer: torch.optim.Optimizer, param: torch.Tensor) -> bool:
-    """Whether this rank keeps (and steps) `param`'s Adam state: always, unless the state is
-    sharded over data-parallel ranks and another rank owns it."""
-    local = local_optimizer(optimizer)
-    return local is optimizer or any(p is param for group in local.param_groups for p in group["params"])
 
 
 def build_lr_scheduler(optimizer: torch.optim.Optimizer, optim_config) -> torch.optim.lr_scheduler.LambdaLR:

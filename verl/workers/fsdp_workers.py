@@ -614,7 +614,6 @@ class RewardModelWorker(Worker):
         )
         self.model.to(dev.get_device()).eval()
         self._load_tokenizers()
-        self._load_tokenizers()
 
     def _load_tokenizers(self) -> None:
         """The reward model's tokenizer, and the policy's when responses must be re-tokenised: only

@@ -122,26 +122,43 @@ def test_checkpoint_resumes_training_exactly_at_tp1_dp2(tmp_path, layout):
     run_distributed(_resume_across_layouts, 2, str(tmp_path / "actor"), layout)
 
 
-def _save_tp2_load_elsewhere(rank, world_size, path):
+WEIGHTS_ONLY = {"save_contents": ["model"]}
+
+
+def _save_weights(hf_model, path, layout) -> None:
+    """`hf_model`'s weights, built at `layout` (tp, pp, vpp), saved as a weights-only checkpoint."""
+    from verl.utils.checkpoint.megatron_checkpoint_manager import MegatronCheckpointManager
+    from verl.utils.megatron.parallel_state import destroy_model_parallel
+
+    chunks = build_loaded_chunks(hf_model, *layout)
+    MegatronCheckpointManager(chunks, checkpoint_config=WEIGHTS_ONLY).save_checkpoint(path)
+    destroy_model_parallel()
+
+
+def _check_loads_bit_exactly(path, other_model, saved_model, layout, what: str) -> None:
+    """Chunks of `other_model` at `layout` (tp, pp, vpp), loaded from the checkpoint at `path`,
+    hold exactly `saved_model`'s weights."""
     from verl.models.mcore import mcore_to_hf_named_tensors
     from verl.utils.checkpoint.megatron_checkpoint_manager import MegatronCheckpointManager
     from verl.utils.megatron.parallel_state import destroy_model_parallel
 
+    chunks = build_loaded_chunks(other_model, *layout)
+    assert len(chunks) == (layout[2] or 1)
+    MegatronCheckpointManager(chunks, checkpoint_config=WEIGHTS_ONLY).load_checkpoint(path)
+    got = dict(mcore_to_hf_named_tensors(chunks, saved_model.config))
+    want = hf_state_dict(saved_model)
+    assert sorted(got) == sorted(want)
+    for name, tensor in got.items():
+        assert torch.equal(tensor, want[name]), f"{name} {what}"
+    destroy_model_parallel()
+
+
+def _save_tp2_load_elsewhere(rank, world_size, path):
     saved_model = tiny_hf_model("qwen2", num_layers=2, seed=0)
     other_model = tiny_hf_model("qwen2", num_layers=2, seed=5)  # different weights, overwritten by the load
-    weights_only = {"save_contents": ["model"]}
-    chunks = build_loaded_chunks(saved_model, tp=2)
-    MegatronCheckpointManager(chunks, checkpoint_config=weights_only).save_checkpoint(path)
-    want = hf_state_dict(saved_model)
+    _save_weights(saved_model, path, (2, 1, None))
     for tp, pp in ((1, 1), (1, 2)):
-        destroy_model_parallel()
-        chunks = build_loaded_chunks(other_model, tp=tp, pp=pp)
-        MegatronCheckpointManager(chunks, checkpoint_config=weights_only).load_checkpoint(path)
-        got = dict(mcore_to_hf_named_tensors(chunks, saved_model.config))
-        assert sorted(got) == sorted(want)
-        for name, tensor in got.items():
-            assert torch.equal(tensor, want[name]), f"{name} at tp={tp}, pp={pp}"
-    destroy_model_parallel()
+        _check_loads_bit_exactly(path, other_model, saved_model, (tp, pp, None), f"at tp={tp}, pp={pp}")
 
 
 def test_weights_saved_at_tp2_load_bit_exactly_at_tp1_and_pp2(tmp_path):
@@ -151,29 +168,14 @@ def test_weights_saved_at_tp2_load_bit_exactly_at_tp1_and_pp2(tmp_path):
 def _virtual_pipeline_round_trip(rank, world_size, path):
     """Weights saved with two virtual stages per rank (4 layers: ranks hold layers {0, 2} and {1, 3})
     load at pp=1, and a pp=1 checkpoint loads back into the interleaved chunks."""
-    from verl.models.mcore import mcore_to_hf_named_tensors
-    from verl.utils.checkpoint.megatron_checkpoint_manager import MegatronCheckpointManager
-    from verl.utils.megatron.parallel_state import destroy_model_parallel
-
     first = tiny_hf_model("llama", tie_word_embeddings=False, num_layers=4, seed=0)
     second = tiny_hf_model("llama", tie_word_embeddings=False, num_layers=4, seed=7)
-    weights_only = {"save_contents": ["model"]}
     for saved, other, save_at, load_at in (
         (first, second, (1, 2, 2), (1, 1, None)),
         (second, first, (1, 1, None), (1, 2, 2)),
     ):
-        chunks = build_loaded_chunks(saved, *save_at)
-        MegatronCheckpointManager(chunks, checkpoint_config=weights_only).save_checkpoint(path)
-        destroy_model_parallel()
-        chunks = build_loaded_chunks(other, *load_at)
-        assert len(chunks) == (load_at[2] or 1)
-        MegatronCheckpointManager(chunks, checkpoint_config=weights_only).load_checkpoint(path)
-        got = dict(mcore_to_hf_named_tensors(chunks, saved.config))
-        want = hf_state_dict(saved)
-        assert sorted(got) == sorted(want)
-        for name, tensor in got.items():
-            assert torch.equal(tensor, want[name]), f"{name} saved at {save_at}, loaded at {load_at}"
-        destroy_model_parallel()
+        _save_weights(saved, path, save_at)
+        _check_loads_bit_exactly(path, other, saved, load_at, f"saved at {save_at}, loaded at {load_at}")
 
 
 def test_virtual_pipeline_checkpoint_loads_bit_exactly_without_it_and_back(tmp_path):

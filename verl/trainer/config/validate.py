@@ -593,16 +593,12 @@ def _check_megatron(c: dict, errors: list[str]):
         sections.append(("critic", c["critic"]))
     if rm_meg:
         sections.append(("reward_model", c["reward_model"]))
-    layouts = {
-        name: (
-            section["megatron"]["tensor_model_parallel_size"],
-            section["megatron"]["pipeline_model_parallel_size"],
-            section["megatron"]["virtual_pipeline_model_parallel_size"]
-            if (section["megatron"]["virtual_pipeline_model_parallel_size"] or 1) > 1
-            else None,
-        )
-        for name, section in sections
-    }
+
+    def layout(m: dict) -> tuple:
+        vpp = m["virtual_pipeline_model_parallel_size"]
+        return m["tensor_model_parallel_size"], m["pipeline_model_parallel_size"], vpp if (vpp or 1) > 1 else None
+
+    layouts = {name: layout(section["megatron"]) for name, section in sections}
     if len(set(layouts.values())) > 1:
         listed = ", ".join(f"{name}.megatron (tp, pp, vpp)={layout}" for name, layout in layouts.items())
         errors.append(

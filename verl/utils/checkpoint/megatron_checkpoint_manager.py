@@ -130,16 +130,17 @@ def _moment_sharded_state(chunks, optimizer) -> dict:
     parameter not stepped yet, or whose state another data-parallel rank owns, without touching the
     optimizer's state). With the state sharded over data-parallel ranks, each moment is written by
     its owner."""
-    from verl.utils.optim import local_optimizer, owns_state
+    from verl.utils.optim import local_optimizer
 
     local = local_optimizer(optimizer)
-    sharded = local is not optimizer
+    # with sharded state, the local optimizer holds exactly the parameters this rank owns
+    owned = {id(p) for group in local.param_groups for p in group["params"]} if local is not optimizer else None
     out = {}
     for param, name, entry in _chunk_param_keys(chunks, optimizer):
         state = local.state.get(param, {})
         extra = {}
-        if sharded:
-            extra["replica_id"] = _owner_replica_id(entry.replica_id, owns_state(optimizer, param))
+        if owned is not None:
+            extra["replica_id"] = _owner_replica_id(entry.replica_id, id(param) in owned)
         for moment in _MOMENTS:
             data = state[moment] if moment in state else torch.zeros_like(param)
             out[f"optimizer.{moment}.{name}"] = dataclasses.replace(
@@ -282,11 +283,8 @@ class MegatronCheckpointManager(BaseCheckpointManager):
             loaded = dist_checkpointing.load(sharded, ckpt)
             if want_model:
                 model_state = {k: v for k, v in loaded.items() if not k.startswith("optimizer.")}
-                states = (
-                    [model_state]
-                    if len(self.chunks) == 1
-                    else [model_state[f"model{i}"] for i in range(len(self.chunks))]
-                )
+                prefixes = _chunk_prefixes(self.chunks)
+                states = [model_state[p[:-1]] if p else model_state for p in prefixes]
                 for chunk, state in zip(self.chunks, states):
                     result = chunk.load_state_dict(state, strict=False)
                     missing = [k for k in result.missing_keys if not k.endswith("_extra_state")]
