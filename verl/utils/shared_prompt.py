@@ -11,6 +11,10 @@ is split in two calls of the same module:
 2. response pass: the cache's keys/values are expanded to the B rows with `index_select` by the
    group index, and the response columns run on top of them with the full [prompt + response]
    attention mask and explicit position ids. Logits of response column j predict token j + 1.
+   When responses are mostly padding (short answers of varying length, GRPO's common case), the
+   response pass is packed instead (`packed_response_layout`): each group's responses without
+   their padding run end to end in one row on the group's own prompt cache (no expansion), with
+   a 4D mask in which each token sees its group's prompt and its own response's earlier tokens.
 
 Why this is exact: the prompt pass sees exactly the prompt columns (with their mask and positions)
 each row would see in the joint forward, and the response pass attends to the same keys/values,
@@ -27,9 +31,11 @@ the caller decides collectively (see `DataParallelPPOActor`).
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
-__all__ = ["prompt_groups", "shared_prompt_logits"]
+__all__ = ["PackedResponses", "packed_response_layout", "prompt_groups", "shared_prompt_logits"]
 
 
 def prompt_groups(
@@ -62,13 +68,17 @@ def shared_prompt_logits(
     start: int,
     kept: int,
     accepts_logits_to_keep: bool,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """(logits [B, V] predicting response token 0, logits [B, kept - 1, V] predicting tokens 1..kept-1).
+    attn_implementation: str | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, PackedResponses | None]:
+    """(first, rest, layout): the logits that predict each response token.
 
-    `start` is the first column holding a token in any row and `kept` the number of response
-    columns kept (see `verl.workers.dp_training.token_window`). The response pass always runs,
-    on at least one column, so every call makes exactly two forward calls (see the module
-    docstring on FSDP2).
+    `first` [B, V] predicts response token 0. With `layout` None, `rest` [B, kept - 1, V] predicts
+    tokens 1..kept-1 (the padded response pass); otherwise `rest` is [U, width, V] in the packed
+    layout that `layout` describes (see `packed_response_layout`). `start` is the first column
+    holding a token in any row and `kept` the number of response columns kept (see
+    `verl.workers.dp_training.token_window`); `attn_implementation` is the model's (the packed pass
+    needs "sdpa" or "eager"). The response pass always runs, on at least one position, so every
+    call makes exactly two forward calls (see the module docstring on FSDP2).
     """
     from transformers import DynamicCache
 
@@ -98,6 +108,35 @@ def shared_prompt_logits(
     # response column j's logits predict token j + 1: the last kept column needs no forward
     # (unless it is the only one: the second call must still happen, see above)
     num_cols = max(kept - 1, 1)
+    layout = packed_response_layout(
+        attention_mask[:, prompt_end:],
+        inverse,
+        len(first_rows),
+        prompt_width=prompt_end - start,
+        padded_positions=len(inverse) * num_cols,
+        attn_implementation=attn_implementation,
+    )
+    if layout is not None:
+        return (
+            first_logits,
+            _packed_response_pass(
+                module,
+                input_ids,
+                position_ids,
+                attention_mask[first_rows, prompt_cols],
+                prompt_cache,
+                prompt_end,
+                layout,
+                additive_mask=attn_implementation == "eager",
+            ),
+            layout,
+        )
+    # a new cache over the B rows; index_select keeps autograd (backward sums over each group)
+    expanded = DynamicCache(
+        ddp_cache_data=[
+            (keys.index_select(0, inverse), values.index_select(0, inverse)) for keys, values, *_ in prompt_cache
+        ]
+    )
     response_cols = slice(prompt_end, prompt_end + num_cols)
     response_out = module(
         input_ids=input_ids[:, response_cols],
@@ -106,4 +145,99 @@ def shared_prompt_logits(
         past_key_values=expanded,
         use_cache=True,
     )
-    return first_logits, response_out.logits[:, : kept - 1, :]
+    return first_logits, response_out.logits[:, : kept - 1, :], None
+
+
+@dataclass
+class PackedResponses:
+    """Where the response pass of the packed layout put each response token it predicts.
+
+    Group g's rows are laid end to end in row g of the pass (`width` slots); token k of the N
+    predicted ones is response column `col[k]` (>= 1) of row `row[k]`, predicted by the logits at
+    (`group[k]`, `slot[k]`); its input token is response column `col[k] - 1` of that row.
+    """
+
+    row: torch.Tensor
+    col: torch.Tensor
+    group: torch.Tensor
+    slot: torch.Tensor
+    num_groups: int
+    width: int
+
+
+def packed_response_layout(
+    response_attention: torch.Tensor,
+    inverse: torch.Tensor,
+    num_groups: int,
+    prompt_width: int,
+    padded_positions: int,
+    attn_implementation: str | None,
+) -> PackedResponses | None:
+    """The packed layout of the response pass, or None when the padded one is cheaper or needed.
+
+    Packed: each group's responses, without their padding, end to end in one row on top of the
+    group's own (unexpanded) prompt cache, with a 4D mask that lets a token see its group's prompt
+    and the earlier tokens of its own response. Only tokens that predict a response token run, so
+    the pass costs the responses' real lengths instead of B x the longest (GRPO on short answers:
+    mostly padding), and the prompt cache is not copied to every row. Taken when it is the cheaper
+    of the two (positions run, plus the cache copy of the padded pass), its mask stays under
+    `PACKED_MASK_BUDGET` elements, the attention is SDPA or eager (the two that take an explicit 4D
+    mask) and every response's mask is a prefix (right padding).
+    """
+    if attn_implementation not in ("sdpa", "eager"):
+        return None
+    mask = response_attention.bool()
+    lengths = mask.sum(dim=1)
+    columns = torch.arange(mask.shape[1], device=mask.device)
+    if not bool((mask == (columns[None, :] < lengths[:, None])).all()):
+        return None
+    inputs = (lengths - 1).clamp(min=0)  # the last real token predicts nothing
+    totals = torch.zeros(num_groups, dtype=inputs.dtype, device=inputs.device).index_add_(0, inverse, inputs)
+    width = max(int(totals.max()), 1)
+    # the padded pass also copies the prompt cache to every row (and sums it back in backward):
+    # counted as a quarter of a position per copied cache position (measured on the CPU example,
+    # 96 rows of 3-4 response tokens in 12 groups: 360 packed positions ran 1.2x faster than 288
+    # padded ones)
+    if num_groups * width > padded_positions + len(inverse) * prompt_width // 4:
+        return None
+    if num_groups * width * (prompt_width + width) > PACKED_MASK_BUDGET:
+        return None
+    order = torch.argsort(inverse, stable=True)
+    counts = inputs[order]
+    first_token = torch.cumsum(counts, 0) - counts  # of each row (in `order`) among all N tokens
+    group_first = torch.cumsum(totals, 0) - totals  # of each group among all N tokens
+    row = torch.repeat_interleave(order, counts)
+    col_in = torch.arange(len(row), device=row.device) - torch.repeat_interleave(first_token, counts)
+    group = inverse[row]
+    slot = torch.repeat_interleave(first_token, counts) - group_first[group] + col_in
+    return PackedResponses(row=row, col=col_in + 1, group=group, slot=slot, num_groups=num_groups, width=width)
+
+
+# at most this many mask elements (bool under SDPA: bytes) for the packed response pass
+PACKED_MASK_BUDGET = 1 << 25
+
+
+def _packed_response_pass(
+    module, input_ids, position_ids, prompt_mask, prompt_cache, prompt_end, layout, additive_mask: bool
+):
+    """Logits [U, width, V] of the packed response pass (see `packed_response_layout`)."""
+    from transformers import DynamicCache
+
+    num_groups, width, device = layout.num_groups, layout.width, input_ids.device
+    at = (layout.group, layout.slot)
+    source = (layout.row, prompt_end + layout.col - 1)
+    ids = torch.zeros((num_groups, width), dtype=input_ids.dtype, device=device).index_put(at, input_ids[source])
+    positions = torch.zeros((num_groups, width), dtype=position_ids.dtype, device=device)
+    positions = positions.index_put(at, position_ids[source])
+    # a slot sees the slots of its own row up to itself; a padding slot sees only itself
+    owner = -1 - torch.arange(width, device=device).expand(num_groups, width)
+    owner = owner.index_put(at, layout.row)
+    col = torch.zeros((num_groups, width), dtype=layout.col.dtype, device=device).index_put(at, layout.col)
+    own = (owner[:, :, None] == owner[:, None, :]) & (col[:, None, :] <= col[:, :, None])
+    prompt_part = prompt_mask.bool()[:, None, :].expand(num_groups, width, prompt_mask.shape[1])
+    mask = torch.cat([prompt_part, own], dim=-1)[:, None]
+    if additive_mask:  # eager attention adds the mask to the scores
+        mask = torch.zeros(mask.shape, device=device).masked_fill_(~mask, torch.finfo(torch.float32).min)
+    cache = DynamicCache(ddp_cache_data=[(keys, values) for keys, values, *_ in prompt_cache])
+    out = module(input_ids=ids, attention_mask=mask, position_ids=positions, past_key_values=cache, use_cache=True)
+    return out.logits

@@ -11,7 +11,8 @@ multiplied by
 where `n` counts what the aggregation mode averages over: valid tokens for `token-mean`,
 non-empty responses for `seq-mean-token-sum` / `seq-mean-token-mean`, responses for
 `seq-mean-token-sum-norm` (see `core_algos.agg_loss`). `n_global` is summed over the ranks with
-one all-reduce per mini-batch, and `dp_size` undoes FSDP's averaging of gradients over ranks.
+one all-reduce per mini-batch, and `dp_size` undoes the averaging of gradients over ranks (FSDP's,
+or `average_replica_gradients` for a module marked with `replicate_over_ranks`).
 Upstream verl weights micro-batches by sample count, which makes token-mean depend on the split;
 here dynamic and fixed micro-batches give the same gradients (a test checks it).
 """
@@ -30,8 +31,10 @@ __all__ = [
     "append_to_dict",
     "clip_grad_and_step",
     "config_to_dict",
+    "average_replica_gradients",
     "dp_group_and_size",
     "loss_normaliser",
+    "replicate_over_ranks",
     "response_mask_of",
     "split_micro_batches",
 ]
@@ -112,14 +115,69 @@ def loss_normaliser(response_mask: torch.Tensor, loss_agg_mode: str) -> torch.Te
     return n.to(torch.float64)
 
 
+@dataclasses.dataclass(frozen=True)
+class _Replicas:
+    group: object  # the process group (None: the default group)
+    size: int
+
+
+_REPLICAS_ATTR = "_verl_replicas"
+
+
+def replicate_over_ranks(module: torch.nn.Module, group=None) -> torch.nn.Module:
+    """Mark a plain (not FSDP) `module` as one full replica per rank of `group` (default: all ranks).
+
+    Data-parallel training without FSDP: every rank holds the whole model and trains on its own
+    samples, and `clip_grad_and_step` averages the gradients over the ranks with one all-reduce of
+    one flat buffer before clipping (`average_replica_gradients`). For models whose whole training
+    state fits every rank, this skips FSDP2's per-layer hooks, per-layer collectives and DTensor
+    dispatch (see `verl.workers.fsdp_workers.REPLICATE_BELOW_PARAMS`). Nothing about the module
+    changes: parameter names, `state_dict()` and the optimizer are those of the plain model.
+    Returns `module`.
+    """
+    size = dist.get_world_size(group) if dist.is_available() and dist.is_initialized() else 1
+    object.__setattr__(module, _REPLICAS_ATTR, _Replicas(group, size))
+    return module
+
+
+@torch.no_grad()
+def average_replica_gradients(module: torch.nn.Module) -> None:
+    """Average the gradients of a `replicate_over_ranks` module over its ranks (a no-op otherwise).
+
+    One all-reduce per dtype over a flat buffer of every trainable parameter's gradient; a
+    parameter without a gradient on this rank counts as zero (its `.grad` is then set), so ranks
+    whose forward passes touched different parameters still send buffers of the same layout.
+    """
+    replicas = getattr(module, _REPLICAS_ATTR, None)
+    if replicas is None or replicas.size <= 1:
+        return
+    by_dtype: dict[torch.dtype, list[torch.nn.Parameter]] = {}
+    for param in module.parameters():
+        if param.requires_grad:
+            by_dtype.setdefault(param.dtype, []).append(param)
+    for params in by_dtype.values():
+        flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in params])
+        dist.all_reduce(flat, group=replicas.group)
+        flat.div_(replicas.size)
+        for param, chunk in zip(params, flat.split([p.numel() for p in params])):
+            if param.grad is None:
+                param.grad = chunk.view_as(param).clone()
+            else:
+                param.grad.copy_(chunk.view_as(param))
+
+
 def dp_group_and_size(module: torch.nn.Module):
     """(process group, size) over which gradients of `module` are averaged.
 
-    FSDP2 modules average over their whole device mesh (both dimensions under HSDP); a plain
-    module has no gradient sync, so each process is its own group of one.
+    FSDP2 modules average over their whole device mesh (both dimensions under HSDP); a module
+    marked with `replicate_over_ranks` over its group; any other plain module has no gradient
+    sync, so each process is its own group of one.
     """
     from torch.distributed.tensor import DTensor
 
+    replicas = getattr(module, _REPLICAS_ATTR, None)
+    if replicas is not None:
+        return replicas.group, replicas.size
     param = next(module.parameters(), None)
     if not isinstance(param, DTensor):
         return None, 1
@@ -166,6 +224,7 @@ def clip_grad_and_step(module: torch.nn.Module, optimizer: torch.optim.Optimizer
     from verl.utils.fsdp_utils import fsdp2_clip_grad_norm_
 
     max_norm = float("inf") if grad_clip is None else float(grad_clip)
+    average_replica_gradients(module)
     if isinstance(module, FSDPModule):
         grad_norm = fsdp2_clip_grad_norm_(module.parameters(), max_norm=max_norm)
     else:

@@ -18,6 +18,7 @@ import copy
 import pytest
 import torch
 
+import verl.utils.shared_prompt as shared_prompt_module
 import verl.workers.actor.dp_actor as dp_actor_module
 from tests.distributed_helpers import (
     make_ppo_batch,
@@ -115,6 +116,22 @@ def shared_calls(monkeypatch):
     return calls
 
 
+@pytest.fixture(params=["packed", "padded"])
+def response_layout(request, monkeypatch):
+    """Runs the test with the response pass in one layout; yields the list of layouts taken."""
+    taken = []
+    original = shared_prompt_module.packed_response_layout
+
+    def choose(*args, **kwargs):
+        layout = original(*args, **kwargs) if request.param == "packed" else None
+        taken.append("padded" if layout is None else "packed")
+        return layout
+
+    monkeypatch.setattr(shared_prompt_module, "packed_response_layout", choose)
+    yield taken
+    assert taken and set(taken) == {request.param}, f"expected the {request.param} layout, took {taken}"
+
+
 def sgd_update_delta(config, data: DataProto, model=None) -> dict[str, torch.Tensor]:
     model = model or make_tiny_causal_lm()
     actor = DataParallelPPOActor(config, model, torch.optim.SGD(model.parameters(), lr=1.0))
@@ -133,7 +150,7 @@ def test_prompt_groups_match_rows_with_equal_real_prompt_tokens():
 
 
 @pytest.mark.parametrize("micro_batch", [{"micro_batch_size": 12}, {"use_dynamic_bsz": True, "max_token_len": 48}])
-def test_log_probs_and_entropy_equal_per_sequence_references(shared_calls, micro_batch):
+def test_log_probs_and_entropy_equal_per_sequence_references(shared_calls, response_layout, micro_batch):
     data = repeated_prompt_batch()
     model = make_tiny_causal_lm()
     expected_lp, expected_ent = reference_response_log_probs(model, data.batch, TEMPERATURE)
@@ -159,7 +176,7 @@ def test_single_response_column_is_predicted_by_the_prompt_pass_alone(shared_cal
 
 
 @pytest.mark.parametrize("loss_agg_mode", ["token-mean", "seq-mean-token-sum-norm"])
-def test_update_equals_the_per_sample_forward_update(shared_calls, float64_rms_norm, loss_agg_mode):
+def test_update_equals_the_per_sample_forward_update(shared_calls, float64_rms_norm, response_layout, loss_agg_mode):
     data = repeated_prompt_batch(seed=2)
     config = actor_config(loss_agg_mode=loss_agg_mode, ppo_micro_batch_size_per_gpu=6)
     shared = sgd_update_delta(config, data)
@@ -171,7 +188,7 @@ def test_update_equals_the_per_sample_forward_update(shared_calls, float64_rms_n
         torch.testing.assert_close(shared[name], plain[name], atol=1e-11, rtol=1e-9, msg=name)
 
 
-def test_update_with_the_stock_float32_rms_norm_differs_only_by_float32_rounding(shared_calls):
+def test_update_with_the_stock_float32_rms_norm_differs_only_by_float32_rounding(shared_calls, response_layout):
     data = repeated_prompt_batch(seed=2)
     shared = sgd_update_delta(actor_config(), data)
     plain = sgd_update_delta(actor_config(share_prompt_forward=False), data)
@@ -239,3 +256,64 @@ def _two_rank_shared_update(rank, world_size):
 
 def test_fsdp2_shared_update_on_two_ranks_equals_the_single_process_plain_update():
     run_distributed(_two_rank_shared_update, 2)
+
+
+# ---------------------------------------------------------------------------------------- packed layout
+
+
+def test_packed_layout_places_each_groups_responses_end_to_end():
+    # rows 0 and 2 share a prompt (group 0), row 1 is group 1; real response lengths 3, 2, 1
+    attention = torch.tensor([[1, 1, 1, 0], [1, 1, 0, 0], [1, 0, 0, 0]])
+    inverse = torch.tensor([0, 1, 0])
+    layout = shared_prompt_module.packed_response_layout(
+        attention, inverse, 2, prompt_width=4, padded_positions=12, attn_implementation="sdpa"
+    )
+    # inputs: row 0 columns 0, 1 (predicting 1, 2); row 1 column 0 (predicting 1); row 2 none
+    assert layout.row.tolist() == [0, 0, 1]
+    assert layout.col.tolist() == [1, 2, 1]
+    assert layout.group.tolist() == [0, 0, 1]
+    assert layout.slot.tolist() == [0, 1, 0]
+    assert (layout.num_groups, layout.width) == (2, 2)
+
+
+def test_packed_layout_is_declined_when_it_does_not_pay_or_cannot_be_masked():
+    attention = torch.tensor([[1, 1, 1, 1], [1, 1, 1, 0]])
+    inverse = torch.tensor([0, 1])
+    layout = shared_prompt_module.packed_response_layout
+    kwargs = {"prompt_width": 4, "attn_implementation": "sdpa"}
+    # 2 groups x 3 positions against 2 rows x 2 columns: packing pays only when the padded pass
+    # also copies a long enough prompt cache (a quarter position per copied cache position)
+    assert layout(attention, inverse, 2, padded_positions=4, prompt_width=0, attn_implementation="sdpa") is None
+    assert layout(attention, inverse, 2, padded_positions=4, prompt_width=3, attn_implementation="sdpa") is None
+    assert layout(attention, inverse, 2, padded_positions=4, prompt_width=4, attn_implementation="sdpa") is not None
+    # a response mask with a hole (not right padding) keeps the padded pass
+    holed = torch.tensor([[1, 0, 1, 0], [1, 0, 0, 0]])
+    assert layout(holed, torch.tensor([0, 0]), 1, padded_positions=100, **kwargs) is None
+    # flash attention takes no 4D mask
+    assert (
+        layout(
+            attention,
+            torch.tensor([0, 0]),
+            1,
+            prompt_width=4,
+            padded_positions=100,
+            attn_implementation="flash_attention_2",
+        )
+        is None
+    )
+    assert layout(attention, torch.tensor([0, 0]), 1, padded_positions=100, **kwargs) is not None
+
+
+def test_packed_layout_with_eager_attention_equals_per_sequence_references(shared_calls, response_layout):
+    # float32: HF's eager attention takes the softmax in float32, where a float64 model's padding rows
+    # (all keys masked with float64's minimum) become NaN whatever the layout
+    data = repeated_prompt_batch(seed=6)
+    model = make_tiny_causal_lm(dtype=torch.float32)
+    model.config._attn_implementation = "eager"
+    expected_lp, expected_ent = reference_response_log_probs(make_tiny_causal_lm(), data.batch, TEMPERATURE)
+    data.meta_info["micro_batch_size"] = 12
+    log_probs, entropy = DataParallelPPOActor(actor_config(), model).compute_log_prob(data, calculate_entropy=True)
+    assert shared_calls == [12]
+    mask = data.batch["response_mask"].bool()
+    torch.testing.assert_close(log_probs[mask].double(), expected_lp[mask], atol=2e-5, rtol=0)
+    torch.testing.assert_close(entropy[mask].double(), expected_ent[mask], atol=2e-5, rtol=0)

@@ -152,6 +152,7 @@ class DataParallelPPOActor(BasePPOActor):
         forward_params = inspect.signature(hf_module.forward).parameters
         self._accepts_logits_to_keep = "logits_to_keep" in forward_params
         self._hf_module = hf_module
+        self._attn_implementation = getattr(getattr(hf_module, "config", None), "_attn_implementation", None)
         # the shared-prompt path needs a KV cache and the padded layout (see `_share_prompts`)
         self.share_prompt_forward = (
             bool(cfg.get("share_prompt_forward", True))
@@ -199,7 +200,7 @@ class DataParallelPPOActor(BasePPOActor):
         start, end, kept = token_window(micro_batch["attention_mask"], response_length)
         groups = self._share_prompts(micro_batch, response_length)
         if groups is not None:
-            first_logits, rest_logits = shared_prompt_logits(
+            first_logits, rest_logits, packed = shared_prompt_logits(
                 self.actor_module,
                 input_ids,
                 micro_batch["attention_mask"],
@@ -209,7 +210,12 @@ class DataParallelPPOActor(BasePPOActor):
                 start=start,
                 kept=kept,
                 accepts_logits_to_keep=self._accepts_logits_to_keep,
+                attn_implementation=self._attn_implementation,
             )
+            if packed is not None:
+                return self._packed_response_outputs(
+                    first_logits, rest_logits, packed, micro_batch["responses"], temperature, calculate_entropy
+                )
             return self._response_outputs(
                 [first_logits[:, None, :], rest_logits], micro_batch["responses"], temperature, calculate_entropy
             )
@@ -245,6 +251,32 @@ class DataParallelPPOActor(BasePPOActor):
         if not calculate_entropy:
             return None, log_probs
         return pad_response_columns(torch.cat(entropy, dim=1), response_length), log_probs
+
+    @staticmethod
+    def _packed_response_outputs(first_logits, rest_logits, packed, responses, temperature: float, calculate_entropy):
+        """(entropy or None, log_probs), both [B, R], from the shared-prompt pass's packed layout
+        (`first_logits` [B, V], `rest_logits` [U, width, V]; see `verl.utils.shared_prompt`).
+        Response columns the packed pass does not predict (padding) are 0."""
+        batch_size, response_length = responses.shape
+        first_logits.div_(temperature)
+        rest_logits.div_(temperature)
+        at = (packed.group, packed.slot)
+        labels = torch.zeros(rest_logits.shape[:2], dtype=torch.long, device=responses.device)
+        labels = labels.index_put(at, responses[packed.row, packed.col].long())
+        rows = torch.cat([torch.arange(batch_size, device=responses.device), packed.row])
+        cols = torch.cat([packed.col.new_zeros(batch_size), packed.col])
+
+        def place(first, rest):
+            values = torch.cat([first, rest[at]])
+            return values.new_zeros((batch_size, response_length)).index_put((rows, cols), values)
+
+        log_probs = place(
+            logprobs_from_logits(first_logits, responses[:, 0]), logprobs_from_logits(rest_logits, labels)
+        )
+        if not calculate_entropy:
+            return None, log_probs
+        entropy = place(entropy_from_logits_with_chunking(first_logits), entropy_from_logits_with_chunking(rest_logits))
+        return entropy, log_probs
 
     def _share_prompts(self, micro_batch, response_length: int):
         """(first_rows, inverse) when this micro-batch takes the shared-prompt path, else None.

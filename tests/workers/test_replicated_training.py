@@ -1,0 +1,165 @@
+"""Plain data-parallel replicas (`replicate_over_ranks`): small models train without FSDP2.
+
+On 2 gloo ranks, a PPO update of replicas equals the single-process update on the whole batch;
+gradients missing on one rank count as zero; replica checkpoints load into an FSDP2-sharded model
+(and back) exactly; the worker picks replicas only where FSDP2 would not change the computation.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from tests.distributed_helpers import make_ppo_batch, make_tiny_causal_lm, one_thread, run_distributed
+from verl.protocol import DataProto
+from verl.utils.checkpoint.fsdp_checkpoint_manager import FSDPCheckpointManager
+from verl.utils.fsdp_utils import apply_fsdp2, iter_full_params
+from verl.workers.actor import DataParallelPPOActor
+from verl.workers.dp_training import average_replica_gradients, dp_group_and_size, replicate_over_ranks
+
+pytestmark = pytest.mark.usefixtures(one_thread.__name__)
+
+TEMPERATURE = 0.9
+
+
+def ppo_data(seed: int, batch_size: int = 6) -> DataProto:
+    batch = make_ppo_batch(batch_size=batch_size, seed=seed, response_lengths=[5, 2, 4, 1, 3, 5][:batch_size])
+    g = torch.Generator().manual_seed(seed)
+    mask = batch["response_mask"].double()
+    batch["old_log_probs"] = -torch.rand(batch["responses"].shape, generator=g, dtype=torch.float64) * mask
+    batch["advantages"] = torch.randn(batch_size, 1, generator=g, dtype=torch.float64) * mask
+    return DataProto(batch=batch, meta_info={"temperature": TEMPERATURE})
+
+
+def actor_config(mini_batch_size: int) -> dict:
+    return {
+        "ppo_mini_batch_size": mini_batch_size,
+        "ppo_micro_batch_size_per_gpu": 2,
+        "ppo_epochs": 1,
+        "grad_clip": 1.0,
+        "clip_ratio": 0.2,
+        "loss_agg_mode": "token-mean",
+        "entropy_coeff": 0.0,
+    }
+
+
+def _replica_update(rank, world_size):
+    model = replicate_over_ranks(make_tiny_causal_lm())
+    assert dp_group_and_size(model) == (None, 2)
+    parts = [ppo_data(seed=0), ppo_data(seed=1)]
+    actor = DataParallelPPOActor(actor_config(6), model, torch.optim.AdamW(model.parameters(), lr=1e-2))
+    metrics = actor.update_policy(parts[rank])
+
+    single = make_tiny_causal_lm()
+    reference = DataParallelPPOActor(actor_config(12), single, torch.optim.AdamW(single.parameters(), lr=1e-2))
+    expected = reference.update_policy(DataProto.concat(parts))
+    # the gradient norm is the one of the whole batch's gradient, on both ranks
+    assert metrics["actor/grad_norm"] == pytest.approx(expected["actor/grad_norm"], rel=1e-9)
+    for name, tensor in single.state_dict().items():
+        torch.testing.assert_close(model.state_dict()[name], tensor, atol=1e-12, rtol=1e-10, msg=name)
+
+
+def test_replica_update_on_two_ranks_equals_the_single_process_update():
+    run_distributed(_replica_update, 2)
+
+
+def _missing_gradients(rank, world_size):
+    model = replicate_over_ranks(torch.nn.Linear(2, 3).double())
+    if rank == 1:  # rank 0 never used the model: no .grad at all
+        model.weight.grad = torch.full((3, 2), 4.0, dtype=torch.float64)
+        model.bias.grad = torch.tensor([2.0, 4.0, 6.0], dtype=torch.float64)
+    average_replica_gradients(model)
+    assert torch.equal(model.weight.grad, torch.full((3, 2), 2.0, dtype=torch.float64))
+    assert torch.equal(model.bias.grad, torch.tensor([1.0, 2.0, 3.0], dtype=torch.float64))
+
+
+def test_gradients_missing_on_one_rank_count_as_zero():
+    run_distributed(_missing_gradients, 2)
+
+
+def _train_one_step(model, optimizer, seed):
+    batch = make_ppo_batch(batch_size=4, seed=seed)
+    model(input_ids=batch["input_ids"], use_cache=False).logits.square().mean().backward()
+    average_replica_gradients(model)
+    optimizer.step()
+    optimizer.zero_grad()
+
+
+def _full_state(model, optimizer):
+    params = {name: tensor.clone() for name, tensor in iter_full_params(model)}
+    moments = {}
+    for name, param in model.named_parameters():
+        for key, value in optimizer.state[param].items():
+            moments[name, key] = value.full_tensor() if hasattr(value, "full_tensor") else value.clone()
+    return params, moments
+
+
+def _replica_checkpoint_loads_sharded(rank, world_size, root):
+    replica = replicate_over_ranks(make_tiny_causal_lm())
+    optimizer = torch.optim.AdamW(replica.parameters(), lr=1e-2)
+    _train_one_step(replica, optimizer, seed=rank)
+    path = os.path.join(root, "global_step_1", "actor")
+    FSDPCheckpointManager(
+        replica, optimizer, checkpoint_config={"save_contents": ["model", "optimizer"]}
+    ).save_checkpoint(path, global_step=1)
+    saved = _full_state(replica, optimizer)
+    # both ranks hold the same replica after the averaged step
+    gathered = [None, None]
+    dist.all_gather_object(gathered, saved[0]["model.embed_tokens.weight"])
+    assert torch.equal(gathered[0], gathered[1])
+
+    sharded = apply_fsdp2(make_tiny_causal_lm(seed=1))
+    sharded_optimizer = torch.optim.AdamW(sharded.parameters(), lr=1e-2)
+    _train_one_step(sharded, sharded_optimizer, seed=5)  # state to overwrite
+    FSDPCheckpointManager(
+        sharded, sharded_optimizer, checkpoint_config={"load_contents": ["model", "optimizer"]}
+    ).load_checkpoint(path)
+    loaded = _full_state(sharded, sharded_optimizer)
+    assert saved[0].keys() == loaded[0].keys() and saved[1].keys() == loaded[1].keys()
+    for key in saved[0]:
+        assert torch.equal(saved[0][key], loaded[0][key]), key
+    for key in saved[1]:
+        assert torch.equal(saved[1][key], loaded[1][key]), key
+
+    # and back: the sharded model's next checkpoint loads into fresh replicas
+    _train_one_step(sharded, sharded_optimizer, seed=6)
+    path2 = os.path.join(root, "global_step_2", "actor")
+    FSDPCheckpointManager(
+        sharded, sharded_optimizer, checkpoint_config={"save_contents": ["model", "optimizer"]}
+    ).save_checkpoint(path2, global_step=2)
+    expected = _full_state(sharded, sharded_optimizer)
+    fresh = replicate_over_ranks(make_tiny_causal_lm(seed=2))
+    fresh_optimizer = torch.optim.AdamW(fresh.parameters(), lr=1e-2)
+    _train_one_step(fresh, fresh_optimizer, seed=7)
+    FSDPCheckpointManager(
+        fresh, fresh_optimizer, checkpoint_config={"load_contents": ["model", "optimizer"]}
+    ).load_checkpoint(path2)
+    reloaded = _full_state(fresh, fresh_optimizer)
+    for key in expected[0]:
+        assert torch.equal(expected[0][key], reloaded[0][key]), key
+    for key in expected[1]:
+        assert torch.equal(expected[1][key], reloaded[1][key]), key
+
+
+def test_replica_checkpoints_load_into_sharded_models_and_back(tmp_path):
+    run_distributed(_replica_checkpoint_loads_sharded, 2, str(tmp_path))
+
+
+def test_the_worker_replicates_only_small_models_whose_computation_fsdp_would_not_change():
+    from verl.workers.fsdp_workers import _trains_as_plain_replicas
+
+    model = make_tiny_causal_lm(dtype=torch.float32)
+    assert _trains_as_plain_replicas({"fsdp_size": -1}, model)
+    assert _trains_as_plain_replicas(None, model)
+    # an explicit layout, FSDP's CPU offload or a mixed-precision cast keep FSDP2
+    assert not _trains_as_plain_replicas({"fsdp_size": 1}, model)
+    assert not _trains_as_plain_replicas({"fsdp_size": -1, "offload_policy": True}, model)
+    assert not _trains_as_plain_replicas({"mixed_precision": {"param_dtype": "bf16"}}, model)
+    assert _trains_as_plain_replicas({"mixed_precision": {"param_dtype": "fp32"}}, model)
+    big = copy.deepcopy(model)
+    big.extra = torch.nn.Linear(4000, 4000)  # 16M parameters: sharded
+    assert not _trains_as_plain_replicas({}, big)
