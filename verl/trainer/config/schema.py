@@ -184,7 +184,8 @@ class FSDPConfig:
     )
     fsdp_size: int = doc(
         "Ranks per FSDP shard group (-1: all ranks, i.e. plain FSDP; a model under 16M parameters is then "
-        "replicated instead, as with 1: sharding it only adds collectives). 1 replicates the model on every rank."
+        "replicated instead: as plain per-rank replicas with one gradient all-reduce per step when FSDP2 would "
+        "not cast or offload it, else as with 1). 1 replicates the model on every rank under FSDP2 (HSDP)."
     )
     forward_prefetch: bool = doc("Prefetch the next layer's all-gather during forward.")
     model_dtype: str = doc("Dtype the trained (master) weights are kept in.", choices=MODEL_DTYPES)
