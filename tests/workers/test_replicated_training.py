@@ -104,9 +104,11 @@ def _replica_checkpoint_loads_sharded(rank, world_size, root):
     _train_one_step(replica, optimizer, seed=rank)
     path = os.path.join(root, "global_step_1", "actor")
     FSDPCheckpointManager(
-        replica, optimizer, checkpoint_config={"save_contents": ["model", "optimizer"]}
+        replica, optimizer, checkpoint_config={"save_contents": ["model", "optimizer", "hf_model"]}
     ).save_checkpoint(path, global_step=1)
     saved = _full_state(replica, optimizer)
+    if rank == 0:
+        torch.save(saved[0], os.path.join(root, "saved_params.pt"))
     # both ranks hold the same replica after the averaged step
     gathered = [None, None]
     dist.all_gather_object(gathered, saved[0]["model.embed_tokens.weight"])
@@ -146,7 +148,16 @@ def _replica_checkpoint_loads_sharded(rank, world_size, root):
 
 
 def test_replica_checkpoints_load_into_sharded_models_and_back(tmp_path):
+    from transformers import AutoModelForCausalLM
+
     run_distributed(_replica_checkpoint_loads_sharded, 2, str(tmp_path))
+    # the HF export of the replicas is the trained model
+    exported = AutoModelForCausalLM.from_pretrained(
+        tmp_path / "global_step_1" / "actor" / "huggingface", dtype=torch.float64
+    )
+    saved = torch.load(tmp_path / "saved_params.pt")
+    for name, tensor in exported.state_dict().items():
+        assert torch.equal(tensor, saved[name]), name
 
 
 def test_the_worker_replicates_only_small_models_whose_computation_fsdp_would_not_change():
