@@ -69,6 +69,7 @@ def shared_prompt_logits(
     kept: int,
     accepts_logits_to_keep: bool,
     attn_implementation: str | None = None,
+    layout: PackedResponses | None | str = "auto",
 ) -> tuple[torch.Tensor, torch.Tensor, PackedResponses | None]:
     """(first, rest, layout): the logits that predict each response token.
 
@@ -77,8 +78,10 @@ def shared_prompt_logits(
     layout that `layout` describes (see `packed_response_layout`). `start` is the first column
     holding a token in any row and `kept` the number of response columns kept (see
     `verl.workers.dp_training.token_window`); `attn_implementation` is the model's (the packed pass
-    needs "sdpa" or "eager"). The response pass always runs, on at least one position, so every
-    call makes exactly two forward calls (see the module docstring on FSDP2).
+    needs "sdpa" or "eager"). `layout` "auto" picks the cheaper layout (`packed_response_layout`);
+    a given layout (from `packed_response_layout` on the same batch) or None forces that one. The
+    response pass always runs, on at least one position, so every call makes exactly two forward
+    calls (see the module docstring on FSDP2).
     """
     from transformers import DynamicCache
 
@@ -108,14 +111,15 @@ def shared_prompt_logits(
     # response column j's logits predict token j + 1: the last kept column needs no forward
     # (unless it is the only one: the second call must still happen, see above)
     num_cols = max(kept - 1, 1)
-    layout = packed_response_layout(
-        attention_mask[:, prompt_end:],
-        inverse,
-        len(first_rows),
-        prompt_width=prompt_end - start,
-        padded_positions=len(inverse) * num_cols,
-        attn_implementation=attn_implementation,
-    )
+    if isinstance(layout, str):
+        layout = packed_response_layout(
+            attention_mask[:, prompt_end:],
+            inverse,
+            len(first_rows),
+            prompt_width=prompt_end - start,
+            padded_positions=len(inverse) * num_cols,
+            attn_implementation=attn_implementation,
+        )
     if layout is not None:
         return (
             first_logits,
@@ -170,7 +174,7 @@ def packed_response_layout(
     inverse: torch.Tensor,
     num_groups: int,
     prompt_width: int,
-    padded_positions: int,
+    padded_positions: int | None,
     attn_implementation: str | None,
 ) -> PackedResponses | None:
     """The packed layout of the response pass, or None when the padded one is cheaper or needed.
@@ -182,7 +186,8 @@ def packed_response_layout(
     mostly padding), and the prompt cache is not copied to every row. Taken when it is the cheaper
     of the two (positions run, plus the cache copy of the padded pass), its mask stays under
     `PACKED_MASK_BUDGET` elements, the attention is SDPA or eager (the two that take an explicit 4D
-    mask) and every response's mask is a prefix (right padding).
+    mask) and every response's mask is a prefix (right padding). `padded_positions` None skips the
+    cost comparison (for callers comparing with another path).
     """
     if attn_implementation not in ("sdpa", "eager"):
         return None
@@ -198,7 +203,7 @@ def packed_response_layout(
     # counted as a quarter of a position per copied cache position (measured on the CPU example,
     # 96 rows of 3-4 response tokens in 12 groups: 360 packed positions ran 1.2x faster than 288
     # padded ones)
-    if num_groups * width > padded_positions + len(inverse) * prompt_width // 4:
+    if padded_positions is not None and num_groups * width > padded_positions + len(inverse) * prompt_width // 4:
         return None
     if num_groups * width * (prompt_width + width) > PACKED_MASK_BUDGET:
         return None

@@ -197,15 +197,15 @@ def test_update_with_the_stock_float32_rms_norm_differs_only_by_float32_rounding
         torch.testing.assert_close(shared[name], plain[name], atol=1e-6 * float(plain[name].abs().max()), rtol=0)
 
 
-def test_distinct_prompts_remove_padding_and_gradient_checkpointing_take_the_plain_path(shared_calls):
+def test_distinct_prompts_and_gradient_checkpointing_take_the_plain_path(shared_calls):
     from verl.utils.model import enable_gradient_checkpointing
 
     distinct = repeated_prompt_batch(num_prompts=12, n=1, seed=3)
     distinct.meta_info["micro_batch_size"] = 12
     DataParallelPPOActor(actor_config(), make_tiny_causal_lm()).compute_log_prob(distinct)
+    DataParallelPPOActor(actor_config(use_remove_padding=True), make_tiny_causal_lm()).compute_log_prob(distinct)
     repeated = repeated_prompt_batch(seed=3)
     repeated.meta_info["micro_batch_size"] = 12
-    DataParallelPPOActor(actor_config(use_remove_padding=True), make_tiny_causal_lm()).compute_log_prob(repeated)
     DataParallelPPOActor(actor_config(share_prompt_forward=False), make_tiny_causal_lm()).compute_log_prob(repeated)
     assert shared_calls == []
     # HF drops the KV cache of checkpointed layers in training: the update runs the plain path
@@ -213,6 +213,31 @@ def test_distinct_prompts_remove_padding_and_gradient_checkpointing_take_the_pla
     enable_gradient_checkpointing(checkpointed)
     sgd_update_delta(actor_config(), repeated_prompt_batch(seed=3), checkpointed)
     assert shared_calls == []
+
+
+def test_remove_padding_shares_prompts_in_the_packed_layout_or_not_at_all(shared_calls, monkeypatch):
+    data = repeated_prompt_batch(seed=7)
+    data.meta_info["micro_batch_size"] = 12
+    model = make_tiny_causal_lm()
+    expected, _ = reference_response_log_probs(model, data.batch, TEMPERATURE)
+    mask = data.batch["response_mask"].bool()
+    taken = []
+    original = shared_prompt_module.packed_response_layout
+    monkeypatch.setattr(
+        shared_prompt_module,
+        "packed_response_layout",
+        lambda *a, **k: taken.append(k["padded_positions"]) or original(*a, **k),
+    )
+    actor = DataParallelPPOActor(actor_config(use_remove_padding=True), model)
+    log_probs, _ = actor.compute_log_prob(data)
+    # packed (no cost comparison: the remove-padding path would recompute each prompt per row)
+    assert shared_calls == [12] and taken == [None]
+    torch.testing.assert_close(log_probs[mask], expected[mask], atol=1e-12, rtol=0)
+    # a layout that cannot be packed (here: over the mask budget) runs the remove-padding path
+    monkeypatch.setattr(shared_prompt_module, "PACKED_MASK_BUDGET", 0)
+    log_probs, _ = actor.compute_log_prob(data)
+    assert shared_calls == [12]
+    torch.testing.assert_close(log_probs[mask], expected[mask], atol=1e-12, rtol=0)
 
 
 # ---------------------------------------------------------------------------------------- 2 ranks
@@ -256,6 +281,30 @@ def _two_rank_shared_update(rank, world_size):
 
 def test_fsdp2_shared_update_on_two_ranks_equals_the_single_process_plain_update():
     run_distributed(_two_rank_shared_update, 2)
+
+
+def _two_rank_remove_padding_agreement(rank, world_size):
+    from verl.utils.fsdp_utils import apply_fsdp2
+
+    calls = []
+    original = dp_actor_module.shared_prompt_logits
+    dp_actor_module.shared_prompt_logits = lambda *a, **k: calls.append(1) or original(*a, **k)
+    data = repeated_prompt_batch(seed=8 + rank)
+    data.meta_info["micro_batch_size"] = 12
+    expected, _ = reference_response_log_probs(make_tiny_causal_lm(), data.batch, TEMPERATURE)
+    mask = data.batch["response_mask"].bool()
+    actor = DataParallelPPOActor(actor_config(use_remove_padding=True), apply_fsdp2(make_tiny_causal_lm()))
+    actor.compute_log_prob(data)
+    assert calls == [1], "both ranks can pack: both share prompts"
+    if rank == 1:  # this rank cannot pack: neither rank may share (FSDP2 needs equal forward calls)
+        shared_prompt_module.PACKED_MASK_BUDGET = 0
+    log_probs, _ = actor.compute_log_prob(data)
+    assert calls == [1]
+    torch.testing.assert_close(log_probs[mask], expected[mask], atol=1e-12, rtol=0)
+
+
+def test_fsdp2_ranks_agree_on_sharing_prompts_under_remove_padding():
+    run_distributed(_two_rank_remove_padding_agreement, 2)
 
 
 # ---------------------------------------------------------------------------------------- packed layout

@@ -17,8 +17,10 @@ as the rollout engines do, so `old_log_probs` and the rollout's log-probs agree.
 `use_remove_padding` packs the micro-batch's real tokens into one sequence (see
 `verl.utils.remove_padding`); results equal the padded path to float rounding.
 `share_prompt_forward` (default True) runs each distinct prompt of a micro-batch once and the
-responses on its expanded KV cache (see `verl.utils.shared_prompt`): GRPO repeats every prompt
-`rollout.n` times, so this removes most prompt tokens from the forward and backward passes.
+responses on its KV cache (see `verl.utils.shared_prompt`): GRPO repeats every prompt
+`rollout.n` times, so this removes most prompt tokens from the forward and backward passes. With
+`use_remove_padding` it is taken in its packed layout (no padding either), where that layout is
+available (SDPA or eager attention, a bounded mask), and the remove-padding path runs otherwise.
 
 Two guarded steps:
 * a non-finite gradient norm skips the optimizer step (gradients cleared), reported as
@@ -61,6 +63,7 @@ import inspect
 
 import torch
 import torch.distributed as dist
+from torch.distributed.fsdp import FSDPModule
 
 from verl.trainer.ppo.core_algos import (
     PolicyLossParams,
@@ -70,6 +73,7 @@ from verl.trainer.ppo.core_algos import (
     kl_penalty,
     logprobs_from_logits,
 )
+from verl.utils import shared_prompt
 from verl.utils.device import get_device
 from verl.utils.remove_padding import pad_input, unpad_input, unpad_position_ids
 from verl.utils.seqlen_balancing import num_micro_batches_for_budget
@@ -153,12 +157,8 @@ class DataParallelPPOActor(BasePPOActor):
         self._accepts_logits_to_keep = "logits_to_keep" in forward_params
         self._hf_module = hf_module
         self._attn_implementation = getattr(getattr(hf_module, "config", None), "_attn_implementation", None)
-        # the shared-prompt path needs a KV cache and the padded layout (see `_share_prompts`)
-        self.share_prompt_forward = (
-            bool(cfg.get("share_prompt_forward", True))
-            and not self.use_remove_padding
-            and "past_key_values" in forward_params
-        )
+        # the shared-prompt path needs a KV cache (see `_share_prompts`)
+        self.share_prompt_forward = bool(cfg.get("share_prompt_forward", True)) and "past_key_values" in forward_params
         self.loss_agg_mode = cfg.get("loss_agg_mode", "token-mean")
         policy_loss_cfg = cfg.get("policy_loss") or {}
         self.policy_loss_fn = get_policy_loss_fn(policy_loss_cfg.get("loss_mode", "vanilla"))
@@ -171,6 +171,8 @@ class DataParallelPPOActor(BasePPOActor):
         self.skip_zero_advantage_rows = skips_zero_advantage_rows(cfg)
         self._shuffle_generator = torch.Generator().manual_seed(int(cfg.get("data_loader_seed", 0) or 0))
         self._dp_group, self._dp_size = dp_group_and_size(actor_module)
+        # FSDP2 units gather and reduce per forward call: ranks must then agree on the calls they make
+        self._calls_are_collective = isinstance(actor_module, FSDPModule) and self._dp_size > 1
 
     # ------------------------------------------------------------------ forward
 
@@ -181,6 +183,32 @@ class DataParallelPPOActor(BasePPOActor):
         input_ids = micro_batch["input_ids"]
         batch_size, seqlen = input_ids.shape
         response_length = micro_batch["responses"].shape[-1]
+        # Columns that are padding in every row are left out (see `token_window`).
+        start, end, kept = token_window(micro_batch["attention_mask"], response_length)
+        shared = self._share_prompts(micro_batch, response_length, start)
+        if shared is not None:
+            first_rows, inverse, layout = shared
+            first_logits, rest_logits, packed = shared_prompt_logits(
+                self.actor_module,
+                input_ids,
+                micro_batch["attention_mask"],
+                micro_batch["position_ids"],
+                response_length,
+                first_rows,
+                inverse,
+                start=start,
+                kept=kept,
+                accepts_logits_to_keep=self._accepts_logits_to_keep,
+                attn_implementation=self._attn_implementation,
+                layout=layout,
+            )
+            if packed is not None:
+                return self._packed_response_outputs(
+                    first_logits, rest_logits, packed, micro_batch["responses"], temperature, calculate_entropy
+                )
+            return self._response_outputs(
+                [first_logits[:, None, :], rest_logits], micro_batch["responses"], temperature, calculate_entropy
+            )
         if self.use_remove_padding:
             packed_ids, indices = unpad_input(input_ids, micro_batch["attention_mask"])
             packed_pos = unpad_position_ids(micro_batch["position_ids"], indices)
@@ -196,29 +224,6 @@ class DataParallelPPOActor(BasePPOActor):
                 entropy = pad_input(entropy_from_logits_with_chunking(logits), indices, batch_size, seqlen)
                 entropy = entropy[:, -response_length - 1 : -1]
             return entropy, log_probs
-        # Columns that are padding in every row are left out (see `token_window`).
-        start, end, kept = token_window(micro_batch["attention_mask"], response_length)
-        groups = self._share_prompts(micro_batch, response_length)
-        if groups is not None:
-            first_logits, rest_logits, packed = shared_prompt_logits(
-                self.actor_module,
-                input_ids,
-                micro_batch["attention_mask"],
-                micro_batch["position_ids"],
-                response_length,
-                *groups,
-                start=start,
-                kept=kept,
-                accepts_logits_to_keep=self._accepts_logits_to_keep,
-                attn_implementation=self._attn_implementation,
-            )
-            if packed is not None:
-                return self._packed_response_outputs(
-                    first_logits, rest_logits, packed, micro_batch["responses"], temperature, calculate_entropy
-                )
-            return self._response_outputs(
-                [first_logits[:, None, :], rest_logits], micro_batch["responses"], temperature, calculate_entropy
-            )
         # Only the last R + 1 positions predict response tokens: skip the LM head everywhere else
         # (a large saving for real vocabularies, e.g. 152k for Qwen2.5).
         keep = {"logits_to_keep": kept + 1} if self._accepts_logits_to_keep else {}
@@ -278,14 +283,17 @@ class DataParallelPPOActor(BasePPOActor):
         entropy = place(entropy_from_logits_with_chunking(first_logits), entropy_from_logits_with_chunking(rest_logits))
         return entropy, log_probs
 
-    def _share_prompts(self, micro_batch, response_length: int):
-        """(first_rows, inverse) when this micro-batch takes the shared-prompt path, else None.
+    def _share_prompts(self, micro_batch, response_length: int, start: int):
+        """(first_rows, inverse, layout) when this micro-batch takes the shared-prompt path, else None.
 
-        Worth it when at most half the rows have distinct prompts (GRPO's rollout.n copies). Under
+        Worth it when at most half the rows have distinct prompts (GRPO's rollout.n copies). With
+        `use_remove_padding` the path is taken only in its packed layout (no padding anywhere, like
+        the remove-padding path, which would recompute every prompt for each of its rows), so
+        `layout` is that layout; otherwise `layout` is "auto" (`shared_prompt_logits` picks). Under
         FSDP2 every rank must make the same number of forward calls, so the choice is agreed over
-        the data-parallel group: any rank that gains makes all take the path, which is exact
-        whatever the grouping. With gradient checkpointing in training HF drops the KV cache, so
-        the plain path runs then.
+        the data-parallel group: any rank that gains makes all take the path (exact whatever the
+        grouping), unless a rank that must pack cannot. With gradient checkpointing in training HF
+        drops the KV cache, so the plain path runs then.
         """
         if not self.share_prompt_forward:
             return None
@@ -294,18 +302,31 @@ class DataParallelPPOActor(BasePPOActor):
         ):
             return None
         input_ids = micro_batch["input_ids"]
+        attention_mask = micro_batch["attention_mask"]
         position_ids = micro_batch["position_ids"]
         if position_ids.dim() != 2:  # multi-dimensional (mrope) position ids: the same on every rank
             return None
-        groups = prompt_groups(
-            input_ids, micro_batch["attention_mask"], position_ids, input_ids.shape[1] - response_length
-        )
-        gains = 2 * len(groups[0]) <= len(input_ids)
-        if self._dp_size > 1:
-            flag = torch.tensor([1.0 if gains else 0.0], device=input_ids.device)
-            dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self._dp_group)
-            gains = bool(flag[0] > 0)
-        return groups if gains else None
+        prompt_end = input_ids.shape[1] - response_length
+        first_rows, inverse = prompt_groups(input_ids, attention_mask, position_ids, prompt_end)
+        gains = 2 * len(first_rows) <= len(input_ids)
+        layout = "auto"
+        if self.use_remove_padding:
+            layout = shared_prompt.packed_response_layout(
+                attention_mask[:, prompt_end:],
+                inverse,
+                len(first_rows),
+                prompt_width=prompt_end - start,
+                padded_positions=None,  # compared with the remove-padding path instead: always cheaper
+                attn_implementation=self._attn_implementation,
+            )
+        cannot_pack = self.use_remove_padding and layout is None
+        if self._calls_are_collective:
+            flags = torch.tensor([float(gains), float(cannot_pack)], device=input_ids.device)
+            dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self._dp_group)
+            gains, cannot_pack = bool(flags[0] > 0), bool(flags[1] > 0)
+        if not gains or cannot_pack:
+            return None
+        return first_rows, inverse, layout
 
     # ------------------------------------------------------------------ inference
 
