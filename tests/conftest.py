@@ -44,8 +44,9 @@ def ray_session():
 def _bounded_ray_shutdown(ray, timeout_s: float = 60.0) -> None:
     """`ray.shutdown()`, given up after `timeout_s`: Ray's shutdown can hang joining its log-printing
     thread (ray-project/ray#44836; seen once in this suite's CI). Then the stuck call keeps Ray's
-    shutdown lock, so Ray's own atexit shutdown would hang the interpreter: it is unregistered, and
-    the local cluster's processes are killed directly."""
+    shutdown lock, so Ray's own atexit shutdown would hang the interpreter: it is unregistered. The
+    local cluster's processes then exit with this one (killing them here instead makes Ray's core
+    worker end the process with status 1 a minute later)."""
     import atexit
     import threading
     import warnings
