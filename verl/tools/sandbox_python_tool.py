@@ -155,6 +155,10 @@ class SandboxResult:
         return "".join(parts)
 
 
+# seconds to wait for the pipes to close and the process to be reaped after killing its group
+_AFTER_KILL_S = 10.0
+
+
 def _kill_group(pid: int) -> None:
     with contextlib.suppress(ProcessLookupError, PermissionError):  # already gone
         os.killpg(pid, signal.SIGKILL)
@@ -218,14 +222,26 @@ async def run_python(
             if running:
                 timed_out = True
                 kill()  # the pipes close with the process group, so the readers finish
-            (out, out_cut), (err, err_cut) = [await reader for reader in readers]
+                # bounded all the same: a pipe kept open by something the kill did not reach must not hang us
+                _, running = await asyncio.wait(readers, timeout=_AFTER_KILL_S)
+                for reader in running:
+                    reader.cancel()
+            (out, out_cut), (err, err_cut) = [
+                reader.result() if not reader.cancelled() else (b"", True) for reader in readers
+            ]
         except BaseException:  # cancelled: never leave the process behind
             kill()
-            await proc.wait()
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(proc.wait(), _AFTER_KILL_S)
             raise
         if out_cut or err_cut:
             kill()
-        exit_code = await proc.wait()
+        try:
+            exit_code = await asyncio.wait_for(
+                proc.wait(), _AFTER_KILL_S if (timed_out or out_cut or err_cut) else None
+            )
+        except asyncio.TimeoutError:  # killed, yet not reaped in time: report it as killed
+            exit_code = None
         return SandboxResult(
             stdout=out.decode("utf-8", errors="replace"),
             stderr=err.decode("utf-8", errors="replace"),
