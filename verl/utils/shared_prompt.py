@@ -152,6 +152,10 @@ def shared_prompt_logits(
     return first_logits, response_out.logits[:, : kept - 1, :], None
 
 
+# at most this many mask elements (bool under SDPA: bytes) for the packed response pass
+PACKED_MASK_BUDGET = 1 << 25
+
+
 @dataclass
 class PackedResponses:
     """Where the response pass of the packed layout put each response token it predicts.
@@ -216,10 +220,6 @@ def packed_response_layout(
     group = inverse[row]
     slot = torch.repeat_interleave(first_token, counts) - group_first[group] + col_in
     return PackedResponses(row=row, col=col_in + 1, group=group, slot=slot, num_groups=num_groups, width=width)
-
-
-# at most this many mask elements (bool under SDPA: bytes) for the packed response pass
-PACKED_MASK_BUDGET = 1 << 25
 
 
 def _packed_response_pass(

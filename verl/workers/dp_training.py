@@ -29,9 +29,9 @@ from verl.utils.seqlen_balancing import get_reverse_idx, rearrange_micro_batches
 
 __all__ = [
     "append_to_dict",
+    "average_replica_gradients",
     "clip_grad_and_step",
     "config_to_dict",
-    "average_replica_gradients",
     "dp_group_and_size",
     "loss_normaliser",
     "replicate_over_ranks",

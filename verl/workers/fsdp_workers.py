@@ -210,19 +210,22 @@ class _FSDPModel:
 REPLICATE_BELOW_PARAMS = 16_000_000
 
 
+def _replicates(fsdp: dict, module) -> bool:
+    """Whether the (plain) FSDP config `fsdp` leaves the layout to us (fsdp_size=-1) and `module` is small."""
+    return int(fsdp.get("fsdp_size", -1)) == -1 and sum(p.numel() for p in module.parameters()) < REPLICATE_BELOW_PARAMS
+
+
 def _auto_replicate(fsdp_cfg, module):
     """`fsdp_cfg` with fsdp_size=1 when it asks for -1 (all ranks) and `module` is small; else as given."""
     fsdp = _plain(fsdp_cfg) or {}
-    if int(fsdp.get("fsdp_size", -1)) != -1 or sum(p.numel() for p in module.parameters()) >= REPLICATE_BELOW_PARAMS:
-        return fsdp_cfg
-    return {**fsdp, "fsdp_size": 1}
+    return {**fsdp, "fsdp_size": 1} if _replicates(fsdp, module) else fsdp_cfg
 
 
 def _trains_as_plain_replicas(fsdp_cfg, module) -> bool:
     """Whether `module` is replicated without FSDP (`verl.workers.dp_training.replicate_over_ranks`).
 
-    That is the case `_auto_replicate` replicates (fsdp_size=-1 and a small model), as long as
-    FSDP2 would not change how it computes: no FSDP CPU offload and no mixed-precision cast (the
+    That is the case `_auto_replicate` replicates (`_replicates`: fsdp_size=-1 and a small model),
+    as long as FSDP2 would not change how it computes: no FSDP CPU offload and no mixed-precision cast (the
     parameter dtype of `fsdp_config.mixed_precision`, bf16 by default on GPU, none on CPU, is the
     model's own). A replicated model under FSDP2 still pays its per-layer hooks, per-layer
     all-reduces and DTensor dispatch on every op: on the CPU example (1M parameters, 2 gloo ranks,
@@ -231,7 +234,7 @@ def _trains_as_plain_replicas(fsdp_cfg, module) -> bool:
     from verl.utils.fsdp_utils import get_mixed_precision_policy
 
     fsdp = _plain(fsdp_cfg) or {}
-    if _auto_replicate(fsdp, module) is fsdp or fsdp.get("offload_policy", False):
+    if not _replicates(fsdp, module) or fsdp.get("offload_policy", False):
         return False
     param_dtype = get_mixed_precision_policy(fsdp.get("mixed_precision")).param_dtype
     return param_dtype is None or all(p.dtype == param_dtype for p in module.parameters())
