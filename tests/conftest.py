@@ -59,4 +59,30 @@ def _bounded_ray_shutdown(ray, timeout_s: float = 60.0) -> None:
     from ray._private import worker
 
     atexit.unregister(worker.shutdown)
-    warnings.warn(f"ray.shutdown() did not return within {timeout_s:.0f} s; left the local cluster to exit with us")
+    _UNCLEAN_RAY_SHUTDOWN.append(timeout_s)
+    warnings.warn(
+        f"ray.shutdown() did not return within {timeout_s:.0f} s; left the local cluster to exit with us, "
+        "and pytest ends with os._exit after its summary"
+    )
+
+
+# Set when Ray's shutdown was given up. Ray's core worker threads are then still running, and the
+# interpreter's own finalization can crash on them (one CI run ended with a segfault, exit 139, after
+# "1061 passed"): pytest's exit status is then handed straight to os._exit once everything is reported.
+_UNCLEAN_RAY_SHUTDOWN: list[float] = []
+_EXIT_STATUS: list[int] = []
+
+
+def pytest_sessionfinish(session, exitstatus):
+    _EXIT_STATUS.append(int(exitstatus))
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_unconfigure(config):
+    if not _UNCLEAN_RAY_SHUTDOWN:
+        return
+    import sys
+
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(_EXIT_STATUS[-1] if _EXIT_STATUS else 1)
