@@ -82,3 +82,43 @@ def test_grpo_runs_with_the_backend_and_reports_the_train_rollout_mismatch(backe
         assert 0 <= data["training/rollout_probs_diff_mean"] < 1e-3, data["training/rollout_probs_diff_mean"]
         assert data["training/rollout_probs_diff_max"] < 1e-2, data["training/rollout_probs_diff_max"]
     print(backend, [{k: r["data"][k] for k in r["data"] if "rollout_probs_diff" in k} for r in records])
+
+
+@pytest.mark.vllm
+@pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="needs vllm (.ci/vllm.sh)")
+def test_one_step_off_with_vllm_partial_rollouts_tags_versions_within_the_bound(tmp_path):
+    """Generation one step ahead in a separate rollout pool running vLLM, with partial rollouts
+    checked every engine step: every trained sample's oldest version is within the bound, its newest
+    never ahead of the trainer, and the rollout log-probs stay those of the sampling weights."""
+    from tests.trainer.test_main_ppo_async import _cmd, _trained
+    from tests.trainer.test_main_ppo_e2e import _metrics, _run
+
+    steps = 3
+    cmd = _cmd(
+        tmp_path,
+        steps,
+        1,
+        "actor_rollout_ref.rollout.name=vllm",
+        "actor_rollout_ref.rollout.max_num_seqs=64",
+        "async_training.partial_rollout=true",
+        "async_training.partial_rollout_check_steps=1",
+    )
+    _run(cmd, tmp_path, timeout=900)
+    trained = _trained(tmp_path)
+    assert sorted(trained) == list(range(1, steps + 1))
+    for step, rows in trained.items():
+        for r in rows:
+            assert r["weight_version"] <= r["weight_version_max"] <= step - 1, (step, r)
+            assert (step - 1) - r["weight_version"] <= 1, (step, r)
+    records = {r["step"]: r["data"] for r in _metrics(tmp_path)}
+    for step in range(1, steps + 1):
+        data = records[step]
+        assert 0.0 <= data["async/mixed_version_frac"] <= 1.0
+        # decoupled correction: behaviour log-probs from vLLM, per token of the version that sampled it
+        assert "off_policy/is_weight_mean" in data
+    # step 1 trains samples of version 0 with version 0: the engines agree to rounding (later steps
+    # differ by one update, which is what the correction is for)
+    assert records[1]["training/rollout_probs_diff_mean"] < 1e-3, records[1]["training/rollout_probs_diff_mean"]
+    print(
+        {s: (records[s]["training/rollout_probs_diff_mean"], records[s]["async/mixed_version_frac"]) for s in records}
+    )

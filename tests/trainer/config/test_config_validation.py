@@ -416,11 +416,16 @@ def test_sync_schedule_and_partial_rollouts_need_generation_running_ahead(defaul
     )
 
 
-def test_partial_rollouts_need_the_built_in_engine(defaults):
+def test_partial_rollouts_need_an_engine_that_can_pause(defaults):
     ahead = with_(defaults, async_training__staleness_threshold=1, async_training__partial_rollout=True)
     validate_ppo_config(ahead)
-    msg = error_of(with_(ahead, actor_rollout_ref__rollout__name="vllm"))
-    assert "not for actor_rollout_ref.rollout.name=vllm" in msg and "async_training.partial_rollout=false" in msg
+    validate_ppo_config(with_(ahead, actor_rollout_ref__rollout__name="vllm"))
+    msg = error_of(with_(ahead, actor_rollout_ref__rollout__name="sglang"))
+    assert "not for actor_rollout_ref.rollout.name=sglang" in msg and "async_training.partial_rollout=false" in msg
+    msg = error_of(
+        with_(ahead, actor_rollout_ref__rollout__name="vllm", actor_rollout_ref__rollout__multi_turn__enable=True)
+    )
+    assert "not for multi-turn agent loops" in msg
     assert "must be >= 1" in error_of(with_(ahead, async_training__partial_rollout_check_steps=0))
 
 

@@ -322,6 +322,16 @@ def test_sglang_refuses_tensor_parallelism_it_cannot_host(stand_in_sglang):
         SGLangRollout(_model_path(), {"tensor_model_parallel_size": 2})
 
 
+def test_sglang_refuses_partial_rollouts_with_what_to_do_instead(stand_in_sglang):
+    """The config check rejects partial rollouts with SGLang; a worker asked anyway says so."""
+    rollout = SGLangRollout(_model_path(), {"response_length": 6, "prompt_length": 32})
+    rollout.weight_refresh = types.SimpleNamespace(version=0, pending=lambda: True, load=lambda: 1)
+    with pytest.raises(NotImplementedError, match="async_training.partial_rollout=false"):
+        rollout.generate_sequences(_prompts(do_sample=False, partial_rollout=True))
+    # without the request flag the refresh is not looked at
+    assert rollout.generate_sequences(_prompts(do_sample=False)).batch["responses"].shape[1] == 6
+
+
 # ---------------------------------------------------------------------- engine tensor parallelism
 
 

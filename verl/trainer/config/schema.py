@@ -810,11 +810,12 @@ class AsyncTrainingConfig:
         "Weights arriving while a generation is in flight are loaded between two decode steps and the unfinished "
         "samples go on with them (re-prefilling prompt + partial response), instead of finishing with the old "
         "weights. A sample's weight_version is its oldest token's version (staleness), weight_version_max its "
-        "newest; rollout log-probs are those of the version that sampled each token. Built-in engine (rollout."
-        "name=hf) only."
+        "newest; rollout log-probs are those of the version that sampled each token. Built-in engine and vLLM "
+        "(rollout.name=hf or vllm), without multi-turn."
     )
     partial_rollout_check_steps: int = doc(
-        "With partial_rollout: decode steps between two checks for newer weights (each a store round trip)."
+        "With partial_rollout: decode steps (vLLM: engine steps) between two checks for newer weights (each a "
+        "store round trip)."
     )
 
 

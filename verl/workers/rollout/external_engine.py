@@ -12,6 +12,16 @@ An adapter subclasses it and implements four engine calls: `_generate(requests)`
 4. pad the responses into the batch layout (`engine_io.assemble_output`), with
    `rollout_log_probs` when `calculate_log_probs` is on.
 
+Partial rollouts (asynchronous training, `meta_info["partial_rollout"]`, the built-in engine's
+contract in hf_rollout): an adapter that can stop its engine between two scheduler steps implements
+`_generate_partial`; the rollout worker sets `weight_refresh`, and every `partial_rollout_check_steps`
+engine steps the adapter asks it whether newer weights wait. If so, the unfinished requests are
+aborted, the weights loaded, and those requests re-submitted as prompt + the tokens they have so
+far, with the remaining token budget. Under engine tensor parallelism the ranks of a group agree on
+each check (a max all-reduce), so they pause at the same step. The output then carries per-row
+`weight_version` / `weight_version_max`: the oldest and newest version that sampled a token of the
+row. vLLM implements it (vllm_rollout); SGLang does not (a config error).
+
 Tensor parallelism (`rollout.tensor_model_parallel_size = tp > 1`). The trainer's data-parallel
 dispatch hands each worker its own slice of prompts; an engine sharded over `tp` workers needs all
 of them to run the same requests. Rather than teach the dispatcher about engine layouts (which
@@ -30,6 +40,8 @@ import time
 from abc import abstractmethod
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+
+import numpy as np
 
 from verl.workers.rollout.base import BaseRollout
 from verl.workers.rollout.engine_io import (
@@ -119,6 +131,8 @@ class ExternalEngineRollout(BaseRollout):
             (v for v in (getattr(tokenizer, "pad_token_id", None), hf_config.pad_token_id) if v is not None), None
         )
         self._tp_group, self._tp_rank, self._tp_size = _tensor_parallel_group(self.config.tensor_model_parallel_size)
+        # Set by the rollout worker of asynchronous training; used when a request asks for partial rollouts.
+        self.weight_refresh = None
 
     # ------------------------------------------------------------------------------ engine calls
     @abstractmethod
@@ -131,6 +145,34 @@ class ExternalEngineRollout(BaseRollout):
         with_logprobs: bool,
     ) -> list[EngineResponse]:
         """One response per prompt, in order (the engine is free to batch and schedule them)."""
+
+    def _generate_partial(
+        self,
+        prompts: list[list[int]],
+        sampling: SamplingParams,
+        max_new_tokens: int,
+        stop_token_ids: list[int],
+        with_logprobs: bool,
+        check_steps: int,
+    ) -> PartialResponses:
+        """`_generate` that lets newer weights in between two engine steps (module docstring)."""
+        raise NotImplementedError(
+            f"{type(self).__name__} cannot pause a generation to load newer weights (partial rollouts); "
+            "set async_training.partial_rollout=false, or use actor_rollout_ref.rollout.name=hf or vllm"
+        )
+
+    def _newer_weights_wait(self) -> bool:
+        """The weight refresh's `pending()`, agreed by the engine's tensor-parallel group (any rank
+        seeing newer weights pauses all of them: they run one schedule in lockstep)."""
+        waiting = bool(self.weight_refresh.pending())
+        if self._tp_size == 1:
+            return waiting
+        import torch
+        import torch.distributed as dist
+
+        flag = torch.tensor([int(waiting)], dtype=torch.int32)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self._tp_group)
+        return bool(flag.item())
 
     # ------------------------------------------------------------------------------- generation
     def generate_sequences(self, prompts):
@@ -146,15 +188,25 @@ class ExternalEngineRollout(BaseRollout):
 
         mine = prompt_token_lists(prompts.batch["input_ids"], prompts.batch["attention_mask"])
         everyone, lo = self._gather_group_requests(mine)
-        responses = self._generate(
-            everyone, sampling, response_length, eos_ids, with_logprobs=self.config.calculate_log_probs
-        )
-        responses = responses[lo : lo + len(mine)]
+        with_logprobs = self.config.calculate_log_probs
+        partial = None
+        if meta.get("partial_rollout") and self.weight_refresh is not None:
+            check_steps = int(meta.get("partial_rollout_check_steps", 1))
+            partial = self._generate_partial(everyone, sampling, response_length, eos_ids, with_logprobs, check_steps)
+            responses = partial.responses
+        else:
+            responses = self._generate(everyone, sampling, response_length, eos_ids, with_logprobs=with_logprobs)
+        mine_rows = slice(lo, lo + len(mine))
+        responses = responses[mine_rows]
 
         timing = dict(meta.get("timing", {}))
         timing["generate_sequences"] = time.perf_counter() - start
         meta["timing"] = timing
-        return assemble_output(prompts, responses, response_length, pad, eos_ids, self.config.calculate_log_probs, meta)
+        out = assemble_output(prompts, responses, response_length, pad, eos_ids, with_logprobs, meta)
+        if partial is not None:
+            out.non_tensor_batch["weight_version"] = np.asarray(partial.version_min[mine_rows], dtype=np.int64)
+            out.non_tensor_batch["weight_version_max"] = np.asarray(partial.version_max[mine_rows], dtype=np.int64)
+        return out
 
     def _gather_group_requests(self, mine: list[list[int]]) -> tuple[list[list[int]], int]:
         """(the requests of the whole tensor-parallel group, offset of this rank's rows in them)."""
@@ -166,6 +218,16 @@ class ExternalEngineRollout(BaseRollout):
         dist.all_gather_object(gathered, mine, group=self._tp_group)
         offset = sum(len(part) for part in gathered[: self._tp_rank])
         return [request for part in gathered for request in part], offset
+
+
+@dataclass
+class PartialResponses:
+    """What `_generate_partial` returns: one response per prompt, and per prompt the oldest and newest
+    weight version that sampled any of its tokens (the version at the start when it sampled none)."""
+
+    responses: list[EngineResponse]
+    version_min: list[int]
+    version_max: list[int]
 
 
 def _tensor_parallel_group(tp: int):

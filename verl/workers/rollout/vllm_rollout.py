@@ -40,6 +40,14 @@ Design decisions:
 - Tensor parallelism (> 1): vLLM's `external_launcher` executor forms the engine's groups from the
   workers' own torch.distributed ranks; every rank of a group submits the same requests
   (`ExternalEngineRollout` gathers them).
+- Partial rollouts (asynchronous training): `LLM.generate` runs to the end, so a generation that
+  must let newer weights in drives the engine itself: `LLM.llm_engine.add_request(...)` with
+  cumulative outputs, `step()` until done, and every `partial_rollout_check_steps` steps (one step
+  = one decoded token per running request) a look at the weight refresh. When newer weights wait,
+  the unfinished requests are aborted (`abort_request`), the weights reloaded (which resets the
+  prefix cache, so no key/value of the old weights is reused), and each request re-submitted as
+  prompt + its tokens so far with the remaining budget. A request the scheduler had not started
+  before the pause simply starts with the new weights.
 """
 
 from __future__ import annotations
@@ -52,7 +60,7 @@ import torch
 
 from verl.utils.device import is_cuda_available
 from verl.workers.rollout.engine_io import EngineResponse, hf_weight_name
-from verl.workers.rollout.external_engine import ExternalEngineConfig, ExternalEngineRollout
+from verl.workers.rollout.external_engine import ExternalEngineConfig, ExternalEngineRollout, PartialResponses
 from verl.workers.rollout.sampling import SamplingParams
 
 _GiB = 1 << 30
@@ -165,23 +173,95 @@ class vLLMRollout(ExternalEngineRollout):
         self._inplace_reload = self.llm.collective_rpc(lambda worker: hasattr(worker, "reload_weights"))[0]
         self._weights_asleep = False
         self._kv_cache_asleep = False
+        self._partial_round = 0  # request ids of partial rollouts: unique over the engine's life
 
     # ------------------------------------------------------------------------------- generation
-    def _generate(self, prompts, sampling, max_new_tokens, stop_token_ids, with_logprobs):
-        from vllm import SamplingParams as VllmSamplingParams
-        from vllm.inputs import TokensPrompt
-
+    def _awake_for_generation(self) -> None:
         if self._weights_asleep:
             self.wake_up()
         if self._kv_cache_asleep:
             self.llm.wake_up(tags=["kv_cache"])
             self._kv_cache_asleep = False
+
+    def _generate(self, prompts, sampling, max_new_tokens, stop_token_ids, with_logprobs):
+        from vllm import SamplingParams as VllmSamplingParams
+        from vllm.inputs import TokensPrompt
+
+        self._awake_for_generation()
         params = VllmSamplingParams(
             **vllm_sampling_kwargs(sampling, max_new_tokens, stop_token_ids, with_logprobs, self.config.ignore_eos)
         )
         requests = [TokensPrompt(prompt_token_ids=ids) for ids in prompts]
         outputs = self.llm.generate(requests, params, use_tqdm=False)
         return [parse_vllm_output(out.outputs[0], with_logprobs) for out in outputs]
+
+    def _generate_partial(self, prompts, sampling, max_new_tokens, stop_token_ids, with_logprobs, check_steps):
+        """`_generate` driving the engine step by step, letting newer weights in (module docstring)."""
+        from vllm import SamplingParams as VllmSamplingParams
+        from vllm.inputs import TokensPrompt
+        from vllm.sampling_params import RequestOutputKind
+
+        self._awake_for_generation()
+        refresh, engine = self.weight_refresh, self.llm.llm_engine
+        if engine.has_unfinished_requests():
+            raise RuntimeError("the vLLM engine still holds requests from an earlier call; they would be paused too")
+        kwargs = vllm_sampling_kwargs(sampling, max_new_tokens, stop_token_ids, with_logprobs, self.config.ignore_eos)
+        rows = len(prompts)
+        tokens: list[list[int]] = [[] for _ in range(rows)]
+        logprobs: list[list[float]] | None = [[] for _ in range(rows)] if with_logprobs else None
+        version_min: list[int | None] = [None] * rows
+        version_max: list[int | None] = [None] * rows
+        first_version = refresh.version
+        open_rows = list(range(rows))
+        while open_rows:
+            self._partial_round += 1
+            request_row = {}
+            for row in open_rows:
+                params = VllmSamplingParams(**{**kwargs, "max_tokens": max_new_tokens - len(tokens[row])})
+                params.output_kind = RequestOutputKind.CUMULATIVE
+                request_id = f"verl-partial-{self._partial_round}-{row}"
+                engine.add_request(request_id, TokensPrompt(prompt_token_ids=prompts[row] + tokens[row]), params)
+                request_row[request_id] = row
+            latest, finished, steps, paused = {}, set(), 0, False
+            while engine.has_unfinished_requests():
+                for output in engine.step():
+                    latest[output.request_id] = output
+                    if output.finished:
+                        finished.add(output.request_id)
+                steps += 1
+                if steps % check_steps == 0 and len(finished) < len(request_row) and self._newer_weights_wait():
+                    engine.abort_request([rid for rid in request_row if rid not in finished])
+                    paused = True
+                    break
+            version = refresh.version
+            for request_id, output in latest.items():
+                row = request_row[request_id]
+                got = parse_vllm_output(output.outputs[0], with_logprobs)
+                if got.token_ids:
+                    tokens[row].extend(got.token_ids)
+                    if logprobs is not None:
+                        logprobs[row].extend(got.logprobs)
+                    version_min[row] = version if version_min[row] is None else version_min[row]
+                    version_max[row] = version
+            open_rows = (
+                [
+                    row
+                    for request_id, row in request_row.items()
+                    if request_id not in finished and len(tokens[row]) < max_new_tokens
+                ]
+                if paused
+                else []
+            )
+            if paused:
+                refresh.load()
+        return PartialResponses(
+            responses=[
+                EngineResponse(token_ids=tokens[row], logprobs=None if logprobs is None else logprobs[row])
+                for row in range(rows)
+            ],
+            version_min=[first_version if v is None else v for v in version_min],
+            version_max=[first_version if v is None else v for v in version_max],
+        )
 
     # ------------------------------------------------------------------------------- weights
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> dict[str, float]:
