@@ -38,3 +38,47 @@ def test_calculator_example_validates_and_trains_two_steps_with_tool_calls(tmp_p
     # the ids are trained as sampled, and the check reports how often the template would disagree
     assert 0.0 <= last["agent_loop/tokenization_mismatch"] < 0.5
     assert 0.0 <= last["critic/score/mean"] <= 1.0
+
+
+def test_one_step_off_multi_turn_with_partial_rollouts_tags_episodes_within_the_bound(tmp_path):
+    """The calculator example with generation one step ahead in its own rollout pool and partial
+    rollouts checked every decode step: each trained episode's versions (over all its model turns)
+    are ordered, the oldest within the bound, the newest never ahead of the trainer."""
+    import json
+
+    steps = 3
+    cmd = [
+        "bash",
+        "examples/multi_turn/run_arith_calculator_tiny_cpu.sh",
+        *[arg for arg in _common(tmp_path, steps=steps) if not arg.startswith("actor_rollout_ref.model.path=")],
+        "data.train_batch_size=4",
+        "actor_rollout_ref.rollout.n=4",
+        "actor_rollout_ref.actor.ppo_mini_batch_size=4",
+        "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=16",
+        "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=16",
+        "trainer.n_gpus_per_node=1",
+        "rollout.n_gpus_per_node=1",
+        "async_training.staleness_threshold=1",
+        "async_training.partial_rollout=true",
+        "async_training.partial_rollout_check_steps=1",
+        f"trainer.rollout_data_dir={tmp_path / 'rollouts'}",
+    ]
+    env = {**_env(tmp_path), "DATA_DIR": str(tmp_path / "data")}
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, f"exit {proc.returncode}\n{proc.stdout[-4000:]}\n{proc.stderr[-6000:]}"
+
+    trained = {
+        int(f.stem): [json.loads(line) for line in f.read_text().splitlines()]
+        for f in (tmp_path / "rollouts").glob("*.jsonl")
+    }
+    assert sorted(trained) == list(range(1, steps + 1))
+    for step, rows in trained.items():
+        assert len(rows) == 16
+        for r in rows:
+            assert r["weight_version"] <= r["weight_version_max"] <= step - 1, (step, r)
+            assert (step - 1) - r["weight_version"] <= 1, (step, r)
+    records = {r["step"]: r["data"] for r in _metrics(tmp_path) if "num_turns/mean" in r["data"]}
+    assert sorted(records) == list(range(1, steps + 1))
+    assert all(0.0 <= records[s]["async/mixed_version_frac"] <= 1.0 for s in records)
+    assert max(records[s]["num_turns/max"] for s in records) >= 4  # tool calls were made
+    print({s: (records[s]["async/mixed_version_frac"], records[s]["num_turns/mean"]) for s in records})

@@ -301,3 +301,74 @@ def test_text_the_template_puts_after_the_end_of_turn_token_goes_into_the_tool_t
     assert out.batch["responses"][0, : len(expected)].tolist() == expected
     assert out.batch["prompts"][0, -3:].tolist() == encode(tokenizer, "?\n<|assistant|>")
     assert out.meta_info["metrics"]["agent_loop/tokenization_mismatch"] == 0.0
+
+
+class _VersionedForcedRollout(ForcedRollout):
+    """ForcedRollout with a weight version, as a rollout worker of asynchronous training holds one:
+    with `partial_rollout` in a request it asks its `weight_refresh` before the batch (the engines
+    ask between decode steps) and stamps every row with the version it generated with."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.weight_refresh = None
+        self.metas: list[dict] = []
+
+    def generate_sequences(self, prompts):
+        self.metas.append(dict(prompts.meta_info))
+        refresh = self.weight_refresh if prompts.meta_info.get("partial_rollout") else None
+        if refresh is not None and refresh.pending():
+            refresh.load()
+        out = super().generate_sequences(prompts)
+        if refresh is not None:
+            out.non_tensor_batch["weight_version"] = np.full(len(out), refresh.version, dtype=np.int64)
+            out.non_tensor_batch["weight_version_max"] = np.full(len(out), refresh.version, dtype=np.int64)
+        return out
+
+
+class _NewWeightsAfterFirstBatch:
+    """Newer weights are announced once the engine has run its first batch."""
+
+    def __init__(self, rollout):
+        self.rollout, self.version, self.checks = rollout, 0, 0
+
+    def pending(self) -> bool:
+        self.checks += 1
+        return self.version == 0 and len(self.rollout.batch_sizes) >= 1
+
+    def load(self) -> int:
+        self.version = 1
+        return self.version
+
+
+def test_partial_rollouts_tag_each_episode_with_the_versions_of_all_its_model_turns(tokenizer, tiny_model):
+    """Turn 1 of both episodes runs with v0, the weights change before turn 2: each episode spans
+    v0..v1. The partial-rollout keys reach the engine with every turn; without them the engine's
+    refresh is never consulted and the rows carry no version (the worker stamps its own)."""
+    forced = _VersionedForcedRollout(tiny_model, calculator_script(tokenizer))
+    rollout = AgentLoopRollout(forced, rollout_config(), tokenizer, tools=[CalculatorTool()])
+    rollout.weight_refresh = _NewWeightsAfterFirstBatch(forced)  # the worker sets it on the wrapper
+    assert forced.weight_refresh is rollout.weight_refresh
+    questions = ["What is 12+34*5?", "What is 7*8-9?"]
+    out = rollout.generate_sequences(
+        question_batch(tokenizer, questions, partial_rollout=True, partial_rollout_check_steps=4)
+    )
+    assert out.non_tensor_batch["weight_version"].tolist() == [0, 0]
+    assert out.non_tensor_batch["weight_version_max"].tolist() == [1, 1]
+    assert forced.batch_sizes == [2, 2]  # both episodes' turns shared each engine call
+    assert all(m["partial_rollout"] is True and m["partial_rollout_check_steps"] == 4 for m in forced.metas)
+    # the episodes themselves are unchanged by the tagging
+    assert out.non_tensor_batch["__num_turns__"].tolist() == [4, 4]
+
+    # episodes run wholly after the switch carry the new version alone
+    one_turn = AgentLoopRollout(forced, rollout_config(), tokenizer, tools=[CalculatorTool()])
+    out = one_turn.generate_sequences(
+        question_batch(tokenizer, questions[:1], partial_rollout=True, partial_rollout_check_steps=4)
+    )
+    assert out.non_tensor_batch["weight_version"].tolist() == [1]
+
+    plain = _VersionedForcedRollout(tiny_model, calculator_script(tokenizer))
+    refresh = _NewWeightsAfterFirstBatch(plain)
+    rollout = AgentLoopRollout(plain, rollout_config(), tokenizer, tools=[CalculatorTool()])
+    rollout.weight_refresh = refresh
+    out = rollout.generate_sequences(question_batch(tokenizer, questions))
+    assert refresh.checks == 0 and "weight_version" not in out.non_tensor_batch

@@ -113,6 +113,9 @@ class Trajectory:
     num_turns: int = 2
     messages: list[dict] | None = None
     metrics: dict[str, float] = field(default_factory=dict)
+    versions: tuple[int, int] | None = None
+    """(oldest, newest) weight version that sampled its tokens, set by the rollout when the engine
+    reports versions (partial rollouts); None otherwise."""
 
     def __post_init__(self):
         assert len(self.response_ids) == len(self.response_mask), "response ids and mask must align"

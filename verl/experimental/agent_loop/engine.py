@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Mapping, Sequence
@@ -47,6 +48,11 @@ class TokenOutput:
     """Log-prob of each token (temperature-scaled, before top-k/top-p), when the engine computed them."""
     stopped: bool = True
     """True when it ended on a stop token; False when it ran out of `max_new_tokens`."""
+    version_min: int | None = None
+    """With partial rollouts (asynchronous training): the oldest weight version that sampled a token
+    of it; None when the engine did not say (one version for the whole call)."""
+    version_max: int | None = None
+    """The newest such version."""
 
 
 class AsyncRolloutEngine(ABC):
@@ -222,7 +228,7 @@ def _cut(out: TokenOutput, max_new_tokens: int) -> TokenOutput:
     if len(out.token_ids) <= max_new_tokens:
         return out
     log_probs = None if out.log_probs is None else list(out.log_probs[:max_new_tokens])
-    return TokenOutput(list(out.token_ids[:max_new_tokens]), log_probs, stopped=False)
+    return dataclasses.replace(out, token_ids=list(out.token_ids[:max_new_tokens]), log_probs=log_probs, stopped=False)
 
 
 def rollout_batch_generator(
@@ -232,7 +238,8 @@ def rollout_batch_generator(
 
     Each batch becomes one DataProto of left-padded prompts with `meta_info` = the sampling keys +
     `n=1`, `response_length=max_new_tokens` and the stop/pad ids; each row's response is read back up
-    to its mask (the stop token included), with `rollout_log_probs` when `with_logprobs`.
+    to its mask (the stop token included), with `rollout_log_probs` when `with_logprobs`, and the
+    row's `weight_version` / `weight_version_max` when the rollout reports them (partial rollouts).
     """
     import torch
     from tensordict import TensorDict
@@ -265,11 +272,13 @@ def rollout_batch_generator(
             raise RuntimeError("the rollout returned no rollout_log_probs; set rollout.calculate_log_probs=True")
         if log_probs is not None:
             log_probs = log_probs.cpu()
+        versions = [out.non_tensor_batch.get(key) for key in ("weight_version", "weight_version_max")]
         outputs = []
         for row, length in enumerate(lengths):
             ids = responses[row, : int(length)].tolist()
             lp = log_probs[row, : int(length)].tolist() if log_probs is not None else None
-            outputs.append(TokenOutput(ids, lp, stopped=bool(ids) and ids[-1] in stops))
+            low, high = (None if v is None else int(v[row]) for v in versions)
+            outputs.append(TokenOutput(ids, lp, bool(ids) and ids[-1] in stops, version_min=low, version_max=high))
         return outputs
 
     return generate_batch

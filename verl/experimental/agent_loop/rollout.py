@@ -14,6 +14,11 @@ rollout's own `async_engine`, see `make_engine`), and returns the usual rollout 
   real token, tool turns included; `position_ids` continue from the prompt's last;
 - `rollout_log_probs` [B, R] with `calculate_log_probs` (0 on tool tokens);
 - `non_tensor_batch["__num_turns__"]`: messages per episode (the trainer reports `num_turns/*`);
+- with partial rollouts (`meta_info["partial_rollout"]`, asynchronous training) `weight_version` /
+  `weight_version_max`: the oldest and newest weight version that sampled a token of the episode,
+  over all its model turns. The keys are passed on to the wrapped engine with every model turn, so
+  newer weights are let in between two decode steps of a turn (hf, vllm) and, as a consequence,
+  also between two turns; the wrapped engine's `weight_refresh` is this rollout's;
 - `meta_info["metrics"]`: `agent_loop/*` means over the episodes (tool calls, tool errors,
   tokenization mismatches) and how the engine batched them.
 
@@ -43,6 +48,8 @@ from verl.experimental.agent_loop.engine import AsyncRolloutEngine, MicroBatchEn
 from verl.workers.rollout.base import BaseRollout
 
 SAMPLING_KEYS = ("do_sample", "validate", "temperature", "top_k", "top_p")
+# passed on with every model turn, like the sampling keys (asynchronous training's partial rollouts)
+PARTIAL_ROLLOUT_KEYS = ("partial_rollout", "partial_rollout_check_steps")
 DEFAULT_AGENT = "tool_agent"
 
 
@@ -111,6 +118,15 @@ class AgentLoopRollout(BaseRollout):
         self._engine_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="rollout-engine")
 
     # -------------------------------------------------------------------- engine (delegated)
+    @property
+    def weight_refresh(self):
+        """The wrapped engine's (set by the rollout worker of asynchronous training)."""
+        return getattr(self.inner, "weight_refresh", None)
+
+    @weight_refresh.setter
+    def weight_refresh(self, refresh) -> None:
+        self.inner.weight_refresh = refresh
+
     def update_weights(self, named_tensors):
         return self.inner.update_weights(named_tensors)
 
@@ -143,7 +159,7 @@ class AgentLoopRollout(BaseRollout):
         """One `AgentSample` per row of a left-padded prompt batch."""
         ids, mask = prompts.batch["input_ids"].cpu(), prompts.batch["attention_mask"].cpu().bool()
         nt = prompts.non_tensor_batch
-        sampling = {k: meta[k] for k in SAMPLING_KEYS if k in meta}
+        sampling = {k: meta[k] for k in SAMPLING_KEYS + PARTIAL_ROLLOUT_KEYS if k in meta}
         out = []
         for i in range(len(ids)):
             extra = nt["extra_info"][i] if "extra_info" in nt else None
@@ -175,12 +191,18 @@ class AgentLoopRollout(BaseRollout):
         )
 
     async def run_episodes(self, samples: list[AgentSample], agent_names: list[str], eos_ids, pad) -> tuple:
-        """Every episode concurrently; returns (trajectories in sample order, engine batch stats or None)."""
+        """Every episode concurrently; returns (trajectories in sample order, engine batch stats or None).
+
+        Each trajectory's `versions` are the (oldest, newest) weight versions its model turns report
+        (None when the engine reports none)."""
         engine = self.make_engine(eos_ids, pad)
 
         async def episode(sample: AgentSample, name: str) -> Trajectory:
+            recorder = _VersionRecorder(engine)
             async with engine.client():
-                return await self.agent_loop(name).run_episode(engine, sample)
+                trajectory = await self.agent_loop(name).run_episode(recorder, sample)
+            trajectory.versions = recorder.versions()
+            return trajectory
 
         tasks = [asyncio.ensure_future(episode(s, n)) for s, n in zip(samples, agent_names)]
         try:
@@ -198,6 +220,8 @@ class AgentLoopRollout(BaseRollout):
         if n > 1:
             prompts = prompts.repeat(repeat_times=n, interleave=True)
         eos_ids, pad = self._token_ids(meta)
+        refresh = self.weight_refresh if meta.get("partial_rollout") else None
+        first_version = None if refresh is None else int(refresh.version)
         samples = self.samples(prompts, meta)
         names = prompts.non_tensor_batch.get("agent_name")
         names = [DEFAULT_AGENT if not name else str(name) for name in names] if names is not None else None
@@ -206,6 +230,11 @@ class AgentLoopRollout(BaseRollout):
         )
 
         out = trajectories_to_proto(prompts, trajectories, self.settings.response_length, pad, self.with_logprobs, meta)
+        if refresh is not None:  # an episode whose turns reported no version sampled only with the first
+            for key, pick in (("weight_version", 0), ("weight_version_max", 1)):
+                out.non_tensor_batch[key] = np.array(
+                    [first_version if t.versions is None else t.versions[pick] for t in trajectories], dtype=np.int64
+                )
         metrics = dict(meta.get("metrics", {}))
         metrics.update(_episode_metrics(trajectories))
         if stats is not None:
@@ -215,6 +244,30 @@ class AgentLoopRollout(BaseRollout):
         metrics["timing_s/agent_loop"] = time.perf_counter() - start
         out.meta_info["metrics"] = metrics
         return out
+
+
+class _VersionRecorder(AsyncRolloutEngine):
+    """One episode's view of the shared engine: passes every call through and keeps the oldest and
+    newest weight version the engine reported for the episode's model turns."""
+
+    def __init__(self, engine: AsyncRolloutEngine):
+        self.engine = engine
+        self.low: int | None = None
+        self.high: int | None = None
+
+    async def generate(self, prompt_ids, sampling, max_new_tokens):
+        out = await self.engine.generate(prompt_ids, sampling, max_new_tokens)
+        if out.version_min is not None and out.token_ids:
+            self.low = out.version_min if self.low is None else min(self.low, out.version_min)
+            high = out.version_max if out.version_max is not None else out.version_min
+            self.high = high if self.high is None else max(self.high, high)
+        return out
+
+    def client(self):
+        return self.engine.client()
+
+    def versions(self) -> tuple[int, int] | None:
+        return None if self.low is None else (self.low, self.high)
 
 
 def _episode_metrics(trajectories: list[Trajectory]) -> dict[str, float]:
@@ -277,4 +330,11 @@ def trajectories_to_proto(prompts, trajectories: list[Trajectory], response_leng
     return DataProto(batch=batch, non_tensor_batch=non_tensor, meta_info=meta)
 
 
-__all__ = ["AgentLoopRollout", "settings_from_config", "trajectories_to_proto", "SAMPLING_KEYS", "DEFAULT_AGENT"]
+__all__ = [
+    "DEFAULT_AGENT",
+    "PARTIAL_ROLLOUT_KEYS",
+    "SAMPLING_KEYS",
+    "AgentLoopRollout",
+    "settings_from_config",
+    "trajectories_to_proto",
+]

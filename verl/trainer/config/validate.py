@@ -730,16 +730,11 @@ def _check_async_training(c: dict, errors: list[str]):
             f"or trigger_parameter_sync_step <= {k + 1}"
         )
     rollout = c["actor_rollout_ref"]["rollout"]
-    if at["partial_rollout"] and (rollout["name"] not in ("hf", "vllm") or rollout["multi_turn"]["enable"]):
-        what = (
-            "multi-turn agent loops"
-            if rollout["multi_turn"]["enable"]
-            else f"actor_rollout_ref.rollout.name={rollout['name']}"
-        )
+    if at["partial_rollout"] and rollout["name"] not in ("hf", "vllm"):
         errors.append(
-            f"async_training.partial_rollout=true is implemented for batch generation with the built-in engine and "
-            f"vLLM, not for {what} (it cannot pause a generation to load weights here); set "
-            "actor_rollout_ref.rollout.name=hf or vllm without multi_turn, or async_training.partial_rollout=false"
+            f"async_training.partial_rollout=true is implemented for the built-in engine and vLLM, not for "
+            f"actor_rollout_ref.rollout.name={rollout['name']} (it cannot pause a generation to load weights here); "
+            "set actor_rollout_ref.rollout.name=hf or vllm, or async_training.partial_rollout=false"
         )
     algo = c["algorithm"]
     clashes = {
