@@ -811,7 +811,7 @@ class AsyncTrainingConfig:
         "samples go on with them (re-prefilling prompt + partial response), instead of finishing with the old "
         "weights. A sample's weight_version is its oldest token's version (staleness), weight_version_max its "
         "newest; rollout log-probs are those of the version that sampled each token. Built-in engine and vLLM "
-        "(rollout.name=hf or vllm), without multi-turn."
+        "(rollout.name=hf or vllm), multi-turn agent loops included."
     )
     partial_rollout_check_steps: int = doc(
         "With partial_rollout: decode steps (vLLM: engine steps) between two checks for newer weights (each a "
