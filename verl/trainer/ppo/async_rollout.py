@@ -24,9 +24,10 @@ generated with `max(0, b-1-k)`, staleness `min(k, b-1)`. The bound is checked ag
 is taken, and a group older than it (possible after a change of `k` on resume) is regenerated
 with current weights (`stale_sample_policy=regenerate`, no prompt is lost) or dropped (`drop`).
 
-Partial rollouts (`partial_rollout=true`, built-in engine). A generation in flight when a push is
-announced is paused between two decode steps, the worker takes the weights, and the unfinished
-samples go on from prompt + partial response with them (see `HFRollout`). A sample's
+Partial rollouts (`partial_rollout=true`; built-in engine and vLLM, multi-turn agent loops
+included). A generation in flight when a push is announced is paused between two decode (engine)
+steps, the worker takes the weights, and the unfinished samples go on from prompt + partial
+response with them (see `HFRollout`, `vLLMRollout`, `AgentLoopRollout`). A sample's
 `weight_version` is then its oldest token's version (staleness and the bound use it) and
 `weight_version_max` its newest; `rollout_log_probs` hold each token's log-prob under the version
 that sampled it, which is what the off-policy correction needs as behaviour policy.
@@ -56,8 +57,8 @@ weights the restarted pool receives generate nothing but regenerated groups).
 
 Validation keeps running on the trainer pool's own (hybrid) engine, with the current weights.
 Not implemented: DAPO dynamic sampling / ReMax / KL-in-reward with `k >= 1`; partial rollouts for
-vLLM/SGLang; replaying partial rollouts identically on resume (where a generation is paused
-depends on timing).
+SGLang; replaying partial rollouts identically on resume (where a generation is paused depends on
+timing).
 """
 
 from __future__ import annotations
