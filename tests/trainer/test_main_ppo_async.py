@@ -92,6 +92,47 @@ def test_staleness_never_exceeds_the_bound_and_resume_mid_run_loses_or_repeats_n
         assert {r["weight_version"] for r in resumed[step]} == {r["weight_version"] for r in trained[step]}
 
 
+def test_half_a_batch_ahead_trains_half_of_each_batch_one_version_old_and_resumes_identically(tmp_path):
+    """staleness_threshold=0.5 (upstream's fractional meaning): per weight version the pool generates
+    1.5 batches, so from step 2 on half of batch t's groups were generated with v(t-2) and half with
+    v(t-1); no sample is more than ceil(0.5) = 1 version old. The checkpoint at step 2 falls with
+    half of batch 3 submitted and half held back: the resumed run trains the same groups with the
+    same versions."""
+    steps = 4
+    straight = tmp_path / "straight"
+    straight.mkdir()
+    cmd = _cmd(straight, steps, 0.5, "trainer.save_freq=2")
+    _run(cmd, straight)
+    trained = _trained(straight)
+    assert sorted(trained) == list(range(1, steps + 1))
+    assert Counter(r["weight_version"] for r in trained[1]) == {0: BATCH * N}
+    for step in range(2, steps + 1):
+        assert {r["uid"].split("_")[0] for r in trained[step]} == {str(step)}  # batch t at step t
+        versions = Counter(r["weight_version"] for r in trained[step])
+        assert versions == {step - 2: BATCH * N // 2, step - 1: BATCH * N // 2}, (step, versions)
+        # the older half is the batch's first groups (the part generated ahead)
+        older = {r["uid"] for r in trained[step] if r["weight_version"] == step - 2}
+        assert older == {f"{step}_{i}" for i in range(BATCH // 2)}
+    records = {r["step"]: r["data"] for r in _metrics(straight)}
+    assert [records[s]["async/staleness_max"] for s in range(1, steps + 1)] == [0, 1, 1, 1]
+    assert records[steps]["async/staleness_threshold"] == 0.5
+
+    killed = tmp_path / "killed"
+    killed.mkdir()
+    cmd = _cmd(killed, steps, 0.5, "trainer.save_freq=2")
+    _run_and_kill_9_after_checkpoint(cmd, killed, 2)
+    for f in (killed / "rollouts").glob("*.jsonl"):  # steps after the checkpoint are retrained on resume
+        if int(f.stem) > 2:
+            f.unlink()
+    _run(cmd, killed)
+    resumed = _trained(killed)
+    assert sorted(resumed) == list(range(1, steps + 1))
+    for step in range(1, steps + 1):
+        assert sorted((r["uid"], r["weight_version"]) for r in resumed[step]) == sorted(
+            (r["uid"], r["weight_version"]) for r in trained[step]
+        ), step
+
+
 def _step_metrics(tmp_path: Path, correction: str, steps: int = 2) -> dict[int, dict]:
     _run(_cmd(tmp_path, steps, 1, f"async_training.off_policy_correction={correction}"), tmp_path)
     return {r["step"]: r["data"] for r in _metrics(tmp_path)}

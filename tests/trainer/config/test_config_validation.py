@@ -402,15 +402,24 @@ def test_syncing_weights_less_often_than_the_staleness_bound_allows_is_refused(d
     validate_ppo_config(ok)  # the pool lags at most 1 version: within the bound of 1
     msg = error_of(with_(ok, async_training__trigger_parameter_sync_step=3))
     assert "async_training.trigger_parameter_sync_step=3 with staleness_threshold=1" in msg
-    assert "2 versions old, over the bound of 1" in msg
+    assert "generated 2 versions early, beyond the 1 batches generation may run ahead" in msg
     assert "set staleness_threshold >= 2 or trigger_parameter_sync_step <= 2" in msg
     assert "must be >= 1" in error_of(with_(ok, async_training__trigger_parameter_sync_step=0))
+    # a fraction of a batch ahead does not let the pool lag a whole version more
+    msg = error_of(with_(ok, async_training__staleness_threshold=1.5, async_training__trigger_parameter_sync_step=3))
+    assert "set staleness_threshold >= 2 or trigger_parameter_sync_step <= 2" in msg
+
+
+def test_fractional_staleness_thresholds_are_accepted_and_negative_ones_refused(defaults):
+    validate_ppo_config(with_(defaults, async_training__staleness_threshold=0.5))
+    validate_ppo_config(with_(defaults, async_training__staleness_threshold=1.25))
+    assert "must be >= 0" in error_of(with_(defaults, async_training__staleness_threshold=-0.5))
 
 
 def test_sync_schedule_and_partial_rollouts_need_generation_running_ahead(defaults):
     msg = error_of(with_(defaults, async_training__trigger_parameter_sync_step=2))
     assert "async_training.trigger_parameter_sync_step=2 only applies" in msg
-    assert "async_training.staleness_threshold >= 1" in msg
+    assert "async_training.staleness_threshold > 0" in msg
     assert "async_training.partial_rollout=True only applies" in error_of(
         with_(defaults, async_training__partial_rollout=True)
     )

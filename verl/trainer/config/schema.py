@@ -780,11 +780,12 @@ STALE_SAMPLE_POLICIES = ("regenerate", "drop")
 class AsyncTrainingConfig:
     """Generation running ahead of training in a separate rollout pool (see docs/async.md)."""
 
-    staleness_threshold: int = doc(
+    staleness_threshold: float = doc(
         "How many batches generation may run ahead of training: 0 is the synchronous colocated step; 1 is "
-        "one-step-off (batch t+1 is generated while batch t trains); k >= 1 moves generation to its own pool "
-        "(`rollout.*`) and no trained sample is more than k weight versions old. Upstream's fractional values "
-        "(partial batches) are not implemented: use an integer."
+        "one-step-off (batch t+1 is generated while batch t trains); s > 0 moves generation to its own pool "
+        "(`rollout.*`) and no trained sample is more than ceil(s) weight versions old. A fraction runs part of a "
+        "batch ahead: with 0.5, half of the next batch's groups are generated with the older weights (upstream's "
+        "fully-async meaning: up to (1 + s) batches generated per weight version)."
     )
     off_policy_correction: str = doc(
         "decoupled: PPO ratio clipped against the recomputed (proximal) log-probs, each token weighted by "
@@ -804,7 +805,7 @@ class AsyncTrainingConfig:
     trigger_parameter_sync_step: int = doc(
         "Push the trainer's weights to the rollout pool every N updates (1: after every update). Fewer syncs, "
         "but the pool's weights lag up to N-1 more versions behind, so generation runs ahead only while the "
-        "staleness bound still holds (between k-N+1 and k batches); N <= staleness_threshold + 1."
+        "staleness bound still holds (between s-N+1 and s batches); N <= floor(staleness_threshold) + 1."
     )
     partial_rollout: bool = doc(
         "Weights arriving while a generation is in flight are loaded between two decode steps and the unfinished "
@@ -844,7 +845,7 @@ class PPOConfig:
     ray_kwargs: RayKwargsConfig = doc("Ray start-up.")
     ray_init: LegacyRayInitConfig = doc("Legacy spelling of ray_kwargs.ray_init.")
     async_training: AsyncTrainingConfig = doc("Generation running ahead of training.")
-    rollout: RolloutPoolConfig = doc("The separate rollout pool used when async_training.staleness_threshold >= 1.")
+    rollout: RolloutPoolConfig = doc("The separate rollout pool used when async_training.staleness_threshold > 0.")
 
 
 def field_meta(f: dataclasses.Field) -> dict:

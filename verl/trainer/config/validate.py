@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import math
 import os
 import re
 import types
@@ -701,7 +702,7 @@ def _check_async_training(c: dict, errors: list[str]):
     k = at["staleness_threshold"]
     if k < 0:
         errors.append(
-            f"async_training.staleness_threshold={k} must be >= 0 (0: synchronous; k: generation up to k batches ahead)"
+            f"async_training.staleness_threshold={k} must be >= 0 (0: synchronous; s: generation up to s batches ahead)"
         )
     n = at["trigger_parameter_sync_step"]
     if n < 1:
@@ -719,15 +720,16 @@ def _check_async_training(c: dict, errors: list[str]):
                 errors.append(
                     f"async_training.{key}={at[key]} only applies to generation running ahead of training in its "
                     "own rollout pool, but async_training.staleness_threshold=0 (the colocated engine always "
-                    "generates with the current weights); set async_training.staleness_threshold >= 1 or drop it"
+                    "generates with the current weights); set async_training.staleness_threshold > 0 or drop it"
                 )
         return
-    if n > k + 1:
+    whole = math.floor(k)
+    if n > whole + 1:
         errors.append(
             f"async_training.trigger_parameter_sync_step={n} with staleness_threshold={k}: between two syncs the "
             f"rollout pool's weights fall up to {n - 1} versions behind the trainer's, so the batch trained right "
-            f"before a sync would be {n - 1} versions old, over the bound of {k}; set staleness_threshold >= {n - 1} "
-            f"or trigger_parameter_sync_step <= {k + 1}"
+            f"before a sync would have to be generated {n - 1} versions early, beyond the {k} batches generation "
+            f"may run ahead; set staleness_threshold >= {n - 1} or trigger_parameter_sync_step <= {whole + 1}"
         )
     rollout = c["actor_rollout_ref"]["rollout"]
     if at["partial_rollout"] and rollout["name"] not in ("hf", "vllm"):

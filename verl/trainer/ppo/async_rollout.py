@@ -7,6 +7,10 @@ batch a step trains on comes from a queue that a separate rollout pool keeps fil
     k = 0   the synchronous colocated step (this module is not used)
     k = 1   one-step-off: batch t+1 is generated while the trainer trains on batch t
     k >= 2  generation may run up to k batches ahead of training
+    s       a fraction (upstream's fully-async meaning): up to 1 + s batches generated per weight
+            version; the stream of prompt groups is submitted up to group floor((p + 1 + s) * G)
+            (G groups per batch, pool version p), so a batch may go out in two parts, the rest
+            held back until the next sync (and checkpointed). Staleness is bounded by ceil(s).
 
 Versions. The actor's weights after `s` updates are weight version `s`; step `t` trains with
 version `t-1`. Every rollout worker stamps each sample with the version it generated it with
@@ -63,6 +67,7 @@ timing).
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -81,10 +86,10 @@ STALE_SAMPLE_POLICIES = ("regenerate", "drop")
 DEFAULT_IMP_RATIO_CAP = 2.0
 
 
-def staleness_threshold(config) -> int:
+def staleness_threshold(config) -> float:
     """`async_training.staleness_threshold` of a PPO config (0 when the section is absent)."""
     section = config.get("async_training") or {}
-    return int(section.get("staleness_threshold", 0) or 0)
+    return float(section.get("staleness_threshold", 0) or 0)
 
 
 def configure_off_policy_correction(config) -> None:
@@ -150,7 +155,9 @@ class AsyncRolloutSource:
         cfg = trainer.config.async_training
         self.trainer = trainer
         self.rollout_wg = rollout_wg
-        self.k = int(cfg.staleness_threshold)
+        # s batches ahead (a fraction: part of a batch); ceil(s) is the hard bound on a sample's staleness
+        self.s = float(cfg.staleness_threshold)
+        self.k = math.ceil(self.s)
         self.correction = cfg.get("off_policy_correction", "decoupled")
         self.stale_policy = cfg.get("stale_sample_policy", "regenerate")
         self.timeout_s = float(cfg.get("weight_sync_timeout_s", 600))
@@ -162,6 +169,11 @@ class AsyncRolloutSource:
         self.n = int(rollout_cfg.n)
         self.groups_per_step = int(trainer.config.data.train_batch_size)
         self.num_drawn = 0
+        # Groups of drawn batches submitted so far, and the groups of the last drawn batch not yet
+        # submitted (a fractional staleness_threshold submits a batch in two parts).
+        self.num_submitted_groups = 0
+        self._held: DataProto | None = None
+        self._held_index = 0
         self._seq = 0
         self._chunks: list[_Chunk] = []  # submitted, not yet scored
         self._ready: list[DataProto] = []  # scored, not yet trained (group-aligned)
@@ -176,8 +188,10 @@ class AsyncRolloutSource:
     def __call__(self, state) -> DataProto:
         step = self.trainer.global_steps
         self._sync_weights(step, state)
-        # Batch b may be generated with the pool's version p only if (b-1) - p <= k.
-        self._submit_until(min(self._pool_version + 1 + self.k, self.trainer.total_training_steps))
+        # Group g of batch b may be generated with the pool's version p only if its position in the
+        # stream of groups is within (p + 1 + s) batches; for integer s: whole batches up to p + 1 + s.
+        ahead = math.floor((self._pool_version + 1 + self.s) * self.groups_per_step + 1e-9)
+        self._submit_groups_until(min(ahead, self.trainer.total_training_steps * self.groups_per_step))
         with marked_timer("wait_rollout", state.timing):
             batch = self._take(step, state)
         state.metrics.update(self._metrics(batch, step))
@@ -226,12 +240,30 @@ class AsyncRolloutSource:
         return wg._wait(list(refs), ranks=list(range(len(refs))), role=wg.role, method=method) if refs else []
 
     # ------------------------------------------------------------------ generation requests
-    def _submit_until(self, last_batch: int) -> None:
-        while self.num_drawn < last_batch:
-            self.num_drawn += 1
-            batch = self.trainer._next_batch()
-            batch.non_tensor_batch["uid"] = np.array([f"{self.num_drawn}_{i}" for i in range(len(batch))], dtype=object)
-            self._submit_groups(self.num_drawn, batch.repeat(repeat_times=self.n, interleave=True))
+    def _submit_groups_until(self, limit: int) -> None:
+        """Submit the stream of prompt groups (batch after batch, in dataloader order) up to group `limit`."""
+        while self.num_submitted_groups < limit:
+            if self._held is None:
+                self.num_drawn += 1
+                batch = self.trainer._next_batch()
+                uids = [f"{self.num_drawn}_{i}" for i in range(len(batch))]
+                batch.non_tensor_batch["uid"] = np.array(uids, dtype=object)
+                self._held, self._held_index = batch.repeat(repeat_times=self.n, interleave=True), self.num_drawn
+            held_groups = len(self._held) // self.n
+            take = min(held_groups, limit - self.num_submitted_groups)
+            if take == held_groups:
+                part, self._held = self._held, None
+            else:
+                part = self._held.slice(0, take * self.n)
+                self._held = self._held.slice(take * self.n, len(self._held))
+            self._submit_groups(self._held_index, part)
+            self.num_submitted_groups += take
+
+    def _submit_next_batch(self) -> None:
+        """Beyond the bound (everything queued was dropped as stale): the rest of the batch held back,
+        else one more batch, generated with the pool's current weights."""
+        more = len(self._held) // self.n if self._held is not None else self.groups_per_step
+        self._submit_groups_until(self.num_submitted_groups + more)
 
     def _submit_groups(self, batch_index: int, rows: DataProto) -> None:
         """Cut group-aligned rows into one chunk per rollout worker and submit each."""
@@ -298,7 +330,7 @@ class AsyncRolloutSource:
             if sum(len(b) for b in self._ready) >= need:
                 break
             if not self._chunks:  # everything stale was dropped: draw fresh prompts
-                self._submit_until(self.num_drawn + 1)
+                self._submit_next_batch()
             self._finish_one(state)
         merged = DataProto.concat(self._ready) if len(self._ready) > 1 else self._ready[0]
         batch = merged.slice(0, need)
@@ -336,7 +368,7 @@ class AsyncRolloutSource:
             "async/staleness_min": float(staleness.min()),
             "async/weight_version_min": float(versions.min()),
             "async/weight_version_max": float(versions.max()),
-            "async/staleness_threshold": float(self.k),
+            "async/staleness_threshold": self.s,
             "async/queued_batches": float(self.num_drawn - step),
             "async/dropped_stale_groups": float(self._stats.dropped_groups),
             "async/regenerated_stale_groups": float(self._stats.regenerated_groups),
@@ -353,6 +385,8 @@ class AsyncRolloutSource:
                 c.output = self._wait(self.rollout_wg, [c.ref], "generate_sequences")[0]
         return {
             "num_drawn": self.num_drawn,
+            "num_submitted_groups": self.num_submitted_groups,
+            "held": None if self._held is None else (self._held_index, self._held),
             "ready": list(self._ready),
             "chunks": [(c.batch_index, c.rows, c.gen, c.rank, c.output, c.seq) for c in self._chunks],
             "stats": (self._stats.dropped_groups, self._stats.regenerated_groups),
@@ -362,6 +396,10 @@ class AsyncRolloutSource:
 
     def load_state_dict(self, state: dict) -> None:
         self.num_drawn = int(state["num_drawn"])
+        # older checkpoints (whole batches only): every drawn batch was submitted
+        self.num_submitted_groups = int(state.get("num_submitted_groups", self.num_drawn * self.groups_per_step))
+        held = state.get("held")
+        self._held, self._held_index = (None, 0) if held is None else (held[1], int(held[0]))
         self._ready = list(state["ready"])
         self._chunks = [
             _Chunk(batch_index=b, rows=rows, gen=gen, rank=rank, output=out, seq=seq)
