@@ -15,7 +15,7 @@ BATCH = 4
 N = 4
 
 
-def _cmd(tmp_path: Path, steps: int, ahead: int, *extra: str) -> list[str]:
+def _cmd(tmp_path: Path, steps: int, ahead: float, *extra: str) -> list[str]:
     return [
         "bash",
         "examples/grpo_trainer/run_arith_tiny_cpu.sh",
@@ -39,6 +39,30 @@ def _trained(tmp_path: Path) -> dict[int, list[dict]]:
     for f in (tmp_path / "rollouts").glob("*.jsonl"):
         out[int(f.stem)] = [json.loads(line) for line in f.read_text().splitlines()]
     return out
+
+
+def _killed_after_step_2_and_resumed(tmp_path: Path, steps: int, ahead: float) -> dict[int, list[dict]]:
+    """The run of `_cmd(...)` with checkpoints every 2 steps, `kill -9`ed right after the step-2
+    checkpoint and resumed to the end (in `tmp_path / "killed"`): what each step trained."""
+    killed = tmp_path / "killed"
+    killed.mkdir()
+    cmd = _cmd(killed, steps, ahead, "trainer.save_freq=2")
+    _run_and_kill_9_after_checkpoint(cmd, killed, 2)
+    for f in (killed / "rollouts").glob("*.jsonl"):  # steps after the checkpoint are retrained on resume
+        if int(f.stem) > 2:
+            f.unlink()
+    _run(cmd, killed)
+    return _trained(killed)
+
+
+def assert_partial_rollout_tags(trained: dict[int, list[dict]], steps: int, ahead: int = 1) -> None:
+    """Every step trained; each sample's versions ordered, the oldest within the bound, the newest
+    never ahead of the trainer's."""
+    assert sorted(trained) == list(range(1, steps + 1))
+    for step, rows in trained.items():
+        for r in rows:
+            assert r["weight_version"] <= r["weight_version_max"] <= step - 1, (step, r)
+            assert (step - 1) - r["weight_version"] <= ahead, (step, r)
 
 
 def test_one_step_off_trains_batch_t_on_samples_of_weight_version_t_minus_2(tmp_path):
@@ -74,15 +98,7 @@ def test_staleness_never_exceeds_the_bound_and_resume_mid_run_loses_or_repeats_n
         assert {r["weight_version"] for r in rows} == {max(0, step - 1 - ahead)}, step
     assert max(r["data"]["async/staleness_max"] for r in _metrics(straight)) == ahead
 
-    killed = tmp_path / "killed"
-    killed.mkdir()
-    cmd = _cmd(killed, steps, ahead, "trainer.save_freq=2")
-    _run_and_kill_9_after_checkpoint(cmd, killed, 2)
-    for f in (killed / "rollouts").glob("*.jsonl"):  # steps after the checkpoint are retrained on resume
-        if int(f.stem) > 2:
-            f.unlink()
-    _run(cmd, killed)
-    resumed = _trained(killed)
+    resumed = _killed_after_step_2_and_resumed(tmp_path, steps, ahead)
     assert sorted(resumed) == list(range(1, steps + 1))
     groups = Counter(r["uid"] for rows in resumed.values() for r in rows)
     assert set(groups.values()) == {N}  # each group's N samples trained once, none twice
@@ -117,15 +133,7 @@ def test_half_a_batch_ahead_trains_half_of_each_batch_one_version_old_and_resume
     assert [records[s]["async/staleness_max"] for s in range(1, steps + 1)] == [0, 1, 1, 1]
     assert records[steps]["async/staleness_threshold"] == 0.5
 
-    killed = tmp_path / "killed"
-    killed.mkdir()
-    cmd = _cmd(killed, steps, 0.5, "trainer.save_freq=2")
-    _run_and_kill_9_after_checkpoint(cmd, killed, 2)
-    for f in (killed / "rollouts").glob("*.jsonl"):  # steps after the checkpoint are retrained on resume
-        if int(f.stem) > 2:
-            f.unlink()
-    _run(cmd, killed)
-    resumed = _trained(killed)
+    resumed = _killed_after_step_2_and_resumed(tmp_path, steps, 0.5)
     assert sorted(resumed) == list(range(1, steps + 1))
     for step in range(1, steps + 1):
         assert sorted((r["uid"], r["weight_version"]) for r in resumed[step]) == sorted(
@@ -266,12 +274,7 @@ def test_partial_rollouts_tag_each_sample_with_its_oldest_and_newest_version_wit
         tmp_path, steps, 1, "async_training.partial_rollout=true", "async_training.partial_rollout_check_steps=1"
     )
     _run(cmd, tmp_path)
-    trained = _trained(tmp_path)
-    assert sorted(trained) == list(range(1, steps + 1))
-    for step, rows in trained.items():
-        for r in rows:
-            assert r["weight_version"] <= r["weight_version_max"] <= step - 1, (step, r)
-            assert (step - 1) - r["weight_version"] <= 1, (step, r)
+    assert_partial_rollout_tags(_trained(tmp_path), steps)
     records = {r["step"]: r["data"] for r in _metrics(tmp_path)}
     assert all(0.0 <= records[s]["async/mixed_version_frac"] <= 1.0 for s in records)
 

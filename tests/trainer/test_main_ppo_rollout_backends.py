@@ -90,7 +90,7 @@ def test_one_step_off_with_vllm_partial_rollouts_tags_versions_within_the_bound(
     """Generation one step ahead in a separate rollout pool running vLLM, with partial rollouts
     checked every engine step: every trained sample's oldest version is within the bound, its newest
     never ahead of the trainer, and the rollout log-probs stay those of the sampling weights."""
-    from tests.trainer.test_main_ppo_async import _cmd, _trained
+    from tests.trainer.test_main_ppo_async import _cmd, _trained, assert_partial_rollout_tags
     from tests.trainer.test_main_ppo_e2e import _metrics, _run
 
     steps = 3
@@ -104,12 +104,7 @@ def test_one_step_off_with_vllm_partial_rollouts_tags_versions_within_the_bound(
         "async_training.partial_rollout_check_steps=1",
     )
     _run(cmd, tmp_path, timeout=900)
-    trained = _trained(tmp_path)
-    assert sorted(trained) == list(range(1, steps + 1))
-    for step, rows in trained.items():
-        for r in rows:
-            assert r["weight_version"] <= r["weight_version_max"] <= step - 1, (step, r)
-            assert (step - 1) - r["weight_version"] <= 1, (step, r)
+    assert_partial_rollout_tags(_trained(tmp_path), steps)
     records = {r["step"]: r["data"] for r in _metrics(tmp_path)}
     for step in range(1, steps + 1):
         data = records[step]

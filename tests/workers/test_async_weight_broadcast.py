@@ -136,15 +136,9 @@ def _hf_log_probs(out: DataProto) -> torch.Tensor:
     """[B, R] float64 log-probs of the response tokens under the bundled (version 0) checkpoint."""
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(bundled_model_path(), dtype=torch.float64).eval()
-    b = out.batch
-    with torch.no_grad():
-        logits = model(
-            input_ids=b["input_ids"], attention_mask=b["attention_mask"], position_ids=b["position_ids"]
-        ).logits
-    P = b["prompts"].shape[1]
-    scores = torch.log_softmax(logits[:, P - 1 : -1], -1)
-    return scores.gather(-1, b["responses"][..., None]).squeeze(-1) * b["response_mask"]
+    from tests.workers.rollout.conftest import response_log_probs
+
+    return response_log_probs(AutoModelForCausalLM.from_pretrained(bundled_model_path()).eval(), out)
 
 
 def test_weights_sent_during_a_partial_rollout_are_taken_mid_generation_with_each_tokens_own_log_probs(ray_session):

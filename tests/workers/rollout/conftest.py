@@ -72,6 +72,43 @@ def hf_greedy_loop(model, input_ids, attention_mask, new_tokens: int):
     return torch.stack(out, dim=1)
 
 
+def response_log_probs(model, out) -> torch.Tensor:
+    """[B, R] float64 log-prob of each response token of a rollout output under `model` (a full
+    forward over prompt + response on a float64 copy, no KV cache; 0 where the mask is 0)."""
+    import copy
+
+    model = copy.deepcopy(model).double()
+    b = out.batch
+    with torch.no_grad():
+        logits = model(
+            input_ids=b["input_ids"], attention_mask=b["attention_mask"], position_ids=b["position_ids"]
+        ).logits
+    P = b["prompts"].shape[1]
+    scores = torch.log_softmax(logits[:, P - 1 : -1].double(), -1)
+    return scores.gather(-1, b["responses"][..., None]).squeeze(-1) * b["response_mask"]
+
+
+class SwapTo:
+    """A stand-in for a rollout worker's weight refresh (partial rollouts): `model`'s weights wait
+    from the start (when `waiting`), so the engine's first check pauses and loads them as version 1;
+    counts the checks."""
+
+    def __init__(self, rollout, model, waiting: bool = True):
+        self.rollout, self.model, self.waiting = rollout, model, waiting
+        self.version = 0
+        self.num_checks = 0
+
+    def pending(self) -> bool:
+        self.num_checks += 1
+        return self.waiting
+
+    def load(self) -> int:
+        self.rollout.update_weights(iter(self.model.state_dict().items()))
+        self.waiting = False
+        self.version = 1
+        return self.version
+
+
 @pytest.fixture(scope="module")
 def qwen2_model():
     return build_model("qwen2")

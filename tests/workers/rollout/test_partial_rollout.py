@@ -8,11 +8,9 @@ log-prob of a token must be the one of the version that sampled it.
 
 from __future__ import annotations
 
-import copy
-
 import numpy as np
 import torch
-from conftest import build_model, left_padded_prompts
+from conftest import SwapTo, build_model, left_padded_prompts, response_log_probs
 
 from verl.protocol import DataProto
 from verl.workers.rollout.hf_rollout import HFRollout
@@ -23,26 +21,6 @@ EOS = list(range(2, 10))
 R = 10
 PAUSE_AFTER = 3  # partial_rollout_check_steps: the first check comes after 3 sampled columns
 LENGTHS = [6, 2, 4, 5, 3, 6, 4, 2, 5, 3, 4, 6]
-
-
-class _SwapTo:
-    """A stand-in for the rollout worker's weight receiver: `model`'s weights wait from the start
-    (when `waiting`), so the first check pauses; counts the engine's checks."""
-
-    def __init__(self, rollout: HFRollout, model, waiting: bool = True):
-        self.rollout, self.model, self.waiting = rollout, model, waiting
-        self.version = 0
-        self.num_checks = 0
-
-    def pending(self) -> bool:
-        self.num_checks += 1
-        return self.waiting
-
-    def load(self) -> int:
-        self.rollout.update_weights(self.model.state_dict().items())
-        self.waiting = False
-        self.version = 1
-        return self.version
 
 
 def _prompts(**meta) -> DataProto:
@@ -59,23 +37,10 @@ def _rollout(model) -> HFRollout:
     return HFRollout(model, {"response_length": R, "calculate_log_probs": True, "temperature": 1.0}, device="cpu")
 
 
-def _token_log_probs(model, out: DataProto) -> torch.Tensor:
-    """[B, R] float64 log-prob of each response token under `model` (full forward, no cache)."""
-    model = copy.deepcopy(model).double()
-    b = out.batch
-    with torch.no_grad():
-        logits = model(
-            input_ids=b["input_ids"], attention_mask=b["attention_mask"], position_ids=b["position_ids"]
-        ).logits
-    P = b["prompts"].shape[1]
-    scores = torch.log_softmax(logits[:, P - 1 : -1].double(), -1)
-    return scores.gather(-1, b["responses"][..., None]).squeeze(-1) * b["response_mask"]
-
-
 def test_interrupted_rows_hold_tokens_of_two_versions_each_with_the_log_probs_of_the_version_that_sampled_it():
     v0, v1 = build_model("qwen2", seed=0), build_model("qwen2", seed=1)
     rollout = _rollout(v0)
-    rollout.weight_refresh = _SwapTo(rollout, v1)
+    rollout.weight_refresh = SwapTo(rollout, v1)
     torch.manual_seed(0)
     out = rollout.generate_sequences(_prompts(partial_rollout=True, partial_rollout_check_steps=PAUSE_AFTER))
 
@@ -86,7 +51,7 @@ def test_interrupted_rows_hold_tokens_of_two_versions_each_with_the_log_probs_of
     assert out.non_tensor_batch["weight_version_max"].tolist() == interrupted.astype(int).tolist()
 
     got = out.batch["rollout_log_probs"].double()
-    lp0, lp1 = _token_log_probs(v0, out), _token_log_probs(v1, out)
+    lp0, lp1 = response_log_probs(v0, out), response_log_probs(v1, out)
     before, after = slice(0, PAUSE_AFTER), slice(PAUSE_AFTER, R)
     torch.testing.assert_close(got[:, before], lp0[:, before], atol=1e-4, rtol=0)
     torch.testing.assert_close(got[:, after], lp1[:, after], atol=1e-4, rtol=0)
@@ -106,7 +71,7 @@ def test_without_partial_rollout_or_without_new_weights_generation_is_unchanged(
 
     # partial rollouts off: weights waiting are not looked at, every token comes from v0
     off = _rollout(v0)
-    off.weight_refresh = _SwapTo(off, v1, waiting=True)
+    off.weight_refresh = SwapTo(off, v1, waiting=True)
     torch.manual_seed(5)
     out_off = off.generate_sequences(_prompts(partial_rollout=False, partial_rollout_check_steps=1))
     assert off.weight_refresh.num_checks == 0 and off.weight_refresh.version == 0
@@ -114,7 +79,7 @@ def test_without_partial_rollout_or_without_new_weights_generation_is_unchanged(
 
     # partial rollouts on but nothing newer arrives: checked every step, same samples
     on = _rollout(v0)
-    on.weight_refresh = _SwapTo(on, v1, waiting=False)
+    on.weight_refresh = SwapTo(on, v1, waiting=False)
     torch.manual_seed(5)
     out_on = on.generate_sequences(_prompts(partial_rollout=True, partial_rollout_check_steps=1))
     assert on.weight_refresh.num_checks > 0
@@ -123,5 +88,5 @@ def test_without_partial_rollout_or_without_new_weights_generation_is_unchanged(
     for out in (out_off, out_on):
         for key in ("responses", "response_mask", "rollout_log_probs", "input_ids", "position_ids"):
             assert torch.equal(out.batch[key], plain.batch[key]), key
-    lp0 = _token_log_probs(v0, plain)
+    lp0 = response_log_probs(v0, plain)
     torch.testing.assert_close(plain.batch["rollout_log_probs"].double(), lp0, atol=1e-4, rtol=0)

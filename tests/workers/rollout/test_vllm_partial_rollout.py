@@ -10,13 +10,12 @@ value left over from the old weights would show.
 
 from __future__ import annotations
 
-import copy
 import time
 
 import numpy as np
 import pytest
 import torch
-from conftest import build_model, left_padded_prompts
+from conftest import SwapTo, build_model, left_padded_prompts, response_log_probs
 
 pytest.importorskip("vllm")
 pytestmark = pytest.mark.vllm
@@ -29,26 +28,6 @@ EOS = list(range(2, 10))
 R = 10
 CHECK_STEPS = 3
 LENGTHS = [6, 2, 4, 5, 3, 6, 4, 2, 5, 3, 4, 6, 5, 3, 6, 2]
-
-
-class _SwapTo:
-    """A stand-in for the rollout worker's weight receiver: `model`'s weights wait from the start
-    (when `waiting`), so the first check pauses; counts the checks."""
-
-    def __init__(self, rollout, model, waiting: bool = True):
-        self.rollout, self.model, self.waiting = rollout, model, waiting
-        self.version = 0
-        self.num_checks = 0
-
-    def pending(self) -> bool:
-        self.num_checks += 1
-        return self.waiting
-
-    def load(self) -> int:
-        self.rollout.update_weights(iter(self.model.state_dict().items()))
-        self.waiting = False
-        self.version = 1
-        return self.version
 
 
 @pytest.fixture(scope="module")
@@ -85,29 +64,16 @@ def _prompts(**meta) -> DataProto:
     )
 
 
-def _token_log_probs(model, out: DataProto) -> torch.Tensor:
-    """[B, R] float64 log-prob of each response token under `model` (full forward, no cache)."""
-    model = copy.deepcopy(model).double()
-    b = out.batch
-    with torch.no_grad():
-        logits = model(
-            input_ids=b["input_ids"], attention_mask=b["attention_mask"], position_ids=b["position_ids"]
-        ).logits
-    P = b["prompts"].shape[1]
-    scores = torch.log_softmax(logits[:, P - 1 : -1].double(), -1)
-    return scores.gather(-1, b["responses"][..., None]).squeeze(-1) * b["response_mask"]
-
-
 def test_paused_requests_go_on_with_the_new_weights_and_each_token_has_its_versions_log_prob(versions):
     path, v0, v1 = versions
     rollout = _rollout(path)
-    rollout.weight_refresh = _SwapTo(rollout, v1)
+    rollout.weight_refresh = SwapTo(rollout, v1)
     out = rollout.generate_sequences(_prompts(partial_rollout=True, partial_rollout_check_steps=CHECK_STEPS))
     rollout.release()
 
     mask = out.batch["response_mask"].bool()
     got = out.batch["rollout_log_probs"].double()
-    lp0, lp1 = _token_log_probs(v0, out), _token_log_probs(v1, out)
+    lp0, lp1 = response_log_probs(v0, out), response_log_probs(v1, out)
     close0 = ((got - lp0).abs() < 2e-3) | ~mask
     close1 = ((got - lp1).abs() < 2e-3) | ~mask
     # the versions disagree on every sampled token, so each token tells which one sampled it
@@ -139,18 +105,18 @@ def test_paused_requests_go_on_with_the_new_weights_and_each_token_has_its_versi
 def test_without_newer_weights_the_stepped_generation_samples_from_one_version(versions):
     path, v0, v1 = versions
     rollout = _rollout(path)
-    rollout.weight_refresh = _SwapTo(rollout, v1, waiting=False)
+    rollout.weight_refresh = SwapTo(rollout, v1, waiting=False)
     out = rollout.generate_sequences(_prompts(partial_rollout=True, partial_rollout_check_steps=1))
     rollout.release()
     assert rollout.weight_refresh.num_checks >= R - 1 and rollout.weight_refresh.version == 0
     assert out.non_tensor_batch["weight_version_max"].tolist() == [0] * len(LENGTHS)
     mask = out.batch["response_mask"].bool()
     assert mask.sum(-1).lt(R).any() and mask.sum(-1).gt(1).any()
-    diff = (out.batch["rollout_log_probs"].double() - _token_log_probs(v0, out)).abs()
+    diff = (out.batch["rollout_log_probs"].double() - response_log_probs(v0, out)).abs()
     assert diff.max().item() < 2e-3
 
 
-class _LateReader(_SwapTo):
+class _LateReader(SwapTo):
     """A rank whose own look at the store never sees the new version (it reads too early): it must
     pause anyway, because the other rank of its engine group does."""
 
@@ -191,7 +157,7 @@ def _tensor_parallel_rank(rank: int, world_size: int, port: int, path: str, resu
         path, {"prompt_length": 8, "response_length": R, "tensor_model_parallel_size": 2, "max_num_seqs": 32}
     )
     v1 = build_model("qwen2", seed=1)
-    engine.weight_refresh = (_SwapTo if rank == 0 else _LateReader)(engine, v1)
+    engine.weight_refresh = (SwapTo if rank == 0 else _LateReader)(engine, v1)
     half = len(LENGTHS) // 2
     prompts = _prompts(do_sample=False, partial_rollout=True, partial_rollout_check_steps=CHECK_STEPS)
     mine = prompts[:half] if rank == 0 else prompts[half:]
