@@ -9,7 +9,8 @@ SFT model on the arithmetic task, with the same total number of CPU worker proce
   rollout pool (`--rollout-workers` of them), generation of the next batches overlapping training;
 - `2s2`: k=2 with `async_training.trigger_parameter_sync_step=2` (weights pushed every 2 updates);
 - `1p`: k=1 with `async_training.partial_rollout=true` (weights taken mid-generation, checked every
-  decode step); `mixed` reports the fraction of trained samples whose tokens span two versions.
+  decode step); `mixed` reports the fraction of trained samples whose tokens span two versions;
+- a fraction such as `0.5` (not run by default): half of each next batch generated ahead.
 
 Reported per setting: training wall-clock (sum of `timing_s/step`, start-up and validation
 excluded), the trainer's idle time waiting for samples (`timing_s/wait_rollout`), the greedy
@@ -39,12 +40,16 @@ ROOT = Path(__file__).resolve().parents[1]
 VAL_KEY = "val-core/arith/acc/mean@1"
 
 
-def parse_setting(text: str) -> tuple[int, int, bool]:
-    """'2' -> (ahead 2, sync every 1, no partial rollouts); '2s2' -> sync every 2; '1p' -> partial."""
-    m = re.fullmatch(r"(\d+)(?:s(\d+))?(p?)", text)
+def parse_setting(text: str) -> tuple[float, int, bool]:
+    """'2' -> (ahead 2, sync every 1, no partial rollouts); '2s2' -> sync every 2; '1p' -> partial;
+    '0.5' -> half a batch ahead."""
+    m = re.fullmatch(r"(\d+(?:\.\d+)?)(?:s(\d+))?(p?)", text)
     if m is None:
-        raise SystemExit(f"--ahead {text!r}: expected K, KsN (sync every N updates) or Kp (partial rollouts)")
-    return int(m.group(1)), int(m.group(2) or 1), bool(m.group(3))
+        raise SystemExit(
+            f"--ahead {text!r}: expected K (0.5: half a batch), KsN (sync every N updates) or Kp (partial)"
+        )
+    ahead = float(m.group(1))
+    return (int(ahead) if ahead.is_integer() else ahead), int(m.group(2) or 1), bool(m.group(3))
 
 
 def run(setting: str, args, workdir: Path) -> dict:
