@@ -19,7 +19,12 @@ from verl.protocol import DataProto
 from verl.utils.checkpoint.fsdp_checkpoint_manager import FSDPCheckpointManager
 from verl.utils.fsdp_utils import apply_fsdp2, iter_full_params
 from verl.workers.actor import DataParallelPPOActor
-from verl.workers.dp_training import average_replica_gradients, dp_group_and_size, replicate_over_ranks
+from verl.workers.dp_training import (
+    average_gradients,
+    average_replica_gradients,
+    dp_group_and_size,
+    replicate_over_ranks,
+)
 
 pytestmark = pytest.mark.usefixtures(one_thread.__name__)
 
@@ -174,3 +179,35 @@ def test_the_worker_replicates_only_small_models_whose_computation_fsdp_would_no
     big = copy.deepcopy(model)
     big.extra = torch.nn.Linear(4000, 4000)  # 16M parameters: sharded
     assert not _trains_as_plain_replicas({}, big)
+
+
+def _bucketed_average(rank, world_size):
+    # three float64 tensors of 4, 6 and 3 elements and one float32: with 48-byte buckets (6 float64)
+    # the float64 gradients go out as [4], [6], [3] and the float32 one alone
+    params = [torch.nn.Parameter(torch.zeros(n, dtype=torch.float64)) for n in (4, 6, 3)]
+    params.append(torch.nn.Parameter(torch.zeros(5, dtype=torch.float32)))
+    for i, p in enumerate(params):
+        p.grad = torch.arange(p.numel(), dtype=p.dtype) * (rank + 1) + 10 * i
+    params[1].grad = None if rank == 0 else params[1].grad  # missing on rank 0: counts as zero
+    calls = []
+    real_all_reduce = dist.all_reduce
+
+    def counting_all_reduce(tensor, *args, **kwargs):
+        calls.append(tensor.numel())
+        return real_all_reduce(tensor, *args, **kwargs)
+
+    dist.all_reduce = counting_all_reduce
+    try:
+        average_gradients(params, None, 2, bucket_bytes=48)
+    finally:
+        dist.all_reduce = real_all_reduce
+    assert calls == [4, 6, 3, 5]
+    for i, p in enumerate(params):
+        base = torch.arange(p.numel(), dtype=p.dtype)
+        # mean over ranks of base * (rank + 1) + 10 i, with rank 0's missing gradient as zero
+        want = (base * 2 + 10 * i) / 2 if i == 1 else (base * 1 + base * 2 + 20 * i) / 2
+        assert torch.equal(p.grad, want.to(p.dtype)), i
+
+
+def test_gradients_are_averaged_in_size_bounded_buckets():
+    run_distributed(_bucketed_average, 2)

@@ -29,6 +29,7 @@ from verl.utils.seqlen_balancing import get_reverse_idx, rearrange_micro_batches
 
 __all__ = [
     "append_to_dict",
+    "average_gradients",
     "average_replica_gradients",
     "clip_grad_and_step",
     "config_to_dict",
@@ -142,28 +143,54 @@ def replicate_over_ranks(module: torch.nn.Module, group=None) -> torch.nn.Module
 
 @torch.no_grad()
 def average_replica_gradients(module: torch.nn.Module) -> None:
-    """Average the gradients of a `replicate_over_ranks` module over its ranks (a no-op otherwise).
-
-    One all-reduce per dtype over a flat buffer of every trainable parameter's gradient; a
-    parameter without a gradient on this rank counts as zero (its `.grad` is then set), so ranks
-    whose forward passes touched different parameters still send buffers of the same layout.
-    """
+    """Average the gradients of a `replicate_over_ranks` module over its ranks (a no-op otherwise),
+    with `average_gradients`."""
     replicas = getattr(module, _REPLICAS_ATTR, None)
     if replicas is None or replicas.size <= 1:
         return
+    average_gradients([p for p in module.parameters() if p.requires_grad], replicas.group, replicas.size)
+
+
+GRAD_BUCKET_BYTES = 64 << 20
+
+
+def average_gradients(params, group, size: int, bucket_bytes: int = GRAD_BUCKET_BYTES) -> None:
+    """Average the gradients of `params` over the `size` ranks of `group`, in place.
+
+    One all-reduce per bucket: the gradients are packed per dtype into flat buffers of at most
+    `bucket_bytes` (a larger tensor is a bucket of its own), so a model costs a few collectives
+    instead of one per tensor, and never a second full copy of its gradients. A parameter without
+    a gradient on this rank counts as zero (its `.grad` is then set), so ranks whose forward passes
+    touched different parameters still send buffers of the same layout. Every rank must pass the
+    same parameters in the same order.
+    """
     by_dtype: dict[torch.dtype, list[torch.nn.Parameter]] = {}
-    for param in module.parameters():
-        if param.requires_grad:
-            by_dtype.setdefault(param.dtype, []).append(param)
-    for params in by_dtype.values():
-        flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in params])
-        dist.all_reduce(flat, group=replicas.group)
-        flat.div_(replicas.size)
-        for param, chunk in zip(params, flat.split([p.numel() for p in params])):
-            if param.grad is None:
-                param.grad = chunk.view_as(param).clone()
-            else:
-                param.grad.copy_(chunk.view_as(param))
+    for param in params:
+        by_dtype.setdefault(param.dtype, []).append(param)
+    for dtype, group_params in by_dtype.items():
+        limit = max(1, bucket_bytes // torch.empty((), dtype=dtype).element_size())
+        bucket: list[torch.nn.Parameter] = []
+        numel = 0
+        for param in group_params + [None]:
+            if param is not None and (not bucket or numel + param.numel() <= limit):
+                bucket.append(param)
+                numel += param.numel()
+                continue
+            _average_bucket(bucket, group, size)
+            bucket, numel = ([param], param.numel()) if param is not None else ([], 0)
+        if bucket:
+            _average_bucket(bucket, group, size)
+
+
+def _average_bucket(params, group, size: int) -> None:
+    flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in params])
+    dist.all_reduce(flat, group=group)
+    flat.div_(size)
+    for param, chunk in zip(params, flat.split([p.numel() for p in params])):
+        if param.grad is None:
+            param.grad = chunk.view_as(param).clone()
+        else:
+            param.grad.copy_(chunk.view_as(param))
 
 
 def dp_group_and_size(module: torch.nn.Module):

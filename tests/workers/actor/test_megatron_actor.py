@@ -129,3 +129,42 @@ def _check_against_fsdp_actor(rank, world_size, tp, pp, architecture, tie, vpp=N
 )
 def test_megatron_actor_matches_fsdp_actor(tp, pp, vpp, micro, architecture, tie):
     run_distributed(_check_against_fsdp_actor, tp * pp, tp, pp, architecture, tie, vpp, micro)
+
+
+def _data_parallel_against_fsdp_actor(rank, world_size):
+    """dp=2 (tp=1, pp=1): each rank trains its half of every mini-batch; the gradients averaged over
+    the data-parallel group give the single-process update on the whole batch."""
+    from verl.workers.actor.megatron_actor import MegatronPPOActor
+
+    hf_model = tiny_hf_model("qwen2")
+    data = _training_data(hf_model)
+    reference_model = copy.deepcopy(hf_model)
+    reference = DataParallelPPOActor(
+        _actor_config(ppo_mini_batch_size=4), reference_model, torch.optim.SGD(reference_model.parameters(), lr=LR)
+    )
+    want_metrics = reference.update_policy(copy.deepcopy(data))
+
+    chunks = build_loaded_chunks(hf_model, tp=1, pp=1)
+    from megatron.core import parallel_state as mpu
+
+    assert mpu.get_data_parallel_world_size() == 2
+    params = [p for chunk in chunks for p in chunk.parameters()]
+    actor = MegatronPPOActor(
+        _actor_config(ppo_mini_batch_size=2), chunks, hf_model.config, torch.optim.SGD(params, lr=LR)
+    )
+    # reference mini-batches are rows 0-3 and 4-7; each rank holds half of each
+    mine = torch.tensor([0, 1, 4, 5] if rank == 0 else [2, 3, 6, 7])
+    got_metrics = actor.update_policy(data.select_idxs(mine))
+    torch.testing.assert_close(
+        torch.tensor(got_metrics["actor/grad_norm"], dtype=torch.float64),
+        torch.tensor(want_metrics["actor/grad_norm"], dtype=torch.float64),
+        atol=1e-5,
+        rtol=1e-5,
+    )
+    want = reference_model.state_dict()
+    for name, tensor in _gathered_weights(chunks, hf_model.config).items():
+        torch.testing.assert_close(tensor, want[name], atol=1e-5, rtol=0, msg=name)
+
+
+def test_megatron_data_parallel_update_equals_the_single_process_update_on_the_whole_batch():
+    run_distributed(_data_parallel_against_fsdp_actor, 2)

@@ -22,7 +22,7 @@ Design decisions:
   apex or TransformerEngine, none of which exist on CPU. `use_distributed_optimizer` splits the
   Adam state over data-parallel ranks with torch's ZeroRedundancyOptimizer (`verl.utils.optim`).
 - Gradients are synchronised by hand after each mini-batch: averaged over megatron's data-parallel
-  group, summed over the embedding group for tied embeddings split across pipeline stages, then
+  group (flat buckets of up to 64 MB, `verl.workers.dp_training.average_gradients`), summed over the embedding group for tied embeddings split across pipeline stages, then
   clipped by the norm over the whole model (each tensor-parallel shard once, replicated
   parameters once, the tied copy once) as `torch.nn.utils.clip_grad_norm_` would compute it on the
   unsharded model.
@@ -43,7 +43,7 @@ from verl.models.mcore.forward import left_align, response_columns
 from verl.utils.device import get_device
 from verl.utils.megatron.tensor_parallel import vocab_parallel_log_probs_and_entropy
 from verl.workers.actor.dp_actor import _MODEL_INPUTS, DataParallelPPOActor, _require_temperature
-from verl.workers.dp_training import append_to_dict, split_micro_batches
+from verl.workers.dp_training import append_to_dict, average_gradients, split_micro_batches
 
 __all__ = [
     "MegatronPPOActor",
@@ -79,13 +79,9 @@ def finalize_megatron_grads(model_chunks) -> None:
     from megatron.core import parallel_state as mpu
 
     dp_size = mpu.get_data_parallel_world_size()
-    if dp_size > 1:
-        group = mpu.get_data_parallel_group()
-        for chunk in model_chunks:
-            for param in chunk.parameters():
-                if param.grad is not None:
-                    dist.all_reduce(param.grad, group=group)
-                    param.grad.div_(dp_size)
+    if dp_size > 1:  # bucketed: a few all-reduces per step instead of one per tensor
+        params = {id(p): p for chunk in model_chunks for p in chunk.parameters() if p.requires_grad}
+        average_gradients(list(params.values()), mpu.get_data_parallel_group(), dp_size)
     if mpu.get_pipeline_model_parallel_world_size() > 1 and mpu.is_rank_in_embedding_group(ignore_virtual=True):
         for chunk in (model_chunks[0], model_chunks[-1]):
             if not chunk.share_embeddings_and_output_weights:
