@@ -167,19 +167,17 @@ def average_gradients(params, group, size: int, bucket_bytes: int = GRAD_BUCKET_
     by_dtype: dict[torch.dtype, list[torch.nn.Parameter]] = {}
     for param in params:
         by_dtype.setdefault(param.dtype, []).append(param)
-    for dtype, group_params in by_dtype.items():
+    for dtype, same_dtype in by_dtype.items():
         limit = max(1, bucket_bytes // torch.empty((), dtype=dtype).element_size())
         bucket: list[torch.nn.Parameter] = []
         numel = 0
-        for param in group_params + [None]:
-            if param is not None and (not bucket or numel + param.numel() <= limit):
-                bucket.append(param)
-                numel += param.numel()
-                continue
-            _average_bucket(bucket, group, size)
-            bucket, numel = ([param], param.numel()) if param is not None else ([], 0)
-        if bucket:
-            _average_bucket(bucket, group, size)
+        for param in same_dtype:
+            if bucket and numel + param.numel() > limit:
+                _average_bucket(bucket, group, size)
+                bucket, numel = [], 0
+            bucket.append(param)
+            numel += param.numel()
+        _average_bucket(bucket, group, size)
 
 
 def _average_bucket(params, group, size: int) -> None:

@@ -72,6 +72,22 @@ def hf_greedy_loop(model, input_ids, attention_mask, new_tokens: int):
     return torch.stack(out, dim=1)
 
 
+def sampled_prompt_batch(lengths, eos_token_id, pad_token_id: int = 0, **meta):
+    """A DataProto of random left-padded prompts of `lengths` (seed 3), one uid per row, asking for
+    sampling with the given stop/pad ids; `meta` adds or overrides meta_info keys."""
+    import numpy as np
+
+    from verl.protocol import DataProto
+
+    input_ids, attention_mask = left_padded_prompts(lengths, seed=3)
+    position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
+    return DataProto.from_dict(
+        tensors={"input_ids": input_ids, "attention_mask": attention_mask, "position_ids": position_ids},
+        non_tensors={"uid": np.array([f"u{i}" for i in range(len(lengths))], dtype=object)},
+        meta_info={"eos_token_id": eos_token_id, "pad_token_id": pad_token_id, "do_sample": True, **meta},
+    )
+
+
 def response_log_probs(model, out) -> torch.Tensor:
     """[B, R] float64 log-prob of each response token of a rollout output under `model` (a full
     forward over prompt + response on a float64 copy, no KV cache; 0 where the mask is 0)."""

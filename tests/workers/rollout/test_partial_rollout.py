@@ -8,9 +8,8 @@ log-prob of a token must be the one of the version that sampled it.
 
 from __future__ import annotations
 
-import numpy as np
 import torch
-from conftest import SwapTo, build_model, left_padded_prompts, response_log_probs
+from conftest import SwapTo, build_model, response_log_probs, sampled_prompt_batch
 
 from verl.protocol import DataProto
 from verl.workers.rollout.hf_rollout import HFRollout
@@ -24,13 +23,7 @@ LENGTHS = [6, 2, 4, 5, 3, 6, 4, 2, 5, 3, 4, 6]
 
 
 def _prompts(**meta) -> DataProto:
-    input_ids, attention_mask = left_padded_prompts(LENGTHS, seed=3)
-    position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
-    return DataProto.from_dict(
-        tensors={"input_ids": input_ids, "attention_mask": attention_mask, "position_ids": position_ids},
-        non_tensors={"uid": np.array([f"u{i}" for i in range(len(LENGTHS))], dtype=object)},
-        meta_info={"eos_token_id": EOS, "pad_token_id": PAD, "do_sample": True, **meta},
-    )
+    return sampled_prompt_batch(LENGTHS, EOS, PAD, **meta)
 
 
 def _rollout(model) -> HFRollout:

@@ -12,10 +12,9 @@ from __future__ import annotations
 
 import time
 
-import numpy as np
 import pytest
 import torch
-from conftest import SwapTo, build_model, left_padded_prompts, response_log_probs
+from conftest import SwapTo, build_model, response_log_probs, sampled_prompt_batch
 
 pytest.importorskip("vllm")
 pytestmark = pytest.mark.vllm
@@ -55,13 +54,7 @@ def _rollout(path):
 
 
 def _prompts(**meta) -> DataProto:
-    input_ids, attention_mask = left_padded_prompts(LENGTHS, seed=3)
-    position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
-    return DataProto.from_dict(
-        tensors={"input_ids": input_ids, "attention_mask": attention_mask, "position_ids": position_ids},
-        non_tensors={"uid": np.array([f"u{i}" for i in range(len(LENGTHS))], dtype=object)},
-        meta_info={"eos_token_id": EOS, "pad_token_id": PAD, "do_sample": True, **meta},
-    )
+    return sampled_prompt_batch(LENGTHS, EOS, PAD, **meta)
 
 
 def test_paused_requests_go_on_with_the_new_weights_and_each_token_has_its_versions_log_prob(versions):

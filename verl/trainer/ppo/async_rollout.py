@@ -169,11 +169,10 @@ class AsyncRolloutSource:
         self.n = int(rollout_cfg.n)
         self.groups_per_step = int(trainer.config.data.train_batch_size)
         self.num_drawn = 0
-        # Groups of drawn batches submitted so far, and the groups of the last drawn batch not yet
-        # submitted (a fractional staleness_threshold submits a batch in two parts).
+        # Groups of drawn batches submitted so far, and the groups of the last drawn batch (batch
+        # `num_drawn`) not yet submitted (a fractional staleness_threshold submits a batch in two parts).
         self.num_submitted_groups = 0
         self._held: DataProto | None = None
-        self._held_index = 0
         self._seq = 0
         self._chunks: list[_Chunk] = []  # submitted, not yet scored
         self._ready: list[DataProto] = []  # scored, not yet trained (group-aligned)
@@ -248,7 +247,7 @@ class AsyncRolloutSource:
                 batch = self.trainer._next_batch()
                 uids = [f"{self.num_drawn}_{i}" for i in range(len(batch))]
                 batch.non_tensor_batch["uid"] = np.array(uids, dtype=object)
-                self._held, self._held_index = batch.repeat(repeat_times=self.n, interleave=True), self.num_drawn
+                self._held = batch.repeat(repeat_times=self.n, interleave=True)
             held_groups = len(self._held) // self.n
             take = min(held_groups, limit - self.num_submitted_groups)
             if take == held_groups:
@@ -256,7 +255,7 @@ class AsyncRolloutSource:
             else:
                 part = self._held.slice(0, take * self.n)
                 self._held = self._held.slice(take * self.n, len(self._held))
-            self._submit_groups(self._held_index, part)
+            self._submit_groups(self.num_drawn, part)
             self.num_submitted_groups += take
 
     def _submit_next_batch(self) -> None:
@@ -386,7 +385,7 @@ class AsyncRolloutSource:
         return {
             "num_drawn": self.num_drawn,
             "num_submitted_groups": self.num_submitted_groups,
-            "held": None if self._held is None else (self._held_index, self._held),
+            "held": self._held,
             "ready": list(self._ready),
             "chunks": [(c.batch_index, c.rows, c.gen, c.rank, c.output, c.seq) for c in self._chunks],
             "stats": (self._stats.dropped_groups, self._stats.regenerated_groups),
@@ -398,8 +397,7 @@ class AsyncRolloutSource:
         self.num_drawn = int(state["num_drawn"])
         # older checkpoints (whole batches only): every drawn batch was submitted
         self.num_submitted_groups = int(state.get("num_submitted_groups", self.num_drawn * self.groups_per_step))
-        held = state.get("held")
-        self._held, self._held_index = (None, 0) if held is None else (held[1], int(held[0]))
+        self._held = state.get("held")
         self._ready = list(state["ready"])
         self._chunks = [
             _Chunk(batch_index=b, rows=rows, gen=gen, rank=rank, output=out, seq=seq)

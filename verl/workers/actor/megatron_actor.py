@@ -22,8 +22,8 @@ Design decisions:
   apex or TransformerEngine, none of which exist on CPU. `use_distributed_optimizer` splits the
   Adam state over data-parallel ranks with torch's ZeroRedundancyOptimizer (`verl.utils.optim`).
 - Gradients are synchronised by hand after each mini-batch: averaged over megatron's data-parallel
-  group (flat buckets of up to 64 MB, `verl.workers.dp_training.average_gradients`), summed over the embedding group for tied embeddings split across pipeline stages, then
-  clipped by the norm over the whole model (each tensor-parallel shard once, replicated
+  group (flat buckets of up to 64 MB, `verl.workers.dp_training.average_gradients`), summed over
+  the embedding group for tied embeddings split across pipeline stages, then clipped by the norm over the whole model (each tensor-parallel shard once, replicated
   parameters once, the tied copy once) as `torch.nn.utils.clip_grad_norm_` would compute it on the
   unsharded model.
 

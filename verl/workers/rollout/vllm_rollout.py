@@ -243,17 +243,14 @@ class vLLMRollout(ExternalEngineRollout):
                         logprobs[row].extend(got.logprobs)
                     version_min[row] = version if version_min[row] is None else version_min[row]
                     version_max[row] = version
-            open_rows = (
-                [
-                    row
-                    for request_id, row in request_row.items()
-                    if request_id not in finished and len(tokens[row]) < max_new_tokens
-                ]
-                if paused
-                else []
-            )
-            if paused:
-                refresh.load()
+            if not paused:
+                break
+            refresh.load()
+            open_rows = [
+                row
+                for request_id, row in request_row.items()
+                if request_id not in finished and len(tokens[row]) < max_new_tokens
+            ]
         return PartialResponses(
             responses=[
                 EngineResponse(token_ids=tokens[row], logprobs=None if logprobs is None else logprobs[row])
