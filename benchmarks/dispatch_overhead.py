@@ -76,10 +76,11 @@ def _staged_call(wg: RayWorkerGroup, data: DataProto) -> dict[str, float]:
     t0 = time.perf_counter()
     calls, pad_size = mode.dispatch(wg, (data,), {})
     t1 = time.perf_counter()
-    refs = wg._submit("echo_stamped", calls)
+    lease: list = []
+    refs = wg._submit("echo_stamped", calls, lease=lease)
     t2 = time.perf_counter()
     with _borrow_buffers():
-        outputs = wg._wait(refs, ranks=list(range(wg.world_size)), role=wg.role, method="echo_stamped")
+        outputs = wg._wait(refs, ranks=list(range(wg.world_size)), role=wg.role, method="echo_stamped", lease=lease)
     t3 = time.perf_counter()
     out = mode.collect(wg, outputs, pad_size, futures=False)
     t4 = time.perf_counter()

@@ -15,7 +15,9 @@ and whether its output is collected (`_register_dispatch_collect_info`); the mes
 mode reads this.
 
 Every call from a worker group enters through `_verl_rpc`, which turns an exception into one that
-names the rank and the method and carries the traceback as text.
+names the rank and the method and carries the traceback as text. Blocking calls with large payloads
+enter through `_verl_rpc_shm`, which first reads its arguments from the shared-memory channel and
+sends a large result back the same way (verl/single_controller/shm.py).
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ import pickle
 import socket
 import traceback
 
+from verl.single_controller import shm
 from verl.single_controller.base.decorator import Dispatch, register
 from verl.single_controller.base.errors import _WorkerSideError
 
@@ -190,3 +193,14 @@ class Worker:
                 self._rank, method_name, type(exc).__qualname__, str(exc), traceback.format_exc(), original
             ) from None
         return result
+
+    def _verl_rpc_shm(self, method_name: str, envelope: shm.Envelope, *args, **kwargs):
+        """`_verl_rpc` with the arguments and the result through the caller's shared-memory channel."""
+        args, kwargs = shm.worker_receive(envelope, args, kwargs)
+        return shm.worker_reply(envelope, self._verl_rpc(method_name, *args, **kwargs))
+
+    def _verl_shm_probe(self, envelope: shm.Envelope):
+        return shm.worker_probe(envelope)
+
+    def _verl_shm_stats(self) -> dict:
+        return shm.worker_stats()

@@ -143,25 +143,28 @@ class WorkerGroup:
     def _call(self, role: str, public_name: str, remote_name: str, info: RegisteredMethod, args, kwargs):
         calls, state = info.dispatch_mode.dispatch(self, args, kwargs)
         ranks = [0] if info.execute_mode is Execute.RANK_ZERO else range(self._world_size)
-        refs = self._submit(remote_name, [calls[rank] for rank in ranks])
-        if not info.blocking:
-            outputs = refs
-        elif info.execute_mode is Execute.ALL and info.dispatch_mode.copies_outputs:
-            # collect concatenates (copies) the outputs, so they need not be copied out of Ray first
-            from verl.protocol import _borrow_buffers
-
-            with _borrow_buffers():
-                outputs = self._wait(refs, ranks=list(ranks), role=role, method=public_name)
+        if not info.blocking:  # futures go to the caller: plain transport
+            outputs = self._submit(remote_name, [calls[rank] for rank in ranks])
         else:
-            outputs = self._wait(refs, ranks=list(ranks), role=role, method=public_name)
+            lease: list = []
+            refs = self._submit(remote_name, [calls[rank] for rank in ranks], lease=lease)
+            if info.execute_mode is Execute.ALL and info.dispatch_mode.copies_outputs:
+                # collect concatenates (copies) the outputs, so they need not be copied out of Ray first
+                from verl.protocol import _borrow_buffers
+
+                with _borrow_buffers():
+                    outputs = self._wait(refs, ranks=list(ranks), role=role, method=public_name, lease=lease)
+            else:
+                outputs = self._wait(refs, ranks=list(ranks), role=role, method=public_name, lease=lease)
         if info.execute_mode is Execute.RANK_ZERO:
             return outputs[0]
         return info.dispatch_mode.collect(self, outputs, state, futures=not info.blocking)
 
     def execute_all(self, method_name: str, *args, **kwargs) -> list:
         """Call `method_name` with the same arguments on every worker; wait; results in rank order."""
-        refs = self.execute_all_async(method_name, *args, **kwargs)
-        return self._wait(refs, ranks=list(range(self._world_size)), role=self.role, method=method_name)
+        lease: list = []
+        refs = self._submit(method_name, [(args, kwargs)] * self._world_size, lease=lease)
+        return self._wait(refs, ranks=list(range(self._world_size)), role=self.role, method=method_name, lease=lease)
 
     execute_all_sync = execute_all
 
@@ -171,8 +174,9 @@ class WorkerGroup:
 
     def execute_rank_zero(self, method_name: str, *args, **kwargs) -> Any:
         """Call `method_name` on rank 0 only; wait; return its result."""
-        refs = self._submit(method_name, [(args, kwargs)])
-        return self._wait(refs, ranks=[0], role=self.role, method=method_name)[0]
+        lease: list = []
+        refs = self._submit(method_name, [(args, kwargs)], lease=lease)
+        return self._wait(refs, ranks=[0], role=self.role, method=method_name, lease=lease)[0]
 
     def execute_rank_zero_async(self, method_name: str, *args, **kwargs):
         return self._submit(method_name, [(args, kwargs)])[0]
@@ -204,12 +208,16 @@ class WorkerGroup:
 
     # --- supplied by the backend ----------------------------------------------------------------
 
-    def _submit(self, remote_name: str, calls: list[tuple[tuple, dict]]) -> list:
-        """Start `remote_name` on ranks 0..len(calls)-1 with the given (args, kwargs); return futures."""
+    def _submit(self, remote_name: str, calls: list[tuple[tuple, dict]], lease: list | None = None) -> list:
+        """Start `remote_name` on ranks 0..len(calls)-1 with the given (args, kwargs); return futures.
+
+        `lease` (blocking calls only: a list handed to `_wait` next) lets the backend take
+        per-call resources, such as a shared-memory channel, that `_wait` gives back."""
         raise NotImplementedError
 
-    def _wait(self, refs: list, ranks: list[int], role: str, method: str) -> list:
-        """Wait for `refs` (of `ranks`) within the deadline; raise a WorkerGroupError on failure."""
+    def _wait(self, refs: list, ranks: list[int], role: str, method: str, lease: list | None = None) -> list:
+        """Wait for `refs` (of `ranks`) within the deadline; raise a WorkerGroupError on failure.
+        With the `lease` filled by `_submit`: read the results from its channels and give them back."""
         raise NotImplementedError
 
     def _query_all(self, worker_method: str, *args) -> list:

@@ -45,6 +45,7 @@ from ray.exceptions import GetTimeoutError, RayActorError, RayError, RayTaskErro
 from ray.util.placement_group import PlacementGroup, placement_group, placement_group_table, remove_placement_group
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy, PlacementGroupSchedulingStrategy
 
+from verl.single_controller import shm
 from verl.single_controller.base.decorator import _REGISTER_ATTR, RegisteredMethod, get_registered_methods
 from verl.single_controller.base.errors import (
     ResourceUnavailableError,
@@ -382,6 +383,7 @@ class RayWorkerGroup(WorkerGroup):
             self._workers, self._worker_names = self._start_workers(resource_pool, ray_cls_with_init, role)
         super().__init__(world_size=len(self._workers), role=role, timeout_s=timeout_s)
         self._actor_rank = {w._actor_id.hex(): rank for rank, w in enumerate(self._workers)}
+        self._shm_links = shm.DriverLinks(self._workers) if shm.enabled() else None
         self._bind_worker_methods(user_cls)
 
     # --- starting and attaching -----------------------------------------------------------------
@@ -490,6 +492,7 @@ class RayWorkerGroup(WorkerGroup):
             view._workers = self._workers
             view._worker_names = self._worker_names
             view._actor_rank = self._actor_rank
+            view._shm_links = self._shm_links
             WorkerGroup.__init__(view, world_size=self.world_size, role=prefix, timeout_s=self.timeout_s)
             view._bind_worker_methods(self.ray_cls_with_init.worker_cls, prefix=prefix)
             views[prefix] = view
@@ -505,20 +508,41 @@ class RayWorkerGroup(WorkerGroup):
 
     def shutdown(self) -> None:
         """Kill every worker of the group (detached ones included)."""
+        if self._shm_links is not None:
+            self._shm_links.close()
         for worker in self._workers:
             ray.kill(worker, no_restart=True)
 
     # --- the call path --------------------------------------------------------------------------
 
-    def _submit(self, remote_name: str, calls: list[tuple[tuple, dict]]) -> list:
+    def _submit(self, remote_name: str, calls: list[tuple[tuple, dict]], lease: list | None = None) -> list:
         shared = self._put_repeated_args(calls) if len(calls) > 1 else {}
+        links = self._shm_links.links if lease is not None and self._shm_links is not None else None
         refs = []
-        for worker, (args, kwargs) in zip(self._workers, calls):
-            if shared:
-                args = tuple(shared.get(id(a), a) for a in args)
-                kwargs = {k: shared.get(id(v), v) for k, v in kwargs.items()}
-            refs.append(worker._verl_rpc.remote(remote_name, *args, **kwargs))
+        try:
+            for rank, (worker, (args, kwargs)) in enumerate(zip(self._workers, calls)):
+                if shared:
+                    args = tuple(shared.get(id(a), a) for a in args)
+                    kwargs = {k: shared.get(id(v), v) for k, v in kwargs.items()}
+                if links is not None and links[rank].acquire():
+                    lease.append((rank, links[rank]))
+                    envelope, args, kwargs = links[rank].envelope(args, kwargs, pack=not shared)
+                    refs.append(worker._verl_rpc_shm.remote(remote_name, envelope, *args, **kwargs))
+                else:
+                    refs.append(worker._verl_rpc.remote(remote_name, *args, **kwargs))
+        except BaseException:
+            self._settle(lease, failed=True)
+            raise
         return refs
+
+    @staticmethod
+    def _settle(lease: list | None, failed: bool) -> None:
+        """Give back the channels a call held (abandoning their segments if it failed)."""
+        while lease:
+            _, link = lease.pop()
+            if failed:
+                link.abandon()
+            link.release()
 
     @staticmethod
     def _put_repeated_args(calls: list[tuple[tuple, dict]]) -> dict[int, ray.ObjectRef]:
@@ -538,7 +562,21 @@ class RayWorkerGroup(WorkerGroup):
             and _estimated_nbytes(objects[key]) >= _SHARE_MIN_BYTES
         }
 
-    def _wait(self, refs: list, ranks: list[int], role: str, method: str) -> list:
+    def _wait(self, refs: list, ranks: list[int], role: str, method: str, lease: list | None = None) -> list:
+        if not lease:
+            return self._get(refs, ranks, role, method)
+        try:
+            outputs = self._get(refs, ranks, role, method)
+            for rank, link in lease:
+                index = ranks.index(rank)
+                outputs[index] = link.receive(outputs[index])
+        except BaseException:
+            self._settle(lease, failed=True)
+            raise
+        self._settle(lease, failed=False)
+        return outputs
+
+    def _get(self, refs: list, ranks: list[int], role: str, method: str) -> list:
         try:
             return ray.get(refs, timeout=self.timeout_s)
         except RayTaskError as exc:
