@@ -3,8 +3,9 @@
 Two CPU workers echo their chunk back. `ms_1mb` / `ms_64mb` are the median milliseconds of one
 `wg.echo(batch)` call (pad, chunk, ship, run, ship back, concat) for a DataProto of 1 MiB and
 64 MiB of float32 tensors. The `raw_` figures send the same bytes as numpy halves straight to two
-bare Ray actors and back: the floor that any dispatch layer on Ray pays. The ratios are ours over
-the floor. Goal: ms_1mb <= 5.
+bare Ray actors and back, through Ray's own transport; ours sends large payloads through its
+shared-memory channels (verl/single_controller/shm.py) and only the rest through Ray. The ratios
+are ours over bare Ray. Goal: ms_1mb <= 5.
 
 Every repetition runs each case once, in rotating order, so a load swing on a shared machine hits
 them alike; the figures are medians over the repetitions.

@@ -23,7 +23,7 @@ from ray import cloudpickle
 
 from verl.protocol import DataProto, DataProtoFuture
 from verl.single_controller import shm
-from verl.single_controller.base import Worker, WorkerMethodError
+from verl.single_controller.base import Worker, WorkerDiedError, WorkerMethodError
 from verl.single_controller.base.decorator import Dispatch, register
 from verl.single_controller.ray import RayClassWithInitArgs, RayResourcePool, RayWorkerGroup
 
@@ -167,6 +167,12 @@ class ShmWorker(Worker):
         data.batch["x"] *= 2
         return data
 
+    @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO)
+    def die_on_rank_1(self, data: DataProto) -> DataProto:
+        if self.rank == 1:
+            os._exit(1)
+        return data
+
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def pid(self) -> int:
         return os.getpid()
@@ -272,6 +278,44 @@ def test_a_failed_call_names_the_rank_and_the_next_call_is_right(shm_group):
     out = wg.bump(data)
     assert torch.equal(out.batch["x"], _bumped(data))
     assert [c["received"] for c in _channel_use(wg)] == [r + 1 for r in received]
+
+
+def test_a_worker_dying_in_a_channel_call_is_reported_within_seconds(shm_group):
+    wg = shm_group
+    _until_probed(wg)
+    pids = wg.pid()
+    start = time.monotonic()
+    with pytest.raises(WorkerDiedError) as info:
+        wg.die_on_rank_1(_proto(512, seed=11))
+    assert time.monotonic() - start < 10
+    assert (info.value.rank, info.value.method) == (1, "die_on_rank_1")
+    assert [f for pid in (os.getpid(), *pids) for f in _own_files(pid)] == []
+
+
+class NoChannel(ShmWorker):
+    """A worker that cannot open the driver's segment, as on another host."""
+
+    def _verl_shm_probe(self, envelope):
+        raise FileNotFoundError(envelope.path)
+
+
+def test_a_worker_that_cannot_see_the_segment_is_served_through_ray(ray_session):
+    pool = RayResourcePool(process_on_nodes=[2], use_gpu=False, max_colocate_count=1)
+    wg = RayWorkerGroup(pool, RayClassWithInitArgs(NoChannel))
+    try:
+        wg.pid()
+        deadline = time.monotonic() + 60
+        while any(link.state is not False for link in wg._shm_links.links):
+            assert time.monotonic() < deadline, "probes did not finish"
+            wg.pid()
+            time.sleep(0.05)
+        data = _proto(512, seed=12)
+        assert torch.equal(wg.bump(data).batch["y"], _bumped(data) * 2)
+        assert wg.shm_stats() == [{}, {}]
+        assert _own_files(os.getpid()) == []
+    finally:
+        wg.shutdown()
+        pool.remove_placement_groups()
 
 
 def test_non_blocking_calls_travel_through_ray(ray_session):

@@ -31,7 +31,7 @@ and map) are removed the next time a driver opens links.
 When it is off. The first blocking call of each worker starts a probe (a token written both ways)
 and goes through Ray; later calls use the channel once the probe has succeeded. A worker on
 another host, a missing or full /dev/shm (`posix_fallocate` fails cleanly instead of SIGBUS later),
-a payload over `VERL_SHM_MAX_BYTES` (default 1 GiB), a payload that pickles in band (torch tensors
+a payload over `VERL_SHM_MAX_BYTES` (default 256 MiB), a payload that pickles in band (torch tensors
 outside a DataProto), a non-blocking call (its futures are handed to the user), or a link already
 in use by another thread: all go through Ray unchanged. `VERL_SHM_TRANSPORT=0` turns it off.
 """
@@ -86,7 +86,7 @@ def min_bytes() -> int:
 
 
 def max_bytes() -> int:
-    return _env_bytes("VERL_SHM_MAX_BYTES", 1 << 30)
+    return _env_bytes("VERL_SHM_MAX_BYTES", 256 << 20)
 
 
 def out_of_band_nbytes(value) -> int:

@@ -18,12 +18,15 @@
 - `create_colocated_worker_cls({role: cls})` fuses several roles into one actor class; methods
   appear as `<role>_<method>`, and `wg.spawn(prefix_set=...)` returns one view per role.
 
-Transport: a DataProto pickles as flat out-of-band buffers (verl/protocol.py), which Ray inlines
-into the call (up to `max_direct_call_object_size`, see RAY_SYSTEM_CONFIG) or copies once into its
-shared-memory object store; each chunk of a data-parallel call travels once, to its one
-destination. An argument shared by every worker (ONE_TO_ALL) is put in the object store once with
-`ray.put` and every worker reads that one copy. Results that the dispatch mode concatenates are
-unpickled as views of Ray's buffers and copied once, straight into the concatenated result.
+Transport: a DataProto pickles as flat out-of-band buffers (verl/protocol.py). A blocking call to
+a worker on the driver's host sends large ones through that worker's shared-memory channel
+(verl/single_controller/shm.py; Ray carries only the pickle stream), both ways. Otherwise Ray
+inlines them into the call (up to `max_direct_call_object_size`, see RAY_SYSTEM_CONFIG) or copies
+them once into its shared-memory object store. Each chunk of a data-parallel call travels once,
+to its one destination; an argument shared by every worker (ONE_TO_ALL) is put in the object
+store once with `ray.put` and every worker reads that one copy. Results that the dispatch mode
+concatenates and that come through Ray are unpickled as views of Ray's buffers and copied once,
+straight into the concatenated result.
 
 Failures: see base/errors.py. A worker that died makes the call fail with `WorkerDiedError` as soon
 as Ray notices (milliseconds after the process exits), never after the deadline.
@@ -31,6 +34,7 @@ as Ray notices (milliseconds after the process exits), never after the deadline.
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import os
 import re
@@ -571,10 +575,21 @@ class RayWorkerGroup(WorkerGroup):
                 index = ranks.index(rank)
                 outputs[index] = link.receive(outputs[index])
         except BaseException:
+            self._drain(refs, ranks, lease)
             self._settle(lease, failed=True)
             raise
         self._settle(lease, failed=False)
         return outputs
+
+    @staticmethod
+    def _drain(refs: list, ranks: list[int], lease: list) -> None:
+        """After a failed call: read the replies that did arrive (one may name a new segment file,
+        which only its reader removes)."""
+        for rank, link in lease:
+            ref = refs[ranks.index(rank)]
+            with contextlib.suppress(Exception):
+                if ray.wait([ref], timeout=0)[0]:
+                    link.receive(ray.get(ref, timeout=0))
 
     def _get(self, refs: list, ranks: list[int], role: str, method: str) -> list:
         try:
