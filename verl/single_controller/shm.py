@@ -65,13 +65,9 @@ _STALE_AFTER_S = 60.0
 
 
 def _env_bytes(name: str, default: int) -> int:
-    value = os.environ.get(name, "")
-    if not value:
-        return default
-    try:
-        return int(value)
-    except ValueError:
-        raise ValueError(f"environment variable {name}={value!r} must be an integer number of bytes") from None
+    from verl.single_controller.base.worker import _env_int  # that module imports this one
+
+    return _env_int(name, default)
 
 
 def enabled() -> bool:
