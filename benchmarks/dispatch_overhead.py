@@ -78,7 +78,7 @@ def _staged_call(wg: RayWorkerGroup, data: DataProto) -> dict[str, float]:
     calls, pad_size = mode.dispatch(wg, (data,), {})
     t1 = time.perf_counter()
     lease: list = []
-    refs = wg._submit("echo_stamped", calls, lease=lease)
+    refs = wg._submit("echo_stamped", calls, lease=lease, large_results=True)
     t2 = time.perf_counter()
     with _borrow_buffers():
         outputs = wg._wait(refs, ranks=list(range(wg.world_size)), role=wg.role, method="echo_stamped", lease=lease)

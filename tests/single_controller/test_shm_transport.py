@@ -201,14 +201,17 @@ def shm_group(ray_session):
     pool.remove_placement_groups()
 
 
-def _until_probed(wg: RayWorkerGroup) -> None:
-    wg.pid()  # the first blocking call starts the probes
+def _until_probed(wg: RayWorkerGroup, expected: bool = True) -> None:
+    """Make large calls until the probes are done: the first one that could use a channel starts them."""
+    data = _proto(512, seed=99)
     deadline = time.monotonic() + 60
-    while any(link.state not in (True, False) for link in wg._shm_links.links):
+    while True:
+        assert torch.equal(wg.bump(data).batch["x"], _bumped(data))
+        if all(link.state in (True, False) for link in wg._shm_links.links):
+            break
         assert time.monotonic() < deadline, "probes did not finish"
-        wg.pid()
         time.sleep(0.05)
-    assert all(link.state is True for link in wg._shm_links.links)
+    assert all(link.state is expected for link in wg._shm_links.links)
 
 
 def test_large_calls_go_through_the_channel_and_equal_the_driver_s_own_result(shm_group):
@@ -237,13 +240,16 @@ def test_large_calls_go_through_the_channel_and_equal_the_driver_s_own_result(sh
     assert torch.equal(wg.bump(big).batch["y"], _bumped(big) * 2)
     assert [c["received"] for c in _channel_use(wg)] == [a["received"] + 1 for a in after]
 
-    # Small calls keep going through Ray.
+    # Small arguments go through Ray; so does the small result of a call that does not concatenate.
     small = _proto(8, seed=6)
     assert torch.equal(wg.bump(small).batch["x"], _bumped(small))
     assert [c["received"] for c in _channel_use(wg)] == [a["received"] + 1 for a in after]
+    replied = [c["replied"] for c in _channel_use(wg)]
+    assert wg.pid() == pids
+    assert [c["replied"] for c in _channel_use(wg)] == replied
 
 
-def test_an_argument_shared_by_every_worker_travels_once_and_the_results_come_back_by_channel(shm_group):
+def test_an_argument_shared_by_every_worker_travels_once_through_the_object_store(shm_group):
     wg = shm_group
     _until_probed(wg)
     data = _proto(512, seed=10)
@@ -252,15 +258,15 @@ def test_an_argument_shared_by_every_worker_travels_once_and_the_results_come_ba
     assert len(outs) == 2
     for out in outs:
         assert torch.equal(out.batch["x"], data.batch["x"] * 2)
-    after = _channel_use(wg)
-    assert [a["received"] for a in after] == [b["received"] for b in before]
-    assert [a["replied"] for a in after] == [b["replied"] + 1 for b in before]
+    assert torch.equal(data.batch["x"], _proto(512, seed=10).batch["x"])
+    assert _channel_use(wg) == before  # and its results, not concatenated, through Ray too
 
 
 def test_a_group_shut_down_while_probing_leaves_no_file(ray_session):
     pool = RayResourcePool(process_on_nodes=[2], use_gpu=False, max_colocate_count=1)
     wg = RayWorkerGroup(pool, RayClassWithInitArgs(ShmWorker))
-    pids = wg.pid()  # starts the probes, whose replies are never read
+    pids = wg.pid()
+    wg.bump(_proto(512))  # starts the probes, whose replies are never read
     wg.shutdown()
     pool.remove_placement_groups()
     assert all(link.state is False for link in wg._shm_links.links)
@@ -303,12 +309,7 @@ def test_a_worker_that_cannot_see_the_segment_is_served_through_ray(ray_session)
     pool = RayResourcePool(process_on_nodes=[2], use_gpu=False, max_colocate_count=1)
     wg = RayWorkerGroup(pool, RayClassWithInitArgs(NoChannel))
     try:
-        wg.pid()
-        deadline = time.monotonic() + 60
-        while any(link.state is not False for link in wg._shm_links.links):
-            assert time.monotonic() < deadline, "probes did not finish"
-            wg.pid()
-            time.sleep(0.05)
+        _until_probed(wg, expected=False)
         data = _proto(512, seed=12)
         assert torch.equal(wg.bump(data).batch["y"], _bumped(data) * 2)
         assert wg.shm_stats() == [{}, {}]

@@ -194,8 +194,10 @@ class Worker:
             ) from None
         return result
 
-    def _verl_rpc_shm(self, method_name: str, envelope: shm.Envelope, *args, **kwargs):
-        """`_verl_rpc` with the arguments and the result through the caller's shared-memory channel."""
+    def _verl_rpc_shm(self, method_name: str, wire: tuple, *args, **kwargs):
+        """`_verl_rpc` with the arguments and the result through the caller's shared-memory channel
+        (`wire`: the `shm.Envelope`'s fields)."""
+        envelope = shm.Envelope(*wire)
         args, kwargs = shm.worker_receive(envelope, args, kwargs)
         return shm.worker_reply(envelope, self._verl_rpc(method_name, *args, **kwargs))
 

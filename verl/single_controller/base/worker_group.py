@@ -147,8 +147,10 @@ class WorkerGroup:
             outputs = self._submit(remote_name, [calls[rank] for rank in ranks])
         else:
             lease: list = []
-            refs = self._submit(remote_name, [calls[rank] for rank in ranks], lease=lease)
-            if info.execute_mode is Execute.ALL and info.dispatch_mode.copies_outputs:
+            concatenated = info.execute_mode is Execute.ALL and info.dispatch_mode.copies_outputs
+            # the modes that concatenate DataProtos are the ones whose results are large
+            refs = self._submit(remote_name, [calls[rank] for rank in ranks], lease=lease, large_results=concatenated)
+            if concatenated:
                 # collect concatenates (copies) the outputs, so they need not be copied out of Ray first
                 from verl.protocol import _borrow_buffers
 
@@ -208,11 +210,14 @@ class WorkerGroup:
 
     # --- supplied by the backend ----------------------------------------------------------------
 
-    def _submit(self, remote_name: str, calls: list[tuple[tuple, dict]], lease: list | None = None) -> list:
+    def _submit(
+        self, remote_name: str, calls: list[tuple[tuple, dict]], lease: list | None = None, large_results: bool = False
+    ) -> list:
         """Start `remote_name` on ranks 0..len(calls)-1 with the given (args, kwargs); return futures.
 
         `lease` (blocking calls only: a list handed to `_wait` next) lets the backend take
-        per-call resources, such as a shared-memory channel, that `_wait` gives back."""
+        per-call resources, such as a shared-memory channel, that `_wait` gives back: for large
+        arguments, and for the results when `large_results` says they are likely large."""
         raise NotImplementedError
 
     def _wait(self, refs: list, ranks: list[int], role: str, method: str, lease: list | None = None) -> list:
