@@ -1,12 +1,14 @@
 """Same-host transport of large call arguments and results through shared memory (/dev/shm).
 
-A blocking worker-group call whose arguments or result hold at least `VERL_SHM_MIN_BYTES` (default
-256 KiB) of out-of-band pickle buffers (a DataProto's tensors, numpy arrays) sends those bytes
-through a file in /dev/shm that both processes keep mapped, and only the pickle stream and the
-buffers' offsets through Ray. Ray's own paths copy the bytes into its task call (gRPC) or its
+A blocking worker-group call whose arguments hold at least `VERL_SHM_MIN_BYTES` (default 256 KiB)
+of out-of-band pickle buffers (a DataProto's tensors, numpy arrays) sends those bytes through a
+file in /dev/shm that both processes keep mapped, and only the pickle stream and the buffers'
+offsets through Ray. So does a result of that size, when the call's arguments went by channel or
+its dispatch mode concatenates DataProtos (the modes with large results); other calls skip the
+channel's entry, which costs about 0.1 ms. Ray's own paths copy the bytes into its task call (gRPC) or its
 object store and back; here each side makes one memcpy into a mapping it already holds, and the
 reader one memcpy out into memory it owns. Measured on 2 CPU workers: a 1 MB round trip fell from
-about 6 ms to about 4 ms (docs/benchmarks.md).
+about 6.6 ms to about 4.4 ms (docs/benchmarks.md).
 
 Channels. The driver holds one `DriverLink` per worker and group; each has a channel id, and the
 worker keeps one `_Channel` per id, so two groups (or two drivers) attached to the same worker never
