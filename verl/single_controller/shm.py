@@ -117,12 +117,11 @@ class Envelope:
     header: bytes = b""
     spans: tuple = ()  # (offset, nbytes) per out-of-band buffer
     end: int = 0  # bytes used in the segment
-    reply: bool = True  # the caller reads a reply through the channel
 
     def wire(self) -> tuple:
         """The fields as a plain tuple: Ray sends builtins without pickling them, which saves about
         0.1 ms per call against sending the object (`Envelope(*wire)` rebuilds it)."""
-        return (self.channel, self.path, self.size, self.header, self.spans, self.end, self.reply)
+        return (self.channel, self.path, self.size, self.header, self.spans, self.end)
 
 
 def _aligned(n: int) -> int:
@@ -195,7 +194,7 @@ class _Outbox:
         self.path: str | None = None
         self._bytes: np.ndarray | None = None
 
-    def pack(self, channel: str, obj, threshold: int, reply: bool = True) -> Envelope | None:
+    def pack(self, channel: str, obj, threshold: int) -> Envelope | None:
         """Write `obj`'s buffers into the segment; None when it should go through Ray instead
         (under `threshold` bytes out of band, over the maximum, unpicklable, no room in /dev/shm)."""
         try:
@@ -216,7 +215,7 @@ class _Outbox:
             self.path, self._bytes = created[0], np.frombuffer(created[1], dtype=np.uint8)
         for (offset, nbytes), buf in zip(spans, buffers):
             self._bytes[offset : offset + nbytes] = np.frombuffer(buf, dtype=np.uint8)
-        return Envelope(channel, self.path, self._bytes.size, header, tuple(spans), end, reply)
+        return Envelope(channel, self.path, self._bytes.size, header, tuple(spans), end)
 
     def adopt(self, path: str, size: int) -> None:
         """Write into a segment the other side created (the driver's reply segment, at the probe)."""
@@ -335,7 +334,7 @@ def worker_receive(envelope: Envelope, args: tuple, kwargs: dict) -> tuple[tuple
 
 def worker_reply(envelope: Envelope, result):
     """An envelope holding `result` when it is large enough for the channel, else `result`."""
-    if not envelope.reply or out_of_band_nbytes(result) < min_bytes():
+    if out_of_band_nbytes(result) < min_bytes():
         return result
     channel = worker_channel(envelope.channel)
     packed = channel.outbox.pack(envelope.channel, result, min_bytes())
@@ -394,10 +393,10 @@ class DriverLink:
     def release(self) -> None:
         self._lock.release()
 
-    def envelope(self, args: tuple, kwargs: dict, pack: bool = True) -> tuple[Envelope, tuple, dict]:
-        """(envelope, args, kwargs) for the call: the payload goes in the segment when large enough
-        (and `pack`: not when the arguments are references to one object-store copy)."""
-        if pack and out_of_band_nbytes((args, kwargs)) >= min_bytes():
+    def envelope(self, args: tuple, kwargs: dict, pack: bool) -> tuple[Envelope, tuple, dict]:
+        """(envelope, args, kwargs) for the call: with `pack` (the arguments are large), the payload
+        goes in the segment; without, it travels through Ray and the channel carries the result."""
+        if pack:
             packed = self._outbox.pack(self.channel, (args, kwargs), min_bytes())
             if packed is not None:
                 return packed, (), {}

@@ -12,6 +12,7 @@ update step on a large model can take many minutes; a dead worker is reported at
 
 from __future__ import annotations
 
+import contextlib
 import os
 from collections.abc import Sequence
 from typing import Any
@@ -150,13 +151,10 @@ class WorkerGroup:
             concatenated = info.execute_mode is Execute.ALL and info.dispatch_mode.copies_outputs
             # the modes that concatenate DataProtos are the ones whose results are large
             refs = self._submit(remote_name, [calls[rank] for rank in ranks], lease=lease, large_results=concatenated)
-            if concatenated:
-                # collect concatenates (copies) the outputs, so they need not be copied out of Ray first
-                from verl.protocol import _borrow_buffers
+            # collect concatenates (copies) the outputs, so they need not be copied out of Ray first
+            from verl.protocol import _borrow_buffers
 
-                with _borrow_buffers():
-                    outputs = self._wait(refs, ranks=list(ranks), role=role, method=public_name, lease=lease)
-            else:
+            with _borrow_buffers() if concatenated else contextlib.nullcontext():
                 outputs = self._wait(refs, ranks=list(ranks), role=role, method=public_name, lease=lease)
         if info.execute_mode is Execute.RANK_ZERO:
             return outputs[0]

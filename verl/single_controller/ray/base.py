@@ -528,15 +528,16 @@ class RayWorkerGroup(WorkerGroup):
         try:
             for rank, (worker, (args, kwargs)) in enumerate(zip(self._workers, calls)):
                 # A small call with a small result skips the channel (its entry costs ~0.1 ms).
-                channel = links is not None and (
-                    large_results or (not shared and shm.out_of_band_nbytes((args, kwargs)) >= shm.min_bytes())
+                large_args = (
+                    links is not None and not shared and shm.out_of_band_nbytes((args, kwargs)) >= shm.min_bytes()
                 )
+                channel = links is not None and (large_results or large_args)
                 if shared:
                     args = tuple(shared.get(id(a), a) for a in args)
                     kwargs = {k: shared.get(id(v), v) for k, v in kwargs.items()}
                 if channel and links[rank].acquire():
                     lease.append((rank, links[rank]))
-                    envelope, args, kwargs = links[rank].envelope(args, kwargs, pack=not shared)
+                    envelope, args, kwargs = links[rank].envelope(args, kwargs, pack=large_args)
                     refs.append(worker._verl_rpc_shm.remote(remote_name, envelope.wire(), *args, **kwargs))
                 else:
                     refs.append(worker._verl_rpc.remote(remote_name, *args, **kwargs))

@@ -23,9 +23,9 @@ Design decisions:
   Adam state over data-parallel ranks with torch's ZeroRedundancyOptimizer (`verl.utils.optim`).
 - Gradients are synchronised by hand after each mini-batch: averaged over megatron's data-parallel
   group (flat buckets of up to 64 MB, `verl.workers.dp_training.average_gradients`), summed over
-  the embedding group for tied embeddings split across pipeline stages, then clipped by the norm over the whole model (each tensor-parallel shard once, replicated
-  parameters once, the tied copy once) as `torch.nn.utils.clip_grad_norm_` would compute it on the
-  unsharded model.
+  the embedding group for tied embeddings split across pipeline stages, then clipped by the norm
+  over the whole model (each tensor-parallel shard once, replicated parameters once, the tied copy
+  once) as `torch.nn.utils.clip_grad_norm_` would compute it on the unsharded model.
 
 Not supported (clear errors): `use_remove_padding` is ignored (rows are already left-aligned
 and trimmed), ulysses sequence parallelism, multi-dimensional position ids.
