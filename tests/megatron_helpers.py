@@ -40,23 +40,26 @@ def hf_state_dict(model) -> dict[str, torch.Tensor]:
     return state
 
 
-def setup_megatron(tp: int = 1, pp: int = 1, vpp: int | None = None, seed: int = 0) -> None:
+def setup_megatron(tp: int = 1, pp: int = 1, vpp: int | None = None, seed: int = 0, cp: int = 1) -> None:
     from verl.utils.megatron.parallel_state import initialize_model_parallel
 
-    initialize_model_parallel(tp, pp, vpp, seed=seed)
+    initialize_model_parallel(tp, pp, vpp, context_parallel_size=cp, seed=seed)
 
 
-def build_loaded_chunks(hf_model, tp: int = 1, pp: int = 1, vpp: int | None = None, value_head: bool = False):
+def build_loaded_chunks(
+    hf_model, tp: int = 1, pp: int = 1, vpp: int | None = None, value_head: bool = False, cp: int = 1
+):
     """This rank's megatron chunks holding `hf_model`'s weights (model-parallel groups set up here)."""
     from verl.models.mcore import build_model_chunks, hf_to_mcore_config, load_hf_state_dict
 
-    setup_megatron(tp, pp, vpp)
+    setup_megatron(tp, pp, vpp, cp=cp)
     tf_config = hf_to_mcore_config(
         hf_model.config,
         {
             "tensor_model_parallel_size": tp,
             "pipeline_model_parallel_size": pp,
             "virtual_pipeline_model_parallel_size": vpp,
+            "context_parallel_size": cp,
         },
         torch.float32,
     )

@@ -190,7 +190,8 @@ def test_megatron_layout_that_does_not_divide_the_ranks(run):
         run(
             "actor_rollout_ref.actor.strategy=megatron", "actor_rollout_ref.actor.megatron.tensor_model_parallel_size=3"
         ),
-        "actor_rollout_ref.actor.megatron.tensor_model_parallel_size=3 x pipeline_model_parallel_size=1 = 3 ranks",
+        "actor_rollout_ref.actor.megatron.tensor_model_parallel_size=3 x pipeline_model_parallel_size=1 x "
+        "context_parallel_size=1 = 3 ranks",
         "does not divide the 2 ranks",
     )
 

@@ -1,7 +1,7 @@
 """`main_ppo --config-name=ppo_megatron_trainer` end to end on CPU: PPO (GAE) with a megatron actor
-and critic and the built-in engine at tensor parallel size 2, checkpointed, then resumed at tensor
-parallel size 1 (the checkpoint reshards; at tp=1 the two ranks are data-parallel replicas, so the
-default use_distributed_optimizer=true splits the Adam state between them)."""
+and critic and the built-in engine at tensor parallel size 2, checkpointed, then resumed at context
+parallel size 2 (the checkpoint reshards; each rank runs half of every sequence, and only the first
+context-parallel rank generates and returns results)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from pathlib import Path
 from tests.trainer.test_main_ppo_e2e import _common, _metrics, _run
 
 
-def test_ppo_with_megatron_actor_and_critic_at_tp2_resumes_at_tp1(tmp_path):
+def test_ppo_with_megatron_actor_and_critic_at_tp2_resumes_at_cp2(tmp_path):
     first = tmp_path / "tp2"
     _run(
         [
@@ -33,7 +33,7 @@ def test_ppo_with_megatron_actor_and_critic_at_tp2_resumes_at_tp1(tmp_path):
     assert (actor_dir / "dist_ckpt" / "metadata.json").is_file()
     assert (first / "ckpt" / "global_step_1" / "critic" / "dist_ckpt" / "metadata.json").is_file()
 
-    resumed = tmp_path / "tp1"
+    resumed = tmp_path / "cp2"
     proc = _run(
         [
             sys.executable,
@@ -43,13 +43,16 @@ def test_ppo_with_megatron_actor_and_critic_at_tp2_resumes_at_tp1(tmp_path):
             "algorithm.adv_estimator=gae",
             "trainer.resume_mode=resume_path",
             f"trainer.resume_from_path={first / 'ckpt' / 'global_step_1'}",
+            "actor_rollout_ref.actor.megatron.context_parallel_size=2",
+            "critic.megatron.context_parallel_size=2",
             *_common(resumed, steps=2),
         ],
         resumed,
     )
     assert "resuming from" in proc.stdout + proc.stderr
-    steps = [r["step"] for r in _metrics(resumed) if "actor/pg_loss" in r["data"]]
-    assert steps == [2]  # step 1 came from the checkpoint
+    rows = [r for r in _metrics(resumed) if "actor/pg_loss" in r["data"]]
+    assert [r["step"] for r in rows] == [2]  # step 1 came from the checkpoint
+    assert rows[0]["data"]["critic/grad_norm"] > 0 and rows[0]["data"]["actor/grad_norm"] > 0
 
 
 def test_grpo_with_a_megatron_reward_model_scores_with_the_classifier(tmp_path):

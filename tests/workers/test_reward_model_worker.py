@@ -1,5 +1,5 @@
 """The reward-model workers score what the HF sequence classifier scores: the FSDP backend's worker
-and the megatron one at tp=2 and pp=2, on the policy's token ids, after re-tokenising with the
+and the megatron one at tp=2, pp=2 and cp=2, on the policy's token ids, after re-tokenising with the
 reward model's own tokenizer and chat template, and cut to reward_model.max_length. The reference scores each row alone, unpadded, in
 float64; the score sits on each row's last response token and nowhere else."""
 
@@ -74,7 +74,9 @@ def _reference(path, data: DataProto, retokenize: bool, keep_last: int | None = 
     return torch.stack(scores)
 
 
-def _config(path, strategy: str, retokenize: bool, tp: int = 1, pp: int = 1, max_length: int | None = None):
+def _config(
+    path, strategy: str, retokenize: bool, tp: int = 1, pp: int = 1, max_length: int | None = None, cp: int = 1
+):
     from verl.trainer.config import load_ppo_config
 
     overrides = [
@@ -85,6 +87,7 @@ def _config(path, strategy: str, retokenize: bool, tp: int = 1, pp: int = 1, max
         f"reward_model.model.input_tokenizer={bundled_model_path() if retokenize else 'null'}",
         f"reward_model.megatron.tensor_model_parallel_size={tp}",
         f"reward_model.megatron.pipeline_model_parallel_size={pp}",
+        f"reward_model.megatron.context_parallel_size={cp}",
         "trainer.n_gpus_per_node=2",
         f"reward_model.max_length={max_length or 'null'}",
     ]
@@ -130,10 +133,11 @@ def _score_everywhere(rank, world_size, same_path, other_path):
         half = data.chunk(world_size)[rank]
         _check(worker.compute_rm_score(half), half, expected[retokenize].chunk(world_size)[rank], f"fsdp {retokenize}")
         # megatron backend: one model copy over both ranks, every rank sees the whole batch
-        for tp, pp in ((2, 1), (1, 2)):
-            worker = megatron_workers.RewardModelWorker(_config(path, "megatron", retokenize, tp, pp))
+        for tp, pp, cp in ((2, 1, 1), (1, 2, 1), (1, 1, 2)):
+            worker = megatron_workers.RewardModelWorker(_config(path, "megatron", retokenize, tp, pp, cp=cp))
             worker.init_model()
-            _check(worker.compute_rm_score(data), data, expected[retokenize], f"megatron tp={tp} pp={pp} {retokenize}")
+            what = f"megatron tp={tp} pp={pp} cp={cp} {retokenize}"
+            _check(worker.compute_rm_score(data), data, expected[retokenize], what)
             destroy_model_parallel()
 
     # reward_model.max_length: a longer row keeps its last tokens (the response), on both backends

@@ -7,11 +7,11 @@ logic is `MegatronPPOActor` / `MegatronPPOCritic`; this module builds the megatr
 HF checkpoint and wires it to devices, optimizer, checkpoints and the rollout engine.
 
 Design decisions:
-- Layout: the worker group's ranks are carved into megatron's tensor / pipeline / data parallel
-  groups (`verl.utils.megatron.parallel_state`). Data-carrying RPCs use the mesh-aware dispatch
-  (`make_nd_compute_dataproto_dispatch_fn`): every rank of one data-parallel replica receives
-  the same chunk, and only one rank per replica (tensor rank 0 on the last pipeline stage, where
-  the loss and the log-probs live) is collected.
+- Layout: the worker group's ranks are carved into megatron's tensor / context / pipeline / data
+  parallel groups (`verl.utils.megatron.parallel_state`). Data-carrying RPCs use the mesh-aware
+  dispatch (`make_nd_compute_dataproto_dispatch_fn`): every rank of one data-parallel replica
+  receives the same chunk, and only one rank per replica (tensor and context rank 0 on the last
+  pipeline stage, where the loss and the log-probs live) is collected.
 - Rollout (hybrid engine): the generation engine is the same one the FSDP workers use, holding
   full HF weights. Only the collecting rank of each data-parallel replica builds one and
   generates; the other ranks of the replica take part in the weight gather (a collective over
@@ -93,7 +93,11 @@ def _register_mesh(worker: Worker, mesh: str) -> None:
     """This rank's data-parallel replica, and whether it is the replica's collecting rank."""
     from megatron.core import parallel_state as mpu
 
-    collect = mpu.get_tensor_model_parallel_rank() == 0 and mpu.is_pipeline_last_stage(ignore_virtual=True)
+    collect = (
+        mpu.get_tensor_model_parallel_rank() == 0
+        and mpu.get_context_parallel_rank() == 0
+        and mpu.is_pipeline_last_stage(ignore_virtual=True)
+    )
     worker._register_dispatch_collect_info(mesh, mpu.get_data_parallel_rank(), collect)
     return collect
 
@@ -364,7 +368,7 @@ class RewardModelWorker(fsdp_workers.RewardModelWorker):
         micro = int(self.config.get("micro_batch_size_per_gpu") or rows)
 
         def score_fn(micro_batch, output):
-            scores = output[..., 0].gather(1, micro_batch["pooled"][:, None]).squeeze(1)
+            scores = micro_batch["_aligned"].full(output[..., 0]).gather(1, micro_batch["pooled"][:, None]).squeeze(1)
             return output.new_zeros(()), {"scores": scores}
 
         for chunk in model.chunks:

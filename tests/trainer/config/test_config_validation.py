@@ -448,9 +448,18 @@ def test_megatron_models_in_one_process_need_one_layout(defaults):
         critic__megatron__tensor_model_parallel_size=2,
     )
     msg = error_of(cfg)
-    assert "layouts differ" in msg and "critic.megatron (tp, pp, vpp)=(2, 1, None)" in msg, msg
-    assert "actor_rollout_ref.actor.megatron (tp, pp, vpp)=(1, 1, None)" in msg
+    assert "layouts differ" in msg and "critic.megatron (tp, pp, vpp, cp)=(2, 1, None, 1)" in msg, msg
+    assert "actor_rollout_ref.actor.megatron (tp, pp, vpp, cp)=(1, 1, None, 1)" in msg
     validate_ppo_config(with_(cfg, actor_rollout_ref__actor__megatron__tensor_model_parallel_size=2))
+    context = with_(cfg, critic__megatron__tensor_model_parallel_size=1, critic__megatron__context_parallel_size=2)
+    assert "critic.megatron (tp, pp, vpp, cp)=(1, 1, None, 2)" in error_of(context)
+    validate_ppo_config(with_(context, actor_rollout_ref__actor__megatron__context_parallel_size=2))
+    assert "x context_parallel_size=4 = 4 ranks per model copy does not divide the 2 ranks" in error_of(
+        with_(cfg, critic__megatron__tensor_model_parallel_size=1, critic__megatron__context_parallel_size=4)
+    )
+    assert "context_parallel_size=0 must be a positive integer" in error_of(
+        with_(cfg, critic__megatron__tensor_model_parallel_size=1, critic__megatron__context_parallel_size=0)
+    )
     rm = with_(
         defaults,
         reward_model__enable=True,
@@ -460,6 +469,6 @@ def test_megatron_models_in_one_process_need_one_layout(defaults):
         reward_model__megatron__pipeline_model_parallel_size=2,
     )
     validate_ppo_config(rm)  # an FSDP actor: the reward model is the only megatron model
-    assert "reward_model.megatron (tp, pp, vpp)=(1, 2, None)" in error_of(
+    assert "reward_model.megatron (tp, pp, vpp, cp)=(1, 2, None, 1)" in error_of(
         with_(rm, actor_rollout_ref__actor__strategy="megatron")
     )

@@ -54,8 +54,8 @@ def _check_sizes(rank, world_size):
         initialize_model_parallel(tensor_model_parallel_size=3)
     with pytest.raises(ValueError, match="virtual_pipeline_model_parallel_size"):
         initialize_model_parallel(pipeline_model_parallel_size=1, virtual_pipeline_model_parallel_size=2)
-    with pytest.raises(NotImplementedError, match="context_parallel_size=2"):
-        initialize_model_parallel(context_parallel_size=2)
+    with pytest.raises(ValueError, match="context_parallel_size=3: the product must divide"):
+        initialize_model_parallel(context_parallel_size=3)
     initialize_model_parallel(pipeline_model_parallel_size=2)
     with pytest.raises(RuntimeError, match="already exist"):
         initialize_model_parallel(tensor_model_parallel_size=2)
@@ -63,3 +63,23 @@ def _check_sizes(rank, world_size):
 
 def test_parallel_sizes_that_do_not_fit_the_world_are_clear_errors():
     run_distributed(_check_sizes, 2)
+
+
+def _check_rotary_slice(rank, world_size):
+    """Megatron's rotary embedding under context parallelism (cp=2, 8 positions in 4 chunks of 2):
+    rank 0 gets positions 0, 1, 6, 7 and rank 1 gets 2, 3, 4, 5, through the CPU stand-in for its
+    pinned-memory slicing."""
+    from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
+
+    from verl.utils.megatron.parallel_state import initialize_model_parallel
+
+    initialize_model_parallel(context_parallel_size=2)
+    rotary = RotaryEmbedding(kv_channels=8, rotary_percent=1.0, rotary_base=10000)
+    emb = rotary(8)  # [s, 1, 1, dim]: position x inverse frequency
+    inv_freq_1 = 1.0 / 10000 ** (2 / 8)
+    positions = (emb[:, 0, 0, 1] / inv_freq_1).round().long().tolist()
+    assert positions == ([0, 1, 6, 7] if rank == 0 else [2, 3, 4, 5]), positions
+
+
+def test_rotary_positions_are_sliced_for_context_parallel_ranks_on_cpu():
+    run_distributed(_check_rotary_slice, 2)

@@ -55,7 +55,7 @@ def _gathered_weights(chunks, hf_config) -> dict[str, torch.Tensor]:
     return dict(mcore_to_hf_named_tensors(chunks, hf_config))
 
 
-def _check_against_fsdp_actor(rank, world_size, tp, pp, architecture, tie, vpp=None, micro=2):
+def _check_against_fsdp_actor(rank, world_size, tp, pp, architecture, tie, vpp=None, micro=2, cp=1):
     from verl.workers.actor.megatron_actor import MegatronPPOActor
 
     hf_model = tiny_hf_model(architecture, tie_word_embeddings=tie, num_layers=2 * pp * (vpp or 1))
@@ -69,7 +69,7 @@ def _check_against_fsdp_actor(rank, world_size, tp, pp, architecture, tie, vpp=N
         reference_model,
         torch.optim.SGD(reference_model.parameters(), lr=LR),
     )
-    chunks = build_loaded_chunks(hf_model, tp=tp, pp=pp, vpp=vpp)
+    chunks = build_loaded_chunks(hf_model, tp=tp, pp=pp, vpp=vpp, cp=cp)
     assert len(chunks) == (vpp or 1)
     params = [p for chunk in chunks for p in chunk.parameters()]
     actor = MegatronPPOActor(
@@ -116,19 +116,23 @@ def _check_against_fsdp_actor(rank, world_size, tp, pp, architecture, tie, vpp=N
 
 
 @pytest.mark.parametrize(
-    "tp,pp,vpp,micro,architecture,tie",
+    "tp,pp,vpp,micro,architecture,tie,cp",
     [
-        (1, 1, None, 2, "qwen2", True),
-        (2, 1, None, 2, "qwen2", True),
-        (2, 1, None, 2, "llama", False),
-        (1, 2, None, 2, "qwen2", True),
+        (1, 1, None, 2, "qwen2", True, 1),
+        (2, 1, None, 2, "qwen2", True, 1),
+        (2, 1, None, 2, "llama", False, 1),
+        (1, 2, None, 2, "qwen2", True, 1),
         # interleaved (virtual pipeline): each stage holds two chunks of layers
-        (1, 2, 2, 2, "llama", False),
-        (1, 2, 2, 4, "qwen2", True),  # one micro-batch per mini-batch: the schedule splits it
+        (1, 2, 2, 2, "llama", False, 1),
+        (1, 2, 2, 4, "qwen2", True, 1),  # one micro-batch per mini-batch: the schedule splits it
+        # context parallel: each rank holds a quarter-and-quarter of every sequence
+        (1, 1, None, 2, "qwen2", True, 2),
+        (2, 1, None, 2, "llama", False, 2),
+        (1, 2, None, 2, "qwen2", True, 2),
     ],
 )
-def test_megatron_actor_matches_fsdp_actor(tp, pp, vpp, micro, architecture, tie):
-    run_distributed(_check_against_fsdp_actor, tp * pp, tp, pp, architecture, tie, vpp, micro)
+def test_megatron_actor_matches_fsdp_actor(tp, pp, vpp, micro, architecture, tie, cp):
+    run_distributed(_check_against_fsdp_actor, tp * pp * cp, tp, pp, architecture, tie, vpp, micro, cp)
 
 
 def _data_parallel_against_fsdp_actor(rank, world_size):

@@ -6,7 +6,9 @@ Design decisions:
   Anything the translation cannot represent exactly (rope scaling, sliding windows, MoE, an
   MLP bias) is an error that names the HF field rather than a silently different model.
 - The "local" layer spec (megatron's own modules, torch RMSNorm fallback) is used: it runs
-  without TransformerEngine or apex, so CPU and GPU build the same modules. All fusions are off
+  without TransformerEngine or apex, so CPU and GPU build the same modules. With
+  `context_parallel_size > 1` its core attention is `context_parallel.ContextParallelAttention`
+  (megatron's local attention has no context parallelism). All fusions are off
   (they need those kernels), dropout is 0 as in HF's inference.
 - The vocabulary is padded to a multiple of the tensor-parallel size (megatron shards the
   embedding and LM head by rows); padded rows are zero and the log-prob code masks their logits,
@@ -180,9 +182,14 @@ def build_gpt_model(
     if post_process is None:
         post_process = mpu.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage)
     tp = tf_config.tensor_model_parallel_size
+    spec = get_gpt_layer_local_spec(normalization="RMSNorm")
+    if tf_config.context_parallel_size > 1:  # megatron's local attention refuses it; see context_parallel.py
+        from verl.models.mcore.context_parallel import ContextParallelAttention
+
+        spec.submodules.self_attention.submodules.core_attention = ContextParallelAttention
     model = GPTModel(
         config=tf_config,
-        transformer_layer_spec=get_gpt_layer_local_spec(normalization="RMSNorm"),
+        transformer_layer_spec=spec,
         vocab_size=padded_vocab_size(hf_config.vocab_size, tp),
         max_sequence_length=hf_config.max_position_embeddings,
         pre_process=pre_process,

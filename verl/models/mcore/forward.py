@@ -8,6 +8,10 @@ packed sequences, so each row is shifted left until its first real token sits in
 the plain causal mask is exact for every real token. Nothing else is needed; the outputs are
 mapped back to response columns afterwards (`response_columns`). Trailing columns that are
 padding in every row are dropped, which also shortens the sequence.
+
+Under context parallelism (`AlignedBatch.split_for_context_parallel`) the aligned length is padded
+to a multiple of `2 * cp`, the model sees this rank's columns (`model_input_ids`, ...), and
+per-token results are gathered back to the whole sequence (`full`) before `response_columns`.
 """
 
 from __future__ import annotations
@@ -24,17 +28,56 @@ class AlignedBatch:
 
     def __init__(self, input_ids: torch.Tensor, labels: torch.Tensor, response_index: torch.Tensor):
         self.input_ids, self.labels, self.response_index = input_ids, labels, response_index
+        self.cp_group, self.cp_size, self.cp_rank = None, 1, 0
 
     @property
     def position_ids(self) -> torch.Tensor:
         length = self.input_ids.shape[1]
         return torch.arange(length, device=self.input_ids.device).expand_as(self.input_ids)
 
+    def split_for_context_parallel(self, group, size: int, rank: int) -> AlignedBatch:
+        """Give the model only this context-parallel rank's columns (`left_align(..., multiple_of=2 * size)`)."""
+        self.cp_group, self.cp_size, self.cp_rank = group, size, rank
+        return self
+
+    def _local(self, tensor: torch.Tensor) -> torch.Tensor:
+        from verl.models.mcore.context_parallel import split_sequence
+
+        return split_sequence(tensor, 1, self.cp_size, self.cp_rank)
+
+    @property
+    def model_input_ids(self) -> torch.Tensor:
+        """The input ids the model runs on: this rank's columns under context parallelism."""
+        return self._local(self.input_ids)
+
+    @property
+    def model_position_ids(self) -> torch.Tensor:
+        return self._local(self.position_ids)
+
+    @property
+    def model_labels(self) -> torch.Tensor:
+        """Labels for the model's columns (`model_input_ids`)."""
+        return self._local(self.labels)
+
+    def full(self, per_token: torch.Tensor) -> torch.Tensor:
+        """[B, L_model, ...] values at the model's columns -> [B, L, ...] over the whole sequence
+        (gathered over the context-parallel ranks, with gradients; identity without them)."""
+        if self.cp_size == 1:
+            return per_token
+        from verl.models.mcore.context_parallel import gather_sequence
+
+        return gather_sequence(per_token, 1, self.cp_group)
+
 
 def left_align(
-    input_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor, response_length: int
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    position_ids: torch.Tensor,
+    response_length: int,
+    multiple_of: int = 1,
 ) -> AlignedBatch:
-    """Shift each row of a [B, S] batch left to its first real token (see the module docstring).
+    """Shift each row of a [B, S] batch left to its first real token (see the module docstring);
+    the aligned length is rounded up to a multiple of `multiple_of` with trailing padding.
 
     Raises when a row's real tokens are not contiguous or its position ids do not count from 0,
     since the aligned layout would then change the model's inputs.
@@ -44,6 +87,7 @@ def left_align(
     lengths = mask.sum(dim=1)
     first = mask.int().argmax(dim=1)
     length = max(int(lengths.max()), 2)
+    length = -(-length // multiple_of) * multiple_of
     columns = torch.arange(length, device=input_ids.device)
     index = (first[:, None] + columns[None]).clamp(max=seqlen - 1)
     real = columns[None] < lengths[:, None]
@@ -64,6 +108,6 @@ def left_align(
 
 
 def response_columns(per_token: torch.Tensor, aligned: AlignedBatch) -> torch.Tensor:
-    """[B, L] values at aligned columns -> [B, R] at response columns (padding columns hold whatever
-    the model gave there; callers mask with response_mask)."""
-    return torch.gather(per_token, 1, aligned.response_index)
+    """[B, L_model] values at the model's columns -> [B, R] at response columns (padding columns hold
+    whatever the model gave there; callers mask with response_mask)."""
+    return torch.gather(aligned.full(per_token), 1, aligned.response_index)

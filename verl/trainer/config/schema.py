@@ -212,7 +212,8 @@ class MegatronConfig:
         "and at least that many micro-batches per rank. null: no interleaving."
     )
     context_parallel_size: int = doc(
-        "Ranks one sequence is split over (needs TransformerEngine attention).", status=UNSUPPORTED, neutral=1
+        "Ranks one sequence is split over (each holds 2 of its 2 x cp load-balanced chunks; keys and values "
+        "are all-gathered in attention). Must divide the world size together with the tensor and pipeline sizes."
     )
     sequence_parallel: bool = doc(
         "Split activations outside attention/MLP along the sequence over the tensor-parallel ranks (memory only, "

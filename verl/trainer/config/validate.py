@@ -597,27 +597,32 @@ def _check_megatron(c: dict, errors: list[str]):
 
     def layout(m: dict) -> tuple:
         vpp = m["virtual_pipeline_model_parallel_size"]
-        return m["tensor_model_parallel_size"], m["pipeline_model_parallel_size"], vpp if (vpp or 1) > 1 else None
+        vpp = vpp if (vpp or 1) > 1 else None
+        return m["tensor_model_parallel_size"], m["pipeline_model_parallel_size"], vpp, m["context_parallel_size"]
 
     layouts = {name: layout(section["megatron"]) for name, section in sections}
     if len(set(layouts.values())) > 1:
-        listed = ", ".join(f"{name}.megatron (tp, pp, vpp)={layout}" for name, layout in layouts.items())
+        listed = ", ".join(f"{name}.megatron (tp, pp, vpp, cp)={layout}" for name, layout in layouts.items())
         errors.append(
             f"the megatron models share the worker processes (one set of megatron parallel groups per process) but "
-            f"their layouts differ: {listed}; give them the same tensor/pipeline/virtual-pipeline sizes"
+            f"their layouts differ: {listed}; give them the same tensor/pipeline/virtual-pipeline/context sizes"
         )
     for name, section in sections:
         m = section["megatron"]
-        tp, pp = m["tensor_model_parallel_size"], m["pipeline_model_parallel_size"]
-        for key, value in (("tensor_model_parallel_size", tp), ("pipeline_model_parallel_size", pp)):
+        tp, pp, cp = m["tensor_model_parallel_size"], m["pipeline_model_parallel_size"], m["context_parallel_size"]
+        for key, value in (
+            ("tensor_model_parallel_size", tp),
+            ("pipeline_model_parallel_size", pp),
+            ("context_parallel_size", cp),
+        ):
             if not isinstance(value, int) or value < 1:
                 errors.append(f"{name}.megatron.{key}={value!r} must be a positive integer")
                 return
-        if world % (tp * pp):
+        if world % (tp * pp * cp):
             errors.append(
-                f"{name}.megatron.tensor_model_parallel_size={tp} x pipeline_model_parallel_size={pp} = {tp * pp} "
-                f"ranks per model copy does not divide the {world} ranks (trainer.nnodes x trainer.n_gpus_per_node); "
-                f"choose sizes whose product divides {world}"
+                f"{name}.megatron.tensor_model_parallel_size={tp} x pipeline_model_parallel_size={pp} x "
+                f"context_parallel_size={cp} = {tp * pp * cp} ranks per model copy does not divide the {world} ranks "
+                f"(trainer.nnodes x trainer.n_gpus_per_node); choose sizes whose product divides {world}"
             )
 
 

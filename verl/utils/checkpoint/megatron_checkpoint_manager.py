@@ -116,13 +116,15 @@ def _chunk_param_keys(chunks, optimizer) -> list[tuple[torch.nn.Parameter, str, 
 
 def _owner_replica_id(replica_id, owned: bool):
     """The replica id that makes the data-parallel rank owning a parameter's Adam state the one that
-    writes it (megatron's last replica coordinate is the data-parallel rank; all zeros writes)."""
+    writes it (megatron's last replica coordinate is the rank in the data x context-parallel group;
+    all zeros writes). Context-parallel ranks of the owner hold the same state: only the first writes."""
     from megatron.core import parallel_state as mpu
 
-    other = mpu.get_data_parallel_rank() + 1
+    writes = owned and mpu.get_context_parallel_rank() == 0
+    other = mpu.get_data_parallel_rank(with_context_parallel=True) + 1
     if isinstance(replica_id, tuple):
-        return (*replica_id[:-1], 0 if owned else other)
-    return 0 if owned else other
+        return (*replica_id[:-1], 0 if writes else other)
+    return 0 if writes else other
 
 
 def _moment_sharded_state(chunks, optimizer) -> dict:

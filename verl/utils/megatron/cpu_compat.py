@@ -20,8 +20,12 @@ Design decisions:
 - The RNG: `seed_model_parallel_rng` seeds megatron's tracker with `inference_rng_tracker=True`,
   a tracker that keeps CPU generator states; with it tensor-parallel runs are bit-identical to
   tp=1 (measured), because dropout is off and initialisation happens on CPU.
-- What it does not fix: sequence parallel (needs TransformerEngine or apex kernels) and context
-  parallel (needs TransformerEngine attention); callers refuse those on CPU with a clear error.
+- Context parallelism: megatron's rotary embedding slices its positions for a context-parallel
+  rank through pinned memory and `.cuda()`; on CPU the same slice is taken in place
+  (`_slice_rotary_positions_on_cpu`). The attention itself is ours
+  (`verl.models.mcore.context_parallel`), on CPU and GPU alike.
+- What it does not fix: sequence parallel (needs TransformerEngine or apex kernels); callers turn
+  it off on CPU with a warning.
 """
 
 from __future__ import annotations
@@ -144,6 +148,7 @@ def enable_cpu_compat() -> None:
         if name.startswith("megatron.core") and getattr(module, "torch", None) is torch:
             module.torch = proxy
     _keep_tied_embedding_on_cpu()
+    _slice_rotary_positions_on_cpu()
     _enabled = True
 
 
@@ -164,6 +169,24 @@ def _keep_tied_embedding_on_cpu() -> None:
             torch.Tensor.cuda = to_accelerator
 
     LanguageModule.setup_embeddings_and_output_layer = setup_embeddings_and_output_layer
+
+
+def _slice_rotary_positions_on_cpu() -> None:
+    """Under context parallelism megatron's rotary embedding keeps this rank's positions with
+    `get_pos_emb_on_this_cp_rank`, which builds its index in pinned memory and moves it to the
+    accelerator; on CPU the same slice (chunks r and 2cp-1-r) is taken without either. The
+    function is rebound in the two modules that call it on our path."""
+    from megatron.core.models.common.embeddings import rope_utils, rotary_pos_embedding
+
+    from verl.models.mcore.context_parallel import split_sequence
+
+    def get_pos_emb_on_this_cp_rank(pos_emb, seq_dim, cp_group):
+        if cp_group is None:
+            raise ValueError("cp_group must be provided to get positional embedding per CP rank")
+        return split_sequence(pos_emb, seq_dim, cp_group.size(), cp_group.rank())
+
+    rope_utils.get_pos_emb_on_this_cp_rank = get_pos_emb_on_this_cp_rank
+    rotary_pos_embedding.get_pos_emb_on_this_cp_rank = get_pos_emb_on_this_cp_rank
 
 
 def seed_model_parallel_rng(seed: int) -> None:

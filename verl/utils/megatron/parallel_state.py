@@ -13,8 +13,6 @@ from __future__ import annotations
 
 import torch.distributed as dist
 
-from verl.utils.device import is_cuda_available
-
 __all__ = ["initialize_model_parallel", "destroy_model_parallel", "MegatronParallelSizes"]
 
 
@@ -69,11 +67,6 @@ def initialize_model_parallel(
         raise ValueError(
             f"actor.megatron.virtual_pipeline_model_parallel_size={vpp} needs pipeline_model_parallel_size >= 2 "
             f"(got {pp}); set it to null or raise the pipeline size"
-        )
-    if cp > 1 and not is_cuda_available():
-        raise NotImplementedError(
-            f"actor.megatron.context_parallel_size={cp}: context parallelism needs TransformerEngine's attention, "
-            "which is GPU-only; set it to 1 on CPU"
         )
     sizes = MegatronParallelSizes(tp, pp, vpp, cp, world // (tp * pp * cp))
     enable_cpu_compat()

@@ -27,6 +27,11 @@ Design decisions:
   over the whole model (each tensor-parallel shard once, replicated parameters once, the tied copy
   once) as `torch.nn.utils.clip_grad_norm_` would compute it on the unsharded model.
 
+Context parallelism (`megatron.context_parallel_size`): each rank runs its columns of every
+sequence (`verl.models.mcore.context_parallel`); per-token log-probs and entropies are gathered
+back to whole rows, so losses and metrics are computed as without it. Dynamic batch sizes count
+`ppo_max_token_len_per_gpu` per rank, so a micro-batch holds cp times that many tokens.
+
 Not supported (clear errors): `use_remove_padding` is ignored (rows are already left-aligned
 and trimmed), ulysses sequence parallelism, multi-dimensional position ids.
 """
@@ -49,6 +54,8 @@ __all__ = [
     "MegatronPPOActor",
     "broadcast_from_last_stage",
     "clip_grad_and_step_megatron",
+    "context_parallel_config",
+    "per_rank_token_budget",
     "finalize_megatron_grads",
     "run_megatron_schedule",
 ]
@@ -58,6 +65,23 @@ def _dp_group_and_size():
     from megatron.core import parallel_state as mpu
 
     return mpu.get_data_parallel_group(), mpu.get_data_parallel_world_size()
+
+
+def per_rank_token_budget(max_token_len):
+    """A `*_max_token_len_per_gpu` budget for one sequence's whole group of context-parallel ranks:
+    each rank holds 1/cp of every sequence, so a micro-batch may hold cp times the tokens."""
+    from megatron.core import parallel_state as mpu
+
+    cp = mpu.get_context_parallel_world_size()
+    return max_token_len if max_token_len is None or cp == 1 else int(max_token_len) * cp
+
+
+def context_parallel_config(cfg: dict) -> dict:
+    """`cfg` with `ppo_max_token_len_per_gpu` scaled by `per_rank_token_budget`."""
+    budget = cfg.get("ppo_max_token_len_per_gpu")
+    if budget is None:
+        return cfg
+    return {**cfg, "ppo_max_token_len_per_gpu": per_rank_token_budget(budget)}
 
 
 def broadcast_from_last_stage(obj):
@@ -74,14 +98,16 @@ def broadcast_from_last_stage(obj):
 
 
 def finalize_megatron_grads(model_chunks) -> None:
-    """Average gradients over the data-parallel group and sum the tied embedding's two copies
-    (first and last pipeline stage); megatron's DDP would do this, we train without its wrapper."""
+    """Average gradients over the data-parallel x context-parallel group and sum the tied
+    embedding's two copies (first and last pipeline stage); megatron's DDP would do this, we train
+    without its wrapper. Context-parallel ranks each hold `cp` times their share of the gradient
+    (see `verl.models.mcore.context_parallel`), so the average over them is the exact sum."""
     from megatron.core import parallel_state as mpu
 
-    dp_size = mpu.get_data_parallel_world_size()
+    dp_size = mpu.get_data_parallel_world_size(with_context_parallel=True)
     if dp_size > 1:  # bucketed: a few all-reduces per step instead of one per tensor
         params = {id(p): p for chunk in model_chunks for p in chunk.parameters() if p.requires_grad}
-        average_gradients(list(params.values()), mpu.get_data_parallel_group(), dp_size)
+        average_gradients(list(params.values()), mpu.get_data_parallel_group(with_context_parallel=True), dp_size)
     if mpu.get_pipeline_model_parallel_world_size() > 1 and mpu.is_rank_in_embedding_group(ignore_virtual=True):
         for chunk in (model_chunks[0], model_chunks[-1]):
             if not chunk.share_embeddings_and_output_weights:
@@ -175,18 +201,25 @@ def run_megatron_schedule(model_chunks, micro_batches: list, loss_fn, forward_on
     def forward_step(data_iterator, model):
         micro_batch = next(data_iterator)
         aligned = micro_batch["_aligned"]
-        output = model(aligned.input_ids, aligned.position_ids, None)
+        output = model(aligned.model_input_ids, aligned.model_position_ids, None)
         return output, partial(loss_wrapper, micro_batch)
+
+    from verl.models.mcore.context_parallel import context_parallel_group
 
     if len(model_chunks) > 1:
         micro_batches = _interleavable(micro_batches, model_chunks)
+    cp_group, cp_size, cp_rank = context_parallel_group()
     prepared = []
     for micro_batch in micro_batches:
         micro_batch = dict(micro_batch.to(get_device()).items())
         response_length = micro_batch["responses"].shape[-1]
         micro_batch["_aligned"] = left_align(
-            micro_batch["input_ids"], micro_batch["attention_mask"], micro_batch["position_ids"], response_length
-        )
+            micro_batch["input_ids"],
+            micro_batch["attention_mask"],
+            micro_batch["position_ids"],
+            response_length,
+            multiple_of=2 * cp_size if cp_size > 1 else 1,
+        ).split_for_context_parallel(cp_group, cp_size, cp_rank)
         prepared.append(micro_batch)
     iterators = [iter(prepared) for _ in model_chunks]
     return get_forward_backward_func()(
@@ -209,6 +242,7 @@ class MegatronPPOActor(DataParallelPPOActor):
         super().__init__(config, model_chunks[0], actor_optimizer)
         self.model_chunks = list(model_chunks)
         self.hf_config = hf_config
+        self._cfg = context_parallel_config(self._cfg)
         self.use_remove_padding = False
         self.share_prompt_forward = False
         self._dp_group, self._dp_size = _dp_group_and_size()
@@ -220,7 +254,7 @@ class MegatronPPOActor(DataParallelPPOActor):
         aligned = micro_batch["_aligned"]
         logits = output / temperature
         log_probs, entropy = vocab_parallel_log_probs_and_entropy(
-            logits, aligned.labels, self.hf_config.vocab_size, calculate_entropy
+            logits, aligned.model_labels, self.hf_config.vocab_size, calculate_entropy
         )
         log_probs = response_columns(log_probs, aligned)
         return (response_columns(entropy, aligned) if calculate_entropy else None), log_probs
@@ -243,7 +277,7 @@ class MegatronPPOActor(DataParallelPPOActor):
             batch,
             micro_batch_size=meta.get("micro_batch_size"),
             use_dynamic_bsz=bool(meta.get("use_dynamic_bsz", False)),
-            max_token_len=meta.get("max_token_len"),
+            max_token_len=per_rank_token_budget(meta.get("max_token_len")),
             dp_group=self._dp_group,
         )
 

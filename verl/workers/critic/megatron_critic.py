@@ -22,7 +22,9 @@ from verl.models.mcore.forward import response_columns
 from verl.workers.actor.megatron_actor import (
     broadcast_from_last_stage,
     clip_grad_and_step_megatron,
+    context_parallel_config,
     finalize_megatron_grads,
+    per_rank_token_budget,
     run_megatron_schedule,
 )
 from verl.workers.critic.dp_critic import _MODEL_INPUTS, DataParallelPPOCritic
@@ -41,6 +43,7 @@ class MegatronPPOCritic(DataParallelPPOCritic):
             model_chunks = [model_chunks]
         super().__init__(config, model_chunks[0], critic_optimizer)
         self.model_chunks = list(model_chunks)
+        self._cfg = context_parallel_config(self._cfg)
         self.use_remove_padding = False
         self._dp_group, self._dp_size = mpu.get_data_parallel_group(), mpu.get_data_parallel_world_size()
 
@@ -60,7 +63,7 @@ class MegatronPPOCritic(DataParallelPPOCritic):
             data.batch.select(*keys),
             micro_batch_size=meta.get("micro_batch_size"),
             use_dynamic_bsz=bool(meta.get("use_dynamic_bsz", False)),
-            max_token_len=meta.get("max_token_len"),
+            max_token_len=per_rank_token_budget(meta.get("max_token_len")),
             dp_group=self._dp_group,
         )
 
