@@ -1,6 +1,6 @@
 """The megatron actor computes what the FSDP actor computes on the plain HF model: the same
 log-probs and entropies, and one PPO update gives the same losses, gradient norms and weights, at
-tp=1, tp=2 and pp=2 (so those equal each other too)."""
+tp=1, tp=2, pp=2 and cp=2 and their combinations (so those equal each other too)."""
 
 from __future__ import annotations
 
@@ -172,3 +172,44 @@ def _data_parallel_against_fsdp_actor(rank, world_size):
 
 def test_megatron_data_parallel_update_equals_the_single_process_update_on_the_whole_batch():
     run_distributed(_data_parallel_against_fsdp_actor, 2)
+
+
+def _dynamic_batch_at_cp2(rank, world_size):
+    """use_dynamic_bsz at cp=2: ppo_max_token_len_per_gpu counts tokens per rank, and each rank holds
+    half of every sequence, so the megatron actor's micro-batches are the FSDP actor's at twice the
+    budget: the same per-micro-batch metrics, in the same number."""
+    from verl.workers.actor.megatron_actor import MegatronPPOActor
+
+    hf_model = tiny_hf_model("qwen2")
+    data = _training_data(hf_model)
+    budget = 12  # rows hold up to 11 tokens: 2 rows per micro-batch at 24
+    reference_model = copy.deepcopy(hf_model)
+    reference = DataParallelPPOActor(
+        _actor_config(use_dynamic_bsz=True, ppo_max_token_len_per_gpu=2 * budget),
+        reference_model,
+        torch.optim.SGD(reference_model.parameters(), lr=LR),
+    )
+    want = reference.update_policy(copy.deepcopy(data))
+    chunks = build_loaded_chunks(hf_model, cp=2)
+    params = [p for chunk in chunks for p in chunk.parameters()]
+    actor = MegatronPPOActor(
+        _actor_config(use_dynamic_bsz=True, ppo_max_token_len_per_gpu=budget),
+        chunks,
+        hf_model.config,
+        torch.optim.SGD(params, lr=LR),
+    )
+    got = actor.update_policy(copy.deepcopy(data))
+    assert len(want["actor/pg_loss"]) > 2, "the budget should split each mini-batch"
+    for key in want:
+        assert len(got[key]) == len(want[key]), key
+        torch.testing.assert_close(
+            torch.tensor(got[key], dtype=torch.float64),
+            torch.tensor(want[key], dtype=torch.float64),
+            atol=1e-5,
+            rtol=1e-5,
+            msg=key,
+        )
+
+
+def test_megatron_dynamic_batch_budget_is_per_rank_under_context_parallelism():
+    run_distributed(_dynamic_batch_at_cp2, 2)
