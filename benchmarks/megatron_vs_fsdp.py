@@ -4,15 +4,15 @@ Each layout runs `ActorRolloutRefWorker(role="actor").update_actor` (the RPC bod
 calls) in its own group of `--ranks` processes, on the same model directory and the same PPO batch:
 
 - `fsdp`: `verl.workers.fsdp_workers` (FSDP2 over all ranks);
-- `tpN` / `ppN`: `verl.workers.megatron_workers` with tensor / pipeline parallel size N (the
-  remaining ranks are data parallel); `ppNvM`: pipeline size N with M virtual stages per rank
-  (the interleaved schedule).
+- `tpN` / `ppN` / `cpN`: `verl.workers.megatron_workers` with tensor / pipeline / context
+  parallel size N (the remaining ranks are data parallel); `ppNvM`: pipeline size N with M
+  virtual stages per rank (the interleaved schedule).
 
 Every update is one optimizer step over `--batch` sequences of `--seq-len` tokens (prompt half,
 response half; no padding), after one warm-up update. Tokens/s counts every token of the batch,
 forward and backward, over the whole group; MFU is reported where the device's peak is known.
 
-    python benchmarks/megatron_vs_fsdp.py                    # CPU: 2 gloo ranks, `base` preset (24M), fsdp,tp2,pp2,pp2v2
+    python benchmarks/megatron_vs_fsdp.py                    # CPU: 2 gloo ranks, `base` preset (24M), fsdp,tp2,pp2,pp2v2,cp2
     python benchmarks/megatron_vs_fsdp.py --ranks 1 --layouts fsdp,tp1 --preset qwen2.5-0.5b-shape \
         --dtype bf16 --batch 4 --seq-len 4096                # one GPU (not run yet: see docs)
 
@@ -83,10 +83,14 @@ def _overrides(args, layout: str, model_dir: str) -> list[str]:
         if args.dtype == "bf16":
             common.append("actor_rollout_ref.actor.fsdp_config.mixed_precision.param_dtype=bf16")
         return common
-    match = re.fullmatch(r"(tp|pp)(\d+)(?:v(\d+))?", layout)
+    match = re.fullmatch(r"(tp|pp|cp)(\d+)(?:v(\d+))?", layout)
     if match is None or (match[3] and match[1] != "pp"):
-        raise ValueError(f"unknown layout {layout!r}: use fsdp, tpN, ppN or ppNvM (M virtual stages per stage)")
-    key = {"tp": "tensor_model_parallel_size", "pp": "pipeline_model_parallel_size"}[match[1]]
+        raise ValueError(f"unknown layout {layout!r}: use fsdp, tpN, ppN, cpN or ppNvM (M virtual stages per stage)")
+    key = {
+        "tp": "tensor_model_parallel_size",
+        "pp": "pipeline_model_parallel_size",
+        "cp": "context_parallel_size",
+    }[match[1]]
     out = [
         *common,
         "actor_rollout_ref.actor.strategy=megatron",
@@ -120,7 +124,7 @@ def _rank(rank: int, world: int, port: int, args, layout: str, model_dir: str, r
     full = _batch(args.batch, args.seq_len, min(vocab, 50_000))
     if layout == "fsdp":
         dp, dp_rank = world, rank
-    else:  # the ranks of one tensor/pipeline group take the same data-parallel shard
+    else:  # the ranks of one tensor/pipeline/context group take the same data-parallel shard
         from megatron.core import parallel_state as mpu
 
         dp, dp_rank = mpu.get_data_parallel_world_size(), mpu.get_data_parallel_rank()
@@ -158,7 +162,9 @@ def main() -> None:
     parser.add_argument("--preset", default="base", help="verl.models.factory preset (random weights)")
     parser.add_argument("--ranks", type=int, default=2)
     parser.add_argument(
-        "--layouts", default="fsdp,tp2,pp2,pp2v2", help="comma-separated: fsdp, tpN, ppN, ppNvM (M virtual stages)"
+        "--layouts",
+        default="fsdp,tp2,pp2,pp2v2,cp2",
+        help="comma-separated: fsdp, tpN, ppN, cpN, ppNvM (M virtual stages)",
     )
     parser.add_argument("--batch", type=int, default=16, help="sequences per update (whole group)")
     parser.add_argument("--seq-len", type=int, default=128)

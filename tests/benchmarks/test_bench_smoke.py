@@ -94,10 +94,16 @@ def test_arith_reward_scores_the_first_integer_and_counts_completion_tokens():
 
 
 @pytest.mark.parametrize(
-    ("layout", "tp", "pp", "vpp"),
-    [("fsdp", None, None, None), ("tp2", 2, 1, None), ("pp2", 1, 2, None), ("pp2v2", 1, 2, 2)],
+    ("layout", "tp", "pp", "vpp", "cp"),
+    [
+        ("fsdp", None, None, None, None),
+        ("tp2", 2, 1, None, 1),
+        ("pp2", 1, 2, None, 1),
+        ("pp2v2", 1, 2, 2, 1),
+        ("cp2", 1, 1, None, 2),
+    ],
 )
-def test_megatron_vs_fsdp_layouts_configure_the_backend_and_parallel_sizes_they_name(layout, tp, pp, vpp):
+def test_megatron_vs_fsdp_layouts_configure_the_backend_and_parallel_sizes_they_name(layout, tp, pp, vpp, cp):
     import argparse
 
     from benchmarks.megatron_vs_fsdp import _overrides
@@ -116,3 +122,4 @@ def test_megatron_vs_fsdp_layouts_configure_the_backend_and_parallel_sizes_they_
         assert actor.megatron.tensor_model_parallel_size == tp
         assert actor.megatron.pipeline_model_parallel_size == pp
         assert actor.megatron.virtual_pipeline_model_parallel_size == vpp
+        assert actor.megatron.context_parallel_size == cp
