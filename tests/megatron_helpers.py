@@ -47,7 +47,13 @@ def setup_megatron(tp: int = 1, pp: int = 1, vpp: int | None = None, seed: int =
 
 
 def build_loaded_chunks(
-    hf_model, tp: int = 1, pp: int = 1, vpp: int | None = None, value_head: bool = False, cp: int = 1
+    hf_model,
+    tp: int = 1,
+    pp: int = 1,
+    vpp: int | None = None,
+    value_head: bool = False,
+    cp: int = 1,
+    sequence_parallel: bool = False,
 ):
     """This rank's megatron chunks holding `hf_model`'s weights (model-parallel groups set up here)."""
     from verl.models.mcore import build_model_chunks, hf_to_mcore_config, load_hf_state_dict
@@ -60,6 +66,7 @@ def build_loaded_chunks(
             "pipeline_model_parallel_size": pp,
             "virtual_pipeline_model_parallel_size": vpp,
             "context_parallel_size": cp,
+            "sequence_parallel": sequence_parallel,
         },
         torch.float32,
     )

@@ -1,5 +1,5 @@
 """`main_ppo --config-name=ppo_megatron_trainer` end to end on CPU: PPO (GAE) with a megatron actor
-and critic and the built-in engine at tensor parallel size 2, checkpointed, then resumed at context
+and critic and the built-in engine at tensor parallel size 2 with sequence parallelism, checkpointed, then resumed at context
 parallel size 2 (the checkpoint reshards; each rank runs half of every sequence, and only the first
 context-parallel rank generates and returns results)."""
 
@@ -21,7 +21,9 @@ def test_ppo_with_megatron_actor_and_critic_at_tp2_resumes_at_cp2(tmp_path):
             "--config-name=ppo_megatron_trainer",
             "algorithm.adv_estimator=gae",
             "actor_rollout_ref.actor.megatron.tensor_model_parallel_size=2",
+            "actor_rollout_ref.actor.megatron.sequence_parallel=true",
             "critic.megatron.tensor_model_parallel_size=2",
+            "critic.megatron.sequence_parallel=true",
             "trainer.save_freq=1",
             *_common(first, steps=1),
         ],

@@ -27,14 +27,13 @@ Design decisions:
   (`verl.utils.checkpoint.megatron_checkpoint_manager`).
 - Offload (`megatron.param_offload` / `optimizer_offload`): parameters and Adam moments live on
   the host between the RPCs that use them; no-ops on a CPU device.
-- `megatron.sequence_parallel` changes memory, not results; it needs TransformerEngine or apex
-  kernels, so without them (always on CPU) it is turned off with a warning.
+- `megatron.sequence_parallel` changes memory, not results (tested); it runs on CPU and GPU
+  without TransformerEngine or apex (`verl.models.mcore.config.RMSNorm`).
 """
 
 from __future__ import annotations
 
 import contextlib
-import warnings
 
 import torch
 from omegaconf import DictConfig
@@ -58,23 +57,6 @@ _DTYPES = {
     "fp16": torch.float16,
     "float16": torch.float16,
 }
-
-
-def _sequence_parallel(megatron_cfg: dict) -> bool:
-    """`sequence_parallel` as asked when it can run here, else False with a warning (same results)."""
-    asked = bool(megatron_cfg.get("sequence_parallel", False))
-    if not asked or int(megatron_cfg.get("tensor_model_parallel_size", 1)) < 2:
-        return False
-    from importlib.util import find_spec
-
-    if dev.is_cuda_available() and (find_spec("transformer_engine") or find_spec("apex")):
-        return True
-    warnings.warn(
-        "megatron.sequence_parallel=true needs TransformerEngine or apex on a GPU; running without it "
-        "(same results, more activation memory). Set megatron.sequence_parallel=false to silence this.",
-        stacklevel=2,
-    )
-    return False
 
 
 def _setup_parallel(megatron_cfg: dict) -> None:
@@ -132,7 +114,7 @@ class _MegatronModel:
         self.hf_config = load_model_config(model_cfg.path, trust, config_overrides)
         self.value_head = value_head
         dtype = _DTYPES[str(meg.get("dtype", "fp32"))]
-        tf_config = hf_to_mcore_config(self.hf_config, {**meg, "sequence_parallel": _sequence_parallel(meg)}, dtype)
+        tf_config = hf_to_mcore_config(self.hf_config, meg, dtype)
         for key, value in (meg.get("override_transformer_config") or {}).items():
             if not hasattr(tf_config, key):
                 raise ValueError(

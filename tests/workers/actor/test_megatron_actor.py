@@ -55,7 +55,7 @@ def _gathered_weights(chunks, hf_config) -> dict[str, torch.Tensor]:
     return dict(mcore_to_hf_named_tensors(chunks, hf_config))
 
 
-def _check_against_fsdp_actor(rank, world_size, tp, pp, architecture, tie, vpp=None, micro=2, cp=1):
+def _check_against_fsdp_actor(rank, world_size, tp, pp, architecture, tie, vpp=None, micro=2, cp=1, sp=False):
     from verl.workers.actor.megatron_actor import MegatronPPOActor
 
     hf_model = tiny_hf_model(architecture, tie_word_embeddings=tie, num_layers=2 * pp * (vpp or 1))
@@ -69,7 +69,8 @@ def _check_against_fsdp_actor(rank, world_size, tp, pp, architecture, tie, vpp=N
         reference_model,
         torch.optim.SGD(reference_model.parameters(), lr=LR),
     )
-    chunks = build_loaded_chunks(hf_model, tp=tp, pp=pp, vpp=vpp, cp=cp)
+    chunks = build_loaded_chunks(hf_model, tp=tp, pp=pp, vpp=vpp, cp=cp, sequence_parallel=sp)
+    assert chunks[0].config.sequence_parallel == sp
     assert len(chunks) == (vpp or 1)
     params = [p for chunk in chunks for p in chunk.parameters()]
     actor = MegatronPPOActor(
@@ -116,23 +117,26 @@ def _check_against_fsdp_actor(rank, world_size, tp, pp, architecture, tie, vpp=N
 
 
 @pytest.mark.parametrize(
-    "tp,pp,vpp,micro,architecture,tie,cp",
+    "tp,pp,vpp,micro,architecture,tie,cp,sp",
     [
-        (1, 1, None, 2, "qwen2", True, 1),
-        (2, 1, None, 2, "qwen2", True, 1),
-        (2, 1, None, 2, "llama", False, 1),
-        (1, 2, None, 2, "qwen2", True, 1),
+        (1, 1, None, 2, "qwen2", True, 1, False),
+        (2, 1, None, 2, "qwen2", True, 1, False),
+        (2, 1, None, 2, "llama", False, 1, False),
+        (1, 2, None, 2, "qwen2", True, 1, False),
         # interleaved (virtual pipeline): each stage holds two chunks of layers
-        (1, 2, 2, 2, "llama", False, 1),
-        (1, 2, 2, 4, "qwen2", True, 1),  # one micro-batch per mini-batch: the schedule splits it
+        (1, 2, 2, 2, "llama", False, 1, False),
+        (1, 2, 2, 4, "qwen2", True, 1, False),  # one micro-batch per mini-batch: the schedule splits it
         # context parallel: each rank holds a quarter-and-quarter of every sequence
-        (1, 1, None, 2, "qwen2", True, 2),
-        (2, 1, None, 2, "llama", False, 2),
-        (1, 2, None, 2, "qwen2", True, 2),
+        (1, 1, None, 2, "qwen2", True, 2, False),
+        (2, 1, None, 2, "llama", False, 2, False),
+        (1, 2, None, 2, "qwen2", True, 2, False),
+        # sequence parallel: outside attention and MLP each tensor-parallel rank holds half the tokens
+        (2, 1, None, 2, "qwen2", True, 1, True),
+        (2, 1, None, 2, "llama", False, 2, True),
     ],
 )
-def test_megatron_actor_matches_fsdp_actor(tp, pp, vpp, micro, architecture, tie, cp):
-    run_distributed(_check_against_fsdp_actor, tp * pp * cp, tp, pp, architecture, tie, vpp, micro, cp)
+def test_megatron_actor_matches_fsdp_actor(tp, pp, vpp, micro, architecture, tie, cp, sp):
+    run_distributed(_check_against_fsdp_actor, tp * pp * cp, tp, pp, architecture, tie, vpp, micro, cp, sp)
 
 
 def _data_parallel_against_fsdp_actor(rank, world_size):

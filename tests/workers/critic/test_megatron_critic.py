@@ -38,7 +38,7 @@ def _hf_value_model(num_layers: int):
     return model.eval()
 
 
-def _check_against_fsdp_critic(rank, world_size, tp, pp, vpp=None, cp=1):
+def _check_against_fsdp_critic(rank, world_size, tp, pp, vpp=None, cp=1, sp=False):
     from verl.models.mcore import mcore_to_hf_named_tensors
     from verl.workers.critic.megatron_critic import MegatronPPOCritic
 
@@ -52,7 +52,7 @@ def _check_against_fsdp_critic(rank, world_size, tp, pp, vpp=None, cp=1):
 
     reference_model = copy.deepcopy(hf_model)
     reference = DataParallelPPOCritic(CONFIG, reference_model, torch.optim.SGD(reference_model.parameters(), lr=LR))
-    chunks = build_loaded_chunks(hf_model, tp=tp, pp=pp, vpp=vpp, value_head=True, cp=cp)
+    chunks = build_loaded_chunks(hf_model, tp=tp, pp=pp, vpp=vpp, value_head=True, cp=cp, sequence_parallel=sp)
     params = [p for chunk in chunks for p in chunk.parameters()]
     critic = MegatronPPOCritic(CONFIG, chunks, torch.optim.SGD(params, lr=LR))
 
@@ -81,6 +81,15 @@ def _check_against_fsdp_critic(rank, world_size, tp, pp, vpp=None, cp=1):
     assert not torch.equal(got["score.weight"], hf_model.score.weight), "the update should move the head"
 
 
-@pytest.mark.parametrize("tp,pp,vpp,cp", [(2, 1, None, 1), (1, 2, None, 1), (1, 2, 2, 1), (1, 1, None, 2)])
-def test_megatron_critic_matches_fsdp_critic(tp, pp, vpp, cp):
-    run_distributed(_check_against_fsdp_critic, tp * pp * cp, tp, pp, vpp, cp)
+@pytest.mark.parametrize(
+    "tp,pp,vpp,cp,sp",
+    [
+        (2, 1, None, 1, False),
+        (1, 2, None, 1, False),
+        (1, 2, 2, 1, False),
+        (1, 1, None, 2, False),
+        (2, 1, None, 1, True),
+    ],
+)
+def test_megatron_critic_matches_fsdp_critic(tp, pp, vpp, cp, sp):
+    run_distributed(_check_against_fsdp_critic, tp * pp * cp, tp, pp, vpp, cp, sp)

@@ -5,8 +5,9 @@ Design decisions:
   Llama has it when `attention_bias`, which then also puts a bias on o_proj: not supported).
   Anything the translation cannot represent exactly (rope scaling, sliding windows, MoE, an
   MLP bias) is an error that names the HF field rather than a silently different model.
-- The "local" layer spec (megatron's own modules, torch RMSNorm fallback) is used: it runs
-  without TransformerEngine or apex, so CPU and GPU build the same modules. With
+- The "local" layer spec (megatron's own modules) is used, with our `RMSNorm` (torch's, able to
+  run sequence-parallel) for every norm: it runs without TransformerEngine or apex, so CPU and
+  GPU build the same modules. With
   `context_parallel_size > 1` its core attention is `context_parallel.ContextParallelAttention`
   (megatron's local attention has no context parallelism). All fusions are off
   (they need those kernels), dropout is 0 as in HF's inference.
@@ -26,7 +27,14 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["hf_to_mcore_config", "build_gpt_model", "build_model_chunks", "padded_vocab_size", "rope_theta_of"]
+__all__ = [
+    "RMSNorm",
+    "build_gpt_model",
+    "build_model_chunks",
+    "hf_to_mcore_config",
+    "padded_vocab_size",
+    "rope_theta_of",
+]
 
 _SUPPORTED = ("qwen2", "llama")
 
@@ -168,28 +176,26 @@ def build_gpt_model(
     from megatron.core import parallel_state as mpu
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
 
-    if tf_config.sequence_parallel:
-        from verl.utils.device import is_cuda_available
-
-        if not is_cuda_available():
-            raise NotImplementedError(
-                "actor.megatron.sequence_parallel=True needs TransformerEngine or apex kernels (GPU only); "
-                "set it to False on CPU"
-            )
     if pre_process is None:
         pre_process = mpu.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage)
     if post_process is None:
         post_process = mpu.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage)
     tp = tf_config.tensor_model_parallel_size
     spec = get_gpt_layer_local_spec(normalization="RMSNorm")
+    layer = spec.submodules
+    layer.input_layernorm = layer.pre_mlp_layernorm = RMSNorm
     if tf_config.context_parallel_size > 1:  # megatron's local attention refuses it; see context_parallel.py
         from verl.models.mcore.context_parallel import ContextParallelAttention
 
-        spec.submodules.self_attention.submodules.core_attention = ContextParallelAttention
+        layer.self_attention.submodules.core_attention = ContextParallelAttention
+    block = TransformerBlockSubmodules(
+        layer_specs=[spec] * get_num_layers_to_build(tf_config, vp_stage=vp_stage), layer_norm=RMSNorm
+    )
     model = GPTModel(
         config=tf_config,
-        transformer_layer_spec=spec,
+        transformer_layer_spec=block,
         vocab_size=padded_vocab_size(hf_config.vocab_size, tp),
         max_sequence_length=hf_config.max_position_embeddings,
         pre_process=pre_process,
@@ -200,20 +206,52 @@ def build_gpt_model(
         vp_stage=vp_stage,
     )
     if value_head and post_process:
-        model.output_layer = _ValueHead(tf_config.hidden_size, tf_config.params_dtype)
+        model.output_layer = _ValueHead(tf_config.hidden_size, tf_config.params_dtype, tf_config.sequence_parallel)
     return model
+
+
+class RMSNorm(torch.nn.RMSNorm):
+    """torch's RMSNorm with megatron's norm constructor, usable under sequence parallelism.
+
+    Megatron's local spec falls back to `WrappedTorchNorm`, which refuses sequence parallelism,
+    and apex's fused norm has no RMSNorm; this one marks its weight `sequence_parallel` instead:
+    each tensor-parallel rank then normalises its own slice of the sequence, and the weight's
+    gradient is summed over the tensor-parallel group after the backward pass
+    (`verl.workers.actor.megatron_actor.finalize_megatron_grads`), as megatron's DDP would do.
+    """
+
+    def __init__(
+        self,
+        config,
+        hidden_size: int,
+        eps: float = 1e-5,
+        persist_layer_norm: bool = False,
+        zero_centered_gamma: bool = False,
+        normalization: str = "RMSNorm",
+    ):
+        if normalization != "RMSNorm" or zero_centered_gamma or config.layernorm_zero_centered_gamma:
+            raise NotImplementedError(f"this norm is a plain RMSNorm, not {normalization} (zero_centered_gamma off)")
+        super().__init__(hidden_size, eps=eps)  # float32 weight, as megatron's torch-norm fallback
+        self.weight.sequence_parallel = bool(config.sequence_parallel)
 
 
 class _ValueHead(torch.nn.Module):
     """HF's token-classification `score` ([1, hidden] weight and a bias), called like megatron's
-    output layer: (output, bias)."""
+    output layer: (output, bias). Replicated on the tensor-parallel ranks: under sequence
+    parallelism it first gathers the whole sequence (its backward keeps each rank's own slice,
+    since every rank computes the same values and loss)."""
 
-    def __init__(self, hidden_size: int, dtype: torch.dtype):
+    def __init__(self, hidden_size: int, dtype: torch.dtype, sequence_parallel: bool = False):
         super().__init__()
         self.weight = torch.nn.Parameter(torch.zeros(1, hidden_size, dtype=dtype))
         self.bias = torch.nn.Parameter(torch.zeros(1, dtype=dtype))
+        self.sequence_parallel = sequence_parallel
 
     def forward(self, hidden_states, weight=None, runtime_gather_output=None, **kwargs):
+        if self.sequence_parallel:
+            from megatron.core.tensor_parallel import gather_from_sequence_parallel_region
+
+            hidden_states = gather_from_sequence_parallel_region(hidden_states, tensor_parallel_output_grad=False)
         return torch.nn.functional.linear(hidden_states, self.weight, self.bias), None
 
 

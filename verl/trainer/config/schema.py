@@ -217,8 +217,8 @@ class MegatronConfig:
     )
     sequence_parallel: bool = doc(
         "Split activations outside attention/MLP along the sequence over the tensor-parallel ranks (memory only, "
-        "same results). Needs TransformerEngine or apex and tensor_model_parallel_size > 1; turned off with a "
-        "warning where they are missing."
+        "same results); needs tensor_model_parallel_size > 1 (ignored otherwise). Runs without TransformerEngine or "
+        "apex."
     )
     use_distributed_optimizer: bool = doc(
         "Split the Adam state over data-parallel ranks by whole parameters (ZeRO stage 1; memory only, same results)."

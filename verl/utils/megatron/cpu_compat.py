@@ -24,8 +24,8 @@ Design decisions:
   rank through pinned memory and `.cuda()`; on CPU the same slice is taken in place
   (`_slice_rotary_positions_on_cpu`). The attention itself is ours
   (`verl.models.mcore.context_parallel`), on CPU and GPU alike.
-- What it does not fix: sequence parallel (needs TransformerEngine or apex kernels); callers turn
-  it off on CPU with a warning.
+- Sequence parallelism needs no shim: its collectives (all-gather and reduce-scatter into flat
+  tensors) run on gloo, and its norm is ours (`verl.models.mcore.config.RMSNorm`).
 """
 
 from __future__ import annotations

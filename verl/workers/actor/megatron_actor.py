@@ -98,15 +98,25 @@ def broadcast_from_last_stage(obj):
 
 
 def finalize_megatron_grads(model_chunks) -> None:
-    """Average gradients over the data-parallel x context-parallel group and sum the tied
-    embedding's two copies (first and last pipeline stage); megatron's DDP would do this, we train
-    without its wrapper. Context-parallel ranks each hold `cp` times their share of the gradient
-    (see `verl.models.mcore.context_parallel`), so the average over them is the exact sum."""
+    """Sum the sequence-parallel norms' gradients over the tensor-parallel group, average gradients
+    over the data-parallel x context-parallel group and sum the tied embedding's two copies (first
+    and last pipeline stage); megatron's DDP would do this, we train without its wrapper.
+    Context-parallel ranks each hold `cp` times their share of the gradient (see
+    `verl.models.mcore.context_parallel`), so the average over them is the exact sum."""
     from megatron.core import parallel_state as mpu
 
+    params = {id(p): p for chunk in model_chunks for p in chunk.parameters() if p.requires_grad}
+    tp_size = mpu.get_tensor_model_parallel_world_size()
+    sequence_parallel = [p for p in params.values() if getattr(p, "sequence_parallel", False)]
+    if tp_size > 1 and sequence_parallel:
+        # norms under sequence parallelism saw only this rank's slice of the tokens: sum the slices
+        # (the average over tp_size ranks of tp_size times each)
+        for param in sequence_parallel:
+            if param.grad is not None:
+                param.grad.mul_(tp_size)
+        average_gradients(sequence_parallel, mpu.get_tensor_model_parallel_group(), tp_size)
     dp_size = mpu.get_data_parallel_world_size(with_context_parallel=True)
     if dp_size > 1:  # bucketed: a few all-reduces per step instead of one per tensor
-        params = {id(p): p for chunk in model_chunks for p in chunk.parameters() if p.requires_grad}
         average_gradients(list(params.values()), mpu.get_data_parallel_group(with_context_parallel=True), dp_size)
     if mpu.get_pipeline_model_parallel_world_size() > 1 and mpu.is_rank_in_embedding_group(ignore_virtual=True):
         for chunk in (model_chunks[0], model_chunks[-1]):
@@ -209,6 +219,10 @@ def run_megatron_schedule(model_chunks, micro_batches: list, loss_fn, forward_on
     if len(model_chunks) > 1:
         micro_batches = _interleavable(micro_batches, model_chunks)
     cp_group, cp_size, cp_rank = context_parallel_group()
+    multiple = 2 * cp_size if cp_size > 1 else 1
+    config = model_chunks[0].config
+    if config.sequence_parallel:  # each rank's columns are split again over the tensor-parallel ranks
+        multiple = math.lcm(multiple, cp_size * config.tensor_model_parallel_size)
     prepared = []
     for micro_batch in micro_batches:
         micro_batch = dict(micro_batch.to(get_device()).items())
@@ -218,7 +232,7 @@ def run_megatron_schedule(model_chunks, micro_batches: list, loss_fn, forward_on
             micro_batch["attention_mask"],
             micro_batch["position_ids"],
             response_length,
-            multiple_of=2 * cp_size if cp_size > 1 else 1,
+            multiple_of=multiple,
         ).split_for_context_parallel(cp_group, cp_size, cp_rank)
         prepared.append(micro_batch)
     iterators = [iter(prepared) for _ in model_chunks]
