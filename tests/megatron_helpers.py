@@ -73,3 +73,17 @@ def build_loaded_chunks(
     chunks = build_model_chunks(hf_model.config, tf_config, value_head=value_head)
     load_hf_state_dict(chunks, hf_state_dict(hf_model), hf_model.config, value_head=value_head)
     return chunks
+
+
+def assert_metrics_close(got: dict, want: dict, keys=None, same_length: bool = False) -> None:
+    """Per-key metric lists equal to 1e-5 (absolute and relative), as float64."""
+    for key in want if keys is None else keys:
+        if same_length:
+            assert len(got[key]) == len(want[key]), key
+        torch.testing.assert_close(
+            torch.tensor(got[key], dtype=torch.float64),
+            torch.tensor(want[key], dtype=torch.float64),
+            atol=1e-5,
+            rtol=1e-5,
+            msg=key,
+        )

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from tests.distributed_helpers import make_ppo_batch, run_distributed
-from tests.megatron_helpers import build_loaded_chunks, hf_state_dict, tiny_hf_model
+from tests.megatron_helpers import assert_metrics_close, build_loaded_chunks, hf_state_dict, tiny_hf_model
 from verl.protocol import DataProto
 from verl.workers.critic.dp_critic import DataParallelPPOCritic
 
@@ -65,14 +65,7 @@ def _check_against_fsdp_critic(rank, world_size, tp, pp, vpp=None, cp=1, sp=Fals
     want_metrics = reference.update_critic(copy.deepcopy(data))
     got_metrics = critic.update_critic(copy.deepcopy(data))
     assert sorted(got_metrics) == sorted(want_metrics)
-    for key in want_metrics:
-        torch.testing.assert_close(
-            torch.tensor(got_metrics[key], dtype=torch.float64),
-            torch.tensor(want_metrics[key], dtype=torch.float64),
-            atol=1e-5,
-            rtol=1e-5,
-            msg=key,
-        )
+    assert_metrics_close(got_metrics, want_metrics)
     got = dict(mcore_to_hf_named_tensors(chunks, hf_model.config, value_head=True))
     want = reference_model.state_dict()
     assert "score.bias" in got
