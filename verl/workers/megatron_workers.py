@@ -19,8 +19,10 @@ Design decisions:
   replicas, not tensor-parallel; a tensor-parallel engine (vLLM/SGLang with
   `rollout.tensor_model_parallel_size`) is the route for models that do not fit one device.
 - Weights: every rank reads the HF checkpoint at start-up and keeps its shard
-  (`verl.models.mcore.load_hf_state_dict`); the rollout engine and `hf_model` checkpoints get
-  full HF-named tensors streamed one at a time (`mcore_to_hf_named_tensors`).
+  (`verl.models.mcore.load_hf_state_dict`), or, with `megatron.use_dist_checkpointing`, reads only
+  its shards of a dist checkpoint made once with `python -m verl.models.mcore.converter`; the
+  rollout engine and `hf_model` checkpoints get full HF-named tensors streamed one at a time
+  (`mcore_to_hf_named_tensors`).
 - Optimizer: torch AdamW over this rank's shards with the FSDP backend's lr schedules (why not
   megatron's optimizer: see `verl.workers.actor.megatron_actor`). Checkpoints: dist_checkpointing
   for weights and Adam moments, reshardable across layouts
@@ -122,18 +124,26 @@ class _MegatronModel:
                 )
             setattr(tf_config, key, value)
         self.chunks = build_model_chunks(self.hf_config, tf_config, value_head=value_head)
-        if sequence_classifier:
-            loader = load_sequence_classifier
+        if meg.get("use_dist_checkpointing"):
+            if sequence_classifier:
+                raise ValueError(
+                    "reward_model.megatron.use_dist_checkpointing=true: a reward model's score head comes from its HF "
+                    "checkpoint; set it to false"
+                )
+            self._load_dist_checkpoint(meg, int(meg.get("seed", 42)))
         else:
-            loader = load_valuehead_model if value_head else load_causal_lm
-        hf_model = loader(model_cfg.path, trust_remote_code=trust, override_config=overrides)
-        state = {k: v for k, v in hf_model.state_dict().items()}
-        if sequence_classifier and "score.bias" not in state:
-            state["score.bias"] = torch.zeros(1, dtype=state["score.weight"].dtype)
-        if getattr(self.hf_config, "tie_word_embeddings", False):
-            state.pop("lm_head.weight", None)
-        load_hf_state_dict(self.chunks, state, self.hf_config, value_head=value_head)
-        del hf_model, state
+            if sequence_classifier:
+                loader = load_sequence_classifier
+            else:
+                loader = load_valuehead_model if value_head else load_causal_lm
+            hf_model = loader(model_cfg.path, trust_remote_code=trust, override_config=overrides)
+            state = {k: v for k, v in hf_model.state_dict().items()}
+            if sequence_classifier and "score.bias" not in state:
+                state["score.bias"] = torch.zeros(1, dtype=state["score.weight"].dtype)
+            if getattr(self.hf_config, "tie_word_embeddings", False):
+                state.pop("lm_head.weight", None)
+            load_hf_state_dict(self.chunks, state, self.hf_config, value_head=value_head)
+            del hf_model, state
         for chunk in self.chunks:
             chunk.to(dev.get_device())
             if not for_training:
@@ -142,6 +152,29 @@ class _MegatronModel:
         self.param_offload = bool(meg.get("param_offload", False))
         self.optimizer_offload = bool(meg.get("optimizer_offload", False)) and for_training
         self._offload(optimizer=False)
+
+    def _load_dist_checkpoint(self, meg: dict, seed: int) -> None:
+        """Weights from `megatron.dist_checkpointing_path` instead of the HF checkpoint (each rank reads
+        its shards only). A value head starts as HF initialises a token-classification head: normal
+        with the config's initializer_range, zero bias, the same on every rank."""
+        from verl.utils.checkpoint.megatron_checkpoint_manager import load_dist_checkpoint_weights
+
+        path = meg.get("dist_checkpointing_path")
+        if not path:
+            raise ValueError(
+                "megatron.use_dist_checkpointing=true needs megatron.dist_checkpointing_path (a dist checkpoint made "
+                "with `python -m verl.models.mcore.converter`)"
+            )
+        load_dist_checkpoint_weights(
+            self.chunks, path, value_head=self.value_head, prefix=meg.get("dist_checkpointing_prefix") or ""
+        )
+        head = self.chunks[-1].output_layer if self.value_head and hasattr(self.chunks[-1], "output_layer") else None
+        if head is not None:
+            generator = torch.Generator().manual_seed(seed)
+            std = float(getattr(self.hf_config, "initializer_range", 0.02))
+            with torch.no_grad():
+                head.weight.copy_(torch.randn(head.weight.shape, generator=generator) * std)
+                head.bias.zero_()
 
     def parameters(self):
         return [p for chunk in self.chunks for p in chunk.parameters()]

@@ -472,3 +472,27 @@ def test_megatron_models_in_one_process_need_one_layout(defaults):
     assert "reward_model.megatron (tp, pp, vpp, cp)=(1, 2, None, 1)" in error_of(
         with_(rm, actor_rollout_ref__actor__strategy="megatron")
     )
+
+
+def test_megatron_dist_checkpoint_start_needs_an_existing_path(defaults, tmp_path):
+    """megatron.use_dist_checkpointing: the checkpoint directory must be named and exist, and a reward
+    model (whose score head only its HF checkpoint has) cannot use it."""
+    cfg = with_(
+        defaults,
+        actor_rollout_ref__actor__strategy="megatron",
+        actor_rollout_ref__actor__megatron__use_dist_checkpointing=True,
+    )
+    assert "needs actor_rollout_ref.actor.megatron.dist_checkpointing_path" in error_of(cfg)
+    missing = with_(cfg, actor_rollout_ref__actor__megatron__dist_checkpointing_path=str(tmp_path / "nope"))
+    assert "dist_checkpointing_path=" in error_of(missing) and "does not exist" in error_of(missing)
+    validate_ppo_config(with_(cfg, actor_rollout_ref__actor__megatron__dist_checkpointing_path=str(tmp_path)))
+    rm = with_(
+        defaults,
+        reward_model__enable=True,
+        reward_model__strategy="megatron",
+        reward_model__model__path="/some/rm",
+        reward_model__micro_batch_size_per_gpu=4,
+        reward_model__megatron__use_dist_checkpointing=True,
+        reward_model__megatron__dist_checkpointing_path=str(tmp_path),
+    )
+    assert "reward_model.megatron.use_dist_checkpointing=true" in error_of(rm)

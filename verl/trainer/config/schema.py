@@ -224,10 +224,13 @@ class MegatronConfig:
         "Split the Adam state over data-parallel ranks by whole parameters (ZeRO stage 1; memory only, same results)."
     )
     use_dist_checkpointing: bool = doc(
-        "Start from a Megatron dist checkpoint instead of the HF weights.", status=UNSUPPORTED, neutral=False
+        "Start from a Megatron dist checkpoint (made once with `python -m verl.models.mcore.converter`) instead of "
+        "the HF weights: each rank reads only its shards. Not for the reward model."
     )
-    dist_checkpointing_path: str | None = doc("That checkpoint's directory.", status=IGNORED)
-    dist_checkpointing_prefix: str = doc("Key prefix inside that checkpoint.", status=IGNORED)
+    dist_checkpointing_path: str | None = doc(
+        "That checkpoint's directory (or a verl megatron checkpoint's actor/critic directory)."
+    )
+    dist_checkpointing_prefix: str = doc("Key prefix inside that checkpoint.")
     seed: int = doc("Seed of Megatron's model-parallel random streams.")
     override_ddp_config: dict = doc("Megatron DistributedDataParallelConfig fields.", status=IGNORED)
     override_transformer_config: dict = doc(

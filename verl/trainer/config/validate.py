@@ -618,6 +618,20 @@ def _check_megatron(c: dict, errors: list[str]):
             if not isinstance(value, int) or value < 1:
                 errors.append(f"{name}.megatron.{key}={value!r} must be a positive integer")
                 return
+        if m.get("use_dist_checkpointing"):
+            path = m.get("dist_checkpointing_path")
+            if name == "reward_model":
+                errors.append(
+                    "reward_model.megatron.use_dist_checkpointing=true: a reward model's score head comes from its HF "
+                    "checkpoint; set it to false"
+                )
+            elif not path:
+                errors.append(
+                    f"{name}.megatron.use_dist_checkpointing=true needs {name}.megatron.dist_checkpointing_path (make "
+                    "one with `python -m verl.models.mcore.converter --hf_model_path HF --output_path OUT`)"
+                )
+            elif "://" not in str(path) and not os.path.isdir(os.path.expanduser(str(path))):
+                errors.append(f"{name}.megatron.dist_checkpointing_path={path} does not exist")
         if world % (tp * pp * cp):
             errors.append(
                 f"{name}.megatron.tensor_model_parallel_size={tp} x pipeline_model_parallel_size={pp} x "

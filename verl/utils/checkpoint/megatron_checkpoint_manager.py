@@ -46,7 +46,7 @@ from verl.utils.checkpoint.checkpoint_manager import BaseCheckpointManager
 from verl.utils.checkpoint.safe_load import torch_load
 from verl.utils.logging_utils import get_logger
 
-__all__ = ["MegatronCheckpointManager"]
+__all__ = ["MegatronCheckpointManager", "load_dist_checkpoint_weights"]
 
 logger = get_logger(__name__)
 
@@ -103,6 +103,57 @@ def _model_sharded_state(chunks) -> dict:
     if len(chunks) == 1:
         return chunks[0].sharded_state_dict()
     return {prefix[:-1]: chunk.sharded_state_dict() for prefix, chunk in zip(_chunk_prefixes(chunks), chunks)}
+
+
+def load_dist_checkpoint_weights(chunks, path: str, value_head: bool = False, prefix: str = "") -> None:
+    """Load the model weights of `chunks` from a megatron dist checkpoint (`megatron.use_dist_checkpointing`).
+
+    `path` is a dist checkpoint directory (the converter's output, `python -m
+    verl.models.mcore.converter`, or upstream's converter_hf_to_mcore.py), or a verl megatron
+    checkpoint (`.../global_step_N/actor`, whose `dist_ckpt/` is used). The checkpoint may have
+    been written at any tensor/pipeline/virtual-pipeline layout: entries are matched by their global
+    keys (with `prefix` in front of each, megatron's `sharded_state_dict(prefix=...)`). Entries the
+    model does not have (Adam moments, other models) are ignored; a model entry missing from the
+    checkpoint is an error. A value head (critic) is never read from it: an LM checkpoint's output
+    layer is the vocabulary projection, and the head keeps its initialisation.
+    """
+    from megatron.core import dist_checkpointing
+    from megatron.core.dist_checkpointing.serialization import StrictHandling
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    _require_psutil()
+    path = os.path.abspath(os.path.expanduser(path))
+    if os.path.isdir(os.path.join(path, DIST_CKPT_DIR)):
+        path = os.path.join(path, DIST_CKPT_DIR)
+    if not os.path.isfile(os.path.join(path, "metadata.json")):
+        raise FileNotFoundError(
+            f"megatron.dist_checkpointing_path={path} is not a megatron dist checkpoint (no metadata.json); "
+            "convert the HF model with `python -m verl.models.mcore.converter --hf_model_path HF --output_path OUT`, "
+            "or set megatron.use_dist_checkpointing=false to read the HF weights from model.path"
+        )
+    prefixes = _chunk_prefixes(chunks)
+    request = {}
+    for local, chunk in zip(prefixes, chunks):
+        state = chunk.sharded_state_dict(prefix=prefix)
+        if value_head:
+            state = {k: v for k, v in state.items() if not k.startswith(prefix + "output_layer.")}
+        request[local[:-1] if local else ""] = state
+    sharded = request[""] if len(chunks) == 1 else request
+    try:
+        loaded = dist_checkpointing.load(sharded, path, strict=StrictHandling.ASSUME_OK_UNEXPECTED)
+    except (Exception, CheckpointException) as e:  # torch's CheckpointException is a BaseException
+        raise RuntimeError(
+            f"megatron dist checkpoint {path} does not hold this model's weights ({type(e).__name__}: {e}); "
+            "was it converted from another model, or written with another megatron.dist_checkpointing_prefix?"
+        ) from e
+    states = [loaded] if len(chunks) == 1 else [loaded[p[:-1]] for p in prefixes]
+    for chunk, state in zip(chunks, states):
+        state = {k[len(prefix) :] if k.startswith(prefix) else k: v for k, v in state.items()}
+        result = chunk.load_state_dict(state, strict=False)
+        ignored = ("output_layer.",) if value_head else ()
+        missing = [k for k in result.missing_keys if not k.endswith("_extra_state") and not k.startswith(ignored)]
+        if missing:
+            raise RuntimeError(f"megatron dist checkpoint {path} lacks {missing}")
 
 
 def _chunk_param_keys(chunks, optimizer) -> list[tuple[torch.nn.Parameter, str, object]]:

@@ -1,0 +1,108 @@
+"""`megatron.use_dist_checkpointing`: an HF model converted once (upstream's script name and
+arguments) into a megatron dist checkpoint at tp=1 starts a tp=2 actor and critic with exactly the
+HF weights, each rank reading its own shards; a key prefix round-trips; wrong paths and prefixes
+are clear errors."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from omegaconf import OmegaConf
+
+from tests.distributed_helpers import run_distributed
+from tests.megatron_helpers import tiny_hf_model
+
+REPO = Path(__file__).resolve().parents[3]
+
+
+def _convert(hf_dir: Path, out: Path, *extra: str) -> None:
+    proc = subprocess.run(
+        [
+            sys.executable,
+            str(REPO / "scripts" / "converter_hf_to_mcore.py"),
+            "--hf_model_path",
+            str(hf_dir),
+            "--output_path",
+            str(out),
+            *extra,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=REPO,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert (out / "metadata.json").is_file()
+
+
+def _start_from_dist_checkpoint(rank, world_size, hf_dir, ckpt, prefixed, wrong):
+    from verl.utils.megatron.parallel_state import destroy_model_parallel
+    from verl.workers import megatron_workers
+
+    def _MegatronModel(model_cfg, megatron_cfg, **kwargs):
+        megatron_workers._setup_parallel(megatron_cfg)
+        return megatron_workers._MegatronModel(model_cfg, megatron_cfg, **kwargs)
+
+    hf_model = tiny_hf_model("qwen2")
+    want = {k: v for k, v in hf_model.state_dict().items() if k != "lm_head.weight"}
+    model_cfg = OmegaConf.create({"path": hf_dir})
+
+    def megatron(path, prefix=""):
+        return {
+            "tensor_model_parallel_size": 2,
+            "use_dist_checkpointing": True,
+            "dist_checkpointing_path": path,
+            "dist_checkpointing_prefix": prefix,
+            "seed": 7,
+        }
+
+    actor = _MegatronModel(model_cfg, megatron(ckpt), for_training=True)
+    got = dict(actor.hf_params())
+    assert sorted(got) == sorted(want)
+    for name, tensor in got.items():
+        assert torch.equal(tensor, want[name]), name
+    destroy_model_parallel()
+
+    # the prefixed checkpoint loads with its prefix, and names the likely cause without it
+    actor = _MegatronModel(model_cfg, megatron(prefixed, prefix="model."), for_training=True)
+    assert torch.equal(dict(actor.hf_params())["model.norm.weight"], want["model.norm.weight"])
+    destroy_model_parallel()
+    with pytest.raises(RuntimeError, match="dist_checkpointing_prefix"):
+        _MegatronModel(model_cfg, megatron(prefixed), for_training=True)
+    destroy_model_parallel()
+    with pytest.raises(FileNotFoundError, match="not a megatron dist checkpoint"):
+        _MegatronModel(model_cfg, megatron(wrong), for_training=True)
+    destroy_model_parallel()
+
+    # critic: the body from the LM checkpoint, a fresh head as HF initialises one (same on both ranks)
+    critic = _MegatronModel(model_cfg, megatron(ckpt), for_training=True, value_head=True)
+    got = dict(critic.hf_params())
+    for name, tensor in got.items():
+        if name.startswith("model."):
+            assert torch.equal(tensor, want[name]), name
+    head = got["score.weight"]
+    assert torch.equal(got["score.bias"], torch.zeros(1))
+    assert 0.005 < float(head.std()) < 0.05  # initializer_range 0.02
+    both = [torch.empty_like(head) for _ in range(world_size)]
+    torch.distributed.all_gather(both, head)
+    assert torch.equal(both[0], both[1])
+    destroy_model_parallel()
+
+
+def test_actor_and_critic_start_from_a_converted_dist_checkpoint_at_another_layout(tmp_path):
+    hf_dir = tmp_path / "hf"
+    tiny_hf_model("qwen2").save_pretrained(hf_dir)
+    _convert(hf_dir, tmp_path / "mcore")
+    _convert(hf_dir, tmp_path / "mcore_prefixed", "--prefix", "model.")
+    run_distributed(
+        _start_from_dist_checkpoint,
+        2,
+        str(hf_dir),
+        str(tmp_path / "mcore"),
+        str(tmp_path / "mcore_prefixed"),
+        str(tmp_path),
+    )
