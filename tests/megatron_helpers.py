@@ -54,6 +54,7 @@ def build_loaded_chunks(
     value_head: bool = False,
     cp: int = 1,
     sequence_parallel: bool = False,
+    tf_overrides: dict | None = None,
 ):
     """This rank's megatron chunks holding `hf_model`'s weights (model-parallel groups set up here)."""
     from verl.models.mcore import build_model_chunks, hf_to_mcore_config, load_hf_state_dict
@@ -70,6 +71,8 @@ def build_loaded_chunks(
         },
         torch.float32,
     )
+    for key, value in (tf_overrides or {}).items():  # as megatron.override_transformer_config does
+        setattr(tf_config, key, value)
     chunks = build_model_chunks(hf_model.config, tf_config, value_head=value_head)
     load_hf_state_dict(chunks, hf_state_dict(hf_model), hf_model.config, value_head=value_head)
     return chunks

@@ -55,7 +55,9 @@ def _gathered_weights(chunks, hf_config) -> dict[str, torch.Tensor]:
     return dict(mcore_to_hf_named_tensors(chunks, hf_config))
 
 
-def _check_against_fsdp_actor(rank, world_size, tp, pp, architecture, tie, vpp=None, micro=2, cp=1, sp=False):
+def _check_against_fsdp_actor(
+    rank, world_size, tp, pp, architecture, tie, vpp=None, micro=2, cp=1, sp=False, tf_overrides=None
+):
     from verl.workers.actor.megatron_actor import MegatronPPOActor
 
     hf_model = tiny_hf_model(architecture, tie_word_embeddings=tie, num_layers=2 * pp * (vpp or 1))
@@ -69,7 +71,9 @@ def _check_against_fsdp_actor(rank, world_size, tp, pp, architecture, tie, vpp=N
         reference_model,
         torch.optim.SGD(reference_model.parameters(), lr=LR),
     )
-    chunks = build_loaded_chunks(hf_model, tp=tp, pp=pp, vpp=vpp, cp=cp, sequence_parallel=sp)
+    chunks = build_loaded_chunks(
+        hf_model, tp=tp, pp=pp, vpp=vpp, cp=cp, sequence_parallel=sp, tf_overrides=tf_overrides
+    )
     assert chunks[0].config.sequence_parallel == sp
     assert len(chunks) == (vpp or 1)
     params = [p for chunk in chunks for p in chunk.parameters()]
@@ -202,3 +206,17 @@ def _dynamic_batch_at_cp2(rank, world_size):
 
 def test_megatron_dynamic_batch_budget_is_per_rank_under_context_parallelism():
     run_distributed(_dynamic_batch_at_cp2, 2)
+
+
+@pytest.mark.parametrize(
+    "recompute",
+    [
+        {"recompute_granularity": "full", "recompute_method": "uniform", "recompute_num_layers": 1},
+        {"recompute_granularity": "selective", "recompute_modules": ["core_attn"]},
+    ],
+    ids=["full", "selective"],
+)
+def test_megatron_actor_with_activation_recompute_matches_fsdp_actor(recompute):
+    """megatron.override_transformer_config's activation recomputation (as upstream users set it)
+    changes memory, not the update: tp=2 with it equals the FSDP actor."""
+    run_distributed(_check_against_fsdp_actor, 2, 2, 1, "qwen2", True, None, 2, 1, False, recompute)

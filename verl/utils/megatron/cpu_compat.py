@@ -20,6 +20,8 @@ Design decisions:
 - The RNG: `seed_model_parallel_rng` seeds megatron's tracker with `inference_rng_tracker=True`,
   a tracker that keeps CPU generator states; with it tensor-parallel runs are bit-identical to
   tp=1 (measured), because dropout is off and initialisation happens on CPU.
+- Activation recomputation saves and restores the accelerator's RNG state around each recomputed
+  block; on CPU there is none (`_no_accelerator_rng_state`).
 - Context parallelism: megatron's rotary embedding slices its positions for a context-parallel
   rank through pinned memory and `.cuda()`; on CPU the same slice is taken in place
   (`_slice_rotary_positions_on_cpu`). The attention itself is ours
@@ -149,6 +151,7 @@ def enable_cpu_compat() -> None:
             module.torch = proxy
     _keep_tied_embedding_on_cpu()
     _slice_rotary_positions_on_cpu()
+    _no_accelerator_rng_state()
     _enabled = True
 
 
@@ -187,6 +190,17 @@ def _slice_rotary_positions_on_cpu() -> None:
 
     rope_utils.get_pos_emb_on_this_cp_rank = get_pos_emb_on_this_cp_rank
     rotary_pos_embedding.get_pos_emb_on_this_cp_rank = get_pos_emb_on_this_cp_rank
+
+
+def _no_accelerator_rng_state() -> None:
+    """Activation recomputation (`recompute_granularity`) saves and restores the RNG states around
+    each recomputed block: the CPU generator (torch's own calls), the accelerator's, and megatron's
+    tracker. Without an accelerator there is no accelerator state: getting it gives an empty
+    tensor and setting it does nothing (the CPU generator and the tracker are still restored)."""
+    from megatron.core.tensor_parallel import random as mp_random
+
+    mp_random._get_cuda_rng_state = lambda *args, **kwargs: torch.empty(0, dtype=torch.uint8)
+    mp_random._set_cuda_rng_state = lambda *args, **kwargs: None
 
 
 def seed_model_parallel_rng(seed: int) -> None:
