@@ -17,8 +17,8 @@ Design decisions:
   tensors under grouped-query attention (they are gathered before the heads are repeated), and
   activation memory for queries, MLPs and logits is still split `cp` ways. A ring (p2p) exchange
   would overlap communication with compute on a GPU; on CPU it would only add steps.
-- Autograd: the gather's backward sums the gradient over the group (one all-reduce: gloo has no
-  reduce-scatter, and the gathered tensors are small) and keeps this rank's chunks. Every
+- Autograd: the gather's backward sums each rank's columns of the gradient over the group (one
+  reduce-scatter, which gloo and NCCL both have). Every
   context-parallel rank computes the loss on the gathered per-token values, so each rank's
   gradients are `cp` times its share; averaging them over the data x context group (megatron's
   `get_data_parallel_group(with_context_parallel=True)`) gives the exact gradient.
@@ -94,10 +94,13 @@ class _GatherSequence(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        group = ctx.group
-        grad = grad.contiguous()
-        dist.all_reduce(grad, group=group)
-        return split_sequence(grad, ctx.dim, dist.get_world_size(group), dist.get_rank(group)), None, None
+        group, dim = ctx.group, ctx.dim
+        size, rank = dist.get_world_size(group), dist.get_rank(group)
+        # every rank's columns, stacked in rank order; each rank receives the sum of its own
+        stacked = torch.stack([split_sequence(grad, dim, size, r) for r in range(size)])
+        mine = torch.empty(stacked[rank].numel(), dtype=grad.dtype, device=grad.device)
+        dist.reduce_scatter_tensor(mine, stacked.reshape(-1), group=group)  # flat: gloo wants a concatenation
+        return mine.view(stacked.shape[1:]), None, None
 
 
 def gather_sequence(tensor: torch.Tensor, dim: int, group=None) -> torch.Tensor:
