@@ -1,7 +1,7 @@
 """`megatron.use_dist_checkpointing`: an HF model converted once (upstream's script name and
 arguments) into a megatron dist checkpoint at tp=1 starts a tp=2 actor and critic with exactly the
-HF weights, each rank reading its own shards; a key prefix round-trips; wrong paths and prefixes
-are clear errors."""
+HF weights, each rank reading its own shards; a verl megatron checkpoint serves as a start too; a
+key prefix round-trips; wrong paths and prefixes are clear errors."""
 
 from __future__ import annotations
 
@@ -39,7 +39,7 @@ def _convert(hf_dir: Path, out: Path, *extra: str) -> None:
     assert (out / "metadata.json").is_file()
 
 
-def _start_from_dist_checkpoint(rank, world_size, hf_dir, ckpt, prefixed, wrong):
+def _start_from_dist_checkpoint(rank, world_size, hf_dir, ckpt, prefixed, wrong, verl_ckpt):
     from verl.utils.megatron.parallel_state import destroy_model_parallel
     from verl.workers import megatron_workers
 
@@ -65,6 +65,19 @@ def _start_from_dist_checkpoint(rank, world_size, hf_dir, ckpt, prefixed, wrong)
     assert sorted(got) == sorted(want)
     for name, tensor in got.items():
         assert torch.equal(tensor, want[name]), name
+    # a verl megatron checkpoint (weights and Adam moments) serves as a start too
+    from verl.utils.checkpoint.megatron_checkpoint_manager import MegatronCheckpointManager
+    from verl.utils.optim import build_optimizer
+
+    with torch.no_grad():
+        actor.chunks[0].decoder.final_layernorm.weight.add_(1.0)
+    optimizer = build_optimizer(actor.parameters(), {"lr": 1e-3, "total_training_steps": 1})
+    MegatronCheckpointManager(actor.chunks, optimizer, hf_config=actor.hf_config).save_checkpoint(
+        verl_ckpt, global_step=1
+    )
+    destroy_model_parallel()
+    restarted = _MegatronModel(model_cfg, megatron(verl_ckpt), for_training=True)
+    assert torch.equal(dict(restarted.hf_params())["model.norm.weight"], want["model.norm.weight"] + 1.0)
     destroy_model_parallel()
 
     # the prefixed checkpoint loads with its prefix, and names the likely cause without it
@@ -105,4 +118,5 @@ def test_actor_and_critic_start_from_a_converted_dist_checkpoint_at_another_layo
         str(tmp_path / "mcore"),
         str(tmp_path / "mcore_prefixed"),
         str(tmp_path),
+        str(tmp_path / "verl_ckpt" / "actor"),
     )
