@@ -23,7 +23,7 @@ Design decisions:
 - Activation recomputation saves and restores the accelerator's RNG state around each recomputed
   block; on CPU there is none (`_no_accelerator_rng_state`).
 - Context parallelism: megatron's rotary embedding slices its positions for a context-parallel
-  rank through pinned memory and `.cuda()`; on CPU the same slice is taken in place
+  rank through pinned memory and a copy to the accelerator; on CPU the same slice is taken in place
   (`_slice_rotary_positions_on_cpu`). The attention itself is ours
   (`verl.models.mcore.context_parallel`), on CPU and GPU alike.
 - Sequence parallelism needs no shim: its collectives (all-gather and reduce-scatter into flat
