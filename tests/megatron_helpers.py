@@ -55,6 +55,7 @@ def build_loaded_chunks(
     cp: int = 1,
     sequence_parallel: bool = False,
     tf_overrides: dict | None = None,
+    dtype: torch.dtype = torch.float32,
 ):
     """This rank's megatron chunks holding `hf_model`'s weights (model-parallel groups set up here)."""
     from verl.models.mcore import build_model_chunks, hf_to_mcore_config, load_hf_state_dict
@@ -69,7 +70,7 @@ def build_loaded_chunks(
             "context_parallel_size": cp,
             "sequence_parallel": sequence_parallel,
         },
-        torch.float32,
+        dtype,
     )
     for key, value in (tf_overrides or {}).items():  # as megatron.override_transformer_config does
         setattr(tf_config, key, value)

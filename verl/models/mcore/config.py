@@ -231,7 +231,9 @@ class RMSNorm(torch.nn.RMSNorm):
     ):
         if normalization != "RMSNorm" or zero_centered_gamma or config.layernorm_zero_centered_gamma:
             raise NotImplementedError(f"this norm is a plain RMSNorm, not {normalization} (zero_centered_gamma off)")
-        super().__init__(hidden_size, eps=eps)  # float32 weight, as megatron's torch-norm fallback
+        # in the parameter dtype, as TransformerEngine's and apex's norms are (a float32 weight on
+        # bf16 activations would miss torch's fused kernel)
+        super().__init__(hidden_size, eps=eps, dtype=config.params_dtype)
         self.weight.sequence_parallel = bool(config.sequence_parallel)
 
 
