@@ -10,8 +10,9 @@ mapped back to response columns afterwards (`response_columns`). Trailing column
 padding in every row are dropped, which also shortens the sequence.
 
 Under context parallelism (`AlignedBatch.split_for_context_parallel`) the aligned length is padded
-to a multiple of `2 * cp`, the model sees this rank's columns (`model_input_ids`, ...), and
-per-token results are gathered back to the whole sequence (`full`) before `response_columns`.
+to a multiple of `2 * cp` (and of cp x tp under sequence parallelism: `run_megatron_schedule`
+picks it), the model sees this rank's columns (`model_input_ids`, ...), and per-token results
+are gathered back to the whole sequence (`full`) before `response_columns`.
 """
 
 from __future__ import annotations
@@ -36,7 +37,8 @@ class AlignedBatch:
         return torch.arange(length, device=self.input_ids.device).expand_as(self.input_ids)
 
     def split_for_context_parallel(self, group, size: int, rank: int) -> AlignedBatch:
-        """Give the model only this context-parallel rank's columns (`left_align(..., multiple_of=2 * size)`)."""
+        """Give the model only this context-parallel rank's columns (the batch must come from
+        `left_align(..., multiple_of=...)` with a multiple of `2 * size`)."""
         self.cp_group, self.cp_size, self.cp_rank = group, size, rank
         return self
 
