@@ -437,6 +437,17 @@ def test_partial_rollouts_need_an_engine_that_can_pause(defaults):
     assert "must be >= 1" in error_of(with_(ahead, async_training__partial_rollout_check_steps=0))
 
 
+def _megatron_reward_model(defaults, **overrides):
+    return with_(
+        defaults,
+        reward_model__enable=True,
+        reward_model__strategy="megatron",
+        reward_model__model__path="/some/rm",
+        reward_model__micro_batch_size_per_gpu=4,
+        **overrides,
+    )
+
+
 def test_megatron_models_in_one_process_need_one_layout(defaults):
     """Actor, critic and reward model share the worker processes, which hold one set of megatron
     parallel groups: different layouts are a config error naming each."""
@@ -460,14 +471,7 @@ def test_megatron_models_in_one_process_need_one_layout(defaults):
     assert "context_parallel_size=0 must be a positive integer" in error_of(
         with_(cfg, critic__megatron__tensor_model_parallel_size=1, critic__megatron__context_parallel_size=0)
     )
-    rm = with_(
-        defaults,
-        reward_model__enable=True,
-        reward_model__strategy="megatron",
-        reward_model__model__path="/some/rm",
-        reward_model__micro_batch_size_per_gpu=4,
-        reward_model__megatron__pipeline_model_parallel_size=2,
-    )
+    rm = _megatron_reward_model(defaults, reward_model__megatron__pipeline_model_parallel_size=2)
     validate_ppo_config(rm)  # an FSDP actor: the reward model is the only megatron model
     assert "reward_model.megatron (tp, pp, vpp, cp)=(1, 2, None, 1)" in error_of(
         with_(rm, actor_rollout_ref__actor__strategy="megatron")
@@ -486,12 +490,8 @@ def test_megatron_dist_checkpoint_start_needs_an_existing_path(defaults, tmp_pat
     missing = with_(cfg, actor_rollout_ref__actor__megatron__dist_checkpointing_path=str(tmp_path / "nope"))
     assert "dist_checkpointing_path=" in error_of(missing) and "does not exist" in error_of(missing)
     validate_ppo_config(with_(cfg, actor_rollout_ref__actor__megatron__dist_checkpointing_path=str(tmp_path)))
-    rm = with_(
+    rm = _megatron_reward_model(
         defaults,
-        reward_model__enable=True,
-        reward_model__strategy="megatron",
-        reward_model__model__path="/some/rm",
-        reward_model__micro_batch_size_per_gpu=4,
         reward_model__megatron__use_dist_checkpointing=True,
         reward_model__megatron__dist_checkpointing_path=str(tmp_path),
     )
