@@ -30,6 +30,7 @@ import math
 
 import torch
 import torch.distributed as dist
+from megatron.core.transformer.module import MegatronModule
 
 __all__ = [
     "ContextParallelAttention",
@@ -67,10 +68,7 @@ def split_sequence(tensor: torch.Tensor, dim: int, size: int, rank: int) -> torc
 
 def global_positions(local_length: int, size: int, rank: int, device=None) -> torch.Tensor:
     """Positions in the whole sequence of this rank's `local_length` columns."""
-    chunk = local_length // 2
-    first, second = _own_chunks(size, rank)
-    columns = torch.arange(chunk, device=device)
-    return torch.cat([first * chunk + columns, second * chunk + columns])
+    return split_sequence(torch.arange(local_length * size, device=device), 0, size, rank)
 
 
 def _reassemble(parts: list[torch.Tensor], dim: int) -> torch.Tensor:
@@ -110,13 +108,7 @@ def gather_sequence(tensor: torch.Tensor, dim: int, group=None) -> torch.Tensor:
     return _GatherSequence.apply(tensor, dim, group)
 
 
-def _megatron_module():
-    from megatron.core.transformer.module import MegatronModule
-
-    return MegatronModule
-
-
-class ContextParallelAttention(_megatron_module()):
+class ContextParallelAttention(MegatronModule):
     """Causal core attention over a context-parallel sequence (see the module docstring).
 
     Takes megatron's core-attention arguments: query [sq, b, np, hn], key and value [sq, b, ng, hn]
