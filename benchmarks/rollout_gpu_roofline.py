@@ -62,6 +62,9 @@ def main():
     parser.add_argument("--bandwidth-gbs", type=float, default=None, help="default: measured device copy bandwidth")
     parser.add_argument("--eager", action="store_true", help="disable CUDA graphs")
     parser.add_argument("--with-hf", action="store_true", help="also time transformers generate() once")
+    parser.add_argument(
+        "--cpu", action="store_true", help="run on CPU in fp32 (a smoke run of this script: use tiny sizes)"
+    )
     args = parser.parse_args()
 
     from transformers import AutoModelForCausalLM
@@ -71,15 +74,21 @@ def main():
     from verl.workers.rollout.native.engine import GenerationEngine
     from verl.workers.rollout.sampling import SamplingParams
 
-    if not is_cuda_available():
-        raise SystemExit("rollout_gpu_roofline needs a CUDA device; run benchmarks/rollout_vs_hf.py on CPU")
-    device, dtype = get_device(), torch.bfloat16
+    if not is_cuda_available() and not args.cpu:
+        raise SystemExit(
+            "rollout_gpu_roofline needs a CUDA device; run benchmarks/rollout_vs_hf.py on CPU "
+            "(--cpu runs this script on CPU as a smoke test, with tiny sizes)"
+        )
+    device = get_device() if is_cuda_available() else torch.device("cpu")
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     preset = get_preset(args.preset)
     config = build_config(preset, build_tokenizer(preset))
     torch.manual_seed(0)
     with device:
         model = AutoModelForCausalLM.from_config(config, dtype=dtype).eval()
-    engine = GenerationEngine.from_model(model, device=device, dtype=dtype, use_cuda_graph=not args.eager)
+    engine = GenerationEngine.from_model(
+        model, device=device, dtype=dtype, use_cuda_graph=not args.eager and device.type == "cuda"
+    )
     if not args.with_hf:
         del model
 
@@ -98,12 +107,16 @@ def main():
 
     ours()  # warm-up: CUDA-graph capture
     ours_tok_s = max(ours() for _ in range(args.repeats))
-    bandwidth = args.bandwidth_gbs * 1e9 if args.bandwidth_gbs else measure_copy_bandwidth(device)
-    roof = roofline_tok_s(config, args.batch, args.prompt_len, args.new_tokens, bandwidth, dtype_bytes=2)
+    bandwidth = (
+        args.bandwidth_gbs * 1e9
+        if args.bandwidth_gbs
+        else measure_copy_bandwidth(device, 1 << (30 if device.type == "cuda" else 26))
+    )
+    roof = roofline_tok_s(config, args.batch, args.prompt_len, args.new_tokens, bandwidth, dtype_bytes=dtype.itemsize)
     pct = 100 * ours_tok_s / roof["tok_s"]
     print(
-        f"{torch.cuda.get_device_name()}: {args.preset}, batch {args.batch}, {args.prompt_len}+{args.new_tokens} tokens, "
-        f"cuda_graphs={not args.eager}, graphs captured={engine.graphs.num_graphs() if engine.graphs else 0}"
+        f"{torch.cuda.get_device_name() if device.type == 'cuda' else 'cpu'}: {args.preset}, batch {args.batch}, {args.prompt_len}+{args.new_tokens} tokens, "
+        f"cuda_graphs={engine.graphs is not None}, graphs captured={engine.graphs.num_graphs() if engine.graphs else 0}"
     )
     print(
         f"weights {roof['weight_gb']:.2f} GB + KV {roof['kv_gb_per_step']:.2f} GB per step at {bandwidth / 1e12:.2f} TB/s "
