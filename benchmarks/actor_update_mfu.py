@@ -7,9 +7,10 @@ Default workload (the GPU acceptance's): Qwen2.5-0.5B's shape (random weights), 
 forward/backward. `--preset tiny --seq-len 256` runs the same code on CPU in seconds.
 
 FLOPs counted (the work the update has to do, nothing the implementation adds): per token,
-6 x (matmul weights: every linear layer and the LM head; the embedding lookup is no matmul)
-plus causal attention, 6 x 2 x layers x q_dim x (mean context = (S + 1) / 2) for QK^T and AV
-(forward 2 x 2 x context x q_dim per layer, backward twice that). MFU divides by the elapsed time
+6 x the decoder layers' matmul weights, plus causal attention, 6 x 2 x layers x q_dim x (mean
+context = (S + 1) / 2) for QK^T and AV (forward 2 x 2 x context x q_dim per layer, backward twice
+that); the LM head (6 x vocab x hidden) only at the response + 1 positions whose logits the actor
+computes; the embedding lookup is no matmul. MFU divides by the elapsed time
 of `update_policy` (synchronised) and the device's peak: the dense bf16 peak for known GPUs
 (`verl.utils.device.peak_flops_per_device`), `--peak-tflops` otherwise; on CPU the measured fp32
 matmul rate of this machine stands in for the peak, so the CPU figure reads "% of what this
@@ -31,24 +32,26 @@ import time
 import torch
 
 
-def matmul_params(config) -> int:
-    """Weights that take part in a matmul per token: attention and MLP projections of every layer
-    plus the LM head (tied or not, the head's matmul is done)."""
+def layer_matmul_params(config) -> int:
+    """Weights of the decoder layers that take part in a matmul per token (attention and MLP
+    projections; norms and biases are no matmul)."""
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     h, inter = config.hidden_size, config.intermediate_size
     q, kv = config.num_attention_heads * head_dim, config.num_key_value_heads * head_dim
-    per_layer = h * (q + 2 * kv) + q * h + 3 * h * inter
-    return config.num_hidden_layers * per_layer + config.vocab_size * h
+    return config.num_hidden_layers * (h * (q + 2 * kv) + q * h + 3 * h * inter)
 
 
-def update_flops(config, num_sequences: int, seq_len: int) -> float:
-    """FLOPs of forward + backward over `num_sequences` causal sequences of `seq_len` tokens."""
+def update_flops(config, num_sequences: int, seq_len: int, head_positions: int) -> float:
+    """FLOPs of forward + backward over `num_sequences` causal sequences of `seq_len` tokens whose
+    LM head runs at `head_positions` positions per sequence (the actor computes logits only where
+    they predict a response token: response length + 1)."""
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     q_dim = config.num_attention_heads * head_dim
     tokens = num_sequences * seq_len
-    dense = 6 * matmul_params(config) * tokens
+    layers = 6 * layer_matmul_params(config) * tokens
+    head = 6 * config.vocab_size * config.hidden_size * head_positions * num_sequences
     attention = 6 * 2 * config.num_hidden_layers * q_dim * (seq_len + 1) / 2 * tokens
-    return dense + attention
+    return layers + head + attention
 
 
 def measure_matmul_flops(device: torch.device, dtype: torch.dtype, n: int = 2048, repeats: int = 5) -> float:
@@ -98,6 +101,7 @@ def main():
     parser.add_argument("--micro-batch", type=int, default=1, help="rows per forward/backward")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--gradient-checkpointing", action="store_true")
+    parser.add_argument("--profile", action="store_true", help="print the top kernels of one update (torch.profiler)")
     parser.add_argument("--peak-tflops", type=float, default=None, help="default: the device's dense bf16 peak")
     args = parser.parse_args()
 
@@ -151,8 +155,12 @@ def main():
             return time.perf_counter() - start
 
         timed_update()  # warm-up: allocator, kernels, fused AdamW state
+        if args.profile:
+            from profiling import print_profile
+
+            print_profile(lambda: actor.update_policy(data), on_cuda)
         seconds = statistics.median(timed_update() for _ in range(args.repeats))
-        flops = update_flops(config, args.num_sequences, args.seq_len)
+        flops = update_flops(config, args.num_sequences, args.seq_len, head_positions=response_len + 1)
         if args.peak_tflops:
             peak, peak_source = args.peak_tflops * 1e12, "--peak-tflops"
         elif on_cuda:

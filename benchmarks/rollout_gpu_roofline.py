@@ -62,6 +62,7 @@ def main():
     parser.add_argument("--bandwidth-gbs", type=float, default=None, help="default: measured device copy bandwidth")
     parser.add_argument("--eager", action="store_true", help="disable CUDA graphs")
     parser.add_argument("--with-hf", action="store_true", help="also time transformers generate() once")
+    parser.add_argument("--profile", action="store_true", help="print the top kernels of a 32-token generate")
     parser.add_argument(
         "--cpu", action="store_true", help="run on CPU in fp32 (a smoke run of this script: use tiny sizes)"
     )
@@ -106,6 +107,18 @@ def main():
         return args.batch * args.new_tokens / (time.perf_counter() - start)
 
     ours()  # warm-up: CUDA-graph capture
+    if args.profile:
+        from profiling import print_profile
+
+        synchronize()
+        start = time.perf_counter()
+        engine.generate(input_ids, attention_mask, 1, sampling, eos_token_id=None, pad_token_id=0)
+        synchronize()
+        print(f"prefill + 1 token: {(time.perf_counter() - start) * 1e3:.1f} ms")
+        print_profile(
+            lambda: engine.generate(input_ids, attention_mask, 32, sampling, eos_token_id=None, pad_token_id=0),
+            device.type == "cuda",
+        )
     ours_tok_s = max(ours() for _ in range(args.repeats))
     bandwidth = (
         args.bandwidth_gbs * 1e9
