@@ -44,6 +44,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
+GPU_MARK = re.compile(r"^\s*(@pytest\.mark\.gpu\b|pytestmark\s*=.*\bpytest\.mark\.gpu\b)", re.M)
 BENCH_LINE = re.compile(r"^bench (?P<name>[\w.-]+): (?P<fields>.*)$", re.M)
 
 
@@ -167,7 +168,7 @@ def step_install(ctx: Context, res: StepResult) -> None:
 def gpu_test_files() -> list[str]:
     files = []
     for path in sorted((REPO / "tests").rglob("test_*.py")):
-        if re.search(r"mark\.gpu\b", path.read_text()):
+        if GPU_MARK.search(path.read_text()):
             files.append(str(path.relative_to(REPO)))
     return files
 

@@ -40,6 +40,7 @@ from __future__ import annotations
 import argparse
 import base64
 import hashlib
+import importlib.util
 import json
 import os
 import re
@@ -235,6 +236,7 @@ class Resolver:
             before = set(self.cache.glob("*.whl"))
             cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "-q"]
             cmd += ["--python-version", self.args.python, "--implementation", "cp", "-d", str(self.cache)]
+            cmd += self.args.pip_option
             for platform in self.platforms:
                 cmd += ["--platform", platform]
             proc = subprocess.run([*cmd, spec], capture_output=True, text=True)
@@ -244,7 +246,18 @@ class Resolver:
             # No wheel at all (antlr4-python3-runtime 4.9.3 is an sdist only): build one here, which
             # is only valid for the target when the result is pure Python.
             proc = subprocess.run(
-                [sys.executable, "-m", "pip", "wheel", "--no-deps", "-q", "-w", str(self.cache), spec],
+                [
+                    sys.executable,
+                    "-m",
+                    "pip",
+                    "wheel",
+                    "--no-deps",
+                    "-q",
+                    "-w",
+                    str(self.cache),
+                    *self.args.pip_option,
+                    spec,
+                ],
                 capture_output=True,
                 text=True,
             )
@@ -322,8 +335,11 @@ def slim_wheel(src: Path, dst: Path, drop: re.Pattern) -> list[str]:
 def build_own_wheel(cache: Path) -> Path:
     out = cache / "own"
     shutil.rmtree(out, ignore_errors=True)
+    # without build isolation when this interpreter can build it: no index needed for setuptools
+    can_build = importlib.util.find_spec("setuptools") and importlib.util.find_spec("wheel")
+    flags = ["--no-build-isolation"] if can_build else []
     proc = subprocess.run(
-        [sys.executable, "-m", "pip", "wheel", "--no-deps", "-q", "-w", str(out), str(REPO)],
+        [sys.executable, "-m", "pip", "wheel", "--no-deps", "-q", *flags, "-w", str(out), str(REPO)],
         capture_output=True,
         text=True,
         cwd=cache,
@@ -367,6 +383,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-verl", action="store_true", help="leave our own wheel out (run from a checkout)")
     parser.add_argument("--full-ray", action="store_true", help="keep Ray's wheel whole")
     parser.add_argument("--cache", type=Path, help="download cache (default: a temporary folder)")
+    parser.add_argument(
+        "--pip-option", action="append", default=[], help="passed to pip download, e.g. --pip-option=--index-url=URL"
+    )
     parser.add_argument("--max-mb", type=float, default=None, help="fail when the bundle is larger")
     args = parser.parse_args(argv)
     args.platform = args.platform or ["manylinux2014_x86_64"]
