@@ -9,20 +9,25 @@ import time
 import torch
 
 
-def print_profile(fn, on_cuda: bool, rows: int = 25) -> None:
+def print_profile(fn, on_cuda: bool, rows: int = 25, shapes: bool = True) -> None:
     from torch.profiler import ProfilerActivity, profile
 
     from verl.utils.device import synchronize
 
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if on_cuda else [])
     synchronize()
-    with profile(activities=activities) as prof:
+    with profile(activities=activities, record_shapes=shapes) as prof:
         start = time.perf_counter()
         fn()
         synchronize()
         wall = time.perf_counter() - start
     sort = "self_device_time_total" if on_cuda else "self_cpu_time_total"
     print(prof.key_averages().table(sort_by=sort, row_limit=rows, max_name_column_width=70))
+    if shapes:  # the same ops split by input shape: which tensors the time goes to
+        table = prof.key_averages(group_by_input_shape=True).table(
+            sort_by=sort, row_limit=rows, max_name_column_width=40, max_shapes_column_width=90
+        )
+        print(table)
     if on_cuda:
         kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
         busy = sum(e.device_time for e in kernels) / 1e6  # us -> s (overlapping streams counted twice)
