@@ -3,8 +3,9 @@ FSDP2 model (world size 1: NCCL on CUDA, gloo on CPU), bf16 compute with fp32 ma
 gradient reduction (the worker's default mixed precision on CUDA), fused AdamW.
 
 Default workload (the GPU acceptance's): Qwen2.5-0.5B's shape (random weights), 4 sequences of
-4096 tokens (512 prompt + 3584 response, no padding), one mini-batch, `--micro-batch` rows per
-forward/backward. `--preset tiny --seq-len 256` runs the same code on CPU in seconds.
+4096 tokens (512 prompt + 3584 response, no padding), one mini-batch, split by tokens as upstream's
+`use_dynamic_bsz` with its default `ppo_max_token_len_per_gpu=16384` (so one forward/backward of
+4 x 4096); `--micro-batch N` splits by rows instead. `--preset tiny --seq-len 256` runs the same code on CPU in seconds.
 
 FLOPs counted (the work the update has to do, nothing the implementation adds): per token,
 6 x the decoder layers' matmul weights, plus causal attention, 6 x 2 x layers x q_dim x (mean
@@ -98,7 +99,13 @@ def main():
     parser.add_argument("--num-sequences", type=int, default=4)
     parser.add_argument("--seq-len", type=int, default=4096)
     parser.add_argument("--prompt-len", type=int, default=None, help="default: seq_len / 8")
-    parser.add_argument("--micro-batch", type=int, default=1, help="rows per forward/backward")
+    parser.add_argument(
+        "--max-token-len",
+        type=int,
+        default=16384,
+        help="use_dynamic_bsz token budget per forward/backward (upstream's default ppo_max_token_len_per_gpu)",
+    )
+    parser.add_argument("--micro-batch", type=int, default=None, help="fixed rows per forward/backward instead")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--gradient-checkpointing", action="store_true")
     parser.add_argument("--profile", action="store_true", help="print the top kernels of one update (torch.profiler)")
@@ -137,6 +144,8 @@ def main():
         actor_config = {
             "ppo_mini_batch_size": args.num_sequences,
             "ppo_micro_batch_size_per_gpu": args.micro_batch,
+            "use_dynamic_bsz": args.micro_batch is None,
+            "ppo_max_token_len_per_gpu": args.max_token_len,
             "use_remove_padding": False,
             "grad_clip": 1.0,
             "policy_loss": {"loss_mode": "vanilla"},
@@ -173,8 +182,11 @@ def main():
         tokens = args.num_sequences * args.seq_len
         name = torch.cuda.get_device_name() if on_cuda else "cpu"
         memory = f", peak memory {torch.cuda.max_memory_allocated() / 2**30:.1f} GiB" if on_cuda else ""
+        split = (
+            f"micro-batch {args.micro_batch}" if args.micro_batch else f"dynamic batches of {args.max_token_len} tokens"
+        )
         print(
-            f"{name}: {args.preset}, {args.num_sequences} x {args.seq_len} tokens, micro-batch {args.micro_batch}, "
+            f"{name}: {args.preset}, {args.num_sequences} x {args.seq_len} tokens, {split}, "
             f"{seconds * 1e3:.0f} ms per update, {flops / 1e12:.2f} TFLOP{memory}"
         )
         print(f"achieved {achieved / 1e12:.1f} TFLOP/s of {peak / 1e12:.1f} ({peak_source})")
