@@ -36,7 +36,6 @@ import json
 import math
 import os
 import shutil
-import socket
 import time
 from collections.abc import Callable
 
@@ -462,16 +461,19 @@ def _fmt(value: float) -> str:
 
 # --------------------------------------------------------------------------------- entry point
 def init_distributed() -> None:
-    """Join the torchrun process group, or form a one-process group when started without torchrun."""
+    """Join the torchrun process group, or form a one-process group when started without torchrun.
+
+    The group is the workers' (`verl.single_controller.base.worker.init_process_group`): gloo on
+    CPU, `cpu:gloo,cuda:nccl` bound to this rank's device on GPU, so host-side collectives on CPU
+    tensors work next to NCCL, with the `VERL_DIST_TIMEOUT_S` deadline."""
+    from verl.single_controller.base.worker import init_process_group
+
     if dist.is_initialized():
         return
     if "RANK" not in os.environ:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
+    init_process_group()
     device_utils.set_device()
-    dist.init_process_group(backend=device_utils.get_dist_backend())
 
 
 def resolve_defaults(config) -> None:

@@ -52,14 +52,18 @@ _ROLES = {
 }
 
 
-def _join_group(worker: Worker) -> None:
-    """Join the group's torch.distributed group once per process (colocated roles share it).
+def _join_group(worker: Worker, timeout_s=None) -> None:
+    """Join the group's torch.distributed group once per process (colocated roles share it: the
+    first role built, the actor in main_ppo's pools, sets the backend and the timeout).
 
-    Seeds torch identically on every rank, so freshly initialised weights (a critic's value head)
-    agree across ranks; `_seed_sampling` later gives each rank its own sampling stream.
+    `timeout_s` is the role's `nccl_timeout` (`actor_rollout_ref.nccl_timeout`; None: the
+    `VERL_DIST_TIMEOUT_S` / 600 s default). The backend is gloo on CPU and `cpu:gloo,cuda:nccl` on
+    GPU (see `verl.single_controller.base.worker`). Seeds torch identically on every rank, so
+    freshly initialised weights (a critic's value head) agree across ranks; `_seed_sampling` later
+    gives each rank its own sampling stream.
     """
     if not dist.is_initialized():
-        worker.init_process_group(backend=dev.get_dist_backend())
+        worker.init_process_group(timeout_s=None if timeout_s is None else float(timeout_s))
     dev.set_device()
     torch.manual_seed(_SEED)
     # One CPU bundle per worker: use the threads Ray granted, not every core of the machine.
@@ -312,7 +316,7 @@ class ActorRolloutRefWorker(Worker):
         self.role = role
         self.parts = _ROLES[role]
         os.environ["VERL_ROLE"] = role
-        _join_group(self)
+        _join_group(self, config.get("nccl_timeout"))
         self.dp_size = self._data_parallel_size()
         with open_dict(self.config):
             self.config.actor.use_remove_padding = self.config.model.get("use_remove_padding", False)
@@ -542,7 +546,7 @@ class CriticWorker(Worker):
         super().__init__()
         self.config = config
         os.environ["VERL_ROLE"] = "critic"
-        _join_group(self)
+        _join_group(self, config.get("nccl_timeout"))
         dp = self._data_parallel_size()
         with open_dict(self.config):
             n = config.get("rollout_n", 1)
@@ -631,7 +635,7 @@ class RewardModelWorker(Worker):
         super().__init__()
         self.config = config
         os.environ["VERL_ROLE"] = "reward_model"
-        _join_group(self)
+        _join_group(self, config.get("nccl_timeout"))
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def init_model(self) -> None:

@@ -42,6 +42,7 @@ from omegaconf import DictConfig
 
 from verl.single_controller.base import Worker
 from verl.single_controller.base.decorator import Dispatch, make_nd_compute_dataproto_dispatch_fn, register
+from verl.single_controller.base.worker import dist_timeout_s
 from verl.utils import device as dev
 from verl.utils.optim import local_optimizer
 from verl.workers import fsdp_workers
@@ -65,6 +66,7 @@ def _setup_parallel(megatron_cfg: dict) -> None:
     from verl.utils.megatron.parallel_state import initialize_model_parallel
 
     initialize_model_parallel(
+        timeout_s=dist_timeout_s(),  # the deadline this process's group was created with
         tensor_model_parallel_size=int(megatron_cfg.get("tensor_model_parallel_size", 1)),
         pipeline_model_parallel_size=int(megatron_cfg.get("pipeline_model_parallel_size", 1)),
         virtual_pipeline_model_parallel_size=megatron_cfg.get("virtual_pipeline_model_parallel_size"),
