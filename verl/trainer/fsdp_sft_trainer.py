@@ -405,9 +405,16 @@ def _decoder_layers(model) -> list[torch.nn.Module]:
     return list(layers)
 
 
-def _dtype(name: str, key: str) -> torch.dtype:
+def _dtype(name: str | None, key: str) -> torch.dtype:
+    """The dtype a `mixed_precision` key names; null: bf16 on CUDA (upstream's SFT compute dtype, with
+    fp32 master weights), fp32 on CPU."""
+    if name is None:
+        return device_utils.default_compute_dtype()
     if name not in _DTYPES:
-        raise ValueError(f"model.fsdp_config.mixed_precision.{key}={name!r} is not one of {sorted(_DTYPES)}")
+        raise ValueError(
+            f"model.fsdp_config.mixed_precision.{key}={name!r} is not one of {sorted(_DTYPES)} (or null for the "
+            "device's default)"
+        )
     return _DTYPES[name]
 
 

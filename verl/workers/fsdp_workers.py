@@ -642,8 +642,13 @@ class RewardModelWorker(Worker):
         from transformers import AutoModelForSequenceClassification
 
         model_cfg = self.config.model
+        # bf16 on GPU, as upstream loads its reward model (an fp32 forward runs at a fraction of the
+        # tensor cores' rate); fp32 on CPU
         self.model = AutoModelForSequenceClassification.from_pretrained(
-            model_cfg.path, num_labels=1, trust_remote_code=model_cfg.get("trust_remote_code", False)
+            model_cfg.path,
+            num_labels=1,
+            trust_remote_code=model_cfg.get("trust_remote_code", False),
+            dtype=dev.default_compute_dtype(),
         )
         self.model.to(dev.get_device()).eval()
         self._load_tokenizers()

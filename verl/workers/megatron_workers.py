@@ -52,15 +52,6 @@ _ACTOR_MESH = make_nd_compute_dataproto_dispatch_fn("actor")
 _CRITIC_MESH = make_nd_compute_dataproto_dispatch_fn("critic")
 _REWARD_MESH = make_nd_compute_dataproto_dispatch_fn("reward")
 
-_DTYPES = {
-    "fp32": torch.float32,
-    "float32": torch.float32,
-    "bf16": torch.bfloat16,
-    "bfloat16": torch.bfloat16,
-    "fp16": torch.float16,
-    "float16": torch.float16,
-}
-
 
 def _setup_parallel(megatron_cfg: dict) -> None:
     from verl.utils.megatron.parallel_state import initialize_model_parallel
@@ -102,7 +93,13 @@ class _MegatronModel:
         """value_head: a [1, hidden] score head instead of the LM head, from a token-classification
         checkpoint (critic), or with `sequence_classifier` from a sequence-classification one (reward
         model, whose head has no bias: it gets a zero one)."""
-        from verl.models.mcore import build_model_chunks, hf_to_mcore_config, load_hf_state_dict
+        from verl.models.mcore import (
+            build_model_chunks,
+            hf_to_mcore_config,
+            load_hf_state_dict,
+            megatron_dtypes,
+            set_compute_dtype,
+        )
         from verl.utils.model import (
             load_causal_lm,
             load_model_config,
@@ -117,8 +114,9 @@ class _MegatronModel:
         config_overrides = {"num_labels": 1, **(overrides or {})} if value_head else overrides
         self.hf_config = load_model_config(model_cfg.path, trust, config_overrides)
         self.value_head = value_head
-        dtype = _DTYPES[str(meg.get("dtype", "fp32"))]
-        tf_config = hf_to_mcore_config(self.hf_config, meg, dtype)
+        # fp32 parameters, the forward autocast to a 16-bit dtype (see verl.models.mcore.config)
+        param_dtype, compute_dtype = megatron_dtypes(meg.get("dtype", "auto"), for_training)
+        tf_config = hf_to_mcore_config(self.hf_config, meg, param_dtype, compute_dtype)
         for key, value in (meg.get("override_transformer_config") or {}).items():
             if not hasattr(tf_config, key):
                 raise ValueError(
@@ -126,6 +124,7 @@ class _MegatronModel:
                 )
             setattr(tf_config, key, value)
         self.chunks = build_model_chunks(self.hf_config, tf_config, value_head=value_head)
+        set_compute_dtype(self.chunks, compute_dtype)
         if meg.get("use_dist_checkpointing"):
             if sequence_classifier:
                 raise ValueError(

@@ -21,6 +21,9 @@ Design decisions:
   stepping the full model; megatron's optimizer needs its DDP gradient buffers and, for speed,
   apex or TransformerEngine, none of which exist on CPU. `use_distributed_optimizer` splits the
   Adam state over data-parallel ranks with torch's ZeroRedundancyOptimizer (`verl.utils.optim`).
+  Its parameters are the model's, so they stay fp32 at `megatron.dtype=bf16` and the forward runs
+  under autocast (`verl.models.mcore.config.compute_autocast`): bf16 parameters would be bf16
+  master weights, which a small lr never moves.
 - Gradients are synchronised by hand after each mini-batch: averaged over megatron's data-parallel
   group (flat buckets of up to 64 MB, `verl.workers.dp_training.average_gradients`), summed over
   the embedding group for tied embeddings split across pipeline stages, then clipped by the norm
@@ -44,6 +47,7 @@ from functools import partial
 import torch
 import torch.distributed as dist
 
+from verl.models.mcore.config import compute_autocast
 from verl.models.mcore.forward import left_align, response_columns
 from verl.utils.device import get_device
 from verl.utils.megatron.tensor_parallel import vocab_parallel_log_probs_and_entropy
@@ -211,7 +215,8 @@ def run_megatron_schedule(model_chunks, micro_batches: list, loss_fn, forward_on
     def forward_step(data_iterator, model):
         micro_batch = next(data_iterator)
         aligned = micro_batch["_aligned"]
-        output = model(aligned.model_input_ids, aligned.model_position_ids, None)
+        with compute_autocast(model):  # bf16 compute on fp32 parameters (verl.models.mcore.config)
+            output = model(aligned.model_input_ids, aligned.model_position_ids, None)
         return output, partial(loss_wrapper, micro_batch)
 
     from verl.models.mcore.context_parallel import context_parallel_group
