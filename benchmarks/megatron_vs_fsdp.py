@@ -59,7 +59,7 @@ def _batch(batch: int, seq_len: int, vocab: int, seed: int = 0):
         "old_log_probs": -5.0 + 0.1 * torch.randn(batch, response_len, generator=g),
         "advantages": torch.randn(batch, response_len, generator=g),
     }
-    meta = {"temperature": 1.0, "global_token_num": [seq_len] * batch}
+    meta = {"temperature": 1.0}
     return DataProto.from_dict(tensors=tensors, meta_info=meta)
 
 

@@ -106,16 +106,27 @@ def _log_prob_meta(data: DataProto, cfg: DictConfig, temperature: float) -> None
     data.meta_info.setdefault("temperature", temperature)
 
 
-def _mfu_metric(config, data: DataProto, seconds: float, passes: int) -> float | None:
-    """perf/mfu of an update over the global batch (its per-sequence token counts ride in meta_info);
-    `config` is the trained model's HF config."""
-    from verl.utils.flops_counter import FlopsCounter, mfu
+@contextlib.contextmanager
+def _device_timer():
+    """Seconds of the work inside the block, device included: synchronised on entry and exit (the
+    device runs behind the host, so an unsynchronised clock would read the launches, not the work).
+    Yields a one-element list that holds the seconds after the block."""
+    seconds = [0.0]
+    dev.synchronize()
+    start = time.perf_counter()
+    yield seconds
+    dev.synchronize()
+    seconds[0] = time.perf_counter() - start
 
-    seqlens = data.meta_info.get("global_token_num")
-    if not seqlens or config is None:
+
+def _mfu_metric(flops: float | None, seconds: float, dp_size: int) -> float | None:
+    """perf/mfu of an update: the FLOPs its model ran on this rank (`FlopsTally.total`), over all ranks
+    (`verl.utils.flops_counter.mfu_over_ranks`, a collective where a peak is known)."""
+    from verl.utils.flops_counter import mfu_over_ranks
+
+    if flops is None:
         return None
-    world = dist.get_world_size() if dist.is_initialized() else 1
-    return mfu(FlopsCounter(config), seqlens, seconds, world, passes=passes)
+    return mfu_over_ranks(flops, seconds, dp_size)
 
 
 def _plain(section) -> dict:
@@ -189,7 +200,7 @@ class _FSDPModel:
 
     @property
     def hf_config(self):
-        """The HF config of the model (for FLOP counts)."""
+        """The HF config of the model."""
         return getattr(self.module, "config", None)
 
     def hf_params(self):
@@ -513,11 +524,12 @@ class ActorRolloutRefWorker(Worker):
         actor = self._need("actor", "update_actor")
         data.meta_info.setdefault("temperature", self.config.rollout.temperature)
         start = time.perf_counter()
-        with self.actor_model.on_device(optimizer=True):
+        with self.actor_model.on_device(optimizer=True), _device_timer() as compute_s:
             metrics = actor.update_policy(data)
         metrics["actor/lr"] = self.actor_model.step_scheduler()
-        metrics["perf/update_actor_s"] = seconds = time.perf_counter() - start
-        actor_mfu = _mfu_metric(self.actor_model.hf_config, data, seconds, self.config.actor.get("ppo_epochs", 1))
+        metrics["perf/update_actor_s"] = time.perf_counter() - start  # with the offload transfers
+        # MFU: the FLOPs the update ran over its synchronised compute time, offload excluded
+        actor_mfu = _mfu_metric(actor.flops.total(), compute_s[0], self.dp_size)
         if actor_mfu is not None:
             metrics["perf/mfu/actor"] = actor_mfu
         mem = dev.memory_stats()
@@ -547,7 +559,7 @@ class CriticWorker(Worker):
         self.config = config
         os.environ["VERL_ROLE"] = "critic"
         _join_group(self, config.get("nccl_timeout"))
-        dp = self._data_parallel_size()
+        self.dp_size = dp = self._data_parallel_size()
         with open_dict(self.config):
             n = config.get("rollout_n", 1)
             self.config.ppo_mini_batch_size = config.ppo_mini_batch_size * n // dp
@@ -585,13 +597,10 @@ class CriticWorker(Worker):
 
     @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO)
     def update_critic(self, data: DataProto) -> DataProto:
-        start = time.perf_counter()
-        with self.critic_model.on_device(optimizer=True):
+        with self.critic_model.on_device(optimizer=True), _device_timer() as compute_s:
             metrics = self.critic.update_critic(data)
         metrics["critic/lr"] = self.critic_model.step_scheduler()
-        critic_mfu = _mfu_metric(
-            self.critic_model.hf_config, data, time.perf_counter() - start, self.config.get("ppo_epochs", 1)
-        )
+        critic_mfu = _mfu_metric(self.critic.flops.total(), compute_s[0], self.dp_size)
         if critic_mfu is not None:
             metrics["perf/mfu/critic"] = critic_mfu
         return DataProto(meta_info={"metrics": metrics})

@@ -325,7 +325,7 @@ class CriticWorker(fsdp_workers.CriticWorker):
         model = _OptimizedMegatronModel(
             cfg.model, cfg.megatron, cfg.optim, cfg.get("checkpoint"), self.tokenizer, value_head=True
         )
-        return model, MegatronPPOCritic(cfg, model.chunks, model.optimizer)
+        return model, MegatronPPOCritic(cfg, model.chunks, model.optimizer, hf_config=model.hf_config)
 
     compute_values = _on_mesh(fsdp_workers.CriticWorker.compute_values, _CRITIC_MESH)
     update_critic = _on_mesh(fsdp_workers.CriticWorker.update_critic, _CRITIC_MESH)
