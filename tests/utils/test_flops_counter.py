@@ -76,6 +76,8 @@ def test_rows_training_flops_of_whole_rows_with_the_head_everywhere_is_training_
     # the head only where a response token is predicted: 5 of the 13 positions
     head_elsewhere = 3 * counter.forward_flops(0, 0, (3 + 5 + 4 + 1) - 5)
     assert float(whole) + head_elsewhere == pytest.approx(counter.training_flops([7, 6]), rel=1e-12)
+    # frozen weights (LoRA): no weight gradients, the backward costs one forward
+    assert float(counter.rows_training_flops(prompt, response, passes=2)) == pytest.approx(2 / 3 * float(whole))
 
 
 def test_rows_training_flops_of_shared_prompts_by_hand():

@@ -110,27 +110,29 @@ class FlopsCounter:
         tokens = sum(seqlens)
         return 3.0 * self.forward_flops(tokens, sum(s * s for s in seqlens), tokens)
 
-    def rows_training_flops(self, prompt_lengths, response_lengths, groups=None):
+    def rows_training_flops(self, prompt_lengths, response_lengths, groups=None, passes: int = 3):
         """FLOPs of one forward + backward over rows as the actor runs them (see the module docstring).
 
         `prompt_lengths`, `response_lengths`: [B] real token counts (tensors). `groups`: None for rows
         run whole (prompt + response each), or `(first_rows [U], inverse [B])` from
         `verl.utils.shared_prompt.prompt_groups` when the shared-prompt path ran them: each group's
         prompt once, then each response's inputs (all but its last token, which predicts nothing) on
-        top of it, and the head on each group's last prompt position plus those inputs. Returns a
+        top of it, and the head on each group's last prompt position plus those inputs. `passes`:
+        forward + backward cost 3 forwards (the backward computes input and weight gradients), 2
+        when the weights are frozen (LoRA: the backward computes input gradients only). Returns a
         float64 0-d tensor on the lengths' device (no host sync).
         """
         prompt = prompt_lengths.to(torch.float64)
         response = response_lengths.to(torch.float64)
         if groups is None:
             whole = prompt + response
-            return 3.0 * self.forward_flops(whole.sum(), (whole * whole).sum(), response.sum())
+            return passes * self.forward_flops(whole.sum(), (whole * whole).sum(), response.sum())
         first_rows, inverse = groups
         group_prompt = prompt[first_rows]
         inputs = (response - 1).clamp(min=0)
         tokens = group_prompt.sum() + inputs.sum()
         attended = (group_prompt * group_prompt).sum() + (inputs * (group_prompt[inverse] + inputs)).sum()
-        return 3.0 * self.forward_flops(tokens, attended, len(first_rows) + inputs.sum())
+        return passes * self.forward_flops(tokens, attended, len(first_rows) + inputs.sum())
 
 
 class FlopsTally:
@@ -140,8 +142,9 @@ class FlopsTally:
     same device for every micro-batch of one update), so counting never waits for the device;
     `total` sums them once, when the worker computes MFU after the update."""
 
-    def __init__(self, counter: FlopsCounter | None):
+    def __init__(self, counter: FlopsCounter | None, passes: int = 3):
         self.counter = counter
+        self.passes = passes  # see FlopsCounter.rows_training_flops
         self._terms: list[torch.Tensor] = []
 
     def reset(self) -> None:
@@ -154,7 +157,7 @@ class FlopsTally:
             return
         prompt = attention_mask[:, : attention_mask.shape[1] - response_length].sum(-1)
         response = attention_mask[:, attention_mask.shape[1] - response_length :].sum(-1)
-        self._terms.append(self.counter.rows_training_flops(prompt, response, groups))
+        self._terms.append(self.counter.rows_training_flops(prompt, response, groups, self.passes))
 
     def total(self) -> float | None:
         """FLOPs counted since the last `reset` (waits for the device once); None without a counter."""

@@ -184,7 +184,10 @@ class DataParallelPPOActor(BasePPOActor):
         self._dp_group, self._dp_size = dp_group_and_size(actor_module)
         # FSDP2 units gather and reduce per forward call: ranks must then agree on the calls they make
         self._calls_are_collective = isinstance(actor_module, FSDPModule) and self._dp_size > 1
-        self.flops = FlopsTally(FlopsCounter.for_model(getattr(hf_module, "config", None)))
+        # with frozen weights (LoRA) the backward computes no weight gradients for them: the work of 2
+        # forwards instead of 3 (any frozen parameter counts as such, so the count never exceeds the work)
+        frozen = any(not p.requires_grad for p in actor_module.parameters())
+        self.flops = FlopsTally(FlopsCounter.for_model(getattr(hf_module, "config", None)), passes=2 if frozen else 3)
 
     # ------------------------------------------------------------------ forward
 
