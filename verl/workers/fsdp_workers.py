@@ -52,14 +52,18 @@ _ROLES = {
 }
 
 
-def _join_group(worker: Worker) -> None:
-    """Join the group's torch.distributed group once per process (colocated roles share it).
+def _join_group(worker: Worker, timeout_s=None) -> None:
+    """Join the group's torch.distributed group once per process (colocated roles share it: the
+    first role built, the actor in main_ppo's pools, sets the backend and the timeout).
 
-    Seeds torch identically on every rank, so freshly initialised weights (a critic's value head)
-    agree across ranks; `_seed_sampling` later gives each rank its own sampling stream.
+    `timeout_s` is the role's `nccl_timeout` (`actor_rollout_ref.nccl_timeout`; None: the
+    `VERL_DIST_TIMEOUT_S` / 600 s default). The backend is gloo on CPU and `cpu:gloo,cuda:nccl` on
+    GPU (see `verl.single_controller.base.worker`). Seeds torch identically on every rank, so
+    freshly initialised weights (a critic's value head) agree across ranks; `_seed_sampling` later
+    gives each rank its own sampling stream.
     """
     if not dist.is_initialized():
-        worker.init_process_group(backend=dev.get_dist_backend())
+        worker.init_process_group(timeout_s=None if timeout_s is None else float(timeout_s))
     dev.set_device()
     torch.manual_seed(_SEED)
     # One CPU bundle per worker: use the threads Ray granted, not every core of the machine.
@@ -102,16 +106,27 @@ def _log_prob_meta(data: DataProto, cfg: DictConfig, temperature: float) -> None
     data.meta_info.setdefault("temperature", temperature)
 
 
-def _mfu_metric(config, data: DataProto, seconds: float, passes: int) -> float | None:
-    """perf/mfu of an update over the global batch (its per-sequence token counts ride in meta_info);
-    `config` is the trained model's HF config."""
-    from verl.utils.flops_counter import FlopsCounter, mfu
+@contextlib.contextmanager
+def _device_timer():
+    """Seconds of the work inside the block, device included: synchronised on entry and exit (the
+    device runs behind the host, so an unsynchronised clock would read the launches, not the work).
+    Yields a one-element list that holds the seconds after the block."""
+    seconds = [0.0]
+    dev.synchronize()
+    start = time.perf_counter()
+    yield seconds
+    dev.synchronize()
+    seconds[0] = time.perf_counter() - start
 
-    seqlens = data.meta_info.get("global_token_num")
-    if not seqlens or config is None:
+
+def _mfu_metric(flops: float | None, seconds: float, dp_size: int) -> float | None:
+    """perf/mfu of an update: the FLOPs its model ran on this rank (`FlopsTally.total`), over all ranks
+    (`verl.utils.flops_counter.mfu_over_ranks`, a collective where a peak is known)."""
+    from verl.utils.flops_counter import mfu_over_ranks
+
+    if flops is None:
         return None
-    world = dist.get_world_size() if dist.is_initialized() else 1
-    return mfu(FlopsCounter(config), seqlens, seconds, world, passes=passes)
+    return mfu_over_ranks(flops, seconds, dp_size)
 
 
 def _plain(section) -> dict:
@@ -185,7 +200,7 @@ class _FSDPModel:
 
     @property
     def hf_config(self):
-        """The HF config of the model (for FLOP counts)."""
+        """The HF config of the model."""
         return getattr(self.module, "config", None)
 
     def hf_params(self):
@@ -312,7 +327,7 @@ class ActorRolloutRefWorker(Worker):
         self.role = role
         self.parts = _ROLES[role]
         os.environ["VERL_ROLE"] = role
-        _join_group(self)
+        _join_group(self, config.get("nccl_timeout"))
         self.dp_size = self._data_parallel_size()
         with open_dict(self.config):
             self.config.actor.use_remove_padding = self.config.model.get("use_remove_padding", False)
@@ -509,11 +524,12 @@ class ActorRolloutRefWorker(Worker):
         actor = self._need("actor", "update_actor")
         data.meta_info.setdefault("temperature", self.config.rollout.temperature)
         start = time.perf_counter()
-        with self.actor_model.on_device(optimizer=True):
+        with self.actor_model.on_device(optimizer=True), _device_timer() as compute_s:
             metrics = actor.update_policy(data)
         metrics["actor/lr"] = self.actor_model.step_scheduler()
-        metrics["perf/update_actor_s"] = seconds = time.perf_counter() - start
-        actor_mfu = _mfu_metric(self.actor_model.hf_config, data, seconds, self.config.actor.get("ppo_epochs", 1))
+        metrics["perf/update_actor_s"] = time.perf_counter() - start  # with the offload transfers
+        # MFU: the FLOPs the update ran over its synchronised compute time, offload excluded
+        actor_mfu = _mfu_metric(actor.flops.total(), compute_s[0], self.dp_size)
         if actor_mfu is not None:
             metrics["perf/mfu/actor"] = actor_mfu
         mem = dev.memory_stats()
@@ -542,8 +558,8 @@ class CriticWorker(Worker):
         super().__init__()
         self.config = config
         os.environ["VERL_ROLE"] = "critic"
-        _join_group(self)
-        dp = self._data_parallel_size()
+        _join_group(self, config.get("nccl_timeout"))
+        self.dp_size = dp = self._data_parallel_size()
         with open_dict(self.config):
             n = config.get("rollout_n", 1)
             self.config.ppo_mini_batch_size = config.ppo_mini_batch_size * n // dp
@@ -581,13 +597,10 @@ class CriticWorker(Worker):
 
     @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO)
     def update_critic(self, data: DataProto) -> DataProto:
-        start = time.perf_counter()
-        with self.critic_model.on_device(optimizer=True):
+        with self.critic_model.on_device(optimizer=True), _device_timer() as compute_s:
             metrics = self.critic.update_critic(data)
         metrics["critic/lr"] = self.critic_model.step_scheduler()
-        critic_mfu = _mfu_metric(
-            self.critic_model.hf_config, data, time.perf_counter() - start, self.config.get("ppo_epochs", 1)
-        )
+        critic_mfu = _mfu_metric(self.critic.flops.total(), compute_s[0], self.dp_size)
         if critic_mfu is not None:
             metrics["perf/mfu/critic"] = critic_mfu
         return DataProto(meta_info={"metrics": metrics})
@@ -631,15 +644,20 @@ class RewardModelWorker(Worker):
         super().__init__()
         self.config = config
         os.environ["VERL_ROLE"] = "reward_model"
-        _join_group(self)
+        _join_group(self, config.get("nccl_timeout"))
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def init_model(self) -> None:
         from transformers import AutoModelForSequenceClassification
 
         model_cfg = self.config.model
+        # bf16 on GPU, as upstream loads its reward model (an fp32 forward runs at a fraction of the
+        # tensor cores' rate); fp32 on CPU
         self.model = AutoModelForSequenceClassification.from_pretrained(
-            model_cfg.path, num_labels=1, trust_remote_code=model_cfg.get("trust_remote_code", False)
+            model_cfg.path,
+            num_labels=1,
+            trust_remote_code=model_cfg.get("trust_remote_code", False),
+            dtype=dev.default_compute_dtype(),
         )
         self.model.to(dev.get_device()).eval()
         self._load_tokenizers()

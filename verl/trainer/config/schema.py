@@ -81,6 +81,7 @@ REWARD_MANAGERS = ("naive", "batch", "dapo", "prime")
 CHECKPOINT_CONTENTS = ("model", "optimizer", "extra", "hf_model")
 ROLLOUT_DTYPES = ("auto", "bfloat16", "float16", "float32", "bf16", "fp16", "fp32")
 MODEL_DTYPES = ("fp32", "bf16", "fp16", "float32", "bfloat16", "float16")
+MEGATRON_DTYPES = ("auto", *MODEL_DTYPES)
 PF_PPO_METHODS = ("pow", "max_min", "max_random")
 REWARD_ON_ERROR = ("raise", "zero")
 
@@ -239,7 +240,12 @@ class MegatronConfig:
     override_mcore_model_config: dict = doc("GPTModel constructor overrides.", status=IGNORED)
     use_mbridge: bool = doc("Convert weights with the mbridge package.", status=UNSUPPORTED, neutral=False)
     forward_only: bool = doc("Build the model for inference only.", status=IGNORED)
-    dtype: str = doc("Compute dtype of the Megatron model.", choices=MODEL_DTYPES)
+    dtype: str = doc(
+        "Compute dtype of the Megatron model (mixed precision: parameters, gradients and Adam state stay fp32, "
+        "the forward runs under autocast in this dtype; fp16 only for frozen models). auto: bfloat16 on GPU "
+        "(upstream's default), float32 on CPU.",
+        choices=MEGATRON_DTYPES,
+    )
 
 
 @dataclass
