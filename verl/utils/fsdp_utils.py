@@ -20,7 +20,8 @@ Offload, two kinds:
   `load_fsdp_model_to_device`, `offload_fsdp_optimizer`, `load_fsdp_optimizer`).
 
 Weight sync to a rollout engine reads full parameters one at a time (`iter_full_params`): each
-DTensor is all-gathered on its own, so at most one unsharded tensor exists beyond the shards.
+DTensor is all-gathered on its own, so at most one unsharded tensor exists beyond the shards, and
+each shard is cast to the rollout dtype before its all-gather (bf16 moves half of fp32's bytes).
 """
 
 from __future__ import annotations
@@ -211,8 +212,10 @@ def iter_full_params(
     Names are the HF names (FSDP2 does not rename parameters). Each sharded tensor is all-gathered
     on the compute device only when the consumer asks for it, so peak extra memory is one full
     tensor; the consumer should drop its reference before asking for the next. Every rank must
-    iterate to the end (the gathers are collectives). `dtype` casts each tensor (e.g. bf16 for a
-    rollout engine) after gathering. `name_filter` keeps only the names it accepts (it must accept
+    iterate to the end (the gathers are collectives). `dtype` casts each floating-point tensor
+    (e.g. to bf16 for a rollout engine) before gathering: each rank casts its own shard, so the
+    all-gather moves the rollout dtype's bytes (half of fp32's for bf16), and the values are those
+    of casting the gathered tensor (a cast is elementwise). `name_filter` keeps only the names it accepts (it must accept
     the same names on every rank). A replicated parameter (`fsdp_size=1`, or a module without FSDP)
     is yielded without a copy: it shares the module's storage, so consumers copy it and never write
     to it.
@@ -223,15 +226,18 @@ def iter_full_params(
     for name, tensor in module.state_dict().items():
         if name_filter is not None and not name_filter(name):
             continue
+        cast = dtype is not None and tensor.is_floating_point()
         if isinstance(tensor, DTensor):
             if _holds_full_tensor(tensor):  # replicated (fsdp_size=1): the local tensor is already whole
                 tensor = tensor.to_local()
             else:
                 if tensor.device != device:  # offloaded shards: gather on the device the backend supports
                     tensor = tensor.to(device)
+                if cast:
+                    tensor = tensor.to(dtype)  # the local shard, before the gather
                 tensor = tensor.full_tensor()
-        if dtype is not None and tensor.is_floating_point():
-            tensor = tensor.to(dtype)
+        if cast:
+            tensor = tensor.to(dtype)  # a no-op for a tensor cast before its gather
         yield name, tensor
 
 
