@@ -22,6 +22,11 @@ Offload, two kinds:
 Weight sync to a rollout engine reads full parameters one at a time (`iter_full_params`): each
 DTensor is all-gathered on its own, so at most one unsharded tensor exists beyond the shards, and
 each shard is cast to the rollout dtype before its all-gather (bf16 moves half of fp32's bytes).
+
+Loading (`load_full_state_from_rank0`): only rank 0 reads the checkpoint; the other ranks build
+the model on the meta device, shard it, and receive rank 0's weights shard by shard
+(`set_model_state_dict(..., broadcast_from_rank0=True)`), so a rank > 0 never holds a full copy
+on the host (8 ranks of a 7B fp32 model held 8 x 28 GB before).
 """
 
 from __future__ import annotations
@@ -44,6 +49,7 @@ __all__ = [
     "get_offload_policy",
     "iter_full_params",
     "load_fsdp_model_to_device",
+    "load_full_state_from_rank0",
     "load_fsdp_optimizer",
     "offload_fsdp_model_to_cpu",
     "offload_fsdp_optimizer",
@@ -259,6 +265,48 @@ def get_full_state_dict(module: nn.Module, rank0_only: bool = True) -> dict[str,
         options = StateDictOptions(full_state_dict=True, cpu_offload=True)
         return get_model_state_dict(module, options=options)
     return {name: tensor.cpu() for name, tensor in iter_full_params(module)}
+
+
+@torch.no_grad()
+def load_full_state_from_rank0(module: nn.Module, full_state_dict: dict | None, device) -> None:
+    """Give every rank's `module` rank 0's weights: the sharded-loading half of
+    `verl.utils.model.load_causal_lm(..., meta_device=True)`. Every rank must call it.
+
+    `module` is wrapped already (FSDP2, or a plain replica): on rank 0 built from the checkpoint and
+    on its device, `full_state_dict` its unsharded `state_dict()` taken before sharding; on ranks > 0
+    built on the meta device, `full_state_dict` None. Those ranks first allocate their (sharded)
+    parameters and buffers on `device`, uninitialised; then torch's
+    `set_model_state_dict(..., broadcast_from_rank0=True)` broadcasts one tensor at a time and
+    each rank keeps its shard, so no rank > 0 holds more than one full tensor at once. Buffers that
+    are no part of a state dict (non-persistent, e.g. rotary `inv_freq`) are broadcast from rank 0
+    too: on the meta device they were never computed.
+    """
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+    rank = dist.get_rank()
+    if rank != 0:
+        _materialize_meta(module, device)
+    options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
+    set_model_state_dict(module, full_state_dict if rank == 0 else {}, options=options)
+    persistent = set(module.state_dict())
+    for name, buffer in module.named_buffers():
+        if name not in persistent:
+            dist.broadcast(buffer, src=0)
+
+
+def _materialize_meta(module: nn.Module, device) -> None:
+    """`module.to_empty(device)`, keeping tied parameters tied (a plain module's `to_empty` gives
+    each owner of a shared meta parameter its own new one; FSDP2 keeps the tie itself)."""
+    shared: dict[int, list[str]] = {}
+    for name, param in module.named_parameters(remove_duplicate=False):
+        shared.setdefault(id(param), []).append(name)
+    module.to_empty(device=device)
+    for names in shared.values():
+        first = module.get_parameter(names[0])
+        for name in names[1:]:
+            if module.get_parameter(name) is not first:
+                owner, _, attr = name.rpartition(".")
+                setattr(module.get_submodule(owner), attr, first)
 
 
 def offload_fsdp_model_to_cpu(model: nn.Module, empty_device_cache: bool = True) -> None:

@@ -130,15 +130,20 @@ class _FSDPModel:
     """
 
     def __init__(self, model_cfg: DictConfig, fsdp_cfg, for_training: bool, value_head: bool = False):
-        from verl.utils.fsdp_utils import apply_fsdp2
+        from verl.utils.fsdp_utils import apply_fsdp2, load_full_state_from_rank0
         from verl.utils.lora import apply_lora, lora_enabled
         from verl.utils.model import enable_gradient_checkpointing, load_causal_lm, load_valuehead_model
 
+        # Only rank 0 reads the checkpoint; the other ranks start on the meta device and get its
+        # weights by broadcast once wrapped (`load_full_state_from_rank0`).
+        from_rank0 = dist.is_initialized() and dist.get_world_size() > 1
+        on_meta = from_rank0 and dist.get_rank() > 0
         loader = load_valuehead_model if value_head else load_causal_lm
         self.module = loader(
             model_cfg.path,
             trust_remote_code=model_cfg.get("trust_remote_code", False),
             override_config=_plain(model_cfg.get("override_config")),
+            meta_device=on_meta,
         )
         if for_training and model_cfg.get("enable_gradient_checkpointing", False):
             enable_gradient_checkpointing(self.module)
@@ -147,13 +152,19 @@ class _FSDPModel:
         self.lora = for_training and not value_head and lora_enabled(model_cfg)
         if self.lora:
             self.module = apply_lora(self.module, model_cfg)
+        full_state = self.module.state_dict() if from_rank0 and not on_meta else None
         if _trains_as_plain_replicas(fsdp_cfg, self.module):
-            from verl.utils.device import get_device
             from verl.workers.dp_training import replicate_over_ranks
 
-            self.module = replicate_over_ranks(self.module.to(get_device()))
+            self.module = replicate_over_ranks(self.module if on_meta else self.module.to(dev.get_device()))
+            device = dev.get_device()
         else:
-            self.module = apply_fsdp2(self.module, _auto_replicate(fsdp_cfg, self.module))
+            fsdp = _auto_replicate(fsdp_cfg, self.module)
+            self.module = apply_fsdp2(self.module, fsdp)
+            device = "cpu" if _plain(fsdp).get("offload_policy", False) else dev.get_device()
+        if from_rank0:
+            load_full_state_from_rank0(self.module, full_state, device)
+            del full_state
         self.optimizer = None
         fsdp = _plain(fsdp_cfg)
         self.param_offload = bool(fsdp.get("param_offload", False))
