@@ -159,9 +159,10 @@ class _FSDPModel:
             self.module = replicate_over_ranks(self.module if on_meta else self.module.to(dev.get_device()))
             device = dev.get_device()
         else:
-            fsdp = _auto_replicate(fsdp_cfg, self.module)
-            self.module = apply_fsdp2(self.module, fsdp)
-            device = "cpu" if _plain(fsdp).get("offload_policy", False) else dev.get_device()
+            sharding = _auto_replicate(fsdp_cfg, self.module)
+            self.module = apply_fsdp2(self.module, sharding)
+            # FSDP2's CPU offload keeps the shards on the host
+            device = "cpu" if _plain(sharding).get("offload_policy", False) else dev.get_device()
         if from_rank0:
             load_full_state_from_rank0(self.module, full_state, device)
             del full_state
