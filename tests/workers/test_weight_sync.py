@@ -232,7 +232,7 @@ def _case_nccl_send_never_makes_the_trainers_stream_wait() -> dict:
     equal = torch.equal(sent, torch.cat([t.reshape(-1) for _, t in tensors]))
     return {
         "baseline_step_s": baseline,
-        "during_step_s": statistics.median(during),
+        "during_step_s": statistics.median(during) if during else None,
         "steps_during": len(during),
         "send_async_returned_s": returned_s,
         "pending_while_measured": pending,
@@ -247,6 +247,7 @@ def test_an_nccl_send_pending_on_the_gpu_never_slows_the_trainers_gemm_steps():
     r = _run_gpu_case("_case_nccl_send_never_makes_the_trainers_stream_wait")
     assert r["pending_while_measured"], f"the send finished before the steps were measured, nothing was tested: {r}"
     assert r["send_async_returned_s"] < 0.1, r
+    assert r["steps_during"] >= 10, f"the trainer's thread hardly ran while the send was pending: {r}"
     assert r["during_step_s"] < 1.3 * r["baseline_step_s"], (
         f"GEMM step {r['during_step_s'] * 1e3:.2f} ms while a send was pending vs "
         f"{r['baseline_step_s'] * 1e3:.2f} ms before: the trainer's stream waited for the broadcast; {r}"
@@ -263,6 +264,7 @@ def _case_nccl_broadcast_past_the_deadline() -> dict:
     buckets = sender.pack(_cuda_tensors(device))
     with torch.cuda.stream(sender.stream):
         torch.cuda._sleep(int(4.0 * _sleep_cycles_per_second()))  # the broadcast cannot finish within 1 s
+    # (aborting the communicator may itself wait for the held stream: its teardown frees device memory)
     start = time.perf_counter()
     try:
         sender.send(1, buckets)
@@ -281,7 +283,9 @@ def test_an_nccl_broadcast_past_the_deadline_raises_weight_sync_timeout_error_no
     r = _run_gpu_case("_case_nccl_broadcast_past_the_deadline")
     assert r["error"] is not None, f"no WeightSyncTimeoutError although the broadcast could not finish: {r}"
     assert "broadcasting bucket 0 of weight version 1" in r["error"] and "within 1 s" in r["error"], r
-    assert 0.9 < r["elapsed_s"] < 3.0, r
+    # our own deadline fired (no backend error quoted as the cause), long before NCCL's watchdog (121 s)
+    assert "dropped out. Check" in r["error"], r
+    assert 0.9 < r["elapsed_s"] < 10.0, r
 
 
 def _case_delayed_receiver_over_gloo() -> dict:
@@ -314,7 +318,8 @@ def _case_delayed_receiver_over_gloo() -> dict:
     )
     return {
         "baseline_step_s": baseline,
-        "during_step_s": statistics.median(during),
+        "during_step_s": statistics.median(during) if during else None,
+        "steps_during": len(during),
         "pack_and_send_async_s": packed_s,
         "bit_equal": equal,
     }
@@ -325,6 +330,7 @@ def test_with_the_receiver_delayed_the_senders_gemm_steps_keep_their_pace_and_th
     r = _run_gpu_case("_case_delayed_receiver_over_gloo")
     assert r["bit_equal"], r
     assert r["pack_and_send_async_s"] < 1.0, r
+    assert r["steps_during"] >= 10, f"the trainer's thread hardly ran while the receiver was delayed: {r}"
     assert r["during_step_s"] < 1.3 * r["baseline_step_s"], (
         f"GEMM step {r['during_step_s'] * 1e3:.2f} ms while the receiver was delayed vs "
         f"{r['baseline_step_s'] * 1e3:.2f} ms before; {r}"
