@@ -182,6 +182,28 @@ def synchronize() -> None:
         torch.cuda.synchronize()
 
 
+def new_stream(device: torch.device):
+    """A fresh stream on accelerator `device` (one the default stream never implicitly waits for);
+    None on CPU, where work is not queued."""
+    if torch.device(device).type != _CUDA:
+        return None
+    return torch.cuda.Stream(device=device)
+
+
+def stream_wait_current(stream) -> None:
+    """Make `stream` wait for the work queued so far on this thread's current stream of its device
+    (a no-op for None)."""
+    if stream is not None:
+        stream.wait_stream(torch.cuda.current_stream(stream.device))
+
+
+def on_stream(stream):
+    """Context in which this thread queues its accelerator work on `stream` (nothing for None)."""
+    import contextlib
+
+    return torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()
+
+
 def empty_cache() -> None:
     if is_cuda_available():
         torch.cuda.empty_cache()

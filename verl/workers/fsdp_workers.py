@@ -145,15 +145,20 @@ class _FSDPModel:
     """
 
     def __init__(self, model_cfg: DictConfig, fsdp_cfg, for_training: bool, value_head: bool = False):
-        from verl.utils.fsdp_utils import apply_fsdp2
+        from verl.utils.fsdp_utils import apply_fsdp2, load_full_state_from_rank0
         from verl.utils.lora import apply_lora, lora_enabled
         from verl.utils.model import enable_gradient_checkpointing, load_causal_lm, load_valuehead_model
 
+        # Only rank 0 reads the checkpoint; the other ranks start on the meta device and get its
+        # weights by broadcast once wrapped (`load_full_state_from_rank0`).
+        from_rank0 = dist.is_initialized() and dist.get_world_size() > 1
+        on_meta = from_rank0 and dist.get_rank() > 0
         loader = load_valuehead_model if value_head else load_causal_lm
         self.module = loader(
             model_cfg.path,
             trust_remote_code=model_cfg.get("trust_remote_code", False),
             override_config=_plain(model_cfg.get("override_config")),
+            meta_device=on_meta,
         )
         if for_training and model_cfg.get("enable_gradient_checkpointing", False):
             enable_gradient_checkpointing(self.module)
@@ -162,13 +167,20 @@ class _FSDPModel:
         self.lora = for_training and not value_head and lora_enabled(model_cfg)
         if self.lora:
             self.module = apply_lora(self.module, model_cfg)
+        full_state = self.module.state_dict() if from_rank0 and not on_meta else None
         if _trains_as_plain_replicas(fsdp_cfg, self.module):
-            from verl.utils.device import get_device
             from verl.workers.dp_training import replicate_over_ranks
 
-            self.module = replicate_over_ranks(self.module.to(get_device()))
+            self.module = replicate_over_ranks(self.module if on_meta else self.module.to(dev.get_device()))
+            device = dev.get_device()
         else:
-            self.module = apply_fsdp2(self.module, _auto_replicate(fsdp_cfg, self.module))
+            sharding = _auto_replicate(fsdp_cfg, self.module)
+            self.module = apply_fsdp2(self.module, sharding)
+            # FSDP2's CPU offload keeps the shards on the host
+            device = "cpu" if _plain(sharding).get("offload_policy", False) else dev.get_device()
+        if from_rank0:
+            load_full_state_from_rank0(self.module, full_state, device)
+            del full_state
         self.optimizer = None
         fsdp = _plain(fsdp_cfg)
         self.param_offload = bool(fsdp.get("param_offload", False))
@@ -203,19 +215,51 @@ class _FSDPModel:
         """The HF config of the model."""
         return getattr(self.module, "config", None)
 
-    def hf_params(self):
-        """`(hf_name, full_tensor)` pairs, streamed (collective): with LoRA, the merged weights."""
+    def hf_params(self, dtype: torch.dtype | None = None):
+        """`(hf_name, full_tensor)` pairs, streamed (collective): with LoRA, the merged weights.
+        `dtype` (the rollout's) casts floating-point tensors: each shard before its all-gather, or,
+        with LoRA, each merged weight (the merge itself runs in at least float32)."""
         from verl.utils.fsdp_utils import iter_full_params
 
         if not self.lora:
-            return iter_full_params(self.module)
+            return iter_full_params(self.module, dtype=dtype)
         from verl.utils.lora import lora_scalings, merge_lora_state
 
-        return merge_lora_state(iter_full_params(self.module), lora_scalings(self.module))
+        merged = merge_lora_state(iter_full_params(self.module), lora_scalings(self.module))
+        return merged if dtype is None else _cast_floating(merged, dtype)
 
     def adapters_disabled(self):
         """Context in which the model computes as its base model (LoRA adapters off); a no-op without LoRA."""
         return self.module.disable_adapter() if self.lora else contextlib.nullcontext()
+
+
+def _cast_floating(named_tensors, dtype: torch.dtype):
+    for name, tensor in named_tensors:
+        yield name, tensor.to(dtype) if tensor.is_floating_point() else tensor
+
+
+def rollout_dtype(rollout_cfg) -> torch.dtype:
+    """The dtype the rollout engine holds its weights in (`rollout.dtype`; auto: bf16 on an
+    accelerator, fp32 on CPU): what weight sync casts to before gathering and sending."""
+    from verl.workers.rollout.native.engine import resolve_dtype
+
+    return resolve_dtype(rollout_cfg.get("dtype", "auto"), dev.get_device())
+
+
+def sync_rollout_weights(model, rollout, dtype: torch.dtype) -> None:
+    """The hybrid engine's weight sync: the trained model's full weights, cast to the rollout's
+    `dtype` shard by shard, streamed into `rollout` (woken up first). Every rank calls it (the
+    gathers are collectives); a rank without an engine (`rollout` None) only takes part in them.
+    `model` is the actor's model holder (`_FSDPModel`, or another backend's with `on_device` and
+    `hf_params(dtype)`)."""
+    with model.on_device():
+        params = model.hf_params(dtype)
+        if rollout is None:
+            for _ in params:
+                pass
+        else:
+            rollout.wake_up()
+            rollout.update_weights(params)
 
 
 # Below this many parameters `fsdp_size=-1` replicates the model (fsdp_size=1) instead of sharding
@@ -413,14 +457,7 @@ class ActorRolloutRefWorker(Worker):
         metrics = {}
         if self.actor is not None:
             start = time.perf_counter()
-            with self.actor_model.on_device():
-                params = self.actor_model.hf_params()
-                if rollout is None:
-                    for _ in params:
-                        pass
-                else:
-                    rollout.wake_up()
-                    rollout.update_weights(params)
+            sync_rollout_weights(self.actor_model, rollout, rollout_dtype(self.config.rollout))
             metrics["timing_s/update_weights"] = time.perf_counter() - start
         if rollout is None:
             return DataProto()
@@ -475,7 +512,8 @@ class ActorRolloutRefWorker(Worker):
         self._need("actor", "send_weights")
         start = time.perf_counter()
         with self.actor_model.on_device():  # pack() copies the weights: the background send needs no params
-            params = self.actor_model.hf_params()
+            # cast to what the rollout engines hold before gathering: rank 0 keeps a bf16 copy, not fp32
+            params = self.actor_model.hf_params(rollout_dtype(self.config.rollout))
             if self._weight_sender is None:
                 for _ in params:  # the gathers are collectives: every rank iterates to the end
                     pass

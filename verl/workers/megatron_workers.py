@@ -46,7 +46,7 @@ from verl.single_controller.base.worker import dist_timeout_s
 from verl.utils import device as dev
 from verl.utils.optim import local_optimizer
 from verl.workers import fsdp_workers
-from verl.workers.fsdp_workers import _plain
+from verl.workers.fsdp_workers import _cast_floating, _plain
 
 _ACTOR_MESH = make_nd_compute_dataproto_dispatch_fn("actor")
 _CRITIC_MESH = make_nd_compute_dataproto_dispatch_fn("critic")
@@ -208,11 +208,13 @@ class _MegatronModel:
         """No LoRA on this backend: the model always computes as itself."""
         return contextlib.nullcontext()
 
-    def hf_params(self):
-        """`(hf_name, full_tensor)` pairs, streamed; a collective over the tensor and pipeline groups."""
+    def hf_params(self, dtype: torch.dtype | None = None):
+        """`(hf_name, full_tensor)` pairs, streamed; a collective over the tensor and pipeline groups.
+        `dtype` casts floating-point tensors once gathered."""
         from verl.models.mcore import mcore_to_hf_named_tensors
 
-        return mcore_to_hf_named_tensors(self.chunks, self.hf_config, value_head=self.value_head)
+        params = mcore_to_hf_named_tensors(self.chunks, self.hf_config, value_head=self.value_head)
+        return params if dtype is None else _cast_floating(params, dtype)
 
 
 class _OptimizedMegatronModel(_MegatronModel):
