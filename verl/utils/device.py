@@ -132,6 +132,11 @@ def free_memory_bytes(device: torch.device) -> tuple[int, int] | None:
     return free + cached, total
 
 
+def is_cuda_device(device: torch.device | str) -> bool:
+    """Whether `device` names a CUDA device (whether or not one is present here)."""
+    return torch.device(device).type == _CUDA
+
+
 def device_context(device: torch.device):
     """A context in which `device` is the current CUDA device (streams, graphs, memory pools and
     Triton launches are taken from the current device, which in a new thread is device 0); a no-op

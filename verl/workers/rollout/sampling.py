@@ -17,10 +17,11 @@ Pure tensor functions, no host synchronisation (so a CUDA decode loop never stal
   down to ~1e-10. The previous inverse-CDF sampler (fp32 cumsum over the vocabulary + searchsorted)
   could not reach a token of p < 3e-8 once the running sum passed 0.5 (it added less than half
   an ulp); with a 152k vocabulary that moved up to ~0.5% of the mass onto the wrong tokens.
-  Here the uniforms behind E are float64 on CPU (53-bit) and 32-bit counter-based (Philox) inside
-  the fused CUDA kernel, each mapped to E through `-log1p(-u)` at cell midpoints, so E is never 0
-  and its CDF is right down to 2^-32 (tokens above ~1e-9 are drawn at their rate; the mass of
-  tokens far below that is off by at most a fraction of it).
+  Here the uniforms behind E are float64 in the eager race (`exponential_race`, two levels: the
+  same distribution with far fewer random numbers) and 32-bit counter-based (Philox) inside the
+  fused CUDA kernel, mapped to E through `-log1p(-u)` at cell midpoints, so E is never 0 and its
+  CDF is right down to 2^-32 (tokens above ~1e-9 are drawn at their rate; the mass of tokens far
+  below that is off by at most a fraction of it).
 - On CUDA one Triton kernel (`fused_sampling`) does temperature, the race, the filter threshold
   and the log-prob in a single pass over the logits, reading them once in their own dtype and
   drawing its random numbers in registers: the eager version (fp32 cast, softmax, cumsum,
@@ -106,20 +107,43 @@ def filter_logits(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tenso
     return logits.masked_fill(logits < threshold[:, None], float("-inf"))
 
 
+RACE_BLOCK = 256  # tokens per block of the two-level race
+
+
 def exponential_race(
     scaled: torch.Tensor, threshold: torch.Tensor | None, generator: torch.Generator | None = None
 ) -> torch.Tensor:
     """One token per row of the tempered logits `scaled` [B, V], drawn with probability
     softmax(scaled) restricted to `scaled >= threshold[:, None]` (all tokens when None).
 
-    The reference implementation: float64 uniforms u, E = -log1p(-u) ~ Exp(1) (exact near 0, where
-    the race is decided for unlikely tokens), argmax of scaled - log E. Costs B*V random numbers;
-    the CUDA path runs the same race fused in one kernel (`fused_sampling`)."""
-    score = torch.rand(scaled.shape, dtype=torch.float64, device=scaled.device, generator=generator)
-    score.neg_().log1p_().neg_().log_().neg_().add_(scaled)  # scaled - log(E)
+    The eager implementation (CPU, and CUDA without triton) races in two levels: blocks of
+    `RACE_BLOCK` tokens race with their total weight, then the tokens of the winning block race.
+    The minimum of independent exponential clocks is exponential with the summed rate, so this
+    draws exactly the distribution of the flat race, with V/256 + 256 random numbers per row
+    instead of V (CPU random fills are slow). Weights are exp(logit - max) in fp32 (tokens down to
+    1e-38 of the top one keep their relative precision), clocks come from float64 uniforms."""
+    B, V = scaled.shape
     if threshold is not None:
-        score.masked_fill_(scaled < threshold[:, None], float("-inf"))
-    return score.argmax(dim=-1)
+        scaled = scaled.masked_fill(scaled < threshold[:, None], float("-inf"))
+    weights = torch.sub(scaled, scaled.amax(dim=-1, keepdim=True)).exp_()  # 0 for removed tokens
+    full = V // RACE_BLOCK * RACE_BLOCK
+    block_weights = weights[:, :full].view(B, -1, RACE_BLOCK).sum(dim=-1)
+    if full < V:
+        block_weights = torch.cat((block_weights, weights[:, full:].sum(dim=-1, keepdim=True)), dim=1)
+    block = _race(block_weights.double(), generator)
+    columns = block[:, None] * RACE_BLOCK + torch.arange(RACE_BLOCK, device=scaled.device)
+    inner = weights.gather(1, columns.clamp(max=V - 1)).masked_fill_(columns >= V, 0.0)
+    return block * RACE_BLOCK + _race(inner.double(), generator)
+
+
+def _race(weights: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
+    """argmax_i weights_i / E_i over the last dim of float64 `weights`, E_i ~ Exp(1) independent.
+
+    E = -log1p(-u) with u a float64 uniform: exact for small E, where an unlikely entry wins
+    (u = 0, probability 2^-53, is clamped so a zero weight never scores NaN)."""
+    clocks = torch.rand(weights.shape, dtype=torch.float64, device=weights.device, generator=generator)
+    clocks.neg_().log1p_().neg_().clamp_(min=torch.finfo(torch.float64).tiny)
+    return (weights / clocks).argmax(dim=-1)
 
 
 def _use_fused_kernel(logits: torch.Tensor) -> bool:
