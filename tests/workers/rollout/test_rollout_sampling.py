@@ -195,9 +195,11 @@ def test_fused_race_follows_the_tempered_filtered_distribution_with_exact_logpro
     from verl.workers.rollout.fused_sampling import fused_select
 
     logits = torch.tensor([2.0, 1.0, 0.5, 0.0, -1.0, 3.0, -2.0, 0.2, 1.5, -0.5])
-    temperature, top_k = 0.8, 4
-    threshold = filter_threshold(logits[None] / temperature, top_k, 1.0)
-    expected = (logits / temperature).masked_fill(logits / temperature < threshold, float("-inf")).softmax(-1)
+    temperature, top_k = 0.7, 4
+    scaled = logits * (1.0 / temperature)  # how the kernel tempers (and `select_tokens` thresholds)
+    threshold = filter_threshold(scaled[None], top_k, 1.0)
+    expected = scaled.masked_fill(scaled < threshold, float("-inf")).softmax(-1)
+    assert (expected > 0).sum() == top_k
     n = 1500 if device.type == "cpu" else 400_000  # the interpreter runs one row at a time
     gen = torch.Generator(device=device).manual_seed(11)
     tokens, logprobs = fused_select(
@@ -219,3 +221,24 @@ def test_fused_race_follows_the_tempered_filtered_distribution_with_exact_logpro
         torch.Generator(device=device).manual_seed(11),
     )
     assert torch.equal(again, tokens)
+
+
+@pytest.mark.gpu
+def test_fused_race_draws_a_152k_vocabulary_tail_of_tokens_below_1e8_at_its_rate():
+    """The GPU review's check: a 152k vocabulary whose 1e-3 tail mass is made of tokens below 1e-8,
+    drawn 400k times through `select_tokens` (the fused kernel on CUDA)."""
+    device = get_device()
+    vocab = 151936
+    logits = torch.full((vocab,), math.log(1e-3 / (vocab - 1)), device=device)
+    logits[0] = math.log(1 - 1e-3)
+    probs = logits.double().softmax(-1)
+    tail = probs[1:].sum().item()
+    assert probs[1:].max() < 1e-8
+    gen = torch.Generator(device=device).manual_seed(12)
+    n, chunk, hits = 400_000, 50_000, 0
+    for _ in range(n // chunk):
+        tokens, _ = select_tokens(logits.expand(chunk, -1), SamplingParams(), generator=gen)
+        hits += int((tokens > 0).sum())
+    expected, sigma = n * tail, math.sqrt(n * tail * (1 - tail))
+    print(f"tail drawn {hits} times of {n}, expected {expected:.1f} +- {sigma:.1f}")
+    assert abs(hits - expected) <= 3 * sigma, f"tail drawn {hits} times, expected {expected:.1f} +- {3 * sigma:.1f}"

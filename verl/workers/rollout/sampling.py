@@ -177,7 +177,9 @@ def select_tokens(
 
         threshold = None
         if params.do_sample and params.filters:
-            threshold = filter_threshold(_tempered(logits.float(), temperature), params.top_k, params.top_p)
+            # the kernel tempers by multiplying with 1/T: the same product here, so the k-th token
+            # sits exactly at the threshold and survives
+            threshold = filter_threshold(logits.float() * (1.0 / temperature), params.top_k, params.top_p)
         return fused_select(logits, temperature, params.do_sample, threshold, want_logprobs, generator)
 
     scaled = _tempered(logits.float(), temperature)

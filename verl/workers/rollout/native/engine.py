@@ -90,6 +90,10 @@ class GenerationOutput(NamedTuple):
     paused_at: int | None = None
 
 
+# what the estimates leave out: library workspaces (cuBLAS), the CUDA-graph pool, allocator rounding
+_MARGIN_BYTES = 256 * 2**20
+
+
 def kv_cache_rows(
     free_bytes: int,
     total_bytes: int,
@@ -291,7 +295,7 @@ class GenerationEngine:
             return None
         free, total = memory
         reclaimable = decoder.cache_bytes() + (self.graphs.static_bytes() if self.graphs is not None else 0)
-        workspace = decoder.prefill_bytes(min(batch, decoder.prefill_rows(prompt_len)), prompt_len)
+        workspace = decoder.prefill_bytes(min(batch, decoder.prefill_rows(prompt_len)), prompt_len) + _MARGIN_BYTES
         return kv_cache_rows(
             free + reclaimable,
             total,
