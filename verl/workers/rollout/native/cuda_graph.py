@@ -18,7 +18,11 @@ Memory: every graph writes its logits into one static [cache rows, vocab] buffer
 after a capture none of its intermediates stay alive and the next graph reuses the same blocks of
 the shared pool. (When each graph returned its own logits tensor, a long response with
 `kv_block=128` kept dozens of [bucket, vocab] tensors alive: ~78 MB each at batch 256 and a 152k
-vocabulary.) The returned logits are a view of that buffer, valid until the next `run`.
+vocabulary.) The returned logits are a view of that buffer, valid until the next `run`. The first
+capture after a reset is preceded by the graph for the whole cache (all its rows, every column):
+its intermediates are the largest any graph needs, so later graphs carve theirs out of the same
+pool blocks instead of adding blocks for each longer KV bucket (the attention scores grow with
+it). That costs one capture per cache that a batch finishing early never replays.
 
 Captures are counted and timed (`num_captures`, `capture_s`, never reset): sleep frees the KV
 cache and weights, so in the hybrid engine every RL step recaptures the graphs it uses (2 eager
@@ -107,6 +111,10 @@ class DecodeGraphRunner:
             self._step.fill_(step)
             key = (rows, kv_bucket)
             if key not in self._graphs:
+                largest = (self.graph_batch(cap_batch), cap_len)
+                if not self._graphs and key != largest:
+                    # the largest graph first: every later one fits in the pool blocks it leaves
+                    self._graphs[largest] = self._capture(*largest)
                 self._graphs[key] = self._capture(rows, kv_bucket)
             self._graphs[key].replay()
             return self._logits[:batch]

@@ -595,7 +595,9 @@ class LlamaDecoder:
                 ).view(B, H * D)
             else:
                 scores = self._scores(qk[:, :H].reshape(B * KV, G, D), keys.reshape(B * KV, kv_len, D))
-                probs = (scores.view(B, KV, G, kv_len) * scale + bias).softmax(dim=-1).to(self.dtype)
+                # in place: one fewer [B, heads, kv_len] fp32 temporary in the CUDA-graph pool
+                scores = scores.view(B, KV, G, kv_len).mul_(scale).add_(bias)
+                probs = scores.softmax(dim=-1).to(self.dtype)
                 o = torch.matmul(probs, values).view(B, H * D)
             x = x + F.linear(o, o_w, o_b) if o_b is not None else torch.addmm(x, o, o_t)
             gate_up = self._norm(x, ln2) @ gate_up_t
