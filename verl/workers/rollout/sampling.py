@@ -37,6 +37,7 @@ Pure tensor functions, no host synchronisation (so a CUDA decode loop never stal
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import logging
 from dataclasses import dataclass
@@ -147,16 +148,17 @@ def _race(weights: torch.Tensor, generator: torch.Generator | None) -> torch.Ten
 
 
 def _use_fused_kernel(logits: torch.Tensor) -> bool:
-    if not logits.is_cuda:
-        return False
+    return logits.is_cuda and _triton_available()
+
+
+@functools.cache
+def _triton_available() -> bool:
     if importlib.util.find_spec("triton") is not None:
         return True
-    if not getattr(_use_fused_kernel, "warned", False):
-        _use_fused_kernel.warned = True
-        logger.warning(
-            "triton is not importable: the rollout samples with the eager exponential race, which reads the "
-            "logits several times per step (install the triton that matches your torch build)"
-        )
+    logger.warning(
+        "triton is not importable: the rollout samples with the eager exponential race, which reads the "
+        "logits several times per step (install the triton that matches your torch build)"
+    )
     return False
 
 
