@@ -10,24 +10,25 @@ Pure tensor functions, no host synchronisation (so a CUDA decode loop never stal
   (`filter_threshold`): a token survives when its tempered logit is at least the threshold. Unlike
   transformers, tokens tied with the smallest survivor of top-p all survive (its sort may split
   exact ties arbitrarily).
-- Sampling is an exponential race: with E_i ~ Exp(1) independent, `argmax_i p_i / E_i` is token
-  i with probability exactly p_i, computed as `argmax_i (logit_i / T - log E_i)` (no softmax, no
-  normalisation). What makes it exact for tiny probabilities is the resolution of E near 0: token i
-  wins when E_i is below about p_i / p_max, so a token of probability 1e-9 needs E drawn finely
-  down to ~1e-10. The previous inverse-CDF sampler (fp32 cumsum over the vocabulary + searchsorted)
-  could not reach a token of p < 3e-8 once the running sum passed 0.5 (it added less than half
-  an ulp); with a 152k vocabulary that moved up to ~0.5% of the mass onto the wrong tokens.
-  Here the uniforms behind E are float64 in the eager race (`exponential_race`, two levels: the
-  same distribution with far fewer random numbers) and 32-bit counter-based (Philox) inside the
-  fused CUDA kernel, mapped to E through `-log1p(-u)` at cell midpoints, so E is never 0 and its
-  CDF is right down to 2^-32 (tokens above ~1e-9 are drawn at their rate; the mass of tokens far
-  below that is off by at most a fraction of it).
-- On CUDA one Triton kernel (`fused_sampling`) does temperature, the race, the filter threshold
-  and the log-prob in a single pass over the logits, reading them once in their own dtype and
-  drawing its random numbers in registers: the eager version (fp32 cast, softmax, cumsum,
-  log-softmax) moved ~1 GB per decode step at batch 256 and a 152k vocabulary, about half a
-  decode step. The kernel takes its Philox seed from `generator` (or the default generator), so a
-  seeded generator reproduces the same tokens.
+- The fp32 inverse-CDF sampler this replaces (fp32 cumsum over the vocabulary + searchsorted)
+  could not reach a token of p < 3e-8 once the running sum passed 0.5 (it added less than half an
+  ulp); with a 152k vocabulary that moved up to ~0.5% of the mass onto the wrong tokens. Two exact
+  samplers replace it, one per kind of device:
+  - CUDA (`fused_sampling`): an exponential race, `argmax_i p_i / E_i` with E_i ~ Exp(1), which is
+    token i with probability exactly p_i, computed as `argmax_i (logit_i / T - log E_i)` (no
+    softmax, no scan). One Triton kernel does temperature, the race, the filter threshold and the
+    log-prob in a single pass over the logits, reading them once in their own dtype and drawing
+    its random numbers in registers: the eager sampler (fp32 cast, softmax, cumsum, log-softmax)
+    moved ~1 GB per decode step at batch 256 and a 152k vocabulary, about half a decode step. The
+    race is decided for an unlikely token i when E_i is below about p_i / p_max, so E must be
+    resolved finely near 0: the kernel maps 32-bit Philox words u to E = -log1p(-u) at cell
+    midpoints (never 0), right down to 2^-32 (tokens above ~1e-9 are drawn at their rate; the
+    mass of tokens far below that is off by at most a fraction of it). Its Philox seed comes from
+    `generator` (or the default generator), so a seeded generator reproduces the tokens.
+  - CPU (and CUDA without triton): the inverse CDF in float64 (`sample_from_cdf`), exact to ~1e-16.
+    The race would need B*V random numbers where the CDF needs B, and CPU random fills are slow:
+    the race measured 3-4x slower than the whole float64 CDF path at batch 64-256 and vocabularies
+    of 263-4096 tokens.
 - The log-prob returned for a token is taken from the temperature-scaled distribution *before*
   top-k/top-p filtering: that is the distribution the trainer evaluates, and using the filtered
   one would make the importance ratio of the first PPO step differ from 1 for no reason. It is
@@ -108,43 +109,21 @@ def filter_logits(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tenso
     return logits.masked_fill(logits < threshold[:, None], float("-inf"))
 
 
-RACE_BLOCK = 256  # tokens per block of the two-level race
-
-
-def exponential_race(
+def sample_from_cdf(
     scaled: torch.Tensor, threshold: torch.Tensor | None, generator: torch.Generator | None = None
 ) -> torch.Tensor:
     """One token per row of the tempered logits `scaled` [B, V], drawn with probability
     softmax(scaled) restricted to `scaled >= threshold[:, None]` (all tokens when None).
 
-    The eager implementation (CPU, and CUDA without triton) races in two levels: blocks of
-    `RACE_BLOCK` tokens race with their total weight, then the tokens of the winning block race.
-    The minimum of independent exponential clocks is exponential with the summed rate, so this
-    draws exactly the distribution of the flat race, with V/256 + 256 random numbers per row
-    instead of V (CPU random fills are slow). Weights are exp(logit - max) in fp32 (tokens down to
-    1e-38 of the top one keep their relative precision), clocks come from float64 uniforms."""
-    B, V = scaled.shape
+    The eager sampler (CPU, and CUDA without triton): the inverse CDF summed in float64, one uniform
+    per row. The float64 sum is what makes it exact: it resolves tokens down to ~1e-16 of the mass (fp32 lost every token below 3e-8 once the sum passed 0.5). u lies in (0, total], so the
+    first index with cdf >= u has cdf[i-1] < u <= cdf[i]: a token of probability 0 is never drawn."""
     if threshold is not None:
         scaled = scaled.masked_fill(scaled < threshold[:, None], float("-inf"))
-    weights = torch.sub(scaled, scaled.amax(dim=-1, keepdim=True)).exp_()  # 0 for removed tokens
-    full = V // RACE_BLOCK * RACE_BLOCK
-    block_weights = weights[:, :full].view(B, -1, RACE_BLOCK).sum(dim=-1)
-    if full < V:
-        block_weights = torch.cat((block_weights, weights[:, full:].sum(dim=-1, keepdim=True)), dim=1)
-    block = _race(block_weights.double(), generator)
-    columns = block[:, None] * RACE_BLOCK + torch.arange(RACE_BLOCK, device=scaled.device)
-    inner = weights.gather(1, columns.clamp(max=V - 1)).masked_fill_(columns >= V, 0.0)
-    return block * RACE_BLOCK + _race(inner.double(), generator)
-
-
-def _race(weights: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
-    """argmax_i weights_i / E_i over the last dim of float64 `weights`, E_i ~ Exp(1) independent.
-
-    E = -log1p(-u) with u a float64 uniform: exact for small E, where an unlikely entry wins
-    (u = 0, probability 2^-53, is clamped so a zero weight never scores NaN)."""
-    clocks = torch.rand(weights.shape, dtype=torch.float64, device=weights.device, generator=generator)
-    clocks.neg_().log1p_().neg_().clamp_(min=torch.finfo(torch.float64).tiny)
-    return (weights / clocks).argmax(dim=-1)
+    # fp32 probabilities (each exact to ~1e-7 relative), summed in float64
+    cdf = scaled.softmax(dim=-1).cumsum(dim=-1, dtype=torch.float64)
+    u = (1.0 - torch.rand(cdf.shape[0], 1, dtype=torch.float64, device=cdf.device, generator=generator)) * cdf[:, -1:]
+    return torch.searchsorted(cdf, u).squeeze(-1)
 
 
 def _use_fused_kernel(logits: torch.Tensor) -> bool:
@@ -186,7 +165,7 @@ def select_tokens(
 
     scaled = _tempered(logits.float(), temperature)
     if params.do_sample:
-        tokens = exponential_race(scaled, filter_threshold(scaled, params.top_k, params.top_p), generator)
+        tokens = sample_from_cdf(scaled, filter_threshold(scaled, params.top_k, params.top_p), generator)
     else:
         tokens = scaled.argmax(dim=-1)
     if not want_logprobs:
