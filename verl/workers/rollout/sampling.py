@@ -3,7 +3,8 @@
 Pure tensor functions, no host synchronisation (so a CUDA decode loop never stalls on them):
 
 - Temperature divides the logits (`logits / temperature`), exactly as the trainer does when it
-  recomputes log-probs, so `rollout_log_probs` and `old_log_probs` agree.
+  recomputes log-probs, so `rollout_log_probs` and `old_log_probs` agree (the fused kernel
+  multiplies by 1/T instead: at most one ulp apart, exact at T = 1).
 - Top-k then top-p filtering follow the semantics of transformers' warpers (the k-th largest
   logit and ties with it survive top-k; top-p drops the low tail whose cumulative probability is at
   most `1 - top_p` and always keeps the most likely token). Both reduce to one threshold per row
@@ -116,8 +117,9 @@ def sample_from_cdf(
     softmax(scaled) restricted to `scaled >= threshold[:, None]` (all tokens when None).
 
     The eager sampler (CPU, and CUDA without triton): the inverse CDF summed in float64, one uniform
-    per row. The float64 sum is what makes it exact: it resolves tokens down to ~1e-16 of the mass (fp32 lost every token below 3e-8 once the sum passed 0.5). u lies in (0, total], so the
-    first index with cdf >= u has cdf[i-1] < u <= cdf[i]: a token of probability 0 is never drawn."""
+    per row. The float64 sum is what makes it exact: it resolves tokens down to ~1e-16 of the mass
+    (fp32 lost every token below 3e-8 once the sum passed 0.5). u lies in (0, total], so the first
+    index with cdf >= u has cdf[i-1] < u <= cdf[i]: a token of probability 0 is never drawn."""
     if threshold is not None:
         scaled = scaled.masked_fill(scaled < threshold[:, None], float("-inf"))
     # fp32 probabilities (each exact to ~1e-7 relative), summed in float64
@@ -135,7 +137,7 @@ def _triton_available() -> bool:
     if importlib.util.find_spec("triton") is not None:
         return True
     logger.warning(
-        "triton is not importable: the rollout samples with the eager exponential race, which reads the "
+        "triton is not importable: the rollout samples with the eager float64 inverse CDF, which reads the "
         "logits several times per step (install the triton that matches your torch build)"
     )
     return False
