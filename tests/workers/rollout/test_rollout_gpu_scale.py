@@ -166,7 +166,8 @@ def test_greedy_decode_with_graphs_eager_and_transformers_agree(model_05b):
     gaps = _first_divergence_gaps(a.responses, b.responses, ref) + _first_divergence_gaps(a.responses, hf, ref)
     print(
         f"token match graphs/eager {match_eager:.3f}, graphs/transformers {match_hf:.3f}; fp32 logit gaps at "
-        f"divergences {[round(g, 3) for g in gaps]}; |log-prob - fp32| ours {ours_err:.4f}, transformers bf16 {hf_err:.4f}"
+        f"divergences {[round(g, 3) for g in gaps]}; |log-prob - fp32| ours {ours_err:.4f}, transformers bf16 "
+        f"{hf_err:.4f}; fp32 scores from bmm(out_dtype) (no fp32 copy of the keys): {graphed.decoder._bmm_out_dtype}"
     )
     assert match_eager >= 0.8 and match_hf >= 0.6, (match_eager, match_hf)
     assert all(g < 0.15 for g in gaps), f"a divergence at a token the fp32 reference does not consider tied: {gaps}"

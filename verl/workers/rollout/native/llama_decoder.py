@@ -180,12 +180,14 @@ def _bmm_writes_fp32(device: torch.device, dtype: torch.dtype) -> bool:
     (torch >= 2.8 on CUDA: the GEMM accumulates and writes fp32; CPU has no such kernel)."""
     if dtype == torch.float32:
         return False
-    a = torch.zeros(1, 1, 8, dtype=dtype, device=device)
+    # the decode step's layout: grouped queries against a transposed slice of a longer cache
+    q = torch.zeros(2, 3, 8, dtype=dtype, device=device)
+    keys = torch.zeros(2, 1, 16, 8, dtype=dtype, device=device)[:, :, :5].reshape(2, 5, 8)
     try:
-        torch.bmm(a, a.transpose(1, 2), out_dtype=torch.float32)
+        scores = torch.bmm(q, keys.transpose(1, 2), out_dtype=torch.float32)
     except (TypeError, RuntimeError, NotImplementedError):
         return False
-    return True
+    return scores.dtype == torch.float32 and scores.shape == (2, 3, 5)
 
 
 def canonical_name(name: str) -> str:
