@@ -23,6 +23,7 @@ runs them at about 1/15 of its bf16 rate.
 
 from __future__ import annotations
 
+import contextlib
 import os
 
 import torch
@@ -249,3 +250,30 @@ def has_fused_adamw(tensor: torch.Tensor) -> bool:
     """Whether torch's fused AdamW kernel runs on `tensor`: a floating-point tensor (or DTensor) on
     CPU or CUDA."""
     return tensor.is_floating_point() and tensor.device.type in ("cpu", "cuda")
+
+
+def free_memory_bytes(device: torch.device) -> tuple[int, int] | None:
+    """(free, total) bytes of `device` that new tensors of this process can use: the driver's free
+    memory plus what torch's caching allocator holds unused (reusable without the driver); None on
+    CPU, which has no such budget."""
+    device = torch.device(device)
+    if device.type != _CUDA:
+        return None
+    free, total = torch.cuda.mem_get_info(device)
+    cached = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+    return free + cached, total
+
+
+def is_cuda_device(device: torch.device | str) -> bool:
+    """Whether `device` names a CUDA device (whether or not one is present here)."""
+    return torch.device(device).type == _CUDA
+
+
+def device_context(device: torch.device):
+    """A context in which `device` is the current CUDA device (streams, graphs, memory pools and
+    Triton launches are taken from the current device, which in a new thread is device 0); a no-op
+    for other devices."""
+    device = torch.device(device)
+    if device.type == _CUDA:
+        return torch.cuda.device(device)
+    return contextlib.nullcontext()
