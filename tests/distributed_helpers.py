@@ -7,6 +7,7 @@ against references computed another way, so tolerances can be tight.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 import traceback
@@ -17,6 +18,22 @@ import torch.multiprocessing as mp
 
 VOCAB = 40
 PAD = 0
+
+
+@contextlib.contextmanager
+def device_preference(name: str):
+    """Run a block with verl's device forced to `name` (`VERL_DEVICE`, read on every device query):
+    an fp32 CPU reference beside a GPU run in the same process, where `auto` would pick CUDA and
+    move the reference's batches there."""
+    previous = os.environ.get("VERL_DEVICE")
+    os.environ["VERL_DEVICE"] = name
+    try:
+        yield
+    finally:
+        if previous is None:
+            os.environ.pop("VERL_DEVICE", None)
+        else:
+            os.environ["VERL_DEVICE"] = previous
 
 
 @pytest.fixture(autouse=False)

@@ -12,7 +12,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from tests.distributed_helpers import make_ppo_batch
+from tests.distributed_helpers import device_preference, make_ppo_batch
 from verl.models import bundled_model_path
 from verl.protocol import DataProto
 from verl.trainer.config import load_ppo_config
@@ -133,7 +133,8 @@ def test_bf16_megatron_update_on_gpu_moves_weights_like_the_fp32_cpu_update(one_
     )
     data = _update_batch()
     worker.update_actor(data)
-    ref_actor.update_policy(_update_batch())
+    with device_preference("cpu"):  # the reference stays on the CPU although CUDA is there
+        ref_actor.update_policy(_update_batch())
 
     after = {
         name: t.detach().float().cpu() for name, t in mcore_to_hf_named_tensors(chunks, worker.actor_model.hf_config)
@@ -155,7 +156,8 @@ def test_bf16_megatron_update_on_gpu_moves_weights_like_the_fp32_cpu_update(one_
     gpu_lp, _ = worker.actor.compute_log_prob(scored)
     scored = _update_batch()
     scored.meta_info.update(meta)
-    cpu_lp, _ = ref_actor.compute_log_prob(scored)
+    with device_preference("cpu"):
+        cpu_lp, _ = ref_actor.compute_log_prob(scored)
     mask = scored.batch["response_mask"].bool()
     diff = (gpu_lp.float().cpu() - cpu_lp.float())[mask].abs()
     assert float(diff.max()) <= 0.1 and float(diff.mean()) <= 0.02, (

@@ -198,6 +198,16 @@ def stream_wait_current(stream) -> None:
         stream.wait_stream(torch.cuda.current_stream(stream.device))
 
 
+def queued_work_done(device: torch.device | str) -> bool:
+    """Whether everything this thread queued on its current stream of `device` has run (True on
+    CPU, where nothing is queued). Polling this instead of synchronising lets a host thread give up
+    at a deadline."""
+    device = torch.device(device)
+    if device.type != _CUDA:
+        return True
+    return torch.cuda.current_stream(device).query()
+
+
 def on_stream(stream):
     """Context in which this thread queues its accelerator work on `stream` (nothing for None)."""
     import contextlib

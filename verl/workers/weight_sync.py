@@ -166,6 +166,14 @@ class _Endpoint:
                     raise self._timeout_error(what)
                 time.sleep(_POLL_S)
             work.wait()  # re-raises a failed collective's error (gloo); orders the current stream after it (NCCL)
+            # NCCL can report the work complete while the broadcast still waits behind work queued
+            # earlier on this stream (seen on the H100 with a one-rank group): the stream itself says
+            # when the bytes are there, and is polled against the same deadline.
+            while not dev.queued_work_done(flat.device):
+                if time.monotonic() > deadline:
+                    self._abort()
+                    raise self._timeout_error(what)
+                time.sleep(_POLL_S)
         except WeightSyncError:
             raise
         except Exception as exc:

@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from tests.distributed_helpers import free_port, make_ppo_batch, make_tiny_causal_lm
+from tests.distributed_helpers import device_preference, free_port, make_ppo_batch, make_tiny_causal_lm
 from verl.protocol import DataProto
 
 pytestmark = pytest.mark.gpu
@@ -193,14 +193,16 @@ def test_bf16_fsdp2_update_at_lr_1e6_moves_weights_like_the_fp32_cpu_update(worl
     assert {p.dtype for p in gpu_model.parameters()} == {torch.float32}, "FSDP2 must keep fp32 master weights"
 
     meta = {"temperature": 1.0, "micro_batch_size": 4}
-    old_log_probs, _ = cpu_actor.compute_log_prob(DataProto.from_dict(tensors=dict(td.items()), meta_info=meta))
+    with device_preference("cpu"):  # the reference stays on the CPU although CUDA is there
+        old_log_probs, _ = cpu_actor.compute_log_prob(DataProto.from_dict(tensors=dict(td.items()), meta_info=meta))
     g = torch.Generator().manual_seed(1)
     tensors = {
         **dict(td.items()),
         "old_log_probs": old_log_probs,
         "advantages": torch.randn(td["responses"].shape, generator=g) * td["response_mask"],
     }
-    cpu_actor.update_policy(DataProto.from_dict(tensors=tensors, meta_info={"temperature": 1.0}))
+    with device_preference("cpu"):
+        cpu_actor.update_policy(DataProto.from_dict(tensors=tensors, meta_info={"temperature": 1.0}))
     gpu_actor.update_policy(DataProto.from_dict(tensors=tensors, meta_info={"temperature": 1.0}))
 
     gpu_weights = {name: t.detach().float().cpu() for name, t in fsdp_utils.iter_full_params(gpu_model)}
@@ -216,7 +218,8 @@ def test_bf16_fsdp2_update_at_lr_1e6_moves_weights_like_the_fp32_cpu_update(worl
     assert sure > 0 and agree / sure >= 0.9, f"the bf16 step's direction agrees on {agree}/{sure} weights"
 
     after = DataProto.from_dict(tensors=dict(td.items()), meta_info=meta)
-    cpu_lp, _ = cpu_actor.compute_log_prob(after)
+    with device_preference("cpu"):
+        cpu_lp, _ = cpu_actor.compute_log_prob(after)
     gpu_lp, _ = gpu_actor.compute_log_prob(DataProto.from_dict(tensors=dict(td.items()), meta_info=meta))
     mask = td["response_mask"].bool()
     diff = (gpu_lp.float().cpu() - cpu_lp.float())[mask].abs()

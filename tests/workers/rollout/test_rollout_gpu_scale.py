@@ -169,7 +169,14 @@ def test_greedy_decode_with_graphs_eager_and_transformers_agree(model_05b):
         f"divergences {[round(g, 3) for g in gaps]}; |log-prob - fp32| ours {ours_err:.4f}, transformers bf16 "
         f"{hf_err:.4f}; fp32 scores from bmm(out_dtype) (no fp32 copy of the keys): {graphed.decoder._bmm_out_dtype}"
     )
-    assert match_eager >= 0.8 and match_hf >= 0.6, (match_eager, match_hf)
+    # With random weights the logits are nearly flat, so near ties are everywhere and one row's tokens
+    # all differ after its first tie: the H100 run of 2026-11-26 matched transformers on 48% of the
+    # tokens, with every divergence at an fp32 gap below 0.035 and our log-prob error equal to
+    # transformers' own bf16 error (0.0084 both). So the rate against transformers is reported, not
+    # bounded; what is bounded is where rows may diverge (near ties only) and how far off the
+    # log-probs are. Graphs against eager run the same kernels on the same shapes but the bucketed
+    # KV window: they must agree almost everywhere.
+    assert match_eager >= 0.8, (match_eager, match_hf)
     assert all(g < 0.15 for g in gaps), f"a divergence at a token the fp32 reference does not consider tied: {gaps}"
     assert ours_err <= 1.5 * hf_err + 0.005, (ours_err, hf_err)
     _free(graphed, eager)
