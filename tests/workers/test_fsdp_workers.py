@@ -136,12 +136,11 @@ def test_actor_mfu_with_shared_prompts_is_at_most_operator_flops_over_synchronis
     the packed response pass pads the short group to the long one: torch counts ~1.6x the FLOPs the
     update needs, which leaves room for run-to-run timing noise (the reference time is the median
     of three synchronised runs)."""
+    import dataclasses
     import statistics
     import time
 
     from torch.utils.flop_counter import FlopCounterMode
-
-    import dataclasses
 
     from verl.models.factory import build_model, get_preset, save_model
     from verl.utils.device import synchronize
