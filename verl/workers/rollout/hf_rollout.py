@@ -42,6 +42,7 @@ from typing import NamedTuple, Protocol
 import torch
 
 from verl.utils.device import get_device
+from verl.utils.speed_paths import SpeedPath
 from verl.workers.rollout.base import BaseRollout
 from verl.workers.rollout.engine_io import resolve_sampling, resolve_token_ids
 from verl.workers.rollout.sampling import SamplingParams
@@ -197,6 +198,13 @@ class HFRollout(BaseRollout):
 
     def release(self) -> None:
         self.engine.sleep(2)
+
+    def speed_paths(self) -> list[SpeedPath]:
+        """CUDA graphs of the decode step: asked for by `enforce_eager=false`."""
+        requested = not self.config.enforce_eager
+        active = self.engine.graphs is not None
+        reason = self.engine.cuda_graph_off_reason if requested and not active else ""
+        return [SpeedPath("cuda_graphs", requested, active, reason)]
 
     # ------------------------------------------------------------------------------- generation
     def _sampling_and_n(self, meta: dict, prompts) -> tuple[SamplingParams, int]:

@@ -90,6 +90,8 @@ class GenerationEngine:
         self.decoder = decoder
         self.device = decoder.device
         self.graphs = DecodeGraphRunner(decoder) if use_cuda_graph else None
+        # why `from_model` left the graphs off when they were left to it (reported as a speed path)
+        self.cuda_graph_off_reason = ""
         if stop_check_interval is None:
             stop_check_interval = 1 if self.device.type == "cpu" else 16
         self.stop_check_interval = stop_check_interval
@@ -163,11 +165,18 @@ class GenerationEngine:
                 )
             decoder = HFModelDecoder(model, device, dtype)
 
+        graph_off_reason = ""
         if use_cuda_graph is None:
             use_cuda_graph = reason is None and device.type != "cpu"
+            if reason is not None:
+                graph_off_reason = f"they need the native decoder, which cannot run this model: {reason}"
+            elif device.type == "cpu":
+                graph_off_reason = "the rollout runs on CPU, where there are no CUDA graphs"
         if use_cuda_graph and reason is not None:
             raise ValueError(f"CUDA graphs need the native decoder, which cannot run this model: {reason}")
-        return cls(decoder, use_cuda_graph=use_cuda_graph, stop_check_interval=stop_check_interval)
+        engine = cls(decoder, use_cuda_graph=use_cuda_graph, stop_check_interval=stop_check_interval)
+        engine.cuda_graph_off_reason = graph_off_reason
+        return engine
 
     # --------------------------------------------------------------------------- weights, memory
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> dict[str, float]:
