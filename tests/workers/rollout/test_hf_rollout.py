@@ -161,3 +161,15 @@ def test_non_tensor_columns_follow_repetition(qwen2_model):
     out = _rollout(qwen2_model, n=2).generate_sequences(prompts)
     assert list(out.non_tensor_batch["uid"]) == ["a", "a", "b", "b", "c", "c", "d", "d"]
     assert list(out.non_tensor_batch["data_source"]) == ["arith"] * 8
+
+
+def test_cuda_graphs_speed_path_says_why_it_is_off(qwen2_model):
+    from verl.utils.speed_paths import SpeedPath
+
+    assert _rollout(qwen2_model, enforce_eager=True).speed_paths() == [SpeedPath("cuda_graphs", False, False)]
+    assert _rollout(qwen2_model, enforce_eager=False).speed_paths() == [
+        SpeedPath("cuda_graphs", True, False, "the rollout runs on CPU, where there are no CUDA graphs")
+    ]
+    [generic] = _rollout(build_model("gpt2"), enforce_eager=False).speed_paths()
+    assert generic.requested and not generic.active
+    assert generic.reason.startswith("they need the native decoder, which cannot run this model:"), generic
