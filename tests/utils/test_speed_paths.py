@@ -59,3 +59,11 @@ def test_save_writes_every_path_to_the_run_directory(tmp_path):
 def test_a_path_dict_round_trips():
     path = SpeedPath("shm_transport", True, False, "no /dev/shm")
     assert SpeedPath.from_dict(path.to_dict()) == path
+
+
+def test_describe_says_on_off_or_off_although_requested():
+    assert SpeedPath("cuda_graphs", False, False).describe() == "cuda_graphs: off (not requested)"
+    assert SpeedPath("shm_transport", False, False, "VERL_SHM_TRANSPORT=0 turns it off").describe() == (
+        "shm_transport: off (not requested: VERL_SHM_TRANSPORT=0 turns it off)"
+    )
+    assert SpeedPath("remove_padding", True, True).describe() == "remove_padding: on"

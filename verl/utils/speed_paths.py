@@ -57,7 +57,7 @@ class SpeedPath:
         if self.active:
             return f"{self.name}: on" + (f" ({self.reason})" if self.reason else "")
         if not self.requested:
-            return f"{self.name}: off (not requested)"
+            return f"{self.name}: off (not requested" + (f": {self.reason})" if self.reason else ")")
         return f"{self.name}: OFF although requested: {self.reason}"
 
     @property
