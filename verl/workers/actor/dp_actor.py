@@ -152,7 +152,8 @@ class DataParallelPPOActor(BasePPOActor):
         self.use_remove_padding = bool(cfg.get("use_remove_padding", False))
         # a peft model forwards its keyword arguments to the HF model it wraps: ask that one
         hf_module = actor_module.get_base_model() if hasattr(actor_module, "get_base_model") else actor_module
-        self._accepts_logits_to_keep = model_forward(hf_module).accepts_logits_to_keep
+        forward = model_forward(hf_module)
+        self._accepts_logits_to_keep = forward.accepts_logits_to_keep
         self._hf_module = hf_module
         self._attn_implementation = getattr(getattr(hf_module, "config", None), "_attn_implementation", None)
         # whether the shared-prompt path can run at all, and why not (reported, never silent)
@@ -161,9 +162,7 @@ class DataParallelPPOActor(BasePPOActor):
         )
         speed_paths.report([self.shared_prompt_path])
         # on even when the path is off for updates only (gradient checkpointing): log-probs still share
-        self.share_prompt_forward = (
-            self.shared_prompt_path.requested and model_forward(hf_module).cache_argument is not None
-        )
+        self.share_prompt_forward = self.shared_prompt_path.requested and forward.cache_argument is not None
         self.loss_agg_mode = cfg.get("loss_agg_mode", "token-mean")
         policy_loss_cfg = cfg.get("policy_loss") or {}
         self.policy_loss_fn = get_policy_loss_fn(policy_loss_cfg.get("loss_mode", "vanilla"))
