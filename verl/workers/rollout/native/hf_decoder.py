@@ -125,8 +125,9 @@ class HFModelDecoder:
             attention_mask=self._mask[:, :P],
             position_ids=position_ids,
             use_cache=True,
-            logits_to_keep=1,
             **self._forward.cache_kwargs(self._cache),
+            # only the last position's logits are sampled from: skip the LM head elsewhere
+            **({"logits_to_keep": 1} if self._forward.accepts_logits_to_keep else {}),
         )
         if rows is not None:  # fan the prompts out to the cache rows that repeat them
             self._cache.reorder_cache(rows)
