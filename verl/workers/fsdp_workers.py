@@ -697,6 +697,12 @@ class RewardModelWorker(Worker):
         self.model.to(dev.get_device()).eval()
         self._load_tokenizers()
 
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def speed_paths(self) -> list[dict]:
+        """This rank's speed paths (`verl.utils.speed_paths`) as dicts: the reward model runs padded
+        rows, unfused (its `use_remove_padding` and `use_fused_kernels` are accepted for upstream configs)."""
+        return [path.to_dict() for path in _model_speed_paths(self.config.model, self)]
+
     def _load_tokenizers(self) -> None:
         """The reward model's tokenizer, and the policy's when responses must be re-tokenised: only
         when `model.input_tokenizer` is set and differs from the reward model's (vocabulary or chat

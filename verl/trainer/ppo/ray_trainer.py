@@ -263,7 +263,7 @@ class RayPPOTrainer:
         """The speed paths every worker group reports (a worker class without the `speed_paths` RPC,
         such as a user's own, reports none)."""
         paths = []
-        for name in ("actor_rollout_wg", "critic_wg", "rollout_wg"):
+        for name in ("actor_rollout_wg", "critic_wg", "rm_wg", "rollout_wg"):
             group = getattr(self, name, None)
             if group is not None and hasattr(group, "speed_paths"):
                 paths += [SpeedPath.from_dict(d) for rank_paths in group.speed_paths() for d in rank_paths]
