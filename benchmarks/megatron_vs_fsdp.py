@@ -59,7 +59,7 @@ def _batch(batch: int, seq_len: int, vocab: int, seed: int = 0):
         "old_log_probs": -5.0 + 0.1 * torch.randn(batch, response_len, generator=g),
         "advantages": torch.randn(batch, response_len, generator=g),
     }
-    meta = {"temperature": 1.0, "global_token_num": [seq_len] * batch}
+    meta = {"temperature": 1.0}
     return DataProto.from_dict(tensors=tensors, meta_info=meta)
 
 
@@ -80,8 +80,8 @@ def _overrides(args, layout: str, model_dir: str) -> list[str]:
         f"trainer.n_gpus_per_node={args.ranks}",
     ]
     if layout == "fsdp":
-        if args.dtype == "bf16":
-            common.append("actor_rollout_ref.actor.fsdp_config.mixed_precision.param_dtype=bf16")
+        # explicit either way: FSDP's default (null) would compute in bf16 on GPU even for --dtype fp32
+        common.append(f"actor_rollout_ref.actor.fsdp_config.mixed_precision.param_dtype={args.dtype}")
         return common
     match = re.fullmatch(r"(tp|pp|cp)(\d+)(?:v(\d+))?", layout)
     if match is None or (match[3] and match[1] != "pp"):

@@ -11,8 +11,15 @@ measured tokens/s, so the reported fraction is conservative.
 
     python benchmarks/rollout_gpu_roofline.py                # ours only
     python benchmarks/rollout_gpu_roofline.py --with-hf      # also transformers generate() (slow)
+    python benchmarks/rollout_gpu_roofline.py --sleep-between  # hybrid-engine steps: sleep, wake, sync
 
-Last line: `bench rollout_gpu_roofline: ours_tok_s=... roofline_tok_s=... pct_roofline=... [hf_tok_s=...]`.
+`--sleep-between` puts the engine to sleep (level 2: KV cache and weights freed) after every timed
+generation and wakes it and syncs the weights before the next, as the hybrid engine does each RL
+step; sleep drops the CUDA graphs, so every timed generation includes recapturing them (reported
+as captures and capture seconds per generation).
+
+Last line: `bench rollout_gpu_roofline: ours_tok_s=... roofline_tok_s=... pct_roofline=... [captures_per_gen=...
+capture_s_per_gen=...] [hf_tok_s=...]`.
 """
 
 from __future__ import annotations
@@ -62,6 +69,15 @@ def main():
     parser.add_argument("--bandwidth-gbs", type=float, default=None, help="default: measured device copy bandwidth")
     parser.add_argument("--eager", action="store_true", help="disable CUDA graphs")
     parser.add_argument("--with-hf", action="store_true", help="also time transformers generate() once")
+    parser.add_argument("--profile", action="store_true", help="print the top kernels of a 32-token generate")
+    parser.add_argument(
+        "--cpu", action="store_true", help="run on CPU in fp32 (a smoke run of this script: use tiny sizes)"
+    )
+    parser.add_argument(
+        "--sleep-between",
+        action="store_true",
+        help="sleep (level 2), wake and sync the weights between generations, as the hybrid engine does",
+    )
     args = parser.parse_args()
 
     from transformers import AutoModelForCausalLM
@@ -71,16 +87,22 @@ def main():
     from verl.workers.rollout.native.engine import GenerationEngine
     from verl.workers.rollout.sampling import SamplingParams
 
-    if not is_cuda_available():
-        raise SystemExit("rollout_gpu_roofline needs a CUDA device; run benchmarks/rollout_vs_hf.py on CPU")
-    device, dtype = get_device(), torch.bfloat16
+    if not is_cuda_available() and not args.cpu:
+        raise SystemExit(
+            "rollout_gpu_roofline needs a CUDA device; run benchmarks/rollout_vs_hf.py on CPU "
+            "(--cpu runs this script on CPU as a smoke test, with tiny sizes)"
+        )
+    device = get_device() if is_cuda_available() else torch.device("cpu")
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     preset = get_preset(args.preset)
     config = build_config(preset, build_tokenizer(preset))
     torch.manual_seed(0)
     with device:
         model = AutoModelForCausalLM.from_config(config, dtype=dtype).eval()
-    engine = GenerationEngine.from_model(model, device=device, dtype=dtype, use_cuda_graph=not args.eager)
-    if not args.with_hf:
+    engine = GenerationEngine.from_model(
+        model, device=device, dtype=dtype, use_cuda_graph=not args.eager and device.type == "cuda"
+    )
+    if not (args.with_hf or args.sleep_between):
         del model
 
     gen = torch.Generator(device=device).manual_seed(0)
@@ -89,6 +111,10 @@ def main():
     sampling = SamplingParams(do_sample=True, temperature=1.0)
 
     def ours() -> float:
+        if args.sleep_between:  # untimed, as the weight sync is timed separately in training
+            engine.sleep(2)
+            engine.wake_up()
+            engine.update_weights(model.named_parameters())
         synchronize()
         start = time.perf_counter()
         out = engine.generate(input_ids, attention_mask, args.new_tokens, sampling, eos_token_id=None, pad_token_id=0)
@@ -97,19 +123,43 @@ def main():
         return args.batch * args.new_tokens / (time.perf_counter() - start)
 
     ours()  # warm-up: CUDA-graph capture
+    if args.profile:
+        from profiling import print_profile
+
+        synchronize()
+        start = time.perf_counter()
+        engine.generate(input_ids, attention_mask, 1, sampling, eos_token_id=None, pad_token_id=0)
+        synchronize()
+        print(f"prefill + 1 token: {(time.perf_counter() - start) * 1e3:.1f} ms")
+        print_profile(
+            lambda: engine.generate(input_ids, attention_mask, 32, sampling, eos_token_id=None, pad_token_id=0),
+            device.type == "cuda",
+        )
+    before = engine.graph_stats()
     ours_tok_s = max(ours() for _ in range(args.repeats))
-    bandwidth = args.bandwidth_gbs * 1e9 if args.bandwidth_gbs else measure_copy_bandwidth(device)
-    roof = roofline_tok_s(config, args.batch, args.prompt_len, args.new_tokens, bandwidth, dtype_bytes=2)
+    after = engine.graph_stats()
+    bandwidth = (
+        args.bandwidth_gbs * 1e9
+        if args.bandwidth_gbs
+        else measure_copy_bandwidth(device, 1 << (30 if device.type == "cuda" else 26))
+    )
+    roof = roofline_tok_s(config, args.batch, args.prompt_len, args.new_tokens, bandwidth, dtype_bytes=dtype.itemsize)
     pct = 100 * ours_tok_s / roof["tok_s"]
     print(
-        f"{torch.cuda.get_device_name()}: {args.preset}, batch {args.batch}, {args.prompt_len}+{args.new_tokens} tokens, "
-        f"cuda_graphs={not args.eager}, graphs captured={engine.graphs.num_graphs() if engine.graphs else 0}"
+        f"{torch.cuda.get_device_name() if device.type == 'cuda' else 'cpu'}: {args.preset}, batch {args.batch}, {args.prompt_len}+{args.new_tokens} tokens, "
+        f"cuda_graphs={engine.graphs is not None}, graphs captured={engine.graphs.num_graphs() if engine.graphs else 0}"
     )
+    captures = (after["captures"] - before["captures"]) / args.repeats
+    capture_s = (after["capture_s"] - before["capture_s"]) / args.repeats
+    if args.sleep_between:
+        print(f"per timed generation: {captures:.1f} graph captures taking {capture_s:.3f} s")
     print(
         f"weights {roof['weight_gb']:.2f} GB + KV {roof['kv_gb_per_step']:.2f} GB per step at {bandwidth / 1e12:.2f} TB/s "
         f"-> roofline {roof['tok_s']:,.0f} tok/s; ours {ours_tok_s:,.0f} tok/s = {pct:.1f}% of roofline"
     )
     fields = [f"ours_tok_s={ours_tok_s:.0f}", f"roofline_tok_s={roof['tok_s']:.0f}", f"pct_roofline={pct:.1f}"]
+    if args.sleep_between:
+        fields += [f"captures_per_gen={captures:.1f}", f"capture_s_per_gen={capture_s:.3f}"]
     if args.with_hf:
         synchronize()
         start = time.perf_counter()

@@ -184,3 +184,24 @@ def run_distributed(fn, world_size: int = 2, *args) -> None:
         while not errors.empty():
             messages.append(errors.get())
         raise AssertionError("\n".join(messages) or str(e)) from None
+
+
+def run_in_fresh_interpreter(module: str, case: str, *args, timeout_s: float = 300) -> dict:
+    """Call `module.case(*args)` in a new Python process and return the JSON object it returns (or
+    prints last). For checks that need a process of their own: their own default process group or
+    CUDA context, or a communicator they may leave aborted. `args` must be JSON-serialisable."""
+    import json
+    import subprocess
+    import sys
+
+    code = (
+        "import json, sys, importlib\n"
+        f"result = getattr(importlib.import_module({module!r}), {case!r})(*json.loads(sys.argv[1]))\n"
+        "print(json.dumps(result), flush=True)\n"
+    )
+    env = dict(os.environ, PYTHONPATH=os.getcwd())
+    run = subprocess.run(
+        [sys.executable, "-c", code, json.dumps(list(args))], capture_output=True, text=True, timeout=timeout_s, env=env
+    )
+    assert run.returncode == 0, f"{case} failed (exit {run.returncode}):\n{run.stdout[-3000:]}\n{run.stderr[-5000:]}"
+    return json.loads(run.stdout.strip().splitlines()[-1])

@@ -25,7 +25,7 @@ class NcclWorker(Worker):
         self.init_process_group(timeout_s=120)
         value = torch.tensor([float(self.rank + 1)], device=get_device())
         dist.all_reduce(value)
-        return dist.get_backend(), value.device.type, value.item()
+        return str(dist.get_backend()), value.device.type, value.item()
 
 
 @pytest.mark.gpu
@@ -36,7 +36,8 @@ def test_gpu_bundles_form_an_nccl_group(ray_session):
     try:
         expected = float(sum(range(1, world_size + 1)))
         results = wg.all_reduce_on_device()
-        assert [(backend, value) for backend, _, value in results] == [("nccl", expected)] * world_size
+        # the workers' group: NCCL for device tensors, gloo for the host-side collectives
+        assert [(backend, value) for backend, _, value in results] == [("cpu:gloo,cuda:nccl", expected)] * world_size
         assert all(device != "cpu" for _, device, _ in results)
     finally:
         wg.shutdown()

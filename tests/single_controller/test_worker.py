@@ -81,3 +81,72 @@ def test_dist_init_with_a_missing_peer_fails_within_the_timeout(monkeypatch):
         worker.init_process_group(backend="gloo", timeout_s=1.5)
     assert time.monotonic() - start < 15
     assert not dist.is_initialized()
+
+
+def _group_timeout_s(group=None) -> float:
+    """The collective timeout torch holds for `group`'s CPU (gloo) backend."""
+    import torch
+
+    pg = group or dist.distributed_c10d._get_default_group()
+    return pg._get_backend(torch.device("cpu")).options._timeout.total_seconds()
+
+
+def test_cpu_group_is_gloo_with_the_given_timeout_which_later_groups_reuse(monkeypatch):
+    from verl.single_controller.base.worker import dist_timeout_s
+
+    for name in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("VERL_DEVICE", "cpu")
+    monkeypatch.setenv("VERL_DIST_TIMEOUT_S", "45")  # the argument (a config's nccl_timeout) wins
+    Worker().init_process_group(timeout_s=123)
+    try:
+        assert dist.get_backend() == "gloo"
+        assert _group_timeout_s() == 123
+        # megatron's model-parallel groups ask for the same deadline (torch would give them 30 min)
+        assert dist_timeout_s() == 123
+    finally:
+        dist.destroy_process_group()
+    assert dist_timeout_s() == 45  # no group any more: back to the environment
+
+
+@pytest.mark.gpu
+def test_cuda_group_is_bound_mixed_and_runs_host_and_device_collectives(monkeypatch):
+    """On CUDA the workers' group is `cpu:gloo,cuda:nccl` bound to the rank's device with the given
+    timeout: CPU tensors (the trainer's host-side counts) and CUDA tensors reduce on it and on a
+    subgroup created from it; an NCCL-only group still takes the host-side split's count (it goes
+    to the device)."""
+    import torch
+
+    from verl.utils.device import collective_device, get_device
+    from verl.utils.seqlen_balancing import rearrange_micro_batches
+
+    for name in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("VERL_DEVICE", "cuda")
+    Worker().init_process_group(timeout_s=321)
+    try:
+        backend = str(dist.get_backend())
+        assert backend == "cpu:gloo,cuda:nccl", backend
+        bound = dist.distributed_c10d._get_default_group().bound_device_id
+        assert bound == get_device(), f"device_id not passed: bound_device_id={bound}"
+        nccl = dist.distributed_c10d._get_default_group()._get_backend(get_device())
+        if hasattr(nccl, "options"):  # the same init call sets both backends' timeout (gloo's checked below)
+            assert nccl.options._timeout.total_seconds() == 321, nccl.options._timeout
+        assert _group_timeout_s() == 321
+        host, on_device = torch.ones(3), torch.ones(3, device=get_device())
+        dist.all_reduce(host)
+        dist.all_reduce(on_device)
+        subgroup = dist.new_group([0])
+        dist.all_reduce(host, group=subgroup)
+        assert collective_device(subgroup) == torch.device("cpu")
+
+        nccl_only = dist.new_group([0], backend="nccl")
+        assert collective_device(nccl_only) == get_device()
+        from tensordict import TensorDict
+
+        mask = torch.tensor([[1, 1, 1, 0], [1, 1, 0, 0], [1, 1, 1, 1]])
+        batch = TensorDict({"attention_mask": mask}, batch_size=[3])  # on the host, like the actor's
+        micro_batches, partitions = rearrange_micro_batches(batch, max_token_len=4, dp_group=nccl_only)
+        assert sorted(i for p in partitions for i in p) == [0, 1, 2] and len(micro_batches) == 3
+    finally:
+        dist.destroy_process_group()

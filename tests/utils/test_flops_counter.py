@@ -4,7 +4,8 @@ import pytest
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
-from verl.utils.flops_counter import FlopsCounter, mfu
+from tests.distributed_helpers import run_distributed
+from verl.utils.flops_counter import FlopsCounter, FlopsTally, mfu_over_ranks
 
 
 def _tiny_qwen2():
@@ -43,13 +44,68 @@ def test_matmul_params_equal_the_models_projection_weights():
 
 
 def test_mfu_needs_a_known_peak(monkeypatch):
-    counter = FlopsCounter(_tiny_qwen2().config)
     monkeypatch.delenv("VERL_PEAK_FLOPS", raising=False)
     monkeypatch.setenv("VERL_DEVICE", "cpu")
-    assert mfu(counter, [10, 10], seconds=1.0, n_devices=2) is None  # CPU: no published peak
+    assert mfu_over_ranks(1e9, seconds=1.0, dp_size=1) is None  # CPU: no published peak
     monkeypatch.setenv("VERL_PEAK_FLOPS", "1e9")
-    flops = counter.training_flops([10, 10])
-    assert mfu(counter, [10, 10], seconds=2.0, n_devices=2, passes=3) == pytest.approx(flops * 3 / 2.0 / 2e9)
+    assert mfu_over_ranks(3e9, seconds=2.0, dp_size=1) == pytest.approx(3e9 / 2.0 / 1e9)
     monkeypatch.setenv("VERL_PEAK_FLOPS", "fast")
     with pytest.raises(ValueError, match="VERL_PEAK_FLOPS"):
-        mfu(counter, [10], seconds=1.0, n_devices=1)
+        mfu_over_ranks(1e9, seconds=1.0, dp_size=1)
+
+
+def _check_mfu_over_ranks(rank, world_size):
+    import os
+
+    os.environ["VERL_PEAK_FLOPS"] = "1e9"
+    # data parallel: each rank ran its own rows; the slower rank's time counts for both
+    flops, seconds = [(2e9, 1.0), (4e9, 2.0)][rank]
+    assert mfu_over_ranks(flops, seconds, dp_size=2) == pytest.approx((2e9 + 4e9) / 2.0 / (2 * 1e9))
+    # one replica over both ranks (tensor parallel): both counted the same rows, which count once
+    assert mfu_over_ranks(3e9, 1.5, dp_size=1) == pytest.approx(3e9 / 1.5 / (2 * 1e9))
+
+
+def test_mfu_sums_replicas_and_takes_the_slowest_rank():
+    run_distributed(_check_mfu_over_ranks, 2)
+
+
+def test_rows_training_flops_of_whole_rows_with_the_head_everywhere_is_training_flops():
+    counter = FlopsCounter(_tiny_qwen2().config)
+    prompt, response = torch.tensor([3, 5]), torch.tensor([4, 1])
+    whole = counter.rows_training_flops(prompt, response)
+    # the head only where a response token is predicted: 5 of the 13 positions
+    head_elsewhere = 3 * counter.forward_flops(0, 0, (3 + 5 + 4 + 1) - 5)
+    assert float(whole) + head_elsewhere == pytest.approx(counter.training_flops([7, 6]), rel=1e-12)
+    # frozen weights (LoRA): no weight gradients, the backward costs one forward
+    assert float(counter.rows_training_flops(prompt, response, passes=2)) == pytest.approx(2 / 3 * float(whole))
+
+
+def test_rows_training_flops_of_shared_prompts_by_hand():
+    """Two groups: prompt 4 with responses 3 and 1, prompt 2 with response 5. Prompts run once;
+    each response's inputs (all but its last token) run on top of its prompt."""
+    counter = FlopsCounter(_tiny_qwen2().config)
+    prompt, response = torch.tensor([4, 4, 2]), torch.tensor([3, 1, 5])
+    first_rows, inverse = torch.tensor([0, 2]), torch.tensor([0, 0, 1])
+    tokens = (4 + 2) + (2 + 0 + 4)
+    attended = (16 + 4) + (2 * (4 + 2) + 0 + 4 * (2 + 4))
+    head = 2 + (2 + 0 + 4)
+    got = counter.rows_training_flops(prompt, response, (first_rows, inverse))
+    assert float(got) == pytest.approx(3 * counter.forward_flops(tokens, attended, head), rel=1e-12)
+
+
+def test_value_head_counts_one_output_and_a_tally_sums_micro_batches():
+    config = _tiny_qwen2().config
+    lm, value = FlopsCounter(config), FlopsCounter(config, head_outputs=1)
+    assert lm.matmul_params - value.matmul_params == config.hidden_size * (config.vocab_size - 1)
+    tally = FlopsTally(value)
+    assert tally.total() == 0.0
+    mask = torch.tensor([[0, 1, 1, 1, 1, 0], [1, 1, 1, 1, 1, 1]])  # 3 prompt columns, 3 response columns
+    tally.add(mask, response_length=3)
+    tally.add(mask[1:], response_length=3)
+    expected = value.rows_training_flops(torch.tensor([2, 3, 3]), torch.tensor([2, 3, 3]))
+    assert tally.total() == pytest.approx(float(expected), rel=1e-12)
+    tally.reset()
+    assert tally.total() == 0.0
+    assert FlopsTally(None).total() is None
+    assert FlopsCounter.for_model(None) is None
+    assert FlopsCounter.for_model(object()) is None  # no transformer shape: no MFU

@@ -110,3 +110,52 @@ def test_clip_grad_norm_reports_a_nonfinite_norm_instead_of_raising():
     next(model.parameters()).grad[0, 0] = float("inf")
     norm = fsdp_utils.fsdp2_clip_grad_norm_(model.parameters(), max_norm=1.0)
     assert not torch.isfinite(norm)
+
+
+class _GatherLog:
+    """Records the dtype and bytes of every all-gather run while active (a dispatch mode: it sees
+    the functional collectives that `DTensor.full_tensor` issues on the local shards)."""
+
+    def __init__(self):
+        self.gathers: list[tuple[torch.dtype, int]] = []
+
+    def __enter__(self):
+        from torch.utils._python_dispatch import TorchDispatchMode
+
+        log = self.gathers
+
+        class Mode(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                if "all_gather" in func.name():
+                    log.append((args[0].dtype, args[0].numel() * args[0].element_size()))
+                return func(*args, **(kwargs or {}))
+
+        self._mode = Mode()
+        self._mode.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        self._mode.__exit__(*exc)
+
+
+def _two_rank_cast_before_gather(rank, world_size):
+    reference = make_tiny_causal_lm(dtype=torch.float32)
+    model = fsdp_utils.apply_fsdp2(make_tiny_causal_lm(dtype=torch.float32))
+    with _GatherLog() as fp32:
+        full_fp32 = dict(fsdp_utils.iter_full_params(model))
+    with _GatherLog() as bf16:
+        full_bf16 = dict(fsdp_utils.iter_full_params(model, dtype=torch.bfloat16))
+    # every tensor is gathered, once; the shards travel in bf16: half of fp32's bytes
+    assert len(fp32.gathers) == len(bf16.gathers) == len(full_fp32)
+    assert {dtype for dtype, _ in fp32.gathers} == {torch.float32}
+    assert {dtype for dtype, _ in bf16.gathers} == {torch.bfloat16}
+    assert 2 * sum(n for _, n in bf16.gathers) == sum(n for _, n in fp32.gathers)
+    # casting shards then gathering gives the bits of gathering then casting
+    for name, expected in reference.state_dict().items():
+        assert full_bf16[name].dtype == torch.bfloat16
+        assert torch.equal(full_bf16[name], expected.to(torch.bfloat16)), name
+        assert torch.equal(full_fp32[name], expected), name
+
+
+def test_weight_sync_gathers_shards_already_cast_to_the_rollout_dtype():
+    run_distributed(_two_rank_cast_before_gather, 2)

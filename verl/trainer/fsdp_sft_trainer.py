@@ -36,7 +36,6 @@ import json
 import math
 import os
 import shutil
-import socket
 import time
 from collections.abc import Callable
 
@@ -406,9 +405,16 @@ def _decoder_layers(model) -> list[torch.nn.Module]:
     return list(layers)
 
 
-def _dtype(name: str, key: str) -> torch.dtype:
+def _dtype(name: str | None, key: str) -> torch.dtype:
+    """The dtype a `mixed_precision` key names; null: bf16 on CUDA (upstream's SFT compute dtype, with
+    fp32 master weights), fp32 on CPU."""
+    if name is None:
+        return device_utils.default_compute_dtype()
     if name not in _DTYPES:
-        raise ValueError(f"model.fsdp_config.mixed_precision.{key}={name!r} is not one of {sorted(_DTYPES)}")
+        raise ValueError(
+            f"model.fsdp_config.mixed_precision.{key}={name!r} is not one of {sorted(_DTYPES)} (or null for the "
+            "device's default)"
+        )
     return _DTYPES[name]
 
 
@@ -462,16 +468,19 @@ def _fmt(value: float) -> str:
 
 # --------------------------------------------------------------------------------- entry point
 def init_distributed() -> None:
-    """Join the torchrun process group, or form a one-process group when started without torchrun."""
+    """Join the torchrun process group, or form a one-process group when started without torchrun.
+
+    The group is the workers' (`verl.single_controller.base.worker.init_process_group`): gloo on
+    CPU, `cpu:gloo,cuda:nccl` bound to this rank's device on GPU, so host-side collectives on CPU
+    tensors work next to NCCL, with the `VERL_DIST_TIMEOUT_S` deadline."""
+    from verl.single_controller.base.worker import init_process_group
+
     if dist.is_initialized():
         return
     if "RANK" not in os.environ:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
+    init_process_group()
     device_utils.set_device()
-    dist.init_process_group(backend=device_utils.get_dist_backend())
 
 
 def resolve_defaults(config) -> None:

@@ -308,7 +308,10 @@ class TaskRunner:
     """Builds tokenizer, datasets, reward functions, worker roles and pools, then trains."""
 
     def run(self, config) -> dict:
+        import ray
+
         from verl.single_controller.ray import ResourcePoolManager
+        from verl.single_controller.ray.resource_pool_manager import bundles_hold_gpus
         from verl.trainer.ppo.ray_trainer import RayPPOTrainer
         from verl.trainer.ppo.reward import load_reward_manager
         from verl.utils.tokenizer import hf_tokenizer
@@ -327,7 +330,9 @@ class TaskRunner:
 
         mapping = build_role_worker_mapping(config)
         pool_spec, role_pools = build_resource_pools(config, mapping)
-        pool_manager = ResourcePoolManager(resource_pool_spec=pool_spec, mapping=role_pools)
+        # GPU or CPU bundles as trainer.device asks (this actor may not see the driver's VERL_DEVICE)
+        use_gpu = bundles_hold_gpus(config.trainer.get("device", "auto"), ray.cluster_resources().get("GPU", 0))
+        pool_manager = ResourcePoolManager(resource_pool_spec=pool_spec, mapping=role_pools, use_gpu=use_gpu)
 
         reward_fn = load_reward_manager(config, tokenizer, num_examine=0)
         val_reward_fn = load_reward_manager(config, tokenizer, num_examine=1)

@@ -6,10 +6,24 @@ greps the package for hard-coded accelerator literals outside this module.
 
 The device can be forced (config `trainer.device=cpu|cuda|auto`) with `set_device_preference`,
 or through the `VERL_DEVICE` environment variable, which worker processes inherit.
+
+Process groups: on CUDA the workers' torch.distributed group is created with one backend per
+device type, `cpu:gloo,cuda:nccl` (`get_group_backend`), so the small host-side collectives the
+trainer runs on CPU tensors (micro-batch counts of the token-budget split, checkpoint step counts,
+the rollout engine's flags) work next to the NCCL collectives on device tensors. Code that runs a
+host-side collective on a group it did not create asks `collective_device(group)` where its tensor
+must live: a group may still be NCCL-only (one a user or a library built with `backend="nccl"`).
+
+Compute dtype: `default_compute_dtype()` is bfloat16 on CUDA (what upstream verl computes in)
+and float32 on CPU (bf16 matmuls are slow or emulated there, and the CPU tests compare against
+float64 references). fp32 matmuls that remain on CUDA (an explicit fp32 config) run on the
+tensor cores as TF32, set once per process in `set_device` (`enable_tf32`): without it an H100
+runs them at about 1/15 of its bf16 rate.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 
 import torch
@@ -50,11 +64,58 @@ def get_torch_device():
     return getattr(torch, get_device_name())
 
 
+_RAY_NOSET_VISIBLE = "RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES"
+
+
+def _ray_sets_no_visible_devices() -> bool:
+    """Whether Ray leaves CUDA_VISIBLE_DEVICES alone (Ray's own reading of the variable: 1 or true)."""
+    return os.environ.get(_RAY_NOSET_VISIBLE, "").strip().lower() in ("1", "true")
+
+
+def local_device_index(
+    local_rank: int, device_count: int, ray_gpu_ids: list | None = None, visible_devices: str | None = None
+) -> int:
+    """Which of the visible CUDA devices this process uses (pure: the inputs are read by `get_device_id`).
+
+    Normally Ray (or torchrun with one device per process after `CUDA_VISIBLE_DEVICES`) makes the
+    process's own GPU the only visible one, or LOCAL_RANK numbers the processes of a node: the
+    index is `local_rank % device_count`. Under `RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES` Ray
+    leaves every GPU of the node visible, and LOCAL_RANK is the worker's bundle index, which need
+    not be the GPU Ray reserved for it (two ranks could share one GPU). Then `ray_gpu_ids` (from
+    `ray.get_gpu_ids()`) names the reserved GPU: an id of the node's devices, or one of the entries of
+    `visible_devices` (the node's CUDA_VISIBLE_DEVICES when Ray was started with one), whose position
+    is the torch index.
+    """
+    if not ray_gpu_ids:
+        return local_rank % max(device_count, 1)
+    gpu = str(ray_gpu_ids[0]).strip()
+    visible = [d.strip() for d in (visible_devices or "").split(",") if d.strip()]
+    if visible:
+        if gpu not in visible:
+            raise RuntimeError(
+                f"Ray assigned GPU {gpu} to this worker, but CUDA_VISIBLE_DEVICES={visible_devices!r} does not list "
+                f"it; with {_RAY_NOSET_VISIBLE} set, start Ray with the same CUDA_VISIBLE_DEVICES as the workers"
+            )
+        return visible.index(gpu)
+    return int(gpu)
+
+
 def get_device_id() -> int:
-    """Local device index on CUDA (LOCAL_RANK modulo visible devices); 0 on CPU."""
+    """Local device index on CUDA (see `local_device_index`); 0 on CPU."""
     if not is_cuda_available():
         return 0
-    return int(os.environ.get("LOCAL_RANK", 0)) % max(torch.cuda.device_count(), 1)
+    gpu_ids = None
+    if _ray_sets_no_visible_devices():
+        import ray
+
+        if ray.is_initialized():
+            gpu_ids = ray.get_gpu_ids()
+    return local_device_index(
+        int(os.environ.get("LOCAL_RANK", 0)),
+        torch.cuda.device_count(),
+        gpu_ids,
+        os.environ.get("CUDA_VISIBLE_DEVICES"),
+    )
 
 
 def get_device(index: int | None = None) -> torch.device:
@@ -64,13 +125,84 @@ def get_device(index: int | None = None) -> torch.device:
 
 
 def get_dist_backend() -> str:
-    """torch.distributed backend: nccl on CUDA, gloo on CPU."""
+    """The one torch.distributed backend of this device: nccl on CUDA, gloo on CPU (for groups that
+    carry tensors of one device only, e.g. a weight transfer)."""
     return "nccl" if is_cuda_available() else "gloo"
+
+
+def group_backend(device_name: str) -> str:
+    """The backend of a process group on `device_name`: gloo for CPU tensors plus NCCL for CUDA
+    tensors on CUDA (see the module docstring), gloo alone on CPU."""
+    return f"cpu:gloo,{_CUDA}:nccl" if device_name == _CUDA else "gloo"
+
+
+def get_group_backend() -> str:
+    """`group_backend` of this process's device: what the workers' process group is created with."""
+    return group_backend(get_device_name())
+
+
+def group_handles_cpu(backend: str) -> bool:
+    """Whether a group created with `backend` (as `torch.distributed.get_backend` names it) runs
+    collectives on CPU tensors: gloo or MPI, or a per-device spec with a `cpu:` entry."""
+    spec = str(backend).lower().replace(" ", "")
+    if ":" not in spec:
+        return spec in ("gloo", "mpi")
+    return any(part.split(":", 1)[0] == "cpu" for part in spec.split(","))
+
+
+def collective_device(group=None) -> torch.device:
+    """Where a small tensor must live for a collective over `group` (None: the default group): the
+    CPU when the group has a CPU backend (no device round trip, no host sync), else this rank's
+    device (an NCCL-only group)."""
+    import torch.distributed as dist
+
+    return torch.device("cpu") if group_handles_cpu(dist.get_backend(group)) else get_device()
+
+
+def default_compute_dtype() -> torch.dtype:
+    """bfloat16 on CUDA, float32 on CPU (see the module docstring)."""
+    return torch.bfloat16 if is_cuda_available() else torch.float32
+
+
+def enable_tf32() -> None:
+    """Run float32 matmuls and convolutions on CUDA as TF32 (10-bit mantissa inputs, fp32 accumulation).
+
+    Process-wide and CUDA-only: CPU matmuls keep full float32. torch >= 2.9 has the per-backend
+    `fp32_precision` switches (the older `allow_tf32` flags warn there)."""
+    matmul = torch.backends.cuda.matmul
+    if hasattr(matmul, "fp32_precision"):
+        matmul.fp32_precision = "tf32"
+        torch.backends.cudnn.conv.fp32_precision = "tf32"
+    else:  # older torch
+        matmul.allow_tf32 = True
+        torch.backends.cudnn.allow_tf32 = True
 
 
 def synchronize() -> None:
     if is_cuda_available():
         torch.cuda.synchronize()
+
+
+def new_stream(device: torch.device):
+    """A fresh stream on accelerator `device` (one the default stream never implicitly waits for);
+    None on CPU, where work is not queued."""
+    if torch.device(device).type != _CUDA:
+        return None
+    return torch.cuda.Stream(device=device)
+
+
+def stream_wait_current(stream) -> None:
+    """Make `stream` wait for the work queued so far on this thread's current stream of its device
+    (a no-op for None)."""
+    if stream is not None:
+        stream.wait_stream(torch.cuda.current_stream(stream.device))
+
+
+def on_stream(stream):
+    """Context in which this thread queues its accelerator work on `stream` (nothing for None)."""
+    import contextlib
+
+    return torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()
 
 
 def empty_cache() -> None:
@@ -79,9 +211,10 @@ def empty_cache() -> None:
 
 
 def set_device() -> None:
-    """Bind this process to its local device (no-op on CPU)."""
+    """Bind this process to its local device and let fp32 matmuls use TF32 (no-op on CPU)."""
     if is_cuda_available():
         torch.cuda.set_device(get_device_id())
+        enable_tf32()
 
 
 def memory_stats() -> dict[str, float]:
@@ -117,3 +250,30 @@ def has_fused_adamw(tensor: torch.Tensor) -> bool:
     """Whether torch's fused AdamW kernel runs on `tensor`: a floating-point tensor (or DTensor) on
     CPU or CUDA."""
     return tensor.is_floating_point() and tensor.device.type in ("cpu", "cuda")
+
+
+def free_memory_bytes(device: torch.device) -> tuple[int, int] | None:
+    """(free, total) bytes of `device` that new tensors of this process can use: the driver's free
+    memory plus what torch's caching allocator holds unused (reusable without the driver); None on
+    CPU, which has no such budget."""
+    device = torch.device(device)
+    if device.type != _CUDA:
+        return None
+    free, total = torch.cuda.mem_get_info(device)
+    cached = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+    return free + cached, total
+
+
+def is_cuda_device(device: torch.device | str) -> bool:
+    """Whether `device` names a CUDA device (whether or not one is present here)."""
+    return torch.device(device).type == _CUDA
+
+
+def device_context(device: torch.device):
+    """A context in which `device` is the current CUDA device (streams, graphs, memory pools and
+    Triton launches are taken from the current device, which in a new thread is device 0); a no-op
+    for other devices."""
+    device = torch.device(device)
+    if device.type == _CUDA:
+        return torch.cuda.device(device)
+    return contextlib.nullcontext()

@@ -20,7 +20,13 @@ Offload, two kinds:
   `load_fsdp_model_to_device`, `offload_fsdp_optimizer`, `load_fsdp_optimizer`).
 
 Weight sync to a rollout engine reads full parameters one at a time (`iter_full_params`): each
-DTensor is all-gathered on its own, so at most one unsharded tensor exists beyond the shards.
+DTensor is all-gathered on its own, so at most one unsharded tensor exists beyond the shards, and
+each shard is cast to the rollout dtype before its all-gather (bf16 moves half of fp32's bytes).
+
+Loading (`load_full_state_from_rank0`): only rank 0 reads the checkpoint; the other ranks build
+the model on the meta device, shard it, and receive rank 0's weights shard by shard
+(`set_model_state_dict(..., broadcast_from_rank0=True)`), so a rank > 0 never holds a full copy
+on the host (8 ranks of a 7B fp32 model held 8 x 28 GB before).
 """
 
 from __future__ import annotations
@@ -43,6 +49,7 @@ __all__ = [
     "get_offload_policy",
     "iter_full_params",
     "load_fsdp_model_to_device",
+    "load_full_state_from_rank0",
     "load_fsdp_optimizer",
     "offload_fsdp_model_to_cpu",
     "offload_fsdp_optimizer",
@@ -211,8 +218,10 @@ def iter_full_params(
     Names are the HF names (FSDP2 does not rename parameters). Each sharded tensor is all-gathered
     on the compute device only when the consumer asks for it, so peak extra memory is one full
     tensor; the consumer should drop its reference before asking for the next. Every rank must
-    iterate to the end (the gathers are collectives). `dtype` casts each tensor (e.g. bf16 for a
-    rollout engine) after gathering. `name_filter` keeps only the names it accepts (it must accept
+    iterate to the end (the gathers are collectives). `dtype` casts each floating-point tensor
+    (e.g. to bf16 for a rollout engine) before gathering: each rank casts its own shard, so the
+    all-gather moves the rollout dtype's bytes (half of fp32's for bf16), and the values are those
+    of casting the gathered tensor (a cast is elementwise). `name_filter` keeps only the names it accepts (it must accept
     the same names on every rank). A replicated parameter (`fsdp_size=1`, or a module without FSDP)
     is yielded without a copy: it shares the module's storage, so consumers copy it and never write
     to it.
@@ -223,15 +232,18 @@ def iter_full_params(
     for name, tensor in module.state_dict().items():
         if name_filter is not None and not name_filter(name):
             continue
+        cast = dtype is not None and tensor.is_floating_point()
         if isinstance(tensor, DTensor):
             if _holds_full_tensor(tensor):  # replicated (fsdp_size=1): the local tensor is already whole
                 tensor = tensor.to_local()
             else:
                 if tensor.device != device:  # offloaded shards: gather on the device the backend supports
                     tensor = tensor.to(device)
+                if cast:
+                    tensor = tensor.to(dtype)  # the local shard, before the gather
                 tensor = tensor.full_tensor()
-        if dtype is not None and tensor.is_floating_point():
-            tensor = tensor.to(dtype)
+        if cast:
+            tensor = tensor.to(dtype)  # a no-op for a tensor cast before its gather
         yield name, tensor
 
 
@@ -253,6 +265,48 @@ def get_full_state_dict(module: nn.Module, rank0_only: bool = True) -> dict[str,
         options = StateDictOptions(full_state_dict=True, cpu_offload=True)
         return get_model_state_dict(module, options=options)
     return {name: tensor.cpu() for name, tensor in iter_full_params(module)}
+
+
+@torch.no_grad()
+def load_full_state_from_rank0(module: nn.Module, full_state_dict: dict | None, device) -> None:
+    """Give every rank's `module` rank 0's weights: the sharded-loading half of
+    `verl.utils.model.load_causal_lm(..., meta_device=True)`. Every rank must call it.
+
+    `module` is wrapped already (FSDP2, or a plain replica): on rank 0 built from the checkpoint and
+    on its device, `full_state_dict` its unsharded `state_dict()` taken before sharding; on ranks > 0
+    built on the meta device, `full_state_dict` None. Those ranks first allocate their (sharded)
+    parameters and buffers on `device`, uninitialised; then torch's
+    `set_model_state_dict(..., broadcast_from_rank0=True)` broadcasts one tensor at a time and
+    each rank keeps its shard, so no rank > 0 holds more than one full tensor at once. Buffers that
+    are no part of a state dict (non-persistent, e.g. rotary `inv_freq`) are broadcast from rank 0
+    too: on the meta device they were never computed.
+    """
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+    rank = dist.get_rank()
+    if rank != 0:
+        _materialize_meta(module, device)
+    options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
+    set_model_state_dict(module, full_state_dict if rank == 0 else {}, options=options)
+    persistent = set(module.state_dict())
+    for name, buffer in module.named_buffers():
+        if name not in persistent:
+            dist.broadcast(buffer, src=0)
+
+
+def _materialize_meta(module: nn.Module, device) -> None:
+    """`module.to_empty(device)`, keeping tied parameters tied (a plain module's `to_empty` gives
+    each owner of a shared meta parameter its own new one; FSDP2 keeps the tie itself)."""
+    shared: dict[int, list[str]] = {}
+    for name, param in module.named_parameters(remove_duplicate=False):
+        shared.setdefault(id(param), []).append(name)
+    module.to_empty(device=device)
+    for names in shared.values():
+        first = module.get_parameter(names[0])
+        for name in names[1:]:
+            if module.get_parameter(name) is not first:
+                owner, _, attr = name.rpartition(".")
+                setattr(module.get_submodule(owner), attr, first)
 
 
 def offload_fsdp_model_to_cpu(model: nn.Module, empty_device_cache: bool = True) -> None:

@@ -8,6 +8,11 @@ the `score` head fresh, so any decoder with a `*ForTokenClassification` class ca
 Loading errors say which config key to fix: a path that does not exist, a checkpoint whose model
 type has no causal-LM (or token-classification) class.
 
+Sharded loading: a rank > 0 of an FSDP-sharded model passes `meta_device=True` and gets the
+model's structure on the meta device without reading the checkpoint (no host copy of the weights);
+rank 0's loaded weights then reach its shards by broadcast
+(`verl.utils.fsdp_utils.load_full_state_from_rank0`).
+
 Attention backend: flash-attention 2 when a CUDA device is in use and `flash_attn` is installed
 (its varlen kernel serves the packed remove-padding path), SDPA otherwise (CPU included).
 """
@@ -66,13 +71,23 @@ def load_model_config(path: str, trust_remote_code: bool = False, override_confi
     return config
 
 
-def _auto_load(auto_cls, kind: str, path: str, config, torch_dtype, attn_implementation, trust_remote_code):
+def _auto_load(
+    auto_cls, kind: str, path: str, config, torch_dtype, attn_implementation, trust_remote_code, meta_device=False
+):
     if type(config) not in auto_cls._model_mapping and not trust_remote_code:
         raise ValueError(
             f"model at {path!r} has model_type={config.model_type!r}, which has no {kind} class in transformers "
             f"(architectures: {getattr(config, 'architectures', None)}); point the model path at a decoder-only "
             "language model such as Qwen2 or Llama"
         )
+    if meta_device:
+        with torch.device("meta"):
+            return auto_cls.from_config(
+                config,
+                dtype=torch_dtype,
+                attn_implementation=attn_implementation or get_attn_implementation(),
+                trust_remote_code=trust_remote_code,
+            )
     return auto_cls.from_pretrained(
         path,
         config=config,
@@ -88,13 +103,22 @@ def load_causal_lm(
     attn_implementation: str | None = None,
     trust_remote_code: bool = False,
     override_config: dict | None = None,
+    meta_device: bool = False,
 ):
-    """`AutoModelForCausalLM` from `path` (weights in `torch_dtype`, on CPU)."""
+    """`AutoModelForCausalLM` from `path` (weights in `torch_dtype`, on CPU); with `meta_device`, the
+    same model on the meta device, its weights not read (see the module docstring)."""
     from transformers import AutoModelForCausalLM
 
     config = load_model_config(path, trust_remote_code, override_config)
     return _auto_load(
-        AutoModelForCausalLM, "causal-LM", path, config, torch_dtype, attn_implementation, trust_remote_code
+        AutoModelForCausalLM,
+        "causal-LM",
+        path,
+        config,
+        torch_dtype,
+        attn_implementation,
+        trust_remote_code,
+        meta_device,
     )
 
 
@@ -104,11 +128,12 @@ def load_valuehead_model(
     attn_implementation: str | None = None,
     trust_remote_code: bool = False,
     override_config: dict | None = None,
+    meta_device: bool = False,
 ):
     """Critic: the backbone at `path` with a fresh scalar head (`*ForTokenClassification`, 1 label).
 
     Dropout in the head is disabled: value targets are regressed, and dropout would make
-    `compute_values` and `update_critic` see different functions.
+    `compute_values` and `update_critic` see different functions. `meta_device` as in `load_causal_lm`.
     """
     from transformers import AutoModelForTokenClassification
 
@@ -122,6 +147,7 @@ def load_valuehead_model(
         torch_dtype,
         attn_implementation,
         trust_remote_code,
+        meta_device,
     )
 
 

@@ -19,7 +19,9 @@ when the partition is not perfectly even. Here the count starts there and grows 
 balanced partition fits the budget, so a micro-batch exceeds it only when one sequence alone
 does (which is an error: raise the budget). Every rank of the data-parallel group then uses the
 largest count of any rank, because FSDP runs one collective per forward and all ranks must run
-the same number of forwards.
+the same number of forwards. That agreement is a host-side collective: its tensor lives where the
+group reduces it (`verl.utils.device.collective_device`: the CPU on the workers' gloo or
+`cpu:gloo,cuda:nccl` group, the device on an NCCL-only one).
 """
 
 from __future__ import annotations
@@ -29,6 +31,8 @@ import math
 from collections.abc import Sequence
 
 import torch
+
+from verl.utils.device import collective_device
 
 __all__ = [
     "get_reverse_idx",
@@ -190,7 +194,9 @@ def rearrange_micro_batches(
     if min_num_micro_batch is not None:
         num_micro = max(num_micro, min_num_micro_batch)
     if same_micro_num_in_dp and torch.distributed.is_available() and torch.distributed.is_initialized():
-        count = torch.tensor([num_micro], dtype=torch.int64, device=batch["attention_mask"].device)
+        # the batch is split on the host; the count goes where the group can reduce it (gloo: no
+        # device round trip; an NCCL-only group: this rank's device)
+        count = torch.tensor([num_micro], dtype=torch.int64, device=collective_device(dp_group))
         torch.distributed.all_reduce(count, op=torch.distributed.ReduceOp.MAX, group=dp_group)
         num_micro = int(count.item())
     if num_micro > len(seqlens):

@@ -9,7 +9,7 @@ slower). Each path therefore reports a `SpeedPath`, decided by the code that tak
     shared_prompt_forward  the actor (verl.utils.shared_prompt)     actor.share_prompt_forward
     remove_padding         the actor and critic workers             model.use_remove_padding
     fused_kernels          the actor and critic workers             actor.use_fused_kernels, model.use_fused_kernels
-    cuda_graphs            the built-in rollout engine              rollout.enforce_eager=false
+    cuda_graphs            the built-in rollout engine              a CUDA device (engine_kwargs.hf.enforce_eager)
     shm_transport          the driver's worker groups               VERL_SHM_TRANSPORT (on unless set to 0)
 
 and the trainer makes it visible three ways: one log line per path at start (a warning for a path

@@ -20,6 +20,7 @@ here dynamic and fixed micro-batches give the same gradients (a test checks it).
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Mapping
 
 import torch
@@ -31,13 +32,16 @@ __all__ = [
     "append_to_dict",
     "average_gradients",
     "average_replica_gradients",
-    "clip_grad_and_step",
+    "clip_grad_norm",
     "config_to_dict",
     "dp_group_and_size",
     "loss_normaliser",
+    "metrics_to_host",
+    "micro_batch_weight",
     "replicate_over_ranks",
     "response_mask_of",
     "split_micro_batches",
+    "step_if_finite",
 ]
 
 
@@ -116,6 +120,18 @@ def loss_normaliser(response_mask: torch.Tensor, loss_agg_mode: str) -> torch.Te
     return n.to(torch.float64)
 
 
+def micro_batch_weight(
+    response_mask: torch.Tensor, loss_agg_mode: str, normaliser: float, dp_size: int, loss: torch.Tensor
+) -> torch.Tensor:
+    """The factor of one micro-batch's aggregated loss: `n_micro / normaliser * dp_size` (see the
+    module docstring), as a 0-d tensor in `loss`'s dtype and device, so that nothing waits for the
+    device; 0 when the whole mini-batch has nothing to normalise by."""
+    if normaliser == 0:
+        return loss.new_zeros(())
+    weight = loss_normaliser(response_mask, loss_agg_mode) / normaliser * dp_size
+    return weight.to(device=loss.device, dtype=loss.dtype)
+
+
 @dataclasses.dataclass(frozen=True)
 class _Replicas:
     group: object  # the process group (None: the default group)
@@ -129,7 +145,7 @@ def replicate_over_ranks(module: torch.nn.Module, group=None) -> torch.nn.Module
     """Mark a plain (not FSDP) `module` as one full replica per rank of `group` (default: all ranks).
 
     Data-parallel training without FSDP: every rank holds the whole model and trains on its own
-    samples, and `clip_grad_and_step` averages the gradients over the ranks with one all-reduce of
+    samples, and `clip_grad_norm` averages the gradients over the ranks with one all-reduce of
     one flat buffer before clipping (`average_replica_gradients`). For models whose whole training
     state fits every rank, this skips FSDP2's per-layer hooks, per-layer collectives and DTensor
     dispatch (see `verl.workers.fsdp_workers.REPLICATE_BELOW_PARAMS`). Nothing about the module
@@ -238,12 +254,11 @@ def split_micro_batches(
     return list(batch.split(int(micro_batch_size))), None
 
 
-def clip_grad_and_step(module: torch.nn.Module, optimizer: torch.optim.Optimizer, grad_clip: float | None):
-    """Clip gradients to `grad_clip` (total norm over the full model) and step the optimizer.
-
-    A non-finite norm skips the step and clears the gradients instead of raising; the norm is the
-    same on every rank, so all ranks skip together. Returns (grad_norm, stepped).
-    """
+def clip_grad_norm(module: torch.nn.Module, grad_clip: float | None) -> torch.Tensor:
+    """Clip the gradients of `module` to `grad_clip` (total norm over the full model) and return the
+    norm before clipping as a 0-d tensor on the device, without waiting for it (no host sync). A
+    replicated module's gradients are averaged over its ranks first. A non-finite norm leaves
+    non-finite gradients: `step_if_finite` then skips the step."""
     from torch.distributed.fsdp import FSDPModule
 
     from verl.utils.fsdp_utils import fsdp2_clip_grad_norm_
@@ -251,12 +266,37 @@ def clip_grad_and_step(module: torch.nn.Module, optimizer: torch.optim.Optimizer
     max_norm = float("inf") if grad_clip is None else float(grad_clip)
     average_replica_gradients(module)
     if isinstance(module, FSDPModule):
-        grad_norm = fsdp2_clip_grad_norm_(module.parameters(), max_norm=max_norm)
-    else:
-        grad_norm = torch.nn.utils.clip_grad_norm_(module.parameters(), max_norm=max_norm)
-    grad_norm = float(grad_norm)
-    if not torch.isfinite(torch.tensor(grad_norm)):
+        return fsdp2_clip_grad_norm_(module.parameters(), max_norm=max_norm)
+    return torch.nn.utils.clip_grad_norm_(module.parameters(), max_norm=max_norm)
+
+
+def step_if_finite(optimizer: torch.optim.Optimizer, grad_norm: float) -> bool:
+    """Step the optimizer, or, for a non-finite `grad_norm` (the same on every rank, so all ranks skip
+    together), clear the gradients instead of raising. Returns whether it stepped."""
+    if not math.isfinite(grad_norm):
         optimizer.zero_grad()
-        return grad_norm, False
+        return False
     optimizer.step()
-    return grad_norm, True
+    return True
+
+
+def metrics_to_host(metric_dicts: list[dict]) -> list[dict[str, float]]:
+    """`metric_dicts` with every value a Python float, the tensor values fetched in one copy per device.
+
+    Training code keeps its per-micro-batch metrics as 0-d device tensors (a `float()` on each would
+    wait for the device every time: 5-7 host syncs per micro-batch) and converts them here, once per
+    mini-batch, together with the gradient norm the optimizer step needs anyway.
+    """
+    by_device: dict[torch.device, list[torch.Tensor]] = {}
+    for metrics in metric_dicts:
+        for value in metrics.values():
+            if isinstance(value, torch.Tensor):
+                by_device.setdefault(value.device, []).append(value)
+    fetched: dict[int, float] = {}
+    for tensors in by_device.values():
+        stacked = torch.stack([t.detach().reshape(()).to(torch.float64) for t in tensors])
+        fetched.update(zip((id(t) for t in tensors), stacked.tolist(), strict=True))
+    return [
+        {k: fetched[id(v)] if isinstance(v, torch.Tensor) else float(v) for k, v in metrics.items()}
+        for metrics in metric_dicts
+    ]

@@ -54,14 +54,18 @@ _ROLES = {
 }
 
 
-def _join_group(worker: Worker) -> None:
-    """Join the group's torch.distributed group once per process (colocated roles share it).
+def _join_group(worker: Worker, timeout_s=None) -> None:
+    """Join the group's torch.distributed group once per process (colocated roles share it: the
+    first role built, the actor in main_ppo's pools, sets the backend and the timeout).
 
-    Seeds torch identically on every rank, so freshly initialised weights (a critic's value head)
-    agree across ranks; `_seed_sampling` later gives each rank its own sampling stream.
+    `timeout_s` is the role's `nccl_timeout` (`actor_rollout_ref.nccl_timeout`; None: the
+    `VERL_DIST_TIMEOUT_S` / 600 s default). The backend is gloo on CPU and `cpu:gloo,cuda:nccl` on
+    GPU (see `verl.single_controller.base.worker`). Seeds torch identically on every rank, so
+    freshly initialised weights (a critic's value head) agree across ranks; `_seed_sampling` later
+    gives each rank its own sampling stream.
     """
     if not dist.is_initialized():
-        worker.init_process_group(backend=dev.get_dist_backend())
+        worker.init_process_group(timeout_s=None if timeout_s is None else float(timeout_s))
     dev.set_device()
     torch.manual_seed(_SEED)
     # One CPU bundle per worker: use the threads Ray granted, not every core of the machine.
@@ -104,16 +108,27 @@ def _log_prob_meta(data: DataProto, cfg: DictConfig, temperature: float) -> None
     data.meta_info.setdefault("temperature", temperature)
 
 
-def _mfu_metric(config, data: DataProto, seconds: float, passes: int) -> float | None:
-    """perf/mfu of an update over the global batch (its per-sequence token counts ride in meta_info);
-    `config` is the trained model's HF config."""
-    from verl.utils.flops_counter import FlopsCounter, mfu
+@contextlib.contextmanager
+def _device_timer():
+    """Seconds of the work inside the block, device included: synchronised on entry and exit (the
+    device runs behind the host, so an unsynchronised clock would read the launches, not the work).
+    Yields a one-element list that holds the seconds after the block."""
+    seconds = [0.0]
+    dev.synchronize()
+    start = time.perf_counter()
+    yield seconds
+    dev.synchronize()
+    seconds[0] = time.perf_counter() - start
 
-    seqlens = data.meta_info.get("global_token_num")
-    if not seqlens or config is None:
+
+def _mfu_metric(flops: float | None, seconds: float, dp_size: int) -> float | None:
+    """perf/mfu of an update: the FLOPs its model ran on this rank (`FlopsTally.total`), over all ranks
+    (`verl.utils.flops_counter.mfu_over_ranks`, a collective where a peak is known)."""
+    from verl.utils.flops_counter import mfu_over_ranks
+
+    if flops is None:
         return None
-    world = dist.get_world_size() if dist.is_initialized() else 1
-    return mfu(FlopsCounter(config), seqlens, seconds, world, passes=passes)
+    return mfu_over_ranks(flops, seconds, dp_size)
 
 
 def _plain(section) -> dict:
@@ -159,15 +174,20 @@ class _FSDPModel:
     """
 
     def __init__(self, model_cfg: DictConfig, fsdp_cfg, for_training: bool, value_head: bool = False):
-        from verl.utils.fsdp_utils import apply_fsdp2
+        from verl.utils.fsdp_utils import apply_fsdp2, load_full_state_from_rank0
         from verl.utils.lora import apply_lora, lora_enabled
         from verl.utils.model import enable_gradient_checkpointing, load_causal_lm, load_valuehead_model
 
+        # Only rank 0 reads the checkpoint; the other ranks start on the meta device and get its
+        # weights by broadcast once wrapped (`load_full_state_from_rank0`).
+        from_rank0 = dist.is_initialized() and dist.get_world_size() > 1
+        on_meta = from_rank0 and dist.get_rank() > 0
         loader = load_valuehead_model if value_head else load_causal_lm
         self.module = loader(
             model_cfg.path,
             trust_remote_code=model_cfg.get("trust_remote_code", False),
             override_config=_plain(model_cfg.get("override_config")),
+            meta_device=on_meta,
         )
         if for_training and model_cfg.get("enable_gradient_checkpointing", False):
             enable_gradient_checkpointing(self.module)
@@ -176,13 +196,20 @@ class _FSDPModel:
         self.lora = for_training and not value_head and lora_enabled(model_cfg)
         if self.lora:
             self.module = apply_lora(self.module, model_cfg)
+        full_state = self.module.state_dict() if from_rank0 and not on_meta else None
         if _trains_as_plain_replicas(fsdp_cfg, self.module):
-            from verl.utils.device import get_device
             from verl.workers.dp_training import replicate_over_ranks
 
-            self.module = replicate_over_ranks(self.module.to(get_device()))
+            self.module = replicate_over_ranks(self.module if on_meta else self.module.to(dev.get_device()))
+            device = dev.get_device()
         else:
-            self.module = apply_fsdp2(self.module, _auto_replicate(fsdp_cfg, self.module))
+            sharding = _auto_replicate(fsdp_cfg, self.module)
+            self.module = apply_fsdp2(self.module, sharding)
+            # FSDP2's CPU offload keeps the shards on the host
+            device = "cpu" if _plain(sharding).get("offload_policy", False) else dev.get_device()
+        if from_rank0:
+            load_full_state_from_rank0(self.module, full_state, device)
+            del full_state
         self.optimizer = None
         fsdp = _plain(fsdp_cfg)
         self.param_offload = bool(fsdp.get("param_offload", False))
@@ -214,22 +241,54 @@ class _FSDPModel:
 
     @property
     def hf_config(self):
-        """The HF config of the model (for FLOP counts)."""
+        """The HF config of the model."""
         return getattr(self.module, "config", None)
 
-    def hf_params(self):
-        """`(hf_name, full_tensor)` pairs, streamed (collective): with LoRA, the merged weights."""
+    def hf_params(self, dtype: torch.dtype | None = None):
+        """`(hf_name, full_tensor)` pairs, streamed (collective): with LoRA, the merged weights.
+        `dtype` (the rollout's) casts floating-point tensors: each shard before its all-gather, or,
+        with LoRA, each merged weight (the merge itself runs in at least float32)."""
         from verl.utils.fsdp_utils import iter_full_params
 
         if not self.lora:
-            return iter_full_params(self.module)
+            return iter_full_params(self.module, dtype=dtype)
         from verl.utils.lora import lora_scalings, merge_lora_state
 
-        return merge_lora_state(iter_full_params(self.module), lora_scalings(self.module))
+        merged = merge_lora_state(iter_full_params(self.module), lora_scalings(self.module))
+        return merged if dtype is None else _cast_floating(merged, dtype)
 
     def adapters_disabled(self):
         """Context in which the model computes as its base model (LoRA adapters off); a no-op without LoRA."""
         return self.module.disable_adapter() if self.lora else contextlib.nullcontext()
+
+
+def _cast_floating(named_tensors, dtype: torch.dtype):
+    for name, tensor in named_tensors:
+        yield name, tensor.to(dtype) if tensor.is_floating_point() else tensor
+
+
+def rollout_dtype(rollout_cfg) -> torch.dtype:
+    """The dtype the rollout engine holds its weights in (`rollout.dtype`; auto: bf16 on an
+    accelerator, fp32 on CPU): what weight sync casts to before gathering and sending."""
+    from verl.workers.rollout.native.engine import resolve_dtype
+
+    return resolve_dtype(rollout_cfg.get("dtype", "auto"), dev.get_device())
+
+
+def sync_rollout_weights(model, rollout, dtype: torch.dtype) -> None:
+    """The hybrid engine's weight sync: the trained model's full weights, cast to the rollout's
+    `dtype` shard by shard, streamed into `rollout` (woken up first). Every rank calls it (the
+    gathers are collectives); a rank without an engine (`rollout` None) only takes part in them.
+    `model` is the actor's model holder (`_FSDPModel`, or another backend's with `on_device` and
+    `hf_params(dtype)`)."""
+    with model.on_device():
+        params = model.hf_params(dtype)
+        if rollout is None:
+            for _ in params:
+                pass
+        else:
+            rollout.wake_up()
+            rollout.update_weights(params)
 
 
 # Below this many parameters `fsdp_size=-1` replicates the model (fsdp_size=1) instead of sharding
@@ -341,7 +400,7 @@ class ActorRolloutRefWorker(Worker):
         self.role = role
         self.parts = _ROLES[role]
         os.environ["VERL_ROLE"] = role
-        _join_group(self)
+        _join_group(self, config.get("nccl_timeout"))
         self.dp_size = self._data_parallel_size()
         with open_dict(self.config):
             self.config.actor.use_remove_padding = self.config.model.get("use_remove_padding", False)
@@ -446,14 +505,7 @@ class ActorRolloutRefWorker(Worker):
         metrics = {}
         if self.actor is not None:
             start = time.perf_counter()
-            with self.actor_model.on_device():
-                params = self.actor_model.hf_params()
-                if rollout is None:
-                    for _ in params:
-                        pass
-                else:
-                    rollout.wake_up()
-                    rollout.update_weights(params)
+            sync_rollout_weights(self.actor_model, rollout, rollout_dtype(self.config.rollout))
             metrics["timing_s/update_weights"] = time.perf_counter() - start
         if rollout is None:
             return DataProto()
@@ -508,7 +560,8 @@ class ActorRolloutRefWorker(Worker):
         self._need("actor", "send_weights")
         start = time.perf_counter()
         with self.actor_model.on_device():  # pack() copies the weights: the background send needs no params
-            params = self.actor_model.hf_params()
+            # cast to what the rollout engines hold before gathering: rank 0 keeps a bf16 copy, not fp32
+            params = self.actor_model.hf_params(rollout_dtype(self.config.rollout))
             if self._weight_sender is None:
                 for _ in params:  # the gathers are collectives: every rank iterates to the end
                     pass
@@ -557,11 +610,12 @@ class ActorRolloutRefWorker(Worker):
         actor = self._need("actor", "update_actor")
         data.meta_info.setdefault("temperature", self.config.rollout.temperature)
         start = time.perf_counter()
-        with self.actor_model.on_device(optimizer=True):
+        with self.actor_model.on_device(optimizer=True), _device_timer() as compute_s:
             metrics = actor.update_policy(data)
         metrics["actor/lr"] = self.actor_model.step_scheduler()
-        metrics["perf/update_actor_s"] = seconds = time.perf_counter() - start
-        actor_mfu = _mfu_metric(self.actor_model.hf_config, data, seconds, self.config.actor.get("ppo_epochs", 1))
+        metrics["perf/update_actor_s"] = time.perf_counter() - start  # with the offload transfers
+        # MFU: the FLOPs the update ran over its synchronised compute time, offload excluded
+        actor_mfu = _mfu_metric(actor.flops.total(), compute_s[0], self.dp_size)
         if actor_mfu is not None:
             metrics["perf/mfu/actor"] = actor_mfu
         mem = dev.memory_stats()
@@ -590,8 +644,8 @@ class CriticWorker(Worker):
         super().__init__()
         self.config = config
         os.environ["VERL_ROLE"] = "critic"
-        _join_group(self)
-        dp = self._data_parallel_size()
+        _join_group(self, config.get("nccl_timeout"))
+        self.dp_size = dp = self._data_parallel_size()
         with open_dict(self.config):
             n = config.get("rollout_n", 1)
             self.config.ppo_mini_batch_size = config.ppo_mini_batch_size * n // dp
@@ -634,13 +688,10 @@ class CriticWorker(Worker):
 
     @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO)
     def update_critic(self, data: DataProto) -> DataProto:
-        start = time.perf_counter()
-        with self.critic_model.on_device(optimizer=True):
+        with self.critic_model.on_device(optimizer=True), _device_timer() as compute_s:
             metrics = self.critic.update_critic(data)
         metrics["critic/lr"] = self.critic_model.step_scheduler()
-        critic_mfu = _mfu_metric(
-            self.critic_model.hf_config, data, time.perf_counter() - start, self.config.get("ppo_epochs", 1)
-        )
+        critic_mfu = _mfu_metric(self.critic.flops.total(), compute_s[0], self.dp_size)
         if critic_mfu is not None:
             metrics["perf/mfu/critic"] = critic_mfu
         return DataProto(meta_info={"metrics": metrics})
@@ -684,15 +735,20 @@ class RewardModelWorker(Worker):
         super().__init__()
         self.config = config
         os.environ["VERL_ROLE"] = "reward_model"
-        _join_group(self)
+        _join_group(self, config.get("nccl_timeout"))
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def init_model(self) -> None:
         from transformers import AutoModelForSequenceClassification
 
         model_cfg = self.config.model
+        # bf16 on GPU, as upstream loads its reward model (an fp32 forward runs at a fraction of the
+        # tensor cores' rate); fp32 on CPU
         self.model = AutoModelForSequenceClassification.from_pretrained(
-            model_cfg.path, num_labels=1, trust_remote_code=model_cfg.get("trust_remote_code", False)
+            model_cfg.path,
+            num_labels=1,
+            trust_remote_code=model_cfg.get("trust_remote_code", False),
+            dtype=dev.default_compute_dtype(),
         )
         self.model.to(dev.get_device()).eval()
         self._load_tokenizers()

@@ -42,29 +42,22 @@ from omegaconf import DictConfig
 
 from verl.single_controller.base import Worker
 from verl.single_controller.base.decorator import Dispatch, make_nd_compute_dataproto_dispatch_fn, register
+from verl.single_controller.base.worker import dist_timeout_s
 from verl.utils import device as dev
 from verl.utils.optim import local_optimizer
 from verl.workers import fsdp_workers
-from verl.workers.fsdp_workers import _plain
+from verl.workers.fsdp_workers import _cast_floating, _plain
 
 _ACTOR_MESH = make_nd_compute_dataproto_dispatch_fn("actor")
 _CRITIC_MESH = make_nd_compute_dataproto_dispatch_fn("critic")
 _REWARD_MESH = make_nd_compute_dataproto_dispatch_fn("reward")
-
-_DTYPES = {
-    "fp32": torch.float32,
-    "float32": torch.float32,
-    "bf16": torch.bfloat16,
-    "bfloat16": torch.bfloat16,
-    "fp16": torch.float16,
-    "float16": torch.float16,
-}
 
 
 def _setup_parallel(megatron_cfg: dict) -> None:
     from verl.utils.megatron.parallel_state import initialize_model_parallel
 
     initialize_model_parallel(
+        timeout_s=dist_timeout_s(),  # the deadline this process's group was created with
         tensor_model_parallel_size=int(megatron_cfg.get("tensor_model_parallel_size", 1)),
         pipeline_model_parallel_size=int(megatron_cfg.get("pipeline_model_parallel_size", 1)),
         virtual_pipeline_model_parallel_size=megatron_cfg.get("virtual_pipeline_model_parallel_size"),
@@ -100,7 +93,13 @@ class _MegatronModel:
         """value_head: a [1, hidden] score head instead of the LM head, from a token-classification
         checkpoint (critic), or with `sequence_classifier` from a sequence-classification one (reward
         model, whose head has no bias: it gets a zero one)."""
-        from verl.models.mcore import build_model_chunks, hf_to_mcore_config, load_hf_state_dict
+        from verl.models.mcore import (
+            build_model_chunks,
+            hf_to_mcore_config,
+            load_hf_state_dict,
+            megatron_dtypes,
+            set_compute_dtype,
+        )
         from verl.utils.model import (
             load_causal_lm,
             load_model_config,
@@ -115,8 +114,9 @@ class _MegatronModel:
         config_overrides = {"num_labels": 1, **(overrides or {})} if value_head else overrides
         self.hf_config = load_model_config(model_cfg.path, trust, config_overrides)
         self.value_head = value_head
-        dtype = _DTYPES[str(meg.get("dtype", "fp32"))]
-        tf_config = hf_to_mcore_config(self.hf_config, meg, dtype)
+        # fp32 parameters, the forward autocast to a 16-bit dtype (see verl.models.mcore.config)
+        param_dtype, compute_dtype = megatron_dtypes(meg.get("dtype", "auto"), for_training)
+        tf_config = hf_to_mcore_config(self.hf_config, meg, param_dtype, compute_dtype)
         for key, value in (meg.get("override_transformer_config") or {}).items():
             if not hasattr(tf_config, key):
                 raise ValueError(
@@ -124,6 +124,7 @@ class _MegatronModel:
                 )
             setattr(tf_config, key, value)
         self.chunks = build_model_chunks(self.hf_config, tf_config, value_head=value_head)
+        set_compute_dtype(self.chunks, compute_dtype)
         if meg.get("use_dist_checkpointing"):
             if sequence_classifier:
                 raise ValueError(
@@ -207,11 +208,13 @@ class _MegatronModel:
         """No LoRA on this backend: the model always computes as itself."""
         return contextlib.nullcontext()
 
-    def hf_params(self):
-        """`(hf_name, full_tensor)` pairs, streamed; a collective over the tensor and pipeline groups."""
+    def hf_params(self, dtype: torch.dtype | None = None):
+        """`(hf_name, full_tensor)` pairs, streamed; a collective over the tensor and pipeline groups.
+        `dtype` casts floating-point tensors once gathered."""
         from verl.models.mcore import mcore_to_hf_named_tensors
 
-        return mcore_to_hf_named_tensors(self.chunks, self.hf_config, value_head=self.value_head)
+        params = mcore_to_hf_named_tensors(self.chunks, self.hf_config, value_head=self.value_head)
+        return params if dtype is None else _cast_floating(params, dtype)
 
 
 class _OptimizedMegatronModel(_MegatronModel):
@@ -324,7 +327,7 @@ class CriticWorker(fsdp_workers.CriticWorker):
         model = _OptimizedMegatronModel(
             cfg.model, cfg.megatron, cfg.optim, cfg.get("checkpoint"), self.tokenizer, value_head=True
         )
-        return model, MegatronPPOCritic(cfg, model.chunks, model.optimizer)
+        return model, MegatronPPOCritic(cfg, model.chunks, model.optimizer, hf_config=model.hf_config)
 
     compute_values = _on_mesh(fsdp_workers.CriticWorker.compute_values, _CRITIC_MESH)
     update_critic = _on_mesh(fsdp_workers.CriticWorker.update_critic, _CRITIC_MESH)

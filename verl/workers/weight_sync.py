@@ -16,12 +16,28 @@ Design decisions:
   `v<version>/b<i>` just before its broadcast, so the receiver needs no prior knowledge of the
   model; an end marker closes each version. Receivers unpack lazily, so the engine loads a bucket
   while the next one is still in flight.
-- Deadline: the group's timeout bounds every wait (rendezvous, store reads, broadcasts). When it
-  expires, the error names the side that did not arrive (the trainer, or the rollout workers),
-  the version and the bucket, and says what to check, instead of hanging.
-- Sending runs in a background thread (`WeightSender.send_async`): the trainer's next update can
-  start while the rollout workers are still busy generating and have not reached the receive.
-  Versions are sent strictly in order (a send first joins the previous one).
+- Receivers first, then the wire. A receiver that starts taking version v writes
+  `v<version>/ready/<rank>`; the sender's background thread waits (on the store, host side, up to
+  the deadline) until every receiver has written it, and only then issues any collective. Rollout
+  workers are often busy with queued generations when the trainer sends; with NCCL an issued
+  broadcast whose peers have not arrived occupies GPU streams, so nothing is issued before they
+  are there.
+- Streams (CUDA): the broadcasts run on a stream of the sender's own, which first waits for the
+  packing queued on the trainer's stream; the background thread then waits for that stream on the
+  host. The trainer's stream never waits for a broadcast: NCCL's `work.wait()` makes the *calling
+  thread's current stream* wait for the collective, which on a fresh thread is the default stream
+  the trainer computes on, so calling it there would stall the next training step until the
+  rollout workers had received.
+- Deadline: the group's timeout bounds every wait (rendezvous, store reads, the receivers'
+  readiness, each broadcast). Broadcasts are polled on the host against that deadline rather than
+  left to NCCL's watchdog, whose own timeout is set later (`_NCCL_WATCHDOG_GRACE_S` more) so that
+  an expired wait raises `WeightSyncTimeoutError` and aborts the communicator instead of the
+  watchdog killing the process. The error names the side that did not arrive (the trainer, or the
+  rollout workers), the version and the bucket, and says what to check.
+- Memory: the packed copy is what the background send broadcasts after `send_weights` returns. It
+  holds the tensors in the dtype they are given in: the worker hands over the rollout dtype (bf16
+  on GPU), cast shard by shard before gathering, so rank 0 never holds an fp32 copy of the model
+  on its device (a bf16 copy stays there until the receivers have it).
 - Announcement: a send first writes its version under `latest`, so a receiver busy generating
   can ask, without blocking, whether newer weights are on their way (`WeightReceiver.latest_version`)
   and take them mid-generation (partial rollouts); every receiver must still take every version
@@ -30,9 +46,11 @@ Design decisions:
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import json
 import threading
+import time
 from collections.abc import Iterable, Iterator
 
 import torch
@@ -45,6 +63,9 @@ __all__ = ["WeightSender", "WeightReceiver", "WeightSyncError", "WeightSyncTimeo
 _PREFIX = "verl_weight_sync"
 _END = b"end"
 _LATEST = "latest"
+# NCCL's watchdog fires this much after our own deadline, so the deadline is what a user sees.
+_NCCL_WATCHDOG_GRACE_S = 120.0
+_POLL_S = 0.002
 
 
 class WeightSyncError(RuntimeError):
@@ -78,12 +99,11 @@ def _node_ip() -> str:
 
 def _new_group(store, rank: int, world_size: int, timeout_s: float, backend: str):
     prefixed = dist.PrefixStore(_PREFIX, store)
-    timeout = datetime.timedelta(seconds=timeout_s)
     if backend == "gloo":
-        return dist.ProcessGroupGloo(prefixed, rank, world_size, timeout)
+        return dist.ProcessGroupGloo(prefixed, rank, world_size, datetime.timedelta(seconds=timeout_s))
     if backend == "nccl":
         options = dist.ProcessGroupNCCL.Options()
-        options._timeout = timeout
+        options._timeout = datetime.timedelta(seconds=timeout_s + _NCCL_WATCHDOG_GRACE_S)
         return dist.ProcessGroupNCCL(prefixed, rank, world_size, options)
     raise ValueError(f"weight sync backend {backend!r} is not one of gloo, nccl")
 
@@ -92,8 +112,12 @@ def _dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
+def _ready_key(version: int, rank: int) -> str:
+    return f"v{version}/ready/{rank}"
+
+
 class _Endpoint:
-    """What sender and receiver share: the store, the group and the timeout wording."""
+    """What sender and receiver share: the store, the group, the deadline and its wording."""
 
     def __init__(self, store, rank: int, world_size: int, timeout_s: float, backend: str | None):
         self.store = store
@@ -113,23 +137,46 @@ class _Endpoint:
             return f"the rollout workers (weight-sync ranks 1..{self.world_size - 1})"
         return "the trainer (actor rank 0, weight-sync rank 0)"
 
-    def _timeout_error(self, what: str, exc: BaseException) -> WeightSyncError:
-        text = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+    def _timeout_error(self, what: str, exc: BaseException | None = None) -> WeightSyncError:
+        if exc is None:
+            cause = ""
+        else:
+            text = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+            cause = f" ({type(exc).__name__}: {text})"
         side = "trainer (sender)" if self.rank == 0 else f"rollout worker (receiver, weight-sync rank {self.rank})"
         return WeightSyncTimeoutError(
             f"weight sync failed on the {side} while {what}: {self._missing_side()} did not arrive within "
-            f"{self.timeout_s:g} s or dropped out ({type(exc).__name__}: {text}). Check that side's log for a "
+            f"{self.timeout_s:g} s or dropped out{cause}. Check that side's log for a "
             "crash; if it is only slow (long generations queued ahead of the sync), raise "
             "async_training.weight_sync_timeout_s"
         )
 
     def _broadcast(self, flat: torch.Tensor, what: str) -> None:
+        """Broadcast `flat` from rank 0 on this thread's current stream and wait for it on the host,
+        at most until the deadline (then the communicator is aborted: a collective left pending on
+        NCCL would otherwise end in its watchdog killing the process)."""
         opts = dist.BroadcastOptions()
         opts.rootRank = 0
+        deadline = time.monotonic() + self.timeout_s
         try:
-            self.group.broadcast([flat], opts).wait()
+            work = self.group.broadcast([flat], opts)
+            while not work.is_completed():
+                if time.monotonic() > deadline:
+                    self._abort()
+                    raise self._timeout_error(what)
+                time.sleep(_POLL_S)
+            work.wait()  # re-raises a failed collective's error (gloo); orders the current stream after it (NCCL)
+        except WeightSyncError:
+            raise
         except Exception as exc:
             raise self._timeout_error(what, exc) from None
+
+    def _abort(self) -> None:
+        abort = getattr(self.group, "abort", None)
+        # best effort: the timeout error is what the caller needs
+        if abort is not None:
+            with contextlib.suppress(Exception):
+                abort()
 
 
 class WeightSender(_Endpoint):
@@ -140,12 +187,15 @@ class WeightSender(_Endpoint):
         if bucket_bytes <= 0:
             raise ValueError(f"weight sync bucket size must be positive, got {bucket_bytes} bytes")
         self.bucket_bytes = int(bucket_bytes)
+        # The broadcasts' own stream (None on CPU): the trainer's stream never waits for it.
+        self.stream = dev.new_stream(self.device)
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
 
     def pack(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> list[tuple[dict, torch.Tensor]]:
         """[(layout, flat buffer)]: consecutive tensors of one dtype, at most ~bucket_bytes per buffer
-        (a single larger tensor gets a bucket of its own)."""
+        (a single larger tensor gets a bucket of its own). Tensors keep their dtype: pass them in
+        the dtype the receivers load (see the module docstring)."""
         buckets: list[tuple[dict, torch.Tensor]] = []
         names: list[str] = []
         parts: list[torch.Tensor] = []
@@ -159,6 +209,7 @@ class WeightSender(_Endpoint):
                     "shapes": [tuple(p.shape) for p in parts],
                     "dtype": _dtype_name(parts[0].dtype),
                 }
+                # `cat` copies: the bucket never shares storage with a (replicated) parameter
                 flat = torch.cat([p.reshape(-1) for p in parts]).to(self.device)
                 buckets.append((layout, flat))
             names, parts, size = [], [], 0
@@ -168,21 +219,39 @@ class WeightSender(_Endpoint):
             nbytes = tensor.numel() * tensor.element_size()
             if parts and (tensor.dtype != parts[0].dtype or size + nbytes > self.bucket_bytes):
                 flush()
-            # copy off the (possibly gathered, soon freed) device tensor while packing
             names.append(name)
-            parts.append(tensor.to(self.device if self.backend == "nccl" else "cpu", copy=True))
+            parts.append(tensor)
             size += nbytes
         flush()
         return buckets
 
     def send(self, version: int, buckets: list[tuple[dict, torch.Tensor]]) -> None:
-        """Broadcast one version's buckets (blocks until every receiver has them)."""
+        """Broadcast one version's buckets once every receiver has asked for it; blocks until every
+        receiver has them. On CUDA the broadcasts run on the sender's own stream."""
+        dev.stream_wait_current(self.stream)
+        self._send(version, buckets)
+
+    def _send(self, version: int, buckets: list[tuple[dict, torch.Tensor]]) -> None:
+        """`send` once the sender's stream is ordered after the packing (runs on any thread)."""
         self.announce(version)
-        for i, (layout, flat) in enumerate(buckets):
-            # JSON, not pickle: the store is a network port, and what it hands a receiver must not run code
-            self.store.set(f"v{version}/b{i}", json.dumps({**layout, "numel": flat.numel()}).encode())
-            self._broadcast(flat, f"broadcasting bucket {i} of weight version {version}")
+        self._wait_for_receivers(version)
+        with dev.on_stream(self.stream):
+            for i, (layout, flat) in enumerate(buckets):
+                # JSON, not pickle: the store is a network port, and what it hands a receiver must not run code
+                self.store.set(f"v{version}/b{i}", json.dumps({**layout, "numel": flat.numel()}).encode())
+                self._broadcast(flat, f"broadcasting bucket {i} of weight version {version}")
+        if self.stream is not None:
+            self.stream.synchronize()
         self.store.set(f"v{version}/b{len(buckets)}", _END)
+
+    def _wait_for_receivers(self, version: int) -> None:
+        keys = [_ready_key(version, r) for r in range(1, self.world_size)]
+        if not keys:
+            return
+        try:
+            self.store.wait(keys, datetime.timedelta(seconds=self.timeout_s))
+        except Exception as exc:
+            raise self._timeout_error(f"waiting for the receivers to ask for weight version {version}", exc) from None
 
     def announce(self, version: int) -> None:
         """Tell receivers (`latest_version`) that `version` is on its way."""
@@ -190,15 +259,19 @@ class WeightSender(_Endpoint):
 
     def send_async(self, version: int, buckets: list[tuple[dict, torch.Tensor]]) -> None:
         """`send` in a background thread, after the previous send has finished (raising its error).
-        The version is announced before this returns, so a receiver asking next sees it."""
+        The version is announced before this returns, so a receiver asking next sees it. Returns
+        without waiting for the receivers, and never makes the caller's stream wait. Until the send
+        is joined (`wait`), the thread owns `self.store`: a store client serves one thread at a time."""
         self.wait()
+        # the buffers were packed on the caller's stream: the broadcasts' stream starts after that
+        dev.stream_wait_current(self.stream)
         self.announce(version)
         self._thread = threading.Thread(target=self._run, args=(version, buckets), daemon=True, name="weight-sync")
         self._thread.start()
 
     def _run(self, version, buckets) -> None:
         try:
-            self.send(version, buckets)
+            self._send(version, buckets)
         except BaseException as exc:  # re-raised by wait() on the caller's thread
             self._error = exc
 
@@ -230,7 +303,12 @@ class WeightReceiver(_Endpoint):
             raise self._timeout_error("asking for the newest weight version", exc) from None
 
     def receive(self, version: int) -> Iterator[tuple[str, torch.Tensor]]:
-        """Named tensors of weight `version` (consume the iterator to the end: every bucket is a collective)."""
+        """Named tensors of weight `version` (consume the iterator to the end: every bucket is a
+        collective). The sender starts broadcasting once every receiver has started this."""
+        try:
+            self.store.set(_ready_key(version, self.rank), b"1")
+        except Exception as exc:
+            raise self._timeout_error(f"asking for weight version {version}", exc) from None
         i = 0
         while True:
             key = f"v{version}/b{i}"

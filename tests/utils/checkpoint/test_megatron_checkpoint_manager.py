@@ -1,9 +1,16 @@
 """Weights saved at tp=2 (or pp=2 with virtual pipeline) load bit-exactly at other layouts.
 
-A megatron checkpoint resumes training exactly, also at another layout: saved after one PPO
-update at tp=2 (or pp=2 x vpp=2, or cp=2), loaded at tp=1 x dp=2, the next update gives the weights the
-uninterrupted run reaches. The Adam moments and step count travel with the weights (without them the next
-update differs, which the test also shows)."""
+A megatron checkpoint resumes training exactly, also at another layout. Saved after one PPO update at
+tp=2 (or pp=2 x vpp=2, cp=2, ZeRO), loaded at tp=1 x dp=2 and saved again from there, it loads back
+at the saving layout, whose next update is bit for bit the one the uninterrupted run makes: the same
+arithmetic in the same order, so any difference is the checkpoint's. The Adam moments and step count
+travel with the weights (without them the next update differs, which the test also shows).
+
+The update made at tp=1 x dp=2 itself sums the same products in another order. In float32 Adam
+amplifies that rounding wherever a gradient nearly cancels: 1e-5 to 2e-4 measured, depending on which
+vectorised CPU kernels (AVX-512, AVX2, scalar) ran, against 1e-3 for a lost Adam state, so no float32
+tolerance separates them on every machine. The test therefore runs in float64 (see `CROSS_LAYOUT_ATOL`).
+"""
 
 from __future__ import annotations
 
@@ -31,23 +38,24 @@ def _actor_config(mini_batch: int) -> dict:
     }
 
 
-def _data(seed: int) -> DataProto:
+def _data(seed: int, dtype: torch.dtype = torch.float32) -> DataProto:
     td = make_ppo_batch(batch_size=8, prompt_length=6, response_length=5, seed=seed)
     g = torch.Generator().manual_seed(seed + 10)
-    td["old_log_probs"] = -3.0 + 0.2 * torch.randn(td["responses"].shape, generator=g)
-    td["advantages"] = torch.randn(td["responses"].shape, generator=g) * td["response_mask"]
+    td["old_log_probs"] = (-3.0 + 0.2 * torch.randn(td["responses"].shape, generator=g)).to(dtype)
+    td["advantages"] = (torch.randn(td["responses"].shape, generator=g) * td["response_mask"]).to(dtype)
     return DataProto.from_dict(tensors=dict(td.items()), meta_info={"temperature": 1.0})
 
 
 def _trainer(hf_model, tp: int, mini_batch: int, pp: int = 1, vpp: int | None = None, zero: bool = False, cp: int = 1):
-    """zero: the distributed optimizer (Adam state split over the data-parallel ranks)."""
+    """zero: the distributed optimizer (Adam state split over the data-parallel ranks). The chunks
+    take the HF model's dtype."""
     from megatron.core import parallel_state as mpu
 
     from verl.utils.checkpoint.megatron_checkpoint_manager import MegatronCheckpointManager
     from verl.utils.optim import build_lr_scheduler, build_optimizer
     from verl.workers.actor.megatron_actor import MegatronPPOActor
 
-    chunks = build_loaded_chunks(hf_model, tp=tp, pp=pp, vpp=vpp, cp=cp)
+    chunks = build_loaded_chunks(hf_model, tp=tp, pp=pp, vpp=vpp, cp=cp, dtype=hf_model.dtype)
     shard_over = mpu.get_data_parallel_group() if zero else None
     optimizer = build_optimizer([p for c in chunks for p in c.parameters()], OPTIM, shard_state_over=shard_over)
     scheduler = build_lr_scheduler(optimizer, OPTIM)
@@ -66,61 +74,73 @@ def _my_rows(data: DataProto, rank: int, dp: int) -> DataProto:
     return data.chunk(dp)[rank] if dp > 1 else data
 
 
+# Float64 differences between the update at the saving layout and at tp=1 x dp=2 from the same loaded
+# state, measured with AVX-512, AVX2 and scalar ATen kernels: at most 5e-13 (a key bias, whose exact
+# gradient is zero, so Adam normalises rounding noise), 0 at dp=2 with ZeRO (the same arithmetic). They
+# are the float32 differences scaled by the ratio of the unit roundoffs (2^-53 / 2^-24 = 2e-9), so
+# rounding, not the checkpoint. 1e-9 leaves three orders of magnitude for other kernels and six below
+# the 1e-3 a lost Adam state makes.
+CROSS_LAYOUT_ATOL = 1e-9
+
+
 def _resume_across_layouts(rank, world_size, ckpt_dir, layout):
+    from megatron.core import parallel_state as mpu
+
     from verl.utils.megatron.parallel_state import destroy_model_parallel
 
     tp, pp, vpp, zero, cp = layout
     dp = world_size // (tp * pp * cp)
-    hf_model = tiny_hf_model("qwen2", tie_word_embeddings=True, num_layers=4 if vpp else 2)
-    first, second = _data(1), _data(2)
+    hf_model = tiny_hf_model("qwen2", tie_word_embeddings=True, num_layers=4 if vpp else 2).double()
+    first, second = _data(1, torch.float64), _data(2, torch.float64)
+    # the saving layout splits the 8 rows over its dp ranks; tp=1 x dp=world gives each rank its share,
+    # with the optimizer's state split over the ranks exactly when the saving run's was not
+    saving = {"tp": tp, "pp": pp, "vpp": vpp, "cp": cp, "zero": zero, "mini_batch": 8 // dp}
+    elsewhere = {"tp": 1, "zero": not zero, "mini_batch": 8 // world_size}
+    saved, resaved = f"{ckpt_dir}/saved", f"{ckpt_dir}/resaved"
 
-    # uninterrupted: two updates at the saving layout (the 8 rows split over its dp ranks), saving after the first
-    chunks, actor, scheduler, manager = _trainer(
-        copy.deepcopy(hf_model), tp=tp, mini_batch=8 // dp, pp=pp, vpp=vpp, zero=zero, cp=cp
-    )
-    from megatron.core import parallel_state as mpu
+    def second_update(actor, dp_size: int) -> None:
+        actor.update_policy(copy.deepcopy(_my_rows(second, mpu.get_data_parallel_rank(), dp_size)))
 
-    dp_rank = mpu.get_data_parallel_rank()
-    actor.update_policy(copy.deepcopy(_my_rows(first, dp_rank, dp)))
+    # uninterrupted: two updates at the saving layout, saving after the first
+    chunks, actor, scheduler, manager = _trainer(copy.deepcopy(hf_model), **saving)
+    actor.update_policy(copy.deepcopy(_my_rows(first, mpu.get_data_parallel_rank(), dp)))
     scheduler.step()
-    manager.save_checkpoint(ckpt_dir, global_step=1)
-    actor.update_policy(copy.deepcopy(_my_rows(second, dp_rank, dp)))
+    manager.save_checkpoint(saved, global_step=1)
+    second_update(actor, dp)
     uninterrupted = _weights(chunks, hf_model.config)
     destroy_model_parallel()
 
-    # resumed: tp=1 x dp=world (each rank its share of the 8 rows), fresh model and optimizer, then the
-    # checkpoint; the optimizer's state is split over the ranks exactly when the saving run's was not
-    rows = 8 // world_size
-    chunks, actor, scheduler, manager = _trainer(copy.deepcopy(hf_model), tp=1, mini_batch=rows, zero=not zero)
-    manager.load_checkpoint(ckpt_dir)
+    # resumed elsewhere (fresh model and optimizer, then the checkpoint): saves what it loaded, trains on
+    chunks, actor, scheduler, manager = _trainer(copy.deepcopy(hf_model), **elsewhere)
+    manager.load_checkpoint(saved)
     assert scheduler.last_epoch == 1
-    actor.update_policy(copy.deepcopy(_my_rows(second, rank, world_size)))
+    manager.save_checkpoint(resaved, global_step=1)
+    second_update(actor, world_size)
+    resumed_elsewhere = _weights(chunks, hf_model.config)
+    destroy_model_parallel()
+
+    # back at the saving layout from the checkpoint written elsewhere
+    chunks, actor, scheduler, manager = _trainer(copy.deepcopy(hf_model), **saving)
+    manager.load_checkpoint(resaved)
+    assert scheduler.last_epoch == 1
+    second_update(actor, dp)
     resumed = _weights(chunks, hf_model.config)
     destroy_model_parallel()
 
     # control: the saved weights without the saved Adam state give another update
-    chunks, actor, scheduler, manager = _trainer(copy.deepcopy(hf_model), tp=1, mini_batch=rows)
+    chunks, actor, scheduler, manager = _trainer(copy.deepcopy(hf_model), **saving)
     manager.load_contents = ["model"]
-    manager.load_checkpoint(ckpt_dir)
-    actor.update_policy(copy.deepcopy(_my_rows(second, rank, world_size)))
+    manager.load_checkpoint(saved)
+    second_update(actor, dp)
     weights_only = _weights(chunks, hf_model.config)
     destroy_model_parallel()
 
-    assert sorted(resumed) == sorted(uninterrupted)
-    for name in uninterrupted:
-        # A key bias shifts all attention scores of a query equally and softmax cancels it: its exact
-        # gradient is zero, so its update is Adam-normalised rounding noise, which depends on the
-        # layout's summation order and attention kernel (measured 2e-5 at tp=2, 3e-4 at cp=2 x dp=2),
-        # not on the checkpoint. Its saved value loads bit-exactly (tests below).
-        if name.endswith("k_proj.bias"):
-            continue
-        # The layouts sum partial products in another order, so gradients differ by float rounding.
-        # Adam divides each gradient by its own running size, which amplifies that rounding where a
-        # gradient nearly cancels (up to ~3e-6 here, at lr 0.02): 100x below the gap left by
-        # dropping the Adam state (checked below).
-        torch.testing.assert_close(resumed[name], uninterrupted[name], atol=1e-5, rtol=0, msg=name)
+    assert sorted(resumed) == sorted(resumed_elsewhere) == sorted(uninterrupted)
+    for name, want in uninterrupted.items():
+        assert torch.equal(resumed[name], want), (name, float((resumed[name] - want).abs().max()))
+        torch.testing.assert_close(resumed_elsewhere[name], want, atol=CROSS_LAYOUT_ATOL, rtol=0, msg=name)
     gap = max(float((weights_only[n] - uninterrupted[n]).abs().max()) for n in uninterrupted)
-    assert gap > 1e-3, "the Adam state should change the resumed update"
+    assert gap > 1e-3, f"the Adam state should change the resumed update (weights-only resume moved {gap:.2e})"
 
 
 @pytest.mark.parametrize(

@@ -360,3 +360,106 @@ def _two_rank_zero_rows(rank, world_size, fsdp_size, split):
 )
 def test_ranks_with_unequal_rows_to_train_run_equally_many_micro_batches(fsdp_size, split):
     run_distributed(_two_rank_zero_rows, 2, fsdp_size, split)
+
+
+# ----------------------------------------------------------------------------------------- FLOPs
+
+
+def _eager_qwen2(seed: int = 0):
+    """A tiny Qwen2 with eager attention: its QK^T and AV are plain batched matmuls, which torch's
+    operator count sees (and separates from the projections' mm / addmm)."""
+    from transformers import AutoModelForCausalLM
+
+    from tests.distributed_helpers import tiny_qwen2_config
+
+    torch.manual_seed(seed)
+    config = tiny_qwen2_config(tie_word_embeddings=False)
+    return AutoModelForCausalLM.from_config(config, attn_implementation="eager").float()
+
+
+def _counted_update(actor, data):
+    """(the actor's FLOPs, torch's projection FLOPs (mm / addmm), torch's total) of one update."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    with FlopCounterMode(display=False) as counter:
+        actor.update_policy(data)
+    by_op = {str(op): flops for op, flops in counter.get_flop_counts()["Global"].items()}
+    projections = sum(flops for op, flops in by_op.items() if op.split(".")[-1] in ("mm", "addmm"))
+    return actor.flops.total(), projections, counter.get_total_flops()
+
+
+def _unpadded_batch(prompts: list[list[int]], n: int, response_length: int, advantages: list[float]):
+    """Every prompt repeated `n` times (GRPO), no padding anywhere; advantage `advantages[i]` on row i."""
+    from tensordict import TensorDict
+
+    g = torch.Generator().manual_seed(1)
+    rows = len(prompts) * n
+    prompt = torch.tensor([p for p in prompts for _ in range(n)])
+    responses = torch.randint(3, 40, (rows, response_length), generator=g)
+    input_ids = torch.cat([prompt, responses], dim=1)
+    mask = torch.ones_like(input_ids)
+    td = TensorDict(
+        {
+            "prompts": prompt,
+            "responses": responses,
+            "input_ids": input_ids,
+            "attention_mask": mask,
+            "position_ids": torch.arange(input_ids.shape[1]).expand_as(input_ids).clone(),
+            "response_mask": torch.ones_like(responses),
+            "old_log_probs": torch.full(responses.shape, -3.0),
+            "advantages": torch.tensor(advantages)[:, None].expand(rows, response_length).clone(),
+        },
+        batch_size=[rows],
+    )
+    return DataProto.from_dict(tensors=dict(td.items()), meta_info={"temperature": 1.0})
+
+
+def test_update_flops_count_whole_rows_as_run_on_the_padded_path():
+    """Without prompt sharing every row runs whole. The count is hand-computed here (B rows of P + R
+    tokens, the LM head at the R positions that predict a response token); torch's operator count of
+    the same update runs the head at one more position per row (logits_to_keep = R + 1) and adds
+    the rotary angles: otherwise the two agree, and the count never exceeds torch's."""
+    from verl.utils.flops_counter import FlopsCounter
+
+    P, R, B = 5, 4, 8
+    data = _unpadded_batch([[7, 8, 9, 10, 11]] * 2, n=4, response_length=R, advantages=[1.0, -1.0] * 4)
+    model = _eager_qwen2()
+    config = actor_config(ppo_micro_batch_size_per_gpu=4, share_prompt_forward=False)
+    actor = DataParallelPPOActor(config, model, torch.optim.SGD(model.parameters(), lr=0.0))
+    counted, projections, total = _counted_update(actor, data)
+    counter = FlopsCounter(model.config)
+    assert counted == 3 * counter.forward_flops(B * (P + R), B * (P + R) ** 2, B * R)
+    extra_head = 3 * counter.forward_flops(0, 0, B)  # the (R + 1)-th logits position of each row
+    assert counted - 3 * counter.forward_flops(0, B * (P + R) ** 2, 0) + extra_head == pytest.approx(
+        projections, rel=1e-9
+    )
+    assert counted <= total, (counted, total)
+
+
+def test_update_flops_count_each_shared_prompt_once_and_skip_zero_advantage_rows():
+    """GRPO at n=8 on the shared-prompt path: each distinct prompt runs once and each response's
+    R - 1 input tokens on top of it; a group whose advantages are all zero is left out of the update,
+    so it is not counted. The projections' FLOPs (layers and LM head) are exactly torch's operator
+    count; attention is a lower bound of it (the packed response pass attends over whole groups)."""
+    from verl.utils.flops_counter import FlopsCounter
+
+    P, R, n = 5, 4, 8
+    prompts = [[7, 8, 9, 10, 11], [12, 13, 14, 15, 16], [17, 18, 19, 20, 21]]
+    advantages = [1.0, -1.0] * 4 + [0.0] * 8 + [-1.0, 1.0] * 4  # the second group scored all the same
+    data = _unpadded_batch(prompts, n=n, response_length=R, advantages=advantages)
+    model = _eager_qwen2()
+    config = actor_config(ppo_mini_batch_size=3 * n, ppo_micro_batch_size_per_gpu=3 * n)
+    actor = DataParallelPPOActor(config, model, torch.optim.SGD(model.parameters(), lr=0.0))
+    if not actor.share_prompt_forward:
+        pytest.skip("this transformers' causal LM takes no past_key_values, so the actor cannot share prompts")
+    counted, projections, total = _counted_update(actor, data)
+    groups, rows = 2, 2 * n  # trained: the first and third group
+    tokens = groups * P + rows * (R - 1)
+    attended = groups * P * P + rows * (R - 1) * (P + R - 1)
+    head = groups + rows * (R - 1)
+    counter = FlopsCounter(model.config)
+    assert counted == pytest.approx(3 * counter.forward_flops(tokens, attended, head), rel=1e-12)
+    assert 3 * counter.forward_flops(tokens, 0, head) == pytest.approx(projections, rel=1e-9)
+    assert counted <= total, (counted, total)
+    # what the old count (6 x params x (P + R) for every row of the batch) claimed: far more than ran
+    assert counter.training_flops([P + R] * 3 * n) > 2 * total

@@ -237,7 +237,13 @@ def test_repeated_prompts_are_prefilled_once_and_generate_like_distinct_rows(qwe
 def test_compaction_waits_for_an_eighth_of_the_rows_or_a_smaller_cuda_graph_bucket(qwen2_model):
     eager = GenerationEngine.from_model(qwen2_model, device="cpu")
     assert not eager._worth_compacting(57, 64) and eager._worth_compacting(56, 64)
-    # with CUDA graphs a step costs its batch bucket (a power of two), whatever the live rows
+    # with CUDA graphs a step costs its batch bucket (a power of two, at most the cache's rows),
+    # whatever the live rows
     graphed = GenerationEngine(eager.decoder, use_cuda_graph=True)
+    graphed.decoder.reserve(128, 16, 16)
     assert not graphed._worth_compacting(33, 64) and graphed._worth_compacting(32, 64)
     assert not graphed._worth_compacting(40, 48)  # 40 and 48 both replay the 64-row graph
+    graphed.decoder.release_cache()
+    graphed.decoder.reserve(48, 16, 16)  # a 48-row cache: 48 live rows replay a 48-row graph
+    assert graphed.graphs.graph_batch(48) == 48 and graphed.graphs.graph_batch(40) == 48
+    assert not graphed._worth_compacting(40, 48) and graphed._worth_compacting(32, 48)

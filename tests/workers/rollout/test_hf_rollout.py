@@ -163,13 +163,10 @@ def test_non_tensor_columns_follow_repetition(qwen2_model):
     assert list(out.non_tensor_batch["data_source"]) == ["arith"] * 8
 
 
-def test_cuda_graphs_speed_path_says_why_it_is_off(qwen2_model):
+def test_cuda_graphs_speed_path_is_not_asked_for_on_cpu(qwen2_model):
     from verl.utils.speed_paths import SpeedPath
 
-    assert _rollout(qwen2_model, enforce_eager=True).speed_paths() == [SpeedPath("cuda_graphs", False, False)]
-    assert _rollout(qwen2_model, enforce_eager=False).speed_paths() == [
-        SpeedPath("cuda_graphs", True, False, "the rollout runs on CPU, where there are no CUDA graphs")
-    ]
-    [generic] = _rollout(build_model("gpt2"), enforce_eager=False).speed_paths()
-    assert generic.requested and not generic.active
-    assert generic.reason.startswith("they need the native decoder, which cannot run this model:"), generic
+    for model in (qwen2_model, build_model("gpt2")):
+        assert _rollout(model).speed_paths() == [
+            SpeedPath("cuda_graphs", False, False, "the rollout runs on cpu, which has no CUDA graphs")
+        ]

@@ -1,14 +1,24 @@
 """Token selection: top-k/top-p follow transformers' warpers, sampling draws from the filtered
-distribution, log-probs come from logits / temperature."""
+distribution (down to tokens far below 1e-8), log-probs come from logits / temperature, and the
+fused CUDA kernel does the same."""
 
 from __future__ import annotations
 
+import importlib.util
 import math
+import os
 
 import pytest
 import torch
 
-from verl.workers.rollout.sampling import SamplingParams, filter_logits, select_tokens
+from verl.utils.device import get_device
+from verl.workers.rollout.sampling import (
+    SamplingParams,
+    filter_logits,
+    filter_threshold,
+    sample_from_cdf,
+    select_tokens,
+)
 
 NEG_INF = float("-inf")
 
@@ -82,3 +92,155 @@ def test_greedy_is_argmax_with_untempered_logprobs():
 def test_invalid_sampling_parameters_are_explained(kwargs, match):
     with pytest.raises(ValueError, match=match):
         SamplingParams(**kwargs)
+
+
+@pytest.mark.slow  # 1.3e9 token probabilities to sample through: 15-50 s on 2 cores
+def test_tail_of_tokens_below_1e8_is_drawn_at_its_rate():
+    """A head token plus 2^17 tokens of probability 9.5e-9 each (tail mass 1.25e-3) placed after it:
+    the tail is drawn at its rate (within 3 sigma of a binomial count). An inverse-CDF sampler over an
+    fp32 cumsum never draws it: past the head the running sum is ~0.9988 and each 9.5e-9 is below
+    half an ulp, so the CDF never moves."""
+    num_tail, p_tail = 2**17, 9.5e-9
+    logits = torch.full((num_tail + 1,), math.log(p_tail))
+    logits[0] = math.log(1 - num_tail * p_tail)
+    tail = logits.double().softmax(-1)[1:].sum().item()  # of the fp32 logits the sampler sees
+    assert logits.double().softmax(-1)[1:].max() < 1e-8
+    n = 9600  # ~12 expected tail draws: enough that 0 lies outside the 3-sigma band
+    gen = torch.Generator().manual_seed(0)
+    hits = 0
+    for lo in range(0, n, 320):
+        tokens, _ = select_tokens(logits.expand(min(320, n - lo), -1), SamplingParams(), generator=gen)
+        hits += int((tokens > 0).sum())
+    expected, sigma = n * tail, math.sqrt(n * tail * (1 - tail))
+    assert abs(hits - expected) <= 3 * sigma, f"tail drawn {hits} times, expected {expected:.1f} +- {3 * sigma:.1f}"
+
+
+def test_eager_sampler_matches_the_distribution_and_never_draws_a_removed_token():
+    logits = torch.randn(700, generator=torch.Generator().manual_seed(4)) * 2
+    threshold = torch.tensor([logits.sort().values[200].item()])  # removes the 200 least likely tokens
+    expected = logits.masked_fill(logits < threshold, float("-inf")).double().softmax(-1)
+    n = 60_000
+    tokens = sample_from_cdf(logits.expand(n, -1), threshold.expand(n), torch.Generator().manual_seed(5))
+    freq = torch.bincount(tokens, minlength=700).double() / n
+    assert freq[expected == 0].sum() == 0
+    top = expected.topk(20).indices
+    sigma = (expected[top] * (1 - expected[top]) / n).sqrt()
+    assert ((freq[top] - expected[top]).abs() <= 4 * sigma + 1e-12).all()
+    # the mass of the 480 least likely survivors, each tiny, as a whole
+    rest = expected > 0
+    rest[top] = False
+    p = expected[rest].sum().item()
+    assert abs(freq[rest].sum().item() - p) <= 4 * math.sqrt(p * (1 - p) / n)
+
+
+def test_a_seeded_generator_reproduces_the_tokens():
+    logits = torch.randn(32, 300, generator=torch.Generator().manual_seed(6))
+    params = SamplingParams(temperature=0.9, top_p=0.95)
+    draw = lambda seed: select_tokens(logits, params, generator=torch.Generator().manual_seed(seed))[0]  # noqa: E731
+    assert torch.equal(draw(7), draw(7))
+    assert not torch.equal(draw(7), draw(8))
+
+
+def test_threshold_filtering_equals_masking_every_token_below_it():
+    logits = torch.randn(8, 100, generator=torch.Generator().manual_seed(9)) * 2
+    for top_k, top_p in ((5, 1.0), (-1, 0.8), (10, 0.5), (-1, 1.0)):
+        threshold = filter_threshold(logits, top_k, top_p)
+        filtered = filter_logits(logits, top_k, top_p)
+        if threshold is None:
+            assert top_k <= 0 and top_p == 1.0 and torch.equal(filtered, logits)
+            continue
+        assert torch.equal(torch.isfinite(filtered), logits >= threshold[:, None])
+        if top_k <= 0:  # top-p alone: the removed low tail has mass <= 1 - top_p, one more token would exceed it
+            probs = logits.double().softmax(-1)
+            kept = torch.isfinite(filtered)
+            removed_mass = probs.masked_fill(kept, 0).sum(-1)
+            smallest_kept = probs.masked_fill(~kept, 2.0).min(-1).values
+            largest_removed = probs.masked_fill(kept, -1.0).max(-1).values
+            assert (removed_mass <= 1 - top_p + 1e-6).all()
+            assert (removed_mass + smallest_kept > 1 - top_p).all()
+            assert (largest_removed <= smallest_kept).all()
+
+
+# ---------------------------------------------------------------------------------- fused kernel
+# The CUDA sampler is one Triton kernel. These tests run it on a GPU, or on CPU tensors under
+# Triton's interpreter (TRITON_INTERPRET=1 set before triton is imported, e.g.
+# `TRITON_INTERPRET=1 pytest tests/workers/rollout/test_rollout_sampling.py -k fused`); they skip
+# where neither is available (the CPU CI has no triton).
+
+
+def _fused_device():
+    if importlib.util.find_spec("triton") is None:
+        pytest.skip("needs triton (a CUDA build of torch ships it)")
+    if torch.cuda.is_available():
+        return get_device()
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("no GPU: run with TRITON_INTERPRET=1 to test the kernel's arithmetic on CPU")
+    return torch.device("cpu")
+
+
+def test_fused_greedy_is_the_first_argmax_with_exact_logprobs():
+    device = _fused_device()
+    from verl.workers.rollout.fused_sampling import fused_select
+
+    logits = torch.randn(5, 3000, generator=torch.Generator().manual_seed(10)) * 4
+    logits[1, 7] = logits[1, 2999] = logits[1].max() + 1  # a tie: the first index wins, as torch.argmax
+    for dtype in (torch.float32, torch.bfloat16):
+        x = logits.to(device, dtype)
+        tokens, logprobs = fused_select(x, 1.0, False, None, True)
+        assert torch.equal(tokens.cpu(), x.float().argmax(-1).cpu()) and tokens[1].item() == 7
+        ref = x.double().log_softmax(-1).gather(-1, tokens[:, None]).squeeze(-1)
+        torch.testing.assert_close(logprobs.double(), ref, atol=2e-6, rtol=0)
+
+
+def test_fused_race_follows_the_tempered_filtered_distribution_with_exact_logprobs():
+    device = _fused_device()
+    from verl.workers.rollout.fused_sampling import fused_select
+
+    logits = torch.tensor([2.0, 1.0, 0.5, 0.0, -1.0, 3.0, -2.0, 0.2, 1.5, -0.5])
+    temperature, top_k = 0.7, 4
+    scaled = logits * (1.0 / temperature)  # how the kernel tempers (and `select_tokens` thresholds)
+    threshold = filter_threshold(scaled[None], top_k, 1.0)
+    expected = scaled.masked_fill(scaled < threshold, float("-inf")).softmax(-1)
+    assert (expected > 0).sum() == top_k
+    n = 1500 if device.type == "cpu" else 400_000  # the interpreter runs one row at a time
+    gen = torch.Generator(device=device).manual_seed(11)
+    tokens, logprobs = fused_select(
+        logits.to(device).expand(n, -1), temperature, True, threshold.to(device).expand(n), True, gen
+    )
+    freq = torch.bincount(tokens.cpu(), minlength=10).double() / n
+    sigma = (expected.double() * (1 - expected.double()) / n).sqrt()
+    assert freq[expected == 0].sum() == 0
+    assert ((freq - expected.double()).abs() <= 4 * sigma + 1e-12).all(), (freq, expected)
+    ref = (logits.double() / temperature).log_softmax(-1)[tokens.cpu()]
+    torch.testing.assert_close(logprobs.cpu().double(), ref, atol=2e-6, rtol=0)
+    # the seed comes from the generator: the same seed draws the same tokens
+    again, _ = fused_select(
+        logits.to(device).expand(n, -1),
+        temperature,
+        True,
+        threshold.to(device).expand(n),
+        False,
+        torch.Generator(device=device).manual_seed(11),
+    )
+    assert torch.equal(again, tokens)
+
+
+@pytest.mark.gpu
+def test_fused_race_draws_a_152k_vocabulary_tail_of_tokens_below_1e8_at_its_rate():
+    """The GPU review's check: a 152k vocabulary whose 1e-3 tail mass is made of tokens below 1e-8,
+    drawn 400k times through `select_tokens` (the fused kernel on CUDA)."""
+    device = get_device()
+    vocab = 151936
+    logits = torch.full((vocab,), math.log(1e-3 / (vocab - 1)), device=device)
+    logits[0] = math.log(1 - 1e-3)
+    probs = logits.double().softmax(-1)
+    tail = probs[1:].sum().item()
+    assert probs[1:].max() < 1e-8
+    gen = torch.Generator(device=device).manual_seed(12)
+    n, chunk, hits = 400_000, 50_000, 0
+    for _ in range(n // chunk):
+        tokens, _ = select_tokens(logits.expand(chunk, -1), SamplingParams(), generator=gen)
+        hits += int((tokens > 0).sum())
+    expected, sigma = n * tail, math.sqrt(n * tail * (1 - tail))
+    print(f"tail drawn {hits} times of {n}, expected {expected:.1f} +- {sigma:.1f}")
+    assert abs(hits - expected) <= 3 * sigma, f"tail drawn {hits} times, expected {expected:.1f} +- {3 * sigma:.1f}"

@@ -45,6 +45,7 @@ from verl.experimental.agent_loop.agent_loop import (
     get_agent_loop_class,
 )
 from verl.experimental.agent_loop.engine import AsyncRolloutEngine, MicroBatchEngine, rollout_batch_generator
+from verl.utils.device import set_device
 from verl.workers.rollout.base import BaseRollout
 
 SAMPLING_KEYS = ("do_sample", "validate", "temperature", "top_k", "top_p")
@@ -115,7 +116,12 @@ class AgentLoopRollout(BaseRollout):
                 tools = initialize_tools_from_config(path)
         self.tools = list(tools or [])
         self._loops: dict[str, AgentLoopBase] = {}
-        self._engine_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="rollout-engine")
+        # The current CUDA device is per thread and a new thread starts on device 0: bind the engine
+        # thread to this worker's device, so whatever the wrapped engine allocates, captures or
+        # launches there lands where its weights live (the built-in engine also sets it itself).
+        self._engine_thread = ThreadPoolExecutor(
+            max_workers=1, thread_name_prefix="rollout-engine", initializer=set_device
+        )
 
     # -------------------------------------------------------------------- engine (delegated)
     @property

@@ -21,22 +21,91 @@ Design decisions:
   (`overlap_p2p_comm`): the batched form deadlocks on gloo during training.
 - A value model (critic) is the same GPTModel whose LM head has one output, replicated on the
   tensor-parallel ranks (`build_gpt_model(..., value_head=True)`).
+- Mixed precision (`megatron.dtype` bf16, the GPU default): the parameters stay float32 and the
+  forward runs under `torch.autocast` in bf16 (`megatron_dtypes`, `compute_autocast`). The
+  optimizer is a plain torch AdamW over the model's own parameters (see
+  `verl.workers.actor.megatron_actor`), so bf16 parameters would also be its master weights: an
+  update below bf16's 2^-8 relative spacing (lr 1e-6 on weights near 1e-2) rounds back to the old
+  value and the weights never move. fp32 parameters give fp32 master weights, gradients
+  accumulated and all-reduced in fp32 and fp32 Adam moments, as FSDP2's mixed-precision policy
+  does for the FSDP backend and megatron's own optimizer does with its fp32 main parameters,
+  while matmuls and attention run in bf16 (megatron's own "AMP O1": its residual add casts the
+  residual stream to bf16, so the stages exchange bf16 activations, `pipeline_dtype`; softmax and
+  norms accumulate in fp32). Frozen models (reference, reward) follow the same rule, so the
+  reference computes exactly as the actor does at step 0.
 """
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
+
+from verl.utils.device import default_compute_dtype, get_device_name
 
 __all__ = [
     "RMSNorm",
     "build_gpt_model",
     "build_model_chunks",
+    "compute_autocast",
     "hf_to_mcore_config",
+    "megatron_dtypes",
     "padded_vocab_size",
     "rope_theta_of",
+    "set_compute_dtype",
 ]
 
 _SUPPORTED = ("qwen2", "llama")
+
+_DTYPES = {
+    "fp32": torch.float32,
+    "float32": torch.float32,
+    "bf16": torch.bfloat16,
+    "bfloat16": torch.bfloat16,
+    "fp16": torch.float16,
+    "float16": torch.float16,
+}
+# where a model's chunks keep the dtype their forward autocasts to (None: no autocast)
+_COMPUTE_DTYPE_ATTR = "_verl_compute_dtype"
+
+
+def megatron_dtypes(name: str, for_training: bool) -> tuple[torch.dtype, torch.dtype | None]:
+    """(parameter dtype, autocast dtype or None) for `megatron.dtype=name` (see the module docstring).
+
+    `auto` is bf16 on CUDA and fp32 on CPU. A 16-bit dtype keeps fp32 parameters and autocasts the
+    forward to it. fp16 is refused for a trained model: without loss scaling, which this backend does
+    not implement, small gradients underflow to zero.
+    """
+    key = str(name).lower()
+    if key == "auto":
+        compute = default_compute_dtype()
+    elif key in _DTYPES:
+        compute = _DTYPES[key]
+    else:
+        raise ValueError(f"megatron.dtype={name!r} is not one of {['auto', *_DTYPES]}")
+    if compute == torch.float32:
+        return torch.float32, None
+    if compute == torch.float16 and for_training:
+        raise ValueError(
+            "megatron.dtype=fp16 for a trained model: fp16 training needs loss scaling, which the megatron "
+            "backend does not implement, so small gradients would underflow to zero; use bf16 (or fp32)"
+        )
+    return torch.float32, compute
+
+
+def set_compute_dtype(model_chunks, dtype: torch.dtype | None) -> None:
+    """Make `compute_autocast` run these chunks' forward in `dtype` (None: in their parameter dtype)."""
+    for chunk in model_chunks:
+        object.__setattr__(chunk, _COMPUTE_DTYPE_ATTR, dtype)
+
+
+def compute_autocast(chunk):
+    """The context a forward of `chunk` runs in: autocast to its compute dtype (`set_compute_dtype`),
+    or nothing."""
+    dtype = getattr(chunk, _COMPUTE_DTYPE_ATTR, None)
+    if dtype is None:
+        return contextlib.nullcontext()
+    return torch.autocast(device_type=get_device_name(), dtype=dtype)
 
 
 def _get(cfg, key, default=None):
@@ -78,12 +147,17 @@ def _has_qkv_bias(hf_config) -> bool:
     return False
 
 
-def hf_to_mcore_config(hf_config, megatron_cfg=None, dtype: torch.dtype = torch.float32):
+def hf_to_mcore_config(
+    hf_config, megatron_cfg=None, dtype: torch.dtype = torch.float32, compute_dtype: torch.dtype | None = None
+):
     """A megatron `TransformerConfig` equal to the HF Qwen2/Llama `hf_config`.
 
     `megatron_cfg` is the `actor.megatron` section (dict/DictConfig/None): tensor_model_parallel_size,
     pipeline_model_parallel_size, virtual_pipeline_model_parallel_size, context_parallel_size,
-    sequence_parallel. `dtype` is the parameter dtype (float32, bfloat16 or float16).
+    sequence_parallel. `dtype` is the parameter dtype (float32, bfloat16 or float16);
+    `compute_dtype` the autocast dtype of mixed precision (None: compute in `dtype`), which is then
+    the dtype of the activations the pipeline stages exchange (megatron's residual add casts the
+    residual stream to the autocast output's dtype) and of megatron's 16-bit flags (softmax in fp32).
     """
     import torch.nn.functional as F
     from megatron.core.transformer import TransformerConfig
@@ -140,9 +214,9 @@ def hf_to_mcore_config(hf_config, megatron_cfg=None, dtype: torch.dtype = torch.
         persist_layer_norm=False,
         gradient_accumulation_fusion=False,
         params_dtype=dtype,
-        pipeline_dtype=dtype,
-        bf16=dtype == torch.bfloat16,
-        fp16=dtype == torch.float16,
+        pipeline_dtype=compute_dtype or dtype,
+        bf16=(compute_dtype or dtype) == torch.bfloat16,
+        fp16=(compute_dtype or dtype) == torch.float16,
         use_cpu_initialization=True,
         variable_seq_lengths=True,
         moe_token_dispatcher_type="alltoall",  # unused by dense models; megatron refuses its default here
@@ -235,6 +309,13 @@ class RMSNorm(torch.nn.RMSNorm):
         # bf16 activations would miss torch's fused kernel)
         super().__init__(hidden_size, eps=eps, dtype=config.params_dtype)
         self.weight.sequence_parallel = bool(config.sequence_parallel)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # mixed precision: fp32 weight, bf16 activations; the fused kernel wants one dtype (it
+        # accumulates in fp32 either way), and the cast is differentiable (the gradient reaches the
+        # fp32 weight)
+        weight = self.weight if self.weight.dtype == x.dtype else self.weight.to(x.dtype)
+        return torch.nn.functional.rms_norm(x, self.normalized_shape, weight, self.eps)
 
 
 class _ValueHead(torch.nn.Module):

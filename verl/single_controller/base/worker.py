@@ -7,8 +7,17 @@ which keeps worker logic usable in a plain Python process.
 
 Creating the torch.distributed process group is left to the subclass (`self.init_process_group()`
 in `__init__` or an `init_model` RPC) because some workers need none and others need it only after
-loading a model. It always has a deadline: a peer that never starts is an error after
-`VERL_DIST_TIMEOUT_S` seconds (default 600), not a hang.
+loading a model. It always has a deadline: a peer that never starts, or a collective that never
+completes, is an error after the timeout the caller passes (the workers pass
+`actor_rollout_ref.nccl_timeout`), else `VERL_DIST_TIMEOUT_S` seconds, else 600 s, not a hang.
+Groups created later in the process (megatron's model-parallel groups) ask `dist_timeout_s()` for
+the same deadline, since torch gives a new group its own 30-minute default.
+
+On CUDA the group is created as `cpu:gloo,cuda:nccl` (see `verl.utils.device`): the trainer's small
+host-side collectives on CPU tensors go through gloo, everything on the device through NCCL. It is
+bound to this rank's device (`device_id`): NCCL's communicator is created at once (a missing peer
+fails here, within the deadline, rather than at the first collective), barriers know their device
+and subgroups are split from it (ncclCommSplit) instead of bootstrapped one by one.
 
 For tensor- or pipeline-parallel layouts a worker records, per device mesh, its data-parallel rank
 and whether its output is collected (`_register_dispatch_collect_info`); the mesh-aware dispatch
@@ -53,21 +62,33 @@ def get_free_port() -> int:
 
 
 def dist_timeout_s(timeout_s: float | None = None) -> float:
-    """The torch.distributed timeout: the argument, else `VERL_DIST_TIMEOUT_S`, else 600 s."""
+    """The torch.distributed timeout: the argument; else the one this process's group was created
+    with (by `init_process_group`); else `VERL_DIST_TIMEOUT_S`; else 600 s."""
     if timeout_s is not None:
         return float(timeout_s)
+    if _group_timeout_s is not None:
+        import torch.distributed as dist
+
+        if dist.is_initialized():
+            return _group_timeout_s
     return float(os.environ.get("VERL_DIST_TIMEOUT_S", DEFAULT_DIST_TIMEOUT_S))
+
+
+# the timeout of the group `init_process_group` created in this process (None before it did)
+_group_timeout_s: float | None = None
 
 
 def init_process_group(backend: str | None = None, timeout_s: float | None = None) -> None:
     """Join the global torch.distributed group described by the environment, with a deadline.
 
-    Idempotent. `backend` defaults to gloo on CPU and NCCL on GPU. The timeout covers both the
-    rendezvous (a missing peer) and later collectives.
+    Idempotent. `backend` defaults to gloo on CPU and `cpu:gloo,cuda:nccl` on GPU (see the module
+    docstring). The timeout (`dist_timeout_s(timeout_s)`) covers both the rendezvous (a missing
+    peer) and later collectives.
     """
+    global _group_timeout_s
     import torch.distributed as dist
 
-    from verl.utils.device import get_dist_backend, set_device
+    from verl.utils.device import get_device, get_group_backend, set_device
 
     if dist.is_initialized():
         return
@@ -81,21 +102,28 @@ def init_process_group(backend: str | None = None, timeout_s: float | None = Non
             f"rank {rank} of {world_size}: MASTER_ADDR/MASTER_PORT are not set, so this process cannot find its "
             "peers; start workers through a worker group (which sets them) or torchrun"
         )
-    backend = backend or get_dist_backend()
-    if backend == "nccl":
+    backend = backend or get_group_backend()
+    device_id = None
+    if "nccl" in backend:
         set_device()
+        device_id = get_device()
     timeout = dist_timeout_s(timeout_s)
     try:
         dist.init_process_group(
-            backend=backend, rank=rank, world_size=world_size, timeout=datetime.timedelta(seconds=timeout)
+            backend=backend,
+            rank=rank,
+            world_size=world_size,
+            timeout=datetime.timedelta(seconds=timeout),
+            device_id=device_id,
         )
     except Exception as exc:
         raise RuntimeError(
             f"rank {rank} of {world_size} could not form the torch.distributed group ({backend}) at "
             f"{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']} within {timeout:g} s: {exc}. "
             "A peer worker probably failed to start or died; check the other ranks' logs "
-            "(raise VERL_DIST_TIMEOUT_S if peers are just slow to start)"
+            "(raise actor_rollout_ref.nccl_timeout or VERL_DIST_TIMEOUT_S if peers are just slow to start)"
         ) from exc
+    _group_timeout_s = timeout
 
 
 class Worker:

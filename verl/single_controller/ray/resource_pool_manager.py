@@ -8,12 +8,15 @@ fails with a message that says what is missing (a node, or devices on one); only
 build the `RayResourcePool`s. The trainer re-exports this class (upstream keeps it in
 verl/trainer/ppo/ray_trainer.py).
 
-Bundles: one per worker, holding one GPU (and one CPU) on GPU clusters and one CPU otherwise;
-`use_gpu=None` picks GPU bundles when the cluster has any GPU.
+Bundles: one per worker, holding one GPU (and one CPU) or one CPU. `use_gpu=None` follows the
+device the run asked for (`trainer.device`, which reaches here as `VERL_DEVICE`): GPU bundles for
+`cuda`, CPU bundles for `cpu` (even on a GPU cluster: the workers then train on CPU and must not
+hold GPUs), and for `auto` GPU bundles when the cluster has any GPU.
 """
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -22,7 +25,16 @@ import ray
 from verl.single_controller.base.errors import ResourceUnavailableError
 from verl.single_controller.ray.base import RayResourcePool, alive_nodes, assign_nodes, bundles_that_fit
 
-__all__ = ["ResourcePoolManager"]
+__all__ = ["ResourcePoolManager", "bundles_hold_gpus"]
+
+
+def bundles_hold_gpus(device: str, cluster_gpus: float) -> bool:
+    """Whether worker bundles hold a GPU for `trainer.device=device` on a cluster with `cluster_gpus` GPUs."""
+    if device == "cpu":
+        return False
+    if device == "auto":
+        return cluster_gpus > 0
+    return True  # cuda: a cluster without GPUs then fails the resource check with a message saying so
 
 
 def _role_name(role: Any) -> str:
@@ -52,9 +64,9 @@ class ResourcePoolManager:
             )
 
     def _resolved_use_gpu(self) -> bool:
-        if self.use_gpu is None:
-            return ray.cluster_resources().get("GPU", 0) > 0
-        return self.use_gpu
+        if self.use_gpu is not None:
+            return self.use_gpu
+        return bundles_hold_gpus(os.environ.get("VERL_DEVICE", "auto"), ray.cluster_resources().get("GPU", 0))
 
     def create_resource_pool(self) -> None:
         """Check the cluster, then build one RayResourcePool per spec entry."""

@@ -81,6 +81,7 @@ REWARD_MANAGERS = ("naive", "batch", "dapo", "prime")
 CHECKPOINT_CONTENTS = ("model", "optimizer", "extra", "hf_model")
 ROLLOUT_DTYPES = ("auto", "bfloat16", "float16", "float32", "bf16", "fp16", "fp32")
 MODEL_DTYPES = ("fp32", "bf16", "fp16", "float32", "bfloat16", "float16")
+MEGATRON_DTYPES = ("auto", *MODEL_DTYPES)
 PF_PPO_METHODS = ("pow", "max_min", "max_random")
 REWARD_ON_ERROR = ("raise", "zero")
 
@@ -239,7 +240,12 @@ class MegatronConfig:
     override_mcore_model_config: dict = doc("GPTModel constructor overrides.", status=IGNORED)
     use_mbridge: bool = doc("Convert weights with the mbridge package.", status=UNSUPPORTED, neutral=False)
     forward_only: bool = doc("Build the model for inference only.", status=IGNORED)
-    dtype: str = doc("Compute dtype of the Megatron model.", choices=MODEL_DTYPES)
+    dtype: str = doc(
+        "Compute dtype of the Megatron model (mixed precision: parameters, gradients and Adam state stay fp32, "
+        "the forward runs under autocast in this dtype; fp16 only for frozen models). auto: bfloat16 on GPU "
+        "(upstream's default), float32 on CPU.",
+        choices=MEGATRON_DTYPES,
+    )
 
 
 @dataclass
@@ -453,16 +459,24 @@ class RolloutConfig:
     prompt_length: int = doc("Prompt tokens the engine accepts (follows data.max_prompt_length).")
     response_length: int = doc("Tokens generated at most (follows data.max_response_length).")
     dtype: str = doc("Engine dtype; auto: bfloat16 on GPU, float32 on CPU.", choices=ROLLOUT_DTYPES)
-    gpu_memory_utilization: float = doc("vLLM/SGLang: fraction of device memory for weights + KV cache.")
+    gpu_memory_utilization: float = doc(
+        "Fraction of device memory the engine's weights + KV cache (+ working memory) may use; the built-in "
+        "engine generates batches whose KV cache does not fit in chunks of rows."
+    )
     ignore_eos: bool = doc("Keep generating past the end-of-sequence token.")
-    enforce_eager: bool = doc("vLLM: disable CUDA graphs.")
+    enforce_eager: bool = doc(
+        "vLLM/SGLang: disable CUDA graphs. Not read by the built-in hf engine, whose graphs are on by default "
+        "(its switch is engine_kwargs.hf.enforce_eager): this key's upstream default, true, is vLLM's."
+    )
     free_cache_engine: bool = doc("Free the KV cache between rollouts (hybrid engine sleep/wake).")
     load_format: str = doc("vLLM weight-loading format (dummy_dtensor: weights come from the trainer).")
     layered_summon: bool = doc("Gather FSDP weights layer by layer when syncing to the engine.", status=IGNORED)
     tensor_model_parallel_size: int = doc("Tensor-parallel size of the engine (divides the worker count).")
-    max_num_batched_tokens: int = doc("vLLM/SGLang scheduler token budget.")
+    max_num_batched_tokens: int = doc(
+        "vLLM/SGLang scheduler token budget; hf: prompt tokens per prefill forward (whole prompts, at least one)."
+    )
     max_model_len: int | None = doc("Engine context length; null: prompt_length + response_length.")
-    max_num_seqs: int = doc("vLLM/SGLang: concurrent sequences.")
+    max_num_seqs: int = doc("Concurrent sequences (hf: rows per generation chunk).")
     log_prob_micro_batch_size: int | None = doc(
         "Global micro-batch.", status=DEPRECATED, replacement="use log_prob_micro_batch_size_per_gpu"
     )
@@ -478,7 +492,9 @@ class RolloutConfig:
         "mismatch each step (training/rollout_probs_diff_mean, _max) and actor.tis_imp_ratio_cap can correct it."
     )
     update_weights_bucket_megabytes: int = doc("Size of the buckets weights are streamed to the engine in.")
-    engine_kwargs: dict = doc("Extra engine arguments per engine: {vllm: {...}, sglang: {...}, hf: {...}}.")
+    engine_kwargs: dict = doc(
+        "Extra engine arguments per engine: {vllm: {...}, sglang: {...}, hf: {...}}; hf accepts enforce_eager."
+    )
     val_kwargs: SamplingConfig = doc("Sampling for validation.")
     multi_turn: MultiTurnConfig = doc("Multi-turn tool-calling rollouts.")
 

@@ -220,6 +220,9 @@ class AsyncRolloutSource:
         if self._pushed_version is None:
             self._init_group(actor_wg)
         self._wait(self.rollout_wg, self._receive_refs, "receive_weights")
+        # Returns once actor rank 0 holds its packed copy (in the rollout dtype). The broadcast
+        # waits in the background until every rollout worker asks for it, on a stream of its
+        # own, so the next update does not wait for the rollout pool (`verl.workers.weight_sync`).
         send = actor_wg.send_weights(version)
         # Queued behind the generations already submitted: those keep their older version.
         self._receive_refs = self.rollout_wg.receive_weights(version)

@@ -44,6 +44,7 @@ import torch.distributed as dist
 
 from verl.utils.checkpoint.checkpoint_manager import BaseCheckpointManager
 from verl.utils.checkpoint.safe_load import torch_load
+from verl.utils.device import collective_device
 from verl.utils.logging_utils import get_logger
 
 __all__ = ["MegatronCheckpointManager", "load_dist_checkpoint_weights"]
@@ -235,7 +236,7 @@ class MegatronCheckpointManager(BaseCheckpointManager):
         from verl.utils.optim import local_optimizer
 
         steps = [int(s["step"]) for s in local_optimizer(self.optimizer).state.values() if "step" in s]
-        step = torch.tensor(max(steps, default=0), dtype=torch.int64)
+        step = torch.tensor(max(steps, default=0), dtype=torch.int64, device=collective_device())
         dist.all_reduce(step, op=dist.ReduceOp.MAX)
         return int(step)
 

@@ -26,6 +26,11 @@ Design decisions:
   rank through pinned memory and a copy to the accelerator; on CPU the same slice is taken in place
   (`_slice_rotary_positions_on_cpu`). The attention itself is ours
   (`verl.models.mcore.context_parallel`), on CPU and GPU alike.
+- Mixed precision (`megatron.dtype=bf16`: fp32 parameters, the forward under `torch.autocast`):
+  megatron's tensor-parallel linear is an autograd Function whose `custom_bwd` re-enters the
+  forward's autocast state for the accelerator only, so on CPU its backward would multiply bf16
+  gradients with fp32 weights. `_cpu_autocast_in_linear_backward` re-enters the CPU autocast state
+  the forward ran under.
 - Sequence parallelism needs no shim: its collectives (all-gather and reduce-scatter into flat
   tensors) run on gloo, and its norm is ours (`verl.models.mcore.config.RMSNorm`).
 """
@@ -152,6 +157,7 @@ def enable_cpu_compat() -> None:
     _keep_tied_embedding_on_cpu()
     _slice_rotary_positions_on_cpu()
     _no_accelerator_rng_state()
+    _cpu_autocast_in_linear_backward()
     _enabled = True
 
 
@@ -201,6 +207,28 @@ def _no_accelerator_rng_state() -> None:
 
     mp_random._get_cuda_rng_state = lambda *args, **kwargs: torch.empty(0, dtype=torch.uint8)
     mp_random._set_cuda_rng_state = lambda *args, **kwargs: None
+
+
+def _cpu_autocast_in_linear_backward() -> None:
+    """The backward of megatron's tensor-parallel linear runs under the CPU autocast state its
+    forward ran under (see the module docstring); without autocast nothing changes."""
+    from megatron.core.tensor_parallel.layers import LinearWithGradAccumulationAndAsyncCommunication as Linear
+
+    forward, backward = Linear.forward, Linear.backward
+
+    def forward_recording_autocast(ctx, *args):
+        ctx.verl_cpu_autocast = torch.get_autocast_dtype("cpu") if torch.is_autocast_enabled("cpu") else None
+        return forward(ctx, *args)
+
+    def backward_under_autocast(ctx, *grads):
+        dtype = getattr(ctx, "verl_cpu_autocast", None)
+        if dtype is None:
+            return backward(ctx, *grads)
+        with torch.autocast("cpu", dtype=dtype):
+            return backward(ctx, *grads)
+
+    Linear.forward = staticmethod(forward_recording_autocast)
+    Linear.backward = staticmethod(backward_under_autocast)
 
 
 def seed_model_parallel_rng(seed: int) -> None:

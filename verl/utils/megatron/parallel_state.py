@@ -32,10 +32,12 @@ def initialize_model_parallel(
     virtual_pipeline_model_parallel_size: int | None = None,
     context_parallel_size: int = 1,
     seed: int = 0,
+    timeout_s: float | None = None,
 ) -> MegatronParallelSizes:
     """Create megatron's parallel groups over the current torch.distributed world and seed its RNG.
 
-    Idempotent for the same sizes (a worker holding actor and reference shares one layout);
+    `timeout_s` is the groups' collective deadline (the worker passes its process group's, so
+    `actor_rollout_ref.nccl_timeout` holds here too; None: megatron's 30 minutes). Idempotent for the same sizes (a worker holding actor and reference shares one layout);
     different sizes in the same process are an error, since megatron's groups are process-global.
     """
     from megatron.core import parallel_state as mpu
@@ -89,6 +91,7 @@ def initialize_model_parallel(
         virtual_pipeline_model_parallel_size=vpp,
         context_parallel_size=cp,
         create_gloo_process_groups=False,
+        **({} if timeout_s is None else {"distributed_timeout_minutes": float(timeout_s) / 60.0}),
     )
     seed_model_parallel_rng(seed)
     return sizes

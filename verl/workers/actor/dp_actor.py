@@ -44,6 +44,13 @@ zero-advantage rows where it has too few (they add zero). Reported as `actor/zer
 (every group of a problem the model always or never solves) are such rows: about a third of the
 bundled task's groups at the start.
 
+Host syncs: the per-micro-batch metrics stay 0-d device tensors and come to the host once per
+mini-batch, together with the gradient norm that decides the step (`metrics_to_host`); the
+mini-batch's loss normaliser and agreement counts are reduced on the host where the group has a
+CPU backend. `flops` tallies the model FLOPs of the micro-batches `update_policy` runs, as they
+run (shared prompts once, skipped rows not at all; see `verl.utils.flops_counter`), for the
+worker's `perf/mfu/actor`.
+
 Config keys read (the `actor_rollout_ref.actor` section; DictConfig, dataclass or dict):
 ppo_mini_batch_size, ppo_micro_batch_size_per_gpu, use_dynamic_bsz, ppo_max_token_len_per_gpu,
 ppo_epochs, shuffle, data_loader_seed, grad_clip, clip_ratio, clip_ratio_low, clip_ratio_high,
@@ -72,7 +79,8 @@ from verl.trainer.ppo.core_algos import (
     logprobs_from_logits,
 )
 from verl.utils import shared_prompt, speed_paths
-from verl.utils.device import get_device
+from verl.utils.device import collective_device, get_device
+from verl.utils.flops_counter import FlopsCounter, FlopsTally
 from verl.utils.hf_forward import model_forward
 from verl.utils.remove_padding import pad_input, unpad_input, unpad_position_ids
 from verl.utils.seqlen_balancing import num_micro_batches_for_budget
@@ -80,13 +88,16 @@ from verl.utils.shared_prompt import prompt_groups, shared_prompt_logits
 from verl.workers.actor.base import BasePPOActor
 from verl.workers.dp_training import (
     append_to_dict,
-    clip_grad_and_step,
+    clip_grad_norm,
     config_to_dict,
     dp_group_and_size,
     loss_normaliser,
+    metrics_to_host,
+    micro_batch_weight,
     pad_response_columns,
     response_mask_of,
     split_micro_batches,
+    step_if_finite,
     token_window,
 )
 
@@ -177,6 +188,10 @@ class DataParallelPPOActor(BasePPOActor):
         self._dp_group, self._dp_size = dp_group_and_size(actor_module)
         # FSDP2 units gather and reduce per forward call: ranks must then agree on the calls they make
         self._calls_are_collective = isinstance(actor_module, FSDPModule) and self._dp_size > 1
+        # with frozen weights (LoRA) the backward computes no weight gradients for them: the work of 2
+        # forwards instead of 3 (any frozen parameter counts as such, so the count never exceeds the work)
+        frozen = any(not p.requires_grad for p in actor_module.parameters())
+        self.flops = FlopsTally(FlopsCounter.for_model(getattr(hf_module, "config", None)), passes=2 if frozen else 3)
 
     # ------------------------------------------------------------------ forward
 
@@ -190,6 +205,8 @@ class DataParallelPPOActor(BasePPOActor):
         # Columns that are padding in every row are left out (see `token_window`).
         start, end, kept = token_window(micro_batch["attention_mask"], response_length)
         shared = self._share_prompts(micro_batch, response_length, start)
+        if self.actor_module.training:  # the work the update ran (see verl.utils.flops_counter)
+            self.flops.add(micro_batch["attention_mask"], response_length, None if shared is None else shared[:2])
         if shared is not None:
             first_rows, inverse, layout = shared
             first_logits, rest_logits, packed = shared_prompt_logits(
@@ -411,6 +428,7 @@ class DataParallelPPOActor(BasePPOActor):
                 f"in mini-batches of {mini_batch_size}; compute old log-probs first (compute_log_prob)"
             )
         metrics: dict[str, list[float]] = {}
+        self.flops.reset()
         for _ in range(epochs):
             epoch_batch = batch
             if self._cfg.get("shuffle", False):
@@ -423,8 +441,10 @@ class DataParallelPPOActor(BasePPOActor):
     def _update_on_mini_batch(self, mini_batch, temperature: float, metrics: dict) -> None:
         response_mask = response_mask_of(mini_batch)
         adv_nonzero = rows_with_advantage(mini_batch["advantages"], response_mask).any().to(torch.float64)
-        totals = torch.stack([loss_normaliser(response_mask, self.loss_agg_mode), adv_nonzero]).to(get_device())
+        # the mini-batch is on the host, and so is this reduction where the group allows it (no device sync)
+        totals = torch.stack([loss_normaliser(response_mask, self.loss_agg_mode), adv_nonzero])
         if self._dp_size > 1:
+            totals = totals.to(collective_device(self._dp_group))
             dist.all_reduce(totals, group=self._dp_group)
         normaliser, num_ranks_with_adv = totals.tolist()
         only_pg_loss = not self.use_kl_loss and self.entropy_coeff == 0
@@ -463,11 +483,19 @@ class DataParallelPPOActor(BasePPOActor):
 
     def _train_and_step(self, micro_batches: list, temperature: float, normaliser: float, metrics: dict):
         """Forward and backward every micro-batch of one mini-batch, then clip and step: (grad norm,
-        whether the optimizer stepped). The one part another backend's actor replaces."""
+        whether the optimizer stepped). The one part another backend's actor replaces.
+
+        The micro-batches' metrics stay on the device until the gradient norm is known; both come to
+        the host in one copy, the mini-batch's only wait for the device in this loop."""
+        micro_metrics = []
         for micro_batch in micro_batches:
             micro_batch = micro_batch.to(get_device())
-            append_to_dict(metrics, self._backward_micro_batch(micro_batch, temperature, normaliser))
-        return clip_grad_and_step(self.actor_module, self.actor_optimizer, self._cfg.get("grad_clip", 1.0))
+            micro_metrics.append(self._backward_micro_batch(micro_batch, temperature, normaliser))
+        grad_norm = clip_grad_norm(self.actor_module, self._cfg.get("grad_clip", 1.0))
+        *micro_metrics, step = metrics_to_host([*micro_metrics, {"grad_norm": grad_norm}])
+        for micro in micro_metrics:
+            append_to_dict(metrics, micro)
+        return step["grad_norm"], step_if_finite(self.actor_optimizer, step["grad_norm"])
 
     def _rows_with_advantage(self, mini_batch, response_mask: torch.Tensor, use_dynamic_bsz: bool):
         """The rows of `mini_batch` with a nonzero advantage on some response token, in order, and the
@@ -485,10 +513,11 @@ class DataParallelPPOActor(BasePPOActor):
             if size <= 0:  # the same on every rank: split_micro_batches explains the setting
                 return mini_batch, None
             local = -(-max(kept, 1) // size)
-        count = torch.tensor([local], dtype=torch.int64, device=get_device())
+        need = local
         if self._dp_size > 1:
+            count = torch.tensor([local], dtype=torch.int64, device=collective_device(self._dp_group))
             dist.all_reduce(count, op=dist.ReduceOp.MAX, group=self._dp_group)
-        need = int(count.item())
+            need = int(count.item())
         # the dynamic split agrees on its own count, which these rows cannot raise (each fits the budget)
         num_micro = None if use_dynamic_bsz else need
         if kept < need:
@@ -499,7 +528,7 @@ class DataParallelPPOActor(BasePPOActor):
             return mini_batch, num_micro
         return mini_batch[torch.nonzero(keep)[:, 0]], num_micro
 
-    def _backward_micro_batch(self, micro_batch, temperature: float, normaliser: float) -> dict[str, float]:
+    def _backward_micro_batch(self, micro_batch, temperature: float, normaliser: float) -> dict:
         entropy, log_prob = self._forward_micro_batch(micro_batch, temperature, self.needs_entropy(micro_batch))
         loss, out = self._micro_batch_loss(micro_batch, log_prob, entropy, normaliser)
         loss.backward()
@@ -512,7 +541,10 @@ class DataParallelPPOActor(BasePPOActor):
     def _micro_batch_loss(self, micro_batch, log_prob, entropy, normaliser: float) -> tuple[torch.Tensor, dict]:
         """(loss to backpropagate, metrics) of one micro-batch from its log-probs and entropy [b, R]:
         policy loss, entropy bonus and KL loss, scaled by the micro-batch's weight in the mini-batch
-        loss over all ranks (see verl.workers.dp_training). Shared by every backend's actor."""
+        loss over all ranks (see verl.workers.dp_training). Shared by every backend's actor.
+
+        The metrics are detached 0-d tensors (or plain numbers), read by `metrics_to_host` once per
+        mini-batch; nothing here waits for the device."""
         response_mask = response_mask_of(micro_batch)
         on_policy = "old_log_probs" not in micro_batch
         pg_loss, pg_metrics = self.policy_loss_fn(
@@ -525,19 +557,22 @@ class DataParallelPPOActor(BasePPOActor):
             rollout_log_probs=micro_batch.get("rollout_log_probs", None),
         )
         loss = pg_loss
-        out = {f"actor/{name}": float(value) for name, value in pg_metrics.items()}
-        out["actor/pg_loss"] = float(pg_loss.detach())
+        out = {f"actor/{name}": _detached(value) for name, value in pg_metrics.items()}
+        out["actor/pg_loss"] = pg_loss.detach()
         if self.entropy_coeff != 0:
             entropy_loss = agg_loss(entropy, response_mask, self.loss_agg_mode)
             loss = loss - self.entropy_coeff * entropy_loss
-            out["actor/entropy"] = float(entropy_loss.detach())
+            out["actor/entropy"] = entropy_loss.detach()
         elif on_policy:  # the driver skipped compute_log_prob, which normally reports the entropy
-            out["actor/entropy"] = float(agg_loss(entropy.detach(), response_mask, self.loss_agg_mode))
+            out["actor/entropy"] = agg_loss(entropy.detach(), response_mask, self.loss_agg_mode)
         if self.use_kl_loss:
             kld = kl_penalty(log_prob, micro_batch["ref_log_prob"], self.kl_loss_type)
             kl_loss = agg_loss(kld, response_mask, self.loss_agg_mode)
             loss = loss + self.kl_loss_coef * kl_loss
-            out["actor/kl_loss"] = float(kl_loss.detach())
+            out["actor/kl_loss"] = kl_loss.detach()
             out["actor/kl_coef"] = self.kl_loss_coef
-        scale = 0.0 if normaliser == 0 else float(loss_normaliser(response_mask, self.loss_agg_mode)) / normaliser
-        return loss * (scale * self._dp_size), out
+        return loss * micro_batch_weight(response_mask, self.loss_agg_mode, normaliser, self._dp_size, loss), out
+
+
+def _detached(value):
+    return value.detach() if isinstance(value, torch.Tensor) else value

@@ -21,6 +21,9 @@ Design decisions:
   stepping the full model; megatron's optimizer needs its DDP gradient buffers and, for speed,
   apex or TransformerEngine, none of which exist on CPU. `use_distributed_optimizer` splits the
   Adam state over data-parallel ranks with torch's ZeroRedundancyOptimizer (`verl.utils.optim`).
+  Its parameters are the model's, so they stay fp32 at `megatron.dtype=bf16` and the forward runs
+  under autocast (`verl.models.mcore.config.compute_autocast`): bf16 parameters would be bf16
+  master weights, which a small lr never moves.
 - Gradients are synchronised by hand after each mini-batch: averaged over megatron's data-parallel
   group (flat buckets of up to 64 MB, `verl.workers.dp_training.average_gradients`), summed over
   the embedding group for tied embeddings split across pipeline stages, then clipped by the norm
@@ -44,16 +47,24 @@ from functools import partial
 import torch
 import torch.distributed as dist
 
+from verl.models.mcore.config import compute_autocast
 from verl.models.mcore.forward import left_align, response_columns
 from verl.utils.device import get_device
+from verl.utils.flops_counter import FlopsCounter, FlopsTally
 from verl.utils.megatron.tensor_parallel import vocab_parallel_log_probs_and_entropy
 from verl.workers.actor.dp_actor import _MODEL_INPUTS, DataParallelPPOActor, _require_temperature
-from verl.workers.dp_training import append_to_dict, average_gradients, split_micro_batches
+from verl.workers.dp_training import (
+    append_to_dict,
+    average_gradients,
+    metrics_to_host,
+    split_micro_batches,
+    step_if_finite,
+)
 
 __all__ = [
     "MegatronPPOActor",
     "broadcast_from_last_stage",
-    "clip_grad_and_step_megatron",
+    "clip_grads_megatron",
     "context_parallel_config",
     "per_rank_token_budget",
     "finalize_megatron_grads",
@@ -128,8 +139,9 @@ def finalize_megatron_grads(model_chunks) -> None:
                 break
 
 
-def _grad_norm(model_chunks) -> float:
-    """L2 norm of the full model's gradient: each parameter counted once across tp and pp ranks."""
+def _grad_norm(model_chunks) -> torch.Tensor:
+    """L2 norm of the full model's gradient, each parameter counted once across tp and pp ranks: a
+    float64 0-d tensor on the device (no host sync)."""
     from megatron.core import parallel_state as mpu
     from megatron.core.tensor_parallel import param_is_not_tensor_parallel_duplicate
 
@@ -146,24 +158,21 @@ def _grad_norm(model_chunks) -> float:
                 continue
             total += param.grad.detach().double().pow(2).sum()
     dist.all_reduce(total, group=mpu.get_model_parallel_group())
-    return math.sqrt(float(total))
+    return total.sqrt()
 
 
-def clip_grad_and_step_megatron(model_chunks, optimizer, grad_clip: float | None) -> tuple[float, bool]:
-    """Clip to `grad_clip` by the full model's norm and step; skip (and clear) on a non-finite norm.
-    Same scaling as `torch.nn.utils.clip_grad_norm_`. Returns (grad_norm, stepped)."""
+def clip_grads_megatron(model_chunks, grad_clip: float | None) -> torch.Tensor:
+    """Clip to `grad_clip` by the full model's norm, with `torch.nn.utils.clip_grad_norm_`'s scaling;
+    returns the norm before clipping as a device tensor (no host sync). A non-finite norm leaves
+    non-finite gradients (`step_if_finite` skips the step)."""
     grad_norm = _grad_norm(model_chunks)
-    if not math.isfinite(grad_norm):
-        optimizer.zero_grad()
-        return grad_norm, False
     max_norm = float("inf") if grad_clip is None else float(grad_clip)
-    coef = min(max_norm / (grad_norm + 1e-6), 1.0)
+    coef = (max_norm / (grad_norm + 1e-6)).clamp(max=1.0)
     for chunk in model_chunks:
         for param in chunk.parameters():
             if param.grad is not None:
                 param.grad.mul_(coef)
-    optimizer.step()
-    return grad_norm, True
+    return grad_norm
 
 
 def _interleavable(micro_batches: list, model_chunks) -> list:
@@ -211,7 +220,8 @@ def run_megatron_schedule(model_chunks, micro_batches: list, loss_fn, forward_on
     def forward_step(data_iterator, model):
         micro_batch = next(data_iterator)
         aligned = micro_batch["_aligned"]
-        output = model(aligned.model_input_ids, aligned.model_position_ids, None)
+        with compute_autocast(model):  # bf16 compute on fp32 parameters (verl.models.mcore.config)
+            output = model(aligned.model_input_ids, aligned.model_position_ids, None)
         return output, partial(loss_wrapper, micro_batch)
 
     from verl.models.mcore.context_parallel import context_parallel_group
@@ -260,6 +270,7 @@ class MegatronPPOActor(DataParallelPPOActor):
         self.use_remove_padding = False
         self.share_prompt_forward = False
         self._dp_group, self._dp_size = _dp_group_and_size()
+        self.flops = FlopsTally(FlopsCounter.for_model(hf_config))  # the chunks' config is megatron's, not HF's
 
     # ------------------------------------------------------------------ forward
 
@@ -316,14 +327,20 @@ class MegatronPPOActor(DataParallelPPOActor):
         return super().update_policy(data)
 
     def _train_and_step(self, micro_batches: list, temperature: float, normaliser: float, metrics: dict):
-        """Megatron's schedule over the micro-batches, then gradient reduction, clipping and the step."""
+        """Megatron's schedule over the micro-batches, then gradient reduction, clipping and the step.
+        The last stage's metrics come to the host together with the gradient norm (one wait for the
+        device), then go to the other stages."""
+        for micro_batch in micro_batches:  # every row whole: no shared-prompt path on this backend
+            self.flops.add(micro_batch["attention_mask"], micro_batch["responses"].shape[-1])
         results = self._run_schedule(
             micro_batches, partial(self._policy_loss, temperature=temperature, normaliser=normaliser), False
         )
+        finalize_megatron_grads(self.model_chunks)
+        grad_norm = clip_grads_megatron(self.model_chunks, self._cfg.get("grad_clip", 1.0))
+        *results, step = metrics_to_host([*results, {"grad_norm": grad_norm}])
         for micro_metrics in broadcast_from_last_stage(results):
             append_to_dict(metrics, micro_metrics)
-        finalize_megatron_grads(self.model_chunks)
-        return clip_grad_and_step_megatron(self.model_chunks, self.actor_optimizer, self._cfg.get("grad_clip", 1.0))
+        return step["grad_norm"], step_if_finite(self.actor_optimizer, step["grad_norm"])
 
     def _policy_loss(self, micro_batch, output, temperature: float, normaliser: float):
         """(scaled loss, metrics) of one micro-batch: the FSDP actor's loss, weighted the same way."""

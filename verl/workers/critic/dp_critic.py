@@ -21,18 +21,22 @@ import torch
 import torch.distributed as dist
 
 from verl.trainer.ppo.core_algos import compute_value_loss, masked_mean
-from verl.utils.device import get_device
+from verl.utils.device import collective_device, get_device
+from verl.utils.flops_counter import FlopsCounter, FlopsTally
 from verl.utils.remove_padding import pad_input, unpad_input, unpad_position_ids
 from verl.workers.critic.base import BasePPOCritic
 from verl.workers.dp_training import (
     append_to_dict,
-    clip_grad_and_step,
+    clip_grad_norm,
     config_to_dict,
     dp_group_and_size,
     loss_normaliser,
+    metrics_to_host,
+    micro_batch_weight,
     pad_response_columns,
     response_mask_of,
     split_micro_batches,
+    step_if_finite,
     token_window,
 )
 
@@ -61,6 +65,8 @@ class DataParallelPPOCritic(BasePPOCritic):
         self.cliprange_value = float(cfg.get("cliprange_value", 0.5))
         self._shuffle_generator = torch.Generator().manual_seed(int(cfg.get("data_loader_seed", 0) or 0))
         self._dp_group, self._dp_size = dp_group_and_size(critic_module)
+        # a value model's head has one output, not the vocabulary
+        self.flops = FlopsTally(FlopsCounter.for_model(getattr(critic_module, "config", None), head_outputs=1))
 
     def _forward_micro_batch(self, micro_batch) -> torch.Tensor:
         """Values [B, R] for the responses of `micro_batch` (padding positions not masked)."""
@@ -130,6 +136,7 @@ class DataParallelPPOCritic(BasePPOCritic):
                 "critic.ppo_mini_batch_size"
             )
         metrics: dict[str, list[float]] = {}
+        self.flops.reset()
         for _ in range(int(self._cfg.get("ppo_epochs", 1) or 1)):
             epoch_batch = batch
             if self._cfg.get("shuffle", False):
@@ -142,22 +149,27 @@ class DataParallelPPOCritic(BasePPOCritic):
     def _update_on_mini_batch(self, mini_batch, metrics: dict) -> None:
         normaliser, micro_batches = self._mini_batch_plan(mini_batch)
         self.critic_optimizer.zero_grad()
+        micro_metrics = []
         for micro_batch in micro_batches:
             micro_batch = micro_batch.to(get_device())
-            loss, micro_metrics = self._micro_batch_loss(
-                micro_batch, self._forward_micro_batch(micro_batch), normaliser
-            )
+            self.flops.add(micro_batch["attention_mask"], micro_batch["responses"].shape[-1])
+            loss, out = self._micro_batch_loss(micro_batch, self._forward_micro_batch(micro_batch), normaliser)
             loss.backward()
-            append_to_dict(metrics, micro_metrics)
-        grad_norm, stepped = clip_grad_and_step(
-            self.critic_module, self.critic_optimizer, self._cfg.get("grad_clip", 1.0)
-        )
-        append_to_dict(metrics, self._step_metrics(grad_norm, stepped))
+            micro_metrics.append(out)
+        grad_norm = clip_grad_norm(self.critic_module, self._cfg.get("grad_clip", 1.0))
+        # one wait for the device per mini-batch: the metrics come to the host with the gradient norm
+        *micro_metrics, step = metrics_to_host([*micro_metrics, {"grad_norm": grad_norm}])
+        for out in micro_metrics:
+            append_to_dict(metrics, out)
+        stepped = step_if_finite(self.critic_optimizer, step["grad_norm"])
+        append_to_dict(metrics, self._step_metrics(step["grad_norm"], stepped))
 
     def _mini_batch_plan(self, mini_batch) -> tuple[float, list]:
-        """(loss normaliser over all ranks, micro-batches) of one mini-batch."""
-        normaliser = loss_normaliser(response_mask_of(mini_batch), self.loss_agg_mode).to(get_device())
+        """(loss normaliser over all ranks, micro-batches) of one mini-batch (on the host, like the
+        reduction where the group allows it)."""
+        normaliser = loss_normaliser(response_mask_of(mini_batch), self.loss_agg_mode)
         if self._dp_size > 1:
+            normaliser = normaliser.to(collective_device(self._dp_group))
             dist.all_reduce(normaliser, group=self._dp_group)
         micro_batches, _ = split_micro_batches(
             mini_batch,
@@ -181,13 +193,12 @@ class DataParallelPPOCritic(BasePPOCritic):
             cliprange_value=self.cliprange_value,
             loss_agg_mode=self.loss_agg_mode,
         )
-        scale = 0.0 if normaliser == 0 else float(loss_normaliser(response_mask, self.loss_agg_mode)) / normaliser
-        out = {
-            "critic/vf_loss": float(vf_loss.detach()),
-            "critic/vf_clipfrac": float(vf_clipfrac),
-            "critic/vpred_mean": float(masked_mean(vpreds.detach(), response_mask)),
+        out = {  # device tensors: read once per mini-batch (`metrics_to_host`)
+            "critic/vf_loss": vf_loss.detach(),
+            "critic/vf_clipfrac": vf_clipfrac.detach() if isinstance(vf_clipfrac, torch.Tensor) else vf_clipfrac,
+            "critic/vpred_mean": masked_mean(vpreds.detach(), response_mask),
         }
-        return vf_loss * (scale * self._dp_size), out
+        return vf_loss * micro_batch_weight(response_mask, self.loss_agg_mode, normaliser, self._dp_size, vf_loss), out
 
     def _step_metrics(self, grad_norm: float, stepped: bool) -> dict[str, float]:
         return {

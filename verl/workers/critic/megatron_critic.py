@@ -19,16 +19,23 @@ from functools import partial
 import torch
 
 from verl.models.mcore.forward import response_columns
+from verl.utils.flops_counter import FlopsCounter, FlopsTally
 from verl.workers.actor.megatron_actor import (
     broadcast_from_last_stage,
-    clip_grad_and_step_megatron,
+    clip_grads_megatron,
     context_parallel_config,
     finalize_megatron_grads,
     per_rank_token_budget,
     run_megatron_schedule,
 )
 from verl.workers.critic.dp_critic import _MODEL_INPUTS, DataParallelPPOCritic
-from verl.workers.dp_training import append_to_dict, response_mask_of, split_micro_batches
+from verl.workers.dp_training import (
+    append_to_dict,
+    metrics_to_host,
+    response_mask_of,
+    split_micro_batches,
+    step_if_finite,
+)
 
 __all__ = ["MegatronPPOCritic"]
 
@@ -36,7 +43,10 @@ __all__ = ["MegatronPPOCritic"]
 class MegatronPPOCritic(DataParallelPPOCritic):
     """Value function over this rank's megatron GPTModel chunks (value head on the last stage)."""
 
-    def __init__(self, config, model_chunks: list, critic_optimizer: torch.optim.Optimizer | None = None):
+    def __init__(
+        self, config, model_chunks: list, critic_optimizer: torch.optim.Optimizer | None = None, hf_config=None
+    ):
+        """`hf_config`: the HF config the model was built from, for the update's FLOP count (None: no MFU)."""
         from megatron.core import parallel_state as mpu
 
         if not isinstance(model_chunks, (list, tuple)):
@@ -46,6 +56,7 @@ class MegatronPPOCritic(DataParallelPPOCritic):
         self._cfg = context_parallel_config(self._cfg)
         self.use_remove_padding = False
         self._dp_group, self._dp_size = mpu.get_data_parallel_group(), mpu.get_data_parallel_world_size()
+        self.flops = FlopsTally(FlopsCounter.for_model(hf_config, head_outputs=1))
 
     @staticmethod
     def _values(micro_batch, output) -> torch.Tensor:
@@ -86,15 +97,17 @@ class MegatronPPOCritic(DataParallelPPOCritic):
         normaliser, micro_batches = self._mini_batch_plan(mini_batch)
         self.critic_optimizer.zero_grad()
         loss_fn = partial(self._value_loss, normaliser=normaliser)
-        for micro_metrics in broadcast_from_last_stage(
-            run_megatron_schedule(self.model_chunks, micro_batches, loss_fn, False)
-        ):
-            append_to_dict(metrics, micro_metrics)
+        for micro_batch in micro_batches:
+            self.flops.add(micro_batch["attention_mask"], micro_batch["responses"].shape[-1])
+        results = run_megatron_schedule(self.model_chunks, micro_batches, loss_fn, False)
         finalize_megatron_grads(self.model_chunks)
-        grad_norm, stepped = clip_grad_and_step_megatron(
-            self.model_chunks, self.critic_optimizer, self._cfg.get("grad_clip", 1.0)
-        )
-        append_to_dict(metrics, self._step_metrics(grad_norm, stepped))
+        grad_norm = clip_grads_megatron(self.model_chunks, self._cfg.get("grad_clip", 1.0))
+        # one wait for the device: the last stage's metrics with the gradient norm, then to every stage
+        *results, step = metrics_to_host([*results, {"grad_norm": grad_norm}])
+        for micro_metrics in broadcast_from_last_stage(results):
+            append_to_dict(metrics, micro_metrics)
+        stepped = step_if_finite(self.critic_optimizer, step["grad_norm"])
+        append_to_dict(metrics, self._step_metrics(step["grad_norm"], stepped))
 
     def _value_loss(self, micro_batch, output, normaliser: float):
         """(scaled loss, metrics) of one micro-batch, weighted as the FSDP critic weights it."""

@@ -74,6 +74,9 @@ class ExternalEngineConfig(HFRolloutConfig):
     load_format: str = "auto"
     """`dummy*` (upstream's dummy_dtensor, ...): start with random weights that the trainer's sync
     replaces (skips reading the checkpoint); anything else: the engine's own loader format."""
+    enforce_eager: bool = False
+    """vLLM enforce_eager / SGLang disable_cuda_graph: no CUDA graphs (the built-in engine has its own
+    switch, engine_kwargs.hf.enforce_eager, see `hf_rollout`)."""
     enable_chunked_prefill: bool = True
     disable_log_stats: bool = True
     ignore_eos: bool = False

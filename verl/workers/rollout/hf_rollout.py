@@ -21,6 +21,19 @@ the mask is 1 up to and including the EOS token), `response_mask` [B, R] and, wi
 `calculate_log_probs`, `rollout_log_probs` [B, R] (0 where masked). R is always the configured
 response length, whatever the longest response.
 
+CUDA graphs are on by default on a CUDA device (`cuda_graphs_enabled`); the built-in engine's
+switch is `engine_kwargs.hf.enforce_eager`, not `rollout.enforce_eager`. That top-level key is
+vLLM's (and SGLang's `disable_cuda_graph`), and upstream's default for it, true, is chosen for
+vLLM: graphs captured up front for every batch size cost vLLM start-up time and memory. Here
+graphs are captured lazily, a few per batch shape, into one small pool, while eager decoding is
+launch-bound (~700 kernel launches per step) and several times slower; reading the upstream key
+would turn them off in every run that starts from upstream's YAML.
+
+Memory: `gpu_memory_utilization` bounds the engine's footprint (weights + KV cache + working
+memory) as a fraction of the device, as in vLLM; batches whose KV cache would not fit are
+generated in chunks of rows (see `native.engine`). `max_num_batched_tokens` bounds the prompt
+tokens of one prefill forward (whole prompts, at least one per forward).
+
 Partial rollouts (asynchronous training, `meta_info["partial_rollout"]`): the rollout worker sets
 `weight_refresh`; every `partial_rollout_check_steps` decode steps the engine asks it whether newer
 weights wait, and if so pauses, loads them and resumes the unfinished rows from prompt + partial
@@ -41,7 +54,7 @@ from typing import NamedTuple, Protocol
 
 import torch
 
-from verl.utils.device import get_device
+from verl.utils.device import get_device, is_cuda_device
 from verl.utils.speed_paths import SpeedPath
 from verl.workers.rollout.base import BaseRollout
 from verl.workers.rollout.engine_io import resolve_sampling, resolve_token_ids
@@ -82,10 +95,14 @@ class HFRolloutConfig:
     """Let the hybrid engine call sleep()/wake_up() around generation."""
     dtype: str = "auto"
     """Engine weights and KV cache: auto (float32 on CPU, bfloat16 on GPU), float32, bfloat16, float16."""
-    enforce_eager: bool = False
-    """True disables CUDA-graph decoding on GPU."""
+    gpu_memory_utilization: float = 0.5
+    """Fraction of the device's memory the engine (weights, KV cache, working memory) may use."""
     max_num_seqs: int = 1024
     """At most this many sequences generate at once; larger batches run in chunks."""
+    max_num_batched_tokens: int = 8192
+    """Prompt tokens per prefill forward (whole prompts, at least one)."""
+    engine_kwargs: dict = field(default_factory=dict)
+    """Per-engine arguments; this engine reads `engine_kwargs.hf` (see `HF_ENGINE_KWARGS`)."""
     ignore_eos: bool = False
     """Generate `response_length` tokens even past end-of-sequence (benchmarks, load tests)."""
     val_kwargs: ValKwargs = field(default_factory=ValKwargs)
@@ -94,9 +111,25 @@ class HFRolloutConfig:
         if isinstance(self.val_kwargs, Mapping):
             known = {f.name for f in dataclasses.fields(ValKwargs)}
             self.val_kwargs = ValKwargs(**{k: v for k, v in self.val_kwargs.items() if k in known})
-        for key in ("response_length", "prompt_length", "n", "max_num_seqs"):
+        for key in ("response_length", "prompt_length", "n", "max_num_seqs", "max_num_batched_tokens"):
             if int(getattr(self, key)) < 1:
                 raise ValueError(f"actor_rollout_ref.rollout.{key}={getattr(self, key)} must be a positive integer")
+        if not 0.0 < float(self.gpu_memory_utilization) <= 1.0:
+            raise ValueError(
+                f"actor_rollout_ref.rollout.gpu_memory_utilization={self.gpu_memory_utilization} must lie in (0, 1]: "
+                "the fraction of the device's memory the rollout engine may use"
+            )
+        unknown = set(self.hf_kwargs) - set(HF_ENGINE_KWARGS)
+        if unknown:
+            raise ValueError(
+                f"actor_rollout_ref.rollout.engine_kwargs.hf has unknown keys {sorted(unknown)}; the built-in engine "
+                f"accepts {sorted(HF_ENGINE_KWARGS)}"
+            )
+
+    @property
+    def hf_kwargs(self) -> dict:
+        """`engine_kwargs.hf`, the built-in engine's own arguments ({} when absent)."""
+        return dict((self.engine_kwargs or {}).get("hf") or {})
 
     @classmethod
     def from_any(cls, config) -> HFRolloutConfig:
@@ -113,10 +146,25 @@ class HFRolloutConfig:
             config = OmegaConf.to_container(config, resolve=True)
         known = {f.name for f in dataclasses.fields(cls)}
         values = {k: v for k, v in dict(config).items() if k in known and v is not None}
+        if values.get("engine_kwargs") is not None:
+            values["engine_kwargs"] = {k: dict(v or {}) for k, v in dict(values["engine_kwargs"]).items()}
         if isinstance(values.get("val_kwargs"), Mapping) or dataclasses.is_dataclass(values.get("val_kwargs")):
             vk = values["val_kwargs"]
             values["val_kwargs"] = dict(vk) if isinstance(vk, Mapping) else dataclasses.asdict(vk)
         return cls(**values)
+
+
+HF_ENGINE_KWARGS = {
+    "enforce_eager": "true: decode without CUDA graphs (default false: graphs on CUDA devices)",
+}
+
+
+def cuda_graphs_enabled(config: HFRolloutConfig, device: torch.device) -> bool:
+    """Whether the built-in engine decodes with CUDA graphs for `config` on `device`: on a CUDA
+    device unless `engine_kwargs.hf.enforce_eager` is true. `rollout.enforce_eager` is vLLM's key
+    and is not read (module docstring). The engine still falls back to eager decoding for models
+    the native decoder does not run."""
+    return is_cuda_device(device) and not bool(config.hf_kwargs.get("enforce_eager", False))
 
 
 class WeightRefresh(Protocol):
@@ -166,7 +214,10 @@ class HFRollout(BaseRollout):
             model_path_or_module,
             device=device,
             dtype=self.config.dtype,
-            use_cuda_graph=None if not self.config.enforce_eager else False,
+            # None: graphs whenever the native decoder runs the model (the generic path cannot)
+            use_cuda_graph=None if cuda_graphs_enabled(self.config, device) else False,
+            gpu_memory_utilization=float(self.config.gpu_memory_utilization),
+            prefill_tokens=int(self.config.max_num_batched_tokens),
         )
         # Set by the rollout worker of asynchronous training; used when a request asks for partial rollouts.
         self.weight_refresh: WeightRefresh | None = None
@@ -200,8 +251,14 @@ class HFRollout(BaseRollout):
         self.engine.sleep(2)
 
     def speed_paths(self) -> list[SpeedPath]:
-        """CUDA graphs of the decode step: asked for by `enforce_eager=false`."""
-        requested = not self.config.enforce_eager
+        """CUDA graphs of the decode step: asked for on a CUDA device unless `engine_kwargs.hf.enforce_eager`
+        (see `cuda_graphs_enabled`); another device has none to ask for."""
+        device = self.engine.device
+        if not is_cuda_device(device):
+            return [
+                SpeedPath("cuda_graphs", False, False, f"the rollout runs on {device.type}, which has no CUDA graphs")
+            ]
+        requested = not bool(self.config.hf_kwargs.get("enforce_eager", False))
         active = self.engine.graphs is not None
         reason = self.engine.cuda_graph_off_reason if requested and not active else ""
         return [SpeedPath("cuda_graphs", requested, active, reason)]
@@ -220,6 +277,7 @@ class HFRollout(BaseRollout):
         from verl.protocol import DataProto
 
         start = time.perf_counter()
+        graphs_before = self.engine.graph_stats()
         meta = dict(prompts.meta_info)
         sampling, n = self._sampling_and_n(meta, prompts)
         if n > 1:
@@ -267,6 +325,12 @@ class HFRollout(BaseRollout):
         timing = dict(meta.get("timing", {}))
         timing["generate_sequences"] = time.perf_counter() - start
         meta["timing"] = timing
+        # CUDA-graph captures of this call: after a sleep every graph used is captured again
+        graphs_after = self.engine.graph_stats()
+        metrics = dict(meta.get("metrics", {}))
+        metrics["rollout/cuda_graph_captures"] = graphs_after["captures"] - graphs_before["captures"]
+        metrics["timing_s/cuda_graph_capture"] = graphs_after["capture_s"] - graphs_before["capture_s"]
+        meta["metrics"] = metrics
         batch = TensorDict(tensors, batch_size=[input_ids.shape[0]])
         non_tensors = dict(prompts.non_tensor_batch)
         if refresh is not None:

@@ -17,6 +17,17 @@ arithmetic task: every prompt sampled n times, most answers done after 3 of 8 to
   map writes their tokens to the right output rows. Until then finished rows keep decoding and
   their extra tokens are masked to pad at the end, so no step branches per row.
 
+Memory budget (`gpu_memory_utilization`, upstream's key, with vLLM's meaning): the engine's own
+footprint (its weights, KV cache and working memory) stays within `gpu_memory_utilization` x the
+device's total memory, and what it allocates must also be free right now (driver-free memory plus
+what torch's allocator caches unused). The KV cache is sized from that: rows that fit =
+(min(util x total - weights, free) - prefill working memory) // (one row's KV cache at this call's
+length + its decode working memory), see `kv_cache_rows`. A batch with more rows than fit is
+generated in several chunks of rows, one after the other, with the same outputs (greedy) as one
+pass. The cache grows only (to cover both the old and the new shape when that fits), so calls of
+alternating shapes do not reallocate it, and with it recapture the CUDA graphs, every time.
+`kv_cache_bytes` fixes the KV budget instead (any device; CPU otherwise has no budget).
+
 Weight sync and memory (the hybrid engine's contract, shared with the vLLM/SGLang adapters):
 - `update_weights(named_tensors)` copies HF-named tensors into the decoder's buffers in place, as
   they arrive (one FSDP-gathered tensor at a time is fine), and reports `timing_s/update_weights`;
@@ -37,11 +48,17 @@ from pathlib import Path
 from typing import NamedTuple
 
 import torch
+import torch.nn.functional as F
 
-from verl.utils.device import empty_cache, get_device, synchronize
-from verl.workers.rollout.native.cuda_graph import DecodeGraphRunner, batch_bucket
+from verl.utils.device import device_context, empty_cache, free_memory_bytes, get_device, synchronize
+from verl.workers.rollout.native.cuda_graph import BATCH_BUCKETS, DecodeGraphRunner
 from verl.workers.rollout.native.hf_decoder import HFModelDecoder
-from verl.workers.rollout.native.llama_decoder import LlamaDecoder, spec_from_hf_config, unsupported_reason
+from verl.workers.rollout.native.llama_decoder import (
+    DEFAULT_PREFILL_TOKENS,
+    LlamaDecoder,
+    spec_from_hf_config,
+    unsupported_reason,
+)
 from verl.workers.rollout.sampling import SamplingParams, select_tokens
 
 logger = logging.getLogger(__name__)
@@ -73,6 +90,32 @@ class GenerationOutput(NamedTuple):
     paused_at: int | None = None
 
 
+# what the estimates leave out: library workspaces (cuBLAS), the CUDA-graph pool, allocator rounding
+_MARGIN_BYTES = 256 * 2**20
+
+
+def kv_cache_rows(
+    free_bytes: int,
+    total_bytes: int,
+    utilization: float,
+    held_bytes: int,
+    workspace_bytes: int,
+    row_bytes: int,
+) -> int:
+    """How many sequences' KV cache the engine may allocate (0 when not even one fits).
+
+    free_bytes: device memory this process can allocate now (driver-free plus torch-cached unused,
+        plus whatever the engine is about to free, e.g. its current KV cache).
+    total_bytes: the device's total memory; the engine's footprint stays within
+        `utilization * total_bytes` (vLLM's `gpu_memory_utilization`).
+    held_bytes: what the engine keeps besides the cache (its weights).
+    workspace_bytes: transient memory the generation needs besides the rows (a prefill chunk).
+    row_bytes: one row's KV cache at this length plus its per-row decode working memory.
+    """
+    budget = min(utilization * total_bytes - held_bytes, free_bytes) - workspace_bytes
+    return max(0, int(budget // row_bytes))
+
+
 def _iter_checkpoint_tensors(path: Path):
     """Stream (name, tensor) pairs from a safetensors checkpoint, one tensor at a time."""
     from safetensors import safe_open
@@ -86,10 +129,24 @@ def _iter_checkpoint_tensors(path: Path):
 class GenerationEngine:
     """Static-cache generation over a `LlamaDecoder` (native) or an `HFModelDecoder` (generic)."""
 
-    def __init__(self, decoder, use_cuda_graph: bool = False, stop_check_interval: int | None = None):
+    def __init__(
+        self,
+        decoder,
+        use_cuda_graph: bool = False,
+        stop_check_interval: int | None = None,
+        gpu_memory_utilization: float = 0.5,
+        kv_cache_bytes: int | None = None,
+    ):
+        if not 0.0 < gpu_memory_utilization <= 1.0:
+            raise ValueError(
+                f"gpu_memory_utilization={gpu_memory_utilization} must lie in (0, 1]: it is the fraction of the "
+                "device's memory the rollout engine may use (actor_rollout_ref.rollout.gpu_memory_utilization)"
+            )
         self.decoder = decoder
         self.device = decoder.device
         self.graphs = DecodeGraphRunner(decoder) if use_cuda_graph else None
+        self.gpu_memory_utilization = gpu_memory_utilization
+        self.kv_cache_bytes = kv_cache_bytes
         # why `from_model` left the graphs off when they were left to it (reported as a speed path)
         self.cuda_graph_off_reason = ""
         if stop_check_interval is None:
@@ -114,11 +171,15 @@ class GenerationEngine:
         use_cuda_graph: bool | None = None,
         allow_native: bool = True,
         stop_check_interval: int | None = None,
+        gpu_memory_utilization: float = 0.5,
+        kv_cache_bytes: int | None = None,
+        prefill_tokens: int | None = DEFAULT_PREFILL_TOKENS,
     ) -> GenerationEngine:
         """Build an engine with its own copy of the weights of an HF checkpoint directory or model.
 
         The native decoder is used when the architecture allows it (and `allow_native`), else the
         generic HF path. CUDA graphs default to on for the native decoder on an accelerator.
+        `prefill_tokens`: prompt tokens per prefill forward (whole prompts, at least one; None: all).
         """
         from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -138,7 +199,7 @@ class GenerationEngine:
         reason = unsupported_reason(config) if allow_native else "native decoder disabled"
 
         if reason is None:
-            decoder = LlamaDecoder(spec_from_hf_config(config), device, dtype)
+            decoder = LlamaDecoder(spec_from_hf_config(config), device, dtype, prefill_tokens=prefill_tokens)
             decoder.allocate_weights()
             if not is_path:
                 source = model_path_or_module.state_dict().items()
@@ -174,7 +235,13 @@ class GenerationEngine:
                 graph_off_reason = "the rollout runs on CPU, where there are no CUDA graphs"
         if use_cuda_graph and reason is not None:
             raise ValueError(f"CUDA graphs need the native decoder, which cannot run this model: {reason}")
-        engine = cls(decoder, use_cuda_graph=use_cuda_graph, stop_check_interval=stop_check_interval)
+        engine = cls(
+            decoder,
+            use_cuda_graph=use_cuda_graph,
+            stop_check_interval=stop_check_interval,
+            gpu_memory_utilization=gpu_memory_utilization,
+            kv_cache_bytes=kv_cache_bytes,
+        )
         engine.cuda_graph_off_reason = graph_off_reason
         return engine
 
@@ -212,7 +279,86 @@ class GenerationEngine:
         self._asleep = False
 
     def memory_bytes(self) -> dict[str, int]:
-        return {"weights": self.decoder.weight_bytes(), "kv_cache": self.decoder.cache_bytes()}
+        out = {"weights": self.decoder.weight_bytes(), "kv_cache": self.decoder.cache_bytes()}
+        if self.graphs is not None:
+            out["graph_buffers"] = self.graphs.static_bytes()
+        return out
+
+    def graph_stats(self) -> dict[str, float]:
+        """CUDA-graph captures since the engine was built, and the seconds they took (0 without graphs)."""
+        if self.graphs is None:
+            return {"captures": 0, "capture_s": 0.0}
+        return {"captures": self.graphs.num_captures, "capture_s": self.graphs.capture_s}
+
+    def max_cache_rows(self, length: int, prompt_len: int, batch: int) -> int | None:
+        """Rows of `length` columns the KV cache may hold for a `batch` x `prompt_len` call under the
+        memory budget (module docstring); None when unbounded (CPU without `kv_cache_bytes`, or the
+        generic HF path, which manages its own cache)."""
+        if not self.is_native:
+            return None
+        decoder = self.decoder
+        if self.kv_cache_bytes is not None:
+            return self.kv_cache_bytes // decoder.cache_row_bytes(length)
+        memory = free_memory_bytes(self.device)
+        if memory is None:
+            return None
+        free, total = memory
+        reclaimable = decoder.cache_bytes() + (self.graphs.static_bytes() if self.graphs is not None else 0)
+        workspace = decoder.prefill_bytes(min(batch, decoder.prefill_rows(prompt_len)), prompt_len) + _MARGIN_BYTES
+        return kv_cache_rows(
+            free + reclaimable,
+            total,
+            self.gpu_memory_utilization,
+            decoder.weight_bytes(),
+            workspace,
+            decoder.cache_row_bytes(length) + decoder.decode_row_bytes(),
+        )
+
+    def _cache_len(self, prompt_len: int, max_new_tokens: int) -> int:
+        length = prompt_len + max_new_tokens
+        return self.graphs.round_len(length) if self.graphs is not None else length
+
+    def _rows_per_chunk(self, batch: int, prompt_len: int, max_new_tokens: int) -> int:
+        """Rows generated at once: the whole batch when the cache holds it or the budget allows it."""
+        if not self.is_native:
+            return batch
+        length = self._cache_len(prompt_len, max_new_tokens)
+        cap_b, cap_t = self.decoder.cache_capacity()
+        if batch <= cap_b and length <= cap_t:
+            return batch
+        fit = self.max_cache_rows(length, prompt_len, batch)
+        if fit is None:
+            fit = batch
+        if fit < 1:
+            memory = free_memory_bytes(self.device)
+            free_gib, total_gib = (m / 2**30 for m in memory) if memory else (0.0, 0.0)
+            raise RuntimeError(
+                f"the rollout's memory budget does not hold the KV cache of one {length}-token sequence "
+                f"({self.decoder.cache_row_bytes(length) / 2**20:.1f} MiB): weights take "
+                f"{self.decoder.weight_bytes() / 2**30:.2f} GiB of gpu_memory_utilization={self.gpu_memory_utilization} "
+                f"x {total_gib:.1f} GiB, and {free_gib:.1f} GiB is free; raise "
+                "actor_rollout_ref.rollout.gpu_memory_utilization, shorten prompt_length/response_length, "
+                "or free device memory (e.g. actor param/optimizer offload)"
+            )
+        if self.graphs is not None:
+            fit = min(fit, BATCH_BUCKETS[-1])
+        return min(batch, fit)
+
+    def _reserve(self, batch: int, prompt_len: int, max_new_tokens: int, max_position: int) -> None:
+        """Make the cache hold `batch` rows for this call; it only grows (see the module docstring)."""
+        length = self._cache_len(prompt_len, max_new_tokens)
+        if not self.is_native:
+            self.decoder.reserve(batch, length, max_position)
+            return
+        cap_b, cap_t = self.decoder.cache_capacity()
+        rows, cols = max(batch, cap_b), max(length, cap_t)
+        if (rows, cols) != (batch, length) and (batch > cap_b or length > cap_t):
+            fit = self.max_cache_rows(cols, prompt_len, batch)
+            if fit is not None and fit < rows:  # the union does not fit: this call's shape only
+                rows, cols = batch, length
+        grown = self.decoder.reserve(rows, cols, max_position)
+        if grown and self.graphs is not None:
+            self.graphs.reset()
 
     def _check_ready(self) -> None:
         if self._asleep:
@@ -266,13 +412,50 @@ class GenerationEngine:
         position_ids = position_ids.to(dev)
         B, P = input_ids.shape
         R = max_new_tokens
+        args = (sampling, eos_token_id, pad_token_id, return_logprobs, generator)
+        # the engine's device is current for everything below (graph capture, streams, kernels),
+        # whichever device the calling thread has current
+        with device_context(dev):
+            chunk = self._rows_per_chunk(B, P, R)
+            if chunk >= B:
+                return self._generate_rows(input_ids, attention_mask, position_ids, R, *args, pause, pause_check_steps)
+            # Rows beyond the memory budget: chunk after chunk. A pause in one chunk ends the batch
+            # at that column: later chunks generate only that far, earlier ones are cut there.
+            parts, paused_at = [], None
+            for lo in range(0, B, chunk):
+                rows = slice(lo, lo + chunk)
+                out = self._generate_rows(
+                    input_ids[rows],
+                    attention_mask[rows],
+                    position_ids[rows],
+                    R if paused_at is None else paused_at,
+                    *args,
+                    pause if paused_at is None else None,
+                    pause_check_steps,
+                )
+                paused_at = paused_at if paused_at is not None else out.paused_at
+                parts.append(out)
+            return _concat_outputs(parts, R, pad_token_id, paused_at)
 
-        if self.graphs is not None:
-            grown = self.decoder.reserve(batch_bucket(B), self.graphs.round_len(P + R), int(position_ids.max()) + R + 1)
-            if grown:
-                self.graphs.reset()
-        else:
-            self.decoder.reserve(B, P + R, int(position_ids.max()) + R + 1)
+    def _generate_rows(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor,
+        position_ids: torch.Tensor,
+        max_new_tokens: int,
+        sampling: SamplingParams,
+        eos_token_id,
+        pad_token_id: int,
+        return_logprobs: bool,
+        generator: torch.Generator | None,
+        pause: Callable[[], bool] | None,
+        pause_check_steps: int,
+    ) -> GenerationOutput:
+        """`generate` for rows whose KV cache fits at once (inputs already on the device)."""
+        dev = self.device
+        B, P = input_ids.shape
+        R = max_new_tokens
+        self._reserve(B, P, R, int(position_ids.max()) + R + 1)
 
         eos_ids = [eos_token_id] if isinstance(eos_token_id, int) else list(eos_token_id or [])
         eos = torch.tensor(eos_ids, dtype=torch.long, device=dev) if eos_ids else None
@@ -354,7 +537,7 @@ class GenerationEngine:
         smaller graph bucket). A compaction copies the live rows' cache columns once, about what
         one decode step reads; each later step then computes `remaining` rows instead of `live`."""
         if self.graphs is not None:
-            return batch_bucket(remaining) < batch_bucket(live)
+            return self.graphs.graph_batch(remaining) < self.graphs.graph_batch(live)
         return remaining * 8 <= live * 7
 
     def _decode(self, tokens: torch.Tensor, positions: torch.Tensor, column: int) -> torch.Tensor:
@@ -362,3 +545,20 @@ class GenerationEngine:
             return self.graphs.run(tokens, positions, column, column + 1)
         self._step.fill_(column)
         return self.decoder.decode_step(tokens, positions, self._step, column + 1)
+
+
+def _concat_outputs(parts: list[GenerationOutput], width: int, pad_token_id: int, paused_at: int | None):
+    """One `GenerationOutput` from row chunks generated one after the other (see `generate`)."""
+
+    def widen(t: torch.Tensor, fill) -> torch.Tensor:
+        return t if t.shape[1] == width else F.pad(t, (0, width - t.shape[1]), value=fill)
+
+    responses = torch.cat([widen(p.responses, pad_token_id) for p in parts])
+    response_mask = torch.cat([widen(p.response_mask, 0) for p in parts])
+    logprobs = None if parts[0].logprobs is None else torch.cat([widen(p.logprobs, 0.0) for p in parts])
+    if paused_at is not None:
+        responses[:, paused_at:] = pad_token_id
+        response_mask[:, paused_at:] = 0
+        if logprobs is not None:
+            logprobs[:, paused_at:] = 0.0
+    return GenerationOutput(responses, response_mask, logprobs, paused_at)

@@ -22,9 +22,20 @@ Design decisions:
   faster than explicit matmuls); on accelerators two batched matmuls over grouped query heads
   (`[B, kv, group, D]` against `[B, kv, len, D]`), which read each K/V once, do not depend on which
   SDPA backend accepts a mask, and are valid inside a CUDA graph (the step index is a device
-  tensor; `kv_len` is a Python int that the graph runner buckets).
+  tensor; `kv_len` is a Python int that the graph runner buckets). The scores QK^T come out of the
+  first matmul in fp32 (`bmm(..., out_dtype=float32)`, no fp32 copy of the cache): rounding them
+  to bf16 first, as a plain bf16 matmul does, shifts the softmax by up to ~0.4% per score and
+  widens the gap to the trainer's log-probs, whose SDPA keeps fp32 scores.
+- Prefill attention: K/V are expanded to all query heads and the padding/causal mask is passed
+  as a boolean mask, a combination the memory-efficient SDPA kernel accepts (it rejects grouped
+  K/V, flash rejects masks; both together fell back to the math kernel, which materialises fp32
+  [B, heads, P, P] scores: ~60 GB per layer at 256 prompts of 2048 tokens). A chunk without left
+  padding skips the mask (`is_causal`, flash). Prompts are prefilled `prefill_tokens` tokens at a
+  time (whole rows, at least one), which bounds the activations and the mask; the default is
+  upstream's `max_num_batched_tokens` (8192).
 - Row bookkeeping for the engine: `prefill(..., rows=)` writes each distinct prompt's K/V to every
-  cache row that repeats it, straight from the layer's fresh K/V; `select_rows` gathers the rows
+  cache row that repeats it, straight from the layer's fresh K/V (chunk by chunk of distinct
+  prompts, each chunk's cache rows found once up front); `select_rows` gathers the rows
   still generating to the front, one layer at a time (a whole-cache temporary measured ~2x slower
   on CPU: page faults and cache misses).
 - Where a CPU decode step goes (tiny model, batch 64, one thread): matmuls ~48% (at ~73 GFLOP/s,
@@ -56,6 +67,8 @@ STATIC_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq", "rotary_emb.original_inv_freq")
 _WRAPPER_PREFIXES = re.compile(r"(_fsdp_wrapped_module\.|_checkpoint_wrapped_module\.|_orig_mod\.)")
 _NEG = -1e30  # additive bias for masked keys; finite so a fully masked (padding) row never turns NaN
+DEFAULT_PREFILL_TOKENS = 8192  # upstream's rollout.max_num_batched_tokens default
+_MIN_ROPE_POSITIONS = 4096  # the rotary table grows geometrically from here (each growth recaptures graphs)
 
 
 @dataclass(frozen=True)
@@ -162,6 +175,21 @@ def spec_from_hf_config(config) -> LlamaSpec:
     )
 
 
+def _bmm_writes_fp32(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether `torch.bmm(a, b, out_dtype=torch.float32)` runs for `dtype` inputs on `device`
+    (torch >= 2.8 on CUDA: the GEMM accumulates and writes fp32; CPU has no such kernel)."""
+    if dtype == torch.float32:
+        return False
+    # the decode step's layout: grouped queries against a transposed slice of a longer cache
+    q = torch.zeros(2, 3, 8, dtype=dtype, device=device)
+    keys = torch.zeros(2, 1, 16, 8, dtype=dtype, device=device)[:, :, :5].reshape(2, 5, 8)
+    try:
+        scores = torch.bmm(q, keys.transpose(1, 2), out_dtype=torch.float32)
+    except (TypeError, RuntimeError, NotImplementedError):
+        return False
+    return scores.dtype == torch.float32 and scores.shape == (2, 3, 5)
+
+
 def canonical_name(name: str) -> str:
     """Strip wrapper prefixes that FSDP, activation checkpointing and torch.compile add to names."""
     name = _WRAPPER_PREFIXES.sub("", name)
@@ -176,10 +204,18 @@ class LlamaDecoder:
     memory (for `sleep`); the object stays usable after re-allocation.
     """
 
-    def __init__(self, spec: LlamaSpec, device: torch.device, dtype: torch.dtype):
+    def __init__(
+        self,
+        spec: LlamaSpec,
+        device: torch.device,
+        dtype: torch.dtype,
+        prefill_tokens: int | None = DEFAULT_PREFILL_TOKENS,
+    ):
         self.spec = spec
         self.device = torch.device(device)
         self.dtype = dtype
+        # prompt tokens per prefill forward (whole rows, at least one); None: every row at once
+        self.prefill_tokens = prefill_tokens
         self.weights: dict[str, torch.Tensor] = {}
         self.k_cache: torch.Tensor | None = None
         self.v_cache: torch.Tensor | None = None
@@ -192,6 +228,7 @@ class LlamaDecoder:
         # Decode attention. CPU: SDPA, one call (its flash kernel handles GQA and the additive mask).
         # Accelerators: explicit grouped matmuls, which read each K/V once and are graph-safe.
         self.fused_attention = self.device.type == "cpu"
+        self._bmm_out_dtype = _bmm_writes_fp32(self.device, dtype)
 
     # ----------------------------------------------------------------------------------- weights
     def allocate_weights(self) -> None:
@@ -323,7 +360,9 @@ class LlamaDecoder:
             self._batch_views = {}
             grown = True
         if self._cos is None or self._cos.shape[0] < max_position:
-            self._build_rope_table(max(max_position, self.cache_capacity()[1]))
+            # grow geometrically: every rebuild moves the table, which invalidates captured graphs
+            current = 0 if self._cos is None else self._cos.shape[0]
+            self._build_rope_table(max(max_position, self.cache_capacity()[1], 2 * current, _MIN_ROPE_POSITIONS))
             grown = True
         return grown
 
@@ -366,9 +405,37 @@ class LlamaDecoder:
     def cache_bytes(self) -> int:
         return sum(
             t.numel() * t.element_size()
-            for t in (self.k_cache, self.v_cache, self.key_bias, self._cos)
+            for t in (self.k_cache, self.v_cache, self.key_bias, self._cos, self._sin)
             if t is not None
         )
+
+    def cache_row_bytes(self, max_len: int) -> int:
+        """Bytes one cache row of `max_len` columns takes: K and V of every layer plus its key bias."""
+        s = self.spec
+        kv = 2 * s.num_layers * s.num_kv_heads * s.head_dim * max_len * self.dtype.itemsize
+        return kv + 4 * max_len
+
+    def decode_row_bytes(self) -> int:
+        """Working memory of one row in a decode step: its logits in the model dtype and in fp32
+        (the sampler), plus the step's largest activations (qkv, gate/up, residuals)."""
+        s = self.spec
+        activations = s.qkv_size + 2 * s.intermediate_size + 4 * s.hidden_size
+        return s.vocab_size * (self.dtype.itemsize + 4) + activations * self.dtype.itemsize
+
+    def prefill_bytes(self, rows: int, prompt_len: int) -> int:
+        """Peak working memory of prefilling `rows` prompts of `prompt_len` tokens in one forward:
+        per token the residual stream, qkv, K/V expanded to all heads, attention output and the
+        gate/up activations; per row the boolean mask and its additive copy, and the logits."""
+        s = self.spec
+        per_token = 4 * s.hidden_size + s.qkv_size + 3 * s.num_heads * s.head_dim + 3 * s.intermediate_size
+        mask = rows * prompt_len * prompt_len * (1 + self.dtype.itemsize)
+        return rows * prompt_len * per_token * self.dtype.itemsize + mask + rows * s.vocab_size * 4
+
+    def prefill_rows(self, prompt_len: int) -> int:
+        """Prompts per prefill forward: `prefill_tokens // prompt_len`, at least one."""
+        if self.prefill_tokens is None:
+            return 1 << 62
+        return max(1, self.prefill_tokens // max(prompt_len, 1))
 
     # ----------------------------------------------------------------------------------- forward
     def _norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -387,10 +454,21 @@ class LlamaDecoder:
         gate, up = F.linear(h, w["gate_up"][layer]).chunk(2, dim=-1)
         return x + F.linear(F.silu(gate) * up, w["down"][layer])
 
-    def _logits(self, x_last: torch.Tensor) -> torch.Tensor:
+    def _logits(self, x_last: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         w = self.weights
         head = w.get("lm_head", w["embed"])
-        return F.linear(self._norm(x_last, w["norm"]), head)
+        if out is None:
+            return F.linear(self._norm(x_last, w["norm"]), head)
+        return torch.mm(self._norm(x_last, w["norm"]), head.t(), out=out)
+
+    def _scores(self, q: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
+        """fp32 attention scores q @ keys^T for q [N, G, D] and keys [N, T, D] (a view of the cache)."""
+        keys_t = keys.transpose(1, 2)
+        if self.dtype == torch.float32:
+            return torch.bmm(q, keys_t)
+        if self._bmm_out_dtype:
+            return torch.bmm(q, keys_t, out_dtype=torch.float32)
+        return torch.bmm(q.float(), keys_t.float())  # an fp32 copy of the keys: slower, same numbers
 
     @torch.no_grad()
     def prefill(
@@ -404,19 +482,53 @@ class LlamaDecoder:
 
         `rows` [N] (optional) fans the prompts out: cache row r gets prompt `rows[r]`'s keys and
         values, for rows [0, N), written straight from each layer's fresh K/V (no second pass).
+        Prompts run `prefill_rows(P)` at a time; the result does not depend on the chunking.
         """
-        s, w = self.spec, self.weights
         B, P = input_ids.shape
-        H, KV, D = s.num_heads, s.num_kv_heads, s.head_dim
         valid = attention_mask.bool()
         N = B if rows is None else rows.shape[0]
         self.key_bias.fill_(_NEG)
         self.key_bias[N:, 0] = 0.0  # rows beyond N (CUDA-graph bucket padding) must not be fully masked
         self.key_bias[:N, :P].masked_fill_(valid if rows is None else valid[rows], 0.0)
 
-        # causal over real keys; a padding query attends to itself only, so it stays finite
-        causal = torch.ones(P, P, dtype=torch.bool, device=self.device).tril()
-        mask = (causal & valid[:, None, None, :]) | torch.eye(P, dtype=torch.bool, device=self.device)
+        chunk = min(B, self.prefill_rows(P))
+        if rows is not None:
+            # cache rows grouped by the prompt they repeat, so a chunk of prompts owns one contiguous
+            # run of `order` (one host sync for all chunks)
+            order = torch.argsort(rows, stable=True)
+            ends = torch.bincount(rows, minlength=B).cumsum(0).tolist()
+        logits = []
+        for lo in range(0, B, chunk):
+            hi = min(lo + chunk, B)
+            if rows is None:
+                targets, sources = slice(lo, hi), None
+            else:
+                first = ends[lo - 1] if lo else 0
+                targets = order[first : ends[hi - 1]]
+                sources = rows[targets] - lo
+            logits.append(self._prefill_chunk(input_ids[lo:hi], valid[lo:hi], position_ids[lo:hi], targets, sources))
+        return logits[0] if len(logits) == 1 else torch.cat(logits)
+
+    def _prefill_chunk(
+        self,
+        input_ids: torch.Tensor,
+        valid: torch.Tensor,
+        position_ids: torch.Tensor,
+        targets: slice | torch.Tensor,
+        sources: torch.Tensor | None,
+    ) -> torch.Tensor:
+        """Prefill prompts [b, P]; cache rows `targets` get the K/V of prompts `sources` (None: the
+        prompts themselves, in order). Returns last-position logits [b, V]."""
+        s, w = self.spec, self.weights
+        B, P = input_ids.shape
+        H, KV, D = s.num_heads, s.num_kv_heads, s.head_dim
+        G = H // KV
+        if bool(valid.all()):  # no left padding: plain causal attention, no mask (flash on accelerators)
+            mask = None
+        else:
+            # causal over real keys; a padding query attends to itself only, so it stays finite
+            causal = torch.ones(P, P, dtype=torch.bool, device=self.device).tril()
+            mask = (causal & valid[:, None, None, :]) | torch.eye(P, dtype=torch.bool, device=self.device)
         cos = self._cos[position_ids][:, :, None, :]
         sin = self._sin[position_ids][:, :, None, :]
 
@@ -428,11 +540,18 @@ class LlamaDecoder:
             q = qk[:, :, :H].transpose(1, 2)
             k = qk[:, :, H:].transpose(1, 2)
             v = qkv[..., (H + KV) * D :].view(B, P, KV, D).transpose(1, 2)
-            self.k_cache[i, :N, :, :P] = k if rows is None else k.index_select(0, rows)
-            self.v_cache[i, :N, :, :P] = v if rows is None else v.index_select(0, rows)
+            self.k_cache[i, targets, :, :P] = k if sources is None else k.index_select(0, sources)
+            self.v_cache[i, targets, :, :P] = v if sources is None else v.index_select(0, sources)
+            if G > 1:  # every query head its own K/V: the memory-efficient kernel takes no grouped K/V
+                k = k[:, :, None].expand(B, KV, G, P, D).reshape(B, H, P, D)
+                v = v[:, :, None].expand(B, KV, G, P, D).reshape(B, H, P, D)
+            causal_flag = mask is None
             if i == s.num_layers - 1:  # past the last K/V write only the last position matters
-                q, mask, x = q[:, :, -1:], mask[:, :, -1:], x[:, -1:]
-            o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=D**-0.5, enable_gqa=H != KV)
+                q, x = q[:, :, -1:], x[:, -1:]
+                if mask is not None:
+                    mask = mask[:, :, -1:]
+                causal_flag = False  # the last query sees every key (torch aligns is_causal top-left)
+            o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal_flag, scale=D**-0.5)
             o = o.transpose(1, 2).reshape(B, q.shape[2], H * D)
             x = x + F.linear(o, w["o"][i], w["o_b"][i] if "o_b" in w else None)
             x = self._mlp(x, i)
@@ -440,10 +559,16 @@ class LlamaDecoder:
 
     @torch.no_grad()
     def decode_step(
-        self, tokens: torch.Tensor, positions: torch.Tensor, step_index: torch.Tensor, kv_len: int
+        self,
+        tokens: torch.Tensor,
+        positions: torch.Tensor,
+        step_index: torch.Tensor,
+        kv_len: int,
+        out: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """One token per row: `tokens`/`positions` [B], written at cache column `step_index` ([1] int64
-        device tensor); attends over the first `kv_len` columns. Returns logits [B, V].
+        device tensor); attends over the first `kv_len` columns. Returns logits [B, V], written into
+        `out` when given (the CUDA-graph runner's one static output buffer).
 
         Capture-safe for CUDA graphs: no host syncs and no data-dependent shapes. Hidden states stay
         2-D [B, hidden] and residual adds ride on `addmm`, to keep the op count per layer minimal.
@@ -471,10 +596,12 @@ class LlamaDecoder:
                     qk[:, :H, None], keys, values, attn_mask=bias, scale=scale, enable_gqa=G > 1
                 ).view(B, H * D)
             else:
-                scores = torch.matmul(qk[:, :H].view(B, KV, G, D), keys.transpose(-1, -2))
-                probs = (scores.float() * scale + bias).softmax(dim=-1).to(self.dtype)
+                scores = self._scores(qk[:, :H].reshape(B * KV, G, D), keys.reshape(B * KV, kv_len, D))
+                # in place: one fewer [B, heads, kv_len] fp32 temporary in the CUDA-graph pool
+                scores = scores.view(B, KV, G, kv_len).mul_(scale).add_(bias)
+                probs = scores.softmax(dim=-1).to(self.dtype)
                 o = torch.matmul(probs, values).view(B, H * D)
             x = x + F.linear(o, o_w, o_b) if o_b is not None else torch.addmm(x, o, o_t)
             gate_up = self._norm(x, ln2) @ gate_up_t
             x = torch.addmm(x, F.silu(gate_up[:, :I]) * gate_up[:, I:], down_t)
-        return self._logits(x)
+        return self._logits(x, out)
