@@ -1,22 +1,36 @@
 # Two entry points for a new user, each complete by itself:
 #   make demo   create/reuse .venv, install, run the main job (GRPO on the bundled tiny model, CPU)
 #   make test   create/reuse .venv, install, run the whole CPU test suite
-# Torch is installed first and pinned (TORCH_SPEC) so pip never pulls a multi-GB CUDA build on a
-# CPU machine. On a GPU machine: make install TORCH_SPEC="torch --index-url https://download.pytorch.org/whl/cu128"
+# Installs are the tested set: requirements/constraints-py311.txt pins every package's version
+# (pip -c), so a fresh clone installs exactly what the tests passed with. Torch is installed first,
+# from TORCH_SPEC (default: the lock's version), so pip never pulls a multi-GB CUDA build on a CPU
+# machine; the lock then pins everything else. On a GPU machine:
+#   make install TORCH_SPEC="torch --index-url https://download.pytorch.org/whl/cu128"
+# Dependency upkeep (docs/dependencies.md):
+#   make test-latest   a fresh .venv-latest with the newest versions setup.py allows; runs the default test tier
+#   make lock          test-latest, then rewrite the lock from what it tested (only if the tests passed)
 
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
-TORCH_SPEC ?= torch==2.13.0
+LOCK ?= requirements/constraints-py311.txt
+TORCH_SPEC ?= $(shell grep -m1 '^torch==' requirements/constraints-py311.txt)
 PYTEST_ARGS ?=
+# the default test tier: what `make test-latest` and `make lock` run
+DEFAULT_TIER ?= -m "not slow"
+LATEST_VENV ?= .venv-latest
+LATEST_PY := $(LATEST_VENV)/bin/python
 
-.PHONY: install demo test lint format clean
+.PHONY: install demo test test-latest lock lint format clean
 
-$(VENV)/.installed: setup.py pyproject.toml
+# LOCK= (empty) installs setup.py's newest allowed versions instead of the tested ones.
+$(VENV)/.installed: setup.py pyproject.toml $(LOCK)
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(if $(LOCK),$(PY) scripts/dependency_lock.py check-python $(LOCK))
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q $(TORCH_SPEC)
-	$(PY) -m pip install -q -e ".[test]"
+	$(if $(LOCK),$(PY) scripts/dependency_lock.py constraints $(LOCK) --without torch > $(VENV)/constraints.txt)
+	$(PY) -m pip install -q -e ".[test]" $(if $(LOCK),-c $(VENV)/constraints.txt)
 	touch $@
 
 install: $(VENV)/.installed
@@ -30,6 +44,23 @@ test: install
 	if [ $$rc -eq 5 ]; then echo "pytest collected no tests: the suite is empty or every test was deselected" >&2; exit 1; fi; \
 	exit $$rc
 
+# Always a fresh virtualenv: a kept one would hold yesterday's newest versions.
+test-latest:
+	rm -rf $(LATEST_VENV)
+	$(PYTHON) -m venv $(LATEST_VENV)
+	$(LATEST_PY) -m pip install -q --upgrade pip
+	$(LATEST_PY) -m pip install -q $(TORCH_SPEC)
+	$(LATEST_PY) -m pip install -q -e ".[test]"
+	$(LATEST_PY) scripts/dependency_lock.py diff $(LOCK)
+	@$(LATEST_PY) -m pytest -q $(DEFAULT_TIER) $(PYTEST_ARGS); rc=$$?; \
+	if [ $$rc -eq 5 ]; then echo "pytest collected no tests: every test was deselected" >&2; exit 1; fi; \
+	exit $$rc
+
+lock: test-latest
+	$(LATEST_PY) scripts/dependency_lock.py freeze > $(LOCK).new
+	mv $(LOCK).new $(LOCK)
+	@echo "$(LOCK) rewritten from $(LATEST_VENV); review 'git diff $(LOCK)', run 'make test', commit"
+
 lint: install
 	$(VENV)/bin/ruff check . && $(VENV)/bin/ruff format --check .
 
@@ -37,4 +68,4 @@ format: install
 	$(VENV)/bin/ruff check --fix . && $(VENV)/bin/ruff format .
 
 clean:
-	rm -rf $(VENV) build *.egg-info
+	rm -rf $(VENV) $(LATEST_VENV) build *.egg-info

@@ -1,5 +1,16 @@
-"""Packaging for verl. Torch is deliberately unpinned here: install the build you want first
-(`pip install torch==2.13.0` for CPU, a CUDA wheel on GPU machines), then `pip install -e .`."""
+"""Packaging for verl: version ranges for installing into your own environment.
+
+Torch is deliberately left open here: install the build you want first (`pip install torch==2.13.0`
+for CPU, a CUDA wheel on GPU machines), then `pip install -e .`.
+
+These are ranges, not the tested set. `requirements/constraints-py311.txt` holds the exact versions
+the test suite passed with (`make install`, `make test`, CI and the Dockerfiles install through it);
+`make lock` re-resolves these ranges, runs the tests and rewrites it. Packages whose API is known to
+move between releases (transformers, ray, tensordict, megatron-core, vllm) are capped below their
+next major release, or their next minor one while they are at 0.x; `make test-latest` tests the
+newest versions the ranges allow.
+Policy and how to bump: docs/dependencies.md.
+"""
 
 import re
 from pathlib import Path
@@ -10,20 +21,19 @@ version = re.search(r'__version__ = "([^"]+)"', Path("verl/__init__.py").read_te
 
 install_requires = [
     "torch>=2.4",
-    "ray[default]>=2.49",
+    "ray[default]>=2.49,<3",
     "hydra-core>=1.3",
     "omegaconf>=2.3",
-    "tensordict>=0.8",
+    "tensordict>=0.8,<0.16",  # 0.x: minor releases change the API
     "pyarrow>=15",
     "pandas>=2.0",
     "numpy>=1.26",
-    "transformers>=4.56",
+    "transformers>=4.56,<6",  # the cache argument was renamed in 5.24: verl/utils/hf_forward.py
     "safetensors>=0.4",
     "tokenizers>=0.20",
     "tqdm>=4.60",
     "codetiming>=1.4",
     "psutil>=5.9",
-    "mlflow>=2.10",
     "matplotlib>=3.7",
     "peft>=0.21",  # actor LoRA (imported only when lora_rank > 0)
 ]
@@ -37,13 +47,15 @@ extras_require = {
         "tensorboard>=2.15",
         "wandb>=0.17",
         "megatron-core>=0.16.1,<0.17",  # the megatron backend's CPU tests (0.16 is the newest for Python 3.11)
+        "mlflow>=2.10",  # the tracker's tests
     ],
-    "vllm": ["vllm>=0.10.2"],
+    "vllm": ["vllm>=0.10.2,<0.34"],  # docker/Dockerfile.cuda installs 0.33
     "sglang": ["sglang>=0.4"],
-    "mcore": ["megatron-core>=0.16.1"],  # strategy=megatron (docs/megatron.md)
+    "mcore": ["megatron-core>=0.16.1,<0.17"],  # strategy=megatron (docs/megatron.md)
     "bench": ["trl>=1.16,<2", "datasets>=2.18", "accelerate>=1.0"],
     "gpu": ["flash-attn>=2.5", "liger-kernel>=0.5"],
-    "trackers": ["tensorboard>=2.15", "wandb>=0.17"],
+    "mlflow": ["mlflow>=2.10"],  # trainer.logger=[...,mlflow]; imported only then
+    "trackers": ["mlflow>=2.10", "tensorboard>=2.15", "wandb>=0.17"],
 }
 
 setup(

@@ -26,6 +26,7 @@ from verl.single_controller import shm
 from verl.single_controller.base import Worker, WorkerDiedError, WorkerMethodError
 from verl.single_controller.base.decorator import Dispatch, register
 from verl.single_controller.ray import RayClassWithInitArgs, RayResourcePool, RayWorkerGroup
+from verl.utils.speed_paths import SpeedPath
 
 cloudpickle.register_pickle_by_value(sys.modules[__name__])
 
@@ -125,6 +126,21 @@ def test_no_room_in_dev_shm_means_ray_and_no_file_left(monkeypatch):
     assert _own_files(os.getpid()) == []
 
 
+def test_the_speed_path_says_why_the_transport_is_off(monkeypatch):
+    monkeypatch.setenv("VERL_SHM_TRANSPORT", "0")
+    assert shm.speed_path(None) == SpeedPath("shm_transport", False, False, "VERL_SHM_TRANSPORT=0 turns it off")
+    monkeypatch.delenv("VERL_SHM_TRANSPORT")
+    monkeypatch.setattr(shm, "SHM_DIR", "/nonexistent-verl-shm")
+    off = shm.speed_path(None)
+    assert off.requested and not off.active and "/nonexistent-verl-shm does not exist" in off.reason
+    monkeypatch.setattr(shm, "_swept", True)  # the sweep of stale files is not this test's
+    links = shm.DriverLinks([object(), object()])
+    assert shm.speed_path(links).active  # not probed yet: nothing has failed
+    links.links[1].state = False  # its probe failed
+    failed = shm.speed_path(links)
+    assert failed.requested and not failed.active and failed.reason.startswith("1 of 2 workers failed its probe")
+
+
 def test_files_of_dead_processes_are_swept_and_live_ones_kept():
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
     dead.wait()
@@ -221,6 +237,7 @@ def test_large_calls_go_through_the_channel_and_equal_the_driver_s_own_result(sh
     first = wg.bump(data)  # may still travel through Ray while the probes run
     assert torch.equal(first.batch["x"], _bumped(data))
     _until_probed(wg)
+    assert wg.shm_speed_path() == SpeedPath("shm_transport", True, True)
     before = _channel_use(wg)
     out = wg.bump(data)
     assert torch.equal(out.batch["x"], _bumped(data))

@@ -88,7 +88,9 @@ EXAMPLES = {
 
 @pytest.mark.parametrize("script", sorted(EXAMPLES))
 def test_example_script_trains_two_steps(script, tmp_path):
-    _run(["bash", script, *_common(tmp_path, steps=2)], tmp_path)
+    import yaml
+
+    proc = _run(["bash", script, *_common(tmp_path, steps=2)], tmp_path)
     records = _metrics(tmp_path)
     assert [r["step"] for r in records] == [1, 2]
     last = records[-1]["data"]
@@ -97,6 +99,12 @@ def test_example_script_trains_two_steps(script, tmp_path):
     assert 0.0 <= last["critic/score/mean"] <= 1.0 or script.startswith("recipes/dapo")
     run_dir = tmp_path / "run"
     assert (run_dir / "config.yaml").read_text().count("adv_estimator") == 1  # the resolved config
+    # the speed paths: said at start, a metric each step, recorded beside the config
+    assert last["perf/shared_prompt_forward"] == 1.0, {k: v for k, v in last.items() if k.startswith("perf/")}
+    assert "speed path shared_prompt_forward: on" in proc.stdout + proc.stderr
+    recorded = yaml.safe_load((run_dir / "speed_paths.yaml").read_text())
+    assert recorded["shared_prompt_forward"] == {"requested": True, "active": True, "reason": ""}, recorded
+    assert set(recorded) >= {"remove_padding", "fused_kernels", "cuda_graphs", "shm_transport"}, recorded
     png = run_dir / "training_curves.png"
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 

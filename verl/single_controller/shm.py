@@ -57,7 +57,11 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from verl.utils.speed_paths import SpeedPath
+
 logger = logging.getLogger(__name__)
+
+SPEED_PATH = "shm_transport"
 
 SHM_DIR = "/dev/shm"
 _PREFIX = "verl-shm-"
@@ -72,11 +76,40 @@ def _env_bytes(name: str, default: int) -> int:
     return _env_int(name, default)
 
 
+def _turned_off() -> bool:
+    return os.environ.get("VERL_SHM_TRANSPORT", "1").strip().lower() in ("0", "false", "no", "off")
+
+
+def disabled_reason() -> str:
+    """Why this process may not use the transport, or "" when it may (`VERL_SHM_TRANSPORT`, /dev/shm writable)."""
+    if _turned_off():
+        return f"VERL_SHM_TRANSPORT={os.environ['VERL_SHM_TRANSPORT']} turns it off"
+    if not os.path.isdir(SHM_DIR):
+        return f"{SHM_DIR} does not exist (in a container: mount one, e.g. docker run --shm-size=16g)"
+    if not os.access(SHM_DIR, os.W_OK):
+        return f"{SHM_DIR} is not writable by this user"
+    return ""
+
+
 def enabled() -> bool:
-    """Whether this process may use the transport (`VERL_SHM_TRANSPORT`, /dev/shm writable)."""
-    if os.environ.get("VERL_SHM_TRANSPORT", "1").strip().lower() in ("0", "false", "no", "off"):
-        return False
-    return os.path.isdir(SHM_DIR) and os.access(SHM_DIR, os.W_OK)
+    """Whether this process may use the transport (see `disabled_reason`)."""
+    return not disabled_reason()
+
+
+def speed_path(links: DriverLinks | None) -> SpeedPath:
+    """The transport's state for a worker group whose driver links are `links` (None: the transport
+    was off when the group was made): off when it is disabled here, or when some worker failed
+    the probe (another host, /dev/shm not shared); such workers' calls go through Ray."""
+    if links is None:
+        return SpeedPath(SPEED_PATH, requested=not _turned_off(), active=False, reason=disabled_reason())
+    failed = sum(link.state is False for link in links.links)
+    if failed:
+        reason = (
+            f"{failed} of {len(links.links)} workers failed its probe (on another host, or without a shared "
+            f"{SHM_DIR}); their calls go through Ray"
+        )
+        return SpeedPath(SPEED_PATH, True, False, reason)
+    return SpeedPath(SPEED_PATH, True, True)
 
 
 def min_bytes() -> int:
@@ -433,8 +466,15 @@ class DriverLink:
         try:
             reply = ray.get(self._probe, timeout=0)
             self.state = isinstance(reply, Envelope) and np.array_equal(self._inbox.unpack(reply), self._token)
+            if not self.state:
+                logger.warning(
+                    "shared-memory transport off for %s (its calls go through Ray): the probe's token did not come "
+                    "back through %s (the worker sees another one, e.g. on another host)",
+                    self.worker,
+                    SHM_DIR,
+                )
         except Exception as exc:  # the worker died, or cannot see the segment (another host)
-            logger.debug("shared-memory transport off for %s: %s", self.worker, exc)
+            logger.warning("shared-memory transport off for %s (its calls go through Ray): %s", self.worker, exc)
             self.state = False
         self._probe = None
         if not self.state:

@@ -35,7 +35,53 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["PackedResponses", "packed_response_layout", "prompt_groups", "shared_prompt_logits"]
+from verl.utils.hf_forward import ModelForward, model_forward
+from verl.utils.speed_paths import SpeedPath
+
+__all__ = ["PackedResponses", "packed_response_layout", "prompt_groups", "shared_prompt_logits", "speed_path"]
+
+SPEED_PATH = "shared_prompt_forward"
+
+
+def speed_path(
+    requested: bool, module: torch.nn.Module, use_remove_padding: bool, attn_implementation: str | None
+) -> SpeedPath:
+    """Whether an actor over `module` can take the shared-prompt path, and why not.
+
+    Off for good: a model whose forward takes no KV cache; `use_remove_padding` with an attention
+    that takes no explicit 4D mask (there the path runs only in its packed layout, see
+    `packed_response_layout`). Off for the update only: gradient checkpointing (HF drops the KV
+    cache of checkpointed layers in training); log-prob passes still share prompts. Per
+    micro-batch the path is also skipped where it does not pay (mostly distinct prompts).
+    """
+    if not requested:
+        return SpeedPath(SPEED_PATH, requested=False, active=False)
+    forward = model_forward(module)
+    if forward.cache_argument is None:
+        return SpeedPath(
+            SPEED_PATH,
+            True,
+            False,
+            f"{type(module).__name__}.forward takes no KV cache argument (neither `cache` nor `past_key_values`)",
+        )
+    if use_remove_padding and attn_implementation not in ("sdpa", "eager"):
+        return SpeedPath(
+            SPEED_PATH,
+            True,
+            False,
+            f"use_remove_padding runs it only in the packed layout, whose 4D mask needs sdpa or eager attention "
+            f"(the model uses {attn_implementation!r}); set use_remove_padding=false to share prompts",
+        )
+    hf_module = module.get_base_model() if hasattr(module, "get_base_model") else module
+    if any(getattr(m, "gradient_checkpointing", False) for m in hf_module.modules()):
+        return SpeedPath(
+            SPEED_PATH,
+            True,
+            False,
+            "gradient checkpointing drops the KV cache in training, so updates run the plain forward "
+            "(log-prob passes still share prompts); set model.enable_gradient_checkpointing=false to share in updates",
+        )
+    return SpeedPath(SPEED_PATH, True, True)
 
 
 def prompt_groups(
@@ -85,29 +131,24 @@ def shared_prompt_logits(
     """
     from transformers import DynamicCache
 
+    forward = model_forward(module)
     prompt_end = input_ids.shape[1] - response_length
     prompt_cols = slice(start, prompt_end)
     prompt_out = module(
         input_ids=input_ids[first_rows, prompt_cols],
         attention_mask=attention_mask[first_rows, prompt_cols],
         position_ids=position_ids[first_rows, prompt_cols],
-        past_key_values=DynamicCache(),
         use_cache=True,
+        **forward.cache_kwargs(DynamicCache()),
         **({"logits_to_keep": 1} if accepts_logits_to_keep else {}),
     )
     first_logits = prompt_out.logits[:, -1, :].index_select(0, inverse)
-    prompt_cache = prompt_out.past_key_values
+    prompt_cache = forward.returned_cache(prompt_out)
     if prompt_cache is None:
         raise RuntimeError(
             f"{type(module).__name__} returned no KV cache from the prompt pass; set "
             "actor_rollout_ref.actor.share_prompt_forward=false for this model"
         )
-    # a new cache over the B rows; index_select keeps autograd (backward sums over each group)
-    expanded = DynamicCache(
-        ddp_cache_data=[
-            (keys.index_select(0, inverse), values.index_select(0, inverse)) for keys, values, *_ in prompt_cache
-        ]
-    )
     # response column j's logits predict token j + 1: the last kept column needs no forward
     # (unless it is the only one: the second call must still happen, see above)
     num_cols = max(kept - 1, 1)
@@ -132,6 +173,7 @@ def shared_prompt_logits(
                 prompt_end,
                 layout,
                 additive_mask=attn_implementation == "eager",
+                forward=forward,
             ),
             layout,
         )
@@ -146,8 +188,8 @@ def shared_prompt_logits(
         input_ids=input_ids[:, response_cols],
         attention_mask=attention_mask[:, start : prompt_end + num_cols],
         position_ids=position_ids[:, response_cols],
-        past_key_values=expanded,
         use_cache=True,
+        **forward.cache_kwargs(expanded),
     )
     return first_logits, response_out.logits[:, : kept - 1, :], None
 
@@ -223,7 +265,15 @@ def packed_response_layout(
 
 
 def _packed_response_pass(
-    module, input_ids, position_ids, prompt_mask, prompt_cache, prompt_end, layout, additive_mask: bool
+    module,
+    input_ids,
+    position_ids,
+    prompt_mask,
+    prompt_cache,
+    prompt_end,
+    layout,
+    additive_mask: bool,
+    forward: ModelForward,
 ):
     """Logits [U, width, V] of the packed response pass (see `packed_response_layout`)."""
     from transformers import DynamicCache
@@ -244,5 +294,7 @@ def _packed_response_pass(
     if additive_mask:  # eager attention adds the mask to the scores
         mask = torch.zeros(mask.shape, device=device).masked_fill_(~mask, torch.finfo(torch.float32).min)
     cache = DynamicCache(ddp_cache_data=[(keys, values) for keys, values, *_ in prompt_cache])
-    out = module(input_ids=ids, attention_mask=mask, position_ids=positions, past_key_values=cache, use_cache=True)
+    out = module(
+        input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True, **forward.cache_kwargs(cache)
+    )
     return out.logits

@@ -9,7 +9,7 @@ Backends (each imported only when chosen, so `import verl` stays light):
 - file: JSONL, one `{"step": N, "data": {...}}` object per `log` call (upstream's format) at
   `$VERL_FILE_LOGGER_PATH`, else `<run_dir>/metrics.jsonl`; appended to, so a resumed run
   continues the same file.
-- mlflow: `$MLFLOW_TRACKING_URI`, else a local file store `./mlruns` (MLflow 3 refuses file stores
+- mlflow (the optional extra `verl[mlflow]`, not installed by default): `$MLFLOW_TRACKING_URI`, else a local file store `./mlruns` (MLflow 3 refuses file stores
   unless `MLFLOW_ALLOW_FILE_STORE=true`, which is set for that default only). Experiment =
   project, run = experiment name, the flattened config as params. MLflow forbids some characters
   in metric names: `@` becomes `_at_` (as upstream does, so dashboards match) and any other
@@ -43,6 +43,7 @@ from verl.utils.plotting import is_plotted_metric
 BACKENDS = ("console", "file", "mlflow", "tensorboard", "wandb")
 # backend -> (module that must import, install command)
 _BACKEND_PACKAGES = {
+    # an optional extra (`verl[mlflow]`): mlflow pulls in a web server, SQLAlchemy, ... that no other path needs
     "mlflow": ("mlflow", "pip install mlflow"),
     "tensorboard": ("tensorboard", "pip install tensorboard"),
     "wandb": ("wandb", "pip install wandb"),

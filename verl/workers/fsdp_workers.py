@@ -40,6 +40,8 @@ from verl.single_controller.base import Worker
 from verl.single_controller.base.decorator import Dispatch, register
 from verl.utils import device as dev
 from verl.utils.logging_utils import get_logger
+from verl.utils.speed_paths import SpeedPath
+from verl.utils.speed_paths import merge as merge_speed_paths
 
 logger = get_logger(__name__)
 
@@ -134,6 +136,33 @@ def _plain(section) -> dict:
     if section is None:
         return {}
     return OmegaConf.to_container(section, resolve=True) if OmegaConf.is_config(section) else dict(section)
+
+
+def _model_speed_paths(model_cfg, trainer) -> list[SpeedPath]:
+    """Remove padding and fused kernels of an actor, reference or critic (`trainer`) built from
+    `model_cfg` (see `verl.utils.speed_paths`)."""
+    remove_padding = bool(model_cfg.get("use_remove_padding", False))
+    packs = remove_padding and bool(getattr(trainer, "use_remove_padding", False))
+    fused = bool(model_cfg.get("use_fused_kernels", False) or model_cfg.get("use_liger", False))
+    return [
+        SpeedPath(
+            "remove_padding",
+            remove_padding,
+            packs,
+            ""
+            if packs or not remove_padding
+            else f"{type(trainer).__name__} does not implement it: it runs padded rows",
+        ),
+        SpeedPath(
+            "fused_kernels",
+            fused,
+            False,
+            "not implemented (use_fused_kernels and use_liger are accepted for upstream configs): log-probs and "
+            "entropies run as chunked torch kernels, which bound memory the way the fused ones do"
+            if fused
+            else "",
+        ),
+    ]
 
 
 class _FSDPModel:
@@ -447,6 +476,25 @@ class ActorRolloutRefWorker(Worker):
             self.ref_model, self.ref = self._build_ref()
         _seed_sampling()
 
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def speed_paths(self) -> list[dict]:
+        """This rank's speed paths (`verl.utils.speed_paths`) as dicts: the actor's and reference's
+        shared-prompt forward, remove padding and fused kernels, and the rollout engine's."""
+        paths = []
+        for part in (self.actor, self.ref):
+            if part is None:
+                continue
+            shared = getattr(part, "shared_prompt_path", None)
+            if shared is None:
+                requested = bool(self.config.actor.get("share_prompt_forward", True))
+                shared = SpeedPath(
+                    "shared_prompt_forward", requested, False, f"{type(part).__name__} has no shared-prompt forward"
+                )
+            paths += [shared, *_model_speed_paths(self.config.model, part)]
+        if self.rollout is not None:
+            paths += self.rollout.speed_paths()
+        return [path.to_dict() for path in merge_speed_paths(paths)]
+
     @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO)
     def generate_sequences(self, prompts: DataProto) -> DataProto:
         """Sync weights into the engine (hybrid engine), generate, then put the engine to sleep.
@@ -624,6 +672,11 @@ class CriticWorker(Worker):
         self.tokenizer = hf_tokenizer(cfg.model.get("tokenizer_path") or cfg.model.path)
         self.critic_model, self.critic = self._build_critic()
 
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def speed_paths(self) -> list[dict]:
+        """This rank's speed paths (`verl.utils.speed_paths`) as dicts: the critic's remove padding and fused kernels."""
+        return [path.to_dict() for path in _model_speed_paths(self.config.model, self.critic)]
+
     @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO)
     def compute_values(self, data: DataProto) -> DataProto:
         data.meta_info.setdefault("micro_batch_size", self.config.get("forward_micro_batch_size_per_gpu") or len(data))
@@ -699,6 +752,12 @@ class RewardModelWorker(Worker):
         )
         self.model.to(dev.get_device()).eval()
         self._load_tokenizers()
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def speed_paths(self) -> list[dict]:
+        """This rank's speed paths (`verl.utils.speed_paths`) as dicts: the reward model runs padded
+        rows, unfused (its `use_remove_padding` and `use_fused_kernels` are accepted for upstream configs)."""
+        return [path.to_dict() for path in _model_speed_paths(self.config.model, self)]
 
     def _load_tokenizers(self) -> None:
         """The reward model's tokenizer, and the policy's when responses must be re-tokenised: only

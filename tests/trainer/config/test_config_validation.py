@@ -380,6 +380,16 @@ def test_logger_whose_package_is_missing_says_what_to_install(defaults, monkeypa
     assert "'wandb'" in msg and "pip install wandb" in msg
 
 
+def test_mlflow_is_an_optional_extra_whose_absence_names_the_install_command(defaults, monkeypatch):
+    import importlib.util
+
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "mlflow" else find_spec(name, *a))
+    msg = error_of(with_(defaults, trainer__logger=["console", "mlflow"]))
+    assert "trainer.logger includes 'mlflow'" in msg and "run `pip install mlflow`" in msg, msg
+    validate_ppo_config(with_(defaults, trainer__logger=["console", "file"]))  # needed only when chosen
+
+
 def test_model_length_budget(defaults):
     msg = error_of(with_(defaults, actor_rollout_ref__rollout__max_model_len=16))
     assert "max_model_len=16 is shorter than prompt_length + response_length = 40" in msg

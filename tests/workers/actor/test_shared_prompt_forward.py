@@ -30,6 +30,7 @@ from tests.distributed_helpers import (
 from verl.protocol import DataProto
 from verl.utils.model import compute_position_id_with_mask
 from verl.utils.shared_prompt import prompt_groups
+from verl.utils.speed_paths import SpeedPath
 from verl.workers.actor import DataParallelPPOActor
 
 TEMPERATURE = 0.7
@@ -366,3 +367,42 @@ def test_packed_layout_with_eager_attention_equals_per_sequence_references(share
     mask = data.batch["response_mask"].bool()
     torch.testing.assert_close(log_probs[mask].double(), expected_lp[mask], atol=2e-5, rtol=0)
     torch.testing.assert_close(entropy[mask].double(), expected_ent[mask], atol=2e-5, rtol=0)
+
+
+# ---------------------------------------------------------------------------------------- speed path
+
+
+def test_the_installed_transformers_model_class_takes_the_shared_prompt_path():
+    # the model class of whatever transformers is installed (both names of its cache argument)
+    actor = DataParallelPPOActor(actor_config(), make_tiny_causal_lm())
+    assert actor.shared_prompt_path == SpeedPath("shared_prompt_forward", True, True)
+
+
+def test_speed_path_says_why_the_shared_prompt_path_is_off():
+    from verl.utils.model import enable_gradient_checkpointing
+
+    def off_reason(**overrides):
+        model = overrides.pop("model", None) or make_tiny_causal_lm()
+        path = DataParallelPPOActor(actor_config(**overrides), model).shared_prompt_path
+        assert path.requested and not path.active, path
+        return path.reason
+
+    assert DataParallelPPOActor(actor_config(share_prompt_forward=False), make_tiny_causal_lm()).shared_prompt_path == (
+        SpeedPath("shared_prompt_forward", False, False)
+    )
+    flash = make_tiny_causal_lm()
+    flash.config._attn_implementation = "flash_attention_2"
+    assert "needs sdpa or eager attention" in off_reason(model=flash, use_remove_padding=True)
+    checkpointed = make_tiny_causal_lm()
+    enable_gradient_checkpointing(checkpointed)
+    assert "gradient checkpointing" in off_reason(model=checkpointed)
+
+    class NoCache(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.config = make_tiny_causal_lm().config
+
+        def forward(self, input_ids, attention_mask=None, position_ids=None, use_cache=False):
+            raise AssertionError("not called")
+
+    assert "takes no KV cache argument" in off_reason(model=NoCache())

@@ -161,3 +161,12 @@ def test_non_tensor_columns_follow_repetition(qwen2_model):
     out = _rollout(qwen2_model, n=2).generate_sequences(prompts)
     assert list(out.non_tensor_batch["uid"]) == ["a", "a", "b", "b", "c", "c", "d", "d"]
     assert list(out.non_tensor_batch["data_source"]) == ["arith"] * 8
+
+
+def test_cuda_graphs_speed_path_is_not_asked_for_on_cpu(qwen2_model):
+    from verl.utils.speed_paths import SpeedPath
+
+    for model in (qwen2_model, build_model("gpt2")):
+        assert _rollout(model).speed_paths() == [
+            SpeedPath("cuda_graphs", False, False, "the rollout runs on cpu, which has no CUDA graphs")
+        ]

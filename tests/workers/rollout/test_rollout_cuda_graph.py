@@ -112,3 +112,21 @@ def test_bfloat16_sampling_runs_and_sleep_returns_device_memory():
     before = torch.cuda.memory_allocated()
     engine.sleep()
     assert before - torch.cuda.memory_allocated() >= held
+
+
+@pytest.mark.gpu
+def test_cuda_graphs_speed_path_is_on_for_the_native_decoder_and_says_why_not_for_another():
+    from verl.utils.device import get_device
+    from verl.utils.speed_paths import SpeedPath
+    from verl.workers.rollout.hf_rollout import HFRollout
+
+    device = get_device()
+    native = HFRollout(_cuda_model("qwen2"), {"response_length": 4}, device=device)
+    assert native.speed_paths() == [SpeedPath("cuda_graphs", True, True)], native.speed_paths()
+    generic = HFRollout(_cuda_model("gpt2"), {"response_length": 4}, device=device)
+    [path] = generic.speed_paths()
+    assert path.requested and not path.active and "native decoder" in path.reason, path
+    eager = HFRollout(
+        _cuda_model("qwen2"), {"response_length": 4, "engine_kwargs": {"hf": {"enforce_eager": True}}}, device=device
+    )
+    assert eager.speed_paths() == [SpeedPath("cuda_graphs", False, False)], eager.speed_paths()

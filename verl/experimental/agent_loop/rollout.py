@@ -145,6 +145,9 @@ class AgentLoopRollout(BaseRollout):
     def release(self) -> None:
         self.inner.release()
 
+    def speed_paths(self):
+        return self.inner.speed_paths()
+
     # ----------------------------------------------------------------------------- episodes
     def agent_loop(self, name: str) -> AgentLoopBase:
         if name not in self._loops:

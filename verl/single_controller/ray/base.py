@@ -506,6 +506,10 @@ class RayWorkerGroup(WorkerGroup):
     def workers(self) -> list:
         return self._workers
 
+    def shm_speed_path(self):
+        """Whether this group's large calls go through shared memory (`verl.single_controller.shm.speed_path`)."""
+        return shm.speed_path(self._shm_links)
+
     @property
     def worker_names(self) -> list[str]:
         return self._worker_names

@@ -23,6 +23,9 @@ Design decisions:
   checkpoint, so the last checkpoint is one saved before the trouble began or during it (its
   weights unchanged by the skipped updates).
 - Checkpoints are loaded with `weights_only=True` (see verl.utils.checkpoint.safe_load).
+- Speed paths (verl.utils.speed_paths): the workers report theirs once their models are built;
+  `fit()` logs them at start, writes `speed_paths.yaml` beside the resolved config and adds
+  `perf/<name>` to every step's metrics, so a fast path that is off is never silent.
 """
 
 from __future__ import annotations
@@ -52,9 +55,11 @@ from verl.trainer.ppo.metric_utils import (
     process_validation_metrics,
     reduce_metrics,
 )
+from verl.utils import speed_paths
 from verl.utils.checkpoint.checkpoint_manager import find_latest_ckpt_path, write_checkpoint_tracker
 from verl.utils.checkpoint.safe_load import from_plain, numpy_rng_state, set_numpy_rng_state, to_plain, torch_load
 from verl.utils.logging_utils import get_logger
+from verl.utils.speed_paths import SpeedPath
 from verl.utils.timer import marked_timer
 
 logger = get_logger(__name__, "INFO")
@@ -255,6 +260,26 @@ class RayPPOTrainer:
             self.rollout_wg.init_model()
             self._async_rollout = AsyncRolloutSource(self, self.rollout_wg)
             self._rollout_strategy = self._async_rollout
+        self._worker_speed_paths = self._collect_worker_speed_paths()
+
+    def _collect_worker_speed_paths(self) -> list[SpeedPath]:
+        """The speed paths every worker group reports (a worker class without the `speed_paths` RPC,
+        such as a user's own, reports none)."""
+        paths = []
+        for name in ("actor_rollout_wg", "critic_wg", "rm_wg", "rollout_wg"):
+            group = getattr(self, name, None)
+            if group is not None and hasattr(group, "speed_paths"):
+                paths += [SpeedPath.from_dict(d) for rank_paths in group.speed_paths() for d in rank_paths]
+        return speed_paths.merge(paths)
+
+    def current_speed_paths(self) -> list[SpeedPath]:
+        """Every speed path of this run and whether it is on now (see `verl.utils.speed_paths`); the
+        shared-memory transport can turn off after start (a worker that fails its first-call probe)."""
+        paths = list(getattr(self, "_worker_speed_paths", []))
+        group = getattr(self, "actor_rollout_wg", None)
+        if group is not None and hasattr(group, "shm_speed_path"):
+            paths.append(group.shm_speed_path())
+        return paths
 
     # ------------------------------------------------------------------ the step
     def step(self) -> dict[str, Any]:
@@ -597,8 +622,11 @@ class RayPPOTrainer:
             config=self.config,
             run_dir=trainer_cfg.get("run_dir"),
         )
+        paths = self.current_speed_paths()
+        speed_paths.report(paths, logger)
         if trainer_cfg.get("run_dir"):
             save_resolved_config(self.config, trainer_cfg.run_dir)
+            speed_paths.save(paths, trainer_cfg.run_dir)
         self.tracker = tracker
         self._load_checkpoint()
         last: dict[str, float] = {}
@@ -634,6 +662,7 @@ class RayPPOTrainer:
                 with marked_timer("save_checkpoint", timing):
                     self._save_checkpoint()
             metrics.update({f"timing_s/{name}": seconds for name, seconds in timing.items()})
+            metrics.update(speed_paths.metrics(self.current_speed_paths()))
             metrics["training/global_step"] = self.global_steps
             metrics["training/epoch"] = self.train_dataloader.epoch
             tracker.log(metrics, step=self.global_steps)

@@ -66,8 +66,6 @@ upstream's worker passes it.
 
 from __future__ import annotations
 
-import inspect
-
 import torch
 import torch.distributed as dist
 from torch.distributed.fsdp import FSDPModule
@@ -80,9 +78,10 @@ from verl.trainer.ppo.core_algos import (
     kl_penalty,
     logprobs_from_logits,
 )
-from verl.utils import shared_prompt
+from verl.utils import shared_prompt, speed_paths
 from verl.utils.device import collective_device, get_device
 from verl.utils.flops_counter import FlopsCounter, FlopsTally
+from verl.utils.hf_forward import model_forward
 from verl.utils.remove_padding import pad_input, unpad_input, unpad_position_ids
 from verl.utils.seqlen_balancing import num_micro_batches_for_budget
 from verl.utils.shared_prompt import prompt_groups, shared_prompt_logits
@@ -164,12 +163,17 @@ class DataParallelPPOActor(BasePPOActor):
         self.use_remove_padding = bool(cfg.get("use_remove_padding", False))
         # a peft model forwards its keyword arguments to the HF model it wraps: ask that one
         hf_module = actor_module.get_base_model() if hasattr(actor_module, "get_base_model") else actor_module
-        forward_params = inspect.signature(hf_module.forward).parameters
-        self._accepts_logits_to_keep = "logits_to_keep" in forward_params
+        forward = model_forward(hf_module)
+        self._accepts_logits_to_keep = forward.accepts_logits_to_keep
         self._hf_module = hf_module
         self._attn_implementation = getattr(getattr(hf_module, "config", None), "_attn_implementation", None)
-        # the shared-prompt path needs a KV cache (see `_share_prompts`)
-        self.share_prompt_forward = bool(cfg.get("share_prompt_forward", True)) and "past_key_values" in forward_params
+        # whether the shared-prompt path can run at all, and why not (reported, never silent)
+        self.shared_prompt_path = shared_prompt.speed_path(
+            bool(cfg.get("share_prompt_forward", True)), hf_module, self.use_remove_padding, self._attn_implementation
+        )
+        speed_paths.report([self.shared_prompt_path])
+        # on even when the path is off for updates only (gradient checkpointing): log-probs still share
+        self.share_prompt_forward = self.shared_prompt_path.requested and forward.cache_argument is not None
         self.loss_agg_mode = cfg.get("loss_agg_mode", "token-mean")
         policy_loss_cfg = cfg.get("policy_loss") or {}
         self.policy_loss_fn = get_policy_loss_fn(policy_loss_cfg.get("loss_mode", "vanilla"))

@@ -22,6 +22,7 @@ if TYPE_CHECKING:
     import torch
 
     from verl.protocol import DataProto
+    from verl.utils.speed_paths import SpeedPath
 
 
 class BaseRollout(ABC):
@@ -48,3 +49,8 @@ class BaseRollout(ABC):
     def release(self) -> None:
         """Free everything for good (end of training); the default is a sleep."""
         self.sleep()
+
+    def speed_paths(self) -> list[SpeedPath]:
+        """The engine's speed paths and whether each is on (see `verl.utils.speed_paths`). Engines that
+        choose their own fast paths (vLLM, SGLang log theirs) report none."""
+        return []

@@ -55,6 +55,7 @@ from typing import NamedTuple, Protocol
 import torch
 
 from verl.utils.device import get_device, is_cuda_device
+from verl.utils.speed_paths import SpeedPath
 from verl.workers.rollout.base import BaseRollout
 from verl.workers.rollout.engine_io import resolve_sampling, resolve_token_ids
 from verl.workers.rollout.sampling import SamplingParams
@@ -248,6 +249,19 @@ class HFRollout(BaseRollout):
 
     def release(self) -> None:
         self.engine.sleep(2)
+
+    def speed_paths(self) -> list[SpeedPath]:
+        """CUDA graphs of the decode step: asked for on a CUDA device unless `engine_kwargs.hf.enforce_eager`
+        (see `cuda_graphs_enabled`); another device has none to ask for."""
+        device = self.engine.device
+        if not is_cuda_device(device):
+            return [
+                SpeedPath("cuda_graphs", False, False, f"the rollout runs on {device.type}, which has no CUDA graphs")
+            ]
+        requested = not bool(self.config.hf_kwargs.get("enforce_eager", False))
+        active = self.engine.graphs is not None
+        reason = self.engine.cuda_graph_off_reason if requested and not active else ""
+        return [SpeedPath("cuda_graphs", requested, active, reason)]
 
     # ------------------------------------------------------------------------------- generation
     def _sampling_and_n(self, meta: dict, prompts) -> tuple[SamplingParams, int]:

@@ -147,6 +147,8 @@ class GenerationEngine:
         self.graphs = DecodeGraphRunner(decoder) if use_cuda_graph else None
         self.gpu_memory_utilization = gpu_memory_utilization
         self.kv_cache_bytes = kv_cache_bytes
+        # why `from_model` left the graphs off when they were left to it (reported as a speed path)
+        self.cuda_graph_off_reason = ""
         if stop_check_interval is None:
             stop_check_interval = 1 if self.device.type == "cpu" else 16
         self.stop_check_interval = stop_check_interval
@@ -224,17 +226,24 @@ class GenerationEngine:
                 )
             decoder = HFModelDecoder(model, device, dtype)
 
+        graph_off_reason = ""
         if use_cuda_graph is None:
             use_cuda_graph = reason is None and device.type != "cpu"
+            if reason is not None:
+                graph_off_reason = f"they need the native decoder, which cannot run this model: {reason}"
+            elif device.type == "cpu":
+                graph_off_reason = "the rollout runs on CPU, where there are no CUDA graphs"
         if use_cuda_graph and reason is not None:
             raise ValueError(f"CUDA graphs need the native decoder, which cannot run this model: {reason}")
-        return cls(
+        engine = cls(
             decoder,
             use_cuda_graph=use_cuda_graph,
             stop_check_interval=stop_check_interval,
             gpu_memory_utilization=gpu_memory_utilization,
             kv_cache_bytes=kv_cache_bytes,
         )
+        engine.cuda_graph_off_reason = graph_off_reason
+        return engine
 
     # --------------------------------------------------------------------------- weights, memory
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> dict[str, float]:

@@ -16,6 +16,7 @@ from collections.abc import Iterable
 
 import torch
 
+from verl.utils.hf_forward import model_forward
 from verl.workers.rollout.native.llama_decoder import canonical_name
 
 
@@ -33,6 +34,14 @@ class HFModelDecoder:
         self._released = False
         self._cache = None
         self._mask: torch.Tensor | None = None
+        forward = model_forward(self.model)
+        if forward.cache_argument is None:
+            raise ValueError(
+                f"{type(model).__name__}.forward takes no KV cache argument (neither `cache` nor `past_key_values`), "
+                "which the built-in rollout engine needs to generate; use a model with a KV cache or another "
+                "rollout engine (actor_rollout_ref.rollout.name)"
+            )
+        self._forward = forward
 
     # ----------------------------------------------------------------------------------- weights
     def parameter_names(self) -> list[str]:
@@ -115,9 +124,10 @@ class HFModelDecoder:
             input_ids=input_ids,
             attention_mask=self._mask[:, :P],
             position_ids=position_ids,
-            past_key_values=self._cache,
             use_cache=True,
-            logits_to_keep=1,
+            **self._forward.cache_kwargs(self._cache),
+            # only the last position's logits are sampled from: skip the LM head elsewhere
+            **({"logits_to_keep": 1} if self._forward.accepts_logits_to_keep else {}),
         )
         if rows is not None:  # fan the prompts out to the cache rows that repeat them
             self._cache.reorder_cache(rows)
@@ -133,7 +143,7 @@ class HFModelDecoder:
             input_ids=tokens[:, None],
             attention_mask=self._mask[:, :kv_len],
             position_ids=positions[:, None],
-            past_key_values=self._cache,
             use_cache=True,
+            **self._forward.cache_kwargs(self._cache),
         )
         return out.logits[:, -1]
