@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import os
 import socket
+import sys
 import traceback
 
 import pytest
@@ -195,6 +196,35 @@ def _entry(rank: int, world_size: int, port: int, fn, args, errors):
         dist.destroy_process_group()
 
 
+# What a forkserver imports once, so the ranks it forks start with them loaded.
+FORKSERVER_PRELOAD = ["torch", "torch.distributed", "transformers", "tests.distributed_helpers", "verl.protocol"]
+
+
+def _start_method() -> str:
+    """How `run_distributed` starts its ranks.
+
+    - fork: the ranks inherit this process's imports (fast), but only while nothing in it runs
+      threads that fork leaves broken.
+    - forkserver once Ray is initialised here (the session cluster of tests/conftest.py): Ray's
+      driver keeps gRPC threads, and forking a process that holds them has crashed ranks inside
+      gRPC and left this process's own GCS calls waiting forever (`ray.cluster_resources()` in a
+      later test hung a whole CI run). A forkserver is a fresh interpreter, started once, that
+      preloads torch and transformers; ranks fork from it, clean and nearly as fast.
+    - spawn once CUDA is initialised here (a GPU test ran earlier): CUDA cannot be used again in a
+      child forked after its parent initialised it, although the ranks stay on CPU.
+    `VERL_TEST_START_METHOD` forces one (to check that every test's function pickles).
+    """
+    forced = os.environ.get("VERL_TEST_START_METHOD")
+    if forced:
+        return forced
+    if torch.cuda.is_initialized():
+        return "spawn"
+    ray = sys.modules.get("ray")
+    if ray is not None and getattr(ray, "is_initialized", lambda: False)():
+        return "forkserver"
+    return "fork"
+
+
 def run_distributed(fn, world_size: int = 2, *args) -> None:
     """Run `fn(rank, world_size, *args)` in `world_size` processes forming a gloo group.
 
@@ -207,10 +237,10 @@ def run_distributed(fn, world_size: int = 2, *args) -> None:
     # build one model first, so transformers' lazy imports happen once here and the forked ranks
     # inherit them instead of each paying ~10 s
     make_tiny_causal_lm()
-    # CUDA cannot be used again in a child forked after the parent initialised it (a GPU test ran
-    # earlier in this session): spawn then, although the ranks stay on CPU
-    start_method = "spawn" if torch.cuda.is_initialized() else "fork"
+    start_method = _start_method()
     ctx = mp.get_context(start_method)
+    if start_method == "forkserver":
+        ctx.set_forkserver_preload(FORKSERVER_PRELOAD)  # read when the server starts (the first time)
     errors = ctx.SimpleQueue()
     try:
         mp.start_processes(
