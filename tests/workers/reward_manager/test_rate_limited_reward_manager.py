@@ -160,3 +160,21 @@ def test_limits_from_upstream_config_are_shared_by_the_process(char_tokenizer):
         RateLimitedRewardManager(config, char_tokenizer, reward_router_address="127.0.0.1:1")
     with pytest.raises(TypeError, match="unexpected keyword arguments \\['max_rps'\\]"):
         RateLimitedRewardManager(config, char_tokenizer, max_rps=1)
+
+
+def test_selected_by_name_through_load_reward_manager(tmp_path, char_tokenizer, make_batch):
+    from verl.trainer.ppo.reward import compute_reward, load_reward_manager
+
+    path = tmp_path / "judge.py"
+    path.write_text("async def judge(data_source, solution_str, ground_truth, extra_info=None):\n    return 0.5\n")
+    config = OmegaConf.create(
+        {
+            "data": {"reward_fn_key": "data_source"},
+            "reward_model": {"reward_manager": "rate_limited", "reward_kwargs": {"max_concurrent": 2, "max_rpm": 600}},
+            "custom_reward_function": {"path": str(path), "name": "judge"},
+        }
+    )
+    manager = load_reward_manager(config, char_tokenizer, num_examine=0)
+    assert isinstance(manager, RateLimitedRewardManager) and manager.limits["max_rpm"] == 600
+    reward, extra = compute_reward(make_batch(["ab", "c"], ["1", "2"]), manager)
+    assert reward.sum(-1).tolist() == [0.5, 0.5] and extra["reward_error"] == [0, 0]
