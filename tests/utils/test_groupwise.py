@@ -36,9 +36,3 @@ def test_group_mean_std_matches_float64_reference():
 def test_group_mean_std_floors_the_variance_at_eps():
     mean, std, _ = group_mean_std(torch.tensor([2.0, 2.0]), torch.tensor([0, 0]), eps=1e-6)
     assert mean.tolist() == [2.0] and abs(std.item() - 1e-3) < 1e-9
-
-
-def test_hf_processor_is_none_for_a_text_only_model():
-    from verl.utils import hf_processor
-
-    assert hf_processor("verl/assets/arith-tiny") is None
