@@ -32,6 +32,13 @@ The public API follows upstream verl so its users' code works unchanged. Design 
   over a list is the mean over all ranks), `timing` (name -> seconds) keeps the maximum (parallel
   ranks finish when the slowest does), and any other key whose values differ is an error.
 - Ray is imported only inside `DataProtoFuture` methods; importing this module never imports ray.
+- Auto-padding (upstream's `DataProtoConfig.auto_padding`, the `VERL_AUTO_PADDING` variable, or
+  `from_dict(..., auto_padding=True)` for one proto) lets `chunk` split a length that does not
+  divide evenly: chunks of ceil(n / chunks) rows, the last ones shorter (possibly empty). The
+  worker group's DataProto dispatch modes pad every batch anyway (see `single_controller`), so this
+  only changes a direct `chunk` call.
+- A proto has exactly one batch dimension; `fold_batch_dim` / `unfold_batch_dim` reshape the rows
+  (e.g. [n * k, ...] <-> [n, k, ...]) while keeping that invariant.
 """
 
 from __future__ import annotations
@@ -39,6 +46,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import math
+import os
 import pickle
 import threading
 import warnings
@@ -53,17 +61,47 @@ from tensordict import TensorDict, TensorDictBase
 
 __all__ = [
     "DataProto",
+    "DataProtoConfig",
     "DataProtoFuture",
     "DataProtoItem",
     "collate_fn",
+    "deserialize_single_tensor",
+    "deserialize_tensordict",
+    "fold_batch_dim",
     "list_of_dict_to_dict_of_list",
     "pad_dataproto_to_divisor",
+    "serialize_single_tensor",
+    "serialize_tensordict",
+    "unfold_batch_dim",
     "union_numpy_dict",
     "union_tensor_dict",
     "unpad_dataproto",
 ]
 
 _SUPPORTED_DATALOADER_KWARGS = ("shuffle", "drop_last")
+
+
+class _DataProtoConfigMeta(type):
+    """Class-level settings of `DataProtoConfig` (a property on the metaclass reads like a class attribute)."""
+
+    _config: dict = {}
+    auto_padding_key = "_verl_auto_padding"
+
+    @property
+    def auto_padding(cls) -> bool:
+        """Whether every proto may be chunked unevenly: set here, or by VERL_AUTO_PADDING=1/true."""
+        by_env = os.environ.get("VERL_AUTO_PADDING", "false").strip().lower() in ("1", "true")
+        return by_env or cls._config.get(cls.auto_padding_key, False)
+
+    @auto_padding.setter
+    def auto_padding(cls, enabled: bool) -> None:
+        if not isinstance(enabled, bool):
+            raise TypeError(f"DataProtoConfig.auto_padding must be a bool, got {enabled!r}")
+        cls._config[cls.auto_padding_key] = enabled
+
+
+class DataProtoConfig(metaclass=_DataProtoConfigMeta):
+    """Process-wide DataProto settings: `DataProtoConfig.auto_padding = True` (see the module docstring)."""
 
 
 class DataProtoKeyError(KeyError):
@@ -448,6 +486,11 @@ class DataProto:
     meta_info: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self):
+        # upstream accepts None for an empty part (DataProto(batch=td, non_tensor_batch=None))
+        if self.non_tensor_batch is None:
+            self.non_tensor_batch = {}
+        if self.meta_info is None:
+            self.meta_info = {}
         self.check_consistency()
 
     # ------------------------------------------------------------------ construction and checks
@@ -458,12 +501,21 @@ class DataProto:
         tensors: dict[str, torch.Tensor] | None = None,
         non_tensors: dict[str, Any] | None = None,
         meta_info: dict | None = None,
+        num_batch_dims: int = 1,
+        auto_padding: bool = False,
     ) -> DataProto:
         """Build from a dict of tensors (same leading size) and a dict of per-row values.
 
         Non-tensor values may be lists/tuples (converted to 1-D object arrays) or numpy arrays.
-        With no tensors, `batch` is None.
+        With no tensors, `batch` is None. `num_batch_dims` is upstream's argument and must be 1 (a
+        DataProto has one batch dimension; see `fold_batch_dim` for grouped rows). `auto_padding`
+        marks this proto as unevenly chunkable (see the module docstring).
         """
+        if num_batch_dims != 1:
+            raise ValueError(
+                f"DataProto.from_dict(num_batch_dims={num_batch_dims}): a DataProto has exactly one batch dimension; "
+                "build it with num_batch_dims=1 and group rows with fold_batch_dim(data, new_batch_size) if needed"
+            )
         tensors = tensors or {}
         non_tensors = dict(non_tensors or {})
         batch = None
@@ -490,10 +542,15 @@ class DataProto:
             if isinstance(value, torch.Tensor):
                 raise TypeError(f"non_tensors[{key!r}] is a torch.Tensor; pass it through tensors instead")
             non_tensors[key] = _to_object_array(value)
-        return cls(batch=batch, non_tensor_batch=non_tensors, meta_info=dict(meta_info or {}))
+        meta_info = dict(meta_info or {})
+        if auto_padding:
+            meta_info[DataProtoConfig.auto_padding_key] = True
+        return cls(batch=batch, non_tensor_batch=non_tensors, meta_info=meta_info)
 
     @classmethod
-    def from_single_dict(cls, data: dict[str, Any], meta_info: dict | None = None) -> DataProto:
+    def from_single_dict(
+        cls, data: dict[str, Any], meta_info: dict | None = None, auto_padding: bool = False
+    ) -> DataProto:
         """Build from one dict: torch tensors go to `batch`, numpy arrays and lists to `non_tensor_batch`."""
         tensors, non_tensors = {}, {}
         for key, value in data.items():
@@ -507,7 +564,41 @@ class DataProto:
                     "(-> batch) or numpy arrays / lists with one entry per row (-> non_tensor_batch). "
                     "Per-batch scalars belong in meta_info."
                 )
+        return cls.from_dict(tensors=tensors, non_tensors=non_tensors, meta_info=meta_info, auto_padding=auto_padding)
+
+    @classmethod
+    def from_tensordict(
+        cls, tensor_dict: TensorDict, meta_info: dict | None = None, num_batch_dims: int = 1
+    ) -> DataProto:
+        """The inverse of `to_tensordict`: tensors -> `batch`, per-row Python objects (NonTensorStack)
+        -> `non_tensor_batch`, batch-wide objects (NonTensorData) -> `meta_info`."""
+        from tensordict.tensorclass import NonTensorData, NonTensorStack
+
+        if num_batch_dims != 1:
+            raise ValueError(f"DataProto.from_tensordict(num_batch_dims={num_batch_dims}): only 1 is supported")
+        meta_info = dict(meta_info or {})
+        tensors, non_tensors = {}, {}
+        for key in list(tensor_dict.keys()):
+            value = tensor_dict.get(key)
+            if isinstance(value, NonTensorStack):
+                non_tensors[key] = _to_object_array(value.tolist())
+            elif isinstance(value, NonTensorData):
+                meta_info[key] = value.data
+            else:
+                tensors[key] = value
         return cls.from_dict(tensors=tensors, non_tensors=non_tensors, meta_info=meta_info)
+
+    def to_tensordict(self) -> TensorDict:
+        """One TensorDict holding everything: tensors as they are, each non-tensor column as a
+        NonTensorStack (one object per row), each `meta_info` entry as NonTensorData."""
+        from verl.utils import tensordict_utils as tu
+
+        tensors = {} if self.batch is None else dict(self.batch.items())
+        clash = sorted(set(tensors) & set(self.non_tensor_batch))
+        if clash:
+            raise ValueError(f"to_tensordict: keys {clash} are both in batch and non_tensor_batch")
+        per_row: dict[str, Any] = {**tensors, **{k: list(v) for k, v in self.non_tensor_batch.items()}}
+        return tu.get_tensordict(per_row, dict(self.meta_info))
 
     def check_consistency(self) -> None:
         """Check that batch and non_tensor_batch describe the same rows; raise a clear error if not."""
@@ -728,11 +819,94 @@ class DataProto:
 
     # ------------------------------------------------------------------ splitting and joining
 
+    def is_padding_enabled(self) -> bool:
+        """Whether this proto may be chunked unevenly (its own flag or `DataProtoConfig.auto_padding`)."""
+        return bool(self.meta_info.get(DataProtoConfig.auto_padding_key, False)) or DataProtoConfig.auto_padding
+
+    def padding(self, padding_size: int, padding_candidate: str = "") -> None:
+        """Append `padding_size` copies of the first row (`padding_candidate="first"`) or of the last
+        row (anything else, upstream's default), in place."""
+        if padding_size < 0:
+            raise ValueError(f"padding_size must be >= 0, got {padding_size}")
+        if padding_size == 0:
+            return
+        if len(self) == 0:
+            raise ValueError("cannot pad an empty DataProto: there is no row to repeat")
+        row = 0 if padding_candidate == "first" else len(self) - 1
+        idx = torch.cat([torch.arange(len(self)), torch.full((padding_size,), row, dtype=torch.int64)])
+        padded = self._take(idx, idx.numpy())
+        self.batch, self.non_tensor_batch = padded.batch, padded.non_tensor_batch
+
+    def sample_level_repeat(self, repeat_times) -> DataProto:
+        """Repeat row i `repeat_times[i]` times, rows kept together: counts [2, 1] turn [a, b] into
+        [a, a, b]; `repeat_times` is a list, tuple, 1-D numpy array or tensor of counts >= 0."""
+        if isinstance(repeat_times, torch.Tensor):
+            repeat_times = repeat_times.detach().cpu().numpy()
+        counts = np.asarray(repeat_times)
+        if counts.ndim != 1 or counts.shape[0] != len(self):
+            raise ValueError(
+                f"sample_level_repeat needs one count per row ({len(self)}), got shape {tuple(counts.shape)}"
+            )
+        if counts.size and (not np.issubdtype(counts.dtype, np.integer) or counts.min() < 0):
+            raise ValueError(f"sample_level_repeat counts must be non-negative integers, got {counts.tolist()}")
+        idx_np = np.repeat(np.arange(len(self), dtype=np.int64), counts.astype(np.int64))
+        return self._take(torch.from_numpy(idx_np), idx_np)
+
+    def unfold_column_chunks(self, n_split: int, split_keys: Sequence[str] | None = None) -> DataProto:
+        """Cut the second dimension of each key in `split_keys` into `n_split` chunks that become rows
+        ([B, C, ...] -> [B * n_split, C / n_split, ...], row i's chunks adjacent); every other key is
+        repeated `n_split` times per row (interleaved) to stay aligned."""
+        split_keys = set(split_keys or ())
+        n = len(self)
+        missing = split_keys - set(self.batch.keys() if self.batch is not None else ()) - set(self.non_tensor_batch)
+        if missing:
+            raise _missing_key_error(
+                "DataProto",
+                sorted(missing),
+                [*(self.batch.keys() if self.batch is not None else ()), *self.non_tensor_batch],
+            )
+
+        def unfold(key, value):
+            if isinstance(value, np.ndarray) and value.ndim == 1 and value.dtype == object:
+                # a column of per-row sequences (what from_dict makes of a list of lists)
+                pieces = []
+                for item in value:
+                    if not hasattr(item, "__len__") or len(item) % n_split:
+                        raise ValueError(
+                            f"unfold_column_chunks: an entry of {key!r} ({item!r}) does not split into {n_split} chunks"
+                        )
+                    size = len(item) // n_split
+                    pieces.extend(list(item[i * size : (i + 1) * size]) for i in range(n_split))
+                return _to_object_array(pieces)
+            if value.ndim < 2 or value.shape[1] % n_split:
+                raise ValueError(
+                    f"unfold_column_chunks: {key!r} has shape {tuple(value.shape)}; its second dimension must divide "
+                    f"into {n_split} chunks"
+                )
+            return value.reshape(n * n_split, value.shape[1] // n_split, *value.shape[2:])
+
+        batch = None
+        if self.batch is not None:
+            source = {
+                k: unfold(k, v) if k in split_keys else torch.repeat_interleave(v, n_split, dim=0)
+                for k, v in self.batch.items()
+            }
+            batch = _new_td(source, n * n_split, self.batch.device)
+        non_tensor = {
+            k: unfold(k, v) if k in split_keys else np.repeat(v, n_split, axis=0)
+            for k, v in self.non_tensor_batch.items()
+        }
+        return self._derive(batch, non_tensor)
+
     def chunk(self, chunks: int) -> list[DataProto]:
-        """Split into `chunks` equal parts (views); the length must divide evenly."""
+        """Split into `chunks` parts (views). The length must divide evenly unless auto-padding is
+        enabled: then parts hold ceil(n / chunks) rows, the last ones fewer."""
         if not isinstance(chunks, (int, np.integer)) or chunks < 1:
             raise ValueError(f"chunk needs a positive number of chunks, got {chunks!r}")
         n = len(self)
+        if n % chunks and self.is_padding_enabled():
+            size = -(-n // chunks)
+            return [self.slice(min(i * size, n), min((i + 1) * size, n)) for i in range(chunks)]
         if n % chunks:
             raise ValueError(
                 f"DataProto.chunk({chunks}): {n} rows do not split evenly into {chunks} chunks. Pad first with "
@@ -883,6 +1057,87 @@ def _check_same_keys(key_sets: list[set], part: str) -> None:
                 f"{sorted(map(str, first))}; all parts must carry the same keys (missing in part {i}: "
                 f"{sorted(map(str, first - keys))}, extra: {sorted(map(str, keys - first))})"
             )
+
+
+def fold_batch_dim(data: DataProto, new_batch_size: int) -> DataProto:
+    """Group consecutive rows: [B, ...] -> [new_batch_size, B / new_batch_size, ...] for every tensor
+    and non-tensor column (e.g. the n samples of each prompt after `repeat(n)` become one row)."""
+    n = len(data)
+    if new_batch_size < 1 or n % new_batch_size:
+        raise ValueError(f"fold_batch_dim: {n} rows do not fold into {new_batch_size} rows of equal size")
+    group = n // new_batch_size
+    batch = None
+    if data.batch is not None:
+        source = {k: v.reshape(new_batch_size, group, *v.shape[1:]) for k, v in data.batch.items()}
+        batch = _new_td(source, new_batch_size, data.batch.device)
+    non_tensor = {k: v.reshape(new_batch_size, group, *v.shape[1:]) for k, v in data.non_tensor_batch.items()}
+    return type(data)(batch=batch, non_tensor_batch=non_tensor, meta_info=dict(data.meta_info))
+
+
+def unfold_batch_dim(data: DataProto, batch_dims: int = 2) -> DataProto:
+    """Flatten the first `batch_dims` dimensions of every column into rows (undoes `fold_batch_dim`);
+    all columns must agree on those dimensions."""
+    shapes = {k: tuple(v.shape[:batch_dims]) for k, v in ([] if data.batch is None else data.batch.items())}
+    shapes.update({k: tuple(v.shape[:batch_dims]) for k, v in data.non_tensor_batch.items()})
+    if len(set(shapes.values())) > 1 or any(len(s) < batch_dims for s in shapes.values()):
+        raise ValueError(f"unfold_batch_dim: the columns do not share {batch_dims} leading dimensions: {shapes}")
+    lead = next(iter(shapes.values()), (0,))
+    n = int(np.prod(lead))
+    batch = None
+    if data.batch is not None:
+        source = {k: v.reshape(n, *v.shape[batch_dims:]) for k, v in data.batch.items()}
+        batch = _new_td(source, n, data.batch.device)
+    non_tensor = {k: v.reshape(n, *v.shape[batch_dims:]) for k, v in data.non_tensor_batch.items()}
+    return type(data)(batch=batch, non_tensor_batch=non_tensor, meta_info=dict(data.meta_info))
+
+
+def serialize_single_tensor(obj: torch.Tensor) -> tuple[str, tuple[int, ...], np.ndarray]:
+    """(dtype name, shape, its bytes as a flat uint8 numpy array): a tensor in plain builtins + bytes,
+    any dtype (bfloat16 included), on any device (copied to the CPU)."""
+    raw, dtype_name, shape = _encode_tensor(obj, out_of_band=False)
+    return dtype_name, shape, raw
+
+
+def deserialize_single_tensor(arr) -> torch.Tensor:
+    """The tensor of `serialize_single_tensor`'s (dtype name, shape, bytes); it owns a copy of the bytes."""
+    dtype_name, shape, data = arr
+    if dtype_name not in _DTYPE_BY_NAME:
+        raise ValueError(f"unknown tensor dtype {dtype_name!r} in a serialized tensor")
+    if isinstance(data, np.ndarray):
+        raw = np.array(data.reshape(-1).view(np.uint8), copy=True)
+    else:  # bytes, bytearray or memoryview
+        raw = np.frombuffer(bytearray(data), dtype=np.uint8)
+    return torch.from_numpy(raw).view(_DTYPE_BY_NAME[dtype_name]).reshape(tuple(shape))
+
+
+def serialize_tensordict(batch: TensorDict) -> tuple[tuple[int, ...], str | None, dict[str, tuple]]:
+    """(batch size, device name or None, {key: encoding}): a regular tensor as
+    `serialize_single_tensor`, a nested tensor as (layout name, [encoding of each row])."""
+    items = {}
+    for key, value in batch.items():
+        if value.is_nested:
+            layout = str(value.layout).removeprefix("torch.")
+            items[key] = (layout, [serialize_single_tensor(row) for row in value.unbind()])
+        else:
+            items[key] = serialize_single_tensor(value)
+    return tuple(batch.batch_size), None if batch.device is None else str(batch.device), items
+
+
+def deserialize_tensordict(arr) -> TensorDict:
+    """The TensorDict of `serialize_tensordict`'s output."""
+    batch_size, device, items = arr
+    decoded = {}
+    for key, value in items.items():
+        if len(value) == 3:
+            decoded[key] = deserialize_single_tensor(value)
+        elif len(value) == 2:
+            layout, rows = value
+            decoded[key] = torch.nested.as_nested_tensor(
+                [deserialize_single_tensor(r) for r in rows], layout=getattr(torch, layout)
+            )
+        else:
+            raise ValueError(f"{key!r}: a tensor encoding has 3 fields, a nested one 2; got {len(value)}")
+    return TensorDict(source=decoded, batch_size=batch_size, device=device)
 
 
 def pad_dataproto_to_divisor(data: DataProto, size_divisor: int) -> tuple[DataProto, int]:

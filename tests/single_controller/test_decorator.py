@@ -144,12 +144,19 @@ def test_register_records_modes_and_rank_zero_implies_rank_zero_execution():
     assert methods["save"].execute_mode is Execute.RANK_ZERO
 
 
-def test_register_rejects_async_methods_and_unknown_modes():
-    with pytest.raises(TypeError, match="is async"):
+def test_register_keeps_async_methods_async_and_rejects_unknown_modes():
+    import asyncio
+    import inspect
 
-        @register(dispatch_mode=Dispatch.ONE_TO_ALL)
-        async def generate(self):
-            return None
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    async def generate(self, x):
+        await asyncio.sleep(0)
+        return x + 1
+
+    assert inspect.iscoroutinefunction(generate)
+    assert asyncio.run(generate(None, 1)) == 2
+    info = generate._verl_registered_method
+    assert info.is_async and info.dispatch_mode is Dispatch.ONE_TO_ALL
 
     with pytest.raises(KeyError, match="unknown dispatch mode 'NOPE'"):
         register(dispatch_mode="NOPE")
@@ -165,3 +172,68 @@ def test_importing_the_base_package_pulls_in_neither_ray_nor_torch():
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == ""
+
+
+def test_dispatch_mode_fn_registry_shows_every_mode_as_upstream_function_pairs():
+    from types import SimpleNamespace
+
+    import torch
+
+    from verl.protocol import DataProto
+    from verl.single_controller.base.decorator import (
+        DISPATCH_MODE_FN_REGISTRY,
+        collect_all_to_all,
+        get_predefined_dispatch_fn,
+        get_predefined_execute_fn,
+    )
+
+    group = SimpleNamespace(world_size=2)
+    assert set(DISPATCH_MODE_FN_REGISTRY) >= {Dispatch.ONE_TO_ALL, Dispatch.DP_COMPUTE_PROTO, Dispatch.RANK_ZERO}
+    one = get_predefined_dispatch_fn(Dispatch.ONE_TO_ALL)
+    assert one["collect_fn"] is collect_all_to_all and DISPATCH_MODE_FN_REGISTRY["ONE_TO_ALL"] == one
+    assert one["dispatch_fn"](group, 5, key="v") == (([5, 5],), {"key": ["v", "v"]})
+    assert collect_all_to_all(group, [1, 2]) == [1, 2]
+
+    dp = get_predefined_dispatch_fn(Dispatch.DP_COMPUTE)
+    assert dp["dispatch_fn"](group, [1, 2]) == (([1, 2],), {})
+
+    proto = get_predefined_dispatch_fn(Dispatch.DP_COMPUTE_PROTO)
+    data = DataProto.from_dict(tensors={"x": torch.arange(4)})
+    (chunks,), _ = proto["dispatch_fn"](group, data)
+    assert [c.batch["x"].tolist() for c in chunks] == [[0, 1], [2, 3]]
+    assert proto["collect_fn"](group, chunks).batch["x"].tolist() == [0, 1, 2, 3]
+    with pytest.raises(ValueError, match="needs 1 padding rows"):
+        proto["dispatch_fn"](group, DataProto.from_dict(tensors={"x": torch.arange(3)}))
+
+    with_func = get_predefined_dispatch_fn(Dispatch.DP_COMPUTE_PROTO_WITH_FUNC)
+    (funcs, parts), _ = with_func["dispatch_fn"](group, len, data)
+    assert funcs == [len, len] and [len(p) for p in parts] == [2, 2]
+
+    assert get_predefined_execute_fn(Execute.ALL) == {"execute_fn_name": "execute_all"}
+    assert get_predefined_execute_fn(Execute.RANK_ZERO) == {"execute_fn_name": "execute_rank_zero"}
+    with pytest.raises(KeyError, match="not a registered dispatch mode"):
+        DISPATCH_MODE_FN_REGISTRY["NOPE"]
+
+
+def test_registry_follows_registered_and_updated_modes():
+    from verl.single_controller.base.decorator import (
+        get_predefined_dispatch_fn,
+        register_dispatch_mode,
+        update_dispatch_mode,
+    )
+
+    def dispatch(worker_group, x):
+        return ([x] * worker_group.world_size,), {}
+
+    def collect(worker_group, outputs):
+        return sum(outputs)
+
+    name = "TEST_REGISTRY_VIEW"
+    mode = Dispatch[name] if name in Dispatch else register_dispatch_mode(name, dispatch, collect)
+    assert get_predefined_dispatch_fn(mode) == {"dispatch_fn": dispatch, "collect_fn": collect}
+
+    def collect_max(worker_group, outputs):
+        return max(outputs)
+
+    update_dispatch_mode(mode, dispatch, collect_max)
+    assert get_predefined_dispatch_fn(name)["collect_fn"] is collect_max

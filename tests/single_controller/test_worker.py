@@ -150,3 +150,22 @@ def test_cuda_group_is_bound_mixed_and_runs_host_and_device_collectives(monkeypa
         assert sorted(i for p in partitions for i in p) == [0, 1, 2] and len(micro_batches) == 3
     finally:
         dist.destroy_process_group()
+
+
+def test_set_dispatch_collect_adopts_a_sub_workers_mesh(monkeypatch):
+    from verl.single_controller.base import Worker
+
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    ref, actor, host = Worker(), Worker(), Worker()
+    ref._register_dispatch_collect_info("ref", dp_rank=0, is_collect=True)
+    actor._register_dispatch_collect_info("actor", dp_rank=1, is_collect=False)
+    assert actor.get_dispatch_collect() == {"dispatch_dp_rank": {"actor": 1}, "collect_dp_rank": {"actor": False}}
+    host.set_dispatch_collect(mesh_name="ref", **ref.get_dispatch_collect())
+    host.set_dispatch_collect(mesh_name="policy", **actor.get_dispatch_collect())
+    assert (host._query_dispatch_info("ref"), host._query_collect_info("ref")) == (0, True)
+    assert (host._query_dispatch_info("policy"), host._query_collect_info("policy")) == (1, False)
+    with pytest.raises(ValueError, match="'policy' is already registered"):
+        host.set_dispatch_collect(mesh_name="policy", **actor.get_dispatch_collect())
+    with pytest.raises(ValueError, match="exactly one mesh"):
+        host.set_dispatch_collect(mesh_name="both", **host.get_dispatch_collect())

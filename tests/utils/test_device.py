@@ -120,3 +120,9 @@ def test_enable_tf32_switches_cuda_matmuls_only():
         assert torch.backends.mkldnn.matmul.fp32_precision == saved[2]  # CPU matmuls keep full fp32
     finally:
         matmul.fp32_precision, torch.backends.cudnn.conv.fp32_precision = saved[:2]
+
+
+def test_upstream_device_names():
+    assert device.is_npu_available is False
+    assert device.get_nccl_backend() == "nccl"
+    assert device.get_visible_devices_keyword() == "CUDA_VISIBLE_DEVICES"

@@ -109,3 +109,19 @@ def test_value_head_counts_one_output_and_a_tally_sums_micro_batches():
     assert FlopsTally(None).total() is None
     assert FlopsCounter.for_model(None) is None
     assert FlopsCounter.for_model(object()) is None  # no transformer shape: no MFU
+
+
+def test_estimate_flops_is_training_flops_per_second_against_the_peak(monkeypatch):
+    counter = FlopsCounter(_tiny_qwen2().config)
+    seqlens = [7, 12, 3]
+    h, layers, heads, d, v, inter, kv = 64, 3, 4, 16, 300, 176, 2
+    layer_params = layers * (h * (heads * d + 2 * kv * d) + heads * d * h + 3 * h * inter)
+    expected = 3 * (2 * layer_params * 22 + 4 * heads * d * layers * (49 + 144 + 9) + 2 * h * v * 22)
+    monkeypatch.setenv("VERL_PEAK_FLOPS", "2e12")
+    achieved, peak = counter.estimate_flops(seqlens, delta_time=0.5)
+    assert achieved == pytest.approx(expected / 0.5 / 1e12, rel=1e-12) and peak == 2.0
+    monkeypatch.delenv("VERL_PEAK_FLOPS")
+    monkeypatch.setattr("verl.utils.flops_counter.peak_flops_per_device", lambda dtype=None: None)
+    assert counter.estimate_flops(seqlens, delta_time=1.0)[1] == float("inf")
+    with pytest.raises(TypeError, match="images_seqlens"):
+        counter.estimate_flops(seqlens, 1.0, images_seqlens=[4])

@@ -56,3 +56,57 @@ def test_gradient_checkpointing_is_switched_on():
         "is_activation_checkpointing" if hasattr(model, "is_activation_checkpointing") else "is_gradient_checkpointing"
     )
     assert getattr(model, flag)
+
+
+def test_create_random_mask_shapes_each_row_as_left_padding_then_valid_tokens():
+    import numpy as np
+
+    from verl.utils.model import create_random_mask
+
+    input_ids = torch.zeros(64, 10, dtype=torch.long)
+    np.random.seed(3)
+    mask = create_random_mask(
+        input_ids, max_ratio_of_valid_token=0.6, max_ratio_of_left_padding=0.3, min_ratio_of_valid_token=0.2
+    )
+    assert mask.dtype == torch.int64 and mask.shape == (64, 10)
+    lefts, valids = [], []
+    for row in mask.tolist():
+        first = row.index(1)
+        valid = sum(row)
+        assert row == [0] * first + [1] * valid + [0] * (10 - first - valid)
+        lefts.append(first)
+        valids.append(valid)
+    assert set(lefts) == {0, 1, 2, 3} and set(valids) == {2, 3, 4, 5, 6}  # every allowed value drawn
+    np.random.seed(3)
+    again = create_random_mask(
+        input_ids, max_ratio_of_valid_token=0.6, max_ratio_of_left_padding=0.3, min_ratio_of_valid_token=0.2
+    )
+    assert torch.equal(mask, again)
+    with pytest.raises(ValueError, match="cannot hold"):
+        create_random_mask(input_ids, max_ratio_of_valid_token=0.9, max_ratio_of_left_padding=0.5)
+
+
+def test_update_model_config_sets_nested_attributes():
+    from types import SimpleNamespace
+
+    from verl.utils.model import update_model_config
+
+    config = SimpleNamespace(hidden_size=8, text_config=SimpleNamespace(rope_theta=1.0, vocab_size=10))
+    update_model_config(config, {"hidden_size": 16, "text_config": {"rope_theta": 1e6}})
+    assert config.hidden_size == 16 and config.text_config.rope_theta == 1e6 and config.text_config.vocab_size == 10
+    with pytest.raises(AttributeError, match="no sub-config 'vision_config'"):
+        update_model_config(config, {"vision_config": {"depth": 2}})
+
+
+def test_extract_multi_modal_inputs_concatenates_or_keeps_lists():
+    from tensordict.tensorclass import NonTensorData
+
+    from verl.utils.model import extract_multi_modal_inputs
+
+    a = {"pixel_values": torch.ones(2, 3), "image_grid_thw": torch.tensor([[1, 1, 2]])}
+    b = {"pixel_values": torch.zeros(1, 3), "image_grid_thw": torch.tensor([[1, 1, 1]])}
+    out = extract_multi_modal_inputs([a, None, NonTensorData(b)])
+    assert out["pixel_values"].shape == (3, 3) and out["image_grid_thw"].tolist() == [[1, 1, 2], [1, 1, 1]]
+    assert extract_multi_modal_inputs([a, b], indices=[1, 5])["pixel_values"].shape == (1, 3)
+    bound = extract_multi_modal_inputs([{**a, "image_bound": torch.tensor([0])}, b])
+    assert isinstance(bound["pixel_values"], list) and len(bound["pixel_values"]) == 2

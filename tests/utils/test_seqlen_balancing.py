@@ -86,3 +86,79 @@ def test_budget_grows_the_count_when_the_even_split_does_not_fit():
 def test_sequence_longer_than_the_budget_is_a_clear_error():
     with pytest.raises(ValueError, match="ppo_max_token_len_per_gpu"):
         rearrange_micro_batches(_batch([12, 3]), max_token_len=10)
+
+
+# ---------------------------------------------------------------- upstream's group and DataProto entry points
+
+
+def test_ceildiv_and_roundup():
+    from verl.utils.seqlen_balancing import ceildiv, roundup_divisible
+
+    assert [ceildiv(a, 3) for a in (0, 1, 3, 4, 7)] == [0, 1, 1, 2, 3]
+    assert roundup_divisible(5, 4) == 8 and roundup_divisible(8, 4) == 8
+
+
+def test_group_balanced_partitions_keep_uid_groups_together():
+    from verl.utils.seqlen_balancing import calculate_workload, get_group_balanced_partitions
+
+    # four prompts x two samples; group workloads (24576 s + s^2 summed): A=2 long, B,C short, D long
+    seqlens = [100, 100, 10, 10, 10, 10, 90, 90]
+    uids = ["a", "a", "b", "b", "c", "c", "d", "d"]
+    parts = get_group_balanced_partitions(seqlens, uids, k_partitions=2)
+    assert sorted(i for p in parts for i in p) == list(range(8))
+    for part in parts:
+        assert {uids[i] for i in part} in ({"a", "b"}, {"a", "c"}, {"d", "b"}, {"d", "c"})
+    loads = [sum(int(calculate_workload(seqlens[i])) for i in p) for p in parts]
+    assert abs(loads[0] - loads[1]) == abs(2 * (24576 * 100 + 100**2) - 2 * (24576 * 90 + 90**2))
+    with pytest.raises(ValueError, match="must be contiguous"):
+        get_group_balanced_partitions([1, 1, 1], ["a", "b", "a"], 1)
+    with pytest.raises(ValueError, match="3 uid groups cannot be split into 2"):
+        get_group_balanced_partitions([1, 1, 1], ["a", "b", "c"], 2)
+
+
+def test_prepare_and_restore_dynamic_batch_round_trip():
+    import numpy as np
+
+    from verl.protocol import DataProto
+    from verl.utils.seqlen_balancing import prepare_dynamic_batch, restore_dynamic_batch
+
+    lengths = [5, 1, 4, 2, 3, 6, 2, 1]
+    mask = torch.zeros(8, 6, dtype=torch.long)
+    for i, n in enumerate(lengths):
+        mask[i, :n] = 1
+    data = DataProto.from_dict(
+        tensors={"attention_mask": mask, "x": torch.arange(8.0)},
+        non_tensors={"uid": np.array([f"u{i}" for i in range(8)], dtype=object)},
+        meta_info={"temperature": 1.0},
+    )
+    micro, idx = prepare_dynamic_batch(data, max_token_len=6)
+    assert all(int(m.batch["attention_mask"].sum()) <= 6 for m in micro)
+    for m, rows in zip(micro, idx):
+        assert m.batch["x"].tolist() == [float(r) for r in rows] and m.non_tensor_batch["uid"].tolist() == [
+            f"u{r}" for r in rows
+        ]
+        assert m.meta_info == {"temperature": 1.0}
+    outputs = torch.cat([m.batch["x"] * 10 for m in micro])
+    assert restore_dynamic_batch(outputs, idx).tolist() == [10.0 * i for i in range(8)]
+    plain, plain_idx = prepare_dynamic_batch(data, max_token_len=6, use_dynamic_bsz_balance=False)
+    plain_sums = [int(m.batch["attention_mask"].sum()) for m in plain]
+    assert len(plain) == 4 and plain_sums == sorted(plain_sums, reverse=True)  # heaviest first
+    # balanced order: the lightest at both ends, the heaviest in the middle (ranks 0..3 -> 2, 0, 1, 3)
+    assert idx == [plain_idx[2], plain_idx[0], plain_idx[1], plain_idx[3]]
+
+
+def test_num_batches_divided_by_rounds_the_micro_batch_count_up():
+    batch = TensorDict({"attention_mask": torch.ones(6, 4, dtype=torch.long)}, batch_size=[6])
+    micro, _ = rearrange_micro_batches(batch, max_token_len=12)
+    assert len(micro) == 2
+    micro, parts = rearrange_micro_batches(batch, max_token_len=12, num_batches_divided_by=3)
+    assert len(micro) == 3 and sorted(i for p in parts for i in p) == list(range(6))
+
+
+def test_restore_dynamic_batch_reorders_nested_rows():
+    from verl.utils.seqlen_balancing import restore_dynamic_batch
+
+    rows = [torch.arange(n, dtype=torch.float32) for n in (3, 1, 2)]  # micro-batch order: rows 2, 0, 1
+    nested = torch.nested.as_nested_tensor(rows, layout=torch.jagged)
+    out = restore_dynamic_batch(nested, [[2], [0, 1]])
+    assert [r.tolist() for r in out.unbind()] == [[0.0], [0.0, 1.0], [0.0, 1.0, 2.0]]

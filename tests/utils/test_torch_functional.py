@@ -195,3 +195,45 @@ def test_sliced_logits_are_read_in_place_and_give_the_same_values_and_gradients(
     torch.testing.assert_close(out, ref)
     ref.sum().backward()
     torch.testing.assert_close(chunked_grad, full.grad)
+
+
+# ------------------------------------------------------------------ jagged broadcast and group statistics
+
+
+def test_expand_as_nested_repeats_each_rows_value_over_its_length():
+    from verl.utils.torch_functional import expand_as_nested
+
+    nested = torch.nested.as_nested_tensor([torch.zeros(2), torch.zeros(3), torch.zeros(1)], layout=torch.jagged)
+    out = expand_as_nested(torch.tensor([1.0, 2.0, 3.0]), nested)
+    assert out.is_nested and [r.tolist() for r in out.unbind()] == [[1.0, 1.0], [2.0, 2.0, 2.0], [3.0]]
+    with pytest.raises(ValueError, match="one value per row"):
+        expand_as_nested(torch.tensor([1.0]), nested)
+
+
+def _distributed_stats(rank, world_size):
+    from verl.utils.torch_functional import distributed_masked_mean, distributed_mean_max_min_std
+
+    values = [
+        torch.tensor([1.0, 2.0, float("nan")], dtype=torch.float64),
+        torch.tensor([4.0, 8.0, 16.0], dtype=torch.float64),
+    ]
+    masks = [torch.tensor([1, 1, 0]), torch.tensor([1, 0, 1])]
+    mean = distributed_masked_mean(values[rank], masks[rank])
+    assert mean.item() == pytest.approx((1 + 2 + 4 + 16) / 4, rel=1e-15)  # the masked NaN is ignored
+    data = [torch.tensor([1.0, 2.0], dtype=torch.float64), torch.tensor([4.0, 8.0, 16.0], dtype=torch.float64)]
+    all_values = np.array([1.0, 2.0, 4.0, 8.0, 16.0])
+    mean, largest, smallest, std = distributed_mean_max_min_std(data[rank])
+    assert mean.item() == pytest.approx(all_values.mean(), rel=1e-15)
+    assert (largest.item(), smallest.item()) == (16.0, 1.0)
+    assert std.item() == pytest.approx(all_values.std(ddof=1), rel=1e-12)
+    assert distributed_mean_max_min_std(data[rank], compute_max=False, compute_min=False, compute_std=False)[1:] == (
+        None,
+        None,
+        None,
+    )
+
+
+def test_distributed_statistics_over_two_gloo_ranks():
+    from tests.distributed_helpers import run_distributed
+
+    run_distributed(_distributed_stats, 2)

@@ -32,7 +32,7 @@ import torch
 
 from verl.model_merger.base_model_merger import BaseModelMerger, ModelMergerError, require_checkpoint_dir
 
-__all__ = ["MegatronModelMerger"]
+__all__ = ["MegatronModelMerger", "get_dynamic_pipeline_shards"]
 
 DIST_CKPT_DIR = "dist_ckpt"  # as in verl.utils.checkpoint.megatron_checkpoint_manager (not imported: heavy)
 _EXPECTED_LAYOUT = (
@@ -40,6 +40,34 @@ _EXPECTED_LAYOUT = (
     "huggingface/ (config.json and the tokenizer files) and extra_state_world_size_<W>_rank_<r>.pt"
 )
 _VALUE_HEAD_KEY = "output_layer.bias"
+
+
+def get_dynamic_pipeline_shards(layer_num: int, pp_size: int) -> list[int]:
+    """Layers per pipeline stage for `layer_num` layers on `pp_size` stages, as even as possible.
+
+    The middle stages all get the same count m; the first and last stages split the remainder (the
+    first taking the smaller half), each getting at least one layer and at most m, because those
+    stages also hold the embedding and the output head. Among the valid m, the one whose first stage
+    is closest to m wins (the smallest such m on a tie): 10 layers on 4 stages -> [2, 3, 3, 2].
+    """
+    if pp_size < 1:
+        raise ValueError(f"pp_size must be at least 1, got {pp_size}")
+    if layer_num < pp_size:
+        raise ValueError(f"{layer_num} layers cannot fill {pp_size} pipeline stages; every stage needs one")
+    if pp_size == 1:
+        return [layer_num]
+    if pp_size == 2:
+        return [layer_num // 2, layer_num - layer_num // 2]
+    middle_stages = pp_size - 2
+    best = None
+    for middle in range(1, layer_num + 1):
+        ends = layer_num - middle * middle_stages
+        first, last = ends // 2, ends - ends // 2
+        if 0 < first <= middle and 0 < last <= middle and (best is None or abs(first - middle) < best[0]):
+            best = (abs(first - middle), [first] + [middle] * middle_stages + [last])
+    if best is None:
+        raise ValueError(f"no pipeline split of {layer_num} layers over {pp_size} stages keeps the ends <= the middle")
+    return best[1]
 
 
 @contextlib.contextmanager

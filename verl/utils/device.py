@@ -287,3 +287,19 @@ def device_context(device: torch.device):
     if device.type == _CUDA:
         return torch.cuda.device(device)
     return contextlib.nullcontext()
+
+
+# Ascend NPUs are not supported by this implementation: code written for upstream that branches on
+# this flag takes its CUDA/CPU path here.
+is_npu_available = False
+
+
+def get_nccl_backend() -> str:
+    """The collective backend for accelerator tensors (upstream's name): NCCL. CPU-only groups use
+    gloo (`get_dist_backend`); the workers' own group mixes both (`get_group_backend`)."""
+    return "nccl"
+
+
+def get_visible_devices_keyword() -> str:
+    """The environment variable that selects the visible accelerators of a process."""
+    return "CUDA_VISIBLE_DEVICES"

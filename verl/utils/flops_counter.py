@@ -134,6 +134,26 @@ class FlopsCounter:
         attended = (group_prompt * group_prompt).sum() + (inputs * (group_prompt[inverse] + inputs)).sum()
         return passes * self.forward_flops(tokens, attended, len(first_rows) + inputs.sum())
 
+    def estimate_flops(self, batch_seqlens: Sequence[int], delta_time: float, **kwargs) -> tuple[float, float]:
+        """Upstream's MFU helper: (achieved TFLOP/s, the device's peak TFLOP/s) for a training step
+        over sequences of `batch_seqlens` real tokens that took `delta_time` seconds.
+
+        Achieved counts `training_flops(batch_seqlens)` (this module's conventions: every position
+        through the output head, the full s^2 attention pairs, no embedding FLOPs), so it can differ
+        from upstream's per-model-type formulas by those terms. The peak is `peak_flops()`
+        (`VERL_PEAK_FLOPS` or the known GPU's bf16 figure) and, as upstream reports an unknown device,
+        infinity when there is none (an MFU computed from it is then 0). Keyword arguments of
+        upstream's per-architecture estimators (e.g. multimodal `images_seqlens`) are not used here
+        and are refused rather than ignored.
+        """
+        if kwargs:
+            raise TypeError(f"FlopsCounter.estimate_flops got unsupported arguments {sorted(kwargs)}")
+        if not delta_time > 0:
+            raise ValueError(f"delta_time must be positive seconds, got {delta_time!r}")
+        achieved = self.training_flops([int(s) for s in batch_seqlens]) / delta_time / 1e12
+        peak = peak_flops()
+        return achieved, (peak / 1e12 if peak is not None else float("inf"))
+
 
 class FlopsTally:
     """The training FLOPs of the micro-batches one update ran (`counter` None: nothing is counted).

@@ -6,20 +6,47 @@ process find the module) and two different files never shadow each other. Each f
 config key that pointed at the file and says how to fix it: a missing file (with the working
 directory relative paths are resolved from), a file that raises while importing (the original
 exception is chained), a name that the file does not define (with the callables it does define).
+
+Upstream's path forms are accepted: `pkg://verl.utils.dataset.rl_dataset` (or with slashes) imports
+an installed module, `file://path/to/file.py` is a file path. No path at all (None or "") means
+"nothing to load", as upstream: `load_module` and `load_extern_type` return None, and
+`load_extern_object` raises AttributeError naming the object it could not find.
+`import_external_libs` imports modules by name for their side effects (registering reward
+managers, workers, ...).
 """
 
 from __future__ import annotations
 
 import hashlib
+import importlib
 import importlib.util
 import os
 import sys
 from types import ModuleType
 
+_PKG_PREFIX = "pkg://"
+_FILE_PREFIX = "file://"
 
-def load_module(file_path: str, config_key: str = "path") -> ModuleType:
-    """Import the Python file at ``file_path``; ``config_key`` names the setting it came from, for errors."""
-    path = os.path.abspath(os.path.expanduser(str(file_path)))
+
+def import_external_libs(external_libs: str | list[str] | None = None) -> None:
+    """Import each named module (a name or a list of names) for its side effects."""
+    if external_libs is None:
+        return
+    for name in [external_libs] if isinstance(external_libs, str) else list(external_libs):
+        importlib.import_module(name)
+
+
+def load_module(file_path: str | None, config_key: str = "path") -> ModuleType | None:
+    """Import the Python file at ``file_path`` (or the ``pkg://`` module); ``config_key`` names the
+    setting it came from, for errors. None or "" gives None."""
+    if not file_path:
+        return None
+    file_path = str(file_path)
+    if file_path.startswith(_PKG_PREFIX):
+        return importlib.import_module(file_path[len(_PKG_PREFIX) :].replace("/", "."))
+    if file_path.startswith(_FILE_PREFIX):
+        file_path = file_path[len(_FILE_PREFIX) :]
+    path = os.path.abspath(os.path.expanduser(file_path))
     if not os.path.isfile(path):
         raise FileNotFoundError(
             f"{config_key}={file_path!r} does not exist (resolved to {path!r}; relative paths are resolved from "
@@ -47,13 +74,18 @@ def _public_callables(module: ModuleType) -> list[str]:
     return sorted(name for name, value in vars(module).items() if callable(value) and not name.startswith("_"))
 
 
-def load_extern_object(file_path: str, name: str, config_key: str = "custom") -> object:
+def load_extern_object(file_path: str | None, name: str, config_key: str = "custom") -> object:
     """The object called ``name`` defined in the Python file ``file_path``.
 
     ``config_key`` is the config section the two values came from (``custom_reward_function``), so errors
     can name ``<config_key>.path`` and ``<config_key>.name``.
     """
     module = load_module(file_path, config_key=f"{config_key}.path")
+    if module is None:
+        raise AttributeError(
+            f"cannot load {name!r}: {config_key}.path is not set; point it at the Python file (or pkg:// module) "
+            "that defines it"
+        )
     if not name or not hasattr(module, name):
         raise AttributeError(
             f"{config_key}.name={name!r} is not defined in {config_key}.path={file_path!r}; the file defines "
@@ -62,8 +94,11 @@ def load_extern_object(file_path: str, name: str, config_key: str = "custom") ->
     return getattr(module, name)
 
 
-def load_extern_type(file_path: str, type_name: str, config_key: str = "custom_cls") -> type:
-    """A class defined in a Python file (upstream's name for ``load_extern_object`` restricted to types)."""
+def load_extern_type(file_path: str | None, type_name: str, config_key: str = "custom_cls") -> type | None:
+    """A class defined in a Python file (upstream's name for ``load_extern_object`` restricted to types);
+    None when no file is given, as upstream's ``load_extern_type``."""
+    if not file_path:
+        return None
     obj = load_extern_object(file_path, type_name, config_key=config_key)
     if not isinstance(obj, type):
         raise TypeError(f"{config_key}.name={type_name!r} in {file_path!r} is a {type(obj).__name__}, not a class")

@@ -28,12 +28,15 @@ from verl.utils.device import is_cuda_available
 
 __all__ = [
     "compute_position_id_with_mask",
+    "create_random_mask",
     "enable_gradient_checkpointing",
+    "extract_multi_modal_inputs",
     "get_attn_implementation",
     "get_generation_config",
     "load_causal_lm",
     "load_model_config",
     "load_valuehead_model",
+    "update_model_config",
 ]
 
 
@@ -190,3 +193,78 @@ def enable_gradient_checkpointing(model) -> None:
         model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
     else:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+
+
+def create_random_mask(
+    input_ids: torch.Tensor,
+    max_ratio_of_valid_token: float,
+    max_ratio_of_left_padding: float,
+    min_ratio_of_valid_token: float = 0,
+) -> torch.Tensor:
+    """A random attention mask [B, L] (int64) for `input_ids` [B, L], for tests of padding handling.
+
+    Each row gets `left` padding zeros, then `valid` ones, then zeros: `left` uniform in
+    [0, int(L * max_ratio_of_left_padding)] and `valid` uniform in
+    [max(1, int(L * min_ratio_of_valid_token)), int(L * max_ratio_of_valid_token)], drawn per row
+    (left first) from numpy's global generator, so `np.random.seed` makes it repeatable.
+    """
+    import numpy as np
+
+    if not 0 < max_ratio_of_valid_token <= 1.0:
+        raise ValueError(f"max_ratio_of_valid_token must be in (0, 1], got {max_ratio_of_valid_token}")
+    if not 0 <= max_ratio_of_left_padding < 1.0:
+        raise ValueError(f"max_ratio_of_left_padding must be in [0, 1), got {max_ratio_of_left_padding}")
+    if min_ratio_of_valid_token > max_ratio_of_valid_token:
+        raise ValueError("min_ratio_of_valid_token must not exceed max_ratio_of_valid_token")
+    batch_size, seq_len = input_ids.shape
+    max_valid = int(seq_len * max_ratio_of_valid_token)
+    min_valid = max(1, int(seq_len * min_ratio_of_valid_token))
+    max_left = int(seq_len * max_ratio_of_left_padding)
+    if max_valid < 1 or max_valid + max_left > seq_len or min_valid > max_valid:
+        raise ValueError(
+            f"a row of {seq_len} tokens cannot hold up to {max_left} padding tokens plus {min_valid}..{max_valid} "
+            "valid ones; lower the ratios"
+        )
+    mask = torch.zeros_like(input_ids, dtype=torch.int64)
+    for row in range(batch_size):
+        left = int(np.random.randint(low=0, high=max_left + 1, dtype=np.int64))
+        valid = int(np.random.randint(low=min_valid, high=max_valid + 1, dtype=np.int64))
+        mask[row, left : left + valid] = 1
+    return mask
+
+
+def update_model_config(module_config, override_config_kwargs: dict) -> None:
+    """Set attributes of an HF config from a (nested) dict, in place: a dict value updates the
+    sub-config of that name (`{"text_config": {"rope_theta": 1e6}}`)."""
+    for key, value in override_config_kwargs.items():
+        if isinstance(value, dict):
+            sub_config = getattr(module_config, key, None)
+            if sub_config is None:
+                raise AttributeError(f"the model config has no sub-config {key!r} to update with {value}")
+            update_model_config(sub_config, value)
+        else:
+            setattr(module_config, key, value)
+
+
+def extract_multi_modal_inputs(batch_data: list, indices: list[int] | None = None) -> dict:
+    """Merge the per-sample multi-modal input dicts (`pixel_values`, `image_grid_thw`, ...) of a batch.
+
+    `batch_data` holds one dict (or None for a text-only sample, or a NonTensorData wrapping one)
+    per sample; `indices` selects samples (out-of-range ones are skipped). Each key's tensors are
+    concatenated along dim 0, except when any sample has an `image_bound` key (MiniCPM-o), whose
+    model takes per-sample lists: then each key maps to the list of tensors.
+    """
+    selected = batch_data if indices is None else [batch_data[i] for i in indices if i < len(batch_data)]
+    collected: dict[str, list] = {}
+    per_sample_lists = False
+    for inputs in selected:
+        inputs = getattr(inputs, "data", inputs) if type(inputs).__name__ == "NonTensorData" else inputs
+        if inputs is None:
+            continue
+        per_sample_lists = per_sample_lists or "image_bound" in inputs
+        for key, value in inputs.items():
+            if value is not None:
+                collected.setdefault(key, []).append(value)
+    if per_sample_lists:
+        return collected
+    return {key: torch.cat(values, dim=0) for key, values in collected.items()}

@@ -14,6 +14,14 @@ pairing the heaviest part of one with the lightest part of the other. It is with
 of optimal on the length distributions RL produces and runs in O(n log n). A greedy
 (longest-first into the lightest part) partitioner is provided as the simple alternative.
 
+Sample groups: `get_group_balanced_partitions` keeps the samples of one prompt (same uid,
+contiguous) on one rank, balancing the groups by an attention-aware workload estimate
+(`calculate_workload`), for trainers that share a prompt's prefix across its samples.
+
+`prepare_dynamic_batch` / `restore_dynamic_batch` are the DataProto-level form of the token-budget
+split (upstream's entry points): the micro-batches as DataProtos plus the indices that put the
+per-micro-batch outputs back in the input order.
+
 Token budget: upstream uses `ceil(total / budget)` micro-batches, which can overshoot the budget
 when the partition is not perfectly even. Here the count starts there and grows until the
 balanced partition fits the budget, so a micro-batch exceeds it only when one sequence alone
@@ -29,18 +37,25 @@ from __future__ import annotations
 import heapq
 import math
 from collections.abc import Sequence
+from itertools import chain
 
 import torch
 
 from verl.utils.device import collective_device
 
 __all__ = [
+    "calculate_workload",
+    "ceildiv",
+    "get_group_balanced_partitions",
     "get_reverse_idx",
     "get_seqlen_balanced_partitions",
     "greedy_partition",
     "karmarkar_karp",
     "log_seqlen_unbalance",
+    "prepare_dynamic_batch",
     "rearrange_micro_batches",
+    "restore_dynamic_batch",
+    "roundup_divisible",
 ]
 
 
@@ -167,6 +182,7 @@ def rearrange_micro_batches(
     dp_group=None,
     same_micro_num_in_dp: bool = True,
     min_num_micro_batch: int | None = None,
+    num_batches_divided_by: int | None = None,
 ):
     """Cut `batch` (a TensorDict with `attention_mask`) into token-budget micro-batches.
 
@@ -177,6 +193,8 @@ def rearrange_micro_batches(
             the world group when torch.distributed is initialised).
         same_micro_num_in_dp: agree on the largest count across `dp_group` (needed under FSDP).
         min_num_micro_batch: use at least this many micro-batches.
+        num_batches_divided_by: round the count up to a multiple of this (megatron's virtual
+            pipeline stages need a multiple of their number).
 
     Returns:
         (micro_batches, partitions): the list of TensorDicts and, for each, the indices into
@@ -199,6 +217,8 @@ def rearrange_micro_batches(
         count = torch.tensor([num_micro], dtype=torch.int64, device=collective_device(dp_group))
         torch.distributed.all_reduce(count, op=torch.distributed.ReduceOp.MAX, group=dp_group)
         num_micro = int(count.item())
+    if num_batches_divided_by is not None:
+        num_micro = roundup_divisible(num_micro, num_batches_divided_by)
     if num_micro > len(seqlens):
         raise ValueError(
             f"this rank holds {len(seqlens)} sequences but the data-parallel group needs {num_micro} "
@@ -218,3 +238,101 @@ def get_reverse_idx(idx_map: Sequence[int]) -> list[int]:
     for position, original in enumerate(idx_map):
         reverse[original] = position
     return reverse
+
+
+def ceildiv(a: int, b: int) -> int:
+    """The smallest integer >= a / b."""
+    return -(a // -b)
+
+
+def roundup_divisible(a: int, b: int) -> int:
+    """The smallest multiple of b that is >= a."""
+    return ceildiv(a, b) * b
+
+
+def calculate_workload(seqlen_list: torch.Tensor) -> torch.Tensor:
+    """Relative cost of sequences of these lengths (a tensor or an int) in a dense transformer:
+    24576 * s + s^2, i.e. 12 h^2 s (projections) + 2 h s^2 (attention) with h = 4096, divided by 2h
+    (upstream's estimate)."""
+    return 24576 * seqlen_list + seqlen_list**2
+
+
+def get_group_balanced_partitions(seqlen_list: Sequence[int], uid_list: Sequence, k_partitions: int) -> list[list[int]]:
+    """`k_partitions` sorted index lists in which the samples of each uid group stay together.
+
+    Samples of one uid must be contiguous (as `DataProto.repeat(n, interleave=True)` leaves them). The
+    groups are balanced by their summed `calculate_workload`, each partition getting the same number of
+    groups (Karmarkar-Karp with equal sizes), so the group count must divide by `k_partitions`.
+    """
+    if len(seqlen_list) != len(uid_list):
+        raise ValueError(f"{len(seqlen_list)} lengths but {len(uid_list)} uids; give one uid per sample")
+    groups: list[list[int]] = []
+    for i, uid in enumerate(uid_list):
+        if groups and uid_list[groups[-1][0]] == uid:
+            groups[-1].append(i)
+        else:
+            groups.append([i])
+    seen = [uid_list[g[0]] for g in groups]
+    if len(set(map(str, seen))) != len(seen):
+        raise ValueError(
+            "get_group_balanced_partitions: the samples of a uid must be contiguous; sort them by uid first"
+        )
+    if len(groups) < k_partitions or len(groups) % k_partitions:
+        raise ValueError(
+            f"{len(groups)} uid groups cannot be split into {k_partitions} partitions of equal group count; use a "
+            f"number of prompts divisible by {k_partitions}"
+        )
+    workloads = [sum(int(calculate_workload(int(seqlen_list[i]))) for i in g) for g in groups]
+    group_parts = get_seqlen_balanced_partitions(workloads, k_partitions, equal_size=True)
+    return [sorted(i for g in part for i in groups[g]) for part in group_parts]
+
+
+def prepare_dynamic_batch(
+    data,
+    max_token_len: int,
+    dp_group=None,
+    num_batches_divided_by: int | None = None,
+    same_micro_num_in_dp: bool = True,
+    min_num_micro_batch: int | None = None,
+    use_dynamic_bsz_balance: bool = True,
+):
+    """Cut a DataProto into token-budget micro-batches: `(micro_batches, batch_idx_list)`.
+
+    The split is `rearrange_micro_batches` (heaviest micro-batch first). With
+    `use_dynamic_bsz_balance` the order is rearranged so the lightest micro-batches sit at both ends
+    (heaviest in the middle), which shortens pipeline-parallel warm-up and cool-down bubbles, as
+    upstream orders them. Each micro-batch carries its rows' non-tensor columns and a shallow copy
+    of `meta_info`; `restore_dynamic_batch(outputs, batch_idx_list)` puts outputs back in input order.
+    """
+    from verl.protocol import DataProto
+
+    batches, partitions = rearrange_micro_batches(
+        data.batch,
+        max_token_len=max_token_len,
+        dp_group=dp_group,
+        same_micro_num_in_dp=same_micro_num_in_dp,
+        min_num_micro_batch=min_num_micro_batch,
+        num_batches_divided_by=num_batches_divided_by,
+    )
+    order = list(range(len(partitions)))
+    if use_dynamic_bsz_balance:
+        order = order[::2][::-1] + order[1::2]
+    micro_batches = []
+    for i in order:
+        idx = partitions[i]
+        non_tensors = {key: value[idx] for key, value in data.non_tensor_batch.items()}
+        micro_batches.append(DataProto.from_dict(dict(batches[i].items()), non_tensors, meta_info=dict(data.meta_info)))
+    return micro_batches, [partitions[i] for i in order]
+
+
+def restore_dynamic_batch(data: torch.Tensor, batch_idx_list: list[list[int]]) -> torch.Tensor:
+    """The rows of `data` (the concatenated micro-batch outputs, in `batch_idx_list` order) back in
+    the original order; nested (jagged) tensors are reordered row by row."""
+    indices = list(chain.from_iterable(batch_idx_list))
+    if len(indices) != data.shape[0]:
+        raise ValueError(f"restore_dynamic_batch: {data.shape[0]} rows but the index lists cover {len(indices)}")
+    reverse = torch.tensor(get_reverse_idx(indices), dtype=torch.long)
+    if data.is_nested:
+        rows = data.unbind()
+        return torch.nested.as_nested_tensor([rows[i] for i in reverse.tolist()], layout=torch.jagged)
+    return data[reverse.to(data.device)]

@@ -68,3 +68,29 @@ def _model_vocab_size(path: str) -> int | None:
         return None
     vocab_size = config.get("vocab_size") or (config.get("text_config") or {}).get("vocab_size")
     return vocab_size if isinstance(vocab_size, int) else None
+
+
+def hf_processor(name_or_path: str, **kwargs):
+    """The multimodal processor (`transformers.AutoProcessor`) of a model, or None for a text-only model.
+
+    A text-only checkpoint has no processor: `AutoProcessor` then falls back to the tokenizer, which
+    is not a processor, so None is returned (what callers test for to choose the text-only path).
+    A checkpoint whose processor files exist but cannot be loaded raises.
+    """
+    from transformers import AutoProcessor
+
+    path = os.path.expanduser(str(name_or_path))
+    try:
+        processor = AutoProcessor.from_pretrained(path, **kwargs)
+    except (OSError, ValueError, KeyError) as e:
+        if os.path.exists(os.path.join(path, "preprocessor_config.json")) or os.path.exists(
+            os.path.join(path, "processor_config.json")
+        ):
+            raise OSError(f"could not load the processor of {name_or_path!r}: {e}") from e
+        return None
+    if "Processor" not in type(processor).__name__:
+        return None
+    return processor
+
+
+__all__ = ["hf_processor", "hf_tokenizer"]

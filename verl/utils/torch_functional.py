@@ -16,7 +16,9 @@ Design decisions:
 
 Public names follow upstream verl (`verl.utils.torch_functional as verl_F`): `masked_sum`,
 `masked_mean`, `masked_var`, `masked_whiten`, `entropy_from_logits`,
-`entropy_from_logits_with_chunking`, `logprobs_from_logits`.
+`entropy_from_logits_with_chunking`, `logprobs_from_logits`, and the collective statistics
+`distributed_masked_mean` / `distributed_mean_max_min_std` (all-reduces over the default group,
+the only functions here that synchronise) and `expand_as_nested` for jagged batches.
 """
 
 from __future__ import annotations
@@ -24,8 +26,11 @@ from __future__ import annotations
 import torch
 
 __all__ = [
+    "distributed_masked_mean",
+    "distributed_mean_max_min_std",
     "entropy_from_logits",
     "entropy_from_logits_with_chunking",
+    "expand_as_nested",
     "logprobs_from_logits",
     "masked_mean",
     "masked_sum",
@@ -248,3 +253,61 @@ def logprobs_from_logits(logits: torch.Tensor, labels: torch.Tensor, chunk_size:
     block_labels = labels.long().reshape(blocks.shape[:-1])
     out = _ChunkedLogProb.apply(blocks, block_labels, _rows_per_chunk(logits.shape[-1], chunk_size))
     return out.reshape(logits.shape[:-1])
+
+
+# ----------------------------------------------------------------------------------------------
+# Jagged batches and statistics over the data-parallel group
+# ----------------------------------------------------------------------------------------------
+
+
+def expand_as_nested(tensor: torch.Tensor, nested_tensor: torch.Tensor) -> torch.Tensor:
+    """Broadcast one value per row (`tensor` [B]) over the rows of a jagged `nested_tensor` [B, j]:
+    a nested tensor with the same offsets whose row i repeats `tensor[i]`."""
+    if not nested_tensor.is_nested or nested_tensor.dim() != 2:
+        raise ValueError(f"expand_as_nested needs a 2-D nested tensor, got shape {tuple(nested_tensor.shape)}")
+    if tensor.dim() != 1 or tensor.shape[0] != nested_tensor.shape[0]:
+        raise ValueError(
+            f"expand_as_nested needs one value per row: tensor of shape {tuple(tensor.shape)} for "
+            f"{nested_tensor.shape[0]} rows"
+        )
+    offsets = nested_tensor.offsets()
+    values = torch.repeat_interleave(tensor, offsets.diff(), dim=0)
+    return torch.nested.nested_tensor_from_jagged(values=values, offsets=offsets)
+
+
+def distributed_masked_mean(local_tensor: torch.Tensor, local_mask: torch.Tensor) -> torch.Tensor:
+    """Mean of the entries where `local_mask` is 1, over every rank of the default process group
+    (sum and count are all-reduced, so ranks with more valid entries weigh more)."""
+    import torch.distributed as dist
+
+    local_sum = torch.where(local_mask.bool(), local_tensor, 0).sum()
+    local_count = local_mask.sum().to(local_sum.dtype)
+    dist.all_reduce(local_sum, op=dist.ReduceOp.SUM)
+    dist.all_reduce(local_count, op=dist.ReduceOp.SUM)
+    return local_sum / local_count
+
+
+def distributed_mean_max_min_std(
+    local_tensor: torch.Tensor, compute_max: bool = True, compute_min: bool = True, compute_std: bool = True
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
+    """(mean, max, min, std) of all entries on every rank of the default process group; a statistic
+    not asked for is None. The std is the unbiased one (divides by the total count - 1)."""
+    import torch.distributed as dist
+
+    total = local_tensor.sum()
+    count = torch.tensor(float(local_tensor.numel()), dtype=total.dtype, device=total.device)
+    dist.all_reduce(total, op=dist.ReduceOp.SUM)
+    dist.all_reduce(count, op=dist.ReduceOp.SUM)
+    mean = total / count
+    largest = smallest = std = None
+    if compute_max:
+        largest = local_tensor.max()
+        dist.all_reduce(largest, op=dist.ReduceOp.MAX)
+    if compute_min:
+        smallest = local_tensor.min()
+        dist.all_reduce(smallest, op=dist.ReduceOp.MIN)
+    if compute_std:
+        squares = ((local_tensor - mean) ** 2).sum()
+        dist.all_reduce(squares, op=dist.ReduceOp.SUM)
+        std = torch.sqrt(squares / (count - 1))
+    return mean, largest, smallest, std

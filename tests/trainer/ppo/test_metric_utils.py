@@ -68,11 +68,66 @@ def test_validation_metrics_mean_best_worst_and_majority():
     infos = {"acc": [1.0, 0.0, 0.0, 0.0, 1.0, 1.0], "pred": ["5", "6", "7", "7", "1", "1"]}
     nested = process_validation_metrics(sources, uids, infos)
     assert nested["a"]["acc"]["mean@2"] == pytest.approx(0.25)
-    assert nested["a"]["acc"]["best@2/mean"] == pytest.approx(0.5)
-    assert nested["a"]["acc"]["worst@2/mean"] == pytest.approx(0.0)
-    # p0 tie -> first prediction "5" (correct); p1 majority "7" (wrong)
-    assert nested["a"]["acc"]["maj@2/mean"] == pytest.approx(0.5)
+    # bootstrap over 1000 resamples of 2: p0 = [1, 0] has E[max] = 1 - 1/4, E[min] = 1/4; p1 = [0, 0] gives 0
+    tolerance = 4 * (0.75 * 0.25 / 1000) ** 0.5  # four standard errors of the resampled mean
+    assert nested["a"]["acc"]["best@2/mean"] == pytest.approx(0.75 / 2, abs=tolerance / 2)
+    assert nested["a"]["acc"]["worst@2/mean"] == pytest.approx(0.25 / 2, abs=tolerance / 2)
+    # majority of two draws from p0: (5,5) -> 1, (6,6) -> 0, ties go to the first vote drawn -> E = 1/2
+    assert nested["a"]["acc"]["maj@2/mean"] == pytest.approx(0.5 / 2, abs=tolerance / 2)
+    assert "pred" not in nested["a"]
     flat = flatten_validation_metrics(nested)
     assert flat["val-core/a/acc/mean@2"] == pytest.approx(0.25)
     assert flat["val-core/b/acc/mean@2"] == pytest.approx(1.0)
-    assert "val-aux/a/acc/std@2" in flat
+    assert "val-aux/a/acc/std@2" in flat and "val-core/a/acc/best@2/std" in flat
+
+
+def test_single_samples_report_only_the_mean():
+    nested = process_validation_metrics(np.array(["s", "s"]), np.array(["u0", "u1"]), {"acc": [1.0, 0.0]})
+    assert nested == {"s": {"acc": {"mean@1": 0.5}}}
+
+
+def test_bootstrap_metric_estimates_the_expected_best_of_n():
+    from verl.trainer.ppo.metric_utils import bootstrap_metric
+
+    data = [0.1, 0.4, 0.4, 0.9, 0.2]
+    ordered = sorted(data)
+    n, size = len(data), 3
+    # E[max of 3 draws with replacement] = sum_k v_(k) [(k/n)^3 - ((k-1)/n)^3]
+    expected_max = sum(v * ((k / n) ** size - ((k - 1) / n) ** size) for k, v in enumerate(ordered, start=1))
+    [(mean, std)] = bootstrap_metric(data, size, [np.max], n_bootstrap=20000, seed=1)
+    assert mean == pytest.approx(expected_max, abs=4 * std / 20000**0.5)
+    again = bootstrap_metric(data, size, [np.max, np.min], n_bootstrap=500, seed=7)
+    assert again == bootstrap_metric(data, size, [np.max, np.min], n_bootstrap=500, seed=7)
+    assert again != bootstrap_metric(data, size, [np.max, np.min], n_bootstrap=500, seed=8)
+    slow = bootstrap_metric(data, size, [lambda x: float(np.max(x))], n_bootstrap=500, seed=7)
+    assert slow[0] == pytest.approx(again[0], rel=1e-12)  # the vectorised path draws the same resamples
+    state = np.random.get_state()[1].copy()
+    bootstrap_metric(data, 2, [np.mean], seed=3)
+    assert np.array_equal(np.random.get_state()[1], state)  # the global generator is untouched
+
+
+def test_calc_maj_val_and_seeded_validation():
+    from verl.trainer.ppo.metric_utils import calc_maj_val
+
+    votes = [{"pred": "A", "val": 0.9}, {"pred": "B", "val": 0.8}, {"pred": "A", "val": 0.7}, {"pred": "B", "val": 0.1}]
+    assert calc_maj_val(votes, vote_key="pred", val_key="val") == 0.9  # tie: the vote seen first
+    assert calc_maj_val(votes[1:], vote_key="pred", val_key="val") == 0.8
+    sources, uids = np.array(["s"] * 5), np.array(["u"] * 5)
+    infos = {"acc": [1.0, 0.0, 1.0, 0.0, 0.0]}
+    first = process_validation_metrics(sources, uids, infos, seed=1)
+    assert first == process_validation_metrics(sources, uids, infos, seed=1)
+    assert first != process_validation_metrics(sources, uids, infos, seed=2)
+    assert sorted(first["s"]["acc"]) == sorted(
+        ["mean@5", "std@5"] + [f"{k}@{n}/{s}" for k in ("best", "worst") for n in (2, 4, 5) for s in ("mean", "std")]
+    )
+
+
+def test_compute_throughout_metrics_reads_global_token_num():
+    from verl.trainer.ppo.metric_utils import compute_throughout_metrics
+
+    batch = _batch()
+    timing = {"step": 2.0}
+    assert compute_throughout_metrics(batch, timing, n_gpus=2) == compute_throughput_metrics(batch, timing, n_gpus=2)
+    batch.meta_info["global_token_num"] = [5, 5, 6]
+    out = compute_throughout_metrics(batch, timing, n_gpus=2)
+    assert out == {"perf/total_num_tokens": 16, "perf/time_per_step": 2.0, "perf/throughput": 16 / 4.0}

@@ -207,3 +207,37 @@ def test_register_a_custom_manager_and_reject_name_clashes():
         @register("naive")
         class Other(AbstractRewardManager):
             pass
+
+
+# ------------------------------------------------------------------- parallel_compute_score_async
+
+
+def _task_score(task, completion, reference, extra_info):
+    if completion == "boom":
+        raise ValueError("bad row")
+    if completion == "slow":
+        import time
+
+        time.sleep(30)
+    if task == "tuple":
+        return (completion == reference, "extracted")
+    return float(completion == reference) + (extra_info or 0)
+
+
+def test_parallel_compute_score_async_scores_rows_positionally_with_zero_for_failures():
+    import asyncio
+
+    from verl.workers.reward_manager.prime import parallel_compute_score_async, run_reward_scoring
+
+    completions = ["a", "b", "boom", "slow", "x"]
+    references = ["a", "c", "a", "a", "x"]
+    tasks = ["plain", "plain", "plain", "plain", "tuple"]
+    scores = asyncio.run(
+        parallel_compute_score_async(
+            _task_score, completions, references, tasks, [0.5, 0.0, 0.0, 0.0, None], num_processes=3, timeout=1.0
+        )
+    )
+    assert scores == [1.5, 0.0, 0.0, 0.0, 1.0]
+    assert run_reward_scoring(_task_score, ["a"], ["a"], ["plain"], num_processes=1) == [1.0]
+    with pytest.raises(ValueError, match="one of each per row"):
+        asyncio.run(parallel_compute_score_async(_task_score, ["a"], [], ["plain"]))

@@ -35,6 +35,14 @@ of the batch so every rank gets an equal chunk; the extra rows are cut from the 
 `register_dispatch_mode(name, dispatch_fn, collect_fn)` adds a mode written in upstream's style:
 `dispatch_fn(worker_group, *args, **kwargs)` returns `(args, kwargs)` whose every entry is a list
 with one value per worker, and `collect_fn(worker_group, outputs)` merges the list of outputs.
+`DISPATCH_MODE_FN_REGISTRY` (and `get_predefined_dispatch_fn(mode)`) show every mode in that
+style, `{"dispatch_fn": ..., "collect_fn": ...}`, for code that drives a worker group by hand; the
+built-in modes' functions there cannot pad, so their `dispatch_fn` refuses a batch that does not
+split evenly (the worker group itself pads).
+
+`@register` also takes `async def` methods: the group then calls them through the worker's async
+entry point, so they run on the worker's event loop (Ray makes any actor with an async method an
+asyncio actor). Awaiting inside is fine; blocking calls there stall the actor's other calls.
 
 This module imports neither ray nor torch; `verl.protocol` is imported only when a DataProto is
 actually handled.
@@ -45,16 +53,20 @@ from __future__ import annotations
 import functools
 import inspect
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from enum import Enum
 from typing import Any
 
 __all__ = [
+    "DISPATCH_MODE_FN_REGISTRY",
     "Dispatch",
     "DispatchMode",
     "Execute",
     "RegisteredMethod",
+    "collect_all_to_all",
+    "get_predefined_dispatch_fn",
+    "get_predefined_execute_fn",
     "get_registered_methods",
     "make_nd_compute_dataproto_dispatch_fn",
     "register",
@@ -400,6 +412,122 @@ def make_nd_compute_dataproto_dispatch_fn(mesh_name: str) -> DispatchMode:
     return _NDComputeProto(mesh_name)
 
 
+# ---------------------------------------------------------------------------------------------
+# Upstream's function-pair view of the modes
+# ---------------------------------------------------------------------------------------------
+
+
+def _transpose(mode: DispatchMode, worker_group, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    calls, state = mode.dispatch(worker_group, args, kwargs)
+    if state:  # a DataProto mode padded the batch; a function pair has no way to tell collect_fn
+        raise ValueError(
+            f"{mode!r}.dispatch_fn: the batch needs {state} padding rows to split across {worker_group.world_size} "
+            "workers, which this function pair cannot remove again; call the method through the worker group "
+            "(it pads and unpads) or pass a batch whose length divides evenly"
+        )
+    num_args = len(calls[0][0]) if calls else 0
+    split_args = tuple([call[0][i] for call in calls] for i in range(num_args))
+    split_kwargs = {key: [call[1][key] for call in calls] for key in (calls[0][1] if calls else {})}
+    return split_args, split_kwargs
+
+
+def dispatch_one_to_all(worker_group, *args, **kwargs):
+    """Every worker gets the same arguments (as lists of `world_size` copies)."""
+    return _transpose(Dispatch.ONE_TO_ALL, worker_group, args, kwargs)
+
+
+def dispatch_all_to_all(worker_group, *args, **kwargs):
+    """The same as `dispatch_one_to_all` here (see the module docstring)."""
+    return _transpose(Dispatch.ALL_TO_ALL, worker_group, args, kwargs)
+
+
+def collect_all_to_all(worker_group, output):
+    """The per-worker outputs, unchanged."""
+    return output
+
+
+def dispatch_dp_compute(worker_group, *args, **kwargs):
+    """Entry i of each list argument to worker i (each argument must have one entry per worker)."""
+    return _transpose(Dispatch.DP_COMPUTE, worker_group, args, kwargs)
+
+
+def collect_dp_compute(worker_group, output):
+    """The per-worker outputs as a list."""
+    return list(output)
+
+
+def dispatch_dp_compute_data_proto(worker_group, *args, **kwargs):
+    """Chunk i of every DataProto argument to worker i (the length must divide evenly)."""
+    return _transpose(Dispatch.DP_COMPUTE_PROTO, worker_group, args, kwargs)
+
+
+def dispatch_dp_compute_data_proto_with_func(worker_group, *args, **kwargs):
+    """The first argument (a function) to every worker, then chunk i of every DataProto argument."""
+    return _transpose(Dispatch.DP_COMPUTE_PROTO_WITH_FUNC, worker_group, args, kwargs)
+
+
+def collect_dp_compute_data_proto(worker_group, output):
+    """The per-worker DataProtos concatenated (a DataProtoFuture when they are object references)."""
+    protocol = _protocol()
+    import ray
+
+    if output and all(isinstance(o, ray.ObjectRef) for o in output):
+        return protocol.DataProtoFuture.concat(list(output))
+    return _concat_outputs(list(output), 0)
+
+
+_BUILTIN_FUNCTIONS = {
+    "ONE_TO_ALL": (dispatch_one_to_all, collect_all_to_all),
+    "ALL_TO_ALL": (dispatch_all_to_all, collect_all_to_all),
+    "DP_COMPUTE": (dispatch_dp_compute, collect_dp_compute),
+    "DP_COMPUTE_PROTO": (dispatch_dp_compute_data_proto, collect_dp_compute_data_proto),
+    "DP_COMPUTE_PROTO_WITH_FUNC": (dispatch_dp_compute_data_proto_with_func, collect_dp_compute_data_proto),
+    "DP_COMPUTE_METRIC": (dispatch_dp_compute_data_proto, collect_dp_compute),
+}
+
+
+class _FunctionRegistry(Mapping):
+    """`{mode: {"dispatch_fn": f, "collect_fn": g}}` for every registered mode, read live from `Dispatch`
+    (so `register_dispatch_mode` / `update_dispatch_mode` show up); keys are the `Dispatch` members
+    (their names work too). Read-only: add modes with `register_dispatch_mode`."""
+
+    def __getitem__(self, mode) -> dict[str, Callable]:
+        name = mode if isinstance(mode, str) else getattr(mode, "name", None)
+        found = Dispatch._modes.get(name)
+        if found is None or (not isinstance(mode, str) and found is not mode):
+            raise KeyError(f"{mode!r} is not a registered dispatch mode; known modes: {sorted(Dispatch._modes)}")
+        if isinstance(found, _FunctionMode):
+            return {"dispatch_fn": found.dispatch_fn, "collect_fn": found.collect_fn}
+        if name in _BUILTIN_FUNCTIONS:
+            dispatch_fn, collect_fn = _BUILTIN_FUNCTIONS[name]
+            return {"dispatch_fn": dispatch_fn, "collect_fn": collect_fn}
+        return {
+            "dispatch_fn": functools.partial(_transpose, found),
+            "collect_fn": lambda worker_group, output: found.collect(worker_group, output, 0, False),
+        }
+
+    def __iter__(self) -> Iterator[DispatchMode]:
+        return iter(list(Dispatch._modes.values()))
+
+    def __len__(self) -> int:
+        return len(Dispatch._modes)
+
+
+DISPATCH_MODE_FN_REGISTRY = _FunctionRegistry()
+
+
+def get_predefined_dispatch_fn(dispatch_mode) -> dict[str, Callable]:
+    """`{"dispatch_fn": ..., "collect_fn": ...}` of a mode (see `DISPATCH_MODE_FN_REGISTRY`)."""
+    return DISPATCH_MODE_FN_REGISTRY[dispatch_mode]
+
+
+def get_predefined_execute_fn(execute_mode: Execute) -> dict[str, str]:
+    """The worker-group method that runs a mode: `execute_all` or `execute_rank_zero`."""
+    if not isinstance(execute_mode, Execute):
+        raise TypeError(f"execute_mode={execute_mode!r} is not an Execute member")
+    return {"execute_fn_name": "execute_all" if execute_mode is Execute.ALL else "execute_rank_zero"}
+
+
 def _resolve_mode(dispatch_mode) -> DispatchMode:
     if isinstance(dispatch_mode, DispatchMode):
         return dispatch_mode
@@ -427,6 +555,7 @@ class RegisteredMethod:
     execute_mode: Execute
     blocking: bool
     materialize_futures: bool
+    is_async: bool = False
 
 
 def _materialize_futures(args: tuple, kwargs: dict) -> tuple[tuple, dict]:
@@ -460,20 +589,26 @@ def register(
         raise TypeError(f"execute_mode={execute_mode!r} is not an Execute member; use Execute.ALL or Execute.RANK_ZERO")
     if mode is Dispatch.RANK_ZERO:
         execute_mode = Execute.RANK_ZERO
-    info = RegisteredMethod(mode, execute_mode, bool(blocking), bool(materialize_futures))
 
     def decorator(func):
-        if inspect.iscoroutinefunction(func):
-            raise TypeError(
-                f"@register supports regular methods only, and {func.__qualname__} is async; make it a regular method "
-                "or call it directly on the actor handles (worker_group.workers)"
-            )
+        is_async = inspect.iscoroutinefunction(func)
+        info = RegisteredMethod(mode, execute_mode, bool(blocking), bool(materialize_futures), is_async)
 
-        @functools.wraps(func)
-        def inner(*args, **kwargs):
-            if materialize_futures:
-                args, kwargs = _materialize_futures(args, kwargs)
-            return func(*args, **kwargs)
+        if is_async:
+
+            @functools.wraps(func)
+            async def inner(*args, **kwargs):
+                if materialize_futures:
+                    args, kwargs = _materialize_futures(args, kwargs)
+                return await func(*args, **kwargs)
+
+        else:
+
+            @functools.wraps(func)
+            def inner(*args, **kwargs):
+                if materialize_futures:
+                    args, kwargs = _materialize_futures(args, kwargs)
+                return func(*args, **kwargs)
 
         setattr(inner, _REGISTER_ATTR, info)
         return inner

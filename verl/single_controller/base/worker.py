@@ -24,7 +24,10 @@ and whether its output is collected (`_register_dispatch_collect_info`); the mes
 mode reads this.
 
 Every call from a worker group enters through `_verl_rpc`, which turns an exception into one that
-names the rank and the method and carries the traceback as text. Blocking calls with large payloads
+names the rank and the method and carries the traceback as text. A class with `async def`
+registered methods also gets `_verl_rpc_async` (added when the class is defined), through which
+the group calls those methods so they run on the actor's event loop; classes without async
+methods keep no async attribute at all, since one would turn their Ray actor into an asyncio actor. Blocking calls with large payloads
 enter through `_verl_rpc_shm`, which first reads its arguments from the shared-memory channel and
 sends a large result back the same way (verl/single_controller/shm.py).
 """
@@ -32,13 +35,14 @@ sends a large result back the same way (verl/single_controller/shm.py).
 from __future__ import annotations
 
 import datetime
+import inspect
 import os
 import pickle
 import socket
 import traceback
 
 from verl.single_controller import shm
-from verl.single_controller.base.decorator import Dispatch, register
+from verl.single_controller.base.decorator import Dispatch, get_registered_methods, register
 from verl.single_controller.base.errors import _WorkerSideError
 
 DEFAULT_DIST_TIMEOUT_S = 600.0
@@ -126,8 +130,45 @@ def init_process_group(backend: str | None = None, timeout_s: float | None = Non
     _group_timeout_s = timeout
 
 
+def _wrap_worker_error(worker: Worker, method_name: str, exc: Exception) -> _WorkerSideError:
+    try:
+        original = exc if pickle.loads(pickle.dumps(exc)) is not None else None
+    except Exception:
+        original = None
+    return _WorkerSideError(
+        worker._rank, method_name, type(exc).__qualname__, str(exc), traceback.format_exc(), original
+    )
+
+
+def _check_initialized(worker: Worker) -> None:
+    if "_rank" not in worker.__dict__:
+        raise RuntimeError(
+            f"{type(worker).__name__}.__init__ did not call super().__init__(); Worker subclasses must, so that "
+            "the worker knows its rank and mesh layout"
+        )
+
+
+async def _verl_rpc_async(self, method_name: str, *args, **kwargs):
+    """`_verl_rpc` for `async def` methods: awaited on the actor's event loop."""
+    _check_initialized(self)
+    try:
+        return await getattr(self, method_name)(*args, **kwargs)
+    except Exception as exc:
+        raise _wrap_worker_error(self, method_name, exc) from None
+
+
+def enable_async_rpc(cls: type) -> None:
+    """Give `cls` the async entry point when any of its registered methods is `async def`."""
+    if any(info.is_async for info in get_registered_methods(cls).values()):
+        cls._verl_rpc_async = _verl_rpc_async
+
+
 class Worker:
     """Base class of remote workers. Subclasses call `super().__init__()` first."""
+
+    def __init_subclass__(cls, **kwargs):
+        super().__init_subclass__(**kwargs)
+        enable_async_rpc(cls)
 
     def __init__(self, cuda_visible_devices: str | None = None):
         world_size = _env_int("WORLD_SIZE", 1)
@@ -189,6 +230,28 @@ class Worker:
         info = self._dispatch_collect_info.get(mesh_name)
         return None if info is None else info[1]
 
+    def get_dispatch_collect(self) -> dict[str, dict]:
+        """This worker's registered meshes, as keyword arguments for another worker's
+        `set_dispatch_collect`: `{"dispatch_dp_rank": {mesh: dp_rank}, "collect_dp_rank": {mesh: is_collect}}`."""
+        return {
+            "dispatch_dp_rank": {mesh: dp for mesh, (dp, _) in self._dispatch_collect_info.items()},
+            "collect_dp_rank": {mesh: collect for mesh, (_, collect) in self._dispatch_collect_info.items()},
+        }
+
+    def set_dispatch_collect(self, mesh_name: str, dispatch_dp_rank: dict[str, int], collect_dp_rank: dict[str, bool]):
+        """Adopt another worker's mesh placement under `mesh_name`: a worker that hosts sub-workers (an
+        actor with a reference model inside, say) exposes each sub-worker's data-parallel rank and
+        collect flag as one of its own meshes. The sub-worker must have registered exactly one mesh."""
+        if mesh_name in self._dispatch_collect_info:
+            raise ValueError(f"rank {self.rank}: mesh {mesh_name!r} is already registered")
+        if len(dispatch_dp_rank) != 1 or set(dispatch_dp_rank) != set(collect_dp_rank):
+            raise ValueError(
+                f"set_dispatch_collect({mesh_name!r}) needs the placement of exactly one mesh (from "
+                f"get_dispatch_collect of a worker with one registered mesh), got meshes {sorted(dispatch_dp_rank)}"
+            )
+        (mesh,) = dispatch_dp_rank
+        self._register_dispatch_collect_info(mesh_name, dispatch_dp_rank[mesh], collect_dp_rank[mesh])
+
     # --- helpers callable from the driver -------------------------------------------------------
 
     @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO_WITH_FUNC)
@@ -205,21 +268,15 @@ class Worker:
     # --- the entry point of every group call ----------------------------------------------------
 
     def _verl_rpc(self, method_name: str, *args, **kwargs):
-        if "_rank" not in self.__dict__:
-            raise RuntimeError(
-                f"{type(self).__name__}.__init__ did not call super().__init__(); Worker subclasses must, so that "
-                "the worker knows its rank and mesh layout"
-            )
+        _check_initialized(self)
+        method = getattr(self, method_name)
+        if inspect.iscoroutinefunction(method):
+            # the group sends async methods to _verl_rpc_async; this is only reached by a caller that did not
+            raise TypeError(f"{method_name} is async; call it through _verl_rpc_async")
         try:
-            result = getattr(self, method_name)(*args, **kwargs)
+            result = method(*args, **kwargs)
         except Exception as exc:
-            try:
-                original = exc if pickle.loads(pickle.dumps(exc)) is not None else None
-            except Exception:
-                original = None
-            raise _WorkerSideError(
-                self._rank, method_name, type(exc).__qualname__, str(exc), traceback.format_exc(), original
-            ) from None
+            raise _wrap_worker_error(self, method_name, exc) from None
         return result
 
     def _verl_rpc_shm(self, method_name: str, wire: tuple, *args, **kwargs):

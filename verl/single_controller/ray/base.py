@@ -12,11 +12,20 @@
   then node id (several Ray nodes on one machine share an IP), so ranks are contiguous per node
   and rank r lands on the same node every time on the same cluster.
 - `RayWorkerGroup(resource_pool, RayClassWithInitArgs(cls, ...))` starts rank r in bundle r with
-  RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR and MASTER_PORT in its environment
-  (the driver picks rank 0's address and a free port before starting anyone), so the workers
-  form one torch.distributed group with `Worker.init_process_group()` (gloo on CPU, NCCL on GPU).
+  RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE (also as upstream's RAY_LOCAL_WORLD_SIZE),
+  MASTER_ADDR and MASTER_PORT in its environment (the driver picks rank 0's address and a free
+  port before starting anyone), so the workers form one torch.distributed group with
+  `Worker.init_process_group()` (gloo on CPU, NCCL on GPU). `worker_env={...}` adds variables of
+  the caller's; overriding one the group sets itself is an error.
+- `split_resource_pool(pool, size)` cuts a pool's bundles into consecutive sub-pools (a worker
+  group each, e.g. several rollout replicas); `merge_resource_pool(a, b)` joins two pools' placement
+  groups into one (a's bundles first). Sub-pools and merged pools share the original placement
+  groups: remove those through the original pools.
 - `create_colocated_worker_cls({role: cls})` fuses several roles into one actor class; methods
-  appear as `<role>_<method>`, and `wg.spawn(prefix_set=...)` returns one view per role.
+  appear as `<role>_<method>`, and `wg.spawn(prefix_set=...)` returns one view per role
+  (`wg.fuse(prefix_set)` sets them as `wg.<role>`). `create_colocated_worker_raw_cls` is the
+  fused class itself, `create_colocated_worker_cls_fused` upstream's name for the same pairing;
+  in the process the roles reach each other through `self.fused_worker_dict`.
 
 Transport: a DataProto pickles as flat out-of-band buffers (verl/protocol.py). A blocking call to
 a worker on the driver's host sends large ones through that worker's shared-memory channel
@@ -59,15 +68,20 @@ from verl.single_controller.base.errors import (
     WorkerTimeoutError,
     _WorkerSideError,
 )
-from verl.single_controller.base.worker import Worker, get_free_port
+from verl.single_controller.base.worker import Worker, enable_async_rpc, get_free_port
 from verl.single_controller.base.worker_group import ClassWithInitArgs, ResourcePool, WorkerGroup
 
 __all__ = [
     "RayClassWithInitArgs",
     "RayResourcePool",
     "RayWorkerGroup",
+    "SubRayResourcePool",
     "create_colocated_worker_cls",
+    "create_colocated_worker_cls_fused",
+    "create_colocated_worker_raw_cls",
+    "merge_resource_pool",
     "sort_placement_groups_by_node",
+    "split_resource_pool",
 ]
 
 DEFAULT_PLACEMENT_TIMEOUT_S = 300.0
@@ -281,12 +295,105 @@ class RayResourcePool(ResourcePool):
             "trainer.n_gpus_per_node)"
         )
 
+    def worker_slots(self) -> list[tuple[PlacementGroup, int, int, str]]:
+        """Where each rank runs, in rank order: (placement group, bundle index, workers on that node,
+        node id). Creates the placement groups on first use."""
+        pgs = self.get_placement_groups()
+        return [
+            (pg, bundle, count, node)
+            for pg, count, node in zip(pgs, self.store, self.pg_node_ids)
+            for bundle in range(count)
+        ]
+
     def remove_placement_groups(self) -> None:
         """Give the reserved resources back to Ray (kill the pool's worker groups first)."""
         for pg in self.pgs or []:
             remove_placement_group(pg)
         self.pgs = None
         self.pg_node_ids = []
+
+
+class SubRayResourcePool(RayResourcePool):
+    """Bundles `start_bundle_index` .. `start_bundle_index + subgroup_world_size - 1` (in rank order) of
+    another pool's placement groups; a worker group on it has ranks 0..subgroup_world_size-1 whose
+    LOCAL_RANK is their bundle's index on its node (as upstream)."""
+
+    def __init__(
+        self, parent: RayResourcePool, start_bundle_index: int, subgroup_world_size: int, name_prefix: str = ""
+    ):
+        super().__init__(
+            parent.store,
+            use_gpu=parent.use_gpu,
+            name_prefix=name_prefix,
+            max_colocate_count=parent.max_colocate_count,
+            detached=parent.detached,
+        )
+        self.parent = parent
+        self.start_bundle_index = int(start_bundle_index)
+        self.subgroup_world_size = int(subgroup_world_size)
+
+    @property
+    def world_size(self) -> int:
+        return self.subgroup_world_size
+
+    def get_placement_groups(self, strategy: str = "STRICT_PACK", name: str | None = None) -> list[PlacementGroup]:
+        pgs = self.parent.get_placement_groups(strategy, name)
+        self.pgs, self.pg_node_ids = pgs, self.parent.pg_node_ids
+        return pgs
+
+    def worker_slots(self) -> list[tuple[PlacementGroup, int, int, str]]:
+        slots = self.parent.worker_slots()
+        return slots[self.start_bundle_index : self.start_bundle_index + self.subgroup_world_size]
+
+    def remove_placement_groups(self) -> None:
+        raise RuntimeError(
+            f"sub-pool {self.name_prefix!r} shares its placement groups with its parent pool; remove them there"
+        )
+
+
+def split_resource_pool(resource_pool: RayResourcePool, split_size: int | Sequence[int]) -> list[SubRayResourcePool]:
+    """Consecutive sub-pools of `resource_pool` (which may itself be a sub-pool): `split_size` workers
+    each (an int that divides the world size), or the given sizes (a list summing to it)."""
+    world = resource_pool.world_size
+    if isinstance(split_size, int):
+        if split_size < 1 or world % split_size:
+            raise ValueError(f"split_size={split_size} does not divide the pool's {world} workers")
+        sizes = [split_size] * (world // split_size)
+    else:
+        sizes = [int(n) for n in split_size]
+        if any(n < 1 for n in sizes) or sum(sizes) != world:
+            raise ValueError(f"split sizes {sizes} must be positive and sum to the pool's {world} workers")
+    parent, offset = resource_pool, 0
+    if isinstance(resource_pool, SubRayResourcePool):
+        parent, offset = resource_pool.parent, resource_pool.start_bundle_index
+    parent.get_placement_groups()
+    pools, start = [], offset
+    for i, size in enumerate(sizes):
+        pools.append(SubRayResourcePool(parent, start, size, name_prefix=f"{resource_pool.name_prefix}_split_{i}"))
+        start += size
+    return pools
+
+
+def merge_resource_pool(rp1: RayResourcePool, rp2: RayResourcePool) -> RayResourcePool:
+    """One pool over both pools' placement groups, `rp1`'s bundles first (see the module docstring)."""
+    for attr in ("use_gpu", "max_colocate_count", "detached"):
+        if getattr(rp1, attr) != getattr(rp2, attr):
+            raise ValueError(
+                f"cannot merge resource pools with different {attr} ({getattr(rp1, attr)} vs {getattr(rp2, attr)})"
+            )
+    if isinstance(rp1, SubRayResourcePool) or isinstance(rp2, SubRayResourcePool):
+        raise TypeError("merge_resource_pool takes whole pools; split the merged pool instead of merging sub-pools")
+    pgs = rp1.get_placement_groups() + rp2.get_placement_groups()
+    merged = RayResourcePool(
+        rp1.store + rp2.store,
+        use_gpu=rp1.use_gpu,
+        name_prefix=f"{rp1.name_prefix}_{rp2.name_prefix}",
+        max_colocate_count=rp1.max_colocate_count,
+        detached=rp1.detached,
+    )
+    merged.pgs = pgs
+    merged.pg_node_ids = rp1.pg_node_ids + rp2.pg_node_ids
+    return merged
 
 
 class RayClassWithInitArgs(ClassWithInitArgs):
@@ -349,7 +456,8 @@ class RayWorkerGroup(WorkerGroup):
     Either start workers (`resource_pool` + `ray_cls_with_init`) or attach to running ones
     (`worker_handles` or `worker_names`, with `ray_cls_with_init` naming their class).
     `role` names the group in errors (default: the worker class's name); `timeout_s` is the
-    deadline of every blocking call (default: `VERL_RPC_TIMEOUT_S`, else 3600 s).
+    deadline of every blocking call (default: `VERL_RPC_TIMEOUT_S`, else 3600 s); `worker_env`
+    adds environment variables to every worker started (see the module docstring).
     """
 
     def __init__(
@@ -362,9 +470,14 @@ class RayWorkerGroup(WorkerGroup):
         worker_handles: Sequence[Any] | None = None,
         role: str | None = None,
         timeout_s: float | None = None,
+        worker_env: Mapping[str, str] | None = None,
     ):
         if ray_cls_with_init is None:
             raise ValueError("RayWorkerGroup needs ray_cls_with_init=RayClassWithInitArgs(cls=YourWorker, ...)")
+        self.customized_worker_env = dict(worker_env or {})
+        bad = {k: v for k, v in self.customized_worker_env.items() if not (isinstance(k, str) and isinstance(v, str))}
+        if bad:
+            raise TypeError(f"worker_env must map variable names to strings, got {bad}")
         user_cls = ray_cls_with_init.worker_cls
         if not (isinstance(user_cls, type) and issubclass(user_cls, Worker)):
             raise TypeError(
@@ -388,44 +501,50 @@ class RayWorkerGroup(WorkerGroup):
         super().__init__(world_size=len(self._workers), role=role, timeout_s=timeout_s)
         self._actor_rank = {w._actor_id.hex(): rank for rank, w in enumerate(self._workers)}
         self._shm_links = shm.DriverLinks(self._workers) if shm.enabled() else None
+        self._async_methods = _async_method_names(user_cls)
         self._bind_worker_methods(user_cls)
 
     # --- starting and attaching -----------------------------------------------------------------
 
     def _start_workers(self, pool: RayResourcePool, ray_cls: RayClassWithInitArgs, role: str):
-        pgs = pool.get_placement_groups()
-        master_addr, master_port = self._pick_master_address(pool.pg_node_ids[0])
-        world_size = pool.world_size
+        slots = pool.worker_slots()
+        master_addr, master_port = self._pick_master_address(slots[0][3])
+        world_size = len(slots)
         # The driver's VERL_* settings (device, timeouts, logging level) hold in the workers too.
         passthrough = {k: v for k, v in os.environ.items() if k.startswith("VERL_")}
         workers, names = [], []
-        rank = 0
-        for pg, local_world_size in zip(pgs, pool.store):
-            for local_rank in range(local_world_size):
-                env = {
-                    **passthrough,
-                    "RANK": str(rank),
-                    "WORLD_SIZE": str(world_size),
-                    "LOCAL_RANK": str(local_rank),
-                    "LOCAL_WORLD_SIZE": str(local_world_size),
-                    "MASTER_ADDR": master_addr,
-                    "MASTER_PORT": str(master_port),
-                    "VERL_ROLE": role,
-                    "WG_PREFIX": self.name_prefix,
-                }
-                name = f"{self.name_prefix}:{rank}"
-                options = {
-                    **pool.actor_resources(),
-                    "scheduling_strategy": PlacementGroupSchedulingStrategy(
-                        placement_group=pg, placement_group_bundle_index=local_rank
-                    ),
-                    "name": name,
-                }
-                if self.detached:
-                    options["lifetime"] = "detached"
-                workers.append(ray_cls.create_actor(options, env))
-                names.append(name)
-                rank += 1
+        for rank, (pg, bundle, local_world_size, _) in enumerate(slots):
+            env = {
+                "RANK": str(rank),
+                "WORLD_SIZE": str(world_size),
+                "LOCAL_RANK": str(bundle),
+                "LOCAL_WORLD_SIZE": str(local_world_size),
+                "RAY_LOCAL_WORLD_SIZE": str(local_world_size),
+                "MASTER_ADDR": master_addr,
+                "MASTER_PORT": str(master_port),
+                "VERL_ROLE": role,
+                "WG_PREFIX": self.name_prefix,
+                "WG_BACKEND": "ray",
+            }
+            clash = sorted(set(env) & set(self.customized_worker_env))
+            if clash:
+                raise ValueError(
+                    f"worker_env sets {clash}, which the worker group sets itself for every rank (rank, world size, "
+                    "rendezvous address); remove them from worker_env"
+                )
+            env = {**passthrough, **self.customized_worker_env, **env}
+            name = f"{self.name_prefix}:{rank}"
+            options = {
+                **pool.actor_resources(),
+                "scheduling_strategy": PlacementGroupSchedulingStrategy(
+                    placement_group=pg, placement_group_bundle_index=bundle
+                ),
+                "name": name,
+            }
+            if self.detached:
+                options["lifetime"] = "detached"
+            workers.append(ray_cls.create_actor(options, env))
+            names.append(name)
         return workers, names
 
     def _pick_master_address(self, node_id: str) -> tuple[str, int]:
@@ -497,10 +616,21 @@ class RayWorkerGroup(WorkerGroup):
             view._worker_names = self._worker_names
             view._actor_rank = self._actor_rank
             view._shm_links = self._shm_links
+            view._async_methods = self._async_methods
+            view.customized_worker_env = self.customized_worker_env
             WorkerGroup.__init__(view, world_size=self.world_size, role=prefix, timeout_s=self.timeout_s)
             view._bind_worker_methods(self.ray_cls_with_init.worker_cls, prefix=prefix)
             views[prefix] = view
         return views
+
+    def fuse(self, prefix_set) -> None:
+        """Attach the per-role views of `spawn(prefix_set)` to this group as `self.<role>`."""
+        for role, view in self.spawn(prefix_set).items():
+            if hasattr(self, role):
+                raise AttributeError(
+                    f"cannot fuse role {role!r}: the worker group already has an attribute of that name"
+                )
+            setattr(self, role, view)
 
     @property
     def workers(self) -> list:
@@ -539,7 +669,9 @@ class RayWorkerGroup(WorkerGroup):
                 if shared:
                     args = tuple(shared.get(id(a), a) for a in args)
                     kwargs = {k: shared.get(id(v), v) for k, v in kwargs.items()}
-                if channel and links[rank].acquire():
+                if remote_name in self._async_methods:  # runs on the actor's event loop; no shm channel
+                    refs.append(worker._verl_rpc_async.remote(remote_name, *args, **kwargs))
+                elif channel and links[rank].acquire():
                     lease.append((rank, links[rank]))
                     envelope, args, kwargs = links[rank].envelope(args, kwargs, pack=large_args)
                     refs.append(worker._verl_rpc_shm.remote(remote_name, envelope.wire(), *args, **kwargs))
@@ -672,9 +804,23 @@ class RayWorkerGroup(WorkerGroup):
 # ---------------------------------------------------------------------------------------------
 
 
+def _async_method_names(cls) -> frozenset[str]:
+    """Names of the `async def` methods of a worker class: the group calls them through `_verl_rpc_async`."""
+    return frozenset(
+        name for name in dir(cls) if not name.startswith("__") and inspect.iscoroutinefunction(getattr(cls, name, None))
+    )
+
+
 def _forwarder(role: str, method_name: str, info: RegisteredMethod):
-    def forward(self, *args, **kwargs):
-        return getattr(self.worker_dict[role], method_name)(*args, **kwargs)
+    if info.is_async:
+
+        async def forward(self, *args, **kwargs):
+            return await getattr(self.worker_dict[role], method_name)(*args, **kwargs)
+
+    else:
+
+        def forward(self, *args, **kwargs):
+            return getattr(self.worker_dict[role], method_name)(*args, **kwargs)
 
     forward.__name__ = f"{role}_{method_name}"
     # Same dispatch as the role's method; futures are materialized by that method itself.
@@ -687,8 +833,32 @@ def create_colocated_worker_cls(class_dict: Mapping[str, RayClassWithInitArgs | 
 
     `class_dict` maps a role name to a `RayClassWithInitArgs` (or a bare class, constructed without
     arguments). The fused class exposes each role's registered methods as `<role>_<method>`; its
-    instances keep the role objects in `worker_dict`, so roles may reach each other in-process.
+    instances keep the role objects in `worker_dict` (also `fused_worker_dict`, and each role as an
+    attribute of its own name), so roles may reach each other in-process.
     """
+    fused_cls, options = _build_colocated_class(class_dict)
+    fused = RayClassWithInitArgs(fused_cls)
+    fused.update_options(options)
+    return fused
+
+
+def create_colocated_worker_raw_cls(class_dict: Mapping[str, RayClassWithInitArgs | type]) -> type:
+    """The fused Worker class of `create_colocated_worker_cls`, not wrapped (for `ray.remote` or direct use).
+
+    Besides the `<role>_<method>` methods it has upstream's `_fuw_execute("<role>_fwmn_<method>",
+    ...)`, which calls any method of a role by name, and `raw_cls_dict` ({role: class})."""
+    return _build_colocated_class(class_dict)[0]
+
+
+def create_colocated_worker_cls_fused(class_dict: Mapping[str, RayClassWithInitArgs | type]) -> RayClassWithInitArgs:
+    """Upstream's name for the fused pairing: the same class as `create_colocated_worker_cls`, marked
+    `fused_worker_used`; `wg.spawn(...)` / `wg.fuse(...)` give the per-role groups."""
+    fused = create_colocated_worker_cls(class_dict)
+    fused.fused_worker_used = True
+    return fused
+
+
+def _build_colocated_class(class_dict: Mapping[str, RayClassWithInitArgs | type]) -> tuple[type, dict]:
     if not class_dict:
         raise ValueError("create_colocated_worker_cls needs at least one {role: worker class} entry")
     specs: dict[str, tuple[type, tuple, dict]] = {}
@@ -696,6 +866,8 @@ def create_colocated_worker_cls(class_dict: Mapping[str, RayClassWithInitArgs | 
     for role, spec in class_dict.items():
         if not role.isidentifier():
             raise ValueError(f"role name {role!r} must be a Python identifier (it prefixes method names)")
+        if hasattr(Worker, role) or role in ("worker_dict", "fused_worker_dict", "raw_cls_dict"):
+            raise ValueError(f"role name {role!r} is taken by a Worker attribute (each role is also an attribute)")
         if not isinstance(spec, ClassWithInitArgs):
             spec = RayClassWithInitArgs(spec)
         user_cls = getattr(spec.cls, "__ray_actor_class__", spec.cls)
@@ -708,6 +880,18 @@ def create_colocated_worker_cls(class_dict: Mapping[str, RayClassWithInitArgs | 
         def __init__(self):
             super().__init__()
             self.worker_dict = {role: cls(*args, **kwargs) for role, (cls, args, kwargs) in specs.items()}
+            self.fused_worker_dict = self.worker_dict
+            for role, worker in self.worker_dict.items():
+                setattr(self, role, worker)
+                worker.fused_worker_dict = self.worker_dict  # the roles see each other, as upstream's
+
+        def _fuw_execute(self, method_name: str, *args, **kwargs):
+            role, sep, method = method_name.partition("_fwmn_")
+            if not sep or role not in self.worker_dict:
+                raise ValueError(
+                    f"_fuw_execute({method_name!r}): expected '<role>_fwmn_<method>' with a role of {list(self.worker_dict)}"
+                )
+            return getattr(self.worker_dict[role], method)(*args, **kwargs)
 
         def _query_dispatch_info(self, mesh_name):
             for worker in (self, *self.worker_dict.values()):
@@ -735,8 +919,8 @@ def create_colocated_worker_cls(class_dict: Mapping[str, RayClassWithInitArgs | 
             role_methods[fused_name] = (role, method_name)
     WorkerDict._verl_roles = tuple(specs)
     WorkerDict._verl_role_methods = role_methods
+    WorkerDict.raw_cls_dict = {role: user_cls for role, (user_cls, _, _) in specs.items()}
+    WorkerDict.is_fused_worker = True
     WorkerDict.__qualname__ = WorkerDict.__name__ = "WorkerDict_" + "_".join(specs)
-
-    fused = RayClassWithInitArgs(WorkerDict)
-    fused.update_options(options)
-    return fused
+    enable_async_rpc(WorkerDict)  # its forwarders were added after the class statement
+    return WorkerDict, options

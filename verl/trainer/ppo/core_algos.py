@@ -52,6 +52,7 @@ from verl.utils.torch_functional import (
 
 __all__ = [
     "ADV_ESTIMATORS",
+    "ADV_ESTIMATOR_REGISTRY",
     "KL_ESTIMATORS",
     "LOSS_AGG_MODES",
     "POLICY_LOSSES",
@@ -67,6 +68,7 @@ __all__ = [
     "compute_gpg_outcome_advantage",
     "compute_grpo_outcome_advantage",
     "compute_grpo_passk_outcome_advantage",
+    "compute_grpo_vectorized_outcome_advantage",
     "compute_kl_loss",
     "compute_opo_outcome_advantage",
     "compute_overlong_penalty",
@@ -79,6 +81,7 @@ __all__ = [
     "compute_policy_loss_vanilla",
     "compute_reinforce_plus_plus_baseline_outcome_advantage",
     "compute_reinforce_plus_plus_outcome_advantage",
+    "compute_rloo_vectorized_outcome_advantage",
     "compute_remax_outcome_advantage",
     "compute_rloo_outcome_advantage",
     "compute_value_loss",
@@ -171,6 +174,8 @@ class AdvantageEstimator(str, Enum):
     OPO = "opo"
     GRPO_PASSK = "grpo_passk"
     GPG = "gpg"
+    GRPO_VECTORIZED = "grpo_vectorized"
+    RLOO_VECTORIZED = "rloo_vectorized"
 
 
 def _group_ids(index: Any, batch_size: int, device: torch.device) -> tuple[torch.Tensor, int]:
@@ -464,6 +469,61 @@ def compute_gpg_outcome_advantage(
     return adv, adv
 
 
+@torch.no_grad()
+def compute_grpo_vectorized_outcome_advantage(
+    token_level_rewards: torch.Tensor,
+    response_mask: torch.Tensor,
+    index: np.ndarray,
+    epsilon: float = 1e-6,
+    norm_adv_by_std_in_grpo: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    r"""GRPO computed with upstream's group statistics (`verl.utils.group_mean_std`); `grpo_vectorized`.
+
+    $A_i = (s_i - \mathrm{mean}_g) / (\sigma_g + \epsilon)$ with
+    $\sigma_g = \sqrt{\max(\mathrm{var}_g, \epsilon)}$ (unbiased variance floored at `epsilon`), or
+    $A_i = s_i - \mathrm{mean}_g$ without std normalisation. It differs from `grpo` only where the
+    variance is below `epsilon` (identical scores still give 0). A group of one has mean 0 and
+    std 1, as in `grpo`. Uids may be any labels (`verl.utils.as_torch_index`).
+
+    Shapes: as `compute_grpo_outcome_advantage`.
+    """
+    from verl.utils.groupwise import as_torch_index, group_mean_std
+
+    scores = _outcome_scores(token_level_rewards, response_mask)
+    if len(index) != scores.shape[0]:
+        raise ValueError(f"index has {len(index)} uids but the batch has {scores.shape[0]} responses")
+    gid = as_torch_index(index, device=scores.device)
+    mean, std, _ = group_mean_std(scores, gid, eps=epsilon, device=scores.device)
+    centred = scores - mean[gid].to(scores.dtype)
+    adv = centred / (std[gid].to(scores.dtype) + epsilon) if norm_adv_by_std_in_grpo else centred
+    adv = _broadcast(adv, response_mask)
+    return adv, adv
+
+
+@torch.no_grad()
+def compute_rloo_vectorized_outcome_advantage(
+    token_level_rewards: torch.Tensor,
+    response_mask: torch.Tensor,
+    index: np.ndarray,
+    epsilon: float = 1e-6,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    r"""RLOO in one vectorised pass, as upstream's `rloo_vectorized`.
+
+    $A_i = (n\,s_i - \sum_{j\in g} s_j)/(n-1)$, the score minus the mean of the other $n-1$ scores
+    of its group. Unlike `rloo`, a group of one gets advantage 0 (there is no other sample to
+    compare with). `epsilon` is accepted for the common signature and unused.
+
+    Shapes: as `compute_grpo_outcome_advantage`.
+    """
+    scores = _outcome_scores(token_level_rewards, response_mask)
+    gid, num_groups = _group_ids(index, scores.shape[0], scores.device)
+    count = scores.new_zeros(num_groups).index_add(0, gid, torch.ones_like(scores))[gid]
+    total = scores.new_zeros(num_groups).index_add(0, gid, scores)[gid]
+    adv = torch.where(count > 1, (count * scores - total) / torch.clamp(count - 1, min=1), 0.0)
+    adv = _broadcast(adv, response_mask)
+    return adv, adv
+
+
 ADV_ESTIMATORS: dict[str, Callable[..., tuple[torch.Tensor, torch.Tensor]]] = {
     AdvantageEstimator.GAE.value: compute_gae_advantage_return,
     AdvantageEstimator.GRPO.value: compute_grpo_outcome_advantage,
@@ -474,8 +534,12 @@ ADV_ESTIMATORS: dict[str, Callable[..., tuple[torch.Tensor, torch.Tensor]]] = {
     AdvantageEstimator.REINFORCE_PLUS_PLUS_BASELINE.value: compute_reinforce_plus_plus_baseline_outcome_advantage,
     AdvantageEstimator.REMAX.value: compute_remax_outcome_advantage,
     AdvantageEstimator.GPG.value: compute_gpg_outcome_advantage,
+    AdvantageEstimator.GRPO_VECTORIZED.value: compute_grpo_vectorized_outcome_advantage,
+    AdvantageEstimator.RLOO_VECTORIZED.value: compute_rloo_vectorized_outcome_advantage,
 }
 """`algorithm.adv_estimator` name -> estimator. Every estimator returns (advantages, returns) [B, R]."""
+
+ADV_ESTIMATOR_REGISTRY = ADV_ESTIMATORS  # upstream's name for the same table
 
 
 def _name(name_or_enum: str | Enum) -> str:

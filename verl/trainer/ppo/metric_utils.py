@@ -6,13 +6,19 @@ list of phases and these stay testable on hand-built batches.
 - `compute_data_metrics`: critic/score|rewards|advantages|returns|values/*, response_length/*,
   prompt_length/* (with clip ratios), num_turns/* (multi-turn rollouts).
 - `compute_timing_metrics`: timing_s/<phase> and timing_per_token_ms/<phase>.
-- `compute_throughput_metrics`: perf/total_num_tokens, perf/time_per_step, perf/throughput.
-- `process_validation_metrics`: mean@N, best@N, worst@N, maj@N per data source and variable.
+- `compute_throughput_metrics`: perf/total_num_tokens, perf/time_per_step, perf/throughput
+  (`compute_throughout_metrics` is upstream's spelling).
+- `process_validation_metrics`: per data source and variable, mean@N and std@N of each prompt's N
+  samples, and bootstrap estimates (`bootstrap_metric`, seeded) of best@n, worst@n and maj@n for
+  n = 2, 4, 8, ... < N and n = N: the mean and std over 1000 resamples of n of the N samples of the
+  expected best / worst / majority-vote value, as upstream computes them.
 """
 
 from __future__ import annotations
 
-from collections import Counter, defaultdict
+from collections import defaultdict
+from collections.abc import Callable
+from functools import partial
 from typing import Any
 
 import numpy as np
@@ -111,42 +117,121 @@ def compute_throughput_metrics(batch, timing_raw: dict[str, float], n_gpus: int)
     }
 
 
+def compute_throughout_metrics(batch, timing_raw: dict[str, float], n_gpus: int) -> dict[str, float]:
+    """Upstream's name for the throughput metrics: `perf/total_num_tokens` is the sum of
+    `meta_info["global_token_num"]` when the batch has it (the trainer sets it), else of the attention mask."""
+    if "global_token_num" in batch.meta_info:
+        total = int(sum(batch.meta_info["global_token_num"]))
+        time_per_step = timing_raw["step"]
+        return {
+            "perf/total_num_tokens": total,
+            "perf/time_per_step": time_per_step,
+            "perf/throughput": total / (time_per_step * max(n_gpus, 1)),
+        }
+    return compute_throughput_metrics(batch, timing_raw, n_gpus)
+
+
+_VECTOR_REDUCERS = {np.max: np.max, np.min: np.min, np.mean: np.mean}
+_BOOTSTRAP_SAMPLES = 1000
+
+
+def bootstrap_metric(
+    data: list[Any],
+    subset_size: int,
+    reduce_fns: list[Callable[[np.ndarray], float]],
+    n_bootstrap: int = 1000,
+    seed: int = 42,
+) -> list[tuple[float, float]]:
+    """(mean, std) over `n_bootstrap` resamples of `subset_size` items of `data` (with replacement) of
+    each `reduce_fns` value: e.g. `[np.max]` estimates the expected best of `subset_size` samples.
+
+    The resamples are drawn as upstream draws them (`RandomState(seed).choice(len(data),
+    (n_bootstrap, subset_size))`), so equal seeds give upstream's numbers; the global numpy
+    generator is left alone.
+    """
+    values = np.empty(len(data), dtype=object)
+    values[:] = list(data)
+    idxs = np.random.RandomState(seed).choice(len(values), size=(n_bootstrap, subset_size), replace=True)
+    results = []
+    numeric = all(isinstance(v, (int, float, np.number, bool, np.bool_)) for v in data)
+    for fn in reduce_fns:
+        if numeric and fn in _VECTOR_REDUCERS:
+            per_sample = _VECTOR_REDUCERS[fn](np.asarray(data, dtype=np.float64)[idxs], axis=1)
+        else:
+            per_sample = np.array([fn(values[row]) for row in idxs], dtype=np.float64)
+        results.append((float(np.mean(per_sample)), float(np.std(per_sample))))
+    return results
+
+
+def calc_maj_val(data: list[dict[str, Any]], vote_key: str, val_key: str) -> float:
+    """The `val_key` of the first item whose `vote_key` is the most common one (ties: the vote seen first)."""
+    by_vote: dict[Any, list] = {}
+    for item in data:
+        by_vote.setdefault(item[vote_key], []).append(item[val_key])
+    winner = max(by_vote, key=lambda vote: len(by_vote[vote]))
+    return by_vote[winner][0]
+
+
+def _subset_sizes(num_samples: int) -> list[int]:
+    """2, 4, 8, ... below `num_samples`, then `num_samples` itself (none for a single sample)."""
+    if num_samples <= 1:
+        return []
+    sizes, n = [], 2
+    while n < num_samples:
+        sizes.append(n)
+        n *= 2
+    return sizes + [num_samples]
+
+
+def _is_number(value) -> bool:
+    return isinstance(value, (int, float, np.number, bool, np.bool_)) and not isinstance(value, str)
+
+
 def process_validation_metrics(
-    data_sources: np.ndarray, uids: np.ndarray, infos: dict[str, list[Any]]
+    data_sources, sample_uids, infos_dict: dict[str, list[Any]], seed: int = 42
 ) -> dict[str, dict[str, dict[str, float]]]:
     """Aggregate per-sample validation values into {data_source: {variable: {metric: value}}}.
 
-    For each prompt (uid) with N samples of a numeric variable: mean@N (mean over samples),
-    std@N, and when N > 1 best@N/mean and worst@N/mean (max/min over the N samples, averaged over
-    prompts). When `infos` has a `pred` list, maj@N/mean scores the majority prediction of each
-    group (ties go to the first prediction seen). Values are averaged over prompts per data source.
+    Per prompt (uid) with N samples of a numeric variable: `mean@N`; when N > 1 also `std@N` and,
+    for each n of 2, 4, 8, ... < N and N, `best@n/mean|std` and `worst@n/mean|std` (bootstrap over
+    resamples of n of the N values, see `bootstrap_metric`, with `seed`) and, when `infos_dict` has
+    a `pred` list, `maj@n/mean|std` (the value of the majority prediction, `calc_maj_val`). Each
+    metric is then averaged over the prompts of a data source. Variables with non-numeric values
+    (`pred` itself, strings, missing entries) are skipped.
     """
-    groups: dict[str, dict[str, list[int]]] = defaultdict(lambda: defaultdict(list))
-    for i, (source, uid) in enumerate(zip(data_sources, uids)):
-        groups[source][uid].append(i)
-    preds = infos.get("pred")
+    grouped: dict[Any, dict[Any, list[int]]] = defaultdict(lambda: defaultdict(list))
+    for i, (source, uid) in enumerate(zip(data_sources, sample_uids)):
+        grouped[source][uid].append(i)
+    preds = infos_dict.get("pred")
+    maj_fn = partial(calc_maj_val, vote_key="pred", val_key="val")
     result: dict[str, dict[str, dict[str, float]]] = {}
-    for source, by_uid in groups.items():
+    for source, by_uid in grouped.items():
         per_var: dict[str, dict[str, list[float]]] = defaultdict(lambda: defaultdict(list))
         for idxs in by_uid.values():
             n = len(idxs)
-            for var, values in infos.items():
-                if var == "pred":
-                    continue
+            for var, values in infos_dict.items():
                 vals = [values[i] for i in idxs]
-                if not all(isinstance(v, (int, float, np.number, bool, np.bool_)) for v in vals):
+                if var == "pred" or not all(_is_number(v) for v in vals):
                     continue
-                arr = np.asarray(vals, dtype=np.float64)
-                per_var[var][f"mean@{n}"].append(arr.mean())
-                per_var[var][f"std@{n}"].append(arr.std())
-                if n > 1:
-                    per_var[var][f"best@{n}/mean"].append(arr.max())
-                    per_var[var][f"worst@{n}/mean"].append(arr.min())
-                    if preds is not None:
-                        group_preds = [preds[i] for i in idxs]
-                        majority = Counter(group_preds).most_common(1)[0][0]
-                        at = group_preds.index(majority)
-                        per_var[var][f"maj@{n}/mean"].append(arr[at])
+                per_var[var][f"mean@{n}"].append(float(np.mean(vals)))
+                if n == 1:
+                    continue
+                per_var[var][f"std@{n}"].append(float(np.std(vals)))
+                votes = None if preds is None else [{"val": v, "pred": preds[i]} for v, i in zip(vals, idxs)]
+                for size in _subset_sizes(n):
+                    (best, best_std), (worst, worst_std) = bootstrap_metric(
+                        vals, size, [np.max, np.min], n_bootstrap=_BOOTSTRAP_SAMPLES, seed=seed
+                    )
+                    per_var[var][f"best@{size}/mean"].append(best)
+                    per_var[var][f"best@{size}/std"].append(best_std)
+                    per_var[var][f"worst@{size}/mean"].append(worst)
+                    per_var[var][f"worst@{size}/std"].append(worst_std)
+                    if votes is not None:
+                        [(maj, maj_std)] = bootstrap_metric(
+                            votes, size, [maj_fn], n_bootstrap=_BOOTSTRAP_SAMPLES, seed=seed
+                        )
+                        per_var[var][f"maj@{size}/mean"].append(maj)
+                        per_var[var][f"maj@{size}/std"].append(maj_std)
         result[source] = {var: {m: float(np.mean(v)) for m, v in ms.items()} for var, ms in per_var.items()}
     return result
 
@@ -156,8 +241,8 @@ def flatten_validation_metrics(
 ) -> dict[str, float]:
     """val-core/<source>/<var>/<metric> for the core variable's headline metrics, val-aux/... otherwise.
 
-    The core variable is `acc` when present, else `reward`. Headline metrics are mean@N, maj@N/mean
-    and best@N/mean at the largest N.
+    The core variable is `acc` when present, else `reward`. Headline metrics are the mean@, maj@ and
+    best@ metrics at the largest N (their /mean and /std both, as upstream).
     """
     flat: dict[str, float] = {}
     for source, by_var in nested.items():

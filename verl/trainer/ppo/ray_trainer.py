@@ -155,8 +155,9 @@ class RayPPOTrainer:
 
     # ------------------------------------------------------------------ setup
     def _create_dataloader(self, train_dataset, val_dataset, collate_fn, train_sampler) -> None:
+        from verl.trainer.main_ppo import create_rl_sampler
         from verl.utils.dataset.rl_dataset import collate_fn as default_collate_fn
-        from verl.utils.dataset.sampler import StatefulDataLoader, create_rl_dataloader, create_rl_sampler
+        from verl.utils.dataset.sampler import StatefulDataLoader, create_rl_dataloader
 
         data = self.config.data
         collate_fn = collate_fn or default_collate_fn
@@ -648,6 +649,7 @@ class RayPPOTrainer:
             self.global_steps += 1
             is_last = self.global_steps >= self.total_training_steps
             metrics = self.step()
+            self._update_curriculum()
             if self._count_nonfinite_step(metrics):
                 tracker.log(metrics, step=self.global_steps)
                 progress.close()
@@ -671,6 +673,14 @@ class RayPPOTrainer:
         progress.close()
         tracker.finish()
         return last
+
+    def _update_curriculum(self) -> None:
+        """Hand the step's batch to a curriculum sampler (`data.sampler.class_path`), which may reorder
+        what the next steps draw."""
+        from verl.experimental.dataset.sampler import AbstractCurriculumSampler
+
+        if isinstance(self.train_dataloader.sampler, AbstractCurriculumSampler):
+            self.train_dataloader.sampler.update(batch=self._last_batch)
 
     def _count_nonfinite_step(self, metrics: dict[str, Any]) -> bool:
         """Count steps in a row whose actor or critic skipped an update for a NaN/inf loss or gradient

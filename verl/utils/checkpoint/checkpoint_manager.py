@@ -2,6 +2,16 @@
 
 The trainer writes `<default_local_dir>/global_step_<n>/<role>/` per role and then the tracker
 file `latest_checkpointed_iteration.txt` holding `n`; resuming reads the tracker.
+
+Retention (`max_ckpt_to_keep`): the managers here call `register_checkpoint` after a save has
+completed, which deletes the oldest checkpoints beyond the limit; a crash mid-save therefore never
+leaves fewer complete checkpoints than the limit. `ensure_checkpoint_capacity` is upstream's other
+order (make room *before* saving, keeping `max_ckpt_to_keep - 1`), for callers short of disk.
+
+`should_save_ckpt_esi` answers whether a cloud capacity reservation (an "elastic server instance"
+of Volcano Engine ML Platform or an AWS SageMaker capacity block) expires before another training
+step plus a checkpoint save could finish, from the expiry timestamp those platforms put in the
+environment.
 """
 
 from __future__ import annotations
@@ -9,6 +19,7 @@ from __future__ import annotations
 import os
 import random
 import shutil
+import time
 
 import torch
 
@@ -19,6 +30,7 @@ __all__ = [
     "BaseCheckpointManager",
     "find_latest_ckpt_path",
     "get_checkpoint_tracker_filename",
+    "should_save_ckpt_esi",
     "write_checkpoint_tracker",
 ]
 
@@ -76,12 +88,36 @@ class BaseCheckpointManager:
                 raise ValueError(f"checkpoint.{key} has unknown entries {unknown}; valid: {list(_VALID_CONTENTS)}")
         self.previous_saved_paths: list[str] = []
 
-    def _prune_old(self, max_ckpt_to_keep: int | None) -> None:
-        """Delete the oldest saved checkpoints beyond `max_ckpt_to_keep` (only after a save succeeded)."""
+    @staticmethod
+    def remove_previous_save_local_path(path: str | list[str]) -> None:
+        """Delete checkpoint directories (a path or a list of paths); missing ones are skipped."""
+        for one in [path] if isinstance(path, str) else path:
+            if os.path.exists(one):
+                shutil.rmtree(one, ignore_errors=True)
+
+    def register_checkpoint(self, new_path: str, max_ckpt_to_keep: int | None) -> None:
+        """Record a completed checkpoint and delete the oldest ones beyond `max_ckpt_to_keep`
+        (None or <= 0: keep all). Saving to a path already recorded moves it to the newest place."""
+        if new_path in self.previous_saved_paths:
+            self.previous_saved_paths.remove(new_path)
+        self.previous_saved_paths.append(new_path)
         if not max_ckpt_to_keep or max_ckpt_to_keep <= 0:
             return
-        while len(self.previous_saved_paths) > max_ckpt_to_keep:
-            shutil.rmtree(self.previous_saved_paths.pop(0), ignore_errors=True)
+        excess = len(self.previous_saved_paths) - max_ckpt_to_keep
+        if excess > 0:
+            self.remove_previous_save_local_path(self.previous_saved_paths[:excess])
+            self.previous_saved_paths = self.previous_saved_paths[excess:]
+
+    def ensure_checkpoint_capacity(self, max_ckpt_to_keep: int | None) -> None:
+        """Before a save: delete the oldest checkpoints so that `max_ckpt_to_keep - 1` remain (the
+        save then makes `max_ckpt_to_keep`). Does nothing for None or a limit below 2, so the only
+        checkpoint is never deleted before its replacement exists."""
+        if not max_ckpt_to_keep or max_ckpt_to_keep < 2:
+            return
+        excess = len(self.previous_saved_paths) - (max_ckpt_to_keep - 1)
+        if excess > 0:
+            self.remove_previous_save_local_path(self.previous_saved_paths[:excess])
+            self.previous_saved_paths = self.previous_saved_paths[excess:]
 
     @staticmethod
     def get_rng_state() -> dict:
@@ -97,3 +133,33 @@ class BaseCheckpointManager:
         random.setstate(state["random"])
         if is_cuda_available() and "device" in state:
             get_torch_device().set_rng_state(state["device"])
+
+
+# Expiry timestamps (seconds since the epoch) that cloud platforms set for a capacity reservation.
+_ESI_EXPIRY_ENV_VARS = (
+    "MLP_CURRENT_CAPACITY_BLOCK_EXPIRATION_TIMESTAMP",  # Volcano Engine ML Platform
+    "SAGEMAKER_CURRENT_CAPACITY_BLOCK_EXPIRATION_TIMESTAMP",  # AWS SageMaker
+)
+
+
+def should_save_ckpt_esi(max_steps_duration: float, save_ckpt_duration: float = 60, redundant_time: float = 0) -> bool:
+    """Whether to checkpoint now because the instance's capacity reservation expires within one more
+    step (`max_steps_duration`, the longest step so far, in seconds) plus a save
+    (`save_ckpt_duration`) plus a margin (`redundant_time`). False when no expiry is set (or it
+    cannot be read), and on Volcano Engine also once the reservation has expired or before any step
+    was timed (`max_steps_duration` <= 0)."""
+    mlp, sagemaker = (os.environ.get(name) for name in _ESI_EXPIRY_ENV_VARS)
+    budget = save_ckpt_duration + max_steps_duration + redundant_time
+    if mlp:
+        try:
+            remaining = float(mlp) - time.time()
+        except ValueError:
+            return False
+        return remaining > 0 and max_steps_duration > 0 and remaining <= budget
+    if sagemaker:
+        try:
+            remaining = float(int(sagemaker)) - time.time()
+        except ValueError:
+            return False
+        return remaining < budget
+    return False

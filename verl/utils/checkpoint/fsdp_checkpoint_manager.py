@@ -132,10 +132,7 @@ class FSDPCheckpointManager(BaseCheckpointManager):
             else:
                 os.makedirs(os.path.dirname(final), exist_ok=True)
                 os.rename(tmp, final)
-            if final in self.previous_saved_paths:
-                self.previous_saved_paths.remove(final)
-            self.previous_saved_paths.append(final)
-            self._prune_old(max_ckpt_to_keep)
+            self.register_checkpoint(final, max_ckpt_to_keep)
         _barrier()
 
     def _save_extra_state(self, file: str, global_step: int) -> None:

@@ -279,10 +279,8 @@ class MegatronCheckpointManager(BaseCheckpointManager):
             os.rename(tmp, local_path)
             shutil.rmtree(old, ignore_errors=True)
         _barrier()
-        if local_path not in self.previous_saved_paths:
-            self.previous_saved_paths.append(local_path)
         if rank == 0:
-            self._prune_old(max_ckpt_to_keep)
+            self.register_checkpoint(local_path, max_ckpt_to_keep)
 
     def _save_huggingface(self, hf_dir: str, rank: int) -> None:
         """Config and tokenizer always; the full HF weights (gathered, collective) with hf_model."""

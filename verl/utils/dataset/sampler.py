@@ -15,6 +15,12 @@ epochs after it must be the ones an uninterrupted run sees. Two pieces do this:
 
 Consumption is stored in samples, not batches, so a resumed run may change ``train_batch_size``; a changed
 dataset length invalidates the position, which is then reset to the start of the saved epoch with a warning.
+
+A user sampler (``data.sampler.class_path``, e.g. a curriculum sampler) has no ``set_epoch(start=)``: the
+loader then starts the sampler's own iteration over and skips the batches already consumed in the
+epoch, and saves and restores the sampler's ``state_dict()`` when it has one. A sampler whose order
+depends on what it has seen resumes with the order it produces after restoring that state, so in the
+interrupted epoch a sample may then come twice or not at all.
 """
 
 from __future__ import annotations
@@ -85,7 +91,7 @@ class StatefulDataLoader:
         self,
         dataset: Dataset,
         batch_size: int,
-        sampler: StatefulRandomSampler,
+        sampler: Sampler,
         collate_fn: Callable | None = None,
         drop_last: bool = True,
         num_workers: int = 0,
@@ -96,6 +102,7 @@ class StatefulDataLoader:
         self.dataset = dataset
         self.batch_size = int(batch_size)
         self.sampler = sampler
+        self._positionable = isinstance(sampler, StatefulRandomSampler)
         self.drop_last = drop_last
         self._loader = DataLoader(
             dataset,
@@ -127,9 +134,16 @@ class StatefulDataLoader:
     def __iter__(self) -> Iterator:
         self.epoch, self.num_consumed_samples = self._position()
         epoch = self.epoch
-        self.sampler.set_epoch(epoch, start=self.num_consumed_samples)
+        skip_batches = 0
+        if self._positionable:
+            self.sampler.set_epoch(epoch, start=self.num_consumed_samples)
+        else:  # a user sampler restarts its iteration: pass over the batches this epoch already used
+            skip_batches = self.num_consumed_samples // self.batch_size
         n = len(self.dataset)
         for batch in self._loader:
+            if skip_batches:
+                skip_batches -= 1
+                continue
             self.num_consumed_samples = min(self.num_consumed_samples + self.batch_size, n)
             yield batch
         if self.epoch == epoch:  # unless load_state_dict moved the position meanwhile
@@ -141,11 +155,12 @@ class StatefulDataLoader:
             "epoch": epoch,
             "num_consumed_samples": consumed,
             "dataset_len": len(self.dataset),
-            "sampler": self.sampler.state_dict(),
+            "sampler": self.sampler.state_dict() if hasattr(self.sampler, "state_dict") else None,
         }
 
     def load_state_dict(self, state: dict) -> None:
-        self.sampler.load_state_dict(state["sampler"])
+        if state.get("sampler") is not None and hasattr(self.sampler, "load_state_dict"):
+            self.sampler.load_state_dict(state["sampler"])
         self.epoch = int(state["epoch"])
         self.num_consumed_samples = int(state["num_consumed_samples"])
         if int(state["dataset_len"]) != len(self.dataset):

@@ -1,14 +1,16 @@
 """Rule-based reward functions, chosen by the ``data_source`` column of each sample.
 
 ``default_compute_score`` is what the reward managers call when no ``custom_reward_function.path`` is
-configured. The routing is one explicit table, ``SCORE_FNS``; every scorer is plain Python with no heavy
-imports, so this package is cheap to import in any worker.
+configured. The routing is explicit tables: ``SCORE_FNS`` for rules that need only the response and
+the ground truth, ``CODE_DATA_SOURCES`` for code contests. Heavy scorers (sympy for the NuminaMath
+sources, ``prime_math``) are imported on first use, so this package stays cheap to import.
 
-What is deliberately not here: code-execution data sources and model-based judges. Upstream's extra
-keyword arguments for them (``sandbox_fusion_url``, ...) are accepted and ignored so that callers written
-for upstream keep working; a data source that needs them raises the same NotImplementedError as any
-unknown one. A custom reward that executes generated code runs it through ``sandbox.run_python`` (a
-separate, resource-limited, throw-away process), never in the trainer's own process.
+Code data sources (``codecontests``, ``apps``, ``codeforces``, ``taco``) run the generated program
+against the sample's test cases: on a SandboxFusion service when ``sandbox_fusion_url`` is given
+(``sandbox_fusion.compute_score``, with ``concurrent_semaphore`` and ``memory_limit_mb``), otherwise
+locally, one throw-away sandboxed interpreter per test case (``prime_code.compute_score`` through
+``sandbox.run_python``), never inside the trainer's own process. Their score is the fraction of the
+first 10 test cases that pass, as upstream.
 """
 
 from __future__ import annotations
@@ -16,6 +18,23 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from verl.utils.reward_score import arith, countdown, gsm8k, math_reward
+
+
+def _prime_math_score(solution_str: str, ground_truth) -> float:
+    from verl.utils.reward_score import prime_math
+
+    return float(prime_math.compute_score(solution_str, ground_truth)[0])
+
+
+NUMINA_DATA_SOURCES = (
+    "numina_aops_forum",
+    "numina_synthetic_math",
+    "numina_amc_aime",
+    "numina_synthetic_amc",
+    "numina_cn_k12",
+    "numina_olympiads",
+)
+CODE_DATA_SOURCES = ("codecontests", "apps", "codeforces", "taco")
 
 SCORE_FNS: dict[str, Callable[[str, object], float | dict]] = {
     "openai/gsm8k": gsm8k.compute_score,
@@ -25,10 +44,34 @@ SCORE_FNS: dict[str, Callable[[str, object], float | dict]] = {
     "arith": arith.compute_score,
     "arith_tool": arith.compute_score_after_tools,
     "countdown": countdown.compute_score,
+    **{source: _prime_math_score for source in NUMINA_DATA_SOURCES},
 }
 
 
-def default_compute_score(data_source, solution_str, ground_truth, extra_info=None, **kwargs) -> float | dict:
+def _code_score(solution_str, ground_truth, sandbox_fusion_url, concurrent_semaphore, memory_limit_mb) -> float:
+    if sandbox_fusion_url:
+        from verl.utils.reward_score import sandbox_fusion
+
+        score, _ = sandbox_fusion.compute_score(
+            sandbox_fusion_url, concurrent_semaphore, memory_limit_mb, solution_str, ground_truth, continuous=True
+        )
+    else:
+        from verl.utils.reward_score import prime_code
+
+        score, _ = prime_code.compute_score(solution_str, ground_truth, continuous=True)
+    return float(score)
+
+
+def default_compute_score(
+    data_source,
+    solution_str,
+    ground_truth,
+    extra_info=None,
+    sandbox_fusion_url=None,
+    concurrent_semaphore=None,
+    memory_limit_mb=None,
+    **kwargs,
+) -> float | dict:
     """Score one response with the rule for its data source.
 
     Args:
@@ -37,6 +80,11 @@ def default_compute_score(data_source, solution_str, ground_truth, extra_info=No
         ground_truth: ``reward_model.ground_truth`` of the sample.
         extra_info: the sample's ``extra_info`` (unused by the built-in rules; part of the signature that
             custom reward functions share).
+        sandbox_fusion_url: a SandboxFusion ``run_code`` URL for the code data sources (None: run locally).
+        concurrent_semaphore: a ``threading.Semaphore`` bounding the SandboxFusion requests in flight.
+        memory_limit_mb: SandboxFusion's memory limit per run (None: 1024).
+        kwargs: further upstream options of routes this implementation does not have; a data source
+            that needed them raises ``NotImplementedError`` like any unknown one.
 
     Returns:
         A float, or a dict with at least a ``"score"`` key when a rule reports more than one value.
@@ -44,10 +92,13 @@ def default_compute_score(data_source, solution_str, ground_truth, extra_info=No
     Raises:
         NotImplementedError: no rule for ``data_source``.
     """
+    if data_source in CODE_DATA_SOURCES:
+        return _code_score(solution_str, ground_truth, sandbox_fusion_url, concurrent_semaphore, memory_limit_mb)
     fn = SCORE_FNS.get(data_source)
     if fn is None:
         raise NotImplementedError(
-            f"no reward function for data_source={data_source!r}; the built-in ones are {sorted(SCORE_FNS)}. "
+            f"no reward function for data_source={data_source!r}; the built-in ones are "
+            f"{sorted(SCORE_FNS) + sorted(CODE_DATA_SOURCES)}. "
             "Write a function compute_score(data_source, solution_str, ground_truth, extra_info) in a Python "
             "file and point custom_reward_function.path (and custom_reward_function.name) at it."
         )
@@ -55,4 +106,4 @@ def default_compute_score(data_source, solution_str, ground_truth, extra_info=No
     return result if isinstance(result, dict) else float(result)
 
 
-__all__ = ["SCORE_FNS", "default_compute_score"]
+__all__ = ["CODE_DATA_SOURCES", "NUMINA_DATA_SOURCES", "SCORE_FNS", "default_compute_score"]

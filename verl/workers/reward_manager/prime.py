@@ -15,10 +15,15 @@ How the limit is enforced, twice:
 Workers are forked (where the platform allows) after the scoring function is stored, so it is never
 pickled: closures and functions from files loaded with ``custom_reward_function.path`` work. Only the
 samples' inputs and results cross the process boundary; an exception is returned as its message.
+
+``parallel_compute_score_async`` (and its blocking form ``run_reward_scoring``) is upstream's functional
+entry to the same pool: ``evaluation_func(task, completion, reference, extra_info)`` for each row, each
+within ``timeout``; a row that fails or times out scores 0.0, as upstream.
 """
 
 from __future__ import annotations
 
+import asyncio
 import math
 import multiprocessing
 import os
@@ -64,16 +69,88 @@ def _fork_pool(num_workers: int, fn: Callable):
         signal.pthread_sigmask(signal.SIG_SETMASK, previous)
 
 
-def _score_in_worker(kwargs: dict, timeout: float) -> tuple[str, object]:
+def _score_in_worker(kwargs: dict, timeout: float, args: tuple = ()) -> tuple[str, object]:
     signal.setitimer(signal.ITIMER_REAL, timeout)
     try:
-        return "ok", _worker_fn(**kwargs)
+        return "ok", _worker_fn(*args, **kwargs)
     except _SampleTimeout:
         return "timeout", None
     except Exception as e:
         return "error", f"{type(e).__name__}: {e}"
     finally:
         signal.setitimer(signal.ITIMER_REAL, 0)
+
+
+def _run_in_pool(fn: Callable, calls: list[tuple[tuple, dict]], num_processes: int, timeout: float) -> list:
+    """[(status, value)] of `fn(*args, **kwargs)` per call, in a fresh pool of at most `num_processes`
+    workers, each call within `timeout` seconds (status "ok", "error" or "timeout")."""
+    if not calls:
+        return []
+    num_workers = min(num_processes, len(calls))
+    deadline = time.monotonic() + timeout * math.ceil(len(calls) / num_workers) + _DEADLINE_MARGIN_S
+    pool = _fork_pool(num_workers, fn)
+    try:
+        pending = [pool.apply_async(_score_in_worker, (kwargs, timeout, args)) for args, kwargs in calls]
+        outcomes = []
+        for handle in pending:
+            try:
+                outcomes.append(handle.get(timeout=max(0.0, deadline - time.monotonic())))
+            except multiprocessing.TimeoutError:
+                outcomes.append(("timeout", None))
+            except Exception as e:  # e.g. a result that cannot be pickled back
+                outcomes.append(("error", f"{type(e).__name__}: {e}"))
+        return outcomes
+    finally:
+        pool.terminate()
+        pool.join()
+
+
+def _row_score(status: str, value) -> float:
+    """Upstream's reading of one row's result: a number, or the first entry of a tuple; 0.0 on failure."""
+    if status != "ok" or value is None:
+        return 0.0
+    if isinstance(value, (bool, int, float)):
+        return float(value)
+    return float(value[0])
+
+
+async def parallel_compute_score_async(
+    evaluation_func: Callable,
+    completions: list[str],
+    references: list,
+    tasks: list,
+    extra_info: list | None = None,
+    num_processes: int = 64,
+    timeout: float = 300.0,
+) -> list[float]:
+    """Score rows in parallel processes: `evaluation_func(task, completion, reference, extra_info)` per row.
+
+    Returns one float per row: the function's number (or the first entry of a returned tuple), 0.0
+    when it raised or took longer than `timeout` seconds. The pool runs in a thread, so the event
+    loop stays free while it works.
+    """
+    if extra_info is None:
+        extra_info = [None] * len(tasks)
+    if not len(completions) == len(references) == len(tasks) == len(extra_info):
+        raise ValueError(
+            f"parallel_compute_score_async: {len(completions)} completions, {len(references)} references, "
+            f"{len(tasks)} tasks and {len(extra_info)} extra_info entries; give one of each per row"
+        )
+    calls = [((t, c, r, e), {}) for c, r, t, e in zip(completions, references, tasks, extra_info)]
+    loop = asyncio.get_running_loop()
+    outcomes = await loop.run_in_executor(
+        None, _run_in_pool, evaluation_func, calls, int(num_processes), float(timeout)
+    )
+    return [_row_score(status, value) for status, value in outcomes]
+
+
+def run_reward_scoring(
+    evaluation_func: Callable, completions, references, tasks, extra_info=None, num_processes: int = 64
+) -> list[float]:
+    """`parallel_compute_score_async` run to completion on a fresh event loop."""
+    return asyncio.run(
+        parallel_compute_score_async(evaluation_func, completions, references, tasks, extra_info, num_processes)
+    )
 
 
 def _pool_context():
@@ -110,45 +187,24 @@ class PrimeRewardManager(AbstractRewardManager):
             )
 
     def compute_scores(self, samples: list[Sample]) -> list[ScoreOutcome]:
-        if not samples:
-            return []
-        num_workers = min(self.num_processes, len(samples))
-        rounds = math.ceil(len(samples) / num_workers)
-        deadline = time.monotonic() + self.timeout * rounds + _DEADLINE_MARGIN_S
-        pool = _fork_pool(num_workers, self.compute_score)
-        try:
-            pending = [
-                pool.apply_async(
-                    _score_in_worker,
-                    (
-                        {
-                            "data_source": s.data_source,
-                            "solution_str": s.solution_str,
-                            "ground_truth": s.ground_truth,
-                            "extra_info": s.extra_info,
-                        },
-                        self.timeout,
-                    ),
-                )
-                for s in samples
-            ]
-            outcomes = []
-            for handle in pending:
-                try:
-                    status, value = handle.get(timeout=max(0.0, deadline - time.monotonic()))
-                except multiprocessing.TimeoutError:
-                    outcomes.append(ScoreOutcome(timed_out=True))
-                    continue
-                except Exception as e:  # e.g. a result that cannot be pickled back
-                    outcomes.append(ScoreOutcome(error=f"{type(e).__name__}: {e} (in a prime reward worker)", cause=e))
-                    continue
-                if status == "ok":
-                    outcomes.append(ScoreOutcome(result=value))
-                elif status == "timeout":
-                    outcomes.append(ScoreOutcome(timed_out=True))
-                else:
-                    outcomes.append(ScoreOutcome(error=f"{value} (in a prime reward worker)"))
-            return outcomes
-        finally:
-            pool.terminate()
-            pool.join()
+        calls = [
+            (
+                (),
+                {
+                    "data_source": s.data_source,
+                    "solution_str": s.solution_str,
+                    "ground_truth": s.ground_truth,
+                    "extra_info": s.extra_info,
+                },
+            )
+            for s in samples
+        ]
+        outcomes = []
+        for status, value in _run_in_pool(self.compute_score, calls, self.num_processes, self.timeout):
+            if status == "ok":
+                outcomes.append(ScoreOutcome(result=value))
+            elif status == "timeout":
+                outcomes.append(ScoreOutcome(timed_out=True))
+            else:
+                outcomes.append(ScoreOutcome(error=f"{value} (in a prime reward worker)"))
+        return outcomes

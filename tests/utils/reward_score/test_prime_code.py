@@ -1,0 +1,56 @@
+"""prime_code: local, sandboxed test-case execution (stdin programs and call-based functions)."""
+
+import json
+
+import pytest
+
+from verl.utils.reward_score import default_compute_score, prime_code
+
+ADD = "```python\na, b = map(int, input().split())\nprint(a + b)\n```"
+STDIN_CASES = {"inputs": ["1 2\n", "3 4\n", "10 -3\n"], "outputs": ["3\n", "7", "7\n"]}
+
+
+def test_stdin_program_passes_every_case():
+    ok, meta = prime_code.compute_score("Here you go:\n" + ADD, json.dumps(STDIN_CASES))
+    assert ok is True and [m["status"] for m in meta] == ["passed"] * 3
+
+
+def test_failure_stops_early_unless_continuous():
+    wrong = "```python\na, b = map(int, input().split())\nprint(a + b if a < 5 else 0)\n```"
+    ok, meta = prime_code.compute_score(wrong, STDIN_CASES)
+    assert ok is False and [m["status"] for m in meta] == ["passed", "passed", "wrong_answer"]
+    assert meta[-1]["actual"].strip() == "0" and meta[-1]["expected"] == "7\n"
+    score, meta = prime_code.compute_score(wrong, STDIN_CASES, continuous=True)
+    assert score == pytest.approx(2 / 3) and len(meta) == 3
+
+
+def test_output_comparison_tolerates_whitespace_and_float_noise():
+    assert prime_code.stdout_matches("1 2  \n3\n\n", "1 2\n3")
+    assert prime_code.stdout_matches("0.3333333\n", "0.33333334")
+    assert not prime_code.stdout_matches("0.34\n", "0.33")
+    assert prime_code.stdout_matches("a\nb\n", ["a", "b"])
+
+
+def test_call_based_function_and_solution_class():
+    cases = {"fn_name": "twice", "inputs": [[2], [[1, 2]]], "outputs": [4, [[1, 2, 1, 2]]]}
+    ok, _ = prime_code.compute_score("```python\ndef twice(x):\n    return x * 2\n```", cases)
+    assert ok is True
+    cls = "```python\nclass Solution:\n    def twice(self, x):\n        print('noise')\n        return (x * 2,)\n```"
+    ok, _ = prime_code.compute_score(cls, {"fn_name": "twice", "inputs": ["3"], "outputs": [[6]]})
+    assert ok is True
+
+
+def test_runtime_errors_and_timeouts_fail_the_case():
+    ok, meta = prime_code.compute_score("```python\nraise SystemExit(3)\n```", STDIN_CASES)
+    assert ok is False and meta[0]["status"] == "runtime_error"
+    loop = "```python\nwhile True:\n    pass\n```"
+    from verl.utils.reward_score.prime_code import run_test_case
+
+    assert run_test_case(prime_code._extract_program(loop), "", "x", None, timeout_s=1.0)["status"] == "timeout"
+
+
+def test_code_sources_without_sandbox_url_run_locally():
+    for source in ("codecontests", "apps", "codeforces", "taco"):
+        assert default_compute_score(source, ADD, json.dumps(STDIN_CASES)) == 1.0
+    half = {"inputs": ["1 1", "2 2"], "outputs": ["2", "5"]}
+    assert default_compute_score("apps", ADD, half) == 0.5

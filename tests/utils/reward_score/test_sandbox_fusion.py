@@ -1,0 +1,197 @@
+"""sandbox_fusion: the SandboxFusion HTTP client against a stand-in service on 127.0.0.1.
+
+The stand-in speaks SandboxFusion's `run_code` API: it executes Python with the local sandbox and
+answers with `status` / `compile_result` / `run_result` as the real service does. Special markers
+in the code make it answer a compile error or a sandbox error; `fail_next_504` makes it answer
+"504 Gateway Timeout" that many times first.
+"""
+
+import json
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import pytest
+
+from verl.utils.reward_score import default_compute_score, sandbox_fusion
+from verl.utils.reward_score.sandbox import run_python
+from verl.utils.reward_score.sandbox_fusion import utils as sf_utils
+
+
+class StandIn(ThreadingHTTPServer):
+    daemon_threads = True
+
+    def __init__(self):
+        super().__init__(("127.0.0.1", 0), _Handler)
+        self.requests = []
+        self.fail_next_504 = 0
+        self.in_flight = 0
+        self.max_in_flight = 0
+        self.delay_s = 0.0
+        self.lock = threading.Lock()
+
+    @property
+    def url(self):
+        return f"http://127.0.0.1:{self.server_address[1]}/run_code"
+
+
+class _Handler(BaseHTTPRequestHandler):
+    def log_message(self, *args):
+        pass
+
+    def _reply(self, status: int, body: dict | None = None):
+        data = json.dumps(body or {}).encode()
+        self.send_response(status)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    def do_POST(self):
+        server = self.server
+        payload = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        with server.lock:
+            server.requests.append(payload)
+            if server.fail_next_504 > 0:
+                server.fail_next_504 -= 1
+                self._reply(504, {"message": "gateway timeout"})
+                return
+            server.in_flight += 1
+            server.max_in_flight = max(server.max_in_flight, server.in_flight)
+        try:
+            time.sleep(server.delay_s)
+            self._reply(200, self._run(payload))
+        finally:
+            with server.lock:
+                server.in_flight -= 1
+
+    @staticmethod
+    def _run(payload):
+        code = payload["code"]
+        if "SANDBOX_BROKEN" in code:
+            return {"status": "SandboxError", "message": "worker crashed"}
+        if "COMPILE_ERROR" in code:
+            compile_result = {"status": "Finished", "return_code": 1, "stderr": "error: expected ';'"}
+            return {"status": "Failed", "compile_result": compile_result, "run_result": None}
+        result = run_python(code, stdin=payload["stdin"] or "", timeout_s=payload["run_timeout"])
+        run_status = "TimeLimitExceeded" if result.timed_out else ("Finished" if result.returncode == 0 else "Error")
+        run_result = {
+            "status": run_status,
+            "return_code": result.returncode,
+            "stdout": result.stdout,
+            "stderr": result.stderr,
+            "execution_time": 0.01,
+        }
+        ok = run_status == "Finished"
+        return {"status": "Success" if ok else "Failed", "compile_result": None, "run_result": run_result}
+
+
+@pytest.fixture
+def service():
+    server = StandIn()
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    yield server
+    server.shutdown()
+    server.server_close()
+
+
+ADD = "```python\na, b = map(int, input().split())\nprint(a + b)\n```"
+CASES = {"inputs": ["1 2", "3 4", "5 5"], "outputs": ["3", "7", "10"]}
+
+
+def test_request_follows_the_run_code_api(service):
+    score, meta = sandbox_fusion.compute_score(service.url, None, 512, ADD, json.dumps(CASES))
+    assert score == 1.0 and [m["status"] for m in meta] == ["success"] * 3
+    request = min(service.requests, key=lambda r: r["stdin"])
+    assert request == {
+        "compile_timeout": 10,
+        "run_timeout": 10,
+        "code": "\na, b = map(int, input().split())\nprint(a + b)\n\n\n",
+        "stdin": "1 2",
+        "memory_limit_MB": 512,
+        "language": "python",
+        "files": {},
+        "fetch_files": [],
+    }
+
+
+def test_score_is_the_fraction_of_passing_cases(service):
+    cases = {"inputs": ["1 2", "3 4", "5 5", "0 0"], "outputs": ["3", "8", "10", "1"]}
+    score, meta = sandbox_fusion.compute_score(service.url, None, None, ADD, cases)
+    assert score == 0.5 and [m["status"] for m in meta] == ["success", "wrong_answer", "success", "wrong_answer"]
+    many = {"inputs": ["1 1"] * 12, "outputs": ["2"] * 10 + ["0", "0"]}
+    assert sandbox_fusion.compute_score(service.url, None, None, ADD, many, continuous=True)[0] == 1.0
+    assert sandbox_fusion.compute_score(service.url, None, None, ADD, many)[0] == pytest.approx(10 / 12)
+
+
+def test_runtime_errors_timeouts_and_sandbox_errors_are_classified(service):
+    program = (
+        "import sys\nx = input()\nif x == 'crash': raise ValueError(x)\nif x == 'hang':\n    while True: pass\nprint(x)"
+    )
+    cases = {"inputs": ["ok", "crash", "hang"], "outputs": ["ok", "", ""]}
+    results, meta = sf_utils.check_correctness(service.url, cases, program, timeout=1)
+    assert results == [True, -2, -3]
+    assert "ValueError: crash" in meta[1]["stderr"]
+    results, _ = sf_utils.check_correctness(service.url, {"inputs": [""], "outputs": [""]}, "SANDBOX_BROKEN = 1")
+    assert results == [-1]
+
+
+def test_a_compile_error_fails_every_later_case(service):
+    cases = {"inputs": ["a", "b", "c"], "outputs": ["", "", ""], "assert_case": ["", "", ""]}
+    results, meta = sf_utils.check_correctness(service.url, cases, "int main() { COMPILE_ERROR }", language="cpp")
+    assert results == [-4, -4, -4] and meta[0]["status"] == "compile_error"
+
+
+def test_fn_name_and_assert_cases(service):
+    fn_cases = {"fn_name": "add", "inputs": ["1\n2", "[1]\n[2]"], "outputs": ["3", "[1, 2]"]}
+    score, _ = sandbox_fusion.compute_score(
+        service.url, None, None, "```python\ndef add(a, b):\n    return a + b\n```", fn_cases
+    )
+    assert score == 1.0
+    asserts = {"assert_case": ["assert add(1, 2) == 3", "assert add(2, 2) == 5"]}
+    score, meta = sandbox_fusion.compute_score(
+        service.url, None, None, "```python\ndef add(a, b):\n    return a + b\n```", asserts
+    )
+    assert score == 0.5 and meta[1]["status"] == "runtime_error"
+
+
+def test_gateway_timeouts_are_retried(service, monkeypatch):
+    monkeypatch.setattr(sf_utils, "INITIAL_RETRY_DELAY", 0.01)
+    service.fail_next_504 = 2
+    response, error = sf_utils.call_sandbox_api(service.url, "print(1)", "", 5, 5, 256)
+    assert error is None and response["run_result"]["stdout"] == "1\n" and len(service.requests) == 3
+    service.fail_next_504 = 3
+    response, error = sf_utils.call_sandbox_api(service.url, "print(1)", "", 5, 5, 256)
+    assert response is None and "504" in error and len(service.requests) == 6
+
+
+def test_unreachable_service_and_bad_inputs(service):
+    url = service.url
+    service.shutdown()
+    service.server_close()
+    results, meta = sf_utils.check_correctness(url, CASES, "print(1)")
+    assert results == [-1, -1, -1] and "cannot reach" in meta[0]["api_request_error"]
+    assert sf_utils.call_sandbox_api(url, "x", "", 1, 1, 1, language="cobol")[1].startswith("unsupported language")
+    assert sandbox_fusion.compute_score(url, None, None, "no code here", CASES) == (
+        0.0,
+        [{"error": "Invalid completion (missing code block)"}],
+    )
+    with pytest.raises(ValueError, match="needs 'inputs' and 'outputs'"):
+        sandbox_fusion.compute_score(url, None, None, ADD, {"inputs": []})
+
+
+def test_semaphore_bounds_requests_in_flight(service):
+    service.delay_s = 0.2
+    cases = {"inputs": ["1 1"] * 4, "outputs": ["2"] * 4}
+    assert sandbox_fusion.compute_score(service.url, threading.Semaphore(1), None, ADD, cases)[0] == 1.0
+    assert service.max_in_flight == 1
+    service.max_in_flight = 0
+    sandbox_fusion.compute_score(service.url, None, None, ADD, cases)
+    assert service.max_in_flight > 1
+
+
+def test_code_sources_use_the_service_when_a_url_is_given(service):
+    cases = json.dumps({"inputs": ["2 2", "1 1"], "outputs": ["4", "3"]})
+    assert default_compute_score("codecontests", ADD, cases, sandbox_fusion_url=service.url) == 0.5
+    assert len(service.requests) == 2

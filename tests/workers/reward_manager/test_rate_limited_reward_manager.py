@@ -1,0 +1,180 @@
+"""RateLimitedRewardManager ("rate_limited") and its token bucket: limits measured with a clock."""
+
+import asyncio
+import threading
+import time
+
+import pytest
+from omegaconf import OmegaConf
+
+from verl.workers.reward_manager import RateLimitedRewardManager, RewardFunctionError, get_reward_manager_cls
+from verl.workers.reward_manager.limited import AsyncTokenBucket
+
+
+@pytest.fixture(autouse=True)
+def fresh_limits():
+    RateLimitedRewardManager.reset_shared_limits()
+    yield
+    RateLimitedRewardManager.reset_shared_limits()
+
+
+def _exact(data_source, solution_str, ground_truth, extra_info=None):
+    return 1.0 if solution_str == ground_truth else 0.0
+
+
+def test_registered_under_upstreams_key():
+    assert get_reward_manager_cls("rate_limited") is RateLimitedRewardManager
+
+
+def test_token_bucket_waits_for_refill_at_the_configured_rate():
+    async def run():
+        bucket = AsyncTokenBucket(rate_limit=10.0)  # capacity 10 tokens, 10 tokens/s
+        t0 = time.monotonic()
+        await bucket.acquire(10.0)  # the full bucket: no wait
+        t1 = time.monotonic()
+        await bucket.acquire(5.0)  # empty: 5 tokens take 0.5 s
+        t2 = time.monotonic()
+        await bucket.acquire(25.0)  # more than the capacity: waits for the 25 missing tokens (2.5 s)...
+        t3 = time.monotonic()
+        return t1 - t0, t2 - t1, t3 - t2, bucket.tokens
+
+    first, second, third, left = asyncio.run(run())
+    assert first < 0.05
+    assert 0.45 <= second < 0.8, f"waited {second:.3f} s for 5 tokens at 10/s"
+    assert 2.45 <= third < 3.0, f"waited {third:.3f} s for 25 tokens at 10/s"
+    assert -26.0 < left <= -24.0  # ...and leaves the bucket in debt
+
+
+def test_scores_like_naive_and_places_rewards_at_the_last_token(char_tokenizer, make_batch):
+    batch = make_batch(["12<eos>", "7", ""], ["12", "8", "1"])
+    manager = RateLimitedRewardManager(tokenizer=char_tokenizer, compute_score=_exact, max_concurrent=4)
+    out = manager(batch, return_dict=True)
+    reward = out["reward_tensor"]
+    assert reward[0].tolist() == [0, 0, 1.0, 0, 0, 0, 0, 0]  # "12" + eos: 3 valid tokens (eos skipped in text)
+    assert reward[1].sum() == 0 and reward[2].sum() == 0
+    assert out["reward_extra_info"]["reward_error"] == [0, 0, 0]
+
+
+def test_max_concurrent_bounds_calls_in_flight(char_tokenizer, make_batch):
+    state = {"now": 0, "peak": 0}
+    lock = threading.Lock()
+
+    def slow(data_source, solution_str, ground_truth, extra_info=None):
+        with lock:
+            state["now"] += 1
+            state["peak"] = max(state["peak"], state["now"])
+        time.sleep(0.1)
+        with lock:
+            state["now"] -= 1
+        return 1.0
+
+    manager = RateLimitedRewardManager(tokenizer=char_tokenizer, compute_score=slow, max_concurrent=2)
+    start = time.monotonic()
+    manager(make_batch(["1"] * 6, ["1"] * 6))
+    elapsed = time.monotonic() - start
+    assert state["peak"] == 2, f"{state['peak']} calls ran at once with max_concurrent=2"
+    assert elapsed >= 0.29, f"6 calls of 0.1 s, two at a time, took {elapsed:.2f} s"
+
+
+def test_max_rpm_paces_request_starts(char_tokenizer, make_batch):
+    starts = []
+
+    async def judge(data_source, solution_str, ground_truth, extra_info=None):  # an async reward function
+        starts.append(time.monotonic())
+        return 1.0
+
+    manager = RateLimitedRewardManager(
+        tokenizer=char_tokenizer, compute_score=judge, max_concurrent=8, max_rpm=240
+    )  # 4 requests/s, bucket of 4
+    t0 = time.monotonic()
+    reward = manager(make_batch(["1"] * 7, ["1"] * 7))
+    offsets = sorted(s - t0 for s in starts)
+    assert reward.sum() == 7.0
+    assert offsets[3] < 0.2, f"the first 4 requests should start at once: {offsets}"
+    for k in range(4, 7):  # then one every 0.25 s
+        assert offsets[k] >= 0.25 * (k - 3) - 0.02, f"request {k} started at {offsets[k]:.3f} s: {offsets}"
+    assert offsets[-1] < 1.5
+
+
+def test_max_tpm_charges_the_estimated_tokens(char_tokenizer, make_batch):
+    starts = []
+
+    def judge(data_source, solution_str, ground_truth, extra_info=None):
+        starts.append(time.monotonic())
+        return 0.0
+
+    # 600 tokens/min = 10/s, bucket of 10; each request costs 5: two at once, then one per 0.5 s
+    manager = RateLimitedRewardManager(
+        tokenizer=char_tokenizer,
+        compute_score=judge,
+        max_concurrent=4,
+        max_tpm=600,
+        estimated_tokens_per_request=5,
+    )
+    t0 = time.monotonic()
+    manager(make_batch(["1"] * 4, ["1"] * 4))
+    offsets = sorted(s - t0 for s in starts)
+    assert offsets[1] < 0.2 and offsets[2] >= 0.48 and offsets[3] >= 0.98, offsets
+
+
+def test_timeouts_score_zero_and_errors_follow_on_error(char_tokenizer, make_batch):
+    def sometimes_slow(data_source, solution_str, ground_truth, extra_info=None):
+        if solution_str == "9":
+            time.sleep(1.0)
+        if solution_str == "8":
+            raise RuntimeError("judge API returned 500")
+        return 1.0
+
+    batch = make_batch(["1", "9"], ["1", "9"])
+    manager = RateLimitedRewardManager(
+        tokenizer=char_tokenizer, compute_score=sometimes_slow, max_concurrent=2, timeout=0.2
+    )
+    out = manager(batch, return_dict=True)
+    assert out["reward_tensor"].sum(-1).tolist() == [1.0, 0.0]
+    assert out["reward_extra_info"]["reward_timeout"] == [0, 1]
+    with pytest.raises(RewardFunctionError, match="judge API returned 500"):
+        manager(make_batch(["8"], ["8"]))
+    RateLimitedRewardManager.reset_shared_limits()
+    lenient = RateLimitedRewardManager(
+        tokenizer=char_tokenizer, compute_score=sometimes_slow, max_concurrent=2, timeout=0.2, on_error="zero"
+    )
+    out = lenient(make_batch(["8", "1"], ["8", "1"]), return_dict=True)
+    assert out["reward_tensor"].sum(-1).tolist() == [0.0, 1.0] and out["reward_extra_info"]["reward_error"] == [1, 0]
+
+
+def test_limits_from_upstream_config_are_shared_by_the_process(char_tokenizer):
+    config = OmegaConf.create({"reward_model": {"max_concurrent": 3, "max_rpm": 120, "timeout": 30}})
+    first = RateLimitedRewardManager(config, char_tokenizer)
+    assert first.limits == {
+        "max_concurrent": 3,
+        "max_rpm": 120,
+        "max_tpm": None,
+        "estimated_tokens_per_request": 2000,
+        "timeout": 30,
+    }
+    second = RateLimitedRewardManager(config, char_tokenizer)
+    assert second._shared_state is first._shared_state and first._shared_state.rpm_bucket.rate_limit == 2.0
+    with pytest.raises(ValueError, match="shared by the whole process"):
+        RateLimitedRewardManager(config, char_tokenizer, max_rpm=60)
+    with pytest.raises(NotImplementedError, match="router"):
+        RateLimitedRewardManager(config, char_tokenizer, reward_router_address="127.0.0.1:1")
+    with pytest.raises(TypeError, match="unexpected keyword arguments \\['max_rps'\\]"):
+        RateLimitedRewardManager(config, char_tokenizer, max_rps=1)
+
+
+def test_selected_by_name_through_load_reward_manager(tmp_path, char_tokenizer, make_batch):
+    from verl.trainer.ppo.reward import compute_reward, load_reward_manager
+
+    path = tmp_path / "judge.py"
+    path.write_text("async def judge(data_source, solution_str, ground_truth, extra_info=None):\n    return 0.5\n")
+    config = OmegaConf.create(
+        {
+            "data": {"reward_fn_key": "data_source"},
+            "reward_model": {"reward_manager": "rate_limited", "reward_kwargs": {"max_concurrent": 2, "max_rpm": 600}},
+            "custom_reward_function": {"path": str(path), "name": "judge"},
+        }
+    )
+    manager = load_reward_manager(config, char_tokenizer, num_examine=0)
+    assert isinstance(manager, RateLimitedRewardManager) and manager.limits["max_rpm"] == 600
+    reward, extra = compute_reward(make_batch(["ab", "c"], ["1", "2"]), manager)
+    assert reward.sum(-1).tolist() == [0.5, 0.5] and extra["reward_error"] == [0, 0]

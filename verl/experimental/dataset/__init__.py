@@ -1,0 +1,1 @@
+"""Experimental dataset interfaces (custom and curriculum samplers)."""
