@@ -44,10 +44,12 @@ def test_unknown_backend_is_an_error(fresh_config):
         RolloutTraceConfig.init("p", "e", "wandb")
 
 
-def test_mlflow_backend_records_spans_inputs_outputs_and_tags(fresh_config, tmp_path, monkeypatch):
+def test_mlflow_backend_records_spans_inputs_outputs_and_tags(fresh_config, tmp_path, monkeypatch, request):
     mlflow = pytest.importorskip("mlflow")
     monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path}/mlflow.db")
     RolloutTraceConfig.init("verl_trace_test", "exp1", "mlflow")
+    # the backend sets process-wide mlflow state (async logging, tracking URI): undo it for later tests
+    request.addfinalizer(lambda: (mlflow.config.enable_async_logging(False), mlflow.set_tracking_uri(None)))
     agent = Agent()
 
     async def run():

@@ -70,16 +70,20 @@ def test_run_dir_comes_from_the_config(tmp_path):
     assert Tracking("proj", "exp", "console").run_dir.as_posix() == "outputs/proj/exp"
 
 
-def test_mlflow_local_file_store_round_trip(tmp_path):
+@pytest.mark.parametrize("async_elsewhere", [False, True])
+def test_mlflow_local_file_store_round_trip(tmp_path, async_elsewhere):
     import mlflow
 
     from verl.trainer.config import load_ppo_config
 
+    # rollout tracing turns on mlflow's process-wide async logging; every step must still be stored
+    mlflow.config.enable_async_logging(async_elsewhere)
     cfg = load_ppo_config()
     t = Tracking("verl_test", "run1", ["mlflow", "file"], config=cfg, run_dir=tmp_path / "run")
     for step, data in STEPS.items():
         t.log({**data, "odd#name,x": float(step)}, step=step)
     t.finish()
+    mlflow.config.enable_async_logging(False)
 
     client = mlflow.MlflowClient(tracking_uri="file:" + str(tmp_path / "mlruns"))
     exp = client.get_experiment_by_name("verl_test")

@@ -202,7 +202,7 @@ class MlflowLogger:
         self.run_id = self.client.create_run(exp_id, run_name=experiment_name).info.run_id
         params = [Param(sanitize_mlflow_key(k)[:250], v[:6000]) for k, v in flatten_config(config).items()]
         for i in range(0, len(params), self._BATCH):
-            self.client.log_batch(self.run_id, params=params[i : i + self._BATCH])
+            self.client.log_batch(self.run_id, params=params[i : i + self._BATCH], synchronous=True)
         self._finished = False
 
     def log(self, data: dict, step: int) -> None:
@@ -216,8 +216,10 @@ class MlflowLogger:
             s = _scalar(v)
             if s is not None and math.isfinite(s):
                 metrics.append(Metric(sanitize_mlflow_key(k), s, now, step))
+        # synchronous: a process-wide `mlflow.config.enable_async_logging()` (rollout tracing turns it on,
+        # as upstream's does) would otherwise queue the batch, and a step could be lost or read back late
         for i in range(0, len(metrics), 1000):
-            self.client.log_batch(self.run_id, metrics=metrics[i : i + 1000])
+            self.client.log_batch(self.run_id, metrics=metrics[i : i + 1000], synchronous=True)
 
     def log_artifact(self, path: str | Path) -> None:
         self.client.log_artifact(self.run_id, str(path))

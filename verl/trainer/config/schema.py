@@ -49,7 +49,16 @@ def policy_loss_choices() -> tuple[str, ...]:
     return tuple(POLICY_LOSSES) + tuple(n.replace("_", "-") for n in POLICY_LOSSES if "_" in n and n != "geo_mean")
 
 
-GROUP_ADV_ESTIMATORS = ("grpo", "rloo", "opo", "grpo_passk", "gpg", "reinforce_plus_plus_baseline")
+GROUP_ADV_ESTIMATORS = (
+    "grpo",
+    "rloo",
+    "opo",
+    "grpo_passk",
+    "gpg",
+    "reinforce_plus_plus_baseline",
+    "grpo_vectorized",
+    "rloo_vectorized",
+)
 LOSS_AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
 # "+" suffix: straight-through variant (value from the named estimator, gradient of k2).
 KL_PENALTIES = ("kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3", "full", "k1+", "low_var_kl+", "k3+")
