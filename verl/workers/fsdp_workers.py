@@ -138,12 +138,14 @@ def _plain(section) -> dict:
     return OmegaConf.to_container(section, resolve=True) if OmegaConf.is_config(section) else dict(section)
 
 
-def _model_speed_paths(model_cfg, trainer) -> list[SpeedPath]:
+def _model_speed_paths(model_cfg, trainer, role_cfg=None) -> list[SpeedPath]:
     """Remove padding and fused kernels of an actor, reference or critic (`trainer`) built from
-    `model_cfg` (see `verl.utils.speed_paths`)."""
+    `model_cfg` (see `verl.utils.speed_paths`); `role_cfg` (the actor section) can ask for the
+    fused kernels too (`actor.use_fused_kernels`, which upstream's YAML takes from the model's)."""
     remove_padding = bool(model_cfg.get("use_remove_padding", False))
     packs = remove_padding and bool(getattr(trainer, "use_remove_padding", False))
     fused = bool(model_cfg.get("use_fused_kernels", False) or model_cfg.get("use_liger", False))
+    fused = fused or bool((role_cfg or {}).get("use_fused_kernels", False))
     return [
         SpeedPath(
             "remove_padding",
@@ -490,7 +492,7 @@ class ActorRolloutRefWorker(Worker):
                 shared = SpeedPath(
                     "shared_prompt_forward", requested, False, f"{type(part).__name__} has no shared-prompt forward"
                 )
-            paths += [shared, *_model_speed_paths(self.config.model, part)]
+            paths += [shared, *_model_speed_paths(self.config.model, part, self.config.get("actor"))]
         if self.rollout is not None:
             paths += self.rollout.speed_paths()
         return [path.to_dict() for path in merge_speed_paths(paths)]
@@ -590,11 +592,13 @@ class ActorRolloutRefWorker(Worker):
     def compute_log_prob(self, data: DataProto) -> DataProto:
         actor = self._need("actor", "compute_log_prob")
         _log_prob_meta(data, self.config.rollout, self.config.rollout.temperature)
+        # the optimal token baseline needs sum_v pi_v^2 per token (actor.calculate_sum_pi_squared)
+        stats = ("entropy", "sum_pi_squared") if self.config.actor.get("calculate_sum_pi_squared") else ("entropy",)
         with self.actor_model.on_device():
-            log_probs, entropys = actor.compute_log_prob(data, calculate_entropy=True)
-        tensors = {"old_log_probs": log_probs}
-        if entropys is not None:
-            tensors["entropys"] = entropys
+            log_probs, values = actor.compute_log_prob_and_stats(data, stats)
+        tensors = {"old_log_probs": log_probs, "entropys": values["entropy"]}
+        if "sum_pi_squared" in values:
+            tensors["sum_pi_squared"] = values["sum_pi_squared"]
         return DataProto.from_dict(tensors=tensors)
 
     @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO)
