@@ -40,6 +40,7 @@ from verl.single_controller.base import Worker
 from verl.single_controller.base.decorator import Dispatch, register
 from verl.utils import device as dev
 from verl.utils.logging_utils import get_logger
+from verl.utils.profiler import DistProfiler, DistProfilerExtension
 from verl.utils.speed_paths import SpeedPath
 from verl.utils.speed_paths import merge as merge_speed_paths
 
@@ -386,7 +387,7 @@ class _PendingWeights:
         return self.version
 
 
-class ActorRolloutRefWorker(Worker):
+class ActorRolloutRefWorker(Worker, DistProfilerExtension):
     """Actor (FSDP2 training), rollout (generation engine) and reference policy, in any combination.
 
     Another training backend (`verl.workers.megatron_workers`) subclasses it: it overrides the
@@ -403,6 +404,9 @@ class ActorRolloutRefWorker(Worker):
         self.parts = _ROLES[role]
         os.environ["VERL_ROLE"] = role
         _join_group(self, config.get("nccl_timeout"))
+        # the profiler section of the part this worker trains or runs first (upstream's choice)
+        profiled = next(part for part in ("actor", "rollout", "ref") if part in self.parts)
+        self.init_profiler(self.rank, (config.get(profiled) or {}).get("profiler"), role)
         self.dp_size = self._data_parallel_size()
         with open_dict(self.config):
             self.config.actor.use_remove_padding = self.config.model.get("use_remove_padding", False)
@@ -498,6 +502,7 @@ class ActorRolloutRefWorker(Worker):
         return [path.to_dict() for path in merge_speed_paths(paths)]
 
     @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO)
+    @DistProfiler.annotate("generate_sequences")
     def generate_sequences(self, prompts: DataProto) -> DataProto:
         """Sync weights into the engine (hybrid engine), generate, then put the engine to sleep.
 
@@ -589,6 +594,7 @@ class ActorRolloutRefWorker(Worker):
         self.weight_version = self._received_version = version
 
     @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO)
+    @DistProfiler.annotate("compute_log_prob")
     def compute_log_prob(self, data: DataProto) -> DataProto:
         actor = self._need("actor", "compute_log_prob")
         _log_prob_meta(data, self.config.rollout, self.config.rollout.temperature)
@@ -602,6 +608,7 @@ class ActorRolloutRefWorker(Worker):
         return DataProto.from_dict(tensors=tensors)
 
     @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO)
+    @DistProfiler.annotate("compute_ref_log_prob")
     def compute_ref_log_prob(self, data: DataProto) -> DataProto:
         ref = self._need("ref", "compute_ref_log_prob")
         _log_prob_meta(data, self.config.get("ref", {}) or self.config.rollout, self.config.rollout.temperature)
@@ -610,6 +617,7 @@ class ActorRolloutRefWorker(Worker):
         return DataProto.from_dict(tensors={"ref_log_prob": log_probs})
 
     @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO)
+    @DistProfiler.annotate("update_actor")
     def update_actor(self, data: DataProto) -> DataProto:
         actor = self._need("actor", "update_actor")
         data.meta_info.setdefault("temperature", self.config.rollout.temperature)
@@ -639,7 +647,7 @@ class ActorRolloutRefWorker(Worker):
         self.actor_model.load(local_path)
 
 
-class CriticWorker(Worker):
+class CriticWorker(Worker, DistProfilerExtension):
     """The value model (an LM body with a one-output token head), trained with the clipped value loss.
 
     Hooks for another backend, as in `ActorRolloutRefWorker`: `_data_parallel_size`, `_build_critic`."""
@@ -649,6 +657,7 @@ class CriticWorker(Worker):
         self.config = config
         os.environ["VERL_ROLE"] = "critic"
         _join_group(self, config.get("nccl_timeout"))
+        self.init_profiler(self.rank, config.get("profiler"), "critic")
         self.dp_size = dp = self._data_parallel_size()
         with open_dict(self.config):
             n = config.get("rollout_n", 1)
@@ -682,6 +691,7 @@ class CriticWorker(Worker):
         return [path.to_dict() for path in _model_speed_paths(self.config.model, self.critic)]
 
     @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO)
+    @DistProfiler.annotate("compute_values")
     def compute_values(self, data: DataProto) -> DataProto:
         data.meta_info.setdefault("micro_batch_size", self.config.get("forward_micro_batch_size_per_gpu") or len(data))
         data.meta_info.setdefault("use_dynamic_bsz", self.config.get("use_dynamic_bsz", False))
@@ -691,6 +701,7 @@ class CriticWorker(Worker):
         return DataProto.from_dict(tensors={"values": values})
 
     @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO)
+    @DistProfiler.annotate("update_critic")
     def update_critic(self, data: DataProto) -> DataProto:
         with self.critic_model.on_device(optimizer=True), _device_timer() as compute_s:
             metrics = self.critic.update_critic(data)
@@ -732,7 +743,7 @@ def _same_tokenizer(a, b) -> bool:
     )
 
 
-class RewardModelWorker(Worker):
+class RewardModelWorker(Worker, DistProfilerExtension):
     """Scores responses with a sequence-classification model; re-tokenises when its tokenizer differs."""
 
     def __init__(self, config: DictConfig):
@@ -740,6 +751,7 @@ class RewardModelWorker(Worker):
         self.config = config
         os.environ["VERL_ROLE"] = "reward_model"
         _join_group(self, config.get("nccl_timeout"))
+        self.init_profiler(self.rank, config.get("profiler"), "reward_model")
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def init_model(self) -> None:
@@ -823,6 +835,7 @@ class RewardModelWorker(Worker):
         return torch.cat(scores).reshape(-1)
 
     @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO)
+    @DistProfiler.annotate("compute_rm_score")
     def compute_rm_score(self, data: DataProto) -> DataProto:
         seq_scores = self._sequence_scores(*self._rm_inputs(data))
         # The score sits on the last valid response token, like a rule reward.
