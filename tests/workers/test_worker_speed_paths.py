@@ -33,3 +33,11 @@ def test_fused_kernels_and_liger_are_asked_for_but_never_on():
     for key in ("use_fused_kernels", "use_liger"):
         [_, fused] = _model_speed_paths({key: True}, _Packs())
         assert fused.requested and not fused.active and fused.reason.startswith("not implemented"), fused
+
+
+def test_actor_use_fused_kernels_alone_is_reported_as_asked_for_and_off():
+    # upstream's YAML copies model.use_fused_kernels into actor.use_fused_kernels; a user may set the actor's only
+    [_, fused] = _model_speed_paths({}, _Packs(), {"use_fused_kernels": True})
+    assert fused.requested and not fused.active and fused.reason.startswith("not implemented"), fused
+    [_, quiet] = _model_speed_paths({}, _Packs(), {"use_fused_kernels": False})
+    assert not quiet.requested

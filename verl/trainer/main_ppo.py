@@ -179,15 +179,21 @@ def run_ppo(config, task_runner_cls=None) -> dict:
     from verl.trainer.config import validate_ppo_config
     from verl.trainer.preflight import check_run_inputs, skip_reason
     from verl.utils.device import set_device_preference
+    from verl.utils.profiler import GlobalProfilerConfig, check_tool_available
 
     validate_ppo_config(config)
     if skip_reason(config) is None:
         check_run_inputs(config)
     set_device_preference(config.trainer.get("device", "auto"))
+    profiling = GlobalProfilerConfig.from_config(config.get("global_profiler") or {})
+    if profiling.active:
+        check_tool_available(profiling.tool)  # before Ray starts: nsys must be installed
     started_cluster = not ray.is_initialized()
     if started_cluster:
         ray.init(**_ray_init_kwargs(config))
     runner_cls = ray.remote(num_cpus=0)(task_runner_cls or TaskRunner)
+    if profiling.controller_runtime_env():  # nsys: the driver's TaskRunner runs under nsys too
+        runner_cls = runner_cls.options(runtime_env=profiling.controller_runtime_env())
     with _sigterm_stops_the_run():  # installed after ray.init, which sets its own handler
         runner = runner_cls.remote()
         try:

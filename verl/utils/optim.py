@@ -1,31 +1,210 @@
-"""AdamW and its lr schedule from an `optim` config section (upstream keys), and the schedules.
+"""The optimizer, its lr schedule and the gradient-clipping norm from an `optim` config section
+(upstream's keys, FSDP and Megatron spellings).
 
-Keys read: `lr`, `weight_decay`, `betas`, `eps`; `lr_warmup_steps` (used when > 0, else
-`lr_warmup_steps_ratio * total_training_steps`), `lr_scheduler_type` or the older `warmup_style`
-(`constant` | `cosine`), `min_lr_ratio`, `num_cycles`, `total_training_steps` (filled in by the
-trainer once the dataloader length is known).
+Optimizer (`build_optimizer`): `optim.optimizer` names a class in the module `optim.optimizer_impl`
+(upstream's defaults `AdamW` in `torch.optim`; e.g. `_AdamW` in `torchao.optim`, `AdamW8bit` in
+`bitsandbytes.optim`, imported only when named, with an error naming the package when it is not
+installed). Arguments: `lr`, `weight_decay`, `betas` (for Adam-family names), `eps` when given, then
+`optim.override_optimizer_config` merged over them (any constructor argument of the class). A
+Megatron section names its optimizer without a module (`optimizer: adam` or `sgd`): `adam` is Adam
+with decoupled weight decay, as Megatron's own, so torch's AdamW; `sgd` torch's SGD.
 
-Schedules are `LambdaLR`s, so their whole state is a step counter that checkpoints restore
-exactly. (Upstream exposes the two schedule functions from `verl.utils.torch_functional`.)
+Schedule (`build_lr_scheduler`), stepped once per training step, two families:
+
+- FSDP (`lr_scheduler_type`, or its older name `warmup_style`, which wins when set, as upstream):
+  linear warm-up from 0 over `lr_warmup_steps` (when > 0, else `lr_warmup_steps_ratio *
+  total_training_steps`), then `constant`, or `cosine` decay to `min_lr_ratio * lr` over the
+  remaining steps with `num_cycles` (0.5: one half cosine).
+- Megatron (`lr_decay_style`, in a section without the FSDP keys): Megatron-core's
+  `OptimizerParamScheduler` curve: warm-up from `lr_warmup_init` to `lr` over `lr_warmup_steps`
+  (else `lr_warmup_steps_ratio * lr_decay_steps`), then `constant`, `linear`, `cosine`,
+  `inverse_square_root` (also spelt `inverse-square-root`) or `WSD` (hold, then anneal over
+  `lr_wsd_decay_steps` by `lr_wsd_decay_style`) from `lr` to `min_lr` over `lr_decay_steps`
+  (default `total_training_steps`), `min_lr` after. Weight-decay increments
+  (`weight_decay_incr_style`) are not scheduled: only `constant` is accepted.
+
+Both are `LambdaLR`s, so their whole state is a step counter that checkpoints restore exactly.
+(Upstream exposes the two FSDP schedule functions from `verl.utils.torch_functional`.)
+
+Gradient clipping (`grad_clip`): upstream names the max gradient norm twice, the older
+`actor.grad_clip` / `critic.grad_clip` and the newer `optim.clip_grad`. They are one setting: when
+they disagree, the one changed from the default 1.0 wins, and two different non-default values
+are an error.
 """
 
 from __future__ import annotations
 
+import importlib
+import inspect
 import math
+import warnings
 from collections.abc import Iterable
+from typing import Any
 
 import torch
 from torch.optim.lr_scheduler import LambdaLR
 
 __all__ = [
+    "DEFAULT_CLIP_GRAD",
+    "LR_DECAY_STYLES",
+    "LR_SCHEDULER_TYPES",
     "build_lr_scheduler",
     "build_optimizer",
-    "local_optimizer",
     "get_constant_schedule_with_warmup",
     "get_cosine_schedule_with_warmup",
+    "get_megatron_schedule",
+    "grad_clip",
+    "local_optimizer",
+    "optimizer_class",
 ]
 
-_SCHEDULES = ("constant", "cosine")
+LR_SCHEDULER_TYPES = ("constant", "cosine")
+LR_DECAY_STYLES = ("constant", "linear", "cosine", "inverse_square_root", "WSD")
+WSD_DECAY_STYLES = ("linear", "cosine", "exponential", "minus_sqrt")
+DEFAULT_CLIP_GRAD = 1.0
+# Megatron sections name the optimizer without a module; these are what Megatron-core builds.
+_MEGATRON_OPTIMIZERS = {"adam": "AdamW", "sgd": "SGD"}
+
+
+def _get(cfg, key, default=None):
+    if cfg is None:
+        return default
+    value = cfg.get(key, default) if hasattr(cfg, "get") else getattr(cfg, key, default)
+    return default if value is None else value
+
+
+def _has(cfg, key) -> bool:
+    return _get(cfg, key) is not None
+
+
+# ==============================================================================================
+# Optimizer
+# ==============================================================================================
+
+
+def optimizer_class(optim_config) -> type[torch.optim.Optimizer]:
+    """The optimizer class `optim.optimizer` / `optim.optimizer_impl` name (see the module docstring)."""
+    name = str(_get(optim_config, "optimizer", "AdamW"))
+    impl = _get(optim_config, "optimizer_impl")
+    if impl is None:
+        if name.lower() not in _MEGATRON_OPTIMIZERS and name not in vars(torch.optim):
+            raise ValueError(
+                f"optim.optimizer={name!r} without optim.optimizer_impl: a Megatron section names `adam` or `sgd`, an "
+                "FSDP one a class and its module, e.g. optim.optimizer=AdamW optim.optimizer_impl=torch.optim"
+            )
+        return getattr(torch.optim, _MEGATRON_OPTIMIZERS.get(name.lower(), name))
+    try:
+        module = importlib.import_module(str(impl))
+    except ImportError as err:
+        package = str(impl).split(".")[0]
+        raise ImportError(
+            f"optim.optimizer_impl={impl!r} cannot be imported ({err}); install the package that provides it "
+            f"(pip install {package}) or use torch's: optim.optimizer=AdamW optim.optimizer_impl=torch.optim"
+        ) from err
+    cls = getattr(module, name, None)
+    if not (inspect.isclass(cls) and issubclass(cls, torch.optim.Optimizer)):
+        available = sorted(
+            n for n, v in vars(module).items() if inspect.isclass(v) and issubclass(v, torch.optim.Optimizer)
+        )
+        raise ValueError(
+            f"optim.optimizer={name!r} is not an optimizer class of {impl!r}; it has: {', '.join(available) or 'none'}"
+        )
+    return cls
+
+
+def _optimizer_kwargs(cls: type, optim_config) -> dict[str, Any]:
+    kwargs: dict[str, Any] = {
+        "lr": float(_get(optim_config, "lr", 1e-6)),
+        "weight_decay": float(_get(optim_config, "weight_decay", 1e-2)),
+    }
+    name = cls.__name__.lower()
+    if "adam" in name or "ademamix" in name:
+        kwargs["betas"] = tuple(float(b) for b in _get(optim_config, "betas", (0.9, 0.999)))
+        if _has(optim_config, "eps"):
+            kwargs["eps"] = float(_get(optim_config, "eps"))
+    overrides = _get(optim_config, "override_optimizer_config") or {}
+    if hasattr(overrides, "items"):
+        overrides = dict(overrides.items())
+    if not isinstance(overrides, dict):
+        raise ValueError(
+            f"optim.override_optimizer_config={overrides!r} must be a mapping of {cls.__name__} arguments, "
+            "e.g. {eps: 1e-6}"
+        )
+    accepted = inspect.signature(cls.__init__).parameters
+    takes_any = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in accepted.values())
+    unknown = sorted(k for k in overrides if k not in accepted and not takes_any)
+    if unknown:
+        valid = sorted(k for k in accepted if k not in ("self", "params"))
+        raise ValueError(
+            f"optim.override_optimizer_config has {unknown}, which {cls.__module__}.{cls.__name__} does not take; "
+            f"its arguments: {', '.join(valid)}"
+        )
+    kwargs.update(overrides)
+    return kwargs
+
+
+def build_optimizer(
+    parameters: Iterable[torch.nn.Parameter], optim_config, shard_state_over=None
+) -> torch.optim.Optimizer:
+    """The configured optimizer over `parameters` (FSDP2 DTensor parameters work unchanged).
+
+    torch's Adam/AdamW run fused (one kernel per parameter) when every parameter is a
+    floating-point tensor on CPU or CUDA and `override_optimizer_config` does not choose an
+    implementation: torch's default on CPU is a per-parameter Python loop of about ten ops, each
+    dispatched through DTensor under FSDP2. Measured on the bundled model (2 gloo ranks, 50
+    parameters): 2.4 ms per step fused against 20.9 ms for the loop (7.6 ms with foreach).
+
+    `shard_state_over`: a process group of data-parallel replicas (every rank holding the same
+    parameters, each with the averaged gradient). With more than one rank the optimizer state is
+    split over them by whole parameters (ZeRO stage 1, torch's `ZeroRedundancyOptimizer`): each rank
+    steps only the parameters it owns and broadcasts them to the others. The optimizer must be
+    elementwise (Adam's family, SGD) for the result to equal the unsharded step; `local_optimizer`
+    gives the optimizer holding this rank's part.
+    """
+    from verl.utils.device import has_fused_adamw
+
+    cls = optimizer_class(optim_config)
+    kwargs = _optimizer_kwargs(cls, optim_config)
+    params = list(parameters)
+    tensors = [p for group in params for p in (group["params"] if isinstance(group, dict) else [group])]
+    chooses_kernel = {"fused", "foreach"} & set(kwargs)
+    if cls in (torch.optim.AdamW, torch.optim.Adam) and not chooses_kernel and tensors:
+        kwargs["fused"] = all(has_fused_adamw(p) for p in tensors) or None
+    if shard_state_over is not None and torch.distributed.get_world_size(shard_state_over) > 1:
+        from torch.distributed.optim import ZeroRedundancyOptimizer
+
+        return ZeroRedundancyOptimizer(params, optimizer_class=cls, process_group=shard_state_over, **kwargs)
+    return cls(params, **kwargs)
+
+
+def local_optimizer(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+    """The optimizer whose `state` holds this rank's moments: `optimizer` itself, or the local
+    optimizer of a `ZeroRedundancyOptimizer` (whose own `state` stays empty)."""
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+
+    return optimizer.optim if isinstance(optimizer, ZeroRedundancyOptimizer) else optimizer
+
+
+def grad_clip(section, role: str = "actor") -> float | None:
+    """The max gradient norm of a role's section (`actor_rollout_ref.actor` or `critic`), from its
+    `grad_clip` and its `optim.clip_grad` (see the module docstring); None: no clipping."""
+    older = _get(section, "grad_clip")
+    newer = _get(_get(section, "optim"), "clip_grad")
+    if older is None or newer is None or float(older) == float(newer):
+        value = newer if newer is not None else older
+        return None if value is None else float(value)
+    changed = [v for v in (older, newer) if float(v) != DEFAULT_CLIP_GRAD]
+    if len(changed) == 2:
+        raise ValueError(
+            f"{role}.grad_clip={older} and {role}.optim.clip_grad={newer} disagree; they are the same setting "
+            "(upstream's older and newer name of the max gradient norm): set one of them, or both to the same value"
+        )
+    return float(changed[0])
+
+
+# ==============================================================================================
+# Schedules
+# ==============================================================================================
 
 
 def get_constant_schedule_with_warmup(
@@ -66,58 +245,125 @@ def get_cosine_schedule_with_warmup(
     return LambdaLR(optimizer, factor, last_epoch)
 
 
-def _get(cfg, key, default=None):
-    value = cfg.get(key, default) if cfg is not None else default
-    return default if value is None else value
+def _megatron_lr(
+    step: int,
+    max_lr: float,
+    min_lr: float,
+    init_lr: float,
+    warmup_steps: int,
+    decay_steps: int,
+    style: str,
+    wsd_decay_steps: int | None,
+    wsd_style: str,
+) -> float:
+    """Megatron-core's learning rate at `step` (its `OptimizerParamScheduler.get_lr`)."""
+    if warmup_steps > 0 and step <= warmup_steps:
+        return init_lr + (max_lr - init_lr) * step / warmup_steps
+    if style == "constant":
+        return max_lr
+    if step > decay_steps:
+        return min_lr
+    if style == "inverse_square_root":
+        return max(min_lr, max_lr * math.sqrt(max(warmup_steps, 1)) / math.sqrt(max(step, 1)))
+    ratio = (step - warmup_steps) / (decay_steps - warmup_steps)
+    if style == "linear":
+        coeff = 1.0 - ratio
+    elif style == "cosine":
+        coeff = 0.5 * (math.cos(math.pi * ratio) + 1.0)
+    else:  # WSD: hold the peak, then anneal over the last wsd_decay_steps
+        anneal_start = decay_steps - wsd_decay_steps
+        if step <= anneal_start:
+            coeff = 1.0
+        else:
+            r = (step - anneal_start) / wsd_decay_steps
+            coeff = {
+                "linear": 1.0 - r,
+                "cosine": 0.5 * (math.cos(math.pi * r) + 1.0),
+                "exponential": 2.0 * 0.5**r - 1.0,
+                "minus_sqrt": 1.0 - math.sqrt(r),
+            }[wsd_style]
+    return min_lr + coeff * (max_lr - min_lr)
 
 
-def build_optimizer(
-    parameters: Iterable[torch.nn.Parameter], optim_config, shard_state_over=None
-) -> torch.optim.Optimizer:
-    """AdamW over `parameters` (FSDP2 DTensor parameters work unchanged).
-
-    The fused implementation (one kernel per parameter) when every parameter is a floating-point
-    tensor on CPU or CUDA: torch's default on CPU is a per-parameter Python loop of about ten ops,
-    each dispatched through DTensor under FSDP2. Measured on the bundled model (2 gloo ranks, 50
-    parameters): 2.4 ms per step fused against 20.9 ms for the loop (7.6 ms with foreach).
-
-    `shard_state_over`: a process group of data-parallel replicas (every rank holding the same
-    parameters, each with the averaged gradient). With more than one rank the Adam state is split
-    over them by whole parameters (ZeRO stage 1, torch's `ZeroRedundancyOptimizer`): each rank
-    steps only the parameters it owns and broadcasts them to the others. Adam is elementwise, so
-    the result equals the unsharded step; `local_optimizer` gives the AdamW holding this rank's part.
-    """
-    from verl.utils.device import has_fused_adamw
-
-    params = list(parameters)
-    tensors = [p for group in params for p in (group["params"] if isinstance(group, dict) else [group])]
-    fused = bool(tensors) and all(has_fused_adamw(p) for p in tensors)
-    kwargs = {
-        "lr": float(_get(optim_config, "lr", 1e-6)),
-        "betas": tuple(_get(optim_config, "betas", (0.9, 0.999))),
-        "eps": float(_get(optim_config, "eps", 1e-8)),
-        "weight_decay": float(_get(optim_config, "weight_decay", 1e-2)),
-        "fused": fused or None,
-    }
-    if shard_state_over is not None and torch.distributed.get_world_size(shard_state_over) > 1:
-        from torch.distributed.optim import ZeroRedundancyOptimizer
-
-        return ZeroRedundancyOptimizer(
-            params, optimizer_class=torch.optim.AdamW, process_group=shard_state_over, **kwargs
+def get_megatron_schedule(optimizer: torch.optim.Optimizer, optim_config, last_epoch: int = -1) -> LambdaLR:
+    """Megatron's schedule (`lr_decay_style` and friends, see the module docstring) as a LambdaLR
+    over the optimizer's base lr (`optim.lr`)."""
+    style = str(_get(optim_config, "lr_decay_style", "constant"))
+    style = "inverse_square_root" if style == "inverse-square-root" else style
+    if style not in LR_DECAY_STYLES:
+        raise ValueError(f"optim.lr_decay_style={style!r} is not one of {list(LR_DECAY_STYLES)}")
+    if str(_get(optim_config, "weight_decay_incr_style", "constant")) != "constant":
+        raise ValueError(
+            f"optim.weight_decay_incr_style={_get(optim_config, 'weight_decay_incr_style')!r}: only `constant` "
+            "(a fixed optim.weight_decay) is implemented"
         )
-    return torch.optim.AdamW(params, **kwargs)
+    max_lr = float(_get(optim_config, "lr", 1e-6))
+    min_lr = float(_get(optim_config, "min_lr", 0.0))
+    init_lr = float(_get(optim_config, "lr_warmup_init", 0.0))
+    total = int(_get(optim_config, "total_training_steps", -1))
+    decay_steps = int(_get(optim_config, "lr_decay_steps", total))
+    warmup_steps = int(_get(optim_config, "lr_warmup_steps", -1))
+    if warmup_steps <= 0:
+        ratio = float(_get(optim_config, "lr_warmup_steps_ratio", 0.0))
+        if ratio > 0 and decay_steps <= 0:
+            raise ValueError(
+                f"optim.lr_warmup_steps_ratio={ratio} needs optim.lr_decay_steps or optim.total_training_steps, both "
+                "unset; the trainer sets total_training_steps from the dataloader length, or set optim.lr_warmup_steps"
+            )
+        warmup_steps = int(ratio * max(decay_steps, 0))
+    if not 0.0 <= min_lr <= max_lr or init_lr > max_lr:
+        raise ValueError(
+            f"optim.min_lr={min_lr}, optim.lr_warmup_init={init_lr} and optim.lr={max_lr} must satisfy "
+            "0 <= min_lr <= lr and lr_warmup_init <= lr"
+        )
+    if style != "constant" and decay_steps <= warmup_steps:
+        raise ValueError(
+            f"optim.lr_decay_style={style} decays over optim.lr_decay_steps={decay_steps} (default: "
+            f"total_training_steps), which must exceed the {warmup_steps} warm-up steps"
+        )
+    wsd_steps = _get(optim_config, "lr_wsd_decay_steps")
+    wsd_style = str(_get(optim_config, "lr_wsd_decay_style", "exponential"))
+    if style == "WSD":
+        if wsd_steps is None or not 0 < int(wsd_steps) <= decay_steps:
+            raise ValueError(
+                f"optim.lr_decay_style=WSD needs optim.lr_wsd_decay_steps in (0, lr_decay_steps={decay_steps}], "
+                f"got {wsd_steps}"
+            )
+        if wsd_style not in WSD_DECAY_STYLES:
+            raise ValueError(f"optim.lr_wsd_decay_style={wsd_style!r} is not one of {list(WSD_DECAY_STYLES)}")
+        wsd_steps = int(wsd_steps)
+
+    def factor(step: int) -> float:
+        lr = _megatron_lr(step, max_lr, min_lr, init_lr, warmup_steps, decay_steps, style, wsd_steps, wsd_style)
+        return lr / max_lr if max_lr > 0 else 0.0
+
+    return LambdaLR(optimizer, factor, last_epoch)
 
 
-def local_optimizer(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
-    """The optimizer whose `state` holds this rank's Adam moments: `optimizer` itself, or the local
-    AdamW of a `ZeroRedundancyOptimizer` (whose own `state` stays empty)."""
-    from torch.distributed.optim import ZeroRedundancyOptimizer
+def _scheduler_type(optim_config) -> str | None:
+    """The FSDP schedule name, or None for a Megatron-style section (`lr_decay_style` only)."""
+    older = _get(optim_config, "warmup_style")
+    newer = _get(optim_config, "lr_scheduler_type")
+    if older is not None:
+        if newer is not None and newer != older:
+            warnings.warn(
+                f"optim.warmup_style={older} overrides optim.lr_scheduler_type={newer}: warmup_style is the older "
+                "name of lr_scheduler_type and wins when set, as upstream; set only lr_scheduler_type",
+                DeprecationWarning,
+                stacklevel=3,
+            )
+        return str(older)
+    if newer is not None:
+        return str(newer)
+    return None if _has(optim_config, "lr_decay_style") else "constant"
 
-    return optimizer.optim if isinstance(optimizer, ZeroRedundancyOptimizer) else optimizer
 
-
-def build_lr_scheduler(optimizer: torch.optim.Optimizer, optim_config) -> torch.optim.lr_scheduler.LambdaLR:
-    """Warm-up + constant or cosine schedule, stepped once per training step."""
+def build_lr_scheduler(optimizer: torch.optim.Optimizer, optim_config) -> LambdaLR:
+    """The configured lr schedule of `optimizer` (see the module docstring), stepped once per
+    training step."""
+    style = _scheduler_type(optim_config)
+    if style is None:
+        return get_megatron_schedule(optimizer, optim_config)
     total_steps = int(_get(optim_config, "total_training_steps", -1))
     warmup_steps = int(_get(optim_config, "lr_warmup_steps", -1))
     if warmup_steps <= 0:
@@ -128,7 +374,6 @@ def build_lr_scheduler(optimizer: torch.optim.Optimizer, optim_config) -> torch.
                 "the trainer sets it from the dataloader length, or set optim.lr_warmup_steps instead"
             )
         warmup_steps = int(ratio * max(total_steps, 0))
-    style = _get(optim_config, "lr_scheduler_type", None) or _get(optim_config, "warmup_style", "constant")
     if style == "constant":
         return get_constant_schedule_with_warmup(optimizer, num_warmup_steps=warmup_steps)
     if style == "cosine":
@@ -143,4 +388,4 @@ def build_lr_scheduler(optimizer: torch.optim.Optimizer, optim_config) -> torch.
             min_lr_ratio=float(_get(optim_config, "min_lr_ratio", 0.0)),
             num_cycles=float(_get(optim_config, "num_cycles", 0.5)),
         )
-    raise ValueError(f"optim.lr_scheduler_type={style!r} is not one of {list(_SCHEDULES)}")
+    raise ValueError(f"optim.lr_scheduler_type={style!r} is not one of {list(LR_SCHEDULER_TYPES)}")

@@ -36,6 +36,7 @@ __all__ = [
     "masked_sum",
     "masked_var",
     "masked_whiten",
+    "sum_pi_squared_from_logits",
 ]
 
 # Chunks of logits rows are sized so one float32 chunk stays around this many bytes.
@@ -311,3 +312,23 @@ def distributed_mean_max_min_std(
         dist.all_reduce(squares, op=dist.ReduceOp.SUM)
         std = torch.sqrt(squares / (count - 1))
     return mean, largest, smallest, std
+
+
+@torch.no_grad()
+def sum_pi_squared_from_logits(logits: torch.Tensor, chunk_size: int | None = None) -> torch.Tensor:
+    r"""$\sum_v p_v^2$ of the categorical distribution given by `logits` [..., V] -> [...] (no gradient).
+
+    Computed as $\exp(\mathrm{lse}(2z) - 2\,\mathrm{lse}(z))$, exact and stable for any logits,
+    `chunk_size` rows at a time (memory bounded as in `entropy_from_logits_with_chunking`). Result
+    dtype float32 (float64 for float64 logits). It is the collision probability of the
+    distribution; the optimal token baseline needs it for $\|\nabla_z \log p_y\|^2 = 1 - 2p_y +
+    \sum_v p_v^2$.
+    """
+    blocks = _row_blocks(logits)
+    rows = _rows_per_chunk(logits.shape[-1], chunk_size)
+    cdtype = _compute_dtype(blocks.dtype)
+    out = torch.empty(blocks.shape[:-1], dtype=cdtype, device=blocks.device)
+    for idx in _chunks(blocks, rows):
+        z = blocks[idx].to(cdtype)
+        out[idx] = torch.exp(torch.logsumexp(2.0 * z, dim=-1) - 2.0 * torch.logsumexp(z, dim=-1))
+    return out.reshape(logits.shape[:-1])

@@ -40,6 +40,7 @@ from verl.single_controller.base import Worker
 from verl.single_controller.base.decorator import Dispatch, register
 from verl.utils import device as dev
 from verl.utils.logging_utils import get_logger
+from verl.utils.profiler import DistProfiler, DistProfilerExtension
 from verl.utils.speed_paths import SpeedPath
 from verl.utils.speed_paths import merge as merge_speed_paths
 
@@ -138,12 +139,14 @@ def _plain(section) -> dict:
     return OmegaConf.to_container(section, resolve=True) if OmegaConf.is_config(section) else dict(section)
 
 
-def _model_speed_paths(model_cfg, trainer) -> list[SpeedPath]:
+def _model_speed_paths(model_cfg, trainer, role_cfg=None) -> list[SpeedPath]:
     """Remove padding and fused kernels of an actor, reference or critic (`trainer`) built from
-    `model_cfg` (see `verl.utils.speed_paths`)."""
+    `model_cfg` (see `verl.utils.speed_paths`); `role_cfg` (the actor section) can ask for the
+    fused kernels too (`actor.use_fused_kernels`, which upstream's YAML takes from the model's)."""
     remove_padding = bool(model_cfg.get("use_remove_padding", False))
     packs = remove_padding and bool(getattr(trainer, "use_remove_padding", False))
     fused = bool(model_cfg.get("use_fused_kernels", False) or model_cfg.get("use_liger", False))
+    fused = fused or bool((role_cfg or {}).get("use_fused_kernels", False))
     return [
         SpeedPath(
             "remove_padding",
@@ -384,7 +387,7 @@ class _PendingWeights:
         return self.version
 
 
-class ActorRolloutRefWorker(Worker):
+class ActorRolloutRefWorker(Worker, DistProfilerExtension):
     """Actor (FSDP2 training), rollout (generation engine) and reference policy, in any combination.
 
     Another training backend (`verl.workers.megatron_workers`) subclasses it: it overrides the
@@ -401,6 +404,9 @@ class ActorRolloutRefWorker(Worker):
         self.parts = _ROLES[role]
         os.environ["VERL_ROLE"] = role
         _join_group(self, config.get("nccl_timeout"))
+        # the profiler section of the part this worker trains or runs first (upstream's choice)
+        profiled = next(part for part in ("actor", "rollout", "ref") if part in self.parts)
+        self.init_profiler(self.rank, (config.get(profiled) or {}).get("profiler"), role)
         self.dp_size = self._data_parallel_size()
         with open_dict(self.config):
             self.config.actor.use_remove_padding = self.config.model.get("use_remove_padding", False)
@@ -490,12 +496,13 @@ class ActorRolloutRefWorker(Worker):
                 shared = SpeedPath(
                     "shared_prompt_forward", requested, False, f"{type(part).__name__} has no shared-prompt forward"
                 )
-            paths += [shared, *_model_speed_paths(self.config.model, part)]
+            paths += [shared, *_model_speed_paths(self.config.model, part, self.config.get("actor"))]
         if self.rollout is not None:
             paths += self.rollout.speed_paths()
         return [path.to_dict() for path in merge_speed_paths(paths)]
 
     @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO)
+    @DistProfiler.annotate("generate_sequences")
     def generate_sequences(self, prompts: DataProto) -> DataProto:
         """Sync weights into the engine (hybrid engine), generate, then put the engine to sleep.
 
@@ -587,17 +594,21 @@ class ActorRolloutRefWorker(Worker):
         self.weight_version = self._received_version = version
 
     @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO)
+    @DistProfiler.annotate("compute_log_prob")
     def compute_log_prob(self, data: DataProto) -> DataProto:
         actor = self._need("actor", "compute_log_prob")
         _log_prob_meta(data, self.config.rollout, self.config.rollout.temperature)
+        # the optimal token baseline needs sum_v pi_v^2 per token (actor.calculate_sum_pi_squared)
+        stats = ("entropy", "sum_pi_squared") if self.config.actor.get("calculate_sum_pi_squared") else ("entropy",)
         with self.actor_model.on_device():
-            log_probs, entropys = actor.compute_log_prob(data, calculate_entropy=True)
-        tensors = {"old_log_probs": log_probs}
-        if entropys is not None:
-            tensors["entropys"] = entropys
+            log_probs, values = actor.compute_log_prob_and_stats(data, stats)
+        tensors = {"old_log_probs": log_probs, "entropys": values["entropy"]}
+        if "sum_pi_squared" in values:
+            tensors["sum_pi_squared"] = values["sum_pi_squared"]
         return DataProto.from_dict(tensors=tensors)
 
     @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO)
+    @DistProfiler.annotate("compute_ref_log_prob")
     def compute_ref_log_prob(self, data: DataProto) -> DataProto:
         ref = self._need("ref", "compute_ref_log_prob")
         _log_prob_meta(data, self.config.get("ref", {}) or self.config.rollout, self.config.rollout.temperature)
@@ -606,6 +617,7 @@ class ActorRolloutRefWorker(Worker):
         return DataProto.from_dict(tensors={"ref_log_prob": log_probs})
 
     @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO)
+    @DistProfiler.annotate("update_actor")
     def update_actor(self, data: DataProto) -> DataProto:
         actor = self._need("actor", "update_actor")
         data.meta_info.setdefault("temperature", self.config.rollout.temperature)
@@ -635,7 +647,7 @@ class ActorRolloutRefWorker(Worker):
         self.actor_model.load(local_path)
 
 
-class CriticWorker(Worker):
+class CriticWorker(Worker, DistProfilerExtension):
     """The value model (an LM body with a one-output token head), trained with the clipped value loss.
 
     Hooks for another backend, as in `ActorRolloutRefWorker`: `_data_parallel_size`, `_build_critic`."""
@@ -645,6 +657,7 @@ class CriticWorker(Worker):
         self.config = config
         os.environ["VERL_ROLE"] = "critic"
         _join_group(self, config.get("nccl_timeout"))
+        self.init_profiler(self.rank, config.get("profiler"), "critic")
         self.dp_size = dp = self._data_parallel_size()
         with open_dict(self.config):
             n = config.get("rollout_n", 1)
@@ -678,6 +691,7 @@ class CriticWorker(Worker):
         return [path.to_dict() for path in _model_speed_paths(self.config.model, self.critic)]
 
     @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO)
+    @DistProfiler.annotate("compute_values")
     def compute_values(self, data: DataProto) -> DataProto:
         data.meta_info.setdefault("micro_batch_size", self.config.get("forward_micro_batch_size_per_gpu") or len(data))
         data.meta_info.setdefault("use_dynamic_bsz", self.config.get("use_dynamic_bsz", False))
@@ -687,6 +701,7 @@ class CriticWorker(Worker):
         return DataProto.from_dict(tensors={"values": values})
 
     @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO)
+    @DistProfiler.annotate("update_critic")
     def update_critic(self, data: DataProto) -> DataProto:
         with self.critic_model.on_device(optimizer=True), _device_timer() as compute_s:
             metrics = self.critic.update_critic(data)
@@ -728,7 +743,7 @@ def _same_tokenizer(a, b) -> bool:
     )
 
 
-class RewardModelWorker(Worker):
+class RewardModelWorker(Worker, DistProfilerExtension):
     """Scores responses with a sequence-classification model; re-tokenises when its tokenizer differs."""
 
     def __init__(self, config: DictConfig):
@@ -736,6 +751,7 @@ class RewardModelWorker(Worker):
         self.config = config
         os.environ["VERL_ROLE"] = "reward_model"
         _join_group(self, config.get("nccl_timeout"))
+        self.init_profiler(self.rank, config.get("profiler"), "reward_model")
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def init_model(self) -> None:
@@ -819,6 +835,7 @@ class RewardModelWorker(Worker):
         return torch.cat(scores).reshape(-1)
 
     @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO)
+    @DistProfiler.annotate("compute_rm_score")
     def compute_rm_score(self, data: DataProto) -> DataProto:
         seq_scores = self._sequence_scores(*self._rm_inputs(data))
         # The score sits on the last valid response token, like a rule reward.

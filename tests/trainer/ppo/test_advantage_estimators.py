@@ -319,6 +319,8 @@ def test_every_estimator_is_finite_and_zero_on_padding_for_singletons_ties_and_e
         values=torch.zeros_like(rewards, dtype=torch.float32),
         index=UIDS,
         reward_baselines=torch.zeros(len(LENGTHS)),
+        old_log_probs=torch.full_like(rewards, -1.0, dtype=torch.float32),
+        sum_pi_squared=torch.full_like(rewards, 0.3, dtype=torch.float32),
         gamma=1.0,
         lam=1.0,
     )

@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import inspect
 import math
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from enum import Enum
 from typing import Any
@@ -40,6 +40,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from verl.trainer.ppo.rollout_corr_helper import RolloutCorrectionConfig, rollout_correction_tensors
 from verl.utils.torch_functional import (
     entropy_from_logits,
     entropy_from_logits_with_chunking,
@@ -55,6 +56,7 @@ __all__ = [
     "ADV_ESTIMATOR_REGISTRY",
     "KL_ESTIMATORS",
     "LOSS_AGG_MODES",
+    "LOSS_AGG_MODE_OVERRIDES",
     "POLICY_LOSSES",
     "AdaptiveKLController",
     "AdvantageEstimator",
@@ -70,14 +72,19 @@ __all__ = [
     "compute_grpo_passk_outcome_advantage",
     "compute_grpo_vectorized_outcome_advantage",
     "compute_kl_loss",
+    "compute_multi_turn_optimal_token_baseline_advantage",
+    "compute_optimal_token_baseline_advantage",
     "compute_opo_outcome_advantage",
     "compute_overlong_penalty",
     "compute_policy_loss",
+    "compute_policy_loss_bypass_mode",
+    "compute_policy_loss_cispo",
     "compute_policy_loss_clip_cov",
     "compute_policy_loss_geo_mean",
     "compute_policy_loss_gpg",
     "compute_policy_loss_gspo",
     "compute_policy_loss_kl_cov",
+    "compute_policy_loss_sapo",
     "compute_policy_loss_vanilla",
     "compute_reinforce_plus_plus_baseline_outcome_advantage",
     "compute_reinforce_plus_plus_outcome_advantage",
@@ -176,6 +183,8 @@ class AdvantageEstimator(str, Enum):
     GPG = "gpg"
     GRPO_VECTORIZED = "grpo_vectorized"
     RLOO_VECTORIZED = "rloo_vectorized"
+    OPTIMAL_TOKEN_BASELINE = "optimal_token_baseline"
+    TIR_OPTIMAL_TOKEN_BASELINE = "tir_optimal_token_baseline"
 
 
 def _group_ids(index: Any, batch_size: int, device: torch.device) -> tuple[torch.Tensor, int]:
@@ -524,6 +533,157 @@ def compute_rloo_vectorized_outcome_advantage(
     return adv, adv
 
 
+def _align_valid_tokens(values: torch.Tensor, response_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Move each row's valid tokens to the front, in order: (values [B, K], mask [B, K]) with K the
+    longest row's number of valid tokens; column k is every row's k-th valid token."""
+    valid = response_mask != 0
+    lengths = valid.sum(dim=-1)
+    width = int(lengths.max()) if lengths.numel() else 0
+    slot = torch.cumsum(valid.long(), dim=-1) - 1
+    row = torch.arange(values.shape[0], device=values.device).unsqueeze(-1).expand_as(slot)
+    packed = values.new_zeros((values.shape[0], width))
+    packed[row[valid], slot[valid]] = values[valid]
+    packed_mask = (torch.arange(width, device=values.device) < lengths.unsqueeze(-1)).to(values.dtype)
+    return packed, packed_mask
+
+
+def _optimal_token_baselines(
+    returns: torch.Tensor,
+    path_variance: torch.Tensor,
+    mask: torch.Tensor,
+    index: Any,
+    handle_zero_tail: bool,
+    epsilon: float,
+    count_empty_rows: bool = True,
+) -> torch.Tensor:
+    r"""$B_{g,t} = \sum_{i\in g} m_{i,t}G_{i,t}W_{i,t} / (\sum_{i\in g} m_{i,t}W_{i,t} + \epsilon)$ for
+    every row's group g and column t, 0 for groups of one (counting empty rows as members or not);
+    shapes [B, T] -> [B, T]."""
+    gid, num_groups = _group_ids(index, returns.shape[0], returns.device)
+    zeros = returns.new_zeros((num_groups, returns.shape[1]))
+    numerator = zeros.index_add(0, gid, mask * returns * path_variance)
+    denominator = zeros.index_add(0, gid, mask * path_variance)
+    baselines = (numerator / (denominator + epsilon))[gid]
+    members = torch.ones_like(returns[:, 0]) if count_empty_rows else (mask != 0).any(dim=-1).to(returns.dtype)
+    count = returns.new_zeros(num_groups).index_add(0, gid, members)[gid]
+    baselines = torch.where(count.unsqueeze(-1) > 1, baselines, 0.0)
+    if handle_zero_tail:
+        # A group's single longest response has nothing to compare with past the second-longest one's
+        # end: its baseline there would be its own return. It keeps a zero baseline on that tail.
+        lengths = (mask != 0).sum(dim=-1)
+        longest = torch.full((num_groups,), -1, device=returns.device).scatter_reduce(0, gid, lengths, "amax")[gid]
+        is_longest = lengths == longest
+        num_longest = torch.zeros(num_groups, dtype=torch.long, device=returns.device).index_add(
+            0, gid, is_longest.long()
+        )[gid]
+        others = torch.where(is_longest, -1, lengths)
+        second = torch.full((num_groups,), -1, device=returns.device).scatter_reduce(0, gid, others, "amax")[gid]
+        alone = is_longest & (num_longest == 1) & (count > 1)
+        tail = torch.arange(returns.shape[1], device=returns.device) >= second.unsqueeze(-1)
+        baselines = torch.where(alone.unsqueeze(-1) & tail, 0.0, baselines)
+    return baselines
+
+
+def _path_variance(
+    old_log_probs: torch.Tensor,
+    sum_pi_squared: torch.Tensor,
+    response_mask: torch.Tensor,
+    rollout_is_weights: torch.Tensor | None,
+) -> torch.Tensor:
+    """W_t = sum_{j<=t} m_j (1 - 2 pi_j + sum_v pi_v^2) [* w_j^2]: the cumulative score-norm proxy."""
+    mask = response_mask.to(old_log_probs.dtype)
+    per_token = 1.0 - 2.0 * torch.exp(old_log_probs) + sum_pi_squared.to(old_log_probs.dtype)
+    if rollout_is_weights is not None:
+        per_token = per_token * rollout_is_weights.to(per_token.dtype).square()
+    return torch.cumsum(per_token * mask, dim=-1)
+
+
+@torch.no_grad()
+def compute_optimal_token_baseline_advantage(
+    token_level_rewards: torch.Tensor,
+    response_mask: torch.Tensor,
+    index: np.ndarray,
+    old_log_probs: torch.Tensor,
+    sum_pi_squared: torch.Tensor,
+    rollout_is_weights: torch.Tensor | None = None,
+    handle_zero_tail: bool = False,
+    epsilon: float = 1e-8,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    r"""Optimal token baseline (upstream's `optimal_token_baseline`): a per-position baseline that
+    minimises the policy gradient's variance within each group of responses to one prompt.
+
+    Return to go $G_{i,t} = \sum_{t'\ge t} m_{i,t'} r_{i,t'}$. The squared norm of a token's score
+    function $\nabla\log\pi$ w.r.t. the logits is $\|s_t\|^2 = 1 - 2\pi_t + \sum_v\pi_v^2$
+    ($\pi_t$ the sampled token's probability, from `old_log_probs`; $\sum_v\pi_v^2$ from the actor's
+    `calculate_sum_pi_squared`), and $W_{i,t} = \sum_{j\le t} m_{i,j}\|s_{i,j}\|^2$ is how much
+    gradient a response has accumulated by position t. The variance-minimising baseline at t is the
+    W-weighted mean return of the group at t:
+    $B_{g,t} = \sum_{i\in g} m_{i,t}G_{i,t}W_{i,t} / (\sum_{i\in g} m_{i,t}W_{i,t} + \epsilon)$, and
+    $A_{i,t} = (G_{i,t} - B_{g,t})\,m_{i,t}$. With rollout-correction weights, $\|s_t\|^2$ is
+    multiplied by $w_t^2$. Positions are columns (token t of every response).
+
+    Edge cases: a group of one has baseline 0 (A = G); `handle_zero_tail` gives the group's single
+    longest response a zero baseline past the second-longest one's length.
+
+    Shapes: token_level_rewards, response_mask, old_log_probs, sum_pi_squared (and
+    rollout_is_weights) [B, R]; index [B] uids -> (advantages, returns) [B, R].
+    """
+    _check_shapes(
+        token_level_rewards=token_level_rewards,
+        response_mask=response_mask,
+        old_log_probs=old_log_probs,
+        sum_pi_squared=sum_pi_squared,
+        rollout_is_weights=rollout_is_weights,
+    )
+    mask = response_mask.to(token_level_rewards.dtype)
+    returns = (token_level_rewards * mask).flip(-1).cumsum(-1).flip(-1)
+    path_variance = _path_variance(old_log_probs, sum_pi_squared, response_mask, rollout_is_weights).to(returns.dtype)
+    baselines = _optimal_token_baselines(returns, path_variance, mask, index, handle_zero_tail, epsilon)
+    return (returns - baselines) * mask, returns
+
+
+@torch.no_grad()
+def compute_multi_turn_optimal_token_baseline_advantage(
+    token_level_rewards: torch.Tensor,
+    response_mask: torch.Tensor,
+    index: np.ndarray,
+    old_log_probs: torch.Tensor,
+    sum_pi_squared: torch.Tensor,
+    rollout_is_weights: torch.Tensor | None = None,
+    handle_zero_tail: bool = True,
+    epsilon: float = 1e-8,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    r"""The optimal token baseline for multi-turn responses (upstream's `tir_optimal_token_baseline`).
+
+    As `compute_optimal_token_baseline_advantage`, but position t is a response's t-th *generated*
+    token: tool output and other masked spans are left out before responses are compared, so the
+    baseline at t averages responses at the same point of their own generation. `handle_zero_tail`
+    is on by default; responses without a valid token are not counted as group members (as
+    upstream). Returns (advantages, returns) [B, R], in the original columns.
+    """
+    _check_shapes(
+        token_level_rewards=token_level_rewards,
+        response_mask=response_mask,
+        old_log_probs=old_log_probs,
+        sum_pi_squared=sum_pi_squared,
+        rollout_is_weights=rollout_is_weights,
+    )
+    mask = response_mask.to(token_level_rewards.dtype)
+    returns = (token_level_rewards * mask).flip(-1).cumsum(-1).flip(-1)
+    path_variance = _path_variance(old_log_probs, sum_pi_squared, response_mask, rollout_is_weights).to(returns.dtype)
+    packed_returns, packed_mask = _align_valid_tokens(returns, response_mask)
+    packed_variance, _ = _align_valid_tokens(path_variance, response_mask)
+    packed_baselines = _optimal_token_baselines(
+        packed_returns, packed_variance, packed_mask, index, handle_zero_tail, epsilon, count_empty_rows=False
+    )
+    valid = response_mask != 0
+    slot = torch.cumsum(valid.long(), dim=-1) - 1
+    baselines = torch.zeros_like(returns)
+    rows = torch.arange(returns.shape[0], device=returns.device).unsqueeze(-1).expand_as(slot)
+    baselines[valid] = packed_baselines[rows[valid], slot[valid]]
+    return (returns - baselines) * mask, returns
+
+
 ADV_ESTIMATORS: dict[str, Callable[..., tuple[torch.Tensor, torch.Tensor]]] = {
     AdvantageEstimator.GAE.value: compute_gae_advantage_return,
     AdvantageEstimator.GRPO.value: compute_grpo_outcome_advantage,
@@ -536,6 +696,8 @@ ADV_ESTIMATORS: dict[str, Callable[..., tuple[torch.Tensor, torch.Tensor]]] = {
     AdvantageEstimator.GPG.value: compute_gpg_outcome_advantage,
     AdvantageEstimator.GRPO_VECTORIZED.value: compute_grpo_vectorized_outcome_advantage,
     AdvantageEstimator.RLOO_VECTORIZED.value: compute_rloo_vectorized_outcome_advantage,
+    AdvantageEstimator.OPTIMAL_TOKEN_BASELINE.value: compute_optimal_token_baseline_advantage,
+    AdvantageEstimator.TIR_OPTIMAL_TOKEN_BASELINE.value: compute_multi_turn_optimal_token_baseline_advantage,
 }
 """`algorithm.adv_estimator` name -> estimator. Every estimator returns (advantages, returns) [B, R]."""
 
@@ -584,7 +746,8 @@ def compute_advantage_from_tensors(name: str | AdvantageEstimator, **inputs: Any
     if missing:
         raise ValueError(
             f"algorithm.adv_estimator={_name(name)!r} needs {missing}, which the batch does not provide "
-            "(gae needs 'values' from a critic; remax needs 'reward_baselines' from a greedy rollout)"
+            "(gae needs 'values' from a critic; remax needs 'reward_baselines' from a greedy rollout; "
+            "optimal_token_baseline needs 'sum_pi_squared': set actor_rollout_ref.actor.calculate_sum_pi_squared=true)"
         )
     return fn(**{k: v for k, v in inputs.items() if k in params})
 
@@ -625,6 +788,18 @@ class PolicyLossParams:
     """Truncated importance sampling against the rollout engine's log-probs
     (`actor.tis_imp_ratio_cap`): each token's loss is weighted by min(pi_old/pi_rollout, cap).
     None (or a value <= 0, upstream's -1) turns it off."""
+    tau_pos: float = 1.0
+    """SAPO: temperature of the soft gate for tokens with a positive advantage (`actor.tau_pos`);
+    larger is closer to PPO's hard clip (arXiv:2511.20347)."""
+    tau_neg: float = 1.05
+    """SAPO: temperature for tokens with a zero or negative advantage (`actor.tau_neg`); above
+    tau_pos so negative updates are damped faster."""
+    loss_scale_factor: float | None = None
+    """`seq-mean-token-sum-norm`'s constant length L (`actor.loss_scale_factor`); None: the padded
+    response length."""
+    rollout_correction: RolloutCorrectionConfig | None = None
+    """Bypass mode's settings (`algorithm.rollout_correction`, handed to the actor as
+    `policy_loss.rollout_correction`); None: PPO-clip on pi/pi_rollout, no weights, no rejection."""
 
     def __post_init__(self):
         if self.clip_ratio < 0 or (self.clip_ratio_low or 0) < 0 or (self.clip_ratio_high or 0) < 0:
@@ -644,6 +819,18 @@ class PolicyLossParams:
             raise ValueError(
                 f"actor.policy_loss.clip_cov_lb={self.clip_cov_lb} must be below clip_cov_ub={self.clip_cov_ub}"
             )
+        if not (self.tau_pos > 0 and self.tau_neg > 0):
+            raise ValueError(
+                f"actor.tau_pos={self.tau_pos} and actor.tau_neg={self.tau_neg} must be > 0: they are the temperatures "
+                "of SAPO's sigmoid gate (upstream defaults 1.0 and 1.05)"
+            )
+        if self.loss_scale_factor is not None and not self.loss_scale_factor > 0:
+            raise ValueError(
+                f"actor.loss_scale_factor={self.loss_scale_factor} must be > 0 (the constant length that "
+                "seq-mean-token-sum-norm divides by) or null for the padded response length"
+            )
+        if isinstance(self.rollout_correction, Mapping):
+            object.__setattr__(self, "rollout_correction", RolloutCorrectionConfig.from_config(self.rollout_correction))
 
     @classmethod
     def from_actor_config(cls, actor_config: Any) -> PolicyLossParams:
@@ -651,8 +838,9 @@ class PolicyLossParams:
         object, e.g. a DictConfig or a dataclass); keys it lacks keep their defaults.
 
         Upstream's keys: `clip_ratio`, `clip_ratio_low`, `clip_ratio_high`, `clip_ratio_c`,
-        `tis_imp_ratio_cap` and `policy_loss.{clip_cov_ratio, clip_cov_lb, clip_cov_ub,
-        kl_cov_ratio, ppo_kl_coef}`.
+        `tis_imp_ratio_cap`, `tau_pos`, `tau_neg`, `loss_scale_factor` and
+        `policy_loss.{clip_cov_ratio, clip_cov_lb, clip_cov_ub, kl_cov_ratio, ppo_kl_coef}`, plus
+        `policy_loss.rollout_correction` (set by the trainer in rollout correction's bypass mode).
         """
 
         def read(node: Any, key: str) -> Any:
@@ -680,8 +868,24 @@ class PolicyLossParams:
         return self.tis_imp_ratio_cap is not None and self.tis_imp_ratio_cap > 0
 
 
-_ACTOR_KEYS = ("clip_ratio", "clip_ratio_low", "clip_ratio_high", "clip_ratio_c", "tis_imp_ratio_cap")
-_POLICY_LOSS_KEYS = ("clip_cov_ratio", "clip_cov_lb", "clip_cov_ub", "kl_cov_ratio", "ppo_kl_coef")
+_ACTOR_KEYS = (
+    "clip_ratio",
+    "clip_ratio_low",
+    "clip_ratio_high",
+    "clip_ratio_c",
+    "tis_imp_ratio_cap",
+    "tau_pos",
+    "tau_neg",
+    "loss_scale_factor",
+)
+_POLICY_LOSS_KEYS = (
+    "clip_cov_ratio",
+    "clip_cov_lb",
+    "clip_cov_ub",
+    "kl_cov_ratio",
+    "ppo_kl_coef",
+    "rollout_correction",
+)
 _DEFAULT_PARAMS = PolicyLossParams()
 
 
@@ -694,8 +898,14 @@ def _apply_tis(
     old_log_prob: torch.Tensor,
     rollout_log_probs: torch.Tensor | None,
     params: PolicyLossParams,
+    rollout_is_weights: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Weight each token's loss by min(pi_old / pi_rollout, cap) (no gradient through the weight)."""
+    """Weight each token's loss by min(pi_old / pi_rollout, cap) (`tis_imp_ratio_cap`) and by the
+    rollout correction's importance weights (`rollout_is_weights`, computed by the trainer); no
+    gradient flows through either weight."""
+    if rollout_is_weights is not None:
+        _check_shapes(pg_losses=pg_losses, rollout_is_weights=rollout_is_weights)
+        pg_losses = pg_losses * rollout_is_weights.detach()
     if rollout_log_probs is None or not params.tis_enabled:
         return pg_losses
     log_w = torch.clamp(old_log_prob - rollout_log_probs, -_LOG_RATIO_CLAMP, math.log(params.tis_imp_ratio_cap))
@@ -714,6 +924,7 @@ def compute_policy_loss_vanilla(
     loss_agg_mode: str = "token-mean",
     params: PolicyLossParams | None = None,
     rollout_log_probs: torch.Tensor | None = None,
+    rollout_is_weights: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     r"""PPO's clipped surrogate (Schulman et al., arXiv:1707.06347) with clip-higher and dual clip; `vanilla`.
 
@@ -737,7 +948,7 @@ def compute_policy_loss_vanilla(
     clip_loss = torch.maximum(unclipped, clipped)
     dual_cap = -advantages * params.clip_ratio_c
     pg_losses = torch.where(advantages < 0, torch.minimum(clip_loss, dual_cap), clip_loss)
-    pg_losses = _apply_tis(pg_losses, old_log_prob, rollout_log_probs, params)
+    pg_losses = _apply_tis(pg_losses, old_log_prob, rollout_log_probs, params, rollout_is_weights)
     metrics = {
         "pg_clipfrac": masked_mean((clipped > unclipped).to(ratio.dtype), response_mask).detach(),
         "pg_clipfrac_lower": masked_mean(
@@ -745,7 +956,7 @@ def compute_policy_loss_vanilla(
         ).detach(),
         "ppo_kl": masked_mean(-log_ratio, response_mask).detach(),
     }
-    return agg_loss(pg_losses, response_mask, loss_agg_mode), metrics
+    return agg_loss(pg_losses, response_mask, loss_agg_mode, params.loss_scale_factor), metrics
 
 
 def compute_policy_loss_gspo(
@@ -756,6 +967,7 @@ def compute_policy_loss_gspo(
     loss_agg_mode: str = "token-mean",
     params: PolicyLossParams | None = None,
     rollout_log_probs: torch.Tensor | None = None,
+    rollout_is_weights: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     r"""Group Sequence Policy Optimization (Zheng et al., arXiv:2507.18071); `gspo`.
 
@@ -775,13 +987,15 @@ def compute_policy_loss_gspo(
     ratio = torch.exp(torch.clamp(token_log_ratio, max=10.0))
     unclipped = -advantages * ratio
     clipped = -advantages * torch.clamp(ratio, 1 - params.low, 1 + params.high)
-    pg_losses = _apply_tis(torch.maximum(unclipped, clipped), old_log_prob, rollout_log_probs, params)
+    pg_losses = _apply_tis(
+        torch.maximum(unclipped, clipped), old_log_prob, rollout_log_probs, params, rollout_is_weights
+    )
     metrics = {
         "pg_clipfrac": masked_mean((clipped > unclipped).to(ratio.dtype), response_mask).detach(),
         "pg_clipfrac_lower": _zero(ratio),
         "ppo_kl": masked_mean(-log_ratio, response_mask).detach(),
     }
-    return agg_loss(pg_losses, response_mask, loss_agg_mode), metrics
+    return agg_loss(pg_losses, response_mask, loss_agg_mode, params.loss_scale_factor), metrics
 
 
 def compute_policy_loss_gpg(
@@ -792,6 +1006,7 @@ def compute_policy_loss_gpg(
     loss_agg_mode: str = "token-mean",
     params: PolicyLossParams | None = None,
     rollout_log_probs: torch.Tensor | None = None,
+    rollout_is_weights: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     r"""Group Policy Gradient's plain REINFORCE loss (Chu et al., arXiv:2504.02546); `gpg`.
 
@@ -800,13 +1015,13 @@ def compute_policy_loss_gpg(
     """
     params = params or _DEFAULT_PARAMS
     _check_shapes(old_log_prob=old_log_prob, log_prob=log_prob, advantages=advantages, response_mask=response_mask)
-    pg_losses = _apply_tis(-advantages * log_prob, old_log_prob, rollout_log_probs, params)
+    pg_losses = _apply_tis(-advantages * log_prob, old_log_prob, rollout_log_probs, params, rollout_is_weights)
     metrics = {
         "pg_clipfrac": _zero(log_prob),
         "pg_clipfrac_lower": _zero(log_prob),
         "ppo_kl": masked_mean(old_log_prob - log_prob, response_mask).detach(),
     }
-    return agg_loss(pg_losses, response_mask, loss_agg_mode), metrics
+    return agg_loss(pg_losses, response_mask, loss_agg_mode, params.loss_scale_factor), metrics
 
 
 def _rank_descending(keys: torch.Tensor) -> torch.Tensor:
@@ -833,6 +1048,7 @@ def compute_policy_loss_clip_cov(
     loss_agg_mode: str = "token-mean",
     params: PolicyLossParams | None = None,
     rollout_log_probs: torch.Tensor | None = None,
+    rollout_is_weights: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     r"""Clip-Cov (Cui et al., "The Entropy Mechanism of RL for Reasoning LMs", arXiv:2505.22617); `clip_cov`.
 
@@ -859,13 +1075,13 @@ def compute_policy_loss_clip_cov(
     random_keys = torch.where(candidate, torch.rand(candidate.shape, device=candidate.device), -1.0)
     cut = candidate & (_rank_descending(random_keys) < num_cut)
     pg_losses = torch.where(cut, 0.0, torch.maximum(unclipped, clipped))
-    pg_losses = _apply_tis(pg_losses, old_log_prob, rollout_log_probs, params)
+    pg_losses = _apply_tis(pg_losses, old_log_prob, rollout_log_probs, params, rollout_is_weights)
     metrics = {
         "pg_clipfrac": masked_mean(cut.to(ratio.dtype), response_mask).detach(),
         "pg_clipfrac_lower": _zero(ratio),
         "ppo_kl": masked_mean(-log_ratio, response_mask).detach(),
     }
-    return agg_loss(pg_losses, response_mask, loss_agg_mode), metrics
+    return agg_loss(pg_losses, response_mask, loss_agg_mode, params.loss_scale_factor), metrics
 
 
 def compute_policy_loss_kl_cov(
@@ -876,6 +1092,7 @@ def compute_policy_loss_kl_cov(
     loss_agg_mode: str = "token-mean",
     params: PolicyLossParams | None = None,
     rollout_log_probs: torch.Tensor | None = None,
+    rollout_is_weights: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     r"""KL-Cov (Cui et al., arXiv:2505.22617); `kl_cov`.
 
@@ -895,13 +1112,13 @@ def compute_policy_loss_kl_cov(
     num_pen = torch.clamp(torch.floor(num_valid * params.kl_cov_ratio), min=1)
     penalised = valid & (_rank_descending(torch.where(valid, cov, -torch.inf)) < num_pen)
     pg_losses = -advantages * ratio + torch.where(penalised, params.ppo_kl_coef * log_ratio.abs(), 0.0)
-    pg_losses = _apply_tis(pg_losses, old_log_prob, rollout_log_probs, params)
+    pg_losses = _apply_tis(pg_losses, old_log_prob, rollout_log_probs, params, rollout_is_weights)
     metrics = {
         "pg_clipfrac": masked_mean(penalised.to(ratio.dtype), response_mask).detach(),
         "pg_clipfrac_lower": _zero(ratio),
         "ppo_kl": masked_mean(log_ratio.abs(), response_mask).detach(),
     }
-    return agg_loss(pg_losses, response_mask, loss_agg_mode), metrics
+    return agg_loss(pg_losses, response_mask, loss_agg_mode, params.loss_scale_factor), metrics
 
 
 def compute_policy_loss_geo_mean(
@@ -912,6 +1129,7 @@ def compute_policy_loss_geo_mean(
     loss_agg_mode: str = "token-mean",
     params: PolicyLossParams | None = None,
     rollout_log_probs: torch.Tensor | None = None,
+    rollout_is_weights: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     r"""Geometric-Mean Policy Optimization (Zhao et al., arXiv:2507.20673); `geo_mean`.
 
@@ -923,7 +1141,8 @@ def compute_policy_loss_geo_mean(
     response $i$ over the non-empty responses $S$. GMPO is sequence-level by construction, so
     `loss_agg_mode` is not used. Metrics: `pg_clipfrac` / `pg_clipfrac_lower` = fraction of tokens
     whose log-ratio was clipped with $A>0$ / $A<0$. Truncated importance sampling is not defined
-    for it and raises.
+    for it and raises; rollout-correction weights (`rollout_is_weights`) scale each response's term
+    by the geometric mean of its token weights (as upstream).
     """
     params = params or _DEFAULT_PARAMS
     _check_shapes(old_log_prob=old_log_prob, log_prob=log_prob, advantages=advantages, response_mask=response_mask)
@@ -940,13 +1159,144 @@ def compute_policy_loss_geo_mean(
     seq_ratio = torch.exp(masked_mean(log_ratio_min, response_mask, axis=-1))
     seq_adv = masked_mean(advantages, response_mask, axis=-1)
     non_empty = (response_mask != 0).any(dim=-1)
-    pg_loss = masked_mean(-seq_adv * seq_ratio, non_empty)
+    seq_losses = -seq_adv * seq_ratio
+    if rollout_is_weights is not None:
+        # token weights -> one per response, by their geometric mean (the ratio's own aggregation)
+        seq_losses = seq_losses * torch.exp(
+            masked_mean(torch.log(rollout_is_weights.detach() + 1e-10), response_mask, axis=-1)
+        )
+    pg_loss = masked_mean(seq_losses, non_empty)
     was_clipped = log_ratio != log_ratio_clamped
     metrics = {
         "pg_clipfrac": masked_mean((was_clipped & (advantages > 0)).to(log_ratio.dtype), response_mask).detach(),
         "pg_clipfrac_lower": masked_mean((was_clipped & (advantages < 0)).to(log_ratio.dtype), response_mask).detach(),
         "ppo_kl": masked_mean(-log_ratio, response_mask).detach(),
     }
+    return pg_loss, metrics
+
+
+def compute_policy_loss_cispo(
+    old_log_prob: torch.Tensor,
+    log_prob: torch.Tensor,
+    advantages: torch.Tensor,
+    response_mask: torch.Tensor,
+    loss_agg_mode: str = "token-mean",
+    params: PolicyLossParams | None = None,
+    rollout_log_probs: torch.Tensor | None = None,
+    rollout_is_weights: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    r"""Clipped IS-weight Policy Optimization (MiniMax-M1, arXiv:2506.13585); `cispo`.
+
+    $\ell_t = -\mathrm{sg}[\mathrm{clip}(\rho_t, 1-\epsilon_{low}, 1+\epsilon_{high})]\,A_t\log\pi_t$
+    with $\rho_t = \exp(\log\pi_t - \log\pi^{old}_t)$ (log clamped to ±20). Unlike PPO, which drops
+    the gradient of a token whose ratio left the clip range, CISPO clips only the weight: every token
+    keeps its REINFORCE gradient $-\mathrm{clip}(\rho_t)A_t\nabla\log\pi_t$. The ranges are the
+    actor's `clip_ratio_low` / `clip_ratio_high` (the paper bounds only the upper side: a large
+    `clip_ratio_low`, e.g. 1.0, leaves the lower side open). Metrics: `pg_clipfrac` = fraction of
+    tokens whose ratio was clipped; `pg_clipfrac_lower` 0; `ppo_kl` as `vanilla`.
+    """
+    params = params or _DEFAULT_PARAMS
+    _check_shapes(old_log_prob=old_log_prob, log_prob=log_prob, advantages=advantages, response_mask=response_mask)
+    log_ratio = _log_ratio(old_log_prob, log_prob)
+    ratio = torch.exp(log_ratio)
+    clipped_ratio = torch.clamp(ratio, 1 - params.low, 1 + params.high)
+    pg_losses = -clipped_ratio.detach() * advantages * log_prob
+    pg_losses = _apply_tis(pg_losses, old_log_prob, rollout_log_probs, params, rollout_is_weights)
+    metrics = {
+        "pg_clipfrac": masked_mean((ratio != clipped_ratio).to(ratio.dtype), response_mask).detach(),
+        "pg_clipfrac_lower": _zero(ratio),
+        "ppo_kl": masked_mean(-log_ratio, response_mask).detach(),
+    }
+    return agg_loss(pg_losses, response_mask, loss_agg_mode, params.loss_scale_factor), metrics
+
+
+SAPO_LOSS_AGG_MODE = "seq-mean-token-mean"
+
+
+def compute_policy_loss_sapo(
+    old_log_prob: torch.Tensor,
+    log_prob: torch.Tensor,
+    advantages: torch.Tensor,
+    response_mask: torch.Tensor,
+    loss_agg_mode: str = SAPO_LOSS_AGG_MODE,
+    params: PolicyLossParams | None = None,
+    rollout_log_probs: torch.Tensor | None = None,
+    rollout_is_weights: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    r"""Soft Adaptive Policy Optimization (Gao et al., arXiv:2511.20347); `sapo`.
+
+    A smooth gate replaces PPO's hard clip: $\ell_t = -f(\rho_t, \tau_t)\,A_t$ with
+    $f(\rho, \tau) = \frac{4}{\tau}\sigma(\tau(\rho - 1))$, $\tau_t$ = `tau_pos` for $A_t > 0$ and
+    `tau_neg` otherwise. At $\rho = 1$ the gate's slope is 1 (PPO's gradient); it fades as the ratio
+    moves away, faster for larger $\tau$ (so `tau_neg > tau_pos` damps negative updates sooner).
+    Always aggregated `seq-mean-token-mean`, whatever `loss_agg_mode` says (as upstream; the actor
+    warns when the configured mode differs). Metrics: `pg_clipfrac`, `pg_clipfrac_lower` 0;
+    `ppo_kl` as `vanilla`.
+    """
+    del loss_agg_mode  # fixed by the method (see the docstring)
+    params = params or _DEFAULT_PARAMS
+    _check_shapes(old_log_prob=old_log_prob, log_prob=log_prob, advantages=advantages, response_mask=response_mask)
+    log_ratio = _log_ratio(old_log_prob, log_prob)
+    ratio = torch.exp(log_ratio)
+    # built in the ratio's dtype: torch.where of two Python floats would round them to float32
+    tau = torch.full_like(ratio, params.tau_neg).masked_fill(advantages > 0, params.tau_pos)
+    gate = torch.sigmoid(tau * (ratio - 1.0)) * (4.0 / tau)
+    pg_losses = _apply_tis(-gate * advantages, old_log_prob, rollout_log_probs, params, rollout_is_weights)
+    metrics = {
+        "pg_clipfrac": _zero(ratio),
+        "pg_clipfrac_lower": _zero(ratio),
+        "ppo_kl": masked_mean(-log_ratio, response_mask).detach(),
+    }
+    return agg_loss(pg_losses, response_mask, SAPO_LOSS_AGG_MODE, params.loss_scale_factor), metrics
+
+
+def compute_policy_loss_bypass_mode(
+    old_log_prob: torch.Tensor,
+    log_prob: torch.Tensor,
+    advantages: torch.Tensor,
+    response_mask: torch.Tensor,
+    loss_agg_mode: str = "token-mean",
+    params: PolicyLossParams | None = None,
+    rollout_log_probs: torch.Tensor | None = None,
+    rollout_is_weights: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    r"""Rollout correction's bypass mode (`algorithm.rollout_correction.bypass_mode=true`); `bypass_mode`.
+
+    The trainer skipped the old-log-prob pass: `old_log_prob` *is* the rollout's, $\mu$. Per call,
+    from the current $\pi$ (no gradient): importance weights and rejection as configured in
+    `params.rollout_correction` (see `verl.trainer.ppo.rollout_corr_helper`); rejected tokens' terms
+    are dropped (weight 0, still counted by the aggregation), then by `loss_type`:
+
+    - `ppo_clip`: `vanilla`'s clipped surrogate on $\rho = \pi/\mu$ (the ratio already is the
+      importance weight, so the weights are only reported);
+    - `reinforce`: $\ell_t = -\mathrm{sg}(w_t)A_t\log\pi_t$ ($w$ = 1 without `rollout_is`).
+
+    Metrics: the chosen loss's, plus `rollout_corr/*` (weights, rejection, off-policy gap of the
+    current policy). `rollout_is_weights` from the batch are not used (they would weight twice).
+    """
+    params = params or _DEFAULT_PARAMS
+    _check_shapes(old_log_prob=old_log_prob, log_prob=log_prob, advantages=advantages, response_mask=response_mask)
+    rc = params.rollout_correction or RolloutCorrectionConfig(bypass_mode=True)
+    with torch.no_grad():
+        weights, kept, corr_metrics = rollout_correction_tensors(log_prob, old_log_prob, response_mask, rc)
+    # Rejected tokens get weight 0 but stay in the aggregation's denominator, so rejection drops
+    # their terms without rescaling the others (the loss of a mini-batch does not depend on how it
+    # is cut into micro-batches, as in the decoupled mode's rejection before the update).
+    keep = (kept != 0).to(log_prob.dtype)
+    if rc.loss_type == "reinforce":
+        token_weights = keep if weights is None else keep * weights
+        pg_losses = -advantages * log_prob * token_weights.detach()
+        pg_loss = agg_loss(pg_losses, response_mask, loss_agg_mode, params.loss_scale_factor)
+        metrics = {
+            "pg_clipfrac": _zero(log_prob),
+            "pg_clipfrac_lower": _zero(log_prob),
+            "ppo_kl": masked_mean(old_log_prob - log_prob, kept).detach(),
+        }
+    else:
+        pg_loss, metrics = compute_policy_loss_vanilla(
+            old_log_prob, log_prob, advantages, response_mask, loss_agg_mode, params, rollout_is_weights=keep
+        )
+    metrics.update(corr_metrics)
     return pg_loss, metrics
 
 
@@ -957,10 +1307,23 @@ POLICY_LOSSES: dict[str, Callable[..., tuple[torch.Tensor, dict[str, torch.Tenso
     "clip_cov": compute_policy_loss_clip_cov,
     "kl_cov": compute_policy_loss_kl_cov,
     "geo_mean": compute_policy_loss_geo_mean,
+    "cispo": compute_policy_loss_cispo,
+    "sapo": compute_policy_loss_sapo,
+    "bypass_mode": compute_policy_loss_bypass_mode,
 }
 """`actor.policy_loss.loss_mode` name -> loss. Every loss has the signature
 `fn(old_log_prob, log_prob, advantages, response_mask, loss_agg_mode="token-mean", params=None,
-rollout_log_probs=None) -> (scalar loss, {"pg_clipfrac", "pg_clipfrac_lower", "ppo_kl", ...})`."""
+rollout_log_probs=None, rollout_is_weights=None) -> (scalar loss, {"pg_clipfrac",
+"pg_clipfrac_lower", "ppo_kl", ...})`. Metric names without a `/` are the actor's (`actor/<name>`);
+names with one (`rollout_corr/...`) are logged as they are.
+
+`rollout_is_weights` [B, R] are rollout correction's importance weights (decoupled mode): each
+token's loss is multiplied by them before aggregation. A user's loss registered without that
+parameter works as long as rollout correction's weights are off."""
+
+LOSS_AGG_MODE_OVERRIDES = {"sapo": SAPO_LOSS_AGG_MODE, "geo_mean": "seq-mean-token-mean"}
+"""Losses that aggregate their own way whatever `loss_agg_mode` says: the actor weighs their
+micro-batches by this mode's normaliser (geo_mean averages over responses, like `seq-mean-*`)."""
 
 
 def register_policy_loss(name: str) -> Callable:

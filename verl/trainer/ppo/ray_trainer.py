@@ -55,10 +55,16 @@ from verl.trainer.ppo.metric_utils import (
     process_validation_metrics,
     reduce_metrics,
 )
+from verl.trainer.ppo.rollout_corr_helper import (
+    apply_bypass_mode,
+    compute_rollout_correction_and_add_to_batch,
+    configure_rollout_correction,
+)
 from verl.utils import speed_paths
 from verl.utils.checkpoint.checkpoint_manager import find_latest_ckpt_path, write_checkpoint_tracker
 from verl.utils.checkpoint.safe_load import from_plain, numpy_rng_state, set_numpy_rng_state, to_plain, torch_load
 from verl.utils.logging_utils import get_logger
+from verl.utils.profiler import StepProfiler, resolve_role_profilers
 from verl.utils.speed_paths import SpeedPath
 from verl.utils.timer import marked_timer
 
@@ -149,6 +155,11 @@ class RayPPOTrainer:
         self._async_rollout = None  # AsyncRolloutSource, built in init_workers when generation runs ahead
         if staleness_threshold(config) > 0:
             configure_off_policy_correction(config)
+        # both may hand settings to the workers' configs, so they run before the workers are built
+        self.rollout_correction = configure_rollout_correction(config)
+        self.profiler_config = resolve_role_profilers(config)
+        self._step_profiler = StepProfiler(self.profiler_config)
+        _check_estimator_inputs(config)
         self.global_steps = 0
         self._nonfinite_in_a_row = 0
         self._create_dataloader(train_dataset, val_dataset, collate_fn, train_sampler)
@@ -194,8 +205,12 @@ class RayPPOTrainer:
         arc = self.config.actor_rollout_ref
         roles_in_pool: dict[Any, dict[str, RayClassWithInitArgs]] = {}
 
+        profiled_env = self.profiler_config.worker_runtime_env()  # nsys: start each worker under nsys
+
         def add(role: Role, name: str, cls_with_args: RayClassWithInitArgs) -> None:
             pool = self.resource_pool_manager.get_resource_pool(role)
+            if profiled_env:
+                cls_with_args.update_options({"runtime_env": profiled_env})
             roles_in_pool.setdefault(pool, {})[name] = cls_with_args
 
         actor_role = Role.ActorRolloutRef if Role.ActorRolloutRef in self.role_worker_mapping else Role.ActorRollout
@@ -262,6 +277,8 @@ class RayPPOTrainer:
             self._async_rollout = AsyncRolloutSource(self, self.rollout_wg)
             self._rollout_strategy = self._async_rollout
         self._worker_speed_paths = self._collect_worker_speed_paths()
+        groups = {id(g): g for g in (getattr(self, n, None) for n in _WORKER_GROUPS) if g is not None}
+        self._step_profiler = StepProfiler(self.profiler_config, groups.values())
 
     def _collect_worker_speed_paths(self) -> list[SpeedPath]:
         """The speed paths every worker group reports (a worker class without the `speed_paths` RPC,
@@ -300,6 +317,7 @@ class RayPPOTrainer:
             if self.use_critic:
                 with marked_timer("values", state.timing):
                     batch = self._compute_values(batch)
+            batch = self._correct_rollout(batch, state)
             with marked_timer("adv", state.timing):
                 batch = self._compute_advantage(batch, state)
             if self.use_critic:
@@ -443,8 +461,16 @@ class RayPPOTrainer:
     def _apply_kl_in_reward(self, batch: DataProto) -> dict[str, float]:
         # The in-reward KL needs the current policy and reference log-probs before the reward is
         # final; compute them here (they are reused by the later phases and not recomputed).
+        if (
+            "old_log_probs" not in batch.batch
+            and self.rollout_correction is not None
+            and self.rollout_correction.bypass_mode
+        ):
+            apply_bypass_mode(batch)  # bypass mode: the rollout's log-probs are the policy's here too
         if "old_log_probs" not in batch.batch:
-            batch.union(self.actor_rollout_wg.compute_log_prob(batch).select(batch_keys=["old_log_probs"]))
+            out = self.actor_rollout_wg.compute_log_prob(batch)
+            # sum_pi_squared too: the old-log-prob phase is skipped later, and the estimator may need it
+            batch.union(out.select(batch_keys=[k for k in ("old_log_probs", "sum_pi_squared") if k in out.batch]))
         if "ref_log_prob" not in batch.batch:
             batch.union(self.ref_policy_wg.compute_ref_log_prob(batch))
         rewards, current_kl = core_algos.apply_kl_penalty_tensors(
@@ -518,17 +544,22 @@ class RayPPOTrainer:
             and arc.actor.ppo_mini_batch_size == self.config.data.train_batch_size
             and not self.config.algorithm.use_kl_in_reward
             and not arc.rollout.get("calculate_log_probs", False)
+            and not arc.actor.get("calculate_sum_pi_squared", False)
         )
 
     def _compute_old_log_prob(self, batch: DataProto, state: _StepState) -> DataProto:
         if "old_log_probs" in batch.batch or self._reuses_current_log_probs():
             return batch
+        if self.rollout_correction is not None and self.rollout_correction.bypass_mode:
+            apply_bypass_mode(batch)  # the rollout's log-probs are the old ones: no forward pass
+            return batch
         out = self.actor_rollout_wg.compute_log_prob(batch)
         state.metrics.update(_meta_metrics(out))
         if "entropys" in out.batch:
             entropys = out.batch.pop("entropys")
+            actor_cfg = self.config.actor_rollout_ref.actor
             state.metrics["actor/entropy"] = core_algos.agg_loss(
-                entropys, batch.batch["response_mask"], self.config.actor_rollout_ref.actor.loss_agg_mode
+                entropys, batch.batch["response_mask"], actor_cfg.loss_agg_mode, actor_cfg.get("loss_scale_factor")
             ).item()
         if "rollout_log_probs" in batch.batch:
             state.metrics.update(_rollout_mismatch_metrics(batch, out.batch["old_log_probs"]))
@@ -549,6 +580,19 @@ class RayPPOTrainer:
     def _compute_values(self, batch: DataProto) -> DataProto:
         return batch.union(self.critic_wg.compute_values(batch))
 
+    def _correct_rollout(self, batch: DataProto, state: _StepState) -> DataProto:
+        """Rollout correction, decoupled mode (`algorithm.rollout_correction`): importance weights of
+        pi_old / pi_rollout and rejection of what leaves the trust region, written into the batch for
+        the advantage and the actor, and the rollout_corr/* metrics; whenever the rollout returned
+        log-probs (bypass mode corrects inside the actor's loss instead)."""
+        rc = self.rollout_correction
+        if rc is None or rc.bypass_mode or "rollout_log_probs" not in batch.batch:
+            return batch
+        with marked_timer("rollout_correction", state.timing):
+            batch, metrics = compute_rollout_correction_and_add_to_batch(batch, rc)
+        state.metrics.update(metrics)
+        return batch
+
     def _compute_advantage(self, batch: DataProto, state: _StepState) -> DataProto:
         """Driver-side advantage estimation: core_algos picks the inputs the estimator takes."""
         algo = self.config.algorithm
@@ -560,7 +604,8 @@ class RayPPOTrainer:
             "lam": algo.get("lam", 1.0),
             "norm_adv_by_std_in_grpo": algo.get("norm_adv_by_std_in_grpo", True),
         }
-        inputs.update({k: batch.batch[k] for k in ("values", "reward_baselines") if k in batch.batch})
+        optional = ("values", "reward_baselines", "old_log_probs", "sum_pi_squared", "rollout_is_weights")
+        inputs.update({k: batch.batch[k] for k in optional if k in batch.batch})
         advantages, returns = core_algos.compute_advantage_from_tensors(algo.adv_estimator, **inputs)
         batch.batch["advantages"] = advantages
         batch.batch["returns"] = returns
@@ -648,6 +693,7 @@ class RayPPOTrainer:
         while self.global_steps < self.total_training_steps:
             self.global_steps += 1
             is_last = self.global_steps >= self.total_training_steps
+            self._step_profiler.begin(self.global_steps)
             metrics = self.step()
             self._update_curriculum()
             if self._count_nonfinite_step(metrics):
@@ -663,6 +709,7 @@ class RayPPOTrainer:
             if _due(trainer_cfg.get("save_freq", -1), self.global_steps, is_last):
                 with marked_timer("save_checkpoint", timing):
                     self._save_checkpoint()
+            self._step_profiler.end(self.global_steps)
             metrics.update({f"timing_s/{name}": seconds for name, seconds in timing.items()})
             metrics.update(speed_paths.metrics(self.current_speed_paths()))
             metrics["training/global_step"] = self.global_steps
@@ -803,6 +850,22 @@ class RayPPOTrainer:
         random.setstate(rng["python"])
         set_numpy_rng_state(rng["numpy"])
         torch.set_rng_state(rng["torch"])
+
+
+_WORKER_GROUPS = ("actor_rollout_wg", "critic_wg", "ref_policy_wg", "rm_wg", "rollout_wg")
+_NEEDS_SUM_PI_SQUARED = ("optimal_token_baseline", "tir_optimal_token_baseline")
+
+
+def _check_estimator_inputs(config) -> None:
+    """An estimator's inputs that only a config switch produces must be switched on."""
+    estimator = config.algorithm.adv_estimator
+    estimator = getattr(estimator, "value", estimator)
+    actor = config.actor_rollout_ref.actor
+    if estimator in _NEEDS_SUM_PI_SQUARED and not actor.get("calculate_sum_pi_squared", False):
+        raise ValueError(
+            f"algorithm.adv_estimator={estimator} weighs each token by its score norm, which needs sum_v pi_v^2 "
+            "from the actor's log-prob pass; set actor_rollout_ref.actor.calculate_sum_pi_squared=true"
+        )
 
 
 def _equal_groups(uids, world_size: int) -> list[list[int]] | None:

@@ -51,11 +51,21 @@ CPU backend. `flops` tallies the model FLOPs of the micro-batches `update_policy
 run (shared prompts once, skipped rows not at all; see `verl.utils.flops_counter`), for the
 worker's `perf/mfu/actor`.
 
+Rollout correction: `rollout_is_weights` in the batch (decoupled mode, computed by the trainer)
+multiply each token's policy loss; with `rollout_log_probs` in the batch every micro-batch also
+reports the current policy's gap to the rollout (`rollout_corr/*`, as upstream); bypass mode is the
+`bypass_mode` policy loss (see `verl.trainer.ppo.rollout_corr_helper`).
+
 Config keys read (the `actor_rollout_ref.actor` section; DictConfig, dataclass or dict):
 ppo_mini_batch_size, ppo_micro_batch_size_per_gpu, use_dynamic_bsz, ppo_max_token_len_per_gpu,
-ppo_epochs, shuffle, data_loader_seed, grad_clip, clip_ratio, clip_ratio_low, clip_ratio_high,
-clip_ratio_c, tis_imp_ratio_cap, policy_loss {loss_mode, clip_cov_*, kl_cov_ratio, ppo_kl_coef},
-loss_agg_mode, entropy_coeff, use_kl_loss, kl_loss_coef, kl_loss_type, use_remove_padding,
+ppo_epochs, shuffle, data_loader_seed (the shuffle's seed), grad_clip or optim.clip_grad
+(`verl.utils.optim.grad_clip`), clip_ratio, clip_ratio_low, clip_ratio_high, clip_ratio_c,
+tis_imp_ratio_cap, tau_pos, tau_neg (sapo), loss_scale_factor (seq-mean-token-sum-norm's length,
+for every term of the loss), calculate_entropy (compute and report `actor/entropy` during the
+update even without an entropy bonus), policy_loss {loss_mode, clip_cov_*, kl_cov_ratio,
+ppo_kl_coef, rollout_correction}, loss_agg_mode (replaced by the loss's own for `sapo` and
+`geo_mean`, with a warning: `core_algos.LOSS_AGG_MODE_OVERRIDES`), entropy_coeff, use_kl_loss,
+kl_loss_coef, kl_loss_type, use_remove_padding,
 ulysses_sequence_parallel_size (must be 1), skip_zero_advantage_step, skip_zero_advantage_rows,
 share_prompt_forward. `use_torch_compile` is
 accepted and has no effect: the log-prob and entropy kernels are chunked autograd functions that
@@ -71,6 +81,7 @@ import torch.distributed as dist
 from torch.distributed.fsdp import FSDPModule
 
 from verl.trainer.ppo.core_algos import (
+    LOSS_AGG_MODE_OVERRIDES,
     PolicyLossParams,
     agg_loss,
     entropy_from_logits_with_chunking,
@@ -78,13 +89,17 @@ from verl.trainer.ppo.core_algos import (
     kl_penalty,
     logprobs_from_logits,
 )
+from verl.trainer.ppo.rollout_corr_helper import compute_rollout_corr_metrics_from_logprobs
 from verl.utils import shared_prompt, speed_paths
 from verl.utils.device import collective_device, get_device
 from verl.utils.flops_counter import FlopsCounter, FlopsTally
 from verl.utils.hf_forward import model_forward
+from verl.utils.logging_utils import get_logger
+from verl.utils.optim import grad_clip
 from verl.utils.remove_padding import pad_input, unpad_input, unpad_position_ids
 from verl.utils.seqlen_balancing import num_micro_batches_for_budget
 from verl.utils.shared_prompt import prompt_groups, shared_prompt_logits
+from verl.utils.torch_functional import sum_pi_squared_from_logits
 from verl.workers.actor.base import BasePPOActor
 from verl.workers.dp_training import (
     append_to_dict,
@@ -101,10 +116,17 @@ from verl.workers.dp_training import (
     token_window,
 )
 
-__all__ = ["DataParallelPPOActor"]
+__all__ = ["TOKEN_STATS", "DataParallelPPOActor"]
+
+logger = get_logger(__name__, "INFO")
 
 # policy losses whose per-row loss is exactly zero when the row's advantages are (see the module docstring)
-ROW_SEPARABLE_LOSSES = ("vanilla", "gspo", "gpg")
+ROW_SEPARABLE_LOSSES = ("vanilla", "gspo", "gpg", "cispo", "sapo")
+
+TOKEN_STATS = {"entropy": entropy_from_logits_with_chunking, "sum_pi_squared": sum_pi_squared_from_logits}
+"""Per-token statistics of the (temperature-scaled) logits [..., V] -> [...] the forward can return
+beside the log-probs: `entropy` (differentiable) and `sum_pi_squared` (sum_v p_v^2, for the
+optimal token baseline; no gradient)."""
 
 
 def skips_zero_advantage_rows(actor_cfg) -> bool:
@@ -174,11 +196,15 @@ class DataParallelPPOActor(BasePPOActor):
         speed_paths.report([self.shared_prompt_path])
         # on even when the path is off for updates only (gradient checkpointing): log-probs still share
         self.share_prompt_forward = self.shared_prompt_path.requested and forward.cache_argument is not None
-        self.loss_agg_mode = cfg.get("loss_agg_mode", "token-mean")
         policy_loss_cfg = cfg.get("policy_loss") or {}
-        self.policy_loss_fn = get_policy_loss_fn(policy_loss_cfg.get("loss_mode", "vanilla"))
+        self.loss_mode = policy_loss_cfg.get("loss_mode", "vanilla")
+        self.loss_agg_mode = self._effective_loss_agg_mode(cfg.get("loss_agg_mode", "token-mean"))
+        self.policy_loss_fn = get_policy_loss_fn(self.loss_mode)
         self.policy_loss_params = PolicyLossParams.from_actor_config(cfg)
+        self.loss_scale_factor = self.policy_loss_params.loss_scale_factor
         self.entropy_coeff = float(cfg.get("entropy_coeff", 0.0) or 0.0)
+        self.calculate_entropy = bool(cfg.get("calculate_entropy", False))
+        self.grad_clip = grad_clip(cfg, "actor_rollout_ref.actor")
         self.use_kl_loss = bool(cfg.get("use_kl_loss", False))
         self.kl_loss_coef = float(cfg.get("kl_loss_coef", 0.001))
         self.kl_loss_type = cfg.get("kl_loss_type", "low_var_kl")
@@ -193,12 +219,33 @@ class DataParallelPPOActor(BasePPOActor):
         frozen = any(not p.requires_grad for p in actor_module.parameters())
         self.flops = FlopsTally(FlopsCounter.for_model(getattr(hf_module, "config", None)), passes=2 if frozen else 3)
 
+    def _effective_loss_agg_mode(self, configured: str) -> str:
+        """The aggregation the whole loss uses: the configured one, unless the policy loss fixes its
+        own (`LOSS_AGG_MODE_OVERRIDES`); then every term follows it, so micro-batches stay weighted
+        consistently (see verl.workers.dp_training), and the replacement is logged."""
+        fixed = LOSS_AGG_MODE_OVERRIDES.get(self.loss_mode)
+        if fixed is None or fixed == configured:
+            return configured
+        logger.warning(
+            f"actor.policy_loss.loss_mode={self.loss_mode} aggregates its loss {fixed} (as upstream), so "
+            f"actor.loss_agg_mode={configured} is replaced by {fixed} for the whole actor loss"
+        )
+        return fixed
+
     # ------------------------------------------------------------------ forward
 
     def _forward_micro_batch(
         self, micro_batch, temperature: float, calculate_entropy: bool = False
     ) -> tuple[torch.Tensor | None, torch.Tensor]:
         """(entropy [B, R] or None, log_probs [B, R]) of the responses in `micro_batch`."""
+        stats, log_probs = self._forward_with_stats(micro_batch, temperature, ("entropy",) if calculate_entropy else ())
+        return stats.get("entropy"), log_probs
+
+    def _forward_with_stats(
+        self, micro_batch, temperature: float, stats: tuple[str, ...] = ()
+    ) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+        """({name: [B, R]} for each `TOKEN_STATS` name in `stats`, log_probs [B, R]) of the
+        responses in `micro_batch`."""
         input_ids = micro_batch["input_ids"]
         batch_size, seqlen = input_ids.shape
         response_length = micro_batch["responses"].shape[-1]
@@ -225,10 +272,10 @@ class DataParallelPPOActor(BasePPOActor):
             )
             if packed is not None:
                 return self._packed_response_outputs(
-                    first_logits, rest_logits, packed, micro_batch["responses"], temperature, calculate_entropy
+                    first_logits, rest_logits, packed, micro_batch["responses"], temperature, stats
                 )
             return self._response_outputs(
-                [first_logits[:, None, :], rest_logits], micro_batch["responses"], temperature, calculate_entropy
+                [first_logits[:, None, :], rest_logits], micro_batch["responses"], temperature, stats
             )
         if self.use_remove_padding:
             packed_ids, indices = unpad_input(input_ids, micro_batch["attention_mask"])
@@ -240,11 +287,11 @@ class DataParallelPPOActor(BasePPOActor):
             labels = torch.roll(packed_ids[0], shifts=-1)
             log_probs = pad_input(logprobs_from_logits(logits, labels), indices, batch_size, seqlen)
             log_probs = log_probs[:, -response_length - 1 : -1]
-            entropy = None
-            if calculate_entropy:
-                entropy = pad_input(entropy_from_logits_with_chunking(logits), indices, batch_size, seqlen)
-                entropy = entropy[:, -response_length - 1 : -1]
-            return entropy, log_probs
+            out = {}
+            for name in stats:
+                values = pad_input(TOKEN_STATS[name](logits), indices, batch_size, seqlen)
+                out[name] = values[:, -response_length - 1 : -1]
+            return out, log_probs
         # Only the last R + 1 positions predict response tokens: skip the LM head everywhere else
         # (a large saving for real vocabularies, e.g. 152k for Qwen2.5).
         keep = {"logits_to_keep": kept + 1} if self._accepts_logits_to_keep else {}
@@ -256,31 +303,30 @@ class DataParallelPPOActor(BasePPOActor):
             **keep,
         )
         return self._response_outputs(
-            [output.logits[:, -kept - 1 : -1, :]], micro_batch["responses"], temperature, calculate_entropy
+            [output.logits[:, -kept - 1 : -1, :]], micro_batch["responses"], temperature, stats
         )
 
     @staticmethod
-    def _response_outputs(logit_parts, responses, temperature: float, calculate_entropy: bool):
-        """(entropy or None, log_probs), both [B, R], from logits [B, k_i, V] of consecutive response columns."""
+    def _response_outputs(logit_parts, responses, temperature: float, stats: tuple[str, ...]):
+        """({stat: [B, R]}, log_probs [B, R]) from logits [B, k_i, V] of consecutive response columns."""
         response_length = responses.shape[-1]
-        log_probs, entropy, col = [], [], 0
+        log_probs, parts, col = [], {name: [] for name in stats}, 0
         for logits in logit_parts:
             width = logits.shape[1]
             if width == 0:
                 continue
             logits.div_(temperature)
             log_probs.append(logprobs_from_logits(logits, responses[:, col : col + width]))
-            if calculate_entropy:
-                entropy.append(entropy_from_logits_with_chunking(logits))
+            for name in stats:
+                parts[name].append(TOKEN_STATS[name](logits))
             col += width
         log_probs = pad_response_columns(torch.cat(log_probs, dim=1), response_length)
-        if not calculate_entropy:
-            return None, log_probs
-        return pad_response_columns(torch.cat(entropy, dim=1), response_length), log_probs
+        out = {name: pad_response_columns(torch.cat(values, dim=1), response_length) for name, values in parts.items()}
+        return out, log_probs
 
     @staticmethod
-    def _packed_response_outputs(first_logits, rest_logits, packed, responses, temperature: float, calculate_entropy):
-        """(entropy or None, log_probs), both [B, R], from the shared-prompt pass's packed layout
+    def _packed_response_outputs(first_logits, rest_logits, packed, responses, temperature: float, stats):
+        """({stat: [B, R]}, log_probs [B, R]) from the shared-prompt pass's packed layout
         (`first_logits` [B, V], `rest_logits` [U, width, V]; see `verl.utils.shared_prompt`).
         Response columns the packed pass does not predict (padding) are 0."""
         batch_size, response_length = responses.shape
@@ -299,10 +345,9 @@ class DataParallelPPOActor(BasePPOActor):
         log_probs = place(
             logprobs_from_logits(first_logits, responses[:, 0]), logprobs_from_logits(rest_logits, labels)
         )
-        if not calculate_entropy:
-            return None, log_probs
-        entropy = place(entropy_from_logits_with_chunking(first_logits), entropy_from_logits_with_chunking(rest_logits))
-        return entropy, log_probs
+        return {
+            name: place(TOKEN_STATS[name](first_logits), TOKEN_STATS[name](rest_logits)) for name in stats
+        }, log_probs
 
     def _share_prompts(self, micro_batch, response_length: int, start: int):
         """(first_rows, inverse, layout) when this micro-batch takes the shared-prompt path, else None.
@@ -351,13 +396,22 @@ class DataParallelPPOActor(BasePPOActor):
 
     # ------------------------------------------------------------------ inference
 
-    @torch.no_grad()
     def compute_log_prob(self, data, calculate_entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Log-probs [B, R] of the responses (and entropies [B, R] when `calculate_entropy`).
 
         `data.meta_info` gives `temperature`, `micro_batch_size` (or `use_dynamic_bsz` +
         `max_token_len`). Every rank must call it with the same number of samples.
         """
+        log_probs, stats = self.compute_log_prob_and_stats(data, ("entropy",) if calculate_entropy else ())
+        return log_probs, stats.get("entropy")
+
+    @torch.no_grad()
+    def compute_log_prob_and_stats(self, data, stats: tuple[str, ...] = ()) -> tuple[torch.Tensor, dict]:
+        """(log-probs [B, R], {name: [B, R]}) for each `TOKEN_STATS` name in `stats` (`entropy`,
+        `sum_pi_squared`); `data.meta_info` as for `compute_log_prob`."""
+        unknown = [name for name in stats if name not in TOKEN_STATS]
+        if unknown:
+            raise ValueError(f"unknown per-token statistics {unknown}; available: {sorted(TOKEN_STATS)}")
         self.actor_module.eval()
         meta = data.meta_info
         temperature = _require_temperature(meta)
@@ -369,19 +423,18 @@ class DataParallelPPOActor(BasePPOActor):
             max_token_len=meta.get("max_token_len"),
             dp_group=self._dp_group,
         )
-        log_probs, entropys = [], []
+        log_probs, parts = [], {name: [] for name in stats}
         for micro_batch in micro_batches:
-            entropy, log_prob = self._forward_micro_batch(micro_batch.to(get_device()), temperature, calculate_entropy)
+            values, log_prob = self._forward_with_stats(micro_batch.to(get_device()), temperature, tuple(stats))
             log_probs.append(log_prob)
-            if calculate_entropy:
-                entropys.append(entropy)
+            for name in stats:
+                parts[name].append(values[name])
         log_probs = torch.cat(log_probs, dim=0)
-        entropy_out = torch.cat(entropys, dim=0) if calculate_entropy else None
+        out = {name: torch.cat(values, dim=0) for name, values in parts.items()}
         if reverse_idx is not None:
             log_probs = log_probs[reverse_idx.to(log_probs.device)]
-            if entropy_out is not None:
-                entropy_out = entropy_out[reverse_idx.to(entropy_out.device)]
-        return log_probs, entropy_out
+            out = {name: values[reverse_idx.to(values.device)] for name, values in out.items()}
+        return log_probs, out
 
     # ------------------------------------------------------------------ training
 
@@ -397,7 +450,7 @@ class DataParallelPPOActor(BasePPOActor):
                 missing.append("ref_log_prob (actor.use_kl_loss is on: compute reference log-probs first)")
         if missing:
             raise KeyError(f"update_policy needs batch keys {missing}; the batch has {sorted(present)}")
-        keys += [k for k in ("response_mask", "rollout_log_probs") if k in present]
+        keys += [k for k in ("response_mask", "rollout_log_probs", "rollout_is_weights") if k in present]
         return keys
 
     def update_policy(self, data) -> dict[str, list[float]]:
@@ -491,7 +544,7 @@ class DataParallelPPOActor(BasePPOActor):
         for micro_batch in micro_batches:
             micro_batch = micro_batch.to(get_device())
             micro_metrics.append(self._backward_micro_batch(micro_batch, temperature, normaliser))
-        grad_norm = clip_grad_norm(self.actor_module, self._cfg.get("grad_clip", 1.0))
+        grad_norm = clip_grad_norm(self.actor_module, self.grad_clip)
         *micro_metrics, step = metrics_to_host([*micro_metrics, {"grad_norm": grad_norm}])
         for micro in micro_metrics:
             append_to_dict(metrics, micro)
@@ -535,8 +588,9 @@ class DataParallelPPOActor(BasePPOActor):
         return out
 
     def needs_entropy(self, micro_batch) -> bool:
-        """Whether the loss of `micro_batch` needs the entropy (bonus, or reported on-policy)."""
-        return self.entropy_coeff != 0 or "old_log_probs" not in micro_batch
+        """Whether the loss of `micro_batch` needs the entropy (bonus, `calculate_entropy`, or
+        reported on-policy)."""
+        return self.entropy_coeff != 0 or self.calculate_entropy or "old_log_probs" not in micro_batch
 
     def _micro_batch_loss(self, micro_batch, log_prob, entropy, normaliser: float) -> tuple[torch.Tensor, dict]:
         """(loss to backpropagate, metrics) of one micro-batch from its log-probs and entropy [b, R]:
@@ -547,6 +601,10 @@ class DataParallelPPOActor(BasePPOActor):
         mini-batch; nothing here waits for the device."""
         response_mask = response_mask_of(micro_batch)
         on_policy = "old_log_probs" not in micro_batch
+        rollout_log_probs = micro_batch.get("rollout_log_probs", None)
+        # passed only when present, so a user's loss written without the argument keeps working
+        weights = micro_batch.get("rollout_is_weights", None)
+        extra = {} if weights is None else {"rollout_is_weights": weights}
         pg_loss, pg_metrics = self.policy_loss_fn(
             log_prob.detach() if on_policy else micro_batch["old_log_probs"],
             log_prob,
@@ -554,20 +612,25 @@ class DataParallelPPOActor(BasePPOActor):
             response_mask,
             self.loss_agg_mode,
             params=self.policy_loss_params,
-            rollout_log_probs=micro_batch.get("rollout_log_probs", None),
+            rollout_log_probs=rollout_log_probs,
+            **extra,
         )
         loss = pg_loss
-        out = {f"actor/{name}": _detached(value) for name, value in pg_metrics.items()}
+        # names with a "/" are already namespaced (rollout_corr/...); the others are the actor's
+        out = {(name if "/" in name else f"actor/{name}"): _detached(value) for name, value in pg_metrics.items()}
         out["actor/pg_loss"] = pg_loss.detach()
+        if rollout_log_probs is not None and self.loss_mode != "bypass_mode":
+            # the current policy's gap to the rollout, as upstream logs it (bypass mode's loss reports its own)
+            out.update(compute_rollout_corr_metrics_from_logprobs(log_prob, rollout_log_probs, response_mask))
         if self.entropy_coeff != 0:
-            entropy_loss = agg_loss(entropy, response_mask, self.loss_agg_mode)
+            entropy_loss = agg_loss(entropy, response_mask, self.loss_agg_mode, self.loss_scale_factor)
             loss = loss - self.entropy_coeff * entropy_loss
             out["actor/entropy"] = entropy_loss.detach()
-        elif on_policy:  # the driver skipped compute_log_prob, which normally reports the entropy
-            out["actor/entropy"] = agg_loss(entropy.detach(), response_mask, self.loss_agg_mode)
+        elif on_policy or self.calculate_entropy:  # reported; on-policy runs skip compute_log_prob, which reports it
+            out["actor/entropy"] = agg_loss(entropy.detach(), response_mask, self.loss_agg_mode, self.loss_scale_factor)
         if self.use_kl_loss:
             kld = kl_penalty(log_prob, micro_batch["ref_log_prob"], self.kl_loss_type)
-            kl_loss = agg_loss(kld, response_mask, self.loss_agg_mode)
+            kl_loss = agg_loss(kld, response_mask, self.loss_agg_mode, self.loss_scale_factor)
             loss = loss + self.kl_loss_coef * kl_loss
             out["actor/kl_loss"] = kl_loss.detach()
             out["actor/kl_coef"] = self.kl_loss_coef

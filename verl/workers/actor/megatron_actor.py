@@ -319,6 +319,18 @@ class MegatronPPOActor(DataParallelPPOActor):
                 entropy = entropy[reverse_idx.to(entropy.device)]
         return log_probs, entropy
 
+    def compute_log_prob_and_stats(self, data, stats: tuple[str, ...] = ()) -> tuple[torch.Tensor, dict]:
+        """As the FSDP actor's, for the statistics this backend computes: `entropy` only."""
+        unsupported = [name for name in stats if name != "entropy"]
+        if unsupported:
+            raise NotImplementedError(
+                f"the megatron actor cannot compute {unsupported} (its logits are split over tensor-parallel "
+                "ranks); actor.calculate_sum_pi_squared (for adv_estimator=optimal_token_baseline) needs "
+                "actor_rollout_ref.actor.strategy=fsdp"
+            )
+        log_probs, entropy = self.compute_log_prob(data, calculate_entropy="entropy" in stats)
+        return log_probs, ({} if entropy is None else {"entropy": entropy})
+
     # ------------------------------------------------------------------ training
 
     def update_policy(self, data) -> dict[str, list[float]]:
@@ -336,7 +348,7 @@ class MegatronPPOActor(DataParallelPPOActor):
             micro_batches, partial(self._policy_loss, temperature=temperature, normaliser=normaliser), False
         )
         finalize_megatron_grads(self.model_chunks)
-        grad_norm = clip_grads_megatron(self.model_chunks, self._cfg.get("grad_clip", 1.0))
+        grad_norm = clip_grads_megatron(self.model_chunks, self.grad_clip)
         *results, step = metrics_to_host([*results, {"grad_norm": grad_norm}])
         for micro_metrics in broadcast_from_last_stage(results):
             append_to_dict(metrics, micro_metrics)

@@ -9,7 +9,7 @@ like log-probs do.
 Batching, micro-batch loss weighting, remove-padding and gradient clipping work as in the actor
 (`verl.workers.actor.dp_actor`, `verl.workers.dp_training`). Config keys (the `critic` section):
 ppo_mini_batch_size (per rank, normalised by the worker), ppo_micro_batch_size_per_gpu,
-use_dynamic_bsz, ppo_max_token_len_per_gpu, ppo_epochs, shuffle, data_loader_seed, grad_clip,
+use_dynamic_bsz, ppo_max_token_len_per_gpu, ppo_epochs, shuffle, data_loader_seed, grad_clip (or optim.clip_grad),
 cliprange_value, loss_agg_mode, ulysses_sequence_parallel_size (must be 1), and
 `model.use_remove_padding` (or `use_remove_padding`). compute_values reads `micro_batch_size`,
 `use_dynamic_bsz`, `max_token_len` from `data.meta_info`.
@@ -23,6 +23,7 @@ import torch.distributed as dist
 from verl.trainer.ppo.core_algos import compute_value_loss, masked_mean
 from verl.utils.device import collective_device, get_device
 from verl.utils.flops_counter import FlopsCounter, FlopsTally
+from verl.utils.optim import grad_clip
 from verl.utils.remove_padding import pad_input, unpad_input, unpad_position_ids
 from verl.workers.critic.base import BasePPOCritic
 from verl.workers.dp_training import (
@@ -54,6 +55,7 @@ class DataParallelPPOCritic(BasePPOCritic):
         self.critic_optimizer = critic_optimizer
         cfg = config_to_dict(config)
         self._cfg = cfg
+        self.grad_clip = grad_clip(cfg, "critic")
         sp = int(cfg.get("ulysses_sequence_parallel_size", 1) or 1)
         if sp != 1:
             raise NotImplementedError(
@@ -156,7 +158,7 @@ class DataParallelPPOCritic(BasePPOCritic):
             loss, out = self._micro_batch_loss(micro_batch, self._forward_micro_batch(micro_batch), normaliser)
             loss.backward()
             micro_metrics.append(out)
-        grad_norm = clip_grad_norm(self.critic_module, self._cfg.get("grad_clip", 1.0))
+        grad_norm = clip_grad_norm(self.critic_module, self.grad_clip)
         # one wait for the device per mini-batch: the metrics come to the host with the gradient norm
         *micro_metrics, step = metrics_to_host([*micro_metrics, {"grad_norm": grad_norm}])
         for out in micro_metrics:

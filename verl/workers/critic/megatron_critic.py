@@ -101,7 +101,7 @@ class MegatronPPOCritic(DataParallelPPOCritic):
             self.flops.add(micro_batch["attention_mask"], micro_batch["responses"].shape[-1])
         results = run_megatron_schedule(self.model_chunks, micro_batches, loss_fn, False)
         finalize_megatron_grads(self.model_chunks)
-        grad_norm = clip_grads_megatron(self.model_chunks, self._cfg.get("grad_clip", 1.0))
+        grad_norm = clip_grads_megatron(self.model_chunks, self.grad_clip)
         # one wait for the device: the last stage's metrics with the gradient norm, then to every stage
         *results, step = metrics_to_host([*results, {"grad_norm": grad_norm}])
         for micro_metrics in broadcast_from_last_stage(results):
