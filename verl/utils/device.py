@@ -29,6 +29,7 @@ import os
 import torch
 
 _CUDA = "cuda"
+ACCELERATOR_NAME = _CUDA  # the accelerator's name where config vocabularies use it (profiler contents)
 _VALID = ("auto", "cpu", _CUDA)
 
 

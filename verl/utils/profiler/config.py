@@ -23,6 +23,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 from typing import Any
 
+from verl.utils.device import ACCELERATOR_NAME
+
 __all__ = [
     "PROFILER_TOOLS",
     "TORCH_CONTENTS",
@@ -36,7 +38,7 @@ __all__ = [
 ]
 
 PROFILER_TOOLS = ("torch", "nsys", "torch_memory")
-TORCH_CONTENTS = ("cpu", "cuda", "memory", "shapes", "stack")
+TORCH_CONTENTS = ("cpu", ACCELERATOR_NAME, "memory", "shapes", "stack")
 # upstream options that only its SGLang server profiler reads
 _SGLANG_CONTENTS = ("profile-by-stage", "merge-profiles")
 _ROLE_SECTIONS = (

@@ -31,6 +31,7 @@ import os
 from collections.abc import Callable, Iterable
 from typing import Any
 
+from verl.utils.device import ACCELERATOR_NAME, is_cuda_available
 from verl.utils.profiler.config import GlobalProfilerConfig, ProfilerConfig
 
 __all__ = [
@@ -106,7 +107,7 @@ class _TorchTool:
         activities = []
         if not self.contents or "cpu" in self.contents:
             activities.append(torch.profiler.ProfilerActivity.CPU)
-        if (not self.contents or "cuda" in self.contents) and torch.cuda.is_available():
+        if (not self.contents or ACCELERATOR_NAME in self.contents) and is_cuda_available():
             activities.append(torch.profiler.ProfilerActivity.CUDA)
         if not activities:
             raise RuntimeError(
