@@ -62,7 +62,7 @@ def test_file_backend_honours_env_path_and_appends_across_runs(tmp_path, monkeyp
 def test_run_dir_comes_from_the_config(tmp_path):
     from verl.trainer.config import load_ppo_config
 
-    cfg = load_ppo_config([f"trainer.run_dir={tmp_path / 'from_cfg'}"])
+    cfg = load_ppo_config([f"trainer.run_dir={tmp_path / 'from_cfg'}"], config_name="arith_demo")
     t = Tracking("p", "e", "file", config=cfg)
     t.log({"x": 1.0}, step=1)
     t.finish()
@@ -75,7 +75,7 @@ def test_mlflow_local_file_store_round_trip(tmp_path):
 
     from verl.trainer.config import load_ppo_config
 
-    cfg = load_ppo_config()
+    cfg = load_ppo_config(config_name="arith_demo")
     t = Tracking("verl_test", "run1", ["mlflow", "file"], config=cfg, run_dir=tmp_path / "run")
     for step, data in STEPS.items():
         t.log({**data, "odd#name,x": float(step)}, step=step)

@@ -2,7 +2,7 @@
 
 Keys read: `lr`, `weight_decay`, `betas`, `eps`; `lr_warmup_steps` (used when > 0, else
 `lr_warmup_steps_ratio * total_training_steps`), `lr_scheduler_type` or the older `warmup_style`
-(`constant` | `cosine`), `min_lr_ratio`, `num_cycles`, `total_training_steps` (filled in by the
+(`constant` | `cosine`; warmup_style wins when set, as upstream), `min_lr_ratio`, `num_cycles`, `total_training_steps` (filled in by the
 trainer once the dataloader length is known).
 
 Schedules are `LambdaLR`s, so their whole state is a step counter that checkpoints restore
@@ -128,7 +128,8 @@ def build_lr_scheduler(optimizer: torch.optim.Optimizer, optim_config) -> torch.
                 "the trainer sets it from the dataloader length, or set optim.lr_warmup_steps instead"
             )
         warmup_steps = int(ratio * max(total_steps, 0))
-    style = _get(optim_config, "lr_scheduler_type", None) or _get(optim_config, "warmup_style", "constant")
+    # upstream's rule: the deprecated warmup_style, when set, wins over lr_scheduler_type (default constant)
+    style = _get(optim_config, "warmup_style", None) or _get(optim_config, "lr_scheduler_type", "constant")
     if style == "constant":
         return get_constant_schedule_with_warmup(optimizer, num_warmup_steps=warmup_steps)
     if style == "cosine":

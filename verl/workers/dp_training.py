@@ -33,6 +33,7 @@ __all__ = [
     "average_gradients",
     "average_replica_gradients",
     "clip_grad_norm",
+    "grad_clip_norm",
     "config_to_dict",
     "dp_group_and_size",
     "loss_normaliser",
@@ -252,6 +253,28 @@ def split_micro_batches(
             "turn on use_dynamic_bsz"
         )
     return list(batch.split(int(micro_batch_size))), None
+
+
+DEFAULT_CLIP = 1.0  # upstream's default of both grad_clip and optim.clip_grad
+
+
+def grad_clip_norm(role_config) -> float:
+    """The max gradient norm of a role (actor or critic section, dict or DictConfig).
+
+    Upstream has two spellings: `grad_clip` of an FSDP role (read by its default workers) and
+    `optim.clip_grad` (read by its newer engine and by Megatron). An FSDP role clips to
+    `grad_clip`, or to `optim.clip_grad` when only that one was changed from the default; a
+    Megatron role (no `grad_clip`) clips to `optim.clip_grad`. (The validator refuses two
+    different non-default values.)
+    """
+    optim = role_config.get("optim") or {}
+    clip_grad = optim.get("clip_grad")
+    grad_clip = role_config.get("grad_clip")
+    if grad_clip is None:
+        return float(DEFAULT_CLIP if clip_grad is None else clip_grad)
+    if clip_grad is not None and clip_grad != DEFAULT_CLIP and grad_clip == DEFAULT_CLIP:
+        return float(clip_grad)
+    return float(grad_clip)
 
 
 def clip_grad_norm(module: torch.nn.Module, grad_clip: float | None) -> torch.Tensor:

@@ -91,6 +91,7 @@ from verl.workers.dp_training import (
     clip_grad_norm,
     config_to_dict,
     dp_group_and_size,
+    grad_clip_norm,
     loss_normaliser,
     metrics_to_host,
     micro_batch_weight,
@@ -491,7 +492,7 @@ class DataParallelPPOActor(BasePPOActor):
         for micro_batch in micro_batches:
             micro_batch = micro_batch.to(get_device())
             micro_metrics.append(self._backward_micro_batch(micro_batch, temperature, normaliser))
-        grad_norm = clip_grad_norm(self.actor_module, self._cfg.get("grad_clip", 1.0))
+        grad_norm = clip_grad_norm(self.actor_module, grad_clip_norm(self._cfg))
         *micro_metrics, step = metrics_to_host([*micro_metrics, {"grad_norm": grad_norm}])
         for micro in micro_metrics:
             append_to_dict(metrics, micro)

@@ -56,6 +56,7 @@ from verl.workers.actor.dp_actor import _MODEL_INPUTS, DataParallelPPOActor, _re
 from verl.workers.dp_training import (
     append_to_dict,
     average_gradients,
+    grad_clip_norm,
     metrics_to_host,
     split_micro_batches,
     step_if_finite,
@@ -336,7 +337,7 @@ class MegatronPPOActor(DataParallelPPOActor):
             micro_batches, partial(self._policy_loss, temperature=temperature, normaliser=normaliser), False
         )
         finalize_megatron_grads(self.model_chunks)
-        grad_norm = clip_grads_megatron(self.model_chunks, self._cfg.get("grad_clip", 1.0))
+        grad_norm = clip_grads_megatron(self.model_chunks, grad_clip_norm(self._cfg))
         *results, step = metrics_to_host([*results, {"grad_norm": grad_norm}])
         for micro_metrics in broadcast_from_last_stage(results):
             append_to_dict(metrics, micro_metrics)

@@ -30,6 +30,7 @@ from verl.workers.dp_training import (
     clip_grad_norm,
     config_to_dict,
     dp_group_and_size,
+    grad_clip_norm,
     loss_normaliser,
     metrics_to_host,
     micro_batch_weight,
@@ -156,7 +157,7 @@ class DataParallelPPOCritic(BasePPOCritic):
             loss, out = self._micro_batch_loss(micro_batch, self._forward_micro_batch(micro_batch), normaliser)
             loss.backward()
             micro_metrics.append(out)
-        grad_norm = clip_grad_norm(self.critic_module, self._cfg.get("grad_clip", 1.0))
+        grad_norm = clip_grad_norm(self.critic_module, grad_clip_norm(self._cfg))
         # one wait for the device per mini-batch: the metrics come to the host with the gradient norm
         *micro_metrics, step = metrics_to_host([*micro_metrics, {"grad_norm": grad_norm}])
         for out in micro_metrics:

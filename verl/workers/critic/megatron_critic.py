@@ -31,6 +31,7 @@ from verl.workers.actor.megatron_actor import (
 from verl.workers.critic.dp_critic import _MODEL_INPUTS, DataParallelPPOCritic
 from verl.workers.dp_training import (
     append_to_dict,
+    grad_clip_norm,
     metrics_to_host,
     response_mask_of,
     split_micro_batches,
@@ -101,7 +102,7 @@ class MegatronPPOCritic(DataParallelPPOCritic):
             self.flops.add(micro_batch["attention_mask"], micro_batch["responses"].shape[-1])
         results = run_megatron_schedule(self.model_chunks, micro_batches, loss_fn, False)
         finalize_megatron_grads(self.model_chunks)
-        grad_norm = clip_grads_megatron(self.model_chunks, self._cfg.get("grad_clip", 1.0))
+        grad_norm = clip_grads_megatron(self.model_chunks, grad_clip_norm(self._cfg))
         # one wait for the device: the last stage's metrics with the gradient norm, then to every stage
         *results, step = metrics_to_host([*results, {"grad_norm": grad_norm}])
         for micro_metrics in broadcast_from_last_stage(results):
