@@ -86,7 +86,7 @@ def _overrides(args, layout: str, model_dir: str) -> list[str]:
     ]
     if layout == "fsdp":
         # explicit either way: FSDP's default (null) would compute in bf16 on GPU even for --dtype fp32
-        common.append(f"actor_rollout_ref.actor.fsdp_config.mixed_precision.param_dtype={args.dtype}")
+        common.append(f"actor_rollout_ref.actor.fsdp_config.mixed_precision={{param_dtype:{args.dtype}}}")
         return common
     match = re.fullmatch(r"(tp|pp|cp)(\d+)(?:v(\d+))?", layout)
     if match is None or (match[3] and match[1] != "pp"):

@@ -69,6 +69,23 @@ class Context:
     log: list[str] = field(default_factory=list)
 
 
+def kill_processes_mentioning(path: Path) -> int:
+    """Kill the processes whose command line names `path` (the Ray cluster a step started under
+    its RAY_TMPDIR, a step's leftovers). Never `ray stop`, which ends every Ray cluster on the
+    machine, a test session's own included. Returns how many were killed."""
+    import psutil
+
+    killed, me = 0, os.getpid()
+    for proc in psutil.process_iter(["pid", "cmdline"]):
+        try:
+            if proc.info["pid"] != me and any(str(path) in part for part in proc.info["cmdline"] or []):
+                proc.kill()
+                killed += 1
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            continue
+    return killed
+
+
 def run(ctx: Context, name: str, cmd: list[str], timeout_s: float, env: dict | None = None) -> tuple[int | None, str]:
     """Run `cmd` in its own process group; returns (exit code or None on timeout, output)."""
     remaining = ctx.deadline - time.monotonic()
@@ -81,7 +98,8 @@ def run(ctx: Context, name: str, cmd: list[str], timeout_s: float, env: dict | N
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
-        env={**os.environ, **(env or {})},
+        # Ray clusters the step starts live under the scratch folder, apart from any other on the machine
+        env={**os.environ, "RAY_TMPDIR": str(ctx.scratch), **(env or {})},
         start_new_session=True,
     )
     try:
@@ -91,6 +109,7 @@ def run(ctx: Context, name: str, cmd: list[str], timeout_s: float, env: dict | N
         os.killpg(proc.pid, signal.SIGKILL)
         output, _ = proc.communicate()
         code = None
+        kill_processes_mentioning(ctx.scratch)
     ctx.log += [header, output or "", f"===== {name}: exit {code if code is not None else 'TIMEOUT'}", ""]
     print(_tail(output, 40), flush=True)
     return code, output or ""
@@ -360,7 +379,7 @@ def main(argv: list[str] | None = None) -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     ctx = Context(
         out=args.out,
-        scratch=Path(tempfile.mkdtemp(prefix="verl-acceptance-")),
+        scratch=Path(tempfile.mkdtemp(prefix="va-", dir="/tmp")),  # short: Ray's socket paths live under it
         dry_run=args.cpu_dry_run,
         bundle=args.bundle.resolve() if args.bundle else None,
         deadline=time.monotonic() + args.budget_s,
@@ -387,9 +406,7 @@ def main(argv: list[str] | None = None) -> int:
             res.status, res.note = "failed", f"{type(err).__name__}: {err}"
         res.seconds = round(time.monotonic() - start, 1)
         write_reports(ctx, results, started)  # after each step: a killed run still leaves its results
-    ray_cli = Path(ctx.python).parent / "ray"
-    if ray_cli.exists():  # Ray processes a timed-out step left behind
-        subprocess.run([str(ray_cli), "stop", "--force"], capture_output=True, cwd=REPO)
+    kill_processes_mentioning(ctx.scratch)  # Ray processes a timed-out step left behind
     report = write_reports(ctx, results, started)
     print((ctx.out / "summary.md").read_text())
     return 0 if report["passed"] else 1

@@ -36,6 +36,26 @@ def device_preference(name: str):
             os.environ["VERL_DEVICE"] = previous
 
 
+def assert_first_adamw_step_follows(before: dict, reference, updated: dict, lr: float) -> None:
+    """A low-precision model's first AdamW step (`updated`: name -> weights after it, on the CPU)
+    against an fp32 reference model's (`reference`, after its step) from the same `before` weights.
+
+    AdamW's first step moves each weight by lr * g / (|g| + eps), i.e. by ~lr with the sign of its
+    gradient wherever |g| >> eps: every tensor must move by ~lr (with bf16 masters a 1e-6 step would
+    vanish below bf16's 2^-8 spacing), and where the fp32 step is clearly ~lr, >= 90% of the weights
+    must move the same way (bf16 compute perturbs gradients by ~1%, flipping only near-zero ones)."""
+    agree, sure = 0, 0
+    for name, start in before.items():
+        ref_delta = reference.get_parameter(name).detach() - start
+        delta = updated[name] - start
+        largest = float(delta.abs().max())
+        assert 0.5 * lr < largest < 2 * lr, f"{name}: the bf16 update moved it by at most {largest:.3g}, lr={lr}"
+        clear = ref_delta.abs() > 0.9 * lr
+        sure += int(clear.sum())
+        agree += int((torch.sign(delta) == torch.sign(ref_delta))[clear].sum())
+    assert sure > 0 and agree / sure >= 0.9, f"the bf16 step's direction agrees on {agree}/{sure} weights"
+
+
 @pytest.fixture(autouse=False)
 def one_thread():
     """Run a test with one intra-op thread: on a shared 2-core machine, two spinning OpenMP threads

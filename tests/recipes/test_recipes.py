@@ -66,15 +66,18 @@ RECIPES = {
     ),
 }
 
-# The smallest run that still has groups (rollout.n=2) and one worker process.
+# A small run with groups and one worker process. 8 prompts x 4 samples: with the bundled model (~29% correct) a prompt's 4 samples all score alike
+# with probability ~0.26, so a step whose every group has zero advantage (skipped, no actor/pg_loss)
+# has probability ~2e-5. With 4 prompts x 2 samples it was ~0.12 per step: the sampled tokens, not
+# the recipe, decided whether the step's algorithm metrics existed.
 TINY = [
-    "data.train_batch_size=4",
-    "actor_rollout_ref.rollout.n=2",
-    "actor_rollout_ref.actor.ppo_mini_batch_size=4",
-    "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=8",
-    "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=8",
-    "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu=8",
-    "critic.ppo_micro_batch_size_per_gpu=8",
+    "data.train_batch_size=8",
+    "actor_rollout_ref.rollout.n=4",
+    "actor_rollout_ref.actor.ppo_mini_batch_size=8",
+    "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=32",
+    "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=32",
+    "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu=32",
+    "critic.ppo_micro_batch_size_per_gpu=32",
     "trainer.n_gpus_per_node=1",
     "trainer.total_training_steps=2",
     "trainer.val_before_train=False",

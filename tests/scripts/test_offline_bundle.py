@@ -24,6 +24,8 @@ REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "scripts"))
 import offline_bundle as ob  # noqa: E402
 
+from tests.integration.ray_cluster_helpers import kill_cluster, short_temp_dir  # noqa: E402
+
 
 def make_wheel(folder: Path, name: str, version: str, requires=(), files=None, tag="py3-none-any") -> Path:
     """A minimal, valid wheel: METADATA, WHEEL, RECORD and `files` ({path: text})."""
@@ -197,13 +199,15 @@ def test_slimmed_ray_wheel_starts_a_cluster_in_a_fresh_virtualenv(tmp_path):
         "print(ray.get(double.remote(21)), ray.get(Echo.remote().ping.remote()), ray.__version__)\n"
         "ray.shutdown()\n"
     )
-    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
-    env["RAY_USAGE_STATS_ENABLED"] = "0"
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV", "RAY_ADDRESS")}
+    # this test's clusters live under its own folder: stopping them must not touch any other
+    ray_tmp = short_temp_dir("vb")  # Ray's socket paths must stay short
+    env.update(RAY_USAGE_STATS_ENABLED="0", RAY_TMPDIR=ray_tmp)
     out = subprocess.run([str(py), "-c", script], capture_output=True, text=True, timeout=180, env=env)
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.split()[-3:] == ["42", "pong", ray.__version__], python
     ray_cli = py.parent / "ray"
-    temp = tmp_path / "raytmp"
+    temp = f"{ray_tmp}/head"
     started = subprocess.run(
         [
             str(ray_cli),
@@ -222,7 +226,8 @@ def test_slimmed_ray_wheel_starts_a_cluster_in_a_fresh_virtualenv(tmp_path):
     try:
         assert started.returncode == 0, started.stderr[-2000:]
     finally:
-        subprocess.run([str(ray_cli), "stop", "--force"], capture_output=True, timeout=120, env=env)
+        # not `ray stop`: it ends every Ray cluster on the machine, this test session's own included
+        kill_cluster(ray_tmp)
 
 
 @pytest.mark.slow

@@ -9,7 +9,13 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from tests.distributed_helpers import device_preference, free_port, make_ppo_batch, make_tiny_causal_lm
+from tests.distributed_helpers import (
+    assert_first_adamw_step_follows,
+    device_preference,
+    free_port,
+    make_ppo_batch,
+    make_tiny_causal_lm,
+)
 from verl.protocol import DataProto
 
 pytestmark = pytest.mark.gpu
@@ -206,16 +212,7 @@ def test_bf16_fsdp2_update_at_lr_1e6_moves_weights_like_the_fp32_cpu_update(worl
     gpu_actor.update_policy(DataProto.from_dict(tensors=tensors, meta_info={"temperature": 1.0}))
 
     gpu_weights = {name: t.detach().float().cpu() for name, t in fsdp_utils.iter_full_params(gpu_model)}
-    agree, sure = 0, 0
-    for name, start in before.items():
-        cpu_delta = cpu_model.get_parameter(name).detach() - start
-        gpu_delta = gpu_weights[name] - start
-        largest = float(gpu_delta.abs().max())
-        assert 0.5 * LR < largest < 2 * LR, f"{name}: the bf16 update moved it by at most {largest:.3g}, lr={LR}"
-        clear = cpu_delta.abs() > 0.9 * LR
-        sure += int(clear.sum())
-        agree += int((torch.sign(gpu_delta) == torch.sign(cpu_delta))[clear].sum())
-    assert sure > 0 and agree / sure >= 0.9, f"the bf16 step's direction agrees on {agree}/{sure} weights"
+    assert_first_adamw_step_follows(before, cpu_model, gpu_weights, LR)
 
     after = DataProto.from_dict(tensors=dict(td.items()), meta_info=meta)
     with device_preference("cpu"):
