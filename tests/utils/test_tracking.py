@@ -146,6 +146,17 @@ def test_tensorboard_respects_env_dir(tmp_path, monkeypatch):
     assert list((tmp_path / "tb").glob("events.out.tfevents.*"))
 
 
+def test_trainer_tensorboard_dir_wins_over_the_environment(tmp_path, monkeypatch):
+    pytest.importorskip("tensorboard")
+    monkeypatch.setenv("TENSORBOARD_DIR", str(tmp_path / "env"))
+    config = {"trainer": {"tensorboard_dir": str(tmp_path / "key")}}
+    t = Tracking("p", "e", "tensorboard", config=config, run_dir=tmp_path / "run")
+    t.log({"x": 1.0}, step=1)
+    t.finish()
+    assert list((tmp_path / "key").glob("events.out.tfevents.*"))
+    assert not (tmp_path / "env").exists()
+
+
 def test_wandb_goes_offline_without_credentials(tmp_path, monkeypatch):
     pytest.importorskip("wandb")
     for var in ("WANDB_API_KEY", "WANDB_MODE"):

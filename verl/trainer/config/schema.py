@@ -1292,6 +1292,10 @@ class TrainerConfig:
     run_dir: str = doc(
         "Run directory: resolved config.yaml, metrics.jsonl, training-curve PNG, tensorboard/wandb files."
     )
+    tensorboard_dir: str | None = doc(
+        "Directory of the tensorboard event files (with trainer.logger including tensorboard); null: "
+        "$TENSORBOARD_DIR, else <run_dir>/tensorboard (upstream's later releases read this key)."
+    )
     rpc_timeout_s: float = doc(
         "Deadline of one blocking worker call; a hang becomes an error naming role, rank, method."
     )

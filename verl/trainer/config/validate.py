@@ -29,6 +29,7 @@ import warnings
 from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
 
 from verl.trainer.config import schema as S
 from verl.trainer.config.errors import ConfigError, ConfigWarning, did_you_mean
@@ -911,8 +912,14 @@ def _plain(cfg) -> dict:
         return cfg
     from verl.trainer.config.loader import resolve
 
-    resolved = resolve(copy.deepcopy(cfg)) if isinstance(cfg, DictConfig) else cfg
-    return OmegaConf.to_container(resolved, resolve=True, throw_on_missing=False)
+    if not isinstance(cfg, DictConfig):
+        return OmegaConf.to_container(cfg, resolve=True, throw_on_missing=False)
+    try:  # to_container resolves without touching cfg (no copy needed)
+        return OmegaConf.to_container(cfg, resolve=True, throw_on_missing=False)
+    except OmegaConfBaseException:
+        return OmegaConf.to_container(
+            resolve(copy.deepcopy(cfg)), resolve=True, throw_on_missing=False
+        )  # the error says which key
 
 
 def _interpolation_sources(cfg: DictConfig, prefix: str = "") -> dict[str, str]:
