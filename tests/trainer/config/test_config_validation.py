@@ -521,3 +521,23 @@ def test_megatron_dist_checkpoint_start_needs_an_existing_path(megatron_defaults
         reward_model__megatron__dist_checkpointing_path=str(tmp_path),
     )
     assert "reward_model.megatron.use_dist_checkpointing=true" in error_of(rm)
+
+
+def test_megatron_batch_must_split_into_micro_batches_of_every_data_parallel_group(megatron_defaults):
+    """Upstream's rule: with fixed micro-batches, train_batch_size x n is a multiple of the megatron
+    data-parallel size (ranks / tp x pp x cp) x ppo_micro_batch_size_per_gpu."""
+    cfg = with_(
+        megatron_defaults,
+        trainer__n_gpus_per_node=8,
+        actor_rollout_ref__actor__megatron__tensor_model_parallel_size=2,  # 4 data-parallel groups
+        actor_rollout_ref__actor__ppo_micro_batch_size_per_gpu=4,  # multiples of 16 sequences
+        data__train_batch_size=24,
+        actor_rollout_ref__actor__ppo_mini_batch_size=24,
+        actor_rollout_ref__rollout__n=1,
+        actor_rollout_ref__actor__rollout_n=1,
+        actor_rollout_ref__ref__rollout_n=1,
+        critic__rollout_n=1,
+        algorithm__adv_estimator="remax",
+    )
+    assert "24 sequences per step do not split into whole micro-batches of the 4 megatron" in error_of(cfg)
+    validate_ppo_config(with_(cfg, data__train_batch_size=32, actor_rollout_ref__actor__ppo_mini_batch_size=32))

@@ -379,6 +379,7 @@ def _check_train_batches(c: dict, errors: list[str], world: int, warns: list[str
     tbs = c["data"]["train_batch_size"]
     sp = arr["actor"].get("ulysses_sequence_parallel_size") or 1
     dp = world // sp if world % sp == 0 else world
+    _check_megatron_batch(c, errors, world)
     if (tbs * n) % world:
         good = _next_multiple(tbs, lambda m: (m * n) % world == 0)
         errors.append(
@@ -432,6 +433,29 @@ def _check_train_batches(c: dict, errors: list[str], world: int, warns: list[str
             dynamic_key=f"{prefix}.use_dynamic_bsz",
             per_rank_batch=per_rank,
             batch_desc=f"{prefix}.ppo_mini_batch_size {mini} x rollout.n {n} / {dp} ranks",
+        )
+
+
+def _check_megatron_batch(c: dict, errors: list[str], world: int):
+    """Upstream's rule for a megatron actor with fixed micro-batches: a step's sequences split into whole
+    micro-batches of every data-parallel group (data-parallel size = ranks / (tp x pp x cp))."""
+    actor = c["actor_rollout_ref"]["actor"]
+    meg = actor.get("megatron")
+    if actor["strategy"] != "megatron" or not meg or actor["use_dynamic_bsz"]:
+        return
+    model_parallel = meg["tensor_model_parallel_size"] * meg["pipeline_model_parallel_size"]
+    copies = model_parallel * meg["context_parallel_size"]
+    micro = actor["ppo_micro_batch_size_per_gpu"]
+    if not isinstance(micro, int) or micro < 1 or copies < 1 or world % copies:
+        return  # reported by the micro-batch and layout checks
+    minimal = world // copies * micro
+    sequences = c["data"]["train_batch_size"] * c["actor_rollout_ref"]["rollout"]["n"]
+    if sequences % minimal:
+        errors.append(
+            f"data.train_batch_size x rollout.n = {sequences} sequences per step do not split into whole "
+            f"micro-batches of the {world // copies} megatron data-parallel groups ({world} ranks / tp x pp x cp = "
+            f"{copies}) of actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu={micro}, i.e. into multiples of "
+            f"{minimal}; change data.train_batch_size or the micro-batch size"
         )
 
 
