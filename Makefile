@@ -36,7 +36,7 @@ $(VENV)/.installed: setup.py pyproject.toml $(LOCK)
 install: $(VENV)/.installed
 
 demo: install
-	$(PY) -m verl.trainer.main_ppo
+	$(PY) -m verl.trainer.main_ppo --config-name=arith_demo
 
 test: install
 	$(VENV)/bin/ruff check . && $(VENV)/bin/ruff format --check .

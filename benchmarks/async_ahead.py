@@ -68,6 +68,7 @@ def run(setting: str, args, workdir: Path) -> dict:
         sys.executable,
         "-m",
         "verl.trainer.main_ppo",
+        "--config-name=arith_demo",
         f"actor_rollout_ref.model.path={bundled_model_path()}",
         "trainer.device=cpu",
         f"trainer.total_training_steps={args.steps}",

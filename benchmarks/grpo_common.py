@@ -5,7 +5,7 @@
 sides; this module holds what they share so the two sides cannot drift apart:
 
 - `GRPOSetup`: the hyper-parameters, one value per knob, handed to both sides. `add_setup_args`
-  makes a flag for each whose default is read from `verl/trainer/config/ppo_trainer.yaml` at run
+  makes a flag for each whose default is read from `verl/trainer/config/arith_demo.yaml` (the bundled demo config) at run
   time, so the comparison follows our current defaults without editing this file.
 - `ours_overrides` / `run_ours`: `python -m verl.trainer.main_ppo` as a subprocess with those
   values as Hydra overrides and the file logger on; its metrics.jsonl records are streamed back
@@ -50,7 +50,7 @@ from dataclasses import asdict, dataclass
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DEFAULT_MODEL = os.path.join(REPO, "verl", "assets", "arith-tiny")
-PPO_YAML = os.path.join(REPO, "verl", "trainer", "config", "ppo_trainer.yaml")
+DEMO_CONFIG = "arith_demo"  # the bundled demo config (verl/trainer/config/arith_demo.yaml) our runs start from
 
 
 @dataclass
@@ -85,11 +85,20 @@ class GRPOSetup:
         return self.batch_size * self.n
 
 
-def yaml_defaults(path: str = PPO_YAML) -> dict:
-    """The `GRPOSetup` fields' current values in ppo_trainer.yaml (read, never written)."""
+def _demo_config():
+    """The demo config as main_ppo composes it, unresolved values resolved, unvalidated."""
     from omegaconf import OmegaConf
 
-    cfg = OmegaConf.load(path)
+    from verl.trainer.config import compose_config
+
+    cfg = compose_config(config_name=DEMO_CONFIG)
+    OmegaConf.resolve(cfg)
+    return cfg
+
+
+def yaml_defaults() -> dict:
+    """The `GRPOSetup` fields' current values in the demo config (read, never written)."""
+    cfg = _demo_config()
     actor = cfg.actor_rollout_ref.actor
     return {
         "batch_size": int(cfg.data.train_batch_size),
@@ -110,15 +119,13 @@ def yaml_defaults(path: str = PPO_YAML) -> dict:
     }
 
 
-def yaml_test_freq(path: str = PPO_YAML) -> int:
-    """`trainer.test_freq` of ppo_trainer.yaml: steps between validations."""
-    from omegaconf import OmegaConf
-
-    return int(OmegaConf.load(path).trainer.test_freq)
+def yaml_test_freq() -> int:
+    """`trainer.test_freq` of the demo config: steps between validations."""
+    return int(_demo_config().trainer.test_freq)
 
 
 def add_setup_args(parser) -> None:
-    """A flag per `GRPOSetup` field, defaulting to its current value in ppo_trainer.yaml."""
+    """A flag per `GRPOSetup` field, defaulting to its current value in the demo config."""
     defaults = yaml_defaults()
     helps = {
         "batch_size": "prompts per step (data.train_batch_size)",
@@ -236,7 +243,7 @@ def run_ours(
         start = time.perf_counter()
         with open(log_path, "w") as log:
             proc = subprocess.Popen(
-                [sys.executable, "-m", "verl.trainer.main_ppo", *overrides],
+                [sys.executable, "-m", "verl.trainer.main_ppo", f"--config-name={DEMO_CONFIG}", *overrides],
                 cwd=work,
                 env=env,
                 stdout=log,

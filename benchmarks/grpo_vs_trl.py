@@ -6,7 +6,7 @@ same batch (default 32 prompts x 8 completions = 256 per step), the same lengths
 32 tokens, completions of at most 8), temperature 1, the same reward (our rule
 `default_compute_score("arith", ...)`), lr, weight decay, grad clip, no KL and exactly one
 optimizer step per generated batch. Every hyper-parameter defaults to its current value in
-`verl/trainer/config/ppo_trainer.yaml` and is passed explicitly to both sides.
+`verl/trainer/config/arith_demo.yaml` (the bundled demo config) and is passed explicitly to both sides.
 
 - ours: `python -m verl.trainer.main_ppo` as a subprocess: Ray driver, `--workers` (default 2)
   FSDP2 worker processes over gloo with one torch thread each, our built-in rollout engine.

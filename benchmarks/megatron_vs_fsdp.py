@@ -63,6 +63,11 @@ def _batch(batch: int, seq_len: int, vocab: int, seed: int = 0):
     return DataProto.from_dict(tensors=tensors, meta_info=meta)
 
 
+def config_name(layout: str) -> str:
+    """The bundled demo config of a layout's backend (the tiny model's CPU settings)."""
+    return "arith_demo" if layout == "fsdp" else "arith_demo_megatron"
+
+
 def _overrides(args, layout: str, model_dir: str) -> list[str]:
     per_rank = max(1, args.batch // args.ranks)
     common = [
@@ -117,7 +122,7 @@ def _rank(rank: int, world: int, port: int, args, layout: str, model_dir: str, r
     else:
         from verl.workers.megatron_workers import ActorRolloutRefWorker
 
-    cfg = load_ppo_config(_overrides(args, layout, model_dir))
+    cfg = load_ppo_config(_overrides(args, layout, model_dir), config_name=config_name(layout))
     worker = ActorRolloutRefWorker(cfg.actor_rollout_ref, role="actor")
     worker.init_model()
     vocab = worker.actor_model.hf_config.vocab_size

@@ -211,7 +211,7 @@ def run_ours(args) -> list[float]:
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (REPO, os.environ.get("PYTHONPATH")) if p)}
         start = time.perf_counter()
         proc = subprocess.run(
-            [sys.executable, "-m", "verl.trainer.main_ppo", *overrides],
+            [sys.executable, "-m", "verl.trainer.main_ppo", "--config-name=arith_demo", *overrides],
             cwd=work,
             env=env,
             capture_output=True,

@@ -3,7 +3,7 @@
 Both sides start from the bundled SFT model (`verl/assets/arith-tiny`, ~25% greedy accuracy) and
 train on the arithmetic task with the same reward (our `arith` rule), the same hyper-parameters
 (lr, batch, group size, mini-batch, lengths, temperature, weight decay, clip, KL; each defaults to
-its current value in `verl/trainer/config/ppo_trainer.yaml` and is passed explicitly to both), and
+its current value in `verl/trainer/config/arith_demo.yaml` (the bundled demo config) and is passed explicitly to both), and
 are evaluated the same way: greedy decoding of at most `--max-response-length` tokens on the 500
 held-out test problems, scored by the first integer of the completion. The figure is the training
 time until the first evaluation at or above `--threshold` (default 0.5).
@@ -151,7 +151,7 @@ def main(argv: list[str] | None = None) -> None:
         "--test-freq",
         type=int,
         default=yaml_test_freq(),
-        help="evaluate every this many steps on both sides (default: trainer.test_freq of ppo_trainer.yaml)",
+        help="evaluate every this many steps on both sides (default: trainer.test_freq of the demo config)",
     )
     parser.add_argument("--max-steps", type=int, default=5000, help="step cap per side (default 5000)")
     parser.add_argument(

@@ -249,7 +249,9 @@ def step_grpo(ctx: Context, res: StepResult) -> None:
         f"trainer.default_local_dir={ctx.scratch / 'grpo_ckpt'}",
         "trainer.save_freq=-1",
     ]
-    code, output = run(ctx, "grpo", [ctx.python, "-m", "verl.trainer.main_ppo", *overrides], 180)
+    code, output = run(
+        ctx, "grpo", [ctx.python, "-m", "verl.trainer.main_ppo", "--config-name=arith_demo", *overrides], 180
+    )
     metrics_path = run_dir / "metrics.jsonl"
     records = []
     if metrics_path.exists():

@@ -3,6 +3,7 @@
 # Extra Hydra overrides are appended: bash run_arith_tiny_cpu.sh trainer.total_training_steps=50
 set -euo pipefail
 ${PYTHON:-python3} -m verl.trainer.main_ppo \
+    --config-name=arith_demo \
     algorithm.adv_estimator=grpo \
     data.train_batch_size=32 \
     data.max_prompt_length=32 \

@@ -10,6 +10,7 @@ here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 [ -f "$data_dir/train.parquet" ] || ${PYTHON:-python3} "$here/../data_preprocess/arith_tool.py" --local_dir "$data_dir"
 
 ${PYTHON:-python3} -m verl.trainer.main_ppo \
+    --config-name=arith_demo \
     algorithm.adv_estimator=grpo \
     data.train_files="$data_dir/train.parquet" \
     data.val_files="$data_dir/test.parquet" \

@@ -2,6 +2,7 @@
 # PPO with a critic (GAE advantages) on the bundled tiny model and the arithmetic task, on CPU.
 set -euo pipefail
 ${PYTHON:-python3} -m verl.trainer.main_ppo \
+    --config-name=arith_demo \
     algorithm.adv_estimator=gae \
     algorithm.gamma=1.0 \
     algorithm.lam=0.95 \

@@ -3,6 +3,7 @@
 # reference policy, on the bundled tiny model and the arithmetic task, on CPU.
 set -euo pipefail
 ${PYTHON:-python3} -m verl.trainer.main_ppo \
+    --config-name=arith_demo \
     algorithm.adv_estimator=reinforce_plus_plus \
     data.train_batch_size=32 \
     actor_rollout_ref.rollout.n=4 \

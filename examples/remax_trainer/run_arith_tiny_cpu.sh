@@ -2,6 +2,7 @@
 # ReMax (greedy-response reward as the baseline) with the KL penalty in the reward, on CPU.
 set -euo pipefail
 ${PYTHON:-python3} -m verl.trainer.main_ppo \
+    --config-name=arith_demo \
     algorithm.adv_estimator=remax \
     algorithm.use_kl_in_reward=True \
     algorithm.kl_penalty=kl \

@@ -1,12 +1,13 @@
 #!/usr/bin/env bash
 # ReMax (arXiv:2310.10505) on the bundled tiny model and the arithmetic task, on CPU.
-# The algorithm is config/remax_trainer.yaml; this script only sizes the run for a laptop CPU
+# The algorithm is config/remax_trainer.yaml; this script runs it in the bundled demo's environment (+demo=arith) and sizes it for a laptop CPU
 # (2 worker processes, the bundled tiny model, the arithmetic task generated on first use).
 # Extra Hydra overrides are appended: bash recipes/remax/run_arith_tiny_cpu.sh trainer.total_training_steps=50
 set -euo pipefail
 HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 ${PYTHON:-python3} -m verl.trainer.main_ppo \
     --config-path "$HERE/config" --config-name remax_trainer \
+    +demo=arith \
     data.train_batch_size=32 \
     actor_rollout_ref.rollout.n=4 \
     actor_rollout_ref.actor.ppo_mini_batch_size=32 \

@@ -53,7 +53,7 @@ def test_trls_own_config_derives_the_same_generation_batch_and_optimizer_steps(m
 def test_yaml_defaults_match_the_loaded_ppo_config():
     from verl.trainer.config import load_ppo_config
 
-    cfg = load_ppo_config([], None)
+    cfg = load_ppo_config([], config_name="arith_demo")
     actor = cfg.actor_rollout_ref.actor
     defaults = yaml_defaults()
     assert defaults["batch_size"] == cfg.data.train_batch_size
@@ -69,7 +69,7 @@ def test_ours_overrides_are_accepted_by_main_ppos_loader_and_pin_every_value(tmp
     from verl.trainer.config import load_ppo_config
 
     setup = GRPOSetup(batch_size=16, n=4, mini_batch_size=8, lr=3e-4, weight_decay=0.0, kl_coef=0.01, epochs=2)
-    cfg = load_ppo_config(ours_overrides(setup, str(tmp_path), total_steps=7, test_freq=5), None)
+    cfg = load_ppo_config(ours_overrides(setup, str(tmp_path), total_steps=7, test_freq=5), config_name="arith_demo")
     actor = cfg.actor_rollout_ref.actor
     assert (cfg.data.train_batch_size, actor.ppo_mini_batch_size, cfg.actor_rollout_ref.rollout.n) == (16, 8, 4)
     assert (actor.optim.lr, actor.optim.weight_decay, actor.ppo_epochs) == (3e-4, 0.0, 2)
@@ -106,12 +106,12 @@ def test_arith_reward_scores_the_first_integer_and_counts_completion_tokens():
 def test_megatron_vs_fsdp_layouts_configure_the_backend_and_parallel_sizes_they_name(layout, tp, pp, vpp, cp):
     import argparse
 
-    from benchmarks.megatron_vs_fsdp import _overrides
+    from benchmarks.megatron_vs_fsdp import _overrides, config_name
     from verl.models import bundled_model_path
     from verl.trainer.config import load_ppo_config
 
     args = argparse.Namespace(ranks=2, batch=8, seq_len=32, micro_batch=2, dtype="fp32", gradient_checkpointing=False)
-    cfg = load_ppo_config(_overrides(args, layout, bundled_model_path()))
+    cfg = load_ppo_config(_overrides(args, layout, bundled_model_path()), config_name=config_name(layout))
     actor = cfg.actor_rollout_ref.actor
     assert actor.ppo_mini_batch_size == 8 and actor.ppo_micro_batch_size_per_gpu == 2
     assert cfg.data.max_prompt_length + cfg.data.max_response_length == 32

@@ -29,7 +29,8 @@ def examples(tmp_path_factory) -> Path:
 
 def test_the_reward_function_example_scores_the_last_word(examples):
     cfg = load_ppo_config(
-        [f"custom_reward_function.path={examples / 'my_reward.py'}", "custom_reward_function.name=compute_score"]
+        [f"custom_reward_function.path={examples / 'my_reward.py'}", "custom_reward_function.name=compute_score"],
+        config_name="arith_demo",
     )
     fn = get_custom_reward_fn(cfg)
     assert fn("reverse_words", "e d c", "e d c") == {"score": 0.0, "num_words": 3}  # last word "c" != "e d c"
@@ -52,7 +53,8 @@ def test_the_data_and_dataset_class_examples_reach_the_trainer(examples):
             "data.max_prompt_length=64",
             f"data.custom_cls.path={examples / 'my_dataset.py'}",
             "data.custom_cls.name=ShoutingDataset",
-        ]
+        ],
+        config_name="arith_demo",
     )
     tokenizer = hf_tokenizer(bundled_model_path())
     train, val = build_datasets(cfg, tokenizer)

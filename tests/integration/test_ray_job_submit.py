@@ -132,7 +132,7 @@ def test_a_submitted_ppo_job_trains_checkpoints_and_succeeds(ray_head):
     submit = [
         RAY, "job", "submit", "--address", ray_head["address"], "--submission-id", job_id,
         "--runtime-env-json", json.dumps(runtime_env), "--",
-        "python", "-m", "verl.trainer.main_ppo",
+        "python", "-m", "verl.trainer.main_ppo", "--config-name=arith_demo",
         "trainer.total_training_steps=2", "trainer.save_freq=2",
         "trainer.val_before_train=False", "trainer.test_freq=-1", "trainer.n_gpus_per_node=1",
         "data.train_batch_size=8", "actor_rollout_ref.actor.ppo_mini_batch_size=8",

@@ -99,7 +99,7 @@ def main(out_path: str, work_dir: str) -> None:
     result: dict = {}
     try:
         start = time.monotonic()
-        metrics = run_ppo(load_ppo_config(_overrides(work_dir, nnodes=2)))
+        metrics = run_ppo(load_ppo_config(_overrides(work_dir, nnodes=2), config_name="arith_demo"))
         result["train"] = {
             "seconds": time.monotonic() - start,
             "global_step": metrics.get("training/global_step"),
@@ -111,7 +111,13 @@ def main(out_path: str, work_dir: str) -> None:
         _wait_until_free(cpus=4)
         start = time.monotonic()
         cli = subprocess.run(
-            [sys.executable, "-m", "verl.trainer.main_ppo", *_overrides(work_dir, nnodes=3)],
+            [
+                sys.executable,
+                "-m",
+                "verl.trainer.main_ppo",
+                "--config-name=arith_demo",
+                *_overrides(work_dir, nnodes=3),
+            ],
             capture_output=True,
             text=True,
             timeout=300,

@@ -31,8 +31,13 @@ def model_path() -> str:
     return bundled_model_path()
 
 
+# The bundled demo config (`arith_demo`, CPU settings of the tiny model) that small_run's overrides
+# start from: pass it to main_ppo, or config_name="arith_demo" to load_ppo_config.
+DEMO = "--config-name=arith_demo"
+
+
 def small_run(tmp: Path, steps: int = 2) -> list[str]:
-    """Overrides for a cheap 2-worker GRPO run of the bundled tiny model: 4 prompts x 2 samples."""
+    """Overrides of the demo config for a cheap 2-worker GRPO run of the bundled tiny model: 4 prompts x 2 samples."""
     return [
         f"actor_rollout_ref.model.path={model_path()}",
         "algorithm.adv_estimator=grpo",

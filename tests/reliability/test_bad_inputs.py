@@ -16,6 +16,7 @@ import time
 
 import pytest
 from reliability_helpers import (
+    DEMO,
     ROOT,
     arith_rows,
     fake_checkpoint,
@@ -43,7 +44,7 @@ def run(tmp_path, monkeypatch, capsys):
     ckpt = fake_checkpoint(tmp_path / "ckpt")
     before = fingerprint(ckpt)
     good = write_rows(tmp_path / "good.parquet", arith_rows(16))
-    base = [*small_run(tmp_path), f"data.train_files={good}", f"data.val_files={good}"]
+    base = [DEMO, *small_run(tmp_path), f"data.train_files={good}", f"data.val_files={good}"]
 
     def _run(*overrides: str) -> tuple[int, str]:
         start = time.monotonic()
@@ -169,14 +170,6 @@ def test_batch_that_does_not_divide_over_the_workers_gives_a_valid_value(run):
     )
 
 
-def test_group_estimator_with_one_sample_per_prompt(run):
-    _expect(
-        run("actor_rollout_ref.rollout.n=1", "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=2"),
-        "algorithm.adv_estimator=grpo compares each response with the other responses to the same prompt",
-        "set actor_rollout_ref.rollout.n to 2 or more",
-    )
-
-
 def test_upstream_choices_not_implemented_here_are_config_errors(run):
     _expect(
         run("actor_rollout_ref.rollout.mode=async"),
@@ -187,9 +180,7 @@ def test_upstream_choices_not_implemented_here_are_config_errors(run):
 
 def test_megatron_layout_that_does_not_divide_the_ranks(run):
     _expect(
-        run(
-            "actor_rollout_ref.actor.strategy=megatron", "actor_rollout_ref.actor.megatron.tensor_model_parallel_size=3"
-        ),
+        run("--config-name=arith_demo_megatron", "actor_rollout_ref.actor.megatron.tensor_model_parallel_size=3"),
         "actor_rollout_ref.actor.megatron.tensor_model_parallel_size=3 x pipeline_model_parallel_size=1 x "
         "context_parallel_size=1 = 3 ranks",
         "does not divide the 2 ranks",
@@ -318,7 +309,7 @@ def test_tracker_naming_a_missing_step_does_not_silently_start_from_scratch(tmp_
     monkeypatch.setenv("VERL_CACHE_DIR", str(tmp_path / "cache"))
     good = write_rows(tmp_path / "good.parquet", arith_rows(8))
     with pytest.raises(SystemExit) as exit_info:
-        main([*small_run(tmp_path), f"data.train_files={good}", f"data.val_files={good}"])
+        main([DEMO, *small_run(tmp_path), f"data.train_files={good}", f"data.val_files={good}"])
     err = capsys.readouterr().err
     assert exit_info.value.code == 2
     assert "names step 5, but" in err and "silently start from scratch" in err
@@ -336,6 +327,7 @@ def test_command_line_exits_2_within_seconds_without_starting_ray(tmp_path):
             sys.executable,
             "-m",
             "verl.trainer.main_ppo",
+            DEMO,
             *small_run(tmp_path),
             f"data.train_files={tmp_path / 'x.parquet'}",
         ],

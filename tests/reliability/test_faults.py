@@ -19,6 +19,7 @@ import time
 import psutil
 import pytest
 from reliability_helpers import (
+    DEMO,
     arith_rows,
     kill_run,
     launch,
@@ -38,6 +39,7 @@ def _long_run_saving_every_step(tmp, *extra: str) -> list[str]:
     """Overrides for a 50-step run of the small config that checkpoints after every step."""
     data = write_rows(tmp / "train.parquet", arith_rows(64))
     return [
+        DEMO,
         *small_run(tmp, steps=50),
         f"data.train_files={data}",
         f"data.val_files={data}",

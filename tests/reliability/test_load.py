@@ -14,7 +14,7 @@ import time
 
 import psutil
 import pytest
-from reliability_helpers import kill_run, launch, model_path, run_processes
+from reliability_helpers import DEMO, kill_run, launch, model_path, run_processes
 
 GIB = 2**30
 # Per worker: ~0.5 GiB of torch/transformers/Ray, plus activations of one 4096-token micro-batch and
@@ -55,7 +55,7 @@ def test_ten_times_the_batch_and_four_times_the_response_length_fit_in_bounded_m
         f"trainer.default_local_dir={tmp_path / 'ckpt'}",
         f"trainer.run_dir={tmp_path / 'run'}",
     ]
-    proc, run_id, log = launch(args, tmp_path)
+    proc, run_id, log = launch([DEMO, *args], tmp_path)
     peaks: dict[str, int] = {}
     total_peak = 0
     done = threading.Event()

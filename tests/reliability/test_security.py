@@ -126,11 +126,14 @@ def test_ray_serves_no_dashboard_and_a_dashboard_binds_localhost_unless_configur
     from verl.trainer.config import load_ppo_config
     from verl.trainer.main_ppo import _ray_init_kwargs
 
-    kwargs = _ray_init_kwargs(load_ppo_config(["trainer.progress_bar=false"]))
+    kwargs = _ray_init_kwargs(load_ppo_config(["trainer.progress_bar=false"], config_name="arith_demo"))
     assert kwargs["include_dashboard"] is False and kwargs["dashboard_host"] == "127.0.0.1"
     assert kwargs["runtime_env"]["env_vars"]["HF_HUB_DISABLE_PROGRESS_BARS"] == "1"
     opened = _ray_init_kwargs(
-        load_ppo_config(["+ray_kwargs.ray_init.include_dashboard=true", "+ray_kwargs.ray_init.dashboard_host=0.0.0.0"])
+        load_ppo_config(
+            ["+ray_kwargs.ray_init.include_dashboard=true", "+ray_kwargs.ray_init.dashboard_host=0.0.0.0"],
+            config_name="arith_demo",
+        )
     )
     assert opened["include_dashboard"] is True and opened["dashboard_host"] == "0.0.0.0"
 

@@ -64,7 +64,8 @@ def setup(ray_session, tmp_path_factory):
             f"data.val_files={data}",
             "trainer.progress_bar=false",
             "trainer.max_consecutive_nonfinite_steps=2",
-        ]
+        ],
+        config_name="arith_demo",
     )
     tokenizer = hf_tokenizer(str(model))
     train, _ = build_datasets(config, tokenizer)
@@ -194,7 +195,9 @@ def test_prompt_longer_than_max_prompt_length_with_truncation_error_fails_at_sta
     rows = arith_rows(8)
     rows[5]["prompt"] = [{"role": "user", "content": "What is " + "1+" * 30 + "1?"}]
     data = write_rows(tmp_path / "long.parquet", rows)
-    config = load_ppo_config([*small_run(tmp_path), f"data.train_files={data}", f"data.val_files={data}"])
+    config = load_ppo_config(
+        [*small_run(tmp_path), f"data.train_files={data}", f"data.val_files={data}"], config_name="arith_demo"
+    )
     with pytest.raises(Exception) as info:
         run_ppo(config)
     assert _report_failure(info.value) == 2

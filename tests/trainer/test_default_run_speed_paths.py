@@ -28,7 +28,7 @@ pytestmark = pytest.mark.usefixtures(one_thread.__name__)
 
 
 def _default_worker_takes_the_shared_prompt_path(rank, world_size):
-    cfg = load_ppo_config([])
+    cfg = load_ppo_config([], config_name="arith_demo")
     mapping = build_role_worker_mapping(cfg)
     with_ref = Role.ActorRolloutRef in mapping
     worker_cls = mapping[Role.ActorRolloutRef if with_ref else Role.ActorRollout]
@@ -67,6 +67,6 @@ def _default_worker_takes_the_shared_prompt_path(rank, world_size):
 
 
 def test_the_default_run_takes_the_shared_prompt_path():
-    cfg = load_ppo_config([])
+    cfg = load_ppo_config([], config_name="arith_demo")
     _ensure_default_data(cfg)  # generated once, before the ranks fork
     run_distributed(_default_worker_takes_the_shared_prompt_path, cfg.trainer.nnodes * cfg.trainer.n_gpus_per_node)

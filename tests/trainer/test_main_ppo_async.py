@@ -290,7 +290,7 @@ def test_one_step_off_with_a_megatron_actor_at_tp2_broadcasts_the_gathered_weigh
             steps,
             1,
             "trainer.n_gpus_per_node=2",
-            "actor_rollout_ref.actor.strategy=megatron",
+            "--config-name=arith_demo_megatron",
             "actor_rollout_ref.actor.megatron.tensor_model_parallel_size=2",
             "ray_kwargs.ray_init.num_cpus=3",  # three worker processes on a 2-core machine
         ),

@@ -30,7 +30,8 @@ def test_custom_dataset_class_and_row_caps_reach_the_trainer(tmp_path):
             "data.custom_cls.name=Tagged",
             "data.train_max_samples=5",
             "data.val_max_samples=3",
-        ]
+        ],
+        config_name="arith_demo",
     )
     train, val = build_datasets(cfg, hf_tokenizer(bundled_model_path()))
     assert type(train).__name__ == type(val).__name__ == "Tagged" and isinstance(train, RLHFDataset)
@@ -40,6 +41,8 @@ def test_custom_dataset_class_and_row_caps_reach_the_trainer(tmp_path):
 
 def test_without_val_files_there_is_no_validation_set(tmp_path):
     train_file, _ = ensure_arith_data(str(tmp_path / "arith"))
-    cfg = load_ppo_config([f"data.train_files={train_file}", "data.val_files=[]", "trainer.test_freq=-1"])
+    cfg = load_ppo_config(
+        [f"data.train_files={train_file}", "data.val_files=[]", "trainer.test_freq=-1"], config_name="arith_demo"
+    )
     train, val = build_datasets(cfg, hf_tokenizer(bundled_model_path()))
     assert val is None and type(train) is RLHFDataset and len(train) > 0

@@ -1,4 +1,4 @@
-"""`main_ppo --config-name=ppo_megatron_trainer` end to end on CPU: PPO (GAE) with a megatron actor
+"""`main_ppo --config-name=arith_demo_megatron` (the demo on ppo_megatron_trainer) end to end on CPU: PPO (GAE) with a megatron actor
 and critic and the built-in engine at tensor parallel size 2 with sequence parallelism, checkpointed, then resumed at context
 parallel size 2 (the checkpoint reshards; each rank runs half of every sequence, and only the first
 context-parallel rank generates and returns results)."""
@@ -18,7 +18,7 @@ def test_ppo_with_megatron_actor_and_critic_at_tp2_resumes_at_cp2(tmp_path):
             sys.executable,
             "-m",
             "verl.trainer.main_ppo",
-            "--config-name=ppo_megatron_trainer",
+            "--config-name=arith_demo_megatron",
             "algorithm.adv_estimator=gae",
             "actor_rollout_ref.actor.megatron.tensor_model_parallel_size=2",
             "actor_rollout_ref.actor.megatron.sequence_parallel=true",
@@ -41,7 +41,7 @@ def test_ppo_with_megatron_actor_and_critic_at_tp2_resumes_at_cp2(tmp_path):
             sys.executable,
             "-m",
             "verl.trainer.main_ppo",
-            "--config-name=ppo_megatron_trainer",
+            "--config-name=arith_demo_megatron",
             "algorithm.adv_estimator=gae",
             "trainer.resume_mode=resume_path",
             f"trainer.resume_from_path={first / 'ckpt' / 'global_step_1'}",
@@ -70,8 +70,9 @@ def test_grpo_with_a_megatron_reward_model_scores_with_the_classifier(tmp_path):
             sys.executable,
             "-m",
             "verl.trainer.main_ppo",
-            "--config-name=ppo_megatron_trainer",
+            "--config-name=arith_demo_megatron",
             "actor_rollout_ref.actor.megatron.tensor_model_parallel_size=2",
+            "reward_model.megatron.tensor_model_parallel_size=2",  # the actor's workers: the actor's layout
             "reward_model.enable=true",
             "reward_model.strategy=megatron",
             f"reward_model.model.path={rm}",

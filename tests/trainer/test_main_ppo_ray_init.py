@@ -16,7 +16,7 @@ ROOT = Path(__file__).resolve().parents[2]
 def test_local_run_puts_this_checkout_on_the_workers_pythonpath(monkeypatch):
     monkeypatch.delenv("RAY_JOB_CONFIG_JSON_ENV_VAR", raising=False)
     monkeypatch.setenv("PYTHONPATH", "/somewhere/else")
-    kwargs = _ray_init_kwargs(load_ppo_config([]))
+    kwargs = _ray_init_kwargs(load_ppo_config([], config_name="arith_demo"))
     env_vars = kwargs["runtime_env"]["env_vars"]
     assert env_vars["PYTHONPATH"].split(":") == [str(ROOT), "/somewhere/else"]
     assert env_vars["TOKENIZERS_PARALLELISM"] == "true"
@@ -29,7 +29,7 @@ def test_env_vars_set_by_the_submitted_job_are_left_to_the_job(monkeypatch):
     monkeypatch.setenv("RAY_JOB_CONFIG_JSON_ENV_VAR", json.dumps(job_config))
     # the driver's device preference (earlier in-process runs may have set it) reaches the workers
     monkeypatch.setenv("VERL_DEVICE", "cpu")
-    env_vars = _ray_init_kwargs(load_ppo_config([]))["runtime_env"]["env_vars"]
+    env_vars = _ray_init_kwargs(load_ppo_config([], config_name="arith_demo"))["runtime_env"]["env_vars"]
     assert "PYTHONPATH" not in env_vars and "TOKENIZERS_PARALLELISM" not in env_vars
     assert env_vars["VERL_DEVICE"] == "cpu"  # a default the job did not set is still passed on
     # Ray's own merge rule accepts the pair (it returns None on a conflict).
@@ -40,6 +40,8 @@ def test_env_vars_set_by_the_submitted_job_are_left_to_the_job(monkeypatch):
 
 def test_a_ray_init_runtime_env_from_the_config_overrides_the_defaults(monkeypatch):
     monkeypatch.delenv("RAY_JOB_CONFIG_JSON_ENV_VAR", raising=False)
-    cfg = load_ppo_config(["+ray_kwargs.ray_init.runtime_env={env_vars:{VERL_LOGGING_LEVEL:DEBUG}}"])
+    cfg = load_ppo_config(
+        ["+ray_kwargs.ray_init.runtime_env={env_vars:{VERL_LOGGING_LEVEL:DEBUG}}"], config_name="arith_demo"
+    )
     env_vars = _ray_init_kwargs(cfg)["runtime_env"]["env_vars"]
     assert env_vars["VERL_LOGGING_LEVEL"] == "DEBUG"

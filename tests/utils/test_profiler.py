@@ -117,7 +117,9 @@ def test_actor_worker_compute_log_prob_is_traced_on_cpu(tmp_path, monkeypatch):
     for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
         monkeypatch.delenv(name, raising=False)
     monkeypatch.setenv("VERL_DEVICE", "cpu")
-    cfg = load_ppo_config([f"actor_rollout_ref.model.path={bundled_model_path()}", "trainer.n_gpus_per_node=1"])
+    cfg = load_ppo_config(
+        [f"actor_rollout_ref.model.path={bundled_model_path()}", "trainer.n_gpus_per_node=1"], config_name="arith_demo"
+    )
     with open_dict(cfg):
         cfg.global_profiler = {"tool": "torch", "steps": [2], "save_path": str(tmp_path)}
         cfg.actor_rollout_ref.actor.profiler = {"enable": True, "tool": None, "save_path": None}

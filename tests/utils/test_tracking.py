@@ -62,7 +62,7 @@ def test_file_backend_honours_env_path_and_appends_across_runs(tmp_path, monkeyp
 def test_run_dir_comes_from_the_config(tmp_path):
     from verl.trainer.config import load_ppo_config
 
-    cfg = load_ppo_config([f"trainer.run_dir={tmp_path / 'from_cfg'}"])
+    cfg = load_ppo_config([f"trainer.run_dir={tmp_path / 'from_cfg'}"], config_name="arith_demo")
     t = Tracking("p", "e", "file", config=cfg)
     t.log({"x": 1.0}, step=1)
     t.finish()
@@ -78,7 +78,7 @@ def test_mlflow_local_file_store_round_trip(tmp_path, async_elsewhere):
 
     # rollout tracing turns on mlflow's process-wide async logging; every step must still be stored
     mlflow.config.enable_async_logging(async_elsewhere)
-    cfg = load_ppo_config()
+    cfg = load_ppo_config(config_name="arith_demo")
     t = Tracking("verl_test", "run1", ["mlflow", "file"], config=cfg, run_dir=tmp_path / "run")
     for step, data in STEPS.items():
         t.log({**data, "odd#name,x": float(step)}, step=step)
@@ -148,6 +148,17 @@ def test_tensorboard_respects_env_dir(tmp_path, monkeypatch):
     t.log({"x": 1.0}, step=1)
     t.finish()
     assert list((tmp_path / "tb").glob("events.out.tfevents.*"))
+
+
+def test_trainer_tensorboard_dir_wins_over_the_environment(tmp_path, monkeypatch):
+    pytest.importorskip("tensorboard")
+    monkeypatch.setenv("TENSORBOARD_DIR", str(tmp_path / "env"))
+    config = {"trainer": {"tensorboard_dir": str(tmp_path / "key")}}
+    t = Tracking("p", "e", "tensorboard", config=config, run_dir=tmp_path / "run")
+    t.log({"x": 1.0}, step=1)
+    t.finish()
+    assert list((tmp_path / "key").glob("events.out.tfevents.*"))
+    assert not (tmp_path / "env").exists()
 
 
 def test_wandb_goes_offline_without_credentials(tmp_path, monkeypatch):

@@ -37,7 +37,8 @@ def _config(*extra: str):
             "actor_rollout_ref.rollout.n=1",
             f"actor_rollout_ref.actor.ppo_mini_batch_size={len(QUESTIONS)}",
             "trainer.n_gpus_per_node=1",
-        ]
+        ],
+        config_name="arith_demo",
     )
 
 

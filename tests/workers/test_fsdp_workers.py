@@ -36,7 +36,8 @@ def test_actor_worker_group_uses_nccl_timeout(one_process):
             f"actor_rollout_ref.model.path={bundled_model_path()}",
             "actor_rollout_ref.nccl_timeout=77",
             "trainer.n_gpus_per_node=1",
-        ]
+        ],
+        config_name="arith_demo",
     )
     ActorRolloutRefWorker(cfg.actor_rollout_ref, role="actor")
     assert dist.get_backend() == "gloo"
@@ -79,7 +80,8 @@ def test_actor_worker_group_on_cuda_is_bound_to_its_device_with_nccl_timeout(one
             f"actor_rollout_ref.model.path={bundled_model_path()}",
             "actor_rollout_ref.nccl_timeout=77",
             "trainer.n_gpus_per_node=1",
-        ]
+        ],
+        config_name="arith_demo",
     )
     ActorRolloutRefWorker(cfg.actor_rollout_ref, role="actor")
     group = dist.distributed_c10d._get_default_group()
@@ -160,7 +162,8 @@ def test_actor_mfu_with_shared_prompts_is_at_most_operator_flops_over_synchronis
             "actor_rollout_ref.rollout.n=8",
             "actor_rollout_ref.actor.ppo_mini_batch_size=2",
             "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=16",
-        ]
+        ],
+        config_name="arith_demo",
     )
     worker = ActorRolloutRefWorker(cfg.actor_rollout_ref, role="actor")
     worker.init_model()

@@ -50,7 +50,8 @@ def _config():
             "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=4",
             "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu=4",
             "trainer.n_gpus_per_node=2",
-        ]
+        ],
+        config_name="arith_demo",
     )
 
 

@@ -50,7 +50,8 @@ def _actor_worker(dtype: str):
             "actor_rollout_ref.actor.ppo_mini_batch_size=2",
             "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=4",
             "trainer.n_gpus_per_node=1",
-        ]
+        ],
+        config_name="arith_demo_megatron",
     )
     worker = ActorRolloutRefWorker(cfg.actor_rollout_ref, role="actor")
     worker.init_model()

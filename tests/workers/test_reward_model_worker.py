@@ -85,13 +85,17 @@ def _config(
         f"reward_model.model.path={path}",
         "reward_model.micro_batch_size_per_gpu=3",  # uneven micro-batches
         f"reward_model.model.input_tokenizer={bundled_model_path() if retokenize else 'null'}",
-        f"reward_model.megatron.tensor_model_parallel_size={tp}",
-        f"reward_model.megatron.pipeline_model_parallel_size={pp}",
-        f"reward_model.megatron.context_parallel_size={cp}",
         "trainer.n_gpus_per_node=2",
         f"reward_model.max_length={max_length or 'null'}",
     ]
-    return load_ppo_config(overrides).reward_model
+    if strategy == "megatron":  # the megatron composition holds reward_model.megatron
+        overrides += [
+            f"reward_model.megatron.tensor_model_parallel_size={tp}",
+            f"reward_model.megatron.pipeline_model_parallel_size={pp}",
+            f"reward_model.megatron.context_parallel_size={cp}",
+        ]
+    name = "arith_demo_megatron" if strategy == "megatron" else "arith_demo"
+    return load_ppo_config(overrides, config_name=name).reward_model
 
 
 def _check(scores: DataProto, data: DataProto, expected: torch.Tensor, what: str) -> None:

@@ -28,15 +28,22 @@ import threading
 
 
 def main(argv: list[str] | None = None) -> None:
-    """Parse Hydra-style overrides (`key=value`, `+key=value`, `--config-path/--config-name`),
-    validate, and train. A config or input mistake exits with status 2 and one message listing every
-    problem; a failed run (a dead worker, a cluster too small for the run, ...) exits with status 1
-    and the message that says what went wrong; Ctrl-C stops the workers and exits with 130."""
-    from verl.trainer.config import ConfigError, load_ppo_config, parse_cli_args
+    """Parse Hydra-style arguments (`key=value`, `+key=value`, `--config-path/--config-name`,
+    `--cfg job`), validate, and train. A config or input mistake exits with status 2 and one message
+    listing every problem; a failed run (a dead worker, a cluster too small for the run, ...) exits
+    with status 1 and the message that says what went wrong; Ctrl-C stops the workers and exits with 130.
+
+    `--cfg job` (Hydra's flag) prints the composed config and runs every check that needs no model,
+    data or Ray (the config's own rules, then this machine's devices and engines), exiting 0 or 2."""
+    from verl.trainer.config import ConfigError, check_machine, load_ppo_config, parse_command_line
 
     try:
-        config_path, overrides = parse_cli_args(sys.argv[1:] if argv is None else argv)
-        config = load_ppo_config(overrides, config_path)
+        cmd = parse_command_line(sys.argv[1:] if argv is None else argv)
+        if cmd.cfg is not None:
+            _print_config(cmd)
+            return
+        config = load_ppo_config(cmd.overrides, cmd.config_dir, config_name=cmd.config_name)
+        check_machine(config)
     except ConfigError as e:
         print(f"verl: invalid configuration\n{e}", file=sys.stderr)
         raise SystemExit(2) from None
@@ -53,6 +60,20 @@ def main(argv: list[str] | None = None) -> None:
         raise SystemExit(143 if terminated else 130) from None
     except Exception as e:
         raise SystemExit(_report_failure(e)) from None
+
+
+def _print_config(cmd) -> None:
+    """`--cfg job`: the composed config on stdout (as Hydra prints it), then the checks; a failed check raises."""
+    from omegaconf import OmegaConf
+
+    from verl.trainer.config import check_machine, compose_config, validate_ppo_config
+
+    config = compose_config(cmd.overrides, cmd.config_dir, config_name=cmd.config_name)
+    print(OmegaConf.to_yaml(config, resolve=cmd.resolve), end="")
+    sys.stdout.flush()
+    validate_ppo_config(config)
+    check_machine(config)
+    print("verl: the config passed every check that needs no model, data or Ray", file=sys.stderr)
 
 
 def _report_failure(error: BaseException) -> int:

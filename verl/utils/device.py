@@ -304,3 +304,24 @@ def get_nccl_backend() -> str:
 def get_visible_devices_keyword() -> str:
     """The environment variable that selects the visible accelerators of a process."""
     return "CUDA_VISIBLE_DEVICES"
+
+
+def enable_full_determinism(seed: int) -> None:
+    """Deterministic kernels and seeded random streams in this process (`fsdp_config.full_determinism`).
+
+    torch.use_deterministic_algorithms (an op without a deterministic kernel then raises instead of
+    silently varying), cuDNN without autotuning, cuBLAS with a fixed workspace, and `random`, NumPy
+    and torch seeded with `seed`. Slower; for runs that must repeat bit for bit on the same hardware.
+    """
+    import os
+    import random
+
+    import numpy as np
+
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    torch.use_deterministic_algorithms(True)
+    torch.backends.cudnn.deterministic = True
+    torch.backends.cudnn.benchmark = False
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)

@@ -102,15 +102,23 @@ def create_device_mesh(world_size: int | None = None, fsdp_size: int = -1):
     return init_device_mesh(get_device_name(), (world_size // fsdp_size, fsdp_size), mesh_dim_names=("ddp", "fsdp"))
 
 
-def get_mixed_precision_policy(mixed_precision_config=None):
-    """bf16 compute + fp32 gradient reduction on CUDA; on CPU no casting at all (the model's own dtype).
+def get_mixed_precision_policy(mixed_precision_config=None, dtype="auto"):
+    """FSDP2's mixed-precision policy of an `fsdp_config`: its `mixed_precision` section, else its `dtype`.
 
     `mixed_precision_config` may set `param_dtype` and `reduce_dtype` (upstream also has
-    `buffer_dtype`, which FSDP2 does not use: buffers keep the model's dtype).
+    `buffer_dtype`, which FSDP2 does not use: buffers keep the model's dtype); unset ones default to
+    bf16 compute + fp32 reduction on CUDA and to no casting on CPU. Without it, `dtype` (upstream's
+    `fsdp_config.dtype`, default bfloat16) is the compute dtype with fp32 gradient reduction, as
+    upstream's workers do; `auto` (ours) is bf16 on CUDA and no casting at all on CPU (the
+    model's own dtype).
     """
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
     cuda = is_cuda_available()
+    if mixed_precision_config is None and dtype not in (None, "auto"):
+        return MixedPrecisionPolicy(
+            param_dtype=to_torch_dtype(dtype), reduce_dtype=torch.float32, cast_forward_inputs=True
+        )
     param_dtype = _cfg_get(mixed_precision_config, "param_dtype", torch.bfloat16 if cuda else None)
     reduce_dtype = _cfg_get(mixed_precision_config, "reduce_dtype", torch.float32 if cuda else None)
     return MixedPrecisionPolicy(
@@ -173,7 +181,9 @@ def apply_fsdp2(model: nn.Module, fsdp_config=None, device_mesh=None) -> nn.Modu
     offload = bool(_cfg_get(fsdp_config, "offload_policy", False))
     kwargs = {
         "mesh": device_mesh,
-        "mp_policy": get_mixed_precision_policy(_cfg_get(fsdp_config, "mixed_precision", None)),
+        "mp_policy": get_mixed_precision_policy(
+            _cfg_get(fsdp_config, "mixed_precision", None), _cfg_get(fsdp_config, "dtype", "auto")
+        ),
         "offload_policy": get_offload_policy(offload),
         "reshard_after_forward": bool(_cfg_get(fsdp_config, "reshard_after_forward", True)),
     }

@@ -15,7 +15,7 @@ Backends (each imported only when chosen, so `import verl` stays light):
   in metric names: `@` becomes `_at_` (as upstream does, so dashboards match) and any other
   forbidden character c becomes `_u%04x_`; `restore_mlflow_key` inverts this (names that
   already contain those escapes are the one ambiguity).
-- tensorboard: `$TENSORBOARD_DIR`, else `<run_dir>/tensorboard`.
+- tensorboard: `trainer.tensorboard_dir`, else `$TENSORBOARD_DIR`, else `<run_dir>/tensorboard`.
 - wandb: `$WANDB_DIR`, else `<run_dir>`. Without credentials (no `WANDB_API_KEY`, no netrc
   entry) and no explicit `WANDB_MODE`, the run is written offline (`wandb sync` uploads it later)
   instead of failing on a machine without network.
@@ -236,10 +236,10 @@ class MlflowLogger:
 class TensorboardLogger:
     """Scalars through torch's SummaryWriter."""
 
-    def __init__(self, run_dir: Path):
+    def __init__(self, run_dir: Path, log_dir: str | os.PathLike | None = None):
         from torch.utils.tensorboard import SummaryWriter
 
-        self.log_dir = Path(os.environ.get("TENSORBOARD_DIR") or run_dir / "tensorboard")
+        self.log_dir = Path(log_dir or os.environ.get("TENSORBOARD_DIR") or run_dir / "tensorboard")
         self.log_dir.mkdir(parents=True, exist_ok=True)
         self.writer = SummaryWriter(log_dir=str(self.log_dir))
 
@@ -311,6 +311,12 @@ def _default_run_dir(project_name: str, experiment_name: str, config: Any) -> Pa
     return Path(run_dir) if run_dir else Path("outputs") / project_name / experiment_name
 
 
+def _trainer_key(config: Any, key: str):
+    """`config.trainer.<key>` of a run's config (dict or DictConfig), or None."""
+    trainer = (config or {}).get("trainer") if hasattr(config or {}, "get") else None
+    return trainer.get(key) if hasattr(trainer, "get") else None
+
+
 class Tracking:
     """Log metrics to several backends at once (see the module docstring for each backend).
 
@@ -358,7 +364,7 @@ class Tracking:
             elif b == "mlflow":
                 self.logger[b] = MlflowLogger(project_name, experiment_name, config)
             elif b == "tensorboard":
-                self.logger[b] = TensorboardLogger(self.run_dir)
+                self.logger[b] = TensorboardLogger(self.run_dir, _trainer_key(config, "tensorboard_dir"))
             elif b == "wandb":
                 self.logger[b] = WandbLogger(project_name, experiment_name, config, self.run_dir)
         self._history: list[dict] = []

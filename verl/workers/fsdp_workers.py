@@ -181,6 +181,9 @@ class _FSDPModel:
         from verl.utils.lora import apply_lora, lora_enabled
         from verl.utils.model import enable_gradient_checkpointing, load_causal_lm, load_valuehead_model
 
+        fsdp = _plain(fsdp_cfg) or {}
+        if fsdp.get("full_determinism", False):  # before anything random (a value head's initialisation)
+            dev.enable_full_determinism(int(fsdp.get("seed", 42)))
         # Only rank 0 reads the checkpoint; the other ranks start on the meta device and get its
         # weights by broadcast once wrapped (`load_full_state_from_rank0`).
         from_rank0 = dist.is_initialized() and dist.get_world_size() > 1
@@ -317,8 +320,7 @@ def _trains_as_plain_replicas(fsdp_cfg, module) -> bool:
 
     That is the case `_auto_replicate` replicates (`_replicates`: fsdp_size=-1 and a small model),
     as long as FSDP2 would not change how it computes: no FSDP CPU offload and no mixed-precision cast (the
-    parameter dtype of `fsdp_config.mixed_precision`, bf16 by default on GPU, none on CPU, is the
-    model's own). A replicated model under FSDP2 still pays its per-layer hooks, per-layer
+    parameter dtype of `fsdp_config.mixed_precision` or `fsdp_config.dtype` is the model's own). A replicated model under FSDP2 still pays its per-layer hooks, per-layer
     all-reduces and DTensor dispatch on every op: on the CPU example (1M parameters, 2 gloo ranks,
     96 rows per rank) an update took 170 ms under FSDP2 and 125-133 ms as plain replicas.
     """
@@ -327,7 +329,7 @@ def _trains_as_plain_replicas(fsdp_cfg, module) -> bool:
     fsdp = _plain(fsdp_cfg) or {}
     if not _replicates(fsdp, module) or fsdp.get("offload_policy", False):
         return False
-    param_dtype = get_mixed_precision_policy(fsdp.get("mixed_precision")).param_dtype
+    param_dtype = get_mixed_precision_policy(fsdp.get("mixed_precision"), fsdp.get("dtype", "auto")).param_dtype
     return param_dtype is None or all(p.dtype == param_dtype for p in module.parameters())
 
 
@@ -408,8 +410,11 @@ class ActorRolloutRefWorker(Worker, DistProfilerExtension):
         profiled = next(part for part in ("actor", "rollout", "ref") if part in self.parts)
         self.init_profiler(self.rank, (config.get(profiled) or {}).get("profiler"), role)
         self.dp_size = self._data_parallel_size()
-        with open_dict(self.config):
-            self.config.actor.use_remove_padding = self.config.model.get("use_remove_padding", False)
+        with open_dict(self.config):  # the actor's own key (upstream's dp_actor) follows the model's by default
+            remove_padding = self.config.actor.get("use_remove_padding")
+            if remove_padding is None:
+                remove_padding = self.config.model.get("use_remove_padding", False)
+            self.config.actor.use_remove_padding = bool(remove_padding)
         if "actor" in self.parts:
             _normalize_batch_sizes(self.config.actor, self.config.rollout.n, self.dp_size)
         self.actor = self.rollout = self.ref = None
@@ -693,7 +698,8 @@ class CriticWorker(Worker, DistProfilerExtension):
     @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO)
     @DistProfiler.annotate("compute_values")
     def compute_values(self, data: DataProto) -> DataProto:
-        data.meta_info.setdefault("micro_batch_size", self.config.get("forward_micro_batch_size_per_gpu") or len(data))
+        micro = self.config.get("forward_micro_batch_size_per_gpu") or self.config.get("ppo_micro_batch_size_per_gpu")
+        data.meta_info.setdefault("micro_batch_size", micro or len(data))
         data.meta_info.setdefault("use_dynamic_bsz", self.config.get("use_dynamic_bsz", False))
         data.meta_info.setdefault("max_token_len", self.config.get("forward_max_token_len_per_gpu", 16384))
         with self.critic_model.on_device():

@@ -217,6 +217,19 @@ class _MegatronModel:
         return params if dtype is None else _cast_floating(params, dtype)
 
 
+def megatron_optim_settings(optim_cfg) -> dict:
+    """Upstream's Megatron optimizer section (optim/megatron.yaml) in the spelling `build_lr_scheduler`
+    reads: `lr_decay_style` is the schedule (lr_scheduler_type), and the absolute floor `min_lr` of
+    the cosine decay is `min_lr_ratio = min_lr / lr`. Keys already in that spelling are kept."""
+    optim = dict(_plain(optim_cfg) or {})
+    if optim.get("lr_scheduler_type") is None and optim.get("lr_decay_style") is not None:
+        optim["lr_scheduler_type"] = optim["lr_decay_style"]
+    if optim.get("min_lr_ratio") is None and optim.get("min_lr") is not None:
+        lr = float(optim.get("lr") or 0.0)
+        optim["min_lr_ratio"] = float(optim["min_lr"]) / lr if lr > 0 else 0.0
+    return optim
+
+
 class _OptimizedMegatronModel(_MegatronModel):
     """A megatron model with AdamW over its shards, the lr schedule and the checkpoint manager."""
 
@@ -229,10 +242,11 @@ class _OptimizedMegatronModel(_MegatronModel):
 
         # use_distributed_optimizer: Adam state split over the data-parallel replicas (ZeRO-1)
         shard_over = mpu.get_data_parallel_group() if _plain(megatron_cfg).get("use_distributed_optimizer") else None
+        optim = megatron_optim_settings(optim_cfg)
         self.optimizer = build_optimizer(
-            [p for p in self.parameters() if p.requires_grad], optim_cfg, shard_state_over=shard_over
+            [p for p in self.parameters() if p.requires_grad], optim, shard_state_over=shard_over
         )
-        self.lr_scheduler = build_lr_scheduler(self.optimizer, optim_cfg)
+        self.lr_scheduler = build_lr_scheduler(self.optimizer, optim)
         self.checkpoint_manager = MegatronCheckpointManager(
             self.chunks,
             self.optimizer,

@@ -372,3 +372,17 @@ def test_partial_rollouts_tag_each_episode_with_the_versions_of_all_its_model_tu
     rollout.weight_refresh = refresh
     out = rollout.generate_sequences(question_batch(tokenizer, questions))
     assert refresh.checks == 0 and "weight_version" not in out.non_tensor_batch
+
+
+@pytest.mark.parametrize(("default", "runs_tools"), [("single_turn_agent", False), ("tool_agent", True)])
+def test_rows_without_an_agent_name_run_rollout_agent_default_agent_loop(tokenizer, tiny_model, default, runs_tools):
+    """Upstream's `rollout.agent.default_agent_loop` picks the loop of a row with no `agent_name`: the
+    single-turn loop keeps the model's tool call as its answer, the tool loop runs the tool and continues."""
+    forced = ForcedRollout(tiny_model, calculator_script(tokenizer))
+    config = {**rollout_config(), "agent": {"default_agent_loop": default}}
+    rollout = AgentLoopRollout(forced, config, tokenizer, tools=[CalculatorTool()])
+    out = rollout.generate_sequences(question_batch(tokenizer, ["What is 12+34*5?"]))
+    length = int(out.batch["attention_mask"][0, P:].sum())
+    response = tokenizer.decode(out.batch["responses"][0, :length].tolist())
+    assert call_text("12+34*5") in response
+    assert ("<tool_response>182</tool_response>" in response) is runs_tools, response

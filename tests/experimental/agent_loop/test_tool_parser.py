@@ -64,5 +64,36 @@ def test_an_unclosed_call_is_an_error_and_is_not_part_of_the_content():
 
 
 def test_unknown_format_names_the_valid_ones():
-    with pytest.raises(ValueError, match=r"multi_turn.format='json'.*\['hermes'\]"):
+    with pytest.raises(ValueError, match=r"multi_turn.format='json'.*\['gpt-oss', 'hermes'\]"):
         get_tool_parser("json")
+
+
+# ------------------------------------------------------------------------------------- gpt-oss
+
+HARMONY_CALL = (
+    "<|start|>assistant<|channel|>commentary to=functions.calculator <|constrain|>json"
+    '<|message|>{"expression": "12+34*5"}<|call|>'
+)
+
+
+def test_gpt_oss_call_on_the_commentary_channel():
+    parser = get_tool_parser("gpt-oss")
+    assert parser.keep_special_tokens  # its markers are special tokens
+    turn = parser.parse(HARMONY_CALL)
+    assert turn.tool_calls == [ToolCall("calculator", {"expression": "12+34*5"})] and turn.errors == []
+
+
+def test_gpt_oss_call_cut_at_its_stop_token_and_reasoning_dropped():
+    """The engine stops at <|call|> (the loop hands the text without it); a call inside the analysis
+    channel is reasoning, not a call."""
+    reasoning = '<|channel|>analysis<|message|>maybe to=functions.calculator <|message|>{"expression": "1"}<|end|>'
+    turn = get_tool_parser("gpt-oss").parse(reasoning + HARMONY_CALL.removesuffix("<|call|>"))
+    assert turn.tool_calls == [ToolCall("calculator", {"expression": "12+34*5"})]
+
+
+def test_gpt_oss_final_answer_and_malformed_arguments():
+    parser = get_tool_parser("gpt-oss")
+    final = parser.parse("<|start|>assistant<|channel|>final<|message|>It is 182.<|return|>")
+    assert final.content == "It is 182." and not final.wants_tools
+    bad = parser.parse("<|channel|>commentary to=functions.calculator <|message|>{not json<|call|>")
+    assert bad.tool_calls == [] and len(bad.errors) == 1 and "not a JSON object" in bad.errors[0]

@@ -38,10 +38,14 @@ def documented_keys(text: str) -> set[str]:
 def test_reference_lists_every_key_with_type_default_and_status():
     text = docgen.render()
     assert documented_keys(text) == {key for key, _, _, _ in iter_schema_fields()}
-    assert "| `train_batch_size` | int | `32` | yes | Prompts per training step" in text
-    assert "| `lora_rank` | int | `0` | no (only `0`) |" in text
-    assert "| `path` | str | `${verl_asset:arith-tiny}` |" in text
-    assert "One of: `auto`, `cpu`, `cuda`." in text
+    assert "| `train_batch_size` | int | `1024` | yes | Prompts per training step" in text
+    assert "| `lora_rank` | int | `0` | no (only `0`) | *fsdp* LoRA rank of the critic" in text
+    assert "| `path` | str | `~/models/deepseek-llm-7b-chat` |" in text
+    assert "| `device` | str | `cuda` | yes; `npu`: no (Ascend NPUs) |" in text
+    assert "| `loss_scale_factor` | float \\| null | `null` | yes |" in text
+    assert (
+        "| `lr_decay_style` | str | `constant` | yes | *megatron* " in text
+    )  # a default only ppo_megatron_trainer has
 
 
 def test_module_prints_the_reference():

@@ -1,7 +1,9 @@
 """Start-up validation: every class of user error fails with a message saying what, why and how to fix.
 
-Most tests edit a plain-dict copy of the resolved defaults (fast); the loader tests cover the same
-errors arriving through command-line overrides.
+Most tests edit a plain-dict copy of the resolved bundled demo config (`arith_demo`: upstream's
+defaults plus the demo's, a config that runs; fast); the loader tests cover the same errors
+arriving through command-line overrides, and test_upstream_defaults.py the rules under upstream's
+own defaults.
 """
 
 from __future__ import annotations
@@ -19,7 +21,14 @@ from verl.trainer.config.schema import GROUP_ADV_ESTIMATORS
 def defaults() -> dict:
     from omegaconf import OmegaConf
 
-    return OmegaConf.to_container(load_ppo_config(), resolve=True)
+    return OmegaConf.to_container(load_ppo_config(config_name="arith_demo"), resolve=True)
+
+
+@pytest.fixture(scope="module")
+def megatron_defaults() -> dict:
+    from omegaconf import OmegaConf
+
+    return OmegaConf.to_container(load_ppo_config(config_name="arith_demo_megatron"), resolve=True)
 
 
 def with_(base: dict, **changes) -> dict:
@@ -187,7 +196,7 @@ def test_all_problems_are_reported_at_once(defaults):
 
 def test_a_bad_value_copied_by_interpolation_is_reported_once():
     with pytest.raises(ConfigError) as e:
-        load_ppo_config(["data.train_batch_size=abc"])
+        load_ppo_config(["data.train_batch_size=abc"], config_name="arith_demo")
     assert len(e.value.errors) == 1  # not again for data.gen_batch_size / ppo_mini_batch_size
     assert "data.train_batch_size='abc'" in e.value.errors[0]
 
@@ -291,24 +300,33 @@ def test_bigger_cluster_arithmetic_passes(defaults):
 
 
 def test_reward_model_needs_a_path_and_micro_batch(defaults):
-    msg = error_of(with_(defaults, reward_model__enable=True))
-    assert "reward_model.model.path is null" in msg and "reward model needs a micro-batch size" in msg
+    msg = error_of(with_(defaults, reward_model__enable=True, reward_model__model__path=None))
+    assert "reward_model.model.path is null" in msg
+    # upstream's reward loop (use_reward_loop, its default) batches the reward model's requests itself
+    validate_ppo_config(with_(defaults, reward_model__enable=True))
+    msg = error_of(with_(defaults, reward_model__enable=True, reward_model__use_reward_loop=False))
+    assert "reward model needs a micro-batch size" in msg
 
 
 # ---------------------------------------------------------------------------- algorithm rules
 
 
 @pytest.mark.parametrize("estimator", GROUP_ADV_ESTIMATORS)
-def test_group_estimators_need_several_samples_per_prompt(defaults, estimator):
+def test_group_estimators_with_one_sample_per_prompt_warn(defaults, estimator):
+    """Upstream runs them (its launch scripts do): a group of one has no baseline, the advantage is the
+    raw score. Here it is a warning naming the fix, not an error."""
     cfg = with_(
         defaults,
         algorithm__adv_estimator=estimator,
         actor_rollout_ref__rollout__n=1,
+        actor_rollout_ref__actor__rollout_n=1,
+        actor_rollout_ref__ref__rollout_n=1,
         critic__rollout_n=1,
         actor_rollout_ref__actor__ppo_micro_batch_size_per_gpu=16,
     )
-    msg = error_of(cfg)
-    assert f"algorithm.adv_estimator={estimator}" in msg and "rollout.n to 2 or more" in msg
+    with pytest.warns(ConfigWarning, match=f"adv_estimator={estimator} .* no group baseline") as record:
+        validate_ppo_config(cfg)
+    assert any("rollout.n to 2 or more" in str(w.message) for w in record)
 
 
 def test_single_sample_estimators_accept_n_equal_one(defaults):
@@ -316,6 +334,8 @@ def test_single_sample_estimators_accept_n_equal_one(defaults):
         defaults,
         algorithm__adv_estimator="remax",
         actor_rollout_ref__rollout__n=1,
+        actor_rollout_ref__actor__rollout_n=1,
+        actor_rollout_ref__ref__rollout_n=1,
         critic__rollout_n=1,
         actor_rollout_ref__actor__ppo_micro_batch_size_per_gpu=16,
     )
@@ -447,7 +467,10 @@ def test_partial_rollouts_need_an_engine_that_can_pause(defaults):
     assert "must be >= 1" in error_of(with_(ahead, async_training__partial_rollout_check_steps=0))
 
 
-def _megatron_reward_model(defaults, **overrides):
+def _megatron_reward_model(defaults, megatron_defaults, **overrides):
+    """The reward model on megatron; in an FSDP config, with the megatron composition's reward_model section."""
+    if "megatron" not in defaults["reward_model"]:
+        defaults = with_(defaults, reward_model=copy.deepcopy(megatron_defaults["reward_model"]))
     return with_(
         defaults,
         reward_model__enable=True,
@@ -458,13 +481,11 @@ def _megatron_reward_model(defaults, **overrides):
     )
 
 
-def test_megatron_models_in_one_process_need_one_layout(defaults):
+def test_megatron_models_in_one_process_need_one_layout(defaults, megatron_defaults):
     """Actor, critic and reward model share the worker processes, which hold one set of megatron
     parallel groups: different layouts are a config error naming each."""
     cfg = with_(
-        defaults,
-        actor_rollout_ref__actor__strategy="megatron",
-        critic__strategy="megatron",
+        megatron_defaults,
         algorithm__adv_estimator="gae",
         critic__megatron__tensor_model_parallel_size=2,
     )
@@ -481,28 +502,47 @@ def test_megatron_models_in_one_process_need_one_layout(defaults):
     assert "context_parallel_size=0 must be a positive integer" in error_of(
         with_(cfg, critic__megatron__tensor_model_parallel_size=1, critic__megatron__context_parallel_size=0)
     )
-    rm = _megatron_reward_model(defaults, reward_model__megatron__pipeline_model_parallel_size=2)
+    rm = _megatron_reward_model(defaults, megatron_defaults, reward_model__megatron__pipeline_model_parallel_size=2)
     validate_ppo_config(rm)  # an FSDP actor: the reward model is the only megatron model
     assert "reward_model.megatron (tp, pp, vpp, cp)=(1, 2, None, 1)" in error_of(
-        with_(rm, actor_rollout_ref__actor__strategy="megatron")
+        _megatron_reward_model(
+            megatron_defaults, megatron_defaults, reward_model__megatron__pipeline_model_parallel_size=2
+        )
     )
 
 
-def test_megatron_dist_checkpoint_start_needs_an_existing_path(defaults, tmp_path):
+def test_megatron_dist_checkpoint_start_needs_an_existing_path(megatron_defaults, tmp_path):
     """megatron.use_dist_checkpointing: the checkpoint directory must be named and exist, and a reward
     model (whose score head only its HF checkpoint has) cannot use it."""
-    cfg = with_(
-        defaults,
-        actor_rollout_ref__actor__strategy="megatron",
-        actor_rollout_ref__actor__megatron__use_dist_checkpointing=True,
-    )
+    cfg = with_(megatron_defaults, actor_rollout_ref__actor__megatron__use_dist_checkpointing=True)
     assert "needs actor_rollout_ref.actor.megatron.dist_checkpointing_path" in error_of(cfg)
     missing = with_(cfg, actor_rollout_ref__actor__megatron__dist_checkpointing_path=str(tmp_path / "nope"))
     assert "dist_checkpointing_path=" in error_of(missing) and "does not exist" in error_of(missing)
     validate_ppo_config(with_(cfg, actor_rollout_ref__actor__megatron__dist_checkpointing_path=str(tmp_path)))
     rm = _megatron_reward_model(
-        defaults,
+        megatron_defaults,
+        megatron_defaults,
         reward_model__megatron__use_dist_checkpointing=True,
         reward_model__megatron__dist_checkpointing_path=str(tmp_path),
     )
     assert "reward_model.megatron.use_dist_checkpointing=true" in error_of(rm)
+
+
+def test_megatron_batch_must_split_into_micro_batches_of_every_data_parallel_group(megatron_defaults):
+    """Upstream's rule: with fixed micro-batches, train_batch_size x n is a multiple of the megatron
+    data-parallel size (ranks / tp x pp x cp) x ppo_micro_batch_size_per_gpu."""
+    cfg = with_(
+        megatron_defaults,
+        trainer__n_gpus_per_node=8,
+        actor_rollout_ref__actor__megatron__tensor_model_parallel_size=2,  # 4 data-parallel groups
+        actor_rollout_ref__actor__ppo_micro_batch_size_per_gpu=4,  # multiples of 16 sequences
+        data__train_batch_size=24,
+        actor_rollout_ref__actor__ppo_mini_batch_size=24,
+        actor_rollout_ref__rollout__n=1,
+        actor_rollout_ref__actor__rollout_n=1,
+        actor_rollout_ref__ref__rollout_n=1,
+        critic__rollout_n=1,
+        algorithm__adv_estimator="remax",
+    )
+    assert "24 sequences per step do not split into whole micro-batches of the 4 megatron" in error_of(cfg)
+    validate_ppo_config(with_(cfg, data__train_batch_size=32, actor_rollout_ref__actor__ppo_mini_batch_size=32))

@@ -194,7 +194,9 @@ def test_rope_table_grows_geometrically():
 def _default_rollout_config(overrides=()):
     from verl.trainer.config import load_ppo_config
 
-    return HFRolloutConfig.from_any(load_ppo_config(list(overrides)).actor_rollout_ref.rollout)
+    return HFRolloutConfig.from_any(
+        load_ppo_config(list(overrides), config_name="arith_demo").actor_rollout_ref.rollout
+    )
 
 
 def test_default_yaml_turns_cuda_graphs_on_for_the_hf_engine_on_cuda(tmp_path, monkeypatch):

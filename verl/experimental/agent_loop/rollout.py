@@ -107,6 +107,8 @@ class AgentLoopRollout(BaseRollout):
         self.inner = rollout
         self.tokenizer = tokenizer
         self.settings = settings_from_config(config, apply_chat_template_kwargs)
+        # rows without an `agent_name` column run rollout.agent.default_agent_loop (upstream's rule)
+        self.default_agent = str((config.get("agent") or {}).get("default_agent_loop") or DEFAULT_AGENT)
         self.with_logprobs = bool(config.get("calculate_log_probs", False))
         if tools is None:
             path = (config.get("multi_turn") or {}).get("tool_config_path")
@@ -233,9 +235,9 @@ class AgentLoopRollout(BaseRollout):
         first_version = None if refresh is None else int(refresh.version)
         samples = self.samples(prompts, meta)
         names = prompts.non_tensor_batch.get("agent_name")
-        names = [DEFAULT_AGENT if not name else str(name) for name in names] if names is not None else None
+        names = [self.default_agent if not name else str(name) for name in names] if names is not None else None
         trajectories, stats = _run_sync(
-            self.run_episodes(samples, names or [DEFAULT_AGENT] * len(samples), eos_ids, pad)
+            self.run_episodes(samples, names or [self.default_agent] * len(samples), eos_ids, pad)
         )
 
         out = trajectories_to_proto(prompts, trajectories, self.settings.response_length, pad, self.with_logprobs, meta)

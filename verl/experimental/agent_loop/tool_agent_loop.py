@@ -192,7 +192,9 @@ class ToolAgentLoop(AgentLoopBase):
                 s.max_user_turns and user_turns >= s.max_user_turns
             ):
                 break
-            parsed = self.parser.parse(self.tokenizer.decode(body, skip_special_tokens=True))
+            parsed = self.parser.parse(
+                self.tokenizer.decode(body, skip_special_tokens=not self.parser.keep_special_tokens)
+            )
             if not parsed.wants_tools:
                 break
             start = time.perf_counter()

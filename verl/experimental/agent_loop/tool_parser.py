@@ -11,7 +11,7 @@ error message per malformed call. The agent loop answers an error with a tool me
 was wrong, so the model learns from it instead of the conversation silently ending: a call that is
 not valid JSON, not an object, has no string `name`, has `arguments` that are neither an object
 nor a JSON string of one, or a `<tool_call>` that is never closed. Text without any `<tool_call>`
-is a final answer.
+is a final answer. `gpt-oss` reads OpenAI's harmony format (`GptOssToolParser`).
 """
 
 from __future__ import annotations
@@ -47,6 +47,9 @@ class ParsedTurn:
 
 class ToolParser(ABC):
     """Splits a decoded assistant turn into text and tool calls."""
+
+    keep_special_tokens = False
+    """Whether the turn is decoded with its special tokens (formats whose markers are special tokens)."""
 
     @abstractmethod
     def parse(self, text: str) -> ParsedTurn: ...
@@ -100,8 +103,41 @@ def _parse_call(body: str) -> ToolCall | str:
     return ToolCall(name=name, arguments=arguments)
 
 
-# multi_turn.format -> parser class; the one place every supported format is listed
-TOOL_PARSERS: dict[str, type[ToolParser]] = {"hermes": HermesToolParser}
+class GptOssToolParser(ToolParser):
+    """OpenAI's harmony format (gpt-oss): a call is a message on the commentary channel addressed to
+    `functions.<name>`, its body the arguments as JSON, ended by `<|call|>`:
+
+        <|start|>assistant<|channel|>commentary to=functions.calculator <|constrain|>json<|message|>{"expression": "1+2"}<|call|>
+
+    The markers are special tokens, so the turn is decoded with them kept (`keep_special_tokens`).
+    Reasoning (the analysis channel) is dropped first: a call written there is not a call. The
+    engine stops at `<|call|>` and the loop hands the text without its stop token, so the last
+    call may end at the end of the text. The content is the final channel's message, else the
+    text left without calls and reasoning.
+    """
+
+    keep_special_tokens = True
+    _analysis = re.compile(r"(?:<\|start\|>assistant)?<\|channel\|>analysis<\|message\|>.*?(?:<\|end\|>|$)", re.DOTALL)
+    _call = re.compile(
+        r"(?:<\|start\|>assistant)?<\|channel\|>[^<]*?to=functions\.([^\s<]+)\s*(?:<\|constrain\|>\s*\w+\s*)?"
+        r"<\|message\|>(.*?)(?:<\|call\|>|$)",
+        re.DOTALL,
+    )
+    _final = re.compile(r"<\|channel\|>final<\|message\|>(.*?)(?:<\|return\|>|<\|end\|>|$)", re.DOTALL)
+
+    def parse(self, text: str) -> ParsedTurn:
+        text = self._analysis.sub("", text)
+        calls, errors = [], []
+        for name, body in self._call.findall(text):
+            call = _parse_call(json.dumps({"name": name, "arguments": body.strip()}))
+            (calls if isinstance(call, ToolCall) else errors).append(call)
+        final = self._final.search(text)
+        content = final.group(1) if final else re.sub(r"<\|[a-z_]+\|>", "", self._call.sub("", text))
+        return ParsedTurn(content=content.strip(), tool_calls=calls, errors=errors)
+
+
+# multi_turn.format -> parser class; the one place every supported format is listed (upstream's names)
+TOOL_PARSERS: dict[str, type[ToolParser]] = {"hermes": HermesToolParser, "gpt-oss": GptOssToolParser}
 
 
 def get_tool_parser(name: str) -> ToolParser:

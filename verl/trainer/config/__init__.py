@@ -3,27 +3,43 @@
     from verl.trainer.config import load_ppo_config
     cfg = load_ppo_config(["data.train_batch_size=64", "trainer.logger=[console,mlflow]"])
 
-Importing this package registers the `${verl_asset:NAME}` and `${verl_cache:REL}` resolvers used
-by `ppo_trainer.yaml`, so Hydra's CLI (`@hydra.main(config_path="config",
-config_name="ppo_trainer")`) resolves them too once this package is imported.
+`ppo_trainer.yaml` and `ppo_megatron_trainer.yaml` hold upstream verl's keys and defaults, composed
+from the same config groups; they load with plain Hydra/OmegaConf. The bundled demo
+(`config_name="arith_demo"`) uses the `${verl_asset:NAME}` and `${verl_cache:REL}` resolvers that
+importing this package registers.
 """
 
 from verl.trainer.config.errors import ConfigError, ConfigWarning
 from verl.trainer.config.loader import (
     CONFIG_DIR,
+    DEMO_CONFIG_NAME,
+    CommandLine,
     apply_overrides,
     cache_dir,
+    compose_config,
     load_ppo_config,
     parse_cli_args,
+    parse_command_line,
     ray_init_kwargs,
     register_resolvers,
     save_resolved_config,
 )
 from verl.trainer.config.schema import PPOConfig
-from verl.trainer.config.validate import need_critic, need_reference_policy, validate_ppo_config, world_size
+from verl.trainer.config.validate import (
+    check_machine,
+    need_critic,
+    need_reference_policy,
+    validate_ppo_config,
+    world_size,
+)
 
 __all__ = [
     "CONFIG_DIR",
+    "DEMO_CONFIG_NAME",
+    "CommandLine",
+    "check_machine",
+    "compose_config",
+    "parse_command_line",
     "ConfigError",
     "ConfigWarning",
     "PPOConfig",

@@ -1,22 +1,33 @@
-"""Load `ppo_trainer.yaml` plus command-line style overrides, without Hydra's CLI.
+"""Compose `ppo_trainer.yaml` (or a user config built on it) with Hydra, then apply overrides.
 
 Design decisions:
-- Overrides use Hydra's own grammar (`key=value`, `+key=value`, `++key=value`, `~key`; values
-  parsed exactly as `python -m verl.trainer.main_ppo key=value` parses them), but are applied here
-  so that a misspelled key fails with the full dotted key and the closest valid key, rather than
-  Hydra's bare "not in struct" message.
-- A config file with a `defaults:` list (a recipe that starts from `ppo_trainer` and changes a few
-  keys) is composed the simple way: each listed config is looked up beside the file, then among
-  the bundled configs, and merged in order, `_self_` marking where the file's own keys go.
-  Config-group entries (`- group@pkg: option`) are not supported and say so.
-- The returned config is resolved (interpolations and the `verl_asset`/`verl_cache` resolvers
-  evaluated), so it can be pickled to Ray workers that never import this package, and it is in
-  struct mode like Hydra's: reading a key that does not exist raises.
+- Composition is Hydra's own (its config loader, without `@hydra.main`'s global state), so config
+  groups, `defaults:` lists with `group@package: option` entries, `override` entries, `_self_` and
+  `hydra.searchpath` mean exactly what they mean upstream. verl's config directory is always on
+  the search path, so a user config anywhere may start with `defaults: [ppo_trainer, _self_]`.
+- The bundled YAML files use no custom resolver (only OmegaConf's `oc.select`): they load with
+  plain Hydra or OmegaConf without importing verl. The demo's `demo/arith.yaml` is the exception:
+  `${verl_asset:NAME}` and `${verl_cache:REL}` (registered on import of this package) point it at
+  the bundled model and the generated data.
+- Value overrides use Hydra's grammar (`key=value`, `+key=value`, `++key=value`, `~key`, parsed
+  exactly as Hydra parses them) but are applied here, so that a misspelled key fails with the
+  full dotted key and the closest valid key rather than Hydra's bare "not in struct" message.
+  Config-group overrides (`actor@actor_rollout_ref.actor=megatron_actor`) go to Hydra.
+- `--config-path` is resolved as Hydra resolves it for `python -m verl.trainer.main_ppo`: an
+  absolute path as is, a relative one against the directory of main_ppo.py (so upstream's
+  `--config-path=config` is verl/trainer/config). A relative path that does not exist there but
+  does exist under the working directory is taken from there (Hydra would fail).
+- The returned config is resolved (interpolations and the resolvers evaluated), so it can be
+  pickled to Ray workers that never import this package, and it is in struct mode like Hydra's:
+  reading a key that does not exist raises.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import os
+import pickle
 from pathlib import Path
 
 from omegaconf import DictConfig, ListConfig, OmegaConf
@@ -25,7 +36,10 @@ from verl.trainer.config.errors import ConfigError, did_you_mean
 
 CONFIG_DIR = Path(__file__).resolve().parent
 DEFAULT_CONFIG_NAME = "ppo_trainer"
+DEMO_CONFIG_NAME = "arith_demo"
 ASSETS_DIR = CONFIG_DIR.parent.parent / "assets"
+# Hydra reads a relative --config-path against the directory of the @hydra.main module (main_ppo.py).
+ENTRY_DIR = CONFIG_DIR.parent
 
 
 def cache_dir() -> Path:
@@ -53,59 +67,119 @@ register_resolvers()
 # --------------------------------------------------------------------------------- composition
 
 
-def _find_config(name: str, search: list[Path]) -> Path:
-    for directory in search:
-        for candidate in (directory / f"{name}.yaml", directory / name):
-            if candidate.is_file():
-                return candidate
+def resolve_config_dir(config_path: str | os.PathLike | None) -> Path:
+    """The directory a `--config-path` names, as Hydra reads it for `python -m verl.trainer.main_ppo`."""
+    if config_path is None:
+        return CONFIG_DIR
+    text = str(config_path)
+    if text.startswith("pkg://"):
+        package = text[len("pkg://") :].strip("/").replace("/", ".")
+        import importlib.util
+
+        spec = importlib.util.find_spec(package)
+        if spec is None or not spec.submodule_search_locations:
+            raise ConfigError(f"--config-path={text}: package {package!r} cannot be imported")
+        return Path(list(spec.submodule_search_locations)[0])
+    if text.startswith("file://"):
+        text = text[len("file://") :]
+    path = Path(text).expanduser()
+    if path.is_absolute():
+        candidates = [path]
+    else:
+        candidates = [ENTRY_DIR / path, Path.cwd() / path]
+    for candidate in candidates:
+        if candidate.is_dir():
+            return candidate.resolve()
     raise ConfigError(
-        f"config {name!r} listed in a defaults list was not found in {[str(d) for d in search]}; "
-        "name a YAML file (without .yaml) that sits beside the including file or among verl's bundled configs"
+        f"--config-path={config_path}: no such directory (looked in {', '.join(str(c) for c in candidates)}); "
+        "a relative --config-path is read against verl/trainer/, as Hydra reads it for "
+        "`python -m verl.trainer.main_ppo`, then against the working directory"
     )
 
 
-def _compose_file(path: Path, seen: tuple[Path, ...] = ()) -> DictConfig:
-    if path in seen:
-        raise ConfigError(f"config {path} includes itself through its defaults list {[str(p) for p in seen]}")
-    cfg = OmegaConf.load(path)
-    if not isinstance(cfg, DictConfig):
-        raise ConfigError(f"{path} must hold a mapping at top level, found {type(cfg).__name__}")
-    defaults = cfg.pop("defaults", None)
-    cfg.pop("hydra", None)  # Hydra's own settings (searchpath, run dir) mean nothing here
-    if defaults is None:
-        return cfg
-    search = [path.parent, CONFIG_DIR]
-    parts: list[DictConfig] = []
-    self_seen = False
-    for entry in defaults:
-        if entry == "_self_":
-            parts.append(cfg)
-            self_seen = True
-        elif isinstance(entry, str):
-            parts.append(_compose_file(_find_config(entry, search), (*seen, path)))
-        else:
-            raise ConfigError(
-                f"{path}: defaults entry {OmegaConf.to_container(entry) if isinstance(entry, DictConfig) else entry!r} "
-                "selects a config group, which verl's loader does not support; list plain config names "
-                "(e.g. `- ppo_trainer` then `- _self_`) or run through Hydra's CLI"
-            )
-    if not self_seen:  # Hydra's rule: without `_self_`, the file's own keys come last
-        parts.append(cfg)
-    return OmegaConf.merge(*parts)
+def _config_name(name: str | None) -> str:
+    name = name or DEFAULT_CONFIG_NAME
+    return name[: -len(".yaml")] if name.endswith(".yaml") else name
 
 
-def _base_config(config_path: str | os.PathLike | None) -> DictConfig:
-    if config_path is None:
-        path = CONFIG_DIR / f"{DEFAULT_CONFIG_NAME}.yaml"
+def _split_file(config_path: str | os.PathLike) -> tuple[Path, str]:
+    """A YAML file given as `config_path`: (its directory, its config name)."""
+    path = Path(config_path).expanduser()
+    if not path.is_file():
+        raise ConfigError(
+            f"config file {str(path)!r} does not exist; pass a YAML file, or a directory and a config name"
+        )
+    return path.resolve().parent, path.stem
+
+
+def _user_searchpath(config_dir: Path, name: str) -> list[str]:
+    """`hydra.searchpath` entries of the primary config file (kept: verl's directory is appended to them)."""
+    path = config_dir / f"{name}.yaml"
+    if not path.is_file():
+        return []
+    try:
+        raw = OmegaConf.load(path)
+    except Exception:  # Hydra reports a malformed file with its own message below
+        return []
+    entries = OmegaConf.select(raw, "hydra.searchpath", default=None) if isinstance(raw, DictConfig) else None
+    if not isinstance(entries, ListConfig):
+        return []
+    # upstream's configs name its checkout's copy (`file://verl/trainer/config`, relative to where
+    # upstream's scripts run); verl's own directory is searched anyway, so it is left out rather than
+    # warned about by Hydra when the working directory is elsewhere
+    return [str(e) for e in entries if not str(e).rstrip("/").endswith("verl/trainer/config")]
+
+
+def compose(
+    config_name: str | None = None, config_dir: str | os.PathLike | None = None, group_overrides: list[str] = ()
+) -> DictConfig:
+    """Hydra's composition of `config_name` from `config_dir` (default: verl's config directory),
+    with verl's config directory on the search path; the `hydra` node removed. A copy of a cached
+    composition: Hydra takes about half a second per call, and tests compose the same configs often."""
+    directory = Path(config_dir).resolve() if config_dir is not None else CONFIG_DIR
+    name = _config_name(config_name)
+    primary = directory / f"{name}.yaml"
+    stamp = primary.stat().st_mtime_ns if primary.is_file() else None  # a rewritten user file is read again
+    return pickle.loads(_compose(name, str(directory), tuple(group_overrides), stamp))
+
+
+@functools.lru_cache(maxsize=64)
+def _compose(name: str, config_dir: str, group_overrides: tuple, stamp) -> bytes:
+    """The composition, pickled (unpickling is the fastest copy of a DictConfig)."""
+    from hydra._internal.config_loader_impl import ConfigLoaderImpl
+    from hydra._internal.utils import create_config_search_path
+    from hydra.errors import HydraException
+    from hydra.types import RunMode
+
+    directory = Path(config_dir)
+    searchpath = [*_user_searchpath(directory, name), f"file://{CONFIG_DIR}"]
+    listed = ",".join(f"'{entry}'" for entry in searchpath)
+    loader = ConfigLoaderImpl(config_search_path=create_config_search_path(str(directory)))
+    try:
+        cfg = loader.load_configuration(
+            config_name=name, overrides=[f"hydra.searchpath=[{listed}]", *group_overrides], run_mode=RunMode.RUN
+        )
+    except HydraException as e:
+        raise ConfigError(
+            f"cannot compose config {name!r} from {directory}: {e}. The config name is a YAML file (without "
+            f".yaml) in --config-path; its defaults list may name verl's configs ({DEFAULT_CONFIG_NAME}, "
+            f"ppo_megatron_trainer, {DEMO_CONFIG_NAME}) and their config groups"
+        ) from e
+    with _unlocked(cfg):
+        cfg.pop("hydra", None)
+    return pickle.dumps(cfg)
+
+
+def _base_config(
+    config_path: str | os.PathLike | None, config_name: str | None = None, group_overrides=()
+) -> DictConfig:
+    if config_path is not None and Path(config_path).expanduser().suffix in (".yaml", ".yml"):
+        if config_name is not None:
+            raise ConfigError(f"config_path={config_path} is a file, so config_name={config_name} cannot apply")
+        directory, name = _split_file(config_path)
     else:
-        path = Path(config_path).expanduser()
-        if path.is_dir():
-            path = path / f"{DEFAULT_CONFIG_NAME}.yaml"
-        if not path.is_file():
-            raise ConfigError(
-                f"config file {str(path)!r} does not exist; pass a YAML file or a directory holding ppo_trainer.yaml"
-            )
-    return _compose_file(path.resolve())
+        directory, name = resolve_config_dir(config_path), config_name
+    return compose(name, directory, list(group_overrides))
 
 
 # ------------------------------------------------------------------------------------ overrides
@@ -157,27 +231,51 @@ def _missing_key_error(cfg: DictConfig, key: str, override: str) -> ConfigError:
     raise AssertionError(f"{key} exists")  # only called for keys that are absent
 
 
-def apply_overrides(cfg: DictConfig, overrides: list[str]) -> None:
-    """Apply Hydra-grammar overrides to `cfg` in place."""
-    if not overrides:
-        return
+@functools.lru_cache(maxsize=4096)
+def _parse(text: str):
+    """Hydra's parse of one override (cached: the same command line is read twice, by split and apply)."""
     from hydra.core.override_parser.overrides_parser import OverridesParser
     from hydra.errors import HydraException
 
-    parser = OverridesParser.create()
+    try:
+        (ov,) = OverridesParser.create().parse_overrides([text])
+    except HydraException as e:
+        raise ConfigError(f"cannot parse override {text!r}: {e}; write key=value, e.g. data.train_batch_size=64") from e
+    return ov
+
+
+def _is_group_override(ov) -> bool:
+    """`group@package=option` or `group/sub=option`: a choice among a config group's files (Hydra's job)."""
+    key = ov.key_or_group
+    if ov.package is not None or "/" in key:
+        return True
+    if ov.is_delete() or ov.is_sweep_override() or not (CONFIG_DIR / key).is_dir():
+        return False
+    value = ov.value()
+    return isinstance(value, str) and (CONFIG_DIR / key / f"{value}.yaml").is_file()
+
+
+def split_overrides(overrides: list[str]) -> tuple[list[str], list[str]]:
+    """(config-group overrides for Hydra's composition, value overrides for `apply_overrides`)."""
+    groups, values = [], []
     for text in overrides:
-        try:
-            (ov,) = parser.parse_overrides([text])
-        except HydraException as e:
-            raise ConfigError(
-                f"cannot parse override {text!r}: {e}; write key=value, e.g. data.train_batch_size=64"
-            ) from e
+        (groups if _is_group_override(_parse(text)) else values).append(text)
+    return groups, values
+
+
+def apply_overrides(cfg: DictConfig, overrides: list[str]) -> None:
+    """Apply Hydra-grammar value overrides to `cfg` in place."""
+    for text in overrides or []:
+        ov = _parse(text)
         key = ov.key_or_group
         if key.startswith("hydra.") or key == "hydra":
             continue  # Hydra's own settings (run dir, job logging) have no meaning here
-        if ov.package is not None or ov.is_sweep_override():
+        if ov.is_sweep_override():
+            raise ConfigError(f"override {text!r}: sweeps (multirun) are not supported; set one value per key")
+        if _is_group_override(ov):
             raise ConfigError(
-                f"override {text!r}: config-group and sweep overrides are not supported; set one value per key"
+                f"override {text!r} selects a config group option, which only applies while composing; pass it "
+                "on the command line or to load_ppo_config"
             )
         exists = _has_key(cfg, key)
         if ov.is_delete():
@@ -188,18 +286,27 @@ def apply_overrides(cfg: DictConfig, overrides: list[str]) -> None:
             with _unlocked(cfg):
                 del node[leaf]
             continue
-        if ov.is_add() and exists:
+        value = ov.value()
+        if ov.is_add() and exists and not _appendable(cfg, key, value):
             raise ConfigError(
                 f"override {text!r}: {key} already exists, so it cannot be added; write {key}=... (or ++{key}=...)"
             )
         if not (ov.is_add() or ov.is_force_add()) and not exists:
             raise _missing_key_error(cfg, key, text)
-        value = ov.value()
         with _unlocked(cfg):
             OmegaConf.update(cfg, key, value, merge=True, force_add=True)
 
 
-_ABSENT = object()
+def _appendable(cfg: DictConfig, key: str, value) -> bool:
+    """Whether `+key=value` may set a key that exists: Hydra allows it when the key holds null or the
+    value is a dict or list (merged in); here also when the key holds an interpolation, i.e. a
+    default that follows another key (`data.gen_batch_size`, a key of ours that upstream's scripts add)."""
+    if isinstance(value, dict | list):
+        return True
+    parent, _, leaf = key.rpartition(".")
+    node = OmegaConf.select(cfg, parent) if parent else cfg
+    child = node._get_node(leaf)
+    return child._is_none() or child._is_interpolation()
 
 
 class _unlocked:
@@ -234,19 +341,33 @@ def resolve(cfg: DictConfig) -> DictConfig:
     return cfg
 
 
+def compose_config(
+    overrides: list[str] | None = None,
+    config_path: str | os.PathLike | None = None,
+    *,
+    config_name: str | None = None,
+) -> DictConfig:
+    """The composed config with `overrides` applied, unresolved and unvalidated (what `--cfg job` prints)."""
+    groups, values = split_overrides(list(overrides or []))
+    cfg = _base_config(config_path, config_name, groups)
+    apply_overrides(cfg, values)
+    return cfg
+
+
 def load_ppo_config(
     overrides: list[str] | None = None,
     config_path: str | os.PathLike | None = None,
     *,
+    config_name: str | None = None,
     validate: bool = True,
 ) -> DictConfig:
-    """The PPO config: `config_path` (default: the bundled ppo_trainer.yaml) + `overrides`.
+    """The PPO config: `config_name` (default ppo_trainer) composed from `config_path` + `overrides`.
 
-    Returns a resolved DictConfig in struct mode; validated with `validate_ppo_config` unless
-    `validate=False`.
+    `config_path` is a directory (as `--config-path`; default verl's config directory) or a YAML
+    file (then `config_name` is its name). Returns a resolved DictConfig in struct mode, validated
+    with `validate_ppo_config` unless `validate=False`.
     """
-    cfg = _base_config(config_path)
-    apply_overrides(cfg, list(overrides or []))
+    cfg = compose_config(overrides, config_path, config_name=config_name)
     if validate:  # before resolving, so errors name the key a bad value was written to
         from verl.trainer.config.validate import validate_ppo_config
 
@@ -256,37 +377,66 @@ def load_ppo_config(
     return cfg
 
 
-def parse_cli_args(argv: list[str]) -> tuple[str | None, list[str]]:
-    """Split `main_ppo`'s argv into (config file, overrides).
+@dataclasses.dataclass
+class CommandLine:
+    """`main_ppo`'s argv: Hydra's options and the overrides."""
 
-    Understands Hydra's `--config-path/-cp DIR` and `--config-name/-cn NAME` (both forms,
-    `--opt=value` and `--opt value`); everything else is an override.
-    """
-    config_dir = config_name = None
+    config_dir: Path
+    config_name: str
+    overrides: list[str]
+    cfg: str | None = None
+    """`--cfg job|all`: print the composed config (and check it) instead of training."""
+    resolve: bool = False
+    """`--resolve`: print it with interpolations resolved."""
+
+    @property
+    def config_file(self) -> str:
+        return str(self.config_dir / f"{self.config_name}.yaml")
+
+
+def parse_command_line(argv: list[str]) -> CommandLine:
+    """Hydra's `--config-path/-cp DIR`, `--config-name/-cn NAME`, `--config-dir/-cd DIR` (a search
+    directory: taken as the config directory here), `--cfg/-c job|all` and `--resolve`, both as
+    `--opt=value` and `--opt value`; everything else is an override."""
+    options = {
+        "--config-path": "path", "-cp": "path", "--config-name": "name", "-cn": "name",
+        "--config-dir": "dir", "-cd": "dir", "--cfg": "cfg", "-c": "cfg",
+    }  # fmt: skip
+    found: dict[str, str] = {}
     overrides: list[str] = []
+    resolve_flag = False
     it = iter(argv)
     for arg in it:
         opt, eq, val = arg.partition("=")
-        if opt in ("--config-path", "-cp", "--config-name", "-cn"):
+        if opt in options:
             if not eq:
                 val = next(it, None)
                 if val is None:
                     raise ConfigError(f"{opt} needs a value, e.g. {opt}=my_config")
-            if opt in ("--config-path", "-cp"):
-                config_dir = val
-            else:
-                config_name = val
+            found[options[opt]] = val
+        elif arg == "--resolve":
+            resolve_flag = True
         elif arg.startswith("-"):
-            raise ConfigError(f"unknown option {arg!r}; pass --config-path/--config-name or key=value overrides")
+            raise ConfigError(
+                f"unknown option {arg!r}; main_ppo takes --config-path/--config-name, --cfg job and key=value overrides"
+            )
         else:
             overrides.append(arg)
-    if config_dir is None and config_name is None:
-        return None, overrides
-    directory = Path(config_dir).expanduser() if config_dir else CONFIG_DIR
-    name = config_name or DEFAULT_CONFIG_NAME
-    if not name.endswith(".yaml"):
-        name += ".yaml"
-    return str(directory / name), overrides
+    cfg_mode = found.get("cfg")
+    if cfg_mode is not None and cfg_mode not in ("job", "all"):
+        raise ConfigError(
+            f"--cfg {cfg_mode}: only `--cfg job` (the composed config; `all` is the same here, there is no "
+            "Hydra job config) is available"
+        )
+    directory = resolve_config_dir(found.get("path") or found.get("dir"))
+    return CommandLine(directory, _config_name(found.get("name")), overrides, cfg_mode, resolve_flag)
+
+
+def parse_cli_args(argv: list[str]) -> tuple[str | None, list[str]]:
+    """(config file or None for the default, overrides): the older form of `parse_command_line`."""
+    cmd = parse_command_line(argv)
+    default = cmd.config_dir == CONFIG_DIR and cmd.config_name == DEFAULT_CONFIG_NAME
+    return (None if default else cmd.config_file), cmd.overrides
 
 
 def save_resolved_config(cfg: DictConfig, run_dir: str | os.PathLike) -> Path:

@@ -1,17 +1,23 @@
-"""Typed schema of `ppo_trainer.yaml`: one dataclass per section, one documented field per key.
+"""Typed schema of the PPO config: one dataclass per section, one documented field per key.
 
 Design decisions:
-- The YAML file holds the defaults (it is what users read and what Hydra composes); the
-  dataclasses here hold the *contract*: each key's type, its documentation, its valid choices and
-  whether this implementation honours it. Keeping defaults out of the dataclasses means there is
-  one source for each fact; a test checks that YAML and schema list exactly the same keys.
+- The YAML files (ppo_trainer.yaml and its config groups) hold the defaults, upstream's values;
+  the dataclasses here hold the *contract*: each key's type, its documentation, its valid
+  choices and whether this implementation honours it. Keeping defaults out of the dataclasses
+  means there is one source for each fact; a test checks that the composed YAML configs and the
+  schema list exactly the same keys.
+- The schema covers both compositions, `ppo_trainer` (FSDP) and `ppo_megatron_trainer`: a key
+  that only one of them holds (`actor.fsdp_config` vs `actor.megatron`, the Megatron optimizer's
+  `lr_decay_style`, ...) is `optional`, i.e. it may be absent; the validator then asks for the
+  section the chosen `strategy` reads.
 - Field metadata is plain data (`doc`, `choices`, `status`, ...) so the validator
   (`validate.py`) and the reference-docs generator (`docgen.py`) read the same table.
-- Key names follow upstream verl so its users' scripts run unchanged. Upstream keys we have not
-  implemented are either accepted and documented as having no effect (when ignoring them cannot
-  change results, e.g. a memory-saving knob of an engine we do not run), or rejected with a
-  config error as soon as they leave their neutral value (when ignoring them would silently
-  train something else, e.g. LoRA).
+- Key names follow upstream verl so its users' scripts run unchanged. An upstream key is
+  honoured (SUPPORTED), accepted without effect when it can only tune speed or memory of code
+  paths this implementation does not have (IGNORED, the doc says why), or refused as soon as it
+  leaves its neutral value when ignoring it would silently train something else: UNSUPPORTED
+  (not implemented), PENDING (being implemented: "not implemented yet") or HARDWARE (only
+  meaningful on hardware this build does not support: Ascend NPUs, TensorRT-LLM).
 - A dataclass marked `OPEN_KEYS = True` also accepts keys it does not list (passed through to a
   third-party API such as `ray.init`).
 """
@@ -23,13 +29,17 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-# Field status values (see `field_status`).
+# Field status values (see `doc`).
 SUPPORTED = "supported"
 IGNORED = "ignored"  # accepted for compatibility with upstream configs; has no effect here
 UNSUPPORTED = "unsupported"  # rejected unless it holds its neutral value
 DEPRECATED = "deprecated"  # still honoured, with a warning naming the replacement
+PENDING = "pending"  # rejected unless neutral: the feature is being implemented ("not implemented yet")
+HARDWARE = "hardware"  # rejected unless neutral: only meaningful on hardware this build does not support
 
 _NO_NEUTRAL = object()
+NPU = "Ascend NPUs"
+TRTLLM = "TensorRT-LLM (trtllm)"
 
 
 # Option tables. Each is the one place a reader finds every valid name for a config choice.
@@ -76,6 +86,13 @@ def tool_format_choices() -> tuple[str, ...]:
     return tuple(TOOL_PARSERS)
 
 
+def agent_loop_choices() -> tuple[str, ...]:
+    """`rollout.agent.default_agent_loop` names: the agent-loop registry."""
+    from verl.experimental.agent_loop import AGENT_LOOPS
+
+    return tuple(AGENT_LOOPS)
+
+
 def device_choices() -> tuple[str, ...]:
     """Valid `trainer.device` values, owned by verl.utils.device (imported lazily: it imports torch)."""
     from verl.utils.device import _VALID
@@ -87,12 +104,15 @@ TRUNCATIONS = ("error", "left", "right", "middle")
 LR_SCHEDULES = ("constant", "cosine")
 KL_CTRL_TYPES = ("fixed", "adaptive")
 REWARD_MANAGERS = ("naive", "batch", "dapo", "prime")
+REWARD_MANAGER_SOURCES = ("register", "importlib")
 CHECKPOINT_CONTENTS = ("model", "optimizer", "extra", "hf_model")
 ROLLOUT_DTYPES = ("auto", "bfloat16", "float16", "float32", "bf16", "fp16", "fp32")
 MODEL_DTYPES = ("fp32", "bf16", "fp16", "float32", "bfloat16", "float16")
-MEGATRON_DTYPES = ("auto", *MODEL_DTYPES)
+ENGINE_DTYPES = ("auto", *MODEL_DTYPES)
 PF_PPO_METHODS = ("pow", "max_min", "max_random")
 REWARD_ON_ERROR = ("raise", "zero")
+PROFILER_TOOLS = ("nsys", "npu", "torch", "torch_memory")
+LOGPROBS_MODES = ("processed_logprobs", "raw_logprobs", "processed_logits", "raw_logits")
 
 
 def doc(
@@ -102,20 +122,46 @@ def doc(
     status: str = SUPPORTED,
     neutral: Any = _NO_NEUTRAL,
     replacement: str | None = None,
+    optional: bool = False,
+    unset_ok: bool = False,
+    hardware: str | None = None,
+    hardware_values: dict | None = None,
 ):
     """Declare one config key: its documentation and how the validator treats it.
 
     choices: valid values (each element is checked when the value is a list), or a function
         returning them (for tables owned by a module too heavy to import here).
-    status: SUPPORTED, IGNORED, UNSUPPORTED (needs `neutral`) or DEPRECATED (needs `replacement`).
-    neutral: for UNSUPPORTED keys, the only value accepted (the one that switches the feature off).
+    status: SUPPORTED, IGNORED, UNSUPPORTED / PENDING (need `neutral`), DEPRECATED (needs
+        `replacement`) or HARDWARE (needs `neutral` and `hardware`).
+    neutral: the only value accepted for UNSUPPORTED, PENDING and HARDWARE keys (the one that
+        switches the feature off).
+    optional: the key may be absent (only one of the compositions holds it).
+    unset_ok: `???` (Hydra's "must be set") is accepted: the key is only read by a feature that
+        is off or not implemented.
+    hardware_values: {value: hardware} of choices that only exist on hardware this build does not
+        support (`trainer.device=npu`): refused in one line naming the hardware.
     """
-    if status == UNSUPPORTED and neutral is _NO_NEUTRAL:
-        raise TypeError("an unsupported key needs the neutral value it must keep")
+    if status in (UNSUPPORTED, PENDING, HARDWARE) and neutral is _NO_NEUTRAL:
+        raise TypeError("an unsupported, pending or hardware-only key needs the neutral value it must keep")
     if status == DEPRECATED and not replacement:
         raise TypeError("a deprecated key needs the name of its replacement")
-    meta = {"doc": text, "choices": choices, "status": status, "neutral": neutral, "replacement": replacement}
+    if status == HARDWARE and not hardware:
+        raise TypeError("a hardware-only key needs the hardware it is for")
+    meta = {
+        "doc": text,
+        "choices": choices,
+        "status": status,
+        "neutral": neutral,
+        "replacement": replacement,
+        "optional": optional,
+        "unset_ok": unset_ok,
+        "hardware": hardware,
+        "hardware_values": hardware_values or {},
+    }
     return dataclasses.field(metadata=meta)
+
+
+_SPEED = "Speed or memory only: the results do not depend on it"
 
 
 # --------------------------------------------------------------------------------------- data
@@ -157,6 +203,10 @@ class DataConfig:
         status=DEPRECATED,
         replacement="leave it null: validation runs the whole set at once",
     )
+    tool_config_path: str | None = doc(
+        "Tool config the dataset reads tool schemas from (follows rollout.multi_turn.tool_config_path, which the "
+        "agent loop reads; both name the same file)."
+    )
     gen_batch_size: int = doc("Prompts generated per round when `algorithm.filter_groups` refills a batch (DAPO).")
     return_raw_input_ids: bool = doc("Also return prompt ids without the chat template (for a reward model).")
     return_raw_chat: bool = doc("Also return the prompt messages before templating (`raw_prompt`).")
@@ -164,6 +214,7 @@ class DataConfig:
     shuffle: bool = doc("Shuffle the training set each epoch.")
     seed: int | None = doc("Seed of the training-set shuffle; null means 1.")
     dataloader_num_workers: int = doc("DataLoader worker processes (0 loads in the driver).")
+    image_patch_size: int = doc("Image patch size of a vision processor (multi-modal data only).", status=IGNORED)
     validation_shuffle: bool = doc("Shuffle the validation set.")
     filter_overlong_prompts: bool = doc("Drop prompts longer than `max_prompt_length` when loading.")
     filter_overlong_prompts_workers: int = doc("Processes used to filter overlong prompts.")
@@ -178,12 +229,12 @@ class DataConfig:
     apply_chat_template_kwargs: dict = doc("Extra keyword arguments for `tokenizer.apply_chat_template`.")
 
 
-# ------------------------------------------------------------------------------ model, actor
+# ------------------------------------------------------------------------------------ engines
 
 
 @dataclass
 class FSDPConfig:
-    """FSDP sharding and offload of one model (optimizer keys have no effect for forward-only models)."""
+    """FSDP engine of one model (optimizer keys have no effect for forward-only models)."""
 
     wrap_policy: dict = doc("Auto-wrap policy, e.g. {min_num_params: 0} or {transformer_layer_cls_to_wrap: [...]}.")
     param_offload: bool = doc("Keep parameters on CPU between uses (saves device memory).")
@@ -199,22 +250,71 @@ class FSDPConfig:
     )
     forward_prefetch: bool = doc("Prefetch the next layer's all-gather during forward.")
     model_dtype: str = doc("Dtype the trained (master) weights are kept in.", choices=MODEL_DTYPES)
+    use_orig_params: bool = doc(
+        "FSDP1's flat-parameter switch; FSDP2 (the only FSDP here) always keeps the original parameters.",
+        status=IGNORED,
+    )
+    seed: int = doc("Seed of the random number generators when full_determinism is on.")
+    full_determinism: bool = doc(
+        "Deterministic kernels (torch.use_deterministic_algorithms) and RNGs seeded with `seed` in every worker "
+        "(slower; for bitwise-reproducible runs)."
+    )
+    ulysses_sequence_parallel_size: int = doc(
+        "Ulysses sequence-parallel group size (upstream's newer spelling of the role's key).",
+        status=UNSUPPORTED,
+        neutral=1,
+    )
+    entropy_from_logits_with_chunking: bool = doc(f"Entropy in chunks. {_SPEED}.", status=IGNORED)
+    use_torch_compile: bool = doc(
+        "torch.compile inside upstream's newer engine workers; here the role's use_torch_compile is the switch "
+        f"(upstream's default workers read that one too). {_SPEED}.",
+        status=IGNORED,
+    )
+    entropy_checkpointing: bool = doc(f"Recompute entropy in backward. {_SPEED}.", status=IGNORED)
+    forward_only: bool = doc(
+        "Set by the composition for forward-only roles (the reference policy); a role's own needs decide here.",
+        status=IGNORED,
+    )
+    strategy: str = doc(
+        "The engine's backend (follows the role's strategy: fsdp and fsdp2 both mean FSDP2 here).",
+        choices=("fsdp", "fsdp2"),
+    )
+    dtype: str = doc(
+        "Compute (parameter) dtype of the mixed-precision policy when `mixed_precision` is null: bfloat16 is "
+        "upstream's default; auto (ours): bfloat16 on GPU, the weights' own dtype on CPU.",
+        choices=ENGINE_DTYPES,
+    )
     mixed_precision: dict | None = doc(
-        "{param_dtype, reduce_dtype, buffer_dtype}; null: bf16 compute on GPU, fp32 on CPU."
+        "{param_dtype, reduce_dtype, buffer_dtype}; null: param_dtype from `dtype`, fp32 gradient reduction.",
+        optional=True,
     )
 
 
 @dataclass
+class RewardModelFSDPConfig:
+    """FSDP sharding of a reward model (forward only)."""
+
+    wrap_policy: dict = doc("Auto-wrap policy, e.g. {min_num_params: 0}.")
+    param_offload: bool = doc("Keep parameters on CPU between uses.")
+    reshard_after_forward: bool | int = doc("Free gathered parameters after forward.")
+    fsdp_size: int = doc("Ranks per FSDP shard group (-1: all ranks).")
+    forward_prefetch: bool = doc("Prefetch the next layer's all-gather during forward.")
+    model_dtype: str = doc("Dtype the weights are loaded in.", choices=MODEL_DTYPES, optional=True)
+    dtype: str = doc("Compute dtype (as the actor's fsdp_config.dtype).", choices=ENGINE_DTYPES, optional=True)
+    mixed_precision: dict | None = doc("{param_dtype, reduce_dtype}.", optional=True)
+
+
+@dataclass
 class MegatronConfig:
-    """Megatron-core parallelism of one model (read only when its `strategy` is megatron; docs/megatron.md)."""
+    """Megatron-core parallelism of one model (read when its `strategy` is megatron; docs/megatron.md)."""
 
     param_offload: bool = doc("Keep parameters on the host between uses (saves device memory; no-op on CPU).")
-    grad_offload: bool = doc("Keep gradients on the host between updates.", status=IGNORED)
-    optimizer_offload: bool = doc("Keep the Adam moments on the host between updates (no-op on CPU).")
+    grad_offload: bool = doc("Keep gradients on the host between updates.", status=IGNORED, optional=True)
+    optimizer_offload: bool = doc("Keep the Adam moments on the host between updates (no-op on CPU).", optional=True)
     tensor_model_parallel_size: int = doc("Ranks one layer's weights are split over (attention heads, MLP, vocab).")
     expert_model_parallel_size: int = doc("Expert parallelism (mixture-of-experts).", status=UNSUPPORTED, neutral=1)
     expert_tensor_parallel_size: int | None = doc(
-        "Tensor parallelism inside experts.", status=UNSUPPORTED, neutral=None
+        "Tensor parallelism inside experts (mixture-of-experts).", status=UNSUPPORTED, neutral=(None, 1)
     )
     pipeline_model_parallel_size: int = doc("Pipeline stages the layers are split into.")
     virtual_pipeline_model_parallel_size: int | None = doc(
@@ -242,29 +342,99 @@ class MegatronConfig:
     )
     dist_checkpointing_prefix: str = doc("Key prefix inside that checkpoint.")
     seed: int = doc("Seed of Megatron's model-parallel random streams.")
-    override_ddp_config: dict = doc("Megatron DistributedDataParallelConfig fields.", status=IGNORED)
-    override_transformer_config: dict = doc(
-        "TransformerConfig fields set on top of those derived from the HF config (e.g. recompute_granularity)."
+    override_ddp_config: dict = doc(
+        "Megatron DistributedDataParallelConfig fields (bucket sizes, overlap). "
+        "Speed or memory only here: gradients are reduced by verl's own data-parallel step.",
+        status=IGNORED,
+        optional=True,
     )
-    override_mcore_model_config: dict = doc("GPTModel constructor overrides.", status=IGNORED)
-    use_mbridge: bool = doc("Convert weights with the mbridge package.", status=UNSUPPORTED, neutral=False)
-    forward_only: bool = doc("Build the model for inference only.", status=IGNORED)
+    override_transformer_config: dict = doc(
+        "TransformerConfig fields set on top of those derived from the HF config (e.g. recompute_granularity; "
+        "recompute_* and attention_backend are speed or memory knobs)."
+    )
+    override_mcore_model_config: dict = doc(
+        "GPTModel constructor overrides.", status=UNSUPPORTED, neutral={}, optional=True
+    )
+    use_mbridge: bool = doc(
+        "Convert HF weights with the mbridge package; here verl's own converter (verl.models.mcore) builds the same "
+        "Megatron weights either way.",
+        status=IGNORED,
+    )
+    vanilla_mbridge: bool = doc("mbridge's implementation switch (see use_mbridge).", status=IGNORED)
+    use_remove_padding: bool = doc(f"Pack sequences without padding. {_SPEED}.", status=IGNORED)
+    forward_only: bool = doc("Build the model for inference only.", status=IGNORED, optional=True)
     dtype: str = doc(
         "Compute dtype of the Megatron model (mixed precision: parameters, gradients and Adam state stay fp32, "
-        "the forward runs under autocast in this dtype; fp16 only for frozen models). auto: bfloat16 on GPU "
-        "(upstream's default), float32 on CPU.",
-        choices=MEGATRON_DTYPES,
+        "the forward runs under autocast in this dtype; fp16 only for frozen models). auto (ours): bfloat16 on GPU, "
+        "float32 on CPU.",
+        choices=ENGINE_DTYPES,
     )
+
+
+@dataclass
+class TiledMLPConfig:
+    """Tiled MLP (the MLP's activations computed in sequence shards to save memory)."""
+
+    enabled: bool = doc(f"Compute the MLP in shards. {_SPEED}.", status=IGNORED)
+    num_shards: int = doc("Number of shards.", status=IGNORED)
+
+
+@dataclass
+class MtpConfig:
+    """Multi-token prediction heads (training and speculative decoding)."""
+
+    enable: bool = doc("Use the model's multi-token-prediction layers.", status=UNSUPPORTED, neutral=False)
+    enable_train: bool = doc("Train the MTP layers.", status=UNSUPPORTED, neutral=False)
+    enable_rollout: bool = doc("Speculative decoding with the MTP layers.", status=UNSUPPORTED, neutral=False)
+    detach_encoder: bool = doc("Detach the MTP encoder's gradient (with enable_train).")
+    mtp_loss_scaling_factor: float = doc("Weight of the MTP loss (with enable_train).")
+    speculative_algorithm: str = doc("Speculative decoding algorithm (with enable_rollout).")
+    speculative_num_steps: int = doc("Speculative steps (with enable_rollout).")
+    speculative_eagle_topk: int = doc("EAGLE top-k (with enable_rollout).")
+    speculative_num_draft_tokens: int = doc("Draft tokens (with enable_rollout).")
+    method: str = doc("Speculative method name (with enable_rollout).")
+    num_speculative_tokens: int = doc("Tokens proposed per step (with enable_rollout).")
+
+
+@dataclass
+class MegatronLoRAConfig:
+    """LoRA adapters of a Megatron model (upstream's `model.lora` of ppo_megatron_trainer)."""
+
+    type: str = doc("Adapter type.")
+    merge: bool = doc("Merge the adapters into the weights for generation (with rank > 0).", optional=True)
+    rank: int = doc("LoRA rank; 0 trains all weights.", status=UNSUPPORTED, neutral=0)
+    alpha: int = doc("LoRA alpha (with rank > 0).")
+    dropout: float = doc("Adapter dropout (with rank > 0).")
+    target_modules: list[str] = doc("Megatron layers that get adapters (with rank > 0).")
+    exclude_modules: list[str] = doc("Layers that get no adapter (with rank > 0).")
+    dropout_position: str = doc("Where dropout applies (with rank > 0).")
+    lora_A_init_method: str = doc("Initialisation of A (with rank > 0).")
+    lora_B_init_method: str = doc("Initialisation of B (with rank > 0).")
+    a2a_experimental: bool = doc("Experimental all-to-all for experts (with rank > 0).")
+    dtype: str | None = doc("Adapter dtype (with rank > 0).")
+    adapter_path: str | None = doc("Pretrained adapter to load.", status=UNSUPPORTED, neutral=None)
+    freeze_vision_model: bool = doc("Vision-language models only.", status=IGNORED)
+    freeze_vision_projection: bool = doc("Vision-language models only.", status=IGNORED)
+    freeze_language_model: bool = doc("Vision-language models only.", status=IGNORED)
+
+
+# ------------------------------------------------------------------------------ model, actor
 
 
 @dataclass
 class ModelConfig:
     """The policy model (shared by actor, rollout and reference)."""
 
-    path: str = doc("HF-format model directory (or hub id); `${verl_asset:NAME}` names a bundled model.")
+    path: str = doc("HF-format model directory (or hub id); the demo's `${verl_asset:NAME}` names a bundled model.")
+    hf_config_path: str | None = doc(
+        "Directory whose config.json replaces the one beside `path`; null: `path`'s own.",
+        status=UNSUPPORTED,
+        neutral=None,
+    )
     tokenizer_path: str | None = doc("Tokenizer directory when it differs from `path`; null uses `path`.")
-    custom_chat_template: str | None = doc("Jinja chat template replacing the tokenizer's own.")
     use_shm: bool = doc("Copy the model to shared memory before loading.", status=IGNORED)
+    trust_remote_code: bool = doc("Allow the model repository's own Python code to run.")
+    custom_chat_template: str | None = doc("Jinja chat template replacing the tokenizer's own.")
     external_lib: str | None = doc("Python module imported before loading the model (registers custom models).")
     override_config: dict = doc("Values overriding the model's HF config (e.g. {attention_dropout: 0.0}).")
     enable_gradient_checkpointing: bool = doc("Recompute activations in backward (saves memory, costs ~30% time).")
@@ -280,28 +450,69 @@ class ModelConfig:
         "module names, e.g. [q_proj,k_proj,v_proj,o_proj]."
     )
     exclude_modules: str | list[str] | None = doc("Layers (names or a regex) that get no adapter; null: none.")
+    lora_adapter_path: str | None = doc(
+        "A trained LoRA adapter (peft directory) to start from instead of fresh adapters.",
+        status=UNSUPPORTED,
+        neutral=None,
+    )
     use_liger: bool = doc("Use Liger kernels (GPU only; a speed knob).", status=IGNORED)
     use_fused_kernels: bool = doc("Fused log-prob/entropy kernels (a speed knob).", status=IGNORED)
     fused_kernel_options: dict = doc("Options of the fused kernels, e.g. {impl_backend: torch}.", status=IGNORED)
-    trust_remote_code: bool = doc("Allow the model repository's own Python code to run.")
+    tiled_mlp: TiledMLPConfig = doc("Tiled MLP.")
+    mtp: MtpConfig = doc("Multi-token prediction.")
+    lora: MegatronLoRAConfig = doc("LoRA of a Megatron model (ppo_megatron_trainer).", optional=True)
 
 
 @dataclass
 class OptimConfig:
-    """AdamW optimizer and learning-rate schedule of one trained model."""
+    """Optimizer and learning-rate schedule of one trained model (the FSDP and the Megatron keys)."""
 
-    lr: float = doc("Peak learning rate.")
-    lr_warmup_steps: int = doc("Linear warm-up steps; negative defers to `lr_warmup_steps_ratio`.")
-    lr_warmup_steps_ratio: float = doc("Warm-up length as a fraction of the total training steps.")
-    min_lr_ratio: float | None = doc("Cosine schedule floor as a fraction of `lr` (null: 0).")
-    num_cycles: float = doc("Number of cosine half-waves over training (0.5: one decay to the floor).")
-    warmup_style: str = doc("Schedule after warm-up.", choices=LR_SCHEDULES)
-    lr_scheduler_type: str | None = doc(
-        "Newer upstream name for `warmup_style`; wins when set.", choices=(None, *LR_SCHEDULES)
+    optimizer: str = doc(
+        "Optimizer class, looked up in optimizer_impl (Megatron's names: adam, with decoupled weight decay, or sgd)."
     )
+    optimizer_impl: str = doc("Module the optimizer class is taken from.", optional=True)
+    lr: float = doc("Peak learning rate.")
+    lr_warmup_steps_ratio: float = doc("Warm-up length as a fraction of the total training steps.")
     total_training_steps: int = doc("Schedule length; -1 is filled in by the trainer from the run length.")
     weight_decay: float = doc("AdamW decoupled weight decay.")
+    lr_warmup_steps: int | None = doc("Linear warm-up steps; null, 0 or negative defers to `lr_warmup_steps_ratio`.")
     betas: list[float] = doc("AdamW (beta1, beta2).")
+    clip_grad: float = doc(
+        "Clip the global gradient norm to this value: the Megatron roles' clip; an FSDP role clips to its own "
+        "grad_clip, and this key, when set to something else than its default 1.0, replaces it (upstream's newer "
+        "engine reads it; its default workers read grad_clip)."
+    )
+    min_lr_ratio: float | None = doc("Cosine schedule floor as a fraction of `lr` (null: 0).", optional=True)
+    num_cycles: float = doc("Number of cosine half-waves over training (0.5: one decay to the floor).", optional=True)
+    lr_scheduler_type: str = doc("Schedule after warm-up.", choices=LR_SCHEDULES, optional=True)
+    warmup_style: str | None = doc(
+        "Older spelling of lr_scheduler_type; wins when set.",
+        choices=(None, *LR_SCHEDULES),
+        status=DEPRECATED,
+        replacement="use lr_scheduler_type",
+        optional=True,
+    )
+    override_optimizer_config: dict | None = doc("Keyword arguments merged into the optimizer's.")
+    lr_warmup_init: float = doc("Megatron: lr at the start of warm-up.", optional=True)
+    lr_decay_steps: int | None = doc("Megatron: steps the decay spans; null: the whole run.", optional=True)
+    lr_decay_style: str = doc(
+        "Megatron's spelling of lr_scheduler_type (constant or cosine).", choices=LR_SCHEDULES, optional=True
+    )
+    min_lr: float = doc("Megatron: absolute floor of the cosine decay (min_lr_ratio = min_lr / lr).", optional=True)
+    weight_decay_incr_style: str = doc(
+        "Megatron: schedule of the weight decay.", status=UNSUPPORTED, neutral="constant", optional=True
+    )
+    lr_wsd_decay_style: str = doc(
+        "Megatron: decay of the warmup-stable-decay schedule, read only with lr_decay_style=WSD (not available).",
+        status=IGNORED,
+        optional=True,
+    )
+    lr_wsd_decay_steps: int | None = doc(
+        "Megatron: decay steps of the WSD schedule (see lr_wsd_decay_style).", status=IGNORED, optional=True
+    )
+    use_checkpoint_opt_param_scheduler: bool = doc(
+        "Megatron: take the schedule's settings from the checkpoint.", status=UNSUPPORTED, neutral=False, optional=True
+    )
 
 
 @dataclass
@@ -326,11 +537,38 @@ class PolicyLossConfig:
 
 
 @dataclass
-class ActorConfig:
-    """Policy training: PPO mini-batches, clipping, KL loss, optimizer, sharding."""
+class ProfilerConfig:
+    """Profiling of one role's work (global_profiler picks the tool and the steps)."""
 
+    tool: str | None = doc(
+        "Profiler (follows global_profiler.tool).", choices=PROFILER_TOOLS, hardware_values={"npu": NPU}
+    )
+    enable: bool = doc("Profile this role at global_profiler.steps.")
+    all_ranks: bool = doc("Profile every rank (else `ranks`).")
+    ranks: list[int] = doc("Ranks to profile when all_ranks is false.")
+    save_path: str | None = doc("Directory of the traces (follows global_profiler.save_path).")
+    tool_config: dict | None = doc(
+        "Per-tool options: {nsys: {discrete}, torch: {contents, discrete}, torch_memory: {...}, npu: {...}}."
+    )
+
+
+@dataclass
+class RouterReplayConfig:
+    """Mixture-of-experts routing record and replay."""
+
+    mode: str = doc("disabled, R2 or R3.", status=UNSUPPORTED, neutral="disabled")
+    record_file: str | None = doc("Where recorded routing decisions go (with mode != disabled).")
+    replay_file: str | None = doc("Recorded routing decisions to replay (with mode != disabled).")
+
+
+@dataclass
+class ActorConfig:
+    """Policy training: PPO mini-batches, clipping, KL loss, optimizer, engine."""
+
+    rollout_n: int = doc("Responses per prompt (follows actor_rollout_ref.rollout.n, which it must equal).")
     strategy: str = doc(
-        "Training backend: fsdp and fsdp2 both mean FSDP2; megatron is Megatron-core (tensor/pipeline parallel).",
+        "Training backend: fsdp and fsdp2 both mean FSDP2; megatron is Megatron-core (tensor/pipeline parallel; "
+        "--config-name=ppo_megatron_trainer).",
         choices=STRATEGIES,
     )
     ppo_mini_batch_size: int = doc("Prompts per optimizer step (times rollout.n sequences, split over ranks).")
@@ -338,77 +576,123 @@ class ActorConfig:
         "Global micro-batch (sequences).", status=DEPRECATED, replacement="use ppo_micro_batch_size_per_gpu"
     )
     ppo_micro_batch_size_per_gpu: int | None = doc(
-        "Sequences per forward/backward on one rank (gradient accumulation)."
+        "Sequences per forward/backward on one rank (gradient accumulation); required unless use_dynamic_bsz."
     )
     use_dynamic_bsz: bool = doc("Pack micro-batches by token count instead of a fixed size.")
     ppo_max_token_len_per_gpu: int = doc("Token budget of one packed micro-batch (with use_dynamic_bsz).")
-    grad_clip: float = doc("Clip the global gradient norm to this value.")
     clip_ratio: float = doc("PPO clip range epsilon (used where the low/high values are null).")
     clip_ratio_low: float | None = doc("Lower clip epsilon: ratio >= 1 - clip_ratio_low.")
     clip_ratio_high: float | None = doc("Upper clip epsilon: ratio <= 1 + clip_ratio_high (DAPO clip-higher).")
-    clip_ratio_c: float = doc("Dual-clip PPO bound for negative advantages (> 1).")
-    tis_imp_ratio_cap: float = doc(
-        "Truncated importance sampling against the rollout engine's log-probs: each token's loss is weighted by "
-        "min(pi_old / pi_rollout, cap). -1 (or any value <= 0) turns it off; needs rollout.calculate_log_probs=true."
-    )
+    tau_pos: float = doc("SAPO's smoothing temperature for positive advantages.")
+    tau_neg: float = doc("SAPO's smoothing temperature for negative advantages.")
+    freeze_vision_tower: bool = doc("Freeze a vision-language model's vision tower.", status=IGNORED)
     policy_loss: PolicyLossConfig = doc("Policy loss variant.")
+    clip_ratio_c: float = doc("Dual-clip PPO bound for negative advantages (> 1).")
     loss_agg_mode: str = doc("How token losses are averaged into the batch loss.", choices=LOSS_AGG_MODES)
+    loss_scale_factor: float | None = doc("Divisor of seq-mean-token-sum-norm (null: the response length).")
     entropy_coeff: float = doc("Weight of the entropy bonus (0 disables it).")
+    calculate_entropy: bool = doc(
+        "Compute the policy's entropy in the update's forward (reported as a metric) even without an entropy bonus.",
+    )
     use_kl_loss: bool = doc("Add a KL(policy || reference) term to the loss (GRPO-style); needs the reference model.")
-    use_torch_compile: bool = doc("torch.compile the log-prob/entropy helpers (needs a C++ compiler on CPU).")
+    use_prefix_grouper: bool = doc(
+        f"Upstream's shared-prefix forward. {_SPEED}; here share_prompt_forward (on by default) does it.",
+        status=IGNORED,
+    )
+    use_torch_compile: bool = doc(
+        f"torch.compile the log-prob/entropy helpers. {_SPEED}: here they are chunked autograd functions that "
+        "already bound memory, and are not compiled.",
+        status=IGNORED,
+    )
     kl_loss_coef: float = doc("Weight of the KL loss.")
     kl_loss_type: str = doc("KL estimator of the KL loss.", choices=KL_PENALTIES)
     ppo_epochs: int = doc("Passes over each batch.")
     shuffle: bool = doc("Shuffle mini-batches between PPO epochs.")
-    ulysses_sequence_parallel_size: int = doc("Ulysses sequence-parallel group size.", status=UNSUPPORTED, neutral=1)
-    entropy_from_logits_with_chunking: bool = doc("Compute entropy in chunks to save memory.", status=IGNORED)
-    entropy_checkpointing: bool = doc("Recompute entropy in backward to save memory.", status=IGNORED)
+    data_loader_seed: int | None = doc("Seed of that shuffle (null: 0).")
+    checkpoint: CheckpointConfig = doc("Checkpoint contents.")
+    optim: OptimConfig = doc("Optimizer and schedule.")
+    use_fused_kernels: bool = doc(f"Fused log-prob/entropy kernels (follows the model's). {_SPEED}.", status=IGNORED)
+    profiler: ProfilerConfig = doc("Profiling of the updates.")
+    router_replay: RouterReplayConfig = doc("Mixture-of-experts routing replay.")
+    grad_clip: float = doc("FSDP: clip the global gradient norm to this value (see optim.clip_grad).", optional=True)
+    ulysses_sequence_parallel_size: int = doc(
+        "Ulysses sequence-parallel group size.", status=UNSUPPORTED, neutral=1, optional=True
+    )
+    entropy_from_logits_with_chunking: bool = doc(
+        f"Compute entropy in chunks. {_SPEED}.", status=IGNORED, optional=True
+    )
+    entropy_checkpointing: bool = doc(f"Recompute entropy in backward. {_SPEED}.", status=IGNORED, optional=True)
+    use_remove_padding: bool = doc(
+        "FSDP: pack sequences without padding in the actor's forward passes (follows the model's).", optional=True
+    )
+    calculate_sum_pi_squared: bool = doc(
+        "Compute the sum of squared token probabilities (for adv_estimator=optimal_token_baseline).",
+        optional=True,
+    )
+    sum_pi_squared_checkpointing: bool = doc(
+        f"Recompute that sum in backward. {_SPEED}.", status=IGNORED, optional=True
+    )
+    fsdp_config: FSDPConfig = doc("FSDP engine (strategy fsdp or fsdp2).", optional=True)
+    megatron: MegatronConfig = doc("Megatron-core parallelism (strategy megatron).", optional=True)
+    load_weight: bool = doc(
+        "Megatron: load the HF weights (false: random initialisation).", status=UNSUPPORTED, neutral=True, optional=True
+    )
+    tis_imp_ratio_cap: float = doc(
+        "Ours. Truncated importance sampling against the rollout engine's log-probs: each token's loss is weighted "
+        "by min(pi_old / pi_rollout, cap). -1 (or any value <= 0) turns it off; needs rollout.calculate_log_probs=true."
+    )
     recompute_log_prob: bool = doc(
-        "Always run the separate old-log-prob forward. Off: a strictly on-policy step (ppo_epochs=1, "
+        "Ours. Always run the separate old-log-prob forward. Off: a strictly on-policy step (ppo_epochs=1, "
         "ppo_mini_batch_size=data.train_batch_size, no in-reward KL, no rollout log-probs) reuses the "
         "update's own detached log-probs instead (identical gradient, one forward pass fewer)."
     )
     skip_zero_advantage_step: bool = doc(
-        "Skip the optimizer step of a mini-batch whose advantages are all zero on every rank and that has no "
+        "Ours. Skip the optimizer step of a mini-batch whose advantages are all zero on every rank and that has no "
         "KL or entropy term (its gradient is zero, but AdamW's momentum would still move the weights)."
     )
     skip_zero_advantage_rows: bool = doc(
-        "Leave rows whose advantages are all zero out of the update's forward and backward passes when their loss "
-        "is exactly zero: policy loss vanilla, gspo or gpg, no KL loss, no entropy bonus. The loss is still "
+        "Ours. Leave rows whose advantages are all zero out of the update's forward and backward passes when their "
+        "loss is exactly zero: policy loss vanilla, gspo or gpg, no KL loss, no entropy bonus. The loss is still "
         "normalised over the whole mini-batch, so the gradient is unchanged (to float rounding); GRPO groups whose "
         "samples all score the same are such rows. actor/zero_adv_rows_skipped reports the fraction; "
         "actor/pg_clipfrac, actor/ppo_kl and the on-policy actor/entropy then cover the trained rows."
     )
     share_prompt_forward: bool = doc(
-        "Forward each distinct prompt of a micro-batch once (GRPO repeats every prompt rollout.n times) and run "
-        "the responses on its KV cache expanded to the group's rows; also for old and reference log-probs. Same "
+        "Ours. Forward each distinct prompt of a micro-batch once (GRPO repeats every prompt rollout.n times) and "
+        "run the responses on its KV cache expanded to the group's rows; also for old and reference log-probs. Same "
         "log-probs and gradients as one forward per sample, to float rounding; about 1.5-2.8x faster updates on "
         "the bundled task. Taken when at most half a micro-batch's prompts are distinct (on any rank); not with "
         "use_remove_padding or gradient checkpointing, where the per-sample forward runs."
     )
-    checkpoint: CheckpointConfig = doc("Checkpoint contents.")
-    optim: OptimConfig = doc("Optimizer and schedule.")
-    fsdp_config: FSDPConfig = doc("Sharding and offload.")
-    megatron: MegatronConfig = doc("Megatron-core parallelism (used when strategy=megatron).")
 
 
 @dataclass
 class RefConfig:
     """Reference policy (frozen copy of the initial policy) for the KL terms."""
 
-    strategy: str = doc("Backend of the reference model.", choices=STRATEGIES)
-    use_torch_compile: bool = doc("torch.compile the log-prob helpers.")
+    rollout_n: int = doc("Responses per prompt (follows actor_rollout_ref.rollout.n).")
+    strategy: str = doc(
+        "Backend of the reference model (the actor's: it lives in the actor's workers).", choices=STRATEGIES
+    )
+    use_torch_compile: bool = doc(
+        f"torch.compile the log-prob helpers (follows the actor's). {_SPEED}.", status=IGNORED
+    )
     log_prob_micro_batch_size: int | None = doc(
         "Global micro-batch.", status=DEPRECATED, replacement="use log_prob_micro_batch_size_per_gpu"
     )
     log_prob_micro_batch_size_per_gpu: int | None = doc("Sequences per forward pass on one rank.")
     log_prob_use_dynamic_bsz: bool = doc("Pack forward micro-batches by token count.")
     log_prob_max_token_len_per_gpu: int = doc("Token budget of one packed forward micro-batch.")
-    ulysses_sequence_parallel_size: int = doc("Sequence-parallel group size.", status=UNSUPPORTED, neutral=1)
-    entropy_from_logits_with_chunking: bool = doc("Compute entropy in chunks.", status=IGNORED)
-    entropy_checkpointing: bool = doc("Recompute entropy in backward.", status=IGNORED)
-    fsdp_config: FSDPConfig = doc("Sharding and offload.")
-    megatron: MegatronConfig = doc("Megatron-core parallelism (used when strategy=megatron).")
+    profiler: ProfilerConfig = doc("Profiling of the reference forward passes.")
+    router_replay: RouterReplayConfig = doc("Mixture-of-experts routing replay.")
+    fsdp_config: FSDPConfig = doc("FSDP engine (strategy fsdp or fsdp2).", optional=True)
+    ulysses_sequence_parallel_size: int = doc(
+        "Sequence-parallel group size.", status=UNSUPPORTED, neutral=1, optional=True
+    )
+    entropy_from_logits_with_chunking: bool = doc("Compute entropy in chunks.", status=IGNORED, optional=True)
+    entropy_checkpointing: bool = doc("Recompute entropy in backward.", status=IGNORED, optional=True)
+    megatron: MegatronConfig = doc("Megatron-core parallelism (strategy megatron).", optional=True)
+    load_weight: bool = doc("Megatron: load the HF weights.", status=UNSUPPORTED, neutral=True, optional=True)
 
 
 @dataclass
@@ -449,43 +733,127 @@ class MultiTurnConfig:
         choices=("strict", "ignore_strippable", "disable"),
     )
     format: str = doc("Tool-call format of the model's chat template.", choices=tool_format_choices)
+    num_repeat_rollouts: int | None = doc(
+        "Repeat each multi-turn rollout this many times.", status=UNSUPPORTED, neutral=None
+    )
+
+
+@dataclass
+class CustomAsyncServerConfig:
+    """A user rollout-server class."""
+
+    path: str | None = doc("Python file holding the server class.", status=UNSUPPORTED, neutral=None)
+    name: str | None = doc("Name of the class.")
+
+
+@dataclass
+class AgentConfig:
+    """Agent loops: how each prompt's rollout is driven (single turn, tool calls)."""
+
+    num_workers: int = doc(
+        "Agent-loop worker processes of upstream's server-based rollout; here the loops of one worker run "
+        f"concurrently in its event loop. {_SPEED}.",
+        status=IGNORED,
+    )
+    default_agent_loop: str = doc(
+        "Agent loop of a prompt whose row names none (`agent_name` column). single_turn_agent: one generation; "
+        "with multi_turn.enable=true such rows run tool_agent (as upstream's multi-turn configs select).",
+        choices=agent_loop_choices,
+    )
+    agent_loop_config_path: str | None = doc("YAML registering more agent loops.", status=UNSUPPORTED, neutral=None)
+    custom_async_server: CustomAsyncServerConfig = doc("A user rollout server.")
+
+
+@dataclass
+class CheckpointEngineConfig:
+    """How weights travel from the trainer to the rollout engine."""
+
+    backend: str = doc(
+        "Transport: naive (in-process resharding / bucketed broadcast).", status=UNSUPPORTED, neutral="naive"
+    )
+    update_weights_bucket_megabytes: int = doc("Size of the buckets weights are streamed to the engine in.")
+    engine_kwargs: dict = doc("Options of another backend.", status=UNSUPPORTED, neutral={})
+
+
+@dataclass
+class TraceConfig:
+    """Tracing of agent-loop rollouts to an external service (weave, mlflow)."""
+
+    backend: str | None = doc("Tracing service.", status=UNSUPPORTED, neutral=None)
+    token2text: bool = doc("Decode token ids in traces (with a backend).")
+    max_samples_per_step_per_worker: int | None = doc("Traced samples per step and worker (with a backend).")
+
+
+@dataclass
+class PrometheusConfig:
+    """A Prometheus metrics endpoint of the rollout servers."""
+
+    enable: bool = doc("Serve engine metrics to Prometheus.", status=UNSUPPORTED, neutral=False)
+    port: int = doc("Port (with enable).")
+    file: str = doc("Prometheus config file written (with enable).")
+    served_model_name: str | None = doc("Model name in the metrics (follows the model path).")
 
 
 @dataclass
 class RolloutConfig:
     """Response generation: engine, sampling, batch sizes of the old-log-prob pass."""
 
-    name: str = doc("Generation engine: hf (built in, CPU and GPU), vllm or sglang.", choices=ROLLOUT_NAMES)
+    name: str = doc(
+        "Generation engine: hf (built in, CPU and GPU), vllm or sglang; every run chooses one.",
+        choices=ROLLOUT_NAMES,
+        hardware_values={"trtllm": TRTLLM},
+    )
     mode: str = doc(
-        "sync: batch generation (async, upstream's server-based agent loop, is not implemented: a config error; "
-        "generation running ahead of training is async_training.*).",
+        "async: upstream's server-based rollout; sync: batch generation. A single-turn rollout generates the same "
+        "samples either way (here both run the batched generation); multi-turn rollouts run the agent loop. "
+        "Generation running ahead of training is async_training.*.",
         choices=ROLLOUT_MODES,
     )
     temperature: float = doc("Sampling temperature of training rollouts.")
     top_k: int = doc("Keep the k most likely tokens (-1 or 0: off).")
     top_p: float = doc("Nucleus sampling mass.")
-    use_fire_sampling: bool = doc("FIRE sampling (higher first-token temperature).", status=UNSUPPORTED, neutral=False)
     prompt_length: int = doc("Prompt tokens the engine accepts (follows data.max_prompt_length).")
     response_length: int = doc("Tokens generated at most (follows data.max_response_length).")
-    dtype: str = doc("Engine dtype; auto: bfloat16 on GPU, float32 on CPU.", choices=ROLLOUT_DTYPES)
+    dtype: str = doc("Engine dtype; auto (ours): bfloat16 on GPU, float32 on CPU.", choices=ROLLOUT_DTYPES)
     gpu_memory_utilization: float = doc(
         "Fraction of device memory the engine's weights + KV cache (+ working memory) may use; the built-in "
         "engine generates batches whose KV cache does not fit in chunks of rows."
     )
     ignore_eos: bool = doc("Keep generating past the end-of-sequence token.")
     enforce_eager: bool = doc(
-        "vLLM/SGLang: disable CUDA graphs. Not read by the built-in hf engine, whose graphs are on by default "
-        "(its switch is engine_kwargs.hf.enforce_eager): this key's upstream default, true, is vLLM's."
+        "vLLM/SGLang: disable CUDA graphs. Not read by the built-in hf engine, whose switch is "
+        "engine_kwargs.hf.enforce_eager (graphs on by default)."
+    )
+    cudagraph_capture_sizes: list[int] | None = doc(
+        f"vLLM: batch sizes CUDA graphs are captured for. {_SPEED}.", status=IGNORED
     )
     free_cache_engine: bool = doc("Free the KV cache between rollouts (hybrid engine sleep/wake).")
-    load_format: str = doc("vLLM weight-loading format (dummy_dtensor: weights come from the trainer).")
-    layered_summon: bool = doc("Gather FSDP weights layer by layer when syncing to the engine.", status=IGNORED)
     tensor_model_parallel_size: int = doc("Tensor-parallel size of the engine (divides the worker count).")
+    data_parallel_size: int = doc(
+        "Data-parallel ranks inside one engine server of upstream's rollout; here every tensor-parallel group "
+        f"generates its share of the batch. {_SPEED}.",
+        status=IGNORED,
+    )
+    expert_parallel_size: int = doc(
+        "Expert parallelism of the engine (mixture-of-experts).", status=UNSUPPORTED, neutral=1
+    )
+    pipeline_model_parallel_size: int = doc("Pipeline parallelism of the engine.", status=UNSUPPORTED, neutral=1)
     max_num_batched_tokens: int = doc(
         "vLLM/SGLang scheduler token budget; hf: prompt tokens per prefill forward (whole prompts, at least one)."
     )
     max_model_len: int | None = doc("Engine context length; null: prompt_length + response_length.")
     max_num_seqs: int = doc("Concurrent sequences (hf: rows per generation chunk).")
+    enable_chunked_prefill: bool = doc("vLLM: chunked prefill.")
+    enable_prefix_caching: bool = doc(f"vLLM/SGLang: reuse the KV cache of shared prefixes. {_SPEED}.", status=IGNORED)
+    logprobs_mode: str = doc(
+        "Which log-probs calculate_log_probs returns: processed_logprobs (after temperature, top-k/top-p: the "
+        "sampling distribution).",
+        choices=LOGPROBS_MODES,
+        status=UNSUPPORTED,
+        neutral="processed_logprobs",
+    )
+    scheduling_policy: str = doc(f"vLLM request scheduling (fcfs, priority). {_SPEED}.", status=IGNORED)
+    load_format: str = doc("vLLM weight-loading format (dummy: weights come from the trainer).")
     log_prob_micro_batch_size: int | None = doc(
         "Global micro-batch.", status=DEPRECATED, replacement="use log_prob_micro_batch_size_per_gpu"
     )
@@ -493,19 +861,44 @@ class RolloutConfig:
     log_prob_use_dynamic_bsz: bool = doc("Pack forward micro-batches by token count.")
     log_prob_max_token_len_per_gpu: int = doc("Token budget of one packed forward micro-batch.")
     disable_log_stats: bool = doc("vLLM: silence engine statistics.")
-    enable_chunked_prefill: bool = doc("vLLM: chunked prefill.")
     do_sample: bool = doc("Sample (True) or decode greedily (False) during training rollouts.")
     n: int = doc("Responses sampled per prompt (>= 2 for group-based advantage estimators).")
+    over_sample_rate: float = doc(
+        "Generate this fraction more and drop the slowest.", status=UNSUPPORTED, neutral=(0, 0.0)
+    )
+    multi_stage_wake_up: bool = doc(f"Wake the engine's weights and KV cache in stages. {_SPEED}.", status=IGNORED)
+    engine_kwargs: dict = doc(
+        "Extra engine arguments per engine: {vllm: {...}, sglang: {...}, hf: {...}}; hf accepts enforce_eager; "
+        "trtllm's must stay empty (TensorRT-LLM is not supported)."
+    )
+    val_kwargs: SamplingConfig = doc("Sampling for validation.")
+    multi_turn: MultiTurnConfig = doc("Multi-turn tool-calling rollouts.")
     calculate_log_probs: bool = doc(
         "Return the engine's log-probs as `rollout_log_probs`; the trainer then reports the train/rollout "
         "mismatch each step (training/rollout_probs_diff_mean, _max) and actor.tis_imp_ratio_cap can correct it."
     )
-    update_weights_bucket_megabytes: int = doc("Size of the buckets weights are streamed to the engine in.")
-    engine_kwargs: dict = doc(
-        "Extra engine arguments per engine: {vllm: {...}, sglang: {...}, hf: {...}}; hf accepts enforce_eager."
+    agent: AgentConfig = doc("Agent loops.")
+    checkpoint_engine: CheckpointEngineConfig = doc("Weight transfer to the engine.")
+    trace: TraceConfig = doc("Rollout tracing.")
+    skip_rollout: bool = doc("Replay dumped rollouts instead of generating.", status=UNSUPPORTED, neutral=False)
+    skip_dump_dir: str = doc("Directory of those dumps (with skip_rollout).")
+    skip_tokenizer_init: bool = doc(f"vLLM/SGLang: start the engine without its tokenizer. {_SPEED}.", status=IGNORED)
+    enable_rollout_routing_replay: bool = doc(
+        "Record the engine's expert routing (mixture-of-experts).", status=UNSUPPORTED, neutral=False
     )
-    val_kwargs: SamplingConfig = doc("Sampling for validation.")
-    multi_turn: MultiTurnConfig = doc("Multi-turn tool-calling rollouts.")
+    profiler: ProfilerConfig = doc("Profiling of generation (follows the actor's).")
+    prometheus: PrometheusConfig = doc("Metrics endpoint.")
+    quantization: str | None = doc("Quantised generation (e.g. fp8).", status=UNSUPPORTED, neutral=None)
+    quantization_config_file: str | None = doc("Quantisation config.", status=UNSUPPORTED, neutral=None)
+    mtp: dict | None = doc("Multi-token prediction settings (follows the model's mtp).")
+    layered_summon: bool = doc(
+        f"Gather FSDP weights layer by layer when syncing to the engine. {_SPEED}.", status=IGNORED
+    )
+    layer_name_map: dict = doc(
+        "Megatron -> engine layer names for weight sync (ppo_megatron_trainer); verl's converter knows them.",
+        status=IGNORED,
+        optional=True,
+    )
 
 
 @dataclass
@@ -531,28 +924,30 @@ class ActorRolloutRefConfig:
 class CriticModelConfig:
     """The value model (a language model with a scalar head)."""
 
-    path: str = doc("HF-format model directory; defaults to the policy model.")
-    tokenizer_path: str | None = doc("Tokenizer directory; defaults to the policy model.")
+    path: str = doc("HF-format model directory.")
+    tokenizer_path: str | None = doc("Tokenizer directory (follows the policy model).")
     override_config: dict = doc("Values overriding the model's HF config.")
     external_lib: str | None = doc("Python module imported before loading the model.")
     trust_remote_code: bool = doc("Allow the model repository's own Python code to run.")
-    use_shm: bool = doc("Copy the model to shared memory before loading.", status=IGNORED)
-    enable_gradient_checkpointing: bool = doc("Recompute activations in backward.")
-    enable_activation_offload: bool = doc("Offload activations to CPU.", status=IGNORED)
-    use_remove_padding: bool = doc("Pack sequences without padding.")
-    fsdp_config: FSDPConfig = doc("Sharding and offload.")
-    lora_rank: int = doc("LoRA rank of the critic; 0 trains all weights.", status=UNSUPPORTED, neutral=0)
-    lora_alpha: int = doc("LoRA alpha.")
-    target_modules: str | list[str] = doc("Modules LoRA adapts.")
+    use_shm: bool = doc("Copy the model to shared memory before loading.", status=IGNORED, optional=True)
+    enable_gradient_checkpointing: bool = doc("Recompute activations in backward.", optional=True)
+    enable_activation_offload: bool = doc("Offload activations to CPU.", status=IGNORED, optional=True)
+    use_remove_padding: bool = doc("Pack sequences without padding.", optional=True)
+    lora_rank: int = doc("LoRA rank of the critic; 0 trains all weights.", status=UNSUPPORTED, neutral=0, optional=True)
+    lora_alpha: int = doc("LoRA alpha.", optional=True)
+    target_modules: str | list[str] = doc("Modules LoRA adapts.", optional=True)
+    tiled_mlp: TiledMLPConfig = doc("Tiled MLP.", optional=True)
+    fsdp_config: FSDPConfig = doc("FSDP engine (strategy fsdp or fsdp2).", optional=True)
+    lora: MegatronLoRAConfig = doc("LoRA of a Megatron critic.", optional=True)
 
 
 @dataclass
 class CriticConfig:
     """Value function for GAE: model, optimizer, PPO value loss."""
 
-    enable: bool | None = doc("Train a critic; null: only when algorithm.adv_estimator=gae.")
-    rollout_n: int = doc("Samples per prompt (follows actor_rollout_ref.rollout.n).")
+    rollout_n: int = doc("Samples per prompt (follows actor_rollout_ref.rollout.n, which it must equal).")
     strategy: str = doc("Training backend.", choices=STRATEGIES)
+    enable: bool | None = doc("Train a critic; null: only when algorithm.adv_estimator=gae.")
     optim: OptimConfig = doc("Optimizer and schedule.")
     model: CriticModelConfig = doc("Value model.")
     ppo_mini_batch_size: int = doc("Prompts per optimizer step (follows the actor's).")
@@ -560,21 +955,32 @@ class CriticConfig:
         "Global micro-batch.", status=DEPRECATED, replacement="use ppo_micro_batch_size_per_gpu"
     )
     ppo_micro_batch_size_per_gpu: int | None = doc("Sequences per forward/backward on one rank.")
-    forward_micro_batch_size: int | None = doc(
-        "Global forward micro-batch.", status=DEPRECATED, replacement="use forward_micro_batch_size_per_gpu"
-    )
-    forward_micro_batch_size_per_gpu: int | None = doc("Sequences per value forward pass on one rank.")
     use_dynamic_bsz: bool = doc("Pack micro-batches by token count.")
     ppo_max_token_len_per_gpu: int = doc("Token budget of one packed training micro-batch.")
     forward_max_token_len_per_gpu: int = doc("Token budget of one packed forward micro-batch.")
-    ulysses_sequence_parallel_size: int = doc("Sequence-parallel group size.", status=UNSUPPORTED, neutral=1)
     ppo_epochs: int = doc("Passes over each batch.")
     shuffle: bool = doc("Shuffle mini-batches between epochs.")
-    grad_clip: float = doc("Clip the global gradient norm to this value.")
+    data_loader_seed: int | None = doc("Seed of that shuffle (null: 0).")
     cliprange_value: float = doc("Clip range of the value update around the old values.")
     loss_agg_mode: str = doc("How token losses are averaged.", choices=LOSS_AGG_MODES)
     checkpoint: CheckpointConfig = doc("Checkpoint contents.")
-    megatron: MegatronConfig = doc("Megatron-core parallelism (used when strategy=megatron).")
+    profiler: ProfilerConfig = doc("Profiling of the critic's passes.")
+    forward_micro_batch_size: int | None = doc(
+        "Global forward micro-batch.",
+        status=DEPRECATED,
+        replacement="use forward_micro_batch_size_per_gpu",
+        optional=True,
+    )
+    forward_micro_batch_size_per_gpu: int | None = doc(
+        "Sequences per value forward pass on one rank (follows ppo_micro_batch_size_per_gpu).", optional=True
+    )
+    ulysses_sequence_parallel_size: int = doc(
+        "Sequence-parallel group size.", status=UNSUPPORTED, neutral=1, optional=True
+    )
+    grad_clip: float = doc("FSDP: clip the global gradient norm to this value (see optim.clip_grad).", optional=True)
+    megatron: MegatronConfig = doc("Megatron-core parallelism (strategy megatron).", optional=True)
+    nccl_timeout: int = doc("Megatron: seconds a collective may wait.", optional=True)
+    load_weight: bool = doc("Megatron: load the HF weights.", status=UNSUPPORTED, neutral=True, optional=True)
 
 
 # -------------------------------------------------------------------------------- reward model
@@ -591,12 +997,47 @@ class RewardModelModelConfig:
     path: str | None = doc("HF-format reward-model directory.")
     external_lib: str | None = doc("Python module imported before loading the model.")
     trust_remote_code: bool = doc("Allow the model repository's own Python code to run.")
-    use_shm: bool = doc("Copy the model to shared memory before loading.", status=IGNORED)
+    override_config: dict = doc("Values overriding the reward model's HF config.", status=UNSUPPORTED, neutral={})
+    use_shm: bool = doc("Copy the model to shared memory before loading.", status=IGNORED, optional=True)
     use_remove_padding: bool = doc(
-        "Pack sequences without padding (a speed knob; the reward model runs padded rows).", status=IGNORED
+        "Pack sequences without padding (a speed knob; the reward model runs padded rows).",
+        status=IGNORED,
+        optional=True,
     )
-    use_fused_kernels: bool = doc("Fused kernels.", status=IGNORED)
-    fsdp_config: FSDPConfig = doc("Sharding and offload.")
+    use_fused_kernels: bool = doc("Fused kernels.", status=IGNORED, optional=True)
+    fsdp_config: RewardModelFSDPConfig = doc("Sharding and offload.", optional=True)
+
+
+@dataclass
+class RewardModelRolloutConfig:
+    """The rollout engine serving the reward model in upstream's reward loop (not read here: see `name`)."""
+
+    name: str = doc(
+        "Engine that serves the reward model in upstream's reward loop; here the reward model's forward runs in "
+        "the actor's workers (the same scores), so this section is read by nothing.",
+        status=IGNORED,
+        unset_ok=True,
+    )
+    dtype: str = doc("Engine dtype.")
+    gpu_memory_utilization: float = doc("Device memory fraction of the engine.")
+    enforce_eager: bool = doc("No CUDA graphs.")
+    cudagraph_capture_sizes: list[int] | None = doc("CUDA-graph batch sizes.")
+    free_cache_engine: bool = doc("Free the KV cache between uses.")
+    data_parallel_size: int = doc("Data-parallel ranks of the engine.")
+    expert_parallel_size: int = doc("Expert-parallel ranks of the engine.")
+    tensor_model_parallel_size: int = doc("Tensor-parallel ranks of the engine.")
+    max_num_batched_tokens: int = doc("Scheduler token budget.")
+    max_model_len: int | None = doc("Context length.")
+    max_num_seqs: int = doc("Concurrent sequences.")
+    load_format: str = doc("Weight-loading format.")
+    engine_kwargs: dict = doc("Extra engine arguments.")
+    limit_images: int | None = doc("Images per prompt (multi-modal).")
+    enable_chunked_prefill: bool = doc("Chunked prefill.")
+    enable_prefix_caching: bool = doc("Prefix caching.")
+    disable_log_stats: bool = doc("Silence engine statistics.")
+    skip_tokenizer_init: bool = doc("Start without the tokenizer.")
+    prompt_length: int = doc("Prompt tokens of a judge request.")
+    response_length: int = doc("Tokens of a judge's answer.")
 
 
 @dataclass
@@ -620,9 +1061,14 @@ class SandboxFusionConfig:
 
 @dataclass
 class RewardModelConfig:
-    """Reward computation: the reward manager, and optionally a learned reward model."""
+    """Reward computation: the reward manager's options, and optionally a learned reward model."""
 
     enable: bool = doc("Score responses with a learned reward model (otherwise rule-based rewards only).")
+    enable_resource_pool: bool = doc(
+        "Run the reward model in its own pool of workers.", status=UNSUPPORTED, neutral=False
+    )
+    n_gpus_per_node: int = doc("Workers per node of that pool (with enable_resource_pool).")
+    nnodes: int = doc("Nodes of that pool (with enable_resource_pool).")
     strategy: str = doc("Backend of the reward model.", choices=STRATEGIES)
     model: RewardModelModelConfig = doc("The reward model.")
     micro_batch_size: int | None = doc(
@@ -633,21 +1079,71 @@ class RewardModelConfig:
         "Maximum sequence length fed to the reward model: a longer row keeps its last max_length tokens (the "
         "response's end survives, the prompt's start goes); null: no limit."
     )
-    ulysses_sequence_parallel_size: int = doc("Sequence-parallel group size.", status=UNSUPPORTED, neutral=1)
     use_dynamic_bsz: bool = doc(
         "Pack micro-batches by token count (a speed knob; the reward model runs micro_batch_size_per_gpu rows).",
         status=IGNORED,
     )
     forward_max_token_len_per_gpu: int = doc("Token budget of one packed forward micro-batch.", status=IGNORED)
-    megatron: MegatronConfig = doc(
-        "Megatron-core parallelism of the reward model (used when strategy=megatron; it shares the actor's "
-        "worker processes, so a megatron actor or critic there must use the same layout)."
+    reward_manager: str = doc(
+        "Turns scores into token-level rewards (reward_manager.name follows it).", choices=REWARD_MANAGERS
     )
-    reward_manager: str = doc("Turns scores into token-level rewards.", choices=REWARD_MANAGERS)
+    reward_loop_source: str = doc(
+        "Where upstream's reward loop class comes from: register (built in).", status=UNSUPPORTED, neutral="register"
+    )
+    reward_loop_module_path: str | None = doc("File of a custom reward loop.", status=UNSUPPORTED, neutral=None)
+    reward_loop_class_name: str | None = doc("Class of a custom reward loop.", status=UNSUPPORTED, neutral=None)
     launch_reward_fn_async: bool = doc("Compute rule rewards in a background task during the log-prob pass.")
-    reward_kwargs: dict = doc("Extra keyword arguments of the reward manager.")
-    overlong_buffer: OverlongBufferConfig = doc("DAPO overlong penalty (used by reward_manager=dapo).")
     sandbox_fusion: SandboxFusionConfig = doc("Code-execution sandbox.")
+    profiler: ProfilerConfig = doc("Profiling of the reward model.")
+    ulysses_sequence_parallel_size: int = doc(
+        "Sequence-parallel group size.", status=UNSUPPORTED, neutral=1, optional=True
+    )
+    megatron: MegatronConfig = doc(
+        "Megatron-core parallelism of the reward model (strategy megatron; it shares the actor's worker processes, "
+        "so a megatron actor or critic there must use the same layout).",
+        optional=True,
+    )
+    nccl_timeout: int = doc("Megatron: seconds a collective may wait.", optional=True)
+    load_weight: bool = doc("Megatron: load the HF weights.", status=UNSUPPORTED, neutral=True, optional=True)
+    use_reward_loop: bool = doc(
+        "Upstream computes rewards in its reward loop (true) or in the driver (false); the rewards are the same. "
+        "Here rule rewards are computed by the driver's reward manager and a reward model runs in the actor's "
+        "workers either way.",
+        optional=True,
+    )
+    num_workers: int = doc(f"Reward-loop worker processes. {_SPEED}.", status=IGNORED, optional=True)
+    rollout: RewardModelRolloutConfig = doc(
+        "The reward model's serving engine (upstream's reward loop).", optional=True
+    )
+    reward_kwargs: dict = doc("Ours. Extra keyword arguments of the reward manager.")
+    overlong_buffer: OverlongBufferConfig = doc("Ours. DAPO overlong penalty (used by reward_manager=dapo).")
+
+
+def reward_manager_choices() -> tuple[str, ...]:
+    """Registered reward managers (user registrations included)."""
+    from verl.workers.reward_manager import REWARD_MANAGER_REGISTRY
+
+    return tuple(REWARD_MANAGER_REGISTRY)
+
+
+@dataclass
+class RewardManagerModuleConfig:
+    """A reward-manager class in a Python file (with source=importlib)."""
+
+    path: str | None = doc("Python file defining the class.")
+    name: str = doc("Class name inside `path`.")
+
+
+@dataclass
+class RewardManagerConfig:
+    """Which reward manager turns scores into token-level rewards (upstream's reward_manager section)."""
+
+    source: str = doc(
+        "register: the registered manager `name`; importlib: the class module.name from the file module.path.",
+        choices=REWARD_MANAGER_SOURCES,
+    )
+    name: str = doc("Registered manager (follows reward_model.reward_manager).", choices=reward_manager_choices)
+    module: RewardManagerModuleConfig = doc("The class for source=importlib.")
 
 
 @dataclass
@@ -698,6 +1194,22 @@ class FilterGroupsConfig:
 
 
 @dataclass
+class RolloutCorrectionConfig:
+    """Importance weights and rejection of samples by the ratio of the training policy's probabilities to the
+    rollout engine's (upstream's rollout_corr_helper)."""
+
+    rollout_is: str | None = doc("Importance-weight level: null (off), token or sequence.")
+    rollout_is_threshold: float | None = doc("Upper truncation of the importance weights (with rollout_is).")
+    rollout_rs: str | None = doc("Rejection-sampling mode: null (off) or a level.")
+    rollout_rs_threshold: float | str | None = doc("Rejection threshold(s) (with rollout_rs).")
+    bypass_mode: bool = doc(
+        "Use the rollout's log-probs as the old policy's (no separate old-log-prob pass).",
+    )
+    loss_type: str = doc("Policy loss of bypass mode (ppo_clip or reinforce).")
+    rollout_is_batch_normalize: bool = doc("Normalise the importance weights to mean 1 over the batch.")
+
+
+@dataclass
 class AlgorithmConfig:
     """Advantage estimation and the KL penalty in the reward."""
 
@@ -710,7 +1222,8 @@ class AlgorithmConfig:
     kl_ctrl: KLControlConfig = doc("KL coefficient controller.")
     use_pf_ppo: bool = doc("Policy-filtration PPO.", status=UNSUPPORTED, neutral=False)
     pf_ppo: PFPPOConfig = doc("PF-PPO parameters.")
-    filter_groups: FilterGroupsConfig = doc("DAPO dynamic sampling.")
+    filter_groups: FilterGroupsConfig = doc("Ours. DAPO dynamic sampling.")
+    rollout_correction: RolloutCorrectionConfig = doc("Correction of the rollout-vs-training probability gap.")
 
 
 # ------------------------------------------------------------------------------------- trainer
@@ -752,10 +1265,23 @@ class TrainerConfig:
     max_actor_ckpt_to_keep: int | None = doc("Keep only the newest N actor checkpoints (null: all).")
     max_critic_ckpt_to_keep: int | None = doc("Keep only the newest N critic checkpoints (null: all).")
     ray_wait_register_center_timeout: int = doc("Seconds to wait for the worker group to register.")
-    device: str = doc("auto: CUDA when torch sees a GPU, else CPU.", choices=device_choices)
-    use_legacy_worker_impl: str = doc("Upstream worker-implementation switch.", status=IGNORED)
+    device: str = doc(
+        "cuda (upstream's default) or cpu; auto (ours): CUDA when torch sees a GPU, else CPU. A device the machine "
+        "does not have fails before Ray starts, saying how to switch.",
+        choices=device_choices,
+        hardware_values={"npu": NPU},
+    )
+    use_legacy_worker_impl: str = doc(
+        "Upstream's switch between its two worker implementations (auto, enable, disable); one implementation here.",
+        status=IGNORED,
+        choices=("auto", "enable", "disable"),
+    )
     run_dir: str = doc(
         "Run directory: resolved config.yaml, metrics.jsonl, training-curve PNG, tensorboard/wandb files."
+    )
+    tensorboard_dir: str | None = doc(
+        "Directory of the tensorboard event files (with trainer.logger including tensorboard); null: "
+        "$TENSORBOARD_DIR, else <run_dir>/tensorboard (upstream's later releases read this key)."
     )
     rpc_timeout_s: float = doc(
         "Deadline of one blocking worker call; a hang becomes an error naming role, rank, method."
@@ -767,6 +1293,31 @@ class TrainerConfig:
         "Stop the run after this many steps in a row whose loss or gradient was NaN or infinite (each such update "
         "is skipped and counted in actor/skipped_nonfinite_grad); null never stops."
     )
+
+
+# ------------------------------------------------------------------------------------ profiler
+
+
+@dataclass
+class GlobalProfilerConfig:
+    """Profiling: the tool, the training steps it records and where the traces go."""
+
+    tool: str | None = doc(
+        "nsys, torch or torch_memory (npu: Ascend NPUs); null: no profiling.",
+        choices=PROFILER_TOOLS,
+        hardware_values={"npu": NPU},
+    )
+    steps: list[int] | None = doc("Training steps to profile (with a tool).")
+    profile_continuous_steps: bool = doc("Record consecutive profiled steps into one trace (with a tool).")
+    save_path: str = doc("Directory of the traces.")
+    global_tool_config: dict = doc("Per-tool options: nsys (controller/worker nsight options), torch_memory.")
+
+
+@dataclass
+class TransferQueueConfig:
+    """Upstream's TransferQueue data plane between driver and workers."""
+
+    enable: bool = doc("Move batches through TransferQueue.", status=UNSUPPORTED, neutral=False)
 
 
 # --------------------------------------------------------------------------------------- ray
@@ -867,14 +1418,19 @@ class PPOConfig:
     data: DataConfig = doc("Datasets and batch sizes.")
     actor_rollout_ref: ActorRolloutRefConfig = doc("Policy: model, training, generation, reference.")
     critic: CriticConfig = doc("Value function (PPO with GAE).")
+    reward_manager: RewardManagerConfig = doc("Rule-based reward manager.")
     reward_model: RewardModelConfig = doc("Rewards.")
     custom_reward_function: CustomRewardFunctionConfig = doc("User reward function.")
     algorithm: AlgorithmConfig = doc("Advantage estimation and KL.")
     trainer: TrainerConfig = doc("Driver loop.")
+    global_profiler: GlobalProfilerConfig = doc("Profiling.")
+    transfer_queue: TransferQueueConfig = doc("Upstream's TransferQueue.")
     ray_kwargs: RayKwargsConfig = doc("Ray start-up.")
     ray_init: LegacyRayInitConfig = doc("Legacy spelling of ray_kwargs.ray_init.")
-    async_training: AsyncTrainingConfig = doc("Generation running ahead of training.")
-    rollout: RolloutPoolConfig = doc("The separate rollout pool used when async_training.staleness_threshold > 0.")
+    async_training: AsyncTrainingConfig = doc("Ours. Generation running ahead of training.")
+    rollout: RolloutPoolConfig = doc(
+        "Ours. The separate rollout pool used when async_training.staleness_threshold > 0."
+    )
 
 
 def field_meta(f: dataclasses.Field) -> dict:

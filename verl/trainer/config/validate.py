@@ -29,6 +29,7 @@ import warnings
 from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
 
 from verl.trainer.config import schema as S
 from verl.trainer.config.errors import ConfigError, ConfigWarning, did_you_mean
@@ -135,17 +136,22 @@ def _check_section(
     for name, f in fields.items():
         full = f"{path}{name}"
         tp = hints[name]
+        meta = S.field_meta(f)
         if name not in value:
-            errors.append(
-                (
-                    full,
-                    f"config key {full} is missing; it has no default here because the YAML provides it: add it back",
+            if not meta["optional"]:
+                errors.append(
+                    (
+                        full,
+                        f"config key {full} is missing; it has no default here because the YAML provides it: add it back",
+                    )
                 )
-            )
             continue
         v = value[name]
         if v == "???":
-            errors.append((full, f"config key {full} must be set (it is ???); pass {full}=..."))
+            if not meta["unset_ok"]:
+                choices = meta["choices"]
+                options = f" (one of: {', '.join(map(str, choices))})" if choices else ""
+                errors.append((full, f"config key {full} must be set (it is ???); pass {full}=...{options}"))
             continue
         if is_section_type(tp):
             if not isinstance(v, dict):
@@ -166,10 +172,22 @@ def _check_section(
                 )
             )
             continue
-        meta = S.field_meta(f)
+        hardware = meta["hardware_values"]
+        items = v if isinstance(v, list) else [v]
+        refused = [item for item in items if isinstance(item, str) and item in hardware]
+        for item in refused:
+            errors.append(
+                (
+                    full,
+                    f"{full}={item} is for {hardware[item]}, which this build of verl does not support; "
+                    f"remove the override",
+                )
+            )
+        if refused:
+            continue
         choices = meta["choices"]
         if choices:
-            for item in v if isinstance(v, list) else [v]:
+            for item in items:
                 if item is not None and item not in choices:
                     hint = did_you_mean(str(item), [str(c) for c in choices])
                     errors.append(
@@ -178,16 +196,39 @@ def _check_section(
                             f"{full}={item!r} is not a valid choice.{hint} Valid values: {', '.join(map(str, choices))}",
                         )
                     )
-        if meta["status"] == S.UNSUPPORTED and v != meta["neutral"]:
-            errors.append(
-                (
-                    full,
-                    f"{full}={_yaml(v)} is not implemented in this verl ({meta['doc'].rstrip('.')}); running without it "
-                    f"would silently train something else, so remove the override (keep {full}={_yaml(meta['neutral'])})",
+        status = meta["status"]
+        if status in (S.UNSUPPORTED, S.PENDING, S.HARDWARE) and not is_neutral(v, meta["neutral"]):
+            keep = f"{full}={_yaml(neutral_value(meta['neutral']))}"
+            what = meta["doc"].rstrip(".")
+            if status == S.UNSUPPORTED:
+                msg = (
+                    f"{full}={_yaml(v)} is not implemented in this verl ({what}); running without it would silently "
+                    f"train something else, so remove the override (keep {keep})"
                 )
-            )
-        if meta["status"] == S.DEPRECATED and v is not None:
+            elif status == S.PENDING:
+                msg = f"{full}={_yaml(v)}: not implemented yet ({what}); remove the override (keep {keep})"
+            else:
+                msg = (
+                    f"{full}={_yaml(v)} is for {meta['hardware']}, which this build of verl does not support "
+                    f"({what}); remove the override (keep {keep})"
+                )
+            errors.append((full, msg))
+        if status == S.DEPRECATED and v is not None:
             warns.append(f"{full} is deprecated; {meta['replacement']}")
+
+
+def is_neutral(value, neutral) -> bool:
+    """Whether `value` is the neutral value (or one of the neutral values, when a tuple lists several)."""
+    if isinstance(neutral, tuple):
+        return any(is_neutral(value, n) for n in neutral)
+    if isinstance(value, bool) != isinstance(neutral, bool):
+        return False
+    return value == neutral
+
+
+def neutral_value(neutral):
+    """The neutral value to suggest (the first of several)."""
+    return neutral[0] if isinstance(neutral, tuple) else neutral
 
 
 def _yaml(v) -> str:
@@ -331,13 +372,14 @@ def _check_micro(
         )
 
 
-def _check_train_batches(c: dict, errors: list[str], world: int):
+def _check_train_batches(c: dict, errors: list[str], world: int, warns: list[str]):
     """Batch arithmetic of the actor (and the critic when it is trained)."""
     arr = c["actor_rollout_ref"]
     n = arr["rollout"]["n"]
     tbs = c["data"]["train_batch_size"]
-    sp = arr["actor"]["ulysses_sequence_parallel_size"] or 1
+    sp = arr["actor"].get("ulysses_sequence_parallel_size") or 1
     dp = world // sp if world % sp == 0 else world
+    _check_megatron_batch(c, errors, world)
     if (tbs * n) % world:
         good = _next_multiple(tbs, lambda m: (m * n) % world == 0)
         errors.append(
@@ -352,6 +394,13 @@ def _check_train_batches(c: dict, errors: list[str], world: int):
     for role, prefix, sec in roles:
         mini = sec["ppo_mini_batch_size"]
         if mini < 1:
+            continue
+        if mini > tbs and sec["use_dynamic_bsz"]:
+            # upstream's rule: with token packing a mini-batch larger than the batch is the whole batch
+            warns.append(
+                f"{prefix}.ppo_mini_batch_size={mini} is larger than data.train_batch_size={tbs}, so each step "
+                "takes one optimizer step over the whole batch"
+            )
             continue
         if mini > tbs:
             errors.append(
@@ -387,6 +436,29 @@ def _check_train_batches(c: dict, errors: list[str], world: int):
         )
 
 
+def _check_megatron_batch(c: dict, errors: list[str], world: int):
+    """Upstream's rule for a megatron actor with fixed micro-batches: a step's sequences split into whole
+    micro-batches of every data-parallel group (data-parallel size = ranks / (tp x pp x cp))."""
+    actor = c["actor_rollout_ref"]["actor"]
+    meg = actor.get("megatron")
+    if actor["strategy"] != "megatron" or not meg or actor["use_dynamic_bsz"]:
+        return
+    model_parallel = meg["tensor_model_parallel_size"] * meg["pipeline_model_parallel_size"]
+    copies = model_parallel * meg["context_parallel_size"]
+    micro = actor["ppo_micro_batch_size_per_gpu"]
+    if not isinstance(micro, int) or micro < 1 or copies < 1 or world % copies:
+        return  # reported by the micro-batch and layout checks
+    minimal = world // copies * micro
+    sequences = c["data"]["train_batch_size"] * c["actor_rollout_ref"]["rollout"]["n"]
+    if sequences % minimal:
+        errors.append(
+            f"data.train_batch_size x rollout.n = {sequences} sequences per step do not split into whole "
+            f"micro-batches of the {world // copies} megatron data-parallel groups ({world} ranks / tp x pp x cp = "
+            f"{copies}) of actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu={micro}, i.e. into multiples of "
+            f"{minimal}; change data.train_batch_size or the micro-batch size"
+        )
+
+
 def _check_forward_batches(c: dict, errors: list[str], world: int):
     """Micro-batches of the forward-only passes (old log-probs, reference, values, reward model)."""
     arr = c["actor_rollout_ref"]
@@ -405,23 +477,36 @@ def _check_forward_batches(c: dict, errors: list[str], world: int):
             dynamic=sec["log_prob_use_dynamic_bsz"],
             dynamic_key=f"{prefix}.log_prob_use_dynamic_bsz",
         )
-    if need_critic(c):
+    critic = c["critic"]
+    trained_micro = critic["ppo_micro_batch_size"], critic["ppo_micro_batch_size_per_gpu"]
+    if need_critic(c) and (
+        trained_micro != (None, None) or critic["use_dynamic_bsz"] or "forward_micro_batch_size" in critic
+    ):
+        # the Megatron critic has no forward_* keys: its value pass uses the training micro-batch (whose
+        # absence is reported once, for the training pass)
+        forward = {
+            "forward_micro_batch_size": critic.get("forward_micro_batch_size"),
+            "forward_micro_batch_size_per_gpu": critic.get(
+                "forward_micro_batch_size_per_gpu", critic["ppo_micro_batch_size_per_gpu"]
+            ),
+        }
         _check_micro(
             errors,
             role="critic value pass",
             global_key="critic.forward_micro_batch_size",
             per_gpu_key="critic.forward_micro_batch_size_per_gpu",
-            values=c["critic"],
+            values=forward,
             dp=world,
             dynamic=c["critic"]["use_dynamic_bsz"],
             dynamic_key="critic.use_dynamic_bsz",
         )
     rm = c["reward_model"]
-    if rm["enable"]:
-        if not rm["model"]["path"]:
-            errors.append(
-                "reward_model.enable=true but reward_model.model.path is null; set it to the reward model's directory"
-            )
+    if rm["enable"] and not rm["model"]["path"]:
+        errors.append(
+            "reward_model.enable=true but reward_model.model.path is null; set it to the reward model's directory"
+        )
+    # upstream's reward loop batches reward-model requests itself: no micro-batch needed with it
+    if rm["enable"] and not rm.get("use_reward_loop", False):
         _check_micro(
             errors,
             role="reward model",
@@ -441,21 +526,28 @@ def _check_algorithm(c: dict, errors: list[str], warns: list[str]):
     est = alg["adv_estimator"]
     n = rollout["n"]
     if est in S.GROUP_ADV_ESTIMATORS and n < 2:
-        errors.append(
+        # upstream accepts this (its launch scripts use it): a group of one has no baseline
+        warns.append(
             f"algorithm.adv_estimator={est} compares each response with the other responses to the same prompt, "
-            f"but actor_rollout_ref.rollout.n={n} samples one per prompt, so every advantage would be zero; "
-            "set actor_rollout_ref.rollout.n to 2 or more (8 is typical)"
+            f"but actor_rollout_ref.rollout.n={n} samples one per prompt, so there is no group baseline and each "
+            "advantage is the raw score (REINFORCE without a baseline); set actor_rollout_ref.rollout.n to 2 or more "
+            "(8 is typical) for the group-relative estimate"
         )
     if est == "gae" and c["critic"]["enable"] is False:
         errors.append(
             "algorithm.adv_estimator=gae needs a value function, but critic.enable=false; "
             "set critic.enable=true (or null), or choose a critic-free estimator such as grpo"
         )
-    if c["critic"]["rollout_n"] != n:
-        errors.append(
-            f"critic.rollout_n={c['critic']['rollout_n']} differs from actor_rollout_ref.rollout.n={n}; "
-            "leave critic.rollout_n at its default (${actor_rollout_ref.rollout.n})"
-        )
+    for key, section in (
+        ("actor_rollout_ref.actor", arr["actor"]),
+        ("actor_rollout_ref.ref", arr["ref"]),
+        ("critic", c["critic"]),
+    ):
+        if section["rollout_n"] != n:
+            errors.append(
+                f"{key}.rollout_n={section['rollout_n']} differs from actor_rollout_ref.rollout.n={n}; "
+                "leave it at its default (it follows actor_rollout_ref.rollout.n)"
+            )
     if arr["actor"]["use_kl_loss"] and alg["use_kl_in_reward"]:
         warns.append(
             "actor_rollout_ref.actor.use_kl_loss and algorithm.use_kl_in_reward are both on, so the KL to the "
@@ -487,6 +579,14 @@ def _check_algorithm(c: dict, errors: list[str], warns: list[str]):
             f"actor_rollout_ref.actor.tis_imp_ratio_cap={tis_cap} weights the loss by the rollout engine's log-probs, "
             "which are not computed; set actor_rollout_ref.rollout.calculate_log_probs=true (or tis_imp_ratio_cap=-1)"
         )
+    if est in ("optimal_token_baseline", "tir_optimal_token_baseline") and not arr["actor"].get(
+        "calculate_sum_pi_squared"
+    ):
+        errors.append(
+            f"algorithm.adv_estimator={est} weighs each token by its score norm, which needs sum_v pi_v^2 from the "
+            "actor's log-prob pass; set actor_rollout_ref.actor.calculate_sum_pi_squared=true"
+        )
+    _check_rollout_correction(c, errors)
     ctrl = alg["kl_ctrl"]
     if ctrl["type"] == "adaptive" and (ctrl["target_kl"] <= 0 or ctrl["horizon"] <= 0):
         errors.append("algorithm.kl_ctrl.type=adaptive needs target_kl > 0 and horizon > 0")
@@ -499,6 +599,23 @@ def _check_algorithm(c: dict, errors: list[str], warns: list[str]):
             f"reward_model.overlong_buffer.len={ob['len']} exceeds data.max_response_length="
             f"{c['data']['max_response_length']}; the buffer is the tail of the response budget, so make it shorter"
         )
+
+
+def _check_rollout_correction(c: dict, errors: list[str]):
+    """algorithm.rollout_correction's own rules (levels, thresholds, rejection modes) and what it needs
+    from the rest of the config (the rollout's log-probs; no second importance weighting)."""
+    from verl.trainer.ppo.rollout_corr_helper import check_rollout_correction, rollout_correction_config
+
+    arr = c["actor_rollout_ref"]
+    try:
+        check_rollout_correction(
+            rollout_correction_config(c),
+            calculate_log_probs=bool(arr["rollout"]["calculate_log_probs"]),
+            loss_mode=arr["actor"]["policy_loss"]["loss_mode"],
+            tis_imp_ratio_cap=arr["actor"].get("tis_imp_ratio_cap"),
+        )
+    except ValueError as e:
+        errors.append(str(e))
 
 
 def _check_lengths(c: dict, errors: list[str]):
@@ -543,14 +660,75 @@ def _check_multi_turn(c: dict, errors: list[str]):
 def _check_not_implemented(c: dict, errors: list[str]):
     """Upstream choices this implementation does not have yet: fail instead of silently running something else."""
     arr = c["actor_rollout_ref"]
-    _check_megatron(c, errors)
-    if arr["rollout"]["mode"] == "async" and not arr["rollout"]["multi_turn"]["enable"]:
+    if _check_engines(c, errors):
+        _check_megatron(c, errors)
+    _check_grad_clip(c, errors)
+    _check_reward_manager(c, errors)
+    if (arr["rollout"]["engine_kwargs"] or {}).get("trtllm"):
         errors.append(
-            "actor_rollout_ref.rollout.mode=async (upstream's server-based agent-loop rollout) runs here only as the "
-            "multi-turn agent loop; without actor_rollout_ref.rollout.multi_turn.enable=true the run would silently "
-            "be synchronous. Set multi_turn.enable=true for tool-calling rollouts (docs/multi_turn.md), or "
-            "actor_rollout_ref.rollout.mode=sync for single-turn generation (to let generation run ahead of "
-            "training, set async_training.staleness_threshold, see docs/async.md)"
+            "actor_rollout_ref.rollout.engine_kwargs.trtllm is for TensorRT-LLM, which this build of verl does not "
+            "support; remove it"
+        )
+
+
+def _engine_sections(c: dict) -> list[tuple[str, str, dict, str]]:
+    """(role key, strategy, section holding the engine keys, engine-section key) of every model that runs."""
+    arr = c["actor_rollout_ref"]
+    out = [("actor_rollout_ref.actor", arr["actor"]["strategy"], arr["actor"], "actor_rollout_ref.actor")]
+    if need_reference_policy(c):
+        out.append(("actor_rollout_ref.ref", arr["ref"]["strategy"], arr["ref"], "actor_rollout_ref.ref"))
+    if need_critic(c):
+        critic = c["critic"]
+        out.append(("critic", critic["strategy"], critic, "critic"))
+    rm = c["reward_model"]
+    if rm["enable"]:
+        out.append(("reward_model", rm["strategy"], rm, "reward_model"))
+    return out
+
+
+def _check_engines(c: dict, errors: list[str]) -> bool:
+    """Each running model's strategy has its engine section (fsdp_config / megatron) in the composed config."""
+    ok = True
+    for role, strategy, section, prefix in _engine_sections(c):
+        if strategy == "megatron":
+            if "megatron" not in section:
+                ok = False
+                errors.append(
+                    f"{role}.strategy=megatron needs the {prefix}.megatron section, which the FSDP composition "
+                    "(ppo_trainer) does not hold; start from --config-name=ppo_megatron_trainer (upstream's rule) "
+                    f"instead of overriding {role}.strategy"
+                )
+        else:
+            holder = section["model"] if role in ("critic", "reward_model") else section
+            where = f"{prefix}.model.fsdp_config" if role in ("critic", "reward_model") else f"{prefix}.fsdp_config"
+            if "fsdp_config" not in holder:
+                ok = False
+                errors.append(
+                    f"{role}.strategy={strategy} needs the {where} section, which the Megatron composition "
+                    "(ppo_megatron_trainer) does not hold; start from --config-name=ppo_trainer for FSDP"
+                )
+    return ok
+
+
+def _check_grad_clip(c: dict, errors: list[str]):
+    """An FSDP role's grad_clip and its optim.clip_grad (upstream's newer spelling) must not disagree."""
+    for prefix, section in (("actor_rollout_ref.actor", c["actor_rollout_ref"]["actor"]), ("critic", c["critic"])):
+        if "grad_clip" not in section:
+            continue
+        grad_clip, clip_grad = section["grad_clip"], section["optim"]["clip_grad"]
+        if grad_clip != clip_grad and grad_clip != 1.0 and clip_grad != 1.0:
+            errors.append(
+                f"{prefix}.grad_clip={grad_clip} and {prefix}.optim.clip_grad={clip_grad} both set the gradient-norm "
+                f"clip, to different values; set one of them ({prefix}.optim.clip_grad is upstream's newer key)"
+            )
+
+
+def _check_reward_manager(c: dict, errors: list[str]):
+    rm = c["reward_manager"]
+    if rm["source"] == "importlib" and not rm["module"]["path"]:
+        errors.append(
+            "reward_manager.source=importlib needs reward_manager.module.path (the Python file defining the class "
+            "reward_manager.module.name); or set reward_manager.source=register"
         )
 
 
@@ -785,17 +963,27 @@ def _plain(cfg) -> dict:
         return cfg
     from verl.trainer.config.loader import resolve
 
-    resolved = resolve(copy.deepcopy(cfg)) if isinstance(cfg, DictConfig) else cfg
-    return OmegaConf.to_container(resolved, resolve=True, throw_on_missing=False)
+    if not isinstance(cfg, DictConfig):
+        return OmegaConf.to_container(cfg, resolve=True, throw_on_missing=False)
+    try:  # to_container resolves without touching cfg (no copy needed)
+        return OmegaConf.to_container(cfg, resolve=True, throw_on_missing=False)
+    except OmegaConfBaseException:
+        return OmegaConf.to_container(
+            resolve(copy.deepcopy(cfg)), resolve=True, throw_on_missing=False
+        )  # the error says which key
 
 
 def _interpolation_sources(cfg: DictConfig, prefix: str = "") -> dict[str, str]:
-    """{key: the key it copies} for every plain `${other.key}` / `${.sibling}` interpolation."""
+    """{key: the key it copies} for every plain `${other.key}` / `${.sibling}` interpolation, and
+    `${oc.select:other.key,default}` (upstream's spelling of the same)."""
     out = {}
     for k in cfg:
         full = f"{prefix}{k}"
         if OmegaConf.is_interpolation(cfg, k):
-            m = re.fullmatch(r"\$\{(\.*)([\w.]+)\}", str(cfg._get_node(k)._value()))
+            text = str(cfg._get_node(k)._value()).strip()
+            m = re.fullmatch(r"\$\{(\.*)([\w.]+)\}", text) or re.fullmatch(
+                r"\$\{oc\.select:\s*(\.*)([\w.]+)\s*(?:,.*)?\}", text
+            )
             if m:
                 dots, target = m.groups()
                 base = full.split(".")[: -len(dots)] if dots else []
@@ -829,12 +1017,22 @@ def validate_ppo_config(cfg: DictConfig | dict) -> None:
         # source's bad value; report the source only.
         bad = {k for k, _ in keyed}
         follows = _interpolation_sources(cfg) if isinstance(cfg, DictConfig) else {}
-        _raise([msg for k, msg in keyed if follows.get(k) not in bad])
+
+        def copies_a_bad_value(key: str) -> bool:
+            seen = set()
+            while key in follows and key not in seen:  # a chain: critic -> actor -> data.train_batch_size
+                seen.add(key)
+                key = follows[key]
+                if key in bad:
+                    return True
+            return False
+
+        _raise([msg for k, msg in keyed if not copies_a_bad_value(k)])
     errors: list[str] = []
     _check_positive(c, errors)
     world = _check_rollout_layout(c, errors)
     if world is not None and not errors:
-        _check_train_batches(c, errors, world)
+        _check_train_batches(c, errors, world, warns)
         _check_forward_batches(c, errors, world)
     _check_algorithm(c, errors, warns)
     _check_lengths(c, errors)
@@ -847,3 +1045,35 @@ def validate_ppo_config(cfg: DictConfig | dict) -> None:
         _raise(errors)
     for w in warns:
         warnings.warn(w, ConfigWarning, stacklevel=2)
+
+
+def check_machine(cfg) -> None:
+    """Fail in one line when the config asks for a device or rollout engine this machine does not have.
+
+    Kept apart from `validate_ppo_config`, which judges the config alone (a cluster's config is valid
+    on a laptop); `main_ppo` runs both before Ray starts, and `--cfg job` too.
+    """
+    import importlib.util
+
+    c = _plain(cfg)
+    device = c["trainer"]["device"]
+    engine = c["actor_rollout_ref"]["rollout"]["name"]
+    problems, switches = [], []
+    from verl.utils.device import ACCELERATOR_NAME
+
+    if device == ACCELERATOR_NAME:
+        import torch
+
+        if not torch.cuda.is_available():
+            problems.append("trainer.device=cuda but torch sees no CUDA GPU on this machine")
+            switches.append("trainer.device=cpu")
+    packages = {"vllm": "vllm", "sglang": "sglang"}
+    if engine in packages and importlib.util.find_spec(packages[engine]) is None:
+        problems.append(f"actor_rollout_ref.rollout.name={engine} but the {packages[engine]} package is not installed")
+        switches.append("actor_rollout_ref.rollout.name=hf")
+    elif "trainer.device=cpu" in switches and engine != "hf":
+        switches.append("actor_rollout_ref.rollout.name=hf")
+    if problems:
+        raise ConfigError(
+            f"{' and '.join(problems)}; to run here set {' '.join(switches)} (the built-in engine runs on CPU and GPU)"
+        )

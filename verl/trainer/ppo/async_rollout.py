@@ -165,7 +165,8 @@ class AsyncRolloutSource:
         self.partial_rollout = bool(cfg.get("partial_rollout", False))
         self.partial_check_steps = int(cfg.get("partial_rollout_check_steps", 8) or 8)
         rollout_cfg = trainer.config.actor_rollout_ref.rollout
-        self.bucket_mb = int(rollout_cfg.get("update_weights_bucket_megabytes", 512) or 512)
+        ckpt_engine = rollout_cfg.get("checkpoint_engine") or {}
+        self.bucket_mb = int(ckpt_engine.get("update_weights_bucket_megabytes", 512) or 512)
         self.n = int(rollout_cfg.n)
         self.groups_per_step = int(trainer.config.data.train_batch_size)
         self.num_drawn = 0

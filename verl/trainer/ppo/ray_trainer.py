@@ -718,6 +718,9 @@ class RayPPOTrainer:
             progress.update(1)
             last = metrics
         progress.close()
+        # stop the data loader's worker processes (data.dataloader_num_workers) now, not when the
+        # TaskRunner's process ends under them (their death then reads as an error)
+        self._train_iter = None
         tracker.finish()
         return last
 

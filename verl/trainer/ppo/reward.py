@@ -6,7 +6,8 @@
   (missing file with the working directory, import failure with the original exception, missing
   function with the callables the file does define).
 - ``load_reward_manager(config, tokenizer, num_examine, **reward_kwargs)``: the manager named by
-  ``reward_model.reward_manager`` (default "naive") around that function or
+  ``reward_manager.name`` (which follows ``reward_model.reward_manager``; default "naive"), or the
+  class ``reward_manager.module.name`` of the file ``module.path`` with ``source=importlib``, around that function or
   ``default_compute_score``; manager options come from ``reward_model.reward_kwargs``, overridden by
   explicit keyword arguments. What a failing reward function does is ``custom_reward_function.on_error``
   (raise | zero); ``reward_model.reward_kwargs.on_error``, the older spelling, still works.
@@ -56,13 +57,33 @@ def get_custom_reward_fn(config) -> Callable | None:
     return functools.partial(fn, **reward_kwargs) if reward_kwargs else fn
 
 
-def load_reward_manager(config, tokenizer, num_examine: int, **reward_kwargs):
-    """The reward manager described by ``config`` (the full trainer config)."""
+def _reward_manager_class(config) -> tuple[str, type]:
+    """(name, class) of upstream's ``reward_manager`` section: the registered manager ``name`` (which
+    follows ``reward_model.reward_manager``), or with ``source=importlib`` the class ``module.name`` of
+    the file ``module.path``. A config without that section reads ``reward_model.reward_manager``."""
     from verl.workers.reward_manager import get_reward_manager_cls
 
+    section = config.get("reward_manager") or {}
+    if section.get("source", "register") == "importlib":
+        from verl.utils.import_utils import load_extern_object
+
+        module = section.get("module") or {}
+        name = module.get("name") or "custom_reward_manager"
+        cls = load_extern_object(module.get("path"), name, config_key="reward_manager.module")
+        if not isinstance(cls, type):
+            raise TypeError(
+                f"reward_manager.module.name={name!r} in {module.get('path')!r} is a {type(cls).__name__}, not a "
+                "class; point it at a reward-manager class (verl.workers.reward_manager.AbstractRewardManager)"
+            )
+        return name, cls
+    name = section.get("name") or (config.get("reward_model") or {}).get("reward_manager") or "naive"
+    return name, get_reward_manager_cls(name)
+
+
+def load_reward_manager(config, tokenizer, num_examine: int, **reward_kwargs):
+    """The reward manager described by ``config`` (the full trainer config)."""
     reward_model = config.get("reward_model") or {}
-    name = reward_model.get("reward_manager") or "naive"
-    manager_cls = get_reward_manager_cls(name)
+    name, manager_cls = _reward_manager_class(config)
     kwargs = {**_plain(reward_model.get("reward_kwargs")), **reward_kwargs}
     on_error = (config.get("custom_reward_function") or {}).get("on_error")
     if on_error and on_error != "raise":  # "raise" is every manager's default; leave the older spelling in charge

@@ -146,6 +146,10 @@ class HFRolloutConfig:
             config = OmegaConf.to_container(config, resolve=True)
         known = {f.name for f in dataclasses.fields(cls)}
         values = {k: v for k, v in dict(config).items() if k in known and v is not None}
+        # upstream keeps the weight-sync bucket size under checkpoint_engine
+        bucket = (dict(config).get("checkpoint_engine") or {}).get("update_weights_bucket_megabytes")
+        if "update_weights_bucket_megabytes" in known and bucket is not None:
+            values["update_weights_bucket_megabytes"] = bucket
         if values.get("engine_kwargs") is not None:
             values["engine_kwargs"] = {k: dict(v or {}) for k, v in dict(values["engine_kwargs"]).items()}
         if isinstance(values.get("val_kwargs"), Mapping) or dataclasses.is_dataclass(values.get("val_kwargs")):
