@@ -195,3 +195,34 @@ def test_code_sources_use_the_service_when_a_url_is_given(service):
     cases = json.dumps({"inputs": ["2 2", "1 1"], "outputs": ["4", "3"]})
     assert default_compute_score("codecontests", ADD, cases, sandbox_fusion_url=service.url) == 0.5
     assert len(service.requests) == 2
+
+
+def test_reward_model_sandbox_fusion_keys_route_the_built_in_scorer_to_the_service(service):
+    """reward_model.sandbox_fusion.{url, max_concurrent} reach the reward manager's scorer (upstream's
+    wiring), and the scorer survives pickling to a scoring process with its bound intact."""
+    import pickle
+
+    from verl.trainer.config import load_ppo_config
+    from verl.trainer.ppo.reward import load_reward_manager
+
+    cfg = load_ppo_config(
+        [f"reward_model.sandbox_fusion.url={service.url}", "reward_model.sandbox_fusion.max_concurrent=1"],
+        config_name="arith_demo",
+    )
+    manager = load_reward_manager(cfg, tokenizer=None, num_examine=0)
+    scorer = pickle.loads(pickle.dumps(manager.compute_score))
+    service.delay_s = 0.1
+    cases = json.dumps({"inputs": ["2 2", "1 1", "3 3"], "outputs": ["4", "3", "6"]})
+    assert scorer("codecontests", ADD, cases) == pytest.approx(2 / 3)
+    assert len(service.requests) == 3 and service.max_in_flight == 1
+    # without a url the built-in scorer runs code locally: the service sees nothing
+    plain = load_reward_manager(load_ppo_config(config_name="arith_demo"), tokenizer=None, num_examine=0)
+    assert plain.compute_score("codecontests", ADD, cases) == pytest.approx(2 / 3)
+    assert len(service.requests) == 3
+
+
+def test_sandbox_fusion_url_must_be_http():
+    from verl.trainer.config import ConfigError, load_ppo_config
+
+    with pytest.raises(ConfigError, match="is not an http\\(s\\) URL"):
+        load_ppo_config(["reward_model.sandbox_fusion.url=localhost:8080"], config_name="arith_demo")

@@ -1052,10 +1052,13 @@ class OverlongBufferConfig:
 
 @dataclass
 class SandboxFusionConfig:
-    """Remote code-execution sandbox for code rewards (not available: no network)."""
+    """SandboxFusion code-execution service for the built-in scorer's code data sources."""
 
-    url: str | None = doc("Sandbox endpoint.", status=UNSUPPORTED, neutral=None)
-    max_concurrent: int = doc("Concurrent sandbox requests.")
+    url: str | None = doc(
+        "The service's run_code URL; null: code runs in the local sandbox. Used by the built-in scorer "
+        "(not by custom_reward_function)."
+    )
+    max_concurrent: int = doc("Requests in flight at once, per scoring process.")
     memory_limit_mb: int = doc("Memory limit per execution.")
 
 

@@ -855,6 +855,18 @@ def _check_trainer(c: dict, errors: list[str], warns: list[str]):
         errors.append(
             f"custom_reward_function.path={path!r} does not exist; point it at the Python file defining {c['custom_reward_function']['name']}()"
         )
+    sandbox_url = c["reward_model"]["sandbox_fusion"]["url"]
+    if path and sandbox_url:
+        warns.append(
+            f"reward_model.sandbox_fusion.url={sandbox_url!r} is used by the built-in scorer only, and "
+            f"custom_reward_function.path={path!r} replaces it (as upstream); pass the url to your function yourself "
+            "(verl.utils.reward_score.default_compute_score takes sandbox_fusion_url) or drop one of the two"
+        )
+    if sandbox_url and not str(sandbox_url).startswith(("http://", "https://")):
+        errors.append(
+            f"reward_model.sandbox_fusion.url={sandbox_url!r} is not an http(s) URL; give the service's run_code "
+            "endpoint, e.g. http://localhost:8080/run_code"
+        )
     loggers = [t["logger"]] if isinstance(t["logger"], str) else t["logger"]
     from verl.utils.tracking import missing_backend_packages
 

@@ -80,6 +80,49 @@ def _reward_manager_class(config) -> tuple[str, type]:
     return name, get_reward_manager_cls(name)
 
 
+class _ProcessSemaphore:
+    """A bound on concurrent requests that survives pickling (to a Ray worker): each process gets its
+    own `threading.Semaphore(value)` on first use, so the bound holds per scoring process."""
+
+    def __init__(self, value: int):
+        self.value = int(value)
+        self._sem = None
+
+    def __getstate__(self):
+        return {"value": self.value, "_sem": None}
+
+    def _get(self):
+        import threading
+
+        if self._sem is None:
+            self._sem = threading.Semaphore(self.value)
+        return self._sem
+
+    def __enter__(self):
+        return self._get().__enter__()
+
+    def __exit__(self, *exc):
+        return self._get().__exit__(*exc)
+
+
+def _default_scorer(config) -> Callable | None:
+    """The built-in scorer with the SandboxFusion service of `reward_model.sandbox_fusion` (its `url`,
+    at most `max_concurrent` requests in flight per scoring process, `memory_limit_mb`), or None
+    (the manager's own default) when no url is set. As upstream: only without a custom function."""
+    sandbox = (config.get("reward_model") or {}).get("sandbox_fusion") or {}
+    url = sandbox.get("url")
+    if not url:
+        return None
+    from verl.utils.reward_score import default_compute_score
+
+    return functools.partial(
+        default_compute_score,
+        sandbox_fusion_url=url,
+        concurrent_semaphore=_ProcessSemaphore(sandbox.get("max_concurrent") or 64),
+        memory_limit_mb=sandbox.get("memory_limit_mb") or 1024,
+    )
+
+
 def load_reward_manager(config, tokenizer, num_examine: int, **reward_kwargs):
     """The reward manager described by ``config`` (the full trainer config)."""
     reward_model = config.get("reward_model") or {}
@@ -96,7 +139,7 @@ def load_reward_manager(config, tokenizer, num_examine: int, **reward_kwargs):
         return manager_cls(
             tokenizer=tokenizer,
             num_examine=num_examine,
-            compute_score=get_custom_reward_fn(config),
+            compute_score=get_custom_reward_fn(config) or _default_scorer(config),
             reward_fn_key=data.get("reward_fn_key") or "data_source",
             **kwargs,
         )
