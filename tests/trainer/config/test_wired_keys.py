@@ -174,3 +174,14 @@ def test_optimizer_keys_reach_the_optimizer():
     )
     opt = build_optimizer([torch.nn.Parameter(torch.zeros(2))], cfg.actor_rollout_ref.actor.optim)
     assert type(opt) is torch.optim.SGD and opt.defaults["momentum"] == 0.5
+
+
+def test_pf_ppo_is_accepted_and_warns_where_it_has_no_effect():
+    from verl.trainer.config import ConfigWarning
+
+    cfg = load_ppo_config(
+        ["algorithm.use_pf_ppo=true", "algorithm.adv_estimator=gae", "critic.enable=true"], config_name="arith_demo"
+    )
+    assert cfg.algorithm.use_pf_ppo is True
+    with pytest.warns(ConfigWarning, match="use_pf_ppo=true has no effect with algorithm.adv_estimator=grpo"):
+        load_ppo_config(["algorithm.use_pf_ppo=true"], config_name="arith_demo")

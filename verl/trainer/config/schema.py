@@ -1223,7 +1223,10 @@ class AlgorithmConfig:
     use_kl_in_reward: bool = doc("Subtract a KL(policy || reference) penalty from the reward; needs the reference.")
     kl_penalty: str = doc("KL estimator of the in-reward penalty.", choices=KL_PENALTIES)
     kl_ctrl: KLControlConfig = doc("KL coefficient controller.")
-    use_pf_ppo: bool = doc("Policy-filtration PPO.", status=UNSUPPORTED, neutral=False)
+    use_pf_ppo: bool = doc(
+        "Policy-filtration PPO: after GAE, redraw the batch (same size, with replacement) weighted by each "
+        "response's score (adv_estimator=gae only, as upstream)."
+    )
     pf_ppo: PFPPOConfig = doc("PF-PPO parameters.")
     filter_groups: FilterGroupsConfig = doc("Ours. DAPO dynamic sampling.")
     rollout_correction: RolloutCorrectionConfig = doc("Correction of the rollout-vs-training probability gap.")

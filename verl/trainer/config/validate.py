@@ -587,6 +587,11 @@ def _check_algorithm(c: dict, errors: list[str], warns: list[str]):
             "actor's log-prob pass; set actor_rollout_ref.actor.calculate_sum_pi_squared=true"
         )
     _check_rollout_correction(c, errors)
+    if alg["use_pf_ppo"] and est != "gae":
+        warns.append(
+            f"algorithm.use_pf_ppo=true has no effect with algorithm.adv_estimator={est}: PF-PPO redraws the batch "
+            "after GAE only (as upstream); use adv_estimator=gae or drop use_pf_ppo"
+        )
     ctrl = alg["kl_ctrl"]
     if ctrl["type"] == "adaptive" and (ctrl["target_kl"] <= 0 or ctrl["horizon"] <= 0):
         errors.append("algorithm.kl_ctrl.type=adaptive needs target_kl > 0 and horizon > 0")

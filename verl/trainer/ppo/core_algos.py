@@ -76,6 +76,7 @@ __all__ = [
     "compute_optimal_token_baseline_advantage",
     "compute_opo_outcome_advantage",
     "compute_overlong_penalty",
+    "compute_pf_ppo_reweight_data",
     "compute_policy_loss",
     "compute_policy_loss_bypass_mode",
     "compute_policy_loss_cispo",
@@ -731,6 +732,48 @@ def get_adv_estimator_fn(name_or_enum: str | AdvantageEstimator) -> Callable[...
     if name not in ADV_ESTIMATORS:
         raise _unknown_name_error("algorithm.adv_estimator", name, ADV_ESTIMATORS)
     return ADV_ESTIMATORS[name]
+
+
+PF_PPO_REWEIGHT_METHODS = ("pow", "max_min", "max_random")
+
+
+@torch.no_grad()
+def pf_ppo_weights(scores: torch.Tensor, reweight_method: str = "pow", weight_pow: float = 2.0) -> torch.Tensor:
+    r"""PF-PPO's sampling weight of each response from its score [B] -> [B] (unnormalised).
+
+    `pow`: $|s|^{p}$; `max_min`: 1 for the batch's best and worst scores, 0 otherwise;
+    `max_random`: 0.4 for the best score, 0.1 for every other one. A floor of 1e-8 keeps every
+    response drawable (and `multinomial` defined when all weights would be 0).
+    """
+    if reweight_method == "pow":
+        weights = scores.abs().pow(weight_pow)
+    elif reweight_method == "max_min":
+        weights = ((scores == scores.max()) | (scores == scores.min())).to(scores.dtype)
+    elif reweight_method == "max_random":
+        weights = torch.where(scores == scores.max(), 0.4, 0.1).to(scores.dtype)
+    else:
+        raise ValueError(
+            f"algorithm.pf_ppo.reweight_method={reweight_method!r} is not one of {list(PF_PPO_REWEIGHT_METHODS)}"
+        )
+    return (weights + 1e-8).clamp(min=1e-8)
+
+
+@torch.no_grad()
+def compute_pf_ppo_reweight_data(
+    data: Any, reweight_method: str = "pow", weight_pow: float = 2.0, generator: torch.Generator | None = None
+) -> Any:
+    """Policy-filtration PPO (`algorithm.use_pf_ppo`): a batch of the same size drawn with replacement
+    from `data` (a DataProto holding `token_level_scores`) with probability proportional to
+    `pf_ppo_weights` of each response's total score. Every tensor and non-tensor column, and a
+    per-row `global_token_num` list in meta_info, follow the drawn rows."""
+    scores = data.batch["token_level_scores"].sum(dim=-1)
+    weights = pf_ppo_weights(scores.double(), reweight_method, weight_pow)
+    rows = torch.multinomial(weights.cpu(), len(scores), replacement=True, generator=generator)
+    out = data.select_idxs(rows)
+    tokens = data.meta_info.get("global_token_num")
+    if isinstance(tokens, list) and len(tokens) == len(scores):
+        out.meta_info["global_token_num"] = [tokens[i] for i in rows.tolist()]
+    return out
 
 
 def compute_advantage_from_tensors(name: str | AdvantageEstimator, **inputs: Any) -> tuple[torch.Tensor, torch.Tensor]:

@@ -609,6 +609,13 @@ class RayPPOTrainer:
         advantages, returns = core_algos.compute_advantage_from_tensors(algo.adv_estimator, **inputs)
         batch.batch["advantages"] = advantages
         batch.batch["returns"] = returns
+        if algo.get("use_pf_ppo", False) and algo.adv_estimator == "gae":  # upstream applies it to GAE only
+            # seeded by the step, so a resumed run draws the same rows
+            generator = torch.Generator().manual_seed(
+                int(self.config.data.get("seed") or 0) * 100_003 + self.global_steps
+            )
+            pf = algo.pf_ppo
+            batch = core_algos.compute_pf_ppo_reweight_data(batch, pf.reweight_method, pf.weight_pow, generator)
         return batch
 
     def _update_critic(self, batch: DataProto) -> dict[str, float]:
