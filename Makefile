@@ -1,6 +1,8 @@
 # Two entry points for a new user, each complete by itself:
 #   make demo   create/reuse .venv, install, run the main job (GRPO on the bundled tiny model, CPU)
-#   make test   create/reuse .venv, install, run the whole CPU test suite
+#   make test   create/reuse .venv, install, run the default test tier (about 10 minutes on 2 cores)
+# and, for CI and before a landing:
+#   make test-all   `make test`, then the rest of the suite (the `slow` tier: end-to-end runs, resumes, multi-node, recipes)
 # Installs are the tested set: requirements/constraints-py311.txt pins every package's version
 # (pip -c), so a fresh clone installs exactly what the tests passed with. Torch is installed first,
 # from TORCH_SPEC (default: the lock's version), so pip never pulls a multi-GB CUDA build on a CPU
@@ -16,12 +18,13 @@ PY := $(VENV)/bin/python
 LOCK ?= requirements/constraints-py311.txt
 TORCH_SPEC ?= $(shell grep -m1 '^torch==' requirements/constraints-py311.txt)
 PYTEST_ARGS ?=
-# the default test tier: what `make test-latest` and `make lock` run
+# the default test tier (`make test`, `make test-latest`, `make lock`); `make test-all` adds the slow tier
 DEFAULT_TIER ?= -m "not slow"
+SLOW_TIER ?= -m slow
 LATEST_VENV ?= .venv-latest
 LATEST_PY := $(LATEST_VENV)/bin/python
 
-.PHONY: install demo test test-latest lock lint format clean
+.PHONY: install demo test test-all test-slow test-latest lock lint format clean
 
 # LOCK= (empty) installs setup.py's newest allowed versions instead of the tested ones.
 $(VENV)/.installed: setup.py pyproject.toml $(LOCK)
@@ -40,9 +43,18 @@ demo: install
 
 test: install
 	$(VENV)/bin/ruff check . && $(VENV)/bin/ruff format --check .
-	@$(PY) -m pytest -q $(PYTEST_ARGS); rc=$$?; \
+	@$(PY) -m pytest -q $(DEFAULT_TIER) $(PYTEST_ARGS); rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "pytest collected no tests: the suite is empty or every test was deselected" >&2; exit 1; fi; \
 	exit $$rc
+
+# the slow tier alone (what test-all adds to test)
+test-slow: install
+	@$(PY) -m pytest -q $(SLOW_TIER) $(PYTEST_ARGS); rc=$$?; \
+	if [ $$rc -eq 5 ]; then echo "pytest collected no slow tests: every test was deselected" >&2; exit 1; fi; \
+	exit $$rc
+
+# the whole suite, as CI runs it: both tiers, each test once
+test-all: test test-slow
 
 # Always a fresh virtualenv: a kept one would hold yesterday's newest versions.
 test-latest:

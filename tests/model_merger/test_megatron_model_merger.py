@@ -93,6 +93,7 @@ def merge(ckpt, role, out, *extra, backend="megatron"):
     assert proc.returncode == 0, proc.stderr[-3000:]
 
 
+@pytest.mark.slow
 def test_tp2_checkpoint_merges_in_one_process_into_the_original_hf_weights_bit_exactly(ckpt, tmp_path):
     merge(ckpt, "actor", tmp_path / "hf")
 
@@ -113,6 +114,7 @@ def test_tp2_checkpoint_merges_in_one_process_into_the_original_hf_weights_bit_e
         assert torch.equal(model(input_ids=ids).logits, reference_model("actor")(input_ids=ids).logits)
 
 
+@pytest.mark.slow
 def test_untied_lm_head_is_merged_and_bf16_written_on_request(ckpt, tmp_path):
     merge(ckpt, "untied", tmp_path / "fp")
     merge(ckpt, "untied", tmp_path / "bf16", "--dtype", "bf16")
@@ -137,6 +139,7 @@ def test_critic_checkpoint_is_detected_and_becomes_a_one_label_token_classificat
     assert all(torch.equal(t, expected[k]) for k, t in model.state_dict().items())
 
 
+@pytest.mark.slow
 def test_test_subcommand_compares_the_checkpoint_with_an_hf_directory(ckpt, tmp_path):
     reference = reference_model("actor")
     reference.save_pretrained(tmp_path / "ref")

@@ -26,6 +26,8 @@ from pathlib import Path
 import pytest
 import yaml
 
+pytestmark = pytest.mark.slow  # the slow tier (make test-all, CI): see docs/testing.md
+
 ROOT = Path(__file__).resolve().parents[2]
 RECIPES_DIR = ROOT / "recipes"
 

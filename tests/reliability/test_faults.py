@@ -32,6 +32,8 @@ from reliability_helpers import (
     write_rows,
 )
 
+pytestmark = pytest.mark.slow  # the slow tier (make test-all, CI): see docs/testing.md
+
 STARTUP_S = 300  # generous: on a busy 2-core machine a run needs a minute or more to reach step 1
 
 

@@ -43,6 +43,14 @@ class Actor(Worker):
     def boom(self):
         raise RuntimeError("actor update diverged")
 
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def peer_dies(self):
+        """Rank 1 dies; rank 0 fails at once, as a collective with a dead peer would, before the death is known."""
+        if self.rank == 0:
+            raise RuntimeError("Connection closed by peer")
+        time.sleep(0.5)
+        os._exit(1)
+
 
 class BrokenInit(Worker):
     def __init__(self):
@@ -115,6 +123,17 @@ def test_killed_worker_fails_the_next_call_within_seconds(cpu_pool):
     err = info.value
     assert (err.role, err.rank, err.method) == ("actor_rollout", 1, "update_actor")
     assert "actor_rollout rank 1 died during update_actor()" in str(err)
+    wg.shutdown()
+
+
+def test_a_dead_rank_is_named_as_the_cause_of_its_peers_errors(cpu_pool):
+    wg = RayWorkerGroup(cpu_pool([2]), RayClassWithInitArgs(Actor, lr=0.0), role="actor_rollout")
+    with pytest.raises(WorkerDiedError) as info:
+        wg.peer_dies()
+    err = info.value
+    assert (err.role, err.rank, err.method) == ("actor_rollout", 1, "peer_dies")
+    assert "actor_rollout rank 1 died during peer_dies()" in str(err)
+    assert "Then actor_rollout rank 0: peer_dies() raised RuntimeError: Connection closed by peer." in str(err)
     wg.shutdown()
 
 

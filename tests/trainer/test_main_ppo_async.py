@@ -9,7 +9,11 @@ import json
 from collections import Counter
 from pathlib import Path
 
+import pytest
+
 from tests.trainer.test_main_ppo_e2e import _common, _metrics, _run, _run_and_kill_9_after_checkpoint
+
+pytestmark = pytest.mark.slow  # the slow tier (make test-all, CI): see docs/testing.md
 
 BATCH = 4
 N = 4

@@ -86,7 +86,13 @@ EXAMPLES = {
 }
 
 
-@pytest.mark.parametrize("script", sorted(EXAMPLES))
+# the default tier keeps one real main_ppo run through Ray (GRPO); the other algorithms are the slow tier's
+DEFAULT_TIER_EXAMPLE = "examples/grpo_trainer/run_arith_tiny_cpu.sh"
+
+
+@pytest.mark.parametrize(
+    "script", [s if s == DEFAULT_TIER_EXAMPLE else pytest.param(s, marks=pytest.mark.slow) for s in sorted(EXAMPLES)]
+)
 def test_example_script_trains_two_steps(script, tmp_path):
     import yaml
 
@@ -147,6 +153,7 @@ def _run_and_kill_9_after_checkpoint(cmd: list[str], run_dir: Path, step: int) -
     assert tracker == str(step), f"the run saved checkpoint {tracker} before the kill landed; the test needs {step}"
 
 
+@pytest.mark.slow
 def test_resume_after_kill_9_reproduces_the_uninterrupted_run(tmp_path):
     """4 steps straight == 2 steps, kill -9, resume, 2 more steps (same metrics on CPU). With 32
     training rows in batches of 16 the kill falls on an epoch boundary: the resumed run must start

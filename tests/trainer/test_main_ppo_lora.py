@@ -15,7 +15,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
+
+pytestmark = pytest.mark.slow  # the slow tier (make test-all, CI): see docs/testing.md
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -8,7 +8,11 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
+import pytest
+
 from tests.trainer.test_main_ppo_e2e import _common, _metrics, _run
+
+pytestmark = pytest.mark.slow  # the slow tier (make test-all, CI): see docs/testing.md
 
 
 def test_ppo_with_megatron_actor_and_critic_at_tp2_resumes_at_cp2(tmp_path):

@@ -5,7 +5,11 @@ from __future__ import annotations
 
 import subprocess
 
+import pytest
+
 from tests.trainer.test_main_ppo_e2e import ROOT, _common, _env, _metrics
+
+pytestmark = pytest.mark.slow  # the slow tier (make test-all, CI): see docs/testing.md
 
 
 def test_calculator_example_validates_and_trains_two_steps_with_tool_calls(tmp_path):

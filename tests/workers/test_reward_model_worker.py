@@ -89,11 +89,13 @@ def _config(
         f"reward_model.max_length={max_length or 'null'}",
     ]
     if strategy == "megatron":  # the megatron composition holds reward_model.megatron
-        overrides += [
-            f"reward_model.megatron.tensor_model_parallel_size={tp}",
-            f"reward_model.megatron.pipeline_model_parallel_size={pp}",
-            f"reward_model.megatron.context_parallel_size={cp}",
-        ]
+        # the megatron models of a run share the worker processes, so the actor takes the same layout
+        for section in ("reward_model", "actor_rollout_ref.actor", "actor_rollout_ref.ref"):
+            overrides += [
+                f"{section}.megatron.tensor_model_parallel_size={tp}",
+                f"{section}.megatron.pipeline_model_parallel_size={pp}",
+                f"{section}.megatron.context_parallel_size={cp}",
+            ]
     name = "arith_demo_megatron" if strategy == "megatron" else "arith_demo"
     return load_ppo_config(overrides, config_name=name).reward_model
 

@@ -16,6 +16,8 @@ from omegaconf import OmegaConf
 from tests.distributed_helpers import run_distributed
 from tests.megatron_helpers import tiny_hf_model
 
+pytestmark = pytest.mark.slow  # the slow tier (make test-all, CI): see docs/testing.md
+
 REPO = Path(__file__).resolve().parents[3]
 
 

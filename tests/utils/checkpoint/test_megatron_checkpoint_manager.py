@@ -146,12 +146,12 @@ def _resume_across_layouts(rank, world_size, ckpt_dir, layout):
 @pytest.mark.parametrize(
     "layout,world",
     [
-        ((2, 1, None, False, 1), 2),
-        ((1, 2, 2, False, 1), 2),
-        ((1, 1, None, True, 1), 2),
-        ((1, 1, None, False, 2), 2),
+        ((2, 1, None, False, 1), 2),  # the default tier's resume; the other layouts are the slow tier's
+        pytest.param((1, 2, 2, False, 1), 2, marks=pytest.mark.slow),
+        pytest.param((1, 1, None, True, 1), 2, marks=pytest.mark.slow),
+        pytest.param((1, 1, None, False, 2), 2, marks=pytest.mark.slow),
         # context-parallel replicas of a ZeRO owner hold the same Adam state: exactly one writes it
-        ((1, 1, None, True, 2), 4),
+        pytest.param((1, 1, None, True, 2), 4, marks=pytest.mark.slow),
     ],
     ids=["tp2", "pp2_vpp2", "dp2_zero", "cp2", "cp2_dp2_zero"],
 )
@@ -215,6 +215,7 @@ def _virtual_pipeline_round_trip(rank, world_size, path):
         _check_loads_bit_exactly(path, other, saved, load_at, f"saved at {save_at}, loaded at {load_at}")
 
 
+@pytest.mark.slow
 def test_virtual_pipeline_checkpoint_loads_bit_exactly_without_it_and_back(tmp_path):
     run_distributed(_virtual_pipeline_round_trip, 2, str(tmp_path / "actor"))
 

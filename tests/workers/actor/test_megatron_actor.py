@@ -125,11 +125,11 @@ def _check_against_fsdp_actor(
         (1, 2, 2, 4, "qwen2", True, 1, False),  # one micro-batch per mini-batch: the schedule splits it
         # context parallel: each rank holds a quarter-and-quarter of every sequence
         (1, 1, None, 2, "qwen2", True, 2, False),
-        (2, 1, None, 2, "llama", False, 2, False),
-        (1, 2, None, 2, "qwen2", True, 2, False),
+        pytest.param(*(2, 1, None, 2, "llama", False, 2, False), marks=pytest.mark.slow),  # four ranks: the slow tier
+        pytest.param(*(1, 2, None, 2, "qwen2", True, 2, False), marks=pytest.mark.slow),  # four ranks: the slow tier
         # sequence parallel: outside attention and MLP each tensor-parallel rank holds half the tokens
         (2, 1, None, 2, "qwen2", True, 1, True),
-        (2, 1, None, 2, "llama", False, 2, True),
+        pytest.param(*(2, 1, None, 2, "llama", False, 2, True), marks=pytest.mark.slow),  # four ranks: the slow tier
     ],
 )
 def test_megatron_actor_matches_fsdp_actor(tp, pp, vpp, micro, architecture, tie, cp, sp):

@@ -738,15 +738,13 @@ class RayWorkerGroup(WorkerGroup):
         try:
             return ray.get(refs, timeout=self.timeout_s)
         except RayTaskError as exc:
-            raise self._method_error(exc, refs, ranks, role, method) from None
+            error = self._method_error(exc, refs, ranks, role, method)
+            # A rank that died takes its peers' collectives down with it, and which of the two reports
+            # reaches us first is a race: the death is the cause, so it wins if it shows up shortly.
+            died = self._dead_peer(refs, role, method, then=str(error).splitlines()[0])
+            raise (died or error) from None
         except RayActorError as exc:
-            rank = self._actor_rank.get(getattr(exc, "actor_id", None) or "", None)
-            where = f"{role} rank {rank}" if rank is not None else f"a {role} rank"
-            if "creation task" in str(exc):
-                what = f"{where} is dead: its __init__ raised (so {method}() could not run)"
-            else:
-                what = f"{where} died during {method}() (killed, out of memory or crashed)"
-            raise WorkerDiedError(f"{what}. Ray's report: {exc}", role=role, rank=rank, method=method) from None
+            raise self._died_error(exc, role, method) from None
         except GetTimeoutError:
             _, pending = ray.wait(refs, num_returns=len(refs), timeout=0)
             pending_ranks = [ranks[refs.index(r)] for r in pending]
@@ -760,6 +758,34 @@ class RayWorkerGroup(WorkerGroup):
             ) from None
         except RayError as exc:  # object lost, owner died, out of memory, ...
             raise WorkerGroupError(f"{role}.{method}() failed in Ray: {exc}", role=role, method=method) from exc
+
+    _PEER_DEATH_GRACE_S = 5.0  # how long a failed call waits for news of a dead peer
+
+    def _died_error(self, exc: RayActorError, role: str, method: str, then: str = "") -> WorkerDiedError:
+        rank = self._actor_rank.get(getattr(exc, "actor_id", None) or "", None)
+        where = f"{role} rank {rank}" if rank is not None else f"a {role} rank"
+        if "creation task" in str(exc):
+            what = f"{where} is dead: its __init__ raised (so {method}() could not run)"
+        else:
+            what = f"{where} died during {method}() (killed, out of memory or crashed)"
+        then = f" Then {then}." if then else ""
+        return WorkerDiedError(f"{what}.{then} Ray's report: {exc}", role=role, rank=rank, method=method)
+
+    def _dead_peer(self, refs: list, role: str, method: str, then: str) -> WorkerDiedError | None:
+        """After one rank's method raised: a WorkerDiedError for a rank of the same call that died,
+        when Ray reports one within `_PEER_DEATH_GRACE_S` (the ranks still running are not waited for
+        longer than that); else None."""
+        ray.wait(refs, num_returns=len(refs), timeout=self._PEER_DEATH_GRACE_S)
+        for ref in refs:
+            if not ray.wait([ref], timeout=0)[0]:
+                continue
+            try:
+                ray.get(ref, timeout=0)
+            except RayActorError as exc:
+                return self._died_error(exc, role, method, then)
+            except Exception:  # another rank's own error: not a death
+                continue
+        return None
 
     def _method_error(self, exc: RayTaskError, refs, ranks, role: str, method: str) -> WorkerGroupError:
         cause = getattr(exc, "cause", None)
