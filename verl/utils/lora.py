@@ -201,7 +201,7 @@ def apply_lora(model: torch.nn.Module, model_cfg, read_adapter_weights: bool = T
 
         adapter_path = copy_to_local(os.path.expanduser(str(adapter_path)))  # an hdfs:// adapter: fetched once
     config = lora_config_from_adapter(adapter_path) if adapter_path else build_lora_config(model_cfg)
-    model_name = getattr(getattr(model, "config", None), "_name_or_path", "") or type(model).__name__
+    model_name = model_cfg.get("path") or getattr(model.config, "_name_or_path", "") or type(model).__name__
     try:
         with warnings.catch_warnings():  # peft calls a transformers method deprecated in v5
             warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing", category=FutureWarning)
@@ -232,7 +232,9 @@ def load_adapter_weights(peft_model, path: str, model_name: str, read: bool = Tr
     from peft.utils import get_peft_model_state_dict, set_peft_model_state_dict
     from safetensors import safe_open
 
-    expected = {name: tuple(t.shape) for name, t in get_peft_model_state_dict(peft_model).items()}
+    expected = {
+        name: tuple(t.shape) for name, t in get_peft_model_state_dict(peft_model, save_embedding_layers=False).items()
+    }
     file = os.path.join(path, ADAPTER_WEIGHTS)
     with safe_open(file, framework="pt") as f:
         found = {name: tuple(f.get_slice(name).get_shape()) for name in f.keys()}  # noqa: SIM118 (safe_open is not iterable)
@@ -242,6 +244,13 @@ def load_adapter_weights(peft_model, path: str, model_name: str, read: bool = Tr
         return ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
 
     fix = "Use an adapter trained on this model, or change actor_rollout_ref.model.path to the model it was trained on"
+    wrong = {name for name in expected.keys() & found.keys() if expected[name] != found[name]}
+    if wrong:
+        name = sorted(wrong)[0]
+        raise ValueError(
+            f"the LoRA adapter {path} does not fit the model {model_name}: {name} has shape {list(found[name])} in "
+            f"the adapter but {list(expected[name])} in the model ({len(wrong)} tensors differ). {fix}"
+        )
     if found.keys() - expected.keys():
         raise ValueError(
             f"the LoRA adapter {path} holds tensors the model {model_name} has no place for: "
@@ -251,13 +260,6 @@ def load_adapter_weights(peft_model, path: str, model_name: str, read: bool = Tr
         raise ValueError(
             f"the LoRA adapter {path} lacks tensors the model {model_name} needs for its targeted layers: "
             f"{some(expected.keys() - found.keys())}. {fix}"
-        )
-    wrong = {name for name in expected if expected[name] != found[name]}
-    if wrong:
-        name = sorted(wrong)[0]
-        raise ValueError(
-            f"the LoRA adapter {path} does not fit the model {model_name}: {name} has shape {list(found[name])} in "
-            f"the adapter but {list(expected[name])} in the model ({len(wrong)} tensors differ). {fix}"
         )
     if not read:
         return
