@@ -1,5 +1,6 @@
-"""LoRA on the actor: `ActorRolloutRefWorker` with `model.lora_rank > 0` on 2 gloo ranks (FSDP2 and the
-built-in rollout engine, the bundled tiny model), called directly without Ray.
+"""LoRA on the actor: `ActorRolloutRefWorker` with `model.lora_rank > 0`, or starting from a trained
+adapter (`model.lora_adapter_path`), on 2 gloo ranks (FSDP2 and the built-in rollout engine, the
+bundled tiny model), called directly without Ray.
 
 References are computed another way, in the rank's own process: the base model loaded afresh,
 and a single-process peft model holding the gathered adapters, merged by peft itself
@@ -31,12 +32,11 @@ pytestmark = pytest.mark.usefixtures(one_thread.__name__)
 RESPONSE_LENGTH = 6
 
 
-def _config():
+def _config(lora=("actor_rollout_ref.model.lora_rank=8", "actor_rollout_ref.model.lora_alpha=16")):
     return load_ppo_config(
         [
             f"actor_rollout_ref.model.path={bundled_model_path()}",
-            "actor_rollout_ref.model.lora_rank=8",
-            "actor_rollout_ref.model.lora_alpha=16",
+            *lora,
             "actor_rollout_ref.actor.optim.lr=0.05",  # one step must move the adapters visibly
             "actor_rollout_ref.actor.optim.weight_decay=0.0",
             "actor_rollout_ref.actor.checkpoint.save_contents=[model,optimizer,extra,hf_model]",
@@ -170,3 +170,84 @@ def test_hf_model_checkpoint_and_model_merger_write_the_merged_weights(lora_chec
         if name in saved:  # tied weights are written once
             torch.testing.assert_close(saved[name], tensor, rtol=0, atol=1e-6, msg=name)
     assert (tmp_path / "lora_adapter" / "adapter_model.safetensors").is_file()
+
+
+# ------------------------------------------------------------------ starting from a trained adapter
+
+
+def _adapter_worker(rank, world_size, adapter_dir, out_dir):
+    cfg = _config(lora=(f"actor_rollout_ref.model.lora_adapter_path={adapter_dir}",))  # lora_rank stays 0
+    worker = ActorRolloutRefWorker(cfg.actor_rollout_ref, role="actor_rollout_ref")
+    worker.init_model()  # rank 1 starts on the meta device: it gets the adapter through rank 0's broadcast
+    module = worker.actor_model.module
+    td = make_ppo_batch(batch_size=8, seed=1, response_length=RESPONSE_LENGTH)
+    data = DataProto.from_dict(tensors=dict(td.items()), meta_info={"temperature": 1.0}).chunk(world_size)[rank]
+    mask = data.batch["response_mask"]
+
+    # the first forward is peft's own model loaded from the adapter; the reference is the base without it
+    peft_reference = PeftModel.from_pretrained(load_causal_lm(bundled_model_path()), adapter_dir).eval()
+    expected_actor, _ = reference_response_log_probs(peft_reference, data.batch)
+    actor_log_prob = worker.compute_log_prob(data).batch["old_log_probs"] * mask
+    torch.testing.assert_close(actor_log_prob.double(), expected_actor, rtol=0, atol=2e-5)
+    base = load_causal_lm(bundled_model_path()).eval()
+    expected_ref, _ = reference_response_log_probs(base, data.batch)
+    ref_log_prob = worker.compute_ref_log_prob(data).batch["ref_log_prob"] * mask
+    torch.testing.assert_close(ref_log_prob.double(), expected_ref, rtol=0, atol=2e-5)
+    gap = (expected_actor - expected_ref).abs().max()
+    assert gap > 1e-2, f"the adapter moves the log-probs by only {gap}: the test cannot tell it was loaded"
+
+    # the rollout engine decodes with the adapter merged in
+    prompt_length = data.batch["prompts"].shape[1]
+    prompt_mask = data.batch["attention_mask"][:, :prompt_length]
+    prompts = DataProto.from_dict(
+        tensors={
+            "input_ids": data.batch["prompts"],
+            "attention_mask": prompt_mask,
+            "position_ids": data.batch["position_ids"][:, :prompt_length],
+        },
+        meta_info={"do_sample": False, "eos_token_id": None, "pad_token_id": 0},
+    )
+    out = worker.generate_sequences(prompts)
+    merged = peft_reference.merge_and_unload()
+    expected_tokens, expected_log_probs = _greedy(merged, data.batch["prompts"], prompt_mask, RESPONSE_LENGTH)
+    torch.testing.assert_close(out.batch["responses"], expected_tokens, rtol=0, atol=0)
+    torch.testing.assert_close(out.batch["rollout_log_probs"].double(), expected_log_probs, rtol=0, atol=1e-4)
+
+    # train a step and save; a resumed run builds the layout from the adapter, then its checkpoint wins
+    data.batch["old_log_probs"] = actor_log_prob
+    sign = torch.tensor([1.0, -1.0] * (len(data) // 2))
+    data.batch["advantages"] = sign[:, None] * mask
+    before = {n: t.clone() for n, t in iter_full_params(module)}
+    worker.update_actor(data)
+    trained = {n: t.clone() for n, t in iter_full_params(module)}
+    assert any(not torch.equal(before[n], trained[n]) for n in trained if ".lora_B." in n)
+    worker.save_checkpoint(out_dir, global_step=1)
+    resumed = ActorRolloutRefWorker(cfg.actor_rollout_ref, role="actor_rollout_ref")
+    resumed.init_model()
+    resumed.load_checkpoint(out_dir)
+    for name, tensor in iter_full_params(resumed.actor_model.module):
+        assert torch.equal(tensor, trained[name]), f"{name} after resume is not the checkpoint's"
+
+
+@pytest.fixture(scope="module")
+def trained_adapter_dir(tmp_path_factory) -> str:
+    """A peft adapter of the bundled model (r=4, alpha=8, attention and up_proj) with random A and B."""
+    from peft import LoraConfig, get_peft_model
+
+    targets = ["q_proj", "k_proj", "v_proj", "o_proj", "up_proj"]
+    config = LoraConfig(task_type="CAUSAL_LM", r=4, lora_alpha=8, target_modules=targets)
+    model = get_peft_model(load_causal_lm(bundled_model_path()), config)
+    gen = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if ".lora_B." in name:
+                param.copy_(torch.randn(param.shape, generator=gen) * 0.2)
+    path = tmp_path_factory.mktemp("adapter") / "lora_adapter"
+    model.save_pretrained(str(path))
+    return str(path)
+
+
+def test_actor_started_from_an_adapter_computes_peft_s_log_probs_syncs_it_merged_and_resumes_its_checkpoint(
+    trained_adapter_dir, tmp_path
+):
+    run_distributed(_adapter_worker, 2, trained_adapter_dir, str(tmp_path / "actor"))

@@ -21,6 +21,27 @@ Design decisions:
 - Only peft's `Linear` LoRA layers are merged (what `target_modules=all-linear` or a list of
   linear layers creates); other adapted layer types (embeddings, convolutions) are refused with
   the name of the layer, rather than synced without their adapter.
+
+Starting from a trained adapter (`model.lora_adapter_path`, upstream's key):
+- The adapter directory (`adapter_config.json` + `adapter_model.safetensors`, what peft's
+  `save_pretrained` and our checkpoints' `lora_adapter/` hold) decides the LoRA layout: its `r`,
+  `lora_alpha` and `target_modules` replace `lora_rank`, `lora_alpha`, `target_modules` and
+  `exclude_modules` of the config (a trained adapter only fits the layout it was trained with;
+  the config validator warns when a LoRA config set beside it disagrees). The path alone turns
+  LoRA on, as upstream's does, so `lora_rank` may stay 0.
+- Its `lora_dropout` is not used: adapters train here without dropout (fresh ones too), so the
+  training forward is the function whose merged weights the rollout samples from.
+- Adapter features that `W + scaling * B @ A` does not describe (DoRA, LoRA biases, extra
+  trained modules, per-layer rank or alpha patterns, ...) are refused when the config is
+  validated, with the field to change, rather than trained and then synced wrongly.
+- Every rank checks the adapter's tensor names and shapes against its own (possibly meta-device)
+  peft model before any weight is read, so a misfit adapter fails on all ranks alike with the
+  layer and both shapes; only ranks holding real weights read the file (the others receive the
+  weights with the base model's broadcast).
+- The reference policy stays the base model with the adapters off: KL terms measure the drift
+  from the base model, not from the adapter the run started with (upstream's behaviour).
+- A resumed run builds the same layout from the adapter, then its checkpoint's `model/`
+  replaces every weight, adapters included: the adapter's weights only matter at step 0.
 """
 
 from __future__ import annotations
@@ -38,9 +59,12 @@ __all__ = [
     "PEFT_PREFIX",
     "apply_lora",
     "build_lora_config",
+    "check_adapter_dir",
     "is_peft_model",
     "lora_enabled",
+    "lora_config_from_adapter",
     "lora_scalings",
+    "load_adapter_weights",
     "merge_lora_state",
     "read_adapter_config",
     "save_lora_adapter",
@@ -50,6 +74,23 @@ __all__ = [
 PEFT_PREFIX = "base_model.model."
 ADAPTER_DIR = "lora_adapter"
 ADAPTER_NAME = "default"
+ADAPTER_CONFIG = "adapter_config.json"
+ADAPTER_WEIGHTS = "adapter_model.safetensors"
+
+# adapter_config.json fields whose non-default values make a layer compute something other than
+# `W x + scaling * B A x` (or train more than A and B), so the merged rollout weights would be wrong
+_UNMERGEABLE_ADAPTER_FIELDS = {
+    "use_dora": "DoRA rescales the merged weight by a learned magnitude",
+    "lora_bias": "LoRA biases add a trained bias to B",
+    "modules_to_save": "whole modules trained beside the adapters",
+    "trainable_token_indices": "trained embedding rows beside the adapters",
+    "target_parameters": "adapters on raw parameters (MoE experts) instead of linear layers",
+    "layer_replication": "layers duplicated by the adapter",
+    "alora_invocation_tokens": "activated LoRA applies the adapter only after its invocation tokens",
+    "use_qalora": "quantization-aware LoRA",
+    "rank_pattern": "per-layer ranks",
+    "alpha_pattern": "per-layer alphas",
+}
 
 
 def _plain(value):
@@ -65,8 +106,59 @@ def _plain(value):
 
 
 def lora_enabled(model_cfg) -> bool:
-    """Whether `model.lora_rank` asks for LoRA (a positive rank)."""
-    return int((model_cfg or {}).get("lora_rank", 0) or 0) > 0
+    """Whether the model section asks for LoRA: a positive `lora_rank` or a `lora_adapter_path`."""
+    model_cfg = model_cfg or {}
+    return int(model_cfg.get("lora_rank", 0) or 0) > 0 or bool(model_cfg.get("lora_adapter_path"))
+
+
+def check_adapter_dir(path: str) -> dict:
+    """The adapter config of the peft LoRA adapter directory `path`, after checking that this
+    project can train and merge it; ValueError saying what is wrong and what to do otherwise."""
+    what = "a peft LoRA adapter directory (adapter_config.json + adapter_model.safetensors, what "
+    what += "PeftModel.save_pretrained or a checkpoint's actor/lora_adapter/ holds)"
+    if not os.path.isdir(path):
+        raise ValueError(f"{path} does not exist or is not a directory; point it at {what}")
+    missing = [f for f in (ADAPTER_CONFIG, ADAPTER_WEIGHTS) if not os.path.isfile(os.path.join(path, f))]
+    if missing:
+        hint = ""
+        if ADAPTER_WEIGHTS in missing and os.path.isfile(os.path.join(path, "adapter_model.bin")):
+            hint = (
+                " (it has adapter_model.bin: re-save it with PeftModel.save_pretrained(..., safe_serialization=True))"
+            )
+        raise ValueError(f"{path} lacks {' and '.join(missing)}{hint}; point it at {what}")
+    try:
+        config = read_adapter_config(path)
+    except (OSError, json.JSONDecodeError) as e:
+        raise ValueError(f"{path}/{ADAPTER_CONFIG} cannot be read as JSON ({e}); point it at {what}") from e
+    if config.get("peft_type") != "LORA":
+        raise ValueError(
+            f"{path} holds a peft_type={config.get('peft_type')!r} adapter, not a LoRA one; point it at {what}"
+        )
+    unmergeable = [
+        f"{field}={config[field]!r} ({why})" for field, why in _UNMERGEABLE_ADAPTER_FIELDS.items() if config.get(field)
+    ]
+    if config.get("bias", "none") != "none":
+        unmergeable.append(f"bias={config['bias']!r} (trained biases of the base layers)")
+    if unmergeable:
+        raise ValueError(
+            f"{path} uses {', '.join(unmergeable)}: the rollout engine receives W + scaling * B @ A per layer, "
+            "which does not describe that; use a plain LoRA adapter (merge this one into the base model with "
+            "merge_and_unload() and train a fresh one with lora_rank > 0 instead)"
+        )
+    return config
+
+
+def lora_config_from_adapter(path: str):
+    """peft `LoraConfig` of the adapter at `path` (checked by `check_adapter_dir`), made trainable
+    and without dropout (see the module docstring)."""
+    from peft import LoraConfig
+
+    check_adapter_dir(path)
+    config = LoraConfig.from_pretrained(path)
+    config.inference_mode = False
+    config.lora_dropout = 0.0
+    config.task_type = "CAUSAL_LM"
+    return config
 
 
 def build_lora_config(model_cfg):
@@ -94,16 +186,33 @@ def build_lora_config(model_cfg):
     )
 
 
-def apply_lora(model: torch.nn.Module, model_cfg) -> torch.nn.Module:
-    """Wrap an HF causal LM with LoRA adapters (peft `get_peft_model`); only the adapters train."""
+def apply_lora(model: torch.nn.Module, model_cfg, read_adapter_weights: bool = True) -> torch.nn.Module:
+    """Wrap an HF causal LM with LoRA adapters (peft `get_peft_model`); only the adapters train.
+
+    With `model_cfg.lora_adapter_path` the layout comes from that adapter and, with
+    `read_adapter_weights`, so do the adapters' weights (a meta-device model passes False: its
+    shapes are still checked); otherwise the adapters are fresh (B = 0).
+    """
     from peft import get_peft_model
 
-    config = build_lora_config(model_cfg)
+    adapter_path = model_cfg.get("lora_adapter_path")
+    if adapter_path:
+        from verl.utils.fs import copy_to_local
+
+        adapter_path = copy_to_local(os.path.expanduser(str(adapter_path)))  # an hdfs:// adapter: fetched once
+    config = lora_config_from_adapter(adapter_path) if adapter_path else build_lora_config(model_cfg)
+    model_name = model_cfg.get("path") or getattr(model.config, "_name_or_path", "") or type(model).__name__
     try:
         with warnings.catch_warnings():  # peft calls a transformers method deprecated in v5
             warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing", category=FutureWarning)
             peft_model = get_peft_model(model, config)
     except ValueError as e:  # e.g. no module matched target_modules
+        if adapter_path:
+            raise ValueError(
+                f"the LoRA adapter {adapter_path} (target_modules={config.target_modules!r}) does not fit the model "
+                f"{model_name}: {e}. Use an adapter trained on this model, or change actor_rollout_ref.model.path "
+                "to the model it was trained on"
+            ) from e
         raise ValueError(
             f"cannot apply LoRA with target_modules={config.target_modules!r}, "
             f"exclude_modules={config.exclude_modules!r} to {type(model).__name__}: {e}. Set "
@@ -111,7 +220,53 @@ def apply_lora(model: torch.nn.Module, model_cfg) -> torch.nn.Module:
             "(e.g. [q_proj,k_proj,v_proj,o_proj])"
         ) from e
     _check_mergeable(peft_model)
+    if adapter_path:
+        load_adapter_weights(peft_model, adapter_path, model_name, read=read_adapter_weights)
     return peft_model
+
+
+def load_adapter_weights(peft_model, path: str, model_name: str, read: bool = True) -> None:
+    """Check that the adapter file at `path` holds exactly the A and B tensors of `peft_model`, with
+    their shapes (ValueError naming the layer, the adapter and the model otherwise); then, with
+    `read`, copy them into the model."""
+    from peft.utils import get_peft_model_state_dict, set_peft_model_state_dict
+    from safetensors import safe_open
+
+    expected = {
+        name: tuple(t.shape) for name, t in get_peft_model_state_dict(peft_model, save_embedding_layers=False).items()
+    }
+    file = os.path.join(path, ADAPTER_WEIGHTS)
+    with safe_open(file, framework="pt") as f:
+        found = {name: tuple(f.get_slice(name).get_shape()) for name in f.keys()}  # noqa: SIM118 (safe_open is not iterable)
+
+    def some(names):
+        names = sorted(names)
+        return ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
+
+    fix = "Use an adapter trained on this model, or change actor_rollout_ref.model.path to the model it was trained on"
+    wrong = {name for name in expected.keys() & found.keys() if expected[name] != found[name]}
+    if wrong:
+        name = sorted(wrong)[0]
+        raise ValueError(
+            f"the LoRA adapter {path} does not fit the model {model_name}: {name} has shape {list(found[name])} in "
+            f"the adapter but {list(expected[name])} in the model ({len(wrong)} tensors differ). {fix}"
+        )
+    if found.keys() - expected.keys():
+        raise ValueError(
+            f"the LoRA adapter {path} holds tensors the model {model_name} has no place for: "
+            f"{some(found.keys() - expected.keys())}. {fix}"
+        )
+    if expected.keys() - found.keys():
+        raise ValueError(
+            f"the LoRA adapter {path} lacks tensors the model {model_name} needs for its targeted layers: "
+            f"{some(expected.keys() - found.keys())}. {fix}"
+        )
+    if not read:
+        return
+    from safetensors.torch import load_file
+
+    result = set_peft_model_state_dict(peft_model, load_file(file))
+    assert not result.unexpected_keys, result.unexpected_keys  # the names were checked above
 
 
 def is_peft_model(module: torch.nn.Module) -> bool:

@@ -10,8 +10,9 @@ checkpoints), `_RolloutPart` (the generation engine, fed weights from the actor 
 generation and put to sleep afterwards: the hybrid engine) and `_RefPart` (a frozen FSDP copy).
 Every RPC delegates to its part; calling an RPC whose part this role lacks is a clear error.
 
-LoRA (`model.lora_rank > 0`, see `verl.utils.lora`): the actor's model is wrapped with peft
-before sharding and only the adapters train. The reference policy is then not a second model
+LoRA (`model.lora_rank > 0` or `model.lora_adapter_path`, see `verl.utils.lora`): the actor's
+model is wrapped with peft before sharding (fresh adapters, or a trained adapter's) and only the
+adapters train. The reference policy is then not a second model
 but the actor's own module with its adapters switched off, and the rollout engine receives the
 merged weights `W + scaling * B @ A` under plain HF names.
 
@@ -172,8 +173,9 @@ class _FSDPModel:
     """An HF model on this rank's device, wrapped with FSDP2 over all ranks of the group (a small
     model in the model's own dtype: plain replicas instead, see `_trains_as_plain_replicas`).
 
-    A model trained with `model_cfg.lora_rank > 0` is wrapped with LoRA adapters first (FSDP2
-    then shards base weights and adapters alike; only the adapters require gradients).
+    A model trained with `model_cfg.lora_rank > 0` (or a `lora_adapter_path`) is wrapped with LoRA
+    adapters first (FSDP2 then shards base weights and adapters alike; only the adapters require
+    gradients).
     """
 
     def __init__(self, model_cfg: DictConfig, fsdp_cfg, for_training: bool, value_head: bool = False):
@@ -201,7 +203,9 @@ class _FSDPModel:
             self.module.requires_grad_(False)
         self.lora = for_training and not value_head and lora_enabled(model_cfg)
         if self.lora:
-            self.module = apply_lora(self.module, model_cfg)
+            # with model.lora_adapter_path the adapters start from its weights (a meta-device rank
+            # checks their shapes only and receives them with rank 0's broadcast below)
+            self.module = apply_lora(self.module, model_cfg, read_adapter_weights=not on_meta)
         full_state = self.module.state_dict() if from_rank0 and not on_meta else None
         if _trains_as_plain_replicas(fsdp_cfg, self.module):
             from verl.workers.dp_training import replicate_over_ranks

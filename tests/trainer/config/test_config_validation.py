@@ -172,6 +172,54 @@ def test_lora_with_a_non_positive_alpha_or_a_negative_rank_is_refused(defaults):
     assert "actor_rollout_ref.model.lora_rank=-1 must be 0" in msg
 
 
+@pytest.fixture(scope="module")
+def lora_adapter(tmp_path_factory) -> str:
+    """A peft LoRA adapter (r=2, alpha=6, q_proj/v_proj) of the demo's model, saved by peft itself."""
+    from peft import LoraConfig, get_peft_model
+
+    from verl.models import bundled_model_path
+    from verl.utils.model import load_causal_lm
+
+    path = tmp_path_factory.mktemp("adapter") / "lora_adapter"
+    config = LoraConfig(task_type="CAUSAL_LM", r=2, lora_alpha=6, target_modules=["q_proj", "v_proj"])
+    get_peft_model(load_causal_lm(bundled_model_path()), config).save_pretrained(str(path))
+    return str(path)
+
+
+def test_a_lora_adapter_path_is_accepted_without_a_lora_rank(defaults, lora_adapter):
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        validate_ppo_config(with_(defaults, actor_rollout_ref__model__lora_adapter_path=lora_adapter))
+
+
+def test_a_lora_adapter_path_that_is_not_an_adapter_directory_is_refused_before_ray(defaults, tmp_path):
+    key = "actor_rollout_ref.model.lora_adapter_path"
+    msg = error_of(with_(defaults, actor_rollout_ref__model__lora_adapter_path=str(tmp_path / "missing")))
+    assert f"{key}={tmp_path / 'missing'}: {tmp_path / 'missing'} does not exist or is not a directory" in msg
+    assert "point it at a peft LoRA adapter directory (adapter_config.json + adapter_model.safetensors" in msg
+    msg = error_of(with_(defaults, actor_rollout_ref__model__lora_adapter_path=str(tmp_path)))  # an empty directory
+    assert f"{tmp_path} lacks adapter_config.json and adapter_model.safetensors" in msg
+
+
+def test_a_lora_layout_set_beside_an_adapter_warns_that_the_adapter_s_wins(defaults, lora_adapter):
+    cfg = with_(
+        defaults,
+        actor_rollout_ref__model__lora_adapter_path=lora_adapter,
+        actor_rollout_ref__model__lora_rank=8,
+        actor_rollout_ref__model__target_modules=["q_proj", "k_proj"],
+    )
+    with pytest.warns(ConfigWarning) as record:
+        validate_ppo_config(cfg)
+    messages = [str(w.message) for w in record]
+    assert any("lora_rank=8, lora_alpha=16 differ from the adapter's r=2, lora_alpha=6" in m for m in messages)
+    assert any("target_modules=['q_proj', 'k_proj'] differ from the adapter's" in m for m in messages)
+
+
+def test_a_lora_adapter_path_on_a_megatron_actor_is_refused(megatron_defaults, lora_adapter):
+    msg = error_of(with_(megatron_defaults, actor_rollout_ref__model__lora_adapter_path=lora_adapter))
+    assert f"actor_rollout_ref.model.lora_adapter_path={lora_adapter} (LoRA adapters) is not available" in msg
+
+
 def test_unimplemented_feature_at_its_neutral_value_is_fine(defaults):
     validate_ppo_config(with_(defaults, actor_rollout_ref__rollout__multi_turn__interaction_config_path=None))
 

@@ -451,9 +451,10 @@ class ModelConfig:
     )
     exclude_modules: str | list[str] | None = doc("Layers (names or a regex) that get no adapter; null: none.")
     lora_adapter_path: str | None = doc(
-        "A trained LoRA adapter (peft directory) to start from instead of fresh adapters.",
-        status=UNSUPPORTED,
-        neutral=None,
+        "A trained LoRA adapter to start from instead of fresh adapters: a peft directory with "
+        "adapter_config.json and adapter_model.safetensors (e.g. a checkpoint's actor/lora_adapter). It turns "
+        "LoRA on, and its own rank, alpha and target modules replace lora_rank, lora_alpha and target_modules; "
+        "the reference policy stays the base model without it. null: fresh adapters (with lora_rank > 0)."
     )
     use_liger: bool = doc("Use Liger kernels (GPU only; a speed knob).", status=IGNORED)
     use_fused_kernels: bool = doc("Fused log-prob/entropy kernels (a speed knob).", status=IGNORED)

@@ -765,6 +765,7 @@ def _check_megatron(c: dict, errors: list[str]):
     if actor_meg:
         for key, value, neutral, why in (
             ("actor_rollout_ref.model.lora_rank", arr["model"]["lora_rank"], 0, "LoRA adapters"),
+            ("actor_rollout_ref.model.lora_adapter_path", arr["model"]["lora_adapter_path"], None, "LoRA adapters"),
         ):
             if value != neutral:
                 errors.append(
@@ -881,11 +882,14 @@ def _check_trainer(c: dict, errors: list[str], warns: list[str]):
         )
 
 
-def _check_lora(c: dict, errors: list[str]):
+def _check_lora(c: dict, errors: list[str], warns: list[str]):
     model = c["actor_rollout_ref"]["model"]
     rank, alpha = model["lora_rank"], model["lora_alpha"]
     if rank < 0:
         errors.append(f"actor_rollout_ref.model.lora_rank={rank} must be 0 (train all weights) or a positive LoRA rank")
+    if model["lora_adapter_path"]:
+        _check_lora_adapter(model, errors, warns)
+        return
     if rank <= 0:
         return
     if alpha <= 0:
@@ -904,6 +908,44 @@ def _check_lora(c: dict, errors: list[str]):
         errors.append(
             f"actor_rollout_ref.model.lora_rank={rank} needs the peft package, which is not installed; run "
             "`pip install peft` or set lora_rank=0"
+        )
+
+
+def _check_lora_adapter(model: dict, errors: list[str], warns: list[str]):
+    """model.lora_adapter_path: a usable adapter directory (a remote one is checked by the workers
+    once fetched); warn where a LoRA layout set beside it disagrees with the adapter's, which wins."""
+    import importlib.util
+
+    path = str(model["lora_adapter_path"])
+    key = f"actor_rollout_ref.model.lora_adapter_path={path}"
+    if importlib.util.find_spec("peft") is None:
+        errors.append(f"{key} needs the peft package, which is not installed; run `pip install peft`")
+        return
+    if "://" in path:
+        return
+    from verl.utils.lora import check_adapter_dir
+
+    try:
+        adapter = check_adapter_dir(os.path.expanduser(path))
+    except ValueError as e:
+        errors.append(f"{key}: {e}")
+        return
+    if model["lora_rank"] > 0 and (model["lora_rank"], model["lora_alpha"]) != (adapter["r"], adapter["lora_alpha"]):
+        warns.append(
+            f"actor_rollout_ref.model.lora_rank={model['lora_rank']}, lora_alpha={model['lora_alpha']} differ from the "
+            f"adapter's r={adapter['r']}, lora_alpha={adapter['lora_alpha']} in {path}: the adapter's are used (a "
+            "trained adapter only fits its own layout); set them to the adapter's, or lora_rank=0"
+        )
+    targets = model["target_modules"]
+    if isinstance(targets, list) and sorted(targets) != sorted(adapter.get("target_modules") or []):
+        warns.append(
+            f"actor_rollout_ref.model.target_modules={targets} differ from the adapter's "
+            f"{adapter.get('target_modules')} in {path}: the adapter's are used; drop the override"
+        )
+    if adapter.get("lora_dropout"):
+        warns.append(
+            f"the adapter in {path} was trained with lora_dropout={adapter['lora_dropout']}; it trains on here without "
+            "dropout (as fresh adapters do), so the trained function is the one the rollout samples from"
         )
 
 
@@ -1056,7 +1098,7 @@ def validate_ppo_config(cfg: DictConfig | dict) -> None:
     _check_multi_turn(c, errors)
     _check_not_implemented(c, errors)
     _check_trainer(c, errors, warns)
-    _check_lora(c, errors)
+    _check_lora(c, errors, warns)
     _check_async_training(c, errors)
     if errors:
         _raise(errors)
