@@ -131,3 +131,36 @@ def test_compute_throughout_metrics_reads_global_token_num():
     batch.meta_info["global_token_num"] = [5, 5, 6]
     out = compute_throughout_metrics(batch, timing, n_gpus=2)
     assert out == {"perf/total_num_tokens": 16, "perf/time_per_step": 2.0, "perf/throughput": 16 / 4.0}
+
+
+def test_rows_with_an_empty_response_count_as_aborted_and_leave_the_score_statistics():
+    two = _batch()
+    tensors = {}
+    # a third row cut by over-sampling: prompt kept, nothing generated, yet a score was computed
+    for key, row in (
+        ("responses", torch.zeros(4, dtype=torch.long)),
+        ("attention_mask", torch.tensor([1, 1, 1, 0, 0, 0, 0])),
+        ("response_mask", torch.zeros(4, dtype=torch.long)),
+        ("token_level_scores", torch.tensor([0.0, 0.0, 0.0, -3.0])),
+        ("token_level_rewards", torch.tensor([0.0, 0.0, 0.0, -3.0])),
+        ("advantages", torch.zeros(4)),
+        ("returns", torch.zeros(4)),
+        ("values", torch.zeros(4)),
+    ):
+        tensors[key] = torch.cat([two.batch[key], row[None].to(two.batch[key].dtype)])
+    m = compute_data_metrics(DataProto.from_dict(tensors=tensors), use_critic=True)
+    assert m["critic/score/mean"] == pytest.approx(0.75) and m["critic/score/min"] == pytest.approx(0.5)
+    assert m["critic/rewards/min"] == pytest.approx(-0.5)  # the aborted row's -3 is left out
+    assert m["response/aborted_ratio"] == pytest.approx(1 / 3)
+    assert m["response_length/mean"] == pytest.approx(2.0)  # (2 + 4 + 0) / 3: every row
+    assert m["response_length_non_aborted/mean"] == pytest.approx(3.0)
+    assert m["response_length_non_aborted/min"] == pytest.approx(2.0)
+    assert m["response_length_non_aborted/clip_ratio"] == pytest.approx(0.5)
+
+
+def test_a_batch_with_only_empty_responses_keeps_every_row_in_the_score_statistics():
+    batch = _batch()
+    batch.batch["response_mask"] = torch.zeros_like(batch.batch["response_mask"])
+    m = compute_data_metrics(batch)
+    assert m["response/aborted_ratio"] == 1.0 and m["critic/score/mean"] == pytest.approx(0.75)
+    assert m["response_length_non_aborted/mean"] == 0.0

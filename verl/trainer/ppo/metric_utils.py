@@ -4,7 +4,10 @@ Pure functions of a DataProto batch and the step's phase timings, so the driver'
 list of phases and these stay testable on hand-built batches.
 
 - `compute_data_metrics`: critic/score|rewards|advantages|returns|values/*, response_length/*,
-  prompt_length/* (with clip ratios), num_turns/* (multi-turn rollouts).
+  prompt_length/* (with clip ratios), num_turns/* (multi-turn rollouts). As upstream, a row with an
+  empty response is an aborted one (cut by `rollout.over_sample_rate`): score and reward statistics
+  leave such rows out, `response/aborted_ratio` is their share and `response_length_non_aborted/*`
+  the length statistics without them.
 - `compute_timing_metrics`: timing_s/<phase> and timing_per_token_ms/<phase>.
 - `compute_throughput_metrics`: perf/total_num_tokens, perf/time_per_step, perf/throughput
   (`compute_throughout_metrics` is upstream's spelling).
@@ -52,11 +55,15 @@ def compute_data_metrics(batch, use_critic: bool = True) -> dict[str, float]:
     """
     response_mask = batch.batch["response_mask"].bool()
     prompt_length, response_length, max_prompt_length, max_response_length = _lengths(batch)
+    aborted = response_length == 0  # cut by over-sampling: no response (module docstring)
+    # over-sampling always finishes some episodes; a batch of nothing but empty responses is some other
+    # rollout's doing, whose scores are still worth seeing
+    kept = ~aborted if not aborted.all() else torch.ones_like(aborted)
     metrics: dict[str, float] = {}
 
     for name, key in (("score", "token_level_scores"), ("rewards", "token_level_rewards")):
         if key in batch.batch:
-            seq = batch.batch[key].sum(-1).float()
+            seq = batch.batch[key].sum(-1).float()[kept]
             metrics[f"critic/{name}/mean"] = seq.mean().item()
             metrics[f"critic/{name}/max"] = seq.max().item()
             metrics[f"critic/{name}/min"] = seq.min().item()
@@ -79,6 +86,14 @@ def compute_data_metrics(batch, use_critic: bool = True) -> dict[str, float]:
         metrics[f"{name}/max"] = lengths.max().item()
         metrics[f"{name}/min"] = lengths.min().item()
         metrics[f"{name}/clip_ratio"] = (lengths >= max_len).float().mean().item()
+    metrics["response/aborted_ratio"] = aborted.float().mean().item()
+    kept_lengths = response_length[~aborted]
+    if kept_lengths.numel() == 0:
+        kept_lengths = torch.zeros(1)
+    metrics["response_length_non_aborted/mean"] = kept_lengths.mean().item()
+    metrics["response_length_non_aborted/max"] = kept_lengths.max().item()
+    metrics["response_length_non_aborted/min"] = kept_lengths.min().item()
+    metrics["response_length_non_aborted/clip_ratio"] = (kept_lengths >= max_response_length).float().mean().item()
     if "__num_turns__" in batch.non_tensor_batch:  # multi-turn rollouts: messages per conversation
         num_turns = np.asarray(batch.non_tensor_batch["__num_turns__"], dtype=np.float64)
         metrics["num_turns/min"] = float(num_turns.min())
