@@ -594,3 +594,57 @@ def test_megatron_batch_must_split_into_micro_batches_of_every_data_parallel_gro
     )
     assert "24 sequences per step do not split into whole micro-batches of the 4 megatron" in error_of(cfg)
     validate_ppo_config(with_(cfg, data__train_batch_size=32, actor_rollout_ref__actor__ppo_mini_batch_size=32))
+
+
+def test_rollout_tracing_without_agent_loops_says_nothing_would_be_traced(defaults):
+    msg = error_of(with_(defaults, actor_rollout_ref__rollout__trace__backend="mlflow"))
+    assert "trace.backend=mlflow traces agent-loop episodes only" in msg
+    assert "set actor_rollout_ref.rollout.multi_turn.enable=true or trace.backend=null" in msg
+    traced = with_(
+        defaults,
+        actor_rollout_ref__rollout__trace__backend="mlflow",
+        actor_rollout_ref__rollout__multi_turn__enable=True,
+        actor_rollout_ref__rollout__trace__max_samples_per_step_per_worker=2,
+    )
+    validate_ppo_config(traced)  # mlflow is installed in the test environment
+    assert "max_samples_per_step_per_worker=-1 must be >= 0" in error_of(
+        with_(traced, actor_rollout_ref__rollout__trace__max_samples_per_step_per_worker=-1)
+    )
+    assert "trace.backend='wandb' is not a valid choice" in error_of(
+        with_(traced, actor_rollout_ref__rollout__trace__backend="wandb")
+    )
+
+
+def test_a_trace_backend_that_is_not_installed_names_the_package_to_install(defaults, monkeypatch):
+    import importlib.util
+
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "weave" else find_spec(name, *a))
+    msg = error_of(
+        with_(
+            defaults,
+            actor_rollout_ref__rollout__trace__backend="weave",
+            actor_rollout_ref__rollout__multi_turn__enable=True,
+        )
+    )
+    assert "trace.backend=weave needs the weave package, which is not installed; run `pip install weave`" in msg
+
+
+def test_over_sampling_needs_agent_loops_and_a_rate_below_one(defaults):
+    assert "over_sample_rate=0.1 cuts the slowest agent-loop episodes" in error_of(
+        with_(defaults, actor_rollout_ref__rollout__over_sample_rate=0.1)
+    )
+    validate_ppo_config(
+        with_(
+            defaults,
+            actor_rollout_ref__rollout__over_sample_rate=0.1,
+            actor_rollout_ref__rollout__multi_turn__enable=True,
+        )
+    )
+    assert "over_sample_rate=1.0 must be in [0, 1)" in error_of(
+        with_(
+            defaults,
+            actor_rollout_ref__rollout__over_sample_rate=1.0,
+            actor_rollout_ref__rollout__multi_turn__enable=True,
+        )
+    )

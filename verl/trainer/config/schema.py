@@ -778,11 +778,20 @@ class CheckpointEngineConfig:
 
 @dataclass
 class TraceConfig:
-    """Tracing of agent-loop rollouts to an external service (weave, mlflow)."""
+    """Tracing of agent-loop rollouts (multi_turn.enable) to an external service (weave, mlflow)."""
 
-    backend: str | None = doc("Tracing service.", status=UNSUPPORTED, neutral=None)
-    token2text: bool = doc("Decode token ids in traces (with a backend).")
-    max_samples_per_step_per_worker: int | None = doc("Traced samples per step and worker (with a backend).")
+    backend: str | None = doc(
+        "Tracing service for agent-loop episodes: mlflow (MLFLOW_TRACKING_URI, default sqlite:////tmp/mlruns.db; "
+        "experiment = trainer.project_name) or weave (project = trainer.project_name); null: off. Each traced "
+        "episode is one trace tagged sample_index, step, rollout_n, validate and experiment_name, with a span per "
+        "model turn and per tool call. Needs multi_turn.enable (only agent loops are traced, as upstream).",
+        choices=("weave", "mlflow"),
+    )
+    token2text: bool = doc("Also record the decoded text of the traced token ids (with a backend).")
+    max_samples_per_step_per_worker: int | None = doc(
+        "Per generation call and worker, trace the episodes of this many sample indices drawn at random, all "
+        "rollout.n episodes of each; null: trace every episode (with a backend)."
+    )
 
 
 @dataclass
@@ -865,7 +874,9 @@ class RolloutConfig:
     do_sample: bool = doc("Sample (True) or decode greedily (False) during training rollouts.")
     n: int = doc("Responses sampled per prompt (>= 2 for group-based advantage estimators).")
     over_sample_rate: float = doc(
-        "Generate this fraction more and drop the slowest.", status=UNSUPPORTED, neutral=(0, 0.0)
+        "Agent-loop rollouts (multi_turn.enable), training only: once int(B * (1 - rate)) of a worker's B "
+        "episodes have finished (at least one), the rest are cut and returned with an empty response "
+        "(response_mask 0: no loss; left out of the score metrics, counted in response/aborted_ratio). 0: off."
     )
     multi_stage_wake_up: bool = doc(f"Wake the engine's weights and KV cache in stages. {_SPEED}.", status=IGNORED)
     engine_kwargs: dict = doc(

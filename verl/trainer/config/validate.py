@@ -637,8 +637,46 @@ def _check_lengths(c: dict, errors: list[str]):
             errors.append(f"{key}.lr_warmup_steps_ratio={ratio} must be between 0 and 1")
 
 
+def _check_agent_loop_keys(rollout: dict, errors: list[str]):
+    """Tracing and over-sampling: keys only the agent-loop rollout reads."""
+    import importlib.util
+
+    trace, rate = rollout["trace"], rollout["over_sample_rate"]
+    backend, multi_turn = trace["backend"], rollout["multi_turn"]["enable"]
+    if backend is not None and not multi_turn:
+        errors.append(
+            f"actor_rollout_ref.rollout.trace.backend={backend} traces agent-loop episodes only (as upstream), and "
+            "multi_turn.enable=false generates without agent loops, so nothing would be traced; set "
+            "actor_rollout_ref.rollout.multi_turn.enable=true or trace.backend=null"
+        )
+    package = {"mlflow": "mlflow", "weave": "weave"}.get(backend)
+    if package and importlib.util.find_spec(package) is None:
+        errors.append(
+            f"actor_rollout_ref.rollout.trace.backend={backend} needs the {package} package, which is not installed; "
+            f"run `pip install {package}` or set trace.backend=null"
+        )
+    limit = trace["max_samples_per_step_per_worker"]
+    if limit is not None and limit < 0:
+        errors.append(
+            f"actor_rollout_ref.rollout.trace.max_samples_per_step_per_worker={limit} must be >= 0, or null to "
+            "trace every episode"
+        )
+    if not 0 <= rate < 1:
+        errors.append(
+            f"actor_rollout_ref.rollout.over_sample_rate={rate} must be in [0, 1): the share of each batch's "
+            "episodes cut once the others have finished (0: off)"
+        )
+    elif rate > 0 and not multi_turn:
+        errors.append(
+            f"actor_rollout_ref.rollout.over_sample_rate={rate} cuts the slowest agent-loop episodes, and "
+            "multi_turn.enable=false generates without agent loops (one batch, nothing to cut); set "
+            "actor_rollout_ref.rollout.multi_turn.enable=true or over_sample_rate=0"
+        )
+
+
 def _check_multi_turn(c: dict, errors: list[str]):
     rollout = c["actor_rollout_ref"]["rollout"]
+    _check_agent_loop_keys(rollout, errors)
     mt = rollout["multi_turn"]
     if not mt["enable"]:
         return
