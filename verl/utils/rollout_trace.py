@@ -5,7 +5,8 @@ backend once per process: "weave", "mlflow" or None (tracing off). Then
 
 - `rollout_trace_op` decorates a method (sync or async) of a rollout component; each call becomes
   a span with the call's arguments as inputs and its return value as output. With `token2text`,
-  an output with `prompt_ids` / `response_ids` is also decoded with the instance's `tokenizer`.
+  an output's `prompt_ids` / `response_ids` / `token_ids` are also decoded with the instance's
+  `tokenizer` (as `prompt_text` / `response_text` / `text`).
 - `with rollout_trace_attr(sample_index=..., step=..., rollout_n=..., validate=...)` tags the spans
   opened inside it (Weave attributes, or an MLflow parent span with those trace tags);
   `trace=False` turns tracing off inside the block (a context variable, so concurrent coroutines
@@ -145,19 +146,23 @@ def _call_inputs(func, self, args, kwargs) -> dict:
     return inputs
 
 
+# token-id fields of a traced output and the key their decoded text is recorded under (token2text)
+_TEXT_FIELDS = (("prompt_ids", "prompt_text"), ("response_ids", "response_text"), ("token_ids", "text"))
+
+
 async def _with_text(owner, result):
-    """The result as a dict plus `prompt_text` / `response_text` decoded by `owner.tokenizer`."""
+    """The result as a dict plus its token-id fields decoded by `owner.tokenizer` (`_TEXT_FIELDS`)."""
     tokenizer = getattr(owner, "tokenizer", None)
-    if not hasattr(result, "prompt_ids") or not hasattr(tokenizer, "decode"):
+    fields = [(ids, text) for ids, text in _TEXT_FIELDS if hasattr(result, ids)]
+    if not fields or not hasattr(tokenizer, "decode"):
         return result
     from verl.utils.ray_utils import get_event_loop
 
     dump = getattr(result, "model_dump", None)
     output = dump() if callable(dump) else dict(vars(result))
     loop = get_event_loop()
-    output["prompt_text"] = await loop.run_in_executor(None, tokenizer.decode, result.prompt_ids)
-    if hasattr(result, "response_ids"):
-        output["response_text"] = await loop.run_in_executor(None, tokenizer.decode, result.response_ids)
+    for ids, text in fields:
+        output[text] = await loop.run_in_executor(None, tokenizer.decode, getattr(result, ids))
     return output
 
 

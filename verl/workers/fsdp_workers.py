@@ -401,8 +401,12 @@ class ActorRolloutRefWorker(Worker, DistProfilerExtension):
     `_builds_engine`, and registers the data RPCs with its own dispatch; the RPC bodies are shared.
     """
 
-    def __init__(self, config: DictConfig, role: str):
+    def __init__(
+        self, config: DictConfig, role: str, project_name: str | None = None, experiment_name: str | None = None
+    ):
         super().__init__()
+        # the trainer's names, for the agent-loop rollout's traces (this config is actor_rollout_ref only)
+        self.trace_names = {"project_name": project_name, "experiment_name": experiment_name}
         if role not in _ROLES:
             raise ValueError(f"unknown worker role {role!r}; valid roles: {sorted(_ROLES)}")
         self.config = config
@@ -484,7 +488,7 @@ class ActorRolloutRefWorker(Worker, DistProfilerExtension):
                 from verl.experimental.agent_loop import AgentLoopRollout
 
                 # agent loops (tool calls) over the same engine; weight sync and sleep pass through
-                self.rollout = AgentLoopRollout(self.rollout, cfg.rollout, self.tokenizer)
+                self.rollout = AgentLoopRollout(self.rollout, cfg.rollout, self.tokenizer, **self.trace_names)
             if self.actor is not None:
                 self.rollout.sleep()  # weights arrive from the actor before each generation
         if "ref" in self.parts:

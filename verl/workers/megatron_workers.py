@@ -284,13 +284,15 @@ class ActorRolloutRefWorker(fsdp_workers.ActorRolloutRefWorker):
     The FSDP worker's RPC bodies, with megatron models behind its hooks and the data RPCs
     dispatched over the megatron mesh."""
 
-    def __init__(self, config: DictConfig, role: str):
+    def __init__(
+        self, config: DictConfig, role: str, project_name: str | None = None, experiment_name: str | None = None
+    ):
         if role == "rollout":
             raise ValueError(
                 "the megatron workers do not serve a rollout-only pool: a rollout pool only generates, so use "
                 "verl.workers.fsdp_workers.ActorRolloutRefWorker for it (main_ppo does, for any actor strategy)"
             )
-        super().__init__(config, role)
+        super().__init__(config, role, project_name, experiment_name)
 
     def _data_parallel_size(self) -> int:
         _setup_parallel(_plain(self.config.actor.megatron))

@@ -182,6 +182,10 @@ class MicroBatchEngine(AsyncRolloutEngine):
             await self._collect()
             pending, self._pending = self._pending, {}
             for key, requests in pending.items():
+                # a cancelled conversation (e.g. cut by over-sampling) no longer needs its turn
+                requests = [r for r in requests if not r.future.done()]
+                if not requests:
+                    continue
                 size = self.max_batch_size or len(requests)
                 for lo in range(0, len(requests), size):
                     await self._run_batch(loop, self._sampling[key], requests[lo : lo + size])

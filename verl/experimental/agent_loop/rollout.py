@@ -22,6 +22,36 @@ rollout's own `async_engine`, see `make_engine`), and returns the usual rollout 
 - `meta_info["metrics"]`: `agent_loop/*` means over the episodes (tool calls, tool errors,
   tokenization mismatches) and how the engine batched them.
 
+Tracing (`rollout.trace.backend`: mlflow or weave, upstream's `verl.utils.rollout_trace`): the
+rollout configures the process's tracer once, from the trace section and the trainer's project and
+experiment names (passed in by the worker, whose config is only `actor_rollout_ref`). Each episode
+runs inside `rollout_trace_attr` with upstream's tags: `sample_index` (the row's `index` column, the
+dataset's `extra_info.index`; else its row number), `step` (`meta_info["global_steps"]`, -1 when
+absent), `rollout_n` (its rank among consecutive rows of the same index: the driver repeats a prompt
+`n` times in a row) and `validate`. With `max_samples_per_step_per_worker=k` each call traces the
+episodes of k sample indices drawn at random without replacement (all `n` rollouts of each, upstream's
+rule; every episode when there are no more than k indices); the others run with tracing off. Spans:
+the episode (`AgentLoopRollout.run_episode`, decoded with `token2text`), every model turn
+(`EpisodeEngine.generate`) and every tool call (`ToolAgentLoop.call_tool`). Without a backend all of
+it is a pass-through costing a context-variable read.
+
+Over-sampling (`rollout.over_sample_rate=r`, upstream's long-tail cut, first written for its SGLang
+multi-turn rollout): in a training call (not validation) of B episodes, once int(B * (1 - r)) of
+them have finished (at least one), the episodes still running are cancelled; episodes that finished
+in the same engine batch are kept. A cancelled episode becomes a padding row, as upstream's: its
+prompt is kept, its response is all pad with `attention_mask`, `response_mask` and
+`rollout_log_probs` 0 on it and `__num_turns__` 0: a response length of 0 is what marks it, as
+upstream (no extra column, so workers with and without cut episodes concatenate alike). It adds
+nothing to any loss (every loss is masked by `response_mask`); the trainer leaves such rows out of
+its score, reward and response-length statistics and reports their share as `response/aborted_ratio`
+(the rollout as `agent_loop/aborted_ratio`). Their reward is still computed and, with a group
+estimator (GRPO), still enters their group's mean and std, as upstream. One deliberate difference: upstream also zeroes the prompt's attention
+mask; here the prompt stays attended, because a row with no attended token at all makes the
+attention softmax of the log-prob pass 0/0 (NaN) on some backends, and NaN times a zero mask is NaN.
+A model turn already inside the engine when the cut comes finishes there (a batch-synchronous engine
+cannot drop one row mid-batch) and is discarded; `generate_sequences` returns only after it, so the
+engine is idle when the worker next syncs weights or sleeps.
+
 Deliberately left out: the engine's tensor parallelism across workers (episodes on different ranks
 make different numbers of engine calls, which a collective cannot match), multi-modal prompts, and
 simulated users (`interaction_config_path`).
@@ -46,6 +76,7 @@ from verl.experimental.agent_loop.agent_loop import (
 )
 from verl.experimental.agent_loop.engine import AsyncRolloutEngine, MicroBatchEngine, rollout_batch_generator
 from verl.utils.device import set_device
+from verl.utils.rollout_trace import RolloutTraceConfig, rollout_trace_attr, rollout_trace_op
 from verl.workers.rollout.base import BaseRollout
 
 SAMPLING_KEYS = ("do_sample", "validate", "temperature", "top_k", "top_p")
@@ -88,6 +119,8 @@ class AgentLoopRollout(BaseRollout):
     tokenizer: the policy's tokenizer (chat template, decoding turns).
     tools: the tools; None reads `multi_turn.tool_config_path` (no path: no tools).
     apply_chat_template_kwargs: passed to every chat-template rendering (`data.apply_chat_template_kwargs`).
+    project_name, experiment_name: the trainer's (`trainer.project_name` / `experiment_name`); they name
+        the traces and are needed only with a trace backend (`rollout.trace.backend`).
     """
 
     def __init__(
@@ -97,6 +130,8 @@ class AgentLoopRollout(BaseRollout):
         tokenizer,
         tools: Sequence | None = None,
         apply_chat_template_kwargs: dict | None = None,
+        project_name: str | None = None,
+        experiment_name: str | None = None,
     ):
         tp = int(config.get("tensor_model_parallel_size", 1) or 1)
         if tp > 1:
@@ -104,6 +139,13 @@ class AgentLoopRollout(BaseRollout):
                 f"multi-turn rollouts do not support actor_rollout_ref.rollout.tensor_model_parallel_size={tp}: "
                 "episodes on different workers make different numbers of engine calls; set it to 1"
             )
+        self.over_sample_rate = float(config.get("over_sample_rate") or 0.0)
+        if not 0.0 <= self.over_sample_rate < 1.0:
+            raise ValueError(
+                f"actor_rollout_ref.rollout.over_sample_rate={self.over_sample_rate} must be in [0, 1): it is the "
+                "share of each batch's episodes cut once the others have finished (0: none)"
+            )
+        _init_tracing(config.get("trace") or {}, project_name, experiment_name)
         self.inner = rollout
         self.tokenizer = tokenizer
         self.settings = settings_from_config(config, apply_chat_template_kwargs)
@@ -201,28 +243,57 @@ class AgentLoopRollout(BaseRollout):
             rollout_batch_generator(self.inner, eos_ids, pad, self.with_logprobs), executor=self._engine_thread
         )
 
-    async def run_episodes(self, samples: list[AgentSample], agent_names: list[str], eos_ids, pad) -> tuple:
+    @rollout_trace_op
+    async def run_episode(self, engine: AsyncRolloutEngine, sample: AgentSample, agent_name: str) -> Trajectory:
+        """One episode through the named loop (a span of its own when traced)."""
+        return await self.agent_loop(agent_name).run_episode(engine, sample)
+
+    async def run_episodes(
+        self,
+        samples: list[AgentSample],
+        agent_names: list[str],
+        eos_ids,
+        pad,
+        traces: list[dict] | None = None,
+        num_to_finish: int | None = None,
+    ) -> tuple:
         """Every episode concurrently; returns (trajectories in sample order, engine batch stats or None).
 
         Each trajectory's `versions` are the (oldest, newest) weight versions its model turns report
-        (None when the engine reports none)."""
+        (None when the engine reports none). `traces`: per sample, the `rollout_trace_attr` keyword
+        arguments (None: no tags). `num_to_finish`: cancel the episodes still running once this many
+        have finished; their trajectories are None (None: wait for all)."""
         engine = self.make_engine(eos_ids, pad)
 
-        async def episode(sample: AgentSample, name: str) -> Trajectory:
-            recorder = _VersionRecorder(engine)
-            async with engine.client():
-                trajectory = await self.agent_loop(name).run_episode(recorder, sample)
-            trajectory.versions = recorder.versions()
+        async def episode(sample: AgentSample, name: str, trace: dict) -> Trajectory:
+            episode_engine = EpisodeEngine(engine, self.tokenizer)
+            with rollout_trace_attr(**trace):
+                async with engine.client():
+                    trajectory = await self.run_episode(episode_engine, sample, name)
+            trajectory.versions = episode_engine.versions()
             return trajectory
 
-        tasks = [asyncio.ensure_future(episode(s, n)) for s, n in zip(samples, agent_names)]
+        traces = traces or [{"trace": False}] * len(samples)
+        tasks = [asyncio.ensure_future(episode(*args)) for args in zip(samples, agent_names, traces)]
         try:
-            return await asyncio.gather(*tasks), getattr(engine, "stats", None)
+            if num_to_finish is not None and num_to_finish < len(tasks):
+                await _wait_for_finished(tasks, num_to_finish)
+                for task in tasks:
+                    task.cancel()
+                await asyncio.gather(*tasks, return_exceptions=True)
+                trajectories = [_result_unless_cancelled(task) for task in tasks]
+            else:
+                trajectories = await asyncio.gather(*tasks)
+            return trajectories, getattr(engine, "stats", None)
         finally:
             for task in tasks:
                 task.cancel()
             if hasattr(engine, "aclose"):
                 await engine.aclose()
+            if isinstance(engine, MicroBatchEngine):
+                # a batch of cancelled episodes may still run in the engine thread: return only when it
+                # is idle (the thread runs jobs in order), so weight sync or sleep never meets a live batch
+                await asyncio.get_running_loop().run_in_executor(self._engine_thread, _idle)
 
     def generate_sequences(self, prompts):
         start = time.perf_counter()
@@ -236,18 +307,32 @@ class AgentLoopRollout(BaseRollout):
         samples = self.samples(prompts, meta)
         names = prompts.non_tensor_batch.get("agent_name")
         names = [self.default_agent if not name else str(name) for name in names] if names is not None else None
+        num_to_finish = None
+        if self.over_sample_rate > 0 and not meta.get("validate", False):  # upstream never cuts validation
+            num_to_finish = max(1, int(len(samples) * (1 - self.over_sample_rate)))
         trajectories, stats = _run_sync(
-            self.run_episodes(samples, names or [self.default_agent] * len(samples), eos_ids, pad)
+            self.run_episodes(
+                samples,
+                names or [self.default_agent] * len(samples),
+                eos_ids,
+                pad,
+                traces=trace_attributes(prompts, meta),
+                num_to_finish=num_to_finish,
+            )
         )
 
         out = trajectories_to_proto(prompts, trajectories, self.settings.response_length, pad, self.with_logprobs, meta)
+        finished = [t for t in trajectories if t is not None]
         if refresh is not None:  # an episode whose turns reported no version sampled only with the first
             for key, pick in (("weight_version", 0), ("weight_version_max", 1)):
                 out.non_tensor_batch[key] = np.array(
-                    [first_version if t.versions is None else t.versions[pick] for t in trajectories], dtype=np.int64
+                    [first_version if t is None or t.versions is None else t.versions[pick] for t in trajectories],
+                    dtype=np.int64,
                 )
         metrics = dict(meta.get("metrics", {}))
-        metrics.update(_episode_metrics(trajectories))
+        metrics.update(_episode_metrics(finished))
+        if num_to_finish is not None:
+            metrics["agent_loop/aborted_ratio"] = 1.0 - len(finished) / len(trajectories)
         if stats is not None:
             metrics["agent_loop/engine_batches"] = float(stats.num_batches)
             metrics["agent_loop/engine_batch_size_mean"] = stats.num_requests / max(stats.num_batches, 1)
@@ -257,15 +342,95 @@ class AgentLoopRollout(BaseRollout):
         return out
 
 
-class _VersionRecorder(AsyncRolloutEngine):
-    """One episode's view of the shared engine: passes every call through and keeps the oldest and
-    newest weight version the engine reported for the episode's model turns."""
+def _init_tracing(trace, project_name: str | None, experiment_name: str | None) -> None:
+    """Configure this process's rollout tracer from the rollout config's `trace` section (once per process:
+    `RolloutTraceConfig.init` keeps the first choice)."""
+    backend = trace.get("backend")
+    if backend is None:
+        return
+    if project_name is None or experiment_name is None:
+        raise ValueError(
+            f"actor_rollout_ref.rollout.trace.backend={backend} names traces after the trainer's project and "
+            "experiment: pass project_name and experiment_name to AgentLoopRollout (the worker passes "
+            "trainer.project_name / trainer.experiment_name)"
+        )
+    limit = trace.get("max_samples_per_step_per_worker")
+    RolloutTraceConfig.init(
+        project_name,
+        experiment_name,
+        backend,
+        bool(trace.get("token2text", False)),
+        None if limit is None else int(limit),
+    )
 
-    def __init__(self, engine: AsyncRolloutEngine):
+
+def trace_attributes(prompts, meta: dict) -> list[dict]:
+    """Per row, the `rollout_trace_attr` keyword arguments (module docstring: tags and which rows are traced)."""
+    B = len(prompts)
+    if RolloutTraceConfig.get_backend() is None:
+        return [{"trace": False}] * B
+    nt = prompts.non_tensor_batch
+    if "index" in nt:
+        index = list(nt["index"])
+    elif "extra_info" in nt:
+        index = [e.get("index", i) if isinstance(e, dict) else i for i, e in enumerate(nt["extra_info"])]
+    else:
+        index = list(range(B))
+    index = [i.item() if isinstance(i, np.generic) else i for i in index]
+    limit = RolloutTraceConfig.get_instance().max_samples_per_step_per_worker
+    unique = list(dict.fromkeys(index))
+    if limit is not None and limit < len(unique):
+        chosen = np.random.choice(len(unique), int(limit), replace=False)
+        traced = {unique[int(k)] for k in chosen}
+    else:
+        traced = set(unique)
+    step, validate = int(meta.get("global_steps", -1)), bool(meta.get("validate", False))
+    attributes, rollout_n = [], 0
+    for row, sample_index in enumerate(index):
+        rollout_n = rollout_n + 1 if row > 0 and index[row - 1] == sample_index else 0
+        attributes.append(
+            dict(
+                sample_index=sample_index,
+                step=step,
+                rollout_n=rollout_n,
+                validate=validate,
+                name="agent_loop",
+                trace=sample_index in traced,
+            )
+        )
+    return attributes
+
+
+async def _wait_for_finished(tasks: list[asyncio.Task], count: int) -> None:
+    """Return once `count` tasks have finished (an episode's error is raised at once)."""
+    pending = set(tasks)
+    while len(tasks) - len(pending) < count:
+        done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+        for task in done:
+            task.result()
+
+
+def _result_unless_cancelled(task: asyncio.Task):
+    if task.cancelled():
+        return None
+    return task.result()
+
+
+def _idle() -> None:
+    """A no-op job: when the engine thread runs it, every job queued before it has finished."""
+
+
+class EpisodeEngine(AsyncRolloutEngine):
+    """One episode's view of the shared engine: passes every call through (a traced span per model
+    turn) and keeps the oldest and newest weight version the engine reported for its model turns."""
+
+    def __init__(self, engine: AsyncRolloutEngine, tokenizer=None):
         self.engine = engine
+        self.tokenizer = tokenizer  # decodes the traced turns with trace.token2text
         self.low: int | None = None
         self.high: int | None = None
 
+    @rollout_trace_op
     async def generate(self, prompt_ids, sampling, max_new_tokens):
         out = await self.engine.generate(prompt_ids, sampling, max_new_tokens)
         if out.version_min is not None and out.token_ids:
@@ -291,7 +456,8 @@ def _episode_metrics(trajectories: list[Trajectory]) -> dict[str, float]:
 
 
 def trajectories_to_proto(prompts, trajectories: list[Trajectory], response_length: int, pad: int, with_logprobs, meta):
-    """The rollout output layout (module docstring) from finished episodes, row i from trajectory i."""
+    """The rollout output layout (module docstring), row i from trajectory i; a None trajectory (an
+    episode cut by over-sampling) gives a padding row with the incoming prompt and an empty response."""
     from tensordict import TensorDict
 
     from verl.protocol import DataProto
@@ -306,6 +472,10 @@ def trajectories_to_proto(prompts, trajectories: list[Trajectory], response_leng
     response_mask = torch.zeros((B, R), dtype=torch.long)
     logprobs = torch.zeros((B, R), dtype=torch.float32)
     for row, t in enumerate(trajectories):
+        if t is None:  # cut by over-sampling: the prompt as it came, nothing to train on (module docstring)
+            prompt_ids[row] = prompts.batch["input_ids"][row].cpu()
+            prompt_mask[row] = prompts.batch["attention_mask"][row].cpu().long()
+            continue
         if len(t.prompt_ids) > P:
             raise ValueError(
                 f"an episode's prompt has {len(t.prompt_ids)} tokens (with the tool schemas rendered by the chat "
@@ -336,7 +506,8 @@ def trajectories_to_proto(prompts, trajectories: list[Trajectory], response_leng
         tensors[key] = tensors[key].to(mask_dtype)
     batch = TensorDict({k: v.to(device) for k, v in tensors.items()}, batch_size=[B])
     non_tensor = dict(prompts.non_tensor_batch)
-    non_tensor["__num_turns__"] = np.array([t.num_turns for t in trajectories], dtype=np.int64)
+    non_tensor["__num_turns__"] = np.array([0 if t is None else t.num_turns for t in trajectories], dtype=np.int64)
+
     meta = {k: v for k, v in meta.items() if k != "metrics"}
     return DataProto(batch=batch, non_tensor_batch=non_tensor, meta_info=meta)
 
@@ -346,6 +517,8 @@ __all__ = [
     "PARTIAL_ROLLOUT_KEYS",
     "SAMPLING_KEYS",
     "AgentLoopRollout",
+    "EpisodeEngine",
     "settings_from_config",
+    "trace_attributes",
     "trajectories_to_proto",
 ]

@@ -39,6 +39,7 @@ from verl.experimental.agent_loop.agent_loop import (
 )
 from verl.experimental.agent_loop.engine import AsyncRolloutEngine
 from verl.experimental.agent_loop.tool_parser import ParsedTurn, ToolCall, get_tool_parser
+from verl.utils.rollout_trace import rollout_trace_op
 
 logger = logging.getLogger(__name__)
 
@@ -121,8 +122,9 @@ class ToolAgentLoop(AgentLoopBase):
         return full[cut:]
 
     # ---------------------------------------------------------------------------------- tools
-    async def _call_tool(self, call: ToolCall, tools_kwargs: dict) -> tuple[str, bool]:
-        """(text for the model, whether the call succeeded)."""
+    @rollout_trace_op
+    async def call_tool(self, call: ToolCall, tools_kwargs: dict) -> tuple[str, bool]:
+        """(text for the model, whether the call succeeded); a traced span per call."""
         tool = self.tools.get(call.name)
         if tool is None:
             available = ", ".join(sorted(self.tools)) or "none"
@@ -152,7 +154,7 @@ class ToolAgentLoop(AgentLoopBase):
         """The tool messages answering a turn, in call order, and how many of them are errors."""
         limit = self.settings.max_parallel_calls
         run, skipped = parsed.tool_calls[:limit], parsed.tool_calls[limit:]
-        results = list(await asyncio.gather(*(self._call_tool(call, tools_kwargs) for call in run)))
+        results = list(await asyncio.gather(*(self.call_tool(call, tools_kwargs) for call in run)))
         results += [
             (f"Error: at most {limit} tool call(s) per turn are run; {c.name!r} was skipped", False) for c in skipped
         ]

@@ -73,7 +73,7 @@ logger = get_logger(__name__, "INFO")
 GEN_BATCH_KEYS = ("input_ids", "attention_mask", "position_ids")
 # What agent loops read per sample besides the prompt: the loop's name and the tools' arguments
 # (upstream's `agent_name` and `extra_info.tools_kwargs` columns).
-MULTI_TURN_KEYS = ("agent_name", "tools_kwargs", "extra_info")
+MULTI_TURN_KEYS = ("agent_name", "tools_kwargs", "extra_info", "index")  # index: the traces' sample_index
 # Metrics the workers report per update: > 0 when an optimizer step was skipped for a NaN/inf gradient.
 NONFINITE_METRICS = ("actor/skipped_nonfinite_grad", "critic/skipped_nonfinite_grad")
 
@@ -213,12 +213,17 @@ class RayPPOTrainer:
                 cls_with_args.update_options({"runtime_env": profiled_env})
             roles_in_pool.setdefault(pool, {})[name] = cls_with_args
 
+        # the agent-loop rollout names its traces after the run (rollout.trace)
+        names = {
+            "project_name": self.config.trainer.project_name,
+            "experiment_name": self.config.trainer.experiment_name,
+        }
         actor_role = Role.ActorRolloutRef if Role.ActorRolloutRef in self.role_worker_mapping else Role.ActorRollout
         worker_role = "actor_rollout_ref" if actor_role == Role.ActorRolloutRef else "actor_rollout"
         add(
             actor_role,
             "actor_rollout",
-            RayClassWithInitArgs(self.role_worker_mapping[actor_role], config=arc, role=worker_role),
+            RayClassWithInitArgs(self.role_worker_mapping[actor_role], config=arc, role=worker_role, **names),
         )
         if self.use_critic:
             add(
@@ -236,7 +241,7 @@ class RayPPOTrainer:
             add(
                 Role.Rollout,
                 "rollout",
-                RayClassWithInitArgs(self.role_worker_mapping[Role.Rollout], config=arc, role="rollout"),
+                RayClassWithInitArgs(self.role_worker_mapping[Role.Rollout], config=arc, role="rollout", **names),
             )
         if self.use_rm:
             add(
