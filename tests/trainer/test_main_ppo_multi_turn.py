@@ -84,3 +84,44 @@ def test_one_step_off_multi_turn_with_partial_rollouts_tags_episodes_within_the_
     assert all(0.0 <= records[s]["async/mixed_version_frac"] <= 1.0 for s in records)
     assert max(records[s]["num_turns/max"] for s in records) >= 4  # tool calls were made
     print({s: (records[s]["async/mixed_version_frac"], records[s]["num_turns/mean"]) for s in records})
+
+
+def test_calculator_example_traces_sampled_episodes_to_mlflow_and_cuts_the_tail(tmp_path):
+    """rollout.trace.* and rollout.over_sample_rate through main_ppo: the workers learn the run's names
+    from the trainer, and the sample index reaches the rollout."""
+    mlflow = pytest.importorskip("mlflow")
+    uri = f"sqlite:///{tmp_path}/mlflow.db"
+    cmd = [
+        "bash",
+        "examples/multi_turn/run_arith_calculator_tiny_cpu.sh",
+        *[arg for arg in _common(tmp_path, steps=1) if not arg.startswith("actor_rollout_ref.model.path=")],
+        "data.train_batch_size=4",
+        "actor_rollout_ref.rollout.n=4",
+        "actor_rollout_ref.actor.ppo_mini_batch_size=4",
+        "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=8",
+        "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=8",
+        "actor_rollout_ref.rollout.trace.backend=mlflow",
+        "actor_rollout_ref.rollout.trace.max_samples_per_step_per_worker=1",
+        "actor_rollout_ref.rollout.over_sample_rate=0.25",
+        "trainer.project_name=trace_e2e",
+        "trainer.experiment_name=calc1",
+    ]
+    env = {**_env(tmp_path), "DATA_DIR": str(tmp_path / "data"), "MLFLOW_TRACKING_URI": uri}
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, f"exit {proc.returncode}\n{proc.stdout[-4000:]}\n{proc.stderr[-6000:]}"
+
+    train = [r for r in _metrics(tmp_path) if "num_turns/mean" in r["data"]]
+    last = train[-1]["data"]
+    # 2 workers x 8 episodes: at least int(8 * 0.75) = 6 of each worker's finish
+    assert 0.0 <= last["response/aborted_ratio"] <= 0.25 and 0.0 <= last["agent_loop/aborted_ratio"] <= 0.25
+
+    client = mlflow.MlflowClient(tracking_uri=uri)
+    experiment = client.get_experiment_by_name("trace_e2e")
+    traces = [t for t in client.search_traces(locations=[experiment.experiment_id]) if t.info.tags.get("step") == "1"]
+    # each of the 2 workers traces 1 of its 2 prompts, with all 4 of its samples
+    assert len(traces) == 8, [t.info.tags for t in traces]
+    by_index: dict[str, list[str]] = {}
+    for trace in traces:
+        assert trace.info.tags["experiment_name"] == "calc1" and trace.info.tags["validate"] == "False"
+        by_index.setdefault(trace.info.tags["sample_index"], []).append(trace.info.tags["rollout_n"])
+    assert sorted(map(sorted, by_index.values())) == [["0", "1", "2", "3"]] * 2

@@ -24,6 +24,7 @@ import contextlib
 import functools
 import inspect
 import os
+import tempfile
 from contextvars import ContextVar
 
 __all__ = ["RolloutTraceConfig", "rollout_trace_attr", "rollout_trace_op"]
@@ -74,10 +75,15 @@ class RolloutTraceConfig:
             config.client = weave.init(project_name)
         elif backend == "mlflow":
             import mlflow
+            from filelock import FileLock
 
             mlflow.config.enable_async_logging()
             mlflow.set_tracking_uri(os.environ.get("MLFLOW_TRACKING_URI", "sqlite:////tmp/mlruns.db"))
-            mlflow.set_experiment(project_name)
+            # Every rollout worker of a node opens the same store at start-up: two processes creating a
+            # fresh sqlite store (its schema migrations) or the same experiment at once make one fail,
+            # so they take turns.
+            with FileLock(os.path.join(tempfile.gettempdir(), "verl_rollout_trace_mlflow.lock")):
+                mlflow.set_experiment(project_name)
             config.client = mlflow
         config.backend = backend
         config.token2text = bool(token2text)
