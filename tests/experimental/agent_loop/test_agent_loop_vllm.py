@@ -49,3 +49,24 @@ def test_tool_conversations_on_vllm_equal_those_on_the_built_in_engine(tokenizer
     torch.testing.assert_close(
         on_vllm.batch["rollout_log_probs"][mask], on_hf.batch["rollout_log_probs"][mask], atol=1e-4, rtol=0
     )
+
+
+def test_over_sampling_on_vllm_masks_the_cut_episodes_and_leaves_the_engine_usable(tokenizer, engines):
+    """A cut may leave a model turn inside vLLM's batch: the rollout returns after it, and the next call
+    (validation: never cut) holds every conversation to its end, as a call without over-sampling does."""
+    vllm, _ = engines
+    config = {**CONFIG, "multi_turn": {"max_assistant_turns": 3}}
+    plain = AgentLoopRollout(vllm, config, tokenizer, tools=[CalculatorTool()])
+    full = plain.generate_sequences(question_batch(tokenizer, QUESTIONS, width=32, validate=True))
+
+    rollout = AgentLoopRollout(vllm, {**config, "over_sample_rate": 0.5}, tokenizer, tools=[CalculatorTool()])
+    cut = rollout.generate_sequences(question_batch(tokenizer, QUESTIONS, width=32))
+    lengths = cut.batch["attention_mask"][:, 32:].sum(-1)
+    finished = lengths > 0
+    assert int(finished.sum()) >= 2, f"int(4 * 0.5) = 2 episodes must finish; response lengths {lengths.tolist()}"
+    assert cut.batch["response_mask"][~finished].eq(0).all()
+    assert cut.meta_info["metrics"]["agent_loop/aborted_ratio"] == pytest.approx(1 - float(finished.float().mean()))
+
+    again = rollout.generate_sequences(question_batch(tokenizer, QUESTIONS, width=32, validate=True))
+    assert again.non_tensor_batch["__num_turns__"].tolist() == full.non_tensor_batch["__num_turns__"].tolist()
+    assert torch.equal(again.batch["responses"], full.batch["responses"])
