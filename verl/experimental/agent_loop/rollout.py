@@ -43,11 +43,12 @@ prompt is kept, its response is all pad with `attention_mask`, `response_mask` a
 `rollout_log_probs` 0 on it and `__num_turns__` 0: a response length of 0 is what marks it, as
 upstream (no extra column, so workers with and without cut episodes concatenate alike). It adds
 nothing to any loss (every loss is masked by `response_mask`); the trainer leaves such rows out of
-its score, reward and response-length statistics and reports their share as `response/aborted_ratio`
-(the rollout as `agent_loop/aborted_ratio`). Their reward is still computed and, with a group
-estimator (GRPO), still enters their group's mean and std, as upstream. One deliberate difference: upstream also zeroes the prompt's attention
-mask; here the prompt stays attended, because a row with no attended token at all makes the
-attention softmax of the log-prob pass 0/0 (NaN) on some backends, and NaN times a zero mask is NaN.
+its score and reward statistics and reports their share as `response/aborted_ratio` (the rollout as
+`agent_loop/aborted_ratio`). Their reward is still computed and, with a group estimator (GRPO),
+still enters their group's mean and std, as upstream. One deliberate difference: upstream also
+zeroes the prompt's attention mask; here the prompt stays attended, because a row with no attended
+token at all makes the attention softmax of the log-prob pass 0/0 (NaN) on some backends, and NaN
+times a zero mask is NaN.
 A model turn already inside the engine when the cut comes finishes there (a batch-synchronous engine
 cannot drop one row mid-batch) and is discarded; `generate_sequences` returns only after it, so the
 engine is idle when the worker next syncs weights or sleeps.
