@@ -56,6 +56,21 @@ def _config(lora=("actor_rollout_ref.model.lora_rank=8", "actor_rollout_ref.mode
 
 
 @torch.no_grad()
+def _greedy_prompts(data):
+    """The prompts of a generated batch as a greedy generation request, and their attention mask."""
+    prompt_length = data.batch["prompts"].shape[1]
+    prompt_mask = data.batch["attention_mask"][:, :prompt_length]
+    prompts = DataProto.from_dict(
+        tensors={
+            "input_ids": data.batch["prompts"],
+            "attention_mask": prompt_mask,
+            "position_ids": data.batch["position_ids"][:, :prompt_length],
+        },
+        meta_info={"do_sample": False, "eos_token_id": None, "pad_token_id": 0},
+    )
+    return prompts, prompt_mask
+
+
 def _greedy(model, prompts: torch.Tensor, prompt_mask: torch.Tensor, steps: int):
     """Greedy tokens and their log-probs, each row alone, no padding and no KV cache."""
     tokens, log_probs = [], []
@@ -116,16 +131,7 @@ def _lora_worker(rank, world_size, out_dir):
     merged_reference = peft_reference.merge_and_unload()
 
     # the engine, fed the merged weights, decodes greedily what the peft model decodes
-    prompt_length = data.batch["prompts"].shape[1]
-    prompt_mask = data.batch["attention_mask"][:, :prompt_length]
-    prompts = DataProto.from_dict(
-        tensors={
-            "input_ids": data.batch["prompts"],
-            "attention_mask": prompt_mask,
-            "position_ids": data.batch["position_ids"][:, :prompt_length],
-        },
-        meta_info={"do_sample": False, "eos_token_id": None, "pad_token_id": 0},
-    )
+    prompts, prompt_mask = _greedy_prompts(data)
     out = worker.generate_sequences(prompts)
     expected_tokens, expected_log_probs = _greedy(merged_reference, data.batch["prompts"], prompt_mask, RESPONSE_LENGTH)
     torch.testing.assert_close(out.batch["responses"], expected_tokens, rtol=0, atol=0)
@@ -197,16 +203,7 @@ def _adapter_worker(rank, world_size, adapter_dir, out_dir):
     assert gap > 1e-2, f"the adapter moves the log-probs by only {gap}: the test cannot tell it was loaded"
 
     # the rollout engine decodes with the adapter merged in
-    prompt_length = data.batch["prompts"].shape[1]
-    prompt_mask = data.batch["attention_mask"][:, :prompt_length]
-    prompts = DataProto.from_dict(
-        tensors={
-            "input_ids": data.batch["prompts"],
-            "attention_mask": prompt_mask,
-            "position_ids": data.batch["position_ids"][:, :prompt_length],
-        },
-        meta_info={"do_sample": False, "eos_token_id": None, "pad_token_id": 0},
-    )
+    prompts, prompt_mask = _greedy_prompts(data)
     out = worker.generate_sequences(prompts)
     merged = peft_reference.merge_and_unload()
     expected_tokens, expected_log_probs = _greedy(merged, data.batch["prompts"], prompt_mask, RESPONSE_LENGTH)

@@ -302,15 +302,12 @@ def get_megatron_schedule(optimizer: torch.optim.Optimizer, optim_config, last_e
     init_lr = float(_get(optim_config, "lr_warmup_init", 0.0))
     total = int(_get(optim_config, "total_training_steps", -1))
     decay_steps = int(_get(optim_config, "lr_decay_steps", total))
-    warmup_steps = int(_get(optim_config, "lr_warmup_steps", -1))
-    if warmup_steps <= 0:
-        ratio = float(_get(optim_config, "lr_warmup_steps_ratio", 0.0))
-        if ratio > 0 and decay_steps <= 0:
-            raise ValueError(
-                f"optim.lr_warmup_steps_ratio={ratio} needs optim.lr_decay_steps or optim.total_training_steps, both "
-                "unset; the trainer sets total_training_steps from the dataloader length, or set optim.lr_warmup_steps"
-            )
-        warmup_steps = int(ratio * max(decay_steps, 0))
+    warmup_steps = _warmup_steps(
+        optim_config,
+        decay_steps,
+        "optim.lr_decay_steps or optim.total_training_steps, both unset; the trainer sets total_training_steps from "
+        "the dataloader length, or set optim.lr_warmup_steps",
+    )
     if not 0.0 <= min_lr <= max_lr or init_lr > max_lr:
         raise ValueError(
             f"optim.min_lr={min_lr}, optim.lr_warmup_init={init_lr} and optim.lr={max_lr} must satisfy "
@@ -358,6 +355,18 @@ def _scheduler_type(optim_config) -> str | None:
     return None if _has(optim_config, "lr_decay_style") else "constant"
 
 
+def _warmup_steps(optim_config, span: int, span_needed: str) -> int:
+    """`lr_warmup_steps` when > 0, else `lr_warmup_steps_ratio` of `span` (the schedule's length);
+    a ratio without a known span is an error that ends with `span_needed`."""
+    warmup_steps = int(_get(optim_config, "lr_warmup_steps", -1))
+    if warmup_steps > 0:
+        return warmup_steps
+    ratio = float(_get(optim_config, "lr_warmup_steps_ratio", 0.0))
+    if ratio > 0 and span <= 0:
+        raise ValueError(f"optim.lr_warmup_steps_ratio={ratio} needs {span_needed}")
+    return int(ratio * max(span, 0))
+
+
 def build_lr_scheduler(optimizer: torch.optim.Optimizer, optim_config) -> LambdaLR:
     """The configured lr schedule of `optimizer` (see the module docstring), stepped once per
     training step."""
@@ -365,15 +374,12 @@ def build_lr_scheduler(optimizer: torch.optim.Optimizer, optim_config) -> Lambda
     if style is None:
         return get_megatron_schedule(optimizer, optim_config)
     total_steps = int(_get(optim_config, "total_training_steps", -1))
-    warmup_steps = int(_get(optim_config, "lr_warmup_steps", -1))
-    if warmup_steps <= 0:
-        ratio = float(_get(optim_config, "lr_warmup_steps_ratio", 0.0))
-        if ratio > 0 and total_steps <= 0:
-            raise ValueError(
-                f"optim.lr_warmup_steps_ratio={ratio} needs optim.total_training_steps, which is unset; "
-                "the trainer sets it from the dataloader length, or set optim.lr_warmup_steps instead"
-            )
-        warmup_steps = int(ratio * max(total_steps, 0))
+    warmup_steps = _warmup_steps(
+        optim_config,
+        total_steps,
+        "optim.total_training_steps, which is unset; the trainer sets it from the dataloader length, or set "
+        "optim.lr_warmup_steps instead",
+    )
     if style == "constant":
         return get_constant_schedule_with_warmup(optimizer, num_warmup_steps=warmup_steps)
     if style == "cosine":

@@ -17,6 +17,8 @@ from pathlib import Path
 import yaml
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
+from verl.trainer.config.loader import _has_key  # the loader's own rule for "this key exists"
+
 DATA = Path(__file__).parent / "upstream"
 
 # Sets the issue leaves out (the next issue's features, or hardware this build does not support).
@@ -129,16 +131,6 @@ def upstream_config(entry: ScriptSet) -> DictConfig:
     if OmegaConf.is_missing(cfg.actor_rollout_ref.rollout, "name"):  # upstream's RolloutConfig requires it
         raise UpstreamRefuses("actor_rollout_ref.rollout.name is not set")
     return cfg
-
-
-def _has_key(cfg: DictConfig, key: str) -> bool:
-    """Whether dotted `key` exists (a `???` value exists), without resolving anything."""
-    node = cfg
-    for part in key.split("."):
-        if not isinstance(node, DictConfig) or node._is_none() or part not in node.keys():  # noqa: SIM118
-            return False
-        node = node._get_node(part)
-    return True
 
 
 class _open:
