@@ -32,6 +32,8 @@ import time
 
 import torch
 
+from verl.utils.machine import bench_headline
+
 
 def layer_matmul_params(config) -> int:
     """Weights of the decoder layers that take part in a matmul per token (attention and MLP
@@ -191,8 +193,11 @@ def main():
         )
         print(f"achieved {achieved / 1e12:.1f} TFLOP/s of {peak / 1e12:.1f} ({peak_source})")
         print(
-            f"bench actor_update_mfu: mfu_pct={100 * achieved / peak:.1f} tflops={achieved / 1e12:.2f} "
-            f"tok_s={tokens / seconds:.0f} seconds={seconds:.3f} peak_tflops={peak / 1e12:.1f} device={name.replace(' ', '_')}"
+            bench_headline(
+                "actor_update_mfu",
+                f"mfu_pct={100 * achieved / peak:.1f} tflops={achieved / 1e12:.2f} "
+                f"tok_s={tokens / seconds:.0f} seconds={seconds:.3f} peak_tflops={peak / 1e12:.1f} device={name.replace(' ', '_')}",
+            )
         )
     finally:
         dist.destroy_process_group()

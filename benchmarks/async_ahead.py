@@ -36,6 +36,8 @@ import sys
 import tempfile
 from pathlib import Path
 
+from verl.utils.machine import bench_headline
+
 ROOT = Path(__file__).resolve().parents[1]
 VAL_KEY = "val-core/arith/acc/mean@1"
 
@@ -132,7 +134,7 @@ def main() -> None:
     for ahead, r in results.items():
         fields += [f"time_s_{ahead}={r['time_s']:.1f}", f"acc_{ahead}={r['acc']:.3f}"]
         fields.append(f"ratio_{ahead}={r['time_s'] / base:.2f}")
-    print(f"bench async_ahead: steps={args.steps} " + " ".join(fields))
+    print(bench_headline("async_ahead", f"steps={args.steps} " + " ".join(fields)))
 
 
 if __name__ == "__main__":

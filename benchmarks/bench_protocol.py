@@ -16,6 +16,7 @@ import time
 import torch
 
 from verl.protocol import DataProto
+from verl.utils.machine import bench_headline
 
 
 def best_of(fn, repeats: int) -> float:
@@ -85,9 +86,12 @@ def main() -> None:
         print(f"ray put+get         ours {1e3 * ours_ray:7.1f} ms   tensordict {1e3 * td_ray:7.1f} ms")
         ray_fields = f" ray_ms={1e3 * ours_ray:.1f} ray_speedup={td_ray / ours_ray:.2f}"
     print(
-        f"bench protocol: payload_mb={payload_mb:.0f} roundtrip_ms={1e3 * (ours_dump + ours_load):.1f} "
-        f"roundtrip_speedup={(td_dump + td_load) / (ours_dump + ours_load):.2f} "
-        f"chunk_bytes_ratio={td_chunk_mb / ours_chunk_mb:.2f} concat_ms={1e3 * concat_s:.1f}{ray_fields}"
+        bench_headline(
+            "protocol",
+            f"payload_mb={payload_mb:.0f} roundtrip_ms={1e3 * (ours_dump + ours_load):.1f} "
+            f"roundtrip_speedup={(td_dump + td_load) / (ours_dump + ours_load):.2f} "
+            f"chunk_bytes_ratio={td_chunk_mb / ours_chunk_mb:.2f} concat_ms={1e3 * concat_s:.1f}{ray_fields}",
+        )
     )
 
 

@@ -42,6 +42,7 @@ from verl.protocol import DataProto
 from verl.single_controller.base import Worker
 from verl.single_controller.base.decorator import Dispatch, register
 from verl.single_controller.ray import RAY_SYSTEM_CONFIG, RayClassWithInitArgs, RayResourcePool, RayWorkerGroup
+from verl.utils.machine import bench_headline
 
 ROW_FLOATS = 1024  # one row = 4 KiB
 
@@ -174,7 +175,7 @@ def main() -> None:
         results[f"{stage}_ms_1mb"] = staged[stage]
     results["raw_submit_ms_1mb"] = breakdown["1mb"]["raw"]["submit"]
     results["raw_wait_ms_1mb"] = breakdown["1mb"]["raw"]["wait"]
-    print("bench dispatch_overhead: " + " ".join(f"{k}={v:.2f}" for k, v in results.items()))
+    print(bench_headline("dispatch_overhead", " ".join(f"{k}={v:.2f}" for k, v in results.items())))
 
 
 if __name__ == "__main__":

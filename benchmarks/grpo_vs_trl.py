@@ -21,14 +21,19 @@ optimizer step per generated batch. Every hyper-parameter defaults to its curren
   to the next (a `TrainerCallback`), and the completion tokens the reward function was given.
 
 Figures: the median seconds per step and the median completion tokens per second (tokens of the
-step / seconds of the step) over the `--steps` timed steps, after `--warmup` untimed steps on each
-side (start-up, model loading and the warm-up steps are excluded). Completion tokens count each
+step / seconds of the step) over the timed steps of all rounds, each round `--warmup` untimed
+steps and `--steps` timed ones per side (start-up, model loading and the warm-up steps are
+excluded). The machine's speed drifts when something else runs (TRL's step time varied by ~30%
+between runs on a shared machine), so the sides alternate in `--rounds` rounds in ABBA order
+(ours, TRL, TRL, ours, ...): a load that rises or falls steadily during the run then weighs on both
+sides alike. The per-round ratios are printed; their spread says how much the load moved. Completion tokens count each
 completion up to and including its EOS, on both sides. The ratio is ours / TRL in tokens/s (the
 issue's goal: at least 3x). The two sides sample different completions, so their lengths differ a
 little; tokens/s corrects for that, seconds/step does not.
 
 Run:
-    python benchmarks/grpo_vs_trl.py                 # 2 warm-up + 10 timed steps each
+    python benchmarks/grpo_vs_trl.py                 # 2 rounds of 2 warm-up + 10 timed steps each
+    python benchmarks/grpo_vs_trl.py --rounds 1      # one run per side, as before
     python benchmarks/grpo_vs_trl.py --steps 2 --warmup 1
 """
 
@@ -50,6 +55,8 @@ from grpo_common import (
     setup_from_args,
     step_records,
 )
+
+from verl.utils.machine import bench_headline
 
 
 def measure_ours(setup: GRPOSetup, warmup: int, steps: int) -> dict:
@@ -87,6 +94,16 @@ def measure_trl(setup: GRPOSetup, warmup: int, steps: int, train_rows: list[dict
     return {"seconds": clock.step_seconds[warmup:], "tokens": [float(t) for t in reward.tokens_per_call[warmup:]]}
 
 
+def abba_order(rounds: int) -> list[tuple[str, str]]:
+    """The side order of each round: ours first in even rounds, TRL first in odd ones."""
+    return [("ours", "TRL") if i % 2 == 0 else ("TRL", "ours") for i in range(rounds)]
+
+
+def pooled(rounds: list[dict[str, dict]], side: str) -> dict:
+    """One side's timed steps of every round, in one list per measure."""
+    return {key: [x for r in rounds for x in r[side][key]] for key in ("seconds", "tokens")}
+
+
 def summarize(side: dict) -> tuple[float, float, float]:
     """(median s/step, median completion tok/s, mean completion tokens per step)."""
     rates = [t / s for t, s in zip(side["tokens"], side["seconds"])]
@@ -98,6 +115,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--steps", type=int, default=10, help="timed steps per side (default: 10)")
     parser.add_argument("--warmup", type=int, default=2, help="untimed steps before them (default: 2)")
     parser.add_argument(
+        "--rounds", type=int, default=2, help="alternating rounds, ABBA order (default: 2: ours, TRL, TRL, ours)"
+    )
+    parser.add_argument(
         "--trl-micro-batch",
         type=int,
         default=None,
@@ -108,16 +128,24 @@ def main(argv: list[str] | None = None) -> None:
     setup = setup_from_args(args)
     if setup.mini_batch_size != setup.batch_size:
         parser.error("this benchmark compares one optimizer step per batch: --mini-batch-size must equal --batch-size")
-    if args.steps < 1 or args.warmup < 0:
-        parser.error("--steps must be at least 1 and --warmup at least 0")
+    if args.steps < 1 or args.warmup < 0 or args.rounds < 1:
+        parser.error("--steps and --rounds must be at least 1 and --warmup at least 0")
 
     from verl.utils.dataset.arith import ensure_arith_data, load_rows
 
     train_path, _ = ensure_arith_data()
     train_rows = load_rows(train_path)
     print(f"setup: {setup}", flush=True)
-    ours = measure_ours(setup, args.warmup, args.steps)
-    trl = measure_trl(setup, args.warmup, args.steps, train_rows, args.trl_micro_batch)
+    measure = {
+        "ours": lambda: measure_ours(setup, args.warmup, args.steps),
+        "TRL": lambda: measure_trl(setup, args.warmup, args.steps, train_rows, args.trl_micro_batch),
+    }
+    rounds: list[dict[str, dict]] = []
+    for order in abba_order(args.rounds):
+        rounds.append({side: measure[side]() for side in order})
+    ours, trl = pooled(rounds, "ours"), pooled(rounds, "TRL")
+    round_ratios = [summarize(r["ours"])[1] / summarize(r["TRL"])[1] for r in rounds]
+    print("per-round ratios (tok/s): " + " ".join(f"{x:.2f}" for x in round_ratios))
 
     rows = {"ours": summarize(ours), "TRL": summarize(trl)}
     print(f"\n{'':6}{'s/step':>10}{'tok/s':>10}{'tokens/step':>13}   per-step seconds")
@@ -126,8 +154,12 @@ def main(argv: list[str] | None = None) -> None:
         print(f"{name:6}{s:10.3f}{rate:10.0f}{tokens:13.0f}   " + " ".join(f"{x:.2f}" for x in side["seconds"]))
     (ours_s, ours_rate, _), (trl_s, trl_rate, _) = rows["ours"], rows["TRL"]
     print(
-        f"bench grpo_vs_trl: ours_tok_s={ours_rate:.0f} trl_tok_s={trl_rate:.0f} ratio={ours_rate / trl_rate:.2f} "
-        f"ours_s_per_step={ours_s:.3f} trl_s_per_step={trl_s:.3f}"
+        bench_headline(
+            "grpo_vs_trl",
+            f"ours_tok_s={ours_rate:.0f} trl_tok_s={trl_rate:.0f} ratio={ours_rate / trl_rate:.2f} "
+            f"ours_s_per_step={ours_s:.3f} trl_s_per_step={trl_s:.3f} rounds={len(rounds)} "
+            f"round_ratio_min={min(round_ratios):.2f} round_ratio_max={max(round_ratios):.2f}",
+        )
     )
     sys.stdout.flush()
 

@@ -31,6 +31,8 @@ import time
 import torch
 import torch.multiprocessing as mp
 
+from verl.utils.machine import bench_headline
+
 
 def _free_port() -> int:
     with socket.socket() as s:
@@ -201,7 +203,7 @@ def main() -> None:
             fields.append(f"{row['layout']}_vs_fsdp={row['tok_s'] / base['tok_s']:.2f}")
         if row["mfu"] is not None:
             fields.append(f"{row['layout']}_mfu={row['mfu']:.3f}")
-    print("bench megatron_vs_fsdp: " + " ".join(fields))
+    print(bench_headline("megatron_vs_fsdp", " ".join(fields)))
 
 
 if __name__ == "__main__":

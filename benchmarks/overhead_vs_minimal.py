@@ -41,6 +41,7 @@ import time
 import torch
 
 from verl.utils.device import get_device, synchronize
+from verl.utils.machine import bench_headline
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -252,7 +253,7 @@ def run_curve(args, train_rows, test_rows) -> None:
                 flush=True,
             )
             rewards = []
-    print(f"bench overhead_vs_minimal_curve: steps={args.curve} lr={args.lr} final_accuracy={accuracy:.3f}")
+    print(bench_headline("overhead_vs_minimal_curve", f"steps={args.curve} lr={args.lr} final_accuracy={accuracy:.3f}"))
 
 
 def main() -> None:
@@ -287,8 +288,11 @@ def main() -> None:
     ours_s, minimal_s = statistics.median(ours), statistics.median(minimal)
     print(f"means: ours {statistics.mean(ours):.3f} s, minimal {statistics.mean(minimal):.3f} s")
     print(
-        f"bench overhead_vs_minimal: ours_s_per_step={ours_s:.3f} minimal_s_per_step={minimal_s:.3f} "
-        f"ratio={ours_s / minimal_s:.2f} minimal_generate={args.generate}"
+        bench_headline(
+            "overhead_vs_minimal",
+            f"ours_s_per_step={ours_s:.3f} minimal_s_per_step={minimal_s:.3f} "
+            f"ratio={ours_s / minimal_s:.2f} minimal_generate={args.generate}",
+        )
     )
 
 

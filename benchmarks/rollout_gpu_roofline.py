@@ -29,6 +29,8 @@ import time
 
 import torch
 
+from verl.utils.machine import bench_headline
+
 
 def measure_copy_bandwidth(device, nbytes: int = 1 << 30) -> float:
     """Bytes/s of a device-to-device copy (read + write counted)."""
@@ -179,7 +181,7 @@ def main():
         hf_tok_s = args.batch * args.new_tokens / (time.perf_counter() - start)
         print(f"transformers generate(): {hf_tok_s:,.0f} tok/s; ours/hf = {ours_tok_s / hf_tok_s:.1f}x")
         fields.append(f"hf_tok_s={hf_tok_s:.0f}")
-    print("bench rollout_gpu_roofline: " + " ".join(fields))
+    print(bench_headline("rollout_gpu_roofline", " ".join(fields)))
 
 
 if __name__ == "__main__":

@@ -34,6 +34,8 @@ from pathlib import Path
 
 import torch
 
+from verl.utils.machine import bench_headline
+
 
 def model_dir(preset: str, workdir: Path) -> str:
     from verl.models import bundled_model_path
@@ -213,7 +215,7 @@ def main():
         f"grpo_hf_ms={ms['hf']:.1f}",
         f"grpo_ratio={ms['hf'] / ms['ours']:.2f}",
     ]
-    print("bench rollout_vs_hf: " + " ".join(fields))
+    print(bench_headline("rollout_vs_hf", " ".join(fields)))
 
 
 if __name__ == "__main__":

@@ -54,6 +54,8 @@ from grpo_common import (
     yaml_test_freq,
 )
 
+from verl.utils.machine import bench_headline
+
 VAL_KEY = "val-core/arith/acc/mean@1"
 
 
@@ -190,8 +192,10 @@ def main(argv: list[str] | None = None) -> None:
     ours_min, trl_min = _minutes(ours["reached_s"]), _minutes(trl["reached_s"])
     ratio = ours_min / trl_min if trl_min > 0 and not (math.isinf(ours_min) and math.isinf(trl_min)) else math.nan
     print(
-        f"bench time_to_accuracy: threshold={args.threshold} ours_min={ours_min:.2f} trl_min={trl_min:.2f} "
-        f"ratio={ratio:.2f}"
+        bench_headline(
+            "time_to_accuracy",
+            f"threshold={args.threshold} ours_min={ours_min:.2f} trl_min={trl_min:.2f} ratio={ratio:.2f}",
+        )
     )
 
 

@@ -33,6 +33,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from verl.utils.machine import bench_headline
+
 MODEL = os.path.join(os.path.dirname(__file__), "..", "verl", "assets", "arith-tiny")
 
 
@@ -163,9 +165,12 @@ def main() -> None:
     print(f"2 ranks: FSDP2 (fsdp_size=1) {fsdp_ms:.1f} ms, plain replicas {replicas_ms:.1f} ms per update")
     print(f"1 process: padded response pass {padded_ms:.1f} ms, packed {packed_ms:.1f} ms per update")
     print(
-        f"bench update_layouts: fsdp_ms={fsdp_ms:.1f} replicas_ms={replicas_ms:.1f} "
-        f"replica_speedup={fsdp_ms / replicas_ms:.2f} padded_ms={padded_ms:.1f} packed_ms={packed_ms:.1f} "
-        f"packed_speedup={padded_ms / packed_ms:.2f}"
+        bench_headline(
+            "update_layouts",
+            f"fsdp_ms={fsdp_ms:.1f} replicas_ms={replicas_ms:.1f} "
+            f"replica_speedup={fsdp_ms / replicas_ms:.2f} padded_ms={padded_ms:.1f} packed_ms={packed_ms:.1f} "
+            f"packed_speedup={padded_ms / packed_ms:.2f}",
+        )
     )
 
 

@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import platform
 import statistics
 import tempfile
 import time
@@ -33,16 +32,7 @@ import time
 import torch
 import torch.distributed as dist
 
-
-def cpu_model() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown CPU"
+from verl.utils.machine import bench_headline, cpu_model
 
 
 def device_name() -> str:
@@ -122,7 +112,10 @@ def main():
     )
     dist.destroy_process_group()
     print(
-        f"bench weight_sync: seconds={seconds:.4g} gb={gb:.4g} gb_s={gb / seconds:.4g} device={device.replace(' ', '_')}"
+        bench_headline(
+            "weight_sync",
+            f"seconds={seconds:.4g} gb={gb:.4g} gb_s={gb / seconds:.4g} device={device.replace(' ', '_')}",
+        )
     )
 
 

@@ -9,7 +9,9 @@ import sys
 
 import pytest
 
-_LAST_LINE = re.compile(r"^bench weight_sync: seconds=(\S+) gb=(\S+) gb_s=(\S+) device=(\S+)$")
+_LAST_LINE = re.compile(
+    r"^bench weight_sync: seconds=(\S+) gb=(\S+) gb_s=(\S+) device=(\S+) cpu=(\S+) isa=(\S+) cores=(\d+) load1=(\S+)/(\S+)$"
+)
 
 
 def _run(*args: str) -> re.Match:
