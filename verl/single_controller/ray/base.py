@@ -744,7 +744,10 @@ class RayWorkerGroup(WorkerGroup):
             died = self._dead_peer(refs, role, method, then=str(error).splitlines()[0])
             raise (died or error) from None
         except RayActorError as exc:
-            raise self._died_error(exc, role, method) from None
+            # The same race from the other side: the death arrived first; the peers' errors it caused
+            # follow within moments and are named after it, so the report reads the same either way.
+            then = self._peer_error(exc, refs, ranks, role, method)
+            raise self._died_error(exc, role, method, then) from None
         except GetTimeoutError:
             _, pending = ray.wait(refs, num_returns=len(refs), timeout=0)
             pending_ranks = [ranks[refs.index(r)] for r in pending]
@@ -786,6 +789,21 @@ class RayWorkerGroup(WorkerGroup):
             except Exception:  # another rank's own error: not a death
                 continue
         return None
+
+    def _peer_error(self, death: RayActorError, refs: list, ranks: list[int], role: str, method: str) -> str:
+        """After one rank of a call died: the first line of the error another rank of the same call
+        raised within `_PEER_DEATH_GRACE_S` (ranks still running are not waited for longer), or ""."""
+        ray.wait(refs, num_returns=len(refs), timeout=self._PEER_DEATH_GRACE_S)
+        for ref in refs:
+            if not ray.wait([ref], timeout=0)[0]:
+                continue
+            try:
+                ray.get(ref, timeout=0)
+            except RayTaskError as exc:
+                return str(self._method_error(exc, refs, ranks, role, method)).splitlines()[0]
+            except Exception:  # the death itself, or another rank's
+                continue
+        return ""
 
     def _method_error(self, exc: RayTaskError, refs, ranks, role: str, method: str) -> WorkerGroupError:
         cause = getattr(exc, "cause", None)
