@@ -57,6 +57,12 @@ def kl_penalty(logprob: torch.Tensor, ref_logprob: torch.Tensor, kl_penalty: str
     return _kl_estimate(logprob, ref_logprob, kl_penalty)
 
 
+def kl_penalty_forward(logprob: torch.Tensor, ref_logprob: torch.Tensor, kl_penalty: str) -> torch.Tensor:
+    """The named estimator with its own gradient (upstream's name): `kl_penalty` without the
+    straight-through swap, so `k3+` gives k3's value and k3's gradient. Shapes [B, R] -> [B, R]."""
+    return _kl_estimate(logprob, ref_logprob, kl_penalty.removesuffix("+"))
+
+
 def _kl_estimate(logprob: torch.Tensor, ref_logprob: torch.Tensor, name: str) -> torch.Tensor:
     base = name[:-1] if name.endswith("+") else name
     if base not in KL_ESTIMATORS:
@@ -113,6 +119,16 @@ def apply_kl_penalty_tensors(
     token_level_rewards = token_level_scores - kl_coef * kld
     current_kl = masked_mean(kld, response_mask, axis=-1).mean()
     return token_level_rewards, current_kl
+
+
+def compute_rewards(
+    token_level_scores: torch.Tensor, old_log_prob: torch.Tensor, ref_log_prob: torch.Tensor, kl_ratio: float
+) -> torch.Tensor:
+    r"""Upstream's plain in-reward KL: $r_t = \mathrm{score}_t - \beta(\log\pi_{old} - \log\pi_{ref})$
+    with $\beta$ = `kl_ratio`, on every position (no mask, no estimator choice; the trainer uses
+    `apply_kl_penalty_tensors`, which masks padding and takes `algorithm.kl_penalty`). Shapes [B, R]."""
+    _check_shapes(token_level_scores=token_level_scores, old_log_prob=old_log_prob, ref_log_prob=ref_log_prob)
+    return token_level_scores - kl_ratio * (old_log_prob - ref_log_prob)
 
 
 class FixedKLController:

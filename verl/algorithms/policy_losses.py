@@ -633,7 +633,10 @@ def compute_policy_loss_bypass_mode(
     return pg_loss, metrics
 
 
-POLICY_LOSSES: dict[str, Callable[..., tuple[torch.Tensor, dict[str, torch.Tensor]]]] = {
+PolicyLossFn = Callable[..., tuple[torch.Tensor, dict[str, torch.Tensor]]]
+"""The type of a policy loss (upstream's name); the signature is spelled out under `POLICY_LOSSES`."""
+
+POLICY_LOSSES: dict[str, PolicyLossFn] = {
     "vanilla": compute_policy_loss_vanilla,
     "gspo": compute_policy_loss_gspo,
     "gpg": compute_policy_loss_gpg,
