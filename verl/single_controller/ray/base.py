@@ -27,7 +27,7 @@
   fused class itself, `create_colocated_worker_cls_fused` upstream's name for the same pairing;
   in the process the roles reach each other through `self.fused_worker_dict`.
 
-Transport: a DataProto pickles as flat out-of-band buffers (verl/protocol.py). A blocking call to
+Transport: a DataProto pickles as flat out-of-band buffers (verl/protocol/_wire.py). A blocking call to
 a worker on the driver's host sends large ones through that worker's shared-memory channel
 (verl/single_controller/shm.py; Ray carries only the pickle stream), both ways. Otherwise Ray
 inlines them into the call (up to `max_direct_call_object_size`, see RAY_SYSTEM_CONFIG) or copies

@@ -54,7 +54,7 @@ worker's `perf/mfu/actor`.
 Rollout correction: `rollout_is_weights` in the batch (decoupled mode, computed by the trainer)
 multiply each token's policy loss; with `rollout_log_probs` in the batch every micro-batch also
 reports the current policy's gap to the rollout (`rollout_corr/*`, as upstream); bypass mode is the
-`bypass_mode` policy loss (see `verl.trainer.ppo.rollout_corr_helper`).
+`bypass_mode` policy loss (see `verl.algorithms.rollout_corr`).
 
 Config keys read (the `actor_rollout_ref.actor` section; DictConfig, dataclass or dict):
 ppo_mini_batch_size, ppo_micro_batch_size_per_gpu, use_dynamic_bsz, ppo_max_token_len_per_gpu,
@@ -64,7 +64,7 @@ tis_imp_ratio_cap, tau_pos, tau_neg (sapo), loss_scale_factor (seq-mean-token-su
 for every term of the loss), calculate_entropy (compute and report `actor/entropy` during the
 update even without an entropy bonus), policy_loss {loss_mode, clip_cov_*, kl_cov_ratio,
 ppo_kl_coef, rollout_correction}, loss_agg_mode (replaced by the loss's own for `sapo` and
-`geo_mean`, with a warning: `core_algos.LOSS_AGG_MODE_OVERRIDES`), entropy_coeff, use_kl_loss,
+`geo_mean`, with a warning: `verl.algorithms.policy_losses.LOSS_AGG_MODE_OVERRIDES`), entropy_coeff, use_kl_loss,
 kl_loss_coef, kl_loss_type, use_remove_padding,
 ulysses_sequence_parallel_size (must be 1), skip_zero_advantage_step, skip_zero_advantage_rows,
 share_prompt_forward. `use_torch_compile` is
@@ -80,16 +80,10 @@ import torch
 import torch.distributed as dist
 from torch.distributed.fsdp import FSDPModule
 
-from verl.trainer.ppo.core_algos import (
-    LOSS_AGG_MODE_OVERRIDES,
-    PolicyLossParams,
-    agg_loss,
-    entropy_from_logits_with_chunking,
-    get_policy_loss_fn,
-    kl_penalty,
-    logprobs_from_logits,
-)
-from verl.trainer.ppo.rollout_corr_helper import compute_rollout_corr_metrics_from_logprobs
+from verl.algorithms.aggregation import agg_loss
+from verl.algorithms.kl import kl_penalty
+from verl.algorithms.policy_losses import LOSS_AGG_MODE_OVERRIDES, PolicyLossParams, get_policy_loss_fn
+from verl.algorithms.rollout_corr import compute_rollout_corr_metrics_from_logprobs
 from verl.utils import shared_prompt, speed_paths
 from verl.utils.device import collective_device, get_device
 from verl.utils.flops_counter import FlopsCounter, FlopsTally
@@ -99,7 +93,11 @@ from verl.utils.optim import grad_clip
 from verl.utils.remove_padding import pad_input, unpad_input, unpad_position_ids
 from verl.utils.seqlen_balancing import num_micro_batches_for_budget
 from verl.utils.shared_prompt import prompt_groups, shared_prompt_logits
-from verl.utils.torch_functional import sum_pi_squared_from_logits
+from verl.utils.torch_functional import (
+    entropy_from_logits_with_chunking,
+    logprobs_from_logits,
+    sum_pi_squared_from_logits,
+)
 from verl.workers.actor.base import BasePPOActor
 from verl.workers.dp_training import (
     append_to_dict,

@@ -20,11 +20,12 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from verl.trainer.ppo.core_algos import compute_value_loss, masked_mean
+from verl.algorithms.value_losses import compute_value_loss
 from verl.utils.device import collective_device, get_device
 from verl.utils.flops_counter import FlopsCounter, FlopsTally
 from verl.utils.optim import grad_clip
 from verl.utils.remove_padding import pad_input, unpad_input, unpad_position_ids
+from verl.utils.torch_functional import masked_mean
 from verl.workers.critic.base import BasePPOCritic
 from verl.workers.dp_training import (
     append_to_dict,
