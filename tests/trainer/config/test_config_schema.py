@@ -59,7 +59,7 @@ def test_yaml_and_schema_list_the_same_keys(name):
 def test_every_yaml_target_names_the_schemas_class_for_that_section(name):
     sections = {k: tp for k, _, tp, _ in iter_schema_fields() if is_section_type(tp)}
     targets = {k.rpartition(".")[0]: v for k, v in _leaves(raw_yaml(name)).items() if k.endswith("._target_")}
-    assert {"algorithm", "algorithm.kl_ctrl"} <= set(targets)
+    assert {"algorithm", "algorithm.kl_ctrl", "actor_rollout_ref.actor.checkpoint", "critic.checkpoint"} <= set(targets)
     for section, target in targets.items():
         cls = sections[section]
         module, _, attr = target.rpartition(".")

@@ -15,6 +15,7 @@ from verl.trainer.config.algorithm import (
     KLControlConfig,
     RolloutCorrectionConfig,
 )
+from verl.trainer.config.config import CheckpointConfig
 from verl.trainer.config.errors import ConfigError, ConfigWarning
 from verl.trainer.config.loader import (
     CONFIG_DIR,
@@ -42,6 +43,7 @@ from verl.trainer.config.validate import (
 __all__ = [
     "AlgoConfig",
     "CONFIG_DIR",
+    "CheckpointConfig",
     "DEMO_CONFIG_NAME",
     "CommandLine",
     "check_machine",

@@ -34,6 +34,7 @@ from verl.trainer.config.algorithm import (  # noqa: F401  (re-exported: the sch
     PFPPOConfig,
     RolloutCorrectionConfig,
 )
+from verl.trainer.config.config import CheckpointConfig
 from verl.trainer.config.fields import (  # noqa: F401  (re-exported: the schema's public names)
     _NO_NEUTRAL,
     _SPEED,
@@ -424,15 +425,6 @@ class OptimConfig:
     use_checkpoint_opt_param_scheduler: bool = doc(
         "Megatron: take the schedule's settings from the checkpoint.", status=UNSUPPORTED, neutral=False, optional=True
     )
-
-
-@dataclass
-class CheckpointConfig:
-    """What a checkpoint holds."""
-
-    save_contents: list[str] = doc("Parts written at each save.", choices=CHECKPOINT_CONTENTS)
-    load_contents: list[str] = doc("Parts read when resuming.", choices=CHECKPOINT_CONTENTS)
-    async_save: bool = doc("Write checkpoints in the background.", status=UNSUPPORTED, neutral=False)
 
 
 @dataclass
@@ -1317,5 +1309,9 @@ def config_fields(cls: type) -> tuple[dataclasses.Field, ...]:
     return tuple(f for f in dataclasses.fields(cls) if f.name != "_target_")
 
 
-TYPED_SECTIONS: dict[str, type] = {"algorithm": AlgoConfig}
-"""Top-level key -> the runtime section class whose `__post_init__` checks it (validate.py builds each)."""
+TYPED_SECTIONS: dict[str, type] = {
+    "algorithm": AlgoConfig,
+    "actor_rollout_ref.actor.checkpoint": CheckpointConfig,
+    "critic.checkpoint": CheckpointConfig,
+}
+"""Dotted key -> the runtime section class whose `__post_init__` checks it (validate.py builds each)."""

@@ -278,9 +278,12 @@ def _check_typed_sections(c: dict, errors: list[str]):
     """Build each typed section: its `__post_init__` holds the checks that need only that section."""
     for key, cls in S.TYPED_SECTIONS.items():
         try:
-            omega_conf_to_dataclass(c[key], cls)
+            omega_conf_to_dataclass(_get(c, key), cls)
         except ValueError as e:
-            errors.append(str(e))
+            message = str(e)
+            # a class shared by several sections names its key relative to the section
+            prefix = key.rpartition(".")[0]
+            errors.append(f"{prefix}.{message}" if prefix and not message.startswith(key) else message)
 
 
 def _check_positive(c: dict, errors: list[str]):

@@ -1,4 +1,4 @@
-"""The typed `algorithm` section: built from the YAML by its `_target_`, upstream's defaults, own checks."""
+"""Typed config sections (algorithm, checkpoint): built from the YAML by `_target_`, upstream's defaults, own checks."""
 
 from __future__ import annotations
 
@@ -6,7 +6,13 @@ import dataclasses
 
 import pytest
 
-from verl.trainer.config import AlgoConfig, FilterGroupsConfig, KLControlConfig, RolloutCorrectionConfig
+from verl.trainer.config import (
+    AlgoConfig,
+    CheckpointConfig,
+    FilterGroupsConfig,
+    KLControlConfig,
+    RolloutCorrectionConfig,
+)
 from verl.trainer.config.loader import compose
 from verl.utils.config import omega_conf_to_dataclass
 
@@ -78,3 +84,20 @@ def test_boundary_values_are_accepted():
     algo = omega_conf_to_dataclass({"gamma": 0.0, "lam": 1.0, "kl_ctrl": {"kl_coef": 0.0}}, AlgoConfig)
     assert (algo.gamma, algo.lam, algo.kl_ctrl.kl_coef) == (0.0, 1.0, 0.0)
     assert FilterGroupsConfig(enable=True, metric="acc").metric == "acc"
+
+
+@pytest.mark.parametrize("name", ["ppo_trainer", "ppo_megatron_trainer"])
+@pytest.mark.parametrize("section", ["actor_rollout_ref.actor.checkpoint", "critic.checkpoint"])
+def test_checkpoint_sections_build_checkpoint_config(name, section):
+    from omegaconf import OmegaConf
+
+    ckpt = omega_conf_to_dataclass(OmegaConf.select(compose(name), section))
+    assert type(ckpt) is CheckpointConfig
+    # load_contents follows save_contents by interpolation in the YAML
+    assert ckpt.save_contents == ckpt.load_contents == ["model", "optimizer", "extra"] and ckpt.async_save is False
+    assert dataclasses.replace(ckpt, _target_="") == CheckpointConfig()
+
+
+def test_checkpoint_config_refuses_unknown_parts():
+    with pytest.raises(ValueError, match=r"checkpoint.save_contents has unknown part\(s\) \['weights'\]"):
+        CheckpointConfig(save_contents=["model", "weights"])
