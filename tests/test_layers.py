@@ -34,6 +34,7 @@ PACKAGE = ROOT / "verl"
 
 LAYERS = {
     "": 0,  # verl/__init__.py
+    "base_config": 0,  # BaseConfig, the base of every typed config section
     "protocol": 0,
     "single_controller": 0,
     "utils": 0,

@@ -25,144 +25,55 @@ Design decisions:
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
 
-# Field status values (see `doc`).
-SUPPORTED = "supported"
-IGNORED = "ignored"  # accepted for compatibility with upstream configs; has no effect here
-UNSUPPORTED = "unsupported"  # rejected unless it holds its neutral value
-DEPRECATED = "deprecated"  # still honoured, with a warning naming the replacement
-PENDING = "pending"  # rejected unless neutral: the feature is being implemented ("not implemented yet")
-HARDWARE = "hardware"  # rejected unless neutral: only meaningful on hardware this build does not support
-
-_NO_NEUTRAL = object()
-NPU = "Ascend NPUs"
-TRTLLM = "TensorRT-LLM (trtllm)"
-
-
-# Option tables. Each is the one place a reader finds every valid name for a config choice.
-# The advantage-estimator names follow upstream's `AdvantageEstimator`; the group-based ones need
-# several samples per prompt (rollout.n >= 2) because their baseline is the group's statistics.
-def adv_estimator_choices() -> tuple[str, ...]:
-    """`algorithm.adv_estimator` names: core_algos' table (user-registered estimators included)."""
-    from verl.trainer.ppo.core_algos import ADV_ESTIMATORS
-
-    return tuple(ADV_ESTIMATORS)
-
-
-def policy_loss_choices() -> tuple[str, ...]:
-    """`actor.policy_loss.loss_mode` names: core_algos' table, plus upstream's hyphenated spellings."""
-    from verl.trainer.ppo.core_algos import POLICY_LOSSES
-
-    return tuple(POLICY_LOSSES) + tuple(n.replace("_", "-") for n in POLICY_LOSSES if "_" in n and n != "geo_mean")
-
-
-GROUP_ADV_ESTIMATORS = (
-    "grpo",
-    "rloo",
-    "opo",
-    "grpo_passk",
-    "gpg",
-    "reinforce_plus_plus_baseline",
-    "grpo_vectorized",
-    "rloo_vectorized",
+from verl.trainer.config.algorithm import (  # noqa: F401  (re-exported: the schema's section classes)
+    AlgoConfig,
+    FilterGroupsConfig,
+    KLControlConfig,
+    PFPPOConfig,
+    RolloutCorrectionConfig,
 )
-LOSS_AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
-# "+" suffix: straight-through variant (value from the named estimator, gradient of k2).
-KL_PENALTIES = ("kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3", "full", "k1+", "low_var_kl+", "k3+")
-ROLLOUT_NAMES = ("hf", "vllm", "sglang")
-ROLLOUT_MODES = ("sync", "async")
-STRATEGIES = ("fsdp", "fsdp2", "megatron")
-LOGGERS = ("console", "file", "mlflow", "tensorboard", "wandb")
-RESUME_MODES = ("auto", "disable", "resume_path")
-
-
-def tool_format_choices() -> tuple[str, ...]:
-    """`rollout.multi_turn.format` names: the agent loop's tool-parser table."""
-    from verl.experimental.agent_loop.tool_parser import TOOL_PARSERS
-
-    return tuple(TOOL_PARSERS)
-
-
-def agent_loop_choices() -> tuple[str, ...]:
-    """`rollout.agent.default_agent_loop` names: the agent-loop registry."""
-    from verl.experimental.agent_loop import AGENT_LOOPS
-
-    return tuple(AGENT_LOOPS)
-
-
-def device_choices() -> tuple[str, ...]:
-    """Valid `trainer.device` values, owned by verl.utils.device (imported lazily: it imports torch)."""
-    from verl.utils.device import _VALID
-
-    return tuple(_VALID)
-
-
-TRUNCATIONS = ("error", "left", "right", "middle")
-LR_SCHEDULES = ("constant", "cosine")
-KL_CTRL_TYPES = ("fixed", "adaptive")
-REWARD_MANAGERS = ("naive", "batch", "dapo", "prime")
-REWARD_MANAGER_SOURCES = ("register", "importlib")
-CHECKPOINT_CONTENTS = ("model", "optimizer", "extra", "hf_model")
-ROLLOUT_DTYPES = ("auto", "bfloat16", "float16", "float32", "bf16", "fp16", "fp32")
-MODEL_DTYPES = ("fp32", "bf16", "fp16", "float32", "bfloat16", "float16")
-ENGINE_DTYPES = ("auto", *MODEL_DTYPES)
-PF_PPO_METHODS = ("pow", "max_min", "max_random")
-REWARD_ON_ERROR = ("raise", "zero")
-PROFILER_TOOLS = ("nsys", "npu", "torch", "torch_memory")
-LOGPROBS_MODES = ("processed_logprobs", "raw_logprobs", "processed_logits", "raw_logits")
-
-
-def doc(
-    text: str,
-    *,
-    choices: tuple | Callable[[], tuple] | None = None,
-    status: str = SUPPORTED,
-    neutral: Any = _NO_NEUTRAL,
-    replacement: str | None = None,
-    optional: bool = False,
-    unset_ok: bool = False,
-    hardware: str | None = None,
-    hardware_values: dict | None = None,
-):
-    """Declare one config key: its documentation and how the validator treats it.
-
-    choices: valid values (each element is checked when the value is a list), or a function
-        returning them (for tables owned by a module too heavy to import here).
-    status: SUPPORTED, IGNORED, UNSUPPORTED / PENDING (need `neutral`), DEPRECATED (needs
-        `replacement`) or HARDWARE (needs `neutral` and `hardware`).
-    neutral: the only value accepted for UNSUPPORTED, PENDING and HARDWARE keys (the one that
-        switches the feature off).
-    optional: the key may be absent (only one of the compositions holds it).
-    unset_ok: `???` (Hydra's "must be set") is accepted: the key is only read by a feature that
-        is off or not implemented.
-    hardware_values: {value: hardware} of choices that only exist on hardware this build does not
-        support (`trainer.device=npu`): refused in one line naming the hardware.
-    """
-    if status in (UNSUPPORTED, PENDING, HARDWARE) and neutral is _NO_NEUTRAL:
-        raise TypeError("an unsupported, pending or hardware-only key needs the neutral value it must keep")
-    if status == DEPRECATED and not replacement:
-        raise TypeError("a deprecated key needs the name of its replacement")
-    if status == HARDWARE and not hardware:
-        raise TypeError("a hardware-only key needs the hardware it is for")
-    meta = {
-        "doc": text,
-        "choices": choices,
-        "status": status,
-        "neutral": neutral,
-        "replacement": replacement,
-        "optional": optional,
-        "unset_ok": unset_ok,
-        "hardware": hardware,
-        "hardware_values": hardware_values or {},
-    }
-    return dataclasses.field(metadata=meta)
-
-
-_SPEED = "Speed or memory only: the results do not depend on it"
-
+from verl.trainer.config.config import CheckpointConfig
+from verl.trainer.config.fields import (  # noqa: F401  (re-exported: the schema's public names)
+    _NO_NEUTRAL,
+    _SPEED,
+    CHECKPOINT_CONTENTS,
+    DEPRECATED,
+    ENGINE_DTYPES,
+    GROUP_ADV_ESTIMATORS,
+    HARDWARE,
+    IGNORED,
+    KL_CTRL_TYPES,
+    KL_PENALTIES,
+    LOGGERS,
+    LOGPROBS_MODES,
+    LOSS_AGG_MODES,
+    LR_SCHEDULES,
+    MODEL_DTYPES,
+    NPU,
+    PENDING,
+    PF_PPO_METHODS,
+    PROFILER_TOOLS,
+    RESUME_MODES,
+    REWARD_MANAGER_SOURCES,
+    REWARD_MANAGERS,
+    REWARD_ON_ERROR,
+    ROLLOUT_DTYPES,
+    ROLLOUT_MODES,
+    ROLLOUT_NAMES,
+    STRATEGIES,
+    SUPPORTED,
+    TRTLLM,
+    TRUNCATIONS,
+    UNSUPPORTED,
+    adv_estimator_choices,
+    agent_loop_choices,
+    device_choices,
+    doc,
+    policy_loss_choices,
+    tool_format_choices,
+)
 
 # --------------------------------------------------------------------------------------- data
 
@@ -514,15 +425,6 @@ class OptimConfig:
     use_checkpoint_opt_param_scheduler: bool = doc(
         "Megatron: take the schedule's settings from the checkpoint.", status=UNSUPPORTED, neutral=False, optional=True
     )
-
-
-@dataclass
-class CheckpointConfig:
-    """What a checkpoint holds."""
-
-    save_contents: list[str] = doc("Parts written at each save.", choices=CHECKPOINT_CONTENTS)
-    load_contents: list[str] = doc("Parts read when resuming.", choices=CHECKPOINT_CONTENTS)
-    async_save: bool = doc("Write checkpoints in the background.", status=UNSUPPORTED, neutral=False)
 
 
 @dataclass
@@ -1181,69 +1083,6 @@ class CustomRewardFunctionConfig:
 # ----------------------------------------------------------------------------------- algorithm
 
 
-@dataclass
-class KLControlConfig:
-    """Controller of the in-reward KL coefficient."""
-
-    type: str = doc("fixed: constant coefficient; adaptive: steer towards `target_kl`.", choices=KL_CTRL_TYPES)
-    kl_coef: float = doc("(Initial) KL coefficient.")
-    horizon: int = doc("Adaptive controller horizon in samples.")
-    target_kl: float = doc("Adaptive controller target KL.")
-
-
-@dataclass
-class PFPPOConfig:
-    """Policy-filtration PPO: resample the batch by reward weight."""
-
-    reweight_method: str = doc("Weighting of samples.", choices=PF_PPO_METHODS)
-    weight_pow: float = doc("Exponent of the `pow` method.")
-
-
-@dataclass
-class FilterGroupsConfig:
-    """DAPO dynamic sampling: drop groups whose samples all score the same and generate more."""
-
-    enable: bool = doc("Drop zero-variance groups and refill the batch.")
-    metric: str | None = doc("Per-sample metric whose spread decides (e.g. acc, score, seq_reward).")
-    max_num_gen_batches: int = doc("Generation rounds per step before giving up (<= 0: unlimited).")
-
-
-@dataclass
-class RolloutCorrectionConfig:
-    """Importance weights and rejection of samples by the ratio of the training policy's probabilities to the
-    rollout engine's (upstream's rollout_corr_helper)."""
-
-    rollout_is: str | None = doc("Importance-weight level: null (off), token or sequence.")
-    rollout_is_threshold: float | None = doc("Upper truncation of the importance weights (with rollout_is).")
-    rollout_rs: str | None = doc("Rejection-sampling mode: null (off) or a level.")
-    rollout_rs_threshold: float | str | None = doc("Rejection threshold(s) (with rollout_rs).")
-    bypass_mode: bool = doc(
-        "Use the rollout's log-probs as the old policy's (no separate old-log-prob pass).",
-    )
-    loss_type: str = doc("Policy loss of bypass mode (ppo_clip or reinforce).")
-    rollout_is_batch_normalize: bool = doc("Normalise the importance weights to mean 1 over the batch.")
-
-
-@dataclass
-class AlgorithmConfig:
-    """Advantage estimation and the KL penalty in the reward."""
-
-    gamma: float = doc("Discount factor.")
-    lam: float = doc("GAE lambda.")
-    adv_estimator: str = doc("Advantage estimator.", choices=adv_estimator_choices)
-    norm_adv_by_std_in_grpo: bool = doc("GRPO: divide by the group's std (False: Dr. GRPO).")
-    use_kl_in_reward: bool = doc("Subtract a KL(policy || reference) penalty from the reward; needs the reference.")
-    kl_penalty: str = doc("KL estimator of the in-reward penalty.", choices=KL_PENALTIES)
-    kl_ctrl: KLControlConfig = doc("KL coefficient controller.")
-    use_pf_ppo: bool = doc(
-        "Policy-filtration PPO: after GAE, redraw the batch (same size, with replacement) weighted by each "
-        "response's score (adv_estimator=gae only, as upstream)."
-    )
-    pf_ppo: PFPPOConfig = doc("PF-PPO parameters.")
-    filter_groups: FilterGroupsConfig = doc("Ours. DAPO dynamic sampling.")
-    rollout_correction: RolloutCorrectionConfig = doc("Correction of the rollout-vs-training probability gap.")
-
-
 # ------------------------------------------------------------------------------------- trainer
 
 
@@ -1439,7 +1278,7 @@ class PPOConfig:
     reward_manager: RewardManagerConfig = doc("Rule-based reward manager.")
     reward_model: RewardModelConfig = doc("Rewards.")
     custom_reward_function: CustomRewardFunctionConfig = doc("User reward function.")
-    algorithm: AlgorithmConfig = doc("Advantage estimation and KL.")
+    algorithm: AlgoConfig = doc("Advantage estimation and KL.")
     trainer: TrainerConfig = doc("Driver loop.")
     global_profiler: GlobalProfilerConfig = doc("Profiling.")
     transfer_queue: TransferQueueConfig = doc("Upstream's TransferQueue.")
@@ -1462,3 +1301,17 @@ def field_meta(f: dataclasses.Field) -> dict:
 def is_open(cls: type) -> bool:
     """Whether a section accepts keys beyond its declared fields."""
     return bool(getattr(cls, "OPEN_KEYS", False))
+
+
+def config_fields(cls: type) -> tuple[dataclasses.Field, ...]:
+    """The config keys a section class declares: its dataclass fields less `_target_`, which names the
+    class to build (BaseConfig's field) rather than a setting."""
+    return tuple(f for f in dataclasses.fields(cls) if f.name != "_target_")
+
+
+TYPED_SECTIONS: dict[str, type] = {
+    "algorithm": AlgoConfig,
+    "actor_rollout_ref.actor.checkpoint": CheckpointConfig,
+    "critic.checkpoint": CheckpointConfig,
+}
+"""Dotted key -> the runtime section class whose `__post_init__` checks it (validate.py builds each)."""
