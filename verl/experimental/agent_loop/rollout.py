@@ -14,6 +14,8 @@ rollout's own `async_engine`, see `make_engine`), and returns the usual rollout 
   real token, tool turns included; `position_ids` continue from the prompt's last;
 - `rollout_log_probs` [B, R] with `calculate_log_probs` (0 on tool tokens);
 - `non_tensor_batch["__num_turns__"]`: messages per episode (the trainer reports `num_turns/*`);
+- `non_tensor_batch["turn_scores"]`: with simulated users (`multi_turn.interaction_config_path`,
+  verl/interactions/), each episode's list of the interaction's turn scores, as upstream;
 - with partial rollouts (`meta_info["partial_rollout"]`, asynchronous training) `weight_version` /
   `weight_version_max`: the oldest and newest weight version that sampled a token of the episode,
   over all its model turns. The keys are passed on to the wrapped engine with every model turn, so
@@ -54,8 +56,7 @@ cannot drop one row mid-batch) and is discarded; `generate_sequences` returns on
 engine is idle when the worker next syncs weights or sleeps.
 
 Deliberately left out: the engine's tensor parallelism across workers (episodes on different ranks
-make different numbers of engine calls, which a collective cannot match), multi-modal prompts, and
-simulated users (`interaction_config_path`).
+make different numbers of engine calls, which a collective cannot match) and multi-modal prompts.
 """
 
 from __future__ import annotations
@@ -160,6 +161,7 @@ class AgentLoopRollout(BaseRollout):
 
                 tools = initialize_tools_from_config(path)
         self.tools = list(tools or [])
+        self.interactions = _load_interactions(config)
         self._loops: dict[str, AgentLoopBase] = {}
         # The current CUDA device is per thread and a new thread starts on device 0: bind the engine
         # thread to this worker's device, so whatever the wrapped engine allocates, captures or
@@ -196,7 +198,9 @@ class AgentLoopRollout(BaseRollout):
     # ----------------------------------------------------------------------------- episodes
     def agent_loop(self, name: str) -> AgentLoopBase:
         if name not in self._loops:
-            self._loops[name] = get_agent_loop_class(name)(self.tokenizer, self.settings, self.tools)
+            cls = get_agent_loop_class(name)
+            extra = {"interactions": self.interactions} if self.interactions else {}
+            self._loops[name] = cls(self.tokenizer, self.settings, self.tools, **extra)
         return self._loops[name]
 
     def _token_ids(self, meta: dict) -> tuple[list[int], int]:
@@ -221,6 +225,9 @@ class AgentLoopRollout(BaseRollout):
             if tools_kwargs is None and isinstance(extra, dict):
                 tools_kwargs = extra.get("tools_kwargs")
             messages = nt["raw_prompt"][i] if "raw_prompt" in nt else None
+            interaction_kwargs = nt["interaction_kwargs"][i] if "interaction_kwargs" in nt else None
+            if interaction_kwargs is None and isinstance(extra, dict):
+                interaction_kwargs = extra.get("interaction_kwargs")
             out.append(
                 AgentSample(
                     prompt_ids=ids[i][mask[i]].tolist(),
@@ -229,6 +236,7 @@ class AgentLoopRollout(BaseRollout):
                     tools_kwargs=dict(tools_kwargs or {}),
                     extra_info=extra,
                     index=i,
+                    interaction_kwargs=None if interaction_kwargs is None else dict(interaction_kwargs),
                 )
             )
         return out
@@ -447,6 +455,15 @@ class EpisodeEngine(AsyncRolloutEngine):
         return None if self.low is None else (self.low, self.high)
 
 
+def _load_interactions(config) -> dict:
+    path = (config.get("multi_turn") or {}).get("interaction_config_path")
+    if not path:
+        return {}
+    from verl.interactions.utils.interaction_registry import initialize_interactions_from_config
+
+    return initialize_interactions_from_config(path)
+
+
 def _episode_metrics(trajectories: list[Trajectory]) -> dict[str, float]:
     keys = sorted({k for t in trajectories for k in t.metrics})
     metrics = {}
@@ -508,6 +525,10 @@ def trajectories_to_proto(prompts, trajectories: list[Trajectory], response_leng
     batch = TensorDict({k: v.to(device) for k, v in tensors.items()}, batch_size=[B])
     non_tensor = dict(prompts.non_tensor_batch)
     non_tensor["__num_turns__"] = np.array([0 if t is None else t.num_turns for t in trajectories], dtype=np.int64)
+    if any(t is not None and t.turn_scores for t in trajectories):
+        turn_scores = np.empty(B, dtype=object)
+        turn_scores[:] = [[] if t is None else list(t.turn_scores) for t in trajectories]
+        non_tensor["turn_scores"] = turn_scores
 
     meta = {k: v for k, v in meta.items() if k != "metrics"}
     return DataProto(batch=batch, non_tensor_batch=non_tensor, meta_info=meta)

@@ -717,7 +717,10 @@ class MultiTurnConfig:
     tool_config_path: str | None = doc(
         "Tool config YAML (upstream's format: tools: [{class_name, config, tool_schema}])."
     )
-    interaction_config_path: str | None = doc("YAML describing a simulated user.", status=UNSUPPORTED, neutral=None)
+    interaction_config_path: str | None = doc(
+        "Simulated-user YAML (upstream's format: interaction: [{name, class_name, config}]); a sample picks one "
+        "with extra_info.interaction_kwargs.name."
+    )
     max_parallel_calls: int = doc("Tool calls run per model turn (concurrently); further calls get an error message.")
     max_tool_response_length: int = doc("Characters of a tool's answer kept in the conversation.")
     tool_response_truncate_side: str = doc(
