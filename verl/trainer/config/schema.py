@@ -1083,7 +1083,7 @@ class RewardModelConfig:
 
     enable: bool = doc("Score responses with a learned reward model (otherwise rule-based rewards only).")
     enable_resource_pool: bool = doc(
-        "Run the reward model in its own pool of workers.", status=UNSUPPORTED, neutral=False
+        "Run the reward model in its own pool of workers (reward_model.nnodes x n_gpus_per_node), not colocated."
     )
     n_gpus_per_node: int = doc("Workers per node of that pool (with enable_resource_pool).")
     nnodes: int = doc("Nodes of that pool (with enable_resource_pool).")
