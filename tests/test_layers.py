@@ -6,11 +6,12 @@ or a lower rank; docs/architecture.md draws them):
     rank 5  trainer/, model_merger/   the driver and the entry points
     rank 4  experimental/             the agent loop and other pipelines that compose the layers below
     rank 3  workers/                  role workers, actors, critics, rollout engines
-    rank 2  algorithms/, tools/       the loss/advantage math; tool implementations (calculator, sandbox)
+    rank 2  algorithms/, tools/, interactions/   the loss/advantage math; tools; simulated users
     rank 1  models/                   model factory, bundled models, megatron model pieces
     rank 0  protocol, single_controller/, utils/, verl/__init__   the base: imports nothing above it
 
-Placement decisions: `tools/` (the tool implementations) sits below the workers: it imports only
+Placement decisions: `interactions/` (simulated users) ranks with `tools/`: the agent loop drives both.
+`tools/` (the tool implementations) sits below the workers: it imports only
 the base, and what drives tools (the agent loop, the tool model's build script) sits above it. `experimental/` sits above the
 workers: the agent loop wraps a worker's rollout engine (`workers.rollout.base`) and drives tools,
 so it composes workers rather than being used by them; the trainer may import it. `model_merger/`
@@ -41,6 +42,7 @@ LAYERS = {
     "models": 1,
     "algorithms": 2,
     "tools": 2,
+    "interactions": 2,
     "workers": 3,
     "experimental": 4,
     "trainer": 5,

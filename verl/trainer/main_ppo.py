@@ -283,7 +283,9 @@ def build_role_worker_mapping(config):
 
 def build_resource_pools(config, mapping) -> tuple[dict, dict]:
     """(pool name -> workers per node, role -> pool name): one global pool, plus a `rollout_pool`
-    of `rollout.nnodes x rollout.n_gpus_per_node` when generation has a pool of its own."""
+    of `rollout.nnodes x rollout.n_gpus_per_node` when generation has a pool of its own, and a
+    `reward_pool` of `reward_model.nnodes x reward_model.n_gpus_per_node` with
+    `reward_model.enable_resource_pool` (upstream's names; the trainer spawns one worker group per pool)."""
     from verl.trainer.ppo.ray_trainer import Role
 
     trainer_cfg = config.trainer
@@ -292,6 +294,10 @@ def build_resource_pools(config, mapping) -> tuple[dict, dict]:
     if Role.Rollout in mapping:
         spec["rollout_pool"] = [config.rollout.n_gpus_per_node] * config.rollout.nnodes
         roles[Role.Rollout] = "rollout_pool"
+    rm = config.get("reward_model") or {}
+    if Role.RewardModel in mapping and rm.get("enable_resource_pool", False):
+        spec["reward_pool"] = [rm.n_gpus_per_node] * rm.nnodes
+        roles[Role.RewardModel] = "reward_pool"
     return spec, roles
 
 

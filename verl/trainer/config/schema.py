@@ -619,7 +619,10 @@ class MultiTurnConfig:
     tool_config_path: str | None = doc(
         "Tool config YAML (upstream's format: tools: [{class_name, config, tool_schema}])."
     )
-    interaction_config_path: str | None = doc("YAML describing a simulated user.", status=UNSUPPORTED, neutral=None)
+    interaction_config_path: str | None = doc(
+        "Simulated-user YAML (upstream's format: interaction: [{name, class_name, config}]); a sample picks one "
+        "with extra_info.interaction_kwargs.name."
+    )
     max_parallel_calls: int = doc("Tool calls run per model turn (concurrently); further calls get an error message.")
     max_tool_response_length: int = doc("Characters of a tool's answer kept in the conversation.")
     tool_response_truncate_side: str = doc(
@@ -982,7 +985,7 @@ class RewardModelConfig:
 
     enable: bool = doc("Score responses with a learned reward model (otherwise rule-based rewards only).")
     enable_resource_pool: bool = doc(
-        "Run the reward model in its own pool of workers.", status=UNSUPPORTED, neutral=False
+        "Run the reward model in its own pool of workers (reward_model.nnodes x n_gpus_per_node), not colocated."
     )
     n_gpus_per_node: int = doc("Workers per node of that pool (with enable_resource_pool).")
     nnodes: int = doc("Nodes of that pool (with enable_resource_pool).")

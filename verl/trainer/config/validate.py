@@ -687,12 +687,6 @@ def _check_multi_turn(c: dict, errors: list[str]):
     mt = rollout["multi_turn"]
     if not mt["enable"]:
         return
-    if rollout["tensor_model_parallel_size"] > 1:
-        errors.append(
-            f"actor_rollout_ref.rollout.multi_turn.enable=true needs rollout.tensor_model_parallel_size=1 (got "
-            f"{rollout['tensor_model_parallel_size']}): conversations on different workers make different numbers "
-            "of engine calls, which a tensor-parallel engine group cannot match"
-        )
     path = mt["tool_config_path"]
     if path and not os.path.isfile(os.path.expanduser(path)):
         errors.append(
