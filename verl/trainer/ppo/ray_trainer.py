@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import os
 import random
-import shutil
 from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any
@@ -47,6 +46,7 @@ from verl.trainer.ppo.async_rollout import (
     importance_weight_metrics,
     staleness_threshold,
 )
+from verl.trainer.ppo.checkpointer import Checkpointer
 from verl.trainer.ppo.metric_utils import (
     compute_data_metrics,
     compute_throughput_metrics,
@@ -61,8 +61,7 @@ from verl.trainer.ppo.rollout_corr_helper import (
     configure_rollout_correction,
 )
 from verl.utils import speed_paths
-from verl.utils.checkpoint.checkpoint_manager import find_latest_ckpt_path, write_checkpoint_tracker
-from verl.utils.checkpoint.safe_load import from_plain, numpy_rng_state, set_numpy_rng_state, to_plain, torch_load
+from verl.utils.checkpoint.safe_load import from_plain, numpy_rng_state, set_numpy_rng_state, to_plain
 from verl.utils.logging_utils import get_logger
 from verl.utils.profiler import StepProfiler, resolve_role_profilers
 from verl.utils.speed_paths import SpeedPath
@@ -787,21 +786,13 @@ class RayPPOTrainer:
                 f.write(json.dumps(row) + "\n")
 
     # ------------------------------------------------------------------ checkpoints
-    def _checkpoint_root(self) -> str:
-        return os.path.abspath(os.path.expanduser(self.config.trainer.default_local_dir))
+    @property
+    def checkpointer(self) -> Checkpointer:
+        """Built on first use: the worker groups it saves exist only after `init_workers()`."""
+        return Checkpointer(self.config.trainer, self.actor_rollout_wg, self.critic_wg if self.use_critic else None)
 
     def _save_checkpoint(self) -> str:
-        """Write global_step_N/{actor,critic,data.pt}, then point the tracker file at it."""
-        root = self._checkpoint_root()
-        step_dir = os.path.join(root, f"global_step_{self.global_steps}")
-        trainer_cfg = self.config.trainer
-        self.actor_rollout_wg.save_checkpoint(
-            os.path.join(step_dir, "actor"), self.global_steps, trainer_cfg.get("max_actor_ckpt_to_keep")
-        )
-        if self.use_critic:
-            self.critic_wg.save_checkpoint(
-                os.path.join(step_dir, "critic"), self.global_steps, trainer_cfg.get("max_critic_ckpt_to_keep")
-            )
+        """Save the workers and the driver's own state (dataloader, RNGs, KL coefficient, queued groups)."""
         driver_state = {
             "dataloader": self.train_dataloader.state_dict(),
             "global_steps": self.global_steps,
@@ -810,50 +801,13 @@ class RayPPOTrainer:
         }
         if self._async_rollout is not None:  # the drawn-but-untrained groups (the dataloader counts them)
             driver_state["async_rollout"] = to_plain(self._async_rollout.state_dict())
-        tmp = os.path.join(step_dir, "data.pt.tmp")
-        torch.save(driver_state, tmp)
-        os.replace(tmp, os.path.join(step_dir, "data.pt"))
-        write_checkpoint_tracker(root, self.global_steps)
-        self._remove_old_checkpoints(root)
-        return step_dir
-
-    def _remove_old_checkpoints(self, root: str) -> None:
-        keep = self.config.trainer.get("max_actor_ckpt_to_keep")
-        if not keep or keep <= 0:
-            return
-        steps = sorted(int(d.split("_")[-1]) for d in os.listdir(root) if d.startswith("global_step_"))
-        for step in steps[:-keep]:
-            shutil.rmtree(os.path.join(root, f"global_step_{step}"), ignore_errors=True)
-
-    def _find_resume_dir(self) -> str | None:
-        trainer_cfg = self.config.trainer
-        mode = trainer_cfg.get("resume_mode", "auto")
-        if mode == "disable":
-            return None
-        if mode == "resume_path":
-            path = trainer_cfg.get("resume_from_path")
-            if not path or "global_step_" not in os.path.basename(os.path.normpath(str(path))):
-                raise ValueError(
-                    f"trainer.resume_mode=resume_path needs trainer.resume_from_path pointing at a "
-                    f"global_step_N directory, got {path!r}; e.g. "
-                    f"trainer.resume_from_path={self._checkpoint_root()}/global_step_10"
-                )
-            if not os.path.isdir(path):
-                raise FileNotFoundError(f"trainer.resume_from_path={path} does not exist")
-            return os.path.abspath(path)
-        if mode != "auto":
-            raise ValueError(f"trainer.resume_mode={mode!r} is not one of auto, disable, resume_path")
-        return find_latest_ckpt_path(self._checkpoint_root())
+        return self.checkpointer.save(self.global_steps, driver_state)
 
     def _load_checkpoint(self) -> None:
-        step_dir = self._find_resume_dir()
-        if step_dir is None:
+        state = self.checkpointer.load()
+        if state is None:
             return
-        logger.info(f"resuming from {step_dir}")
-        self.actor_rollout_wg.load_checkpoint(os.path.join(step_dir, "actor"))
-        if self.use_critic:
-            self.critic_wg.load_checkpoint(os.path.join(step_dir, "critic"))
-        state = torch_load(os.path.join(step_dir, "data.pt"), "driver checkpoint state")
+        logger.info(f"resumed from {state['step_dir']}")
         self.global_steps = state["global_steps"]
         self.train_dataloader.load_state_dict(state["dataloader"])
         self._train_iter = None
