@@ -76,6 +76,7 @@ import torch
 from omegaconf import open_dict
 
 from verl.protocol import DataProto
+from verl.trainer.ppo.generation import GEN_BATCH_KEYS, with_generation
 from verl.utils.logging_utils import get_logger
 from verl.utils.timer import marked_timer
 
@@ -270,8 +271,6 @@ class AsyncRolloutSource:
 
     def _submit_groups(self, batch_index: int, rows: DataProto) -> None:
         """Cut group-aligned rows into one chunk per rollout worker and submit each."""
-        from verl.trainer.ppo.ray_trainer import GEN_BATCH_KEYS
-
         num_groups = len(rows) // self.n
         workers = self.rollout_wg.world_size
         per_worker = -(-num_groups // workers)
@@ -296,8 +295,6 @@ class AsyncRolloutSource:
         """Wait for the oldest finished chunk, score it, queue its groups for training."""
         import ray
 
-        from verl.trainer.ppo.ray_trainer import _with_generation
-
         done = [c for c in self._chunks if c.output is not None]
         if not done:
             pending = [c.ref for c in self._chunks]
@@ -321,7 +318,7 @@ class AsyncRolloutSource:
                 c.output = self._wait(self.rollout_wg, [c.ref], "generate_sequences")[0]
         chunk = min(done, key=lambda c: c.seq)
         self._chunks.remove(chunk)
-        scored = self.trainer._compute_reward(_with_generation(chunk.rows, chunk.output), state)
+        scored = self.trainer._compute_reward(with_generation(chunk.rows, chunk.output), state)
         scored.meta_info.pop("metrics", None)
         self._ready.append(scored)
 
