@@ -274,7 +274,16 @@ class RayPPOTrainer:
 
             self.rollout_wg = groups["rollout"]
             self.rollout_wg.init_model()
-            self._async_rollout = AsyncRolloutSource(self, self.rollout_wg)
+            self._async_rollout = AsyncRolloutSource(
+                self.config,
+                self.rollout_wg,
+                self.actor_rollout_wg,
+                next_prompts=self._next_batch,
+                score=self._compute_reward,
+                tokenizer=self.tokenizer,
+                current_step=lambda: self.global_steps,
+                total_steps=lambda: self.total_training_steps,
+            )
             self._rollout_strategy = self._async_rollout
         self._worker_speed_paths = self._collect_worker_speed_paths()
         groups = {id(g): g for g in (getattr(self, n, None) for n in _WORKER_GROUPS) if g is not None}
