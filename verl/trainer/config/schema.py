@@ -35,7 +35,8 @@ from verl.trainer.config.algorithm import (  # noqa: F401  (re-exported: the sch
     RolloutCorrectionConfig,
 )
 from verl.trainer.config.config import CheckpointConfig
-from verl.trainer.config.fields import (  # noqa: F401  (re-exported: the schema's public names)
+from verl.trainer.config.fields import agent_loop_choices, tool_format_choices
+from verl.workers.config._fields import (  # noqa: F401  (re-exported: the schema's public names)
     _NO_NEUTRAL,
     _SPEED,
     CHECKPOINT_CONTENTS,
@@ -68,11 +69,9 @@ from verl.trainer.config.fields import (  # noqa: F401  (re-exported: the schema
     TRUNCATIONS,
     UNSUPPORTED,
     adv_estimator_choices,
-    agent_loop_choices,
     device_choices,
     doc,
     policy_loss_choices,
-    tool_format_choices,
 )
 
 # --------------------------------------------------------------------------------------- data
