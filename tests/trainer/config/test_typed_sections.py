@@ -15,6 +15,7 @@ from verl.trainer.config import (
 )
 from verl.trainer.config.loader import compose
 from verl.utils.config import omega_conf_to_dataclass
+from verl.workers.config import PolicyLossConfig
 
 
 def _without_targets(value):
@@ -101,3 +102,46 @@ def test_checkpoint_sections_build_checkpoint_config(name, section):
 def test_checkpoint_config_refuses_unknown_parts():
     with pytest.raises(ValueError, match=r"checkpoint.save_contents has unknown part\(s\) \['weights'\]"):
         CheckpointConfig(save_contents=["model", "weights"])
+
+
+@pytest.mark.parametrize("name", ["ppo_trainer", "ppo_megatron_trainer"])
+def test_policy_loss_section_builds_policy_loss_config_with_upstreams_defaults(name):
+    loss = omega_conf_to_dataclass(compose(name).actor_rollout_ref.actor.policy_loss)
+    assert type(loss) is PolicyLossConfig
+    # upstream's release defaults, written out by hand
+    assert (loss.loss_mode, loss.clip_cov_ratio, loss.clip_cov_lb, loss.clip_cov_ub) == ("vanilla", 0.0002, 1.0, 5.0)
+    assert (loss.kl_cov_ratio, loss.ppo_kl_coef) == (0.0002, 0.1)
+    assert dataclasses.replace(loss, _target_="") == PolicyLossConfig()
+
+
+def test_policy_loss_accepts_every_registered_mode_and_upstreams_hyphenated_spelling():
+    from verl.algorithms.policy_losses import POLICY_LOSSES
+
+    for mode in POLICY_LOSSES:
+        assert PolicyLossConfig(loss_mode=mode).loss_mode == mode
+    assert PolicyLossConfig(loss_mode="clip-cov").loss_mode == "clip-cov"
+
+
+@pytest.mark.parametrize(
+    "overrides, match",
+    [
+        ({"loss_mode": "ppo2"}, r"policy_loss.loss_mode='ppo2' is not a valid choice; use one of: vanilla"),
+        ({"clip_cov_ratio": 1.5}, r"policy_loss.clip_cov_ratio=1.5 is outside \[0, 1\]"),
+        ({"kl_cov_ratio": -0.1}, r"policy_loss.kl_cov_ratio=-0.1 is outside \[0, 1\]"),
+        ({"clip_cov_lb": 6.0}, r"policy_loss.clip_cov_lb=6.0 is above clip_cov_ub=5.0"),
+    ],
+)
+def test_policy_loss_checks_run_when_the_section_is_built(overrides, match):
+    with pytest.raises(ValueError, match=match):
+        omega_conf_to_dataclass(overrides, PolicyLossConfig)
+
+
+def test_a_bad_policy_loss_value_fails_validation_naming_the_full_key():
+    from omegaconf import OmegaConf
+
+    from verl.trainer.config import ConfigError, load_ppo_config, validate_ppo_config
+
+    cfg = OmegaConf.to_container(load_ppo_config(config_name="arith_demo"), resolve=True)
+    cfg["actor_rollout_ref"]["actor"]["policy_loss"]["clip_cov_ratio"] = 2.0
+    with pytest.raises(ConfigError, match=r"actor_rollout_ref\.actor\.policy_loss\.clip_cov_ratio=2.0 is outside"):
+        validate_ppo_config(cfg)

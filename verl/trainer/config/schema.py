@@ -36,6 +36,7 @@ from verl.trainer.config.algorithm import (  # noqa: F401  (re-exported: the sch
 )
 from verl.trainer.config.config import CheckpointConfig
 from verl.trainer.config.fields import agent_loop_choices, tool_format_choices
+from verl.workers.config import PolicyLossConfig
 from verl.workers.config._fields import (  # noqa: F401  (re-exported: the schema's public names)
     _NO_NEUTRAL,
     _SPEED,
@@ -424,18 +425,6 @@ class OptimConfig:
     use_checkpoint_opt_param_scheduler: bool = doc(
         "Megatron: take the schedule's settings from the checkpoint.", status=UNSUPPORTED, neutral=False, optional=True
     )
-
-
-@dataclass
-class PolicyLossConfig:
-    """Policy-gradient loss variant and its parameters."""
-
-    loss_mode: str = doc("Policy loss: vanilla PPO clip or a variant.", choices=policy_loss_choices)
-    clip_cov_ratio: float = doc("clip-cov: fraction of tokens whose gradient is clipped.")
-    clip_cov_lb: float = doc("clip-cov: lower bound of the covariance window.")
-    clip_cov_ub: float = doc("clip-cov: upper bound of the covariance window.")
-    kl_cov_ratio: float = doc("kl-cov: fraction of tokens given a KL penalty.")
-    ppo_kl_coef: float = doc("kl-cov: coefficient of that KL penalty.")
 
 
 @dataclass
@@ -1312,5 +1301,6 @@ TYPED_SECTIONS: dict[str, type] = {
     "algorithm": AlgoConfig,
     "actor_rollout_ref.actor.checkpoint": CheckpointConfig,
     "critic.checkpoint": CheckpointConfig,
+    "actor_rollout_ref.actor.policy_loss": PolicyLossConfig,
 }
 """Dotted key -> the runtime section class whose `__post_init__` checks it (validate.py builds each)."""

@@ -4,3 +4,7 @@ Each class is the one definition of its section: its fields carry the runtime de
 YAML holds the same values) and the `doc(...)` metadata the validator and the docs generator read;
 `verl.trainer.config.schema` composes them into the whole config tree.
 """
+
+from verl.workers.config.actor import PolicyLossConfig
+
+__all__ = ["PolicyLossConfig"]
