@@ -15,7 +15,7 @@ from verl.trainer.config import (
 )
 from verl.trainer.config.loader import compose
 from verl.utils.config import omega_conf_to_dataclass
-from verl.workers.config import PolicyLossConfig
+from verl.workers.config import McoreEngineConfig, PolicyLossConfig
 
 
 def _without_targets(value):
@@ -145,3 +145,51 @@ def test_a_bad_policy_loss_value_fails_validation_naming_the_full_key():
     cfg["actor_rollout_ref"]["actor"]["policy_loss"]["clip_cov_ratio"] = 2.0
     with pytest.raises(ConfigError, match=r"actor_rollout_ref\.actor\.policy_loss\.clip_cov_ratio=2.0 is outside"):
         validate_ppo_config(cfg)
+
+
+@pytest.mark.parametrize(
+    "section",
+    ["actor_rollout_ref.actor.megatron", "actor_rollout_ref.ref.megatron", "critic.megatron"],
+)
+def test_megatron_sections_build_mcore_engine_config_with_upstreams_defaults(section):
+    from omegaconf import OmegaConf
+
+    engine = omega_conf_to_dataclass(OmegaConf.select(compose("ppo_megatron_trainer"), section))
+    assert type(engine) is McoreEngineConfig
+    # upstream's engine/megatron.yaml, written out by hand
+    assert (engine.tensor_model_parallel_size, engine.pipeline_model_parallel_size) == (1, 1)
+    assert (engine.context_parallel_size, engine.expert_model_parallel_size) == (1, 1)
+    assert engine.virtual_pipeline_model_parallel_size is None and engine.expert_tensor_parallel_size is None
+    assert (engine.sequence_parallel, engine.use_distributed_optimizer, engine.seed) == (True, True, 42)
+    assert engine.override_transformer_config["recompute_modules"] == ["core_attn"]
+
+
+def test_mcore_engine_defaults_equal_the_actors_yaml_section():
+    from_yaml = omega_conf_to_dataclass(compose("ppo_megatron_trainer").actor_rollout_ref.actor.megatron)
+    assert dataclasses.replace(from_yaml, _target_="") == McoreEngineConfig()
+
+
+def test_the_fsdp_composition_has_no_megatron_section_to_build():
+    assert "megatron" not in compose("ppo_trainer").actor_rollout_ref.actor
+
+
+@pytest.mark.parametrize(
+    "overrides, match",
+    [
+        ({"tensor_model_parallel_size": 0}, r"megatron.tensor_model_parallel_size=0 must be a positive integer"),
+        ({"context_parallel_size": -2}, r"megatron.context_parallel_size=-2 must be a positive integer"),
+        (
+            {"virtual_pipeline_model_parallel_size": 2},
+            r"virtual_pipeline_model_parallel_size=2 needs pipeline_model_parallel_size >= 2 \(got 1\)",
+        ),
+    ],
+)
+def test_mcore_engine_checks_run_when_the_section_is_built(overrides, match):
+    with pytest.raises(ValueError, match=match):
+        omega_conf_to_dataclass(overrides, McoreEngineConfig)
+    assert (
+        McoreEngineConfig(
+            pipeline_model_parallel_size=2, virtual_pipeline_model_parallel_size=2
+        ).pipeline_model_parallel_size
+        == 2
+    )

@@ -6,5 +6,6 @@ YAML holds the same values) and the `doc(...)` metadata the validator and the do
 """
 
 from verl.workers.config.actor import PolicyLossConfig
+from verl.workers.config.engine import McoreEngineConfig
 
-__all__ = ["PolicyLossConfig"]
+__all__ = ["McoreEngineConfig", "PolicyLossConfig"]
