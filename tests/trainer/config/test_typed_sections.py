@@ -15,6 +15,7 @@ from verl.trainer.config import (
 )
 from verl.trainer.config.loader import compose
 from verl.utils.config import omega_conf_to_dataclass
+from verl.workers.config import McoreEngineConfig, PolicyLossConfig
 
 
 def _without_targets(value):
@@ -101,3 +102,94 @@ def test_checkpoint_sections_build_checkpoint_config(name, section):
 def test_checkpoint_config_refuses_unknown_parts():
     with pytest.raises(ValueError, match=r"checkpoint.save_contents has unknown part\(s\) \['weights'\]"):
         CheckpointConfig(save_contents=["model", "weights"])
+
+
+@pytest.mark.parametrize("name", ["ppo_trainer", "ppo_megatron_trainer"])
+def test_policy_loss_section_builds_policy_loss_config_with_upstreams_defaults(name):
+    loss = omega_conf_to_dataclass(compose(name).actor_rollout_ref.actor.policy_loss)
+    assert type(loss) is PolicyLossConfig
+    # upstream's release defaults, written out by hand
+    assert (loss.loss_mode, loss.clip_cov_ratio, loss.clip_cov_lb, loss.clip_cov_ub) == ("vanilla", 0.0002, 1.0, 5.0)
+    assert (loss.kl_cov_ratio, loss.ppo_kl_coef) == (0.0002, 0.1)
+    assert dataclasses.replace(loss, _target_="") == PolicyLossConfig()
+
+
+def test_policy_loss_accepts_every_registered_mode_and_upstreams_hyphenated_spelling():
+    from verl.algorithms.policy_losses import POLICY_LOSSES
+
+    for mode in POLICY_LOSSES:
+        assert PolicyLossConfig(loss_mode=mode).loss_mode == mode
+    assert PolicyLossConfig(loss_mode="clip-cov").loss_mode == "clip-cov"
+
+
+@pytest.mark.parametrize(
+    "overrides, match",
+    [
+        ({"loss_mode": "ppo2"}, r"policy_loss.loss_mode='ppo2' is not a valid choice; use one of: vanilla"),
+        ({"clip_cov_ratio": 1.5}, r"policy_loss.clip_cov_ratio=1.5 is outside \[0, 1\]"),
+        ({"kl_cov_ratio": -0.1}, r"policy_loss.kl_cov_ratio=-0.1 is outside \[0, 1\]"),
+        ({"clip_cov_lb": 6.0}, r"policy_loss.clip_cov_lb=6.0 is above clip_cov_ub=5.0"),
+    ],
+)
+def test_policy_loss_checks_run_when_the_section_is_built(overrides, match):
+    with pytest.raises(ValueError, match=match):
+        omega_conf_to_dataclass(overrides, PolicyLossConfig)
+
+
+def test_a_bad_policy_loss_value_fails_validation_naming_the_full_key():
+    from omegaconf import OmegaConf
+
+    from verl.trainer.config import ConfigError, load_ppo_config, validate_ppo_config
+
+    cfg = OmegaConf.to_container(load_ppo_config(config_name="arith_demo"), resolve=True)
+    cfg["actor_rollout_ref"]["actor"]["policy_loss"]["clip_cov_ratio"] = 2.0
+    with pytest.raises(ConfigError, match=r"actor_rollout_ref\.actor\.policy_loss\.clip_cov_ratio=2.0 is outside"):
+        validate_ppo_config(cfg)
+
+
+@pytest.mark.parametrize(
+    "section",
+    ["actor_rollout_ref.actor.megatron", "actor_rollout_ref.ref.megatron", "critic.megatron"],
+)
+def test_megatron_sections_build_mcore_engine_config_with_upstreams_defaults(section):
+    from omegaconf import OmegaConf
+
+    engine = omega_conf_to_dataclass(OmegaConf.select(compose("ppo_megatron_trainer"), section))
+    assert type(engine) is McoreEngineConfig
+    # upstream's engine/megatron.yaml, written out by hand
+    assert (engine.tensor_model_parallel_size, engine.pipeline_model_parallel_size) == (1, 1)
+    assert (engine.context_parallel_size, engine.expert_model_parallel_size) == (1, 1)
+    assert engine.virtual_pipeline_model_parallel_size is None and engine.expert_tensor_parallel_size is None
+    assert (engine.sequence_parallel, engine.use_distributed_optimizer, engine.seed) == (True, True, 42)
+    assert engine.override_transformer_config["recompute_modules"] == ["core_attn"]
+
+
+def test_mcore_engine_defaults_equal_the_actors_yaml_section():
+    from_yaml = omega_conf_to_dataclass(compose("ppo_megatron_trainer").actor_rollout_ref.actor.megatron)
+    assert dataclasses.replace(from_yaml, _target_="") == McoreEngineConfig()
+
+
+def test_the_fsdp_composition_has_no_megatron_section_to_build():
+    assert "megatron" not in compose("ppo_trainer").actor_rollout_ref.actor
+
+
+@pytest.mark.parametrize(
+    "overrides, match",
+    [
+        ({"tensor_model_parallel_size": 0}, r"megatron.tensor_model_parallel_size=0 must be a positive integer"),
+        ({"context_parallel_size": -2}, r"megatron.context_parallel_size=-2 must be a positive integer"),
+        (
+            {"virtual_pipeline_model_parallel_size": 2},
+            r"virtual_pipeline_model_parallel_size=2 needs pipeline_model_parallel_size >= 2 \(got 1\)",
+        ),
+    ],
+)
+def test_mcore_engine_checks_run_when_the_section_is_built(overrides, match):
+    with pytest.raises(ValueError, match=match):
+        omega_conf_to_dataclass(overrides, McoreEngineConfig)
+    assert (
+        McoreEngineConfig(
+            pipeline_model_parallel_size=2, virtual_pipeline_model_parallel_size=2
+        ).pipeline_model_parallel_size
+        == 2
+    )

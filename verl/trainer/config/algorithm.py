@@ -22,7 +22,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from verl.base_config import BaseConfig
-from verl.trainer.config.fields import KL_CTRL_TYPES, KL_PENALTIES, PF_PPO_METHODS, adv_estimator_choices, doc
+from verl.workers.config._fields import KL_CTRL_TYPES, KL_PENALTIES, PF_PPO_METHODS, adv_estimator_choices, doc
 
 __all__ = ["AlgoConfig", "FilterGroupsConfig", "KLControlConfig", "PFPPOConfig", "RolloutCorrectionConfig"]
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from verl.base_config import BaseConfig
-from verl.trainer.config.fields import CHECKPOINT_CONTENTS, UNSUPPORTED, doc
+from verl.workers.config._fields import CHECKPOINT_CONTENTS, UNSUPPORTED, doc
 
 __all__ = ["CheckpointConfig"]
 

@@ -35,7 +35,9 @@ from verl.trainer.config.algorithm import (  # noqa: F401  (re-exported: the sch
     RolloutCorrectionConfig,
 )
 from verl.trainer.config.config import CheckpointConfig
-from verl.trainer.config.fields import (  # noqa: F401  (re-exported: the schema's public names)
+from verl.trainer.config.fields import agent_loop_choices, tool_format_choices
+from verl.workers.config import McoreEngineConfig, PolicyLossConfig
+from verl.workers.config._fields import (  # noqa: F401  (re-exported: the schema's public names)
     _NO_NEUTRAL,
     _SPEED,
     CHECKPOINT_CONTENTS,
@@ -68,11 +70,9 @@ from verl.trainer.config.fields import (  # noqa: F401  (re-exported: the schema
     TRUNCATIONS,
     UNSUPPORTED,
     adv_estimator_choices,
-    agent_loop_choices,
     device_choices,
     doc,
     policy_loss_choices,
-    tool_format_choices,
 )
 
 # --------------------------------------------------------------------------------------- data
@@ -213,73 +213,6 @@ class RewardModelFSDPConfig:
     model_dtype: str = doc("Dtype the weights are loaded in.", choices=MODEL_DTYPES, optional=True)
     dtype: str = doc("Compute dtype (as the actor's fsdp_config.dtype).", choices=ENGINE_DTYPES, optional=True)
     mixed_precision: dict | None = doc("{param_dtype, reduce_dtype}.", optional=True)
-
-
-@dataclass
-class MegatronConfig:
-    """Megatron-core parallelism of one model (read when its `strategy` is megatron; docs/megatron.md)."""
-
-    param_offload: bool = doc("Keep parameters on the host between uses (saves device memory; no-op on CPU).")
-    grad_offload: bool = doc("Keep gradients on the host between updates.", status=IGNORED, optional=True)
-    optimizer_offload: bool = doc("Keep the Adam moments on the host between updates (no-op on CPU).", optional=True)
-    tensor_model_parallel_size: int = doc("Ranks one layer's weights are split over (attention heads, MLP, vocab).")
-    expert_model_parallel_size: int = doc("Expert parallelism (mixture-of-experts).", status=UNSUPPORTED, neutral=1)
-    expert_tensor_parallel_size: int | None = doc(
-        "Tensor parallelism inside experts (mixture-of-experts).", status=UNSUPPORTED, neutral=(None, 1)
-    )
-    pipeline_model_parallel_size: int = doc("Pipeline stages the layers are split into.")
-    virtual_pipeline_model_parallel_size: int | None = doc(
-        "Interleaved pipeline chunks (virtual stages) per pipeline stage; needs pipeline_model_parallel_size >= 2 "
-        "and at least that many micro-batches per rank. null: no interleaving."
-    )
-    context_parallel_size: int = doc(
-        "Ranks one sequence is split over (each holds 2 of its 2 x cp load-balanced chunks; keys and values "
-        "are all-gathered in attention). Must divide the world size together with the tensor and pipeline sizes."
-    )
-    sequence_parallel: bool = doc(
-        "Split activations outside attention/MLP along the sequence over the tensor-parallel ranks (memory only, "
-        "same results); needs tensor_model_parallel_size > 1 (ignored otherwise). Runs without TransformerEngine or "
-        "apex."
-    )
-    use_distributed_optimizer: bool = doc(
-        "Split the Adam state over data-parallel ranks by whole parameters (ZeRO stage 1; memory only, same results)."
-    )
-    use_dist_checkpointing: bool = doc(
-        "Start from a Megatron dist checkpoint (made once with `python -m verl.models.mcore.converter`) instead of "
-        "the HF weights: each rank reads only its shards. Not for the reward model."
-    )
-    dist_checkpointing_path: str | None = doc(
-        "That checkpoint's directory (or a verl megatron checkpoint's actor/critic directory)."
-    )
-    dist_checkpointing_prefix: str = doc("Key prefix inside that checkpoint.")
-    seed: int = doc("Seed of Megatron's model-parallel random streams.")
-    override_ddp_config: dict = doc(
-        "Megatron DistributedDataParallelConfig fields (bucket sizes, overlap). "
-        "Speed or memory only here: gradients are reduced by verl's own data-parallel step.",
-        status=IGNORED,
-        optional=True,
-    )
-    override_transformer_config: dict = doc(
-        "TransformerConfig fields set on top of those derived from the HF config (e.g. recompute_granularity; "
-        "recompute_* and attention_backend are speed or memory knobs)."
-    )
-    override_mcore_model_config: dict = doc(
-        "GPTModel constructor overrides.", status=UNSUPPORTED, neutral={}, optional=True
-    )
-    use_mbridge: bool = doc(
-        "Convert HF weights with the mbridge package; here verl's own converter (verl.models.mcore) builds the same "
-        "Megatron weights either way.",
-        status=IGNORED,
-    )
-    vanilla_mbridge: bool = doc("mbridge's implementation switch (see use_mbridge).", status=IGNORED)
-    use_remove_padding: bool = doc(f"Pack sequences without padding. {_SPEED}.", status=IGNORED)
-    forward_only: bool = doc("Build the model for inference only.", status=IGNORED, optional=True)
-    dtype: str = doc(
-        "Compute dtype of the Megatron model (mixed precision: parameters, gradients and Adam state stay fp32, "
-        "the forward runs under autocast in this dtype; fp16 only for frozen models). auto (ours): bfloat16 on GPU, "
-        "float32 on CPU.",
-        choices=ENGINE_DTYPES,
-    )
 
 
 @dataclass
@@ -428,18 +361,6 @@ class OptimConfig:
 
 
 @dataclass
-class PolicyLossConfig:
-    """Policy-gradient loss variant and its parameters."""
-
-    loss_mode: str = doc("Policy loss: vanilla PPO clip or a variant.", choices=policy_loss_choices)
-    clip_cov_ratio: float = doc("clip-cov: fraction of tokens whose gradient is clipped.")
-    clip_cov_lb: float = doc("clip-cov: lower bound of the covariance window.")
-    clip_cov_ub: float = doc("clip-cov: upper bound of the covariance window.")
-    kl_cov_ratio: float = doc("kl-cov: fraction of tokens given a KL penalty.")
-    ppo_kl_coef: float = doc("kl-cov: coefficient of that KL penalty.")
-
-
-@dataclass
 class ProfilerConfig:
     """Profiling of one role's work (global_profiler picks the tool and the steps)."""
 
@@ -536,7 +457,7 @@ class ActorConfig:
         f"Recompute that sum in backward. {_SPEED}.", status=IGNORED, optional=True
     )
     fsdp_config: FSDPConfig = doc("FSDP engine (strategy fsdp or fsdp2).", optional=True)
-    megatron: MegatronConfig = doc("Megatron-core parallelism (strategy megatron).", optional=True)
+    megatron: McoreEngineConfig = doc("Megatron-core parallelism (strategy megatron).", optional=True)
     load_weight: bool = doc(
         "Megatron: load the HF weights (false: random initialisation).", status=UNSUPPORTED, neutral=True, optional=True
     )
@@ -594,7 +515,7 @@ class RefConfig:
     )
     entropy_from_logits_with_chunking: bool = doc("Compute entropy in chunks.", status=IGNORED, optional=True)
     entropy_checkpointing: bool = doc("Recompute entropy in backward.", status=IGNORED, optional=True)
-    megatron: MegatronConfig = doc("Megatron-core parallelism (strategy megatron).", optional=True)
+    megatron: McoreEngineConfig = doc("Megatron-core parallelism (strategy megatron).", optional=True)
     load_weight: bool = doc("Megatron: load the HF weights.", status=UNSUPPORTED, neutral=True, optional=True)
 
 
@@ -895,7 +816,7 @@ class CriticConfig:
         "Sequence-parallel group size.", status=UNSUPPORTED, neutral=1, optional=True
     )
     grad_clip: float = doc("FSDP: clip the global gradient norm to this value (see optim.clip_grad).", optional=True)
-    megatron: MegatronConfig = doc("Megatron-core parallelism (strategy megatron).", optional=True)
+    megatron: McoreEngineConfig = doc("Megatron-core parallelism (strategy megatron).", optional=True)
     nccl_timeout: int = doc("Megatron: seconds a collective may wait.", optional=True)
     load_weight: bool = doc("Megatron: load the HF weights.", status=UNSUPPORTED, neutral=True, optional=True)
 
@@ -1018,7 +939,7 @@ class RewardModelConfig:
     ulysses_sequence_parallel_size: int = doc(
         "Sequence-parallel group size.", status=UNSUPPORTED, neutral=1, optional=True
     )
-    megatron: MegatronConfig = doc(
+    megatron: McoreEngineConfig = doc(
         "Megatron-core parallelism of the reward model (strategy megatron; it shares the actor's worker processes, "
         "so a megatron actor or critic there must use the same layout).",
         optional=True,
@@ -1316,5 +1237,6 @@ TYPED_SECTIONS: dict[str, type] = {
     "algorithm": AlgoConfig,
     "actor_rollout_ref.actor.checkpoint": CheckpointConfig,
     "critic.checkpoint": CheckpointConfig,
+    "actor_rollout_ref.actor.policy_loss": PolicyLossConfig,
 }
 """Dotted key -> the runtime section class whose `__post_init__` checks it (validate.py builds each)."""
