@@ -776,34 +776,30 @@ class RayWorkerGroup(WorkerGroup):
 
     def _dead_peer(self, refs: list, role: str, method: str, then: str) -> WorkerDiedError | None:
         """After one rank's method raised: a WorkerDiedError for a rank of the same call that died,
-        when Ray reports one within `_PEER_DEATH_GRACE_S` (the ranks still running are not waited for
-        longer than that); else None."""
-        ray.wait(refs, num_returns=len(refs), timeout=self._PEER_DEATH_GRACE_S)
-        for ref in refs:
-            if not ray.wait([ref], timeout=0)[0]:
-                continue
-            try:
-                ray.get(ref, timeout=0)
-            except RayActorError as exc:
-                return self._died_error(exc, role, method, then)
-            except Exception:  # another rank's own error: not a death
-                continue
-        return None
+        when Ray reports one within `_PEER_DEATH_GRACE_S`; else None."""
+        death = self._first_failure(refs, RayActorError)
+        return None if death is None else self._died_error(death, role, method, then)
 
     def _peer_error(self, death: RayActorError, refs: list, ranks: list[int], role: str, method: str) -> str:
         """After one rank of a call died: the first line of the error another rank of the same call
-        raised within `_PEER_DEATH_GRACE_S` (ranks still running are not waited for longer), or ""."""
+        raised within `_PEER_DEATH_GRACE_S`, or ""."""
+        error = self._first_failure(refs, RayTaskError)
+        return "" if error is None else str(self._method_error(error, refs, ranks, role, method)).splitlines()[0]
+
+    def _first_failure(self, refs: list, kind: type[Exception]) -> Exception | None:
+        """The first `kind` error among the calls of `refs` that finish within `_PEER_DEATH_GRACE_S`
+        (the ranks still running are not waited for longer than that)."""
         ray.wait(refs, num_returns=len(refs), timeout=self._PEER_DEATH_GRACE_S)
         for ref in refs:
             if not ray.wait([ref], timeout=0)[0]:
                 continue
             try:
                 ray.get(ref, timeout=0)
-            except RayTaskError as exc:
-                return str(self._method_error(exc, refs, ranks, role, method)).splitlines()[0]
-            except Exception:  # the death itself, or another rank's
+            except kind as exc:
+                return exc
+            except Exception:  # a failure of the other kind
                 continue
-        return ""
+        return None
 
     def _method_error(self, exc: RayTaskError, refs, ranks, role: str, method: str) -> WorkerGroupError:
         cause = getattr(exc, "cause", None)
