@@ -57,7 +57,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from verl.utils.py_functional import env_int
+from verl.single_controller._env import env_int
 from verl.utils.speed_paths import SpeedPath
 
 logger = logging.getLogger(__name__)

@@ -273,14 +273,3 @@ def convert_to_regular_types(obj):
     if isinstance(obj, dict):
         return {k: convert_to_regular_types(v) for k, v in obj.items()}
     return obj
-
-
-def env_int(name: str, default: int | None) -> int | None:
-    """The integer in environment variable `name`, or `default` when it is unset or empty."""
-    value = os.environ.get(name)
-    if value is None or value == "":
-        return default
-    try:
-        return int(value)
-    except ValueError:
-        raise ValueError(f"environment variable {name}={value!r} must be an integer") from None

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import build_model, hf_greedy_loop, left_padded_prompts
 
+from tests.workers.rollout.rollout_helpers import build_model, hf_greedy_loop, left_padded_prompts
 from verl.workers.rollout.hf_rollout import HFRollout, HFRolloutConfig, cuda_graphs_enabled
 from verl.workers.rollout.native.engine import GenerationEngine, kv_cache_rows
 from verl.workers.rollout.native.llama_decoder import LlamaDecoder

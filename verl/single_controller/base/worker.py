@@ -42,9 +42,9 @@ import socket
 import traceback
 
 from verl.single_controller import shm
+from verl.single_controller._env import env_int as _env_int
 from verl.single_controller.base.decorator import Dispatch, get_registered_methods, register
 from verl.single_controller.base.errors import _WorkerSideError
-from verl.utils.py_functional import env_int as _env_int
 
 DEFAULT_DIST_TIMEOUT_S = 600.0
 
