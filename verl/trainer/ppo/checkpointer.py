@@ -22,6 +22,9 @@ import torch
 
 from verl.utils.checkpoint.checkpoint_manager import find_latest_ckpt_path, write_checkpoint_tracker
 from verl.utils.checkpoint.safe_load import torch_load
+from verl.utils.logging_utils import get_logger
+
+logger = get_logger(__name__, "INFO")
 
 
 class Checkpointer:
@@ -93,6 +96,8 @@ class Checkpointer:
         step_dir = self.resume_dir()
         if step_dir is None:
             return None
+        # Said before loading, so a load that fails still names the directory it was reading.
+        logger.info(f"resuming from {step_dir}")
         self.actor_wg.load_checkpoint(os.path.join(step_dir, "actor"))
         if self.critic_wg is not None:
             self.critic_wg.load_checkpoint(os.path.join(step_dir, "critic"))

@@ -786,7 +786,6 @@ class RayPPOTrainer:
         state = self.checkpointer.load()
         if state is None:
             return
-        logger.info(f"resumed from {state['step_dir']}")
         self.global_steps = state["global_steps"]
         self.train_dataloader.load_state_dict(state["dataloader"])
         self._train_iter = None
