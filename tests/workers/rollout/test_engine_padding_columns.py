@@ -93,3 +93,29 @@ def test_rotary_table_without_cuda_graphs_covers_the_positions_asked_for(qwen2_m
     decoder._build_rope_table(4096)  # what CUDA graphs start from: the same values for those positions
     torch.testing.assert_close(decoder._cos[:small], cos)
     torch.testing.assert_close(decoder._sin[:small], sin)
+
+
+@pytest.mark.gpu
+def test_cuda_graph_generation_with_dropped_padding_equals_transformers_and_keeps_the_graph_buffers():
+    """On CUDA with graphs: greedy tokens of a batch with 24 all-padding columns equal transformers'
+    (which sees the full width), and the graph path keeps its 4096-row rotary table (each rebuild
+    would recapture the graphs)."""
+    from tests.workers.rollout.rollout_helpers import build_model, hf_greedy_loop
+    from verl.utils.device import get_device
+
+    model = build_model("qwen2").to(get_device(), torch.float32)
+    device = next(model.parameters()).device
+    engine = GenerationEngine.from_model(model, device=device, dtype=torch.float32)
+    assert engine.graphs is not None and engine.decoder.cuda_graphs, "CUDA graphs should be on for this test"
+    ids, mask = (t.to(device) for t in left_padded_prompts([6, 2, 4, 5, 1], seed=4, width=30))
+    widths = []
+    prefill = engine.decoder.prefill
+    engine.decoder.prefill = lambda p_ids, *a, **kw: widths.append(p_ids.shape[1]) or prefill(p_ids, *a, **kw)
+    out = engine.generate(ids, mask, 8, SamplingParams(do_sample=False), pad_token_id=0)
+    expected = hf_greedy_loop(model, ids, mask, 8)
+    mismatch = (out.responses != expected).any(-1).nonzero().flatten().tolist()
+    assert not mismatch, (
+        f"rows {mismatch}: engine {out.responses[mismatch].tolist()} vs HF {expected[mismatch].tolist()}"
+    )
+    assert widths == [6], f"prefill widths {widths}: the 24 all-padding columns should be dropped"
+    assert engine.decoder._cos.shape[0] >= 4096, f"rotary table {engine.decoder._cos.shape[0]} rows under graphs"
