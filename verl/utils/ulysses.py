@@ -217,16 +217,18 @@ def patch_sdpa_attention() -> None:
     ALL_ATTENTION_FUNCTIONS["sdpa"] = sdpa_or_ulysses
 
 
-def setup(role: str, cfg: dict, model_config, use_remove_padding: bool, group) -> int:
+def setup(role: str, cfg: dict, model_config, use_remove_padding: bool, group, remove_padding_key=None) -> int:
     """Validate `<role>.ulysses_sequence_parallel_size` against the model and the group, install
-    the attention patch when sp > 1, and return sp."""
+    the attention patch when sp > 1, and return sp. `remove_padding_key` names the config key of
+    `use_remove_padding` in errors (default `<role>.use_remove_padding`)."""
+    remove_padding_key = remove_padding_key or f"{role}.use_remove_padding"
     sp = int(cfg.get(SP_KEY, 1) or 1)
     if sp == 1:
         return 1
     if not use_remove_padding:
         raise ValueError(
-            f"{role}.{SP_KEY}={sp} needs {role}.use_remove_padding=True: Ulysses splits the packed "
-            "(padding-free) token sequence across ranks; set use_remove_padding=True or the size to 1"
+            f"{role}.{SP_KEY}={sp} needs {remove_padding_key}=True: Ulysses splits the packed "
+            f"(padding-free) token sequence across ranks; set {remove_padding_key}=True or the size to 1"
         )
     if group is None or dist.get_world_size(group) != sp:
         found = None if group is None else dist.get_world_size(group)
@@ -245,18 +247,23 @@ def setup(role: str, cfg: dict, model_config, use_remove_padding: bool, group) -
     return sp
 
 
+def forward_slice(module, packed_ids, packed_pos, group):
+    """(the HF output for this rank's slice of the packed batch [1, T'/sp, ...], pad)."""
+    sp, rank = dist.get_world_size(group), dist.get_rank(group)
+    ids, pos, full_pos, pad = pad_and_slice_packed(packed_ids, packed_pos, sp, rank)
+    return module(input_ids=ids, position_ids=pos, use_cache=False, **ulysses_forward_kwargs(full_pos, group)), pad
+
+
 def packed_forward(module, packed_ids, packed_pos, group, temperature: float, stat_fns: dict, grad_scale: float):
     """One sp rank's share of a packed causal-LM forward: (log-probs [T] of each next packed token,
     {name: fn(logits) [T]}) gathered over the group. The label of the last token of each sequence
     is the next sequence's first token, as in the sp=1 packed path (callers never read it)."""
-    sp, rank = dist.get_world_size(group), dist.get_rank(group)
     from verl.utils.torch_functional import logprobs_from_logits
 
     labels = torch.roll(packed_ids, shifts=-1, dims=1)
-    ids, pos, full_pos, pad = pad_and_slice_packed(packed_ids, packed_pos, sp, rank)
-    local_labels = pad_and_slice_packed(labels, packed_pos, sp, rank)[0][0]
-    logits = module(input_ids=ids, position_ids=pos, use_cache=False, **ulysses_forward_kwargs(full_pos, group))
-    logits = logits.logits[0] / temperature
+    local_labels = pad_and_slice_packed(labels, packed_pos, dist.get_world_size(group), dist.get_rank(group))[0][0]
+    output, pad = forward_slice(module, packed_ids, packed_pos, group)
+    logits = output.logits[0] / temperature
     log_probs = gather_outputs_and_unpad(logprobs_from_logits(logits, local_labels), 0, pad, group, grad_scale)
     stats = {name: gather_outputs_and_unpad(fn(logits), 0, pad, group, grad_scale) for name, fn in stat_fns.items()}
     return log_probs, stats
