@@ -21,7 +21,7 @@ def _batch() -> DataProto:
     return DataProto.from_dict(tensors=dict(td.items()), meta_info={"temperature": 1.0})
 
 
-def _worker_case(rank, world_size, sp, out_path):
+def _worker_case(rank, world_size, sp, out_path, save_to=None, load_from=None):
     from verl.utils.fsdp_utils import iter_full_params
     from verl.workers.fsdp_workers import ActorRolloutRefWorker
 
@@ -43,6 +43,12 @@ def _worker_case(rank, world_size, sp, out_path):
     )
     worker = ActorRolloutRefWorker(cfg.actor_rollout_ref, role="actor")
     worker.init_model()
+    if load_from is not None:  # resume: the loaded weights are those the other layout saved
+        worker.load_checkpoint(load_from)
+        weights = {name: t.detach().clone() for name, t in iter_full_params(worker.actor.actor_module)}
+        if rank == 0:
+            torch.save(weights, f"{out_path}.{rank}")
+        return
     assert worker.dp_size == world_size // sp
     chunk = _batch().chunk(world_size)[rank]
     if rank == 0 and sp == 1:
@@ -52,6 +58,8 @@ def _worker_case(rank, world_size, sp, out_path):
     chunk.batch["old_log_probs"] = old.batch["old_log_probs"]
     metrics = worker.update_actor(chunk).meta_info["metrics"]
     weights = {name: t.detach().clone() for name, t in iter_full_params(worker.actor.actor_module)}
+    if save_to is not None:
+        worker.save_checkpoint(save_to, global_step=1)
     if rank == 0 or sp == 1:
         torch.save(
             {"log_probs": old.batch["old_log_probs"], "weights": weights, "grad_norm": metrics["actor/grad_norm"]},
@@ -60,9 +68,9 @@ def _worker_case(rank, world_size, sp, out_path):
 
 
 @pytest.mark.slow
-def test_actor_worker_with_sp2_equals_sp1(tmp_path):
+def test_actor_worker_with_sp2_equals_sp1_and_its_checkpoint_resumes_at_sp1(tmp_path):
     run_distributed(_worker_case, 2, 1, str(tmp_path / "sp1"))
-    run_distributed(_worker_case, 2, 2, str(tmp_path / "sp2"))
+    run_distributed(_worker_case, 2, 2, str(tmp_path / "sp2"), str(tmp_path / "ckpt"))
     for rank in (0,):
         ref = torch.load(f"{tmp_path / 'sp1'}.{rank}")
         got = torch.load(f"{tmp_path / 'sp2'}.{rank}")
@@ -79,3 +87,10 @@ def test_actor_worker_with_sp2_equals_sp1(tmp_path):
         start = torch.load(f"{tmp_path / 'sp1'}.start")
         moved = max((ref["weights"][n] - start[n]).abs().max().item() for n in start)
         assert moved > 1e-4, f"the update moved the weights by at most {moved:.3g}; the comparison needs a real step"
+
+    # a checkpoint saved at sp=2 resumes at sp=1 with the same weights
+    run_distributed(_worker_case, 2, 1, str(tmp_path / "resumed"), None, str(tmp_path / "ckpt"))
+    saved, resumed = torch.load(f"{tmp_path / 'sp2'}.0")["weights"], torch.load(f"{tmp_path / 'resumed'}.0")
+    assert saved.keys() == resumed.keys()
+    for name in saved:
+        torch.testing.assert_close(resumed[name], saved[name], rtol=0, atol=0, msg=name)
