@@ -57,5 +57,7 @@ def test_critic_values_and_update_with_sp2_equal_sp1():
 
 
 def test_critic_sp_without_remove_padding_says_what_to_set():
-    with pytest.raises(ValueError, match="critic.ulysses_sequence_parallel_size=2 needs critic.model.use_remove_padding=True"):
+    with pytest.raises(
+        ValueError, match="critic.ulysses_sequence_parallel_size=2 needs critic.model.use_remove_padding=True"
+    ):
         DataParallelPPOCritic(critic_config(ulysses_sequence_parallel_size=2), make_tiny_value_model(), None)
