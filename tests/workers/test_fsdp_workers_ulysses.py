@@ -94,3 +94,41 @@ def test_actor_worker_with_sp2_equals_sp1_and_its_checkpoint_resumes_at_sp1(tmp_
     assert saved.keys() == resumed.keys()
     for name in saved:
         torch.testing.assert_close(resumed[name], saved[name], rtol=0, atol=0, msg=name)
+
+
+def _critic_case(rank, world_size, sp, out_path):
+    from verl.workers.fsdp_workers import CriticWorker
+
+    cfg = load_ppo_config(
+        [
+            f"actor_rollout_ref.model.path={bundled_model_path()}",
+            f"critic.model.path={bundled_model_path()}",
+            "algorithm.adv_estimator=gae",
+            "trainer.n_gpus_per_node=2",
+            "data.train_batch_size=8",
+            "actor_rollout_ref.rollout.n=1",
+            "actor_rollout_ref.actor.ppo_mini_batch_size=8",
+            "critic.ppo_mini_batch_size=8",
+            "critic.ppo_micro_batch_size_per_gpu=4",
+            "critic.model.use_remove_padding=true",
+            f"critic.ulysses_sequence_parallel_size={sp}",
+        ],
+        config_name="arith_demo",
+    )
+    worker = CriticWorker(cfg.critic)
+    worker.init_model()
+    assert worker.dp_size == world_size // sp
+    values = worker.compute_values(_batch().chunk(world_size)[rank]).batch["values"]
+    torch.save(values, f"{out_path}.{rank}")
+
+
+@pytest.mark.slow
+def test_critic_worker_values_with_sp2_equal_sp1(tmp_path):
+    run_distributed(_critic_case, 2, 1, str(tmp_path / "sp1"))
+    run_distributed(_critic_case, 2, 2, str(tmp_path / "sp2"))
+    for rank in (0, 1):
+        mask = _batch().chunk(2)[rank].batch["response_mask"].bool()
+        ref, got = torch.load(f"{tmp_path / 'sp1'}.{rank}"), torch.load(f"{tmp_path / 'sp2'}.{rank}")
+        err = (got - ref)[mask].abs().max().item()
+        assert err < 1e-5, f"rank {rank}: sp=2 values differ from sp=1 by {err:.3g}"
+        assert ref[mask].abs().max().item() > 1e-3, "the values must be non-trivial for the comparison to mean anything"
