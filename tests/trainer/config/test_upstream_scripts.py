@@ -39,6 +39,10 @@ REFUSED = {
     # features not implemented here
     f"{R}collabllm/train_rl_collabllm.sh": "actor_rollout_ref.rollout.multi_turn.num_repeat_rollouts=3 is not implemented",
     f"{R}partial_rollout/run/run_gsm8k_nopr_grpo_4b_bs128.sh": "trainer.logger='swanlab' is not a valid choice",
+    f"{R}partial_rollout/run/run_dapomath_nopr_grpo_4b_bs64.sh": "trainer.logger='swanlab' is not a valid choice",
+    # agent loops registered from a YAML file (these also use Ulysses, which is accepted)
+    f"{R}langgraph_agent/example/run_gpt_oss_20b_bf16.sh": "actor_rollout_ref.rollout.agent.agent_loop_config_path=",
+    f"{R}langgraph_agent/example/run_qwen2.5_3b.sh": "actor_rollout_ref.rollout.agent.agent_loop_config_path=",
     # a multi-turn tool format upstream's release has no parser for either
     f"{V}sglang_multiturn/search_r1_like/run_qwen2.5-3b_instruct_search_multiturn.sh": "actor_rollout_ref.rollout.multi_turn.format='qwen'",
     # megatron actor and critic in one set of worker processes: one layout
@@ -150,4 +154,4 @@ def test_the_counts_reported_in_docs_upstream(files):
             counts["upstream refuses"] += 1
         else:
             counts["refused" if isinstance(ours, ConfigError) else "accepted"] += 1
-    assert counts == {"accepted": 87, "refused": 14, "excluded": 61, "upstream refuses": 3}, counts
+    assert counts == {"accepted": 104, "refused": 17, "excluded": 41, "upstream refuses": 3}, counts

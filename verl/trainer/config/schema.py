@@ -440,7 +440,9 @@ class ActorConfig:
     router_replay: RouterReplayConfig = doc("Mixture-of-experts routing replay.")
     grad_clip: float = doc("FSDP: clip the global gradient norm to this value (see optim.clip_grad).", optional=True)
     ulysses_sequence_parallel_size: int = doc(
-        "Ulysses sequence-parallel group size.", status=UNSUPPORTED, neutral=1, optional=True
+        "Ulysses sequence-parallel group size: > 1 splits each packed sequence across this many ranks "
+        "(needs use_remove_padding; see docs/sequence_parallel.md).",
+        optional=True,
     )
     entropy_from_logits_with_chunking: bool = doc(
         f"Compute entropy in chunks. {_SPEED}.", status=IGNORED, optional=True
@@ -511,7 +513,7 @@ class RefConfig:
     router_replay: RouterReplayConfig = doc("Mixture-of-experts routing replay.")
     fsdp_config: FSDPConfig = doc("FSDP engine (strategy fsdp or fsdp2).", optional=True)
     ulysses_sequence_parallel_size: int = doc(
-        "Sequence-parallel group size.", status=UNSUPPORTED, neutral=1, optional=True
+        "Ulysses sequence-parallel group size of the reference forward (must equal the actor's).", optional=True
     )
     entropy_from_logits_with_chunking: bool = doc("Compute entropy in chunks.", status=IGNORED, optional=True)
     entropy_checkpointing: bool = doc("Recompute entropy in backward.", status=IGNORED, optional=True)
@@ -813,7 +815,8 @@ class CriticConfig:
         "Sequences per value forward pass on one rank (follows ppo_micro_batch_size_per_gpu).", optional=True
     )
     ulysses_sequence_parallel_size: int = doc(
-        "Sequence-parallel group size.", status=UNSUPPORTED, neutral=1, optional=True
+        "Ulysses sequence-parallel group size (needs model.use_remove_padding; see docs/sequence_parallel.md).",
+        optional=True,
     )
     grad_clip: float = doc("FSDP: clip the global gradient norm to this value (see optim.clip_grad).", optional=True)
     megatron: McoreEngineConfig = doc("Megatron-core parallelism (strategy megatron).", optional=True)
