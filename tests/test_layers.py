@@ -85,8 +85,6 @@ EXCEPTIONS = {
 """(importing file, imported package prefix) -> why this arrow against the layers is allowed."""
 
 MUTUAL_IMPORT_EXCEPTIONS = {
-    ("verl.trainer.main_ppo", "verl.trainer.ppo.ray_trainer"): "known debt, #29 item 2: the driver reaches back "
-    "into the entry point",
     ("verl.trainer.main_ppo", "verl.trainer.preflight"): "known debt, #29: the preflight checks reach back into "
     "the entry point",
     ("verl.trainer.config.loader", "verl.trainer.config.validate"): "known debt, #28 (typed configs own both)",

@@ -47,6 +47,7 @@ from verl.trainer.ppo.async_rollout import (
     staleness_threshold,
 )
 from verl.trainer.ppo.checkpointer import Checkpointer
+from verl.trainer.ppo.dataloaders import create_dataloaders
 from verl.trainer.ppo.generation import GEN_BATCH_KEYS, generation_input, with_generation
 from verl.trainer.ppo.metric_utils import (
     compute_data_metrics,
@@ -161,31 +162,10 @@ class RayPPOTrainer:
 
     # ------------------------------------------------------------------ setup
     def _create_dataloader(self, train_dataset, val_dataset, collate_fn, train_sampler) -> None:
-        from verl.trainer.main_ppo import create_rl_sampler
-        from verl.utils.dataset.rl_dataset import collate_fn as default_collate_fn
-        from verl.utils.dataset.sampler import StatefulDataLoader, create_rl_dataloader
-
-        data = self.config.data
-        collate_fn = collate_fn or default_collate_fn
-        # DAPO's dynamic sampling draws gen_batch_size prompts at a time; everyone else train_batch_size.
-        batch_size = data.get("gen_batch_size") or data.train_batch_size
-        if batch_size > len(train_dataset):
-            raise ValueError(
-                f"data.train_batch_size={batch_size} is larger than the {len(train_dataset)} prompts of the "
-                "training set (after filtering overlong prompts); lower data.train_batch_size or add data"
-            )
-        self.train_dataloader = StatefulDataLoader(
-            train_dataset,
-            batch_size=batch_size,
-            sampler=train_sampler or create_rl_sampler(data, train_dataset),
-            collate_fn=collate_fn,
-            drop_last=True,
-            num_workers=data.get("dataloader_num_workers") or 0,
+        self.train_dataloader, self.val_dataloader = create_dataloaders(
+            self.config.data, train_dataset, val_dataset, collate_fn, train_sampler
         )
         self._train_iter = None
-        self.val_dataloader = None
-        if val_dataset is not None and len(val_dataset) > 0:
-            self.val_dataloader = create_rl_dataloader(val_dataset, data, is_train=False, collate_fn=collate_fn)
         total = self.config.trainer.get("total_training_steps")
         self.total_training_steps = total or len(self.train_dataloader) * self.config.trainer.total_epochs
         logger.info(
