@@ -30,7 +30,6 @@ Design decisions:
 
 from __future__ import annotations
 
-import os
 import random
 from dataclasses import dataclass, field
 from enum import Enum
@@ -47,6 +46,7 @@ from verl.trainer.ppo.async_rollout import (
     staleness_threshold,
 )
 from verl.trainer.ppo.checkpointer import Checkpointer
+from verl.trainer.ppo.dataloaders import create_dataloaders
 from verl.trainer.ppo.generation import GEN_BATCH_KEYS, generation_input, with_generation
 from verl.trainer.ppo.metric_utils import (
     compute_data_metrics,
@@ -59,6 +59,8 @@ from verl.trainer.ppo.rollout_corr_helper import (
     compute_rollout_correction_and_add_to_batch,
     configure_rollout_correction,
 )
+from verl.trainer.ppo.step_records import NonFiniteLossError as NonFiniteLossError  # main_ppo and tests import it here
+from verl.trainer.ppo.step_records import NonFiniteStreak, dump_rollouts
 from verl.trainer.ppo.validator import Validator, due
 from verl.utils import speed_paths
 from verl.utils.checkpoint.safe_load import from_plain, numpy_rng_state, set_numpy_rng_state, to_plain
@@ -68,13 +70,6 @@ from verl.utils.speed_paths import SpeedPath
 from verl.utils.timer import marked_timer
 
 logger = get_logger(__name__, "INFO")
-
-# Metrics the workers report per update: > 0 when an optimizer step was skipped for a NaN/inf gradient.
-NONFINITE_METRICS = ("actor/skipped_nonfinite_grad", "critic/skipped_nonfinite_grad")
-
-
-class NonFiniteLossError(RuntimeError):
-    """`trainer.max_consecutive_nonfinite_steps` steps in a row had a NaN/inf loss or gradient."""
 
 
 class Role(Enum):
@@ -156,36 +151,15 @@ class RayPPOTrainer:
         self._step_profiler = StepProfiler(self.profiler_config)
         _check_estimator_inputs(config)
         self.global_steps = 0
-        self._nonfinite_in_a_row = 0
+        self._nonfinite = NonFiniteStreak(config.trainer.max_consecutive_nonfinite_steps)
         self._create_dataloader(train_dataset, val_dataset, collate_fn, train_sampler)
 
     # ------------------------------------------------------------------ setup
     def _create_dataloader(self, train_dataset, val_dataset, collate_fn, train_sampler) -> None:
-        from verl.trainer.main_ppo import create_rl_sampler
-        from verl.utils.dataset.rl_dataset import collate_fn as default_collate_fn
-        from verl.utils.dataset.sampler import StatefulDataLoader, create_rl_dataloader
-
-        data = self.config.data
-        collate_fn = collate_fn or default_collate_fn
-        # DAPO's dynamic sampling draws gen_batch_size prompts at a time; everyone else train_batch_size.
-        batch_size = data.get("gen_batch_size") or data.train_batch_size
-        if batch_size > len(train_dataset):
-            raise ValueError(
-                f"data.train_batch_size={batch_size} is larger than the {len(train_dataset)} prompts of the "
-                "training set (after filtering overlong prompts); lower data.train_batch_size or add data"
-            )
-        self.train_dataloader = StatefulDataLoader(
-            train_dataset,
-            batch_size=batch_size,
-            sampler=train_sampler or create_rl_sampler(data, train_dataset),
-            collate_fn=collate_fn,
-            drop_last=True,
-            num_workers=data.get("dataloader_num_workers") or 0,
+        self.train_dataloader, self.val_dataloader = create_dataloaders(
+            self.config.data, train_dataset, val_dataset, collate_fn, train_sampler
         )
         self._train_iter = None
-        self.val_dataloader = None
-        if val_dataset is not None and len(val_dataset) > 0:
-            self.val_dataloader = create_rl_dataloader(val_dataset, data, is_train=False, collate_fn=collate_fn)
         total = self.config.trainer.get("total_training_steps")
         self.total_training_steps = total or len(self.train_dataloader) * self.config.trainer.total_epochs
         logger.info(
@@ -686,12 +660,12 @@ class RayPPOTrainer:
             self._step_profiler.begin(self.global_steps)
             metrics = self.step()
             self._update_curriculum()
-            if self._count_nonfinite_step(metrics):
+            if self._nonfinite.record(metrics):
                 tracker.log(metrics, step=self.global_steps)
                 progress.close()
-                raise NonFiniteLossError(self._nonfinite_message())
-            if trainer_cfg.get("rollout_data_dir"):
-                self._dump_rollouts(trainer_cfg.rollout_data_dir)
+                raise self._nonfinite.error(self.global_steps)
+            if trainer_cfg.rollout_data_dir:
+                dump_rollouts(self._last_batch, self.tokenizer, trainer_cfg.rollout_data_dir, self.global_steps)
             timing: dict[str, float] = {}
             if validator.should_validate(self.global_steps, is_last):
                 with marked_timer("testing", timing):
@@ -721,48 +695,6 @@ class RayPPOTrainer:
 
         if isinstance(self.train_dataloader.sampler, AbstractCurriculumSampler):
             self.train_dataloader.sampler.update(batch=self._last_batch)
-
-    def _count_nonfinite_step(self, metrics: dict[str, Any]) -> bool:
-        """Count steps in a row whose actor or critic skipped an update for a NaN/inf loss or gradient
-        (`*/skipped_nonfinite_grad`); True when `trainer.max_consecutive_nonfinite_steps` is reached."""
-        skipped = any(metrics.get(key, 0.0) > 0 for key in NONFINITE_METRICS)
-        self._nonfinite_in_a_row = self._nonfinite_in_a_row + 1 if skipped else 0
-        metrics["training/nonfinite_steps_in_a_row"] = self._nonfinite_in_a_row
-        limit = self.config.trainer.get("max_consecutive_nonfinite_steps")
-        return limit is not None and self._nonfinite_in_a_row >= limit
-
-    def _nonfinite_message(self) -> str:
-        n, last = self._nonfinite_in_a_row, self.global_steps
-        steps = f"steps {last - n + 1}-{last}" if n > 1 else f"step {last}"
-        return (
-            f"stopping: the loss or gradient norm was NaN or infinite in {n} steps in a row ({steps}; "
-            f"trainer.max_consecutive_nonfinite_steps={n}), so their updates were skipped and the model stopped "
-            "learning. Usual causes: rewards of extreme magnitude (see critic/score/*), a learning rate that is too "
-            "high, or fp16 overflow. Fix the cause (lower actor_rollout_ref.actor.optim.lr, rescale the reward, "
-            "train in bf16 or fp32) and resume: the checkpoints in trainer.default_local_dir are untouched"
-        )
-
-    def _dump_rollouts(self, directory: str) -> None:
-        """`<rollout_data_dir>/<step>.jsonl`: one line per trained sample (uid, input, output, score,
-        and when generation runs ahead the oldest and newest weight versions that generated it)."""
-        import json
-
-        batch = self._last_batch
-        os.makedirs(directory, exist_ok=True)
-        inputs = self.tokenizer.batch_decode(batch.batch["prompts"], skip_special_tokens=True)
-        outputs = self.tokenizer.batch_decode(batch.batch["responses"], skip_special_tokens=True)
-        scores = batch.batch["token_level_scores"].sum(-1).tolist()
-        versions = batch.non_tensor_batch.get("weight_version")
-        newest = batch.non_tensor_batch.get("weight_version_max")
-        with open(os.path.join(directory, f"{self.global_steps}.jsonl"), "w") as f:
-            for i, uid in enumerate(batch.non_tensor_batch["uid"]):
-                row = {"step": self.global_steps, "uid": str(uid), "input": inputs[i], "output": outputs[i]}
-                row["score"] = scores[i]
-                if versions is not None:
-                    row["weight_version"] = int(versions[i])
-                if newest is not None:
-                    row["weight_version_max"] = int(newest[i])
-                f.write(json.dumps(row) + "\n")
 
     # ------------------------------------------------------------------ checkpoints
     @property
