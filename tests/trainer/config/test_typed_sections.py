@@ -16,6 +16,7 @@ from verl.trainer.config import (
 from verl.trainer.config.loader import compose
 from verl.utils.config import omega_conf_to_dataclass
 from verl.workers.config import McoreEngineConfig, PolicyLossConfig
+from verl.workers.config._fields import doc
 
 
 def _without_targets(value):
@@ -193,3 +194,39 @@ def test_mcore_engine_checks_run_when_the_section_is_built(overrides, match):
         ).pipeline_model_parallel_size
         == 2
     )
+
+
+@dataclasses.dataclass
+class _TaggedCheckpointConfig(CheckpointConfig):
+    """A subclass with one key of its own: the schema must check a section against the class its `_target_` names."""
+
+    tag: str = doc("A label.", default="none")
+
+
+@pytest.mark.parametrize("name", ["arith_demo", "arith_demo_megatron"])  # ppo_trainer, ppo_megatron_trainer
+def test_schema_checks_a_section_against_the_subclass_its_target_names(name):
+    from omegaconf import OmegaConf
+
+    from verl.trainer.config import ConfigError, load_ppo_config, validate_ppo_config
+    from verl.trainer.config.schema import section_class
+
+    def config(**checkpoints):
+        cfg = OmegaConf.to_container(load_ppo_config(config_name=name), resolve=True)
+        cfg["actor_rollout_ref"]["actor"]["checkpoint"].update(checkpoints.get("actor", {}))
+        cfg["critic"]["checkpoint"].update(checkpoints.get("critic", {}))
+        return cfg
+
+    tagged = {"_target_": f"{__name__}._TaggedCheckpointConfig", "tag": "x"}
+    # the subclass declares `tag`, so the walk accepts it ...
+    cfg = config(actor=tagged)
+    validate_ppo_config(cfg)
+    section = cfg["actor_rollout_ref"]["actor"]["checkpoint"]
+    assert section_class(CheckpointConfig, section) is _TaggedCheckpointConfig
+    assert omega_conf_to_dataclass(section).tag == "x"
+    # ... while the base class, which the critic's section still names, does not
+    with pytest.raises(ConfigError, match=r"unknown config key 'critic\.checkpoint\.tag'"):
+        validate_ppo_config(config(actor=tagged, critic={"tag": "x"}))
+    # a `_target_` that is not a subclass of the declared class is reported under its own key
+    with pytest.raises(ConfigError, match=r"actor_rollout_ref\.actor\.checkpoint\._target_=.*not a CheckpointConfig"):
+        validate_ppo_config(config(actor={"_target_": "verl.trainer.config.AlgoConfig"}))
+    assert section_class(CheckpointConfig, {"save_contents": []}) is CheckpointConfig

@@ -18,6 +18,10 @@ Design decisions:
   leaves its neutral value when ignoring it would silently train something else: UNSUPPORTED
   (not implemented), PENDING (being implemented: "not implemented yet") or HARDWARE (only
   meaningful on hardware this build does not support: Ascend NPUs, TensorRT-LLM).
+- A section whose YAML holds `_target_` is checked against the class it names when that is a
+  subclass of the field's declared class (`section_class`): the declared class is the common base
+  (e.g. an optimizer config) and each trainer's YAML names its engine's subclass, so both
+  compositions share one field while each section is checked against the keys it is built with.
 - A dataclass marked `OPEN_KEYS = True` also accepts keys it does not list (passed through to a
   third-party API such as `ray.init`).
 """
@@ -25,6 +29,7 @@ Design decisions:
 from __future__ import annotations
 
 import dataclasses
+import importlib
 from dataclasses import dataclass
 
 from verl.trainer.config.algorithm import (  # noqa: F401  (re-exported: the schema's section classes)
@@ -1234,6 +1239,31 @@ def config_fields(cls: type) -> tuple[dataclasses.Field, ...]:
     """The config keys a section class declares: its dataclass fields less `_target_`, which names the
     class to build (BaseConfig's field) rather than a setting."""
     return tuple(f for f in dataclasses.fields(cls) if f.name != "_target_")
+
+
+def section_class(declared: type, value) -> type:
+    """The dataclass that checks a section: the subclass of `declared` its `_target_` names, else `declared`.
+
+    A field's annotation names the base class (`OptimizerConfig`); the YAML of each trainer names the
+    engine-specific subclass (`FSDPOptimizerConfig` vs `McoreOptimizerConfig`) in `_target_`, so the
+    section is checked against the keys of the class it will be built as. A `_target_` that cannot be
+    imported or is not a subclass of `declared` raises ValueError (the message names the key).
+    """
+    target = value.get("_target_") if isinstance(value, dict) else None
+    if not target:
+        return declared
+    module_name, _, attr = str(target).rpartition(".")
+    try:
+        named = getattr(importlib.import_module(module_name), attr) if module_name else None
+    except (ImportError, AttributeError):
+        named = None
+    if not (isinstance(named, type) and issubclass(named, declared)):
+        what = "does not name an importable class" if named is None else f"names {named!r}"
+        raise ValueError(
+            f"_target_={target!r} {what}, which is not a {declared.__name__}; "
+            f"name {declared.__name__} or a subclass of it, or drop the `_target_`"
+        )
+    return named
 
 
 TYPED_SECTIONS: dict[str, type] = {

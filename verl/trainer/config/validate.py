@@ -163,6 +163,11 @@ def _check_section(
                     )
                 )
             else:
+                try:
+                    tp = S.section_class(tp, v)
+                except ValueError as e:
+                    errors.append((f"{full}._target_", f"{full}.{e}"))
+                    continue
                 _check_section(v, tp, full + ".", errors, warns, all_keys)
             continue
         if not _matches(v, tp):
@@ -277,8 +282,13 @@ def _next_multiple(start: int, ok) -> int:
 def _check_typed_sections(c: dict, errors: list[str]):
     """Build each typed section: its `__post_init__` holds the checks that need only that section."""
     for key, cls in S.TYPED_SECTIONS.items():
+        value = _get(c, key)
         try:
-            omega_conf_to_dataclass(_get(c, key), cls)
+            cls = S.section_class(cls, value)
+        except ValueError:
+            continue  # the schema walk already reported the bad `_target_` under its own key
+        try:
+            omega_conf_to_dataclass(value, cls)
         except ValueError as e:
             message = str(e)
             # a class shared by several sections names its key relative to the section
