@@ -65,7 +65,7 @@ KL_PENALTIES = ("kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3", "full", "k1+
 ROLLOUT_NAMES = ("hf", "vllm", "sglang")
 ROLLOUT_MODES = ("sync", "async")
 STRATEGIES = ("fsdp", "fsdp2", "megatron")
-LOGGERS = ("console", "file", "mlflow", "tensorboard", "wandb")
+LOGGERS = ("console", "file", "mlflow", "swanlab", "tensorboard", "wandb")
 RESUME_MODES = ("auto", "disable", "resume_path")
 
 
