@@ -160,6 +160,7 @@ class RayPPOTrainer:
             self.config.data, train_dataset, val_dataset, collate_fn, train_sampler
         )
         self._train_iter = None
+        self._uids_drawn = (-1, 0)  # (step, prompts drawn in it): see _next_batch
         total = self.config.trainer.get("total_training_steps")
         self.total_training_steps = total or len(self.train_dataloader) * self.config.trainer.total_epochs
         logger.info(
@@ -373,7 +374,14 @@ class RayPPOTrainer:
             self._train_iter = iter(self.train_dataloader)
             batch_dict = next(self._train_iter)
         batch = DataProto.from_single_dict(batch_dict)
-        batch.non_tensor_batch["uid"] = np.array([f"{self.global_steps}_{i}" for i in range(len(batch))], dtype=object)
+        # `<step>_<index>`, the index counting every prompt drawn in this step: dynamic sampling draws
+        # several batches per step, and a uid repeated across them would merge unrelated prompts'
+        # groups (GRPO's baseline, the filter's variance). The first batch's uids are unchanged.
+        first = self._uids_drawn[1] if self._uids_drawn[0] == self.global_steps else 0
+        batch.non_tensor_batch["uid"] = np.array(
+            [f"{self.global_steps}_{first + i}" for i in range(len(batch))], dtype=object
+        )
+        self._uids_drawn = (self.global_steps, first + len(batch))
         return batch
 
     def _gen_batch(self, batch: DataProto, **meta) -> DataProto:
