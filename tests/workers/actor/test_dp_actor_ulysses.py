@@ -70,13 +70,15 @@ def test_actor_update_with_sp2_equals_sp1(use_dynamic_bsz):
     run_distributed(_sp_actor_case, 2, use_dynamic_bsz)
 
 
-def test_heads_not_divisible_by_sp_fail_when_the_actor_is_built():
-    def case(rank, world_size):
-        with pytest.raises(ValueError, match=r"ulysses_sequence_parallel_size=2.*num_attention_heads=1"):
-            DataParallelPPOActor(
-                actor_config(ulysses_sequence_parallel_size=2, use_remove_padding=True),
-                make_tiny_causal_lm(),
-                ulysses_group=torch.distributed.group.WORLD,
-            )
+def _indivisible_heads_case(rank, world_size):
+    # module level: once Ray runs in this session the ranks start from a forkserver, which pickles the function
+    with pytest.raises(ValueError, match=r"ulysses_sequence_parallel_size=2.*num_attention_heads=1"):
+        DataParallelPPOActor(
+            actor_config(ulysses_sequence_parallel_size=2, use_remove_padding=True),
+            make_tiny_causal_lm(),
+            ulysses_group=torch.distributed.group.WORLD,
+        )
 
-    run_distributed(case, 2)
+
+def test_heads_not_divisible_by_sp_fail_when_the_actor_is_built():
+    run_distributed(_indivisible_heads_case, 2)
