@@ -529,34 +529,34 @@ def _megatron_reward_model(defaults, megatron_defaults, **overrides):
     )
 
 
-def test_megatron_models_in_one_process_need_one_layout(defaults, megatron_defaults):
-    """Actor, critic and reward model share the worker processes, which hold one set of megatron
-    parallel groups: different layouts are a config error naming each."""
+def test_megatron_models_of_different_layouts_get_their_own_processes(defaults, megatron_defaults):
+    """A megatron critic or reward model whose layout differs from the actor's is accepted: the
+    trainer spawns it in worker processes of its own (megatron's parallel state is one per process),
+    and a model of the actor's layout stays in the actor's processes."""
+    from omegaconf import OmegaConf
+
+    from verl.trainer.ppo.ray_trainer import megatron_layout, megatron_process_sets
+
     cfg = with_(
         megatron_defaults,
         algorithm__adv_estimator="gae",
-        critic__megatron__tensor_model_parallel_size=2,
+        actor_rollout_ref__actor__megatron__tensor_model_parallel_size=2,
+        critic__megatron__tensor_model_parallel_size=1,
     )
-    msg = error_of(cfg)
-    assert "layouts differ" in msg and "critic.megatron (tp, pp, vpp, cp)=(2, 1, None, 1)" in msg, msg
-    assert "actor_rollout_ref.actor.megatron (tp, pp, vpp, cp)=(1, 1, None, 1)" in msg
-    validate_ppo_config(with_(cfg, actor_rollout_ref__actor__megatron__tensor_model_parallel_size=2))
-    context = with_(cfg, critic__megatron__tensor_model_parallel_size=1, critic__megatron__context_parallel_size=2)
-    assert "critic.megatron (tp, pp, vpp, cp)=(1, 1, None, 2)" in error_of(context)
-    validate_ppo_config(with_(context, actor_rollout_ref__actor__megatron__context_parallel_size=2))
-    assert "x context_parallel_size=4 = 4 ranks per model copy does not divide the 2 ranks" in error_of(
-        with_(cfg, critic__megatron__tensor_model_parallel_size=1, critic__megatron__context_parallel_size=4)
-    )
-    assert "context_parallel_size=0 must be a positive integer" in error_of(
-        with_(cfg, critic__megatron__tensor_model_parallel_size=1, critic__megatron__context_parallel_size=0)
-    )
-    rm = _megatron_reward_model(defaults, megatron_defaults, reward_model__megatron__pipeline_model_parallel_size=2)
-    validate_ppo_config(rm)  # an FSDP actor: the reward model is the only megatron model
-    assert "reward_model.megatron (tp, pp, vpp, cp)=(1, 2, None, 1)" in error_of(
-        _megatron_reward_model(
-            megatron_defaults, megatron_defaults, reward_model__megatron__pipeline_model_parallel_size=2
-        )
-    )
+    validate_ppo_config(cfg)
+    conf = OmegaConf.create(cfg)
+    assert megatron_layout(conf.actor_rollout_ref.actor.megatron) == (2, 1, None, 1)
+    assert megatron_layout(conf.critic.megatron) == (1, 1, None, 1)
+    roles = {"actor_rollout": "A", "critic": "C", "ref": "R"}
+    assert megatron_process_sets(conf, roles) == [{"actor_rollout": "A", "ref": "R"}, {"critic": "C"}]
+    same = with_(cfg, critic__megatron__tensor_model_parallel_size=2)
+    validate_ppo_config(same)
+    conf = OmegaConf.create(same)
+    assert megatron_process_sets(conf, roles) == [roles]
+    # a virtual pipeline size of 1 is no virtual pipeline: the same layout as null
+    vpp1 = with_(same, critic__megatron__virtual_pipeline_model_parallel_size=1)
+    conf = OmegaConf.create(vpp1)
+    assert megatron_process_sets(conf, roles) == [roles]
 
 
 def test_megatron_dist_checkpoint_start_needs_an_existing_path(megatron_defaults, tmp_path):

@@ -948,8 +948,8 @@ class RewardModelConfig:
         "Sequence-parallel group size.", status=UNSUPPORTED, neutral=1, optional=True
     )
     megatron: McoreEngineConfig = doc(
-        "Megatron-core parallelism of the reward model (strategy megatron; it shares the actor's worker processes, "
-        "so a megatron actor or critic there must use the same layout).",
+        "Megatron-core parallelism of the reward model (strategy megatron; a layout other than the actor's runs "
+        "in worker processes of its own).",
         optional=True,
     )
     nccl_timeout: int = doc("Megatron: seconds a collective may wait.", optional=True)

@@ -828,18 +828,8 @@ def _check_megatron(c: dict, errors: list[str]):
     if rm_meg:
         sections.append(("reward_model", c["reward_model"]))
 
-    def layout(m: dict) -> tuple:
-        vpp = m["virtual_pipeline_model_parallel_size"]
-        vpp = vpp if (vpp or 1) > 1 else None
-        return m["tensor_model_parallel_size"], m["pipeline_model_parallel_size"], vpp, m["context_parallel_size"]
-
-    layouts = {name: layout(section["megatron"]) for name, section in sections}
-    if len(set(layouts.values())) > 1:
-        listed = ", ".join(f"{name}.megatron (tp, pp, vpp, cp)={layout}" for name, layout in layouts.items())
-        errors.append(
-            f"the megatron models share the worker processes (one set of megatron parallel groups per process) but "
-            f"their layouts differ: {listed}; give them the same tensor/pipeline/virtual-pipeline/context sizes"
-        )
+    # models of different layouts are fine: the trainer gives each megatron layout its own worker
+    # processes on the shared pool (megatron_process_sets in ray_trainer.py)
     for name, section in sections:
         m = section["megatron"]
         tp, pp, cp = m["tensor_model_parallel_size"], m["pipeline_model_parallel_size"], m["context_parallel_size"]

@@ -96,6 +96,45 @@ def _meta_metrics(output: DataProto) -> dict[str, float]:
     return reduce_metrics(output.meta_info.get("metrics", {}))
 
 
+def megatron_layout(megatron_cfg) -> tuple:
+    """(tp, pp, vpp, cp) of a `megatron` section; a vpp of 1 or null is no virtual pipeline."""
+    vpp = megatron_cfg.get("virtual_pipeline_model_parallel_size")
+    vpp = vpp if (vpp or 1) > 1 else None
+    return (
+        int(megatron_cfg.get("tensor_model_parallel_size", 1)),
+        int(megatron_cfg.get("pipeline_model_parallel_size", 1)),
+        vpp,
+        int(megatron_cfg.get("context_parallel_size", 1)),
+    )
+
+
+def megatron_process_sets(config, class_dict: dict) -> list[dict]:
+    """Split one pool's roles into the sets that share worker processes.
+
+    Megatron's parallel state (its tensor/pipeline/context groups) is one per process, so a megatron
+    critic or reward model whose layout differs from the actor's cannot live in the actor's
+    processes: it gets worker processes of its own on the same pool (the pool's bundles take up to
+    `max_colocate_count` actors each, as upstream's colocated groups do). Every other role stays
+    with the actor, as before.
+    """
+    actor = config.actor_rollout_ref.actor
+    if actor.get("strategy") != "megatron":
+        actor_layout = None
+    else:
+        actor_layout = megatron_layout(actor.megatron)
+    sections = {"critic": config.get("critic"), "rm": config.get("reward_model")}
+    shared, own = {}, []
+    for name, cls in class_dict.items():
+        section = sections.get(name)
+        if section is not None and section.get("strategy") == "megatron":
+            layout = megatron_layout(section.megatron)
+            if layout != actor_layout:
+                own.append({name: cls})
+                continue
+        shared[name] = cls
+    return ([shared] if shared else []) + own
+
+
 class RayPPOTrainer:
     """Driver of PPO-family training over Ray worker groups (upstream-compatible constructor)."""
 
@@ -222,13 +261,14 @@ class RayPPOTrainer:
 
         timeout = self.config.trainer.get("rpc_timeout_s")
         groups: dict[str, Any] = {}
-        for pool, class_dict in roles_in_pool.items():
-            colocated = create_colocated_worker_cls(class_dict)
-            kwargs = {"resource_pool": pool, "ray_cls_with_init": colocated}
-            if timeout:
-                kwargs["timeout_s"] = timeout
-            wg = self.ray_worker_group_cls(**kwargs)
-            groups.update(wg.spawn(prefix_set=class_dict.keys()))
+        for pool, pool_roles in roles_in_pool.items():
+            for class_dict in megatron_process_sets(self.config, pool_roles):
+                colocated = create_colocated_worker_cls(class_dict)
+                kwargs = {"resource_pool": pool, "ray_cls_with_init": colocated}
+                if timeout:
+                    kwargs["timeout_s"] = timeout
+                wg = self.ray_worker_group_cls(**kwargs)
+                groups.update(wg.spawn(prefix_set=class_dict.keys()))
 
         # Build order: helpers first, the actor last (its rollout engine sizes itself after them).
         if self.use_critic:
