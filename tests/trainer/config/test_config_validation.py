@@ -535,7 +535,7 @@ def test_megatron_models_of_different_layouts_get_their_own_processes(defaults, 
     and a model of the actor's layout stays in the actor's processes."""
     from omegaconf import OmegaConf
 
-    from verl.trainer.ppo.ray_trainer import megatron_layout, megatron_process_sets
+    from verl.trainer.ppo.process_sets import megatron_layout, megatron_process_sets
 
     cfg = with_(
         megatron_defaults,
@@ -648,3 +648,22 @@ def test_over_sampling_needs_agent_loops_and_a_rate_below_one(defaults):
             actor_rollout_ref__rollout__multi_turn__enable=True,
         )
     )
+
+
+def test_agent_loop_config_path_is_read_at_start_up_and_names_the_default_loop(defaults, tmp_path):
+    agents = tmp_path / "agents.yaml"
+    agents.write_text("- name: math_expression\n  _target_: some_recipe.MathLoop\n")  # not imported at start-up
+    ok = with_(
+        defaults,
+        actor_rollout_ref__rollout__agent__agent_loop_config_path=str(agents),
+        actor_rollout_ref__rollout__agent__default_agent_loop="math_expression",
+    )
+    validate_ppo_config(ok)
+    with pytest.raises(ConfigError, match=r"agent_loop_config_path='/nonexistent/agents.yaml': no such file"):
+        validate_ppo_config(
+            with_(defaults, actor_rollout_ref__rollout__agent__agent_loop_config_path="/nonexistent/agents.yaml")
+        )
+    with pytest.raises(ConfigError, match=r"default_agent_loop='math_expression' is not an agent loop: choose one of"):
+        validate_ppo_config(with_(defaults, actor_rollout_ref__rollout__agent__default_agent_loop="math_expression"))
+    # an import path is taken as given (imported when the worker builds the loop)
+    validate_ppo_config(with_(defaults, actor_rollout_ref__rollout__agent__default_agent_loop="my_pkg.agents.MyLoop"))

@@ -54,6 +54,7 @@ from verl.trainer.ppo.metric_utils import (
     compute_timing_metrics,
     reduce_metrics,
 )
+from verl.trainer.ppo.process_sets import megatron_process_sets
 from verl.trainer.ppo.rollout_corr_helper import (
     apply_bypass_mode,
     compute_rollout_correction_and_add_to_batch,
@@ -94,45 +95,6 @@ class _StepState:
 
 def _meta_metrics(output: DataProto) -> dict[str, float]:
     return reduce_metrics(output.meta_info.get("metrics", {}))
-
-
-def megatron_layout(megatron_cfg) -> tuple:
-    """(tp, pp, vpp, cp) of a `megatron` section; a vpp of 1 or null is no virtual pipeline."""
-    vpp = megatron_cfg.get("virtual_pipeline_model_parallel_size")
-    vpp = vpp if (vpp or 1) > 1 else None
-    return (
-        int(megatron_cfg.get("tensor_model_parallel_size", 1)),
-        int(megatron_cfg.get("pipeline_model_parallel_size", 1)),
-        vpp,
-        int(megatron_cfg.get("context_parallel_size", 1)),
-    )
-
-
-def megatron_process_sets(config, class_dict: dict) -> list[dict]:
-    """Split one pool's roles into the sets that share worker processes.
-
-    Megatron's parallel state (its tensor/pipeline/context groups) is one per process, so a megatron
-    critic or reward model whose layout differs from the actor's cannot live in the actor's
-    processes: it gets worker processes of its own on the same pool (the pool's bundles take up to
-    `max_colocate_count` actors each, as upstream's colocated groups do). Every other role stays
-    with the actor, as before.
-    """
-    actor = config.actor_rollout_ref.actor
-    if actor.get("strategy") != "megatron":
-        actor_layout = None
-    else:
-        actor_layout = megatron_layout(actor.megatron)
-    sections = {"critic": config.get("critic"), "rm": config.get("reward_model")}
-    shared, own = {}, []
-    for name, cls in class_dict.items():
-        section = sections.get(name)
-        if section is not None and section.get("strategy") == "megatron":
-            layout = megatron_layout(section.megatron)
-            if layout != actor_layout:
-                own.append({name: cls})
-                continue
-        shared[name] = cls
-    return ([shared] if shared else []) + own
 
 
 class RayPPOTrainer:
