@@ -29,7 +29,6 @@ Design decisions:
 from __future__ import annotations
 
 import dataclasses
-import importlib
 from dataclasses import dataclass
 
 from verl.trainer.config.algorithm import (  # noqa: F401  (re-exported: the schema's section classes)
@@ -41,6 +40,7 @@ from verl.trainer.config.algorithm import (  # noqa: F401  (re-exported: the sch
 )
 from verl.trainer.config.config import CheckpointConfig
 from verl.trainer.config.fields import agent_loop_choices, tool_format_choices
+from verl.utils.config import target_class
 from verl.workers.config import McoreEngineConfig, PolicyLossConfig
 from verl.workers.config._fields import (  # noqa: F401  (re-exported: the schema's public names)
     _NO_NEUTRAL,
@@ -1241,29 +1241,15 @@ def config_fields(cls: type) -> tuple[dataclasses.Field, ...]:
     return tuple(f for f in dataclasses.fields(cls) if f.name != "_target_")
 
 
-def section_class(declared: type, value) -> type:
-    """The dataclass that checks a section: the subclass of `declared` its `_target_` names, else `declared`.
+def section_class(declared: type, value: object, path: str = "") -> type:
+    """The class that describes one config section: the subclass of `declared` its `_target_` names, else `declared`.
 
-    A field's annotation names the base class (`OptimizerConfig`); the YAML of each trainer names the
-    engine-specific subclass (`FSDPOptimizerConfig` vs `McoreOptimizerConfig`) in `_target_`, so the
-    section is checked against the keys of the class it will be built as. A `_target_` that cannot be
-    imported or is not a subclass of `declared` raises ValueError (the message names the key).
+    The schema declares a field by its base class (`OptimConfig`, ...); each trainer's YAML names
+    the concrete class (e.g. an FSDP vs a Megatron optimizer), whose extra keys and checks then
+    apply. The choice is `verl.utils.config.target_class`'s, the same one `omega_conf_to_dataclass`
+    makes. Raises ValueError (ConfigError) when `_target_` names no importable subclass of `declared`.
     """
-    target = value.get("_target_") if isinstance(value, dict) else None
-    if not target:
-        return declared
-    module_name, _, attr = str(target).rpartition(".")
-    try:
-        named = getattr(importlib.import_module(module_name), attr) if module_name else None
-    except (ImportError, AttributeError):
-        named = None
-    if not (isinstance(named, type) and issubclass(named, declared)):
-        what = "does not name an importable class" if named is None else f"names {named!r}"
-        raise ValueError(
-            f"_target_={target!r} {what}, which is not a {declared.__name__}; "
-            f"name {declared.__name__} or a subclass of it, or drop the `_target_`"
-        )
-    return named
+    return target_class(declared, value, path)
 
 
 TYPED_SECTIONS: dict[str, type] = {

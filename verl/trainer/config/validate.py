@@ -118,7 +118,7 @@ def schema_keys() -> list[str]:
 def _check_section(
     value: dict, cls: type, path: str, errors: list[tuple[str, str]], warns: list[str], all_keys: list[str]
 ):
-    """Check one section against its dataclass; errors are (dotted key, message)."""
+    """Check one section against its dataclass (the caller resolved `_target_`); errors are (dotted key, message)."""
     hints = typing.get_type_hints(cls)
     fields = {f.name: f for f in S.config_fields(cls)}
     for key in value:
@@ -164,9 +164,9 @@ def _check_section(
                 )
             else:
                 try:
-                    tp = S.section_class(tp, v)
+                    tp = S.section_class(tp, v, full)
                 except ValueError as e:
-                    errors.append((f"{full}._target_", f"{full}.{e}"))
+                    errors.append((f"{full}._target_", str(e)))
                     continue
                 _check_section(v, tp, full + ".", errors, warns, all_keys)
             continue
