@@ -23,7 +23,7 @@ from verl.trainer.config import schema as S
 from verl.trainer.config.loader import compose
 from verl.trainer.config.validate import iter_schema_fields
 from verl.utils.config import omega_conf_to_dataclass
-from verl.workers.config import McoreEngineConfig, PolicyLossConfig
+from verl.workers.config import FSDPOptimizerConfig, McoreEngineConfig, McoreOptimizerConfig, PolicyLossConfig
 from verl.workers.config._fields import doc
 
 
@@ -244,23 +244,34 @@ def test_schema_checks_a_section_against_the_subclass_its_target_names(name):
 
 
 @dataclasses.dataclass
-class _ShiftedOptim(S.OptimConfig):
-    """A stand-in optimizer subclass with one key of its own (the schema must then accept it)."""
+class _ShiftedFSDPOptim(FSDPOptimizerConfig):
+    """A stand-in FSDP optimizer subclass with one key of its own (the schema must then accept it)."""
 
-    shift: int = doc("A key only this subclass declares.")
+    shift: int = doc("A key only this subclass declares.", default=0)
+
+
+@dataclasses.dataclass
+class _ShiftedMcoreOptim(McoreOptimizerConfig):
+    """The same for a Megatron optimizer section."""
+
+    shift: int = doc("A key only this subclass declares.", default=0)
+
+
+_SHIFTED = {"ppo_trainer": _ShiftedFSDPOptim, "ppo_megatron_trainer": _ShiftedMcoreOptim}
 
 
 @pytest.fixture
 def shifted_optim_module(monkeypatch):
     module = types.ModuleType("m4_shifted_optim")
-    module.ShiftedOptim = _ShiftedOptim
+    for cls in _SHIFTED.values():
+        setattr(module, cls.__name__, cls)
     monkeypatch.setitem(sys.modules, "m4_shifted_optim", module)
-    return "m4_shifted_optim.ShiftedOptim"
+    return "m4_shifted_optim"
 
 
 def test_section_class_is_the_declared_class_without_target():
-    assert S.section_class(S.OptimConfig, {"lr": 1.0}) is S.OptimConfig
-    assert S.section_class(S.OptimConfig, None) is S.OptimConfig
+    assert S.section_class(S.OptimizerConfig, {"lr": 1.0}) is S.OptimizerConfig
+    assert S.section_class(S.OptimizerConfig, None) is S.OptimizerConfig
 
 
 @pytest.mark.parametrize("name", ["ppo_trainer", "ppo_megatron_trainer"])
@@ -268,11 +279,13 @@ def test_target_chooses_the_subclass_whose_keys_are_checked(name, shifted_optim_
     cfg = OmegaConf.to_container(compose(name), resolve=True)
     optim = cfg["actor_rollout_ref"]["actor"]["optim"]
     optim["shift"] = 3
-    # without `_target_` the base class has no `shift`: an unknown key
+    # the YAML's `_target_` (the engine's optimizer class) has no `shift`: an unknown key
     with pytest.raises(ConfigError, match=r"unknown config key 'actor_rollout_ref\.actor\.optim\.shift'"):
         validate_ppo_config(copy.deepcopy(cfg))
-    optim["_target_"] = shifted_optim_module
-    assert S.section_class(S.OptimConfig, optim) is _ShiftedOptim
+    shifted = _SHIFTED[name]
+    optim["_target_"] = f"{shifted_optim_module}.{shifted.__name__}"
+    assert S.section_class(S.OptimizerConfig, optim) is shifted
+    assert omega_conf_to_dataclass(optim).shift == 3
     try:
         validate_ppo_config(cfg)
     except ConfigError as e:  # the stock config may fail other rules; `shift` must not be among them
@@ -290,7 +303,7 @@ def test_target_naming_a_foreign_class_is_refused(name):
     with pytest.raises(
         ConfigError,
         match=r"optim\._target_='verl\.trainer\.config\.AlgoConfig' names AlgoConfig, "
-        r"which is not a OptimConfig",
+        r"which is not a OptimizerConfig",
     ):
         validate_ppo_config(cfg)
     cfg["actor_rollout_ref"]["actor"]["optim"]["_target_"] = "verl.nowhere.Optim"
