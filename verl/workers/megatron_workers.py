@@ -47,7 +47,7 @@ from verl.utils import device as dev
 from verl.utils.config import omega_conf_to_dataclass
 from verl.utils.optim import local_optimizer
 from verl.workers import fsdp_workers
-from verl.workers.config import McoreOptimizerConfig
+from verl.workers.config import McoreEngineConfig, McoreOptimizerConfig
 from verl.workers.fsdp_workers import _cast_floating, _plain
 
 _ACTOR_MESH = make_nd_compute_dataproto_dispatch_fn("actor")
@@ -55,16 +55,23 @@ _CRITIC_MESH = make_nd_compute_dataproto_dispatch_fn("critic")
 _REWARD_MESH = make_nd_compute_dataproto_dispatch_fn("reward")
 
 
-def _setup_parallel(megatron_cfg: dict) -> None:
+def _setup_parallel(megatron_cfg) -> None:
+    """Megatron's process groups from a role's `megatron` section (built as `McoreEngineConfig`: keys
+    it leaves out take the class's defaults, no parallelism and seed 42)."""
     from verl.utils.megatron.parallel_state import initialize_model_parallel
 
+    meg = (
+        megatron_cfg
+        if isinstance(megatron_cfg, McoreEngineConfig)
+        else omega_conf_to_dataclass(megatron_cfg, McoreEngineConfig)
+    )
     initialize_model_parallel(
         timeout_s=dist_timeout_s(),  # the deadline this process's group was created with
-        tensor_model_parallel_size=int(megatron_cfg.get("tensor_model_parallel_size", 1)),
-        pipeline_model_parallel_size=int(megatron_cfg.get("pipeline_model_parallel_size", 1)),
-        virtual_pipeline_model_parallel_size=megatron_cfg.get("virtual_pipeline_model_parallel_size"),
-        context_parallel_size=int(megatron_cfg.get("context_parallel_size", 1)),
-        seed=int(megatron_cfg.get("seed", 42)),
+        tensor_model_parallel_size=meg.tensor_model_parallel_size,
+        pipeline_model_parallel_size=meg.pipeline_model_parallel_size,
+        virtual_pipeline_model_parallel_size=meg.virtual_pipeline_model_parallel_size,
+        context_parallel_size=meg.context_parallel_size,
+        seed=meg.seed,
     )
 
 
