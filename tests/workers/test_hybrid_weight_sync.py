@@ -40,7 +40,7 @@ def _case_hybrid_sync(rollout_dtype_name: str) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         path = make_tiny("tiny", os.path.join(tmp, "tiny"), seed=0, dtype="float32")
         checkpoint = load_file(os.path.join(path, "model.safetensors"))
-        actor = _FSDPModel(OmegaConf.create({"path": path}), {"fsdp_size": 1}, for_training=True)
+        actor = _FSDPModel(OmegaConf.create({"path": path}), {"fsdp_size": 1, "dtype": "auto"}, for_training=True)
         config = OmegaConf.create({"dtype": rollout_dtype_name})
         rollout = HFRollout(path, config=config, device=dev.get_device())
     assert isinstance(actor.module, FSDPModule)

@@ -19,6 +19,7 @@ from verl.protocol import DataProto
 from verl.utils.checkpoint.fsdp_checkpoint_manager import FSDPCheckpointManager
 from verl.utils.fsdp_utils import apply_fsdp2, iter_full_params
 from verl.workers.actor import DataParallelPPOActor
+from verl.workers.config import FSDPEngineConfig
 from verl.workers.dp_training import (
     average_gradients,
     average_replica_gradients,
@@ -169,16 +170,19 @@ def test_the_worker_replicates_only_small_models_whose_computation_fsdp_would_no
     from verl.workers.fsdp_workers import _trains_as_plain_replicas
 
     model = make_tiny_causal_lm(dtype=torch.float32)
-    assert _trains_as_plain_replicas({"fsdp_size": -1}, model)
-    assert _trains_as_plain_replicas(None, model)
+    auto = {"dtype": "auto"}  # compute in the weights' own dtype on CPU (arith_demo's setting)
+    assert _trains_as_plain_replicas({"fsdp_size": -1, **auto}, model)
+    assert _trains_as_plain_replicas(FSDPEngineConfig(dtype="auto"), model)
+    # upstream's default compute dtype (bfloat16) casts an fp32 model: FSDP2 keeps it
+    assert not _trains_as_plain_replicas(None, model)
     # an explicit layout, FSDP's CPU offload or a mixed-precision cast keep FSDP2
-    assert not _trains_as_plain_replicas({"fsdp_size": 1}, model)
-    assert not _trains_as_plain_replicas({"fsdp_size": -1, "offload_policy": True}, model)
+    assert not _trains_as_plain_replicas({"fsdp_size": 1, **auto}, model)
+    assert not _trains_as_plain_replicas({"fsdp_size": -1, "offload_policy": True, **auto}, model)
     assert not _trains_as_plain_replicas({"mixed_precision": {"param_dtype": "bf16"}}, model)
     assert _trains_as_plain_replicas({"mixed_precision": {"param_dtype": "fp32"}}, model)
     big = copy.deepcopy(model)
     big.extra = torch.nn.Linear(4000, 4000)  # 16M parameters: sharded
-    assert not _trains_as_plain_replicas({}, big)
+    assert not _trains_as_plain_replicas(auto, big)
 
 
 def _bucketed_average(rank, world_size):

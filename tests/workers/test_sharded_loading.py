@@ -35,7 +35,7 @@ def _every_rank_holds_the_checkpoint(rank, world_size, path, fsdp_size):
 
     from verl.utils.fsdp_utils import iter_full_params
 
-    model = _FSDPModel(OmegaConf.create({"path": path}), {"fsdp_size": fsdp_size}, for_training=True)
+    model = _FSDPModel(OmegaConf.create({"path": path}), {"fsdp_size": fsdp_size, "dtype": "auto"}, for_training=True)
     sharded = isinstance(model.module, FSDPModule)
     assert sharded == (fsdp_size == 2), type(model.module)
     stored = load_file(os.path.join(path, "model.safetensors"))
@@ -66,7 +66,9 @@ def _the_critics_fresh_head_is_rank_0s_everywhere(rank, world_size, path):
 
     from verl.utils.fsdp_utils import iter_full_params
 
-    critic = _FSDPModel(OmegaConf.create({"path": path}), {"fsdp_size": 2}, for_training=True, value_head=True)
+    critic = _FSDPModel(
+        OmegaConf.create({"path": path}), {"fsdp_size": 2, "dtype": "auto"}, for_training=True, value_head=True
+    )
     full = dict(iter_full_params(critic.module))
     stored = load_file(os.path.join(path, "model.safetensors"))
     for name, tensor in stored.items():  # the backbone is the checkpoint's
@@ -108,7 +110,7 @@ def rank_fn(rank, world_size, path, out):
     with open("/proc/self/clear_refs", "w") as f:
         f.write("5")  # reset the peak (VmHWM) to the current RSS
     start = status("VmRSS")
-    model = _FSDPModel(OmegaConf.create({"path": path}), {"fsdp_size": 2}, for_training=False)
+    model = _FSDPModel(OmegaConf.create({"path": path}), {"fsdp_size": 2, "dtype": "auto"}, for_training=False)
     growth = status("VmHWM") - start
     local = sum(p.to_local().numel() * p.element_size() for p in model.module.parameters())
     reports = [None] * world_size

@@ -32,7 +32,7 @@ from typing import Any
 
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
-__all__ = ["ConfigError", "omega_conf_to_dataclass"]
+__all__ = ["ConfigError", "omega_conf_to_dataclass", "target_class"]
 
 _TARGET = "_target_"
 
@@ -114,15 +114,27 @@ def _convert_untyped(value: Any, path: str) -> Any:
     return value
 
 
+def target_class(declared: type, config: Any, path: str = "") -> type:
+    """The dataclass a section builds: the subclass of `declared` its `_target_` names, else `declared`.
+
+    The one place a section's class is chosen; the config schema uses it too, so the validator and
+    `omega_conf_to_dataclass` agree on which keys a section has. Raises ConfigError when `_target_`
+    names nothing importable or no subclass of `declared`.
+    """
+    target = config.get(_TARGET) if isinstance(config, Mapping) else None
+    if not target:
+        return declared
+    named = _locate(target, path)
+    if not (isinstance(named, type) and dataclasses.is_dataclass(named) and issubclass(named, declared)):
+        raise ConfigError(
+            f"{_where(path, _TARGET)}={target!r} names {getattr(named, '__name__', named)}, "
+            f"which is not a {declared.__name__}; fix the `_target_` or drop it"
+        )
+    return named
+
+
 def _build_dataclass(cls: type, config: Mapping, path: str) -> Any:
-    if _TARGET in config and config[_TARGET]:
-        named = _locate(config[_TARGET], path)
-        if not (isinstance(named, type) and issubclass(named, cls)):
-            raise ConfigError(
-                f"{_where(path, _TARGET)}={config[_TARGET]!r} names {getattr(named, '__name__', named)}, "
-                f"which is not a {cls.__name__}; fix the `_target_` or drop it"
-            )
-        cls = named
+    cls = target_class(cls, config, path)
     fields = {f.name: f for f in dataclasses.fields(cls) if f.init}
     hints = typing.get_type_hints(cls)
     unknown = [k for k in config if k not in fields and k != _TARGET]

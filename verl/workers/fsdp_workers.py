@@ -29,6 +29,7 @@ already per rank.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 import time
 
@@ -40,11 +41,13 @@ from verl.protocol import DataProto
 from verl.single_controller.base import Worker
 from verl.single_controller.base.decorator import Dispatch, register
 from verl.utils import device as dev
+from verl.utils.config import omega_conf_to_dataclass
 from verl.utils.logging_utils import get_logger
 from verl.utils.profiler import DistProfiler, DistProfilerExtension
 from verl.utils.speed_paths import SpeedPath
 from verl.utils.speed_paths import merge as merge_speed_paths
 from verl.utils.ulysses import SP_KEY
+from verl.workers.config import FSDPEngineConfig
 from verl.workers.ulysses_rows import UlyssesRows, scale_token_budgets
 
 logger = get_logger(__name__)
@@ -157,6 +160,17 @@ def _mfu_metric(flops: float | None, seconds: float, dp_size: int) -> float | No
     return mfu_over_ranks(flops, seconds, dp_size)
 
 
+def fsdp_engine_config(section) -> FSDPEngineConfig:
+    """A role's `fsdp_config` section as the typed `FSDPEngineConfig`, built once where the model is.
+
+    Keys the section leaves out take the class's (upstream's) defaults, e.g. `dtype=bfloat16`; None (a
+    role without the section) is all defaults. An already-built config is returned as is.
+    """
+    if isinstance(section, FSDPEngineConfig):
+        return section
+    return omega_conf_to_dataclass(section if section is not None else {}, FSDPEngineConfig)
+
+
 def _plain(section) -> dict:
     """A config section (DictConfig, dict or None) as a plain dict."""
     if section is None:
@@ -207,9 +221,9 @@ class _FSDPModel:
         from verl.utils.lora import apply_lora, lora_enabled
         from verl.utils.model import enable_gradient_checkpointing, load_causal_lm, load_valuehead_model
 
-        fsdp = _plain(fsdp_cfg) or {}
-        if fsdp.get("full_determinism", False):  # before anything random (a value head's initialisation)
-            dev.enable_full_determinism(int(fsdp.get("seed", 42)))
+        fsdp = fsdp_engine_config(fsdp_cfg)
+        if fsdp.full_determinism:  # before anything random (a value head's initialisation)
+            dev.enable_full_determinism(fsdp.seed)
         # Only rank 0 reads the checkpoint; the other ranks start on the meta device and get its
         # weights by broadcast once wrapped (`load_full_state_from_rank0`).
         from_rank0 = dist.is_initialized() and dist.get_world_size() > 1
@@ -231,23 +245,22 @@ class _FSDPModel:
             # checks their shapes only and receives them with rank 0's broadcast below)
             self.module = apply_lora(self.module, model_cfg, read_adapter_weights=not on_meta)
         full_state = self.module.state_dict() if from_rank0 and not on_meta else None
-        if _trains_as_plain_replicas(fsdp_cfg, self.module):
+        if _trains_as_plain_replicas(fsdp, self.module):
             from verl.workers.dp_training import replicate_over_ranks
 
             self.module = replicate_over_ranks(self.module if on_meta else self.module.to(dev.get_device()))
             device = dev.get_device()
         else:
-            sharding = _auto_replicate(fsdp_cfg, self.module)
+            sharding = _auto_replicate(fsdp, self.module)
             self.module = apply_fsdp2(self.module, sharding)
             # FSDP2's CPU offload keeps the shards on the host
-            device = "cpu" if _plain(sharding).get("offload_policy", False) else dev.get_device()
+            device = "cpu" if sharding.offload_policy else dev.get_device()
         if from_rank0:
             load_full_state_from_rank0(self.module, full_state, device)
             del full_state
         self.optimizer = None
-        fsdp = _plain(fsdp_cfg)
-        self.param_offload = bool(fsdp.get("param_offload", False))
-        self.optimizer_offload = bool(fsdp.get("optimizer_offload", False)) and for_training
+        self.param_offload = fsdp.param_offload
+        self.optimizer_offload = fsdp.optimizer_offload and for_training
         self._offload(optimizer=False)
 
     def _offload(self, optimizer: bool) -> None:
@@ -332,15 +345,14 @@ def sync_rollout_weights(model, rollout, dtype: torch.dtype) -> None:
 REPLICATE_BELOW_PARAMS = 16_000_000
 
 
-def _replicates(fsdp: dict, module) -> bool:
-    """Whether the (plain) FSDP config `fsdp` leaves the layout to us (fsdp_size=-1) and `module` is small."""
-    return int(fsdp.get("fsdp_size", -1)) == -1 and sum(p.numel() for p in module.parameters()) < REPLICATE_BELOW_PARAMS
+def _replicates(fsdp: FSDPEngineConfig, module) -> bool:
+    """Whether the FSDP config `fsdp` leaves the layout to us (fsdp_size=-1) and `module` is small."""
+    return fsdp.fsdp_size == -1 and sum(p.numel() for p in module.parameters()) < REPLICATE_BELOW_PARAMS
 
 
-def _auto_replicate(fsdp_cfg, module):
-    """`fsdp_cfg` with fsdp_size=1 when it asks for -1 (all ranks) and `module` is small; else as given."""
-    fsdp = _plain(fsdp_cfg) or {}
-    return {**fsdp, "fsdp_size": 1} if _replicates(fsdp, module) else fsdp_cfg
+def _auto_replicate(fsdp: FSDPEngineConfig, module) -> FSDPEngineConfig:
+    """`fsdp` with fsdp_size=1 when it asks for -1 (all ranks) and `module` is small; else as given."""
+    return dataclasses.replace(fsdp, fsdp_size=1) if _replicates(fsdp, module) else fsdp
 
 
 def _trains_as_plain_replicas(fsdp_cfg, module) -> bool:
@@ -354,10 +366,10 @@ def _trains_as_plain_replicas(fsdp_cfg, module) -> bool:
     """
     from verl.utils.fsdp_utils import get_mixed_precision_policy
 
-    fsdp = _plain(fsdp_cfg) or {}
-    if not _replicates(fsdp, module) or fsdp.get("offload_policy", False):
+    fsdp = fsdp_engine_config(fsdp_cfg)
+    if not _replicates(fsdp, module) or fsdp.offload_policy:
         return False
-    param_dtype = get_mixed_precision_policy(fsdp.get("mixed_precision"), fsdp.get("dtype", "auto")).param_dtype
+    param_dtype = get_mixed_precision_policy(fsdp.mixed_precision, fsdp.dtype).param_dtype
     return param_dtype is None or all(p.dtype == param_dtype for p in module.parameters())
 
 

@@ -44,8 +44,10 @@ from verl.single_controller.base import Worker
 from verl.single_controller.base.decorator import Dispatch, make_nd_compute_dataproto_dispatch_fn, register
 from verl.single_controller.base.worker import dist_timeout_s
 from verl.utils import device as dev
+from verl.utils.config import omega_conf_to_dataclass
 from verl.utils.optim import local_optimizer
 from verl.workers import fsdp_workers
+from verl.workers.config import McoreEngineConfig, McoreOptimizerConfig
 from verl.workers.fsdp_workers import _cast_floating, _plain
 
 _ACTOR_MESH = make_nd_compute_dataproto_dispatch_fn("actor")
@@ -53,16 +55,23 @@ _CRITIC_MESH = make_nd_compute_dataproto_dispatch_fn("critic")
 _REWARD_MESH = make_nd_compute_dataproto_dispatch_fn("reward")
 
 
-def _setup_parallel(megatron_cfg: dict) -> None:
+def _setup_parallel(megatron_cfg) -> None:
+    """Megatron's process groups from a role's `megatron` section (built as `McoreEngineConfig`: keys
+    it leaves out take the class's defaults, no parallelism and seed 42)."""
     from verl.utils.megatron.parallel_state import initialize_model_parallel
 
+    meg = (
+        megatron_cfg
+        if isinstance(megatron_cfg, McoreEngineConfig)
+        else omega_conf_to_dataclass(megatron_cfg, McoreEngineConfig)
+    )
     initialize_model_parallel(
         timeout_s=dist_timeout_s(),  # the deadline this process's group was created with
-        tensor_model_parallel_size=int(megatron_cfg.get("tensor_model_parallel_size", 1)),
-        pipeline_model_parallel_size=int(megatron_cfg.get("pipeline_model_parallel_size", 1)),
-        virtual_pipeline_model_parallel_size=megatron_cfg.get("virtual_pipeline_model_parallel_size"),
-        context_parallel_size=int(megatron_cfg.get("context_parallel_size", 1)),
-        seed=int(megatron_cfg.get("seed", 42)),
+        tensor_model_parallel_size=meg.tensor_model_parallel_size,
+        pipeline_model_parallel_size=meg.pipeline_model_parallel_size,
+        virtual_pipeline_model_parallel_size=meg.virtual_pipeline_model_parallel_size,
+        context_parallel_size=meg.context_parallel_size,
+        seed=meg.seed,
     )
 
 
@@ -218,16 +227,16 @@ class _MegatronModel:
 
 
 def megatron_optim_settings(optim_cfg) -> dict:
-    """Upstream's Megatron optimizer section (optim/megatron.yaml) in the spelling `build_lr_scheduler`
-    reads: `lr_decay_style` is the schedule (lr_scheduler_type), and the absolute floor `min_lr` of
-    the cosine decay is `min_lr_ratio = min_lr / lr`. Keys already in that spelling are kept."""
-    optim = dict(_plain(optim_cfg) or {})
-    if optim.get("lr_scheduler_type") is None and optim.get("lr_decay_style") is not None:
-        optim["lr_scheduler_type"] = optim["lr_decay_style"]
-    if optim.get("min_lr_ratio") is None and optim.get("min_lr") is not None:
-        lr = float(optim.get("lr") or 0.0)
-        optim["min_lr_ratio"] = float(optim["min_lr"]) / lr if lr > 0 else 0.0
-    return optim
+    """Upstream's Megatron optimizer section (optim/megatron.yaml, built as `McoreOptimizerConfig`) in
+    the spelling `build_lr_scheduler` reads: `lr_decay_style` is the schedule (lr_scheduler_type), and
+    the absolute floor `min_lr` of the cosine decay is `min_lr_ratio = min_lr / lr` (lr > 0 is the
+    class's own check). Keys the section leaves out take the class's (upstream's) defaults."""
+    if not isinstance(optim_cfg, McoreOptimizerConfig):
+        optim_cfg = omega_conf_to_dataclass(optim_cfg, McoreOptimizerConfig)
+    settings = {name: optim_cfg[name] for name in optim_cfg if name != "_target_"}
+    settings["lr_scheduler_type"] = optim_cfg.lr_decay_style
+    settings["min_lr_ratio"] = optim_cfg.min_lr / optim_cfg.lr
+    return settings
 
 
 class _OptimizedMegatronModel(_MegatronModel):

@@ -2,20 +2,28 @@
 
 from __future__ import annotations
 
+import copy
 import dataclasses
+import sys
+import types
 
 import pytest
+from omegaconf import OmegaConf
 
 from verl.trainer.config import (
     AlgoConfig,
     CheckpointConfig,
+    ConfigError,
     FilterGroupsConfig,
     KLControlConfig,
     RolloutCorrectionConfig,
+    validate_ppo_config,
 )
+from verl.trainer.config import schema as S
 from verl.trainer.config.loader import compose
+from verl.trainer.config.validate import iter_schema_fields
 from verl.utils.config import omega_conf_to_dataclass
-from verl.workers.config import McoreEngineConfig, PolicyLossConfig
+from verl.workers.config import FSDPOptimizerConfig, McoreEngineConfig, McoreOptimizerConfig, PolicyLossConfig
 from verl.workers.config._fields import doc
 
 
@@ -230,3 +238,89 @@ def test_schema_checks_a_section_against_the_subclass_its_target_names(name):
     with pytest.raises(ConfigError, match=r"actor_rollout_ref\.actor\.checkpoint\._target_=.*not a CheckpointConfig"):
         validate_ppo_config(config(actor={"_target_": "verl.trainer.config.AlgoConfig"}))
     assert section_class(CheckpointConfig, {"save_contents": []}) is CheckpointConfig
+
+
+# ------------------------------------------------------- the schema picks a section's class by `_target_`
+
+
+@dataclasses.dataclass
+class _ShiftedFSDPOptim(FSDPOptimizerConfig):
+    """A stand-in FSDP optimizer subclass with one key of its own (the schema must then accept it)."""
+
+    shift: int = doc("A key only this subclass declares.", default=0)
+
+
+@dataclasses.dataclass
+class _ShiftedMcoreOptim(McoreOptimizerConfig):
+    """The same for a Megatron optimizer section."""
+
+    shift: int = doc("A key only this subclass declares.", default=0)
+
+
+_SHIFTED = {"ppo_trainer": _ShiftedFSDPOptim, "ppo_megatron_trainer": _ShiftedMcoreOptim}
+
+
+@pytest.fixture
+def shifted_optim_module(monkeypatch):
+    module = types.ModuleType("m4_shifted_optim")
+    for cls in _SHIFTED.values():
+        setattr(module, cls.__name__, cls)
+    monkeypatch.setitem(sys.modules, "m4_shifted_optim", module)
+    return "m4_shifted_optim"
+
+
+def test_section_class_is_the_declared_class_without_target():
+    assert S.section_class(S.OptimizerConfig, {"lr": 1.0}) is S.OptimizerConfig
+    assert S.section_class(S.OptimizerConfig, None) is S.OptimizerConfig
+
+
+@pytest.mark.parametrize("name", ["ppo_trainer", "ppo_megatron_trainer"])
+def test_target_chooses_the_subclass_whose_keys_are_checked(name, shifted_optim_module):
+    cfg = OmegaConf.to_container(compose(name), resolve=True)
+    optim = cfg["actor_rollout_ref"]["actor"]["optim"]
+    optim["shift"] = 3
+    # the YAML's `_target_` (the engine's optimizer class) has no `shift`: an unknown key
+    with pytest.raises(ConfigError, match=r"unknown config key 'actor_rollout_ref\.actor\.optim\.shift'"):
+        validate_ppo_config(copy.deepcopy(cfg))
+    shifted = _SHIFTED[name]
+    optim["_target_"] = f"{shifted_optim_module}.{shifted.__name__}"
+    assert S.section_class(S.OptimizerConfig, optim) is shifted
+    assert omega_conf_to_dataclass(optim).shift == 3
+    try:
+        validate_ppo_config(cfg)
+    except ConfigError as e:  # the stock config may fail other rules; `shift` must not be among them
+        assert "optim.shift" not in str(e) and "optim._target_" not in str(e), str(e)
+    # the subclass's own key is required like any other declared key
+    del optim["shift"]
+    with pytest.raises(ConfigError, match=r"actor_rollout_ref\.actor\.optim\.shift is missing"):
+        validate_ppo_config(cfg)
+
+
+@pytest.mark.parametrize("name", ["ppo_trainer", "ppo_megatron_trainer"])
+def test_target_naming_a_foreign_class_is_refused(name):
+    cfg = OmegaConf.to_container(compose(name), resolve=True)
+    cfg["actor_rollout_ref"]["actor"]["optim"]["_target_"] = "verl.trainer.config.AlgoConfig"
+    with pytest.raises(
+        ConfigError,
+        match=r"optim\._target_='verl\.trainer\.config\.AlgoConfig' names AlgoConfig, "
+        r"which is not a OptimizerConfig",
+    ):
+        validate_ppo_config(cfg)
+    cfg["actor_rollout_ref"]["actor"]["optim"]["_target_"] = "verl.nowhere.Optim"
+    with pytest.raises(ConfigError, match=r"optim\._target_='verl\.nowhere\.Optim' does not name an importable class"):
+        validate_ppo_config(cfg)
+
+
+def test_yaml_targets_resolve_to_the_class_the_schema_declares_or_a_subclass():
+    """Every `_target_` in both trainers' composed YAML names a subclass of the schema's declared class."""
+    for name in ("ppo_trainer", "ppo_megatron_trainer"):
+        cfg = OmegaConf.to_container(compose(name), resolve=True)
+        seen = 0
+        for key, _f, tp, _owner in iter_schema_fields():
+            node = cfg
+            for part in key.split("."):
+                node = node.get(part) if isinstance(node, dict) else None
+            if isinstance(node, dict) and "_target_" in node and dataclasses.is_dataclass(tp):
+                assert issubclass(S.section_class(tp, node, key), tp)
+                seen += 1
+        assert seen >= 3, (name, seen)

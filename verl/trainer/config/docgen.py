@@ -103,8 +103,9 @@ def _section(
 ) -> None:
     """One table; `defaults` from ppo_trainer, `megatron` from ppo_megatron_trainer (for keys only it holds)."""
     megatron = megatron or {}
-    hints = typing.get_type_hints(cls)
-    fields = S.config_fields(cls)
+    owners = {f.name: owner for f, owner, _ in S.section_fields(cls)}
+    hints = {f.name: tp for f, _, tp in S.section_fields(cls)}
+    fields = [f for f, _, _ in S.section_fields(cls)]
     leaves = [f for f in fields if not is_section_type(hints[f.name])]
     out.append(f"{'#' * level} `{path}`\n")
     out.append(f"{about} {inspect.getdoc(cls)}\n")
@@ -122,7 +123,10 @@ def _section(
                 default = _render(defaults[f.name])
             else:
                 default = _render(megatron.get(f.name))
-            where = _where(f.name, defaults, megatron, meta)
+            if owners[f.name] is not cls:  # a key only the subclass one composition's `_target_` names holds
+                where = _where(f.name, defaults, megatron, {**meta, "optional": True}) or owners[f.name].__name__
+            else:
+                where = _where(f.name, defaults, megatron, meta)
             if where:
                 desc = f"*{where}* {desc}"
             out.append(

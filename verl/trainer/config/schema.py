@@ -29,7 +29,7 @@ Design decisions:
 from __future__ import annotations
 
 import dataclasses
-import importlib
+import typing
 from dataclasses import dataclass
 
 from verl.trainer.config.algorithm import (  # noqa: F401  (re-exported: the schema's section classes)
@@ -41,7 +41,15 @@ from verl.trainer.config.algorithm import (  # noqa: F401  (re-exported: the sch
 )
 from verl.trainer.config.config import CheckpointConfig
 from verl.trainer.config.fields import tool_format_choices
-from verl.workers.config import McoreEngineConfig, PolicyLossConfig
+from verl.utils.config import target_class
+from verl.workers.config import (
+    FSDPEngineConfig,
+    FSDPOptimizerConfig,
+    McoreEngineConfig,
+    McoreOptimizerConfig,
+    OptimizerConfig,
+    PolicyLossConfig,
+)
 from verl.workers.config._fields import (  # noqa: F401  (re-exported: the schema's public names)
     _NO_NEUTRAL,
     _SPEED,
@@ -146,64 +154,6 @@ class DataConfig:
 
 
 # ------------------------------------------------------------------------------------ engines
-
-
-@dataclass
-class FSDPConfig:
-    """FSDP engine of one model (optimizer keys have no effect for forward-only models)."""
-
-    wrap_policy: dict = doc("Auto-wrap policy, e.g. {min_num_params: 0} or {transformer_layer_cls_to_wrap: [...]}.")
-    param_offload: bool = doc("Keep parameters on CPU between uses (saves device memory).")
-    optimizer_offload: bool = doc("Keep optimizer state on CPU between updates.")
-    offload_policy: bool = doc("FSDP2 CPUOffloadPolicy during training (params, grads and optimizer on CPU).")
-    reshard_after_forward: bool | int = doc(
-        "FSDP2: free gathered parameters after forward (True, False or a group size)."
-    )
-    fsdp_size: int = doc(
-        "Ranks per FSDP shard group (-1: all ranks, i.e. plain FSDP; a model under 16M parameters is then "
-        "replicated instead: as plain per-rank replicas with one gradient all-reduce per step when FSDP2 would "
-        "not cast or offload it, else as with 1). 1 replicates the model on every rank under FSDP2 (HSDP)."
-    )
-    forward_prefetch: bool = doc("Prefetch the next layer's all-gather during forward.")
-    model_dtype: str = doc("Dtype the trained (master) weights are kept in.", choices=MODEL_DTYPES)
-    use_orig_params: bool = doc(
-        "FSDP1's flat-parameter switch; FSDP2 (the only FSDP here) always keeps the original parameters.",
-        status=IGNORED,
-    )
-    seed: int = doc("Seed of the random number generators when full_determinism is on.")
-    full_determinism: bool = doc(
-        "Deterministic kernels (torch.use_deterministic_algorithms) and RNGs seeded with `seed` in every worker "
-        "(slower; for bitwise-reproducible runs)."
-    )
-    ulysses_sequence_parallel_size: int = doc(
-        "Ulysses sequence-parallel group size (upstream's newer spelling of the role's key).",
-        status=UNSUPPORTED,
-        neutral=1,
-    )
-    entropy_from_logits_with_chunking: bool = doc(f"Entropy in chunks. {_SPEED}.", status=IGNORED)
-    use_torch_compile: bool = doc(
-        "torch.compile inside upstream's newer engine workers; here the role's use_torch_compile is the switch "
-        f"(upstream's default workers read that one too). {_SPEED}.",
-        status=IGNORED,
-    )
-    entropy_checkpointing: bool = doc(f"Recompute entropy in backward. {_SPEED}.", status=IGNORED)
-    forward_only: bool = doc(
-        "Set by the composition for forward-only roles (the reference policy); a role's own needs decide here.",
-        status=IGNORED,
-    )
-    strategy: str = doc(
-        "The engine's backend (follows the role's strategy: fsdp and fsdp2 both mean FSDP2 here).",
-        choices=("fsdp", "fsdp2"),
-    )
-    dtype: str = doc(
-        "Compute (parameter) dtype of the mixed-precision policy when `mixed_precision` is null: bfloat16 is "
-        "upstream's default; auto (ours): bfloat16 on GPU, the weights' own dtype on CPU.",
-        choices=ENGINE_DTYPES,
-    )
-    mixed_precision: dict | None = doc(
-        "{param_dtype, reduce_dtype, buffer_dtype}; null: param_dtype from `dtype`, fp32 gradient reduction.",
-        optional=True,
-    )
 
 
 @dataclass
@@ -314,58 +264,6 @@ class ModelConfig:
 
 
 @dataclass
-class OptimConfig:
-    """Optimizer and learning-rate schedule of one trained model (the FSDP and the Megatron keys)."""
-
-    optimizer: str = doc(
-        "Optimizer class, looked up in optimizer_impl (Megatron's names: adam, with decoupled weight decay, or sgd)."
-    )
-    optimizer_impl: str = doc("Module the optimizer class is taken from.", optional=True)
-    lr: float = doc("Peak learning rate.")
-    lr_warmup_steps_ratio: float = doc("Warm-up length as a fraction of the total training steps.")
-    total_training_steps: int = doc("Schedule length; -1 is filled in by the trainer from the run length.")
-    weight_decay: float = doc("AdamW decoupled weight decay.")
-    lr_warmup_steps: int | None = doc("Linear warm-up steps; null, 0 or negative defers to `lr_warmup_steps_ratio`.")
-    betas: list[float] = doc("AdamW (beta1, beta2).")
-    clip_grad: float = doc(
-        "Clip the global gradient norm to this value: the Megatron roles' clip; an FSDP role clips to its own "
-        "grad_clip, and this key, when set to something else than its default 1.0, replaces it (upstream's newer "
-        "engine reads it; its default workers read grad_clip)."
-    )
-    min_lr_ratio: float | None = doc("Cosine schedule floor as a fraction of `lr` (null: 0).", optional=True)
-    num_cycles: float = doc("Number of cosine half-waves over training (0.5: one decay to the floor).", optional=True)
-    lr_scheduler_type: str = doc("Schedule after warm-up.", choices=LR_SCHEDULES, optional=True)
-    warmup_style: str | None = doc(
-        "Older spelling of lr_scheduler_type; wins when set.",
-        choices=(None, *LR_SCHEDULES),
-        status=DEPRECATED,
-        replacement="use lr_scheduler_type",
-        optional=True,
-    )
-    override_optimizer_config: dict | None = doc("Keyword arguments merged into the optimizer's.")
-    lr_warmup_init: float = doc("Megatron: lr at the start of warm-up.", optional=True)
-    lr_decay_steps: int | None = doc("Megatron: steps the decay spans; null: the whole run.", optional=True)
-    lr_decay_style: str = doc(
-        "Megatron's spelling of lr_scheduler_type (constant or cosine).", choices=LR_SCHEDULES, optional=True
-    )
-    min_lr: float = doc("Megatron: absolute floor of the cosine decay (min_lr_ratio = min_lr / lr).", optional=True)
-    weight_decay_incr_style: str = doc(
-        "Megatron: schedule of the weight decay.", status=UNSUPPORTED, neutral="constant", optional=True
-    )
-    lr_wsd_decay_style: str = doc(
-        "Megatron: decay of the warmup-stable-decay schedule, read only with lr_decay_style=WSD (not available).",
-        status=IGNORED,
-        optional=True,
-    )
-    lr_wsd_decay_steps: int | None = doc(
-        "Megatron: decay steps of the WSD schedule (see lr_wsd_decay_style).", status=IGNORED, optional=True
-    )
-    use_checkpoint_opt_param_scheduler: bool = doc(
-        "Megatron: take the schedule's settings from the checkpoint.", status=UNSUPPORTED, neutral=False, optional=True
-    )
-
-
-@dataclass
 class ProfilerConfig:
     """Profiling of one role's work (global_profiler picks the tool and the steps)."""
 
@@ -439,7 +337,7 @@ class ActorConfig:
     shuffle: bool = doc("Shuffle mini-batches between PPO epochs.")
     data_loader_seed: int | None = doc("Seed of that shuffle (null: 0).")
     checkpoint: CheckpointConfig = doc("Checkpoint contents.")
-    optim: OptimConfig = doc("Optimizer and schedule.")
+    optim: OptimizerConfig = doc("Optimizer and schedule.")
     use_fused_kernels: bool = doc(f"Fused log-prob/entropy kernels (follows the model's). {_SPEED}.", status=IGNORED)
     profiler: ProfilerConfig = doc("Profiling of the updates.")
     router_replay: RouterReplayConfig = doc("Mixture-of-experts routing replay.")
@@ -463,7 +361,7 @@ class ActorConfig:
     sum_pi_squared_checkpointing: bool = doc(
         f"Recompute that sum in backward. {_SPEED}.", status=IGNORED, optional=True
     )
-    fsdp_config: FSDPConfig = doc("FSDP engine (strategy fsdp or fsdp2).", optional=True)
+    fsdp_config: FSDPEngineConfig = doc("FSDP engine (strategy fsdp or fsdp2).", optional=True)
     megatron: McoreEngineConfig = doc("Megatron-core parallelism (strategy megatron).", optional=True)
     load_weight: bool = doc(
         "Megatron: load the HF weights (false: random initialisation).", status=UNSUPPORTED, neutral=True, optional=True
@@ -516,7 +414,7 @@ class RefConfig:
     log_prob_max_token_len_per_gpu: int = doc("Token budget of one packed forward micro-batch.")
     profiler: ProfilerConfig = doc("Profiling of the reference forward passes.")
     router_replay: RouterReplayConfig = doc("Mixture-of-experts routing replay.")
-    fsdp_config: FSDPConfig = doc("FSDP engine (strategy fsdp or fsdp2).", optional=True)
+    fsdp_config: FSDPEngineConfig = doc("FSDP engine (strategy fsdp or fsdp2).", optional=True)
     ulysses_sequence_parallel_size: int = doc(
         "Ulysses sequence-parallel group size of the reference forward (must equal the actor's).", optional=True
     )
@@ -788,7 +686,7 @@ class CriticModelConfig:
     lora_alpha: int = doc("LoRA alpha.", optional=True)
     target_modules: str | list[str] = doc("Modules LoRA adapts.", optional=True)
     tiled_mlp: TiledMLPConfig = doc("Tiled MLP.", optional=True)
-    fsdp_config: FSDPConfig = doc("FSDP engine (strategy fsdp or fsdp2).", optional=True)
+    fsdp_config: FSDPEngineConfig = doc("FSDP engine (strategy fsdp or fsdp2).", optional=True)
     lora: MegatronLoRAConfig = doc("LoRA of a Megatron critic.", optional=True)
 
 
@@ -799,7 +697,7 @@ class CriticConfig:
     rollout_n: int = doc("Samples per prompt (follows actor_rollout_ref.rollout.n, which it must equal).")
     strategy: str = doc("Training backend.", choices=STRATEGIES)
     enable: bool | None = doc("Train a critic; null: only when algorithm.adv_estimator=gae.")
-    optim: OptimConfig = doc("Optimizer and schedule.")
+    optim: OptimizerConfig = doc("Optimizer and schedule.")
     model: CriticModelConfig = doc("Value model.")
     ppo_mini_batch_size: int = doc("Prompts per optimizer step (follows the actor's).")
     ppo_micro_batch_size: int | None = doc(
@@ -1247,29 +1145,45 @@ def config_fields(cls: type) -> tuple[dataclasses.Field, ...]:
     return tuple(f for f in dataclasses.fields(cls) if f.name != "_target_")
 
 
-def section_class(declared: type, value) -> type:
-    """The dataclass that checks a section: the subclass of `declared` its `_target_` names, else `declared`.
+def section_class(declared: type, value: object, path: str = "") -> type:
+    """The class that describes one config section: the subclass of `declared` its `_target_` names, else `declared`.
 
-    A field's annotation names the base class (`OptimizerConfig`); the YAML of each trainer names the
-    engine-specific subclass (`FSDPOptimizerConfig` vs `McoreOptimizerConfig`) in `_target_`, so the
-    section is checked against the keys of the class it will be built as. A `_target_` that cannot be
-    imported or is not a subclass of `declared` raises ValueError (the message names the key).
+    The schema declares a field by its base class (`OptimizerConfig`, ...); each trainer's YAML names
+    the concrete class (e.g. an FSDP vs a Megatron optimizer), whose extra keys and checks then
+    apply. The choice is `verl.utils.config.target_class`'s, the same one `omega_conf_to_dataclass`
+    makes. Raises ValueError (ConfigError) when `_target_` names no importable subclass of `declared`.
     """
-    target = value.get("_target_") if isinstance(value, dict) else None
-    if not target:
-        return declared
-    module_name, _, attr = str(target).rpartition(".")
-    try:
-        named = getattr(importlib.import_module(module_name), attr) if module_name else None
-    except (ImportError, AttributeError):
-        named = None
-    if not (isinstance(named, type) and issubclass(named, declared)):
-        what = "does not name an importable class" if named is None else f"names {named!r}"
-        raise ValueError(
-            f"_target_={target!r} {what}, which is not a {declared.__name__}; "
-            f"name {declared.__name__} or a subclass of it, or drop the `_target_`"
-        )
-    return named
+    return target_class(declared, value, path)
+
+
+SECTION_SUBCLASSES: dict[type, tuple[type, ...]] = {
+    OptimizerConfig: (FSDPOptimizerConfig, McoreOptimizerConfig),
+}
+"""Declared section class -> the subclasses a YAML `_target_` may name. Only for the docs and for
+did-you-mean hints: their own keys are listed under the declared section (`section_fields`); which
+class checks a section is still its `_target_`'s (`section_class`)."""
+
+
+def section_fields(cls: type) -> tuple[tuple[dataclasses.Field, type, object], ...]:
+    """(field, owner, type) for the keys of `cls`, then the keys its `SECTION_SUBCLASSES` add.
+
+    The owner is `cls` for its own keys and for a key every listed subclass declares (an optimizer's
+    `optimizer`); otherwise it is the one subclass that declares the key: such a key belongs to the
+    composition whose `_target_` names that subclass (an FSDP optimizer's `optimizer_impl`, a
+    Megatron one's `lr_decay_style`), so it is never required of the section as a whole.
+    """
+    hints = typing.get_type_hints(cls)
+    out = [(f, cls, hints[f.name]) for f in config_fields(cls)]
+    seen = {f.name for f, _, _ in out}
+    subs = SECTION_SUBCLASSES.get(cls, ())
+    for sub in subs:
+        sub_hints = typing.get_type_hints(sub)
+        for f in config_fields(sub):
+            if f.name not in seen:
+                seen.add(f.name)
+                shared = all(f.name in {g.name for g in config_fields(other)} for other in subs)
+                out.append((f, cls if shared else sub, sub_hints[f.name]))
+    return tuple(out)
 
 
 TYPED_SECTIONS: dict[str, type] = {
@@ -1277,5 +1191,7 @@ TYPED_SECTIONS: dict[str, type] = {
     "actor_rollout_ref.actor.checkpoint": CheckpointConfig,
     "critic.checkpoint": CheckpointConfig,
     "actor_rollout_ref.actor.policy_loss": PolicyLossConfig,
+    "actor_rollout_ref.actor.optim": OptimizerConfig,
+    "critic.optim": OptimizerConfig,
 }
 """Dotted key -> the runtime section class whose `__post_init__` checks it (validate.py builds each)."""

@@ -101,13 +101,13 @@ def _type_hint(tp) -> str:
 
 
 def iter_schema_fields(cls: type = S.PPOConfig, prefix: str = ""):
-    """Yield (dotted key, field, type, owning dataclass) for every leaf and section, depth first."""
-    hints = typing.get_type_hints(cls)
-    for f in S.config_fields(cls):
+    """Yield (dotted key, field, type, owning dataclass) for every leaf and section, depth first; a
+    section's subclass-only keys (`S.section_fields`) come with the subclass as their owner."""
+    for f, owner, tp in S.section_fields(cls):
         full = f"{prefix}{f.name}"
-        yield full, f, hints[f.name], cls
-        if is_section_type(hints[f.name]):
-            yield from iter_schema_fields(hints[f.name], full + ".")
+        yield full, f, tp, owner
+        if is_section_type(tp):
+            yield from iter_schema_fields(tp, full + ".")
 
 
 def schema_keys() -> list[str]:
@@ -118,7 +118,7 @@ def schema_keys() -> list[str]:
 def _check_section(
     value: dict, cls: type, path: str, errors: list[tuple[str, str]], warns: list[str], all_keys: list[str]
 ):
-    """Check one section against its dataclass; errors are (dotted key, message)."""
+    """Check one section against its dataclass (the caller resolved `_target_`); errors are (dotted key, message)."""
     hints = typing.get_type_hints(cls)
     fields = {f.name: f for f in S.config_fields(cls)}
     for key in value:
@@ -164,9 +164,9 @@ def _check_section(
                 )
             else:
                 try:
-                    tp = S.section_class(tp, v)
+                    tp = S.section_class(tp, v, full)
                 except ValueError as e:
-                    errors.append((f"{full}._target_", f"{full}.{e}"))
+                    errors.append((f"{full}._target_", str(e)))
                     continue
                 _check_section(v, tp, full + ".", errors, warns, all_keys)
             continue
@@ -324,8 +324,6 @@ def _check_positive(c: dict, errors: list[str]):
         v = _get(c, key)
         if v == 0 or v < -1:
             errors.append(f"{key}={v} is not a step interval; use a positive number of steps, or -1 to disable")
-    if c["actor_rollout_ref"]["actor"]["optim"]["lr"] <= 0:
-        errors.append(f"actor_rollout_ref.actor.optim.lr={c['actor_rollout_ref']['actor']['optim']['lr']} must be > 0")
 
 
 def _check_rollout_layout(c: dict, errors: list[str]) -> int | None:
@@ -648,10 +646,6 @@ def _check_lengths(c: dict, errors: list[str]):
             f"actor_rollout_ref.rollout.max_model_len={rollout['max_model_len']} is shorter than prompt_length + "
             f"response_length = {total}; raise it or leave it null"
         )
-    for key in ("actor_rollout_ref.actor.optim", "critic.optim"):
-        ratio = _get(c, key)["lr_warmup_steps_ratio"]
-        if not 0 <= ratio <= 1:
-            errors.append(f"{key}.lr_warmup_steps_ratio={ratio} must be between 0 and 1")
 
 
 def _check_agent_loop_keys(rollout: dict, errors: list[str]):

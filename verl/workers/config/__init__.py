@@ -6,6 +6,14 @@ YAML holds the same values) and the `doc(...)` metadata the validator and the do
 """
 
 from verl.workers.config.actor import PolicyLossConfig
-from verl.workers.config.engine import McoreEngineConfig
+from verl.workers.config.engine import FSDPEngineConfig, McoreEngineConfig
+from verl.workers.config.optimizer import FSDPOptimizerConfig, McoreOptimizerConfig, OptimizerConfig
 
-__all__ = ["McoreEngineConfig", "PolicyLossConfig"]
+__all__ = [
+    "FSDPEngineConfig",
+    "FSDPOptimizerConfig",
+    "McoreEngineConfig",
+    "McoreOptimizerConfig",
+    "OptimizerConfig",
+    "PolicyLossConfig",
+]

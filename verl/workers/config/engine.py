@@ -1,5 +1,6 @@
-"""Typed engine config sections, with upstream verl's names and defaults (`verl.workers.config.McoreEngineConfig`,
-the `_target_` of every role's `megatron` section, composed from engine/megatron.yaml).
+"""Typed engine config sections, with upstream verl's names and defaults: `McoreEngineConfig` (the
+`_target_` of every role's `megatron` section, engine/megatron.yaml) and `FSDPEngineConfig` (every
+FSDP role's `fsdp_config`, engine/fsdp.yaml).
 
 Each field carries its runtime default (the YAML holds the same value) and the `doc(...)` metadata the
 validator and docgen read, so the section is declared once, here; `schema.py` composes it into the actor,
@@ -13,9 +14,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from verl.base_config import BaseConfig
-from verl.workers.config._fields import _SPEED, ENGINE_DTYPES, IGNORED, UNSUPPORTED, doc
+from verl.workers.config._fields import _SPEED, ENGINE_DTYPES, IGNORED, MODEL_DTYPES, UNSUPPORTED, doc
 
-__all__ = ["McoreEngineConfig"]
+__all__ = ["FSDPEngineConfig", "McoreEngineConfig"]
 
 
 def _default_override_transformer_config() -> dict:
@@ -27,6 +28,84 @@ def _default_override_transformer_config() -> dict:
         "recompute_num_layers": None,
         "attention_backend": "flash",
     }
+
+
+def _default_wrap_policy() -> dict:
+    # engine/fsdp.yaml: wrap every module (upstream's dataclass default is {}, its YAML says this)
+    return {"min_num_params": 0}
+
+
+@dataclass
+class FSDPEngineConfig(BaseConfig):
+    """FSDP engine of one model (optimizer keys have no effect for forward-only models)."""
+
+    wrap_policy: dict = doc(
+        "Auto-wrap policy, e.g. {min_num_params: 0} or {transformer_layer_cls_to_wrap: [...]}.",
+        default_factory=_default_wrap_policy,
+    )
+    param_offload: bool = doc("Keep parameters on CPU between uses (saves device memory).", default=False)
+    optimizer_offload: bool = doc("Keep optimizer state on CPU between updates.", default=False)
+    offload_policy: bool = doc(
+        "FSDP2 CPUOffloadPolicy during training (params, grads and optimizer on CPU).", default=False
+    )
+    reshard_after_forward: bool | int = doc(
+        "FSDP2: free gathered parameters after forward (True, False or a group size).",
+        default=True,
+    )
+    fsdp_size: int = doc(
+        "Ranks per FSDP shard group (-1: all ranks, i.e. plain FSDP; a model under 16M parameters is then "
+        "replicated instead: as plain per-rank replicas with one gradient all-reduce per step when FSDP2 would "
+        "not cast or offload it, else as with 1). 1 replicates the model on every rank under FSDP2 (HSDP).",
+        default=-1,
+    )
+    forward_prefetch: bool = doc("Prefetch the next layer's all-gather during forward.", default=False)
+    model_dtype: str = doc("Dtype the trained (master) weights are kept in.", choices=MODEL_DTYPES, default="fp32")
+    use_orig_params: bool = doc(
+        "FSDP1's flat-parameter switch; FSDP2 (the only FSDP here) always keeps the original parameters.",
+        status=IGNORED,
+        default=False,
+    )
+    seed: int = doc("Seed of the random number generators when full_determinism is on.", default=42)
+    full_determinism: bool = doc(
+        "Deterministic kernels (torch.use_deterministic_algorithms) and RNGs seeded with `seed` in every worker "
+        "(slower; for bitwise-reproducible runs).",
+        default=False,
+    )
+    ulysses_sequence_parallel_size: int = doc(
+        "Ulysses sequence-parallel group size (upstream's newer spelling of the role's key).",
+        status=UNSUPPORTED,
+        neutral=1,
+        default=1,
+    )
+    entropy_from_logits_with_chunking: bool = doc(f"Entropy in chunks. {_SPEED}.", status=IGNORED, default=False)
+    use_torch_compile: bool = doc(
+        "torch.compile inside upstream's newer engine workers; here the role's use_torch_compile is the switch "
+        f"(upstream's default workers read that one too). {_SPEED}.",
+        status=IGNORED,
+        default=True,
+    )
+    entropy_checkpointing: bool = doc(f"Recompute entropy in backward. {_SPEED}.", status=IGNORED, default=False)
+    forward_only: bool = doc(
+        "Set by the composition for forward-only roles (the reference policy); a role's own needs decide here.",
+        status=IGNORED,
+        default=False,
+    )
+    strategy: str = doc(
+        "The engine's backend (follows the role's strategy: fsdp and fsdp2 both mean FSDP2 here).",
+        choices=("fsdp", "fsdp2"),
+        default="fsdp",
+    )
+    dtype: str = doc(
+        "Compute (parameter) dtype of the mixed-precision policy when `mixed_precision` is null: bfloat16 is "
+        "upstream's default; auto (ours): bfloat16 on GPU, the weights' own dtype on CPU.",
+        choices=ENGINE_DTYPES,
+        default="bfloat16",
+    )
+    mixed_precision: dict | None = doc(
+        "{param_dtype, reduce_dtype, buffer_dtype}; null: param_dtype from `dtype`, fp32 gradient reduction.",
+        optional=True,
+        default=None,
+    )
 
 
 @dataclass
