@@ -237,7 +237,7 @@ def save_model(model, tokenizer, out_dir: str) -> str:
 
     os.makedirs(out_dir, exist_ok=True)
     model.save_pretrained(out_dir, safe_serialization=True)
-    add_legacy_rope_theta(os.path.join(out_dir, "config.json"))
+    add_legacy_config_keys(os.path.join(out_dir, "config.json"))
     save_tokenizer(tokenizer, out_dir)
     return out_dir
 
@@ -251,6 +251,29 @@ def add_legacy_rope_theta(config_path: str) -> None:
     theta = (config.get("rope_parameters") or {}).get("rope_theta")
     if theta is not None and "rope_theta" not in config:
         config["rope_theta"] = theta
+        with open(config_path, "w") as f:
+            json.dump(config, f, indent=2, sort_keys=True)
+            f.write("\n")
+
+
+# keys transformers 5 writes under a new name that transformers 4.x (and the engines pinned to it)
+# read under the old one, falling back to a default when it is missing: (model_type, new, old)
+_RENAMED_KEYS = (("qwen3_moe", "num_local_experts", "num_experts"),)
+
+
+def add_legacy_config_keys(config_path: str) -> None:
+    """`add_legacy_rope_theta`, and Qwen3-MoE's expert count under its transformers 4.x name too:
+    transformers 5 writes only `num_local_experts`, and a 4.x reader would build its default 128
+    experts and fail to load the checkpoint."""
+    add_legacy_rope_theta(config_path)
+    with open(config_path) as f:
+        config = json.load(f)
+    changed = False
+    for model_type, new, old in _RENAMED_KEYS:
+        if config.get("model_type") == model_type and new in config and old not in config:
+            config[old] = config[new]
+            changed = True
+    if changed:
         with open(config_path, "w") as f:
             json.dump(config, f, indent=2, sort_keys=True)
             f.write("\n")
