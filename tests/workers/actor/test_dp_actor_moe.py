@@ -124,3 +124,35 @@ def _two_rank_moe_update(rank, world_size):
 
 def test_fsdp_update_of_a_moe_model_on_two_ranks_equals_one_process():
     run_distributed(_two_rank_moe_update, 2)
+
+
+@pytest.mark.gpu
+def test_moe_update_on_the_gpu_logs_the_load_balancing_loss_of_a_plain_forward(monkeypatch):
+    """transformers' default experts kernel (grouped matmul where the GPU has it) in float32 on CUDA:
+    the update runs, and the logged loss is the one a plain packed forward of the same weights gives."""
+    from transformers import AutoModelForCausalLM
+
+    from verl.models.factory import build_config
+
+    monkeypatch.setenv("VERL_DEVICE", "auto")
+    config = build_config("tiny-moe")
+    config.output_router_logits, config.router_aux_loss_coef = True, COEF
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa").to("cuda")
+    reference = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa").to("cuda")
+    reference.load_state_dict(model.state_dict())
+    data = training_batch(batch_size=4, seed=3)
+    for key in ("old_log_probs", "advantages"):
+        data.batch[key] = data.batch[key].float()
+    actor = sgd_actor(moe_config(), model, lr=1e-2)
+    metrics = actor.update_policy(data)
+    td = data.batch.to("cuda")
+    ids, indices = unpad_input(td["input_ids"], td["attention_mask"])
+    with torch.no_grad():
+        out = reference(input_ids=ids, position_ids=unpad_position_ids(td["position_ids"], indices), use_cache=False)
+        expected = load_balancing_loss(list(out.router_logits), 2).item()
+    got = metrics[METRIC][0]
+    assert got == pytest.approx(expected, rel=1e-4), f"logged {got}, plain forward {expected}"
+    assert 0 < got <= 8.0, got
+    moved = (model.model.layers[0].mlp.gate.weight - reference.model.layers[0].mlp.gate.weight).abs().max().item()
+    assert moved > 0, "the update must move the router"
