@@ -107,13 +107,19 @@ def test_aux_loss_is_off_for_dense_models_and_unless_the_config_asks_for_router_
     assert not RouterAuxLoss(_moe_model(), use_remove_padding=True, sp_size=1).enabled
 
 
+def test_a_reference_policy_that_never_trains_has_no_aux_loss_whatever_its_layout():
+    model = _moe_model(output_router_logits=True)
+    assert not RouterAuxLoss(model, use_remove_padding=False, sp_size=2, trains=False).enabled
+
+
 def test_recorded_router_logits_give_the_loss_transformers_reports():
     model = _moe_model(output_router_logits=True, router_aux_loss_coef=0.3)
     aux = RouterAuxLoss(model, use_remove_padding=True, sp_size=1)
     assert aux.enabled and aux.coef == 0.3 and aux.top_k == 2
     ids = torch.tensor([[5, 9, 14, 3, 7, 21]])
+    assert not model.config.output_router_logits, "the actor owns the flag: no second copy in the forward"
     with aux.recording() as logits:
-        out = model(input_ids=ids)
+        out = model(input_ids=ids, output_router_logits=True)
     assert len(logits) == 2 and all(t.requires_grad for t in logits)
     assert aux.loss(logits).item() == pytest.approx(out.aux_loss.item(), rel=1e-6)
     with aux.recording() as outside:

@@ -19,6 +19,8 @@ Design decisions:
 - The router logits are recorded with forward hooks on the router modules (the class transformers
   itself records, `_can_record_outputs["router_logits"]`), so every forward path of the actor
   (remove-padding, shared-prompt) yields them without changing its calls.
+- The model's `output_router_logits` is switched off once read (the actor and the reference take
+  it over), so transformers computes no second copy of the loss in the forward.
 - Which tokens count: every token the router saw, so the loss needs the packed (remove-padding)
   forward, where every routed token is real; padded rows would route pad tokens. Ulysses (sp > 1)
   routes a slice of each sequence per rank; the loss over a slice is not the loss over the
@@ -84,9 +86,16 @@ class RouterAuxLoss:
     `with aux.recording() as logits:` collects the router logits of the forwards it wraps;
     `aux.loss(logits)` turns them into the loss (None when off)."""
 
-    def __init__(self, module: torch.nn.Module, use_remove_padding: bool, sp_size: int):
+    def __init__(self, module: torch.nn.Module, use_remove_padding: bool, sp_size: int, trains: bool = True):
+        """`trains=False` (a reference policy, which only computes log-probs) turns it off."""
         config = getattr(module, "config", None)
-        self.enabled = config is not None and is_moe(config) and bool(getattr(config, "output_router_logits", False))
+        wanted = config is not None and is_moe(config) and bool(getattr(config, "output_router_logits", False))
+        if wanted:
+            # The actor computes the loss from its hooks and owns the flag from here on: transformers'
+            # own copy in every forward would be a second computation, and it fails on the 4-D masks
+            # of the shared-prompt forward (it expects a [B, S] padding mask).
+            config.output_router_logits = False
+        self.enabled = trains and wanted
         self.module = module
         if not self.enabled:
             return

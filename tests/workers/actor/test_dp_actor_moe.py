@@ -96,6 +96,24 @@ def test_aux_loss_also_equals_the_one_transformers_reports():
     assert aux.item() == pytest.approx(out.aux_loss.item(), rel=1e-6)  # transformers sums in float32
 
 
+def test_shared_prompt_forward_records_the_routers_of_both_of_its_passes():
+    # GRPO-shaped: every prompt twice, so the shared-prompt forward (a prompt pass, then the responses
+    # packed on its cache, with a 4-D mask transformers' own aux loss cannot read) is taken
+    data = training_batch(batch_size=4, seed=3).repeat(2, interleave=True)
+    actor = sgd_actor(
+        moe_config(share_prompt_forward=True, ppo_mini_batch_size=8, ppo_micro_batch_size_per_gpu=8), moe_lm()
+    )
+    assert actor.share_prompt_forward
+    calls = []
+    with actor.router_aux.recording() as logits:
+        actor.actor_module.register_forward_hook(lambda *_: calls.append(1))
+        metrics = actor.update_policy(data)
+    assert 0 < metrics[METRIC][0] <= 8.0, metrics[METRIC]  # <= E * k = 4 * 2
+    assert len(calls) == 2 and len(logits) == 2 * 2, "two forwards x two MoE layers"
+    tokens = sum(t.shape[0] for t in logits[::2])
+    assert tokens < int(data.batch["attention_mask"].sum()), "each prompt routed once, not once per row"
+
+
 def test_padded_forward_with_the_aux_loss_is_refused_when_the_actor_is_built():
     with pytest.raises(ValueError, match="use_remove_padding=true"):
         sgd_actor(moe_config(use_remove_padding=False), moe_lm())

@@ -227,7 +227,9 @@ class DataParallelPPOActor(BasePPOActor):
         frozen = any(not p.requires_grad for p in actor_module.parameters())
         self.flops = FlopsTally(FlopsCounter.for_model(getattr(hf_module, "config", None)), passes=2 if frozen else 3)
         # a MoE model's router load-balancing loss, when its config asks for it (see verl.models.moe)
-        self.router_aux = RouterAuxLoss(hf_module, self.use_remove_padding, self.sp_size)
+        self.router_aux = RouterAuxLoss(
+            hf_module, self.use_remove_padding, self.sp_size, trains=actor_optimizer is not None
+        )
 
     def _effective_loss_agg_mode(self, configured: str) -> str:
         """The aggregation the whole loss uses: the configured one, unless the policy loss fixes its
