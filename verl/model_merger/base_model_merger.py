@@ -38,6 +38,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from verl.models.factory import add_legacy_config_keys
 from verl.utils.lora import (
     ADAPTER_DIR,
     PEFT_PREFIX,
@@ -265,6 +266,7 @@ class BaseModelMerger(ABC):
         shell = self._empty_model(model_class, self._dtype_of(state_dict))
         print(f"saving {type(shell).__name__} ({len(state_dict)} tensors) to {target}")
         shell.save_pretrained(target, state_dict=state_dict)
+        add_legacy_config_keys(os.path.join(target, "config.json"))  # for engines pinned to transformers 4.x
         self._copy_tokenizer_and_generation_config(target)
         if os.path.isdir(self.lora_adapter_dir):
             shutil.copytree(self.lora_adapter_dir, os.path.join(target, ADAPTER_DIR), dirs_exist_ok=True)

@@ -1,6 +1,6 @@
 """Build small causal LMs from plain transformers configs, with the local character tokenizer.
 
-Every preset is an ordinary Qwen2 or Llama model, saved as an ordinary HF directory
+Every preset is an ordinary Qwen2, Llama or Qwen3-MoE model, saved as an ordinary HF directory
 (config.json, model.safetensors, tokenizer files, generation_config.json) that
 `AutoModelForCausalLM.from_pretrained` / `AutoTokenizer.from_pretrained` load offline and that
 vLLM and SGLang serve: no custom modelling code, no `trust_remote_code`.
@@ -17,6 +17,10 @@ Design decisions:
   LM head and logits cost what they cost in the real model.
 - Weights are initialised by transformers from a fixed seed, so a preset plus a seed is a
   reproducible checkpoint.
+- `tiny-moe` is transformers' own Qwen3MoeForCausalLM (4 experts, top-2), so the mixture-of-experts
+  paths (router load-balancing loss, FSDP sharding of expert weights, the model merger) run on
+  CPU with the same classes a released Qwen3-MoE checkpoint loads into. vLLM and SGLang serve that
+  architecture too.
 """
 
 from __future__ import annotations
@@ -34,7 +38,7 @@ class ModelPreset:
     """Dimensions of one preset. All sizes are counts; head_dim is always 64."""
 
     architecture: str
-    """`qwen2` (Qwen2ForCausalLM) or `llama` (LlamaForCausalLM)."""
+    """`qwen2` (Qwen2ForCausalLM), `llama` (LlamaForCausalLM) or `qwen3_moe` (Qwen3MoeForCausalLM)."""
     hidden_size: int
     num_hidden_layers: int
     num_attention_heads: int
@@ -46,6 +50,12 @@ class ModelPreset:
     tie_word_embeddings: bool = True
     rope_theta: float = 10000.0
     rms_norm_eps: float = 1e-6
+    num_experts: int = 0
+    """Routed experts per layer; > 0 only for the mixture-of-experts architecture (`qwen3_moe`)."""
+    num_experts_per_tok: int = 0
+    """Experts each token is routed to (top-k)."""
+    moe_intermediate_size: int = 0
+    """Hidden size of one expert's MLP."""
     description: str = ""
 
     def __post_init__(self):
@@ -57,6 +67,13 @@ class ModelPreset:
                 f"{self.hidden_size / self.num_attention_heads:g}; vLLM needs head_dim {HEAD_DIM}, so set "
                 f"hidden_size = {HEAD_DIM} * num_attention_heads"
             )
+        moe = self.architecture in MOE_ARCHITECTURES
+        if moe != (self.num_experts > 0) or (moe and not 0 < self.num_experts_per_tok <= self.num_experts):
+            raise ValueError(
+                f"architecture={self.architecture!r} with num_experts={self.num_experts}, num_experts_per_tok="
+                f"{self.num_experts_per_tok}: experts belong to {sorted(MOE_ARCHITECTURES)} (which need "
+                "0 < num_experts_per_tok <= num_experts), and only there"
+            )
         if self.num_attention_heads % self.num_key_value_heads:
             raise ValueError(
                 f"num_attention_heads={self.num_attention_heads} is not a multiple of "
@@ -65,7 +82,9 @@ class ModelPreset:
 
 
 # architecture name -> transformers config class name
-ARCHITECTURES = {"qwen2": "Qwen2Config", "llama": "LlamaConfig"}
+ARCHITECTURES = {"qwen2": "Qwen2Config", "llama": "LlamaConfig", "qwen3_moe": "Qwen3MoeConfig"}
+# those whose MLPs are routed experts (see verl.models.moe)
+MOE_ARCHITECTURES = {"qwen3_moe"}
 
 PRESETS: dict[str, ModelPreset] = {
     "tiny": ModelPreset(
@@ -94,6 +113,18 @@ PRESETS: dict[str, ModelPreset] = {
         num_key_value_heads=4,
         intermediate_size=1408,
         description="~24M parameters, Llama architecture with grouped-query attention",
+    ),
+    "tiny-moe": ModelPreset(
+        architecture="qwen3_moe",
+        hidden_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        intermediate_size=256,
+        num_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=64,
+        description="~0.4M parameters, Qwen3-MoE shape (4 experts, top-2 routing), for the MoE code paths",
     ),
     "qwen2.5-0.5b-shape": ModelPreset(
         architecture="qwen2",
@@ -145,7 +176,16 @@ def build_config(preset: ModelPreset | str, tokenizer=None):
     if vocab_size < num_tokens:
         raise ValueError(f"preset vocab_size={vocab_size} is smaller than the tokenizer's {num_tokens} tokens")
     config_cls = getattr(transformers, ARCHITECTURES[preset.architecture])
+    moe = {}
+    if preset.architecture in MOE_ARCHITECTURES:
+        moe = dict(
+            num_experts=preset.num_experts,
+            num_experts_per_tok=preset.num_experts_per_tok,
+            moe_intermediate_size=preset.moe_intermediate_size,
+            norm_topk_prob=True,  # Qwen3-MoE's released checkpoints renormalise the top-k weights
+        )
     return config_cls(
+        **moe,
         vocab_size=vocab_size,
         hidden_size=preset.hidden_size,
         num_hidden_layers=preset.num_hidden_layers,
@@ -197,7 +237,7 @@ def save_model(model, tokenizer, out_dir: str) -> str:
 
     os.makedirs(out_dir, exist_ok=True)
     model.save_pretrained(out_dir, safe_serialization=True)
-    add_legacy_rope_theta(os.path.join(out_dir, "config.json"))
+    add_legacy_config_keys(os.path.join(out_dir, "config.json"))
     save_tokenizer(tokenizer, out_dir)
     return out_dir
 
@@ -211,6 +251,29 @@ def add_legacy_rope_theta(config_path: str) -> None:
     theta = (config.get("rope_parameters") or {}).get("rope_theta")
     if theta is not None and "rope_theta" not in config:
         config["rope_theta"] = theta
+        with open(config_path, "w") as f:
+            json.dump(config, f, indent=2, sort_keys=True)
+            f.write("\n")
+
+
+# keys transformers 5 writes under a new name that transformers 4.x (and the engines pinned to it)
+# read under the old one, falling back to a default when it is missing: (model_type, new, old)
+_RENAMED_KEYS = (("qwen3_moe", "num_local_experts", "num_experts"),)
+
+
+def add_legacy_config_keys(config_path: str) -> None:
+    """`add_legacy_rope_theta`, and Qwen3-MoE's expert count under its transformers 4.x name too:
+    transformers 5 writes only `num_local_experts`, and a 4.x reader would build its default 128
+    experts and fail to load the checkpoint."""
+    add_legacy_rope_theta(config_path)
+    with open(config_path) as f:
+        config = json.load(f)
+    changed = False
+    for model_type, new, old in _RENAMED_KEYS:
+        if config.get("model_type") == model_type and new in config and old not in config:
+            config[old] = config[new]
+            changed = True
+    if changed:
         with open(config_path, "w") as f:
             json.dump(config, f, indent=2, sort_keys=True)
             f.write("\n")

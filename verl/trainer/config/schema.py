@@ -849,7 +849,11 @@ class RewardModelConfig:
     sandbox_fusion: SandboxFusionConfig = doc("Code-execution sandbox.")
     profiler: ProfilerConfig = doc("Profiling of the reward model.")
     ulysses_sequence_parallel_size: int = doc(
-        "Sequence-parallel group size.", status=UNSUPPORTED, neutral=1, optional=True
+        "Sequence-parallel group size of the reward model: its forward scores padded rows, which Ulysses "
+        "(packed sequences only) cannot split",
+        status=UNSUPPORTED,
+        neutral=1,
+        optional=True,
     )
     megatron: McoreEngineConfig = doc(
         "Megatron-core parallelism of the reward model (strategy megatron; a layout other than the actor's runs "

@@ -1073,6 +1073,88 @@ def _check_async_training(c: dict, errors: list[str]):
             )
 
 
+_SP = "ulysses_sequence_parallel_size"
+
+
+def _model_heads(model: dict) -> tuple[int, int] | None:
+    """(num_attention_heads, num_key_value_heads) from the HF config.json of a model section, or
+    None when it is not a readable local directory (a hub id is checked when the model is built)."""
+    import json
+
+    path = model.get("path")
+    file = os.path.join(os.path.expanduser(str(path)), "config.json") if path else None
+    if not file or not os.path.isfile(file):
+        return None
+    try:
+        with open(file) as f:
+            hf = json.load(f)
+    except (OSError, ValueError):
+        return None  # an unreadable config is the model loader's error to report, with its path
+    hf = hf.get("text_config", hf)  # a vision-language model's decoder holds the attention heads
+    heads = hf.get("num_attention_heads")
+    if not isinstance(heads, int):
+        return None
+    kv = hf.get("num_key_value_heads") or heads
+    return heads, kv
+
+
+def _check_ulysses(c: dict, errors: list[str]):
+    """Ulysses sequence parallelism (docs/sequence_parallel.md), checked before Ray starts: the same rules
+    the workers enforce when they build the model, so a bad size fails in seconds, not after start-up.
+
+    sp groups tile the worker group (sp | nnodes x n_gpus_per_node), the sequence split needs the packed
+    (remove-padding) layout, the reference shares the actor's sp groups, and each sp rank gets an equal
+    share of the attention heads (read from the model's config.json when it is a local directory)."""
+    arr = c["actor_rollout_ref"]
+    world = world_size(c)
+    actor_sp = arr["actor"].get(_SP) or 1
+    roles = []
+    if arr["actor"]["strategy"] in ("fsdp", "fsdp2"):
+        actor_rp = arr["actor"].get("use_remove_padding")
+        if actor_rp is None:  # the worker's rule: the actor's own key, else the model's
+            actor_rp = arr["model"].get("use_remove_padding", False)
+        rp_key = "actor_rollout_ref.model.use_remove_padding"
+        if arr["model"].get("use_remove_padding") and not actor_rp:
+            rp_key = "actor_rollout_ref.actor.use_remove_padding"  # set apart from the model's: name that one
+        roles.append(("actor_rollout_ref.actor", actor_sp, actor_rp, rp_key, arr["model"]))
+        ref_sp = arr["ref"].get(_SP)
+        if ref_sp is not None and ref_sp != actor_sp:
+            errors.append(
+                f"actor_rollout_ref.ref.{_SP}={ref_sp} differs from actor_rollout_ref.actor.{_SP}={actor_sp}: the "
+                "reference runs in the actor's worker processes and uses their sequence-parallel groups; set both "
+                "to the same value (or leave the reference's unset)"
+            )
+    critic = c["critic"]
+    if need_critic(c) and critic["strategy"] in ("fsdp", "fsdp2"):
+        rp = critic["model"].get("use_remove_padding", False)
+        roles.append(("critic", critic.get(_SP) or 1, rp, "critic.model.use_remove_padding", critic["model"]))
+    for prefix, sp, remove_padding, rp_key, model in roles:
+        if sp <= 1:
+            continue
+        if world >= 1 and world % sp:
+            divisors = [d for d in range(1, world + 1) if world % d == 0]
+            errors.append(
+                f"{prefix}.{_SP}={sp} does not divide the {world} workers (trainer.nnodes x "
+                f"trainer.n_gpus_per_node): each sequence-parallel group takes {sp} of them; use one of {divisors}"
+            )
+        if not remove_padding:
+            errors.append(
+                f"{prefix}.{_SP}={sp} needs {rp_key}=true: Ulysses splits the packed (padding-free) token "
+                f"sequence across ranks; set {rp_key}=true, or {prefix}.{_SP}=1"
+            )
+        heads = _model_heads(model)
+        if heads is not None:
+            h, kv = heads
+            if h % sp or (kv % sp and sp % kv):
+                ok = [d for d in range(1, h + 1) if h % d == 0 and (kv % d == 0 or d % kv == 0)]
+                errors.append(
+                    f"{prefix}.{_SP}={sp} cannot split the attention heads of {model.get('path')} "
+                    f"(num_attention_heads={h}, num_key_value_heads={kv}): each sequence-parallel rank takes an "
+                    f"equal share, so the heads must be a multiple of {sp} and the key/value heads a multiple or a "
+                    f"divisor of it; use one of {ok}"
+                )
+
+
 def _plain(cfg) -> dict:
     if isinstance(cfg, dict):
         return cfg
@@ -1157,6 +1239,7 @@ def validate_ppo_config(cfg: DictConfig | dict) -> None:
     _check_trainer(c, errors, warns)
     _check_lora(c, errors, warns)
     _check_async_training(c, errors)
+    _check_ulysses(c, errors)
     if errors:
         _raise(errors)
     for w in warns:

@@ -65,7 +65,7 @@ for every term of the loss), calculate_entropy (compute and report `actor/entrop
 update even without an entropy bonus), policy_loss {loss_mode, clip_cov_*, kl_cov_ratio,
 ppo_kl_coef, rollout_correction}, loss_agg_mode (replaced by the loss's own for `sapo` and
 `geo_mean`, with a warning: `verl.algorithms.policy_losses.LOSS_AGG_MODE_OVERRIDES`), entropy_coeff, use_kl_loss,
-kl_loss_coef, kl_loss_type, use_remove_padding,
+kl_loss_coef, kl_loss_type, use_remove_padding (needed by a MoE model's load-balancing loss, `verl.models.moe`),
 ulysses_sequence_parallel_size (must be 1), skip_zero_advantage_step, skip_zero_advantage_rows,
 share_prompt_forward. `use_torch_compile` is
 accepted and has no effect: the log-prob and entropy kernels are chunked autograd functions that
@@ -84,6 +84,8 @@ from verl.algorithms.aggregation import agg_loss
 from verl.algorithms.kl import kl_penalty
 from verl.algorithms.policy_losses import LOSS_AGG_MODE_OVERRIDES, PolicyLossParams, get_policy_loss_fn
 from verl.algorithms.rollout_corr import compute_rollout_corr_metrics_from_logprobs
+from verl.models.moe import METRIC as LOAD_BALANCING_METRIC
+from verl.models.moe import RouterAuxLoss
 from verl.utils import shared_prompt, speed_paths, ulysses
 from verl.utils.device import collective_device, get_device
 from verl.utils.flops_counter import FlopsCounter, FlopsTally
@@ -224,6 +226,10 @@ class DataParallelPPOActor(BasePPOActor):
         # forwards instead of 3 (any frozen parameter counts as such, so the count never exceeds the work)
         frozen = any(not p.requires_grad for p in actor_module.parameters())
         self.flops = FlopsTally(FlopsCounter.for_model(getattr(hf_module, "config", None)), passes=2 if frozen else 3)
+        # a MoE model's router load-balancing loss, when its config asks for it (see verl.models.moe)
+        self.router_aux = RouterAuxLoss(
+            hf_module, self.use_remove_padding, self.sp_size, trains=actor_optimizer is not None
+        )
 
     def _effective_loss_agg_mode(self, configured: str) -> str:
         """The aggregation the whole loss uses: the configured one, unless the policy loss fixes its
@@ -605,8 +611,10 @@ class DataParallelPPOActor(BasePPOActor):
         return mini_batch[torch.nonzero(keep)[:, 0]], num_micro
 
     def _backward_micro_batch(self, micro_batch, temperature: float, normaliser: float) -> dict:
-        entropy, log_prob = self._forward_micro_batch(micro_batch, temperature, self.needs_entropy(micro_batch))
-        loss, out = self._micro_batch_loss(micro_batch, log_prob, entropy, normaliser)
+        with self.router_aux.recording() as router_logits:
+            entropy, log_prob = self._forward_micro_batch(micro_batch, temperature, self.needs_entropy(micro_batch))
+        aux_loss = self.router_aux.loss(router_logits)
+        loss, out = self._micro_batch_loss(micro_batch, log_prob, entropy, normaliser, aux_loss)
         loss.backward()
         return out
 
@@ -615,10 +623,13 @@ class DataParallelPPOActor(BasePPOActor):
         reported on-policy)."""
         return self.entropy_coeff != 0 or self.calculate_entropy or "old_log_probs" not in micro_batch
 
-    def _micro_batch_loss(self, micro_batch, log_prob, entropy, normaliser: float) -> tuple[torch.Tensor, dict]:
+    def _micro_batch_loss(
+        self, micro_batch, log_prob, entropy, normaliser: float, aux_loss: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, dict]:
         """(loss to backpropagate, metrics) of one micro-batch from its log-probs and entropy [b, R]:
-        policy loss, entropy bonus and KL loss, scaled by the micro-batch's weight in the mini-batch
-        loss over all ranks (see verl.workers.dp_training). Shared by every backend's actor.
+        policy loss, entropy bonus, KL loss and a MoE router's load-balancing `aux_loss` (0-d, or None),
+        scaled by the micro-batch's weight in the mini-batch loss over all ranks (see
+        verl.workers.dp_training). Shared by every backend's actor.
 
         The metrics are detached 0-d tensors (or plain numbers), read by `metrics_to_host` once per
         mini-batch; nothing here waits for the device."""
@@ -657,6 +668,9 @@ class DataParallelPPOActor(BasePPOActor):
             loss = loss + self.kl_loss_coef * kl_loss
             out["actor/kl_loss"] = kl_loss.detach()
             out["actor/kl_coef"] = self.kl_loss_coef
+        if aux_loss is not None:
+            loss = loss + self.router_aux.coef * aux_loss
+            out[LOAD_BALANCING_METRIC] = aux_loss.detach()
         return loss * micro_batch_weight(response_mask, self.loss_agg_mode, normaliser, self._dp_size, loss), out
 
 
