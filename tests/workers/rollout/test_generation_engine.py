@@ -38,6 +38,24 @@ def test_native_greedy_matches_hf_generate_and_forward_loop_with_left_padding(ar
     torch.testing.assert_close(out.responses, hf, rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("arch", ["qwen2", "llama"])
+def test_native_float64_greedy_matches_hf_float64_generate_on_a_long_left_padded_batch(arch):
+    """float64 with attention spans past 8 keys: torch's CPU SDPA read the float32 key bias as
+    float64 there (garbage scores, every row's tokens wrong); the bias now follows float64."""
+    model = build_model(arch).double()
+    engine = GenerationEngine.from_model(model, device="cpu", dtype=torch.float64)
+    assert engine.is_native
+    input_ids, attention_mask = left_padded_prompts([40, 3, 27, 1, 33], seed=4, width=44)
+    P, R = input_ids.shape[1], 10
+    out = _generate_greedy(engine, input_ids, attention_mask, R, eos_token_id=2)
+    with torch.no_grad():
+        hf = model.generate(input_ids, attention_mask=attention_mask, do_sample=False, max_new_tokens=R, pad_token_id=0)
+    hf = torch.nn.functional.pad(hf[:, P:], (0, R - (hf.shape[1] - P)), value=0)
+    wrong = (out.responses != hf).any(-1).nonzero().flatten().tolist()
+    assert not wrong, f"rows {wrong}: engine {out.responses[wrong].tolist()} vs transformers {hf[wrong].tolist()}"
+    assert engine.decoder.key_bias.dtype == torch.float64
+
+
 @pytest.mark.parametrize(
     "rope",
     [

@@ -364,7 +364,7 @@ class LlamaDecoder:
             alloc = torch.zeros if self.cuda_graphs else torch.empty
             self.k_cache = alloc(shape, device=self.device, dtype=self.dtype)
             self.v_cache = alloc(shape, device=self.device, dtype=self.dtype)
-            self.key_bias = torch.zeros(batch, max_len, device=self.device, dtype=torch.float32)
+            self.key_bias = torch.zeros(batch, max_len, device=self.device, dtype=self._key_bias_dtype())
             self._batch_views = {}
             grown = True
         if self._cos is None or self._cos.shape[0] < max_position:
@@ -374,6 +374,13 @@ class LlamaDecoder:
             self._build_rope_table(max(max_position, self.cache_capacity()[1], 2 * current, floor))
             grown = True
         return grown
+
+    def _key_bias_dtype(self) -> torch.dtype:
+        """fp32 for fp32/bf16/fp16 (the scores' precision), the model's own dtype for float64: torch
+        2.13's CPU SDPA kernel reads a float32 mask under float64 queries as if it were float64 once
+        the keys span more than 8 columns (garbage scores, wrong tokens; a test compares against
+        transformers' float64 generate)."""
+        return torch.float64 if self.dtype == torch.float64 else torch.float32
 
     def _build_rope_table(self, num_positions: int) -> None:
         s = self.spec
@@ -422,7 +429,7 @@ class LlamaDecoder:
         """Bytes one cache row of `max_len` columns takes: K and V of every layer plus its key bias."""
         s = self.spec
         kv = 2 * s.num_layers * s.num_kv_heads * s.head_dim * max_len * self.dtype.itemsize
-        return kv + 4 * max_len
+        return kv + self._key_bias_dtype().itemsize * max_len
 
     def decode_row_bytes(self) -> int:
         """Working memory of one row in a decode step: its logits in the model dtype and in fp32
