@@ -261,15 +261,17 @@ def test_repeats_in_blocks_recognises_only_grpo_layouts():
     assert repeats_in_blocks(torch.tensor([0, 1]), 2) is None  # no repeats
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
 @pytest.mark.parametrize("prefill_tokens", [None, 14])
-def test_block_fan_out_writes_the_cache_the_indexed_fan_out_writes(llama_model, prefill_tokens, monkeypatch):
+def test_block_fan_out_writes_the_cache_the_indexed_fan_out_writes(llama_model, prefill_tokens, device, monkeypatch):
     """GRPO's interleaved repeats take the broadcast fan-out (the engine numbers the distinct
     prompts by first appearance); cache, key bias and logits equal the indexed path's bit for bit,
     also when the prompts are prefilled in chunks of two."""
-    engine = GenerationEngine.from_model(llama_model, device="cpu", prefill_tokens=prefill_tokens)
+    engine = GenerationEngine.from_model(llama_model, device=device, dtype=torch.float32, prefill_tokens=prefill_tokens)
     # lengths chosen so that torch.unique's content order differs from the order of appearance
     distinct_ids, distinct_mask = left_padded_prompts([7, 3, 5, 6], seed=2)
-    input_ids, attention_mask = distinct_ids.repeat_interleave(3, 0), distinct_mask.repeat_interleave(3, 0)
+    input_ids = distinct_ids.repeat_interleave(3, 0).to(device)
+    attention_mask = distinct_mask.repeat_interleave(3, 0).to(device)
     positions = (attention_mask.cumsum(-1) - 1).clamp(min=0)
     taken = []
     blocks = llama_decoder.repeats_in_blocks
@@ -287,8 +289,8 @@ def test_block_fan_out_writes_the_cache_the_indexed_fan_out_writes(llama_model, 
     assert taken == [3], f"the interleaved batch should take the block fan-out, got {taken}"
     monkeypatch.setattr(llama_decoder, "repeats_in_blocks", lambda *a: None)
     indexed = prefill()
-    for got, expected in zip(block, indexed):
-        assert torch.equal(got, expected)
+    for name, got, expected in zip(("logits", "keys", "values", "key bias"), block, indexed):
+        assert torch.equal(got, expected), f"{name}: max difference {(got - expected).abs().max().item()}"
     assert not block[1].isnan().any(), "every cache row should have been written"
 
 
