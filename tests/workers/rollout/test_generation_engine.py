@@ -7,8 +7,9 @@ import pytest
 import torch
 
 from tests.workers.rollout.rollout_helpers import build_model, hf_greedy_loop, left_padded_prompts
+from verl.workers.rollout.native import llama_decoder
 from verl.workers.rollout.native.engine import GenerationEngine
-from verl.workers.rollout.native.llama_decoder import unsupported_reason
+from verl.workers.rollout.native.llama_decoder import repeats_in_blocks, unsupported_reason
 from verl.workers.rollout.sampling import SamplingParams
 
 GREEDY = SamplingParams(do_sample=False)
@@ -36,6 +37,24 @@ def test_native_greedy_matches_hf_generate_and_forward_loop_with_left_padding(ar
     hf = model.generate(input_ids, attention_mask=attention_mask, do_sample=False, max_new_tokens=R, pad_token_id=0)
     hf = torch.nn.functional.pad(hf[:, P:], (0, R - (hf.shape[1] - P)), value=0)
     torch.testing.assert_close(out.responses, hf, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "llama"])
+def test_native_float64_greedy_matches_hf_float64_generate_on_a_long_left_padded_batch(arch):
+    """float64 with attention spans past 8 keys: torch's CPU SDPA read the float32 key bias as
+    float64 there (garbage scores, every row's tokens wrong); the bias now follows float64."""
+    model = build_model(arch).double()
+    engine = GenerationEngine.from_model(model, device="cpu", dtype=torch.float64)
+    assert engine.is_native
+    input_ids, attention_mask = left_padded_prompts([40, 3, 27, 1, 33], seed=4, width=44)
+    P, R = input_ids.shape[1], 10
+    out = _generate_greedy(engine, input_ids, attention_mask, R, eos_token_id=2)
+    with torch.no_grad():
+        hf = model.generate(input_ids, attention_mask=attention_mask, do_sample=False, max_new_tokens=R, pad_token_id=0)
+    hf = torch.nn.functional.pad(hf[:, P:], (0, R - (hf.shape[1] - P)), value=0)
+    wrong = (out.responses != hf).any(-1).nonzero().flatten().tolist()
+    assert not wrong, f"rows {wrong}: engine {out.responses[wrong].tolist()} vs transformers {hf[wrong].tolist()}"
+    assert engine.decoder.key_bias.dtype == torch.float64
 
 
 @pytest.mark.parametrize(
@@ -232,6 +251,47 @@ def test_repeated_prompts_are_prefilled_once_and_generate_like_distinct_rows(qwe
     P = input_ids.shape[1]
     ref = (logits[:, P - 1 : -1] / 1.5).log_softmax(-1).gather(-1, out.responses[..., None]).squeeze(-1)
     torch.testing.assert_close(out.logprobs.double(), ref, atol=1e-4, rtol=0)
+
+
+def test_repeats_in_blocks_recognises_only_grpo_layouts():
+    assert repeats_in_blocks(torch.tensor([0, 0, 0, 1, 1, 1]), 2) == 3
+    assert repeats_in_blocks(torch.tensor([0, 1, 0, 1]), 2) is None  # repeated, not interleaved
+    assert repeats_in_blocks(torch.tensor([1, 1, 0, 0]), 2) is None  # blocks out of order
+    assert repeats_in_blocks(torch.tensor([0, 0, 1]), 2) is None  # unequal counts
+    assert repeats_in_blocks(torch.tensor([0, 1]), 2) is None  # no repeats
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+@pytest.mark.parametrize("prefill_tokens", [None, 14])
+def test_block_fan_out_writes_the_cache_the_indexed_fan_out_writes(llama_model, prefill_tokens, device, monkeypatch):
+    """GRPO's interleaved repeats take the broadcast fan-out (the engine numbers the distinct
+    prompts by first appearance); cache, key bias and logits equal the indexed path's bit for bit,
+    also when the prompts are prefilled in chunks of two."""
+    engine = GenerationEngine.from_model(llama_model, device=device, dtype=torch.float32, prefill_tokens=prefill_tokens)
+    # lengths chosen so that torch.unique's content order differs from the order of appearance
+    distinct_ids, distinct_mask = left_padded_prompts([7, 3, 5, 6], seed=2)
+    input_ids = distinct_ids.repeat_interleave(3, 0).to(device)
+    attention_mask = distinct_mask.repeat_interleave(3, 0).to(device)
+    positions = (attention_mask.cumsum(-1) - 1).clamp(min=0)
+    taken = []
+    blocks = llama_decoder.repeats_in_blocks
+    monkeypatch.setattr(llama_decoder, "repeats_in_blocks", lambda *a: taken.append(blocks(*a)) or taken[-1])
+    d = engine.decoder
+
+    def prefill():
+        d.reserve(12, 12, 12)
+        d.k_cache.fill_(float("nan"))
+        d.v_cache.fill_(float("nan"))
+        logits = engine._prefill(input_ids, attention_mask, positions)
+        return logits, d.k_cache[:, :, :, :7].clone(), d.v_cache[:, :, :, :7].clone(), d.key_bias[:, :7].clone()
+
+    block = prefill()
+    assert taken == [3], f"the interleaved batch should take the block fan-out, got {taken}"
+    monkeypatch.setattr(llama_decoder, "repeats_in_blocks", lambda *a: None)
+    indexed = prefill()
+    for name, got, expected in zip(("logits", "keys", "values", "key bias"), block, indexed):
+        assert torch.equal(got, expected), f"{name}: max difference {(got - expected).abs().max().item()}"
+    assert not block[1].isnan().any(), "every cache row should have been written"
 
 
 def test_compaction_waits_for_an_eighth_of_the_rows_or_a_smaller_cuda_graph_bucket(qwen2_model):

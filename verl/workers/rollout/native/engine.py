@@ -535,6 +535,13 @@ class GenerationEngine:
         # any row of each distinct prompt represents it: take the first
         first = torch.full((distinct.shape[0],), B, dtype=torch.long, device=input_ids.device)
         first.scatter_reduce_(0, inverse, torch.arange(B, device=input_ids.device), reduce="amin")
+        # Number the distinct prompts by first appearance (`unique` sorts them by content): a batch
+        # repeated with interleave, as GRPO's `repeat(n, interleave=True)` makes it, then maps rows to
+        # prompts [0]*n + [1]*n + ..., which the decoder fans out with one broadcast copy per layer.
+        by_appearance = torch.argsort(first)
+        renumber = torch.empty_like(by_appearance)
+        renumber[by_appearance] = torch.arange(by_appearance.shape[0], device=input_ids.device)
+        first, inverse = first[by_appearance], renumber[inverse]
         logits = self.decoder.prefill(input_ids[first], attention_mask[first], position_ids[first], rows=inverse)
         return logits[inverse]
 
