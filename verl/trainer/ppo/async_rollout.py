@@ -1,8 +1,10 @@
 """Generation that runs ahead of training, with bounded staleness (`async_training.*`).
 
-`AsyncRolloutSource` is a rollout strategy of `RayPPOTrainer` (the `_rollout_strategy` hook that
-`step()` calls first), so the driver's step is not forked: with `staleness_threshold=k >= 1` the
-batch a step trains on comes from a queue that a separate rollout pool keeps filling.
+`AsyncRolloutSource` is one of the trainer's rollout sources (the `RolloutSource` interface of
+rollout_source.py, whose `next_batch` the step calls first), so the driver's step is not forked:
+with `staleness_threshold=k >= 1` the batch a step trains on comes from a queue that a separate
+rollout pool keeps filling. It meets the interface by its shape and imports nothing of
+rollout_source.py, which chooses between the sources and so imports this module.
 
     k = 0   the synchronous colocated step (this module is not used)
     k = 1   one-step-off: batch t+1 is generated while the trainer trains on batch t
@@ -146,14 +148,14 @@ class _Stats:
 
 
 class AsyncRolloutSource:
-    """The rollout strategy for `async_training.staleness_threshold >= 1` (see the module docstring).
+    """The rollout source for `async_training.staleness_threshold >= 1` (see the module docstring).
 
     Built from explicit parts, never from the trainer:
     config: the composed config (async_training, actor_rollout_ref.rollout, data.train_batch_size).
     rollout_wg: the rollout-only worker group (a separate resource pool); actor_wg: the training
         worker group whose weights it pushes to the rollout pool.
     next_prompts: the prompt stream, `() -> DataProto` (one dataloader batch per call).
-    score: the reward scorer, `(batch, state) -> batch` with token_level_scores/rewards set.
+    score: the reward scorer, `(batch, state) -> batch` with token_level_scores set.
     tokenizer: for the rollout's eos/pad ids. current_step: `() -> int`, the trainer's step.
     total_steps: `() -> int`, the run's number of training steps (nothing is generated past it).
     """
@@ -197,8 +199,11 @@ class AsyncRolloutSource:
         self._receive_refs: list = []
         self._stats = _Stats()
 
-    # ------------------------------------------------------------------ the strategy
-    def __call__(self, state) -> DataProto:
+    runs_ahead = True
+    """Samples may come from older weights than the trained ones (see `RolloutSource`)."""
+
+    # ------------------------------------------------------------------ the source
+    def next_batch(self, state) -> DataProto:
         step = self.current_step()
         self._sync_weights(step, state)
         # Group g of batch b may be generated with the pool's version p only if its position in the
