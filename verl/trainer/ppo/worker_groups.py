@@ -49,11 +49,11 @@ def spawn_worker_groups(
     arc = config.actor_rollout_ref
     roles_in_pool: dict[Any, dict[str, Any]] = {}
 
-    def add(role: Role, name: str, **init_args) -> None:
-        cls_with_args = RayClassWithInitArgs(role_worker_mapping[role], **init_args)
+    def add(worker_role: Role, name: str, **init_args) -> None:  # init_args may hold the worker's own `role`
+        cls_with_args = RayClassWithInitArgs(role_worker_mapping[worker_role], **init_args)
         if runtime_env:
             cls_with_args.update_options({"runtime_env": runtime_env})
-        roles_in_pool.setdefault(resource_pool_manager.get_resource_pool(role), {})[name] = cls_with_args
+        roles_in_pool.setdefault(resource_pool_manager.get_resource_pool(worker_role), {})[name] = cls_with_args
 
     # the agent-loop rollout names its traces after the run (rollout.trace)
     names = {"project_name": config.trainer.project_name, "experiment_name": config.trainer.experiment_name}
