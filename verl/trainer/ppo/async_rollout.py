@@ -90,19 +90,18 @@ DEFAULT_IMP_RATIO_CAP = 2.0
 
 
 def staleness_threshold(config) -> float:
-    """`async_training.staleness_threshold` of a PPO config (0 when the section is absent)."""
-    section = config.get("async_training") or {}
-    return float(section.get("staleness_threshold", 0) or 0)
+    """`async_training.staleness_threshold` of a PPO config (null reads as 0: no async training)."""
+    return float(config.async_training.staleness_threshold or 0)
 
 
 def configure_off_policy_correction(config) -> None:
     """Set the keys the chosen correction needs (in place, before the workers are built)."""
-    mode = config.async_training.get("off_policy_correction", "decoupled")
+    mode = config.async_training.off_policy_correction
     arc = config.actor_rollout_ref
     with open_dict(arc):
         if mode in ("decoupled", "tis"):
             arc.rollout.calculate_log_probs = True
-        if mode == "decoupled" and not (arc.actor.get("tis_imp_ratio_cap") or -1) > 0:
+        if mode == "decoupled" and not (arc.actor.tis_imp_ratio_cap or -1) > 0:
             arc.actor.tis_imp_ratio_cap = DEFAULT_IMP_RATIO_CAP
 
 
@@ -172,16 +171,15 @@ class AsyncRolloutSource:
         # s batches ahead (a fraction: part of a batch); ceil(s) is the hard bound on a sample's staleness
         self.s = float(cfg.staleness_threshold)
         self.k = math.ceil(self.s)
-        self.correction = cfg.get("off_policy_correction", "decoupled")
-        self.stale_policy = cfg.get("stale_sample_policy", "regenerate")
-        self.timeout_s = float(cfg.get("weight_sync_timeout_s", 600))
-        self.sync_every = int(cfg.get("trigger_parameter_sync_step", 1) or 1)
-        self.partial_rollout = bool(cfg.get("partial_rollout", False))
-        self.partial_check_steps = int(cfg.get("partial_rollout_check_steps", 8) or 8)
+        self.correction = cfg.off_policy_correction
+        self.stale_policy = cfg.stale_sample_policy
+        self.timeout_s = float(cfg.weight_sync_timeout_s)
+        self.sync_every = int(cfg.trigger_parameter_sync_step or 1)
+        self.partial_rollout = bool(cfg.partial_rollout)
+        self.partial_check_steps = int(cfg.partial_rollout_check_steps or 8)
         rollout_cfg = config.actor_rollout_ref.rollout
-        self.multi_turn = bool(rollout_cfg.get("multi_turn", {}).get("enable", False))
-        ckpt_engine = rollout_cfg.get("checkpoint_engine") or {}
-        self.bucket_mb = int(ckpt_engine.get("update_weights_bucket_megabytes", 512) or 512)
+        self.multi_turn = bool(rollout_cfg.multi_turn.enable)
+        self.bucket_mb = int(rollout_cfg.checkpoint_engine.update_weights_bucket_megabytes or 512)
         self.n = int(rollout_cfg.n)
         self.groups_per_step = int(config.data.train_batch_size)
         self.num_drawn = 0
