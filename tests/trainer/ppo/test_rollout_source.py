@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from verl.protocol import DataProto
+from verl.trainer.ppo.async_rollout import AsyncRolloutSource
 from verl.trainer.ppo.core_algos import AdaptiveKLController, FixedKLController
 from verl.trainer.ppo.driver_math import apply_kl_in_reward
 from verl.trainer.ppo.rollout_source import (
@@ -21,6 +22,7 @@ from verl.trainer.ppo.rollout_source import (
     RolloutGenerator,
     StepState,
     SyncRolloutSource,
+    build_rollout_source,
     group_filter_values,
 )
 
@@ -212,3 +214,45 @@ def test_kl_in_reward_updates_an_adaptive_coefficient_after_reporting_the_one_it
     assert metrics["actor/reward_kl_penalty_coeff"] == 0.1
     # KL ~0.29 > target: error clipped to 0.2, beta *= 1 + 0.2 * 10 / 100
     assert controller.value == pytest.approx(0.1 * 1.02)
+
+
+def _build(*overrides: str, rollout_wg=None):
+    from verl.trainer.config import load_ppo_config
+
+    config = load_ppo_config(list(overrides), config_name="arith_demo")
+    scorer = RewardScorer(exact_match)
+    source = build_rollout_source(
+        config,
+        prompts=PromptStream([], current_step=lambda: 1),
+        scorer=scorer,
+        actor_wg=ScriptedRollout(),
+        tokenizer=TOKENIZER,
+        current_step=lambda: 1,
+        total_steps=lambda: 10,
+        rollout_wg=rollout_wg,
+    )
+    return source, scorer
+
+
+def test_the_config_chooses_the_source_and_hands_it_its_parts():
+    source, scorer = _build()
+    assert type(source) is SyncRolloutSource and source.scorer is scorer
+    assert source.generator.baseline_scorer is None and source.generator.n == 8  # arith_demo's rollout.n
+
+    source, scorer = _build("algorithm.adv_estimator=remax")
+    assert source.generator.baseline_scorer is scorer
+
+    dapo = (
+        "algorithm.filter_groups.enable=true",
+        "algorithm.filter_groups.metric=acc",
+        "algorithm.filter_groups.max_num_gen_batches=3",
+    )
+    source, _ = _build(*dapo)
+    assert type(source) is FilteringRolloutSource
+    assert (source.metric, source.max_num_gen_batches, source.train_batch_size) == ("acc", 3, 32)
+    assert not source.runs_ahead
+
+    pool = SimpleNamespace(world_size=1)  # the async source only keeps its rollout group until the first step
+    source, scorer = _build("async_training.staleness_threshold=1", rollout_wg=pool)
+    assert type(source) is AsyncRolloutSource and source.runs_ahead
+    assert source.rollout_wg is pool and source.score is scorer

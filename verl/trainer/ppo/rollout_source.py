@@ -315,7 +315,7 @@ def build_rollout_source(
         prompts,
         generator,
         scorer,
-        metric=algo.filter_groups.metric or "seq_final_reward",
+        metric=algo.filter_groups.metric,  # required by the config check when filtering is on
         max_num_gen_batches=algo.filter_groups.max_num_gen_batches,
         train_batch_size=config.data.train_batch_size,
         kl_in_reward=algo.use_kl_in_reward,
