@@ -196,3 +196,22 @@ def test_placement_groups_are_ordered_by_node_address():
     nodes = [("10.0.0.12", "b"), ("10.0.0.9", "a"), ("fd00::1", "e"), ("10.0.0.12", "b"), ("10.0.0.10", "c")]
     # numeric IPv4 order (9 < 10 < 12), creation order kept on the same node, IPv6 after IPv4
     assert sort_placement_groups_by_node(nodes) == [1, 4, 0, 3, 2]
+
+
+def test_a_group_that_finds_no_room_on_its_pool_fails_naming_the_colocation_limit(cpu_pool, monkeypatch):
+    # max_colocate_count=1: the first group takes each bundle's whole CPU, so a second group on the
+    # same pool can never be scheduled. It must fail within the placement deadline, not hang.
+    pool = cpu_pool([1])
+    first = RayWorkerGroup(pool, RayClassWithInitArgs(Actor, lr=0.0), role="actor")
+    monkeypatch.setenv("VERL_PLACEMENT_TIMEOUT_S", "5")  # after the first group: starting it may take longer
+    try:
+        start = time.monotonic()
+        with pytest.raises(
+            ResourceUnavailableError, match=r"worker group 'critic'.*ranks \[0\] of 1 did not start"
+        ) as info:
+            RayWorkerGroup(pool, RayClassWithInitArgs(Critic), role="critic")
+        assert time.monotonic() - start < 30
+        assert "max_colocate_count=1" in str(info.value) and "VERL_PLACEMENT_TIMEOUT_S" in str(info.value)
+        assert first.pid()  # the group already placed is untouched
+    finally:
+        first.shutdown()

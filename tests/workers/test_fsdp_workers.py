@@ -195,3 +195,30 @@ def test_actor_mfu_with_shared_prompts_is_at_most_operator_flops_over_synchronis
         f"{statistics.median(times):.4g} s); counted {counted:.4g} FLOPs, so the worker's time was "
         f"{counted / mfu / 1e12:.4g} s"
     )
+
+
+def test_an_agent_loop_config_file_runs_the_rollout_through_agent_loops_without_multi_turn(one_process, tmp_path):
+    # upstream's agent-loop rollout runs the loops a config file registers whatever multi_turn says
+    from verl.experimental.agent_loop import AGENT_LOOPS, AgentLoopRollout, SingleTurnAgentLoop
+    from verl.workers.fsdp_workers import ActorRolloutRefWorker
+
+    agents = tmp_path / "agents.yaml"
+    agents.write_text("- name: one_turn_from_file\n  _target_: verl.experimental.agent_loop.SingleTurnAgentLoop\n")
+    cfg = load_ppo_config(
+        [
+            f"actor_rollout_ref.model.path={bundled_model_path()}",
+            "trainer.n_gpus_per_node=1",
+            "actor_rollout_ref.rollout.multi_turn.enable=false",
+            f"actor_rollout_ref.rollout.agent.agent_loop_config_path={agents}",
+            "actor_rollout_ref.rollout.agent.default_agent_loop=one_turn_from_file",
+        ],
+        config_name="arith_demo",
+    )
+    worker = ActorRolloutRefWorker(cfg.actor_rollout_ref, role="rollout")
+    worker.init_model()
+    try:
+        assert isinstance(worker.rollout, AgentLoopRollout)
+        assert AGENT_LOOPS["one_turn_from_file"] is SingleTurnAgentLoop
+        assert worker.rollout.default_agent == "one_turn_from_file"
+    finally:
+        AGENT_LOOPS.pop("one_turn_from_file", None)

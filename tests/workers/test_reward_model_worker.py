@@ -89,7 +89,7 @@ def _config(
         f"reward_model.max_length={max_length or 'null'}",
     ]
     if strategy == "megatron":  # the megatron composition holds reward_model.megatron
-        # the megatron models of a run share the worker processes, so the actor takes the same layout
+        # the actor takes the same layout, so the reward model shares the actor's worker processes
         for section in ("reward_model", "actor_rollout_ref.actor", "actor_rollout_ref.ref"):
             overrides += [
                 f"{section}.megatron.tensor_model_parallel_size={tp}",

@@ -509,10 +509,13 @@ class ActorRolloutRefWorker(Worker, DistProfilerExtension):
 
             rollout_cls = get_rollout_class(cfg.rollout.name)
             self.rollout = rollout_cls(cfg.model.path, config=cfg.rollout, tokenizer=self.tokenizer)
-            if (cfg.rollout.get("multi_turn") or {}).get("enable", False):
+            if (cfg.rollout.get("multi_turn") or {}).get("enable", False) or (cfg.rollout.get("agent") or {}).get(
+                "agent_loop_config_path"
+            ):
                 from verl.experimental.agent_loop import AgentLoopRollout
 
-                # agent loops (tool calls) over the same engine; weight sync and sleep pass through
+                # agent loops (tool calls, or the loops a config file registers) over the same engine;
+                # weight sync and sleep pass through
                 self.rollout = AgentLoopRollout(self.rollout, cfg.rollout, self.tokenizer, **self.trace_names)
             if self.actor is not None:
                 self.rollout.sleep()  # weights arrive from the actor before each generation

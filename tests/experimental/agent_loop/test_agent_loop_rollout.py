@@ -135,3 +135,57 @@ def test_a_rollout_with_its_own_async_engine_serves_the_episodes_directly(tokeni
     assert server.engine.requests == len(QUESTIONS) and server.batch_sizes == [1] * len(QUESTIONS)
     assert out.batch["responses"][:, :3].tolist() == [encode(tokenizer, "46") + [tokenizer.eos_token_id]] * 4
     assert "agent_loop/engine_batches" not in out.meta_info["metrics"]
+
+
+class TurnCountLoop(AgentLoopBase):
+    """A loop with a constructor argument, as an agent-loop config file's extra keys give it."""
+
+    def __init__(self, tokenizer, settings, tools=(), interactions=None, num_turns: int = 2):
+        super().__init__(tokenizer, settings, tools, interactions)
+        self.num_turns = num_turns
+
+    async def run_episode(self, engine, sample):
+        return Trajectory(sample.prompt_ids, sample.prompt_ids[-1:], [1], num_turns=self.num_turns)
+
+
+def test_agent_loop_config_path_registers_named_loops_with_their_arguments(
+    tokenizer, tiny_model, tmp_path, monkeypatch
+):
+    # upstream's file format: a YAML list of {name, _target_, ...}; the path is relative to the working directory
+    (tmp_path / "agents.yaml").write_text(
+        f"- name: counted\n  _target_: {__name__}.TurnCountLoop\n  num_turns: 5\n"
+        f"- name: counted_default\n  _target_: {__name__}.TurnCountLoop\n"
+    )
+    monkeypatch.chdir(tmp_path)
+    batch = question_batch(tokenizer, QUESTIONS[:3])
+    batch.non_tensor_batch["agent_name"] = np.array(["counted", "counted_default", None], dtype=object)
+    config = {**rollout_config(8), "agent": {"agent_loop_config_path": "agents.yaml", "default_agent_loop": "counted"}}
+    forced = ForcedRollout(tiny_model, lambda context: [tokenizer.eos_token_id])
+    out = AgentLoopRollout(forced, config, tokenizer).generate_sequences(batch)
+    assert out.non_tensor_batch["__num_turns__"].tolist() == [5, 2, 5]  # None: the default, from the file
+
+
+@pytest.mark.parametrize(
+    ("text", "error"),
+    [
+        ("name: x\n", r"must be a YAML list"),
+        ("- name: x\n", r"entry 0 .* needs a `name` .* and a `_target_`"),
+        ("- name: x\n  _target_: no_such_module_xyz.Loop\n", r"agent loop 'x' of .*: cannot import _target_"),
+        ("- name: x\n  _target_: collections.OrderedDict\n", r"is not a subclass of verl.experimental.agent_loop"),
+    ],
+)
+def test_a_bad_agent_loop_config_file_says_which_entry_and_why(tmp_path, text, error):
+    from verl.experimental.agent_loop import register_agent_loops_from_file
+
+    path = tmp_path / "agents.yaml"
+    path.write_text(text)
+    with pytest.raises(ValueError, match=error):
+        register_agent_loops_from_file(str(path))
+
+
+def test_a_missing_agent_loop_config_file_names_the_key_and_the_places_tried(tmp_path, monkeypatch):
+    from verl.experimental.agent_loop import register_agent_loops_from_file
+
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(FileNotFoundError, match=r"agent_loop_config_path='nope.yaml': no such file \(looked at .*nope"):
+        register_agent_loops_from_file("nope.yaml")

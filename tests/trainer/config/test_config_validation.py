@@ -529,34 +529,34 @@ def _megatron_reward_model(defaults, megatron_defaults, **overrides):
     )
 
 
-def test_megatron_models_in_one_process_need_one_layout(defaults, megatron_defaults):
-    """Actor, critic and reward model share the worker processes, which hold one set of megatron
-    parallel groups: different layouts are a config error naming each."""
+def test_megatron_models_of_different_layouts_get_their_own_processes(defaults, megatron_defaults):
+    """A megatron critic or reward model whose layout differs from the actor's is accepted: the
+    trainer spawns it in worker processes of its own (megatron's parallel state is one per process),
+    and a model of the actor's layout stays in the actor's processes."""
+    from omegaconf import OmegaConf
+
+    from verl.trainer.ppo.process_sets import megatron_layout, megatron_process_sets
+
     cfg = with_(
         megatron_defaults,
         algorithm__adv_estimator="gae",
-        critic__megatron__tensor_model_parallel_size=2,
+        actor_rollout_ref__actor__megatron__tensor_model_parallel_size=2,
+        critic__megatron__tensor_model_parallel_size=1,
     )
-    msg = error_of(cfg)
-    assert "layouts differ" in msg and "critic.megatron (tp, pp, vpp, cp)=(2, 1, None, 1)" in msg, msg
-    assert "actor_rollout_ref.actor.megatron (tp, pp, vpp, cp)=(1, 1, None, 1)" in msg
-    validate_ppo_config(with_(cfg, actor_rollout_ref__actor__megatron__tensor_model_parallel_size=2))
-    context = with_(cfg, critic__megatron__tensor_model_parallel_size=1, critic__megatron__context_parallel_size=2)
-    assert "critic.megatron (tp, pp, vpp, cp)=(1, 1, None, 2)" in error_of(context)
-    validate_ppo_config(with_(context, actor_rollout_ref__actor__megatron__context_parallel_size=2))
-    assert "x context_parallel_size=4 = 4 ranks per model copy does not divide the 2 ranks" in error_of(
-        with_(cfg, critic__megatron__tensor_model_parallel_size=1, critic__megatron__context_parallel_size=4)
-    )
-    assert "context_parallel_size=0 must be a positive integer" in error_of(
-        with_(cfg, critic__megatron__tensor_model_parallel_size=1, critic__megatron__context_parallel_size=0)
-    )
-    rm = _megatron_reward_model(defaults, megatron_defaults, reward_model__megatron__pipeline_model_parallel_size=2)
-    validate_ppo_config(rm)  # an FSDP actor: the reward model is the only megatron model
-    assert "reward_model.megatron (tp, pp, vpp, cp)=(1, 2, None, 1)" in error_of(
-        _megatron_reward_model(
-            megatron_defaults, megatron_defaults, reward_model__megatron__pipeline_model_parallel_size=2
-        )
-    )
+    validate_ppo_config(cfg)
+    conf = OmegaConf.create(cfg)
+    assert megatron_layout(conf.actor_rollout_ref.actor.megatron) == (2, 1, None, 1)
+    assert megatron_layout(conf.critic.megatron) == (1, 1, None, 1)
+    roles = {"actor_rollout": "A", "critic": "C", "ref": "R"}
+    assert megatron_process_sets(conf, roles) == [{"actor_rollout": "A", "ref": "R"}, {"critic": "C"}]
+    same = with_(cfg, critic__megatron__tensor_model_parallel_size=2)
+    validate_ppo_config(same)
+    conf = OmegaConf.create(same)
+    assert megatron_process_sets(conf, roles) == [roles]
+    # a virtual pipeline size of 1 is no virtual pipeline: the same layout as null
+    vpp1 = with_(same, critic__megatron__virtual_pipeline_model_parallel_size=1)
+    conf = OmegaConf.create(vpp1)
+    assert megatron_process_sets(conf, roles) == [roles]
 
 
 def test_megatron_dist_checkpoint_start_needs_an_existing_path(megatron_defaults, tmp_path):
@@ -648,3 +648,22 @@ def test_over_sampling_needs_agent_loops_and_a_rate_below_one(defaults):
             actor_rollout_ref__rollout__multi_turn__enable=True,
         )
     )
+
+
+def test_agent_loop_config_path_is_read_at_start_up_and_names_the_default_loop(defaults, tmp_path):
+    agents = tmp_path / "agents.yaml"
+    agents.write_text("- name: math_expression\n  _target_: some_recipe.MathLoop\n")  # not imported at start-up
+    ok = with_(
+        defaults,
+        actor_rollout_ref__rollout__agent__agent_loop_config_path=str(agents),
+        actor_rollout_ref__rollout__agent__default_agent_loop="math_expression",
+    )
+    validate_ppo_config(ok)
+    with pytest.raises(ConfigError, match=r"agent_loop_config_path='/nonexistent/agents.yaml': no such file"):
+        validate_ppo_config(
+            with_(defaults, actor_rollout_ref__rollout__agent__agent_loop_config_path="/nonexistent/agents.yaml")
+        )
+    with pytest.raises(ConfigError, match=r"default_agent_loop='math_expression' is not an agent loop: choose one of"):
+        validate_ppo_config(with_(defaults, actor_rollout_ref__rollout__agent__default_agent_loop="math_expression"))
+    # an import path is taken as given (imported when the worker builds the loop)
+    validate_ppo_config(with_(defaults, actor_rollout_ref__rollout__agent__default_agent_loop="my_pkg.agents.MyLoop"))

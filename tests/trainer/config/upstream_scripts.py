@@ -28,7 +28,6 @@ EXCLUDED = {
     "expert parallelism": re.compile(
         r"(expert_model_parallel_size|expert_parallel_size|expert_tensor_parallel_size)=([2-9]|\d\d)"
     ),
-    "mbridge": re.compile(r"use_mbridge=[Tt]rue"),
 }
 
 

@@ -21,6 +21,7 @@ from verl.experimental.agent_loop.agent_loop import (
     Trajectory,
     get_agent_loop_class,
     register,
+    register_agent_loops_from_file,
 )
 from verl.experimental.agent_loop.engine import AsyncRolloutEngine, MicroBatchEngine, TokenOutput
 from verl.experimental.agent_loop.rollout import AgentLoopRollout, settings_from_config
@@ -45,5 +46,6 @@ __all__ = [
     "get_agent_loop_class",
     "get_tool_parser",
     "register",
+    "register_agent_loops_from_file",
     "settings_from_config",
 ]

@@ -18,7 +18,10 @@ tool-response turn (a single-turn episode has 2).
 
 Loops are chosen by name (`AGENT_LOOPS`, filled by `@register`): a sample's `agent_name` column,
 else `tool_agent` when multi-turn is enabled. A name that is not registered but looks like an
-import path (`my_pkg.agents.MyLoop`) is imported, so a user loop needs no change here.
+import path (`my_pkg.agents.MyLoop`) is imported, so a user loop needs no change here. Upstream's
+`rollout.agent.agent_loop_config_path` registers loops from a YAML list instead
+(`register_agent_loops_from_file`): each entry's `name` selects the class its `_target_` names, and
+its other keys become constructor keyword arguments of that loop.
 """
 
 from __future__ import annotations
@@ -32,6 +35,8 @@ from typing import Any
 from verl.experimental.agent_loop.engine import AsyncRolloutEngine
 
 AGENT_LOOPS: dict[str, type[AgentLoopBase]] = {}
+AGENT_LOOP_KWARGS: dict[str, dict[str, Any]] = {}
+"""Constructor keyword arguments of loops registered from an agent-loop config file."""
 
 
 def register(name: str):
@@ -42,6 +47,75 @@ def register(name: str):
         return cls
 
     return decorate
+
+
+def resolve_config_path(path: str) -> str:
+    """An agent-loop config file's absolute path: as given when absolute, else under the working
+    directory, else under the directory that holds the `verl` package (a source checkout), as
+    upstream resolves it; FileNotFoundError naming the places tried."""
+    import os
+
+    import verl
+
+    path = os.path.expanduser(str(path))
+    if os.path.isabs(path):
+        candidates = [path]
+    else:
+        candidates = [os.path.abspath(path), os.path.join(os.path.dirname(os.path.dirname(verl.__file__)), path)]
+    for candidate in candidates:
+        if os.path.isfile(candidate):
+            return candidate
+    raise FileNotFoundError(
+        f"actor_rollout_ref.rollout.agent.agent_loop_config_path={path!r}: no such file (looked at "
+        f"{', '.join(candidates)}); give an absolute path, or one relative to the working directory"
+    )
+
+
+def read_agent_loop_config(path: str) -> list[dict[str, Any]]:
+    """The entries of an agent-loop config file (a YAML list of `{name, _target_, ...}`), checked."""
+    from omegaconf import OmegaConf
+
+    resolved = resolve_config_path(path)
+    entries = OmegaConf.to_container(OmegaConf.load(resolved), resolve=True)
+    where = f"agent loop config {resolved}"
+    if not isinstance(entries, list):
+        raise ValueError(
+            f"{where} must be a YAML list of entries with `name` and `_target_`, got {type(entries).__name__}"
+        )
+    for i, entry in enumerate(entries):
+        if not isinstance(entry, dict) or not entry.get("name") or not entry.get("_target_"):
+            raise ValueError(
+                f"{where}: entry {i} ({entry!r}) needs a `name` (what the `agent_name` column says) and a `_target_` "
+                "(the import path of an AgentLoopBase subclass)"
+            )
+    return entries
+
+
+def register_agent_loops_from_file(path: str) -> list[str]:
+    """Register every entry of an agent-loop config file; returns the names registered.
+
+    Classes are imported here, so a wrong `_target_` fails when the rollout is built, naming the
+    entry, not at the first episode that asks for it.
+    """
+    names = []
+    for entry in read_agent_loop_config(path):
+        entry = dict(entry)
+        name, target = str(entry.pop("name")), str(entry.pop("_target_"))
+        module_name, _, attr = target.rpartition(".")
+        try:
+            cls = getattr(importlib.import_module(module_name), attr) if module_name else None
+        except (ImportError, AttributeError) as e:
+            raise ValueError(f"agent loop {name!r} of {path}: cannot import _target_ {target!r}: {e}") from e
+        if not (isinstance(cls, type) and issubclass(cls, AgentLoopBase)):
+            raise ValueError(
+                f"agent loop {name!r} of {path}: _target_ {target!r} is not a subclass of "
+                "verl.experimental.agent_loop.AgentLoopBase (run_episode(engine, sample) -> Trajectory; see "
+                "docs/multi_turn.md)"
+            )
+        AGENT_LOOPS[name] = cls
+        AGENT_LOOP_KWARGS[name] = entry
+        names.append(name)
+    return names
 
 
 def get_agent_loop_class(name: str) -> type[AgentLoopBase]:

@@ -73,11 +73,13 @@ import numpy as np
 import torch
 
 from verl.experimental.agent_loop.agent_loop import (
+    AGENT_LOOP_KWARGS,
     AgentLoopBase,
     AgentLoopSettings,
     AgentSample,
     Trajectory,
     get_agent_loop_class,
+    register_agent_loops_from_file,
 )
 from verl.experimental.agent_loop.engine import AsyncRolloutEngine, MicroBatchEngine, rollout_batch_generator
 from verl.utils.device import set_device
@@ -159,7 +161,10 @@ class AgentLoopRollout(BaseRollout):
         self.tokenizer = tokenizer
         self.settings = settings_from_config(config, apply_chat_template_kwargs)
         # rows without an `agent_name` column run rollout.agent.default_agent_loop (upstream's rule)
-        self.default_agent = str((config.get("agent") or {}).get("default_agent_loop") or DEFAULT_AGENT)
+        agent = config.get("agent") or {}
+        self.default_agent = str(agent.get("default_agent_loop") or DEFAULT_AGENT)
+        if agent.get("agent_loop_config_path"):
+            register_agent_loops_from_file(agent["agent_loop_config_path"])
         self.with_logprobs = bool(config.get("calculate_log_probs", False))
         if tools is None:
             path = (config.get("multi_turn") or {}).get("tool_config_path")
@@ -207,6 +212,7 @@ class AgentLoopRollout(BaseRollout):
         if name not in self._loops:
             cls = get_agent_loop_class(name)
             extra = {"interactions": self.interactions} if self.interactions else {}
+            extra.update(AGENT_LOOP_KWARGS.get(name, {}))
             self._loops[name] = cls(self.tokenizer, self.settings, self.tools, **extra)
         return self._loops[name]
 

@@ -16,7 +16,9 @@
   MASTER_ADDR and MASTER_PORT in its environment (the driver picks rank 0's address and a free
   port before starting anyone), so the workers form one torch.distributed group with
   `Worker.init_process_group()` (gloo on CPU, NCCL on GPU). `worker_env={...}` adds variables of
-  the caller's; overriding one the group sets itself is an error.
+  the caller's; overriding one the group sets itself is an error. The constructor waits (with the
+  placement deadline) until every worker is scheduled: a group that finds no room on its pool (more
+  groups than `max_colocate_count`) fails naming the limit instead of waiting silently.
 - `split_resource_pool(pool, size)` cuts a pool's bundles into consecutive sub-pools (a worker
   group each, e.g. several rollout replicas); `merge_resource_pool(a, b)` joins two pools' placement
   groups into one (a's bundles first). Sub-pools and merged pools share the original placement
@@ -545,7 +547,31 @@ class RayWorkerGroup(WorkerGroup):
                 options["lifetime"] = "detached"
             workers.append(ray_cls.create_actor(options, env))
             names.append(name)
+        self._await_scheduled(workers, pool, role)
         return workers, names
+
+    def _await_scheduled(self, workers: list, pool: RayResourcePool, role: str) -> None:
+        """Wait, with the placement deadline, until every worker has been constructed.
+
+        An actor whose bundle share is taken (more worker groups on one pool than its
+        `max_colocate_count`) is never scheduled, and without this the first call to the group
+        would wait for its whole RPC deadline with nothing said. A constructor that raises counts as
+        started here: the group's first call reports it, naming the rank and its __init__ error.
+        """
+        timeout = _placement_timeout_s()
+        pending = {w.__ray_ready__.remote(): rank for rank, w in enumerate(workers)}
+        _, not_ready = ray.wait(list(pending), num_returns=len(pending), timeout=timeout)
+        if not_ready:
+            ranks = sorted(pending[ref] for ref in not_ready)
+            for w in workers:
+                ray.kill(w)
+            raise ResourceUnavailableError(
+                f"worker group {role!r} ({self.name_prefix}): ranks {ranks} of {len(workers)} did not start within "
+                f"{timeout:g} s. Each worker takes {pool.actor_resources()} of its bundle {pool.bundle()}, so at most "
+                f"max_colocate_count={pool.max_colocate_count} worker groups fit on one pool; check how many groups "
+                "this pool holds (ray status shows what is in use), or raise VERL_PLACEMENT_TIMEOUT_S if the "
+                "workers are only slow to start."
+            )
 
     def _pick_master_address(self, node_id: str) -> tuple[str, int]:
         """Rank 0's node IP and a free port there, chosen before any worker starts."""

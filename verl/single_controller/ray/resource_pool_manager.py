@@ -48,7 +48,9 @@ class ResourcePoolManager:
     resource_pool_spec: dict[str, list[int]]
     mapping: dict[Any, str]
     use_gpu: bool | None = None
-    max_colocate_count: int = 1
+    max_colocate_count: int = (
+        3  # upstream's value: up to 3 worker groups (processes) per bundle, e.g. a megatron critic in its own layout
+    )
     resource_pool_dict: dict[str, RayResourcePool] = field(default_factory=dict)
 
     def __post_init__(self):

@@ -40,7 +40,7 @@ from verl.trainer.config.algorithm import (  # noqa: F401  (re-exported: the sch
     RolloutCorrectionConfig,
 )
 from verl.trainer.config.config import CheckpointConfig
-from verl.trainer.config.fields import agent_loop_choices, tool_format_choices
+from verl.trainer.config.fields import tool_format_choices
 from verl.workers.config import McoreEngineConfig, PolicyLossConfig
 from verl.workers.config._fields import (  # noqa: F401  (re-exported: the schema's public names)
     _NO_NEUTRAL,
@@ -591,10 +591,16 @@ class AgentConfig:
     )
     default_agent_loop: str = doc(
         "Agent loop of a prompt whose row names none (`agent_name` column). single_turn_agent: one generation; "
-        "with multi_turn.enable=true such rows run tool_agent (as upstream's multi-turn configs select).",
-        choices=agent_loop_choices,
+        "with multi_turn.enable=true such rows run tool_agent (as upstream's multi-turn configs select). A "
+        "registered loop (see agent_loop_config_path) or the import path of an AgentLoopBase subclass.",
     )
-    agent_loop_config_path: str | None = doc("YAML registering more agent loops.", status=UNSUPPORTED, neutral=None)
+    agent_loop_config_path: str | None = doc(
+        "YAML list of agent loops to register: each entry's `name` (what a row's `agent_name` or "
+        "default_agent_loop says) selects the AgentLoopBase subclass its `_target_` names; its other keys are "
+        "the loop's constructor arguments. Relative paths: the working directory, then the source checkout. "
+        "Setting it runs agent loops even without multi_turn.enable.",
+        neutral=None,
+    )
     custom_async_server: CustomAsyncServerConfig = doc("A user rollout server.")
 
 
@@ -948,8 +954,8 @@ class RewardModelConfig:
         "Sequence-parallel group size.", status=UNSUPPORTED, neutral=1, optional=True
     )
     megatron: McoreEngineConfig = doc(
-        "Megatron-core parallelism of the reward model (strategy megatron; it shares the actor's worker processes, "
-        "so a megatron actor or critic there must use the same layout).",
+        "Megatron-core parallelism of the reward model (strategy megatron; a layout other than the actor's runs "
+        "in worker processes of its own).",
         optional=True,
     )
     nccl_timeout: int = doc("Megatron: seconds a collective may wait.", optional=True)

@@ -672,6 +672,7 @@ def _check_agent_loop_keys(rollout: dict, errors: list[str]):
             f"actor_rollout_ref.rollout.trace.backend={backend} needs the {package} package, which is not installed; "
             f"run `pip install {package}` or set trace.backend=null"
         )
+    _check_agent_loop_names(rollout["agent"], errors)
     limit = trace["max_samples_per_step_per_worker"]
     if limit is not None and limit < 0:
         errors.append(
@@ -688,6 +689,28 @@ def _check_agent_loop_keys(rollout: dict, errors: list[str]):
             f"actor_rollout_ref.rollout.over_sample_rate={rate} cuts the slowest agent-loop episodes, and "
             "multi_turn.enable=false generates without agent loops (one batch, nothing to cut); set "
             "actor_rollout_ref.rollout.multi_turn.enable=true or over_sample_rate=0"
+        )
+
+
+def _check_agent_loop_names(agent: dict, errors: list[str]):
+    """The agent-loop config file reads as a list of loops, and the default loop is one that exists:
+    registered here, registered by that file, or an import path (imported when the worker builds it)."""
+    from verl.trainer.config.fields import agent_loop_choices, agent_loop_file_names
+
+    names = set(agent_loop_choices())
+    path = agent["agent_loop_config_path"]
+    if path:
+        try:
+            names.update(agent_loop_file_names(path))
+        except (OSError, ValueError) as e:
+            errors.append(str(e))
+            return
+    default = agent["default_agent_loop"]
+    if default not in names and "." not in default:
+        errors.append(
+            f"actor_rollout_ref.rollout.agent.default_agent_loop={default!r} is not an agent loop: choose one of "
+            f"{sorted(names)}, register it in agent.agent_loop_config_path, or give the import path of an "
+            "AgentLoopBase subclass"
         )
 
 
@@ -828,18 +851,8 @@ def _check_megatron(c: dict, errors: list[str]):
     if rm_meg:
         sections.append(("reward_model", c["reward_model"]))
 
-    def layout(m: dict) -> tuple:
-        vpp = m["virtual_pipeline_model_parallel_size"]
-        vpp = vpp if (vpp or 1) > 1 else None
-        return m["tensor_model_parallel_size"], m["pipeline_model_parallel_size"], vpp, m["context_parallel_size"]
-
-    layouts = {name: layout(section["megatron"]) for name, section in sections}
-    if len(set(layouts.values())) > 1:
-        listed = ", ".join(f"{name}.megatron (tp, pp, vpp, cp)={layout}" for name, layout in layouts.items())
-        errors.append(
-            f"the megatron models share the worker processes (one set of megatron parallel groups per process) but "
-            f"their layouts differ: {listed}; give them the same tensor/pipeline/virtual-pipeline/context sizes"
-        )
+    # models of different layouts are fine: the trainer gives each megatron layout its own worker
+    # processes on the shared pool (verl/trainer/ppo/process_sets.py)
     for name, section in sections:
         m = section["megatron"]
         tp, pp, cp = m["tensor_model_parallel_size"], m["pipeline_model_parallel_size"], m["context_parallel_size"]

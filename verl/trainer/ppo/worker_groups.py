@@ -1,9 +1,10 @@
 """The driver's worker groups: which roles exist, and spawning them onto their resource pools.
 
 `spawn_worker_groups` puts the roles that share a resource pool into one colocated worker class
-(the hybrid engine: actor, rollout and reference in one process), spawns one group per pool and
-builds the models in an order that matters: helpers first, the actor last, since its rollout
-engine sizes its memory after what the others took. The result names each group as the trainer
+(the hybrid engine: actor, rollout and reference in one process; a megatron critic or reward
+model of another layout than the actor's gets processes of its own, process_sets.py), spawns the
+groups and builds the models in an order that matters: helpers first, the actor last, since its
+rollout engine sizes its memory after what the others took. The result names each group as the trainer
 keeps it (`WORKER_GROUPS`). `Role` is importable from `verl.trainer.ppo.ray_trainer` too
 (upstream's path, which scripts building their own role mapping use).
 """
@@ -13,6 +14,7 @@ from __future__ import annotations
 from enum import Enum
 from typing import Any
 
+from verl.trainer.ppo.process_sets import megatron_process_sets
 from verl.utils import speed_paths
 from verl.utils.speed_paths import SpeedPath
 
@@ -71,13 +73,14 @@ def spawn_worker_groups(
 
     timeout = config.trainer.rpc_timeout_s
     spawned: dict[str, Any] = {}
-    for pool, class_dict in roles_in_pool.items():
-        colocated = create_colocated_worker_cls(class_dict)
-        kwargs = {"resource_pool": pool, "ray_cls_with_init": colocated}
-        if timeout:
-            kwargs["timeout_s"] = timeout
-        wg = worker_group_cls(**kwargs)
-        spawned.update(wg.spawn(prefix_set=class_dict.keys()))
+    for pool, pool_roles in roles_in_pool.items():
+        for class_dict in megatron_process_sets(config, pool_roles):
+            colocated = create_colocated_worker_cls(class_dict)
+            kwargs = {"resource_pool": pool, "ray_cls_with_init": colocated}
+            if timeout:
+                kwargs["timeout_s"] = timeout
+            wg = worker_group_cls(**kwargs)
+            spawned.update(wg.spawn(prefix_set=class_dict.keys()))
 
     # Build order: helpers first, the actor last (its rollout engine sizes itself after them).
     groups = {}
