@@ -5,13 +5,12 @@ per micro-batch (`actor.share_prompt_forward`)."""
 
 from __future__ import annotations
 
-from types import SimpleNamespace
-
 import numpy as np
 import torch
+from omegaconf import OmegaConf
 
 from verl.protocol import DataProto
-from verl.trainer.ppo.ray_trainer import RayPPOTrainer, _StepState
+from verl.trainer.ppo.balance import balance_batch, balance_trained_rows
 
 
 def _batch(uids: list[str], lengths: list[int], width: int = 12) -> DataProto:
@@ -25,10 +24,7 @@ def _batch(uids: list[str], lengths: list[int], width: int = 12) -> DataProto:
 
 
 def _balance(batch: DataProto, world_size: int) -> dict:
-    trainer = SimpleNamespace(actor_rollout_wg=SimpleNamespace(world_size=world_size))
-    state = _StepState()
-    RayPPOTrainer._balance_batch(trainer, batch, state)
-    return state.metrics
+    return balance_batch(batch, world_size)
 
 
 def test_groups_stay_whole_and_contiguous_on_one_rank_and_tokens_balance():
@@ -64,21 +60,10 @@ def test_rows_are_balanced_one_by_one_when_groups_differ_in_size():
     assert sorted(lengths[r] for r in rows[:3]) == [1, 1, 10] == sorted(lengths[r] for r in rows[3:])
 
 
-def _trainer(world_size: int, **actor):
-    from omegaconf import OmegaConf
-
-    config = OmegaConf.create(
-        {
-            "trainer": {"balance_batch": True},
-            "actor_rollout_ref": {
-                "actor": {"ppo_mini_batch_size": 8, "policy_loss": {"loss_mode": "vanilla"}, **actor},
-                "rollout": {"n": 4},
-            },
-        }
-    )
-    trainer = SimpleNamespace(actor_rollout_wg=SimpleNamespace(world_size=world_size), config=config)
-    trainer._balance_batch = lambda *a, **k: RayPPOTrainer._balance_batch(trainer, *a, **k)
-    return trainer
+def _balance_trained_rows(batch: DataProto, world_size: int = 2, **actor) -> None:
+    """8 prompts per mini-batch, 4 samples each (`rollout.n`)."""
+    actor_cfg = OmegaConf.create({"ppo_mini_batch_size": 8, "policy_loss": {"loss_mode": "vanilla"}, **actor})
+    balance_trained_rows(batch, world_size, actor_cfg, rollout_n=4)
 
 
 def _zero_groups_first(num_groups: int = 8, n: int = 4) -> DataProto:
@@ -104,7 +89,7 @@ def test_before_an_update_that_skips_zero_advantage_rows_the_trained_groups_are_
     other trains 4 groups. Balanced by trained tokens each rank trains 2."""
     batch = _zero_groups_first()
     assert _trained_rows_per_rank(batch) == [0, 16]
-    RayPPOTrainer._balance_update_work(_trainer(2), batch)
+    _balance_trained_rows(batch)
     assert _trained_rows_per_rank(batch) == [8, 8]
     got = batch.non_tensor_batch["uid"].tolist()
     assert not set(got[:16]) & set(got[16:])  # groups still whole
@@ -113,8 +98,8 @@ def test_before_an_update_that_skips_zero_advantage_rows_the_trained_groups_are_
 def test_the_order_is_left_alone_when_the_actor_trains_every_row():
     for actor in ({"entropy_coeff": 0.01}, {"use_kl_loss": True}, {"skip_zero_advantage_rows": False}):
         batch = _zero_groups_first()
-        RayPPOTrainer._balance_update_work(_trainer(2, **actor), batch)
+        _balance_trained_rows(batch, **actor)
         assert _trained_rows_per_rank(batch) == [0, 16], actor
     batch = _zero_groups_first()
-    RayPPOTrainer._balance_update_work(_trainer(2, ppo_mini_batch_size=4), batch)  # two optimizer steps
+    _balance_trained_rows(batch, ppo_mini_batch_size=4)  # two optimizer steps
     assert _trained_rows_per_rank(batch) == [0, 16]

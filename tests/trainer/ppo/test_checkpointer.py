@@ -26,7 +26,13 @@ class DirWorkerGroup:
 
 
 def _cfg(root, **kw):
-    base = dict(default_local_dir=str(root), resume_mode="auto", resume_from_path=None)
+    base = dict(
+        default_local_dir=str(root),
+        resume_mode="auto",
+        resume_from_path=None,
+        max_actor_ckpt_to_keep=None,
+        max_critic_ckpt_to_keep=None,
+    )
     base.update(kw)
     return OmegaConf.create(base)
 

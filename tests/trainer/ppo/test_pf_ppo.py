@@ -3,8 +3,6 @@ weights and, for the draw itself, the expected frequencies over many draws."""
 
 from __future__ import annotations
 
-from types import SimpleNamespace
-
 import numpy as np
 import pytest
 import torch
@@ -12,7 +10,7 @@ from omegaconf import OmegaConf
 
 from verl.protocol import DataProto
 from verl.trainer.ppo.core_algos import compute_pf_ppo_reweight_data, pf_ppo_weights
-from verl.trainer.ppo.ray_trainer import RayPPOTrainer, _StepState
+from verl.trainer.ppo.driver_math import compute_advantage
 
 D = torch.float64
 
@@ -58,20 +56,17 @@ def test_pow_draw_frequencies_match_the_weights():
     np.testing.assert_allclose(freq, [1 / 14, 4 / 14, 9 / 14], atol=0.03)
 
 
-def _trainer(use_pf_ppo: bool, estimator: str):
-    config = OmegaConf.create(
+def _algorithm(use_pf_ppo: bool, estimator: str):
+    return OmegaConf.create(
         {
-            "algorithm": {
-                "adv_estimator": estimator,
-                "gamma": 1.0,
-                "lam": 1.0,
-                "use_pf_ppo": use_pf_ppo,
-                "pf_ppo": {"reweight_method": "max_min", "weight_pow": 2.0},
-            },
-            "data": {"seed": 3},
+            "adv_estimator": estimator,
+            "gamma": 1.0,
+            "lam": 1.0,
+            "norm_adv_by_std_in_grpo": True,
+            "use_pf_ppo": use_pf_ppo,
+            "pf_ppo": {"reweight_method": "max_min", "weight_pow": 2.0},
         }
     )
-    return SimpleNamespace(config=config, global_steps=5)
 
 
 @pytest.mark.parametrize(("use_pf_ppo", "estimator", "redrawn"), [(True, "gae", True), (False, "gae", False)])
@@ -79,7 +74,7 @@ def test_trainer_redraws_after_gae_only_when_asked(use_pf_ppo, estimator, redraw
     data = _batch([0.0, 0.3, 1.0, 0.5])
     data.batch["values"] = torch.zeros(4, 3, dtype=D)
     data.batch["response_mask"] = torch.ones(4, 3, dtype=D)
-    out = RayPPOTrainer._compute_advantage(_trainer(use_pf_ppo, estimator), data, _StepState())
+    out = compute_advantage(data, _algorithm(use_pf_ppo, estimator), pf_ppo_seed=5)
     rows = out.batch["row"].tolist()
     assert (set(rows) <= {0, 2}) if redrawn else rows == [0, 1, 2, 3]
     # GAE with gamma = lam = 1 and zero values: every token's advantage is the final score of its row

@@ -3,17 +3,7 @@
 import numpy as np
 import torch
 
-from verl.trainer.ppo.ray_trainer import RayPPOTrainer
-
-
-def _trainer_over(batches: list[dict]) -> RayPPOTrainer:
-    # only what _next_batch reads: the dataloader, the step counter and the uid bookkeeping
-    trainer = object.__new__(RayPPOTrainer)
-    trainer.train_dataloader = batches
-    trainer._train_iter = None
-    trainer._uids_drawn = (-1, 0)
-    trainer.global_steps = 1
-    return trainer
+from verl.trainer.ppo.rollout_source import PromptStream
 
 
 def _batch(first_prompt: int) -> dict:
@@ -24,10 +14,20 @@ def _batch(first_prompt: int) -> dict:
 def test_batches_drawn_within_one_step_get_distinct_uids_and_a_new_step_starts_at_zero():
     """Dynamic sampling draws several batches in one step; their uids continue the step's count
     (the first batch keeps `<step>_0..`), and the next step starts again at `<step>_0`."""
-    trainer = _trainer_over([_batch(0), _batch(3), _batch(6)])
-    first = trainer._next_batch().non_tensor_batch["uid"].tolist()
-    second = trainer._next_batch().non_tensor_batch["uid"].tolist()
+    step = [1]
+    prompts = PromptStream([_batch(0), _batch(3), _batch(6)], current_step=lambda: step[0])
+    first = prompts().non_tensor_batch["uid"].tolist()
+    second = prompts().non_tensor_batch["uid"].tolist()
     assert first == ["1_0", "1_1", "1_2"]
     assert second == ["1_3", "1_4", "1_5"]
-    trainer.global_steps = 2
-    assert trainer._next_batch().non_tensor_batch["uid"].tolist() == ["2_0", "2_1", "2_2"]
+    step[0] = 2
+    assert prompts().non_tensor_batch["uid"].tolist() == ["2_0", "2_1", "2_2"]
+
+
+def test_the_stream_begins_a_new_epoch_when_the_last_ends_and_restarts_on_request():
+    step = [1]
+    prompts = PromptStream([_batch(0), _batch(3)], current_step=lambda: step[0])
+    drawn = [prompts().batch["input_ids"][0, 0].item() for _ in range(3)]
+    assert drawn == [0, 3, 0]  # the third call begins the second epoch
+    prompts.restart()  # e.g. after the dataloader's position was loaded from a checkpoint
+    assert prompts().batch["input_ids"][0, 0].item() == 0

@@ -14,8 +14,10 @@ from omegaconf import OmegaConf
 
 from verl.protocol import DataProto
 from verl.trainer.ppo.core_algos import compute_optimal_token_baseline_advantage
-from verl.trainer.ppo.ray_trainer import RayPPOTrainer, _check_estimator_inputs, _StepState
+from verl.trainer.ppo.driver_math import check_estimator_inputs, compute_advantage
+from verl.trainer.ppo.ray_trainer import RayPPOTrainer
 from verl.trainer.ppo.rollout_corr_helper import RolloutCorrectionConfig
+from verl.trainer.ppo.rollout_source import StepState
 
 D = torch.float64
 
@@ -35,13 +37,21 @@ def _batch(with_rollout: bool = True) -> DataProto:
 
 
 def _trainer(rc: RolloutCorrectionConfig | None, adv_estimator: str = "grpo"):
-    config = OmegaConf.create({"algorithm": {"adv_estimator": adv_estimator, "gamma": 1.0, "lam": 1.0}})
-    return SimpleNamespace(rollout_correction=rc, config=config, actor_rollout_wg=None)
+    algorithm = {
+        "adv_estimator": adv_estimator,
+        "gamma": 1.0,
+        "lam": 1.0,
+        "norm_adv_by_std_in_grpo": True,
+        "use_pf_ppo": False,
+    }
+    return SimpleNamespace(
+        rollout_correction=rc, config=OmegaConf.create({"algorithm": algorithm}), actor_rollout_wg=None
+    )
 
 
 def test_decoupled_correction_writes_weights_and_the_rejected_mask_before_the_advantage():
     rc = RolloutCorrectionConfig(rollout_is="token", rollout_rs="token_k1", rollout_rs_threshold="0.5_2.0")
-    state = _StepState()
+    state = StepState()
     batch = RayPPOTrainer._correct_rollout(_trainer(rc), _batch(), state)
     # ratios pi_old / pi_rollout: [3, 1, 0.5] and [1.5, 1, -]; the ratio-3 token is rejected
     torch.testing.assert_close(batch.batch["response_mask"], torch.tensor([[0, 1, 1], [1, 1, 0]], dtype=D))
@@ -52,7 +62,7 @@ def test_decoupled_correction_writes_weights_and_the_rejected_mask_before_the_ad
 
 
 def test_metrics_only_config_logs_the_gap_and_changes_nothing():
-    state = _StepState()
+    state = StepState()
     before = _batch()
     batch = RayPPOTrainer._correct_rollout(_trainer(RolloutCorrectionConfig()), _batch(), state)
     assert torch.equal(batch.batch["response_mask"], before.batch["response_mask"])
@@ -66,7 +76,7 @@ def test_without_rollout_log_probs_or_in_bypass_mode_the_phase_does_nothing():
         (_trainer(RolloutCorrectionConfig.bypass_pg_is()), _batch()),
         (_trainer(None), _batch()),
     ):
-        state = _StepState()
+        state = StepState()
         out = RayPPOTrainer._correct_rollout(trainer, batch, state)
         assert "rollout_is_weights" not in out.batch and state.metrics == {}
 
@@ -77,15 +87,15 @@ def test_bypass_mode_takes_the_rollouts_log_probs_as_old_ones_without_a_forward_
     trainer = _trainer(RolloutCorrectionConfig.bypass_ppo_clip())
     trainer._reuses_current_log_probs = lambda: False
     # actor_rollout_wg is None: a compute_log_prob call would fail
-    out = RayPPOTrainer._compute_old_log_prob(trainer, batch, _StepState())
+    out = RayPPOTrainer._compute_old_log_prob(trainer, batch, StepState())
     assert torch.equal(out.batch["old_log_probs"], out.batch["rollout_log_probs"])
 
 
 def test_optimal_token_baseline_gets_old_log_probs_sum_pi_squared_and_the_weights():
     rc = RolloutCorrectionConfig(rollout_is="token")
     trainer = _trainer(rc, adv_estimator="optimal_token_baseline")
-    batch = RayPPOTrainer._correct_rollout(trainer, _batch(), _StepState())
-    out = RayPPOTrainer._compute_advantage(trainer, batch, _StepState())
+    batch = RayPPOTrainer._correct_rollout(trainer, _batch(), StepState())
+    out = compute_advantage(batch, trainer.config.algorithm, pf_ppo_seed=0)
     b = batch.batch
     expected, _ = compute_optimal_token_baseline_advantage(
         b["token_level_rewards"],
@@ -110,6 +120,6 @@ def test_the_trainer_refuses_optimal_token_baseline_without_sum_pi_squared():
         }
     )
     with pytest.raises(ValueError, match="calculate_sum_pi_squared=true"):
-        _check_estimator_inputs(config)
+        check_estimator_inputs(config)
     config.actor_rollout_ref.actor.calculate_sum_pi_squared = True
-    _check_estimator_inputs(config)
+    check_estimator_inputs(config)

@@ -6,6 +6,7 @@ from verl.trainer.ppo.validator import Validator, due
 
 
 def _validator(dataloader=(), reward_fn=print, **trainer):
+    trainer = {"val_before_train": True, "test_freq": -1, **trainer}
     return Validator(OmegaConf.create(trainer), OmegaConf.create({}), dataloader, reward_fn, None, None)
 
 
@@ -23,7 +24,7 @@ def test_should_validate_follows_test_freq_and_needs_data_and_a_reward_fn():
     assert not _validator(reward_fn=None, test_freq=2).should_validate(2, is_last=False)
 
 
-def test_validation_before_training_defaults_on_and_can_be_switched_off():
+def test_validation_before_training_follows_val_before_train_and_needs_data():
     assert _validator().should_validate_before_training()
     assert not _validator(val_before_train=False).should_validate_before_training()
     assert not _validator(dataloader=None).should_validate_before_training()

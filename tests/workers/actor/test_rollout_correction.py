@@ -15,7 +15,7 @@ import torch
 from tests.distributed_helpers import make_ppo_batch, make_tiny_causal_lm, one_thread, reference_response_log_probs
 from verl.protocol import DataProto
 from verl.trainer.ppo.core_algos import PolicyLossParams, compute_policy_loss_vanilla
-from verl.trainer.ppo.ray_trainer import _rollout_mismatch_metrics
+from verl.trainer.ppo.driver_math import rollout_mismatch_metrics as _rollout_mismatch_metrics
 from verl.workers.actor import DataParallelPPOActor
 
 TEMPERATURE = 0.7

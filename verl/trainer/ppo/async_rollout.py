@@ -1,8 +1,10 @@
 """Generation that runs ahead of training, with bounded staleness (`async_training.*`).
 
-`AsyncRolloutSource` is a rollout strategy of `RayPPOTrainer` (the `_rollout_strategy` hook that
-`step()` calls first), so the driver's step is not forked: with `staleness_threshold=k >= 1` the
-batch a step trains on comes from a queue that a separate rollout pool keeps filling.
+`AsyncRolloutSource` is one of the trainer's rollout sources (the `RolloutSource` interface of
+rollout_source.py, whose `next_batch` the step calls first), so the driver's step is not forked:
+with `staleness_threshold=k >= 1` the batch a step trains on comes from a queue that a separate
+rollout pool keeps filling. It meets the interface by its shape and imports nothing of
+rollout_source.py, which chooses between the sources and so imports this module.
 
     k = 0   the synchronous colocated step (this module is not used)
     k = 1   one-step-off: batch t+1 is generated while the trainer trains on batch t
@@ -88,19 +90,18 @@ DEFAULT_IMP_RATIO_CAP = 2.0
 
 
 def staleness_threshold(config) -> float:
-    """`async_training.staleness_threshold` of a PPO config (0 when the section is absent)."""
-    section = config.get("async_training") or {}
-    return float(section.get("staleness_threshold", 0) or 0)
+    """`async_training.staleness_threshold` of a PPO config (null reads as 0: no async training)."""
+    return float(config.async_training.staleness_threshold or 0)
 
 
 def configure_off_policy_correction(config) -> None:
     """Set the keys the chosen correction needs (in place, before the workers are built)."""
-    mode = config.async_training.get("off_policy_correction", "decoupled")
+    mode = config.async_training.off_policy_correction
     arc = config.actor_rollout_ref
     with open_dict(arc):
         if mode in ("decoupled", "tis"):
             arc.rollout.calculate_log_probs = True
-        if mode == "decoupled" and not (arc.actor.get("tis_imp_ratio_cap") or -1) > 0:
+        if mode == "decoupled" and not (arc.actor.tis_imp_ratio_cap or -1) > 0:
             arc.actor.tis_imp_ratio_cap = DEFAULT_IMP_RATIO_CAP
 
 
@@ -146,14 +147,14 @@ class _Stats:
 
 
 class AsyncRolloutSource:
-    """The rollout strategy for `async_training.staleness_threshold >= 1` (see the module docstring).
+    """The rollout source for `async_training.staleness_threshold >= 1` (see the module docstring).
 
     Built from explicit parts, never from the trainer:
     config: the composed config (async_training, actor_rollout_ref.rollout, data.train_batch_size).
     rollout_wg: the rollout-only worker group (a separate resource pool); actor_wg: the training
         worker group whose weights it pushes to the rollout pool.
     next_prompts: the prompt stream, `() -> DataProto` (one dataloader batch per call).
-    score: the reward scorer, `(batch, state) -> batch` with token_level_scores/rewards set.
+    score: the reward scorer, `(batch, state) -> batch` with token_level_scores set.
     tokenizer: for the rollout's eos/pad ids. current_step: `() -> int`, the trainer's step.
     total_steps: `() -> int`, the run's number of training steps (nothing is generated past it).
     """
@@ -170,16 +171,15 @@ class AsyncRolloutSource:
         # s batches ahead (a fraction: part of a batch); ceil(s) is the hard bound on a sample's staleness
         self.s = float(cfg.staleness_threshold)
         self.k = math.ceil(self.s)
-        self.correction = cfg.get("off_policy_correction", "decoupled")
-        self.stale_policy = cfg.get("stale_sample_policy", "regenerate")
-        self.timeout_s = float(cfg.get("weight_sync_timeout_s", 600))
-        self.sync_every = int(cfg.get("trigger_parameter_sync_step", 1) or 1)
-        self.partial_rollout = bool(cfg.get("partial_rollout", False))
-        self.partial_check_steps = int(cfg.get("partial_rollout_check_steps", 8) or 8)
+        self.correction = cfg.off_policy_correction
+        self.stale_policy = cfg.stale_sample_policy
+        self.timeout_s = float(cfg.weight_sync_timeout_s)
+        self.sync_every = int(cfg.trigger_parameter_sync_step or 1)
+        self.partial_rollout = bool(cfg.partial_rollout)
+        self.partial_check_steps = int(cfg.partial_rollout_check_steps or 8)
         rollout_cfg = config.actor_rollout_ref.rollout
-        self.multi_turn = bool(rollout_cfg.get("multi_turn", {}).get("enable", False))
-        ckpt_engine = rollout_cfg.get("checkpoint_engine") or {}
-        self.bucket_mb = int(ckpt_engine.get("update_weights_bucket_megabytes", 512) or 512)
+        self.multi_turn = bool(rollout_cfg.multi_turn.enable)
+        self.bucket_mb = int(rollout_cfg.checkpoint_engine.update_weights_bucket_megabytes or 512)
         self.n = int(rollout_cfg.n)
         self.groups_per_step = int(config.data.train_batch_size)
         self.num_drawn = 0
@@ -197,8 +197,11 @@ class AsyncRolloutSource:
         self._receive_refs: list = []
         self._stats = _Stats()
 
-    # ------------------------------------------------------------------ the strategy
-    def __call__(self, state) -> DataProto:
+    runs_ahead = True
+    """Samples may come from older weights than the trained ones (see `RolloutSource`)."""
+
+    # ------------------------------------------------------------------ the source
+    def next_batch(self, state) -> DataProto:
         step = self.current_step()
         self._sync_weights(step, state)
         # Group g of batch b may be generated with the pool's version p only if its position in the

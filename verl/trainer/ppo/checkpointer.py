@@ -48,12 +48,10 @@ class Checkpointer:
         """Write global_step_<step>/{actor,critic,data.pt}, point the tracker file at it, prune."""
         root = self.root
         step_dir = os.path.join(root, f"global_step_{step}")
-        self.actor_wg.save_checkpoint(
-            os.path.join(step_dir, "actor"), step, self.trainer_cfg.get("max_actor_ckpt_to_keep")
-        )
+        self.actor_wg.save_checkpoint(os.path.join(step_dir, "actor"), step, self.trainer_cfg.max_actor_ckpt_to_keep)
         if self.critic_wg is not None:
             self.critic_wg.save_checkpoint(
-                os.path.join(step_dir, "critic"), step, self.trainer_cfg.get("max_critic_ckpt_to_keep")
+                os.path.join(step_dir, "critic"), step, self.trainer_cfg.max_critic_ckpt_to_keep
             )
         tmp = os.path.join(step_dir, "data.pt.tmp")
         torch.save(driver_state, tmp)
@@ -63,7 +61,7 @@ class Checkpointer:
         return step_dir
 
     def _remove_old(self, root: str) -> None:
-        keep = self.trainer_cfg.get("max_actor_ckpt_to_keep")
+        keep = self.trainer_cfg.max_actor_ckpt_to_keep
         if not keep or keep <= 0:
             return
         steps = sorted(int(d.split("_")[-1]) for d in os.listdir(root) if d.startswith("global_step_"))
@@ -72,11 +70,11 @@ class Checkpointer:
 
     def resume_dir(self) -> str | None:
         """The global_step_N directory to resume from under `trainer.resume_mode`, or None."""
-        mode = self.trainer_cfg.get("resume_mode", "auto")
+        mode = self.trainer_cfg.resume_mode
         if mode == "disable":
             return None
         if mode == "resume_path":
-            path = self.trainer_cfg.get("resume_from_path")
+            path = self.trainer_cfg.resume_from_path
             if not path or "global_step_" not in os.path.basename(os.path.normpath(str(path))):
                 raise ValueError(
                     f"trainer.resume_mode=resume_path needs trainer.resume_from_path pointing at a "

@@ -44,16 +44,16 @@ class Validator:
         return self.dataloader is not None and self.reward_fn is not None
 
     def should_validate_before_training(self) -> bool:
-        return self.enabled and self.trainer_cfg.get("val_before_train", True)
+        return self.enabled and self.trainer_cfg.val_before_train
 
     def should_validate(self, step: int, is_last: bool) -> bool:
-        return self.enabled and due(self.trainer_cfg.get("test_freq", -1), step, is_last)
+        return self.enabled and due(self.trainer_cfg.test_freq, step, is_last)
 
     def run(self, step: int) -> dict[str, float]:
         """Generate for every validation prompt (val_kwargs.n samples) and score; the metrics."""
-        val_kwargs = self.rollout_cfg.get("val_kwargs", {})
-        n = val_kwargs.get("n", 1)
-        multi_turn = self.rollout_cfg.get("multi_turn", {}).get("enable", False)
+        val_kwargs = self.rollout_cfg.val_kwargs
+        n = val_kwargs.n
+        multi_turn = self.rollout_cfg.multi_turn.enable
         sources, uids, infos = [], [], {"reward": [], "acc": []}
         extra_infos: dict[str, list] = {}
         dp = self.generator.world_size
@@ -61,7 +61,7 @@ class Validator:
             batch = DataProto.from_single_dict(batch_dict)
             batch.non_tensor_batch["uid"] = np.array([f"val_{len(uids)}_{i}" for i in range(len(batch))], dtype=object)
             gen = generation_input(
-                batch, self.tokenizer, step, multi_turn, validate=True, do_sample=val_kwargs.get("do_sample", False)
+                batch, self.tokenizer, step, multi_turn, validate=True, do_sample=val_kwargs.do_sample
             )
             gen = gen.repeat(repeat_times=n, interleave=True)
             gen, pad = pad_dataproto_to_divisor(gen, dp)
