@@ -86,3 +86,16 @@ def pytest_unconfigure(config):
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(_EXIT_STATUS[-1] if _EXIT_STATUS else 1)
+
+
+@pytest.fixture(scope="session")
+def shared_ray_cluster():
+    """One `ray start --head` cluster that the end-to-end main_ppo subprocess runs join
+    (tests/shared_ray_cluster.py): Ray's start-up is paid once per session instead of once a run."""
+    from tests.shared_ray_cluster import SharedRayCluster
+
+    cluster = SharedRayCluster()
+    try:
+        yield cluster
+    finally:
+        cluster.close()

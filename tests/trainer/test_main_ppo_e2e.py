@@ -52,8 +52,13 @@ def _metrics(tmp_path: Path) -> list[dict]:
     return [json.loads(line) for line in lines if line.strip()]
 
 
-def _run(cmd: list[str], tmp_path: Path, timeout: int = 420) -> subprocess.CompletedProcess:
-    proc = subprocess.run(cmd, cwd=ROOT, env=_env(tmp_path), capture_output=True, text=True, timeout=timeout)
+def _run(cmd: list[str], tmp_path: Path, timeout: int = 420, cluster=None) -> subprocess.CompletedProcess:
+    """Run `cmd` to completion; with `cluster` (the `shared_ray_cluster` fixture) it joins that
+    cluster instead of starting its own."""
+    env = _env(tmp_path)
+    if cluster is not None:
+        env, cmd = cluster.env_for(env), [*cmd, *cluster.overrides_for(env)]
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
     assert proc.returncode == 0, (
         f"exit {proc.returncode}\n--- stdout ---\n{proc.stdout[-4000:]}\n--- stderr ---\n{proc.stderr[-6000:]}"
     )
@@ -93,10 +98,10 @@ DEFAULT_TIER_EXAMPLE = "examples/grpo_trainer/run_arith_tiny_cpu.sh"
 @pytest.mark.parametrize(
     "script", [s if s == DEFAULT_TIER_EXAMPLE else pytest.param(s, marks=pytest.mark.slow) for s in sorted(EXAMPLES)]
 )
-def test_example_script_trains_two_steps(script, tmp_path):
+def test_example_script_trains_two_steps(script, tmp_path, shared_ray_cluster):
     import yaml
 
-    proc = _run(["bash", script, *_common(tmp_path, steps=2)], tmp_path)
+    proc = _run(["bash", script, *_common(tmp_path, steps=2)], tmp_path, cluster=shared_ray_cluster)
     records = _metrics(tmp_path)
     assert [r["step"] for r in records] == [1, 2]
     last = records[-1]["data"]
