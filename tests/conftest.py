@@ -89,13 +89,9 @@ def pytest_unconfigure(config):
 
 
 @pytest.fixture(scope="session")
-def shared_ray_cluster():
-    """One `ray start --head` cluster that the end-to-end main_ppo subprocess runs join
+def shared_ray_cluster(ray_session):
+    """The `ray_session` cluster as the end-to-end main_ppo subprocess runs join it
     (tests/shared_ray_cluster.py): Ray's start-up is paid once per session instead of once a run."""
     from tests.shared_ray_cluster import SharedRayCluster
 
-    cluster = SharedRayCluster()
-    try:
-        yield cluster
-    finally:
-        cluster.close()
+    return SharedRayCluster(ray_session)

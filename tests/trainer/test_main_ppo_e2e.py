@@ -159,7 +159,7 @@ def _run_and_kill_9_after_checkpoint(cmd: list[str], run_dir: Path, step: int) -
 
 
 @pytest.mark.slow
-def test_resume_after_kill_9_reproduces_the_uninterrupted_run(tmp_path):
+def test_resume_after_kill_9_reproduces_the_uninterrupted_run(tmp_path, shared_ray_cluster):
     """4 steps straight == 2 steps, kill -9, resume, 2 more steps (same metrics on CPU). With 32
     training rows in batches of 16 the kill falls on an epoch boundary: the resumed run must start
     the second epoch with the same shuffle as the uninterrupted one."""
@@ -174,13 +174,13 @@ def test_resume_after_kill_9_reproduces_the_uninterrupted_run(tmp_path):
     ]
     straight = tmp_path / "straight"
     straight.mkdir()
-    _run([*base, *_common(straight, steps)], straight)
+    _run([*base, *_common(straight, steps)], straight, cluster=shared_ray_cluster)
 
     killed = tmp_path / "killed"
     killed.mkdir()
     cmd = [*base, *_common(killed, steps)]
-    _run_and_kill_9_after_checkpoint(cmd, killed, 2)
-    _run(cmd, killed)
+    _run_and_kill_9_after_checkpoint(cmd, killed, 2)  # its own cluster: the kill takes Ray's daemons down too
+    _run(cmd, killed, cluster=shared_ray_cluster)
 
     expected = {r["step"]: r["data"] for r in _metrics(straight)}
     resumed = {r["step"]: r["data"] for r in _metrics(killed)}  # later lines (the resumed run) win

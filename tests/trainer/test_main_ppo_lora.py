@@ -4,7 +4,7 @@ checkpoint: the merged directory loads in transformers and equals peft's own mer
 adapter (`PeftModel.from_pretrained(base, lora_adapter).merge_and_unload()`). A second run starts
 from a trained adapter (`model.lora_adapter_path`, with `lora_rank` left at 0).
 
-The run joins the session's Ray cluster (`ray_session`) through RAY_ADDRESS instead of starting
+The run joins the session's shared Ray cluster (`shared_ray_cluster`) through RAY_ADDRESS instead of starting
 its own; a KL loss is on, so the reference policy (the base model with the adapters off) is used.
 """
 
@@ -24,19 +24,14 @@ pytestmark = pytest.mark.slow  # the slow tier (make test-all, CI): see docs/tes
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def _run_main_ppo(ray_session, tmp_path, lora: list[str], steps: int) -> list[dict]:
+def _run_main_ppo(shared_ray_cluster, tmp_path, lora: list[str], steps: int) -> list[dict]:
     """The CPU demo script with `lora` overrides and a KL loss for `steps` steps, checkpointing the last;
     its metrics records."""
     from verl.models import bundled_model_path
     from verl.utils.dataset.arith import ensure_arith_data
 
     train, test = ensure_arith_data(str(tmp_path / "data"))
-    env = dict(
-        os.environ,
-        PYTHONPATH=str(ROOT),
-        PYTHON=sys.executable,
-        RAY_ADDRESS=ray_session.get_runtime_context().gcs_address,
-    )
+    env = shared_ray_cluster.env_for(dict(os.environ, PYTHONPATH=str(ROOT), PYTHON=sys.executable))
     env.pop("VERL_FILE_LOGGER_PATH", None)
     cmd = [
         "bash",
@@ -68,14 +63,14 @@ def _run_main_ppo(ray_session, tmp_path, lora: list[str], steps: int) -> list[di
     return records
 
 
-def test_lora_run_trains_two_steps_and_its_checkpoint_merges_into_a_transformers_model(ray_session, tmp_path):
+def test_lora_run_trains_two_steps_and_its_checkpoint_merges_into_a_transformers_model(shared_ray_cluster, tmp_path):
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
     from verl.models import bundled_model_path
 
     lora = ["actor_rollout_ref.model.lora_rank=8", "actor_rollout_ref.model.lora_alpha=16"]
-    records = _run_main_ppo(ray_session, tmp_path, lora, steps=2)
+    records = _run_main_ppo(shared_ray_cluster, tmp_path, lora, steps=2)
     assert records[-1]["data"]["actor/kl_loss"] > 0  # step 1 moved the adapters off the reference (the base)
 
     env = dict(os.environ, PYTHONPATH=str(ROOT))
@@ -96,7 +91,7 @@ def test_lora_run_trains_two_steps_and_its_checkpoint_merges_into_a_transformers
     assert any(".q_proj." in n for n in moved) and not any("norm" in n for n in moved)
 
 
-def test_run_started_from_an_adapter_trains_it_against_the_base_model_as_reference(ray_session, tmp_path):
+def test_run_started_from_an_adapter_trains_it_against_the_base_model_as_reference(shared_ray_cluster, tmp_path):
     from peft import LoraConfig, get_peft_model
 
     from verl.models import bundled_model_path
@@ -111,7 +106,7 @@ def test_run_started_from_an_adapter_trains_it_against_the_base_model_as_referen
     model.save_pretrained(str(tmp_path / "adapter"))
 
     records = _run_main_ppo(
-        ray_session, tmp_path, [f"actor_rollout_ref.model.lora_adapter_path={tmp_path / 'adapter'}"], 1
+        shared_ray_cluster, tmp_path, [f"actor_rollout_ref.model.lora_adapter_path={tmp_path / 'adapter'}"], 1
     )
     # fresh adapters start at the reference (KL 0 at step 1); this one starts off the base model
     assert records[0]["data"]["actor/kl_loss"] > 1e-4, records[0]["data"]["actor/kl_loss"]

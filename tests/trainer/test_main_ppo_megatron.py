@@ -15,7 +15,7 @@ from tests.trainer.test_main_ppo_e2e import _common, _metrics, _run
 pytestmark = pytest.mark.slow  # the slow tier (make test-all, CI): see docs/testing.md
 
 
-def test_ppo_with_megatron_actor_and_critic_at_tp2_resumes_at_cp2(tmp_path):
+def test_ppo_with_megatron_actor_and_critic_at_tp2_resumes_at_cp2(tmp_path, shared_ray_cluster):
     first = tmp_path / "tp2"
     _run(
         [
@@ -32,6 +32,7 @@ def test_ppo_with_megatron_actor_and_critic_at_tp2_resumes_at_cp2(tmp_path):
             *_common(first, steps=1),
         ],
         first,
+        cluster=shared_ray_cluster,
     )
     (row,) = [r["data"] for r in _metrics(first) if "actor/pg_loss" in r["data"]]
     assert row["critic/grad_norm"] > 0 and row["actor/grad_norm"] > 0
@@ -54,6 +55,7 @@ def test_ppo_with_megatron_actor_and_critic_at_tp2_resumes_at_cp2(tmp_path):
             *_common(resumed, steps=2),
         ],
         resumed,
+        cluster=shared_ray_cluster,
     )
     assert "resuming from" in proc.stdout + proc.stderr
     rows = [r for r in _metrics(resumed) if "actor/pg_loss" in r["data"]]
@@ -61,7 +63,7 @@ def test_ppo_with_megatron_actor_and_critic_at_tp2_resumes_at_cp2(tmp_path):
     assert rows[0]["data"]["critic/grad_norm"] > 0 and rows[0]["data"]["actor/grad_norm"] > 0
 
 
-def test_grpo_with_a_megatron_reward_model_scores_with_the_classifier(tmp_path):
+def test_grpo_with_a_megatron_reward_model_scores_with_the_classifier(tmp_path, shared_ray_cluster):
     """reward_model.strategy=megatron in the actor's workers (tp=2 both), with its own chat template, so
     the trainer hands it the prompt messages to re-render: the step's scores are the classifier's
     (random head: far outside the rule reward's [0, 1]), not the rule's."""
@@ -84,6 +86,7 @@ def test_grpo_with_a_megatron_reward_model_scores_with_the_classifier(tmp_path):
             *_common(tmp_path, steps=1),
         ],
         tmp_path,
+        cluster=shared_ray_cluster,
     )
     (row,) = [r["data"] for r in _metrics(tmp_path) if "actor/pg_loss" in r["data"]]
     assert row["critic/score/max"] > 1.5 or row["critic/score/min"] < -0.5, row
