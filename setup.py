@@ -48,6 +48,7 @@ extras_require = {
         "wandb>=0.17",
         "megatron-core>=0.16.1,<0.17",  # the megatron backend's CPU tests (0.16 is the newest for Python 3.11)
         "mlflow>=2.10",  # the tracker's tests
+        "swanlab>=0.10.3,<0.11",  # the tracker's swanlab test (offline mode, read back from its run file)
     ],
     "vllm": ["vllm>=0.10.2,<0.34"],  # docker/Dockerfile.cuda installs 0.33
     "sglang": ["sglang>=0.4"],
@@ -55,7 +56,8 @@ extras_require = {
     "bench": ["trl>=1.16,<2", "datasets>=2.18", "accelerate>=1.0"],
     "gpu": ["flash-attn>=2.5", "liger-kernel>=0.5"],
     "mlflow": ["mlflow>=2.10"],  # trainer.logger=[...,mlflow]; imported only then
-    "trackers": ["mlflow>=2.10", "tensorboard>=2.15", "wandb>=0.17"],
+    "swanlab": ["swanlab>=0.10.3,<0.11"],  # trainer.logger=[...,swanlab]; imported only then
+    "trackers": ["mlflow>=2.10", "swanlab>=0.10.3,<0.11", "tensorboard>=2.15", "wandb>=0.17"],
 }
 
 setup(

@@ -61,8 +61,9 @@ def test_bundled_tool_model_renders_tool_turns_and_its_recorded_accuracy_reprodu
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from verl.models.build_bundled_tool import evaluate_tool_use
     from verl.utils.dataset.arith import load_rows
-    from verl.utils.dataset.arith_tool import evaluate_tool_use, write_arith_tool_parquet
+    from verl.utils.dataset.arith_tool import write_arith_tool_parquet
 
     path = bundled_model_path("arith-tool-tiny")
     with open(os.path.join(path, "training_info.json")) as f:

@@ -113,7 +113,8 @@ def test_no_checkpoint_loader_in_verl_unpickles_without_weights_only():
                 offenders.append(f"{path.relative_to(ROOT)}:{line}: {match.group(0)}")
     allowed = {
         "verl/utils/checkpoint/safe_load.py",  # the safe loaders themselves
-        "verl/protocol.py",  # DataProto's Ray transport, and upstream's load_from_disk (documented: trusted files)
+        "verl/protocol/_wire.py",  # DataProto's Ray transport (the pickles its own processes wrote)
+        "verl/protocol/_data_proto.py",  # upstream's DataProto.load_from_disk (documented: trusted files)
         "verl/single_controller/base/worker.py",  # checks that an exception pickles; loads no file
         # the shared-memory channel: the same pickles Ray would carry, between the same processes,
         # through 0600 segments of the same user; no checkpoint or other file is loaded

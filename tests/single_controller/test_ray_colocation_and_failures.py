@@ -44,11 +44,13 @@ class Actor(Worker):
         raise RuntimeError("actor update diverged")
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
-    def peer_dies(self):
-        """Rank 1 dies; rank 0 fails at once, as a collective with a dead peer would, before the death is known."""
+    def peer_dies(self, first: str = "error"):
+        """Rank 1 dies and rank 0 fails as a collective with a dead peer would: rank 0's error reaches
+        the driver first (`first="error"`) or after the death is known (`first="death"`)."""
         if self.rank == 0:
+            time.sleep(0.0 if first == "error" else 2.0)
             raise RuntimeError("Connection closed by peer")
-        time.sleep(0.5)
+        time.sleep(0.5 if first == "error" else 0.0)
         os._exit(1)
 
 
@@ -126,10 +128,11 @@ def test_killed_worker_fails_the_next_call_within_seconds(cpu_pool):
     wg.shutdown()
 
 
-def test_a_dead_rank_is_named_as_the_cause_of_its_peers_errors(cpu_pool):
+@pytest.mark.parametrize("first", ["error", "death"])
+def test_a_dead_rank_is_named_as_the_cause_of_its_peers_errors_whichever_arrives_first(cpu_pool, first):
     wg = RayWorkerGroup(cpu_pool([2]), RayClassWithInitArgs(Actor, lr=0.0), role="actor_rollout")
     with pytest.raises(WorkerDiedError) as info:
-        wg.peer_dies()
+        wg.peer_dies(first=first)
     err = info.value
     assert (err.role, err.rank, err.method) == ("actor_rollout", 1, "peer_dies")
     assert "actor_rollout rank 1 died during peer_dies()" in str(err)

@@ -184,9 +184,66 @@ def test_wandb_goes_offline_without_credentials(tmp_path, monkeypatch):
     assert re.search(rb"val-core/arith/acc/mean@1.{1,4}0\.9", raw, re.S)
 
 
+def _swanlab_records(log_dir):
+    """The records of the one swanlab run file under log_dir, parsed with swanlab's own reader."""
+    from swanlab.proto.swanlab.record.v1.record_pb2 import Record
+    from swanlab.sdk.internal.core_python.store import DataStoreReader
+
+    (path,) = log_dir.glob("run-*/run-*.swanlab")
+    reader = DataStoreReader()
+    reader.open(path)
+    records = []
+    for raw in reader:
+        rec = Record()
+        rec.ParseFromString(raw)
+        records.append(rec)
+    reader.close()
+    return records
+
+
+def test_swanlab_goes_offline_without_a_key_and_logs_scalars_read_back(tmp_path, monkeypatch):
+    pytest.importorskip("swanlab")
+    for var in ("SWANLAB_API_KEY", "SWANLAB_MODE", "SWANLAB_LOG_DIR"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.chdir(tmp_path)  # nothing may land in the working directory (upstream's ./swanlog)
+    run_dir = tmp_path / "run"
+    t = Tracking("proj", "exp", ["swanlab"], config={"trainer": {"run_dir": str(run_dir)}, "lr": 0.5})
+    assert t.logger["swanlab"].mode == "offline"
+    t.log({"critic/score/mean": 0.25, "n": np.int64(3), "t": torch.tensor(1.5), "note": "text"}, step=1)
+    t.log({"critic/score/mean": 0.75}, step=2)
+    t.finish()
+    log_dir = run_dir / "swanlog"
+    records = _swanlab_records(log_dir)
+    start = next(r.start for r in records if r.WhichOneof("record_type") == "start")
+    assert (start.project, start.name) == ("proj", "exp")
+    scalars = sorted(
+        (r.scalar.step, r.scalar.key, r.scalar.value.number) for r in records if r.WhichOneof("record_type") == "scalar"
+    )
+    # the string never reaches swanlab; numpy and tensor scalars arrive as numbers
+    assert scalars == [(1, "critic/score/mean", 0.25), (1, "n", 3.0), (1, "t", 1.5), (2, "critic/score/mean", 0.75)]
+    assert any(r.WhichOneof("record_type") == "finish" for r in records)
+    config = (next(log_dir.glob("run-*/files/config.yaml"))).read_text()
+    assert "FRAMEWORK" in config and "verl" in config and "lr" in config
+    assert not (tmp_path / "swanlog").exists()
+
+
+def test_swanlab_honours_log_dir_and_mode_from_the_environment(tmp_path, monkeypatch):
+    pytest.importorskip("swanlab")
+    monkeypatch.delenv("SWANLAB_API_KEY", raising=False)
+    monkeypatch.setenv("SWANLAB_LOG_DIR", str(tmp_path / "elsewhere"))
+    monkeypatch.setenv("SWANLAB_MODE", "local")
+    t = Tracking("p", "e", ["swanlab"], run_dir=tmp_path / "run")
+    t.log({"x": 2.0}, step=7)
+    t.finish()
+    assert t.logger["swanlab"].mode == "local"
+    scalars = [r.scalar for r in _swanlab_records(tmp_path / "elsewhere") if r.WhichOneof("record_type") == "scalar"]
+    assert [(s.key, s.step, s.value.number) for s in scalars] == [("x", 7, 2.0)]
+    assert not (tmp_path / "run" / "swanlog").exists()
+
+
 def test_unknown_backend_lists_valid_ones():
-    with pytest.raises(ValueError, match="console, file, mlflow, tensorboard, wandb"):
-        Tracking("p", "e", ["console", "swanlab"])
+    with pytest.raises(ValueError, match="console, file, mlflow, swanlab, tensorboard, wandb"):
+        Tracking("p", "e", ["console", "comet"])
 
 
 def test_missing_package_says_what_to_install(monkeypatch):

@@ -137,7 +137,7 @@ def _hf_log_probs(out: DataProto) -> torch.Tensor:
     """[B, R] float64 log-probs of the response tokens under the bundled (version 0) checkpoint."""
     from transformers import AutoModelForCausalLM
 
-    from tests.workers.rollout.conftest import response_log_probs
+    from tests.workers.rollout.rollout_helpers import response_log_probs
 
     return response_log_probs(AutoModelForCausalLM.from_pretrained(bundled_model_path()).eval(), out)
 

@@ -57,6 +57,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from verl.single_controller._env import env_int
 from verl.utils.speed_paths import SpeedPath
 
 logger = logging.getLogger(__name__)
@@ -71,9 +72,7 @@ _STALE_AFTER_S = 60.0
 
 
 def _env_bytes(name: str, default: int) -> int:
-    from verl.single_controller.base.worker import _env_int  # that module imports this one
-
-    return _env_int(name, default)
+    return env_int(name, default)
 
 
 def _turned_off() -> bool:

@@ -283,7 +283,9 @@ def build_role_worker_mapping(config):
 
 def build_resource_pools(config, mapping) -> tuple[dict, dict]:
     """(pool name -> workers per node, role -> pool name): one global pool, plus a `rollout_pool`
-    of `rollout.nnodes x rollout.n_gpus_per_node` when generation has a pool of its own."""
+    of `rollout.nnodes x rollout.n_gpus_per_node` when generation has a pool of its own, and a
+    `reward_pool` of `reward_model.nnodes x reward_model.n_gpus_per_node` with
+    `reward_model.enable_resource_pool` (upstream's names; the trainer spawns one worker group per pool)."""
     from verl.trainer.ppo.ray_trainer import Role
 
     trainer_cfg = config.trainer
@@ -292,6 +294,10 @@ def build_resource_pools(config, mapping) -> tuple[dict, dict]:
     if Role.Rollout in mapping:
         spec["rollout_pool"] = [config.rollout.n_gpus_per_node] * config.rollout.nnodes
         roles[Role.Rollout] = "rollout_pool"
+    rm = config.get("reward_model") or {}
+    if Role.RewardModel in mapping and rm.get("enable_resource_pool", False):
+        spec["reward_pool"] = [rm.n_gpus_per_node] * rm.nnodes
+        roles[Role.RewardModel] = "reward_pool"
     return spec, roles
 
 
@@ -400,42 +406,10 @@ def create_rl_dataset(data_paths, data_config, tokenizer, processor=None, is_tra
 
 
 def create_rl_sampler(data_config, dataset):
-    """The training sampler: the class named by `data.sampler.class_path` / `class_name` (built as
-    `cls(data_source=dataset, data_config=data_config)`, a subclass of
-    `verl.experimental.dataset.sampler.AbstractSampler`), else the seeded, resumable shuffle
-    (`data.shuffle`, `data.seed`).
+    """Upstream's import path for the training sampler (`verl.trainer.ppo.dataloaders`)."""
+    from verl.trainer.ppo.dataloaders import create_rl_sampler as create
 
-    A custom sampler needs `data.dataloader_num_workers=0`: loader workers would prefetch batches
-    before a curriculum sampler could react to the last step (`AbstractCurriculumSampler.update`).
-    """
-    from verl.utils.dataset.sampler import create_rl_sampler as default_sampler
-
-    sampler_cfg = data_config.get("sampler") or {}
-    class_path = sampler_cfg.get("class_path")
-    if not class_path:
-        return default_sampler(data_config, dataset)
-    from verl.experimental.dataset.sampler import AbstractSampler
-    from verl.utils.import_utils import load_module
-
-    class_name = sampler_cfg.get("class_name")
-    module = load_module(class_path, config_key="data.sampler.class_path")
-    sampler_cls = getattr(module, class_name, None) if class_name else None
-    if not isinstance(sampler_cls, type):
-        raise AttributeError(
-            f"data.sampler.class_name={class_name!r} is not a class defined in data.sampler.class_path={class_path!r}"
-        )
-    if (data_config.get("dataloader_num_workers") or 0) != 0:
-        raise ValueError(
-            f"data.sampler.class_path={class_path!r} sets a custom sampler, which needs "
-            f"data.dataloader_num_workers=0 (got {data_config.get('dataloader_num_workers')}): loader workers "
-            "prefetch batches before the sampler sees the previous step's results"
-        )
-    sampler = sampler_cls(data_source=dataset, data_config=data_config)
-    if not isinstance(sampler, AbstractSampler):
-        raise TypeError(
-            f"data.sampler.class_name={class_name!r} must subclass verl.experimental.dataset.sampler.AbstractSampler"
-        )
-    return sampler
+    return create(data_config, dataset)
 
 
 if __name__ == "__main__":

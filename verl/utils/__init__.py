@@ -1,5 +1,6 @@
 """Utilities shared by every layer. Upstream's convenience exports (`hf_tokenizer`, `hf_processor`,
-`as_torch_index`, `group_mean_std`) are resolved on first access, so `import verl.utils` stays
+`as_torch_index`, `group_mean_std`,
+`omega_conf_to_dataclass`) are resolved on first access, so `import verl.utils` stays
 free of torch and transformers."""
 
 _LAZY_EXPORTS = {
@@ -7,6 +8,7 @@ _LAZY_EXPORTS = {
     "hf_processor": "verl.utils.tokenizer",
     "as_torch_index": "verl.utils.groupwise",
     "group_mean_std": "verl.utils.groupwise",
+    "omega_conf_to_dataclass": "verl.utils.config",
 }
 
 __all__ = sorted(_LAZY_EXPORTS)

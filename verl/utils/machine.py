@@ -19,31 +19,34 @@ from __future__ import annotations
 import os
 import platform
 
+
+def _load1() -> float:
+    return os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
+
+
 # Read at import: a benchmark imports this module before it starts measuring.
-_START_LOAD = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
+_START_LOAD = _load1()
+
+
+def _cpuinfo(field: str) -> str | None:
+    """The value of the first `field` line of /proc/cpuinfo, or None where there is none."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith(field):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return None
 
 
 def cpu_model() -> str:
     """The first `model name` of /proc/cpuinfo (`platform.processor()` elsewhere)."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown CPU"
+    return _cpuinfo("model name") or platform.processor() or "unknown CPU"
 
 
 def cpu_flags() -> set[str]:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("flags"):
-                    return set(line.split(":", 1)[1].split())
-    except OSError:
-        pass
-    return set()
+    return set((_cpuinfo("flags") or "").split())
 
 
 def kernel_isa() -> str:
@@ -67,7 +70,7 @@ def usable_cores() -> int:
 
 def machine_fields() -> dict[str, str]:
     """The fields every headline ends with, as strings without spaces."""
-    end_load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
+    end_load = _load1()
     return {
         "cpu": cpu_model().replace(" ", "_"),
         "isa": kernel_isa(),

@@ -19,10 +19,17 @@ Backends (each imported only when chosen, so `import verl` stays light):
 - wandb: `$WANDB_DIR`, else `<run_dir>`. Without credentials (no `WANDB_API_KEY`, no netrc
   entry) and no explicit `WANDB_MODE`, the run is written offline (`wandb sync` uploads it later)
   instead of failing on a machine without network.
+- swanlab (the optional extra `verl[swanlab]`): upstream's environment variables. `SWANLAB_API_KEY`
+  logs in first; `SWANLAB_LOG_DIR` is where the run's files go, else `<run_dir>/swanlog` (upstream:
+  `./swanlog`; here, like wandb's, it follows the run directory so runs do not mix in the working
+  directory); `SWANLAB_MODE` (cloud, local, offline, disabled) is the mode, else `cloud` with an API
+  key and `offline` without one (upstream defaults to cloud, which asks for a login on a terminal
+  or fails without network; `swanlab sync <dir>` uploads an offline run later). The config is sent
+  with `FRAMEWORK: verl` added, as upstream does.
 
 `finish()` also draws reward, validation accuracy and response length against step into
 `<run_dir>/training_curves.png` (when any of those metrics was logged) and attaches the PNG to the
-mlflow and wandb runs. Only scalar values reach mlflow/tensorboard/wandb; console and file keep
+mlflow and wandb runs. Only scalar values reach mlflow/swanlab/tensorboard/wandb; console and file keep
 everything.
 """
 
@@ -40,11 +47,12 @@ from typing import Any
 
 from verl.utils.plotting import is_plotted_metric
 
-BACKENDS = ("console", "file", "mlflow", "tensorboard", "wandb")
+BACKENDS = ("console", "file", "mlflow", "swanlab", "tensorboard", "wandb")
 # backend -> (module that must import, install command)
 _BACKEND_PACKAGES = {
     # an optional extra (`verl[mlflow]`): mlflow pulls in a web server, SQLAlchemy, ... that no other path needs
     "mlflow": ("mlflow", "pip install mlflow"),
+    "swanlab": ("swanlab", "pip install swanlab"),
     "tensorboard": ("tensorboard", "pip install tensorboard"),
     "wandb": ("wandb", "pip install wandb"),
 }
@@ -300,6 +308,42 @@ class WandbLogger:
         self.run.finish()
 
 
+class SwanlabLogger:
+    """A swanlab run; offline when there is no API key and SWANLAB_MODE is not set."""
+
+    def __init__(self, project_name: str, experiment_name: str, config: Any, run_dir: Path):
+        import swanlab
+
+        api_key = os.environ.get("SWANLAB_API_KEY")
+        if api_key:
+            swanlab.login(api_key)
+        self.mode = os.environ.get("SWANLAB_MODE") or ("cloud" if api_key else "offline")
+        self.log_dir = Path(os.environ.get("SWANLAB_LOG_DIR") or run_dir / "swanlog")
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        cfg: dict = {}
+        if config is not None:
+            from omegaconf import DictConfig, OmegaConf
+
+            cfg = OmegaConf.to_container(config, resolve=True) if isinstance(config, DictConfig) else dict(config)
+        self.run = swanlab.init(
+            project=project_name,
+            experiment_name=experiment_name,
+            config={"FRAMEWORK": "verl", **cfg},
+            logdir=str(self.log_dir),
+            mode=self.mode,
+        )
+        self._finished = False
+
+    def log(self, data: dict, step: int) -> None:
+        scalars = {k: s for k, v in data.items() if (s := _scalar(v)) is not None}
+        self.run.log(scalars, step=step)
+
+    def finish(self) -> None:
+        if not self._finished:
+            self._finished = True
+            self.run.finish()
+
+
 # ------------------------------------------------------------------------------------- facade
 
 
@@ -367,6 +411,8 @@ class Tracking:
                 self.logger[b] = TensorboardLogger(self.run_dir, _trainer_key(config, "tensorboard_dir"))
             elif b == "wandb":
                 self.logger[b] = WandbLogger(project_name, experiment_name, config, self.run_dir)
+            elif b == "swanlab":
+                self.logger[b] = SwanlabLogger(project_name, experiment_name, config, self.run_dir)
         self._history: list[dict] = []
         self._finished = False
 

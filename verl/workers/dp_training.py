@@ -10,7 +10,7 @@ multiplied by
 
 where `n` counts what the aggregation mode averages over: valid tokens for `token-mean`,
 non-empty responses for `seq-mean-token-sum` / `seq-mean-token-mean`, responses for
-`seq-mean-token-sum-norm` (see `core_algos.agg_loss`). `n_global` is summed over the ranks with
+`seq-mean-token-sum-norm` (see `verl.algorithms.aggregation.agg_loss`). `n_global` is summed over the ranks with
 one all-reduce per mini-batch, and `dp_size` undoes the averaging of gradients over ranks (FSDP's,
 or `average_replica_gradients` for a module marked with `replicate_over_ranks`).
 Upstream verl weights micro-batches by sample count, which makes token-mean depend on the split;
@@ -26,6 +26,7 @@ from collections.abc import Mapping
 import torch
 import torch.distributed as dist
 
+from verl.algorithms.aggregation import LOSS_AGG_MODES
 from verl.utils.seqlen_balancing import get_reverse_idx, rearrange_micro_batches
 
 __all__ = [
@@ -114,8 +115,6 @@ def loss_normaliser(response_mask: torch.Tensor, loss_agg_mode: str) -> torch.Te
     elif loss_agg_mode == "seq-mean-token-sum-norm":
         n = torch.tensor(response_mask.shape[0], device=response_mask.device)
     else:
-        from verl.trainer.ppo.core_algos import LOSS_AGG_MODES
-
         raise ValueError(f"unknown loss_agg_mode {loss_agg_mode!r}; valid: {list(LOSS_AGG_MODES)}")
     return n.to(torch.float64)
 

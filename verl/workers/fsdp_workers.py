@@ -44,6 +44,8 @@ from verl.utils.logging_utils import get_logger
 from verl.utils.profiler import DistProfiler, DistProfilerExtension
 from verl.utils.speed_paths import SpeedPath
 from verl.utils.speed_paths import merge as merge_speed_paths
+from verl.utils.ulysses import SP_KEY
+from verl.workers.ulysses_rows import UlyssesRows, scale_token_budgets
 
 logger = get_logger(__name__)
 
@@ -101,6 +103,28 @@ def _normalize_batch_sizes(actor_cfg: DictConfig, rollout_n: int, dp_size: int) 
                 f"the per-rank mini-batch of {per_rank} samples is not divisible by "
                 f"actor.ppo_micro_batch_size_per_gpu={micro}; pick a micro-batch size that divides it"
             )
+
+
+# per-rank token budgets that count tokens per micro-batch: with sp > 1 a rank holds 1/sp of them
+_CRITIC_TOKEN_BUDGETS = ("ppo_max_token_len_per_gpu", "forward_max_token_len_per_gpu")
+
+
+def _actor_ulysses_rows(config: DictConfig) -> UlyssesRows:
+    """The actor's (and reference's) dp x sp layout; the reference runs with the actor's size."""
+    sp = int((config.get("actor") or {}).get(SP_KEY, 1) or 1)
+    ref_sp = (config.get("ref") or {}).get(SP_KEY)
+    if "ref" in config and ref_sp is not None and int(ref_sp) != sp:
+        raise ValueError(
+            f"actor_rollout_ref.ref.{SP_KEY}={ref_sp} differs from actor_rollout_ref.actor.{SP_KEY}={sp}: the "
+            "reference shares the actor's workers and their sequence-parallel groups; set both to the same value"
+        )
+    rows = UlyssesRows(sp, "actor_rollout_ref.actor")
+    with open_dict(config):
+        scale_token_budgets(config.actor, ("ppo_max_token_len_per_gpu",), rows.sp)
+        for part in ("rollout", "ref"):
+            if config.get(part) is not None:
+                scale_token_budgets(config[part], ("log_prob_max_token_len_per_gpu",), rows.sp)
+    return rows
 
 
 def _log_prob_meta(data: DataProto, cfg: DictConfig, temperature: float) -> None:
@@ -417,7 +441,8 @@ class ActorRolloutRefWorker(Worker, DistProfilerExtension):
         # the profiler section of the part this worker trains or runs first (upstream's choice)
         profiled = next(part for part in ("actor", "rollout", "ref") if part in self.parts)
         self.init_profiler(self.rank, (config.get(profiled) or {}).get("profiler"), role)
-        self.dp_size = self._data_parallel_size()
+        self.ulysses = _actor_ulysses_rows(config)
+        self.dp_size = self._data_parallel_size() // self.ulysses.sp
         with open_dict(self.config):  # the actor's own key (upstream's dp_actor) follows the model's by default
             remove_padding = self.config.actor.get("use_remove_padding")
             if remove_padding is None:
@@ -452,7 +477,7 @@ class ActorRolloutRefWorker(Worker, DistProfilerExtension):
         model = _OptimizedModel(
             cfg.model, cfg.actor.get("fsdp_config"), cfg.actor.optim, cfg.actor.get("checkpoint"), self.tokenizer
         )
-        return model, DataParallelPPOActor(cfg.actor, model.module, model.optimizer)
+        return model, DataParallelPPOActor(cfg.actor, model.module, model.optimizer, ulysses_group=self.ulysses.group)
 
     def _build_ref(self):
         """(model holder, log-prob scorer) of the frozen reference policy."""
@@ -465,7 +490,7 @@ class ActorRolloutRefWorker(Worker, DistProfilerExtension):
         else:
             model = _FSDPModel(cfg.model, (cfg.get("ref") or {}).get("fsdp_config"), for_training=False)
         # Only compute_log_prob is used, which reads the actor's model-side keys (remove padding, ...).
-        return model, DataParallelPPOActor(cfg.actor, model.module)
+        return model, DataParallelPPOActor(cfg.actor, model.module, ulysses_group=self.ulysses.group)
 
     def _builds_engine(self) -> bool:
         """Whether this rank holds a generation engine (FSDP: every rank generates its own chunk)."""
@@ -610,6 +635,7 @@ class ActorRolloutRefWorker(Worker, DistProfilerExtension):
     @DistProfiler.annotate("compute_log_prob")
     def compute_log_prob(self, data: DataProto) -> DataProto:
         actor = self._need("actor", "compute_log_prob")
+        data = self.ulysses.gather(data)
         _log_prob_meta(data, self.config.rollout, self.config.rollout.temperature)
         # the optimal token baseline needs sum_v pi_v^2 per token (actor.calculate_sum_pi_squared)
         stats = ("entropy", "sum_pi_squared") if self.config.actor.get("calculate_sum_pi_squared") else ("entropy",)
@@ -618,21 +644,23 @@ class ActorRolloutRefWorker(Worker, DistProfilerExtension):
         tensors = {"old_log_probs": log_probs, "entropys": values["entropy"]}
         if "sum_pi_squared" in values:
             tensors["sum_pi_squared"] = values["sum_pi_squared"]
-        return DataProto.from_dict(tensors=tensors)
+        return self.ulysses.own(DataProto.from_dict(tensors=tensors))
 
     @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO)
     @DistProfiler.annotate("compute_ref_log_prob")
     def compute_ref_log_prob(self, data: DataProto) -> DataProto:
         ref = self._need("ref", "compute_ref_log_prob")
+        data = self.ulysses.gather(data)
         _log_prob_meta(data, self.config.get("ref", {}) or self.config.rollout, self.config.rollout.temperature)
         with self.ref_model.on_device(), self.ref_model.adapters_disabled():
             log_probs, _ = ref.compute_log_prob(data, calculate_entropy=False)
-        return DataProto.from_dict(tensors={"ref_log_prob": log_probs})
+        return self.ulysses.own(DataProto.from_dict(tensors={"ref_log_prob": log_probs}))
 
     @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO)
     @DistProfiler.annotate("update_actor")
     def update_actor(self, data: DataProto) -> DataProto:
         actor = self._need("actor", "update_actor")
+        data = self.ulysses.gather(data)
         data.meta_info.setdefault("temperature", self.config.rollout.temperature)
         start = time.perf_counter()
         with self.actor_model.on_device(optimizer=True), _device_timer() as compute_s:
@@ -671,8 +699,10 @@ class CriticWorker(Worker, DistProfilerExtension):
         os.environ["VERL_ROLE"] = "critic"
         _join_group(self, config.get("nccl_timeout"))
         self.init_profiler(self.rank, config.get("profiler"), "critic")
-        self.dp_size = dp = self._data_parallel_size()
+        self.ulysses = UlyssesRows(int(config.get(SP_KEY, 1) or 1), "critic")
+        self.dp_size = dp = self._data_parallel_size() // self.ulysses.sp
         with open_dict(self.config):
+            scale_token_budgets(self.config, _CRITIC_TOKEN_BUDGETS, self.ulysses.sp)
             n = config.get("rollout_n", 1)
             self.config.ppo_mini_batch_size = config.ppo_mini_batch_size * n // dp
             self.config.use_remove_padding = config.model.get("use_remove_padding", False)
@@ -688,7 +718,7 @@ class CriticWorker(Worker, DistProfilerExtension):
         model = _OptimizedModel(
             cfg.model, cfg.model.get("fsdp_config"), cfg.optim, cfg.get("checkpoint"), self.tokenizer, value_head=True
         )
-        return model, DataParallelPPOCritic(cfg, model.module, model.optimizer)
+        return model, DataParallelPPOCritic(cfg, model.module, model.optimizer, ulysses_group=self.ulysses.group)
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def init_model(self) -> None:
@@ -706,17 +736,19 @@ class CriticWorker(Worker, DistProfilerExtension):
     @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO)
     @DistProfiler.annotate("compute_values")
     def compute_values(self, data: DataProto) -> DataProto:
+        data = self.ulysses.gather(data)
         micro = self.config.get("forward_micro_batch_size_per_gpu") or self.config.get("ppo_micro_batch_size_per_gpu")
         data.meta_info.setdefault("micro_batch_size", micro or len(data))
         data.meta_info.setdefault("use_dynamic_bsz", self.config.get("use_dynamic_bsz", False))
         data.meta_info.setdefault("max_token_len", self.config.get("forward_max_token_len_per_gpu", 16384))
         with self.critic_model.on_device():
             values = self.critic.compute_values(data)
-        return DataProto.from_dict(tensors={"values": values})
+        return self.ulysses.own(DataProto.from_dict(tensors={"values": values}))
 
     @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO)
     @DistProfiler.annotate("update_critic")
     def update_critic(self, data: DataProto) -> DataProto:
+        data = self.ulysses.gather(data)
         with self.critic_model.on_device(optimizer=True), _device_timer() as compute_s:
             metrics = self.critic.update_critic(data)
         metrics["critic/lr"] = self.critic_model.step_scheduler()

@@ -100,8 +100,8 @@ def test_a_prompt_that_outgrows_the_prompt_width_says_what_to_raise(tokenizer, t
         rollout.generate_sequences(question_batch(tokenizer, QUESTIONS[:1]))
 
 
-def test_tensor_parallel_engines_are_refused(tokenizer, tiny_model):
-    with pytest.raises(ValueError, match="tensor_model_parallel_size=2"):
+def test_tensor_parallelism_is_refused_for_an_engine_without_a_tensor_parallel_group(tokenizer, tiny_model):
+    with pytest.raises(ValueError, match="tensor_model_parallel_size=2.*ForcedRollout does not"):
         AgentLoopRollout(
             ForcedRollout(tiny_model, None), {**rollout_config(8), "tensor_model_parallel_size": 2}, tokenizer
         )

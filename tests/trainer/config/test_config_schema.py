@@ -47,11 +47,33 @@ def under(key: str, prefixes: set[str]) -> bool:
 def test_yaml_and_schema_list_the_same_keys(name):
     """Each composition holds every schema key that is not optional, and nothing the schema lacks."""
     free, optional = dict_valued_fields(), optional_keys()
-    in_yaml = {k for k in yaml_keys(raw_yaml(name)) if not under(k, free)}
+    # `_target_` names the class a section builds (checked below), not a setting
+    in_yaml = {k for k in yaml_keys(raw_yaml(name)) if not under(k, free) and not k.endswith("_target_")}
     in_schema = set(schema_keys())
     assert in_yaml - in_schema == set(), f"keys in the composed {name} that the schema does not declare"
     required = {k for k in in_schema if k not in optional and not under(k, optional)}
     assert required - in_yaml == set(), f"schema keys missing from the composed {name} (the YAML holds every default)"
+
+
+@pytest.mark.parametrize("name", COMPOSITIONS)
+def test_every_yaml_target_names_the_schemas_class_for_that_section(name):
+    sections = {k: tp for k, _, tp, _ in iter_schema_fields() if is_section_type(tp)}
+    targets = {k.rpartition(".")[0]: v for k, v in _leaves(raw_yaml(name)).items() if k.endswith("._target_")}
+    assert {"algorithm", "algorithm.kl_ctrl", "actor_rollout_ref.actor.checkpoint", "critic.checkpoint"} <= set(targets)
+    for section, target in targets.items():
+        cls = sections[section]
+        module, _, attr = target.rpartition(".")
+        assert getattr(__import__(module, fromlist=[attr]), attr) is cls, f"{section}._target_={target} is not {cls}"
+
+
+def _leaves(node: dict, prefix: str = "") -> dict:
+    out = {}
+    for k, v in node.items():
+        if isinstance(v, dict) and v:
+            out.update(_leaves(v, prefix + k + "."))
+        else:
+            out[prefix + k] = v
+    return out
 
 
 def test_every_field_is_documented():

@@ -146,7 +146,7 @@ def test_invalid_choices_list_the_valid_values(defaults, key, bad, valid):
 def test_each_logger_name_is_checked(defaults):
     msg = error_of(with_(defaults, trainer__logger=["console", "wandbb"]))
     assert "trainer.logger='wandbb'" in msg and "Did you mean wandb?" in msg
-    assert "console, file, mlflow, tensorboard, wandb" in msg
+    assert "console, file, mlflow, swanlab, tensorboard, wandb" in msg
 
 
 def test_straight_through_kl_estimators_are_valid(defaults):

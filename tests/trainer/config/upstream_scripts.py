@@ -25,7 +25,6 @@ DATA = Path(__file__).parent / "upstream"
 EXCLUDED = {
     "npu": re.compile(r"(^trainer\.device=npu$|^global_profiler\.tool=npu$|_npu\.sh|ascend)"),
     "trtllm": re.compile(r"(rollout\.name=trtllm|_trtllm\.sh)"),
-    "ulysses": re.compile(r"ulysses_sequence_parallel_size=([2-9]|\d\d)"),
     "expert parallelism": re.compile(
         r"(expert_model_parallel_size|expert_parallel_size|expert_tensor_parallel_size)=([2-9]|\d\d)"
     ),

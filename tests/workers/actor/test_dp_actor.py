@@ -215,8 +215,10 @@ def test_nonfinite_gradient_skips_the_step_and_is_counted():
 
 def test_user_errors_say_what_to_change():
     model = make_tiny_causal_lm()
-    with pytest.raises(NotImplementedError, match="ulysses_sequence_parallel_size"):
+    with pytest.raises(ValueError, match="ulysses_sequence_parallel_size=2 needs actor.use_remove_padding"):
         DataParallelPPOActor(actor_config(ulysses_sequence_parallel_size=2), model)
+    with pytest.raises(ValueError, match="group given has None ranks"):
+        DataParallelPPOActor(actor_config(ulysses_sequence_parallel_size=2, use_remove_padding=True), model)
     actor = sgd_actor(actor_config(ppo_mini_batch_size=3), model)
     data = training_batch()
     with pytest.raises(ValueError, match="ppo_mini_batch_size=3"):

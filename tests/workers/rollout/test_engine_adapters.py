@@ -17,8 +17,8 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from conftest import hf_greedy_loop
 
+from tests.workers.rollout.rollout_helpers import hf_greedy_loop
 from verl.protocol import DataProto
 from verl.workers.rollout import get_rollout_class
 from verl.workers.rollout.base import BaseRollout

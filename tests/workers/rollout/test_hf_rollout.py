@@ -6,8 +6,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from conftest import build_model, hf_greedy_loop, left_padded_prompts
 
+from tests.workers.rollout.rollout_helpers import build_model, hf_greedy_loop, left_padded_prompts
 from verl.protocol import DataProto
 from verl.workers.rollout import get_rollout_class
 from verl.workers.rollout.base import BaseRollout

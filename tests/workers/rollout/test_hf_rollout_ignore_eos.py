@@ -4,8 +4,8 @@ end-of-sequence token that stops it by default (load tests and benchmarks need f
 from __future__ import annotations
 
 import torch
-from conftest import left_padded_prompts
 
+from tests.workers.rollout.rollout_helpers import left_padded_prompts
 from verl.protocol import DataProto
 from verl.workers.rollout.hf_rollout import HFRollout
 

@@ -9,8 +9,8 @@ log-prob of a token must be the one of the version that sampled it.
 from __future__ import annotations
 
 import torch
-from conftest import SwapTo, build_model, response_log_probs, sampled_prompt_batch
 
+from tests.workers.rollout.rollout_helpers import SwapTo, build_model, response_log_probs, sampled_prompt_batch
 from verl.protocol import DataProto
 from verl.workers.rollout.hf_rollout import HFRollout
 

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import build_model, hf_greedy_loop, left_padded_prompts
 
+from tests.workers.rollout.rollout_helpers import build_model, hf_greedy_loop, left_padded_prompts
 from verl.workers.rollout.native.cuda_graph import batch_bucket
 from verl.workers.rollout.native.engine import GenerationEngine
 from verl.workers.rollout.sampling import SamplingParams

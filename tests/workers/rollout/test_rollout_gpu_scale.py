@@ -20,8 +20,8 @@ import copy
 
 import pytest
 import torch
-from conftest import hf_greedy_loop
 
+from tests.workers.rollout.rollout_helpers import hf_greedy_loop
 from verl.utils.device import get_device
 from verl.workers.rollout.native.engine import GenerationEngine
 from verl.workers.rollout.sampling import SamplingParams, select_tokens

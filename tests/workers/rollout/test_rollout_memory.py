@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import build_model, hf_greedy_loop, left_padded_prompts
 
+from tests.workers.rollout.rollout_helpers import build_model, hf_greedy_loop, left_padded_prompts
 from verl.workers.rollout.hf_rollout import HFRollout, HFRolloutConfig, cuda_graphs_enabled
 from verl.workers.rollout.native.engine import GenerationEngine, kv_cache_rows
 from verl.workers.rollout.native.llama_decoder import LlamaDecoder
@@ -184,10 +184,20 @@ def test_decode_step_writes_its_logits_into_a_given_buffer(qwen2_model):
 def test_rope_table_grows_geometrically():
     decoder = GenerationEngine.from_model(build_model("qwen2"), device="cpu").decoder
     assert isinstance(decoder, LlamaDecoder)
+    decoder.cuda_graphs = True  # every rebuild would recapture the graphs
     decoder.reserve(2, 16, 16)
     assert decoder._cos.shape[0] == 4096  # room for long positions without a rebuild
     assert decoder.reserve(2, 16, 5000) and decoder._cos.shape[0] == 8192
     assert not decoder.reserve(2, 16, 6000)
+
+
+def test_rope_table_without_cuda_graphs_starts_at_the_positions_asked_for_and_doubles():
+    decoder = GenerationEngine.from_model(build_model("qwen2"), device="cpu").decoder
+    assert not decoder.cuda_graphs
+    decoder.reserve(2, 16, 20)
+    assert decoder._cos.shape[0] == 20  # rebuilt after every sleep: only what this call needs
+    assert decoder.reserve(2, 16, 30) and decoder._cos.shape[0] == 40
+    assert not decoder.reserve(2, 16, 40)
 
 
 # -------------------------------------------------------------------------------- rollout config

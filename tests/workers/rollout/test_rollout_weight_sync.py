@@ -11,9 +11,9 @@ import textwrap
 
 import pytest
 import torch
-from conftest import build_model, hf_greedy_loop, left_padded_prompts
 from torch.multiprocessing.reductions import StorageWeakRef
 
+from tests.workers.rollout.rollout_helpers import build_model, hf_greedy_loop, left_padded_prompts
 from verl.workers.rollout.native.engine import GenerationEngine
 from verl.workers.rollout.sampling import SamplingParams
 

@@ -14,7 +14,8 @@ import time
 
 import pytest
 import torch
-from conftest import SwapTo, build_model, response_log_probs, sampled_prompt_batch
+
+from tests.workers.rollout.rollout_helpers import SwapTo, build_model, response_log_probs, sampled_prompt_batch
 
 pytest.importorskip("vllm")
 pytestmark = pytest.mark.vllm
@@ -121,7 +122,7 @@ class _LateReader(SwapTo):
 def _greedy_with_a_switch(v0, v1, prompts: DataProto, cut: int) -> torch.Tensor:
     """Independent reference: `cut` greedy tokens of v0, then v1 greedy from prompt + those tokens
     (full HF forwards, no cache), cut after the first stop token and padded."""
-    from conftest import hf_greedy_loop
+    from tests.workers.rollout.rollout_helpers import hf_greedy_loop
 
     ids, mask = prompts.batch["input_ids"], prompts.batch["attention_mask"]
     head = hf_greedy_loop(v0, ids, mask, cut)

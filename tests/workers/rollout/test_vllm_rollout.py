@@ -15,7 +15,8 @@ import os
 
 import pytest
 import torch
-from conftest import hf_greedy_loop
+
+from tests.workers.rollout.rollout_helpers import hf_greedy_loop
 
 pytest.importorskip("vllm")
 pytestmark = pytest.mark.vllm

@@ -100,6 +100,8 @@ class AgentSample:
     """Per-tool keyword arguments (`extra_info.tools_kwargs`): {tool: {create_kwargs: {...}, ...}}."""
     extra_info: Any = None
     index: int = 0
+    interaction_kwargs: dict[str, Any] | None = None
+    """The simulated user's arguments (`extra_info.interaction_kwargs`: `name` picks the interaction)."""
 
 
 @dataclass
@@ -113,6 +115,8 @@ class Trajectory:
     num_turns: int = 2
     messages: list[dict] | None = None
     metrics: dict[str, float] = field(default_factory=dict)
+    turn_scores: list[float] = field(default_factory=list)
+    """The simulated user's score of each model turn it answered (upstream's `turn_scores`)."""
     versions: tuple[int, int] | None = None
     """(oldest, newest) weight version that sampled its tokens, set by the rollout when the engine
     reports versions (partial rollouts); None otherwise."""
@@ -125,10 +129,12 @@ class Trajectory:
 class AgentLoopBase(ABC):
     """Base of agent loops; one instance serves every episode of a rollout, concurrently."""
 
-    def __init__(self, tokenizer, settings: AgentLoopSettings, tools: Sequence = ()):
+    def __init__(self, tokenizer, settings: AgentLoopSettings, tools: Sequence = (), interactions: dict | None = None):
         self.tokenizer = tokenizer
         self.settings = settings
         self.tools = {tool.name: tool for tool in tools}
+        self.interactions = dict(interactions or {})
+        """Simulated users by name (`multi_turn.interaction_config_path`); loops that have none ignore them."""
 
     @abstractmethod
     async def run_episode(self, engine: AsyncRolloutEngine, sample: AgentSample) -> Trajectory:

@@ -14,6 +14,8 @@ rollout's own `async_engine`, see `make_engine`), and returns the usual rollout 
   real token, tool turns included; `position_ids` continue from the prompt's last;
 - `rollout_log_probs` [B, R] with `calculate_log_probs` (0 on tool tokens);
 - `non_tensor_batch["__num_turns__"]`: messages per episode (the trainer reports `num_turns/*`);
+- `non_tensor_batch["turn_scores"]`: with simulated users (`multi_turn.interaction_config_path`,
+  verl/interactions/), each episode's list of the interaction's turn scores, as upstream;
 - with partial rollouts (`meta_info["partial_rollout"]`, asynchronous training) `weight_version` /
   `weight_version_max`: the oldest and newest weight version that sampled a token of the episode,
   over all its model turns. The keys are passed on to the wrapped engine with every model turn, so
@@ -53,9 +55,11 @@ A model turn already inside the engine when the cut comes finishes there (a batc
 cannot drop one row mid-batch) and is discarded; `generate_sequences` returns only after it, so the
 engine is idle when the worker next syncs weights or sleeps.
 
-Deliberately left out: the engine's tensor parallelism across workers (episodes on different ranks
-make different numbers of engine calls, which a collective cannot match), multi-modal prompts, and
-simulated users (`interaction_config_path`).
+Engine tensor parallelism (an engine sharded over tp workers): episodes on different ranks would
+make different numbers of engine calls, which the engine's collectives cannot match, so the group's
+first rank runs every episode of the group and the others serve (`_generate_as_group`).
+
+Deliberately left out: multi-modal prompts.
 """
 
 from __future__ import annotations
@@ -135,10 +139,14 @@ class AgentLoopRollout(BaseRollout):
         experiment_name: str | None = None,
     ):
         tp = int(config.get("tensor_model_parallel_size", 1) or 1)
-        if tp > 1:
+        self._tp_group = getattr(rollout, "_tp_group", None)
+        self._tp_rank = int(getattr(rollout, "_tp_rank", 0))
+        self._tp_size = int(getattr(rollout, "_tp_size", 1))
+        if tp > 1 and self._tp_size != tp:
             raise ValueError(
-                f"multi-turn rollouts do not support actor_rollout_ref.rollout.tensor_model_parallel_size={tp}: "
-                "episodes on different workers make different numbers of engine calls; set it to 1"
+                f"multi-turn rollouts with actor_rollout_ref.rollout.tensor_model_parallel_size={tp} need an engine "
+                f"that shards over a tensor-parallel group of workers ({type(rollout).__name__} does not: it runs "
+                "one engine per worker); use rollout.name=vllm, or set tensor_model_parallel_size=1"
             )
         self.over_sample_rate = float(config.get("over_sample_rate") or 0.0)
         if not 0.0 <= self.over_sample_rate < 1.0:
@@ -160,6 +168,7 @@ class AgentLoopRollout(BaseRollout):
 
                 tools = initialize_tools_from_config(path)
         self.tools = list(tools or [])
+        self.interactions = _load_interactions(config)
         self._loops: dict[str, AgentLoopBase] = {}
         # The current CUDA device is per thread and a new thread starts on device 0: bind the engine
         # thread to this worker's device, so whatever the wrapped engine allocates, captures or
@@ -196,7 +205,9 @@ class AgentLoopRollout(BaseRollout):
     # ----------------------------------------------------------------------------- episodes
     def agent_loop(self, name: str) -> AgentLoopBase:
         if name not in self._loops:
-            self._loops[name] = get_agent_loop_class(name)(self.tokenizer, self.settings, self.tools)
+            cls = get_agent_loop_class(name)
+            extra = {"interactions": self.interactions} if self.interactions else {}
+            self._loops[name] = cls(self.tokenizer, self.settings, self.tools, **extra)
         return self._loops[name]
 
     def _token_ids(self, meta: dict) -> tuple[list[int], int]:
@@ -221,6 +232,9 @@ class AgentLoopRollout(BaseRollout):
             if tools_kwargs is None and isinstance(extra, dict):
                 tools_kwargs = extra.get("tools_kwargs")
             messages = nt["raw_prompt"][i] if "raw_prompt" in nt else None
+            interaction_kwargs = nt["interaction_kwargs"][i] if "interaction_kwargs" in nt else None
+            if interaction_kwargs is None and isinstance(extra, dict):
+                interaction_kwargs = extra.get("interaction_kwargs")
             out.append(
                 AgentSample(
                     prompt_ids=ids[i][mask[i]].tolist(),
@@ -229,6 +243,7 @@ class AgentLoopRollout(BaseRollout):
                     tools_kwargs=dict(tools_kwargs or {}),
                     extra_info=extra,
                     index=i,
+                    interaction_kwargs=None if interaction_kwargs is None else dict(interaction_kwargs),
                 )
             )
         return out
@@ -297,6 +312,53 @@ class AgentLoopRollout(BaseRollout):
                 await asyncio.get_running_loop().run_in_executor(self._engine_thread, _idle)
 
     def generate_sequences(self, prompts):
+        if self._tp_size > 1:
+            return self._generate_as_group(prompts)
+        return self._generate_episodes(prompts)
+
+    def _generate_as_group(self, prompts):
+        """Tensor-parallel engine: the group's first rank runs every episode of the group, the others serve.
+
+        The engine's ranks must make the same calls in the same order, which episodes on different
+        ranks (each its own number of turns) cannot. So, as upstream's server mode does, one agent
+        loop drives the engine: the group's prompts are gathered to its first rank, which runs them;
+        before each of its engine calls it broadcasts the call, and the other ranks enter the engine
+        with no requests of their own (the engine runs the union of the group's requests, see
+        external_engine.py). At the end the leader broadcasts the finished batch and each rank keeps
+        its own rows.
+        """
+        import torch.distributed as dist
+
+        from verl.protocol import DataProto
+
+        group, leader = self._tp_group, dist.get_global_rank(self._tp_group, 0)
+        parts: list = [None] * self._tp_size
+        dist.all_gather_object(parts, prompts, group=group)
+        n = int(prompts.meta_info.get("n", 1))
+        lo = sum(len(p) for p in parts[: self._tp_rank]) * n
+        hi = lo + len(prompts) * n
+        if self._tp_rank == 0:
+            inner = self.inner
+            self.inner = _BroadcastingRollout(inner, group, leader)
+            try:
+                out = self._generate_episodes(DataProto.concat(parts))
+            finally:
+                self.inner = inner
+                dist.broadcast_object_list([None], src=leader, group=group)  # release the servers
+            message = [out]
+        else:
+            while True:
+                message = [None]
+                dist.broadcast_object_list(message, src=leader, group=group)
+                if message[0] is None:
+                    break
+                self.inner.generate_sequences(_no_requests(message[0]))
+            message = [None]
+        dist.broadcast_object_list(message, src=leader, group=group)
+        out = message[0]
+        return out.slice(lo, hi) if hasattr(out, "slice") else out[lo:hi]
+
+    def _generate_episodes(self, prompts):
         start = time.perf_counter()
         meta = dict(prompts.meta_info)
         n = int(meta.get("n", 1))
@@ -447,6 +509,38 @@ class EpisodeEngine(AsyncRolloutEngine):
         return None if self.low is None else (self.low, self.high)
 
 
+class _BroadcastingRollout:
+    """The group leader's engine: announces each call (its meta_info) to the serving ranks first."""
+
+    def __init__(self, inner, group, leader: int):
+        self.inner, self.group, self.leader = inner, group, leader
+
+    def generate_sequences(self, batch):
+        import torch.distributed as dist
+
+        dist.broadcast_object_list([dict(batch.meta_info)], src=self.leader, group=self.group)
+        return self.inner.generate_sequences(batch)
+
+
+def _no_requests(meta: dict):
+    """An empty prompt batch with the leader's call's meta_info: a serving rank's share of a call."""
+    from verl.protocol import DataProto
+
+    empty = torch.zeros((0, 1), dtype=torch.long)
+    return DataProto.from_dict(
+        tensors={"input_ids": empty, "attention_mask": empty.clone(), "position_ids": empty.clone()}, meta_info=meta
+    )
+
+
+def _load_interactions(config) -> dict:
+    path = (config.get("multi_turn") or {}).get("interaction_config_path")
+    if not path:
+        return {}
+    from verl.interactions.utils.interaction_registry import initialize_interactions_from_config
+
+    return initialize_interactions_from_config(path)
+
+
 def _episode_metrics(trajectories: list[Trajectory]) -> dict[str, float]:
     keys = sorted({k for t in trajectories for k in t.metrics})
     metrics = {}
@@ -508,6 +602,10 @@ def trajectories_to_proto(prompts, trajectories: list[Trajectory], response_leng
     batch = TensorDict({k: v.to(device) for k, v in tensors.items()}, batch_size=[B])
     non_tensor = dict(prompts.non_tensor_batch)
     non_tensor["__num_turns__"] = np.array([0 if t is None else t.num_turns for t in trajectories], dtype=np.int64)
+    if any(t is not None and t.turn_scores for t in trajectories):
+        turn_scores = np.empty(B, dtype=object)
+        turn_scores[:] = [[] if t is None else list(t.turn_scores) for t in trajectories]
+        non_tensor["turn_scores"] = turn_scores
 
     meta = {k: v for k, v in meta.items() if k != "metrics"}
     return DataProto(batch=batch, non_tensor_batch=non_tensor, meta_info=meta)

@@ -19,6 +19,12 @@ conversation. `tokenization_sanity_check_mode` re-renders each finished conversa
 messages and reports any difference as the `agent_loop/tokenization_mismatch` metric (with one
 warning per process), instead of silently training on drifted ids.
 
+With a simulated user (`multi_turn.interaction_config_path`, verl/interactions/), a turn that calls
+no tool goes to the sample's interaction (`interaction_kwargs.name`): its reply becomes a `user`
+turn (inserted like a tool turn, mask 0) and the model answers again, until the interaction says
+stop or a turn limit is reached. Unlike upstream, the stopping reply is not appended: the
+conversation still ends on the model's turn. Each reply's score is kept in `turn_scores`.
+
 Tool failures never end an episode: an unknown tool, malformed call, exception or timeout becomes
 an `Error: ...` tool message, so the model is told what went wrong.
 """
@@ -75,8 +81,8 @@ def _response_text(result) -> str:
 class ToolAgentLoop(AgentLoopBase):
     """Multi-turn tool calling (module docstring)."""
 
-    def __init__(self, tokenizer, settings: AgentLoopSettings, tools: Sequence = ()):
-        super().__init__(tokenizer, settings, tools)
+    def __init__(self, tokenizer, settings: AgentLoopSettings, tools: Sequence = (), interactions: dict | None = None):
+        super().__init__(tokenizer, settings, tools, interactions)
         self.parser = get_tool_parser(settings.format)
         self.tool_schemas = [tool.schema_dict() for tool in tools]
         self._anchor_cache: dict[int, tuple[list[int], int]] = {}
@@ -167,7 +173,32 @@ class ToolAgentLoop(AgentLoopBase):
         return messages, sum(1 for _, ok in results if not ok)
 
     # -------------------------------------------------------------------------------- episode
+    def interaction_for(self, sample: AgentSample):
+        """The sample's simulated user, or None when no interactions are configured."""
+        if not self.interactions:
+            return None
+        kwargs = sample.interaction_kwargs or {}
+        name = kwargs.get("name")
+        if name not in self.interactions:
+            raise ValueError(
+                f"sample {sample.index} asks for interaction {name!r} (extra_info.interaction_kwargs.name), but the "
+                f"interaction config defines {sorted(self.interactions)}; set the name in the data or add the "
+                "interaction to actor_rollout_ref.rollout.multi_turn.interaction_config_path"
+            )
+        return self.interactions[name]
+
     async def run_episode(self, engine: AsyncRolloutEngine, sample: AgentSample) -> Trajectory:
+        interaction = self.interaction_for(sample)
+        if interaction is None:
+            return await self._run_episode(engine, sample, None, None)
+        kwargs = dict(sample.interaction_kwargs)
+        instance_id = await interaction.start_interaction(None, **kwargs)
+        try:
+            return await self._run_episode(engine, sample, interaction, instance_id)
+        finally:
+            await interaction.finalize_interaction(instance_id)
+
+    async def _run_episode(self, engine, sample: AgentSample, interaction, instance_id) -> Trajectory:
         s = self.settings
         prompt_ids = self.prompt_ids(sample)
         messages = None if sample.messages is None else [dict(m) for m in sample.messages]
@@ -175,6 +206,9 @@ class ToolAgentLoop(AgentLoopBase):
         mask: list[int] = []
         logprobs: list[float] | None = []
         assistant_turns = user_turns = num_calls = num_errors = 0
+        turn_scores: list[float] = []
+        if interaction is not None and messages is None:
+            messages = []  # the interaction reads the conversation; without the prompt's messages, the model's turns
         tool_s = 0.0
         while True:
             out = await engine.generate(
@@ -197,13 +231,23 @@ class ToolAgentLoop(AgentLoopBase):
             parsed = self.parser.parse(
                 self.tokenizer.decode(body, skip_special_tokens=not self.parser.keep_special_tokens)
             )
-            if not parsed.wants_tools:
+            if not parsed.wants_tools and interaction is None:
                 break
-            start = time.perf_counter()
-            tool_messages, errors = await self.answer_tool_calls(parsed, sample.tools_kwargs)
-            tool_s += time.perf_counter() - start
-            num_calls += len(tool_messages)
-            num_errors += errors
+            if parsed.wants_tools:
+                start = time.perf_counter()
+                tool_messages, errors = await self.answer_tool_calls(parsed, sample.tools_kwargs)
+                tool_s += time.perf_counter() - start
+                num_calls += len(tool_messages)
+                num_errors += errors
+            else:
+                stop, reply, score, _ = await interaction.generate_response(
+                    instance_id, messages, **sample.interaction_kwargs
+                )
+                if score is not None:
+                    turn_scores.append(float(score))
+                if stop:
+                    break
+                tool_messages = [{"role": "user", "content": reply}]
             inserted = self.tool_turn_ids(tool_messages, end_of_turn=out.token_ids[-1])
             if len(response_ids) + len(inserted) >= s.response_length:
                 break  # no room left for the model to answer: end on its own turn
@@ -227,6 +271,7 @@ class ToolAgentLoop(AgentLoopBase):
             num_turns=1 + assistant_turns + user_turns,
             messages=messages,
             metrics=metrics,
+            turn_scores=turn_scores,
         )
 
     def _matches_template(self, messages: list[dict], ids: list[int], end_of_turn: int) -> bool:

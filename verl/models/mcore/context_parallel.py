@@ -6,7 +6,7 @@ layer spec a core attention that does, so the same model runs context-parallel o
 and on GPUs without TransformerEngine.
 
 Design decisions:
-- Layout: megatron's load-balanced one. The sequence (padded to a multiple of `2 * cp`) is cut
+- Layout: megatron's load-balanced one (`verl.utils.megatron.sequence_layout`). The sequence (padded to a multiple of `2 * cp`) is cut
   into `2 * cp` equal chunks and rank r holds chunks r and `2cp - 1 - r`, so every rank gets the
   same share of the causal mask's work. It is the layout megatron's rotary embedding assumes
   (`get_pos_emb_on_this_cp_rank`), so the model's rotary positions need no change.
@@ -32,6 +32,8 @@ import torch
 import torch.distributed as dist
 from megatron.core.transformer.module import MegatronModule
 
+from verl.utils.megatron.sequence_layout import own_chunks, split_sequence
+
 __all__ = [
     "ContextParallelAttention",
     "context_parallel_group",
@@ -50,22 +52,6 @@ def context_parallel_group():
     return mpu.get_context_parallel_group(), size, mpu.get_context_parallel_rank()
 
 
-def _own_chunks(size: int, rank: int) -> tuple[int, int]:
-    return rank, 2 * size - 1 - rank
-
-
-def split_sequence(tensor: torch.Tensor, dim: int, size: int, rank: int) -> torch.Tensor:
-    """Rank `rank`'s part of `tensor` along `dim` (length divisible by `2 * size`): chunks r and 2size-1-r."""
-    if size == 1:
-        return tensor
-    length = tensor.shape[dim]
-    if length % (2 * size):
-        raise ValueError(f"sequence length {length} is not divisible by 2 x context_parallel_size={size}")
-    chunks = tensor.chunk(2 * size, dim=dim)
-    first, second = _own_chunks(size, rank)
-    return torch.cat([chunks[first], chunks[second]], dim=dim)
-
-
 def global_positions(local_length: int, size: int, rank: int, device=None) -> torch.Tensor:
     """Positions in the whole sequence of this rank's `local_length` columns."""
     return split_sequence(torch.arange(local_length * size, device=device), 0, size, rank)
@@ -76,7 +62,7 @@ def _reassemble(parts: list[torch.Tensor], dim: int) -> torch.Tensor:
     size = len(parts)
     chunks = [None] * (2 * size)
     for rank, part in enumerate(parts):
-        first, second = _own_chunks(size, rank)
+        first, second = own_chunks(size, rank)
         chunks[first], chunks[second] = part.chunk(2, dim=dim)
     return torch.cat(chunks, dim=dim)
 

@@ -42,20 +42,11 @@ import socket
 import traceback
 
 from verl.single_controller import shm
+from verl.single_controller._env import env_int as _env_int
 from verl.single_controller.base.decorator import Dispatch, get_registered_methods, register
 from verl.single_controller.base.errors import _WorkerSideError
 
 DEFAULT_DIST_TIMEOUT_S = 600.0
-
-
-def _env_int(name: str, default: int | None) -> int | None:
-    value = os.environ.get(name)
-    if value is None or value == "":
-        return default
-    try:
-        return int(value)
-    except ValueError:
-        raise ValueError(f"environment variable {name}={value!r} must be an integer") from None
 
 
 def get_free_port() -> int:

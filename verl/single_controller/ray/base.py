@@ -27,7 +27,7 @@
   fused class itself, `create_colocated_worker_cls_fused` upstream's name for the same pairing;
   in the process the roles reach each other through `self.fused_worker_dict`.
 
-Transport: a DataProto pickles as flat out-of-band buffers (verl/protocol.py). A blocking call to
+Transport: a DataProto pickles as flat out-of-band buffers (verl/protocol/_wire.py). A blocking call to
 a worker on the driver's host sends large ones through that worker's shared-memory channel
 (verl/single_controller/shm.py; Ray carries only the pickle stream), both ways. Otherwise Ray
 inlines them into the call (up to `max_direct_call_object_size`, see RAY_SYSTEM_CONFIG) or copies
@@ -744,7 +744,10 @@ class RayWorkerGroup(WorkerGroup):
             died = self._dead_peer(refs, role, method, then=str(error).splitlines()[0])
             raise (died or error) from None
         except RayActorError as exc:
-            raise self._died_error(exc, role, method) from None
+            # The same race from the other side: the death arrived first; the peers' errors it caused
+            # follow within moments and are named after it, so the report reads the same either way.
+            then = self._peer_error(exc, refs, ranks, role, method)
+            raise self._died_error(exc, role, method, then) from None
         except GetTimeoutError:
             _, pending = ray.wait(refs, num_returns=len(refs), timeout=0)
             pending_ranks = [ranks[refs.index(r)] for r in pending]
@@ -773,17 +776,28 @@ class RayWorkerGroup(WorkerGroup):
 
     def _dead_peer(self, refs: list, role: str, method: str, then: str) -> WorkerDiedError | None:
         """After one rank's method raised: a WorkerDiedError for a rank of the same call that died,
-        when Ray reports one within `_PEER_DEATH_GRACE_S` (the ranks still running are not waited for
-        longer than that); else None."""
+        when Ray reports one within `_PEER_DEATH_GRACE_S`; else None."""
+        death = self._first_failure(refs, RayActorError)
+        return None if death is None else self._died_error(death, role, method, then)
+
+    def _peer_error(self, death: RayActorError, refs: list, ranks: list[int], role: str, method: str) -> str:
+        """After one rank of a call died: the first line of the error another rank of the same call
+        raised within `_PEER_DEATH_GRACE_S`, or ""."""
+        error = self._first_failure(refs, RayTaskError)
+        return "" if error is None else str(self._method_error(error, refs, ranks, role, method)).splitlines()[0]
+
+    def _first_failure(self, refs: list, kind: type[Exception]) -> Exception | None:
+        """The first `kind` error among the calls of `refs` that finish within `_PEER_DEATH_GRACE_S`
+        (the ranks still running are not waited for longer than that)."""
         ray.wait(refs, num_returns=len(refs), timeout=self._PEER_DEATH_GRACE_S)
         for ref in refs:
             if not ray.wait([ref], timeout=0)[0]:
                 continue
             try:
                 ray.get(ref, timeout=0)
-            except RayActorError as exc:
-                return self._died_error(exc, role, method, then)
-            except Exception:  # another rank's own error: not a death
+            except kind as exc:
+                return exc
+            except Exception:  # a failure of the other kind
                 continue
         return None
 

@@ -9,6 +9,13 @@ from the same config groups; they load with plain Hydra/OmegaConf. The bundled d
 importing this package registers.
 """
 
+from verl.trainer.config.algorithm import (
+    AlgoConfig,
+    FilterGroupsConfig,
+    KLControlConfig,
+    RolloutCorrectionConfig,
+)
+from verl.trainer.config.config import CheckpointConfig
 from verl.trainer.config.errors import ConfigError, ConfigWarning
 from verl.trainer.config.loader import (
     CONFIG_DIR,
@@ -34,7 +41,9 @@ from verl.trainer.config.validate import (
 )
 
 __all__ = [
+    "AlgoConfig",
     "CONFIG_DIR",
+    "CheckpointConfig",
     "DEMO_CONFIG_NAME",
     "CommandLine",
     "check_machine",
@@ -42,6 +51,9 @@ __all__ = [
     "parse_command_line",
     "ConfigError",
     "ConfigWarning",
+    "FilterGroupsConfig",
+    "KLControlConfig",
+    "RolloutCorrectionConfig",
     "PPOConfig",
     "apply_overrides",
     "cache_dir",

@@ -104,7 +104,7 @@ def _section(
     """One table; `defaults` from ppo_trainer, `megatron` from ppo_megatron_trainer (for keys only it holds)."""
     megatron = megatron or {}
     hints = typing.get_type_hints(cls)
-    fields = dataclasses.fields(cls)
+    fields = S.config_fields(cls)
     leaves = [f for f in fields if not is_section_type(hints[f.name])]
     out.append(f"{'#' * level} `{path}`\n")
     out.append(f"{about} {inspect.getdoc(cls)}\n")

@@ -18,6 +18,10 @@ Design decisions:
   leaves its neutral value when ignoring it would silently train something else: UNSUPPORTED
   (not implemented), PENDING (being implemented: "not implemented yet") or HARDWARE (only
   meaningful on hardware this build does not support: Ascend NPUs, TensorRT-LLM).
+- A section whose YAML holds `_target_` is checked against the class it names when that is a
+  subclass of the field's declared class (`section_class`): the declared class is the common base
+  (e.g. an optimizer config) and each trainer's YAML names its engine's subclass, so both
+  compositions share one field while each section is checked against the keys it is built with.
 - A dataclass marked `OPEN_KEYS = True` also accepts keys it does not list (passed through to a
   third-party API such as `ray.init`).
 """
@@ -25,144 +29,56 @@ Design decisions:
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
+import importlib
 from dataclasses import dataclass
-from typing import Any
 
-# Field status values (see `doc`).
-SUPPORTED = "supported"
-IGNORED = "ignored"  # accepted for compatibility with upstream configs; has no effect here
-UNSUPPORTED = "unsupported"  # rejected unless it holds its neutral value
-DEPRECATED = "deprecated"  # still honoured, with a warning naming the replacement
-PENDING = "pending"  # rejected unless neutral: the feature is being implemented ("not implemented yet")
-HARDWARE = "hardware"  # rejected unless neutral: only meaningful on hardware this build does not support
-
-_NO_NEUTRAL = object()
-NPU = "Ascend NPUs"
-TRTLLM = "TensorRT-LLM (trtllm)"
-
-
-# Option tables. Each is the one place a reader finds every valid name for a config choice.
-# The advantage-estimator names follow upstream's `AdvantageEstimator`; the group-based ones need
-# several samples per prompt (rollout.n >= 2) because their baseline is the group's statistics.
-def adv_estimator_choices() -> tuple[str, ...]:
-    """`algorithm.adv_estimator` names: core_algos' table (user-registered estimators included)."""
-    from verl.trainer.ppo.core_algos import ADV_ESTIMATORS
-
-    return tuple(ADV_ESTIMATORS)
-
-
-def policy_loss_choices() -> tuple[str, ...]:
-    """`actor.policy_loss.loss_mode` names: core_algos' table, plus upstream's hyphenated spellings."""
-    from verl.trainer.ppo.core_algos import POLICY_LOSSES
-
-    return tuple(POLICY_LOSSES) + tuple(n.replace("_", "-") for n in POLICY_LOSSES if "_" in n and n != "geo_mean")
-
-
-GROUP_ADV_ESTIMATORS = (
-    "grpo",
-    "rloo",
-    "opo",
-    "grpo_passk",
-    "gpg",
-    "reinforce_plus_plus_baseline",
-    "grpo_vectorized",
-    "rloo_vectorized",
+from verl.trainer.config.algorithm import (  # noqa: F401  (re-exported: the schema's section classes)
+    AlgoConfig,
+    FilterGroupsConfig,
+    KLControlConfig,
+    PFPPOConfig,
+    RolloutCorrectionConfig,
 )
-LOSS_AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
-# "+" suffix: straight-through variant (value from the named estimator, gradient of k2).
-KL_PENALTIES = ("kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3", "full", "k1+", "low_var_kl+", "k3+")
-ROLLOUT_NAMES = ("hf", "vllm", "sglang")
-ROLLOUT_MODES = ("sync", "async")
-STRATEGIES = ("fsdp", "fsdp2", "megatron")
-LOGGERS = ("console", "file", "mlflow", "tensorboard", "wandb")
-RESUME_MODES = ("auto", "disable", "resume_path")
-
-
-def tool_format_choices() -> tuple[str, ...]:
-    """`rollout.multi_turn.format` names: the agent loop's tool-parser table."""
-    from verl.experimental.agent_loop.tool_parser import TOOL_PARSERS
-
-    return tuple(TOOL_PARSERS)
-
-
-def agent_loop_choices() -> tuple[str, ...]:
-    """`rollout.agent.default_agent_loop` names: the agent-loop registry."""
-    from verl.experimental.agent_loop import AGENT_LOOPS
-
-    return tuple(AGENT_LOOPS)
-
-
-def device_choices() -> tuple[str, ...]:
-    """Valid `trainer.device` values, owned by verl.utils.device (imported lazily: it imports torch)."""
-    from verl.utils.device import _VALID
-
-    return tuple(_VALID)
-
-
-TRUNCATIONS = ("error", "left", "right", "middle")
-LR_SCHEDULES = ("constant", "cosine")
-KL_CTRL_TYPES = ("fixed", "adaptive")
-REWARD_MANAGERS = ("naive", "batch", "dapo", "prime")
-REWARD_MANAGER_SOURCES = ("register", "importlib")
-CHECKPOINT_CONTENTS = ("model", "optimizer", "extra", "hf_model")
-ROLLOUT_DTYPES = ("auto", "bfloat16", "float16", "float32", "bf16", "fp16", "fp32")
-MODEL_DTYPES = ("fp32", "bf16", "fp16", "float32", "bfloat16", "float16")
-ENGINE_DTYPES = ("auto", *MODEL_DTYPES)
-PF_PPO_METHODS = ("pow", "max_min", "max_random")
-REWARD_ON_ERROR = ("raise", "zero")
-PROFILER_TOOLS = ("nsys", "npu", "torch", "torch_memory")
-LOGPROBS_MODES = ("processed_logprobs", "raw_logprobs", "processed_logits", "raw_logits")
-
-
-def doc(
-    text: str,
-    *,
-    choices: tuple | Callable[[], tuple] | None = None,
-    status: str = SUPPORTED,
-    neutral: Any = _NO_NEUTRAL,
-    replacement: str | None = None,
-    optional: bool = False,
-    unset_ok: bool = False,
-    hardware: str | None = None,
-    hardware_values: dict | None = None,
-):
-    """Declare one config key: its documentation and how the validator treats it.
-
-    choices: valid values (each element is checked when the value is a list), or a function
-        returning them (for tables owned by a module too heavy to import here).
-    status: SUPPORTED, IGNORED, UNSUPPORTED / PENDING (need `neutral`), DEPRECATED (needs
-        `replacement`) or HARDWARE (needs `neutral` and `hardware`).
-    neutral: the only value accepted for UNSUPPORTED, PENDING and HARDWARE keys (the one that
-        switches the feature off).
-    optional: the key may be absent (only one of the compositions holds it).
-    unset_ok: `???` (Hydra's "must be set") is accepted: the key is only read by a feature that
-        is off or not implemented.
-    hardware_values: {value: hardware} of choices that only exist on hardware this build does not
-        support (`trainer.device=npu`): refused in one line naming the hardware.
-    """
-    if status in (UNSUPPORTED, PENDING, HARDWARE) and neutral is _NO_NEUTRAL:
-        raise TypeError("an unsupported, pending or hardware-only key needs the neutral value it must keep")
-    if status == DEPRECATED and not replacement:
-        raise TypeError("a deprecated key needs the name of its replacement")
-    if status == HARDWARE and not hardware:
-        raise TypeError("a hardware-only key needs the hardware it is for")
-    meta = {
-        "doc": text,
-        "choices": choices,
-        "status": status,
-        "neutral": neutral,
-        "replacement": replacement,
-        "optional": optional,
-        "unset_ok": unset_ok,
-        "hardware": hardware,
-        "hardware_values": hardware_values or {},
-    }
-    return dataclasses.field(metadata=meta)
-
-
-_SPEED = "Speed or memory only: the results do not depend on it"
-
+from verl.trainer.config.config import CheckpointConfig
+from verl.trainer.config.fields import agent_loop_choices, tool_format_choices
+from verl.workers.config import McoreEngineConfig, PolicyLossConfig
+from verl.workers.config._fields import (  # noqa: F401  (re-exported: the schema's public names)
+    _NO_NEUTRAL,
+    _SPEED,
+    CHECKPOINT_CONTENTS,
+    DEPRECATED,
+    ENGINE_DTYPES,
+    GROUP_ADV_ESTIMATORS,
+    HARDWARE,
+    IGNORED,
+    KL_CTRL_TYPES,
+    KL_PENALTIES,
+    LOGGERS,
+    LOGPROBS_MODES,
+    LOSS_AGG_MODES,
+    LR_SCHEDULES,
+    MODEL_DTYPES,
+    NPU,
+    PENDING,
+    PF_PPO_METHODS,
+    PROFILER_TOOLS,
+    RESUME_MODES,
+    REWARD_MANAGER_SOURCES,
+    REWARD_MANAGERS,
+    REWARD_ON_ERROR,
+    ROLLOUT_DTYPES,
+    ROLLOUT_MODES,
+    ROLLOUT_NAMES,
+    STRATEGIES,
+    SUPPORTED,
+    TRTLLM,
+    TRUNCATIONS,
+    UNSUPPORTED,
+    adv_estimator_choices,
+    device_choices,
+    doc,
+    policy_loss_choices,
+)
 
 # --------------------------------------------------------------------------------------- data
 
@@ -302,73 +218,6 @@ class RewardModelFSDPConfig:
     model_dtype: str = doc("Dtype the weights are loaded in.", choices=MODEL_DTYPES, optional=True)
     dtype: str = doc("Compute dtype (as the actor's fsdp_config.dtype).", choices=ENGINE_DTYPES, optional=True)
     mixed_precision: dict | None = doc("{param_dtype, reduce_dtype}.", optional=True)
-
-
-@dataclass
-class MegatronConfig:
-    """Megatron-core parallelism of one model (read when its `strategy` is megatron; docs/megatron.md)."""
-
-    param_offload: bool = doc("Keep parameters on the host between uses (saves device memory; no-op on CPU).")
-    grad_offload: bool = doc("Keep gradients on the host between updates.", status=IGNORED, optional=True)
-    optimizer_offload: bool = doc("Keep the Adam moments on the host between updates (no-op on CPU).", optional=True)
-    tensor_model_parallel_size: int = doc("Ranks one layer's weights are split over (attention heads, MLP, vocab).")
-    expert_model_parallel_size: int = doc("Expert parallelism (mixture-of-experts).", status=UNSUPPORTED, neutral=1)
-    expert_tensor_parallel_size: int | None = doc(
-        "Tensor parallelism inside experts (mixture-of-experts).", status=UNSUPPORTED, neutral=(None, 1)
-    )
-    pipeline_model_parallel_size: int = doc("Pipeline stages the layers are split into.")
-    virtual_pipeline_model_parallel_size: int | None = doc(
-        "Interleaved pipeline chunks (virtual stages) per pipeline stage; needs pipeline_model_parallel_size >= 2 "
-        "and at least that many micro-batches per rank. null: no interleaving."
-    )
-    context_parallel_size: int = doc(
-        "Ranks one sequence is split over (each holds 2 of its 2 x cp load-balanced chunks; keys and values "
-        "are all-gathered in attention). Must divide the world size together with the tensor and pipeline sizes."
-    )
-    sequence_parallel: bool = doc(
-        "Split activations outside attention/MLP along the sequence over the tensor-parallel ranks (memory only, "
-        "same results); needs tensor_model_parallel_size > 1 (ignored otherwise). Runs without TransformerEngine or "
-        "apex."
-    )
-    use_distributed_optimizer: bool = doc(
-        "Split the Adam state over data-parallel ranks by whole parameters (ZeRO stage 1; memory only, same results)."
-    )
-    use_dist_checkpointing: bool = doc(
-        "Start from a Megatron dist checkpoint (made once with `python -m verl.models.mcore.converter`) instead of "
-        "the HF weights: each rank reads only its shards. Not for the reward model."
-    )
-    dist_checkpointing_path: str | None = doc(
-        "That checkpoint's directory (or a verl megatron checkpoint's actor/critic directory)."
-    )
-    dist_checkpointing_prefix: str = doc("Key prefix inside that checkpoint.")
-    seed: int = doc("Seed of Megatron's model-parallel random streams.")
-    override_ddp_config: dict = doc(
-        "Megatron DistributedDataParallelConfig fields (bucket sizes, overlap). "
-        "Speed or memory only here: gradients are reduced by verl's own data-parallel step.",
-        status=IGNORED,
-        optional=True,
-    )
-    override_transformer_config: dict = doc(
-        "TransformerConfig fields set on top of those derived from the HF config (e.g. recompute_granularity; "
-        "recompute_* and attention_backend are speed or memory knobs)."
-    )
-    override_mcore_model_config: dict = doc(
-        "GPTModel constructor overrides.", status=UNSUPPORTED, neutral={}, optional=True
-    )
-    use_mbridge: bool = doc(
-        "Convert HF weights with the mbridge package; here verl's own converter (verl.models.mcore) builds the same "
-        "Megatron weights either way.",
-        status=IGNORED,
-    )
-    vanilla_mbridge: bool = doc("mbridge's implementation switch (see use_mbridge).", status=IGNORED)
-    use_remove_padding: bool = doc(f"Pack sequences without padding. {_SPEED}.", status=IGNORED)
-    forward_only: bool = doc("Build the model for inference only.", status=IGNORED, optional=True)
-    dtype: str = doc(
-        "Compute dtype of the Megatron model (mixed precision: parameters, gradients and Adam state stay fp32, "
-        "the forward runs under autocast in this dtype; fp16 only for frozen models). auto (ours): bfloat16 on GPU, "
-        "float32 on CPU.",
-        choices=ENGINE_DTYPES,
-    )
 
 
 @dataclass
@@ -517,27 +366,6 @@ class OptimConfig:
 
 
 @dataclass
-class CheckpointConfig:
-    """What a checkpoint holds."""
-
-    save_contents: list[str] = doc("Parts written at each save.", choices=CHECKPOINT_CONTENTS)
-    load_contents: list[str] = doc("Parts read when resuming.", choices=CHECKPOINT_CONTENTS)
-    async_save: bool = doc("Write checkpoints in the background.", status=UNSUPPORTED, neutral=False)
-
-
-@dataclass
-class PolicyLossConfig:
-    """Policy-gradient loss variant and its parameters."""
-
-    loss_mode: str = doc("Policy loss: vanilla PPO clip or a variant.", choices=policy_loss_choices)
-    clip_cov_ratio: float = doc("clip-cov: fraction of tokens whose gradient is clipped.")
-    clip_cov_lb: float = doc("clip-cov: lower bound of the covariance window.")
-    clip_cov_ub: float = doc("clip-cov: upper bound of the covariance window.")
-    kl_cov_ratio: float = doc("kl-cov: fraction of tokens given a KL penalty.")
-    ppo_kl_coef: float = doc("kl-cov: coefficient of that KL penalty.")
-
-
-@dataclass
 class ProfilerConfig:
     """Profiling of one role's work (global_profiler picks the tool and the steps)."""
 
@@ -617,7 +445,9 @@ class ActorConfig:
     router_replay: RouterReplayConfig = doc("Mixture-of-experts routing replay.")
     grad_clip: float = doc("FSDP: clip the global gradient norm to this value (see optim.clip_grad).", optional=True)
     ulysses_sequence_parallel_size: int = doc(
-        "Ulysses sequence-parallel group size.", status=UNSUPPORTED, neutral=1, optional=True
+        "Ulysses sequence-parallel group size: > 1 splits each packed sequence across this many ranks "
+        "(needs use_remove_padding; see docs/sequence_parallel.md).",
+        optional=True,
     )
     entropy_from_logits_with_chunking: bool = doc(
         f"Compute entropy in chunks. {_SPEED}.", status=IGNORED, optional=True
@@ -634,7 +464,7 @@ class ActorConfig:
         f"Recompute that sum in backward. {_SPEED}.", status=IGNORED, optional=True
     )
     fsdp_config: FSDPConfig = doc("FSDP engine (strategy fsdp or fsdp2).", optional=True)
-    megatron: MegatronConfig = doc("Megatron-core parallelism (strategy megatron).", optional=True)
+    megatron: McoreEngineConfig = doc("Megatron-core parallelism (strategy megatron).", optional=True)
     load_weight: bool = doc(
         "Megatron: load the HF weights (false: random initialisation).", status=UNSUPPORTED, neutral=True, optional=True
     )
@@ -688,11 +518,11 @@ class RefConfig:
     router_replay: RouterReplayConfig = doc("Mixture-of-experts routing replay.")
     fsdp_config: FSDPConfig = doc("FSDP engine (strategy fsdp or fsdp2).", optional=True)
     ulysses_sequence_parallel_size: int = doc(
-        "Sequence-parallel group size.", status=UNSUPPORTED, neutral=1, optional=True
+        "Ulysses sequence-parallel group size of the reference forward (must equal the actor's).", optional=True
     )
     entropy_from_logits_with_chunking: bool = doc("Compute entropy in chunks.", status=IGNORED, optional=True)
     entropy_checkpointing: bool = doc("Recompute entropy in backward.", status=IGNORED, optional=True)
-    megatron: MegatronConfig = doc("Megatron-core parallelism (strategy megatron).", optional=True)
+    megatron: McoreEngineConfig = doc("Megatron-core parallelism (strategy megatron).", optional=True)
     load_weight: bool = doc("Megatron: load the HF weights.", status=UNSUPPORTED, neutral=True, optional=True)
 
 
@@ -717,7 +547,10 @@ class MultiTurnConfig:
     tool_config_path: str | None = doc(
         "Tool config YAML (upstream's format: tools: [{class_name, config, tool_schema}])."
     )
-    interaction_config_path: str | None = doc("YAML describing a simulated user.", status=UNSUPPORTED, neutral=None)
+    interaction_config_path: str | None = doc(
+        "Simulated-user YAML (upstream's format: interaction: [{name, class_name, config}]); a sample picks one "
+        "with extra_info.interaction_kwargs.name."
+    )
     max_parallel_calls: int = doc("Tool calls run per model turn (concurrently); further calls get an error message.")
     max_tool_response_length: int = doc("Characters of a tool's answer kept in the conversation.")
     tool_response_truncate_side: str = doc(
@@ -987,10 +820,11 @@ class CriticConfig:
         "Sequences per value forward pass on one rank (follows ppo_micro_batch_size_per_gpu).", optional=True
     )
     ulysses_sequence_parallel_size: int = doc(
-        "Sequence-parallel group size.", status=UNSUPPORTED, neutral=1, optional=True
+        "Ulysses sequence-parallel group size (needs model.use_remove_padding; see docs/sequence_parallel.md).",
+        optional=True,
     )
     grad_clip: float = doc("FSDP: clip the global gradient norm to this value (see optim.clip_grad).", optional=True)
-    megatron: MegatronConfig = doc("Megatron-core parallelism (strategy megatron).", optional=True)
+    megatron: McoreEngineConfig = doc("Megatron-core parallelism (strategy megatron).", optional=True)
     nccl_timeout: int = doc("Megatron: seconds a collective may wait.", optional=True)
     load_weight: bool = doc("Megatron: load the HF weights.", status=UNSUPPORTED, neutral=True, optional=True)
 
@@ -1080,7 +914,7 @@ class RewardModelConfig:
 
     enable: bool = doc("Score responses with a learned reward model (otherwise rule-based rewards only).")
     enable_resource_pool: bool = doc(
-        "Run the reward model in its own pool of workers.", status=UNSUPPORTED, neutral=False
+        "Run the reward model in its own pool of workers (reward_model.nnodes x n_gpus_per_node), not colocated."
     )
     n_gpus_per_node: int = doc("Workers per node of that pool (with enable_resource_pool).")
     nnodes: int = doc("Nodes of that pool (with enable_resource_pool).")
@@ -1113,7 +947,7 @@ class RewardModelConfig:
     ulysses_sequence_parallel_size: int = doc(
         "Sequence-parallel group size.", status=UNSUPPORTED, neutral=1, optional=True
     )
-    megatron: MegatronConfig = doc(
+    megatron: McoreEngineConfig = doc(
         "Megatron-core parallelism of the reward model (strategy megatron; it shares the actor's worker processes, "
         "so a megatron actor or critic there must use the same layout).",
         optional=True,
@@ -1179,69 +1013,6 @@ class CustomRewardFunctionConfig:
 
 
 # ----------------------------------------------------------------------------------- algorithm
-
-
-@dataclass
-class KLControlConfig:
-    """Controller of the in-reward KL coefficient."""
-
-    type: str = doc("fixed: constant coefficient; adaptive: steer towards `target_kl`.", choices=KL_CTRL_TYPES)
-    kl_coef: float = doc("(Initial) KL coefficient.")
-    horizon: int = doc("Adaptive controller horizon in samples.")
-    target_kl: float = doc("Adaptive controller target KL.")
-
-
-@dataclass
-class PFPPOConfig:
-    """Policy-filtration PPO: resample the batch by reward weight."""
-
-    reweight_method: str = doc("Weighting of samples.", choices=PF_PPO_METHODS)
-    weight_pow: float = doc("Exponent of the `pow` method.")
-
-
-@dataclass
-class FilterGroupsConfig:
-    """DAPO dynamic sampling: drop groups whose samples all score the same and generate more."""
-
-    enable: bool = doc("Drop zero-variance groups and refill the batch.")
-    metric: str | None = doc("Per-sample metric whose spread decides (e.g. acc, score, seq_reward).")
-    max_num_gen_batches: int = doc("Generation rounds per step before giving up (<= 0: unlimited).")
-
-
-@dataclass
-class RolloutCorrectionConfig:
-    """Importance weights and rejection of samples by the ratio of the training policy's probabilities to the
-    rollout engine's (upstream's rollout_corr_helper)."""
-
-    rollout_is: str | None = doc("Importance-weight level: null (off), token or sequence.")
-    rollout_is_threshold: float | None = doc("Upper truncation of the importance weights (with rollout_is).")
-    rollout_rs: str | None = doc("Rejection-sampling mode: null (off) or a level.")
-    rollout_rs_threshold: float | str | None = doc("Rejection threshold(s) (with rollout_rs).")
-    bypass_mode: bool = doc(
-        "Use the rollout's log-probs as the old policy's (no separate old-log-prob pass).",
-    )
-    loss_type: str = doc("Policy loss of bypass mode (ppo_clip or reinforce).")
-    rollout_is_batch_normalize: bool = doc("Normalise the importance weights to mean 1 over the batch.")
-
-
-@dataclass
-class AlgorithmConfig:
-    """Advantage estimation and the KL penalty in the reward."""
-
-    gamma: float = doc("Discount factor.")
-    lam: float = doc("GAE lambda.")
-    adv_estimator: str = doc("Advantage estimator.", choices=adv_estimator_choices)
-    norm_adv_by_std_in_grpo: bool = doc("GRPO: divide by the group's std (False: Dr. GRPO).")
-    use_kl_in_reward: bool = doc("Subtract a KL(policy || reference) penalty from the reward; needs the reference.")
-    kl_penalty: str = doc("KL estimator of the in-reward penalty.", choices=KL_PENALTIES)
-    kl_ctrl: KLControlConfig = doc("KL coefficient controller.")
-    use_pf_ppo: bool = doc(
-        "Policy-filtration PPO: after GAE, redraw the batch (same size, with replacement) weighted by each "
-        "response's score (adv_estimator=gae only, as upstream)."
-    )
-    pf_ppo: PFPPOConfig = doc("PF-PPO parameters.")
-    filter_groups: FilterGroupsConfig = doc("Ours. DAPO dynamic sampling.")
-    rollout_correction: RolloutCorrectionConfig = doc("Correction of the rollout-vs-training probability gap.")
 
 
 # ------------------------------------------------------------------------------------- trainer
@@ -1439,7 +1210,7 @@ class PPOConfig:
     reward_manager: RewardManagerConfig = doc("Rule-based reward manager.")
     reward_model: RewardModelConfig = doc("Rewards.")
     custom_reward_function: CustomRewardFunctionConfig = doc("User reward function.")
-    algorithm: AlgorithmConfig = doc("Advantage estimation and KL.")
+    algorithm: AlgoConfig = doc("Advantage estimation and KL.")
     trainer: TrainerConfig = doc("Driver loop.")
     global_profiler: GlobalProfilerConfig = doc("Profiling.")
     transfer_queue: TransferQueueConfig = doc("Upstream's TransferQueue.")
@@ -1462,3 +1233,43 @@ def field_meta(f: dataclasses.Field) -> dict:
 def is_open(cls: type) -> bool:
     """Whether a section accepts keys beyond its declared fields."""
     return bool(getattr(cls, "OPEN_KEYS", False))
+
+
+def config_fields(cls: type) -> tuple[dataclasses.Field, ...]:
+    """The config keys a section class declares: its dataclass fields less `_target_`, which names the
+    class to build (BaseConfig's field) rather than a setting."""
+    return tuple(f for f in dataclasses.fields(cls) if f.name != "_target_")
+
+
+def section_class(declared: type, value) -> type:
+    """The dataclass that checks a section: the subclass of `declared` its `_target_` names, else `declared`.
+
+    A field's annotation names the base class (`OptimizerConfig`); the YAML of each trainer names the
+    engine-specific subclass (`FSDPOptimizerConfig` vs `McoreOptimizerConfig`) in `_target_`, so the
+    section is checked against the keys of the class it will be built as. A `_target_` that cannot be
+    imported or is not a subclass of `declared` raises ValueError (the message names the key).
+    """
+    target = value.get("_target_") if isinstance(value, dict) else None
+    if not target:
+        return declared
+    module_name, _, attr = str(target).rpartition(".")
+    try:
+        named = getattr(importlib.import_module(module_name), attr) if module_name else None
+    except (ImportError, AttributeError):
+        named = None
+    if not (isinstance(named, type) and issubclass(named, declared)):
+        what = "does not name an importable class" if named is None else f"names {named!r}"
+        raise ValueError(
+            f"_target_={target!r} {what}, which is not a {declared.__name__}; "
+            f"name {declared.__name__} or a subclass of it, or drop the `_target_`"
+        )
+    return named
+
+
+TYPED_SECTIONS: dict[str, type] = {
+    "algorithm": AlgoConfig,
+    "actor_rollout_ref.actor.checkpoint": CheckpointConfig,
+    "critic.checkpoint": CheckpointConfig,
+    "actor_rollout_ref.actor.policy_loss": PolicyLossConfig,
+}
+"""Dotted key -> the runtime section class whose `__post_init__` checks it (validate.py builds each)."""

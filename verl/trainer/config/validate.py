@@ -33,6 +33,7 @@ from omegaconf.errors import OmegaConfBaseException
 
 from verl.trainer.config import schema as S
 from verl.trainer.config.errors import ConfigError, ConfigWarning, did_you_mean
+from verl.utils.config import omega_conf_to_dataclass
 
 # --------------------------------------------------------------------------------------- types
 
@@ -102,7 +103,7 @@ def _type_hint(tp) -> str:
 def iter_schema_fields(cls: type = S.PPOConfig, prefix: str = ""):
     """Yield (dotted key, field, type, owning dataclass) for every leaf and section, depth first."""
     hints = typing.get_type_hints(cls)
-    for f in dataclasses.fields(cls):
+    for f in S.config_fields(cls):
         full = f"{prefix}{f.name}"
         yield full, f, hints[f.name], cls
         if is_section_type(hints[f.name]):
@@ -119,7 +120,7 @@ def _check_section(
 ):
     """Check one section against its dataclass; errors are (dotted key, message)."""
     hints = typing.get_type_hints(cls)
-    fields = {f.name: f for f in dataclasses.fields(cls)}
+    fields = {f.name: f for f in S.config_fields(cls)}
     for key in value:
         if key in fields or key == "_target_" or S.is_open(cls) or (not path and key == "hydra"):
             continue
@@ -162,6 +163,11 @@ def _check_section(
                     )
                 )
             else:
+                try:
+                    tp = S.section_class(tp, v)
+                except ValueError as e:
+                    errors.append((f"{full}._target_", f"{full}.{e}"))
+                    continue
                 _check_section(v, tp, full + ".", errors, warns, all_keys)
             continue
         if not _matches(v, tp):
@@ -271,6 +277,23 @@ def _next_multiple(start: int, ok) -> int:
     while not ok(m):
         m += 1
     return m
+
+
+def _check_typed_sections(c: dict, errors: list[str]):
+    """Build each typed section: its `__post_init__` holds the checks that need only that section."""
+    for key, cls in S.TYPED_SECTIONS.items():
+        value = _get(c, key)
+        try:
+            cls = S.section_class(cls, value)
+        except ValueError:
+            continue  # the schema walk already reported the bad `_target_` under its own key
+        try:
+            omega_conf_to_dataclass(value, cls)
+        except ValueError as e:
+            message = str(e)
+            # a class shared by several sections names its key relative to the section
+            prefix = key.rpartition(".")[0]
+            errors.append(f"{prefix}.{message}" if prefix and not message.startswith(key) else message)
 
 
 def _check_positive(c: dict, errors: list[str]):
@@ -592,12 +615,6 @@ def _check_algorithm(c: dict, errors: list[str], warns: list[str]):
             f"algorithm.use_pf_ppo=true has no effect with algorithm.adv_estimator={est}: PF-PPO redraws the batch "
             "after GAE only (as upstream); use adv_estimator=gae or drop use_pf_ppo"
         )
-    ctrl = alg["kl_ctrl"]
-    if ctrl["type"] == "adaptive" and (ctrl["target_kl"] <= 0 or ctrl["horizon"] <= 0):
-        errors.append("algorithm.kl_ctrl.type=adaptive needs target_kl > 0 and horizon > 0")
-    fg = alg["filter_groups"]
-    if fg["enable"] and not fg["metric"]:
-        errors.append("algorithm.filter_groups.enable=true needs algorithm.filter_groups.metric (e.g. acc or score)")
     ob = c["reward_model"]["overlong_buffer"]
     if ob["enable"] and ob["len"] > c["data"]["max_response_length"]:
         errors.append(
@@ -680,12 +697,6 @@ def _check_multi_turn(c: dict, errors: list[str]):
     mt = rollout["multi_turn"]
     if not mt["enable"]:
         return
-    if rollout["tensor_model_parallel_size"] > 1:
-        errors.append(
-            f"actor_rollout_ref.rollout.multi_turn.enable=true needs rollout.tensor_model_parallel_size=1 (got "
-            f"{rollout['tensor_model_parallel_size']}): conversations on different workers make different numbers "
-            "of engine calls, which a tensor-parallel engine group cannot match"
-        )
     path = mt["tool_config_path"]
     if path and not os.path.isfile(os.path.expanduser(path)):
         errors.append(
@@ -1126,6 +1137,7 @@ def validate_ppo_config(cfg: DictConfig | dict) -> None:
 
         _raise([msg for k, msg in keyed if not copies_a_bad_value(k)])
     errors: list[str] = []
+    _check_typed_sections(c, errors)
     _check_positive(c, errors)
     world = _check_rollout_layout(c, errors)
     if world is not None and not errors:

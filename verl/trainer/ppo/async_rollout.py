@@ -76,6 +76,7 @@ import torch
 from omegaconf import open_dict
 
 from verl.protocol import DataProto
+from verl.trainer.ppo.generation import GEN_BATCH_KEYS, generation_input, with_generation
 from verl.utils.logging_utils import get_logger
 from verl.utils.timer import marked_timer
 
@@ -147,14 +148,25 @@ class _Stats:
 class AsyncRolloutSource:
     """The rollout strategy for `async_training.staleness_threshold >= 1` (see the module docstring).
 
-    trainer: the `RayPPOTrainer` (its `actor_rollout_wg`, `_next_batch`, `_gen_batch`, `_compute_reward`).
-    rollout_wg: the rollout-only worker group (a separate resource pool).
+    Built from explicit parts, never from the trainer:
+    config: the composed config (async_training, actor_rollout_ref.rollout, data.train_batch_size).
+    rollout_wg: the rollout-only worker group (a separate resource pool); actor_wg: the training
+        worker group whose weights it pushes to the rollout pool.
+    next_prompts: the prompt stream, `() -> DataProto` (one dataloader batch per call).
+    score: the reward scorer, `(batch, state) -> batch` with token_level_scores/rewards set.
+    tokenizer: for the rollout's eos/pad ids. current_step: `() -> int`, the trainer's step.
+    total_steps: `() -> int`, the run's number of training steps (nothing is generated past it).
     """
 
-    def __init__(self, trainer, rollout_wg):
-        cfg = trainer.config.async_training
-        self.trainer = trainer
+    def __init__(self, config, rollout_wg, actor_wg, next_prompts, score, tokenizer, current_step, total_steps):
+        cfg = config.async_training
         self.rollout_wg = rollout_wg
+        self.actor_wg = actor_wg
+        self.next_prompts = next_prompts
+        self.score = score
+        self.tokenizer = tokenizer
+        self.current_step = current_step
+        self.total_steps = total_steps
         # s batches ahead (a fraction: part of a batch); ceil(s) is the hard bound on a sample's staleness
         self.s = float(cfg.staleness_threshold)
         self.k = math.ceil(self.s)
@@ -164,11 +176,12 @@ class AsyncRolloutSource:
         self.sync_every = int(cfg.get("trigger_parameter_sync_step", 1) or 1)
         self.partial_rollout = bool(cfg.get("partial_rollout", False))
         self.partial_check_steps = int(cfg.get("partial_rollout_check_steps", 8) or 8)
-        rollout_cfg = trainer.config.actor_rollout_ref.rollout
+        rollout_cfg = config.actor_rollout_ref.rollout
+        self.multi_turn = bool(rollout_cfg.get("multi_turn", {}).get("enable", False))
         ckpt_engine = rollout_cfg.get("checkpoint_engine") or {}
         self.bucket_mb = int(ckpt_engine.get("update_weights_bucket_megabytes", 512) or 512)
         self.n = int(rollout_cfg.n)
-        self.groups_per_step = int(trainer.config.data.train_batch_size)
+        self.groups_per_step = int(config.data.train_batch_size)
         self.num_drawn = 0
         # Groups of drawn batches submitted so far, and the groups of the last drawn batch (batch
         # `num_drawn`) not yet submitted (a fractional staleness_threshold submits a batch in two parts).
@@ -186,12 +199,12 @@ class AsyncRolloutSource:
 
     # ------------------------------------------------------------------ the strategy
     def __call__(self, state) -> DataProto:
-        step = self.trainer.global_steps
+        step = self.current_step()
         self._sync_weights(step, state)
         # Group g of batch b may be generated with the pool's version p only if its position in the
         # stream of groups is within (p + 1 + s) batches; for integer s: whole batches up to p + 1 + s.
         ahead = math.floor((self._pool_version + 1 + self.s) * self.groups_per_step + 1e-9)
-        self._submit_groups_until(min(ahead, self.trainer.total_training_steps * self.groups_per_step))
+        self._submit_groups_until(min(ahead, self.total_steps() * self.groups_per_step))
         with marked_timer("wait_rollout", state.timing):
             batch = self._take(step, state)
         state.metrics.update(self._metrics(batch, step))
@@ -217,7 +230,7 @@ class AsyncRolloutSource:
 
     def _push_weights(self, version: int) -> None:
         """Make `version` the rollout pool's weights for every request submitted from now on."""
-        actor_wg = self.trainer.actor_rollout_wg
+        actor_wg = self.actor_wg
         if self._pushed_version is None:
             self._init_group(actor_wg)
         self._wait(self.rollout_wg, self._receive_refs, "receive_weights")
@@ -248,7 +261,7 @@ class AsyncRolloutSource:
         while self.num_submitted_groups < limit:
             if self._held is None:
                 self.num_drawn += 1
-                batch = self.trainer._next_batch()
+                batch = self.next_prompts()
                 uids = [f"{self.num_drawn}_{i}" for i in range(len(batch))]
                 batch.non_tensor_batch["uid"] = np.array(uids, dtype=object)
                 self._held = batch.repeat(repeat_times=self.n, interleave=True)
@@ -270,14 +283,12 @@ class AsyncRolloutSource:
 
     def _submit_groups(self, batch_index: int, rows: DataProto) -> None:
         """Cut group-aligned rows into one chunk per rollout worker and submit each."""
-        from verl.trainer.ppo.ray_trainer import GEN_BATCH_KEYS
-
         num_groups = len(rows) // self.n
         workers = self.rollout_wg.world_size
         per_worker = -(-num_groups // workers)
         for w, start in enumerate(range(0, num_groups, per_worker)):
             part = rows.slice(start * self.n, min(num_groups, start + per_worker) * self.n)
-            gen = self.trainer._gen_batch(part)
+            gen = generation_input(part, self.tokenizer, self.current_step(), self.multi_turn)
             gen.meta_info["global_steps"] = batch_index
             if self.partial_rollout:
                 gen.meta_info["partial_rollout"] = True
@@ -295,8 +306,6 @@ class AsyncRolloutSource:
     def _finish_one(self, state) -> None:
         """Wait for the oldest finished chunk, score it, queue its groups for training."""
         import ray
-
-        from verl.trainer.ppo.ray_trainer import _with_generation
 
         done = [c for c in self._chunks if c.output is not None]
         if not done:
@@ -321,7 +330,7 @@ class AsyncRolloutSource:
                 c.output = self._wait(self.rollout_wg, [c.ref], "generate_sequences")[0]
         chunk = min(done, key=lambda c: c.seq)
         self._chunks.remove(chunk)
-        scored = self.trainer._compute_reward(_with_generation(chunk.rows, chunk.output), state)
+        scored = self.score(with_generation(chunk.rows, chunk.output), state)
         scored.meta_info.pop("metrics", None)
         self._ready.append(scored)
 

@@ -30,9 +30,7 @@ Design decisions:
 
 from __future__ import annotations
 
-import os
 import random
-import shutil
 from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any
@@ -40,19 +38,20 @@ from typing import Any
 import numpy as np
 import torch
 
-from verl.protocol import DataProto, pad_dataproto_to_divisor, unpad_dataproto
+from verl.protocol import DataProto
 from verl.trainer.ppo import core_algos
 from verl.trainer.ppo.async_rollout import (
     configure_off_policy_correction,
     importance_weight_metrics,
     staleness_threshold,
 )
+from verl.trainer.ppo.checkpointer import Checkpointer
+from verl.trainer.ppo.dataloaders import create_dataloaders
+from verl.trainer.ppo.generation import GEN_BATCH_KEYS, generation_input, with_generation
 from verl.trainer.ppo.metric_utils import (
     compute_data_metrics,
     compute_throughput_metrics,
     compute_timing_metrics,
-    flatten_validation_metrics,
-    process_validation_metrics,
     reduce_metrics,
 )
 from verl.trainer.ppo.rollout_corr_helper import (
@@ -60,26 +59,17 @@ from verl.trainer.ppo.rollout_corr_helper import (
     compute_rollout_correction_and_add_to_batch,
     configure_rollout_correction,
 )
+from verl.trainer.ppo.step_records import NonFiniteLossError as NonFiniteLossError  # main_ppo and tests import it here
+from verl.trainer.ppo.step_records import NonFiniteStreak, dump_rollouts
+from verl.trainer.ppo.validator import Validator, due
 from verl.utils import speed_paths
-from verl.utils.checkpoint.checkpoint_manager import find_latest_ckpt_path, write_checkpoint_tracker
-from verl.utils.checkpoint.safe_load import from_plain, numpy_rng_state, set_numpy_rng_state, to_plain, torch_load
+from verl.utils.checkpoint.safe_load import from_plain, numpy_rng_state, set_numpy_rng_state, to_plain
 from verl.utils.logging_utils import get_logger
 from verl.utils.profiler import StepProfiler, resolve_role_profilers
 from verl.utils.speed_paths import SpeedPath
 from verl.utils.timer import marked_timer
 
 logger = get_logger(__name__, "INFO")
-
-GEN_BATCH_KEYS = ("input_ids", "attention_mask", "position_ids")
-# What agent loops read per sample besides the prompt: the loop's name and the tools' arguments
-# (upstream's `agent_name` and `extra_info.tools_kwargs` columns).
-MULTI_TURN_KEYS = ("agent_name", "tools_kwargs", "extra_info", "index")  # index: the traces' sample_index
-# Metrics the workers report per update: > 0 when an optimizer step was skipped for a NaN/inf gradient.
-NONFINITE_METRICS = ("actor/skipped_nonfinite_grad", "critic/skipped_nonfinite_grad")
-
-
-class NonFiniteLossError(RuntimeError):
-    """`trainer.max_consecutive_nonfinite_steps` steps in a row had a NaN/inf loss or gradient."""
 
 
 class Role(Enum):
@@ -161,36 +151,16 @@ class RayPPOTrainer:
         self._step_profiler = StepProfiler(self.profiler_config)
         _check_estimator_inputs(config)
         self.global_steps = 0
-        self._nonfinite_in_a_row = 0
+        self._nonfinite = NonFiniteStreak(config.trainer.max_consecutive_nonfinite_steps)
         self._create_dataloader(train_dataset, val_dataset, collate_fn, train_sampler)
 
     # ------------------------------------------------------------------ setup
     def _create_dataloader(self, train_dataset, val_dataset, collate_fn, train_sampler) -> None:
-        from verl.trainer.main_ppo import create_rl_sampler
-        from verl.utils.dataset.rl_dataset import collate_fn as default_collate_fn
-        from verl.utils.dataset.sampler import StatefulDataLoader, create_rl_dataloader
-
-        data = self.config.data
-        collate_fn = collate_fn or default_collate_fn
-        # DAPO's dynamic sampling draws gen_batch_size prompts at a time; everyone else train_batch_size.
-        batch_size = data.get("gen_batch_size") or data.train_batch_size
-        if batch_size > len(train_dataset):
-            raise ValueError(
-                f"data.train_batch_size={batch_size} is larger than the {len(train_dataset)} prompts of the "
-                "training set (after filtering overlong prompts); lower data.train_batch_size or add data"
-            )
-        self.train_dataloader = StatefulDataLoader(
-            train_dataset,
-            batch_size=batch_size,
-            sampler=train_sampler or create_rl_sampler(data, train_dataset),
-            collate_fn=collate_fn,
-            drop_last=True,
-            num_workers=data.get("dataloader_num_workers") or 0,
+        self.train_dataloader, self.val_dataloader = create_dataloaders(
+            self.config.data, train_dataset, val_dataset, collate_fn, train_sampler
         )
         self._train_iter = None
-        self.val_dataloader = None
-        if val_dataset is not None and len(val_dataset) > 0:
-            self.val_dataloader = create_rl_dataloader(val_dataset, data, is_train=False, collate_fn=collate_fn)
+        self._uids_drawn = (-1, 0)  # (step, prompts drawn in it): see _next_batch
         total = self.config.trainer.get("total_training_steps")
         self.total_training_steps = total or len(self.train_dataloader) * self.config.trainer.total_epochs
         logger.info(
@@ -279,7 +249,16 @@ class RayPPOTrainer:
 
             self.rollout_wg = groups["rollout"]
             self.rollout_wg.init_model()
-            self._async_rollout = AsyncRolloutSource(self, self.rollout_wg)
+            self._async_rollout = AsyncRolloutSource(
+                self.config,
+                self.rollout_wg,
+                self.actor_rollout_wg,
+                next_prompts=self._next_batch,
+                score=self._compute_reward,
+                tokenizer=self.tokenizer,
+                current_step=lambda: self.global_steps,
+                total_steps=lambda: self.total_training_steps,
+            )
             self._rollout_strategy = self._async_rollout
         self._worker_speed_paths = self._collect_worker_speed_paths()
         groups = {id(g): g for g in (getattr(self, n, None) for n in _WORKER_GROUPS) if g is not None}
@@ -395,23 +374,19 @@ class RayPPOTrainer:
             self._train_iter = iter(self.train_dataloader)
             batch_dict = next(self._train_iter)
         batch = DataProto.from_single_dict(batch_dict)
-        batch.non_tensor_batch["uid"] = np.array([f"{self.global_steps}_{i}" for i in range(len(batch))], dtype=object)
+        # `<step>_<index>`, the index counting every prompt drawn in this step: dynamic sampling draws
+        # several batches per step, and a uid repeated across them would merge unrelated prompts'
+        # groups (GRPO's baseline, the filter's variance). The first batch's uids are unchanged.
+        first = self._uids_drawn[1] if self._uids_drawn[0] == self.global_steps else 0
+        batch.non_tensor_batch["uid"] = np.array(
+            [f"{self.global_steps}_{first + i}" for i in range(len(batch))], dtype=object
+        )
+        self._uids_drawn = (self.global_steps, first + len(batch))
         return batch
 
     def _gen_batch(self, batch: DataProto, **meta) -> DataProto:
-        keys = ("raw_prompt_ids", "raw_prompt", "multi_modal_data")
-        if self.config.actor_rollout_ref.rollout.get("multi_turn", {}).get("enable", False):
-            keys += MULTI_TURN_KEYS
-        non_tensor_keys = [k for k in keys if k in batch.non_tensor_batch]
-        gen = batch.select(batch_keys=list(GEN_BATCH_KEYS), non_tensor_batch_keys=non_tensor_keys)
-        gen.meta_info.update(
-            eos_token_id=self.tokenizer.eos_token_id,
-            pad_token_id=self.tokenizer.pad_token_id,
-            global_steps=self.global_steps,
-            n=1,  # the driver repeats each prompt itself (rows sharing a uid); one sample per row
-            **meta,
-        )
-        return gen
+        multi_turn = self.config.actor_rollout_ref.rollout.get("multi_turn", {}).get("enable", False)
+        return generation_input(batch, self.tokenizer, self.global_steps, multi_turn, **meta)
 
     def _generate(self, batch: DataProto, state: _StepState) -> DataProto:
         n = self.config.actor_rollout_ref.rollout.n
@@ -631,35 +606,20 @@ class RayPPOTrainer:
         return _meta_metrics(self.actor_rollout_wg.update_actor(batch))
 
     # ------------------------------------------------------------------ validation
+    @property
+    def validator(self) -> Validator:
+        """Built on first use: the rollout worker group it generates with exists after `init_workers()`."""
+        return Validator(
+            self.config.trainer,
+            self.config.actor_rollout_ref.rollout,
+            self.val_dataloader,
+            self.val_reward_fn,
+            self.actor_rollout_wg,
+            self.tokenizer,
+        )
+
     def _validate(self) -> dict[str, float]:
-        """Generate for every validation prompt (val_kwargs.n samples, greedy by default) and score."""
-        rollout = self.config.actor_rollout_ref.rollout
-        val_kwargs = rollout.get("val_kwargs", {})
-        n = val_kwargs.get("n", 1)
-        sources, uids, infos = [], [], {"reward": [], "acc": []}
-        extra_infos: dict[str, list] = {}
-        dp = self.actor_rollout_wg.world_size
-        for batch_dict in self.val_dataloader:
-            batch = DataProto.from_single_dict(batch_dict)
-            batch.non_tensor_batch["uid"] = np.array([f"val_{len(uids)}_{i}" for i in range(len(batch))], dtype=object)
-            gen = self._gen_batch(batch, validate=True, do_sample=val_kwargs.get("do_sample", False))
-            gen = gen.repeat(repeat_times=n, interleave=True)
-            gen, pad = pad_dataproto_to_divisor(gen, dp)
-            out = unpad_dataproto(self.actor_rollout_wg.generate_sequences(gen), pad)
-            batch = _with_generation(batch.repeat(repeat_times=n, interleave=True), out)
-            result = self.val_reward_fn(batch, return_dict=True)
-            scores = result["reward_tensor"].sum(-1).tolist()
-            extra = result.get("reward_extra_info", {})
-            infos["reward"].extend(scores)
-            infos["acc"].extend(extra.get("acc", scores))
-            for key, values in extra.items():
-                if key != "acc" and len(values) == len(batch):
-                    extra_infos.setdefault(key, []).extend(values)
-            sources.extend(batch.non_tensor_batch.get("data_source", np.array(["unknown"] * len(batch))).tolist())
-            uids.extend(batch.non_tensor_batch["uid"].tolist())
-        infos.update(extra_infos)
-        nested = process_validation_metrics(np.array(sources, dtype=object), np.array(uids, dtype=object), infos)
-        return flatten_validation_metrics(nested)
+        return self.validator.run(self.global_steps)
 
     # ------------------------------------------------------------------ the loop
     def fit(self) -> dict[str, float]:
@@ -688,8 +648,8 @@ class RayPPOTrainer:
         self.tracker = tracker
         self._load_checkpoint()
         last: dict[str, float] = {}
-        can_validate = self.val_dataloader is not None and self.val_reward_fn is not None
-        if can_validate and trainer_cfg.get("val_before_train", True):
+        validator = self.validator
+        if validator.should_validate_before_training():
             last = self._validate()
             tracker.log(last, step=self.global_steps)
             if trainer_cfg.get("val_only", False):
@@ -708,17 +668,17 @@ class RayPPOTrainer:
             self._step_profiler.begin(self.global_steps)
             metrics = self.step()
             self._update_curriculum()
-            if self._count_nonfinite_step(metrics):
+            if self._nonfinite.record(metrics):
                 tracker.log(metrics, step=self.global_steps)
                 progress.close()
-                raise NonFiniteLossError(self._nonfinite_message())
-            if trainer_cfg.get("rollout_data_dir"):
-                self._dump_rollouts(trainer_cfg.rollout_data_dir)
+                raise self._nonfinite.error(self.global_steps)
+            if trainer_cfg.rollout_data_dir:
+                dump_rollouts(self._last_batch, self.tokenizer, trainer_cfg.rollout_data_dir, self.global_steps)
             timing: dict[str, float] = {}
-            if can_validate and _due(trainer_cfg.get("test_freq", -1), self.global_steps, is_last):
+            if validator.should_validate(self.global_steps, is_last):
                 with marked_timer("testing", timing):
                     metrics.update(self._validate())
-            if _due(trainer_cfg.get("save_freq", -1), self.global_steps, is_last):
+            if due(trainer_cfg.get("save_freq", -1), self.global_steps, is_last):
                 with marked_timer("save_checkpoint", timing):
                     self._save_checkpoint()
             self._step_profiler.end(self.global_steps)
@@ -744,64 +704,14 @@ class RayPPOTrainer:
         if isinstance(self.train_dataloader.sampler, AbstractCurriculumSampler):
             self.train_dataloader.sampler.update(batch=self._last_batch)
 
-    def _count_nonfinite_step(self, metrics: dict[str, Any]) -> bool:
-        """Count steps in a row whose actor or critic skipped an update for a NaN/inf loss or gradient
-        (`*/skipped_nonfinite_grad`); True when `trainer.max_consecutive_nonfinite_steps` is reached."""
-        skipped = any(metrics.get(key, 0.0) > 0 for key in NONFINITE_METRICS)
-        self._nonfinite_in_a_row = self._nonfinite_in_a_row + 1 if skipped else 0
-        metrics["training/nonfinite_steps_in_a_row"] = self._nonfinite_in_a_row
-        limit = self.config.trainer.get("max_consecutive_nonfinite_steps")
-        return limit is not None and self._nonfinite_in_a_row >= limit
-
-    def _nonfinite_message(self) -> str:
-        n, last = self._nonfinite_in_a_row, self.global_steps
-        steps = f"steps {last - n + 1}-{last}" if n > 1 else f"step {last}"
-        return (
-            f"stopping: the loss or gradient norm was NaN or infinite in {n} steps in a row ({steps}; "
-            f"trainer.max_consecutive_nonfinite_steps={n}), so their updates were skipped and the model stopped "
-            "learning. Usual causes: rewards of extreme magnitude (see critic/score/*), a learning rate that is too "
-            "high, or fp16 overflow. Fix the cause (lower actor_rollout_ref.actor.optim.lr, rescale the reward, "
-            "train in bf16 or fp32) and resume: the checkpoints in trainer.default_local_dir are untouched"
-        )
-
-    def _dump_rollouts(self, directory: str) -> None:
-        """`<rollout_data_dir>/<step>.jsonl`: one line per trained sample (uid, input, output, score,
-        and when generation runs ahead the oldest and newest weight versions that generated it)."""
-        import json
-
-        batch = self._last_batch
-        os.makedirs(directory, exist_ok=True)
-        inputs = self.tokenizer.batch_decode(batch.batch["prompts"], skip_special_tokens=True)
-        outputs = self.tokenizer.batch_decode(batch.batch["responses"], skip_special_tokens=True)
-        scores = batch.batch["token_level_scores"].sum(-1).tolist()
-        versions = batch.non_tensor_batch.get("weight_version")
-        newest = batch.non_tensor_batch.get("weight_version_max")
-        with open(os.path.join(directory, f"{self.global_steps}.jsonl"), "w") as f:
-            for i, uid in enumerate(batch.non_tensor_batch["uid"]):
-                row = {"step": self.global_steps, "uid": str(uid), "input": inputs[i], "output": outputs[i]}
-                row["score"] = scores[i]
-                if versions is not None:
-                    row["weight_version"] = int(versions[i])
-                if newest is not None:
-                    row["weight_version_max"] = int(newest[i])
-                f.write(json.dumps(row) + "\n")
-
     # ------------------------------------------------------------------ checkpoints
-    def _checkpoint_root(self) -> str:
-        return os.path.abspath(os.path.expanduser(self.config.trainer.default_local_dir))
+    @property
+    def checkpointer(self) -> Checkpointer:
+        """Built on first use: the worker groups it saves exist only after `init_workers()`."""
+        return Checkpointer(self.config.trainer, self.actor_rollout_wg, self.critic_wg if self.use_critic else None)
 
     def _save_checkpoint(self) -> str:
-        """Write global_step_N/{actor,critic,data.pt}, then point the tracker file at it."""
-        root = self._checkpoint_root()
-        step_dir = os.path.join(root, f"global_step_{self.global_steps}")
-        trainer_cfg = self.config.trainer
-        self.actor_rollout_wg.save_checkpoint(
-            os.path.join(step_dir, "actor"), self.global_steps, trainer_cfg.get("max_actor_ckpt_to_keep")
-        )
-        if self.use_critic:
-            self.critic_wg.save_checkpoint(
-                os.path.join(step_dir, "critic"), self.global_steps, trainer_cfg.get("max_critic_ckpt_to_keep")
-            )
+        """Save the workers and the driver's own state (dataloader, RNGs, KL coefficient, queued groups)."""
         driver_state = {
             "dataloader": self.train_dataloader.state_dict(),
             "global_steps": self.global_steps,
@@ -810,50 +720,12 @@ class RayPPOTrainer:
         }
         if self._async_rollout is not None:  # the drawn-but-untrained groups (the dataloader counts them)
             driver_state["async_rollout"] = to_plain(self._async_rollout.state_dict())
-        tmp = os.path.join(step_dir, "data.pt.tmp")
-        torch.save(driver_state, tmp)
-        os.replace(tmp, os.path.join(step_dir, "data.pt"))
-        write_checkpoint_tracker(root, self.global_steps)
-        self._remove_old_checkpoints(root)
-        return step_dir
-
-    def _remove_old_checkpoints(self, root: str) -> None:
-        keep = self.config.trainer.get("max_actor_ckpt_to_keep")
-        if not keep or keep <= 0:
-            return
-        steps = sorted(int(d.split("_")[-1]) for d in os.listdir(root) if d.startswith("global_step_"))
-        for step in steps[:-keep]:
-            shutil.rmtree(os.path.join(root, f"global_step_{step}"), ignore_errors=True)
-
-    def _find_resume_dir(self) -> str | None:
-        trainer_cfg = self.config.trainer
-        mode = trainer_cfg.get("resume_mode", "auto")
-        if mode == "disable":
-            return None
-        if mode == "resume_path":
-            path = trainer_cfg.get("resume_from_path")
-            if not path or "global_step_" not in os.path.basename(os.path.normpath(str(path))):
-                raise ValueError(
-                    f"trainer.resume_mode=resume_path needs trainer.resume_from_path pointing at a "
-                    f"global_step_N directory, got {path!r}; e.g. "
-                    f"trainer.resume_from_path={self._checkpoint_root()}/global_step_10"
-                )
-            if not os.path.isdir(path):
-                raise FileNotFoundError(f"trainer.resume_from_path={path} does not exist")
-            return os.path.abspath(path)
-        if mode != "auto":
-            raise ValueError(f"trainer.resume_mode={mode!r} is not one of auto, disable, resume_path")
-        return find_latest_ckpt_path(self._checkpoint_root())
+        return self.checkpointer.save(self.global_steps, driver_state)
 
     def _load_checkpoint(self) -> None:
-        step_dir = self._find_resume_dir()
-        if step_dir is None:
+        state = self.checkpointer.load()
+        if state is None:
             return
-        logger.info(f"resuming from {step_dir}")
-        self.actor_rollout_wg.load_checkpoint(os.path.join(step_dir, "actor"))
-        if self.use_critic:
-            self.critic_wg.load_checkpoint(os.path.join(step_dir, "critic"))
-        state = torch_load(os.path.join(step_dir, "data.pt"), "driver checkpoint state")
         self.global_steps = state["global_steps"]
         self.train_dataloader.load_state_dict(state["dataloader"])
         self._train_iter = None
@@ -897,22 +769,7 @@ def _equal_groups(uids, world_size: int) -> list[list[int]] | None:
     return groups
 
 
-def _due(freq: int, step: int, is_last: bool) -> bool:
-    """Whether a periodic action (test_freq, save_freq; <= 0 disables) runs at `step`."""
-    return freq > 0 and (is_last or step % freq == 0)
-
-
-def _with_generation(batch: DataProto, gen_out: DataProto) -> DataProto:
-    """The prompt batch with its generation-side tensors replaced by the rollout's output."""
-    batch = DataProto(
-        batch=batch.batch.clone() if batch.batch is not None else None,
-        non_tensor_batch=dict(batch.non_tensor_batch),
-        meta_info=dict(batch.meta_info),
-    )
-    for key in GEN_BATCH_KEYS:
-        if batch.batch is not None and key in batch.batch:
-            batch.batch.pop(key)
-    return batch.union(gen_out)
+_with_generation = with_generation
 
 
 def _rollout_mismatch_metrics(batch: DataProto, old_log_probs: torch.Tensor) -> dict[str, float]:

@@ -9,7 +9,9 @@ Rows follow upstream verl's RL schema with `data_source="arith_tool"` (scored on
 only, `verl.utils.reward_score.arith.compute_score_after_tools`) and `agent_name="tool_agent"`; they
 carry no `extra_info.tools_kwargs` because the calculator keeps no per-conversation state. `transcript(problem)` is the
 conversation a perfect tool user has; the SFT warm-start (`verl.models.build_bundled_tool`) trains
-on those, in the multi-turn SFT format (`messages`).
+on those, in the multi-turn SFT format (`messages`), and measures the model with the real agent
+loop (`evaluate_tool_use`, kept there: it drives workers and the agent loop, which a dataset
+module below them must not import).
 """
 
 from __future__ import annotations
@@ -61,51 +63,3 @@ def write_arith_tool_parquet(
         _write_parquet_atomic([problem_to_row(p, name, i) for i, p in enumerate(problems)], path)
         paths.append(path)
     return paths[0], paths[1]
-
-
-def evaluate_tool_use(model, tokenizer, rows: list[dict], response_length: int = 160, prompt_length: int = 32) -> dict:
-    """Greedy multi-turn episodes with the calculator on `rows`; returns accuracy (final answer),
-    the fraction of episodes that called the tool, and the mean number of turns.
-
-    `model` is an HF causal LM (its current weights are used) or a checkpoint directory.
-    """
-    import numpy as np
-    import torch
-
-    from verl.experimental.agent_loop import AgentLoopRollout
-    from verl.protocol import DataProto
-    from verl.tools.calculator_tool import CalculatorTool
-    from verl.utils.reward_score.arith import compute_score_after_tools
-    from verl.workers.rollout.hf_rollout import HFRollout
-
-    config = {"response_length": response_length, "prompt_length": prompt_length, "multi_turn": {}}
-    engine = HFRollout(model, config=config, tokenizer=tokenizer, device="cpu")
-    rollout = AgentLoopRollout(engine, config, tokenizer, tools=[CalculatorTool()])
-    prompts = [
-        tokenizer(
-            tokenizer.apply_chat_template(list(r["prompt"]), add_generation_prompt=True, tokenize=False),
-            add_special_tokens=False,
-        )["input_ids"]
-        for r in rows
-    ]
-    width = max(len(p) for p in prompts)
-    ids = torch.full((len(rows), width), tokenizer.pad_token_id, dtype=torch.long)
-    mask = torch.zeros_like(ids)
-    for i, p in enumerate(prompts):
-        ids[i, width - len(p) :] = torch.tensor(p)
-        mask[i, width - len(p) :] = 1
-    raw = np.empty(len(rows), dtype=object)
-    raw[:] = [list(r["prompt"]) for r in rows]
-    batch = DataProto.from_dict(
-        tensors={"input_ids": ids, "attention_mask": mask, "position_ids": (mask.cumsum(-1) - 1).clamp(min=0)},
-        non_tensors={"raw_prompt": raw},
-        meta_info={"do_sample": False, "eos_token_id": tokenizer.eos_token_id, "pad_token_id": tokenizer.pad_token_id},
-    )
-    out = rollout.generate_sequences(batch)
-    attended = out.batch["attention_mask"][:, width:].bool()
-    texts = tokenizer.batch_decode(
-        [out.batch["responses"][i][attended[i]].tolist() for i in range(len(rows))], skip_special_tokens=True
-    )
-    scores = [compute_score_after_tools(t, r["reward_model"]["ground_truth"]) for t, r in zip(texts, rows)]
-    turns = out.non_tensor_batch["__num_turns__"].astype(float)
-    return {"accuracy": float(np.mean(scores)), "tool_use": float(np.mean(turns > 2)), "num_turns": float(turns.mean())}

@@ -187,7 +187,7 @@ def _slice_rotary_positions_on_cpu() -> None:
     function is rebound in the two modules that call it on our path."""
     from megatron.core.models.common.embeddings import rope_utils, rotary_pos_embedding
 
-    from verl.models.mcore.context_parallel import split_sequence
+    from verl.utils.megatron.sequence_layout import split_sequence
 
     def get_pos_emb_on_this_cp_rank(pos_emb, seq_dim, cp_group):
         if cp_group is None:

@@ -54,7 +54,7 @@ worker's `perf/mfu/actor`.
 Rollout correction: `rollout_is_weights` in the batch (decoupled mode, computed by the trainer)
 multiply each token's policy loss; with `rollout_log_probs` in the batch every micro-batch also
 reports the current policy's gap to the rollout (`rollout_corr/*`, as upstream); bypass mode is the
-`bypass_mode` policy loss (see `verl.trainer.ppo.rollout_corr_helper`).
+`bypass_mode` policy loss (see `verl.algorithms.rollout_corr`).
 
 Config keys read (the `actor_rollout_ref.actor` section; DictConfig, dataclass or dict):
 ppo_mini_batch_size, ppo_micro_batch_size_per_gpu, use_dynamic_bsz, ppo_max_token_len_per_gpu,
@@ -64,7 +64,7 @@ tis_imp_ratio_cap, tau_pos, tau_neg (sapo), loss_scale_factor (seq-mean-token-su
 for every term of the loss), calculate_entropy (compute and report `actor/entropy` during the
 update even without an entropy bonus), policy_loss {loss_mode, clip_cov_*, kl_cov_ratio,
 ppo_kl_coef, rollout_correction}, loss_agg_mode (replaced by the loss's own for `sapo` and
-`geo_mean`, with a warning: `core_algos.LOSS_AGG_MODE_OVERRIDES`), entropy_coeff, use_kl_loss,
+`geo_mean`, with a warning: `verl.algorithms.policy_losses.LOSS_AGG_MODE_OVERRIDES`), entropy_coeff, use_kl_loss,
 kl_loss_coef, kl_loss_type, use_remove_padding,
 ulysses_sequence_parallel_size (must be 1), skip_zero_advantage_step, skip_zero_advantage_rows,
 share_prompt_forward. `use_torch_compile` is
@@ -80,17 +80,11 @@ import torch
 import torch.distributed as dist
 from torch.distributed.fsdp import FSDPModule
 
-from verl.trainer.ppo.core_algos import (
-    LOSS_AGG_MODE_OVERRIDES,
-    PolicyLossParams,
-    agg_loss,
-    entropy_from_logits_with_chunking,
-    get_policy_loss_fn,
-    kl_penalty,
-    logprobs_from_logits,
-)
-from verl.trainer.ppo.rollout_corr_helper import compute_rollout_corr_metrics_from_logprobs
-from verl.utils import shared_prompt, speed_paths
+from verl.algorithms.aggregation import agg_loss
+from verl.algorithms.kl import kl_penalty
+from verl.algorithms.policy_losses import LOSS_AGG_MODE_OVERRIDES, PolicyLossParams, get_policy_loss_fn
+from verl.algorithms.rollout_corr import compute_rollout_corr_metrics_from_logprobs
+from verl.utils import shared_prompt, speed_paths, ulysses
 from verl.utils.device import collective_device, get_device
 from verl.utils.flops_counter import FlopsCounter, FlopsTally
 from verl.utils.hf_forward import model_forward
@@ -99,7 +93,11 @@ from verl.utils.optim import grad_clip
 from verl.utils.remove_padding import pad_input, unpad_input, unpad_position_ids
 from verl.utils.seqlen_balancing import num_micro_batches_for_budget
 from verl.utils.shared_prompt import prompt_groups, shared_prompt_logits
-from verl.utils.torch_functional import sum_pi_squared_from_logits
+from verl.utils.torch_functional import (
+    entropy_from_logits_with_chunking,
+    logprobs_from_logits,
+    sum_pi_squared_from_logits,
+)
 from verl.workers.actor.base import BasePPOActor
 from verl.workers.dp_training import (
     append_to_dict,
@@ -170,21 +168,27 @@ def _require_temperature(meta_info: dict) -> float:
 class DataParallelPPOActor(BasePPOActor):
     """PPO/GRPO actor over an HF causal LM (FSDP2-sharded or plain)."""
 
-    def __init__(self, config, actor_module: torch.nn.Module, actor_optimizer: torch.optim.Optimizer | None = None):
+    def __init__(
+        self,
+        config,
+        actor_module: torch.nn.Module,
+        actor_optimizer: torch.optim.Optimizer | None = None,
+        ulysses_group=None,
+    ):
+        """`ulysses_group`: the process group of this rank's sequence-parallel peers, needed when
+        `ulysses_sequence_parallel_size` > 1 (see `verl.utils.ulysses`)."""
         super().__init__(config)
         self.actor_module = actor_module
         self.actor_optimizer = actor_optimizer
         cfg = config_to_dict(config)
         self._cfg = cfg
-        sp = int(cfg.get("ulysses_sequence_parallel_size", 1) or 1)
-        if sp != 1:
-            raise NotImplementedError(
-                f"actor.ulysses_sequence_parallel_size={sp}: sequence parallelism is not implemented; set it to 1 "
-                "(use use_remove_padding and use_dynamic_bsz to fit long sequences)"
-            )
         self.use_remove_padding = bool(cfg.get("use_remove_padding", False))
         # a peft model forwards its keyword arguments to the HF model it wraps: ask that one
         hf_module = actor_module.get_base_model() if hasattr(actor_module, "get_base_model") else actor_module
+        self.sp_size = ulysses.setup(
+            "actor", cfg, getattr(hf_module, "config", None), self.use_remove_padding, ulysses_group
+        )
+        self._sp_group = ulysses_group
         forward = model_forward(hf_module)
         self._accepts_logits_to_keep = forward.accepts_logits_to_keep
         self._hf_module = hf_module
@@ -196,6 +200,8 @@ class DataParallelPPOActor(BasePPOActor):
         speed_paths.report([self.shared_prompt_path])
         # on even when the path is off for updates only (gradient checkpointing): log-probs still share
         self.share_prompt_forward = self.shared_prompt_path.requested and forward.cache_argument is not None
+        # the shared-prompt forward has no sequence-parallel form: sp > 1 runs every row in full
+        self.share_prompt_forward = self.share_prompt_forward and self.sp_size == 1
         policy_loss_cfg = cfg.get("policy_loss") or {}
         self.loss_mode = policy_loss_cfg.get("loss_mode", "vanilla")
         self.loss_agg_mode = self._effective_loss_agg_mode(cfg.get("loss_agg_mode", "token-mean"))
@@ -280,6 +286,8 @@ class DataParallelPPOActor(BasePPOActor):
         if self.use_remove_padding:
             packed_ids, indices = unpad_input(input_ids, micro_batch["attention_mask"])
             packed_pos = unpad_position_ids(micro_batch["position_ids"], indices)
+            if self.sp_size > 1:
+                return self._sp_packed_outputs(packed_ids, packed_pos, indices, micro_batch, temperature, stats)
             logits = self.actor_module(input_ids=packed_ids, position_ids=packed_pos, use_cache=False).logits[0]
             logits.div_(temperature)
             # label of each packed position = the next packed token; it is wrong only at a sequence's
@@ -305,6 +313,21 @@ class DataParallelPPOActor(BasePPOActor):
         return self._response_outputs(
             [output.logits[:, -kept - 1 : -1, :]], micro_batch["responses"], temperature, stats
         )
+
+    def _sp_packed_outputs(self, packed_ids, packed_pos, indices, micro_batch, temperature, stats):
+        """`_forward_with_stats`'s remove-padding branch with the packed tokens split across the
+        Ulysses group; gradients scaled by sp for FSDP's average over the dp x sp ranks."""
+        batch_size, seqlen = micro_batch["input_ids"].shape
+        response_length = micro_batch["responses"].shape[-1]
+        fns = {name: TOKEN_STATS[name] for name in stats}
+        log_probs, values = ulysses.packed_forward(
+            self.actor_module, packed_ids, packed_pos, self._sp_group, temperature, fns, grad_scale=self.sp_size
+        )
+
+        def place(packed):
+            return pad_input(packed, indices, batch_size, seqlen)[:, -response_length - 1 : -1]
+
+        return {name: place(v) for name, v in values.items()}, place(log_probs)
 
     @staticmethod
     def _response_outputs(logit_parts, responses, temperature: float, stats: tuple[str, ...]):

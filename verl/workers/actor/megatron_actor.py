@@ -2,7 +2,7 @@
 
 `MegatronPPOActor(config, model_chunks, hf_config, actor_optimizer=None)` has the FSDP actor's
 contract: the same config keys, batch semantics, micro-batching, loss functions
-(`verl.trainer.ppo.core_algos`), loss normalisation (`verl.workers.dp_training`), guarded steps
+(`verl.algorithms`), loss normalisation (`verl.workers.dp_training`), guarded steps
 and metric names. It subclasses `DataParallelPPOActor` to inherit all of that (batch-key checks,
 epochs and shuffling, zero-advantage skipping) and replaces only what touches the model: the
 forward pass, gradient synchronisation and clipping.

@@ -10,7 +10,7 @@ Batching, micro-batch loss weighting, remove-padding and gradient clipping work 
 (`verl.workers.actor.dp_actor`, `verl.workers.dp_training`). Config keys (the `critic` section):
 ppo_mini_batch_size (per rank, normalised by the worker), ppo_micro_batch_size_per_gpu,
 use_dynamic_bsz, ppo_max_token_len_per_gpu, ppo_epochs, shuffle, data_loader_seed, grad_clip (or optim.clip_grad),
-cliprange_value, loss_agg_mode, ulysses_sequence_parallel_size (must be 1), and
+cliprange_value, loss_agg_mode, ulysses_sequence_parallel_size (> 1 needs remove-padding, see `verl.utils.ulysses`), and
 `model.use_remove_padding` (or `use_remove_padding`). compute_values reads `micro_batch_size`,
 `use_dynamic_bsz`, `max_token_len` from `data.meta_info`.
 """
@@ -20,11 +20,13 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from verl.trainer.ppo.core_algos import compute_value_loss, masked_mean
+from verl.algorithms.value_losses import compute_value_loss
+from verl.utils import ulysses
 from verl.utils.device import collective_device, get_device
 from verl.utils.flops_counter import FlopsCounter, FlopsTally
 from verl.utils.optim import grad_clip
 from verl.utils.remove_padding import pad_input, unpad_input, unpad_position_ids
+from verl.utils.torch_functional import masked_mean
 from verl.workers.critic.base import BasePPOCritic
 from verl.workers.dp_training import (
     append_to_dict,
@@ -49,20 +51,31 @@ _MODEL_INPUTS = ["responses", "input_ids", "attention_mask", "position_ids"]
 class DataParallelPPOCritic(BasePPOCritic):
     """Value function over an HF token-classification model (FSDP2-sharded or plain)."""
 
-    def __init__(self, config, critic_module: torch.nn.Module, critic_optimizer: torch.optim.Optimizer | None):
+    def __init__(
+        self,
+        config,
+        critic_module: torch.nn.Module,
+        critic_optimizer: torch.optim.Optimizer | None,
+        ulysses_group=None,
+    ):
+        """`ulysses_group`: this rank's sequence-parallel peers when `ulysses_sequence_parallel_size` > 1."""
         super().__init__(config)
         self.critic_module = critic_module
         self.critic_optimizer = critic_optimizer
         cfg = config_to_dict(config)
         self._cfg = cfg
         self.grad_clip = grad_clip(cfg, "critic")
-        sp = int(cfg.get("ulysses_sequence_parallel_size", 1) or 1)
-        if sp != 1:
-            raise NotImplementedError(
-                f"critic.ulysses_sequence_parallel_size={sp}: sequence parallelism is not implemented; set it to 1"
-            )
         model_cfg = cfg.get("model") or {}
         self.use_remove_padding = bool(model_cfg.get("use_remove_padding", cfg.get("use_remove_padding", False)))
+        self.sp_size = ulysses.setup(
+            "critic",
+            cfg,
+            getattr(critic_module, "config", None),
+            self.use_remove_padding,
+            ulysses_group,
+            "critic.model.use_remove_padding",
+        )
+        self._sp_group = ulysses_group
         self.loss_agg_mode = cfg.get("loss_agg_mode", "token-mean")
         self.cliprange_value = float(cfg.get("cliprange_value", 0.5))
         self._shuffle_generator = torch.Generator().manual_seed(int(cfg.get("data_loader_seed", 0) or 0))
@@ -78,8 +91,14 @@ class DataParallelPPOCritic(BasePPOCritic):
         if self.use_remove_padding:
             packed_ids, indices = unpad_input(input_ids, micro_batch["attention_mask"])
             packed_pos = unpad_position_ids(micro_batch["position_ids"], indices)
-            out = self.critic_module(input_ids=packed_ids, position_ids=packed_pos, use_cache=False).logits
-            values = pad_input(out[0, :, 0], indices, batch_size, seqlen)
+            if self.sp_size > 1:  # gradients scaled by sp for FSDP's average over dp x sp ranks
+                out, pad = ulysses.forward_slice(self.critic_module, packed_ids, packed_pos, self._sp_group)
+                packed = ulysses.gather_outputs_and_unpad(out.logits[0, :, 0], 0, pad, self._sp_group, self.sp_size)
+            else:
+                packed = self.critic_module(input_ids=packed_ids, position_ids=packed_pos, use_cache=False).logits[
+                    0, :, 0
+                ]
+            values = pad_input(packed, indices, batch_size, seqlen)
             return values[:, -response_length - 1 : -1]
         # Columns that are padding in every row are left out (see `token_window`).
         start, end, kept = token_window(micro_batch["attention_mask"], response_length)

@@ -9,6 +9,9 @@ where it costs nothing; every 16 on GPU, where each check drains the launch queu
 
 Work the batch does not need is skipped, which is where the RL workload's time goes (the GRPO
 arithmetic task: every prompt sampled n times, most answers done after 3 of 8 tokens):
+- Columns that are padding in every row are dropped before anything runs (`drop_leading_padding`):
+  prompts padded to `data.max_prompt_length` would otherwise be prefilled, cached and read by
+  every decode step in full (the bundled task: ~17 real of 32 columns).
 - Repeated prompts are prefilled once: rows with identical (prompt, mask, positions) share one
   prefill, whose cache columns are then copied to every row that repeats it (`_prefill`).
 - Finished rows leave the batch: at a check, once an eighth of the active rows have emitted EOS
@@ -145,6 +148,8 @@ class GenerationEngine:
         self.decoder = decoder
         self.device = decoder.device
         self.graphs = DecodeGraphRunner(decoder) if use_cuda_graph else None
+        if isinstance(decoder, LlamaDecoder):
+            decoder.cuda_graphs = self.graphs is not None
         self.gpu_memory_utilization = gpu_memory_utilization
         self.kv_cache_bytes = kv_cache_bytes
         # why `from_model` left the graphs off when they were left to it (reported as a speed path)
@@ -410,6 +415,7 @@ class GenerationEngine:
         if position_ids is None:
             position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
         position_ids = position_ids.to(dev)
+        input_ids, attention_mask, position_ids = drop_leading_padding(input_ids, attention_mask, position_ids)
         B, P = input_ids.shape
         R = max_new_tokens
         args = (sampling, eos_token_id, pad_token_id, return_logprobs, generator)
@@ -545,6 +551,25 @@ class GenerationEngine:
             return self.graphs.run(tokens, positions, column, column + 1)
         self._step.fill_(column)
         return self.decoder.decode_step(tokens, positions, self._step, column + 1)
+
+
+def drop_leading_padding(
+    input_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The left-padded prompts [B, P] without their leading columns that are padding in every row.
+
+    A batch padded to `data.max_prompt_length` carries columns no row attends to (the bundled task:
+    prompts of 14-17 tokens padded to 32). Every one of them would be prefilled, held in the KV
+    cache and read, masked, by every decode step. Dropping them changes no token's result: a
+    masked key's softmax weight is exactly 0 and positions come from `position_ids`, not from the
+    column index. One host sync per call, on the mask only."""
+    if input_ids.shape[1] == 0:
+        return input_ids, attention_mask, position_ids
+    # the first attended column (argmax returns the first maximum; 0 when no column is attended)
+    start = int(attention_mask.bool().any(0).int().argmax())
+    if start == 0:
+        return input_ids, attention_mask, position_ids
+    return input_ids[:, start:], attention_mask[:, start:], position_ids[:, start:]
 
 
 def _concat_outputs(parts: list[GenerationOutput], width: int, pad_token_id: int, paused_at: int | None):

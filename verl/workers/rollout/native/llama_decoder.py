@@ -228,6 +228,13 @@ class LlamaDecoder:
         # Decode attention. CPU: SDPA, one call (its flash kernel handles GQA and the additive mask).
         # Accelerators: explicit grouped matmuls, which read each K/V once and are graph-safe.
         self.fused_attention = self.device.type == "cpu"
+        # Set by an engine that replays the decode step in CUDA graphs (`DecodeGraphRunner`). Without
+        # graphs nothing reads a cache cell before writing it (prefill writes columns [0, P) of every
+        # row, each decode step its column before attending to it, `select_rows` copies written
+        # columns), so the cache is allocated uninitialised and the rotary table holds only the
+        # positions asked for: re-allocated after every `sleep`, zeroing the cache and a 4096-position
+        # table cost ~20% of a CPU generate of the bundled task.
+        self.cuda_graphs = False
         self._bmm_out_dtype = _bmm_writes_fp32(self.device, dtype)
 
     # ----------------------------------------------------------------------------------- weights
@@ -353,16 +360,18 @@ class LlamaDecoder:
         if batch > cap_b or max_len > cap_t:
             self.release_cache()
             shape = (s.num_layers, batch, s.num_kv_heads, max_len, s.head_dim)
-            # zeros, not empty: bucket-padding rows of a CUDA graph read cache rows never written
-            self.k_cache = torch.zeros(shape, device=self.device, dtype=self.dtype)
-            self.v_cache = torch.zeros(shape, device=self.device, dtype=self.dtype)
+            # zeros with CUDA graphs: their bucket-padding rows read cache rows never written
+            alloc = torch.zeros if self.cuda_graphs else torch.empty
+            self.k_cache = alloc(shape, device=self.device, dtype=self.dtype)
+            self.v_cache = alloc(shape, device=self.device, dtype=self.dtype)
             self.key_bias = torch.zeros(batch, max_len, device=self.device, dtype=torch.float32)
             self._batch_views = {}
             grown = True
         if self._cos is None or self._cos.shape[0] < max_position:
             # grow geometrically: every rebuild moves the table, which invalidates captured graphs
             current = 0 if self._cos is None else self._cos.shape[0]
-            self._build_rope_table(max(max_position, self.cache_capacity()[1], 2 * current, _MIN_ROPE_POSITIONS))
+            floor = _MIN_ROPE_POSITIONS if self.cuda_graphs else 0
+            self._build_rope_table(max(max_position, self.cache_capacity()[1], 2 * current, floor))
             grown = True
         return grown
 

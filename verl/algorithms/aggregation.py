@@ -1,0 +1,47 @@
+"""Loss aggregation (`actor.loss_agg_mode`, `critic.loss_agg_mode`): a per-token loss [B, R] -> scalar.
+
+Lives in its own module because every loss (policy, value, entropy, KL) ends with it.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from verl.algorithms._common import _unknown_name_error
+from verl.utils.torch_functional import masked_mean, masked_sum
+
+LOSS_AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
+
+
+def agg_loss(
+    loss_mat: torch.Tensor, loss_mask: torch.Tensor, loss_agg_mode: str, loss_scale_factor: float | None = None
+) -> torch.Tensor:
+    r"""Reduce a per-token loss [B, R] to a scalar (`actor.loss_agg_mode`).
+
+    With mask $m$, $n_i = \sum_t m_{i,t}$ tokens in response $i$ and $S$ the responses with
+    $n_i > 0$:
+
+    - `token-mean`: $\sum_{i,t} m_{i,t}\ell_{i,t} / \sum_{i,t} m_{i,t}$ — every token weighs the
+      same (DAPO, arXiv:2503.14476).
+    - `seq-mean-token-sum`: $\frac{1}{|S|}\sum_{i\in S}\sum_t m_{i,t}\ell_{i,t}$.
+    - `seq-mean-token-mean`: $\frac{1}{|S|}\sum_{i\in S}\frac{1}{n_i}\sum_t m_{i,t}\ell_{i,t}$ —
+      every response weighs the same (original GRPO, arXiv:2402.03300).
+    - `seq-mean-token-sum-norm`: $\frac{1}{B\,L}\sum_{i,t} m_{i,t}\ell_{i,t}$ with the constant
+      $L$ = `loss_scale_factor` or the padded length R — no length bias (Dr. GRPO,
+      arXiv:2503.20783). Upstream verl omits the $1/B$; we keep it so the value does not grow
+      with the micro-batch size.
+
+    Fully padded responses are left out of the `seq-mean-*` means; an empty mask gives 0.
+    """
+    if loss_agg_mode == "token-mean":
+        return masked_mean(loss_mat, loss_mask)
+    if loss_agg_mode == "seq-mean-token-sum-norm":
+        norm = loss_mask.shape[-1] if loss_scale_factor is None else loss_scale_factor
+        return masked_sum(loss_mat, loss_mask) / (max(loss_mat.shape[0], 1) * norm)
+    if loss_agg_mode in ("seq-mean-token-sum", "seq-mean-token-mean"):
+        seq_losses = masked_sum(loss_mat, loss_mask, axis=-1)
+        if loss_agg_mode == "seq-mean-token-mean":
+            seq_losses = masked_mean(loss_mat, loss_mask, axis=-1)
+        non_empty = (loss_mask != 0).any(dim=-1)
+        return masked_mean(seq_losses, non_empty)
+    raise _unknown_name_error("loss_agg_mode", loss_agg_mode, LOSS_AGG_MODES)

@@ -1,0 +1,89 @@
+"""`BaseConfig`: the base of every typed config section, as upstream verl names it.
+
+A config section is a dataclass built once from the composed YAML (see
+`verl.utils.config.omega_conf_to_dataclass`) and then handed to the code that reads it.
+
+Design decisions:
+- Frozen by default. A section is read by several components (driver, workers, rollout); a
+  component that changed a value would make the others disagree with it and with the logged
+  config. Assigning to a field after construction raises `dataclasses.FrozenInstanceError`.
+  A subclass that must fill a value in late (a batch size normalised per rank, say) names it in
+  the class attribute `_mutable_fields`, upstream's escape hatch; `__post_init__` may set any
+  field through `object.__setattr__`.
+- Not `@dataclass(frozen=True)`: subclasses are plain `@dataclass`es (upstream's are), and a
+  frozen base would force every subclass to be frozen too and forbid `_mutable_fields`.
+- Reads like a read-only mapping (`cfg["key"]`, `cfg.get("key", default)`, `"key" in cfg`,
+  iteration over field names, `len`), so code written against a DictConfig section keeps working
+  when handed the dataclass. A missing key raises `ConfigKeyError`, which is both a `KeyError`
+  (what a mapping raises, and what `in` relies on) and an `AttributeError` (what upstream raises).
+- `_target_` is a keyword-only field so subclasses may declare fields without defaults after it;
+  it holds the dotted class path the YAML names, "" when built directly.
+"""
+
+from __future__ import annotations
+
+import collections.abc
+import dataclasses
+from typing import Any, ClassVar
+
+__all__ = ["BaseConfig", "ConfigKeyError"]
+
+
+class ConfigKeyError(KeyError, AttributeError):
+    """A config section has no field of that name."""
+
+    def __str__(self) -> str:  # KeyError's str() would quote the whole message
+        return str(self.args[0]) if self.args else ""
+
+
+@dataclasses.dataclass
+class BaseConfig(collections.abc.Mapping):
+    """A dataclass config section: frozen after construction except `_mutable_fields`, readable as a mapping."""
+
+    _mutable_fields: ClassVar[frozenset[str] | set[str]] = frozenset()
+
+    _target_: str = dataclasses.field(default="", kw_only=True)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        # A name already in __dict__ has been set by __init__: later writes are frozen. The
+        # first write (inside the generated __init__) must go through.
+        if name in self.__dict__ and name not in type(self)._mutable_fields:
+            raise dataclasses.FrozenInstanceError(
+                f"{type(self).__name__}.{name} is frozen: config sections are read-only once built, "
+                f"so every component sees the same value; build a new one with "
+                f"dataclasses.replace(cfg, {name}=...) or list {name!r} in {type(self).__name__}._mutable_fields"
+            )
+        super().__setattr__(name, value)
+
+    def __delattr__(self, name: str) -> None:
+        if name not in type(self)._mutable_fields:
+            raise dataclasses.FrozenInstanceError(f"{type(self).__name__}.{name} is frozen and cannot be deleted")
+        super().__delattr__(name)
+
+    def _field_names(self) -> tuple[str, ...]:
+        return tuple(f.name for f in dataclasses.fields(self))
+
+    def get(self, key: str, default: Any = None) -> Any:
+        """The field `key`, or `default` when this section has no such field."""
+        try:
+            return self[key]
+        except KeyError:
+            return default
+
+    def __getitem__(self, key: str) -> Any:
+        if not isinstance(key, str):
+            raise TypeError(f"{type(self).__name__} keys are field names (str), got {type(key).__name__} {key!r}")
+        if key not in self._field_names():
+            raise ConfigKeyError(
+                f"{type(self).__name__} has no field {key!r}; its fields are: {', '.join(self._field_names())}"
+            )
+        return getattr(self, key)
+
+    def __contains__(self, key: object) -> bool:
+        return isinstance(key, str) and key in self._field_names()
+
+    def __iter__(self):
+        return iter(self._field_names())
+
+    def __len__(self) -> int:
+        return len(dataclasses.fields(self))

@@ -1,0 +1,45 @@
+"""What the driver sends to a rollout worker group and how it merges the answer back.
+
+Shared by the training rollout sources and the validator, so neither imports the other nor the
+trainer: `generation_input` selects the prompt-side keys of a batch and stamps the meta the
+rollout reads; `with_generation` puts the rollout's output in place of the prompt-side tensors.
+"""
+
+from __future__ import annotations
+
+from verl.protocol import DataProto
+
+GEN_BATCH_KEYS = ("input_ids", "attention_mask", "position_ids")
+# What agent loops read per sample besides the prompt: the loop's name and the tools' arguments
+# (upstream's `agent_name` and `extra_info.tools_kwargs` columns).
+MULTI_TURN_KEYS = ("agent_name", "tools_kwargs", "extra_info", "index")  # index: the traces' sample_index
+
+
+def generation_input(batch: DataProto, tokenizer, global_steps: int, multi_turn: bool, **meta) -> DataProto:
+    """The rollout's input for `batch` (one row per sample to generate), with its meta_info."""
+    keys = ("raw_prompt_ids", "raw_prompt", "multi_modal_data")
+    if multi_turn:
+        keys += MULTI_TURN_KEYS
+    non_tensor_keys = [k for k in keys if k in batch.non_tensor_batch]
+    gen = batch.select(batch_keys=list(GEN_BATCH_KEYS), non_tensor_batch_keys=non_tensor_keys)
+    gen.meta_info.update(
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        global_steps=global_steps,
+        n=1,  # the driver repeats each prompt itself (rows sharing a uid); one sample per row
+        **meta,
+    )
+    return gen
+
+
+def with_generation(batch: DataProto, gen_out: DataProto) -> DataProto:
+    """The prompt batch with its generation-side tensors replaced by the rollout's output."""
+    batch = DataProto(
+        batch=batch.batch.clone() if batch.batch is not None else None,
+        non_tensor_batch=dict(batch.non_tensor_batch),
+        meta_info=dict(batch.meta_info),
+    )
+    for key in GEN_BATCH_KEYS:
+        if batch.batch is not None and key in batch.batch:
+            batch.batch.pop(key)
+    return batch.union(gen_out)

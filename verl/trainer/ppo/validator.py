@@ -1,0 +1,82 @@
+"""The driver's validator: when to validate, and one pass over the validation set.
+
+A component the training loop calls (`validator.should_validate(step, is_last)`,
+`validator.run(step)`), built from explicit parts: the validation dataloader, the validation
+reward function, the rollout worker group that generates, the tokenizer and the config sections
+it reads (`trainer.test_freq`, `trainer.val_before_train`, `trainer.val_only`,
+`actor_rollout_ref.rollout.val_kwargs`). It never sees the trainer object.
+
+Every validation prompt is generated `val_kwargs.n` times (greedy unless `val_kwargs.do_sample`)
+and scored; the metrics are upstream's `val-core/...`/`val-aux/...` names per data source.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from verl.protocol import DataProto, pad_dataproto_to_divisor, unpad_dataproto
+from verl.trainer.ppo.generation import generation_input, with_generation
+from verl.trainer.ppo.metric_utils import flatten_validation_metrics, process_validation_metrics
+
+
+def due(freq: int, step: int, is_last: bool) -> bool:
+    """Whether a periodic action (test_freq, save_freq; <= 0 disables) runs at `step`."""
+    return freq > 0 and (is_last or step % freq == 0)
+
+
+class Validator:
+    """Validation as a component; see the module docstring.
+
+    dataloader / reward_fn: the validation data and its reward function; either None disables
+        validation. generator: the rollout worker group (`generate_sequences`, `world_size`).
+    """
+
+    def __init__(self, trainer_cfg, rollout_cfg, dataloader, reward_fn, generator, tokenizer):
+        self.trainer_cfg = trainer_cfg
+        self.rollout_cfg = rollout_cfg
+        self.dataloader = dataloader
+        self.reward_fn = reward_fn
+        self.generator = generator
+        self.tokenizer = tokenizer
+
+    @property
+    def enabled(self) -> bool:
+        return self.dataloader is not None and self.reward_fn is not None
+
+    def should_validate_before_training(self) -> bool:
+        return self.enabled and self.trainer_cfg.get("val_before_train", True)
+
+    def should_validate(self, step: int, is_last: bool) -> bool:
+        return self.enabled and due(self.trainer_cfg.get("test_freq", -1), step, is_last)
+
+    def run(self, step: int) -> dict[str, float]:
+        """Generate for every validation prompt (val_kwargs.n samples) and score; the metrics."""
+        val_kwargs = self.rollout_cfg.get("val_kwargs", {})
+        n = val_kwargs.get("n", 1)
+        multi_turn = self.rollout_cfg.get("multi_turn", {}).get("enable", False)
+        sources, uids, infos = [], [], {"reward": [], "acc": []}
+        extra_infos: dict[str, list] = {}
+        dp = self.generator.world_size
+        for batch_dict in self.dataloader:
+            batch = DataProto.from_single_dict(batch_dict)
+            batch.non_tensor_batch["uid"] = np.array([f"val_{len(uids)}_{i}" for i in range(len(batch))], dtype=object)
+            gen = generation_input(
+                batch, self.tokenizer, step, multi_turn, validate=True, do_sample=val_kwargs.get("do_sample", False)
+            )
+            gen = gen.repeat(repeat_times=n, interleave=True)
+            gen, pad = pad_dataproto_to_divisor(gen, dp)
+            out = unpad_dataproto(self.generator.generate_sequences(gen), pad)
+            batch = with_generation(batch.repeat(repeat_times=n, interleave=True), out)
+            result = self.reward_fn(batch, return_dict=True)
+            scores = result["reward_tensor"].sum(-1).tolist()
+            extra = result.get("reward_extra_info", {})
+            infos["reward"].extend(scores)
+            infos["acc"].extend(extra.get("acc", scores))
+            for key, values in extra.items():
+                if key != "acc" and len(values) == len(batch):
+                    extra_infos.setdefault(key, []).extend(values)
+            sources.extend(batch.non_tensor_batch.get("data_source", np.array(["unknown"] * len(batch))).tolist())
+            uids.extend(batch.non_tensor_batch["uid"].tolist())
+        infos.update(extra_infos)
+        nested = process_validation_metrics(np.array(sources, dtype=object), np.array(uids, dtype=object), infos)
+        return flatten_validation_metrics(nested)

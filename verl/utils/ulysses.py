@@ -1,0 +1,271 @@
+"""Ulysses sequence parallelism: the all-to-all that trades a sequence split for a head split.
+
+Each of the `sp` ranks of a sequence-parallel group holds a slice of every sequence with all
+attention heads; attention needs the whole sequence, so an all-to-all turns [.., S/sp, H, D]
+into [.., S, H/sp, D] before attention and back afterwards. Its backward is the inverse
+all-to-all, so gradients flow through it unchanged in value.
+
+gloo (torch >= 2.13) implements `all_to_all_single` on CPU, so no emulation through
+all-gather is needed.
+
+Inputs and outputs (the remove-padding layout only, see `verl.utils.remove_padding`): the packed
+[1, T] tokens are padded to a multiple of sp and each rank keeps one contiguous slice
+(`pad_and_slice_packed`); the pad positions get ids 0, 1, ... so they form one extra sequence of
+their own that no real token attends to. Per-token outputs are gathered back to [T]
+(`gather_outputs_and_unpad`); every sp rank then holds the same full outputs and computes the
+same loss. Its backward keeps only this rank's slice of the gradient, times `grad_scale`: summed
+over the sp ranks this is the gradient of one copy of the loss, so a gradient reduction that
+averages over dp x sp ranks (FSDP over the flattened mesh) needs `grad_scale=sp`.
+
+Attention (`ulysses_attention`, installed by `patch_sdpa_attention`): transformers' decoder layers
+call the function registered under the model's `attn_implementation`; we wrap "sdpa". When the
+forward is called with the keyword arguments from `ulysses_forward_kwargs`, q/k/v
+[B, H, S/sp, D] become [B, H/sp, S, D] by the all-to-all, attention runs over the full packed
+sequence, causal within each packed sequence (boundaries from the full position ids; the mask
+transformers built from the local slice is wrong for the full sequence and is ignored), and the
+output goes back to [B, S/sp, H, D]. The keywords travel with the forward call (transformers
+passes a model's extra keyword arguments down to the attention function), not through global
+state, so a recomputation under activation checkpointing sees them too. Without them the wrapper
+is the plain sdpa function.
+
+GQA: with fewer key/value heads than sp, each key/value head is repeated (interleaved, so a query
+head keeps its key/value head) until there are sp of them. Head counts that do not split evenly
+are refused by `check_heads_divisible` when the model is built, naming the config key.
+
+Limits: sdpa only (the CPU path and the GPU path without flash-attn); no sliding-window layers;
+the padded (non-packed) layout is not supported, sp needs `use_remove_padding=True`.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+
+def _all_to_all(x: torch.Tensor, scatter_dim: int, gather_dim: int, group) -> torch.Tensor:
+    world = dist.get_world_size(group)
+    if world == 1:
+        return x
+    if x.size(scatter_dim) % world:
+        raise ValueError(
+            f"dimension {scatter_dim} of size {x.size(scatter_dim)} is not divisible by the "
+            f"sequence-parallel size {world}; the number of attention heads must be a multiple of "
+            "ulysses_sequence_parallel_size"
+        )
+    # Chunks along scatter_dim go to the ranks in order; received chunks are stacked in rank
+    # order along gather_dim, which restores the global sequence order.
+    send = torch.stack(x.chunk(world, dim=scatter_dim)).contiguous()
+    recv = torch.empty_like(send)
+    dist.all_to_all_single(recv, send, group=group)
+    return torch.cat(recv.unbind(0), dim=gather_dim)
+
+
+class _AllToAll(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, scatter_dim, gather_dim, group):
+        ctx.dims, ctx.group = (scatter_dim, gather_dim), group
+        return _all_to_all(x, scatter_dim, gather_dim, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        scatter_dim, gather_dim = ctx.dims
+        return _all_to_all(grad.contiguous(), gather_dim, scatter_dim, ctx.group), None, None, None
+
+
+def all_to_all(x: torch.Tensor, scatter_dim: int, gather_dim: int, group=None) -> torch.Tensor:
+    """Split `x` along `scatter_dim` across the group's ranks and concatenate what each rank
+    receives along `gather_dim` (autograd-aware: the backward is the inverse all-to-all)."""
+    return _AllToAll.apply(x, scatter_dim, gather_dim, group)
+
+
+SP_KEY = "ulysses_sequence_parallel_size"
+
+
+def check_heads_divisible(config, sp_size: int) -> None:
+    """Refuse a model whose attention heads cannot be split across `sp_size` ranks."""
+    if sp_size <= 1:
+        return
+    heads = config.num_attention_heads
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    if heads % sp_size or (kv_heads % sp_size and sp_size % kv_heads):
+        raise ValueError(
+            f"{SP_KEY}={sp_size} cannot split this model's attention heads (num_attention_heads={heads}, "
+            f"num_key_value_heads={kv_heads}): Ulysses gives each sequence-parallel rank an equal share of "
+            f"the heads, so num_attention_heads must be a multiple of {SP_KEY} and num_key_value_heads a "
+            f"multiple or a divisor of it; choose {SP_KEY} among the common divisors, or 1"
+        )
+
+
+def pad_and_slice_packed(
+    input_ids: torch.Tensor, position_ids: torch.Tensor, sp_size: int, sp_rank: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
+    """This rank's slice of a packed batch.
+
+    Args:
+        input_ids: [1, T] packed tokens; position_ids: [1, T] global positions (restarting at 0
+            for each packed sequence).
+
+    Returns:
+        (input_ids [1, T'/sp], position_ids [1, T'/sp], full padded position_ids [1, T'], pad)
+        with T' = T + pad the next multiple of sp. The pad tokens are id 0 at positions 0..pad-1.
+    """
+    total = input_ids.size(1)
+    pad = -total % sp_size
+    if pad:
+        input_ids = torch.cat([input_ids, input_ids.new_zeros(1, pad)], dim=1)
+        fill = torch.arange(pad, dtype=position_ids.dtype, device=position_ids.device)
+        position_ids = torch.cat([position_ids, fill.unsqueeze(0)], dim=1)
+    chunk = input_ids.size(1) // sp_size
+    window = slice(sp_rank * chunk, (sp_rank + 1) * chunk)
+    return input_ids[:, window], position_ids[:, window], position_ids, pad
+
+
+class _GatherUnpad(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, dim, pad, group, grad_scale):
+        world = dist.get_world_size(group)
+        ctx.dim, ctx.pad, ctx.group, ctx.grad_scale = dim, pad, group, grad_scale
+        ctx.rank, ctx.local = dist.get_rank(group), x.size(dim)
+        if world == 1:
+            full = x
+        else:
+            parts = [torch.empty_like(x) for _ in range(world)]
+            dist.all_gather(parts, x.contiguous(), group=group)
+            full = torch.cat(parts, dim=dim)
+        return full.narrow(dim, 0, full.size(dim) - pad)
+
+    @staticmethod
+    def backward(ctx, grad):
+        # The padded tail has no outputs downstream, hence a zero gradient there.
+        if ctx.pad:
+            shape = list(grad.shape)
+            shape[ctx.dim] = ctx.pad
+            grad = torch.cat([grad, grad.new_zeros(shape)], dim=ctx.dim)
+        mine = grad.narrow(ctx.dim, ctx.rank * ctx.local, ctx.local)
+        return mine * ctx.grad_scale, None, None, None, None
+
+
+def gather_outputs_and_unpad(x: torch.Tensor, dim: int, pad: int, group=None, grad_scale: float = 1.0) -> torch.Tensor:
+    """All-gather per-token outputs sliced by `pad_and_slice_packed` along `dim` and drop the
+    `pad` tail: [.., T'/sp, ..] -> [.., T, ..] (autograd-aware; see the module docstring for
+    `grad_scale`)."""
+    return _GatherUnpad.apply(x, dim, pad, group, grad_scale)
+
+
+def ulysses_forward_kwargs(full_position_ids: torch.Tensor, group=None) -> dict:
+    """Keyword arguments for the HF forward of one sp rank's slice: they switch the patched
+    attention on (see `patch_sdpa_attention`). The sequence boundaries are read from the full
+    position ids once here (one host sync per forward, not one per layer)."""
+    starts = (full_position_ids[0] == 0).nonzero().squeeze(-1).tolist()
+    if not starts or starts[0] != 0:  # a slice that begins mid-sequence still starts a segment at 0
+        starts = [0, *starts]
+    bounds = list(zip(starts, [*starts[1:], full_position_ids.size(1)]))
+    return {"ulysses_group": group, "ulysses_bounds": bounds}
+
+
+def ulysses_attention(module, query, key, value, attention_mask, *, ulysses_group, ulysses_bounds, **kwargs):
+    """Attention over the full sequence with a head shard: query [B, H, S/sp, D], key/value
+    [B, KV, S/sp, D] in; [B, S/sp, H, D] out (the layout HF attention functions return)."""
+    if kwargs.get("sliding_window") is not None:
+        raise NotImplementedError(f"{SP_KEY} > 1 does not support sliding-window attention layers")
+    sp = dist.get_world_size(ulysses_group)
+    kv_heads = key.size(1)
+    if kv_heads < sp:
+        key = key.repeat_interleave(sp // kv_heads, dim=1)
+        value = value.repeat_interleave(sp // kv_heads, dim=1)
+    # [B, H, S/sp, D] -> [B, H/sp, S, D]
+    query, key, value = (all_to_all(t, scatter_dim=1, gather_dim=2, group=ulysses_group) for t in (query, key, value))
+    if key.size(1) != query.size(1):
+        key = key.repeat_interleave(query.size(1) // key.size(1), dim=1)
+        value = value.repeat_interleave(query.size(1) // value.size(1), dim=1)
+    # Causal attention within each packed sequence, one sdpa call per sequence: an [S, S] mask
+    # over the whole packed batch would cost S^2 memory on every rank whatever sp is (measured:
+    # it kept sp=2's activations at 64% of sp=1's at 4k tokens), and is_causal=True lets sdpa pick
+    # its flash/efficient kernels, which save no attention matrix.
+    dropout, scale = kwargs.get("dropout", 0.0), kwargs.get("scaling")
+    out = torch.cat(
+        [
+            torch.nn.functional.scaled_dot_product_attention(
+                query[:, :, s:e], key[:, :, s:e], value[:, :, s:e], dropout_p=dropout, is_causal=True, scale=scale
+            )
+            for s, e in ulysses_bounds
+        ],
+        dim=2,
+    )
+    # [B, H/sp, S, D] -> [B, H, S/sp, D] -> [B, S/sp, H, D]
+    out = all_to_all(out, scatter_dim=2, gather_dim=1, group=ulysses_group)
+    return out.transpose(1, 2).contiguous(), None
+
+
+def patch_sdpa_attention() -> None:
+    """Route transformers' "sdpa" attention through `ulysses_attention` when a forward carries
+    `ulysses_forward_kwargs` (idempotent; the plain sdpa path is unchanged otherwise)."""
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    original = ALL_ATTENTION_FUNCTIONS["sdpa"]
+    if getattr(original, "_verl_ulysses", False):
+        return
+
+    def sdpa_or_ulysses(module, query, key, value, attention_mask, **kwargs):
+        group = kwargs.pop("ulysses_group", None)
+        bounds = kwargs.pop("ulysses_bounds", None)
+        if bounds is None:
+            return original(module, query, key, value, attention_mask, **kwargs)
+        return ulysses_attention(
+            module, query, key, value, attention_mask, ulysses_group=group, ulysses_bounds=bounds, **kwargs
+        )
+
+    sdpa_or_ulysses._verl_ulysses = True
+    ALL_ATTENTION_FUNCTIONS["sdpa"] = sdpa_or_ulysses
+
+
+def setup(role: str, cfg: dict, model_config, use_remove_padding: bool, group, remove_padding_key=None) -> int:
+    """Validate `<role>.ulysses_sequence_parallel_size` against the model and the group, install
+    the attention patch when sp > 1, and return sp. `remove_padding_key` names the config key of
+    `use_remove_padding` in errors (default `<role>.use_remove_padding`)."""
+    remove_padding_key = remove_padding_key or f"{role}.use_remove_padding"
+    sp = int(cfg.get(SP_KEY, 1) or 1)
+    if sp == 1:
+        return 1
+    if not use_remove_padding:
+        raise ValueError(
+            f"{role}.{SP_KEY}={sp} needs {remove_padding_key}=True: Ulysses splits the packed "
+            f"(padding-free) token sequence across ranks; set {remove_padding_key}=True or the size to 1"
+        )
+    if group is None or dist.get_world_size(group) != sp:
+        found = None if group is None else dist.get_world_size(group)
+        raise ValueError(
+            f"{role}.{SP_KEY}={sp} but the sequence-parallel group given has {found} ranks; the worker "
+            "builds it from its dp x sp device mesh (pass ulysses_group= when building the actor/critic directly)"
+        )
+    if model_config is not None:
+        check_heads_divisible(model_config, sp)
+    if getattr(model_config, "_attn_implementation", "sdpa") != "sdpa":
+        raise ValueError(
+            f"{role}.{SP_KEY}={sp} supports attn_implementation='sdpa' only, the model uses "
+            f"{model_config._attn_implementation!r}"
+        )
+    patch_sdpa_attention()
+    return sp
+
+
+def forward_slice(module, packed_ids, packed_pos, group):
+    """(the HF output for this rank's slice of the packed batch [1, T'/sp, ...], pad)."""
+    sp, rank = dist.get_world_size(group), dist.get_rank(group)
+    ids, pos, full_pos, pad = pad_and_slice_packed(packed_ids, packed_pos, sp, rank)
+    return module(input_ids=ids, position_ids=pos, use_cache=False, **ulysses_forward_kwargs(full_pos, group)), pad
+
+
+def packed_forward(module, packed_ids, packed_pos, group, temperature: float, stat_fns: dict, grad_scale: float):
+    """One sp rank's share of a packed causal-LM forward: (log-probs [T] of each next packed token,
+    {name: fn(logits) [T]}) gathered over the group. The label of the last token of each sequence
+    is the next sequence's first token, as in the sp=1 packed path (callers never read it)."""
+    from verl.utils.torch_functional import logprobs_from_logits
+
+    labels = torch.roll(packed_ids, shifts=-1, dims=1)
+    local_labels = pad_and_slice_packed(labels, packed_pos, dist.get_world_size(group), dist.get_rank(group))[0][0]
+    output, pad = forward_slice(module, packed_ids, packed_pos, group)
+    logits = output.logits[0] / temperature
+    log_probs = gather_outputs_and_unpad(logprobs_from_logits(logits, local_labels), 0, pad, group, grad_scale)
+    stats = {name: gather_outputs_and_unpad(fn(logits), 0, pad, group, grad_scale) for name, fn in stat_fns.items()}
+    return log_probs, stats
