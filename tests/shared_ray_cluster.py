@@ -15,7 +15,8 @@ environment. They are handed to the run's own Ray job through
 
 Tests of process-level behaviour keep a cluster of their own: CLI errors before Ray starts,
 `ray.init` arguments, kill -9 of a whole run (which takes the run's Ray daemons down), signals,
-exit codes, `ray job submit`, multi-node.
+exit codes, `ray job submit`, multi-node; so does a run that sizes its cluster
+(`ray_kwargs.ray_init.num_cpus`), since `ray.init` refuses sizing arguments when it joins one.
 
 Measured (2026-11-26, 2 cores): a separate `ray start --head` cluster for these runs was slower
 than this one (the LoRA runs 46 s and 28 s against 28 s and 18 s; teardown 6 s against 1.4 s), so
