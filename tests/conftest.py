@@ -86,3 +86,12 @@ def pytest_unconfigure(config):
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(_EXIT_STATUS[-1] if _EXIT_STATUS else 1)
+
+
+@pytest.fixture(scope="session")
+def shared_ray_cluster(ray_session):
+    """The `ray_session` cluster as the end-to-end main_ppo subprocess runs join it
+    (tests/shared_ray_cluster.py): Ray's start-up is paid once per session instead of once a run."""
+    from tests.shared_ray_cluster import SharedRayCluster
+
+    return SharedRayCluster(ray_session)

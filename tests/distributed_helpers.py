@@ -116,8 +116,6 @@ def make_ppo_batch(
     """
     from tensordict import TensorDict
 
-    from verl.utils.model import compute_position_id_with_mask
-
     g = torch.Generator().manual_seed(seed)
     if prompt_lengths is None:
         prompt_lengths = torch.randint(1, prompt_length + 1, (batch_size,), generator=g).tolist()
@@ -131,17 +129,22 @@ def make_ppo_batch(
     prompt_mask = (torch.arange(prompt_length)[None] >= prompt_length - torch.tensor(prompt_lengths)[:, None]).long()
     response_mask = (torch.arange(response_length)[None] < torch.tensor(response_lengths)[:, None]).long()
     attention_mask = torch.cat([prompt_mask, response_mask], dim=1)
-    return TensorDict(
-        {
-            "prompts": prompts,
-            "responses": responses,
-            "input_ids": torch.cat([prompts, responses], dim=1),
-            "attention_mask": attention_mask,
-            "position_ids": compute_position_id_with_mask(attention_mask),
-            "response_mask": response_mask,
-        },
-        batch_size=[batch_size],
-    )
+    return TensorDict(ppo_tensors(prompts, responses, attention_mask, response_mask), batch_size=[batch_size])
+
+
+def ppo_tensors(prompts, responses, attention_mask, response_mask) -> dict:
+    """The batch keys of the project layout from left-padded `prompts` [B, P], right-padded `responses`
+    [B, R], `attention_mask` [B, P+R] and `response_mask` [B, R]: input_ids and position_ids derived."""
+    from verl.utils.model import compute_position_id_with_mask
+
+    return {
+        "prompts": prompts,
+        "responses": responses,
+        "input_ids": torch.cat([prompts, responses], dim=1),
+        "attention_mask": attention_mask,
+        "position_ids": compute_position_id_with_mask(attention_mask),
+        "response_mask": response_mask,
+    }
 
 
 @torch.no_grad()

@@ -7,7 +7,7 @@ recipe's script for 2 steps at the smallest sizes that still form groups and che
 0, that the resolved config holds the recipe's settings (so the YAML really was applied) and that
 the metrics only that algorithm produces were logged.
 
-Cost: the runs share one Ray cluster (the `ray_session` fixture; each script joins it through
+Cost: the runs share one Ray cluster (the `shared_ray_cluster` fixture; each script joins it through
 RAY_ADDRESS instead of starting its own) and run a few at a time, with one worker process each
 (the two-rank path is covered by tests/trainer/test_main_ppo_e2e.py).
 """
@@ -177,15 +177,15 @@ def test_recipe_readme_gpu_command_is_a_valid_config(name, monkeypatch):
 
 
 @pytest.fixture(scope="module")
-def recipe_runs(ray_session, tmp_path_factory):
+def recipe_runs(shared_ray_cluster, tmp_path_factory):
     """Run every recipe script for 2 steps on one shared Ray cluster; {name: (returncode, log, run_dir)}."""
     from verl.models import bundled_model_path
     from verl.utils.dataset.arith import ensure_arith_data
 
     root = tmp_path_factory.mktemp("recipes")
     train, test = ensure_arith_data(str(root / "data"))
-    address = ray_session.get_runtime_context().gcs_address
-    env = dict(os.environ, PYTHONPATH=str(ROOT), PYTHON=sys.executable, RAY_ADDRESS=address, RAY_DEDUP_LOGS="0")
+    env = dict(os.environ, PYTHONPATH=str(ROOT), PYTHON=sys.executable, RAY_DEDUP_LOGS="0")
+    env = shared_ray_cluster.env_for(env)
     env.pop("VERL_FILE_LOGGER_PATH", None)  # each run's metrics go to its own run_dir/metrics.jsonl
 
     def run(name: str):

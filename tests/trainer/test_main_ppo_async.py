@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.trainer.test_main_ppo_e2e import _common, _metrics, _run, _run_and_kill_9_after_checkpoint
+from tests.trainer.main_ppo_runs import demo_script_cmd, read_metrics, run_and_kill_9_after_checkpoint, run_main_ppo
 
 pytestmark = pytest.mark.slow  # the slow tier (make test-all, CI): see docs/testing.md
 
@@ -20,21 +20,17 @@ N = 4
 
 
 def _cmd(tmp_path: Path, steps: int, ahead: float, *extra: str) -> list[str]:
-    return [
-        "bash",
-        "examples/grpo_trainer/run_arith_tiny_cpu.sh",
-        *_common(tmp_path, steps),
-        f"data.train_batch_size={BATCH}",
-        f"actor_rollout_ref.actor.ppo_mini_batch_size={BATCH}",
-        f"actor_rollout_ref.rollout.n={N}",
-        f"actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu={BATCH * N}",
-        f"actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu={BATCH * N}",
-        "trainer.n_gpus_per_node=1",
+    return demo_script_cmd(
+        tmp_path,
+        steps,
         "rollout.n_gpus_per_node=1",
         f"async_training.staleness_threshold={ahead}",
         f"trainer.rollout_data_dir={tmp_path / 'rollouts'}",
         *extra,
-    ]
+        batch=BATCH,
+        n=N,
+        ranks=1,
+    )
 
 
 def _trained(tmp_path: Path) -> dict[int, list[dict]]:
@@ -45,17 +41,17 @@ def _trained(tmp_path: Path) -> dict[int, list[dict]]:
     return out
 
 
-def _killed_after_step_2_and_resumed(tmp_path: Path, steps: int, ahead: float) -> dict[int, list[dict]]:
+def _killed_after_step_2_and_resumed(tmp_path: Path, steps: int, ahead: float, cluster) -> dict[int, list[dict]]:
     """The run of `_cmd(...)` with checkpoints every 2 steps, `kill -9`ed right after the step-2
-    checkpoint and resumed to the end (in `tmp_path / "killed"`): what each step trained."""
+    checkpoint and resumed to the end (in `tmp_path / "killed"`) on `cluster`: what each step trained."""
     killed = tmp_path / "killed"
     killed.mkdir()
     cmd = _cmd(killed, steps, ahead, "trainer.save_freq=2")
-    _run_and_kill_9_after_checkpoint(cmd, killed, 2)
+    run_and_kill_9_after_checkpoint(cmd, killed, 2)
     for f in (killed / "rollouts").glob("*.jsonl"):  # steps after the checkpoint are retrained on resume
         if int(f.stem) > 2:
             f.unlink()
-    _run(cmd, killed)
+    run_main_ppo(cmd, killed, cluster=cluster)
     return _trained(killed)
 
 
@@ -69,17 +65,32 @@ def assert_partial_rollout_tags(trained: dict[int, list[dict]], steps: int, ahea
             assert (step - 1) - r["weight_version"] <= ahead, (step, r)
 
 
-def test_one_step_off_trains_batch_t_on_samples_of_weight_version_t_minus_2(tmp_path):
+@pytest.fixture(scope="module")
+def one_step_off_run(tmp_path_factory, shared_ray_cluster) -> Path:
+    """k=1 for 4 steps with the default correction (decoupled): the run directory."""
+    run = tmp_path_factory.mktemp("one_step_off")
+    run_main_ppo(_cmd(run, 4, ahead=1), run, cluster=shared_ray_cluster)
+    return run
+
+
+@pytest.fixture(scope="module")
+def two_ahead_run(tmp_path_factory, shared_ray_cluster) -> Path:
+    """k=2 for 5 steps, checkpoints every 2: the run directory."""
+    run = tmp_path_factory.mktemp("two_ahead")
+    run_main_ppo(_cmd(run, 5, 2, "trainer.save_freq=2"), run, cluster=shared_ray_cluster)
+    return run
+
+
+def test_one_step_off_trains_batch_t_on_samples_of_weight_version_t_minus_2(one_step_off_run):
     """Step t trains with weights v(t-1); its samples were generated during step t-1, with v(t-2)."""
-    steps = 4
-    _run(_cmd(tmp_path, steps, ahead=1), tmp_path)
+    steps, tmp_path = 4, one_step_off_run
     trained = _trained(tmp_path)
     assert sorted(trained) == list(range(1, steps + 1))
     for step, rows in trained.items():
         assert len(rows) == BATCH * N
         assert {r["weight_version"] for r in rows} == {max(0, step - 2)}, step
         assert {r["uid"].split("_")[0] for r in rows} == {str(step)}  # batch t is the t-th batch drawn
-    records = {r["step"]: r["data"] for r in _metrics(tmp_path)}
+    records = {r["step"]: r["data"] for r in read_metrics(tmp_path)}
     assert [records[s]["async/staleness_max"] for s in range(1, steps + 1)] == [0, 1, 1, 1]
     last = records[steps]
     for key in ("off_policy/is_weight_mean", "off_policy/is_weight_max", "training/rollout_probs_diff_mean"):
@@ -87,22 +98,22 @@ def test_one_step_off_trains_batch_t_on_samples_of_weight_version_t_minus_2(tmp_
     assert last["off_policy/is_weight_min"] <= 1.0 <= last["off_policy/is_weight_max"]
 
 
-def test_staleness_never_exceeds_the_bound_and_resume_mid_run_loses_or_repeats_no_sample(tmp_path):
+def test_staleness_never_exceeds_the_bound_and_resume_mid_run_loses_or_repeats_no_sample(
+    tmp_path, two_ahead_run, shared_ray_cluster
+):
     """k=2: versions are max(0, t-3), staleness <= 2 every step; killing the run right after the
     step-2 checkpoint (two generated batches still queued) and resuming trains every prompt group
     exactly once, the same groups at the same steps with the same versions as the straight run."""
     steps, ahead = 5, 2
-    straight = tmp_path / "straight"
-    straight.mkdir()
-    _run(_cmd(straight, steps, ahead, "trainer.save_freq=2"), straight)
+    straight = two_ahead_run
     trained = _trained(straight)
     for step, rows in trained.items():
         staleness = [(step - 1) - r["weight_version"] for r in rows]
         assert max(staleness) <= ahead
         assert {r["weight_version"] for r in rows} == {max(0, step - 1 - ahead)}, step
-    assert max(r["data"]["async/staleness_max"] for r in _metrics(straight)) == ahead
+    assert max(r["data"]["async/staleness_max"] for r in read_metrics(straight)) == ahead
 
-    resumed = _killed_after_step_2_and_resumed(tmp_path, steps, ahead)
+    resumed = _killed_after_step_2_and_resumed(tmp_path, steps, ahead, shared_ray_cluster)
     assert sorted(resumed) == list(range(1, steps + 1))
     groups = Counter(r["uid"] for rows in resumed.values() for r in rows)
     assert set(groups.values()) == {N}  # each group's N samples trained once, none twice
@@ -112,7 +123,9 @@ def test_staleness_never_exceeds_the_bound_and_resume_mid_run_loses_or_repeats_n
         assert {r["weight_version"] for r in resumed[step]} == {r["weight_version"] for r in trained[step]}
 
 
-def test_half_a_batch_ahead_trains_half_of_each_batch_one_version_old_and_resumes_identically(tmp_path):
+def test_half_a_batch_ahead_trains_half_of_each_batch_one_version_old_and_resumes_identically(
+    tmp_path, shared_ray_cluster
+):
     """staleness_threshold=0.5 (upstream's fractional meaning): per weight version the pool generates
     1.5 batches, so from step 2 on half of batch t's groups were generated with v(t-2) and half with
     v(t-1); no sample is more than ceil(0.5) = 1 version old. The checkpoint at step 2 falls with
@@ -122,7 +135,7 @@ def test_half_a_batch_ahead_trains_half_of_each_batch_one_version_old_and_resume
     straight = tmp_path / "straight"
     straight.mkdir()
     cmd = _cmd(straight, steps, 0.5, "trainer.save_freq=2")
-    _run(cmd, straight)
+    run_main_ppo(cmd, straight, cluster=shared_ray_cluster)
     trained = _trained(straight)
     assert sorted(trained) == list(range(1, steps + 1))
     assert Counter(r["weight_version"] for r in trained[1]) == {0: BATCH * N}
@@ -133,11 +146,11 @@ def test_half_a_batch_ahead_trains_half_of_each_batch_one_version_old_and_resume
         # the older half is the batch's first groups (the part generated ahead)
         older = {r["uid"] for r in trained[step] if r["weight_version"] == step - 2}
         assert older == {f"{step}_{i}" for i in range(BATCH // 2)}
-    records = {r["step"]: r["data"] for r in _metrics(straight)}
+    records = {r["step"]: r["data"] for r in read_metrics(straight)}
     assert [records[s]["async/staleness_max"] for s in range(1, steps + 1)] == [0, 1, 1, 1]
     assert records[steps]["async/staleness_threshold"] == 0.5
 
-    resumed = _killed_after_step_2_and_resumed(tmp_path, steps, 0.5)
+    resumed = _killed_after_step_2_and_resumed(tmp_path, steps, 0.5, shared_ray_cluster)
     assert sorted(resumed) == list(range(1, steps + 1))
     for step in range(1, steps + 1):
         assert sorted((r["uid"], r["weight_version"]) for r in resumed[step]) == sorted(
@@ -145,23 +158,29 @@ def test_half_a_batch_ahead_trains_half_of_each_batch_one_version_old_and_resume
         ), step
 
 
-def _step_metrics(tmp_path: Path, correction: str, steps: int = 2) -> dict[int, dict]:
-    _run(_cmd(tmp_path, steps, 1, f"async_training.off_policy_correction={correction}"), tmp_path)
-    return {r["step"]: r["data"] for r in _metrics(tmp_path)}
+def _step_metrics(tmp_path: Path) -> dict[int, dict]:
+    return {r["step"]: r["data"] for r in read_metrics(tmp_path)}
 
 
-def test_off_policy_corrections_decoupled_tis_and_none_differ_as_documented(tmp_path):
+def test_off_policy_corrections_decoupled_tis_and_none_differ_as_documented(
+    tmp_path, one_step_off_run, shared_ray_cluster
+):
     """k=1, so at step 2 every sample is one version behind the trainer's weights.
 
     decoupled: old_log_probs are the trainer's current (proximal) log-probs, so the PPO ratio starts
     at exactly 1 (ppo_kl 0); the behaviour/proximal weights are reported and differ from 1.
     tis: old_log_probs are the rollout's own, so the ratio is against the stale behaviour policy
     (ppo_kl != 0 at step 2) and no proximal pass runs (no importance-weight metrics).
-    none: proximal recompute, the behaviour policy ignored (ppo_kl 0, no importance weights)."""
-    runs = {}
-    for correction in ("decoupled", "tis", "none"):
-        (tmp_path / correction).mkdir()
-        runs[correction] = _step_metrics(tmp_path / correction, correction)
+    none: proximal recompute, the behaviour policy ignored (ppo_kl 0, no importance weights).
+    Steps 1 and 2 of a run do not depend on its length: decoupled is the default, so the 4-step
+    `one_step_off_run` serves as the decoupled run."""
+    runs = {"decoupled": _step_metrics(one_step_off_run)}
+    for correction in ("tis", "none"):
+        run = tmp_path / correction
+        run.mkdir()
+        cmd = _cmd(run, 2, 1, f"async_training.off_policy_correction={correction}")
+        run_main_ppo(cmd, run, cluster=shared_ray_cluster)
+        runs[correction] = _step_metrics(run)
     decoupled, tis, none = (runs[c][2] for c in ("decoupled", "tis", "none"))
     # the proximal pass and the update's forward run the same model on the same rows
     assert abs(decoupled["actor/ppo_kl"]) < 1e-6 and abs(none["actor/ppo_kl"]) < 1e-6
@@ -172,7 +191,7 @@ def test_off_policy_corrections_decoupled_tis_and_none_differ_as_documented(tmp_
     assert all(abs(runs[c][1]["actor/ppo_kl"]) < 1e-6 for c in runs)
 
 
-def test_groups_over_a_lowered_bound_are_regenerated_or_dropped_on_resume(tmp_path):
+def test_groups_over_a_lowered_bound_are_regenerated_or_dropped_on_resume(tmp_path, two_ahead_run, shared_ray_cluster):
     """k=2 run, then resumed from its step-2 checkpoint with k=1. The checkpoint holds batch 3
     (made with version 0) and batch 4 (version 1): at step 3 the trainer holds version 2, so batch 3
     is 2 versions stale, over the new bound, and batch 4 is 1 version stale, within it.
@@ -181,9 +200,7 @@ def test_groups_over_a_lowered_bound_are_regenerated_or_dropped_on_resume(tmp_pa
     so every prompt of batches 1-4 is trained exactly once. drop: batch 3 is never trained and a
     fresh batch (5) takes its place. Either way no trained sample is staler than the new bound."""
     steps = 4
-    first = tmp_path / "k2"
-    first.mkdir()
-    _run(_cmd(first, steps, 2, "trainer.save_freq=2"), first)
+    first = two_ahead_run  # 5 steps; its first 4 are those of a 4-step run
     trained_first = _trained(first)
     assert {r["weight_version"] for r in trained_first[3]} == {0}  # as generated before the checkpoint
     assert {r["weight_version"] for r in trained_first[4]} == {1}
@@ -192,7 +209,7 @@ def test_groups_over_a_lowered_bound_are_regenerated_or_dropped_on_resume(tmp_pa
     for policy in ("regenerate", "drop"):
         run = tmp_path / policy
         run.mkdir()
-        _run(
+        run_main_ppo(
             _cmd(
                 run,
                 steps,
@@ -202,12 +219,13 @@ def test_groups_over_a_lowered_bound_are_regenerated_or_dropped_on_resume(tmp_pa
                 f"async_training.stale_sample_policy={policy}",
             ),
             run,
+            cluster=shared_ray_cluster,
         )
         trained = _trained(run)
         assert sorted(trained) == [3, 4], policy
         for step, rows in trained.items():
             assert max((step - 1) - r["weight_version"] for r in rows) <= 1, (policy, step)
-        resumed[policy] = (trained, {r["step"]: r["data"] for r in _metrics(run)})
+        resumed[policy] = (trained, {r["step"]: r["data"] for r in read_metrics(run)})
 
     batch = lambda rows: {r["uid"].split("_")[0] for r in rows}  # noqa: E731
     trained, metrics = resumed["regenerate"]
@@ -226,26 +244,31 @@ def test_groups_over_a_lowered_bound_are_regenerated_or_dropped_on_resume(tmp_pa
     assert metrics[4]["async/regenerated_stale_groups"] == 0
 
 
-def test_syncing_every_2_updates_pushes_weights_at_steps_1_3_5_and_keeps_staleness_within_the_bound(tmp_path):
+def test_syncing_every_2_updates_pushes_weights_at_steps_1_3_5_and_keeps_staleness_within_the_bound(
+    tmp_path, shared_ray_cluster
+):
     """k=1, trigger_parameter_sync_step=2 (the most lag k=1 allows): the pool gets v0 at step 1, v2 at
     step 3, v4 at step 5, and generates ahead only while the bound holds: batches 1-2 with v0, 3-4 with
     v2, 5 with v4 (staleness 0, 1, 0, 1, 0). Versions 1 and 3 never reach the rollout worker."""
     steps = 5
-    _run(_cmd(tmp_path, steps, 1, "async_training.trigger_parameter_sync_step=2"), tmp_path)
+    cmd = _cmd(tmp_path, steps, 1, "async_training.trigger_parameter_sync_step=2")
+    run_main_ppo(cmd, tmp_path, cluster=shared_ray_cluster)
     trained = _trained(tmp_path)
     expected = {1: 0, 2: 0, 3: 2, 4: 2, 5: 4}
     for step, rows in trained.items():
         assert {r["weight_version"] for r in rows} == {expected[step]}, step
         assert {r["weight_version_max"] for r in rows} == {expected[step]}, step  # no partial rollouts
         assert {r["uid"].split("_")[0] for r in rows} == {str(step)}
-    records = {r["step"]: r["data"] for r in _metrics(tmp_path)}
+    records = {r["step"]: r["data"] for r in read_metrics(tmp_path)}
     assert [records[s]["async/staleness_max"] for s in range(1, steps + 1)] == [0, 1, 0, 1, 0]
     assert [s for s in records if "timing_s/sync_weights" in records[s]] == [1, 3, 5]
     assert [records[s]["async/weight_syncs"] for s in range(1, steps + 1)] == [1, 1, 2, 2, 3]
     assert [records[s]["async/rollout_weight_version"] for s in range(1, steps + 1)] == [0, 0, 2, 2, 4]
 
 
-def test_resume_between_two_syncs_trains_every_group_once_with_the_tags_of_an_uninterrupted_run(tmp_path):
+def test_resume_between_two_syncs_trains_every_group_once_with_the_tags_of_an_uninterrupted_run(
+    tmp_path, shared_ray_cluster
+):
     """k=2, trigger_parameter_sync_step=2, killed after the step-3 checkpoint, between the syncs of
     steps 3 and 5. An uninterrupted run generates batches 1-3 with v0, 4-5 with v2 and 6 with v4
     (submitted at step 5, right after its sync): the resumed run must too, so it keeps the
@@ -254,11 +277,11 @@ def test_resume_between_two_syncs_trains_every_group_once_with_the_tags_of_an_un
     steps, ahead = 6, 2
     expected = {1: 0, 2: 0, 3: 0, 4: 2, 5: 2, 6: 4}
     cmd = _cmd(tmp_path, steps, ahead, "async_training.trigger_parameter_sync_step=2", "trainer.save_freq=3")
-    _run_and_kill_9_after_checkpoint(cmd, tmp_path, 3)
+    run_and_kill_9_after_checkpoint(cmd, tmp_path, 3)
     for f in (tmp_path / "rollouts").glob("*.jsonl"):  # steps after the checkpoint are retrained on resume
         if int(f.stem) > 3:
             f.unlink()
-    _run(cmd, tmp_path)
+    run_main_ppo(cmd, tmp_path, cluster=shared_ray_cluster)
     resumed = _trained(tmp_path)
     assert sorted(resumed) == list(range(1, steps + 1))
     groups = Counter(r["uid"] for rows in resumed.values() for r in rows)
@@ -269,7 +292,9 @@ def test_resume_between_two_syncs_trains_every_group_once_with_the_tags_of_an_un
         assert max((step - 1) - r["weight_version"] for r in rows) <= ahead
 
 
-def test_partial_rollouts_tag_each_sample_with_its_oldest_and_newest_version_within_the_bound(tmp_path):
+def test_partial_rollouts_tag_each_sample_with_its_oldest_and_newest_version_within_the_bound(
+    tmp_path, shared_ray_cluster
+):
     """k=1 with partial rollouts checked every decode step. Whether a generation is in flight when the
     weights arrive depends on timing (the worker test pins it down); here every sample's versions
     must be ordered, the oldest within the bound, and the newest never ahead of the trainer."""
@@ -277,9 +302,9 @@ def test_partial_rollouts_tag_each_sample_with_its_oldest_and_newest_version_wit
     cmd = _cmd(
         tmp_path, steps, 1, "async_training.partial_rollout=true", "async_training.partial_rollout_check_steps=1"
     )
-    _run(cmd, tmp_path)
+    run_main_ppo(cmd, tmp_path, cluster=shared_ray_cluster)
     assert_partial_rollout_tags(_trained(tmp_path), steps)
-    records = {r["step"]: r["data"] for r in _metrics(tmp_path)}
+    records = {r["step"]: r["data"] for r in read_metrics(tmp_path)}
     assert all(0.0 <= records[s]["async/mixed_version_frac"] <= 1.0 for s in records)
 
 
@@ -288,7 +313,7 @@ def test_one_step_off_with_a_megatron_actor_at_tp2_broadcasts_the_gathered_weigh
     gathered into HF tensors and broadcast to the separate rollout pool (the FSDP backend's rollout
     worker: generation needs no megatron). Version tags are the same as with FSDP."""
     steps = 3
-    _run(
+    run_main_ppo(
         _cmd(
             tmp_path,
             steps,
@@ -297,14 +322,14 @@ def test_one_step_off_with_a_megatron_actor_at_tp2_broadcasts_the_gathered_weigh
             "--config-name=arith_demo_megatron",
             "actor_rollout_ref.actor.megatron.tensor_model_parallel_size=2",
             "ray_kwargs.ray_init.num_cpus=3",  # three worker processes on a 2-core machine
-        ),
+        ),  # a cluster of its own, sized for the run (a joined cluster takes no sizing arguments)
         tmp_path,
     )
     trained = _trained(tmp_path)
     assert sorted(trained) == list(range(1, steps + 1))
     for step, rows in trained.items():
         assert {r["weight_version"] for r in rows} == {max(0, step - 2)}, step
-    records = {r["step"]: r["data"] for r in _metrics(tmp_path)}
+    records = {r["step"]: r["data"] for r in read_metrics(tmp_path)}
     assert [records[s]["async/staleness_max"] for s in range(1, steps + 1)] == [0, 1, 1]
     # the rollout pool generated with weights it received: its log-probs stay close to the trainer's
     assert records[steps]["training/rollout_probs_diff_mean"] < 0.05

@@ -4,7 +4,7 @@ checkpoint: the merged directory loads in transformers and equals peft's own mer
 adapter (`PeftModel.from_pretrained(base, lora_adapter).merge_and_unload()`). A second run starts
 from a trained adapter (`model.lora_adapter_path`, with `lora_rank` left at 0).
 
-The run joins the session's Ray cluster (`ray_session`) through RAY_ADDRESS instead of starting
+The run joins the session's shared Ray cluster (`shared_ray_cluster`) through RAY_ADDRESS instead of starting
 its own; a KL loss is on, so the reference policy (the base model with the adapters off) is used.
 """
 
@@ -14,68 +14,40 @@ import json
 import os
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import torch
 
+from tests.trainer.main_ppo_runs import ROOT, demo_script_cmd, read_metrics, run_main_ppo
+
 pytestmark = pytest.mark.slow  # the slow tier (make test-all, CI): see docs/testing.md
 
-ROOT = Path(__file__).resolve().parents[2]
 
-
-def _run_main_ppo(ray_session, tmp_path, lora: list[str], steps: int) -> list[dict]:
+def _run_lora_demo(shared_ray_cluster, tmp_path, lora: list[str], steps: int) -> list[dict]:
     """The CPU demo script with `lora` overrides and a KL loss for `steps` steps, checkpointing the last;
     its metrics records."""
-    from verl.models import bundled_model_path
-    from verl.utils.dataset.arith import ensure_arith_data
-
-    train, test = ensure_arith_data(str(tmp_path / "data"))
-    env = dict(
-        os.environ,
-        PYTHONPATH=str(ROOT),
-        PYTHON=sys.executable,
-        RAY_ADDRESS=ray_session.get_runtime_context().gcs_address,
-    )
-    env.pop("VERL_FILE_LOGGER_PATH", None)
-    cmd = [
-        "bash",
-        "examples/grpo_trainer/run_arith_tiny_cpu.sh",
-        f"actor_rollout_ref.model.path={bundled_model_path()}",
+    cmd = demo_script_cmd(
+        tmp_path,
+        steps,
         *lora,
         "actor_rollout_ref.actor.optim.lr=1e-2",  # adapters need a larger step than full fine-tuning
         "actor_rollout_ref.actor.use_kl_loss=True",
-        f"data.train_files={train}",
-        f"data.val_files={test}",
-        "data.train_batch_size=4",
-        "actor_rollout_ref.rollout.n=4",
-        "actor_rollout_ref.actor.ppo_mini_batch_size=4",
-        "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=8",
-        "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=8",
-        "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu=8",
-        f"trainer.total_training_steps={steps}",
         f"trainer.save_freq={steps}",
-        "trainer.val_before_train=False",
-        "trainer.test_freq=-1",
-        "trainer.logger=[console,file]",
-        f"trainer.default_local_dir={tmp_path / 'ckpt'}",
-        f"trainer.run_dir={tmp_path / 'run'}",
-    ]
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, f"exit {proc.returncode}\n{proc.stdout[-3000:]}\n--- stderr ---\n{proc.stderr[-6000:]}"
-    records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    )
+    run_main_ppo(cmd, tmp_path, timeout=600, cluster=shared_ray_cluster)
+    records = read_metrics(tmp_path)
     assert [r["step"] for r in records] == list(range(1, steps + 1))
     return records
 
 
-def test_lora_run_trains_two_steps_and_its_checkpoint_merges_into_a_transformers_model(ray_session, tmp_path):
+def test_lora_run_trains_two_steps_and_its_checkpoint_merges_into_a_transformers_model(shared_ray_cluster, tmp_path):
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
     from verl.models import bundled_model_path
 
     lora = ["actor_rollout_ref.model.lora_rank=8", "actor_rollout_ref.model.lora_alpha=16"]
-    records = _run_main_ppo(ray_session, tmp_path, lora, steps=2)
+    records = _run_lora_demo(shared_ray_cluster, tmp_path, lora, steps=2)
     assert records[-1]["data"]["actor/kl_loss"] > 0  # step 1 moved the adapters off the reference (the base)
 
     env = dict(os.environ, PYTHONPATH=str(ROOT))
@@ -96,7 +68,7 @@ def test_lora_run_trains_two_steps_and_its_checkpoint_merges_into_a_transformers
     assert any(".q_proj." in n for n in moved) and not any("norm" in n for n in moved)
 
 
-def test_run_started_from_an_adapter_trains_it_against_the_base_model_as_reference(ray_session, tmp_path):
+def test_run_started_from_an_adapter_trains_it_against_the_base_model_as_reference(shared_ray_cluster, tmp_path):
     from peft import LoraConfig, get_peft_model
 
     from verl.models import bundled_model_path
@@ -110,8 +82,8 @@ def test_run_started_from_an_adapter_trains_it_against_the_base_model_as_referen
                 param.copy_(torch.randn(param.shape, generator=torch.Generator().manual_seed(0)) * 0.2)
     model.save_pretrained(str(tmp_path / "adapter"))
 
-    records = _run_main_ppo(
-        ray_session, tmp_path, [f"actor_rollout_ref.model.lora_adapter_path={tmp_path / 'adapter'}"], 1
+    records = _run_lora_demo(
+        shared_ray_cluster, tmp_path, [f"actor_rollout_ref.model.lora_adapter_path={tmp_path / 'adapter'}"], 1
     )
     # fresh adapters start at the reference (KL 0 at step 1); this one starts off the base model
     assert records[0]["data"]["actor/kl_loss"] > 1e-4, records[0]["data"]["actor/kl_loss"]

@@ -3,21 +3,19 @@ workers, the built-in engine behind the agent loops, the bundled tool-calling ti
 
 from __future__ import annotations
 
-import subprocess
-
 import pytest
 
-from tests.trainer.test_main_ppo_e2e import ROOT, _common, _env, _metrics
+from tests.trainer.main_ppo_runs import common_overrides, read_metrics, run_main_ppo
 
 pytestmark = pytest.mark.slow  # the slow tier (make test-all, CI): see docs/testing.md
 
 
-def test_calculator_example_validates_and_trains_two_steps_with_tool_calls(tmp_path):
+def test_calculator_example_validates_and_trains_two_steps_with_tool_calls(tmp_path, shared_ray_cluster):
     cmd = [
         "bash",
         "examples/multi_turn/run_arith_calculator_tiny_cpu.sh",
-        # _common's model.path is arith-tiny; the example keeps its own tool-calling model
-        *[arg for arg in _common(tmp_path, steps=2) if not arg.startswith("actor_rollout_ref.model.path=")],
+        # common_overrides's model.path is arith-tiny; the example keeps its own tool-calling model
+        *[arg for arg in common_overrides(tmp_path, steps=2) if not arg.startswith("actor_rollout_ref.model.path=")],
         "trainer.val_before_train=True",
         "data.val_max_samples=8",
         "data.train_batch_size=4",
@@ -26,11 +24,10 @@ def test_calculator_example_validates_and_trains_two_steps_with_tool_calls(tmp_p
         "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=8",
         "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=8",
     ]
-    env = {**_env(tmp_path), "DATA_DIR": str(tmp_path / "data")}
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, f"exit {proc.returncode}\n{proc.stdout[-4000:]}\n{proc.stderr[-6000:]}"
+    env = {"DATA_DIR": str(tmp_path / "data")}
+    run_main_ppo(cmd, tmp_path, timeout=600, cluster=shared_ray_cluster, env=env)
 
-    records = _metrics(tmp_path)
+    records = read_metrics(tmp_path)
     assert records[0]["step"] == 0 and "val-core/arith_tool/acc/mean@1" in records[0]["data"]
     train = [r for r in records if "num_turns/mean" in r["data"]]
     assert [r["step"] for r in train] == [1, 2]
@@ -44,7 +41,7 @@ def test_calculator_example_validates_and_trains_two_steps_with_tool_calls(tmp_p
     assert 0.0 <= last["critic/score/mean"] <= 1.0
 
 
-def test_one_step_off_multi_turn_with_partial_rollouts_tags_episodes_within_the_bound(tmp_path):
+def test_one_step_off_multi_turn_with_partial_rollouts_tags_episodes_within_the_bound(tmp_path, shared_ray_cluster):
     """The calculator example with generation one step ahead in its own rollout pool and partial
     rollouts checked every decode step: each trained episode's versions (over all its model turns)
     are ordered, the oldest within the bound, the newest never ahead of the trainer."""
@@ -56,7 +53,11 @@ def test_one_step_off_multi_turn_with_partial_rollouts_tags_episodes_within_the_
     cmd = [
         "bash",
         "examples/multi_turn/run_arith_calculator_tiny_cpu.sh",
-        *[arg for arg in _common(tmp_path, steps=steps) if not arg.startswith("actor_rollout_ref.model.path=")],
+        *[
+            arg
+            for arg in common_overrides(tmp_path, steps=steps)
+            if not arg.startswith("actor_rollout_ref.model.path=")
+        ],
         "data.train_batch_size=4",
         "actor_rollout_ref.rollout.n=4",
         "actor_rollout_ref.actor.ppo_mini_batch_size=4",
@@ -69,9 +70,8 @@ def test_one_step_off_multi_turn_with_partial_rollouts_tags_episodes_within_the_
         "async_training.partial_rollout_check_steps=1",
         f"trainer.rollout_data_dir={tmp_path / 'rollouts'}",
     ]
-    env = {**_env(tmp_path), "DATA_DIR": str(tmp_path / "data")}
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, f"exit {proc.returncode}\n{proc.stdout[-4000:]}\n{proc.stderr[-6000:]}"
+    env = {"DATA_DIR": str(tmp_path / "data")}
+    run_main_ppo(cmd, tmp_path, timeout=600, cluster=shared_ray_cluster, env=env)
 
     trained = {
         int(f.stem): [json.loads(line) for line in f.read_text().splitlines()]
@@ -79,14 +79,14 @@ def test_one_step_off_multi_turn_with_partial_rollouts_tags_episodes_within_the_
     }
     assert_partial_rollout_tags(trained, steps)
     assert all(len(rows) == 16 for rows in trained.values())
-    records = {r["step"]: r["data"] for r in _metrics(tmp_path) if "num_turns/mean" in r["data"]}
+    records = {r["step"]: r["data"] for r in read_metrics(tmp_path) if "num_turns/mean" in r["data"]}
     assert sorted(records) == list(range(1, steps + 1))
     assert all(0.0 <= records[s]["async/mixed_version_frac"] <= 1.0 for s in records)
     assert max(records[s]["num_turns/max"] for s in records) >= 4  # tool calls were made
     print({s: (records[s]["async/mixed_version_frac"], records[s]["num_turns/mean"]) for s in records})
 
 
-def test_calculator_example_traces_sampled_episodes_to_mlflow_and_cuts_the_tail(tmp_path):
+def test_calculator_example_traces_sampled_episodes_to_mlflow_and_cuts_the_tail(tmp_path, shared_ray_cluster):
     """rollout.trace.* and rollout.over_sample_rate through main_ppo: the workers learn the run's names
     from the trainer, and the sample index reaches the rollout."""
     mlflow = pytest.importorskip("mlflow")
@@ -94,7 +94,7 @@ def test_calculator_example_traces_sampled_episodes_to_mlflow_and_cuts_the_tail(
     cmd = [
         "bash",
         "examples/multi_turn/run_arith_calculator_tiny_cpu.sh",
-        *[arg for arg in _common(tmp_path, steps=1) if not arg.startswith("actor_rollout_ref.model.path=")],
+        *[arg for arg in common_overrides(tmp_path, steps=1) if not arg.startswith("actor_rollout_ref.model.path=")],
         "data.train_batch_size=4",
         "actor_rollout_ref.rollout.n=4",
         "actor_rollout_ref.actor.ppo_mini_batch_size=4",
@@ -106,11 +106,10 @@ def test_calculator_example_traces_sampled_episodes_to_mlflow_and_cuts_the_tail(
         "trainer.project_name=trace_e2e",
         "trainer.experiment_name=calc1",
     ]
-    env = {**_env(tmp_path), "DATA_DIR": str(tmp_path / "data"), "MLFLOW_TRACKING_URI": uri}
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, f"exit {proc.returncode}\n{proc.stdout[-4000:]}\n{proc.stderr[-6000:]}"
+    env = {"DATA_DIR": str(tmp_path / "data"), "MLFLOW_TRACKING_URI": uri}
+    run_main_ppo(cmd, tmp_path, timeout=600, cluster=shared_ray_cluster, env=env)
 
-    train = [r for r in _metrics(tmp_path) if "num_turns/mean" in r["data"]]
+    train = [r for r in read_metrics(tmp_path) if "num_turns/mean" in r["data"]]
     last = train[-1]["data"]
     # 2 workers x 8 episodes: at least int(8 * 0.75) = 6 of each worker's finish
     assert 0.0 <= last["response/aborted_ratio"] <= 0.25 and 0.0 <= last["agent_loop/aborted_ratio"] <= 0.25

@@ -3,12 +3,10 @@
 
 from __future__ import annotations
 
-import sys
-
 import pytest
 from omegaconf import OmegaConf
 
-from tests.trainer.test_main_ppo_e2e import _common, _metrics, _run
+from tests.trainer.main_ppo_runs import common_overrides, main_ppo_cmd, read_metrics, run_main_ppo
 from verl.trainer.main_ppo import build_resource_pools
 from verl.trainer.ppo.ray_trainer import Role
 
@@ -32,19 +30,16 @@ def test_reward_pool_holds_the_reward_model_only_when_enabled():
 
 
 @pytest.mark.slow
-def test_grpo_scores_with_a_reward_model_in_its_own_pool(tmp_path):
+def test_grpo_scores_with_a_reward_model_in_its_own_pool(tmp_path, shared_ray_cluster):
     """Actor on 1 worker, the classifier on 1 of its own: the step's scores are the classifier's
     (random head: far outside the rule reward's [0, 1])."""
     from tests.workers.test_reward_model_worker import _make_reward_model
 
     rm = tmp_path / "rm"
     _make_reward_model(rm)
-    _run(
-        [
-            sys.executable,
-            "-m",
-            "verl.trainer.main_ppo",
-            "--config-name=arith_demo",
+    run_main_ppo(
+        main_ppo_cmd(
+            "arith_demo",
             "trainer.n_gpus_per_node=1",  # 2 CPUs: one actor worker, one reward-model worker
             "reward_model.enable=true",
             "reward_model.enable_resource_pool=true",
@@ -52,9 +47,10 @@ def test_grpo_scores_with_a_reward_model_in_its_own_pool(tmp_path):
             "reward_model.nnodes=1",
             f"reward_model.model.path={rm}",
             "reward_model.micro_batch_size_per_gpu=16",
-            *_common(tmp_path, steps=1),
-        ],
+            *common_overrides(tmp_path, steps=1),
+        ),
         tmp_path,
+        cluster=shared_ray_cluster,
     )
-    (row,) = [r["data"] for r in _metrics(tmp_path) if "actor/pg_loss" in r["data"]]
+    (row,) = [r["data"] for r in read_metrics(tmp_path) if "actor/pg_loss" in r["data"]]
     assert row["critic/score/max"] > 1.5 or row["critic/score/min"] < -0.5, row

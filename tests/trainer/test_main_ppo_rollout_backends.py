@@ -10,23 +10,12 @@ The hf case runs in the main suite; the vllm case needs vllm and runs in the vll
 from __future__ import annotations
 
 import importlib.util
-import json
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
+from tests.trainer.main_ppo_runs import demo_script_cmd, read_metrics, run_main_ppo
+
 pytestmark = pytest.mark.slow  # the slow tier (make test-all, CI): see docs/testing.md
-
-ROOT = Path(__file__).resolve().parents[2]
-
-
-def _model_path() -> str:
-    from verl.models import bundled_model_path
-
-    return bundled_model_path()
 
 
 @pytest.mark.parametrize(
@@ -42,38 +31,20 @@ def _model_path() -> str:
         ),
     ],
 )
-def test_grpo_runs_with_the_backend_and_reports_the_train_rollout_mismatch(backend, tmp_path):
-    env = dict(os.environ)
-    env.update(
-        PYTHONPATH=str(ROOT),
-        PYTHON=sys.executable,
-        VERL_CACHE_DIR=str(tmp_path / "cache"),
-        VERL_FILE_LOGGER_PATH=str(tmp_path / "metrics.jsonl"),
-        MLFLOW_TRACKING_URI=f"file:{tmp_path / 'mlruns'}",
-        RAY_DEDUP_LOGS="0",
-    )
-    cmd = [
-        "bash",
-        "examples/grpo_trainer/run_arith_tiny_cpu.sh",
-        f"actor_rollout_ref.model.path={_model_path()}",
+def test_grpo_runs_with_the_backend_and_reports_the_train_rollout_mismatch(backend, tmp_path, request):
+    cmd = demo_script_cmd(
+        tmp_path,
+        2,
         f"actor_rollout_ref.rollout.name={backend}",
         "actor_rollout_ref.rollout.calculate_log_probs=true",
         "actor_rollout_ref.actor.tis_imp_ratio_cap=2.0",
         "actor_rollout_ref.rollout.max_num_seqs=64",
-        "data.train_batch_size=8",
-        "actor_rollout_ref.actor.ppo_mini_batch_size=8",
-        "actor_rollout_ref.rollout.n=4",
-        "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=16",
-        "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=16",
-        "trainer.total_training_steps=2",
-        "trainer.val_before_train=False",
-        "trainer.test_freq=-1",
-        "trainer.logger=[console,file]",
-        f"trainer.default_local_dir={tmp_path / 'ckpt'}",
-    ]
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
-    assert proc.returncode == 0, f"exit {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
-    records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines() if line.strip()]
+        batch=8,
+    )
+    # the built-in engine joins the session's cluster; vLLM's run (its own virtualenv, .ci/vllm.sh) keeps its own
+    cluster = request.getfixturevalue("shared_ray_cluster") if backend == "hf" else None
+    run_main_ppo(cmd, tmp_path, timeout=900, cluster=cluster)
+    records = read_metrics(tmp_path)
     assert [r["step"] for r in records] == [1, 2]
     for record in records:
         data = record["data"]
@@ -93,7 +64,6 @@ def test_one_step_off_with_vllm_partial_rollouts_tags_versions_within_the_bound(
     checked every engine step: every trained sample's oldest version is within the bound, its newest
     never ahead of the trainer, and the rollout log-probs stay those of the sampling weights."""
     from tests.trainer.test_main_ppo_async import _cmd, _trained, assert_partial_rollout_tags
-    from tests.trainer.test_main_ppo_e2e import _metrics, _run
 
     steps = 3
     cmd = _cmd(
@@ -105,9 +75,9 @@ def test_one_step_off_with_vllm_partial_rollouts_tags_versions_within_the_bound(
         "async_training.partial_rollout=true",
         "async_training.partial_rollout_check_steps=1",
     )
-    _run(cmd, tmp_path, timeout=900)
+    run_main_ppo(cmd, tmp_path, timeout=900)
     assert_partial_rollout_tags(_trained(tmp_path), steps)
-    records = {r["step"]: r["data"] for r in _metrics(tmp_path)}
+    records = {r["step"]: r["data"] for r in read_metrics(tmp_path)}
     for step in range(1, steps + 1):
         data = records[step]
         assert 0.0 <= data["async/mixed_version_frac"] <= 1.0

@@ -63,7 +63,7 @@ def console_metrics(log: str, step: int) -> dict[str, float]:
     return {key: float(value) for key, _, value in (pair.partition("=") for pair in pairs)}
 
 
-def test_upstream_ppo_quickstart_trains_gae_with_a_critic_on_cpu(tmp_path):
+def test_upstream_ppo_quickstart_trains_gae_with_a_critic_on_cpu(tmp_path, shared_ray_cluster):
     from verl.models import bundled_model_path
     from verl.utils.dataset.arith import ensure_arith_data
 
@@ -79,7 +79,9 @@ def test_upstream_ppo_quickstart_trains_gae_with_a_critic_on_cpu(tmp_path):
         "trainer.total_training_steps=1",  # a short run
         f"trainer.default_local_dir={tmp_path / 'ckpt'}",
         f"trainer.run_dir={tmp_path / 'run'}",
+        *shared_ray_cluster.overrides_for(env),  # joins the session's cluster: Ray's start-up paid once
     ]
+    env = shared_ray_cluster.env_for(env)
     proc = subprocess.run(
         [sys.executable, "-m", "verl.trainer.main_ppo", *quickstart(train, val, model), *run],
         cwd=ROOT,

@@ -143,20 +143,13 @@ def test_actor_worker_compute_log_prob_is_traced_on_cpu(tmp_path, monkeypatch):
 
 
 def _batch(tokenizer):
+    from tests.distributed_helpers import ppo_tensors
     from verl.protocol import DataProto
-    from verl.utils.model import compute_position_id_with_mask
 
     prompts = torch.tensor([[5, 6, 7, 8], [0, 9, 10, 11]])
     responses = torch.tensor([[12, 13, 14], [15, 16, 0]])
     attention_mask = torch.tensor([[1, 1, 1, 1, 1, 1, 1], [0, 1, 1, 1, 1, 1, 0]])
-    tensors = {
-        "prompts": prompts,
-        "responses": responses,
-        "input_ids": torch.cat([prompts, responses], dim=1),
-        "attention_mask": attention_mask,
-        "position_ids": compute_position_id_with_mask(attention_mask),
-        "response_mask": attention_mask[:, 4:],
-    }
+    tensors = ppo_tensors(prompts, responses, attention_mask, attention_mask[:, 4:])
     return DataProto.from_dict(tensors=tensors, meta_info={"temperature": 1.0, "micro_batch_size": 2})
 
 

@@ -96,9 +96,7 @@ def test_actor_worker_group_on_cuda_is_bound_to_its_device_with_nccl_timeout(one
 def _shared_prompt_batch(vocab: int, prompt_length: int, long: int, short: int, n: int = 8) -> DataProto:
     """Two prompts, each with n responses (GRPO): the first group's responses have `long` tokens,
     the second's `short` (right-padded to `long`); advantages +-1, old log-probs near the model's."""
-    from tensordict import TensorDict
-
-    from verl.utils.model import compute_position_id_with_mask
+    from tests.distributed_helpers import ppo_tensors
 
     g = torch.Generator().manual_seed(0)
     rows = 2 * n
@@ -109,20 +107,12 @@ def _shared_prompt_batch(vocab: int, prompt_length: int, long: int, short: int, 
     responses = responses * response_mask
     attention_mask = torch.cat([torch.ones(rows, prompt_length, dtype=torch.long), response_mask], dim=1)
     sign = torch.tensor([1.0, -1.0]).repeat(n)
-    td = TensorDict(
-        {
-            "prompts": prompts,
-            "responses": responses,
-            "input_ids": torch.cat([prompts, responses], dim=1),
-            "attention_mask": attention_mask,
-            "position_ids": compute_position_id_with_mask(attention_mask),
-            "response_mask": response_mask,
-            "old_log_probs": torch.full((rows, long), -5.0),
-            "advantages": sign[:, None] * response_mask,
-        },
-        batch_size=[rows],
-    )
-    return DataProto.from_dict(tensors=dict(td.items()), meta_info={"temperature": 1.0})
+    tensors = {
+        **ppo_tensors(prompts, responses, attention_mask, response_mask),
+        "old_log_probs": torch.full((rows, long), -5.0),
+        "advantages": sign[:, None] * response_mask,
+    }
+    return DataProto.from_dict(tensors=tensors, meta_info={"temperature": 1.0})
 
 
 @pytest.mark.gpu

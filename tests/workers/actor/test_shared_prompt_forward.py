@@ -24,6 +24,7 @@ from tests.distributed_helpers import (
     make_ppo_batch,
     make_tiny_causal_lm,
     one_thread,
+    ppo_tensors,
     reference_response_log_probs,
     run_distributed,
 )
@@ -51,14 +52,7 @@ def repeated_prompt_batch(num_prompts: int = 3, n: int = 4, seed: int = 0) -> Da
     response_mask = (torch.arange(RESPONSE_LENGTH)[None] < lengths[:, None]).long()
     responses = torch.randint(3, 40, (rows, RESPONSE_LENGTH), generator=g) * response_mask
     attention_mask = torch.cat([prompt_mask, response_mask], dim=1)
-    tensors = {
-        "prompts": prompts,
-        "responses": responses,
-        "input_ids": torch.cat([prompts, responses], dim=1),
-        "attention_mask": attention_mask,
-        "position_ids": compute_position_id_with_mask(attention_mask),
-        "response_mask": response_mask,
-    }
+    tensors = ppo_tensors(prompts, responses, attention_mask, response_mask)
     data = DataProto.from_dict(tensors=tensors, meta_info={"temperature": TEMPERATURE})
     old, _ = reference_response_log_probs(make_tiny_causal_lm(), data.batch, TEMPERATURE)
     sign = torch.where(torch.arange(rows) % 3 == 0, 1.0, -1.0).to(torch.float64)

@@ -126,3 +126,25 @@ class SwapTo:
         self.waiting = False
         self.version = 1
         return self.version
+
+
+def chat_prompts(model_path: str, questions, eos_token_id: int, pad_token_id: int, **meta):
+    """A DataProto of "What is <q>?" user turns through the chat template of `model_path`'s tokenizer,
+    left-padded, one uid per question; `meta` joins the ids in meta_info."""
+    from verl.protocol import DataProto
+    from verl.utils.tokenizer import hf_tokenizer
+
+    tok = hf_tokenizer(model_path)
+    texts = [
+        tok.apply_chat_template(
+            [{"role": "user", "content": f"What is {q}?"}], add_generation_prompt=True, tokenize=False
+        )
+        for q in questions
+    ]
+    enc = tok(texts, return_tensors="pt", padding=True, add_special_tokens=False)
+    mask = enc["attention_mask"]
+    return DataProto.from_dict(
+        tensors={"input_ids": enc["input_ids"], "attention_mask": mask, "position_ids": (mask.cumsum(-1) - 1).clamp(0)},
+        non_tensors={"uid": [f"u{i}" for i in range(len(questions))]},
+        meta_info={"eos_token_id": eos_token_id, "pad_token_id": pad_token_id, **meta},
+    )

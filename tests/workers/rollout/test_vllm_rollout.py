@@ -16,7 +16,7 @@ import os
 import pytest
 import torch
 
-from tests.workers.rollout.rollout_helpers import hf_greedy_loop
+from tests.workers.rollout.rollout_helpers import chat_prompts, hf_greedy_loop
 
 pytest.importorskip("vllm")
 pytestmark = pytest.mark.vllm
@@ -34,22 +34,7 @@ def _model_path() -> str:
 
 
 def _prompts(questions, **meta) -> DataProto:
-    from verl.utils.tokenizer import hf_tokenizer
-
-    tok = hf_tokenizer(_model_path())
-    texts = [
-        tok.apply_chat_template(
-            [{"role": "user", "content": f"What is {q}?"}], add_generation_prompt=True, tokenize=False
-        )
-        for q in questions
-    ]
-    enc = tok(texts, return_tensors="pt", padding=True, add_special_tokens=False)
-    mask = enc["attention_mask"]
-    return DataProto.from_dict(
-        tensors={"input_ids": enc["input_ids"], "attention_mask": mask, "position_ids": (mask.cumsum(-1) - 1).clamp(0)},
-        non_tensors={"uid": [f"u{i}" for i in range(len(questions))]},
-        meta_info={"eos_token_id": EOS, "pad_token_id": PAD, **meta},
-    )
+    return chat_prompts(_model_path(), questions, EOS, PAD, **meta)
 
 
 QUESTIONS = ["12+34", "7+80", "99+1", "45+45", "23+19", "60+7"]
