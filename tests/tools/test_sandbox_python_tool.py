@@ -119,3 +119,12 @@ def test_tool_runs_the_code_argument():
     assert response.text == "42\n" and metrics == {"timed_out": 0.0, "output_truncated": 0.0}
     with pytest.raises(ValueError, match="'code'"):
         asyncio.run(tool.execute("id", {}))
+
+
+def test_a_program_stopped_by_its_cpu_limit_is_reported_as_timed_out():
+    # Under load the CPU limit (RLIMIT_CPU = timeout_s) can stop a busy loop before the parent's
+    # wall-clock timer fires; the kernel's SIGXCPU is the same time limit and must read the same.
+    # The program raises the signal itself, so the check does not depend on the machine's load.
+    result = run("import os, signal; os.kill(os.getpid(), signal.SIGXCPU)", timeout_s=30.0)
+    assert result.timed_out and result.exit_code is None
+    assert "[timed out]" in result.to_text()

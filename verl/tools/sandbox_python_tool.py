@@ -242,6 +242,10 @@ async def run_python(
             )
         except asyncio.TimeoutError:  # killed, yet not reaped in time: report it as killed
             exit_code = None
+        if exit_code == -signal.SIGXCPU:
+            # its CPU limit (timeout_s of CPU time) stopped it before our wall-clock timer fired, as
+            # happens when this process is starved: the same time limit, reported the same way
+            timed_out = True
         return SandboxResult(
             stdout=out.decode("utf-8", errors="replace"),
             stderr=err.decode("utf-8", errors="replace"),
