@@ -86,20 +86,17 @@ def test_gae_with_megatron_actor_at_tp2_and_critic_at_tp1_in_their_own_processes
     """Upstream's megatron PPO scripts give the actor tp2 and leave the critic at tp1: the critic gets
     worker processes of its own on the shared pool (megatron's parallel state is one per process),
     and both models train for two steps."""
-    _run(
-        [
-            sys.executable,
-            "-m",
-            "verl.trainer.main_ppo",
-            "--config-name=arith_demo_megatron",
+    run_main_ppo(
+        main_ppo_cmd(
+            "arith_demo_megatron",
             "algorithm.adv_estimator=gae",
             "actor_rollout_ref.actor.megatron.tensor_model_parallel_size=2",
             "critic.megatron.tensor_model_parallel_size=1",
-            *_common(tmp_path, steps=2),
-        ],
+            *common_overrides(tmp_path, steps=2),
+        ),
         tmp_path,
     )
-    rows = [r for r in _metrics(tmp_path) if "actor/pg_loss" in r["data"]]
+    rows = [r for r in read_metrics(tmp_path) if "actor/pg_loss" in r["data"]]
     assert [r["step"] for r in rows] == [1, 2]
     for r in rows:
         assert r["data"]["actor/grad_norm"] > 0 and r["data"]["critic/grad_norm"] > 0, r
