@@ -104,7 +104,8 @@ def check_estimator_inputs(config) -> None:
     """An estimator's inputs that only a config switch produces must be switched on."""
     estimator = config.algorithm.adv_estimator
     estimator = getattr(estimator, "value", estimator)
-    if estimator in _NEEDS_SUM_PI_SQUARED and not config.actor_rollout_ref.actor.calculate_sum_pi_squared:
+    # an FSDP-actor key: the megatron actor's section has none (as upstream's)
+    if estimator in _NEEDS_SUM_PI_SQUARED and not config.actor_rollout_ref.actor.get("calculate_sum_pi_squared", False):
         raise ValueError(
             f"algorithm.adv_estimator={estimator} weighs each token by its score norm, which needs sum_v pi_v^2 "
             "from the actor's log-prob pass; set actor_rollout_ref.actor.calculate_sum_pi_squared=true"

@@ -238,7 +238,8 @@ class RayPPOTrainer:
             and arc.actor.ppo_mini_batch_size == self.config.data.train_batch_size
             and not self.config.algorithm.use_kl_in_reward
             and not arc.rollout.calculate_log_probs
-            and not arc.actor.calculate_sum_pi_squared
+            # an FSDP-actor key: the megatron actor's section has none (as upstream's)
+            and not arc.actor.get("calculate_sum_pi_squared", False)
         )
 
     def _compute_old_log_prob(self, batch: DataProto, state: StepState) -> DataProto:
