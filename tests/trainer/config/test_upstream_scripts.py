@@ -38,6 +38,9 @@ REFUSED = {
     f"{R}partial_rollout/run/run_qwen3-0.6b_gsm8k_grpo_tool_baseline.sh": "algorithm.rollout_correction (rollout_is=token) needs the rollout engine's log-probs",
     # features not implemented here
     f"{R}collabllm/train_rl_collabllm.sh": "actor_rollout_ref.rollout.multi_turn.num_repeat_rollouts=3 is not implemented",
+    # Ulysses groups larger than the GPUs the script asks for: upstream's device mesh fails at start-up too
+    f"{R}langgraph_agent/example/run_gpt_oss_20b_bf16.sh": "actor_rollout_ref.actor.ulysses_sequence_parallel_size=4 does not divide the 2 workers",
+    f"{R}langgraph_agent/example/run_qwen2.5_3b.sh": "actor_rollout_ref.actor.ulysses_sequence_parallel_size=4 does not divide the 2 workers",
     # megatron features not implemented here (these also set megatron.use_mbridge=True, which is accepted)
     f"{V}grpo_trainer/run_qwen2-7b_math_megatron_lora.sh": "actor_rollout_ref.model.lora.rank=256 is not implemented",
     f"{V}mtp_trainer/test_dapo_mimo_7b_with_mtp_math_megatron.sh": "actor_rollout_ref.model.mtp.enable=true is not implemented",
@@ -158,4 +161,4 @@ def test_the_counts_reported_in_docs_upstream(files):
             counts["upstream refuses"] += 1
         else:
             counts["refused" if isinstance(ours, ConfigError) else "accepted"] += 1
-    assert counts == {"accepted": 114, "refused": 12, "excluded": 36, "upstream refuses": 3}, counts
+    assert counts == {"accepted": 112, "refused": 14, "excluded": 36, "upstream refuses": 3}, counts

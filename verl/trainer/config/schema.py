@@ -850,7 +850,7 @@ class RewardModelConfig:
     profiler: ProfilerConfig = doc("Profiling of the reward model.")
     ulysses_sequence_parallel_size: int = doc(
         "Sequence-parallel group size of the reward model: its forward scores padded rows, which Ulysses "
-        "(packed sequences only) cannot split",
+        "(packed sequences only) cannot split.",
         status=UNSUPPORTED,
         neutral=1,
         optional=True,
