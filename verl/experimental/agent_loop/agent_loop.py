@@ -49,6 +49,14 @@ def register(name: str):
     return decorate
 
 
+def _import_path(target: str):
+    """The object an import path (`pkg.module.Name`) names; ImportError/AttributeError otherwise."""
+    module_name, _, attr = target.rpartition(".")
+    if not module_name:
+        raise ImportError(f"{target!r} is not an import path (pkg.module.Name)")
+    return getattr(importlib.import_module(module_name), attr)
+
+
 def resolve_config_path(path: str) -> str:
     """An agent-loop config file's absolute path: as given when absolute, else under the working
     directory, else under the directory that holds the `verl` package (a source checkout), as
@@ -101,9 +109,8 @@ def register_agent_loops_from_file(path: str) -> list[str]:
     for entry in read_agent_loop_config(path):
         entry = dict(entry)
         name, target = str(entry.pop("name")), str(entry.pop("_target_"))
-        module_name, _, attr = target.rpartition(".")
         try:
-            cls = getattr(importlib.import_module(module_name), attr) if module_name else None
+            cls = _import_path(target)
         except (ImportError, AttributeError) as e:
             raise ValueError(f"agent loop {name!r} of {path}: cannot import _target_ {target!r}: {e}") from e
         if not (isinstance(cls, type) and issubclass(cls, AgentLoopBase)):
@@ -121,10 +128,9 @@ def register_agent_loops_from_file(path: str) -> list[str]:
 def get_agent_loop_class(name: str) -> type[AgentLoopBase]:
     if name in AGENT_LOOPS:
         return AGENT_LOOPS[name]
-    module_name, _, attr = name.rpartition(".")
-    if module_name:
+    if "." in name:
         try:
-            cls = getattr(importlib.import_module(module_name), attr)
+            cls = _import_path(name)
         except (ImportError, AttributeError) as e:
             raise ValueError(
                 f"agent loop {name!r} is neither registered ({sorted(AGENT_LOOPS)}) nor importable: {e}"
