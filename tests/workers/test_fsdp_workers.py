@@ -212,3 +212,26 @@ def test_an_agent_loop_config_file_runs_the_rollout_through_agent_loops_without_
         assert worker.rollout.default_agent == "one_turn_from_file"
     finally:
         AGENT_LOOPS.pop("one_turn_from_file", None)
+
+
+def test_the_driver_sends_the_agent_loop_columns_whenever_the_worker_runs_agent_loops():
+    # the worker's wrap and the driver's columns decide on one predicate: a config file of loops
+    # without multi_turn must still send each row's agent_name, or rows would all run the default
+    from verl.trainer.ppo.generation import generation_input
+    from verl.workers.rollout.base import runs_agent_loops
+
+    assert not runs_agent_loops({"multi_turn": {"enable": False}, "agent": {"agent_loop_config_path": None}})
+    assert runs_agent_loops({"multi_turn": {"enable": True}})
+    assert runs_agent_loops({"multi_turn": {"enable": False}, "agent": {"agent_loop_config_path": "agents.yaml"}})
+
+    class Tok:
+        eos_token_id, pad_token_id = 2, 0
+
+    ids = torch.ones(2, 3, dtype=torch.long)
+    batch = DataProto.from_dict(
+        tensors={"input_ids": ids, "attention_mask": ids, "position_ids": ids},
+        non_tensors={"agent_name": ["a", "b"]},
+    )
+    rollout = {"multi_turn": {"enable": False}, "agent": {"agent_loop_config_path": "agents.yaml"}}
+    gen = generation_input(batch, Tok(), 1, runs_agent_loops(rollout))
+    assert list(gen.non_tensor_batch["agent_name"]) == ["a", "b"]

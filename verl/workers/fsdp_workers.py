@@ -518,12 +518,11 @@ class ActorRolloutRefWorker(Worker, DistProfilerExtension):
             self.actor_model, self.actor = self._build_actor()
         if "rollout" in self.parts and self._builds_engine():
             from verl.workers.rollout import get_rollout_class
+            from verl.workers.rollout.base import runs_agent_loops
 
             rollout_cls = get_rollout_class(cfg.rollout.name)
             self.rollout = rollout_cls(cfg.model.path, config=cfg.rollout, tokenizer=self.tokenizer)
-            if (cfg.rollout.get("multi_turn") or {}).get("enable", False) or (cfg.rollout.get("agent") or {}).get(
-                "agent_loop_config_path"
-            ):
+            if runs_agent_loops(cfg.rollout):
                 from verl.experimental.agent_loop import AgentLoopRollout
 
                 # agent loops (tool calls, or the loops a config file registers) over the same engine;

@@ -81,6 +81,7 @@ from verl.protocol import DataProto
 from verl.trainer.ppo.generation import GEN_BATCH_KEYS, generation_input, with_generation
 from verl.utils.logging_utils import get_logger
 from verl.utils.timer import marked_timer
+from verl.workers.rollout.base import runs_agent_loops
 
 logger = get_logger(__name__, "INFO")
 
@@ -178,7 +179,7 @@ class AsyncRolloutSource:
         self.partial_rollout = bool(cfg.partial_rollout)
         self.partial_check_steps = int(cfg.partial_rollout_check_steps or 8)
         rollout_cfg = config.actor_rollout_ref.rollout
-        self.multi_turn = bool(rollout_cfg.multi_turn.enable)
+        self.multi_turn = runs_agent_loops(rollout_cfg)  # the agent-loop columns go to the rollout
         self.bucket_mb = int(rollout_cfg.checkpoint_engine.update_weights_bucket_megabytes or 512)
         self.n = int(rollout_cfg.n)
         self.groups_per_step = int(config.data.train_batch_size)

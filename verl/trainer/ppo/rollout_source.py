@@ -47,6 +47,7 @@ from verl.trainer.ppo.generation import GEN_BATCH_KEYS, generation_input, with_g
 from verl.trainer.ppo.metric_utils import reduce_metrics
 from verl.utils.logging_utils import get_logger
 from verl.utils.timer import marked_timer
+from verl.workers.rollout.base import runs_agent_loops
 
 logger = get_logger(__name__, "INFO")
 
@@ -307,7 +308,7 @@ def build_rollout_source(
     remax = algo.adv_estimator == "remax"
     baseline_scorer = scorer if remax else None
     generator = RolloutGenerator(
-        actor_wg, tokenizer, rollout.n, rollout.multi_turn.enable, current_step, baseline_scorer
+        actor_wg, tokenizer, rollout.n, runs_agent_loops(rollout), current_step, baseline_scorer
     )
     if not algo.filter_groups.enable:
         return SyncRolloutSource(prompts, generator, scorer)

@@ -17,6 +17,7 @@ import numpy as np
 from verl.protocol import DataProto, pad_dataproto_to_divisor, unpad_dataproto
 from verl.trainer.ppo.generation import generation_input, with_generation
 from verl.trainer.ppo.metric_utils import flatten_validation_metrics, process_validation_metrics
+from verl.workers.rollout.base import runs_agent_loops
 
 
 def due(freq: int, step: int, is_last: bool) -> bool:
@@ -53,7 +54,7 @@ class Validator:
         """Generate for every validation prompt (val_kwargs.n samples) and score; the metrics."""
         val_kwargs = self.rollout_cfg.val_kwargs
         n = val_kwargs.n
-        multi_turn = self.rollout_cfg.multi_turn.enable
+        multi_turn = runs_agent_loops(self.rollout_cfg)
         sources, uids, infos = [], [], {"reward": [], "acc": []}
         extra_infos: dict[str, list] = {}
         dp = self.generator.world_size

@@ -25,6 +25,16 @@ if TYPE_CHECKING:
     from verl.utils.speed_paths import SpeedPath
 
 
+def runs_agent_loops(rollout_config) -> bool:
+    """Whether generation runs through agent loops (`AgentLoopRollout`): with multi-turn, or when
+    `agent.agent_loop_config_path` registers loops (upstream's agent-loop rollout runs them either
+    way). The rollout worker wraps its engine, and the driver sends the rows' `agent_name` and tool
+    columns, on this one answer."""
+    multi_turn = rollout_config.get("multi_turn") or {}
+    agent = rollout_config.get("agent") or {}
+    return bool(multi_turn.get("enable", False) or agent.get("agent_loop_config_path"))
+
+
 class BaseRollout(ABC):
     """A generation engine the actor worker owns."""
 
