@@ -94,7 +94,6 @@ MUTUAL_IMPORT_EXCEPTIONS = {
 MAX_LINES = 800
 
 SIZE_EXCEPTIONS = {
-    "verl/trainer/config/schema.py": "owned by the typed-config work, #28 (split there)",
     "verl/trainer/config/validate.py": "owned by the typed-config work, #28 (split there)",
     "verl/workers/fsdp_workers.py": "#29 item 3 (one engine interface) writes the role workers once, on the engine",
     "verl/single_controller/ray/base.py": "known debt, #29: RayWorkerGroup, placement and the colocated class "

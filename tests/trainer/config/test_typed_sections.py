@@ -302,8 +302,9 @@ def test_target_naming_a_foreign_class_is_refused(name):
     cfg["actor_rollout_ref"]["actor"]["optim"]["_target_"] = "verl.trainer.config.AlgoConfig"
     with pytest.raises(
         ConfigError,
+        # the actor's class (FSDPActorConfig / McoreActorConfig) declares its engine's optimizer class
         match=r"optim\._target_='verl\.trainer\.config\.AlgoConfig' names AlgoConfig, "
-        r"which is not a OptimizerConfig",
+        r"which is not a (FSDP|Mcore)OptimizerConfig",
     ):
         validate_ppo_config(cfg)
     cfg["actor_rollout_ref"]["actor"]["optim"]["_target_"] = "verl.nowhere.Optim"

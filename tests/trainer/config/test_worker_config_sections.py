@@ -1,6 +1,6 @@
-"""Optimizer and FSDP engine sections (`verl.workers.config`): the YAML's `_target_` picks the engine's
-class, its defaults are the YAML's, its own checks run when built, and the validator and the docs
-list the keys only one subclass holds."""
+"""Worker config sections (`verl.workers.config`: optimizer, FSDP engine, actor, critic, rollout, model):
+the YAML's `_target_` picks the engine's class, its defaults are the YAML's, its own checks run when
+built, and the validator and the docs list the keys only one subclass holds."""
 
 from __future__ import annotations
 
@@ -13,13 +13,23 @@ from omegaconf import OmegaConf
 from verl.trainer.config import ConfigError, validate_ppo_config
 from verl.trainer.config.docgen import render
 from verl.trainer.config.loader import compose
+from verl.trainer.config.schema import section_fields
 from verl.trainer.config.validate import schema_keys
 from verl.utils.config import omega_conf_to_dataclass
 from verl.workers.config import (
+    ActorConfig,
+    CriticConfig,
+    FSDPActorConfig,
+    FSDPCriticConfig,
     FSDPEngineConfig,
     FSDPOptimizerConfig,
+    HFModelConfig,
+    McoreActorConfig,
+    McoreCriticConfig,
     McoreOptimizerConfig,
     OptimizerConfig,
+    RolloutConfig,
+    SamplingConfig,
 )
 
 
@@ -140,3 +150,149 @@ def test_subclass_only_keys_are_listed_for_the_docs_and_hints():
     assert "| `lr_decay_style` | str | `constant` | yes | *megatron* " in page
     assert "| `optimizer` | str | `AdamW` | yes | Optimizer class" in page  # both engines' classes have it
     assert issubclass(FSDPOptimizerConfig, OptimizerConfig) and issubclass(McoreOptimizerConfig, OptimizerConfig)
+
+
+# ------------------------------------------------------------- actor, critic, rollout, model sections
+
+
+def _leaves(config, prefix: str = "") -> dict:
+    """Dotted key -> value of a built section, nested sections flattened, `_target_` left out."""
+    out = {}
+    for key, value in dataclasses.asdict(config).items() if prefix == "" else config.items():
+        if key == "_target_":
+            continue
+        if isinstance(value, dict) and value and all(isinstance(k, str) for k in value):
+            out.update(_leaves(value, f"{prefix}{key}."))
+        else:
+            out[f"{prefix}{key}"] = value
+    return out
+
+
+@pytest.mark.parametrize(
+    "name, path, cls, set_by_yaml",
+    [
+        # the YAML gives each role its own learning rate; the FSDP actor's use_remove_padding follows the model's
+        (
+            "ppo_trainer",
+            "actor_rollout_ref.actor",
+            FSDPActorConfig,
+            {"optim.lr": 1e-6, "use_remove_padding": True},
+        ),
+        ("ppo_megatron_trainer", "actor_rollout_ref.actor", McoreActorConfig, {"optim.lr": 1e-6}),
+        ("ppo_trainer", "critic", FSDPCriticConfig, {"optim.lr": 1e-5}),
+        ("ppo_trainer", "actor_rollout_ref.rollout", RolloutConfig, {"name": "???"}),  # every run must choose
+        ("ppo_trainer", "actor_rollout_ref.model", HFModelConfig, {}),
+    ],
+)
+def test_each_role_section_builds_its_class_and_differs_from_the_defaults_only_where_the_yaml_says(
+    name, path, cls, set_by_yaml
+):
+    section = compose(name)
+    for part in path.split("."):
+        section = section[part]
+    built = omega_conf_to_dataclass(section)
+    assert type(built) is cls
+    got, default = _leaves(built), _leaves(cls())
+    differs = {key: got[key] for key in got if got[key] != default.get(key)}
+    assert differs == set_by_yaml
+
+
+def test_role_section_defaults_are_upstreams():
+    # upstream's release dataclasses and YAML, written out by hand
+    actor = FSDPActorConfig()
+    assert (actor.strategy, actor.ppo_mini_batch_size, actor.ppo_max_token_len_per_gpu) == ("fsdp", 256, 16384)
+    assert (actor.clip_ratio, actor.clip_ratio_low, actor.clip_ratio_high, actor.clip_ratio_c) == (0.2, 0.2, 0.2, 3.0)
+    assert (actor.loss_agg_mode, actor.kl_loss_coef, actor.kl_loss_type) == ("token-mean", 0.001, "low_var_kl")
+    assert (actor.ppo_epochs, actor.grad_clip, actor.ulysses_sequence_parallel_size) == (1, 1.0, 1)
+    assert type(actor.optim) is FSDPOptimizerConfig and type(actor.fsdp_config) is FSDPEngineConfig
+    mcore = McoreActorConfig()
+    assert (mcore.strategy, mcore.load_weight, type(mcore.optim)) == ("megatron", True, McoreOptimizerConfig)
+    assert not hasattr(mcore, "fsdp_config") and not hasattr(actor, "megatron")
+    critic = FSDPCriticConfig()
+    assert (critic.cliprange_value, critic.ppo_max_token_len_per_gpu, critic.grad_clip) == (0.5, 32768, 1.0)
+    assert (McoreCriticConfig().strategy, McoreCriticConfig().nccl_timeout) == ("megatron", 600)
+    rollout = RolloutConfig()
+    assert (rollout.mode, rollout.temperature, rollout.top_k, rollout.top_p) == ("async", 1.0, -1, 1.0)
+    # max_num_seqs: upstream's YAML value (its dataclass says 1024; the YAML is what its runs get)
+    assert (rollout.gpu_memory_utilization, rollout.max_num_batched_tokens, rollout.max_num_seqs) == (0.5, 8192, 256)
+    assert (rollout.load_format, rollout.val_kwargs.n, rollout.multi_turn.max_tool_response_length) == ("dummy", 1, 256)
+    assert (rollout.agent.default_agent_loop, rollout.multi_turn.format) == ("single_turn_agent", "hermes")
+    model = HFModelConfig()
+    assert (model.lora_rank, model.lora_alpha, model.target_modules) == (0, 16, "all-linear")
+    assert (model.enable_gradient_checkpointing, model.use_remove_padding, model.mtp.enable) == (True, True, False)
+    assert issubclass(FSDPActorConfig, ActorConfig) and issubclass(McoreCriticConfig, CriticConfig)
+
+
+@pytest.mark.parametrize(
+    "cls, kwargs, match",
+    [
+        (FSDPActorConfig, {"ppo_epochs": 0}, r"^actor\.ppo_epochs=0 must be at least 1$"),
+        (McoreActorConfig, {"ppo_mini_batch_size": 0}, r"^actor\.ppo_mini_batch_size=0 must be at least 1$"),
+        (FSDPActorConfig, {"clip_ratio_c": 1.0}, r"^actor\.clip_ratio_c=1\.0 must be > 1 \(dual-clip bound"),
+        (RolloutConfig, {"n": 0}, r"^rollout\.n=0 must be at least 1$"),
+        (RolloutConfig, {"temperature": 0.0}, r"^rollout\.do_sample=true with temperature=0\.0 cannot sample"),
+        (
+            RolloutConfig,
+            {"val_kwargs": SamplingConfig(do_sample=True, temperature=0.0)},
+            r"^rollout\.val_kwargs\.do_sample=true with temperature=0\.0 cannot sample",
+        ),
+    ],
+)
+def test_a_bad_role_value_is_refused_when_built(cls, kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        cls(**kwargs)
+
+
+@pytest.mark.parametrize(
+    "key, value, message",
+    [
+        ("actor_rollout_ref.actor.ppo_epochs", 0, "actor_rollout_ref.actor.ppo_epochs=0 must be at least 1"),
+        ("actor_rollout_ref.rollout.n", 0, "actor_rollout_ref.rollout.n=0 must be at least 1"),
+        (
+            "actor_rollout_ref.rollout.temperature",
+            0.0,
+            "actor_rollout_ref.rollout.do_sample=true with temperature=0.0 cannot sample",
+        ),
+        # a nested section's check is reported once, under its own key (not again by the actor that holds it)
+        ("actor_rollout_ref.actor.optim.lr", 0.0, "actor_rollout_ref.actor.optim.lr=0.0 must be > 0"),
+    ],
+)
+def test_the_validator_reports_a_role_sections_check_once_under_the_full_key(key, value, message):
+    cfg = OmegaConf.to_container(compose("arith_demo"), resolve=True)
+    node = cfg
+    *parents, leaf = key.split(".")
+    for part in parents:
+        node = node[part]
+    node[leaf] = value
+    with pytest.raises(ConfigError) as info:
+        validate_ppo_config(cfg)
+    assert str(info.value).count(message) == 1, str(info.value)
+    # the same check under a shorter (wrong) key would repeat the text after the section's name
+    assert str(info.value).count(message[len(".".join(parents)) + 1 :]) == 1, str(info.value)
+
+
+def test_a_megatron_engine_check_is_reported_once_under_the_full_key():
+    cfg = OmegaConf.to_container(compose("arith_demo_megatron"), resolve=True)
+    cfg["actor_rollout_ref"]["actor"]["megatron"]["tensor_model_parallel_size"] = 0
+    with pytest.raises(ConfigError) as info:
+        validate_ppo_config(cfg)
+    text = str(info.value)
+    assert text.count("tensor_model_parallel_size=0") == 1, text
+    assert "actor_rollout_ref.actor.megatron.tensor_model_parallel_size=0" in text
+
+
+def test_an_unknown_tool_format_lists_the_parsers():
+    cfg = OmegaConf.to_container(compose("arith_demo"), resolve=True)
+    cfg["actor_rollout_ref"]["rollout"]["multi_turn"]["format"] = "hermez"
+    with pytest.raises(ConfigError, match=r"multi_turn\.format='hermez' is not a valid choice.*hermes"):
+        validate_ppo_config(cfg)
+
+
+def test_engine_only_keys_of_the_role_sections_are_listed_under_their_subclass():
+    fields = {f.name: owner for f, owner, _ in section_fields(ActorConfig)}
+    assert fields["grad_clip"] is FSDPActorConfig and fields["fsdp_config"] is FSDPActorConfig
+    assert fields["megatron"] is McoreActorConfig and fields["ppo_epochs"] is ActorConfig
+    critic = {f.name: owner for f, owner, _ in section_fields(CriticConfig)}
+    assert (
+        critic["nccl_timeout"] is McoreCriticConfig and critic["forward_micro_batch_size_per_gpu"] is FSDPCriticConfig
+    )

@@ -17,6 +17,7 @@ import typing
 from omegaconf import OmegaConf
 
 from verl.trainer.config import schema as S
+from verl.trainer.config.fields import tool_format_choices
 from verl.trainer.config.loader import DEFAULT_CONFIG_NAME, compose
 from verl.trainer.config.validate import is_section_type, type_name
 
@@ -58,6 +59,11 @@ other than the one shown is an error; **not yet** being implemented: any value o
 one shown is an error ("not implemented yet"); **no: hardware** only meaningful on hardware this
 build does not support; **deprecated** still honoured, with a warning naming the replacement.
 """
+
+
+# Keys whose choices come from a table above the workers layer, so the section class cannot list
+# them (the validator checks them): dotted key -> the function returning the names.
+_LAYER_ABOVE_CHOICES = {"actor_rollout_ref.rollout.multi_turn.format": tool_format_choices}
 
 
 def _render(v) -> str:
@@ -117,8 +123,11 @@ def _section(
         for f in leaves:
             meta = S.field_meta(f)
             desc = meta["doc"]
-            if meta["choices"]:
-                desc += " One of: " + ", ".join(f"`{c}`" for c in meta["choices"]) + "."
+            choices = meta["choices"] or (
+                _LAYER_ABOVE_CHOICES[f"{path}.{f.name}"]() if f"{path}.{f.name}" in _LAYER_ABOVE_CHOICES else None
+            )
+            if choices:
+                desc += " One of: " + ", ".join(f"`{c}`" for c in choices) + "."
             if f.name in defaults:
                 default = _render(defaults[f.name])
             else:
@@ -137,7 +146,10 @@ def _section(
         if is_section_type(hints[f.name]):
             meta = S.field_meta(f)
             about = meta["doc"]
-            where = _where(f.name, defaults, megatron, meta)
+            if owners[f.name] is not cls:  # an engine section only one subclass (one composition) holds
+                where = _where(f.name, defaults, megatron, {**meta, "optional": True}) or owners[f.name].__name__
+            else:
+                where = _where(f.name, defaults, megatron, meta)
             if where:
                 about = f"*{where}* {about}"
             _section(

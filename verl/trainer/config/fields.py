@@ -3,7 +3,7 @@
 The field-metadata helpers (`doc`, the status values and the other option tables) live in
 `verl.workers.config._fields`, low enough for `verl.workers.config` to use. These two tables come
 from `verl.experimental` (above the workers), so only a config module in the trainer layer may
-name them: `schema.py` does, for `rollout.multi_turn.format`, and `validate.py` for
+name them: `validate.py` and `docgen.py` do, for `rollout.multi_turn.format`, and `validate.py` for
 `rollout.agent.default_agent_loop` (whose names also come from `agent.agent_loop_config_path`).
 """
 

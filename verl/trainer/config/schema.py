@@ -1,11 +1,13 @@
 """Typed schema of the PPO config: one dataclass per section, one documented field per key.
 
 Design decisions:
-- The YAML files (ppo_trainer.yaml and its config groups) hold the defaults, upstream's values;
-  the dataclasses here hold the *contract*: each key's type, its documentation, its valid
-  choices and whether this implementation honours it. Keeping defaults out of the dataclasses
-  means there is one source for each fact; a test checks that the composed YAML configs and the
-  schema list exactly the same keys.
+- The YAML files (ppo_trainer.yaml and its config groups) hold the defaults, upstream's values.
+  The sections the workers read at runtime are upstream's typed classes (`verl.workers.config`:
+  actor, critic, rollout, model, optimizer, engine; `verl.trainer.config`: algorithm, checkpoint),
+  declared once, there, with the same defaults (tests build each from the YAML and compare); this
+  module composes them into the whole tree and declares the driver-side sections (data, trainer,
+  reward, ray, ...), whose dataclasses hold only the *contract* (type, doc, choices, status) and no
+  defaults: a test checks that the composed YAML configs and the schema list the same keys.
 - The schema covers both compositions, `ppo_trainer` (FSDP) and `ppo_megatron_trainer`: a key
   that only one of them holds (`actor.fsdp_config` vs `actor.megatron`, the Megatron optimizer's
   `lr_decay_style`, ...) is `optional`, i.e. it may be absent; the validator then asks for the
@@ -40,15 +42,36 @@ from verl.trainer.config.algorithm import (  # noqa: F401  (re-exported: the sch
     RolloutCorrectionConfig,
 )
 from verl.trainer.config.config import CheckpointConfig
-from verl.trainer.config.fields import tool_format_choices
 from verl.utils.config import target_class
-from verl.workers.config import (
+from verl.workers.config import (  # noqa: F401  (re-exported: the schema's section classes)
+    ActorConfig,
+    AgentLoopConfig,
+    CheckpointEngineConfig,
+    CriticConfig,
+    CriticModelConfig,
+    CustomAsyncServerConfig,
+    FSDPActorConfig,
+    FSDPCriticConfig,
     FSDPEngineConfig,
     FSDPOptimizerConfig,
+    HFModelConfig,
+    McoreActorConfig,
+    McoreCriticConfig,
     McoreEngineConfig,
     McoreOptimizerConfig,
+    MegatronLoRAConfig,
+    MtpConfig,
+    MultiTurnConfig,
     OptimizerConfig,
     PolicyLossConfig,
+    ProfilerConfig,
+    PrometheusConfig,
+    RefConfig,
+    RolloutConfig,
+    RouterReplayConfig,
+    SamplingConfig,
+    TiledMLPConfig,
+    TraceConfig,
 )
 from verl.workers.config._fields import (  # noqa: F401  (re-exported: the schema's public names)
     _NO_NEUTRAL,
@@ -170,484 +193,7 @@ class RewardModelFSDPConfig:
     mixed_precision: dict | None = doc("{param_dtype, reduce_dtype}.", optional=True)
 
 
-@dataclass
-class TiledMLPConfig:
-    """Tiled MLP (the MLP's activations computed in sequence shards to save memory)."""
-
-    enabled: bool = doc(f"Compute the MLP in shards. {_SPEED}.", status=IGNORED)
-    num_shards: int = doc("Number of shards.", status=IGNORED)
-
-
-@dataclass
-class MtpConfig:
-    """Multi-token prediction heads (training and speculative decoding)."""
-
-    enable: bool = doc("Use the model's multi-token-prediction layers.", status=UNSUPPORTED, neutral=False)
-    enable_train: bool = doc("Train the MTP layers.", status=UNSUPPORTED, neutral=False)
-    enable_rollout: bool = doc("Speculative decoding with the MTP layers.", status=UNSUPPORTED, neutral=False)
-    detach_encoder: bool = doc("Detach the MTP encoder's gradient (with enable_train).")
-    mtp_loss_scaling_factor: float = doc("Weight of the MTP loss (with enable_train).")
-    speculative_algorithm: str = doc("Speculative decoding algorithm (with enable_rollout).")
-    speculative_num_steps: int = doc("Speculative steps (with enable_rollout).")
-    speculative_eagle_topk: int = doc("EAGLE top-k (with enable_rollout).")
-    speculative_num_draft_tokens: int = doc("Draft tokens (with enable_rollout).")
-    method: str = doc("Speculative method name (with enable_rollout).")
-    num_speculative_tokens: int = doc("Tokens proposed per step (with enable_rollout).")
-
-
-@dataclass
-class MegatronLoRAConfig:
-    """LoRA adapters of a Megatron model (upstream's `model.lora` of ppo_megatron_trainer)."""
-
-    type: str = doc("Adapter type.")
-    merge: bool = doc("Merge the adapters into the weights for generation (with rank > 0).", optional=True)
-    rank: int = doc("LoRA rank; 0 trains all weights.", status=UNSUPPORTED, neutral=0)
-    alpha: int = doc("LoRA alpha (with rank > 0).")
-    dropout: float = doc("Adapter dropout (with rank > 0).")
-    target_modules: list[str] = doc("Megatron layers that get adapters (with rank > 0).")
-    exclude_modules: list[str] = doc("Layers that get no adapter (with rank > 0).")
-    dropout_position: str = doc("Where dropout applies (with rank > 0).")
-    lora_A_init_method: str = doc("Initialisation of A (with rank > 0).")
-    lora_B_init_method: str = doc("Initialisation of B (with rank > 0).")
-    a2a_experimental: bool = doc("Experimental all-to-all for experts (with rank > 0).")
-    dtype: str | None = doc("Adapter dtype (with rank > 0).")
-    adapter_path: str | None = doc("Pretrained adapter to load.", status=UNSUPPORTED, neutral=None)
-    freeze_vision_model: bool = doc("Vision-language models only.", status=IGNORED)
-    freeze_vision_projection: bool = doc("Vision-language models only.", status=IGNORED)
-    freeze_language_model: bool = doc("Vision-language models only.", status=IGNORED)
-
-
 # ------------------------------------------------------------------------------ model, actor
-
-
-@dataclass
-class ModelConfig:
-    """The policy model (shared by actor, rollout and reference)."""
-
-    path: str = doc("HF-format model directory (or hub id); the demo's `${verl_asset:NAME}` names a bundled model.")
-    hf_config_path: str | None = doc(
-        "Directory whose config.json replaces the one beside `path`; null: `path`'s own.",
-        status=UNSUPPORTED,
-        neutral=None,
-    )
-    tokenizer_path: str | None = doc("Tokenizer directory when it differs from `path`; null uses `path`.")
-    use_shm: bool = doc("Copy the model to shared memory before loading.", status=IGNORED)
-    trust_remote_code: bool = doc("Allow the model repository's own Python code to run.")
-    custom_chat_template: str | None = doc("Jinja chat template replacing the tokenizer's own.")
-    external_lib: str | None = doc("Python module imported before loading the model (registers custom models).")
-    override_config: dict = doc("Values overriding the model's HF config (e.g. {attention_dropout: 0.0}).")
-    enable_gradient_checkpointing: bool = doc("Recompute activations in backward (saves memory, costs ~30% time).")
-    enable_activation_offload: bool = doc("Offload activations to CPU during training.", status=IGNORED)
-    use_remove_padding: bool = doc("Pack sequences without padding (varlen attention); a speed knob.")
-    lora_rank: int = doc(
-        "LoRA rank r of the actor (peft): > 0 trains only low-rank adapters (the reference policy is the "
-        "base model with adapters off); 0 trains all weights."
-    )
-    lora_alpha: int = doc("LoRA alpha: the adapter's update is scaled by lora_alpha / lora_rank.")
-    target_modules: str | list[str] = doc(
-        "Layers that get adapters: `all-linear` (every linear layer but the output head) or a list of "
-        "module names, e.g. [q_proj,k_proj,v_proj,o_proj]."
-    )
-    exclude_modules: str | list[str] | None = doc("Layers (names or a regex) that get no adapter; null: none.")
-    lora_adapter_path: str | None = doc(
-        "A trained LoRA adapter to start from instead of fresh adapters: a peft directory with "
-        "adapter_config.json and adapter_model.safetensors (e.g. a checkpoint's actor/lora_adapter). It turns "
-        "LoRA on, and its own rank, alpha and target modules replace lora_rank, lora_alpha and target_modules; "
-        "the reference policy stays the base model without it. null: fresh adapters (with lora_rank > 0)."
-    )
-    use_liger: bool = doc("Use Liger kernels (GPU only; a speed knob).", status=IGNORED)
-    use_fused_kernels: bool = doc("Fused log-prob/entropy kernels (a speed knob).", status=IGNORED)
-    fused_kernel_options: dict = doc("Options of the fused kernels, e.g. {impl_backend: torch}.", status=IGNORED)
-    tiled_mlp: TiledMLPConfig = doc("Tiled MLP.")
-    mtp: MtpConfig = doc("Multi-token prediction.")
-    lora: MegatronLoRAConfig = doc("LoRA of a Megatron model (ppo_megatron_trainer).", optional=True)
-
-
-@dataclass
-class ProfilerConfig:
-    """Profiling of one role's work (global_profiler picks the tool and the steps)."""
-
-    tool: str | None = doc(
-        "Profiler (follows global_profiler.tool).", choices=PROFILER_TOOLS, hardware_values={"npu": NPU}
-    )
-    enable: bool = doc("Profile this role at global_profiler.steps.")
-    all_ranks: bool = doc("Profile every rank (else `ranks`).")
-    ranks: list[int] = doc("Ranks to profile when all_ranks is false.")
-    save_path: str | None = doc("Directory of the traces (follows global_profiler.save_path).")
-    tool_config: dict | None = doc(
-        "Per-tool options: {nsys: {discrete}, torch: {contents, discrete}, torch_memory: {...}, npu: {...}}."
-    )
-
-
-@dataclass
-class RouterReplayConfig:
-    """Mixture-of-experts routing record and replay."""
-
-    mode: str = doc("disabled, R2 or R3.", status=UNSUPPORTED, neutral="disabled")
-    record_file: str | None = doc("Where recorded routing decisions go (with mode != disabled).")
-    replay_file: str | None = doc("Recorded routing decisions to replay (with mode != disabled).")
-
-
-@dataclass
-class ActorConfig:
-    """Policy training: PPO mini-batches, clipping, KL loss, optimizer, engine."""
-
-    rollout_n: int = doc("Responses per prompt (follows actor_rollout_ref.rollout.n, which it must equal).")
-    strategy: str = doc(
-        "Training backend: fsdp and fsdp2 both mean FSDP2; megatron is Megatron-core (tensor/pipeline parallel; "
-        "--config-name=ppo_megatron_trainer).",
-        choices=STRATEGIES,
-    )
-    ppo_mini_batch_size: int = doc("Prompts per optimizer step (times rollout.n sequences, split over ranks).")
-    ppo_micro_batch_size: int | None = doc(
-        "Global micro-batch (sequences).", status=DEPRECATED, replacement="use ppo_micro_batch_size_per_gpu"
-    )
-    ppo_micro_batch_size_per_gpu: int | None = doc(
-        "Sequences per forward/backward on one rank (gradient accumulation); required unless use_dynamic_bsz."
-    )
-    use_dynamic_bsz: bool = doc("Pack micro-batches by token count instead of a fixed size.")
-    ppo_max_token_len_per_gpu: int = doc("Token budget of one packed micro-batch (with use_dynamic_bsz).")
-    clip_ratio: float = doc("PPO clip range epsilon (used where the low/high values are null).")
-    clip_ratio_low: float | None = doc("Lower clip epsilon: ratio >= 1 - clip_ratio_low.")
-    clip_ratio_high: float | None = doc("Upper clip epsilon: ratio <= 1 + clip_ratio_high (DAPO clip-higher).")
-    tau_pos: float = doc("SAPO's smoothing temperature for positive advantages.")
-    tau_neg: float = doc("SAPO's smoothing temperature for negative advantages.")
-    freeze_vision_tower: bool = doc("Freeze a vision-language model's vision tower.", status=IGNORED)
-    policy_loss: PolicyLossConfig = doc("Policy loss variant.")
-    clip_ratio_c: float = doc("Dual-clip PPO bound for negative advantages (> 1).")
-    loss_agg_mode: str = doc("How token losses are averaged into the batch loss.", choices=LOSS_AGG_MODES)
-    loss_scale_factor: float | None = doc("Divisor of seq-mean-token-sum-norm (null: the response length).")
-    entropy_coeff: float = doc("Weight of the entropy bonus (0 disables it).")
-    calculate_entropy: bool = doc(
-        "Compute the policy's entropy in the update's forward (reported as a metric) even without an entropy bonus.",
-    )
-    use_kl_loss: bool = doc("Add a KL(policy || reference) term to the loss (GRPO-style); needs the reference model.")
-    use_prefix_grouper: bool = doc(
-        f"Upstream's shared-prefix forward. {_SPEED}; here share_prompt_forward (on by default) does it.",
-        status=IGNORED,
-    )
-    use_torch_compile: bool = doc(
-        f"torch.compile the log-prob/entropy helpers. {_SPEED}: here they are chunked autograd functions that "
-        "already bound memory, and are not compiled.",
-        status=IGNORED,
-    )
-    kl_loss_coef: float = doc("Weight of the KL loss.")
-    kl_loss_type: str = doc("KL estimator of the KL loss.", choices=KL_PENALTIES)
-    ppo_epochs: int = doc("Passes over each batch.")
-    shuffle: bool = doc("Shuffle mini-batches between PPO epochs.")
-    data_loader_seed: int | None = doc("Seed of that shuffle (null: 0).")
-    checkpoint: CheckpointConfig = doc("Checkpoint contents.")
-    optim: OptimizerConfig = doc("Optimizer and schedule.")
-    use_fused_kernels: bool = doc(f"Fused log-prob/entropy kernels (follows the model's). {_SPEED}.", status=IGNORED)
-    profiler: ProfilerConfig = doc("Profiling of the updates.")
-    router_replay: RouterReplayConfig = doc("Mixture-of-experts routing replay.")
-    grad_clip: float = doc("FSDP: clip the global gradient norm to this value (see optim.clip_grad).", optional=True)
-    ulysses_sequence_parallel_size: int = doc(
-        "Ulysses sequence-parallel group size: > 1 splits each packed sequence across this many ranks "
-        "(needs use_remove_padding; see docs/sequence_parallel.md).",
-        optional=True,
-    )
-    entropy_from_logits_with_chunking: bool = doc(
-        f"Compute entropy in chunks. {_SPEED}.", status=IGNORED, optional=True
-    )
-    entropy_checkpointing: bool = doc(f"Recompute entropy in backward. {_SPEED}.", status=IGNORED, optional=True)
-    use_remove_padding: bool = doc(
-        "FSDP: pack sequences without padding in the actor's forward passes (follows the model's).", optional=True
-    )
-    calculate_sum_pi_squared: bool = doc(
-        "Compute the sum of squared token probabilities (for adv_estimator=optimal_token_baseline).",
-        optional=True,
-    )
-    sum_pi_squared_checkpointing: bool = doc(
-        f"Recompute that sum in backward. {_SPEED}.", status=IGNORED, optional=True
-    )
-    fsdp_config: FSDPEngineConfig = doc("FSDP engine (strategy fsdp or fsdp2).", optional=True)
-    megatron: McoreEngineConfig = doc("Megatron-core parallelism (strategy megatron).", optional=True)
-    load_weight: bool = doc(
-        "Megatron: load the HF weights (false: random initialisation).", status=UNSUPPORTED, neutral=True, optional=True
-    )
-    tis_imp_ratio_cap: float = doc(
-        "Ours. Truncated importance sampling against the rollout engine's log-probs: each token's loss is weighted "
-        "by min(pi_old / pi_rollout, cap). -1 (or any value <= 0) turns it off; needs rollout.calculate_log_probs=true."
-    )
-    recompute_log_prob: bool = doc(
-        "Ours. Always run the separate old-log-prob forward. Off: a strictly on-policy step (ppo_epochs=1, "
-        "ppo_mini_batch_size=data.train_batch_size, no in-reward KL, no rollout log-probs) reuses the "
-        "update's own detached log-probs instead (identical gradient, one forward pass fewer)."
-    )
-    skip_zero_advantage_step: bool = doc(
-        "Ours. Skip the optimizer step of a mini-batch whose advantages are all zero on every rank and that has no "
-        "KL or entropy term (its gradient is zero, but AdamW's momentum would still move the weights)."
-    )
-    skip_zero_advantage_rows: bool = doc(
-        "Ours. Leave rows whose advantages are all zero out of the update's forward and backward passes when their "
-        "loss is exactly zero: policy loss vanilla, gspo or gpg, no KL loss, no entropy bonus. The loss is still "
-        "normalised over the whole mini-batch, so the gradient is unchanged (to float rounding); GRPO groups whose "
-        "samples all score the same are such rows. actor/zero_adv_rows_skipped reports the fraction; "
-        "actor/pg_clipfrac, actor/ppo_kl and the on-policy actor/entropy then cover the trained rows."
-    )
-    share_prompt_forward: bool = doc(
-        "Ours. Forward each distinct prompt of a micro-batch once (GRPO repeats every prompt rollout.n times) and "
-        "run the responses on its KV cache expanded to the group's rows; also for old and reference log-probs. Same "
-        "log-probs and gradients as one forward per sample, to float rounding; about 1.5-2.8x faster updates on "
-        "the bundled task. Taken when at most half a micro-batch's prompts are distinct (on any rank); not with "
-        "use_remove_padding or gradient checkpointing, where the per-sample forward runs."
-    )
-
-
-@dataclass
-class RefConfig:
-    """Reference policy (frozen copy of the initial policy) for the KL terms."""
-
-    rollout_n: int = doc("Responses per prompt (follows actor_rollout_ref.rollout.n).")
-    strategy: str = doc(
-        "Backend of the reference model (the actor's: it lives in the actor's workers).", choices=STRATEGIES
-    )
-    use_torch_compile: bool = doc(
-        f"torch.compile the log-prob helpers (follows the actor's). {_SPEED}.", status=IGNORED
-    )
-    log_prob_micro_batch_size: int | None = doc(
-        "Global micro-batch.", status=DEPRECATED, replacement="use log_prob_micro_batch_size_per_gpu"
-    )
-    log_prob_micro_batch_size_per_gpu: int | None = doc("Sequences per forward pass on one rank.")
-    log_prob_use_dynamic_bsz: bool = doc("Pack forward micro-batches by token count.")
-    log_prob_max_token_len_per_gpu: int = doc("Token budget of one packed forward micro-batch.")
-    profiler: ProfilerConfig = doc("Profiling of the reference forward passes.")
-    router_replay: RouterReplayConfig = doc("Mixture-of-experts routing replay.")
-    fsdp_config: FSDPEngineConfig = doc("FSDP engine (strategy fsdp or fsdp2).", optional=True)
-    ulysses_sequence_parallel_size: int = doc(
-        "Ulysses sequence-parallel group size of the reference forward (must equal the actor's).", optional=True
-    )
-    entropy_from_logits_with_chunking: bool = doc("Compute entropy in chunks.", status=IGNORED, optional=True)
-    entropy_checkpointing: bool = doc("Recompute entropy in backward.", status=IGNORED, optional=True)
-    megatron: McoreEngineConfig = doc("Megatron-core parallelism (strategy megatron).", optional=True)
-    load_weight: bool = doc("Megatron: load the HF weights.", status=UNSUPPORTED, neutral=True, optional=True)
-
-
-@dataclass
-class SamplingConfig:
-    """Sampling parameters of validation generation."""
-
-    top_k: int = doc("Keep the k most likely tokens (-1 or 0: off).")
-    top_p: float = doc("Nucleus sampling mass.")
-    temperature: float = doc("Sampling temperature (0 with do_sample=False: greedy).")
-    n: int = doc("Samples per validation prompt.")
-    do_sample: bool = doc("Sample (True) or decode greedily (False).")
-
-
-@dataclass
-class MultiTurnConfig:
-    """The model calls tools and continues after their answers (docs/multi_turn.md)."""
-
-    enable: bool = doc("Run agent loops (tool calling) instead of one generation per prompt.")
-    max_assistant_turns: int | None = doc("Model turns per conversation at most; null: only the token budget limits.")
-    max_user_turns: int | None = doc("Tool-response turns per conversation at most; null: no limit.")
-    tool_config_path: str | None = doc(
-        "Tool config YAML (upstream's format: tools: [{class_name, config, tool_schema}])."
-    )
-    interaction_config_path: str | None = doc(
-        "Simulated-user YAML (upstream's format: interaction: [{name, class_name, config}]); a sample picks one "
-        "with extra_info.interaction_kwargs.name."
-    )
-    max_parallel_calls: int = doc("Tool calls run per model turn (concurrently); further calls get an error message.")
-    max_tool_response_length: int = doc("Characters of a tool's answer kept in the conversation.")
-    tool_response_truncate_side: str = doc(
-        "Which part of a long tool answer is kept: left (the beginning), right (the end), middle (both ends).",
-        choices=("left", "right", "middle"),
-    )
-    use_inference_chat_template: bool = doc(
-        "Train on the inference-time rendering: always the case here (training uses the rollout's exact ids).",
-        status=IGNORED,
-    )
-    tokenization_sanity_check_mode: str = doc(
-        "Compare each finished conversation with the chat template's rendering of its messages "
-        "(agent_loop/tokenization_mismatch): strict, ignore_strippable (ignore whitespace) or disable.",
-        choices=("strict", "ignore_strippable", "disable"),
-    )
-    format: str = doc("Tool-call format of the model's chat template.", choices=tool_format_choices)
-    num_repeat_rollouts: int | None = doc(
-        "Repeat each multi-turn rollout this many times.", status=UNSUPPORTED, neutral=None
-    )
-
-
-@dataclass
-class CustomAsyncServerConfig:
-    """A user rollout-server class."""
-
-    path: str | None = doc("Python file holding the server class.", status=UNSUPPORTED, neutral=None)
-    name: str | None = doc("Name of the class.")
-
-
-@dataclass
-class AgentConfig:
-    """Agent loops: how each prompt's rollout is driven (single turn, tool calls)."""
-
-    num_workers: int = doc(
-        "Agent-loop worker processes of upstream's server-based rollout; here the loops of one worker run "
-        f"concurrently in its event loop. {_SPEED}.",
-        status=IGNORED,
-    )
-    default_agent_loop: str = doc(
-        "Agent loop of a prompt whose row names none (`agent_name` column). single_turn_agent: one generation; "
-        "with multi_turn.enable=true such rows run tool_agent (as upstream's multi-turn configs select). A "
-        "registered loop (see agent_loop_config_path) or the import path of an AgentLoopBase subclass.",
-    )
-    agent_loop_config_path: str | None = doc(
-        "YAML list of agent loops to register: each entry's `name` (what a row's `agent_name` or "
-        "default_agent_loop says) selects the AgentLoopBase subclass its `_target_` names; its other keys are "
-        "the loop's constructor arguments. Relative paths: the working directory, then the source checkout. "
-        "Setting it runs agent loops even without multi_turn.enable.",
-        neutral=None,
-    )
-    custom_async_server: CustomAsyncServerConfig = doc("A user rollout server.")
-
-
-@dataclass
-class CheckpointEngineConfig:
-    """How weights travel from the trainer to the rollout engine."""
-
-    backend: str = doc(
-        "Transport: naive (in-process resharding / bucketed broadcast).", status=UNSUPPORTED, neutral="naive"
-    )
-    update_weights_bucket_megabytes: int = doc("Size of the buckets weights are streamed to the engine in.")
-    engine_kwargs: dict = doc("Options of another backend.", status=UNSUPPORTED, neutral={})
-
-
-@dataclass
-class TraceConfig:
-    """Tracing of agent-loop rollouts (multi_turn.enable) to an external service (weave, mlflow)."""
-
-    backend: str | None = doc(
-        "Tracing service for agent-loop episodes: mlflow (MLFLOW_TRACKING_URI, default sqlite:////tmp/mlruns.db; "
-        "experiment = trainer.project_name) or weave (project = trainer.project_name); null: off. Each traced "
-        "episode is one trace tagged sample_index, step, rollout_n, validate and experiment_name, with a span per "
-        "model turn and per tool call. Needs multi_turn.enable (only agent loops are traced, as upstream).",
-        choices=("weave", "mlflow"),
-    )
-    token2text: bool = doc("Also record the decoded text of the traced token ids (with a backend).")
-    max_samples_per_step_per_worker: int | None = doc(
-        "Per generation call and worker, trace the episodes of this many sample indices drawn at random, all "
-        "rollout.n episodes of each; null: trace every episode (with a backend)."
-    )
-
-
-@dataclass
-class PrometheusConfig:
-    """A Prometheus metrics endpoint of the rollout servers."""
-
-    enable: bool = doc("Serve engine metrics to Prometheus.", status=UNSUPPORTED, neutral=False)
-    port: int = doc("Port (with enable).")
-    file: str = doc("Prometheus config file written (with enable).")
-    served_model_name: str | None = doc("Model name in the metrics (follows the model path).")
-
-
-@dataclass
-class RolloutConfig:
-    """Response generation: engine, sampling, batch sizes of the old-log-prob pass."""
-
-    name: str = doc(
-        "Generation engine: hf (built in, CPU and GPU), vllm or sglang; every run chooses one.",
-        choices=ROLLOUT_NAMES,
-        hardware_values={"trtllm": TRTLLM},
-    )
-    mode: str = doc(
-        "async: upstream's server-based rollout; sync: batch generation. A single-turn rollout generates the same "
-        "samples either way (here both run the batched generation); multi-turn rollouts run the agent loop. "
-        "Generation running ahead of training is async_training.*.",
-        choices=ROLLOUT_MODES,
-    )
-    temperature: float = doc("Sampling temperature of training rollouts.")
-    top_k: int = doc("Keep the k most likely tokens (-1 or 0: off).")
-    top_p: float = doc("Nucleus sampling mass.")
-    prompt_length: int = doc("Prompt tokens the engine accepts (follows data.max_prompt_length).")
-    response_length: int = doc("Tokens generated at most (follows data.max_response_length).")
-    dtype: str = doc("Engine dtype; auto (ours): bfloat16 on GPU, float32 on CPU.", choices=ROLLOUT_DTYPES)
-    gpu_memory_utilization: float = doc(
-        "Fraction of device memory the engine's weights + KV cache (+ working memory) may use; the built-in "
-        "engine generates batches whose KV cache does not fit in chunks of rows."
-    )
-    ignore_eos: bool = doc("Keep generating past the end-of-sequence token.")
-    enforce_eager: bool = doc(
-        "vLLM/SGLang: disable CUDA graphs. Not read by the built-in hf engine, whose switch is "
-        "engine_kwargs.hf.enforce_eager (graphs on by default)."
-    )
-    cudagraph_capture_sizes: list[int] | None = doc(
-        f"vLLM: batch sizes CUDA graphs are captured for. {_SPEED}.", status=IGNORED
-    )
-    free_cache_engine: bool = doc("Free the KV cache between rollouts (hybrid engine sleep/wake).")
-    tensor_model_parallel_size: int = doc("Tensor-parallel size of the engine (divides the worker count).")
-    data_parallel_size: int = doc(
-        "Data-parallel ranks inside one engine server of upstream's rollout; here every tensor-parallel group "
-        f"generates its share of the batch. {_SPEED}.",
-        status=IGNORED,
-    )
-    expert_parallel_size: int = doc(
-        "Expert parallelism of the engine (mixture-of-experts).", status=UNSUPPORTED, neutral=1
-    )
-    pipeline_model_parallel_size: int = doc("Pipeline parallelism of the engine.", status=UNSUPPORTED, neutral=1)
-    max_num_batched_tokens: int = doc(
-        "vLLM/SGLang scheduler token budget; hf: prompt tokens per prefill forward (whole prompts, at least one)."
-    )
-    max_model_len: int | None = doc("Engine context length; null: prompt_length + response_length.")
-    max_num_seqs: int = doc("Concurrent sequences (hf: rows per generation chunk).")
-    enable_chunked_prefill: bool = doc("vLLM: chunked prefill.")
-    enable_prefix_caching: bool = doc(f"vLLM/SGLang: reuse the KV cache of shared prefixes. {_SPEED}.", status=IGNORED)
-    logprobs_mode: str = doc(
-        "Which log-probs calculate_log_probs returns: processed_logprobs (after temperature, top-k/top-p: the "
-        "sampling distribution).",
-        choices=LOGPROBS_MODES,
-        status=UNSUPPORTED,
-        neutral="processed_logprobs",
-    )
-    scheduling_policy: str = doc(f"vLLM request scheduling (fcfs, priority). {_SPEED}.", status=IGNORED)
-    load_format: str = doc("vLLM weight-loading format (dummy: weights come from the trainer).")
-    log_prob_micro_batch_size: int | None = doc(
-        "Global micro-batch.", status=DEPRECATED, replacement="use log_prob_micro_batch_size_per_gpu"
-    )
-    log_prob_micro_batch_size_per_gpu: int | None = doc("Sequences per forward pass on one rank (old log-probs).")
-    log_prob_use_dynamic_bsz: bool = doc("Pack forward micro-batches by token count.")
-    log_prob_max_token_len_per_gpu: int = doc("Token budget of one packed forward micro-batch.")
-    disable_log_stats: bool = doc("vLLM: silence engine statistics.")
-    do_sample: bool = doc("Sample (True) or decode greedily (False) during training rollouts.")
-    n: int = doc("Responses sampled per prompt (>= 2 for group-based advantage estimators).")
-    over_sample_rate: float = doc(
-        "Agent-loop rollouts (multi_turn.enable), training only: once int(B * (1 - rate)) of a worker's B "
-        "episodes have finished (at least one), the rest are cut and returned with an empty response "
-        "(response_mask 0: no loss; left out of the score metrics, counted in response/aborted_ratio). 0: off."
-    )
-    multi_stage_wake_up: bool = doc(f"Wake the engine's weights and KV cache in stages. {_SPEED}.", status=IGNORED)
-    engine_kwargs: dict = doc(
-        "Extra engine arguments per engine: {vllm: {...}, sglang: {...}, hf: {...}}; hf accepts enforce_eager; "
-        "trtllm's must stay empty (TensorRT-LLM is not supported)."
-    )
-    val_kwargs: SamplingConfig = doc("Sampling for validation.")
-    multi_turn: MultiTurnConfig = doc("Multi-turn tool-calling rollouts.")
-    calculate_log_probs: bool = doc(
-        "Return the engine's log-probs as `rollout_log_probs`; the trainer then reports the train/rollout "
-        "mismatch each step (training/rollout_probs_diff_mean, _max) and actor.tis_imp_ratio_cap can correct it."
-    )
-    agent: AgentConfig = doc("Agent loops.")
-    checkpoint_engine: CheckpointEngineConfig = doc("Weight transfer to the engine.")
-    trace: TraceConfig = doc("Rollout tracing.")
-    skip_rollout: bool = doc("Replay dumped rollouts instead of generating.", status=UNSUPPORTED, neutral=False)
-    skip_dump_dir: str = doc("Directory of those dumps (with skip_rollout).")
-    skip_tokenizer_init: bool = doc(f"vLLM/SGLang: start the engine without its tokenizer. {_SPEED}.", status=IGNORED)
-    enable_rollout_routing_replay: bool = doc(
-        "Record the engine's expert routing (mixture-of-experts).", status=UNSUPPORTED, neutral=False
-    )
-    profiler: ProfilerConfig = doc("Profiling of generation (follows the actor's).")
-    prometheus: PrometheusConfig = doc("Metrics endpoint.")
-    quantization: str | None = doc("Quantised generation (e.g. fp8).", status=UNSUPPORTED, neutral=None)
-    quantization_config_file: str | None = doc("Quantisation config.", status=UNSUPPORTED, neutral=None)
-    mtp: dict | None = doc("Multi-token prediction settings (follows the model's mtp).")
-    layered_summon: bool = doc(
-        f"Gather FSDP weights layer by layer when syncing to the engine. {_SPEED}.", status=IGNORED
-    )
-    layer_name_map: dict = doc(
-        "Megatron -> engine layer names for weight sync (ppo_megatron_trainer); verl's converter knows them.",
-        status=IGNORED,
-        optional=True,
-    )
 
 
 @dataclass
@@ -660,77 +206,13 @@ class ActorRolloutRefConfig:
         neutral=True,
     )
     nccl_timeout: int = doc("Seconds a collective may wait before torch.distributed fails it.")
-    model: ModelConfig = doc("The policy model.")
+    model: HFModelConfig = doc("The policy model.")
     actor: ActorConfig = doc("Policy training.")
     ref: RefConfig = doc("Reference policy.")
     rollout: RolloutConfig = doc("Generation.")
 
 
 # -------------------------------------------------------------------------------------- critic
-
-
-@dataclass
-class CriticModelConfig:
-    """The value model (a language model with a scalar head)."""
-
-    path: str = doc("HF-format model directory.")
-    tokenizer_path: str | None = doc("Tokenizer directory (follows the policy model).")
-    override_config: dict = doc("Values overriding the model's HF config.")
-    external_lib: str | None = doc("Python module imported before loading the model.")
-    trust_remote_code: bool = doc("Allow the model repository's own Python code to run.")
-    use_shm: bool = doc("Copy the model to shared memory before loading.", status=IGNORED, optional=True)
-    enable_gradient_checkpointing: bool = doc("Recompute activations in backward.", optional=True)
-    enable_activation_offload: bool = doc("Offload activations to CPU.", status=IGNORED, optional=True)
-    use_remove_padding: bool = doc("Pack sequences without padding.", optional=True)
-    lora_rank: int = doc("LoRA rank of the critic; 0 trains all weights.", status=UNSUPPORTED, neutral=0, optional=True)
-    lora_alpha: int = doc("LoRA alpha.", optional=True)
-    target_modules: str | list[str] = doc("Modules LoRA adapts.", optional=True)
-    tiled_mlp: TiledMLPConfig = doc("Tiled MLP.", optional=True)
-    fsdp_config: FSDPEngineConfig = doc("FSDP engine (strategy fsdp or fsdp2).", optional=True)
-    lora: MegatronLoRAConfig = doc("LoRA of a Megatron critic.", optional=True)
-
-
-@dataclass
-class CriticConfig:
-    """Value function for GAE: model, optimizer, PPO value loss."""
-
-    rollout_n: int = doc("Samples per prompt (follows actor_rollout_ref.rollout.n, which it must equal).")
-    strategy: str = doc("Training backend.", choices=STRATEGIES)
-    enable: bool | None = doc("Train a critic; null: only when algorithm.adv_estimator=gae.")
-    optim: OptimizerConfig = doc("Optimizer and schedule.")
-    model: CriticModelConfig = doc("Value model.")
-    ppo_mini_batch_size: int = doc("Prompts per optimizer step (follows the actor's).")
-    ppo_micro_batch_size: int | None = doc(
-        "Global micro-batch.", status=DEPRECATED, replacement="use ppo_micro_batch_size_per_gpu"
-    )
-    ppo_micro_batch_size_per_gpu: int | None = doc("Sequences per forward/backward on one rank.")
-    use_dynamic_bsz: bool = doc("Pack micro-batches by token count.")
-    ppo_max_token_len_per_gpu: int = doc("Token budget of one packed training micro-batch.")
-    forward_max_token_len_per_gpu: int = doc("Token budget of one packed forward micro-batch.")
-    ppo_epochs: int = doc("Passes over each batch.")
-    shuffle: bool = doc("Shuffle mini-batches between epochs.")
-    data_loader_seed: int | None = doc("Seed of that shuffle (null: 0).")
-    cliprange_value: float = doc("Clip range of the value update around the old values.")
-    loss_agg_mode: str = doc("How token losses are averaged.", choices=LOSS_AGG_MODES)
-    checkpoint: CheckpointConfig = doc("Checkpoint contents.")
-    profiler: ProfilerConfig = doc("Profiling of the critic's passes.")
-    forward_micro_batch_size: int | None = doc(
-        "Global forward micro-batch.",
-        status=DEPRECATED,
-        replacement="use forward_micro_batch_size_per_gpu",
-        optional=True,
-    )
-    forward_micro_batch_size_per_gpu: int | None = doc(
-        "Sequences per value forward pass on one rank (follows ppo_micro_batch_size_per_gpu).", optional=True
-    )
-    ulysses_sequence_parallel_size: int = doc(
-        "Ulysses sequence-parallel group size (needs model.use_remove_padding; see docs/sequence_parallel.md).",
-        optional=True,
-    )
-    grad_clip: float = doc("FSDP: clip the global gradient norm to this value (see optim.clip_grad).", optional=True)
-    megatron: McoreEngineConfig = doc("Megatron-core parallelism (strategy megatron).", optional=True)
-    nccl_timeout: int = doc("Megatron: seconds a collective may wait.", optional=True)
-    load_weight: bool = doc("Megatron: load the HF weights.", status=UNSUPPORTED, neutral=True, optional=True)
 
 
 # -------------------------------------------------------------------------------- reward model
@@ -1162,6 +644,8 @@ def section_class(declared: type, value: object, path: str = "") -> type:
 
 SECTION_SUBCLASSES: dict[type, tuple[type, ...]] = {
     OptimizerConfig: (FSDPOptimizerConfig, McoreOptimizerConfig),
+    ActorConfig: (FSDPActorConfig, McoreActorConfig),
+    CriticConfig: (FSDPCriticConfig, McoreCriticConfig),
 }
 """Declared section class -> the subclasses a YAML `_target_` may name. Only for the docs and for
 did-you-mean hints: their own keys are listed under the declared section (`section_fields`); which
@@ -1197,5 +681,10 @@ TYPED_SECTIONS: dict[str, type] = {
     "actor_rollout_ref.actor.policy_loss": PolicyLossConfig,
     "actor_rollout_ref.actor.optim": OptimizerConfig,
     "critic.optim": OptimizerConfig,
+    # sections holding the ones above come after them (see validate._check_typed_sections)
+    "actor_rollout_ref.model": HFModelConfig,
+    "actor_rollout_ref.actor": ActorConfig,
+    "actor_rollout_ref.rollout": RolloutConfig,
+    "critic": CriticConfig,
 }
 """Dotted key -> the runtime section class whose `__post_init__` checks it (validate.py builds each)."""

@@ -5,15 +5,59 @@ YAML holds the same values) and the `doc(...)` metadata the validator and the do
 `verl.trainer.config.schema` composes them into the whole config tree.
 """
 
-from verl.workers.config.actor import PolicyLossConfig
+from verl.workers.config.actor import (
+    ActorConfig,
+    FSDPActorConfig,
+    McoreActorConfig,
+    PolicyLossConfig,
+    ProfilerConfig,
+    RefConfig,
+    RouterReplayConfig,
+)
+from verl.workers.config.checkpoint import CheckpointConfig
+from verl.workers.config.critic import CriticConfig, CriticModelConfig, FSDPCriticConfig, McoreCriticConfig
 from verl.workers.config.engine import FSDPEngineConfig, McoreEngineConfig
+from verl.workers.config.model import HFModelConfig, MegatronLoRAConfig, MtpConfig, TiledMLPConfig
 from verl.workers.config.optimizer import FSDPOptimizerConfig, McoreOptimizerConfig, OptimizerConfig
+from verl.workers.config.rollout import (
+    AgentLoopConfig,
+    CheckpointEngineConfig,
+    CustomAsyncServerConfig,
+    MultiTurnConfig,
+    PrometheusConfig,
+    RolloutConfig,
+    SamplingConfig,
+    TraceConfig,
+)
 
 __all__ = [
+    "ActorConfig",
+    "AgentLoopConfig",
+    "CheckpointConfig",
+    "CheckpointEngineConfig",
+    "CriticConfig",
+    "CriticModelConfig",
+    "CustomAsyncServerConfig",
+    "FSDPActorConfig",
+    "FSDPCriticConfig",
     "FSDPEngineConfig",
     "FSDPOptimizerConfig",
+    "HFModelConfig",
+    "McoreActorConfig",
+    "McoreCriticConfig",
     "McoreEngineConfig",
     "McoreOptimizerConfig",
+    "MegatronLoRAConfig",
+    "MtpConfig",
+    "MultiTurnConfig",
     "OptimizerConfig",
     "PolicyLossConfig",
+    "ProfilerConfig",
+    "PrometheusConfig",
+    "RefConfig",
+    "RolloutConfig",
+    "RouterReplayConfig",
+    "SamplingConfig",
+    "TiledMLPConfig",
+    "TraceConfig",
 ]

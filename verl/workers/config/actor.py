@@ -1,5 +1,12 @@
-"""Typed config sections of the actor, with upstream verl's names and defaults
-(`verl.workers.config.PolicyLossConfig`, the `_target_` of actor.policy_loss).
+"""Typed config sections of the actor and the reference policy, with upstream verl's names and
+defaults: `ActorConfig` (the keys every engine reads), `FSDPActorConfig` (actor/dp_actor.yaml's
+`_target_`) and `McoreActorConfig` (actor/megatron_actor.yaml's), and their nested `PolicyLossConfig`,
+`ProfilerConfig` and `RouterReplayConfig`. `RefConfig` is ours: upstream builds the reference section
+as an actor config, whose keys it does not share here (the reference only runs forward passes).
+
+The schema declares the actor by the base class; the YAML's `_target_` picks the engine's subclass,
+whose extra keys (an FSDP actor's `grad_clip` and `fsdp_config`, a Megatron one's `megatron`) the
+section is checked against and built with (one resolver, `verl.utils.config.target_class`).
 
 Each field carries its runtime default (the YAML holds the same value) and the `doc(...)` metadata
 the validator and docgen read, so the section is declared once, here; `schema.py` composes it into
@@ -12,9 +19,32 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from verl.base_config import BaseConfig
-from verl.workers.config._fields import doc, policy_loss_choices
+from verl.workers.config._fields import (
+    _SPEED,
+    DEPRECATED,
+    IGNORED,
+    KL_PENALTIES,
+    LOSS_AGG_MODES,
+    NPU,
+    PROFILER_TOOLS,
+    STRATEGIES,
+    UNSUPPORTED,
+    doc,
+    policy_loss_choices,
+)
+from verl.workers.config.checkpoint import CheckpointConfig
+from verl.workers.config.engine import FSDPEngineConfig, McoreEngineConfig
+from verl.workers.config.optimizer import FSDPOptimizerConfig, McoreOptimizerConfig, OptimizerConfig
 
-__all__ = ["PolicyLossConfig"]
+__all__ = [
+    "ActorConfig",
+    "FSDPActorConfig",
+    "McoreActorConfig",
+    "PolicyLossConfig",
+    "ProfilerConfig",
+    "RefConfig",
+    "RouterReplayConfig",
+]
 
 
 @dataclass
@@ -47,3 +77,242 @@ class PolicyLossConfig(BaseConfig):
                 f"policy_loss.clip_cov_lb={self.clip_cov_lb} is above clip_cov_ub={self.clip_cov_ub}: "
                 "the covariance window would be empty; set clip_cov_lb <= clip_cov_ub"
             )
+
+
+@dataclass
+class ProfilerConfig(BaseConfig):
+    """Profiling of one role's work (global_profiler picks the tool and the steps)."""
+
+    tool: str | None = doc(
+        "Profiler (follows global_profiler.tool).", choices=PROFILER_TOOLS, hardware_values={"npu": NPU}, default=None
+    )
+    enable: bool = doc("Profile this role at global_profiler.steps.", default=False)
+    all_ranks: bool = doc("Profile every rank (else `ranks`).", default=False)
+    ranks: list[int] = doc("Ranks to profile when all_ranks is false.", default_factory=lambda: [])
+    save_path: str | None = doc(
+        "Directory of the traces (follows global_profiler.save_path).", default="outputs/profile"
+    )
+    tool_config: dict | None = doc(
+        "Per-tool options: {nsys: {discrete}, torch: {contents, discrete}, torch_memory: {...}, npu: {...}}.",
+        default_factory=lambda: {
+            "nsys": {"discrete": False},
+            "npu": {"contents": [], "level": "level0", "analysis": True, "discrete": False},
+            "torch": {"contents": [], "discrete": False},
+            "torch_memory": {"trace_alloc_max_entries": 100000, "stack_depth": 32},
+        },
+    )
+
+
+@dataclass
+class RouterReplayConfig(BaseConfig):
+    """Mixture-of-experts routing record and replay."""
+
+    mode: str = doc("disabled, R2 or R3.", status=UNSUPPORTED, neutral="disabled", default="disabled")
+    record_file: str | None = doc("Where recorded routing decisions go (with mode != disabled).", default=None)
+    replay_file: str | None = doc("Recorded routing decisions to replay (with mode != disabled).", default=None)
+
+
+@dataclass
+class ActorConfig(BaseConfig):
+    """Policy training: PPO mini-batches, clipping, KL loss, optimizer, engine."""
+
+    rollout_n: int = doc("Responses per prompt (follows actor_rollout_ref.rollout.n, which it must equal).", default=1)
+    strategy: str = doc(
+        "Training backend: fsdp and fsdp2 both mean FSDP2; megatron is Megatron-core (tensor/pipeline parallel; "
+        "--config-name=ppo_megatron_trainer).",
+        choices=STRATEGIES,
+        default="fsdp",
+    )
+    ppo_mini_batch_size: int = doc(
+        "Prompts per optimizer step (times rollout.n sequences, split over ranks).", default=256
+    )
+    ppo_micro_batch_size: int | None = doc(
+        "Global micro-batch (sequences).",
+        status=DEPRECATED,
+        replacement="use ppo_micro_batch_size_per_gpu",
+        default=None,
+    )
+    ppo_micro_batch_size_per_gpu: int | None = doc(
+        "Sequences per forward/backward on one rank (gradient accumulation); required unless use_dynamic_bsz.",
+        default=None,
+    )
+    use_dynamic_bsz: bool = doc("Pack micro-batches by token count instead of a fixed size.", default=False)
+    ppo_max_token_len_per_gpu: int = doc(
+        "Token budget of one packed micro-batch (with use_dynamic_bsz).", default=16384
+    )
+    clip_ratio: float = doc("PPO clip range epsilon (used where the low/high values are null).", default=0.2)
+    clip_ratio_low: float | None = doc("Lower clip epsilon: ratio >= 1 - clip_ratio_low.", default=0.2)
+    clip_ratio_high: float | None = doc(
+        "Upper clip epsilon: ratio <= 1 + clip_ratio_high (DAPO clip-higher).", default=0.2
+    )
+    tau_pos: float = doc("SAPO's smoothing temperature for positive advantages.", default=1.0)
+    tau_neg: float = doc("SAPO's smoothing temperature for negative advantages.", default=1.05)
+    freeze_vision_tower: bool = doc("Freeze a vision-language model's vision tower.", status=IGNORED, default=False)
+    policy_loss: PolicyLossConfig = doc("Policy loss variant.", default_factory=PolicyLossConfig)
+    clip_ratio_c: float = doc("Dual-clip PPO bound for negative advantages (> 1).", default=3.0)
+    loss_agg_mode: str = doc(
+        "How token losses are averaged into the batch loss.", choices=LOSS_AGG_MODES, default="token-mean"
+    )
+    loss_scale_factor: float | None = doc(
+        "Divisor of seq-mean-token-sum-norm (null: the response length).", default=None
+    )
+    entropy_coeff: float = doc("Weight of the entropy bonus (0 disables it).", default=0)
+    calculate_entropy: bool = doc(
+        "Compute the policy's entropy in the update's forward (reported as a metric) even without an entropy bonus.",
+        default=False,
+    )
+    use_kl_loss: bool = doc(
+        "Add a KL(policy || reference) term to the loss (GRPO-style); needs the reference model.", default=False
+    )
+    use_prefix_grouper: bool = doc(
+        f"Upstream's shared-prefix forward. {_SPEED}; here share_prompt_forward (on by default) does it.",
+        status=IGNORED,
+        default=False,
+    )
+    use_torch_compile: bool = doc(
+        f"torch.compile the log-prob/entropy helpers. {_SPEED}: here they are chunked autograd functions that "
+        "already bound memory, and are not compiled.",
+        status=IGNORED,
+        default=True,
+    )
+    kl_loss_coef: float = doc("Weight of the KL loss.", default=0.001)
+    kl_loss_type: str = doc("KL estimator of the KL loss.", choices=KL_PENALTIES, default="low_var_kl")
+    ppo_epochs: int = doc("Passes over each batch.", default=1)
+    shuffle: bool = doc("Shuffle mini-batches between PPO epochs.", default=False)
+    data_loader_seed: int | None = doc("Seed of that shuffle (null: 0).", default=42)
+    checkpoint: CheckpointConfig = doc("Checkpoint contents.", default_factory=CheckpointConfig)
+    optim: OptimizerConfig = doc("Optimizer and schedule.", default_factory=OptimizerConfig)
+    use_fused_kernels: bool = doc(
+        f"Fused log-prob/entropy kernels (follows the model's). {_SPEED}.", status=IGNORED, default=False
+    )
+    profiler: ProfilerConfig = doc("Profiling of the updates.", default_factory=ProfilerConfig)
+    router_replay: RouterReplayConfig = doc("Mixture-of-experts routing replay.", default_factory=RouterReplayConfig)
+    tis_imp_ratio_cap: float = doc(
+        "Ours. Truncated importance sampling against the rollout engine's log-probs: each token's loss is weighted "
+        "by min(pi_old / pi_rollout, cap). -1 (or any value <= 0) turns it off; needs rollout.calculate_log_probs=true.",
+        default=-1,
+    )
+    recompute_log_prob: bool = doc(
+        "Ours. Always run the separate old-log-prob forward. Off: a strictly on-policy step (ppo_epochs=1, "
+        "ppo_mini_batch_size=data.train_batch_size, no in-reward KL, no rollout log-probs) reuses the "
+        "update's own detached log-probs instead (identical gradient, one forward pass fewer).",
+        default=False,
+    )
+    skip_zero_advantage_step: bool = doc(
+        "Ours. Skip the optimizer step of a mini-batch whose advantages are all zero on every rank and that has no "
+        "KL or entropy term (its gradient is zero, but AdamW's momentum would still move the weights).",
+        default=True,
+    )
+    skip_zero_advantage_rows: bool = doc(
+        "Ours. Leave rows whose advantages are all zero out of the update's forward and backward passes when their "
+        "loss is exactly zero: policy loss vanilla, gspo or gpg, no KL loss, no entropy bonus. The loss is still "
+        "normalised over the whole mini-batch, so the gradient is unchanged (to float rounding); GRPO groups whose "
+        "samples all score the same are such rows. actor/zero_adv_rows_skipped reports the fraction; "
+        "actor/pg_clipfrac, actor/ppo_kl and the on-policy actor/entropy then cover the trained rows.",
+        default=True,
+    )
+    share_prompt_forward: bool = doc(
+        "Ours. Forward each distinct prompt of a micro-batch once (GRPO repeats every prompt rollout.n times) and "
+        "run the responses on its KV cache expanded to the group's rows; also for old and reference log-probs. Same "
+        "log-probs and gradients as one forward per sample, to float rounding; about 1.5-2.8x faster updates on "
+        "the bundled task. Taken when at most half a micro-batch's prompts are distinct (on any rank); not with "
+        "use_remove_padding or gradient checkpointing, where the per-sample forward runs.",
+        default=True,
+    )
+
+    def __post_init__(self):
+        for key in ("ppo_mini_batch_size", "ppo_epochs"):
+            value = getattr(self, key)
+            if value < 1:
+                raise ValueError(f"actor.{key}={value} must be at least 1")
+        if self.clip_ratio_c <= 1:
+            raise ValueError(f"actor.clip_ratio_c={self.clip_ratio_c} must be > 1 (dual-clip bound; 3.0 is typical)")
+
+
+@dataclass
+class FSDPActorConfig(ActorConfig):
+    """The policy trained with FSDP2 (actor/dp_actor.yaml; strategy fsdp or fsdp2)."""
+
+    optim: FSDPOptimizerConfig = doc("Optimizer and schedule.", default_factory=FSDPOptimizerConfig)
+
+    grad_clip: float = doc("FSDP: clip the global gradient norm to this value (see optim.clip_grad).", default=1.0)
+    ulysses_sequence_parallel_size: int = doc(
+        "Ulysses sequence-parallel group size: > 1 splits each packed sequence across this many ranks "
+        "(needs use_remove_padding; see docs/sequence_parallel.md).",
+        default=1,
+    )
+    entropy_from_logits_with_chunking: bool = doc(
+        f"Compute entropy in chunks. {_SPEED}.", status=IGNORED, default=False
+    )
+    entropy_checkpointing: bool = doc(f"Recompute entropy in backward. {_SPEED}.", status=IGNORED, default=False)
+    use_remove_padding: bool = doc(
+        "FSDP: pack sequences without padding in the actor's forward passes (follows the model's).",
+        default=False,
+    )
+    calculate_sum_pi_squared: bool = doc(
+        "Compute the sum of squared token probabilities (for adv_estimator=optimal_token_baseline).",
+        default=False,
+    )
+    sum_pi_squared_checkpointing: bool = doc(
+        f"Recompute that sum in backward. {_SPEED}.", status=IGNORED, default=False
+    )
+    fsdp_config: FSDPEngineConfig = doc("FSDP engine (strategy fsdp or fsdp2).", default_factory=FSDPEngineConfig)
+
+
+@dataclass
+class McoreActorConfig(ActorConfig):
+    """The policy trained with Megatron-core (actor/megatron_actor.yaml)."""
+
+    optim: McoreOptimizerConfig = doc("Optimizer and schedule.", default_factory=McoreOptimizerConfig)
+
+    strategy: str = doc("Training backend (see ActorConfig.strategy).", choices=STRATEGIES, default="megatron")
+    megatron: McoreEngineConfig = doc(
+        "Megatron-core parallelism (strategy megatron).", default_factory=McoreEngineConfig
+    )
+    load_weight: bool = doc(
+        "Megatron: load the HF weights (false: random initialisation).",
+        status=UNSUPPORTED,
+        neutral=True,
+        default=True,
+    )
+
+
+@dataclass
+class RefConfig(BaseConfig):
+    """Reference policy (frozen copy of the initial policy) for the KL terms."""
+
+    rollout_n: int = doc("Responses per prompt (follows actor_rollout_ref.rollout.n).", default=1)
+    strategy: str = doc(
+        "Backend of the reference model (the actor's: it lives in the actor's workers).",
+        choices=STRATEGIES,
+        default="fsdp",
+    )
+    use_torch_compile: bool = doc(
+        f"torch.compile the log-prob helpers (follows the actor's). {_SPEED}.", status=IGNORED, default=True
+    )
+    log_prob_micro_batch_size: int | None = doc(
+        "Global micro-batch.", status=DEPRECATED, replacement="use log_prob_micro_batch_size_per_gpu", default=None
+    )
+    log_prob_micro_batch_size_per_gpu: int | None = doc("Sequences per forward pass on one rank.", default=None)
+    log_prob_use_dynamic_bsz: bool = doc("Pack forward micro-batches by token count.", default=False)
+    log_prob_max_token_len_per_gpu: int = doc("Token budget of one packed forward micro-batch.", default=16384)
+    profiler: ProfilerConfig = doc("Profiling of the reference forward passes.", default_factory=ProfilerConfig)
+    router_replay: RouterReplayConfig = doc("Mixture-of-experts routing replay.", default_factory=RouterReplayConfig)
+    fsdp_config: FSDPEngineConfig = doc(
+        "FSDP engine (strategy fsdp or fsdp2).", optional=True, default_factory=FSDPEngineConfig
+    )
+    ulysses_sequence_parallel_size: int = doc(
+        "Ulysses sequence-parallel group size of the reference forward (must equal the actor's).",
+        optional=True,
+        default=1,
+    )
+    entropy_from_logits_with_chunking: bool = doc(
+        "Compute entropy in chunks.", status=IGNORED, optional=True, default=False
+    )
+    entropy_checkpointing: bool = doc("Recompute entropy in backward.", status=IGNORED, optional=True, default=False)
+    megatron: McoreEngineConfig = doc(
+        "Megatron-core parallelism (strategy megatron).", optional=True, default_factory=McoreEngineConfig
+    )
+    load_weight: bool = doc(
+        "Megatron: load the HF weights.", status=UNSUPPORTED, neutral=True, optional=True, default=True
+    )

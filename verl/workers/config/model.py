@@ -1,0 +1,141 @@
+"""Typed config of the policy model, with upstream verl's names and defaults: `HFModelConfig` (the
+`_target_` of actor_rollout_ref.model, model/hf_model.yaml) and its nested `MtpConfig`; `TiledMLPConfig`
+and `MegatronLoRAConfig` are this project's classes for the sections upstream keeps as plain dicts.
+
+Each field carries its runtime default (the YAML holds the same value: a test builds the section from
+the composed YAML and compares) and the `doc(...)` metadata the validator and docgen read.
+
+Deliberately left out: upstream's derived fields (`local_path`, `hf_config`, `tokenizer`, `processor`,
+...), which its `__post_init__` fills by downloading and loading the model. Here a config section is
+data only; the workers load the model and tokenizer where they need them, so building a config never
+touches the file system or the network.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from verl.base_config import BaseConfig
+from verl.workers.config._fields import _SPEED, IGNORED, UNSUPPORTED, doc
+
+__all__ = ["HFModelConfig", "MegatronLoRAConfig", "MtpConfig", "TiledMLPConfig"]
+
+
+@dataclass
+class TiledMLPConfig(BaseConfig):
+    """Tiled MLP (the MLP's activations computed in sequence shards to save memory)."""
+
+    enabled: bool = doc(f"Compute the MLP in shards. {_SPEED}.", status=IGNORED, default=False)
+    num_shards: int = doc("Number of shards.", status=IGNORED, default=4)
+
+
+@dataclass
+class MtpConfig(BaseConfig):
+    """Multi-token prediction heads (training and speculative decoding)."""
+
+    enable: bool = doc(
+        "Use the model's multi-token-prediction layers.", status=UNSUPPORTED, neutral=False, default=False
+    )
+    enable_train: bool = doc("Train the MTP layers.", status=UNSUPPORTED, neutral=False, default=False)
+    enable_rollout: bool = doc(
+        "Speculative decoding with the MTP layers.", status=UNSUPPORTED, neutral=False, default=False
+    )
+    detach_encoder: bool = doc("Detach the MTP encoder's gradient (with enable_train).", default=False)
+    mtp_loss_scaling_factor: float = doc("Weight of the MTP loss (with enable_train).", default=0.1)
+    speculative_algorithm: str = doc("Speculative decoding algorithm (with enable_rollout).", default="EAGLE")
+    speculative_num_steps: int = doc("Speculative steps (with enable_rollout).", default=2)
+    speculative_eagle_topk: int = doc("EAGLE top-k (with enable_rollout).", default=2)
+    speculative_num_draft_tokens: int = doc("Draft tokens (with enable_rollout).", default=4)
+    method: str = doc("Speculative method name (with enable_rollout).", default="mtp")
+    num_speculative_tokens: int = doc("Tokens proposed per step (with enable_rollout).", default=1)
+
+
+@dataclass
+class MegatronLoRAConfig(BaseConfig):
+    """LoRA adapters of a Megatron model (upstream's `model.lora` of ppo_megatron_trainer)."""
+
+    type: str = doc("Adapter type.", default="lora")
+    merge: bool = doc(
+        "Merge the adapters into the weights for generation (with rank > 0).", optional=True, default=False
+    )
+    rank: int = doc("LoRA rank; 0 trains all weights.", status=UNSUPPORTED, neutral=0, default=0)
+    alpha: int = doc("LoRA alpha (with rank > 0).", default=32)
+    dropout: float = doc("Adapter dropout (with rank > 0).", default=0.0)
+    target_modules: list[str] = doc(
+        "Megatron layers that get adapters (with rank > 0).",
+        default_factory=lambda: ["linear_qkv", "linear_proj", "linear_fc1", "linear_fc2"],
+    )
+    exclude_modules: list[str] = doc("Layers that get no adapter (with rank > 0).", default_factory=lambda: [])
+    dropout_position: str = doc("Where dropout applies (with rank > 0).", default="pre")
+    lora_A_init_method: str = doc("Initialisation of A (with rank > 0).", default="xavier")
+    lora_B_init_method: str = doc("Initialisation of B (with rank > 0).", default="zero")
+    a2a_experimental: bool = doc("Experimental all-to-all for experts (with rank > 0).", default=False)
+    dtype: str | None = doc("Adapter dtype (with rank > 0).", default=None)
+    adapter_path: str | None = doc("Pretrained adapter to load.", status=UNSUPPORTED, neutral=None, default=None)
+    freeze_vision_model: bool = doc("Vision-language models only.", status=IGNORED, default=True)
+    freeze_vision_projection: bool = doc("Vision-language models only.", status=IGNORED, default=True)
+    freeze_language_model: bool = doc("Vision-language models only.", status=IGNORED, default=True)
+
+
+@dataclass
+class HFModelConfig(BaseConfig):
+    """The policy model (shared by actor, rollout and reference)."""
+
+    path: str = doc(
+        "HF-format model directory (or hub id); the demo's `${verl_asset:NAME}` names a bundled model.",
+        default="~/models/deepseek-llm-7b-chat",
+    )
+    hf_config_path: str | None = doc(
+        "Directory whose config.json replaces the one beside `path`; null: `path`'s own.",
+        status=UNSUPPORTED,
+        neutral=None,
+        default=None,
+    )
+    tokenizer_path: str | None = doc("Tokenizer directory when it differs from `path`; null uses `path`.", default=None)
+    use_shm: bool = doc("Copy the model to shared memory before loading.", status=IGNORED, default=False)
+    trust_remote_code: bool = doc("Allow the model repository's own Python code to run.", default=False)
+    custom_chat_template: str | None = doc("Jinja chat template replacing the tokenizer's own.", default=None)
+    external_lib: str | None = doc(
+        "Python module imported before loading the model (registers custom models).", default=None
+    )
+    override_config: dict = doc(
+        "Values overriding the model's HF config (e.g. {attention_dropout: 0.0}).", default_factory=lambda: {}
+    )
+    enable_gradient_checkpointing: bool = doc(
+        "Recompute activations in backward (saves memory, costs ~30% time).", default=True
+    )
+    enable_activation_offload: bool = doc("Offload activations to CPU during training.", status=IGNORED, default=False)
+    use_remove_padding: bool = doc("Pack sequences without padding (varlen attention); a speed knob.", default=True)
+    lora_rank: int = doc(
+        "LoRA rank r of the actor (peft): > 0 trains only low-rank adapters (the reference policy is the "
+        "base model with adapters off); 0 trains all weights.",
+        default=0,
+    )
+    lora_alpha: int = doc("LoRA alpha: the adapter's update is scaled by lora_alpha / lora_rank.", default=16)
+    target_modules: str | list[str] = doc(
+        "Layers that get adapters: `all-linear` (every linear layer but the output head) or a list of "
+        "module names, e.g. [q_proj,k_proj,v_proj,o_proj].",
+        default="all-linear",
+    )
+    exclude_modules: str | list[str] | None = doc(
+        "Layers (names or a regex) that get no adapter; null: none.", default=None
+    )
+    lora_adapter_path: str | None = doc(
+        "A trained LoRA adapter to start from instead of fresh adapters: a peft directory with "
+        "adapter_config.json and adapter_model.safetensors (e.g. a checkpoint's actor/lora_adapter). It turns "
+        "LoRA on, and its own rank, alpha and target modules replace lora_rank, lora_alpha and target_modules; "
+        "the reference policy stays the base model without it. null: fresh adapters (with lora_rank > 0).",
+        default=None,
+    )
+    use_liger: bool = doc("Use Liger kernels (GPU only; a speed knob).", status=IGNORED, default=False)
+    use_fused_kernels: bool = doc("Fused log-prob/entropy kernels (a speed knob).", status=IGNORED, default=False)
+    fused_kernel_options: dict = doc(
+        "Options of the fused kernels, e.g. {impl_backend: torch}.",
+        status=IGNORED,
+        default_factory=lambda: {"impl_backend": "torch"},
+    )
+    tiled_mlp: TiledMLPConfig = doc("Tiled MLP.", default_factory=TiledMLPConfig)
+    mtp: MtpConfig = doc("Multi-token prediction.", default_factory=MtpConfig)
+    lora: MegatronLoRAConfig = doc(
+        "LoRA of a Megatron model (ppo_megatron_trainer).", optional=True, default_factory=MegatronLoRAConfig
+    )

@@ -1,0 +1,359 @@
+"""Typed rollout config, with upstream verl's names and defaults: `RolloutConfig` (the `_target_` of
+actor_rollout_ref.rollout, rollout/rollout.yaml) and its nested sections (`SamplingConfig`,
+`MultiTurnConfig`, `AgentLoopConfig`, `CustomAsyncServerConfig`, `CheckpointEngineConfig`,
+`TraceConfig`, `PrometheusConfig`).
+
+Each field carries its runtime default (the YAML holds the same value) and the `doc(...)` metadata the
+validator and docgen read. Checks that need only one section run in `__post_init__`; rules that span
+sections (the engine's tensor-parallel size against the worker count, log-prob batch sizes against
+the data-parallel size) stay in the trainer's validate.py.
+
+`multi_turn.format` lists no choices here: its names are the agent loop's tool-parser table
+(`verl.experimental`, a layer above the workers), so the trainer's validator checks it.
+Deliberately left out: upstream's `server` section (HTTP settings of its rollout servers: the
+rollout here runs inside the workers) and `sglang_engine_mode`, `limit_images`, `enable_sleep_mode`,
+`repetition_penalty`, `custom`, which this project's YAML does not hold either.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from verl.base_config import BaseConfig
+from verl.workers.config._fields import (
+    _SPEED,
+    DEPRECATED,
+    IGNORED,
+    LOGPROBS_MODES,
+    ROLLOUT_DTYPES,
+    ROLLOUT_MODES,
+    ROLLOUT_NAMES,
+    TRTLLM,
+    UNSUPPORTED,
+    doc,
+)
+from verl.workers.config.actor import ProfilerConfig
+
+__all__ = [
+    "AgentLoopConfig",
+    "CheckpointEngineConfig",
+    "CustomAsyncServerConfig",
+    "MultiTurnConfig",
+    "PrometheusConfig",
+    "RolloutConfig",
+    "SamplingConfig",
+    "TraceConfig",
+]
+
+
+@dataclass
+class SamplingConfig(BaseConfig):
+    """Sampling parameters of validation generation."""
+
+    top_k: int = doc("Keep the k most likely tokens (-1 or 0: off).", default=-1)
+    top_p: float = doc("Nucleus sampling mass.", default=1.0)
+    temperature: float = doc("Sampling temperature (0 with do_sample=False: greedy).", default=0)
+    n: int = doc("Samples per validation prompt.", default=1)
+    do_sample: bool = doc("Sample (True) or decode greedily (False).", default=False)
+
+
+@dataclass
+class MultiTurnConfig(BaseConfig):
+    """The model calls tools and continues after their answers (docs/multi_turn.md)."""
+
+    enable: bool = doc("Run agent loops (tool calling) instead of one generation per prompt.", default=False)
+    max_assistant_turns: int | None = doc(
+        "Model turns per conversation at most; null: only the token budget limits.", default=None
+    )
+    max_user_turns: int | None = doc("Tool-response turns per conversation at most; null: no limit.", default=None)
+    tool_config_path: str | None = doc(
+        "Tool config YAML (upstream's format: tools: [{class_name, config, tool_schema}]).", default=None
+    )
+    interaction_config_path: str | None = doc(
+        "Simulated-user YAML (upstream's format: interaction: [{name, class_name, config}]); a sample picks one "
+        "with extra_info.interaction_kwargs.name.",
+        default=None,
+    )
+    max_parallel_calls: int = doc(
+        "Tool calls run per model turn (concurrently); further calls get an error message.", default=1
+    )
+    max_tool_response_length: int = doc("Characters of a tool's answer kept in the conversation.", default=256)
+    tool_response_truncate_side: str = doc(
+        "Which part of a long tool answer is kept: left (the beginning), right (the end), middle (both ends).",
+        choices=("left", "right", "middle"),
+        default="middle",
+    )
+    use_inference_chat_template: bool = doc(
+        "Train on the inference-time rendering: always the case here (training uses the rollout's exact ids).",
+        status=IGNORED,
+        default=False,
+    )
+    tokenization_sanity_check_mode: str = doc(
+        "Compare each finished conversation with the chat template's rendering of its messages "
+        "(agent_loop/tokenization_mismatch): strict, ignore_strippable (ignore whitespace) or disable.",
+        choices=("strict", "ignore_strippable", "disable"),
+        default="strict",
+    )
+    format: str = doc("Tool-call format of the model's chat template.", default="hermes")
+    num_repeat_rollouts: int | None = doc(
+        "Repeat each multi-turn rollout this many times.", status=UNSUPPORTED, neutral=None, default=None
+    )
+
+
+@dataclass
+class CustomAsyncServerConfig(BaseConfig):
+    """A user rollout-server class."""
+
+    path: str | None = doc("Python file holding the server class.", status=UNSUPPORTED, neutral=None, default=None)
+    name: str | None = doc("Name of the class.", default=None)
+
+
+@dataclass
+class AgentLoopConfig(BaseConfig):
+    """Agent loops: how each prompt's rollout is driven (single turn, tool calls)."""
+
+    num_workers: int = doc(
+        "Agent-loop worker processes of upstream's server-based rollout; here the loops of one worker run "
+        f"concurrently in its event loop. {_SPEED}.",
+        status=IGNORED,
+        default=8,
+    )
+    default_agent_loop: str = doc(
+        "Agent loop of a prompt whose row names none (`agent_name` column). single_turn_agent: one generation; "
+        "with multi_turn.enable=true such rows run tool_agent (as upstream's multi-turn configs select). A "
+        "registered loop (see agent_loop_config_path) or the import path of an AgentLoopBase subclass.",
+        default="single_turn_agent",
+    )
+    agent_loop_config_path: str | None = doc(
+        "YAML list of agent loops to register: each entry's `name` (what a row's `agent_name` or "
+        "default_agent_loop says) selects the AgentLoopBase subclass its `_target_` names; its other keys are "
+        "the loop's constructor arguments. Relative paths: the working directory, then the source checkout. "
+        "Setting it runs agent loops even without multi_turn.enable.",
+        neutral=None,
+        default=None,
+    )
+    custom_async_server: CustomAsyncServerConfig = doc(
+        "A user rollout server.", default_factory=CustomAsyncServerConfig
+    )
+
+
+@dataclass
+class CheckpointEngineConfig(BaseConfig):
+    """How weights travel from the trainer to the rollout engine."""
+
+    backend: str = doc(
+        "Transport: naive (in-process resharding / bucketed broadcast).",
+        status=UNSUPPORTED,
+        neutral="naive",
+        default="naive",
+    )
+    update_weights_bucket_megabytes: int = doc(
+        "Size of the buckets weights are streamed to the engine in.", default=2048
+    )
+    engine_kwargs: dict = doc("Options of another backend.", status=UNSUPPORTED, neutral={}, default_factory=lambda: {})
+
+
+@dataclass
+class TraceConfig(BaseConfig):
+    """Tracing of agent-loop rollouts (multi_turn.enable) to an external service (weave, mlflow)."""
+
+    backend: str | None = doc(
+        "Tracing service for agent-loop episodes: mlflow (MLFLOW_TRACKING_URI, default sqlite:////tmp/mlruns.db; "
+        "experiment = trainer.project_name) or weave (project = trainer.project_name); null: off. Each traced "
+        "episode is one trace tagged sample_index, step, rollout_n, validate and experiment_name, with a span per "
+        "model turn and per tool call. Needs multi_turn.enable (only agent loops are traced, as upstream).",
+        choices=("weave", "mlflow"),
+        default=None,
+    )
+    token2text: bool = doc("Also record the decoded text of the traced token ids (with a backend).", default=False)
+    max_samples_per_step_per_worker: int | None = doc(
+        "Per generation call and worker, trace the episodes of this many sample indices drawn at random, all "
+        "rollout.n episodes of each; null: trace every episode (with a backend).",
+        default=None,
+    )
+
+
+@dataclass
+class PrometheusConfig(BaseConfig):
+    """A Prometheus metrics endpoint of the rollout servers."""
+
+    enable: bool = doc("Serve engine metrics to Prometheus.", status=UNSUPPORTED, neutral=False, default=False)
+    port: int = doc("Port (with enable).", default=9090)
+    file: str = doc(
+        "Prometheus config file written (with enable).",
+        default="/tmp/ray/session_latest/metrics/prometheus/prometheus.yml",
+    )
+    served_model_name: str | None = doc(
+        "Model name in the metrics (follows the model path).", default="~/models/deepseek-llm-7b-chat"
+    )
+
+
+@dataclass
+class RolloutConfig(BaseConfig):
+    """Response generation: engine, sampling, batch sizes of the old-log-prob pass."""
+
+    name: str = doc(
+        "Generation engine: hf (built in, CPU and GPU), vllm or sglang; every run chooses one.",
+        choices=ROLLOUT_NAMES,
+        hardware_values={"trtllm": TRTLLM},
+        default=None,
+    )
+    mode: str = doc(
+        "async: upstream's server-based rollout; sync: batch generation. A single-turn rollout generates the same "
+        "samples either way (here both run the batched generation); multi-turn rollouts run the agent loop. "
+        "Generation running ahead of training is async_training.*.",
+        choices=ROLLOUT_MODES,
+        default="async",
+    )
+    temperature: float = doc("Sampling temperature of training rollouts.", default=1.0)
+    top_k: int = doc("Keep the k most likely tokens (-1 or 0: off).", default=-1)
+    top_p: float = doc("Nucleus sampling mass.", default=1)
+    prompt_length: int = doc("Prompt tokens the engine accepts (follows data.max_prompt_length).", default=512)
+    response_length: int = doc("Tokens generated at most (follows data.max_response_length).", default=512)
+    dtype: str = doc(
+        "Engine dtype; auto (ours): bfloat16 on GPU, float32 on CPU.", choices=ROLLOUT_DTYPES, default="bfloat16"
+    )
+    gpu_memory_utilization: float = doc(
+        "Fraction of device memory the engine's weights + KV cache (+ working memory) may use; the built-in "
+        "engine generates batches whose KV cache does not fit in chunks of rows.",
+        default=0.5,
+    )
+    ignore_eos: bool = doc("Keep generating past the end-of-sequence token.", default=False)
+    enforce_eager: bool = doc(
+        "vLLM/SGLang: disable CUDA graphs. Not read by the built-in hf engine, whose switch is "
+        "engine_kwargs.hf.enforce_eager (graphs on by default).",
+        default=False,
+    )
+    cudagraph_capture_sizes: list[int] | None = doc(
+        f"vLLM: batch sizes CUDA graphs are captured for. {_SPEED}.", status=IGNORED, default=None
+    )
+    free_cache_engine: bool = doc("Free the KV cache between rollouts (hybrid engine sleep/wake).", default=True)
+    tensor_model_parallel_size: int = doc("Tensor-parallel size of the engine (divides the worker count).", default=2)
+    data_parallel_size: int = doc(
+        "Data-parallel ranks inside one engine server of upstream's rollout; here every tensor-parallel group "
+        f"generates its share of the batch. {_SPEED}.",
+        status=IGNORED,
+        default=1,
+    )
+    expert_parallel_size: int = doc(
+        "Expert parallelism of the engine (mixture-of-experts).", status=UNSUPPORTED, neutral=1, default=1
+    )
+    pipeline_model_parallel_size: int = doc(
+        "Pipeline parallelism of the engine.", status=UNSUPPORTED, neutral=1, default=1
+    )
+    max_num_batched_tokens: int = doc(
+        "vLLM/SGLang scheduler token budget; hf: prompt tokens per prefill forward (whole prompts, at least one).",
+        default=8192,
+    )
+    max_model_len: int | None = doc("Engine context length; null: prompt_length + response_length.", default=None)
+    max_num_seqs: int = doc("Concurrent sequences (hf: rows per generation chunk).", default=256)
+    enable_chunked_prefill: bool = doc("vLLM: chunked prefill.", default=True)
+    enable_prefix_caching: bool = doc(
+        f"vLLM/SGLang: reuse the KV cache of shared prefixes. {_SPEED}.", status=IGNORED, default=True
+    )
+    logprobs_mode: str = doc(
+        "Which log-probs calculate_log_probs returns: processed_logprobs (after temperature, top-k/top-p: the "
+        "sampling distribution).",
+        choices=LOGPROBS_MODES,
+        status=UNSUPPORTED,
+        neutral="processed_logprobs",
+        default="processed_logprobs",
+    )
+    scheduling_policy: str = doc(f"vLLM request scheduling (fcfs, priority). {_SPEED}.", status=IGNORED, default="fcfs")
+    load_format: str = doc("vLLM weight-loading format (dummy: weights come from the trainer).", default="dummy")
+    log_prob_micro_batch_size: int | None = doc(
+        "Global micro-batch.", status=DEPRECATED, replacement="use log_prob_micro_batch_size_per_gpu", default=None
+    )
+    log_prob_micro_batch_size_per_gpu: int | None = doc(
+        "Sequences per forward pass on one rank (old log-probs).", default=None
+    )
+    log_prob_use_dynamic_bsz: bool = doc("Pack forward micro-batches by token count.", default=False)
+    log_prob_max_token_len_per_gpu: int = doc("Token budget of one packed forward micro-batch.", default=16384)
+    disable_log_stats: bool = doc("vLLM: silence engine statistics.", default=True)
+    do_sample: bool = doc("Sample (True) or decode greedily (False) during training rollouts.", default=True)
+    n: int = doc("Responses sampled per prompt (>= 2 for group-based advantage estimators).", default=1)
+    over_sample_rate: float = doc(
+        "Agent-loop rollouts (multi_turn.enable), training only: once int(B * (1 - rate)) of a worker's B "
+        "episodes have finished (at least one), the rest are cut and returned with an empty response "
+        "(response_mask 0: no loss; left out of the score metrics, counted in response/aborted_ratio). 0: off.",
+        default=0,
+    )
+    multi_stage_wake_up: bool = doc(
+        f"Wake the engine's weights and KV cache in stages. {_SPEED}.", status=IGNORED, default=False
+    )
+    engine_kwargs: dict = doc(
+        "Extra engine arguments per engine: {vllm: {...}, sglang: {...}, hf: {...}}; hf accepts enforce_eager; "
+        "trtllm's must stay empty (TensorRT-LLM is not supported).",
+        default_factory=lambda: {"vllm": {}, "sglang": {}, "trtllm": {}, "hf": {}},
+    )
+    val_kwargs: SamplingConfig = doc("Sampling for validation.", default_factory=SamplingConfig)
+    multi_turn: MultiTurnConfig = doc("Multi-turn tool-calling rollouts.", default_factory=MultiTurnConfig)
+    calculate_log_probs: bool = doc(
+        "Return the engine's log-probs as `rollout_log_probs`; the trainer then reports the train/rollout "
+        "mismatch each step (training/rollout_probs_diff_mean, _max) and actor.tis_imp_ratio_cap can correct it.",
+        default=False,
+    )
+    agent: AgentLoopConfig = doc("Agent loops.", default_factory=AgentLoopConfig)
+    checkpoint_engine: CheckpointEngineConfig = doc(
+        "Weight transfer to the engine.", default_factory=CheckpointEngineConfig
+    )
+    trace: TraceConfig = doc("Rollout tracing.", default_factory=TraceConfig)
+    skip_rollout: bool = doc(
+        "Replay dumped rollouts instead of generating.", status=UNSUPPORTED, neutral=False, default=False
+    )
+    skip_dump_dir: str = doc("Directory of those dumps (with skip_rollout).", default="/tmp/rollout_dump")
+    skip_tokenizer_init: bool = doc(
+        f"vLLM/SGLang: start the engine without its tokenizer. {_SPEED}.", status=IGNORED, default=True
+    )
+    enable_rollout_routing_replay: bool = doc(
+        "Record the engine's expert routing (mixture-of-experts).", status=UNSUPPORTED, neutral=False, default=False
+    )
+    profiler: ProfilerConfig = doc("Profiling of generation (follows the actor's).", default_factory=ProfilerConfig)
+    prometheus: PrometheusConfig = doc("Metrics endpoint.", default_factory=PrometheusConfig)
+    quantization: str | None = doc("Quantised generation (e.g. fp8).", status=UNSUPPORTED, neutral=None, default=None)
+    quantization_config_file: str | None = doc("Quantisation config.", status=UNSUPPORTED, neutral=None, default=None)
+    mtp: dict | None = doc(
+        "Multi-token prediction settings (follows the model's mtp).",
+        default_factory=lambda: {
+            "enable": False,
+            "enable_train": False,
+            "enable_rollout": False,
+            "detach_encoder": False,
+            "mtp_loss_scaling_factor": 0.1,
+            "speculative_algorithm": "EAGLE",
+            "speculative_num_steps": 2,
+            "speculative_eagle_topk": 2,
+            "speculative_num_draft_tokens": 4,
+            "method": "mtp",
+            "num_speculative_tokens": 1,
+        },
+    )
+    layered_summon: bool = doc(
+        f"Gather FSDP weights layer by layer when syncing to the engine. {_SPEED}.", status=IGNORED, default=False
+    )
+    layer_name_map: dict = doc(
+        "Megatron -> engine layer names for weight sync (ppo_megatron_trainer); verl's converter knows them.",
+        status=IGNORED,
+        optional=True,
+        default_factory=lambda: {"qkv_layer_name": "qkv", "gate_proj_layer_name": "gate_up"},
+    )
+
+    def __post_init__(self):
+        for key, value in (
+            ("n", self.n),
+            ("tensor_model_parallel_size", self.tensor_model_parallel_size),
+            ("val_kwargs.n", self.val_kwargs.n),
+        ):
+            if value < 1:
+                raise ValueError(f"rollout.{key}={value} must be at least 1")
+        if self.do_sample and self.temperature <= 0:
+            raise ValueError(
+                f"rollout.do_sample=true with temperature={self.temperature} cannot sample; "
+                "set temperature > 0 (1.0 is typical) or do_sample=false for greedy decoding"
+            )
+        val = self.val_kwargs
+        if val.do_sample and val.temperature <= 0:
+            raise ValueError(
+                f"rollout.val_kwargs.do_sample=true with temperature={val.temperature} cannot sample; "
+                "set val_kwargs.temperature > 0, or val_kwargs.do_sample=false for greedy validation"
+            )
