@@ -33,6 +33,7 @@ from pathlib import Path
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
 from verl.trainer.config.errors import ConfigError, did_you_mean
+from verl.trainer.config.interpolation import resolve
 
 CONFIG_DIR = Path(__file__).resolve().parent
 DEFAULT_CONFIG_NAME = "ppo_trainer"
@@ -324,21 +325,6 @@ class _unlocked:
 
 
 # --------------------------------------------------------------------------------------- public
-
-
-def resolve(cfg: DictConfig) -> DictConfig:
-    """Evaluate every interpolation in place, turning resolver failures into a ConfigError."""
-    from omegaconf.errors import OmegaConfBaseException
-
-    try:
-        OmegaConf.resolve(cfg)
-    except OmegaConfBaseException as e:
-        key = getattr(e, "full_key", None) or "?"
-        raise ConfigError(
-            f"config key {key} could not be resolved: {getattr(e, 'msg', e)}; "
-            "check the ${...} interpolation it uses (the key it points at must exist)"
-        ) from e
-    return cfg
 
 
 def compose_config(

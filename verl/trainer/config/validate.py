@@ -4,9 +4,12 @@ Design decisions:
 - Every problem is collected and reported in one `ConfigError`, one line each, so a user fixes a
   broken command line in one round trip instead of one error per run.
 - Structure (unknown keys with a did-you-mean, missing keys, types, choices, unimplemented
-  features) comes from the dataclass table in `schema.py`; the cross-key rules (batch
-  arithmetic, estimator/critic consistency, sampling sanity) are written out below, one short
-  function per concern, mirroring the checks upstream's trainer does before it builds workers.
+  features) comes from the dataclass table in `schema.py`, walked by `schema_walk.py`; checks that
+  need one section only run in its class's `__post_init__` (built here, `_check_typed_sections`);
+  the cross-key rules (estimator/critic consistency, engines, trainer, LoRA, async training,
+  Ulysses) are written out below, one short function per concern, mirroring the checks upstream's
+  trainer does before it builds workers. The batch arithmetic is in `validate_batches.py`, the
+  agent-loop and multi-turn rules in `validate_agent.py`.
 - Batch semantics are upstream's: `data.train_batch_size` and `ppo_mini_batch_size` count
   prompts (x `rollout.n` sequences), split evenly over the data-parallel ranks;
   `*_micro_batch_size_per_gpu` counts sequences on one rank.
@@ -18,265 +21,38 @@ Design decisions:
 
 from __future__ import annotations
 
-import copy
-import dataclasses
 import math
 import os
 import re
-import types
-import typing
 import warnings
-from typing import Any
 
-from omegaconf import DictConfig, OmegaConf
-from omegaconf.errors import OmegaConfBaseException
+from omegaconf import DictConfig
 
 from verl.trainer.config import schema as S
-from verl.trainer.config.errors import ConfigError, ConfigWarning, did_you_mean
+from verl.trainer.config.errors import ConfigError, ConfigWarning
+from verl.trainer.config.interpolation import interpolation_sources, plain
+from verl.trainer.config.schema_walk import (  # noqa: F401  (re-exported: the validator's public helpers)
+    _check_section,
+    is_neutral,
+    is_section_type,
+    iter_schema_fields,
+    neutral_value,
+    schema_keys,
+    type_name,
+)
+from verl.trainer.config.validate_agent import _check_multi_turn
+from verl.trainer.config.validate_batches import (
+    _check_forward_batches,
+    _check_rollout_layout,
+    _check_train_batches,
+    _get,
+    need_critic,
+    need_reference_policy,
+    world_size,
+)
 from verl.utils.config import omega_conf_to_dataclass
 
-# --------------------------------------------------------------------------------------- types
-
-
-def is_section_type(tp) -> bool:
-    """Whether a schema type is a nested section (a dataclass) rather than a value."""
-    return isinstance(tp, type) and dataclasses.is_dataclass(tp)
-
-
-def type_name(tp) -> str:
-    """Readable name of a schema type: `int | null`, `list[str]`, `dict`."""
-    origin = typing.get_origin(tp)
-    if origin in (typing.Union, types.UnionType):
-        return " | ".join(type_name(a) for a in typing.get_args(tp))
-    if tp is type(None):
-        return "null"
-    if origin is list:
-        (arg,) = typing.get_args(tp) or (Any,)
-        return f"list[{type_name(arg)}]"
-    if tp is dict or origin is dict:
-        return "dict"
-    if tp is Any:
-        return "any"
-    if is_section_type(tp):
-        return "section"
-    return tp.__name__
-
-
-def _matches(value, tp) -> bool:
-    origin = typing.get_origin(tp)
-    if tp is Any:
-        return True
-    if origin in (typing.Union, types.UnionType):
-        return any(_matches(value, a) for a in typing.get_args(tp))
-    if tp is type(None):
-        return value is None
-    if tp is bool:
-        return isinstance(value, bool)
-    if tp is int:
-        return isinstance(value, int) and not isinstance(value, bool)
-    if tp is float:
-        return isinstance(value, int | float) and not isinstance(value, bool)
-    if tp is str:
-        return isinstance(value, str)
-    if origin is list:
-        (arg,) = typing.get_args(tp) or (Any,)
-        return isinstance(value, list) and all(_matches(v, arg) for v in value)
-    if tp is dict or origin is dict:
-        return isinstance(value, dict)
-    raise TypeError(f"schema type {tp!r} is not supported by the validator")
-
-
-_EXAMPLE = {int: "a whole number such as 8", float: "a number such as 0.5", bool: "true or false", str: "a string"}
-
-
-def _type_hint(tp) -> str:
-    base = [a for a in typing.get_args(tp) if a is not type(None)] or [tp]
-    for b in base:
-        if b in _EXAMPLE:
-            return _EXAMPLE[b]
-    return f"a value of type {type_name(tp)}"
-
-
-# ---------------------------------------------------------------------------------- schema walk
-
-
-def iter_schema_fields(cls: type = S.PPOConfig, prefix: str = ""):
-    """Yield (dotted key, field, type, owning dataclass) for every leaf and section, depth first; a
-    section's subclass-only keys (`S.section_fields`) come with the subclass as their owner."""
-    for f, owner, tp in S.section_fields(cls):
-        full = f"{prefix}{f.name}"
-        yield full, f, tp, owner
-        if is_section_type(tp):
-            yield from iter_schema_fields(tp, full + ".")
-
-
-def schema_keys() -> list[str]:
-    """Every dotted key the schema declares, sections included."""
-    return [key for key, *_ in iter_schema_fields()]
-
-
-def _check_section(
-    value: dict, cls: type, path: str, errors: list[tuple[str, str]], warns: list[str], all_keys: list[str]
-):
-    """Check one section against its dataclass (the caller resolved `_target_`); errors are (dotted key, message)."""
-    hints = typing.get_type_hints(cls)
-    fields = {f.name: f for f in S.config_fields(cls)}
-    for key in value:
-        if key in fields or key == "_target_" or S.is_open(cls) or (not path and key == "hydra"):
-            continue
-        full = f"{path}{key}"
-        hint = did_you_mean(str(key), list(fields), prefix=path, all_keys=all_keys, full_key=full)
-        where = path.rstrip(".") or "the top level"
-        errors.append(
-            (
-                full,
-                f"unknown config key {full!r}: {where} has no key {key!r}.{hint} "
-                "Fix the spelling, or remove it (see docs/config_reference.md for every key)",
-            )
-        )
-    for name, f in fields.items():
-        full = f"{path}{name}"
-        tp = hints[name]
-        meta = S.field_meta(f)
-        if name not in value:
-            if not meta["optional"]:
-                errors.append(
-                    (
-                        full,
-                        f"config key {full} is missing; it has no default here because the YAML provides it: add it back",
-                    )
-                )
-            continue
-        v = value[name]
-        if v == "???":
-            if not meta["unset_ok"]:
-                choices = meta["choices"]
-                options = f" (one of: {', '.join(map(str, choices))})" if choices else ""
-                errors.append((full, f"config key {full} must be set (it is ???); pass {full}=...{options}"))
-            continue
-        if is_section_type(tp):
-            if not isinstance(v, dict):
-                errors.append(
-                    (
-                        full,
-                        f"{full} is a section of keys, but it is set to {v!r}; set its keys instead, e.g. {full}.<key>=...",
-                    )
-                )
-            else:
-                try:
-                    tp = S.section_class(tp, v, full)
-                except ValueError as e:
-                    errors.append((f"{full}._target_", str(e)))
-                    continue
-                _check_section(v, tp, full + ".", errors, warns, all_keys)
-            continue
-        if not _matches(v, tp):
-            errors.append(
-                (
-                    full,
-                    f"{full}={v!r} has type {type(v).__name__}, but {type_name(tp)} is expected; set it to {_type_hint(tp)}",
-                )
-            )
-            continue
-        hardware = meta["hardware_values"]
-        items = v if isinstance(v, list) else [v]
-        refused = [item for item in items if isinstance(item, str) and item in hardware]
-        for item in refused:
-            errors.append(
-                (
-                    full,
-                    f"{full}={item} is for {hardware[item]}, which this build of verl does not support; "
-                    f"remove the override",
-                )
-            )
-        if refused:
-            continue
-        choices = meta["choices"]
-        if choices:
-            for item in items:
-                if item is not None and item not in choices:
-                    hint = did_you_mean(str(item), [str(c) for c in choices])
-                    errors.append(
-                        (
-                            full,
-                            f"{full}={item!r} is not a valid choice.{hint} Valid values: {', '.join(map(str, choices))}",
-                        )
-                    )
-        status = meta["status"]
-        if status in (S.UNSUPPORTED, S.PENDING, S.HARDWARE) and not is_neutral(v, meta["neutral"]):
-            keep = f"{full}={_yaml(neutral_value(meta['neutral']))}"
-            what = meta["doc"].rstrip(".")
-            if status == S.UNSUPPORTED:
-                msg = (
-                    f"{full}={_yaml(v)} is not implemented in this verl ({what}); running without it would silently "
-                    f"train something else, so remove the override (keep {keep})"
-                )
-            elif status == S.PENDING:
-                msg = f"{full}={_yaml(v)}: not implemented yet ({what}); remove the override (keep {keep})"
-            else:
-                msg = (
-                    f"{full}={_yaml(v)} is for {meta['hardware']}, which this build of verl does not support "
-                    f"({what}); remove the override (keep {keep})"
-                )
-            errors.append((full, msg))
-        if status == S.DEPRECATED and v is not None:
-            warns.append(f"{full} is deprecated; {meta['replacement']}")
-
-
-def is_neutral(value, neutral) -> bool:
-    """Whether `value` is the neutral value (or one of the neutral values, when a tuple lists several)."""
-    if isinstance(neutral, tuple):
-        return any(is_neutral(value, n) for n in neutral)
-    if isinstance(value, bool) != isinstance(neutral, bool):
-        return False
-    return value == neutral
-
-
-def neutral_value(neutral):
-    """The neutral value to suggest (the first of several)."""
-    return neutral[0] if isinstance(neutral, tuple) else neutral
-
-
-def _yaml(v) -> str:
-    if v is None:
-        return "null"
-    return str(v).lower() if isinstance(v, bool) else str(v)
-
-
 # ------------------------------------------------------------------------------- cross-key rules
-
-
-def _get(c: dict, key: str):
-    node = c
-    for part in key.split("."):
-        node = node[part]
-    return node
-
-
-def need_critic(cfg) -> bool:
-    """Whether the run trains a value function (upstream: critic.enable, else adv_estimator == gae)."""
-    c = _plain(cfg)
-    enable = c["critic"].get("enable")
-    return bool(enable) if enable is not None else c["algorithm"]["adv_estimator"] == "gae"
-
-
-def need_reference_policy(cfg) -> bool:
-    """Whether the run needs the frozen reference policy (any KL term)."""
-    c = _plain(cfg)
-    return bool(c["actor_rollout_ref"]["actor"]["use_kl_loss"] or c["algorithm"]["use_kl_in_reward"])
-
-
-def world_size(cfg) -> int:
-    """Worker processes (GPUs, or CPU processes) in the trainer's worker group."""
-    c = _plain(cfg)
-    return c["trainer"]["nnodes"] * c["trainer"]["n_gpus_per_node"]
-
-
-def _next_multiple(start: int, ok) -> int:
-    m = max(start, 1)
-    while not ok(m):
-        m += 1
-    return m
 
 
 def _check_typed_sections(c: dict, errors: list[str]):
@@ -330,220 +106,6 @@ def _check_positive(c: dict, errors: list[str]):
         v = _get(c, key)
         if v == 0 or v < -1:
             errors.append(f"{key}={v} is not a step interval; use a positive number of steps, or -1 to disable")
-
-
-def _check_rollout_layout(c: dict, errors: list[str]) -> int | None:
-    """Rollout tensor parallelism must tile the workers; returns the world size when it does."""
-    world = world_size(c)
-    tp = c["actor_rollout_ref"]["rollout"]["tensor_model_parallel_size"]
-    if tp < 1 or world < 1:
-        return None
-    if world % tp:
-        errors.append(
-            f"actor_rollout_ref.rollout.tensor_model_parallel_size={tp} does not divide the {world} workers "
-            f"(trainer.nnodes x trainer.n_gpus_per_node), so the engine's tensor-parallel groups cannot be formed; "
-            f"use a divisor of {world} or change trainer.n_gpus_per_node"
-        )
-        return None
-    return world
-
-
-def _check_micro(
-    errors: list[str],
-    *,
-    role: str,
-    global_key: str,
-    per_gpu_key: str,
-    values: dict,
-    dp: int,
-    dynamic: bool,
-    dynamic_key: str,
-    per_rank_batch: int | None = None,
-    batch_desc: str = "",
-):
-    """One role's micro-batch: exactly one spelling, required unless packing by tokens, and tiling the mini-batch."""
-    g, p = values[global_key.rsplit(".", 1)[-1]], values[per_gpu_key.rsplit(".", 1)[-1]]
-    if g is not None and p is not None:
-        errors.append(
-            f"{global_key}={g} and {per_gpu_key}={p} are both set, but they say the same thing two ways; "
-            f"keep only {per_gpu_key} ({global_key} is deprecated)"
-        )
-        return
-    if g is not None:
-        if g % dp:
-            errors.append(
-                f"{global_key}={g} is not divisible by the {dp} data-parallel ranks; set {per_gpu_key} instead"
-            )
-            return
-        p = g // dp
-    if p is None:
-        if not dynamic:
-            errors.append(
-                f"{role} needs a micro-batch size: set {per_gpu_key} (sequences per forward pass on one rank), "
-                f"or {dynamic_key}=true to pack micro-batches by token count"
-            )
-        return
-    if p < 1:
-        errors.append(f"{per_gpu_key}={p} must be at least 1")
-        return
-    if per_rank_batch is None or dynamic:
-        return
-    if p >= per_rank_batch:  # an upper bound: the whole mini-batch of a rank fits in one micro-batch
-        return
-    if per_rank_batch % p:
-        divisors = [d for d in range(1, per_rank_batch + 1) if per_rank_batch % d == 0 and d <= p]
-        errors.append(
-            f"{per_gpu_key}={p} does not divide the {per_rank_batch} sequences each rank gets per mini-batch "
-            f"({batch_desc}), so gradient accumulation would drop or double-count sequences; "
-            f"use a divisor such as {divisors[-1]}"
-        )
-
-
-def _check_train_batches(c: dict, errors: list[str], world: int, warns: list[str]):
-    """Batch arithmetic of the actor (and the critic when it is trained)."""
-    arr = c["actor_rollout_ref"]
-    n = arr["rollout"]["n"]
-    tbs = c["data"]["train_batch_size"]
-    sp = arr["actor"].get("ulysses_sequence_parallel_size") or 1
-    dp = world // sp if world % sp == 0 else world
-    _check_megatron_batch(c, errors, world)
-    if (tbs * n) % world:
-        good = _next_multiple(tbs, lambda m: (m * n) % world == 0)
-        errors.append(
-            f"data.train_batch_size x actor_rollout_ref.rollout.n = {tbs} x {n} = {tbs * n} sequences per step is not "
-            f"divisible by the {world} workers (trainer.nnodes x trainer.n_gpus_per_node), so the batch cannot be "
-            f"split evenly across them; set data.train_batch_size={good} (or another value making the product a "
-            f"multiple of {world}) or change trainer.n_gpus_per_node"
-        )
-    roles = [("actor", "actor_rollout_ref.actor", arr["actor"])]
-    if need_critic(c):
-        roles.append(("critic", "critic", c["critic"]))
-    for role, prefix, sec in roles:
-        mini = sec["ppo_mini_batch_size"]
-        if mini < 1:
-            continue
-        if mini > tbs and sec["use_dynamic_bsz"]:
-            # upstream's rule: with token packing a mini-batch larger than the batch is the whole batch
-            warns.append(
-                f"{prefix}.ppo_mini_batch_size={mini} is larger than data.train_batch_size={tbs}, so each step "
-                "takes one optimizer step over the whole batch"
-            )
-            continue
-        if mini > tbs:
-            errors.append(
-                f"{prefix}.ppo_mini_batch_size={mini} is larger than data.train_batch_size={tbs}: a mini-batch is a "
-                f"slice of the step's batch (both count prompts); set {prefix}.ppo_mini_batch_size to at most {tbs}"
-            )
-            continue
-        if tbs % mini:
-            divs = [d for d in range(1, tbs + 1) if tbs % d == 0 and d <= mini]
-            errors.append(
-                f"data.train_batch_size={tbs} is not divisible by {prefix}.ppo_mini_batch_size={mini}, so the last "
-                f"optimizer step of each batch would see fewer prompts; use a divisor such as {divs[-1]}"
-            )
-        if (mini * n) % dp:
-            errors.append(
-                f"{prefix}.ppo_mini_batch_size x rollout.n = {mini} x {n} = {mini * n} sequences is not divisible by "
-                f"the {dp} data-parallel ranks, so a mini-batch cannot be split evenly; make it a multiple of {dp} "
-                f"(e.g. {prefix}.ppo_mini_batch_size={_next_multiple(mini, lambda m: (m * n) % dp == 0)})"
-            )
-            continue
-        per_rank = mini * n // dp
-        _check_micro(
-            errors,
-            role=role,
-            global_key=f"{prefix}.ppo_micro_batch_size",
-            per_gpu_key=f"{prefix}.ppo_micro_batch_size_per_gpu",
-            values=sec,
-            dp=dp,
-            dynamic=sec["use_dynamic_bsz"],
-            dynamic_key=f"{prefix}.use_dynamic_bsz",
-            per_rank_batch=per_rank,
-            batch_desc=f"{prefix}.ppo_mini_batch_size {mini} x rollout.n {n} / {dp} ranks",
-        )
-
-
-def _check_megatron_batch(c: dict, errors: list[str], world: int):
-    """Upstream's rule for a megatron actor with fixed micro-batches: a step's sequences split into whole
-    micro-batches of every data-parallel group (data-parallel size = ranks / (tp x pp x cp))."""
-    actor = c["actor_rollout_ref"]["actor"]
-    meg = actor.get("megatron")
-    if actor["strategy"] != "megatron" or not meg or actor["use_dynamic_bsz"]:
-        return
-    model_parallel = meg["tensor_model_parallel_size"] * meg["pipeline_model_parallel_size"]
-    copies = model_parallel * meg["context_parallel_size"]
-    micro = actor["ppo_micro_batch_size_per_gpu"]
-    if not isinstance(micro, int) or micro < 1 or copies < 1 or world % copies:
-        return  # reported by the micro-batch and layout checks
-    minimal = world // copies * micro
-    sequences = c["data"]["train_batch_size"] * c["actor_rollout_ref"]["rollout"]["n"]
-    if sequences % minimal:
-        errors.append(
-            f"data.train_batch_size x rollout.n = {sequences} sequences per step do not split into whole "
-            f"micro-batches of the {world // copies} megatron data-parallel groups ({world} ranks / tp x pp x cp = "
-            f"{copies}) of actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu={micro}, i.e. into multiples of "
-            f"{minimal}; change data.train_batch_size or the micro-batch size"
-        )
-
-
-def _check_forward_batches(c: dict, errors: list[str], world: int):
-    """Micro-batches of the forward-only passes (old log-probs, reference, values, reward model)."""
-    arr = c["actor_rollout_ref"]
-    rollout = arr["rollout"]
-    passes = [("old-log-prob pass", "actor_rollout_ref.rollout", rollout, "log_prob")]
-    if need_reference_policy(c):
-        passes.append(("reference policy", "actor_rollout_ref.ref", arr["ref"], "log_prob"))
-    for role, prefix, sec, stem in passes:
-        _check_micro(
-            errors,
-            role=role,
-            global_key=f"{prefix}.{stem}_micro_batch_size",
-            per_gpu_key=f"{prefix}.{stem}_micro_batch_size_per_gpu",
-            values=sec,
-            dp=world,
-            dynamic=sec["log_prob_use_dynamic_bsz"],
-            dynamic_key=f"{prefix}.log_prob_use_dynamic_bsz",
-        )
-    critic = c["critic"]
-    trained_micro = critic["ppo_micro_batch_size"], critic["ppo_micro_batch_size_per_gpu"]
-    if need_critic(c) and (
-        trained_micro != (None, None) or critic["use_dynamic_bsz"] or "forward_micro_batch_size" in critic
-    ):
-        # the Megatron critic has no forward_* keys: its value pass uses the training micro-batch (whose
-        # absence is reported once, for the training pass)
-        forward = {
-            "forward_micro_batch_size": critic.get("forward_micro_batch_size"),
-            "forward_micro_batch_size_per_gpu": critic.get(
-                "forward_micro_batch_size_per_gpu", critic["ppo_micro_batch_size_per_gpu"]
-            ),
-        }
-        _check_micro(
-            errors,
-            role="critic value pass",
-            global_key="critic.forward_micro_batch_size",
-            per_gpu_key="critic.forward_micro_batch_size_per_gpu",
-            values=forward,
-            dp=world,
-            dynamic=c["critic"]["use_dynamic_bsz"],
-            dynamic_key="critic.use_dynamic_bsz",
-        )
-    rm = c["reward_model"]
-    if rm["enable"] and not rm["model"]["path"]:
-        errors.append(
-            "reward_model.enable=true but reward_model.model.path is null; set it to the reward model's directory"
-        )
-    # upstream's reward loop batches reward-model requests itself: no micro-batch needed with it
-    if rm["enable"] and not rm.get("use_reward_loop", False):
-        _check_micro(
-            errors,
-            role="reward model",
-            global_key="reward_model.micro_batch_size",
-            per_gpu_key="reward_model.micro_batch_size_per_gpu",
-            values=rm,
-            dp=world,
-            dynamic=rm["use_dynamic_bsz"],
-            dynamic_key="reward_model.use_dynamic_bsz",
-        )
 
 
 def _check_algorithm(c: dict, errors: list[str], warns: list[str]):
@@ -637,100 +199,6 @@ def _check_lengths(c: dict, errors: list[str]):
             f"actor_rollout_ref.rollout.max_model_len={rollout['max_model_len']} is shorter than prompt_length + "
             f"response_length = {total}; raise it or leave it null"
         )
-
-
-def _check_agent_loop_keys(rollout: dict, errors: list[str]):
-    """Tracing and over-sampling: keys only the agent-loop rollout reads."""
-    import importlib.util
-
-    trace, rate = rollout["trace"], rollout["over_sample_rate"]
-    backend, multi_turn = trace["backend"], rollout["multi_turn"]["enable"]
-    if backend is not None and not multi_turn:
-        errors.append(
-            f"actor_rollout_ref.rollout.trace.backend={backend} traces agent-loop episodes only (as upstream), and "
-            "multi_turn.enable=false generates without agent loops, so nothing would be traced; set "
-            "actor_rollout_ref.rollout.multi_turn.enable=true or trace.backend=null"
-        )
-    package = {"mlflow": "mlflow", "weave": "weave"}.get(backend)
-    if package and importlib.util.find_spec(package) is None:
-        errors.append(
-            f"actor_rollout_ref.rollout.trace.backend={backend} needs the {package} package, which is not installed; "
-            f"run `pip install {package}` or set trace.backend=null"
-        )
-    _check_agent_loop_names(rollout["agent"], errors)
-    limit = trace["max_samples_per_step_per_worker"]
-    if limit is not None and limit < 0:
-        errors.append(
-            f"actor_rollout_ref.rollout.trace.max_samples_per_step_per_worker={limit} must be >= 0, or null to "
-            "trace every episode"
-        )
-    if not 0 <= rate < 1:
-        errors.append(
-            f"actor_rollout_ref.rollout.over_sample_rate={rate} must be in [0, 1): the share of each batch's "
-            "episodes cut once the others have finished (0: off)"
-        )
-    elif rate > 0 and not multi_turn:
-        errors.append(
-            f"actor_rollout_ref.rollout.over_sample_rate={rate} cuts the slowest agent-loop episodes, and "
-            "multi_turn.enable=false generates without agent loops (one batch, nothing to cut); set "
-            "actor_rollout_ref.rollout.multi_turn.enable=true or over_sample_rate=0"
-        )
-
-
-def _check_agent_loop_names(agent: dict, errors: list[str]):
-    """The agent-loop config file reads as a list of loops, and the default loop is one that exists:
-    registered here, registered by that file, or an import path (imported when the worker builds it)."""
-    from verl.trainer.config.fields import agent_loop_choices, agent_loop_file_names
-
-    names = set(agent_loop_choices())
-    path = agent["agent_loop_config_path"]
-    if path:
-        try:
-            names.update(agent_loop_file_names(path))
-        except (OSError, ValueError) as e:
-            errors.append(str(e))
-            return
-    default = agent["default_agent_loop"]
-    if default not in names and "." not in default:
-        errors.append(
-            f"actor_rollout_ref.rollout.agent.default_agent_loop={default!r} is not an agent loop: choose one of "
-            f"{sorted(names)}, register it in agent.agent_loop_config_path, or give the import path of an "
-            "AgentLoopBase subclass"
-        )
-
-
-def _check_tool_format(rollout: dict, errors: list[str]):
-    """`multi_turn.format` names one of the agent loop's tool parsers (a table above the workers layer,
-    so the rollout section's class cannot list the choices itself)."""
-    from verl.trainer.config.fields import tool_format_choices
-
-    choices = tool_format_choices()
-    value = rollout["multi_turn"]["format"]
-    if value not in choices:
-        key = "actor_rollout_ref.rollout.multi_turn.format"
-        hint = did_you_mean(str(value), list(choices))
-        errors.append(f"{key}={value!r} is not a valid choice.{hint} Valid values: {', '.join(choices)}")
-
-
-def _check_multi_turn(c: dict, errors: list[str]):
-    rollout = c["actor_rollout_ref"]["rollout"]
-    _check_tool_format(rollout, errors)
-    _check_agent_loop_keys(rollout, errors)
-    mt = rollout["multi_turn"]
-    if not mt["enable"]:
-        return
-    path = mt["tool_config_path"]
-    if path and not os.path.isfile(os.path.expanduser(path)):
-        errors.append(
-            f"actor_rollout_ref.rollout.multi_turn.tool_config_path={path!r} does not exist; point it at a tool "
-            "config YAML (see docs/multi_turn.md) or leave it null for no tools"
-        )
-    for key in ("max_assistant_turns", "max_user_turns"):
-        if mt[key] is not None and mt[key] < 1:
-            errors.append(f"actor_rollout_ref.rollout.multi_turn.{key}={mt[key]} must be >= 1, or null for no limit")
-    for key in ("max_parallel_calls", "max_tool_response_length"):
-        if mt[key] < 1:
-            errors.append(f"actor_rollout_ref.rollout.multi_turn.{key}={mt[key]} must be >= 1")
 
 
 def _check_not_implemented(c: dict, errors: list[str]):
@@ -1160,43 +628,6 @@ def _check_ulysses(c: dict, errors: list[str]):
                 )
 
 
-def _plain(cfg) -> dict:
-    if isinstance(cfg, dict):
-        return cfg
-    from verl.trainer.config.loader import resolve
-
-    if not isinstance(cfg, DictConfig):
-        return OmegaConf.to_container(cfg, resolve=True, throw_on_missing=False)
-    try:  # to_container resolves without touching cfg (no copy needed)
-        return OmegaConf.to_container(cfg, resolve=True, throw_on_missing=False)
-    except OmegaConfBaseException:
-        return OmegaConf.to_container(
-            resolve(copy.deepcopy(cfg)), resolve=True, throw_on_missing=False
-        )  # the error says which key
-
-
-def _interpolation_sources(cfg: DictConfig, prefix: str = "") -> dict[str, str]:
-    """{key: the key it copies} for every plain `${other.key}` / `${.sibling}` interpolation, and
-    `${oc.select:other.key,default}` (upstream's spelling of the same)."""
-    out = {}
-    for k in cfg:
-        full = f"{prefix}{k}"
-        if OmegaConf.is_interpolation(cfg, k):
-            text = str(cfg._get_node(k)._value()).strip()
-            m = re.fullmatch(r"\$\{(\.*)([\w.]+)\}", text) or re.fullmatch(
-                r"\$\{oc\.select:\s*(\.*)([\w.]+)\s*(?:,.*)?\}", text
-            )
-            if m:
-                dots, target = m.groups()
-                base = full.split(".")[: -len(dots)] if dots else []
-                out[full] = ".".join([*base, target])
-            continue
-        node = cfg._get_node(k)
-        if isinstance(node, DictConfig) and not node._is_none() and not node._is_missing():
-            out.update(_interpolation_sources(node, full + "."))
-    return out
-
-
 def _raise(errors: list[str]):
     if len(errors) == 1:
         raise ConfigError(f"invalid config: {errors[0]}", errors)
@@ -1210,7 +641,7 @@ def validate_ppo_config(cfg: DictConfig | dict) -> None:
     Raises ConfigError listing every problem found. Accepts a resolved or unresolved DictConfig
     (e.g. straight from Hydra) or a plain dict; `cfg` is not modified.
     """
-    c = _plain(cfg)
+    c = plain(cfg)
     keyed: list[tuple[str, str]] = []
     warns: list[str] = []
     _check_section(c, S.PPOConfig, "", keyed, warns, schema_keys())
@@ -1218,7 +649,7 @@ def validate_ppo_config(cfg: DictConfig | dict) -> None:
         # A key copied by interpolation (`gen_batch_size: ${data.train_batch_size}`) inherits its
         # source's bad value; report the source only.
         bad = {k for k, _ in keyed}
-        follows = _interpolation_sources(cfg) if isinstance(cfg, DictConfig) else {}
+        follows = interpolation_sources(cfg) if isinstance(cfg, DictConfig) else {}
 
         def copies_a_bad_value(key: str) -> bool:
             seen = set()
@@ -1259,7 +690,7 @@ def check_machine(cfg) -> None:
     """
     import importlib.util
 
-    c = _plain(cfg)
+    c = plain(cfg)
     device = c["trainer"]["device"]
     engine = c["actor_rollout_ref"]["rollout"]["name"]
     problems, switches = [], []
