@@ -145,7 +145,7 @@ def _ray_init_kwargs(config) -> dict:
         "VERL_DEVICE": os.environ.get("VERL_DEVICE", "auto"),
         "PYTHONPATH": pythonpath,
     }
-    if not config.trainer.get("progress_bar", True):  # the workers' model-loading bars (huggingface_hub's switch)
+    if not config.trainer.progress_bar:  # the workers' model-loading bars (huggingface_hub's switch)
         defaults["HF_HUB_DISABLE_PROGRESS_BARS"] = "1"
     job_env_vars = _job_runtime_env().get("env_vars") or {}
     env_vars = {k: v for k, v in defaults.items() if k not in job_env_vars}
@@ -205,8 +205,8 @@ def run_ppo(config, task_runner_cls=None) -> dict:
     validate_ppo_config(config)
     if skip_reason(config) is None:
         check_run_inputs(config)
-    set_device_preference(config.trainer.get("device", "auto"))
-    profiling = GlobalProfilerConfig.from_config(config.get("global_profiler") or {})
+    set_device_preference(config.trainer.device)
+    profiling = GlobalProfilerConfig.from_config(config.global_profiler)
     if profiling.active:
         check_tool_available(profiling.tool)  # before Ray starts: nsys must be installed
     started_cluster = not ray.is_initialized()
@@ -274,8 +274,8 @@ def build_role_worker_mapping(config):
     mapping = {actor_role: backend(config.actor_rollout_ref.actor.strategy).ActorRolloutRefWorker}
     if need_critic(config):
         mapping[Role.Critic] = backend(config.critic.strategy).CriticWorker
-    if config.reward_model.get("enable", False):
-        mapping[Role.RewardModel] = backend(config.reward_model.get("strategy", "fsdp")).RewardModelWorker
+    if config.reward_model.enable:
+        mapping[Role.RewardModel] = backend(config.reward_model.strategy).RewardModelWorker
     if staleness_threshold(config) > 0:  # generation runs ahead of training in its own pool
         mapping[Role.Rollout] = ActorRolloutRefWorker
     return mapping
@@ -294,8 +294,8 @@ def build_resource_pools(config, mapping) -> tuple[dict, dict]:
     if Role.Rollout in mapping:
         spec["rollout_pool"] = [config.rollout.n_gpus_per_node] * config.rollout.nnodes
         roles[Role.Rollout] = "rollout_pool"
-    rm = config.get("reward_model") or {}
-    if Role.RewardModel in mapping and rm.get("enable_resource_pool", False):
+    rm = config.reward_model
+    if Role.RewardModel in mapping and rm.enable_resource_pool:
         spec["reward_pool"] = [rm.n_gpus_per_node] * rm.nnodes
         roles[Role.RewardModel] = "reward_pool"
     return spec, roles
@@ -311,15 +311,13 @@ def build_datasets(config, tokenizer) -> tuple:
     from verl.utils.dataset.rl_dataset import create_rl_dataset
 
     data = config.data
-    rm = config.get("reward_model") or {}
-    if config.actor_rollout_ref.rollout.get("multi_turn", {}).get("enable", False) or (
-        rm.get("enable", False) and rm.get("model", {}).get("input_tokenizer")
-    ):
+    rm = config.reward_model
+    if config.actor_rollout_ref.rollout.multi_turn.enable or (rm.enable and rm.model.input_tokenizer):
         # agent loops render the prompt messages with the tool schemas and check tokenization against
         # them; a reward model with its own tokenizer re-renders them with its chat template
         data = OmegaConf.merge(data, {"return_raw_chat": True})
     train = create_rl_dataset(data.train_files, data, tokenizer, is_train=True)
-    val_files = data.get("val_files")
+    val_files = data.val_files
     val = create_rl_dataset(val_files, data, tokenizer, is_train=False) if val_files else None
     return train, val
 
@@ -351,7 +349,7 @@ class TaskRunner:
 
         _ensure_default_data(config)
         model_path = config.actor_rollout_ref.model.path
-        tokenizer = hf_tokenizer(config.actor_rollout_ref.model.get("tokenizer_path") or model_path)
+        tokenizer = hf_tokenizer(config.actor_rollout_ref.model.tokenizer_path or model_path)
         # The datasets first: their checks (malformed rows, over-long prompts with data.truncation=error)
         # are the most likely start-up failures left after the driver's pre-flight checks.
         try:
@@ -364,7 +362,7 @@ class TaskRunner:
         mapping = build_role_worker_mapping(config)
         pool_spec, role_pools = build_resource_pools(config, mapping)
         # GPU or CPU bundles as trainer.device asks (this actor may not see the driver's VERL_DEVICE)
-        use_gpu = bundles_hold_gpus(config.trainer.get("device", "auto"), ray.cluster_resources().get("GPU", 0))
+        use_gpu = bundles_hold_gpus(config.trainer.device, ray.cluster_resources().get("GPU", 0))
         pool_manager = ResourcePoolManager(resource_pool_spec=pool_spec, mapping=role_pools, use_gpu=use_gpu)
 
         reward_fn = load_reward_manager(config, tokenizer, num_examine=0)

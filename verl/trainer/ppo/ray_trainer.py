@@ -238,8 +238,8 @@ class RayPPOTrainer:
             and arc.actor.ppo_mini_batch_size == self.config.data.train_batch_size
             and not self.config.algorithm.use_kl_in_reward
             and not arc.rollout.calculate_log_probs
-            # an FSDP-actor key: the megatron actor's section has none (as upstream's)
-            and not arc.actor.get("calculate_sum_pi_squared", False)
+            # an FSDP-actor key (FSDPActorConfig): the megatron actor's section has none (as upstream's)
+            and not (arc.actor.strategy != "megatron" and arc.actor.calculate_sum_pi_squared)
         )
 
     def _compute_old_log_prob(self, batch: DataProto, state: StepState) -> DataProto:

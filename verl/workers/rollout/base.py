@@ -18,6 +18,9 @@ from abc import ABC, abstractmethod
 from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
+from verl.utils.config import omega_conf_to_dataclass
+from verl.workers.config import RolloutConfig
+
 if TYPE_CHECKING:
     import torch
 
@@ -29,10 +32,12 @@ def runs_agent_loops(rollout_config) -> bool:
     """Whether generation runs through agent loops (`AgentLoopRollout`): with multi-turn, or when
     `agent.agent_loop_config_path` registers loops (upstream's agent-loop rollout runs them either
     way). The rollout worker wraps its engine, and the driver sends the rows' `agent_name` and tool
-    columns, on this one answer."""
-    multi_turn = rollout_config.get("multi_turn") or {}
-    agent = rollout_config.get("agent") or {}
-    return bool(multi_turn.get("enable", False) or agent.get("agent_loop_config_path"))
+    columns, on this one answer.
+
+    `rollout_config` is a `RolloutConfig` or a section it is built from (a DictConfig, or a dict,
+    whose missing keys take the class's defaults)."""
+    config = omega_conf_to_dataclass(rollout_config, RolloutConfig)
+    return bool(config.multi_turn.enable or config.agent.agent_loop_config_path)
 
 
 class BaseRollout(ABC):
