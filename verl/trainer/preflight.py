@@ -64,7 +64,8 @@ def check_run_inputs(config) -> None:
 
 def skip_reason(config) -> str | None:
     """Why the driver cannot check the run's paths (they live on the cluster), or None."""
-    address = str((config.get("ray_kwargs") or {}).get("ray_init", {}).get("address") or "")
+    # ray_init is an open section of ray.init keywords: `address` is there only when the user passes it
+    address = str(config.ray_kwargs.ray_init.get("address") or "")
     address = address or os.environ.get("RAY_ADDRESS", "")
     if address.startswith("ray://"):
         return f"the driver reaches the cluster through Ray client ({address}); paths are checked there"
@@ -82,21 +83,20 @@ def _files(value) -> list[str]:
 
 def _check_data(config, problems: list[str]) -> None:
     data = config.data
-    if (data.get("custom_cls") or {}).get("path"):
+    if data.custom_cls.path:
         return  # a user dataset class decides what its files look like
     from verl.trainer.main_ppo import _ensure_default_data
 
     _ensure_default_data(config)
-    prompt_key = data.get("prompt_key") or "prompt"
-    reward_fn_key = data.get("reward_fn_key") or "data_source"
+    prompt_key, reward_fn_key = data.prompt_key, data.reward_fn_key
     train_rows = 0
     for key in ("train_files", "val_files"):
-        for path in _files(data.get(key)):
+        for path in _files(data[key]):
             rows = _check_data_file(f"data.{key}", path, prompt_key, reward_fn_key, problems)
             if key == "train_files" and rows is not None:
                 train_rows += rows
-    batch = data.get("gen_batch_size") or data.train_batch_size
-    limit = data.get("train_max_samples")
+    batch = data.gen_batch_size or data.train_batch_size
+    limit = data.train_max_samples
     if limit is not None and limit >= 0:
         train_rows = min(train_rows, limit)
     if 0 < train_rows < batch:
@@ -224,11 +224,11 @@ def _check_models(config, problems: list[str]) -> None:
     from verl.trainer.config import need_critic
 
     model = config.actor_rollout_ref.model
-    remote_code = bool(model.get("trust_remote_code")) or bool(model.get("external_lib"))
+    remote_code = bool(model.trust_remote_code) or bool(model.external_lib)
     policy = _model_config("actor_rollout_ref.model.path", model.path, problems)
     if policy is not None and not remote_code:
         _check_causal_lm("actor_rollout_ref.model.path", model.path, policy, problems)
-    tokenizer_path = model.get("tokenizer_path")
+    tokenizer_path = model.tokenizer_path
     tokenizer_missing = tokenizer_path and not os.path.exists(os.path.expanduser(str(tokenizer_path)))
     if tokenizer_missing and _looks_local(str(tokenizer_path)):
         problems.append(
@@ -237,8 +237,8 @@ def _check_models(config, problems: list[str]) -> None:
         )
     if need_critic(config) and config.critic.model.path != model.path:
         _model_config("critic.model.path", config.critic.model.path, problems)
-    if config.reward_model.get("enable"):
-        _model_config("reward_model.model.path", config.reward_model.model.get("path"), problems)
+    if config.reward_model.enable:
+        _model_config("reward_model.model.path", config.reward_model.model.path, problems)
 
 
 # ------------------------------------------------------------------------------ reward function
@@ -246,8 +246,8 @@ def _check_models(config, problems: list[str]) -> None:
 
 def _check_reward_function(config, problems: list[str]) -> None:
     """The reward file parses and defines the function (read with `ast`: none of its code runs here)."""
-    section = config.get("custom_reward_function") or {}
-    path, name = section.get("path"), section.get("name") or "compute_score"
+    section = config.custom_reward_function
+    path, name = section.path, section.name or "compute_score"
     if not path or not os.path.isfile(os.path.expanduser(str(path))):
         return  # a missing file is a config error (validate_ppo_config)
     try:
@@ -306,14 +306,14 @@ def _unwritable_reason(path: str) -> str | None:
 def _check_writable_dirs(config, problems: list[str]) -> None:
     trainer = config.trainer
     dirs = []
-    if trainer.get("save_freq", -1) > 0:
+    if trainer.save_freq > 0:
         dirs.append(
             ("trainer.default_local_dir", trainer.default_local_dir, "checkpoints", "or set trainer.save_freq=-1")
         )
-    if trainer.get("run_dir"):
+    if trainer.run_dir:
         dirs.append(("trainer.run_dir", trainer.run_dir, "the resolved config and metrics", ""))
     for key in ("rollout_data_dir", "validation_data_dir"):
-        if trainer.get(key):
+        if trainer[key]:
             dirs.append((f"trainer.{key}", trainer[key], "generation dumps", f"or set trainer.{key}=null"))
     for key, path, what, alternative in dirs:
         reason = _unwritable_reason(str(path))
@@ -329,8 +329,8 @@ def _check_writable_dirs(config, problems: list[str]) -> None:
 
 def _check_resume(config, problems: list[str]) -> None:
     trainer = config.trainer
-    mode = trainer.get("resume_mode", "auto")
-    if mode == "resume_path" and trainer.get("resume_from_path"):
+    mode = trainer.resume_mode
+    if mode == "resume_path" and trainer.resume_from_path:
         path = str(trainer.resume_from_path)
         full = os.path.abspath(os.path.expanduser(path))
         if not os.path.isdir(full):
