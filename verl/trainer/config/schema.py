@@ -64,7 +64,6 @@ from verl.workers.config import (  # noqa: F401  (re-exported: the schema's sect
     MultiTurnConfig,
     OptimizerConfig,
     PolicyLossConfig,
-    ProfilerConfig,
     PrometheusConfig,
     RefConfig,
     RolloutConfig,
@@ -110,6 +109,7 @@ from verl.workers.config._fields import (  # noqa: F401  (re-exported: the schem
     doc,
     policy_loss_choices,
 )
+from verl.workers.config.actor import ProfilerConfig
 
 # --------------------------------------------------------------------------------------- data
 

@@ -3,6 +3,10 @@
 Each class is the one definition of its section: its fields carry the runtime defaults (the
 YAML holds the same values) and the `doc(...)` metadata the validator and the docs generator read;
 `verl.trainer.config.schema` composes them into the whole config tree.
+
+A role's `profiler` section class (`verl.workers.config.actor.ProfilerConfig`) is not exported here:
+upstream's `ProfilerConfig` is `verl.utils.profiler.ProfilerConfig`, the class the workers build
+their profilers from; this one only declares the section's keys for the validator and the docs.
 """
 
 from verl.workers.config.actor import (
@@ -10,7 +14,6 @@ from verl.workers.config.actor import (
     FSDPActorConfig,
     McoreActorConfig,
     PolicyLossConfig,
-    ProfilerConfig,
     RefConfig,
     RouterReplayConfig,
 )
@@ -52,7 +55,6 @@ __all__ = [
     "MultiTurnConfig",
     "OptimizerConfig",
     "PolicyLossConfig",
-    "ProfilerConfig",
     "PrometheusConfig",
     "RefConfig",
     "RolloutConfig",

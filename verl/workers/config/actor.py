@@ -41,7 +41,6 @@ __all__ = [
     "FSDPActorConfig",
     "McoreActorConfig",
     "PolicyLossConfig",
-    "ProfilerConfig",
     "RefConfig",
     "RouterReplayConfig",
 ]
