@@ -27,6 +27,7 @@ from verl.workers.config import (
     McoreActorConfig,
     McoreCriticConfig,
     McoreOptimizerConfig,
+    MultiTurnConfig,
     OptimizerConfig,
     RolloutConfig,
     SamplingConfig,
@@ -243,6 +244,24 @@ def test_a_bad_role_value_is_refused_when_built(cls, kwargs, match):
         cls(**kwargs)
 
 
+def test_multi_turn_limits_are_checked_only_when_multi_turn_runs():
+    assert MultiTurnConfig(max_assistant_turns=0).max_assistant_turns == 0  # off: the limits are not read
+    with pytest.raises(ValueError, match=r"^multi_turn\.max_assistant_turns=0 must be >= 1, or null for no limit$"):
+        MultiTurnConfig(enable=True, max_assistant_turns=0)
+    with pytest.raises(ValueError, match=r"^multi_turn\.max_parallel_calls=0 must be >= 1$"):
+        MultiTurnConfig(enable=True, max_parallel_calls=0)
+
+
+def test_lora_keys_are_checked_only_for_fresh_adapters():
+    with pytest.raises(ValueError, match=r"^model\.lora_rank=-1 must be 0"):
+        HFModelConfig(lora_rank=-1)
+    with pytest.raises(ValueError, match=r"^model\.target_modules is empty, so LoRA would adapt nothing"):
+        HFModelConfig(lora_rank=8, target_modules=[])
+    assert HFModelConfig(lora_rank=0, lora_alpha=0).lora_alpha == 0  # no LoRA: alpha is not read
+    # a trained adapter brings its own rank, alpha and modules
+    assert HFModelConfig(lora_rank=8, lora_alpha=0, lora_adapter_path="/adapter").lora_alpha == 0
+
+
 @pytest.mark.parametrize(
     "key, value, message",
     [
@@ -252,6 +271,11 @@ def test_a_bad_role_value_is_refused_when_built(cls, kwargs, match):
             "actor_rollout_ref.rollout.temperature",
             0.0,
             "actor_rollout_ref.rollout.do_sample=true with temperature=0.0 cannot sample",
+        ),
+        (
+            "actor_rollout_ref.model.lora_rank",
+            -1,
+            "actor_rollout_ref.model.lora_rank=-1 must be 0 (train all weights) or a positive LoRA rank",
         ),
         # a nested section's check is reported once, under its own key (not again by the actor that holds it)
         ("actor_rollout_ref.actor.optim.lr", 0.0, "actor_rollout_ref.actor.optim.lr=0.0 must be > 0"),
@@ -296,3 +320,13 @@ def test_engine_only_keys_of_the_role_sections_are_listed_under_their_subclass()
     assert (
         critic["nccl_timeout"] is McoreCriticConfig and critic["forward_micro_batch_size_per_gpu"] is FSDPCriticConfig
     )
+
+
+def test_the_validator_names_a_multi_turn_limit_by_its_full_key_once():
+    cfg = OmegaConf.to_container(compose("arith_demo"), resolve=True)
+    cfg["actor_rollout_ref"]["rollout"]["multi_turn"].update(enable=True, max_user_turns=0)
+    with pytest.raises(ConfigError) as info:
+        validate_ppo_config(cfg)
+    text = str(info.value)
+    assert text.count("max_user_turns=0 must be >= 1") == 1, text
+    assert "actor_rollout_ref.rollout.multi_turn.max_user_turns=0 must be >= 1, or null for no limit" in text

@@ -682,6 +682,7 @@ TYPED_SECTIONS: dict[str, type] = {
     "actor_rollout_ref.actor.optim": OptimizerConfig,
     "critic.optim": OptimizerConfig,
     # sections holding the ones above come after them (see validate._check_typed_sections)
+    "actor_rollout_ref.rollout.multi_turn": MultiTurnConfig,
     "actor_rollout_ref.model": HFModelConfig,
     "actor_rollout_ref.actor": ActorConfig,
     "actor_rollout_ref.rollout": RolloutConfig,

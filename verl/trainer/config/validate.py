@@ -413,24 +413,13 @@ def _check_trainer(c: dict, errors: list[str], warns: list[str]):
 
 def _check_lora(c: dict, errors: list[str], warns: list[str]):
     model = c["actor_rollout_ref"]["model"]
-    rank, alpha = model["lora_rank"], model["lora_alpha"]
-    if rank < 0:
-        errors.append(f"actor_rollout_ref.model.lora_rank={rank} must be 0 (train all weights) or a positive LoRA rank")
+    # lora_rank >= 0, lora_alpha > 0 and target_modules are HFModelConfig's own checks
+    rank = model["lora_rank"]
     if model["lora_adapter_path"]:
         _check_lora_adapter(model, errors, warns)
         return
     if rank <= 0:
         return
-    if alpha <= 0:
-        errors.append(
-            f"actor_rollout_ref.model.lora_alpha={alpha} must be positive: the adapter's update is scaled by "
-            "lora_alpha / lora_rank (16 or 2 x lora_rank are usual)"
-        )
-    if not model["target_modules"]:
-        errors.append(
-            "actor_rollout_ref.model.target_modules is empty, so LoRA would adapt nothing; use all-linear or a list "
-            "of linear layer names"
-        )
     import importlib.util
 
     if importlib.util.find_spec("peft") is None:

@@ -99,9 +99,4 @@ def _check_multi_turn(c: dict, errors: list[str]):
             f"actor_rollout_ref.rollout.multi_turn.tool_config_path={path!r} does not exist; point it at a tool "
             "config YAML (see docs/multi_turn.md) or leave it null for no tools"
         )
-    for key in ("max_assistant_turns", "max_user_turns"):
-        if mt[key] is not None and mt[key] < 1:
-            errors.append(f"actor_rollout_ref.rollout.multi_turn.{key}={mt[key]} must be >= 1, or null for no limit")
-    for key in ("max_parallel_calls", "max_tool_response_length"):
-        if mt[key] < 1:
-            errors.append(f"actor_rollout_ref.rollout.multi_turn.{key}={mt[key]} must be >= 1")
+    # the turn and call limits are MultiTurnConfig's own checks

@@ -139,3 +139,19 @@ class HFModelConfig(BaseConfig):
     lora: MegatronLoRAConfig = doc(
         "LoRA of a Megatron model (ppo_megatron_trainer).", optional=True, default_factory=MegatronLoRAConfig
     )
+
+    def __post_init__(self):
+        if self.lora_rank < 0:
+            raise ValueError(f"model.lora_rank={self.lora_rank} must be 0 (train all weights) or a positive LoRA rank")
+        if self.lora_rank == 0 or self.lora_adapter_path:
+            return  # no LoRA, or the adapter's own rank, alpha and modules replace these keys
+        if self.lora_alpha <= 0:
+            raise ValueError(
+                f"model.lora_alpha={self.lora_alpha} must be positive: the adapter's update is scaled by "
+                "lora_alpha / lora_rank (16 or 2 x lora_rank are usual)"
+            )
+        if not self.target_modules:
+            raise ValueError(
+                "model.target_modules is empty, so LoRA would adapt nothing; use all-linear or a list of linear "
+                "layer names"
+            )

@@ -99,6 +99,18 @@ class MultiTurnConfig(BaseConfig):
         "Repeat each multi-turn rollout this many times.", status=UNSUPPORTED, neutral=None, default=None
     )
 
+    def __post_init__(self):
+        if not self.enable:
+            return  # the limits are read only by the agent loops multi-turn runs
+        for key in ("max_assistant_turns", "max_user_turns"):
+            value = getattr(self, key)
+            if value is not None and value < 1:
+                raise ValueError(f"multi_turn.{key}={value} must be >= 1, or null for no limit")
+        for key in ("max_parallel_calls", "max_tool_response_length"):
+            value = getattr(self, key)
+            if value < 1:
+                raise ValueError(f"multi_turn.{key}={value} must be >= 1")
+
 
 @dataclass
 class CustomAsyncServerConfig(BaseConfig):
