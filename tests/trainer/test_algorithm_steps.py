@@ -11,12 +11,13 @@ exit status only a process shows) stays in `test_main_ppo_e2e.py`.
 What is shared and what is not: the trainer (driver) of each test is built from the script's
 config, so what each algorithm does on the driver (advantage estimator, KL in the reward,
 ReMax's greedy baseline, DAPO's dynamic sampling and overlong penalty, the critic) is the script's.
-The workers are a module fixture, built from one script's config and reused by several trainers
-(`init_workers(groups=...)`): worker-side settings the algorithms differ in only numerically (learning
-rates, clip ratios, loss aggregation) come from the family's script. A worker-side switch that
-changes what the batch must hold cannot be shared: an actor with `use_kl_loss` needs reference
-log-probs in every batch, so REINFORCE++ gets a family of its own. Every run is sized to 16 rows
-a step (`ROWS`, the workers' mini-batch), whatever the script's group size.
+The workers are a module fixture, built from one script's config (its family's, `FAMILIES`) and
+reused by several trainers (`init_workers(groups=...)`). A trainer's workers are its own script's in
+everything they read: `test_each_script_s_worker_settings_are_its_family_s` checks that the
+worker-side config of each script equals its family's, but for the group size and the mini-batch
+in prompts, whose product is the same 16 rows a step (`ROWS`) for every script. So the scripts
+that differ on the worker side get families of their own: REINFORCE++ (an actor with
+`use_kl_loss` needs reference log-probs in every batch) and DAPO (its actor clips higher).
 
 Results do not depend on test order: the assertions are on what each algorithm logs and saves,
 not on values that move as the shared workers train.
@@ -31,29 +32,34 @@ import pytest
 
 from tests.trainer.main_ppo_runs import ROOT, common_overrides, model_path, read_metrics
 
-pytestmark = pytest.mark.slow  # the slow tier (make test-all, CI): see docs/testing.md
-
 ROWS = 16  # samples a step (prompts x group size): 8 a rank, one mini-batch
 GRPO = "examples/grpo_trainer/run_arith_tiny_cpu.sh"
+GAE = "examples/ppo_trainer/run_arith_tiny_gae_cpu.sh"
 REINFORCE_PP = "examples/reinforce_plus_plus_trainer/run_arith_tiny_cpu.sh"
+DAPO = "recipes/dapo/run_dapo_arith_tiny_cpu.sh"
 
 # script -> (a metric only that algorithm produces, the worker family it runs on)
 EXAMPLES = {
     GRPO: ("actor/pg_loss", "reference_and_critic"),
-    "examples/ppo_trainer/run_arith_tiny_gae_cpu.sh": ("critic/vf_loss", "reference_and_critic"),
+    GAE: ("critic/vf_loss", "reference_and_critic"),
     "examples/rloo_trainer/run_arith_tiny_cpu.sh": ("actor/pg_loss", "reference_and_critic"),
     "examples/remax_trainer/run_arith_tiny_cpu.sh": ("actor/reward_kl_penalty", "reference_and_critic"),
-    "recipes/dapo/run_dapo_arith_tiny_cpu.sh": ("train/num_gen_batches", "reference_and_critic"),
     REINFORCE_PP: ("actor/kl_loss", "kl_loss"),
+    DAPO: ("train/num_gen_batches", "dapo"),
 }
 
 # family -> (the script whose config builds its workers, the roles they hold)
 FAMILIES = {
-    # the reference in the actor's processes (ReMax's KL in the reward) and a critic (GAE); a trainer
+    # the reference in the actor's processes (ReMax's KL in the reward) and GAE's critic; a trainer
     # whose algorithm needs neither leaves them uncalled
-    "reference_and_critic": (GRPO, ("ActorRolloutRef", "Critic")),
-    "kl_loss": (REINFORCE_PP, ("ActorRolloutRef",)),
+    "reference_and_critic": (GAE, ("ActorRolloutRef", "Critic")),
+    "kl_loss": (REINFORCE_PP, ("ActorRolloutRef",)),  # its actor needs reference log-probs in every batch
+    "dapo": (DAPO, ("ActorRollout",)),  # its actor clips higher (clip_ratio_high, clip_ratio_c)
 }
+
+# worker-side keys a script may differ in from its family's script: the group size and the
+# mini-batch in prompts, whose product (the rows a worker trains on, ROWS) is the same for all
+ROWS_EQUIVALENT = (".rollout.n", ".rollout_n", ".ppo_mini_batch_size")
 
 
 def script_cli_args(script: str) -> list[str]:
@@ -130,7 +136,8 @@ def workers_of(ray_session, arith_data, tmp_path_factory):
             release()
             script, roles = FAMILIES[family]
             config = script_config(script, tmp_path_factory.mktemp(family), arith_data)
-            classes = {"ActorRolloutRef": ActorRolloutRefWorker, "Critic": CriticWorker}
+            classes = {"ActorRolloutRef": ActorRolloutRefWorker, "ActorRollout": ActorRolloutRefWorker}
+            classes["Critic"] = CriticWorker
             mapping = {Role[name]: classes[name] for name in roles}
             pools = ResourcePoolManager(
                 resource_pool_spec={"global_pool": [2]}, mapping=dict.fromkeys(mapping, "global_pool")
@@ -167,7 +174,45 @@ def _fit(config, groups, tmp_path, monkeypatch) -> list[dict]:
     return read_metrics(tmp_path)
 
 
-# ordered by family, so that each family's workers are built once
+def _worker_settings(config) -> dict:
+    """The resolved config the workers of `config`'s trainer read, flattened: the actor, rollout and
+    reference sections, and the critic's when the algorithm has one."""
+    from omegaconf import OmegaConf
+
+    from verl.trainer.config import need_critic
+
+    sections = ["actor_rollout_ref", *(["critic"] if need_critic(config) else [])]
+    flat: dict = {}
+
+    def walk(prefix: str, node) -> None:
+        if isinstance(node, dict):
+            for key, value in node.items():
+                walk(f"{prefix}.{key}", value)
+        else:
+            flat[prefix] = node
+
+    for name in sections:
+        walk(name, OmegaConf.to_container(config[name], resolve=True))
+    return flat
+
+
+@pytest.mark.parametrize("script", sorted(EXAMPLES))
+def test_each_script_s_worker_settings_are_its_family_s(script, tmp_path):
+    data = (str(tmp_path / "train.parquet"), str(tmp_path / "test.parquet"))  # composed, never read
+    config = script_config(script, tmp_path, data)
+    family_config = script_config(FAMILIES[EXAMPLES[script][1]][0], tmp_path, data)
+    ours, theirs = _worker_settings(config), _worker_settings(family_config)
+    differ = {k: (ours[k], theirs.get(k)) for k in ours if ours[k] != theirs.get(k)}
+    assert {k for k in differ if not k.endswith(ROWS_EQUIVALENT)} == set(), differ
+    for section in ("actor_rollout_ref.actor", *(["critic"] if "critic.ppo_mini_batch_size" in ours else [])):
+        rows = ours[f"{section}.ppo_mini_batch_size"] * ours["actor_rollout_ref.rollout.n"]
+        family_rows = theirs[f"{section}.ppo_mini_batch_size"] * theirs["actor_rollout_ref.rollout.n"]
+        assert rows == family_rows == ROWS, (section, rows, family_rows)
+
+
+# ordered by family, so that each family's workers are built once; the slow tier (make test-all, CI),
+# docs/testing.md: the default tier keeps test_main_ppo_e2e's GRPO run
+@pytest.mark.slow
 @pytest.mark.parametrize("script", sorted(EXAMPLES, key=lambda s: (EXAMPLES[s][1], s)))
 def test_example_script_algorithm_trains_two_steps_and_logs_its_metrics(
     script, workers_of, arith_data, tmp_path, monkeypatch
