@@ -117,33 +117,48 @@ def arith_data(tmp_path_factory):
 @pytest.fixture(scope="module")
 def workers_of(ray_session, arith_data, tmp_path_factory):
     """`workers_of(family)`: that family's worker groups, built from its script's config on first
-    use. One family is held at a time (the previous one's placement groups and actors are removed
-    first), so tests ordered by family build each once; any other order only builds more often."""
+    use, then reset to the state they were built in (weights, optimizer, RNGs: a checkpoint saved
+    right after the build and loaded before every later use), so that no test trains on what an
+    earlier one left and the order of the tests changes nothing. (Without the reset, GRPO after four
+    other algorithms' steps once scored 0 on all 16 samples of its second step: no advantage, no
+    update, no actor/pg_loss.) One family is held at a time (the previous one's placement groups and
+    actors are removed first), so tests ordered by family build each once."""
     from verl.single_controller.ray import RayWorkerGroup, ResourcePoolManager
     from verl.trainer.ppo.worker_groups import Role, spawn_worker_groups
     from verl.workers.fsdp_workers import ActorRolloutRefWorker, CriticWorker
 
-    held: dict[str, tuple] = {}  # family -> (groups, pools)
+    held: dict[str, tuple] = {}  # family -> (groups, pools, the checkpoint of their built state)
 
     def release() -> None:
-        for _, pools in held.values():
+        for _, pools, _ in held.values():
             for pool in pools.resource_pool_dict.values():
                 pool.remove_placement_groups()
         held.clear()
 
+    def trained_groups(groups: dict) -> list[tuple[str, object]]:
+        return [(name, groups[name]) for name in ("actor_rollout_wg", "critic_wg") if name in groups]
+
     def get(family: str) -> dict:
-        if family not in held:
-            release()
-            script, roles = FAMILIES[family]
-            config = script_config(script, tmp_path_factory.mktemp(family), arith_data)
-            classes = {"ActorRolloutRef": ActorRolloutRefWorker, "ActorRollout": ActorRolloutRefWorker}
-            classes["Critic"] = CriticWorker
-            mapping = {Role[name]: classes[name] for name in roles}
-            pools = ResourcePoolManager(
-                resource_pool_spec={"global_pool": [2]}, mapping=dict.fromkeys(mapping, "global_pool")
-            )
-            held[family] = (spawn_worker_groups(config, mapping, pools, RayWorkerGroup), pools)
-        return held[family][0]
+        if family in held:
+            groups, _, snapshot = held[family]
+            for name, group in trained_groups(groups):
+                group.load_checkpoint(str(snapshot / name))
+            return groups
+        release()
+        script, roles = FAMILIES[family]
+        root = tmp_path_factory.mktemp(family)
+        config = script_config(script, root, arith_data)
+        classes = {"ActorRolloutRef": ActorRolloutRefWorker, "ActorRollout": ActorRolloutRefWorker}
+        classes["Critic"] = CriticWorker
+        mapping = {Role[name]: classes[name] for name in roles}
+        pools = ResourcePoolManager(
+            resource_pool_spec={"global_pool": [2]}, mapping=dict.fromkeys(mapping, "global_pool")
+        )
+        groups = spawn_worker_groups(config, mapping, pools, RayWorkerGroup)
+        for name, group in trained_groups(groups):
+            group.save_checkpoint(str(root / "built" / name))
+        held[family] = (groups, pools, root / "built")
+        return groups
 
     yield get
     release()
