@@ -7,7 +7,12 @@ import re
 import subprocess
 import sys
 
+import pytest
 
+
+# the slow tier (make test-all, CI): a benchmark script run end to end, tens of seconds on 2 cores;
+# the trainer phases and the profiler it times are unit-tested in the default tier
+@pytest.mark.slow
 def test_step_profile_local_part_prints_phase_times_and_top_operators():
     env = dict(os.environ, PYTHONPATH=os.getcwd(), OMP_NUM_THREADS="1")
     cmd = [sys.executable, "benchmarks/step_profile.py", "--steps", "0", "--repeats", "2", "--profile-iters", "1"]

@@ -13,6 +13,9 @@ import pytest
 _LAST_LINE = re.compile(r"^bench ulysses_row_gather: pickle_ms=(\S+) tensor_ms=(\S+) speedup=(\S+) mb_per_rank=(\S+) ")
 
 
+# the slow tier (make test-all, CI): a benchmark script run end to end, tens of seconds on 2 cores;
+# the gather it times: tests/workers/test_ulysses_rows.py, default tier
+@pytest.mark.slow
 def test_row_gather_benchmark_prints_both_timings_and_their_ratio():
     env = dict(os.environ, PYTHONPATH=os.getcwd())
     cmd = [sys.executable, "benchmarks/ulysses_row_gather.py", "--rows", "4", "--prompt", "16", "--response", "16"]

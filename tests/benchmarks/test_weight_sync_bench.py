@@ -29,6 +29,9 @@ def _run(*args: str) -> re.Match:
     return match
 
 
+# the slow tier (make test-all, CI): a benchmark script run end to end, tens of seconds on 2 cores;
+# the sync it times: tests/workers/test_weight_sync.py, default tier
+@pytest.mark.slow
 def test_the_tiny_preset_syncs_on_cpu_and_prints_the_last_line():
     match = _run("--preset", "tiny", "--repeats", "2", "--rollout-dtype", "bfloat16")
     # the tiny preset's 1.08M parameters in bf16 (the tied head is the embedding)

@@ -189,6 +189,10 @@ class ShmWorker(Worker):
             os._exit(1)
         return data
 
+    @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO, blocking=False)
+    def bump_later(self, data: DataProto) -> DataProto:
+        return self.bump(data)
+
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def pid(self) -> int:
         return os.getpid()
@@ -208,10 +212,17 @@ def _channel_use(wg: RayWorkerGroup) -> list[dict]:
     return [s.get(link.channel, {"received": 0, "replied": 0}) for s, link in zip(stats, wg._shm_links.links)]
 
 
-@pytest.fixture
-def shm_group(ray_session):
+def _spawn(worker_cls=None):
     pool = RayResourcePool(process_on_nodes=[2], use_gpu=False, max_colocate_count=1)
-    wg = RayWorkerGroup(pool, RayClassWithInitArgs(ShmWorker))
+    return RayWorkerGroup(pool, RayClassWithInitArgs(worker_cls or ShmWorker)), pool
+
+
+@pytest.fixture(scope="module")
+def shm_group(ray_session):
+    """One group for the tests that leave it as they found it (each reads the channel counters as
+    differences, before and after its own calls); a test that kills a worker or needs another worker
+    class or environment spawns its own."""
+    wg, pool = _spawn()
     yield wg
     wg.shutdown()
     pool.remove_placement_groups()
@@ -280,8 +291,7 @@ def test_an_argument_shared_by_every_worker_travels_once_through_the_object_stor
 
 
 def test_a_group_shut_down_while_probing_leaves_no_file(ray_session):
-    pool = RayResourcePool(process_on_nodes=[2], use_gpu=False, max_colocate_count=1)
-    wg = RayWorkerGroup(pool, RayClassWithInitArgs(ShmWorker))
+    wg, pool = _spawn()
     pids = wg.pid()
     wg.bump(_proto(512))  # starts the probes, whose replies are never read
     wg.shutdown()
@@ -303,16 +313,20 @@ def test_a_failed_call_names_the_rank_and_the_next_call_is_right(shm_group):
     assert [c["received"] for c in _channel_use(wg)] == [r + 1 for r in received]
 
 
-def test_a_worker_dying_in_a_channel_call_is_reported_within_seconds(shm_group):
-    wg = shm_group
-    _until_probed(wg)
-    pids = wg.pid()
-    start = time.monotonic()
-    with pytest.raises(WorkerDiedError) as info:
-        wg.die_on_rank_1(_proto(512, seed=11))
-    assert time.monotonic() - start < 10
-    assert (info.value.rank, info.value.method) == (1, "die_on_rank_1")
-    assert [f for pid in (os.getpid(), *pids) for f in _own_files(pid)] == []
+def test_a_worker_dying_in_a_channel_call_is_reported_within_seconds(ray_session):
+    wg, pool = _spawn()  # its own: the test kills one of its workers
+    try:
+        _until_probed(wg)
+        pids = wg.pid()
+        start = time.monotonic()
+        with pytest.raises(WorkerDiedError) as info:
+            wg.die_on_rank_1(_proto(512, seed=11))
+        assert time.monotonic() - start < 10
+        assert (info.value.rank, info.value.method) == (1, "die_on_rank_1")
+        assert [f for pid in (os.getpid(), *pids) for f in _own_files(pid)] == []
+    finally:
+        wg.shutdown()
+        pool.remove_placement_groups()
 
 
 class NoChannel(ShmWorker):
@@ -323,8 +337,7 @@ class NoChannel(ShmWorker):
 
 
 def test_a_worker_that_cannot_see_the_segment_is_served_through_ray(ray_session):
-    pool = RayResourcePool(process_on_nodes=[2], use_gpu=False, max_colocate_count=1)
-    wg = RayWorkerGroup(pool, RayClassWithInitArgs(NoChannel))
+    wg, pool = _spawn(NoChannel)
     try:
         _until_probed(wg, expected=False)
         data = _proto(512, seed=12)
@@ -336,30 +349,19 @@ def test_a_worker_that_cannot_see_the_segment_is_served_through_ray(ray_session)
         pool.remove_placement_groups()
 
 
-def test_non_blocking_calls_travel_through_ray(ray_session):
-    class Lazy(ShmWorker):
-        @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO, blocking=False)
-        def bump_later(self, data: DataProto) -> DataProto:
-            return self.bump(data)
-
-    pool = RayResourcePool(process_on_nodes=[2], use_gpu=False, max_colocate_count=1)
-    wg = RayWorkerGroup(pool, RayClassWithInitArgs(Lazy))
-    try:
-        _until_probed(wg)
-        data = _proto(512, seed=8)
-        before = _channel_use(wg)
-        out = wg.bump_later(data).get()
-        assert torch.equal(out.batch["x"], _bumped(data))
-        assert _channel_use(wg) == before
-    finally:
-        wg.shutdown()
-        pool.remove_placement_groups()
+def test_non_blocking_calls_travel_through_ray(shm_group):
+    wg = shm_group
+    _until_probed(wg)
+    data = _proto(512, seed=8)
+    before = _channel_use(wg)
+    out = wg.bump_later(data).get()
+    assert torch.equal(out.batch["x"], _bumped(data))
+    assert _channel_use(wg) == before
 
 
 def test_the_transport_can_be_turned_off(ray_session, monkeypatch):
     monkeypatch.setenv("VERL_SHM_TRANSPORT", "0")
-    pool = RayResourcePool(process_on_nodes=[2], use_gpu=False, max_colocate_count=1)
-    wg = RayWorkerGroup(pool, RayClassWithInitArgs(ShmWorker))
+    wg, pool = _spawn()
     try:
         assert wg._shm_links is None
         data = _proto(512, seed=9)

@@ -144,19 +144,26 @@ class RayPPOTrainer:
             f"train batches per epoch: {len(self.train_dataloader)}, total training steps: {self.total_training_steps}"
         )
 
-    def init_workers(self) -> None:
+    def init_workers(self, groups: dict[str, Any] | None = None) -> None:
         """Create the resource pools, spawn one worker group per pool, build the models, and choose
-        the rollout source."""
-        groups = spawn_worker_groups(
-            self.config,
-            self.role_worker_mapping,
-            self.resource_pool_manager,
-            self.ray_worker_group_cls,
-            runtime_env=self.profiler_config.worker_runtime_env(),  # nsys: start each worker under nsys
-        )
+        the rollout source.
+
+        groups: worker groups spawned and built before (`spawn_worker_groups`' result), used instead
+        of spawning: a driver that runs several trainers on one set of workers (the in-process
+        algorithm tests) pays the workers' start once. They must hold every role of the mapping;
+        groups of roles the mapping lacks are never called (their speed paths are still reported).
+        """
+        if groups is None:
+            groups = spawn_worker_groups(
+                self.config,
+                self.role_worker_mapping,
+                self.resource_pool_manager,
+                self.ray_worker_group_cls,
+                runtime_env=self.profiler_config.worker_runtime_env(),  # nsys: start each worker under nsys
+            )
         for name, group in groups.items():
             setattr(self, name, group)
-        self.reward_scorer.reward_model = groups.get("rm_wg")
+        self.reward_scorer.reward_model = groups.get("rm_wg") if self.use_rm else None
         self.rollout_source = build_rollout_source(
             self.config,
             prompts=self.prompts,
