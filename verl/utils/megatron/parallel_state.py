@@ -3,7 +3,9 @@
 The worker (Ray or torchrun) owns `torch.distributed.init_process_group` (gloo on CPU, NCCL on
 GPU); this module only carves that world into megatron's tensor / pipeline / context / data
 parallel groups, in megatron's default order (tp fastest, then cp, dp, pp), seeds the
-model-parallel RNG and, on CPU, switches on `verl.utils.megatron.cpu_compat`.
+model-parallel RNG and, on CPU, switches on `verl.utils.megatron.cpu_compat`. Mixture-of-experts
+models also get megatron's expert groups (expert-tensor x expert-parallel x expert-data x pipeline,
+a second carving of the same world: the expert-parallel ranks come out of the data x context ranks).
 
 Sizes are validated here with errors that name the config keys
 (`actor_rollout_ref.actor.megatron.*`), since this is the first place that knows the world size.
@@ -17,13 +19,18 @@ __all__ = ["initialize_model_parallel", "destroy_model_parallel", "MegatronParal
 
 
 class MegatronParallelSizes:
-    """The parallel layout of one megatron model: tp, pp, vpp (None = no interleaving), cp, dp."""
+    """The parallel layout of one megatron model: tp, pp, vpp (None = no interleaving), cp, dp, and the
+    expert layout ep (expert-parallel ranks) and etp (expert-tensor ranks; tp unless set)."""
 
     def __init__(self, tp: int, pp: int, vpp: int | None, cp: int, dp: int):
         self.tp, self.pp, self.vpp, self.cp, self.dp = tp, pp, vpp, cp, dp
+        self.ep, self.etp = 1, tp
 
     def __repr__(self):
-        return f"MegatronParallelSizes(tp={self.tp}, pp={self.pp}, vpp={self.vpp}, cp={self.cp}, dp={self.dp})"
+        return (
+            f"MegatronParallelSizes(tp={self.tp}, pp={self.pp}, vpp={self.vpp}, cp={self.cp}, dp={self.dp}, "
+            f"ep={self.ep}, etp={self.etp})"
+        )
 
 
 def initialize_model_parallel(
@@ -33,6 +40,8 @@ def initialize_model_parallel(
     context_parallel_size: int = 1,
     seed: int = 0,
     timeout_s: float | None = None,
+    expert_model_parallel_size: int = 1,
+    expert_tensor_parallel_size: int | None = None,
 ) -> MegatronParallelSizes:
     """Create megatron's parallel groups over the current torch.distributed world and seed its RNG.
 
@@ -42,7 +51,11 @@ def initialize_model_parallel(
     """
     from megatron.core import parallel_state as mpu
 
-    from verl.utils.megatron.cpu_compat import enable_cpu_compat, seed_model_parallel_rng
+    from verl.utils.megatron.cpu_compat import (
+        enable_cpu_compat,
+        enable_moe_compat,
+        seed_model_parallel_rng,
+    )
 
     if not dist.is_initialized():
         raise RuntimeError(
@@ -70,18 +83,32 @@ def initialize_model_parallel(
             f"actor.megatron.virtual_pipeline_model_parallel_size={vpp} needs pipeline_model_parallel_size >= 2 "
             f"(got {pp}); set it to null or raise the pipeline size"
         )
+    ep = int(expert_model_parallel_size or 1)
+    etp = tp if expert_tensor_parallel_size is None else int(expert_tensor_parallel_size)
+    # megatron carves the expert groups out of the same world: etp x ep x expert-dp x pp
+    if ep < 1 or etp < 1 or world % (etp * ep * pp):
+        raise ValueError(
+            f"{world} ranks cannot be split into expert_tensor_parallel_size={etp} x expert_model_parallel_size={ep} "
+            f"x pipeline_model_parallel_size={pp}: the product must divide the world size; change "
+            "actor.megatron.expert_* or trainer.n_gpus_per_node * trainer.nnodes"
+        )
     sizes = MegatronParallelSizes(tp, pp, vpp, cp, world // (tp * pp * cp))
+    sizes.ep, sizes.etp = ep, etp
     enable_cpu_compat()
+    enable_moe_compat()
     if mpu.model_parallel_is_initialized():
         current = (
             mpu.get_tensor_model_parallel_world_size(),
             mpu.get_pipeline_model_parallel_world_size(),
             mpu.get_virtual_pipeline_model_parallel_world_size(),
             mpu.get_context_parallel_world_size(),
+            mpu.get_expert_model_parallel_world_size(),
+            mpu.get_expert_tensor_parallel_world_size(),
         )
-        if current != (tp, pp, vpp, cp):
+        if current != (tp, pp, vpp, cp, ep, etp):
             raise RuntimeError(
-                f"megatron's parallel groups already exist with (tp, pp, vpp, cp)={current}, not {(tp, pp, vpp, cp)}; "
+                f"megatron's parallel groups already exist with (tp, pp, vpp, cp, ep, etp)={current}, not "
+                f"{(tp, pp, vpp, cp, ep, etp)}; "
                 "all megatron models in one process must share one layout"
             )
         return sizes
@@ -90,6 +117,8 @@ def initialize_model_parallel(
         pipeline_model_parallel_size=pp,
         virtual_pipeline_model_parallel_size=vpp,
         context_parallel_size=cp,
+        expert_model_parallel_size=ep,
+        expert_tensor_parallel_size=etp,
         create_gloo_process_groups=False,
         **({} if timeout_s is None else {"distributed_timeout_minutes": float(timeout_s) / 60.0}),
     )
