@@ -72,6 +72,8 @@ def _setup_parallel(megatron_cfg) -> None:
         virtual_pipeline_model_parallel_size=meg.virtual_pipeline_model_parallel_size,
         context_parallel_size=meg.context_parallel_size,
         seed=meg.seed,
+        expert_model_parallel_size=meg.expert_model_parallel_size,
+        expert_tensor_parallel_size=meg.expert_tensor_parallel_size,
     )
 
 
