@@ -1,7 +1,8 @@
 """`main_ppo --config-name=arith_demo_megatron` end to end with a mixture-of-experts model on CPU:
 the tiny Qwen3-MoE preset on 2 megatron workers with expert parallelism 2 (each holds 2 of the 4
 experts; tokens reach them by megatron's all-to-all over gloo) and the router load-balancing loss
-on, checkpointed at step 1, then resumed at ep=1 (the checkpoint reshards the experts)."""
+on, checkpointed at step 1, then resumed at ep=1 (the checkpoint reshards the experts, and the Adam
+state, whole on each rank at ep=2, is split over the 2 data-parallel ranks there)."""
 
 from __future__ import annotations
 
@@ -18,8 +19,6 @@ def _overrides(model_path: str, tmp_path: Path, steps: int, ep: int) -> list[str
     return [
         f"actor_rollout_ref.model.path={model_path}",
         f"actor_rollout_ref.actor.megatron.expert_model_parallel_size={ep}",
-        # the Adam state split over data-parallel ranks is not expert-aware (docs/megatron.md)
-        "actor_rollout_ref.actor.megatron.use_distributed_optimizer=false",
         "+actor_rollout_ref.model.override_config.output_router_logits=True",
         "+actor_rollout_ref.model.override_config.router_aux_loss_coef=0.01",
         # a random-init model never solves the task, so every GRPO advantage is 0 and the update would be
