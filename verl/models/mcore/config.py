@@ -1,10 +1,16 @@
-"""HF config -> megatron-core TransformerConfig, and the GPTModel built from it (Qwen2, Llama).
+"""HF config -> megatron-core TransformerConfig, and the GPTModel built from it (Qwen2, Llama, Qwen3-MoE).
 
 Design decisions:
 - One translation for both families: they differ only in the q/k/v bias (Qwen2 always has it,
   Llama has it when `attention_bias`, which then also puts a bias on o_proj: not supported).
-  Anything the translation cannot represent exactly (rope scaling, sliding windows, MoE, an
-  MLP bias) is an error that names the HF field rather than a silently different model.
+  Anything the translation cannot represent exactly (rope scaling, sliding windows, an MLP bias,
+  dense layers between MoE layers) is an error that names the HF field rather than a silently
+  different model.
+- Qwen3-MoE: megatron's MoE layer in the local spec, experts as a `SequentialMLP` (the grouped
+  GEMM needs TransformerEngine or the grouped_gemm package), HF's routing (`_moe_fields`), and
+  Qwen3's per-head q/k norms as `qk_layernorm` (`HeadRMSNorm`). Expert parallelism
+  (`expert_model_parallel_size`) splits whole experts over ranks and `expert_tensor_parallel_size`
+  each expert's MLP; the training side is `verl.models.mcore.moe`.
 - The "local" layer spec (megatron's own modules) is used, with our `RMSNorm` (torch's, able to
   run sequence-parallel) for every norm: it runs without TransformerEngine or apex, so CPU and
   GPU build the same modules. With

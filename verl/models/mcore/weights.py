@@ -20,6 +20,9 @@ Megatron's layouts (local spec):
   are zero and are dropped on the way back). With tied embeddings and pp > 1, the last stage keeps
   its own copy of the embedding as the LM head (megatron keeps the copies equal by all-reducing
   their gradients); the way back yields only `model.embed_tokens.weight` then, as HF saves it.
+- Qwen3-MoE experts: HF's 3-D `experts.gate_up_proj` / `experts.down_proj` are split by whole
+  experts over the expert-parallel ranks (`local_experts.j` is global expert ep_rank * E/ep + j)
+  and each expert's MLP over the expert-tensor ranks like a dense MLP; the router is replicated.
 - Layer names are local to a stage (`decoder.layers.0` on every stage); the global layer index
   comes from megatron's layer offset for (pp_rank, vp_stage).
 """
