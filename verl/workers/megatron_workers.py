@@ -251,10 +251,10 @@ class _OptimizedMegatronModel(_MegatronModel):
         from verl.utils.checkpoint.megatron_checkpoint_manager import MegatronCheckpointManager
         from verl.utils.optim import build_lr_scheduler, build_optimizer
 
-        # use_distributed_optimizer: Adam state split over the data-parallel replicas (ZeRO-1; the
-        # expert-data-parallel ones under expert parallelism)
+        # use_distributed_optimizer: Adam state split over the replicas of this rank's parameters
+        # (ZeRO-1; the data-parallel ranks, fewer under expert parallelism)
         split = _plain(megatron_cfg).get("use_distributed_optimizer")
-        shard_over = optimizer_state_shard_group("megatron.use_distributed_optimizer") if split else None
+        shard_over = optimizer_state_shard_group() if split else None
         optim = megatron_optim_settings(optim_cfg)
         self.optimizer = build_optimizer(
             [p for p in self.parameters() if p.requires_grad], optim, shard_state_over=shard_over

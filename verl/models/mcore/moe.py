@@ -21,10 +21,10 @@ Design decisions:
   depends on another's), so they are masked out of the loss. Under sequence parallelism the logits
   are gathered over the tensor-parallel ranks first (each rank routes a slice of the sequence).
 - The distributed optimizer (`use_distributed_optimizer`: the Adam state split by whole parameters
-  over ranks that hold the same parameters) splits over the expert-data-parallel group at ep > 1:
-  data-parallel ranks hold different experts there, while the expert-data-parallel ranks hold the
-  same experts and, when the experts are split like the dense layers (etp = tp), the same dense
-  shards too. With etp != tp no group holds the same shards of both, and it is refused.
+  over ranks that hold the same parameters) splits at ep > 1 over the ranks with this rank's tensor,
+  pipeline, expert and expert-tensor ranks: data-parallel ranks hold different experts, and
+  expert-data-parallel ranks different dense shards when etp != tp. Each moment is then written to
+  a checkpoint by its owner in one chosen group (`writes_optimizer_state`).
 - Not done: the loss with pipeline parallelism (its layers' logits live on different stages and the
   loss couples them) or context parallelism (each rank routes part of each sequence); both are
   refused when the loss is on.
@@ -71,22 +71,12 @@ def reduce_expert_grads(params: list[torch.nn.Parameter], average) -> None:
         average(params, group, size)
 
 
-def optimizer_state_shard_group(option: str):
-    """The group the distributed optimizer splits the Adam state over: every rank in it holds the
-    same parameters (see the module docstring). `option` names the config key for the error."""
-    from megatron.core import parallel_state as mpu
+def optimizer_state_shard_group():
+    """The group the distributed optimizer splits the Adam state over: the ranks that hold the same
+    parameters (`verl.utils.megatron.parallel_state.parameter_replica_group`)."""
+    from verl.utils.megatron.parallel_state import parameter_replica_group
 
-    ep = mpu.get_expert_model_parallel_world_size()
-    if ep == 1:
-        return mpu.get_data_parallel_group()
-    etp, tp = mpu.get_expert_tensor_parallel_world_size(), mpu.get_tensor_model_parallel_world_size()
-    if etp != tp:
-        raise ValueError(
-            f"{option}=true with expert_model_parallel_size={ep} and expert_tensor_parallel_size={etp} != "
-            f"tensor_model_parallel_size={tp}: no group of ranks holds the same expert and dense shards to split "
-            f"the Adam state over; set {option}=false, or expert_tensor_parallel_size={tp}"
-        )
-    return mpu.get_expert_data_parallel_group()
+    return parameter_replica_group()
 
 
 def expert_grad_sq_norm(model_chunks, device) -> torch.Tensor:

@@ -897,13 +897,6 @@ def _check_megatron_experts(name: str, m: dict, world: int, errors: list[str]) -
             f"pipeline_model_parallel_size={pp} = {etp * ep * pp} does not divide the {world} ranks (megatron "
             f"carves its expert groups out of the same ranks); choose sizes whose product divides {world}"
         )
-    if ep > 1 and etp != tp and m.get("use_distributed_optimizer"):
-        errors.append(
-            f"{name}.megatron.use_distributed_optimizer=true with expert_model_parallel_size={ep} and "
-            f"expert_tensor_parallel_size={etp} != tensor_model_parallel_size={tp}: no group of ranks holds the same "
-            "expert and dense shards to split the Adam state over; set use_distributed_optimizer=false or "
-            f"expert_tensor_parallel_size={tp}"
-        )
 
 
 def _check_trainer(c: dict, errors: list[str], warns: list[str]):

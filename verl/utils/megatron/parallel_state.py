@@ -15,7 +15,13 @@ from __future__ import annotations
 
 import torch.distributed as dist
 
-__all__ = ["initialize_model_parallel", "destroy_model_parallel", "MegatronParallelSizes"]
+__all__ = [
+    "initialize_model_parallel",
+    "destroy_model_parallel",
+    "MegatronParallelSizes",
+    "parameter_replica_group",
+    "writes_optimizer_state",
+]
 
 
 class MegatronParallelSizes:
@@ -130,4 +136,59 @@ def destroy_model_parallel() -> None:
     """Tear down megatron's groups (tests, or a worker that re-initialises with another layout)."""
     from megatron.core import parallel_state as mpu
 
+    _REPLICAS.clear()
     mpu.destroy_model_parallel()
+
+
+# the replica groups of the current layout (see `_replicas`), built once per layout
+_REPLICAS: dict = {}
+
+
+def _replicas() -> dict:
+    """Under expert parallelism, the ranks holding exactly this rank's parameters: the same tensor,
+    pipeline, expert-parallel and expert-tensor ranks (data-parallel ranks hold different experts,
+    expert-data-parallel ranks different dense shards when etp != tp). A collective the first time
+    (every rank builds every group, in the same order); then cached until `destroy_model_parallel`.
+
+    Returns {"group": this rank's replica group, "dense_writer": whether its group is the one that
+    writes the dense weights' optimizer state (the smallest (ep, etp) rank among the groups holding
+    this rank's dense shards), "expert_writer": likewise for its experts (the smallest tp rank)}."""
+    from megatron.core import parallel_state as mpu
+
+    if not _REPLICAS:
+        mine = (
+            mpu.get_tensor_model_parallel_rank(),
+            mpu.get_pipeline_model_parallel_rank(),
+            mpu.get_expert_model_parallel_rank(),
+            mpu.get_expert_tensor_parallel_rank(),
+        )
+        keys = [None] * dist.get_world_size()
+        dist.all_gather_object(keys, mine)
+        members: dict[tuple, list[int]] = {}
+        for rank, key in enumerate(keys):
+            members.setdefault(tuple(key), []).append(rank)
+        for key in sorted(members):
+            group = dist.new_group(members[key])
+            if key == mine:
+                _REPLICAS["group"] = group
+        tp, pp, ep, etp = mine
+        _REPLICAS["dense_writer"] = min(k[2:] for k in members if k[:2] == (tp, pp)) == (ep, etp)
+        _REPLICAS["expert_writer"] = min(k[0] for k in members if k[1:] == (pp, ep, etp)) == tp
+    return _REPLICAS
+
+
+def parameter_replica_group():
+    """The group of ranks that hold the same parameters as this one (the data-parallel group without
+    expert parallelism), over which the distributed optimizer splits the Adam state."""
+    from megatron.core import parallel_state as mpu
+
+    if mpu.get_expert_model_parallel_world_size() == 1:
+        return mpu.get_data_parallel_group()
+    return _replicas()["group"]
+
+
+def writes_optimizer_state(owned: bool, expert: bool) -> bool:
+    """Under expert parallelism with the Adam state split over `parameter_replica_group`: whether
+    this rank writes a parameter's moments to a checkpoint (it owns them, in the one replica group
+    chosen to write that parameter)."""
+    return owned and _replicas()["expert_writer" if expert else "dense_writer"]
