@@ -85,3 +85,26 @@ def _check_round_trip(rank, world_size, tp, pp, ep, etp):
 @pytest.mark.parametrize("tp,pp,ep,etp", [(1, 1, 1, None), (1, 1, 2, None), (2, 1, 1, None), (1, 2, 1, None)])
 def test_hf_to_megatron_moe_to_hf_round_trip_is_bit_exact(tp, pp, ep, etp):
     run_distributed(_check_round_trip, max(tp * pp, ep * pp), tp, pp, ep, etp)
+
+
+@pytest.mark.parametrize(
+    "megatron_cfg,message",
+    [
+        ({"expert_model_parallel_size": 3}, "expert_model_parallel_size=3 must divide the model's num_experts=4"),
+        ({"expert_tensor_parallel_size": 5}, "expert_tensor_parallel_size=5 must divide the model's moe_intermediate"),
+        ({"tensor_model_parallel_size": 2, "sequence_parallel": False}, "needs actor.megatron.sequence_parallel=true"),
+    ],
+)
+def test_an_expert_layout_the_model_cannot_take_is_a_clear_error(megatron_cfg, message):
+    from verl.models.mcore import hf_to_mcore_config
+
+    with pytest.raises(ValueError, match=message):
+        hf_to_mcore_config(tiny_moe_hf_model().config, megatron_cfg)
+
+
+def test_expert_parallelism_on_a_dense_model_is_a_clear_error():
+    from tests.megatron_helpers import tiny_hf_model
+    from verl.models.mcore import hf_to_mcore_config
+
+    with pytest.raises(ValueError, match="expert_model_parallel_size=2 on a dense qwen2 model"):
+        hf_to_mcore_config(tiny_hf_model("qwen2").config, {"expert_model_parallel_size": 2})
