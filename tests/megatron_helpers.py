@@ -32,6 +32,37 @@ def tiny_hf_model(architecture: str = "qwen2", tie_word_embeddings: bool = True,
     return model.eval()
 
 
+def tiny_moe_hf_model(num_layers: int = 2, seed: int = 0, norm_topk_prob: bool = True):
+    """A Qwen3-MoE model (4 experts, top-2, per-head q/k norms) with every weight perturbed, the
+    router's included, so routing is far from uniform. Experts run transformers' eager loop (the
+    grouped_mm kernel has no float64 path on CPU)."""
+    preset = ModelPreset(
+        architecture="qwen3_moe",
+        hidden_size=256,
+        num_hidden_layers=num_layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        intermediate_size=192,
+        num_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=32,
+        max_position_embeddings=64,
+        tie_word_embeddings=False,
+    )
+    model, _ = build_model(preset, seed=seed, dtype="float32")
+    model.config.norm_topk_prob = norm_topk_prob
+    for module in model.modules():
+        if hasattr(module, "norm_topk_prob"):
+            module.norm_topk_prob = norm_topk_prob
+    model.set_experts_implementation("eager")
+    generator = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            scale = 0.5 if name.endswith("mlp.gate.weight") else 0.02
+            param.add_(scale * torch.randn(param.shape, generator=generator))
+    return model.eval()
+
+
 def hf_state_dict(model) -> dict[str, torch.Tensor]:
     """The model's state dict as HF saves it: without lm_head when the embeddings are tied."""
     state = {k: v.detach().clone() for k, v in model.state_dict().items()}
@@ -40,10 +71,14 @@ def hf_state_dict(model) -> dict[str, torch.Tensor]:
     return state
 
 
-def setup_megatron(tp: int = 1, pp: int = 1, vpp: int | None = None, seed: int = 0, cp: int = 1) -> None:
+def setup_megatron(
+    tp: int = 1, pp: int = 1, vpp: int | None = None, seed: int = 0, cp: int = 1, ep: int = 1, etp: int | None = None
+) -> None:
     from verl.utils.megatron.parallel_state import initialize_model_parallel
 
-    initialize_model_parallel(tp, pp, vpp, context_parallel_size=cp, seed=seed)
+    initialize_model_parallel(
+        tp, pp, vpp, context_parallel_size=cp, seed=seed, expert_model_parallel_size=ep, expert_tensor_parallel_size=etp
+    )
 
 
 def build_loaded_chunks(
@@ -56,11 +91,13 @@ def build_loaded_chunks(
     sequence_parallel: bool = False,
     tf_overrides: dict | None = None,
     dtype: torch.dtype = torch.float32,
+    ep: int = 1,
+    etp: int | None = None,
 ):
     """This rank's megatron chunks holding `hf_model`'s weights (model-parallel groups set up here)."""
     from verl.models.mcore import build_model_chunks, hf_to_mcore_config, load_hf_state_dict
 
-    setup_megatron(tp, pp, vpp, cp=cp)
+    setup_megatron(tp, pp, vpp, cp=cp, ep=ep, etp=etp)
     tf_config = hf_to_mcore_config(
         hf_model.config,
         {
@@ -69,6 +106,8 @@ def build_loaded_chunks(
             "virtual_pipeline_model_parallel_size": vpp,
             "context_parallel_size": cp,
             "sequence_parallel": sequence_parallel,
+            "expert_model_parallel_size": ep,
+            "expert_tensor_parallel_size": etp,
         },
         dtype,
     )

@@ -72,6 +72,8 @@ def _setup_parallel(megatron_cfg) -> None:
         virtual_pipeline_model_parallel_size=meg.virtual_pipeline_model_parallel_size,
         context_parallel_size=meg.context_parallel_size,
         seed=meg.seed,
+        expert_model_parallel_size=meg.expert_model_parallel_size,
+        expert_tensor_parallel_size=meg.expert_tensor_parallel_size,
     )
 
 
@@ -244,13 +246,15 @@ class _OptimizedMegatronModel(_MegatronModel):
 
     def __init__(self, model_cfg, megatron_cfg, optim_cfg, checkpoint_cfg, tokenizer, value_head: bool = False):
         super().__init__(model_cfg, megatron_cfg, for_training=True, value_head=value_head)
-        from megatron.core import parallel_state as mpu
 
+        from verl.models.mcore.moe import optimizer_state_shard_group
         from verl.utils.checkpoint.megatron_checkpoint_manager import MegatronCheckpointManager
         from verl.utils.optim import build_lr_scheduler, build_optimizer
 
-        # use_distributed_optimizer: Adam state split over the data-parallel replicas (ZeRO-1)
-        shard_over = mpu.get_data_parallel_group() if _plain(megatron_cfg).get("use_distributed_optimizer") else None
+        # use_distributed_optimizer: Adam state split over the replicas of this rank's parameters
+        # (ZeRO-1; the data-parallel ranks, fewer under expert parallelism)
+        split = _plain(megatron_cfg).get("use_distributed_optimizer")
+        shard_over = optimizer_state_shard_group() if split else None
         optim = megatron_optim_settings(optim_cfg)
         self.optimizer = build_optimizer(
             [p for p in self.parameters() if p.requires_grad], optim, shard_state_over=shard_over

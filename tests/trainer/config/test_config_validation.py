@@ -545,8 +545,8 @@ def test_megatron_models_of_different_layouts_get_their_own_processes(defaults, 
     )
     validate_ppo_config(cfg)
     conf = OmegaConf.create(cfg)
-    assert megatron_layout(conf.actor_rollout_ref.actor.megatron) == (2, 1, None, 1)
-    assert megatron_layout(conf.critic.megatron) == (1, 1, None, 1)
+    assert megatron_layout(conf.actor_rollout_ref.actor.megatron) == (2, 1, None, 1, 1, 2)  # etp null: tp
+    assert megatron_layout(conf.critic.megatron) == (1, 1, None, 1, 1, 1)
     roles = {"actor_rollout": "A", "critic": "C", "ref": "R"}
     assert megatron_process_sets(conf, roles) == [{"actor_rollout": "A", "ref": "R"}, {"critic": "C"}]
     same = with_(cfg, critic__megatron__tensor_model_parallel_size=2)

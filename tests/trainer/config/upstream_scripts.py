@@ -21,13 +21,10 @@ from verl.trainer.config.loader import _has_key  # the loader's own rule for "th
 
 DATA = Path(__file__).parent / "upstream"
 
-# Sets the issue leaves out (the next issue's features, or hardware this build does not support).
+# Sets the issue leaves out (hardware this build does not support).
 EXCLUDED = {
     "npu": re.compile(r"(^trainer\.device=npu$|^global_profiler\.tool=npu$|_npu\.sh|ascend)"),
     "trtllm": re.compile(r"(rollout\.name=trtllm|_trtllm\.sh)"),
-    "expert parallelism": re.compile(
-        r"(expert_model_parallel_size|expert_parallel_size|expert_tensor_parallel_size)=([2-9]|\d\d)"
-    ),
 }
 
 

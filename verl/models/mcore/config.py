@@ -1,10 +1,16 @@
-"""HF config -> megatron-core TransformerConfig, and the GPTModel built from it (Qwen2, Llama).
+"""HF config -> megatron-core TransformerConfig, and the GPTModel built from it (Qwen2, Llama, Qwen3-MoE).
 
 Design decisions:
 - One translation for both families: they differ only in the q/k/v bias (Qwen2 always has it,
   Llama has it when `attention_bias`, which then also puts a bias on o_proj: not supported).
-  Anything the translation cannot represent exactly (rope scaling, sliding windows, MoE, an
-  MLP bias) is an error that names the HF field rather than a silently different model.
+  Anything the translation cannot represent exactly (rope scaling, sliding windows, an MLP bias,
+  dense layers between MoE layers) is an error that names the HF field rather than a silently
+  different model.
+- Qwen3-MoE: megatron's MoE layer in the local spec, experts as a `SequentialMLP` (the grouped
+  GEMM needs TransformerEngine or the grouped_gemm package), HF's routing (`_moe_fields`), and
+  Qwen3's per-head q/k norms as `qk_layernorm` (`HeadRMSNorm`). Expert parallelism
+  (`expert_model_parallel_size`) splits whole experts over ranks and `expert_tensor_parallel_size`
+  each expert's MLP; the training side is `verl.models.mcore.moe`.
 - The "local" layer spec (megatron's own modules) is used, with our `RMSNorm` (torch's, able to
   run sequence-parallel) for every norm: it runs without TransformerEngine or apex, so CPU and
   GPU build the same modules. With
@@ -55,7 +61,7 @@ __all__ = [
     "set_compute_dtype",
 ]
 
-_SUPPORTED = ("qwen2", "llama")
+_SUPPORTED = ("qwen2", "llama", "qwen3_moe")
 
 _DTYPES = {
     "fp32": torch.float32,
@@ -141,7 +147,8 @@ def _has_qkv_bias(hf_config) -> bool:
         return True
     if getattr(hf_config, "attention_bias", False):
         raise NotImplementedError(
-            "llama config has attention_bias=True, which also adds an o_proj bias that megatron's local spec "
+            f"{hf_config.model_type} config has attention_bias=True, which also adds an o_proj bias that megatron's "
+            "local spec "
             "cannot hold without biasing every linear layer; use actor.strategy=fsdp for this model"
         )
     return False
@@ -192,7 +199,9 @@ def hf_to_mcore_config(
             f"num_key_value_heads={groups} (megatron splits attention by heads and query groups)"
         )
     head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // heads
+    moe = _moe_fields(hf_config, megatron_cfg, tp, sequence_parallel)
     return TransformerConfig(
+        **moe,
         num_layers=num_layers,
         hidden_size=hf_config.hidden_size,
         ffn_hidden_size=hf_config.intermediate_size,
@@ -219,7 +228,6 @@ def hf_to_mcore_config(
         fp16=(compute_dtype or dtype) == torch.float16,
         use_cpu_initialization=True,
         variable_seq_lengths=True,
-        moe_token_dispatcher_type="alltoall",  # unused by dense models; megatron refuses its default here
         calculate_per_token_loss=True,
         tensor_model_parallel_size=tp,
         pipeline_model_parallel_size=pp,
@@ -232,6 +240,71 @@ def hf_to_mcore_config(
         context_parallel_size=cp,
         sequence_parallel=sequence_parallel,
     )
+
+
+def _moe_fields(hf_config, megatron_cfg, tp: int, sequence_parallel: bool) -> dict:
+    """The TransformerConfig fields of a Qwen3-MoE model (qk norms, routed experts), or only the
+    token dispatcher for a dense model (megatron refuses its default dispatcher without TE).
+
+    Routing is HF's: softmax over the experts' logits, top-k, renormalised when `norm_topk_prob`
+    (megatron's top-k-then-softmax, `moe_router_pre_softmax=False`, is the same function), else
+    the plain top-k probabilities (`moe_router_pre_softmax=True`). The router runs in float32 as
+    HF's softmax does. Dropless (no capacity factor), so a token's output never depends on the
+    other tokens of the batch. Megatron's own auxiliary loss stays off: the actor adds HF's form
+    of it (`verl.models.moe`), as the FSDP actor does.
+    """
+    if hf_config.model_type != "qwen3_moe":
+        _refuse_expert_parallel(megatron_cfg, hf_config.model_type)
+        return {"moe_token_dispatcher_type": "alltoall"}
+    ep = int(_get(megatron_cfg, "expert_model_parallel_size", 1))
+    etp = int(_get(megatron_cfg, "expert_tensor_parallel_size", tp))
+    experts = hf_config.num_experts
+    if getattr(hf_config, "mlp_only_layers", None) or int(getattr(hf_config, "decoder_sparse_step", 1)) != 1:
+        raise NotImplementedError(
+            "qwen3_moe config has dense layers between the MoE layers (mlp_only_layers / decoder_sparse_step != 1), "
+            "which the megatron backend does not build; use actor.strategy=fsdp for this model"
+        )
+    if tp > 1 and not sequence_parallel:
+        raise ValueError(
+            f"actor.megatron.tensor_model_parallel_size={tp} on a mixture-of-experts model needs "
+            "actor.megatron.sequence_parallel=true: megatron's MoE layer refuses to train under tensor parallelism "
+            "without it (each tensor rank would dispatch every token)"
+        )
+    if ep < 1 or experts % ep:
+        raise ValueError(
+            f"actor.megatron.expert_model_parallel_size={ep} must divide the model's num_experts={experts} "
+            "(each expert-parallel rank holds num_experts / ep whole experts)"
+        )
+    if etp < 1 or hf_config.moe_intermediate_size % etp:
+        raise ValueError(
+            f"actor.megatron.expert_tensor_parallel_size={etp} must divide the model's "
+            f"moe_intermediate_size={hf_config.moe_intermediate_size}"
+        )
+    return {
+        "qk_layernorm": True,
+        "num_moe_experts": experts,
+        "moe_ffn_hidden_size": hf_config.moe_intermediate_size,
+        "moe_router_topk": hf_config.num_experts_per_tok,
+        "moe_router_score_function": "softmax",
+        "moe_router_pre_softmax": not bool(getattr(hf_config, "norm_topk_prob", False)),
+        "moe_router_dtype": "fp32",
+        "moe_router_load_balancing_type": "none",
+        "moe_aux_loss_coeff": 0.0,
+        "moe_grouped_gemm": False,  # SequentialMLP: TE's and the grouped_gemm package's kernels are GPU-only
+        "moe_token_dispatcher_type": "alltoall",
+        "expert_model_parallel_size": ep,
+        "expert_tensor_parallel_size": etp,
+    }
+
+
+def _refuse_expert_parallel(megatron_cfg, model_type) -> None:
+    for key in ("expert_model_parallel_size", "expert_tensor_parallel_size"):
+        value = _get(megatron_cfg, key, None)
+        if key == "expert_model_parallel_size" and value not in (None, 1):
+            raise ValueError(
+                f"actor.megatron.{key}={value} on a dense {model_type} model: expert parallelism splits the experts of "
+                "a mixture-of-experts model (qwen3_moe); set it to 1"
+            )
 
 
 def build_gpt_model(
@@ -257,9 +330,16 @@ def build_gpt_model(
     if post_process is None:
         post_process = mpu.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage)
     tp = tf_config.tensor_model_parallel_size
-    spec = get_gpt_layer_local_spec(normalization="RMSNorm")
+    spec = get_gpt_layer_local_spec(
+        num_experts=tf_config.num_moe_experts,
+        moe_grouped_gemm=False,
+        qk_layernorm=tf_config.qk_layernorm,
+        normalization="RMSNorm",
+    )
     layer = spec.submodules
     layer.input_layernorm = layer.pre_mlp_layernorm = RMSNorm
+    if tf_config.qk_layernorm:
+        layer.self_attention.submodules.q_layernorm = layer.self_attention.submodules.k_layernorm = HeadRMSNorm
     if tf_config.context_parallel_size > 1:  # megatron's local attention refuses it; see context_parallel.py
         from verl.models.mcore.context_parallel import ContextParallelAttention
 
@@ -316,6 +396,20 @@ class RMSNorm(torch.nn.RMSNorm):
         # fp32 weight)
         weight = self.weight if self.weight.dtype == x.dtype else self.weight.to(x.dtype)
         return torch.nn.functional.rms_norm(x, self.normalized_shape, weight, self.eps)
+
+
+class HeadRMSNorm(RMSNorm):
+    """Qwen3's per-head query/key RMSNorm ([head_dim] weight, shared by every head).
+
+    Each tensor-parallel rank normalises only its own heads, so the weight's gradient is a partial
+    sum on each rank at tp > 1 (with or without sequence parallelism): it is marked like a
+    sequence-parallel norm, whose gradient is summed over the tensor-parallel group after the
+    backward pass (megatron's DDP does the same for `q_layernorm`/`k_layernorm`).
+    """
+
+    def __init__(self, config, hidden_size: int, eps: float = 1e-5, **kwargs):
+        super().__init__(config, hidden_size, eps=eps, **kwargs)
+        self.weight.sequence_parallel = config.tensor_model_parallel_size > 1
 
 
 class _ValueHead(torch.nn.Module):

@@ -20,6 +20,9 @@ Megatron's layouts (local spec):
   are zero and are dropped on the way back). With tied embeddings and pp > 1, the last stage keeps
   its own copy of the embedding as the LM head (megatron keeps the copies equal by all-reducing
   their gradients); the way back yields only `model.embed_tokens.weight` then, as HF saves it.
+- Qwen3-MoE experts: HF's 3-D `experts.gate_up_proj` / `experts.down_proj` are split by whole
+  experts over the expert-parallel ranks (`local_experts.j` is global expert ep_rank * E/ep + j)
+  and each expert's MLP over the expert-tensor ranks like a dense MLP; the router is replicated.
 - Layer names are local to a stage (`decoder.layers.0` on every stage); the global layer index
   comes from megatron's layer offset for (pp_rank, vp_stage).
 """
@@ -39,6 +42,8 @@ _LAYER_NORMS = {
     "input_layernorm.weight": "input_layernorm.weight",
     "pre_mlp_layernorm.weight": "post_attention_layernorm.weight",
 }
+# Qwen3's per-head query/key norms (megatron: qk_layernorm)
+_QK_NORMS = {"q_layernorm.weight": "q_norm.weight", "k_layernorm.weight": "k_norm.weight"}
 
 
 def _layer_range(tf_config, pp_rank: int, vp_stage: int | None) -> range:
@@ -111,8 +116,11 @@ def hf_to_mcore_state_dict(
     pp_size: int,
     vp_stage: int | None = None,
     value_head: bool = False,
+    ep_rank: int = 0,
+    etp_rank: int = 0,
 ) -> dict[str, torch.Tensor]:
-    """The megatron GPTModel parameters (name -> tensor) of one (tp_rank, pp_rank, vp_stage) chunk.
+    """The megatron GPTModel parameters (name -> tensor) of one (tp_rank, pp_rank, vp_stage) chunk;
+    for a mixture-of-experts model, of expert-parallel rank `ep_rank` and expert-tensor rank `etp_rank`.
 
     `hf_state_dict` is the full HF state dict (model.* names; `lm_head.weight` optional when the
     embeddings are tied). With `value_head`, `score.weight` (HF token-classification head, [1, H])
@@ -147,7 +155,13 @@ def hf_to_mcore_state_dict(
             bias = _fuse_qkv(hf(attn + "q_proj.bias"), hf(attn + "k_proj.bias"), hf(attn + "v_proj.bias"), hf_config)
             out[dst + "self_attention.linear_qkv.bias"] = shard(bias)
         out[dst + "self_attention.linear_proj.weight"] = shard(hf(attn + "o_proj.weight"), dim=1)
+        if tf_config.qk_layernorm:
+            for mcore_name, hf_name in _QK_NORMS.items():
+                out[dst + "self_attention." + mcore_name] = hf(attn + hf_name).clone()
         mlp = src + "mlp."
+        if tf_config.num_moe_experts:
+            out.update(_experts_to_mcore(hf, mlp, dst + "mlp.", tf_config, ep_rank, etp_rank))
+            continue
         gate, up = shard(hf(mlp + "gate_proj.weight")), shard(hf(mlp + "up_proj.weight"))
         out[dst + "mlp.linear_fc1.weight"] = torch.cat([gate, up])
         out[dst + "mlp.linear_fc2.weight"] = shard(hf(mlp + "down_proj.weight"), dim=1)
@@ -161,6 +175,30 @@ def hf_to_mcore_state_dict(
             out["output_layer.weight"] = shard(_vocab_rows(hf("lm_head.weight"), tp_size))
         elif not pre_process:  # the last stage's own copy of the tied embedding
             out["output_layer.weight"] = shard(_vocab_rows(hf("model.embed_tokens.weight"), tp_size))
+    return out
+
+
+def _experts_to_mcore(hf, src: str, dst: str, tf_config, ep_rank: int, etp_rank: int) -> dict[str, torch.Tensor]:
+    """One MoE layer: the router (replicated) and this (ep_rank, etp_rank)'s experts.
+
+    HF (transformers 5) keeps the experts as 3-D tensors, `experts.gate_up_proj` [E, 2I, H] (gate
+    rows, then up rows) and `experts.down_proj` [E, H, I]. Megatron's SequentialMLP holds experts
+    `ep_rank * E/ep ...` as `local_experts.j`, each an MLP split over the expert-tensor group like a
+    dense MLP is over the tensor group (fc1 = [gate shard; up shard], fc2 by columns).
+    """
+    experts, ep, etp = (
+        tf_config.num_moe_experts,
+        tf_config.expert_model_parallel_size,
+        tf_config.expert_tensor_parallel_size,
+    )
+    local = experts // ep
+    gate_up, down = hf(src + "experts.gate_up_proj"), hf(src + "experts.down_proj")
+    out = {dst + "router.weight": hf(src + "gate.weight").clone()}
+    for j in range(local):
+        gate, up = gate_up[ep_rank * local + j].chunk(2)
+        name = f"{dst}experts.local_experts.{j}."
+        out[name + "linear_fc1.weight"] = torch.cat([gate.chunk(etp)[etp_rank], up.chunk(etp)[etp_rank]]).clone()
+        out[name + "linear_fc2.weight"] = down[ep_rank * local + j].chunk(etp, dim=1)[etp_rank].clone()
     return out
 
 
@@ -178,7 +216,17 @@ def load_hf_state_dict(model_chunks, hf_state_dict: dict[str, torch.Tensor], hf_
         tf_config = chunk.config
         vp_stage = chunk_index if tf_config.virtual_pipeline_model_parallel_size else None
         shards = hf_to_mcore_state_dict(
-            hf_state_dict, hf_config, tf_config, tp_rank, tp_size, pp_rank, pp_size, vp_stage, value_head
+            hf_state_dict,
+            hf_config,
+            tf_config,
+            tp_rank,
+            tp_size,
+            pp_rank,
+            pp_size,
+            vp_stage,
+            value_head,
+            ep_rank=mpu.get_expert_model_parallel_rank(),
+            etp_rank=mpu.get_expert_tensor_parallel_rank(),
         )
         params = dict(chunk.named_parameters())
         unexpected = sorted(set(shards) - set(params))
@@ -308,6 +356,18 @@ def mcore_to_hf_named_tensors(model_chunks, hf_config, value_head: bool = False)
                 (hidden, heads * head_dim),
             )
 
+            if tf_config.qk_layernorm:
+                for mcore_name, hf_name in _QK_NORMS.items():
+                    yield emit(
+                        f"{dst}self_attn.{hf_name}",
+                        lambda m=mcore_name: local_param("self_attention." + m).clone(),
+                        owner,
+                        (head_dim,),
+                    )
+            if tf_config.num_moe_experts:
+                yield from _experts_to_hf(dst, local_param, emit, owner, hf_config, tf_config)
+                continue
+
             def gate_up():
                 parts = [p.chunk(2) for p in _tp_gather(local_param("mlp.linear_fc1.weight"), 0)]
                 return torch.cat([torch.cat([g for g, _ in parts]), torch.cat([u for _, u in parts])])
@@ -322,3 +382,48 @@ def mcore_to_hf_named_tensors(model_chunks, hf_config, value_head: bool = False)
                 owner,
                 (hidden, inter),
             )
+
+
+def _experts_to_hf(dst: str, local_param, emit, owner: int, hf_config, tf_config):
+    """One MoE layer's router and experts as HF names them (see `_experts_to_mcore`): each expert
+    gathered over the expert-tensor group, the local experts stacked and gathered over the
+    expert-parallel group, then sent along the pipeline from the owning stage."""
+    from megatron.core import parallel_state as mpu
+
+    experts, ep = tf_config.num_moe_experts, tf_config.expert_model_parallel_size
+    hidden, inter = hf_config.hidden_size, hf_config.moe_intermediate_size
+    yield emit(f"{dst}mlp.gate.weight", lambda: local_param("mlp.router.weight").clone(), owner, (experts, hidden))
+
+    def ep_gather(local: torch.Tensor) -> torch.Tensor:
+        if ep == 1:
+            return local
+        parts = [torch.empty_like(local) for _ in range(ep)]
+        dist.all_gather(parts, local.contiguous(), group=mpu.get_expert_model_parallel_group())
+        return torch.cat(parts)
+
+    def etp_gather(local: torch.Tensor, dim: int) -> list[torch.Tensor]:
+        group = mpu.get_expert_tensor_parallel_group()
+        size = dist.get_world_size(group) if group is not None else 1
+        if size == 1:
+            return [local]
+        parts = [torch.empty_like(local) for _ in range(size)]
+        dist.all_gather(parts, local.contiguous(), group=group)
+        return parts
+
+    def local_experts(suffix: str) -> list[torch.Tensor]:
+        return [local_param(f"mlp.experts.local_experts.{j}.{suffix}") for j in range(experts // ep)]
+
+    def gate_up():
+        rows = []
+        for fc1 in local_experts("linear_fc1.weight"):
+            parts = [p.chunk(2) for p in etp_gather(fc1, 0)]
+            rows.append(torch.cat([torch.cat([g for g, _ in parts]), torch.cat([u for _, u in parts])]))
+        return ep_gather(torch.stack(rows))
+
+    def down():
+        return ep_gather(
+            torch.stack([torch.cat(etp_gather(fc2, 1), dim=1) for fc2 in local_experts("linear_fc2.weight")])
+        )
+
+    yield emit(f"{dst}mlp.experts.gate_up_proj", gate_up, owner, (experts, 2 * inter, hidden))
+    yield emit(f"{dst}mlp.experts.down_proj", down, owner, (experts, hidden, inter))

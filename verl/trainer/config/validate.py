@@ -345,12 +345,31 @@ def _check_megatron(c: dict, errors: list[str]):
                 )
             elif "://" not in str(path) and not os.path.isdir(os.path.expanduser(str(path))):
                 errors.append(f"{name}.megatron.dist_checkpointing_path={path} does not exist")
+        _check_megatron_experts(name, m, world, errors)
         if world % (tp * pp * cp):
             errors.append(
                 f"{name}.megatron.tensor_model_parallel_size={tp} x pipeline_model_parallel_size={pp} x "
                 f"context_parallel_size={cp} = {tp * pp * cp} ranks per model copy does not divide the {world} ranks "
                 f"(trainer.nnodes x trainer.n_gpus_per_node); choose sizes whose product divides {world}"
             )
+
+
+def _check_megatron_experts(name: str, m: dict, world: int, errors: list[str]) -> None:
+    """Expert parallelism (docs/megatron.md, "Mixture of experts"): the expert layout must fit the ranks
+    (whether ep divides the model's experts is checked when the model is built, from its HF config)."""
+    tp, pp = m["tensor_model_parallel_size"], m["pipeline_model_parallel_size"]
+    ep, etp = m.get("expert_model_parallel_size", 1), m.get("expert_tensor_parallel_size")
+    etp = tp if etp is None else etp
+    for key, value in (("expert_model_parallel_size", ep), ("expert_tensor_parallel_size", etp)):
+        if not isinstance(value, int) or value < 1:
+            errors.append(f"{name}.megatron.{key}={value!r} must be a positive integer (or null for etp)")
+            return
+    if world % (etp * ep * pp):
+        errors.append(
+            f"{name}.megatron.expert_tensor_parallel_size={etp} x expert_model_parallel_size={ep} x "
+            f"pipeline_model_parallel_size={pp} = {etp * ep * pp} does not divide the {world} ranks (megatron "
+            f"carves its expert groups out of the same ranks); choose sizes whose product divides {world}"
+        )
 
 
 def _check_trainer(c: dict, errors: list[str], warns: list[str]):

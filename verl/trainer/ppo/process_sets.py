@@ -12,14 +12,19 @@ from __future__ import annotations
 
 
 def megatron_layout(megatron_cfg) -> tuple:
-    """(tp, pp, vpp, cp) of a `megatron` section; a vpp of 1 or null is no virtual pipeline."""
+    """(tp, pp, vpp, cp, ep, etp) of a `megatron` section; a vpp of 1 or null is no virtual pipeline,
+    an etp of null is tp (megatron's expert groups are process-global like the others)."""
     vpp = megatron_cfg.virtual_pipeline_model_parallel_size
     vpp = vpp if (vpp or 1) > 1 else None
+    tp = int(megatron_cfg.tensor_model_parallel_size)
+    etp = getattr(megatron_cfg, "expert_tensor_parallel_size", None)
     return (
-        int(megatron_cfg.tensor_model_parallel_size),
+        tp,
         int(megatron_cfg.pipeline_model_parallel_size),
         vpp,
         int(megatron_cfg.context_parallel_size),
+        int(getattr(megatron_cfg, "expert_model_parallel_size", 1) or 1),
+        tp if etp is None else int(etp),
     )
 
 

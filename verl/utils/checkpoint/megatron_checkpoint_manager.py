@@ -166,14 +166,22 @@ def _chunk_param_keys(chunks, optimizer) -> list[tuple[torch.nn.Parameter, str, 
     ]
 
 
-def _owner_replica_id(replica_id, owned: bool):
+def _owner_replica_id(replica_id, owned: bool, expert: bool = False):
     """The replica id that makes the data-parallel rank owning a parameter's Adam state the one that
     writes it (megatron's last replica coordinate is the rank in the data x context-parallel group;
-    all zeros writes). Context-parallel ranks of the owner hold the same state: only the first writes."""
+    all zeros writes). Context-parallel ranks of the owner hold the same state: only the first writes.
+    Under expert parallelism the state is split over smaller replica groups (context ranks included,
+    see `verl.utils.megatron.parallel_state.parameter_replica_group`), one of which writes each
+    parameter; the others take their global rank, unique among all holders of a shard."""
     from megatron.core import parallel_state as mpu
 
-    writes = owned and mpu.get_context_parallel_rank() == 0
-    other = mpu.get_data_parallel_rank(with_context_parallel=True) + 1
+    from verl.utils.megatron.parallel_state import writes_optimizer_state
+
+    if mpu.get_expert_model_parallel_world_size() > 1:
+        writes, other = writes_optimizer_state(owned, expert), dist.get_rank() + 1
+    else:
+        writes = owned and mpu.get_context_parallel_rank() == 0
+        other = mpu.get_data_parallel_rank(with_context_parallel=True) + 1
     if isinstance(replica_id, tuple):
         return (*replica_id[:-1], 0 if writes else other)
     return 0 if writes else other
@@ -194,7 +202,7 @@ def _moment_sharded_state(chunks, optimizer) -> dict:
         state = local.state.get(param, {})
         extra = {}
         if owned is not None:
-            extra["replica_id"] = _owner_replica_id(entry.replica_id, id(param) in owned)
+            extra["replica_id"] = _owner_replica_id(entry.replica_id, id(param) in owned, ".mlp.experts." in name)
         for moment in _MOMENTS:
             data = state[moment] if moment in state else torch.zeros_like(param)
             out[f"optimizer.{moment}.{name}"] = dataclasses.replace(

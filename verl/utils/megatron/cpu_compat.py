@@ -59,6 +59,11 @@ _MODULES = (
     "megatron.core.dist_checkpointing.strategies.torch",
     "megatron.core.dist_checkpointing.strategies.filesystem_async",
     "megatron.core.dist_checkpointing.exchange_utils",
+    # mixture-of-experts layers: the router moves its weight to `torch.cuda.current_device()`
+    "megatron.core.transformer.moe.router",
+    "megatron.core.transformer.moe.moe_utils",
+    "megatron.core.transformer.moe.token_dispatcher",
+    "megatron.core.transformer.moe.experts",
 )
 _FACTORIES = ("empty", "zeros", "ones", "full", "tensor", "arange", "randn", "rand", "empty_like", "zeros_like")
 
@@ -82,6 +87,10 @@ class _NoOpStream:
 
     def __getattr__(self, name):
         return lambda *args, **kwargs: None
+
+    def record_event(self, *args, **kwargs):
+        # the MoE token dispatcher synchronises on the event its copy stream records
+        return _NoOpStream()
 
     def __enter__(self):
         return self
@@ -159,6 +168,36 @@ def enable_cpu_compat() -> None:
     _no_accelerator_rng_state()
     _cpu_autocast_in_linear_backward()
     _enabled = True
+
+
+def enable_moe_compat() -> None:
+    """Two megatron-core 0.16 MoE paths that fail outside its tested setup (TransformerEngine, an
+    older torch); both are needed on every machine without TE, so unlike `enable_cpu_compat` this
+    also runs with CUDA. Idempotent.
+
+    - The router linear (`moe_utils.router_gating_linear`, used whenever `moe_router_dtype` is set)
+      tests `te_general_gemm is not None`, a name bound only when TE imports: without TE it raises
+      NameError. Binding it to None selects the function's own torch matmul.
+    - The all-to-all token dispatcher passes its split sizes as numpy arrays, which torch 2.13's
+      `all_to_all_single` binding refuses (it takes a sequence of ints): they are turned into lists.
+    """
+    from megatron.core.tensor_parallel import mappings
+    from megatron.core.transformer.moe import moe_utils
+
+    if not hasattr(moe_utils, "te_general_gemm"):
+        moe_utils.te_general_gemm = None
+    forward = mappings._AllToAll.forward
+    if getattr(forward, "_verl_int_splits", False):
+        return
+
+    def as_ints(splits):
+        return None if splits is None else [int(n) for n in splits]
+
+    def forward_with_int_splits(ctx, group, input, output_split_sizes, input_split_sizes):
+        return forward(ctx, group, input, as_ints(output_split_sizes), as_ints(input_split_sizes))
+
+    forward_with_int_splits._verl_int_splits = True
+    mappings._AllToAll.forward = staticmethod(forward_with_int_splits)
 
 
 def _keep_tied_embedding_on_cpu() -> None:

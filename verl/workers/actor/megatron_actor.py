@@ -49,6 +49,7 @@ import torch.distributed as dist
 
 from verl.models.mcore.config import compute_autocast
 from verl.models.mcore.forward import left_align, response_columns
+from verl.models.mcore.moe import MegatronRouterAuxLoss, expert_grad_sq_norm, expert_params, reduce_expert_grads
 from verl.utils.device import get_device
 from verl.utils.flops_counter import FlopsCounter, FlopsTally
 from verl.utils.megatron.tensor_parallel import vocab_parallel_log_probs_and_entropy
@@ -126,9 +127,12 @@ def finalize_megatron_grads(model_chunks) -> None:
             if param.grad is not None:
                 param.grad.mul_(tp_size)
         average_gradients(sequence_parallel, mpu.get_tensor_model_parallel_group(), tp_size)
+    experts = {id(p) for p in expert_params(model_chunks)}  # a MoE model's: see verl.models.mcore.moe
+    reduce_expert_grads([p for p in params.values() if id(p) in experts], average_gradients)
     dp_size = mpu.get_data_parallel_world_size(with_context_parallel=True)
     if dp_size > 1:  # bucketed: a few all-reduces per step instead of one per tensor
-        average_gradients(list(params.values()), mpu.get_data_parallel_group(with_context_parallel=True), dp_size)
+        dense = [p for p in params.values() if id(p) not in experts]
+        average_gradients(dense, mpu.get_data_parallel_group(with_context_parallel=True), dp_size)
     if mpu.get_pipeline_model_parallel_world_size() > 1 and mpu.is_rank_in_embedding_group(ignore_virtual=True):
         for chunk in (model_chunks[0], model_chunks[-1]):
             if not chunk.share_embeddings_and_output_weights:
@@ -146,7 +150,7 @@ def _grad_norm(model_chunks) -> torch.Tensor:
     from megatron.core.tensor_parallel import param_is_not_tensor_parallel_duplicate
 
     total = torch.zeros((), dtype=torch.float64, device=get_device())
-    seen = set()
+    seen = {id(p) for p in expert_params(model_chunks)}  # counted over the expert groups below
     for chunk in model_chunks:
         for param in chunk.parameters():
             if param.grad is None or id(param) in seen:
@@ -158,6 +162,8 @@ def _grad_norm(model_chunks) -> torch.Tensor:
                 continue
             total += param.grad.detach().double().pow(2).sum()
     dist.all_reduce(total, group=mpu.get_model_parallel_group())
+    if seen:
+        total += expert_grad_sq_norm(model_chunks, total.device)
     return total.sqrt()
 
 
@@ -270,6 +276,7 @@ class MegatronPPOActor(DataParallelPPOActor):
         self.use_remove_padding = False
         self.share_prompt_forward = False
         self._dp_group, self._dp_size = _dp_group_and_size()
+        self.router_aux = MegatronRouterAuxLoss(self.model_chunks, hf_config, trains=actor_optimizer is not None)
         self.flops = FlopsTally(FlopsCounter.for_model(hf_config))  # the chunks' config is megatron's, not HF's
 
     # ------------------------------------------------------------------ forward
@@ -357,4 +364,5 @@ class MegatronPPOActor(DataParallelPPOActor):
     def _policy_loss(self, micro_batch, output, temperature: float, normaliser: float):
         """(scaled loss, metrics) of one micro-batch: the FSDP actor's loss, weighted the same way."""
         entropy, log_prob = self._micro_batch_outputs(micro_batch, temperature, self.needs_entropy(micro_batch), output)
-        return self._micro_batch_loss(micro_batch, log_prob, entropy, normaliser)
+        aux_loss = self.router_aux.loss(micro_batch)
+        return self._micro_batch_loss(micro_batch, log_prob, entropy, normaliser, aux_loss)

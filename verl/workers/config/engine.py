@@ -125,10 +125,13 @@ class McoreEngineConfig(BaseConfig):
         "Ranks one layer's weights are split over (attention heads, MLP, vocab).", default=1
     )
     expert_model_parallel_size: int = doc(
-        "Expert parallelism (mixture-of-experts).", status=UNSUPPORTED, neutral=1, default=1
+        "Ranks a mixture-of-experts layer's experts are split over (each holds num_experts / ep whole experts; "
+        "tokens reach them by an all-to-all). Carved out of the data x context-parallel ranks. "
+        "See docs/megatron.md, 'Mixture of experts'.",
+        default=1,
     )
     expert_tensor_parallel_size: int | None = doc(
-        "Tensor parallelism inside experts (mixture-of-experts).", status=UNSUPPORTED, neutral=(None, 1), default=None
+        "Ranks each expert's MLP is split over (null: tensor_model_parallel_size).", default=None
     )
     pipeline_model_parallel_size: int = doc("Pipeline stages the layers are split into.", default=1)
     virtual_pipeline_model_parallel_size: int | None = doc(

@@ -1,0 +1,90 @@
+"""The megatron actor trains a Qwen3-MoE model as the FSDP actor does, with the router
+load-balancing loss on: at ep=1, with the experts split over 2 expert-parallel ranks (tokens
+dispatched by megatron's all-to-all over gloo) and at tp=2, one PPO update on 2 ranks gives the
+single-process FSDP update on the whole batch (losses, `actor/load_balancing_loss`, gradient norms, weights)."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from tests.distributed_helpers import run_distributed
+from tests.megatron_helpers import assert_metrics_close, build_loaded_chunks, tiny_moe_hf_model
+from tests.workers.actor.test_megatron_actor import LR, _actor_config, _gathered_weights, _training_data
+from verl.workers.actor.dp_actor import DataParallelPPOActor
+
+COEF = 0.1  # large, so the load-balancing gradient shows in the weights
+
+
+def _moe_model():
+    model = tiny_moe_hf_model()
+    model.config.output_router_logits = True
+    model.config.router_aux_loss_coef = COEF
+    return model
+
+
+def _ep_against_fsdp_actor(rank, world_size, ep, aux, tp=1):
+    from megatron.core import parallel_state as mpu
+
+    from verl.workers.actor.megatron_actor import MegatronPPOActor
+
+    hf_model = _moe_model()
+    data = _training_data(hf_model)  # its scorer (an FSDP actor) takes the flag over: set it again
+    hf_model.config.output_router_logits = aux
+    reference_model = copy.deepcopy(hf_model)
+    reference = DataParallelPPOActor(
+        _actor_config(ppo_mini_batch_size=4, use_remove_padding=True, share_prompt_forward=False),
+        reference_model,
+        torch.optim.SGD(reference_model.parameters(), lr=LR),
+    )
+    want_metrics = reference.update_policy(copy.deepcopy(data))
+
+    chunks = build_loaded_chunks(hf_model, ep=ep, tp=tp, sequence_parallel=tp > 1)
+    dp = mpu.get_data_parallel_world_size()
+    assert dp == world_size // tp
+    assert mpu.get_expert_model_parallel_world_size() == ep
+    assert len(chunks[0].decoder.layers[0].mlp.experts.local_experts) == 4 // ep
+    params = [p for chunk in chunks for p in chunk.parameters()]
+    actor = MegatronPPOActor(
+        _actor_config(ppo_mini_batch_size=4 // dp), chunks, hf_model.config, torch.optim.SGD(params, lr=LR)
+    )
+    # the reference's mini-batches are rows 0-3 and 4-7, its micro-batches pairs: each rank holds one
+    # pair of each mini-batch, so both compute the load-balancing loss over the same micro-batches
+    # (at dp=1, tp=2: both ranks train on the whole batch, as the reference does)
+    mine = torch.tensor([0, 1, 4, 5] if mpu.get_data_parallel_rank() == 0 else [2, 3, 6, 7])
+    got_metrics = actor.update_policy(data.select_idxs(mine) if dp == 2 else copy.deepcopy(data))
+    assert ("actor/load_balancing_loss" in got_metrics) == aux
+    assert sorted(got_metrics) == sorted(want_metrics)
+    assert_metrics_close(got_metrics, want_metrics, ["actor/grad_norm"])
+    if aux:  # this rank's micro-batches are the reference's 1st and 3rd (dp rank 0) or 2nd and 4th
+        want_lb = want_metrics["actor/load_balancing_loss"][mpu.get_data_parallel_rank() :: dp]
+        torch.testing.assert_close(
+            torch.tensor(got_metrics["actor/load_balancing_loss"], dtype=torch.float64),
+            torch.tensor(want_lb, dtype=torch.float64),
+            atol=1e-6,
+            rtol=1e-6,
+        )
+    want = reference_model.state_dict()
+    start = hf_model.state_dict()
+    moved = 0.0
+    for name, tensor in _gathered_weights(chunks, hf_model.config).items():
+        torch.testing.assert_close(tensor, want[name], atol=1e-5, rtol=0, msg=name)
+        moved = max(moved, float((want[name] - start[name]).abs().max()))
+    assert moved > 1e-3, "the update should move the weights"
+
+
+@pytest.mark.parametrize(
+    "ep,aux,tp",
+    [
+        (1, True, 1),
+        (2, True, 1),
+        (2, False, 1),
+        # tp=2 with sequence parallelism: the per-head q/k norms' and the router's gradients are summed
+        # over the tensor ranks, and the load-balancing loss gathers the router logits of both halves
+        (1, True, 2),
+    ],
+)
+def test_megatron_moe_update_on_two_ranks_equals_the_fsdp_update_on_the_whole_batch(ep, aux, tp):
+    run_distributed(_ep_against_fsdp_actor, 2, ep, aux, tp)
