@@ -6,7 +6,7 @@ activations, logits and the flat gradient buffer). With glibc's defaults, blocks
 threshold get their own mapping and are unmapped when freed, and the heap top is trimmed when
 more than the trim threshold is free. The next step then touches every page of them afresh: on
 the 2-core Xeon VM a default-run worker took 1,600-2,900 minor page faults per step (each ~3 us
-under load, zeroing included), against ~50 with the settings below (issue #31; measured in
+under load, zeroing included), against 4-441 (median ~140) with the settings below (issue #31; in
 docs/benchmarks.md). The arithmetic is untouched; only where freed memory goes changes.
 
 What: `MALLOC_MMAP_THRESHOLD_` (blocks below 256 MiB come from the heap), `MALLOC_TRIM_THRESHOLD_`
