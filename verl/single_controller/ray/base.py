@@ -16,7 +16,9 @@
   MASTER_ADDR and MASTER_PORT in its environment (the driver picks rank 0's address and a free
   port before starting anyone), so the workers form one torch.distributed group with
   `Worker.init_process_group()` (gloo on CPU, NCCL on GPU). `worker_env={...}` adds variables of
-  the caller's; overriding one the group sets itself is an error. The constructor waits (with the
+  the caller's; overriding one the group sets itself is an error. Workers of a CPU pool also start
+  with glibc malloc settings that keep freed memory (fewer page faults per step; see
+  `cpu_allocator`, which also says how the user's own settings win). The constructor waits (with the
   placement deadline) until every worker is scheduled: a group that finds no room on its pool (more
   groups than `max_colocate_count`) fails naming the limit instead of waiting silently.
 - `split_resource_pool(pool, size)` cuts a pool's bundles into consecutive sub-pools (a worker
@@ -47,6 +49,7 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+import logging
 import os
 import re
 import uuid
@@ -72,6 +75,9 @@ from verl.single_controller.base.errors import (
 )
 from verl.single_controller.base.worker import Worker, enable_async_rpc, get_free_port
 from verl.single_controller.base.worker_group import ClassWithInitArgs, ResourcePool, WorkerGroup
+from verl.single_controller.ray.cpu_allocator import cpu_worker_malloc_env
+
+logger = logging.getLogger(__name__)
 
 __all__ = [
     "RayClassWithInitArgs",
@@ -514,6 +520,10 @@ class RayWorkerGroup(WorkerGroup):
         world_size = len(slots)
         # The driver's VERL_* settings (device, timeouts, logging level) hold in the workers too.
         passthrough = {k: v for k, v in os.environ.items() if k.startswith("VERL_")}
+        class_env = (ray_cls._options.get("runtime_env") or {}).get("env_vars") or {}
+        malloc = cpu_worker_malloc_env(pool.use_gpu, os.environ, self.customized_worker_env, class_env)
+        if malloc:
+            logger.info("%s: CPU workers start with %s (see verl.single_controller.ray.cpu_allocator)", role, malloc)
         workers, names = [], []
         for rank, (pg, bundle, local_world_size, _) in enumerate(slots):
             env = {
@@ -534,7 +544,7 @@ class RayWorkerGroup(WorkerGroup):
                     f"worker_env sets {clash}, which the worker group sets itself for every rank (rank, world size, "
                     "rendezvous address); remove them from worker_env"
                 )
-            env = {**passthrough, **self.customized_worker_env, **env}
+            env = {**malloc, **passthrough, **self.customized_worker_env, **env}
             name = f"{self.name_prefix}:{rank}"
             options = {
                 **pool.actor_resources(),
