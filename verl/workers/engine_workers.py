@@ -318,7 +318,7 @@ class ActorRolloutRefWorker(Worker, DistProfilerExtension):
 
     def _build_ref(self):
         """(engine, log-prob scorer) of the frozen reference policy."""
-        if self.actor is not None and getattr(self.actor_model, "lora", False):
+        if self.actor is not None and self.actor_model.lora:
             # the frozen base under the adapters is the initial policy: no second copy of the weights
             engine = self.actor_model
         else:

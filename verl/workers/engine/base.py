@@ -41,6 +41,10 @@ class BaseEngine(abc.ABC):
 
     optimizer: torch.optim.Optimizer | None = None
 
+    lora = False
+    """Whether the trained model carries LoRA adapters: its base (`disable_adapter`) is then the
+    initial policy, which the reference can use instead of a second copy of the weights."""
+
     # ------------------------------------------------------------ layout
     @classmethod
     @abc.abstractmethod
