@@ -1,14 +1,14 @@
 """Hybrid-engine weight sync: seconds to move an FSDP2 actor's weights into the built-in engine.
 
 What is timed is the production path, the one `ActorRolloutRefWorker.generate_sequences` takes
-before every generation: `verl.workers.fsdp_workers.sync_rollout_weights`. The actor's sharded
+before every generation: `verl.workers.engine_workers.sync_rollout_weights`. The actor's sharded
 fp32 master weights (FSDP2 over a world of one: NCCL on CUDA, gloo on CPU) are cast to the rollout
 dtype shard by shard, gathered, and copied into the engine (`HFRollout` -> `GenerationEngine`),
 which is woken from the level-2 sleep the worker leaves it in after each generation (weights freed,
 so the wake-up reallocates them). Between syncs the engine is put back to sleep as the worker does.
 
 Model: a `verl.models` preset with random weights (`qwen2.5-0.5b-shape` by default), saved as an HF
-checkpoint in a temporary directory and loaded by the worker's own model holder (`_FSDPModel`: the
+checkpoint in a temporary directory and loaded by the worker's own engine (`FSDPEngineWithLMHead`: the
 same loader, sharding and mixed-precision policy as training); the engine is built from the same
 checkpoint. Rollout dtype bf16 unless `--rollout-dtype` says otherwise.
 
@@ -72,7 +72,8 @@ def main():
 
     from verl.models.factory import make_tiny
     from verl.utils import device as dev
-    from verl.workers.fsdp_workers import _FSDPModel, rollout_dtype, sync_rollout_weights
+    from verl.workers.engine import FSDPEngineWithLMHead
+    from verl.workers.engine_workers import rollout_dtype, sync_rollout_weights
     from verl.workers.rollout.hf_rollout import HFRollout
 
     init_world_of_one()
@@ -81,7 +82,7 @@ def main():
         path = make_tiny(args.preset, os.path.join(tmp, args.preset), seed=0, dtype="bfloat16")
         # fsdp_size=1 is the whole world of one; unlike the default -1 it never turns a small model
         # into a plain replica, so every preset is measured under FSDP2
-        actor = _FSDPModel(OmegaConf.create({"path": path}), {"fsdp_size": 1}, for_training=True)
+        actor = FSDPEngineWithLMHead(OmegaConf.create({"path": path}), {"fsdp_size": 1})
         rollout = HFRollout(path, config=rollout_cfg, device=dev.get_device())
     from torch.distributed.fsdp import FSDPModule
 

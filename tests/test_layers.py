@@ -72,15 +72,10 @@ EXCEPTIONS = {
         "verl.workers",
     ): "the same build script: the agent loop's evaluation runs on the built-in rollout engine",
     (
-        "verl/utils/checkpoint/megatron_checkpoint_manager.py",
-        "verl.models",
-    ): "known debt (#29 item 3): saving `hf_model` converts mcore weights with verl.models.mcore; the "
-    "engine interface should hand the manager its converter",
-    (
-        "verl/workers/fsdp_workers.py",
+        "verl/workers/engine_workers.py",
         "verl.experimental",
-    ): "known debt (#29 item 3): the worker wraps its rollout in the agent loop when "
-    "rollout.multi_turn.enable; a rollout registry on the engine interface should choose it instead",
+    ): "known debt (#29): the role worker wraps its rollout in the agent loop when it runs agent loops "
+    "(`runs_agent_loops`); a rollout registry the trainer fills should choose the wrapper instead",
 }
 """(importing file, imported package prefix) -> why this arrow against the layers is allowed."""
 
@@ -93,7 +88,6 @@ MUTUAL_IMPORT_EXCEPTIONS = {
 MAX_LINES = 800
 
 SIZE_EXCEPTIONS = {
-    "verl/workers/fsdp_workers.py": "#29 item 3 (one engine interface) writes the role workers once, on the engine",
     "verl/single_controller/ray/base.py": "known debt, #29: RayWorkerGroup, placement and the colocated class "
     "builder still share one module",
 }

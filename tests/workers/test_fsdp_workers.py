@@ -49,11 +49,11 @@ def test_megatron_groups_get_the_workers_timeout(one_process):
     from megatron.core import parallel_state as mpu
 
     from verl.single_controller.base.worker import init_process_group
-    from verl.workers.megatron_workers import _setup_parallel
+    from verl.workers.engine.megatron.transformer_impl import setup_parallel
 
     init_process_group(timeout_s=88)
     try:
-        _setup_parallel({"tensor_model_parallel_size": 1})
+        setup_parallel({"tensor_model_parallel_size": 1})
         for group in (mpu.get_data_parallel_group(), mpu.get_tensor_model_parallel_group()):
             assert _timeout_s(group) == 88  # megatron's own default is 30 minutes
     finally:

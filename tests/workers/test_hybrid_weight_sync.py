@@ -1,8 +1,8 @@
-"""The hybrid engine's weight sync (`verl.workers.fsdp_workers.sync_rollout_weights`, what
+"""The hybrid engine's weight sync (`verl.workers.engine_workers.sync_rollout_weights`, what
 `generate_sequences` runs before every generation): an FSDP2 actor's fp32 master weights reach the
 built-in engine exactly, i.e. bit-equal to the masters cast to the engine's dtype.
 
-The actor is the worker's own model holder (`_FSDPModel`, FSDP2 over a world of one: gloo on CPU,
+The actor is the worker's own engine (`FSDPEngineWithLMHead`, FSDP2 over a world of one: gloo on CPU,
 NCCL on CUDA); its weights are moved away from the checkpoint the engine was built from, and the
 engine is asleep (weights freed) before the sync, so an engine that kept anything of its own
 would show. Each check runs in a fresh interpreter (it owns the default process group).
@@ -29,7 +29,8 @@ def _case_hybrid_sync(rollout_dtype_name: str) -> dict:
     from verl.single_controller.base.worker import get_free_port
     from verl.utils import device as dev
     from verl.utils.fsdp_utils import iter_full_params
-    from verl.workers.fsdp_workers import _FSDPModel, rollout_dtype, sync_rollout_weights
+    from verl.workers.engine import FSDPEngineWithLMHead
+    from verl.workers.engine_workers import rollout_dtype, sync_rollout_weights
     from verl.workers.rollout.hf_rollout import HFRollout
 
     os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1")
@@ -40,7 +41,7 @@ def _case_hybrid_sync(rollout_dtype_name: str) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         path = make_tiny("tiny", os.path.join(tmp, "tiny"), seed=0, dtype="float32")
         checkpoint = load_file(os.path.join(path, "model.safetensors"))
-        actor = _FSDPModel(OmegaConf.create({"path": path}), {"fsdp_size": 1, "dtype": "auto"}, for_training=True)
+        actor = FSDPEngineWithLMHead(OmegaConf.create({"path": path}), {"fsdp_size": 1, "dtype": "auto"})
         config = OmegaConf.create({"dtype": rollout_dtype_name})
         rollout = HFRollout(path, config=config, device=dev.get_device())
     assert isinstance(actor.module, FSDPModule)

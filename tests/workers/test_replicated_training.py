@@ -167,22 +167,22 @@ def test_replica_checkpoints_load_into_sharded_models_and_back(tmp_path):
 
 
 def test_the_worker_replicates_only_small_models_whose_computation_fsdp_would_not_change():
-    from verl.workers.fsdp_workers import _trains_as_plain_replicas
+    from verl.workers.engine.fsdp.transformer_impl import trains_as_plain_replicas
 
     model = make_tiny_causal_lm(dtype=torch.float32)
     auto = {"dtype": "auto"}  # compute in the weights' own dtype on CPU (arith_demo's setting)
-    assert _trains_as_plain_replicas({"fsdp_size": -1, **auto}, model)
-    assert _trains_as_plain_replicas(FSDPEngineConfig(dtype="auto"), model)
+    assert trains_as_plain_replicas({"fsdp_size": -1, **auto}, model)
+    assert trains_as_plain_replicas(FSDPEngineConfig(dtype="auto"), model)
     # upstream's default compute dtype (bfloat16) casts an fp32 model: FSDP2 keeps it
-    assert not _trains_as_plain_replicas(None, model)
+    assert not trains_as_plain_replicas(None, model)
     # an explicit layout, FSDP's CPU offload or a mixed-precision cast keep FSDP2
-    assert not _trains_as_plain_replicas({"fsdp_size": 1, **auto}, model)
-    assert not _trains_as_plain_replicas({"fsdp_size": -1, "offload_policy": True, **auto}, model)
-    assert not _trains_as_plain_replicas({"mixed_precision": {"param_dtype": "bf16"}}, model)
-    assert _trains_as_plain_replicas({"mixed_precision": {"param_dtype": "fp32"}}, model)
+    assert not trains_as_plain_replicas({"fsdp_size": 1, **auto}, model)
+    assert not trains_as_plain_replicas({"fsdp_size": -1, "offload_policy": True, **auto}, model)
+    assert not trains_as_plain_replicas({"mixed_precision": {"param_dtype": "bf16"}}, model)
+    assert trains_as_plain_replicas({"mixed_precision": {"param_dtype": "fp32"}}, model)
     big = copy.deepcopy(model)
     big.extra = torch.nn.Linear(4000, 4000)  # 16M parameters: sharded
-    assert not _trains_as_plain_replicas(auto, big)
+    assert not trains_as_plain_replicas(auto, big)
 
 
 def _bucketed_average(rank, world_size):

@@ -1,4 +1,4 @@
-"""Loading the actor/reference/critic model on several ranks (`_FSDPModel`): rank 0 reads the
+"""Loading the actor/reference/critic model on several ranks (the FSDP engine): rank 0 reads the
 checkpoint, the other ranks build the model on the meta device and receive rank 0's weights by
 broadcast (`verl.utils.fsdp_utils.load_full_state_from_rank0`).
 
@@ -20,7 +20,7 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
 from tests.distributed_helpers import run_distributed, tiny_qwen2_config
-from verl.workers.fsdp_workers import _FSDPModel
+from verl.workers.engine import FSDPEngineWithLMHead, FSDPEngineWithValueHead
 
 
 def _save_checkpoint(path, tie_word_embeddings: bool, seed: int = 0) -> str:
@@ -35,7 +35,7 @@ def _every_rank_holds_the_checkpoint(rank, world_size, path, fsdp_size):
 
     from verl.utils.fsdp_utils import iter_full_params
 
-    model = _FSDPModel(OmegaConf.create({"path": path}), {"fsdp_size": fsdp_size, "dtype": "auto"}, for_training=True)
+    model = FSDPEngineWithLMHead(OmegaConf.create({"path": path}), {"fsdp_size": fsdp_size, "dtype": "auto"})
     sharded = isinstance(model.module, FSDPModule)
     assert sharded == (fsdp_size == 2), type(model.module)
     stored = load_file(os.path.join(path, "model.safetensors"))
@@ -66,9 +66,7 @@ def _the_critics_fresh_head_is_rank_0s_everywhere(rank, world_size, path):
 
     from verl.utils.fsdp_utils import iter_full_params
 
-    critic = _FSDPModel(
-        OmegaConf.create({"path": path}), {"fsdp_size": 2, "dtype": "auto"}, for_training=True, value_head=True
-    )
+    critic = FSDPEngineWithValueHead(OmegaConf.create({"path": path}), {"fsdp_size": 2, "dtype": "auto"})
     full = dict(iter_full_params(critic.module))
     stored = load_file(os.path.join(path, "model.safetensors"))
     for name, tensor in stored.items():  # the backbone is the checkpoint's
@@ -103,14 +101,14 @@ def status(key):
 def rank_fn(rank, world_size, path, out):
     import gc
     import torch.distributed as dist
-    from verl.workers.fsdp_workers import _FSDPModel
+    from verl.workers.engine import FSDPEngineWithLMHead
 
     gc.collect()
     dist.barrier()
     with open("/proc/self/clear_refs", "w") as f:
         f.write("5")  # reset the peak (VmHWM) to the current RSS
     start = status("VmRSS")
-    model = _FSDPModel(OmegaConf.create({"path": path}), {"fsdp_size": 2, "dtype": "auto"}, for_training=False)
+    model = FSDPEngineWithLMHead(OmegaConf.create({"path": path}), {"fsdp_size": 2, "dtype": "auto"})
     growth = status("VmHWM") - start
     local = sum(p.to_local().numel() * p.element_size() for p in model.module.parameters())
     reports = [None] * world_size

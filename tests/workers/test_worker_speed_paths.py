@@ -4,7 +4,7 @@ trainer packs rows, fused kernels never (not implemented), each with the reason 
 from __future__ import annotations
 
 from verl.utils.speed_paths import SpeedPath
-from verl.workers.fsdp_workers import _model_speed_paths
+from verl.workers.engine_workers import _model_speed_paths
 
 
 class _Packs:

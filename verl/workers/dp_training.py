@@ -147,7 +147,7 @@ def replicate_over_ranks(module: torch.nn.Module, group=None) -> torch.nn.Module
     samples, and `clip_grad_norm` averages the gradients over the ranks with one all-reduce of
     one flat buffer before clipping (`average_replica_gradients`). For models whose whole training
     state fits every rank, this skips FSDP2's per-layer hooks, per-layer collectives and DTensor
-    dispatch (see `verl.workers.fsdp_workers.REPLICATE_BELOW_PARAMS`). Nothing about the module
+    dispatch (see `verl.workers.engine.fsdp.transformer_impl.REPLICATE_BELOW_PARAMS`). Nothing about the module
     changes: parameter names, `state_dict()` and the optimizer are those of the plain model.
     Returns `module`.
     """

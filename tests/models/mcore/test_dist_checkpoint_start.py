@@ -43,11 +43,12 @@ def _convert(hf_dir: Path, out: Path, *extra: str) -> None:
 
 def _start_from_dist_checkpoint(rank, world_size, hf_dir, ckpt, prefixed, wrong, verl_ckpt):
     from verl.utils.megatron.parallel_state import destroy_model_parallel
-    from verl.workers import megatron_workers
+    from verl.workers.engine import MegatronEngineWithLMHead, MegatronEngineWithValueHead
 
-    def _MegatronModel(model_cfg, megatron_cfg, **kwargs):
-        megatron_workers._setup_parallel(megatron_cfg)
-        return megatron_workers._MegatronModel(model_cfg, megatron_cfg, **kwargs)
+    def _trained_engine(model_cfg, megatron_cfg, value_head=False):
+        engine_cls = MegatronEngineWithValueHead if value_head else MegatronEngineWithLMHead
+        engine_cls.init_parallel(megatron_cfg)
+        return engine_cls(model_cfg, megatron_cfg, {"lr": 1e-3, "total_training_steps": 1})
 
     hf_model = tiny_hf_model("qwen2")
     want = {k: v for k, v in hf_model.state_dict().items() if k != "lm_head.weight"}
@@ -62,8 +63,8 @@ def _start_from_dist_checkpoint(rank, world_size, hf_dir, ckpt, prefixed, wrong,
             "seed": 7,
         }
 
-    actor = _MegatronModel(model_cfg, megatron(ckpt), for_training=True)
-    got = dict(actor.hf_params())
+    actor = _trained_engine(model_cfg, megatron(ckpt))
+    got = dict(actor.get_per_tensor_param())
     assert sorted(got) == sorted(want)
     for name, tensor in got.items():
         assert torch.equal(tensor, want[name]), name
@@ -78,24 +79,24 @@ def _start_from_dist_checkpoint(rank, world_size, hf_dir, ckpt, prefixed, wrong,
         verl_ckpt, global_step=1
     )
     destroy_model_parallel()
-    restarted = _MegatronModel(model_cfg, megatron(verl_ckpt), for_training=True)
-    assert torch.equal(dict(restarted.hf_params())["model.norm.weight"], want["model.norm.weight"] + 1.0)
+    restarted = _trained_engine(model_cfg, megatron(verl_ckpt))
+    assert torch.equal(dict(restarted.get_per_tensor_param())["model.norm.weight"], want["model.norm.weight"] + 1.0)
     destroy_model_parallel()
 
     # the prefixed checkpoint loads with its prefix, and names the likely cause without it
-    actor = _MegatronModel(model_cfg, megatron(prefixed, prefix="model."), for_training=True)
-    assert torch.equal(dict(actor.hf_params())["model.norm.weight"], want["model.norm.weight"])
+    actor = _trained_engine(model_cfg, megatron(prefixed, prefix="model."))
+    assert torch.equal(dict(actor.get_per_tensor_param())["model.norm.weight"], want["model.norm.weight"])
     destroy_model_parallel()
     with pytest.raises(RuntimeError, match="dist_checkpointing_prefix"):
-        _MegatronModel(model_cfg, megatron(prefixed), for_training=True)
+        _trained_engine(model_cfg, megatron(prefixed))
     destroy_model_parallel()
     with pytest.raises(FileNotFoundError, match="not a megatron dist checkpoint"):
-        _MegatronModel(model_cfg, megatron(wrong), for_training=True)
+        _trained_engine(model_cfg, megatron(wrong))
     destroy_model_parallel()
 
     # critic: the body from the LM checkpoint, a fresh head as HF initialises one (same on both ranks)
-    critic = _MegatronModel(model_cfg, megatron(ckpt), for_training=True, value_head=True)
-    got = dict(critic.hf_params())
+    critic = _trained_engine(model_cfg, megatron(ckpt), value_head=True)
+    got = dict(critic.get_per_tensor_param())
     for name, tensor in got.items():
         if name.startswith("model."):
             assert torch.equal(tensor, want[name]), name

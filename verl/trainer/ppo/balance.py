@@ -14,7 +14,7 @@ import torch
 
 from verl.protocol import DataProto
 from verl.utils.seqlen_balancing import get_seqlen_balanced_partitions, log_seqlen_unbalance
-from verl.workers.actor.dp_actor import rows_with_advantage, skips_zero_advantage_rows
+from verl.workers.actor.ppo_actor import rows_with_advantage, skips_zero_advantage_rows
 
 
 def balance_batch(batch: DataProto, world_size: int, work: list[int] | None = None) -> dict[str, float]:

@@ -215,7 +215,10 @@ class MegatronCheckpointManager(BaseCheckpointManager):
     """Checkpoints of a megatron model with its AdamW optimizer and lr scheduler.
 
     `model` is the list of this rank's model chunks (several with virtual pipeline); `hf_config` is
-    the HF config the model was built from (written to `huggingface/` and used for hf_model).
+    the HF config the model was built from (written to `huggingface/`). `hf_weights`, needed for
+    `hf_model` in `save_contents`, streams the model's full HF-named tensors (a collective): the
+    engine that built the model hands over its converter (`MegatronEngine.get_per_tensor_param`),
+    so this module, below the models layer, converts nothing itself.
     """
 
     def __init__(
@@ -227,12 +230,12 @@ class MegatronCheckpointManager(BaseCheckpointManager):
         checkpoint_config=None,
         *,
         hf_config=None,
-        value_head: bool = False,
+        hf_weights=None,
     ):
         super().__init__(model, optimizer, lr_scheduler, processing_class, checkpoint_config)
         self.chunks = list(model)
         self.hf_config = hf_config
-        self.value_head = value_head
+        self.hf_weights = hf_weights
 
     @staticmethod
     def _extra_state_name(world_size: int, rank: int) -> str:
@@ -302,12 +305,12 @@ class MegatronCheckpointManager(BaseCheckpointManager):
             return
         from safetensors.torch import save_file
 
-        from verl.models.mcore import mcore_to_hf_named_tensors
-
-        tensors = {
-            name: tensor.detach().cpu().contiguous()
-            for name, tensor in mcore_to_hf_named_tensors(self.chunks, self.hf_config, value_head=self.value_head)
-        }
+        if self.hf_weights is None:
+            raise ValueError(
+                "checkpoint.save_contents asks for hf_model, but this MegatronCheckpointManager was built without "
+                "hf_weights (the model's HF-named tensors); pass the engine's get_per_tensor_param, or drop hf_model"
+            )
+        tensors = {name: tensor.detach().cpu().contiguous() for name, tensor in self.hf_weights()}
         if rank == 0:
             save_file(tensors, os.path.join(hf_dir, "model.safetensors"), metadata={"format": "pt"})
 

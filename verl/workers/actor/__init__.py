@@ -2,5 +2,6 @@
 
 from verl.workers.actor.base import BasePPOActor
 from verl.workers.actor.dp_actor import DataParallelPPOActor
+from verl.workers.actor.ppo_actor import PPOActor
 
-__all__ = ["BasePPOActor", "DataParallelPPOActor"]
+__all__ = ["BasePPOActor", "DataParallelPPOActor", "PPOActor"]

@@ -1,4 +1,4 @@
-"""The interface every actor backend implements (FSDP here; Megatron would be another)."""
+"""The interface every actor implements; `verl.workers.actor.ppo_actor.PPOActor` is the one the backends share."""
 
 from __future__ import annotations
 

@@ -1,11 +1,10 @@
 """The PPO actor on a megatron-core GPTModel (tensor / pipeline parallel), free of Ray.
 
-`MegatronPPOActor(config, model_chunks, hf_config, actor_optimizer=None)` has the FSDP actor's
-contract: the same config keys, batch semantics, micro-batching, loss functions
-(`verl.algorithms`), loss normalisation (`verl.workers.dp_training`), guarded steps
-and metric names. It subclasses `DataParallelPPOActor` to inherit all of that (batch-key checks,
-epochs and shuffling, zero-advantage skipping) and replaces only what touches the model: the
-forward pass, gradient synchronisation and clipping.
+`MegatronPPOActor(config, model_chunks, hf_config, actor_optimizer=None)` is the role logic of
+`verl.workers.actor.ppo_actor.PPOActor` (config keys, batch semantics, micro-batching, loss
+functions, loss normalisation, guarded steps, metric names: written once, shared with the FSDP
+actor, its sibling) with what touches the model: the forward pass, gradient synchronisation and
+clipping.
 
 Design decisions:
 - Forward and backward go through megatron's `get_forward_backward_func()`, one call per
@@ -50,10 +49,11 @@ import torch.distributed as dist
 from verl.models.mcore.config import compute_autocast
 from verl.models.mcore.forward import left_align, response_columns
 from verl.models.mcore.moe import MegatronRouterAuxLoss, expert_grad_sq_norm, expert_params, reduce_expert_grads
+from verl.utils import shared_prompt, speed_paths
 from verl.utils.device import get_device
 from verl.utils.flops_counter import FlopsCounter, FlopsTally
 from verl.utils.megatron.tensor_parallel import vocab_parallel_log_probs_and_entropy
-from verl.workers.actor.dp_actor import _MODEL_INPUTS, DataParallelPPOActor, _require_temperature
+from verl.workers.actor.ppo_actor import MODEL_INPUTS, PPOActor, require_temperature
 from verl.workers.dp_training import (
     append_to_dict,
     average_gradients,
@@ -263,18 +263,21 @@ def run_megatron_schedule(model_chunks, micro_batches: list, loss_fn, forward_on
     )
 
 
-class MegatronPPOActor(DataParallelPPOActor):
+class MegatronPPOActor(PPOActor):
     """PPO/GRPO actor over this rank's megatron GPTModel chunks (one, or `vpp` with interleaving)."""
 
     def __init__(self, config, model_chunks: list, hf_config, actor_optimizer: torch.optim.Optimizer | None = None):
         if not isinstance(model_chunks, (list, tuple)):
             model_chunks = [model_chunks]
-        super().__init__(config, model_chunks[0], actor_optimizer)
+        super().__init__(config, actor_optimizer)
         self.model_chunks = list(model_chunks)
         self.hf_config = hf_config
         self._cfg = context_parallel_config(self._cfg)
-        self.use_remove_padding = False
-        self.share_prompt_forward = False
+        self.use_remove_padding = False  # rows are left-aligned and trimmed instead
+        # every row runs whole (GPTModel takes no KV cache): reported, as the FSDP actor reports its path
+        requested = bool(self._cfg.get("share_prompt_forward", True))
+        self.shared_prompt_path = shared_prompt.speed_path(requested, self.model_chunks[0], False, None)
+        speed_paths.report([self.shared_prompt_path])
         self._dp_group, self._dp_size = _dp_group_and_size()
         self.router_aux = MegatronRouterAuxLoss(self.model_chunks, hf_config, trains=actor_optimizer is not None)
         self.flops = FlopsTally(FlopsCounter.for_model(hf_config))  # the chunks' config is megatron's, not HF's
@@ -297,14 +300,14 @@ class MegatronPPOActor(DataParallelPPOActor):
     # ------------------------------------------------------------------ inference
 
     @torch.no_grad()
-    def compute_log_prob(self, data, calculate_entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def _log_probs_and_entropy(self, data, calculate_entropy: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Log-probs [B, R] of the responses (and entropies [B, R]), the same on every rank of the
-        model-parallel group; `data.meta_info` as for the FSDP actor."""
+        model-parallel group; `data.meta_info` as for `PPOActor.compute_log_prob_and_stats`."""
         for chunk in self.model_chunks:
             chunk.eval()
         meta = data.meta_info
-        temperature = _require_temperature(meta)
-        batch = data.batch.select(*_MODEL_INPUTS)
+        temperature = require_temperature(meta)
+        batch = data.batch.select(*MODEL_INPUTS)
         micro_batches, reverse_idx = split_micro_batches(
             batch,
             micro_batch_size=meta.get("micro_batch_size"),
@@ -327,7 +330,7 @@ class MegatronPPOActor(DataParallelPPOActor):
         return log_probs, entropy
 
     def compute_log_prob_and_stats(self, data, stats: tuple[str, ...] = ()) -> tuple[torch.Tensor, dict]:
-        """As the FSDP actor's, for the statistics this backend computes: `entropy` only."""
+        """See `PPOActor.compute_log_prob_and_stats`; this backend computes the `entropy` statistic only."""
         unsupported = [name for name in stats if name != "entropy"]
         if unsupported:
             raise NotImplementedError(
@@ -335,15 +338,14 @@ class MegatronPPOActor(DataParallelPPOActor):
                 "ranks); actor.calculate_sum_pi_squared (for adv_estimator=optimal_token_baseline) needs "
                 "actor_rollout_ref.actor.strategy=fsdp"
             )
-        log_probs, entropy = self.compute_log_prob(data, calculate_entropy="entropy" in stats)
+        log_probs, entropy = self._log_probs_and_entropy(data, calculate_entropy="entropy" in stats)
         return log_probs, ({} if entropy is None else {"entropy": entropy})
 
     # ------------------------------------------------------------------ training
 
-    def update_policy(self, data) -> dict[str, list[float]]:
+    def _set_train_mode(self) -> None:
         for chunk in self.model_chunks:
             chunk.train()
-        return super().update_policy(data)
 
     def _train_and_step(self, micro_batches: list, temperature: float, normaliser: float, metrics: dict):
         """Megatron's schedule over the micro-batches, then gradient reduction, clipping and the step.
@@ -365,4 +367,5 @@ class MegatronPPOActor(DataParallelPPOActor):
         """(scaled loss, metrics) of one micro-batch: the FSDP actor's loss, weighted the same way."""
         entropy, log_prob = self._micro_batch_outputs(micro_batch, temperature, self.needs_entropy(micro_batch), output)
         aux_loss = self.router_aux.loss(micro_batch)
-        return self._micro_batch_loss(micro_batch, log_prob, entropy, normaliser, aux_loss)
+        aux_coef = self.router_aux.coef if aux_loss is not None else 0.0
+        return self._micro_batch_loss(micro_batch, log_prob, entropy, normaliser, aux_loss, aux_coef)

@@ -2,5 +2,6 @@
 
 from verl.workers.critic.base import BasePPOCritic
 from verl.workers.critic.dp_critic import DataParallelPPOCritic
+from verl.workers.critic.ppo_critic import PPOCritic
 
-__all__ = ["BasePPOCritic", "DataParallelPPOCritic"]
+__all__ = ["BasePPOCritic", "DataParallelPPOCritic", "PPOCritic"]

@@ -1,9 +1,9 @@
 """The PPO critic on a megatron-core GPTModel with a value head, free of Ray.
 
-`MegatronPPOCritic(config, model_chunks, critic_optimizer)` has the FSDP critic's contract (same
-config keys, batching, loss weighting and metrics; see `verl.workers.critic.dp_critic`), which it
-subclasses; only the forward pass and the gradient handling differ, and those are the megatron
-actor's (`verl.workers.actor.megatron_actor`): megatron's schedule per mini-batch, left-aligned
+`MegatronPPOCritic(config, model_chunks, critic_optimizer)` is the role logic of
+`verl.workers.critic.ppo_critic.PPOCritic` (config keys, batching, loss weighting and metrics:
+written once, shared with the FSDP critic, its sibling) with the forward pass and the gradient
+handling of the megatron actor (`verl.workers.actor.megatron_actor`): megatron's schedule per mini-batch, left-aligned
 rows, gradients averaged over data-parallel ranks and clipped by the full model's norm.
 
 The model is built with `verl.models.mcore.build_model_chunks(..., value_head=True)`: the LM head
@@ -28,7 +28,7 @@ from verl.workers.actor.megatron_actor import (
     per_rank_token_budget,
     run_megatron_schedule,
 )
-from verl.workers.critic.dp_critic import _MODEL_INPUTS, DataParallelPPOCritic
+from verl.workers.critic.ppo_critic import MODEL_INPUTS, PPOCritic
 from verl.workers.dp_training import (
     append_to_dict,
     metrics_to_host,
@@ -40,7 +40,7 @@ from verl.workers.dp_training import (
 __all__ = ["MegatronPPOCritic"]
 
 
-class MegatronPPOCritic(DataParallelPPOCritic):
+class MegatronPPOCritic(PPOCritic):
     """Value function over this rank's megatron GPTModel chunks (value head on the last stage)."""
 
     def __init__(
@@ -51,7 +51,7 @@ class MegatronPPOCritic(DataParallelPPOCritic):
 
         if not isinstance(model_chunks, (list, tuple)):
             model_chunks = [model_chunks]
-        super().__init__(config, model_chunks[0], critic_optimizer)
+        super().__init__(config, critic_optimizer)
         self.model_chunks = list(model_chunks)
         self._cfg = context_parallel_config(self._cfg)
         self.use_remove_padding = False
@@ -69,7 +69,7 @@ class MegatronPPOCritic(DataParallelPPOCritic):
         for chunk in self.model_chunks:
             chunk.eval()
         meta = data.meta_info
-        keys = _MODEL_INPUTS + (["response_mask"] if "response_mask" in data.batch else [])
+        keys = MODEL_INPUTS + (["response_mask"] if "response_mask" in data.batch else [])
         micro_batches, reverse_idx = split_micro_batches(
             data.batch.select(*keys),
             micro_batch_size=meta.get("micro_batch_size"),
@@ -88,14 +88,11 @@ class MegatronPPOCritic(DataParallelPPOCritic):
             values = values[reverse_idx.to(values.device)]
         return values
 
-    def update_critic(self, data) -> dict[str, list[float]]:
+    def _set_train_mode(self) -> None:
         for chunk in self.model_chunks:
             chunk.train()
-        return super().update_critic(data)
 
-    def _update_on_mini_batch(self, mini_batch, metrics: dict) -> None:
-        normaliser, micro_batches = self._mini_batch_plan(mini_batch)
-        self.critic_optimizer.zero_grad()
+    def _train_and_step(self, micro_batches: list, normaliser: float, metrics: dict) -> tuple[float, bool]:
         loss_fn = partial(self._value_loss, normaliser=normaliser)
         for micro_batch in micro_batches:
             self.flops.add(micro_batch["attention_mask"], micro_batch["responses"].shape[-1])
@@ -106,8 +103,7 @@ class MegatronPPOCritic(DataParallelPPOCritic):
         *results, step = metrics_to_host([*results, {"grad_norm": grad_norm}])
         for micro_metrics in broadcast_from_last_stage(results):
             append_to_dict(metrics, micro_metrics)
-        stepped = step_if_finite(self.critic_optimizer, step["grad_norm"])
-        append_to_dict(metrics, self._step_metrics(step["grad_norm"], stepped))
+        return step["grad_norm"], step_if_finite(self.critic_optimizer, step["grad_norm"])
 
     def _value_loss(self, micro_batch, output, normaliser: float):
         """(scaled loss, metrics) of one micro-batch, weighted as the FSDP critic weights it."""

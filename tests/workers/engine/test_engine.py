@@ -1,0 +1,95 @@
+"""The training-engine interface: the registry's table and errors, and the FSDP engine in one process
+(a world of one, so a small model is held as a plain replica: no process group needed)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from omegaconf import OmegaConf
+from safetensors.torch import load_file
+
+from verl.workers.engine import (
+    BaseEngine,
+    EngineRegistry,
+    FSDPEngineWithLMHead,
+    FSDPEngineWithValueHead,
+    MegatronEngineWithLMHead,
+    MegatronEngineWithValueHead,
+)
+
+
+def test_registry_maps_model_type_and_strategy_to_sibling_engines():
+    assert EngineRegistry.get_engine_cls("language_model", "fsdp") is FSDPEngineWithLMHead
+    assert EngineRegistry.get_engine_cls("language_model", "fsdp2") is FSDPEngineWithLMHead
+    assert EngineRegistry.get_engine_cls("value_model", "fsdp") is FSDPEngineWithValueHead
+    assert EngineRegistry.get_engine_cls("language_model", "megatron") is MegatronEngineWithLMHead
+    assert EngineRegistry.get_engine_cls("value_model", "megatron") is MegatronEngineWithValueHead
+    # siblings behind one interface: neither backend borrows from the other
+    shared = set(FSDPEngineWithValueHead.__mro__) & set(MegatronEngineWithValueHead.__mro__)
+    assert shared == set(BaseEngine.__mro__), shared
+
+
+def test_registry_names_the_registered_pairs_for_an_unknown_strategy():
+    with pytest.raises(ValueError, match=r"strategy\) 'deepspeed'.*language_model/fsdp.*value_model/megatron"):
+        EngineRegistry.new("language_model", "deepspeed")
+
+
+def test_registering_another_engine_under_a_taken_key_fails():
+    with pytest.raises(ValueError, match="already registered"):
+
+        @EngineRegistry.register(model_type="language_model", backend="fsdp")
+        class _Other(FSDPEngineWithLMHead):
+            pass
+
+    assert EngineRegistry.get_engine_cls("language_model", "fsdp") is FSDPEngineWithLMHead
+
+
+@pytest.fixture(scope="module")
+def tiny_path(tmp_path_factory):
+    from verl.models.factory import make_tiny
+
+    return make_tiny("tiny", str(tmp_path_factory.mktemp("tiny") / "model"), seed=0, dtype="float32")
+
+
+def _plain_replica_config() -> dict:
+    return {"fsdp_size": -1, "dtype": "auto"}  # a small fp32 model: a plain replica, no FSDP wrap
+
+
+@pytest.mark.filterwarnings("ignore:Detected call of `lr_scheduler.step\\(\\)` before `optimizer.step\\(\\)`")
+def test_fsdp_engine_exports_the_checkpoint_weights_and_steps_its_schedule(tiny_path):
+    import os
+
+    optim = {"lr": 1e-3, "lr_warmup_steps": 2, "total_training_steps": 4}
+    engine = EngineRegistry.new(
+        "language_model", "fsdp", OmegaConf.create({"path": tiny_path}), _plain_replica_config(), optim
+    )
+    stored = load_file(os.path.join(tiny_path, "model.safetensors"))
+    exported = dict(engine.get_per_tensor_param())
+    for name, tensor in stored.items():
+        assert torch.equal(exported[name], tensor), name
+    halves = dict(engine.get_per_tensor_param(torch.bfloat16))
+    assert all(t.dtype == torch.bfloat16 for t in halves.values() if t.is_floating_point())
+    assert all(p.requires_grad for p in engine.module.parameters())
+    # linear warmup over 2 steps: the lr each step used, then the step advances it
+    assert [engine.lr_scheduler_step() for _ in range(3)] == pytest.approx([0.0, 5e-4, 1e-3])
+    engine.eval_mode()
+    assert not engine.module.training
+    engine.train_mode()
+    assert engine.module.training
+    with engine.on_device(optimizer=True), engine.disable_adapter():  # no offload, no LoRA: no-ops
+        pass
+
+
+def test_a_frozen_engine_refuses_the_training_methods(tiny_path):
+    engine = FSDPEngineWithLMHead(OmegaConf.create({"path": tiny_path}), _plain_replica_config())
+    assert engine.optimizer is None and not any(p.requires_grad for p in engine.module.parameters())
+    for call in (engine.lr_scheduler_step, lambda: engine.save_checkpoint("/nonexistent")):
+        with pytest.raises(RuntimeError, match="built without an optimizer_config"):
+            call()
+
+
+def test_the_value_engine_has_a_one_output_head(tiny_path):
+    engine = FSDPEngineWithValueHead(OmegaConf.create({"path": tiny_path}), _plain_replica_config())
+    params = dict(engine.get_per_tensor_param())
+    assert params["score.weight"].shape == (1, engine.hf_config.hidden_size)
+    assert not any(name.startswith("lm_head") for name in params)

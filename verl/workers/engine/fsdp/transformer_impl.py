@@ -1,0 +1,245 @@
+"""The FSDP2 engine: an HF model sharded over the group's ranks (or replicated when small).
+
+Design decisions:
+- Only rank 0 reads the checkpoint; the other ranks build on the meta device and receive its
+  weights by broadcast once wrapped (`verl.utils.fsdp_utils.load_full_state_from_rank0`).
+- A small model (under `REPLICATE_BELOW_PARAMS`) with `fsdp_size=-1` is replicated instead of
+  sharded, and, when FSDP2 would not change how it computes (no CPU offload, no mixed-precision
+  cast), trained as plain replicas without FSDP at all (`trains_as_plain_replicas`).
+- LoRA (`model.lora_rank > 0` or `model.lora_adapter_path`, see `verl.utils.lora`): the trained
+  model is wrapped with peft before sharding and only the adapters train; `disable_adapter` gives
+  the base model (the reference policy), and the rollout receives the merged weights.
+- Offload (`param_offload` / `optimizer_offload`): parameters and Adam moments live on the host
+  between the RPCs that use them (`on_device`); no-ops on a CPU device.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+
+import torch
+import torch.distributed as dist
+
+from verl.utils import device as dev
+from verl.utils.config import omega_conf_to_dataclass
+from verl.workers.config import FSDPEngineConfig
+from verl.workers.engine.base import BaseEngine, EngineRegistry
+from verl.workers.engine.utils import cast_floating, plain_section
+
+__all__ = [
+    "REPLICATE_BELOW_PARAMS",
+    "FSDPEngine",
+    "FSDPEngineWithLMHead",
+    "FSDPEngineWithValueHead",
+    "fsdp_engine_config",
+    "trains_as_plain_replicas",
+]
+
+# Below this many parameters `fsdp_size=-1` replicates the model (fsdp_size=1) instead of sharding
+# it: the whole training state (weights, gradients, AdamW moments: 16 bytes per fp32 parameter) is
+# then at most 256 MiB per rank, and every per-layer all-gather and reduce-scatter is saved (on the
+# CPU example's 1M-parameter model sharding cost more time than the model's own matmuls).
+REPLICATE_BELOW_PARAMS = 16_000_000
+
+
+def fsdp_engine_config(section) -> FSDPEngineConfig:
+    """A role's `fsdp_config` section as the typed `FSDPEngineConfig`, built once where the model is.
+
+    Keys the section leaves out take the class's (upstream's) defaults, e.g. `dtype=bfloat16`; None (a
+    role without the section) is all defaults. An already-built config is returned as is.
+    """
+    if isinstance(section, FSDPEngineConfig):
+        return section
+    return omega_conf_to_dataclass(section if section is not None else {}, FSDPEngineConfig)
+
+
+def _replicates(fsdp: FSDPEngineConfig, module) -> bool:
+    """Whether the FSDP config `fsdp` leaves the layout to us (fsdp_size=-1) and `module` is small."""
+    return fsdp.fsdp_size == -1 and sum(p.numel() for p in module.parameters()) < REPLICATE_BELOW_PARAMS
+
+
+def _auto_replicate(fsdp: FSDPEngineConfig, module) -> FSDPEngineConfig:
+    """`fsdp` with fsdp_size=1 when it asks for -1 (all ranks) and `module` is small; else as given."""
+    return dataclasses.replace(fsdp, fsdp_size=1) if _replicates(fsdp, module) else fsdp
+
+
+def trains_as_plain_replicas(fsdp_cfg, module) -> bool:
+    """Whether `module` is replicated without FSDP (`verl.workers.dp_training.replicate_over_ranks`).
+
+    That is the case `_auto_replicate` replicates (`_replicates`: fsdp_size=-1 and a small model),
+    as long as FSDP2 would not change how it computes: no FSDP CPU offload and no mixed-precision
+    cast (the parameter dtype of `fsdp_config.mixed_precision` or `fsdp_config.dtype` is the
+    model's own). A replicated model under FSDP2 still pays its per-layer hooks, per-layer
+    all-reduces and DTensor dispatch on every op: on the CPU example (1M parameters, 2 gloo ranks,
+    96 rows per rank) an update took 170 ms under FSDP2 and 125-133 ms as plain replicas.
+    """
+    from verl.utils.fsdp_utils import get_mixed_precision_policy
+
+    fsdp = fsdp_engine_config(fsdp_cfg)
+    if not _replicates(fsdp, module) or fsdp.offload_policy:
+        return False
+    param_dtype = get_mixed_precision_policy(fsdp.mixed_precision, fsdp.dtype).param_dtype
+    return param_dtype is None or all(p.dtype == param_dtype for p in module.parameters())
+
+
+class FSDPEngine(BaseEngine):
+    """An HF model on this rank's device, wrapped with FSDP2 over all ranks of the group (a small
+    model in its own dtype: plain replicas instead), with AdamW, the lr schedule and the checkpoint
+    manager when built with an `optimizer_config`. `module` is the wrapped model."""
+
+    value_head = False
+    """Whether the model is a value model (an LM body with a one-output token head) instead of an LM."""
+
+    def __init__(self, model_config, engine_config, optimizer_config=None, checkpoint_config=None, tokenizer=None):
+        from verl.utils.fsdp_utils import apply_fsdp2, load_full_state_from_rank0
+        from verl.utils.lora import apply_lora, lora_enabled
+        from verl.utils.model import enable_gradient_checkpointing, load_causal_lm, load_valuehead_model
+
+        for_training = optimizer_config is not None
+        fsdp = fsdp_engine_config(engine_config)
+        if fsdp.full_determinism:  # before anything random (a value head's initialisation)
+            dev.enable_full_determinism(fsdp.seed)
+        # Only rank 0 reads the checkpoint; the other ranks start on the meta device and get its
+        # weights by broadcast once wrapped (`load_full_state_from_rank0`).
+        from_rank0 = dist.is_initialized() and dist.get_world_size() > 1
+        on_meta = from_rank0 and dist.get_rank() > 0
+        loader = load_valuehead_model if self.value_head else load_causal_lm
+        self.module = loader(
+            model_config.path,
+            trust_remote_code=model_config.get("trust_remote_code", False),
+            override_config=plain_section(model_config.get("override_config")),
+            meta_device=on_meta,
+        )
+        if for_training and model_config.get("enable_gradient_checkpointing", False):
+            enable_gradient_checkpointing(self.module)
+        if not for_training:
+            self.module.requires_grad_(False)
+        self.lora = for_training and not self.value_head and lora_enabled(model_config)
+        if self.lora:
+            # with model.lora_adapter_path the adapters start from its weights (a meta-device rank
+            # checks their shapes only and receives them with rank 0's broadcast below)
+            self.module = apply_lora(self.module, model_config, read_adapter_weights=not on_meta)
+        full_state = self.module.state_dict() if from_rank0 and not on_meta else None
+        if trains_as_plain_replicas(fsdp, self.module):
+            from verl.workers.dp_training import replicate_over_ranks
+
+            self.module = replicate_over_ranks(self.module if on_meta else self.module.to(dev.get_device()))
+            device = dev.get_device()
+        else:
+            sharding = _auto_replicate(fsdp, self.module)
+            self.module = apply_fsdp2(self.module, sharding)
+            # FSDP2's CPU offload keeps the shards on the host
+            device = "cpu" if sharding.offload_policy else dev.get_device()
+        if from_rank0:
+            load_full_state_from_rank0(self.module, full_state, device)
+            del full_state
+        self.optimizer = None
+        self.param_offload = fsdp.param_offload
+        self.optimizer_offload = fsdp.optimizer_offload and for_training
+        self._offload(optimizer=False)
+        if for_training:
+            self._build_optimizer(optimizer_config, checkpoint_config, tokenizer)
+
+    def _build_optimizer(self, optimizer_config, checkpoint_config, tokenizer) -> None:
+        from verl.utils.checkpoint.fsdp_checkpoint_manager import FSDPCheckpointManager
+        from verl.utils.optim import build_lr_scheduler, build_optimizer
+
+        # with LoRA only the adapters require gradients: AdamW state for them alone
+        self.optimizer = build_optimizer([p for p in self.module.parameters() if p.requires_grad], optimizer_config)
+        self.lr_scheduler = build_lr_scheduler(self.optimizer, optimizer_config)
+        self.checkpoint_manager = FSDPCheckpointManager(
+            model=self.module,
+            optimizer=self.optimizer,
+            lr_scheduler=self.lr_scheduler,
+            processing_class=tokenizer,
+            checkpoint_config=checkpoint_config,
+        )
+
+    @classmethod
+    def init_parallel(cls, engine_config) -> int:
+        """Every rank is a data-parallel rank (FSDP shards the model over them)."""
+        return dist.get_world_size()
+
+    def train_mode(self) -> None:
+        self.module.train()
+
+    def eval_mode(self) -> None:
+        self.module.eval()
+
+    def _offload(self, optimizer: bool) -> None:
+        from verl.utils.fsdp_utils import offload_fsdp_model_to_cpu, offload_fsdp_optimizer
+
+        if self.param_offload:
+            offload_fsdp_model_to_cpu(self.module)
+        if optimizer and self.optimizer_offload and self.optimizer is not None:
+            offload_fsdp_optimizer(self.optimizer)
+
+    @contextlib.contextmanager
+    def on_device(self, optimizer: bool = False):
+        from verl.utils.fsdp_utils import load_fsdp_model_to_device, load_fsdp_optimizer
+
+        if self.param_offload:
+            load_fsdp_model_to_device(self.module)
+        if optimizer and self.optimizer_offload and self.optimizer is not None:
+            load_fsdp_optimizer(self.optimizer)
+        try:
+            yield
+        finally:
+            self._offload(optimizer)
+
+    @property
+    def hf_config(self):
+        return getattr(self.module, "config", None)
+
+    def get_per_tensor_param(self, dtype: torch.dtype | None = None):
+        """With LoRA, the merged weights `W + scaling * B @ A` under plain HF names. `dtype` casts
+        each shard before its all-gather, or, with LoRA, each merged weight (the merge itself runs
+        in at least float32)."""
+        from verl.utils.fsdp_utils import iter_full_params
+
+        if not self.lora:
+            return iter_full_params(self.module, dtype=dtype)
+        from verl.utils.lora import lora_scalings, merge_lora_state
+
+        merged = merge_lora_state(iter_full_params(self.module), lora_scalings(self.module))
+        return merged if dtype is None else cast_floating(merged, dtype)
+
+    def disable_adapter(self):
+        return self.module.disable_adapter() if self.lora else contextlib.nullcontext()
+
+    def _require_optimizer(self, method: str) -> None:
+        if self.optimizer is None:
+            raise RuntimeError(f"{method}: this engine was built without an optimizer_config (a frozen model)")
+
+    def lr_scheduler_step(self) -> float:
+        self._require_optimizer("lr_scheduler_step")
+        lr = self.lr_scheduler.get_last_lr()[0]
+        self.lr_scheduler.step()
+        return lr
+
+    def save_checkpoint(self, local_path: str, global_step: int = 0, max_ckpt_to_keep: int | None = None) -> None:
+        self._require_optimizer("save_checkpoint")
+        with self.on_device(optimizer=True):  # the checkpoint manager reads state on the device
+            self.checkpoint_manager.save_checkpoint(
+                local_path, global_step=global_step, max_ckpt_to_keep=max_ckpt_to_keep
+            )
+
+    def load_checkpoint(self, local_path: str) -> None:
+        self._require_optimizer("load_checkpoint")
+        with self.on_device(optimizer=True):
+            self.checkpoint_manager.load_checkpoint(local_path)
+
+
+@EngineRegistry.register(model_type="language_model", backend=["fsdp", "fsdp2"])
+class FSDPEngineWithLMHead(FSDPEngine):
+    """A causal LM (actor, reference policy) on FSDP2."""
+
+    value_head = False
+
+
+@EngineRegistry.register(model_type="value_model", backend=["fsdp", "fsdp2"])
+class FSDPEngineWithValueHead(FSDPEngine):
+    """A value model (critic) on FSDP2: the LM body with a one-output token head."""
+
+    value_head = True

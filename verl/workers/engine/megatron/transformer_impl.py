@@ -1,0 +1,308 @@
+"""The Megatron-core engine: this rank's tensor/pipeline chunks of an HF model, converted on load.
+
+Design decisions:
+- Layout: the group's ranks are carved into megatron's tensor / context / pipeline / data parallel
+  groups (`init_parallel`, `verl.utils.megatron.parallel_state`); one rank per data-parallel
+  replica (tensor and context rank 0 on the last pipeline stage, where losses and log-probs live)
+  returns the replica's results (`is_mp_src_rank_with_outputs`).
+- Weights: every rank reads the HF checkpoint and keeps its shard (`verl.models.mcore.load_hf_state_dict`),
+  or, with `megatron.use_dist_checkpointing`, reads only its shards of a dist checkpoint made once
+  with `python -m verl.models.mcore.converter`; the rollout engine and `hf_model` checkpoints get
+  full HF-named tensors streamed one at a time (`get_per_tensor_param`, which the engine also
+  hands the checkpoint manager, so the manager needs no model converter of its own).
+- Optimizer: torch AdamW over this rank's shards with the FSDP backend's lr schedules (why not
+  megatron's optimizer: see `verl.workers.actor.megatron_actor`); `use_distributed_optimizer`
+  splits the Adam state over the data-parallel replicas (ZeRO-1). Checkpoints: dist_checkpointing
+  for weights and Adam moments, reshardable across layouts
+  (`verl.utils.checkpoint.megatron_checkpoint_manager`).
+- Offload (`megatron.param_offload` / `optimizer_offload`): parameters and Adam moments live on
+  the host between uses; no-ops on a CPU device.
+- No LoRA on this backend (`disable_adapter` is the base class's no-op).
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+
+from verl.single_controller.base.worker import dist_timeout_s
+from verl.utils import device as dev
+from verl.utils.config import omega_conf_to_dataclass
+from verl.utils.optim import local_optimizer
+from verl.workers.config import McoreEngineConfig, McoreOptimizerConfig
+from verl.workers.engine.base import BaseEngine, EngineRegistry
+from verl.workers.engine.utils import cast_floating, plain_section
+
+__all__ = [
+    "MegatronEngine",
+    "MegatronEngineWithLMHead",
+    "MegatronEngineWithValueHead",
+    "megatron_optim_settings",
+    "setup_parallel",
+]
+
+
+def setup_parallel(megatron_cfg) -> None:
+    """Megatron's process groups from a role's `megatron` section (built as `McoreEngineConfig`: keys
+    it leaves out take the class's defaults, no parallelism and seed 42)."""
+    from verl.utils.megatron.parallel_state import initialize_model_parallel
+
+    meg = (
+        megatron_cfg
+        if isinstance(megatron_cfg, McoreEngineConfig)
+        else omega_conf_to_dataclass(megatron_cfg, McoreEngineConfig)
+    )
+    initialize_model_parallel(
+        timeout_s=dist_timeout_s(),  # the deadline this process's group was created with
+        tensor_model_parallel_size=meg.tensor_model_parallel_size,
+        pipeline_model_parallel_size=meg.pipeline_model_parallel_size,
+        virtual_pipeline_model_parallel_size=meg.virtual_pipeline_model_parallel_size,
+        context_parallel_size=meg.context_parallel_size,
+        seed=meg.seed,
+        expert_model_parallel_size=meg.expert_model_parallel_size,
+        expert_tensor_parallel_size=meg.expert_tensor_parallel_size,
+    )
+
+
+def megatron_optim_settings(optim_cfg) -> dict:
+    """Upstream's Megatron optimizer section (optim/megatron.yaml, built as `McoreOptimizerConfig`) in
+    the spelling `build_lr_scheduler` reads: `lr_decay_style` is the schedule (lr_scheduler_type), and
+    the absolute floor `min_lr` of the cosine decay is `min_lr_ratio = min_lr / lr` (lr > 0 is the
+    class's own check). Keys the section leaves out take the class's (upstream's) defaults."""
+    if not isinstance(optim_cfg, McoreOptimizerConfig):
+        optim_cfg = omega_conf_to_dataclass(optim_cfg, McoreOptimizerConfig)
+    settings = {name: optim_cfg[name] for name in optim_cfg if name != "_target_"}
+    settings["lr_scheduler_type"] = optim_cfg.lr_decay_style
+    settings["min_lr_ratio"] = optim_cfg.min_lr / optim_cfg.lr
+    return settings
+
+
+class MegatronEngine(BaseEngine):
+    """This rank's megatron chunks (`chunks`) of the HF model at `model_config.path`, with AdamW over
+    its shards, the lr schedule and the checkpoint manager when built with an `optimizer_config`."""
+
+    value_head = False
+    """A [1, hidden] score head instead of the LM head (critic, reward model)."""
+
+    def __init__(
+        self,
+        model_config,
+        engine_config,
+        optimizer_config=None,
+        checkpoint_config=None,
+        tokenizer=None,
+        sequence_classifier: bool = False,
+    ):
+        """`sequence_classifier` (value head only): the head comes from a sequence-classification
+        checkpoint (a reward model, whose head has no bias: it gets a zero one) instead of a
+        token-classification one."""
+        from verl.models.mcore import (
+            build_model_chunks,
+            hf_to_mcore_config,
+            load_hf_state_dict,
+            megatron_dtypes,
+            set_compute_dtype,
+        )
+        from verl.utils.model import (
+            load_causal_lm,
+            load_model_config,
+            load_sequence_classifier,
+            load_valuehead_model,
+        )
+
+        for_training = optimizer_config is not None
+        value_head = self.value_head
+        meg = plain_section(engine_config)
+        trust = model_config.get("trust_remote_code", False)
+        overrides = plain_section(model_config.get("override_config"))
+        # a value model's saved config says one output, as the FSDP critic's does
+        config_overrides = {"num_labels": 1, **(overrides or {})} if value_head else overrides
+        self.hf_config = load_model_config(model_config.path, trust, config_overrides)
+        # fp32 parameters, the forward autocast to a 16-bit dtype (see verl.models.mcore.config)
+        param_dtype, compute_dtype = megatron_dtypes(meg.get("dtype", "auto"), for_training)
+        tf_config = hf_to_mcore_config(self.hf_config, meg, param_dtype, compute_dtype)
+        for key, value in (meg.get("override_transformer_config") or {}).items():
+            if not hasattr(tf_config, key):
+                raise ValueError(
+                    f"megatron.override_transformer_config.{key}: megatron's TransformerConfig has no field {key!r}"
+                )
+            setattr(tf_config, key, value)
+        self.chunks = build_model_chunks(self.hf_config, tf_config, value_head=value_head)
+        set_compute_dtype(self.chunks, compute_dtype)
+        if meg.get("use_dist_checkpointing"):
+            if sequence_classifier:
+                raise ValueError(
+                    "reward_model.megatron.use_dist_checkpointing=true: a reward model's score head comes from its HF "
+                    "checkpoint; set it to false"
+                )
+            self._load_dist_checkpoint(meg, int(meg.get("seed", 42)))
+        else:
+            if sequence_classifier:
+                loader = load_sequence_classifier
+            else:
+                loader = load_valuehead_model if value_head else load_causal_lm
+            hf_model = loader(model_config.path, trust_remote_code=trust, override_config=overrides)
+            state = {k: v for k, v in hf_model.state_dict().items()}
+            if sequence_classifier and "score.bias" not in state:
+                state["score.bias"] = torch.zeros(1, dtype=state["score.weight"].dtype)
+            if getattr(self.hf_config, "tie_word_embeddings", False):
+                state.pop("lm_head.weight", None)
+            load_hf_state_dict(self.chunks, state, self.hf_config, value_head=value_head)
+            del hf_model, state
+        for chunk in self.chunks:
+            chunk.to(dev.get_device())
+            if not for_training:
+                chunk.requires_grad_(False)
+        self.optimizer = None
+        self.param_offload = bool(meg.get("param_offload", False))
+        self.optimizer_offload = bool(meg.get("optimizer_offload", False)) and for_training
+        self._offload(optimizer=False)
+        if for_training:
+            self._build_optimizer(meg, optimizer_config, checkpoint_config, tokenizer)
+
+    def _build_optimizer(self, meg: dict, optimizer_config, checkpoint_config, tokenizer) -> None:
+        from verl.models.mcore.moe import optimizer_state_shard_group
+        from verl.utils.checkpoint.megatron_checkpoint_manager import MegatronCheckpointManager
+        from verl.utils.optim import build_lr_scheduler, build_optimizer
+
+        # use_distributed_optimizer: Adam state split over the replicas of this rank's parameters
+        # (ZeRO-1; the data-parallel ranks, fewer under expert parallelism)
+        shard_over = optimizer_state_shard_group() if meg.get("use_distributed_optimizer") else None
+        optim = megatron_optim_settings(optimizer_config)
+        self.optimizer = build_optimizer(
+            [p for p in self.parameters() if p.requires_grad], optim, shard_state_over=shard_over
+        )
+        self.lr_scheduler = build_lr_scheduler(self.optimizer, optim)
+        self.checkpoint_manager = MegatronCheckpointManager(
+            self.chunks,
+            self.optimizer,
+            self.lr_scheduler,
+            tokenizer,
+            checkpoint_config,
+            hf_config=self.hf_config,
+            hf_weights=self.get_per_tensor_param,
+        )
+
+    def _load_dist_checkpoint(self, meg: dict, seed: int) -> None:
+        """Weights from `megatron.dist_checkpointing_path` instead of the HF checkpoint (each rank reads
+        its shards only). A value head starts as HF initialises a token-classification head: normal
+        with the config's initializer_range, zero bias, the same on every rank."""
+        from verl.utils.checkpoint.megatron_checkpoint_manager import load_dist_checkpoint_weights
+
+        path = meg.get("dist_checkpointing_path")
+        if not path:
+            raise ValueError(
+                "megatron.use_dist_checkpointing=true needs megatron.dist_checkpointing_path (a dist checkpoint made "
+                "with `python -m verl.models.mcore.converter`)"
+            )
+        load_dist_checkpoint_weights(
+            self.chunks, path, value_head=self.value_head, prefix=meg.get("dist_checkpointing_prefix") or ""
+        )
+        head = self.chunks[-1].output_layer if self.value_head and hasattr(self.chunks[-1], "output_layer") else None
+        if head is not None:
+            generator = torch.Generator().manual_seed(seed)
+            std = float(getattr(self.hf_config, "initializer_range", 0.02))
+            with torch.no_grad():
+                head.weight.copy_(torch.randn(head.weight.shape, generator=generator) * std)
+                head.bias.zero_()
+
+    @classmethod
+    def init_parallel(cls, engine_config) -> int:
+        from megatron.core import parallel_state as mpu
+
+        setup_parallel(plain_section(engine_config))
+        return mpu.get_data_parallel_world_size()
+
+    @staticmethod
+    def is_mp_src_rank_with_outputs() -> bool:
+        from megatron.core import parallel_state as mpu
+
+        return (
+            mpu.get_tensor_model_parallel_rank() == 0
+            and mpu.get_context_parallel_rank() == 0
+            and mpu.is_pipeline_last_stage(ignore_virtual=True)
+        )
+
+    @staticmethod
+    def data_parallel_rank() -> int:
+        from megatron.core import parallel_state as mpu
+
+        return mpu.get_data_parallel_rank()
+
+    def parameters(self):
+        return [p for chunk in self.chunks for p in chunk.parameters()]
+
+    def train_mode(self) -> None:
+        for chunk in self.chunks:
+            chunk.train()
+
+    def eval_mode(self) -> None:
+        for chunk in self.chunks:
+            chunk.eval()
+
+    def _offload(self, optimizer: bool) -> None:
+        from verl.utils.fsdp_utils import offload_fsdp_model_to_cpu, offload_fsdp_optimizer
+
+        if self.param_offload:
+            for chunk in self.chunks:
+                offload_fsdp_model_to_cpu(chunk)
+        if optimizer and self.optimizer_offload and self.optimizer is not None:
+            offload_fsdp_optimizer(local_optimizer(self.optimizer))
+
+    @contextlib.contextmanager
+    def on_device(self, optimizer: bool = False):
+        from verl.utils.fsdp_utils import load_fsdp_model_to_device, load_fsdp_optimizer
+
+        if self.param_offload:
+            for chunk in self.chunks:
+                load_fsdp_model_to_device(chunk)
+        if optimizer and self.optimizer_offload and self.optimizer is not None:
+            load_fsdp_optimizer(local_optimizer(self.optimizer))
+        try:
+            yield
+        finally:
+            self._offload(optimizer)
+
+    def get_per_tensor_param(self, dtype: torch.dtype | None = None):
+        """A collective over the tensor and pipeline groups; `dtype` casts each tensor once gathered."""
+        from verl.models.mcore import mcore_to_hf_named_tensors
+
+        params = mcore_to_hf_named_tensors(self.chunks, self.hf_config, value_head=self.value_head)
+        return params if dtype is None else cast_floating(params, dtype)
+
+    def _require_optimizer(self, method: str) -> None:
+        if self.optimizer is None:
+            raise RuntimeError(f"{method}: this engine was built without an optimizer_config (a frozen model)")
+
+    def lr_scheduler_step(self) -> float:
+        self._require_optimizer("lr_scheduler_step")
+        lr = self.lr_scheduler.get_last_lr()[0]
+        self.lr_scheduler.step()
+        return lr
+
+    def save_checkpoint(self, local_path: str, global_step: int = 0, max_ckpt_to_keep: int | None = None) -> None:
+        self._require_optimizer("save_checkpoint")
+        with self.on_device(optimizer=True):
+            self.checkpoint_manager.save_checkpoint(
+                local_path, global_step=global_step, max_ckpt_to_keep=max_ckpt_to_keep
+            )
+
+    def load_checkpoint(self, local_path: str) -> None:
+        self._require_optimizer("load_checkpoint")
+        with self.on_device(optimizer=True):
+            self.checkpoint_manager.load_checkpoint(local_path)
+
+
+@EngineRegistry.register(model_type="language_model", backend="megatron")
+class MegatronEngineWithLMHead(MegatronEngine):
+    """A causal LM (actor, reference policy) on megatron-core."""
+
+    value_head = False
+
+
+@EngineRegistry.register(model_type="value_model", backend="megatron")
+class MegatronEngineWithValueHead(MegatronEngine):
+    """A value model (critic; with `sequence_classifier`, a reward model) on megatron-core."""
+
+    value_head = True

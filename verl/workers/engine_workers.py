@@ -1,0 +1,733 @@
+"""The Ray-facing role workers, written once on the training-engine interface (`verl.workers.engine`).
+
+`ActorRolloutRefWorker`, `CriticWorker` and `RewardModelWorker` here hold every RPC body; a
+backend's module (`verl.workers.fsdp_workers`, `verl.workers.megatron_workers`) names its
+`strategy` (the `EngineRegistry` key), builds its actor/critic around the engine, and registers
+the data RPCs with its dispatch. The trainer never learns which backend it drives.
+
+`ActorRolloutRefWorker(config, role)` is built by composition: the role string decides once, in
+`__init__`, which of three parts exist: the actor (an engine with optimizer, lr schedule and
+checkpoints, and the actor logic around it), the rollout (the generation engine, fed weights from
+the actor before each generation and put to sleep afterwards: the hybrid engine) and the
+reference (a frozen engine, or with LoRA the actor's own engine with its adapters off). Every RPC
+delegates to its part; calling an RPC whose part this role lacks is a clear error.
+
+A backend with model parallelism (megatron) returns each data-parallel replica's results from one
+rank (`BaseEngine.is_mp_src_rank_with_outputs`); only that rank builds a generation engine, the
+others of the replica take part in the weight gather (a collective) and return nothing.
+
+Batch-size normalisation follows upstream: `ppo_mini_batch_size` counts prompts, so it is
+multiplied by `rollout.n` and divided by the data-parallel size; `*_micro_batch_size_per_gpu` is
+already per rank.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import time
+
+import torch
+import torch.distributed as dist
+from omegaconf import DictConfig, open_dict
+
+from verl.protocol import DataProto
+from verl.single_controller.base import Worker
+from verl.single_controller.base.decorator import Dispatch, register
+from verl.utils import device as dev
+from verl.utils.logging_utils import get_logger
+from verl.utils.profiler import DistProfiler, DistProfilerExtension
+from verl.utils.speed_paths import SpeedPath
+from verl.utils.speed_paths import merge as merge_speed_paths
+from verl.utils.ulysses import SP_KEY
+from verl.workers.engine import BaseEngine, EngineRegistry
+from verl.workers.ulysses_rows import UlyssesRows, scale_token_budgets
+
+logger = get_logger(__name__)
+
+_ROLES = {
+    "actor": ("actor",),
+    "rollout": ("rollout",),
+    "ref": ("ref",),
+    "actor_rollout": ("actor", "rollout"),
+    "actor_rollout_ref": ("actor", "rollout", "ref"),
+}
+
+
+def _join_group(worker: Worker, timeout_s=None) -> None:
+    """Join the group's torch.distributed group once per process (colocated roles share it: the
+    first role built, the actor in main_ppo's pools, sets the backend and the timeout).
+
+    `timeout_s` is the role's `nccl_timeout` (`actor_rollout_ref.nccl_timeout`; None: the
+    `VERL_DIST_TIMEOUT_S` / 600 s default). The backend is gloo on CPU and `cpu:gloo,cuda:nccl` on
+    GPU (see `verl.single_controller.base.worker`). Seeds torch identically on every rank, so
+    freshly initialised weights (a critic's value head) agree across ranks; `_seed_sampling` later
+    gives each rank its own sampling stream.
+    """
+    if not dist.is_initialized():
+        worker.init_process_group(timeout_s=None if timeout_s is None else float(timeout_s))
+    dev.set_device()
+    torch.manual_seed(_SEED)
+    # One CPU bundle per worker: use the threads Ray granted, not every core of the machine.
+    if not dev.is_cuda_available():
+        torch.set_num_threads(max(1, int(os.environ.get("OMP_NUM_THREADS", 1))))
+
+
+_SEED = 0
+
+
+def _seed_sampling() -> None:
+    """A per-rank random stream for sampling, so a fixed-seed run is reproducible (checkpoints save it)."""
+    torch.manual_seed(_SEED + dist.get_rank())
+
+
+def _normalize_batch_sizes(actor_cfg: DictConfig, rollout_n: int, dp_size: int) -> None:
+    """Turn prompt-counted global sizes into per-rank sample counts, with errors that say how to fix."""
+    with open_dict(actor_cfg):
+        global_mini = actor_cfg.ppo_mini_batch_size * rollout_n
+        if global_mini % dp_size:
+            raise ValueError(
+                f"actor.ppo_mini_batch_size={actor_cfg.ppo_mini_batch_size} x rollout.n={rollout_n} = {global_mini} "
+                f"samples is not divisible by the {dp_size} data-parallel ranks; choose a mini-batch size "
+                f"so that the product is a multiple of {dp_size}"
+            )
+        actor_cfg.ppo_mini_batch_size = global_mini // dp_size
+        micro = actor_cfg.get("ppo_micro_batch_size_per_gpu")
+        per_rank = actor_cfg.ppo_mini_batch_size
+        if not actor_cfg.get("use_dynamic_bsz", False) and micro and micro < per_rank and per_rank % micro:
+            raise ValueError(
+                f"the per-rank mini-batch of {per_rank} samples is not divisible by "
+                f"actor.ppo_micro_batch_size_per_gpu={micro}; pick a micro-batch size that divides it"
+            )
+
+
+# per-rank token budgets that count tokens per micro-batch: with sp > 1 a rank holds 1/sp of them
+_CRITIC_TOKEN_BUDGETS = ("ppo_max_token_len_per_gpu", "forward_max_token_len_per_gpu")
+
+
+def _actor_ulysses_rows(config: DictConfig) -> UlyssesRows:
+    """The actor's (and reference's) dp x sp layout; the reference runs with the actor's size."""
+    sp = int((config.get("actor") or {}).get(SP_KEY, 1) or 1)
+    ref_sp = (config.get("ref") or {}).get(SP_KEY)
+    if "ref" in config and ref_sp is not None and int(ref_sp) != sp:
+        raise ValueError(
+            f"actor_rollout_ref.ref.{SP_KEY}={ref_sp} differs from actor_rollout_ref.actor.{SP_KEY}={sp}: the "
+            "reference shares the actor's workers and their sequence-parallel groups; set both to the same value"
+        )
+    rows = UlyssesRows(sp, "actor_rollout_ref.actor")
+    with open_dict(config):
+        scale_token_budgets(config.actor, ("ppo_max_token_len_per_gpu",), rows.sp)
+        for part in ("rollout", "ref"):
+            if config.get(part) is not None:
+                scale_token_budgets(config[part], ("log_prob_max_token_len_per_gpu",), rows.sp)
+    return rows
+
+
+def _log_prob_meta(data: DataProto, cfg: DictConfig, temperature: float) -> None:
+    data.meta_info.setdefault("micro_batch_size", cfg.get("log_prob_micro_batch_size_per_gpu") or len(data))
+    data.meta_info.setdefault("use_dynamic_bsz", cfg.get("log_prob_use_dynamic_bsz", False))
+    data.meta_info.setdefault("max_token_len", cfg.get("log_prob_max_token_len_per_gpu", 16384))
+    data.meta_info.setdefault("temperature", temperature)
+
+
+@contextlib.contextmanager
+def _device_timer():
+    """Seconds of the work inside the block, device included: synchronised on entry and exit (the
+    device runs behind the host, so an unsynchronised clock would read the launches, not the work).
+    Yields a one-element list that holds the seconds after the block."""
+    seconds = [0.0]
+    dev.synchronize()
+    start = time.perf_counter()
+    yield seconds
+    dev.synchronize()
+    seconds[0] = time.perf_counter() - start
+
+
+def _mfu_metric(flops: float | None, seconds: float, dp_size: int) -> float | None:
+    """perf/mfu of an update: the FLOPs its model ran on this rank (`FlopsTally.total`), over all ranks
+    (`verl.utils.flops_counter.mfu_over_ranks`, a collective where a peak is known)."""
+    from verl.utils.flops_counter import mfu_over_ranks
+
+    if flops is None:
+        return None
+    return mfu_over_ranks(flops, seconds, dp_size)
+
+
+def _model_speed_paths(model_cfg, trainer, role_cfg=None) -> list[SpeedPath]:
+    """Remove padding and fused kernels of an actor, reference or critic (`trainer`) built from
+    `model_cfg` (see `verl.utils.speed_paths`); `role_cfg` (the actor section) can ask for the
+    fused kernels too (`actor.use_fused_kernels`, which upstream's YAML takes from the model's)."""
+    remove_padding = bool(model_cfg.get("use_remove_padding", False))
+    packs = remove_padding and bool(getattr(trainer, "use_remove_padding", False))
+    fused = bool(model_cfg.get("use_fused_kernels", False) or model_cfg.get("use_liger", False))
+    fused = fused or bool((role_cfg or {}).get("use_fused_kernels", False))
+    return [
+        SpeedPath(
+            "remove_padding",
+            remove_padding,
+            packs,
+            ""
+            if packs or not remove_padding
+            else f"{type(trainer).__name__} does not implement it: it runs padded rows",
+        ),
+        SpeedPath(
+            "fused_kernels",
+            fused,
+            False,
+            "not implemented (use_fused_kernels and use_liger are accepted for upstream configs): log-probs and "
+            "entropies run as chunked torch kernels, which bound memory the way the fused ones do"
+            if fused
+            else "",
+        ),
+    ]
+
+
+def rollout_dtype(rollout_cfg) -> torch.dtype:
+    """The dtype the rollout engine holds its weights in (`rollout.dtype`; auto: bf16 on an
+    accelerator, fp32 on CPU): what weight sync casts to before gathering and sending."""
+    from verl.workers.rollout.native.engine import resolve_dtype
+
+    return resolve_dtype(rollout_cfg.get("dtype", "auto"), dev.get_device())
+
+
+def sync_rollout_weights(engine: BaseEngine, rollout, dtype: torch.dtype) -> None:
+    """The hybrid engine's weight sync: the trained model's full weights, cast to the rollout's
+    `dtype` shard by shard, streamed into `rollout` (woken up first). Every rank calls it (the
+    gathers are collectives); a rank without an engine (`rollout` None) only takes part in them.
+    `engine` is the actor's training engine (`verl.workers.engine.BaseEngine`)."""
+    with engine.on_device():
+        params = engine.get_per_tensor_param(dtype)
+        if rollout is None:
+            for _ in params:
+                pass
+        else:
+            rollout.wake_up()
+            rollout.update_weights(params)
+
+
+class _PendingWeights:
+    """A rollout-only worker's `WeightRefresh` for partial rollouts (see `HFRollout`): newer weights are
+    pending once the trainer has announced a version newer than the one this worker holds."""
+
+    def __init__(self, worker: ActorRolloutRefWorker):
+        self.worker = worker
+
+    @property
+    def version(self) -> int:
+        return self.worker.weight_version
+
+    def pending(self) -> bool:
+        latest = self.worker._weight_receiver.latest_version()
+        received = self.worker._received_version
+        return latest is not None and (received is None or latest > received)
+
+    def load(self) -> int:
+        self.worker._load_weight_version(self.worker._weight_receiver.latest_version())
+        return self.version
+
+
+class ActorRolloutRefWorker(Worker, DistProfilerExtension):
+    """Actor (training engine), rollout (generation engine) and reference policy, in any combination.
+
+    A backend's subclass sets `strategy` (its engines' `EngineRegistry` key) and implements
+    `_actor_engine_config`, `_ref_engine_config` and `_make_actor`; one with model parallelism also
+    re-registers the data RPCs with its own dispatch (`_register_outputs` says which rank returns them).
+    """
+
+    strategy: str = ""
+    """The training backend: the `EngineRegistry` key of this worker's engines."""
+
+    def __init__(
+        self, config: DictConfig, role: str, project_name: str | None = None, experiment_name: str | None = None
+    ):
+        super().__init__()
+        # the trainer's names, for the agent-loop rollout's traces (this config is actor_rollout_ref only)
+        self.trace_names = {"project_name": project_name, "experiment_name": experiment_name}
+        if role not in _ROLES:
+            raise ValueError(f"unknown worker role {role!r}; valid roles: {sorted(_ROLES)}")
+        self.config = config
+        self.role = role
+        self.parts = _ROLES[role]
+        os.environ["VERL_ROLE"] = role
+        _join_group(self, config.get("nccl_timeout"))
+        # the profiler section of the part this worker trains or runs first (upstream's choice)
+        profiled = next(part for part in ("actor", "rollout", "ref") if part in self.parts)
+        self.init_profiler(self.rank, (config.get(profiled) or {}).get("profiler"), role)
+        self.ulysses = _actor_ulysses_rows(config)
+        self.dp_size = self._data_parallel_size() // self.ulysses.sp
+        with open_dict(self.config):  # the actor's own key (upstream's dp_actor) follows the model's by default
+            remove_padding = self.config.actor.get("use_remove_padding")
+            if remove_padding is None:
+                remove_padding = self.config.model.get("use_remove_padding", False)
+            self.config.actor.use_remove_padding = bool(remove_padding)
+        if "actor" in self.parts:
+            _normalize_batch_sizes(self.config.actor, self.config.rollout.n, self.dp_size)
+        self.actor = self.rollout = self.ref = None
+        # Asynchronous training (separate pools): the weight version a rollout-only worker holds,
+        # stamped on every sample it generates; None in the hybrid engine (always current weights).
+        self.weight_version: int | None = 0 if self.parts == ("rollout",) else None
+        self._weight_sync_store = self._weight_sender = self._weight_receiver = None
+        # The last version taken from the weight-sync group: every version sent must be taken once
+        # (its buckets are collectives), by receive_weights or mid-generation by a partial rollout.
+        self._received_version: int | None = None
+
+    def _need(self, part: str, method: str):
+        if part not in self.parts:
+            raise RuntimeError(f"{method} needs the {part} part, but this worker has role {self.role!r}")
+        return getattr(self, part)
+
+    # ------------------------------------------------------------ backend hooks
+    def _actor_engine_config(self):
+        """The actor's engine section (`fsdp_config`, `megatron`, ...) in this backend's place for it."""
+        raise NotImplementedError(f"{type(self).__name__} names no actor engine section")
+
+    def _ref_engine_config(self):
+        """The reference policy's engine section."""
+        raise NotImplementedError(f"{type(self).__name__} names no reference engine section")
+
+    def _make_actor(self, engine: BaseEngine, trains: bool):
+        """The actor logic (log-probs, entropy, policy update) around `engine`; without `trains`, a
+        log-prob scorer (the reference policy) that cannot update the weights."""
+        raise NotImplementedError(f"{type(self).__name__} builds no actor")
+
+    def _register_outputs(self) -> None:
+        """Tell a mesh dispatch which rank returns each data-parallel replica's results (no-op: every rank)."""
+
+    # ------------------------------------------------------------ engine-backed parts
+    def _data_parallel_size(self) -> int:
+        """Data-parallel replicas of this backend's layout (sets up its process groups)."""
+        engine_cls = EngineRegistry.get_engine_cls("language_model", self.strategy)
+        dp_size = engine_cls.init_parallel(self._actor_engine_config())
+        self.is_collect = engine_cls.is_mp_src_rank_with_outputs()
+        self._register_outputs()
+        return dp_size
+
+    def _build_actor(self):
+        """(engine, actor) of the trained policy."""
+        cfg = self.config
+        engine = EngineRegistry.new(
+            "language_model",
+            self.strategy,
+            cfg.model,
+            self._actor_engine_config(),
+            cfg.actor.optim,
+            cfg.actor.get("checkpoint"),
+            self.tokenizer,
+        )
+        return engine, self._make_actor(engine, trains=True)
+
+    def _build_ref(self):
+        """(engine, log-prob scorer) of the frozen reference policy."""
+        if self.actor is not None and self.actor_model.lora:
+            # the frozen base under the adapters is the initial policy: no second copy of the weights
+            engine = self.actor_model
+        else:
+            engine = EngineRegistry.new("language_model", self.strategy, self.config.model, self._ref_engine_config())
+        # Only compute_log_prob is used, which reads the actor's model-side keys (remove padding, ...).
+        return engine, self._make_actor(engine, trains=False)
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def init_model(self) -> None:
+        from verl.utils.tokenizer import hf_tokenizer
+
+        cfg = self.config
+        self.tokenizer = hf_tokenizer(cfg.model.get("tokenizer_path") or cfg.model.path)
+        if "actor" in self.parts:
+            self.actor_model, self.actor = self._build_actor()
+        if "rollout" in self.parts and self.is_collect:
+            from verl.workers.rollout import get_rollout_class
+            from verl.workers.rollout.base import runs_agent_loops
+
+            rollout_cls = get_rollout_class(cfg.rollout.name)
+            self.rollout = rollout_cls(cfg.model.path, config=cfg.rollout, tokenizer=self.tokenizer)
+            if runs_agent_loops(cfg.rollout):
+                from verl.experimental.agent_loop import AgentLoopRollout
+
+                # agent loops (tool calls, or the loops a config file registers) over the same engine;
+                # weight sync and sleep pass through
+                self.rollout = AgentLoopRollout(self.rollout, cfg.rollout, self.tokenizer, **self.trace_names)
+            if self.actor is not None:
+                self.rollout.sleep()  # weights arrive from the actor before each generation
+        if "ref" in self.parts:
+            self.ref_model, self.ref = self._build_ref()
+        _seed_sampling()
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def speed_paths(self) -> list[dict]:
+        """This rank's speed paths (`verl.utils.speed_paths`) as dicts: the actor's and reference's
+        shared-prompt forward, remove padding and fused kernels, and the rollout engine's."""
+        paths = []
+        for part in (self.actor, self.ref):
+            if part is None:
+                continue
+            shared = getattr(part, "shared_prompt_path", None)
+            if shared is None:
+                requested = bool(self.config.actor.get("share_prompt_forward", True))
+                shared = SpeedPath(
+                    "shared_prompt_forward", requested, False, f"{type(part).__name__} has no shared-prompt forward"
+                )
+            paths += [shared, *_model_speed_paths(self.config.model, part, self.config.get("actor"))]
+        if self.rollout is not None:
+            paths += self.rollout.speed_paths()
+        return [path.to_dict() for path in merge_speed_paths(paths)]
+
+    @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO)
+    @DistProfiler.annotate("generate_sequences")
+    def generate_sequences(self, prompts: DataProto) -> DataProto:
+        """Sync weights into the engine (hybrid engine), generate, then put the engine to sleep.
+
+        A rank without an engine (not `is_collect`) takes part in the weight gather, a
+        collective, and returns an empty DataProto, which its dispatch mode does not collect."""
+        rollout = self._need("rollout", "generate_sequences")
+        metrics = {}
+        if self.actor is not None:
+            start = time.perf_counter()
+            sync_rollout_weights(self.actor_model, rollout, rollout_dtype(self.config.rollout))
+            metrics["timing_s/update_weights"] = time.perf_counter() - start
+        if rollout is None:
+            return DataProto()
+        start = time.perf_counter()
+        output = rollout.generate_sequences(prompts)
+        metrics["timing_s/generate_sequences"] = time.perf_counter() - start
+        if self.actor is not None and self.config.rollout.get("free_cache_engine", True):
+            rollout.sleep()
+        output.meta_info["metrics"] = {**output.meta_info.get("metrics", {}), **metrics}
+        if self.weight_version is not None and "weight_version" not in output.non_tensor_batch:
+            import numpy as np
+
+            # one version for the whole request (a partial rollout sets each row's oldest and newest itself)
+            for key in ("weight_version", "weight_version_max"):
+                output.non_tensor_batch[key] = np.full(len(output), self.weight_version, dtype=np.int64)
+        dev.empty_cache()
+        return output
+
+    # ---------------------------------------------- weight transfer between separate pools (async training)
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def host_weight_sync(self, timeout_s: float) -> tuple[str, int] | None:
+        """Actor rank 0 hosts the weight-sync rendezvous store: returns its (host, port); None elsewhere."""
+        self._need("actor", "host_weight_sync")
+        if self.rank != 0:
+            return None
+        from verl.workers.weight_sync import host_weight_sync_store
+
+        self._weight_sync_store, host, port = host_weight_sync_store(timeout_s)
+        return host, port
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL, blocking=False)
+    def init_weight_sync(self, host: str, port: int, world_size: int, timeout_s: float, bucket_megabytes: int) -> None:
+        """Join the trainer->rollout weight-sync group: actor rank 0 as sender (group rank 0), rollout
+        rank r as receiver r + 1. Both pools must call it concurrently (the rendezvous waits for all)."""
+        from verl.workers.weight_sync import WeightReceiver, WeightSender, connect_store
+
+        if self.actor is not None:
+            if self.rank == 0:
+                self._weight_sender = WeightSender(
+                    self._weight_sync_store, world_size, timeout_s, bucket_bytes=int(bucket_megabytes) << 20
+                )
+            return
+        self._need("rollout", "init_weight_sync")
+        store = connect_store(host, port, timeout_s)
+        self._weight_receiver = WeightReceiver(store, self.rank + 1, world_size, timeout_s)
+        self.rollout.weight_refresh = _PendingWeights(self)  # engines without partial rollouts ignore it
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL, blocking=False)
+    def send_weights(self, version: int) -> dict[str, float]:
+        """Gather the full weights (every actor rank takes part) and start broadcasting them from rank 0
+        in the background; returns once rank 0 holds its copy, so the next update can start."""
+        self._need("actor", "send_weights")
+        start = time.perf_counter()
+        with self.actor_model.on_device():  # pack() copies the weights: the background send needs no params
+            # cast to what the rollout engines hold before gathering: rank 0 keeps a bf16 copy, not fp32
+            params = self.actor_model.get_per_tensor_param(rollout_dtype(self.config.rollout))
+            if self._weight_sender is None:
+                for _ in params:  # the gathers are collectives: every rank iterates to the end
+                    pass
+            else:
+                self._weight_sender.send_async(version, self._weight_sender.pack(params))
+        return {"timing_s/gather_weights": time.perf_counter() - start}
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL, blocking=False)
+    def receive_weights(self, version: int) -> dict[str, float]:
+        """Load weight `version` from the trainer into this rollout engine; later samples carry it.
+        A no-op when a partial rollout already took this version in the middle of a generation."""
+        self._need("rollout", "receive_weights")
+        if self._weight_receiver is None:
+            raise RuntimeError("receive_weights before init_weight_sync: the weight-sync group does not exist yet")
+        if self._received_version is not None and self._received_version >= version:
+            return {}
+        start = time.perf_counter()
+        self._load_weight_version(int(version))
+        return {"timing_s/receive_weights": time.perf_counter() - start}
+
+    def _load_weight_version(self, version: int) -> None:
+        self.rollout.update_weights(self._weight_receiver.receive(version))
+        self.weight_version = self._received_version = version
+
+    @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO)
+    @DistProfiler.annotate("compute_log_prob")
+    def compute_log_prob(self, data: DataProto) -> DataProto:
+        actor = self._need("actor", "compute_log_prob")
+        data = self.ulysses.gather(data)
+        _log_prob_meta(data, self.config.rollout, self.config.rollout.temperature)
+        # the optimal token baseline needs sum_v pi_v^2 per token (actor.calculate_sum_pi_squared)
+        stats = ("entropy", "sum_pi_squared") if self.config.actor.get("calculate_sum_pi_squared") else ("entropy",)
+        with self.actor_model.on_device():
+            log_probs, values = actor.compute_log_prob_and_stats(data, stats)
+        tensors = {"old_log_probs": log_probs, "entropys": values["entropy"]}
+        if "sum_pi_squared" in values:
+            tensors["sum_pi_squared"] = values["sum_pi_squared"]
+        return self.ulysses.own(DataProto.from_dict(tensors=tensors))
+
+    @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO)
+    @DistProfiler.annotate("compute_ref_log_prob")
+    def compute_ref_log_prob(self, data: DataProto) -> DataProto:
+        ref = self._need("ref", "compute_ref_log_prob")
+        data = self.ulysses.gather(data)
+        _log_prob_meta(data, self.config.get("ref", {}) or self.config.rollout, self.config.rollout.temperature)
+        with self.ref_model.on_device(), self.ref_model.disable_adapter():
+            log_probs, _ = ref.compute_log_prob(data, calculate_entropy=False)
+        return self.ulysses.own(DataProto.from_dict(tensors={"ref_log_prob": log_probs}))
+
+    @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO)
+    @DistProfiler.annotate("update_actor")
+    def update_actor(self, data: DataProto) -> DataProto:
+        actor = self._need("actor", "update_actor")
+        data = self.ulysses.gather(data)
+        data.meta_info.setdefault("temperature", self.config.rollout.temperature)
+        start = time.perf_counter()
+        with self.actor_model.on_device(optimizer=True), _device_timer() as compute_s:
+            metrics = actor.update_policy(data)
+        metrics["actor/lr"] = self.actor_model.lr_scheduler_step()
+        metrics["perf/update_actor_s"] = time.perf_counter() - start  # with the offload transfers
+        # MFU: the FLOPs the update ran over its synchronised compute time, offload excluded
+        actor_mfu = _mfu_metric(actor.flops.total(), compute_s[0], self.dp_size)
+        if actor_mfu is not None:
+            metrics["perf/mfu/actor"] = actor_mfu
+        mem = dev.memory_stats()
+        for key in ("max_allocated_gb", "cpu_rss_gb"):
+            if key in mem:
+                metrics[f"perf/{'max_memory_allocated_gb' if key == 'max_allocated_gb' else key}"] = mem[key]
+        return DataProto(meta_info={"metrics": metrics})
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def save_checkpoint(self, local_path: str, global_step: int = 0, max_ckpt_to_keep: int | None = None) -> None:
+        self._need("actor", "save_checkpoint")
+        self.actor_model.save_checkpoint(local_path, global_step, max_ckpt_to_keep)
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def load_checkpoint(self, local_path: str, del_local_after_load: bool = False) -> None:
+        self._need("actor", "load_checkpoint")
+        self.actor_model.load_checkpoint(local_path)
+
+
+class CriticWorker(Worker, DistProfilerExtension):
+    """The value model (an LM body with a one-output token head), trained with the clipped value loss.
+
+    A backend's subclass sets `strategy` and implements `_engine_config` and `_make_critic`, as in
+    `ActorRolloutRefWorker`."""
+
+    strategy: str = ""
+
+    def __init__(self, config: DictConfig):
+        super().__init__()
+        self.config = config
+        os.environ["VERL_ROLE"] = "critic"
+        _join_group(self, config.get("nccl_timeout"))
+        self.init_profiler(self.rank, config.get("profiler"), "critic")
+        self.ulysses = UlyssesRows(int(config.get(SP_KEY, 1) or 1), "critic")
+        self.dp_size = dp = self._data_parallel_size() // self.ulysses.sp
+        with open_dict(self.config):
+            scale_token_budgets(self.config, _CRITIC_TOKEN_BUDGETS, self.ulysses.sp)
+            n = config.get("rollout_n", 1)
+            self.config.ppo_mini_batch_size = config.ppo_mini_batch_size * n // dp
+            self.config.use_remove_padding = config.model.get("use_remove_padding", False)
+
+    def _engine_config(self):
+        """The critic's engine section in this backend's place for it."""
+        raise NotImplementedError(f"{type(self).__name__} names no critic engine section")
+
+    def _make_critic(self, engine: BaseEngine):
+        """The critic logic (values, value update) around `engine`."""
+        raise NotImplementedError(f"{type(self).__name__} builds no critic")
+
+    def _register_outputs(self) -> None:
+        """As `ActorRolloutRefWorker._register_outputs`."""
+
+    def _data_parallel_size(self) -> int:
+        engine_cls = EngineRegistry.get_engine_cls("value_model", self.strategy)
+        dp_size = engine_cls.init_parallel(self._engine_config())
+        self.is_collect = engine_cls.is_mp_src_rank_with_outputs()
+        self._register_outputs()
+        return dp_size
+
+    def _build_critic(self):
+        """(engine, critic) of the value model."""
+        cfg = self.config
+        engine = EngineRegistry.new(
+            "value_model",
+            self.strategy,
+            cfg.model,
+            self._engine_config(),
+            cfg.optim,
+            cfg.get("checkpoint"),
+            self.tokenizer,
+        )
+        return engine, self._make_critic(engine)
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def init_model(self) -> None:
+        from verl.utils.tokenizer import hf_tokenizer
+
+        cfg = self.config
+        self.tokenizer = hf_tokenizer(cfg.model.get("tokenizer_path") or cfg.model.path)
+        self.critic_model, self.critic = self._build_critic()
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def speed_paths(self) -> list[dict]:
+        """This rank's speed paths (`verl.utils.speed_paths`) as dicts: the critic's remove padding and fused kernels."""
+        return [path.to_dict() for path in _model_speed_paths(self.config.model, self.critic)]
+
+    @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO)
+    @DistProfiler.annotate("compute_values")
+    def compute_values(self, data: DataProto) -> DataProto:
+        data = self.ulysses.gather(data)
+        micro = self.config.get("forward_micro_batch_size_per_gpu") or self.config.get("ppo_micro_batch_size_per_gpu")
+        data.meta_info.setdefault("micro_batch_size", micro or len(data))
+        data.meta_info.setdefault("use_dynamic_bsz", self.config.get("use_dynamic_bsz", False))
+        data.meta_info.setdefault("max_token_len", self.config.get("forward_max_token_len_per_gpu", 16384))
+        with self.critic_model.on_device():
+            values = self.critic.compute_values(data)
+        return self.ulysses.own(DataProto.from_dict(tensors={"values": values}))
+
+    @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO)
+    @DistProfiler.annotate("update_critic")
+    def update_critic(self, data: DataProto) -> DataProto:
+        data = self.ulysses.gather(data)
+        with self.critic_model.on_device(optimizer=True), _device_timer() as compute_s:
+            metrics = self.critic.update_critic(data)
+        metrics["critic/lr"] = self.critic_model.lr_scheduler_step()
+        critic_mfu = _mfu_metric(self.critic.flops.total(), compute_s[0], self.dp_size)
+        if critic_mfu is not None:
+            metrics["perf/mfu/critic"] = critic_mfu
+        return DataProto(meta_info={"metrics": metrics})
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def save_checkpoint(self, local_path: str, global_step: int = 0, max_ckpt_to_keep: int | None = None) -> None:
+        self.critic_model.save_checkpoint(local_path, global_step, max_ckpt_to_keep)
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def load_checkpoint(self, local_path: str, del_local_after_load: bool = False) -> None:
+        self.critic_model.load_checkpoint(local_path)
+
+
+def _keep_last_tokens(input_ids: torch.Tensor, attention_mask: torch.Tensor, max_length: int, pad_id: int):
+    """Each row's last `max_length` real tokens (the end of the response, which the score judges,
+    survives; the start of the prompt goes), right-padded with `pad_id` to the longest kept row."""
+    rows = [ids[mask.bool()][-max_length:] for ids, mask in zip(input_ids, attention_mask, strict=True)]
+    width = max(len(r) for r in rows)
+    out_ids = torch.full((len(rows), width), pad_id, dtype=input_ids.dtype)
+    out_mask = torch.zeros((len(rows), width), dtype=attention_mask.dtype)
+    for i, row in enumerate(rows):
+        out_ids[i, : len(row)] = row
+        out_mask[i, : len(row)] = 1
+    return out_ids, out_mask
+
+
+def _same_tokenizer(a, b) -> bool:
+    """Whether two HF tokenizers turn every chat into the same ids (same vocabulary, special tokens and
+    chat template)."""
+    return (
+        a.get_vocab() == b.get_vocab()
+        and a.all_special_tokens == b.all_special_tokens
+        and getattr(a, "chat_template", None) == getattr(b, "chat_template", None)
+    )
+
+
+class RewardModelWorker(Worker, DistProfilerExtension):
+    """Scores responses with a sequence-classification model; re-tokenises when its tokenizer differs.
+
+    A backend's subclass implements `_build_model` and `_sequence_scores` (and may re-register
+    `compute_rm_score` with its dispatch); inputs, re-tokenisation and the placement of the score on
+    the last response token are written here once."""
+
+    def __init__(self, config: DictConfig):
+        super().__init__()
+        self.config = config
+        os.environ["VERL_ROLE"] = "reward_model"
+        _join_group(self, config.get("nccl_timeout"))
+        self.init_profiler(self.rank, config.get("profiler"), "reward_model")
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def init_model(self) -> None:
+        self._build_model()
+        self._load_tokenizers()
+
+    def _build_model(self) -> None:
+        """Load the reward model on this rank (the backend's part)."""
+        raise NotImplementedError(f"{type(self).__name__} builds no reward model")
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def speed_paths(self) -> list[dict]:
+        """This rank's speed paths (`verl.utils.speed_paths`) as dicts: the reward model runs padded
+        rows, unfused (its `use_remove_padding` and `use_fused_kernels` are accepted for upstream configs)."""
+        return [path.to_dict() for path in _model_speed_paths(self.config.model, self)]
+
+    def _load_tokenizers(self) -> None:
+        """The reward model's tokenizer, and the policy's when responses must be re-tokenised: only
+        when `model.input_tokenizer` is set and differs from the reward model's (vocabulary or chat
+        template); with the same tokenizer the policy's token ids are already the model's input."""
+        from verl.utils.tokenizer import hf_tokenizer
+
+        model_cfg = self.config.model
+        self.rm_tokenizer = hf_tokenizer(model_cfg.path)
+        input_tok = model_cfg.get("input_tokenizer")
+        self.input_tokenizer = hf_tokenizer(input_tok) if input_tok else None
+        if self.input_tokenizer is not None and _same_tokenizer(self.input_tokenizer, self.rm_tokenizer):
+            self.input_tokenizer = None
+
+    def _rm_inputs(self, data: DataProto) -> tuple[torch.Tensor, torch.Tensor]:
+        """Token ids for the reward model (the policy's ids as they are, or re-tokenised chat text),
+        each row cut to its last `reward_model.max_length` tokens when it is longer."""
+        input_ids, attention_mask = self._rm_tokens(data)
+        max_length = self.config.get("max_length")
+        if max_length and int(attention_mask.sum(-1).max()) > int(max_length):
+            input_ids, attention_mask = _keep_last_tokens(input_ids, attention_mask, int(max_length), self._pad_id())
+        return input_ids, attention_mask
+
+    def _pad_id(self) -> int:
+        pad = self.rm_tokenizer.pad_token_id
+        return pad if pad is not None else (self.rm_tokenizer.eos_token_id or 0)
+
+    def _rm_tokens(self, data: DataProto) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.input_tokenizer is None:
+            return data.batch["input_ids"], data.batch["attention_mask"]
+        if "raw_prompt" not in data.non_tensor_batch:
+            raise ValueError(
+                "the reward model's tokenizer differs from the policy's (reward_model.model.input_tokenizer), so "
+                "its inputs are re-rendered from the prompt messages, but the batch has no 'raw_prompt'; set "
+                "data.return_raw_chat=true (main_ppo does when a reward model is enabled)"
+            )
+        texts = []
+        responses = data.batch["responses"]
+        response_mask = data.batch["response_mask"]
+        for i in range(len(data)):
+            response = self.input_tokenizer.decode(responses[i][response_mask[i].bool()], skip_special_tokens=True)
+            chat = list(data.non_tensor_batch["raw_prompt"][i]) + [{"role": "assistant", "content": response}]
+            texts.append(self.rm_tokenizer.apply_chat_template(chat, tokenize=False))
+        enc = self.rm_tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=False)
+        return enc["input_ids"], enc["attention_mask"]
+
+    def _sequence_scores(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        """One score per row [B] (float32, CPU) from the reward model (the backend's part)."""
+        raise NotImplementedError(f"{type(self).__name__} has no reward model forward")
+
+    @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO)
+    @DistProfiler.annotate("compute_rm_score")
+    def compute_rm_score(self, data: DataProto) -> DataProto:
+        seq_scores = self._sequence_scores(*self._rm_inputs(data))
+        # The score sits on the last valid response token, like a rule reward.
+        response_mask = data.batch["response_mask"]
+        last = (response_mask.sum(-1) - 1).clamp(min=0)
+        rm_scores = torch.zeros_like(response_mask, dtype=torch.float32)
+        rm_scores[torch.arange(len(data)), last] = seq_scores
+        return DataProto.from_dict(tensors={"rm_scores": rm_scores})
