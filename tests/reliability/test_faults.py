@@ -7,6 +7,10 @@ started from a terminal, with every process they start tracked (see reliability_
    tracker still names step 1, whose checkpoint is complete;
 2. the same command again resumes from step 1 and trains on; Ctrl-C (SIGINT to the process group,
    as a terminal sends it) then stops the driver and every worker cleanly, exit status 130.
+
+No verdict depends on the machine's speed: run 1 blocks at the start of step 2 (gated_reward.py)
+until the test has seen the tracker name step 1, and the signal tests wait for "step >= N", never
+for one exact tracker value that a fast run (or a starved test process) can step over.
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ import json
 import os
 import signal
 import time
+from pathlib import Path
 
 import psutil
 import pytest
@@ -51,12 +56,23 @@ def _long_run_saving_every_step(tmp, *extra: str) -> list[str]:
     ]
 
 
+GATED_REWARD = Path(__file__).with_name("gated_reward.py")
+SAMPLES_PER_STEP = 8  # small_run: 4 prompts x rollout.n=2
+
+
 @pytest.fixture(scope="module")
 def run_dir(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("faults")
-    # the HF export makes each save last long enough to be hit reliably
+    gate = tmp / "gate"
+    gate.mkdir()
     args = _long_run_saving_every_step(
-        tmp, "actor_rollout_ref.actor.checkpoint.save_contents=[model,optimizer,extra,hf_model]"
+        tmp,
+        # the HF export makes each save last long enough to be hit reliably
+        "actor_rollout_ref.actor.checkpoint.save_contents=[model,optimizer,extra,hf_model]",
+        # step 2 waits at its first reward until the test releases it (see gated_reward.py)
+        f"custom_reward_function.path={GATED_REWARD}",
+        f"+custom_reward_function.reward_kwargs.gate_dir={gate}",
+        f"+custom_reward_function.reward_kwargs.samples_per_step={SAMPLES_PER_STEP}",
     )
     return tmp, args
 
@@ -65,12 +81,15 @@ def run_dir(tmp_path_factory):
 def killed_during_save(run_dir):
     """Run 1: SIGKILL worker rank 1 as soon as step 2's checkpoint directory appears."""
     tmp, args = run_dir
-    ckpt = tmp / "ckpt"
+    ckpt, gate = tmp / "ckpt", tmp / "gate"
     proc, run_id, log = launch(args, tmp, "run1.log")
     try:
-        wait_for(lambda: tracker_step(ckpt) == 1, STARTUP_S, proc, what="the checkpoint of step 1")
+        # the run now holds still after step 1's save, however long this process waits for the CPU
+        wait_for(lambda: (gate / "waiting").exists(), STARTUP_S, proc, what="the start of step 2")
+        step_before = tracker_step(ckpt)
         victim = worker_pid(run_id, rank=1)
         listening = _listening_ports(run_id)
+        (gate / "release").touch()
         wait_for(lambda: (ckpt / "global_step_2").exists(), 120, proc, poll_s=0.005, what="the save of step 2")
         os.kill(victim, signal.SIGKILL)
         killed_at = time.monotonic()
@@ -88,6 +107,7 @@ def killed_during_save(run_dir):
         "exit_s": exit_s,
         "left": left,
         "log": log.read_text(errors="replace"),
+        "step_before": step_before,
         "step_at_kill": step_at_kill,
         "listening": listening,
     }
@@ -105,6 +125,7 @@ def _listening_ports(run_id: str) -> dict[int, str]:
 
 def test_kill_9_of_a_worker_fails_the_run_naming_role_and_rank_within_30_s(killed_during_save):
     result = killed_during_save
+    assert result["step_before"] == 1, "step 2 started before step 1's checkpoint was complete"
     assert result["step_at_kill"] == 1, "the kill landed after the save finished; the test did not hit the save"
     assert result["returncode"] == 1, result["log"][-3000:]
     assert result["exit_s"] < 30, f"the driver needed {result['exit_s']:.1f} s to fail"
@@ -135,11 +156,14 @@ def test_the_run_serves_no_dashboard(killed_during_save):
 
 
 def _signal_after_checkpoint(args, tmp, log_name: str, step: int, send) -> tuple[int, float, list[str], str]:
-    """Launch a run, `send(proc)` a signal once checkpoint `step` is saved, and wait for the end.
+    """Launch a run, `send(proc)` a signal once checkpoint `step` (or a later one) is saved, and wait
+    for the end. "Or later": a starved test may poll only after the run has saved the next step too.
     Returns (driver exit status, seconds from the signal to the exit, processes left, log text)."""
     proc, run_id, log = launch(args, tmp, log_name)
     try:
-        wait_for(lambda: tracker_step(tmp / "ckpt") == step, STARTUP_S, proc, what=f"the checkpoint of step {step}")
+        wait_for(
+            lambda: (tracker_step(tmp / "ckpt") or 0) >= step, STARTUP_S, proc, what=f"the checkpoint of step {step}"
+        )
         send(proc)
         sent_at = time.monotonic()
         returncode = proc.wait(timeout=60)

@@ -121,7 +121,9 @@ def test_killed_worker_fails_the_next_call_within_seconds(cpu_pool):
     start = time.monotonic()
     with pytest.raises(WorkerDiedError) as info:
         wg.update_actor(_data(4))
-    assert time.monotonic() - start < 10
+    # unnoticed, the death would surface only at the call deadline (VERL_RPC_TIMEOUT_S, 3600 s);
+    # 60 s is far from that and leaves Ray's death notice room on a loaded machine
+    assert time.monotonic() - start < 60
     err = info.value
     assert (err.role, err.rank, err.method) == ("actor_rollout", 1, "update_actor")
     assert "actor_rollout rank 1 died during update_actor()" in str(err)
@@ -210,7 +212,8 @@ def test_a_group_that_finds_no_room_on_its_pool_fails_naming_the_colocation_limi
             ResourceUnavailableError, match=r"worker group 'critic'.*ranks \[0\] of 1 did not start"
         ) as info:
             RayWorkerGroup(pool, RayClassWithInitArgs(Critic), role="critic")
-        assert time.monotonic() - start < 30
+        # 5 s placement deadline vs the 300 s default (or a hang): 60 s tells them apart on any load
+        assert time.monotonic() - start < 60
         assert "max_colocate_count=1" in str(info.value) and "VERL_PLACEMENT_TIMEOUT_S" in str(info.value)
         assert first.pid()  # the group already placed is untouched
     finally:

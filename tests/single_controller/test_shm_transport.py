@@ -321,7 +321,8 @@ def test_a_worker_dying_in_a_channel_call_is_reported_within_seconds(ray_session
         start = time.monotonic()
         with pytest.raises(WorkerDiedError) as info:
             wg.die_on_rank_1(_proto(512, seed=11))
-        assert time.monotonic() - start < 10
+        # unnoticed, the death would surface only at the call deadline (3600 s by default)
+        assert time.monotonic() - start < 60
         assert (info.value.rank, info.value.method) == (1, "die_on_rank_1")
         assert [f for pid in (os.getpid(), *pids) for f in _own_files(pid)] == []
     finally:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 
 import pytest
@@ -81,26 +82,46 @@ def slow_tool_script(tokenizer, slow_questions=()):
     return script
 
 
-async def slow(expression: str) -> str:
-    """A tool that takes half a second."""
-    await asyncio.sleep(0.5)
-    return "2"
+async def _wait_until(condition, timeout_s: float = 60.0) -> None:
+    """Poll `condition` on the tool's event loop. The timeout only ends a run whose tools do NOT overlap
+    (which the test then reports); an overlapping run meets the condition within milliseconds."""
+    deadline = time.monotonic() + timeout_s
+    while not condition() and time.monotonic() < deadline:
+        await asyncio.sleep(0.01)
 
 
-def test_many_episodes_with_a_slow_tool_take_about_one_tool_latency_not_the_sum(tokenizer, tiny_model):
-    questions = [f"What is {i}+1?" for i in range(16)]
+def test_many_episodes_with_a_slow_tool_run_their_tool_calls_concurrently(tokenizer, tiny_model):
+    # Concurrency proven without a clock: each call returns only once all 16 calls have started, so
+    # calls made one after another would each see only themselves (after the 60 s fallback).
+    n = 16
+    started, seen = [], []
+    lock = threading.Lock()
+
+    async def slow(expression: str) -> str:
+        with lock:
+            started.append(expression)
+        await _wait_until(lambda: len(started) >= n)
+        seen.append(len(started))
+        return "2"
+
+    questions = [f"What is {i}+1?" for i in range(n)]
     forced = ForcedRollout(tiny_model, slow_tool_script(tokenizer, slow_questions=questions))
     rollout = AgentLoopRollout(forced, rollout_config(256), tokenizer, tools=[FunctionTool(slow)])
-    start = time.monotonic()
     out = rollout.generate_sequences(question_batch(tokenizer, questions))
-    elapsed = time.monotonic() - start
-    assert elapsed < 4.0, f"16 episodes x 0.5 s tool took {elapsed:.1f} s: tool calls ran one after another"
-    assert out.non_tensor_batch["__num_turns__"].tolist() == [4] * 16
-    assert forced.batch_sizes[0] == 16 and sum(forced.batch_sizes) == 32
+    assert seen == [n] * n, f"calls in flight when each call ended: {seen}; the tool calls did not overlap"
+    assert out.non_tensor_batch["__num_turns__"].tolist() == [4] * n
+    assert forced.batch_sizes[0] == n and sum(forced.batch_sizes) == 2 * n
 
 
 def test_a_slow_tool_holds_back_only_its_own_conversation(tokenizer, tiny_model):
     questions = [f"What is {i}+1?" for i in range(8)]
+
+    async def slow(expression: str) -> str:
+        # returns only after the seven fast conversations have had their second turn (8 first turns +
+        # 7 second turns), so the verdict does not depend on how fast the machine runs them
+        await _wait_until(lambda: sum(forced.batch_sizes) >= 8 + 7)
+        return "2"
+
     forced = ForcedRollout(tiny_model, slow_tool_script(tokenizer, slow_questions=[questions[3]]))
     tools = [FunctionTool(slow), CalculatorTool()]
     AgentLoopRollout(forced, rollout_config(256), tokenizer, tools=tools).generate_sequences(

@@ -38,7 +38,8 @@ def test_an_endless_program_and_its_children_are_killed_at_the_deadline(tmp_path
     code = f"import subprocess, sys\nsubprocess.Popen([sys.executable, '-c', {child!r}])\nwhile True:\n    pass\n"
     start = time.monotonic()
     result = run_python(code, timeout_s=1.5)
-    assert result.timed_out and not result.ok and time.monotonic() - start < 10
+    # the program never ends by itself: 60 s (40x the deadline) proves the kill on any load
+    assert result.timed_out and not result.ok and time.monotonic() - start < 60
     time.sleep(3.5)
     assert not marker.exists()  # the background child died with the program
 

@@ -99,7 +99,9 @@ def test_prime_matches_naive_and_times_out_hanging_samples(char_tokenizer, make_
     manager = PrimeRewardManager(char_tokenizer, 0, compute_score=_slow_on_hang, num_processes=2, timeout=0.5)
     start = time.monotonic()
     out = manager(data, return_dict=True)
-    assert time.monotonic() - start < 5
+    # a sample's alarm that never fired would hang forever; 60 s leaves room for starting the
+    # processes on a loaded machine (the verdict is the timeout columns below, not the speed)
+    assert time.monotonic() - start < 60
     assert out["reward_tensor"].sum(dim=1).tolist() == [1.0, 0.0, 0.0, 1.0]
     assert out["reward_extra_info"]["reward_timeout"] == [0, 1, 0, 0]
     assert out["reward_extra_info"]["reward_error"] == [0, 1, 0, 0]

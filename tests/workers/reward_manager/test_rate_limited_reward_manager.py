@@ -1,4 +1,5 @@
-"""RateLimitedRewardManager ("rate_limited") and its token bucket: limits measured with a clock."""
+"""RateLimitedRewardManager ("rate_limited") and its token bucket: the bucket's waits on a virtual clock,
+the manager's limits with the real one."""
 
 import asyncio
 import threading
@@ -26,23 +27,45 @@ def test_registered_under_upstreams_key():
     assert get_reward_manager_cls("rate_limited") is RateLimitedRewardManager
 
 
-def test_token_bucket_waits_for_refill_at_the_configured_rate():
+class _VirtualTime:
+    """A clock that moves only when the bucket sleeps, so the bucket's waits are computed exactly and
+    do not depend on how busy the machine is (a real clock adds the time the process waits for a
+    CPU). It stands in for the `time` and `asyncio` names of the bucket's module; nothing else there
+    runs in this test."""
+
+    def __init__(self):
+        self.now = 100.0
+        self.sleeps = []
+
+    def monotonic(self) -> float:
+        return self.now
+
+    async def sleep(self, seconds: float) -> None:
+        self.sleeps.append(seconds)
+        self.now += seconds
+
+
+def test_token_bucket_waits_for_refill_at_the_configured_rate(monkeypatch):
+    from verl.workers.reward_manager import limited
+
+    clock = _VirtualTime()
+    monkeypatch.setattr(limited, "time", clock)
+    monkeypatch.setattr(limited, "asyncio", clock)
+
     async def run():
         bucket = AsyncTokenBucket(rate_limit=10.0)  # capacity 10 tokens, 10 tokens/s
-        t0 = time.monotonic()
+        marks = [clock.now]
         await bucket.acquire(10.0)  # the full bucket: no wait
-        t1 = time.monotonic()
+        marks.append(clock.now)
         await bucket.acquire(5.0)  # empty: 5 tokens take 0.5 s
-        t2 = time.monotonic()
+        marks.append(clock.now)
         await bucket.acquire(25.0)  # more than the capacity: waits for the 25 missing tokens (2.5 s)...
-        t3 = time.monotonic()
-        return t1 - t0, t2 - t1, t3 - t2, bucket.tokens
+        marks.append(clock.now)
+        return [b - a for a, b in zip(marks, marks[1:])], bucket.tokens
 
-    first, second, third, left = asyncio.run(run())
-    assert first < 0.05
-    assert 0.45 <= second < 0.8, f"waited {second:.3f} s for 5 tokens at 10/s"
-    assert 2.45 <= third < 3.0, f"waited {third:.3f} s for 25 tokens at 10/s"
-    assert -26.0 < left <= -24.0  # ...and leaves the bucket in debt
+    waits, left = asyncio.run(run())
+    assert waits == pytest.approx([0.0, 0.5, 2.5], abs=1e-9), f"waits {waits} for 10, 5 and 25 tokens at 10/s"
+    assert left == pytest.approx(-25.0, abs=1e-9)  # ...and leaves the bucket in debt
 
 
 def test_scores_like_naive_and_places_rewards_at_the_last_token(char_tokenizer, make_batch):

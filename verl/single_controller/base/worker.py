@@ -38,6 +38,7 @@ import datetime
 import inspect
 import os
 import pickle
+import random
 import socket
 import traceback
 
@@ -49,8 +50,46 @@ from verl.single_controller.base.errors import _WorkerSideError
 DEFAULT_DIST_TIMEOUT_S = 600.0
 
 
-def get_free_port() -> int:
-    """A TCP port that was free a moment ago (the OS may hand it out again; use it promptly)."""
+# Ports below the kernel's ephemeral range and above Ray's worker ports (10002-19999 by default).
+_PORT_FLOOR = 20000
+_EPHEMERAL_FALLBACK = (32768, 60999)  # Linux's default ip_local_port_range
+
+
+def _ephemeral_range() -> tuple[int, int]:
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            lo, hi = (int(x) for x in f.read().split())
+        return lo, hi
+    except (OSError, ValueError):
+        return _EPHEMERAL_FALLBACK
+
+
+def _port_is_free(port: int) -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        try:
+            sock.bind(("", port))  # no SO_REUSEADDR: a port in TIME_WAIT counts as taken
+        except OSError:
+            return False
+    return True
+
+
+def get_free_port(rng: random.Random | None = None) -> int:
+    """A TCP port that was free a moment ago, for a server another process binds later (MASTER_PORT).
+
+    Why not `bind(("", 0))`: that hands out a port of the ephemeral range, the same pool the kernel
+    draws from for every outgoing connection and every other `bind(0)`; between this pick and rank 0's
+    bind (a worker start: seconds on a busy machine) Ray's many connections can take it, and rank 0
+    fails with EADDRINUSE. A port between 20000 and the ephemeral range is never handed out by the
+    kernel, so only another explicit pick of the same number in that window can collide. Falls back
+    to `bind(0)` where that range is empty or full.
+    """
+    rng = rng or random.SystemRandom()
+    lo, _ = _ephemeral_range()
+    if lo - _PORT_FLOOR > 100:
+        for _ in range(64):
+            port = rng.randrange(_PORT_FLOOR, lo)
+            if _port_is_free(port):
+                return port
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind(("", 0))
         return sock.getsockname()[1]
