@@ -216,3 +216,28 @@ def test_driver_batches_equal_the_uncached_path_across_epochs_and_a_resume(data_
         assert_same_batch(g, w, f"step {i + 1}")
     orders = [tuple(b.non_tensor_batch["index"].tolist()) for b in want[:5]]
     assert len(set(np.concatenate(orders).tolist())) == 30, "the sampler's shuffle should cover the epoch"
+
+
+def test_the_bundled_tokenizer_gives_the_per_row_ids_from_the_start_up_batch(tmp_path):
+    """The default run's tokenizer (the bundled model's, a real BPE one): the ids kept from the
+    batched start-up call equal a per-row render + tokenise for plain and word problems."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from verl.trainer.config.loader import register_resolvers
+    from verl.utils.tokenizer import hf_tokenizer
+
+    register_resolvers()
+    path = OmegaConf.create({"p": "${verl_asset:arith-tiny}"}).p
+    tokenizer = hf_tokenizer(path)
+    plain, _ = make_arith_rows(num_train=100, num_test=1, digits=3, ops="+-*", seed=11)
+    word, _ = make_arith_rows(num_train=100, num_test=1, digits=2, ops="+-", style="word", seed=12)
+    rows = plain + word
+    for i, row in enumerate(rows):
+        row["extra_info"]["index"] = i
+    pq.write_table(pa.Table.from_pylist(rows), tmp_path / "train.parquet")
+    config = {"max_prompt_length": 512, "truncation": "error", "return_full_prompt": True}
+    dataset = RLHFDataset(str(tmp_path / "train.parquet"), tokenizer, config)
+    dataset.tokenizer = _NoTokenizer()
+    for i in range(len(dataset)):
+        assert_same_item(dataset[i], reference_item(rows[i], tokenizer, config), f"bundled tokenizer, item {i}")
