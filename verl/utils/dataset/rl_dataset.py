@@ -30,7 +30,8 @@ Design decisions:
 - Each item gets its own copy of the row (a reward function may write into ``extra_info``, and must
   not change what the next epoch reads). The rows are plain JSON-like values (dicts, lists, strings,
   numbers), so ``_copy_row`` copies those directly and hands anything else to ``copy.deepcopy``:
-  the same result at a fifth of ``deepcopy``'s cost, which was half of a cached item's time.
+  the same result at a third of ``deepcopy``'s cost (2.7 against 8.1 us for an arith row, under
+  load), which was half of a cached item's time.
 - A tokenizer without a pad token pads with its eos token (the tokenizer is not modified); the pad
   positions are masked out, so the value does not matter.
 - A tokenizer without a chat template is an error by default (a silent fallback would train on a
