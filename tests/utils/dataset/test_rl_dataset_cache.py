@@ -241,3 +241,17 @@ def test_the_bundled_tokenizer_gives_the_per_row_ids_from_the_start_up_batch(tmp
     dataset.tokenizer = _NoTokenizer()
     for i in range(len(dataset)):
         assert_same_item(dataset[i], reference_item(rows[i], tokenizer, config), f"bundled tokenizer, item {i}")
+
+
+def test_row_copy_is_deep_for_values_outside_plain_json():
+    from verl.utils.dataset.rl_dataset import _copy_row
+
+    inner = [1, 2]
+    value = {"t": (inner, "x"), "a": np.array([3, 4]), "n": {"l": [{"k": 1.5}], "s": None}}
+    copied = _copy_row(value)
+    assert copied["n"] == value["n"] and copied["t"] == value["t"]
+    assert np.array_equal(copied["a"], value["a"])
+    inner.append(3)
+    value["a"][0] = 9
+    value["n"]["l"][0]["k"] = 0.0
+    assert copied["t"][0] == [1, 2] and copied["a"].tolist() == [3, 4] and copied["n"]["l"][0]["k"] == 1.5
