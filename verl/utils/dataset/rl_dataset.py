@@ -18,6 +18,20 @@ Design decisions:
   ``truncation="error"``) an overlong prompt all raise here, naming the file and row. Checking lengths
   up front costs one batched tokenization of the prompt set; it is done only when
   ``filter_overlong_prompts`` is on or ``truncation="error"``.
+- Each prompt is rendered and tokenised once, not once per epoch: the ids the length check computes
+  at start-up are kept (one int64 array per row), and a row whose ids were not computed there is
+  tokenised on its first ``__getitem__`` and kept from then on. The driver draws the next batch while
+  every worker waits, so the template and tokeniser work per step was pure idle time for them (~4 ms
+  of a ~150 ms CPU step on the default run). The cached ids are the ones the per-row path gives (the
+  batched call of a Hugging Face tokenizer encodes each text as the single call does; the tests hold
+  both to an independent per-row reference), so items are unchanged. The rendered text is kept only
+  when ``return_full_prompt`` asks for it. With ``dataloader_num_workers > 0`` the lazily filled
+  entries live in each loader worker's copy; the start-up ids are shared by all.
+- Each item gets its own copy of the row (a reward function may write into ``extra_info``, and must
+  not change what the next epoch reads). The rows are plain JSON-like values (dicts, lists, strings,
+  numbers), so ``_copy_row`` copies those directly and hands anything else to ``copy.deepcopy``:
+  the same result at a third of ``deepcopy``'s cost (2.7 against 8.1 us for an arith row, under
+  load), which was half of a cached item's time.
 - A tokenizer without a pad token pads with its eos token (the tokenizer is not modified); the pad
   positions are masked out, so the value does not matter.
 - A tokenizer without a chat template is an error by default (a silent fallback would train on a
@@ -67,6 +81,21 @@ def collate_fn(data_list: list[dict]) -> dict:
             array[i] = value
         batch[key] = array
     return batch
+
+
+_IMMUTABLE_SCALARS = (str, int, float, bool, bytes, type(None))
+
+
+def _copy_row(value):
+    """A deep copy of a row's value: dicts and lists rebuilt, immutable scalars shared, anything else
+    (a tuple, a numpy array, a user's object) through ``copy.deepcopy``."""
+    if type(value) is dict:
+        return {key: _copy_row(item) for key, item in value.items()}
+    if type(value) is list:
+        return [_copy_row(item) for item in value]
+    if isinstance(value, _IMMUTABLE_SCALARS):
+        return value
+    return copy.deepcopy(value)
 
 
 def _to_plain_config(config) -> dict:
@@ -162,6 +191,10 @@ class RLHFDataset(Dataset):
             raise ValueError("RLHFDataset needs at least one data file; data.train_files / data.val_files is empty")
         self.rows, self._origins = self._read_all()
         self._select_max_samples(bool(config.get("shuffle", False)), config.get("seed"))
+        # Per row: the prompt's token ids before truncation, and its rendered text (only with
+        # return_full_prompt); None until computed (module docstring: each prompt is tokenised once).
+        self._prompt_ids: list[np.ndarray | None] = [None] * len(self.rows)
+        self._prompt_texts: list[str | None] = [None] * len(self.rows)
         if self.filter_overlong_prompts or self.truncation == "error":
             self._check_lengths()
 
@@ -206,7 +239,11 @@ class RLHFDataset(Dataset):
 
     def _check_lengths(self) -> None:
         texts = [self._render(row[self.prompt_key]) for row in self.rows]
-        lengths = [len(ids) for ids in self.tokenizer(texts, add_special_tokens=False)["input_ids"]] if texts else []
+        all_ids = self.tokenizer(texts, add_special_tokens=False)["input_ids"] if texts else []
+        self._prompt_ids = [np.asarray(ids, dtype=np.int64) for ids in all_ids]
+        if self.return_full_prompt:
+            self._prompt_texts = texts
+        lengths = [len(ids) for ids in all_ids]
         too_long = [i for i, n in enumerate(lengths) if n > self.max_prompt_length]
         if not too_long:
             return
@@ -217,8 +254,11 @@ class RLHFDataset(Dataset):
                     f"tokens (the shortest has {min(lengths)}); raise data.max_prompt_length"
                 )
             drop = set(too_long)
-            self.rows = [row for i, row in enumerate(self.rows) if i not in drop]
-            self._origins = [o for i, o in enumerate(self._origins) if i not in drop]
+            keep = [i for i in range(len(self.rows)) if i not in drop]
+            self.rows = [self.rows[i] for i in keep]
+            self._origins = [self._origins[i] for i in keep]
+            self._prompt_ids = [self._prompt_ids[i] for i in keep]
+            self._prompt_texts = [self._prompt_texts[i] for i in keep]
             logger.warning(
                 "dropped %d of %d prompts longer than data.max_prompt_length=%d tokens (filter_overlong_prompts)",
                 len(drop),
@@ -244,7 +284,18 @@ class RLHFDataset(Dataset):
             messages, add_generation_prompt=True, tokenize=False, **self.apply_chat_template_kwargs
         )
 
-    def _truncate(self, ids: list[int], where: str) -> list[int]:
+    def _tokenized(self, item: int, messages) -> tuple[np.ndarray, str | None]:
+        """(the prompt's token ids before truncation, its rendered text or None), computed once."""
+        ids = self._prompt_ids[item]
+        if ids is None or (self.return_full_prompt and self._prompt_texts[item] is None):
+            text = self._render(messages)
+            ids = np.asarray(self.tokenizer(text, add_special_tokens=False)["input_ids"], dtype=np.int64)
+            self._prompt_ids[item] = ids
+            if self.return_full_prompt:
+                self._prompt_texts[item] = text
+        return ids, self._prompt_texts[item]
+
+    def _truncate(self, ids: np.ndarray, where: str) -> np.ndarray:
         limit = self.max_prompt_length
         if len(ids) <= limit:
             return ids
@@ -254,7 +305,7 @@ class RLHFDataset(Dataset):
             return ids[:limit]
         if self.truncation == "middle":
             head = limit // 2
-            return ids[:head] + ids[len(ids) - (limit - head) :]
+            return np.concatenate([ids[:head], ids[len(ids) - (limit - head) :]])
         raise ValueError(
             f"{where}: prompt has {len(ids)} tokens > data.max_prompt_length={limit} and data.truncation='error'"
         )
@@ -263,21 +314,24 @@ class RLHFDataset(Dataset):
         return len(self.rows)
 
     def __getitem__(self, item: int) -> dict:
-        row = copy.deepcopy(self.rows[item])
+        row = dict(self.rows[item])
         messages = row.pop(self.prompt_key)
-        text = self._render(messages)
+        row = _copy_row(row)
+        ids, text = self._tokenized(item, messages)
         path, file_row = self._origins[item]
-        ids = self._truncate(self.tokenizer(text, add_special_tokens=False)["input_ids"], f"{path}, row {file_row}")
+        ids = self._truncate(ids, f"{path}, row {file_row}")
 
         num_pad = self.max_prompt_length - len(ids)
-        input_ids = torch.tensor([self.pad_token_id] * num_pad + ids, dtype=torch.long)
-        attention_mask = torch.tensor([0] * num_pad + [1] * len(ids), dtype=torch.long)
+        input_ids = torch.full((self.max_prompt_length,), self.pad_token_id, dtype=torch.long)
+        input_ids[num_pad:] = torch.from_numpy(ids)
+        attention_mask = torch.zeros(self.max_prompt_length, dtype=torch.long)
+        attention_mask[num_pad:] = 1
         row["input_ids"] = input_ids
         row["attention_mask"] = attention_mask
         row["position_ids"] = torch.clamp(torch.cumsum(attention_mask, dim=0) - 1, min=0)
-        row["raw_prompt_ids"] = ids
+        row["raw_prompt_ids"] = ids.tolist()
         if self.return_raw_chat:
-            row["raw_prompt"] = messages
+            row["raw_prompt"] = _copy_row(messages)
         if self.return_full_prompt:
             row["full_prompts"] = text
         extra_info = row.get("extra_info")
