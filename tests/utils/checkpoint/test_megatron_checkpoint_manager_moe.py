@@ -123,12 +123,24 @@ def _resume_at_ep1_with_zero(rank, world_size, ckpt_dir, tp, etp):
     resumed = _weights(chunks, hf_model.config)
     destroy_model_parallel()
 
+    chunks, actor, scheduler, manager = _trainer(copy.deepcopy(hf_model), ep=1, zero=True, rows=8 // dp, tp=tp, etp=etp)
+    manager.load_contents = ["model"]
+    manager.load_checkpoint(saved)
+    actor.update_policy(copy.deepcopy(_my_rows(second, mpu.get_data_parallel_rank(), dp)))
+    weights_only = _weights(chunks, hf_model.config)
+    destroy_model_parallel()
+
+    assert sorted(resumed) == sorted(uninterrupted)
     assert any(".mlp.experts." in name for name in resumed)
     for name, want in uninterrupted.items():
         torch.testing.assert_close(resumed[name], want, atol=ATOL, rtol=0, msg=lambda m, name=name: f"{name}: {m}")
+    # the experts' moments in particular were restored, not just any Adam state
+    experts = [n for n in uninterrupted if ".mlp.experts." in n]
+    gap = max(float((weights_only[n] - uninterrupted[n]).abs().max()) for n in experts)
+    assert gap > 1e-3, f"the experts' Adam state should change the resumed update (weights-only moved {gap:.2e})"
 
 
-@pytest.mark.slow  # about 35 s each on 4 CPU ranks
+@pytest.mark.slow  # about 30 s each on 4 CPU ranks
 @pytest.mark.parametrize("etp", [None, 1], ids=["etp2", "etp1"])
 def test_moe_checkpoint_with_distributed_optimizer_at_ep1_tp2_resumes_exactly(tmp_path, etp):
     run_distributed(_resume_at_ep1_with_zero, 4, str(tmp_path / "actor"), 2, etp)
