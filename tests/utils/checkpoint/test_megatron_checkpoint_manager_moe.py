@@ -56,8 +56,7 @@ def _resume_at_another_ep(rank, world_size, ckpt_dir, tp, etp):
     uninterrupted = _weights(chunks, hf_model.config)
     destroy_model_parallel()
 
-    # ZeRO at ep=1 with tp=2 fails to load the experts' moments (an open issue, see docs/megatron.md)
-    chunks, actor, scheduler, manager = _trainer(copy.deepcopy(hf_model), ep=1, zero=tp == 1, rows=8 // dp, tp=tp)
+    chunks, actor, scheduler, manager = _trainer(copy.deepcopy(hf_model), ep=1, zero=True, rows=8 // dp, tp=tp)
     manager.load_checkpoint(saved)
     assert scheduler.last_epoch == 1
     actor.update_policy(copy.deepcopy(_my_rows(second, mpu.get_data_parallel_rank(), dp)))
@@ -96,3 +95,52 @@ def _resume_at_another_ep(rank, world_size, ckpt_dir, tp, etp):
 )
 def test_moe_checkpoint_saved_at_ep2_resumes_training_exactly_at_ep1(tmp_path, world, tp, etp):
     run_distributed(_resume_at_another_ep, world, str(tmp_path / "actor"), tp, etp)
+
+
+def _resume_at_ep1_with_zero(rank, world_size, ckpt_dir, tp, etp):
+    """Save and resume at the same layout, ep=1 and tp=2 with the distributed optimizer (issue #27):
+    at etp=1 both tensor ranks hold each expert whole, and only one of them may write its moments."""
+    from megatron.core import parallel_state as mpu
+
+    from verl.utils.megatron.parallel_state import destroy_model_parallel
+
+    dp = world_size // tp
+    hf_model = tiny_moe_hf_model().double()
+    first, second = _data(1, torch.float64), _data(2, torch.float64)
+    saved = f"{ckpt_dir}/saved"
+
+    chunks, actor, scheduler, manager = _trainer(copy.deepcopy(hf_model), ep=1, zero=True, rows=8 // dp, tp=tp, etp=etp)
+    actor.update_policy(copy.deepcopy(_my_rows(first, mpu.get_data_parallel_rank(), dp)))
+    scheduler.step()
+    manager.save_checkpoint(saved, global_step=1)
+    actor.update_policy(copy.deepcopy(_my_rows(second, mpu.get_data_parallel_rank(), dp)))
+    uninterrupted = _weights(chunks, hf_model.config)
+    destroy_model_parallel()
+
+    chunks, actor, scheduler, manager = _trainer(copy.deepcopy(hf_model), ep=1, zero=True, rows=8 // dp, tp=tp, etp=etp)
+    manager.load_checkpoint(saved)
+    actor.update_policy(copy.deepcopy(_my_rows(second, mpu.get_data_parallel_rank(), dp)))
+    resumed = _weights(chunks, hf_model.config)
+    destroy_model_parallel()
+
+    chunks, actor, scheduler, manager = _trainer(copy.deepcopy(hf_model), ep=1, zero=True, rows=8 // dp, tp=tp, etp=etp)
+    manager.load_contents = ["model"]
+    manager.load_checkpoint(saved)
+    actor.update_policy(copy.deepcopy(_my_rows(second, mpu.get_data_parallel_rank(), dp)))
+    weights_only = _weights(chunks, hf_model.config)
+    destroy_model_parallel()
+
+    assert sorted(resumed) == sorted(uninterrupted)
+    assert any(".mlp.experts." in name for name in resumed)
+    for name, want in uninterrupted.items():
+        torch.testing.assert_close(resumed[name], want, atol=ATOL, rtol=0, msg=lambda m, name=name: f"{name}: {m}")
+    # the experts' moments in particular were restored, not just any Adam state
+    experts = [n for n in uninterrupted if ".mlp.experts." in n]
+    gap = max(float((weights_only[n] - uninterrupted[n]).abs().max()) for n in experts)
+    assert gap > 1e-3, f"the experts' Adam state should change the resumed update (weights-only moved {gap:.2e})"
+
+
+@pytest.mark.slow  # about 30 s each on 4 CPU ranks
+@pytest.mark.parametrize("etp", [None, 1], ids=["etp2", "etp1"])
+def test_moe_checkpoint_with_distributed_optimizer_at_ep1_tp2_resumes_exactly(tmp_path, etp):
+    run_distributed(_resume_at_ep1_with_zero, 4, str(tmp_path / "actor"), 2, etp)

@@ -172,13 +172,22 @@ def _owner_replica_id(replica_id, owned: bool, expert: bool = False):
     all zeros writes). Context-parallel ranks of the owner hold the same state: only the first writes.
     Under expert parallelism the state is split over smaller replica groups (context ranks included,
     see `verl.utils.megatron.parallel_state.parameter_replica_group`), one of which writes each
-    parameter; the others take their global rank, unique among all holders of a shard."""
+    parameter; the others take their global rank, unique among all holders of a shard.
+
+    Without expert parallelism but with experts split over fewer ranks than the dense layers
+    (expert_tensor_parallel_size < tensor_model_parallel_size), several tensor ranks hold the same
+    expert shard and, their data-parallel groups splitting identical parameter lists, the same
+    share of its moments: only the first of them writes (issue #27: all of them did, and megatron
+    refused the checkpoint with "Invalid access pattern")."""
     from megatron.core import parallel_state as mpu
 
     from verl.utils.megatron.parallel_state import writes_optimizer_state
 
     if mpu.get_expert_model_parallel_world_size() > 1:
         writes, other = writes_optimizer_state(owned, expert), dist.get_rank() + 1
+    elif mpu.get_expert_tensor_parallel_world_size() != mpu.get_tensor_model_parallel_world_size():
+        writes = writes_optimizer_state(owned, expert) and mpu.get_context_parallel_rank() == 0
+        other = dist.get_rank() + 1
     else:
         writes = owned and mpu.get_context_parallel_rank() == 0
         other = mpu.get_data_parallel_rank(with_context_parallel=True) + 1

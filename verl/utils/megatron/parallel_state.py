@@ -188,7 +188,10 @@ def parameter_replica_group():
 
 
 def writes_optimizer_state(owned: bool, expert: bool) -> bool:
-    """Under expert parallelism with the Adam state split over `parameter_replica_group`: whether
-    this rank writes a parameter's moments to a checkpoint (it owns them, in the one replica group
-    chosen to write that parameter)."""
-    return owned and _replicas()["expert_writer" if expert else "dense_writer"]
+    """With the Adam state split over `parameter_replica_group`: whether this rank writes a
+    parameter's moments to a checkpoint (it owns them, in the one replica group chosen to write
+    that parameter). Used under expert parallelism, and without it when the experts are split over
+    fewer tensor ranks than the dense layers. A collective the first time on every rank, owner or
+    not (so the groups are built in step everywhere)."""
+    writers = _replicas()
+    return owned and writers["expert_writer" if expert else "dense_writer"]
