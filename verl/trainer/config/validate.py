@@ -370,6 +370,14 @@ def _check_megatron_experts(name: str, m: dict, world: int, errors: list[str]) -
             f"pipeline_model_parallel_size={pp} = {etp * ep * pp} does not divide the {world} ranks (megatron "
             f"carves its expert groups out of the same ranks); choose sizes whose product divides {world}"
         )
+    elif etp > tp:
+        # megatron-core builds such groups, but the forward fails (the expert MLP's all-gather sizes
+        # disagree over gloo); refused before Ray starts instead of at the first step
+        errors.append(
+            f"{name}.megatron.expert_tensor_parallel_size={etp} is larger than tensor_model_parallel_size={tp}: "
+            f"splitting an expert over more ranks than the dense layers is not supported here; set "
+            f"expert_tensor_parallel_size to {tp} or less (a divisor of moe_intermediate_size), or null for {tp}"
+        )
 
 
 def _check_trainer(c: dict, errors: list[str], warns: list[str]):
