@@ -27,9 +27,7 @@ def test_expert_layouts_that_fit_the_ranks_validate(megatron_defaults):  # noqa:
         (1, 2, "expert_tensor_parallel_size=2 is larger than tensor_model_parallel_size=1"),
     ],
 )  # fmt: skip
-def test_an_expert_layout_that_does_not_fit_the_ranks_or_splits_experts_wider_than_tp_is_refused(
-    megatron_defaults, ep, etp, message
-):  # noqa: F811
+def test_an_expert_layout_that_does_not_fit_is_refused(megatron_defaults, ep, etp, message):  # noqa: F811
     cfg = with_(
         megatron_defaults,
         actor_rollout_ref__actor__megatron__expert_model_parallel_size=ep,

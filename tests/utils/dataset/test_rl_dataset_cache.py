@@ -140,6 +140,26 @@ def test_truncation_and_padding_are_exercised(char_tokenizer):
         assert max(lengths) > limit > min(lengths), (name, limit, sorted(set(lengths)))
 
 
+@pytest.mark.parametrize("name", ["checked", "lazy_middle"])
+def test_rows_a_subclass_changes_after_init_are_tokenised_as_they_are_now(name, data_file, char_tokenizer):
+    """docs/howto.md's custom dataset rewrites `self.rows` after `__init__`; one that drops or reorders
+    rows must not get another row's cached ids either."""
+    config = CONFIGS[name]
+    dataset = RLHFDataset(data_file, char_tokenizer, config)
+    for i in range(len(dataset)):
+        dataset[i]  # every row cached as read from the file
+    rows = dataset.rows[::-1][: len(dataset.rows) - 3]  # reordered and shortened: cache slots misaligned
+    for row in rows[::2]:
+        row["prompt"] = [{**m, "content": m["content"].upper()} for m in row["prompt"]]
+    for row in rows[1::4]:
+        row["prompt"][0]["content"] += " now"  # changed in place, the same list object
+    dataset.rows = rows
+    dataset._origins = dataset._origins[: len(rows)]
+    for i in range(len(dataset)):
+        want = reference_item(copy.deepcopy(rows[i]), char_tokenizer, config)
+        assert_same_item(dataset[i], want, f"{name}, changed row {i}")
+
+
 def test_changing_an_item_does_not_change_the_dataset(data_file, char_tokenizer):
     dataset = RLHFDataset(data_file, char_tokenizer, CONFIGS["lazy_middle"])
     first = dataset[0]

@@ -25,7 +25,10 @@ Design decisions:
   of a ~150 ms CPU step on the default run). The cached ids are the ones the per-row path gives (the
   batched call of a Hugging Face tokenizer encodes each text as the single call does; the tests hold
   both to an independent per-row reference), so items are unchanged. The rendered text is kept only
-  when ``return_full_prompt`` asks for it. With ``dataloader_num_workers > 0`` the lazily filled
+  when ``return_full_prompt`` asks for it. Each entry also keeps the messages it was computed from and
+  is used only while the row's messages still equal them: a subclass that rewrites, filters or
+  reorders ``self.rows`` after ``__init__`` (docs/howto.md's custom dataset) gets its own rows
+  tokenised, never another row's ids (comparing a few short messages costs about a microsecond). With ``dataloader_num_workers > 0`` the lazily filled
   entries live in each loader worker's copy; the start-up ids are shared by all.
 - Each item gets its own copy of the row (a reward function may write into ``extra_info``, and must
   not change what the next epoch reads). The rows are plain JSON-like values (dicts, lists, strings,
@@ -96,6 +99,18 @@ def _copy_row(value):
     if isinstance(value, _IMMUTABLE_SCALARS):
         return value
     return copy.deepcopy(value)
+
+
+def _messages_key(messages) -> list:
+    """A private copy of a prompt's messages to compare the row against later (`_tokenized`)."""
+    return [_copy_row(dict(message)) for message in messages]
+
+
+def _same_messages(cached: list, messages: list) -> bool:
+    try:
+        return bool(cached == messages)
+    except ValueError:  # a value whose == is elementwise (a numpy array): treat as changed
+        return False
 
 
 def _to_plain_config(config) -> dict:
@@ -191,10 +206,9 @@ class RLHFDataset(Dataset):
             raise ValueError("RLHFDataset needs at least one data file; data.train_files / data.val_files is empty")
         self.rows, self._origins = self._read_all()
         self._select_max_samples(bool(config.get("shuffle", False)), config.get("seed"))
-        # Per row: the prompt's token ids before truncation, and its rendered text (only with
-        # return_full_prompt); None until computed (module docstring: each prompt is tokenised once).
-        self._prompt_ids: list[np.ndarray | None] = [None] * len(self.rows)
-        self._prompt_texts: list[str | None] = [None] * len(self.rows)
+        # Per row: (the messages, their token ids before truncation, the rendered text or None
+        # without return_full_prompt); None until computed (module docstring: tokenised once).
+        self._prompt_cache: list[tuple[list, np.ndarray, str | None] | None] = [None] * len(self.rows)
         if self.filter_overlong_prompts or self.truncation == "error":
             self._check_lengths()
 
@@ -240,9 +254,14 @@ class RLHFDataset(Dataset):
     def _check_lengths(self) -> None:
         texts = [self._render(row[self.prompt_key]) for row in self.rows]
         all_ids = self.tokenizer(texts, add_special_tokens=False)["input_ids"] if texts else []
-        self._prompt_ids = [np.asarray(ids, dtype=np.int64) for ids in all_ids]
-        if self.return_full_prompt:
-            self._prompt_texts = texts
+        self._prompt_cache = [
+            (
+                _messages_key(row[self.prompt_key]),
+                np.asarray(ids, dtype=np.int64),
+                text if self.return_full_prompt else None,
+            )
+            for row, ids, text in zip(self.rows, all_ids, texts, strict=True)
+        ]
         lengths = [len(ids) for ids in all_ids]
         too_long = [i for i, n in enumerate(lengths) if n > self.max_prompt_length]
         if not too_long:
@@ -257,8 +276,7 @@ class RLHFDataset(Dataset):
             keep = [i for i in range(len(self.rows)) if i not in drop]
             self.rows = [self.rows[i] for i in keep]
             self._origins = [self._origins[i] for i in keep]
-            self._prompt_ids = [self._prompt_ids[i] for i in keep]
-            self._prompt_texts = [self._prompt_texts[i] for i in keep]
+            self._prompt_cache = [self._prompt_cache[i] for i in keep]
             logger.warning(
                 "dropped %d of %d prompts longer than data.max_prompt_length=%d tokens (filter_overlong_prompts)",
                 len(drop),
@@ -285,15 +303,22 @@ class RLHFDataset(Dataset):
         )
 
     def _tokenized(self, item: int, messages) -> tuple[np.ndarray, str | None]:
-        """(the prompt's token ids before truncation, its rendered text or None), computed once."""
-        ids = self._prompt_ids[item]
-        if ids is None or (self.return_full_prompt and self._prompt_texts[item] is None):
-            text = self._render(messages)
-            ids = np.asarray(self.tokenizer(text, add_special_tokens=False)["input_ids"], dtype=np.int64)
-            self._prompt_ids[item] = ids
-            if self.return_full_prompt:
-                self._prompt_texts[item] = text
-        return ids, self._prompt_texts[item]
+        """(the prompt's token ids before truncation, its rendered text or None), computed once per
+        row while the row's messages stay the ones the ids were computed from."""
+        key = _messages_key(messages)
+        cached = self._prompt_cache[item] if item < len(self._prompt_cache) else None
+        if (
+            cached is not None
+            and _same_messages(cached[0], key)
+            and (cached[2] is not None or not self.return_full_prompt)
+        ):
+            return cached[1], cached[2]
+        text = self._render(messages)
+        ids = np.asarray(self.tokenizer(text, add_special_tokens=False)["input_ids"], dtype=np.int64)
+        text = text if self.return_full_prompt else None
+        if item < len(self._prompt_cache):  # rows appended after __init__ are tokenised every time
+            self._prompt_cache[item] = (key, ids, text)
+        return ids, text
 
     def _truncate(self, ids: np.ndarray, where: str) -> np.ndarray:
         limit = self.max_prompt_length
