@@ -64,7 +64,6 @@ def _save(rank, world_size, root):
             processing_class=build_tokenizer("tiny"),
             checkpoint_config={"save_contents": ["model", "optimizer", "extra"]},
             hf_config=model.config,
-            value_head=value_head,
         )
         manager.save_checkpoint(os.path.join(root, "global_step_1", role), global_step=1)
         destroy_model_parallel()
