@@ -77,17 +77,35 @@ class BaseEngine(abc.ABC):
         return contextlib.nullcontext()
 
     # ------------------------------------------------------------ training state
-    @abc.abstractmethod
+    # Written once for every backend: a trained engine sets `optimizer`, `lr_scheduler` and its
+    # backend's `checkpoint_manager` when it builds; a frozen one leaves `optimizer` None.
+    lr_scheduler = None
+    checkpoint_manager = None
+
+    def _require_optimizer(self, method: str) -> None:
+        if self.optimizer is None:
+            raise RuntimeError(f"{method}: this engine was built without an optimizer_config (a frozen model)")
+
     def lr_scheduler_step(self) -> float:
         """Advance the lr schedule by one step; returns the lr the step just taken used."""
+        self._require_optimizer("lr_scheduler_step")
+        lr = self.lr_scheduler.get_last_lr()[0]
+        self.lr_scheduler.step()
+        return lr
 
-    @abc.abstractmethod
     def save_checkpoint(self, local_path: str, global_step: int = 0, max_ckpt_to_keep: int | None = None) -> None:
         """Weights, optimizer, scheduler and RNG state (as `checkpoint.save_contents` asks) under `local_path`."""
+        self._require_optimizer("save_checkpoint")
+        with self.on_device(optimizer=True):  # the checkpoint manager reads the state on the device
+            self.checkpoint_manager.save_checkpoint(
+                local_path, global_step=global_step, max_ckpt_to_keep=max_ckpt_to_keep
+            )
 
-    @abc.abstractmethod
     def load_checkpoint(self, local_path: str) -> None:
         """Restore what `save_checkpoint` wrote."""
+        self._require_optimizer("load_checkpoint")
+        with self.on_device(optimizer=True):
+            self.checkpoint_manager.load_checkpoint(local_path)
 
     # ------------------------------------------------------------ weights for the rollout
     @abc.abstractmethod

@@ -208,28 +208,6 @@ class FSDPEngine(BaseEngine):
     def disable_adapter(self):
         return self.module.disable_adapter() if self.lora else contextlib.nullcontext()
 
-    def _require_optimizer(self, method: str) -> None:
-        if self.optimizer is None:
-            raise RuntimeError(f"{method}: this engine was built without an optimizer_config (a frozen model)")
-
-    def lr_scheduler_step(self) -> float:
-        self._require_optimizer("lr_scheduler_step")
-        lr = self.lr_scheduler.get_last_lr()[0]
-        self.lr_scheduler.step()
-        return lr
-
-    def save_checkpoint(self, local_path: str, global_step: int = 0, max_ckpt_to_keep: int | None = None) -> None:
-        self._require_optimizer("save_checkpoint")
-        with self.on_device(optimizer=True):  # the checkpoint manager reads state on the device
-            self.checkpoint_manager.save_checkpoint(
-                local_path, global_step=global_step, max_ckpt_to_keep=max_ckpt_to_keep
-            )
-
-    def load_checkpoint(self, local_path: str) -> None:
-        self._require_optimizer("load_checkpoint")
-        with self.on_device(optimizer=True):
-            self.checkpoint_manager.load_checkpoint(local_path)
-
 
 @EngineRegistry.register(model_type="language_model", backend=["fsdp", "fsdp2"])
 class FSDPEngineWithLMHead(FSDPEngine):

@@ -271,28 +271,6 @@ class MegatronEngine(BaseEngine):
         params = mcore_to_hf_named_tensors(self.chunks, self.hf_config, value_head=self.value_head)
         return params if dtype is None else cast_floating(params, dtype)
 
-    def _require_optimizer(self, method: str) -> None:
-        if self.optimizer is None:
-            raise RuntimeError(f"{method}: this engine was built without an optimizer_config (a frozen model)")
-
-    def lr_scheduler_step(self) -> float:
-        self._require_optimizer("lr_scheduler_step")
-        lr = self.lr_scheduler.get_last_lr()[0]
-        self.lr_scheduler.step()
-        return lr
-
-    def save_checkpoint(self, local_path: str, global_step: int = 0, max_ckpt_to_keep: int | None = None) -> None:
-        self._require_optimizer("save_checkpoint")
-        with self.on_device(optimizer=True):
-            self.checkpoint_manager.save_checkpoint(
-                local_path, global_step=global_step, max_ckpt_to_keep=max_ckpt_to_keep
-            )
-
-    def load_checkpoint(self, local_path: str) -> None:
-        self._require_optimizer("load_checkpoint")
-        with self.on_device(optimizer=True):
-            self.checkpoint_manager.load_checkpoint(local_path)
-
 
 @EngineRegistry.register(model_type="language_model", backend="megatron")
 class MegatronEngineWithLMHead(MegatronEngine):
