@@ -27,11 +27,14 @@ def _hf_response_log_probs(hf_model, batch) -> torch.Tensor:
     return logp.gather(-1, batch["responses"][..., None])[..., 0]
 
 
-def _megatron_response_log_probs(chunks, hf_config, batch) -> torch.Tensor:
-    """Full-vocabulary log-probs from a single-stage model (tp shards all-gathered for the check)."""
+def _megatron_response_log_probs(chunks, hf_config, batch, multiple_of: int = 1) -> torch.Tensor:
+    """Full-vocabulary log-probs from a single-stage model (tp shards all-gathered for the check);
+    `multiple_of` pads the aligned length (sequence parallelism needs a multiple of tp)."""
     from megatron.core import parallel_state as mpu
 
-    aligned = left_align(batch["input_ids"], batch["attention_mask"], batch["position_ids"], RESPONSE_LENGTH)
+    aligned = left_align(
+        batch["input_ids"], batch["attention_mask"], batch["position_ids"], RESPONSE_LENGTH, multiple_of=multiple_of
+    )
     with torch.no_grad():
         logits = chunks[0](aligned.input_ids, aligned.position_ids, None)
     parts = [torch.empty_like(logits) for _ in range(mpu.get_tensor_model_parallel_world_size())]

@@ -9,40 +9,15 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from tests.distributed_helpers import make_ppo_batch, run_distributed
+from tests.distributed_helpers import run_distributed
 from tests.megatron_helpers import build_loaded_chunks, hf_state_dict, tiny_moe_hf_model
-from verl.models.mcore.forward import left_align, response_columns
-
-RESPONSE_LENGTH = 5
-
-
-def _batch():
-    return make_ppo_batch(batch_size=4, prompt_length=6, response_length=RESPONSE_LENGTH, seed=3)
-
-
-@torch.no_grad()
-def _hf_response_log_probs(hf_model, batch) -> torch.Tensor:
-    logits = hf_model(
-        input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], position_ids=batch["position_ids"]
-    ).logits
-    logp = torch.log_softmax(logits[:, -RESPONSE_LENGTH - 1 : -1].double(), dim=-1)
-    return logp.gather(-1, batch["responses"][..., None])[..., 0]
-
-
-@torch.no_grad()
-def _megatron_response_log_probs(chunks, hf_config, batch) -> torch.Tensor:
-    from megatron.core import parallel_state as mpu
-
-    tp = mpu.get_tensor_model_parallel_world_size()  # sequence parallel: the length a multiple of tp
-    aligned = left_align(
-        batch["input_ids"], batch["attention_mask"], batch["position_ids"], RESPONSE_LENGTH, multiple_of=tp
-    )
-    logits = chunks[0](aligned.input_ids, aligned.position_ids, None)
-    parts = [torch.empty_like(logits) for _ in range(mpu.get_tensor_model_parallel_world_size())]
-    dist.all_gather(parts, logits.contiguous(), group=mpu.get_tensor_model_parallel_group())
-    full = torch.cat(parts, dim=-1)[..., : hf_config.vocab_size]
-    logp = torch.log_softmax(full.double(), dim=-1).gather(-1, aligned.labels[..., None])[..., 0]
-    return response_columns(logp, aligned)
+from tests.models.mcore.test_mcore_model import (
+    RESPONSE_LENGTH,
+    _batch,
+    _hf_response_log_probs,
+    _megatron_response_log_probs,
+)
+from verl.models.mcore.forward import left_align
 
 
 def _check_log_probs(rank, world_size, tp, ep, etp, norm_topk_prob):
@@ -53,7 +28,7 @@ def _check_log_probs(rank, world_size, tp, ep, etp, norm_topk_prob):
     chunks = build_loaded_chunks(hf_model, tp=tp, ep=ep, etp=etp, sequence_parallel=tp > 1)
     experts = chunks[0].decoder.layers[0].mlp.experts.local_experts
     assert len(experts) == 4 // ep, f"rank {rank} holds {len(experts)} experts, want {4 // ep}"
-    got = _megatron_response_log_probs(chunks, hf_model.config, batch)
+    got = _megatron_response_log_probs(chunks, hf_model.config, batch, multiple_of=tp)
     want = _hf_response_log_probs(hf_model, batch)
     mask = batch["response_mask"].bool()
     torch.testing.assert_close(got[mask], want[mask], atol=2e-5, rtol=0)
