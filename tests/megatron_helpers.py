@@ -25,11 +25,7 @@ def tiny_hf_model(architecture: str = "qwen2", tie_word_embeddings: bool = True,
         tie_word_embeddings=tie_word_embeddings,
     )
     model, _ = build_model(preset, seed=seed, dtype="float32")
-    generator = torch.Generator().manual_seed(seed + 1)
-    with torch.no_grad():
-        for param in model.parameters():
-            param.add_(0.02 * torch.randn(param.shape, generator=generator))
-    return model.eval()
+    return _perturbed(model, seed)
 
 
 def tiny_moe_hf_model(num_layers: int = 2, seed: int = 0, norm_topk_prob: bool = True):
@@ -55,10 +51,16 @@ def tiny_moe_hf_model(num_layers: int = 2, seed: int = 0, norm_topk_prob: bool =
         if hasattr(module, "norm_topk_prob"):
             module.norm_topk_prob = norm_topk_prob
     model.set_experts_implementation("eager")
+    return _perturbed(model, seed, router_scale=0.5)
+
+
+def _perturbed(model, seed: int, router_scale: float = 0.02):
+    """Every weight moved by seeded noise (0.02 std; a MoE router's `router_scale`), so no test
+    passes on a symmetric initialisation."""
     generator = torch.Generator().manual_seed(seed + 1)
     with torch.no_grad():
         for name, param in model.named_parameters():
-            scale = 0.5 if name.endswith("mlp.gate.weight") else 0.02
+            scale = router_scale if name.endswith("mlp.gate.weight") else 0.02
             param.add_(scale * torch.randn(param.shape, generator=generator))
     return model.eval()
 
