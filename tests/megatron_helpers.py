@@ -132,3 +132,17 @@ def assert_metrics_close(got: dict, want: dict, keys=None, same_length: bool = F
             rtol=1e-5,
             msg=key,
         )
+
+
+def assert_hf_round_trip_exact(chunks, hf_model) -> None:
+    """The chunks stream back every HF tensor of `hf_model` once, bit-equal (HF -> megatron -> HF)."""
+    from verl.models.mcore import mcore_to_hf_named_tensors
+
+    want = hf_state_dict(hf_model)
+    got = {}
+    for name, tensor in mcore_to_hf_named_tensors(chunks, hf_model.config):
+        assert name not in got, f"{name} streamed twice"
+        got[name] = tensor
+    assert sorted(got) == sorted(want)
+    for name in want:
+        assert torch.equal(got[name], want[name]), name

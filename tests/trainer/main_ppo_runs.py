@@ -47,11 +47,11 @@ def main_ppo_cmd(config_name: str, *overrides: str) -> list[str]:
     return [sys.executable, "-m", "verl.trainer.main_ppo", f"--config-name={config_name}", *overrides]
 
 
-def common_overrides(tmp_path: Path, steps: int) -> list[str]:
-    """`steps` training steps on the bundled model, no validation, metrics to console and file,
-    checkpoints and the run directory under `tmp_path`."""
+def common_overrides(tmp_path: Path, steps: int, model: str | None = None) -> list[str]:
+    """`steps` training steps on `model` (default: the bundled one), no validation, metrics to
+    console and file, checkpoints and the run directory under `tmp_path`."""
     return [
-        f"actor_rollout_ref.model.path={model_path()}",
+        f"actor_rollout_ref.model.path={model or model_path()}",
         f"trainer.total_training_steps={steps}",
         "trainer.val_before_train=False",
         "trainer.test_freq=-1",

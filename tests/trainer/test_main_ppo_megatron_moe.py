@@ -10,14 +10,13 @@ from pathlib import Path
 
 import pytest
 
-from tests.trainer.main_ppo_runs import main_ppo_cmd, read_metrics, run_main_ppo
+from tests.trainer.main_ppo_runs import common_overrides, main_ppo_cmd, read_metrics, run_main_ppo
 
 pytestmark = pytest.mark.slow  # the slow tier (make test-all, CI): see docs/testing.md
 
 
 def _overrides(model_path: str, tmp_path: Path, steps: int, ep: int) -> list[str]:
     return [
-        f"actor_rollout_ref.model.path={model_path}",
         f"actor_rollout_ref.actor.megatron.expert_model_parallel_size={ep}",
         "+actor_rollout_ref.model.override_config.output_router_logits=True",
         "+actor_rollout_ref.model.override_config.router_aux_loss_coef=0.01",
@@ -26,12 +25,7 @@ def _overrides(model_path: str, tmp_path: Path, steps: int, ep: int) -> list[str
         "actor_rollout_ref.actor.skip_zero_advantage_step=False",
         "actor_rollout_ref.actor.skip_zero_advantage_rows=False",
         "trainer.save_freq=1",
-        f"trainer.total_training_steps={steps}",
-        "trainer.val_before_train=False",
-        "trainer.test_freq=-1",
-        "trainer.logger=[console,file]",
-        f"trainer.default_local_dir={tmp_path / 'ckpt'}",
-        f"trainer.run_dir={tmp_path / 'run'}",
+        *common_overrides(tmp_path, steps, model=model_path),
     ]
 
 

@@ -8,7 +8,7 @@ import torch
 import torch.distributed as dist
 
 from tests.distributed_helpers import make_ppo_batch, run_distributed
-from tests.megatron_helpers import build_loaded_chunks, hf_state_dict, tiny_hf_model
+from tests.megatron_helpers import assert_hf_round_trip_exact, build_loaded_chunks, tiny_hf_model
 from verl.models.mcore.forward import left_align, response_columns
 
 RESPONSE_LENGTH = 5
@@ -60,18 +60,9 @@ def test_megatron_log_probs_equal_hf(architecture, tie, tp):
 
 
 def _check_round_trip(rank, world_size, architecture, tie, tp, pp):
-    from verl.models.mcore import mcore_to_hf_named_tensors
-
     hf_model = tiny_hf_model(architecture, tie_word_embeddings=tie, num_layers=4)
     chunks = build_loaded_chunks(hf_model, tp=tp, pp=pp)
-    want = hf_state_dict(hf_model)
-    got = {}
-    for name, tensor in mcore_to_hf_named_tensors(chunks, hf_model.config):
-        assert name not in got, f"{name} streamed twice"
-        got[name] = tensor
-    assert sorted(got) == sorted(want)
-    for name in want:
-        assert torch.equal(got[name], want[name]), name
+    assert_hf_round_trip_exact(chunks, hf_model)
 
 
 @pytest.mark.parametrize(

@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 
 from tests.distributed_helpers import run_distributed
-from tests.megatron_helpers import build_loaded_chunks, hf_state_dict, tiny_moe_hf_model
+from tests.megatron_helpers import assert_hf_round_trip_exact, build_loaded_chunks, tiny_moe_hf_model
 from tests.models.mcore.test_mcore_model import (
     RESPONSE_LENGTH,
     _batch,
@@ -43,18 +43,9 @@ def test_megatron_moe_log_probs_equal_hf(tp, ep, etp, norm_topk_prob):
 
 
 def _check_round_trip(rank, world_size, tp, pp, ep, etp):
-    from verl.models.mcore import mcore_to_hf_named_tensors
-
     hf_model = tiny_moe_hf_model(num_layers=2)
     chunks = build_loaded_chunks(hf_model, tp=tp, pp=pp, ep=ep, etp=etp, sequence_parallel=tp > 1)
-    want = hf_state_dict(hf_model)
-    got = {}
-    for name, tensor in mcore_to_hf_named_tensors(chunks, hf_model.config):
-        assert name not in got, f"{name} streamed twice"
-        got[name] = tensor
-    assert sorted(got) == sorted(want)
-    for name in want:
-        assert torch.equal(got[name], want[name]), name
+    assert_hf_round_trip_exact(chunks, hf_model)
 
 
 @pytest.mark.parametrize("tp,pp,ep,etp", [(1, 1, 1, None), (1, 1, 2, None), (2, 1, 1, None), (1, 2, 1, None)])
