@@ -106,9 +106,10 @@ def _messages_key(messages) -> list:
     return [_copy_row(dict(message)) for message in messages]
 
 
-def _same_messages(cached: list, messages: list) -> bool:
+def _same_messages(cached: list, messages) -> bool:
+    """Whether a row's messages still equal the copy its cached ids came from (no copy made)."""
     try:
-        return bool(cached == messages)
+        return bool(cached == list(messages))
     except ValueError:  # a value whose == is elementwise (a numpy array): treat as changed
         return False
 
@@ -305,11 +306,10 @@ class RLHFDataset(Dataset):
     def _tokenized(self, item: int, messages) -> tuple[np.ndarray, str | None]:
         """(the prompt's token ids before truncation, its rendered text or None), computed once per
         row while the row's messages stay the ones the ids were computed from."""
-        key = _messages_key(messages)
         cached = self._prompt_cache[item] if item < len(self._prompt_cache) else None
         if (
             cached is not None
-            and _same_messages(cached[0], key)
+            and _same_messages(cached[0], messages)
             and (cached[2] is not None or not self.return_full_prompt)
         ):
             return cached[1], cached[2]
@@ -317,7 +317,7 @@ class RLHFDataset(Dataset):
         ids = np.asarray(self.tokenizer(text, add_special_tokens=False)["input_ids"], dtype=np.int64)
         text = text if self.return_full_prompt else None
         if item < len(self._prompt_cache):  # rows appended after __init__ are tokenised every time
-            self._prompt_cache[item] = (key, ids, text)
+            self._prompt_cache[item] = (_messages_key(messages), ids, text)
         return ids, text
 
     def _truncate(self, ids: np.ndarray, where: str) -> np.ndarray:
