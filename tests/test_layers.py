@@ -71,11 +71,6 @@ EXCEPTIONS = {
         "verl/models/build_bundled_tool.py",
         "verl.workers",
     ): "the same build script: the agent loop's evaluation runs on the built-in rollout engine",
-    (
-        "verl/workers/engine_workers.py",
-        "verl.experimental",
-    ): "known debt (#29): the role worker wraps its rollout in the agent loop when it runs agent loops "
-    "(`runs_agent_loops`); a rollout registry the trainer fills should choose the wrapper instead",
 }
 """(importing file, imported package prefix) -> why this arrow against the layers is allowed."""
 
