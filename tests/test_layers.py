@@ -71,26 +71,15 @@ EXCEPTIONS = {
         "verl/models/build_bundled_tool.py",
         "verl.workers",
     ): "the same build script: the agent loop's evaluation runs on the built-in rollout engine",
-    (
-        "verl/workers/engine_workers.py",
-        "verl.experimental",
-    ): "known debt (#29): the role worker wraps its rollout in the agent loop when it runs agent loops "
-    "(`runs_agent_loops`); a rollout registry the trainer fills should choose the wrapper instead",
 }
 """(importing file, imported package prefix) -> why this arrow against the layers is allowed."""
 
-MUTUAL_IMPORT_EXCEPTIONS = {
-    ("verl.trainer.main_ppo", "verl.trainer.preflight"): "known debt, #29: the preflight checks reach back into "
-    "the entry point",
-}
+MUTUAL_IMPORT_EXCEPTIONS: dict[tuple[str, str], str] = {}
 """Pairs of modules that import each other (a cycle inside one layer) -> why, for now."""
 
 MAX_LINES = 800
 
-SIZE_EXCEPTIONS = {
-    "verl/single_controller/ray/base.py": "known debt, #29: RayWorkerGroup, placement and the colocated class "
-    "builder still share one module",
-}
+SIZE_EXCEPTIONS: dict[str, str] = {}
 """Module -> why it may pass MAX_LINES for now (each names the issue that removes it)."""
 
 

@@ -3,7 +3,7 @@ real two-node placement runs in tests/integration/test_multinode.py)."""
 
 from __future__ import annotations
 
-from verl.single_controller.ray.base import assign_nodes, bundles_that_fit, sort_placement_groups_by_node
+from verl.single_controller.ray.resource_pool import assign_nodes, bundles_that_fit, sort_placement_groups_by_node
 
 
 def test_each_entry_gets_a_node_of_its_own_in_node_order():

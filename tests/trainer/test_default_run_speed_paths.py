@@ -19,7 +19,8 @@ import verl.workers.actor.dp_actor as dp_actor_module
 from tests.distributed_helpers import one_thread, run_distributed
 from verl.protocol import DataProto
 from verl.trainer.config import load_ppo_config
-from verl.trainer.main_ppo import _ensure_default_data, build_datasets, build_role_worker_mapping
+from verl.trainer.default_data import ensure_default_data
+from verl.trainer.main_ppo import build_datasets, build_role_worker_mapping
 from verl.trainer.ppo.ray_trainer import Role
 from verl.utils.dataset.rl_dataset import collate_fn
 from verl.utils.tokenizer import hf_tokenizer
@@ -68,5 +69,5 @@ def _default_worker_takes_the_shared_prompt_path(rank, world_size):
 
 def test_the_default_run_takes_the_shared_prompt_path():
     cfg = load_ppo_config([], config_name="arith_demo")
-    _ensure_default_data(cfg)  # generated once, before the ranks fork
+    ensure_default_data(cfg)  # generated once, before the ranks fork
     run_distributed(_default_worker_takes_the_shared_prompt_path, cfg.trainer.nnodes * cfg.trainer.n_gpus_per_node)

@@ -204,7 +204,7 @@ def test_an_agent_loop_config_file_runs_the_rollout_through_agent_loops_without_
         ],
         config_name="arith_demo",
     )
-    worker = ActorRolloutRefWorker(cfg.actor_rollout_ref, role="rollout")
+    worker = ActorRolloutRefWorker(cfg.actor_rollout_ref, role="rollout", rollout_wrapper=AgentLoopRollout)
     worker.init_model()
     try:
         assert isinstance(worker.rollout, AgentLoopRollout)

@@ -322,19 +322,6 @@ def build_datasets(config, tokenizer) -> tuple:
     return train, val
 
 
-def _ensure_default_data(config) -> None:
-    """Generate the embedded arithmetic task on first use when the config points at its cache files."""
-    from verl.utils.dataset.arith import default_cache_dir, ensure_arith_data
-
-    defaults = {os.path.realpath(os.path.join(default_cache_dir(), name)) for name in ("train.parquet", "test.parquet")}
-    files = []
-    for key in ("train_files", "val_files"):
-        value = config.data.get(key)
-        files.extend([value] if isinstance(value, str) else list(value or []))
-    if any(os.path.realpath(os.path.expanduser(f)) in defaults for f in files):
-        ensure_arith_data()
-
-
 class TaskRunner:
     """Builds tokenizer, datasets, reward functions, worker roles and pools, then trains."""
 
@@ -343,11 +330,12 @@ class TaskRunner:
 
         from verl.single_controller.ray import ResourcePoolManager
         from verl.single_controller.ray.resource_pool_manager import bundles_hold_gpus
+        from verl.trainer.default_data import ensure_default_data
         from verl.trainer.ppo.ray_trainer import RayPPOTrainer
         from verl.trainer.ppo.reward import load_reward_manager
         from verl.utils.tokenizer import hf_tokenizer
 
-        _ensure_default_data(config)
+        ensure_default_data(config)
         model_path = config.actor_rollout_ref.model.path
         tokenizer = hf_tokenizer(config.actor_rollout_ref.model.tokenizer_path or model_path)
         # The datasets first: their checks (malformed rows, over-long prompts with data.truncation=error)

@@ -34,6 +34,7 @@ import os
 import tempfile
 
 from verl.trainer.config.errors import ConfigError
+from verl.trainer.default_data import ensure_default_data
 
 __all__ = ["RunInputError", "check_run_inputs"]
 
@@ -85,9 +86,7 @@ def _check_data(config, problems: list[str]) -> None:
     data = config.data
     if data.custom_cls.path:
         return  # a user dataset class decides what its files look like
-    from verl.trainer.main_ppo import _ensure_default_data
-
-    _ensure_default_data(config)
+    ensure_default_data(config)
     prompt_key, reward_fn_key = data.prompt_key, data.reward_fn_key
     train_rows = 0
     for key in ("train_files", "val_files"):

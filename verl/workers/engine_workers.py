@@ -26,6 +26,7 @@ from __future__ import annotations
 import contextlib
 import os
 import time
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
@@ -42,6 +43,9 @@ from verl.utils.speed_paths import merge as merge_speed_paths
 from verl.utils.ulysses import SP_KEY
 from verl.workers.engine import BaseEngine, EngineRegistry
 from verl.workers.ulysses_rows import UlyssesRows, scale_token_budgets
+
+if TYPE_CHECKING:
+    from verl.workers.rollout.wrapper import RolloutWrapper
 
 logger = get_logger(__name__)
 
@@ -238,11 +242,18 @@ class ActorRolloutRefWorker(Worker, DistProfilerExtension):
     """The training backend: the `EngineRegistry` key of this worker's engines."""
 
     def __init__(
-        self, config: DictConfig, role: str, project_name: str | None = None, experiment_name: str | None = None
+        self,
+        config: DictConfig,
+        role: str,
+        project_name: str | None = None,
+        experiment_name: str | None = None,
+        rollout_wrapper: RolloutWrapper | None = None,
     ):
         super().__init__()
         # the trainer's names, for the agent-loop rollout's traces (this config is actor_rollout_ref only)
         self.trace_names = {"project_name": project_name, "experiment_name": experiment_name}
+        # what runs agent loops over the rollout engine, passed in from above (verl.workers.rollout.wrapper)
+        self.rollout_wrapper = rollout_wrapper
         if role not in _ROLES:
             raise ValueError(f"unknown worker role {role!r}; valid roles: {sorted(_ROLES)}")
         self.config = config
@@ -336,16 +347,13 @@ class ActorRolloutRefWorker(Worker, DistProfilerExtension):
             self.actor_model, self.actor = self._build_actor()
         if "rollout" in self.parts and self.is_collect:
             from verl.workers.rollout import get_rollout_class
-            from verl.workers.rollout.base import runs_agent_loops
+            from verl.workers.rollout.wrapper import wrap_rollout
 
             rollout_cls = get_rollout_class(cfg.rollout.name)
-            self.rollout = rollout_cls(cfg.model.path, config=cfg.rollout, tokenizer=self.tokenizer)
-            if runs_agent_loops(cfg.rollout):
-                from verl.experimental.agent_loop import AgentLoopRollout
-
-                # agent loops (tool calls, or the loops a config file registers) over the same engine;
-                # weight sync and sleep pass through
-                self.rollout = AgentLoopRollout(self.rollout, cfg.rollout, self.tokenizer, **self.trace_names)
+            engine = rollout_cls(cfg.model.path, config=cfg.rollout, tokenizer=self.tokenizer)
+            # agent loops (tool calls, or the loops a config file registers) over the same engine when the
+            # config runs them; weight sync and sleep pass through
+            self.rollout = wrap_rollout(engine, cfg.rollout, self.tokenizer, self.rollout_wrapper, **self.trace_names)
             if self.actor is not None:
                 self.rollout.sleep()  # weights arrive from the actor before each generation
         if "ref" in self.parts:

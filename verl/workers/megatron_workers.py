@@ -49,13 +49,20 @@ class ActorRolloutRefWorker(engine_workers.ActorRolloutRefWorker):
 
     strategy = "megatron"
 
-    def __init__(self, config, role: str, project_name: str | None = None, experiment_name: str | None = None):
+    def __init__(
+        self,
+        config,
+        role: str,
+        project_name: str | None = None,
+        experiment_name: str | None = None,
+        rollout_wrapper=None,
+    ):
         if role == "rollout":
             raise ValueError(
                 "the megatron workers do not serve a rollout-only pool: a rollout pool only generates, so use "
                 "verl.workers.fsdp_workers.ActorRolloutRefWorker for it (main_ppo does, for any actor strategy)"
             )
-        super().__init__(config, role, project_name, experiment_name)
+        super().__init__(config, role, project_name, experiment_name, rollout_wrapper)
 
     def _actor_engine_config(self):
         return self.config.actor.megatron

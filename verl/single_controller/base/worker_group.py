@@ -1,7 +1,7 @@
 """The backend-neutral half of a worker group: resources, class specs and method binding.
 
 `WorkerGroup` turns every `@register`-ed method of the worker class into a method of the group
-object. A call runs dispatch -> submit -> wait -> collect; the backend (Ray, in ray/base.py)
+object. A call runs dispatch -> submit -> wait -> collect; the backend (Ray, in ray/worker_group.py)
 supplies only `_submit` (start the calls on the chosen ranks) and `_wait` (wait with a deadline,
 turning failures into errors that name the role, the rank and the method).
 

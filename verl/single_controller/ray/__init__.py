@@ -1,13 +1,15 @@
-"""Worker groups on Ray (see base.py for the design)."""
+"""Worker groups on Ray (base.py says which module holds what)."""
 
 from verl.single_controller.ray.base import (
     RAY_SYSTEM_CONFIG,
     RayClassWithInitArgs,
     RayResourcePool,
     RayWorkerGroup,
+    ResourcePoolManager,
+    SubRayResourcePool,
     create_colocated_worker_cls,
+    create_colocated_worker_cls_fused,
 )
-from verl.single_controller.ray.resource_pool_manager import ResourcePoolManager
 
 __all__ = [
     "RAY_SYSTEM_CONFIG",
@@ -15,5 +17,7 @@ __all__ = [
     "RayResourcePool",
     "RayWorkerGroup",
     "ResourcePoolManager",
+    "SubRayResourcePool",
     "create_colocated_worker_cls",
+    "create_colocated_worker_cls_fused",
 ]

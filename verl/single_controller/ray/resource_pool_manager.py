@@ -23,7 +23,7 @@ from typing import Any
 import ray
 
 from verl.single_controller.base.errors import ResourceUnavailableError
-from verl.single_controller.ray.base import RayResourcePool, alive_nodes, assign_nodes, bundles_that_fit
+from verl.single_controller.ray.resource_pool import RayResourcePool, alive_nodes, assign_nodes, bundles_that_fit
 
 __all__ = ["ResourcePoolManager", "bundles_hold_gpus"]
 

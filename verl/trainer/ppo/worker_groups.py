@@ -14,6 +14,7 @@ from __future__ import annotations
 from enum import Enum
 from typing import Any
 
+from verl.experimental.agent_loop import AgentLoopRollout
 from verl.trainer.ppo.process_sets import megatron_process_sets
 from verl.utils import speed_paths
 from verl.utils.speed_paths import SpeedPath
@@ -57,8 +58,13 @@ def spawn_worker_groups(
             cls_with_args.update_options({"runtime_env": runtime_env})
         roles_in_pool.setdefault(resource_pool_manager.get_resource_pool(worker_role), {})[name] = cls_with_args
 
-    # the agent-loop rollout names its traces after the run (rollout.trace)
-    names = {"project_name": config.trainer.project_name, "experiment_name": config.trainer.experiment_name}
+    # the rollout's agent loops, when its config runs them (the workers do not import verl.experimental:
+    # verl/workers/rollout/wrapper.py); they name their traces after the run (rollout.trace)
+    names = {
+        "project_name": config.trainer.project_name,
+        "experiment_name": config.trainer.experiment_name,
+        "rollout_wrapper": AgentLoopRollout,
+    }
     with_ref = Role.ActorRolloutRef in role_worker_mapping
     actor_role = Role.ActorRolloutRef if with_ref else Role.ActorRollout
     add(actor_role, "actor_rollout", config=arc, role="actor_rollout_ref" if with_ref else "actor_rollout", **names)
