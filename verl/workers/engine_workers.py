@@ -353,7 +353,14 @@ class ActorRolloutRefWorker(Worker, DistProfilerExtension):
             engine = rollout_cls(cfg.model.path, config=cfg.rollout, tokenizer=self.tokenizer)
             # agent loops (tool calls, or the loops a config file registers) over the same engine when the
             # config runs them; weight sync and sleep pass through
-            self.rollout = wrap_rollout(engine, cfg.rollout, self.tokenizer, self.rollout_wrapper, **self.trace_names)
+            self.rollout = wrap_rollout(
+                engine,
+                cfg.rollout,
+                self.tokenizer,
+                self.rollout_wrapper,
+                **self.trace_names,
+                trainer_config={"actor_rollout_ref": cfg},  # what upstream-style agent loops see as self.config
+            )
             if self.actor is not None:
                 self.rollout.sleep()  # weights arrive from the actor before each generation
         if "ref" in self.parts:

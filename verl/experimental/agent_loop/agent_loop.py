@@ -22,17 +22,27 @@ import path (`my_pkg.agents.MyLoop`) is imported, so a user loop needs no change
 `rollout.agent.agent_loop_config_path` registers loops from a YAML list instead
 (`register_agent_loops_from_file`): each entry's `name` selects the class its `_target_` names, and
 its other keys become constructor keyword arguments of that loop.
+
+Loops written against upstream's API (`run(sampling_params, **row) -> AgentLoopOutput`, one instance
+per episode, talking to a `server_manager`) subclass the same `AgentLoopBase` and register the same
+way; the rollout runs them through `UpstreamLoopRunner` (see upstream_api.py for what is served).
 """
 
 from __future__ import annotations
 
 import importlib
-from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from verl.experimental.agent_loop.engine import AsyncRolloutEngine
+from verl.experimental.agent_loop.upstream_api import (
+    AgentLoopMetrics,
+    AgentLoopOutput,
+    AsyncLLMServerManager,
+    DictConfigWrap,
+    upstream_sampling_params,
+)
 
 AGENT_LOOPS: dict[str, type[AgentLoopBase]] = {}
 AGENT_LOOP_KWARGS: dict[str, dict[str, Any]] = {}
@@ -116,8 +126,8 @@ def register_agent_loops_from_file(path: str) -> list[str]:
         if not (isinstance(cls, type) and issubclass(cls, AgentLoopBase)):
             raise ValueError(
                 f"agent loop {name!r} of {path}: _target_ {target!r} is not a subclass of "
-                "verl.experimental.agent_loop.AgentLoopBase (run_episode(engine, sample) -> Trajectory; see "
-                "docs/multi_turn.md)"
+                "verl.experimental.agent_loop.AgentLoopBase (override run_episode(engine, sample) -> Trajectory, "
+                "or upstream's run(sampling_params, **kwargs) -> AgentLoopOutput; see docs/multi_turn.md)"
             )
         AGENT_LOOPS[name] = cls
         AGENT_LOOP_KWARGS[name] = entry
@@ -182,6 +192,8 @@ class AgentSample:
     index: int = 0
     interaction_kwargs: dict[str, Any] | None = None
     """The simulated user's arguments (`extra_info.interaction_kwargs`: `name` picks the interaction)."""
+    row: dict[str, Any] = field(default_factory=dict)
+    """Every non-tensor column of the episode's row (what upstream passes to `run` as keyword arguments)."""
 
 
 @dataclass
@@ -200,25 +212,158 @@ class Trajectory:
     versions: tuple[int, int] | None = None
     """(oldest, newest) weight version that sampled its tokens, set by the rollout when the engine
     reports versions (partial rollouts); None otherwise."""
+    reward_score: float | None = None
+    """A score the loop computed itself (upstream's `AgentLoopOutput.reward_score`): when every episode
+    of a call has one, the rollout returns them as `rm_scores` and no reward function runs."""
+    extra_fields: dict[str, Any] = field(default_factory=dict)
+    """Per-episode values the rollout returns as non-tensor columns (upstream's `extra_fields`)."""
 
     def __post_init__(self):
         assert len(self.response_ids) == len(self.response_mask), "response ids and mask must align"
         assert self.response_logprobs is None or len(self.response_logprobs) == len(self.response_ids)
 
 
-class AgentLoopBase(ABC):
-    """Base of agent loops; one instance serves every episode of a rollout, concurrently."""
+class AgentLoopBase:
+    """Base of agent loops, in either of two styles (module docstring):
 
-    def __init__(self, tokenizer, settings: AgentLoopSettings, tools: Sequence = (), interactions: dict | None = None):
+    - this project's: `AgentLoopBase(tokenizer, settings, tools=(), interactions=None)`, one instance
+      serving every episode of a rollout concurrently, overriding `run_episode(engine, sample)`;
+    - upstream's: `AgentLoopBase(trainer_config, server_manager, tokenizer, processor, dataset_cls,
+      dataset_config, **kwargs)`, one instance per episode, overriding `run(sampling_params, **row)`.
+      The constructor keeps upstream's attributes (`config`, `server_manager`, `tokenizer`,
+      `processor`, `dataset_cls`, `dataset_config`, `apply_chat_template_kwargs`, `system_prompt`,
+      `loop`), and `apply_chat_template` is upstream's helper.
+    """
+
+    def __init__(self, *args, **kwargs):
+        if (args and isinstance(args[0], DictConfigWrap)) or "trainer_config" in kwargs:
+            self._init_upstream(*args, **kwargs)
+        else:
+            self._init_episodes(*args, **kwargs)
+
+    def _init_episodes(self, tokenizer, settings: AgentLoopSettings, tools: Sequence = (), interactions=None):
         self.tokenizer = tokenizer
         self.settings = settings
         self.tools = {tool.name: tool for tool in tools}
         self.interactions = dict(interactions or {})
         """Simulated users by name (`multi_turn.interaction_config_path`); loops that have none ignore them."""
 
-    @abstractmethod
+    def _init_upstream(
+        self,
+        trainer_config: DictConfigWrap,
+        server_manager: AsyncLLMServerManager,
+        tokenizer,
+        processor=None,
+        dataset_cls=None,
+        dataset_config: DictConfigWrap | None = None,
+        **kwargs,
+    ):
+        import asyncio
+
+        from verl.utils.chat_template import initialize_system_prompt
+
+        self.config = trainer_config.config
+        self.server_manager = server_manager
+        self.tokenizer = tokenizer
+        self.processor = processor
+        self.dataset_cls = dataset_cls
+        self.dataset_config = None if dataset_config is None else dataset_config.config
+        data = self.dataset_config if self.dataset_config is not None else {}
+        self.apply_chat_template_kwargs = dict(data.get("apply_chat_template_kwargs") or {})
+        self.system_prompt = initialize_system_prompt(tokenizer, **self.apply_chat_template_kwargs)
+        self.loop = asyncio.get_event_loop()
+
     async def run_episode(self, engine: AsyncRolloutEngine, sample: AgentSample) -> Trajectory:
-        """Play one conversation and return its trajectory."""
+        """Play one conversation and return its trajectory (this project's style)."""
+        raise NotImplementedError(
+            f"{type(self).__name__} must override run_episode(engine, sample) (this project's agent-loop API) or "
+            "run(sampling_params, **kwargs) (upstream's); see docs/multi_turn.md"
+        )
+
+    async def run(self, sampling_params: dict[str, Any], **kwargs) -> AgentLoopOutput:
+        """Play one conversation and return its output (upstream's style)."""
+        raise NotImplementedError(f"{type(self).__name__} must override run(sampling_params, **kwargs)")
+
+    async def apply_chat_template(
+        self, messages: list[dict], tools: list[dict] | None = None, images=None, videos=None,
+        remove_system_prompt: bool = False,
+    ) -> list[int]:  # fmt: skip
+        """Token ids of `messages` rendered with a generation prompt (upstream's helper); with
+        `remove_system_prompt` the template's default system prompt is cut from the front."""
+        if images is not None or videos is not None:
+            raise ValueError("images and videos are not supported by this rollout's agent loops")
+        ids = await self.loop.run_in_executor(
+            None,
+            lambda: self.tokenizer.apply_chat_template(
+                messages, tools=tools, add_generation_prompt=True, tokenize=True, **self.apply_chat_template_kwargs
+            ),
+        )
+        ids = list(ids["input_ids"] if isinstance(ids, Mapping) else ids)
+        return ids[len(self.system_prompt) :] if remove_system_prompt else ids
+
+
+def uses_upstream_api(cls: type) -> bool:
+    """Whether a loop class is written in upstream's style (overrides `run`, not `run_episode`)."""
+    return cls.run is not AgentLoopBase.run and cls.run_episode is AgentLoopBase.run_episode
+
+
+class UpstreamLoopRunner(AgentLoopBase):
+    """Runs an upstream-style loop class as one of this project's loops: per episode, builds it with
+    upstream's constructor arguments and a server manager over the episode's engine, awaits `run`
+    with the row's columns, and turns its `AgentLoopOutput` into a `Trajectory`."""
+
+    def __init__(self, loop_cls: type[AgentLoopBase], tokenizer, settings: AgentLoopSettings, trainer_config,
+                 with_logprobs: bool, loop_kwargs: dict | None = None):  # fmt: skip
+        super().__init__(tokenizer, settings)
+        self.loop_cls = loop_cls
+        self.trainer_config = trainer_config
+        """What the loops see as `self.config`; its `actor_rollout_ref.rollout` gives the sampling params."""
+        self.with_logprobs = with_logprobs
+        self.loop_kwargs = dict(loop_kwargs or {})
+        self.dataset_config = {"apply_chat_template_kwargs": dict(settings.apply_chat_template_kwargs)}
+
+    async def run_episode(self, engine: AsyncRolloutEngine, sample: AgentSample) -> Trajectory:
+        from verl.utils.dataset.rl_dataset import RLHFDataset
+
+        manager = AsyncLLMServerManager(engine, sample.sampling, self.settings.response_length)
+        loop = self.loop_cls(
+            trainer_config=DictConfigWrap(self.trainer_config),
+            server_manager=manager,
+            tokenizer=self.tokenizer,
+            processor=None,
+            dataset_cls=RLHFDataset,
+            dataset_config=DictConfigWrap(self.dataset_config),
+            **self.loop_kwargs,
+        )
+        rollout_config = self.trainer_config.actor_rollout_ref.rollout
+        params = upstream_sampling_params(rollout_config, bool(sample.sampling.get("validate")), self.with_logprobs)
+        row = {k: v for k, v in sample.row.items() if k != "agent_name"}
+        output = await loop.run(params, **row)
+        return trajectory_from_output(output, self.loop_cls.__name__)
+
+
+def trajectory_from_output(output: AgentLoopOutput, loop_name: str = "agent loop") -> Trajectory:
+    """A `Trajectory` from an upstream-style `AgentLoopOutput` (see upstream_api.py for the mapping)."""
+    if not isinstance(output, AgentLoopOutput):
+        raise TypeError(f"{loop_name}.run returned {type(output).__name__}, not an AgentLoopOutput")
+    if output.multi_modal_data:
+        raise ValueError(f"{loop_name} returned multi_modal_data: multi-modal prompts are not supported here")
+    if output.routed_experts is not None:
+        raise ValueError(f"{loop_name} returned routed_experts: the rollout does not pass routing on")
+    extra = dict(output.extra_fields)
+    turn_scores = list(extra.pop("turn_scores", None) or [])
+    metrics = {"generate_sequences": output.metrics.generate_sequences, "tool_calls": output.metrics.tool_calls}
+    return Trajectory(
+        prompt_ids=list(output.prompt_ids),
+        response_ids=list(output.response_ids),
+        response_mask=list(output.response_mask),
+        response_logprobs=None if output.response_logprobs is None else list(output.response_logprobs),
+        num_turns=int(output.num_turns),
+        metrics=metrics,
+        turn_scores=turn_scores,
+        reward_score=output.reward_score,
+        extra_fields=extra,
+    )
 
 
 @register("single_turn_agent")
@@ -234,3 +379,26 @@ class SingleTurnAgentLoop(AgentLoopBase):
             response_logprobs=None if out.log_probs is None else list(out.log_probs),
             num_turns=2,
         )
+
+
+__all__ = [
+    "AGENT_LOOPS",
+    "AGENT_LOOP_KWARGS",
+    "AgentLoopBase",
+    "AgentLoopMetrics",
+    "AgentLoopOutput",
+    "AgentLoopSettings",
+    "AgentSample",
+    "AsyncLLMServerManager",
+    "DictConfigWrap",
+    "SingleTurnAgentLoop",
+    "Trajectory",
+    "UpstreamLoopRunner",
+    "get_agent_loop_class",
+    "read_agent_loop_config",
+    "register",
+    "register_agent_loops_from_file",
+    "resolve_config_path",
+    "trajectory_from_output",
+    "uses_upstream_api",
+]

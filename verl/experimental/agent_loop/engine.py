@@ -54,6 +54,11 @@ class TokenOutput:
     version_max: int | None = None
     """The newest such version."""
 
+    @property
+    def stop_reason(self) -> str:
+        """Upstream's name for why generation ended: "stop" (a stop token) or "length" (the budget)."""
+        return "stop" if self.stopped else "length"
+
 
 class AsyncRolloutEngine(ABC):
     """Generation for one conversation turn; safe to await from many coroutines at once."""

@@ -16,6 +16,9 @@ rollout's own `async_engine`, see `make_engine`), and returns the usual rollout 
 - `non_tensor_batch["__num_turns__"]`: messages per episode (the trainer reports `num_turns/*`);
 - `non_tensor_batch["turn_scores"]`: with simulated users (`multi_turn.interaction_config_path`,
   verl/interactions/), each episode's list of the interaction's turn scores, as upstream;
+- a loop's `Trajectory.extra_fields` as non-tensor columns (None where an episode lacks a key), and,
+  when every episode carries a `reward_score`, `rm_scores` [B, R] holding it at the last response
+  token (the reward manager then returns them unchanged), as upstream's agent loops;
 - with partial rollouts (`meta_info["partial_rollout"]`, asynchronous training) `weight_version` /
   `weight_version_max`: the oldest and newest weight version that sampled a token of the episode,
   over all its model turns. The keys are passed on to the wrapped engine with every model turn, so
@@ -78,8 +81,10 @@ from verl.experimental.agent_loop.agent_loop import (
     AgentLoopSettings,
     AgentSample,
     Trajectory,
+    UpstreamLoopRunner,
     get_agent_loop_class,
     register_agent_loops_from_file,
+    uses_upstream_api,
 )
 from verl.experimental.agent_loop.engine import AsyncRolloutEngine, MicroBatchEngine, rollout_batch_generator
 from verl.utils.device import set_device
@@ -128,6 +133,8 @@ class AgentLoopRollout(BaseRollout):
     apply_chat_template_kwargs: passed to every chat-template rendering (`data.apply_chat_template_kwargs`).
     project_name, experiment_name: the trainer's (`trainer.project_name` / `experiment_name`); they name
         the traces and are needed only with a trace backend (`rollout.trace.backend`).
+    trainer_config: what loops written against upstream's API see as `self.config` (the worker passes
+        `{"actor_rollout_ref": ...}`); None: `{"actor_rollout_ref": {"rollout": config}}`.
     """
 
     def __init__(
@@ -139,7 +146,13 @@ class AgentLoopRollout(BaseRollout):
         apply_chat_template_kwargs: dict | None = None,
         project_name: str | None = None,
         experiment_name: str | None = None,
+        trainer_config=None,
     ):
+        from omegaconf import OmegaConf
+
+        if trainer_config is None:
+            trainer_config = {"actor_rollout_ref": {"rollout": config}}
+        self.trainer_config = OmegaConf.create(trainer_config) if isinstance(trainer_config, dict) else trainer_config
         tp = int(config.get("tensor_model_parallel_size", 1) or 1)
         self._tp_group = getattr(rollout, "_tp_group", None)
         self._tp_rank = int(getattr(rollout, "_tp_rank", 0))
@@ -211,6 +224,12 @@ class AgentLoopRollout(BaseRollout):
     def agent_loop(self, name: str) -> AgentLoopBase:
         if name not in self._loops:
             cls = get_agent_loop_class(name)
+            if uses_upstream_api(cls):  # built per episode with upstream's arguments (upstream_api.py)
+                self._loops[name] = UpstreamLoopRunner(
+                    cls, self.tokenizer, self.settings, self.trainer_config, self.with_logprobs,
+                    AGENT_LOOP_KWARGS.get(name, {}),
+                )  # fmt: skip
+                return self._loops[name]
             extra = {"interactions": self.interactions} if self.interactions else {}
             extra.update(AGENT_LOOP_KWARGS.get(name, {}))
             self._loops[name] = cls(self.tokenizer, self.settings, self.tools, **extra)
@@ -250,6 +269,7 @@ class AgentLoopRollout(BaseRollout):
                     extra_info=extra,
                     index=i,
                     interaction_kwargs=None if interaction_kwargs is None else dict(interaction_kwargs),
+                    row={key: column[i] for key, column in nt.items()},
                 )
             )
         return out
@@ -612,6 +632,16 @@ def trajectories_to_proto(prompts, trajectories: list[Trajectory], response_leng
         turn_scores = np.empty(B, dtype=object)
         turn_scores[:] = [[] if t is None else list(t.turn_scores) for t in trajectories]
         non_tensor["turn_scores"] = turn_scores
+    for key in sorted({key for t in trajectories if t is not None for key in t.extra_fields}):
+        column = np.empty(B, dtype=object)  # upstream's rule: None where an episode did not set the key
+        column[:] = [None if t is None else t.extra_fields.get(key) for t in trajectories]
+        non_tensor[key] = column
+    if trajectories and all(t is not None and t.reward_score is not None for t in trajectories):
+        # the loops scored their episodes: the reward manager returns rm_scores as they are (upstream)
+        last = (response_attn.sum(-1) - 1).clamp(min=0)
+        rm_scores = torch.zeros((B, R), dtype=torch.float32)
+        rm_scores[torch.arange(B), last] = torch.tensor([float(t.reward_score) for t in trajectories])
+        batch["rm_scores"] = rm_scores.to(device)
 
     meta = {k: v for k, v in meta.items() if k != "metrics"}
     return DataProto(batch=batch, non_tensor_batch=non_tensor, meta_info=meta)

@@ -10,16 +10,15 @@ from __future__ import annotations
 from verl.protocol import DataProto
 
 GEN_BATCH_KEYS = ("input_ids", "attention_mask", "position_ids")
-# What agent loops read per sample besides the prompt: the loop's name and the tools' arguments
-# (upstream's `agent_name` and `extra_info.tools_kwargs` columns).
-MULTI_TURN_KEYS = ("agent_name", "tools_kwargs", "extra_info", "index")  # index: the traces' sample_index
 
 
 def generation_input(batch: DataProto, tokenizer, global_steps: int, multi_turn: bool, **meta) -> DataProto:
     """The rollout's input for `batch` (one row per sample to generate), with its meta_info."""
     keys = ("raw_prompt_ids", "raw_prompt", "multi_modal_data")
     if multi_turn:
-        keys += MULTI_TURN_KEYS
+        # agent loops get every column of their row, as upstream's agent-loop rollout passes them to
+        # `run(**kwargs)` (data_source, reward_model, uid, ... included); the rollout returns them unchanged
+        keys = tuple(batch.non_tensor_batch)
     non_tensor_keys = [k for k in keys if k in batch.non_tensor_batch]
     gen = batch.select(batch_keys=list(GEN_BATCH_KEYS), non_tensor_batch_keys=non_tensor_keys)
     gen.meta_info.update(

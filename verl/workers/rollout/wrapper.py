@@ -40,6 +40,7 @@ class RolloutWrapper(Protocol):
         *,
         project_name: str | None = None,
         experiment_name: str | None = None,
+        trainer_config=None,
     ) -> BaseRollout: ...
 
 
@@ -50,9 +51,11 @@ def wrap_rollout(
     wrapper: RolloutWrapper | None,
     project_name: str | None = None,
     experiment_name: str | None = None,
+    trainer_config=None,
 ) -> BaseRollout:
     """`rollout` itself, or `wrapper(rollout, ...)` when `config` (the rollout section) runs agent
-    loops; `project_name`/`experiment_name` name the agent loops' traces (`rollout.trace`)."""
+    loops; `project_name`/`experiment_name` name the agent loops' traces (`rollout.trace`);
+    `trainer_config` is what loops written against upstream's API see as `self.config`."""
     if not runs_agent_loops(config):
         return rollout
     if wrapper is None:
@@ -62,4 +65,11 @@ def wrap_rollout(
             "built by hand needs ActorRolloutRefWorker(..., rollout_wrapper=AgentLoopRollout) (from "
             "verl.experimental.agent_loop), or turn multi_turn off and unset agent.agent_loop_config_path"
         )
-    return wrapper(rollout, config, tokenizer, project_name=project_name, experiment_name=experiment_name)
+    return wrapper(
+        rollout,
+        config,
+        tokenizer,
+        project_name=project_name,
+        experiment_name=experiment_name,
+        trainer_config=trainer_config,
+    )
