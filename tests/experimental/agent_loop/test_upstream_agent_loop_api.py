@@ -244,6 +244,15 @@ def test_a_loop_that_breaks_the_contract_says_how(tokenizer, tiny_model, loop, e
         looped(forced, arc(8), tokenizer, batch)
 
 
+def test_a_batch_without_raw_prompt_says_which_data_key_to_set(tokenizer, tiny_model):
+    batch = question_batch(tokenizer, QUESTIONS[:1])
+    batch.non_tensor_batch.pop("raw_prompt")
+    batch.non_tensor_batch["agent_name"] = np.array([f"{__name__}.UpstreamSingleTurn"], dtype=object)
+    forced = ForcedRollout(tiny_model, lambda context: [tokenizer.eos_token_id])
+    with pytest.raises(ValueError, match=r"UpstreamSingleTurn .* no raw_prompt column: set data.return_raw_chat=true"):
+        looped(forced, arc(8), tokenizer, batch)
+
+
 def test_the_system_prompt_helpers_find_the_templates_prefix_and_generation_prompt(tokenizer):
     from verl.utils.chat_template import extract_system_prompt_and_generation, initialize_system_prompt
 
@@ -253,23 +262,6 @@ def test_the_system_prompt_helpers_find_the_templates_prefix_and_generation_prom
     system, generation = extract_system_prompt_and_generation(templated)
     assert system == encode(tokenizer, "<|system|>be brief<bos>")
     assert generation == encode(tokenizer, "<|assistant|>")
-
-
-class ScoresItsOwnEpisodes(AgentLoopBase):
-    """Reads what upstream loops read from `self.config` and the row; scores without a reward function."""
-
-    async def run(self, sampling_params, **kwargs):
-        prompt_ids = await self.apply_chat_template(kwargs["raw_prompt"])
-        out = await self.server_manager.generate(uuid4().hex, prompt_ids=prompt_ids, sampling_params=sampling_params)
-        response = out.token_ids[: self.config.actor_rollout_ref.rollout.response_length]
-        return AgentLoopOutput(
-            prompt_ids=prompt_ids,
-            response_ids=response,
-            response_mask=[1] * len(response),
-            reward_score=0.25,
-            num_turns=2,
-            extra_fields={"model": self.config.actor_rollout_ref.model.path, "source": kwargs["data_source"]},
-        )
 
 
 @pytest.fixture
@@ -294,7 +286,9 @@ def test_the_rollout_worker_runs_an_upstream_loop_from_a_config_file_with_every_
     from verl.trainer.ppo.generation import generation_input
     from verl.workers.fsdp_workers import ActorRolloutRefWorker
 
-    (tmp_path / "agents.yaml").write_text(f"- name: self_scored\n  _target_: {__name__}.ScoresItsOwnEpisodes\n")
+    (tmp_path / "agents.yaml").write_text(
+        "- name: self_scored\n  _target_: tests.experimental.agent_loop.upstream_loops.ScoresItsOwnEpisodes\n"
+    )
     cfg = load_ppo_config(
         [
             f"actor_rollout_ref.model.path={bundled_model_path()}",

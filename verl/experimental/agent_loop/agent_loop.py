@@ -338,6 +338,11 @@ class UpstreamLoopRunner(AgentLoopBase):
         rollout_config = self.trainer_config.actor_rollout_ref.rollout
         params = upstream_sampling_params(rollout_config, bool(sample.sampling.get("validate")), self.with_logprobs)
         row = {k: v for k, v in sample.row.items() if k != "agent_name"}
+        if "raw_prompt" not in row:  # upstream's agent-loop rollout requires it of every row too
+            raise ValueError(
+                f"agent loop {self.loop_cls.__name__} (upstream's API) reads each row's chat messages as "
+                "kwargs['raw_prompt'], but the batch has no raw_prompt column: set data.return_raw_chat=true"
+            )
         output = await loop.run(params, **row)
         return trajectory_from_output(output, self.loop_cls.__name__)
 

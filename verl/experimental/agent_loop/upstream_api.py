@@ -120,8 +120,7 @@ class AsyncLLMServerManager:
         penalty = sampling_params.get("repetition_penalty", 1.0)
         if penalty is not None and float(penalty) != 1.0:
             raise ValueError(
-                f"sampling_params repetition_penalty={penalty} is not supported by this rollout's engines "
-                "(only 1.0)"
+                f"sampling_params repetition_penalty={penalty} is not supported by this rollout's engines (only 1.0)"
             )
         sampling = dict(self.episode_sampling)
         for key in ("temperature", "top_k", "top_p"):
