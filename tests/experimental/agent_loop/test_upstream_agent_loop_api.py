@@ -299,7 +299,7 @@ def test_the_rollout_worker_runs_an_upstream_loop_from_a_config_file_with_every_
         ],
         config_name="arith_demo",
     )
-    worker = ActorRolloutRefWorker(cfg.actor_rollout_ref, role="rollout")
+    worker = ActorRolloutRefWorker(cfg.actor_rollout_ref, role="rollout", rollout_wrapper=AgentLoopRollout)
     worker.init_model()
     batch = question_batch(tokenizer, QUESTIONS[:2])
     batch.non_tensor_batch["data_source"] = np.array(["arith", "gsm8k"], dtype=object)

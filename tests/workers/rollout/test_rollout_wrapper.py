@@ -23,8 +23,8 @@ MULTI_TURN = {"multi_turn": {"enable": True}}
 class Wrapped:
     """A wrapper that records what it was built from (the selection logic is under test, not the loops)."""
 
-    def __init__(self, rollout, config, tokenizer, *, project_name=None, experiment_name=None):
-        self.args = (rollout, config, tokenizer, project_name, experiment_name)
+    def __init__(self, rollout, config, tokenizer, *, project_name=None, experiment_name=None, trainer_config=None):
+        self.args = (rollout, config, tokenizer, project_name, experiment_name, trainer_config)
 
 
 def test_a_config_without_agent_loops_keeps_the_engine_even_when_a_wrapper_is_given():
@@ -36,9 +36,12 @@ def test_a_config_without_agent_loops_keeps_the_engine_even_when_a_wrapper_is_gi
 @pytest.mark.parametrize("config", [MULTI_TURN, {"agent": {"agent_loop_config_path": "agents.yaml"}}])
 def test_a_config_with_agent_loops_builds_the_wrapper_over_the_engine_with_the_run_names(config):
     engine, tokenizer = object(), object()
-    wrapped = wrap_rollout(engine, config, tokenizer, Wrapped, project_name="p", experiment_name="e")
+    trainer = {"actor_rollout_ref": {"rollout": config}}
+    wrapped = wrap_rollout(
+        engine, config, tokenizer, Wrapped, project_name="p", experiment_name="e", trainer_config=trainer
+    )
     assert isinstance(wrapped, Wrapped)
-    assert wrapped.args == (engine, config, tokenizer, "p", "e")
+    assert wrapped.args == (engine, config, tokenizer, "p", "e", trainer)
 
 
 def test_agent_loops_without_a_wrapper_are_refused_naming_what_to_pass():
