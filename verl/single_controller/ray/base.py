@@ -76,6 +76,7 @@ from verl.single_controller.base.errors import (
 from verl.single_controller.base.worker import Worker, enable_async_rpc, get_free_port
 from verl.single_controller.base.worker_group import ClassWithInitArgs, ResourcePool, WorkerGroup
 from verl.single_controller.ray.cpu_allocator import cpu_worker_malloc_env
+from verl.utils.cpu_layout import cpu_worker_thread_env
 
 logger = logging.getLogger(__name__)
 
@@ -544,7 +545,11 @@ class RayWorkerGroup(WorkerGroup):
                     f"worker_env sets {clash}, which the worker group sets itself for every rank (rank, world size, "
                     "rendezvous address); remove them from worker_env"
                 )
-            env = {**malloc, **passthrough, **self.customized_worker_env, **env}
+            # CPU: the node's cores split among its workers, unless the user set OMP_NUM_THREADS.
+            threads = cpu_worker_thread_env(
+                pool.use_gpu, local_world_size, os.environ, self.customized_worker_env, class_env
+            )
+            env = {**malloc, **threads, **passthrough, **self.customized_worker_env, **env}
             name = f"{self.name_prefix}:{rank}"
             options = {
                 **pool.actor_resources(),
