@@ -11,6 +11,7 @@ from ray import cloudpickle
 from verl.single_controller.base import Worker
 from verl.single_controller.base.decorator import Dispatch, register
 from verl.single_controller.ray import RayClassWithInitArgs, RayResourcePool, RayWorkerGroup
+from verl.single_controller.ray.resource_pool_manager import ResourcePoolManager
 from verl.utils.machine import usable_cores
 
 cloudpickle.register_pickle_by_value(sys.modules[__name__])
@@ -44,3 +45,21 @@ def test_cpu_workers_share_the_node_cores_and_a_user_setting_wins(ray_session, m
     # (torch caps its own count at the usable cores, so the user's value is read from the env)
     assert _threads(1, {"OMP_NUM_THREADS": "1"}) == [("1", 1)]
     assert _threads(1, {"OMP_NUM_THREADS": "3"})[0][0] == "3"
+
+
+def test_pools_side_by_side_divide_the_node_between_them(ray_session, monkeypatch):
+    # async training: a rollout pool runs beside the trainer pool on the same cores
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    manager = ResourcePoolManager(
+        {"global_pool": [1], "rollout_pool": [1]}, {"actor": "global_pool", "rollout": "rollout_pool"}, use_gpu=False
+    )
+    manager.create_resource_pool()
+    pool = manager.get_resource_pool("actor")
+    assert pool.workers_sharing_node == 2
+    wg = RayWorkerGroup(pool, RayClassWithInitArgs(ThreadsWorker))
+    try:
+        share = max(1, usable_cores() // 2)
+        assert wg.threads() == [(str(share), share)]
+    finally:
+        wg.shutdown()
+        pool.remove_placement_groups()

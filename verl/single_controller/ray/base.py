@@ -210,6 +210,9 @@ class RayResourcePool(ResourcePool):
         super().__init__(process_on_nodes, max_colocate_count)
         self.use_gpu = use_gpu
         self.name_prefix = name_prefix or ""
+        # Workers of all pools on one node (set by ResourcePoolManager; 0: this pool's own): a CPU
+        # worker's threads are the node's cores divided by them.
+        self.workers_sharing_node = 0
         self.detached = detached
         self.pgs: list[PlacementGroup] | None = None
         self.pg_node_ids: list[str] = []
@@ -338,6 +341,7 @@ class SubRayResourcePool(RayResourcePool):
             detached=parent.detached,
         )
         self.parent = parent
+        self.workers_sharing_node = parent.workers_sharing_node
         self.start_bundle_index = int(start_bundle_index)
         self.subgroup_world_size = int(subgroup_world_size)
 
@@ -546,9 +550,8 @@ class RayWorkerGroup(WorkerGroup):
                     "rendezvous address); remove them from worker_env"
                 )
             # CPU: the node's cores split among its workers, unless the user set OMP_NUM_THREADS.
-            threads = cpu_worker_thread_env(
-                pool.use_gpu, local_world_size, os.environ, self.customized_worker_env, class_env
-            )
+            sharing = max(local_world_size, pool.workers_sharing_node)
+            threads = cpu_worker_thread_env(pool.use_gpu, sharing, os.environ, self.customized_worker_env, class_env)
             env = {**malloc, **threads, **passthrough, **self.customized_worker_env, **env}
             name = f"{self.name_prefix}:{rank}"
             options = {
