@@ -53,6 +53,80 @@ def balance_trained_rows(batch: DataProto, world_size: int, actor_cfg, rollout_n
         return
     work = (batch.batch["attention_mask"].sum(-1) * trained).tolist()
     balance_batch(batch, world_size, work=work)
+    order = split_groups_to_balance(batch, world_size, shares_prompts=bool(actor_cfg.get("share_prompt_forward", True)))
+    if order is not None:
+        batch.reorder(torch.tensor(order))
+
+
+def split_groups_to_balance(batch: DataProto, world_size: int, shares_prompts: bool = True) -> list[int] | None:
+    """A row order that evens the trained work across ranks by splitting GRPO groups, or None when
+    whole groups are as even (the order `balance_trained_rows` leaves).
+
+    Why: with whole groups the ranks' trained work differs by up to one group, and a step trains
+    only ~20 of its 32 groups (the rest scored alike and are skipped), so an odd count leaves one
+    rank a group ahead: 11 against 10 groups, ~10% more work, which the other rank then waits out
+    at the gradient all-reduce (measured: benchmarks/rank_balance.py, docs/benchmarks.md). Putting
+    part of one group on each side of a rank boundary evens it, at the price of that group's prompt
+    forward running on both ranks (with `shares_prompts`, a rank runs each distinct prompt once).
+
+    How: the trained rows, in the current (whole-group balanced) order, are cut into at most
+    `world_size` consecutive pieces whose costliest is as cheap as possible (a binary search over
+    the limit, each tried by greedy packing: exact for cuts of that order); the cost of a
+    piece is its rows' response tokens plus one prompt per group it holds (with `shares_prompts`;
+    else every row's prompt). Each rank then gets its piece plus untrained rows up to the equal row
+    count the dispatch cuts. Returned only when it lowers the costliest rank's cost.
+
+    Learning is unchanged: every row is trained exactly once in the same single mini-batch, and the
+    loss normaliser and the gradient all-reduce are global, so only which rank computes a row (and
+    fp32 summation order) differs. Assumes one mini-batch (as `balance_trained_rows` checks).
+    """
+    uids = batch.non_tensor_batch.get("uid")
+    rows = len(batch)
+    if world_size < 2 or uids is None or rows % world_size:
+        return None
+    per_rank = rows // world_size
+    trained = rows_with_advantage(batch.batch["advantages"], batch.batch["response_mask"]).tolist()
+    response = batch.batch["response_mask"].sum(-1).tolist()
+    prompt_len = batch.batch["attention_mask"].shape[1] - batch.batch["response_mask"].shape[1]
+    prompt = batch.batch["attention_mask"][:, :prompt_len].sum(-1).tolist()
+    uids = uids.tolist()
+
+    def cost(piece: list[int]) -> int:
+        if not shares_prompts:
+            return sum(response[i] + prompt[i] for i in piece)
+        return sum(response[i] for i in piece) + sum(prompt[i] for i in {uids[i]: i for i in piece}.values())
+
+    def pieces_within(limit: int) -> list[list[int]] | None:
+        """Trained rows packed greedily into consecutive pieces of cost <= limit and <= per_rank
+        rows; None if that takes more than world_size pieces (greedy packing is the fewest)."""
+        pieces: list[list[int]] = [[]]
+        seen: set = set()
+        total = 0
+        for i in train_rows:
+            add = response[i] + (prompt[i] if not shares_prompts or uids[i] not in seen else 0)
+            if pieces[-1] and (total + add > limit or len(pieces[-1]) == per_rank):
+                pieces.append([])
+                seen, total = set(), 0
+                add = response[i] + prompt[i]
+            if add > limit:
+                return None
+            pieces[-1].append(i)
+            seen.add(uids[i])
+            total += add
+        return pieces if len(pieces) <= world_size else None
+
+    train_rows = [i for i in range(rows) if trained[i]]
+    now = max(cost([i for i in range(r * per_rank, (r + 1) * per_rank) if trained[i]]) for r in range(world_size))
+    if not train_rows or pieces_within(now - 1) is None:
+        return None
+    lo, hi = 0, now - 1  # the least limit that packs into world_size pieces: binary search
+    while lo < hi:
+        mid = (lo + hi) // 2
+        lo, hi = (lo, mid) if pieces_within(mid) is not None else (mid + 1, hi)
+    pieces = pieces_within(lo)
+    pieces += [[] for _ in range(world_size - len(pieces))]
+    idle = iter(i for i in range(rows) if not trained[i])
+    return [i for p in pieces for i in (*p, *(next(idle) for _ in range(per_rank - len(p))))]
 
 
 def equal_groups(uids, world_size: int) -> list[list[int]] | None:
