@@ -1,22 +1,25 @@
 """How evenly the default GRPO step's actor update is split over the 2 data-parallel ranks (issue #31).
 
 The gradient all-reduce at the end of the update waits for the slower rank; a sampling profile of
-the default run put that wait at ~12% of a worker's update. This measures where the difference
-comes from, without Ray and without the other rank's process competing for the cores:
+the default run put that wait at ~12% of a worker's update. This measures how much of it the
+batch split itself causes, without Ray and without the other rank's process competing for cores:
 
 1. Real batches: `--steps` batches of the bundled task as the default run makes them (32 prompts x
    8 samples from the bundled model through the built-in engine, 8 new tokens at most, the arith
-   reward, GRPO advantages), reordered by the driver's `balance_batch` and `balance_trained_rows`
-   (`verl.trainer.ppo.balance`) and cut into the 2 ranks' equal contiguous parts, as the
-   DP_COMPUTE_PROTO dispatch cuts them.
+   reward, GRPO advantages), reordered as the driver does (`verl.trainer.ppo.balance`: by tokens,
+   then by trained tokens with whole GRPO groups per rank) and cut into the 2 ranks' equal
+   contiguous parts, as the DP_COMPUTE_PROTO dispatch cuts them.
 2. Per rank: the GRPO groups it trains (groups whose samples all scored alike have zero advantage
-   and are skipped by `skip_zero_advantage_rows`), its trained rows and tokens, and the median time
-   of `update_policy` on its part in CPU time (robust to other processes' load), the parts alternated `--repeats` times in this one process
-   on one thread (the same core for both, so only the work differs).
+   and are skipped by `skip_zero_advantage_rows`), its trained rows and tokens, and the median CPU
+   time of `update_policy` on its part (CPU time: robust to other processes' load; one thread).
+3. The same for an alternative evaluated and not kept (`split_groups_to_balance` below: one group
+   cut between the ranks when whole groups leave one rank a group ahead). All four parts of a
+   step are timed in one loop, alternated `--repeats` times, so load changes weigh on both alike.
 
-Printed per step: trained groups, rows and milliseconds per rank and the imbalance
-(slower / faster - 1). Last line: `bench rank_balance: imbalance_median=... imbalance_max=...
-groups_diff_median=... cpu=...`.
+Printed per step and variant: trained groups, rows, tokens and CPU ms per rank and the imbalance
+(slower / faster - 1). Last line: `bench rank_balance: imbalance_whole=... imbalance_split=...
+slowest_rank_ms_whole=... slowest_rank_ms_split=... groups_diff_median=... cpu=...` (medians over
+the steps).
 
     python benchmarks/rank_balance.py
 """
@@ -96,10 +99,10 @@ def make_batches(steps: int, seed: int):
 
 
 def rank_parts(batch, split: bool):
-    """The driver's reordering (whole GRPO groups per rank, or with `split` a group cut between the
-    ranks where that evens the trained work: `split_groups_to_balance`), then the ranks' equal
-    contiguous parts."""
-    from verl.trainer.ppo.balance import balance_batch, split_groups_to_balance
+    """The driver's reordering (`balance_batch`, then by trained tokens as `balance_trained_rows`
+    does: whole GRPO groups per rank), with `split` then `split_groups_to_balance`; the ranks'
+    equal contiguous parts."""
+    from verl.trainer.ppo.balance import balance_batch
     from verl.workers.actor.ppo_actor import rows_with_advantage
 
     batch = copy.deepcopy(batch)
@@ -110,6 +113,68 @@ def rank_parts(batch, split: bool):
     if order is not None:
         batch.reorder(torch.tensor(order))
     return batch.chunk(RANKS)
+
+
+def split_groups_to_balance(batch, world_size: int, shares_prompts: bool = True) -> list[int] | None:
+    """The alternative evaluated here and not kept: a row order that evens the trained work across
+    ranks by cutting one GRPO group between them, or None when whole groups are as even.
+
+    The trained rows (in the whole-group balanced order) are cut into at most `world_size`
+    consecutive pieces whose costliest is least (binary search over the limit, greedy packing);
+    a piece costs its rows' response tokens plus one prompt per group it holds (`shares_prompts`:
+    the shared-prompt forward runs each distinct prompt once per rank). Each rank gets its piece
+    plus untrained rows up to the equal row count. Learning would be unchanged (every row trained
+    once in the one mini-batch, global normalisers): it only moves rows between ranks.
+    """
+    from verl.workers.actor.ppo_actor import rows_with_advantage
+
+    uids = batch.non_tensor_batch.get("uid")
+    rows = len(batch)
+    if world_size < 2 or uids is None or rows % world_size:
+        return None
+    per_rank = rows // world_size
+    trained = rows_with_advantage(batch.batch["advantages"], batch.batch["response_mask"]).tolist()
+    response = batch.batch["response_mask"].sum(-1).tolist()
+    prompt_len = batch.batch["attention_mask"].shape[1] - batch.batch["response_mask"].shape[1]
+    prompt = batch.batch["attention_mask"][:, :prompt_len].sum(-1).tolist()
+    uids = uids.tolist()
+
+    def cost(piece: list[int]) -> int:
+        if not shares_prompts:
+            return sum(response[i] + prompt[i] for i in piece)
+        return sum(response[i] for i in piece) + sum(prompt[i] for i in {uids[i]: i for i in piece}.values())
+
+    def pieces_within(limit: int) -> list[list[int]] | None:
+        """Trained rows packed greedily into consecutive pieces of cost <= limit and <= per_rank
+        rows; None if that takes more than world_size pieces (greedy packing is the fewest)."""
+        pieces: list[list[int]] = [[]]
+        seen: set = set()
+        total = 0
+        for i in train_rows:
+            add = response[i] + (prompt[i] if not shares_prompts or uids[i] not in seen else 0)
+            if pieces[-1] and (total + add > limit or len(pieces[-1]) == per_rank):
+                pieces.append([])
+                seen, total = set(), 0
+                add = response[i] + prompt[i]
+            if add > limit:
+                return None
+            pieces[-1].append(i)
+            seen.add(uids[i])
+            total += add
+        return pieces if len(pieces) <= world_size else None
+
+    train_rows = [i for i in range(rows) if trained[i]]
+    now = max(cost([i for i in range(r * per_rank, (r + 1) * per_rank) if trained[i]]) for r in range(world_size))
+    if not train_rows or pieces_within(now - 1) is None:
+        return None
+    lo, hi = 0, now - 1  # the least limit that packs into world_size pieces: binary search
+    while lo < hi:
+        mid = (lo + hi) // 2
+        lo, hi = (lo, mid) if pieces_within(mid) is not None else (mid + 1, hi)
+    pieces = pieces_within(lo)
+    pieces += [[] for _ in range(world_size - len(pieces))]
+    idle = iter(i for i in range(rows) if not trained[i])
+    return [i for p in pieces for i in (*p, *(next(idle) for _ in range(per_rank - len(p))))]
 
 
 def describe(part) -> tuple[int, int, int]:
