@@ -65,6 +65,13 @@ def test_thread_env_for_cpu_workers_and_never_over_a_user_setting():
         assert cpu_worker_thread_env(False, 1, *envs) == {}
 
 
+def test_a_bad_batch_value_is_left_to_the_config_check(capsys):
+    # the check names data.train_batch_size; the interpolation must not fail first under its own name
+    assert resolve_cpu_workers("cpu", 2, "abc", 8) >= 1
+    assert resolve_cpu_workers("cpu", 2, 0, 8) >= 1
+    assert capsys.readouterr().err == ""
+
+
 def test_gpu_keeps_the_written_worker_count(capsys):
     assert resolve_cpu_workers("cuda", 2, 32, 8, 32) == 2
     assert capsys.readouterr().err == ""

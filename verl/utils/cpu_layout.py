@@ -118,9 +118,15 @@ def resolve_cpu_workers(device: str, gpu_workers, train_batch_size, rollout_n, m
         raise ValueError(f"verl_cpu_workers: device={device!r} is not one of auto, cpu, cuda (trainer.device)")
     if device == "cuda" or (device == "auto" and _cuda_visible()):
         return int(gpu_workers)
-    n = int(rollout_n)
-    mini = None if mini_batch_size is None else int(mini_batch_size) * n
-    layout = choose_cpu_workers(usable_cores(), int(train_batch_size) * n, mini)
+    try:
+        n = int(rollout_n)
+        rows = int(train_batch_size) * n
+        mini = None if mini_batch_size is None else int(mini_batch_size) * n
+        layout = choose_cpu_workers(usable_cores(), rows, mini)
+    except (TypeError, ValueError):
+        # a bad batch value (`data.train_batch_size=abc`, or 0): the config check reports it under its
+        # own key; failing here would report this interpolation instead
+        return min(usable_cores(), MAX_AUTO_WORKERS)
     print(f"verl: {layout_line(layout, user_threads(os.environ))}", file=sys.stderr)
     return layout.workers
 
