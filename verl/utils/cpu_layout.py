@@ -19,8 +19,10 @@ The rule, and why (measurements in docs/benchmarks.md, "Worker layout chosen aut
 - The process count divides the batch: `data.train_batch_size x rollout.n` rows and the actor's
   `ppo_mini_batch_size x rollout.n` must split evenly across ranks (the config check refuses
   otherwise), so the largest such count not above the cores is chosen.
-- Threads per process: the usable cores of the node divided by the processes on it (at least 1),
-  unless the user set `OMP_NUM_THREADS` (that wins, for every worker).
+- Threads per process: the usable cores of the node divided by the worker processes of all pools
+  on it (a rollout pool beside the trainer's counts; at least 1), unless the user set
+  `OMP_NUM_THREADS` (that wins, for every worker). Worker groups colocated on the same bundles
+  (a critic beside the actor) are not counted: they take turns, phase by phase.
 
 What the rule leaves out, deliberately: the model size. A larger model makes each matmul bigger,
 which favours threads, but it also makes the gradient all-reduce bigger; no machine here was
