@@ -154,6 +154,9 @@ class RayResourcePool(ResourcePool):
         super().__init__(process_on_nodes, max_colocate_count)
         self.use_gpu = use_gpu
         self.name_prefix = name_prefix or ""
+        # Workers of all pools on one node (set by ResourcePoolManager; 0: this pool's own): a CPU
+        # worker's threads are the node's cores divided by them.
+        self.workers_sharing_node = 0
         self.detached = detached
         self.pgs: list[PlacementGroup] | None = None
         self.pg_node_ids: list[str] = []
@@ -282,6 +285,7 @@ class SubRayResourcePool(RayResourcePool):
             detached=parent.detached,
         )
         self.parent = parent
+        self.workers_sharing_node = parent.workers_sharing_node
         self.start_bundle_index = int(start_bundle_index)
         self.subgroup_world_size = int(subgroup_world_size)
 

@@ -74,6 +74,9 @@ class ResourcePoolManager:
         """Check the cluster, then build one RayResourcePool per spec entry."""
         use_gpu = self._resolved_use_gpu()
         self._check_resource_available(use_gpu)
+        # CPU threads per worker divide a node's cores among the workers of every pool that may share
+        # it (a rollout pool runs beside the trainer pool), not only the pool's own.
+        sharing_node = sum(max(nodes) for nodes in self.resource_pool_spec.values())
         for name, process_on_nodes in self.resource_pool_spec.items():
             self.resource_pool_dict[name] = RayResourcePool(
                 process_on_nodes=process_on_nodes,
@@ -81,6 +84,7 @@ class ResourcePoolManager:
                 max_colocate_count=self.max_colocate_count,
                 name_prefix=name,
             )
+            self.resource_pool_dict[name].workers_sharing_node = sharing_node
 
     def get_resource_pool(self, role) -> RayResourcePool:
         if role not in self.mapping:

@@ -56,6 +56,7 @@ from verl.single_controller.base.worker_group import WorkerGroup
 from verl.single_controller.ray.cpu_allocator import cpu_worker_malloc_env
 from verl.single_controller.ray.resource_pool import RayResourcePool, placement_timeout_s
 from verl.single_controller.ray.worker_class import RayClassWithInitArgs, async_method_names
+from verl.utils.cpu_layout import cpu_worker_thread_env
 
 logger = logging.getLogger(__name__)
 
@@ -184,7 +185,10 @@ class RayWorkerGroup(WorkerGroup):
                     f"worker_env sets {clash}, which the worker group sets itself for every rank (rank, world size, "
                     "rendezvous address); remove them from worker_env"
                 )
-            env = {**malloc, **passthrough, **self.customized_worker_env, **env}
+            # CPU: the node's cores split among its workers, unless the user set OMP_NUM_THREADS.
+            sharing = max(local_world_size, pool.workers_sharing_node)
+            threads = cpu_worker_thread_env(pool.use_gpu, sharing, os.environ, self.customized_worker_env, class_env)
+            env = {**malloc, **threads, **passthrough, **self.customized_worker_env, **env}
             name = f"{self.name_prefix}:{rank}"
             options = {
                 **pool.actor_resources(),

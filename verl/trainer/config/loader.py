@@ -57,9 +57,13 @@ def _cache_path(rel: str) -> str:
 
 
 def register_resolvers() -> None:
-    """Register `${verl_asset:NAME}` and `${verl_cache:REL}` (idempotent)."""
+    """Register `${verl_asset:NAME}`, `${verl_cache:REL}` and `${verl_cpu_workers:...}` (idempotent;
+    the last is `verl.utils.cpu_layout.resolve_cpu_workers`, cached so a run asks once)."""
+    from verl.utils.cpu_layout import resolve_cpu_workers
+
     OmegaConf.register_new_resolver("verl_asset", _asset_path, replace=True)
     OmegaConf.register_new_resolver("verl_cache", _cache_path, replace=True)
+    OmegaConf.register_new_resolver("verl_cpu_workers", resolve_cpu_workers, replace=True, use_cache=True)
 
 
 register_resolvers()
