@@ -3,8 +3,11 @@ trainer packs rows, fused kernels never (not implemented), each with the reason 
 
 from __future__ import annotations
 
+import pytest
+
 from verl.utils.speed_paths import SpeedPath
-from verl.workers.engine_workers import _model_speed_paths
+from verl.workers.config import FSDPActorConfig, HFModelConfig
+from verl.workers.engine_workers import _model_speed_paths, _policy_asks_for_fused_kernels
 
 
 class _Packs:
@@ -16,28 +19,33 @@ class _RunsPaddedRows:
 
 
 def test_nothing_asked_for_is_reported_off_without_a_reason():
-    assert _model_speed_paths({}, _Packs()) == [
+    assert _model_speed_paths(_Packs(), remove_padding=False, fused=False) == [
         SpeedPath("remove_padding", False, False),
         SpeedPath("fused_kernels", False, False),
     ]
 
 
 def test_remove_padding_is_on_where_the_trainer_packs_and_says_which_one_does_not():
-    [on, _] = _model_speed_paths({"use_remove_padding": True}, _Packs())
+    [on, _] = _model_speed_paths(_Packs(), remove_padding=True, fused=False)
     assert on == SpeedPath("remove_padding", True, True)
-    [off, _] = _model_speed_paths({"use_remove_padding": True}, _RunsPaddedRows())
+    [off, _] = _model_speed_paths(_RunsPaddedRows(), remove_padding=True, fused=False)
     assert off == SpeedPath("remove_padding", True, False, "_RunsPaddedRows does not implement it: it runs padded rows")
 
 
-def test_fused_kernels_and_liger_are_asked_for_but_never_on():
-    for key in ("use_fused_kernels", "use_liger"):
-        [_, fused] = _model_speed_paths({key: True}, _Packs())
-        assert fused.requested and not fused.active and fused.reason.startswith("not implemented"), fused
-
-
-def test_actor_use_fused_kernels_alone_is_reported_as_asked_for_and_off():
-    # upstream's YAML copies model.use_fused_kernels into actor.use_fused_kernels; a user may set the actor's only
-    [_, fused] = _model_speed_paths({}, _Packs(), {"use_fused_kernels": True})
+def test_fused_kernels_are_asked_for_but_never_on():
+    [_, fused] = _model_speed_paths(_Packs(), remove_padding=False, fused=True)
     assert fused.requested and not fused.active and fused.reason.startswith("not implemented"), fused
-    [_, quiet] = _model_speed_paths({}, _Packs(), {"use_fused_kernels": False})
-    assert not quiet.requested
+
+
+@pytest.mark.parametrize(
+    "model, actor, asked",
+    [
+        ({}, {}, False),
+        ({"use_fused_kernels": True}, {}, True),
+        ({"use_liger": True}, {}, True),
+        # upstream's YAML copies model.use_fused_kernels into actor.use_fused_kernels; a user may set the actor's only
+        ({}, {"use_fused_kernels": True}, True),
+    ],
+)
+def test_the_policys_model_or_actor_section_asks_for_fused_kernels(model, actor, asked):
+    assert _policy_asks_for_fused_kernels(HFModelConfig(**model), FSDPActorConfig(**actor)) is asked

@@ -19,11 +19,19 @@ others of the replica take part in the weight gather (a collective) and return n
 Batch-size normalisation follows upstream: `ppo_mini_batch_size` counts prompts, so it is
 multiplied by `rollout.n` and divided by the data-parallel size; `*_micro_batch_size_per_gpu` is
 already per rank.
+
+Each config section is built into its typed class (`verl.workers.config`) once, in `__init__`, after the
+per-rank normalisation above, and read by attribute from then on (`actor_config`, `ref_config`,
+`rollout_config`, `model_config`; a critic's `critic_config`): the defaults live in the dataclasses, not
+beside each read. The rollout engine and the agent loop still receive the rollout's DictConfig section
+(their code converts it where it is received). The reward model's section has no workers-layer class
+(its schema lives with the trainer's), so that worker reads its DictConfig by attribute.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 import time
 from typing import TYPE_CHECKING
@@ -36,11 +44,13 @@ from verl.protocol import DataProto
 from verl.single_controller.base import Worker
 from verl.single_controller.base.decorator import Dispatch, register
 from verl.utils import device as dev
+from verl.utils.config import omega_conf_to_dataclass
 from verl.utils.logging_utils import get_logger
 from verl.utils.profiler import DistProfiler, DistProfilerExtension
 from verl.utils.speed_paths import SpeedPath
 from verl.utils.speed_paths import merge as merge_speed_paths
 from verl.utils.ulysses import SP_KEY
+from verl.workers.config import ActorConfig, CriticConfig, HFModelConfig, RefConfig, RolloutConfig
 from verl.workers.engine import BaseEngine, EngineRegistry
 from verl.workers.ulysses_rows import UlyssesRows, scale_token_budgets
 
@@ -85,35 +95,42 @@ def _seed_sampling() -> None:
     torch.manual_seed(_SEED + dist.get_rank())
 
 
-def _normalize_batch_sizes(actor_cfg: DictConfig, rollout_n: int, dp_size: int) -> None:
-    """Turn prompt-counted global sizes into per-rank sample counts, with errors that say how to fix."""
-    with open_dict(actor_cfg):
-        global_mini = actor_cfg.ppo_mini_batch_size * rollout_n
-        if global_mini % dp_size:
-            raise ValueError(
-                f"actor.ppo_mini_batch_size={actor_cfg.ppo_mini_batch_size} x rollout.n={rollout_n} = {global_mini} "
-                f"samples is not divisible by the {dp_size} data-parallel ranks; choose a mini-batch size "
-                f"so that the product is a multiple of {dp_size}"
-            )
-        actor_cfg.ppo_mini_batch_size = global_mini // dp_size
-        micro = actor_cfg.get("ppo_micro_batch_size_per_gpu")
-        per_rank = actor_cfg.ppo_mini_batch_size
-        if not actor_cfg.get("use_dynamic_bsz", False) and micro and micro < per_rank and per_rank % micro:
-            raise ValueError(
-                f"the per-rank mini-batch of {per_rank} samples is not divisible by "
-                f"actor.ppo_micro_batch_size_per_gpu={micro}; pick a micro-batch size that divides it"
-            )
+def _normalize_batch_sizes(actor_cfg: ActorConfig, rollout_n: int, dp_size: int) -> ActorConfig:
+    """`actor_cfg` with its prompt-counted mini-batch turned into this rank's sample count (a copy:
+    sections are frozen), with errors that say how to fix."""
+    global_mini = actor_cfg.ppo_mini_batch_size * rollout_n
+    if global_mini % dp_size:
+        raise ValueError(
+            f"actor.ppo_mini_batch_size={actor_cfg.ppo_mini_batch_size} x rollout.n={rollout_n} = {global_mini} "
+            f"samples is not divisible by the {dp_size} data-parallel ranks; choose a mini-batch size "
+            f"so that the product is a multiple of {dp_size}"
+        )
+    per_rank = global_mini // dp_size
+    micro = actor_cfg.ppo_micro_batch_size_per_gpu
+    if not actor_cfg.use_dynamic_bsz and micro and micro < per_rank and per_rank % micro:
+        raise ValueError(
+            f"the per-rank mini-batch of {per_rank} samples is not divisible by "
+            f"actor.ppo_micro_batch_size_per_gpu={micro}; pick a micro-batch size that divides it"
+        )
+    return dataclasses.replace(actor_cfg, ppo_mini_batch_size=per_rank)
 
 
 # per-rank token budgets that count tokens per micro-batch: with sp > 1 a rank holds 1/sp of them
 _CRITIC_TOKEN_BUDGETS = ("ppo_max_token_len_per_gpu", "forward_max_token_len_per_gpu")
 
 
+def _ulysses_size(section) -> int | None:
+    """A role section's Ulysses group size; None for a section without the key (a Megatron one, which
+    splits sequences with its own context parallelism instead)."""
+    return int(section[SP_KEY]) if SP_KEY in section else None
+
+
 def _actor_ulysses_rows(config: DictConfig) -> UlyssesRows:
-    """The actor's (and reference's) dp x sp layout; the reference runs with the actor's size."""
-    sp = int((config.get("actor") or {}).get(SP_KEY, 1) or 1)
-    ref_sp = (config.get("ref") or {}).get(SP_KEY)
-    if "ref" in config and ref_sp is not None and int(ref_sp) != sp:
+    """The actor's (and reference's) dp x sp layout; the reference runs with the actor's size. Scales the
+    raw sections' per-rank token budgets in place, before they are built into their classes."""
+    sp = _ulysses_size(config.actor) or 1
+    ref_sp = _ulysses_size(config.ref) if "ref" in config else None
+    if ref_sp is not None and ref_sp != sp:
         raise ValueError(
             f"actor_rollout_ref.ref.{SP_KEY}={ref_sp} differs from actor_rollout_ref.actor.{SP_KEY}={sp}: the "
             "reference shares the actor's workers and their sequence-parallel groups; set both to the same value"
@@ -122,15 +139,16 @@ def _actor_ulysses_rows(config: DictConfig) -> UlyssesRows:
     with open_dict(config):
         scale_token_budgets(config.actor, ("ppo_max_token_len_per_gpu",), rows.sp)
         for part in ("rollout", "ref"):
-            if config.get(part) is not None:
+            if part in config:
                 scale_token_budgets(config[part], ("log_prob_max_token_len_per_gpu",), rows.sp)
     return rows
 
 
-def _log_prob_meta(data: DataProto, cfg: DictConfig, temperature: float) -> None:
-    data.meta_info.setdefault("micro_batch_size", cfg.get("log_prob_micro_batch_size_per_gpu") or len(data))
-    data.meta_info.setdefault("use_dynamic_bsz", cfg.get("log_prob_use_dynamic_bsz", False))
-    data.meta_info.setdefault("max_token_len", cfg.get("log_prob_max_token_len_per_gpu", 16384))
+def _log_prob_meta(data: DataProto, cfg: RefConfig | RolloutConfig, temperature: float) -> None:
+    """The forward micro-batching of a log-prob pass, from the section that owns it (`ref` or `rollout`)."""
+    data.meta_info.setdefault("micro_batch_size", cfg.log_prob_micro_batch_size_per_gpu or len(data))
+    data.meta_info.setdefault("use_dynamic_bsz", cfg.log_prob_use_dynamic_bsz)
+    data.meta_info.setdefault("max_token_len", cfg.log_prob_max_token_len_per_gpu)
     data.meta_info.setdefault("temperature", temperature)
 
 
@@ -157,14 +175,12 @@ def _mfu_metric(flops: float | None, seconds: float, dp_size: int) -> float | No
     return mfu_over_ranks(flops, seconds, dp_size)
 
 
-def _model_speed_paths(model_cfg, trainer, role_cfg=None) -> list[SpeedPath]:
-    """Remove padding and fused kernels of an actor, reference or critic (`trainer`) built from
-    `model_cfg` (see `verl.utils.speed_paths`); `role_cfg` (the actor section) can ask for the
-    fused kernels too (`actor.use_fused_kernels`, which upstream's YAML takes from the model's)."""
-    remove_padding = bool(model_cfg.get("use_remove_padding", False))
+def _model_speed_paths(trainer, remove_padding: bool, fused: bool) -> list[SpeedPath]:
+    """Remove padding and fused kernels of an actor, reference, critic or reward model (`trainer`), as its
+    sections ask for them (see `verl.utils.speed_paths`): `remove_padding` the model's
+    `use_remove_padding`, `fused` its `use_fused_kernels` or `use_liger` (or the actor's
+    `use_fused_kernels`, which upstream's YAML takes from the model's)."""
     packs = remove_padding and bool(getattr(trainer, "use_remove_padding", False))
-    fused = bool(model_cfg.get("use_fused_kernels", False) or model_cfg.get("use_liger", False))
-    fused = fused or bool((role_cfg or {}).get("use_fused_kernels", False))
     return [
         SpeedPath(
             "remove_padding",
@@ -186,12 +202,18 @@ def _model_speed_paths(model_cfg, trainer, role_cfg=None) -> list[SpeedPath]:
     ]
 
 
+def _policy_asks_for_fused_kernels(model: HFModelConfig, actor: ActorConfig) -> bool:
+    """Whether the policy's sections ask for fused kernels: the model's `use_fused_kernels` or `use_liger`,
+    or the actor's `use_fused_kernels` alone (upstream's YAML copies the model's there; a user may set only it)."""
+    return model.use_fused_kernels or model.use_liger or actor.use_fused_kernels
+
+
 def rollout_dtype(rollout_cfg) -> torch.dtype:
     """The dtype the rollout engine holds its weights in (`rollout.dtype`; auto: bf16 on an
     accelerator, fp32 on CPU): what weight sync casts to before gathering and sending."""
     from verl.workers.rollout.native.engine import resolve_dtype
 
-    return resolve_dtype(rollout_cfg.get("dtype", "auto"), dev.get_device())
+    return resolve_dtype(omega_conf_to_dataclass(rollout_cfg, RolloutConfig).dtype, dev.get_device())
 
 
 def sync_rollout_weights(engine: BaseEngine, rollout, dtype: torch.dtype) -> None:
@@ -260,19 +282,20 @@ class ActorRolloutRefWorker(Worker, DistProfilerExtension):
         self.role = role
         self.parts = _ROLES[role]
         os.environ["VERL_ROLE"] = role
-        _join_group(self, config.get("nccl_timeout"))
-        # the profiler section of the part this worker trains or runs first (upstream's choice)
+        _join_group(self, config.nccl_timeout)
+        self.ulysses = _actor_ulysses_rows(config)  # scales the raw sections' token budgets: before they are built
+        self.model_config = omega_conf_to_dataclass(config.model, HFModelConfig)
+        self.actor_config = omega_conf_to_dataclass(config.actor, ActorConfig)
+        self.rollout_config = omega_conf_to_dataclass(config.rollout, RolloutConfig)
+        self.ref_config = omega_conf_to_dataclass(config.ref, RefConfig) if "ref" in config else RefConfig()
+        # the profiler section of the part this worker trains or runs first (upstream's choice); the
+        # rollout section has none (upstream's rollout profiles through its engine's own tools)
         profiled = next(part for part in ("actor", "rollout", "ref") if part in self.parts)
-        self.init_profiler(self.rank, (config.get(profiled) or {}).get("profiler"), role)
-        self.ulysses = _actor_ulysses_rows(config)
+        profiler = {"actor": self.actor_config.profiler, "rollout": None, "ref": self.ref_config.profiler}[profiled]
+        self.init_profiler(self.rank, profiler, role)
         self.dp_size = self._data_parallel_size() // self.ulysses.sp
-        with open_dict(self.config):  # the actor's own key (upstream's dp_actor) follows the model's by default
-            remove_padding = self.config.actor.get("use_remove_padding")
-            if remove_padding is None:
-                remove_padding = self.config.model.get("use_remove_padding", False)
-            self.config.actor.use_remove_padding = bool(remove_padding)
         if "actor" in self.parts:
-            _normalize_batch_sizes(self.config.actor, self.config.rollout.n, self.dp_size)
+            self.actor_config = _normalize_batch_sizes(self.actor_config, self.rollout_config.n, self.dp_size)
         self.actor = self.rollout = self.ref = None
         # Asynchronous training (separate pools): the weight version a rollout-only worker holds,
         # stamped on every sample it generates; None in the hybrid engine (always current weights).
@@ -315,14 +338,13 @@ class ActorRolloutRefWorker(Worker, DistProfilerExtension):
 
     def _build_actor(self):
         """(engine, actor) of the trained policy."""
-        cfg = self.config
         engine = EngineRegistry.new(
             "language_model",
             self.strategy,
-            cfg.model,
+            self.model_config,
             self._actor_engine_config(),
-            cfg.actor.optim,
-            cfg.actor.get("checkpoint"),
+            self.actor_config.optim,
+            self.actor_config.checkpoint,
             self.tokenizer,
         )
         return engine, self._make_actor(engine, trains=True)
@@ -333,7 +355,7 @@ class ActorRolloutRefWorker(Worker, DistProfilerExtension):
             # the frozen base under the adapters is the initial policy: no second copy of the weights
             engine = self.actor_model
         else:
-            engine = EngineRegistry.new("language_model", self.strategy, self.config.model, self._ref_engine_config())
+            engine = EngineRegistry.new("language_model", self.strategy, self.model_config, self._ref_engine_config())
         # Only compute_log_prob is used, which reads the actor's model-side keys (remove padding, ...).
         return engine, self._make_actor(engine, trains=False)
 
@@ -342,7 +364,7 @@ class ActorRolloutRefWorker(Worker, DistProfilerExtension):
         from verl.utils.tokenizer import hf_tokenizer
 
         cfg = self.config
-        self.tokenizer = hf_tokenizer(cfg.model.get("tokenizer_path") or cfg.model.path)
+        self.tokenizer = hf_tokenizer(self.model_config.tokenizer_path or self.model_config.path)
         if "actor" in self.parts:
             self.actor_model, self.actor = self._build_actor()
         if "rollout" in self.parts and self.is_collect:
@@ -377,11 +399,12 @@ class ActorRolloutRefWorker(Worker, DistProfilerExtension):
                 continue
             shared = getattr(part, "shared_prompt_path", None)
             if shared is None:
-                requested = bool(self.config.actor.get("share_prompt_forward", True))
+                requested = self.actor_config.share_prompt_forward
                 shared = SpeedPath(
                     "shared_prompt_forward", requested, False, f"{type(part).__name__} has no shared-prompt forward"
                 )
-            paths += [shared, *_model_speed_paths(self.config.model, part, self.config.get("actor"))]
+            fused = _policy_asks_for_fused_kernels(self.model_config, self.actor_config)
+            paths += [shared, *_model_speed_paths(part, self.model_config.use_remove_padding, fused)]
         if self.rollout is not None:
             paths += self.rollout.speed_paths()
         return [path.to_dict() for path in merge_speed_paths(paths)]
@@ -397,14 +420,14 @@ class ActorRolloutRefWorker(Worker, DistProfilerExtension):
         metrics = {}
         if self.actor is not None:
             start = time.perf_counter()
-            sync_rollout_weights(self.actor_model, rollout, rollout_dtype(self.config.rollout))
+            sync_rollout_weights(self.actor_model, rollout, rollout_dtype(self.rollout_config))
             metrics["timing_s/update_weights"] = time.perf_counter() - start
         if rollout is None:
             return DataProto()
         start = time.perf_counter()
         output = rollout.generate_sequences(prompts)
         metrics["timing_s/generate_sequences"] = time.perf_counter() - start
-        if self.actor is not None and self.config.rollout.get("free_cache_engine", True):
+        if self.actor is not None and self.rollout_config.free_cache_engine:
             rollout.sleep()
         output.meta_info["metrics"] = {**output.meta_info.get("metrics", {}), **metrics}
         if self.weight_version is not None and "weight_version" not in output.non_tensor_batch:
@@ -453,7 +476,7 @@ class ActorRolloutRefWorker(Worker, DistProfilerExtension):
         start = time.perf_counter()
         with self.actor_model.on_device():  # pack() copies the weights: the background send needs no params
             # cast to what the rollout engines hold before gathering: rank 0 keeps a bf16 copy, not fp32
-            params = self.actor_model.get_per_tensor_param(rollout_dtype(self.config.rollout))
+            params = self.actor_model.get_per_tensor_param(rollout_dtype(self.rollout_config))
             if self._weight_sender is None:
                 for _ in params:  # the gathers are collectives: every rank iterates to the end
                     pass
@@ -483,9 +506,10 @@ class ActorRolloutRefWorker(Worker, DistProfilerExtension):
     def compute_log_prob(self, data: DataProto) -> DataProto:
         actor = self._need("actor", "compute_log_prob")
         data = self.ulysses.gather(data)
-        _log_prob_meta(data, self.config.rollout, self.config.rollout.temperature)
-        # the optimal token baseline needs sum_v pi_v^2 per token (actor.calculate_sum_pi_squared)
-        stats = ("entropy", "sum_pi_squared") if self.config.actor.get("calculate_sum_pi_squared") else ("entropy",)
+        _log_prob_meta(data, self.rollout_config, self.rollout_config.temperature)
+        # the optimal token baseline needs sum_v pi_v^2 per token (an FSDP actor's calculate_sum_pi_squared)
+        sum_pi_squared = "calculate_sum_pi_squared" in self.actor_config and self.actor_config.calculate_sum_pi_squared
+        stats = ("entropy", "sum_pi_squared") if sum_pi_squared else ("entropy",)
         with self.actor_model.on_device():
             log_probs, values = actor.compute_log_prob_and_stats(data, stats)
         tensors = {"old_log_probs": log_probs, "entropys": values["entropy"]}
@@ -498,7 +522,7 @@ class ActorRolloutRefWorker(Worker, DistProfilerExtension):
     def compute_ref_log_prob(self, data: DataProto) -> DataProto:
         ref = self._need("ref", "compute_ref_log_prob")
         data = self.ulysses.gather(data)
-        _log_prob_meta(data, self.config.get("ref", {}) or self.config.rollout, self.config.rollout.temperature)
+        _log_prob_meta(data, self.ref_config, self.rollout_config.temperature)
         with self.ref_model.on_device(), self.ref_model.disable_adapter():
             log_probs, _ = ref.compute_log_prob(data, calculate_entropy=False)
         return self.ulysses.own(DataProto.from_dict(tensors={"ref_log_prob": log_probs}))
@@ -508,7 +532,7 @@ class ActorRolloutRefWorker(Worker, DistProfilerExtension):
     def update_actor(self, data: DataProto) -> DataProto:
         actor = self._need("actor", "update_actor")
         data = self.ulysses.gather(data)
-        data.meta_info.setdefault("temperature", self.config.rollout.temperature)
+        data.meta_info.setdefault("temperature", self.rollout_config.temperature)
         start = time.perf_counter()
         with self.actor_model.on_device(optimizer=True), _device_timer() as compute_s:
             metrics = actor.update_policy(data)
@@ -547,15 +571,16 @@ class CriticWorker(Worker, DistProfilerExtension):
         super().__init__()
         self.config = config
         os.environ["VERL_ROLE"] = "critic"
-        _join_group(self, config.get("nccl_timeout"))
-        self.init_profiler(self.rank, config.get("profiler"), "critic")
-        self.ulysses = UlyssesRows(int(config.get(SP_KEY, 1) or 1), "critic")
-        self.dp_size = dp = self._data_parallel_size() // self.ulysses.sp
-        with open_dict(self.config):
+        self.ulysses = UlyssesRows(_ulysses_size(config) or 1, "critic")
+        with open_dict(self.config):  # the raw section's token budgets, before it is built
             scale_token_budgets(self.config, _CRITIC_TOKEN_BUDGETS, self.ulysses.sp)
-            n = config.get("rollout_n", 1)
-            self.config.ppo_mini_batch_size = config.ppo_mini_batch_size * n // dp
-            self.config.use_remove_padding = config.model.get("use_remove_padding", False)
+        cfg = omega_conf_to_dataclass(config, CriticConfig)
+        # only a Megatron critic has its own nccl_timeout (upstream's); an FSDP one takes the default
+        _join_group(self, cfg.nccl_timeout if "nccl_timeout" in cfg else None)
+        self.init_profiler(self.rank, cfg.profiler, "critic")
+        self.critic_config = cfg  # the engine section `_data_parallel_size` reads
+        self.dp_size = dp = self._data_parallel_size() // self.ulysses.sp
+        self.critic_config = dataclasses.replace(cfg, ppo_mini_batch_size=cfg.ppo_mini_batch_size * cfg.rollout_n // dp)
 
     def _engine_config(self):
         """The critic's engine section in this backend's place for it."""
@@ -577,15 +602,9 @@ class CriticWorker(Worker, DistProfilerExtension):
 
     def _build_critic(self):
         """(engine, critic) of the value model."""
-        cfg = self.config
+        cfg = self.critic_config
         engine = EngineRegistry.new(
-            "value_model",
-            self.strategy,
-            cfg.model,
-            self._engine_config(),
-            cfg.optim,
-            cfg.get("checkpoint"),
-            self.tokenizer,
+            "value_model", self.strategy, cfg.model, self._engine_config(), cfg.optim, cfg.checkpoint, self.tokenizer
         )
         return engine, self._make_critic(engine)
 
@@ -593,23 +612,29 @@ class CriticWorker(Worker, DistProfilerExtension):
     def init_model(self) -> None:
         from verl.utils.tokenizer import hf_tokenizer
 
-        cfg = self.config
-        self.tokenizer = hf_tokenizer(cfg.model.get("tokenizer_path") or cfg.model.path)
+        model = self.critic_config.model
+        self.tokenizer = hf_tokenizer(model.tokenizer_path or model.path)
         self.critic_model, self.critic = self._build_critic()
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def speed_paths(self) -> list[dict]:
         """This rank's speed paths (`verl.utils.speed_paths`) as dicts: the critic's remove padding and fused kernels."""
-        return [path.to_dict() for path in _model_speed_paths(self.config.model, self.critic)]
+        # a value model has no fused-kernel keys (upstream's critic model has none either)
+        return [
+            path.to_dict()
+            for path in _model_speed_paths(self.critic, self.critic_config.model.use_remove_padding, False)
+        ]
 
     @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO)
     @DistProfiler.annotate("compute_values")
     def compute_values(self, data: DataProto) -> DataProto:
         data = self.ulysses.gather(data)
-        micro = self.config.get("forward_micro_batch_size_per_gpu") or self.config.get("ppo_micro_batch_size_per_gpu")
-        data.meta_info.setdefault("micro_batch_size", micro or len(data))
-        data.meta_info.setdefault("use_dynamic_bsz", self.config.get("use_dynamic_bsz", False))
-        data.meta_info.setdefault("max_token_len", self.config.get("forward_max_token_len_per_gpu", 16384))
+        cfg = self.critic_config
+        # only an FSDP critic has its own forward micro-batch (upstream's); the training one otherwise
+        forward_micro = cfg.forward_micro_batch_size_per_gpu if "forward_micro_batch_size_per_gpu" in cfg else None
+        data.meta_info.setdefault("micro_batch_size", forward_micro or cfg.ppo_micro_batch_size_per_gpu or len(data))
+        data.meta_info.setdefault("use_dynamic_bsz", cfg.use_dynamic_bsz)
+        data.meta_info.setdefault("max_token_len", cfg.forward_max_token_len_per_gpu)
         with self.critic_model.on_device():
             values = self.critic.compute_values(data)
         return self.ulysses.own(DataProto.from_dict(tensors={"values": values}))
@@ -669,8 +694,9 @@ class RewardModelWorker(Worker, DistProfilerExtension):
         super().__init__()
         self.config = config
         os.environ["VERL_ROLE"] = "reward_model"
-        _join_group(self, config.get("nccl_timeout"))
-        self.init_profiler(self.rank, config.get("profiler"), "reward_model")
+        # only a Megatron reward model's section has its own nccl_timeout (upstream's megatron_reward_model.yaml)
+        _join_group(self, config.nccl_timeout if "nccl_timeout" in config else None)
+        self.init_profiler(self.rank, config.profiler, "reward_model")
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def init_model(self) -> None:
@@ -685,7 +711,11 @@ class RewardModelWorker(Worker, DistProfilerExtension):
     def speed_paths(self) -> list[dict]:
         """This rank's speed paths (`verl.utils.speed_paths`) as dicts: the reward model runs padded
         rows, unfused (its `use_remove_padding` and `use_fused_kernels` are accepted for upstream configs)."""
-        return [path.to_dict() for path in _model_speed_paths(self.config.model, self)]
+        model = self.config.model
+        # only an FSDP reward model's section holds these keys (upstream's dp_reward_model.yaml)
+        remove_padding = "use_remove_padding" in model and model.use_remove_padding
+        fused = "use_fused_kernels" in model and model.use_fused_kernels
+        return [path.to_dict() for path in _model_speed_paths(self, remove_padding, fused)]
 
     def _load_tokenizers(self) -> None:
         """The reward model's tokenizer, and the policy's when responses must be re-tokenised: only
@@ -695,7 +725,7 @@ class RewardModelWorker(Worker, DistProfilerExtension):
 
         model_cfg = self.config.model
         self.rm_tokenizer = hf_tokenizer(model_cfg.path)
-        input_tok = model_cfg.get("input_tokenizer")
+        input_tok = model_cfg.input_tokenizer
         self.input_tokenizer = hf_tokenizer(input_tok) if input_tok else None
         if self.input_tokenizer is not None and _same_tokenizer(self.input_tokenizer, self.rm_tokenizer):
             self.input_tokenizer = None
@@ -704,7 +734,7 @@ class RewardModelWorker(Worker, DistProfilerExtension):
         """Token ids for the reward model (the policy's ids as they are, or re-tokenised chat text),
         each row cut to its last `reward_model.max_length` tokens when it is longer."""
         input_ids, attention_mask = self._rm_tokens(data)
-        max_length = self.config.get("max_length")
+        max_length = self.config.max_length
         if max_length and int(attention_mask.sum(-1).max()) > int(max_length):
             input_ids, attention_mask = _keep_last_tokens(input_ids, attention_mask, int(max_length), self._pad_id())
         return input_ids, attention_mask

@@ -29,17 +29,18 @@ class ActorRolloutRefWorker(engine_workers.ActorRolloutRefWorker):
     strategy = "fsdp"
 
     def _actor_engine_config(self):
-        return (self.config.get("actor") or {}).get("fsdp_config")
+        # a rollout-only pool serving a Megatron actor has no FSDP section: the defaults
+        return self.actor_config.fsdp_config if "fsdp_config" in self.actor_config else None
 
     def _ref_engine_config(self):
         # a reference without its own fsdp_config takes the defaults (no offload), as upstream's
-        return (self.config.get("ref") or {}).get("fsdp_config")
+        return self.ref_config.fsdp_config
 
     def _make_actor(self, engine: BaseEngine, trains: bool):
         from verl.workers.actor.dp_actor import DataParallelPPOActor
 
         optimizer = engine.optimizer if trains else None
-        return DataParallelPPOActor(self.config.actor, engine.module, optimizer, ulysses_group=self.ulysses.group)
+        return DataParallelPPOActor(self.actor_config, engine.module, optimizer, ulysses_group=self.ulysses.group)
 
 
 class CriticWorker(engine_workers.CriticWorker):
@@ -48,12 +49,14 @@ class CriticWorker(engine_workers.CriticWorker):
     strategy = "fsdp"
 
     def _engine_config(self):
-        return self.config.model.get("fsdp_config")
+        return self.critic_config.model.fsdp_config
 
     def _make_critic(self, engine: BaseEngine):
         from verl.workers.critic.dp_critic import DataParallelPPOCritic
 
-        return DataParallelPPOCritic(self.config, engine.module, engine.optimizer, ulysses_group=self.ulysses.group)
+        return DataParallelPPOCritic(
+            self.critic_config, engine.module, engine.optimizer, ulysses_group=self.ulysses.group
+        )
 
 
 class RewardModelWorker(engine_workers.RewardModelWorker):
@@ -68,14 +71,14 @@ class RewardModelWorker(engine_workers.RewardModelWorker):
         self.model = AutoModelForSequenceClassification.from_pretrained(
             model_cfg.path,
             num_labels=1,
-            trust_remote_code=model_cfg.get("trust_remote_code", False),
+            trust_remote_code=model_cfg.trust_remote_code,
             dtype=dev.default_compute_dtype(),
         )
         self.model.to(dev.get_device()).eval()
 
     def _sequence_scores(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
         """One score per row [B] (float32, CPU): the classifier's output at its pooled token."""
-        micro = self.config.get("micro_batch_size_per_gpu") or len(input_ids)
+        micro = self.config.micro_batch_size_per_gpu or len(input_ids)
         scores = []
         with torch.no_grad():
             for start in range(0, len(input_ids), micro):

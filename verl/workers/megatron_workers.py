@@ -65,17 +65,18 @@ class ActorRolloutRefWorker(engine_workers.ActorRolloutRefWorker):
         super().__init__(config, role, project_name, experiment_name, rollout_wrapper)
 
     def _actor_engine_config(self):
-        return self.config.actor.megatron
+        return self.actor_config.megatron
 
     def _ref_engine_config(self):
-        # upstream's reference section may leave out its own megatron layout: the actor's then
-        return (self.config.get("ref") or {}).get("megatron") or self.config.actor.megatron
+        # upstream's reference section may leave out its own megatron layout: the actor's then (the
+        # raw section says whether it holds one; the built one always has the defaults)
+        return self.ref_config.megatron if "megatron" in self.config.ref else self.actor_config.megatron
 
     def _make_actor(self, engine: BaseEngine, trains: bool):
         from verl.workers.actor.megatron_actor import MegatronPPOActor
 
         optimizer = engine.optimizer if trains else None
-        return MegatronPPOActor(self.config.actor, engine.chunks, engine.hf_config, optimizer)
+        return MegatronPPOActor(self.actor_config, engine.chunks, engine.hf_config, optimizer)
 
     def _register_outputs(self) -> None:
         self._register_dispatch_collect_info("actor", MegatronEngine.data_parallel_rank(), self.is_collect)
@@ -92,12 +93,12 @@ class CriticWorker(engine_workers.CriticWorker):
     strategy = "megatron"
 
     def _engine_config(self):
-        return self.config.megatron
+        return self.critic_config.megatron
 
     def _make_critic(self, engine: BaseEngine):
         from verl.workers.critic.megatron_critic import MegatronPPOCritic
 
-        return MegatronPPOCritic(self.config, engine.chunks, engine.optimizer, hf_config=engine.hf_config)
+        return MegatronPPOCritic(self.critic_config, engine.chunks, engine.optimizer, hf_config=engine.hf_config)
 
     def _register_outputs(self) -> None:
         self._register_dispatch_collect_info("critic", MegatronEngine.data_parallel_rank(), self.is_collect)
@@ -154,7 +155,7 @@ class RewardModelWorker(engine_workers.RewardModelWorker):
             },
             batch_size=[rows],
         )
-        micro = int(self.config.get("micro_batch_size_per_gpu") or rows)
+        micro = int(self.config.micro_batch_size_per_gpu or rows)
 
         def score_fn(micro_batch, output):
             scores = micro_batch["_aligned"].full(output[..., 0]).gather(1, micro_batch["pooled"][:, None]).squeeze(1)

@@ -18,7 +18,6 @@ CONFIG = {
     "ppo_mini_batch_size": 4,
     "ppo_micro_batch_size_per_gpu": 2,
     "ppo_epochs": 1,
-    "grad_clip": 1.0,
     "cliprange_value": 0.2,
     "loss_agg_mode": "token-mean",
 }

@@ -10,7 +10,7 @@ import torch
 class BasePPOActor(ABC):
     """A policy that scores responses and improves itself from advantages.
 
-    `config` is the `actor_rollout_ref.actor` section (DictConfig, dataclass or dict).
+    `config` is the `actor_rollout_ref.actor` section; `PPOActor` stores it built (an `ActorConfig`).
     """
 
     def __init__(self, config):

@@ -97,6 +97,7 @@ from verl.utils.torch_functional import (
     sum_pi_squared_from_logits,
 )
 from verl.workers.actor.ppo_actor import MODEL_INPUTS, PPOActor, require_temperature
+from verl.workers.config import FSDPActorConfig
 from verl.workers.dp_training import (
     append_to_dict,
     clip_grad_norm,
@@ -121,6 +122,8 @@ optimal token baseline; no gradient)."""
 class DataParallelPPOActor(PPOActor):
     """PPO/GRPO actor over an HF causal LM (FSDP2-sharded or plain)."""
 
+    config_class = FSDPActorConfig
+
     def __init__(
         self,
         config,
@@ -133,7 +136,7 @@ class DataParallelPPOActor(PPOActor):
         super().__init__(config, actor_optimizer)
         self.actor_module = actor_module
         cfg = self._cfg
-        self.use_remove_padding = bool(cfg.get("use_remove_padding", False))
+        self.use_remove_padding = cfg.use_remove_padding
         # a peft model forwards its keyword arguments to the HF model it wraps: ask that one
         hf_module = actor_module.get_base_model() if hasattr(actor_module, "get_base_model") else actor_module
         self.sp_size = ulysses.setup(
@@ -146,7 +149,7 @@ class DataParallelPPOActor(PPOActor):
         self._attn_implementation = getattr(getattr(hf_module, "config", None), "_attn_implementation", None)
         # whether the shared-prompt path can run at all, and why not (reported, never silent)
         self.shared_prompt_path = shared_prompt.speed_path(
-            bool(cfg.get("share_prompt_forward", True)), hf_module, self.use_remove_padding, self._attn_implementation
+            cfg.share_prompt_forward, hf_module, self.use_remove_padding, self._attn_implementation
         )
         speed_paths.report([self.shared_prompt_path])
         # on even when the path is off for updates only (gradient checkpointing): log-probs still share

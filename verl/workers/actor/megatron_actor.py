@@ -40,6 +40,7 @@ and trimmed), ulysses sequence parallelism, multi-dimensional position ids.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from functools import partial
 
@@ -54,6 +55,7 @@ from verl.utils.device import get_device
 from verl.utils.flops_counter import FlopsCounter, FlopsTally
 from verl.utils.megatron.tensor_parallel import vocab_parallel_log_probs_and_entropy
 from verl.workers.actor.ppo_actor import MODEL_INPUTS, PPOActor, require_temperature
+from verl.workers.config import McoreActorConfig
 from verl.workers.dp_training import (
     append_to_dict,
     average_gradients,
@@ -88,12 +90,13 @@ def per_rank_token_budget(max_token_len):
     return max_token_len if max_token_len is None or cp == 1 else int(max_token_len) * cp
 
 
-def context_parallel_config(cfg: dict) -> dict:
-    """`cfg` with `ppo_max_token_len_per_gpu` scaled by `per_rank_token_budget`."""
-    budget = cfg.get("ppo_max_token_len_per_gpu")
+def context_parallel_config(cfg):
+    """`cfg` (an actor or critic config dataclass) with `ppo_max_token_len_per_gpu` scaled by
+    `per_rank_token_budget`: a copy, since config sections are frozen and shared."""
+    budget = cfg.ppo_max_token_len_per_gpu
     if budget is None:
         return cfg
-    return {**cfg, "ppo_max_token_len_per_gpu": per_rank_token_budget(budget)}
+    return dataclasses.replace(cfg, ppo_max_token_len_per_gpu=per_rank_token_budget(budget))
 
 
 def broadcast_from_last_stage(obj):
@@ -266,6 +269,8 @@ def run_megatron_schedule(model_chunks, micro_batches: list, loss_fn, forward_on
 class MegatronPPOActor(PPOActor):
     """PPO/GRPO actor over this rank's megatron GPTModel chunks (one, or `vpp` with interleaving)."""
 
+    config_class = McoreActorConfig
+
     def __init__(self, config, model_chunks: list, hf_config, actor_optimizer: torch.optim.Optimizer | None = None):
         if not isinstance(model_chunks, (list, tuple)):
             model_chunks = [model_chunks]
@@ -275,7 +280,7 @@ class MegatronPPOActor(PPOActor):
         self._cfg = context_parallel_config(self._cfg)
         self.use_remove_padding = False  # rows are left-aligned and trimmed instead
         # every row runs whole (GPTModel takes no KV cache): reported, as the FSDP actor reports its path
-        requested = bool(self._cfg.get("share_prompt_forward", True))
+        requested = self._cfg.share_prompt_forward
         self.shared_prompt_path = shared_prompt.speed_path(requested, self.model_chunks[0], False, None)
         speed_paths.report([self.shared_prompt_path])
         self._dp_group, self._dp_size = _dp_group_and_size()

@@ -11,6 +11,10 @@ A backend's actor (`DataParallelPPOActor` on FSDP2 or plain modules, `MegatronPP
 megatron chunks) is a sibling subclass that supplies only what touches the model: the forward
 pass (log-probs and per-token statistics), `compute_log_prob_and_stats`, and `_train_and_step`
 (forward/backward of a mini-batch's micro-batches, gradient synchronisation, clipping, the step).
+
+The section is built into its typed class once, when the actor is (`omega_conf_to_dataclass` to the
+class its `_target_` names, else the backend's `config_class`), and read by attribute from then on: the
+defaults live in one place, the dataclass, and a key the class lacks is an error, not a silent default.
 """
 
 from __future__ import annotations
@@ -23,14 +27,15 @@ from verl.algorithms.kl import kl_penalty
 from verl.algorithms.policy_losses import LOSS_AGG_MODE_OVERRIDES, PolicyLossParams, get_policy_loss_fn
 from verl.algorithms.rollout_corr import compute_rollout_corr_metrics_from_logprobs
 from verl.models.moe import METRIC as LOAD_BALANCING_METRIC
+from verl.utils.config import omega_conf_to_dataclass
 from verl.utils.device import collective_device
 from verl.utils.logging_utils import get_logger
 from verl.utils.optim import grad_clip
 from verl.utils.seqlen_balancing import num_micro_batches_for_budget
 from verl.workers.actor.base import BasePPOActor
+from verl.workers.config import ActorConfig
 from verl.workers.dp_training import (
     append_to_dict,
-    config_to_dict,
     loss_normaliser,
     micro_batch_weight,
     response_mask_of,
@@ -53,15 +58,15 @@ ROW_SEPARABLE_LOSSES = ("vanilla", "gspo", "gpg", "cispo", "sapo")
 
 
 def skips_zero_advantage_rows(actor_cfg) -> bool:
-    """Whether an actor with this config (`actor_rollout_ref.actor`: DictConfig or dict) leaves
-    zero-advantage rows out of its update: switched on, a row-separable policy loss, and no KL
-    loss or entropy bonus that would give such rows a gradient of their own."""
-    policy_loss = actor_cfg.get("policy_loss") or {}
+    """Whether an actor with this config (`actor_rollout_ref.actor`: an `ActorConfig`, or a DictConfig
+    or dict it is built from) leaves zero-advantage rows out of its update: switched on, a row-separable
+    policy loss, and no KL loss or entropy bonus that would give such rows a gradient of their own."""
+    cfg = omega_conf_to_dataclass(actor_cfg, ActorConfig)
     return (
-        bool(actor_cfg.get("skip_zero_advantage_rows", True))
-        and policy_loss.get("loss_mode", "vanilla") in ROW_SEPARABLE_LOSSES
-        and not actor_cfg.get("use_kl_loss", False)
-        and not float(actor_cfg.get("entropy_coeff", 0.0) or 0.0)
+        cfg.skip_zero_advantage_rows
+        and cfg.policy_loss.loss_mode in ROW_SEPARABLE_LOSSES
+        and not cfg.use_kl_loss
+        and not float(cfg.entropy_coeff)
     )
 
 
@@ -94,27 +99,31 @@ def require_temperature(meta_info: dict) -> float:
 class PPOActor(BasePPOActor):
     """The PPO/GRPO actor's training loop and loss; a backend subclass supplies the model's part."""
 
+    config_class: type[ActorConfig] = ActorConfig
+    """The class a section without `_target_` (a plain dict) is built into; the backend's subclass."""
+
     def __init__(self, config, actor_optimizer: torch.optim.Optimizer | None = None):
-        """`actor_optimizer`: None for a log-prob scorer (the reference policy), which cannot update."""
-        super().__init__(config)
+        """`config`: the `actor_rollout_ref.actor` section (an `ActorConfig`, or a DictConfig or dict it
+        is built from). `actor_optimizer`: None for a log-prob scorer (the reference policy), which
+        cannot update."""
+        cfg = omega_conf_to_dataclass(config, self.config_class)
+        super().__init__(cfg)
         self.actor_optimizer = actor_optimizer
-        cfg = config_to_dict(config)
         self._cfg = cfg
-        policy_loss_cfg = cfg.get("policy_loss") or {}
-        self.loss_mode = policy_loss_cfg.get("loss_mode", "vanilla")
-        self.loss_agg_mode = self._effective_loss_agg_mode(cfg.get("loss_agg_mode", "token-mean"))
+        self.loss_mode = cfg.policy_loss.loss_mode
+        self.loss_agg_mode = self._effective_loss_agg_mode(cfg.loss_agg_mode)
         self.policy_loss_fn = get_policy_loss_fn(self.loss_mode)
         self.policy_loss_params = PolicyLossParams.from_actor_config(cfg)
         self.loss_scale_factor = self.policy_loss_params.loss_scale_factor
-        self.entropy_coeff = float(cfg.get("entropy_coeff", 0.0) or 0.0)
-        self.calculate_entropy = bool(cfg.get("calculate_entropy", False))
+        self.entropy_coeff = float(cfg.entropy_coeff)
+        self.calculate_entropy = cfg.calculate_entropy
         self.grad_clip = grad_clip(cfg, "actor_rollout_ref.actor")
-        self.use_kl_loss = bool(cfg.get("use_kl_loss", False))
-        self.kl_loss_coef = float(cfg.get("kl_loss_coef", 0.001))
-        self.kl_loss_type = cfg.get("kl_loss_type", "low_var_kl")
-        self.skip_zero_advantage_step = bool(cfg.get("skip_zero_advantage_step", True))
+        self.use_kl_loss = cfg.use_kl_loss
+        self.kl_loss_coef = float(cfg.kl_loss_coef)
+        self.kl_loss_type = cfg.kl_loss_type
+        self.skip_zero_advantage_step = cfg.skip_zero_advantage_step
         self.skip_zero_advantage_rows = skips_zero_advantage_rows(cfg)
-        self._shuffle_generator = torch.Generator().manual_seed(int(cfg.get("data_loader_seed", 0) or 0))
+        self._shuffle_generator = torch.Generator().manual_seed(int(cfg.data_loader_seed or 0))
         # the data-parallel group the mini-batch's loss is normalised over; the backend sets it
         self._dp_group, self._dp_size = None, 1
 
@@ -189,14 +198,14 @@ class PPOActor(BasePPOActor):
         self._set_train_mode()
         temperature = require_temperature(data.meta_info)
         batch = data.batch.select(*self._training_keys(data.batch))
-        mini_batch_size = int(self._cfg.get("ppo_mini_batch_size") or 0)
+        mini_batch_size = int(self._cfg.ppo_mini_batch_size)
         if mini_batch_size <= 0 or len(batch) % mini_batch_size != 0:
             raise ValueError(
                 f"this rank holds {len(batch)} samples, which is not a positive multiple of the per-rank "
                 f"ppo_mini_batch_size={mini_batch_size} (ppo_mini_batch_size * rollout.n / data-parallel size); "
                 "make data.train_batch_size a multiple of actor.ppo_mini_batch_size"
             )
-        epochs = int(self._cfg.get("ppo_epochs", 1) or 1)
+        epochs = int(self._cfg.ppo_epochs)
         if "old_log_probs" not in batch and (epochs > 1 or len(batch) > mini_batch_size):
             raise KeyError(
                 "update_policy got no old_log_probs, which is only valid for a strictly on-policy update "
@@ -207,7 +216,7 @@ class PPOActor(BasePPOActor):
         self.flops.reset()
         for _ in range(epochs):
             epoch_batch = batch
-            if self._cfg.get("shuffle", False):
+            if self._cfg.shuffle:
                 epoch_batch = batch[torch.randperm(len(batch), generator=self._shuffle_generator)]
             for mini_batch in epoch_batch.split(mini_batch_size):
                 self._update_on_mini_batch(mini_batch, temperature, metrics)
@@ -228,7 +237,7 @@ class PPOActor(BasePPOActor):
             append_to_dict(metrics, {"actor/skipped_zero_adv": 1.0})
             return
 
-        use_dynamic_bsz = bool(self._cfg.get("use_dynamic_bsz", False))
+        use_dynamic_bsz = self._cfg.use_dynamic_bsz
         num_micro = None
         if self.skip_zero_advantage_rows:
             rows = len(mini_batch)
@@ -240,9 +249,9 @@ class PPOActor(BasePPOActor):
         else:
             micro_batches, _ = split_micro_batches(
                 mini_batch,
-                micro_batch_size=self._cfg.get("ppo_micro_batch_size_per_gpu"),
+                micro_batch_size=self._cfg.ppo_micro_batch_size_per_gpu,
                 use_dynamic_bsz=use_dynamic_bsz,
-                max_token_len=self._cfg.get("ppo_max_token_len_per_gpu"),
+                max_token_len=self._cfg.ppo_max_token_len_per_gpu,
                 dp_group=self._dp_group,
             )
         self.actor_optimizer.zero_grad()
@@ -265,11 +274,11 @@ class PPOActor(BasePPOActor):
         keep = rows_with_advantage(mini_batch["advantages"], response_mask)
         kept = int(keep.sum())
         if use_dynamic_bsz:
-            budget = int(self._cfg.get("ppo_max_token_len_per_gpu") or 0)
+            budget = int(self._cfg.ppo_max_token_len_per_gpu or 0)
             seqlens = mini_batch["attention_mask"][keep].sum(dim=-1).tolist()
             local = num_micro_batches_for_budget(seqlens, budget) if kept and budget > 0 else 1
         else:
-            size = int(self._cfg.get("ppo_micro_batch_size_per_gpu") or 0)
+            size = int(self._cfg.ppo_micro_batch_size_per_gpu or 0)
             if size <= 0:  # the same on every rank: split_micro_batches explains the setting
                 return mini_batch, None
             local = -(-max(kept, 1) // size)

@@ -18,8 +18,14 @@ from verl.workers.config.actor import (
     RouterReplayConfig,
 )
 from verl.workers.config.checkpoint import CheckpointConfig
-from verl.workers.config.critic import CriticConfig, CriticModelConfig, FSDPCriticConfig, McoreCriticConfig
-from verl.workers.config.engine import FSDPEngineConfig, McoreEngineConfig
+from verl.workers.config.critic import (
+    CriticConfig,
+    CriticModelConfig,
+    FSDPCriticConfig,
+    FSDPCriticModelCfg,
+    McoreCriticConfig,
+)
+from verl.workers.config.engine import EngineConfig, FSDPEngineConfig, McoreEngineConfig, TrainingWorkerConfig
 from verl.workers.config.model import HFModelConfig, MegatronLoRAConfig, MtpConfig, TiledMLPConfig
 from verl.workers.config.optimizer import FSDPOptimizerConfig, McoreOptimizerConfig, OptimizerConfig
 from verl.workers.config.rollout import (
@@ -41,8 +47,10 @@ __all__ = [
     "CriticConfig",
     "CriticModelConfig",
     "CustomAsyncServerConfig",
+    "EngineConfig",
     "FSDPActorConfig",
     "FSDPCriticConfig",
+    "FSDPCriticModelCfg",
     "FSDPEngineConfig",
     "FSDPOptimizerConfig",
     "HFModelConfig",
@@ -62,4 +70,5 @@ __all__ = [
     "SamplingConfig",
     "TiledMLPConfig",
     "TraceConfig",
+    "TrainingWorkerConfig",
 ]

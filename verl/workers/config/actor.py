@@ -56,6 +56,12 @@ class PolicyLossConfig(BaseConfig):
     clip_cov_ub: float = doc("clip-cov: upper bound of the covariance window.", default=5.0)
     kl_cov_ratio: float = doc("kl-cov: fraction of tokens given a KL penalty.", default=0.0002)
     ppo_kl_coef: float = doc("kl-cov: coefficient of that KL penalty.", default=0.1)
+    rollout_correction: dict | None = doc(
+        "Bypass mode's settings, written here by the trainer from algorithm.rollout_correction when its "
+        "bypass_mode is on (set that section, not this key); read only with loss_mode bypass_mode.",
+        optional=True,
+        default=None,
+    )
 
     def __post_init__(self):
         choices = policy_loss_choices()
@@ -71,6 +77,12 @@ class PolicyLossConfig(BaseConfig):
                     f"policy_loss.{key}={value} is outside [0, 1]: it is a fraction of the tokens; "
                     "set it between 0 and 1"
                 )
+        if self.rollout_correction is not None and self.loss_mode != "bypass_mode":
+            raise ValueError(
+                f"policy_loss.rollout_correction is set but policy_loss.loss_mode={self.loss_mode!r}: only the "
+                "bypass_mode loss reads it; set algorithm.rollout_correction.bypass_mode=true instead (the trainer "
+                "then fills both keys)"
+            )
         if self.clip_cov_lb > self.clip_cov_ub:
             raise ValueError(
                 f"policy_loss.clip_cov_lb={self.clip_cov_lb} is above clip_cov_ub={self.clip_cov_ub}: "

@@ -2,6 +2,11 @@
 reads), `FSDPCriticConfig` (critic/dp_critic.yaml's `_target_`) and `McoreCriticConfig`
 (critic/megatron_critic.yaml's), and the value model's `CriticModelConfig`.
 
+`CriticModelConfig` holds the value model's keys of every engine (upstream splits them: a Megatron
+critic's model is its `BaseModelConfig`, an FSDP critic's is `FSDPCriticModelCfg`). `FSDPCriticModelCfg`
+is upstream's name for an FSDP critic's model, so an upstream config whose `critic.model._target_` names
+it builds; it adds no keys, since `CriticModelConfig` already holds the FSDP ones.
+
 As for the actor, the schema declares `critic` by the base class and the YAML's `_target_` picks the
 engine's subclass, whose extra keys (an FSDP critic's `grad_clip`, a Megatron critic's `megatron`)
 the section is checked against and built with. Each field carries its runtime default (the YAML holds
@@ -20,7 +25,7 @@ from verl.workers.config.engine import FSDPEngineConfig, McoreEngineConfig
 from verl.workers.config.model import MegatronLoRAConfig, TiledMLPConfig
 from verl.workers.config.optimizer import FSDPOptimizerConfig, McoreOptimizerConfig, OptimizerConfig
 
-__all__ = ["CriticConfig", "CriticModelConfig", "FSDPCriticConfig", "McoreCriticConfig"]
+__all__ = ["CriticConfig", "CriticModelConfig", "FSDPCriticConfig", "FSDPCriticModelCfg", "McoreCriticConfig"]
 
 
 @dataclass
@@ -48,6 +53,11 @@ class CriticModelConfig(BaseConfig):
         "FSDP engine (strategy fsdp or fsdp2).", optional=True, default_factory=FSDPEngineConfig
     )
     lora: MegatronLoRAConfig = doc("LoRA of a Megatron critic.", optional=True, default_factory=MegatronLoRAConfig)
+
+
+@dataclass
+class FSDPCriticModelCfg(CriticModelConfig):
+    """The value model of a critic trained with FSDP2 (upstream's name; the keys of `CriticModelConfig`)."""
 
 
 @dataclass

@@ -5,18 +5,30 @@ FSDP role's `fsdp_config`, engine/fsdp.yaml).
 Each field carries its runtime default (the YAML holds the same value) and the `doc(...)` metadata the
 validator and docgen read, so the section is declared once, here; `schema.py` composes it into the actor,
 reference, critic and reward-model sections. Keys only some roles hold (the reward model has no optimizer)
-are `optional`. Upstream's base `EngineConfig` keys that its newer engine workers read (micro-batch sizes,
-`use_dynamic_bsz`, ...) are not fields here: the role sections hold them, and the YAML does not repeat them.
+are `optional`.
+
+`EngineConfig` is the base both engines' sections share, with upstream's name: the keys every engine
+reads the same way (offload, dtype, seed, forward-only). Upstream's base also holds the batch keys its
+newer engine workers read (`micro_batch_size_per_gpu`, `use_dynamic_bsz`, `max_token_len_per_gpu`,
+the `infer_*` pair, `use_fused_kernels`); here the role sections (`actor`, `ref`, `critic`) hold them and
+the YAML does not repeat them under the engine, so they are not fields: a second place for one value
+could disagree with the first. `TrainingWorkerConfig` bundles what one training engine is built from
+(upstream's name and fields).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 from verl.base_config import BaseConfig
 from verl.workers.config._fields import _SPEED, ENGINE_DTYPES, IGNORED, MODEL_DTYPES, UNSUPPORTED, doc
 
-__all__ = ["FSDPEngineConfig", "McoreEngineConfig"]
+__all__ = ["EngineConfig", "FSDPEngineConfig", "McoreEngineConfig", "TrainingWorkerConfig"]
+
+# `TrainingWorkerConfig.model_type` values: the `EngineRegistry` model types
+MODEL_TYPES = ("language_model", "value_model")
 
 
 def _default_override_transformer_config() -> dict:
@@ -36,7 +48,22 @@ def _default_wrap_policy() -> dict:
 
 
 @dataclass
-class FSDPEngineConfig(BaseConfig):
+class EngineConfig(BaseConfig):
+    """The keys every training engine's section has (the base of `FSDPEngineConfig` and `McoreEngineConfig`).
+
+    Each subclass re-declares these with its own wording and status (a Megatron model on CPU has no
+    host to offload to), so the base's defaults are upstream's and its docs are the general meaning.
+    """
+
+    param_offload: bool = doc("Keep parameters on the host between uses (saves device memory).", default=False)
+    optimizer_offload: bool = doc("Keep optimizer state on the host between updates.", default=False)
+    forward_only: bool = doc("Build the model for forward passes only (the reference policy).", default=False)
+    dtype: str = doc("Compute dtype of the engine's model.", choices=ENGINE_DTYPES, default="bfloat16")
+    seed: int = doc("Seed of the engine's random number generators.", default=42)
+
+
+@dataclass
+class FSDPEngineConfig(EngineConfig):
     """FSDP engine of one model (optimizer keys have no effect for forward-only models)."""
 
     wrap_policy: dict = doc(
@@ -109,7 +136,7 @@ class FSDPEngineConfig(BaseConfig):
 
 
 @dataclass
-class McoreEngineConfig(BaseConfig):
+class McoreEngineConfig(EngineConfig):
     """Megatron-core parallelism of one model (read when its `strategy` is megatron; docs/megatron.md)."""
 
     param_offload: bool = doc(
@@ -210,4 +237,46 @@ class McoreEngineConfig(BaseConfig):
                 f"megatron.virtual_pipeline_model_parallel_size={vpp} needs pipeline_model_parallel_size >= 2 (got "
                 f"{self.pipeline_model_parallel_size}): interleaving splits each pipeline stage further; set "
                 "virtual_pipeline_model_parallel_size=null or use a pipeline"
+            )
+
+
+@dataclass
+class TrainingWorkerConfig(BaseConfig):
+    """What one training engine is built from: the model, its engine section, optimizer, checkpoint
+    contents and profiler (upstream's `TrainingWorkerConfig`; `verl.workers.engine.EngineRegistry.new`
+    takes the same pieces). Built in code, not from the YAML: a role worker assembles it from its
+    sections, so it is not part of the config tree.
+    """
+
+    model_type: str = doc("The EngineRegistry model type: language_model or value_model.", default="language_model")
+    model_config: Any = doc("The model section (HFModelConfig, or the critic's model).", default=None)
+    engine_config: EngineConfig | None = doc(
+        "The engine section (FSDPEngineConfig or McoreEngineConfig).", default=None
+    )
+    optimizer_config: Any = doc(
+        "The optimizer section (OptimizerConfig); None for a forward-only engine.", default=None
+    )
+    checkpoint_config: Any = doc("The role's checkpoint section (CheckpointConfig).", default=None)
+    profiler_config: Any = doc("The role's profiler section.", default=None)
+    auto_select_engine_optim_fn: Callable | None = doc(
+        "Upstream's hook choosing the engine and optimizer sections from (model config, device name); called by "
+        "nobody here (the YAML names both), so it must stay None.",
+        default=None,
+    )
+
+    def __post_init__(self):
+        if self.model_type not in MODEL_TYPES:
+            raise ValueError(
+                f"TrainingWorkerConfig.model_type={self.model_type!r} is not an engine model type; use one of: "
+                f"{', '.join(MODEL_TYPES)}"
+            )
+        if self.engine_config is not None and not isinstance(self.engine_config, EngineConfig):
+            raise TypeError(
+                f"TrainingWorkerConfig.engine_config is a {type(self.engine_config).__name__}; pass an EngineConfig "
+                "(FSDPEngineConfig or McoreEngineConfig), e.g. omega_conf_to_dataclass(actor.fsdp_config)"
+            )
+        if self.auto_select_engine_optim_fn is not None:
+            raise ValueError(
+                "TrainingWorkerConfig.auto_select_engine_optim_fn is not supported: the engine and optimizer come "
+                "from the role's sections; pass engine_config and optimizer_config instead"
             )

@@ -13,7 +13,7 @@ keys (the `critic` section):
 ppo_mini_batch_size (per rank, normalised by the worker), ppo_micro_batch_size_per_gpu,
 use_dynamic_bsz, ppo_max_token_len_per_gpu, ppo_epochs, shuffle, data_loader_seed, grad_clip (or optim.clip_grad),
 cliprange_value, loss_agg_mode, ulysses_sequence_parallel_size (> 1 needs remove-padding, see `verl.utils.ulysses`), and
-`model.use_remove_padding` (or `use_remove_padding`). compute_values reads `micro_batch_size`,
+`model.use_remove_padding`. compute_values reads `micro_batch_size`,
 `use_dynamic_bsz`, `max_token_len` from `data.meta_info`.
 """
 
@@ -25,6 +25,7 @@ from verl.utils import ulysses
 from verl.utils.device import get_device
 from verl.utils.flops_counter import FlopsCounter, FlopsTally
 from verl.utils.remove_padding import pad_input, unpad_input, unpad_position_ids
+from verl.workers.config import FSDPCriticConfig
 from verl.workers.critic.ppo_critic import MODEL_INPUTS, PPOCritic
 from verl.workers.dp_training import (
     append_to_dict,
@@ -44,6 +45,8 @@ __all__ = ["DataParallelPPOCritic"]
 class DataParallelPPOCritic(PPOCritic):
     """Value function over an HF token-classification model (FSDP2-sharded or plain)."""
 
+    config_class = FSDPCriticConfig
+
     def __init__(
         self,
         config,
@@ -55,8 +58,7 @@ class DataParallelPPOCritic(PPOCritic):
         super().__init__(config, critic_optimizer)
         self.critic_module = critic_module
         cfg = self._cfg
-        model_cfg = cfg.get("model") or {}
-        self.use_remove_padding = bool(model_cfg.get("use_remove_padding", cfg.get("use_remove_padding", False)))
+        self.use_remove_padding = cfg.model.use_remove_padding
         self.sp_size = ulysses.setup(
             "critic",
             cfg,

@@ -28,6 +28,7 @@ from verl.workers.actor.megatron_actor import (
     per_rank_token_budget,
     run_megatron_schedule,
 )
+from verl.workers.config import McoreCriticConfig
 from verl.workers.critic.ppo_critic import MODEL_INPUTS, PPOCritic
 from verl.workers.dp_training import (
     append_to_dict,
@@ -42,6 +43,8 @@ __all__ = ["MegatronPPOCritic"]
 
 class MegatronPPOCritic(PPOCritic):
     """Value function over this rank's megatron GPTModel chunks (value head on the last stage)."""
+
+    config_class = McoreCriticConfig
 
     def __init__(
         self, config, model_chunks: list, critic_optimizer: torch.optim.Optimizer | None = None, hf_config=None

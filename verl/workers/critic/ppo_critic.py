@@ -10,6 +10,9 @@ over shuffled mini-batches, the clipped value loss weighted in the mini-batch lo
 A backend's critic (`DataParallelPPOCritic`, `MegatronPPOCritic`) is a sibling subclass that
 supplies the forward pass (`compute_values`) and `_train_and_step` (forward/backward of a
 mini-batch's micro-batches, gradient synchronisation, clipping, the step).
+
+As for the actor, the section is built into its typed class once, when the critic is (the class its
+`_target_` names, else the backend's `config_class`), and read by attribute from then on.
 """
 
 from __future__ import annotations
@@ -18,13 +21,14 @@ import torch
 import torch.distributed as dist
 
 from verl.algorithms.value_losses import compute_value_loss
+from verl.utils.config import omega_conf_to_dataclass
 from verl.utils.device import collective_device
 from verl.utils.optim import grad_clip
 from verl.utils.torch_functional import masked_mean
+from verl.workers.config import CriticConfig
 from verl.workers.critic.base import BasePPOCritic
 from verl.workers.dp_training import (
     append_to_dict,
-    config_to_dict,
     loss_normaliser,
     micro_batch_weight,
     response_mask_of,
@@ -39,15 +43,19 @@ MODEL_INPUTS = ["responses", "input_ids", "attention_mask", "position_ids"]
 class PPOCritic(BasePPOCritic):
     """The value function's training loop and loss; a backend subclass supplies the model's part."""
 
+    config_class: type[CriticConfig] = CriticConfig
+    """The class a section without `_target_` (a plain dict) is built into; the backend's subclass."""
+
     def __init__(self, config, critic_optimizer: torch.optim.Optimizer | None):
-        super().__init__(config)
+        """`config`: the `critic` section (a `CriticConfig`, or a DictConfig or dict it is built from)."""
+        cfg = omega_conf_to_dataclass(config, self.config_class)
+        super().__init__(cfg)
         self.critic_optimizer = critic_optimizer
-        cfg = config_to_dict(config)
         self._cfg = cfg
         self.grad_clip = grad_clip(cfg, "critic")
-        self.loss_agg_mode = cfg.get("loss_agg_mode", "token-mean")
-        self.cliprange_value = float(cfg.get("cliprange_value", 0.5))
-        self._shuffle_generator = torch.Generator().manual_seed(int(cfg.get("data_loader_seed", 0) or 0))
+        self.loss_agg_mode = cfg.loss_agg_mode
+        self.cliprange_value = float(cfg.cliprange_value)
+        self._shuffle_generator = torch.Generator().manual_seed(int(cfg.data_loader_seed or 0))
         # the data-parallel group the mini-batch's loss is normalised over; the backend sets it
         self._dp_group, self._dp_size = None, 1
 
@@ -86,7 +94,7 @@ class PPOCritic(BasePPOCritic):
             raise KeyError(f"update_critic needs batch keys {missing}; the batch has {sorted(present)}")
         keys += ["response_mask"] if "response_mask" in present else []
         batch = data.batch.select(*keys)
-        mini_batch_size = int(self._cfg.get("ppo_mini_batch_size") or 0)
+        mini_batch_size = int(self._cfg.ppo_mini_batch_size)
         if mini_batch_size <= 0 or len(batch) % mini_batch_size != 0:
             raise ValueError(
                 f"this rank holds {len(batch)} samples, which is not a positive multiple of the per-rank "
@@ -95,9 +103,9 @@ class PPOCritic(BasePPOCritic):
             )
         metrics: dict[str, list[float]] = {}
         self.flops.reset()
-        for _ in range(int(self._cfg.get("ppo_epochs", 1) or 1)):
+        for _ in range(int(self._cfg.ppo_epochs)):
             epoch_batch = batch
-            if self._cfg.get("shuffle", False):
+            if self._cfg.shuffle:
                 epoch_batch = batch[torch.randperm(len(batch), generator=self._shuffle_generator)]
             for mini_batch in epoch_batch.split(mini_batch_size):
                 self._update_on_mini_batch(mini_batch, metrics)
@@ -119,9 +127,9 @@ class PPOCritic(BasePPOCritic):
             dist.all_reduce(normaliser, group=self._dp_group)
         micro_batches, _ = split_micro_batches(
             mini_batch,
-            micro_batch_size=self._cfg.get("ppo_micro_batch_size_per_gpu"),
-            use_dynamic_bsz=bool(self._cfg.get("use_dynamic_bsz", False)),
-            max_token_len=self._cfg.get("ppo_max_token_len_per_gpu"),
+            micro_batch_size=self._cfg.ppo_micro_batch_size_per_gpu,
+            use_dynamic_bsz=self._cfg.use_dynamic_bsz,
+            max_token_len=self._cfg.ppo_max_token_len_per_gpu,
             dp_group=self._dp_group,
         )
         return float(normaliser), micro_batches

@@ -23,7 +23,7 @@ import torch.distributed as dist
 
 from verl.utils import device as dev
 from verl.utils.config import omega_conf_to_dataclass
-from verl.workers.config import FSDPEngineConfig
+from verl.workers.config import CriticModelConfig, FSDPEngineConfig, HFModelConfig
 from verl.workers.engine.base import BaseEngine, EngineRegistry
 from verl.workers.engine.utils import cast_floating, plain_section
 
@@ -98,6 +98,7 @@ class FSDPEngine(BaseEngine):
 
         for_training = optimizer_config is not None
         fsdp = fsdp_engine_config(engine_config)
+        model_config = omega_conf_to_dataclass(model_config, CriticModelConfig if self.value_head else HFModelConfig)
         if fsdp.full_determinism:  # before anything random (a value head's initialisation)
             dev.enable_full_determinism(fsdp.seed)
         # Only rank 0 reads the checkpoint; the other ranks start on the meta device and get its
@@ -107,11 +108,11 @@ class FSDPEngine(BaseEngine):
         loader = load_valuehead_model if self.value_head else load_causal_lm
         self.module = loader(
             model_config.path,
-            trust_remote_code=model_config.get("trust_remote_code", False),
-            override_config=plain_section(model_config.get("override_config")),
+            trust_remote_code=model_config.trust_remote_code,
+            override_config=plain_section(model_config.override_config),
             meta_device=on_meta,
         )
-        if for_training and model_config.get("enable_gradient_checkpointing", False):
+        if for_training and model_config.enable_gradient_checkpointing:
             enable_gradient_checkpointing(self.module)
         if not for_training:
             self.module.requires_grad_(False)

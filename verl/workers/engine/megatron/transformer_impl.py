@@ -30,7 +30,7 @@ from verl.single_controller.base.worker import dist_timeout_s
 from verl.utils import device as dev
 from verl.utils.config import omega_conf_to_dataclass
 from verl.utils.optim import local_optimizer
-from verl.workers.config import McoreEngineConfig, McoreOptimizerConfig
+from verl.workers.config import CriticModelConfig, HFModelConfig, McoreEngineConfig, McoreOptimizerConfig
 from verl.workers.engine.base import BaseEngine, EngineRegistry
 from verl.workers.engine.utils import cast_floating, plain_section
 
@@ -113,16 +113,18 @@ class MegatronEngine(BaseEngine):
 
         for_training = optimizer_config is not None
         value_head = self.value_head
-        meg = plain_section(engine_config)
-        trust = model_config.get("trust_remote_code", False)
-        overrides = plain_section(model_config.get("override_config"))
+        meg = omega_conf_to_dataclass(engine_config, McoreEngineConfig)
+        if not sequence_classifier:  # a reward model's section has no workers-layer class: read as it is
+            model_config = omega_conf_to_dataclass(model_config, CriticModelConfig if value_head else HFModelConfig)
+        trust = model_config.trust_remote_code
+        overrides = plain_section(model_config.override_config)
         # a value model's saved config says one output, as the FSDP critic's does
         config_overrides = {"num_labels": 1, **(overrides or {})} if value_head else overrides
         self.hf_config = load_model_config(model_config.path, trust, config_overrides)
         # fp32 parameters, the forward autocast to a 16-bit dtype (see verl.models.mcore.config)
-        param_dtype, compute_dtype = megatron_dtypes(meg.get("dtype", "auto"), for_training)
-        tf_config = hf_to_mcore_config(self.hf_config, meg, param_dtype, compute_dtype)
-        for key, value in (meg.get("override_transformer_config") or {}).items():
+        param_dtype, compute_dtype = megatron_dtypes(meg.dtype, for_training)
+        tf_config = hf_to_mcore_config(self.hf_config, dict(meg), param_dtype, compute_dtype)
+        for key, value in meg.override_transformer_config.items():
             if not hasattr(tf_config, key):
                 raise ValueError(
                     f"megatron.override_transformer_config.{key}: megatron's TransformerConfig has no field {key!r}"
@@ -130,13 +132,13 @@ class MegatronEngine(BaseEngine):
             setattr(tf_config, key, value)
         self.chunks = build_model_chunks(self.hf_config, tf_config, value_head=value_head)
         set_compute_dtype(self.chunks, compute_dtype)
-        if meg.get("use_dist_checkpointing"):
+        if meg.use_dist_checkpointing:
             if sequence_classifier:
                 raise ValueError(
                     "reward_model.megatron.use_dist_checkpointing=true: a reward model's score head comes from its HF "
                     "checkpoint; set it to false"
                 )
-            self._load_dist_checkpoint(meg, int(meg.get("seed", 42)))
+            self._load_dist_checkpoint(meg)
         else:
             if sequence_classifier:
                 loader = load_sequence_classifier
@@ -155,20 +157,20 @@ class MegatronEngine(BaseEngine):
             if not for_training:
                 chunk.requires_grad_(False)
         self.optimizer = None
-        self.param_offload = bool(meg.get("param_offload", False))
-        self.optimizer_offload = bool(meg.get("optimizer_offload", False)) and for_training
+        self.param_offload = meg.param_offload
+        self.optimizer_offload = meg.optimizer_offload and for_training
         self._offload(optimizer=False)
         if for_training:
             self._build_optimizer(meg, optimizer_config, checkpoint_config, tokenizer)
 
-    def _build_optimizer(self, meg: dict, optimizer_config, checkpoint_config, tokenizer) -> None:
+    def _build_optimizer(self, meg: McoreEngineConfig, optimizer_config, checkpoint_config, tokenizer) -> None:
         from verl.models.mcore.moe import optimizer_state_shard_group
         from verl.utils.checkpoint.megatron_checkpoint_manager import MegatronCheckpointManager
         from verl.utils.optim import build_lr_scheduler, build_optimizer
 
         # use_distributed_optimizer: Adam state split over the replicas of this rank's parameters
         # (ZeRO-1; the data-parallel ranks, fewer under expert parallelism)
-        shard_over = optimizer_state_shard_group() if meg.get("use_distributed_optimizer") else None
+        shard_over = optimizer_state_shard_group() if meg.use_distributed_optimizer else None
         optim = megatron_optim_settings(optimizer_config)
         self.optimizer = build_optimizer(
             [p for p in self.parameters() if p.requires_grad], optim, shard_state_over=shard_over
@@ -184,24 +186,24 @@ class MegatronEngine(BaseEngine):
             hf_weights=self.get_per_tensor_param,
         )
 
-    def _load_dist_checkpoint(self, meg: dict, seed: int) -> None:
+    def _load_dist_checkpoint(self, meg: McoreEngineConfig) -> None:
         """Weights from `megatron.dist_checkpointing_path` instead of the HF checkpoint (each rank reads
         its shards only). A value head starts as HF initialises a token-classification head: normal
         with the config's initializer_range, zero bias, the same on every rank."""
         from verl.utils.checkpoint.megatron_checkpoint_manager import load_dist_checkpoint_weights
 
-        path = meg.get("dist_checkpointing_path")
+        path = meg.dist_checkpointing_path
         if not path:
             raise ValueError(
                 "megatron.use_dist_checkpointing=true needs megatron.dist_checkpointing_path (a dist checkpoint made "
                 "with `python -m verl.models.mcore.converter`)"
             )
         load_dist_checkpoint_weights(
-            self.chunks, path, value_head=self.value_head, prefix=meg.get("dist_checkpointing_prefix") or ""
+            self.chunks, path, value_head=self.value_head, prefix=meg.dist_checkpointing_prefix
         )
         head = self.chunks[-1].output_layer if self.value_head and hasattr(self.chunks[-1], "output_layer") else None
         if head is not None:
-            generator = torch.Generator().manual_seed(seed)
+            generator = torch.Generator().manual_seed(meg.seed)
             std = float(getattr(self.hf_config, "initializer_range", 0.02))
             with torch.no_grad():
                 head.weight.copy_(torch.randn(head.weight.shape, generator=generator) * std)

@@ -1,0 +1,116 @@
+"""Upstream's `EngineConfig`, `FSDPCriticModelCfg` and `TrainingWorkerConfig` (verl.workers.config):
+the engine sections share one base, an upstream critic config naming its model class builds, and the
+bundle one training engine is built from refuses what it cannot honour."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+from omegaconf import OmegaConf
+
+from verl.trainer.config import validate_ppo_config
+from verl.trainer.config.loader import compose
+from verl.utils.config import omega_conf_to_dataclass
+from verl.workers.config import (
+    CriticModelConfig,
+    EngineConfig,
+    FSDPCriticModelCfg,
+    FSDPEngineConfig,
+    FSDPOptimizerConfig,
+    HFModelConfig,
+    McoreEngineConfig,
+    TrainingWorkerConfig,
+)
+
+
+def test_engine_config_defaults_are_upstreams():
+    # upstream's EngineConfig, for the keys both engines here hold, written out by hand
+    base = EngineConfig()
+    assert (base.param_offload, base.optimizer_offload, base.forward_only) == (False, False, False)
+    assert (base.dtype, base.seed) == ("bfloat16", 42)
+
+
+@pytest.mark.parametrize(
+    "name, section, cls",
+    [("ppo_trainer", "fsdp_config", FSDPEngineConfig), ("ppo_megatron_trainer", "megatron", McoreEngineConfig)],
+)
+def test_each_engine_section_is_an_engine_config_with_the_yamls_shared_keys(name, section, cls):
+    cfg = compose(name)
+    raw = cfg.actor_rollout_ref.actor[section]
+    built = omega_conf_to_dataclass(raw)
+    assert type(built) is cls and isinstance(built, EngineConfig)
+    for key in ("param_offload", "optimizer_offload", "dtype", "seed"):
+        assert getattr(built, key) == raw[key], key
+
+
+def test_an_upstream_critic_model_target_builds_the_fsdp_critic_model_class():
+    cfg = compose("arith_demo")
+    cfg.algorithm.adv_estimator = "gae"
+    # upstream's critic/dp_critic.yaml names the value model's class
+    OmegaConf.update(cfg, "critic.model._target_", "verl.workers.config.FSDPCriticModelCfg", force_add=True)
+    validate_ppo_config(cfg)
+    critic = omega_conf_to_dataclass(cfg.critic)
+    assert type(critic.model) is FSDPCriticModelCfg
+    assert isinstance(critic.model, CriticModelConfig)
+    assert critic.model.path == cfg.critic.model.path
+    assert type(critic.model.fsdp_config) is FSDPEngineConfig
+
+
+def test_fsdp_critic_model_defaults_are_upstreams():
+    model = FSDPCriticModelCfg()
+    assert (model.use_shm, model.enable_activation_offload, model.use_remove_padding) == (False, False, False)
+    assert (model.enable_gradient_checkpointing, model.lora_rank, model.lora_alpha) == (True, 0, 16)
+    assert model.target_modules == "all-linear"
+
+
+def test_training_worker_config_has_upstreams_fields():
+    names = [f.name for f in dataclasses.fields(TrainingWorkerConfig) if f.name != "_target_"]
+    assert names == [
+        "model_type",
+        "model_config",
+        "engine_config",
+        "optimizer_config",
+        "checkpoint_config",
+        "profiler_config",
+        "auto_select_engine_optim_fn",
+    ]
+
+
+def test_training_worker_config_bundles_a_roles_sections():
+    cfg = compose("ppo_trainer")
+    actor = cfg.actor_rollout_ref.actor
+    built = TrainingWorkerConfig(
+        model_type="language_model",
+        model_config=omega_conf_to_dataclass(cfg.actor_rollout_ref.model),
+        engine_config=omega_conf_to_dataclass(actor.fsdp_config),
+        optimizer_config=omega_conf_to_dataclass(actor.optim),
+    )
+    assert type(built.model_config) is HFModelConfig
+    assert type(built.optimizer_config) is FSDPOptimizerConfig
+    assert built.optimizer_config.lr == pytest.approx(1e-6)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        built.model_type = "value_model"
+
+
+@pytest.mark.parametrize(
+    "kwargs, error, match",
+    [
+        ({"model_type": "reward_model"}, ValueError, "model_type='reward_model'.*language_model, value_model"),
+        ({"engine_config": {"param_offload": True}}, TypeError, "engine_config is a dict.*omega_conf_to_dataclass"),
+        ({"auto_select_engine_optim_fn": lambda model, device: None}, ValueError, "not supported"),
+    ],
+)
+def test_training_worker_config_refuses_what_it_cannot_honour(kwargs, error, match):
+    with pytest.raises(error, match=match):
+        TrainingWorkerConfig(**kwargs)
+
+
+def test_policy_loss_holds_bypass_settings_only_for_the_bypass_loss():
+    from verl.workers.config import PolicyLossConfig
+
+    settings = {"bypass_mode": True, "rollout_is": "token"}
+    assert PolicyLossConfig(loss_mode="bypass_mode", rollout_correction=settings).rollout_correction == settings
+    assert PolicyLossConfig().rollout_correction is None
+    with pytest.raises(ValueError, match="loss_mode='vanilla'.*algorithm.rollout_correction.bypass_mode=true"):
+        PolicyLossConfig(rollout_correction=settings)
