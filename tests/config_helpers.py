@@ -24,13 +24,13 @@ def _composed() -> dict:
     return OmegaConf.to_container(cfg, resolve=True)
 
 
-def _merge(base: dict, overrides: Mapping, path: str) -> dict:
+def _merge(base: dict, overrides: Mapping) -> dict:
+    """`base` with `overrides` merged in, nested mappings key by key. A key the YAML lacks is kept: the
+    typed class it is built into refuses a misspelled one, naming it."""
     out = dict(base)
     for key, value in overrides.items():
-        if key not in out:
-            raise KeyError(f"{path}.{key} is not a key of the composed config; valid keys: {sorted(out)}")
-        if isinstance(value, Mapping) and isinstance(out[key], Mapping):
-            out[key] = _merge(out[key], value, f"{path}.{key}")
+        if isinstance(value, Mapping) and isinstance(out.get(key), Mapping):
+            out[key] = _merge(out[key], value)
         else:
             out[key] = value
     return out
@@ -41,7 +41,7 @@ def section(dotted: str, **overrides) -> dict:
     node = _composed()
     for key in dotted.split("."):
         node = node[key]
-    return _merge(node, overrides, dotted)
+    return _merge(node, overrides)
 
 
 def rollout_config(**overrides):
@@ -54,4 +54,12 @@ def rollout_config(**overrides):
     from verl.workers.config import RolloutConfig
 
     values = section("actor_rollout_ref.rollout", tensor_model_parallel_size=1)
-    return omega_conf_to_dataclass(_merge(values, overrides, "actor_rollout_ref.rollout"), RolloutConfig)
+    return omega_conf_to_dataclass(_merge(values, overrides), RolloutConfig)
+
+
+def engine_config(**overrides):
+    """`rollout_config` for a test of one engine on its own: also dtype auto (the checkpoint's float32 on
+    CPU, bfloat16 on GPU; the YAML's bfloat16 is a GPU run's choice) and load_format auto (the engine reads
+    the checkpoint: no trainer syncs weights into it unless the test does; the YAML's dummy is the hybrid
+    engine's start). `overrides` win over both."""
+    return rollout_config(**{"dtype": "auto", "load_format": "auto", **overrides})

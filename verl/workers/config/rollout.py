@@ -358,6 +358,14 @@ class RolloutConfig(BaseConfig):
         ):
             if value < 1:
                 raise ValueError(f"rollout.{key}={value} must be at least 1")
+        for key in ("prompt_length", "response_length", "max_num_seqs", "max_num_batched_tokens"):
+            if int(getattr(self, key)) < 1:
+                raise ValueError(f"actor_rollout_ref.rollout.{key}={getattr(self, key)} must be a positive integer")
+        if not 0.0 < float(self.gpu_memory_utilization) <= 1.0:
+            raise ValueError(
+                f"actor_rollout_ref.rollout.gpu_memory_utilization={self.gpu_memory_utilization} must lie in (0, 1]: "
+                "the fraction of the device's memory the rollout engine may use (e.g. 0.5 when the trainer shares it)"
+            )
         if self.do_sample and self.temperature <= 0:
             raise ValueError(
                 f"rollout.do_sample=true with temperature={self.temperature} cannot sample; "
