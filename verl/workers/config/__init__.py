@@ -22,6 +22,7 @@ from verl.workers.config.critic import CriticConfig, CriticModelConfig, FSDPCrit
 from verl.workers.config.engine import FSDPEngineConfig, McoreEngineConfig
 from verl.workers.config.model import HFModelConfig, MegatronLoRAConfig, MtpConfig, TiledMLPConfig
 from verl.workers.config.optimizer import FSDPOptimizerConfig, McoreOptimizerConfig, OptimizerConfig
+from verl.workers.config.reward_model import RewardModelConfig, SandboxFusionConfig
 from verl.workers.config.rollout import (
     AgentLoopConfig,
     CheckpointEngineConfig,
@@ -30,6 +31,7 @@ from verl.workers.config.rollout import (
     PrometheusConfig,
     RolloutConfig,
     SamplingConfig,
+    ServerConfig,
     TraceConfig,
 )
 
@@ -57,9 +59,12 @@ __all__ = [
     "PolicyLossConfig",
     "PrometheusConfig",
     "RefConfig",
+    "RewardModelConfig",
     "RolloutConfig",
     "RouterReplayConfig",
     "SamplingConfig",
+    "SandboxFusionConfig",
+    "ServerConfig",
     "TiledMLPConfig",
     "TraceConfig",
 ]

@@ -10,8 +10,10 @@ the data-parallel size) stay in the trainer's validate.py.
 
 `multi_turn.format` lists no choices here: its names are the agent loop's tool-parser table
 (`verl.experimental`, a layer above the workers), so the trainer's validator checks it.
-Deliberately left out: upstream's `server` section (HTTP settings of its rollout servers: the
-rollout here runs inside the workers) and `sglang_engine_mode`, `limit_images`, `enable_sleep_mode`,
+`ServerConfig` (`rollout.server`, HTTP settings of upstream's rollout servers) is declared with
+upstream's fields and defaults so upstream configs that set it load; it is optional (upstream's YAML
+does not hold it either) and ignored: the rollout here runs inside the workers, with no server to
+reach. Deliberately left out: `sglang_engine_mode`, `limit_images`, `enable_sleep_mode`,
 `repetition_penalty`, `custom`, which this project's YAML does not hold either.
 """
 
@@ -34,6 +36,8 @@ from verl.workers.config._fields import (
 )
 from verl.workers.config.actor import ProfilerConfig
 
+_SERVER = "Upstream's rollout servers only: the rollout here runs inside the workers, with no server to reach."
+
 __all__ = [
     "AgentLoopConfig",
     "CheckpointEngineConfig",
@@ -42,6 +46,7 @@ __all__ = [
     "PrometheusConfig",
     "RolloutConfig",
     "SamplingConfig",
+    "ServerConfig",
     "TraceConfig",
 ]
 
@@ -186,6 +191,17 @@ class TraceConfig(BaseConfig):
 
 
 @dataclass
+class ServerConfig(BaseConfig):
+    """HTTP client settings of upstream's rollout servers (SGLang server mode); read by nothing here."""
+
+    timeout: float = doc(f"Seconds one request may take. {_SERVER}", status=IGNORED, default=60.0)
+    max_attempts: int = doc(f"Tries of a failed request. {_SERVER}", status=IGNORED, default=3)
+    retry_delay: float = doc(f"Seconds between two tries. {_SERVER}", status=IGNORED, default=2.0)
+    max_connections: int = doc(f"Concurrent connections to a server. {_SERVER}", status=IGNORED, default=1000)
+    max_start_wait_time: float = doc(f"Seconds a server may take to start. {_SERVER}", status=IGNORED, default=300.0)
+
+
+@dataclass
 class PrometheusConfig(BaseConfig):
     """A Prometheus metrics endpoint of the rollout servers."""
 
@@ -322,6 +338,9 @@ class RolloutConfig(BaseConfig):
     )
     profiler: ProfilerConfig = doc("Profiling of generation (follows the actor's).", default_factory=ProfilerConfig)
     prometheus: PrometheusConfig = doc("Metrics endpoint.", default_factory=PrometheusConfig)
+    server: ServerConfig = doc(
+        "Upstream's rollout-server HTTP settings (not in its YAML either).", optional=True, default_factory=ServerConfig
+    )
     quantization: str | None = doc("Quantised generation (e.g. fp8).", status=UNSUPPORTED, neutral=None, default=None)
     quantization_config_file: str | None = doc("Quantisation config.", status=UNSUPPORTED, neutral=None, default=None)
     mtp: dict | None = doc(
