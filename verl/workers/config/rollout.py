@@ -137,8 +137,8 @@ class AgentLoopConfig(BaseConfig):
     )
     default_agent_loop: str = doc(
         "Agent loop of a prompt whose row names none (`agent_name` column). single_turn_agent: one generation; "
-        "with multi_turn.enable=true such rows run tool_agent (as upstream's multi-turn configs select). A "
-        "registered loop (see agent_loop_config_path) or the import path of an AgentLoopBase subclass.",
+        "tool_agent: tool calls (what upstream's multi-turn configs set; the bundled tool datasets name it in "
+        "each row). A registered loop (see agent_loop_config_path) or the import path of an AgentLoopBase subclass.",
         default="single_turn_agent",
     )
     agent_loop_config_path: str | None = doc(
