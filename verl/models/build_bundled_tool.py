@@ -46,9 +46,19 @@ def evaluate_tool_use(model, tokenizer, rows: list[dict], response_length: int =
     from verl.protocol import DataProto
     from verl.tools.calculator_tool import CalculatorTool
     from verl.utils.reward_score.arith import compute_score_after_tools
+    from verl.workers.config import AgentLoopConfig, MultiTurnConfig, RolloutConfig
     from verl.workers.rollout.hf_rollout import HFRollout
 
-    config = {"response_length": response_length, "prompt_length": prompt_length, "multi_turn": {}}
+    # one engine per process, the weights' own dtype on CPU, the tool loop for every row (rows name none)
+    config = RolloutConfig(
+        name="hf",
+        response_length=response_length,
+        prompt_length=prompt_length,
+        tensor_model_parallel_size=1,
+        dtype="auto",
+        multi_turn=MultiTurnConfig(enable=True),
+        agent=AgentLoopConfig(default_agent_loop="tool_agent"),
+    )
     engine = HFRollout(model, config=config, tokenizer=tokenizer, device="cpu")
     rollout = AgentLoopRollout(engine, config, tokenizer, tools=[CalculatorTool()])
     prompts = [

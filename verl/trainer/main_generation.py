@@ -90,10 +90,14 @@ def _import_external_lib(name: str | None) -> None:
 
 
 def build_rollout(model_path: str, rollout_config: dict, tokenizer):
-    """The engine named by `rollout_config["name"]`, built as `cls(model_path, config=..., tokenizer=...)`."""
+    """The engine named by `rollout_config["name"]`, built as `cls(model_path, config=..., tokenizer=...)`
+    from the typed `RolloutConfig` of the section (keys generation.yaml leaves out take its defaults)."""
+    from verl.utils.config import omega_conf_to_dataclass
+    from verl.workers.config import RolloutConfig
     from verl.workers.rollout import get_rollout_class
 
-    return get_rollout_class(rollout_config.get("name", "hf"))(model_path, config=rollout_config, tokenizer=tokenizer)
+    config = omega_conf_to_dataclass(rollout_config, RolloutConfig)
+    return get_rollout_class(config.name)(model_path, config=config, tokenizer=tokenizer)
 
 
 class GenerationWorker(Worker):

@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 import torch
 
+from tests.config_helpers import rollout_config as typed_rollout_config
 from tests.experimental.agent_loop.conftest import ForcedRollout, encode
 from tests.experimental.agent_loop.test_tool_agent_loop import P, question_batch, rollout_config
 from verl.experimental.agent_loop import AgentLoopBase, AgentLoopRollout, AsyncRolloutEngine, Trajectory
@@ -25,7 +26,8 @@ def hf_rollout(tokenizer):
     from verl.models import bundled_model_path
     from verl.workers.rollout.hf_rollout import HFRollout
 
-    config = {"response_length": 16, "prompt_length": P, "calculate_log_probs": True}
+    # auto: the weights' float32 on CPU (the YAML's bfloat16 is a GPU engine's choice)
+    config = typed_rollout_config(response_length=16, prompt_length=P, calculate_log_probs=True, dtype="auto")
     return HFRollout(bundled_model_path(), config=config, tokenizer=tokenizer, device="cpu")
 
 
@@ -103,7 +105,7 @@ def test_a_prompt_that_outgrows_the_prompt_width_says_what_to_raise(tokenizer, t
 def test_tensor_parallelism_is_refused_for_an_engine_without_a_tensor_parallel_group(tokenizer, tiny_model):
     with pytest.raises(ValueError, match="tensor_model_parallel_size=2.*ForcedRollout does not"):
         AgentLoopRollout(
-            ForcedRollout(tiny_model, None), {**rollout_config(8), "tensor_model_parallel_size": 2}, tokenizer
+            ForcedRollout(tiny_model, None), rollout_config(8, rollout={"tensor_model_parallel_size": 2}), tokenizer
         )
 
 
@@ -159,7 +161,9 @@ def test_agent_loop_config_path_registers_named_loops_with_their_arguments(
     monkeypatch.chdir(tmp_path)
     batch = question_batch(tokenizer, QUESTIONS[:3])
     batch.non_tensor_batch["agent_name"] = np.array(["counted", "counted_default", None], dtype=object)
-    config = {**rollout_config(8), "agent": {"agent_loop_config_path": "agents.yaml", "default_agent_loop": "counted"}}
+    config = rollout_config(
+        8, rollout={"agent": {"agent_loop_config_path": "agents.yaml", "default_agent_loop": "counted"}}
+    )
     forced = ForcedRollout(tiny_model, lambda context: [tokenizer.eos_token_id])
     out = AgentLoopRollout(forced, config, tokenizer).generate_sequences(batch)
     assert out.non_tensor_batch["__num_turns__"].tolist() == [5, 2, 5]  # None: the default, from the file

@@ -15,12 +15,18 @@ pytest.importorskip("vllm")
 vllm_rollout = pytest.importorskip("verl.workers.rollout.vllm_rollout")
 pytestmark = [pytest.mark.vllm, pytest.mark.usefixtures("one_thread")]
 
-from tests.experimental.agent_loop.test_tool_agent_loop import question_batch  # noqa: E402
+from tests.experimental.agent_loop.test_tool_agent_loop import question_batch, rollout_config  # noqa: E402
 from verl.experimental.agent_loop import AgentLoopRollout  # noqa: E402
 from verl.tools.calculator_tool import CalculatorTool  # noqa: E402
 
 QUESTIONS = ["What is 12+34*5?", "What is 59-63*15?", "What is 7*8-9?", "What is 40*10+3?"]
-CONFIG = {"prompt_length": 32, "response_length": 160, "calculate_log_probs": True, "max_num_seqs": 16}
+
+
+def config(**rollout):
+    """The YAML's rollout config for both engines: dtype auto (the checkpoint's), vLLM loading the
+    checkpoint's weights (load_format auto: no trainer syncs them here), up to 3 model turns."""
+    values = {"prompt_length": 32, "max_num_seqs": 16, "dtype": "auto", "load_format": "auto", **rollout}
+    return rollout_config(160, rollout=values, max_assistant_turns=3)
 
 
 @pytest.fixture(scope="module")
@@ -29,17 +35,16 @@ def engines(tokenizer):
     from verl.workers.rollout.hf_rollout import HFRollout
 
     path = bundled_model_path("arith-tool-tiny")
-    vllm = vllm_rollout.vLLMRollout(path, {**CONFIG, "enforce_eager": True})
-    yield vllm, HFRollout(path, config=CONFIG, tokenizer=tokenizer, device="cpu")
+    vllm = vllm_rollout.vLLMRollout(path, config(enforce_eager=True))
+    yield vllm, HFRollout(path, config=config(), tokenizer=tokenizer, device="cpu")
     vllm.release()
 
 
 def test_tool_conversations_on_vllm_equal_those_on_the_built_in_engine(tokenizer, engines):
     vllm, hf = engines
     batch = question_batch(tokenizer, QUESTIONS, width=32)
-    config = {**CONFIG, "multi_turn": {"max_assistant_turns": 3}}
-    on_vllm = AgentLoopRollout(vllm, config, tokenizer, tools=[CalculatorTool()]).generate_sequences(batch)
-    on_hf = AgentLoopRollout(hf, config, tokenizer, tools=[CalculatorTool()]).generate_sequences(copy.deepcopy(batch))
+    on_vllm = AgentLoopRollout(vllm, config(), tokenizer, tools=[CalculatorTool()]).generate_sequences(batch)
+    on_hf = AgentLoopRollout(hf, config(), tokenizer, tools=[CalculatorTool()]).generate_sequences(copy.deepcopy(batch))
 
     assert on_vllm.meta_info["metrics"]["agent_loop/tool_calls"] > 0  # the conversations do use the tool
     for key in ("responses", "response_mask", "attention_mask", "position_ids"):
@@ -55,11 +60,10 @@ def test_over_sampling_on_vllm_masks_the_cut_episodes_and_leaves_the_engine_usab
     """A cut may leave a model turn inside vLLM's batch: the rollout returns after it, and the next call
     (validation: never cut) holds every conversation to its end, as a call without over-sampling does."""
     vllm, _ = engines
-    config = {**CONFIG, "multi_turn": {"max_assistant_turns": 3}}
-    plain = AgentLoopRollout(vllm, config, tokenizer, tools=[CalculatorTool()])
+    plain = AgentLoopRollout(vllm, config(), tokenizer, tools=[CalculatorTool()])
     full = plain.generate_sequences(question_batch(tokenizer, QUESTIONS, width=32, validate=True))
 
-    rollout = AgentLoopRollout(vllm, {**config, "over_sample_rate": 0.5}, tokenizer, tools=[CalculatorTool()])
+    rollout = AgentLoopRollout(vllm, config(over_sample_rate=0.5), tokenizer, tools=[CalculatorTool()])
     cut = rollout.generate_sequences(question_batch(tokenizer, QUESTIONS, width=32))
     lengths = cut.batch["attention_mask"][:, 32:].sum(-1)
     finished = lengths > 0

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from tests.experimental.agent_loop.conftest import ForcedRollout, encode
-from tests.experimental.agent_loop.test_tool_agent_loop import assistant_turns, question_batch
+from tests.experimental.agent_loop.test_tool_agent_loop import assistant_turns, question_batch, rollout_config
 from verl.experimental.agent_loop import AgentLoopRollout
 from verl.interactions.gsm8k_interaction import CORRECT, INCORRECT, Gsm8kInteraction
 from verl.interactions.utils.interaction_registry import initialize_interactions_from_config
@@ -51,12 +51,7 @@ def interaction_config(tmp_path):
 
 def test_wrong_answer_gets_a_user_turn_and_a_right_one_ends_the_episode(tokenizer, tiny_model, interaction_config):
     forced = ForcedRollout(tiny_model, guessing_script(tokenizer, ["5", "42", "42"]))
-    config = {
-        "response_length": R,
-        "calculate_log_probs": True,
-        "multi_turn": {"interaction_config_path": interaction_config},
-    }
-    rollout = AgentLoopRollout(forced, config, tokenizer)
+    rollout = AgentLoopRollout(forced, rollout_config(R, interaction_config_path=interaction_config), tokenizer)
     out = rollout.generate_sequences(batch_with_ground_truths(tokenizer, ["42"]))
     eos = tokenizer.eos_token_id
 
@@ -86,9 +81,9 @@ def test_wrong_answer_gets_a_user_turn_and_a_right_one_ends_the_episode(tokenize
 
 def test_turn_limit_ends_an_episode_the_user_never_accepts(tokenizer, tiny_model, interaction_config):
     forced = ForcedRollout(tiny_model, guessing_script(tokenizer, ["1", "2", "3", "4"]))
-    multi_turn = {"interaction_config_path": interaction_config, "max_assistant_turns": 3}
     # room for three turns and two replies (the tokenizer is character-level: a reply is ~80 tokens)
-    rollout = AgentLoopRollout(forced, {"response_length": 400, "multi_turn": multi_turn}, tokenizer)
+    config = rollout_config(400, interaction_config_path=interaction_config, max_assistant_turns=3)
+    rollout = AgentLoopRollout(forced, config, tokenizer)
     out = rollout.generate_sequences(batch_with_ground_truths(tokenizer, ["42"]))
     text = tokenizer.decode(out.batch["responses"][0], skip_special_tokens=True)
     assert text.count(INCORRECT) == 2 and "#### 3" in text and "#### 4" not in text
@@ -102,9 +97,7 @@ def test_turn_limit_ends_an_episode_the_user_never_accepts(tokenizer, tiny_model
 
 def test_unknown_interaction_name_is_an_error_naming_the_configured_ones(tokenizer, tiny_model, interaction_config):
     forced = ForcedRollout(tiny_model, guessing_script(tokenizer, ["1"]))
-    rollout = AgentLoopRollout(
-        forced, {"response_length": R, "multi_turn": {"interaction_config_path": interaction_config}}, tokenizer
-    )
+    rollout = AgentLoopRollout(forced, rollout_config(R, interaction_config_path=interaction_config), tokenizer)
     batch = batch_with_ground_truths(tokenizer, ["42"])
     batch.non_tensor_batch["extra_info"][0]["interaction_kwargs"]["name"] = "chess"
     with pytest.raises(ValueError, match=r"'chess'.*\['gsm8k'\]"):

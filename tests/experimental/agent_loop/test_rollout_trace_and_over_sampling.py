@@ -46,7 +46,7 @@ def mlflow_store(tmp_path, monkeypatch, request):
 
 def traced_rollout(tokenizer, tiny_model, **trace):
     forced = ForcedRollout(tiny_model, calculator_script(tokenizer))
-    config = {**rollout_config(), "trace": {"backend": "mlflow", **trace}}
+    config = rollout_config(rollout={"trace": {"backend": "mlflow", **trace}})
     return AgentLoopRollout(
         forced, config, tokenizer, tools=[CalculatorTool()], project_name="verl_test", experiment_name="run1"
     )
@@ -132,7 +132,7 @@ def test_a_trace_backend_without_the_run_names_says_what_to_pass(tokenizer, tiny
     RolloutTraceConfig.reset()
     forced = ForcedRollout(tiny_model, calculator_script(tokenizer))
     with pytest.raises(ValueError, match="pass project_name and experiment_name to AgentLoopRollout"):
-        AgentLoopRollout(forced, {**rollout_config(), "trace": {"backend": "mlflow"}}, tokenizer)
+        AgentLoopRollout(forced, rollout_config(rollout={"trace": {"backend": "mlflow"}}), tokenizer)
     assert RolloutTraceConfig.get_backend() is None
 
 
@@ -158,7 +158,7 @@ def test_over_sampling_finishes_int_b_times_one_minus_rate_episodes_and_masks_th
 ):
     """B = 4: int(4 * (1 - rate)) episodes finish (upstream's rounding; at least one)."""
     forced = ForcedRollout(tiny_model, tool_calls_then_answer(tokenizer))
-    config = {**rollout_config(512), "over_sample_rate": rate}
+    config = rollout_config(512, rollout={"over_sample_rate": rate})
     rollout = AgentLoopRollout(forced, config, tokenizer, tools=[CalculatorTool()])
     questions = [f"Q{k}: add" for k in (3, 0, 2, 1)]  # finishing order: rows 1, 3, 2, 0
     batch = question_batch(tokenizer, questions)
@@ -187,7 +187,7 @@ def test_over_sampling_finishes_int_b_times_one_minus_rate_episodes_and_masks_th
 def test_validation_rollouts_are_never_cut(tokenizer, tiny_model):
     forced = ForcedRollout(tiny_model, tool_calls_then_answer(tokenizer))
     rollout = AgentLoopRollout(
-        forced, {**rollout_config(512), "over_sample_rate": 0.5}, tokenizer, tools=[CalculatorTool()]
+        forced, rollout_config(512, rollout={"over_sample_rate": 0.5}), tokenizer, tools=[CalculatorTool()]
     )
     out = rollout.generate_sequences(question_batch(tokenizer, [f"Q{k}: add" for k in (3, 0, 2, 1)], validate=True))
     assert out.non_tensor_batch["__num_turns__"].tolist() == [8, 2, 6, 4]
@@ -197,4 +197,4 @@ def test_validation_rollouts_are_never_cut(tokenizer, tiny_model):
 def test_an_over_sample_rate_of_one_is_refused(tokenizer, tiny_model):
     forced = ForcedRollout(tiny_model, tool_calls_then_answer(tokenizer))
     with pytest.raises(ValueError, match=r"over_sample_rate=1.0 must be in \[0, 1\)"):
-        AgentLoopRollout(forced, {**rollout_config(512), "over_sample_rate": 1.0}, tokenizer)
+        AgentLoopRollout(forced, rollout_config(512, rollout={"over_sample_rate": 1.0}), tokenizer)

@@ -40,11 +40,15 @@ def _rank(rank: int, world_size: int) -> None:
     import torch.distributed as dist
     from transformers import AutoTokenizer
 
+    from tests.experimental.agent_loop.test_tool_agent_loop import rollout_config
     from verl.experimental.agent_loop import AgentLoopRollout
     from verl.models import bundled_model_path
 
     tok = AutoTokenizer.from_pretrained(bundled_model_path())
-    engine = _ScriptedEngine(bundled_model_path(), {"tensor_model_parallel_size": 2, "response_length": 300})
+    config = rollout_config(
+        300, rollout={"tensor_model_parallel_size": 2, "calculate_log_probs": False}, interaction_config_path=None
+    )
+    engine = _ScriptedEngine(bundled_model_path(), config)
     engine.tok, engine.calls = tok, []
     # the simulated user accepts answer k on the k-th turn: rank 0's episode takes 2 turns, rank 1's 3
     truths = ["2"] if rank == 0 else ["3"]
@@ -53,11 +57,10 @@ def _rank(rank: int, world_size: int) -> None:
     path = tempfile.mktemp(suffix=".yaml")
     with open(path, "w") as f:
         f.write("interaction:\n  - name: gsm8k\n    class_name: verl.interactions.gsm8k_interaction.Gsm8kInteraction\n")
-    rollout = AgentLoopRollout(
-        engine,
-        {"response_length": 300, "tensor_model_parallel_size": 2, "multi_turn": {"interaction_config_path": path}},
-        tok,
+    config = rollout_config(
+        300, rollout={"tensor_model_parallel_size": 2, "calculate_log_probs": False}, interaction_config_path=path
     )
+    rollout = AgentLoopRollout(engine, config, tok)
     rows = [
         tok(
             tok.apply_chat_template([{"role": "user", "content": f"q{t}"}], add_generation_prompt=True, tokenize=False)

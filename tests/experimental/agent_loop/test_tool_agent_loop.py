@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 import torch
 
+from tests.config_helpers import rollout_config as typed_rollout_config
 from tests.experimental.agent_loop.conftest import ForcedRollout, chat_prompt_ids, encode
 from verl.experimental.agent_loop import AgentLoopRollout
 from verl.protocol import DataProto
@@ -67,8 +68,18 @@ def calculator_script(tokenizer):
     return script
 
 
-def rollout_config(response_length=128, **multi_turn):
-    return {"response_length": response_length, "calculate_log_probs": True, "multi_turn": multi_turn}
+def rollout_config(response_length=128, rollout: dict | None = None, **multi_turn):
+    """The YAML's rollout config with multi-turn on, `tool_agent` for rows that name no loop (what
+    upstream's multi-turn configs set), log-probs, `multi_turn` keys and `rollout` (other keys) merged in."""
+    values = {
+        "response_length": response_length,
+        "calculate_log_probs": True,
+        "multi_turn": {"enable": True, **multi_turn},
+        "agent": {"default_agent_loop": "tool_agent"},
+    }
+    for key, value in (rollout or {}).items():
+        values[key] = {**values[key], **value} if isinstance(values.get(key), dict) else value
+    return typed_rollout_config(**values)
 
 
 def test_tool_call_episode_is_token_exact_and_trains_only_on_model_tokens(tokenizer, tiny_model):
@@ -387,7 +398,7 @@ def test_rows_without_an_agent_name_run_rollout_agent_default_agent_loop(tokeniz
     """Upstream's `rollout.agent.default_agent_loop` picks the loop of a row with no `agent_name`: the
     single-turn loop keeps the model's tool call as its answer, the tool loop runs the tool and continues."""
     forced = ForcedRollout(tiny_model, calculator_script(tokenizer))
-    config = {**rollout_config(), "agent": {"default_agent_loop": default}}
+    config = rollout_config(rollout={"agent": {"default_agent_loop": default}})
     rollout = AgentLoopRollout(forced, config, tokenizer, tools=[CalculatorTool()])
     out = rollout.generate_sequences(question_batch(tokenizer, ["What is 12+34*5?"]))
     length = int(out.batch["attention_mask"][0, P:].sum())

@@ -28,7 +28,12 @@ def _config(path=None, name=None, reward_kwargs=None, manager="naive", manager_k
         {
             "data": {"reward_fn_key": "data_source"},
             "reward_model": {"reward_manager": manager, "reward_kwargs": manager_kwargs or {}},
-            "custom_reward_function": {"path": path, "name": name, "reward_kwargs": reward_kwargs or {}},
+            # name left out: the YAML's compute_score
+            "custom_reward_function": {
+                "path": path,
+                "reward_kwargs": reward_kwargs or {},
+                **({"name": name} if name else {}),
+            },
         }
     )
 

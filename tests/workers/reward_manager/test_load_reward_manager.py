@@ -25,7 +25,8 @@ def _config(path=None, name=None, manager="naive", manager_kwargs=None):
         {
             "data": {"reward_fn_key": "data_source"},
             "reward_model": {"reward_manager": manager, "reward_kwargs": manager_kwargs or {}},
-            "custom_reward_function": {"path": path, "name": name},
+            # a key left out takes the YAML's value (name: compute_score)
+            "custom_reward_function": {"path": path, **({"name": name} if name else {})},
         }
     )
 

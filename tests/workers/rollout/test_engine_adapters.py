@@ -18,12 +18,14 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from tests.config_helpers import engine_config
 from tests.workers.rollout.rollout_helpers import chat_prompts, hf_greedy_loop
 from verl.protocol import DataProto
+from verl.workers.config import RolloutConfig
 from verl.workers.rollout import get_rollout_class
 from verl.workers.rollout.base import BaseRollout
 from verl.workers.rollout.engine_io import EngineResponse, assemble_output, hf_weight_name, prompt_token_lists
-from verl.workers.rollout.external_engine import ExternalEngineConfig, ExternalEngineRollout
+from verl.workers.rollout.external_engine import ExternalEngineRollout
 from verl.workers.rollout.sampling import SamplingParams
 from verl.workers.rollout.sglang_rollout import (
     SGLangRollout,
@@ -94,7 +96,7 @@ def test_engines_are_registered_by_rollout_name():
 # ------------------------------------------------------------------------------- config mapping
 
 
-def _config(**overrides) -> ExternalEngineConfig:
+def _config(**overrides) -> RolloutConfig:
     base = dict(
         prompt_length=32,
         response_length=8,
@@ -107,7 +109,7 @@ def _config(**overrides) -> ExternalEngineConfig:
         engine_kwargs={"vllm": {"swap_space": 0}, "sglang": {"attention_backend": "triton"}},
     )
     base.update(overrides)
-    return ExternalEngineConfig.from_any(base)
+    return engine_config(**base)
 
 
 def test_vllm_engine_arguments_follow_the_rollout_config():
@@ -198,7 +200,7 @@ def test_weight_buckets_respect_the_size_limit_and_rename():
 @pytest.mark.skipif(importlib.util.find_spec("vllm") is not None, reason="vllm is installed")
 def test_missing_vllm_is_an_error_that_says_how_to_install_it():
     with pytest.raises(ImportError, match="rollout_backends.md"):
-        vLLMRollout(_model_path(), {"response_length": 4})
+        vLLMRollout(_model_path(), engine_config(response_length=4))
 
 
 # ------------------------------------------------------------------------ SGLang, stand-in engine
@@ -259,7 +261,12 @@ def test_sglang_adapter_end_to_end_against_a_stand_in_engine(stand_in_sglang):
 
     rollout = SGLangRollout(
         _model_path(),
-        {"response_length": 6, "prompt_length": 32, "calculate_log_probs": True, "update_weights_bucket_megabytes": 1},
+        engine_config(
+            response_length=6,
+            prompt_length=32,
+            calculate_log_probs=True,
+            checkpoint_engine={"update_weights_bucket_megabytes": 1},
+        ),
     )
     engine = rollout.engine
     assert engine.kwargs["tp_size"] == 1 and engine.kwargs["context_length"] == 38
@@ -304,12 +311,12 @@ def test_sglang_adapter_end_to_end_against_a_stand_in_engine(stand_in_sglang):
 
 def test_sglang_refuses_tensor_parallelism_it_cannot_host(stand_in_sglang):
     with pytest.raises(NotImplementedError, match="tensor_model_parallel_size=1"):
-        SGLangRollout(_model_path(), {"tensor_model_parallel_size": 2})
+        SGLangRollout(_model_path(), engine_config(tensor_model_parallel_size=2))
 
 
 def test_sglang_refuses_partial_rollouts_with_what_to_do_instead(stand_in_sglang):
     """The config check rejects partial rollouts with SGLang; a worker asked anyway says so."""
-    rollout = SGLangRollout(_model_path(), {"response_length": 6, "prompt_length": 32})
+    rollout = SGLangRollout(_model_path(), engine_config(response_length=6, prompt_length=32))
     rollout.weight_refresh = types.SimpleNamespace(version=0, pending=lambda: True, load=lambda: 1)
     with pytest.raises(NotImplementedError, match="async_training.partial_rollout=false"):
         rollout.generate_sequences(_prompts(do_sample=False, partial_rollout=True))
@@ -340,7 +347,7 @@ class _RecordingEngineRollout(ExternalEngineRollout):
 def _tp_rank(rank: int, world_size: int) -> None:
     import torch.distributed as dist
 
-    rollout = _RecordingEngineRollout(_model_path(), {"tensor_model_parallel_size": 2, "response_length": 4})
+    rollout = _RecordingEngineRollout(_model_path(), engine_config(tensor_model_parallel_size=2, response_length=4))
     # rank 0 holds two prompts, rank 1 one: the engine group must run all three on both ranks
     mine = [[10, 11, 12], [13, 14]] if rank == 0 else [[20, 21, 22, 23]]
     width = 4

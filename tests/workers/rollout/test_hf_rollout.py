@@ -7,11 +7,13 @@ import numpy as np
 import pytest
 import torch
 
+from tests.config_helpers import engine_config, section
 from tests.workers.rollout.rollout_helpers import build_model, hf_greedy_loop, left_padded_prompts
 from verl.protocol import DataProto
+from verl.workers.config import RolloutConfig
 from verl.workers.rollout import get_rollout_class
 from verl.workers.rollout.base import BaseRollout
-from verl.workers.rollout.hf_rollout import HFRollout, HFRolloutConfig
+from verl.workers.rollout.hf_rollout import HFRollout
 
 EOS, PAD = 2, 0
 LENGTHS = [6, 2, 4, 5]
@@ -30,7 +32,7 @@ def _prompts(lengths=LENGTHS, seed=0, uids=None, **meta):
 
 
 def _rollout(model, **config):
-    return HFRollout(model, {"response_length": R, **config}, device="cpu")
+    return HFRollout(model, engine_config(response_length=R, **config), device="cpu")
 
 
 def test_registered_as_hf_and_implements_base_rollout():
@@ -112,20 +114,27 @@ def test_large_batches_generate_in_chunks_with_identical_results(qwen2_model):
     assert torch.equal(whole.batch["responses"], chunked.batch["responses"])
 
 
-def test_config_from_dict_dictconfig_and_dataclass_ignores_other_engines_keys():
+def test_a_dict_or_dictconfig_section_becomes_the_rollout_config_with_the_yaml_defaults(qwen2_model):
     from omegaconf import OmegaConf
 
-    raw = {"name": "hf", "temperature": 0.5, "gpu_memory_utilization": 0.5, "val_kwargs": {"top_p": 0.7}}
-    for config in (raw, OmegaConf.create(raw), HFRolloutConfig(temperature=0.5, val_kwargs={"top_p": 0.7})):
-        parsed = HFRolloutConfig.from_any(config)
-        assert parsed.temperature == 0.5 and parsed.val_kwargs.top_p == 0.7 and parsed.val_kwargs.temperature == 0
-    with pytest.raises(ValueError, match="rollout.response_length=0"):
-        HFRolloutConfig.from_any({"response_length": 0})
+    yaml = section("actor_rollout_ref.rollout")
+    raw = {"name": "hf", "dtype": "auto", "temperature": 0.5, "val_kwargs": {"top_p": 0.7}}
+    for config in (raw, OmegaConf.create(raw)):
+        rollout = HFRollout(qwen2_model, config, device="cpu")
+        assert isinstance(rollout.config, RolloutConfig)
+        assert rollout.config.temperature == 0.5 and rollout.config.val_kwargs.top_p == 0.7
+        # keys the section leaves out take the YAML's values (here the validation temperature 0 and max_num_seqs 256)
+        assert rollout.config.val_kwargs.temperature == yaml["val_kwargs"]["temperature"] == 0
+        assert rollout.config.max_num_seqs == yaml["max_num_seqs"] == 256
+    with pytest.raises(ValueError, match="unknown key.*'temprature'"):
+        HFRollout(qwen2_model, {"temprature": 0.5}, device="cpu")
+    with pytest.raises(ValueError, match="rollout.response_length=0 must be a positive integer"):
+        engine_config(response_length=0)
 
 
 def test_loads_a_checkpoint_directory_and_defaults_token_ids_from_its_config(qwen2_model, tmp_path):
     qwen2_model.save_pretrained(tmp_path)
-    from_dir = HFRollout(str(tmp_path), {"response_length": R}, device="cpu")
+    from_dir = HFRollout(str(tmp_path), engine_config(response_length=R), device="cpu")
     prompts = _prompts(do_sample=False)
     prompts.meta_info = {"do_sample": False}  # eos/pad come from the model config (2 and 0)
     out = from_dir.generate_sequences(prompts)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import torch
 
+from tests.config_helpers import engine_config
 from tests.workers.rollout.rollout_helpers import SwapTo, build_model, response_log_probs, sampled_prompt_batch
 from verl.protocol import DataProto
 from verl.workers.rollout.hf_rollout import HFRollout
@@ -27,7 +28,7 @@ def _prompts(**meta) -> DataProto:
 
 
 def _rollout(model) -> HFRollout:
-    return HFRollout(model, {"response_length": R, "calculate_log_probs": True, "temperature": 1.0}, device="cpu")
+    return HFRollout(model, engine_config(response_length=R, calculate_log_probs=True, temperature=1.0), device="cpu")
 
 
 def test_interrupted_rows_hold_tokens_of_two_versions_each_with_the_log_probs_of_the_version_that_sampled_it():

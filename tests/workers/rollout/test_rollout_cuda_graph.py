@@ -10,6 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tests.config_helpers import engine_config
 from tests.workers.rollout.rollout_helpers import build_model, hf_greedy_loop, left_padded_prompts
 from verl.workers.rollout.native.cuda_graph import batch_bucket
 from verl.workers.rollout.native.engine import GenerationEngine
@@ -121,12 +122,14 @@ def test_cuda_graphs_speed_path_is_on_for_the_native_decoder_and_says_why_not_fo
     from verl.workers.rollout.hf_rollout import HFRollout
 
     device = get_device()
-    native = HFRollout(_cuda_model("qwen2"), {"response_length": 4}, device=device)
+    native = HFRollout(_cuda_model("qwen2"), engine_config(response_length=4), device=device)
     assert native.speed_paths() == [SpeedPath("cuda_graphs", True, True)], native.speed_paths()
-    generic = HFRollout(_cuda_model("gpt2"), {"response_length": 4}, device=device)
+    generic = HFRollout(_cuda_model("gpt2"), engine_config(response_length=4), device=device)
     [path] = generic.speed_paths()
     assert path.requested and not path.active and "native decoder" in path.reason, path
     eager = HFRollout(
-        _cuda_model("qwen2"), {"response_length": 4, "engine_kwargs": {"hf": {"enforce_eager": True}}}, device=device
+        _cuda_model("qwen2"),
+        engine_config(response_length=4, engine_kwargs={"hf": {"enforce_eager": True}}),
+        device=device,
     )
     assert eager.speed_paths() == [SpeedPath("cuda_graphs", False, False)], eager.speed_paths()

@@ -7,8 +7,11 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tests.config_helpers import engine_config
 from tests.workers.rollout.rollout_helpers import build_model, hf_greedy_loop, left_padded_prompts
-from verl.workers.rollout.hf_rollout import HFRollout, HFRolloutConfig, cuda_graphs_enabled
+from verl.utils.config import omega_conf_to_dataclass
+from verl.workers.config import RolloutConfig
+from verl.workers.rollout.hf_rollout import HFRollout, cuda_graphs_enabled
 from verl.workers.rollout.native.engine import GenerationEngine, kv_cache_rows
 from verl.workers.rollout.native.llama_decoder import LlamaDecoder
 from verl.workers.rollout.sampling import SamplingParams
@@ -104,7 +107,7 @@ def test_memory_utilization_outside_its_range_is_explained(qwen2_model):
     with pytest.raises(ValueError, match="gpu_memory_utilization=1.5"):
         GenerationEngine.from_model(qwen2_model, device="cpu", gpu_memory_utilization=1.5)
     with pytest.raises(ValueError, match="rollout.gpu_memory_utilization=0"):
-        HFRolloutConfig.from_any({"gpu_memory_utilization": 0})
+        engine_config(gpu_memory_utilization=0)
 
 
 # ------------------------------------------------------------------------------------- prefill
@@ -204,8 +207,8 @@ def test_rope_table_without_cuda_graphs_starts_at_the_positions_asked_for_and_do
 def _default_rollout_config(overrides=()):
     from verl.trainer.config import load_ppo_config
 
-    return HFRolloutConfig.from_any(
-        load_ppo_config(list(overrides), config_name="arith_demo").actor_rollout_ref.rollout
+    return omega_conf_to_dataclass(
+        load_ppo_config(list(overrides), config_name="arith_demo").actor_rollout_ref.rollout, RolloutConfig
     )
 
 
@@ -220,15 +223,15 @@ def test_default_yaml_turns_cuda_graphs_on_for_the_hf_engine_on_cuda(tmp_path, m
     assert not cuda_graphs_enabled(eager, torch.device("cuda", 0))
 
 
-def test_unknown_hf_engine_kwargs_are_errors_naming_the_valid_ones():
+def test_unknown_hf_engine_kwargs_are_errors_naming_the_valid_ones(qwen2_model):
+    config = engine_config(engine_kwargs={"hf": {"cuda_graph": False}, "vllm": {"swap_space": 0}})
     with pytest.raises(ValueError, match=r"engine_kwargs.hf has unknown keys \['cuda_graph'\].*enforce_eager"):
-        HFRolloutConfig.from_any({"engine_kwargs": {"hf": {"cuda_graph": False}, "vllm": {"swap_space": 0}}})
+        HFRollout(qwen2_model, config, device="cpu")
 
 
 def test_rollout_reports_graph_captures_and_passes_its_budget_to_the_engine(qwen2_model):
-    rollout = HFRollout(
-        qwen2_model, {"response_length": 4, "gpu_memory_utilization": 0.3, "max_num_batched_tokens": 64}, device="cpu"
-    )
+    config = engine_config(response_length=4, gpu_memory_utilization=0.3, max_num_batched_tokens=64)
+    rollout = HFRollout(qwen2_model, config, device="cpu")
     assert rollout.engine.gpu_memory_utilization == 0.3 and rollout.engine.decoder.prefill_tokens == 64
     from verl.protocol import DataProto
 

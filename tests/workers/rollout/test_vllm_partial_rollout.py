@@ -15,6 +15,7 @@ import time
 import pytest
 import torch
 
+from tests.config_helpers import engine_config
 from tests.workers.rollout.rollout_helpers import SwapTo, build_model, response_log_probs, sampled_prompt_batch
 
 pytest.importorskip("vllm")
@@ -43,14 +44,14 @@ def _rollout(path):
 
     return vLLMRollout(
         path,
-        {
-            "prompt_length": 8,
-            "response_length": R,
-            "calculate_log_probs": True,
-            "temperature": 1.0,
-            "max_num_seqs": 32,
-            "enforce_eager": True,
-        },
+        engine_config(
+            prompt_length=8,
+            response_length=R,
+            calculate_log_probs=True,
+            temperature=1.0,
+            max_num_seqs=32,
+            enforce_eager=True,
+        ),
     )
 
 
@@ -148,7 +149,7 @@ def _tensor_parallel_rank(rank: int, world_size: int, port: int, path: str, resu
     from verl.workers.rollout.vllm_rollout import vLLMRollout
 
     engine = vLLMRollout(
-        path, {"prompt_length": 8, "response_length": R, "tensor_model_parallel_size": 2, "max_num_seqs": 32}
+        path, engine_config(prompt_length=8, response_length=R, tensor_model_parallel_size=2, max_num_seqs=32)
     )
     v1 = build_model("qwen2", seed=1)
     engine.weight_refresh = (SwapTo if rank == 0 else _LateReader)(engine, v1)

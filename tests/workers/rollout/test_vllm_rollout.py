@@ -16,6 +16,7 @@ import os
 import pytest
 import torch
 
+from tests.config_helpers import engine_config
 from tests.workers.rollout.rollout_helpers import chat_prompts, hf_greedy_loop
 
 pytest.importorskip("vllm")
@@ -47,14 +48,14 @@ def rollout():
     # the hybrid engine's start: random weights (load_format=dummy_*) that the trainer overwrites
     engine = vLLMRollout(
         _model_path(),
-        {
-            "prompt_length": 32,
-            "response_length": R,
-            "load_format": "dummy_dtensor",
-            "calculate_log_probs": True,
-            "max_num_seqs": 64,
-            "enforce_eager": True,
-        },
+        engine_config(
+            prompt_length=32,
+            response_length=R,
+            load_format="dummy_dtensor",
+            calculate_log_probs=True,
+            max_num_seqs=64,
+            enforce_eager=True,
+        ),
     )
     yield engine
     engine.release()
@@ -140,7 +141,7 @@ def _tensor_parallel_rank(rank: int, world_size: int, port: int, results) -> Non
     torch.set_num_threads(1)
     engine = vLLMRollout(
         _model_path(),
-        {"prompt_length": 32, "response_length": R, "tensor_model_parallel_size": 2, "max_num_seqs": 16},
+        engine_config(prompt_length=32, response_length=R, tensor_model_parallel_size=2, max_num_seqs=16),
     )
     engine.update_weights(iter(_hf_model().state_dict().items()))
     # each rank brings its own prompts (data-parallel dispatch); the engine group runs all of them

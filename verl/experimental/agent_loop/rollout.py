@@ -4,7 +4,7 @@ With `actor_rollout_ref.rollout.multi_turn.enable=true` the actor worker wraps i
 `vllm`, `sglang`) in this class; everything else about the worker and the trainer stays the same.
 `generate_sequences` turns each row of the prompt batch into an `AgentSample`, runs every episode
 concurrently in one asyncio event loop (agent loop per row: the `agent_name` column, else
-`tool_agent`), with a `MicroBatchEngine` over the wrapped rollout batching their model turns (or the
+`rollout.agent.default_agent_loop`), with a `MicroBatchEngine` over the wrapped rollout batching their model turns (or the
 rollout's own `async_engine`, see `make_engine`), and returns the usual rollout layout:
 
 - `prompts` [B, P]: each episode's first prompt, left-padded (P = the incoming prompt width);
@@ -71,9 +71,11 @@ import asyncio
 import time
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
+from types import SimpleNamespace
 
 import numpy as np
 import torch
+from omegaconf import OmegaConf
 
 from verl.experimental.agent_loop.agent_loop import (
     AGENT_LOOP_KWARGS,
@@ -87,28 +89,31 @@ from verl.experimental.agent_loop.agent_loop import (
     uses_upstream_api,
 )
 from verl.experimental.agent_loop.engine import AsyncRolloutEngine, MicroBatchEngine, rollout_batch_generator
+from verl.utils.config import omega_conf_to_dataclass
 from verl.utils.device import set_device
 from verl.utils.rollout_trace import RolloutTraceConfig, rollout_trace_attr, rollout_trace_op
+from verl.workers.config import MultiTurnConfig, RolloutConfig, TraceConfig
 from verl.workers.rollout.base import BaseRollout
 
 SAMPLING_KEYS = ("do_sample", "validate", "temperature", "top_k", "top_p")
 # passed on with every model turn, like the sampling keys (asynchronous training's partial rollouts)
 PARTIAL_ROLLOUT_KEYS = ("partial_rollout", "partial_rollout_check_steps")
-DEFAULT_AGENT = "tool_agent"
 
 
 def settings_from_config(rollout_config, apply_chat_template_kwargs: dict | None = None) -> AgentLoopSettings:
-    """`AgentLoopSettings` from the rollout config (DictConfig or dict) and its `multi_turn` section."""
-    mt = rollout_config.get("multi_turn") or {}
+    """`AgentLoopSettings` from the rollout config (a `RolloutConfig`, or a section it is built from)
+    and its `multi_turn` section."""
+    config = omega_conf_to_dataclass(rollout_config, RolloutConfig)
+    mt = config.multi_turn
     return AgentLoopSettings(
-        response_length=int(rollout_config.get("response_length")),
-        max_assistant_turns=mt.get("max_assistant_turns"),
-        max_user_turns=mt.get("max_user_turns"),
-        max_parallel_calls=int(mt.get("max_parallel_calls") or 1),
-        max_tool_response_length=int(mt.get("max_tool_response_length") or 256),
-        tool_response_truncate_side=mt.get("tool_response_truncate_side") or "middle",
-        format=mt.get("format") or "hermes",
-        tokenization_sanity_check_mode=mt.get("tokenization_sanity_check_mode") or "strict",
+        response_length=int(config.response_length),
+        max_assistant_turns=mt.max_assistant_turns,
+        max_user_turns=mt.max_user_turns,
+        max_parallel_calls=int(mt.max_parallel_calls),
+        max_tool_response_length=int(mt.max_tool_response_length),
+        tool_response_truncate_side=mt.tool_response_truncate_side,
+        format=mt.format,
+        tokenization_sanity_check_mode=mt.tokenization_sanity_check_mode,
         apply_chat_template_kwargs=dict(apply_chat_template_kwargs or {}),
     )
 
@@ -127,7 +132,9 @@ class AgentLoopRollout(BaseRollout):
     """Agent loops over a wrapped rollout engine (module docstring).
 
     rollout: the engine that generates (any `BaseRollout`).
-    config: the rollout config (`response_length`, `calculate_log_probs`, `multi_turn.*`).
+    config: the rollout config, a `RolloutConfig` (a DictConfig or dict section is built into one, its
+        missing keys taking the class's defaults, which are the YAML's): `response_length`,
+        `calculate_log_probs`, `over_sample_rate`, `multi_turn.*`, `agent.*`, `trace.*`.
     tokenizer: the policy's tokenizer (chat template, decoding turns).
     tools: the tools; None reads `multi_turn.tool_config_path` (no path: no tools).
     apply_chat_template_kwargs: passed to every chat-template rendering (`data.apply_chat_template_kwargs`).
@@ -148,12 +155,14 @@ class AgentLoopRollout(BaseRollout):
         experiment_name: str | None = None,
         trainer_config=None,
     ):
-        from omegaconf import OmegaConf
-
+        config = omega_conf_to_dataclass(config, RolloutConfig)
+        # what upstream-style loops see as self.config (they read actor_rollout_ref.rollout by attribute)
         if trainer_config is None:
-            trainer_config = {"actor_rollout_ref": {"rollout": config}}
-        self.trainer_config = OmegaConf.create(trainer_config) if isinstance(trainer_config, dict) else trainer_config
-        tp = int(config.get("tensor_model_parallel_size", 1) or 1)
+            trainer_config = SimpleNamespace(actor_rollout_ref=SimpleNamespace(rollout=config))
+        elif isinstance(trainer_config, dict):
+            trainer_config = OmegaConf.create(trainer_config)
+        self.trainer_config = trainer_config
+        tp = int(config.tensor_model_parallel_size)
         self._tp_group = getattr(rollout, "_tp_group", None)
         self._tp_rank = int(getattr(rollout, "_tp_rank", 0))
         self._tp_size = int(getattr(rollout, "_tp_size", 1))
@@ -163,30 +172,27 @@ class AgentLoopRollout(BaseRollout):
                 f"that shards over a tensor-parallel group of workers ({type(rollout).__name__} does not: it runs "
                 "one engine per worker); use rollout.name=vllm, or set tensor_model_parallel_size=1"
             )
-        self.over_sample_rate = float(config.get("over_sample_rate") or 0.0)
+        self.over_sample_rate = float(config.over_sample_rate)
         if not 0.0 <= self.over_sample_rate < 1.0:
             raise ValueError(
                 f"actor_rollout_ref.rollout.over_sample_rate={self.over_sample_rate} must be in [0, 1): it is the "
                 "share of each batch's episodes cut once the others have finished (0: none)"
             )
-        _init_tracing(config.get("trace") or {}, project_name, experiment_name)
+        _init_tracing(config.trace, project_name, experiment_name)
         self.inner = rollout
         self.tokenizer = tokenizer
         self.settings = settings_from_config(config, apply_chat_template_kwargs)
         # rows without an `agent_name` column run rollout.agent.default_agent_loop (upstream's rule)
-        agent = config.get("agent") or {}
-        self.default_agent = str(agent.get("default_agent_loop") or DEFAULT_AGENT)
-        if agent.get("agent_loop_config_path"):
-            register_agent_loops_from_file(agent["agent_loop_config_path"])
-        self.with_logprobs = bool(config.get("calculate_log_probs", False))
-        if tools is None:
-            path = (config.get("multi_turn") or {}).get("tool_config_path")
-            if path:
-                from verl.tools.utils.tool_registry import initialize_tools_from_config
+        self.default_agent = str(config.agent.default_agent_loop)
+        if config.agent.agent_loop_config_path:
+            register_agent_loops_from_file(config.agent.agent_loop_config_path)
+        self.with_logprobs = bool(config.calculate_log_probs)
+        if tools is None and config.multi_turn.tool_config_path:
+            from verl.tools.utils.tool_registry import initialize_tools_from_config
 
-                tools = initialize_tools_from_config(path)
+            tools = initialize_tools_from_config(config.multi_turn.tool_config_path)
         self.tools = list(tools or [])
-        self.interactions = _load_interactions(config)
+        self.interactions = _load_interactions(config.multi_turn)
         self._loops: dict[str, AgentLoopBase] = {}
         # The current CUDA device is per thread and a new thread starts on device 0: bind the engine
         # thread to this worker's device, so whatever the wrapped engine allocates, captures or
@@ -431,24 +437,23 @@ class AgentLoopRollout(BaseRollout):
         return out
 
 
-def _init_tracing(trace, project_name: str | None, experiment_name: str | None) -> None:
+def _init_tracing(trace: TraceConfig, project_name: str | None, experiment_name: str | None) -> None:
     """Configure this process's rollout tracer from the rollout config's `trace` section (once per process:
     `RolloutTraceConfig.init` keeps the first choice)."""
-    backend = trace.get("backend")
-    if backend is None:
+    if trace.backend is None:
         return
     if project_name is None or experiment_name is None:
         raise ValueError(
-            f"actor_rollout_ref.rollout.trace.backend={backend} names traces after the trainer's project and "
+            f"actor_rollout_ref.rollout.trace.backend={trace.backend} names traces after the trainer's project and "
             "experiment: pass project_name and experiment_name to AgentLoopRollout (the worker passes "
             "trainer.project_name / trainer.experiment_name)"
         )
-    limit = trace.get("max_samples_per_step_per_worker")
+    limit = trace.max_samples_per_step_per_worker
     RolloutTraceConfig.init(
         project_name,
         experiment_name,
-        backend,
-        bool(trace.get("token2text", False)),
+        trace.backend,
+        bool(trace.token2text),
         None if limit is None else int(limit),
     )
 
@@ -558,13 +563,12 @@ def _no_requests(meta: dict):
     )
 
 
-def _load_interactions(config) -> dict:
-    path = (config.get("multi_turn") or {}).get("interaction_config_path")
-    if not path:
+def _load_interactions(multi_turn: MultiTurnConfig) -> dict:
+    if not multi_turn.interaction_config_path:
         return {}
     from verl.interactions.utils.interaction_registry import initialize_interactions_from_config
 
-    return initialize_interactions_from_config(path)
+    return initialize_interactions_from_config(multi_turn.interaction_config_path)
 
 
 def _episode_metrics(trajectories: list[Trajectory]) -> dict[str, float]:
@@ -648,7 +652,6 @@ def trajectories_to_proto(prompts, trajectories: list[Trajectory], response_leng
 
 
 __all__ = [
-    "DEFAULT_AGENT",
     "PARTIAL_ROLLOUT_KEYS",
     "SAMPLING_KEYS",
     "AgentLoopRollout",

@@ -15,7 +15,7 @@ from verl.trainer.config.algorithm import (
     KLControlConfig,
     RolloutCorrectionConfig,
 )
-from verl.trainer.config.config import CheckpointConfig
+from verl.trainer.config.config import CheckpointConfig, CustomRewardFunctionConfig, ModuleConfig, RewardManagerConfig
 from verl.trainer.config.errors import ConfigError, ConfigWarning
 from verl.trainer.config.loader import (
     CONFIG_DIR,
@@ -44,6 +44,9 @@ __all__ = [
     "AlgoConfig",
     "CONFIG_DIR",
     "CheckpointConfig",
+    "CustomRewardFunctionConfig",
+    "ModuleConfig",
+    "RewardManagerConfig",
     "DEMO_CONFIG_NAME",
     "CommandLine",
     "check_machine",

@@ -41,7 +41,13 @@ from verl.trainer.config.algorithm import (  # noqa: F401  (re-exported: the sch
     PFPPOConfig,
     RolloutCorrectionConfig,
 )
-from verl.trainer.config.config import CheckpointConfig
+from verl.trainer.config.config import (  # noqa: F401  (re-exported: the schema's section classes)
+    CheckpointConfig,
+    CustomRewardFunctionConfig,
+    ModuleConfig,
+    RewardManagerConfig,
+    reward_manager_choices,
+)
 from verl.utils.config import target_class
 from verl.workers.config import (  # noqa: F401  (re-exported: the schema's section classes)
     ActorConfig,
@@ -109,7 +115,15 @@ from verl.workers.config._fields import (  # noqa: F401  (re-exported: the schem
     doc,
     policy_loss_choices,
 )
-from verl.workers.config.actor import ProfilerConfig
+from verl.workers.config.actor import ProfilerConfig  # noqa: F401  (re-exported: the schema's section classes)
+from verl.workers.config.reward_model import (  # noqa: F401  (re-exported: the schema's section classes)
+    OverlongBufferConfig,
+    RewardModelConfig,
+    RewardModelFSDPConfig,
+    RewardModelModelConfig,
+    RewardModelRolloutConfig,
+    SandboxFusionConfig,
+)
 
 # --------------------------------------------------------------------------------------- data
 
@@ -179,20 +193,6 @@ class DataConfig:
 # ------------------------------------------------------------------------------------ engines
 
 
-@dataclass
-class RewardModelFSDPConfig:
-    """FSDP sharding of a reward model (forward only)."""
-
-    wrap_policy: dict = doc("Auto-wrap policy, e.g. {min_num_params: 0}.")
-    param_offload: bool = doc("Keep parameters on CPU between uses.")
-    reshard_after_forward: bool | int = doc("Free gathered parameters after forward.")
-    fsdp_size: int = doc("Ranks per FSDP shard group (-1: all ranks).")
-    forward_prefetch: bool = doc("Prefetch the next layer's all-gather during forward.")
-    model_dtype: str = doc("Dtype the weights are loaded in.", choices=MODEL_DTYPES, optional=True)
-    dtype: str = doc("Compute dtype (as the actor's fsdp_config.dtype).", choices=ENGINE_DTYPES, optional=True)
-    mixed_precision: dict | None = doc("{param_dtype, reduce_dtype}.", optional=True)
-
-
 # ------------------------------------------------------------------------------ model, actor
 
 
@@ -216,190 +216,6 @@ class ActorRolloutRefConfig:
 
 
 # -------------------------------------------------------------------------------- reward model
-
-
-@dataclass
-class RewardModelModelConfig:
-    """A learned reward model (sequence classifier)."""
-
-    input_tokenizer: str | None = doc(
-        "Policy tokenizer, to decode responses and re-render them with the reward model's chat template when "
-        "the two tokenizers differ (vocabulary or template); null, or the same tokenizer: the policy's ids are used."
-    )
-    path: str | None = doc("HF-format reward-model directory.")
-    external_lib: str | None = doc("Python module imported before loading the model.")
-    trust_remote_code: bool = doc("Allow the model repository's own Python code to run.")
-    override_config: dict = doc("Values overriding the reward model's HF config.", status=UNSUPPORTED, neutral={})
-    use_shm: bool = doc("Copy the model to shared memory before loading.", status=IGNORED, optional=True)
-    use_remove_padding: bool = doc(
-        "Pack sequences without padding (a speed knob; the reward model runs padded rows).",
-        status=IGNORED,
-        optional=True,
-    )
-    use_fused_kernels: bool = doc("Fused kernels.", status=IGNORED, optional=True)
-    fsdp_config: RewardModelFSDPConfig = doc("Sharding and offload.", optional=True)
-
-
-@dataclass
-class RewardModelRolloutConfig:
-    """The rollout engine serving the reward model in upstream's reward loop (not read here: see `name`)."""
-
-    name: str = doc(
-        "Engine that serves the reward model in upstream's reward loop; here the reward model's forward runs in "
-        "the actor's workers (the same scores), so this section is read by nothing.",
-        status=IGNORED,
-        unset_ok=True,
-    )
-    dtype: str = doc("Engine dtype.")
-    gpu_memory_utilization: float = doc("Device memory fraction of the engine.")
-    enforce_eager: bool = doc("No CUDA graphs.")
-    cudagraph_capture_sizes: list[int] | None = doc("CUDA-graph batch sizes.")
-    free_cache_engine: bool = doc("Free the KV cache between uses.")
-    data_parallel_size: int = doc("Data-parallel ranks of the engine.")
-    expert_parallel_size: int = doc("Expert-parallel ranks of the engine.")
-    tensor_model_parallel_size: int = doc("Tensor-parallel ranks of the engine.")
-    max_num_batched_tokens: int = doc("Scheduler token budget.")
-    max_model_len: int | None = doc("Context length.")
-    max_num_seqs: int = doc("Concurrent sequences.")
-    load_format: str = doc("Weight-loading format.")
-    engine_kwargs: dict = doc("Extra engine arguments.")
-    limit_images: int | None = doc("Images per prompt (multi-modal).")
-    enable_chunked_prefill: bool = doc("Chunked prefill.")
-    enable_prefix_caching: bool = doc("Prefix caching.")
-    disable_log_stats: bool = doc("Silence engine statistics.")
-    skip_tokenizer_init: bool = doc("Start without the tokenizer.")
-    prompt_length: int = doc("Prompt tokens of a judge request.")
-    response_length: int = doc("Tokens of a judge's answer.")
-
-
-@dataclass
-class OverlongBufferConfig:
-    """DAPO soft overlong punishment: a linear penalty over the last `len` tokens of the budget."""
-
-    enable: bool = doc("Penalise responses that run into the buffer.")
-    len: int = doc("Buffer length in tokens at the end of max_response_length.")
-    penalty_factor: float = doc("Penalty at the very end of the budget.")
-    log: bool = doc("Log the penalty as a metric.")
-
-
-@dataclass
-class SandboxFusionConfig:
-    """SandboxFusion code-execution service for the built-in scorer's code data sources."""
-
-    url: str | None = doc(
-        "The service's run_code URL; null: code runs in the local sandbox. Used by the built-in scorer "
-        "(not by custom_reward_function)."
-    )
-    max_concurrent: int = doc("Requests in flight at once, per scoring process.")
-    memory_limit_mb: int = doc("Memory limit per execution.")
-
-
-@dataclass
-class RewardModelConfig:
-    """Reward computation: the reward manager's options, and optionally a learned reward model."""
-
-    enable: bool = doc("Score responses with a learned reward model (otherwise rule-based rewards only).")
-    enable_resource_pool: bool = doc(
-        "Run the reward model in its own pool of workers (reward_model.nnodes x n_gpus_per_node), not colocated."
-    )
-    n_gpus_per_node: int = doc("Workers per node of that pool (with enable_resource_pool).")
-    nnodes: int = doc("Nodes of that pool (with enable_resource_pool).")
-    strategy: str = doc("Backend of the reward model.", choices=STRATEGIES)
-    model: RewardModelModelConfig = doc("The reward model.")
-    micro_batch_size: int | None = doc(
-        "Global micro-batch.", status=DEPRECATED, replacement="use micro_batch_size_per_gpu"
-    )
-    micro_batch_size_per_gpu: int | None = doc("Sequences per reward-model forward pass on one rank.")
-    max_length: int | None = doc(
-        "Maximum sequence length fed to the reward model: a longer row keeps its last max_length tokens (the "
-        "response's end survives, the prompt's start goes); null: no limit."
-    )
-    use_dynamic_bsz: bool = doc(
-        "Pack micro-batches by token count (a speed knob; the reward model runs micro_batch_size_per_gpu rows).",
-        status=IGNORED,
-    )
-    forward_max_token_len_per_gpu: int = doc("Token budget of one packed forward micro-batch.", status=IGNORED)
-    reward_manager: str = doc(
-        "Turns scores into token-level rewards (reward_manager.name follows it).", choices=REWARD_MANAGERS
-    )
-    reward_loop_source: str = doc(
-        "Where upstream's reward loop class comes from: register (built in).", status=UNSUPPORTED, neutral="register"
-    )
-    reward_loop_module_path: str | None = doc("File of a custom reward loop.", status=UNSUPPORTED, neutral=None)
-    reward_loop_class_name: str | None = doc("Class of a custom reward loop.", status=UNSUPPORTED, neutral=None)
-    launch_reward_fn_async: bool = doc("Compute rule rewards in a background task during the log-prob pass.")
-    sandbox_fusion: SandboxFusionConfig = doc("Code-execution sandbox.")
-    profiler: ProfilerConfig = doc("Profiling of the reward model.")
-    ulysses_sequence_parallel_size: int = doc(
-        "Sequence-parallel group size of the reward model: its forward scores padded rows, which Ulysses "
-        "(packed sequences only) cannot split.",
-        status=UNSUPPORTED,
-        neutral=1,
-        optional=True,
-    )
-    megatron: McoreEngineConfig = doc(
-        "Megatron-core parallelism of the reward model (strategy megatron; a layout other than the actor's runs "
-        "in worker processes of its own).",
-        optional=True,
-    )
-    nccl_timeout: int = doc("Megatron: seconds a collective may wait.", optional=True)
-    load_weight: bool = doc("Megatron: load the HF weights.", status=UNSUPPORTED, neutral=True, optional=True)
-    use_reward_loop: bool = doc(
-        "Upstream computes rewards in its reward loop (true) or in the driver (false); the rewards are the same. "
-        "Here rule rewards are computed by the driver's reward manager and a reward model runs in the actor's "
-        "workers either way.",
-        optional=True,
-    )
-    num_workers: int = doc(f"Reward-loop worker processes. {_SPEED}.", status=IGNORED, optional=True)
-    rollout: RewardModelRolloutConfig = doc(
-        "The reward model's serving engine (upstream's reward loop).", optional=True
-    )
-    reward_kwargs: dict = doc("Ours. Extra keyword arguments of the reward manager.")
-    overlong_buffer: OverlongBufferConfig = doc("Ours. DAPO overlong penalty (used by reward_manager=dapo).")
-
-
-def reward_manager_choices() -> tuple[str, ...]:
-    """Registered reward managers (user registrations included)."""
-    from verl.workers.reward_manager import REWARD_MANAGER_REGISTRY
-
-    return tuple(REWARD_MANAGER_REGISTRY)
-
-
-@dataclass
-class RewardManagerModuleConfig:
-    """A reward-manager class in a Python file (with source=importlib)."""
-
-    path: str | None = doc("Python file defining the class.")
-    name: str = doc("Class name inside `path`.")
-
-
-@dataclass
-class RewardManagerConfig:
-    """Which reward manager turns scores into token-level rewards (upstream's reward_manager section)."""
-
-    source: str = doc(
-        "register: the registered manager `name`; importlib: the class module.name from the file module.path.",
-        choices=REWARD_MANAGER_SOURCES,
-    )
-    name: str = doc("Registered manager (follows reward_model.reward_manager).", choices=reward_manager_choices)
-    module: RewardManagerModuleConfig = doc("The class for source=importlib.")
-
-
-@dataclass
-class CustomRewardFunctionConfig:
-    """A user reward function `fn(data_source, solution_str, ground_truth, extra_info) -> float | dict`."""
-
-    path: str | None = doc(
-        "Python file defining the function; null uses verl.utils.reward_score.default_compute_score. The file "
-        "is imported and run in the trainer's processes with your permissions: point it only at code you trust."
-    )
-    name: str = doc("Function name inside `path`.")
-    reward_kwargs: dict = doc("Keyword arguments bound to the function at every call (e.g. {format_score: 0.1}).")
-    on_error: str = doc(
-        "A reward function that raises, or returns NaN, infinity or a non-number (custom or built-in): raise stops "
-        "the run showing the failing sample; zero scores that sample 0 and counts it in reward/num_errors.",
-        choices=REWARD_ON_ERROR,
-    )
 
 
 # ----------------------------------------------------------------------------------- algorithm
@@ -681,7 +497,11 @@ TYPED_SECTIONS: dict[str, type] = {
     "actor_rollout_ref.actor.policy_loss": PolicyLossConfig,
     "actor_rollout_ref.actor.optim": OptimizerConfig,
     "critic.optim": OptimizerConfig,
+    "reward_model.sandbox_fusion": SandboxFusionConfig,
+    "reward_manager": RewardManagerConfig,
+    "custom_reward_function": CustomRewardFunctionConfig,
     # sections holding the ones above come after them (see validate._check_typed_sections)
+    "reward_model": RewardModelConfig,
     "actor_rollout_ref.rollout.multi_turn": MultiTurnConfig,
     "actor_rollout_ref.model": HFModelConfig,
     "actor_rollout_ref.actor": ActorConfig,

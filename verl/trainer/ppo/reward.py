@@ -20,40 +20,33 @@
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
+
+from verl.trainer.config.config import CustomRewardFunctionConfig, RewardManagerConfig
+from verl.utils.config import omega_conf_to_dataclass
+from verl.workers.config import RewardModelConfig, SandboxFusionConfig
 
 
-def _plain(value) -> dict:
-    if value is None:
-        return {}
-    try:
-        from omegaconf import DictConfig, OmegaConf
-
-        if isinstance(value, DictConfig):
-            return OmegaConf.to_container(value, resolve=True)
-    except ImportError:  # pragma: no cover - omegaconf is a hard dependency
-        pass
-    if not isinstance(value, Mapping):
-        raise TypeError(f"expected a mapping of keyword arguments, got {type(value).__name__}: {value!r}")
-    return dict(value)
+def _section(config, key: str, cls: type):
+    """The typed `cls` of the trainer config's section `key`, built once here; a config without the
+    section (a partial one a caller composes) gets the class's defaults, which are the YAML's."""
+    return omega_conf_to_dataclass(config.get(key), cls)
 
 
 def get_custom_reward_fn(config) -> Callable | None:
     """The custom reward function of ``config.custom_reward_function``, or None if no path is set."""
     from verl.utils.import_utils import load_extern_object
 
-    section = config.get("custom_reward_function") or {}
-    path = section.get("path")
-    if not path:
+    section = _section(config, "custom_reward_function", CustomRewardFunctionConfig)
+    if not section.path:
         return None
-    name = section.get("name") or "compute_score"
-    fn = load_extern_object(path, name, config_key="custom_reward_function")
+    fn = load_extern_object(section.path, section.name, config_key="custom_reward_function")
     if not callable(fn):
         raise TypeError(
-            f"custom_reward_function.name={name!r} in {path!r} is a {type(fn).__name__}, not a function; point it "
-            "at a function compute_score(data_source, solution_str, ground_truth, extra_info=None)"
+            f"custom_reward_function.name={section.name!r} in {section.path!r} is a {type(fn).__name__}, not a "
+            "function; point it at a function compute_score(data_source, solution_str, ground_truth, extra_info=None)"
         )
-    reward_kwargs = _plain(section.get("reward_kwargs"))
+    reward_kwargs = dict(section.reward_kwargs)
     return functools.partial(fn, **reward_kwargs) if reward_kwargs else fn
 
 
@@ -63,21 +56,22 @@ def _reward_manager_class(config) -> tuple[str, type]:
     the file ``module.path``. A config without that section reads ``reward_model.reward_manager``."""
     from verl.workers.reward_manager import get_reward_manager_cls
 
-    section = config.get("reward_manager") or {}
-    if section.get("source", "register") == "importlib":
+    if "reward_manager" not in config:
+        name = _section(config, "reward_model", RewardModelConfig).reward_manager
+        return name, get_reward_manager_cls(name)
+    section = _section(config, "reward_manager", RewardManagerConfig)
+    if section.source == "importlib":
         from verl.utils.import_utils import load_extern_object
 
-        module = section.get("module") or {}
-        name = module.get("name") or "custom_reward_manager"
-        cls = load_extern_object(module.get("path"), name, config_key="reward_manager.module")
+        module = section.module
+        cls = load_extern_object(module.path, module.name, config_key="reward_manager.module")
         if not isinstance(cls, type):
             raise TypeError(
-                f"reward_manager.module.name={name!r} in {module.get('path')!r} is a {type(cls).__name__}, not a "
+                f"reward_manager.module.name={module.name!r} in {module.path!r} is a {type(cls).__name__}, not a "
                 "class; point it at a reward-manager class (verl.workers.reward_manager.AbstractRewardManager)"
             )
-        return name, cls
-    name = section.get("name") or (config.get("reward_model") or {}).get("reward_manager") or "naive"
-    return name, get_reward_manager_cls(name)
+        return module.name, cls
+    return section.name, get_reward_manager_cls(section.name)
 
 
 class _ProcessSemaphore:
@@ -105,41 +99,41 @@ class _ProcessSemaphore:
         return self._get().__exit__(*exc)
 
 
-def _default_scorer(config) -> Callable | None:
+def _default_scorer(sandbox: SandboxFusionConfig) -> Callable | None:
     """The built-in scorer with the SandboxFusion service of `reward_model.sandbox_fusion` (its `url`,
     at most `max_concurrent` requests in flight per scoring process, `memory_limit_mb`), or None
     (the manager's own default) when no url is set. As upstream: only without a custom function."""
-    sandbox = (config.get("reward_model") or {}).get("sandbox_fusion") or {}
-    url = sandbox.get("url")
-    if not url:
+    if not sandbox.url:
         return None
     from verl.utils.reward_score import default_compute_score
 
     return functools.partial(
         default_compute_score,
-        sandbox_fusion_url=url,
-        concurrent_semaphore=_ProcessSemaphore(sandbox.get("max_concurrent") or 64),
-        memory_limit_mb=sandbox.get("memory_limit_mb") or 1024,
+        sandbox_fusion_url=sandbox.url,
+        concurrent_semaphore=_ProcessSemaphore(sandbox.max_concurrent),
+        memory_limit_mb=sandbox.memory_limit_mb,
     )
 
 
 def load_reward_manager(config, tokenizer, num_examine: int, **reward_kwargs):
     """The reward manager described by ``config`` (the full trainer config)."""
-    reward_model = config.get("reward_model") or {}
+    reward_model = _section(config, "reward_model", RewardModelConfig)
+    custom = _section(config, "custom_reward_function", CustomRewardFunctionConfig)
     name, manager_cls = _reward_manager_class(config)
-    kwargs = {**_plain(reward_model.get("reward_kwargs")), **reward_kwargs}
-    on_error = (config.get("custom_reward_function") or {}).get("on_error")
-    if on_error and on_error != "raise":  # "raise" is every manager's default; leave the older spelling in charge
-        kwargs.setdefault("on_error", on_error)
+    kwargs = {**reward_model.reward_kwargs, **reward_kwargs}
+    if custom.on_error != "raise":  # "raise" is every manager's default; leave the older spelling in charge
+        kwargs.setdefault("on_error", custom.on_error)
+    # `data` has no typed class (its schema lists keys without defaults): a partial config may leave out
+    # the two keys read here, which then take the YAML's values
     data = config.get("data") or {}
     if name == "dapo":  # DAPO's overlong shaping reads two trainer keys, as upstream's recipe passes them
         kwargs.setdefault("max_resp_len", data.get("max_response_length"))
-        kwargs.setdefault("overlong_buffer_cfg", _plain(reward_model.get("overlong_buffer")))
+        kwargs.setdefault("overlong_buffer_cfg", reward_model.overlong_buffer)
     try:
         return manager_cls(
             tokenizer=tokenizer,
             num_examine=num_examine,
-            compute_score=get_custom_reward_fn(config) or _default_scorer(config),
+            compute_score=get_custom_reward_fn(config) or _default_scorer(reward_model.sandbox_fusion),
             reward_fn_key=data.get("reward_fn_key") or "data_source",
             **kwargs,
         )

@@ -28,6 +28,7 @@ from verl.workers.config.critic import (
 from verl.workers.config.engine import EngineConfig, FSDPEngineConfig, McoreEngineConfig, TrainingWorkerConfig
 from verl.workers.config.model import HFModelConfig, MegatronLoRAConfig, MtpConfig, TiledMLPConfig
 from verl.workers.config.optimizer import FSDPOptimizerConfig, McoreOptimizerConfig, OptimizerConfig
+from verl.workers.config.reward_model import RewardModelConfig, SandboxFusionConfig
 from verl.workers.config.rollout import (
     AgentLoopConfig,
     CheckpointEngineConfig,
@@ -36,6 +37,7 @@ from verl.workers.config.rollout import (
     PrometheusConfig,
     RolloutConfig,
     SamplingConfig,
+    ServerConfig,
     TraceConfig,
 )
 
@@ -65,9 +67,12 @@ __all__ = [
     "PolicyLossConfig",
     "PrometheusConfig",
     "RefConfig",
+    "RewardModelConfig",
     "RolloutConfig",
     "RouterReplayConfig",
     "SamplingConfig",
+    "SandboxFusionConfig",
+    "ServerConfig",
     "TiledMLPConfig",
     "TraceConfig",
     "TrainingWorkerConfig",

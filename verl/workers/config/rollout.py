@@ -10,8 +10,10 @@ the data-parallel size) stay in the trainer's validate.py.
 
 `multi_turn.format` lists no choices here: its names are the agent loop's tool-parser table
 (`verl.experimental`, a layer above the workers), so the trainer's validator checks it.
-Deliberately left out: upstream's `server` section (HTTP settings of its rollout servers: the
-rollout here runs inside the workers) and `sglang_engine_mode`, `limit_images`, `enable_sleep_mode`,
+`ServerConfig` (`rollout.server`, HTTP settings of upstream's rollout servers) is declared with
+upstream's fields and defaults so upstream configs that set it load; it is optional (upstream's YAML
+does not hold it either) and ignored: the rollout here runs inside the workers, with no server to
+reach. Deliberately left out: `sglang_engine_mode`, `limit_images`, `enable_sleep_mode`,
 `repetition_penalty`, `custom`, which this project's YAML does not hold either.
 """
 
@@ -34,6 +36,8 @@ from verl.workers.config._fields import (
 )
 from verl.workers.config.actor import ProfilerConfig
 
+_SERVER = "Upstream's rollout servers only: the rollout here runs inside the workers, with no server to reach."
+
 __all__ = [
     "AgentLoopConfig",
     "CheckpointEngineConfig",
@@ -42,6 +46,7 @@ __all__ = [
     "PrometheusConfig",
     "RolloutConfig",
     "SamplingConfig",
+    "ServerConfig",
     "TraceConfig",
 ]
 
@@ -132,8 +137,8 @@ class AgentLoopConfig(BaseConfig):
     )
     default_agent_loop: str = doc(
         "Agent loop of a prompt whose row names none (`agent_name` column). single_turn_agent: one generation; "
-        "with multi_turn.enable=true such rows run tool_agent (as upstream's multi-turn configs select). A "
-        "registered loop (see agent_loop_config_path) or the import path of an AgentLoopBase subclass.",
+        "tool_agent: tool calls (what upstream's multi-turn configs set; the bundled tool datasets name it in "
+        "each row). A registered loop (see agent_loop_config_path) or the import path of an AgentLoopBase subclass.",
         default="single_turn_agent",
     )
     agent_loop_config_path: str | None = doc(
@@ -183,6 +188,17 @@ class TraceConfig(BaseConfig):
         "rollout.n episodes of each; null: trace every episode (with a backend).",
         default=None,
     )
+
+
+@dataclass
+class ServerConfig(BaseConfig):
+    """HTTP client settings of upstream's rollout servers (SGLang server mode); read by nothing here."""
+
+    timeout: float = doc(f"Seconds one request may take. {_SERVER}", status=IGNORED, default=60.0)
+    max_attempts: int = doc(f"Tries of a failed request. {_SERVER}", status=IGNORED, default=3)
+    retry_delay: float = doc(f"Seconds between two tries. {_SERVER}", status=IGNORED, default=2.0)
+    max_connections: int = doc(f"Concurrent connections to a server. {_SERVER}", status=IGNORED, default=1000)
+    max_start_wait_time: float = doc(f"Seconds a server may take to start. {_SERVER}", status=IGNORED, default=300.0)
 
 
 @dataclass
@@ -322,6 +338,9 @@ class RolloutConfig(BaseConfig):
     )
     profiler: ProfilerConfig = doc("Profiling of generation (follows the actor's).", default_factory=ProfilerConfig)
     prometheus: PrometheusConfig = doc("Metrics endpoint.", default_factory=PrometheusConfig)
+    server: ServerConfig = doc(
+        "Upstream's rollout-server HTTP settings (not in its YAML either).", optional=True, default_factory=ServerConfig
+    )
     quantization: str | None = doc("Quantised generation (e.g. fp8).", status=UNSUPPORTED, neutral=None, default=None)
     quantization_config_file: str | None = doc("Quantisation config.", status=UNSUPPORTED, neutral=None, default=None)
     mtp: dict | None = doc(
@@ -358,6 +377,14 @@ class RolloutConfig(BaseConfig):
         ):
             if value < 1:
                 raise ValueError(f"rollout.{key}={value} must be at least 1")
+        for key in ("prompt_length", "response_length", "max_num_seqs", "max_num_batched_tokens"):
+            if int(getattr(self, key)) < 1:
+                raise ValueError(f"actor_rollout_ref.rollout.{key}={getattr(self, key)} must be a positive integer")
+        if not 0.0 < float(self.gpu_memory_utilization) <= 1.0:
+            raise ValueError(
+                f"actor_rollout_ref.rollout.gpu_memory_utilization={self.gpu_memory_utilization} must lie in (0, 1]: "
+                "the fraction of the device's memory the rollout engine may use (e.g. 0.5 when the trainer shares it)"
+            )
         if self.do_sample and self.temperature <= 0:
             raise ValueError(
                 f"rollout.do_sample=true with temperature={self.temperature} cannot sample; "

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 
+from verl.utils.config import omega_conf_to_dataclass
+from verl.workers.config.reward_model import OverlongBufferConfig
 from verl.workers.reward_manager.abstract import AbstractRewardManager, Sample, ScoreOutcome
 from verl.workers.reward_manager.registry import register
 
@@ -20,7 +22,8 @@ class DAPORewardManager(AbstractRewardManager):
 
     Args (beyond the base class):
         max_resp_len: the rollout's maximum response length in tokens (``data.max_response_length``).
-        overlong_buffer_cfg: ``{enable, len, penalty_factor, log}`` (``reward_model.overlong_buffer``).
+        overlong_buffer_cfg: ``reward_model.overlong_buffer``: an ``OverlongBufferConfig``, or a mapping of
+            its keys ``{enable, len, penalty_factor, log}`` (missing keys take the YAML's defaults).
     """
 
     def __init__(
@@ -30,15 +33,15 @@ class DAPORewardManager(AbstractRewardManager):
         compute_score: Callable | None = None,
         reward_fn_key: str = "data_source",
         max_resp_len: int | None = None,
-        overlong_buffer_cfg: Mapping | None = None,
+        overlong_buffer_cfg: OverlongBufferConfig | Mapping | None = None,
         on_error: str = "raise",
     ):
         super().__init__(tokenizer, num_examine, compute_score, reward_fn_key, on_error)
-        cfg = dict(overlong_buffer_cfg or {})
-        self.overlong_enable = bool(cfg.get("enable", False))
-        self.overlong_len = int(cfg.get("len", 0) or 0)
-        self.overlong_penalty_factor = float(cfg.get("penalty_factor", 1.0))
-        self.overlong_log = bool(cfg.get("log", False))
+        cfg = omega_conf_to_dataclass(overlong_buffer_cfg, OverlongBufferConfig)
+        self.overlong_enable = bool(cfg.enable)
+        self.overlong_len = int(cfg.len)
+        self.overlong_penalty_factor = float(cfg.penalty_factor)
+        self.overlong_log = bool(cfg.log)
         self.max_resp_len = max_resp_len
         if self.overlong_enable:
             if max_resp_len is None:

@@ -39,10 +39,12 @@ from __future__ import annotations
 import time
 from abc import abstractmethod
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 
+from verl.utils.config import omega_conf_to_dataclass
+from verl.workers.config import RolloutConfig
 from verl.workers.rollout.base import BaseRollout
 from verl.workers.rollout.engine_io import (
     EngineResponse,
@@ -51,69 +53,31 @@ from verl.workers.rollout.engine_io import (
     resolve_sampling,
     resolve_token_ids,
 )
-from verl.workers.rollout.hf_rollout import HFRolloutConfig
 from verl.workers.rollout.sampling import SamplingParams
 
 
-@dataclass
-class ExternalEngineConfig(HFRolloutConfig):
-    """The rollout keys vLLM and SGLang read, on top of the sampling/length keys of the built-in engine.
+def weights_from_trainer(config: RolloutConfig) -> bool:
+    """Whether the engine starts with random weights that the trainer's first sync replaces
+    (`load_format` dummy*, upstream's dummy_dtensor, ...): reading the checkpoint is then skipped.
+    Any other load_format is the engine's own loader format."""
+    return str(config.load_format).startswith("dummy")
 
-    Each maps to the engine's own argument (vLLM name / SGLang name); `engine_kwargs[<engine>]`
-    is passed through verbatim and wins over everything derived here.
-    """
 
-    tensor_model_parallel_size: int = 1
-    """vLLM tensor_parallel_size / SGLang tp_size: workers that shard one engine."""
-    gpu_memory_utilization: float = 0.5
-    """vLLM gpu_memory_utilization / SGLang mem_fraction_static: device memory for weights + KV cache."""
-    max_num_batched_tokens: int = 8192
-    """vLLM max_num_batched_tokens / SGLang chunked_prefill_size: scheduler token budget per step."""
-    max_model_len: int | None = None
-    """vLLM max_model_len / SGLang context_length; None: prompt_length + response_length."""
-    load_format: str = "auto"
-    """`dummy*` (upstream's dummy_dtensor, ...): start with random weights that the trainer's sync
-    replaces (skips reading the checkpoint); anything else: the engine's own loader format."""
-    enforce_eager: bool = False
-    """vLLM enforce_eager / SGLang disable_cuda_graph: no CUDA graphs (the built-in engine has its own
-    switch, engine_kwargs.hf.enforce_eager, see `hf_rollout`)."""
-    enable_chunked_prefill: bool = True
-    disable_log_stats: bool = True
-    ignore_eos: bool = False
-    """Keep generating past the stop token (benchmarks); responses then always fill response_length."""
-    update_weights_bucket_megabytes: int = 512
-    """Weights are handed to the engine in buckets of this size (bounds the extra memory of a sync)."""
-    engine_kwargs: dict = field(default_factory=dict)
-    """{vllm: {...}, sglang: {...}}: extra engine constructor arguments, per engine."""
+def max_model_len(config: RolloutConfig) -> int:
+    """The engine's context length (vLLM max_model_len / SGLang context_length): `max_model_len`, or
+    prompt_length + response_length when it is null."""
+    return int(config.max_model_len or (config.prompt_length + config.response_length))
 
-    def __post_init__(self):
-        super().__post_init__()
-        if int(self.tensor_model_parallel_size) < 1:
-            raise ValueError(
-                f"actor_rollout_ref.rollout.tensor_model_parallel_size={self.tensor_model_parallel_size} must be >= 1"
-            )
-        if not 0.0 < float(self.gpu_memory_utilization) <= 1.0:
-            raise ValueError(
-                f"actor_rollout_ref.rollout.gpu_memory_utilization={self.gpu_memory_utilization} must be a "
-                "fraction in (0, 1] of device memory (e.g. 0.5 when the trainer shares the device)"
-            )
 
-    @property
-    def weights_from_trainer(self) -> bool:
-        return str(self.load_format).startswith("dummy")
-
-    def max_len(self) -> int:
-        return int(self.max_model_len or (self.prompt_length + self.response_length))
-
-    def engine_specific(self, engine: str) -> dict:
-        extra = self.engine_kwargs.get(engine) if isinstance(self.engine_kwargs, Mapping) else None
-        return dict(extra or {})
+def engine_specific_kwargs(config: RolloutConfig, engine: str) -> dict:
+    """`engine_kwargs[engine]`: passed to the engine's constructor verbatim, winning over every
+    argument derived from the other rollout keys."""
+    extra = config.engine_kwargs.get(engine) if isinstance(config.engine_kwargs, Mapping) else None
+    return dict(extra or {})
 
 
 class ExternalEngineRollout(BaseRollout):
     """Shared `generate_sequences` of the adapters for engines with their own runtime (module docstring)."""
-
-    config_class = ExternalEngineConfig
 
     def __init__(self, model_path: str, config=None, tokenizer=None):
         if not isinstance(model_path, str):
@@ -121,7 +85,7 @@ class ExternalEngineRollout(BaseRollout):
                 f"{type(self).__name__} loads the model itself and needs a checkpoint directory, got a "
                 f"{type(model_path).__name__}; save the model with save_pretrained() and pass its path"
             )
-        self.config = self.config_class.from_any(config)
+        self.config = omega_conf_to_dataclass(config, RolloutConfig)
         self.model_path = model_path
         self.tokenizer = tokenizer
         from transformers import AutoConfig

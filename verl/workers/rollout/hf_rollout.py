@@ -45,17 +45,17 @@ newest version that sampled a token of the row).
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import time
-from collections.abc import Iterable, Mapping
-from dataclasses import dataclass, field
+from collections.abc import Iterable
 from typing import NamedTuple, Protocol
 
 import torch
 
+from verl.utils.config import omega_conf_to_dataclass
 from verl.utils.device import get_device, is_cuda_device
 from verl.utils.speed_paths import SpeedPath
+from verl.workers.config import RolloutConfig
 from verl.workers.rollout.base import BaseRollout
 from verl.workers.rollout.engine_io import resolve_sampling, resolve_token_ids
 from verl.workers.rollout.sampling import SamplingParams
@@ -63,112 +63,30 @@ from verl.workers.rollout.sampling import SamplingParams
 logger = logging.getLogger(__name__)
 
 
-@dataclass
-class ValKwargs:
-    """Sampling used when `meta_info["validate"]` is true (upstream `rollout.val_kwargs`)."""
-
-    temperature: float = 0.0
-    """0 means greedy."""
-    top_k: int = -1
-    top_p: float = 1.0
-    do_sample: bool = False
-    n: int = 1
-
-
-@dataclass
-class HFRolloutConfig:
-    """The rollout config keys the built-in engine reads (other keys, e.g. vLLM's, are ignored)."""
-
-    temperature: float = 1.0
-    top_k: int = -1
-    """-1 (or 0) disables top-k."""
-    top_p: float = 1.0
-    n: int = 1
-    """Samples per prompt when the batch was not repeated by the driver (see module docstring)."""
-    do_sample: bool = True
-    prompt_length: int = 512
-    response_length: int = 512
-    """Maximum new tokens; also the width of `responses`."""
-    calculate_log_probs: bool = False
-    """Return `rollout_log_probs` (log-prob of each sampled token under logits / temperature)."""
-    free_cache_engine: bool = True
-    """Let the hybrid engine call sleep()/wake_up() around generation."""
-    dtype: str = "auto"
-    """Engine weights and KV cache: auto (float32 on CPU, bfloat16 on GPU), float32, bfloat16, float16."""
-    gpu_memory_utilization: float = 0.5
-    """Fraction of the device's memory the engine (weights, KV cache, working memory) may use."""
-    max_num_seqs: int = 1024
-    """At most this many sequences generate at once; larger batches run in chunks."""
-    max_num_batched_tokens: int = 8192
-    """Prompt tokens per prefill forward (whole prompts, at least one)."""
-    engine_kwargs: dict = field(default_factory=dict)
-    """Per-engine arguments; this engine reads `engine_kwargs.hf` (see `HF_ENGINE_KWARGS`)."""
-    ignore_eos: bool = False
-    """Generate `response_length` tokens even past end-of-sequence (benchmarks, load tests)."""
-    val_kwargs: ValKwargs = field(default_factory=ValKwargs)
-
-    def __post_init__(self):
-        if isinstance(self.val_kwargs, Mapping):
-            known = {f.name for f in dataclasses.fields(ValKwargs)}
-            self.val_kwargs = ValKwargs(**{k: v for k, v in self.val_kwargs.items() if k in known})
-        for key in ("response_length", "prompt_length", "n", "max_num_seqs", "max_num_batched_tokens"):
-            if int(getattr(self, key)) < 1:
-                raise ValueError(f"actor_rollout_ref.rollout.{key}={getattr(self, key)} must be a positive integer")
-        if not 0.0 < float(self.gpu_memory_utilization) <= 1.0:
-            raise ValueError(
-                f"actor_rollout_ref.rollout.gpu_memory_utilization={self.gpu_memory_utilization} must lie in (0, 1]: "
-                "the fraction of the device's memory the rollout engine may use"
-            )
-        unknown = set(self.hf_kwargs) - set(HF_ENGINE_KWARGS)
-        if unknown:
-            raise ValueError(
-                f"actor_rollout_ref.rollout.engine_kwargs.hf has unknown keys {sorted(unknown)}; the built-in engine "
-                f"accepts {sorted(HF_ENGINE_KWARGS)}"
-            )
-
-    @property
-    def hf_kwargs(self) -> dict:
-        """`engine_kwargs.hf`, the built-in engine's own arguments ({} when absent)."""
-        return dict((self.engine_kwargs or {}).get("hf") or {})
-
-    @classmethod
-    def from_any(cls, config) -> HFRolloutConfig:
-        """Accepts this dataclass, any dataclass, a dict or an OmegaConf DictConfig."""
-        if isinstance(config, cls):
-            return config
-        if config is None:
-            return cls()
-        if dataclasses.is_dataclass(config):
-            config = dataclasses.asdict(config)
-        elif not isinstance(config, Mapping):  # OmegaConf DictConfig
-            from omegaconf import OmegaConf
-
-            config = OmegaConf.to_container(config, resolve=True)
-        known = {f.name for f in dataclasses.fields(cls)}
-        values = {k: v for k, v in dict(config).items() if k in known and v is not None}
-        # upstream keeps the weight-sync bucket size under checkpoint_engine
-        bucket = (dict(config).get("checkpoint_engine") or {}).get("update_weights_bucket_megabytes")
-        if "update_weights_bucket_megabytes" in known and bucket is not None:
-            values["update_weights_bucket_megabytes"] = bucket
-        if values.get("engine_kwargs") is not None:
-            values["engine_kwargs"] = {k: dict(v or {}) for k, v in dict(values["engine_kwargs"]).items()}
-        if isinstance(values.get("val_kwargs"), Mapping) or dataclasses.is_dataclass(values.get("val_kwargs")):
-            vk = values["val_kwargs"]
-            values["val_kwargs"] = dict(vk) if isinstance(vk, Mapping) else dataclasses.asdict(vk)
-        return cls(**values)
-
-
 HF_ENGINE_KWARGS = {
     "enforce_eager": "true: decode without CUDA graphs (default false: graphs on CUDA devices)",
 }
 
 
-def cuda_graphs_enabled(config: HFRolloutConfig, device: torch.device) -> bool:
+def hf_engine_kwargs(config: RolloutConfig) -> dict:
+    """`engine_kwargs.hf`, the built-in engine's own arguments ({} when absent), checked against
+    `HF_ENGINE_KWARGS`: a misspelled switch would otherwise be ignored without a word."""
+    values = dict((config.engine_kwargs or {}).get("hf") or {})
+    unknown = set(values) - set(HF_ENGINE_KWARGS)
+    if unknown:
+        raise ValueError(
+            f"actor_rollout_ref.rollout.engine_kwargs.hf has unknown keys {sorted(unknown)}; the built-in engine "
+            f"accepts {sorted(HF_ENGINE_KWARGS)}"
+        )
+    return values
+
+
+def cuda_graphs_enabled(config: RolloutConfig, device: torch.device) -> bool:
     """Whether the built-in engine decodes with CUDA graphs for `config` on `device`: on a CUDA
     device unless `engine_kwargs.hf.enforce_eager` is true. `rollout.enforce_eager` is vLLM's key
     and is not read (module docstring). The engine still falls back to eager decoding for models
     the native decoder does not run."""
-    return is_cuda_device(device) and not bool(config.hf_kwargs.get("enforce_eager", False))
+    return is_cuda_device(device) and not bool(hf_engine_kwargs(config).get("enforce_eager", False))
 
 
 class WeightRefresh(Protocol):
@@ -204,14 +122,16 @@ class HFRollout(BaseRollout):
 
     model_path_or_module: an HF checkpoint directory or a transformers causal LM (whose current
         weights are copied; the engine always owns its weight copy, refreshed by update_weights).
-    config: the rollout config (dict, DictConfig or dataclass; see `HFRolloutConfig`).
+    config: the rollout config, a `RolloutConfig` (a DictConfig or dict section is built into one, its
+        missing keys taking the class's defaults, which are the YAML's; None: all defaults).
     tokenizer: optional; supplies eos/pad ids when meta_info does not carry them.
     """
 
     def __init__(self, model_path_or_module, config=None, tokenizer=None, device=None):
         from verl.workers.rollout.native.engine import GenerationEngine
 
-        self.config = HFRolloutConfig.from_any(config)
+        self.config = omega_conf_to_dataclass(config, RolloutConfig)
+        hf_engine_kwargs(self.config)  # refuse unknown engine_kwargs.hf keys before building the engine
         self.tokenizer = tokenizer
         device = torch.device(device) if device is not None else get_device()
         self.engine = GenerationEngine.from_model(
@@ -262,7 +182,7 @@ class HFRollout(BaseRollout):
             return [
                 SpeedPath("cuda_graphs", False, False, f"the rollout runs on {device.type}, which has no CUDA graphs")
             ]
-        requested = not bool(self.config.hf_kwargs.get("enforce_eager", False))
+        requested = not bool(hf_engine_kwargs(self.config).get("enforce_eager", False))
         active = self.engine.graphs is not None
         reason = self.engine.cuda_graph_off_reason if requested and not active else ""
         return [SpeedPath("cuda_graphs", requested, active, reason)]

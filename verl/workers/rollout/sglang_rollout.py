@@ -18,7 +18,7 @@ Engine calls used (all on `sglang.Engine`):
   `kv_cache` and `weights`: the hybrid engine's sleep and wake-up (needs enable_memory_saver).
 
 Design decisions:
-- Weights are streamed in buckets of `update_weights_bucket_megabytes` so peak extra memory is one
+- Weights are streamed in buckets of `checkpoint_engine.update_weights_bucket_megabytes` so peak extra memory is one
   bucket, and the cache is flushed once, with the last bucket.
 - sleep() releases both the KV cache and the weights (the trainer re-sends the weights after
   every update anyway); wake_up() resumes the weights first, and the KV cache only after the sync
@@ -36,13 +36,20 @@ from collections.abc import Iterable, Sequence
 
 import torch
 
+from verl.utils.config import omega_conf_to_dataclass
 from verl.utils.device import is_cuda_available
+from verl.workers.config import RolloutConfig
 from verl.workers.rollout.engine_io import EngineResponse, hf_weight_name
-from verl.workers.rollout.external_engine import ExternalEngineConfig, ExternalEngineRollout
+from verl.workers.rollout.external_engine import (
+    ExternalEngineRollout,
+    engine_specific_kwargs,
+    max_model_len,
+    weights_from_trainer,
+)
 from verl.workers.rollout.sampling import SamplingParams
 
 
-def sglang_engine_kwargs(model_path: str, config: ExternalEngineConfig, seed: int = 0) -> dict:
+def sglang_engine_kwargs(model_path: str, config: RolloutConfig, seed: int = 0) -> dict:
     """Keyword arguments of `sglang.Engine(...)` for a rollout config."""
     dtype = config.dtype
     if dtype == "auto":
@@ -54,15 +61,15 @@ def sglang_engine_kwargs(model_path: str, config: ExternalEngineConfig, seed: in
         mem_fraction_static=float(config.gpu_memory_utilization),
         max_running_requests=int(config.max_num_seqs),
         chunked_prefill_size=int(config.max_num_batched_tokens) if config.enable_chunked_prefill else -1,
-        context_length=config.max_len(),
+        context_length=max_model_len(config),
         disable_cuda_graph=bool(config.enforce_eager),
         enable_memory_saver=bool(config.free_cache_engine),
         skip_tokenizer_init=True,
-        load_format="dummy" if config.weights_from_trainer else config.load_format,
+        load_format="dummy" if weights_from_trainer(config) else config.load_format,
         random_seed=int(seed),
         log_level="error",
     )
-    kwargs.update(config.engine_specific("sglang"))
+    kwargs.update(engine_specific_kwargs(config, "sglang"))
     return kwargs
 
 
@@ -125,7 +132,7 @@ class SGLangRollout(ExternalEngineRollout):
     """SGLang offline engine behind `BaseRollout` (see the module docstring for what is tested)."""
 
     def __init__(self, model_path: str, config=None, tokenizer=None):
-        config = self.config_class.from_any(config)
+        config = omega_conf_to_dataclass(config, RolloutConfig)
         if config.tensor_model_parallel_size != 1:
             raise NotImplementedError(
                 f"rollout.name=sglang with tensor_model_parallel_size={config.tensor_model_parallel_size}: "
@@ -156,7 +163,7 @@ class SGLangRollout(ExternalEngineRollout):
 
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> dict[str, float]:
         start = time.perf_counter()
-        bucket_bytes = int(self.config.update_weights_bucket_megabytes) << 20
+        bucket_bytes = int(self.config.checkpoint_engine.update_weights_bucket_megabytes) << 20
         pending = None
         for bucket in bucket_named_tensors(named_tensors, bucket_bytes):
             if pending is not None:

@@ -59,14 +59,21 @@ from collections.abc import Iterable
 import torch
 
 from verl.utils.device import is_cuda_available
+from verl.workers.config import RolloutConfig
 from verl.workers.rollout.engine_io import EngineResponse, hf_weight_name
-from verl.workers.rollout.external_engine import ExternalEngineConfig, ExternalEngineRollout, PartialResponses
+from verl.workers.rollout.external_engine import (
+    ExternalEngineRollout,
+    PartialResponses,
+    engine_specific_kwargs,
+    max_model_len,
+    weights_from_trainer,
+)
 from verl.workers.rollout.sampling import SamplingParams
 
 _GiB = 1 << 30
 
 
-def _cpu_kv_cache_bytes(model_path: str, config: ExternalEngineConfig, dtype: str) -> int:
+def _cpu_kv_cache_bytes(model_path: str, config: RolloutConfig, dtype: str) -> int:
     """KV cache for max_num_seqs full-length sequences (at least 64 MiB, at most 4 GiB)."""
     from transformers import AutoConfig
 
@@ -75,18 +82,18 @@ def _cpu_kv_cache_bytes(model_path: str, config: ExternalEngineConfig, dtype: st
     kv_heads = getattr(hf, "num_key_value_heads", None) or hf.num_attention_heads
     itemsize = torch.empty((), dtype=getattr(torch, dtype)).element_size()
     per_token = 2 * hf.num_hidden_layers * kv_heads * head_dim * itemsize
-    tokens = int(config.max_num_seqs) * config.max_len()
+    tokens = int(config.max_num_seqs) * max_model_len(config)
     return int(min(max(per_token * tokens * 1.25, 64 << 20), 4 * _GiB))
 
 
-def vllm_engine_kwargs(model_path: str, config: ExternalEngineConfig, seed: int = 0) -> dict:
+def vllm_engine_kwargs(model_path: str, config: RolloutConfig, seed: int = 0) -> dict:
     """Keyword arguments of `vllm.LLM(...)` for a rollout config (see the module docstring)."""
     on_gpu = is_cuda_available()
     dtype = config.dtype
     if dtype == "auto":
         dtype = "bfloat16" if on_gpu else "float32"
     tp = int(config.tensor_model_parallel_size)
-    max_len = config.max_len()
+    max_len = max_model_len(config)
     kwargs = dict(
         model=model_path,
         skip_tokenizer_init=True,
@@ -100,7 +107,7 @@ def vllm_engine_kwargs(model_path: str, config: ExternalEngineConfig, seed: int 
         enforce_eager=bool(config.enforce_eager),
         enable_chunked_prefill=bool(config.enable_chunked_prefill),
         disable_log_stats=bool(config.disable_log_stats),
-        load_format="dummy" if config.weights_from_trainer else config.load_format,
+        load_format="dummy" if weights_from_trainer(config) else config.load_format,
         logprobs_mode="processed_logprobs",
         seed=int(seed),
     )
@@ -110,7 +117,7 @@ def vllm_engine_kwargs(model_path: str, config: ExternalEngineConfig, seed: int 
         kwargs["enable_sleep_mode"] = bool(config.free_cache_engine)
     else:
         kwargs["kv_cache_memory_bytes"] = _cpu_kv_cache_bytes(model_path, config, dtype)
-    kwargs.update(config.engine_specific("vllm"))
+    kwargs.update(engine_specific_kwargs(config, "vllm"))
     return kwargs
 
 

@@ -1,0 +1,239 @@
+"""Typed reward-model config, with upstream verl's names and defaults: `RewardModelConfig` (the
+`reward_model` section, reward_model/*.yaml) and `SandboxFusionConfig` (its `sandbox_fusion` section).
+
+Each field carries its runtime default (the YAML holds the same value) and the `doc(...)` metadata the
+validator and docgen read; the driver builds the section once (`omega_conf_to_dataclass`) and reads it
+by attribute (`verl.trainer.ppo.reward`).
+
+Where this differs from upstream's classes, deliberately:
+- upstream's `RewardModelConfig` types `model` as `HFModelConfig` and `rollout` as `RolloutConfig` (its
+  reward loop serves a generative reward model through a rollout engine). Here the reward model is a
+  sequence classifier whose forward runs in FSDP/Megatron workers, so `model` is `RewardModelModelConfig`
+  (path, tokenizer handling, sharding) and `rollout` (`RewardModelRolloutConfig`) only declares the
+  keys of upstream's YAML, read by nothing;
+- the section also holds the keys of upstream's reward_model.yaml that its class leaves to the YAML
+  (strategy, micro-batch sizes, max_length, ...) and two of ours: `reward_kwargs` (options of the reward
+  manager) and `overlong_buffer` (DAPO's overlong penalty);
+- upstream warns that `reward_model.reward_manager` is deprecated in favour of `reward_manager.name`;
+  here `reward_manager.name` follows it through the YAML (`${oc.select:reward_model.reward_manager,naive}`),
+  so the key stays a plain, supported spelling and no warning is logged.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from verl.base_config import BaseConfig
+from verl.workers.config._fields import (
+    _SPEED,
+    DEPRECATED,
+    ENGINE_DTYPES,
+    IGNORED,
+    MODEL_DTYPES,
+    REWARD_MANAGERS,
+    STRATEGIES,
+    UNSUPPORTED,
+    doc,
+)
+from verl.workers.config.actor import ProfilerConfig
+from verl.workers.config.engine import McoreEngineConfig
+
+__all__ = ["RewardModelConfig", "SandboxFusionConfig"]
+
+
+@dataclass
+class SandboxFusionConfig(BaseConfig):
+    """SandboxFusion code-execution service for the built-in scorer's code data sources."""
+
+    url: str | None = doc(
+        "The service's run_code URL; null: code runs in the local sandbox. Used by the built-in scorer "
+        "(not by custom_reward_function).",
+        default=None,
+    )
+    max_concurrent: int = doc("Requests in flight at once, per scoring process.", default=64)
+    memory_limit_mb: int = doc("Memory limit per execution.", default=1024)
+
+    def __post_init__(self):
+        for key in ("max_concurrent", "memory_limit_mb"):
+            if getattr(self, key) < 1:
+                raise ValueError(f"reward_model.sandbox_fusion.{key}={getattr(self, key)} must be a positive integer")
+
+
+@dataclass
+class RewardModelFSDPConfig(BaseConfig):
+    """FSDP sharding of a reward model (forward only)."""
+
+    wrap_policy: dict = doc(
+        "Auto-wrap policy, e.g. {min_num_params: 0}.", default_factory=lambda: {"min_num_params": 0}
+    )
+    param_offload: bool = doc("Keep parameters on CPU between uses.", default=False)
+    reshard_after_forward: bool | int = doc("Free gathered parameters after forward.", default=True)
+    fsdp_size: int = doc("Ranks per FSDP shard group (-1: all ranks).", default=-1)
+    forward_prefetch: bool = doc("Prefetch the next layer's all-gather during forward.", default=False)
+    model_dtype: str | None = doc("Dtype the weights are loaded in.", choices=MODEL_DTYPES, optional=True, default=None)
+    dtype: str | None = doc(
+        "Compute dtype (as the actor's fsdp_config.dtype).", choices=ENGINE_DTYPES, optional=True, default=None
+    )
+    mixed_precision: dict | None = doc("{param_dtype, reduce_dtype}.", optional=True, default=None)
+
+
+@dataclass
+class RewardModelModelConfig(BaseConfig):
+    """A learned reward model (sequence classifier)."""
+
+    input_tokenizer: str | None = doc(
+        "Policy tokenizer, to decode responses and re-render them with the reward model's chat template when "
+        "the two tokenizers differ (vocabulary or template); null, or the same tokenizer: the policy's ids are used.",
+        default=None,
+    )
+    path: str | None = doc("HF-format reward-model directory.", default="~/models/FsfairX-LLaMA3-RM-v0.1")
+    external_lib: str | None = doc("Python module imported before loading the model.", default=None)
+    trust_remote_code: bool = doc("Allow the model repository's own Python code to run.", default=False)
+    override_config: dict = doc(
+        "Values overriding the reward model's HF config.", status=UNSUPPORTED, neutral={}, default_factory=dict
+    )
+    use_shm: bool = doc("Copy the model to shared memory before loading.", status=IGNORED, optional=True, default=False)
+    use_remove_padding: bool = doc(
+        "Pack sequences without padding (a speed knob; the reward model runs padded rows).",
+        status=IGNORED,
+        optional=True,
+        default=False,
+    )
+    use_fused_kernels: bool = doc("Fused kernels.", status=IGNORED, optional=True, default=False)
+    fsdp_config: RewardModelFSDPConfig = doc(
+        "Sharding and offload.", optional=True, default_factory=RewardModelFSDPConfig
+    )
+
+
+@dataclass
+class RewardModelRolloutConfig(BaseConfig):
+    """The rollout engine serving the reward model in upstream's reward loop (not read here: see `name`)."""
+
+    name: str | None = doc(
+        "Engine that serves the reward model in upstream's reward loop; here the reward model's forward runs in "
+        "the actor's workers (the same scores), so this section is read by nothing.",
+        status=IGNORED,
+        unset_ok=True,
+        default=None,
+    )
+    dtype: str = doc("Engine dtype.", default="bfloat16")
+    gpu_memory_utilization: float = doc("Device memory fraction of the engine.", default=0.5)
+    enforce_eager: bool = doc("No CUDA graphs.", default=True)
+    cudagraph_capture_sizes: list[int] | None = doc("CUDA-graph batch sizes.", default=None)
+    free_cache_engine: bool = doc("Free the KV cache between uses.", default=True)
+    data_parallel_size: int = doc("Data-parallel ranks of the engine.", default=1)
+    expert_parallel_size: int = doc("Expert-parallel ranks of the engine.", default=1)
+    tensor_model_parallel_size: int = doc("Tensor-parallel ranks of the engine.", default=2)
+    max_num_batched_tokens: int = doc("Scheduler token budget.", default=8192)
+    max_model_len: int | None = doc("Context length.", default=None)
+    max_num_seqs: int = doc("Concurrent sequences.", default=1024)
+    load_format: str = doc("Weight-loading format.", default="auto")
+    engine_kwargs: dict = doc("Extra engine arguments.", default_factory=dict)
+    limit_images: int | None = doc("Images per prompt (multi-modal).", default=None)
+    enable_chunked_prefill: bool = doc("Chunked prefill.", default=True)
+    enable_prefix_caching: bool = doc("Prefix caching.", default=True)
+    disable_log_stats: bool = doc("Silence engine statistics.", default=True)
+    skip_tokenizer_init: bool = doc("Start without the tokenizer.", default=False)
+    prompt_length: int = doc("Prompt tokens of a judge request.", default=2048)
+    response_length: int = doc("Tokens of a judge's answer.", default=2048)
+
+
+@dataclass
+class OverlongBufferConfig(BaseConfig):
+    """DAPO soft overlong punishment: a linear penalty over the last `len` tokens of the budget."""
+
+    enable: bool = doc("Penalise responses that run into the buffer.", default=False)
+    len: int = doc("Buffer length in tokens at the end of max_response_length.", default=0)
+    penalty_factor: float = doc("Penalty at the very end of the budget.", default=0.0)
+    log: bool = doc("Log the penalty as a metric.", default=False)
+
+
+@dataclass
+class RewardModelConfig(BaseConfig):
+    """Reward computation: the reward manager's options, and optionally a learned reward model."""
+
+    enable: bool = doc(
+        "Score responses with a learned reward model (otherwise rule-based rewards only).", default=False
+    )
+    enable_resource_pool: bool = doc(
+        "Run the reward model in its own pool of workers (reward_model.nnodes x n_gpus_per_node), not colocated.",
+        default=False,
+    )
+    n_gpus_per_node: int = doc("Workers per node of that pool (with enable_resource_pool).", default=0)
+    nnodes: int = doc("Nodes of that pool (with enable_resource_pool).", default=0)
+    strategy: str = doc("Backend of the reward model.", choices=STRATEGIES, default="fsdp")
+    model: RewardModelModelConfig = doc("The reward model.", default_factory=RewardModelModelConfig)
+    micro_batch_size: int | None = doc(
+        "Global micro-batch.", status=DEPRECATED, replacement="use micro_batch_size_per_gpu", default=None
+    )
+    micro_batch_size_per_gpu: int | None = doc("Sequences per reward-model forward pass on one rank.", default=None)
+    max_length: int | None = doc(
+        "Maximum sequence length fed to the reward model: a longer row keeps its last max_length tokens (the "
+        "response's end survives, the prompt's start goes); null: no limit.",
+        default=None,
+    )
+    use_dynamic_bsz: bool = doc(
+        "Pack micro-batches by token count (a speed knob; the reward model runs micro_batch_size_per_gpu rows).",
+        status=IGNORED,
+        default=False,
+    )
+    forward_max_token_len_per_gpu: int = doc(
+        "Token budget of one packed forward micro-batch.", status=IGNORED, default=32768
+    )
+    reward_manager: str | None = doc(
+        "Turns scores into token-level rewards (reward_manager.name follows it).",
+        choices=REWARD_MANAGERS,
+        default="naive",
+    )
+    reward_loop_source: str = doc(
+        "Where upstream's reward loop class comes from: register (built in).",
+        status=UNSUPPORTED,
+        neutral="register",
+        default="register",
+    )
+    reward_loop_module_path: str | None = doc(
+        "File of a custom reward loop.", status=UNSUPPORTED, neutral=None, default=None
+    )
+    reward_loop_class_name: str | None = doc(
+        "Class of a custom reward loop.", status=UNSUPPORTED, neutral=None, default=None
+    )
+    launch_reward_fn_async: bool = doc(
+        "Compute rule rewards in a background task during the log-prob pass.", default=False
+    )
+    sandbox_fusion: SandboxFusionConfig = doc("Code-execution sandbox.", default_factory=SandboxFusionConfig)
+    profiler: ProfilerConfig = doc("Profiling of the reward model.", default_factory=ProfilerConfig)
+    ulysses_sequence_parallel_size: int = doc(
+        "Sequence-parallel group size of the reward model: its forward scores padded rows, which Ulysses "
+        "(packed sequences only) cannot split.",
+        status=UNSUPPORTED,
+        neutral=1,
+        optional=True,
+        default=1,
+    )
+    megatron: McoreEngineConfig = doc(
+        "Megatron-core parallelism of the reward model (strategy megatron; a layout other than the actor's runs "
+        "in worker processes of its own).",
+        optional=True,
+        default_factory=McoreEngineConfig,
+    )
+    nccl_timeout: int = doc("Megatron: seconds a collective may wait.", optional=True, default=600)
+    load_weight: bool = doc(
+        "Megatron: load the HF weights.", status=UNSUPPORTED, neutral=True, optional=True, default=True
+    )
+    use_reward_loop: bool = doc(
+        "Upstream computes rewards in its reward loop (true) or in the driver (false); the rewards are the same. "
+        "Here rule rewards are computed by the driver's reward manager and a reward model runs in the actor's "
+        "workers either way.",
+        optional=True,
+        default=True,
+    )
+    num_workers: int = doc(f"Reward-loop worker processes. {_SPEED}.", status=IGNORED, optional=True, default=1)
+    rollout: RewardModelRolloutConfig = doc(
+        "The reward model's serving engine (upstream's reward loop).",
+        optional=True,
+        default_factory=RewardModelRolloutConfig,
+    )
+    reward_kwargs: dict = doc("Ours. Extra keyword arguments of the reward manager.", default_factory=dict)
+    overlong_buffer: OverlongBufferConfig = doc(
+        "Ours. DAPO overlong penalty (used by reward_manager=dapo).", default_factory=OverlongBufferConfig
+    )
