@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 import torch
 
+from tests.config_helpers import engine_config
 from tests.experimental.agent_loop.conftest import ForcedRollout, encode
 from tests.experimental.agent_loop.test_tool_agent_loop import P, question_batch
 from verl.experimental.agent_loop import AgentLoopRollout
@@ -93,7 +94,7 @@ def hf_rollout(tokenizer):
     from verl.models import bundled_model_path
     from verl.workers.rollout.hf_rollout import HFRollout
 
-    config = {"response_length": 16, "prompt_length": P, "calculate_log_probs": True}
+    config = engine_config(response_length=16, prompt_length=P, calculate_log_probs=True)
     return HFRollout(bundled_model_path(), config=config, tokenizer=tokenizer, device="cpu")
 
 
