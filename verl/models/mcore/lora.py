@@ -41,6 +41,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from verl.utils.megatron.lora_config import LORA_DTYPES, LORA_TARGETS, lora_config_errors
+
 __all__ = [
     "LORA_TARGETS",
     "LoRASettings",
@@ -51,19 +53,6 @@ __all__ = [
     "merged_weight",
 ]
 
-LORA_TARGETS = {"linear_qkv": "column", "linear_proj": "row", "linear_fc1": "column", "linear_fc2": "row"}
-"""The megatron layers an adapter can go on, and how their weight is split over tensor ranks."""
-
-INIT_METHODS = ("xavier", "kaiming", "normal", "zero")
-DROPOUT_POSITIONS = ("pre", "post")
-_DTYPES = {
-    "fp32": torch.float32,
-    "float32": torch.float32,
-    "bf16": torch.bfloat16,
-    "bfloat16": torch.bfloat16,
-    "fp16": torch.float16,
-    "float16": torch.float16,
-}
 PARTIAL_GRAD_ATTR = "partial_grad_over_tp"
 """Set on a parameter whose gradient each tensor-parallel rank holds only its share of (summed over
 the tensor group before the optimizer step)."""
@@ -83,7 +72,7 @@ class LoRASettings:
         self.target_modules = list(get("target_modules", list(LORA_TARGETS)))
         self.exclude_modules = list(get("exclude_modules", []) or [])
         dtype = get("dtype", None)
-        self.dtype = None if dtype is None else _DTYPES.get(str(dtype).replace("torch.", ""))
+        self.dtype = None if dtype is None else LORA_DTYPES.get(str(dtype).replace("torch.", ""))
         self.seed = seed
         errors = lora_config_errors(lora_cfg)
         if errors:
@@ -92,45 +81,6 @@ class LoRASettings:
     @property
     def scale(self) -> float:
         return self.alpha / self.rank
-
-
-def lora_config_errors(lora_cfg) -> list[str]:
-    """What is wrong with an enabled `model.lora` section (rank > 0), one message per problem."""
-    get = lora_cfg.get
-    key = "actor_rollout_ref.model.lora"
-    errors = []
-    if get("type", "lora") != "lora":
-        errors.append(
-            f"{key}.type={get('type')!r} is not implemented on this backend (only 'lora': plain low-rank adapters); "
-            "set it to lora"
-        )
-    if float(get("alpha", 32)) <= 0:
-        errors.append(f"{key}.alpha={get('alpha')} must be positive: the adapters' update is scaled by alpha / rank")
-    if not 0.0 <= float(get("dropout", 0.0)) < 1.0:
-        errors.append(f"{key}.dropout={get('dropout')} must be in [0, 1)")
-    if get("dropout_position", "pre") not in DROPOUT_POSITIONS:
-        errors.append(f"{key}.dropout_position={get('dropout_position')!r}: choose one of {list(DROPOUT_POSITIONS)}")
-    for which in ("lora_A_init_method", "lora_B_init_method"):
-        if get(which, "zero") not in INIT_METHODS:
-            errors.append(f"{key}.{which}={get(which)!r}: choose one of {list(INIT_METHODS)}")
-    targets = list(get("target_modules", list(LORA_TARGETS)) or [])
-    if not targets:
-        errors.append(f"{key}.target_modules is empty, so LoRA would adapt nothing; use {list(LORA_TARGETS)}")
-    for name in targets + list(get("exclude_modules", []) or []):
-        if "*" not in str(name) and name not in LORA_TARGETS:
-            errors.append(
-                f"{key}: unknown module {name!r} in target_modules/exclude_modules; valid names are "
-                f"{list(LORA_TARGETS)} (or a pattern with '*' over the full module name, e.g. '*.layers.0.*')"
-            )
-    dtype = get("dtype", None)
-    if dtype is not None and str(dtype).replace("torch.", "") not in _DTYPES:
-        errors.append(f"{key}.dtype={dtype!r}: choose one of {sorted(_DTYPES)} or null (the model's dtype)")
-    if get("adapter_path", None):
-        errors.append(
-            f"{key}.adapter_path={get('adapter_path')!r}: starting from a pretrained megatron adapter is not "
-            "implemented; remove it to train fresh adapters (a verl checkpoint resumes its adapters by itself)"
-        )
-    return errors
 
 
 def _matches(full_name: str, patterns: list[str]) -> bool:

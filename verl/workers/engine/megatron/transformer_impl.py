@@ -155,6 +155,7 @@ class MegatronEngine(BaseEngine):
         # LoRA (model.lora.rank > 0) on the trained policy only: the base is frozen and is the reference
         lora = plain_section(model_config.get("lora"))
         self.lora = for_training and not value_head and int(lora.get("rank", 0) or 0) > 0
+        self.lora_config = lora if self.lora else None
         if self.lora:
             from verl.models.mcore.lora import apply_lora
 
@@ -191,6 +192,7 @@ class MegatronEngine(BaseEngine):
             checkpoint_config,
             hf_config=self.hf_config,
             hf_weights=self.get_per_tensor_param,
+            lora_config=self.lora_config,
         )
 
     def _load_dist_checkpoint(self, meg: dict, seed: int) -> None:
