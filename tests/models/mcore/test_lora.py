@@ -234,3 +234,77 @@ def test_lora_update_at_tp1_and_tp2_equals_the_float64_reference_and_each_other(
 @pytest.mark.slow
 def test_lora_update_at_tp2_with_sequence_parallelism_equals_the_float64_reference(tmp_path):
     run_distributed(_update_matches_reference, 2, 2, True, str(tmp_path / "sp.pt"))
+
+
+def _targets_dropout_and_experts(rank, world_size):
+    from verl.models.mcore.lora import apply_lora
+    from verl.utils.megatron.parallel_state import destroy_model_parallel
+
+    hf_model = tiny_hf_model("qwen2", tie_word_embeddings=True, num_layers=2)
+    # a '*' pattern over the full name, and an exclusion: only layer 1's attention output projection
+    chunks = build_loaded_chunks(hf_model)
+    apply_lora(
+        chunks,
+        {
+            "rank": 2,
+            "alpha": 2,
+            "target_modules": ["*.layers.1.*"],
+            "exclude_modules": ["linear_qkv", "linear_fc1", "linear_fc2"],
+        },
+    )
+    adapted = sorted(n for n, p in chunks[0].named_parameters() if p.requires_grad)
+    assert adapted == [
+        "decoder.layers.1.self_attention.linear_proj.adapter.linear_in",
+        "decoder.layers.1.self_attention.linear_proj.adapter.linear_out",
+    ], adapted
+    destroy_model_parallel()
+    with pytest.raises(ValueError, match=r"matches no layer of this model"):
+        apply_lora(build_loaded_chunks(hf_model), {"rank": 2, "target_modules": ["*.layers.9.*"]})
+    destroy_model_parallel()
+
+    # dropout on the adapter's input (pre) or output (post) in training mode, none in eval mode
+    for position in ("pre", "post"):
+        chunks = build_loaded_chunks(hf_model)
+        cfg = {"rank": 2, "alpha": 6, "dropout": 0.5, "dropout_position": position, "lora_B_init_method": "kaiming"}
+        apply_lora(chunks, cfg, seed=3)
+        layer = chunks[0].decoder.layers[0].mlp.linear_fc2
+        a, b = layer.adapter.linear_in.detach(), layer.adapter.linear_out.detach()
+        x = torch.randn(3, 2, a.shape[1], generator=torch.Generator().manual_seed(0))
+        base = F.linear(x, layer.weight)
+        layer.train()
+        torch.manual_seed(11)
+        got = layer(x)[0]
+        torch.manual_seed(11)
+        if position == "pre":
+            want = base + 3.0 * F.linear(F.linear(F.dropout(x, 0.5, training=True), a), b)
+        else:
+            want = base + 3.0 * F.dropout(F.linear(F.linear(x, a), b), 0.5, training=True)
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
+        layer.eval()
+        torch.testing.assert_close(layer(x)[0], base + 3.0 * F.linear(F.linear(x, a), b), atol=1e-5, rtol=0)
+        destroy_model_parallel()
+
+
+def _moe_experts_are_refused(rank, world_size):
+    from tests.megatron_helpers import tiny_moe_hf_model
+    from verl.models.mcore.lora import apply_lora
+
+    hf_model = tiny_moe_hf_model(num_layers=2)
+    with pytest.raises(
+        ValueError, match=r"adapters on expert layers are not implemented.*target_modules=\[linear_qkv,linear_proj\]"
+    ):
+        apply_lora(build_loaded_chunks(hf_model), {"rank": 2})
+    from verl.utils.megatron.parallel_state import destroy_model_parallel
+
+    destroy_model_parallel()
+    chunks = build_loaded_chunks(hf_model)
+    apply_lora(chunks, {"rank": 2, "target_modules": ["linear_qkv", "linear_proj"]})
+    assert all(".self_attention." in n for n, p in chunks[0].named_parameters() if p.requires_grad)
+
+
+def test_target_patterns_exclusions_and_dropout_positions():
+    run_distributed(_targets_dropout_and_experts, 1)
+
+
+def test_lora_on_moe_expert_layers_is_refused_and_attention_only_works():
+    run_distributed(_moe_experts_are_refused, 1)

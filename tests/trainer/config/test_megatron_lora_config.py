@@ -56,6 +56,7 @@ def test_an_unknown_target_module_lists_the_valid_ones(megatron_defaults):
             "actor_rollout_ref.model.lora.adapter_path=/ckpt/adapter is not implemented",
         ),
         ({"dtype": "int8"}, "lora.dtype='int8'"),
+        ({"a2a_experimental": True}, "lora.a2a_experimental=true tunes the all-to-all"),
     ],
 )
 def test_bad_lora_values_are_refused_with_the_key(megatron_defaults, keys, expected):

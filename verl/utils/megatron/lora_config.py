@@ -55,6 +55,11 @@ def lora_config_errors(lora_cfg, key: str = "actor_rollout_ref.model.lora") -> l
     dtype = get("dtype", None)
     if dtype is not None and str(dtype).replace("torch.", "") not in LORA_DTYPES:
         errors.append(f"{key}.dtype={dtype!r}: choose one of {sorted(LORA_DTYPES)} or null (the model's dtype)")
+    if get("a2a_experimental", False):
+        errors.append(
+            f"{key}.a2a_experimental=true tunes the all-to-all of adapters on MoE expert layers, which are not "
+            "implemented here; set it to false"
+        )
     if get("adapter_path", None):
         errors.append(
             f"{key}.adapter_path={get('adapter_path')!r}: starting from a pretrained megatron adapter is not "
