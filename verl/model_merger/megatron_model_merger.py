@@ -19,12 +19,15 @@ Design decisions:
   size are checked against the config before loading, so a config from another model is a clear
   error rather than a failure deep inside megatron. A critic's saved config is its causal LM's, so
   the merged critic's config gets `num_labels=1` to match its one-output value head.
+- A LoRA run's checkpoint (a `lora_config.json` beside `dist_ckpt/`) is merged: the adapters are
+  put on the model before loading, and the conversion yields `W + alpha/rank * B @ A`.
 - Peak memory is two copies of the full model: the megatron model and the merged state dict.
 """
 
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import tempfile
 
@@ -166,7 +169,7 @@ class MegatronModelMerger(BaseModelMerger):
         from transformers import AutoConfig
 
         from verl.models.mcore import build_model_chunks, hf_to_mcore_config, mcore_to_hf_named_tensors
-        from verl.utils.checkpoint.megatron_checkpoint_manager import MegatronCheckpointManager
+        from verl.utils.checkpoint.megatron_checkpoint_manager import LORA_CONFIG_FILE, MegatronCheckpointManager
 
         # the config as saved: --tie-word-embedding only changes how the merged model is written
         hf_config = AutoConfig.from_pretrained(self.hf_model_config_path)
@@ -181,6 +184,12 @@ class MegatronModelMerger(BaseModelMerger):
         with _single_rank_megatron():
             tf_config = hf_to_mcore_config(hf_config, None, dtype)
             chunks = build_model_chunks(hf_config, tf_config, value_head=value_head)
+            lora_path = os.path.join(self.config.local_dir, LORA_CONFIG_FILE)
+            if os.path.isfile(lora_path):  # a LoRA run: the adapters are loaded too and merged on the way out
+                from verl.models.mcore.lora import apply_lora
+
+                with open(lora_path) as f:
+                    apply_lora(chunks, json.load(f))
             manager = MegatronCheckpointManager(
                 chunks, checkpoint_config={"save_contents": ["model"], "load_contents": ["model"]}
             )

@@ -217,7 +217,8 @@ def test_a_lora_layout_set_beside_an_adapter_warns_that_the_adapter_s_wins(defau
 
 def test_a_lora_adapter_path_on_a_megatron_actor_is_refused(megatron_defaults, lora_adapter):
     msg = error_of(with_(megatron_defaults, actor_rollout_ref__model__lora_adapter_path=lora_adapter))
-    assert f"actor_rollout_ref.model.lora_adapter_path={lora_adapter} (LoRA adapters) is not available" in msg
+    assert f"actor_rollout_ref.model.lora_adapter_path={lora_adapter} (LoRA adapters) is the FSDP backend's LoRA" in msg
+    assert "actor_rollout_ref.model.lora.rank" in msg
 
 
 def test_unimplemented_feature_at_its_neutral_value_is_fine(defaults):

@@ -25,6 +25,8 @@ Megatron's layouts (local spec):
   and each expert's MLP over the expert-tensor ranks like a dense MLP; the router is replicated.
 - Layer names are local to a stage (`decoder.layers.0` on every stage); the global layer index
   comes from megatron's layer offset for (pp_rank, vp_stage).
+- With LoRA adapters (`verl.models.mcore.lora`) the way back yields each adapted weight merged
+  with its adapter: the rollout engine and HF exports see one plain model.
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ import torch
 import torch.distributed as dist
 
 from verl.models.mcore.config import padded_vocab_size
+from verl.models.mcore.lora import export_parameters
 
 __all__ = ["hf_to_mcore_state_dict", "load_hf_state_dict", "mcore_to_hf_named_tensors", "layer_owners"]
 
@@ -294,7 +297,8 @@ def mcore_to_hf_named_tensors(model_chunks, hf_config, value_head: bool = False)
     pp_rank = mpu.get_pipeline_model_parallel_rank()
     pp_size = tf_config.pipeline_model_parallel_size
     vpp = tf_config.virtual_pipeline_model_parallel_size
-    params = [dict(chunk.named_parameters()) for chunk in model_chunks]
+    # adapted weights (LoRA) read as their merge with the adapters: what the rollout and HF exports get
+    params = [export_parameters(chunk) for chunk in model_chunks]
     sample = next(iter(params[0].values()))
     dtype, device = sample.dtype, sample.device
     owners = layer_owners(tf_config)

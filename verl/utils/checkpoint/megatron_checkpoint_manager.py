@@ -7,6 +7,9 @@ Layout of one checkpoint directory (`local_path`, e.g. `.../global_step_10/actor
     extra_state_world_size_<W>_rank_<r>.pt  lr scheduler, RNG states, optimizer step and hyper-parameters
     huggingface/                            config.json, tokenizer files, and model.safetensors
                                             (full HF weights) when save_contents has hf_model
+    lora_config.json                        with LoRA: model.lora (rank, alpha, targets, ...); the
+                                            adapters themselves are in dist_ckpt/ beside the frozen
+                                            base, and hf_model holds the merged weights
 
 Design decisions:
 - The optimizer is a plain torch AdamW over this rank's parameter shards (see
@@ -36,6 +39,7 @@ Design decisions:
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import shutil
 
@@ -53,6 +57,7 @@ logger = get_logger(__name__)
 
 _MOMENTS = ("exp_avg", "exp_avg_sq")
 DIST_CKPT_DIR = "dist_ckpt"
+LORA_CONFIG_FILE = "lora_config.json"
 
 
 def _require_psutil() -> None:
@@ -240,11 +245,13 @@ class MegatronCheckpointManager(BaseCheckpointManager):
         *,
         hf_config=None,
         hf_weights=None,
+        lora_config: dict | None = None,
     ):
         super().__init__(model, optimizer, lr_scheduler, processing_class, checkpoint_config)
         self.chunks = list(model)
         self.hf_config = hf_config
         self.hf_weights = hf_weights
+        self.lora_config = lora_config
 
     @staticmethod
     def _extra_state_name(world_size: int, rank: int) -> str:
@@ -288,6 +295,10 @@ class MegatronCheckpointManager(BaseCheckpointManager):
                     {k: v for k, v in g.items() if k != "params"} for g in self.optimizer.param_groups
                 ]
             torch.save(extra, os.path.join(tmp, self._extra_state_name(world, rank)))
+        if self.lora_config is not None and rank == 0:
+            # the adapters' layout and scale, which their tensors alone do not tell (the model merger reads it)
+            with open(os.path.join(tmp, LORA_CONFIG_FILE), "w") as f:
+                json.dump(self.lora_config, f, indent=2)
         hf_dir = os.path.join(tmp, "huggingface")
         self._save_huggingface(hf_dir, rank)
         _barrier()

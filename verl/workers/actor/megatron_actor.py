@@ -49,6 +49,7 @@ import torch.distributed as dist
 
 from verl.models.mcore.config import compute_autocast
 from verl.models.mcore.forward import left_align, response_columns
+from verl.models.mcore.lora import PARTIAL_GRAD_ATTR
 from verl.models.mcore.moe import MegatronRouterAuxLoss, expert_grad_sq_norm, expert_params, reduce_expert_grads
 from verl.utils import shared_prompt, speed_paths
 from verl.utils.device import get_device
@@ -130,6 +131,10 @@ def finalize_megatron_grads(model_chunks) -> None:
             if param.grad is not None:
                 param.grad.mul_(tp_size)
         average_gradients(sequence_parallel, mpu.get_tensor_model_parallel_group(), tp_size)
+    tp_shares = [p for p in params.values() if getattr(p, PARTIAL_GRAD_ATTR, False) and p.grad is not None]
+    if tp_size > 1 and tp_shares:  # LoRA's A of a column-parallel layer: each rank holds its share of the sum
+        for param in tp_shares:
+            dist.all_reduce(param.grad, group=mpu.get_tensor_model_parallel_group())
     experts = {id(p) for p in expert_params(model_chunks)}  # a MoE model's: see verl.models.mcore.moe
     reduce_expert_grads([p for p in params.values() if id(p) in experts], average_gradients)
     dp_size = mpu.get_data_parallel_world_size(with_context_parallel=True)

@@ -22,7 +22,7 @@ from verl.workers.config._fields import DEPRECATED, IGNORED, LOSS_AGG_MODES, STR
 from verl.workers.config.actor import ProfilerConfig
 from verl.workers.config.checkpoint import CheckpointConfig
 from verl.workers.config.engine import FSDPEngineConfig, McoreEngineConfig
-from verl.workers.config.model import MegatronLoRAConfig, TiledMLPConfig
+from verl.workers.config.model import MegatronCriticLoRAConfig, TiledMLPConfig
 from verl.workers.config.optimizer import FSDPOptimizerConfig, McoreOptimizerConfig, OptimizerConfig
 
 __all__ = ["CriticConfig", "CriticModelConfig", "FSDPCriticConfig", "FSDPCriticModelCfg", "McoreCriticConfig"]
@@ -52,7 +52,9 @@ class CriticModelConfig(BaseConfig):
     fsdp_config: FSDPEngineConfig = doc(
         "FSDP engine (strategy fsdp or fsdp2).", optional=True, default_factory=FSDPEngineConfig
     )
-    lora: MegatronLoRAConfig = doc("LoRA of a Megatron critic.", optional=True, default_factory=MegatronLoRAConfig)
+    lora: MegatronCriticLoRAConfig = doc(
+        "LoRA of a Megatron critic.", optional=True, default_factory=MegatronCriticLoRAConfig
+    )
 
 
 @dataclass

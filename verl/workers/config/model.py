@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from verl.base_config import BaseConfig
 from verl.workers.config._fields import _SPEED, IGNORED, UNSUPPORTED, doc
 
-__all__ = ["HFModelConfig", "MegatronLoRAConfig", "MtpConfig", "TiledMLPConfig"]
+__all__ = ["HFModelConfig", "MegatronCriticLoRAConfig", "MegatronLoRAConfig", "MtpConfig", "TiledMLPConfig"]
 
 
 @dataclass
@@ -58,23 +58,49 @@ class MegatronLoRAConfig(BaseConfig):
     merge: bool = doc(
         "Merge the adapters into the weights for generation (with rank > 0).", optional=True, default=False
     )
-    rank: int = doc("LoRA rank; 0 trains all weights.", status=UNSUPPORTED, neutral=0, default=0)
-    alpha: int = doc("LoRA alpha (with rank > 0).", default=32)
+    rank: int = doc(
+        "LoRA rank; > 0 trains only low-rank adapters on the target layers (the reference policy is then "
+        "the frozen base, the rollout gets the merged weights); 0 trains all weights.",
+        default=0,
+    )
+    alpha: int = doc("LoRA alpha: the adapters' update is scaled by alpha / rank (with rank > 0).", default=32)
     dropout: float = doc("Adapter dropout (with rank > 0).", default=0.0)
     target_modules: list[str] = doc(
         "Megatron layers that get adapters (with rank > 0).",
         default_factory=lambda: ["linear_qkv", "linear_proj", "linear_fc1", "linear_fc2"],
     )
     exclude_modules: list[str] = doc("Layers that get no adapter (with rank > 0).", default_factory=lambda: [])
-    dropout_position: str = doc("Where dropout applies (with rank > 0).", default="pre")
-    lora_A_init_method: str = doc("Initialisation of A (with rank > 0).", default="xavier")
-    lora_B_init_method: str = doc("Initialisation of B (with rank > 0).", default="zero")
+    dropout_position: str = doc(
+        "Where dropout applies (with rank > 0): pre (on the adapter's input) or post (on its output).", default="pre"
+    )
+    lora_A_init_method: str = doc(
+        "Initialisation of A (with rank > 0): xavier (normal), kaiming (uniform), normal (std 0.02) or zero.",
+        default="xavier",
+    )
+    lora_B_init_method: str = doc("Initialisation of B (with rank > 0), as lora_A_init_method.", default="zero")
     a2a_experimental: bool = doc("Experimental all-to-all for experts (with rank > 0).", default=False)
     dtype: str | None = doc("Adapter dtype (with rank > 0).", default=None)
     adapter_path: str | None = doc("Pretrained adapter to load.", status=UNSUPPORTED, neutral=None, default=None)
     freeze_vision_model: bool = doc("Vision-language models only.", status=IGNORED, default=True)
     freeze_vision_projection: bool = doc("Vision-language models only.", status=IGNORED, default=True)
     freeze_language_model: bool = doc("Vision-language models only.", status=IGNORED, default=True)
+
+    def __post_init__(self):
+        if self.rank < 0:
+            raise ValueError(f"model.lora.rank={self.rank} must be 0 (train all weights) or a positive LoRA rank")
+        if self.rank > 0:
+            from verl.utils.megatron.lora_config import lora_config_errors
+
+            errors = lora_config_errors(self, key="model.lora")
+            if errors:
+                raise ValueError("; ".join(errors))
+
+
+@dataclass
+class MegatronCriticLoRAConfig(MegatronLoRAConfig):
+    """`critic.model.lora`: the same keys; adapters on a Megatron critic are not implemented."""
+
+    rank: int = doc("LoRA rank of the critic; 0 trains all weights.", status=UNSUPPORTED, neutral=0, default=0)
 
 
 @dataclass

@@ -17,7 +17,9 @@ Design decisions:
   (`verl.utils.checkpoint.megatron_checkpoint_manager`).
 - Offload (`megatron.param_offload` / `optimizer_offload`): parameters and Adam moments live on
   the host between uses; no-ops on a CPU device.
-- No LoRA on this backend (`disable_adapter` is the base class's no-op).
+- LoRA (`model.lora.rank > 0`, see `verl.models.mcore.lora`): adapters on the trained policy's
+  linear layers, the rest frozen; `disable_adapter` gives the base model (the reference policy) and
+  the rollout receives the merged weights.
 """
 
 from __future__ import annotations
@@ -152,6 +154,14 @@ class MegatronEngine(BaseEngine):
                 state.pop("lm_head.weight", None)
             load_hf_state_dict(self.chunks, state, self.hf_config, value_head=value_head)
             del hf_model, state
+        # LoRA (model.lora.rank > 0) on the trained policy only: the base is frozen and is the reference
+        lora = plain_section(model_config.get("lora"))
+        self.lora = for_training and not value_head and int(lora.get("rank", 0) or 0) > 0
+        self.lora_config = lora if self.lora else None
+        if self.lora:
+            from verl.models.mcore.lora import apply_lora
+
+            apply_lora(self.chunks, lora, seed=int(meg.get("seed", 42)))
         for chunk in self.chunks:
             chunk.to(dev.get_device())
             if not for_training:
@@ -184,6 +194,7 @@ class MegatronEngine(BaseEngine):
             checkpoint_config,
             hf_config=self.hf_config,
             hf_weights=self.get_per_tensor_param,
+            lora_config=self.lora_config,
         )
 
     def _load_dist_checkpoint(self, meg: McoreEngineConfig) -> None:
@@ -265,6 +276,13 @@ class MegatronEngine(BaseEngine):
             yield
         finally:
             self._offload(optimizer)
+
+    def disable_adapter(self):
+        if not self.lora:
+            return contextlib.nullcontext()
+        from verl.models.mcore.lora import adapters_disabled
+
+        return adapters_disabled(self.chunks)
 
     def get_per_tensor_param(self, dtype: torch.dtype | None = None):
         """A collective over the tensor and pipeline groups; `dtype` casts each tensor once gathered."""
