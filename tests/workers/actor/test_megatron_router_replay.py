@@ -4,7 +4,7 @@ The old-log-prob pass records each token's experts (checked against the HF model
 router logits); the update's forward routes to exactly those experts after the router weights
 moved (read from the routers' outputs by forward hooks; without replay a quarter or more of the
 tokens move); without a reason to differ (one mini-batch, one step) a replayed update is the
-disabled update bit for bit; and ep=2 and tp=2 with replay give the ep=1 update.
+disabled update bit for bit; and ep=2, tp=2 and cp=2 with replay give the ep=1 update.
 """
 
 from __future__ import annotations
@@ -55,10 +55,10 @@ def _moe(top_k: int = 2):
     return model
 
 
-def _actor(hf_model, mode: str, ep: int = 1, tp: int = 1, **overrides):
+def _actor(hf_model, mode: str, ep: int = 1, tp: int = 1, cp: int = 1, **overrides):
     from verl.workers.actor.megatron_actor import MegatronPPOActor
 
-    chunks = build_loaded_chunks(hf_model, ep=ep, tp=tp, sequence_parallel=tp > 1)
+    chunks = build_loaded_chunks(hf_model, ep=ep, tp=tp, cp=cp, sequence_parallel=tp > 1)
     params = [p for chunk in chunks for p in chunk.parameters()]
     return MegatronPPOActor(_config(mode, **overrides), chunks, hf_model.config, torch.optim.SGD(params, lr=LR))
 
@@ -198,7 +198,7 @@ def test_replay_of_a_single_mini_batch_is_the_disabled_update_bit_for_bit():
     run_distributed(_replay_without_a_step_equals_disabled, 1)
 
 
-def _two_step_update(rank, world_size, ep, tp, out_dir):
+def _two_step_update(rank, world_size, ep, tp, cp, out_dir):
     """Two mini-batches per rank: the second replays routing recorded before the first's step."""
     from megatron.core import parallel_state as mpu
 
@@ -206,24 +206,26 @@ def _two_step_update(rank, world_size, ep, tp, out_dir):
 
     hf_model = _moe(top_k=2)
     data = _batch()
-    actor = _actor(hf_model, "R2", ep=ep, tp=tp, ppo_mini_batch_size=4 // (world_size // tp))
+    actor = _actor(hf_model, "R2", ep=ep, tp=tp, cp=cp, ppo_mini_batch_size=4 // (world_size // (tp * cp)))
     dp, dp_rank = mpu.get_data_parallel_world_size(), mpu.get_data_parallel_rank()
-    assert dp == world_size // tp and mpu.get_expert_model_parallel_world_size() == ep
+    assert dp == world_size // (tp * cp) and mpu.get_expert_model_parallel_world_size() == ep
     mine = data if dp == 1 else data.select_idxs(torch.tensor([0, 1, 4, 5] if dp_rank == 0 else [2, 3, 6, 7]))
     recorded = _record(actor, mine)
     _shift_routers(actor.model_chunks)  # replay matters in both mini-batches
     metrics = actor.update_policy(recorded)
     weights = dict(mcore_to_hf_named_tensors(actor.model_chunks, hf_model.config))
     if rank == 0:
-        torch.save({"metrics": metrics, "weights": weights}, f"{out_dir}/ep{ep}_tp{tp}.pt")
+        torch.save({"metrics": metrics, "weights": weights}, f"{out_dir}/ep{ep}_tp{tp}_cp{cp}.pt")
 
 
-@pytest.mark.parametrize("ep,tp", [(2, 1), (1, 2)])
-def test_replayed_updates_at_ep2_and_tp2_equal_ep1(tmp_path, ep, tp):
-    run_distributed(_two_step_update, 2, 1, 1, str(tmp_path))
-    run_distributed(_two_step_update, 2, ep, tp, str(tmp_path))
-    want = torch.load(tmp_path / "ep1_tp1.pt")
-    got = torch.load(tmp_path / f"ep{ep}_tp{tp}.pt")
+# tp=2 with sequence parallelism: each tensor rank routes half of the columns; cp=2: each context
+# rank routes its two chunks of every sequence (the recording is gathered back over both)
+@pytest.mark.parametrize("ep,tp,cp", [(2, 1, 1), (1, 2, 1), (1, 1, 2)])
+def test_replayed_updates_at_ep2_tp2_and_cp2_equal_ep1(tmp_path, ep, tp, cp):
+    run_distributed(_two_step_update, 2, 1, 1, 1, str(tmp_path))
+    run_distributed(_two_step_update, 2, ep, tp, cp, str(tmp_path))
+    want = torch.load(tmp_path / "ep1_tp1_cp1.pt")
+    got = torch.load(tmp_path / f"ep{ep}_tp{tp}_cp{cp}.pt")
     # per mini-batch (the per-micro-batch metrics differ in number: at tp=2 one rank holds every row)
     torch.testing.assert_close(
         torch.tensor(got["metrics"]["actor/grad_norm"]),
