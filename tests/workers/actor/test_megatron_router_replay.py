@@ -55,10 +55,11 @@ def _moe(top_k: int = 2):
     return model
 
 
-def _actor(hf_model, mode: str, ep: int = 1, tp: int = 1, cp: int = 1, **overrides):
+def _actor(hf_model, mode: str, ep: int = 1, tp: int = 1, cp: int = 1, device: str = "cpu", **overrides):
     from verl.workers.actor.megatron_actor import MegatronPPOActor
 
     chunks = build_loaded_chunks(hf_model, ep=ep, tp=tp, cp=cp, sequence_parallel=tp > 1)
+    chunks = [chunk.to(device) for chunk in chunks]
     params = [p for chunk in chunks for p in chunk.parameters()]
     return MegatronPPOActor(_config(mode, **overrides), chunks, hf_model.config, torch.optim.SGD(params, lr=LR))
 
@@ -67,13 +68,13 @@ def _record(actor, data: DataProto) -> DataProto:
     """The trainer's old-log-prob step: compute_log_prob's outputs joined to the batch."""
     log_probs, stats = actor.compute_log_prob_and_stats(data, ("entropy",))
     data = copy.deepcopy(data)
-    data.batch["old_log_probs"] = log_probs
+    data.batch["old_log_probs"] = log_probs.cpu()
     for key, value in stats.items():
-        data.batch[key] = value
+        data.batch[key] = value.cpu()
     return data
 
 
-def _shift_routers(chunks, seed: int = 7) -> None:
+def _shift_routers(chunks, seed: int = 7, device: str = "cpu") -> None:
     """Move every router's weights far enough that many tokens change experts."""
     from megatron.core.transformer.moe.router import TopKRouter
 
@@ -82,7 +83,7 @@ def _shift_routers(chunks, seed: int = 7) -> None:
         for chunk in chunks:
             for module in chunk.modules():
                 if isinstance(module, TopKRouter):
-                    module.weight.add_(3.0 * torch.randn(module.weight.shape, generator=g))
+                    module.weight.add_(3.0 * torch.randn(module.weight.shape, generator=g).to(device))
 
 
 def _recorded_experts_are_the_models_routing(rank, world_size):
@@ -122,7 +123,7 @@ def _experts_the_update_used(actor, data: DataProto) -> list[torch.Tensor]:
 
     maps: list[torch.Tensor] = []
     routers = [m for c in actor.model_chunks for m in c.modules() if isinstance(m, TopKRouter)]
-    hooks = [r.register_forward_hook(lambda _m, _i, out: maps.append(out[1].detach())) for r in routers]
+    hooks = [r.register_forward_hook(lambda _m, _i, out: maps.append(out[1].detach().cpu())) for r in routers]
     for group in actor.actor_optimizer.param_groups:
         group["lr"] = 0.0
     try:
@@ -148,20 +149,20 @@ def _as_one_hot(routed: torch.Tensor, num_experts: int, mask: torch.Tensor) -> t
     return hot & mask[..., None, None].bool()
 
 
-def _replay_pins_the_experts(rank, world_size):
+def _replay_pins_the_experts(rank, world_size, device="cpu"):
     hf_model = _moe(top_k=2)
     data = _batch()
     mask = data.batch["attention_mask"]
     used = {}
     for mode in ("R2", "disabled"):
-        actor = _actor(hf_model, mode, ppo_mini_batch_size=8)
+        actor = _actor(hf_model, mode, device=device, ppo_mini_batch_size=8)
         recorded = _record(actor, data)
         if mode == "disabled":  # the control: the same update, fed the R2 pass's recording
             recorded.batch["routed_experts"] = used["recorded"]
         else:
             used["recorded"] = recorded.batch["routed_experts"]
             recorded_hot = _as_one_hot(used["recorded"], 4, mask)
-        _shift_routers(actor.model_chunks)
+        _shift_routers(actor.model_chunks, device=device)
         used[mode] = torch.cat(_experts_the_update_used(actor, recorded))
     flipped = (used["disabled"] != recorded_hot).any(-1).any(-1)[mask.bool()].float().mean()
     assert flipped > 0.2, f"the shifted routers should send many tokens elsewhere; {flipped:.2f} moved"
@@ -171,6 +172,35 @@ def _replay_pins_the_experts(rank, world_size):
 
 def test_the_update_replays_the_recorded_experts_after_the_router_moved():
     run_distributed(_replay_pins_the_experts, 1)
+
+
+@pytest.mark.gpu
+def test_the_update_replays_the_recorded_experts_on_a_gpu(monkeypatch):
+    """The same on one CUDA device (nccl, fp32, TF32 off): megatron's router runs on the GPU, the
+    recording comes back to the host in the batch and goes out again for the update. Fails with the
+    fraction of tokens routed elsewhere than recorded (0 wanted) or moved by the shift (> 0.2 wanted)."""
+    import socket
+
+    import torch.distributed as dist
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", False)
+    monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", False)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    try:
+        torch.cuda.set_device(0)
+        _replay_pins_the_experts(0, 1, device="cuda")
+    finally:
+        from verl.utils.megatron.parallel_state import destroy_model_parallel
+
+        destroy_model_parallel()
+        dist.destroy_process_group()
 
 
 def _replay_without_a_step_equals_disabled(rank, world_size):
