@@ -265,3 +265,27 @@ def test_replayed_updates_at_ep2_tp2_and_cp2_equal_ep1(tmp_path, ep, tp, cp):
     )
     for name, tensor in want["weights"].items():
         torch.testing.assert_close(got["weights"][name], tensor, atol=1e-5, rtol=0, msg=name)
+
+
+def _dynamic_batches_replay_the_same_routing(rank, world_size):
+    """Token-budget micro-batches reorder the rows (balanced partitions) in both passes: the routing
+    must follow its rows there and back, so the replayed update equals the fixed-size one."""
+    from verl.models.mcore import mcore_to_hf_named_tensors
+
+    hf_model = _moe(top_k=2)
+    weights = {}
+    for dynamic in (False, True):
+        data = _batch()
+        if dynamic:
+            data.meta_info.update({"use_dynamic_bsz": True, "max_token_len": 20})
+        actor = _actor(hf_model, "R2", use_dynamic_bsz=dynamic, ppo_max_token_len_per_gpu=20)
+        recorded = _record(actor, data)
+        _shift_routers(actor.model_chunks)
+        actor.update_policy(recorded)
+        weights[dynamic] = dict(mcore_to_hf_named_tensors(actor.model_chunks, hf_model.config))
+    for name, tensor in weights[False].items():
+        torch.testing.assert_close(weights[True][name], tensor, atol=1e-5, rtol=0, msg=name)
+
+
+def test_dynamic_batch_sizes_replay_the_routing_of_each_row():
+    run_distributed(_dynamic_batches_replay_the_same_routing, 1)
