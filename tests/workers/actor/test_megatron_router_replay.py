@@ -55,10 +55,12 @@ def _moe(top_k: int = 2):
     return model
 
 
-def _actor(hf_model, mode: str, ep: int = 1, tp: int = 1, cp: int = 1, device: str = "cpu", **overrides):
+def _actor(
+    hf_model, mode: str, ep: int = 1, tp: int = 1, cp: int = 1, device: str = "cpu", tf_overrides=None, **overrides
+):
     from verl.workers.actor.megatron_actor import MegatronPPOActor
 
-    chunks = build_loaded_chunks(hf_model, ep=ep, tp=tp, cp=cp, sequence_parallel=tp > 1)
+    chunks = build_loaded_chunks(hf_model, ep=ep, tp=tp, cp=cp, sequence_parallel=tp > 1, tf_overrides=tf_overrides)
     chunks = [chunk.to(device) for chunk in chunks]
     params = [p for chunk in chunks for p in chunk.parameters()]
     return MegatronPPOActor(_config(mode, **overrides), chunks, hf_model.config, torch.optim.SGD(params, lr=LR))
@@ -289,3 +291,28 @@ def _dynamic_batches_replay_the_same_routing(rank, world_size):
 
 def test_dynamic_batch_sizes_replay_the_routing_of_each_row():
     run_distributed(_dynamic_batches_replay_the_same_routing, 1)
+
+
+RECOMPUTE = {"recompute_granularity": "full", "recompute_method": "uniform", "recompute_num_layers": 1}
+
+
+def _recomputed_backward_replays_too(rank, world_size):
+    """Full activation recomputation (upstream's R2 script sets it) runs each layer's forward again in
+    the backward pass: it must route through the replayed experts again, or the gradient would be
+    that of another network."""
+    from verl.models.mcore import mcore_to_hf_named_tensors
+
+    hf_model = _moe(top_k=2)
+    weights = {}
+    for name, overrides in (("plain", None), ("recompute", RECOMPUTE)):
+        actor = _actor(hf_model, "R2", tf_overrides=overrides)
+        recorded = _record(actor, _batch())
+        _shift_routers(actor.model_chunks)
+        actor.update_policy(recorded)
+        weights[name] = dict(mcore_to_hf_named_tensors(actor.model_chunks, hf_model.config))
+    for name, tensor in weights["plain"].items():
+        torch.testing.assert_close(weights["recompute"][name], tensor, atol=1e-6, rtol=0, msg=name)
+
+
+def test_activation_recomputation_replays_the_recorded_experts_in_the_backward():
+    run_distributed(_recomputed_backward_replays_too, 1)
