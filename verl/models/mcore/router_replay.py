@@ -13,7 +13,7 @@ Modes (upstream's names):
   every MoE layer and returns them as `routed_experts`; the update's forwards replay them.
 - `R3`: the rollout engine records them while it generates. Refused: none of this project's rollout
   engines returns routing (the built-in engine runs HF's MoE blocks and drops the choice; vLLM and
-  SGLang need unreleased patches for it), see `R3_REFUSAL`.
+  SGLang need the patches upstream's README names), see `R3_REFUSAL`.
 
 Data path: `routed_experts` is [B, S, num_moe_layers, top_k] over the columns of `input_ids` (left-
 padded prompt, right-padded response; zeros at padding), the smallest integer dtype that holds the
@@ -36,8 +36,8 @@ Design decisions:
   parallelism megatron runs each micro-batch's forward and backward back to back; with pipeline
   parallelism (1F1B interleaves them, and each stage holds part of the layers) replay is refused.
 - Supported layouts: tp (with sequence parallelism), cp, ep and etp, dp. Not done: pp > 1 (see
-  above), the FSDP actor, R3, the critic and the reference (they have no update to keep consistent;
-  upstream reads the actor's key only).
+  above), the FSDP actor, R3, the critic and the reference (neither has a probability ratio whose
+  two passes must agree; upstream reads the actor's key only).
 """
 
 from __future__ import annotations
