@@ -59,3 +59,40 @@ def test_grpo_trains_a_moe_model_at_ep2_and_resumes_at_ep1(tmp_path, shared_ray_
     rows = [r for r in read_metrics(resumed) if "actor/pg_loss" in r["data"]]
     assert [r["step"] for r in rows] == [2]  # step 1 came from the checkpoint
     assert rows[0]["data"]["actor/grad_norm"] > 0 and "actor/load_balancing_loss" in rows[0]["data"]
+
+
+def test_grpo_with_router_replay_r2_records_and_replays_the_routing_at_ep2(tmp_path, shared_ray_cluster):
+    """Two mini-batches a step, so the old-log-prob pass runs (it records `routed_experts`) and the
+    second mini-batch's forward replays routing recorded before the first one's optimizer step; the
+    actor refuses an update whose batch has old log-probs without the recording, so a finished run
+    shows it travelled from compute_log_prob through the driver to update_actor."""
+    from verl.models.factory import make_tiny
+
+    model_path = make_tiny("tiny-moe", str(tmp_path / "tiny-moe"))
+    run = tmp_path / "r2"
+    run_main_ppo(
+        main_ppo_cmd(
+            "arith_demo_megatron",
+            "actor_rollout_ref.actor.megatron.expert_model_parallel_size=2",
+            "actor_rollout_ref.actor.router_replay.mode=R2",
+            "data.train_batch_size=4",
+            "actor_rollout_ref.rollout.n=4",
+            "actor_rollout_ref.actor.ppo_mini_batch_size=2",
+            "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=4",
+            "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=4",
+            "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu=4",
+            # a random-init model never solves the task (every GRPO advantage is 0): an entropy bonus gives
+            # the update a gradient, so the replayed forwards matter
+            "actor_rollout_ref.actor.entropy_coeff=0.01",
+            *common_overrides(run, 2, model=model_path),
+        ),
+        run,
+        cluster=shared_ray_cluster,
+    )
+    rows = [r["data"] for r in read_metrics(run) if "actor/pg_loss" in r["data"]]
+    assert len(rows) == 2
+    for row in rows:
+        # actor/entropy: the old-log-prob pass ran (it records the routing)
+        assert "actor/entropy" in row and row["actor/grad_norm"] > 0, {
+            k: row.get(k) for k in ("actor/entropy", "actor/grad_norm")
+        }

@@ -515,6 +515,8 @@ class ActorRolloutRefWorker(Worker, DistProfilerExtension):
         tensors = {"old_log_probs": log_probs, "entropys": values["entropy"]}
         if "sum_pi_squared" in values:
             tensors["sum_pi_squared"] = values["sum_pi_squared"]
+        if "routed_experts" in values:  # the megatron actor's router replay (mode=R2) recorded them
+            tensors["routed_experts"] = values["routed_experts"]
         return self.ulysses.own(DataProto.from_dict(tensors=tensors))
 
     @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO)

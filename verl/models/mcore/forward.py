@@ -25,10 +25,14 @@ __all__ = ["AlignedBatch", "left_align", "response_columns"]
 class AlignedBatch:
     """Rows shifted so their first real token is column 0: `input_ids` [B, L], `labels` [B, L]
     (the next token, the last column's is padding), and the index of each response token's
-    predicting column, `response_index` [B, R]."""
+    predicting column, `response_index` [B, R]. `source_columns` [B, L] (the column of the padded
+    batch each aligned column came from) and `real` [B, L] (not padding) carry other per-token data
+    (recorded MoE routing, `verl.models.mcore.router_replay`) between the two layouts."""
 
     def __init__(self, input_ids: torch.Tensor, labels: torch.Tensor, response_index: torch.Tensor):
         self.input_ids, self.labels, self.response_index = input_ids, labels, response_index
+        self.source_columns: torch.Tensor | None = None
+        self.real: torch.Tensor | None = None
         self.cp_group, self.cp_size, self.cp_rank = None, 1, 0
 
     @property
@@ -106,7 +110,9 @@ def left_align(
     if bool((num_prompt < 1).any()):
         raise ValueError("every row needs at least one prompt token to predict its first response token from")
     response_index = (num_prompt - 1)[:, None] + torch.arange(response_length, device=input_ids.device)[None]
-    return AlignedBatch(aligned, labels, response_index.clamp(max=length - 1))
+    batch = AlignedBatch(aligned, labels, response_index.clamp(max=length - 1))
+    batch.source_columns, batch.real = index, real
+    return batch
 
 
 def response_columns(per_token: torch.Tensor, aligned: AlignedBatch) -> torch.Tensor:

@@ -34,6 +34,11 @@ sequence (`verl.models.mcore.context_parallel`); per-token log-probs and entropi
 back to whole rows, so losses and metrics are computed as without it. Dynamic batch sizes count
 `ppo_max_token_len_per_gpu` per rank, so a micro-batch holds cp times that many tokens.
 
+MoE router replay (`router_replay.mode=R2`, `verl.models.mcore.router_replay`): the old-log-prob
+pass records each token's experts and returns them as `routed_experts`; the update's forwards
+replay them, micro-batch by micro-batch, through the `before_forward` hook of
+`run_megatron_schedule`.
+
 Not supported (clear errors): `use_remove_padding` is ignored (rows are already left-aligned
 and trimmed), ulysses sequence parallelism, multi-dimensional position ids.
 """
@@ -51,6 +56,7 @@ from verl.models.mcore.config import compute_autocast
 from verl.models.mcore.forward import left_align, response_columns
 from verl.models.mcore.lora import PARTIAL_GRAD_ATTR
 from verl.models.mcore.moe import MegatronRouterAuxLoss, expert_grad_sq_norm, expert_params, reduce_expert_grads
+from verl.models.mcore.router_replay import ROUTED_EXPERTS, MegatronRouterReplay
 from verl.utils import shared_prompt, speed_paths
 from verl.utils.device import get_device
 from verl.utils.flops_counter import FlopsCounter, FlopsTally
@@ -219,11 +225,12 @@ def _interleavable(micro_batches: list, model_chunks) -> list:
     return micro_batches
 
 
-def run_megatron_schedule(model_chunks, micro_batches: list, loss_fn, forward_only: bool) -> list:
+def run_megatron_schedule(model_chunks, micro_batches: list, loss_fn, forward_only: bool, before_forward=None) -> list:
     """Forward (and backward) the micro-batches (TensorDicts in the project layout) through
     megatron's schedule; returns the per-micro-batch dicts of `loss_fn(micro_batch, output) ->
     (loss, dict)` as seen on the last pipeline stage (empty elsewhere). `micro_batch` is a dict
-    holding the tensors plus `_aligned`, its left-aligned form."""
+    holding the tensors plus `_aligned`, its left-aligned form; `before_forward(micro_batch)`, when
+    given, runs just before the model's forward on it (router replay sets its targets there)."""
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
     def loss_wrapper(micro_batch, output):
@@ -234,6 +241,8 @@ def run_megatron_schedule(model_chunks, micro_batches: list, loss_fn, forward_on
     def forward_step(data_iterator, model):
         micro_batch = next(data_iterator)
         aligned = micro_batch["_aligned"]
+        if before_forward is not None:
+            before_forward(micro_batch)
         with compute_autocast(model):  # bf16 compute on fp32 parameters (verl.models.mcore.config)
             output = model(aligned.model_input_ids, aligned.model_position_ids, None)
         return output, partial(loss_wrapper, micro_batch)
@@ -290,6 +299,8 @@ class MegatronPPOActor(PPOActor):
         speed_paths.report([self.shared_prompt_path])
         self._dp_group, self._dp_size = _dp_group_and_size()
         self.router_aux = MegatronRouterAuxLoss(self.model_chunks, hf_config, trains=actor_optimizer is not None)
+        replay_mode = (self._cfg.get("router_replay") or {}).get("mode", "disabled")
+        self.router_replay = MegatronRouterReplay(self.model_chunks, replay_mode, trains=actor_optimizer is not None)
         self.flops = FlopsTally(FlopsCounter.for_model(hf_config))  # the chunks' config is megatron's, not HF's
 
     # ------------------------------------------------------------------ forward
@@ -305,14 +316,16 @@ class MegatronPPOActor(PPOActor):
         return (response_columns(entropy, aligned) if calculate_entropy else None), log_probs
 
     def _run_schedule(self, micro_batches: list, loss_fn, forward_only: bool) -> list:
-        return run_megatron_schedule(self.model_chunks, micro_batches, loss_fn, forward_only)
+        hook = self.router_replay.before_forward if self.router_replay.enabled else None
+        return run_megatron_schedule(self.model_chunks, micro_batches, loss_fn, forward_only, hook)
 
     # ------------------------------------------------------------------ inference
 
     @torch.no_grad()
-    def _log_probs_and_entropy(self, data, calculate_entropy: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Log-probs [B, R] of the responses (and entropies [B, R]), the same on every rank of the
-        model-parallel group; `data.meta_info` as for `PPOActor.compute_log_prob_and_stats`."""
+    def _log_probs_and_entropy(self, data, calculate_entropy: bool) -> dict[str, torch.Tensor]:
+        """{"log_probs": [B, R]} of the responses (with "entropy" [B, R], and the recorded
+        `routed_experts` while router replay records), the same on every rank of the model-parallel
+        group; `data.meta_info` as for `PPOActor.compute_log_prob_and_stats`."""
         for chunk in self.model_chunks:
             chunk.eval()
         meta = data.meta_info
@@ -326,21 +339,29 @@ class MegatronPPOActor(PPOActor):
             dp_group=self._dp_group,
         )
 
+        replay = self.router_replay
+
         def loss_fn(micro_batch, output):
             entropy, log_probs = self._micro_batch_outputs(micro_batch, temperature, calculate_entropy, output)
-            return output.new_zeros(()), {"log_probs": log_probs, "entropy": entropy}
+            result = {"log_probs": log_probs, "entropy": entropy}
+            if replay.recording:
+                result[ROUTED_EXPERTS] = replay.recorded(micro_batch)
+            return output.new_zeros(()), result
 
         results = broadcast_from_last_stage(self._run_schedule(micro_batches, loss_fn, forward_only=True))
-        log_probs = torch.cat([r["log_probs"] for r in results], dim=0)
-        entropy = torch.cat([r["entropy"] for r in results], dim=0) if calculate_entropy else None
+        outputs = {"log_probs": torch.cat([r["log_probs"] for r in results], dim=0)}
+        if calculate_entropy:
+            outputs["entropy"] = torch.cat([r["entropy"] for r in results], dim=0)
+        if replay.recording:
+            outputs[ROUTED_EXPERTS] = torch.cat([r[ROUTED_EXPERTS] for r in results], dim=0)
         if reverse_idx is not None:
-            log_probs = log_probs[reverse_idx.to(log_probs.device)]
-            if entropy is not None:
-                entropy = entropy[reverse_idx.to(entropy.device)]
-        return log_probs, entropy
+            outputs = {k: v[reverse_idx.to(v.device)] for k, v in outputs.items()}
+        return outputs
 
     def compute_log_prob_and_stats(self, data, stats: tuple[str, ...] = ()) -> tuple[torch.Tensor, dict]:
-        """See `PPOActor.compute_log_prob_and_stats`; this backend computes the `entropy` statistic only."""
+        """See `PPOActor.compute_log_prob_and_stats`; this backend computes the `entropy` statistic only.
+        With `router_replay.mode=R2` the dict also holds `routed_experts` [B, S, num_moe_layers,
+        top_k], the routing of this pass (`verl.models.mcore.router_replay`)."""
         unsupported = [name for name in stats if name != "entropy"]
         if unsupported:
             raise NotImplementedError(
@@ -348,8 +369,13 @@ class MegatronPPOActor(PPOActor):
                 "ranks); actor.calculate_sum_pi_squared (for adv_estimator=optimal_token_baseline) needs "
                 "actor_rollout_ref.actor.strategy=fsdp"
             )
-        log_probs, entropy = self._log_probs_and_entropy(data, calculate_entropy="entropy" in stats)
-        return log_probs, ({} if entropy is None else {"entropy": entropy})
+        if self.router_replay.enabled:
+            self.router_replay.start_recording()
+        try:
+            outputs = self._log_probs_and_entropy(data, calculate_entropy="entropy" in stats)
+        finally:
+            self.router_replay.stop()
+        return outputs.pop("log_probs"), outputs
 
     # ------------------------------------------------------------------ training
 
@@ -357,15 +383,36 @@ class MegatronPPOActor(PPOActor):
         for chunk in self.model_chunks:
             chunk.train()
 
+    def _training_keys(self, batch) -> list[str]:
+        """The FSDP actor's keys, and with router replay the recorded `routed_experts`: required
+        whenever old log-probs come with the batch (without them the update is strictly on-policy,
+        its own forward is the only one, and there is nothing to replay)."""
+        keys = super()._training_keys(batch)
+        if not self.router_replay.enabled or "old_log_probs" not in keys:
+            return keys
+        if ROUTED_EXPERTS not in batch:
+            raise KeyError(
+                f"actor.router_replay.mode={self.router_replay.mode} replays the routing recorded by the old-log-prob "
+                f"pass (compute_log_prob), but the batch has old_log_probs and no {ROUTED_EXPERTS}: they came from "
+                "elsewhere (the rollout's log-probs under rollout correction's bypass mode or an async tis source); "
+                "let the actor recompute them or set actor.router_replay.mode=disabled"
+            )
+        return [*keys, ROUTED_EXPERTS]
+
     def _train_and_step(self, micro_batches: list, temperature: float, normaliser: float, metrics: dict):
         """Megatron's schedule over the micro-batches, then gradient reduction, clipping and the step.
         The last stage's metrics come to the host together with the gradient norm (one wait for the
         device), then go to the other stages."""
         for micro_batch in micro_batches:  # every row whole: no shared-prompt path on this backend
             self.flops.add(micro_batch["attention_mask"], micro_batch["responses"].shape[-1])
-        results = self._run_schedule(
-            micro_batches, partial(self._policy_loss, temperature=temperature, normaliser=normaliser), False
-        )
+        if ROUTED_EXPERTS in micro_batches[0]:
+            self.router_replay.start_replaying()
+        try:
+            results = self._run_schedule(
+                micro_batches, partial(self._policy_loss, temperature=temperature, normaliser=normaliser), False
+            )
+        finally:
+            self.router_replay.stop()
         finalize_megatron_grads(self.model_chunks)
         grad_norm = clip_grads_megatron(self.model_chunks, self.grad_clip)
         *results, step = metrics_to_host([*results, {"grad_norm": grad_norm}])

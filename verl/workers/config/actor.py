@@ -116,11 +116,22 @@ class ProfilerConfig(BaseConfig):
 
 @dataclass
 class RouterReplayConfig(BaseConfig):
-    """Mixture-of-experts routing record and replay."""
+    """Mixture-of-experts routing record and replay (docs/megatron.md, "Router replay"); the actor's
+    section only, on strategy=megatron (validate.py refuses the rest)."""
 
-    mode: str = doc("disabled, R2 or R3.", status=UNSUPPORTED, neutral="disabled", default="disabled")
-    record_file: str | None = doc("Where recorded routing decisions go (with mode != disabled).", default=None)
-    replay_file: str | None = doc("Recorded routing decisions to replay (with mode != disabled).", default=None)
+    mode: str = doc(
+        "R2: the old-log-prob pass records each token's experts and the update's forwards replay them; "
+        "R3: replay the rollout engine's routing (not implemented: no engine here returns it).",
+        choices=("disabled", "R2", "R3"),
+        default="disabled",
+    )
+    # upstream's release declares both and reads neither: the routing travels in the batch
+    record_file: str | None = doc(
+        "Write recorded routing decisions to a file.", status=UNSUPPORTED, neutral=None, default=None
+    )
+    replay_file: str | None = doc(
+        "Replay routing decisions from a file.", status=UNSUPPORTED, neutral=None, default=None
+    )
 
 
 @dataclass
