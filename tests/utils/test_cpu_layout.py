@@ -44,7 +44,7 @@ def test_the_reason_says_what_limited_the_choice():
 def test_bad_inputs_say_what_is_wrong():
     with pytest.raises(ValueError, match="cores >= 1"):
         choose_cpu_workers(0, 256)
-    with pytest.raises(ValueError, match="not one of auto, cpu, cuda"):
+    with pytest.raises(ValueError, match=r"not one of \['auto', 'cpu', 'cuda'\]"):
         resolve_cpu_workers("tpu", 2, 32, 8)
 
 

@@ -115,10 +115,9 @@ def resolve_cpu_workers(device: str, gpu_workers, train_batch_size, rollout_n, m
     On CUDA (`device` cuda, or auto with a GPU visible) the workers per node are `gpu_workers`; on
     CPU, `choose_cpu_workers` decides from this machine's usable cores and the batch.
     """
-    device = str(device)
-    if device not in ("auto", "cpu", "cuda"):
-        raise ValueError(f"verl_cpu_workers: device={device!r} is not one of auto, cpu, cuda (trainer.device)")
-    if device == "cuda" or (device == "auto" and _cuda_visible()):
+    from verl.utils.device import preference_uses_accelerator  # imports torch: only when the resolver runs
+
+    if preference_uses_accelerator(str(device)):
         return int(gpu_workers)
     try:
         n = int(rollout_n)
@@ -145,9 +144,3 @@ def layout_line(layout: CpuLayout, threads_given: str | None) -> str:
         f"each with OMP_NUM_THREADS={threads_given} thread(s) as set (set trainer.n_gpus_per_node to choose the "
         "process count)"
     )
-
-
-def _cuda_visible() -> bool:
-    from verl.utils.device import is_cuda_available  # imports torch: only when the resolver runs
-
-    return is_cuda_available()

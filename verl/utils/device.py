@@ -48,6 +48,14 @@ def set_device_preference(preference: str) -> None:
     os.environ["VERL_DEVICE"] = preference
 
 
+def preference_uses_accelerator(preference: str) -> bool:
+    """Whether `trainer.device=preference` runs on the accelerator on this machine: `cuda`, or `auto`
+    with a CUDA device visible (the environment's `VERL_DEVICE` is not consulted: the preference is)."""
+    if preference not in _VALID:
+        raise ValueError(f"trainer.device={preference!r} is not one of {list(_VALID)}")
+    return preference == _CUDA or (preference == "auto" and torch.cuda.is_available())
+
+
 def is_cuda_available() -> bool:
     pref = os.environ.get("VERL_DEVICE", "auto")
     if pref == "cpu":

@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 import torch
 
+from tests.config_helpers import rollout_config
 from verl.utils.dataset.arith import load_rows
 from verl.utils.dataset.arith_tool import TASK, tool_call_text, write_arith_tool_parquet
 from verl.utils.reward_score import default_compute_score
@@ -93,7 +94,8 @@ def test_sft_transcripts_are_the_tokens_and_masks_of_a_perfect_rollout(rows, tok
     )
     rollout = AgentLoopRollout(
         ForcedRollout(None, perfect, compute_logprobs=False),
-        {"response_length": 160, "multi_turn": {}},
+        # rows without an agent_name run the default loop: here the tool-calling one
+        rollout_config(response_length=160, agent={"default_agent_loop": "tool_agent"}),
         tokenizer,
         tools=[CalculatorTool()],
     )

@@ -27,7 +27,6 @@ def _config(mode: str, **overrides) -> dict:
         "ppo_mini_batch_size": 4,
         "ppo_micro_batch_size_per_gpu": 2,
         "ppo_epochs": 1,
-        "grad_clip": 1.0,
         "clip_ratio": 0.2,
         "loss_agg_mode": "token-mean",
         "policy_loss": {"loss_mode": "vanilla"},
