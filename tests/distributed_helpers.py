@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import socket
 import sys
 import traceback
 
@@ -172,9 +171,12 @@ def reference_response_log_probs(model, batch, temperature: float = 1.0):
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A port for a rank-0 server the ranks bind later: verl's pick outside the kernel's ephemeral
+    range (`get_free_port`), not `bind(0)`, whose port any outgoing connection (Ray's many) can take
+    between the pick and rank 0's bind (EADDRINUSE)."""
+    from verl.single_controller.base.worker import get_free_port
+
+    return get_free_port()
 
 
 def _entry(rank: int, world_size: int, port: int, fn, args, errors):
