@@ -214,7 +214,7 @@ FORKSERVER_PRELOAD = [
     "transformers",
     "transformers.models.qwen2.modeling_qwen2",
     "transformers.models.llama.modeling_llama",
-    "transformers.models.qwen2_moe.modeling_qwen2_moe",
+    "transformers.models.qwen3_moe.modeling_qwen3_moe",  # the MoE tests' architecture (verl.models.factory)
     "tests.distributed_helpers",
     "verl.protocol",
     "verl.workers.fsdp_workers",
