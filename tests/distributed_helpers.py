@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import socket
 import sys
 import traceback
 
@@ -172,9 +171,12 @@ def reference_response_log_probs(model, batch, temperature: float = 1.0):
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A port for a rank-0 server the ranks bind later: verl's pick outside the kernel's ephemeral
+    range (`get_free_port`), not `bind(0)`, whose port any outgoing connection (Ray's many) can take
+    between the pick and rank 0's bind (EADDRINUSE)."""
+    from verl.single_controller.base.worker import get_free_port
+
+    return get_free_port()
 
 
 def _entry(rank: int, world_size: int, port: int, fn, args, errors):
@@ -199,8 +201,35 @@ def _entry(rank: int, world_size: int, port: int, fn, args, errors):
         dist.destroy_process_group()
 
 
-# What a forkserver imports once, so the ranks it forks start with them loaded.
-FORKSERVER_PRELOAD = ["torch", "torch.distributed", "transformers", "tests.distributed_helpers", "verl.protocol"]
+# What the ranks start with already imported: a forkserver imports these once, and a forking parent
+# imports them before its first fork. Without them every rank of every test paid, on its own: the
+# tiny models' modeling modules (transformers imports them lazily: ~1 s idle, 11 s at load 33),
+# megatron.core (~2 s idle, 17 s at load 20) and verl's workers (~0.3 s idle), a hundred-odd spawns a
+# tier run. A module that is not installed (megatron-core) is skipped, as the forkserver skips any
+# preload that fails to import. None of them starts a thread or touches CUDA on import (checked:
+# one thread, `torch.cuda.is_initialized()` false), which forking needs.
+FORKSERVER_PRELOAD = [
+    "torch",
+    "torch.distributed",
+    "transformers",
+    "transformers.models.qwen2.modeling_qwen2",
+    "transformers.models.llama.modeling_llama",
+    "transformers.models.qwen3_moe.modeling_qwen3_moe",  # the MoE tests' architecture (verl.models.factory)
+    "tests.distributed_helpers",
+    "verl.protocol",
+    "verl.workers.fsdp_workers",
+    "megatron.core",
+    "megatron.core.models.gpt",
+]
+
+
+def _preload_for_fork() -> None:
+    """Import FORKSERVER_PRELOAD here, so ranks forked from this process inherit the modules."""
+    import importlib
+
+    for name in FORKSERVER_PRELOAD:
+        with contextlib.suppress(ImportError):
+            importlib.import_module(name)
 
 
 def _start_method() -> str:
@@ -244,6 +273,8 @@ def run_distributed(fn, world_size: int = 2, *args) -> None:
     ctx = mp.get_context(start_method)
     if start_method == "forkserver":
         ctx.set_forkserver_preload(FORKSERVER_PRELOAD)  # read when the server starts (the first time)
+    elif start_method == "fork":
+        _preload_for_fork()
     errors = ctx.SimpleQueue()
     try:
         mp.start_processes(

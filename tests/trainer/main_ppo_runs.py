@@ -42,6 +42,15 @@ def run_env(tmp_path: Path) -> dict:
     return env
 
 
+def imported_modules(importtime_stderr: str) -> set[str]:
+    """The modules a `python -X importtime` run imported (its stderr lines `import time: a | b | name`)."""
+    return {
+        line.rsplit("|", 1)[1].strip()
+        for line in importtime_stderr.splitlines()
+        if line.startswith("import time:") and "|" in line
+    }
+
+
 def main_ppo_cmd(config_name: str, *overrides: str) -> list[str]:
     """`python -m verl.trainer.main_ppo --config-name=<config_name> <overrides>` with this interpreter."""
     return [sys.executable, "-m", "verl.trainer.main_ppo", f"--config-name={config_name}", *overrides]

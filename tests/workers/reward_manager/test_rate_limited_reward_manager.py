@@ -79,13 +79,19 @@ def test_scores_like_naive_and_places_rewards_at_the_last_token(char_tokenizer, 
 
 
 def test_max_concurrent_bounds_calls_in_flight(char_tokenizer, make_batch):
+    """Two calls are in flight at once, never three. A barrier of two makes each call wait for a
+    partner, so reaching two does not depend on how fast the pool's threads start on a busy
+    machine; the 0.1 s hold after it is the window in which a third call, if the limit let one
+    through, would be counted."""
     state = {"now": 0, "peak": 0}
     lock = threading.Lock()
+    pair = threading.Barrier(2, timeout=60)
 
     def slow(data_source, solution_str, ground_truth, extra_info=None):
         with lock:
             state["now"] += 1
             state["peak"] = max(state["peak"], state["now"])
+        pair.wait()
         time.sleep(0.1)
         with lock:
             state["now"] -= 1
@@ -93,13 +99,34 @@ def test_max_concurrent_bounds_calls_in_flight(char_tokenizer, make_batch):
 
     manager = RateLimitedRewardManager(tokenizer=char_tokenizer, compute_score=slow, max_concurrent=2)
     start = time.monotonic()
-    manager(make_batch(["1"] * 6, ["1"] * 6))
+    reward = manager(make_batch(["1"] * 6, ["1"] * 6))
     elapsed = time.monotonic() - start
+    assert reward.sum() == 6.0
     assert state["peak"] == 2, f"{state['peak']} calls ran at once with max_concurrent=2"
+    # a lower bound only: a busy machine makes it longer, never shorter
     assert elapsed >= 0.29, f"6 calls of 0.1 s, two at a time, took {elapsed:.2f} s"
 
 
+def _record_charges(bucket) -> list[float]:
+    """The tokens each `acquire` asks of `bucket` (the real bucket still does the waiting)."""
+    charges = []
+    acquire = bucket.acquire
+
+    async def recording_acquire(num_tokens: float = 1.0) -> None:
+        charges.append(num_tokens)
+        await acquire(num_tokens)
+
+    bucket.acquire = recording_acquire
+    return charges
+
+
 def test_max_rpm_paces_request_starts(char_tokenizer, make_batch):
+    """max_rpm=240 is a bucket of 4 requests refilled at 4/s, charged 1 per request: the charges are
+    recorded, the bucket's waits for them are exact on a virtual clock (the test above), and the
+    real clock shows that the manager does wait: the 5th to 7th starts come at least 0.25 s apart.
+    Only lower bounds on the real clock (a busy machine delays starts, never hastens them); "the
+    first 4 start at once" was an upper bound (< 0.2 s) that a loaded machine broke, and is the
+    full bucket at start, which the virtual-clock test shows."""
     starts = []
 
     async def judge(data_source, solution_str, ground_truth, extra_info=None):  # an async reward function
@@ -109,24 +136,27 @@ def test_max_rpm_paces_request_starts(char_tokenizer, make_batch):
     manager = RateLimitedRewardManager(
         tokenizer=char_tokenizer, compute_score=judge, max_concurrent=8, max_rpm=240
     )  # 4 requests/s, bucket of 4
+    bucket = manager._shared_state.rpm_bucket
+    assert (bucket.rate_limit, bucket.max_tokens) == (4.0, 4.0)
+    charges = _record_charges(bucket)
     t0 = time.monotonic()
     reward = manager(make_batch(["1"] * 7, ["1"] * 7))
     offsets = sorted(s - t0 for s in starts)
     assert reward.sum() == 7.0
-    assert offsets[3] < 0.2, f"the first 4 requests should start at once: {offsets}"
-    for k in range(4, 7):  # then one every 0.25 s
+    assert charges == [1.0] * 7, charges
+    for k in range(4, 7):  # 4 tokens at start, then one more every 0.25 s
         assert offsets[k] >= 0.25 * (k - 3) - 0.02, f"request {k} started at {offsets[k]:.3f} s: {offsets}"
-    assert offsets[-1] < 1.5
 
 
 def test_max_tpm_charges_the_estimated_tokens(char_tokenizer, make_batch):
+    """600 tokens/min = 10/s, bucket of 10; each request costs 5: two at once, then one per 0.5 s.
+    The charges are recorded; the real clock is held to lower bounds only (as above)."""
     starts = []
 
     def judge(data_source, solution_str, ground_truth, extra_info=None):
         starts.append(time.monotonic())
         return 0.0
 
-    # 600 tokens/min = 10/s, bucket of 10; each request costs 5: two at once, then one per 0.5 s
     manager = RateLimitedRewardManager(
         tokenizer=char_tokenizer,
         compute_score=judge,
@@ -134,32 +164,45 @@ def test_max_tpm_charges_the_estimated_tokens(char_tokenizer, make_batch):
         max_tpm=600,
         estimated_tokens_per_request=5,
     )
+    bucket = manager._shared_state.tpm_bucket
+    assert (bucket.rate_limit, bucket.max_tokens) == (10.0, 10.0)
+    assert manager._shared_state.rpm_bucket is None
+    charges = _record_charges(bucket)
     t0 = time.monotonic()
     manager(make_batch(["1"] * 4, ["1"] * 4))
     offsets = sorted(s - t0 for s in starts)
-    assert offsets[1] < 0.2 and offsets[2] >= 0.48 and offsets[3] >= 0.98, offsets
+    assert charges == [5.0] * 4, charges
+    assert offsets[2] >= 0.48 and offsets[3] >= 0.98, offsets
 
 
 def test_timeouts_score_zero_and_errors_follow_on_error(char_tokenizer, make_batch):
+    """The slow call waits on an event that is set only after the manager returned, so it times out
+    whatever the machine's load; the fast call has the whole 1 s timeout to start and return 1.0
+    (it was 0.2 s, against a 1 s sleep: both sides of the verdict depended on timing)."""
+    release = threading.Event()
+
     def sometimes_slow(data_source, solution_str, ground_truth, extra_info=None):
         if solution_str == "9":
-            time.sleep(1.0)
+            release.wait(timeout=60)
         if solution_str == "8":
             raise RuntimeError("judge API returned 500")
         return 1.0
 
     batch = make_batch(["1", "9"], ["1", "9"])
     manager = RateLimitedRewardManager(
-        tokenizer=char_tokenizer, compute_score=sometimes_slow, max_concurrent=2, timeout=0.2
+        tokenizer=char_tokenizer, compute_score=sometimes_slow, max_concurrent=2, timeout=1.0
     )
-    out = manager(batch, return_dict=True)
+    try:
+        out = manager(batch, return_dict=True)
+    finally:
+        release.set()  # the timed-out call cannot be cancelled: let its thread finish
     assert out["reward_tensor"].sum(-1).tolist() == [1.0, 0.0]
     assert out["reward_extra_info"]["reward_timeout"] == [0, 1]
     with pytest.raises(RewardFunctionError, match="judge API returned 500"):
         manager(make_batch(["8"], ["8"]))
     RateLimitedRewardManager.reset_shared_limits()
     lenient = RateLimitedRewardManager(
-        tokenizer=char_tokenizer, compute_score=sometimes_slow, max_concurrent=2, timeout=0.2, on_error="zero"
+        tokenizer=char_tokenizer, compute_score=sometimes_slow, max_concurrent=2, timeout=1.0, on_error="zero"
     )
     out = lenient(make_batch(["8", "1"], ["8", "1"]), return_dict=True)
     assert out["reward_tensor"].sum(-1).tolist() == [0.0, 1.0] and out["reward_extra_info"]["reward_error"] == [1, 0]

@@ -17,19 +17,12 @@ from __future__ import annotations
 
 import argparse
 import os
-import socket
 
 import torch
 
 __all__ = ["convert_hf_to_mcore", "main"]
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def convert_hf_to_mcore(
@@ -45,6 +38,7 @@ def convert_hf_to_mcore(
     from megatron.core import dist_checkpointing
 
     from verl.models.mcore import build_model_chunks, hf_to_mcore_config, load_hf_state_dict
+    from verl.single_controller.base.worker import get_free_port
     from verl.utils.megatron.parallel_state import destroy_model_parallel, initialize_model_parallel
     from verl.utils.model import load_causal_lm, load_model_config
 
@@ -52,7 +46,9 @@ def convert_hf_to_mcore(
         raise FileExistsError(f"--output_path {output_path} exists and is not empty; choose a new directory")
     own_world = not dist.is_initialized()
     if own_world:
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1)
+        # get_free_port, not bind(0): a port of the ephemeral range can be taken by any outgoing
+        # connection between the pick and gloo's bind (the EADDRINUSE race of worker start-up)
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{get_free_port()}", rank=0, world_size=1)
     elif dist.get_world_size() != 1:
         raise RuntimeError("convert_hf_to_mcore runs in one process; call it outside a multi-rank world")
     try:
