@@ -8,6 +8,8 @@ import os
 
 import pytest
 
+from tests.distributed_helpers import one_gpu_group  # noqa: F401  (a fixture: the megatron checks on one GPU)
+
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("RAY_DEDUP_LOGS", "0")
 

@@ -170,6 +170,30 @@ def reference_response_log_probs(model, batch, temperature: float = 1.0):
     return out_lp, out_ent
 
 
+@pytest.fixture
+def one_gpu_group(monkeypatch):
+    """This process as a one-rank NCCL group on CUDA device 0 with exact fp32 matmuls (TF32 off), for
+    the megatron checks on one GPU; skips without a GPU. Megatron's and torch's groups are torn down
+    afterwards."""
+    import torch.distributed as dist
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", False)
+    monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", False)
+    dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+    try:
+        torch.cuda.set_device(0)
+        yield
+    finally:
+        from verl.utils.megatron.parallel_state import destroy_model_parallel
+
+        destroy_model_parallel()
+        dist.destroy_process_group()
+
+
 def free_port() -> int:
     """A port for a rank-0 server the ranks bind later: verl's pick outside the kernel's ephemeral
     range (`get_free_port`), not `bind(0)`, whose port any outgoing connection (Ray's many) can take

@@ -310,58 +310,41 @@ def test_lora_on_moe_expert_layers_is_refused_and_attention_only_works():
 
 
 @pytest.mark.gpu
-def test_lora_on_one_gpu_matches_the_reference_and_trains_only_the_adapters(monkeypatch):
+@pytest.mark.usefixtures("one_gpu_group")
+def test_lora_on_one_gpu_matches_the_reference_and_trains_only_the_adapters():
     """On one GPU (NCCL, fp32, TF32 off): the adapted model's logits equal the HF model's with the
     reference LoRA hooks within 1e-4, a backward pass gives every adapter a finite non-zero gradient
     and the frozen weights none, and the exported merge equals the CPU float64 merge within 1e-6."""
-    import socket
-
     from verl.models.mcore import mcore_to_hf_named_tensors
     from verl.models.mcore.lora import apply_lora
-    from verl.utils.megatron.parallel_state import destroy_model_parallel
 
-    if not torch.cuda.is_available():
-        pytest.skip("needs a CUDA device")
-    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
-        monkeypatch.delenv(name, raising=False)
-    monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", False)
-    monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", False)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
-    try:
-        torch.cuda.set_device(0)
-        hf_model = tiny_hf_model("qwen2", tie_word_embeddings=True, num_layers=2)
-        chunks = build_loaded_chunks(hf_model)
-        apply_lora(chunks, LORA, seed=7)
-        adapters = full_adapters(chunks)
-        chunks = [chunk.cuda() for chunk in chunks]
-        reference = copy.deepcopy(hf_model)
-        attach_reference_lora(reference, adapters, ALPHA / RANK)
-        reference = reference.float().cuda()
+    hf_model = tiny_hf_model("qwen2", tie_word_embeddings=True, num_layers=2)
+    chunks = build_loaded_chunks(hf_model)
+    apply_lora(chunks, LORA, seed=7)
+    adapters = full_adapters(chunks)
+    chunks = [chunk.cuda() for chunk in chunks]
+    reference = copy.deepcopy(hf_model)
+    attach_reference_lora(reference, adapters, ALPHA / RANK)
+    reference = reference.float().cuda()
 
-        vocab = hf_model.config.vocab_size
-        ids = torch.randint(0, vocab, (2, 8), generator=torch.Generator().manual_seed(0)).cuda()
-        positions = torch.arange(8).expand(2, 8).cuda()
-        got = chunks[0](ids, positions, None)[..., :vocab].float()
-        with torch.no_grad():
-            want = reference(input_ids=ids).logits.float()
-        diff = float((got - want).abs().max())
-        assert diff <= 1e-4, f"max |logit diff| on the GPU: {diff:.3g}"
+    vocab = hf_model.config.vocab_size
+    ids = torch.randint(0, vocab, (2, 8), generator=torch.Generator().manual_seed(0)).cuda()
+    positions = torch.arange(8).expand(2, 8).cuda()
+    got = chunks[0](ids, positions, None)[..., :vocab].float()
+    with torch.no_grad():
+        want = reference(input_ids=ids).logits.float()
+    diff = float((got - want).abs().max())
+    assert diff <= 1e-4, f"max |logit diff| on the GPU: {diff:.3g}"
 
-        got.logsumexp(-1).mean().backward()
-        for name, param in chunks[0].named_parameters():
-            if ".adapter." in name:
-                assert param.grad is not None and bool(torch.isfinite(param.grad).all()), f"{name}: {param.grad}"
-                assert float(param.grad.abs().max()) > 0, f"{name}: zero gradient"
-            else:
-                assert param.grad is None, f"frozen {name} got a gradient"
+    got.logsumexp(-1).mean().backward()
+    for name, param in chunks[0].named_parameters():
+        if ".adapter." in name:
+            assert param.grad is not None and bool(torch.isfinite(param.grad).all()), f"{name}: {param.grad}"
+            assert float(param.grad.abs().max()) > 0, f"{name}: zero gradient"
+        else:
+            assert param.grad is None, f"frozen {name} got a gradient"
 
-        exported = {n: t.cpu() for n, t in mcore_to_hf_named_tensors(chunks, hf_model.config)}
-        want_merge = _reference_merge(hf_model, adapters, ALPHA / RANK)
-        worst = max(float((exported[n] - want_merge[n]).abs().max()) for n in want_merge)
-        assert worst <= 1e-6, f"max |merged weight diff| GPU vs CPU float64: {worst:.3g}"
-    finally:
-        destroy_model_parallel()
-        dist.destroy_process_group()
+    exported = {n: t.cpu() for n, t in mcore_to_hf_named_tensors(chunks, hf_model.config)}
+    want_merge = _reference_merge(hf_model, adapters, ALPHA / RANK)
+    worst = max(float((exported[n] - want_merge[n]).abs().max()) for n in want_merge)
+    assert worst <= 1e-6, f"max |merged weight diff| GPU vs CPU float64: {worst:.3g}"

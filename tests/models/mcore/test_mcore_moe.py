@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.distributed as dist
 
 from tests.distributed_helpers import run_distributed
 from tests.megatron_helpers import assert_hf_round_trip_exact, build_loaded_chunks, tiny_moe_hf_model
@@ -77,46 +76,28 @@ def test_expert_parallelism_on_a_dense_model_is_a_clear_error():
 
 
 @pytest.mark.gpu
-def test_megatron_moe_on_one_gpu_matches_hf_and_trains_the_router(monkeypatch):
+@pytest.mark.usefixtures("one_gpu_group")
+def test_megatron_moe_on_one_gpu_matches_hf_and_trains_the_router():
     """On a GPU without TransformerEngine (the `enable_moe_compat` shim: megatron's router linear
     refers to an unbound TE name there): fp32 log-probs equal the HF model's on the same GPU within
     1e-4 (TF32 off), and a backward pass gives the router and every local expert a finite, non-zero
     gradient."""
-    import socket
+    hf_model = tiny_moe_hf_model()
+    chunks = build_loaded_chunks(hf_model)
+    chunks = [chunk.cuda() for chunk in chunks]
+    hf_model = hf_model.cuda()
+    batch = {k: v.cuda() for k, v in _batch().items()}
+    got = _megatron_response_log_probs(chunks, hf_model.config, batch)
+    want = _hf_response_log_probs(hf_model, batch)
+    mask = batch["response_mask"].bool()
+    diff = float((got[mask] - want[mask]).abs().max())
+    assert diff <= 1e-4, f"max |log-prob diff| on the GPU: {diff:.3g}"
 
-    if not torch.cuda.is_available():
-        pytest.skip("needs a CUDA device")
-    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
-        monkeypatch.delenv(name, raising=False)
-    monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", False)
-    monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", False)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
-    try:
-        torch.cuda.set_device(0)
-        hf_model = tiny_moe_hf_model()
-        chunks = build_loaded_chunks(hf_model)
-        chunks = [chunk.cuda() for chunk in chunks]
-        hf_model = hf_model.cuda()
-        batch = {k: v.cuda() for k, v in _batch().items()}
-        got = _megatron_response_log_probs(chunks, hf_model.config, batch)
-        want = _hf_response_log_probs(hf_model, batch)
-        mask = batch["response_mask"].bool()
-        diff = float((got[mask] - want[mask]).abs().max())
-        assert diff <= 1e-4, f"max |log-prob diff| on the GPU: {diff:.3g}"
-
-        aligned = left_align(batch["input_ids"], batch["attention_mask"], batch["position_ids"], RESPONSE_LENGTH)
-        chunks[0](aligned.input_ids, aligned.position_ids, None).float().logsumexp(-1).mean().backward()
-        mlp = chunks[0].decoder.layers[0].mlp
-        grads = {"router": mlp.router.weight.grad}
-        grads.update({f"expert {i}": e.linear_fc1.weight.grad for i, e in enumerate(mlp.experts.local_experts)})
-        for name, grad in grads.items():
-            assert grad is not None and bool(torch.isfinite(grad).all()), f"{name}: gradient {grad}"
-            assert float(grad.abs().max()) > 0, f"{name}: zero gradient"
-    finally:
-        from verl.utils.megatron.parallel_state import destroy_model_parallel
-
-        destroy_model_parallel()
-        dist.destroy_process_group()
+    aligned = left_align(batch["input_ids"], batch["attention_mask"], batch["position_ids"], RESPONSE_LENGTH)
+    chunks[0](aligned.input_ids, aligned.position_ids, None).float().logsumexp(-1).mean().backward()
+    mlp = chunks[0].decoder.layers[0].mlp
+    grads = {"router": mlp.router.weight.grad}
+    grads.update({f"expert {i}": e.linear_fc1.weight.grad for i, e in enumerate(mlp.experts.local_experts)})
+    for name, grad in grads.items():
+        assert grad is not None and bool(torch.isfinite(grad).all()), f"{name}: gradient {grad}"
+        assert float(grad.abs().max()) > 0, f"{name}: zero gradient"

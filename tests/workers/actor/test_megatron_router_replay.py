@@ -176,32 +176,12 @@ def test_the_update_replays_the_recorded_experts_after_the_router_moved():
 
 
 @pytest.mark.gpu
-def test_the_update_replays_the_recorded_experts_on_a_gpu(monkeypatch):
+@pytest.mark.usefixtures("one_gpu_group")
+def test_the_update_replays_the_recorded_experts_on_a_gpu():
     """The same on one CUDA device (nccl, fp32, TF32 off): megatron's router runs on the GPU, the
     recording comes back to the host in the batch and goes out again for the update. Fails with the
     fraction of tokens routed elsewhere than recorded (0 wanted) or moved by the shift (> 0.2 wanted)."""
-    import socket
-
-    import torch.distributed as dist
-
-    if not torch.cuda.is_available():
-        pytest.skip("needs a CUDA device")
-    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
-        monkeypatch.delenv(name, raising=False)
-    monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", False)
-    monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", False)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
-    try:
-        torch.cuda.set_device(0)
-        _replay_pins_the_experts(0, 1, device="cuda")
-    finally:
-        from verl.utils.megatron.parallel_state import destroy_model_parallel
-
-        destroy_model_parallel()
-        dist.destroy_process_group()
+    _replay_pins_the_experts(0, 1, device="cuda")
 
 
 def _replay_without_a_step_equals_disabled(rank, world_size):
