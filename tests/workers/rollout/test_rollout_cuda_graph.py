@@ -37,11 +37,34 @@ def test_grouped_matmul_attention_matches_sdpa_and_transformers(arch, request):
 
 
 @pytest.mark.parametrize("fused_attention", [True, False])
+def test_eager_decoding_never_reads_a_cache_slot_it_did_not_write(qwen2_model, fused_attention):
+    """Without graphs the cache is left uninitialised (no zeroing cost): generation must read only
+    slots it wrote. Poisoned with NaN beforehand, the same cache still gives transformers' tokens."""
+    engine = GenerationEngine.from_model(qwen2_model, device="cpu")
+    decoder = engine.decoder
+    decoder.fused_attention = fused_attention
+    assert not decoder.cuda_graphs
+    decoder.reserve(8, 64, 64)
+    poisoned = decoder.k_cache.data_ptr()
+    decoder.k_cache.fill_(float("nan"))
+    decoder.v_cache.fill_(float("nan"))
+    input_ids, attention_mask = left_padded_prompts(LENGTHS)
+    out = engine.generate(input_ids, attention_mask, 10, GREEDY)
+    assert decoder.k_cache is not None and decoder.k_cache.data_ptr() == poisoned  # the same buffers ran
+    want = hf_greedy_loop(qwen2_model, input_ids, attention_mask, 10)
+    torch.testing.assert_close(out.responses, want, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("fused_attention", [True, False])
 def test_masked_kv_window_and_padding_rows_leave_real_rows_unchanged(qwen2_model, fused_attention):
     """What a bucketed graph does: decode 4 rows padded to 8, attending over the whole cache."""
     engine = GenerationEngine.from_model(qwen2_model, device="cpu")
     decoder = engine.decoder
     decoder.fused_attention = fused_attention
+    # the graph mode's cache (zeroed): its padding rows and window read slots no prefill wrote, which
+    # the eager mode's uninitialised cache may hold NaN in (0 attention weight x NaN = NaN)
+    decoder.cuda_graphs = True
+    decoder.release_cache()
     input_ids, attention_mask = left_padded_prompts([6, 2, 4, 5])
     P, B = input_ids.shape[1], 4
     positions = (attention_mask.cumsum(-1) - 1).clamp(min=0)
