@@ -170,6 +170,24 @@ def reference_response_log_probs(model, batch, temperature: float = 1.0):
     return out_lp, out_ent
 
 
+RANK_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+"""What torch.distributed reads from the environment: a test's own group must not inherit a launcher's."""
+
+
+@pytest.fixture
+def one_process(monkeypatch):
+    """A worker built in this process joins a one-rank gloo group of its own (no launcher's rank
+    variables, VERL_DEVICE=cpu); the group is destroyed afterwards."""
+    import torch.distributed as dist
+
+    for name in RANK_ENV:
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("VERL_DEVICE", "cpu")
+    yield
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
 @pytest.fixture
 def one_gpu_group(monkeypatch):
     """This process as a one-rank NCCL group on CUDA device 0 with exact fp32 matmuls (TF32 off), for
@@ -179,7 +197,7 @@ def one_gpu_group(monkeypatch):
 
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA device")
-    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+    for name in RANK_ENV:
         monkeypatch.delenv(name, raising=False)
     monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", False)
     monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", False)

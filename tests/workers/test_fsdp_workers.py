@@ -18,14 +18,11 @@ def _timeout_s(group) -> float:
 
 
 @pytest.fixture
-def one_process(monkeypatch):
-    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
-        monkeypatch.delenv(name, raising=False)
-    monkeypatch.setenv("VERL_DEVICE", "cpu")
-    monkeypatch.setenv("VERL_DIST_TIMEOUT_S", "45")  # the config's value must win over it
+def one_process(one_process, monkeypatch):
+    """The shared one-rank setup (tests/distributed_helpers.py), with an environment timeout that the
+    config's `nccl_timeout` must win over."""
+    monkeypatch.setenv("VERL_DIST_TIMEOUT_S", "45")
     yield
-    if dist.is_initialized():
-        dist.destroy_process_group()
 
 
 def test_actor_worker_group_uses_nccl_timeout(one_process):

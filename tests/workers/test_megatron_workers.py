@@ -23,16 +23,13 @@ LR = 1e-6
 
 
 @pytest.fixture
-def one_process(monkeypatch):
-    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
-        monkeypatch.delenv(name, raising=False)
-    monkeypatch.setenv("VERL_DEVICE", "cpu")
+def one_process(one_process):
+    """The shared one-rank setup (tests/distributed_helpers.py); megatron's groups go before the
+    process group it destroys."""
     yield
     from megatron.core import parallel_state as mpu
 
     mpu.destroy_model_parallel()
-    if dist.is_initialized():
-        dist.destroy_process_group()
 
 
 def _actor_worker(dtype: str):

@@ -265,18 +265,6 @@ def test_the_system_prompt_helpers_find_the_templates_prefix_and_generation_prom
     assert generation == encode(tokenizer, "<|assistant|>")
 
 
-@pytest.fixture
-def one_process(monkeypatch):
-    import torch.distributed as dist
-
-    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
-        monkeypatch.delenv(name, raising=False)
-    monkeypatch.setenv("VERL_DEVICE", "cpu")
-    yield
-    if dist.is_initialized():
-        dist.destroy_process_group()
-
-
 def test_the_rollout_worker_runs_an_upstream_loop_from_a_config_file_with_every_column(
     one_process, tokenizer, tmp_path
 ):

@@ -13,13 +13,13 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from tests.distributed_helpers import make_ppo_batch, run_distributed
+from tests.distributed_helpers import run_distributed
 from tests.megatron_helpers import assert_metrics_close, build_loaded_chunks, tiny_hf_model
-from verl.protocol import DataProto
+
+# the plain Megatron actor test's config and batch: LoRA changes only which weights train
+from tests.workers.actor.test_megatron_actor import LR, _actor_config, _training_data
 from verl.workers.actor.dp_actor import DataParallelPPOActor
 
-TEMPERATURE = 0.7
-LR = 0.5
 RANK, ALPHA = 4, 8
 LORA = {
     "rank": RANK,
@@ -28,33 +28,6 @@ LORA = {
     "lora_A_init_method": "xavier",
     "lora_B_init_method": "kaiming",
 }
-
-
-def _actor_config() -> dict:
-    return {
-        "ppo_mini_batch_size": 4,
-        "ppo_micro_batch_size_per_gpu": 2,
-        "ppo_epochs": 1,
-        "clip_ratio": 0.2,
-        "loss_agg_mode": "token-mean",
-        "policy_loss": {"loss_mode": "vanilla"},
-        "entropy_coeff": 0.01,
-        "use_kl_loss": True,
-        "kl_loss_coef": 0.1,
-        "kl_loss_type": "low_var_kl",
-    }
-
-
-def _training_data(hf_model) -> DataProto:
-    td = make_ppo_batch(batch_size=8, prompt_length=6, response_length=5, seed=1)
-    scorer = DataParallelPPOActor(_actor_config(), hf_model)
-    meta = {"temperature": TEMPERATURE, "micro_batch_size": 4}
-    log_probs, _ = scorer.compute_log_prob(DataProto.from_dict(tensors=dict(td.items()), meta_info=meta))
-    g = torch.Generator().manual_seed(2)
-    td["old_log_probs"] = log_probs + 0.3 * torch.randn(log_probs.shape, generator=g)
-    td["ref_log_prob"] = log_probs + 0.1 * torch.randn(log_probs.shape, generator=g)
-    td["advantages"] = torch.randn(log_probs.shape, generator=g) * td["response_mask"]
-    return DataProto.from_dict(tensors=dict(td.items()), meta_info={"temperature": TEMPERATURE})
 
 
 def _gather(local: torch.Tensor, dim: int) -> torch.Tensor:
