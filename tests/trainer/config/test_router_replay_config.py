@@ -63,7 +63,9 @@ def test_router_replay_settings_this_verl_cannot_run_are_refused(megatron_defaul
 
 
 def test_r3_with_the_built_in_engine_recording_validates(megatron_defaults):  # noqa: F811
-    validate_ppo_config(with_(megatron_defaults, actor_rollout_ref__actor__megatron__expert_model_parallel_size=2, **R3))
+    validate_ppo_config(
+        with_(megatron_defaults, actor_rollout_ref__actor__megatron__expert_model_parallel_size=2, **R3)
+    )
 
 
 @pytest.mark.parametrize("mode", ["R2", "R3"])

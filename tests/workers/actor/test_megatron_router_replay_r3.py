@@ -29,7 +29,7 @@ from tests.workers.actor.test_megatron_router_replay import (
 from verl.models.moe import RoutingRecorder
 from verl.protocol import DataProto
 
-ROW, COLUMN = None, 8  # the altered token: a full-length row's third response column (prompts are 6 wide)
+COLUMN = 8  # the altered token: a full-length row's third response column (prompts are 6 wide)
 
 
 def _rollout_routing(hf_model, data: DataProto) -> torch.Tensor:
@@ -155,7 +155,10 @@ def test_r3_at_ep2_equals_ep1(tmp_path):
     for a, b in zip(got["old"], want["old"], strict=True):
         torch.testing.assert_close(a, b, atol=1e-5, rtol=0)
     torch.testing.assert_close(
-        torch.tensor(got["metrics"]["actor/grad_norm"]), torch.tensor(want["metrics"]["actor/grad_norm"]), rtol=1e-5, atol=0
+        torch.tensor(got["metrics"]["actor/grad_norm"]),
+        torch.tensor(want["metrics"]["actor/grad_norm"]),
+        rtol=1e-5,
+        atol=0,
     )
     for name, tensor in want["weights"].items():
         torch.testing.assert_close(got["weights"][name], tensor, atol=1e-5, rtol=0, msg=name)

@@ -85,7 +85,9 @@ def test_recorded_routing_equals_a_plain_forward_of_the_final_sequences():
     want = _hf_routing(model, sequences, mask)
     real = mask.bool()
     differ = (routing.long() != want).any(-1).any(-1) & real
-    assert not differ.any(), f"{int(differ.sum())} of {int(real.sum())} tokens routed differently, at {differ.nonzero()}"
+    assert not differ.any(), (
+        f"{int(differ.sum())} of {int(real.sum())} tokens routed differently, at {differ.nonzero()}"
+    )
     assert int(routing[~real].max()) == 0, "padding columns hold zeros"
     assert len(set(want[real][:, 0, 0].tolist())) > 1, "a model routing every token alike would prove little"
 
@@ -122,7 +124,7 @@ def test_hf_rollout_returns_routed_experts_over_prompt_and_response_columns():
     assert int(routing[~real].max()) == 0 and int(routing[real].max()) > 0
 
     plain = HFRollout(model, engine_config(response_length=R), device="cpu").generate_sequences(prompts)
-    assert "routed_experts" not in plain.batch.keys()
+    assert "routed_experts" not in plain.batch
 
 
 def test_a_dense_model_and_partial_rollouts_are_refused():

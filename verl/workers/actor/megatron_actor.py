@@ -406,7 +406,7 @@ class MegatronPPOActor(PPOActor):
         """[`routed_experts`] under R3, whose every forward replays the rollout's routing; else []."""
         if not self.router_replay.replays_rollout_routing:
             return []
-        if ROUTED_EXPERTS not in batch.keys():
+        if ROUTED_EXPERTS not in batch:
             raise KeyError(
                 f"actor.router_replay.mode=R3 replays the routing the rollout engine recorded, but the batch has no "
                 f"{ROUTED_EXPERTS}: generate with actor_rollout_ref.rollout.enable_rollout_routing_replay=true (the "
