@@ -6,8 +6,9 @@ reads from the HF model's routers on the same sequences: when it is the actor's 
 changes nothing (old log-probs and the update equal the unpinned ones bit for bit); when one
 token's experts are changed, exactly the log-probs downstream of that token change (a causal model:
 the token's own prediction and later ones in its row; every other row and every earlier column
-stays), and the update routes every token to the rollout's experts after the routers moved. ep=2
-replays the same and trains the same weights as ep=1.
+stays), and the update routes every token to the rollout's experts after the routers moved. ep=2,
+tp=2 (sequence parallel) and cp=2 replay the same in both passes and train the same weights as
+ep=1, and token-budget micro-batches (which reorder the rows) replay each row's own routing.
 """
 
 from __future__ import annotations
@@ -125,7 +126,7 @@ def test_r3_without_routed_experts_in_the_batch_is_refused():
     run_distributed(_r3_needs_the_rollouts_routing, 1)
 
 
-def _two_step_r3_update(rank, world_size, ep, out_dir):
+def _two_step_r3_update(rank, world_size, ep, tp, cp, out_dir):
     """Two mini-batches per rank after the routers moved: every forward replays the rollout's routing."""
     from megatron.core import parallel_state as mpu
 
@@ -134,26 +135,34 @@ def _two_step_r3_update(rank, world_size, ep, out_dir):
     hf_model = _moe(top_k=2)
     data = _batch()
     data.batch["routed_experts"] = _altered(_rollout_routing(hf_model, data), _full_row(data), COLUMN)
-    actor = _actor(hf_model, "R3", ep=ep, ppo_mini_batch_size=4 // world_size)
-    assert mpu.get_expert_model_parallel_world_size() == ep
+    dp = world_size // (tp * cp)
+    actor = _actor(hf_model, "R3", ep=ep, tp=tp, cp=cp, ppo_mini_batch_size=4 // dp)
+    assert mpu.get_expert_model_parallel_world_size() == ep and mpu.get_data_parallel_world_size() == dp
     dp_rank = mpu.get_data_parallel_rank()
-    mine = data if world_size == 1 else data.select_idxs(torch.tensor([0, 1, 4, 5] if dp_rank == 0 else [2, 3, 6, 7]))
+    mine = data if dp == 1 else data.select_idxs(torch.tensor([0, 1, 4, 5] if dp_rank == 0 else [2, 3, 6, 7]))
     _shift_routers(actor.model_chunks)
     mine.batch["old_log_probs"] = _old_log_probs(actor, mine)
     metrics = actor.update_policy(mine)
     weights = dict(mcore_to_hf_named_tensors(actor.model_chunks, hf_model.config))
     parts = [None] * world_size
     torch.distributed.all_gather_object(parts, mine.batch["old_log_probs"])
+    masks = [None] * world_size
+    torch.distributed.all_gather_object(masks, mine.batch["response_mask"])
     if rank == 0:
-        torch.save({"metrics": metrics, "weights": weights, "old": parts}, f"{out_dir}/ep{ep}.pt")
+        old = torch.cat(parts) if dp > 1 else mine.batch["old_log_probs"]  # tp/cp ranks hold the same rows
+        old = old * (torch.cat(masks) if dp > 1 else mine.batch["response_mask"])  # padding: whatever the model gave
+        torch.save({"metrics": metrics, "weights": weights, "old": old}, f"{out_dir}/ep{ep}_tp{tp}_cp{cp}.pt")
 
 
-def test_r3_at_ep2_equals_ep1(tmp_path):
-    run_distributed(_two_step_r3_update, 2, 1, str(tmp_path))
-    run_distributed(_two_step_r3_update, 2, 2, str(tmp_path))
-    want, got = torch.load(tmp_path / "ep1.pt"), torch.load(tmp_path / "ep2.pt")
-    for a, b in zip(got["old"], want["old"], strict=True):
-        torch.testing.assert_close(a, b, atol=1e-5, rtol=0)
+@pytest.mark.parametrize("ep,tp,cp", [(2, 1, 1), (1, 2, 1), (1, 1, 2)])
+def test_r3_at_ep2_tp2_and_cp2_equals_ep1(tmp_path, ep, tp, cp):
+    run_distributed(_two_step_r3_update, 2, 1, 1, 1, str(tmp_path))
+    run_distributed(_two_step_r3_update, 2, ep, tp, cp, str(tmp_path))
+    want, got = torch.load(tmp_path / "ep1_tp1_cp1.pt"), torch.load(tmp_path / f"ep{ep}_tp{tp}_cp{cp}.pt")
+    if tp * cp == 1:
+        torch.testing.assert_close(got["old"], want["old"], atol=1e-5, rtol=0)
+    else:  # one data-parallel rank holds every row, in the order [0, 1, 4, 5, 2, 3, 6, 7] of the dp=2 runs
+        torch.testing.assert_close(got["old"][[0, 1, 4, 5, 2, 3, 6, 7]], want["old"], atol=1e-5, rtol=0)
     torch.testing.assert_close(
         torch.tensor(got["metrics"]["actor/grad_norm"]),
         torch.tensor(want["metrics"]["actor/grad_norm"]),
@@ -162,3 +171,21 @@ def test_r3_at_ep2_equals_ep1(tmp_path):
     )
     for name, tensor in want["weights"].items():
         torch.testing.assert_close(got["weights"][name], tensor, atol=1e-5, rtol=0, msg=name)
+
+
+def _dynamic_batches_replay_each_rows_routing(rank, world_size):
+    hf_model = _moe(top_k=2)
+    old = {}
+    for dynamic in (False, True):
+        data = _batch()
+        data.batch["routed_experts"] = _altered(_rollout_routing(hf_model, data), _full_row(data), COLUMN)
+        if dynamic:
+            data.meta_info.update({"use_dynamic_bsz": True, "max_token_len": 20})
+        actor = _actor(hf_model, "R3", use_dynamic_bsz=dynamic, ppo_max_token_len_per_gpu=20)
+        _shift_routers(actor.model_chunks)
+        old[dynamic] = _old_log_probs(actor, data) * data.batch["response_mask"]  # padding: not compared
+    torch.testing.assert_close(old[True], old[False], atol=1e-6, rtol=0)
+
+
+def test_dynamic_batch_sizes_replay_the_rollout_routing_of_each_row():
+    run_distributed(_dynamic_batches_replay_each_rows_routing, 1)
