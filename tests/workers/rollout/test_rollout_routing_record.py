@@ -143,3 +143,17 @@ def test_a_dense_model_and_partial_rollouts_are_refused():
     )
     with pytest.raises(NotImplementedError, match="enable_rollout_routing_replay with partial rollouts"):
         rollout.generate_sequences(prompts)
+
+
+def test_the_vllm_and_sglang_adapters_refuse_to_record_routing():
+    """Their shared base refuses the switch before any engine starts: they return no routing here."""
+    from verl.workers.rollout.external_engine import ExternalEngineRollout
+
+    class _Engine(ExternalEngineRollout):
+        def _generate(self, prompts, sampling, max_new_tokens):
+            raise AssertionError("never reached")
+
+        update_weights = sleep = wake_up = _generate
+
+    with pytest.raises(NotImplementedError, match="returns no expert routing here.*rollout.name=hf"):
+        _Engine("/nonexistent", engine_config(enable_rollout_routing_replay=True))
