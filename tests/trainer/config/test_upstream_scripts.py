@@ -61,8 +61,8 @@ REFUSED = {
     # MoE features of other parts not implemented here
     f"{V}grpo_trainer/run_qwen3moe-30b_megatron_lora.sh": "actor_rollout_ref.model.lora.target_modules includes ['linear_fc1', 'linear_fc2'], which on this MoE model",
     f"{V}gspo_trainer/test_gspo_qwen30b_a3b_ep.sh": "actor_rollout_ref.rollout.expert_parallel_size=4 is not implemented",
-    # router replay from the rollout engine's routing (mode=R2, recorded by the actor, is implemented)
-    f"{V}router_replay/run_qwen30_a3b_megatron_sglang.sh": "actor_rollout_ref.rollout.enable_rollout_routing_replay=true is not implemented",
+    # router replay R3 from SGLang's routing (R3 is implemented with the built-in engine, which records it)
+    f"{V}router_replay/run_qwen30_a3b_megatron_sglang.sh": "actor_rollout_ref.actor.router_replay.mode=R3 needs the rollout engine's routing, and only the built-in engine records it here",
 }  # fmt: skip
 
 HARDWARE = {"npu": "Ascend NPUs", "trtllm": "TensorRT-LLM"}

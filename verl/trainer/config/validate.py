@@ -50,6 +50,7 @@ from verl.trainer.config.validate_batches import (
     need_reference_policy,
     world_size,
 )
+from verl.trainer.config.validate_router_replay import _check_router_replay
 from verl.utils.config import omega_conf_to_dataclass
 
 # ------------------------------------------------------------------------------- cross-key rules
@@ -661,41 +662,6 @@ def _check_ulysses(c: dict, errors: list[str]):
                     f"equal share, so the heads must be a multiple of {sp} and the key/value heads a multiple or a "
                     f"divisor of it; use one of {ok}"
                 )
-
-
-def _check_router_replay(c: dict, errors: list[str]):
-    """MoE router replay (verl/models/mcore/router_replay.py): mode R2 on a megatron actor without
-    pipeline parallelism. Whether the model is MoE is checked when it is built."""
-    arr = c["actor_rollout_ref"]
-    key = "actor_rollout_ref.actor.router_replay.mode"
-    mode = arr["actor"]["router_replay"]["mode"]
-    if arr["ref"]["router_replay"]["mode"] != "disabled":
-        errors.append(
-            f"actor_rollout_ref.ref.router_replay.mode={arr['ref']['router_replay']['mode']}: the reference only "
-            f"scores (there is no update whose routing replay would keep consistent); set it to disabled and "
-            f"{key} for the actor"
-        )
-    if mode == "R3":
-        errors.append(
-            f"{key}=R3 replays routing recorded by the rollout engine, and none of this verl's engines returns it "
-            "(the built-in engine runs HF's MoE blocks, which drop the expert choice; vLLM and SGLang need the "
-            f"patches upstream's router_replay README names); use {key}=R2 (the old-log-prob pass records it)"
-        )
-    if mode == "disabled" or mode == "R3":
-        return
-    if not _is_megatron(arr["actor"]["strategy"]):
-        errors.append(
-            f"{key}={mode} is implemented for actor_rollout_ref.actor.strategy=megatron only (as upstream); "
-            f"set strategy=megatron or {key}=disabled"
-        )
-        return
-    pp = arr["actor"]["megatron"]["pipeline_model_parallel_size"]
-    if pp != 1:
-        errors.append(
-            f"{key}={mode} with actor_rollout_ref.actor.megatron.pipeline_model_parallel_size={pp}: replay is "
-            "implemented without pipeline parallelism (expert, tensor and context parallelism are supported); set "
-            f"it to 1 or {key}=disabled"
-        )
 
 
 def _raise(errors: list[str]):

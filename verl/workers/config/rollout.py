@@ -334,7 +334,9 @@ class RolloutConfig(BaseConfig):
         f"vLLM/SGLang: start the engine without its tokenizer. {_SPEED}.", status=IGNORED, default=True
     )
     enable_rollout_routing_replay: bool = doc(
-        "Record the engine's expert routing (mixture-of-experts).", status=UNSUPPORTED, neutral=False, default=False
+        "Record each token's mixture-of-experts routing while generating and return it as `routed_experts` "
+        "(for actor.router_replay.mode=R3); the built-in engine (name=hf) only.",
+        default=False,
     )
     profiler: ProfilerConfig = doc("Profiling of generation (follows the actor's).", default_factory=ProfilerConfig)
     prometheus: PrometheusConfig = doc("Metrics endpoint.", default_factory=PrometheusConfig)
