@@ -101,7 +101,10 @@ class MultiTurnConfig(BaseConfig):
     )
     format: str = doc("Tool-call format of the model's chat template.", default="hermes")
     num_repeat_rollouts: int | None = doc(
-        "Repeat each multi-turn rollout this many times.", status=UNSUPPORTED, neutral=None, default=None
+        "How many interaction rollouts a loop that repeats them plays per episode (read by user loops, e.g. "
+        "upstream's collabllm recipe, as self.config.actor_rollout_ref.rollout.multi_turn.num_repeat_rollouts; "
+        "the built-in loops do not read it, as upstream's).",
+        default=None,
     )
 
     def __post_init__(self):
