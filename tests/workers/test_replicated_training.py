@@ -25,7 +25,6 @@ from verl.workers.dp_training import (
     average_gradients,
     average_replica_gradients,
     dp_group_and_size,
-    overlapped_gradient_average,
     replicate_over_ranks,
 )
 
@@ -236,90 +235,6 @@ class _CountingAllReduce:
 
     def __exit__(self, *exc):
         dist.all_reduce = self._real
-
-
-def _token_loss(model, seed):
-    batch = make_ppo_batch(batch_size=4, seed=seed)
-    return model(input_ids=batch["input_ids"], use_cache=False).logits.square().mean()
-
-
-def _overlapped_equals_flat(rank, world_size):
-    flat_model = replicate_over_ranks(make_tiny_causal_lm())
-    overlapped = replicate_over_ranks(copy.deepcopy(flat_model))
-    # two backwards per step, as with two micro-batches; each rank its own data
-    for model in (flat_model, overlapped):
-        _token_loss(model, seed=10 + rank).backward()
-    _token_loss(flat_model, seed=20 + rank).backward()
-    average_replica_gradients(flat_model)
-
-    # 16 KB buckets: the tiny model's ~1,900 float64 values per layer matrix make many buckets
-    with _CountingAllReduce() as during_backward, overlapped_gradient_average(overlapped, bucket_bytes=16 << 10):
-        _token_loss(overlapped, seed=20 + rank).backward()
-    with _CountingAllReduce() as after_backward:
-        average_replica_gradients(overlapped)
-    # every bucket left from the gradient hooks while the backward ran (each parameter got a
-    # gradient); the average after it only waits and writes back
-    assert len(during_backward.numels) >= 3, during_backward.numels
-    assert after_backward.numels == []
-    assert sum(during_backward.numels) == sum(p.numel() for p in overlapped.parameters())
-    for (name, got), want in zip(overlapped.named_parameters(), flat_model.parameters(), strict=True):
-        assert torch.equal(got.grad, want.grad), name  # bit for bit: each element is a + b on 2 ranks
-    # the hooks are gone: a later backward outside the context sends nothing
-    with _CountingAllReduce() as later:
-        _token_loss(overlapped, seed=30).backward()
-    assert later.numels == []
-
-
-def test_the_overlapped_gradient_average_starts_during_the_backward_and_equals_the_flat_one_bit_for_bit():
-    run_distributed(_overlapped_equals_flat, 2)
-
-
-class _TwoBranches(torch.nn.Module):
-    def __init__(self):
-        super().__init__()
-        torch.manual_seed(0)
-        self.first = torch.nn.Linear(3, 4, dtype=torch.float64)
-        self.extra = torch.nn.Linear(4, 4, dtype=torch.float64)  # used on rank 1 only
-        self.last = torch.nn.Linear(4, 2, dtype=torch.float64)
-
-    def forward(self, x, use_extra: bool):
-        h = self.first(x)
-        return self.last(self.extra(h) if use_extra else h)
-
-
-def _unused_parameters(rank, world_size):
-    model = replicate_over_ranks(_TwoBranches())
-    x = torch.arange(6, dtype=torch.float64).reshape(2, 3) * (rank + 1)
-    # one parameter per bucket: rank 0 never finishes `extra`'s buckets, so it holds back the ones
-    # behind it (`first`) until the end, while rank 1 sends them during its backward: both ranks
-    # still send the buckets in the same order
-    with overlapped_gradient_average(model, bucket_bytes=8):
-        model(x, use_extra=rank == 1).square().sum().backward()
-    grads = {
-        name: (p.grad.clone() if p.grad is not None else torch.zeros_like(p)) for name, p in model.named_parameters()
-    }
-    average_replica_gradients(model)
-    gathered = [None, None]
-    dist.all_gather_object(gathered, grads)
-    for name, param in model.named_parameters():
-        assert torch.equal(param.grad, (gathered[0][name] + gathered[1][name]) / 2), name
-
-
-def test_the_overlapped_average_keeps_the_bucket_order_when_a_rank_leaves_parameters_unused():
-    run_distributed(_unused_parameters, 2)
-
-
-def _pending_twice(rank, world_size):
-    model = replicate_over_ranks(_TwoBranches())
-    with overlapped_gradient_average(model):
-        model(torch.ones(1, 3, dtype=torch.float64), use_extra=True).sum().backward()
-    with pytest.raises(RuntimeError, match="still pending"), overlapped_gradient_average(model):
-        pass
-    average_replica_gradients(model)
-
-
-def test_a_second_overlapped_backward_before_the_average_is_refused():
-    run_distributed(_pending_twice, 2)
 
 
 def _replica_zero_rows(rank, world_size):

@@ -10,16 +10,16 @@ multiplied by
 
 where `n` counts what the aggregation mode averages over: valid tokens for `token-mean`,
 non-empty responses for `seq-mean-token-sum` / `seq-mean-token-mean`, responses for
-`seq-mean-token-sum-norm` (see `verl.algorithms.aggregation.agg_loss`). `n_global` is summed over the ranks with
-one all-reduce per mini-batch, and `dp_size` undoes the averaging of gradients over ranks (FSDP's,
-or `average_replica_gradients` for a module marked with `replicate_over_ranks`).
+`seq-mean-token-sum-norm` (see `verl.algorithms.aggregation.agg_loss`). `n_global` is summed
+over the ranks by one collective per mini-batch, together with the other counts the ranks agree
+on (`PPOActor._agree_over_ranks`), and `dp_size` undoes the averaging of gradients over ranks
+(FSDP's, or `average_replica_gradients` for a module marked with `replicate_over_ranks`).
 Upstream verl weights micro-batches by sample count, which makes token-mean depend on the split;
 here dynamic and fixed micro-batches give the same gradients (a test checks it).
 """
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import math
 from collections.abc import Mapping
@@ -39,7 +39,6 @@ __all__ = [
     "dp_group_and_size",
     "loss_normaliser",
     "metrics_to_host",
-    "overlapped_gradient_average",
     "micro_batch_weight",
     "replicate_over_ranks",
     "response_mask_of",
@@ -160,119 +159,12 @@ def replicate_over_ranks(module: torch.nn.Module, group=None) -> torch.nn.Module
 
 @torch.no_grad()
 def average_replica_gradients(module: torch.nn.Module) -> None:
-    """Average the gradients of a `replicate_over_ranks` module over its ranks (a no-op otherwise):
-    completes what `overlapped_gradient_average` started during the last backward, else one pass of
-    `average_gradients`."""
+    """Average the gradients of a `replicate_over_ranks` module over its ranks (a no-op otherwise),
+    with `average_gradients`."""
     replicas = getattr(module, _REPLICAS_ATTR, None)
     if replicas is None or replicas.size <= 1:
-        return
-    pending = module.__dict__.pop(_OVERLAP_ATTR, None)
-    if pending is not None:
-        pending.finish()
         return
     average_gradients([p for p in module.parameters() if p.requires_grad], replicas.group, replicas.size)
-
-
-OVERLAP_BUCKET_BYTES = 1 << 20
-"""Bucket size of `overlapped_gradient_average`: a few buckets for a few-MB model, so the first ones
-leave while the backward still computes the rest."""
-
-_OVERLAP_ATTR = "_verl_pending_gradient_average"
-
-
-class _OverlappedAverage:
-    """The buckets of one overlapped gradient average (see `overlapped_gradient_average`).
-
-    Buckets hold consecutive parameters in reverse registration order (roughly the order in which
-    the backward finishes their gradients), one dtype each, at most `bucket_bytes` (a larger tensor
-    is a bucket of its own). A bucket leaves when all its gradients are final and every bucket
-    before it has left: every rank then issues the same all-reduces in the same order, whatever
-    order its own backward finished them in, and a parameter that got no gradient on this rank
-    only holds its bucket back until `finish`.
-    """
-
-    def __init__(self, params: list[torch.nn.Parameter], group, size: int, bucket_bytes: int):
-        self.group, self.size = group, size
-        self.buckets: list[list[torch.nn.Parameter]] = []
-        numel = 0
-        for param in reversed(params):
-            limit = max(1, bucket_bytes // param.element_size())
-            last = self.buckets[-1] if self.buckets else None
-            if last is None or last[0].dtype != param.dtype or numel + param.numel() > limit:
-                self.buckets.append([])
-                numel = 0
-            self.buckets[-1].append(param)
-            numel += param.numel()
-        self.bucket_of = {id(p): i for i, bucket in enumerate(self.buckets) for p in bucket}
-        self.waiting = [len(bucket) for bucket in self.buckets]
-        self.launched: list[tuple[torch.Tensor, object]] = []  # (flat buffer, async work) per bucket left
-        self.hooks = [p.register_post_accumulate_grad_hook(self._grad_ready) for p in params]
-
-    def _grad_ready(self, param: torch.nn.Parameter) -> None:
-        self.waiting[self.bucket_of[id(param)]] -= 1
-        while len(self.launched) < len(self.buckets) and self.waiting[len(self.launched)] == 0:
-            self._launch(len(self.launched))
-
-    @torch.no_grad()
-    def _launch(self, index: int) -> None:
-        params = self.buckets[index]
-        flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in params])
-        self.launched.append((flat, dist.all_reduce(flat, group=self.group, async_op=True)))
-
-    def disarm(self) -> None:
-        for hook in self.hooks:
-            hook.remove()
-        self.hooks = []
-
-    @torch.no_grad()
-    def finish(self) -> None:
-        """Send the buckets still held back, wait for all of them, and write the averages into `.grad`."""
-        self.disarm()
-        while len(self.launched) < len(self.buckets):
-            self._launch(len(self.launched))
-        for params, (flat, work) in zip(self.buckets, self.launched, strict=True):
-            work.wait()
-            flat.div_(self.size)
-            for param, chunk in zip(params, flat.split([p.numel() for p in params])):
-                if param.grad is None:
-                    param.grad = chunk.view_as(param).clone()
-                else:
-                    param.grad.copy_(chunk.view_as(param))
-
-
-@contextlib.contextmanager
-def overlapped_gradient_average(module: torch.nn.Module, bucket_bytes: int = OVERLAP_BUCKET_BYTES):
-    """Run the last backward before an optimizer step inside this, and the gradients of a
-    `replicate_over_ranks` module are averaged over its ranks while that backward still runs.
-
-    Each bucket of gradients (`_OverlappedAverage`) is all-reduced asynchronously as soon as the
-    backward has finished it, from the parameters' post-accumulate-grad hooks, instead of all of
-    them in one buffer after the backward; `average_replica_gradients` (which `clip_grad_norm`
-    calls) then only waits for the last buckets and writes the averages back. Earlier backwards
-    of the same step (other micro-batches) run outside: their gradients are not final yet.
-
-    The same sums as one flat all-reduce: on 2 ranks bit for bit (each element is a + b); on more,
-    the backend may add the ranks' values in another order per bucket (float rounding). A no-op for
-    any other module, or a single rank.
-    """
-    replicas = getattr(module, _REPLICAS_ATTR, None)
-    if replicas is None or replicas.size <= 1:
-        yield
-        return
-    if _OVERLAP_ATTR in module.__dict__:
-        raise RuntimeError(
-            "an overlapped gradient average is still pending on this module: call average_replica_gradients "
-            "(or clip_grad_norm) after each overlapped backward, before the next one"
-        )
-    params = [p for p in module.parameters() if p.requires_grad]
-    pending = _OverlappedAverage(params, replicas.group, replicas.size, bucket_bytes)
-    try:
-        yield
-    except BaseException:
-        pending.disarm()
-        raise
-    pending.disarm()
-    module.__dict__[_OVERLAP_ATTR] = pending
 
 
 GRAD_BUCKET_BYTES = 64 << 20

@@ -79,8 +79,6 @@ upstream's worker passes it.
 
 from __future__ import annotations
 
-import contextlib
-
 import torch
 import torch.distributed as dist
 from torch.distributed.fsdp import FSDPModule
@@ -105,7 +103,6 @@ from verl.workers.dp_training import (
     clip_grad_norm,
     dp_group_and_size,
     metrics_to_host,
-    overlapped_gradient_average,
     pad_response_columns,
     split_micro_batches,
     step_if_finite,
@@ -392,12 +389,9 @@ class DataParallelPPOActor(PPOActor):
         The micro-batches' metrics stay on the device until the gradient norm is known; both come to
         the host in one copy, the mini-batch's only wait for the device in this loop."""
         micro_metrics = []
-        for i, micro_batch in enumerate(micro_batches):
+        for micro_batch in micro_batches:
             micro_batch = micro_batch.to(get_device())
-            # replicas average the gradients over the ranks while the last backward still runs
-            last = i == len(micro_batches) - 1
-            with overlapped_gradient_average(self.actor_module) if last else contextlib.nullcontext():
-                micro_metrics.append(self._backward_micro_batch(micro_batch, temperature, normaliser))
+            micro_metrics.append(self._backward_micro_batch(micro_batch, temperature, normaliser))
         grad_norm = clip_grad_norm(self.actor_module, self.grad_clip)
         *micro_metrics, step = metrics_to_host([*micro_metrics, {"grad_norm": grad_norm}])
         for micro in micro_metrics:
