@@ -10,7 +10,7 @@ Read the CPU time per step first: on a loaded machine wall-clock step times meas
 as much as the code, a worker's own CPU time much less. A change that removes waiting (one rank
 idle until the other arrives) shows in the wall-clock update time only, not in CPU time.
 
-    git -C . archive main | tar -x -C /tmp/before             # the tree to compare against
+    mkdir -p /tmp/before && git archive main | tar -x -C /tmp/before   # the tree to compare against
     python benchmarks/tree_abba.py --before /tmp/before        # 2 rounds of 40 steps per tree
 
 Last line: `bench tree_abba: cpu_ms_before=... cpu_ms_after=... step_s_before=... step_s_after=...
