@@ -225,17 +225,19 @@ def run_ours(
     val_before_train: bool = False,
     on_record: Callable[[dict], bool] | None = None,
     poll_s: float = 0.5,
+    repo: str = REPO,
 ) -> OursResult:
     """Run main_ppo in a fresh subprocess with its own local Ray cluster and return its metrics.
 
     `on_record(record)` sees each metrics.jsonl record as it is written; returning True stops the
     run (SIGINT to the driver, which shuts its own Ray cluster down; SIGKILL to its process group
     if it has not exited 60 s later). Only the subprocess this function started is signalled.
+    `repo`: the source tree whose `verl` the run imports (default: this checkout).
     """
     with tempfile.TemporaryDirectory(prefix="verl-bench-") as work:
         overrides = ours_overrides(setup, work, total_steps, test_freq, val_before_train)
         metrics_path = os.path.join(work, "run", "metrics.jsonl")
-        env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (REPO, os.environ.get("PYTHONPATH")) if p)}
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (repo, os.environ.get("PYTHONPATH")) if p)}
         env.pop("RAY_ADDRESS", None)  # a private local cluster, never somebody else's
         log_path = os.path.join(work, "main_ppo.log")
         records: list[dict] = []

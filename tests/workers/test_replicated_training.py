@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 
 from tests.distributed_helpers import make_ppo_batch, make_tiny_causal_lm, one_thread, run_distributed
+from tests.workers.actor.test_dp_actor import _with_zero_rows, training_batch
 from verl.protocol import DataProto
 from verl.utils.checkpoint.fsdp_checkpoint_manager import FSDPCheckpointManager
 from verl.utils.fsdp_utils import apply_fsdp2, iter_full_params
@@ -215,3 +216,63 @@ def _bucketed_average(rank, world_size):
 
 def test_gradients_are_averaged_in_size_bounded_buckets():
     run_distributed(_bucketed_average, 2)
+
+
+class _CountingAllReduce:
+    """Counts `dist.all_reduce` calls (their element counts) while active; the real call still runs."""
+
+    def __init__(self):
+        self.numels: list[int] = []
+        self._real = dist.all_reduce
+
+    def __enter__(self):
+        def counting(tensor, *args, **kwargs):
+            self.numels.append(tensor.numel())
+            return self._real(tensor, *args, **kwargs)
+
+        dist.all_reduce = counting
+        return self
+
+    def __exit__(self, *exc):
+        dist.all_reduce = self._real
+
+
+def _replica_zero_rows(rank, world_size):
+    # rank 0 holds 3 rows to train, rank 1 one: both run 2 micro-batches of at most 2 rows, and the
+    # update equals the single-process one over all 8 rows with every row trained
+    data = _with_zero_rows(training_batch(batch_size=8, seed=10), zero_rows=(1, 4, 5, 6))
+    local = data.select_idxs(torch.arange(rank * 4, (rank + 1) * 4))
+    model = replicate_over_ranks(make_tiny_causal_lm())
+    config = {**actor_config(4), "ppo_micro_batch_size_per_gpu": 2}
+    actor = DataParallelPPOActor(config, model, torch.optim.SGD(model.parameters(), lr=1.0))
+    real_all_gather = dist.all_gather
+    gathers = []
+
+    def counting_all_gather(tensors, tensor, *args, **kwargs):
+        gathers.append(tensor.numel())
+        return real_all_gather(tensors, tensor, *args, **kwargs)
+
+    dist.all_gather = counting_all_gather
+    try:
+        with _CountingAllReduce() as reduces:
+            metrics = actor.update_policy(local)
+    finally:
+        dist.all_gather = real_all_gather
+    # the loss normaliser, the ranks with an advantage and the micro-batch count: one collective;
+    # besides it only the gradient buckets (no small all-reduce)
+    assert gathers == [3]
+    assert min(reduces.numels) > 3, reduces.numels
+    assert metrics["actor/zero_adv_rows_skipped"] == [0.25 if rank == 0 else 0.5]
+    single = make_tiny_causal_lm()
+    reference = DataParallelPPOActor(
+        {**actor_config(8), "ppo_micro_batch_size_per_gpu": 8, "skip_zero_advantage_rows": False},
+        single,
+        torch.optim.SGD(single.parameters(), lr=1.0),
+    )
+    reference.update_policy(data)
+    for name, tensor in single.state_dict().items():
+        torch.testing.assert_close(model.state_dict()[name], tensor, atol=1e-11, rtol=1e-9, msg=name)
+
+
+def test_replicas_agree_on_the_normaliser_and_micro_batch_count_in_one_collective():
+    run_distributed(_replica_zero_rows, 2)

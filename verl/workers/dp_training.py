@@ -10,9 +10,10 @@ multiplied by
 
 where `n` counts what the aggregation mode averages over: valid tokens for `token-mean`,
 non-empty responses for `seq-mean-token-sum` / `seq-mean-token-mean`, responses for
-`seq-mean-token-sum-norm` (see `verl.algorithms.aggregation.agg_loss`). `n_global` is summed over the ranks with
-one all-reduce per mini-batch, and `dp_size` undoes the averaging of gradients over ranks (FSDP's,
-or `average_replica_gradients` for a module marked with `replicate_over_ranks`).
+`seq-mean-token-sum-norm` (see `verl.algorithms.aggregation.agg_loss`). `n_global` is summed
+over the ranks by one collective per mini-batch, together with the other counts the ranks agree
+on (`PPOActor._agree_over_ranks`), and `dp_size` undoes the averaging of gradients over ranks
+(FSDP's, or `average_replica_gradients` for a module marked with `replicate_over_ranks`).
 Upstream verl weights micro-batches by sample count, which makes token-mean depend on the split;
 here dynamic and fixed micro-batches give the same gradients (a test checks it).
 """

@@ -132,12 +132,13 @@ def test_missing_returns_is_a_clear_error():
         sgd_critic(critic_config()).update_critic(data)
 
 
-def _two_rank_critic(rank, world_size):
+def _two_rank_critic(rank, world_size, layout):
     from verl.utils.fsdp_utils import apply_fsdp2, iter_full_params
+    from verl.workers.dp_training import replicate_over_ranks
 
     data = value_batch(seed=3)
     local = data.chunk(world_size)[rank]
-    model = apply_fsdp2(make_tiny_value_model())
+    model = apply_fsdp2(make_tiny_value_model()) if layout == "fsdp2" else replicate_over_ranks(make_tiny_value_model())
     critic = DataParallelPPOCritic(
         critic_config(ppo_mini_batch_size=4, use_dynamic_bsz=True, ppo_max_token_len_per_gpu=16),
         model,
@@ -155,5 +156,6 @@ def _two_rank_critic(rank, world_size):
         torch.testing.assert_close(full[name], tensor, atol=1e-11, rtol=1e-9, msg=name)
 
 
-def test_fsdp2_critic_on_two_ranks_matches_single_process():
-    run_distributed(_two_rank_critic, 2)
+@pytest.mark.parametrize("layout", ["fsdp2", "replicas"])
+def test_critic_on_two_ranks_matches_single_process(layout):
+    run_distributed(_two_rank_critic, 2, layout)

@@ -225,28 +225,26 @@ class PPOActor(BasePPOActor):
 
     def _update_on_mini_batch(self, mini_batch, temperature: float, metrics: dict) -> None:
         response_mask = response_mask_of(mini_batch)
-        adv_nonzero = rows_with_advantage(mini_batch["advantages"], response_mask).any().to(torch.float64)
-        # the mini-batch is on the host, and so is this reduction where the group allows it (no device sync)
-        totals = torch.stack([loss_normaliser(response_mask, self.loss_agg_mode), adv_nonzero])
-        if self._dp_size > 1:
-            totals = totals.to(collective_device(self._dp_group))
-            dist.all_reduce(totals, group=self._dp_group)
-        normaliser, num_ranks_with_adv = totals.tolist()
+        keep = rows_with_advantage(mini_batch["advantages"], response_mask)
+        use_dynamic_bsz = self._cfg.use_dynamic_bsz
+        local_micro = self._local_micro_batch_count(mini_batch, keep, use_dynamic_bsz)
+        normaliser, num_ranks_with_adv, num_micro = self._agree_over_ranks(
+            loss_normaliser(response_mask, self.loss_agg_mode), keep.any(), local_micro
+        )
         only_pg_loss = not self.use_kl_loss and self.entropy_coeff == 0
         if self.skip_zero_advantage_step and only_pg_loss and num_ranks_with_adv == 0:
             append_to_dict(metrics, {"actor/skipped_zero_adv": 1.0})
             return
 
-        use_dynamic_bsz = self._cfg.use_dynamic_bsz
-        num_micro = None
-        if self.skip_zero_advantage_rows:
+        if local_micro is not None:
             rows = len(mini_batch)
-            mini_batch, num_micro = self._rows_with_advantage(mini_batch, response_mask, use_dynamic_bsz)
+            mini_batch = self._rows_to_train(mini_batch, keep, num_micro)
             append_to_dict(metrics, {"actor/zero_adv_rows_skipped": 1.0 - len(mini_batch) / rows})
-        if num_micro is not None:  # as many micro-batches as the busiest rank, each within the size limit
+        if local_micro is not None and not use_dynamic_bsz:
+            # as many micro-batches as the busiest rank, each within the size limit
             base, extra = divmod(len(mini_batch), num_micro)
             micro_batches = list(mini_batch.split([base + (i < extra) for i in range(num_micro)]))
-        else:
+        else:  # the dynamic split agrees on its own count, which the kept rows cannot raise (each fits the budget)
             micro_batches, _ = split_micro_batches(
                 mini_batch,
                 micro_batch_size=self._cfg.ppo_micro_batch_size_per_gpu,
@@ -266,36 +264,56 @@ class PPOActor(BasePPOActor):
             },
         )
 
-    def _rows_with_advantage(self, mini_batch, response_mask: torch.Tensor, use_dynamic_bsz: bool):
-        """The rows of `mini_batch` with a nonzero advantage on some response token, in order, and the
-        number of fixed-size micro-batches every rank runs (None with use_dynamic_bsz, whose split
-        equalises the count itself). Zero-advantage rows are kept back where a rank would otherwise
-        have fewer rows than the busiest rank has micro-batches."""
-        keep = rows_with_advantage(mini_batch["advantages"], response_mask)
+    def _agree_over_ranks(
+        self, normaliser: torch.Tensor, has_advantage: torch.Tensor, local_micro: int | None
+    ) -> tuple[float, float, int]:
+        """(loss normaliser summed over the ranks, number of ranks with a nonzero advantage, the most
+        micro-batches any rank needs) from this rank's values, in one collective: the three values
+        are gathered from every rank (float64: the counts stay exact) and reduced here, where a sum
+        and a max would otherwise take an all-reduce each. The mini-batch is on the host, and so is
+        the gather where the group allows it (no device sync)."""
+        mine = torch.stack(
+            [normaliser, has_advantage.to(torch.float64), normaliser.new_tensor(float(local_micro or 0))]
+        )
+        if self._dp_size == 1:
+            every = mine[None]
+        else:
+            mine = mine.to(collective_device(self._dp_group))
+            parts = [torch.empty_like(mine) for _ in range(self._dp_size)]
+            dist.all_gather(parts, mine, group=self._dp_group)
+            every = torch.stack(parts)
+        normaliser_sum, ranks_with_adv = every[:, :2].sum(dim=0).tolist()
+        return normaliser_sum, ranks_with_adv, int(every[:, 2].max())
+
+    def _local_micro_batch_count(self, mini_batch, keep: torch.Tensor, use_dynamic_bsz: bool) -> int | None:
+        """How many micro-batches this rank needs for the rows it trains when zero-advantage rows are
+        left out (`keep` [B] bool: the rows with an advantage); None when rows are not left out, or
+        the fixed micro-batch size is unset (`split_micro_batches` then explains the setting)."""
+        if not self.skip_zero_advantage_rows:
+            return None
         kept = int(keep.sum())
         if use_dynamic_bsz:
             budget = int(self._cfg.ppo_max_token_len_per_gpu or 0)
             seqlens = mini_batch["attention_mask"][keep].sum(dim=-1).tolist()
-            local = num_micro_batches_for_budget(seqlens, budget) if kept and budget > 0 else 1
-        else:
-            size = int(self._cfg.ppo_micro_batch_size_per_gpu or 0)
-            if size <= 0:  # the same on every rank: split_micro_batches explains the setting
-                return mini_batch, None
-            local = -(-max(kept, 1) // size)
-        need = local
-        if self._dp_size > 1:
-            count = torch.tensor([local], dtype=torch.int64, device=collective_device(self._dp_group))
-            dist.all_reduce(count, op=dist.ReduceOp.MAX, group=self._dp_group)
-            need = int(count.item())
-        # the dynamic split agrees on its own count, which these rows cannot raise (each fits the budget)
-        num_micro = None if use_dynamic_bsz else need
-        if kept < need:
-            filler = torch.nonzero(~keep)[: need - kept, 0]
+            return num_micro_batches_for_budget(seqlens, budget) if kept and budget > 0 else 1
+        size = int(self._cfg.ppo_micro_batch_size_per_gpu or 0)
+        if size <= 0:  # the same on every rank
+            return None
+        return -(-max(kept, 1) // size)
+
+    @staticmethod
+    def _rows_to_train(mini_batch, keep: torch.Tensor, num_micro: int):
+        """The rows of `mini_batch` with a nonzero advantage on some response token (`keep`), in order.
+        Zero-advantage rows are kept back where this rank would otherwise have fewer rows than the
+        busiest rank has micro-batches (`num_micro`): every rank runs that many."""
+        kept = int(keep.sum())
+        if kept < num_micro:
+            filler = torch.nonzero(~keep)[: num_micro - kept, 0]
             keep = keep.clone()
             keep[filler] = True
         if bool(keep.all()):
-            return mini_batch, num_micro
-        return mini_batch[torch.nonzero(keep)[:, 0]], num_micro
+            return mini_batch
+        return mini_batch[torch.nonzero(keep)[:, 0]]
 
     def needs_entropy(self, micro_batch) -> bool:
         """Whether the loss of `micro_batch` needs the entropy (bonus, `calculate_entropy`, or
