@@ -1,6 +1,6 @@
 """`actor_rollout_ref.actor.router_replay` in the config: R2 validates on a megatron actor without
 pipeline parallelism, R3 too with the built-in engine recording the routing
-(`rollout.enable_rollout_routing_replay`); R3 without the recording or with an engine that cannot
+(`rollout.enable_rollout_routing_replay`), in plain generation and with agent loops; R3 without the recording or with an engine that cannot
 record, the recording without R3, the FSDP actor, pp > 1, the reference's own mode and the file keys
 (upstream declares them and reads neither) are refused, each naming what to set instead."""
 
@@ -39,8 +39,6 @@ def test_r2_on_a_megatron_actor_with_expert_parallelism_validates(megatron_defau
          f"{KEY}=R3 needs the rollout engine's routing, and only the built-in engine records it here "
          "(actor_rollout_ref.rollout.name=sglang returns none"),
         ({**R3, "actor_rollout_ref__rollout__name": "vllm"}, "set actor_rollout_ref.rollout.name=hf or"),
-        ({**R3, "actor_rollout_ref__rollout__multi_turn__enable": True},
-         f"{KEY}=R3 with agent loops (multi_turn.enable or agent.agent_loop_config_path)"),
         ({**R3, "actor_rollout_ref__actor__megatron__pipeline_model_parallel_size": 2},
          f"{KEY}=R3 with actor_rollout_ref.actor.megatron.pipeline_model_parallel_size=2"),
         ({"actor_rollout_ref__rollout__enable_rollout_routing_replay": True},
@@ -66,6 +64,11 @@ def test_r3_with_the_built_in_engine_recording_validates(megatron_defaults):  # 
     validate_ppo_config(
         with_(megatron_defaults, actor_rollout_ref__actor__megatron__expert_model_parallel_size=2, **R3)
     )
+
+
+def test_r3_with_agent_loops_validates(megatron_defaults):  # noqa: F811
+    """Agent-loop episodes carry their last model call's routing (tests/experimental/agent_loop)."""
+    validate_ppo_config(with_(megatron_defaults, actor_rollout_ref__rollout__multi_turn__enable=True, **R3))
 
 
 @pytest.mark.parametrize("mode", ["R2", "R3"])

@@ -242,6 +242,10 @@ class Trajectory:
     of a call has one, the rollout returns them as `rm_scores` and no reward function runs."""
     extra_fields: dict[str, Any] = field(default_factory=dict)
     """Per-episode values the rollout returns as non-tensor columns (upstream's `extra_fields`)."""
+    routed_experts: Any | None = None
+    """MoE routing for router replay R3: [tokens, moe_layers, top_k] over prompt_ids + response_ids
+    (upstream's `AgentLoopOutput.routed_experts`); set by the rollout from the episode's last model call
+    when the engine records routing. None otherwise."""
 
     def __post_init__(self):
         assert len(self.response_ids) == len(self.response_mask), "response ids and mask must align"
@@ -390,8 +394,6 @@ def trajectory_from_output(output: AgentLoopOutput, loop_name: str = "agent loop
         raise TypeError(f"{loop_name}.run returned {type(output).__name__}, not an AgentLoopOutput")
     if output.multi_modal_data:
         raise ValueError(f"{loop_name} returned multi_modal_data: multi-modal prompts are not supported here")
-    if output.routed_experts is not None:
-        raise ValueError(f"{loop_name} returned routed_experts: the rollout does not pass routing on")
     extra = dict(output.extra_fields)
     turn_scores = list(extra.pop("turn_scores", None) or [])
     metrics = {"generate_sequences": output.metrics.generate_sequences, "tool_calls": output.metrics.tool_calls}
@@ -405,6 +407,7 @@ def trajectory_from_output(output: AgentLoopOutput, loop_name: str = "agent loop
         turn_scores=turn_scores,
         reward_score=output.reward_score,
         extra_fields=extra,
+        routed_experts=output.routed_experts,
     )
 
 

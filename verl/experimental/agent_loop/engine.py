@@ -53,6 +53,10 @@ class TokenOutput:
     of it; None when the engine did not say (one version for the whole call)."""
     version_max: int | None = None
     """The newest such version."""
+    routed_experts: Any | None = None
+    """MoE routing (router replay R3, `rollout.enable_rollout_routing_replay`): [len(prompt_ids) +
+    len(token_ids), moe_layers, top_k] expert ids of every token the call's forwards saw, prompt
+    first; None when the engine records none."""
 
     @property
     def stop_reason(self) -> str:
@@ -237,7 +241,16 @@ def _cut(out: TokenOutput, max_new_tokens: int) -> TokenOutput:
     if len(out.token_ids) <= max_new_tokens:
         return out
     log_probs = None if out.log_probs is None else list(out.log_probs[:max_new_tokens])
-    return dataclasses.replace(out, token_ids=list(out.token_ids[:max_new_tokens]), log_probs=log_probs, stopped=False)
+    routing = out.routed_experts
+    if routing is not None:  # prompt + generated tokens: drop the generated tokens cut here
+        routing = routing[: len(routing) - (len(out.token_ids) - max_new_tokens)]
+    return dataclasses.replace(
+        out,
+        token_ids=list(out.token_ids[:max_new_tokens]),
+        log_probs=log_probs,
+        stopped=False,
+        routed_experts=routing,
+    )
 
 
 def rollout_batch_generator(
@@ -247,8 +260,9 @@ def rollout_batch_generator(
 
     Each batch becomes one DataProto of left-padded prompts with `meta_info` = the sampling keys +
     `n=1`, `response_length=max_new_tokens` and the stop/pad ids; each row's response is read back up
-    to its mask (the stop token included), with `rollout_log_probs` when `with_logprobs`, and the
-    row's `weight_version` / `weight_version_max` when the rollout reports them (partial rollouts).
+    to its mask (the stop token included), with `rollout_log_probs` when `with_logprobs`, the
+    row's `weight_version` / `weight_version_max` when the rollout reports them (partial rollouts),
+    and its prompt's and response's `routed_experts` when the rollout records routing (R3).
     """
     import torch
     from tensordict import TensorDict
@@ -282,12 +296,20 @@ def rollout_batch_generator(
         if log_probs is not None:
             log_probs = log_probs.cpu()
         versions = [out.non_tensor_batch.get(key) for key in ("weight_version", "weight_version_max")]
+        routing = out.batch.get("routed_experts", None)  # [B, width + R, layers, k]: the prompt left-padded
+        if routing is not None:
+            routing = routing.cpu()
         outputs = []
         for row, length in enumerate(lengths):
             ids = responses[row, : int(length)].tolist()
             lp = log_probs[row, : int(length)].tolist() if log_probs is not None else None
             low, high = (None if v is None else int(v[row]) for v in versions)
-            outputs.append(TokenOutput(ids, lp, bool(ids) and ids[-1] in stops, version_min=low, version_max=high))
+            routed = None if routing is None else routing[row, width - len(prompts[row]) : width + int(length)]
+            outputs.append(
+                TokenOutput(
+                    ids, lp, bool(ids) and ids[-1] in stops, version_min=low, version_max=high, routed_experts=routed
+                )
+            )
         return outputs
 
     return generate_batch

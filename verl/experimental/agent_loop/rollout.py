@@ -307,6 +307,8 @@ class AgentLoopRollout(BaseRollout):
                 async with engine.client():
                     trajectory = await self.run_episode(episode_engine, sample, name)
             trajectory.versions = episode_engine.versions()
+            if trajectory.routed_experts is None and episode_engine.routed_experts is not None:
+                trajectory.routed_experts = episode_engine.routed_experts
             return trajectory
 
         traces = traces or [{"trace": False}] * len(samples)
@@ -504,13 +506,15 @@ def _idle() -> None:
 
 class EpisodeEngine(AsyncRolloutEngine):
     """One episode's view of the shared engine: passes every call through (a traced span per model
-    turn) and keeps the oldest and newest weight version the engine reported for its model turns."""
+    turn) and keeps the oldest and newest weight version the engine reported for its model turns, and
+    the routing its last model call recorded (R3: that call's forwards saw the whole context)."""
 
     def __init__(self, engine: AsyncRolloutEngine, tokenizer=None):
         self.engine = engine
         self.tokenizer = tokenizer  # decodes the traced turns with trace.token2text
         self.low: int | None = None
         self.high: int | None = None
+        self.routed_experts = None
 
     @rollout_trace_op
     async def generate(self, prompt_ids, sampling, max_new_tokens):
@@ -519,6 +523,8 @@ class EpisodeEngine(AsyncRolloutEngine):
             self.low = out.version_min if self.low is None else min(self.low, out.version_min)
             high = out.version_max if out.version_max is not None else out.version_min
             self.high = high if self.high is None else max(self.high, high)
+        if out.routed_experts is not None:
+            self.routed_experts = out.routed_experts
         return out
 
     def client(self):
@@ -568,6 +574,34 @@ def _episode_metrics(trajectories: list[Trajectory]) -> dict[str, float]:
     return metrics
 
 
+def _routed_experts(trajectories: list[Trajectory], P: int, R: int) -> torch.Tensor | None:
+    """[B, P + R, layers, k] in the batch's layout (prompt left-padded, response from column P), zeros at
+    padding, when the episodes carry routing (R3); None when none does. An episode's routing covers its
+    tokens up to its last model call; tokens it appended after that call (a last tool or user turn) get
+    zeros, as upstream: they come after every trained token, so no trained log-prob depends on them."""
+    routed = [t for t in trajectories if t is not None and t.routed_experts is not None]
+    if not routed:
+        return None
+    if len(routed) != sum(t is not None for t in trajectories):
+        raise RuntimeError("some episodes carry MoE routing and others do not: the engine recorded it for some calls")
+    first = torch.as_tensor(routed[0].routed_experts)
+    out = torch.zeros((len(trajectories), P + R, *first.shape[1:]), dtype=first.dtype)
+    for row, t in enumerate(trajectories):
+        if t is None:
+            continue
+        routing = torch.as_tensor(t.routed_experts)
+        n_prompt, n_response = len(t.prompt_ids), min(len(t.response_ids), R)
+        if len(routing) > len(t.prompt_ids) + len(t.response_ids):
+            raise RuntimeError(
+                f"an episode's routing covers {len(routing)} tokens but the episode has "
+                f"{len(t.prompt_ids) + len(t.response_ids)}: its last model call did not continue its own tokens"
+            )
+        out[row, P - n_prompt : P] = routing[:n_prompt]
+        response = routing[n_prompt : n_prompt + n_response]
+        out[row, P : P + len(response)] = response
+    return out
+
+
 def trajectories_to_proto(prompts, trajectories: list[Trajectory], response_length: int, pad: int, with_logprobs, meta):
     """The rollout output layout (module docstring), row i from trajectory i; a None trajectory (an
     episode cut by over-sampling) gives a padding row with the incoming prompt and an empty response."""
@@ -614,6 +648,9 @@ def trajectories_to_proto(prompts, trajectories: list[Trajectory], response_leng
     }
     if with_logprobs:
         tensors["rollout_log_probs"] = logprobs
+    routing = _routed_experts(trajectories, P, R)
+    if routing is not None:
+        tensors["routed_experts"] = routing
     mask_dtype = prompts.batch["attention_mask"].dtype
     for key in ("attention_mask", "response_mask"):
         tensors[key] = tensors[key].to(mask_dtype)

@@ -15,7 +15,8 @@ What the objects here are, against upstream's:
   becomes `rm_scores` at the last response token, so no reward function runs for that batch; each
   `extra_fields` key becomes a non-tensor column (None where an episode lacks it), `turn_scores`
   included; `metrics` are averaged into `agent_loop/generate_sequences` and `agent_loop/tool_calls`.
-  `multi_modal_data` and `routed_experts` are refused (neither is supported by this rollout).
+  `routed_experts` (router replay R3) becomes the row's `routed_experts`; without it the row gets the
+  routing of the episode's last engine call. `multi_modal_data` is refused (not supported here).
 - `AsyncLLMServerManager`: upstream balances requests over several inference servers and keeps a
   conversation on one (`request_id`); here one engine per rollout worker serves every episode, so the
   manager forwards to that engine and `request_id` only has to be given. Sampling keys: `temperature`,

@@ -2,8 +2,9 @@
 
 Split from validate.py. R2 and R3 run on a megatron actor without pipeline parallelism
 (verl/models/mcore/router_replay.py); R3 replays the routing the built-in engine records while it
-generates, so it needs that engine, its recording switched on, and plain generation (agent loops
-and partial rollouts do not carry the routing). Whether the model is MoE is checked when it is built.
+generates, so it needs that engine and its recording switched on, in plain generation or agent loops
+(each episode carries its last model call's routing); partial rollouts are refused (a resumed row's
+routing would come from two policies). Whether the model is MoE is checked when it is built.
 """
 
 from __future__ import annotations
@@ -42,8 +43,8 @@ def _check_router_replay(c: dict, errors: list[str]):
 
 
 def _check_rollout_routing(c: dict, mode: str, key: str, errors: list[str]):
-    """R3 and the rollout's recording go together; only the built-in engine records, and only in
-    plain generation (agent loops and partial rollouts do not carry it)."""
+    """R3 and the rollout's recording go together; only the built-in engine records, and partial
+    rollouts cannot carry it."""
     rollout = c["actor_rollout_ref"]["rollout"]
     flag = "actor_rollout_ref.rollout.enable_rollout_routing_replay"
     if mode != "R3":
@@ -63,11 +64,6 @@ def _check_rollout_routing(c: dict, mode: str, key: str, errors: list[str]):
             f"{key}=R3 needs the rollout engine's routing, and only the built-in engine records it here "
             f"(actor_rollout_ref.rollout.name={rollout['name']} returns none: vLLM and SGLang need the patches "
             f"upstream's router_replay README names); set actor_rollout_ref.rollout.name=hf or {key}=R2"
-        )
-    if rollout["multi_turn"]["enable"] or (rollout.get("agent") or {}).get("agent_loop_config_path"):
-        errors.append(
-            f"{key}=R3 with agent loops (multi_turn.enable or agent.agent_loop_config_path): their trajectories do "
-            f"not carry the engine's routing here; use {key}=R2"
         )
     if (c.get("async_training") or {}).get("partial_rollout"):
         errors.append(
