@@ -22,42 +22,17 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
-import threading
-import time
 
-from grpo_common import REPO, GRPOSetup, run_ours, step_records
-from worker_page_faults import _descendants, _faults_and_cpu_s
+from grpo_common import REPO
+from worker_page_faults import sampled_run
 
 from verl.utils.machine import bench_headline
 
 
 def one_run(repo: str, steps: int, sample_s: float) -> dict[str, float]:
     """One default run from `repo`; the workers' CPU ms per step over `sample_s` s after step 8."""
-    done_steps, result = [0], {}
-
-    def count(record: dict) -> bool:
-        done_steps[0] += "timing_s/step" in record["data"]
-        return False
-
-    runner = threading.Thread(target=lambda: result.update(r=run_ours(GRPOSetup(), steps, on_record=count, repo=repo)))
-    runner.start()
-    while done_steps[0] < 8 and runner.is_alive():
-        time.sleep(0.2)
-    workers = [pid for pid, args in _descendants(os.getpid()) if "WorkerDict" in args]
-    before, steps_before = {p: _faults_and_cpu_s(p) for p in workers}, done_steps[0]
-    time.sleep(sample_s)
-    after, sampled = {p: _faults_and_cpu_s(p) for p in workers}, done_steps[0] - steps_before
-    runner.join()
-    if not workers or sampled < 1 or "r" not in result:
-        raise SystemExit(f"no worker processes or no steps sampled (workers {workers}, steps {sampled}); raise --steps")
-    records = [r["data"] for r in step_records(result["r"].records)][5:]
-    return {
-        "cpu_ms": statistics.mean(1e3 * (after[p][1] - before[p][1]) / sampled for p in workers),
-        "step_s": statistics.median(r["timing_s/step"] for r in records),
-        "gen_s": statistics.median(r["timing_s/gen"] for r in records),
-        "update_s": statistics.median(r["timing_s/update_actor"] for r in records),
-        "worker_update_s": statistics.median(r["perf/update_actor_s"] for r in records),
-    }
+    run = sampled_run(steps, sample_s, repo=repo)
+    return {key: run[key] for key in ("cpu_ms", "step_s", "gen_s", "update_s", "worker_update_s")}
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -54,18 +54,20 @@ def _faults_and_cpu_s(pid: int) -> tuple[int, float]:
     return int(fields[7]), (int(fields[11]) + int(fields[12])) * _TICK_S
 
 
-def one_run(tuned: bool, steps: int, sample_s: float) -> dict[str, float]:
-    """One default run; the workers' faults and CPU ms per step over `sample_s` s after step 8."""
+def sampled_run(steps: int, sample_s: float, repo: str | None = None) -> dict[str, float]:
+    """One default run (from the source tree `repo`, default this checkout); the workers' page faults
+    and CPU ms per step over `sample_s` s after step 8, and the medians of the step phases after the
+    first 5 steps (also `perf/update_actor_s`, the workers' own update time)."""
     from grpo_common import GRPOSetup, run_ours, step_records
 
-    os.environ[TUNING_SWITCH] = "1" if tuned else "0"
     done_steps, result = [0], {}
 
     def count(record: dict) -> bool:
         done_steps[0] += "timing_s/step" in record["data"]
         return False
 
-    runner = threading.Thread(target=lambda: result.update(r=run_ours(GRPOSetup(), steps, on_record=count)))
+    extra = {} if repo is None else {"repo": repo}
+    runner = threading.Thread(target=lambda: result.update(r=run_ours(GRPOSetup(), steps, on_record=count, **extra)))
     runner.start()
     while done_steps[0] < 8 and runner.is_alive():
         time.sleep(0.2)
@@ -83,7 +85,14 @@ def one_run(tuned: bool, steps: int, sample_s: float) -> dict[str, float]:
         "step_s": statistics.median(r["timing_s/step"] for r in records),
         "gen_s": statistics.median(r["timing_s/gen"] for r in records),
         "update_s": statistics.median(r["timing_s/update_actor"] for r in records),
+        "worker_update_s": statistics.median(r.get("perf/update_actor_s", float("nan")) for r in records),
     }
+
+
+def one_run(tuned: bool, steps: int, sample_s: float) -> dict[str, float]:
+    """One default run with the malloc settings off or on (`sampled_run`)."""
+    os.environ[TUNING_SWITCH] = "1" if tuned else "0"
+    return sampled_run(steps, sample_s)
 
 
 def main(argv: list[str] | None = None) -> None:
