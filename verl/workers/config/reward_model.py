@@ -24,6 +24,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from verl.base_config import BaseConfig
+from verl.utils.profiler.config import ProfilerConfig
 from verl.workers.config._fields import (
     _SPEED,
     DEPRECATED,
@@ -35,7 +36,6 @@ from verl.workers.config._fields import (
     UNSUPPORTED,
     doc,
 )
-from verl.workers.config.actor import ProfilerConfig
 from verl.workers.config.engine import McoreEngineConfig
 
 __all__ = ["RewardModelConfig", "SandboxFusionConfig"]
