@@ -25,9 +25,21 @@ from verl.workers.config.critic import (
     FSDPCriticModelCfg,
     McoreCriticConfig,
 )
-from verl.workers.config.engine import EngineConfig, FSDPEngineConfig, McoreEngineConfig, TrainingWorkerConfig
+from verl.workers.config.engine import (
+    EngineConfig,
+    FSDPEngineConfig,
+    McoreEngineConfig,
+    TrainingWorkerConfig,
+    VeOmniEngineConfig,
+)
 from verl.workers.config.model import HFModelConfig, MegatronLoRAConfig, MtpConfig, TiledMLPConfig
-from verl.workers.config.optimizer import FSDPOptimizerConfig, McoreOptimizerConfig, OptimizerConfig
+from verl.workers.config.optimizer import (
+    FSDPOptimizerConfig,
+    McoreOptimizerConfig,
+    OptimizerConfig,
+    VeOmniOptimizerConfig,
+    build_optimizer,
+)
 from verl.workers.config.reward_model import RewardModelConfig, SandboxFusionConfig
 from verl.workers.config.rollout import (
     AgentLoopConfig,
@@ -76,4 +88,7 @@ __all__ = [
     "TiledMLPConfig",
     "TraceConfig",
     "TrainingWorkerConfig",
+    "VeOmniEngineConfig",
+    "VeOmniOptimizerConfig",
+    "build_optimizer",
 ]
