@@ -2,8 +2,9 @@
 `reward_model` section, reward_model/*.yaml) and `SandboxFusionConfig` (its `sandbox_fusion` section).
 
 Each field carries its runtime default (the YAML holds the same value) and the `doc(...)` metadata the
-validator and docgen read; the driver builds the section once (`omega_conf_to_dataclass`) and reads it
-by attribute (`verl.trainer.ppo.reward`).
+validator and docgen read; the driver (`verl.trainer.ppo.reward`) and the reward-model workers
+(`verl.workers.engine_workers.RewardModelWorker`) each build the section once (`omega_conf_to_dataclass`)
+and read it by attribute.
 
 Where this differs from upstream's classes, deliberately:
 - upstream's `RewardModelConfig` types `model` as `HFModelConfig` and `rollout` as `RolloutConfig` (its
