@@ -126,6 +126,8 @@ def load_reward_manager(config, tokenizer, num_examine: int, **reward_kwargs):
     # `data` has no typed class (its schema lists keys without defaults): a partial config may leave out
     # the two keys read here, which then take the YAML's values
     data = config.get("data") or {}
+    if name == "rate_limited":  # its limits are reward_model keys (upstream's manager reads them there)
+        kwargs.setdefault("config", config)
     if name == "dapo":  # DAPO's overlong shaping reads two trainer keys, as upstream's recipe passes them
         kwargs.setdefault("max_resp_len", data.get("max_response_length"))
         kwargs.setdefault("overlong_buffer_cfg", reward_model.overlong_buffer)
