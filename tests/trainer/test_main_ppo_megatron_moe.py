@@ -96,3 +96,40 @@ def test_grpo_with_router_replay_r2_records_and_replays_the_routing_at_ep2(tmp_p
         assert "actor/entropy" in row and row["actor/grad_norm"] > 0, {
             k: row.get(k) for k in ("actor/entropy", "actor/grad_norm")
         }
+
+
+def test_grpo_with_router_replay_r3_replays_the_built_in_engines_routing_at_ep2(tmp_path, shared_ray_cluster):
+    """R3: the built-in engine records the routing while it generates, and the batch carries it to
+    the old-log-prob pass and both mini-batches of the update, which replay it. The actor refuses an
+    R3 forward whose batch has no `routed_experts` (or one of another model's shape), so a finished
+    run shows it travelled from generate_sequences through the driver to compute_log_prob and
+    update_actor."""
+    from verl.models.factory import make_tiny
+
+    model_path = make_tiny("tiny-moe", str(tmp_path / "tiny-moe"))
+    run = tmp_path / "r3"
+    run_main_ppo(
+        main_ppo_cmd(
+            "arith_demo_megatron",
+            "actor_rollout_ref.rollout.name=hf",
+            "actor_rollout_ref.rollout.enable_rollout_routing_replay=True",
+            "actor_rollout_ref.actor.megatron.expert_model_parallel_size=2",
+            "actor_rollout_ref.actor.router_replay.mode=R3",
+            "data.train_batch_size=4",
+            "actor_rollout_ref.rollout.n=4",
+            "actor_rollout_ref.actor.ppo_mini_batch_size=2",
+            "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=4",
+            "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=4",
+            "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu=4",
+            "actor_rollout_ref.actor.entropy_coeff=0.01",  # a gradient although every GRPO advantage is 0
+            *common_overrides(run, 2, model=model_path),
+        ),
+        run,
+        cluster=shared_ray_cluster,
+    )
+    rows = [r["data"] for r in read_metrics(run) if "actor/pg_loss" in r["data"]]
+    assert len(rows) == 2
+    for row in rows:
+        assert "actor/entropy" in row and row["actor/grad_norm"] > 0, {
+            k: row.get(k) for k in ("actor/entropy", "actor/grad_norm")
+        }

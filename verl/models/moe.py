@@ -156,3 +156,73 @@ def _router_class(module: torch.nn.Module) -> type:
         f"{type(module).__name__} declares no router-logits output (transformers' _can_record_outputs), so its "
         f"load-balancing loss cannot be computed; set {_OVERRIDE}.output_router_logits=false"
     )
+
+
+# ----------------------------------------------------------------------------- routing records
+
+ROUTED_EXPERTS = "routed_experts"
+"""Upstream's batch key of recorded MoE routing: [B, S, num_moe_layers, top_k] expert ids over the
+columns of `input_ids` (zeros at padding), see `verl.models.mcore.router_replay`."""
+
+
+def routing_dtype(num_experts: int) -> torch.dtype:
+    """The smallest integer dtype that holds expert ids 0..num_experts-1."""
+    if num_experts <= 256:
+        return torch.uint8
+    return torch.int16 if num_experts <= 2**15 else torch.int32
+
+
+class RoutingRecorder:
+    """The top-k expert ids an HF MoE model's routers choose, forward by forward.
+
+    Read from the routers' own outputs (transformers' router modules return (logits, scores,
+    indices)) by forward hooks, so what is recorded is the choice the experts were run with, not a
+    top-k recomputed beside it. Hooks exist only inside `with recorder:`; a model without MoE
+    layers, or whose routers do not return their indices, is refused when the recorder is built.
+    """
+
+    def __init__(self, module: torch.nn.Module):
+        config = getattr(module, "config", None)
+        if config is None or not is_moe(config):
+            raise ValueError(
+                f"{type(module).__name__} has no mixture-of-experts layers, so it has no routing to record; "
+                "set actor_rollout_ref.rollout.enable_rollout_routing_replay=false"
+            )
+        router_class = _router_class(module)
+        self.routers = [m for m in module.modules() if isinstance(m, router_class)]
+        self.top_k = int(config.num_experts_per_tok)
+        self.num_experts = num_experts(config)
+        self.dtype = routing_dtype(self.num_experts)
+        self._layers: list[torch.Tensor] = []
+        self._hooks: list = []
+
+    def _keep(self, router, _inputs, output):
+        indices = output[-1] if isinstance(output, tuple) else None
+        if indices is None or indices.is_floating_point() or indices.shape[-1] != self.top_k:
+            raise RuntimeError(
+                f"{type(router).__name__} does not return its top-{self.top_k} expert indices as its last output, "
+                "so the rollout cannot record routing for this model; set "
+                "actor_rollout_ref.rollout.enable_rollout_routing_replay=false"
+            )
+        self._layers.append(indices.detach().reshape(-1, self.top_k))
+
+    def __enter__(self) -> RoutingRecorder:
+        self._layers = []
+        self._hooks = [router.register_forward_hook(self._keep) for router in self.routers]
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for hook in self._hooks:
+            hook.remove()
+        self._hooks, self._layers = [], []
+
+    def take(self) -> torch.Tensor:
+        """[tokens, num_moe_layers, top_k] (int64) of the one forward since the last `take`, tokens in
+        the order the model flattened them (row-major over [batch, sequence])."""
+        if len(self._layers) != len(self.routers):
+            raise RuntimeError(
+                f"routing recorder: {len(self._layers)} router calls since the last forward, expected one per "
+                f"MoE layer ({len(self.routers)})"
+            )
+        layers, self._layers = self._layers, []
+        return torch.stack(layers, dim=1).long()

@@ -93,7 +93,7 @@ def test_each_episode_is_one_trace_tagged_as_upstream_with_spans_for_model_turns
         expression, answer = ("12+34*5", "182") if trace.info.tags["sample_index"] == "7" else ("7*8-9", "47")
         tool = spans["ToolAgentLoop.call_tool"]
         assert tool.inputs["call"] == {"name": "calculator", "arguments": {"expression": expression}}
-        assert tool.outputs == [answer, True]
+        assert tool.outputs == [answer, True, 0.0]  # text, success, the tool's step reward
         turns = sorted(
             (s for s in trace.data.spans if s.name == "EpisodeEngine.generate"),
             key=lambda s: len(s.inputs["prompt_ids"]),

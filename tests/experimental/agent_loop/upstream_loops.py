@@ -6,6 +6,7 @@ from __future__ import annotations
 from uuid import uuid4
 
 from verl.experimental.agent_loop.agent_loop import AgentLoopBase, AgentLoopOutput
+from verl.experimental.agent_loop.tool_agent_loop import ToolAgentLoop
 
 
 class ScoresItsOwnEpisodes(AgentLoopBase):
@@ -28,3 +29,18 @@ class ScoresItsOwnEpisodes(AgentLoopBase):
             num_turns=2,
             extra_fields={"model": self.config.actor_rollout_ref.model.path, "source": kwargs["data_source"]},
         )
+
+
+class ScoresEachTurn(ToolAgentLoop):
+    """Upstream's `ToolAgentLoop.run` with one handler overridden, as recipes subclass it: each model
+    turn gets a turn score of `turn_score` (a config-file argument), which a reward manager can read
+    from the `turn_scores` column."""
+
+    def __init__(self, *args, turn_score: float = 0.5, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.turn_score = turn_score
+
+    async def _handle_generating_state(self, agent_data, sampling_params, ignore_termination=False):
+        state = await super()._handle_generating_state(agent_data, sampling_params, ignore_termination)
+        agent_data.turn_scores.append(self.turn_score)
+        return state

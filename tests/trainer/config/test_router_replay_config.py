@@ -1,5 +1,7 @@
 """`actor_rollout_ref.actor.router_replay` in the config: R2 validates on a megatron actor without
-pipeline parallelism; R3, the FSDP actor, pp > 1, the reference's own mode and the file keys
+pipeline parallelism, R3 too with the built-in engine recording the routing
+(`rollout.enable_rollout_routing_replay`); R3 without the recording or with an engine that cannot
+record, the recording without R3, the FSDP actor, pp > 1, the reference's own mode and the file keys
 (upstream declares them and reads neither) are refused, each naming what to set instead."""
 
 from __future__ import annotations
@@ -10,6 +12,12 @@ from tests.trainer.config.test_config_validation import defaults, error_of, mega
 from verl.trainer.config import validate_ppo_config
 
 KEY = "actor_rollout_ref.actor.router_replay.mode"
+FLAG = "actor_rollout_ref.rollout.enable_rollout_routing_replay"
+R3 = {
+    "actor_rollout_ref__actor__router_replay__mode": "R3",
+    "actor_rollout_ref__rollout__enable_rollout_routing_replay": True,
+    "actor_rollout_ref__rollout__name": "hf",
+}
 
 
 def test_r2_on_a_megatron_actor_with_expert_parallelism_validates(megatron_defaults):  # noqa: F811
@@ -25,8 +33,20 @@ def test_r2_on_a_megatron_actor_with_expert_parallelism_validates(megatron_defau
 @pytest.mark.parametrize(
     "changes,message",
     [
-        ({"actor_rollout_ref__actor__router_replay__mode": "R3"},
-         f"{KEY}=R3 replays routing recorded by the rollout engine, and none of this verl's engines returns it"),
+        ({**R3, "actor_rollout_ref__rollout__enable_rollout_routing_replay": False},
+         f"{KEY}=R3 replays the routing the rollout engine records, which it records only with {FLAG}=true"),
+        ({**R3, "actor_rollout_ref__rollout__name": "sglang"},
+         f"{KEY}=R3 needs the rollout engine's routing, and only the built-in engine records it here "
+         "(actor_rollout_ref.rollout.name=sglang returns none"),
+        ({**R3, "actor_rollout_ref__rollout__name": "vllm"}, "set actor_rollout_ref.rollout.name=hf or"),
+        ({**R3, "actor_rollout_ref__rollout__multi_turn__enable": True},
+         f"{KEY}=R3 with agent loops (multi_turn.enable or agent.agent_loop_config_path)"),
+        ({**R3, "actor_rollout_ref__actor__megatron__pipeline_model_parallel_size": 2},
+         f"{KEY}=R3 with actor_rollout_ref.actor.megatron.pipeline_model_parallel_size=2"),
+        ({"actor_rollout_ref__rollout__enable_rollout_routing_replay": True},
+         f"{FLAG}=true records routing that only {KEY}=R3 replays ({KEY}=disabled: nothing is replayed)"),
+        ({"actor_rollout_ref__actor__router_replay__mode": "R2", "actor_rollout_ref__rollout__enable_rollout_routing_replay": True},
+         f"{FLAG}=true records routing that only {KEY}=R3 replays ({KEY}=R2: the old-log-prob pass records its own)"),
         ({"actor_rollout_ref__actor__router_replay__mode": "R2",
           "actor_rollout_ref__actor__megatron__pipeline_model_parallel_size": 2},
          f"{KEY}=R2 with actor_rollout_ref.actor.megatron.pipeline_model_parallel_size=2: replay is implemented "
@@ -42,6 +62,14 @@ def test_router_replay_settings_this_verl_cannot_run_are_refused(megatron_defaul
     assert message in error_of(with_(megatron_defaults, **changes))
 
 
-def test_r2_on_the_fsdp_actor_is_refused(defaults):  # noqa: F811
-    message = error_of(with_(defaults, actor_rollout_ref__actor__router_replay__mode="R2"))
-    assert f"{KEY}=R2 is implemented for actor_rollout_ref.actor.strategy=megatron only" in message
+def test_r3_with_the_built_in_engine_recording_validates(megatron_defaults):  # noqa: F811
+    validate_ppo_config(
+        with_(megatron_defaults, actor_rollout_ref__actor__megatron__expert_model_parallel_size=2, **R3)
+    )
+
+
+@pytest.mark.parametrize("mode", ["R2", "R3"])
+def test_replay_on_the_fsdp_actor_is_refused(defaults, mode):  # noqa: F811
+    changes = R3 if mode == "R3" else {"actor_rollout_ref__actor__router_replay__mode": mode}
+    message = error_of(with_(defaults, **changes))
+    assert f"{KEY}={mode} is implemented for actor_rollout_ref.actor.strategy=megatron only" in message

@@ -196,7 +196,19 @@ def test_unknown_manager_lists_the_registered_names():
         get_reward_manager_cls("navie")
 
 
-def test_register_a_custom_manager_and_reject_name_clashes():
+@pytest.fixture
+def registry_restored():
+    """The registry is process-wide: a name registered here would show in other tests (the config
+    reference lists the registered managers)."""
+    from verl.workers.reward_manager import REWARD_MANAGER_REGISTRY
+
+    before = dict(REWARD_MANAGER_REGISTRY)
+    yield
+    REWARD_MANAGER_REGISTRY.clear()
+    REWARD_MANAGER_REGISTRY.update(before)
+
+
+def test_register_a_custom_manager_and_reject_name_clashes(registry_restored):
     @register("test_constant")
     class Constant(AbstractRewardManager):
         def compute_scores(self, samples):

@@ -282,7 +282,7 @@ def test_block_fan_out_writes_the_cache_the_indexed_fan_out_writes(llama_model, 
         d.reserve(12, 12, 12)
         d.k_cache.fill_(float("nan"))
         d.v_cache.fill_(float("nan"))
-        logits = engine._prefill(input_ids, attention_mask, positions)
+        logits, _ = engine._prefill(input_ids, attention_mask, positions)
         return logits, d.k_cache[:, :, :, :7].clone(), d.v_cache[:, :, :, :7].clone(), d.key_bias[:, :7].clone()
 
     block = prefill()

@@ -2,7 +2,8 @@
 
 - `agent_loop`: the interface (`AgentLoopBase.run_episode(engine, sample) -> Trajectory`), the
   registry (`register`, `AGENT_LOOPS`) and `SingleTurnAgentLoop` (`single_turn_agent`).
-- `tool_agent_loop.ToolAgentLoop` (`tool_agent`): generate, call tools, append their answers, repeat.
+- `tool_agent_loop.ToolAgentLoop` (`tool_agent`): generate, call tools, append their answers, repeat;
+  upstream's state machine (`AgentState`, `AgentData`, the `_handle_*_state` handlers) for subclasses.
 - `tool_parser`: tool-call formats (`hermes`).
 - `engine`: `AsyncRolloutEngine` (one request per call) and `MicroBatchEngine` (batches concurrent
   requests for a batch-synchronous engine).

@@ -43,6 +43,8 @@ from verl.experimental.agent_loop.upstream_api import (
     DictConfigWrap,
     upstream_sampling_params,
 )
+from verl.utils.config import omega_conf_to_dataclass
+from verl.workers.config import RolloutConfig
 
 AGENT_LOOPS: dict[str, type[AgentLoopBase]] = {}
 AGENT_LOOP_KWARGS: dict[str, dict[str, Any]] = {}
@@ -175,6 +177,29 @@ class AgentLoopSettings:
     """strict: compare each finished episode's ids with the chat template's rendering of its messages;
     ignore_strippable: the same, ignoring whitespace; disable: no check."""
     apply_chat_template_kwargs: dict = field(default_factory=dict)
+    prompt_length: int | None = None
+    """rollout.prompt_length (upstream's `ToolAgentLoop.prompt_length`; the loops here do not cut prompts)."""
+    interaction_config_path: str | None = None
+    """multi_turn.interaction_config_path (upstream's `ToolAgentLoop.interaction_config_file`)."""
+
+    @classmethod
+    def from_rollout_config(cls, rollout_config, apply_chat_template_kwargs: dict | None = None) -> AgentLoopSettings:
+        """The settings of a rollout config (a `RolloutConfig`, or a section it is built from)."""
+        config = omega_conf_to_dataclass(rollout_config, RolloutConfig)
+        mt = config.multi_turn
+        return cls(
+            response_length=int(config.response_length),
+            max_assistant_turns=mt.max_assistant_turns,
+            max_user_turns=mt.max_user_turns,
+            max_parallel_calls=int(mt.max_parallel_calls),
+            max_tool_response_length=int(mt.max_tool_response_length),
+            tool_response_truncate_side=mt.tool_response_truncate_side,
+            format=mt.format,
+            tokenization_sanity_check_mode=mt.tokenization_sanity_check_mode,
+            apply_chat_template_kwargs=dict(apply_chat_template_kwargs or {}),
+            prompt_length=None if config.prompt_length is None else int(config.prompt_length),
+            interaction_config_path=mt.interaction_config_path or None,
+        )
 
 
 @dataclass
@@ -303,8 +328,20 @@ class AgentLoopBase:
 
 
 def uses_upstream_api(cls: type) -> bool:
-    """Whether a loop class is written in upstream's style (overrides `run`, not `run_episode`)."""
-    return cls.run is not AgentLoopBase.run and cls.run_episode is AgentLoopBase.run_episode
+    """Whether a loop class is written in upstream's style, so it is built per episode with upstream's
+    arguments: it overrides `run` and not `run_episode`, or its `run` is more derived than its
+    `run_episode`. A class defining both (`ToolAgentLoop`) serves both; its subclasses that override
+    neither (only handlers or `__init__`) are upstream-style, as such subclasses are written upstream."""
+    mro = cls.__mro__
+    run_owner = next(k for k in mro if "run" in vars(k))
+    episode_owner = next(k for k in mro if "run_episode" in vars(k))
+    if run_owner is AgentLoopBase:
+        return False
+    if episode_owner is AgentLoopBase:
+        return True
+    if run_owner is not episode_owner:
+        return mro.index(run_owner) < mro.index(episode_owner)
+    return cls is not run_owner
 
 
 class UpstreamLoopRunner(AgentLoopBase):

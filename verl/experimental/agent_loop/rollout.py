@@ -103,19 +103,7 @@ PARTIAL_ROLLOUT_KEYS = ("partial_rollout", "partial_rollout_check_steps")
 def settings_from_config(rollout_config, apply_chat_template_kwargs: dict | None = None) -> AgentLoopSettings:
     """`AgentLoopSettings` from the rollout config (a `RolloutConfig`, or a section it is built from)
     and its `multi_turn` section."""
-    config = omega_conf_to_dataclass(rollout_config, RolloutConfig)
-    mt = config.multi_turn
-    return AgentLoopSettings(
-        response_length=int(config.response_length),
-        max_assistant_turns=mt.max_assistant_turns,
-        max_user_turns=mt.max_user_turns,
-        max_parallel_calls=int(mt.max_parallel_calls),
-        max_tool_response_length=int(mt.max_tool_response_length),
-        tool_response_truncate_side=mt.tool_response_truncate_side,
-        format=mt.format,
-        tokenization_sanity_check_mode=mt.tokenization_sanity_check_mode,
-        apply_chat_template_kwargs=dict(apply_chat_template_kwargs or {}),
-    )
+    return AgentLoopSettings.from_rollout_config(rollout_config, apply_chat_template_kwargs)
 
 
 def _run_sync(coro):

@@ -26,9 +26,9 @@ What the objects here are, against upstream's:
   `actor_rollout_ref` in full, `data` with what the worker has of it (`apply_chat_template_kwargs`);
   other sections are absent (the worker is not given them).
 
-Not served: loops that subclass upstream's `ToolAgentLoop` internals (`AgentData`, `AgentState`, its
-`_handle_*_state` methods), since this project's `ToolAgentLoop` is written differently, and images
-or videos (`processor` is None).
+Loops that subclass upstream's `ToolAgentLoop` and drive its internals (`AgentData`, `AgentState`,
+the `_handle_*_state` methods) run too: this project's `ToolAgentLoop` is upstream's state machine
+(tool_agent_loop.py). Not served: images or videos (`processor` is None).
 """
 
 from __future__ import annotations

@@ -11,9 +11,11 @@ router keeps training (megatron's replay gathers the scores at the given indices
 Modes (upstream's names):
 - `R2`: the old-log-prob pass (`compute_log_prob`) records the top-k expert ids of every token in
   every MoE layer and returns them as `routed_experts`; the update's forwards replay them.
-- `R3`: the rollout engine records them while it generates. Refused: none of this project's rollout
-  engines returns routing (the built-in engine runs HF's MoE blocks and drops the choice; vLLM and
-  SGLang need the patches upstream's README names), see `R3_REFUSAL`.
+- `R3`: the rollout engine records them while it generates (`rollout.enable_rollout_routing_replay`,
+  the built-in engine only: `verl.workers.rollout.native.engine`; vLLM and SGLang need the patches
+  upstream's README names) and both the old-log-prob pass and the update's forwards replay them, so
+  `old_log_probs` and the update score the network that sampled the tokens. As upstream, R3 returns
+  no recording of its own: the rollout's `routed_experts` stay in the batch.
 
 Data path: `routed_experts` is [B, S, num_moe_layers, top_k] over the columns of `input_ids` (left-
 padded prompt, right-padded response; zeros at padding), the smallest integer dtype that holds the
@@ -36,7 +38,7 @@ Design decisions:
   parallelism megatron runs each micro-batch's forward and backward back to back; with pipeline
   parallelism (1F1B interleaves them, and each stage holds part of the layers) replay is refused.
 - Supported layouts: tp (with sequence parallelism), cp, ep and etp, dp. Not done: pp > 1 (see
-  above), the FSDP actor, R3, the critic and the reference (neither has a probability ratio whose
+  above), the FSDP actor, the critic and the reference (neither has a probability ratio whose
   two passes must agree; upstream reads the actor's key only).
 """
 
@@ -45,23 +47,12 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-__all__ = ["MODES", "R3_REFUSAL", "ROUTED_EXPERTS", "MegatronRouterReplay", "routing_dtype"]
+from verl.models.moe import ROUTED_EXPERTS, routing_dtype
+
+__all__ = ["MODES", "ROUTED_EXPERTS", "MegatronRouterReplay", "routing_dtype"]
 
 MODES = ("disabled", "R2", "R3")
-ROUTED_EXPERTS = "routed_experts"
 _KEY = "actor_rollout_ref.actor.router_replay.mode"
-R3_REFUSAL = (
-    f"{_KEY}=R3 replays routing recorded by the rollout engine, and none of this verl's engines returns it "
-    "(the built-in engine runs HF's MoE blocks, which drop the expert choice; vLLM and SGLang need patches "
-    f"upstream's README names); use {_KEY}=R2 (the old-log-prob pass records the routing) or disabled"
-)
-
-
-def routing_dtype(num_experts: int) -> torch.dtype:
-    """The smallest integer dtype that holds expert ids 0..num_experts-1."""
-    if num_experts <= 256:
-        return torch.uint8
-    return torch.int16 if num_experts <= 2**15 else torch.int32
 
 
 class _LayerRouting:
@@ -103,8 +94,6 @@ class MegatronRouterReplay:
         self._action: str | None = None
         if not self.enabled:
             return
-        if mode == "R3":
-            raise NotImplementedError(R3_REFUSAL)
         from megatron.core.transformer.moe.router import TopKRouter
 
         routers = [m for chunk in model_chunks for m in chunk.modules() if isinstance(m, TopKRouter)]
@@ -138,6 +127,15 @@ class MegatronRouterReplay:
 
     def start_recording(self) -> None:
         self._set_action("record")
+
+    def start_old_log_prob_pass(self) -> None:
+        """R2 records the pass's routing; R3 replays the rollout's (`routed_experts` in the batch)."""
+        self._set_action("replay" if self.mode == "R3" else "record")
+
+    @property
+    def replays_rollout_routing(self) -> bool:
+        """Whether every forward of this model replays the rollout's `routed_experts` (R3)."""
+        return self.enabled and self.mode == "R3"
 
     def start_replaying(self) -> None:
         self._set_action("replay")

@@ -50,6 +50,7 @@ from verl.trainer.config.validate_batches import (
     need_reference_policy,
     world_size,
 )
+from verl.trainer.config.validate_router_replay import _check_router_replay
 from verl.utils.config import omega_conf_to_dataclass
 
 # ------------------------------------------------------------------------------- cross-key rules
@@ -274,6 +275,15 @@ def _check_reward_manager(c: dict, errors: list[str]):
             "reward_manager.source=importlib needs reward_manager.module.path (the Python file defining the class "
             "reward_manager.module.name); or set reward_manager.source=register"
         )
+
+
+def _named_manager_of_reward_file(c: dict, key: str, message: str) -> bool:
+    """Whether `message` refuses a reward-manager name that `custom_reward_function.path` may register:
+    that file registers its managers (`@register(name)`) when it is imported, which happens when the
+    manager is built (verl.trainer.ppo.reward.load_reward_manager, in upstream's order), and the name
+    is checked there; the check here would need to run the user's file."""
+    names = ("reward_model.reward_manager", "reward_manager.name")
+    return key in names and bool(c["custom_reward_function"]["path"]) and "is not a valid choice" in message
 
 
 def _is_megatron(strategy: str) -> bool:
@@ -663,41 +673,6 @@ def _check_ulysses(c: dict, errors: list[str]):
                 )
 
 
-def _check_router_replay(c: dict, errors: list[str]):
-    """MoE router replay (verl/models/mcore/router_replay.py): mode R2 on a megatron actor without
-    pipeline parallelism. Whether the model is MoE is checked when it is built."""
-    arr = c["actor_rollout_ref"]
-    key = "actor_rollout_ref.actor.router_replay.mode"
-    mode = arr["actor"]["router_replay"]["mode"]
-    if arr["ref"]["router_replay"]["mode"] != "disabled":
-        errors.append(
-            f"actor_rollout_ref.ref.router_replay.mode={arr['ref']['router_replay']['mode']}: the reference only "
-            f"scores (there is no update whose routing replay would keep consistent); set it to disabled and "
-            f"{key} for the actor"
-        )
-    if mode == "R3":
-        errors.append(
-            f"{key}=R3 replays routing recorded by the rollout engine, and none of this verl's engines returns it "
-            "(the built-in engine runs HF's MoE blocks, which drop the expert choice; vLLM and SGLang need the "
-            f"patches upstream's router_replay README names); use {key}=R2 (the old-log-prob pass records it)"
-        )
-    if mode == "disabled" or mode == "R3":
-        return
-    if not _is_megatron(arr["actor"]["strategy"]):
-        errors.append(
-            f"{key}={mode} is implemented for actor_rollout_ref.actor.strategy=megatron only (as upstream); "
-            f"set strategy=megatron or {key}=disabled"
-        )
-        return
-    pp = arr["actor"]["megatron"]["pipeline_model_parallel_size"]
-    if pp != 1:
-        errors.append(
-            f"{key}={mode} with actor_rollout_ref.actor.megatron.pipeline_model_parallel_size={pp}: replay is "
-            "implemented without pipeline parallelism (expert, tensor and context parallelism are supported); set "
-            f"it to 1 or {key}=disabled"
-        )
-
-
 def _raise(errors: list[str]):
     if len(errors) == 1:
         raise ConfigError(f"invalid config: {errors[0]}", errors)
@@ -715,6 +690,7 @@ def validate_ppo_config(cfg: DictConfig | dict) -> None:
     keyed: list[tuple[str, str]] = []
     warns: list[str] = []
     _check_section(c, S.PPOConfig, "", keyed, warns, schema_keys())
+    keyed = [(k, msg) for k, msg in keyed if not _named_manager_of_reward_file(c, k, msg)]
     if keyed:
         # A key copied by interpolation (`gen_batch_size: ${data.train_batch_size}`) inherits its
         # source's bad value; report the source only.

@@ -5,7 +5,8 @@
   keyword arguments; None when no path is set. Loading errors name the setting and say how to fix it
   (missing file with the working directory, import failure with the original exception, missing
   function with the callables the file does define).
-- ``load_reward_manager(config, tokenizer, num_examine, **reward_kwargs)``: the manager named by
+- ``load_reward_manager(config, tokenizer, num_examine, **reward_kwargs)``: imports the custom reward
+  file first (as upstream, so a manager that file registers with ``@register(name)`` can be named), then the manager named by
   ``reward_manager.name`` (which follows ``reward_model.reward_manager``; default "naive"), or the
   class ``reward_manager.module.name`` of the file ``module.path`` with ``source=importlib``, around that function or
   ``default_compute_score``; manager options come from ``reward_model.reward_kwargs``, overridden by
@@ -120,7 +121,18 @@ def load_reward_manager(config, tokenizer, num_examine: int, **reward_kwargs):
     """The reward manager described by ``config`` (the full trainer config)."""
     reward_model = _section(config, "reward_model", RewardModelConfig)
     custom = _section(config, "custom_reward_function", CustomRewardFunctionConfig)
-    name, manager_cls = _reward_manager_class(config)
+    # the custom reward file is imported first, as upstream does: it may register the manager it names
+    # (`@register("collabllm")` beside its function, then reward_model.reward_manager=collabllm)
+    compute_score = get_custom_reward_fn(config)
+    try:
+        name, manager_cls = _reward_manager_class(config)
+    except ValueError as e:
+        if not custom.path:
+            raise
+        raise ValueError(
+            f"{e}. custom_reward_function.path={custom.path!r} was imported before the look-up and registers no "
+            "manager under that name"
+        ) from e
     kwargs = {**reward_model.reward_kwargs, **reward_kwargs}
     if custom.on_error != "raise":  # "raise" is every manager's default; leave the older spelling in charge
         kwargs.setdefault("on_error", custom.on_error)
@@ -136,7 +148,7 @@ def load_reward_manager(config, tokenizer, num_examine: int, **reward_kwargs):
         return manager_cls(
             tokenizer=tokenizer,
             num_examine=num_examine,
-            compute_score=get_custom_reward_fn(config) or _default_scorer(reward_model.sandbox_fusion),
+            compute_score=compute_score or _default_scorer(reward_model.sandbox_fusion),
             reward_fn_key=data_value(data, "reward_fn_key"),
             **kwargs,
         )

@@ -34,8 +34,9 @@ sequence (`verl.models.mcore.context_parallel`); per-token log-probs and entropi
 back to whole rows, so losses and metrics are computed as without it. Dynamic batch sizes count
 `ppo_max_token_len_per_gpu` per rank, so a micro-batch holds cp times that many tokens.
 
-MoE router replay (`router_replay.mode=R2`, `verl.models.mcore.router_replay`): the old-log-prob
-pass records each token's experts and returns them as `routed_experts`; the update's forwards
+MoE router replay (`router_replay.mode`, `verl.models.mcore.router_replay`): with R2 the
+old-log-prob pass records each token's experts and returns them as `routed_experts`; with R3 the
+rollout engine recorded them and the old-log-prob pass replays them too. The update's forwards
 replay them, micro-batch by micro-batch, through the `before_forward` hook of
 `run_megatron_schedule`.
 
@@ -330,7 +331,8 @@ class MegatronPPOActor(PPOActor):
             chunk.eval()
         meta = data.meta_info
         temperature = require_temperature(meta)
-        batch = data.batch.select(*MODEL_INPUTS)
+        replay = self.router_replay
+        batch = data.batch.select(*MODEL_INPUTS, *self._rollout_routing_keys(data.batch))
         micro_batches, reverse_idx = split_micro_batches(
             batch,
             micro_batch_size=meta.get("micro_batch_size"),
@@ -338,8 +340,6 @@ class MegatronPPOActor(PPOActor):
             max_token_len=per_rank_token_budget(meta.get("max_token_len")),
             dp_group=self._dp_group,
         )
-
-        replay = self.router_replay
 
         def loss_fn(micro_batch, output):
             entropy, log_probs = self._micro_batch_outputs(micro_batch, temperature, calculate_entropy, output)
@@ -361,7 +361,8 @@ class MegatronPPOActor(PPOActor):
     def compute_log_prob_and_stats(self, data, stats: tuple[str, ...] = ()) -> tuple[torch.Tensor, dict]:
         """See `PPOActor.compute_log_prob_and_stats`; this backend computes the `entropy` statistic only.
         With `router_replay.mode=R2` the dict also holds `routed_experts` [B, S, num_moe_layers,
-        top_k], the routing of this pass (`verl.models.mcore.router_replay`)."""
+        top_k], the routing of this pass; with R3 the pass replays the batch's `routed_experts`, the
+        rollout's (`verl.models.mcore.router_replay`)."""
         unsupported = [name for name in stats if name != "entropy"]
         if unsupported:
             raise NotImplementedError(
@@ -370,7 +371,7 @@ class MegatronPPOActor(PPOActor):
                 "actor_rollout_ref.actor.strategy=fsdp"
             )
         if self.router_replay.enabled:
-            self.router_replay.start_recording()
+            self.router_replay.start_old_log_prob_pass()
         try:
             outputs = self._log_probs_and_entropy(data, calculate_entropy="entropy" in stats)
         finally:
@@ -388,6 +389,8 @@ class MegatronPPOActor(PPOActor):
         whenever old log-probs come with the batch (without them the update is strictly on-policy,
         its own forward is the only one, and there is nothing to replay)."""
         keys = super()._training_keys(batch)
+        if self.router_replay.replays_rollout_routing:
+            return [*keys, *self._rollout_routing_keys(batch)]
         if not self.router_replay.enabled or "old_log_probs" not in keys:
             return keys
         if ROUTED_EXPERTS not in batch:
@@ -398,6 +401,18 @@ class MegatronPPOActor(PPOActor):
                 "let the actor recompute them or set actor.router_replay.mode=disabled"
             )
         return [*keys, ROUTED_EXPERTS]
+
+    def _rollout_routing_keys(self, batch) -> list[str]:
+        """[`routed_experts`] under R3, whose every forward replays the rollout's routing; else []."""
+        if not self.router_replay.replays_rollout_routing:
+            return []
+        if ROUTED_EXPERTS not in batch:
+            raise KeyError(
+                f"actor.router_replay.mode=R3 replays the routing the rollout engine recorded, but the batch has no "
+                f"{ROUTED_EXPERTS}: generate with actor_rollout_ref.rollout.enable_rollout_routing_replay=true (the "
+                "built-in engine, rollout.name=hf), or set actor.router_replay.mode=R2"
+            )
+        return [ROUTED_EXPERTS]
 
     def _train_and_step(self, micro_batches: list, temperature: float, normaliser: float, metrics: dict):
         """Megatron's schedule over the micro-batches, then gradient reduction, clipping and the step.

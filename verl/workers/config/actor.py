@@ -97,7 +97,8 @@ class RouterReplayConfig(BaseConfig):
 
     mode: str = doc(
         "R2: the old-log-prob pass records each token's experts and the update's forwards replay them; "
-        "R3: replay the rollout engine's routing (not implemented: no engine here returns it).",
+        "R3: the old-log-prob pass and the update replay the routing the rollout engine recorded "
+        "(rollout.enable_rollout_routing_replay, the built-in engine).",
         choices=("disabled", "R2", "R3"),
         default="disabled",
     )

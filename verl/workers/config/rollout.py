@@ -101,7 +101,10 @@ class MultiTurnConfig(BaseConfig):
     )
     format: str = doc("Tool-call format of the model's chat template.", default="hermes")
     num_repeat_rollouts: int | None = doc(
-        "Repeat each multi-turn rollout this many times.", status=UNSUPPORTED, neutral=None, default=None
+        "How many interaction rollouts a loop that repeats them plays per episode (read by user loops, e.g. "
+        "upstream's collabllm recipe, as self.config.actor_rollout_ref.rollout.multi_turn.num_repeat_rollouts; "
+        "the built-in loops do not read it, as upstream's).",
+        default=None,
     )
 
     def __post_init__(self):
@@ -334,7 +337,9 @@ class RolloutConfig(BaseConfig):
         f"vLLM/SGLang: start the engine without its tokenizer. {_SPEED}.", status=IGNORED, default=True
     )
     enable_rollout_routing_replay: bool = doc(
-        "Record the engine's expert routing (mixture-of-experts).", status=UNSUPPORTED, neutral=False, default=False
+        "Record each token's mixture-of-experts routing while generating and return it as `routed_experts` "
+        "(for actor.router_replay.mode=R3); the built-in engine (name=hf) only.",
+        default=False,
     )
     profiler: ProfilerConfig = doc("Profiling of generation (follows the actor's).", default_factory=ProfilerConfig)
     prometheus: PrometheusConfig = doc("Metrics endpoint.", default_factory=PrometheusConfig)

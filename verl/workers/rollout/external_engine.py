@@ -86,6 +86,12 @@ class ExternalEngineRollout(BaseRollout):
                 f"{type(model_path).__name__}; save the model with save_pretrained() and pass its path"
             )
         self.config = omega_conf_to_dataclass(config, RolloutConfig)
+        if self.config.enable_rollout_routing_replay:
+            raise NotImplementedError(
+                f"actor_rollout_ref.rollout.enable_rollout_routing_replay=true with {type(self).__name__}: this engine "
+                "returns no expert routing here (upstream needs patched vLLM/SGLang builds); use the built-in engine "
+                "(actor_rollout_ref.rollout.name=hf), which records it, or actor_rollout_ref.actor.router_replay.mode=R2"
+            )
         self.model_path = model_path
         self.tokenizer = tokenizer
         from transformers import AutoConfig

@@ -19,7 +19,10 @@ Output layout (DESIGN.md): `prompts` [B, P], `responses` [B, R] right-padded wit
 `input_ids`/`attention_mask`/`position_ids` [B, P+R] (positions continue from the prompt's last;
 the mask is 1 up to and including the EOS token), `response_mask` [B, R] and, with
 `calculate_log_probs`, `rollout_log_probs` [B, R] (0 where masked). R is always the configured
-response length, whatever the longest response.
+response length, whatever the longest response. With `enable_rollout_routing_replay` (MoE router
+replay R3) also `routed_experts` [B, P+R, num_moe_layers, top_k], the experts each token was routed
+to while generating (zeros where `attention_mask` is 0; see `native.engine`); partial rollouts,
+which re-prefill with newer weights mid-way, do not record it (refused).
 
 CUDA graphs are on by default on a CUDA device (`cuda_graphs_enabled`); the built-in engine's
 switch is `engine_kwargs.hf.enforce_eager`, not `rollout.enforce_eager`. That top-level key is
@@ -52,6 +55,7 @@ from typing import NamedTuple, Protocol
 
 import torch
 
+from verl.models.moe import ROUTED_EXPERTS
 from verl.utils.config import omega_conf_to_dataclass
 from verl.utils.device import get_device, is_cuda_device
 from verl.utils.speed_paths import SpeedPath
@@ -224,6 +228,12 @@ class HFRollout(BaseRollout):
         out_device = input_ids.device
         refresh = self.weight_refresh if meta.get("partial_rollout") else None
         check_steps = int(meta.get("partial_rollout_check_steps", 1))
+        if refresh is not None and self.config.enable_rollout_routing_replay:
+            raise NotImplementedError(
+                "actor_rollout_ref.rollout.enable_rollout_routing_replay with partial rollouts: a row resumed under "
+                "newer weights is re-prefilled, so its routing would come from two policies; turn partial rollouts "
+                "off or use actor_rollout_ref.actor.router_replay.mode=R2"
+            )
 
         parts = []
         chunk = self.config.max_num_seqs
@@ -245,6 +255,8 @@ class HFRollout(BaseRollout):
         }
         if self.config.calculate_log_probs:
             tensors["rollout_log_probs"] = torch.cat([p.logprobs for p in parts]).to(out_device)
+        if self.config.enable_rollout_routing_replay:
+            tensors[ROUTED_EXPERTS] = torch.cat([p.routed_experts for p in parts]).to(out_device)
 
         timing = dict(meta.get("timing", {}))
         timing["generate_sequences"] = time.perf_counter() - start
@@ -272,6 +284,7 @@ class HFRollout(BaseRollout):
             pad_token_id=pad,
             position_ids=position_ids,
             return_logprobs=self.config.calculate_log_probs,
+            record_routing=bool(self.config.enable_rollout_routing_replay),
         )
 
     def _generate_partial(

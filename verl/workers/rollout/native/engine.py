@@ -40,6 +40,15 @@ Weight sync and memory (the hybrid engine's contract, shared with the vLLM/SGLan
   gathered weights and a KV cache at once.
 Generating while asleep, or after a level-2 wake-up before every weight was synced again, is an
 error that says which call is missing.
+
+Routing records (`record_routing=True`, for MoE router replay R3, `verl.models.mcore.router_replay`):
+forward hooks on the model's routers (`verl.models.moe.RoutingRecorder`) read each forward's top-k
+expert ids: the prefill's for the prompt columns (fanned out to the rows that repeat a prompt) and
+each decode step's for the token it feeds. Every sampled token must pass through a forward to have
+a routing, so a recording call keeps finished rows in the batch (no compaction: the token after
+EOS is fed like any other and masked out) and runs one extra decode step for the last sampled
+column. Without the flag nothing is hooked and nothing changes. The generic HF path only: the
+native decoder runs dense models.
 """
 
 from __future__ import annotations
@@ -53,6 +62,7 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
+from verl.models.moe import RoutingRecorder
 from verl.utils.device import device_context, empty_cache, free_memory_bytes, get_device, synchronize
 from verl.workers.rollout.native.cuda_graph import BATCH_BUCKETS, DecodeGraphRunner
 from verl.workers.rollout.native.hf_decoder import HFModelDecoder
@@ -85,12 +95,15 @@ class GenerationOutput(NamedTuple):
     """responses [B, R] right-padded with pad_token_id; response_mask [B, R] (1 up to and including
     EOS); logprobs [B, R] float32 (0 where masked) or None; paused_at: the number of response
     columns sampled before `pause()` stopped generation (columns from there on are pad, mask 0),
-    None when it ran to the end. Unpacks as a tuple in that order."""
+    None when it ran to the end; routed_experts (`record_routing`): [B, P+R, num_moe_layers, top_k]
+    expert ids over the prompt's columns (as passed in) and the response's, zeros where either mask
+    is 0, else None. Unpacks as a tuple in that order."""
 
     responses: torch.Tensor
     response_mask: torch.Tensor
     logprobs: torch.Tensor | None = None
     paused_at: int | None = None
+    routed_experts: torch.Tensor | None = None
 
 
 # what the estimates leave out: library workspaces (cuBLAS), the CUDA-graph pool, allocator rounding
@@ -161,6 +174,7 @@ class GenerationEngine:
         self._asleep = False
         self._weights_released = False
         self._synced: set[str] = set(decoder.parameter_names())
+        self._recorder: RoutingRecorder | None = None
 
     @property
     def is_native(self) -> bool:
@@ -378,6 +392,17 @@ class GenerationEngine:
                 f"{sorted(missing)[:3]}; call update_weights() with the full model state before generating"
             )
 
+    def routing_recorder(self) -> RoutingRecorder:
+        """The recorder of the model's routers (built once); refuses a model without MoE layers."""
+        if self._recorder is None:
+            if self.is_native:  # the native decoder runs dense models only
+                raise ValueError(
+                    "the rollout model has no mixture-of-experts layers, so it has no routing to record; set "
+                    "actor_rollout_ref.rollout.enable_rollout_routing_replay=false"
+                )
+            self._recorder = RoutingRecorder(self.decoder.model)
+        return self._recorder
+
     # -------------------------------------------------------------------------------- generation
     @torch.no_grad()
     def generate(
@@ -393,6 +418,7 @@ class GenerationEngine:
         generator: torch.Generator | None = None,
         pause: Callable[[], bool] | None = None,
         pause_check_steps: int = 1,
+        record_routing: bool = False,
     ) -> GenerationOutput:
         """Generate up to `max_new_tokens` per left-padded prompt row of `input_ids` [B, P].
 
@@ -404,8 +430,11 @@ class GenerationEngine:
         True the whole batch stops there and `paused_at` tells how many columns were sampled. The
         caller resumes by generating again from prompt + partial response: the KV cache is not kept,
         since after a weight update it would hold the old weights' keys and values.
+
+        `record_routing` returns each token's MoE routing as `routed_experts` (module docstring).
         """
         self._check_ready()
+        recorder = self.routing_recorder() if record_routing else None
         sampling = sampling or SamplingParams()
         if max_new_tokens < 1:
             raise ValueError(f"max_new_tokens={max_new_tokens} must be at least 1 (rollout.response_length)")
@@ -415,10 +444,18 @@ class GenerationEngine:
         if position_ids is None:
             position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
         position_ids = position_ids.to(dev)
+        full_prompt_len = input_ids.shape[1]
         input_ids, attention_mask, position_ids = drop_leading_padding(input_ids, attention_mask, position_ids)
         B, P = input_ids.shape
         R = max_new_tokens
         args = (sampling, eos_token_id, pad_token_id, return_logprobs, generator)
+        if recorder is not None:
+            with device_context(dev), recorder:
+                out = self._generate_rows(
+                    input_ids, attention_mask, position_ids, R, *args, pause, pause_check_steps, recorder
+                )
+            routing = F.pad(out.routed_experts, (0, 0, 0, 0, full_prompt_len - P, 0))  # the dropped columns
+            return out._replace(routed_experts=routing)
         # the engine's device is current for everything below (graph capture, streams, kernels),
         # whichever device the calling thread has current
         with device_context(dev):
@@ -456,8 +493,10 @@ class GenerationEngine:
         generator: torch.Generator | None,
         pause: Callable[[], bool] | None,
         pause_check_steps: int,
+        recorder: RoutingRecorder | None = None,
     ) -> GenerationOutput:
-        """`generate` for rows whose KV cache fits at once (inputs already on the device)."""
+        """`generate` for rows whose KV cache fits at once (inputs already on the device); with a
+        `recorder` (inside its `with`) the routing of every fed token too."""
         dev = self.device
         B, P = input_ids.shape
         R = max_new_tokens
@@ -469,7 +508,13 @@ class GenerationEngine:
         logprobs = torch.zeros((B, R), dtype=torch.float32, device=dev) if return_logprobs else None
         positions = position_ids[:, -1:] + torch.arange(1, R + 1, device=dev)
 
-        logits = self._prefill(input_ids, attention_mask, position_ids)
+        logits, fan_out = self._prefill(input_ids, attention_mask, position_ids)
+        routing = None
+        if recorder is not None:
+            prompt_routing = recorder.take()
+            prompt_routing = prompt_routing.view(-1, P, *prompt_routing.shape[1:])
+            routing = torch.zeros((B, P + R, *prompt_routing.shape[2:]), dtype=recorder.dtype, device=dev)
+            routing[:, :P] = prompt_routing if fan_out is None else prompt_routing[fan_out]
         # Active rows occupy decoder slots [0, live); `rows` maps slot -> output row once finished
         # rows have been dropped (None while slot i is row i).
         rows, live = None, B
@@ -493,7 +538,7 @@ class GenerationEngine:
                     remaining = live - int(finished.sum())
                     if remaining == 0:
                         break
-                    if self._worth_compacting(remaining, live):
+                    if recorder is None and self._worth_compacting(remaining, live):
                         keep = (~finished).nonzero().squeeze(1)
                         self.decoder.select_rows(keep, P + i)
                         rows = keep if rows is None else rows[keep]
@@ -504,6 +549,11 @@ class GenerationEngine:
                 paused_at = i + 1
                 break
             logits = self._decode(tokens, positions[:, i], P + i)
+            if routing is not None:
+                routing[:, P + i] = recorder.take()
+        if routing is not None:  # the last sampled token has not been fed yet: one more step routes it
+            self._decode(tokens, positions[:, i], P + i)
+            routing[:, P + i] = recorder.take()
 
         # 1 up to and including each row's first EOS; unsampled columns (early stop) are pad already
         if eos is None:
@@ -516,12 +566,16 @@ class GenerationEngine:
             response_mask[:, paused_at:] = 0
         if logprobs is not None:
             logprobs.masked_fill_(response_mask == 0, 0.0)
-        return GenerationOutput(responses, response_mask, logprobs, paused_at)
+        if routing is not None:
+            routing.masked_fill_(torch.cat([attention_mask, response_mask], dim=1)[..., None, None] == 0, 0)
+        return GenerationOutput(responses, response_mask, logprobs, paused_at, routing)
 
     def _prefill(
         self, input_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor
-    ) -> torch.Tensor:
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Prefill each distinct prompt once; its keys/values are written to every row that repeats it.
+        Returns the last position's logits of every row and the row -> prefilled prompt map (None when
+        every row was prefilled as itself).
 
         GRPO-style batches repeat every prompt `n` times; their prefill is the same computation, and
         writing `P` cache columns per row costs far less than recomputing them.
@@ -531,7 +585,7 @@ class GenerationEngine:
         key = torch.cat((input_ids * mask, mask, position_ids.to(input_ids.dtype)), dim=1)
         distinct, inverse = torch.unique(key, dim=0, return_inverse=True)
         if distinct.shape[0] == B:
-            return self.decoder.prefill(input_ids, attention_mask, position_ids)
+            return self.decoder.prefill(input_ids, attention_mask, position_ids), None
         # any row of each distinct prompt represents it: take the first
         first = torch.full((distinct.shape[0],), B, dtype=torch.long, device=input_ids.device)
         first.scatter_reduce_(0, inverse, torch.arange(B, device=input_ids.device), reduce="amin")
@@ -543,7 +597,7 @@ class GenerationEngine:
         renumber[by_appearance] = torch.arange(by_appearance.shape[0], device=input_ids.device)
         first, inverse = first[by_appearance], renumber[inverse]
         logits = self.decoder.prefill(input_ids[first], attention_mask[first], position_ids[first], rows=inverse)
-        return logits[inverse]
+        return logits[inverse], inverse
 
     def _worth_compacting(self, remaining: int, live: int) -> bool:
         """Drop finished rows once they are an eighth of the batch (CUDA graphs: once the batch fits a
