@@ -18,15 +18,30 @@ Design decisions:
   (what a mapping raises, and what `in` relies on) and an `AttributeError` (what upstream raises).
 - `_target_` is a keyword-only field so subclasses may declare fields without defaults after it;
   it holds the dotted class path the YAML names, "" when built directly.
+- `doc(...)` declares one field with the metadata the validator and the docs generator read; it is
+  here, in the base layer, so a section declared below the workers (the profiler's) uses it too.
 """
 
 from __future__ import annotations
 
 import collections.abc
 import dataclasses
+from collections.abc import Callable
 from typing import Any, ClassVar
 
-__all__ = ["BaseConfig", "ConfigKeyError"]
+__all__ = ["BaseConfig", "ConfigKeyError", "doc"]
+
+# Field status values (see `doc`).
+SUPPORTED = "supported"
+IGNORED = "ignored"  # accepted for compatibility with upstream configs; has no effect here
+UNSUPPORTED = "unsupported"  # rejected unless it holds its neutral value
+DEPRECATED = "deprecated"  # still honoured, with a warning naming the replacement
+PENDING = "pending"  # rejected unless neutral: the feature is being implemented ("not implemented yet")
+HARDWARE = "hardware"  # rejected unless neutral: only meaningful on hardware this build does not support
+
+_NO_NEUTRAL = object()
+NPU = "Ascend NPUs"
+TRTLLM = "TensorRT-LLM (trtllm)"
 
 
 class ConfigKeyError(KeyError, AttributeError):
@@ -87,3 +102,54 @@ class BaseConfig(collections.abc.Mapping):
 
     def __len__(self) -> int:
         return len(dataclasses.fields(self))
+
+
+def doc(
+    text: str,
+    *,
+    choices: tuple | Callable[[], tuple] | None = None,
+    status: str = SUPPORTED,
+    neutral: Any = _NO_NEUTRAL,
+    replacement: str | None = None,
+    optional: bool = False,
+    unset_ok: bool = False,
+    hardware: str | None = None,
+    hardware_values: dict | None = None,
+    default: Any = dataclasses.MISSING,
+    default_factory: Callable[[], Any] | Any = dataclasses.MISSING,
+):
+    """Declare one config key: its documentation and how the validator treats it.
+
+    default / default_factory: the value when the section is built without the key (a section
+        class used at runtime has upstream's defaults; the YAML holds the same values).
+
+    choices: valid values (each element is checked when the value is a list), or a function
+        returning them (for tables owned by a module too heavy to import here).
+    status: SUPPORTED, IGNORED, UNSUPPORTED / PENDING (need `neutral`), DEPRECATED (needs
+        `replacement`) or HARDWARE (needs `neutral` and `hardware`).
+    neutral: the only value accepted for UNSUPPORTED, PENDING and HARDWARE keys (the one that
+        switches the feature off).
+    optional: the key may be absent (only one of the compositions holds it).
+    unset_ok: `???` (Hydra's "must be set") is accepted: the key is only read by a feature that
+        is off or not implemented.
+    hardware_values: {value: hardware} of choices that only exist on hardware this build does not
+        support (`trainer.device=npu`): refused in one line naming the hardware.
+    """
+    if status in (UNSUPPORTED, PENDING, HARDWARE) and neutral is _NO_NEUTRAL:
+        raise TypeError("an unsupported, pending or hardware-only key needs the neutral value it must keep")
+    if status == DEPRECATED and not replacement:
+        raise TypeError("a deprecated key needs the name of its replacement")
+    if status == HARDWARE and not hardware:
+        raise TypeError("a hardware-only key needs the hardware it is for")
+    meta = {
+        "doc": text,
+        "choices": choices,
+        "status": status,
+        "neutral": neutral,
+        "replacement": replacement,
+        "optional": optional,
+        "unset_ok": unset_ok,
+        "hardware": hardware,
+        "hardware_values": hardware_values or {},
+    }
+    return dataclasses.field(default=default, default_factory=default_factory, metadata=meta)

@@ -14,6 +14,7 @@ import torch
 from tests.distributed_helpers import make_ppo_batch, run_distributed
 from verl.models import bundled_model_path
 from verl.protocol import DataProto
+from verl.workers.config import RewardModelConfig
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
 
@@ -121,6 +122,8 @@ def _score_everywhere(rank, world_size, same_path, other_path):
 
     # the policy's tokenizer is the reward model's: its ids are scored as they are, no raw_prompt needed
     worker = fsdp_workers.RewardModelWorker(_config(same_path, "fsdp", True))
+    # the section is built once into upstream's typed class, which the worker reads
+    assert type(worker.config) is RewardModelConfig and worker.config.micro_batch_size_per_gpu == 3
     worker.init_model()
     assert worker.input_tokenizer is None
     plain = DataProto.from_dict(tensors=dict(data.batch.items()))
@@ -141,6 +144,7 @@ def _score_everywhere(rank, world_size, same_path, other_path):
         # megatron backend: one model copy over both ranks, every rank sees the whole batch
         for tp, pp, cp in ((2, 1, 1), (1, 2, 1), (1, 1, 2)):
             worker = megatron_workers.RewardModelWorker(_config(path, "megatron", retokenize, tp, pp, cp=cp))
+            assert (worker.config.megatron.tensor_model_parallel_size, worker.config.nccl_timeout) == (tp, 600)
             worker.init_model()
             what = f"megatron tp={tp} pp={pp} cp={cp} {retokenize}"
             _check(worker.compute_rm_score(data), data, expected[retokenize], what)

@@ -119,10 +119,11 @@ def target_class(declared: type, config: Any, path: str = "") -> type:
 
     The one place a section's class is chosen; the config schema uses it too, so the validator and
     `omega_conf_to_dataclass` agree on which keys a section has. Raises ConfigError when `_target_`
-    names nothing importable or no subclass of `declared`.
+    names nothing importable or no subclass of `declared`. A class may list in `TARGET_ALIASES` other
+    dotted names upstream's YAML gives its section (`global_profiler`'s `verl.utils.profiler.ProfilerConfig`).
     """
     target = config.get(_TARGET) if isinstance(config, Mapping) else None
-    if not target:
+    if not target or target in getattr(declared, "TARGET_ALIASES", ()):
         return declared
     named = _locate(target, path)
     if not (isinstance(named, type) and dataclasses.is_dataclass(named) and issubclass(named, declared)):

@@ -50,7 +50,7 @@ from verl.utils.profiler import DistProfiler, DistProfilerExtension
 from verl.utils.speed_paths import SpeedPath
 from verl.utils.speed_paths import merge as merge_speed_paths
 from verl.utils.ulysses import SP_KEY
-from verl.workers.config import ActorConfig, CriticConfig, HFModelConfig, RefConfig, RolloutConfig
+from verl.workers.config import ActorConfig, CriticConfig, HFModelConfig, RefConfig, RewardModelConfig, RolloutConfig
 from verl.workers.engine import BaseEngine, EngineRegistry
 from verl.workers.ulysses_rows import UlyssesRows, scale_token_budgets
 
@@ -692,13 +692,15 @@ class RewardModelWorker(Worker, DistProfilerExtension):
     `compute_rm_score` with its dispatch); inputs, re-tokenisation and the placement of the score on
     the last response token are written here once."""
 
-    def __init__(self, config: DictConfig):
+    def __init__(self, config: DictConfig | RewardModelConfig):
         super().__init__()
-        self.config = config
+        # the `reward_model` section, typed once (upstream's RewardModelConfig) and read by attribute
+        self.config = cfg = omega_conf_to_dataclass(config, RewardModelConfig)
         os.environ["VERL_ROLE"] = "reward_model"
-        # only a Megatron reward model's section has its own nccl_timeout (upstream's megatron_reward_model.yaml)
-        _join_group(self, config.nccl_timeout if "nccl_timeout" in config else None)
-        self.init_profiler(self.rank, config.profiler, "reward_model")
+        # only a Megatron reward model's section has its own nccl_timeout (upstream's megatron_reward_model.yaml);
+        # an FSDP one joins with the default (VERL_DIST_TIMEOUT_S / 600 s)
+        _join_group(self, cfg.nccl_timeout if cfg.strategy == "megatron" else None)
+        self.init_profiler(self.rank, cfg.profiler, "reward_model")
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def init_model(self) -> None:
@@ -714,10 +716,7 @@ class RewardModelWorker(Worker, DistProfilerExtension):
         """This rank's speed paths (`verl.utils.speed_paths`) as dicts: the reward model runs padded
         rows, unfused (its `use_remove_padding` and `use_fused_kernels` are accepted for upstream configs)."""
         model = self.config.model
-        # only an FSDP reward model's section holds these keys (upstream's dp_reward_model.yaml)
-        remove_padding = "use_remove_padding" in model and model.use_remove_padding
-        fused = "use_fused_kernels" in model and model.use_fused_kernels
-        return [path.to_dict() for path in _model_speed_paths(self, remove_padding, fused)]
+        return [path.to_dict() for path in _model_speed_paths(self, model.use_remove_padding, model.use_fused_kernels)]
 
     def _load_tokenizers(self) -> None:
         """The reward model's tokenizer, and the policy's when responses must be re-tokenised: only

@@ -100,6 +100,10 @@ def test_custom_class_errors(sampler_file):
         create_rl_sampler(_data_config(sampler_file, "NotASampler"), Range(6))
     with pytest.raises(AttributeError, match="'Missing' is not a class"):
         create_rl_sampler(_data_config(sampler_file, "Missing"), Range(6))
+    # a partial `data` mapping without dataloader_num_workers has the YAML's 8 workers (upstream's default too)
+    partial = OmegaConf.create({"sampler": {"class_path": sampler_file, "class_name": "HardestFirst"}})
+    with pytest.raises(ValueError, match=r"dataloader_num_workers=0 \(got 8\)"):
+        create_rl_sampler(partial, Range(6))
 
 
 def test_loader_over_a_curriculum_sampler_follows_updates_and_resumes(sampler_file):

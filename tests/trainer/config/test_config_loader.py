@@ -296,3 +296,18 @@ def test_override_can_fill_a_mandatory_value():
     cfg = OmegaConf.create({"rollout": {"name": "???", "n": "${other}"}})
     apply_overrides(cfg, ["rollout.name=vllm", "rollout.n=4"])  # neither value is resolved to check existence
     assert cfg.rollout.name == "vllm" and cfg.rollout.n == 4
+
+
+def test_data_value_takes_the_data_yamls_default_for_a_key_a_partial_section_leaves_out():
+    from verl.trainer.config.loader import data_value
+
+    data_yaml = yaml.safe_load((Path(verl.__file__).parent / "trainer/config/data/legacy_data.yaml").read_text())
+    composed = load_ppo_config(["data.reward_fn_key=source", "data.max_response_length=7"], config_name="arith_demo")
+    assert data_value(composed.data, "reward_fn_key") == "source"
+    assert data_value(composed.data, "max_response_length") == 7
+    partial = {"sampler": None, "max_response_length": 3}
+    assert data_value(partial, "max_response_length") == 3
+    assert data_value(partial, "reward_fn_key") == data_yaml["reward_fn_key"] == "data_source"
+    assert data_value(partial, "dataloader_num_workers") == data_yaml["dataloader_num_workers"] == 8
+    assert data_value(partial, "sampler.class_path") is None  # a null section on the way: the YAML's value
+    assert data_value(None, "max_response_length") == data_yaml["max_response_length"] == 512

@@ -244,3 +244,36 @@ def test_selected_by_name_through_load_reward_manager(tmp_path, char_tokenizer, 
     assert isinstance(manager, RateLimitedRewardManager) and manager.limits["max_rpm"] == 600
     reward, extra = compute_reward(make_batch(["ab", "c"], ["1", "2"]), manager)
     assert reward.sum(-1).tolist() == [0.5, 0.5] and extra["reward_error"] == [0, 0]
+
+
+def test_the_trainer_config_carries_the_limits_as_typed_reward_model_fields(char_tokenizer):
+    from verl.trainer.config import load_ppo_config
+    from verl.trainer.ppo.reward import load_reward_manager
+    from verl.utils.config import omega_conf_to_dataclass
+    from verl.workers.config import RewardModelConfig
+
+    # upstream's YAML does not list these keys either: `+` adds them, the validator checks them
+    config = load_ppo_config(
+        ["reward_manager.name=rate_limited", "+reward_model.max_rpm=120", "+reward_model.max_concurrent=3"],
+        config_name="arith_demo",
+    )
+    typed = omega_conf_to_dataclass(config.reward_model, RewardModelConfig)
+    assert (typed.max_concurrent, typed.max_rpm, typed.max_tpm, typed.timeout) == (3, 120, None, 300.0)
+    manager = load_reward_manager(config, char_tokenizer, num_examine=0)
+    assert manager.limits == {
+        "max_concurrent": 3,
+        "max_rpm": 120,
+        "max_tpm": None,
+        "estimated_tokens_per_request": 2000,
+        "timeout": 300.0,
+    }
+    assert manager._shared_state.rpm_bucket.rate_limit == 2.0  # 120 per minute
+    with pytest.raises(ValueError, match=r"reward_model.max_rpm=-1 must be positive"):
+        load_ppo_config(["+reward_model.max_rpm=-1"], config_name="arith_demo")
+
+
+def test_keyword_limits_are_checked_as_the_section_fields_are(char_tokenizer):
+    with pytest.raises(ValueError, match=r"reward_model.max_concurrent=0 must be a positive integer"):
+        RateLimitedRewardManager(tokenizer=char_tokenizer, max_concurrent=0)
+    with pytest.raises(ValueError, match=r"reward_model.timeout=0(\.0)? must be positive"):
+        RateLimitedRewardManager(OmegaConf.create({"reward_model": {"timeout": 0}}), char_tokenizer)

@@ -20,6 +20,9 @@ Design decisions:
 - The returned config is resolved (interpolations and the resolvers evaluated), so it can be
   pickled to Ray workers that never import this package, and it is in struct mode like Hydra's:
   reading a key that does not exist raises.
+- `data_value` reads one key of the `data` section, which stays a DictConfig (upstream's too): a
+  caller's partial `data` mapping that leaves the key out gets the data YAML's value, so code that
+  reads `data` never repeats a default beside the YAML.
 """
 
 from __future__ import annotations
@@ -445,3 +448,20 @@ def ray_init_kwargs(cfg: DictConfig) -> dict:
     legacy = OmegaConf.to_container(cfg.get("ray_init") or {}, resolve=True)
     kwargs.update({k: v for k, v in legacy.items() if k != "timeline_json_file" and v is not None})
     return {k: v for k, v in kwargs.items() if v is not None}
+
+
+@functools.lru_cache(maxsize=1)
+def _data_defaults():
+    return OmegaConf.load(CONFIG_DIR / "data" / "legacy_data.yaml")
+
+
+def data_value(data_config, key: str):
+    """`data.<key>` (dotted for a nested key) of a `data` section: the composed config's, or a partial
+    mapping a caller passes; a key it leaves out (or a null section on the way) takes the value
+    `verl/trainer/config/data/legacy_data.yaml` gives it."""
+    node = data_config
+    for part in key.split("."):
+        if node is None or part not in node:
+            return OmegaConf.select(_data_defaults(), key)
+        node = node[part]
+    return node

@@ -49,6 +49,10 @@ from verl.trainer.config.config import (  # noqa: F401  (re-exported: the schema
     reward_manager_choices,
 )
 from verl.utils.config import target_class
+from verl.utils.profiler.config import (  # noqa: F401  (re-exported: the schema's section classes)
+    GlobalProfilerConfig,
+    ProfilerConfig,
+)
 from verl.workers.config import (  # noqa: F401  (re-exported: the schema's section classes)
     ActorConfig,
     AgentLoopConfig,
@@ -97,7 +101,6 @@ from verl.workers.config._fields import (  # noqa: F401  (re-exported: the schem
     NPU,
     PENDING,
     PF_PPO_METHODS,
-    PROFILER_TOOLS,
     RESUME_MODES,
     REWARD_MANAGER_SOURCES,
     REWARD_MANAGERS,
@@ -115,7 +118,6 @@ from verl.workers.config._fields import (  # noqa: F401  (re-exported: the schem
     doc,
     policy_loss_choices,
 )
-from verl.workers.config.actor import ProfilerConfig  # noqa: F401  (re-exported: the schema's section classes)
 from verl.workers.config.reward_model import (  # noqa: F401  (re-exported: the schema's section classes)
     OverlongBufferConfig,
     RewardModelConfig,
@@ -288,24 +290,6 @@ class TrainerConfig:
         "Stop the run after this many steps in a row whose loss or gradient was NaN or infinite (each such update "
         "is skipped and counted in actor/skipped_nonfinite_grad); null never stops."
     )
-
-
-# ------------------------------------------------------------------------------------ profiler
-
-
-@dataclass
-class GlobalProfilerConfig:
-    """Profiling: the tool, the training steps it records and where the traces go."""
-
-    tool: str | None = doc(
-        "nsys, torch or torch_memory (npu: Ascend NPUs); null: no profiling.",
-        choices=PROFILER_TOOLS,
-        hardware_values={"npu": NPU},
-    )
-    steps: list[int] | None = doc("Training steps to profile (with a tool).")
-    profile_continuous_steps: bool = doc("Record consecutive profiled steps into one trace (with a tool).")
-    save_path: str = doc("Directory of the traces.")
-    global_tool_config: dict = doc("Per-tool options: nsys (controller/worker nsight options), torch_memory.")
 
 
 @dataclass

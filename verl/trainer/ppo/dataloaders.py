@@ -4,11 +4,16 @@ The training loader is a `StatefulDataLoader` (its position goes into each check
 sampler `create_rl_sampler` picks: a user's class (`data.sampler.class_path`) or the seeded,
 resumable shuffle. It draws `data.gen_batch_size` prompts at a time (DAPO's dynamic sampling
 generates more than it trains on; the composed default is `data.train_batch_size`).
+
+`data` stays a DictConfig, as upstream keeps it; `verl.trainer.config.loader.data_value` reads one of
+its keys, taking the data YAML's default when a caller's partial `data` mapping leaves the key out,
+so no default is written twice.
 """
 
 from __future__ import annotations
 
 from verl.experimental.dataset.sampler import AbstractSampler
+from verl.trainer.config.loader import data_value
 from verl.utils.dataset.rl_dataset import collate_fn as default_collate_fn
 from verl.utils.dataset.sampler import StatefulDataLoader, create_rl_dataloader
 from verl.utils.dataset.sampler import create_rl_sampler as default_sampler
@@ -46,24 +51,24 @@ def create_rl_sampler(data_config, dataset):
 
     A custom sampler needs `data.dataloader_num_workers=0`: loader workers would prefetch batches
     before a curriculum sampler could react to the last step (`AbstractCurriculumSampler.update`).
-    Read with `.get`: callers (and tests) pass a bare `data` mapping as well as the composed config.
+    Callers (and tests) pass a partial `data` mapping as well as the composed config (`data_value`).
     """
-    sampler_cfg = data_config.get("sampler") or {}
-    class_path = sampler_cfg.get("class_path")
+    class_path = data_value(data_config, "sampler.class_path")
     if not class_path:
         return default_sampler(data_config, dataset)
 
-    class_name = sampler_cfg.get("class_name")
+    class_name = data_value(data_config, "sampler.class_name")
     module = load_module(class_path, config_key="data.sampler.class_path")
     sampler_cls = getattr(module, class_name, None) if class_name else None
     if not isinstance(sampler_cls, type):
         raise AttributeError(
             f"data.sampler.class_name={class_name!r} is not a class defined in data.sampler.class_path={class_path!r}"
         )
-    if (data_config.get("dataloader_num_workers") or 0) != 0:
+    num_workers = data_value(data_config, "dataloader_num_workers")
+    if num_workers:
         raise ValueError(
             f"data.sampler.class_path={class_path!r} sets a custom sampler, which needs "
-            f"data.dataloader_num_workers=0 (got {data_config.get('dataloader_num_workers')}): loader workers "
+            f"data.dataloader_num_workers=0 (got {num_workers}): loader workers "
             "prefetch batches before the sampler sees the previous step's results"
         )
     sampler = sampler_cls(data_source=dataset, data_config=data_config)

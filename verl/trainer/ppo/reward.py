@@ -24,6 +24,7 @@ import functools
 from collections.abc import Callable
 
 from verl.trainer.config.config import CustomRewardFunctionConfig, RewardManagerConfig
+from verl.trainer.config.loader import data_value
 from verl.utils.config import omega_conf_to_dataclass
 from verl.workers.config import RewardModelConfig, SandboxFusionConfig
 
@@ -135,18 +136,20 @@ def load_reward_manager(config, tokenizer, num_examine: int, **reward_kwargs):
     kwargs = {**reward_model.reward_kwargs, **reward_kwargs}
     if custom.on_error != "raise":  # "raise" is every manager's default; leave the older spelling in charge
         kwargs.setdefault("on_error", custom.on_error)
-    # `data` has no typed class (its schema lists keys without defaults): a partial config may leave out
-    # the two keys read here, which then take the YAML's values
-    data = config.get("data") or {}
+    # `data` has no typed class (upstream keeps it a DictConfig): a partial config may leave out the two
+    # keys read here, which then take the data YAML's values
+    data = config.get("data")
+    if name == "rate_limited":  # its limits are reward_model keys (upstream's manager reads them there)
+        kwargs.setdefault("config", config)
     if name == "dapo":  # DAPO's overlong shaping reads two trainer keys, as upstream's recipe passes them
-        kwargs.setdefault("max_resp_len", data.get("max_response_length"))
+        kwargs.setdefault("max_resp_len", data_value(data, "max_response_length"))
         kwargs.setdefault("overlong_buffer_cfg", reward_model.overlong_buffer)
     try:
         return manager_cls(
             tokenizer=tokenizer,
             num_examine=num_examine,
             compute_score=compute_score or _default_scorer(reward_model.sandbox_fusion),
-            reward_fn_key=data.get("reward_fn_key") or "data_source",
+            reward_fn_key=data_value(data, "reward_fn_key"),
             **kwargs,
         )
     except TypeError as e:

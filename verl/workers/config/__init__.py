@@ -4,9 +4,9 @@ Each class is the one definition of its section: its fields carry the runtime de
 YAML holds the same values) and the `doc(...)` metadata the validator and the docs generator read;
 `verl.trainer.config.schema` composes them into the whole config tree.
 
-A role's `profiler` section class (`verl.workers.config.actor.ProfilerConfig`) is not exported here:
-upstream's `ProfilerConfig` is `verl.utils.profiler.ProfilerConfig`, the class the workers build
-their profilers from; this one only declares the section's keys for the validator and the docs.
+A role's `profiler` section is upstream's `verl.utils.profiler.ProfilerConfig` (not exported here, as
+upstream does not): one class declares its keys for the validator and the docs and is what the
+workers build their profilers from.
 """
 
 from verl.workers.config.actor import (
@@ -25,9 +25,21 @@ from verl.workers.config.critic import (
     FSDPCriticModelCfg,
     McoreCriticConfig,
 )
-from verl.workers.config.engine import EngineConfig, FSDPEngineConfig, McoreEngineConfig, TrainingWorkerConfig
+from verl.workers.config.engine import (
+    EngineConfig,
+    FSDPEngineConfig,
+    McoreEngineConfig,
+    TrainingWorkerConfig,
+    VeOmniEngineConfig,
+)
 from verl.workers.config.model import HFModelConfig, MegatronLoRAConfig, MtpConfig, TiledMLPConfig
-from verl.workers.config.optimizer import FSDPOptimizerConfig, McoreOptimizerConfig, OptimizerConfig
+from verl.workers.config.optimizer import (
+    FSDPOptimizerConfig,
+    McoreOptimizerConfig,
+    OptimizerConfig,
+    VeOmniOptimizerConfig,
+    build_optimizer,
+)
 from verl.workers.config.reward_model import RewardModelConfig, SandboxFusionConfig
 from verl.workers.config.rollout import (
     AgentLoopConfig,
@@ -76,4 +88,7 @@ __all__ = [
     "TiledMLPConfig",
     "TraceConfig",
     "TrainingWorkerConfig",
+    "VeOmniEngineConfig",
+    "VeOmniOptimizerConfig",
+    "build_optimizer",
 ]

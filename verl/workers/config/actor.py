@@ -1,8 +1,9 @@
 """Typed config sections of the actor and the reference policy, with upstream verl's names and
 defaults: `ActorConfig` (the keys every engine reads), `FSDPActorConfig` (actor/dp_actor.yaml's
-`_target_`) and `McoreActorConfig` (actor/megatron_actor.yaml's), and their nested `PolicyLossConfig`,
-`ProfilerConfig` and `RouterReplayConfig`. `RefConfig` is ours: upstream builds the reference section
-as an actor config, whose keys it does not share here (the reference only runs forward passes).
+`_target_`) and `McoreActorConfig` (actor/megatron_actor.yaml's), and their nested `PolicyLossConfig`
+and `RouterReplayConfig` (the `profiler` section is upstream's `verl.utils.profiler.ProfilerConfig`).
+`RefConfig` is ours: upstream builds the reference section as an actor config, whose keys it does
+not share here (the reference only runs forward passes).
 
 The schema declares the actor by the base class; the YAML's `_target_` picks the engine's subclass,
 whose extra keys (an FSDP actor's `grad_clip` and `fsdp_config`, a Megatron one's `megatron`) the
@@ -19,14 +20,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from verl.base_config import BaseConfig
+from verl.utils.profiler.config import ProfilerConfig
 from verl.workers.config._fields import (
     _SPEED,
     DEPRECATED,
     IGNORED,
     KL_PENALTIES,
     LOSS_AGG_MODES,
-    NPU,
-    PROFILER_TOOLS,
     STRATEGIES,
     UNSUPPORTED,
     doc,
@@ -88,30 +88,6 @@ class PolicyLossConfig(BaseConfig):
                 f"policy_loss.clip_cov_lb={self.clip_cov_lb} is above clip_cov_ub={self.clip_cov_ub}: "
                 "the covariance window would be empty; set clip_cov_lb <= clip_cov_ub"
             )
-
-
-@dataclass
-class ProfilerConfig(BaseConfig):
-    """Profiling of one role's work (global_profiler picks the tool and the steps)."""
-
-    tool: str | None = doc(
-        "Profiler (follows global_profiler.tool).", choices=PROFILER_TOOLS, hardware_values={"npu": NPU}, default=None
-    )
-    enable: bool = doc("Profile this role at global_profiler.steps.", default=False)
-    all_ranks: bool = doc("Profile every rank (else `ranks`).", default=False)
-    ranks: list[int] = doc("Ranks to profile when all_ranks is false.", default_factory=lambda: [])
-    save_path: str | None = doc(
-        "Directory of the traces (follows global_profiler.save_path).", default="outputs/profile"
-    )
-    tool_config: dict | None = doc(
-        "Per-tool options: {nsys: {discrete}, torch: {contents, discrete}, torch_memory: {...}, npu: {...}}.",
-        default_factory=lambda: {
-            "nsys": {"discrete": False},
-            "npu": {"contents": [], "level": "level0", "analysis": True, "discrete": False},
-            "torch": {"contents": [], "discrete": False},
-            "torch_memory": {"trace_alloc_max_entries": 100000, "stack_depth": 32},
-        },
-    )
 
 
 @dataclass

@@ -18,8 +18,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from verl.base_config import BaseConfig
+from verl.utils.profiler.config import ProfilerConfig
 from verl.workers.config._fields import DEPRECATED, IGNORED, LOSS_AGG_MODES, STRATEGIES, UNSUPPORTED, doc
-from verl.workers.config.actor import ProfilerConfig
 from verl.workers.config.checkpoint import CheckpointConfig
 from verl.workers.config.engine import FSDPEngineConfig, McoreEngineConfig
 from verl.workers.config.model import MegatronCriticLoRAConfig, TiledMLPConfig

@@ -13,7 +13,8 @@ newer engine workers read (`micro_batch_size_per_gpu`, `use_dynamic_bsz`, `max_t
 the `infer_*` pair, `use_fused_kernels`); here the role sections (`actor`, `ref`, `critic`) hold them and
 the YAML does not repeat them under the engine, so they are not fields: a second place for one value
 could disagree with the first. `TrainingWorkerConfig` bundles what one training engine is built from
-(upstream's name and fields).
+(upstream's name and fields). `VeOmniEngineConfig` is upstream's section of an engine not in this
+build: it constructs as upstream's, and selecting the engine is refused (see its docstring).
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from typing import Any
 from verl.base_config import BaseConfig
 from verl.workers.config._fields import _SPEED, ENGINE_DTYPES, IGNORED, MODEL_DTYPES, UNSUPPORTED, doc
 
-__all__ = ["EngineConfig", "FSDPEngineConfig", "McoreEngineConfig", "TrainingWorkerConfig"]
+__all__ = ["EngineConfig", "FSDPEngineConfig", "McoreEngineConfig", "TrainingWorkerConfig", "VeOmniEngineConfig"]
 
 # `TrainingWorkerConfig.model_type` values: the `EngineRegistry` model types
 MODEL_TYPES = ("language_model", "value_model")
@@ -237,6 +238,54 @@ class McoreEngineConfig(EngineConfig):
                 f"megatron.virtual_pipeline_model_parallel_size={vpp} needs pipeline_model_parallel_size >= 2 (got "
                 f"{self.pipeline_model_parallel_size}): interleaving splits each pipeline stage further; set "
                 "virtual_pipeline_model_parallel_size=null or use a pipeline"
+            )
+
+
+@dataclass
+class VeOmniEngineConfig(EngineConfig):
+    """Upstream's VeOmni engine section (engine/veomni.yaml), with its fields and dataclass defaults.
+
+    It builds and is checked like upstream's, so code that constructs or imports it runs; the VeOmni
+    engine itself is not in this build, so a worker asked to train with it (strategy `veomni`) is
+    refused by `EngineRegistry` in one line naming the strategies that exist.
+    """
+
+    wrap_policy: dict = doc("FSDP auto-wrap policy.", default_factory=dict)
+    offload_policy: bool = doc("Offload the policy model's parameters.", default=False)
+    reshard_after_forward: bool = doc("Reshard parameters after the forward pass.", default=True)
+    forward_prefetch: bool = doc("Prefetch the next forward's parameters.", default=False)
+    use_orig_params: bool = doc("FSDP1 use_orig_params.", default=False)
+    entropy_from_logits_with_chunking: bool = doc("Chunked entropy computation.", default=False)
+    use_torch_compile: bool = doc("torch.compile the model.", default=True)
+    entropy_checkpointing: bool = doc("Recompute entropy in backward.", default=False)
+    strategy: str = doc("The engine's backend; only veomni.", choices=("veomni",), default="veomni")
+    data_parallel_size: int = doc("FSDP group size.", default=1)
+    data_parallel_replicate_size: int = doc("Data-parallel replicas.", default=1)
+    data_parallel_shard_size: int = doc("Data-parallel shard degree.", default=1)
+    tensor_parallel_size: int = doc("Tensor-parallel size.", default=1)
+    expert_parallel_size: int = doc("Expert-parallel size.", default=1)
+    pipeline_parallel_size: int = doc("Pipeline-parallel size.", default=1)
+    context_parallel_size: int = doc("Ring-attention context-parallel size.", default=1)
+    ulysses_parallel_size: int = doc("Ulysses sequence-parallel size.", default=1)
+    data_parallel_mode: str = doc("ddp, fsdp1 or fsdp2 (upstream's default: fsdp).", default="fsdp")
+    full_determinism: bool = doc("Fully deterministic kernels (slow; for debugging).", default=False)
+    mixed_precision: bool = doc("Mixed-precision training.", default=False)
+    init_device: str = doc("Where weights are initialised: cpu (rank 0), cuda, meta or npu.", default="meta")
+    enable_full_shard: bool = doc("Fully shard (ZeRO-3).", default=False)
+    ckpt_manager: str = doc("Checkpoint manager: dcp.", default="dcp")
+    load_checkpoint_path: str | None = doc("Checkpoint to load.", default=None)
+    enable_fsdp_offload: bool = doc("FSDP1 CPU offload.", default=False)
+    enable_reentrant: bool = doc("Reentrant gradient checkpointing.", default=False)
+    attn_implementation: str = doc("Attention implementation (VeOmni's names).", default="flash_attention_2")
+    moe_implementation: str = doc("MoE implementation: eager or fused.", default="fused")
+    force_use_huggingface: bool = doc("Load the model with Hugging Face's classes.", default=False)
+    activation_gpu_limit: float = doc("GB of activations kept on the GPU with activation offload.", default=0.0)
+    basic_modules: list[str] | None = doc("VeOmni's basic modules.", default_factory=list)
+
+    def __post_init__(self):
+        if self.strategy != "veomni":
+            raise ValueError(
+                f"VeOmniEngineConfig.strategy={self.strategy!r}: a VeOmni engine section's strategy is veomni"
             )
 
 

@@ -14,6 +14,12 @@ role section's `grad_clip` is the older spelling here, so a second alias would o
 to disagree), and `McoreOptimizerConfig.lr_decay_style`'s dataclass default `linear` (upstream's
 YAML says `constant`, and only constant and cosine schedules exist here: the YAML's value is the
 default).
+
+`VeOmniOptimizerConfig` is upstream's optimizer section of the VeOmni engine, which is not in this
+build: it constructs as upstream's (see `VeOmniEngineConfig`). `build_optimizer(parameters, config)`
+is upstream's entry point to build the torch optimizer a section names; it is
+`verl.utils.optim.build_optimizer`, the function the engines call (imported when called: it needs
+torch, which this module does not import).
 """
 
 from __future__ import annotations
@@ -24,7 +30,7 @@ from typing import ClassVar
 from verl.base_config import BaseConfig
 from verl.workers.config._fields import DEPRECATED, IGNORED, UNSUPPORTED, doc
 
-__all__ = ["FSDPOptimizerConfig", "McoreOptimizerConfig", "OptimizerConfig"]
+__all__ = ["FSDPOptimizerConfig", "McoreOptimizerConfig", "OptimizerConfig", "VeOmniOptimizerConfig", "build_optimizer"]
 
 LR_SCHEDULES = ("constant", "cosine")
 
@@ -127,3 +133,38 @@ class McoreOptimizerConfig(OptimizerConfig):
                 f"optim.lr_decay_style={self.lr_decay_style!r} is not a schedule here; use one of: "
                 f"{', '.join(LR_SCHEDULES)}"
             )
+
+
+@dataclass
+class VeOmniOptimizerConfig(OptimizerConfig):
+    """Upstream's optimizer section of the VeOmni engine (optim/veomni.yaml), with its fields and dataclass
+    defaults; the engine is not in this build (see `VeOmniEngineConfig`)."""
+
+    optimizer: str = doc("VeOmni's optimizer name.", default="adamw")
+    lr_min: float = doc("Floor of the decayed learning rate.", default=0.0)
+    lr_start: float = doc("Learning rate at the start of warm-up.", default=0.0)
+    lr_decay_ratio: float = doc("Fraction of the run the decay spans.", default=1.0)
+    lr_scheduler_type: str = doc("Schedule after warm-up.", choices=LR_SCHEDULES, default="constant")
+    override_optimizer_config: dict | None = doc("Keyword arguments merged into the optimizer's.", default=None)
+
+    def __post_init__(self):
+        super().__post_init__()
+        if self.lr_scheduler_type not in LR_SCHEDULES:
+            raise ValueError(
+                f"optim.lr_scheduler_type={self.lr_scheduler_type!r} is not a schedule here; use one of: "
+                f"{', '.join(LR_SCHEDULES)}"
+            )
+
+
+def build_optimizer(parameters, config: OptimizerConfig):
+    """The torch optimizer `config` names, over `parameters` (tensors or param-group dicts).
+
+    Upstream's signature and behaviour: the class `config.optimizer` in the module `config.optimizer_impl`
+    (an FSDP section: `AdamW` in `torch.optim` by default; a Megatron one's `adam` / `sgd` are torch's
+    AdamW / SGD) with `lr`, `weight_decay`, `betas` (Adam-family names) and `override_optimizer_config`
+    merged over them. A missing package or class is an error naming it. torch's Adam/AdamW run fused
+    where every parameter allows (same update, one kernel per parameter; see verl.utils.optim).
+    """
+    from verl.utils.optim import build_optimizer as _build
+
+    return _build(parameters, config)

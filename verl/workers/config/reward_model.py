@@ -2,8 +2,9 @@
 `reward_model` section, reward_model/*.yaml) and `SandboxFusionConfig` (its `sandbox_fusion` section).
 
 Each field carries its runtime default (the YAML holds the same value) and the `doc(...)` metadata the
-validator and docgen read; the driver builds the section once (`omega_conf_to_dataclass`) and reads it
-by attribute (`verl.trainer.ppo.reward`).
+validator and docgen read; the driver (`verl.trainer.ppo.reward`) and the reward-model workers
+(`verl.workers.engine_workers.RewardModelWorker`) each build the section once (`omega_conf_to_dataclass`)
+and read it by attribute.
 
 Where this differs from upstream's classes, deliberately:
 - upstream's `RewardModelConfig` types `model` as `HFModelConfig` and `rollout` as `RolloutConfig` (its
@@ -24,6 +25,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from verl.base_config import BaseConfig
+from verl.utils.profiler.config import ProfilerConfig
 from verl.workers.config._fields import (
     _SPEED,
     DEPRECATED,
@@ -35,7 +37,6 @@ from verl.workers.config._fields import (
     UNSUPPORTED,
     doc,
 )
-from verl.workers.config.actor import ProfilerConfig
 from verl.workers.config.engine import McoreEngineConfig
 
 __all__ = ["RewardModelConfig", "SandboxFusionConfig"]
@@ -237,3 +238,36 @@ class RewardModelConfig(BaseConfig):
     overlong_buffer: OverlongBufferConfig = doc(
         "Ours. DAPO overlong penalty (used by reward_manager=dapo).", default_factory=OverlongBufferConfig
     )
+    # upstream's rate-limited reward manager reads these from this section; its YAML does not list them
+    max_concurrent: int = doc("reward_manager=rate_limited: reward calls in flight at once.", optional=True, default=1)
+    max_rpm: int | None = doc(
+        "reward_manager=rate_limited: requests per minute (null: unlimited).", optional=True, default=None
+    )
+    max_tpm: int | None = doc(
+        "reward_manager=rate_limited: tokens per minute, each request counted as estimated_tokens_per_request "
+        "(null: unlimited).",
+        optional=True,
+        default=None,
+    )
+    estimated_tokens_per_request: int = doc(
+        "reward_manager=rate_limited: tokens one request is charged against max_tpm.", optional=True, default=2000
+    )
+    timeout: float = doc(
+        "reward_manager=rate_limited: seconds a reward call may take; a later one scores 0 and is flagged.",
+        optional=True,
+        default=300.0,
+    )
+
+    def __post_init__(self):
+        where = "reward_model"
+        if isinstance(self.max_concurrent, bool) or not isinstance(self.max_concurrent, int) or self.max_concurrent < 1:
+            raise ValueError(
+                f"{where}.max_concurrent={self.max_concurrent!r} must be a positive integer (reward calls in flight)"
+            )
+        for key in ("max_rpm", "max_tpm"):
+            value = getattr(self, key)
+            if value is not None and not value > 0:
+                raise ValueError(f"{where}.{key}={value!r} must be positive, or null for no limit")
+        for key in ("timeout", "estimated_tokens_per_request"):
+            if not getattr(self, key) > 0:
+                raise ValueError(f"{where}.{key}={getattr(self, key)!r} must be positive")

@@ -22,6 +22,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from verl.base_config import BaseConfig
+from verl.utils.profiler.config import ProfilerConfig
 from verl.workers.config._fields import (
     _SPEED,
     DEPRECATED,
@@ -34,7 +35,6 @@ from verl.workers.config._fields import (
     UNSUPPORTED,
     doc,
 )
-from verl.workers.config.actor import ProfilerConfig
 
 _SERVER = "Upstream's rollout servers only: the rollout here runs inside the workers, with no server to reach."
 

@@ -115,6 +115,10 @@ class BaseEngine(abc.ABC):
         floating-point tensors (before the gather where the backend can)."""
 
 
+# upstream's backends whose config classes exist here (verl.workers.config) but whose engines do not
+_ENGINES_NOT_IN_THIS_BUILD = {"veomni": "VeOmni"}
+
+
 class EngineRegistry:
     """`(model_type, backend)` -> engine class. Backends register with `@EngineRegistry.register`."""
 
@@ -141,6 +145,11 @@ class EngineRegistry:
     @classmethod
     def get_engine_cls(cls, model_type: str, backend: str) -> type[BaseEngine]:
         engine_cls = cls._engines.get((model_type, backend))
+        if engine_cls is None and backend in _ENGINES_NOT_IN_THIS_BUILD:
+            raise ValueError(
+                f"strategy {backend!r} selects upstream's {_ENGINES_NOT_IN_THIS_BUILD[backend]} engine, which is not in "
+                "this build (its config classes are, for code that builds them); use strategy fsdp or megatron"
+            )
         if engine_cls is None:
             valid = sorted(f"{m}/{b}" for m, b in cls._engines)
             raise ValueError(

@@ -25,30 +25,29 @@ every manager here (``"raise"`` by default; upstream's manager always scores fai
 
 The limits come from keyword arguments (``reward_model.reward_kwargs.max_rpm=...``) or, as
 upstream reads them, from ``config.reward_model.{max_concurrent, max_rpm, max_tpm,
-estimated_tokens_per_request, timeout}``; keyword arguments win.
+estimated_tokens_per_request, timeout}``; keyword arguments win. Those five keys are fields of
+``RewardModelConfig`` (their defaults and checks live there): a partial ``reward_model`` section is
+built into it, and keyword arguments replace its fields, so both routes are checked the same way.
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import inspect
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 
+from verl.utils.config import omega_conf_to_dataclass
+from verl.workers.config.reward_model import RewardModelConfig
 from verl.workers.reward_manager.abstract import AbstractRewardManager, Sample, ScoreOutcome
 from verl.workers.reward_manager.registry import register
 
 __all__ = ["AsyncTokenBucket", "RateLimitedRewardManager"]
 
+# the rate limits: fields of RewardModelConfig (upstream reads them from the reward_model section)
 _LIMIT_KEYS = ("max_concurrent", "max_rpm", "max_tpm", "estimated_tokens_per_request", "timeout")
-_DEFAULTS = {
-    "max_concurrent": 1,
-    "max_rpm": None,
-    "max_tpm": None,
-    "estimated_tokens_per_request": 2000,
-    "timeout": 300.0,
-}
 
 
 class AsyncTokenBucket:
@@ -165,19 +164,11 @@ class RateLimitedRewardManager(AbstractRewardManager):
 
     @staticmethod
     def _resolve_limits(config, limits: dict) -> dict:
-        section = {}
-        if config is not None:
-            reward_model = config.get("reward_model") if isinstance(config, Mapping) or hasattr(config, "get") else None
-            section = {k: reward_model.get(k) for k in _LIMIT_KEYS if reward_model and reward_model.get(k) is not None}
-        resolved = {**_DEFAULTS, **section, **limits}
-        if not (isinstance(resolved["max_concurrent"], int) and resolved["max_concurrent"] >= 1):
-            raise ValueError(f"max_concurrent must be a positive integer, got {resolved['max_concurrent']!r}")
-        for key in ("max_rpm", "max_tpm"):
-            if resolved[key] is not None and not resolved[key] > 0:
-                raise ValueError(f"{key} must be positive or None (unlimited), got {resolved[key]!r}")
-        if not resolved["timeout"] > 0 or not resolved["estimated_tokens_per_request"] > 0:
-            raise ValueError("timeout and estimated_tokens_per_request must be positive")
-        return resolved
+        """The five limits: `config.reward_model`'s (typed: RewardModelConfig, the YAML's defaults for keys
+        it leaves out), replaced by the keyword arguments given, each checked by RewardModelConfig."""
+        section = config.get("reward_model") if config is not None else None
+        typed = dataclasses.replace(omega_conf_to_dataclass(section, RewardModelConfig), **limits)
+        return {key: getattr(typed, key) for key in _LIMIT_KEYS}
 
     @classmethod
     def _acquire_shared(cls, limits: dict) -> _SharedLimits:
