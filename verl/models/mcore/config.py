@@ -382,15 +382,16 @@ def _layer_spec(tf_config, layer: int):
     spec = get_gpt_layer_local_spec(
         num_experts=tf_config.num_moe_experts if is_moe_layer(tf_config, layer) else None,
         moe_grouped_gemm=False,
-        qk_layernorm=tf_config.qk_layernorm and not mla,
+        qk_layernorm=tf_config.qk_layernorm,
+        multi_latent_attention=mla,
         normalization="RMSNorm",
     )
     layer_spec = spec.submodules
     layer_spec.input_layernorm = layer_spec.pre_mlp_layernorm = RMSNorm
     if mla:
-        from verl.models.mcore.deepseek import mla_attention_spec
+        from verl.models.mcore.deepseek import use_local_mla
 
-        layer_spec.self_attention = mla_attention_spec(RMSNorm)
+        use_local_mla(layer_spec.self_attention, RMSNorm)
         return spec
     if tf_config.qk_layernorm:
         attention = layer_spec.self_attention.submodules

@@ -53,7 +53,9 @@ __all__ = [
     "deepseek_attention_to_hf",
     "deepseek_attention_to_mcore",
     "deepseek_config_fields",
+    "deepseek_moe_fields",
     "is_moe_layer",
+    "use_local_mla",
 ]
 
 _MTP = "num_nextn_predict_layers"
@@ -131,19 +133,15 @@ def is_moe_layer(tf_config, layer: int) -> bool:
     return bool(freq[layer]) if isinstance(freq, list) else layer % freq == 0
 
 
-def mla_attention_spec(norm):
-    """The local spec's MLA self-attention, with `norm` (the backend's RMSNorm) for the latent
-    norms, replicated down-projections, the rotary fix and our core attention."""
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
-
+def use_local_mla(attention, norm) -> None:
+    """Make the local spec's MLA self-attention spec (`attention`) run here: our subclass, `norm`
+    (the backend's RMSNorm) for the latent norms, replicated down-projections, our core attention."""
     from verl.models.mcore.context_parallel import ContextParallelAttention
 
-    attention = get_gpt_layer_local_spec(multi_latent_attention=True, qk_layernorm=True).submodules.self_attention
     attention.module = CpuMLASelfAttention
     attention.submodules.linear_q_down_proj = attention.submodules.linear_kv_down_proj = ReplicatedLinear
     attention.submodules.q_layernorm = attention.submodules.kv_layernorm = norm
     attention.submodules.core_attention = ContextParallelAttention
-    return attention
 
 
 class CpuMLASelfAttention(MLASelfAttention):
