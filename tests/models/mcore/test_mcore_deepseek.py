@@ -77,3 +77,15 @@ def test_what_the_backend_does_not_build_is_refused(key, value, message):
     setattr(config, key, value)
     with pytest.raises(NotImplementedError, match=message):
         hf_to_mcore_config(config, None)
+
+
+def _check_lora_refused(rank, world_size):
+    from verl.models.mcore.lora import apply_lora
+
+    chunks = build_loaded_chunks(tiny_dsv3_hf_model())
+    with pytest.raises(NotImplementedError, match="multi-head latent attention"):
+        apply_lora(chunks, {"rank": 4, "alpha": 8, "target_modules": ["linear_qkv", "linear_proj"]})
+
+
+def test_lora_on_latent_attention_is_refused():
+    run_distributed(_check_lora_refused, 1)
