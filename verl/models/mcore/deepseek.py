@@ -3,13 +3,13 @@
 What the family adds to the Qwen3-MoE path (`verl.models.mcore.config`, `weights`):
 - Multi-head latent attention (MLA): megatron's `MLASelfAttention` with `MLATransformerConfig`.
   Two things in megatron-core 0.16.1 stop it from running without TransformerEngine, worked
-  around here: its rotary embedding ignores `use_cpu_initialization` and calls
-  `torch.cuda.current_device()`, and its constructor takes TransformerEngine's mock module
-  (megatron imports one when TE is absent) for the real thing (`CpuMLASelfAttention` fixes
-  both while it is built), and the local
-  spec's `DotProductAttention` rejects MLA's `k_channels`/`v_channels` (query/key and value head
-  sizes differ), so the core attention is our SDPA one (`ContextParallelAttention`, which at
-  context_parallel_size=1 is a plain causal attention).
+  around here: its constructor takes TransformerEngine's mock module (megatron imports one when
+  TE is absent) for the real thing and fails on `isinstance(..., TELinear)`
+  (`CpuMLASelfAttention` corrects the flag while it is built), and the local spec's
+  `DotProductAttention` rejects MLA's `k_channels`/`v_channels` (query/key and value head sizes
+  differ), so the core attention is our SDPA one (`ContextParallelAttention`, which at
+  context_parallel_size=1 is a plain causal attention). Its rotary embedding allocates on
+  `torch.cuda.current_device()`, which the CPU shim (`verl.utils.megatron.cpu_compat`) answers.
 - The latent down-projections (`linear_q_down_proj`, `linear_kv_down_proj`) are replicated
   linear layers, as TransformerEngine's spec makes them ("duplicated"): the local spec's
   column-parallel form gathers the output along the feature dimension, whose backward keeps
@@ -40,8 +40,6 @@ What the family adds to the Qwen3-MoE path (`verl.models.mcore.config`, `weights
 """
 
 from __future__ import annotations
-
-import functools
 
 import torch
 from megatron.core.post_training.modelopt.layers import Linear as ReplicatedLinear
@@ -145,15 +143,13 @@ def use_local_mla(attention, norm) -> None:
 
 
 class CpuMLASelfAttention(MLASelfAttention):
-    """megatron's MLA self-attention, its rotary frequencies built where `use_cpu_initialization`
-    says (megatron-core 0.16.1 builds them on CUDA unconditionally), and buildable without
-    TransformerEngine."""
+    """megatron's MLA self-attention, buildable without TransformerEngine (see the module
+    docstring); it also takes the replicated down-projections (`use_local_mla`)."""
 
     def __init__(self, config, *args, **kwargs):
         from megatron.core.transformer import multi_latent_attention as mla
 
-        original, have_te, linear = mla.RotaryEmbedding, mla.HAVE_TE, mla.Linear
-        mla.RotaryEmbedding = functools.partial(original, use_cpu_initialization=config.use_cpu_initialization)
+        have_te, linear = mla.HAVE_TE, mla.Linear
         # without TransformerEngine megatron's TE extension imports as mocks, so the module believes
         # TE is there and `isinstance(..., TELinear)` fails on the mock
         mla.HAVE_TE = have_te and isinstance(mla.TELinear, type)
@@ -161,7 +157,7 @@ class CpuMLASelfAttention(MLASelfAttention):
         try:
             super().__init__(config, *args, **kwargs)
         finally:
-            mla.RotaryEmbedding, mla.HAVE_TE, mla.Linear = original, have_te, linear
+            mla.HAVE_TE, mla.Linear = have_te, linear
 
 
 def attach_expert_bias(model) -> None:
