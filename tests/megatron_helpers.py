@@ -54,6 +54,29 @@ def tiny_moe_hf_model(num_layers: int = 2, seed: int = 0, norm_topk_prob: bool =
     return _perturbed(model, seed, router_scale=0.5)
 
 
+def tiny_dsv3_hf_model(seed: int = 0, q_lora_rank: int | None = 96, rope_interleave: bool = True):
+    """The `tiny-dsv3` preset (latent attention, a dense first layer, 8 experts in 4 groups, sigmoid
+    routing, a shared expert), untied, every weight perturbed and the routers' correction bias
+    random (large enough to change which experts are chosen)."""
+    import dataclasses
+
+    from verl.models.factory import get_preset
+
+    preset = get_preset("tiny-dsv3")
+    extra = dict(preset.architecture_config, q_lora_rank=q_lora_rank, rope_interleave=rope_interleave)
+    preset = dataclasses.replace(
+        preset, tie_word_embeddings=False, max_position_embeddings=64, architecture_config=tuple(extra.items())
+    )
+    model, _ = build_model(preset, seed=seed, dtype="float32")
+    model.set_experts_implementation("eager")
+    generator = torch.Generator().manual_seed(seed + 2)
+    with torch.no_grad():
+        for name, buffer in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                buffer.copy_(0.1 * torch.randn(buffer.shape, generator=generator))
+    return _perturbed(model, seed, router_scale=0.5)
+
+
 def _perturbed(model, seed: int, router_scale: float = 0.02):
     """Every weight moved by seeded noise (0.02 std; a MoE router's `router_scale`), so no test
     passes on a symmetric initialisation."""

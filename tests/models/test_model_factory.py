@@ -179,3 +179,23 @@ def test_build_config_without_a_tokenizer_matches_the_one_with_it():
     from verl.models.factory import build_config, build_tokenizer
 
     assert build_config("small").to_dict() == build_config("small", build_tokenizer("small")).to_dict()
+
+
+def test_deepseek_v3_preset_saves_and_loads_with_its_latent_attention_and_routing(tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    make_tiny("tiny-dsv3", str(tmp_path))
+    loaded = AutoModelForCausalLM.from_pretrained(str(tmp_path))
+    config = loaded.config
+    assert type(loaded).__name__ == "DeepseekV3ForCausalLM"
+    assert (config.n_routed_experts, config.num_experts_per_tok, config.n_group, config.topk_group) == (8, 4, 4, 2)
+    assert (config.q_lora_rank, config.kv_lora_rank, config.qk_nope_head_dim, config.qk_rope_head_dim) == (
+        96,
+        64,
+        48,
+        16,
+    )
+    assert config.first_k_dense_replace == 1 and config.num_nextn_predict_layers == 0
+    assert not hasattr(loaded.model.layers[0].mlp, "gate")  # the dense first layer
+    assert loaded.model.layers[1].mlp.shared_experts.down_proj.weight.shape == (128, 32)
+    assert 0.5e6 < count_parameters("tiny-dsv3") < 0.6e6

@@ -158,6 +158,11 @@ class MegatronModelMerger(BaseModelMerger):
         }
         for key, shape in expected.items():
             got = tuple(metadata[key].global_shape)[: len(shape)] if key in metadata else None
+            if got is None and key.startswith("decoder.layers."):
+                # layers of different kinds (DeepSeek-V3's dense and MoE layers) are saved one key per layer
+                suffix = key[len("decoder.layers.") :]
+                count = sum(f"decoder.layers.{i}.{suffix}" in metadata for i in range(len(metadata)))
+                got = (count,) if count else None
             if got != shape:
                 raise ModelMergerError(
                     f"{os.path.join(self.hf_model_config_path, 'config.json')} does not describe the checkpoint in "

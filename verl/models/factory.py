@@ -1,6 +1,6 @@
 """Build small causal LMs from plain transformers configs, with the local character tokenizer.
 
-Every preset is an ordinary Qwen2, Llama or Qwen3-MoE model, saved as an ordinary HF directory
+Every preset is an ordinary Qwen2, Llama, Qwen3-MoE or DeepSeek-V3 model, saved as an ordinary HF directory
 (config.json, model.safetensors, tokenizer files, generation_config.json) that
 `AutoModelForCausalLM.from_pretrained` / `AutoTokenizer.from_pretrained` load offline and that
 vLLM and SGLang serve: no custom modelling code, no `trust_remote_code`.
@@ -21,6 +21,11 @@ Design decisions:
   paths (router load-balancing loss, FSDP sharding of expert weights, the model merger) run on
   CPU with the same classes a released Qwen3-MoE checkpoint loads into. vLLM and SGLang serve that
   architecture too.
+- `tiny-dsv3` is transformers' own DeepseekV3ForCausalLM with every feature of the family at tiny
+  sizes (multi-head latent attention, a dense first layer, grouped sigmoid routing with a
+  correction bias, a shared expert), for the Megatron backend's DeepSeek-V3 path. Its extra HF
+  config fields are `ModelPreset.architecture_config`; its head sizes are the family's own
+  (`head_dim` is not passed).
 """
 
 from __future__ import annotations
@@ -38,7 +43,8 @@ class ModelPreset:
     """Dimensions of one preset. All sizes are counts; head_dim is always 64."""
 
     architecture: str
-    """`qwen2` (Qwen2ForCausalLM), `llama` (LlamaForCausalLM) or `qwen3_moe` (Qwen3MoeForCausalLM)."""
+    """`qwen2` (Qwen2ForCausalLM), `llama` (LlamaForCausalLM), `qwen3_moe` (Qwen3MoeForCausalLM) or
+    `deepseek_v3` (DeepseekV3ForCausalLM)."""
     hidden_size: int
     num_hidden_layers: int
     num_attention_heads: int
@@ -51,11 +57,14 @@ class ModelPreset:
     rope_theta: float = 10000.0
     rms_norm_eps: float = 1e-6
     num_experts: int = 0
-    """Routed experts per layer; > 0 only for the mixture-of-experts architecture (`qwen3_moe`)."""
+    """Routed experts per layer; > 0 only for the mixture-of-experts architectures (`qwen3_moe`, `deepseek_v3`)."""
     num_experts_per_tok: int = 0
     """Experts each token is routed to (top-k)."""
     moe_intermediate_size: int = 0
     """Hidden size of one expert's MLP."""
+    architecture_config: tuple[tuple[str, object], ...] = ()
+    """Further transformers config fields of the architecture, as (key, value) pairs (DeepSeek-V3's
+    latent-attention ranks, routing groups and dense first layers)."""
     description: str = ""
 
     def __post_init__(self):
@@ -82,9 +91,14 @@ class ModelPreset:
 
 
 # architecture name -> transformers config class name
-ARCHITECTURES = {"qwen2": "Qwen2Config", "llama": "LlamaConfig", "qwen3_moe": "Qwen3MoeConfig"}
+ARCHITECTURES = {
+    "qwen2": "Qwen2Config",
+    "llama": "LlamaConfig",
+    "qwen3_moe": "Qwen3MoeConfig",
+    "deepseek_v3": "DeepseekV3Config",
+}
 # those whose MLPs are routed experts (see verl.models.moe)
-MOE_ARCHITECTURES = {"qwen3_moe"}
+MOE_ARCHITECTURES = {"qwen3_moe", "deepseek_v3"}
 
 PRESETS: dict[str, ModelPreset] = {
     "tiny": ModelPreset(
@@ -125,6 +139,33 @@ PRESETS: dict[str, ModelPreset] = {
         num_experts_per_tok=2,
         moe_intermediate_size=64,
         description="~0.4M parameters, Qwen3-MoE shape (4 experts, top-2 routing), for the MoE code paths",
+    ),
+    "tiny-dsv3": ModelPreset(
+        architecture="deepseek_v3",
+        hidden_size=128,
+        num_hidden_layers=3,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        intermediate_size=256,
+        num_experts=8,
+        num_experts_per_tok=4,
+        moe_intermediate_size=32,
+        architecture_config=(
+            ("first_k_dense_replace", 1),  # layer 0 dense, layers 1-2 MoE
+            ("n_shared_experts", 1),
+            ("n_group", 4),  # 4 groups of 2 experts, 2 groups chosen per token
+            ("topk_group", 2),
+            ("routed_scaling_factor", 2.5),
+            ("norm_topk_prob", True),
+            ("q_lora_rank", 96),  # multi-head latent attention; query/key head 48 + 16 = 64
+            ("kv_lora_rank", 64),
+            ("qk_nope_head_dim", 48),
+            ("qk_rope_head_dim", 16),
+            ("v_head_dim", 64),
+            ("num_nextn_predict_layers", 0),
+        ),
+        description="~0.6M parameters, DeepSeek-V3 shape (latent attention, a dense first layer, 8 routed "
+        "experts in 4 groups with sigmoid routing, top-4, one shared expert), for the MoE code paths",
     ),
     "qwen2.5-0.5b-shape": ModelPreset(
         architecture="qwen2",
@@ -177,13 +218,22 @@ def build_config(preset: ModelPreset | str, tokenizer=None):
         raise ValueError(f"preset vocab_size={vocab_size} is smaller than the tokenizer's {num_tokens} tokens")
     config_cls = getattr(transformers, ARCHITECTURES[preset.architecture])
     moe = {}
-    if preset.architecture in MOE_ARCHITECTURES:
+    if preset.architecture == "deepseek_v3":  # its config names the experts n_routed_experts, sizes heads itself
+        moe = dict(
+            n_routed_experts=preset.num_experts,
+            num_experts_per_tok=preset.num_experts_per_tok,
+            moe_intermediate_size=preset.moe_intermediate_size,
+        )
+    elif preset.architecture in MOE_ARCHITECTURES:
         moe = dict(
             num_experts=preset.num_experts,
             num_experts_per_tok=preset.num_experts_per_tok,
             moe_intermediate_size=preset.moe_intermediate_size,
             norm_topk_prob=True,  # Qwen3-MoE's released checkpoints renormalise the top-k weights
         )
+    moe.update(preset.architecture_config)
+    if preset.architecture != "deepseek_v3":
+        moe["head_dim"] = HEAD_DIM
     return config_cls(
         **moe,
         vocab_size=vocab_size,
@@ -196,7 +246,6 @@ def build_config(preset: ModelPreset | str, tokenizer=None):
         tie_word_embeddings=preset.tie_word_embeddings,
         rope_theta=preset.rope_theta,
         rms_norm_eps=preset.rms_norm_eps,
-        head_dim=HEAD_DIM,
         bos_token_id=ids["bos"],
         eos_token_id=ids["eos"],
         pad_token_id=ids["pad"],

@@ -1,4 +1,4 @@
-"""megatron-core models built from HF configs (Qwen2, Llama), and exact weight conversion both ways.
+"""megatron-core models built from HF configs (Qwen2, Llama, Qwen3-MoE, DeepSeek-V3), and exact weight conversion both ways.
 
 Importing this package imports megatron-core; only the megatron backend does.
 """

@@ -1,4 +1,5 @@
-"""HF config -> megatron-core TransformerConfig, and the GPTModel built from it (Qwen2, Llama, Qwen3-MoE).
+"""HF config -> megatron-core TransformerConfig, and the GPTModel built from it (Qwen2, Llama, Qwen3-MoE,
+DeepSeek-V3).
 
 Design decisions:
 - One translation for both families: they differ only in the q/k/v bias (Qwen2 always has it,
@@ -11,6 +12,8 @@ Design decisions:
   Qwen3's per-head q/k norms as `qk_layernorm` (`HeadRMSNorm`). Expert parallelism
   (`expert_model_parallel_size`) splits whole experts over ranks and `expert_tensor_parallel_size`
   each expert's MLP; the training side is `verl.models.mcore.moe`.
+- DeepSeek-V3: `MLATransformerConfig` and the layer spec per layer (dense first layers, then MoE
+  layers with shared experts); what the family adds is in `verl.models.mcore.deepseek`.
 - The "local" layer spec (megatron's own modules) is used, with our `RMSNorm` (torch's, able to
   run sequence-parallel) for every norm: it runs without TransformerEngine or apex, so CPU and
   GPU build the same modules. With
@@ -61,7 +64,8 @@ __all__ = [
     "set_compute_dtype",
 ]
 
-_SUPPORTED = ("qwen2", "llama", "qwen3_moe")
+_SUPPORTED = ("qwen2", "llama", "qwen3_moe", "deepseek_v3")
+_MOE_TYPES = ("qwen3_moe", "deepseek_v3")
 
 _DTYPES = {
     "fp32": torch.float32,
@@ -168,6 +172,7 @@ def hf_to_mcore_config(
     """
     import torch.nn.functional as F
     from megatron.core.transformer import TransformerConfig
+    from megatron.core.transformer.transformer_config import MLATransformerConfig
 
     model_type = getattr(hf_config, "model_type", None)
     if model_type not in _SUPPORTED:
@@ -200,7 +205,14 @@ def hf_to_mcore_config(
         )
     head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // heads
     moe = _moe_fields(hf_config, megatron_cfg, tp, sequence_parallel)
-    return TransformerConfig(
+    config_cls = TransformerConfig
+    if model_type == "deepseek_v3":
+        from verl.models.mcore.deepseek import deepseek_config_fields
+
+        config_cls = MLATransformerConfig
+        moe.update(deepseek_config_fields(hf_config, cp))
+        head_dim = hf_config.qk_nope_head_dim + hf_config.qk_rope_head_dim
+    return config_cls(
         **moe,
         num_layers=num_layers,
         hidden_size=hf_config.hidden_size,
@@ -253,13 +265,13 @@ def _moe_fields(hf_config, megatron_cfg, tp: int, sequence_parallel: bool) -> di
     other tokens of the batch. Megatron's own auxiliary loss stays off: the actor adds HF's form
     of it (`verl.models.moe`), as the FSDP actor does.
     """
-    if hf_config.model_type != "qwen3_moe":
+    if hf_config.model_type not in _MOE_TYPES:
         _refuse_expert_parallel(megatron_cfg, hf_config.model_type)
         return {"moe_token_dispatcher_type": "alltoall"}
     ep = int(_get(megatron_cfg, "expert_model_parallel_size", 1))
     etp = int(_get(megatron_cfg, "expert_tensor_parallel_size", tp))
-    experts = hf_config.num_experts
-    if getattr(hf_config, "mlp_only_layers", None) or int(getattr(hf_config, "decoder_sparse_step", 1)) != 1:
+    experts = hf_config.num_local_experts if hf_config.model_type == "deepseek_v3" else hf_config.num_experts
+    if getattr(hf_config, "mlp_only_layers", None) or int(getattr(hf_config, "decoder_sparse_step", 1) or 1) != 1:
         raise NotImplementedError(
             "qwen3_moe config has dense layers between the MoE layers (mlp_only_layers / decoder_sparse_step != 1), "
             "which the megatron backend does not build; use actor.strategy=fsdp for this model"
@@ -280,8 +292,12 @@ def _moe_fields(hf_config, megatron_cfg, tp: int, sequence_parallel: bool) -> di
             f"actor.megatron.expert_tensor_parallel_size={etp} must divide the model's "
             f"moe_intermediate_size={hf_config.moe_intermediate_size}"
         )
+    family = {"qk_layernorm": True}
+    if hf_config.model_type == "deepseek_v3":  # sigmoid routing, shared experts, dense first layers
+        from verl.models.mcore.deepseek import deepseek_moe_fields
+
+        family = deepseek_moe_fields(hf_config)
     return {
-        "qk_layernorm": True,
         "num_moe_experts": experts,
         "moe_ffn_hidden_size": hf_config.moe_intermediate_size,
         "moe_router_topk": hf_config.num_experts_per_tok,
@@ -294,6 +310,7 @@ def _moe_fields(hf_config, megatron_cfg, tp: int, sequence_parallel: bool) -> di
         "moe_token_dispatcher_type": "alltoall",
         "expert_model_parallel_size": ep,
         "expert_tensor_parallel_size": etp,
+        **family,  # last: a family's routing replaces the softmax defaults above
     }
 
 
@@ -303,7 +320,7 @@ def _refuse_expert_parallel(megatron_cfg, model_type) -> None:
         if key == "expert_model_parallel_size" and value not in (None, 1):
             raise ValueError(
                 f"actor.megatron.{key}={value} on a dense {model_type} model: expert parallelism splits the experts of "
-                "a mixture-of-experts model (qwen3_moe); set it to 1"
+                f"a mixture-of-experts model ({', '.join(_MOE_TYPES)}); set it to 1"
             )
 
 
@@ -322,31 +339,18 @@ def build_gpt_model(
     """
     from megatron.core import parallel_state as mpu
     from megatron.core.models.gpt import GPTModel
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
 
     if pre_process is None:
         pre_process = mpu.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage)
     if post_process is None:
         post_process = mpu.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage)
-    tp = tf_config.tensor_model_parallel_size
-    spec = get_gpt_layer_local_spec(
-        num_experts=tf_config.num_moe_experts,
-        moe_grouped_gemm=False,
-        qk_layernorm=tf_config.qk_layernorm,
-        normalization="RMSNorm",
-    )
-    layer = spec.submodules
-    layer.input_layernorm = layer.pre_mlp_layernorm = RMSNorm
-    if tf_config.qk_layernorm:
-        layer.self_attention.submodules.q_layernorm = layer.self_attention.submodules.k_layernorm = HeadRMSNorm
-    if tf_config.context_parallel_size > 1:  # megatron's local attention refuses it; see context_parallel.py
-        from verl.models.mcore.context_parallel import ContextParallelAttention
+    from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
 
-        layer.self_attention.submodules.core_attention = ContextParallelAttention
-    block = TransformerBlockSubmodules(
-        layer_specs=[spec] * get_num_layers_to_build(tf_config, vp_stage=vp_stage), layer_norm=RMSNorm
-    )
+    tp = tf_config.tensor_model_parallel_size
+    offset = get_transformer_layer_offset(tf_config, vp_stage=vp_stage)
+    layers = range(offset, offset + get_num_layers_to_build(tf_config, vp_stage=vp_stage))
+    block = TransformerBlockSubmodules(layer_specs=[_layer_spec(tf_config, i) for i in layers], layer_norm=RMSNorm)
     model = GPTModel(
         config=tf_config,
         transformer_layer_spec=block,
@@ -361,7 +365,42 @@ def build_gpt_model(
     )
     if value_head and post_process:
         model.output_layer = _ValueHead(tf_config.hidden_size, tf_config.params_dtype, tf_config.sequence_parallel)
+    if tf_config.moe_router_score_function == "sigmoid":
+        from verl.models.mcore.deepseek import attach_expert_bias
+
+        attach_expert_bias(model)
     return model
+
+
+def _layer_spec(tf_config, layer: int):
+    """The local spec of global layer `layer`: MoE or dense MLP, MLA or standard attention."""
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+
+    from verl.models.mcore.deepseek import is_moe_layer
+
+    mla = bool(getattr(tf_config, "multi_latent_attention", False))
+    spec = get_gpt_layer_local_spec(
+        num_experts=tf_config.num_moe_experts if is_moe_layer(tf_config, layer) else None,
+        moe_grouped_gemm=False,
+        qk_layernorm=tf_config.qk_layernorm,
+        multi_latent_attention=mla,
+        normalization="RMSNorm",
+    )
+    layer_spec = spec.submodules
+    layer_spec.input_layernorm = layer_spec.pre_mlp_layernorm = RMSNorm
+    if mla:
+        from verl.models.mcore.deepseek import use_local_mla
+
+        use_local_mla(layer_spec.self_attention, RMSNorm)
+        return spec
+    if tf_config.qk_layernorm:
+        attention = layer_spec.self_attention.submodules
+        attention.q_layernorm = attention.k_layernorm = HeadRMSNorm
+    if tf_config.context_parallel_size > 1:  # megatron's local attention refuses it; see context_parallel.py
+        from verl.models.mcore.context_parallel import ContextParallelAttention
+
+        layer_spec.self_attention.submodules.core_attention = ContextParallelAttention
+    return spec
 
 
 class RMSNorm(torch.nn.RMSNorm):

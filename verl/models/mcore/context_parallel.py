@@ -98,9 +98,10 @@ class ContextParallelAttention(MegatronModule):
     """Causal core attention over a context-parallel sequence (see the module docstring).
 
     Takes megatron's core-attention arguments: query [sq, b, np, hn], key and value [sq, b, ng, hn]
-    for this rank's sq = S / cp columns; returns the context [sq, b, np * hn]. Causal
-    self-attention only, without packed sequences or attention bias, like megatron's local
-    `DotProductAttention` it stands in for.
+    for this rank's sq = S / cp columns; returns the context [sq, b, np * hv] (hv: the value head
+    size, which multi-head latent attention makes differ from hn). Causal self-attention only,
+    without packed sequences or attention bias, like megatron's local `DotProductAttention` it
+    stands in for; at cp=1 it is also the core attention of `verl.models.mcore.deepseek`'s MLA.
     """
 
     def __init__(
@@ -113,6 +114,8 @@ class ContextParallelAttention(MegatronModule):
         softmax_scale: float | None = None,
         cp_comm_type: str | None = None,
         pg_collection=None,
+        k_channels: int | None = None,
+        v_channels: int | None = None,
     ):
         from megatron.core.transformer.enums import AttnMaskType
         from megatron.core.utils import divide
@@ -133,7 +136,8 @@ class ContextParallelAttention(MegatronModule):
         tp = mpu.get_tensor_model_parallel_world_size()
         self.heads = divide(config.num_attention_heads, tp)
         self.groups = divide(config.num_query_groups, tp)
-        self.head_dim = config.kv_channels
+        # multi-head latent attention passes its query/key and value head sizes (they differ)
+        self.head_dim = k_channels or config.kv_channels
         self.softmax_scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(self.head_dim)
         if config.apply_query_key_layer_scaling:
             raise NotImplementedError("context-parallel attention does not implement apply_query_key_layer_scaling")
@@ -164,4 +168,4 @@ class ContextParallelAttention(MegatronModule):
         context = torch.nn.functional.scaled_dot_product_attention(
             q, k, v, attn_mask=allowed, scale=self.softmax_scale, enable_gqa=self.heads != self.groups
         )  # [b, n, sq, d]
-        return context.permute(2, 0, 1, 3).reshape(local, batch, self.heads * self.head_dim)
+        return context.permute(2, 0, 1, 3).reshape(local, batch, self.heads * value.shape[-1])

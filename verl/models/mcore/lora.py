@@ -208,6 +208,12 @@ def apply_lora(model_chunks, lora_cfg, seed: int = 42) -> list[nn.Parameter]:
     from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
 
     settings = LoRASettings(lora_cfg, seed)
+    if getattr(model_chunks[0].config, "multi_latent_attention", False):
+        raise NotImplementedError(
+            "actor_rollout_ref.model.lora.rank > 0 on a multi-head latent attention model (deepseek_v3): adapters "
+            "on its latent projections are not implemented here, and linear_qkv would match nothing; train the "
+            "full model (lora.rank=0) or use actor.strategy=fsdp for LoRA"
+        )
     for chunk in model_chunks:
         chunk.requires_grad_(False)
     trained, adapted = [], 0

@@ -23,6 +23,8 @@ Megatron's layouts (local spec):
 - Qwen3-MoE experts: HF's 3-D `experts.gate_up_proj` / `experts.down_proj` are split by whole
   experts over the expert-parallel ranks (`local_experts.j` is global expert ep_rank * E/ep + j)
   and each expert's MLP over the expert-tensor ranks like a dense MLP; the router is replicated.
+- DeepSeek-V3: latent attention (`verl.models.mcore.deepseek`), the router's correction bias
+  (a buffer, replicated), shared experts split like a dense MLP, dense MLPs in the first layers.
 - Layer names are local to a stage (`decoder.layers.0` on every stage); the global layer index
   comes from megatron's layer offset for (pp_rank, vp_stage).
 - With LoRA adapters (`verl.models.mcore.lora`) the way back yields each adapted weight merged
@@ -37,6 +39,7 @@ import torch
 import torch.distributed as dist
 
 from verl.models.mcore.config import padded_vocab_size
+from verl.models.mcore.deepseek import deepseek_attention_to_hf, deepseek_attention_to_mcore, is_moe_layer
 from verl.models.mcore.lora import export_parameters
 
 __all__ = ["hf_to_mcore_state_dict", "load_hf_state_dict", "mcore_to_hf_named_tensors", "layer_owners"]
@@ -152,18 +155,13 @@ def hf_to_mcore_state_dict(
         for mcore_name, hf_name in _LAYER_NORMS.items():
             out[dst + mcore_name] = hf(src + hf_name).clone()
         attn = src + "self_attn."
-        qkv = _fuse_qkv(hf(attn + "q_proj.weight"), hf(attn + "k_proj.weight"), hf(attn + "v_proj.weight"), hf_config)
-        out[dst + "self_attention.linear_qkv.weight"] = shard(qkv)
-        if tf_config.add_qkv_bias:
-            bias = _fuse_qkv(hf(attn + "q_proj.bias"), hf(attn + "k_proj.bias"), hf(attn + "v_proj.bias"), hf_config)
-            out[dst + "self_attention.linear_qkv.bias"] = shard(bias)
-        out[dst + "self_attention.linear_proj.weight"] = shard(hf(attn + "o_proj.weight"), dim=1)
-        if tf_config.qk_layernorm:
-            for mcore_name, hf_name in _QK_NORMS.items():
-                out[dst + "self_attention." + mcore_name] = hf(attn + hf_name).clone()
         mlp = src + "mlp."
-        if tf_config.num_moe_experts:
-            out.update(_experts_to_mcore(hf, mlp, dst + "mlp.", tf_config, ep_rank, etp_rank))
+        if tf_config.multi_latent_attention:
+            out.update(deepseek_attention_to_mcore(hf, attn, dst + "self_attention.", hf_config, shard))
+        else:
+            out.update(_attention_to_mcore(hf, attn, dst + "self_attention.", hf_config, tf_config, shard))
+        if is_moe_layer(tf_config, layer):
+            out.update(_experts_to_mcore(hf, mlp, dst + "mlp.", tf_config, ep_rank, etp_rank, shard))
             continue
         gate, up = shard(hf(mlp + "gate_proj.weight")), shard(hf(mlp + "up_proj.weight"))
         out[dst + "mlp.linear_fc1.weight"] = torch.cat([gate, up])
@@ -181,8 +179,25 @@ def hf_to_mcore_state_dict(
     return out
 
 
-def _experts_to_mcore(hf, src: str, dst: str, tf_config, ep_rank: int, etp_rank: int) -> dict[str, torch.Tensor]:
-    """One MoE layer: the router (replicated) and this (ep_rank, etp_rank)'s experts.
+def _attention_to_mcore(hf, src: str, dst: str, hf_config, tf_config, shard) -> dict[str, torch.Tensor]:
+    """One layer's standard attention for this tensor rank: fused q/k/v (and its bias), the output
+    projection by columns, Qwen3's q/k norms."""
+    out = {}
+    qkv = _fuse_qkv(hf(src + "q_proj.weight"), hf(src + "k_proj.weight"), hf(src + "v_proj.weight"), hf_config)
+    out[dst + "linear_qkv.weight"] = shard(qkv)
+    if tf_config.add_qkv_bias:
+        bias = _fuse_qkv(hf(src + "q_proj.bias"), hf(src + "k_proj.bias"), hf(src + "v_proj.bias"), hf_config)
+        out[dst + "linear_qkv.bias"] = shard(bias)
+    out[dst + "linear_proj.weight"] = shard(hf(src + "o_proj.weight"), dim=1)
+    if tf_config.qk_layernorm:
+        for mcore_name, hf_name in _QK_NORMS.items():
+            out[dst + mcore_name] = hf(src + hf_name).clone()
+    return out
+
+
+def _experts_to_mcore(hf, src: str, dst: str, tf_config, ep_rank: int, etp_rank: int, shard) -> dict[str, torch.Tensor]:
+    """One MoE layer: the router (replicated) and this (ep_rank, etp_rank)'s experts; DeepSeek-V3's
+    router bias (replicated) and shared experts (split over the tensor group like a dense MLP).
 
     HF (transformers 5) keeps the experts as 3-D tensors, `experts.gate_up_proj` [E, 2I, H] (gate
     rows, then up rows) and `experts.down_proj` [E, H, I]. Megatron's SequentialMLP holds experts
@@ -197,6 +212,13 @@ def _experts_to_mcore(hf, src: str, dst: str, tf_config, ep_rank: int, etp_rank:
     local = experts // ep
     gate_up, down = hf(src + "experts.gate_up_proj"), hf(src + "experts.down_proj")
     out = {dst + "router.weight": hf(src + "gate.weight").clone()}
+    if tf_config.moe_router_score_function == "sigmoid":
+        out[dst + "router.expert_bias"] = hf(src + "gate.e_score_correction_bias").clone()
+    if tf_config.moe_shared_expert_intermediate_size:
+        shared = src + "shared_experts."
+        gate, up = shard(hf(shared + "gate_proj.weight")), shard(hf(shared + "up_proj.weight"))
+        out[dst + "shared_experts.linear_fc1.weight"] = torch.cat([gate, up])
+        out[dst + "shared_experts.linear_fc2.weight"] = shard(hf(shared + "down_proj.weight"), dim=1)
     for j in range(local):
         gate, up = gate_up[ep_rank * local + j].chunk(2)
         name = f"{dst}experts.local_experts.{j}."
@@ -232,6 +254,7 @@ def load_hf_state_dict(model_chunks, hf_state_dict: dict[str, torch.Tensor], hf_
             etp_rank=mpu.get_expert_tensor_parallel_rank(),
         )
         params = dict(chunk.named_parameters())
+        params.update({n: b for n, b in chunk.named_buffers() if n.endswith("router.expert_bias")})
         unexpected = sorted(set(shards) - set(params))
         missing = sorted(
             set(params) - set(shards) - ({"output_layer.weight", "output_layer.bias"} if value_head else set())
@@ -299,11 +322,13 @@ def mcore_to_hf_named_tensors(model_chunks, hf_config, value_head: bool = False)
     vpp = tf_config.virtual_pipeline_model_parallel_size
     # adapted weights (LoRA) read as their merge with the adapters: what the rollout and HF exports get
     params = [export_parameters(chunk) for chunk in model_chunks]
+    # DeepSeek-V3's router bias is a buffer (not trained), exported like a parameter
+    buffers = [{n: b for n, b in chunk.named_buffers() if n.endswith("router.expert_bias")} for chunk in model_chunks]
     sample = next(iter(params[0].values()))
     dtype, device = sample.dtype, sample.device
     owners = layer_owners(tf_config)
     heads, groups, head_dim = _shape(hf_config)
-    hidden, inter, vocab = hf_config.hidden_size, hf_config.intermediate_size, hf_config.vocab_size
+    hidden, vocab = hf_config.hidden_size, hf_config.vocab_size
 
     def emit(name, local_fn, owner, shape):
         """Gather on the owner stage (local_fn runs only there), then broadcast along the pipeline."""
@@ -327,14 +352,20 @@ def mcore_to_hf_named_tensors(model_chunks, hf_config, value_head: bool = False)
         else:
             owner, vp_stage, local = owners[layer]
             chunk_params = params[vp_stage or 0] if vpp else params[0]
+            chunk_buffers = buffers[vp_stage or 0] if vpp else buffers[0]
             src = f"decoder.layers.{local}."
 
-            def local_param(suffix, src=src, chunk_params=chunk_params):
-                return chunk_params[src + suffix].detach()
+            def local_param(suffix, src=src, chunk_params=chunk_params, chunk_buffers=chunk_buffers):
+                name = src + suffix
+                return (chunk_buffers[name] if name in chunk_buffers else chunk_params[name]).detach()
 
             dst = name
             for mcore_name, hf_name in _LAYER_NORMS.items():
                 yield emit(dst + hf_name, lambda m=mcore_name: local_param(m).clone(), owner, (hidden,))
+            if tf_config.multi_latent_attention:
+                yield from deepseek_attention_to_hf(dst, local_param, emit, owner, hf_config, _tp_gather)
+                yield from _mlp_to_hf(dst, layer, local_param, emit, owner, hf_config, tf_config)
+                continue
             qkv_rows = (heads + 2 * groups) * head_dim
             fused = emit(
                 None,
@@ -368,24 +399,40 @@ def mcore_to_hf_named_tensors(model_chunks, hf_config, value_head: bool = False)
                         owner,
                         (head_dim,),
                     )
-            if tf_config.num_moe_experts:
-                yield from _experts_to_hf(dst, local_param, emit, owner, hf_config, tf_config)
-                continue
+            yield from _mlp_to_hf(dst, layer, local_param, emit, owner, hf_config, tf_config)
 
-            def gate_up():
-                parts = [p.chunk(2) for p in _tp_gather(local_param("mlp.linear_fc1.weight"), 0)]
-                return torch.cat([torch.cat([g for g, _ in parts]), torch.cat([u for _, u in parts])])
 
-            fc1 = emit(None, gate_up, owner, (2 * inter, hidden))[1]
-            gate, up = fc1.chunk(2)
-            yield f"{dst}mlp.gate_proj.weight", gate.clone()
-            yield f"{dst}mlp.up_proj.weight", up.clone()
-            yield emit(
-                f"{dst}mlp.down_proj.weight",
-                lambda: torch.cat(_tp_gather(local_param("mlp.linear_fc2.weight"), 1), dim=1),
-                owner,
-                (hidden, inter),
-            )
+def _mlp_to_hf(dst: str, layer: int, local_param, emit, owner: int, hf_config, tf_config):
+    """One layer's MLP as HF names it: routed experts (and shared ones) or a dense MLP."""
+    if is_moe_layer(tf_config, layer):
+        yield from _experts_to_hf(dst, local_param, emit, owner, hf_config, tf_config)
+        shared = tf_config.moe_shared_expert_intermediate_size
+        if shared:
+            mlp = "mlp.shared_experts."
+            yield from _dense_mlp_to_hf(dst + mlp, mlp, local_param, emit, owner, hf_config.hidden_size, shared)
+        return
+    inter = hf_config.intermediate_size
+    yield from _dense_mlp_to_hf(dst + "mlp.", "mlp.", local_param, emit, owner, hf_config.hidden_size, inter)
+
+
+def _dense_mlp_to_hf(dst: str, src: str, local_param, emit, owner: int, hidden: int, inter: int):
+    """A tensor-parallel gated MLP (`src` linear_fc1/linear_fc2; model size `hidden`, MLP size
+    `inter`) as HF's gate/up/down projections."""
+
+    def gate_up():
+        parts = [p.chunk(2) for p in _tp_gather(local_param(src + "linear_fc1.weight"), 0)]
+        return torch.cat([torch.cat([g for g, _ in parts]), torch.cat([u for _, u in parts])])
+
+    fc1 = emit(None, gate_up, owner, (2 * inter, hidden))[1]
+    gate, up = fc1.chunk(2)
+    yield f"{dst}gate_proj.weight", gate.clone()
+    yield f"{dst}up_proj.weight", up.clone()
+    yield emit(
+        f"{dst}down_proj.weight",
+        lambda: torch.cat(_tp_gather(local_param(src + "linear_fc2.weight"), 1), dim=1),
+        owner,
+        (hidden, inter),
+    )
 
 
 def _experts_to_hf(dst: str, local_param, emit, owner: int, hf_config, tf_config):
@@ -397,6 +444,13 @@ def _experts_to_hf(dst: str, local_param, emit, owner: int, hf_config, tf_config
     experts, ep = tf_config.num_moe_experts, tf_config.expert_model_parallel_size
     hidden, inter = hf_config.hidden_size, hf_config.moe_intermediate_size
     yield emit(f"{dst}mlp.gate.weight", lambda: local_param("mlp.router.weight").clone(), owner, (experts, hidden))
+    if tf_config.moe_router_score_function == "sigmoid":
+        yield emit(
+            f"{dst}mlp.gate.e_score_correction_bias",
+            lambda: local_param("mlp.router.expert_bias").clone(),
+            owner,
+            (experts,),
+        )
 
     def ep_gather(local: torch.Tensor) -> torch.Tensor:
         if ep == 1:

@@ -1,0 +1,91 @@
+"""A DeepSeek-V3 model (`tiny-dsv3`: multi-head latent attention, a dense first layer, sigmoid
+group-limited routing with a correction bias and a scaling factor, a shared expert) on
+megatron-core's local spec: its log-probs equal transformers' at tp=1, tp=2 (sequence parallel)
+and ep=2 on 2 gloo ranks, HF -> megatron -> HF is bit-exact, and what the backend does not build
+is refused in one line."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.distributed_helpers import run_distributed
+from tests.megatron_helpers import assert_hf_round_trip_exact, build_loaded_chunks, tiny_dsv3_hf_model
+from tests.models.mcore.test_mcore_model import _batch, _hf_response_log_probs, _megatron_response_log_probs
+
+
+def _check_log_probs(rank, world_size, tp, ep, q_lora_rank, rope_interleave):
+    hf_model = tiny_dsv3_hf_model(q_lora_rank=q_lora_rank, rope_interleave=rope_interleave)
+    batch = _batch()
+    if ep > 1:  # each expert-parallel rank routes its own rows (they are data-parallel ranks)
+        batch = {k: v.chunk(world_size // tp)[rank // tp] for k, v in batch.items()}
+    chunks = build_loaded_chunks(hf_model, tp=tp, ep=ep, sequence_parallel=tp > 1)
+    layers = chunks[0].decoder.layers
+    assert not hasattr(layers[0].mlp, "router"), "layer 0 is dense (first_k_dense_replace=1)"
+    assert len(layers[1].mlp.experts.local_experts) == 8 // ep
+    got = _megatron_response_log_probs(chunks, hf_model.config, batch, multiple_of=tp)
+    want = _hf_response_log_probs(hf_model, batch)
+    mask = batch["response_mask"].bool()
+    torch.testing.assert_close(got[mask], want[mask], atol=2e-5, rtol=0)
+
+
+@pytest.mark.parametrize(
+    "tp,ep,q_lora_rank,rope_interleave",
+    [(1, 1, 96, True), (1, 1, None, False), (2, 1, 96, True), (1, 2, 96, True)],
+)
+def test_megatron_deepseek_v3_log_probs_equal_hf(tp, ep, q_lora_rank, rope_interleave):
+    run_distributed(_check_log_probs, max(tp, ep), tp, ep, q_lora_rank, rope_interleave)
+
+
+def test_the_correction_bias_changes_the_routing():
+    """The reference itself: the bias the conversion carries decides experts (else a dropped bias
+    would pass the log-prob test)."""
+    hf_model = tiny_dsv3_hf_model()
+    router = hf_model.model.layers[1].mlp.gate
+    hidden = torch.randn(64, router.weight.shape[1], generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        _, _, chosen = router(hidden)
+        router.e_score_correction_bias.zero_()
+        _, _, unbiased = router(hidden)
+    assert not torch.equal(chosen.sort(-1).values, unbiased.sort(-1).values)
+
+
+def _check_round_trip(rank, world_size, tp, pp, ep):
+    hf_model = tiny_dsv3_hf_model()
+    chunks = build_loaded_chunks(hf_model, tp=tp, pp=pp, ep=ep, sequence_parallel=tp > 1)
+    assert_hf_round_trip_exact(chunks, hf_model)
+
+
+@pytest.mark.parametrize("tp,pp,ep", [(1, 1, 1), (2, 1, 1), (1, 1, 2), (1, 3, 1)])
+def test_hf_to_megatron_deepseek_v3_to_hf_round_trip_is_bit_exact(tp, pp, ep):
+    run_distributed(_check_round_trip, max(tp * pp, ep * pp), tp, pp, ep)
+
+
+@pytest.mark.parametrize(
+    "key,value,message",
+    [
+        ("num_nextn_predict_layers", 1, "num_nextn_predict_layers=1 .multi-token prediction"),
+        ("norm_topk_prob", False, "norm_topk_prob=false"),
+        ("topk_group", 1, "agree only when that is 2"),
+        ("output_router_logits", True, "aux-loss-free"),
+    ],
+)
+def test_what_the_backend_does_not_build_is_refused(key, value, message):
+    from verl.models.mcore import hf_to_mcore_config
+
+    config = tiny_dsv3_hf_model().config
+    setattr(config, key, value)
+    with pytest.raises(NotImplementedError, match=message):
+        hf_to_mcore_config(config, None)
+
+
+def _check_lora_refused(rank, world_size):
+    from verl.models.mcore.lora import apply_lora
+
+    chunks = build_loaded_chunks(tiny_dsv3_hf_model())
+    with pytest.raises(NotImplementedError, match="multi-head latent attention"):
+        apply_lora(chunks, {"rank": 4, "alpha": 8, "target_modules": ["linear_qkv", "linear_proj"]})
+
+
+def test_lora_on_latent_attention_is_refused():
+    run_distributed(_check_lora_refused, 1)

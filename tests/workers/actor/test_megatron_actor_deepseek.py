@@ -1,0 +1,60 @@
+"""The megatron actor trains a DeepSeek-V3 model (`tiny-dsv3`: latent attention, a dense first
+layer, sigmoid group-limited routing with a fixed correction bias, a shared expert) as the FSDP
+actor does: at ep=1, with the experts split over 2 expert-parallel ranks and at tp=2 (sequence
+parallel), one PPO update on 2 ranks gives the single-process FSDP update on the whole batch
+(losses, gradient norms, every weight, and the correction bias left where it was)."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from tests.distributed_helpers import run_distributed
+from tests.megatron_helpers import assert_metrics_close, build_loaded_chunks, tiny_dsv3_hf_model
+from tests.workers.actor.test_megatron_actor import LR, _actor_config, _gathered_weights, _training_data
+from verl.workers.actor.dp_actor import DataParallelPPOActor
+
+
+def _against_fsdp_actor(rank, world_size, ep, tp):
+    from megatron.core import parallel_state as mpu
+
+    from verl.workers.actor.megatron_actor import MegatronPPOActor
+
+    hf_model = tiny_dsv3_hf_model()
+    data = _training_data(hf_model)
+    reference_model = copy.deepcopy(hf_model)
+    reference = DataParallelPPOActor(
+        _actor_config(ppo_mini_batch_size=4, use_remove_padding=True, share_prompt_forward=False),
+        reference_model,
+        torch.optim.SGD(reference_model.parameters(), lr=LR),
+    )
+    want_metrics = reference.update_policy(copy.deepcopy(data))
+
+    chunks = build_loaded_chunks(hf_model, ep=ep, tp=tp, sequence_parallel=tp > 1)
+    dp = mpu.get_data_parallel_world_size()
+    assert dp == world_size // tp
+    assert len(chunks[0].decoder.layers[1].mlp.experts.local_experts) == 8 // ep
+    params = [p for chunk in chunks for p in chunk.parameters()]
+    actor = MegatronPPOActor(
+        _actor_config(ppo_mini_batch_size=4 // dp), chunks, hf_model.config, torch.optim.SGD(params, lr=LR)
+    )
+    mine = torch.tensor([0, 1, 4, 5] if mpu.get_data_parallel_rank() == 0 else [2, 3, 6, 7])
+    got_metrics = actor.update_policy(data.select_idxs(mine) if dp == 2 else copy.deepcopy(data))
+    assert sorted(got_metrics) == sorted(want_metrics)
+    assert_metrics_close(got_metrics, want_metrics, ["actor/grad_norm"])
+    want = reference_model.state_dict()
+    start = hf_model.state_dict()
+    moved = 0.0
+    for name, tensor in _gathered_weights(chunks, hf_model.config).items():
+        torch.testing.assert_close(tensor, want[name], atol=1e-5, rtol=0, msg=name)
+        if name.endswith("e_score_correction_bias"):
+            assert torch.equal(tensor, start[name]), f"{name} moved: the bias is not trained online"
+        moved = max(moved, float((want[name] - start[name]).abs().max()))
+    assert moved > 1e-3, "the update should move the weights"
+
+
+@pytest.mark.parametrize("ep,tp", [(1, 1), (2, 1), (1, 2)])
+def test_megatron_deepseek_v3_update_on_two_ranks_equals_the_fsdp_update_on_the_whole_batch(ep, tp):
+    run_distributed(_against_fsdp_actor, 2, ep, tp)
