@@ -24,25 +24,35 @@ TEMPERATURE = 0.7
 ROWS = 4
 
 
-def _write_mtp_model(path, seed: int = 0):
-    """A tiny Qwen2 checkpoint with one MiMo-layout MTP layer at `path`; returns the HF model."""
+def add_mtp_layer(path, config, seed: int = 0) -> None:
+    """Give the HF checkpoint at `path` (config `config`) one MiMo-layout MTP layer with random weights:
+    `num_nextn_predict_layers: 1` in its config.json and the tensors in `mtp.safetensors`."""
+    import json
+
     from safetensors.torch import save_file
     from transformers.models.qwen2.modeling_qwen2 import Qwen2DecoderLayer
 
-    model = tiny_hf_model("qwen2", tie_word_embeddings=False, seed=seed)
-    model.config.num_nextn_predict_layers = 1
-    model.save_pretrained(path)
     g = torch.Generator().manual_seed(seed + 5)
-    hidden = model.config.hidden_size
-    layer = Qwen2DecoderLayer(model.config, layer_idx=0)
+    hidden = config.hidden_size
     tensors = {}
-    for name, tensor in layer.state_dict().items():
+    for name, tensor in Qwen2DecoderLayer(config, layer_idx=0).state_dict().items():
         base = torch.ones_like(tensor) if name.endswith("layernorm.weight") else torch.zeros_like(tensor)
         tensors[f"model.mtp_layers.0.{name}"] = base + 0.05 * torch.randn(tensor.shape, generator=g)
     for norm in ("token_layernorm", "hidden_layernorm", "final_layernorm"):
         tensors[f"model.mtp_layers.0.{norm}.weight"] = 1 + 0.1 * torch.randn(hidden, generator=g)
     tensors["model.mtp_layers.0.input_proj.weight"] = 0.05 * torch.randn(hidden, 2 * hidden, generator=g)
     save_file({k: v.contiguous() for k, v in tensors.items()}, str(path / "mtp.safetensors"))
+    config_file = path / "config.json"
+    saved = json.loads(config_file.read_text())
+    config_file.write_text(json.dumps({**saved, "num_nextn_predict_layers": 1}, indent=2))
+
+
+def _write_mtp_model(path, seed: int = 0):
+    """A tiny Qwen2 checkpoint with one MiMo-layout MTP layer at `path`; returns the HF model."""
+    model = tiny_hf_model("qwen2", tie_word_embeddings=False, seed=seed)
+    model.save_pretrained(path)
+    add_mtp_layer(path, model.config, seed)
+    model.config.num_nextn_predict_layers = 1
     return model
 
 
@@ -245,3 +255,27 @@ def _engine_builds_the_policy_with_mtp_and_the_reference_without(rank, world_siz
 
 def test_the_engine_loads_the_policys_mtp_layers_and_builds_the_reference_without(tmp_path):
     run_distributed(_engine_builds_the_policy_with_mtp_and_the_reference_without, 1, tmp_path)
+
+
+def _mtp_layers_round_trip_a_dist_checkpoint(rank, world_size, path):
+    from megatron.core import dist_checkpointing
+
+    from verl.models.mcore import build_model_chunks, hf_to_mcore_config
+    from verl.utils.checkpoint.megatron_checkpoint_manager import load_dist_checkpoint_weights
+
+    hf_model = _write_mtp_model(path / "hf")
+    trained = _actor(path / "hf", hf_model).model_chunks
+    (path / "ckpt").mkdir()
+    dist_checkpointing.save(trained[0].sharded_state_dict(), str(path / "ckpt"))
+    fresh = build_model_chunks(hf_model.config, hf_to_mcore_config(hf_model.config, {}, torch.float32))
+    assert not torch.equal(fresh[0].mtp.layers[0].eh_proj.weight, trained[0].mtp.layers[0].eh_proj.weight)
+    load_dist_checkpoint_weights(fresh, str(path / "ckpt"))
+    want = dict(trained[0].named_parameters())
+    names = [name for name, _ in fresh[0].named_parameters()]
+    assert sum(name.startswith("mtp.") for name in names) > 5
+    for name, param in fresh[0].named_parameters():
+        assert torch.equal(param, want[name]), name
+
+
+def test_the_mtp_layers_are_kept_in_megatron_checkpoints(tmp_path):
+    run_distributed(_mtp_layers_round_trip_a_dist_checkpoint, 1, tmp_path)
