@@ -122,7 +122,7 @@ class _GradientRecorder(torch.optim.SGD):
         return super().step(closure)
 
 
-def _actor(path, hf_model, enable_train=True, factor=0.1, detach=False, tp=1):
+def _actor(path, hf_model, enable_train=True, factor=0.1, detach=False, tp=1, sequence_parallel=False):
     """The megatron actor on the MTP model at `path`, loaded as the engine loads it, with no clipping
     and an optimizer that records the gradients without stepping."""
     from verl.models.mcore import build_model_chunks, hf_to_mcore_config, load_hf_state_dict
@@ -132,7 +132,8 @@ def _actor(path, hf_model, enable_train=True, factor=0.1, detach=False, tp=1):
 
     hf_config = hf_model.config
     setup_megatron(tp)
-    tf_config = hf_to_mcore_config(hf_config, {"tensor_model_parallel_size": tp}, torch.float32)
+    layout = {"tensor_model_parallel_size": tp, "sequence_parallel": sequence_parallel}
+    tf_config = hf_to_mcore_config(hf_config, layout, torch.float32)
     chunks = build_model_chunks(hf_config, tf_config)
     state = hf_state_dict(hf_model)
     load_hf_state_dict(chunks, state, hf_config)
@@ -162,24 +163,25 @@ def _update(actor, data: DataProto) -> tuple[dict, dict]:
     return metrics, {names[id(p)]: g for p, g in zip(params, actor.actor_optimizer.gradients)}
 
 
-def _mtp_loss_is_the_float64_reference(rank, world_size, path):
+def _mtp_loss_is_the_float64_reference(rank, world_size, path, sequence_parallel=False):
     if rank == 0:
         _write_mtp_model(path)
     torch.distributed.barrier()
     hf_model = tiny_hf_model("qwen2", tie_word_embeddings=False)
     hf_model.config.num_nextn_predict_layers = 1
     data = _batch()
-    metrics, _ = _update(_actor(path, hf_model, tp=world_size), data)
+    metrics, _ = _update(_actor(path, hf_model, tp=world_size, sequence_parallel=sequence_parallel), data)
     got = metrics["mtp_losses/mtp_1_loss"]
     assert len(got) == 1
     want = _reference_mtp_loss(path, data)
     assert abs(got[0] - want) < 1e-5 * max(1.0, abs(want)), (got, want)
 
 
-# tp=2: eh_proj's rows, the MTP layer's attention and MLP and the (padded) vocabulary are split
-@pytest.mark.parametrize("tp", [1, 2])
-def test_mtp_loss_equals_a_float64_reference(tmp_path, tp):
-    run_distributed(_mtp_loss_is_the_float64_reference, tp, tmp_path)
+# tp=2: eh_proj's rows, the MTP layer's attention and MLP and the (padded) vocabulary are split;
+# with sequence parallelism each tensor rank also holds half of the columns outside them
+@pytest.mark.parametrize("tp,sequence_parallel", [(1, False), (2, False), (2, True)])
+def test_mtp_loss_equals_a_float64_reference(tmp_path, tp, sequence_parallel):
+    run_distributed(_mtp_loss_is_the_float64_reference, tp, tmp_path, sequence_parallel)
 
 
 def _scaling_and_detach(rank, world_size, path):

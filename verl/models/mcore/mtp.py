@@ -18,7 +18,8 @@ What `actor_rollout_ref.model.mtp` does here (upstream's keys and meaning):
   Log-prob passes (no gradient) never run the MTP layers.
 - `detach_encoder`: the MTP layers' inputs (the decoder's hidden state and the token embeddings)
   are detached, so the MTP loss trains the MTP layers and the shared LM head only; the decoder
-  and the embedding get exactly the gradient they get without MTP.
+  and the embedding get exactly the gradient they get without MTP (with tied embeddings the
+  embedding is the LM head, and learns from it as a head).
 
 Design decisions:
 - Megatron's own `GPTModel._postprocess` runs MTP only together with its language-model loss
@@ -30,10 +31,12 @@ Design decisions:
   is the token after a response's last real token (padding, or the next packed sequence's garbage);
   here only real response tokens are targets.
 - HF layout: MiMo's `model.mtp_layers.{i}.*` (`verl.models.mcore.mtp_weights`).
-- Limits, refused where the model is built: pipeline, virtual pipeline and context parallelism
-  (megatron keeps the MTP layers and an embedding copy on the last stage, whose gradient sync and
-  the CP-aware roll are not wired here). The HF export (`mcore_to_hf_named_tensors`: rollout weight
-  sync, `hf_model` checkpoints, the model merger) streams the main model only.
+- Limits, refused where the model is built: pipeline (and so virtual pipeline) parallelism, where
+  megatron keeps the MTP layers and a copy of the embedding on the last stage, whose gradient sync
+  with the first stage's is not wired here; context parallelism, whose cross-rank roll of the MTP
+  inputs (megatron-core's `roll_tensor`) allocates CUDA buffers. The HF export
+  (`mcore_to_hf_named_tensors`: rollout weight sync, `hf_model` checkpoints, the model merger)
+  streams the main model only.
 """
 
 from __future__ import annotations

@@ -46,8 +46,8 @@ class MtpConfig(BaseConfig):
         default=False,
     )
     detach_encoder: bool = doc(
-        "Cut the MTP loss's gradient into the decoder and the embedding (the MTP layers and the LM head still "
-        "learn from it).",
+        "Cut the MTP loss's gradient into the decoder and the embedding (the MTP layers and the LM head, tied or "
+        "not, still learn from it).",
         default=False,
     )
     mtp_loss_scaling_factor: float = doc(
