@@ -8,7 +8,7 @@ ignores). The reference is written here in float64 from the HF modules: the HF m
 the final norm and the LM head, whose cross-entropy against token t + 2 is averaged over the response
 tokens. The megatron actor's logged `mtp_losses/mtp_1_loss` must equal it; the scaling factor must
 scale the MTP part of every gradient exactly; `detach_encoder` must leave the decoder's and the
-embedding's gradients exactly the ones without MTP.
+embedding's gradients exactly the ones without MTP; data-parallel ranks must weigh it as micro-batches do.
 """
 
 from __future__ import annotations
@@ -122,7 +122,7 @@ class _GradientRecorder(torch.optim.SGD):
         return super().step(closure)
 
 
-def _actor(path, hf_model, enable_train=True, factor=0.1, detach=False, tp=1, sequence_parallel=False):
+def _actor(path, hf_model, enable_train=True, factor=0.1, detach=False, tp=1, sequence_parallel=False, mini=ROWS, micro=ROWS):
     """The megatron actor on the MTP model at `path`, loaded as the engine loads it, with no clipping
     and an optimizer that records the gradients without stepping."""
     from verl.models.mcore import build_model_chunks, hf_to_mcore_config, load_hf_state_dict
@@ -140,8 +140,8 @@ def _actor(path, hf_model, enable_train=True, factor=0.1, detach=False, tp=1, se
     load_mtp_state_dict(chunks, str(path), state, hf_config)
     configure_mtp(chunks, enable_train, factor, detach)
     config = {
-        "ppo_mini_batch_size": ROWS,
-        "ppo_micro_batch_size_per_gpu": ROWS,
+        "ppo_mini_batch_size": mini,
+        "ppo_micro_batch_size_per_gpu": micro,
         "ppo_epochs": 1,
         "clip_ratio": 0.2,
         "optim": {"clip_grad": 1e9},
@@ -281,3 +281,34 @@ def _mtp_layers_round_trip_a_dist_checkpoint(rank, world_size, path):
 
 def test_the_mtp_layers_are_kept_in_megatron_checkpoints(tmp_path):
     run_distributed(_mtp_layers_round_trip_a_dist_checkpoint, 1, tmp_path)
+
+
+def _data_parallel_update(rank, world_size, path):
+    """One update on the batch: at dp=1 in two micro-batches, at dp=2 half of it per rank."""
+    if rank == 0:
+        _write_mtp_model(path)
+    torch.distributed.barrier()
+    hf_model = tiny_hf_model("qwen2", tie_word_embeddings=False)
+    hf_model.config.num_nextn_predict_layers = 1
+    data = _batch()
+    if world_size > 1:
+        data = data.select_idxs(torch.tensor([0, 1] if rank == 0 else [2, 3]))
+    actor = _actor(path, hf_model, mini=ROWS // world_size, micro=ROWS // 2)
+    metrics, gradients = _update(actor, data)
+    if rank == 0:
+        torch.save({"metrics": metrics, "gradients": gradients}, path / "result.pt")
+
+
+def test_data_parallel_ranks_weigh_the_mtp_loss_as_micro_batches_do(tmp_path):
+    """Upstream's weighting: each micro-batch's MTP mean counts 1 / (micro-batches), and data-parallel
+    ranks are averaged; so dp=2 with a micro-batch per rank equals dp=1 with the same two micro-batches."""
+    (tmp_path / "dp1").mkdir()
+    (tmp_path / "dp2").mkdir()
+    run_distributed(_data_parallel_update, 1, tmp_path / "dp1")
+    run_distributed(_data_parallel_update, 2, tmp_path / "dp2")
+    one, two = (torch.load(tmp_path / d / "result.pt") for d in ("dp1", "dp2"))
+    assert len(one["metrics"]["mtp_losses/mtp_1_loss"]) == 2
+    assert abs(one["metrics"]["mtp_losses/mtp_1_loss"][0] - two["metrics"]["mtp_losses/mtp_1_loss"][0]) < 1e-6
+    for name, gradient in one["gradients"].items():
+        scale = float(gradient.abs().max())
+        torch.testing.assert_close(two["gradients"][name], gradient, atol=1e-5 * scale, rtol=0, msg=name)
