@@ -122,7 +122,9 @@ class _GradientRecorder(torch.optim.SGD):
         return super().step(closure)
 
 
-def _actor(path, hf_model, enable_train=True, factor=0.1, detach=False, tp=1, sequence_parallel=False, mini=ROWS, micro=ROWS):
+def _actor(
+    path, hf_model, enable_train=True, factor=0.1, detach=False, tp=1, sequence_parallel=False, mini=ROWS, micro=ROWS
+):
     """The megatron actor on the MTP model at `path`, loaded as the engine loads it, with no clipping
     and an optimizer that records the gradients without stepping."""
     from verl.models.mcore import build_model_chunks, hf_to_mcore_config, load_hf_state_dict
