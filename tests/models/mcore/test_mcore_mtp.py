@@ -136,6 +136,7 @@ def _actor(
     setup_megatron(tp)
     layout = {"tensor_model_parallel_size": tp, "sequence_parallel": sequence_parallel}
     tf_config = hf_to_mcore_config(hf_config, layout, torch.float32)
+    tf_config.mtp_num_layers = 1  # as the engine asks for them with model.mtp.enable
     chunks = build_model_chunks(hf_config, tf_config)
     state = hf_state_dict(hf_model)
     load_hf_state_dict(chunks, state, hf_config)
@@ -218,10 +219,10 @@ def test_the_scaling_factor_scales_the_mtp_gradient_and_detach_encoder_keeps_the
     run_distributed(_scaling_and_detach, 1, tmp_path)
 
 
-def test_mtp_enable_needs_a_model_with_mtp_layers(tmp_path):
+def test_mtp_enable_needs_a_qwen2_model_with_mtp_layers():
     from types import SimpleNamespace
 
-    from transformers import Qwen2Config
+    from transformers import LlamaConfig, Qwen2Config
 
     from verl.workers.config import MtpConfig
     from verl.workers.engine.megatron.transformer_impl import _mtp_section
@@ -229,10 +230,26 @@ def test_mtp_enable_needs_a_model_with_mtp_layers(tmp_path):
     on = SimpleNamespace(mtp=MtpConfig(enable=True, enable_train=True), path="/models/plain")
     with pytest.raises(ValueError, match="no multi-token-prediction layers"):
         _mtp_section(on, Qwen2Config(), trained_policy=True)
+    with pytest.raises(NotImplementedError, match="on a llama model: the megatron backend builds the MTP layers"):
+        _mtp_section(on, LlamaConfig(num_nextn_predict_layers=1), trained_policy=True)
     # the reference (not trained) is built without the MTP layers
-    hf_config = Qwen2Config(num_nextn_predict_layers=1)
-    assert _mtp_section(on, hf_config, trained_policy=False) is None
-    assert hf_config.num_nextn_predict_layers == 0
+    assert _mtp_section(on, Qwen2Config(num_nextn_predict_layers=1), trained_policy=False) is None
+    assert _mtp_section(on, Qwen2Config(num_nextn_predict_layers=1), trained_policy=True) is on.mtp
+
+
+def _checkpoint_mtp_weights_are_ignored_unless_asked_for(rank, world_size, path):
+    """A checkpoint with MTP weights builds and loads as the plain model when MTP is not asked for."""
+    from verl.models.mcore import build_model_chunks, hf_to_mcore_config, load_hf_state_dict
+
+    hf_model = _write_mtp_model(path)
+    setup_megatron()
+    (chunk,) = build_model_chunks(hf_model.config, hf_to_mcore_config(hf_model.config, {}, torch.float32))
+    assert getattr(chunk, "mtp", None) is None
+    load_hf_state_dict([chunk], hf_state_dict(hf_model), hf_model.config)
+
+
+def test_a_checkpoints_mtp_weights_are_ignored_unless_mtp_is_enabled(tmp_path):
+    run_distributed(_checkpoint_mtp_weights_are_ignored_unless_asked_for, 1, tmp_path)
 
 
 def _engine_builds_the_policy_with_mtp_and_the_reference_without(rank, world_size, path):
@@ -271,7 +288,9 @@ def _mtp_layers_round_trip_a_dist_checkpoint(rank, world_size, path):
     trained = _actor(path / "hf", hf_model).model_chunks
     (path / "ckpt").mkdir()
     dist_checkpointing.save(trained[0].sharded_state_dict(), str(path / "ckpt"))
-    fresh = build_model_chunks(hf_model.config, hf_to_mcore_config(hf_model.config, {}, torch.float32))
+    tf_config = hf_to_mcore_config(hf_model.config, {}, torch.float32)
+    tf_config.mtp_num_layers = 1
+    fresh = build_model_chunks(hf_model.config, tf_config)
     assert not torch.equal(fresh[0].mtp.layers[0].eh_proj.weight, trained[0].mtp.layers[0].eh_proj.weight)
     load_dist_checkpoint_weights(fresh, str(path / "ckpt"))
     want = dict(trained[0].named_parameters())

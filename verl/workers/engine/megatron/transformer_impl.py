@@ -68,23 +68,26 @@ def setup_parallel(megatron_cfg) -> None:
 
 
 def _mtp_section(model_config, hf_config, trained_policy: bool):
-    """`model.mtp` when this model keeps its multi-token-prediction layers (`mtp.enable` on the trained
-    policy, as upstream: the reference and value models never use them), else None; without them the
-    HF config's `num_nextn_predict_layers` is set to 0, so the model is built without MTP layers."""
+    """`model.mtp` when this model is built with its multi-token-prediction layers (`mtp.enable` on the
+    trained policy, as upstream: the reference and value models never use them), else None."""
     from verl.models.mcore.mtp import mtp_num_layers
 
     mtp = getattr(model_config, "mtp", None)
-    if trained_policy and mtp is not None and mtp.enable:
-        if not mtp_num_layers(hf_config):
-            raise ValueError(
-                f"actor_rollout_ref.model.mtp.enable=true, but the model at {model_config.path} has no multi-token-"
-                "prediction layers (its config has no num_nextn_predict_layers > 0); use a model with MTP layers "
-                "(MiMo) or set mtp.enable=false"
-            )
-        return mtp
-    if mtp_num_layers(hf_config):
-        hf_config.num_nextn_predict_layers = 0
-    return None
+    if not (trained_policy and mtp is not None and mtp.enable):
+        return None
+    if not mtp_num_layers(hf_config):
+        raise ValueError(
+            f"actor_rollout_ref.model.mtp.enable=true, but the model at {model_config.path} has no multi-token-"
+            "prediction layers (its config has no num_nextn_predict_layers > 0); use a model with MTP layers "
+            "(MiMo) or set mtp.enable=false"
+        )
+    if hf_config.model_type != "qwen2":
+        raise NotImplementedError(
+            f"actor_rollout_ref.model.mtp.enable=true on a {hf_config.model_type} model: the megatron backend builds "
+            "the MTP layers of Qwen2-architecture models in MiMo's layout (model.mtp_layers.*) only; set "
+            "mtp.enable=false (its MTP weights are then ignored, as HF's model ignores them)"
+        )
+    return mtp
 
 
 def megatron_optim_settings(optim_cfg) -> dict:
@@ -147,6 +150,8 @@ class MegatronEngine(BaseEngine):
         # fp32 parameters, the forward autocast to a 16-bit dtype (see verl.models.mcore.config)
         param_dtype, compute_dtype = megatron_dtypes(meg.dtype, for_training)
         tf_config = hf_to_mcore_config(self.hf_config, dict(meg), param_dtype, compute_dtype)
+        if mtp is not None:  # build the MTP layers (verl.models.mcore.mtp)
+            tf_config.mtp_num_layers = self.hf_config.num_nextn_predict_layers
         for key, value in meg.override_transformer_config.items():
             if not hasattr(tf_config, key):
                 raise ValueError(
