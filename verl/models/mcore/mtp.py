@@ -32,8 +32,9 @@ Design decisions:
   here only real response tokens are targets.
 - HF layout: MiMo's `model.mtp_layers.{i}.*` (`verl.models.mcore.mtp_weights`).
 - The layers are built only when the caller asks (`tf_config.mtp_num_layers`, which the engine sets
-  for `mtp.enable` on a Qwen2-architecture model): otherwise a checkpoint's MTP weights are ignored,
-  as HF's models ignore them (a DeepSeek-V3 checkpoint's, for one).
+  for `mtp.enable` on a Qwen2-architecture model): otherwise a Qwen2 checkpoint's MTP weights are
+  ignored, as HF's model ignores them (a DeepSeek-V3 config declaring MTP layers is refused by
+  `verl.models.mcore.deepseek`).
 - Limits, refused where the model is built: pipeline (and so virtual pipeline) parallelism, where
   megatron keeps the MTP layers and a copy of the embedding on the last stage, whose gradient sync
   with the first stage's is not wired here; context parallelism, whose cross-rank roll of the MTP
