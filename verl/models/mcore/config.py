@@ -50,6 +50,7 @@ import contextlib
 
 import torch
 
+from verl.models.mcore.mtp import build_mtp_block_spec, install_postprocess
 from verl.utils.device import default_compute_dtype, get_device_name
 
 __all__ = [
@@ -351,6 +352,10 @@ def build_gpt_model(
     offset = get_transformer_layer_offset(tf_config, vp_stage=vp_stage)
     layers = range(offset, offset + get_num_layers_to_build(tf_config, vp_stage=vp_stage))
     block = TransformerBlockSubmodules(layer_specs=[_layer_spec(tf_config, i) for i in layers], layer_norm=RMSNorm)
+    # MTP layers only when the caller asks (tf_config.mtp_num_layers, see verl.models.mcore.mtp):
+    # otherwise a checkpoint's MTP weights are ignored, as HF's models ignore them
+    num_mtp_layers = 0 if value_head else (tf_config.mtp_num_layers or 0)
+    mtp_spec = _layer_spec(tf_config, tf_config.num_layers - 1) if num_mtp_layers else None
     model = GPTModel(
         config=tf_config,
         transformer_layer_spec=block,
@@ -362,7 +367,10 @@ def build_gpt_model(
         position_embedding_type="rope",
         rotary_base=rope_theta_of(hf_config),
         vp_stage=vp_stage,
+        mtp_block_spec=build_mtp_block_spec(tf_config, mtp_spec, RMSNorm) if num_mtp_layers else None,
     )
+    if num_mtp_layers:
+        install_postprocess(model, num_mtp_layers)
     if value_head and post_process:
         model.output_layer = _ValueHead(tf_config.hidden_size, tf_config.params_dtype, tf_config.sequence_parallel)
     if tf_config.moe_router_score_function == "sigmoid":

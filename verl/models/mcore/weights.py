@@ -231,7 +231,8 @@ def load_hf_state_dict(model_chunks, hf_state_dict: dict[str, torch.Tensor], hf_
     """Copy a full HF state dict into this rank's model chunks (ranks from megatron's parallel state).
 
     Every parameter must be covered (except a value head absent from a causal-LM checkpoint, which
-    keeps its initialisation); an unexpected name is an error.
+    keeps its initialisation, and the MTP layers, which `mtp_weights.load_mtp_state_dict` loads);
+    an unexpected name is an error.
     """
     from megatron.core import parallel_state as mpu
 
@@ -259,6 +260,7 @@ def load_hf_state_dict(model_chunks, hf_state_dict: dict[str, torch.Tensor], hf_
         missing = sorted(
             set(params) - set(shards) - ({"output_layer.weight", "output_layer.bias"} if value_head else set())
         )
+        missing = [name for name in missing if not name.startswith("mtp.")]  # verl.models.mcore.mtp_weights
         if unexpected or missing:
             raise RuntimeError(f"HF -> megatron conversion mismatch: unexpected {unexpected}, missing {missing}")
         with torch.no_grad():

@@ -50,6 +50,7 @@ from verl.trainer.config.validate_batches import (
     need_reference_policy,
     world_size,
 )
+from verl.trainer.config.validate_mtp import check_mtp
 from verl.trainer.config.validate_router_replay import _check_router_replay
 from verl.utils.config import omega_conf_to_dataclass
 
@@ -723,6 +724,7 @@ def validate_ppo_config(cfg: DictConfig | dict) -> None:
     _check_async_training(c, errors)
     _check_ulysses(c, errors)
     _check_router_replay(c, errors)
+    check_mtp(c, errors)
     if errors:
         _raise(errors)
     for w in warns:

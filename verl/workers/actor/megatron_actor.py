@@ -57,6 +57,7 @@ from verl.models.mcore.config import compute_autocast
 from verl.models.mcore.forward import left_align, response_columns
 from verl.models.mcore.lora import PARTIAL_GRAD_ATTR
 from verl.models.mcore.moe import MegatronRouterAuxLoss, expert_grad_sq_norm, expert_params, reduce_expert_grads
+from verl.models.mcore.mtp import find_mtp_training, mtp_loss
 from verl.models.mcore.router_replay import ROUTED_EXPERTS, MegatronRouterReplay
 from verl.utils import shared_prompt, speed_paths
 from verl.utils.device import get_device
@@ -68,6 +69,7 @@ from verl.workers.dp_training import (
     append_to_dict,
     average_gradients,
     metrics_to_host,
+    response_mask_of,
     split_micro_batches,
     step_if_finite,
 )
@@ -303,6 +305,8 @@ class MegatronPPOActor(PPOActor):
         replay_mode = (self._cfg.get("router_replay") or {}).get("mode", "disabled")
         self.router_replay = MegatronRouterReplay(self.model_chunks, replay_mode, trains=actor_optimizer is not None)
         self.flops = FlopsTally(FlopsCounter.for_model(hf_config))  # the chunks' config is megatron's, not HF's
+        # multi-token prediction (model.mtp.enable_train): its loss joins the policy loss
+        self.mtp = find_mtp_training(self.model_chunks) if actor_optimizer is not None else None
 
     # ------------------------------------------------------------------ forward
 
@@ -423,9 +427,10 @@ class MegatronPPOActor(PPOActor):
         if ROUTED_EXPERTS in micro_batches[0]:
             self.router_replay.start_replaying()
         try:
-            results = self._run_schedule(
-                micro_batches, partial(self._policy_loss, temperature=temperature, normaliser=normaliser), False
+            loss_fn = partial(
+                self._policy_loss, temperature=temperature, normaliser=normaliser, num_micro_batches=len(micro_batches)
             )
+            results = self._run_schedule(micro_batches, loss_fn, False)
         finally:
             self.router_replay.stop()
         finalize_megatron_grads(self.model_chunks)
@@ -435,9 +440,29 @@ class MegatronPPOActor(PPOActor):
             append_to_dict(metrics, micro_metrics)
         return step["grad_norm"], step_if_finite(self.actor_optimizer, step["grad_norm"])
 
-    def _policy_loss(self, micro_batch, output, temperature: float, normaliser: float):
-        """(scaled loss, metrics) of one micro-batch: the FSDP actor's loss, weighted the same way."""
+    def _policy_loss(self, micro_batch, output, temperature: float, normaliser: float, num_micro_batches: int = 1):
+        """(scaled loss, metrics) of one micro-batch: the FSDP actor's loss, weighted the same way, plus
+        the multi-token-prediction loss when the model trains its MTP layers."""
         entropy, log_prob = self._micro_batch_outputs(micro_batch, temperature, self.needs_entropy(micro_batch), output)
         aux_loss = self.router_aux.loss(micro_batch)
         aux_coef = self.router_aux.coef if aux_loss is not None else 0.0
-        return self._micro_batch_loss(micro_batch, log_prob, entropy, normaliser, aux_loss, aux_coef)
+        loss, metrics = self._micro_batch_loss(micro_batch, log_prob, entropy, normaliser, aux_loss, aux_coef)
+        if self.mtp is not None:
+            loss = loss + self._mtp_loss(micro_batch, num_micro_batches, metrics)
+        return loss, metrics
+
+    def _mtp_loss(self, micro_batch, num_micro_batches: int, metrics: dict) -> torch.Tensor:
+        """`mtp_loss_scaling_factor` x the mean over depths of each depth's mean cross-entropy on this
+        micro-batch, divided by the mini-batch's micro-batch count (upstream's weighting; the
+        data-parallel average of the gradients then averages over ranks), see `verl.models.mcore.mtp`.
+        Each depth's unscaled mean is logged as upstream names it, `mtp_losses/mtp_{k}_loss`."""
+        logits = self.mtp.take_logits()
+        if not logits:
+            raise RuntimeError("the training forward ran no MTP layers, though the model trains them")
+        aligned = micro_batch["_aligned"]
+        means = mtp_loss(
+            logits, aligned.labels, aligned.response_index, response_mask_of(micro_batch), self.hf_config.vocab_size
+        )
+        for depth, mean in enumerate(means, start=1):
+            metrics[f"mtp_losses/mtp_{depth}_loss"] = mean.detach()
+        return self.mtp.scaling_factor / len(means) * torch.stack(means).sum() / num_micro_batches

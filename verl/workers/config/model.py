@@ -31,17 +31,28 @@ class TiledMLPConfig(BaseConfig):
 
 @dataclass
 class MtpConfig(BaseConfig):
-    """Multi-token prediction heads (training and speculative decoding)."""
+    """Multi-token prediction heads: trained on the megatron actor (docs/megatron.md); no speculative decoding."""
 
     enable: bool = doc(
-        "Use the model's multi-token-prediction layers.", status=UNSUPPORTED, neutral=False, default=False
+        "Build the actor's model with its multi-token-prediction layers (HF `num_nextn_predict_layers`), load "
+        "and checkpoint them (strategy=megatron).",
+        default=False,
     )
-    enable_train: bool = doc("Train the MTP layers.", status=UNSUPPORTED, neutral=False, default=False)
+    enable_train: bool = doc("Train the MTP layers: their loss joins the actor's (with enable).", default=False)
     enable_rollout: bool = doc(
-        "Speculative decoding with the MTP layers.", status=UNSUPPORTED, neutral=False, default=False
+        "Speculative decoding with the MTP layers in vLLM/SGLang, which none of this build's rollout engines does.",
+        status=UNSUPPORTED,
+        neutral=False,
+        default=False,
     )
-    detach_encoder: bool = doc("Detach the MTP encoder's gradient (with enable_train).", default=False)
-    mtp_loss_scaling_factor: float = doc("Weight of the MTP loss (with enable_train).", default=0.1)
+    detach_encoder: bool = doc(
+        "Cut the MTP loss's gradient into the decoder and the embedding (the MTP layers and the LM head, tied or "
+        "not, still learn from it).",
+        default=False,
+    )
+    mtp_loss_scaling_factor: float = doc(
+        "Weight of the MTP loss (the mean over MTP layers of each one's mean cross-entropy).", default=0.1
+    )
     speculative_algorithm: str = doc("Speculative decoding algorithm (with enable_rollout).", default="EAGLE")
     speculative_num_steps: int = doc("Speculative steps (with enable_rollout).", default=2)
     speculative_eagle_topk: int = doc("EAGLE top-k (with enable_rollout).", default=2)

@@ -67,6 +67,29 @@ def setup_parallel(megatron_cfg) -> None:
     )
 
 
+def _mtp_section(model_config, hf_config, trained_policy: bool):
+    """`model.mtp` when this model is built with its multi-token-prediction layers (`mtp.enable` on the
+    trained policy, as upstream: the reference and value models never use them), else None."""
+    from verl.models.mcore.mtp import mtp_num_layers
+
+    mtp = getattr(model_config, "mtp", None)
+    if not (trained_policy and mtp is not None and mtp.enable):
+        return None
+    if not mtp_num_layers(hf_config):
+        raise ValueError(
+            f"actor_rollout_ref.model.mtp.enable=true, but the model at {model_config.path} has no multi-token-"
+            "prediction layers (its config has no num_nextn_predict_layers > 0); use a model with MTP layers "
+            "(MiMo) or set mtp.enable=false"
+        )
+    if hf_config.model_type != "qwen2":
+        raise NotImplementedError(
+            f"actor_rollout_ref.model.mtp.enable=true on a {hf_config.model_type} model: the megatron backend builds "
+            "the MTP layers of Qwen2-architecture models in MiMo's layout (model.mtp_layers.*) only; set "
+            "mtp.enable=false (its MTP weights are then ignored, as HF's model ignores them)"
+        )
+    return mtp
+
+
 def megatron_optim_settings(optim_cfg) -> dict:
     """Upstream's Megatron optimizer section (optim/megatron.yaml, built as `McoreOptimizerConfig`) in
     the spelling `build_lr_scheduler` reads: `lr_decay_style` is the schedule (lr_scheduler_type), and
@@ -123,9 +146,12 @@ class MegatronEngine(BaseEngine):
         # a value model's saved config says one output, as the FSDP critic's does
         config_overrides = {"num_labels": 1, **(overrides or {})} if value_head else overrides
         self.hf_config = load_model_config(model_config.path, trust, config_overrides)
+        mtp = _mtp_section(model_config, self.hf_config, for_training and not value_head)
         # fp32 parameters, the forward autocast to a 16-bit dtype (see verl.models.mcore.config)
         param_dtype, compute_dtype = megatron_dtypes(meg.dtype, for_training)
         tf_config = hf_to_mcore_config(self.hf_config, dict(meg), param_dtype, compute_dtype)
+        if mtp is not None:  # build the MTP layers (verl.models.mcore.mtp)
+            tf_config.mtp_num_layers = self.hf_config.num_nextn_predict_layers
         for key, value in meg.override_transformer_config.items():
             if not hasattr(tf_config, key):
                 raise ValueError(
@@ -153,7 +179,15 @@ class MegatronEngine(BaseEngine):
             if getattr(self.hf_config, "tie_word_embeddings", False):
                 state.pop("lm_head.weight", None)
             load_hf_state_dict(self.chunks, state, self.hf_config, value_head=value_head)
+            if mtp is not None:
+                from verl.models.mcore.mtp_weights import load_mtp_state_dict
+
+                load_mtp_state_dict(self.chunks, model_config.path, state, self.hf_config)
             del hf_model, state
+        if mtp is not None:
+            from verl.models.mcore.mtp import configure_mtp
+
+            configure_mtp(self.chunks, mtp.enable_train, mtp.mtp_loss_scaling_factor, mtp.detach_encoder)
         # LoRA (model.lora.rank > 0) on the trained policy only: the base is frozen and is the reference
         lora = plain_section(model_config.get("lora"))
         self.lora = for_training and not value_head and int(lora.get("rank", 0) or 0) > 0

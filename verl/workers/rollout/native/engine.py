@@ -133,13 +133,16 @@ def kv_cache_rows(
 
 
 def _iter_checkpoint_tensors(path: Path):
-    """Stream (name, tensor) pairs from a safetensors checkpoint, one tensor at a time."""
+    """Stream (name, tensor) pairs from a safetensors checkpoint, one tensor at a time; a model's
+    multi-token-prediction layers (MiMo's `model.mtp_layers.*`) are left out: the engine has no MTP
+    heads (MTP speculative decoding is refused by the config, `model.mtp.enable_rollout`)."""
     from safetensors import safe_open
 
     for file in sorted(path.glob("*.safetensors")):
         with safe_open(str(file), framework="pt") as f:
             for name in f.keys():  # noqa: SIM118 (safe_open is not a mapping)
-                yield name, f.get_tensor(name)
+                if not name.startswith("model.mtp_layers."):
+                    yield name, f.get_tensor(name)
 
 
 class GenerationEngine:
