@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import sys
 import traceback
 
 import pytest
@@ -243,13 +242,11 @@ def _entry(rank: int, world_size: int, port: int, fn, args, errors):
         dist.destroy_process_group()
 
 
-# What the ranks start with already imported: a forkserver imports these once, and a forking parent
-# imports them before its first fork. Without them every rank of every test paid, on its own: the
-# tiny models' modeling modules (transformers imports them lazily: ~1 s idle, 11 s at load 33),
-# megatron.core (~2 s idle, 17 s at load 20) and verl's workers (~0.3 s idle), a hundred-odd spawns a
-# tier run. A module that is not installed (megatron-core) is skipped, as the forkserver skips any
-# preload that fails to import. None of them starts a thread or touches CUDA on import (checked:
-# one thread, `torch.cuda.is_initialized()` false), which forking needs.
+# What the ranks start with already imported: the forkserver imports these once, and every rank
+# forks from it. Without them every rank of every test paid, on its own: the tiny models' modeling
+# modules (transformers imports them lazily: ~1 s idle, 11 s at load 33), megatron.core (~2 s idle,
+# 17 s at load 20) and verl's workers (~0.3 s idle), a hundred-odd spawns a tier run. A module that
+# is not installed (megatron-core) is skipped: the forkserver skips any preload that fails to import.
 FORKSERVER_PRELOAD = [
     "torch",
     "torch.distributed",
@@ -265,58 +262,43 @@ FORKSERVER_PRELOAD = [
 ]
 
 
-def _preload_for_fork() -> None:
-    """Import FORKSERVER_PRELOAD here, so ranks forked from this process inherit the modules."""
-    import importlib
-
-    for name in FORKSERVER_PRELOAD:
-        with contextlib.suppress(ImportError):
-            importlib.import_module(name)
-
-
 def _start_method() -> str:
-    """How `run_distributed` starts its ranks.
+    """How `run_distributed` starts its ranks: from a forkserver, or spawned once CUDA is initialised
+    here (a GPU test ran earlier: CUDA cannot be used again in a child forked after its parent
+    initialised it, although the ranks stay on CPU). `VERL_TEST_START_METHOD` forces one.
 
-    - fork: the ranks inherit this process's imports (fast), but only while nothing in it runs
-      threads that fork leaves broken.
-    - forkserver once Ray is initialised here (the session cluster of tests/conftest.py): Ray's
-      driver keeps gRPC threads, and forking a process that holds them has crashed ranks inside
-      gRPC and left this process's own GCS calls waiting forever (`ray.cluster_resources()` in a
-      later test hung a whole CI run). A forkserver is a fresh interpreter, started once, that
-      preloads torch and transformers; ranks fork from it, clean and nearly as fast.
-    - spawn once CUDA is initialised here (a GPU test ran earlier): CUDA cannot be used again in a
-      child forked after its parent initialised it, although the ranks stay on CPU.
-    `VERL_TEST_START_METHOD` forces one (to check that every test's function pickles).
+    Never forked from this process: a fork copies every object of the test process into the ranks
+    but none of its threads, so an object whose native threads are gone in the child hangs the rank
+    that touches it. Seen: a gloo process group that an earlier in-process test left referenced
+    (megatron's globals) still had its gloo threads in pytest's process; a forked rank replaced that
+    global, and the group's destructor waited forever to join threads that do not exist in the child
+    (`tests/workers/test_fsdp_workers.py` then `tests/workers/actor/test_megatron_actor_moe.py`).
+    Ray's driver threads (gRPC) did the same once the session cluster was up. Forking only from a
+    one-thread process would not save the fork: numpy's OpenBLAS pool starts a thread when torch is
+    imported, and torch's OpenMP pool another after the first forward, so nearly every test process
+    has several threads. The forkserver is a fresh interpreter, started once per pytest process, that
+    preloads FORKSERVER_PRELOAD; ranks fork from it, clean, and import only the test's own module.
     """
     forced = os.environ.get("VERL_TEST_START_METHOD")
     if forced:
         return forced
     if torch.cuda.is_initialized():
         return "spawn"
-    ray = sys.modules.get("ray")
-    if ray is not None and getattr(ray, "is_initialized", lambda: False)():
-        return "forkserver"
-    return "fork"
+    return "forkserver"
 
 
 def run_distributed(fn, world_size: int = 2, *args) -> None:
     """Run `fn(rank, world_size, *args)` in `world_size` processes forming a gloo group.
 
-    The processes are forked, not spawned: they inherit the already imported torch and
-    transformers, which saves ~10 s of imports per rank on a loaded 2-core machine; import what
-    the ranks need at the top of the test module for the same reason. Each rank
-    uses one intra-op thread (as DataLoader workers do, which keeps OpenMP safe after fork). An
-    exception in any rank fails the caller with that rank's traceback.
+    The ranks fork from a forkserver that has already imported torch, transformers, megatron and
+    verl's workers (`FORKSERVER_PRELOAD`), which saves seconds of imports per rank on a loaded
+    2-core machine; `fn` and `args` must pickle (a module-level function). Each rank uses one
+    intra-op thread. An exception in any rank fails the caller with that rank's traceback.
     """
-    # build one model first, so transformers' lazy imports happen once here and the forked ranks
-    # inherit them instead of each paying ~10 s
-    make_tiny_causal_lm()
     start_method = _start_method()
     ctx = mp.get_context(start_method)
     if start_method == "forkserver":
         ctx.set_forkserver_preload(FORKSERVER_PRELOAD)  # read when the server starts (the first time)
-    elif start_method == "fork":
-        _preload_for_fork()
     errors = ctx.SimpleQueue()
     try:
         mp.start_processes(

@@ -694,19 +694,25 @@ def test_ray_put_get_round_trip_gives_writable_tensors(ray_cluster):
     assert again.batch["f32"].abs().sum() == 0 and proto.batch["f32"].abs().sum() > 0
 
 
-def test_data_proto_future_concat_and_chunk_over_real_refs(ray_cluster):
-    ray = ray_cluster
+class _Rank:
+    """Stands for the ranks of a worker group, all in one Ray actor: one worker process imports
+    torch and verl for the test, where a task per call could start a cold worker each (the session
+    cluster has 8 CPUs, so Ray ran the 3 producers and 2 consumers in up to 5 fresh processes)."""
 
-    @ray.remote
-    def produce(start: int) -> DataProto:
+    def produce(self, start: int) -> DataProto:
         # runs in a Ray worker: each "rank" returns two rows with its own metrics
         part = make_proto(6)[start : start + 2]
         part.meta_info["metrics"] = {"rank_start": start}
         return part
 
-    @ray.remote
-    def consume(future: DataProtoFuture) -> list[int]:
+    def consume(self, future: DataProtoFuture) -> list[int]:
         return rows(future.get())  # materialised on the worker, not on the driver
+
+
+def test_data_proto_future_concat_and_chunk_over_real_refs(ray_cluster):
+    ray = ray_cluster
+    worker = ray.remote(_Rank).remote()  # ends with its last handle, at the end of the test
+    produce, consume = worker.produce, worker.consume
 
     refs = [produce.remote(s) for s in (0, 2, 4)]
     future = DataProtoFuture.concat(refs)

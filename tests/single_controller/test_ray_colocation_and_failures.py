@@ -25,6 +25,12 @@ from verl.single_controller.ray.base import sort_placement_groups_by_node
 
 cloudpickle.register_pickle_by_value(sys.modules[__name__])
 
+# The workers below build their replies with `type(data)`, the DataProto they were sent, not with this
+# module's `DataProto`: a class shipped by value takes the globals its methods name along, and
+# unpickling `verl.protocol` makes every fresh worker import torch and tensordict (seconds each on 2
+# cores). So only the workers that receive a batch import them; the groups whose ranks die or fail
+# to start never do.
+
 
 class Actor(Worker):
     def __init__(self, lr: float):
@@ -33,7 +39,7 @@ class Actor(Worker):
 
     @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO)
     def update_actor(self, data):
-        return DataProto.from_dict(tensors={"new": data.batch["x"] - self.lr})
+        return type(data).from_dict(tensors={"new": data.batch["x"] - self.lr})
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def pid(self):
@@ -67,7 +73,7 @@ class BrokenInit(Worker):
 class Critic(Worker):
     @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO)
     def compute_values(self, data):
-        return DataProto.from_dict(tensors={"values": data.batch["x"] * 10 + self.rank})
+        return type(data).from_dict(tensors={"values": data.batch["x"] * 10 + self.rank})
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def pid(self):

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -87,29 +88,23 @@ def test_a_critics_backbone_is_the_checkpoints_and_its_fresh_value_head_is_the_s
 # reports how far its resident memory rose while building the model (peak RSS, reset just before).
 # Run in a fresh interpreter with glibc's mmap threshold fixed at 128 KiB, so that every freed
 # tensor leaves the process at once and the peak is live memory, not malloc's cache.
-_MEMORY_SCRIPT = r"""
-import json, os, re, sys
-import torch
-from omegaconf import OmegaConf
-from transformers import AutoModelForCausalLM, Qwen2Config
-from tests.distributed_helpers import run_distributed
-
-def status(key):
+def _status(key: str) -> int:
     with open("/proc/self/status") as f:
         return int(re.search(key + r":\s+(\d+)", f.read()).group(1)) * 1024
 
-def rank_fn(rank, world_size, path, out):
+
+def _report_host_memory_while_loading(rank, world_size, path, out):
     import gc
+
     import torch.distributed as dist
-    from verl.workers.engine import FSDPEngineWithLMHead
 
     gc.collect()
     dist.barrier()
     with open("/proc/self/clear_refs", "w") as f:
         f.write("5")  # reset the peak (VmHWM) to the current RSS
-    start = status("VmRSS")
+    start = _status("VmRSS")
     model = FSDPEngineWithLMHead(OmegaConf.create({"path": path}), {"fsdp_size": 2, "dtype": "auto"})
-    growth = status("VmHWM") - start
+    growth = _status("VmHWM") - start
     local = sum(p.to_local().numel() * p.element_size() for p in model.module.parameters())
     reports = [None] * world_size
     dist.all_gather_object(reports, {"peak_growth": growth, "local_param_bytes": local})
@@ -117,13 +112,23 @@ def rank_fn(rank, world_size, path, out):
         with open(out, "w") as f:
             json.dump(reports, f)
 
+
+# The ranks' function lives in this module, not in the script: the ranks start from a forkserver,
+# which imports a function by its module's name, and a `python -c` script's __main__ has none.
+_MEMORY_SCRIPT = r"""
+import sys
+import torch
+from transformers import AutoModelForCausalLM, Qwen2Config
+from tests.distributed_helpers import run_distributed
+from tests.workers.test_sharded_loading import _report_host_memory_while_loading
+
 path, out = sys.argv[1], sys.argv[2]
 config = Qwen2Config(vocab_size=263, hidden_size=1024, intermediate_size=2816, num_hidden_layers=8,
                      num_attention_heads=16, num_key_value_heads=16, head_dim=64, tie_word_embeddings=True)
 torch.manual_seed(0)
 AutoModelForCausalLM.from_config(config, dtype=torch.float32).save_pretrained(path)
 del config
-run_distributed(rank_fn, 2, path, out)
+run_distributed(_report_host_memory_while_loading, 2, path, out)
 """
 
 
