@@ -321,3 +321,22 @@ def test_lora_on_one_gpu_matches_the_reference_and_trains_only_the_adapters():
     want_merge = _reference_merge(hf_model, adapters, ALPHA / RANK)
     worst = max(float((exported[n] - want_merge[n]).abs().max()) for n in want_merge)
     assert worst <= 1e-6, f"max |merged weight diff| GPU vs CPU float64: {worst:.3g}"
+
+
+def test_the_merge_product_is_the_same_bits_on_any_shard():
+    """A tensor-parallel rank merges its shard (rows of B or columns of A); the model merger merges the
+    whole weight. Each element must come out the same bits either way (a GEMM's rounding follows the
+    matrix's shape), and equal B @ A to float64 rounding."""
+    from verl.models.mcore.lora import shard_invariant_product
+
+    gen = torch.Generator().manual_seed(0)
+    b = torch.randn(96, 8, generator=gen, dtype=torch.float64)
+    a = torch.randn(8, 160, generator=gen, dtype=torch.float64)
+    whole = shard_invariant_product(b, a)
+    torch.testing.assert_close(whole, b @ a, atol=1e-13, rtol=0)
+    columns = torch.cat([shard_invariant_product(b, part) for part in a.chunk(2, dim=1)], dim=1)
+    rows = torch.cat([shard_invariant_product(part, a) for part in b.chunk(4, dim=0)], dim=0)
+    assert torch.equal(columns, whole) and torch.equal(rows, whole)
+    assert torch.equal(shard_invariant_product(b, a[:, 3:157]), whole[:, 3:157])
+    small = torch.tensor([[1.0, 2.0], [3.0, -1.0]], dtype=torch.float64)  # by hand
+    assert shard_invariant_product(small, small).tolist() == [[7.0, 0.0], [0.0, 7.0]]

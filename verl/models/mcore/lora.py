@@ -169,8 +169,23 @@ class LoRAAdapter(nn.Module):
         return out * self.scale
 
     def delta(self) -> torch.Tensor:
-        """scale * B @ A of this rank's shard, in float64."""
-        return self.scale * (self.linear_out.detach().double() @ self.linear_in.detach().double())
+        """scale * B @ A of this rank's shard, in float64 (`shard_invariant_product`)."""
+        return self.scale * shard_invariant_product(self.linear_out.detach().double(), self.linear_in.detach().double())
+
+
+def shard_invariant_product(b: torch.Tensor, a: torch.Tensor) -> torch.Tensor:
+    """`b @ a` whose every element is the same bits whatever rows of `b` or columns of `a` it is computed
+    with: the sum over the (small) adapter rank is taken term by term in rank order, one rounded product
+    and one rounded addition per term. A GEMM's rounding depends on the matrix's shape (its kernels block
+    and vectorise by it: on an AMD EPYC, `B @ A[:, :32]` differs from the first 32 columns of `B @ A` by
+    an ulp in float64), so a tensor-parallel rank's merged shard would not equal the same slice of the
+    merge done whole (the model merger's), and a checkpoint's weights would depend on the layout that
+    saved them. Costs `rank` elementwise passes over the weight, where the merge happens (export and
+    weight sync), not in training."""
+    out = b[:, :1] * a[:1, :]
+    for k in range(1, b.shape[1]):
+        out += b[:, k : k + 1] * a[k : k + 1, :]
+    return out
 
 
 def _add_adapter_output(module, args, kwargs, output):
