@@ -142,3 +142,18 @@ def test_a_worker_profiled_from_the_typed_actor_section_writes_its_trace(tmp_pat
     workers = [TinyTrainer(rank, actor.profiler) for rank in range(2)]
     run_steps(workers, glob, num_steps=3)
     assert traces(tmp_path) == ["step2/actor/train_step_prof_rank-1.json.gz"]
+
+
+def test_a_role_section_read_apart_from_its_full_config_builds():
+    """A role's `nsys.discrete` interpolates the global tool config without a default (upstream's
+    YAML); read apart from the full config (as an agent loop reads the rollout section) it is null,
+    which reads as False instead of failing the section's build."""
+    from omegaconf import OmegaConf
+
+    from verl.trainer.config.loader import compose_config
+
+    full = compose_config(["actor_rollout_ref.rollout.name=hf"], config_name="ppo_trainer")  # unresolved
+    apart = OmegaConf.create({"actor_rollout_ref": OmegaConf.to_container(full.actor_rollout_ref)})
+    assert apart.actor_rollout_ref.rollout.profiler.tool_config.nsys.discrete is None
+    config = omega_conf_to_dataclass(apart.actor_rollout_ref.rollout.profiler, ProfilerConfig)
+    assert config.tool_config["nsys"].discrete is False

@@ -14,7 +14,7 @@ import torch
 from tests.distributed_helpers import run_distributed
 from tests.megatron_helpers import assert_metrics_close, build_loaded_chunks, tiny_dsv3_hf_model
 from tests.workers.actor.test_megatron_actor import LR, _actor_config, _gathered_weights, _training_data
-from verl.workers.actor.dp_actor import DataParallelPPOActor
+from tests.workers.actor.test_megatron_actor_moe import fsdp_reference_update
 
 
 def _against_fsdp_actor(rank, world_size, ep, tp):
@@ -24,13 +24,7 @@ def _against_fsdp_actor(rank, world_size, ep, tp):
 
     hf_model = tiny_dsv3_hf_model()
     data = _training_data(hf_model)
-    reference_model = copy.deepcopy(hf_model)
-    reference = DataParallelPPOActor(
-        _actor_config(ppo_mini_batch_size=4, use_remove_padding=True, share_prompt_forward=False),
-        reference_model,
-        torch.optim.SGD(reference_model.parameters(), lr=LR),
-    )
-    want_metrics = reference.update_policy(copy.deepcopy(data))
+    reference_model, want_metrics = fsdp_reference_update(hf_model, data)
 
     chunks = build_loaded_chunks(hf_model, ep=ep, tp=tp, sequence_parallel=tp > 1)
     dp = mpu.get_data_parallel_world_size()

@@ -25,6 +25,18 @@ def _moe_model():
     return model
 
 
+def fsdp_reference_update(hf_model, data):
+    """(the updated copy of `hf_model`, its metrics): the single-process FSDP actor's update of the whole
+    batch in one mini-batch, with SGD, that the megatron layouts must equal."""
+    reference_model = copy.deepcopy(hf_model)
+    reference = DataParallelPPOActor(
+        _actor_config(ppo_mini_batch_size=4, use_remove_padding=True, share_prompt_forward=False),
+        reference_model,
+        torch.optim.SGD(reference_model.parameters(), lr=LR),
+    )
+    return reference_model, reference.update_policy(copy.deepcopy(data))
+
+
 def _ep_against_fsdp_actor(rank, world_size, ep, aux, tp=1):
     from megatron.core import parallel_state as mpu
 
@@ -33,13 +45,7 @@ def _ep_against_fsdp_actor(rank, world_size, ep, aux, tp=1):
     hf_model = _moe_model()
     data = _training_data(hf_model)  # its scorer (an FSDP actor) takes the flag over: set it again
     hf_model.config.output_router_logits = aux
-    reference_model = copy.deepcopy(hf_model)
-    reference = DataParallelPPOActor(
-        _actor_config(ppo_mini_batch_size=4, use_remove_padding=True, share_prompt_forward=False),
-        reference_model,
-        torch.optim.SGD(reference_model.parameters(), lr=LR),
-    )
-    want_metrics = reference.update_policy(copy.deepcopy(data))
+    reference_model, want_metrics = fsdp_reference_update(hf_model, data)
 
     chunks = build_loaded_chunks(hf_model, ep=ep, tp=tp, sequence_parallel=tp > 1)
     dp = mpu.get_data_parallel_world_size()

@@ -38,7 +38,7 @@ from verl.base_config import NPU, BaseConfig, doc
 __all__ = [
     "PROFILER_TOOLS",
     "TOOL_CONFIGS",
-    "TORCH_CONTENTS",
+    "torch_contents",
     "GlobalProfilerConfig",
     "NPUToolConfig",
     "NsightToolConfig",
@@ -52,7 +52,17 @@ __all__ = [
 PROFILER_TOOLS = ("torch", "nsys", "torch_memory")
 """The tools this build runs (upstream's `npu` is refused: see `_check_tool`)."""
 _TOOL_CHOICES = ("nsys", "npu", "torch", "torch_memory")
-TORCH_CONTENTS = ("cpu", "cuda", "memory", "shapes", "stack")
+
+
+def torch_contents() -> tuple[str, ...]:
+    """What `tool_config.torch.contents` may list: torch.profiler's activities (the host's and the
+    accelerator's, by the name verl.utils.device gives it) and its record options. Imported when a
+    config lists contents, so the config classes load without torch otherwise."""
+    from verl.utils.device import ACCELERATOR_NAME
+
+    return ("cpu", ACCELERATOR_NAME, "memory", "shapes", "stack")
+
+
 # upstream options that only its SGLang server profiler reads
 _SGLANG_CONTENTS = ("profile-by-stage", "merge-profiles")
 _NPU_CONTENTS = ("npu", "cpu", "memory", "shapes", "module", "stack")
@@ -75,13 +85,20 @@ def _positive_int(value: Any, where: str) -> None:
 class NsightToolConfig(BaseConfig):
     """`tool_config.nsys` / `global_tool_config.nsys`: Nsight Systems."""
 
-    discrete: bool = False
-    """True: one capture range per profiled worker call; False: one per profiled step."""
+    discrete: bool | None = False
+    """True: one capture range per profiled worker call; False: one per profiled step. A role's
+    section interpolates `global_profiler.global_tool_config.nsys.discrete` without a default, as
+    upstream's does, so a section read apart from its full config (an agent loop's view of the
+    rollout section) gets null: read as False, as upstream's truthiness test reads it."""
     name: str = "nsight"
     controller_nsight_options: dict | None = None
     """`nsys profile` options for the driver's TaskRunner process (Ray's `runtime_env.nsight`)."""
     worker_nsight_options: dict | None = None
     """`nsys profile` options for each worker process (Ray's `runtime_env.nsight`)."""
+
+    def __post_init__(self) -> None:
+        if self.discrete is None:
+            object.__setattr__(self, "discrete", False)
 
 
 @dataclass
@@ -108,13 +125,12 @@ class TorchProfilerToolConfig(BaseConfig):
         if sglang:
             raise ValueError(
                 f"profiler tool_config.torch.contents {sglang} are options of upstream's SGLang server profiler, which "
-                f"this build does not run; use {list(TORCH_CONTENTS)}"
+                f"this build does not run; use {list(torch_contents())}"
             )
-        unknown = [c for c in self.contents if c not in TORCH_CONTENTS]
+        valid = torch_contents() if self.contents else ()
+        unknown = [c for c in self.contents if c not in valid]
         if unknown:
-            raise ValueError(
-                f"profiler tool_config.torch.contents {unknown} are unknown; valid: {list(TORCH_CONTENTS)}"
-            )
+            raise ValueError(f"profiler tool_config.torch.contents {unknown} are unknown; valid: {list(valid)}")
         if (self.step_start, self.step_end) != (0, -1):
             raise ValueError(
                 "profiler tool_config.torch.step_start/step_end select steps of upstream's SGLang server profiler, not "
@@ -158,6 +174,7 @@ class NPUToolConfig(NsightToolConfig):
     name: str = "npu"
 
     def __post_init__(self) -> None:
+        super().__post_init__()
         if not isinstance(self.contents, list | tuple):
             raise ValueError(f"profiler tool_config.npu.contents={self.contents!r} must be a list")
         object.__setattr__(self, "contents", list(self.contents))
