@@ -89,13 +89,7 @@ def test_grpo_with_router_replay_r2_records_and_replays_the_routing_at_ep2(tmp_p
         run,
         cluster=shared_ray_cluster,
     )
-    rows = [r["data"] for r in read_metrics(run) if "actor/pg_loss" in r["data"]]
-    assert len(rows) == 2
-    for row in rows:
-        # actor/entropy: the old-log-prob pass ran (it records the routing)
-        assert "actor/entropy" in row and row["actor/grad_norm"] > 0, {
-            k: row.get(k) for k in ("actor/entropy", "actor/grad_norm")
-        }
+    _assert_two_updates_after_an_old_log_prob_pass(run)
 
 
 def test_grpo_with_router_replay_r3_replays_the_built_in_engines_routing_at_ep2(tmp_path, shared_ray_cluster):
@@ -127,6 +121,12 @@ def test_grpo_with_router_replay_r3_replays_the_built_in_engines_routing_at_ep2(
         run,
         cluster=shared_ray_cluster,
     )
+    _assert_two_updates_after_an_old_log_prob_pass(run)
+
+
+def _assert_two_updates_after_an_old_log_prob_pass(run) -> None:
+    """Two logged updates, each with a gradient, each after an old-log-prob pass (`actor/entropy`:
+    the pass that records, or replays, the routing)."""
     rows = [r["data"] for r in read_metrics(run) if "actor/pg_loss" in r["data"]]
     assert len(rows) == 2
     for row in rows:
