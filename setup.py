@@ -34,6 +34,7 @@ install_requires = [
     "tqdm>=4.60",
     "codetiming>=1.4",
     "psutil>=5.9",
+    "pydantic>=2",  # agent-loop outputs and tool schemas (upstream's models), read when main_ppo imports them
     "matplotlib>=3.7",
     "peft>=0.21",  # actor LoRA (imported only when lora_rank > 0)
 ]

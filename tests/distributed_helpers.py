@@ -187,6 +187,19 @@ def one_process(monkeypatch):
         dist.destroy_process_group()
 
 
+def disable_tf32(monkeypatch) -> None:
+    """TF32 off for this test. torch >= 2.9 has `fp32_precision`, and once it was set (verl's
+    `enable_tf32` sets it) reading the older `allow_tf32` flags raises, so the newer switch is used
+    where it exists."""
+    matmul = torch.backends.cuda.matmul
+    if hasattr(matmul, "fp32_precision"):
+        monkeypatch.setattr(matmul, "fp32_precision", "ieee")
+        monkeypatch.setattr(torch.backends.cudnn.conv, "fp32_precision", "ieee")
+    else:
+        monkeypatch.setattr(matmul, "allow_tf32", False)
+        monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", False)
+
+
 @pytest.fixture
 def one_gpu_group(monkeypatch):
     """This process as a one-rank NCCL group on CUDA device 0 with exact fp32 matmuls (TF32 off), for
@@ -198,8 +211,7 @@ def one_gpu_group(monkeypatch):
         pytest.skip("needs a CUDA device")
     for name in RANK_ENV:
         monkeypatch.delenv(name, raising=False)
-    monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", False)
-    monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", False)
+    disable_tf32(monkeypatch)
     dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
     try:
         torch.cuda.set_device(0)

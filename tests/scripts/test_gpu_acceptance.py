@@ -40,6 +40,22 @@ def test_junit_counts_and_failures(tmp_path):
     ]
 
 
+def test_verbose_counts_when_the_run_was_killed_before_its_junit_report():
+    output = (
+        "tests/a.py::test_ok PASSED                                   [ 25%]\n"
+        "tests/a.py::test_bad[bf16] FAILED                            [ 50%]\n"
+        "some captured noise mentioning PASSED\n"
+        "tests/b.py::test_skip SKIPPED (no gpu)                       [ 75%]\n"
+        "tests/b.py::test_err ERROR                                   [100%]\n"
+    )
+    counts, failures = acc.parse_verbose(output)
+    assert counts == {"tests": 4, "failures": 1, "errors": 1, "skipped": 1, "passed": 1}
+    assert [(f["test"], f["kind"]) for f in failures] == [
+        ("tests/a.py::test_bad[bf16]", "failed"),
+        ("tests/b.py::test_err", "error"),
+    ]
+
+
 def test_grpo_figures_from_the_file_loggers_records():
     records = [
         {"step": 0, "data": {"val-core/arith/acc/mean@1": 0.25}},

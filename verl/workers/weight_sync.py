@@ -34,6 +34,10 @@ Design decisions:
   an expired wait raises `WeightSyncTimeoutError` and aborts the communicator instead of the
   watchdog killing the process. The error names the side that did not arrive (the trainer, or the
   rollout workers), the version and the bucket, and says what to check.
+- Connecting: an NCCL group connects on its first collective, and connecting waits for work
+  already queued on the device. Sender and receivers are built together (`init_weight_sync` on both
+  worker groups at once), so the constructor broadcasts one element to connect while nothing is
+  queued; a later broadcast then only enqueues, and its deadline holds.
 - Memory: the packed copy is what the background send broadcasts after `send_weights` returns. It
   holds the tensors in the dtype they are given in: the worker hands over the rollout dtype (bf16
   on GPU), cast shard by shard before gathering, so rank 0 never holds an fp32 copy of the model
@@ -131,6 +135,12 @@ class _Endpoint:
             self.group = _new_group(store, rank, world_size, timeout_s, self.backend)
         except Exception as exc:  # the rendezvous blocks until every member has connected
             raise self._timeout_error("forming the weight-sync group", exc) from None
+        if self.backend == "nccl":
+            # NCCL connects on a group's first collective, and connecting waits for the device (seen
+            # on the H100: a first broadcast queued behind 4 s of held stream work blocked the host
+            # for those 4 s, past the 1 s deadline). Connect now, while nothing is queued, so every
+            # later broadcast only enqueues and is polled against its deadline.
+            self._broadcast(torch.zeros(1, device=self.device), "connecting the weight-sync group")
 
     def _missing_side(self) -> str:
         if self.rank == 0:

@@ -12,6 +12,7 @@ import torch.distributed as dist
 from tests.distributed_helpers import (
     assert_first_adamw_step_follows,
     device_preference,
+    disable_tf32,
     free_port,
     make_ppo_batch,
     make_tiny_causal_lm,
@@ -97,13 +98,9 @@ def world_of_one(request, monkeypatch):
 
 
 @pytest.fixture
-def exact_fp32_matmuls():
+def exact_fp32_matmuls(monkeypatch):
     """fp32 matmuls without TF32 (the workers turn it on), so results depend only on summation order."""
-    matmul = torch.backends.cuda.matmul
-    saved = matmul.fp32_precision
-    matmul.fp32_precision = "ieee"
-    yield
-    matmul.fp32_precision = saved
+    disable_tf32(monkeypatch)
 
 
 def _fp32_fsdp_actor(config: dict, lr: float, seed: int = 0):

@@ -167,7 +167,14 @@ def test_moe_update_on_the_gpu_logs_the_load_balancing_loss_of_a_plain_forward(m
     td = data.batch.to("cuda")
     ids, indices = unpad_input(td["input_ids"], td["attention_mask"])
     with torch.no_grad():
-        out = reference(input_ids=ids, position_ids=unpad_position_ids(td["position_ids"], indices), use_cache=False)
+        # asked for explicitly: some transformers releases share the config object between the two
+        # models, whose `output_router_logits` the actor switched off when it took the loss over
+        out = reference(
+            input_ids=ids,
+            position_ids=unpad_position_ids(td["position_ids"], indices),
+            use_cache=False,
+            output_router_logits=True,
+        )
         expected = load_balancing_loss(list(out.router_logits), 2).item()
     got = metrics[METRIC][0]
     assert got == pytest.approx(expected, rel=1e-4), f"logged {got}, plain forward {expected}"
