@@ -91,6 +91,20 @@ def test_fp16_is_refused_for_a_trained_model(one_process):
         _actor_worker("fp16")
 
 
+def _fsdp_view(actor_cfg) -> dict:
+    """The megatron actor's section as the FSDP actor's: the keys both have, plain values (its
+    `_target_` and megatron-only sections would name the other class)."""
+    import dataclasses
+
+    from omegaconf import OmegaConf
+
+    from verl.workers.config import FSDPActorConfig
+
+    shared = {f.name for f in dataclasses.fields(FSDPActorConfig)} - {"_target_", "optim"}
+    plain = OmegaConf.to_container(OmegaConf.structured(actor_cfg), resolve=True)
+    return {key: value for key, value in plain.items() if key in shared}
+
+
 @pytest.fixture
 def one_gpu_process(monkeypatch):
     for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
@@ -125,7 +139,7 @@ def test_bf16_megatron_update_on_gpu_moves_weights_like_the_fp32_cpu_update(one_
     reference = load_causal_lm(bundled_model_path())  # fp32 on the CPU
     before = {name: p.detach().clone() for name, p in reference.named_parameters()}
     ref_actor = DataParallelPPOActor(
-        dict(worker.actor._cfg),
+        _fsdp_view(worker.actor._cfg),
         reference,
         torch.optim.AdamW(reference.parameters(), lr=LR, weight_decay=0.0, betas=(0.9, 0.999), eps=1e-8),
     )
