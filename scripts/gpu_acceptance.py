@@ -6,11 +6,12 @@
 
   environment      versions, the device, `pip freeze` of the machine before anything is installed
   install          the offline bundle (`scripts/offline_bundle.py`), when `--bundle` is given
-  gpu_tests        `pytest -m gpu` over the test files that hold GPU tests (per-test timeout)
   grpo             `python -m verl.trainer.main_ppo` GRPO on the bundled model, one GPU, fixed steps
   rollout_roofline benchmarks/rollout_gpu_roofline.py (0.5B shape, batch 256, 128 + 256 tokens)
   actor_mfu        benchmarks/actor_update_mfu.py (0.5B shape, 4 x 4096 tokens, bf16)
   weight_sync      benchmarks/weight_sync.py (0.5B shape, FSDP -> engine)
+  gpu_tests        `pytest -m gpu` over the test files that hold GPU tests (per-test timeout); last,
+                   as the longest step
 
 Each step runs as a subprocess in its own process group with a timeout; a failed or timed-out
 step is recorded and the next one runs. The whole run keeps to `--budget-s` (default 480 s): a
