@@ -169,3 +169,26 @@ def test_two_process_cpu_run_learns_checkpoints_and_resumes(assets):
     # Restored weights, not a fresh start: the loss continues from where step 6 left it.
     assert resumed[0]["train/loss"] < 0.8 * metrics[0]["train/loss"]
     assert (run_dir / "latest_checkpointed_iteration.txt").read_text() == "8"
+
+
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        ("+engine=veomni", r"^engine.strategy=veomni selects upstream's VeOmni engine, which is not in this build"),
+        (
+            "+engine=megatron",
+            r"^engine \(verl.workers.config.McoreEngineConfig\) is a section of upstream's SFT engine trainer",
+        ),
+    ],
+)
+def test_selecting_upstreams_sft_engine_is_refused_in_one_line_before_anything_starts(override, message):
+    from hydra import compose, initialize_config_dir
+
+    from verl.trainer.fsdp_sft_trainer import run_sft
+
+    with initialize_config_dir(config_dir=os.path.dirname(CONFIG), version_base=None):
+        config = compose(config_name="sft_trainer", overrides=[override])  # upstream's yaml composes
+    assert config.engine._target_.startswith("verl.workers.config.")
+    with pytest.raises(ValueError, match=message) as raised:
+        run_sft(config)
+    assert "\n" not in str(raised.value)

@@ -504,6 +504,27 @@ def resolve_defaults(config) -> None:
                 config.data.val_files = test_path
 
 
+def refuse_engine_section(config) -> None:
+    """Refuse upstream's SFT engine-trainer selection (`engine=veomni`, `+engine=fsdp`, from its
+    sft_trainer_engine.yaml): this trainer trains with FSDP2 from `model.fsdp_config` and would not
+    read the section, so accepting it would silently train with another engine than the one asked for."""
+    engine = config.get("engine")
+    if engine is None:
+        return
+    strategy = engine.get("strategy") if hasattr(engine, "get") else engine
+    target = engine.get("_target_") if hasattr(engine, "get") else None
+    if strategy == "veomni" or str(target).endswith(".VeOmniEngineConfig"):
+        raise ValueError(
+            "engine.strategy=veomni selects upstream's VeOmni engine, which is not in this build (no VeOmni "
+            "package); this SFT trainer trains with FSDP2: drop engine=veomni (and optim=veomni) and set "
+            "model.fsdp_config.* and optim.* instead"
+        )
+    raise ValueError(
+        f"engine ({target or f'strategy {strategy!r}'}) is a section of upstream's SFT engine trainer, which this SFT trainer does "
+        "not read: it trains with FSDP2 from model.fsdp_config; remove the engine override"
+    )
+
+
 def run_sft(config, should_stop: Callable[[FSDPSFTTrainer, int], bool] | None = None) -> FSDPSFTTrainer:
     """Build everything from `config` in this (already distributed) process and train."""
     from omegaconf import OmegaConf
@@ -512,6 +533,7 @@ def run_sft(config, should_stop: Callable[[FSDPSFTTrainer, int], bool] | None = 
 
     from verl.utils.dataset.sft_dataset import SFTDataset
 
+    refuse_engine_section(config)
     device_utils.set_device_preference(config.trainer.device)
     init_distributed()
     resolve_defaults(config)

@@ -9,13 +9,19 @@ episode's `AgentData` per repeated interaction rollout, `multi_turn.num_repeat_r
 from __future__ import annotations
 
 import copy
+import json
 from uuid import uuid4
 
 import pytest
 
 from tests.experimental.agent_loop.conftest import ForcedRollout, chat_prompt_ids, encode
 from tests.experimental.agent_loop.test_interaction_agent_loop import YAML, batch_with_ground_truths, guessing_script
-from tests.experimental.agent_loop.test_tool_agent_loop import assistant_turns, calculator_script, question_batch
+from tests.experimental.agent_loop.test_tool_agent_loop import (
+    assistant_turns,
+    calculator_script,
+    call_text,
+    question_batch,
+)
 from tests.experimental.agent_loop.test_upstream_agent_loop_api import arc, looped
 from verl.experimental.agent_loop import AgentLoopRollout
 from verl.experimental.agent_loop.agent_loop import (
@@ -26,7 +32,9 @@ from verl.experimental.agent_loop.agent_loop import (
     uses_upstream_api,
 )
 from verl.experimental.agent_loop.tool_agent_loop import AgentData, AgentState, ToolAgentLoop
+from verl.experimental.agent_loop.tool_parser import FunctionCall
 from verl.interactions.gsm8k_interaction import CORRECT, INCORRECT
+from verl.tools.schemas import ToolResponse
 from verl.workers.rollout.schemas import Message
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -219,12 +227,64 @@ def test_upstreams_run_with_an_overridden_handler_reads_tools_from_the_config_fi
     assert out.non_tensor_batch["__num_turns__"].tolist() == [4]
 
 
-def test_overriding_upstreams_per_call_helper_is_refused(tokenizer):
-    from verl.experimental.agent_loop.agent_loop import AgentLoopSettings
+class RecipeCallTool(ToolAgentLoop):
+    """A recipe's own per-call helper (upstream's `_call_tool` signature): answers from its own table
+    instead of running the tool, and pays 0.5 per call."""
 
-    class OwnCallTool(ToolAgentLoop):
-        async def _call_tool(self, tool_call, tools_kwargs, agent_data):
-            raise AssertionError("never called")
+    seen: list = []
 
-    with pytest.raises(TypeError, match=r"OwnCallTool overrides upstream's _call_tool.*override call_tool"):
-        OwnCallTool(tokenizer, AgentLoopSettings(response_length=8))
+    async def _call_tool(self, tool_call, tools_kwargs, agent_data):
+        RecipeCallTool.seen.append((tool_call, tools_kwargs, agent_data.assistant_turns, type(agent_data)))
+        value = {"12+34*5": 182}[json.loads(tool_call.arguments)["expression"]]
+        return ToolResponse(text=f"recipe says {value}"), 0.5, {"looked_up": 1}
+
+
+class CheckedCallTool(ToolAgentLoop):
+    """Wraps the base helper (which runs the configured calculator through `call_tool`)."""
+
+    async def _call_tool(self, tool_call, tools_kwargs, agent_data):
+        response, reward, metrics = await super()._call_tool(tool_call, tools_kwargs, agent_data)
+        return ToolResponse(text=response.text + " checked"), reward + 1.0, metrics
+
+
+@pytest.fixture
+def call_tool_loops():
+    saved = dict(AGENT_LOOPS), dict(AGENT_LOOP_KWARGS)
+    register("recipe_call_tool")(RecipeCallTool)
+    register("checked_call_tool")(CheckedCallTool)
+    yield
+    for registry, before in zip((AGENT_LOOPS, AGENT_LOOP_KWARGS), saved):
+        registry.clear()
+        registry.update(before)
+
+
+@pytest.mark.parametrize(
+    "loop, answer, reward",
+    [("recipe_call_tool", "recipe says 182", 0.5), ("checked_call_tool", "182 checked", 1.0)],
+)
+def test_a_subclass_overriding_upstreams_call_tool_answers_the_tool_turn(
+    tokenizer, tiny_model, tmp_path, call_tool_loops, loop, answer, reward
+):
+    tools = tmp_path / "tools.yaml"
+    tools.write_text("tools:\n  - class_name: verl.tools.calculator_tool.CalculatorTool\n    config: {type: native}\n")
+    section = arc(
+        256,
+        **{"multi_turn.enable": True, "multi_turn.tool_config_path": str(tools), "agent.default_agent_loop": loop},
+    )
+    RecipeCallTool.seen.clear()
+    forced = ForcedRollout(tiny_model, calculator_script(tokenizer))
+    out = looped(forced, section, tokenizer, question_batch(tokenizer, ["What is 12+34*5?"]))
+
+    eos = tokenizer.eos_token_id
+    turn1 = encode(tokenizer, call_text("12+34*5")) + [eos]
+    tool_turn = encode(tokenizer, f"<|user|><tool_response>{answer}</tool_response><|assistant|>")
+    turn2 = encode(tokenizer, answer) + [eos]  # the script repeats the tool's answer
+    n1, nt, n2 = len(turn1), len(tool_turn), len(turn2)
+    assert out.batch["responses"][0, : n1 + nt + n2].tolist() == turn1 + tool_turn + turn2
+    assert out.batch["response_mask"][0].tolist()[: n1 + nt + n2 + 1] == [1] * n1 + [0] * nt + [1] * n2 + [0]
+    assert out.non_tensor_batch["tool_rewards"][0] == [reward]
+    assert out.non_tensor_batch["__num_turns__"].tolist() == [4]
+    if loop == "recipe_call_tool":  # called once, with upstream's argument types
+        assert RecipeCallTool.seen == [
+            (FunctionCall(name="calculator", arguments='{"expression": "12+34*5"}'), {}, 1, AgentData)
+        ]

@@ -97,3 +97,86 @@ def test_gpt_oss_final_answer_and_malformed_arguments():
     assert final.content == "It is 182." and not final.wants_tools
     bad = parser.parse("<|channel|>commentary to=functions.calculator <|message|>{not json<|call|>")
     assert bad.tool_calls == [] and len(bad.errors) == 1 and "not a JSON object" in bad.errors[0]
+
+
+# ---- upstream's interface: token ids in, decoded with the parser's tokenizer, (content, [FunctionCall]) out
+
+
+def _ids(tokenizer, text: str) -> list[int]:
+    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    assert tokenizer.decode(ids) == text  # the bundled tokenizer spells every character of these texts
+    return ids
+
+
+def test_extract_tool_calls_reads_hermes_ids_into_upstreams_function_calls(tokenizer, caplog):
+    import asyncio
+    import json
+    import logging
+
+    from verl.experimental.agent_loop.tool_parser import FunctionCall, ToolParser
+
+    parser = ToolParser.get_tool_parser("hermes", tokenizer)
+    assert type(parser) is HermesToolParser and parser.tokenizer is tokenizer
+    text = (
+        'Let me compute.<tool_call>{"name": "calculator", "arguments": {"expression": "12+34*5"}}</tool_call>\n'
+        '<tool_call>{"name": "weather", "arguments": {"city": "Paris", "days": 2}}</tool_call>'
+        '<tool_call>{"name": 3}</tool_call>'
+    )
+    ids = _ids(tokenizer, text) + [tokenizer.eos_token_id]
+    with caplog.at_level(logging.WARNING, logger="verl.experimental.agent_loop.tool_parser"):
+        content, calls = asyncio.run(parser.extract_tool_calls(ids))
+    # worked by hand: the three blocks cut out of the text, special tokens kept (upstream decodes with them)
+    assert content == "Let me compute.\n<eos>"
+    assert calls == [
+        FunctionCall(name="calculator", arguments='{"expression": "12+34*5"}'),
+        FunctionCall(name="weather", arguments='{"city": "Paris", "days": 2}'),
+    ]
+    assert json.loads(calls[1].arguments) == {"city": "Paris", "days": 2}
+    assert [r.getMessage() for r in caplog.records] == [
+        'HermesToolParser: left out a malformed tool call: the tool call has no "name" string: {"name": 3}'
+    ]
+    assert asyncio.run(parser.extract_tool_calls(_ids(tokenizer, "It is 182."))) == ("It is 182.", [])
+
+
+def test_extract_tool_calls_reads_gpt_oss_ids_without_the_padding(tokenizer):
+    import asyncio
+
+    from verl.experimental.agent_loop.tool_parser import FunctionCall, GptOssToolParser, ToolParser
+
+    parser = ToolParser.get_tool_parser("gpt-oss", tokenizer)
+    assert type(parser) is GptOssToolParser
+    text = '<|channel|>commentary to=functions.calculator <|constrain|>json<|message|>{"expression": "1+2"}<|call|>'
+    ids = _ids(tokenizer, text) + [tokenizer.pad_token_id] * 2
+    assert asyncio.run(parser.extract_tool_calls(ids)) == (
+        "",
+        [FunctionCall(name="calculator", arguments='{"expression": "1+2"}')],
+    )
+
+
+def test_parsers_are_registered_by_upstreams_names_and_an_unknown_name_lists_them(tokenizer):
+    import asyncio
+
+    from verl.experimental.agent_loop.tool_parser import TOOL_PARSERS, ToolParser
+
+    with pytest.raises(
+        ValueError, match=r"unknown tool parser 'qwen'; the registered parsers are \['gpt-oss', 'hermes'\]"
+    ):
+        ToolParser.get_tool_parser("qwen", tokenizer)
+
+    @ToolParser.register("shout")
+    class ShoutParser(HermesToolParser):
+        def parse(self, text):
+            turn = super().parse(text)
+            turn.content = turn.content.upper()
+            return turn
+
+    try:
+        parser = ToolParser.get_tool_parser("shout", tokenizer)
+        assert type(parser) is ShoutParser and type(get_tool_parser("shout")) is ShoutParser
+        assert asyncio.run(parser.extract_tool_calls(_ids(tokenizer, "done"))) == ("DONE", [])
+    finally:
+        del TOOL_PARSERS["shout"]
+    with pytest.raises(
+        ValueError, match=r"has no tokenizer; build it with ToolParser.get_tool_parser\(name, tokenizer\)"
+    ):
+        asyncio.run(HermesToolParser().extract_tool_calls([1, 2]))

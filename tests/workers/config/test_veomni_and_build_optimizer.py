@@ -4,6 +4,9 @@ VeOmni sections build with upstream's defaults while the engine itself is refuse
 
 from __future__ import annotations
 
+import dataclasses
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -87,14 +90,119 @@ def test_veomni_optimizer_config_has_upstreams_defaults_and_builds_from_its_yaml
         VeOmniOptimizerConfig(lr_scheduler_type="linear")
 
 
+def test_veomni_engine_config_carries_upstreams_base_batch_keys_and_only_those_are_mutable():
+    default = VeOmniEngineConfig()
+    # upstream's EngineConfig defaults, written out
+    assert (default.use_dynamic_bsz, default.max_token_len_per_gpu, default.micro_batch_size_per_gpu) == (
+        True,
+        None,
+        None,
+    )
+    assert (default.infer_max_token_len_per_gpu, default.infer_micro_batch_size_per_gpu) == (None, None)
+    assert (default.use_fused_kernels, default.use_remove_padding, default.grad_offload, default.full_determinism) == (
+        False,
+        True,
+        False,
+        False,
+    )
+    # the SFT engine trainer fills the batch keys in after building the section, as upstream's does
+    default.micro_batch_size_per_gpu = 4
+    default.max_token_len_per_gpu = 8192
+    default.use_dynamic_bsz = False
+    assert (default.micro_batch_size_per_gpu, default.max_token_len_per_gpu, default.use_dynamic_bsz) == (
+        4,
+        8192,
+        False,
+    )
+    with pytest.raises(dataclasses.FrozenInstanceError, match="VeOmniEngineConfig.ulysses_parallel_size is frozen"):
+        default.ulysses_parallel_size = 2
+
+
+# upstream's engine/veomni.yaml and optim/veomni.yaml, every key, written out by hand
+UPSTREAM_ENGINE_YAML = {
+    "_target_": "verl.workers.config.VeOmniEngineConfig",
+    "param_offload": False,
+    "optimizer_offload": False,
+    "data_parallel_mode": "fsdp2",
+    "data_parallel_size": 1,
+    "data_parallel_replicate_size": 1,
+    "data_parallel_shard_size": 1,
+    "tensor_parallel_size": 1,
+    "expert_parallel_size": 1,
+    "pipeline_parallel_size": 1,
+    "context_parallel_size": 1,
+    "ulysses_parallel_size": 1,
+    "mixed_precision": True,
+    "seed": 42,
+    "full_determinism": False,
+    "init_device": "meta",
+    "enable_full_shard": True,
+    "ckpt_manager": "dcp",
+    "forward_prefetch": True,
+    "strategy": "veomni",
+    "use_torch_compile": False,
+    "forward_only": False,
+    "enable_fsdp_offload": False,
+    "enable_reentrant": False,
+    "attn_implementation": "flash_attention_2",
+    "moe_implementation": "fused",
+    "force_use_huggingface": False,
+    "activation_gpu_limit": 0.0,
+}
+UPSTREAM_OPTIM_YAML = {
+    "_target_": "verl.workers.config.VeOmniOptimizerConfig",
+    "optimizer": "adamw",
+    "lr": 1e-3,
+    "lr_min": 0.0,
+    "lr_start": 0.0,
+    "lr_warmup_steps_ratio": 0.0,
+    "lr_decay_ratio": 1.0,
+    "total_training_steps": -1,
+    "weight_decay": 0.01,
+    "lr_warmup_steps": -1,
+    "betas": [0.9, 0.999],
+    "clip_grad": 1.0,
+    "lr_scheduler_type": "cosine",
+    "override_optimizer_config": {},
+}
+
+
+def test_upstreams_veomni_yaml_files_compose_with_plain_hydra_and_build_their_sections(tmp_path):
+    from hydra import compose, initialize_config_dir
+    from omegaconf import OmegaConf
+
+    from verl.trainer.config import CONFIG_DIR
+
+    assert OmegaConf.to_container(OmegaConf.load(Path(CONFIG_DIR) / "engine" / "veomni.yaml")) == UPSTREAM_ENGINE_YAML
+    assert OmegaConf.to_container(OmegaConf.load(Path(CONFIG_DIR) / "optim" / "veomni.yaml")) == UPSTREAM_OPTIM_YAML
+    # upstream's SFT engine trainer layout: engine and optim groups, switched to veomni on the command line
+    (tmp_path / "sft_engine.yaml").write_text(
+        "defaults:\n  - engine@engine: fsdp\n  - optim@optim: fsdp\n  - _self_\n"
+        f"hydra:\n  searchpath:\n    - file://{CONFIG_DIR}\n"
+    )
+    overrides = ["engine=veomni", "optim=veomni", "engine.ulysses_parallel_size=2", "optim.lr=1e-5"]
+    with initialize_config_dir(config_dir=str(tmp_path), version_base=None):
+        cfg = compose(config_name="sft_engine", overrides=overrides)
+    assert OmegaConf.to_container(cfg.engine) == {**UPSTREAM_ENGINE_YAML, "ulysses_parallel_size": 2}
+    assert OmegaConf.to_container(cfg.optim) == {**UPSTREAM_OPTIM_YAML, "lr": 1e-5}
+    engine, optim = omega_conf_to_dataclass(cfg.engine), omega_conf_to_dataclass(cfg.optim)
+    assert type(engine) is VeOmniEngineConfig and type(optim) is VeOmniOptimizerConfig
+    assert (engine.ulysses_parallel_size, engine.data_parallel_mode, engine.enable_full_shard) == (2, "fsdp2", True)
+    assert (engine.use_dynamic_bsz, engine.micro_batch_size_per_gpu) == (True, None)  # base keys: dataclass defaults
+    assert (optim.lr, optim.lr_scheduler_type, optim.betas) == (1e-5, "cosine", [0.9, 0.999])
+
+
 def test_selecting_the_veomni_engine_is_refused_in_one_line():
-    from verl.trainer.config import load_ppo_config
+    from verl.trainer.config import ConfigError, load_ppo_config
     from verl.workers.engine import EngineRegistry
 
     with pytest.raises(ValueError, match=r"^strategy 'veomni' selects upstream's VeOmni engine, which is not in this"):
         EngineRegistry.get_engine_cls("language_model", "veomni")
-    with pytest.raises(ValueError, match=r"strategy='veomni' is not a valid choice"):
-        load_ppo_config(["actor_rollout_ref.actor.strategy=veomni"], config_name="arith_demo")
+    for key in ("actor_rollout_ref.actor.strategy", "critic.strategy", "reward_model.strategy"):
+        with pytest.raises(ConfigError) as raised:
+            load_ppo_config([f"{key}=veomni"], config_name="arith_demo")
+        message = str(raised.value)
+        assert f"{key}=veomni is for upstream's VeOmni engine" in message and "\n" not in message
 
 
 def _model(seed: int = 0) -> torch.nn.Linear:

@@ -4,7 +4,8 @@
   registry (`register`, `AGENT_LOOPS`) and `SingleTurnAgentLoop` (`single_turn_agent`).
 - `tool_agent_loop.ToolAgentLoop` (`tool_agent`): generate, call tools, append their answers, repeat;
   upstream's state machine (`AgentState`, `AgentData`, the `_handle_*_state` handlers) for subclasses.
-- `tool_parser`: tool-call formats (`hermes`).
+- `tool_parser`: tool-call formats (`hermes`, `gpt-oss`): `parse(text)`, and upstream's
+  `ToolParser.get_tool_parser(name, tokenizer)` / `extract_tool_calls(ids) -> (content, [FunctionCall])`.
 - `engine`: `AsyncRolloutEngine` (one request per call) and `MicroBatchEngine` (batches concurrent
   requests for a batch-synchronous engine).
 - `rollout.AgentLoopRollout`: a `BaseRollout` running agent loops over any rollout engine; the actor
@@ -31,7 +32,14 @@ from verl.experimental.agent_loop.agent_loop import (
 from verl.experimental.agent_loop.engine import AsyncRolloutEngine, MicroBatchEngine, TokenOutput
 from verl.experimental.agent_loop.rollout import AgentLoopRollout, settings_from_config
 from verl.experimental.agent_loop.tool_agent_loop import ToolAgentLoop
-from verl.experimental.agent_loop.tool_parser import TOOL_PARSERS, HermesToolParser, ToolCall, get_tool_parser
+from verl.experimental.agent_loop.tool_parser import (
+    TOOL_PARSERS,
+    FunctionCall,
+    HermesToolParser,
+    ToolCall,
+    ToolParser,
+    get_tool_parser,
+)
 
 __all__ = [
     "AGENT_LOOPS",
@@ -44,6 +52,7 @@ __all__ = [
     "AsyncLLMServerManager",
     "AsyncRolloutEngine",
     "DictConfigWrap",
+    "FunctionCall",
     "HermesToolParser",
     "MicroBatchEngine",
     "SingleTurnAgentLoop",
@@ -51,6 +60,7 @@ __all__ = [
     "TokenOutput",
     "ToolAgentLoop",
     "ToolCall",
+    "ToolParser",
     "Trajectory",
     "get_agent_loop_class",
     "get_tool_parser",

@@ -48,15 +48,24 @@ turn is appended to `messages` (upstream appends it only with an interaction); a
 that would leave no room for another model turn, or an interaction's stopping reply, is appended to
 `messages` (as upstream) but not to the ids, and is not counted in `user_turns` (the episode ends on
 the model's turn); `metrics["num_preempted"]` is -1 (the engines here do not report preemption).
-Not provided: upstream's per-call `_call_tool(tool_call, tools_kwargs, agent_data)` (tools run
-through `call_tool`, whose span the rollout trace records) and its parser method
-`tool_parser.extract_tool_calls(ids)` (the parsers here take the decoded text: `parse(text)`).
+
+Tools run through two layers. Upstream's per-call helper `_call_tool(tool_call, tools_kwargs,
+agent_data) -> (ToolResponse, reward, metrics)` is what the turn logic calls, once per call of the
+turn (concurrently), with the call as upstream's `FunctionCall` (arguments as JSON text); a recipe
+subclass overrides it as upstream's do. The base one decodes the arguments and runs this project's
+`call_tool(call, tools_kwargs) -> (text, succeeded, reward)` (the traced span, with the tool's
+timeout), counts a failed call, and truncates the text as upstream's does. Where it differs from
+upstream's: a tool that gave no step reward gives None (not appended to `tool_rewards`), the metrics
+dict is empty, and the tool's `execute` is not passed `agent_data`. `agent_data.tool_calls` holds
+`FunctionCall`s, as upstream's; `self.tool_parser` is built with the tokenizer, so upstream's
+`await self.tool_parser.extract_tool_calls(ids)` works in a subclass (tool_parser.py).
 """
 
 from __future__ import annotations
 
 import asyncio
 import copy
+import json
 import logging
 import time
 from collections.abc import Sequence
@@ -72,9 +81,10 @@ from verl.experimental.agent_loop.agent_loop import (
     register,
 )
 from verl.experimental.agent_loop.engine import AsyncRolloutEngine
-from verl.experimental.agent_loop.tool_parser import ParsedTurn, ToolCall, get_tool_parser
+from verl.experimental.agent_loop.tool_parser import FunctionCall, ToolCall, get_tool_parser
 from verl.experimental.agent_loop.upstream_api import AgentLoopOutput, AsyncLLMServerManager
 from verl.interactions.utils.interaction_registry import initialize_interactions_from_config
+from verl.tools.schemas import ToolResponse
 from verl.tools.utils.tool_registry import initialize_tools_from_config
 from verl.utils.rollout_trace import rollout_trace_op
 
@@ -162,8 +172,8 @@ class AgentData:
         self.tool_rewards: list[float] = []
         self.user_turns = 0
         self.assistant_turns = 0
-        self.tool_calls: list[ToolCall] = []
-        """The well-formed calls of the last model turn."""
+        self.tool_calls: list[FunctionCall] = []
+        """The well-formed calls of the last model turn (upstream's type: arguments as JSON text)."""
         self.extra_fields: dict[str, Any] = {}
 
         self.tool_call_errors: list[str] = []
@@ -195,14 +205,8 @@ class ToolAgentLoop(AgentLoopBase):
 
     def _init_tool_loop(self):
         """Upstream's attributes, from the settings (both constructors)."""
-        if hasattr(self, "_call_tool"):
-            raise TypeError(
-                f"{type(self).__name__} overrides upstream's _call_tool(tool_call, tools_kwargs, agent_data), which "
-                "this ToolAgentLoop does not call; override call_tool(call, tools_kwargs) -> (text, succeeded, "
-                "reward) instead (see verl/experimental/agent_loop/tool_agent_loop.py)"
-            )
         s = self.settings
-        self.parser = get_tool_parser(s.format)
+        self.parser = get_tool_parser(s.format, self.tokenizer)
         self.tool_parser, self.tool_parser_name = self.parser, s.format
         self.tool_schemas = [tool.schema_dict() for tool in self.tools.values()]
         self.max_user_turns, self.max_assistant_turns = s.max_user_turns, s.max_assistant_turns
@@ -290,24 +294,49 @@ class ToolAgentLoop(AgentLoopBase):
                 except Exception:
                     logger.warning("releasing tool %s instance %s failed", call.name, instance_id, exc_info=True)
 
-    async def answer_tool_calls(self, parsed: ParsedTurn, tools_kwargs: dict) -> tuple[list[dict], int, list[float]]:
-        """The tool messages answering a turn, in call order, how many of them are errors, and the
-        step rewards the tools gave."""
-        limit = self.settings.max_parallel_calls
-        run, skipped = parsed.tool_calls[:limit], parsed.tool_calls[limit:]
-        results = list(await asyncio.gather(*(self.call_tool(call, tools_kwargs) for call in run)))
-        results += [
-            (f"Error: at most {limit} tool call(s) per turn are run; {c.name!r} was skipped", False, None)
-            for c in skipped
-        ]
-        results += [(f"Error: {message}", False, None) for message in parsed.errors]
-        s = self.settings
-        messages = [
-            {"role": "tool", "content": truncate_text(text, s.max_tool_response_length, s.tool_response_truncate_side)}
-            for text, _, _ in results
-        ]
-        rewards = [reward for _, _, reward in results if reward is not None]
-        return messages, sum(1 for _, ok, _ in results if not ok), rewards
+    async def _call_tool(
+        self, tool_call: FunctionCall, tools_kwargs: dict[str, Any], agent_data: AgentData | None = None
+    ) -> tuple[ToolResponse, float | None, dict]:
+        """Upstream's per-call helper: the turn logic calls it for each call (module docstring).
+
+        Runs `call_tool` on the decoded call and returns its text (truncated to
+        `max_tool_response_length`), the tool's step reward (None: it gave none) and an empty metrics
+        dict; a failed call is counted in `agent_data.num_tool_errors`.
+        """
+        try:
+            arguments = json.loads(tool_call.arguments) if tool_call.arguments.strip() else {}
+        except json.JSONDecodeError:
+            arguments = None
+        if isinstance(arguments, dict):
+            text, succeeded, reward = await self.call_tool(ToolCall(tool_call.name, arguments), tools_kwargs)
+        else:
+            text, succeeded, reward = (
+                f"Error: the arguments of the call to {tool_call.name!r} are not a JSON object: "
+                f"{tool_call.arguments[:200]}",
+                False,
+                None,
+            )
+        if not succeeded and agent_data is not None:
+            agent_data.num_tool_errors += 1
+        text = truncate_text(text, self.max_tool_response_length, self.tool_response_truncate_side)
+        return ToolResponse(text=text), reward, {}
+
+    async def answer_tool_calls(self, agent_data: AgentData) -> tuple[list[dict], list[float]]:
+        """The tool messages answering the last turn, in call order, and the step rewards the tools gave.
+
+        The first `max_parallel_calls` calls run concurrently through `_call_tool`; calls past that
+        limit and malformed calls are answered with an error message (counted in `num_tool_errors`).
+        """
+        limit = self.max_parallel_calls
+        run, skipped = agent_data.tool_calls[:limit], agent_data.tool_calls[limit:]
+        answers = await asyncio.gather(*(self._call_tool(call, agent_data.tools_kwargs, agent_data) for call in run))
+        errors = [f"Error: at most {limit} tool call(s) per turn are run; {c.name!r} was skipped" for c in skipped]
+        errors += [f"Error: {message}" for message in agent_data.tool_call_errors]
+        agent_data.num_tool_errors += len(errors)
+        texts = [response.text or "" for response, _, _ in answers]
+        texts += [truncate_text(e, self.max_tool_response_length, self.tool_response_truncate_side) for e in errors]
+        rewards = [float(reward) for _, reward, _ in answers if reward is not None]
+        return [{"role": "tool", "content": text} for text in texts], rewards
 
     # ------------------------------------------------------------------------ state machine
     async def _handle_pending_state(self, agent_data: AgentData, sampling_params: dict[str, Any]) -> AgentState:
@@ -352,7 +381,10 @@ class ToolAgentLoop(AgentLoopBase):
         if self.max_user_turns and agent_data.user_turns >= self.max_user_turns:
             return AgentState.TERMINATED
         parsed = self.parser.parse(self.tokenizer.decode(body, skip_special_tokens=not self.parser.keep_special_tokens))
-        agent_data.tool_calls, agent_data.tool_call_errors = list(parsed.tool_calls), list(parsed.errors)
+        agent_data.tool_calls = [
+            FunctionCall(name=c.name, arguments=json.dumps(c.arguments, ensure_ascii=False)) for c in parsed.tool_calls
+        ]
+        agent_data.tool_call_errors = list(parsed.errors)
         if parsed.wants_tools:
             return AgentState.PROCESSING_TOOLS
         if agent_data.interaction is not None:
@@ -363,11 +395,9 @@ class ToolAgentLoop(AgentLoopBase):
         """Run the last turn's calls and append their answers (mask 0); next: GENERATING, or TERMINATED
         when the answers would leave no room for another model turn."""
         start = time.perf_counter()
-        parsed = ParsedTurn("", list(agent_data.tool_calls), list(agent_data.tool_call_errors))
-        messages, errors, rewards = await self.answer_tool_calls(parsed, agent_data.tools_kwargs)
+        messages, rewards = await self.answer_tool_calls(agent_data)
         _add_time(agent_data.metrics, "tool_calls", start)
         agent_data.num_tool_calls += len(messages)
-        agent_data.num_tool_errors += errors
         agent_data.tool_rewards += rewards
         return self._append_turn(agent_data, messages)
 

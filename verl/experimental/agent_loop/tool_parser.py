@@ -12,15 +12,29 @@ was wrong, so the model learns from it instead of the conversation silently endi
 not valid JSON, not an object, has no string `name`, has `arguments` that are neither an object
 nor a JSON string of one, or a `<tool_call>` that is never closed. Text without any `<tool_call>`
 is a final answer. `gpt-oss` reads OpenAI's harmony format (`GptOssToolParser`).
+
+Upstream's interface sits beside `parse(text)`: a parser built with a tokenizer
+(`ToolParser.get_tool_parser(name, tokenizer)`, the same registry; `@ToolParser.register(name)` adds
+one) answers `await parser.extract_tool_calls(responses_ids)` with `(content, [FunctionCall])`, the
+ids decoded with the parser's tokenizer as upstream decodes them (special tokens kept; gpt-oss also
+drops the pad token) and the text read by `parse`. So the calls it finds are the ones the agent
+loop runs; a malformed call is logged and left out, as upstream's. Where it differs from upstream's:
+`content` is stripped of surrounding whitespace and, for gpt-oss, the call's arguments must be a JSON
+object (upstream hands on whatever the model wrote).
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import re
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import Any
+
+from pydantic import BaseModel
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -45,14 +59,65 @@ class ParsedTurn:
         return bool(self.tool_calls or self.errors)
 
 
+class FunctionCall(BaseModel):
+    """Upstream's type of one extracted call: the function's name and its arguments as the JSON text of
+    an object (what an OpenAI-style tool call carries)."""
+
+    arguments: str
+    name: str
+
+
 class ToolParser(ABC):
     """Splits a decoded assistant turn into text and tool calls."""
 
     keep_special_tokens = False
     """Whether the turn is decoded with its special tokens (formats whose markers are special tokens)."""
 
+    def __init__(self, tokenizer=None) -> None:
+        self.tokenizer = tokenizer
+        """Decodes the ids `extract_tool_calls` is given (`parse` needs none)."""
+
     @abstractmethod
     def parse(self, text: str) -> ParsedTurn: ...
+
+    async def extract_tool_calls(self, responses_ids: list[int]) -> tuple[str, list[FunctionCall]]:
+        """Upstream's interface: (content, calls) of a turn's token ids, decoded with the parser's tokenizer."""
+        if self.tokenizer is None:
+            raise ValueError(
+                f"{type(self).__name__}.extract_tool_calls decodes token ids, but the parser has no tokenizer; build "
+                "it with ToolParser.get_tool_parser(name, tokenizer), or call parse(text) on decoded text"
+            )
+        text = self.tokenizer.decode(list(responses_ids), skip_special_tokens=False)
+        pad = getattr(self.tokenizer, "pad_token", None)
+        if self.keep_special_tokens and pad:  # the harmony markers are read with the special tokens, minus padding
+            text = text.replace(pad, "")
+        turn = self.parse(text)
+        for error in turn.errors:
+            logger.warning("%s: left out a malformed tool call: %s", type(self).__name__, error)
+        calls = [
+            FunctionCall(name=c.name, arguments=json.dumps(c.arguments, ensure_ascii=False)) for c in turn.tool_calls
+        ]
+        return turn.content, calls
+
+    @classmethod
+    def get_tool_parser(cls, name: str, tokenizer) -> ToolParser:
+        """Upstream's constructor by name: the registered parser `name` with `tokenizer`."""
+        if name not in TOOL_PARSERS:
+            raise ValueError(
+                f"unknown tool parser {name!r}; the registered parsers are {sorted(TOOL_PARSERS)} (add one with "
+                "@ToolParser.register(name))"
+            )
+        return TOOL_PARSERS[name](tokenizer)
+
+    @classmethod
+    def register(cls, name: str):
+        """Class decorator: register a parser under `name` (a `multi_turn.format` value), as upstream's."""
+
+        def decorator(subclass: type[ToolParser]) -> type[ToolParser]:
+            TOOL_PARSERS[name] = subclass
+            return subclass
+
+        return decorator
 
 
 class HermesToolParser(ToolParser):
@@ -61,7 +126,8 @@ class HermesToolParser(ToolParser):
     open_tag = "<tool_call>"
     close_tag = "</tool_call>"
 
-    def __init__(self):
+    def __init__(self, tokenizer=None):
+        super().__init__(tokenizer)
         self._block = re.compile(re.escape(self.open_tag) + r"(.*?)" + re.escape(self.close_tag), re.DOTALL)
 
     def parse(self, text: str) -> ParsedTurn:
@@ -140,10 +206,11 @@ class GptOssToolParser(ToolParser):
 TOOL_PARSERS: dict[str, type[ToolParser]] = {"hermes": HermesToolParser, "gpt-oss": GptOssToolParser}
 
 
-def get_tool_parser(name: str) -> ToolParser:
+def get_tool_parser(name: str, tokenizer=None) -> ToolParser:
+    """The parser of `multi_turn.format` `name` (with `tokenizer` for `extract_tool_calls`)."""
     if name not in TOOL_PARSERS:
         raise ValueError(
             f"actor_rollout_ref.rollout.multi_turn.format={name!r} is not a known tool-call format; "
             f"choose one of {sorted(TOOL_PARSERS)}"
         )
-    return TOOL_PARSERS[name]()
+    return TOOL_PARSERS[name](tokenizer)

@@ -63,6 +63,8 @@ KL_PENALTIES = ("kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3", "full", "k1+
 ROLLOUT_NAMES = ("hf", "vllm", "sglang")
 ROLLOUT_MODES = ("sync", "async")
 STRATEGIES = ("fsdp", "fsdp2", "megatron")
+# upstream's strategies whose engines are not in this build: refused by name (`doc(hardware_values=...)`)
+STRATEGIES_NOT_IN_THIS_BUILD = {"veomni": "upstream's VeOmni engine"}
 LOGGERS = ("console", "file", "mlflow", "swanlab", "tensorboard", "wandb")
 RESUME_MODES = ("auto", "disable", "resume_path")
 

@@ -28,6 +28,7 @@ from verl.workers.config._fields import (
     KL_PENALTIES,
     LOSS_AGG_MODES,
     STRATEGIES,
+    STRATEGIES_NOT_IN_THIS_BUILD,
     UNSUPPORTED,
     doc,
     policy_loss_choices,
@@ -120,6 +121,7 @@ class ActorConfig(BaseConfig):
         "Training backend: fsdp and fsdp2 both mean FSDP2; megatron is Megatron-core (tensor/pipeline parallel; "
         "--config-name=ppo_megatron_trainer).",
         choices=STRATEGIES,
+        hardware_values=STRATEGIES_NOT_IN_THIS_BUILD,
         default="fsdp",
     )
     ppo_mini_batch_size: int = doc(
@@ -264,7 +266,12 @@ class McoreActorConfig(ActorConfig):
 
     optim: McoreOptimizerConfig = doc("Optimizer and schedule.", default_factory=McoreOptimizerConfig)
 
-    strategy: str = doc("Training backend (see ActorConfig.strategy).", choices=STRATEGIES, default="megatron")
+    strategy: str = doc(
+        "Training backend (see ActorConfig.strategy).",
+        choices=STRATEGIES,
+        hardware_values=STRATEGIES_NOT_IN_THIS_BUILD,
+        default="megatron",
+    )
     megatron: McoreEngineConfig = doc(
         "Megatron-core parallelism (strategy megatron).", default_factory=McoreEngineConfig
     )
@@ -284,6 +291,7 @@ class RefConfig(BaseConfig):
     strategy: str = doc(
         "Backend of the reference model (the actor's: it lives in the actor's workers).",
         choices=STRATEGIES,
+        hardware_values=STRATEGIES_NOT_IN_THIS_BUILD,
         default="fsdp",
     )
     use_torch_compile: bool = doc(

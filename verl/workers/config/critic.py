@@ -19,7 +19,15 @@ from dataclasses import dataclass
 
 from verl.base_config import BaseConfig
 from verl.utils.profiler.config import ProfilerConfig
-from verl.workers.config._fields import DEPRECATED, IGNORED, LOSS_AGG_MODES, STRATEGIES, UNSUPPORTED, doc
+from verl.workers.config._fields import (
+    DEPRECATED,
+    IGNORED,
+    LOSS_AGG_MODES,
+    STRATEGIES,
+    STRATEGIES_NOT_IN_THIS_BUILD,
+    UNSUPPORTED,
+    doc,
+)
 from verl.workers.config.checkpoint import CheckpointConfig
 from verl.workers.config.engine import FSDPEngineConfig, McoreEngineConfig
 from verl.workers.config.model import MegatronCriticLoRAConfig, TiledMLPConfig
@@ -67,7 +75,9 @@ class CriticConfig(BaseConfig):
     """Value function for GAE: model, optimizer, PPO value loss."""
 
     rollout_n: int = doc("Samples per prompt (follows actor_rollout_ref.rollout.n, which it must equal).", default=1)
-    strategy: str = doc("Training backend.", choices=STRATEGIES, default="fsdp")
+    strategy: str = doc(
+        "Training backend.", choices=STRATEGIES, hardware_values=STRATEGIES_NOT_IN_THIS_BUILD, default="fsdp"
+    )
     enable: bool | None = doc("Train a critic; null: only when algorithm.adv_estimator=gae.", default=None)
     optim: OptimizerConfig = doc("Optimizer and schedule.", default_factory=OptimizerConfig)
     model: CriticModelConfig = doc("Value model.", default_factory=CriticModelConfig)
@@ -117,7 +127,9 @@ class McoreCriticConfig(CriticConfig):
 
     optim: McoreOptimizerConfig = doc("Optimizer and schedule.", default_factory=McoreOptimizerConfig)
 
-    strategy: str = doc("Training backend.", choices=STRATEGIES, default="megatron")
+    strategy: str = doc(
+        "Training backend.", choices=STRATEGIES, hardware_values=STRATEGIES_NOT_IN_THIS_BUILD, default="megatron"
+    )
     megatron: McoreEngineConfig = doc(
         "Megatron-core parallelism (strategy megatron).", default_factory=McoreEngineConfig
     )

@@ -14,7 +14,8 @@ the `infer_*` pair, `use_fused_kernels`); here the role sections (`actor`, `ref`
 the YAML does not repeat them under the engine, so they are not fields: a second place for one value
 could disagree with the first. `TrainingWorkerConfig` bundles what one training engine is built from
 (upstream's name and fields). `VeOmniEngineConfig` is upstream's section of an engine not in this
-build: it constructs as upstream's, and selecting the engine is refused (see its docstring).
+build: it constructs (and engine/veomni.yaml composes) as upstream's, with upstream's base batch keys,
+and selecting the engine is refused (see its docstring).
 """
 
 from __future__ import annotations
@@ -245,11 +246,37 @@ class McoreEngineConfig(EngineConfig):
 class VeOmniEngineConfig(EngineConfig):
     """Upstream's VeOmni engine section (engine/veomni.yaml), with its fields and dataclass defaults.
 
-    It builds and is checked like upstream's, so code that constructs or imports it runs; the VeOmni
-    engine itself is not in this build, so a worker asked to train with it (strategy `veomni`) is
-    refused by `EngineRegistry` in one line naming the strategies that exist.
+    It builds and is checked like upstream's, so code that constructs or imports it, or composes
+    engine/veomni.yaml, runs; the VeOmni engine itself is not in this build (no VeOmni package), so a
+    role whose strategy is `veomni` is refused by the config check, and `EngineRegistry` refuses the
+    backend, each in one line naming the strategies that exist.
+
+    Unlike `FSDPEngineConfig` and `McoreEngineConfig`, it carries upstream's base-class batch keys
+    (`use_dynamic_bsz` ... `use_remove_padding`, mutable as upstream's): upstream's SFT engine trainer
+    fills them in from `data.*`, and with no role section around it this is their only place. The
+    dataclass defaults are upstream's; the YAML sets some of them differently (data_parallel_mode
+    fsdp2, mixed_precision, enable_full_shard, forward_prefetch on, use_torch_compile off), as
+    upstream's does.
     """
 
+    _mutable_fields = EngineConfig._mutable_fields | {
+        "use_dynamic_bsz",
+        "max_token_len_per_gpu",
+        "micro_batch_size_per_gpu",
+        "infer_max_token_len_per_gpu",
+        "infer_micro_batch_size_per_gpu",
+        "use_fused_kernels",
+        "use_remove_padding",
+    }
+
+    grad_offload: bool = doc("Keep gradients on the host between updates.", default=False)
+    use_dynamic_bsz: bool = doc("Pack micro-batches by token count (max_token_len_per_gpu).", default=True)
+    max_token_len_per_gpu: int | None = doc("Tokens per micro-batch on one rank, training.", default=None)
+    micro_batch_size_per_gpu: int | None = doc("Sequences per micro-batch on one rank, training.", default=None)
+    infer_max_token_len_per_gpu: int | None = doc("Tokens per micro-batch on one rank, inference.", default=None)
+    infer_micro_batch_size_per_gpu: int | None = doc("Sequences per micro-batch on one rank, inference.", default=None)
+    use_fused_kernels: bool = doc("Fused LM-head kernel (log-probs without the full logits).", default=False)
+    use_remove_padding: bool = doc("Pack sequences without padding.", default=True)
     wrap_policy: dict = doc("FSDP auto-wrap policy.", default_factory=dict)
     offload_policy: bool = doc("Offload the policy model's parameters.", default=False)
     reshard_after_forward: bool = doc("Reshard parameters after the forward pass.", default=True)
@@ -267,12 +294,15 @@ class VeOmniEngineConfig(EngineConfig):
     pipeline_parallel_size: int = doc("Pipeline-parallel size.", default=1)
     context_parallel_size: int = doc("Ring-attention context-parallel size.", default=1)
     ulysses_parallel_size: int = doc("Ulysses sequence-parallel size.", default=1)
-    data_parallel_mode: str = doc("ddp, fsdp1 or fsdp2 (upstream's default: fsdp).", default="fsdp")
+    data_parallel_mode: str = doc(
+        "ddp, fsdp1 or fsdp2 (upstream's dataclass default is fsdp, its YAML's fsdp2).", default="fsdp"
+    )
+    seed: int = doc("Seed of the engine's random number generators.", default=42)
     full_determinism: bool = doc("Fully deterministic kernels (slow; for debugging).", default=False)
     mixed_precision: bool = doc("Mixed-precision training.", default=False)
     init_device: str = doc("Where weights are initialised: cpu (rank 0), cuda, meta or npu.", default="meta")
     enable_full_shard: bool = doc("Fully shard (ZeRO-3).", default=False)
-    ckpt_manager: str = doc("Checkpoint manager: dcp.", default="dcp")
+    ckpt_manager: str = doc("Checkpoint manager: dcp.", choices=("dcp",), default="dcp")
     load_checkpoint_path: str | None = doc("Checkpoint to load.", default=None)
     enable_fsdp_offload: bool = doc("FSDP1 CPU offload.", default=False)
     enable_reentrant: bool = doc("Reentrant gradient checkpointing.", default=False)
@@ -285,7 +315,8 @@ class VeOmniEngineConfig(EngineConfig):
     def __post_init__(self):
         if self.strategy != "veomni":
             raise ValueError(
-                f"VeOmniEngineConfig.strategy={self.strategy!r}: a VeOmni engine section's strategy is veomni"
+                f"VeOmniEngineConfig.strategy={self.strategy!r}: a VeOmni engine section's strategy is veomni; "
+                "for another backend use FSDPEngineConfig (fsdp, fsdp2) or McoreEngineConfig (megatron)"
             )
 
 

@@ -34,6 +34,7 @@ from verl.workers.config._fields import (
     MODEL_DTYPES,
     REWARD_MANAGERS,
     STRATEGIES,
+    STRATEGIES_NOT_IN_THIS_BUILD,
     UNSUPPORTED,
     doc,
 )
@@ -162,7 +163,9 @@ class RewardModelConfig(BaseConfig):
     )
     n_gpus_per_node: int = doc("Workers per node of that pool (with enable_resource_pool).", default=0)
     nnodes: int = doc("Nodes of that pool (with enable_resource_pool).", default=0)
-    strategy: str = doc("Backend of the reward model.", choices=STRATEGIES, default="fsdp")
+    strategy: str = doc(
+        "Backend of the reward model.", choices=STRATEGIES, hardware_values=STRATEGIES_NOT_IN_THIS_BUILD, default="fsdp"
+    )
     model: RewardModelModelConfig = doc("The reward model.", default_factory=RewardModelModelConfig)
     micro_batch_size: int | None = doc(
         "Global micro-batch.", status=DEPRECATED, replacement="use micro_batch_size_per_gpu", default=None
