@@ -125,7 +125,9 @@ def test_fused_lm_head_makes_a_tiny_hf_model_return_log_probs_and_entropy():
         with fused_lm_head(model, labels, 0.8):
             out = model(input_ids=ids).logits
     log_softmax = torch.log_softmax(logits, -1)
-    torch.testing.assert_close(out[..., 0].double(), log_softmax.gather(-1, labels[..., None])[..., 0], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(
+        out[..., 0].double(), log_softmax.gather(-1, labels[..., None])[..., 0], rtol=1e-5, atol=1e-5
+    )
     torch.testing.assert_close(out[..., 1].double(), -(log_softmax.exp() * log_softmax).sum(-1), rtol=1e-5, atol=1e-5)
     # the head is itself again after the block
     assert model(input_ids=ids).logits.shape[-1] == model.config.vocab_size
@@ -135,6 +137,5 @@ def test_fused_lm_head_refuses_a_head_with_a_bias():
     model = build_model("tiny", seed=0)[0]
     model.config.tie_word_embeddings = False
     model.lm_head = torch.nn.Linear(model.config.hidden_size, model.config.vocab_size, bias=True)
-    with pytest.raises(ValueError, match="has a bias"):
-        with fused_lm_head(model, torch.zeros(1, 1, dtype=torch.long), 1.0):
-            pass
+    with pytest.raises(ValueError, match="has a bias"), fused_lm_head(model, torch.zeros(1, 1, dtype=torch.long), 1.0):
+        pass

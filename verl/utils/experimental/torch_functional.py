@@ -168,7 +168,9 @@ def fused_head_problem(hf_model: torch.nn.Module) -> str | None:
     for name in _LOGIT_TRANSFORMS:
         value = getattr(config, name, None)
         if value not in (None, 0, 0.0, 1, 1.0):
-            return f"{type(hf_model).__name__} transforms its logits ({name}={value}), which the fused log-prob does not"
+            return (
+                f"{type(hf_model).__name__} transforms its logits ({name}={value}), which the fused log-prob does not"
+            )
     return None
 
 
