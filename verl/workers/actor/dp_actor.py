@@ -25,6 +25,14 @@ responses on its KV cache (see `verl.utils.shared_prompt`): GRPO repeats every p
 `use_remove_padding` it is taken in its packed layout (no padding either), where that layout is
 available (SDPA or eager attention, a bounded mask), and the remove-padding path runs otherwise.
 
+`use_fused_kernels` (the model's or the actor's key, as upstream) takes log-probs and entropy from
+the last hidden states and the LM head's weight, chunk by chunk, never holding the micro-batch's
+[tokens, vocab] logits (`verl.utils.experimental.torch_functional.fused_lm_head`, which runs inside
+the model's own call, where FSDP2 has gathered the head). It covers the padded and remove-padding
+forwards; the shared-prompt forward needs whole logits rows and is turned off (reported as its
+speed path's reason), Ulysses sequence parallelism and statistics other than the entropy are
+refused with the reason.
+
 Two guarded steps:
 * a non-finite gradient norm skips the optimizer step (gradients cleared), reported as
   `actor/skipped_nonfinite_grad` (1.0 per skipped step, 0.0 otherwise; its mean is the fraction);
