@@ -112,6 +112,8 @@ def test_bad_inputs_are_refused_with_the_reason():
         fused_linear_for_ppo(hidden, weight[:, :-1], labels)
     with pytest.raises(ValueError, match="impl_backend='triton' is not implemented"):
         check_fused_backend({"impl_backend": "triton"})
+    with pytest.raises(ValueError, match=r"unknown option\(s\) \['chunk_size'\]"):
+        check_fused_backend({"impl_backend": "torch", "chunk_size": 64})
     assert check_fused_backend({"impl_backend": "torch"}) == check_fused_backend(None) == "torch"
 
 

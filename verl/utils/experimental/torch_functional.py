@@ -44,7 +44,13 @@ DEFAULT_CHUNK_SIZE = 512
 
 
 def check_fused_backend(options: dict | None) -> str:
-    """The backend `fused_kernel_options` names (default `torch`), or a ValueError for one not implemented."""
+    """The backend `fused_kernel_options` names (default `torch`), or a ValueError for one not implemented
+    or for an option this implementation does not know (upstream's has `impl_backend` only)."""
+    unknown = sorted(set(options or {}) - {"impl_backend"})
+    if unknown:
+        raise ValueError(
+            f"model.fused_kernel_options has unknown option(s) {unknown}; the only option is impl_backend (torch)"
+        )
     backend = (options or {}).get("impl_backend", "torch") or "torch"
     if backend not in FUSED_BACKENDS:
         raise ValueError(
