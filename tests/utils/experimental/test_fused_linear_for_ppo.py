@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from verl.models.factory import build_model
+from tests.distributed_helpers import make_tiny_causal_lm
 from verl.utils.experimental.torch_functional import (
     FusedLinearForPPO,
     check_fused_backend,
@@ -118,8 +118,8 @@ def test_bad_inputs_are_refused_with_the_reason():
 
 
 def test_fused_lm_head_makes_a_tiny_hf_model_return_log_probs_and_entropy():
-    model = build_model("tiny", seed=3)[0].eval()
-    assert model.config.tie_word_embeddings  # the preset ties the head to the embedding
+    model = make_tiny_causal_lm(seed=3, dtype=torch.float32).eval()
+    assert model.config.tie_word_embeddings  # the head is the embedding
     ids = torch.randint(0, model.config.vocab_size, (2, 9), generator=torch.Generator().manual_seed(3))
     labels = torch.roll(ids, -1, dims=1)
     with torch.no_grad():
@@ -136,8 +136,7 @@ def test_fused_lm_head_makes_a_tiny_hf_model_return_log_probs_and_entropy():
 
 
 def test_fused_lm_head_refuses_a_head_with_a_bias():
-    model = build_model("tiny", seed=0)[0]
-    model.config.tie_word_embeddings = False
+    model = make_tiny_causal_lm(dtype=torch.float32, tie_word_embeddings=False)
     model.lm_head = torch.nn.Linear(model.config.hidden_size, model.config.vocab_size, bias=True)
     with pytest.raises(ValueError, match="has a bias"), fused_lm_head(model, torch.zeros(1, 1, dtype=torch.long), 1.0):
         pass
