@@ -45,6 +45,12 @@ def test_remove_padding_is_on_where_the_trainer_packs_and_says_which_one_does_no
 def test_fused_kernels_are_on_where_the_trainer_takes_them_and_say_why_not_elsewhere():
     [_, on] = _model_speed_paths(_Fuses(), remove_padding=False, fused=True)
     assert on == SpeedPath("fused_kernels", True, True)
+    partly = _Fuses()
+    partly.fused_kernels_note = (
+        "micro-batches that take the shared-prompt forward compute their response logits unfused"
+    )
+    [_, limited] = _model_speed_paths(partly, remove_padding=False, fused=True)
+    assert limited == SpeedPath("fused_kernels", True, True, partly.fused_kernels_note)
     [_, liger] = _model_speed_paths(_ActorWithoutFused(), remove_padding=False, fused=True)
     assert liger.requested and not liger.active and liger.reason.startswith("use_liger is not implemented"), liger
     [_, critic] = _model_speed_paths(_Packs(), remove_padding=False, fused=True)

@@ -184,7 +184,9 @@ def _model_speed_paths(trainer, remove_padding: bool, fused: bool) -> list[Speed
     `verl.utils.experimental.torch_functional`); `use_liger` alone is reported off."""
     packs = remove_padding and bool(getattr(trainer, "use_remove_padding", False))
     fuses = fused and bool(getattr(trainer, "use_fused_kernels", False))
-    if fuses or not fused:
+    if fuses:
+        fused_reason = getattr(trainer, "fused_kernels_note", "")
+    elif not fused:
         fused_reason = ""
     elif hasattr(trainer, "use_fused_kernels"):
         fused_reason = "use_liger is not implemented; set use_fused_kernels=true for the fused log-prob and entropy"

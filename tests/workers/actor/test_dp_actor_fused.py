@@ -11,6 +11,13 @@ import torch
 
 from tests.distributed_helpers import make_tiny_causal_lm, one_thread, reference_response_log_probs, run_distributed
 from tests.workers.actor.test_dp_actor import TEMPERATURE, actor_config, param_delta, training_batch
+from tests.workers.actor.test_shared_prompt_forward import actor_config as shared_actor_config
+from tests.workers.actor.test_shared_prompt_forward import (
+    float64_rms_norm,  # noqa: F401 (a fixture)
+    repeated_prompt_batch,
+    sgd_update_delta,
+    shared_calls,  # noqa: F401 (a fixture)
+)
 from verl.workers.actor import DataParallelPPOActor
 
 pytestmark = pytest.mark.usefixtures(one_thread.__name__)
@@ -62,11 +69,25 @@ def test_fused_ppo_update_equals_the_unfused_update_in_fp32(use_remove_padding, 
         assert fused_metrics[key] == pytest.approx(unfused_metrics[key], abs=1e-5), key
 
 
-def test_the_shared_prompt_forward_is_reported_off_with_the_reason_and_other_statistics_are_refused():
-    actor = DataParallelPPOActor(actor_config(use_fused_kernels=True, share_prompt_forward=True), make_tiny_causal_lm())
-    path = actor.shared_prompt_path
-    assert path.requested and not path.active and "use_fused_kernels=true" in path.reason, path
-    assert not actor.share_prompt_forward
+def test_micro_batches_that_share_prompts_take_that_path_and_give_the_fully_fused_update(
+    shared_calls,  # noqa: F811 (the imported fixture)
+    float64_rms_norm,  # noqa: F811
+):
+    """Both keys on: the shared-prompt forward runs where prompts repeat (GRPO), the fused head elsewhere;
+    the update equals the one with every micro-batch fused (float64: to rounding)."""
+    data = repeated_prompt_batch()
+    fused_everywhere = sgd_update_delta(shared_actor_config(use_fused_kernels=True, share_prompt_forward=False), data)
+    assert not shared_calls
+    both = sgd_update_delta(shared_actor_config(use_fused_kernels=True, share_prompt_forward=True), data)
+    assert shared_calls, "the repeated prompts should take the shared-prompt forward"
+    for name in both:
+        torch.testing.assert_close(both[name], fused_everywhere[name], atol=1e-10, rtol=1e-8, msg=name)
+    actor = DataParallelPPOActor(shared_actor_config(use_fused_kernels=True), make_tiny_causal_lm())
+    assert actor.shared_prompt_path.active and "shared-prompt forward compute" in actor.fused_kernels_note
+
+
+def test_statistics_other_than_the_entropy_are_refused_with_the_fix():
+    actor = DataParallelPPOActor(actor_config(use_fused_kernels=True), make_tiny_causal_lm())
     data = training_batch()
     data.meta_info.update(micro_batch_size=8)
     with pytest.raises(ValueError, match=r"log-probs and entropy only, not \['sum_pi_squared'\]"):

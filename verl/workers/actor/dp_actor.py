@@ -29,9 +29,10 @@ available (SDPA or eager attention, a bounded mask), and the remove-padding path
 the last hidden states and the LM head's weight, chunk by chunk, never holding the micro-batch's
 [tokens, vocab] logits (`verl.utils.experimental.torch_functional.fused_lm_head`, which runs inside
 the model's own call, where FSDP2 has gathered the head). It covers the padded and remove-padding
-forwards; the shared-prompt forward needs whole logits rows and is turned off (reported as its
-speed path's reason), Ulysses sequence parallelism and statistics other than the entropy are
-refused with the reason.
+forwards. With `share_prompt_forward` as well, a micro-batch that shares its prompts takes the
+shared-prompt forward (each prompt once, response logits only: no more memory than the padded
+path) and the others are fused; the `fused_kernels` speed path says so. Ulysses sequence
+parallelism and statistics other than the entropy are refused with the reason.
 
 Two guarded steps:
 * a non-finite gradient norm skips the optimizer step (gradients cleared), reported as
@@ -174,19 +175,19 @@ class DataParallelPPOActor(PPOActor):
                 problem = "the Ulysses sequence-parallel forward is not covered"
             if problem is not None:
                 raise ValueError(f"actor.use_fused_kernels=true cannot run: {problem}; set use_fused_kernels=false")
-            if self.shared_prompt_path.requested:
-                self.shared_prompt_path = speed_paths.SpeedPath(
-                    "shared_prompt_forward",
-                    True,
-                    False,
-                    "use_fused_kernels=true takes log-probs from the hidden states of the plain or remove-padding "
-                    "forward; the shared-prompt forward is not covered",
-                )
         speed_paths.report([self.shared_prompt_path])
         # on even when the path is off for updates only (gradient checkpointing): log-probs still share
         self.share_prompt_forward = self.shared_prompt_path.requested and forward.cache_argument is not None
         # the shared-prompt forward has no sequence-parallel form: sp > 1 runs every row in full
-        self.share_prompt_forward = self.share_prompt_forward and self.sp_size == 1 and not self.use_fused_kernels
+        self.share_prompt_forward = self.share_prompt_forward and self.sp_size == 1
+        # both on: a micro-batch that shares its prompts takes that path (it runs each prompt once and computes
+        # response logits only, no more than the padded path holds); every other micro-batch is fused
+        self.fused_kernels_note = (
+            "micro-batches that take the shared-prompt forward compute their response logits unfused "
+            "(share_prompt_forward=false fuses every one)"
+            if self.use_fused_kernels and self.share_prompt_forward
+            else ""
+        )
         self._dp_group, self._dp_size = dp_group_and_size(actor_module)
         # FSDP2 units gather and reduce per forward call: ranks must then agree on the calls they make
         self._calls_are_collective = isinstance(actor_module, FSDPModule) and self._dp_size > 1
@@ -280,12 +281,6 @@ class DataParallelPPOActor(PPOActor):
     def _fused_outputs(self, micro_batch, temperature: float, stats: tuple[str, ...], start: int, end: int, kept: int):
         """`_forward_with_stats` with `use_fused_kernels`: the LM head returns (log-prob, entropy) per position
         (`fused_lm_head`), computed chunk by chunk from the hidden states; the logits never exist whole."""
-        unsupported = [name for name in stats if name != "entropy"]
-        if unsupported:
-            raise ValueError(
-                f"use_fused_kernels=true computes log-probs and entropy only, not {unsupported}; "
-                "set actor_rollout_ref.model.use_fused_kernels=false to compute them"
-            )
         # the entropy is trained only where the loss uses it; otherwise its backward is skipped
         entropy_grad = "entropy" in stats and torch.is_grad_enabled()
         input_ids = micro_batch["input_ids"]
@@ -436,6 +431,12 @@ class DataParallelPPOActor(PPOActor):
         unknown = [name for name in stats if name not in TOKEN_STATS]
         if unknown:
             raise ValueError(f"unknown per-token statistics {unknown}; available: {sorted(TOKEN_STATS)}")
+        unfusable = [name for name in stats if name != "entropy"]
+        if self.use_fused_kernels and unfusable:
+            raise ValueError(
+                f"use_fused_kernels=true computes log-probs and entropy only, not {unfusable}; "
+                "set actor_rollout_ref.model.use_fused_kernels=false to compute them"
+            )
         self.actor_module.eval()
         meta = data.meta_info
         temperature = require_temperature(meta)

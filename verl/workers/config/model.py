@@ -169,7 +169,8 @@ class HFModelConfig(BaseConfig):
         "Fused log-prob/entropy: the actor and reference take log-probs and entropy from the last hidden "
         "states and the LM head's weight chunk by chunk, never holding the [tokens, vocab] logits "
         "(verl.utils.experimental.torch_functional). Covers the padded and remove-padding forwards of the "
-        "FSDP actor; turns the shared-prompt forward off (reported); refused with Ulysses sequence parallelism.",
+        "FSDP actor (micro-batches that take the shared-prompt forward compute their response logits unfused); "
+        "refused with Ulysses sequence parallelism.",
         default=False,
     )
     fused_kernel_options: dict = doc(
