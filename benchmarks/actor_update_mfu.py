@@ -19,6 +19,7 @@ machine's matmul reaches".
 
     python benchmarks/actor_update_mfu.py                                   # GPU default
     python benchmarks/actor_update_mfu.py --preset tiny --seq-len 256       # CPU, seconds
+    python benchmarks/actor_update_mfu.py --fused                           # use_fused_kernels=true
 
 Last line: `bench actor_update_mfu: mfu_pct=... tflops=... tok_s=... seconds=... peak_tflops=... device=...`.
 """
@@ -110,6 +111,9 @@ def main():
     parser.add_argument("--micro-batch", type=int, default=None, help="fixed rows per forward/backward instead")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--gradient-checkpointing", action="store_true")
+    parser.add_argument(
+        "--fused", action="store_true", help="use_fused_kernels=true: log-probs from the hidden states, no whole logits"
+    )
     parser.add_argument("--profile", action="store_true", help="print the top kernels of one update (torch.profiler)")
     parser.add_argument("--peak-tflops", type=float, default=None, help="default: the device's dense bf16 peak")
     args = parser.parse_args()
@@ -153,6 +157,7 @@ def main():
             "policy_loss": {"loss_mode": "vanilla"},
             "share_prompt_forward": False,
             "skip_zero_advantage_step": False,
+            "use_fused_kernels": args.fused,
         }
         actor = DataParallelPPOActor(actor_config, model, optimizer)
         batch = make_batch(config.vocab_size, args.num_sequences, prompt_len, response_len)
@@ -189,13 +194,14 @@ def main():
         )
         print(
             f"{name}: {args.preset}, {args.num_sequences} x {args.seq_len} tokens, {split}, "
+            f"{'fused' if args.fused else 'unfused'} log-probs, "
             f"{seconds * 1e3:.0f} ms per update, {flops / 1e12:.2f} TFLOP{memory}"
         )
         print(f"achieved {achieved / 1e12:.1f} TFLOP/s of {peak / 1e12:.1f} ({peak_source})")
         print(
             bench_headline(
                 "actor_update_mfu",
-                f"mfu_pct={100 * achieved / peak:.1f} tflops={achieved / 1e12:.2f} "
+                f"mfu_pct={100 * achieved / peak:.1f} tflops={achieved / 1e12:.2f} fused={int(args.fused)} "
                 f"tok_s={tokens / seconds:.0f} seconds={seconds:.3f} peak_tflops={peak / 1e12:.1f} device={name.replace(' ', '_')}",
             )
         )

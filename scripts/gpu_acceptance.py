@@ -9,6 +9,7 @@
   grpo             `python -m verl.trainer.main_ppo` GRPO on the bundled model, one GPU, fixed steps
   rollout_roofline benchmarks/rollout_gpu_roofline.py (0.5B shape, batch 256, 128 + 256 tokens)
   actor_mfu        benchmarks/actor_update_mfu.py (0.5B shape, 4 x 4096 tokens, bf16)
+  actor_mfu_fused  the same with --fused (use_fused_kernels=true)
   weight_sync      benchmarks/weight_sync.py (0.5B shape, FSDP -> engine)
   gpu_tests        `pytest -m gpu` over the test files that hold GPU tests (per-test timeout); last,
                    as the longest step
@@ -343,6 +344,13 @@ STEPS = {
         "actor_update_mfu.py",
         [],
         ["--preset", "tiny", "--seq-len", "64", "--repeats", "1"],
+        ("mfu_pct", ">=", 45.0),
+    ),
+    # the same update with use_fused_kernels=true (log-probs from the hidden states, no whole logits)
+    "actor_mfu_fused": bench_step(
+        "actor_update_mfu.py",
+        ["--fused"],
+        ["--preset", "tiny", "--seq-len", "64", "--repeats", "1", "--fused"],
         ("mfu_pct", ">=", 45.0),
     ),
     "weight_sync": bench_step("weight_sync.py", [], ["--preset", "tiny", "--repeats", "2"], ("seconds", "<=", 0.5)),

@@ -99,6 +99,7 @@ def test_cpu_dry_run_runs_every_step_and_writes_the_report(tmp_path):
     assert steps["grpo"]["figures"]["steps"] == 2
     assert steps["rollout_roofline"]["figures"]["ours_tok_s"] > 0
     assert steps["actor_mfu"]["figures"]["mfu_pct"] > 0
+    assert steps["actor_mfu_fused"]["figures"]["mfu_pct"] > 0 and steps["actor_mfu_fused"]["figures"]["fused"] == 1
     assert steps["weight_sync"]["figures"]["seconds"] > 0
     assert {p.name for p in out.iterdir()} == {
         "results.json",

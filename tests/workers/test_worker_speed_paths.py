@@ -1,5 +1,5 @@
 """The speed paths a training or scoring worker reports for its model: remove padding where its
-trainer packs rows, fused kernels never (not implemented), each with the reason it is off."""
+trainer packs rows, fused kernels where its trainer takes them, each with the reason it is off."""
 
 from __future__ import annotations
 
@@ -7,11 +7,21 @@ import pytest
 
 from verl.utils.speed_paths import SpeedPath
 from verl.workers.config import FSDPActorConfig, HFModelConfig
-from verl.workers.engine_workers import _model_speed_paths, _policy_asks_for_fused_kernels
+from verl.workers.engine_workers import _model_speed_paths, _policy_asks_for_fused_kernels, policy_uses_fused_kernels
 
 
 class _Packs:
     use_remove_padding = True
+
+
+class _Fuses:
+    use_remove_padding = False
+    use_fused_kernels = True
+
+
+class _ActorWithoutFused:  # an actor built with use_fused_kernels=false (the config asked for use_liger only)
+    use_remove_padding = False
+    use_fused_kernels = False
 
 
 class _RunsPaddedRows:
@@ -32,9 +42,28 @@ def test_remove_padding_is_on_where_the_trainer_packs_and_says_which_one_does_no
     assert off == SpeedPath("remove_padding", True, False, "_RunsPaddedRows does not implement it: it runs padded rows")
 
 
-def test_fused_kernels_are_asked_for_but_never_on():
-    [_, fused] = _model_speed_paths(_Packs(), remove_padding=False, fused=True)
-    assert fused.requested and not fused.active and fused.reason.startswith("not implemented"), fused
+def test_fused_kernels_are_on_where_the_trainer_takes_them_and_say_why_not_elsewhere():
+    [_, on] = _model_speed_paths(_Fuses(), remove_padding=False, fused=True)
+    assert on == SpeedPath("fused_kernels", True, True)
+    partly = _Fuses()
+    partly.fused_kernels_note = (
+        "micro-batches that take the shared-prompt forward compute their response logits unfused"
+    )
+    [_, limited] = _model_speed_paths(partly, remove_padding=False, fused=True)
+    assert limited == SpeedPath("fused_kernels", True, True, partly.fused_kernels_note)
+    [_, liger] = _model_speed_paths(_ActorWithoutFused(), remove_padding=False, fused=True)
+    assert liger.requested and not liger.active and liger.reason.startswith("use_liger is not implemented"), liger
+    [_, critic] = _model_speed_paths(_Packs(), remove_padding=False, fused=True)
+    assert not critic.active and critic.reason == "_Packs does not implement it: it computes full logits", critic
+
+
+def test_the_policy_uses_fused_kernels_from_the_model_or_actor_section_and_refuses_triton():
+    assert policy_uses_fused_kernels(HFModelConfig(use_fused_kernels=True), FSDPActorConfig())
+    assert policy_uses_fused_kernels(HFModelConfig(), FSDPActorConfig(use_fused_kernels=True))
+    assert not policy_uses_fused_kernels(HFModelConfig(use_liger=True), FSDPActorConfig())
+    triton = HFModelConfig(use_fused_kernels=True, fused_kernel_options={"impl_backend": "triton"})
+    with pytest.raises(ValueError, match="impl_backend='triton' is not implemented"):
+        policy_uses_fused_kernels(triton, FSDPActorConfig())
 
 
 @pytest.mark.parametrize(

@@ -8,7 +8,7 @@ slower). Each path therefore reports a `SpeedPath`, decided by the code that tak
     name                   decided by                               asked for by
     shared_prompt_forward  the actor (verl.utils.shared_prompt)     actor.share_prompt_forward
     remove_padding         the actor and critic workers             model.use_remove_padding
-    fused_kernels          the actor and critic workers             actor.use_fused_kernels, model.use_fused_kernels
+    fused_kernels          the FSDP actor (verl.utils.experimental) actor.use_fused_kernels, model.use_fused_kernels
     cuda_graphs            the built-in rollout engine              a CUDA device (engine_kwargs.hf.enforce_eager)
     shm_transport          the driver's worker groups               VERL_SHM_TRANSPORT (on unless set to 0)
 

@@ -179,8 +179,19 @@ def _model_speed_paths(trainer, remove_padding: bool, fused: bool) -> list[Speed
     """Remove padding and fused kernels of an actor, reference, critic or reward model (`trainer`), as its
     sections ask for them (see `verl.utils.speed_paths`): `remove_padding` the model's
     `use_remove_padding`, `fused` its `use_fused_kernels` or `use_liger` (or the actor's
-    `use_fused_kernels`, which upstream's YAML takes from the model's)."""
+    `use_fused_kernels`, which upstream's YAML takes from the model's). Fused kernels are on where the
+    trainer takes them (its `use_fused_kernels`: the FSDP actor and reference, see
+    `verl.utils.experimental.torch_functional`); `use_liger` alone is reported off."""
     packs = remove_padding and bool(getattr(trainer, "use_remove_padding", False))
+    fuses = fused and bool(getattr(trainer, "use_fused_kernels", False))
+    if fuses:
+        fused_reason = getattr(trainer, "fused_kernels_note", "")
+    elif not fused:
+        fused_reason = ""
+    elif hasattr(trainer, "use_fused_kernels"):
+        fused_reason = "use_liger is not implemented; set use_fused_kernels=true for the fused log-prob and entropy"
+    else:
+        fused_reason = f"{type(trainer).__name__} does not implement it: it computes full logits"
     return [
         SpeedPath(
             "remove_padding",
@@ -190,15 +201,7 @@ def _model_speed_paths(trainer, remove_padding: bool, fused: bool) -> list[Speed
             if packs or not remove_padding
             else f"{type(trainer).__name__} does not implement it: it runs padded rows",
         ),
-        SpeedPath(
-            "fused_kernels",
-            fused,
-            False,
-            "not implemented (use_fused_kernels and use_liger are accepted for upstream configs): log-probs and "
-            "entropies run as chunked torch kernels, which bound memory the way the fused ones do"
-            if fused
-            else "",
-        ),
+        SpeedPath("fused_kernels", fused, fuses, fused_reason),
     ]
 
 
@@ -206,6 +209,17 @@ def _policy_asks_for_fused_kernels(model: HFModelConfig, actor: ActorConfig) -> 
     """Whether the policy's sections ask for fused kernels: the model's `use_fused_kernels` or `use_liger`,
     or the actor's `use_fused_kernels` alone (upstream's YAML copies the model's there; a user may set only it)."""
     return model.use_fused_kernels or model.use_liger or actor.use_fused_kernels
+
+
+def policy_uses_fused_kernels(model: HFModelConfig, actor: ActorConfig) -> bool:
+    """Whether the actor and reference take the fused log-prob path (`verl.utils.experimental.torch_functional`):
+    the model's or the actor's `use_fused_kernels`, with a backend this project implements (else a ValueError)."""
+    from verl.utils.experimental.torch_functional import check_fused_backend
+
+    fused = bool(model.use_fused_kernels or actor.use_fused_kernels)
+    if fused:
+        check_fused_backend(model.fused_kernel_options)
+    return fused
 
 
 def rollout_dtype(rollout_cfg) -> torch.dtype:
@@ -714,7 +728,8 @@ class RewardModelWorker(Worker, DistProfilerExtension):
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def speed_paths(self) -> list[dict]:
         """This rank's speed paths (`verl.utils.speed_paths`) as dicts: the reward model runs padded
-        rows, unfused (its `use_remove_padding` and `use_fused_kernels` are accepted for upstream configs)."""
+        rows, unfused (its `use_remove_padding` and `use_fused_kernels` are accepted for upstream configs, and
+        reported off)."""
         model = self.config.model
         return [path.to_dict() for path in _model_speed_paths(self, model.use_remove_padding, model.use_fused_kernels)]
 

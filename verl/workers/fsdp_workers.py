@@ -40,7 +40,13 @@ class ActorRolloutRefWorker(engine_workers.ActorRolloutRefWorker):
         from verl.workers.actor.dp_actor import DataParallelPPOActor
 
         optimizer = engine.optimizer if trains else None
-        return DataParallelPPOActor(self.actor_config, engine.module, optimizer, ulysses_group=self.ulysses.group)
+        return DataParallelPPOActor(
+            self.actor_config,
+            engine.module,
+            optimizer,
+            ulysses_group=self.ulysses.group,
+            use_fused_kernels=engine_workers.policy_uses_fused_kernels(self.model_config, self.actor_config),
+        )
 
 
 class CriticWorker(engine_workers.CriticWorker):

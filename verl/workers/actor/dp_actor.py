@@ -25,6 +25,15 @@ responses on its KV cache (see `verl.utils.shared_prompt`): GRPO repeats every p
 `use_remove_padding` it is taken in its packed layout (no padding either), where that layout is
 available (SDPA or eager attention, a bounded mask), and the remove-padding path runs otherwise.
 
+`use_fused_kernels` (the model's or the actor's key, as upstream) takes log-probs and entropy from
+the last hidden states and the LM head's weight, chunk by chunk, never holding the micro-batch's
+[tokens, vocab] logits (`verl.utils.experimental.torch_functional.fused_lm_head`, which runs inside
+the model's own call, where FSDP2 has gathered the head). It covers the padded and remove-padding
+forwards. With `share_prompt_forward` as well, a micro-batch that shares its prompts takes the
+shared-prompt forward (each prompt once, response logits only: no more memory than the padded
+path) and the others are fused; the `fused_kernels` speed path says so. Ulysses sequence
+parallelism and statistics other than the entropy are refused with the reason.
+
 Two guarded steps:
 * a non-finite gradient norm skips the optimizer step (gradients cleared), reported as
   `actor/skipped_nonfinite_grad` (1.0 per skipped step, 0.0 otherwise; its mean is the fraction);
@@ -86,6 +95,7 @@ from torch.distributed.fsdp import FSDPModule
 from verl.models.moe import RouterAuxLoss
 from verl.utils import shared_prompt, speed_paths, ulysses
 from verl.utils.device import get_device
+from verl.utils.experimental.torch_functional import fused_head_problem, fused_lm_head
 from verl.utils.flops_counter import FlopsCounter, FlopsTally
 from verl.utils.hf_forward import model_forward
 from verl.utils.logging_utils import get_logger
@@ -130,9 +140,12 @@ class DataParallelPPOActor(PPOActor):
         actor_module: torch.nn.Module,
         actor_optimizer: torch.optim.Optimizer | None = None,
         ulysses_group=None,
+        use_fused_kernels: bool | None = None,
     ):
         """`ulysses_group`: the process group of this rank's sequence-parallel peers, needed when
-        `ulysses_sequence_parallel_size` > 1 (see `verl.utils.ulysses`)."""
+        `ulysses_sequence_parallel_size` > 1 (see `verl.utils.ulysses`). `use_fused_kernels`: take
+        log-probs and entropy from the hidden states (None: the config's `use_fused_kernels`; the
+        worker passes the model section's too)."""
         super().__init__(config, actor_optimizer)
         self.actor_module = actor_module
         cfg = self._cfg
@@ -151,11 +164,30 @@ class DataParallelPPOActor(PPOActor):
         self.shared_prompt_path = shared_prompt.speed_path(
             cfg.share_prompt_forward, hf_module, self.use_remove_padding, self._attn_implementation
         )
+        # use_fused_kernels: log-probs and entropy from the last hidden states and the head's weight
+        # (verl.utils.experimental.torch_functional), on the padded and remove-padding forwards
+        if use_fused_kernels is None:
+            use_fused_kernels = bool(getattr(cfg, "use_fused_kernels", False))
+        self.use_fused_kernels = use_fused_kernels
+        if self.use_fused_kernels:
+            problem = fused_head_problem(hf_module)
+            if problem is None and self.sp_size > 1:
+                problem = "the Ulysses sequence-parallel forward is not covered"
+            if problem is not None:
+                raise ValueError(f"actor.use_fused_kernels=true cannot run: {problem}; set use_fused_kernels=false")
         speed_paths.report([self.shared_prompt_path])
         # on even when the path is off for updates only (gradient checkpointing): log-probs still share
         self.share_prompt_forward = self.shared_prompt_path.requested and forward.cache_argument is not None
         # the shared-prompt forward has no sequence-parallel form: sp > 1 runs every row in full
         self.share_prompt_forward = self.share_prompt_forward and self.sp_size == 1
+        # both on: a micro-batch that shares its prompts takes that path (it runs each prompt once and computes
+        # response logits only, no more than the padded path holds); every other micro-batch is fused
+        self.fused_kernels_note = (
+            "micro-batches that take the shared-prompt forward compute their response logits unfused "
+            "(share_prompt_forward=false fuses every one)"
+            if self.use_fused_kernels and self.share_prompt_forward
+            else ""
+        )
         self._dp_group, self._dp_size = dp_group_and_size(actor_module)
         # FSDP2 units gather and reduce per forward call: ranks must then agree on the calls they make
         self._calls_are_collective = isinstance(actor_module, FSDPModule) and self._dp_size > 1
@@ -213,6 +245,8 @@ class DataParallelPPOActor(PPOActor):
             return self._response_outputs(
                 [first_logits[:, None, :], rest_logits], micro_batch["responses"], temperature, stats
             )
+        if self.use_fused_kernels:
+            return self._fused_outputs(micro_batch, temperature, stats, start, end, kept)
         if self.use_remove_padding:
             packed_ids, indices = unpad_input(input_ids, micro_batch["attention_mask"])
             packed_pos = unpad_position_ids(micro_batch["position_ids"], indices)
@@ -243,6 +277,44 @@ class DataParallelPPOActor(PPOActor):
         return self._response_outputs(
             [output.logits[:, -kept - 1 : -1, :]], micro_batch["responses"], temperature, stats
         )
+
+    def _fused_outputs(self, micro_batch, temperature: float, stats: tuple[str, ...], start: int, end: int, kept: int):
+        """`_forward_with_stats` with `use_fused_kernels`: the LM head returns (log-prob, entropy) per position
+        (`fused_lm_head`), computed chunk by chunk from the hidden states; the logits never exist whole."""
+        # the entropy is trained only where the loss uses it; otherwise its backward is skipped
+        entropy_grad = "entropy" in stats and torch.is_grad_enabled()
+        input_ids = micro_batch["input_ids"]
+        batch_size, seqlen = input_ids.shape
+        responses = micro_batch["responses"]
+        response_length = responses.shape[-1]
+        if self.use_remove_padding:
+            packed_ids, indices = unpad_input(input_ids, micro_batch["attention_mask"])
+            packed_pos = unpad_position_ids(micro_batch["position_ids"], indices)
+            # as in the unfused path: a sequence's last label is wrong, and never a response token's
+            labels = torch.roll(packed_ids, shifts=-1, dims=1)
+            with fused_lm_head(self._hf_module, labels, temperature, entropy_grad):
+                out = self.actor_module(input_ids=packed_ids, position_ids=packed_pos, use_cache=False).logits[0]
+            values = pad_input(out, indices, batch_size, seqlen)[:, -response_length - 1 : -1]
+            log_probs, entropy = values[..., 0], values[..., 1]
+        else:
+            width = end - start
+            labels = input_ids.new_zeros((batch_size, width))
+            labels[:, width - kept - 1 : width - 1] = responses[:, :kept]
+            keep = {}
+            if self._accepts_logits_to_keep:
+                keep = {"logits_to_keep": kept + 1}
+                labels = labels[:, -kept - 1 :]
+            with fused_lm_head(self._hf_module, labels, temperature, entropy_grad):
+                out = self.actor_module(
+                    input_ids=input_ids[:, start:end],
+                    attention_mask=micro_batch["attention_mask"][:, start:end],
+                    position_ids=micro_batch["position_ids"][:, start:end],
+                    use_cache=False,
+                    **keep,
+                ).logits[:, -kept - 1 : -1]
+            log_probs = pad_response_columns(out[..., 0], response_length)
+            entropy = pad_response_columns(out[..., 1], response_length)
+        return ({"entropy": entropy} if "entropy" in stats else {}), log_probs
 
     def _sp_packed_outputs(self, packed_ids, packed_pos, indices, micro_batch, temperature, stats):
         """`_forward_with_stats`'s remove-padding branch with the packed tokens split across the
@@ -359,6 +431,12 @@ class DataParallelPPOActor(PPOActor):
         unknown = [name for name in stats if name not in TOKEN_STATS]
         if unknown:
             raise ValueError(f"unknown per-token statistics {unknown}; available: {sorted(TOKEN_STATS)}")
+        unfusable = [name for name in stats if name != "entropy"]
+        if self.use_fused_kernels and unfusable:
+            raise ValueError(
+                f"use_fused_kernels=true computes log-probs and entropy only, not {unfusable}; "
+                "set actor_rollout_ref.model.use_fused_kernels=false to compute them"
+            )
         self.actor_module.eval()
         meta = data.meta_info
         temperature = require_temperature(meta)

@@ -184,7 +184,8 @@ class ActorConfig(BaseConfig):
     checkpoint: CheckpointConfig = doc("Checkpoint contents.", default_factory=CheckpointConfig)
     optim: OptimizerConfig = doc("Optimizer and schedule.", default_factory=OptimizerConfig)
     use_fused_kernels: bool = doc(
-        f"Fused log-prob/entropy kernels (follows the model's). {_SPEED}.", status=IGNORED, default=False
+        "Fused log-prob/entropy (follows the model's; either turns it on): see model.use_fused_kernels.",
+        default=False,
     )
     profiler: ProfilerConfig = doc("Profiling of the updates.", default_factory=ProfilerConfig)
     router_replay: RouterReplayConfig = doc("Mixture-of-experts routing replay.", default_factory=RouterReplayConfig)

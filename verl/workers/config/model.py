@@ -165,10 +165,17 @@ class HFModelConfig(BaseConfig):
         default=None,
     )
     use_liger: bool = doc("Use Liger kernels (GPU only; a speed knob).", status=IGNORED, default=False)
-    use_fused_kernels: bool = doc("Fused log-prob/entropy kernels (a speed knob).", status=IGNORED, default=False)
+    use_fused_kernels: bool = doc(
+        "Fused log-prob/entropy: the actor and reference take log-probs and entropy from the last hidden "
+        "states and the LM head's weight chunk by chunk, never holding the [tokens, vocab] logits "
+        "(verl.utils.experimental.torch_functional). Covers the padded and remove-padding forwards of the "
+        "FSDP actor (micro-batches that take the shared-prompt forward compute their response logits unfused); "
+        "refused with Ulysses sequence parallelism.",
+        default=False,
+    )
     fused_kernel_options: dict = doc(
-        "Options of the fused kernels, e.g. {impl_backend: torch}.",
-        status=IGNORED,
+        "Options of the fused kernels: impl_backend `torch` (implemented) or `triton` (refused when "
+        "use_fused_kernels=true: not implemented here).",
         default_factory=lambda: {"impl_backend": "torch"},
     )
     tiled_mlp: TiledMLPConfig = doc("Tiled MLP.", default_factory=TiledMLPConfig)

@@ -1,0 +1,1 @@
+"""Kernels kept at upstream's import path `verl.utils.experimental` (the fused log-prob and entropy)."""
