@@ -49,9 +49,9 @@ def add_mtp_layer(path, config, seed: int = 0) -> None:
     config_file.write_text(json.dumps({**saved, "num_nextn_predict_layers": 1}, indent=2))
 
 
-def _write_mtp_model(path, seed: int = 0):
+def _write_mtp_model(path, seed: int = 0, tied: bool = False):
     """A tiny Qwen2 checkpoint with one MiMo-layout MTP layer at `path`; returns the HF model."""
-    model = tiny_hf_model("qwen2", tie_word_embeddings=False, seed=seed)
+    model = tiny_hf_model("qwen2", tie_word_embeddings=tied, seed=seed)
     model.save_pretrained(path)
     add_mtp_layer(path, model.config, seed)
     model.config.num_nextn_predict_layers = 1
@@ -352,15 +352,15 @@ def test_data_parallel_ranks_weigh_the_mtp_loss_as_micro_batches_do(tmp_path):
         torch.testing.assert_close(two["gradients"][name], gradient, atol=1e-5 * scale, rtol=0, msg=name)
 
 
-def _parallel_update(rank, world_size, path, detach, pp, cp):
+def _parallel_update(rank, world_size, path, detach, pp, cp, tied=False):
     """One update at pipeline size `pp` and context size `cp`: the metrics, and every gradient under
     its pp=1 name (decoder layers renumbered globally; each stage's copy of the embedding kept apart)."""
     from megatron.core import parallel_state as mpu
 
     if rank == 0:
-        _write_mtp_model(path)
+        _write_mtp_model(path, tied=tied)
     torch.distributed.barrier()
-    hf_model = tiny_hf_model("qwen2", tie_word_embeddings=False)
+    hf_model = tiny_hf_model("qwen2", tie_word_embeddings=tied)
     hf_model.config.num_nextn_predict_layers = 1
     actor = _actor(path, hf_model, detach=detach, pp=pp, cp=cp, micro=ROWS // 2)
     metrics, gradients = _update(actor, _batch())
@@ -381,9 +381,9 @@ def _parallel_update(rank, world_size, path, detach, pp, cp):
         )
 
 
-def _run_layout(tmp_path, name, detach, pp=1, cp=1):
+def _run_layout(tmp_path, name, detach, pp=1, cp=1, tied=False):
     (tmp_path / name).mkdir()
-    run_distributed(_parallel_update, pp * cp, tmp_path / name, detach, pp, cp)
+    run_distributed(_parallel_update, pp * cp, tmp_path / name, detach, pp, cp, tied)
     return [torch.load(tmp_path / name / f"stage{s}.pt") for s in range(pp)]
 
 
@@ -402,11 +402,12 @@ def _assert_same_update(one, first, last):
 
 
 # pp=2: the decoder's two layers on two stages, the MTP layer and a copy of the embedding on the last
-# (megatron's placement); the copies' gradients are summed over the embedding group
-@pytest.mark.parametrize("detach", [False, True])
-def test_pipeline_parallel_mtp_update_equals_pp1(tmp_path, detach):
-    (one,) = _run_layout(tmp_path, "pp1", detach)
-    first, last = _run_layout(tmp_path, "pp2", detach, pp=2)
+# (megatron's placement); the copies' gradients are summed over the embedding group. With tied
+# embeddings the last stage's copy is also its LM head.
+@pytest.mark.parametrize("detach,tied", [(False, False), (True, False), (False, True)])
+def test_pipeline_parallel_mtp_update_equals_pp1(tmp_path, detach, tied):
+    (one,) = _run_layout(tmp_path, "pp1", detach, tied=tied)
+    first, last = _run_layout(tmp_path, "pp2", detach, pp=2, tied=tied)
     _assert_same_update(one, first, last)
     # both stages start from the same embedding, and get the same (summed) gradient for it
     torch.testing.assert_close(last["embedding"], first["embedding"], atol=0, rtol=0)
@@ -433,16 +434,16 @@ def test_pipeline_and_context_parallel_mtp_update_equals_one_rank(tmp_path):
     _assert_same_update(one, first, last)
 
 
-def _pipeline_dist_checkpoint_round_trip(rank, world_size, path):
+def _pipeline_dist_checkpoint_round_trip(rank, world_size, path, tied):
     from megatron.core import dist_checkpointing
 
     from verl.models.mcore import build_model_chunks, hf_to_mcore_config
     from verl.utils.checkpoint.megatron_checkpoint_manager import _model_sharded_state, load_dist_checkpoint_weights
 
     if rank == 0:
-        _write_mtp_model(path / "hf")
+        _write_mtp_model(path / "hf", tied=tied)
     torch.distributed.barrier()
-    hf_model = tiny_hf_model("qwen2", tie_word_embeddings=False)
+    hf_model = tiny_hf_model("qwen2", tie_word_embeddings=tied)
     hf_model.config.num_nextn_predict_layers = 1
     trained = _actor(path / "hf", hf_model, pp=world_size).model_chunks
     if rank == 0:
@@ -464,5 +465,6 @@ def _pipeline_dist_checkpoint_round_trip(rank, world_size, path):
         assert torch.equal(param, want[name]), name
 
 
-def test_the_mtp_layers_and_the_last_stage_s_embedding_round_trip_a_dist_checkpoint_at_pp2(tmp_path):
-    run_distributed(_pipeline_dist_checkpoint_round_trip, 2, tmp_path)
+@pytest.mark.parametrize("tied", [False, True])
+def test_the_mtp_layers_and_the_last_stage_s_embedding_round_trip_a_dist_checkpoint_at_pp2(tmp_path, tied):
+    run_distributed(_pipeline_dist_checkpoint_round_trip, 2, tmp_path, tied)

@@ -374,6 +374,11 @@ def build_gpt_model(
     )
     if mtp_block is not None:
         install_postprocess(model, num_mtp_layers)
+        if model.share_embeddings_and_output_weights and not pre_process:
+            # the MTP stage's LM head is its embedding copy (GPTModel.shared_embedding_or_output_weight);
+            # megatron-core 0.16.1 still allocates an output weight there, which nothing reads and its
+            # checkpointing refuses: drop it, as megatron does on a stage that has the embedding itself
+            model.output_layer.register_parameter("weight", None)
     if value_head and post_process:
         model.output_layer = _ValueHead(tf_config.hidden_size, tf_config.params_dtype, tf_config.sequence_parallel)
     if tf_config.moe_router_score_function == "sigmoid":

@@ -176,7 +176,7 @@ def hf_to_mcore_state_dict(
                     out[f"output_layer.{suffix}"] = hf_state_dict[f"score.{suffix}"].clone()
         elif not hf_config.tie_word_embeddings:
             out["output_layer.weight"] = shard(_vocab_rows(hf("lm_head.weight"), tp_size))
-        elif not pre_process:  # the last stage's own copy of the tied embedding
+        elif not pre_process and not mtp_stage:  # the last stage's own copy of the tied embedding
             out["output_layer.weight"] = shard(_vocab_rows(hf("model.embed_tokens.weight"), tp_size))
     return out
 
