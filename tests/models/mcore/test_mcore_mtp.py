@@ -465,6 +465,7 @@ def _pipeline_dist_checkpoint_round_trip(rank, world_size, path, tied):
         assert torch.equal(param, want[name]), name
 
 
+@pytest.mark.slow  # ~9 s: two ranks save and load a dist checkpoint
 @pytest.mark.parametrize("tied", [False, True])
 def test_the_mtp_layers_and_the_last_stage_s_embedding_round_trip_a_dist_checkpoint_at_pp2(tmp_path, tied):
     run_distributed(_pipeline_dist_checkpoint_round_trip, 2, tmp_path, tied)
