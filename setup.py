@@ -50,6 +50,7 @@ extras_require = {
         "megatron-core>=0.16.1,<0.17",  # the megatron backend's CPU tests (0.16 is the newest for Python 3.11)
         "mlflow>=2.10",  # the tracker's tests
         "swanlab>=0.10.3,<0.11",  # the tracker's swanlab test (offline mode, read back from its run file)
+        "prometheus_client>=0.17",  # the rollout's metrics endpoint test
     ],
     "vllm": ["vllm>=0.10.2,<0.34"],  # docker/Dockerfile.cuda installs 0.33
     "sglang": ["sglang>=0.4"],
@@ -58,6 +59,7 @@ extras_require = {
     "gpu": ["flash-attn>=2.5", "liger-kernel>=0.5"],
     "mlflow": ["mlflow>=2.10"],  # trainer.logger=[...,mlflow]; imported only then
     "swanlab": ["swanlab>=0.10.3,<0.11"],  # trainer.logger=[...,swanlab]; imported only then
+    "prometheus": ["prometheus_client>=0.17"],  # rollout.prometheus.enable; imported only then
     "trackers": ["mlflow>=2.10", "swanlab>=0.10.3,<0.11", "tensorboard>=2.15", "wandb>=0.17"],
 }
 

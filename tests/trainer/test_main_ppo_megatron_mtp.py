@@ -1,6 +1,6 @@
 """`main_ppo` with multi-token prediction on the megatron actor, end to end on CPU: the bundled model
 with one MTP layer added (MiMo's layout), trained with upstream's mimo-example keys for two GRPO steps
-at tp=2 and checkpointed: the built-in rollout engine loads the checkpoint without its MTP layer, the
+at tp=2, at pp=2 and at cp=2, and checkpointed: the built-in rollout engine loads the checkpoint without its MTP layer, the
 MTP loss is logged under upstream's name (finite, positive) and the actor's checkpoint is written
 (that megatron checkpoints hold the MTP layers is checked in tests/models/mcore/test_mcore_mtp.py)."""
 
@@ -17,7 +17,12 @@ from tests.trainer.main_ppo_runs import common_overrides, main_ppo_cmd, model_pa
 pytestmark = pytest.mark.slow  # the slow tier (make test-all, CI): see docs/testing.md
 
 
-def test_grpo_trains_the_mtp_layer_beside_the_policy(tmp_path, shared_ray_cluster):
+@pytest.mark.parametrize(
+    "layout",
+    ["tensor_model_parallel_size=2", "pipeline_model_parallel_size=2", "context_parallel_size=2"],
+    ids=["tp2", "pp2", "cp2"],
+)
+def test_grpo_trains_the_mtp_layer_beside_the_policy(tmp_path, shared_ray_cluster, layout):
     from transformers import AutoConfig
 
     model = tmp_path / "mtp-model"
@@ -26,7 +31,7 @@ def test_grpo_trains_the_mtp_layer_beside_the_policy(tmp_path, shared_ray_cluste
     run_main_ppo(
         main_ppo_cmd(
             "arith_demo_megatron",
-            "actor_rollout_ref.actor.megatron.tensor_model_parallel_size=2",
+            f"actor_rollout_ref.actor.megatron.{layout}",
             "actor_rollout_ref.model.mtp.enable=True",
             "actor_rollout_ref.model.mtp.enable_train=True",
             "actor_rollout_ref.model.mtp.mtp_loss_scaling_factor=0.1",

@@ -311,6 +311,7 @@ class ActorRolloutRefWorker(Worker, DistProfilerExtension):
         if "actor" in self.parts:
             self.actor_config = _normalize_batch_sizes(self.actor_config, self.rollout_config.n, self.dp_size)
         self.actor = self.rollout = self.ref = None
+        self.rollout_metrics = None  # the engine's Prometheus endpoint (rollout.prometheus.enable)
         # Asynchronous training (separate pools): the weight version a rollout-only worker holds,
         # stamped on every sample it generates; None in the hybrid engine (always current weights).
         self.weight_version: int | None = 0 if self.parts == ("rollout",) else None
@@ -399,9 +400,19 @@ class ActorRolloutRefWorker(Worker, DistProfilerExtension):
             )
             if self.actor is not None:
                 self.rollout.sleep()  # weights arrive from the actor before each generation
+            if self.rollout_config.prometheus.enable:
+                from verl.workers.rollout.metrics_server import RolloutMetricsServer, served_model_name
+
+                name = served_model_name(self.rollout_config.prometheus.served_model_name, cfg.model.path)
+                self.rollout_metrics = RolloutMetricsServer(name, self.rollout_config.name)
         if "ref" in self.parts:
             self.ref_model, self.ref = self._build_ref()
         _seed_sampling()
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def rollout_metrics_address(self) -> str | None:
+        """`host:port` of this rank's rollout metrics endpoint (`rollout.prometheus.enable`), else None."""
+        return None if self.rollout_metrics is None else self.rollout_metrics.address
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def speed_paths(self) -> list[dict]:
@@ -441,6 +452,8 @@ class ActorRolloutRefWorker(Worker, DistProfilerExtension):
         start = time.perf_counter()
         output = rollout.generate_sequences(prompts)
         metrics["timing_s/generate_sequences"] = time.perf_counter() - start
+        if self.rollout_metrics is not None:
+            self.rollout_metrics.observe(output, metrics["timing_s/generate_sequences"])
         if self.actor is not None and self.rollout_config.free_cache_engine:
             rollout.sleep()
         output.meta_info["metrics"] = {**output.meta_info.get("metrics", {}), **metrics}

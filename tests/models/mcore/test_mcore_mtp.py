@@ -8,7 +8,9 @@ ignores). The reference is written here in float64 from the HF modules: the HF m
 the final norm and the LM head, whose cross-entropy against token t + 2 is averaged over the response
 tokens. The megatron actor's logged `mtp_losses/mtp_1_loss` must equal it; the scaling factor must
 scale the MTP part of every gradient exactly; `detach_encoder` must leave the decoder's and the
-embedding's gradients exactly the ones without MTP; data-parallel ranks must weigh it as micro-batches do.
+embedding's gradients exactly the ones without MTP; data-parallel ranks must weigh it as micro-batches do;
+at pp=2 (MTP layer and an embedding copy on the last stage) and cp=2 (the MTP inputs rolled across
+ranks) the update must equal the one-rank update, and a pp=2 dist checkpoint must restore every stage.
 """
 
 from __future__ import annotations
@@ -47,9 +49,9 @@ def add_mtp_layer(path, config, seed: int = 0) -> None:
     config_file.write_text(json.dumps({**saved, "num_nextn_predict_layers": 1}, indent=2))
 
 
-def _write_mtp_model(path, seed: int = 0):
+def _write_mtp_model(path, seed: int = 0, tied: bool = False):
     """A tiny Qwen2 checkpoint with one MiMo-layout MTP layer at `path`; returns the HF model."""
-    model = tiny_hf_model("qwen2", tie_word_embeddings=False, seed=seed)
+    model = tiny_hf_model("qwen2", tie_word_embeddings=tied, seed=seed)
     model.save_pretrained(path)
     add_mtp_layer(path, model.config, seed)
     model.config.num_nextn_predict_layers = 1
@@ -123,7 +125,17 @@ class _GradientRecorder(torch.optim.SGD):
 
 
 def _actor(
-    path, hf_model, enable_train=True, factor=0.1, detach=False, tp=1, sequence_parallel=False, mini=ROWS, micro=ROWS
+    path,
+    hf_model,
+    enable_train=True,
+    factor=0.1,
+    detach=False,
+    tp=1,
+    sequence_parallel=False,
+    mini=ROWS,
+    micro=ROWS,
+    pp=1,
+    cp=1,
 ):
     """The megatron actor on the MTP model at `path`, loaded as the engine loads it, with no clipping
     and an optimizer that records the gradients without stepping."""
@@ -133,8 +145,13 @@ def _actor(
     from verl.workers.actor.megatron_actor import MegatronPPOActor
 
     hf_config = hf_model.config
-    setup_megatron(tp)
-    layout = {"tensor_model_parallel_size": tp, "sequence_parallel": sequence_parallel}
+    setup_megatron(tp, pp, cp=cp)
+    layout = {
+        "tensor_model_parallel_size": tp,
+        "pipeline_model_parallel_size": pp,
+        "context_parallel_size": cp,
+        "sequence_parallel": sequence_parallel,
+    }
     tf_config = hf_to_mcore_config(hf_config, layout, torch.float32)
     tf_config.mtp_num_layers = 1  # as the engine asks for them with model.mtp.enable
     chunks = build_model_chunks(hf_config, tf_config)
@@ -333,3 +350,122 @@ def test_data_parallel_ranks_weigh_the_mtp_loss_as_micro_batches_do(tmp_path):
     for name, gradient in one["gradients"].items():
         scale = float(gradient.abs().max())
         torch.testing.assert_close(two["gradients"][name], gradient, atol=1e-5 * scale, rtol=0, msg=name)
+
+
+def _parallel_update(rank, world_size, path, detach, pp, cp, tied=False):
+    """One update at pipeline size `pp` and context size `cp`: the metrics, and every gradient under
+    its pp=1 name (decoder layers renumbered globally; each stage's copy of the embedding kept apart)."""
+    from megatron.core import parallel_state as mpu
+
+    if rank == 0:
+        _write_mtp_model(path, tied=tied)
+    torch.distributed.barrier()
+    hf_model = tiny_hf_model("qwen2", tie_word_embeddings=tied)
+    hf_model.config.num_nextn_predict_layers = 1
+    actor = _actor(path, hf_model, detach=detach, pp=pp, cp=cp, micro=ROWS // 2)
+    metrics, gradients = _update(actor, _batch())
+    stage = mpu.get_pipeline_model_parallel_rank()
+    offset = stage * (2 // pp)
+    named = {}
+    for name, gradient in gradients.items():
+        if name.startswith("decoder.layers."):
+            index, rest = name[len("decoder.layers.") :].split(".", 1)
+            name = f"decoder.layers.{int(index) + offset}.{rest}"
+        named[name] = gradient
+    (chunk,) = actor.model_chunks
+    embedding = chunk.embedding.word_embeddings.weight if hasattr(chunk, "embedding") else None
+    if mpu.get_context_parallel_rank() == 0:
+        torch.save(
+            {"metrics": metrics, "gradients": named, "embedding": None if embedding is None else embedding.detach()},
+            path / f"stage{stage}.pt",
+        )
+
+
+def _run_layout(tmp_path, name, detach, pp=1, cp=1, tied=False):
+    (tmp_path / name).mkdir()
+    run_distributed(_parallel_update, pp * cp, tmp_path / name, detach, pp, cp, tied)
+    return [torch.load(tmp_path / name / f"stage{s}.pt") for s in range(pp)]
+
+
+def _assert_same_update(one, first, last):
+    for key in ("mtp_losses/mtp_1_loss", "actor/pg_loss"):
+        assert len(one["metrics"][key]) == len(last["metrics"][key]) > 0, key
+        for want, got in zip(one["metrics"][key], last["metrics"][key], strict=True):
+            assert abs(got - want) <= 1e-6 * max(1.0, abs(want)), (key, got, want)
+    assert first["metrics"]["actor/grad_norm"] == pytest.approx(one["metrics"]["actor/grad_norm"], rel=1e-5)
+    split = {**first["gradients"], **last["gradients"]}
+    assert sorted(split) == sorted(one["gradients"])
+    for name, gradient in one["gradients"].items():
+        scale = max(float(gradient.abs().max()), 1e-12)
+        torch.testing.assert_close(split[name], gradient, atol=1e-5 * scale, rtol=0, msg=name)
+    assert float(one["gradients"]["mtp.layers.0.eh_proj.weight"].abs().max()) > 0
+
+
+# pp=2: the decoder's two layers on two stages, the MTP layer and a copy of the embedding on the last
+# (megatron's placement); the copies' gradients are summed over the embedding group. With tied
+# embeddings the last stage's copy is also its LM head.
+@pytest.mark.parametrize("detach,tied", [(False, False), (True, False), (False, True)])
+def test_pipeline_parallel_mtp_update_equals_pp1(tmp_path, detach, tied):
+    (one,) = _run_layout(tmp_path, "pp1", detach, tied=tied)
+    first, last = _run_layout(tmp_path, "pp2", detach, pp=2, tied=tied)
+    _assert_same_update(one, first, last)
+    # both stages start from the same embedding, and get the same (summed) gradient for it
+    torch.testing.assert_close(last["embedding"], first["embedding"], atol=0, rtol=0)
+    for stage in (first, last):
+        torch.testing.assert_close(
+            stage["gradients"]["embedding.word_embeddings.weight"], one["gradients"]["embedding.word_embeddings.weight"]
+        )
+
+
+# cp=2: each rank runs half of every sequence's columns; megatron rolls the MTP inputs across the two
+# ranks (the token after a rank's last column lives on the other), the loss gathers the log-probs
+@pytest.mark.parametrize("detach", [False, True])
+def test_context_parallel_mtp_update_equals_cp1(tmp_path, detach):
+    (one,) = _run_layout(tmp_path, "cp1", detach)
+    (two,) = _run_layout(tmp_path, "cp2", detach, cp=2)
+    _assert_same_update(one, two, two)
+
+
+# the mimo example's actor layout but tp: pp=2 x cp=2 on four ranks
+@pytest.mark.slow
+def test_pipeline_and_context_parallel_mtp_update_equals_one_rank(tmp_path):
+    (one,) = _run_layout(tmp_path, "one", False)
+    first, last = _run_layout(tmp_path, "pp2cp2", False, pp=2, cp=2)
+    _assert_same_update(one, first, last)
+
+
+def _pipeline_dist_checkpoint_round_trip(rank, world_size, path, tied):
+    from megatron.core import dist_checkpointing
+
+    from verl.models.mcore import build_model_chunks, hf_to_mcore_config
+    from verl.utils.checkpoint.megatron_checkpoint_manager import _model_sharded_state, load_dist_checkpoint_weights
+
+    if rank == 0:
+        _write_mtp_model(path / "hf", tied=tied)
+    torch.distributed.barrier()
+    hf_model = tiny_hf_model("qwen2", tie_word_embeddings=tied)
+    hf_model.config.num_nextn_predict_layers = 1
+    trained = _actor(path / "hf", hf_model, pp=world_size).model_chunks
+    if rank == 0:
+        (path / "ckpt").mkdir()
+    torch.distributed.barrier()
+    dist_checkpointing.save(_model_sharded_state(trained), str(path / "ckpt"))
+    tf_config = hf_to_mcore_config(hf_model.config, {"pipeline_model_parallel_size": world_size}, torch.float32)
+    tf_config.mtp_num_layers = 1
+    fresh = build_model_chunks(hf_model.config, tf_config)
+    load_dist_checkpoint_weights(fresh, str(path / "ckpt"))
+    want = dict(trained[0].named_parameters())
+    names = [name for name, _ in fresh[0].named_parameters()]
+    if rank == world_size - 1:  # the last stage: the MTP layer and its copy of the embedding
+        assert sum(name.startswith("mtp.") for name in names) > 5
+        assert "embedding.word_embeddings.weight" in names
+    else:
+        assert not any(name.startswith("mtp.") for name in names)
+    for name, param in fresh[0].named_parameters():
+        assert torch.equal(param, want[name]), name
+
+
+@pytest.mark.slow  # ~9 s: two ranks save and load a dist checkpoint
+@pytest.mark.parametrize("tied", [False, True])
+def test_the_mtp_layers_and_the_last_stage_s_embedding_round_trip_a_dist_checkpoint_at_pp2(tmp_path, tied):
+    run_distributed(_pipeline_dist_checkpoint_round_trip, 2, tmp_path, tied)

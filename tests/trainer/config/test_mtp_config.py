@@ -1,7 +1,7 @@
-"""`actor_rollout_ref.model.mtp` in the config: MTP training validates on a megatron actor without
-pipeline or context parallelism (the mimo example's own keys); speculative decoding, the FSDP actor,
-pp/cp > 1, a dist checkpoint, LoRA, a negative weight and enable_train without enable are refused,
-each naming what to set instead."""
+"""`actor_rollout_ref.model.mtp` in the config: MTP training validates on a megatron actor at tp=2,
+pp=2 and cp=2 (the mimo example's own keys); speculative decoding, the FSDP actor, virtual pipeline
+stages, a dist checkpoint, LoRA, a negative weight and enable_train without enable are refused, each
+naming what to set instead."""
 
 from __future__ import annotations
 
@@ -28,6 +28,17 @@ def test_the_mimo_examples_mtp_keys_validate_on_a_megatron_actor(megatron_defaul
 
 
 @pytest.mark.parametrize(
+    "layout",
+    [
+        {"actor_rollout_ref__actor__megatron__pipeline_model_parallel_size": 2},
+        {"actor_rollout_ref__actor__megatron__context_parallel_size": 2},
+    ],
+)
+def test_mtp_validates_at_pipeline_and_context_parallel_2(megatron_defaults, layout):  # noqa: F811
+    validate_ppo_config(with_(megatron_defaults, **ON, **layout))
+
+
+@pytest.mark.parametrize(
     "changes,message",
     [
         ({"actor_rollout_ref__model__mtp__enable_rollout": True},
@@ -35,11 +46,10 @@ def test_the_mimo_examples_mtp_keys_validate_on_a_megatron_actor(megatron_defaul
          "vLLM/SGLang, which none of this build's rollout engines does)"),
         ({"actor_rollout_ref__model__mtp__enable": False},
          f"{KEY}.enable_train=true needs {KEY}.enable=true"),
-        ({"actor_rollout_ref__actor__megatron__pipeline_model_parallel_size": 2},
-         f"{KEY}.enable=true with actor_rollout_ref.actor.megatron.pipeline_model_parallel_size=2: multi-token "
-         "prediction is implemented without pipeline and context parallelism"),
-        ({"actor_rollout_ref__actor__megatron__context_parallel_size": 2},
-         f"{KEY}.enable=true with actor_rollout_ref.actor.megatron.context_parallel_size=2"),
+        ({"actor_rollout_ref__actor__megatron__pipeline_model_parallel_size": 2,
+          "actor_rollout_ref__actor__megatron__virtual_pipeline_model_parallel_size": 2},
+         f"{KEY}.enable=true with actor_rollout_ref.actor.megatron.virtual_pipeline_model_parallel_size=2: "
+         "multi-token prediction is implemented without virtual pipeline stages"),
         ({"actor_rollout_ref__model__mtp__mtp_loss_scaling_factor": -0.1},
          f"{KEY}.mtp_loss_scaling_factor=-0.1 must be >= 0"),
         ({"actor_rollout_ref__actor__megatron__use_dist_checkpointing": True,

@@ -356,6 +356,9 @@ def build_gpt_model(
     # otherwise a checkpoint's MTP weights are ignored, as HF's models ignore them
     num_mtp_layers = 0 if value_head else (tf_config.mtp_num_layers or 0)
     mtp_spec = _layer_spec(tf_config, tf_config.num_layers - 1) if num_mtp_layers else None
+    # None on a pipeline stage before the last: megatron builds the MTP layers (and their copy of the
+    # embedding) on the last stage
+    mtp_block = build_mtp_block_spec(tf_config, mtp_spec, RMSNorm, vp_stage) if num_mtp_layers else None
     model = GPTModel(
         config=tf_config,
         transformer_layer_spec=block,
@@ -367,10 +370,15 @@ def build_gpt_model(
         position_embedding_type="rope",
         rotary_base=rope_theta_of(hf_config),
         vp_stage=vp_stage,
-        mtp_block_spec=build_mtp_block_spec(tf_config, mtp_spec, RMSNorm) if num_mtp_layers else None,
+        mtp_block_spec=mtp_block,
     )
-    if num_mtp_layers:
+    if mtp_block is not None:
         install_postprocess(model, num_mtp_layers)
+        if model.share_embeddings_and_output_weights and not pre_process:
+            # the MTP stage's LM head is its embedding copy (GPTModel.shared_embedding_or_output_weight);
+            # megatron-core 0.16.1 still allocates an output weight there, which nothing reads and its
+            # checkpointing refuses: drop it, as megatron does on a stage that has the embedding itself
+            model.output_layer.register_parameter("weight", None)
     if value_head and post_process:
         model.output_layer = _ValueHead(tf_config.hidden_size, tf_config.params_dtype, tf_config.sequence_parallel)
     if tf_config.moe_router_score_function == "sigmoid":

@@ -46,7 +46,8 @@ class AlignedBatch:
         self.cp_group, self.cp_size, self.cp_rank = group, size, rank
         return self
 
-    def _local(self, tensor: torch.Tensor) -> torch.Tensor:
+    def local(self, tensor: torch.Tensor) -> torch.Tensor:
+        """[B, L, ...] over the whole sequence -> this context-parallel rank's columns (identity without one)."""
         from verl.models.mcore.context_parallel import split_sequence
 
         return split_sequence(tensor, 1, self.cp_size, self.cp_rank)
@@ -54,16 +55,16 @@ class AlignedBatch:
     @property
     def model_input_ids(self) -> torch.Tensor:
         """The input ids the model runs on: this rank's columns under context parallelism."""
-        return self._local(self.input_ids)
+        return self.local(self.input_ids)
 
     @property
     def model_position_ids(self) -> torch.Tensor:
-        return self._local(self.position_ids)
+        return self.local(self.position_ids)
 
     @property
     def model_labels(self) -> torch.Tensor:
         """Labels for the model's columns (`model_input_ids`)."""
-        return self._local(self.labels)
+        return self.local(self.labels)
 
     def full(self, per_token: torch.Tensor) -> torch.Tensor:
         """[B, L_model, ...] values at the model's columns -> [B, L, ...] over the whole sequence

@@ -35,12 +35,18 @@ Design decisions:
   for `mtp.enable` on a Qwen2-architecture model): otherwise a Qwen2 checkpoint's MTP weights are
   ignored, as HF's model ignores them (a DeepSeek-V3 config declaring MTP layers is refused by
   `verl.models.mcore.deepseek`).
-- Limits, refused where the model is built: pipeline (and so virtual pipeline) parallelism, where
-  megatron keeps the MTP layers and a copy of the embedding on the last stage, whose gradient sync
-  with the first stage's is not wired here; context parallelism, whose cross-rank roll of the MTP
-  inputs (megatron-core's `roll_tensor`) allocates CUDA buffers. The HF export
-  (`mcore_to_hf_named_tensors`: rollout weight sync, `hf_model` checkpoints, the model merger)
-  streams the main model only.
+- Pipeline parallelism: megatron builds the MTP layers on the last stage, with a copy of the
+  embedding there (loaded from the HF embedding, `verl.models.mcore.weights`); the copies'
+  gradients are summed over the embedding group (first and last stage) after each backward, as
+  for a tied LM head (`megatron_actor._sum_embedding_copies`), so both stay equal. Stages before
+  the last carry no MTP state (`configure_mtp` returns None there).
+- Context parallelism: megatron-core's `roll_tensor` exchanges each chunk's boundary token with the
+  neighbouring context-parallel rank (its receive buffer is put on the CPU by
+  `verl.utils.megatron.cpu_compat`); `mtp_loss` gathers the per-token log-probs over the ranks, as the
+  policy loss does.
+- Limits, refused where the model is built: virtual pipeline stages (megatron's MTP placement per
+  virtual stage is not wired here). The HF export (`mcore_to_hf_named_tensors`: rollout weight sync,
+  `hf_model` checkpoints, the model merger) streams the main model only.
 """
 
 from __future__ import annotations
@@ -74,25 +80,24 @@ def mtp_num_layers(hf_config) -> int:
 
 def check_mtp_layout(tf_config) -> None:
     """Refuse the layouts MTP is not wired for (see the module docstring)."""
-    for key, size in (
-        ("pipeline_model_parallel_size", tf_config.pipeline_model_parallel_size),
-        ("context_parallel_size", tf_config.context_parallel_size),
-    ):
-        if size > 1:
-            raise ValueError(
-                f"actor_rollout_ref.model.mtp.enable=true with actor.megatron.{key}={size}: multi-token prediction "
-                f"is implemented without pipeline and context parallelism (tensor parallelism works); set {key}=1 or "
-                "mtp.enable=false"
-            )
+    vpp = tf_config.virtual_pipeline_model_parallel_size or 1
+    if vpp > 1:
+        raise ValueError(
+            f"actor_rollout_ref.model.mtp.enable=true with actor.megatron.virtual_pipeline_model_parallel_size={vpp}: "
+            "multi-token prediction is implemented without virtual pipeline stages (tensor, pipeline and context "
+            "parallelism work); set virtual_pipeline_model_parallel_size=null or mtp.enable=false"
+        )
 
 
-def build_mtp_block_spec(tf_config, layer_spec, norm):
+def build_mtp_block_spec(tf_config, layer_spec, norm, vp_stage: int | None = None):
     """Megatron's MTP block spec for the local `layer_spec`, with `norm` (the backend's RMSNorm) for
-    every MTP norm."""
+    every MTP norm; None on a pipeline stage other than the last (megatron keeps the MTP layers there)."""
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_mtp_block_spec
 
     check_mtp_layout(tf_config)
-    block = get_gpt_mtp_block_spec(tf_config, layer_spec, use_transformer_engine=False)
+    block = get_gpt_mtp_block_spec(tf_config, layer_spec, use_transformer_engine=False, vp_stage=vp_stage)
+    if block is None:
+        return None
     for spec in block.layer_specs:
         spec.submodules.enorm = spec.submodules.hnorm = spec.submodules.layer_norm = norm
     return block
@@ -118,12 +123,30 @@ def install_postprocess(model, num_layers: int) -> None:
     """Give a GPTModel built with MTP layers `_postprocess_with_mtp` (MTP off until `configure_mtp`)."""
     object.__setattr__(model, _STATE_ATTR, MtpTraining(num_layers))
     model._postprocess = _postprocess_with_mtp.__get__(model, type(model))
+    if not model.pre_process:
+        model.sharded_state_dict = _with_dp_cp_group(model.sharded_state_dict)
 
 
-def configure_mtp(model_chunks, enable_train: bool, scaling_factor: float, detach_encoder: bool) -> MtpTraining:
-    """Switch MTP training on the chunk holding the MTP layers; returns its state (shared with the actor)."""
+def _with_dp_cp_group(sharded_state_dict):
+    """The MTP stage's `sharded_state_dict`, given megatron's default `metadata`: megatron-core 0.16.1's
+    GPTModel ties a later stage's embedding copy to the first stage's with `metadata["dp_cp_group"]`,
+    read from the caller's metadata (None when not given) rather than the defaulted one its parent
+    class builds."""
+    from megatron.core.transformer.utils import ensure_metadata_has_dp_cp_group
+
+    def with_group(prefix: str = "", sharded_offsets: tuple = (), metadata: dict | None = None):
+        return sharded_state_dict(prefix, sharded_offsets, ensure_metadata_has_dp_cp_group(metadata))
+
+    return with_group
+
+
+def configure_mtp(model_chunks, enable_train: bool, scaling_factor: float, detach_encoder: bool) -> MtpTraining | None:
+    """Switch MTP training on the chunk holding the MTP layers; returns its state (shared with the
+    actor), or None on a pipeline stage that holds none."""
     states = [getattr(chunk, _STATE_ATTR) for chunk in model_chunks if hasattr(chunk, _STATE_ATTR)]
     if not states:
+        if any(chunk.config.mtp_num_layers for chunk in model_chunks):
+            return None  # a pipeline stage before the last: the MTP layers live on the last one
         raise ValueError("configure_mtp: the model was built without MTP layers")
     (state,) = states
     state.enable_train, state.scaling_factor, state.detach_encoder = enable_train, scaling_factor, detach_encoder
@@ -211,15 +234,21 @@ def mtp_loss(
     response_index: torch.Tensor,
     response_mask: torch.Tensor,
     vocab_size: int,
+    local=None,
+    full=None,
 ) -> list[torch.Tensor]:
     """Each depth's mean cross-entropy (0-d) over the response tokens it predicts.
 
-    `depth_logits[k-1]` [B, L, V_local] are depth k's logits (vocabulary shards); `labels` [B, L]
-    the next token of each left-aligned column (`AlignedBatch.labels`); `response_index` [B, R] the
-    column predicting each response token and `response_mask` [B, R] which are real. Depth k at
-    column c predicts `labels[:, c + k]`, so response token j is its target at column
-    `response_index[:, j] - k` (when that column exists).
+    `depth_logits[k-1]` [B, L_local, V_local] are depth k's logits (vocabulary shards, and this
+    context-parallel rank's columns); `labels` [B, L] the next token of each left-aligned column
+    (`AlignedBatch.labels`); `response_index` [B, R] the column predicting each response token and
+    `response_mask` [B, R] which are real. Depth k at column c predicts `labels[:, c + k]`, so
+    response token j is its target at column `response_index[:, j] - k` (when that column exists).
+    Under context parallelism `local` takes this rank's columns of a [B, L] tensor and `full` gathers
+    [B, L_local] values back into [B, L] (`AlignedBatch.local`/`full`; identities by default).
     """
+    local = local or (lambda tensor: tensor)
+    full = full or (lambda tensor: tensor)
     batch, length = labels.shape
     means = []
     for k, logits in enumerate(depth_logits, start=1):
@@ -230,6 +259,7 @@ def mtp_loss(
         mask = torch.zeros(batch, length, dtype=torch.float32, device=labels.device)
         rows = torch.arange(batch, device=labels.device)[:, None].expand_as(columns)
         mask[rows[valid], columns[valid]] = 1.0
-        log_probs, _ = vocab_parallel_log_probs_and_entropy(logits, target, vocab_size)
+        log_probs, _ = vocab_parallel_log_probs_and_entropy(logits, local(target), vocab_size)
+        log_probs = full(log_probs)
         means.append(-(log_probs.float() * mask).sum() / mask.sum().clamp(min=1.0))
     return means

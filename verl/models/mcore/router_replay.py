@@ -207,7 +207,7 @@ class MegatronRouterReplay:
         index = aligned.source_columns[..., None, None].expand(-1, -1, layers, top_k)
         chosen = torch.gather(routing.long(), 1, index)  # [b, L, n, k]
         chosen = torch.where(aligned.real[..., None, None], chosen, -1)  # padding: the router's own choice
-        local = aligned._local(chosen).transpose(0, 1)  # this context rank's columns, [s, b, n, k]
+        local = aligned.local(chosen).transpose(0, 1)  # this context rank's columns, [s, b, n, k]
         if self.sequence_parallel:
             from megatron.core import parallel_state as mpu
 

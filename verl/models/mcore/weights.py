@@ -148,7 +148,9 @@ def hf_to_mcore_state_dict(
 
     out: dict[str, torch.Tensor] = {}
     pre_process, post_process = _stage_roles(tf_config, pp_rank, vp_stage)
-    if pre_process:
+    # the last stage's MTP layers (verl.models.mcore.mtp) read the embedding there: its own copy
+    mtp_stage = post_process and bool(tf_config.mtp_num_layers) and not value_head
+    if pre_process or mtp_stage:
         out["embedding.word_embeddings.weight"] = shard(_vocab_rows(hf("model.embed_tokens.weight"), tp_size))
     for local, layer in enumerate(_layer_range(tf_config, pp_rank, vp_stage)):
         src, dst = f"model.layers.{layer}.", f"decoder.layers.{local}."
@@ -174,7 +176,7 @@ def hf_to_mcore_state_dict(
                     out[f"output_layer.{suffix}"] = hf_state_dict[f"score.{suffix}"].clone()
         elif not hf_config.tie_word_embeddings:
             out["output_layer.weight"] = shard(_vocab_rows(hf("lm_head.weight"), tp_size))
-        elif not pre_process:  # the last stage's own copy of the tied embedding
+        elif not pre_process and not mtp_stage:  # the last stage's own copy of the tied embedding
             out["output_layer.weight"] = shard(_vocab_rows(hf("model.embed_tokens.weight"), tp_size))
     return out
 

@@ -210,6 +210,12 @@ def _check_not_implemented(c: dict, errors: list[str]):
         _check_megatron(c, errors)
     _check_grad_clip(c, errors)
     _check_reward_manager(c, errors)
+    prometheus = arr["rollout"].get("prometheus") or {}
+    if prometheus.get("enable") and arr["rollout"].get("disable_log_stats", True):
+        errors.append(
+            "actor_rollout_ref.rollout.prometheus.enable=true needs actor_rollout_ref.rollout.disable_log_stats=false "
+            "(as upstream: the engines' statistics are what Prometheus scrapes); set disable_log_stats=false"
+        )
     if (arr["rollout"]["engine_kwargs"] or {}).get("trtllm"):
         errors.append(
             "actor_rollout_ref.rollout.engine_kwargs.trtllm is for TensorRT-LLM, which this build of verl does not "

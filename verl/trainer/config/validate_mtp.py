@@ -1,7 +1,7 @@
 """Rules of `actor_rollout_ref.model.mtp` (multi-token prediction, `verl.models.mcore.mtp`).
 
-Split from validate.py. MTP layers are trained on the megatron actor only, without pipeline or
-context parallelism, from the HF checkpoint (not a dist checkpoint) and without LoRA; every other
+Split from validate.py. MTP layers are trained on the megatron actor only (tensor, pipeline and
+context parallelism; no virtual pipeline stages), from the HF checkpoint (not a dist checkpoint) and without LoRA; every other
 combination is refused here, before anything starts, rather than ignored.
 """
 
@@ -29,13 +29,12 @@ def check_mtp(c: dict, errors: list[str]) -> None:
         )
         return
     meg = actor["megatron"]
-    for key in ("pipeline_model_parallel_size", "context_parallel_size"):
-        if (meg.get(key) or 1) > 1:
-            errors.append(
-                f"{_KEY}.enable=true with actor_rollout_ref.actor.megatron.{key}={meg[key]}: multi-token prediction is "
-                f"implemented without pipeline and context parallelism (tensor parallelism works); set {key}=1 or "
-                f"{_KEY}.enable=false"
-            )
+    if (meg.get("virtual_pipeline_model_parallel_size") or 1) > 1:
+        errors.append(
+            f"{_KEY}.enable=true with actor_rollout_ref.actor.megatron.virtual_pipeline_model_parallel_size="
+            f"{meg['virtual_pipeline_model_parallel_size']}: multi-token prediction is implemented without virtual "
+            f"pipeline stages (tensor, pipeline and context parallelism work); set it to null or {_KEY}.enable=false"
+        )
     if meg.get("use_dist_checkpointing"):
         errors.append(
             f"{_KEY}.enable=true with actor_rollout_ref.actor.megatron.use_dist_checkpointing=true: the MTP layers are "

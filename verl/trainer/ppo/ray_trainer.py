@@ -47,6 +47,7 @@ from verl.trainer.ppo.driver_math import (
     old_log_prob_metrics,
 )
 from verl.trainer.ppo.metric_utils import compute_data_metrics, compute_throughput_metrics, compute_timing_metrics
+from verl.trainer.ppo.prometheus import publish_rollout_metrics
 from verl.trainer.ppo.rollout_corr_helper import (
     apply_bypass_mode,
     compute_rollout_correction_and_add_to_batch,
@@ -175,6 +176,10 @@ class RayPPOTrainer:
             rollout_wg=groups.get("rollout_wg"),
         )
         self._worker_speed_paths = worker_speed_paths(groups)
+        # rollout.prometheus.enable: the engines' metrics endpoints, listed in Prometheus's scrape config
+        self.rollout_metrics_addresses = publish_rollout_metrics(
+            self.config.actor_rollout_ref.rollout.prometheus, groups
+        )
         unique = {id(g): g for g in groups.values()}
         self._step_profiler = StepProfiler(self.profiler_config, unique.values())
 

@@ -64,6 +64,9 @@ _MODULES = (
     "megatron.core.transformer.moe.moe_utils",
     "megatron.core.transformer.moe.token_dispatcher",
     "megatron.core.transformer.moe.experts",
+    # multi-token prediction: the roll of its inputs across context-parallel ranks receives into a buffer
+    # made on `torch.cuda.current_device()`
+    "megatron.core.transformer.multi_token_prediction",
 )
 _FACTORIES = ("empty", "zeros", "ones", "full", "tensor", "arange", "randn", "rand", "empty_like", "zeros_like")
 

@@ -151,13 +151,26 @@ def finalize_megatron_grads(model_chunks) -> None:
         dense = [p for p in params.values() if id(p) not in experts]
         average_gradients(dense, mpu.get_data_parallel_group(with_context_parallel=True), dp_size)
     if mpu.get_pipeline_model_parallel_world_size() > 1 and mpu.is_rank_in_embedding_group(ignore_virtual=True):
-        for chunk in (model_chunks[0], model_chunks[-1]):
-            if not chunk.share_embeddings_and_output_weights:
-                continue
-            weight = chunk.shared_embedding_or_output_weight()
-            if weight is not None and weight.grad is not None:
-                dist.all_reduce(weight.grad, group=mpu.get_embedding_group())
-                break
+        _sum_embedding_copies(model_chunks)
+
+
+def _sum_embedding_copies(model_chunks) -> None:
+    """Sum the gradients of the embedding's copies on the first and last pipeline stage (as megatron's
+    `_allreduce_embedding_grad`): the last stage keeps one for a tied LM head and for the MTP layers
+    (`verl.models.mcore.mtp`). Every rank of the embedding group joins the all-reduce, a copy that got
+    no gradient (detached MTP inputs, a frozen embedding) with zeros, so neither stage waits alone."""
+    from megatron.core import parallel_state as mpu
+
+    for chunk in (model_chunks[0], model_chunks[-1]):
+        if not (chunk.share_embeddings_and_output_weights or chunk.config.mtp_num_layers):
+            continue
+        weight = chunk.shared_embedding_or_output_weight()
+        if weight is None or not weight.requires_grad:
+            continue
+        if weight.grad is None:
+            weight.grad = torch.zeros_like(weight)
+        dist.all_reduce(weight.grad, group=mpu.get_embedding_group())
+        return
 
 
 def _grad_norm(model_chunks) -> torch.Tensor:
@@ -461,7 +474,13 @@ class MegatronPPOActor(PPOActor):
             raise RuntimeError("the training forward ran no MTP layers, though the model trains them")
         aligned = micro_batch["_aligned"]
         means = mtp_loss(
-            logits, aligned.labels, aligned.response_index, response_mask_of(micro_batch), self.hf_config.vocab_size
+            logits,
+            aligned.labels,
+            aligned.response_index,
+            response_mask_of(micro_batch),
+            self.hf_config.vocab_size,
+            local=aligned.local,
+            full=aligned.full,
         )
         for depth, mean in enumerate(means, start=1):
             metrics[f"mtp_losses/mtp_{depth}_loss"] = mean.detach()

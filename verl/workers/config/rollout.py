@@ -206,12 +206,16 @@ class ServerConfig(BaseConfig):
 
 @dataclass
 class PrometheusConfig(BaseConfig):
-    """A Prometheus metrics endpoint of the rollout servers."""
+    """A Prometheus metrics endpoint of the rollout servers (verl.workers.rollout.metrics_server)."""
 
-    enable: bool = doc("Serve engine metrics to Prometheus.", status=UNSUPPORTED, neutral=False, default=False)
-    port: int = doc("Port (with enable).", default=9090)
+    enable: bool = doc(
+        "Serve each rollout engine's metrics (requests, prompt and generated tokens, generation time) over HTTP in "
+        "the Prometheus format, and write the scrape config at `file`; needs rollout.disable_log_stats=false.",
+        default=False,
+    )
+    port: int = doc("Port of the Prometheus server asked to reload `file` (POST /-/reload).", default=9090)
     file: str = doc(
-        "Prometheus config file written (with enable).",
+        "Prometheus config file written on every node (with enable): Ray's metrics and the rollout endpoints.",
         default="/tmp/ray/session_latest/metrics/prometheus/prometheus.yml",
     )
     served_model_name: str | None = doc(
