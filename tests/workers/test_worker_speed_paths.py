@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import pytest
 
-from verl.utils.speed_paths import SpeedPath
+from verl.utils.speed_paths import SpeedPath, model_speed_paths
 from verl.workers.config import FSDPActorConfig, HFModelConfig
-from verl.workers.engine_workers import _model_speed_paths, _policy_asks_for_fused_kernels, policy_uses_fused_kernels
+from verl.workers.engine_workers import _policy_asks_for_fused_kernels, policy_uses_fused_kernels
 
 
 class _Packs:
@@ -29,31 +29,31 @@ class _RunsPaddedRows:
 
 
 def test_nothing_asked_for_is_reported_off_without_a_reason():
-    assert _model_speed_paths(_Packs(), remove_padding=False, fused=False) == [
+    assert model_speed_paths(_Packs(), remove_padding=False, fused=False) == [
         SpeedPath("remove_padding", False, False),
         SpeedPath("fused_kernels", False, False),
     ]
 
 
 def test_remove_padding_is_on_where_the_trainer_packs_and_says_which_one_does_not():
-    [on, _] = _model_speed_paths(_Packs(), remove_padding=True, fused=False)
+    [on, _] = model_speed_paths(_Packs(), remove_padding=True, fused=False)
     assert on == SpeedPath("remove_padding", True, True)
-    [off, _] = _model_speed_paths(_RunsPaddedRows(), remove_padding=True, fused=False)
+    [off, _] = model_speed_paths(_RunsPaddedRows(), remove_padding=True, fused=False)
     assert off == SpeedPath("remove_padding", True, False, "_RunsPaddedRows does not implement it: it runs padded rows")
 
 
 def test_fused_kernels_are_on_where_the_trainer_takes_them_and_say_why_not_elsewhere():
-    [_, on] = _model_speed_paths(_Fuses(), remove_padding=False, fused=True)
+    [_, on] = model_speed_paths(_Fuses(), remove_padding=False, fused=True)
     assert on == SpeedPath("fused_kernels", True, True)
     partly = _Fuses()
     partly.fused_kernels_note = (
         "micro-batches that take the shared-prompt forward compute their response logits unfused"
     )
-    [_, limited] = _model_speed_paths(partly, remove_padding=False, fused=True)
+    [_, limited] = model_speed_paths(partly, remove_padding=False, fused=True)
     assert limited == SpeedPath("fused_kernels", True, True, partly.fused_kernels_note)
-    [_, liger] = _model_speed_paths(_ActorWithoutFused(), remove_padding=False, fused=True)
+    [_, liger] = model_speed_paths(_ActorWithoutFused(), remove_padding=False, fused=True)
     assert liger.requested and not liger.active and liger.reason.startswith("use_liger is not implemented"), liger
-    [_, critic] = _model_speed_paths(_Packs(), remove_padding=False, fused=True)
+    [_, critic] = model_speed_paths(_Packs(), remove_padding=False, fused=True)
     assert not critic.active and critic.reason == "_Packs does not implement it: it computes full logits", critic
 
 

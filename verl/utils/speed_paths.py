@@ -117,3 +117,33 @@ def save(paths: Iterable[SpeedPath], run_dir: str | Path) -> Path:
     body = {p.name: {"requested": p.requested, "active": p.active, "reason": p.reason} for p in paths}
     target.write_text(yaml.safe_dump(body, sort_keys=False))
     return target
+
+
+def model_speed_paths(trainer, remove_padding: bool, fused: bool) -> list[SpeedPath]:
+    """Remove padding and fused kernels of an actor, reference, critic or reward model (`trainer`), as its
+    sections ask for them (see `verl.utils.speed_paths`): `remove_padding` the model's
+    `use_remove_padding`, `fused` its `use_fused_kernels` or `use_liger` (or the actor's
+    `use_fused_kernels`, which upstream's YAML takes from the model's). Fused kernels are on where the
+    trainer takes them (its `use_fused_kernels`: the FSDP actor and reference, see
+    `verl.utils.experimental.torch_functional`); `use_liger` alone is reported off."""
+    packs = remove_padding and bool(getattr(trainer, "use_remove_padding", False))
+    fuses = fused and bool(getattr(trainer, "use_fused_kernels", False))
+    if fuses:
+        fused_reason = getattr(trainer, "fused_kernels_note", "")
+    elif not fused:
+        fused_reason = ""
+    elif hasattr(trainer, "use_fused_kernels"):
+        fused_reason = "use_liger is not implemented; set use_fused_kernels=true for the fused log-prob and entropy"
+    else:
+        fused_reason = f"{type(trainer).__name__} does not implement it: it computes full logits"
+    return [
+        SpeedPath(
+            "remove_padding",
+            remove_padding,
+            packs,
+            ""
+            if packs or not remove_padding
+            else f"{type(trainer).__name__} does not implement it: it runs padded rows",
+        ),
+        SpeedPath("fused_kernels", fused, fuses, fused_reason),
+    ]

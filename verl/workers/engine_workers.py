@@ -47,7 +47,7 @@ from verl.utils import device as dev
 from verl.utils.config import omega_conf_to_dataclass
 from verl.utils.logging_utils import get_logger
 from verl.utils.profiler import DistProfiler, DistProfilerExtension
-from verl.utils.speed_paths import SpeedPath
+from verl.utils.speed_paths import SpeedPath, model_speed_paths
 from verl.utils.speed_paths import merge as merge_speed_paths
 from verl.utils.ulysses import SP_KEY
 from verl.workers.config import ActorConfig, CriticConfig, HFModelConfig, RefConfig, RewardModelConfig, RolloutConfig
@@ -173,36 +173,6 @@ def _mfu_metric(flops: float | None, seconds: float, dp_size: int) -> float | No
     if flops is None:
         return None
     return mfu_over_ranks(flops, seconds, dp_size)
-
-
-def _model_speed_paths(trainer, remove_padding: bool, fused: bool) -> list[SpeedPath]:
-    """Remove padding and fused kernels of an actor, reference, critic or reward model (`trainer`), as its
-    sections ask for them (see `verl.utils.speed_paths`): `remove_padding` the model's
-    `use_remove_padding`, `fused` its `use_fused_kernels` or `use_liger` (or the actor's
-    `use_fused_kernels`, which upstream's YAML takes from the model's). Fused kernels are on where the
-    trainer takes them (its `use_fused_kernels`: the FSDP actor and reference, see
-    `verl.utils.experimental.torch_functional`); `use_liger` alone is reported off."""
-    packs = remove_padding and bool(getattr(trainer, "use_remove_padding", False))
-    fuses = fused and bool(getattr(trainer, "use_fused_kernels", False))
-    if fuses:
-        fused_reason = getattr(trainer, "fused_kernels_note", "")
-    elif not fused:
-        fused_reason = ""
-    elif hasattr(trainer, "use_fused_kernels"):
-        fused_reason = "use_liger is not implemented; set use_fused_kernels=true for the fused log-prob and entropy"
-    else:
-        fused_reason = f"{type(trainer).__name__} does not implement it: it computes full logits"
-    return [
-        SpeedPath(
-            "remove_padding",
-            remove_padding,
-            packs,
-            ""
-            if packs or not remove_padding
-            else f"{type(trainer).__name__} does not implement it: it runs padded rows",
-        ),
-        SpeedPath("fused_kernels", fused, fuses, fused_reason),
-    ]
 
 
 def _policy_asks_for_fused_kernels(model: HFModelConfig, actor: ActorConfig) -> bool:
@@ -429,7 +399,7 @@ class ActorRolloutRefWorker(Worker, DistProfilerExtension):
                     "shared_prompt_forward", requested, False, f"{type(part).__name__} has no shared-prompt forward"
                 )
             fused = _policy_asks_for_fused_kernels(self.model_config, self.actor_config)
-            paths += [shared, *_model_speed_paths(part, self.model_config.use_remove_padding, fused)]
+            paths += [shared, *model_speed_paths(part, self.model_config.use_remove_padding, fused)]
         if self.rollout is not None:
             paths += self.rollout.speed_paths()
         return [path.to_dict() for path in merge_speed_paths(paths)]
@@ -651,7 +621,7 @@ class CriticWorker(Worker, DistProfilerExtension):
         # a value model has no fused-kernel keys (upstream's critic model has none either)
         return [
             path.to_dict()
-            for path in _model_speed_paths(self.critic, self.critic_config.model.use_remove_padding, False)
+            for path in model_speed_paths(self.critic, self.critic_config.model.use_remove_padding, False)
         ]
 
     @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO)
@@ -744,7 +714,7 @@ class RewardModelWorker(Worker, DistProfilerExtension):
         rows, unfused (its `use_remove_padding` and `use_fused_kernels` are accepted for upstream configs, and
         reported off)."""
         model = self.config.model
-        return [path.to_dict() for path in _model_speed_paths(self, model.use_remove_padding, model.use_fused_kernels)]
+        return [path.to_dict() for path in model_speed_paths(self, model.use_remove_padding, model.use_fused_kernels)]
 
     def _load_tokenizers(self) -> None:
         """The reward model's tokenizer, and the policy's when responses must be re-tokenised: only
