@@ -1,7 +1,7 @@
 """A GLM-4.5 model (`tiny-glm4moe`: grouped-query attention with q/k/v bias, half rotary and
 optional per-head q/k norms, a dense first layer, sigmoid routing with a correction bias and a
 scaling factor, a shared expert) on megatron-core's local spec: its log-probs equal transformers'
-at tp=1, tp=2 (sequence parallel) and ep=2 on 2 gloo ranks, HF -> megatron -> HF is bit-exact,
+at tp=1, tp=2 (sequence parallel), ep=2 and cp=2 on 2 gloo ranks, HF -> megatron -> HF is bit-exact,
 and what megatron cannot build exactly is refused naming the field."""
 
 from __future__ import annotations
@@ -11,7 +11,12 @@ import torch
 
 from tests.distributed_helpers import run_distributed
 from tests.megatron_helpers import assert_hf_round_trip_exact, build_loaded_chunks, tiny_glm4moe_hf_model
-from tests.models.mcore.test_mcore_model import _batch, _hf_response_log_probs, _megatron_response_log_probs
+from tests.models.mcore.test_mcore_model import (
+    RESPONSE_LENGTH,
+    _batch,
+    _hf_response_log_probs,
+    _megatron_response_log_probs,
+)
 
 
 def _check_log_probs(rank, world_size, tp, ep, use_qk_norm):
@@ -96,3 +101,30 @@ def test_the_checkpoint_mtp_layer_is_ignored_as_transformers_ignores_it():
     assert not tf_config.mtp_num_layers
     assert tf_config.moe_layer_freq == [0, 1, 1]
     assert tf_config.moe_router_score_function == "sigmoid" and tf_config.moe_router_topk_scaling_factor == 2.5
+
+
+def _check_context_parallel_log_probs(rank, world_size):
+    from verl.models.mcore.context_parallel import context_parallel_group
+    from verl.models.mcore.forward import left_align, response_columns
+    from verl.utils.megatron.tensor_parallel import vocab_parallel_log_probs_and_entropy
+
+    hf_model = tiny_glm4moe_hf_model(use_qk_norm=True)
+    batch = _batch()
+    chunks = build_loaded_chunks(hf_model, cp=world_size)
+    group, size, cp_rank = context_parallel_group()
+    aligned = left_align(
+        batch["input_ids"], batch["attention_mask"], batch["position_ids"], RESPONSE_LENGTH, multiple_of=4
+    ).split_for_context_parallel(group, size, cp_rank)
+    with torch.no_grad():
+        logits = chunks[0](aligned.model_input_ids, aligned.model_position_ids, None)
+    log_probs, _ = vocab_parallel_log_probs_and_entropy(logits, aligned.model_labels, hf_model.config.vocab_size)
+    got = response_columns(log_probs, aligned)
+    want = _hf_response_log_probs(hf_model, batch)
+    mask = batch["response_mask"].bool()
+    torch.testing.assert_close(got[mask].double(), want[mask], atol=2e-5, rtol=0)
+
+
+def test_megatron_glm4_moe_log_probs_equal_hf_under_context_parallelism():
+    """cp=2 (upstream's GLM-4.5-Air recipe runs cp=4): each rank holds half of every sequence, RoPE
+    on the half-head rotary part at the positions of its chunks."""
+    run_distributed(_check_context_parallel_log_probs, 2)
