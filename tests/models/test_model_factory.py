@@ -205,6 +205,8 @@ def test_glm4_moe_preset_saves_and_loads_with_its_attention_and_routing(tmp_path
     from transformers import AutoModelForCausalLM
 
     make_tiny("tiny-glm4moe", str(tmp_path))
+    with open(tmp_path / "config.json") as f:  # transformers 4.x (and engines pinned to it) read it top-level
+        assert json.load(f)["partial_rotary_factor"] == 0.5
     loaded = AutoModelForCausalLM.from_pretrained(str(tmp_path))
     config = loaded.config
     assert type(loaded).__name__ == "Glm4MoeForCausalLM"

@@ -325,12 +325,17 @@ def save_model(model, tokenizer, out_dir: str) -> str:
 def add_legacy_rope_theta(config_path: str) -> None:
     """transformers 5 writes the RoPE base only inside `rope_parameters`; transformers 4.x (and the
     engines pinned to it) read a top-level `rope_theta` and would silently fall back to 10000, so a
-    rollout engine and the trainer would disagree on positions. Write both; version 5 reads either."""
+    rollout engine and the trainer would disagree on positions. Write both; version 5 reads either.
+    The same for GLM-4.5's `partial_rotary_factor` (4.x reads it top-level, defaulting to 0.5)."""
     with open(config_path) as f:
         config = json.load(f)
-    theta = (config.get("rope_parameters") or {}).get("rope_theta")
-    if theta is not None and "rope_theta" not in config:
-        config["rope_theta"] = theta
+    changed = False
+    for key in ("rope_theta", "partial_rotary_factor"):
+        value = (config.get("rope_parameters") or {}).get(key)
+        if value is not None and config.get(key) is None:
+            config[key] = value
+            changed = True
+    if changed:
         with open(config_path, "w") as f:
             json.dump(config, f, indent=2, sort_keys=True)
             f.write("\n")
