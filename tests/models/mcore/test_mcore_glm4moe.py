@@ -19,15 +19,16 @@ from tests.models.mcore.test_mcore_model import (
 )
 
 
-def _check_log_probs(rank, world_size, tp, ep, use_qk_norm):
-    hf_model = tiny_glm4moe_hf_model(use_qk_norm=use_qk_norm)
+def _check_log_probs(rank, world_size, tp, ep, use_qk_norm, head_dim=None):
+    hf_model = tiny_glm4moe_hf_model(use_qk_norm=use_qk_norm, head_dim=head_dim)
     batch = _batch()
     if ep > 1:  # each expert-parallel rank routes its own rows (they are data-parallel ranks)
         batch = {k: v.chunk(world_size // tp)[rank // tp] for k, v in batch.items()}
     chunks = build_loaded_chunks(hf_model, tp=tp, ep=ep, sequence_parallel=tp > 1)
     config = chunks[0].config
     assert config.add_qkv_bias and config.qk_layernorm == use_qk_norm
-    assert chunks[0].rotary_pos_emb.inv_freq.numel() == 16, "RoPE on 32 of the 64 head dimensions"
+    rotated = (head_dim or 64) // 2
+    assert chunks[0].rotary_pos_emb.inv_freq.numel() == rotated // 2, "RoPE on half of the head dimensions"
     layers = chunks[0].decoder.layers
     assert not hasattr(layers[0].mlp, "router"), "layer 0 is dense (first_k_dense_replace=1)"
     assert len(layers[1].mlp.experts.local_experts) == 8 // ep
@@ -40,6 +41,12 @@ def _check_log_probs(rank, world_size, tp, ep, use_qk_norm):
 @pytest.mark.parametrize("tp,ep,use_qk_norm", [(1, 1, False), (1, 1, True), (2, 1, True), (1, 2, False)])
 def test_megatron_glm4_moe_log_probs_equal_hf(tp, ep, use_qk_norm):
     run_distributed(_check_log_probs, max(tp, ep), tp, ep, use_qk_norm)
+
+
+def test_a_head_dim_other_than_hidden_over_heads_log_probs_equal_hf():
+    """GLM-4.5's heads are not hidden_size / num_attention_heads wide (128 x 96 heads on a 4096
+    model): q/k/v and o_proj are head_dim * heads, here 96 * 4 on a 256 model, at tp=2."""
+    run_distributed(_check_log_probs, 2, 2, 1, True, 96)
 
 
 def test_the_reference_depends_on_what_the_conversion_carries():
