@@ -77,6 +77,38 @@ def tiny_dsv3_hf_model(seed: int = 0, q_lora_rank: int | None = 96, rope_interle
     return _perturbed(model, seed, router_scale=0.5)
 
 
+def tiny_glm4moe_hf_model(
+    seed: int = 0, use_qk_norm: bool = False, attention_bias: bool = True, head_dim: int | None = None
+):
+    """The `tiny-glm4moe` preset (grouped-query attention with q/k/v bias and half rotary, a dense
+    first layer, 8 experts with sigmoid routing, a shared expert), every weight perturbed and the
+    routers' correction bias random (large enough to change which experts are chosen). `head_dim`
+    other than hidden / heads (GLM-4.5's own: 128 with 96 heads of a 4096 model) resizes q/k/v/o."""
+    import dataclasses
+
+    from transformers import AutoModelForCausalLM
+
+    from verl.models.factory import build_config, get_preset
+
+    preset = get_preset("tiny-glm4moe")
+    extra = dict(preset.architecture_config, use_qk_norm=use_qk_norm, attention_bias=attention_bias)
+    preset = dataclasses.replace(preset, max_position_embeddings=64, architecture_config=tuple(extra.items()))
+    if head_dim is None:
+        model, _ = build_model(preset, seed=seed, dtype="float32")
+    else:
+        config = build_config(preset)
+        config.head_dim = head_dim
+        torch.manual_seed(seed)
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model.set_experts_implementation("eager")
+    generator = torch.Generator().manual_seed(seed + 2)
+    with torch.no_grad():
+        for name, buffer in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                buffer.copy_(0.1 * torch.randn(buffer.shape, generator=generator))
+    return _perturbed(model, seed, router_scale=0.5)
+
+
 def _perturbed(model, seed: int, router_scale: float = 0.02):
     """Every weight moved by seeded noise (0.02 std; a MoE router's `router_scale`), so no test
     passes on a symmetric initialisation."""

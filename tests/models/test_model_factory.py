@@ -199,3 +199,23 @@ def test_deepseek_v3_preset_saves_and_loads_with_its_latent_attention_and_routin
     assert not hasattr(loaded.model.layers[0].mlp, "gate")  # the dense first layer
     assert loaded.model.layers[1].mlp.shared_experts.down_proj.weight.shape == (128, 32)
     assert 0.5e6 < count_parameters("tiny-dsv3") < 0.6e6
+
+
+def test_glm4_moe_preset_saves_and_loads_with_its_attention_and_routing(tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    make_tiny("tiny-glm4moe", str(tmp_path))
+    with open(tmp_path / "config.json") as f:  # transformers 4.x (and engines pinned to it) read it top-level
+        assert json.load(f)["partial_rotary_factor"] == 0.5
+    loaded = AutoModelForCausalLM.from_pretrained(str(tmp_path))
+    config = loaded.config
+    assert type(loaded).__name__ == "Glm4MoeForCausalLM"
+    assert (config.n_routed_experts, config.num_experts_per_tok, config.n_group, config.topk_group) == (8, 2, 1, 1)
+    assert config.rope_parameters["partial_rotary_factor"] == 0.5 and config.routed_scaling_factor == 2.5
+    assert config.attention_bias and not config.use_qk_norm and not config.tie_word_embeddings
+    assert config.first_k_dense_replace == 1 and config.num_nextn_predict_layers == 0
+    attention = loaded.model.layers[0].self_attn
+    assert attention.k_proj.bias.shape == (2 * HEAD_DIM,) and attention.o_proj.bias is None
+    assert not hasattr(loaded.model.layers[0].mlp, "gate")  # the dense first layer
+    assert loaded.model.layers[1].mlp.shared_experts.down_proj.weight.shape == (256, 32)
+    assert 1.3e6 < count_parameters("tiny-glm4moe") < 1.4e6

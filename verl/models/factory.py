@@ -43,8 +43,8 @@ class ModelPreset:
     """Dimensions of one preset. All sizes are counts; head_dim is always 64."""
 
     architecture: str
-    """`qwen2` (Qwen2ForCausalLM), `llama` (LlamaForCausalLM), `qwen3_moe` (Qwen3MoeForCausalLM) or
-    `deepseek_v3` (DeepseekV3ForCausalLM)."""
+    """`qwen2` (Qwen2ForCausalLM), `llama` (LlamaForCausalLM), `qwen3_moe` (Qwen3MoeForCausalLM),
+    `deepseek_v3` (DeepseekV3ForCausalLM) or `glm4_moe` (Glm4MoeForCausalLM)."""
     hidden_size: int
     num_hidden_layers: int
     num_attention_heads: int
@@ -57,7 +57,8 @@ class ModelPreset:
     rope_theta: float = 10000.0
     rms_norm_eps: float = 1e-6
     num_experts: int = 0
-    """Routed experts per layer; > 0 only for the mixture-of-experts architectures (`qwen3_moe`, `deepseek_v3`)."""
+    """Routed experts per layer; > 0 only for the mixture-of-experts architectures (`qwen3_moe`, `deepseek_v3`,
+    `glm4_moe`)."""
     num_experts_per_tok: int = 0
     """Experts each token is routed to (top-k)."""
     moe_intermediate_size: int = 0
@@ -96,9 +97,12 @@ ARCHITECTURES = {
     "llama": "LlamaConfig",
     "qwen3_moe": "Qwen3MoeConfig",
     "deepseek_v3": "DeepseekV3Config",
+    "glm4_moe": "Glm4MoeConfig",
 }
 # those whose MLPs are routed experts (see verl.models.moe)
-MOE_ARCHITECTURES = {"qwen3_moe", "deepseek_v3"}
+MOE_ARCHITECTURES = {"qwen3_moe", "deepseek_v3", "glm4_moe"}
+# those whose config names the routed experts n_routed_experts
+_N_ROUTED = {"deepseek_v3", "glm4_moe"}
 
 PRESETS: dict[str, ModelPreset] = {
     "tiny": ModelPreset(
@@ -167,6 +171,33 @@ PRESETS: dict[str, ModelPreset] = {
         description="~0.6M parameters, DeepSeek-V3 shape (latent attention, a dense first layer, 8 routed "
         "experts in 4 groups with sigmoid routing, top-4, one shared expert), for the MoE code paths",
     ),
+    "tiny-glm4moe": ModelPreset(
+        architecture="glm4_moe",
+        hidden_size=256,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        intermediate_size=256,
+        num_experts=8,
+        num_experts_per_tok=2,
+        moe_intermediate_size=32,
+        tie_word_embeddings=False,
+        architecture_config=(
+            ("first_k_dense_replace", 1),  # layer 0 dense, layers 1-2 MoE
+            ("n_shared_experts", 1),
+            ("n_group", 1),  # GLM-4.5's routing: no group limit
+            ("topk_group", 1),
+            ("routed_scaling_factor", 2.5),
+            ("norm_topk_prob", True),
+            ("attention_bias", True),  # q/k/v bias, as GLM-4.5's checkpoints
+            ("use_qk_norm", False),  # GLM-4.5-Air's; GLM-4.5 has per-head q/k norms
+            ("partial_rotary_factor", 0.5),  # RoPE on the first 32 of 64 head dimensions
+            ("num_nextn_predict_layers", 0),
+        ),
+        description="~1.3M parameters, GLM-4.5-Air shape (grouped-query attention with q/k/v bias and half "
+        "rotary, a dense first layer, 8 routed experts with sigmoid routing, top-2, one shared expert), for the "
+        "MoE code paths",
+    ),
     "qwen2.5-0.5b-shape": ModelPreset(
         architecture="qwen2",
         hidden_size=896,
@@ -218,7 +249,7 @@ def build_config(preset: ModelPreset | str, tokenizer=None):
         raise ValueError(f"preset vocab_size={vocab_size} is smaller than the tokenizer's {num_tokens} tokens")
     config_cls = getattr(transformers, ARCHITECTURES[preset.architecture])
     moe = {}
-    if preset.architecture == "deepseek_v3":  # its config names the experts n_routed_experts, sizes heads itself
+    if preset.architecture in _N_ROUTED:  # their configs name the experts n_routed_experts
         moe = dict(
             n_routed_experts=preset.num_experts,
             num_experts_per_tok=preset.num_experts_per_tok,
@@ -294,12 +325,17 @@ def save_model(model, tokenizer, out_dir: str) -> str:
 def add_legacy_rope_theta(config_path: str) -> None:
     """transformers 5 writes the RoPE base only inside `rope_parameters`; transformers 4.x (and the
     engines pinned to it) read a top-level `rope_theta` and would silently fall back to 10000, so a
-    rollout engine and the trainer would disagree on positions. Write both; version 5 reads either."""
+    rollout engine and the trainer would disagree on positions. Write both; version 5 reads either.
+    The same for GLM-4.5's `partial_rotary_factor` (4.x reads it top-level, defaulting to 0.5)."""
     with open(config_path) as f:
         config = json.load(f)
-    theta = (config.get("rope_parameters") or {}).get("rope_theta")
-    if theta is not None and "rope_theta" not in config:
-        config["rope_theta"] = theta
+    changed = False
+    for key in ("rope_theta", "partial_rotary_factor"):
+        value = (config.get("rope_parameters") or {}).get(key)
+        if value is not None and config.get(key) is None:
+            config[key] = value
+            changed = True
+    if changed:
         with open(config_path, "w") as f:
             json.dump(config, f, indent=2, sort_keys=True)
             f.write("\n")

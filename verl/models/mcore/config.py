@@ -1,5 +1,5 @@
 """HF config -> megatron-core TransformerConfig, and the GPTModel built from it (Qwen2, Llama, Qwen3-MoE,
-DeepSeek-V3).
+DeepSeek-V3, GLM-4.5).
 
 Design decisions:
 - One translation for both families: they differ only in the q/k/v bias (Qwen2 always has it,
@@ -14,6 +14,8 @@ Design decisions:
   each expert's MLP; the training side is `verl.models.mcore.moe`.
 - DeepSeek-V3: `MLATransformerConfig` and the layer spec per layer (dense first layers, then MoE
   layers with shared experts); what the family adds is in `verl.models.mcore.deepseek`.
+- GLM-4.5 (`glm4_moe`): standard grouped-query attention (q/k/v bias, partial rotary, optional
+  per-head q/k norms) with DeepSeek-V3's routing and layer pattern; see `verl.models.mcore.glm4_moe`.
 - The "local" layer spec (megatron's own modules) is used, with our `RMSNorm` (torch's, able to
   run sequence-parallel) for every norm: it runs without TransformerEngine or apex, so CPU and
   GPU build the same modules. With
@@ -62,11 +64,14 @@ __all__ = [
     "megatron_dtypes",
     "padded_vocab_size",
     "rope_theta_of",
+    "rotary_percent_of",
     "set_compute_dtype",
 ]
 
-_SUPPORTED = ("qwen2", "llama", "qwen3_moe", "deepseek_v3")
-_MOE_TYPES = ("qwen3_moe", "deepseek_v3")
+_SUPPORTED = ("qwen2", "llama", "qwen3_moe", "deepseek_v3", "glm4_moe")
+_MOE_TYPES = ("qwen3_moe", "deepseek_v3", "glm4_moe")
+# families routed as DeepSeek-V3 is (sigmoid scores, correction bias, shared experts, dense first layers)
+_SIGMOID_TYPES = ("deepseek_v3", "glm4_moe")
 
 _DTYPES = {
     "fp32": torch.float32,
@@ -142,6 +147,16 @@ def rope_theta_of(hf_config) -> float:
     return float(params.get("rope_theta", getattr(hf_config, "rope_theta", 10000.0)))
 
 
+def rotary_percent_of(hf_config) -> float:
+    """The fraction of each head's dimensions that RoPE rotates: GLM-4.5's `partial_rotary_factor`
+    (transformers 5 keeps it in `rope_parameters`), 1.0 for the other families."""
+    if hf_config.model_type != "glm4_moe":
+        return 1.0
+    from verl.models.mcore.glm4_moe import partial_rotary_factor
+
+    return partial_rotary_factor(hf_config)
+
+
 def padded_vocab_size(vocab_size: int, tp_size: int) -> int:
     """Vocabulary rounded up to a multiple of the tensor-parallel size."""
     return -(-vocab_size // tp_size) * tp_size
@@ -150,6 +165,8 @@ def padded_vocab_size(vocab_size: int, tp_size: int) -> int:
 def _has_qkv_bias(hf_config) -> bool:
     if hf_config.model_type == "qwen2":
         return True
+    if hf_config.model_type == "glm4_moe":  # its attention_bias is on q/k/v only, not on o_proj
+        return bool(getattr(hf_config, "attention_bias", False))
     if getattr(hf_config, "attention_bias", False):
         raise NotImplementedError(
             f"{hf_config.model_type} config has attention_bias=True, which also adds an o_proj bias that megatron's "
@@ -213,6 +230,10 @@ def hf_to_mcore_config(
         config_cls = MLATransformerConfig
         moe.update(deepseek_config_fields(hf_config, cp))
         head_dim = hf_config.qk_nope_head_dim + hf_config.qk_rope_head_dim
+    elif model_type == "glm4_moe":
+        from verl.models.mcore.glm4_moe import glm4_moe_config_fields
+
+        moe.update(glm4_moe_config_fields(hf_config, head_dim))
     return config_cls(
         **moe,
         num_layers=num_layers,
@@ -271,7 +292,7 @@ def _moe_fields(hf_config, megatron_cfg, tp: int, sequence_parallel: bool) -> di
         return {"moe_token_dispatcher_type": "alltoall"}
     ep = int(_get(megatron_cfg, "expert_model_parallel_size", 1))
     etp = int(_get(megatron_cfg, "expert_tensor_parallel_size", tp))
-    experts = hf_config.num_local_experts if hf_config.model_type == "deepseek_v3" else hf_config.num_experts
+    experts = hf_config.num_local_experts if hf_config.model_type in _SIGMOID_TYPES else hf_config.num_experts
     if getattr(hf_config, "mlp_only_layers", None) or int(getattr(hf_config, "decoder_sparse_step", 1) or 1) != 1:
         raise NotImplementedError(
             "qwen3_moe config has dense layers between the MoE layers (mlp_only_layers / decoder_sparse_step != 1), "
@@ -294,7 +315,7 @@ def _moe_fields(hf_config, megatron_cfg, tp: int, sequence_parallel: bool) -> di
             f"moe_intermediate_size={hf_config.moe_intermediate_size}"
         )
     family = {"qk_layernorm": True}
-    if hf_config.model_type == "deepseek_v3":  # sigmoid routing, shared experts, dense first layers
+    if hf_config.model_type in _SIGMOID_TYPES:  # sigmoid routing, shared experts, dense first layers
         from verl.models.mcore.deepseek import deepseek_moe_fields
 
         family = deepseek_moe_fields(hf_config)
@@ -369,6 +390,7 @@ def build_gpt_model(
         share_embeddings_and_output_weights=bool(hf_config.tie_word_embeddings) and not value_head,
         position_embedding_type="rope",
         rotary_base=rope_theta_of(hf_config),
+        rotary_percent=rotary_percent_of(hf_config),
         vp_stage=vp_stage,
         mtp_block_spec=mtp_block,
     )

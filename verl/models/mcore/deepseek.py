@@ -87,29 +87,31 @@ def deepseek_config_fields(hf_config, cp: int) -> dict:
 
 
 def deepseek_moe_fields(hf_config) -> dict:
-    """DeepSeek-V3's routing and layer pattern as megatron MoE fields (see the module docstring)."""
+    """DeepSeek-V3's routing and layer pattern as megatron MoE fields (see the module docstring);
+    GLM-4.5 (`glm4_moe`) routes and stacks its layers the same way."""
+    family = hf_config.model_type
     if not getattr(hf_config, "norm_topk_prob", True):
         raise NotImplementedError(
-            "deepseek_v3 config has norm_topk_prob=false; megatron's sigmoid router always renormalises the "
+            f"{family} config has norm_topk_prob=false; megatron's sigmoid router always renormalises the "
             "chosen scores, so the megatron backend would train a different model; use actor.strategy=fsdp"
         )
     if bool(getattr(hf_config, "output_router_logits", False)):
         raise NotImplementedError(
-            "actor_rollout_ref.model.override_config.output_router_logits=true on deepseek_v3: the load-balancing "
-            "loss is a softmax-router loss and DeepSeek-V3 routes by sigmoid scores with a correction bias "
+            f"actor_rollout_ref.model.override_config.output_router_logits=true on {family}: the load-balancing "
+            f"loss is a softmax-router loss and {family} routes by sigmoid scores with a correction bias "
             "(aux-loss-free); leave output_router_logits=false"
         )
     groups, topk_group = int(hf_config.n_group or 1), int(hf_config.topk_group or 1)
     topk = hf_config.num_experts_per_tok
     if groups > 1 and topk // topk_group != 2:
         raise NotImplementedError(
-            f"deepseek_v3 config with n_group={groups}: HF scores a group by its top-2 experts, megatron by its "
+            f"{family} config with n_group={groups}: HF scores a group by its top-2 experts, megatron by its "
             f"top num_experts_per_tok // topk_group = {topk} // {topk_group}; they agree only when that is 2"
         )
     dense = int(getattr(hf_config, "first_k_dense_replace", 0) or 0)
     layers = hf_config.num_hidden_layers
     if getattr(hf_config, "moe_layer_freq", 1) not in (None, 1):
-        raise NotImplementedError("deepseek_v3 config with moe_layer_freq != 1 is not built by the megatron backend")
+        raise NotImplementedError(f"{family} config with moe_layer_freq != 1 is not built by the megatron backend")
     return {
         "moe_layer_freq": [0] * dense + [1] * (layers - dense),
         "moe_shared_expert_intermediate_size": (
