@@ -165,6 +165,7 @@ def build_loaded_chunks(
             "sequence_parallel": sequence_parallel,
             "expert_model_parallel_size": ep,
             "expert_tensor_parallel_size": etp,
+            "override_transformer_config": tf_overrides,
         },
         dtype,
     )

@@ -1,7 +1,8 @@
 """Checkpoints of a megatron mixture-of-experts model reshard across expert-parallel sizes: training
 saved at ep=2 (each rank holds 2 of the 4 experts and their Adam moments) with the distributed
 optimizer resumes at ep=1 with the Adam state split over the data-parallel ranks, and its next update
-equals the uninterrupted run's."""
+equals the uninterrupted run's. A DeepSeek-V3 model (dense first layer, then MoE layers) saved on 2
+unevenly sized pipeline stages resumes on stages sized the other way, and without pipeline stages."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import pytest
 import torch
 
 from tests.distributed_helpers import run_distributed
-from tests.megatron_helpers import build_loaded_chunks, tiny_moe_hf_model
+from tests.megatron_helpers import build_loaded_chunks, tiny_dsv3_hf_model, tiny_moe_hf_model
 from tests.utils.checkpoint.test_megatron_checkpoint_manager import OPTIM, _actor_config, _data, _my_rows, _weights
 
 # float64 weights; the router computes its logits in float32 as HF's does (moe_router_dtype), so layouts
@@ -21,13 +22,24 @@ from tests.utils.checkpoint.test_megatron_checkpoint_manager import OPTIM, _acto
 ATOL = 1e-6
 
 
-def _trainer(hf_model, ep: int, zero: bool, rows: int, tp: int = 1, etp: int | None = None):
+def _trainer(
+    hf_model, ep: int, zero: bool, rows: int, tp: int = 1, etp: int | None = None, pp: int = 1, tf_overrides=None
+):
     from verl.models.mcore.moe import optimizer_state_shard_group
     from verl.utils.checkpoint.megatron_checkpoint_manager import MegatronCheckpointManager
     from verl.utils.optim import build_lr_scheduler, build_optimizer
     from verl.workers.actor.megatron_actor import MegatronPPOActor
 
-    chunks = build_loaded_chunks(hf_model, tp=tp, ep=ep, etp=etp, dtype=torch.float64, sequence_parallel=tp > 1)
+    chunks = build_loaded_chunks(
+        hf_model,
+        tp=tp,
+        ep=ep,
+        etp=etp,
+        pp=pp,
+        dtype=torch.float64,
+        sequence_parallel=tp > 1,
+        tf_overrides=tf_overrides,
+    )
     shard_over = optimizer_state_shard_group() if zero else None
     optimizer = build_optimizer([p for c in chunks for p in c.parameters()], OPTIM, shard_state_over=shard_over)
     scheduler = build_lr_scheduler(optimizer, OPTIM)
@@ -145,3 +157,61 @@ def _resume_at_ep1_with_zero(rank, world_size, ckpt_dir, tp, etp):
 @pytest.mark.parametrize("etp", [None, 1], ids=["etp2", "etp1"])
 def test_moe_checkpoint_with_distributed_optimizer_at_ep1_tp2_resumes_exactly(tmp_path, etp):
     run_distributed(_resume_at_ep1_with_zero, 4, str(tmp_path / "actor"), 2, etp)
+
+
+FIRST_ALONE = {"num_layers_in_first_pipeline_stage": 1}  # stage 0: the dense layer; stage 1: both MoE layers
+LAST_ALONE = {"num_layers_in_last_pipeline_stage": 1}  # stage 0: dense + MoE; stage 1: the last MoE layer
+
+
+def _deepseek_resume_across_pipeline_splits(rank, world_size, ckpt_dir, elsewhere):
+    """DeepSeek-V3 (`tiny-dsv3`, 3 layers) trained on 2 pipeline stages holding 1 and 2 layers, saved,
+    resumed at `elsewhere` (stages holding 2 and 1 layers, so layer 1 and its experts' weights and
+    moments change stage; or no pipeline, the rows split over 2 data-parallel ranks)."""
+    from megatron.core import parallel_state as mpu
+
+    from verl.utils.megatron.parallel_state import destroy_model_parallel
+
+    hf_model = tiny_dsv3_hf_model().double()
+    first, second = _data(1, torch.float64), _data(2, torch.float64)
+    saved = f"{ckpt_dir}/saved"
+    saving = {"ep": 1, "zero": False, "rows": 8, "pp": 2, "tf_overrides": FIRST_ALONE}
+    resuming = {"ep": 1, "zero": False, "rows": 8, "pp": 2, "tf_overrides": LAST_ALONE}
+    if elsewhere == "pp1_dp2":
+        resuming = {"ep": 1, "zero": True, "rows": 4}
+
+    def second_update(actor) -> None:
+        dp = mpu.get_data_parallel_world_size()
+        actor.update_policy(copy.deepcopy(_my_rows(second, mpu.get_data_parallel_rank(), dp)))
+
+    chunks, actor, scheduler, manager = _trainer(copy.deepcopy(hf_model), **saving)
+    assert len(chunks[0].decoder.layers) == (1 if mpu.get_pipeline_model_parallel_rank() == 0 else 2)
+    actor.update_policy(copy.deepcopy(first))
+    scheduler.step()
+    manager.save_checkpoint(saved, global_step=1)
+    second_update(actor)
+    uninterrupted = _weights(chunks, hf_model.config)
+    destroy_model_parallel()
+
+    chunks, actor, scheduler, manager = _trainer(copy.deepcopy(hf_model), **resuming)
+    manager.load_checkpoint(saved)
+    assert scheduler.last_epoch == 1
+    second_update(actor)
+    resumed = _weights(chunks, hf_model.config)
+    destroy_model_parallel()
+
+    chunks, actor, scheduler, manager = _trainer(copy.deepcopy(hf_model), **resuming)
+    manager.load_contents = ["model"]
+    manager.load_checkpoint(saved)
+    second_update(actor)
+    weights_only = _weights(chunks, hf_model.config)
+    destroy_model_parallel()
+
+    # the layer that changed stage, its experts in particular
+    _assert_resumed_exactly(uninterrupted, resumed, weights_only, [n for n in uninterrupted if ".layers.1." in n])
+
+
+@pytest.mark.parametrize(
+    "elsewhere", ["pp2_last1", pytest.param("pp1_dp2", marks=pytest.mark.slow)], ids=["pp2_last1", "pp1_dp2_zero"]
+)
+def test_deepseek_v3_checkpoint_saved_on_uneven_pipeline_stages_resumes_training_exactly(tmp_path, elsewhere):
+    run_distributed(_deepseek_resume_across_pipeline_splits, 2, str(tmp_path / "actor"), elsewhere)

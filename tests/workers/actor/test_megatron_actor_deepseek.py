@@ -1,8 +1,13 @@
 """The megatron actor trains a DeepSeek-V3 model (`tiny-dsv3`: latent attention, a dense first
 layer, sigmoid group-limited routing with a fixed correction bias, a shared expert) as the FSDP
-actor does: at ep=1, with the experts split over 2 expert-parallel ranks and at tp=2 (sequence
-parallel), one PPO update on 2 ranks gives the single-process FSDP update on the whole batch
-(losses, gradient norms, every weight, and the correction bias left where it was)."""
+actor does: at ep=1, with the experts split over 2 expert-parallel ranks, at tp=2 (sequence
+parallel) and on 2 pipeline stages, one PPO update gives the single-process FSDP update on the
+whole batch (losses, gradient norms, every weight, and the correction bias left where it was).
+
+The preset's 3 layers (dense, MoE, MoE) do not split evenly over 2 stages: the stages are sized
+as upstream's DeepSeek-V3 scripts size theirs, with `num_layers_in_first_pipeline_stage` or
+`num_layers_in_last_pipeline_stage`, so one layout puts the dense layer alone on the first stage
+and the other the dense and a MoE layer together."""
 
 from __future__ import annotations
 
@@ -16,8 +21,18 @@ from tests.megatron_helpers import assert_metrics_close, build_loaded_chunks, ti
 from tests.workers.actor.test_megatron_actor import LR, _actor_config, _gathered_weights, _training_data
 from tests.workers.actor.test_megatron_actor_moe import fsdp_reference_update
 
+# pp=2 stage sizes: (first, last) -> the layer kinds on stage 0 and stage 1
+_SPLITS = {
+    "first=1": ({"num_layers_in_first_pipeline_stage": 1}, (["dense"], ["moe", "moe"])),
+    "last=1": ({"num_layers_in_last_pipeline_stage": 1}, (["dense", "moe"], ["moe"])),
+}
 
-def _against_fsdp_actor(rank, world_size, ep, tp):
+
+def _layer_kinds(chunk) -> list[str]:
+    return ["moe" if hasattr(layer.mlp, "router") else "dense" for layer in chunk.decoder.layers]
+
+
+def _against_fsdp_actor(rank, world_size, ep, tp, pp=1, split=None):
     from megatron.core import parallel_state as mpu
 
     from verl.workers.actor.megatron_actor import MegatronPPOActor
@@ -26,10 +41,14 @@ def _against_fsdp_actor(rank, world_size, ep, tp):
     data = _training_data(hf_model)
     reference_model, want_metrics = fsdp_reference_update(hf_model, data)
 
-    chunks = build_loaded_chunks(hf_model, ep=ep, tp=tp, sequence_parallel=tp > 1)
+    overrides, kinds = _SPLITS[split] if split else (None, (["dense", "moe", "moe"],))
+    chunks = build_loaded_chunks(hf_model, ep=ep, tp=tp, pp=pp, sequence_parallel=tp > 1, tf_overrides=overrides)
     dp = mpu.get_data_parallel_world_size()
-    assert dp == world_size // tp
-    assert len(chunks[0].decoder.layers[1].mlp.experts.local_experts) == 8 // ep
+    assert dp == world_size // (tp * pp)
+    assert _layer_kinds(chunks[0]) == kinds[mpu.get_pipeline_model_parallel_rank()]
+    for layer in chunks[0].decoder.layers:
+        if hasattr(layer.mlp, "router"):
+            assert len(layer.mlp.experts.local_experts) == 8 // ep
     params = [p for chunk in chunks for p in chunk.parameters()]
     actor = MegatronPPOActor(
         _actor_config(ppo_mini_batch_size=4 // dp), chunks, hf_model.config, torch.optim.SGD(params, lr=LR)
@@ -52,3 +71,15 @@ def _against_fsdp_actor(rank, world_size, ep, tp):
 @pytest.mark.parametrize("ep,tp", [(1, 1), (2, 1), (1, 2)])
 def test_megatron_deepseek_v3_update_on_two_ranks_equals_the_fsdp_update_on_the_whole_batch(ep, tp):
     run_distributed(_against_fsdp_actor, 2, ep, tp)
+
+
+@pytest.mark.parametrize(
+    "ep,split",
+    [
+        (1, "first=1"),
+        (1, "last=1"),
+        pytest.param(2, "first=1", marks=pytest.mark.slow),  # four ranks (pp=2 x ep=2): the slow tier
+    ],
+)
+def test_megatron_deepseek_v3_update_at_pp2_equals_the_fsdp_update(ep, split):
+    run_distributed(_against_fsdp_actor, 2 * ep, ep, 1, 2, split)

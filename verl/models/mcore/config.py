@@ -63,6 +63,7 @@ __all__ = [
     "hf_to_mcore_config",
     "megatron_dtypes",
     "padded_vocab_size",
+    "pipeline_split",
     "rope_theta_of",
     "rotary_percent_of",
     "set_compute_dtype",
@@ -210,11 +211,7 @@ def hf_to_mcore_config(
     cp = int(_get(megatron_cfg, "context_parallel_size", 1))
     sequence_parallel = bool(_get(megatron_cfg, "sequence_parallel", False)) and tp > 1
     num_layers = hf_config.num_hidden_layers
-    if num_layers % (pp * (vpp or 1)):
-        raise ValueError(
-            f"the model's {num_layers} layers cannot be split evenly into pipeline_model_parallel_size={pp} x "
-            f"virtual_pipeline_model_parallel_size={vpp or 1} stages; choose sizes whose product divides {num_layers}"
-        )
+    split = pipeline_split(num_layers, pp, vpp, _get(megatron_cfg, "override_transformer_config", None))
     heads, groups = hf_config.num_attention_heads, hf_config.num_key_value_heads
     if heads % tp or groups % tp:
         raise ValueError(
@@ -266,6 +263,7 @@ def hf_to_mcore_config(
         tensor_model_parallel_size=tp,
         pipeline_model_parallel_size=pp,
         virtual_pipeline_model_parallel_size=vpp,
+        **split,
         # the interleaved schedule with batched p2p (megatron's default) deadlocks in training on
         # gloo (measured: pp=2 and pp=4 with vpp=2, variable sequence lengths); its per-direction
         # (overlapped) p2p path runs on gloo and NCCL alike
@@ -274,6 +272,79 @@ def hf_to_mcore_config(
         context_parallel_size=cp,
         sequence_parallel=sequence_parallel,
     )
+
+
+PIPELINE_SPLIT_KEYS = (
+    "num_layers_in_first_pipeline_stage",
+    "num_layers_in_last_pipeline_stage",
+    "account_for_embedding_in_pipeline_split",
+    "account_for_loss_in_pipeline_split",
+)
+
+
+def pipeline_split(num_layers: int, pp: int, vpp: int | None, overrides=None) -> dict:
+    """The TransformerConfig fields that place `num_layers` layers on `pp` stages (x `vpp` virtual
+    stages): none for the even split, else megatron's uneven-split keys taken from
+    `megatron.override_transformer_config` (upstream's DeepSeek-V3 scripts: 61 layers on 16 or 12
+    stages). They go into the config's constructor, so megatron's own offsets
+    (`get_transformer_layer_offset`, used by the layer specs and the weight converter alike)
+    and checks see them; a split that does not add up is refused here with what to change."""
+    overrides = overrides or {}
+    if _get(overrides, "pipeline_model_parallel_layout", None) is not None:
+        raise NotImplementedError(
+            "megatron.override_transformer_config.pipeline_model_parallel_layout is not supported by this megatron "
+            "backend; place the layers with num_layers_in_first_pipeline_stage / num_layers_in_last_pipeline_stage "
+            "(or account_for_embedding_in_pipeline_split / account_for_loss_in_pipeline_split) instead"
+        )
+    split = {key: _get(overrides, key, None) for key in PIPELINE_SPLIT_KEYS}
+    split = {key: value for key, value in split.items() if value is not None and value is not False}
+    stages = vpp or 1
+    prefix = "megatron.override_transformer_config."
+    if not split:
+        if num_layers % (pp * stages):
+            raise ValueError(
+                f"the model's {num_layers} layers cannot be split evenly into pipeline_model_parallel_size={pp} x "
+                f"virtual_pipeline_model_parallel_size={stages} stages; choose sizes whose product divides "
+                f"{num_layers}, or set {prefix}num_layers_in_first_pipeline_stage / "
+                "num_layers_in_last_pipeline_stage for an uneven split"
+            )
+        return {}
+    given = ", ".join(f"{prefix}{key}={value}" for key, value in split.items())
+    if pp == 1:
+        raise ValueError(f"{given} places layers on pipeline stages, but pipeline_model_parallel_size=1; remove it")
+    first = split.get("num_layers_in_first_pipeline_stage")
+    last = split.get("num_layers_in_last_pipeline_stage")
+    if first is not None or last is not None:
+        if any(k.startswith("account_for") for k in split):
+            raise ValueError(
+                f"{given}: the first/last stage sizes and account_for_*_in_pipeline_split are two ways to place the "
+                "layers (megatron refuses both at once); keep one of them"
+            )
+        ends = [n for n in (first, last) if n is not None]
+        if any(not isinstance(n, int) or isinstance(n, bool) or n < 1 or n % stages for n in ends):
+            raise ValueError(
+                f"{given}: each must be a positive integer, divisible by virtual_pipeline_model_parallel_size={stages}"
+            )
+        middle_layers, middle_stages = num_layers - sum(ends), pp - len(ends)
+        if middle_layers < 0 or (middle_stages == 0) != (middle_layers == 0):
+            raise ValueError(
+                f"{given} with pipeline_model_parallel_size={pp}: the model's {num_layers} layers leave "
+                f"{middle_layers} layers for {middle_stages} middle stages; every stage needs layers and every layer "
+                "a stage, so change the sizes"
+            )
+        if middle_stages and middle_layers % (middle_stages * stages):
+            raise ValueError(
+                f"{given}: the {middle_layers} layers left for the {middle_stages} middle stages do not split evenly "
+                f"(x virtual_pipeline_model_parallel_size={stages}); change the first/last stage sizes"
+            )
+        return split
+    counted = num_layers + len(split)  # the embedding and/or the loss each counted as one layer
+    if counted % (pp * stages):
+        raise ValueError(
+            f"{given}: the model's {num_layers} layers plus {len(split)} counted for the embedding/loss make {counted}, "
+            f"which pipeline_model_parallel_size={pp} x virtual_pipeline_model_parallel_size={stages} must divide"
+        )
+    return split
 
 
 def _moe_fields(hf_config, megatron_cfg, tp: int, sequence_parallel: bool) -> dict:

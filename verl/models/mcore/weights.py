@@ -334,10 +334,11 @@ def mcore_to_hf_named_tensors(model_chunks, hf_config, value_head: bool = False)
     heads, groups, head_dim = _shape(hf_config)
     hidden, vocab = hf_config.hidden_size, hf_config.vocab_size
 
-    def emit(name, local_fn, owner, shape):
-        """Gather on the owner stage (local_fn runs only there), then broadcast along the pipeline."""
+    def emit(name, local_fn, owner, shape, tensor_dtype=None):
+        """Gather on the owner stage (local_fn runs only there), then broadcast along the pipeline;
+        `tensor_dtype` for a tensor not in the parameters' dtype (the float32 router bias)."""
         full = local_fn() if pp_rank == owner else None
-        return name, _from_owner(full, owner, shape, dtype, device)
+        return name, _from_owner(full, owner, shape, tensor_dtype or dtype, device)
 
     def vocab_weight(param):
         return lambda: torch.cat(_tp_gather(param.detach(), 0))[:vocab]
@@ -451,9 +452,10 @@ def _experts_to_hf(dst: str, local_param, emit, owner: int, hf_config, tf_config
     if tf_config.moe_router_score_function == "sigmoid":
         yield emit(
             f"{dst}mlp.gate.e_score_correction_bias",
-            lambda: local_param("mlp.router.expert_bias").clone(),
+            lambda: local_param("mlp.router.expert_bias").to(torch.float32, copy=True),
             owner,
             (experts,),
+            torch.float32,  # megatron keeps the bias in float32 whatever the parameters' dtype
         )
 
     def ep_gather(local: torch.Tensor) -> torch.Tensor:
