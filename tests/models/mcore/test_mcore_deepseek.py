@@ -50,15 +50,83 @@ def test_the_correction_bias_changes_the_routing():
     assert not torch.equal(chosen.sort(-1).values, unbiased.sort(-1).values)
 
 
-def _check_round_trip(rank, world_size, tp, pp, ep):
+# uneven pipeline stages for the 3 layers at pp=2 -> the global layers of stage 0 and stage 1
+_PP2_SPLITS = {
+    "first=1": ({"num_layers_in_first_pipeline_stage": 1}, ([0], [1, 2])),
+    "last=1": ({"num_layers_in_last_pipeline_stage": 1}, ([0, 1], [2])),
+    "embedding": ({"account_for_embedding_in_pipeline_split": True}, ([0], [1, 2])),
+    "loss": ({"account_for_loss_in_pipeline_split": True}, ([0, 1], [2])),
+}
+
+
+def _check_round_trip(rank, world_size, tp, pp, ep, split=None):
+    from megatron.core import parallel_state as mpu
+
     hf_model = tiny_dsv3_hf_model()
-    chunks = build_loaded_chunks(hf_model, tp=tp, pp=pp, ep=ep, sequence_parallel=tp > 1)
+    overrides, stage_layers = _PP2_SPLITS[split] if split else (None, None)
+    chunks = build_loaded_chunks(hf_model, tp=tp, pp=pp, ep=ep, sequence_parallel=tp > 1, tf_overrides=overrides)
+    if split:  # each stage builds its own layers' kinds: layer 0 dense, 1 and 2 MoE
+        want = stage_layers[mpu.get_pipeline_model_parallel_rank()]
+        layers = chunks[0].decoder.layers
+        assert [layer.layer_number - 1 for layer in layers] == want
+        assert [hasattr(layer.mlp, "router") for layer in layers] == [i > 0 for i in want]
     assert_hf_round_trip_exact(chunks, hf_model)
 
 
-@pytest.mark.parametrize("tp,pp,ep", [(1, 1, 1), (2, 1, 1), (1, 1, 2), (1, 3, 1)])
-def test_hf_to_megatron_deepseek_v3_to_hf_round_trip_is_bit_exact(tp, pp, ep):
-    run_distributed(_check_round_trip, max(tp * pp, ep * pp), tp, pp, ep)
+@pytest.mark.parametrize(
+    "tp,pp,ep,split",
+    [
+        (1, 1, 1, None),
+        (2, 1, 1, None),
+        (1, 1, 2, None),
+        (1, 3, 1, None),
+        (1, 2, 1, "first=1"),
+        (1, 2, 1, "last=1"),
+        (1, 2, 1, "embedding"),
+        (1, 2, 1, "loss"),
+        pytest.param(1, 2, 2, "first=1", marks=pytest.mark.slow),  # four ranks: the slow tier
+    ],
+)
+def test_hf_to_megatron_deepseek_v3_to_hf_round_trip_is_bit_exact(tp, pp, ep, split):
+    run_distributed(_check_round_trip, max(tp * pp, ep * pp), tp, pp, ep, split)
+
+
+@pytest.mark.parametrize(
+    "pp,overrides,message",
+    [
+        (2, {}, "cannot be split evenly .* or set megatron.override_transformer_config.num_layers_in_first"),
+        (1, {"num_layers_in_first_pipeline_stage": 1}, "pipeline_model_parallel_size=1; remove it"),
+        (2, {"num_layers_in_first_pipeline_stage": 0}, "must be a positive integer"),
+        (2, {"num_layers_in_first_pipeline_stage": 3}, "leave 0 layers for 1 middle stages"),
+        (2, {"num_layers_in_first_pipeline_stage": 1, "num_layers_in_last_pipeline_stage": 1}, "leave 1 layers for 0"),
+        (3, {"num_layers_in_first_pipeline_stage": 1, "num_layers_in_last_pipeline_stage": 1}, None),
+        (4, {"num_layers_in_last_pipeline_stage": 1}, "2 layers left for the 3 middle stages do not split evenly"),
+        (
+            2,
+            {"num_layers_in_first_pipeline_stage": 1, "account_for_loss_in_pipeline_split": True},
+            "keep one of them",
+        ),
+        (
+            2,
+            {"account_for_embedding_in_pipeline_split": True, "account_for_loss_in_pipeline_split": True},
+            "make 5, which pipeline_model_parallel_size=2",
+        ),
+        (2, {"pipeline_model_parallel_layout": "Et|tt|L"}, "pipeline_model_parallel_layout is not supported"),
+    ],
+)
+def test_pipeline_stage_sizes_that_do_not_add_up_are_refused(pp, overrides, message):
+    """The 3 layers on `pp` stages: an even split needs pp to divide 3; the uneven-split keys of
+    `override_transformer_config` must leave every stage layers and every layer a stage."""
+    from verl.models.mcore import hf_to_mcore_config
+
+    megatron_cfg = {"pipeline_model_parallel_size": pp, "override_transformer_config": overrides}
+    if message is None:  # 1 + 1 + 1: a valid split reaches megatron's config as given
+        tf_config = hf_to_mcore_config(tiny_dsv3_hf_model().config, megatron_cfg)
+        assert tf_config.num_layers_in_first_pipeline_stage == tf_config.num_layers_in_last_pipeline_stage == 1
+        return
+    error = NotImplementedError if "layout" in message else ValueError
+    with pytest.raises(error, match=message):
+        hf_to_mcore_config(tiny_dsv3_hf_model().config, megatron_cfg)
 
 
 @pytest.mark.parametrize(
