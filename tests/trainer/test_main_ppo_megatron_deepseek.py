@@ -1,8 +1,10 @@
 """`main_ppo --config-name=arith_demo_megatron` end to end with the DeepSeek-V3 preset on CPU: the
 tiny-dsv3 model (latent attention, a dense first layer, sigmoid group-limited routing, a shared
-expert) trains two GRPO steps on 2 megatron workers with the experts split over them (ep=2), and
-the step-2 checkpoint merges back into a `DeepseekV3ForCausalLM` with moved weights and the
-routers' correction bias as it was."""
+expert) trains two GRPO steps on 2 megatron workers with the experts split over them (ep=2), or
+on 2 pipeline stages sized as upstream's DeepSeek-V3 scripts size theirs
+(`override_transformer_config.num_layers_in_first_pipeline_stage`: the dense layer alone on the
+first stage, the 2 MoE layers on the second), and the step-2 checkpoint merges back into a
+`DeepseekV3ForCausalLM` with moved weights and the routers' correction bias as it was."""
 
 from __future__ import annotations
 
@@ -14,7 +16,17 @@ from tests.trainer.main_ppo_runs import common_overrides, main_ppo_cmd, read_met
 pytestmark = pytest.mark.slow  # the slow tier (make test-all, CI): see docs/testing.md
 
 
-def test_grpo_trains_a_deepseek_v3_model_at_ep2_and_merges(tmp_path, shared_ray_cluster):
+LAYOUTS = {
+    "ep2": ["actor_rollout_ref.actor.megatron.expert_model_parallel_size=2"],
+    "pp2": [
+        "actor_rollout_ref.actor.megatron.pipeline_model_parallel_size=2",
+        "+actor_rollout_ref.actor.megatron.override_transformer_config.num_layers_in_first_pipeline_stage=1",
+    ],
+}
+
+
+@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+def test_grpo_trains_a_deepseek_v3_model_and_merges(tmp_path, shared_ray_cluster, layout):
     from transformers import AutoModelForCausalLM
 
     from verl.model_merger.__main__ import main as merger
@@ -30,7 +42,7 @@ def test_grpo_trains_a_deepseek_v3_model_at_ep2_and_merges(tmp_path, shared_ray_
     run_main_ppo(
         main_ppo_cmd(
             "arith_demo_megatron",
-            "actor_rollout_ref.actor.megatron.expert_model_parallel_size=2",
+            *LAYOUTS[layout],
             # a random-init model never solves the task (every GRPO advantage is 0): an entropy bonus gives
             # the update a gradient
             "actor_rollout_ref.actor.entropy_coeff=0.01",
