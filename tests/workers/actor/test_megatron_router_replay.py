@@ -4,7 +4,9 @@ The old-log-prob pass records each token's experts (checked against the HF model
 router logits); the update's forward routes to exactly those experts after the router weights
 moved (read from the routers' outputs by forward hooks; without replay a quarter or more of the
 tokens move); without a reason to differ (one mini-batch, one step) a replayed update is the
-disabled update bit for bit; and ep=2, tp=2 and cp=2 with replay give the ep=1 update.
+disabled update bit for bit; ep=2, tp=2 and cp=2 with replay give the ep=1 update; and on
+DeepSeek-V3 over 2 pipeline stages (slow) R2 records the one-stage routing and R2 and R3 make the
+one-stage update.
 """
 
 from __future__ import annotations
@@ -300,3 +302,65 @@ def _recomputed_backward_replays_too(rank, world_size):
 
 def test_activation_recomputation_replays_the_recorded_experts_in_the_backward():
     run_distributed(_recomputed_backward_replays_too, 1)
+
+
+def _deepseek_update(rank, world_size, pp, mode, out_dir):
+    """DeepSeek-V3 (`tiny-dsv3`: a dense first layer, then 2 MoE layers with sigmoid group-limited
+    routing and a correction bias) recorded, its routers moved, then updated in two mini-batches.
+    At pp=2 the first stage holds only the dense layer (`num_layers_in_first_pipeline_stage=1`): it
+    records nothing and the second stage both MoE layers, under 1F1B."""
+    from megatron.core import parallel_state as mpu
+
+    from tests.megatron_helpers import tiny_dsv3_hf_model
+    from verl.models.mcore import mcore_to_hf_named_tensors
+    from verl.workers.actor.megatron_actor import MegatronPPOActor
+
+    hf_model = tiny_dsv3_hf_model()
+    overrides = {"num_layers_in_first_pipeline_stage": 1} if pp > 1 else None
+    chunks = build_loaded_chunks(hf_model, pp=pp, tf_overrides=overrides)
+    assert mpu.get_pipeline_model_parallel_world_size() == pp
+    params = [p for chunk in chunks for p in chunk.parameters()]
+    actor = MegatronPPOActor(_config(mode), chunks, hf_model.config, torch.optim.SGD(params, lr=LR))
+    data = _batch()
+    if mode == "R3":  # the rollout's routing: here the pp=1 R2 pass's recording
+        data.batch["routed_experts"] = torch.load(f"{out_dir}/R2_pp1.pt")["routed"]
+    recorded = _record(actor, data)
+    if mode == "disabled":
+        assert "routed_experts" not in recorded.batch
+    else:
+        assert recorded.batch["routed_experts"].shape == (8, 11, 2, 4)
+    _shift_routers(actor.model_chunks)  # replay matters in both mini-batches
+    metrics = actor.update_policy(recorded)
+    weights = dict(mcore_to_hf_named_tensors(actor.model_chunks, hf_model.config))
+    if rank == 0:
+        routed = recorded.batch["routed_experts"] if mode != "disabled" else None
+        torch.save(
+            {"metrics": metrics, "weights": weights, "routed": routed, "old": recorded.batch["old_log_probs"]},
+            f"{out_dir}/{mode}_pp{pp}.pt",
+        )
+
+
+@pytest.mark.slow  # three runs, about 20 s on 2 CPU cores
+def test_deepseek_v3_replay_over_two_pipeline_stages_equals_one_stage(tmp_path):
+    """R2 on DeepSeek-V3 at pp=2 (a stage without MoE layers, 1F1B) records exactly the pp=1 routing
+    and makes the pp=1 replayed update; without replay the update differs (the routers moved)."""
+    run_distributed(_deepseek_update, 1, 1, "R2", str(tmp_path))
+    run_distributed(_deepseek_update, 1, 1, "disabled", str(tmp_path))
+    run_distributed(_deepseek_update, 2, 2, "R2", str(tmp_path))
+    want, got = torch.load(tmp_path / "R2_pp1.pt"), torch.load(tmp_path / "R2_pp2.pt")
+    assert torch.equal(got["routed"], want["routed"])
+    assert_same_update(got, want)
+    unpinned = torch.load(tmp_path / "disabled_pp1.pt")["weights"]
+    gap = max(float((unpinned[n] - w).abs().max()) for n, w in want["weights"].items())
+    assert gap > 1e-3, f"replay should change the update after the routers moved (gap {gap:.1e})"
+
+
+@pytest.mark.slow  # three runs, about 20 s on 2 CPU cores
+def test_deepseek_v3_r3_over_two_pipeline_stages_equals_one_stage(tmp_path):
+    """R3 (both passes replay the batch's routing) at pp=2 gives the pp=1 old log-probs and update."""
+    run_distributed(_deepseek_update, 1, 1, "R2", str(tmp_path))  # the routing R3 replays
+    run_distributed(_deepseek_update, 1, 1, "R3", str(tmp_path))
+    run_distributed(_deepseek_update, 2, 2, "R3", str(tmp_path))
+    want, got = torch.load(tmp_path / "R3_pp1.pt"), torch.load(tmp_path / "R3_pp2.pt")
+    torch.testing.assert_close(got["old"], want["old"], atol=1e-5, rtol=0)
+    assert_same_update(got, want)

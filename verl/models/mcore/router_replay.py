@@ -35,11 +35,19 @@ Design decisions:
   the process (the actor's, the reference's and a critic's routers would be mixed).
 - A replayed micro-batch's targets stay set until the next micro-batch's forward, so activation
   recomputation in its backward replays the same experts. This holds because without pipeline
-  parallelism megatron runs each micro-batch's forward and backward back to back; with pipeline
-  parallelism (1F1B interleaves them, and each stage holds part of the layers) replay is refused.
-- Supported layouts: tp (with sequence parallelism), cp, ep and etp, dp. Not done: pp > 1 (see
-  above), the FSDP actor, the critic and the reference (neither has a probability ratio whose
-  two passes must agree; upstream reads the actor's key only).
+  parallelism megatron runs each micro-batch's forward and backward back to back.
+- Pipeline parallelism (pp > 1): each stage's routers are a slice of the model's MoE layers; each
+  knows its layers' columns of `routed_experts` (a stage may hold none: DeepSeek-V3's dense first
+  layers). Replay sets a stage's targets in its forward of a micro-batch; 1F1B runs later
+  micro-batches' forwards before an earlier one's backward, which is right only because the
+  backward does not route again, so activation recomputation with pp > 1 is refused, as is the
+  virtual pipeline (one chunk per stage is tracked). Recording queues each forward's choice per
+  layer; only the last stage sees the micro-batch results, so after the pass every stage turns its
+  queue into its columns of every micro-batch and the stages' columns are all-gathered over the
+  pipeline group (one object all-gather of layers x top_k bytes a token per pass).
+- Supported layouts: tp (with sequence parallelism), cp, ep and etp, dp, pp (as above). Not done:
+  virtual pipeline, the FSDP actor, the critic and the reference (neither has a probability ratio
+  whose two passes must agree; upstream reads the actor's key only).
 """
 
 from __future__ import annotations
@@ -60,7 +68,9 @@ class _LayerRouting:
 
     def __init__(self):
         self.action: str | None = None  # None: megatron's own top-k; "record"; "replay"
-        self.recorded: torch.Tensor | None = None  # [tokens, k], the last forward's choice
+        # [tokens, k] per forward not yet collected, oldest first (on a pipeline stage that is not the
+        # last, a pass's micro-batches are collected after the schedule)
+        self.recorded: list[torch.Tensor] = []
         self.target: torch.Tensor | None = None  # [tokens, k], what to replay; -1: the router's own choice
 
     def get_replay_topk(self, scores, topk, num_groups=None, group_topk=None, default_compute_topk=None):
@@ -76,8 +86,33 @@ class _LayerRouting:
             return scores.gather(1, indices), indices
         values, indices = default_compute_topk(scores, topk, num_groups, group_topk)
         if self.action == "record":
-            self.recorded = indices.detach()
+            self.recorded.append(indices.detach())
         return values, indices
+
+
+def _has_router(layer) -> bool:
+    return hasattr(layer.mlp, "router")
+
+
+def _check_pipelined(config, mode: str, num_chunks: int) -> None:
+    """Replay over pipeline stages: one model chunk a stage, no activation recomputation.
+
+    The 1F1B schedule runs up to pp micro-batches' forwards before their backwards, so a layer's
+    replay targets are those of its latest forward when an earlier micro-batch's backward runs: right
+    without recomputation (the backward never routes again), wrong with it. Interleaved chunks are
+    not tracked (each would need its own record queue in the interleaved order)."""
+    if num_chunks > 1:
+        raise NotImplementedError(
+            f"{_KEY}={mode} with actor.megatron.virtual_pipeline_model_parallel_size={num_chunks}: replay tracks one "
+            "model chunk per pipeline stage; set virtual_pipeline_model_parallel_size=null"
+        )
+    if config.recompute_granularity is not None:
+        raise NotImplementedError(
+            f"{_KEY}={mode} with pipeline_model_parallel_size={config.pipeline_model_parallel_size} and activation "
+            f"recomputation (recompute_granularity={config.recompute_granularity}): 1F1B recomputes a micro-batch's "
+            "routers after later micro-batches' forwards have replaced their targets; turn recomputation off "
+            "(override_transformer_config.recompute_granularity=null) or set pipeline_model_parallel_size=1"
+        )
 
 
 class MegatronRouterReplay:
@@ -96,29 +131,42 @@ class MegatronRouterReplay:
             return
         from megatron.core.transformer.moe.router import TopKRouter
 
+        from verl.models.mcore.deepseek import is_moe_layer
+
         routers = [m for chunk in model_chunks for m in chunk.modules() if isinstance(m, TopKRouter)]
-        if not routers:
+        config = model_chunks[0].config
+        self.pipelined = config.pipeline_model_parallel_size > 1
+        # with pipeline stages a stage may hold no MoE layer (DeepSeek-V3's dense first layers)
+        self.num_layers = (
+            sum(is_moe_layer(config, i) for i in range(config.num_layers)) if self.pipelined else len(routers)
+        )
+        if not self.num_layers:
             raise ValueError(
                 f"{_KEY}={mode} replays mixture-of-experts routing, but this model has no MoE layers; "
                 f"set {_KEY}=disabled"
             )
-        if not hasattr(routers[0], "router_replay"):
+        if routers and not hasattr(routers[0], "router_replay"):
             raise NotImplementedError(
                 f"{_KEY}={mode} needs megatron-core's router replay hook (TopKRouter.router_replay, "
                 "megatron-core 0.16 or newer); upgrade megatron-core or set the mode to disabled"
             )
-        config = model_chunks[0].config
-        if config.pipeline_model_parallel_size > 1:
-            raise NotImplementedError(
-                f"{_KEY}={mode} with actor.megatron.pipeline_model_parallel_size="
-                f"{config.pipeline_model_parallel_size}: each stage holds part of the MoE layers and 1F1B "
-                "interleaves micro-batches, which this replay does not track; set pipeline_model_parallel_size=1 "
-                "(expert, tensor and context parallelism are supported) or the mode to disabled"
-            )
+        if self.pipelined:
+            _check_pipelined(config, mode, len(model_chunks))
+            # this stage's routers are a slice of the model's MoE layers: their columns in routed_experts
+            globals_ = [layer.layer_number - 1 for layer in model_chunks[0].decoder.layers if _has_router(layer)]
+            self.columns = [sum(is_moe_layer(config, i) for i in range(g)) for g in globals_]
+            if len(self.columns) != len(routers):
+                raise NotImplementedError(
+                    f"{_KEY}={mode} with pipeline stages: this stage has {len(routers)} routers but "
+                    f"{len(self.columns)} MoE decoder layers (MTP layers?); replay them without pipeline parallelism"
+                )
+        else:
+            self.columns = list(range(len(routers)))
         self.layers = [_LayerRouting() for _ in routers]
         for router, layer in zip(routers, self.layers, strict=True):
             router.router_replay = layer
-        self.top_k = int(routers[0].topk)
+        self._pending: list[dict] = []  # pipelined recording: this stage's micro-batches, in order
+        self.top_k = int(config.moe_router_topk)
         self.num_experts = int(config.num_moe_experts)
         self.dtype = routing_dtype(self.num_experts)
         self.sequence_parallel = bool(config.sequence_parallel) and config.tensor_model_parallel_size > 1
@@ -143,8 +191,9 @@ class MegatronRouterReplay:
     def stop(self) -> None:
         self._set_action(None)
         if self.enabled:
+            self._pending = []
             for layer in self.layers:
-                layer.recorded = layer.target = None
+                layer.recorded, layer.target = [], None
 
     @property
     def recording(self) -> bool:
@@ -159,24 +208,27 @@ class MegatronRouterReplay:
     # ------------------------------------------------------------------ per micro-batch
 
     def before_forward(self, micro_batch: dict) -> None:
-        """Set every layer's replay targets from the micro-batch's `routed_experts` (replay only)."""
+        """Set every layer's replay targets from the micro-batch's `routed_experts` (replay); with
+        pipeline stages, note the micro-batch whose routing this stage is about to record."""
+        if self._action == "record" and self.pipelined:
+            self._pending.append(micro_batch)
         if self._action != "replay":
             return
         tokens = self._to_model_tokens(micro_batch[ROUTED_EXPERTS], micro_batch["_aligned"])
-        for i, layer in enumerate(self.layers):
-            layer.target = tokens[:, i]
+        for column, layer in zip(self.columns, self.layers, strict=True):
+            layer.target = tokens[:, column]
 
     def recorded(self, micro_batch: dict) -> torch.Tensor:
         """[b, S, num_layers, top_k] routing of the micro-batch whose forward just ran, over the
         columns of its `input_ids` (zeros at padding); the same on every rank of the replica."""
         aligned = micro_batch["_aligned"]
-        missing = [i for i, layer in enumerate(self.layers) if layer.recorded is None]
+        missing = [column for column, layer in zip(self.columns, self.layers, strict=True) if not layer.recorded]
         if missing:
             raise RuntimeError(f"router replay: MoE layers {missing} recorded no routing in this forward")
         rows = aligned.input_ids.shape[0]
-        tokens = torch.stack([layer.recorded for layer in self.layers], dim=1)  # [s*b, n, k]
-        for layer in self.layers:
-            layer.recorded = None
+        if not self.layers:  # a pipeline stage of dense layers only
+            return torch.zeros((rows, micro_batch["input_ids"].shape[1], 0, self.top_k), dtype=self.dtype)
+        tokens = torch.stack([layer.recorded.pop(0) for layer in self.layers], dim=1)  # [s*b, n, k]
         per_column = tokens.view(-1, rows, len(self.layers), self.top_k)  # [s, b, n, k]: sequence first
         if self.sequence_parallel:
             from megatron.core import parallel_state as mpu
@@ -195,14 +247,28 @@ class MegatronRouterReplay:
         out[rows_index[real], aligned.source_columns[real]] = aligned_routing[real]
         return out.to(self.dtype)
 
+    def pipeline_recorded(self, device) -> torch.Tensor:
+        """The whole model's [B, S, num_layers, top_k] routing of a pass over pipeline stages: each
+        stage collects its own MoE layers' recording of every micro-batch (in the schedule's order,
+        the same on every stage), and the stages' columns are gathered over the pipeline group and
+        joined in layer order. The same on every rank; call it on every stage after the schedule."""
+        from megatron.core import parallel_state as mpu
+
+        mine = torch.cat([self.recorded(micro_batch).cpu() for micro_batch in self._pending], dim=0)
+        self._pending = []
+        group = mpu.get_pipeline_model_parallel_group()
+        stages = [None] * dist.get_world_size(group)
+        dist.all_gather_object(stages, mine, group=group)
+        return torch.cat(stages, dim=2).to(device)
+
     def _to_model_tokens(self, routing: torch.Tensor, aligned) -> torch.Tensor:
         """[b, S, n, k] over the padded columns -> [tokens, n, k] in the order this rank's routers see
         their tokens (module docstring)."""
         rows, _, layers, top_k = routing.shape
-        if layers != len(self.layers) or top_k != self.top_k:
+        if layers != self.num_layers or top_k != self.top_k:
             raise ValueError(
                 f"{ROUTED_EXPERTS} has {layers} layers x top-{top_k} per token, but this model has "
-                f"{len(self.layers)} MoE layers x top-{self.top_k}: it was recorded with another model"
+                f"{self.num_layers} MoE layers x top-{self.top_k}: it was recorded with another model"
             )
         index = aligned.source_columns[..., None, None].expand(-1, -1, layers, top_k)
         chosen = torch.gather(routing.long(), 1, index)  # [b, L, n, k]

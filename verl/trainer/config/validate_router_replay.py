@@ -1,7 +1,7 @@
 """Rules of MoE router replay (`actor.router_replay`, `rollout.enable_rollout_routing_replay`).
 
-Split from validate.py. R2 and R3 run on a megatron actor without pipeline parallelism
-(verl/models/mcore/router_replay.py); R3 replays the routing the built-in engine records while it
+Split from validate.py. R2 and R3 run on a megatron actor, over pipeline stages only without
+virtual pipeline or activation recomputation (verl/models/mcore/router_replay.py); R3 replays the routing the built-in engine records while it
 generates, so it needs that engine and its recording switched on, in plain generation or agent loops
 (each episode carries its last model call's routing); partial rollouts are refused (a resumed row's
 routing would come from two policies). Whether the model is MoE is checked when it is built.
@@ -12,7 +12,7 @@ from __future__ import annotations
 
 def _check_router_replay(c: dict, errors: list[str]):
     """MoE router replay (verl/models/mcore/router_replay.py): modes R2 and R3 on a megatron actor
-    without pipeline parallelism; R3 replays what the built-in engine records
+    (with pipeline stages: no virtual pipeline, no activation recomputation); R3 replays what the built-in engine records
     (`rollout.enable_rollout_routing_replay`). Whether the model is MoE is checked when it is built."""
     arr = c["actor_rollout_ref"]
     key = "actor_rollout_ref.actor.router_replay.mode"
@@ -33,12 +33,20 @@ def _check_router_replay(c: dict, errors: list[str]):
             f"set strategy=megatron or {key}=disabled"
         )
         return
-    pp = arr["actor"]["megatron"]["pipeline_model_parallel_size"]
-    if pp != 1:
+    megatron = arr["actor"]["megatron"]
+    pp, vpp = megatron["pipeline_model_parallel_size"], megatron["virtual_pipeline_model_parallel_size"]
+    if pp != 1 and vpp not in (None, 1):
         errors.append(
-            f"{key}={mode} with actor_rollout_ref.actor.megatron.pipeline_model_parallel_size={pp}: replay is "
-            "implemented without pipeline parallelism (expert, tensor and context parallelism are supported); set "
-            f"it to 1 or {key}=disabled"
+            f"{key}={mode} with actor_rollout_ref.actor.megatron.virtual_pipeline_model_parallel_size={vpp}: replay "
+            "over pipeline stages tracks one model chunk per stage; set it to null"
+        )
+    recompute = (megatron.get("override_transformer_config") or {}).get("recompute_granularity")
+    if pp != 1 and recompute is not None:
+        errors.append(
+            f"{key}={mode} with pipeline_model_parallel_size={pp} and "
+            f"actor_rollout_ref.actor.megatron.override_transformer_config.recompute_granularity={recompute}: 1F1B "
+            "recomputes a micro-batch's routers after later micro-batches' forwards replaced their replay targets; "
+            "set recompute_granularity=null or pipeline_model_parallel_size=1"
         )
 
 

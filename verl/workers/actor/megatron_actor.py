@@ -361,7 +361,7 @@ class MegatronPPOActor(PPOActor):
         def loss_fn(micro_batch, output):
             entropy, log_probs = self._micro_batch_outputs(micro_batch, temperature, calculate_entropy, output)
             result = {"log_probs": log_probs, "entropy": entropy}
-            if replay.recording:
+            if replay.recording and not replay.pipelined:  # over pipeline stages: collected after the schedule
                 result[ROUTED_EXPERTS] = replay.recorded(micro_batch)
             return output.new_zeros(()), result
 
@@ -369,7 +369,9 @@ class MegatronPPOActor(PPOActor):
         outputs = {"log_probs": torch.cat([r["log_probs"] for r in results], dim=0)}
         if calculate_entropy:
             outputs["entropy"] = torch.cat([r["entropy"] for r in results], dim=0)
-        if replay.recording:
+        if replay.recording and replay.pipelined:  # every stage records its own MoE layers
+            outputs[ROUTED_EXPERTS] = replay.pipeline_recorded(outputs["log_probs"].device)
+        elif replay.recording:
             outputs[ROUTED_EXPERTS] = torch.cat([r[ROUTED_EXPERTS] for r in results], dim=0)
         if reverse_idx is not None:
             outputs = {k: v[reverse_idx.to(v.device)] for k, v in outputs.items()}
