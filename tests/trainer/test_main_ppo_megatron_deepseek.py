@@ -76,3 +76,32 @@ def test_grpo_trains_a_deepseek_v3_model_and_merges(tmp_path, shared_ray_cluster
         assert not merged[name].equal(before[name]), f"two steps must have moved {name}"
     bias = "model.layers.1.mlp.gate.e_score_correction_bias"
     assert before[bias].abs().min() > 0 and merged[bias].equal(before[bias]), "the correction bias is not trained"
+
+
+def test_grpo_with_router_replay_r2_on_deepseek_v3_at_pp2(tmp_path, shared_ray_cluster):
+    """R2 over 2 pipeline stages, the first holding only the dense layer: the old-log-prob pass
+    records both MoE layers' routing on the second stage, the driver carries it, and the second
+    mini-batch replays it (the actor refuses an update with old log-probs and no recording)."""
+    from tests.trainer.test_main_ppo_megatron_moe import _assert_two_updates_after_an_old_log_prob_pass
+    from verl.models.factory import make_tiny
+
+    model_path = make_tiny("tiny-dsv3", str(tmp_path / "tiny-dsv3"))
+    run = tmp_path / "r2"
+    run_main_ppo(
+        main_ppo_cmd(
+            "arith_demo_megatron",
+            *LAYOUTS["pp2"],
+            "actor_rollout_ref.actor.router_replay.mode=R2",
+            "data.train_batch_size=4",
+            "actor_rollout_ref.rollout.n=4",
+            "actor_rollout_ref.actor.ppo_mini_batch_size=2",
+            "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=4",
+            "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=4",
+            "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu=4",
+            "actor_rollout_ref.actor.entropy_coeff=0.01",  # a gradient although every GRPO advantage is 0
+            *common_overrides(run, 2, model=model_path),
+        ),
+        run,
+        cluster=shared_ray_cluster,
+    )
+    _assert_two_updates_after_an_old_log_prob_pass(run)
