@@ -212,7 +212,7 @@ def _deepseek_resume_across_pipeline_splits(rank, world_size, ckpt_dir, elsewher
 
 @pytest.mark.parametrize(
     "elsewhere",
-    # about 9 s and 10 s on 2 CPU cores: the slow tier
+    # 5 s to 19 s each on 2 CPU cores (warm or cold start-up): the slow tier
     [pytest.param("pp2_last1", marks=pytest.mark.slow), pytest.param("pp1_dp2", marks=pytest.mark.slow)],
     ids=["pp2_last1", "pp1_dp2_zero"],
 )

@@ -340,7 +340,7 @@ def _deepseek_update(rank, world_size, pp, mode, out_dir):
         )
 
 
-@pytest.mark.slow  # three runs, about 20 s on 2 CPU cores
+@pytest.mark.slow  # three runs: 3 s warm to 20 s cold (start-up) on 2 CPU cores
 def test_deepseek_v3_replay_over_two_pipeline_stages_equals_one_stage(tmp_path):
     """R2 on DeepSeek-V3 at pp=2 (a stage without MoE layers, 1F1B) records exactly the pp=1 routing
     and makes the pp=1 replayed update; without replay the update differs (the routers moved)."""
@@ -355,7 +355,7 @@ def test_deepseek_v3_replay_over_two_pipeline_stages_equals_one_stage(tmp_path):
     assert gap > 1e-3, f"replay should change the update after the routers moved (gap {gap:.1e})"
 
 
-@pytest.mark.slow  # three runs, about 20 s on 2 CPU cores
+@pytest.mark.slow  # three runs: 3 s warm to 20 s cold (start-up) on 2 CPU cores
 def test_deepseek_v3_r3_over_two_pipeline_stages_equals_one_stage(tmp_path):
     """R3 (both passes replay the batch's routing) at pp=2 gives the pp=1 old log-probs and update."""
     run_distributed(_deepseek_update, 1, 1, "R2", str(tmp_path))  # the routing R3 replays
