@@ -224,7 +224,7 @@ def test_expert_adapters_give_the_float64_reference_logits_and_only_adapters_get
     run_distributed(_logits_and_gradients, world, ep)
 
 
-def _update(rank, world_size, ep, tp, out_path):
+def _update(rank, world_size, ep, tp, out_path, pp=1, cp=1):
     from megatron.core import parallel_state as mpu
 
     from verl.models.mcore import mcore_to_hf_named_tensors
@@ -234,7 +234,7 @@ def _update(rank, world_size, ep, tp, out_path):
     hf_model = tiny_moe_hf_model(num_layers=2)
     data = _training_data(hf_model)
     mask = data.batch["response_mask"].bool()
-    chunks = build_loaded_chunks(hf_model, ep=ep, tp=tp, sequence_parallel=tp > 1)
+    chunks = build_loaded_chunks(hf_model, ep=ep, tp=tp, pp=pp, cp=cp, sequence_parallel=tp > 1)
     base_before = {n: p.detach().clone() for n, p in chunks[0].named_parameters()}
     trained = apply_lora(chunks, LORA, seed=7)
     adapters = whole_adapters(chunks)
@@ -341,3 +341,11 @@ def _targets_and_refusals(rank, world_size):
 
 def test_expert_target_patterns_use_global_expert_indices_and_etp_dropout_is_refused():
     run_distributed(_targets_and_refusals, 2)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("pp,cp", [(2, 1), (1, 2)])
+def test_ppo_update_with_expert_adapters_under_pipeline_or_context_parallelism_equals_the_reference(tmp_path, pp, cp):
+    """The layouts of upstream's Qwen3-30B-A3B LoRA script, one at a time on 2 ranks: each pipeline stage
+    adapts its own layer's experts; context ranks each route their part of every sequence."""
+    run_distributed(_update, 2, 1, 1, str(tmp_path / "out.pt"), pp, cp)
