@@ -130,7 +130,22 @@ def reference_model(hf_model, adapters: dict) -> nn.Module:
                 hook(f"{index}_linear_qkv_A", f"{index}_linear_qkv_B", picked[:, 0])
             )
         layer.self_attn.o_proj.register_forward_hook(hook(f"{index}_linear_proj_A", f"{index}_linear_proj_B", None))
-        layer.mlp.experts = LoRAExpertsReference(layer.mlp.experts, adapters, index, SCALE)
+        # a dense MLP (GLM-4.5's first layers) or a MoE layer's shared experts: fused gate/up, then down
+        dense = [(layer.mlp, "mlp")] if not hasattr(layer.mlp, "experts") else []
+        if hasattr(layer.mlp, "shared_experts"):
+            dense.append((layer.mlp.shared_experts, "mlp.shared_experts"))
+        for mlp, path in dense:
+            key = f"{index}_{path.replace('.', '_')}"
+            for fc in ("linear_fc1", "linear_fc2"):
+                a, b = adapters[f"{index}.{path}.{fc}"]
+                attention[f"{key}_{fc}_A"] = nn.Parameter(a.double().clone())
+                attention[f"{key}_{fc}_B"] = nn.Parameter(b.double().clone())
+            gate, up = torch.arange(attention[f"{key}_linear_fc1_B"].shape[0]).chunk(2)
+            mlp.gate_proj.register_forward_hook(hook(f"{key}_linear_fc1_A", f"{key}_linear_fc1_B", gate))
+            mlp.up_proj.register_forward_hook(hook(f"{key}_linear_fc1_A", f"{key}_linear_fc1_B", up))
+            mlp.down_proj.register_forward_hook(hook(f"{key}_linear_fc2_A", f"{key}_linear_fc2_B", None))
+        if hasattr(layer.mlp, "experts"):
+            layer.mlp.experts = LoRAExpertsReference(layer.mlp.experts, adapters, index, SCALE)
     return model
 
 
@@ -358,3 +373,27 @@ def test_ppo_update_with_expert_adapters_at_ep2_tp2_etp1_on_four_ranks_equals_th
     (etp=2 at ep=2 is not run: megatron's dispatcher gathers uneven token counts over the expert-tensor
     group, which gloo's all-gather refuses, adapters or not.)"""
     run_distributed(_update, 4, 2, 2, str(tmp_path / "out.pt"), 1, 1, 1)
+
+
+def _glm4moe_logits(rank, world_size):
+    """GLM-4.5's layout (tiny-glm4moe: a dense first layer, then MoE layers with a shared expert): the
+    dense MLP and the shared expert get the dense adapters, each routed expert its own."""
+    from tests.megatron_helpers import tiny_glm4moe_hf_model
+    from verl.models.mcore.lora import apply_lora
+
+    hf_model = tiny_glm4moe_hf_model()
+    chunks = build_loaded_chunks(hf_model)
+    apply_lora(chunks, LORA, seed=7)
+    adapters = whole_adapters(chunks)
+    assert any(".shared_experts." in k for k in adapters) and any(".local_experts." in k for k in adapters)
+    reference = reference_model(hf_model, adapters)
+    vocab = hf_model.config.vocab_size
+    ids = torch.randint(0, vocab, (2, 12), generator=torch.Generator().manual_seed(0))
+    got = chunks[0](ids, torch.arange(12).expand(2, 12), None)[..., :vocab]
+    want = reference(input_ids=ids).logits
+    torch.testing.assert_close(got.double(), want.detach(), atol=1e-5, rtol=0)
+    assert float((want - hf_model(input_ids=ids).logits).detach().abs().max()) > 1e-2
+
+
+def test_glm4moe_adapters_on_dense_shared_and_routed_experts_give_the_reference_logits():
+    run_distributed(_glm4moe_logits, 1)
