@@ -133,3 +133,50 @@ def _assert_two_updates_after_an_old_log_prob_pass(run) -> None:
         assert "actor/entropy" in row and row["actor/grad_norm"] > 0, {
             k: row.get(k) for k in ("actor/entropy", "actor/grad_norm")
         }
+
+
+def test_grpo_with_lora_on_the_expert_layers_at_ep2_trains_only_adapters_and_saves_merged_experts(
+    tmp_path, shared_ray_cluster
+):
+    """`model.lora.rank=8` with the default targets on the MoE model at ep=2: every expert's fc1/fc2
+    and the attention get adapters; the KL loss against the reference (the base model, adapters off)
+    turns positive after the first update, and the saved HF weights differ from the base model's in
+    the experts and attention only (the router, norms and embeddings are frozen)."""
+    import torch
+    from safetensors.torch import load_file
+
+    from verl.models.factory import make_tiny
+    from verl.utils.model import load_causal_lm
+
+    model_path = make_tiny("tiny-moe", str(tmp_path / "tiny-moe"))
+    run = tmp_path / "lora"
+    run_main_ppo(
+        main_ppo_cmd(
+            "arith_demo_megatron",
+            "actor_rollout_ref.actor.megatron.expert_model_parallel_size=2",
+            "actor_rollout_ref.model.lora.rank=8",
+            "actor_rollout_ref.model.lora.alpha=16",
+            "actor_rollout_ref.model.lora.lora_B_init_method=kaiming",  # the adapters act from step 1
+            "actor_rollout_ref.actor.optim.lr=1e-2",
+            "actor_rollout_ref.actor.use_kl_loss=True",
+            "actor_rollout_ref.actor.skip_zero_advantage_step=False",
+            "actor_rollout_ref.actor.skip_zero_advantage_rows=False",
+            "actor_rollout_ref.actor.checkpoint.save_contents=[model,optimizer,extra,hf_model]",
+            "trainer.save_freq=2",
+            *common_overrides(run, 2, model=model_path),
+        ),
+        run,
+        cluster=shared_ray_cluster,
+    )
+    rows = [r["data"] for r in read_metrics(run) if "actor/pg_loss" in r["data"]]
+    assert len(rows) == 2 and rows[0]["actor/grad_norm"] > 0
+    assert rows[0]["actor/kl_loss"] > 0, "B starts non-zero: the adapted policy is off the reference already"
+
+    merged = load_file(run / "ckpt" / "global_step_2" / "actor" / "huggingface" / "model.safetensors")
+    base_model = load_causal_lm(model_path)
+    base = base_model.state_dict()  # HF's 3-D expert tensors, as the export names them
+    tied = {"lm_head.weight"} if base_model.config.tie_word_embeddings else set()  # written once, as HF files
+    assert set(merged) == set(base) - tied, sorted(set(merged) ^ set(base))
+    moved = {n for n, t in merged.items() if not torch.equal(t, base[n].to(t.dtype))}
+    assert any(".experts." in n for n in moved) and any(".q_proj." in n for n in moved), sorted(moved)
+    assert not any("norm" in n or "embed" in n or ".gate." in n for n in moved), sorted(moved)

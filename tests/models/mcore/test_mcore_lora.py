@@ -257,29 +257,8 @@ def _targets_dropout_and_experts(rank, world_size):
         destroy_model_parallel()
 
 
-def _moe_experts_are_refused(rank, world_size):
-    from tests.megatron_helpers import tiny_moe_hf_model
-    from verl.models.mcore.lora import apply_lora
-
-    hf_model = tiny_moe_hf_model(num_layers=2)
-    with pytest.raises(
-        ValueError, match=r"adapters on expert layers are not implemented.*target_modules=\[linear_qkv,linear_proj\]"
-    ):
-        apply_lora(build_loaded_chunks(hf_model), {"rank": 2})
-    from verl.utils.megatron.parallel_state import destroy_model_parallel
-
-    destroy_model_parallel()
-    chunks = build_loaded_chunks(hf_model)
-    apply_lora(chunks, {"rank": 2, "target_modules": ["linear_qkv", "linear_proj"]})
-    assert all(".self_attention." in n for n, p in chunks[0].named_parameters() if p.requires_grad)
-
-
 def test_target_patterns_exclusions_and_dropout_positions():
     run_distributed(_targets_dropout_and_experts, 1)
-
-
-def test_lora_on_moe_expert_layers_is_refused_and_attention_only_works():
-    run_distributed(_moe_experts_are_refused, 1)
 
 
 @pytest.mark.gpu

@@ -1,6 +1,6 @@
 """`actor_rollout_ref.model.lora.*` (LoRA on the Megatron actor) validates before Ray starts: rank > 0
 turns it on, a bad value names the key and the valid choices, and what is not implemented (another
-adapter type, a pretrained adapter, adapters on MoE experts, a Megatron critic's LoRA, the key on
+adapter type, a pretrained adapter, a Megatron critic's LoRA, the key on
 the other backend) is refused with what to do instead."""
 
 from __future__ import annotations
@@ -56,7 +56,7 @@ def test_an_unknown_target_module_lists_the_valid_ones(megatron_defaults):
             "actor_rollout_ref.model.lora.adapter_path=/ckpt/adapter is not implemented",
         ),
         ({"dtype": "int8"}, "lora.dtype='int8'"),
-        ({"a2a_experimental": True}, "lora.a2a_experimental=true tunes the all-to-all"),
+        ({"a2a_experimental": True}, "lora.a2a_experimental=true (megatron-bridge's all-to-all"),
     ],
 )
 def test_bad_lora_values_are_refused_with_the_key(megatron_defaults, keys, expected):
@@ -71,12 +71,12 @@ def test_a_negative_rank_is_refused(megatron_defaults):
     assert "model.lora.rank=-1 must be 0" in error_of(lora(megatron_defaults, rank=-1))
 
 
-def test_lora_on_moe_experts_is_refused_naming_the_attention_only_targets(megatron_defaults):
+def test_lora_with_expert_parallelism_validates(megatron_defaults):
+    """Adapters on the MoE expert layers are implemented (tests/models/mcore/test_mcore_lora_moe.py): the
+    default targets with expert parallelism pass validation."""
     cfg = lora(megatron_defaults, rank=8)
     cfg["actor_rollout_ref"]["actor"]["megatron"]["expert_model_parallel_size"] = 2
-    msg = error_of(cfg)
-    assert "LoRA on MoE experts is not implemented" in msg
-    assert "target_modules=[linear_qkv,linear_proj]" in msg
+    validate_ppo_config(cfg)
 
 
 def test_each_backend_s_lora_key_on_the_other_backend_is_refused(megatron_defaults, fsdp_defaults):

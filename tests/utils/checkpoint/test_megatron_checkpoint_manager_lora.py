@@ -10,6 +10,7 @@ from __future__ import annotations
 import copy
 import json
 
+import pytest
 import torch
 from safetensors.torch import load_file
 
@@ -138,5 +139,70 @@ def test_lora_checkpoint_resumes_exactly_and_merges_into_the_merged_weights(tmp_
 
     merger_main(["merge", "--backend", "megatron", "--local_dir", str(actor), "--target_dir", str(tmp_path / "hf")])
     merged = load_file(tmp_path / "hf" / "model.safetensors")
+    for name, tensor in exported.items():
+        assert torch.equal(merged[name], tensor), name
+
+
+MOE_LORA = {"rank": 2, "alpha": 4, "lora_A_init_method": "xavier", "lora_B_init_method": "kaiming"}
+
+
+def _moe_save_at_ep2_load_at_ep1(rank, world_size, ckpt_dir):
+    """Expert adapters are sharded by global expert in dist_ckpt: saved at ep=2, loaded at ep=1 (fresh
+    adapters of another seed before), they are the saved ones and export the same merged weights."""
+    from tests.megatron_helpers import tiny_moe_hf_model
+    from tests.models.mcore.test_mcore_lora_moe import whole_adapters
+    from verl.models.mcore import mcore_to_hf_named_tensors
+    from verl.models.mcore.lora import apply_lora
+    from verl.utils.checkpoint.megatron_checkpoint_manager import MegatronCheckpointManager
+    from verl.utils.megatron.parallel_state import destroy_model_parallel
+
+    hf_model = tiny_moe_hf_model(num_layers=2)
+    contents = {"save_contents": ["model"], "load_contents": ["model"]}
+
+    def build(ep, seed):
+        chunks = build_loaded_chunks(hf_model, ep=ep)
+        apply_lora(chunks, MOE_LORA, seed=seed)
+        manager = MegatronCheckpointManager(
+            chunks, checkpoint_config=contents, hf_config=hf_model.config, lora_config=MOE_LORA
+        )
+        return chunks, manager
+
+    chunks, manager = build(ep=2, seed=1)
+    saved_adapters = whole_adapters(chunks)
+    saved_export = dict(mcore_to_hf_named_tensors(chunks, hf_model.config))
+    manager.save_checkpoint(f"{ckpt_dir}/global_step_1/actor", global_step=1)
+    destroy_model_parallel()
+
+    chunks, manager = build(ep=1, seed=2)
+    fresh = whole_adapters(chunks)
+    manager.load_checkpoint(f"{ckpt_dir}/global_step_1/actor")
+    loaded = whole_adapters(chunks)
+    assert sorted(loaded) == sorted(saved_adapters) and sum(".experts." in k for k in loaded) == 2 * 2 * 4
+    for key, (a, b) in saved_adapters.items():
+        assert torch.equal(loaded[key][0], a) and torch.equal(loaded[key][1], b), key
+        assert not torch.equal(fresh[key][0], a), f"{key}: the fresh adapters should differ before loading"
+    for name, tensor in mcore_to_hf_named_tensors(chunks, hf_model.config):
+        assert torch.equal(tensor, saved_export[name]), name
+    destroy_model_parallel()
+    if rank == 0:
+        torch.save(saved_export, f"{ckpt_dir}/exported.pt")
+
+
+@pytest.mark.slow
+def test_moe_expert_adapters_saved_at_ep2_load_at_ep1_and_merge(tmp_path):
+    run_distributed(_moe_save_at_ep2_load_at_ep1, 2, str(tmp_path))
+    actor = tmp_path / "global_step_1" / "actor"
+    exported = torch.load(tmp_path / "exported.pt")
+    merger_main(["merge", "--backend", "megatron", "--local_dir", str(actor), "--target_dir", str(tmp_path / "hf")])
+    merged = load_file(tmp_path / "hf" / "model.safetensors")
+    # transformers writes the 3-D expert tensors in the checkpoint's per-expert layout
+    for name in [n for n in exported if n.endswith(("experts.gate_up_proj", "experts.down_proj"))]:
+        prefix, fused = name.rsplit(".", 1)
+        for e, tensor in enumerate(exported.pop(name)):
+            if fused == "down_proj":
+                exported[f"{prefix}.{e}.down_proj.weight"] = tensor
+            else:
+                exported[f"{prefix}.{e}.gate_proj.weight"], exported[f"{prefix}.{e}.up_proj.weight"] = tensor.chunk(2)
+    assert sorted(merged) == sorted(exported)
     for name, tensor in exported.items():
         assert torch.equal(merged[name], tensor), name

@@ -24,9 +24,19 @@ Design decisions:
   shows each adapted weight as its merge `W + alpha / rank * B @ A`, computed on this rank's shard
   in float64 and rounded once to the weight's dtype; the base weights are never written to.
 - The reference policy is the base model: `adapters_disabled` switches every hook off.
+- MoE experts (megatron's `SequentialMLP`, the local spec's): each expert's `linear_fc1` and
+  `linear_fc2` gets its own A and B, as megatron-bridge gives every `local_experts.j` linear its own
+  adapter. An expert linear does no communication of its own: the token dispatcher hands every
+  expert-tensor rank the same tokens and sums their partial fc2 outputs. Its adapter does none either,
+  and its layout follows the expert-tensor group: fc1 splits B by rows (A's gradient is summed over the
+  expert-tensor group), fc2 splits A by columns and adds `B(A_i x_i)`, a partial sum like the base
+  weight's, which the dispatcher sums (B's gradient is summed over the group). Experts are named and
+  seeded by their global index (`...mlp.experts.local_experts.<global>.linear_fc1`), so every
+  expert-parallel layout starts from the same adapters; their gradients are reduced over the
+  expert-data-parallel group like the expert weights (`verl.models.mcore.moe`).
 - Left out: `type` other than `lora` (canonical_lora, dora, vlm_lora), a pretrained `adapter_path`,
-  and adapters on MoE expert layers (their tensor-parallel traffic goes through the token dispatcher,
-  not the layer); each is refused with its reason when asked for.
+  grouped-GEMM experts (TransformerEngine, not built here) and dropout on expert adapters split over
+  expert-tensor ranks; each is refused with its reason when asked for.
 """
 
 from __future__ import annotations
@@ -41,6 +51,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from verl.utils.device import collective_device
 from verl.utils.megatron.lora_config import LORA_DTYPES, LORA_TARGETS, lora_config_errors
 
 __all__ = [
@@ -51,11 +62,24 @@ __all__ = [
     "export_parameters",
     "lora_parameters",
     "merged_weight",
+    "partial_grad_group",
 ]
 
 PARTIAL_GRAD_ATTR = "partial_grad_over_tp"
-"""Set on a parameter whose gradient each tensor-parallel rank holds only its share of (summed over
-the tensor group before the optimizer step)."""
+"""Set on a parameter whose gradient each tensor-parallel rank holds only its share of, naming the group
+to sum it over before the optimizer step: "tensor" (a dense layer's) or "expert_tensor" (an expert's)."""
+
+
+def partial_grad_group(param: torch.Tensor):
+    """The process group `param`'s gradient shares are summed over, or None."""
+    from megatron.core import parallel_state as mpu
+
+    which = getattr(param, PARTIAL_GRAD_ATTR, None)
+    if which == "tensor":
+        return mpu.get_tensor_model_parallel_group()
+    if which == "expert_tensor":
+        return mpu.get_expert_tensor_parallel_group()
+    return None
 
 
 class LoRASettings:
@@ -114,8 +138,10 @@ class LoRAAdapter(nn.Module):
         from megatron.core.tensor_parallel import set_tensor_model_parallel_attributes
 
         self.kind, self.gated, self.enabled = kind, gated, True
+        # an expert linear of megatron's SequentialMLP: the dispatcher does its tensor-parallel traffic
+        self.expert = bool(getattr(base, "is_expert", False))
         self.scale = settings.scale
-        self.tp_group = base.tp_group
+        self.tp_group = base.tp_group  # the expert-tensor group for an expert
         self.tp_size, self.tp_rank = self.tp_group.size(), self.tp_group.rank()
         self.sequence_parallel = bool(getattr(base, "sequence_parallel", False))
         self.dropout = nn.Dropout(settings.dropout) if settings.dropout > 0 else nn.Identity()
@@ -134,11 +160,15 @@ class LoRAAdapter(nn.Module):
         device = base.weight.device
         self.linear_in = nn.Parameter(a.to(device=device, dtype=dtype).contiguous())
         self.linear_out = nn.Parameter(b.to(device=device, dtype=dtype).contiguous())
+        group = "expert_tensor" if self.expert else "tensor"
         if kind == "column":
             set_tensor_model_parallel_attributes(self.linear_out, True, 0, 1)
-            setattr(self.linear_in, PARTIAL_GRAD_ATTR, self.tp_size > 1)
+            if self.tp_size > 1:
+                setattr(self.linear_in, PARTIAL_GRAD_ATTR, group)
         else:
             set_tensor_model_parallel_attributes(self.linear_in, True, 1, 1)
+            if self.expert and self.tp_size > 1:  # B sees only this rank's partial [.., rank] activation
+                setattr(self.linear_out, PARTIAL_GRAD_ATTR, group)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         from megatron.core.tensor_parallel import (
@@ -150,7 +180,9 @@ class LoRAAdapter(nn.Module):
 
         if self.dropout_position == "pre":
             x = self.dropout(x)
-        if self.kind == "column":
+        if self.expert:  # as the base expert linear: no traffic here (see the module docstring)
+            out = F.linear(F.linear(x, self.linear_in), self.linear_out)
+        elif self.kind == "column":
             if self.tp_size > 1:  # the input as the base layer sees it, with its backward all-reduce
                 if self.sequence_parallel:
                     x = gather_from_sequence_parallel_region(x, group=self.tp_group)
@@ -217,6 +249,35 @@ def _adapted_sharded_state_dict(self, prefix="", sharded_offsets=(), metadata=No
     return out
 
 
+def _global_expert_name(layer: nn.Module, sub_name: str) -> str:
+    """`sub_name` with a routed expert's local index (`mlp.experts.local_experts.<j>.`) replaced by its
+    global one, so patterns and initial values name the same expert at every expert-parallel size."""
+    prefix = "mlp.experts.local_experts."
+    if not sub_name.startswith(prefix):
+        return sub_name
+    local, rest = sub_name[len(prefix) :].split(".", 1)
+    experts = layer.mlp.experts
+    return f"{prefix}{experts.ep_group.rank() * experts.num_local_experts + int(local)}.{rest}"
+
+
+def _check_expert_layer(full_name: str, module: nn.Module, settings: LoRASettings) -> None:
+    """Refuse the expert layouts the expert adapter does not implement (see the module docstring)."""
+    if ".local_experts." not in full_name:
+        raise NotImplementedError(
+            f"actor_rollout_ref.model.lora.target_modules={settings.target_modules} reaches {full_name} "
+            f"({type(module).__name__}): adapters on grouped-GEMM experts are not implemented here, only on "
+            "megatron's SequentialMLP experts (the local layer spec this backend builds); exclude the experts with "
+            "exclude_modules=['*.experts.*']"
+        )
+    if settings.dropout > 0 and module.tp_group.size() > 1:
+        raise NotImplementedError(
+            f"actor_rollout_ref.model.lora.dropout={settings.dropout} on the expert layer {full_name} split over "
+            f"{module.tp_group.size()} expert-tensor ranks: each rank would drop a different part of the same "
+            "tokens' partial sums; set lora.dropout=0, actor.megatron.expert_tensor_parallel_size=1, or exclude "
+            "the experts with exclude_modules=['*.experts.*']"
+        )
+
+
 def apply_lora(model_chunks, lora_cfg, seed: int = 42) -> list[nn.Parameter]:
     """Freeze every parameter of `model_chunks` and put adapters on the targeted layers; returns the
     adapters' parameters (the only trainable ones)."""
@@ -239,16 +300,11 @@ def apply_lora(model_chunks, lora_cfg, seed: int = 42) -> list[nn.Parameter]:
                 short = sub_name.rsplit(".", 1)[-1]
                 if short not in LORA_TARGETS:
                     continue
-                full_name = f"decoder.layers.{global_layer}.{sub_name}"
+                full_name = f"decoder.layers.{global_layer}.{_global_expert_name(layer, sub_name)}"
                 if not _matches(full_name, settings.target_modules) or _matches(full_name, settings.exclude_modules):
                     continue
-                if ".experts." in sub_name:
-                    raise ValueError(
-                        f"actor_rollout_ref.model.lora.target_modules={settings.target_modules} reaches the MoE expert "
-                        f"layer {full_name}: adapters on expert layers are not implemented here (their tensor-parallel "
-                        "traffic goes through the token dispatcher); adapt the attention only with "
-                        "target_modules=[linear_qkv,linear_proj], or exclude the experts with exclude_modules=['*.experts.*']"
-                    )
+                if ".experts." in f".{sub_name}":
+                    _check_expert_layer(full_name, module, settings)
                 kind = LORA_TARGETS[short]
                 expected = ColumnParallelLinear if kind == "column" else RowParallelLinear
                 if not isinstance(module, expected):
@@ -260,6 +316,10 @@ def apply_lora(model_chunks, lora_cfg, seed: int = 42) -> list[nn.Parameter]:
                 module.sharded_state_dict = _adapted_sharded_state_dict.__get__(module)
                 trained += [module.adapter.linear_in, module.adapter.linear_out]
                 adapted += 1
+    if torch.distributed.is_initialized():  # another pipeline stage or expert-parallel rank may hold the match
+        count = torch.tensor([adapted], dtype=torch.int64, device=collective_device())
+        torch.distributed.all_reduce(count)
+        adapted = int(count.item())
     if not adapted:
         raise ValueError(
             f"actor_rollout_ref.model.lora.target_modules={settings.target_modules} (exclude_modules="

@@ -465,17 +465,6 @@ def _check_lora(c: dict, errors: list[str], warns: list[str]):
             f"actor_rollout_ref.actor.strategy={c['actor_rollout_ref']['actor']['strategy']}; with FSDP set "
             "actor_rollout_ref.model.lora_rank (and lora_alpha, target_modules) instead, or use strategy=megatron"
         )
-    elif megatron_rank > 0:
-        lora = model["lora"]
-        mlp = sorted({"linear_fc1", "linear_fc2"} & set(lora.get("target_modules") or []))
-        ep = c["actor_rollout_ref"]["actor"].get("megatron", {}).get("expert_model_parallel_size", 1) or 1
-        if mlp and ep > 1 and not lora.get("exclude_modules"):
-            errors.append(
-                f"actor_rollout_ref.model.lora.target_modules includes {mlp}, which on this MoE model "
-                f"(actor.megatron.expert_model_parallel_size={ep}) are the expert layers: LoRA on MoE experts is not "
-                "implemented here (their tensor-parallel traffic goes through the token dispatcher); adapt the "
-                "attention only with actor_rollout_ref.model.lora.target_modules=[linear_qkv,linear_proj]"
-            )
     # lora_rank >= 0, lora_alpha > 0 and target_modules are HFModelConfig's own checks
     rank = model["lora_rank"]
     if model["lora_adapter_path"]:

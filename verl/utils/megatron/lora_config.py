@@ -57,8 +57,9 @@ def lora_config_errors(lora_cfg, key: str = "actor_rollout_ref.model.lora") -> l
         errors.append(f"{key}.dtype={dtype!r}: choose one of {sorted(LORA_DTYPES)} or null (the model's dtype)")
     if get("a2a_experimental", False):
         errors.append(
-            f"{key}.a2a_experimental=true tunes the all-to-all of adapters on MoE expert layers, which are not "
-            "implemented here; set it to false"
+            f"{key}.a2a_experimental=true (megatron-bridge's all-to-all in place of the sequence-parallel scatter "
+            "of a row-parallel adapter's output) is not implemented here, and the result is the same without it; "
+            "set it to false"
         )
     if get("adapter_path", None):
         errors.append(

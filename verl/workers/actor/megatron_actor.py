@@ -55,7 +55,7 @@ import torch.distributed as dist
 
 from verl.models.mcore.config import compute_autocast
 from verl.models.mcore.forward import left_align, response_columns
-from verl.models.mcore.lora import PARTIAL_GRAD_ATTR
+from verl.models.mcore.lora import partial_grad_group
 from verl.models.mcore.moe import MegatronRouterAuxLoss, expert_grad_sq_norm, expert_params, reduce_expert_grads
 from verl.models.mcore.mtp import find_mtp_training, mtp_loss
 from verl.models.mcore.router_replay import ROUTED_EXPERTS, MegatronRouterReplay
@@ -140,10 +140,11 @@ def finalize_megatron_grads(model_chunks) -> None:
             if param.grad is not None:
                 param.grad.mul_(tp_size)
         average_gradients(sequence_parallel, mpu.get_tensor_model_parallel_group(), tp_size)
-    tp_shares = [p for p in params.values() if getattr(p, PARTIAL_GRAD_ATTR, False) and p.grad is not None]
-    if tp_size > 1 and tp_shares:  # LoRA's A of a column-parallel layer: each rank holds its share of the sum
-        for param in tp_shares:
-            dist.all_reduce(param.grad, group=mpu.get_tensor_model_parallel_group())
+    # LoRA's A of a column-parallel layer (B of an expert's fc2): each rank holds its share of the sum
+    for param in params.values():
+        group = partial_grad_group(param) if param.grad is not None else None
+        if group is not None:
+            dist.all_reduce(param.grad, group=group)
     experts = {id(p) for p in expert_params(model_chunks)}  # a MoE model's: see verl.models.mcore.moe
     reduce_expert_grads([p for p in params.values() if id(p) in experts], average_gradients)
     dp_size = mpu.get_data_parallel_world_size(with_context_parallel=True)

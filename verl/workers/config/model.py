@@ -89,7 +89,11 @@ class MegatronLoRAConfig(BaseConfig):
         default="xavier",
     )
     lora_B_init_method: str = doc("Initialisation of B (with rank > 0), as lora_A_init_method.", default="zero")
-    a2a_experimental: bool = doc("Experimental all-to-all for experts (with rank > 0).", default=False)
+    a2a_experimental: bool = doc(
+        "megatron-bridge's all-to-all in place of the sequence-parallel scatter of row-parallel adapters; only "
+        "false here (true is refused: the result is the same without it).",
+        default=False,
+    )
     dtype: str | None = doc("Adapter dtype (with rank > 0).", default=None)
     adapter_path: str | None = doc("Pretrained adapter to load.", status=UNSUPPORTED, neutral=None, default=None)
     freeze_vision_model: bool = doc("Vision-language models only.", status=IGNORED, default=True)
