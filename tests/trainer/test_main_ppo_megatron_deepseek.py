@@ -25,24 +25,27 @@ LAYOUTS = {
 }
 
 
-@pytest.mark.parametrize("layout", sorted(LAYOUTS))
-def test_grpo_trains_a_deepseek_v3_model_and_merges(tmp_path, shared_ray_cluster, layout):
+def train_two_steps_and_merge(preset: str, layout: list[str], tmp_path, cluster, moved: tuple[str, ...]):
+    """Two GRPO steps of `preset` (a sigmoid-routed MoE preset, its correction bias made non-zero so
+    its trip shows) under the megatron `layout` overrides, then the step-2 checkpoint merged to HF:
+    two updates with a gradient, the `moved` weights changed, the correction bias untouched. Returns
+    the merged model."""
     from transformers import AutoModelForCausalLM
 
     from verl.model_merger.__main__ import main as merger
     from verl.models.factory import build_model, save_model
 
-    model, tokenizer = build_model("tiny-dsv3")
-    with torch.no_grad():  # a non-zero correction bias, so its trip through training and merging shows
+    model, tokenizer = build_model(preset)
+    with torch.no_grad():
         for name, buffer in model.named_buffers():
             if name.endswith("e_score_correction_bias"):
                 buffer.copy_(0.1 * torch.randn(buffer.shape, generator=torch.Generator().manual_seed(7)))
-    model_path = save_model(model, tokenizer, str(tmp_path / "tiny-dsv3"))
+    model_path = save_model(model, tokenizer, str(tmp_path / preset))
     run = tmp_path / "run2"
     run_main_ppo(
         main_ppo_cmd(
             "arith_demo_megatron",
-            *LAYOUTS[layout],
+            *layout,
             # a random-init model never solves the task (every GRPO advantage is 0): an entropy bonus gives
             # the update a gradient
             "actor_rollout_ref.actor.entropy_coeff=0.01",
@@ -52,30 +55,30 @@ def test_grpo_trains_a_deepseek_v3_model_and_merges(tmp_path, shared_ray_cluster
             *common_overrides(run, 2, model=model_path),
         ),
         run,
-        cluster=shared_ray_cluster,
+        cluster=cluster,
     )
     rows = [r["data"] for r in read_metrics(run) if "actor/pg_loss" in r["data"]]
     assert len(rows) == 2
     assert all(row["actor/grad_norm"] > 0 for row in rows), rows
 
-    merger(
-        [
-            "merge",
-            "--backend",
-            "megatron",
-            "--local_dir",
-            str(run / "ckpt" / "global_step_2" / "actor"),
-            "--target_dir",
-            str(tmp_path / "hf"),
-        ]
-    )
-    merged = AutoModelForCausalLM.from_pretrained(tmp_path / "hf").state_dict()
+    hf_dir = tmp_path / "hf"
+    merger(["merge", "--backend", "megatron", "--local_dir", str(run / "ckpt" / "global_step_2" / "actor"), "--target_dir", str(hf_dir)])  # fmt: skip
+    loaded = AutoModelForCausalLM.from_pretrained(hf_dir)
+    merged = loaded.state_dict()
     before = AutoModelForCausalLM.from_pretrained(model_path).state_dict()
     assert sorted(merged) == sorted(before)
-    for name in ("model.layers.1.mlp.gate.weight", "model.layers.2.self_attn.kv_b_proj.weight"):
+    for name in moved:
         assert not merged[name].equal(before[name]), f"two steps must have moved {name}"
     bias = "model.layers.1.mlp.gate.e_score_correction_bias"
     assert before[bias].abs().min() > 0 and merged[bias].equal(before[bias]), "the correction bias is not trained"
+    return loaded
+
+
+@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+def test_grpo_trains_a_deepseek_v3_model_and_merges(tmp_path, shared_ray_cluster, layout):
+    moved = ("model.layers.1.mlp.gate.weight", "model.layers.2.self_attn.kv_b_proj.weight")
+    loaded = train_two_steps_and_merge("tiny-dsv3", LAYOUTS[layout], tmp_path, shared_ray_cluster, moved)
+    assert type(loaded).__name__ == "DeepseekV3ForCausalLM"
 
 
 def test_grpo_with_router_replay_r2_on_deepseek_v3_at_pp2(tmp_path, shared_ray_cluster):

@@ -35,8 +35,6 @@ def _layer_kinds(chunk) -> list[str]:
 def _against_fsdp_actor(rank, world_size, ep, tp, pp=1, split=None):
     from megatron.core import parallel_state as mpu
 
-    from verl.workers.actor.megatron_actor import MegatronPPOActor
-
     hf_model = tiny_dsv3_hf_model()
     data = _training_data(hf_model)
     reference_model, want_metrics = fsdp_reference_update(hf_model, data)
@@ -49,6 +47,18 @@ def _against_fsdp_actor(rank, world_size, ep, tp, pp=1, split=None):
     for layer in chunks[0].decoder.layers:
         if hasattr(layer.mlp, "router"):
             assert len(layer.mlp.experts.local_experts) == 8 // ep
+    update_and_compare_with_fsdp(chunks, hf_model, data, reference_model, want_metrics)
+
+
+def update_and_compare_with_fsdp(chunks, hf_model, data, reference_model, want_metrics) -> None:
+    """One SGD update of the megatron `chunks` on this data-parallel rank's half of `data` (all of it at
+    dp=1): its metrics and every gathered weight equal the FSDP reference update's (1e-5), the routers'
+    correction bias stays, and the weights moved."""
+    from megatron.core import parallel_state as mpu
+
+    from verl.workers.actor.megatron_actor import MegatronPPOActor
+
+    dp = mpu.get_data_parallel_world_size()
     params = [p for chunk in chunks for p in chunk.parameters()]
     actor = MegatronPPOActor(
         _actor_config(ppo_mini_batch_size=4 // dp), chunks, hf_model.config, torch.optim.SGD(params, lr=LR)

@@ -7,21 +7,17 @@ correction bias left where it was)."""
 
 from __future__ import annotations
 
-import copy
-
 import pytest
-import torch
 
 from tests.distributed_helpers import run_distributed
-from tests.megatron_helpers import assert_metrics_close, build_loaded_chunks, tiny_glm4moe_hf_model
-from tests.workers.actor.test_megatron_actor import LR, _actor_config, _gathered_weights, _training_data
+from tests.megatron_helpers import build_loaded_chunks, tiny_glm4moe_hf_model
+from tests.workers.actor.test_megatron_actor import _training_data
+from tests.workers.actor.test_megatron_actor_deepseek import update_and_compare_with_fsdp
 from tests.workers.actor.test_megatron_actor_moe import fsdp_reference_update
 
 
 def _against_fsdp_actor(rank, world_size, ep, tp, use_qk_norm):
     from megatron.core import parallel_state as mpu
-
-    from verl.workers.actor.megatron_actor import MegatronPPOActor
 
     hf_model = tiny_glm4moe_hf_model(use_qk_norm=use_qk_norm)
     data = _training_data(hf_model)
@@ -31,23 +27,7 @@ def _against_fsdp_actor(rank, world_size, ep, tp, use_qk_norm):
     dp = mpu.get_data_parallel_world_size()
     assert dp == world_size // tp
     assert len(chunks[0].decoder.layers[1].mlp.experts.local_experts) == 8 // ep
-    params = [p for chunk in chunks for p in chunk.parameters()]
-    actor = MegatronPPOActor(
-        _actor_config(ppo_mini_batch_size=4 // dp), chunks, hf_model.config, torch.optim.SGD(params, lr=LR)
-    )
-    mine = torch.tensor([0, 1, 4, 5] if mpu.get_data_parallel_rank() == 0 else [2, 3, 6, 7])
-    got_metrics = actor.update_policy(data.select_idxs(mine) if dp == 2 else copy.deepcopy(data))
-    assert sorted(got_metrics) == sorted(want_metrics)
-    assert_metrics_close(got_metrics, want_metrics, ["actor/grad_norm"])
-    want = reference_model.state_dict()
-    start = hf_model.state_dict()
-    moved = 0.0
-    for name, tensor in _gathered_weights(chunks, hf_model.config).items():
-        torch.testing.assert_close(tensor, want[name], atol=1e-5, rtol=0, msg=name)
-        if name.endswith("e_score_correction_bias"):
-            assert torch.equal(tensor, start[name]), f"{name} moved: the bias is not trained online"
-        moved = max(moved, float((want[name] - start[name]).abs().max()))
-    assert moved > 1e-3, "the update should move the weights"
+    update_and_compare_with_fsdp(chunks, hf_model, data, reference_model, want_metrics)
 
 
 @pytest.mark.parametrize("ep,tp,use_qk_norm", [(1, 1, False), (2, 1, False), (1, 2, True)])
