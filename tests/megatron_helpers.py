@@ -69,11 +69,7 @@ def tiny_dsv3_hf_model(seed: int = 0, q_lora_rank: int | None = 96, rope_interle
     )
     model, _ = build_model(preset, seed=seed, dtype="float32")
     model.set_experts_implementation("eager")
-    generator = torch.Generator().manual_seed(seed + 2)
-    with torch.no_grad():
-        for name, buffer in model.named_buffers():
-            if name.endswith("e_score_correction_bias"):
-                buffer.copy_(0.1 * torch.randn(buffer.shape, generator=generator))
+    randomize_correction_bias(model, seed + 2)
     return _perturbed(model, seed, router_scale=0.5)
 
 
@@ -101,12 +97,30 @@ def tiny_glm4moe_hf_model(
         torch.manual_seed(seed)
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     model.set_experts_implementation("eager")
-    generator = torch.Generator().manual_seed(seed + 2)
+    randomize_correction_bias(model, seed + 2)
+    return _perturbed(model, seed, router_scale=0.5)
+
+
+def randomize_correction_bias(model, seed: int) -> None:
+    """Sigmoid routers' `e_score_correction_bias` (DeepSeek-V3, GLM-4.5) set to 0.1 x N(0, 1): large
+    enough to change which experts are chosen, so a conversion that dropped it would show."""
+    generator = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, buffer in model.named_buffers():
             if name.endswith("e_score_correction_bias"):
                 buffer.copy_(0.1 * torch.randn(buffer.shape, generator=generator))
-    return _perturbed(model, seed, router_scale=0.5)
+
+
+def assert_correction_bias_changes_routing(hf_model) -> None:
+    """The reference itself: the correction bias of the first MoE layer's router decides experts
+    (else a conversion that dropped it could pass a log-prob test)."""
+    router = hf_model.model.layers[1].mlp.gate
+    hidden = torch.randn(64, router.weight.shape[1], generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        _, _, chosen = router(hidden)
+        router.e_score_correction_bias.zero_()
+        _, _, unbiased = router(hidden)
+    assert not torch.equal(chosen.sort(-1).values, unbiased.sort(-1).values)
 
 
 def _perturbed(model, seed: int, router_scale: float = 0.02):

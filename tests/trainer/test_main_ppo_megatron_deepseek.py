@@ -9,8 +9,8 @@ first stage, the 2 MoE layers on the second), and the step-2 checkpoint merges b
 from __future__ import annotations
 
 import pytest
-import torch
 
+from tests.megatron_helpers import randomize_correction_bias
 from tests.trainer.main_ppo_runs import common_overrides, main_ppo_cmd, read_metrics, run_main_ppo
 
 pytestmark = pytest.mark.slow  # the slow tier (make test-all, CI): see docs/testing.md
@@ -36,10 +36,7 @@ def train_two_steps_and_merge(preset: str, layout: list[str], tmp_path, cluster,
     from verl.models.factory import build_model, save_model
 
     model, tokenizer = build_model(preset)
-    with torch.no_grad():
-        for name, buffer in model.named_buffers():
-            if name.endswith("e_score_correction_bias"):
-                buffer.copy_(0.1 * torch.randn(buffer.shape, generator=torch.Generator().manual_seed(7)))
+    randomize_correction_bias(model, 7)
     model_path = save_model(model, tokenizer, str(tmp_path / preset))
     run = tmp_path / "run2"
     run_main_ppo(

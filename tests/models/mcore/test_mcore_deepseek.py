@@ -10,7 +10,12 @@ import pytest
 import torch
 
 from tests.distributed_helpers import run_distributed
-from tests.megatron_helpers import assert_hf_round_trip_exact, build_loaded_chunks, tiny_dsv3_hf_model
+from tests.megatron_helpers import (
+    assert_correction_bias_changes_routing,
+    assert_hf_round_trip_exact,
+    build_loaded_chunks,
+    tiny_dsv3_hf_model,
+)
 from tests.models.mcore.test_mcore_model import _batch, _hf_response_log_probs, _megatron_response_log_probs
 
 
@@ -41,13 +46,7 @@ def test_the_correction_bias_changes_the_routing():
     """The reference itself: the bias the conversion carries decides experts (else a dropped bias
     would pass the log-prob test)."""
     hf_model = tiny_dsv3_hf_model()
-    router = hf_model.model.layers[1].mlp.gate
-    hidden = torch.randn(64, router.weight.shape[1], generator=torch.Generator().manual_seed(5))
-    with torch.no_grad():
-        _, _, chosen = router(hidden)
-        router.e_score_correction_bias.zero_()
-        _, _, unbiased = router(hidden)
-    assert not torch.equal(chosen.sort(-1).values, unbiased.sort(-1).values)
+    assert_correction_bias_changes_routing(hf_model)
 
 
 # uneven pipeline stages for the 3 layers at pp=2 -> the global layers of stage 0 and stage 1

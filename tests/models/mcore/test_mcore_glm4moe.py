@@ -10,7 +10,12 @@ import pytest
 import torch
 
 from tests.distributed_helpers import run_distributed
-from tests.megatron_helpers import assert_hf_round_trip_exact, build_loaded_chunks, tiny_glm4moe_hf_model
+from tests.megatron_helpers import (
+    assert_correction_bias_changes_routing,
+    assert_hf_round_trip_exact,
+    build_loaded_chunks,
+    tiny_glm4moe_hf_model,
+)
 from tests.models.mcore.test_mcore_model import (
     RESPONSE_LENGTH,
     _batch,
@@ -53,13 +58,7 @@ def test_the_reference_depends_on_what_the_conversion_carries():
     """The reference itself: the correction bias decides experts, and the rotary part is half of each
     head (a full-head RoPE or a dropped bias would otherwise be able to pass the log-prob test)."""
     hf_model = tiny_glm4moe_hf_model()
-    router = hf_model.model.layers[1].mlp.gate
-    hidden = torch.randn(64, router.weight.shape[1], generator=torch.Generator().manual_seed(5))
-    with torch.no_grad():
-        _, _, chosen = router(hidden)
-        router.e_score_correction_bias.zero_()
-        _, _, unbiased = router(hidden)
-    assert not torch.equal(chosen.sort(-1).values, unbiased.sort(-1).values)
+    assert_correction_bias_changes_routing(hf_model)
     inv_freq = hf_model.model.rotary_emb.inv_freq
     assert inv_freq.numel() == 16
     torch.testing.assert_close(inv_freq, 1.0 / 10000.0 ** (torch.arange(0, 32, 2, dtype=torch.float64) / 32).float())
