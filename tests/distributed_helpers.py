@@ -187,6 +187,19 @@ def one_process(monkeypatch):
         dist.destroy_process_group()
 
 
+@pytest.fixture
+def nccl_group(monkeypatch):
+    """This process as a one-rank NCCL group on CUDA device 0, the device-generic code picking CUDA
+    (`VERL_DEVICE=auto`); for the FSDP GPU checks (callers skip without a GPU)."""
+    import torch.distributed as dist
+
+    monkeypatch.setenv("VERL_DEVICE", "auto")
+    torch.cuda.set_device(0)
+    dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
 def disable_tf32(monkeypatch) -> None:
     """TF32 off for this test. torch >= 2.9 has `fp32_precision`, and once it was set (verl's
     `enable_tf32` sets it) reading the older `allow_tf32` flags raises, so the newer switch is used

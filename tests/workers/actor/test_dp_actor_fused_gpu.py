@@ -8,21 +8,11 @@ import copy
 
 import pytest
 import torch
-import torch.distributed as dist
 
-from tests.distributed_helpers import device_preference, free_port, make_tiny_causal_lm
+from tests.distributed_helpers import device_preference, make_tiny_causal_lm
 from tests.workers.actor.test_dp_actor import TEMPERATURE, actor_config, param_delta, training_batch
 
 pytestmark = pytest.mark.gpu
-
-
-@pytest.fixture
-def nccl_group(monkeypatch):
-    monkeypatch.setenv("VERL_DEVICE", "auto")
-    torch.cuda.set_device(0)
-    dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
-    yield
-    dist.destroy_process_group()
 
 
 def _run(data, fused: bool, device: str, use_remove_padding: bool):

@@ -24,15 +24,6 @@ pytestmark = pytest.mark.gpu
 ATTENTION = ["sdpa"] + (["flash_attention_2"] if importlib.util.find_spec("flash_attn") else [])
 
 
-@pytest.fixture
-def nccl_group(monkeypatch):
-    monkeypatch.setenv("VERL_DEVICE", "auto")
-    torch.cuda.set_device(0)
-    dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
-    yield
-    dist.destroy_process_group()
-
-
 @pytest.mark.parametrize("attn_implementation", ATTENTION)
 def test_bf16_fsdp2_actor_log_probs_update_and_offload(nccl_group, attn_implementation):
     from verl.utils import fsdp_utils
