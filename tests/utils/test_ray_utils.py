@@ -1,11 +1,12 @@
-"""verl.utils.ray_utils: device-visibility flags, event loops, auto_await, parallel_put."""
+"""verl.utils.ray_utils: device-visibility flags, event loops, auto_await, parallel_put, node_ip."""
 
 import asyncio
+import socket
 import threading
 
 import pytest
 
-from verl.utils.ray_utils import auto_await, get_event_loop, parallel_put, ray_noset_visible_devices
+from verl.utils.ray_utils import auto_await, get_event_loop, node_ip, parallel_put, ray_noset_visible_devices
 
 
 def test_ray_noset_visible_devices_reads_every_accelerator_flag():
@@ -13,6 +14,22 @@ def test_ray_noset_visible_devices_reads_every_accelerator_flag():
     assert not ray_noset_visible_devices({"RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES": ""})
     assert ray_noset_visible_devices({"RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES": "1"})
     assert ray_noset_visible_devices({"RAY_EXPERIMENTAL_NOSET_ASCEND_RT_VISIBLE_DEVICES": "1"})
+
+
+def test_node_ip_without_ray_is_the_given_address_else_the_hostnames(monkeypatch):
+    import ray
+
+    if ray.is_initialized():
+        pytest.skip("a Ray session of this process answers with Ray's node address")
+    assert node_ip(without_ray="127.0.0.1") == "127.0.0.1"
+    monkeypatch.setattr(socket, "gethostbyname", lambda host: "10.1.2.3")
+    assert node_ip() == "10.1.2.3"
+
+    def unresolvable(host):
+        raise OSError("no such host")
+
+    monkeypatch.setattr(socket, "gethostbyname", unresolvable)
+    assert node_ip() == "127.0.0.1"
 
 
 def test_get_event_loop_in_a_fresh_thread_creates_and_reuses_one():

@@ -24,7 +24,7 @@ import warnings
 from collections.abc import Mapping
 from typing import Any
 
-__all__ = ["auto_await", "get_event_loop", "parallel_put", "ray_noset_visible_devices"]
+__all__ = ["auto_await", "get_event_loop", "node_ip", "parallel_put", "ray_noset_visible_devices"]
 
 # Ray leaves the visibility variable of each accelerator kind alone when the matching variable is set.
 NOSET_VISIBLE_DEVICES_ENV_VARS = (
@@ -37,6 +37,26 @@ NOSET_VISIBLE_DEVICES_ENV_VARS = (
     "RAY_EXPERIMENTAL_NOSET_TPU_VISIBLE_CHIPS",
     "RAY_EXPERIMENTAL_NOSET_ONEAPI_DEVICE_SELECTOR",
 )
+
+
+def node_ip(without_ray: str | None = None) -> str:
+    """An address of this node that other nodes reach: Ray's when Ray is running; otherwise
+    `without_ray` when given, else the hostname's address (127.0.0.1 if it does not resolve)."""
+    try:
+        import ray
+
+        if ray.is_initialized():
+            return ray.util.get_node_ip_address()
+    except ImportError:
+        pass
+    if without_ray is not None:
+        return without_ray
+    import socket
+
+    try:
+        return socket.gethostbyname(socket.gethostname())
+    except OSError:
+        return "127.0.0.1"
 
 
 def ray_noset_visible_devices(env_vars: Mapping[str, str] = os.environ) -> bool:

@@ -61,6 +61,7 @@ import torch
 import torch.distributed as dist
 
 from verl.utils import device as dev
+from verl.utils.ray_utils import node_ip
 
 __all__ = ["WeightSender", "WeightReceiver", "WeightSyncError", "WeightSyncTimeoutError", "host_weight_sync_store"]
 
@@ -84,21 +85,10 @@ def host_weight_sync_store(timeout_s: float) -> tuple[dist.TCPStore, str, int]:
     """Start the rendezvous store on this process (the sender): (store, host IP, port)."""
     from verl.single_controller.base.worker import get_free_port
 
-    host = _node_ip()
+    host = node_ip(without_ray="127.0.0.1")  # a store in one process tree without Ray stays local
     port = get_free_port()
     store = dist.TCPStore(host, port, None, True, datetime.timedelta(seconds=timeout_s), wait_for_workers=False)
     return store, host, port
-
-
-def _node_ip() -> str:
-    try:
-        import ray
-
-        if ray.is_initialized():
-            return ray.util.get_node_ip_address()
-    except ImportError:
-        pass
-    return "127.0.0.1"
 
 
 def _new_group(store, rank: int, world_size: int, timeout_s: float, backend: str):

@@ -19,6 +19,8 @@ from typing import Any
 
 import yaml
 
+from verl.utils.ray_utils import node_ip
+
 __all__ = ["prometheus_config", "publish_rollout_metrics", "rollout_metrics_addresses", "write_prometheus_config"]
 
 logger = logging.getLogger(__name__)
@@ -46,8 +48,6 @@ def write_prometheus_config(path: str, addresses: list[str]) -> None:
 
 def _reload(port: int) -> bool:
     """Ask this node's Prometheus to reload its config; False when none answers."""
-    from verl.workers.rollout.metrics_server import node_ip
-
     request = urllib.request.Request(f"http://{node_ip()}:{port}/-/reload", method="POST")
     try:
         with urllib.request.urlopen(request, timeout=5):

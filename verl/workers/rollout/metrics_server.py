@@ -24,13 +24,14 @@ registers in `prometheus_client`'s global registry apart.
 
 from __future__ import annotations
 
-import socket
 from typing import TYPE_CHECKING
+
+from verl.utils.ray_utils import node_ip
 
 if TYPE_CHECKING:
     from verl.protocol import DataProto
 
-__all__ = ["RolloutMetricsServer", "node_ip", "served_model_name"]
+__all__ = ["RolloutMetricsServer", "served_model_name"]
 
 _LATENCY_BUCKETS = (0.1, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0, 1800.0)
 
@@ -39,21 +40,6 @@ def served_model_name(name: str | None, model_path: str) -> str:
     """The `model_name` label: `name` (else the model path), its last path component as upstream does."""
     name = name or model_path
     return str(name).rstrip("/").split("/")[-1]
-
-
-def node_ip() -> str:
-    """An address of this node other nodes can reach (Ray's when Ray runs, else the hostname's)."""
-    try:
-        import ray
-
-        if ray.is_initialized():
-            return ray.util.get_node_ip_address()
-    except ImportError:
-        pass
-    try:
-        return socket.gethostbyname(socket.gethostname())
-    except OSError:
-        return "127.0.0.1"
 
 
 class RolloutMetricsServer:
