@@ -7,7 +7,6 @@ is refused in one line."""
 from __future__ import annotations
 
 import pytest
-import torch
 
 from tests.distributed_helpers import run_distributed
 from tests.megatron_helpers import (
@@ -16,22 +15,17 @@ from tests.megatron_helpers import (
     build_loaded_chunks,
     tiny_dsv3_hf_model,
 )
-from tests.models.mcore.test_mcore_model import _batch, _hf_response_log_probs, _megatron_response_log_probs
+from tests.models.mcore.test_mcore_model import _batch, assert_log_probs_equal_hf, expert_parallel_rows
 
 
 def _check_log_probs(rank, world_size, tp, ep, q_lora_rank, rope_interleave):
     hf_model = tiny_dsv3_hf_model(q_lora_rank=q_lora_rank, rope_interleave=rope_interleave)
-    batch = _batch()
-    if ep > 1:  # each expert-parallel rank routes its own rows (they are data-parallel ranks)
-        batch = {k: v.chunk(world_size // tp)[rank // tp] for k, v in batch.items()}
+    batch = expert_parallel_rows(_batch(), rank, world_size, tp, ep)
     chunks = build_loaded_chunks(hf_model, tp=tp, ep=ep, sequence_parallel=tp > 1)
     layers = chunks[0].decoder.layers
     assert not hasattr(layers[0].mlp, "router"), "layer 0 is dense (first_k_dense_replace=1)"
     assert len(layers[1].mlp.experts.local_experts) == 8 // ep
-    got = _megatron_response_log_probs(chunks, hf_model.config, batch, multiple_of=tp)
-    want = _hf_response_log_probs(hf_model, batch)
-    mask = batch["response_mask"].bool()
-    torch.testing.assert_close(got[mask], want[mask], atol=2e-5, rtol=0)
+    assert_log_probs_equal_hf(chunks, hf_model, batch, atol=2e-5, multiple_of=tp)
 
 
 @pytest.mark.parametrize(

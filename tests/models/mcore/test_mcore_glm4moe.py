@@ -20,15 +20,14 @@ from tests.models.mcore.test_mcore_model import (
     RESPONSE_LENGTH,
     _batch,
     _hf_response_log_probs,
-    _megatron_response_log_probs,
+    assert_log_probs_equal_hf,
+    expert_parallel_rows,
 )
 
 
 def _check_log_probs(rank, world_size, tp, ep, use_qk_norm, head_dim=None):
     hf_model = tiny_glm4moe_hf_model(use_qk_norm=use_qk_norm, head_dim=head_dim)
-    batch = _batch()
-    if ep > 1:  # each expert-parallel rank routes its own rows (they are data-parallel ranks)
-        batch = {k: v.chunk(world_size // tp)[rank // tp] for k, v in batch.items()}
+    batch = expert_parallel_rows(_batch(), rank, world_size, tp, ep)
     chunks = build_loaded_chunks(hf_model, tp=tp, ep=ep, sequence_parallel=tp > 1)
     config = chunks[0].config
     assert config.add_qkv_bias and config.qk_layernorm == use_qk_norm
@@ -37,10 +36,7 @@ def _check_log_probs(rank, world_size, tp, ep, use_qk_norm, head_dim=None):
     layers = chunks[0].decoder.layers
     assert not hasattr(layers[0].mlp, "router"), "layer 0 is dense (first_k_dense_replace=1)"
     assert len(layers[1].mlp.experts.local_experts) == 8 // ep
-    got = _megatron_response_log_probs(chunks, hf_model.config, batch, multiple_of=tp)
-    want = _hf_response_log_probs(hf_model, batch)
-    mask = batch["response_mask"].bool()
-    torch.testing.assert_close(got[mask], want[mask], atol=2e-5, rtol=0)
+    assert_log_probs_equal_hf(chunks, hf_model, batch, atol=2e-5, multiple_of=tp)
 
 
 @pytest.mark.parametrize("tp,ep,use_qk_norm", [(1, 1, False), (1, 1, True), (2, 1, True), (1, 2, False)])

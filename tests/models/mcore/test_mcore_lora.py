@@ -193,14 +193,20 @@ def _reference_merge(hf_model, adapters, scale) -> dict[str, torch.Tensor]:
     return {k: v.float() for k, v in state.items()}
 
 
+def assert_saved_adapters_close(got_path, want_path, atol: float) -> None:
+    """Two runs' saved adapters (`{name: (A, B)}`, as `_update_matches_reference` writes them) name
+    the same adapters and agree within `atol`."""
+    got, want = torch.load(got_path), torch.load(want_path)
+    assert sorted(got) == sorted(want)
+    for key in want:
+        for i in (0, 1):
+            torch.testing.assert_close(got[key][i], want[key][i], atol=atol, rtol=0, msg=key)
+
+
 def test_lora_update_at_tp1_and_tp2_equals_the_float64_reference_and_each_other(tmp_path):
     run_distributed(_update_matches_reference, 1, 1, False, str(tmp_path / "tp1.pt"))
     run_distributed(_update_matches_reference, 2, 2, False, str(tmp_path / "tp2.pt"))
-    tp1, tp2 = torch.load(tmp_path / "tp1.pt"), torch.load(tmp_path / "tp2.pt")
-    assert sorted(tp1) == sorted(tp2)
-    for key in tp1:
-        for i in (0, 1):
-            torch.testing.assert_close(tp2[key][i], tp1[key][i], atol=1e-6, rtol=0, msg=key)
+    assert_saved_adapters_close(tmp_path / "tp2.pt", tmp_path / "tp1.pt", atol=1e-6)
 
 
 @pytest.mark.slow

@@ -44,14 +44,28 @@ def _megatron_response_log_probs(chunks, hf_config, batch, multiple_of: int = 1)
     return response_columns(logp, aligned)
 
 
+def expert_parallel_rows(batch: dict, rank: int, world_size: int, tp: int, ep: int) -> dict:
+    """This rank's rows of `batch`: each expert-parallel rank routes its own rows (they are
+    data-parallel ranks); every row at ep=1."""
+    if ep == 1:
+        return batch
+    return {k: v.chunk(world_size // tp)[rank // tp] for k, v in batch.items()}
+
+
+def assert_log_probs_equal_hf(chunks, hf_model, batch, atol: float, multiple_of: int = 1) -> None:
+    """The megatron `chunks`' response log-probs equal the HF model's (float64 log-softmax) on the
+    response tokens of `batch`, within `atol`."""
+    got = _megatron_response_log_probs(chunks, hf_model.config, batch, multiple_of=multiple_of)
+    want = _hf_response_log_probs(hf_model, batch)
+    mask = batch["response_mask"].bool()
+    torch.testing.assert_close(got[mask], want[mask], atol=atol, rtol=0)
+
+
 def _check_log_probs_match_hf(rank, world_size, architecture, tie):
     hf_model = tiny_hf_model(architecture, tie_word_embeddings=tie)
     batch = _batch()
     chunks = build_loaded_chunks(hf_model, tp=world_size)
-    got = _megatron_response_log_probs(chunks, hf_model.config, batch)
-    want = _hf_response_log_probs(hf_model, batch)
-    mask = batch["response_mask"].bool()
-    torch.testing.assert_close(got[mask], want[mask], atol=1e-5, rtol=0)
+    assert_log_probs_equal_hf(chunks, hf_model, batch, atol=1e-5)
 
 
 @pytest.mark.parametrize("architecture,tie,tp", [("qwen2", True, 1), ("qwen2", True, 2), ("llama", False, 2)])

@@ -15,22 +15,19 @@ from tests.models.mcore.test_mcore_model import (
     _batch,
     _hf_response_log_probs,
     _megatron_response_log_probs,
+    assert_log_probs_equal_hf,
+    expert_parallel_rows,
 )
 from verl.models.mcore.forward import left_align
 
 
 def _check_log_probs(rank, world_size, tp, ep, etp, norm_topk_prob):
     hf_model = tiny_moe_hf_model(norm_topk_prob=norm_topk_prob)
-    batch = _batch()
-    if ep > 1:  # each expert-parallel rank routes its own rows (they are data-parallel ranks)
-        batch = {k: v.chunk(world_size // tp)[rank // tp] for k, v in batch.items()}
+    batch = expert_parallel_rows(_batch(), rank, world_size, tp, ep)
     chunks = build_loaded_chunks(hf_model, tp=tp, ep=ep, etp=etp, sequence_parallel=tp > 1)
     experts = chunks[0].decoder.layers[0].mlp.experts.local_experts
     assert len(experts) == 4 // ep, f"rank {rank} holds {len(experts)} experts, want {4 // ep}"
-    got = _megatron_response_log_probs(chunks, hf_model.config, batch, multiple_of=tp)
-    want = _hf_response_log_probs(hf_model, batch)
-    mask = batch["response_mask"].bool()
-    torch.testing.assert_close(got[mask], want[mask], atol=2e-5, rtol=0)
+    assert_log_probs_equal_hf(chunks, hf_model, batch, atol=2e-5, multiple_of=tp)
 
 
 @pytest.mark.parametrize(
