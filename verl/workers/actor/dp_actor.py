@@ -248,8 +248,7 @@ class DataParallelPPOActor(PPOActor):
         if self.use_fused_kernels:
             return self._fused_outputs(micro_batch, temperature, stats, start, end, kept)
         if self.use_remove_padding:
-            packed_ids, indices = unpad_input(input_ids, micro_batch["attention_mask"])
-            packed_pos = unpad_position_ids(micro_batch["position_ids"], indices)
+            packed_ids, packed_pos, indices = self._packed_inputs(micro_batch)
             if self.sp_size > 1:
                 return self._sp_packed_outputs(packed_ids, packed_pos, indices, micro_batch, temperature, stats)
             logits = self.actor_module(input_ids=packed_ids, position_ids=packed_pos, use_cache=False).logits[0]
@@ -264,19 +263,29 @@ class DataParallelPPOActor(PPOActor):
                 values = pad_input(TOKEN_STATS[name](logits), indices, batch_size, seqlen)
                 out[name] = values[:, -response_length - 1 : -1]
             return out, log_probs
+        logits = self._padded_response_logits(micro_batch, start, end, kept)
+        return self._response_outputs([logits], micro_batch["responses"], temperature, stats)
+
+    @staticmethod
+    def _packed_inputs(micro_batch):
+        """(packed_ids [1, T], packed_pos, indices): the micro-batch's tokens without padding."""
+        packed_ids, indices = unpad_input(micro_batch["input_ids"], micro_batch["attention_mask"])
+        return packed_ids, unpad_position_ids(micro_batch["position_ids"], indices), indices
+
+    def _padded_response_logits(self, micro_batch, start: int, end: int, kept: int) -> torch.Tensor:
+        """The model's `.logits` [B, kept, ...] at the positions that predict the first `kept` response
+        tokens, from one padded call on the columns [start, end) (see `token_window`)."""
         # Only the last R + 1 positions predict response tokens: skip the LM head everywhere else
         # (a large saving for real vocabularies, e.g. 152k for Qwen2.5).
         keep = {"logits_to_keep": kept + 1} if self._accepts_logits_to_keep else {}
         output = self.actor_module(
-            input_ids=input_ids[:, start:end],
+            input_ids=micro_batch["input_ids"][:, start:end],
             attention_mask=micro_batch["attention_mask"][:, start:end],
             position_ids=micro_batch["position_ids"][:, start:end],
             use_cache=False,
             **keep,
         )
-        return self._response_outputs(
-            [output.logits[:, -kept - 1 : -1, :]], micro_batch["responses"], temperature, stats
-        )
+        return output.logits[:, -kept - 1 : -1]
 
     def _fused_outputs(self, micro_batch, temperature: float, stats: tuple[str, ...], start: int, end: int, kept: int):
         """`_forward_with_stats` with `use_fused_kernels`: the LM head returns (log-prob, entropy) per position
@@ -288,8 +297,7 @@ class DataParallelPPOActor(PPOActor):
         responses = micro_batch["responses"]
         response_length = responses.shape[-1]
         if self.use_remove_padding:
-            packed_ids, indices = unpad_input(input_ids, micro_batch["attention_mask"])
-            packed_pos = unpad_position_ids(micro_batch["position_ids"], indices)
+            packed_ids, packed_pos, indices = self._packed_inputs(micro_batch)
             # as in the unfused path: a sequence's last label is wrong, and never a response token's
             labels = torch.roll(packed_ids, shifts=-1, dims=1)
             with fused_lm_head(self._hf_module, labels, temperature, entropy_grad):
@@ -300,18 +308,10 @@ class DataParallelPPOActor(PPOActor):
             width = end - start
             labels = input_ids.new_zeros((batch_size, width))
             labels[:, width - kept - 1 : width - 1] = responses[:, :kept]
-            keep = {}
-            if self._accepts_logits_to_keep:
-                keep = {"logits_to_keep": kept + 1}
+            if self._accepts_logits_to_keep:  # the head sees only the last kept + 1 positions
                 labels = labels[:, -kept - 1 :]
             with fused_lm_head(self._hf_module, labels, temperature, entropy_grad):
-                out = self.actor_module(
-                    input_ids=input_ids[:, start:end],
-                    attention_mask=micro_batch["attention_mask"][:, start:end],
-                    position_ids=micro_batch["position_ids"][:, start:end],
-                    use_cache=False,
-                    **keep,
-                ).logits[:, -kept - 1 : -1]
+                out = self._padded_response_logits(micro_batch, start, end, kept)
             log_probs = pad_response_columns(out[..., 0], response_length)
             entropy = pad_response_columns(out[..., 1], response_length)
         return ({"entropy": entropy} if "entropy" in stats else {}), log_probs
