@@ -146,3 +146,24 @@ def test_stage_local_load_balancing_statistics_fail_the_comparison(pp, cp):
     """The comparison above is sensitive: each rank's loss from its own layers (pp) or tokens (cp)
     alone, the statistics not summed, gives another metric and other weights."""
     run_distributed(_ep_against_fsdp_actor, pp * cp, 1, True, 1, pp, cp, None, True)
+
+
+def _recomputing_the_routers_is_refused(rank, world_size, overrides):
+    from verl.workers.actor.megatron_actor import MegatronPPOActor
+
+    hf_model = _moe_model()
+    chunks = build_loaded_chunks(hf_model, tf_overrides=overrides)
+    params = [p for chunk in chunks for p in chunk.parameters()]
+    with pytest.raises(ValueError, match="recomputation of the routers.*recompute_modules=\\[core_attn\\]"):
+        MegatronPPOActor(_actor_config(), chunks, hf_model.config, torch.optim.SGD(params, lr=LR))
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        {"recompute_granularity": "full", "recompute_method": "uniform", "recompute_num_layers": 1},
+        {"recompute_granularity": "selective", "recompute_modules": ["moe"]},
+    ],
+)
+def test_the_load_balancing_loss_refuses_recomputing_the_routers(overrides):
+    run_distributed(_recomputing_the_routers_is_refused, 1, overrides)

@@ -15,19 +15,38 @@ Design decisions:
   Switch-Transformer form over all layers' router logits of a micro-batch, real tokens only), not
   megatron's per-layer aux loss, so both backends train the same function and log the same
   `actor/load_balancing_loss`. It is switched on as on FSDP, by the HF config's
-  `output_router_logits` (coefficient `router_aux_loss_coef`). The router logits are recorded by
-  wrapping each router's `gating`; megatron's local forward routes the trailing pad tokens of the
-  left-aligned batch too (harmless for the outputs: routing is dropless, a token's output never
-  depends on another's), so they are masked out of the loss. Under sequence parallelism the logits
-  are gathered over the tensor-parallel ranks first (each rank routes a slice of the sequence).
+  `output_router_logits` (coefficient `router_aux_loss_coef`). Each router's `gating` is wrapped;
+  megatron's local forward routes the trailing pad tokens of the left-aligned batch too (harmless
+  for the outputs: routing is dropless, a token's output never depends on another's), so they are
+  masked out. Under sequence parallelism the logits are gathered over the tensor-parallel ranks
+  first (each rank routes a slice of the sequence).
+- The loss couples every layer and token of a micro-batch (E * sum_e f_e * P_e over all of them),
+  while pipeline stages hold different layers and context-parallel ranks different tokens. It is
+  computed from sums instead (`_RouterStats`): per expert the top-k choices c_e and the summed
+  probabilities p_e, and the routed token count T, each summed over this rank's routers, then
+  all-reduced over the pipeline x context-parallel ranks of the micro-batch. Since
+  loss = E * sum_e c_e p_e / T^2 is linear in p given the non-differentiable c and T, each rank's
+  routers receive exactly their share of the gradient, E * c_e / T^2 (totals) times the loss weight.
+- Megatron's schedule backpropagates only the last stage's loss, so the term's gradient enters at
+  the routers (`_AttachRouterLoss`, megatron's `MoEAuxLossAutoScaler` idea: identity on the logits,
+  whose backward adds the gradient of the router's summed probabilities) and the loss the last
+  stage adds is a detached value, the metric. Every layout (pp=1 too) takes this one path.
+- The all-reduce is started asynchronously after this rank's last chunk has run the micro-batch's
+  forward, on a communicator of its own: under 1F1B an early stage must go on with other
+  micro-batches (a blocking all-reduce there would wait for a stage that waits for it). Every
+  stage has run the micro-batch's forward before any backward of it, so the totals are complete
+  when a backward (or the last stage's loss) waits for them.
+- Context-parallel ranks each compute the loss of the whole sequence, so their gradients are cp
+  times their share (`verl.models.mcore.context_parallel`); the term's gradient is scaled likewise.
+- Refused with the loss on: activation recomputation that re-runs the routers
+  (`recompute_granularity=full`, or `selective` with `moe`): the recomputed routers run inside the
+  backward, after the statistics were exchanged (and the first, no-grad forward records nothing).
+  Recomputing `core_attn` only is fine.
 - The distributed optimizer (`use_distributed_optimizer`: the Adam state split by whole parameters
   over ranks that hold the same parameters) splits at ep > 1 over the ranks with this rank's tensor,
   pipeline, expert and expert-tensor ranks: data-parallel ranks hold different experts, and
   expert-data-parallel ranks different dense shards when etp != tp. Each moment is then written to
   a checkpoint by its owner in one chosen group (`writes_optimizer_state`).
-- Not done: the loss with pipeline parallelism (its layers' logits live on different stages and the
-  loss couples them) or context parallelism (each rank routes part of each sequence); both are
-  refused when the loss is on.
 """
 
 from __future__ import annotations
