@@ -38,7 +38,9 @@ MoE router replay (`router_replay.mode`, `verl.models.mcore.router_replay`): wit
 old-log-prob pass records each token's experts and returns them as `routed_experts`; with R3 the
 rollout engine recorded them and the old-log-prob pass replays them too. The update's forwards
 replay them, micro-batch by micro-batch, through the `before_forward` hook of
-`run_megatron_schedule`.
+`run_megatron_schedule`. The MoE load-balancing loss (`verl.models.mcore.moe`) uses both hooks in
+a training pass: each chunk's routers add their statistics between them, and after this rank's
+last chunk the micro-batch's statistics go to the other pipeline and context-parallel ranks.
 
 Not supported (clear errors): `use_remove_padding` is ignored (rows are already left-aligned
 and trimmed), ulysses sequence parallelism, multi-dimensional position ids.
