@@ -129,16 +129,17 @@ def test_megatron_moe_load_balancing_loss_over_pipeline_or_context_ranks_equals_
 
 @pytest.mark.slow
 @pytest.mark.parametrize(
-    "pp,cp,vpp,ep",
+    "pp,cp,vpp,ep,tp",
     [
-        (2, 1, 2, 1),  # interleaved: two chunks of one layer on each stage
-        (2, 2, None, 1),  # four ranks: statistics summed over both stages and both context ranks
-        (2, 1, None, 2),  # four ranks: pp=2 x dp=2, the experts split over the data-parallel pair
+        (2, 1, 2, 1, 1),  # interleaved: two chunks of one layer on each stage
+        (2, 2, None, 1, 1),  # four ranks: statistics summed over both stages and both context ranks
+        (2, 1, None, 2, 1),  # four ranks: pp=2 x dp=2, the experts split over the data-parallel pair
+        (2, 1, None, 1, 2),  # four ranks: pp=2 x tp=2 with sequence parallelism (logits gathered first)
     ],
 )
-def test_megatron_moe_load_balancing_loss_on_pipeline_layouts_equals_the_fsdp_update_slow(pp, cp, vpp, ep):
-    world = pp * cp * (2 if ep > 1 else 1)
-    run_distributed(_ep_against_fsdp_actor, world, ep, True, 1, pp, cp, vpp)
+def test_megatron_moe_load_balancing_loss_on_pipeline_layouts_equals_the_fsdp_update_slow(pp, cp, vpp, ep, tp):
+    world = pp * cp * tp * (2 if ep > 1 else 1)
+    run_distributed(_ep_against_fsdp_actor, world, ep, True, tp, pp, cp, vpp)
 
 
 @pytest.mark.parametrize("pp,cp", [(2, 1), (1, 2)])
