@@ -61,6 +61,31 @@ def test_grpo_trains_a_moe_model_at_ep2_and_resumes_at_ep1(tmp_path, shared_ray_
     assert rows[0]["data"]["actor/grad_norm"] > 0 and "actor/load_balancing_loss" in rows[0]["data"]
 
 
+def test_grpo_trains_a_moe_model_with_the_load_balancing_loss_on_two_pipeline_stages(tmp_path, shared_ray_cluster):
+    """pp=2 (one MoE layer a stage): the loss's router statistics are summed over the stages inside
+    megatron's 1F1B schedule, and both stages' routers get its gradient (that it equals the pp=1
+    update is tests/workers/actor/test_megatron_actor_moe.py's); logged in the same range as at ep=2."""
+    from verl.models.factory import make_tiny
+
+    model_path = make_tiny("tiny-moe", str(tmp_path / "tiny-moe"))
+    run = tmp_path / "pp2"
+    overrides = [o for o in _overrides(model_path, run, steps=2, ep=1) if o != "trainer.save_freq=1"]
+    run_main_ppo(
+        main_ppo_cmd(
+            "arith_demo_megatron",
+            "actor_rollout_ref.actor.megatron.pipeline_model_parallel_size=2",
+            *overrides,
+        ),
+        run,
+        cluster=shared_ray_cluster,
+    )
+    rows = [r["data"] for r in read_metrics(run) if "actor/pg_loss" in r["data"]]
+    assert len(rows) == 2
+    for row in rows:
+        assert row["actor/grad_norm"] > 0
+        assert 1.0 < row["actor/load_balancing_loss"] < 4.0, row["actor/load_balancing_loss"]
+
+
 def test_grpo_with_router_replay_r2_records_and_replays_the_routing_at_ep2(tmp_path, shared_ray_cluster):
     """Two mini-batches a step, so the old-log-prob pass runs (it records `routed_experts`) and the
     second mini-batch's forward replays routing recorded before the first one's optimizer step; the

@@ -1,7 +1,9 @@
 """The megatron actor trains a Qwen3-MoE model as the FSDP actor does, with the router
 load-balancing loss on: at ep=1, with the experts split over 2 expert-parallel ranks (tokens
-dispatched by megatron's all-to-all over gloo) and at tp=2, one PPO update on 2 ranks gives the
-single-process FSDP update on the whole batch (losses, `actor/load_balancing_loss`, gradient norms, weights)."""
+dispatched by megatron's all-to-all over gloo), at tp=2, and with the layers on 2 pipeline stages
+or the sequences over 2 context-parallel ranks (the loss's statistics summed over them, see
+`verl.models.mcore.moe`), one PPO update on 2 ranks gives the single-process FSDP update on the
+whole batch (losses, `actor/load_balancing_loss`, gradient norms, weights)."""
 
 from __future__ import annotations
 
@@ -18,8 +20,8 @@ from verl.workers.actor.dp_actor import DataParallelPPOActor
 COEF = 0.1  # large, so the load-balancing gradient shows in the weights
 
 
-def _moe_model():
-    model = tiny_moe_hf_model()
+def _moe_model(num_layers: int = 2):
+    model = tiny_moe_hf_model(num_layers=num_layers)
     model.config.output_router_logits = True
     model.config.router_aux_loss_coef = COEF
     return model
@@ -37,25 +39,43 @@ def fsdp_reference_update(hf_model, data):
     return reference_model, reference.update_policy(copy.deepcopy(data))
 
 
-def _ep_against_fsdp_actor(rank, world_size, ep, aux, tp=1):
+def _ep_against_fsdp_actor(rank, world_size, ep, aux, tp=1, pp=1, cp=1, vpp=None, stage_local=False):
+    """`stage_local`: the statistics are not summed over the pipeline x context ranks (each rank's loss
+    from its own layers and tokens), which the comparison must catch."""
     from megatron.core import parallel_state as mpu
 
+    from verl.models.mcore import moe
     from verl.workers.actor.megatron_actor import MegatronPPOActor
 
-    hf_model = _moe_model()
+    hf_model = _moe_model(num_layers=2 * pp * (vpp or 1))
     data = _training_data(hf_model)  # its scorer (an FSDP actor) takes the flag over: set it again
     hf_model.config.output_router_logits = aux
     reference_model, want_metrics = fsdp_reference_update(hf_model, data)
 
-    chunks = build_loaded_chunks(hf_model, ep=ep, tp=tp, sequence_parallel=tp > 1)
+    chunks = build_loaded_chunks(hf_model, ep=ep, tp=tp, pp=pp, cp=cp, vpp=vpp, sequence_parallel=tp > 1)
     dp = mpu.get_data_parallel_world_size()
-    assert dp == world_size // tp
+    assert dp == world_size // (tp * pp * cp)
     assert mpu.get_expert_model_parallel_world_size() == ep
     assert len(chunks[0].decoder.layers[0].mlp.experts.local_experts) == 4 // ep
     params = [p for chunk in chunks for p in chunk.parameters()]
     actor = MegatronPPOActor(
         _actor_config(ppo_mini_batch_size=4 // dp), chunks, hf_model.config, torch.optim.SGD(params, lr=LR)
     )
+    if stage_local:
+        exchange = moe._RouterStats.exchange
+        moe._RouterStats.exchange = lambda stats, group: exchange(stats, None)
+        try:
+            with pytest.raises(AssertionError):
+                _update_and_compare(actor, chunks, hf_model, data, want_metrics, reference_model, dp, aux)
+        finally:
+            moe._RouterStats.exchange = exchange
+        return
+    _update_and_compare(actor, chunks, hf_model, data, want_metrics, reference_model, dp, aux)
+
+
+def _update_and_compare(actor, chunks, hf_model, data, want_metrics, reference_model, dp, aux):
+    from megatron.core import parallel_state as mpu
+
     # the reference's mini-batches are rows 0-3 and 4-7, its micro-batches pairs: each rank holds one
     # pair of each mini-batch, so both compute the load-balancing loss over the same micro-batches
     # (at dp=1, tp=2: both ranks train on the whole batch, as the reference does)
@@ -94,3 +114,57 @@ def _ep_against_fsdp_actor(rank, world_size, ep, aux, tp=1):
 )
 def test_megatron_moe_update_on_two_ranks_equals_the_fsdp_update_on_the_whole_batch(ep, aux, tp):
     run_distributed(_ep_against_fsdp_actor, 2, ep, aux, tp)
+
+
+@pytest.mark.parametrize(
+    "pp,cp,vpp",
+    [
+        (2, 1, None),  # one layer a stage: the loss couples the two stages' routers
+        (1, 2, None),  # each rank routes two of the four chunks of every sequence, padding masked
+    ],
+)
+def test_megatron_moe_load_balancing_loss_over_pipeline_or_context_ranks_equals_the_fsdp_update(pp, cp, vpp):
+    run_distributed(_ep_against_fsdp_actor, pp * cp, 1, True, 1, pp, cp, vpp)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "pp,cp,vpp,ep,tp",
+    [
+        (2, 1, 2, 1, 1),  # interleaved: two chunks of one layer on each stage
+        (2, 2, None, 1, 1),  # four ranks: statistics summed over both stages and both context ranks
+        (2, 1, None, 2, 1),  # four ranks: pp=2 x dp=2, the experts split over the data-parallel pair
+        (2, 1, None, 1, 2),  # four ranks: pp=2 x tp=2 with sequence parallelism (logits gathered first)
+    ],
+)
+def test_megatron_moe_load_balancing_loss_on_pipeline_layouts_equals_the_fsdp_update_slow(pp, cp, vpp, ep, tp):
+    world = pp * cp * tp * (2 if ep > 1 else 1)
+    run_distributed(_ep_against_fsdp_actor, world, ep, True, tp, pp, cp, vpp)
+
+
+@pytest.mark.parametrize("pp,cp", [(2, 1), (1, 2)])
+def test_stage_local_load_balancing_statistics_fail_the_comparison(pp, cp):
+    """The comparison above is sensitive: each rank's loss from its own layers (pp) or tokens (cp)
+    alone, the statistics not summed, gives another metric and other weights."""
+    run_distributed(_ep_against_fsdp_actor, pp * cp, 1, True, 1, pp, cp, None, True)
+
+
+def _recomputing_the_routers_is_refused(rank, world_size, overrides):
+    from verl.workers.actor.megatron_actor import MegatronPPOActor
+
+    hf_model = _moe_model()
+    chunks = build_loaded_chunks(hf_model, tf_overrides=overrides)
+    params = [p for chunk in chunks for p in chunk.parameters()]
+    with pytest.raises(ValueError, match="recomputation of the routers.*recompute_modules=\\[core_attn\\]"):
+        MegatronPPOActor(_actor_config(), chunks, hf_model.config, torch.optim.SGD(params, lr=LR))
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        {"recompute_granularity": "full", "recompute_method": "uniform", "recompute_num_layers": 1},
+        {"recompute_granularity": "selective", "recompute_modules": ["moe"]},
+    ],
+)
+def test_the_load_balancing_loss_refuses_recomputing_the_routers(overrides):
+    run_distributed(_recomputing_the_routers_is_refused, 1, overrides)

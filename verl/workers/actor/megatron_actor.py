@@ -38,7 +38,9 @@ MoE router replay (`router_replay.mode`, `verl.models.mcore.router_replay`): wit
 old-log-prob pass records each token's experts and returns them as `routed_experts`; with R3 the
 rollout engine recorded them and the old-log-prob pass replays them too. The update's forwards
 replay them, micro-batch by micro-batch, through the `before_forward` hook of
-`run_megatron_schedule`.
+`run_megatron_schedule`. The MoE load-balancing loss (`verl.models.mcore.moe`) uses both hooks in
+a training pass: each chunk's routers add their statistics between them, and after this rank's
+last chunk the micro-batch's statistics go to the other pipeline and context-parallel ranks.
 
 Not supported (clear errors): `use_remove_padding` is ignored (rows are already left-aligned
 and trimmed), ulysses sequence parallelism, multi-dimensional position ids.
@@ -69,6 +71,7 @@ from verl.workers.dp_training import (
     append_to_dict,
     average_gradients,
     metrics_to_host,
+    micro_batch_weight,
     response_mask_of,
     split_micro_batches,
     step_if_finite,
@@ -242,12 +245,15 @@ def _interleavable(micro_batches: list, model_chunks) -> list:
     return micro_batches
 
 
-def run_megatron_schedule(model_chunks, micro_batches: list, loss_fn, forward_only: bool, before_forward=None) -> list:
+def run_megatron_schedule(
+    model_chunks, micro_batches: list, loss_fn, forward_only: bool, before_forward=None, after_forward=None
+) -> list:
     """Forward (and backward) the micro-batches (TensorDicts in the project layout) through
     megatron's schedule; returns the per-micro-batch dicts of `loss_fn(micro_batch, output) ->
     (loss, dict)` as seen on the last pipeline stage (empty elsewhere). `micro_batch` is a dict
     holding the tensors plus `_aligned`, its left-aligned form; `before_forward(micro_batch)`, when
-    given, runs just before the model's forward on it (router replay sets its targets there)."""
+    given, runs just before a chunk's forward on it (router replay sets its targets there), and
+    `after_forward(micro_batch, chunk)` just after (the load-balancing loss closes its statistics)."""
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
     def loss_wrapper(micro_batch, output):
@@ -262,6 +268,8 @@ def run_megatron_schedule(model_chunks, micro_batches: list, loss_fn, forward_on
             before_forward(micro_batch)
         with compute_autocast(model):  # bf16 compute on fp32 parameters (verl.models.mcore.config)
             output = model(aligned.model_input_ids, aligned.model_position_ids, None)
+        if after_forward is not None:
+            after_forward(micro_batch, model)
         return output, partial(loss_wrapper, micro_batch)
 
     from verl.models.mcore.context_parallel import context_parallel_group
@@ -334,9 +342,28 @@ class MegatronPPOActor(PPOActor):
         log_probs = response_columns(log_probs, aligned)
         return (response_columns(entropy, aligned) if calculate_entropy else None), log_probs
 
-    def _run_schedule(self, micro_batches: list, loss_fn, forward_only: bool) -> list:
-        hook = self.router_replay.before_forward if self.router_replay.enabled else None
-        return run_megatron_schedule(self.model_chunks, micro_batches, loss_fn, forward_only, hook)
+    def _run_schedule(self, micro_batches: list, loss_fn, forward_only: bool, normaliser: float | None = None) -> list:
+        """Megatron's schedule with this actor's hooks: router replay's, and in a training pass
+        (`normaliser` given) the load-balancing loss's."""
+        replay = self.router_replay.before_forward if self.router_replay.enabled else None
+        aux = self.router_aux if self.router_aux.enabled and normaliser is not None else None
+        if aux is None:
+            return run_megatron_schedule(self.model_chunks, micro_batches, loss_fn, forward_only, replay)
+
+        def before_forward(micro_batch):
+            if replay is not None:
+                replay(micro_batch)
+            mask = response_mask_of(micro_batch)
+            aux.start(
+                micro_batch,
+                micro_batch_weight(
+                    mask, self.loss_agg_mode, normaliser, self._dp_size, torch.zeros((), device=mask.device)
+                ),
+            )
+
+        return run_megatron_schedule(
+            self.model_chunks, micro_batches, loss_fn, forward_only, before_forward, aux.end_forward
+        )
 
     # ------------------------------------------------------------------ inference
 
@@ -446,7 +473,7 @@ class MegatronPPOActor(PPOActor):
             loss_fn = partial(
                 self._policy_loss, temperature=temperature, normaliser=normaliser, num_micro_batches=len(micro_batches)
             )
-            results = self._run_schedule(micro_batches, loss_fn, False)
+            results = self._run_schedule(micro_batches, loss_fn, False, normaliser)
         finally:
             self.router_replay.stop()
         finalize_megatron_grads(self.model_chunks)
