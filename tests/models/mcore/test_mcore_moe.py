@@ -1,6 +1,7 @@
 """A Qwen3-MoE model on megatron-core (routed experts in megatron's MoE layer, local spec): its
 log-probs equal transformers' at ep=1 and with the experts split over 2 expert-parallel ranks
-(tokens dispatched by megatron's all-to-all over gloo), and HF -> megatron -> HF is bit-exact at
+(tokens dispatched by megatron's all-to-all over gloo), also with each expert split over 2
+expert-tensor ranks at tp=2 (4 ranks), and HF -> megatron -> HF is bit-exact at
 every expert layout."""
 
 from __future__ import annotations
@@ -36,6 +37,14 @@ def _check_log_probs(rank, world_size, tp, ep, etp, norm_topk_prob):
 )
 def test_megatron_moe_log_probs_equal_hf(tp, ep, etp, norm_topk_prob):
     run_distributed(_check_log_probs, max(tp, ep), tp, ep, etp, norm_topk_prob)
+
+
+@pytest.mark.slow  # 4 CPU ranks
+def test_megatron_moe_log_probs_equal_hf_at_ep2_etp2_tp2():
+    """Each expert split over 2 expert-tensor ranks and the experts over 2 expert-parallel ranks: the
+    dispatcher gathers uneven token counts over the expert-tensor group (gloo's padded form,
+    `verl.utils.megatron.gloo_collectives`) and reduce-scatters the results back."""
+    run_distributed(_check_log_probs, 4, 2, 2, 2, True)
 
 
 def _check_round_trip(rank, world_size, tp, pp, ep, etp):

@@ -108,8 +108,11 @@ def _assert_resumed_exactly(uninterrupted: dict, resumed: dict, weights_only: di
         # ... and with experts not split like the dense layers (etp=1 at tp=2, upstream's usual MoE
         # layout; every replica group is one rank here), resumed with the experts split at etp=tp=2
         pytest.param(4, 2, 1, marks=pytest.mark.slow),
+        # ... and with each expert split over both tensor ranks too (etp=tp=2 x ep=2: the token
+        # dispatcher's uneven gather over the expert-tensor group, gloo's padded form), resumed at ep=1
+        pytest.param(4, 2, 2, marks=pytest.mark.slow),
     ],
-    ids=["ep2", "ep2_dp4_zero", "tp2_etp1_ep2_zero"],
+    ids=["ep2", "ep2_dp4_zero", "tp2_etp1_ep2_zero", "tp2_etp2_ep2_zero"],
 )
 def test_moe_checkpoint_saved_at_ep2_resumes_training_exactly_at_ep1(tmp_path, world, tp, etp):
     run_distributed(_resume_at_another_ep, world, str(tmp_path / "actor"), tp, etp)

@@ -168,3 +168,11 @@ def _recomputing_the_routers_is_refused(rank, world_size, overrides):
 )
 def test_the_load_balancing_loss_refuses_recomputing_the_routers(overrides):
     run_distributed(_recomputing_the_routers_is_refused, 1, overrides)
+
+
+@pytest.mark.slow  # 4 CPU ranks
+def test_megatron_moe_update_at_ep2_etp2_tp2_on_four_ranks_equals_the_fsdp_update_on_the_whole_batch():
+    """tp=2 x dp=2 with the experts over 2 expert-parallel ranks and each expert's MLP over 2
+    expert-tensor ranks: the token dispatcher's uneven gather and reduce-scatter over the
+    expert-tensor group run on gloo (forward and backward), and the update equals ep=1, etp=1."""
+    run_distributed(_ep_against_fsdp_actor, 4, 2, True, 2)

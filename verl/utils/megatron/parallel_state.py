@@ -62,7 +62,7 @@ def initialize_model_parallel(
         enable_moe_compat,
         seed_model_parallel_rng,
     )
-    from verl.utils.megatron.gloo_collectives import install_gloo_uneven_collectives
+    from verl.utils.megatron.gloo_collectives import install_gloo_uneven_all_gather
 
     if not dist.is_initialized():
         raise RuntimeError(
@@ -104,7 +104,7 @@ def initialize_model_parallel(
     enable_cpu_compat()
     enable_moe_compat()
     if dist.get_backend() == "gloo":
-        install_gloo_uneven_collectives()
+        install_gloo_uneven_all_gather()
     if mpu.model_parallel_is_initialized():
         current = (
             mpu.get_tensor_model_parallel_world_size(),
