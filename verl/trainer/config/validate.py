@@ -389,8 +389,8 @@ def _check_megatron_experts(name: str, m: dict, world: int, errors: list[str]) -
             f"carves its expert groups out of the same ranks); choose sizes whose product divides {world}"
         )
     elif etp > tp:
-        # megatron-core builds such groups, but the forward fails (the expert MLP's all-gather sizes
-        # disagree over gloo); refused before Ray starts instead of at the first step
+        # megatron-core builds such groups and the forward runs (verl.utils.megatron.gloo_collectives on gloo),
+        # but the checkpoint writer and the distributed optimizer's replica groups assume etp <= tp
         errors.append(
             f"{name}.megatron.expert_tensor_parallel_size={etp} is larger than tensor_model_parallel_size={tp}: "
             f"splitting an expert over more ranks than the dense layers is not supported here; set "

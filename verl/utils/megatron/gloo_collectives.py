@@ -15,10 +15,10 @@ Design decisions:
 - Built from what gloo has: one broadcast from each rank of the group, of its rows, into that
   rank's slice of the output. The result is a copy of each rank's rows in rank order, as megatron's
   gather; only the real rows travel, with no extra copy, in `world` collectives instead of one (the
-  expert-tensor group is small). Two other forms were measured and were slower on 2 ranks
-  (`benchmarks/gloo_uneven_collectives.py`; docs/megatron.md): each piece padded to the largest for
-  gloo's even `all_gather_into_tensor` (padding in, slicing out), and one uneven `all_to_all_single`
-  (which needs the rows repeated `world` times).
+  expert-tensor group is small). Two other forms were measured on 2 ranks
+  (`benchmarks/gloo_uneven_collectives.py`; docs/benchmarks.md): each piece padded to the largest
+  for gloo's even `all_gather_into_tensor` was the slowest in every run, and one uneven
+  `all_to_all_single` (the rows repeated `world` times in memory) slower in two runs of three.
 - Installed by `install_gloo_uneven_all_gather()`, which rebinds megatron's module-level
   `_gather_along_first_dim` in `megatron.core.tensor_parallel.mappings` (its autograd Functions
   look it up by name, so forward and backward both use it). `initialize_model_parallel` installs
