@@ -58,6 +58,11 @@ def test_hf_to_megatron_moe_to_hf_round_trip_is_bit_exact(tp, pp, ep, etp):
     run_distributed(_check_round_trip, max(tp * pp, ep * pp), tp, pp, ep, etp)
 
 
+@pytest.mark.slow  # 4 CPU ranks
+def test_hf_to_megatron_moe_to_hf_round_trip_is_bit_exact_at_ep2_etp2_tp2():
+    run_distributed(_check_round_trip, 4, 2, 1, 2, 2)
+
+
 @pytest.mark.parametrize(
     "megatron_cfg,message",
     [
