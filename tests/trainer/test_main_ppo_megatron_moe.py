@@ -86,6 +86,38 @@ def test_grpo_trains_a_moe_model_with_the_load_balancing_loss_on_two_pipeline_st
         assert 1.0 < row["actor/load_balancing_loss"] < 4.0, row["actor/load_balancing_loss"]
 
 
+def test_grpo_trains_a_moe_model_at_tp2_ep2_etp2_on_four_workers(tmp_path, shared_ray_cluster):
+    """4 workers, tp=2 x dp=2, the experts over 2 expert-parallel ranks and each expert's MLP over 2
+    expert-tensor ranks: the token dispatcher gathers uneven token counts over the expert-tensor
+    ranks (gloo's form, verl/utils/megatron/gloo_collectives.py) in the old-log-prob, reference and
+    update passes; the step trains and checkpoints."""
+    from verl.models.factory import make_tiny
+
+    model_path = make_tiny("tiny-moe", str(tmp_path / "tiny-moe"))
+    run = tmp_path / "tp2ep2etp2"
+    run_main_ppo(
+        main_ppo_cmd(
+            "arith_demo_megatron",
+            *_overrides(model_path, run, steps=1, ep=2),
+            "actor_rollout_ref.actor.megatron.tensor_model_parallel_size=2",
+            "actor_rollout_ref.actor.megatron.expert_tensor_parallel_size=2",
+            "trainer.n_gpus_per_node=4",
+            "data.train_batch_size=4",
+            "actor_rollout_ref.rollout.n=4",
+            "actor_rollout_ref.actor.ppo_mini_batch_size=4",
+            "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=8",
+            "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=8",
+            "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu=8",
+        ),
+        run,
+        cluster=shared_ray_cluster,
+    )
+    (row,) = [r["data"] for r in read_metrics(run) if "actor/pg_loss" in r["data"]]
+    assert row["actor/grad_norm"] > 0
+    assert 1.0 < row["actor/load_balancing_loss"] < 4.0, row["actor/load_balancing_loss"]  # k=2 .. E*k=8
+    assert (run / "ckpt" / "global_step_1" / "actor" / "dist_ckpt" / "metadata.json").is_file()
+
+
 def test_grpo_with_router_replay_r2_records_and_replays_the_routing_at_ep2(tmp_path, shared_ray_cluster):
     """Two mini-batches a step, so the old-log-prob pass runs (it records `routed_experts`) and the
     second mini-batch's forward replays routing recorded before the first one's optimizer step; the
