@@ -390,7 +390,8 @@ def _check_megatron_experts(name: str, m: dict, world: int, errors: list[str]) -
         )
     elif etp > tp:
         # megatron-core builds such groups and the forward runs (verl.utils.megatron.gloo_collectives on gloo),
-        # but the checkpoint writer and the distributed optimizer's replica groups assume etp <= tp
+        # but saving a checkpoint with the distributed optimizer fails in megatron ("Invalid access pattern"
+        # for the dense weights' Adam moments, measured at tp=1, etp=2)
         errors.append(
             f"{name}.megatron.expert_tensor_parallel_size={etp} is larger than tensor_model_parallel_size={tp}: "
             f"splitting an expert over more ranks than the dense layers is not supported here; set "
