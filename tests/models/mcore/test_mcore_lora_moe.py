@@ -364,12 +364,13 @@ def test_ppo_update_with_expert_adapters_under_pipeline_or_context_parallelism_e
 
 
 @pytest.mark.slow
-def test_ppo_update_with_expert_adapters_at_ep2_tp2_etp1_on_four_ranks_equals_the_reference(tmp_path):
+@pytest.mark.parametrize("etp", [1, 2])
+def test_ppo_update_with_expert_adapters_at_ep2_tp2_on_four_ranks_equals_the_reference(tmp_path, etp):
     """ep=2 x tp=2 with whole experts (etp=1, as upstream's Qwen3-30B-A3B LoRA script): the attention
-    adapters split over the tensor ranks, each expert's adapters whole on its expert-parallel rank.
-    (etp=2 at ep=2 is not run: megatron's dispatcher gathers uneven token counts over the expert-tensor
-    group, which gloo's all-gather refuses, adapters or not.)"""
-    run_distributed(_update, 4, 2, 2, str(tmp_path / "out.pt"), 1, 1, 1)
+    adapters split over the tensor ranks, each expert's adapters whole on its expert-parallel rank; and
+    with each expert split over both tensor ranks too (etp=2: megatron's dispatcher gathers uneven token
+    counts over the expert-tensor ranks, gloo's form in verl/utils/megatron/gloo_collectives.py)."""
+    run_distributed(_update, 4, 2, 2, str(tmp_path / "out.pt"), 1, 1, etp)
 
 
 def _glm4moe_logits(rank, world_size):
