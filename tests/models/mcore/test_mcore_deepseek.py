@@ -36,6 +36,13 @@ def test_megatron_deepseek_v3_log_probs_equal_hf(tp, ep, q_lora_rank, rope_inter
     run_distributed(_check_log_probs, max(tp, ep), tp, ep, q_lora_rank, rope_interleave)
 
 
+@pytest.mark.slow  # 4 CPU ranks
+def test_megatron_deepseek_v3_log_probs_equal_hf_at_tp2_ep2_etp2():
+    """The routed experts split over 2 expert-parallel ranks and each over 2 expert-tensor ranks (etp
+    defaults to tp): the dispatcher's uneven gather over the expert-tensor ranks runs on gloo."""
+    run_distributed(_check_log_probs, 4, 2, 2, 96, True)
+
+
 def test_the_correction_bias_changes_the_routing():
     """The reference itself: the bias the conversion carries decides experts (else a dropped bias
     would pass the log-prob test)."""

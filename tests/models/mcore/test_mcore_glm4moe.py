@@ -44,6 +44,13 @@ def test_megatron_glm4_moe_log_probs_equal_hf(tp, ep, use_qk_norm):
     run_distributed(_check_log_probs, max(tp, ep), tp, ep, use_qk_norm)
 
 
+@pytest.mark.slow  # 4 CPU ranks
+def test_megatron_glm4_moe_log_probs_equal_hf_at_tp2_ep2_etp2():
+    """The routed experts split over 2 expert-parallel ranks and each over 2 expert-tensor ranks (etp
+    defaults to tp): the dispatcher's uneven gather over the expert-tensor ranks runs on gloo."""
+    run_distributed(_check_log_probs, 4, 2, 2, True)
+
+
 def test_a_head_dim_other_than_hidden_over_heads_log_probs_equal_hf():
     """GLM-4.5's heads are not hidden_size / num_attention_heads wide (128 x 96 heads on a 4096
     model): q/k/v and o_proj are head_dim * heads, here 96 * 4 on a 256 model, at tp=2."""
