@@ -70,8 +70,9 @@ def deepseek_config_fields(hf_config, cp: int) -> dict:
         )
     if cp > 1:
         raise NotImplementedError(
-            f"actor.megatron.context_parallel_size={cp} with multi-head latent attention (deepseek_v3) is not "
-            "implemented; set context_parallel_size=1"
+            f"megatron.context_parallel_size={cp} with multi-head latent attention (deepseek_v3) is not "
+            "implemented for the actor, reference or critic; set context_parallel_size=1 in that role's megatron "
+            "section"
         )
     return {
         "multi_latent_attention": True,
