@@ -24,3 +24,41 @@ def test_grpo_trains_a_glm4_moe_model_and_merges(tmp_path, shared_ray_cluster, l
     )
     loaded = train_two_steps_and_merge("tiny-glm4moe", LAYOUTS[layout], tmp_path, shared_ray_cluster, moved)
     assert type(loaded).__name__ == "Glm4MoeForCausalLM"
+
+
+def test_gae_trains_a_glm4_moe_critic_at_ep2_and_its_checkpoint_merges(tmp_path, shared_ray_cluster):
+    """PPO (GAE) with a megatron GLM-4.5 actor and critic, the experts split over 2 ranks: the critic
+    loads as transformers' generic token classifier (transformers has no GLM-4.5 one), trains, and its
+    checkpoint merges back into a `Glm4MoeForTokenClassification` with moved experts."""
+    from transformers import AutoConfig, AutoModelForTokenClassification
+
+    from tests.trainer.main_ppo_runs import common_overrides, main_ppo_cmd, read_metrics, run_main_ppo
+    from verl.model_merger.__main__ import main as merger
+    from verl.models.factory import build_model, save_model
+    from verl.utils.model import register_token_classifier
+
+    model_path = save_model(*build_model("tiny-glm4moe"), str(tmp_path / "tiny-glm4moe"))
+    run = tmp_path / "run"
+    run_main_ppo(
+        main_ppo_cmd(
+            "arith_demo_megatron",
+            "algorithm.adv_estimator=gae",
+            "actor_rollout_ref.actor.megatron.expert_model_parallel_size=2",
+            "critic.megatron.expert_model_parallel_size=2",
+            "trainer.save_freq=1",
+            *common_overrides(run, 1, model=model_path),
+        ),
+        run,
+        cluster=shared_ray_cluster,
+    )
+    (row,) = [r["data"] for r in read_metrics(run) if "critic/vf_loss" in r["data"]]
+    assert row["critic/grad_norm"] > 0, row
+
+    hf_dir = tmp_path / "critic_hf"
+    merger(["merge", "--backend", "megatron", "--is-value-model", "--local_dir", str(run / "ckpt" / "global_step_1" / "critic"), "--target_dir", str(hf_dir)])  # fmt: skip
+    register_token_classifier(AutoConfig.from_pretrained(hf_dir))
+    critic = AutoModelForTokenClassification.from_pretrained(hf_dir)
+    assert type(critic).__name__ == "Glm4MoeForTokenClassification"
+    before = build_model("tiny-glm4moe")[0].state_dict()
+    name = "model.layers.1.mlp.experts.gate_up_proj"
+    assert not critic.state_dict()[name].equal(before[name]), "the critic's update must move the experts"
