@@ -118,3 +118,31 @@ def test_megatron_moe_critic_on_two_ranks_equals_the_fsdp_critic_on_the_whole_ba
 @pytest.mark.parametrize("family", ["deepseek_v3", "glm4_moe"])
 def test_megatron_moe_critic_on_two_pipeline_stages_equals_the_fsdp_critic(family):
     run_distributed(_moe_critic_against_fsdp, 2, family, 1, 2, PP2_STAGES)
+
+
+def _deepseek_critic_ignores_mtp_layers(rank, world_size, path):
+    from omegaconf import OmegaConf
+
+    from tests.megatron_helpers import setup_megatron
+    from verl.workers.engine.megatron.transformer_impl import MegatronEngineWithLMHead, MegatronEngineWithValueHead
+
+    causal = tiny_dsv3_hf_model()
+    causal.config.num_nextn_predict_layers = 1  # DeepSeek-V3-671B's own
+    causal.save_pretrained(path)
+    setup_megatron()
+    model_config = OmegaConf.create({"path": str(path)})
+    with pytest.raises(NotImplementedError, match="num_nextn_predict_layers=1 .multi-token prediction"):
+        MegatronEngineWithLMHead(model_config, {})  # the policy would need the MTP layers
+    critic = MegatronEngineWithValueHead(model_config, {}, optimizer_config={"lr": 1e-3})
+    got = dict(critic.get_per_tensor_param())
+    want = hf_state_dict(causal)
+    assert sorted(got) == sorted([n for n in want if not n.startswith("lm_head.")] + ["score.bias", "score.weight"])
+    for name, tensor in got.items():
+        if not name.startswith("score."):
+            assert torch.equal(tensor, want[name]), name
+
+
+def test_a_deepseek_v3_critic_builds_from_a_checkpoint_with_mtp_layers_the_policy_refuses(tmp_path):
+    """The critic never builds MTP layers (neither does HF's token classifier), so
+    `num_nextn_predict_layers > 0`, refused for the actor, builds the critic's body as it is."""
+    run_distributed(_deepseek_critic_ignores_mtp_layers, 1, tmp_path / "dsv3-mtp")
