@@ -5,7 +5,9 @@ with the experts split over 2 expert-parallel ranks, and on 2 pipeline stages) e
 single-process FSDP critic on the family's HF token classifier over the whole batch (values, losses,
 gradient norm, every weight, the routers' correction bias left where it was). GLM-4.5 has no
 token-classification class in transformers: the reference is the generic one
-`verl.utils.model.register_token_classifier` registers, transformers' own head over `Glm4MoeModel`."""
+`verl.utils.model.register_token_classifier` registers, transformers' own head over `Glm4MoeModel`.
+A DeepSeek-V3 checkpoint with multi-token-prediction layers, which the policy refuses, starts a
+critic (a value model never builds them)."""
 
 from __future__ import annotations
 
