@@ -1,7 +1,8 @@
 """Mixture-of-experts critics on megatron: a value head on the Qwen3-MoE, DeepSeek-V3 (latent
 attention, grouped sigmoid routing with a correction bias, a dense first layer) and GLM-4.5 (q/k/v
 bias, half rotary, sigmoid routing) bodies. Their values and one value update on 2 ranks (at ep=1,
-with the experts split over 2 expert-parallel ranks, and on 2 pipeline stages) equal the
+with the experts split over 2 expert-parallel ranks, at tp=2 with sequence parallelism, on 2
+pipeline stages, and for GLM-4.5 with each sequence split over 2 context-parallel ranks) equal the
 single-process FSDP critic on the family's HF token classifier over the whole batch (values, losses,
 gradient norm, every weight, the routers' correction bias left where it was). GLM-4.5 has no
 token-classification class in transformers: the reference is the generic one
@@ -73,7 +74,7 @@ def fsdp_reference_critic(hf_model, data: DataProto):
     return reference_model, values, reference.update_critic(copy.deepcopy(data))
 
 
-def _moe_critic_against_fsdp(rank, world_size, family, ep, pp=1, tf_overrides=None):
+def _moe_critic_against_fsdp(rank, world_size, family, ep, pp=1, tf_overrides=None, tp=1, cp=1):
     from megatron.core import parallel_state as mpu
 
     from verl.models.mcore import mcore_to_hf_named_tensors
@@ -84,9 +85,12 @@ def _moe_critic_against_fsdp(rank, world_size, family, ep, pp=1, tf_overrides=No
     mask = data.batch["response_mask"].bool()
     reference_model, want_values, want_metrics = fsdp_reference_critic(hf_model, data)
 
-    chunks = build_loaded_chunks(hf_model, value_head=True, ep=ep, pp=pp, tf_overrides=tf_overrides)
+    chunks = build_loaded_chunks(
+        hf_model, value_head=True, ep=ep, pp=pp, tp=tp, cp=cp, sequence_parallel=tp > 1, tf_overrides=tf_overrides
+    )
     dp = mpu.get_data_parallel_world_size()
-    assert mpu.get_expert_model_parallel_world_size() == ep and dp == world_size // pp
+    assert mpu.get_expert_model_parallel_world_size() == ep and dp == world_size // (pp * tp * cp)
+    assert mpu.get_context_parallel_world_size() == cp
     params = [p for chunk in chunks for p in chunk.parameters()]
     critic = MegatronPPOCritic({**CONFIG, "ppo_mini_batch_size": 4 // dp}, chunks, torch.optim.SGD(params, lr=LR))
     # the reference's mini-batches are rows 0-3 and 4-7: at dp=2 each rank holds one pair of each
@@ -120,6 +124,16 @@ def test_megatron_moe_critic_on_two_ranks_equals_the_fsdp_critic_on_the_whole_ba
 @pytest.mark.parametrize("family", ["deepseek_v3", "glm4_moe"])
 def test_megatron_moe_critic_on_two_pipeline_stages_equals_the_fsdp_critic(family):
     run_distributed(_moe_critic_against_fsdp, 2, family, 1, 2, PP2_STAGES)
+
+
+@pytest.mark.parametrize("family", ["deepseek_v3", "glm4_moe"])
+def test_megatron_moe_critic_at_tp2_with_sequence_parallelism_equals_the_fsdp_critic(family):
+    run_distributed(_moe_critic_against_fsdp, 2, family, 1, 1, None, 2)
+
+
+def test_megatron_glm4_moe_critic_at_cp2_equals_the_fsdp_critic():
+    """DeepSeek-V3 refuses context parallelism for every role (test_mcore_deepseek.py)."""
+    run_distributed(_moe_critic_against_fsdp, 2, "glm4_moe", 1, 1, None, 1, 2)
 
 
 def _deepseek_critic_ignores_mtp_layers(rank, world_size, path):
