@@ -53,9 +53,15 @@ def test_megatron_glm4_moe_update_on_two_ranks_equals_the_fsdp_update_on_the_who
     run_distributed(_against_fsdp_actor, 2, ep, tp, use_qk_norm)
 
 
-@pytest.mark.parametrize("stages", sorted(_PP2_STAGES))
-def test_megatron_glm4_moe_update_on_two_pipeline_stages_equals_the_fsdp_update(stages):
-    run_distributed(_against_fsdp_actor, 2, 1, 1, True, 1, stages)
+@pytest.mark.parametrize(
+    "ep,stages",
+    [
+        *[(1, stages) for stages in sorted(_PP2_STAGES)],
+        pytest.param(2, "first=1", marks=pytest.mark.slow),  # four ranks (pp=2 x ep=2): the slow tier
+    ],
+)
+def test_megatron_glm4_moe_update_on_two_pipeline_stages_equals_the_fsdp_update(ep, stages):
+    run_distributed(_against_fsdp_actor, 2 * ep, ep, 1, True, 1, stages)
 
 
 def test_megatron_glm4_moe_update_at_cp2_equals_the_fsdp_update():
