@@ -74,12 +74,17 @@ def tiny_dsv3_hf_model(seed: int = 0, q_lora_rank: int | None = 96, rope_interle
 
 
 def tiny_glm4moe_hf_model(
-    seed: int = 0, use_qk_norm: bool = False, attention_bias: bool = True, head_dim: int | None = None
+    seed: int = 0,
+    use_qk_norm: bool = False,
+    attention_bias: bool = True,
+    head_dim: int | None = None,
+    num_layers: int | None = None,
 ):
     """The `tiny-glm4moe` preset (grouped-query attention with q/k/v bias and half rotary, a dense
     first layer, 8 experts with sigmoid routing, a shared expert), every weight perturbed and the
     routers' correction bias random (large enough to change which experts are chosen). `head_dim`
-    other than hidden / heads (GLM-4.5's own: 128 with 96 heads of a 4096 model) resizes q/k/v/o."""
+    other than hidden / heads (GLM-4.5's own: 128 with 96 heads of a 4096 model) resizes q/k/v/o;
+    `num_layers` other than the preset's 3 adds MoE layers (4: two even pipeline stages)."""
     import dataclasses
 
     from transformers import AutoModelForCausalLM
@@ -88,7 +93,12 @@ def tiny_glm4moe_hf_model(
 
     preset = get_preset("tiny-glm4moe")
     extra = dict(preset.architecture_config, use_qk_norm=use_qk_norm, attention_bias=attention_bias)
-    preset = dataclasses.replace(preset, max_position_embeddings=64, architecture_config=tuple(extra.items()))
+    preset = dataclasses.replace(
+        preset,
+        max_position_embeddings=64,
+        architecture_config=tuple(extra.items()),
+        num_hidden_layers=num_layers or preset.num_hidden_layers,
+    )
     if head_dim is None:
         model, _ = build_model(preset, seed=seed, dtype="float32")
     else:

@@ -41,6 +41,29 @@ def test_causal_lm_and_value_model_load_the_saved_backbone(checkpoint):
         assert torch.equal(critic.model.state_dict()[name], tensor), name
 
 
+def test_glm4_moe_value_model_is_the_generic_head_over_the_saved_body(tmp_path):
+    """transformers has no `Glm4MoeForTokenClassification`: the critic is its generic head over
+    `Glm4MoeModel`, values = last hidden state x score + bias, and it saves and loads back."""
+    from tests.megatron_helpers import tiny_glm4moe_hf_model
+
+    saved = tiny_glm4moe_hf_model()
+    saved.save_pretrained(tmp_path / "causal")
+    critic = load_valuehead_model(str(tmp_path / "causal"))
+    assert type(critic).__name__ == "Glm4MoeForTokenClassification" and critic.dropout.p == 0.0
+    for name, tensor in saved.model.state_dict().items():
+        assert torch.equal(critic.model.state_dict()[name], tensor), name
+    ids = torch.tensor([[5, 9, 17, 3, 40]])
+    with torch.no_grad():
+        hidden = saved.model(ids).last_hidden_state.double()
+        torch.nn.init.normal_(critic.score.bias)
+        want = hidden @ critic.score.weight.double().T + critic.score.bias.double()
+        torch.testing.assert_close(critic(ids).logits.double(), want, atol=1e-5, rtol=0)
+    critic.save_pretrained(tmp_path / "critic")
+    again = load_valuehead_model(str(tmp_path / "critic"))
+    for name, tensor in critic.state_dict().items():
+        assert torch.equal(again.state_dict()[name], tensor), name
+
+
 def test_missing_path_and_non_language_model_are_clear_errors(tmp_path, checkpoint):
     with pytest.raises(FileNotFoundError, match=r"model.path"):
         load_causal_lm(str(tmp_path / "does-not-exist"))

@@ -46,6 +46,7 @@ from verl.utils.lora import (
     read_adapter_config,
     scaling_from_adapter_config,
 )
+from verl.utils.model import register_token_classifier
 
 __all__ = [
     "BaseModelMerger",
@@ -229,6 +230,7 @@ class BaseModelMerger(ABC):
                 "--hf_model_path pointing at the HF model the training started from"
             )
         self.model_config = AutoConfig.from_pretrained(self.hf_model_config_path)
+        register_token_classifier(self.model_config)  # a GLM-4.5 critic's class (see verl.utils.model)
         if config.tie_word_embedding:
             self.model_config.tie_word_embeddings = True
         self.target_dtype = None if config.dtype == "auto" else _to_dtype(config.dtype)

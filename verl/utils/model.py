@@ -4,6 +4,9 @@ The actor and reference policies are `AutoModelForCausalLM`. The critic is the s
 a one-output token-classification head (`AutoModelForTokenClassification`, `num_labels=1`), as
 upstream verl does: loading a causal-LM checkpoint that way keeps the backbone and initialises
 the `score` head fresh, so any decoder with a `*ForTokenClassification` class can be a critic.
+A family whose transformers module has none (GLM-4.5's `glm4_moe`) gets transformers' own generic
+head over its base model (`GenericForTokenClassification`, what every other family's class is),
+registered with `AutoModelForTokenClassification` on first use (`register_token_classifier`).
 
 Loading errors say which config key to fix: a path that does not exist, a checkpoint whose model
 type has no causal-LM (or token-classification) class.
@@ -36,6 +39,7 @@ __all__ = [
     "load_causal_lm",
     "load_model_config",
     "load_valuehead_model",
+    "register_token_classifier",
     "update_model_config",
 ]
 
@@ -125,6 +129,31 @@ def load_causal_lm(
     )
 
 
+# model_type -> (module, base class) of the families transformers gives no `*ForTokenClassification`
+_GENERIC_TOKEN_CLASSIFIERS = {
+    "glm4_moe": ("transformers.models.glm4_moe.modeling_glm4_moe", "Glm4MoePreTrainedModel"),
+}
+
+
+def register_token_classifier(config) -> None:
+    """Make `AutoModelForTokenClassification` build `config`'s family when transformers has no class
+    for it but the family is in `_GENERIC_TOKEN_CLASSIFIERS` (then `<Family>ForTokenClassification`:
+    the base model, dropout and a `score` linear, as transformers writes the others). Idempotent;
+    a no-op for every other config."""
+    from transformers import AutoModelForTokenClassification
+
+    entry = _GENERIC_TOKEN_CLASSIFIERS.get(getattr(config, "model_type", None))
+    if entry is None or type(config) in AutoModelForTokenClassification._model_mapping:
+        return
+    from transformers.modeling_layers import GenericForTokenClassification
+
+    base = getattr(importlib.import_module(entry[0]), entry[1])
+    name = base.__name__.replace("PreTrainedModel", "ForTokenClassification")
+    cls = type(name, (GenericForTokenClassification, base), {"__module__": __name__})
+    globals()[name] = cls  # importable by name, as pickling and `architectures` expect
+    AutoModelForTokenClassification.register(type(config), cls, exist_ok=True)
+
+
 def load_valuehead_model(
     path: str,
     torch_dtype: torch.dtype = torch.float32,
@@ -142,6 +171,7 @@ def load_valuehead_model(
 
     overrides = {"num_labels": 1, "classifier_dropout": 0.0, "hidden_dropout": 0.0, **(override_config or {})}
     config = load_model_config(path, trust_remote_code, overrides)
+    register_token_classifier(config)
     return _auto_load(
         AutoModelForTokenClassification,
         "token-classification (value head)",

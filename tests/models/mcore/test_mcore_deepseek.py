@@ -147,6 +147,13 @@ def test_what_the_backend_does_not_build_is_refused(key, value, message):
         hf_to_mcore_config(config, None)
 
 
+def test_context_parallelism_is_refused_for_every_role():
+    from verl.models.mcore import hf_to_mcore_config
+
+    with pytest.raises(NotImplementedError, match="context_parallel_size=2 with multi-head latent .* or critic"):
+        hf_to_mcore_config(tiny_dsv3_hf_model().config, {"context_parallel_size": 2})
+
+
 def _check_lora_refused(rank, world_size):
     from verl.models.mcore.lora import apply_lora
 

@@ -2,7 +2,8 @@
 saved at ep=2 (each rank holds 2 of the 4 experts and their Adam moments) with the distributed
 optimizer resumes at ep=1 with the Adam state split over the data-parallel ranks, and its next update
 equals the uninterrupted run's. A DeepSeek-V3 model (dense first layer, then MoE layers) saved on 2
-unevenly sized pipeline stages resumes on stages sized the other way, and without pipeline stages."""
+unevenly sized pipeline stages resumes on stages sized the other way, and without pipeline stages.
+DeepSeek-V3 and GLM-4.5 critics (value heads) saved at ep=2 resume on 2 pipeline stages, and back."""
 
 from __future__ import annotations
 
@@ -221,3 +222,78 @@ def _deepseek_resume_across_pipeline_splits(rank, world_size, ckpt_dir, elsewher
 )
 def test_deepseek_v3_checkpoint_saved_on_uneven_pipeline_stages_resumes_training_exactly(tmp_path, elsewhere):
     run_distributed(_deepseek_resume_across_pipeline_splits, 2, str(tmp_path / "actor"), elsewhere)
+
+
+def _critic_trainer(hf_value_model, layout: dict):
+    """(chunks, critic, scheduler, manager) of a float64 megatron critic at `layout` (ep, pp, stage sizes)."""
+    from megatron.core import parallel_state as mpu
+
+    from tests.workers.critic.test_megatron_critic import CONFIG
+    from verl.utils.checkpoint.megatron_checkpoint_manager import MegatronCheckpointManager
+    from verl.utils.optim import build_lr_scheduler, build_optimizer
+    from verl.workers.critic.megatron_critic import MegatronPPOCritic
+
+    chunks = build_loaded_chunks(hf_value_model, value_head=True, dtype=torch.float64, **layout)
+    optimizer = build_optimizer([p for c in chunks for p in c.parameters()], OPTIM)
+    scheduler = build_lr_scheduler(optimizer, OPTIM)
+    rows = 8 // mpu.get_data_parallel_world_size()
+    critic = MegatronPPOCritic({**CONFIG, "ppo_mini_batch_size": rows}, chunks, optimizer)
+    manager = MegatronCheckpointManager(chunks, optimizer, scheduler, hf_config=hf_value_model.config)
+    return chunks, critic, scheduler, manager
+
+
+def _critic_resume_at_another_layout(rank, world_size, ckpt_dir, family, saving, resuming):
+    """A MoE critic trained one step at `saving`, saved, resumed at `resuming`: its next update equals
+    the uninterrupted run's (value head, experts and Adam state included)."""
+    from megatron.core import parallel_state as mpu
+
+    from tests.workers.critic.test_megatron_critic_moe import critic_data, hf_moe_value_model
+    from verl.models.mcore import mcore_to_hf_named_tensors
+    from verl.utils.megatron.parallel_state import destroy_model_parallel
+
+    hf_model = hf_moe_value_model(family).double()
+    first, second = critic_data(), critic_data()
+    for data, shift in ((first, 0.0), (second, 0.5)):  # a second batch with other targets
+        for key in ("values", "returns"):
+            data.batch[key] = (data.batch[key] + shift * data.batch["response_mask"]).double()
+    saved = f"{ckpt_dir}/saved"
+
+    def update(critic, data) -> dict[str, torch.Tensor]:
+        dp = mpu.get_data_parallel_world_size()
+        critic.update_critic(copy.deepcopy(_my_rows(data, mpu.get_data_parallel_rank(), dp)))
+        return {k: v.clone() for k, v in mcore_to_hf_named_tensors(critic.model_chunks, hf_model.config, True)}
+
+    chunks, critic, scheduler, manager = _critic_trainer(copy.deepcopy(hf_model), saving)
+    update(critic, first)
+    scheduler.step()
+    manager.save_checkpoint(saved, global_step=1)
+    uninterrupted = update(critic, second)
+    destroy_model_parallel()
+
+    chunks, critic, scheduler, manager = _critic_trainer(copy.deepcopy(hf_model), resuming)
+    manager.load_checkpoint(saved)
+    assert scheduler.last_epoch == 1
+    resumed = update(critic, second)
+    destroy_model_parallel()
+
+    chunks, critic, scheduler, manager = _critic_trainer(copy.deepcopy(hf_model), resuming)
+    manager.load_contents = ["model"]
+    manager.load_checkpoint(saved)
+    weights_only = update(critic, second)
+    destroy_model_parallel()
+
+    assert "score.weight" in resumed
+    _assert_resumed_exactly(uninterrupted, resumed, weights_only, [n for n in uninterrupted if ".mlp.experts." in n])
+
+
+@pytest.mark.slow  # 5 s to 9 s each on 2 CPU cores
+@pytest.mark.parametrize(
+    "family,saving,resuming",
+    [
+        ("deepseek_v3", {"ep": 2}, {"pp": 2, "tf_overrides": FIRST_ALONE}),
+        ("glm4_moe", {"pp": 2, "tf_overrides": LAST_ALONE}, {"ep": 2}),
+    ],
+    ids=["deepseek_v3_ep2_to_pp2", "glm4_moe_pp2_to_ep2"],
+)
+def test_moe_critic_checkpoint_resumes_training_exactly_at_another_layout(tmp_path, family, saving, resuming):
+    run_distributed(_critic_resume_at_another_layout, 2, str(tmp_path / "critic"), family, saving, resuming)

@@ -33,7 +33,8 @@ What the family adds to the Qwen3-MoE path (`verl.models.mcore.config`, `weights
   `routed_scaling_factor`. The bias is a fixed buffer (`mlp.router.expert_bias`), never updated
   online, as on the FSDP actor: megatron's own bias buffer would be created on CUDA and updated
   from token counts, so it is attached after the router is built (`attach_expert_bias`).
-- Not done, refused: multi-token prediction layers (`num_nextn_predict_layers > 0`), rope scaling
+- Not done, refused: multi-token prediction layers (`num_nextn_predict_layers > 0`; a value model
+  never builds them, so the megatron engine builds a critic without them), rope scaling
   (DeepSeek-V3's released yarn config; `rope_theta_of`), attention biases, the router
   load-balancing loss (DeepSeek-V3 is aux-loss-free; its sigmoid router has no softmax
   probabilities for HF's loss), context parallelism with MLA.
@@ -70,8 +71,9 @@ def deepseek_config_fields(hf_config, cp: int) -> dict:
         )
     if cp > 1:
         raise NotImplementedError(
-            f"actor.megatron.context_parallel_size={cp} with multi-head latent attention (deepseek_v3) is not "
-            "implemented; set context_parallel_size=1"
+            f"megatron.context_parallel_size={cp} with multi-head latent attention (deepseek_v3) is not "
+            "implemented for the actor, reference or critic; set context_parallel_size=1 in that role's megatron "
+            "section"
         )
     return {
         "multi_latent_attention": True,

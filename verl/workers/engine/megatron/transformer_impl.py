@@ -25,6 +25,7 @@ Design decisions:
 from __future__ import annotations
 
 import contextlib
+import copy
 
 import torch
 
@@ -149,7 +150,13 @@ class MegatronEngine(BaseEngine):
         mtp = _mtp_section(model_config, self.hf_config, for_training and not value_head)
         # fp32 parameters, the forward autocast to a 16-bit dtype (see verl.models.mcore.config)
         param_dtype, compute_dtype = megatron_dtypes(meg.dtype, for_training)
-        tf_config = hf_to_mcore_config(self.hf_config, dict(meg), param_dtype, compute_dtype)
+        build_config = self.hf_config
+        if value_head and getattr(self.hf_config, "num_nextn_predict_layers", 0):
+            # a value model never builds multi-token-prediction layers (see _mtp_section), and HF's token
+            # classifier ignores them: a DeepSeek-V3 checkpoint's (refused for the policy) is no obstacle
+            build_config = copy.deepcopy(self.hf_config)
+            build_config.num_nextn_predict_layers = 0
+        tf_config = hf_to_mcore_config(build_config, dict(meg), param_dtype, compute_dtype)
         if mtp is not None:  # build the MTP layers (verl.models.mcore.mtp)
             tf_config.mtp_num_layers = self.hf_config.num_nextn_predict_layers
         for key, value in meg.override_transformer_config.items():
