@@ -1,0 +1,504 @@
+"""Supervised fine-tuning through the training-engine API (upstream's engine SFT trainer).
+
+    torchrun --nproc_per_node=N -m verl.trainer.sft_trainer \\
+        data.train_files=train.parquet data.val_files=test.parquet data.messages_key=messages \\
+        model.path=/path/to/hf_model engine=fsdp optim.lr=1e-5 trainer.device=cpu trainer.logger=[console]
+
+Config: `sft_trainer_engine.yaml` (upstream's keys and defaults), composed from the same groups as the
+PPO roles: `model` (HFModelConfig), `engine` (FSDPEngineConfig), `optim`, `checkpoint`, `profiler`.
+
+Design decisions:
+- The model, its sharding, optimizer, lr schedule and checkpoints are the engine's
+  (`EngineRegistry.new("language_model", strategy, ...)`, the same FSDP2 engine the PPO actor trains
+  with). The engine's batch keys (`use_dynamic_bsz`, `max_token_len_per_gpu`, `micro_batch_size_per_gpu`,
+  ...) are filled from `data.*` and `model.*`, as upstream does.
+- Data order, loss and gradient scaling are `main_sft`'s (`fsdp_sft_trainer.sft_train_loader`,
+  `sft_token_losses`, `accumulate_sft_gradients`), not copies: the mean cross-entropy over every
+  loss-masked token of the global batch, so micro-batching (fixed or by token budget) and the number of
+  ranks do not change the result, and the per-step losses equal `main_sft`'s on the same data and seed.
+- Data: upstream's multi-turn layout (a `messages_key` column of {role, content} messages, loss on
+  the assistant turns), read by main_sft's `SFTDataset`.
+- Checkpoints: `default_local_dir/global_step_N/` is the engine's checkpoint (`checkpoint.save_contents`);
+  `latest_checkpointed_iteration.txt` names the newest complete one. Resuming restores model, optimizer,
+  lr schedule and RNG, and the data position (the step's epoch and batch, from the directory's step).
+- Deliberately refused, each in one line when the config is checked (before any model loads): the
+  Megatron engine (not yet driven by this trainer; `main_ppo` trains with it), VeOmni (no such engine
+  here), image/video data, tool schemas and per-row thinking flags, custom dataset classes,
+  shared-memory loading, token balancing across ranks, HDFS copies and profiling.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import time
+
+import torch
+import torch.distributed as dist
+from omegaconf import DictConfig, OmegaConf, open_dict
+
+from verl.trainer.config.errors import did_you_mean
+from verl.trainer.fsdp_sft_trainer import (
+    RESUME_MODES,
+    _all_reduce_sum,
+    _per_rank_batch_size,
+    _trim_padding,
+    accumulate_sft_gradients,
+    init_distributed,
+    sft_token_losses,
+    sft_train_loader,
+)
+from verl.utils import device as device_utils
+from verl.utils.checkpoint.checkpoint_manager import find_latest_ckpt_path, write_checkpoint_tracker
+from verl.utils.logging_utils import get_logger
+
+logger = get_logger(__name__, level=os.environ.get("VERL_LOGGING_LEVEL", "INFO"))
+
+SECTIONS = ("data", "model", "engine", "optim", "checkpoint", "profiler", "trainer")
+PAD_MODES = ("no_padding", "right")
+AFTER_EACH_EPOCH = "after_each_epoch"
+
+# data keys this trainer reads, and the keys accepted only at the value that switches a feature off
+_DATA_KEYS = (
+    "train_batch_size",
+    "micro_batch_size_per_gpu",
+    "max_token_len_per_gpu",
+    "use_dynamic_bsz",
+    "train_files",
+    "val_files",
+    "train_max_samples",
+    "val_max_samples",
+    "messages_key",
+    "tools_key",
+    "enable_thinking_key",
+    "pad_mode",
+    "max_length",
+    "truncation",
+    "balance_dp_token",
+    "custom_cls",
+    "use_shm",
+    "apply_chat_template_kwargs",
+    "ignore_input_ids_mismatch",
+)
+_DATA_OFF = {
+    "balance_dp_token": (
+        False,
+        "balancing tokens across data-parallel ranks is not implemented (upstream's is a TODO)",
+    ),
+    "use_shm": (False, "files are read from their path; shared-memory copies are not implemented"),
+    "apply_chat_template_kwargs": ({}, "extra chat-template arguments are not passed to the template"),
+}
+_TRAINER_KEYS = (
+    "default_local_dir",
+    "default_hdfs_dir",
+    "project_name",
+    "experiment_name",
+    "total_epochs",
+    "total_training_steps",
+    "logger",
+    "seed",
+    "save_freq",
+    "test_freq",
+    "max_ckpt_to_keep",
+    "resume_mode",
+    "resume_from_path",
+    "device",
+    "nnodes",
+    "n_gpus_per_node",
+    "profile_interval",
+)
+
+
+# --------------------------------------------------------------------------------- config check
+def check_config(config: DictConfig) -> None:
+    """Refuse what this trainer cannot do, in one line each, before anything is built (raises ValueError)."""
+    unknown = [k for k in config if k not in SECTIONS]
+    if unknown:
+        raise ValueError(
+            f"unknown section(s) {unknown} in the SFT engine config;{did_you_mean(str(unknown[0]), list(SECTIONS))} "
+            f"valid sections: {', '.join(SECTIONS)}"
+        )
+    _check_keys(config.data, _DATA_KEYS, "data")
+    _check_keys(config.trainer, _TRAINER_KEYS, "trainer")
+    data, trainer = config.data, config.trainer
+    for key, (off, why) in _DATA_OFF.items():
+        if data[key] != off and not (off == {} and not data[key]):
+            raise ValueError(f"data.{key}={data[key]!r}: {why}; remove the override (keep data.{key}={off!r})")
+    if data.custom_cls.path is not None:
+        raise ValueError(
+            f"data.custom_cls.path={data.custom_cls.path!r}: custom dataset classes are not loaded by this trainer "
+            "(it reads the messages_key layout); remove data.custom_cls"
+        )
+    if data.pad_mode not in PAD_MODES:
+        raise ValueError(f"data.pad_mode={data.pad_mode!r} is not one of {list(PAD_MODES)}")
+    if trainer.default_hdfs_dir is not None:
+        raise ValueError(
+            f"trainer.default_hdfs_dir={trainer.default_hdfs_dir!r}: copying checkpoints to HDFS is not implemented; "
+            "set it to null and copy default_local_dir yourself"
+        )
+    if trainer.resume_mode not in RESUME_MODES:
+        raise ValueError(f"trainer.resume_mode={trainer.resume_mode!r} is not one of {list(RESUME_MODES)}")
+    if config.profiler.enable or list(trainer.profile_interval) != [-1, -1]:
+        raise ValueError(
+            "profiler.enable / trainer.profile_interval: profiling is not wired into the SFT engine trainer; "
+            "keep profiler.enable=false and trainer.profile_interval=[-1,-1]"
+        )
+    for key in ("save_freq", "test_freq"):
+        value = trainer[key]
+        if value != AFTER_EACH_EPOCH and (isinstance(value, bool) or not isinstance(value, int)):
+            raise ValueError(f"trainer.{key}={value!r} must be an integer (-1: only at the end) or {AFTER_EACH_EPOCH}")
+    engine = config.engine
+    target = str(engine.get("_target_", ""))
+    if engine.get("strategy") == "veomni" or target.endswith("VeOmniEngineConfig"):
+        raise ValueError(
+            "engine=veomni selects upstream's VeOmni engine, which is not in this build; use engine=fsdp optim=fsdp"
+        )
+    if target.endswith("McoreEngineConfig"):
+        raise ValueError(
+            "engine=megatron: the SFT engine trainer drives the FSDP engine only so far (main_ppo trains with the "
+            "Megatron engine); use engine=fsdp optim=fsdp"
+        )
+    if config.model.path is None:
+        raise ValueError("model.path is not set; pass model.path=<HF model directory>")
+
+
+def _check_keys(section, valid: tuple[str, ...], name: str) -> None:
+    for key in section:
+        if key not in valid:
+            raise ValueError(
+                f"{name}.{key} is not a key of the SFT engine trainer's {name} section.{did_you_mean(str(key), list(valid), prefix=name + '.')}"
+                f" Valid keys: {', '.join(valid)}"
+            )
+
+
+def _refuse_unread_columns(files, data) -> None:
+    """Refuse data holding a column this trainer would not read (tools, thinking flags, images, video)."""
+    import pyarrow.parquet as pq
+
+    unread = {
+        data.tools_key: "tool schemas (tool-calling SFT is not implemented)",
+        data.enable_thinking_key: "per-row enable_thinking flags (not passed to the chat template)",
+        "images": "images (vision-language SFT is not implemented)",
+        "videos": "videos (vision-language SFT is not implemented)",
+    }
+    for path in [files] if isinstance(files, str) else list(files):
+        path = os.path.expanduser(path)
+        columns = set(pq.read_schema(path).names)
+        for column, what in unread.items():
+            if column in columns:
+                raise ValueError(
+                    f"{path} has a {column!r} column of {what}; training without it would learn something else, "
+                    "so drop the column (or point the matching data.*_key at a column that does not exist)"
+                )
+
+
+# --------------------------------------------------------------------------------- trainer
+class SFTTrainer:
+    """One SFT run on a training engine: the engine, the data loaders, the loop, checkpoints and metrics."""
+
+    def __init__(self, config: DictConfig, engine, tokenizer, train_dataset, val_dataset=None):
+        self.config = config
+        self.engine = engine
+        self.tokenizer = tokenizer
+        self.train_dataset = train_dataset
+        self.val_dataset = val_dataset
+        self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
+        self.device = device_utils.get_device()
+        data = config.data
+        self.use_dynamic_bsz = bool(data.use_dynamic_bsz)
+        self.micro_batch_size = int(data.micro_batch_size_per_gpu)
+        self.max_token_len = int(data.max_token_len_per_gpu)
+        self.batch_size_per_rank = _per_rank_batch_size(
+            int(data.train_batch_size), 1 if self.use_dynamic_bsz else self.micro_batch_size, self.world_size
+        )
+        self.steps_per_epoch = steps_per_epoch(len(train_dataset), int(data.train_batch_size))
+        self.total_steps = total_steps(config.trainer, self.steps_per_epoch)
+        self.checkpoint_dir = os.path.expanduser(config.trainer.default_local_dir)
+        self.global_step = 0
+        self.total_tokens = 0.0
+        self.tracking = None
+        if self.rank == 0:
+            from verl.utils.tracking import Tracking
+
+            self.tracking = Tracking(
+                config.trainer.project_name,
+                config.trainer.experiment_name,
+                list(config.trainer.logger),
+                OmegaConf.to_container(config, resolve=True),
+                run_dir=self.checkpoint_dir,
+            )
+        from verl.utils.flops_counter import FlopsCounter
+
+        self.flops_counter = FlopsCounter(engine.hf_config)
+
+    # ----------------------------------------------------------------------------- steps
+    def _micro_batches(self, batch: dict[str, torch.Tensor]) -> list:
+        from tensordict import TensorDict
+
+        from verl.workers.dp_training import split_micro_batches
+
+        rows = batch["input_ids"].shape[0]
+        micro_batches, _ = split_micro_batches(
+            TensorDict(batch, batch_size=[rows]),
+            micro_batch_size=self.micro_batch_size,
+            use_dynamic_bsz=self.use_dynamic_bsz,
+            max_token_len=self.max_token_len,
+            dp_group=None,
+        )
+        return micro_batches
+
+    def training_step(self, batch: dict[str, torch.Tensor]) -> dict[str, float]:
+        """One optimizer step on this rank's share of the global batch; upstream's metric names."""
+        from verl.workers.dp_training import clip_grad_norm, step_if_finite
+
+        start = time.perf_counter()
+        self.engine.train_mode()
+        batch = _trim_padding(batch)
+        with self.engine.on_device(optimizer=True):
+            loss_sum, num_tokens = accumulate_sft_gradients(
+                self.engine.module, batch, self._micro_batches(batch), self.device, self.global_step + 1
+            )
+            grad_norm = clip_grad_norm(self.engine.module, self.config.optim.clip_grad)
+            grad_norm = float(grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm)
+            if not step_if_finite(self.engine.optimizer, grad_norm):
+                logger.warning(f"step {self.global_step + 1}: gradient norm is {grad_norm}; skipping the update")
+            self.engine.optimizer.zero_grad(set_to_none=True)
+        lr = self.engine.lr_scheduler_step()
+        seqlens = batch["attention_mask"].sum(dim=1)
+        global_tokens = _all_reduce_sum(seqlens.sum().to(self.device, torch.float32)).item()
+        self.total_tokens += global_tokens
+        achieved, peak = self.flops_counter.estimate_flops(seqlens.tolist(), time.perf_counter() - start)
+        mfu = _all_reduce_sum(torch.tensor(achieved / peak, device=self.device)).item() / self.world_size
+        return {
+            "train/loss": (loss_sum / num_tokens).item(),
+            "train/grad_norm": grad_norm,
+            "train/lr": lr,
+            "train/mfu": mfu,
+            "train/global_tokens": global_tokens,
+            "train/total_tokens(B)": self.total_tokens / 1e9,
+        }
+
+    @torch.no_grad()
+    def validation_step(self) -> dict[str, float]:
+        """Mean token cross-entropy over the whole validation set (`val/loss`)."""
+        from torch.utils.data import DataLoader, DistributedSampler
+
+        self.engine.eval_mode()
+        sampler = DistributedSampler(self.val_dataset, num_replicas=self.world_size, rank=self.rank, shuffle=False)
+        loss_sum = torch.zeros((), device=self.device)
+        num_tokens = torch.zeros((), device=self.device)
+        with self.engine.on_device():
+            for batch in DataLoader(self.val_dataset, batch_size=self.micro_batch_size, sampler=sampler):
+                token_loss_sum, count = sft_token_losses(self.engine.module, _trim_padding(batch), self.device)
+                loss_sum += token_loss_sum
+                num_tokens += count
+        return {"val/loss": (_all_reduce_sum(loss_sum) / _all_reduce_sum(num_tokens).clamp(min=1)).item()}
+
+    # ----------------------------------------------------------------------------- loop
+    def fit(self) -> list[dict[str, float]]:
+        """Train until `total_steps`; returns each step's metrics (as logged)."""
+        self.load_checkpoint()
+        trainer = self.config.trainer
+        history = []
+        while self.global_step < self.total_steps:
+            epoch, skip = divmod(self.global_step, self.steps_per_epoch)
+            loader = sft_train_loader(
+                self.train_dataset,
+                epoch,
+                skip,
+                self.batch_size_per_rank,
+                self.rank,
+                self.world_size,
+                int(trainer.seed),
+            )
+            for batch in loader:
+                metrics = self.training_step(batch)
+                self.global_step += 1
+                last = self.global_step >= self.total_steps
+                epoch_end = self.global_step % self.steps_per_epoch == 0
+                if self.val_dataset is not None and (last or _due(trainer.test_freq, self.global_step, epoch_end)):
+                    metrics.update(self.validation_step())
+                if self.tracking is not None:
+                    self.tracking.log(metrics, step=self.global_step)
+                history.append(metrics)
+                if last or _due(trainer.save_freq, self.global_step, epoch_end):
+                    self.save_checkpoint()
+                if last:
+                    break
+        if self.tracking is not None:
+            self.tracking.finish()
+        return history
+
+    # ----------------------------------------------------------------------------- checkpoints
+    def save_checkpoint(self) -> str:
+        path = os.path.join(self.checkpoint_dir, f"global_step_{self.global_step}")
+        max_keep = self.config.trainer.max_ckpt_to_keep
+        self.engine.save_checkpoint(path, global_step=self.global_step, max_ckpt_to_keep=max_keep)
+        dist.barrier()
+        if self.rank == 0:
+            write_checkpoint_tracker(self.checkpoint_dir, self.global_step)
+        dist.barrier()
+        logger.info(f"saved checkpoint {path}")
+        return path
+
+    def load_checkpoint(self) -> None:
+        path = resume_path(self.config.trainer, self.checkpoint_dir)
+        if path is None:
+            return
+        self.engine.load_checkpoint(path)
+        self.global_step = checkpoint_step(path)
+        logger.info(f"resumed from {path} at global step {self.global_step}")
+
+
+# --------------------------------------------------------------------------------- helpers
+def steps_per_epoch(num_rows: int, train_batch_size: int) -> int:
+    steps = num_rows // train_batch_size
+    if steps == 0:
+        raise ValueError(
+            f"the training data has {num_rows} rows, fewer than data.train_batch_size={train_batch_size}, so not even "
+            "one step fits in an epoch; lower data.train_batch_size"
+        )
+    return steps
+
+
+def total_steps(trainer_config, per_epoch: int) -> int:
+    if trainer_config.total_training_steps is not None:
+        steps = int(trainer_config.total_training_steps)
+    else:
+        steps = per_epoch * int(trainer_config.total_epochs)
+    if steps < 1:
+        raise ValueError(
+            f"{steps} training steps planned; set trainer.total_epochs or trainer.total_training_steps >= 1"
+        )
+    return steps
+
+
+def _due(freq, step: int, epoch_end: bool) -> bool:
+    if freq == AFTER_EACH_EPOCH:
+        return epoch_end
+    return int(freq) > 0 and step % int(freq) == 0
+
+
+_STEP_DIR = re.compile(r"global_step_(\d+)$")
+
+
+def checkpoint_step(path: str) -> int:
+    match = _STEP_DIR.search(os.path.normpath(path))
+    if match is None:
+        raise ValueError(f"{path} is not a global_step_N checkpoint directory of this trainer")
+    return int(match.group(1))
+
+
+def resume_path(trainer_config, checkpoint_dir: str) -> str | None:
+    """The `global_step_N` directory `trainer.resume_mode` selects, or None to start from scratch."""
+    mode = trainer_config.resume_mode
+    if mode == "disable":
+        return None
+    if mode == "resume_path":
+        path = trainer_config.resume_from_path
+        if not path or not os.path.isdir(os.path.expanduser(path)):
+            raise ValueError(
+                f"trainer.resume_mode=resume_path needs trainer.resume_from_path=<dir>/global_step_N of an existing "
+                f"checkpoint (got {path!r})"
+            )
+        path = os.path.expanduser(path)
+        checkpoint_step(path)
+        return path
+    return find_latest_ckpt_path(checkpoint_dir)
+
+
+def _dataset(files, tokenizer, data, max_samples: int):
+    from torch.utils.data import Subset
+
+    from verl.utils.dataset.sft_dataset import SFTDataset
+
+    config = {
+        "multiturn": {"enable": True, "messages_key": data.messages_key},
+        "max_length": int(data.max_length),
+        "truncation": data.truncation,
+    }
+    dataset = SFTDataset(files, tokenizer, config)
+    if max_samples is not None and 0 <= int(max_samples) < len(dataset):
+        dataset = Subset(dataset, range(int(max_samples)))
+    return dataset
+
+
+def build_engine(config: DictConfig, total: int, tokenizer):
+    """The language-model engine the config's `engine` section selects, with its batch keys filled from `data.*`."""
+    from verl.utils.config import omega_conf_to_dataclass
+    from verl.workers.config import HFModelConfig
+    from verl.workers.engine import EngineRegistry
+
+    with open_dict(config):
+        config.optim.total_training_steps = total
+    engine_config = omega_conf_to_dataclass(config.engine)
+    data, model = config.data, config.model
+    engine_config.use_dynamic_bsz = bool(data.use_dynamic_bsz)
+    engine_config.max_token_len_per_gpu = int(data.max_token_len_per_gpu)
+    engine_config.micro_batch_size_per_gpu = int(data.micro_batch_size_per_gpu)
+    engine_config.infer_max_token_len_per_gpu = int(data.max_token_len_per_gpu)
+    engine_config.infer_micro_batch_size_per_gpu = int(data.micro_batch_size_per_gpu)
+    engine_config.use_remove_padding = bool(model.use_remove_padding)
+    engine_config.use_fused_kernels = bool(model.use_fused_kernels)
+    return EngineRegistry.new(
+        "language_model",
+        engine_config.strategy,
+        omega_conf_to_dataclass(config.model, HFModelConfig),
+        engine_config,
+        optimizer_config=omega_conf_to_dataclass(config.optim),
+        checkpoint_config=omega_conf_to_dataclass(config.checkpoint),
+        tokenizer=tokenizer,
+    )
+
+
+def build_trainer(config: DictConfig) -> SFTTrainer:
+    """Check the config and build the engine, data and trainer in this (torchrun or single) process."""
+    from verl.utils.config import omega_conf_to_dataclass
+
+    check_config(config)
+    for section in ("model", "engine", "optim", "checkpoint", "profiler"):
+        omega_conf_to_dataclass(config[section])  # unknown keys and bad values fail here, before any model loads
+    _refuse_unread_columns(config.data.train_files, config.data)
+    if config.data.val_files:
+        _refuse_unread_columns(config.data.val_files, config.data)
+    device_utils.set_device_preference(config.trainer.device)
+    init_distributed()
+    from verl.utils.tokenizer import hf_tokenizer
+
+    model = config.model
+    tokenizer = hf_tokenizer(
+        os.path.expanduser(model.tokenizer_path or model.path), trust_remote_code=bool(model.trust_remote_code)
+    )
+    data = config.data
+    train_dataset = _dataset(data.train_files, tokenizer, data, data.train_max_samples)
+    val_dataset = _dataset(data.val_files, tokenizer, data, data.val_max_samples) if data.val_files else None
+    total = total_steps(config.trainer, steps_per_epoch(len(train_dataset), int(data.train_batch_size)))
+    torch.manual_seed(int(config.trainer.seed))
+    engine = build_engine(config, total, tokenizer)
+    trainer = SFTTrainer(config, engine, tokenizer, train_dataset, val_dataset)
+    if trainer.rank == 0:
+        os.makedirs(trainer.checkpoint_dir, exist_ok=True)
+        OmegaConf.save(config, os.path.join(trainer.checkpoint_dir, "sft_config.yaml"), resolve=True)
+    return trainer
+
+
+def run_sft(config: DictConfig) -> list[dict[str, float]]:
+    """Check the config, build everything and train; returns each step's metrics."""
+    return build_trainer(config).fit()
+
+
+def main() -> None:
+    import hydra
+
+    config_dir = os.path.join(os.path.dirname(os.path.abspath(__file__)), "config")
+
+    @hydra.main(config_path=config_dir, config_name="sft_trainer_engine", version_base=None)
+    def _main(config) -> None:
+        run_sft(config)
+        dist.destroy_process_group()
+
+    _main()
+
+
+if __name__ == "__main__":
+    main()
