@@ -552,6 +552,30 @@ def refuse_engine_section(config) -> None:
     )
 
 
+def refuse_unknown_keys(config) -> None:
+    """Refuse a key sft_trainer.yaml does not hold (`+data.prompt_keys=...`, a merged dotlist), naming the
+    closest valid one: this trainer reads only its own keys, so an unknown one would be silently ignored."""
+    from omegaconf import OmegaConf
+
+    from verl.trainer.config.errors import did_you_mean
+
+    known = OmegaConf.load(os.path.join(os.path.dirname(os.path.abspath(__file__)), "config", "sft_trainer.yaml"))
+
+    def walk(section, reference, prefix: str) -> None:
+        for key in section:
+            full = f"{prefix}{key}"
+            if key not in reference:
+                hint = did_you_mean(str(key), [str(k) for k in reference], prefix=prefix)
+                raise ValueError(
+                    f"{full} is not a key of the SFT trainer (sft_trainer.yaml).{hint} Remove it; the keys are listed "
+                    "in docs/sft.md"
+                )
+            if OmegaConf.is_dict(reference[key]) and OmegaConf.is_dict(section[key]):
+                walk(section[key], reference[key], f"{full}.")
+
+    walk(config, known, "")
+
+
 def run_sft(config, should_stop: Callable[[FSDPSFTTrainer, int], bool] | None = None) -> FSDPSFTTrainer:
     """Build everything from `config` in this (already distributed) process and train."""
     from omegaconf import OmegaConf
@@ -561,6 +585,7 @@ def run_sft(config, should_stop: Callable[[FSDPSFTTrainer, int], bool] | None = 
     from verl.utils.dataset.sft_dataset import SFTDataset
 
     refuse_engine_section(config)
+    refuse_unknown_keys(config)
     device_utils.set_device_preference(config.trainer.device)
     init_distributed()
     resolve_defaults(config)
