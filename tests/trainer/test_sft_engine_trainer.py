@@ -167,12 +167,12 @@ def test_first_step_loss_is_the_float64_token_mean_cross_entropy_of_its_batch(as
     assert metrics["train/global_tokens"] == float(batch["attention_mask"].sum())
 
 
-def _torchrun(assets, run_dir, *overrides) -> list[dict]:
+def _torchrun(assets, run_dir, *overrides, nproc: int = 2) -> list[dict]:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     cmd = [
-        sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={port}",
+        sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", f"--master_port={port}",
         "-m", "verl.trainer.sft_trainer", *_engine_overrides(assets, run_dir), "data.val_files=null",
         f"hydra.run.dir={run_dir}/hydra", "hydra.output_subdir=null", *overrides,
     ]  # fmt: skip
@@ -207,6 +207,26 @@ def test_two_rank_run_saved_and_resumed_matches_an_uninterrupted_run(assets):
         assert resumed[step] == pytest.approx(whole[step], rel=1e-5)
 
 
+@pytest.mark.slow
+def test_megatron_engine_at_tp1_trains_to_the_fsdp_engines_losses(assets):
+    common = (
+        "trainer.total_training_steps=3",
+        "trainer.resume_mode=disable",
+        "optim.lr=3e-3",
+        f"data.val_files={assets['test']}",
+    )
+    fsdp = _torchrun(assets, assets["root"] / "fsdp1", *common, nproc=1)
+    megatron = _torchrun(
+        assets, assets["root"] / "megatron1", "engine=megatron", "optim=megatron", "engine.dtype=fp32",
+        "optim.betas=[0.9,0.95]", "optim.weight_decay=0.01", *common, nproc=1,
+    )  # fmt: skip
+    fsdp_losses = [r["data"]["train/loss"] for r in fsdp]
+    megatron_losses = [r["data"]["train/loss"] for r in megatron]
+    assert megatron_losses[-1] < megatron_losses[0]
+    torch.testing.assert_close(torch.tensor(megatron_losses), torch.tensor(fsdp_losses), rtol=1e-4, atol=1e-5)
+    assert megatron[-1]["data"]["val/loss"] == pytest.approx(fsdp[-1]["data"]["val/loss"], rel=1e-4)
+
+
 @pytest.mark.parametrize(
     "override, message",
     [
@@ -234,7 +254,11 @@ def test_bad_keys_and_values_are_refused_in_one_line(assets, override, message, 
     "group, message",
     [
         ("engine=veomni", r"^engine=veomni selects upstream's VeOmni engine"),
-        ("engine=megatron", r"^engine=megatron: the SFT engine trainer drives the FSDP engine only"),
+        (
+            "engine=megatron engine.tensor_model_parallel_size=2",
+            r"^engine.tensor_model_parallel_size=2: the SFT engine trainer drives the Megatron engine with data "
+            r"parallelism only",
+        ),
     ],
 )
 def test_engines_it_does_not_drive_are_refused_before_anything_loads(assets, group, message, tmp_path):
@@ -242,8 +266,9 @@ def test_engines_it_does_not_drive_are_refused_before_anything_loads(assets, gro
 
     from verl.trainer.sft_trainer import run_sft
 
+    group, *overrides = group.split()
     config = compose("sft_trainer_engine", group_overrides=[group])
-    config.merge_with_dotlist([f"model.path={assets['model']}", f"data.train_files={assets['train']}"])
+    config.merge_with_dotlist([f"model.path={assets['model']}", f"data.train_files={assets['train']}", *overrides])
     OmegaConf.resolve(config)
     with pytest.raises(ValueError, match=message):
         run_sft(config)

@@ -8,9 +8,9 @@ Config: `sft_trainer_engine.yaml` (upstream's keys and defaults), composed from 
 PPO roles: `model` (HFModelConfig), `engine` (FSDPEngineConfig), `optim`, `checkpoint`, `profiler`.
 
 Design decisions:
-- The model, its sharding, optimizer, lr schedule and checkpoints are the engine's
-  (`EngineRegistry.new("language_model", strategy, ...)`, the same FSDP2 engine the PPO actor trains
-  with). The engine's batch keys (`use_dynamic_bsz`, `max_token_len_per_gpu`, `micro_batch_size_per_gpu`,
+- The model, its sharding, optimizer, lr schedule and checkpoints are the engine's (the
+  `EngineRegistry`'s language-model engine for `engine=fsdp` or `engine=megatron`, the engines the PPO
+  actor trains with); only the forward/backward differs per backend (`_FSDPPasses`, `_MegatronPasses`). The engine's batch keys (`use_dynamic_bsz`, `max_token_len_per_gpu`, `micro_batch_size_per_gpu`,
   ...) are filled from `data.*` and `model.*`, as upstream does.
 - Data order, loss and gradient scaling are `main_sft`'s (`fsdp_sft_trainer.sft_train_loader`,
   `sft_token_losses`, `accumulate_sft_gradients`), not copies: the mean cross-entropy over every
@@ -21,9 +21,9 @@ Design decisions:
 - Checkpoints: `default_local_dir/global_step_N/` is the engine's checkpoint (`checkpoint.save_contents`);
   `latest_checkpointed_iteration.txt` names the newest complete one. Resuming restores model, optimizer,
   lr schedule and RNG, and the data position (the step's epoch and batch, from the directory's step).
-- Deliberately refused, each in one line when the config is checked (before any model loads): the
-  Megatron engine (not yet driven by this trainer; `main_ppo` trains with it), VeOmni (no such engine
-  here), image/video data, tool schemas and per-row thinking flags, custom dataset classes,
+- Deliberately refused, each in one line when the config is checked (before any model loads): Megatron
+  model parallelism (tensor, pipeline, context, expert; the Megatron engine runs data-parallel here),
+  VeOmni (no such engine here), image/video data, tool schemas and per-row thinking flags, custom dataset classes,
   shared-memory loading, token balancing across ranks, HDFS copies and profiling.
 """
 
@@ -88,6 +88,13 @@ _DATA_OFF = {
     "use_shm": (False, "files are read from their path; shared-memory copies are not implemented"),
     "apply_chat_template_kwargs": ({}, "extra chat-template arguments are not passed to the template"),
 }
+_MEGATRON_SPLITS = (
+    "tensor_model_parallel_size",
+    "pipeline_model_parallel_size",
+    "virtual_pipeline_model_parallel_size",
+    "context_parallel_size",
+    "expert_model_parallel_size",
+)
 _TRAINER_KEYS = (
     "default_local_dir",
     "default_hdfs_dir",
@@ -154,10 +161,13 @@ def check_config(config: DictConfig) -> None:
             "engine=veomni selects upstream's VeOmni engine, which is not in this build; use engine=fsdp optim=fsdp"
         )
     if target.endswith("McoreEngineConfig"):
-        raise ValueError(
-            "engine=megatron: the SFT engine trainer drives the FSDP engine only so far (main_ppo trains with the "
-            "Megatron engine); use engine=fsdp optim=fsdp"
-        )
+        split = {k: engine[k] for k in _MEGATRON_SPLITS if engine.get(k) not in (None, 1)}
+        if split:
+            raise ValueError(
+                f"engine.{next(iter(split))}={next(iter(split.values()))}: the SFT engine trainer drives the Megatron "
+                "engine with data parallelism only so far (main_ppo trains with tensor, pipeline, context and expert "
+                "parallelism); set it to 1 or use engine=fsdp"
+            )
     if config.model.path is None:
         raise ValueError("model.path is not set; pass model.path=<HF model directory>")
 
@@ -192,6 +202,93 @@ def _refuse_unread_columns(files, data) -> None:
                 )
 
 
+# --------------------------------------------------------------------------------- the engines' passes
+class _FSDPPasses:
+    """main_sft's forward/backward on the FSDP engine's HF module (`engine.module`)."""
+
+    def __init__(self, engine, device):
+        self.engine, self.device = engine, device
+
+    def backward(self, batch: dict, micro_batches: list, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return accumulate_sft_gradients(self.engine.module, batch, micro_batches, self.device, step)
+
+    def clip(self, grad_clip: float) -> torch.Tensor:
+        from verl.workers.dp_training import clip_grad_norm
+
+        return clip_grad_norm(self.engine.module, grad_clip)
+
+    def loss_sum(self, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
+        return sft_token_losses(self.engine.module, batch, self.device)
+
+
+class _MegatronPasses:
+    """The same loss through megatron's schedule on the Megatron engine's chunks (data parallelism only).
+
+    A sequence is laid out as the PPO actor's rows with a one-token prompt: its first token, then the rest
+    as the "response", so the actor's left-aligned forward gives the log-prob of every target token."""
+
+    def __init__(self, engine, device):
+        self.engine, self.device = engine, device
+
+    def _token_log_probs(self, micro_batch, output) -> torch.Tensor:
+        from verl.models.mcore.forward import response_columns
+        from verl.utils.megatron.tensor_parallel import vocab_parallel_log_probs_and_entropy
+
+        aligned = micro_batch["_aligned"]
+        log_probs, _ = vocab_parallel_log_probs_and_entropy(
+            output, aligned.model_labels, self.engine.hf_config.vocab_size, False
+        )
+        return response_columns(log_probs, aligned)  # [B, L-1]: log p(token t+1 | tokens <= t)
+
+    def _schedule(self, micro_batches: list, loss_fn, forward_only: bool) -> list:
+        from tensordict import TensorDict
+
+        from verl.workers.actor.megatron_actor import run_megatron_schedule
+
+        rows = [
+            TensorDict({**dict(m.items()), "responses": m["input_ids"][:, 1:]}, batch_size=m.batch_size)
+            for m in micro_batches
+        ]
+        return run_megatron_schedule(self.engine.chunks, rows, loss_fn, forward_only)
+
+    def backward(self, batch: dict, micro_batches: list, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+        num_tokens = _all_reduce_sum(batch["loss_mask"][:, 1:].sum().to(self.device, torch.float32))
+        if num_tokens.item() == 0:
+            raise ValueError(
+                f"step {step}: the global batch has no response tokens to learn from; check data.max_length and "
+                "data.truncation"
+            )
+        world_size = dist.get_world_size()
+
+        def loss_fn(micro_batch, output):
+            mask = micro_batch["loss_mask"][:, 1:].to(output.dtype)
+            token_loss_sum = -(self._token_log_probs(micro_batch, output).float() * mask).sum()
+            # gradients are averaged over the ranks (finalize_megatron_grads), as main_sft's under FSDP
+            return token_loss_sum / num_tokens * world_size, {"loss_sum": token_loss_sum.detach()}
+
+        results = self._schedule(micro_batches, loss_fn, forward_only=False)
+        loss_sum = torch.stack([r["loss_sum"] for r in results]).sum()
+        return _all_reduce_sum(loss_sum), num_tokens
+
+    def clip(self, grad_clip: float) -> torch.Tensor:
+        from verl.workers.actor.megatron_actor import clip_grads_megatron, finalize_megatron_grads
+
+        finalize_megatron_grads(self.engine.chunks)
+        return clip_grads_megatron(self.engine.chunks, grad_clip)
+
+    def loss_sum(self, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
+        from tensordict import TensorDict
+
+        def loss_fn(micro_batch, output):
+            mask = micro_batch["loss_mask"][:, 1:].to(output.dtype)
+            token_loss_sum = -(self._token_log_probs(micro_batch, output).float() * mask).sum()
+            return output.new_zeros(()), {"loss_sum": token_loss_sum, "count": mask.sum()}
+
+        rows = batch["input_ids"].shape[0]
+        (result,) = self._schedule([TensorDict(dict(batch), batch_size=[rows])], loss_fn, forward_only=True)
+        return result["loss_sum"], result["count"]
+
+
 # --------------------------------------------------------------------------------- trainer
 class SFTTrainer:
     """One SFT run on a training engine: the engine, the data loaders, the loop, checkpoints and metrics."""
@@ -199,6 +296,7 @@ class SFTTrainer:
     def __init__(self, config: DictConfig, engine, tokenizer, train_dataset, val_dataset=None):
         self.config = config
         self.engine = engine
+        self.passes = (_MegatronPasses if hasattr(engine, "chunks") else _FSDPPasses)(engine, device_utils.get_device())
         self.tokenizer = tokenizer
         self.train_dataset = train_dataset
         self.val_dataset = val_dataset
@@ -249,16 +347,14 @@ class SFTTrainer:
 
     def training_step(self, batch: dict[str, torch.Tensor]) -> dict[str, float]:
         """One optimizer step on this rank's share of the global batch; upstream's metric names."""
-        from verl.workers.dp_training import clip_grad_norm, step_if_finite
+        from verl.workers.dp_training import step_if_finite
 
         start = time.perf_counter()
         self.engine.train_mode()
         batch = _trim_padding(batch)
         with self.engine.on_device(optimizer=True):
-            loss_sum, num_tokens = accumulate_sft_gradients(
-                self.engine.module, batch, self._micro_batches(batch), self.device, self.global_step + 1
-            )
-            grad_norm = clip_grad_norm(self.engine.module, self.config.optim.clip_grad)
+            loss_sum, num_tokens = self.passes.backward(batch, self._micro_batches(batch), self.global_step + 1)
+            grad_norm = self.passes.clip(self.config.optim.clip_grad)
             grad_norm = float(grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm)
             if not step_if_finite(self.engine.optimizer, grad_norm):
                 logger.warning(f"step {self.global_step + 1}: gradient norm is {grad_norm}; skipping the update")
@@ -289,7 +385,7 @@ class SFTTrainer:
         num_tokens = torch.zeros((), device=self.device)
         with self.engine.on_device():
             for batch in DataLoader(self.val_dataset, batch_size=self.micro_batch_size, sampler=sampler):
-                token_loss_sum, count = sft_token_losses(self.engine.module, _trim_padding(batch), self.device)
+                token_loss_sum, count = self.passes.loss_sum(_trim_padding(batch))
                 loss_sum += token_loss_sum
                 num_tokens += count
         return {"val/loss": (_all_reduce_sum(loss_sum) / _all_reduce_sum(num_tokens).clamp(min=1)).item()}
@@ -426,7 +522,7 @@ def _dataset(files, tokenizer, data, max_samples: int):
 def build_engine(config: DictConfig, total: int, tokenizer):
     """The language-model engine the config's `engine` section selects, with its batch keys filled from `data.*`."""
     from verl.utils.config import omega_conf_to_dataclass
-    from verl.workers.config import HFModelConfig
+    from verl.workers.config import HFModelConfig, McoreEngineConfig
     from verl.workers.engine import EngineRegistry
 
     with open_dict(config):
@@ -440,9 +536,10 @@ def build_engine(config: DictConfig, total: int, tokenizer):
     engine_config.infer_micro_batch_size_per_gpu = int(data.micro_batch_size_per_gpu)
     engine_config.use_remove_padding = bool(model.use_remove_padding)
     engine_config.use_fused_kernels = bool(model.use_fused_kernels)
-    return EngineRegistry.new(
-        "language_model",
-        engine_config.strategy,
+    backend = "megatron" if isinstance(engine_config, McoreEngineConfig) else engine_config.strategy
+    engine_cls = EngineRegistry.get_engine_cls("language_model", backend)
+    engine_cls.init_parallel(engine_config)  # megatron's process groups; FSDP: every rank a data-parallel rank
+    return engine_cls(
         omega_conf_to_dataclass(config.model, HFModelConfig),
         engine_config,
         optimizer_config=omega_conf_to_dataclass(config.optim),
