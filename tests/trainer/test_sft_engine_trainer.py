@@ -235,6 +235,9 @@ def test_megatron_engine_at_tp1_trains_to_the_fsdp_engines_losses(assets):
         ("data.balance_dp_token=true", r"^data.balance_dp_token=True: balancing tokens"),
         ("trainer.save_freq=often", r"^trainer.save_freq='often' must be an integer"),
         ("trainer.default_hdfs_dir=hdfs://x", r"^trainer.default_hdfs_dir='hdfs://x': copying checkpoints to HDFS"),
+        ("engine.ulysses_sequence_parallel_size=2", r"^engine.ulysses_sequence_parallel_size=2 is not implemented"),
+        ("engine.fsdp_sise=2", r"^unknown config key 'engine.fsdp_sise'.* Did you mean engine.fsdp_size\?"),
+        ("optim.lr_scheduler_type=linear", r"^optim.lr_scheduler_type='linear' is not"),
     ],
 )
 def test_bad_keys_and_values_are_refused_in_one_line(assets, override, message, tmp_path):

@@ -548,13 +548,32 @@ def build_engine(config: DictConfig, total: int, tokenizer):
     )
 
 
-def build_trainer(config: DictConfig) -> SFTTrainer:
-    """Check the config and build the engine, data and trainer in this (torchrun or single) process."""
+def check_typed_sections(config: DictConfig) -> None:
+    """Check the `model`, `engine`, `optim`, `checkpoint` and `profiler` sections against their dataclasses
+    as the PPO config check does (unknown keys with the closest valid one, types, choices, and an
+    unimplemented feature switched on), then build each (its own `__post_init__` checks)."""
+    from hydra.utils import get_class
+
+    from verl.trainer.config.interpolation import plain
+    from verl.trainer.config.schema_walk import _check_section
     from verl.utils.config import omega_conf_to_dataclass
 
-    check_config(config)
+    values = plain(config)
     for section in ("model", "engine", "optim", "checkpoint", "profiler"):
-        omega_conf_to_dataclass(config[section])  # unknown keys and bad values fail here, before any model loads
+        errors: list[tuple[str, str]] = []
+        _check_section(values[section], get_class(values[section]["_target_"]), f"{section}.", errors, [], [])
+        # a key upstream's sft_trainer_engine.yaml leaves out (checkpoint.async_save) keeps its dataclass default
+        errors = [message for _, message in errors if "is missing" not in message]
+        if errors:
+            raise ValueError(errors[0])
+        omega_conf_to_dataclass(config[section])
+
+
+def build_trainer(config: DictConfig) -> SFTTrainer:
+    """Check the config and build the engine, data and trainer in this (torchrun or single) process."""
+
+    check_config(config)
+    check_typed_sections(config)
     _refuse_unread_columns(config.data.train_files, config.data)
     if config.data.val_files:
         _refuse_unread_columns(config.data.val_files, config.data)
