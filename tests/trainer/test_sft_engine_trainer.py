@@ -289,3 +289,45 @@ def test_a_tools_column_is_refused_rather_than_dropped(assets, tmp_path):
     config = _engine_config(assets, tmp_path, f"data.train_files={path}")
     with pytest.raises(ValueError, match=r"has a 'tools' column of tool schemas"):
         run_sft(config)
+
+
+# upstream's tests/special_e2e/sft/run_sft_engine.sh, with its default sizes (1 GPU, sp 1, tp/pp/cp 1) and the
+# paths the shell would have expanded
+_UPSTREAM_SCRIPT = {
+    "fsdp": [
+        "engine=fsdp", "optim=fsdp", "optim.lr=1e-5", "optim.lr_warmup_steps_ratio=0.2", "optim.weight_decay=0.1",
+        "optim.betas=[0.9,0.95]", "optim.clip_grad=1.0", "optim.min_lr_ratio=0.1", "optim.lr_scheduler_type=cosine",
+        "engine.ulysses_sequence_parallel_size=1", "engine.strategy=fsdp", "engine.fsdp_size=1",
+    ],
+    "megatron": [
+        "engine=megatron", "optim=megatron", "optim.lr=1e-5", "optim.lr_warmup_steps_ratio=0.2",
+        "optim.weight_decay=0.1", "optim.betas=[0.9,0.95]", "optim.clip_grad=1.0", "optim.lr_warmup_init=0",
+        "optim.lr_decay_style=cosine", "optim.min_lr=1e-6", "engine.tensor_model_parallel_size=1",
+        "engine.pipeline_model_parallel_size=1", "engine.virtual_pipeline_model_parallel_size=null",
+        "engine.context_parallel_size=1", "engine.use_mbridge=True",
+    ],
+}  # fmt: skip
+_UPSTREAM_COMMON = [
+    "data.train_files=/home/u/data/gsm8k_sft/train.parquet", "data.val_files=/home/u/data/gsm8k_sft/test.parquet",
+    "data.train_batch_size=128", "data.pad_mode=no_padding", "data.truncation=error", "data.use_dynamic_bsz=True",
+    "data.max_token_len_per_gpu=2048", "data.messages_key=messages", "model.path=/home/u/models/Qwen/Qwen2.5-0.5B",
+    "model.use_remove_padding=True", "trainer.test_freq=after_each_epoch", "trainer.save_freq=-1",
+    "trainer.logger=['console','file']", "trainer.project_name=verl_sft_test", "trainer.experiment_name=x",
+    "trainer.total_epochs=2", "trainer.total_training_steps=2", "trainer.default_local_dir=/tmp/ckpts",
+    "trainer.resume_mode=disable",
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("backend", sorted(_UPSTREAM_SCRIPT))
+def test_upstreams_e2e_command_line_composes_and_passes_every_check(backend):
+    from hydra import compose as hydra_compose
+    from hydra import initialize_config_dir
+
+    from verl.trainer.sft_trainer import check_config, check_typed_sections
+
+    config_dir = os.path.join(REPO_ROOT, "verl", "trainer", "config")
+    with initialize_config_dir(config_dir=config_dir, version_base=None):
+        config = hydra_compose("sft_trainer_engine", overrides=[*_UPSTREAM_SCRIPT[backend], *_UPSTREAM_COMMON])
+    check_config(config)
+    check_typed_sections(config)
+    assert config.trainer.test_freq == "after_each_epoch" and config.optim.lr == 1e-5
