@@ -198,7 +198,9 @@ def test_two_rank_run_saved_and_resumed_matches_an_uninterrupted_run(assets):
     # saved at steps 2 and 4; max_ckpt_to_keep=1 removed step 2 once step 4 was complete
     assert sorted(p.name for p in cut.iterdir() if p.name.startswith("global_step_")) == ["global_step_4"]
     assert (cut / "latest_checkpointed_iteration.txt").read_text().strip() == "4"
-    resumed = losses(_torchrun(assets, cut, "trainer.total_training_steps=6"))  # resume_mode=auto
+    resumed = losses(_torchrun(assets, cut, "trainer.total_training_steps=6", "trainer.max_ckpt_to_keep=1"))
+    # resume_mode=auto found step 4; the limit counts it too, so step 6 replaced it
+    assert sorted(p.name for p in cut.iterdir() if p.name.startswith("global_step_")) == ["global_step_6"]
     assert sorted(whole) == [1, 2, 3, 4, 5, 6] and sorted(resumed) == [1, 2, 3, 4, 5, 6]
     assert whole[6] < whole[1]
     for step in (1, 2, 3, 4):

@@ -441,6 +441,8 @@ class SFTTrainer:
         path = resume_path(self.config.trainer, self.checkpoint_dir)
         if path is None:
             return
+        # max_ckpt_to_keep counts the checkpoints of the runs before this one too (as main_sft's does)
+        self.engine.checkpoint_manager.previous_saved_paths = existing_checkpoints(self.checkpoint_dir)
         self.engine.load_checkpoint(path)
         self.global_step = checkpoint_step(path)
         logger.info(f"resumed from {path} at global step {self.global_step}")
@@ -483,6 +485,14 @@ def checkpoint_step(path: str) -> int:
     if match is None:
         raise ValueError(f"{path} is not a global_step_N checkpoint directory of this trainer")
     return int(match.group(1))
+
+
+def existing_checkpoints(checkpoint_dir: str) -> list[str]:
+    """The `global_step_N` directories under `checkpoint_dir`, oldest first."""
+    if not os.path.isdir(checkpoint_dir):
+        return []
+    found = [(m, name) for name in os.listdir(checkpoint_dir) if (m := _STEP_DIR.fullmatch(name))]
+    return [os.path.join(checkpoint_dir, name) for m, name in sorted(found, key=lambda x: int(x[0].group(1)))]
 
 
 def resume_path(trainer_config, checkpoint_dir: str) -> str | None:
