@@ -238,6 +238,7 @@ def test_megatron_engine_at_tp1_trains_to_the_fsdp_engines_losses(assets):
         ("trainer.save_freq=often", r"^trainer.save_freq='often' must be an integer"),
         ("trainer.default_hdfs_dir=hdfs://x", r"^trainer.default_hdfs_dir='hdfs://x': copying checkpoints to HDFS"),
         ("engine.ulysses_sequence_parallel_size=2", r"^engine.ulysses_sequence_parallel_size=2 is not implemented"),
+        ("engine.max_token_len_per_gpu=99", r"^engine.max_token_len_per_gpu=99: .* set data.max_token_len_per_gpu$"),
         ("engine.fsdp_sise=2", r"^unknown config key 'engine.fsdp_sise'.* Did you mean engine.fsdp_size\?"),
         ("optim.lr_scheduler_type=linear", r"^optim.lr_scheduler_type='linear' is not"),
     ],

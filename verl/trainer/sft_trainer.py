@@ -156,6 +156,7 @@ def check_config(config: DictConfig) -> None:
             raise ValueError(f"trainer.{key}={value!r} must be an integer (-1: only at the end) or {AFTER_EACH_EPOCH}")
     engine = config.engine
     target = str(engine.get("_target_", ""))
+    _refuse_engine_batch_keys(engine, megatron=target.endswith("McoreEngineConfig"))
     if engine.get("strategy") == "veomni" or target.endswith("VeOmniEngineConfig"):
         raise ValueError(
             "engine=veomni selects upstream's VeOmni engine, which is not in this build; use engine=fsdp optim=fsdp"
@@ -170,6 +171,29 @@ def check_config(config: DictConfig) -> None:
             )
     if config.model.path is None:
         raise ValueError("model.path is not set; pass model.path=<HF model directory>")
+
+
+# where each engine batch key's value comes from (`build_engine` fills them)
+_ENGINE_BATCH_SOURCES = {
+    "use_dynamic_bsz": "data.use_dynamic_bsz",
+    "max_token_len_per_gpu": "data.max_token_len_per_gpu",
+    "micro_batch_size_per_gpu": "data.micro_batch_size_per_gpu",
+    "infer_max_token_len_per_gpu": "data.max_token_len_per_gpu",
+    "infer_micro_batch_size_per_gpu": "data.micro_batch_size_per_gpu",
+    "use_fused_kernels": "model.use_fused_kernels",
+    "use_remove_padding": "model.use_remove_padding",
+}
+
+
+def _refuse_engine_batch_keys(engine, megatron: bool) -> None:
+    for key, source in _ENGINE_BATCH_SOURCES.items():
+        if megatron and key == "use_remove_padding":
+            continue  # upstream's engine/megatron.yaml holds it (a speed knob here)
+        if key in engine:
+            raise ValueError(
+                f"engine.{key}={engine[key]!r}: this trainer fills the engine's batch keys from data.* and model.*, "
+                f"as upstream's does; remove it and set {source}"
+            )
 
 
 def _check_keys(section, valid: tuple[str, ...], name: str) -> None:

@@ -13,9 +13,9 @@ reads the same way (offload, dtype, seed, forward-only) and upstream's batch key
 `use_remove_padding`), declared once here for FSDP, Megatron and VeOmni. The engine YAMLs do not hold
 the batch keys (as upstream's do not): whoever drives the engine gives them a value. The SFT engine
 trainer (`verl.trainer.sft_trainer`) fills them from its `data.*` and `model.*` keys; the PPO roles
-read their own section's keys (`actor.use_dynamic_bsz`, `actor.ppo_micro_batch_size_per_gpu`, ...), so
-the config check refuses them under a role's `fsdp_config` / `megatron` (`ROLE_BATCH_KEYS`) rather than
-holding a second value that could disagree with the first. `TrainingWorkerConfig` bundles what one training engine is built from
+read their own section's keys (`actor.use_dynamic_bsz`, `actor.ppo_micro_batch_size_per_gpu`, ...). Both
+config checks refuse them under an engine section (`ROLE_BATCH_KEYS`) rather than hold a second value
+that could disagree with the first. `TrainingWorkerConfig` bundles what one training engine is built from
 (upstream's name and fields). `VeOmniEngineConfig` is upstream's section of an engine not in this
 build: it constructs (and engine/veomni.yaml composes) as upstream's, with upstream's base batch keys,
 and selecting the engine is refused (see its docstring).
@@ -44,8 +44,8 @@ ROLE_BATCH_KEYS = (
     "use_remove_padding",
 )
 _BY_THE_DRIVER = (
-    " Given by whoever drives the engine: the SFT engine trainer sets it from data.* / model.*; in the PPO roles "
-    "the role's own key holds it and setting it here is refused."
+    " Given by whoever drives the engine, not set here (refused): the SFT engine trainer fills it from data.* / "
+    "model.*, the PPO roles read their own key."
 )
 
 # `TrainingWorkerConfig.model_type` values: the `EngineRegistry` model types
