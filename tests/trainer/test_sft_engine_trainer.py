@@ -188,17 +188,25 @@ def test_two_rank_run_saved_and_resumed_matches_an_uninterrupted_run(assets):
     def losses(records):
         return {r["step"]: r["data"]["train/loss"] for r in records}
 
+    # the model sharded over both ranks by FSDP2 (fsdp_size=2: a model this small is otherwise replicated), and
+    # token-budget micro-batches (as many on each rank: FSDP's collectives pair up per pass)
+    dynamic = ("engine.fsdp_size=2", "data.use_dynamic_bsz=true", "data.max_token_len_per_gpu=96")
+
     whole = losses(
-        _torchrun(assets, assets["root"] / "whole", "trainer.total_training_steps=6", "trainer.resume_mode=disable")
+        _torchrun(
+            assets, assets["root"] / "whole", *dynamic, "trainer.total_training_steps=6", "trainer.resume_mode=disable"
+        )
     )
     cut = assets["root"] / "cut"
     first = losses(
-        _torchrun(assets, cut, "trainer.total_training_steps=4", "trainer.save_freq=2", "trainer.max_ckpt_to_keep=1")
+        _torchrun(
+            assets, cut, *dynamic, "trainer.total_training_steps=4", "trainer.save_freq=2", "trainer.max_ckpt_to_keep=1"
+        )
     )
     # saved at steps 2 and 4; max_ckpt_to_keep=1 removed step 2 once step 4 was complete
     assert sorted(p.name for p in cut.iterdir() if p.name.startswith("global_step_")) == ["global_step_4"]
     assert (cut / "latest_checkpointed_iteration.txt").read_text().strip() == "4"
-    resumed = losses(_torchrun(assets, cut, "trainer.total_training_steps=6", "trainer.max_ckpt_to_keep=1"))
+    resumed = losses(_torchrun(assets, cut, *dynamic, "trainer.total_training_steps=6", "trainer.max_ckpt_to_keep=1"))
     # resume_mode=auto found step 4; the limit counts it too, so step 6 replaced it
     assert sorted(p.name for p in cut.iterdir() if p.name.startswith("global_step_")) == ["global_step_6"]
     assert sorted(whole) == [1, 2, 3, 4, 5, 6] and sorted(resumed) == [1, 2, 3, 4, 5, 6]

@@ -320,7 +320,10 @@ class SFTTrainer:
     def __init__(self, config: DictConfig, engine, tokenizer, train_dataset, val_dataset=None):
         self.config = config
         self.engine = engine
-        self.passes = (_MegatronPasses if hasattr(engine, "chunks") else _FSDPPasses)(engine, device_utils.get_device())
+        from verl.workers.engine import MegatronEngine
+
+        passes = _MegatronPasses if isinstance(engine, MegatronEngine) else _FSDPPasses
+        self.passes = passes(engine, device_utils.get_device())
         self.tokenizer = tokenizer
         self.train_dataset = train_dataset
         self.val_dataset = val_dataset
@@ -365,7 +368,8 @@ class SFTTrainer:
             micro_batch_size=self.micro_batch_size,
             use_dynamic_bsz=self.use_dynamic_bsz,
             max_token_len=self.max_token_len,
-            dp_group=None,
+            # every rank runs as many micro-batches as the others: the engine's collectives pair up per pass
+            dp_group=dist.group.WORLD,
         )
         return micro_batches
 
