@@ -183,6 +183,21 @@ def _torchrun(assets, run_dir, *overrides, nproc: int = 2) -> list[dict]:
         return [json.loads(line) for line in f]
 
 
+@pytest.mark.parametrize("max_samples, expected", [(5, 5), (-1, 128), (0, 128), (1000, 128)])
+def test_max_samples_keeps_the_first_rows_as_upstreams_does(assets, max_samples, expected):
+    from omegaconf import OmegaConf
+
+    from verl.trainer.sft_trainer import _dataset
+    from verl.utils.tokenizer import hf_tokenizer
+
+    data = OmegaConf.create({"messages_key": "messages", "max_length": 32, "truncation": "error"})
+    tokenizer = hf_tokenizer(assets["model"])
+    dataset = _dataset(assets["train"], tokenizer, data, max_samples)
+    whole = _dataset(assets["train"], tokenizer, data, -1)
+    assert len(dataset) == expected
+    assert torch.equal(dataset[expected - 1]["input_ids"], whole[expected - 1]["input_ids"])
+
+
 @pytest.mark.slow
 def test_two_rank_run_saved_and_resumed_matches_an_uninterrupted_run(assets):
     def losses(records):

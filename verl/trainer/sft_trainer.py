@@ -552,7 +552,8 @@ def _dataset(files, tokenizer, data, max_samples: int):
         "truncation": data.truncation,
     }
     dataset = SFTDataset(files, tokenizer, config)
-    if max_samples is not None and 0 <= int(max_samples) < len(dataset):
+    # upstream's rule: a positive count keeps the first rows; -1 (or 0) keeps every row
+    if max_samples is not None and 0 < int(max_samples) < len(dataset):
         dataset = Subset(dataset, range(int(max_samples)))
     return dataset
 
