@@ -192,3 +192,29 @@ def test_selecting_upstreams_sft_engine_is_refused_in_one_line_before_anything_s
     with pytest.raises(ValueError, match=message) as raised:
         run_sft(config)
     assert "\n" not in str(raised.value)
+
+
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        (
+            "+data.prompt_keys=question",
+            r"^data.prompt_keys is not a key of the SFT trainer .* Did you mean data.prompt_key\?",
+        ),
+        (
+            "+trainer.max_ckpt_to_kep=2",
+            r"^trainer.max_ckpt_to_kep is not a key .* Did you mean trainer.max_ckpt_to_keep\?",
+        ),
+        ("+model.fsdp_config.mixed_precision.param_dtyp=fp32", r"^model.fsdp_config.mixed_precision.param_dtyp is not"),
+    ],
+)
+def test_an_unknown_key_is_refused_naming_the_closest_one_before_anything_starts(override, message):
+    from hydra import compose, initialize_config_dir
+
+    from verl.trainer.fsdp_sft_trainer import run_sft
+
+    with initialize_config_dir(config_dir=os.path.dirname(CONFIG), version_base=None):
+        config = compose(config_name="sft_trainer", overrides=[override])  # Hydra's `+` adds any key
+    with pytest.raises(ValueError, match=message) as raised:
+        run_sft(config)
+    assert "\n" not in str(raised.value)

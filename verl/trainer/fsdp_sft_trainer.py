@@ -150,18 +150,15 @@ class FSDPSFTTrainer:
 
     # ----------------------------------------------------------------------------- data
     def _train_loader(self, epoch: int, skip_batches: int) -> DataLoader:
-        sampler = DistributedSampler(
+        return sft_train_loader(
             self.train_dataset,
-            num_replicas=self.world_size,
-            rank=self.rank,
-            shuffle=True,
-            seed=int(self.config.trainer.seed),
-            drop_last=True,
+            epoch,
+            skip_batches,
+            self.batch_size_per_rank,
+            self.rank,
+            self.world_size,
+            int(self.config.trainer.seed),
         )
-        sampler.set_epoch(epoch)
-        # A list of indices is a valid sampler; slicing it resumes mid-epoch without re-reading data.
-        indices = list(sampler)[skip_batches * self.batch_size_per_rank :]
-        return DataLoader(self.train_dataset, batch_size=self.batch_size_per_rank, sampler=indices, drop_last=True)
 
     def _val_loader(self) -> DataLoader:
         sampler = DistributedSampler(self.val_dataset, num_replicas=self.world_size, rank=self.rank, shuffle=False)
@@ -169,36 +166,15 @@ class FSDPSFTTrainer:
 
     # ----------------------------------------------------------------------------- steps
     def _token_losses(self, micro_batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-        """Summed next-token cross-entropy over loss-masked tokens, and their count."""
-        input_ids = micro_batch["input_ids"].to(self.device)
-        loss_mask = micro_batch["loss_mask"][:, 1:].to(self.device)
-        logits = self.model(
-            input_ids=input_ids,
-            attention_mask=micro_batch["attention_mask"].to(self.device),
-            position_ids=micro_batch["position_ids"].to(self.device),
-            use_cache=False,
-        ).logits
-        losses = torch.nn.functional.cross_entropy(
-            logits[:, :-1].float().transpose(1, 2), input_ids[:, 1:], reduction="none"
-        )
-        return (losses * loss_mask).sum(), loss_mask.sum()
+        return sft_token_losses(self.model, micro_batch, self.device)
 
     def accumulate_gradients(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
         """Forward/backward over this rank's micro-batches so that the accumulated gradient is the
         gradient of the global-batch mean token loss. Returns (summed token loss, token count), both
         summed over all ranks."""
-        num_tokens = _all_reduce_sum(batch["loss_mask"][:, 1:].sum().to(self.device, torch.float32))
-        if num_tokens.item() == 0:
-            raise ValueError(
-                f"step {self.global_step + 1}: the global batch has no response tokens to learn from (every "
-                "loss_mask is zero, e.g. all responses truncated away); check data.max_length and data.truncation"
-            )
-        loss_sum = torch.zeros((), device=self.device)
-        for micro_batch in _split(batch, self.micro_batch_size):
-            token_loss_sum, _ = self._token_losses(micro_batch)
-            (token_loss_sum / num_tokens * self.world_size).backward()
-            loss_sum += token_loss_sum.detach()
-        return _all_reduce_sum(loss_sum), num_tokens
+        return accumulate_sft_gradients(
+            self.model, batch, _split(batch, self.micro_batch_size), self.device, self.global_step + 1
+        )
 
     def training_step(self, batch: dict[str, torch.Tensor]) -> dict[str, float]:
         """One optimizer step on this rank's share of the global batch."""
@@ -336,6 +312,57 @@ class FSDPSFTTrainer:
         )
         for step in steps[: -int(keep)]:
             shutil.rmtree(os.path.join(self.checkpoint_dir, f"global_step_{step}"), ignore_errors=True)
+
+
+# --------------------------------------------------------------------------------- shared with sft_trainer
+def sft_train_loader(
+    dataset, epoch: int, skip_batches: int, batch_size_per_rank: int, rank: int, world_size: int, seed: int
+) -> DataLoader:
+    """This rank's batches of `epoch`, from batch `skip_batches` on: a seeded shuffle per epoch, so a
+    resumed run sees the same order as an uninterrupted one."""
+    sampler = DistributedSampler(dataset, num_replicas=world_size, rank=rank, shuffle=True, seed=seed, drop_last=True)
+    sampler.set_epoch(epoch)
+    # A list of indices is a valid sampler; slicing it resumes mid-epoch without re-reading data.
+    indices = list(sampler)[skip_batches * batch_size_per_rank :]
+    return DataLoader(dataset, batch_size=batch_size_per_rank, sampler=indices, drop_last=True)
+
+
+def sft_token_losses(model, micro_batch: dict[str, torch.Tensor], device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Summed next-token cross-entropy of `model` over the loss-masked tokens of `micro_batch`
+    (`input_ids`, `attention_mask`, `position_ids`, `loss_mask`, all [B, L]), and their count."""
+    input_ids = micro_batch["input_ids"].to(device)
+    loss_mask = micro_batch["loss_mask"][:, 1:].to(device)
+    logits = model(
+        input_ids=input_ids,
+        attention_mask=micro_batch["attention_mask"].to(device),
+        position_ids=micro_batch["position_ids"].to(device),
+        use_cache=False,
+    ).logits
+    losses = torch.nn.functional.cross_entropy(
+        logits[:, :-1].float().transpose(1, 2), input_ids[:, 1:], reduction="none"
+    )
+    return (losses * loss_mask).sum(), loss_mask.sum()
+
+
+def accumulate_sft_gradients(
+    model, batch: dict[str, torch.Tensor], micro_batches: list, device, step: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Forward/backward over this rank's `micro_batches` (a split of `batch`) so that the accumulated
+    gradient, once averaged over the ranks (FSDP, or the replicas' all-reduce), is the gradient of the
+    global-batch mean token loss. Returns (summed token loss, token count), both summed over all ranks."""
+    world_size = dist.get_world_size()
+    num_tokens = _all_reduce_sum(batch["loss_mask"][:, 1:].sum().to(device, torch.float32))
+    if num_tokens.item() == 0:
+        raise ValueError(
+            f"step {step}: the global batch has no response tokens to learn from (every loss_mask is zero, e.g. "
+            "all responses truncated away); check data.max_length and data.truncation"
+        )
+    loss_sum = torch.zeros((), device=device)
+    for micro_batch in micro_batches:
+        token_loss_sum, _ = sft_token_losses(model, micro_batch, device)
+        (token_loss_sum / num_tokens * world_size).backward()
+        loss_sum += token_loss_sum.detach()
+    return _all_reduce_sum(loss_sum), num_tokens
 
 
 # --------------------------------------------------------------------------------- helpers
@@ -525,6 +552,30 @@ def refuse_engine_section(config) -> None:
     )
 
 
+def refuse_unknown_keys(config) -> None:
+    """Refuse a key sft_trainer.yaml does not hold (`+data.prompt_keys=...`, a merged dotlist), naming the
+    closest valid one: this trainer reads only its own keys, so an unknown one would be silently ignored."""
+    from omegaconf import OmegaConf
+
+    from verl.trainer.config.errors import did_you_mean
+
+    known = OmegaConf.load(os.path.join(os.path.dirname(os.path.abspath(__file__)), "config", "sft_trainer.yaml"))
+
+    def walk(section, reference, prefix: str) -> None:
+        for key in section:
+            full = f"{prefix}{key}"
+            if key not in reference:
+                hint = did_you_mean(str(key), [str(k) for k in reference], prefix=prefix)
+                raise ValueError(
+                    f"{full} is not a key of the SFT trainer (sft_trainer.yaml).{hint} Remove it; the keys are listed "
+                    "in docs/sft.md"
+                )
+            if OmegaConf.is_dict(reference[key]) and OmegaConf.is_dict(section[key]):
+                walk(section[key], reference[key], f"{full}.")
+
+    walk(config, known, "")
+
+
 def run_sft(config, should_stop: Callable[[FSDPSFTTrainer, int], bool] | None = None) -> FSDPSFTTrainer:
     """Build everything from `config` in this (already distributed) process and train."""
     from omegaconf import OmegaConf
@@ -534,6 +585,7 @@ def run_sft(config, should_stop: Callable[[FSDPSFTTrainer, int], bool] | None = 
     from verl.utils.dataset.sft_dataset import SFTDataset
 
     refuse_engine_section(config)
+    refuse_unknown_keys(config)
     device_utils.set_device_preference(config.trainer.device)
     init_distributed()
     resolve_defaults(config)

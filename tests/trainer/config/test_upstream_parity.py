@@ -1,7 +1,8 @@
 """Our config tree against upstream verl's: the same keys with the same defaults, loadable without verl.
 
 The reference is test data written down from upstream's generated full configs
-(upstream/ppo_trainer_leaves.yaml, upstream/ppo_megatron_trainer_leaves.yaml): every leaf with its
+(upstream/ppo_trainer_leaves.yaml, upstream/ppo_megatron_trainer_leaves.yaml,
+upstream/sft_trainer_engine_leaves.yaml): every leaf with its
 default, interpolations unresolved. Our composed configs may hold more keys (ours, listed in
 docs/upstream.md), never fewer, and never another default.
 """
@@ -42,7 +43,7 @@ def leaves(cfg, prefix: str = "") -> dict:
     return out
 
 
-@pytest.mark.parametrize("name", ["ppo_trainer", "ppo_megatron_trainer"])
+@pytest.mark.parametrize("name", ["ppo_trainer", "ppo_megatron_trainer", "sft_trainer_engine"])
 def test_composed_config_holds_every_upstream_key_with_upstreams_default(name):
     ours = leaves(compose(name))
     theirs = upstream_leaves(name)
@@ -50,7 +51,7 @@ def test_composed_config_holds_every_upstream_key_with_upstreams_default(name):
     assert not missing, f"{len(missing)} of upstream's {len(theirs)} keys are missing: {missing[:20]}"
     different = {k: (theirs[k], ours[k]) for k in theirs if ours[k] != theirs[k]}
     assert not different, f"defaults that differ from upstream's (upstream, ours): {different}"
-    assert len(theirs) == {"ppo_trainer": 507, "ppo_megatron_trainer": 560}[name]  # the recorded release
+    assert len(theirs) == {"ppo_trainer": 507, "ppo_megatron_trainer": 560, "sft_trainer_engine": 121}[name]
 
 
 def test_a_changed_default_would_be_caught():

@@ -21,6 +21,7 @@ from verl.workers.config import (
     HFModelConfig,
     McoreEngineConfig,
     TrainingWorkerConfig,
+    VeOmniEngineConfig,
 )
 
 
@@ -114,3 +115,57 @@ def test_policy_loss_holds_bypass_settings_only_for_the_bypass_loss():
     assert PolicyLossConfig().rollout_correction is None
     with pytest.raises(ValueError, match="loss_mode='vanilla'.*algorithm.rollout_correction.bypass_mode=true"):
         PolicyLossConfig(rollout_correction=settings)
+
+
+# upstream's EngineConfig batch keys and their dataclass defaults, written out by hand
+_UPSTREAM_BATCH_DEFAULTS = {
+    "use_dynamic_bsz": True,
+    "max_token_len_per_gpu": None,
+    "micro_batch_size_per_gpu": None,
+    "infer_max_token_len_per_gpu": None,
+    "infer_micro_batch_size_per_gpu": None,
+    "use_fused_kernels": False,
+    "use_remove_padding": True,
+    "grad_offload": False,
+}
+
+
+@pytest.mark.parametrize("cls", [EngineConfig, FSDPEngineConfig, McoreEngineConfig, VeOmniEngineConfig])
+def test_every_engine_section_has_upstreams_base_batch_keys_declared_once(cls):
+    built = cls()
+    for key, default in _UPSTREAM_BATCH_DEFAULTS.items():
+        assert getattr(built, key) == default, key
+    # declared on the base only: VeOmni's copies moved down, FSDP adds no second declaration of a batch key
+    own = set(vars(cls).get("__annotations__", {})) if cls is not EngineConfig else set()
+    assert not own & (set(_UPSTREAM_BATCH_DEFAULTS) - {"grad_offload", "use_remove_padding"})
+
+
+def test_the_batch_keys_are_mutable_as_upstreams_and_the_rest_stays_frozen():
+    engine = FSDPEngineConfig()
+    engine.micro_batch_size_per_gpu = 4
+    engine.use_dynamic_bsz = False
+    assert (engine.micro_batch_size_per_gpu, engine.use_dynamic_bsz) == (4, False)
+    with pytest.raises(Exception, match="fsdp_size"):
+        engine.fsdp_size = 2
+
+
+@pytest.mark.parametrize(
+    "name, key",
+    [
+        ("arith_demo", "actor_rollout_ref.actor.fsdp_config.use_dynamic_bsz"),
+        ("arith_demo", "actor_rollout_ref.actor.fsdp_config.micro_batch_size_per_gpu"),
+        ("arith_demo_megatron", "actor_rollout_ref.actor.megatron.max_token_len_per_gpu"),
+    ],
+)
+def test_an_engine_batch_key_under_a_ppo_role_is_refused_naming_the_roles_key(name, key):
+    cfg = compose(name)
+    OmegaConf.update(cfg, key, 7 if "len" in key or "size" in key else True, force_add=True)
+    with pytest.raises(ValueError, match=rf"{key}=.*the role's own keys hold it .*use_dynamic_bsz"):
+        validate_ppo_config(cfg)
+
+
+def test_fsdp_grad_offload_is_refused_pointing_at_offload_policy():
+    cfg = compose("arith_demo")
+    OmegaConf.update(cfg, "actor_rollout_ref.actor.fsdp_config.grad_offload", True, force_add=True)
+    with pytest.raises(ValueError, match=r"fsdp_config.grad_offload=true is not implemented.*offload_policy"):
+        validate_ppo_config(cfg)

@@ -262,6 +262,29 @@ def _check_engines(c: dict, errors: list[str]) -> bool:
     return ok
 
 
+def _check_role_engine_batch_keys(c: dict, errors: list[str]) -> None:
+    """Refuse upstream's engine batch keys under a PPO role's engine section: the role's own keys hold them."""
+    from verl.workers.config.engine import ROLE_BATCH_KEYS
+
+    for role, strategy, section, prefix in _engine_sections(c):
+        if strategy == "megatron":
+            holder, where = section.get("megatron"), f"{prefix}.megatron"
+        elif role in ("critic", "reward_model"):
+            holder, where = section.get("model", {}).get("fsdp_config"), f"{prefix}.model.fsdp_config"
+        else:
+            holder, where = section.get("fsdp_config"), f"{prefix}.fsdp_config"
+        for key in ROLE_BATCH_KEYS:
+            if strategy == "megatron" and key == "use_remove_padding":
+                continue  # upstream's engine/megatron.yaml holds it (a speed knob here)
+            if isinstance(holder, dict) and key in holder:
+                errors.append(
+                    f"{where}.{key}={holder[key]!r} is upstream's engine batch key, which a PPO role does not read: the "
+                    f"role's own keys hold it ({prefix}.use_dynamic_bsz, its *_micro_batch_size_per_gpu and "
+                    f"*_max_token_len_per_gpu keys, model.use_remove_padding / use_fused_kernels); remove it and set "
+                    "the role's key"
+                )
+
+
 def _check_grad_clip(c: dict, errors: list[str]):
     """An FSDP role's grad_clip and its optim.clip_grad (upstream's newer spelling) must not disagree."""
     for prefix, section in (("actor_rollout_ref.actor", c["actor_rollout_ref"]["actor"]), ("critic", c["critic"])):
@@ -715,6 +738,7 @@ def validate_ppo_config(cfg: DictConfig | dict) -> None:
     _check_lengths(c, errors)
     _check_multi_turn(c, errors)
     _check_not_implemented(c, errors)
+    _check_role_engine_batch_keys(c, errors)
     _check_trainer(c, errors, warns)
     _check_lora(c, errors, warns)
     _check_async_training(c, errors)

@@ -8,11 +8,14 @@ reference, critic and reward-model sections. Keys only some roles hold (the rewa
 are `optional`.
 
 `EngineConfig` is the base both engines' sections share, with upstream's name: the keys every engine
-reads the same way (offload, dtype, seed, forward-only). Upstream's base also holds the batch keys its
-newer engine workers read (`micro_batch_size_per_gpu`, `use_dynamic_bsz`, `max_token_len_per_gpu`,
-the `infer_*` pair, `use_fused_kernels`); here the role sections (`actor`, `ref`, `critic`) hold them and
-the YAML does not repeat them under the engine, so they are not fields: a second place for one value
-could disagree with the first. `TrainingWorkerConfig` bundles what one training engine is built from
+reads the same way (offload, dtype, seed, forward-only) and upstream's batch keys (`use_dynamic_bsz`,
+`max_token_len_per_gpu`, `micro_batch_size_per_gpu`, the `infer_*` pair, `use_fused_kernels`,
+`use_remove_padding`), declared once here for FSDP, Megatron and VeOmni. The engine YAMLs do not hold
+the batch keys (as upstream's do not): whoever drives the engine gives them a value. The SFT engine
+trainer (`verl.trainer.sft_trainer`) fills them from its `data.*` and `model.*` keys; the PPO roles
+read their own section's keys (`actor.use_dynamic_bsz`, `actor.ppo_micro_batch_size_per_gpu`, ...). Both
+config checks refuse them under an engine section (`ROLE_BATCH_KEYS`) rather than hold a second value
+that could disagree with the first. `TrainingWorkerConfig` bundles what one training engine is built from
 (upstream's name and fields). `VeOmniEngineConfig` is upstream's section of an engine not in this
 build: it constructs (and engine/veomni.yaml composes) as upstream's, with upstream's base batch keys,
 and selecting the engine is refused (see its docstring).
@@ -28,6 +31,22 @@ from verl.base_config import BaseConfig
 from verl.workers.config._fields import _SPEED, ENGINE_DTYPES, IGNORED, MODEL_DTYPES, UNSUPPORTED, doc
 
 __all__ = ["EngineConfig", "FSDPEngineConfig", "McoreEngineConfig", "TrainingWorkerConfig", "VeOmniEngineConfig"]
+
+# Upstream's base-class batch keys: filled by whoever drives the engine (see the module docstring);
+# mutable, as upstream's, so the driver sets them on a built section.
+ROLE_BATCH_KEYS = (
+    "use_dynamic_bsz",
+    "max_token_len_per_gpu",
+    "micro_batch_size_per_gpu",
+    "infer_max_token_len_per_gpu",
+    "infer_micro_batch_size_per_gpu",
+    "use_fused_kernels",
+    "use_remove_padding",
+)
+_BY_THE_DRIVER = (
+    " Given by whoever drives the engine, not set here (refused): the SFT engine trainer fills it from data.* / "
+    "model.*, the PPO roles read their own key."
+)
 
 # `TrainingWorkerConfig.model_type` values: the `EngineRegistry` model types
 MODEL_TYPES = ("language_model", "value_model")
@@ -51,17 +70,58 @@ def _default_wrap_policy() -> dict:
 
 @dataclass
 class EngineConfig(BaseConfig):
-    """The keys every training engine's section has (the base of `FSDPEngineConfig` and `McoreEngineConfig`).
+    """The keys every training engine's section has (the base of `FSDPEngineConfig`, `McoreEngineConfig` and
+    `VeOmniEngineConfig`).
 
-    Each subclass re-declares these with its own wording and status (a Megatron model on CPU has no
+    Each subclass may re-declare a key with its own wording and status (a Megatron model on CPU has no
     host to offload to), so the base's defaults are upstream's and its docs are the general meaning.
     """
 
+    _mutable_fields = BaseConfig._mutable_fields | set(ROLE_BATCH_KEYS)
+
     param_offload: bool = doc("Keep parameters on the host between uses (saves device memory).", default=False)
     optimizer_offload: bool = doc("Keep optimizer state on the host between updates.", default=False)
+    grad_offload: bool = doc("Keep gradients on the host between updates.", optional=True, default=False)
     forward_only: bool = doc("Build the model for forward passes only (the reference policy).", default=False)
     dtype: str = doc("Compute dtype of the engine's model.", choices=ENGINE_DTYPES, default="bfloat16")
     seed: int = doc("Seed of the engine's random number generators.", default=42)
+    use_dynamic_bsz: bool = doc(
+        "Pack training and inference micro-batches by token count (max_token_len_per_gpu) instead of a fixed "
+        "number of sequences." + _BY_THE_DRIVER,
+        optional=True,
+        default=True,
+    )
+    max_token_len_per_gpu: int | None = doc(
+        "Token budget of one training micro-batch on one rank (with use_dynamic_bsz)." + _BY_THE_DRIVER,
+        optional=True,
+        default=None,
+    )
+    micro_batch_size_per_gpu: int | None = doc(
+        "Sequences per training micro-batch on one rank (without use_dynamic_bsz)." + _BY_THE_DRIVER,
+        optional=True,
+        default=None,
+    )
+    infer_max_token_len_per_gpu: int | None = doc(
+        "Token budget of one forward-only micro-batch (null: max_token_len_per_gpu)." + _BY_THE_DRIVER,
+        optional=True,
+        default=None,
+    )
+    infer_micro_batch_size_per_gpu: int | None = doc(
+        "Sequences per forward-only micro-batch (null: micro_batch_size_per_gpu)." + _BY_THE_DRIVER,
+        optional=True,
+        default=None,
+    )
+    use_fused_kernels: bool = doc(
+        "Log-probs from the hidden states in chunks, without the full [tokens, vocab] logits (same values)."
+        + _BY_THE_DRIVER,
+        optional=True,
+        default=False,
+    )
+    use_remove_padding: bool = doc(
+        "Pack the sequences of a micro-batch without padding (same values; speed and memory)." + _BY_THE_DRIVER,
+        optional=True,
+        default=True,
+    )
 
 
 @dataclass
@@ -74,6 +134,14 @@ class FSDPEngineConfig(EngineConfig):
     )
     param_offload: bool = doc("Keep parameters on CPU between uses (saves device memory).", default=False)
     optimizer_offload: bool = doc("Keep optimizer state on CPU between updates.", default=False)
+    grad_offload: bool = doc(
+        "Keep gradients on the host between updates; FSDP2 offloads gradients only together with the parameters "
+        "and optimizer state: use offload_policy.",
+        status=UNSUPPORTED,
+        neutral=False,
+        optional=True,
+        default=False,
+    )
     offload_policy: bool = doc(
         "FSDP2 CPUOffloadPolicy during training (params, grads and optimizer on CPU).", default=False
     )
@@ -215,7 +283,9 @@ class McoreEngineConfig(EngineConfig):
         default=True,
     )
     vanilla_mbridge: bool = doc("mbridge's implementation switch (see use_mbridge).", status=IGNORED, default=True)
-    use_remove_padding: bool = doc(f"Pack sequences without padding. {_SPEED}.", status=IGNORED, default=True)
+    use_remove_padding: bool = doc(
+        f"Pack sequences without padding (upstream's engine YAML holds it). {_SPEED}.", status=IGNORED, default=True
+    )
     forward_only: bool = doc("Build the model for inference only.", status=IGNORED, optional=True, default=False)
     dtype: str = doc(
         "Compute dtype of the Megatron model (mixed precision: parameters, gradients and Adam state stay fp32, "
@@ -251,32 +321,11 @@ class VeOmniEngineConfig(EngineConfig):
     role whose strategy is `veomni` is refused by the config check, and `EngineRegistry` refuses the
     backend, each in one line naming the strategies that exist.
 
-    Unlike `FSDPEngineConfig` and `McoreEngineConfig`, it carries upstream's base-class batch keys
-    (`use_dynamic_bsz` ... `use_remove_padding`, mutable as upstream's): upstream's SFT engine trainer
-    fills them in from `data.*`, and with no role section around it this is their only place. The
-    dataclass defaults are upstream's; the YAML sets some of them differently (data_parallel_mode
+    The dataclass defaults are upstream's; the YAML sets some of them differently (data_parallel_mode
     fsdp2, mixed_precision, enable_full_shard, forward_prefetch on, use_torch_compile off), as
     upstream's does.
     """
 
-    _mutable_fields = EngineConfig._mutable_fields | {
-        "use_dynamic_bsz",
-        "max_token_len_per_gpu",
-        "micro_batch_size_per_gpu",
-        "infer_max_token_len_per_gpu",
-        "infer_micro_batch_size_per_gpu",
-        "use_fused_kernels",
-        "use_remove_padding",
-    }
-
-    grad_offload: bool = doc("Keep gradients on the host between updates.", default=False)
-    use_dynamic_bsz: bool = doc("Pack micro-batches by token count (max_token_len_per_gpu).", default=True)
-    max_token_len_per_gpu: int | None = doc("Tokens per micro-batch on one rank, training.", default=None)
-    micro_batch_size_per_gpu: int | None = doc("Sequences per micro-batch on one rank, training.", default=None)
-    infer_max_token_len_per_gpu: int | None = doc("Tokens per micro-batch on one rank, inference.", default=None)
-    infer_micro_batch_size_per_gpu: int | None = doc("Sequences per micro-batch on one rank, inference.", default=None)
-    use_fused_kernels: bool = doc("Fused LM-head kernel (log-probs without the full logits).", default=False)
-    use_remove_padding: bool = doc("Pack sequences without padding.", default=True)
     wrap_policy: dict = doc("FSDP auto-wrap policy.", default_factory=dict)
     offload_policy: bool = doc("Offload the policy model's parameters.", default=False)
     reshard_after_forward: bool = doc("Reshard parameters after the forward pass.", default=True)
