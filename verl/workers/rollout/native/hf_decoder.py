@@ -8,6 +8,10 @@ It exposes the same surface as `LlamaDecoder` (allocate/load/release weights, re
 decode_step). The model is the engine's own copy: weights arrive through `load_weights`, and
 `release_weights` swaps every parameter's storage for an empty tensor (shapes are remembered),
 so sleeping frees the memory without rebuilding the module.
+
+With expert parallelism (`expert_parallel=(group, rank, size)`) the model's routed experts are
+split over the group (`expert_parallel.shard_experts`) and `load_weights` keeps this rank's rows of
+each full expert tensor it is sent.
 """
 
 from __future__ import annotations
@@ -23,11 +27,18 @@ from verl.workers.rollout.native.llama_decoder import canonical_name
 class HFModelDecoder:
     """Wraps an HF `PreTrainedModel` (owned by the engine) as a prefill/decode decoder."""
 
-    def __init__(self, model: torch.nn.Module, device: torch.device, dtype: torch.dtype):
+    def __init__(self, model: torch.nn.Module, device: torch.device, dtype: torch.dtype, expert_parallel=None):
         self.device = torch.device(device)
         self.dtype = dtype
         self.model = model.to(device=self.device, dtype=dtype).eval()
         self.vocab_size = model.config.vocab_size
+        # parameter name -> the expert-parallel module whose rows of the full tensor this rank keeps
+        self._expert_shards = {}
+        if expert_parallel is not None:
+            from verl.workers.rollout.native.expert_parallel import shard_experts
+
+            for name, module in shard_experts(self.model, *expert_parallel).items():
+                self._expert_shards.update({f"{name}.gate_up_proj": module, f"{name}.down_proj": module})
         # every name a state dict may use (tied aliases included) -> the module attribute holding it
         self._params = dict(self.model.named_parameters(remove_duplicate=False))
         self._shapes = {n: tuple(p.shape) for n, p in self.model.named_parameters()}
@@ -76,11 +87,15 @@ class HFModelDecoder:
                 raise KeyError(f"weight {raw_name!r} is not a parameter of the rollout's {type(self.model).__name__}")
             if hasattr(tensor, "full_tensor"):
                 tensor = tensor.full_tensor()
-            if tuple(tensor.shape) != tuple(param.shape):
+            shard = self._expert_shards.get(name)
+            expected = tuple(param.shape) if shard is None else (shard.num_experts, *param.shape[1:])
+            if tuple(tensor.shape) != expected:
                 raise ValueError(
                     f"weight {raw_name!r} has shape {tuple(tensor.shape)} but the rollout model expects "
-                    f"{tuple(param.shape)}; the synced model must have the same config as the rollout's"
+                    f"{expected}; the synced model must have the same config as the rollout's"
                 )
+            if shard is not None:
+                tensor = shard.local_rows(tensor)
             param.data.copy_(tensor)
             loaded.add(name)
         # names of one tied parameter count as one
