@@ -69,8 +69,8 @@ __all__ = [
     "set_compute_dtype",
 ]
 
-_SUPPORTED = ("qwen2", "llama", "qwen3_moe", "deepseek_v3", "glm4_moe")
-_MOE_TYPES = ("qwen3_moe", "deepseek_v3", "glm4_moe")
+_SUPPORTED = ("qwen2", "llama", "qwen3_moe", "deepseek_v3", "glm4_moe", "gpt_oss")
+_MOE_TYPES = ("qwen3_moe", "deepseek_v3", "glm4_moe", "gpt_oss")
 # families routed as DeepSeek-V3 is (sigmoid scores, correction bias, shared experts, dense first layers)
 _SIGMOID_TYPES = ("deepseek_v3", "glm4_moe")
 
@@ -136,11 +136,16 @@ def _get(cfg, key, default=None):
 
 
 def rope_theta_of(hf_config) -> float:
-    """RoPE base of an HF config (transformers 5 keeps it in `rope_parameters`); errors on rope scaling."""
+    """RoPE base of an HF config (transformers 5 keeps it in `rope_parameters`); errors on rope scaling
+    (except gpt-oss's YaRN, `verl.models.mcore.gpt_oss`)."""
     params = getattr(hf_config, "rope_parameters", None) or {}
     scaling = getattr(hf_config, "rope_scaling", None) or {}
     rope_type = params.get("rope_type") or scaling.get("rope_type") or scaling.get("type") or "default"
-    if rope_type != "default":
+    if hf_config.model_type == "gpt_oss":
+        from verl.models.mcore.gpt_oss import yarn_parameters
+
+        yarn_parameters(hf_config)  # validates the scaling
+    elif rope_type != "default":
         raise NotImplementedError(
             f"{hf_config.model_type} config has rope_type={rope_type!r}; the megatron backend implements plain RoPE "
             "only. Use actor.strategy=fsdp for this model"
@@ -164,6 +169,8 @@ def padded_vocab_size(vocab_size: int, tp_size: int) -> int:
 
 
 def _has_qkv_bias(hf_config) -> bool:
+    if hf_config.model_type == "gpt_oss":  # every linear layer has a bias: add_bias_linear (gpt_oss.py)
+        return False
     if hf_config.model_type == "qwen2":
         return True
     if hf_config.model_type == "glm4_moe":  # its attention_bias is on q/k/v only, not on o_proj
@@ -231,8 +238,7 @@ def hf_to_mcore_config(
         from verl.models.mcore.glm4_moe import glm4_moe_config_fields
 
         moe.update(glm4_moe_config_fields(hf_config, head_dim))
-    return config_cls(
-        **moe,
+    fields = dict(
         num_layers=num_layers,
         hidden_size=hf_config.hidden_size,
         ffn_hidden_size=hf_config.intermediate_size,
@@ -272,6 +278,15 @@ def hf_to_mcore_config(
         context_parallel_size=cp,
         sequence_parallel=sequence_parallel,
     )
+    fields.update(moe)
+    if model_type == "gpt_oss":
+        from verl.models.mcore.gpt_oss import gpt_oss_config_fields, set_yarn_fields
+
+        fields.update(gpt_oss_config_fields(hf_config, lambda key, default: _get(megatron_cfg, key, default)))
+        tf_config = config_cls(**fields)
+        set_yarn_fields(tf_config, hf_config)
+        return tf_config
+    return config_cls(**fields)
 
 
 PIPELINE_SPLIT_KEYS = (
@@ -364,6 +379,7 @@ def _moe_fields(hf_config, megatron_cfg, tp: int, sequence_parallel: bool) -> di
     ep = int(_get(megatron_cfg, "expert_model_parallel_size", 1))
     etp = int(_get(megatron_cfg, "expert_tensor_parallel_size", tp))
     experts = hf_config.num_local_experts if hf_config.model_type in _SIGMOID_TYPES else hf_config.num_experts
+    expert_size = expert_intermediate_size(hf_config)
     if getattr(hf_config, "mlp_only_layers", None) or int(getattr(hf_config, "decoder_sparse_step", 1) or 1) != 1:
         raise NotImplementedError(
             "qwen3_moe config has dense layers between the MoE layers (mlp_only_layers / decoder_sparse_step != 1), "
@@ -380,10 +396,15 @@ def _moe_fields(hf_config, megatron_cfg, tp: int, sequence_parallel: bool) -> di
             f"actor.megatron.expert_model_parallel_size={ep} must divide the model's num_experts={experts} "
             "(each expert-parallel rank holds num_experts / ep whole experts)"
         )
-    if etp < 1 or hf_config.moe_intermediate_size % etp:
+    if hf_config.model_type == "gpt_oss" and etp != 1:
         raise ValueError(
-            f"actor.megatron.expert_tensor_parallel_size={etp} must divide the model's "
-            f"moe_intermediate_size={hf_config.moe_intermediate_size}"
+            f"actor.megatron.expert_tensor_parallel_size={etp} on gpt_oss (it defaults to "
+            "tensor_model_parallel_size): megatron-core splits an expert only without biases, and gpt-oss's experts "
+            "have them; set actor.megatron.expert_tensor_parallel_size=1 (upstream's gpt-oss recipe does)"
+        )
+    if etp < 1 or expert_size % etp:
+        raise ValueError(
+            f"actor.megatron.expert_tensor_parallel_size={etp} must divide the model's expert MLP size {expert_size}"
         )
     family = {"qk_layernorm": True}
     if hf_config.model_type in _SIGMOID_TYPES:  # sigmoid routing, shared experts, dense first layers
@@ -392,7 +413,7 @@ def _moe_fields(hf_config, megatron_cfg, tp: int, sequence_parallel: bool) -> di
         family = deepseek_moe_fields(hf_config)
     return {
         "num_moe_experts": experts,
-        "moe_ffn_hidden_size": hf_config.moe_intermediate_size,
+        "moe_ffn_hidden_size": expert_size,
         "moe_router_topk": hf_config.num_experts_per_tok,
         "moe_router_score_function": "softmax",
         "moe_router_pre_softmax": not bool(getattr(hf_config, "norm_topk_prob", False)),
@@ -405,6 +426,13 @@ def _moe_fields(hf_config, megatron_cfg, tp: int, sequence_parallel: bool) -> di
         "expert_tensor_parallel_size": etp,
         **family,  # last: a family's routing replaces the softmax defaults above
     }
+
+
+def expert_intermediate_size(hf_config) -> int:
+    """One routed expert's MLP size: `moe_intermediate_size`, which gpt-oss names `intermediate_size`."""
+    if hf_config.model_type == "gpt_oss":
+        return hf_config.intermediate_size
+    return hf_config.moe_intermediate_size
 
 
 def _refuse_expert_parallel(megatron_cfg, model_type) -> None:
@@ -459,7 +487,7 @@ def build_gpt_model(
         pre_process=pre_process,
         post_process=post_process,
         share_embeddings_and_output_weights=bool(hf_config.tie_word_embeddings) and not value_head,
-        position_embedding_type="rope",
+        position_embedding_type=_position_embedding_type(hf_config),
         rotary_base=rope_theta_of(hf_config),
         rotary_percent=rotary_percent_of(hf_config),
         vp_stage=vp_stage,
@@ -479,6 +507,16 @@ def build_gpt_model(
 
         attach_expert_bias(model)
     return model
+
+
+def _position_embedding_type(hf_config) -> str:
+    """GPTModel's rotary embedding: gpt-oss's YaRN (`verl.models.mcore.gpt_oss`), else plain RoPE
+    (DeepSeek-V3's latent attention builds its own)."""
+    if hf_config.model_type == "gpt_oss":
+        from verl.models.mcore.gpt_oss import yarn_parameters
+
+        return "rope" if yarn_parameters(hf_config) is None else "yarn"
+    return "rope"
 
 
 def _layer_spec(tf_config, layer: int):
