@@ -105,7 +105,7 @@ def tiny_gptoss_hf_model(seed: int = 0, **config):
     """The `tiny-gptoss` preset (attention sinks, a sliding-window then a full-attention layer, YaRN,
     biases everywhere, 4 experts top-2, the clamped SwiGLU) with every weight perturbed and, so that
     each feature shows in the log-probs: sinks N(0, 1) (HF initialises them at 0.02 std), the
-    router at 0.5 std, and the experts' gate/up biases at 6 std so the clamp at `swiglu_limit`
+    router at 0.5 std, and the experts' gate/up biases at 4 std so the clamp at `swiglu_limit`
     (7) cuts some pre-activations. `config` overrides HF config fields (before the model is built)."""
     import dataclasses
 
@@ -122,7 +122,7 @@ def tiny_gptoss_hf_model(seed: int = 0, **config):
             if name.endswith("sinks"):
                 param.copy_(torch.randn(param.shape, generator=generator))
             elif name.endswith("experts.gate_up_proj_bias"):
-                param.copy_(6.0 * torch.randn(param.shape, generator=generator))
+                param.copy_(4.0 * torch.randn(param.shape, generator=generator))
     return model
 
 

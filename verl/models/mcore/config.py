@@ -502,6 +502,10 @@ def build_gpt_model(
             model.output_layer.register_parameter("weight", None)
     if value_head and post_process:
         model.output_layer = _ValueHead(tf_config.hidden_size, tf_config.params_dtype, tf_config.sequence_parallel)
+    if tf_config.softmax_type == "learnable":
+        from verl.models.mcore.gpt_oss import mark_sinks_tensor_parallel
+
+        mark_sinks_tensor_parallel(model)
     if tf_config.moe_router_score_function == "sigmoid":
         from verl.models.mcore.deepseek import attach_expert_bias
 
@@ -535,6 +539,10 @@ def _layer_spec(tf_config, layer: int):
     )
     layer_spec = spec.submodules
     layer_spec.input_layernorm = layer_spec.pre_mlp_layernorm = RMSNorm
+    if tf_config.add_bias_linear and is_moe_layer(tf_config, layer):  # gpt-oss's biased experts
+        from verl.models.mcore.gpt_oss import expert_fc2_class
+
+        layer_spec.mlp.submodules.experts.submodules.linear_fc2 = expert_fc2_class()
     if mla:
         from verl.models.mcore.deepseek import use_local_mla
 

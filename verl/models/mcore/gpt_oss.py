@@ -34,8 +34,10 @@ import torch
 __all__ = [
     "QUICK_GELU_ALPHA",
     "experts_to_hf",
+    "expert_fc2_class",
     "experts_to_mcore",
     "gpt_oss_config_fields",
+    "mark_sinks_tensor_parallel",
     "set_yarn_fields",
     "yarn_parameters",
 ]
@@ -208,3 +210,39 @@ def experts_to_hf(dst: str, local_param, emit, owner: int, hf_config, tf_config,
     yield emit(f"{dst}mlp.experts.gate_up_proj_bias", gate_up_bias, owner, (experts, 2 * inter))
     yield emit(f"{dst}mlp.experts.down_proj", down, owner, (experts, inter, hidden))
     yield emit(f"{dst}mlp.experts.down_proj_bias", down_bias, owner, (experts, hidden))
+
+
+_EXPERT_FC2 = None
+
+
+def expert_fc2_class():
+    """megatron's `RowParallelLinear` for the experts' second projection, returning a fresh tensor.
+
+    With biased experts, megatron-core 0.16's expert MLP adds the routed share of fc2's bias to fc2's
+    output in place; with whole experts (expert_tensor_parallel_size=1) that output is the input the
+    reduction returned as-is, which autograd refuses to modify in place while training. A copy of it
+    (the size of the expert's output, [tokens, hidden]) makes the in-place add legal and changes no value.
+    """
+    global _EXPERT_FC2
+    if _EXPERT_FC2 is None:
+        from megatron.core.tensor_parallel import RowParallelLinear
+
+        class ExpertRowParallelLinear(RowParallelLinear):
+            def forward(self, *args, **kwargs):
+                output, bias = super().forward(*args, **kwargs)
+                return (output.clone() if torch.is_grad_enabled() else output), bias
+
+        _EXPERT_FC2 = ExpertRowParallelLinear
+    return _EXPERT_FC2
+
+
+def mark_sinks_tensor_parallel(model) -> None:
+    """Mark each attention's sinks (`softmax_offset`, one per head, split by heads) as a tensor-parallel
+    shard, as megatron marks its split weights: megatron-core creates them as a plain parameter, so the
+    gradient norm would otherwise count only one rank's heads."""
+    from megatron.core.tensor_parallel import set_tensor_model_parallel_attributes
+
+    for module in model.modules():
+        offset = getattr(module, "softmax_offset", None)
+        if isinstance(offset, torch.nn.Parameter):
+            set_tensor_model_parallel_attributes(offset, True, 0, 1)
