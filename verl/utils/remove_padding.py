@@ -73,7 +73,13 @@ def packed_model_inputs(model, packed_ids: torch.Tensor, packed_pos: torch.Tenso
     dtype = model.get_input_embeddings().weight.dtype
     # the builders read the batch size, length, dtype and device of the embeddings, never their values
     embeds = torch.empty((*packed_ids.shape, 1), dtype=dtype, device=packed_ids.device)
-    common = {"config": config, "inputs_embeds": embeds, "attention_mask": None, "cache": None, "position_ids": packed_pos}
+    common = {
+        "config": config,
+        "inputs_embeds": embeds,
+        "attention_mask": None,
+        "cache": None,
+        "position_ids": packed_pos,
+    }
     inputs["attention_mask"] = {
         "full_attention": create_causal_mask(**common),
         "sliding_attention": create_sliding_window_causal_mask(**common),

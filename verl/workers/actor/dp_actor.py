@@ -99,7 +99,7 @@ from verl.utils.experimental.torch_functional import fused_head_problem, fused_l
 from verl.utils.flops_counter import FlopsCounter, FlopsTally
 from verl.utils.hf_forward import model_forward
 from verl.utils.logging_utils import get_logger
-from verl.utils.remove_padding import pad_input, packed_model_inputs, unpad_input, unpad_position_ids
+from verl.utils.remove_padding import packed_model_inputs, pad_input, unpad_input, unpad_position_ids
 from verl.utils.shared_prompt import prompt_groups, shared_prompt_logits
 from verl.utils.torch_functional import (
     entropy_from_logits_with_chunking,

@@ -135,9 +135,7 @@ def finalize_megatron_grads(model_chunks) -> None:
     experts = {id(p) for p in expert_params(model_chunks)}  # a MoE model's: see verl.models.mcore.moe
     # an expert's bias (gpt-oss) is marked sequence-parallel by megatron too, but the experts' own
     # reduction below already sums over the ranks that routed tokens to it, tensor ranks included
-    sequence_parallel = [
-        p for i, p in params.items() if getattr(p, "sequence_parallel", False) and i not in experts
-    ]
+    sequence_parallel = [p for i, p in params.items() if getattr(p, "sequence_parallel", False) and i not in experts]
     if tp_size > 1 and sequence_parallel:
         # norms under sequence parallelism saw only this rank's slice of the tokens: sum the slices
         # (the average over tp_size ranks of tp_size times each)

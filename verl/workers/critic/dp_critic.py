@@ -24,7 +24,7 @@ import torch
 from verl.utils import ulysses
 from verl.utils.device import get_device
 from verl.utils.flops_counter import FlopsCounter, FlopsTally
-from verl.utils.remove_padding import pad_input, packed_model_inputs, unpad_input, unpad_position_ids
+from verl.utils.remove_padding import packed_model_inputs, pad_input, unpad_input, unpad_position_ids
 from verl.workers.config import FSDPCriticConfig
 from verl.workers.critic.ppo_critic import MODEL_INPUTS, PPOCritic
 from verl.workers.dp_training import (
