@@ -26,6 +26,10 @@ Design decisions:
   correction bias, a shared expert), for the Megatron backend's DeepSeek-V3 path. Its extra HF
   config fields are `ModelPreset.architecture_config`; its head sizes are the family's own
   (`head_dim` is not passed).
+- `tiny-gptoss` is transformers' own GptOssForCausalLM with every feature of gpt-oss-20b at tiny
+  sizes (attention sinks, a sliding-window then a full-attention layer, YaRN, biases everywhere,
+  biased routing, the clamped SwiGLU), for both backends' gpt-oss paths. Its window (4) is tiny so
+  that short test sequences leave it.
 """
 
 from __future__ import annotations
@@ -379,7 +383,8 @@ def add_legacy_rope_theta(config_path: str) -> None:
     """transformers 5 writes the RoPE base only inside `rope_parameters`; transformers 4.x (and the
     engines pinned to it) read a top-level `rope_theta` and would silently fall back to 10000, so a
     rollout engine and the trainer would disagree on positions. Write both; version 5 reads either.
-    The same for GLM-4.5's `partial_rotary_factor` (4.x reads it top-level, defaulting to 0.5)."""
+    The same for GLM-4.5's `partial_rotary_factor` (4.x reads it top-level, defaulting to 0.5) and for
+    a rope scaling (gpt-oss's YaRN), which 4.x reads from `rope_scaling`."""
     with open(config_path) as f:
         config = json.load(f)
     changed = False
@@ -388,6 +393,11 @@ def add_legacy_rope_theta(config_path: str) -> None:
         if value is not None and config.get(key) is None:
             config[key] = value
             changed = True
+    params = config.get("rope_parameters") or {}
+    if params.get("rope_type", "default") != "default" and config.get("rope_scaling") is None:
+        # gpt-oss's YaRN: 4.x reads the scaling from `rope_scaling` (released gpt-oss configs carry it)
+        config["rope_scaling"] = {k: v for k, v in params.items() if k != "rope_theta"}
+        changed = True
     if changed:
         with open(config_path, "w") as f:
             json.dump(config, f, indent=2, sort_keys=True)

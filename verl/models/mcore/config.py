@@ -404,7 +404,8 @@ def _moe_fields(hf_config, megatron_cfg, tp: int, sequence_parallel: bool) -> di
         )
     if etp < 1 or expert_size % etp:
         raise ValueError(
-            f"actor.megatron.expert_tensor_parallel_size={etp} must divide the model's expert MLP size {expert_size}"
+            f"actor.megatron.expert_tensor_parallel_size={etp} must divide the model's "
+            f"{'intermediate_size' if hf_config.model_type == 'gpt_oss' else 'moe_intermediate_size'}={expert_size}"
         )
     family = {"qk_layernorm": True}
     if hf_config.model_type in _SIGMOID_TYPES:  # sigmoid routing, shared experts, dense first layers
