@@ -21,10 +21,17 @@ Every piece of the family is a megatron-core 0.16 config field, used where it co
   frequencies, correction range (`truncate` = `yarn_correction_range_round_to_int`) and cos/sin
   scale are HF's formulas; the fields are set on the TransformerConfig as GPTModel reads them.
 
-Refused, naming the field: `attention_bias=false` (megatron's one bias switch would drop the
-experts' biases too), another `swiglu_alpha`, rope types other than yarn and default, an explicit
-YaRN `attention_factor`, context parallelism (our context-parallel attention has neither sinks nor
-windows) and the router load-balancing loss (`output_router_logits`).
+Around megatron-core 0.16.1: the sinks are a plain parameter there, marked tensor-parallel here
+(`mark_sinks_tensor_parallel`) so the gradient norm counts every rank's heads; the experts' fc2 output
+is copied before megatron adds the routed bias share in place (`expert_fc2_class`); and an expert's
+bias, which megatron marks sequence-parallel, is reduced with the other expert gradients only
+(`verl.workers.actor.megatron_actor.finalize_megatron_grads`).
+
+Refused, naming the field: `expert_tensor_parallel_size` other than 1 (megatron-core splits an
+expert only without biases; `config._moe_fields`), `attention_bias=false` (megatron's one bias
+switch would drop the experts' biases too), another `swiglu_alpha`, rope types other than yarn and
+default, an explicit YaRN `attention_factor`, context parallelism (our context-parallel attention
+has neither sinks nor windows) and the router load-balancing loss (`output_router_logits`).
 """
 
 from __future__ import annotations
