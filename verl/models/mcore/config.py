@@ -1,5 +1,5 @@
 """HF config -> megatron-core TransformerConfig, and the GPTModel built from it (Qwen2, Llama, Qwen3-MoE,
-DeepSeek-V3, GLM-4.5).
+DeepSeek-V3, GLM-4.5, gpt-oss).
 
 Design decisions:
 - One translation for both families: they differ only in the q/k/v bias (Qwen2 always has it,
@@ -16,6 +16,9 @@ Design decisions:
   layers with shared experts); what the family adds is in `verl.models.mcore.deepseek`.
 - GLM-4.5 (`glm4_moe`): standard grouped-query attention (q/k/v bias, partial rotary, optional
   per-head q/k norms) with DeepSeek-V3's routing and layer pattern; see `verl.models.mcore.glm4_moe`.
+- gpt-oss (`gpt_oss`): attention sinks, alternating sliding-window / full layers, YaRN, biases on
+  every linear layer and the clamped SwiGLU, each a megatron config field; see
+  `verl.models.mcore.gpt_oss` (rope scaling and sliding windows stay refused for the other families).
 - The "local" layer spec (megatron's own modules) is used, with our `RMSNorm` (torch's, able to
   run sequence-parallel) for every norm: it runs without TransformerEngine or apex, so CPU and
   GPU build the same modules. With

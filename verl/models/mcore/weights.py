@@ -25,6 +25,9 @@ Megatron's layouts (local spec):
   and each expert's MLP over the expert-tensor ranks like a dense MLP; the router is replicated.
 - DeepSeek-V3: latent attention (`verl.models.mcore.deepseek`), the router's correction bias
   (a buffer, replicated), shared experts split like a dense MLP, dense MLPs in the first layers.
+- gpt-oss (`verl.models.mcore.gpt_oss`): the attention sinks (`core_attention.softmax_offset`, split
+  by heads like q), q/k/v and o_proj biases (o_proj's whole on every tensor rank), the router's bias,
+  and experts whose HF `gate_up_proj` [E, H, 2I] interleaves gate and up columns, with biases.
 - Layer names are local to a stage (`decoder.layers.0` on every stage); the global layer index
   comes from megatron's layer offset for (pp_rank, vp_stage).
 - With LoRA adapters (`verl.models.mcore.lora`) the way back yields each adapted weight merged
