@@ -111,6 +111,31 @@ def tiny_glm4moe_hf_model(
     return _perturbed(model, seed, router_scale=0.5)
 
 
+def tiny_gptoss_hf_model(seed: int = 0, **config):
+    """The `tiny-gptoss` preset (attention sinks, a sliding-window then a full-attention layer, YaRN,
+    biases everywhere, 4 experts top-2, the clamped SwiGLU) with every weight perturbed and, so that
+    each feature shows in the log-probs: sinks N(0, 1) (HF initialises them at 0.02 std), the
+    router at 0.5 std, and the experts' gate/up biases at 4 std so the clamp at `swiglu_limit`
+    (7) cuts some pre-activations. `config` overrides HF config fields (before the model is built)."""
+    import dataclasses
+
+    from verl.models.factory import get_preset
+
+    preset = get_preset("tiny-gptoss")
+    preset = dataclasses.replace(preset, architecture_config=tuple(dict(preset.architecture_config, **config).items()))
+    model, _ = build_model(preset, seed=seed, dtype="float32")
+    model.set_experts_implementation("eager")
+    model = _perturbed(model, seed, router_scale=0.5)
+    generator = torch.Generator().manual_seed(seed + 3)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("sinks"):
+                param.copy_(torch.randn(param.shape, generator=generator))
+            elif name.endswith("experts.gate_up_proj_bias"):
+                param.copy_(4.0 * torch.randn(param.shape, generator=generator))
+    return model
+
+
 def randomize_correction_bias(model, seed: int) -> None:
     """Sigmoid routers' `e_score_correction_bias` (DeepSeek-V3, GLM-4.5) set to 0.1 x N(0, 1): large
     enough to change which experts are chosen, so a conversion that dropped it would show."""
@@ -139,7 +164,7 @@ def _perturbed(model, seed: int, router_scale: float = 0.02):
     generator = torch.Generator().manual_seed(seed + 1)
     with torch.no_grad():
         for name, param in model.named_parameters():
-            scale = router_scale if name.endswith("mlp.gate.weight") else 0.02
+            scale = router_scale if name.endswith(("mlp.gate.weight", "mlp.router.weight")) else 0.02
             param.add_(scale * torch.randn(param.shape, generator=generator))
     return model.eval()
 

@@ -219,3 +219,25 @@ def test_glm4_moe_preset_saves_and_loads_with_its_attention_and_routing(tmp_path
     assert not hasattr(loaded.model.layers[0].mlp, "gate")  # the dense first layer
     assert loaded.model.layers[1].mlp.shared_experts.down_proj.weight.shape == (256, 32)
     assert 1.3e6 < count_parameters("tiny-glm4moe") < 1.4e6
+
+
+def test_gpt_oss_preset_saves_and_loads_with_sinks_windows_and_yarn(tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    make_tiny("tiny-gptoss", str(tmp_path))
+    with open(tmp_path / "config.json") as f:  # transformers 4.x (and engines pinned to it) read these top-level
+        saved = json.load(f)
+    assert saved["rope_theta"] == 150000.0 and saved["rope_scaling"]["rope_type"] == "yarn"
+    assert saved["rope_scaling"]["factor"] == 32.0 and saved["rope_scaling"]["truncate"] is False
+    loaded = AutoModelForCausalLM.from_pretrained(str(tmp_path))
+    config = loaded.config
+    assert type(loaded).__name__ == "GptOssForCausalLM"
+    assert config.layer_types == ["sliding_attention", "full_attention"] and config.sliding_window == 4
+    assert (config.num_local_experts, config.num_experts_per_tok, config.intermediate_size) == (4, 2, 64)
+    assert config.attention_bias and config.swiglu_limit == 7.0 and not config.tie_word_embeddings
+    attention = loaded.model.layers[0].self_attn
+    assert attention.sinks.shape == (4,) and bool((attention.sinks != 0).all())
+    assert attention.o_proj.bias.shape == (4 * HEAD_DIM,)
+    assert loaded.model.layers[1].mlp.experts.gate_up_proj.shape == (4, 4 * HEAD_DIM, 2 * 64)
+    assert loaded.model.layers[1].mlp.router.bias.shape == (4,)
+    assert 0.9e6 < count_parameters("tiny-gptoss") < 0.95e6

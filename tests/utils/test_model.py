@@ -64,6 +64,17 @@ def test_glm4_moe_value_model_is_the_generic_head_over_the_saved_body(tmp_path):
         assert torch.equal(again.state_dict()[name], tensor), name
 
 
+def test_a_model_without_an_sdpa_path_loads_with_eager_attention_unless_one_is_asked_for(tmp_path):
+    """transformers' gpt-oss has no sdpa attention (its sinks join the softmax): loading it with the
+    default (sdpa on CPU) would fail, so the default falls back to eager; an explicit choice stays."""
+    from verl.models.factory import make_tiny
+
+    path = make_tiny("tiny-gptoss", str(tmp_path / "gptoss"))
+    assert load_causal_lm(path).config._attn_implementation == "eager"
+    with pytest.raises(ValueError, match="scaled_dot_product_attention"):
+        load_causal_lm(path, attn_implementation="sdpa")
+
+
 def test_missing_path_and_non_language_model_are_clear_errors(tmp_path, checkpoint):
     with pytest.raises(FileNotFoundError, match=r"model.path"):
         load_causal_lm(str(tmp_path / "does-not-exist"))

@@ -26,6 +26,10 @@ Design decisions:
   correction bias, a shared expert), for the Megatron backend's DeepSeek-V3 path. Its extra HF
   config fields are `ModelPreset.architecture_config`; its head sizes are the family's own
   (`head_dim` is not passed).
+- `tiny-gptoss` is transformers' own GptOssForCausalLM with every feature of gpt-oss-20b at tiny
+  sizes (attention sinks, a sliding-window then a full-attention layer, YaRN, biases everywhere,
+  biased routing, the clamped SwiGLU), for both backends' gpt-oss paths. Its window (4) is tiny so
+  that short test sequences leave it.
 """
 
 from __future__ import annotations
@@ -98,11 +102,14 @@ ARCHITECTURES = {
     "qwen3_moe": "Qwen3MoeConfig",
     "deepseek_v3": "DeepseekV3Config",
     "glm4_moe": "Glm4MoeConfig",
+    "gpt_oss": "GptOssConfig",
 }
 # those whose MLPs are routed experts (see verl.models.moe)
-MOE_ARCHITECTURES = {"qwen3_moe", "deepseek_v3", "glm4_moe"}
+MOE_ARCHITECTURES = {"qwen3_moe", "deepseek_v3", "glm4_moe", "gpt_oss"}
 # those whose config names the routed experts n_routed_experts
 _N_ROUTED = {"deepseek_v3", "glm4_moe"}
+# those whose config names the routed experts num_local_experts and each expert's size intermediate_size
+_LOCAL_EXPERTS = {"gpt_oss"}
 
 PRESETS: dict[str, ModelPreset] = {
     "tiny": ModelPreset(
@@ -198,6 +205,42 @@ PRESETS: dict[str, ModelPreset] = {
         "rotary, a dense first layer, 8 routed experts with sigmoid routing, top-2, one shared expert), for the "
         "MoE code paths",
     ),
+    "tiny-gptoss": ModelPreset(
+        architecture="gpt_oss",
+        hidden_size=256,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        intermediate_size=64,  # gpt-oss names each expert's MLP size intermediate_size
+        num_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=64,
+        tie_word_embeddings=False,
+        max_position_embeddings=131072,
+        rope_theta=150000.0,
+        rms_norm_eps=1e-5,
+        architecture_config=(
+            ("layer_types", ("sliding_attention", "full_attention")),  # gpt-oss-20b's alternation
+            ("sliding_window", 4),  # 128 in gpt-oss-20b; 4 so that short test sequences leave the window
+            ("attention_bias", True),  # q/k/v and o_proj biases
+            ("swiglu_limit", 7.0),
+            (
+                "rope_parameters",
+                (
+                    ("rope_type", "yarn"),
+                    ("rope_theta", 150000.0),
+                    ("factor", 32.0),
+                    ("beta_fast", 32.0),
+                    ("beta_slow", 1.0),
+                    ("truncate", False),
+                    ("original_max_position_embeddings", 4096),
+                ),
+            ),
+        ),
+        description="~0.9M parameters, gpt-oss-20b shape (attention sinks, alternating sliding-window and full "
+        "attention, YaRN RoPE, q/k/v/o biases, 4 experts with biased router and expert biases, top-2, the clamped "
+        "SwiGLU), for the MoE code paths",
+    ),
     "qwen2.5-0.5b-shape": ModelPreset(
         architecture="qwen2",
         hidden_size=896,
@@ -262,7 +305,9 @@ def build_config(preset: ModelPreset | str, tokenizer=None):
             moe_intermediate_size=preset.moe_intermediate_size,
             norm_topk_prob=True,  # Qwen3-MoE's released checkpoints renormalise the top-k weights
         )
-    moe.update(preset.architecture_config)
+    elif preset.architecture in _LOCAL_EXPERTS:
+        moe = dict(num_local_experts=preset.num_experts, num_experts_per_tok=preset.num_experts_per_tok)
+    moe.update(_config_values(preset.architecture_config))
     if preset.architecture != "deepseek_v3":
         moe["head_dim"] = HEAD_DIM
     return config_cls(
@@ -281,6 +326,18 @@ def build_config(preset: ModelPreset | str, tokenizer=None):
         eos_token_id=ids["eos"],
         pad_token_id=ids["pad"],
     )
+
+
+def _config_values(pairs) -> dict:
+    """`ModelPreset.architecture_config` as config kwargs: a nested tuple of pairs becomes a dict, any
+    other tuple a list (the preset stays hashable, the config gets JSON-like values)."""
+
+    def value(v):
+        if isinstance(v, tuple) and v and all(isinstance(p, tuple) and len(p) == 2 for p in v):
+            return {k: value(x) for k, x in v}
+        return list(v) if isinstance(v, tuple) else v
+
+    return {k: value(v) for k, v in pairs}
 
 
 def count_parameters(preset: ModelPreset | str) -> int:
@@ -326,7 +383,8 @@ def add_legacy_rope_theta(config_path: str) -> None:
     """transformers 5 writes the RoPE base only inside `rope_parameters`; transformers 4.x (and the
     engines pinned to it) read a top-level `rope_theta` and would silently fall back to 10000, so a
     rollout engine and the trainer would disagree on positions. Write both; version 5 reads either.
-    The same for GLM-4.5's `partial_rotary_factor` (4.x reads it top-level, defaulting to 0.5)."""
+    The same for GLM-4.5's `partial_rotary_factor` (4.x reads it top-level, defaulting to 0.5) and for
+    a rope scaling (gpt-oss's YaRN), which 4.x reads from `rope_scaling`."""
     with open(config_path) as f:
         config = json.load(f)
     changed = False
@@ -335,6 +393,11 @@ def add_legacy_rope_theta(config_path: str) -> None:
         if value is not None and config.get(key) is None:
             config[key] = value
             changed = True
+    params = config.get("rope_parameters") or {}
+    if params.get("rope_type", "default") != "default" and config.get("rope_scaling") is None:
+        # gpt-oss's YaRN: 4.x reads the scaling from `rope_scaling` (released gpt-oss configs carry it)
+        config["rope_scaling"] = {k: v for k, v in params.items() if k != "rope_theta"}
+        changed = True
     if changed:
         with open(config_path, "w") as f:
             json.dump(config, f, indent=2, sort_keys=True)

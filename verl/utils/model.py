@@ -60,6 +60,18 @@ def get_attn_implementation() -> str:
     return "sdpa"
 
 
+def _default_attn_implementation(auto_cls, config) -> str:
+    """`get_attn_implementation()`, or "eager" for a transformers class that does not implement it
+    (gpt-oss has no sdpa path: its attention sinks join the softmax)."""
+    choice = get_attn_implementation()
+    flag = {"sdpa": "_supports_sdpa", "flash_attention_2": "_supports_flash_attn"}[choice]
+    try:
+        model_cls = auto_cls._model_mapping[type(config)]
+    except KeyError:  # remote code: the model's own class decides
+        return choice
+    return choice if getattr(model_cls, flag, True) else "eager"
+
+
 def load_model_config(path: str, trust_remote_code: bool = False, override_config: dict | None = None):
     """`AutoConfig` for `path` with overrides applied; a clear error when the path is not a model."""
     from transformers import AutoConfig
@@ -92,14 +104,14 @@ def _auto_load(
             return auto_cls.from_config(
                 config,
                 dtype=torch_dtype,
-                attn_implementation=attn_implementation or get_attn_implementation(),
+                attn_implementation=attn_implementation or _default_attn_implementation(auto_cls, config),
                 trust_remote_code=trust_remote_code,
             )
     return auto_cls.from_pretrained(
         path,
         config=config,
         dtype=torch_dtype,
-        attn_implementation=attn_implementation or get_attn_implementation(),
+        attn_implementation=attn_implementation or _default_attn_implementation(auto_cls, config),
         trust_remote_code=trust_remote_code,
     )
 

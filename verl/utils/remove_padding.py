@@ -14,13 +14,23 @@ float64). We therefore only need the index bookkeeping here, with no dependency 
 
 The one requirement on the input is that each row's real tokens have contiguous positions
 starting at 0, which `compute_position_id_with_mask` produces for left- and right-padded rows.
+
+One exception: transformers' gpt-oss (`GptOssModel`, 5.24) builds its masks without the
+`position_ids`, so it cannot detect the packing and would let each packed row attend to the rows
+before it. For such a model `packed_model_inputs` builds the per-layer-type masks itself with the
+same transformers mask builders given the position ids (block-diagonal causal, and sliding-window
+for its sliding layers) and passes them as the mask mapping that the model accepts in place of a
+2-D mask.
 """
 
 from __future__ import annotations
 
 import torch
 
-__all__ = ["pad_input", "unpad_input", "unpad_position_ids"]
+__all__ = ["pad_input", "packed_model_inputs", "unpad_input", "unpad_position_ids"]
+
+# model types whose HF forward builds its attention masks without the position ids (see the module docstring)
+_MASKS_WITHOUT_POSITIONS = ("gpt_oss",)
 
 
 def unpad_input(input_ids: torch.Tensor, attention_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -49,3 +59,29 @@ def pad_input(packed: torch.Tensor, indices: torch.Tensor, batch_size: int, seql
     out = packed.new_zeros(batch_size * seqlen, *packed.shape[1:])
     out.index_copy_(0, indices, packed)
     return out.view(batch_size, seqlen, *packed.shape[1:])
+
+
+def packed_model_inputs(model, packed_ids: torch.Tensor, packed_pos: torch.Tensor) -> dict:
+    """Keyword arguments of an HF causal LM's forward on one packed row [1, T] (with `use_cache=False`):
+    the ids and position ids, and for a model in `_MASKS_WITHOUT_POSITIONS` its block-diagonal masks."""
+    inputs = {"input_ids": packed_ids, "position_ids": packed_pos}
+    config = getattr(model, "config", None)
+    if getattr(config, "model_type", None) not in _MASKS_WITHOUT_POSITIONS:
+        return inputs
+    from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
+
+    dtype = model.get_input_embeddings().weight.dtype
+    # the builders read the batch size, length, dtype and device of the embeddings, never their values
+    embeds = torch.empty((*packed_ids.shape, 1), dtype=dtype, device=packed_ids.device)
+    common = {
+        "config": config,
+        "inputs_embeds": embeds,
+        "attention_mask": None,
+        "cache": None,
+        "position_ids": packed_pos,
+    }
+    inputs["attention_mask"] = {
+        "full_attention": create_causal_mask(**common),
+        "sliding_attention": create_sliding_window_causal_mask(**common),
+    }
+    return inputs

@@ -45,3 +45,23 @@ def test_engine_generates_with_a_moe_model_as_transformers_does_and_after_a_weig
     out = engine.generate(input_ids, attention_mask, 10, GREEDY, pad_token_id=0)
     torch.testing.assert_close(out.responses, hf_greedy_loop(trained, input_ids, attention_mask, 10), rtol=0, atol=0)
     assert not torch.equal(out.responses, expected)
+
+
+def test_engine_generates_with_gpt_oss_sinks_and_a_sliding_window_as_transformers_does():
+    """tiny-gptoss (attention sinks, a 4-token sliding window, YaRN, biased experts): 10 greedy tokens
+    after prompts of up to 7, so the cached decode runs well past the window, equal the plain
+    forward/argmax loop's."""
+    from transformers import AutoModelForCausalLM
+
+    from verl.models.factory import build_config
+
+    config = build_config("tiny-gptoss")
+    config.initializer_range = 0.3
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config).eval()
+    engine = GenerationEngine.from_model(model, device="cpu")
+    input_ids, attention_mask = left_padded_prompts([7, 3, 5, 1])
+    out = engine.generate(input_ids, attention_mask, 10, GREEDY, pad_token_id=0)
+    expected = hf_greedy_loop(model, input_ids, attention_mask, 10)
+    torch.testing.assert_close(out.responses, expected, rtol=0, atol=0)
+    assert len(set(expected[0].tolist())) > 3, "a repetitive reference would prove little"

@@ -1,5 +1,5 @@
 """HF config -> megatron-core TransformerConfig, and the GPTModel built from it (Qwen2, Llama, Qwen3-MoE,
-DeepSeek-V3, GLM-4.5).
+DeepSeek-V3, GLM-4.5, gpt-oss).
 
 Design decisions:
 - One translation for both families: they differ only in the q/k/v bias (Qwen2 always has it,
@@ -16,6 +16,9 @@ Design decisions:
   layers with shared experts); what the family adds is in `verl.models.mcore.deepseek`.
 - GLM-4.5 (`glm4_moe`): standard grouped-query attention (q/k/v bias, partial rotary, optional
   per-head q/k norms) with DeepSeek-V3's routing and layer pattern; see `verl.models.mcore.glm4_moe`.
+- gpt-oss (`gpt_oss`): attention sinks, alternating sliding-window / full layers, YaRN, biases on
+  every linear layer and the clamped SwiGLU, each a megatron config field; see
+  `verl.models.mcore.gpt_oss` (rope scaling and sliding windows stay refused for the other families).
 - The "local" layer spec (megatron's own modules) is used, with our `RMSNorm` (torch's, able to
   run sequence-parallel) for every norm: it runs without TransformerEngine or apex, so CPU and
   GPU build the same modules. With
@@ -69,8 +72,8 @@ __all__ = [
     "set_compute_dtype",
 ]
 
-_SUPPORTED = ("qwen2", "llama", "qwen3_moe", "deepseek_v3", "glm4_moe")
-_MOE_TYPES = ("qwen3_moe", "deepseek_v3", "glm4_moe")
+_SUPPORTED = ("qwen2", "llama", "qwen3_moe", "deepseek_v3", "glm4_moe", "gpt_oss")
+_MOE_TYPES = ("qwen3_moe", "deepseek_v3", "glm4_moe", "gpt_oss")
 # families routed as DeepSeek-V3 is (sigmoid scores, correction bias, shared experts, dense first layers)
 _SIGMOID_TYPES = ("deepseek_v3", "glm4_moe")
 
@@ -136,11 +139,16 @@ def _get(cfg, key, default=None):
 
 
 def rope_theta_of(hf_config) -> float:
-    """RoPE base of an HF config (transformers 5 keeps it in `rope_parameters`); errors on rope scaling."""
+    """RoPE base of an HF config (transformers 5 keeps it in `rope_parameters`); errors on rope scaling
+    (except gpt-oss's YaRN, `verl.models.mcore.gpt_oss`)."""
     params = getattr(hf_config, "rope_parameters", None) or {}
     scaling = getattr(hf_config, "rope_scaling", None) or {}
     rope_type = params.get("rope_type") or scaling.get("rope_type") or scaling.get("type") or "default"
-    if rope_type != "default":
+    if hf_config.model_type == "gpt_oss":
+        from verl.models.mcore.gpt_oss import yarn_parameters
+
+        yarn_parameters(hf_config)  # validates the scaling
+    elif rope_type != "default":
         raise NotImplementedError(
             f"{hf_config.model_type} config has rope_type={rope_type!r}; the megatron backend implements plain RoPE "
             "only. Use actor.strategy=fsdp for this model"
@@ -164,6 +172,8 @@ def padded_vocab_size(vocab_size: int, tp_size: int) -> int:
 
 
 def _has_qkv_bias(hf_config) -> bool:
+    if hf_config.model_type == "gpt_oss":  # every linear layer has a bias: add_bias_linear (gpt_oss.py)
+        return False
     if hf_config.model_type == "qwen2":
         return True
     if hf_config.model_type == "glm4_moe":  # its attention_bias is on q/k/v only, not on o_proj
@@ -231,8 +241,7 @@ def hf_to_mcore_config(
         from verl.models.mcore.glm4_moe import glm4_moe_config_fields
 
         moe.update(glm4_moe_config_fields(hf_config, head_dim))
-    return config_cls(
-        **moe,
+    fields = dict(
         num_layers=num_layers,
         hidden_size=hf_config.hidden_size,
         ffn_hidden_size=hf_config.intermediate_size,
@@ -272,6 +281,15 @@ def hf_to_mcore_config(
         context_parallel_size=cp,
         sequence_parallel=sequence_parallel,
     )
+    fields.update(moe)
+    if model_type == "gpt_oss":
+        from verl.models.mcore.gpt_oss import gpt_oss_config_fields, set_yarn_fields
+
+        fields.update(gpt_oss_config_fields(hf_config, lambda key, default: _get(megatron_cfg, key, default)))
+        tf_config = config_cls(**fields)
+        set_yarn_fields(tf_config, hf_config)
+        return tf_config
+    return config_cls(**fields)
 
 
 PIPELINE_SPLIT_KEYS = (
@@ -364,6 +382,7 @@ def _moe_fields(hf_config, megatron_cfg, tp: int, sequence_parallel: bool) -> di
     ep = int(_get(megatron_cfg, "expert_model_parallel_size", 1))
     etp = int(_get(megatron_cfg, "expert_tensor_parallel_size", tp))
     experts = hf_config.num_local_experts if hf_config.model_type in _SIGMOID_TYPES else hf_config.num_experts
+    expert_size = expert_intermediate_size(hf_config)
     if getattr(hf_config, "mlp_only_layers", None) or int(getattr(hf_config, "decoder_sparse_step", 1) or 1) != 1:
         raise NotImplementedError(
             "qwen3_moe config has dense layers between the MoE layers (mlp_only_layers / decoder_sparse_step != 1), "
@@ -380,10 +399,16 @@ def _moe_fields(hf_config, megatron_cfg, tp: int, sequence_parallel: bool) -> di
             f"actor.megatron.expert_model_parallel_size={ep} must divide the model's num_experts={experts} "
             "(each expert-parallel rank holds num_experts / ep whole experts)"
         )
-    if etp < 1 or hf_config.moe_intermediate_size % etp:
+    if hf_config.model_type == "gpt_oss" and etp != 1:
+        raise ValueError(
+            f"actor.megatron.expert_tensor_parallel_size={etp} on gpt_oss (it defaults to "
+            "tensor_model_parallel_size): megatron-core splits an expert only without biases, and gpt-oss's experts "
+            "have them; set actor.megatron.expert_tensor_parallel_size=1 (upstream's gpt-oss recipe does)"
+        )
+    if etp < 1 or expert_size % etp:
         raise ValueError(
             f"actor.megatron.expert_tensor_parallel_size={etp} must divide the model's "
-            f"moe_intermediate_size={hf_config.moe_intermediate_size}"
+            f"{'intermediate_size' if hf_config.model_type == 'gpt_oss' else 'moe_intermediate_size'}={expert_size}"
         )
     family = {"qk_layernorm": True}
     if hf_config.model_type in _SIGMOID_TYPES:  # sigmoid routing, shared experts, dense first layers
@@ -392,7 +417,7 @@ def _moe_fields(hf_config, megatron_cfg, tp: int, sequence_parallel: bool) -> di
         family = deepseek_moe_fields(hf_config)
     return {
         "num_moe_experts": experts,
-        "moe_ffn_hidden_size": hf_config.moe_intermediate_size,
+        "moe_ffn_hidden_size": expert_size,
         "moe_router_topk": hf_config.num_experts_per_tok,
         "moe_router_score_function": "softmax",
         "moe_router_pre_softmax": not bool(getattr(hf_config, "norm_topk_prob", False)),
@@ -405,6 +430,13 @@ def _moe_fields(hf_config, megatron_cfg, tp: int, sequence_parallel: bool) -> di
         "expert_tensor_parallel_size": etp,
         **family,  # last: a family's routing replaces the softmax defaults above
     }
+
+
+def expert_intermediate_size(hf_config) -> int:
+    """One routed expert's MLP size: `moe_intermediate_size`, which gpt-oss names `intermediate_size`."""
+    if hf_config.model_type == "gpt_oss":
+        return hf_config.intermediate_size
+    return hf_config.moe_intermediate_size
 
 
 def _refuse_expert_parallel(megatron_cfg, model_type) -> None:
@@ -459,7 +491,7 @@ def build_gpt_model(
         pre_process=pre_process,
         post_process=post_process,
         share_embeddings_and_output_weights=bool(hf_config.tie_word_embeddings) and not value_head,
-        position_embedding_type="rope",
+        position_embedding_type=_position_embedding_type(hf_config),
         rotary_base=rope_theta_of(hf_config),
         rotary_percent=rotary_percent_of(hf_config),
         vp_stage=vp_stage,
@@ -474,11 +506,25 @@ def build_gpt_model(
             model.output_layer.register_parameter("weight", None)
     if value_head and post_process:
         model.output_layer = _ValueHead(tf_config.hidden_size, tf_config.params_dtype, tf_config.sequence_parallel)
+    if tf_config.softmax_type == "learnable":
+        from verl.models.mcore.gpt_oss import mark_sinks_tensor_parallel
+
+        mark_sinks_tensor_parallel(model)
     if tf_config.moe_router_score_function == "sigmoid":
         from verl.models.mcore.deepseek import attach_expert_bias
 
         attach_expert_bias(model)
     return model
+
+
+def _position_embedding_type(hf_config) -> str:
+    """GPTModel's rotary embedding: gpt-oss's YaRN (`verl.models.mcore.gpt_oss`), else plain RoPE
+    (DeepSeek-V3's latent attention builds its own)."""
+    if hf_config.model_type == "gpt_oss":
+        from verl.models.mcore.gpt_oss import yarn_parameters
+
+        return "rope" if yarn_parameters(hf_config) is None else "yarn"
+    return "rope"
 
 
 def _layer_spec(tf_config, layer: int):
@@ -497,6 +543,10 @@ def _layer_spec(tf_config, layer: int):
     )
     layer_spec = spec.submodules
     layer_spec.input_layernorm = layer_spec.pre_mlp_layernorm = RMSNorm
+    if tf_config.add_bias_linear and is_moe_layer(tf_config, layer):  # gpt-oss's biased experts
+        from verl.models.mcore.gpt_oss import expert_fc2_class
+
+        layer_spec.mlp.submodules.experts.submodules.linear_fc2 = expert_fc2_class()
     if mla:
         from verl.models.mcore.deepseek import use_local_mla
 

@@ -25,6 +25,9 @@ Megatron's layouts (local spec):
   and each expert's MLP over the expert-tensor ranks like a dense MLP; the router is replicated.
 - DeepSeek-V3: latent attention (`verl.models.mcore.deepseek`), the router's correction bias
   (a buffer, replicated), shared experts split like a dense MLP, dense MLPs in the first layers.
+- gpt-oss (`verl.models.mcore.gpt_oss`): the attention sinks (`core_attention.softmax_offset`, split
+  by heads like q), q/k/v and o_proj biases (o_proj's whole on every tensor rank), the router's bias,
+  and experts whose HF `gate_up_proj` [E, H, 2I] interleaves gate and up columns, with biases.
 - Layer names are local to a stage (`decoder.layers.0` on every stage); the global layer index
   comes from megatron's layer offset for (pp_rank, vp_stage).
 - With LoRA adapters (`verl.models.mcore.lora`) the way back yields each adapted weight merged
@@ -40,6 +43,8 @@ import torch.distributed as dist
 
 from verl.models.mcore.config import padded_vocab_size
 from verl.models.mcore.deepseek import deepseek_attention_to_hf, deepseek_attention_to_mcore, is_moe_layer
+from verl.models.mcore.gpt_oss import experts_to_hf as gpt_oss_experts_to_hf
+from verl.models.mcore.gpt_oss import experts_to_mcore as gpt_oss_experts_to_mcore
 from verl.models.mcore.lora import export_parameters
 
 __all__ = ["hf_to_mcore_state_dict", "load_hf_state_dict", "mcore_to_hf_named_tensors", "layer_owners"]
@@ -163,6 +168,9 @@ def hf_to_mcore_state_dict(
         else:
             out.update(_attention_to_mcore(hf, attn, dst + "self_attention.", hf_config, tf_config, shard))
         if is_moe_layer(tf_config, layer):
+            if hf_config.model_type == "gpt_oss":
+                out.update(gpt_oss_experts_to_mcore(hf, mlp, dst + "mlp.", tf_config, ep_rank, etp_rank))
+                continue
             out.update(_experts_to_mcore(hf, mlp, dst + "mlp.", tf_config, ep_rank, etp_rank, shard))
             continue
         gate, up = shard(hf(mlp + "gate_proj.weight")), shard(hf(mlp + "up_proj.weight"))
@@ -187,10 +195,14 @@ def _attention_to_mcore(hf, src: str, dst: str, hf_config, tf_config, shard) -> 
     out = {}
     qkv = _fuse_qkv(hf(src + "q_proj.weight"), hf(src + "k_proj.weight"), hf(src + "v_proj.weight"), hf_config)
     out[dst + "linear_qkv.weight"] = shard(qkv)
-    if tf_config.add_qkv_bias:
+    if tf_config.add_qkv_bias or tf_config.add_bias_linear:
         bias = _fuse_qkv(hf(src + "q_proj.bias"), hf(src + "k_proj.bias"), hf(src + "v_proj.bias"), hf_config)
         out[dst + "linear_qkv.bias"] = shard(bias)
     out[dst + "linear_proj.weight"] = shard(hf(src + "o_proj.weight"), dim=1)
+    if tf_config.add_bias_linear:  # added once after the row-parallel reduction: whole on every rank
+        out[dst + "linear_proj.bias"] = hf(src + "o_proj.bias").clone()
+    if tf_config.softmax_type == "learnable":  # gpt-oss's attention sinks, one per head: split as the heads
+        out[dst + "core_attention.softmax_offset"] = shard(hf(src + "sinks"))
     if tf_config.qk_layernorm:
         for mcore_name, hf_name in _QK_NORMS.items():
             out[dst + mcore_name] = hf(src + hf_name).clone()
@@ -380,7 +392,7 @@ def mcore_to_hf_named_tensors(model_chunks, hf_config, value_head: bool = False)
             )[1]
             for proj, tensor in zip(("q_proj", "k_proj", "v_proj"), _split_qkv(fused, hf_config)):
                 yield f"{dst}self_attn.{proj}.weight", tensor.clone()
-            if tf_config.add_qkv_bias:
+            if tf_config.add_qkv_bias or tf_config.add_bias_linear:
                 fused = emit(
                     None,
                     lambda: torch.cat(_tp_gather(local_param("self_attention.linear_qkv.bias"), 0)),
@@ -395,6 +407,20 @@ def mcore_to_hf_named_tensors(model_chunks, hf_config, value_head: bool = False)
                 owner,
                 (hidden, heads * head_dim),
             )
+            if tf_config.add_bias_linear:
+                yield emit(
+                    f"{dst}self_attn.o_proj.bias",
+                    lambda: local_param("self_attention.linear_proj.bias").clone(),
+                    owner,
+                    (hidden,),
+                )
+            if tf_config.softmax_type == "learnable":
+                yield emit(
+                    f"{dst}self_attn.sinks",
+                    lambda: torch.cat(_tp_gather(local_param("self_attention.core_attention.softmax_offset"), 0)),
+                    owner,
+                    (heads,),
+                )
 
             if tf_config.qk_layernorm:
                 for mcore_name, hf_name in _QK_NORMS.items():
@@ -447,16 +473,6 @@ def _experts_to_hf(dst: str, local_param, emit, owner: int, hf_config, tf_config
     from megatron.core import parallel_state as mpu
 
     experts, ep = tf_config.num_moe_experts, tf_config.expert_model_parallel_size
-    hidden, inter = hf_config.hidden_size, hf_config.moe_intermediate_size
-    yield emit(f"{dst}mlp.gate.weight", lambda: local_param("mlp.router.weight").clone(), owner, (experts, hidden))
-    if tf_config.moe_router_score_function == "sigmoid":
-        yield emit(
-            f"{dst}mlp.gate.e_score_correction_bias",
-            lambda: local_param("mlp.router.expert_bias").to(torch.float32, copy=True),
-            owner,
-            (experts,),
-            torch.float32,  # megatron keeps the bias in float32 whatever the parameters' dtype
-        )
 
     def ep_gather(local: torch.Tensor) -> torch.Tensor:
         if ep == 1:
@@ -473,6 +489,20 @@ def _experts_to_hf(dst: str, local_param, emit, owner: int, hf_config, tf_config
         parts = [torch.empty_like(local) for _ in range(size)]
         dist.all_gather(parts, local.contiguous(), group=group)
         return parts
+
+    if hf_config.model_type == "gpt_oss":
+        yield from gpt_oss_experts_to_hf(dst, local_param, emit, owner, hf_config, tf_config, ep_gather, etp_gather)
+        return
+    hidden, inter = hf_config.hidden_size, hf_config.moe_intermediate_size
+    yield emit(f"{dst}mlp.gate.weight", lambda: local_param("mlp.router.weight").clone(), owner, (experts, hidden))
+    if tf_config.moe_router_score_function == "sigmoid":
+        yield emit(
+            f"{dst}mlp.gate.e_score_correction_bias",
+            lambda: local_param("mlp.router.expert_bias").to(torch.float32, copy=True),
+            owner,
+            (experts,),
+            torch.float32,  # megatron keeps the bias in float32 whatever the parameters' dtype
+        )
 
     def local_experts(suffix: str) -> list[torch.Tensor]:
         return [local_param(f"mlp.experts.local_experts.{j}.{suffix}") for j in range(experts // ep)]

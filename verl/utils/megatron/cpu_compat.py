@@ -67,6 +67,12 @@ _MODULES = (
     # multi-token prediction: the roll of its inputs across context-parallel ranks receives into a buffer
     # made on `torch.cuda.current_device()`
     "megatron.core.transformer.multi_token_prediction",
+    # attention sinks (softmax_type="learnable") allocate their parameter on `torch.cuda.current_device()`,
+    # and the sliding-window mask is built on "cuda"
+    "megatron.core.transformer.dot_product_attention",
+    "megatron.core.transformer.utils",
+    # YaRN moves its frequencies to `torch.cuda.current_device()`
+    "megatron.core.models.common.embeddings.yarn_rotary_pos_embedding",
 )
 _FACTORIES = ("empty", "zeros", "ones", "full", "tensor", "arange", "randn", "rand", "empty_like", "zeros_like")
 

@@ -99,7 +99,7 @@ from verl.utils.experimental.torch_functional import fused_head_problem, fused_l
 from verl.utils.flops_counter import FlopsCounter, FlopsTally
 from verl.utils.hf_forward import model_forward
 from verl.utils.logging_utils import get_logger
-from verl.utils.remove_padding import pad_input, unpad_input, unpad_position_ids
+from verl.utils.remove_padding import packed_model_inputs, pad_input, unpad_input, unpad_position_ids
 from verl.utils.shared_prompt import prompt_groups, shared_prompt_logits
 from verl.utils.torch_functional import (
     entropy_from_logits_with_chunking,
@@ -251,7 +251,8 @@ class DataParallelPPOActor(PPOActor):
             packed_ids, packed_pos, indices = self._packed_inputs(micro_batch)
             if self.sp_size > 1:
                 return self._sp_packed_outputs(packed_ids, packed_pos, indices, micro_batch, temperature, stats)
-            logits = self.actor_module(input_ids=packed_ids, position_ids=packed_pos, use_cache=False).logits[0]
+            inputs = packed_model_inputs(self._hf_module, packed_ids, packed_pos)
+            logits = self.actor_module(**inputs, use_cache=False).logits[0]
             logits.div_(temperature)
             # label of each packed position = the next packed token; it is wrong only at a sequence's
             # last token, whose prediction is never a (valid) response token
@@ -301,7 +302,8 @@ class DataParallelPPOActor(PPOActor):
             # as in the unfused path: a sequence's last label is wrong, and never a response token's
             labels = torch.roll(packed_ids, shifts=-1, dims=1)
             with fused_lm_head(self._hf_module, labels, temperature, entropy_grad):
-                out = self.actor_module(input_ids=packed_ids, position_ids=packed_pos, use_cache=False).logits[0]
+                inputs = packed_model_inputs(self._hf_module, packed_ids, packed_pos)
+                out = self.actor_module(**inputs, use_cache=False).logits[0]
             values = pad_input(out, indices, batch_size, seqlen)[:, -response_length - 1 : -1]
             log_probs, entropy = values[..., 0], values[..., 1]
         else:

@@ -135,7 +135,10 @@ def finalize_megatron_grads(model_chunks) -> None:
 
     params = {id(p): p for chunk in model_chunks for p in chunk.parameters() if p.requires_grad}
     tp_size = mpu.get_tensor_model_parallel_world_size()
-    sequence_parallel = [p for p in params.values() if getattr(p, "sequence_parallel", False)]
+    experts = {id(p) for p in expert_params(model_chunks)}  # a MoE model's: see verl.models.mcore.moe
+    # an expert's bias (gpt-oss) is marked sequence-parallel by megatron too, but the experts' own
+    # reduction below already sums over the ranks that routed tokens to it, tensor ranks included
+    sequence_parallel = [p for i, p in params.items() if getattr(p, "sequence_parallel", False) and i not in experts]
     if tp_size > 1 and sequence_parallel:
         # norms under sequence parallelism saw only this rank's slice of the tokens: sum the slices
         # (the average over tp_size ranks of tp_size times each)
@@ -148,7 +151,6 @@ def finalize_megatron_grads(model_chunks) -> None:
         group = partial_grad_group(param) if param.grad is not None else None
         if group is not None:
             dist.all_reduce(param.grad, group=group)
-    experts = {id(p) for p in expert_params(model_chunks)}  # a MoE model's: see verl.models.mcore.moe
     reduce_expert_grads([p for p in params.values() if id(p) in experts], average_gradients)
     dp_size = mpu.get_data_parallel_world_size(with_context_parallel=True)
     if dp_size > 1:  # bucketed: a few all-reduces per step instead of one per tensor

@@ -24,7 +24,7 @@ import torch
 from verl.utils import ulysses
 from verl.utils.device import get_device
 from verl.utils.flops_counter import FlopsCounter, FlopsTally
-from verl.utils.remove_padding import pad_input, unpad_input, unpad_position_ids
+from verl.utils.remove_padding import packed_model_inputs, pad_input, unpad_input, unpad_position_ids
 from verl.workers.config import FSDPCriticConfig
 from verl.workers.critic.ppo_critic import MODEL_INPUTS, PPOCritic
 from verl.workers.dp_training import (
@@ -84,9 +84,8 @@ class DataParallelPPOCritic(PPOCritic):
                 out, pad = ulysses.forward_slice(self.critic_module, packed_ids, packed_pos, self._sp_group)
                 packed = ulysses.gather_outputs_and_unpad(out.logits[0, :, 0], 0, pad, self._sp_group, self.sp_size)
             else:
-                packed = self.critic_module(input_ids=packed_ids, position_ids=packed_pos, use_cache=False).logits[
-                    0, :, 0
-                ]
+                inputs = packed_model_inputs(self.critic_module, packed_ids, packed_pos)
+                packed = self.critic_module(**inputs, use_cache=False).logits[0, :, 0]
             values = pad_input(packed, indices, batch_size, seqlen)
             return values[:, -response_length - 1 : -1]
         # Columns that are padding in every row are left out (see `token_window`).
