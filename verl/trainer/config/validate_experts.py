@@ -1,0 +1,66 @@
+"""Validation of the expert-parallel layouts: Megatron's expert groups and the rollout's expert parallelism
+(the rules that span sections; each size's own rules live with its dataclass)."""
+
+from __future__ import annotations
+
+from verl.trainer.config.validate_batches import world_size
+
+_SP = "ulysses_sequence_parallel_size"
+
+
+def check_megatron_experts(name: str, m: dict, world: int, errors: list[str]) -> None:
+    """Expert parallelism (docs/megatron.md, "Mixture of experts"): the expert layout must fit the ranks
+    (whether ep divides the model's experts is checked when the model is built, from its HF config)."""
+    tp, pp = m["tensor_model_parallel_size"], m["pipeline_model_parallel_size"]
+    ep, etp = m.get("expert_model_parallel_size", 1), m.get("expert_tensor_parallel_size")
+    etp = tp if etp is None else etp
+    for key, value in (("expert_model_parallel_size", ep), ("expert_tensor_parallel_size", etp)):
+        if not isinstance(value, int) or value < 1:
+            errors.append(f"{name}.megatron.{key}={value!r} must be a positive integer (or null for etp)")
+            return
+    if world % (etp * ep * pp):
+        errors.append(
+            f"{name}.megatron.expert_tensor_parallel_size={etp} x expert_model_parallel_size={ep} x "
+            f"pipeline_model_parallel_size={pp} = {etp * ep * pp} does not divide the {world} ranks (megatron "
+            f"carves its expert groups out of the same ranks); choose sizes whose product divides {world}"
+        )
+    elif etp > tp:
+        # megatron-core builds such groups and the forward runs (verl.utils.megatron.gloo_collectives on gloo),
+        # but saving a checkpoint with the distributed optimizer fails in megatron ("Invalid access pattern"
+        # for the dense weights' Adam moments, measured at tp=1, etp=2)
+        errors.append(
+            f"{name}.megatron.expert_tensor_parallel_size={etp} is larger than tensor_model_parallel_size={tp}: "
+            f"splitting an expert over more ranks than the dense layers is not supported here; set "
+            f"expert_tensor_parallel_size to {tp} or less (a divisor of moe_intermediate_size), or null for {tp}"
+        )
+
+
+def check_rollout_experts(c: dict, errors: list[str]):
+    """`rollout.expert_parallel_size` across sections (its own rules are RolloutConfig's): the groups tile
+    the workers, and the built-in engine's groups need every worker to hold an engine in lock-step."""
+    arr = c["actor_rollout_ref"]
+    ep = arr["rollout"]["expert_parallel_size"]
+    if ep <= 1:
+        return
+    key = f"actor_rollout_ref.rollout.expert_parallel_size={ep}"
+    world = world_size(c)
+    if world % ep:
+        errors.append(
+            f"{key} does not divide the {world} workers (trainer.nnodes x trainer.n_gpus_per_node), so the "
+            f"expert-parallel groups cannot be formed; use a divisor of {world}"
+        )
+    if arr["rollout"]["name"] != "hf":
+        return
+    clashes = {
+        "actor_rollout_ref.actor.strategy=megatron": arr["actor"]["strategy"] == "megatron",
+        f"actor_rollout_ref.actor.{_SP} > 1": (arr["actor"].get(_SP) or 1) > 1,
+        "async_training.staleness_threshold > 0 (a rollout pool of its own)": c["async_training"]["staleness_threshold"]
+        > 0,
+    }
+    for what, clash in clashes.items():
+        if clash:
+            errors.append(
+                f"{key} with rollout.name=hf is not implemented with {what}: the built-in engine splits the experts "
+                "over the colocated workers, every one of which must hold an engine; set expert_parallel_size=1 or "
+                "turn that option off"
+            )
