@@ -68,7 +68,7 @@ _MODULES = (
     # made on `torch.cuda.current_device()`
     "megatron.core.transformer.multi_token_prediction",
     # attention sinks (softmax_type="learnable") allocate their parameter on `torch.cuda.current_device()`,
-    # and the sliding-window mask is built on "cuda"
+    # and the sliding-window mask is built on the CUDA device
     "megatron.core.transformer.dot_product_attention",
     "megatron.core.transformer.utils",
     # YaRN moves its frequencies to `torch.cuda.current_device()`
