@@ -1,7 +1,13 @@
 """`python -m verl.trainer.main_ppo` end to end with a mixture-of-experts model on CPU (real Ray, 2
 worker processes, FSDP2 sharding the experts, the built-in engine generating with the model, the
 router load-balancing loss switched on through `override_config`): two steps train, the loss is
-logged, and the step-2 checkpoint merges into a Qwen3-MoE HF directory."""
+logged, and the step-2 checkpoint merges into a Qwen3-MoE HF directory.
+
+The rollout runs at expert parallelism 2 (`rollout.expert_parallel_size=2`): each worker's built-in
+engine holds 2 of the 4 experts of every layer, synced from the actor each step, and routes its
+tokens to the other worker and back. The engine's log-probs must equal the actor's fp32
+recomputation of the same tokens (`training/rollout_probs_diff_max`), which they cannot if a token
+reached a wrong expert or a worker held another worker's expert weights."""
 
 from __future__ import annotations
 
@@ -42,10 +48,16 @@ def test_main_ppo_trains_a_moe_model_two_steps_with_the_load_balancing_loss(ray_
         "actor_rollout_ref.model.use_remove_padding=True",
         "+actor_rollout_ref.model.override_config.output_router_logits=True",
         "+actor_rollout_ref.model.override_config.router_aux_loss_coef=0.01",
+        "actor_rollout_ref.rollout.expert_parallel_size=2",
+        "actor_rollout_ref.rollout.tensor_model_parallel_size=2",
+        "actor_rollout_ref.rollout.data_parallel_size=1",
+        "actor_rollout_ref.rollout.calculate_log_probs=True",
         # a random-init model never solves the task, so every GRPO advantage is 0 and the update would be
-        # skipped before any forward; run it, so the load-balancing loss alone trains the router
+        # skipped before any forward; run it, so the load-balancing loss trains the router and the entropy
+        # bonus every weight (the experts too: step 2 generates with synced new expert shards)
         "actor_rollout_ref.actor.skip_zero_advantage_step=False",
         "actor_rollout_ref.actor.skip_zero_advantage_rows=False",
+        "actor_rollout_ref.actor.entropy_coeff=0.01",
         f"data.train_files={train}",
         f"data.val_files={test}",
         "data.train_batch_size=4",
@@ -71,6 +83,9 @@ def test_main_ppo_trains_a_moe_model_two_steps_with_the_load_balancing_loss(ray_
             assert math.isfinite(record["data"][key]), (record["step"], key, record["data"][key])
         # E * sum_e f_e P_e <= E * max P * sum f = E * k = 8 (top-2 of 4 experts); 2 when balanced
         assert 0 < record["data"]["actor/load_balancing_loss"] <= 8.0, record["data"]
+        assert record["data"]["response_length/mean"] > 0, record["data"]
+        # fp32 on both sides: rounding only (a misrouted token or a wrong expert shard is off by far more)
+        assert record["data"]["training/rollout_probs_diff_max"] < 1e-4, record["data"]
 
     merger(
         [
