@@ -284,9 +284,9 @@ def test_bad_keys_and_values_are_refused_in_one_line(assets, override, message, 
     [
         ("engine=veomni", r"^engine=veomni selects upstream's VeOmni engine"),
         (
-            "engine=megatron engine.tensor_model_parallel_size=2",
-            r"^engine.tensor_model_parallel_size=2: the SFT engine trainer drives the Megatron engine with data "
-            r"parallelism only",
+            "engine=megatron engine.virtual_pipeline_model_parallel_size=2",
+            r"^engine.virtual_pipeline_model_parallel_size=2: the SFT engine trainer runs one model chunk per "
+            r"pipeline stage",
         ),
     ],
 )
