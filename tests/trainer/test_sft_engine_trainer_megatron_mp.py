@@ -17,6 +17,21 @@ from verl.models.factory import make_tiny
 STEPS = 3
 
 
+@pytest.mark.parametrize(
+    "sizes, world_size",
+    [({"tensor_model_parallel_size": 2}, 1), ({"pipeline_model_parallel_size": 2, "context_parallel_size": 2}, 6)],
+)
+def test_a_split_the_ranks_cannot_hold_is_refused_naming_the_sizes(sizes, world_size):
+    from omegaconf import OmegaConf
+
+    from verl.trainer.sft_trainer import check_megatron_layout
+
+    with pytest.raises(ValueError, match=rf"^{world_size} rank\(s\) cannot be split into engine.tensor_model") as e:
+        check_megatron_layout(OmegaConf.create(sizes), world_size)
+    assert "--nproc_per_node" in str(e.value) and "\n" not in str(e.value)
+    check_megatron_layout(OmegaConf.create(sizes), 2 * world_size * 4)  # a multiple of the product passes
+
+
 @pytest.fixture(scope="module")
 def assets(tmp_path_factory):
     import pandas as pd

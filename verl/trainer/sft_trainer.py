@@ -86,6 +86,7 @@ _DATA_OFF = {
     "use_shm": (False, "files are read from their path; shared-memory copies are not implemented"),
     "apply_chat_template_kwargs": ({}, "extra chat-template arguments are not passed to the template"),
 }
+_MEGATRON_MODEL_SPLITS = ("tensor_model_parallel_size", "pipeline_model_parallel_size", "context_parallel_size")
 _TRAINER_KEYS = (
     "default_local_dir",
     "default_hdfs_dir",
@@ -182,6 +183,19 @@ def _refuse_engine_batch_keys(engine, megatron: bool) -> None:
                 f"engine.{key}={engine[key]!r}: this trainer fills the engine's batch keys from data.* and model.*, "
                 f"as upstream's does; remove it and set {source}"
             )
+
+
+def check_megatron_layout(engine, world_size: int) -> None:
+    """Refuse a Megatron split that the ranks torchrun started cannot hold (raises ValueError)."""
+    sizes = {k: int(engine.get(k) or 1) for k in _MEGATRON_MODEL_SPLITS}
+    product = sizes["tensor_model_parallel_size"] * sizes["pipeline_model_parallel_size"]
+    product *= sizes["context_parallel_size"]
+    if world_size % product:
+        split = " x ".join(f"engine.{k}={v}" for k, v in sizes.items())
+        raise ValueError(
+            f"{world_size} rank(s) cannot be split into {split} = {product}: the product must divide the number of "
+            f"ranks; start a multiple of {product} ranks (torchrun --nproc_per_node) or lower the sizes"
+        )
 
 
 def _check_keys(section, valid: tuple[str, ...], name: str) -> None:
@@ -645,6 +659,8 @@ def build_trainer(config: DictConfig) -> SFTTrainer:
         _refuse_unread_columns(config.data.val_files, config.data)
     device_utils.set_device_preference(config.trainer.device)
     init_distributed()
+    if str(config.engine.get("_target_", "")).endswith("McoreEngineConfig"):
+        check_megatron_layout(config.engine, dist.get_world_size())
     from verl.utils.tokenizer import hf_tokenizer
 
     model = config.model
