@@ -283,11 +283,6 @@ def test_bad_keys_and_values_are_refused_in_one_line(assets, override, message, 
     "group, message",
     [
         ("engine=veomni", r"^engine=veomni selects upstream's VeOmni engine"),
-        (
-            "engine=megatron engine.virtual_pipeline_model_parallel_size=2",
-            r"^engine.virtual_pipeline_model_parallel_size=2: the SFT engine trainer runs one model chunk per "
-            r"pipeline stage",
-        ),
     ],
 )
 def test_engines_it_does_not_drive_are_refused_before_anything_loads(assets, group, message, tmp_path):

@@ -1,5 +1,5 @@
 """The engine SFT trainer (`verl.trainer.sft_trainer`) on the Megatron engine with model parallelism: per-step
-losses at tensor, pipeline and context parallel size 2 (and expert parallel size 2 on the MoE preset) equal the
+losses at tensor, pipeline (also with two virtual stages) and context parallel size 2 (and expert parallel size 2 on the MoE preset) equal the
 one-rank run's, and a checkpoint saved at tp=2 resumes at tp=1 (two data-parallel ranks) to the uninterrupted
 run's next losses. Two gloo ranks, tiny presets, fp32."""
 
@@ -89,7 +89,11 @@ def _train(assets, model, run_dir, *overrides) -> list[dict]:
     from verl.utils.megatron.parallel_state import destroy_model_parallel
 
     try:
-        return build_trainer(_config(assets, model, run_dir, *overrides)).fit()
+        trainer = build_trainer(_config(assets, model, run_dir, *overrides))
+        history = trainer.fit()
+        for metrics in history:
+            metrics["model_chunks"] = len(trainer.engine.chunks)
+        return history
     finally:
         destroy_model_parallel()
 
@@ -101,11 +105,12 @@ def _losses(history: list[dict]) -> list[float]:
 def _layouts_rank(rank, world_size, assets, model, layouts, out):
     results = {}
     for name, overrides in layouts.items():
-        history = _train(assets, model, os.path.join(assets["root"], f"{name}_{world_size}"), *overrides)
+        history = _train(assets, model, f"{out}_{name}", "trainer.resume_mode=disable", *overrides)
         results[name] = {
             "losses": _losses(history),
             "grad_norms": [m["train/grad_norm"] for m in history],
             "val": history[-1]["val/loss"],
+            "model_chunks": history[-1]["model_chunks"],
         }
     with open(f"{out}.{rank}.json", "w") as f:
         json.dump(results, f)
@@ -119,15 +124,26 @@ def _read(out: str, world_size: int) -> list[dict]:
     return results
 
 
+_REFERENCES: dict[str, tuple[str, dict]] = {}
+
+
+def _one_rank_run(assets, preset: str) -> tuple[str, dict]:
+    """(model directory, the one-rank run's results) for `preset`, computed once per module."""
+    if preset not in _REFERENCES:
+        model = make_tiny(preset, os.path.join(assets["root"], preset), seed=0)
+        out = os.path.join(assets["root"], f"{preset}_one")
+        run_distributed(_layouts_rank, 1, assets, model, {"one": []}, out)
+        (results,) = _read(out, 1)
+        _REFERENCES[preset] = model, results["one"]
+    return _REFERENCES[preset]
+
+
 def _check_layouts(assets, preset: str, layouts: dict[str, list[str]]) -> None:
-    model = make_tiny(preset, os.path.join(assets["root"], preset), seed=0)
-    one = os.path.join(assets["root"], f"{preset}_one")
-    run_distributed(_layouts_rank, 1, assets, model, {"one": []}, one)
-    two = os.path.join(assets["root"], f"{preset}_two")
-    run_distributed(_layouts_rank, 2, assets, model, layouts, two)
-    (reference,) = _read(one, 1)
-    expected = torch.tensor(reference["one"]["losses"], dtype=torch.float64)
+    model, reference = _one_rank_run(assets, preset)
+    expected = torch.tensor(reference["losses"], dtype=torch.float64)
     assert expected[-1] < expected[0]  # it learns: the comparison is not between two untrained models
+    two = os.path.join(assets["root"], f"{preset}_{'_'.join(layouts)}")
+    run_distributed(_layouts_rank, 2, assets, model, layouts, two)
     for rank, results in enumerate(_read(two, 2)):  # every rank logs the same numbers
         for name, result in results.items():
             torch.testing.assert_close(
@@ -136,22 +152,39 @@ def _check_layouts(assets, preset: str, layouts: dict[str, list[str]]) -> None:
             # Adam hides a gradient off by a constant factor from the losses; the norm does not
             torch.testing.assert_close(
                 torch.tensor(result["grad_norms"], dtype=torch.float64),
-                torch.tensor(reference["one"]["grad_norms"], dtype=torch.float64),
+                torch.tensor(reference["grad_norms"], dtype=torch.float64),
                 rtol=1e-5,
                 atol=0,
                 msg=f"{name} {rank}",
             )
-            assert result["val"] == pytest.approx(reference["one"]["val"], rel=1e-5), (name, rank)
+            assert result["val"] == pytest.approx(reference["val"], rel=1e-5), (name, rank)
+            assert result["model_chunks"] == (2 if "vpp2" in name else 1), (name, rank)
 
 
 @pytest.mark.slow
-def test_losses_at_tp2_pp2_cp2_equal_the_one_rank_runs(assets):
+def test_losses_at_tp2_equal_the_one_rank_runs(assets):
+    # engine.sequence_parallel is upstream's default true: the sequence is split over the two ranks too
+    _check_layouts(assets, "tiny", {"tp2": ["engine.tensor_model_parallel_size=2"]})
+
+
+@pytest.mark.slow
+def test_losses_at_pp2_with_and_without_virtual_stages_equal_the_one_rank_runs(assets):
     _check_layouts(
         assets,
         "tiny",
         {
-            "tp2": ["engine.tensor_model_parallel_size=2"],
             "pp2": ["engine.pipeline_model_parallel_size=2"],
+            "pp2_vpp2": ["engine.pipeline_model_parallel_size=2", "engine.virtual_pipeline_model_parallel_size=2"],
+        },
+    )
+
+
+@pytest.mark.slow
+def test_losses_at_cp2_equal_the_one_rank_runs(assets):
+    _check_layouts(
+        assets,
+        "tiny",
+        {
             "cp2": ["engine.context_parallel_size=2"],
             # token-budget micro-batches: a context-parallel rank holds half of each row, so twice the rows fit
             "cp2_dynamic": [
@@ -170,7 +203,14 @@ def test_losses_at_ep2_on_the_moe_preset_equal_the_one_rank_runs(assets):
 
 def _resume_rank(rank, world_size, assets, model, out):
     saved_dir = os.path.join(assets["root"], "saved_tp2")
-    whole = _train(assets, model, saved_dir, "engine.tensor_model_parallel_size=2", "trainer.save_freq=2")
+    whole = _train(
+        assets,
+        model,
+        saved_dir,
+        "engine.tensor_model_parallel_size=2",
+        "trainer.save_freq=2",
+        "trainer.resume_mode=disable",
+    )
     resumed = _train(
         assets,
         model,

@@ -21,8 +21,7 @@ Design decisions:
 - Checkpoints: `default_local_dir/global_step_N/` is the engine's checkpoint (`checkpoint.save_contents`);
   `latest_checkpointed_iteration.txt` names the newest complete one. Resuming restores model, optimizer,
   lr schedule and RNG, and the data position (the step's epoch and batch, from the directory's step).
-- Deliberately refused, each in one line when the config is checked (before any model loads): Megatron's
-  virtual (interleaved) pipeline stages, VeOmni (no such engine here), image/video data, tool schemas and per-row thinking flags, custom dataset classes,
+- Deliberately refused, each in one line when the config is checked (before any model loads): VeOmni (no such engine here), image/video data, tool schemas and per-row thinking flags, custom dataset classes,
   shared-memory loading, token balancing across ranks, HDFS copies and profiling.
 """
 
@@ -152,11 +151,6 @@ def check_config(config: DictConfig) -> None:
     if engine.get("strategy") == "veomni" or target.endswith("VeOmniEngineConfig"):
         raise ValueError(
             "engine=veomni selects upstream's VeOmni engine, which is not in this build; use engine=fsdp optim=fsdp"
-        )
-    if target.endswith("McoreEngineConfig") and engine.get("virtual_pipeline_model_parallel_size") not in (None, 1):
-        raise ValueError(
-            f"engine.virtual_pipeline_model_parallel_size={engine.virtual_pipeline_model_parallel_size}: the SFT engine "
-            "trainer runs one model chunk per pipeline stage (interleaved stages are main_ppo's only); set it to null"
         )
     if config.model.path is None:
         raise ValueError("model.path is not set; pass model.path=<HF model directory>")
