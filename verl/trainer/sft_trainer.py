@@ -21,8 +21,10 @@ Design decisions:
 - Checkpoints: `default_local_dir/global_step_N/` is the engine's checkpoint (`checkpoint.save_contents`);
   `latest_checkpointed_iteration.txt` names the newest complete one. Resuming restores model, optimizer,
   lr schedule and RNG, and the data position (the step's epoch and batch, from the directory's step).
-- Deliberately refused, each in one line when the config is checked (before any model loads): VeOmni (no such engine here), image/video data, tool schemas and per-row thinking flags, custom dataset classes,
-  shared-memory loading, token balancing across ranks, HDFS copies and profiling.
+- Deliberately refused, each in one line when the config is checked (before any model loads): VeOmni
+  (no such engine here), image/video data, tool schemas and per-row thinking flags, custom dataset
+  classes, shared-memory loading, token balancing across ranks, HDFS copies and profiling; and, once the
+  ranks are known, a Megatron split (tp x pp x cp) that does not divide their number.
 """
 
 from __future__ import annotations
@@ -253,8 +255,8 @@ class _FSDPPasses:
 
 
 class _MegatronPasses:
-    """The same loss through megatron's schedule on the Megatron engine's chunks, at any tensor, pipeline,
-    context and expert parallel layout.
+    """The same loss through megatron's schedule on the Megatron engine's chunks, at any tensor, pipeline
+    (virtual stages included), context and expert parallel layout.
 
     A sequence is laid out as the PPO actor's rows with a one-token prompt: its first token, then the rest
     as the "response", so the actor's left-aligned forward gives the log-prob of every target token (whole
