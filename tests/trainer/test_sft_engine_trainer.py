@@ -283,11 +283,6 @@ def test_bad_keys_and_values_are_refused_in_one_line(assets, override, message, 
     "group, message",
     [
         ("engine=veomni", r"^engine=veomni selects upstream's VeOmni engine"),
-        (
-            "engine=megatron engine.tensor_model_parallel_size=2",
-            r"^engine.tensor_model_parallel_size=2: the SFT engine trainer drives the Megatron engine with data "
-            r"parallelism only",
-        ),
     ],
 )
 def test_engines_it_does_not_drive_are_refused_before_anything_loads(assets, group, message, tmp_path):
@@ -333,6 +328,15 @@ _UPSTREAM_SCRIPT = {
         "engine.context_parallel_size=1", "engine.use_mbridge=True",
     ],
 }  # fmt: skip
+# upstream's tests/special_e2e/sft/test_sft_engine_all.sh runs the megatron line at tp 2, pp 2, vpp 2, cp 2 on 8 GPUs
+_UPSTREAM_SCRIPT["megatron-tp2-pp2-vpp2-cp2"] = [
+    *_UPSTREAM_SCRIPT["megatron"][:-5],
+    "engine.tensor_model_parallel_size=2",
+    "engine.pipeline_model_parallel_size=2",
+    "engine.virtual_pipeline_model_parallel_size=2",
+    "engine.context_parallel_size=2",
+    "engine.use_mbridge=True",
+]
 _UPSTREAM_COMMON = [
     "data.train_files=/home/u/data/gsm8k_sft/train.parquet", "data.val_files=/home/u/data/gsm8k_sft/test.parquet",
     "data.train_batch_size=128", "data.pad_mode=no_padding", "data.truncation=error", "data.use_dynamic_bsz=True",
@@ -357,3 +361,10 @@ def test_upstreams_e2e_command_line_composes_and_passes_every_check(backend):
     check_config(config)
     check_typed_sections(config)
     assert config.trainer.test_freq == "after_each_epoch" and config.optim.lr == 1e-5
+    if backend.startswith("megatron"):
+        from verl.trainer.sft_trainer import check_megatron_layout
+
+        check_megatron_layout(config.engine, 8)  # upstream's NUM_GPUS=8
+        if backend != "megatron":  # tp x pp x cp = 8: four ranks cannot hold it
+            with pytest.raises(ValueError, match=r"^4 rank\(s\) cannot be split into"):
+                check_megatron_layout(config.engine, 4)

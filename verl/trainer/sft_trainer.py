@@ -21,10 +21,10 @@ Design decisions:
 - Checkpoints: `default_local_dir/global_step_N/` is the engine's checkpoint (`checkpoint.save_contents`);
   `latest_checkpointed_iteration.txt` names the newest complete one. Resuming restores model, optimizer,
   lr schedule and RNG, and the data position (the step's epoch and batch, from the directory's step).
-- Deliberately refused, each in one line when the config is checked (before any model loads): Megatron
-  model parallelism (tensor, pipeline, context, expert; the Megatron engine runs data-parallel here),
-  VeOmni (no such engine here), image/video data, tool schemas and per-row thinking flags, custom dataset classes,
-  shared-memory loading, token balancing across ranks, HDFS copies and profiling.
+- Deliberately refused, each in one line when the config is checked (before any model loads): VeOmni
+  (no such engine here), image/video data, tool schemas and per-row thinking flags, custom dataset
+  classes, shared-memory loading, token balancing across ranks, HDFS copies and profiling; and, once the
+  ranks are known, a Megatron split (tp x pp x cp) that does not divide their number.
 """
 
 from __future__ import annotations
@@ -40,7 +40,6 @@ from omegaconf import DictConfig, OmegaConf, open_dict
 from verl.trainer.config.errors import did_you_mean
 from verl.trainer.fsdp_sft_trainer import (
     RESUME_MODES,
-    _all_reduce_sum,
     _per_rank_batch_size,
     _trim_padding,
     accumulate_sft_gradients,
@@ -88,13 +87,7 @@ _DATA_OFF = {
     "use_shm": (False, "files are read from their path; shared-memory copies are not implemented"),
     "apply_chat_template_kwargs": ({}, "extra chat-template arguments are not passed to the template"),
 }
-_MEGATRON_SPLITS = (
-    "tensor_model_parallel_size",
-    "pipeline_model_parallel_size",
-    "virtual_pipeline_model_parallel_size",
-    "context_parallel_size",
-    "expert_model_parallel_size",
-)
+_MEGATRON_MODEL_SPLITS = ("tensor_model_parallel_size", "pipeline_model_parallel_size", "context_parallel_size")
 _TRAINER_KEYS = (
     "default_local_dir",
     "default_hdfs_dir",
@@ -161,14 +154,6 @@ def check_config(config: DictConfig) -> None:
         raise ValueError(
             "engine=veomni selects upstream's VeOmni engine, which is not in this build; use engine=fsdp optim=fsdp"
         )
-    if target.endswith("McoreEngineConfig"):
-        split = {k: engine[k] for k in _MEGATRON_SPLITS if engine.get(k) not in (None, 1)}
-        if split:
-            raise ValueError(
-                f"engine.{next(iter(split))}={next(iter(split.values()))}: the SFT engine trainer drives the Megatron "
-                "engine with data parallelism only so far (main_ppo trains with tensor, pipeline, context and expert "
-                "parallelism); set it to 1 or use engine=fsdp"
-            )
     if config.model.path is None:
         raise ValueError("model.path is not set; pass model.path=<HF model directory>")
 
@@ -194,6 +179,19 @@ def _refuse_engine_batch_keys(engine, megatron: bool) -> None:
                 f"engine.{key}={engine[key]!r}: this trainer fills the engine's batch keys from data.* and model.*, "
                 f"as upstream's does; remove it and set {source}"
             )
+
+
+def check_megatron_layout(engine, world_size: int) -> None:
+    """Refuse a Megatron split that the ranks torchrun started cannot hold (raises ValueError)."""
+    sizes = {k: int(engine.get(k) or 1) for k in _MEGATRON_MODEL_SPLITS}
+    product = sizes["tensor_model_parallel_size"] * sizes["pipeline_model_parallel_size"]
+    product *= sizes["context_parallel_size"]
+    if world_size % product:
+        split = " x ".join(f"engine.{k}={v}" for k, v in sizes.items())
+        raise ValueError(
+            f"{world_size} rank(s) cannot be split into {split} = {product}: the product must divide the number of "
+            f"ranks; start a multiple of {product} ranks (torchrun --nproc_per_node) or lower the sizes"
+        )
 
 
 def _check_keys(section, valid: tuple[str, ...], name: str) -> None:
@@ -227,11 +225,22 @@ def _refuse_unread_columns(files, data) -> None:
 
 
 # --------------------------------------------------------------------------------- the engines' passes
+def _sum_over(value: torch.Tensor, group) -> torch.Tensor:
+    value = value.clone()
+    dist.all_reduce(value, op=dist.ReduceOp.SUM, group=group)
+    return value
+
+
 class _FSDPPasses:
     """main_sft's forward/backward on the FSDP engine's HF module (`engine.module`)."""
 
     def __init__(self, engine, device):
         self.engine, self.device = engine, device
+        # every rank is a data-parallel rank: (group, this rank, number of ranks holding different rows)
+        self.dp_group, self.dp_rank, self.dp_size = None, dist.get_rank(), dist.get_world_size()
+
+    def token_budget(self, max_token_len: int) -> int:
+        return max_token_len
 
     def backward(self, batch: dict, micro_batches: list, step: int) -> tuple[torch.Tensor, torch.Tensor]:
         return accumulate_sft_gradients(self.engine.module, batch, micro_batches, self.device, step)
@@ -246,13 +255,34 @@ class _FSDPPasses:
 
 
 class _MegatronPasses:
-    """The same loss through megatron's schedule on the Megatron engine's chunks (data parallelism only).
+    """The same loss through megatron's schedule on the Megatron engine's chunks, at any tensor, pipeline
+    (virtual stages included), context and expert parallel layout.
 
     A sequence is laid out as the PPO actor's rows with a one-token prompt: its first token, then the rest
-    as the "response", so the actor's left-aligned forward gives the log-prob of every target token."""
+    as the "response", so the actor's left-aligned forward gives the log-prob of every target token (whole
+    rows on every context-parallel rank: `response_columns` gathers them). The loss exists on the last
+    pipeline stage; its sums go to the other stages (`_from_last_stage`) and over the data-parallel group."""
 
     def __init__(self, engine, device):
+        from megatron.core import parallel_state as mpu
+
         self.engine, self.device = engine, device
+        # the ranks of one tensor/pipeline/context group hold the same rows: only megatron's data-parallel
+        # rank (without the context-parallel ranks) picks them
+        self.dp_group = mpu.get_data_parallel_group()
+        self.dp_rank, self.dp_size = mpu.get_data_parallel_rank(), mpu.get_data_parallel_world_size()
+
+    def token_budget(self, max_token_len: int) -> int:
+        from verl.workers.actor.megatron_actor import per_rank_token_budget
+
+        return per_rank_token_budget(max_token_len)  # a context-parallel rank holds 1/cp of each row
+
+    def _from_last_stage(self, results: list, keys: tuple[str, ...]) -> list[torch.Tensor]:
+        """The sums over the micro-batches of `results[i][key]` (the last stage's), on every stage."""
+        from verl.workers.actor.megatron_actor import broadcast_from_last_stage
+
+        sums = [float(torch.stack([r[key] for r in results]).sum()) for key in keys] if results else None
+        return [torch.tensor(v, device=self.device) for v in broadcast_from_last_stage(sums)]
 
     def _token_log_probs(self, micro_batch, output) -> torch.Tensor:
         from verl.models.mcore.forward import response_columns
@@ -276,23 +306,25 @@ class _MegatronPasses:
         return run_megatron_schedule(self.engine.chunks, rows, loss_fn, forward_only)
 
     def backward(self, batch: dict, micro_batches: list, step: int) -> tuple[torch.Tensor, torch.Tensor]:
-        num_tokens = _all_reduce_sum(batch["loss_mask"][:, 1:].sum().to(self.device, torch.float32))
+        num_tokens = _sum_over(batch["loss_mask"][:, 1:].sum().to(self.device, torch.float32), self.dp_group)
         if num_tokens.item() == 0:
             raise ValueError(
                 f"step {step}: the global batch has no response tokens to learn from; check data.max_length and "
                 "data.truncation"
             )
-        world_size = dist.get_world_size()
+        dp_size = self.dp_size
 
         def loss_fn(micro_batch, output):
             mask = micro_batch["loss_mask"][:, 1:].to(output.dtype)
             token_loss_sum = -(self._token_log_probs(micro_batch, output).float() * mask).sum()
-            # gradients are averaged over the ranks (finalize_megatron_grads), as main_sft's under FSDP
-            return token_loss_sum / num_tokens * world_size, {"loss_sum": token_loss_sum.detach()}
+            # gradients are averaged over the data-parallel (x context-parallel) ranks by
+            # finalize_megatron_grads, as main_sft's are under FSDP; a context-parallel rank's gradient is
+            # cp times its share (verl.models.mcore.context_parallel), so the scale is the PPO actor's
+            return token_loss_sum / num_tokens * dp_size, {"loss_sum": token_loss_sum.detach()}
 
         results = self._schedule(micro_batches, loss_fn, forward_only=False)
-        loss_sum = torch.stack([r["loss_sum"] for r in results]).sum()
-        return _all_reduce_sum(loss_sum), num_tokens
+        (loss_sum,) = self._from_last_stage(results, ("loss_sum",))
+        return _sum_over(loss_sum, self.dp_group), num_tokens
 
     def clip(self, grad_clip: float) -> torch.Tensor:
         from verl.workers.actor.megatron_actor import clip_grads_megatron, finalize_megatron_grads
@@ -309,8 +341,9 @@ class _MegatronPasses:
             return output.new_zeros(()), {"loss_sum": token_loss_sum, "count": mask.sum()}
 
         rows = batch["input_ids"].shape[0]
-        (result,) = self._schedule([TensorDict(dict(batch), batch_size=[rows])], loss_fn, forward_only=True)
-        return result["loss_sum"], result["count"]
+        results = self._schedule([TensorDict(dict(batch), batch_size=[rows])], loss_fn, forward_only=True)
+        loss_sum, count = self._from_last_stage(results, ("loss_sum", "count"))
+        return loss_sum, count
 
 
 # --------------------------------------------------------------------------------- trainer
@@ -328,13 +361,15 @@ class SFTTrainer:
         self.train_dataset = train_dataset
         self.val_dataset = val_dataset
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
+        # rows are sharded over the data-parallel ranks (every rank under FSDP; megatron's dp group)
+        self.dp_group, self.dp_rank, self.dp_size = self.passes.dp_group, self.passes.dp_rank, self.passes.dp_size
         self.device = device_utils.get_device()
         data = config.data
         self.use_dynamic_bsz = bool(data.use_dynamic_bsz)
         self.micro_batch_size = int(data.micro_batch_size_per_gpu)
-        self.max_token_len = int(data.max_token_len_per_gpu)
+        self.max_token_len = self.passes.token_budget(int(data.max_token_len_per_gpu))
         self.batch_size_per_rank = _per_rank_batch_size(
-            int(data.train_batch_size), 1 if self.use_dynamic_bsz else self.micro_batch_size, self.world_size
+            int(data.train_batch_size), 1 if self.use_dynamic_bsz else self.micro_batch_size, self.dp_size
         )
         self.steps_per_epoch = steps_per_epoch(len(train_dataset), int(data.train_batch_size))
         self.total_steps = total_steps(config.trainer, self.steps_per_epoch)
@@ -389,10 +424,11 @@ class SFTTrainer:
             self.engine.optimizer.zero_grad(set_to_none=True)
         lr = self.engine.lr_scheduler_step()
         seqlens = batch["attention_mask"].sum(dim=1)
-        global_tokens = _all_reduce_sum(seqlens.sum().to(self.device, torch.float32)).item()
+        global_tokens = _sum_over(seqlens.sum().to(self.device, torch.float32), self.dp_group).item()
         self.total_tokens += global_tokens
+        # each data-parallel replica's FLOPs (the whole model's, on its rows) over every rank's peak
         achieved, peak = self.flops_counter.estimate_flops(seqlens.tolist(), time.perf_counter() - start)
-        mfu = _all_reduce_sum(torch.tensor(achieved / peak, device=self.device)).item() / self.world_size
+        mfu = _sum_over(torch.tensor(achieved / peak, device=self.device), self.dp_group).item() / self.world_size
         return {
             "train/loss": (loss_sum / num_tokens).item(),
             "train/grad_norm": grad_norm,
@@ -408,7 +444,7 @@ class SFTTrainer:
         from torch.utils.data import DataLoader, DistributedSampler
 
         self.engine.eval_mode()
-        sampler = DistributedSampler(self.val_dataset, num_replicas=self.world_size, rank=self.rank, shuffle=False)
+        sampler = DistributedSampler(self.val_dataset, num_replicas=self.dp_size, rank=self.dp_rank, shuffle=False)
         loss_sum = torch.zeros((), device=self.device)
         num_tokens = torch.zeros((), device=self.device)
         with self.engine.on_device():
@@ -416,7 +452,8 @@ class SFTTrainer:
                 token_loss_sum, count = self.passes.loss_sum(_trim_padding(batch))
                 loss_sum += token_loss_sum
                 num_tokens += count
-        return {"val/loss": (_all_reduce_sum(loss_sum) / _all_reduce_sum(num_tokens).clamp(min=1)).item()}
+        loss_sum, num_tokens = _sum_over(loss_sum, self.dp_group), _sum_over(num_tokens, self.dp_group)
+        return {"val/loss": (loss_sum / num_tokens.clamp(min=1)).item()}
 
     # ----------------------------------------------------------------------------- loop
     def fit(self) -> list[dict[str, float]]:
@@ -431,8 +468,8 @@ class SFTTrainer:
                 epoch,
                 skip,
                 self.batch_size_per_rank,
-                self.rank,
-                self.world_size,
+                self.dp_rank,
+                self.dp_size,
                 int(trainer.seed),
             )
             for batch in loader:
@@ -618,6 +655,8 @@ def build_trainer(config: DictConfig) -> SFTTrainer:
         _refuse_unread_columns(config.data.val_files, config.data)
     device_utils.set_device_preference(config.trainer.device)
     init_distributed()
+    if str(config.engine.get("_target_", "")).endswith("McoreEngineConfig"):
+        check_megatron_layout(config.engine, dist.get_world_size())
     from verl.utils.tokenizer import hf_tokenizer
 
     model = config.model
