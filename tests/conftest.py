@@ -8,7 +8,7 @@ import os
 
 import pytest
 
-from tests.distributed_helpers import nccl_group, one_gpu_group, one_process  # noqa: F401  (fixtures)
+from tests.distributed_helpers import nccl_group, one_gpu_group, one_process, one_rank_group  # noqa: F401  (fixtures)
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("RAY_DEDUP_LOGS", "0")

@@ -187,6 +187,17 @@ def one_process(monkeypatch):
         dist.destroy_process_group()
 
 
+@pytest.fixture(scope="module")
+def one_rank_group():
+    """This process as a real one-rank gloo group for a whole test module, so a trainer's collectives
+    run in the test's interpreter."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
 @pytest.fixture
 def nccl_group(monkeypatch):
     """This process as a one-rank NCCL group on CUDA device 0, the device-generic code picking CUDA

@@ -6,13 +6,13 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 
 import pytest
 import torch
 
+from tests.distributed_helpers import free_port
 from verl.models.factory import make_tiny
 from verl.trainer.config.loader import compose
 
@@ -74,18 +74,6 @@ def _engine_config(assets, run_dir, *overrides):
     config.merge_with_dotlist([*_engine_overrides(assets, run_dir), *overrides])
     OmegaConf.resolve(config)
     return config
-
-
-@pytest.fixture(scope="module")
-def one_rank_group():
-    import torch.distributed as dist
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
-    yield
-    dist.destroy_process_group()
 
 
 @pytest.mark.slow
@@ -168,9 +156,7 @@ def test_first_step_loss_is_the_float64_token_mean_cross_entropy_of_its_batch(as
 
 
 def _torchrun(assets, run_dir, *overrides, nproc: int = 2) -> list[dict]:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     cmd = [
         sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", f"--master_port={port}",
         "-m", "verl.trainer.sft_trainer", *_engine_overrides(assets, run_dir), "data.val_files=null",

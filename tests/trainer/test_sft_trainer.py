@@ -5,13 +5,13 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 
 import pytest
 import torch
 
+from tests.distributed_helpers import free_port
 from verl.models.factory import make_tiny
 from verl.utils.dataset.arith import write_arith_parquet
 
@@ -42,19 +42,6 @@ def _config(assets, *overrides):
         ]
     )
     return config
-
-
-@pytest.fixture(scope="module")
-def one_rank_group():
-    """A real one-process gloo group, so the trainer's collectives run in this interpreter."""
-    import torch.distributed as dist
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
-    yield
-    dist.destroy_process_group()
 
 
 def test_accumulated_gradient_equals_the_float64_global_token_mean_gradient(assets, one_rank_group):
@@ -121,9 +108,7 @@ def test_lr_schedule_warms_up_linearly_then_follows_a_cosine():
 
 
 def _torchrun(assets, run_dir, total_steps: int) -> subprocess.CompletedProcess:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     cmd = [
         sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={port}",
         "-m", "verl.trainer.main_sft",
