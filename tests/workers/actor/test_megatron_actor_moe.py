@@ -39,7 +39,7 @@ def fsdp_reference_update(hf_model, data):
     return reference_model, reference.update_policy(copy.deepcopy(data))
 
 
-def _ep_against_fsdp_actor(rank, world_size, ep, aux, tp=1, pp=1, cp=1, vpp=None, stage_local=False):
+def _ep_against_fsdp_actor(rank, world_size, ep, aux, tp=1, pp=1, cp=1, vpp=None, stage_local=False, etp=None):
     """`stage_local`: the statistics are not summed over the pipeline x context ranks (each rank's loss
     from its own layers and tokens), which the comparison must catch."""
     from megatron.core import parallel_state as mpu
@@ -52,7 +52,7 @@ def _ep_against_fsdp_actor(rank, world_size, ep, aux, tp=1, pp=1, cp=1, vpp=None
     hf_model.config.output_router_logits = aux
     reference_model, want_metrics = fsdp_reference_update(hf_model, data)
 
-    chunks = build_loaded_chunks(hf_model, ep=ep, tp=tp, pp=pp, cp=cp, vpp=vpp, sequence_parallel=tp > 1)
+    chunks = build_loaded_chunks(hf_model, ep=ep, etp=etp, tp=tp, pp=pp, cp=cp, vpp=vpp, sequence_parallel=tp > 1)
     dp = mpu.get_data_parallel_world_size()
     assert dp == world_size // (tp * pp * cp)
     assert mpu.get_expert_model_parallel_world_size() == ep
@@ -176,3 +176,11 @@ def test_megatron_moe_update_at_ep2_etp2_tp2_on_four_ranks_equals_the_fsdp_updat
     expert-tensor ranks: the token dispatcher's uneven gather and reduce-scatter over the
     expert-tensor group run on gloo (forward and backward), and the update equals ep=1, etp=1."""
     run_distributed(_ep_against_fsdp_actor, 4, 2, True, 2)
+
+
+@pytest.mark.slow  # 2 CPU ranks
+def test_megatron_moe_update_with_experts_split_over_more_ranks_than_the_dense_layers_equals_the_fsdp_update():
+    """tp=1, etp=2 on 2 ranks: the dense layers whole on both data-parallel ranks, each expert's MLP
+    split over them (the expert-tensor group spans the data-parallel ranks, each with its own rows):
+    the update, load-balancing loss on, equals the single-process FSDP update."""
+    run_distributed(_ep_against_fsdp_actor, 2, 1, True, 1, 1, 1, None, False, 2)
