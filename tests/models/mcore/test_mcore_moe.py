@@ -39,7 +39,6 @@ def test_megatron_moe_log_probs_equal_hf(tp, ep, etp, norm_topk_prob):
     run_distributed(_check_log_probs, max(tp, ep), tp, ep, etp, norm_topk_prob)
 
 
-@pytest.mark.slow  # about 9 s on 2 CPU ranks
 def test_megatron_moe_log_probs_equal_hf_with_experts_split_over_more_ranks_than_the_dense_layers():
     """tp=1, etp=2 on 2 ranks: each rank holds the dense layers whole and half of every expert's MLP,
     and routes its own rows; the expert-tensor group (both data-parallel ranks) gathers their uneven

@@ -127,7 +127,7 @@ def test_moe_checkpoint_saved_at_ep2_resumes_training_exactly_at_ep1(tmp_path, w
     run_distributed(_resume_at_another_ep, world, str(tmp_path / "actor"), tp, etp)
 
 
-@pytest.mark.slow  # about 10 s on 4 CPU ranks
+@pytest.mark.slow  # about 10 s on 4 CPU ranks, 5 s on 2
 @pytest.mark.parametrize(
     "world,shards",
     [

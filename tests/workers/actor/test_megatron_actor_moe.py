@@ -76,11 +76,14 @@ def _ep_against_fsdp_actor(rank, world_size, ep, aux, tp=1, pp=1, cp=1, vpp=None
 def _update_and_compare(actor, chunks, hf_model, data, want_metrics, reference_model, dp, aux):
     from megatron.core import parallel_state as mpu
 
-    # the reference's mini-batches are rows 0-3 and 4-7, its micro-batches pairs: each rank holds one
-    # pair of each mini-batch, so both compute the load-balancing loss over the same micro-batches
-    # (at dp=1, tp=2: both ranks train on the whole batch, as the reference does)
-    mine = torch.tensor([0, 1, 4, 5] if mpu.get_data_parallel_rank() == 0 else [2, 3, 6, 7])
-    got_metrics = actor.update_policy(data.select_idxs(mine) if dp == 2 else copy.deepcopy(data))
+    # the reference's mini-batches are rows 0-3 and 4-7, its micro-batches pairs: at dp=2 each rank
+    # holds one pair of each mini-batch, so both compute the load-balancing loss over the same
+    # micro-batches (at dp=1, tp=2: both ranks train on the whole batch, as the reference does; at
+    # dp=4 each rank one row of each, micro-batches the reference does not have: no load-balancing loss)
+    assert dp in (1, 2) or not aux
+    share, dp_rank = 4 // dp, mpu.get_data_parallel_rank()
+    mine = torch.tensor([first + dp_rank * share + i for first in (0, 4) for i in range(share)])
+    got_metrics = actor.update_policy(data.select_idxs(mine) if dp > 1 else copy.deepcopy(data))
     assert ("actor/load_balancing_loss" in got_metrics) == aux
     assert sorted(got_metrics) == sorted(want_metrics)
     assert_metrics_close(got_metrics, want_metrics, ["actor/grad_norm"])
@@ -178,9 +181,20 @@ def test_megatron_moe_update_at_ep2_etp2_tp2_on_four_ranks_equals_the_fsdp_updat
     run_distributed(_ep_against_fsdp_actor, 4, 2, True, 2)
 
 
-@pytest.mark.slow  # 2 CPU ranks
-def test_megatron_moe_update_with_experts_split_over_more_ranks_than_the_dense_layers_equals_the_fsdp_update():
-    """tp=1, etp=2 on 2 ranks: the dense layers whole on both data-parallel ranks, each expert's MLP
-    split over them (the expert-tensor group spans the data-parallel ranks, each with its own rows):
-    the update, load-balancing loss on, equals the single-process FSDP update."""
-    run_distributed(_ep_against_fsdp_actor, 2, 1, True, 1, 1, 1, None, False, 2)
+@pytest.mark.parametrize(
+    "world,ep,aux",
+    [
+        # tp=1, etp=2 on 2 ranks (about 1.5 s): the dense layers whole on both data-parallel ranks, each expert's MLP
+        # split over them (the expert-tensor group spans the data-parallel ranks, each with its own rows)
+        (2, 1, True),
+        # ... and the experts over 2 expert-parallel ranks too (4 data-parallel ranks, one row of each
+        # mini-batch each: micro-batches the reference does not have, so no load-balancing loss)
+        pytest.param(4, 2, False, marks=pytest.mark.slow),  # 4 CPU ranks, about 3 s
+    ],
+    ids=["etp2", "etp2_ep2"],
+)
+def test_megatron_moe_update_with_experts_split_over_more_ranks_than_the_dense_layers_equals_the_fsdp_update(
+    world, ep, aux
+):
+    """tp=1 with expert_tensor_parallel_size=2 (issue #27): the update equals the single-process FSDP update."""
+    run_distributed(_ep_against_fsdp_actor, world, ep, aux, 1, 1, 1, None, False, 2)
