@@ -39,9 +39,12 @@ def fsdp_reference_update(hf_model, data):
     return reference_model, reference.update_policy(copy.deepcopy(data))
 
 
-def _ep_against_fsdp_actor(rank, world_size, ep, aux, tp=1, pp=1, cp=1, vpp=None, stage_local=False, etp=None):
+def _ep_against_fsdp_actor(
+    rank, world_size, ep, aux, tp=1, pp=1, cp=1, vpp=None, stage_local=False, etp=None, zero=False
+):
     """`stage_local`: the statistics are not summed over the pipeline x context ranks (each rank's loss
-    from its own layers and tokens), which the comparison must catch."""
+    from its own layers and tokens), which the comparison must catch. `zero`: SGD as the distributed
+    optimizer builds it (`build_optimizer` split over `optimizer_state_shard_group`)."""
     from megatron.core import parallel_state as mpu
 
     from verl.models.mcore import moe
@@ -58,9 +61,14 @@ def _ep_against_fsdp_actor(rank, world_size, ep, aux, tp=1, pp=1, cp=1, vpp=None
     assert mpu.get_expert_model_parallel_world_size() == ep
     assert len(chunks[0].decoder.layers[0].mlp.experts.local_experts) == 4 // ep
     params = [p for chunk in chunks for p in chunk.parameters()]
-    actor = MegatronPPOActor(
-        _actor_config(ppo_mini_batch_size=4 // dp), chunks, hf_model.config, torch.optim.SGD(params, lr=LR)
-    )
+    if zero:
+        from verl.utils.optim import build_optimizer
+
+        sgd = {"optimizer": "sgd", "lr": LR, "weight_decay": 0.0}
+        optimizer = build_optimizer(params, sgd, shard_state_over=moe.optimizer_state_shard_group())
+    else:
+        optimizer = torch.optim.SGD(params, lr=LR)
+    actor = MegatronPPOActor(_actor_config(ppo_mini_batch_size=4 // dp), chunks, hf_model.config, optimizer)
     if stage_local:
         exchange = moe._RouterStats.exchange
         moe._RouterStats.exchange = lambda stats, group: exchange(stats, None)
@@ -182,19 +190,22 @@ def test_megatron_moe_update_at_ep2_etp2_tp2_on_four_ranks_equals_the_fsdp_updat
 
 
 @pytest.mark.parametrize(
-    "world,ep,aux",
+    "world,ep,aux,zero",
     [
         # tp=1, etp=2 on 2 ranks (about 1.5 s): the dense layers whole on both data-parallel ranks, each expert's MLP
         # split over them (the expert-tensor group spans the data-parallel ranks, each with its own rows)
-        (2, 1, True),
+        (2, 1, True, False),
+        # ... with the distributed optimizer: split over the data-parallel group, it broadcast the owner's
+        # expert half over the other rank's after the step (issue #27)
+        (2, 1, True, True),
         # ... and the experts over 2 expert-parallel ranks too (4 data-parallel ranks, one row of each
         # mini-batch each: micro-batches the reference does not have, so no load-balancing loss)
-        pytest.param(4, 2, False, marks=pytest.mark.slow),  # 4 CPU ranks, about 3 s
+        pytest.param(4, 2, False, False, marks=pytest.mark.slow),  # 4 CPU ranks, about 3 s
     ],
-    ids=["etp2", "etp2_ep2"],
+    ids=["etp2", "etp2_zero", "etp2_ep2"],
 )
 def test_megatron_moe_update_with_experts_split_over_more_ranks_than_the_dense_layers_equals_the_fsdp_update(
-    world, ep, aux
+    world, ep, aux, zero
 ):
     """tp=1 with expert_tensor_parallel_size=2 (issue #27): the update equals the single-process FSDP update."""
-    run_distributed(_ep_against_fsdp_actor, world, ep, aux, 1, 1, 1, None, False, 2)
+    run_distributed(_ep_against_fsdp_actor, world, ep, aux, 1, 1, 1, None, False, 2, zero)
