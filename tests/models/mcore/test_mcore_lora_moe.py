@@ -320,6 +320,13 @@ def test_ppo_update_with_expert_adapters_split_over_two_expert_tensor_ranks_equa
     run_distributed(_update, 2, 1, 2, str(tmp_path / "tp2.pt"))
 
 
+def test_ppo_update_with_expert_adapters_split_over_more_ranks_than_the_dense_layers_equals_the_reference(tmp_path):
+    """tp=1, etp=2 on 2 ranks (issue #27): the attention adapters whole on both data-parallel ranks,
+    each expert's adapters split as its MLP is, over an expert-tensor group that spans the
+    data-parallel ranks (fc1's A and fc2's B gradients summed over ranks that trained other rows)."""
+    run_distributed(_update, 2, 1, 1, str(tmp_path / "out.pt"), 1, 1, 2)
+
+
 def _targets_and_refusals(rank, world_size):
     """Patterns name experts by their global index (the same expert at ep=1 and ep=2); excluding the
     experts leaves the attention; dropout on experts split over expert-tensor ranks is refused."""

@@ -44,10 +44,12 @@ def _megatron_response_log_probs(chunks, hf_config, batch, multiple_of: int = 1)
     return response_columns(logp, aligned)
 
 
-def expert_parallel_rows(batch: dict, rank: int, world_size: int, tp: int, ep: int) -> dict:
+def expert_parallel_rows(batch: dict, rank: int, world_size: int, tp: int, ep: int, etp: int | None = None) -> dict:
     """This rank's rows of `batch`: each expert-parallel rank routes its own rows (they are
-    data-parallel ranks); every row at ep=1."""
-    if ep == 1:
+    data-parallel ranks), as does each expert-tensor rank beyond the tensor ranks (etp > tp: the
+    expert-tensor group spans data-parallel ranks, whose different token counts it gathers); every
+    row otherwise."""
+    if ep == 1 and (etp or tp) <= tp:
         return batch
     return {k: v.chunk(world_size // tp)[rank // tp] for k, v in batch.items()}
 

@@ -24,7 +24,7 @@ from verl.models.mcore.forward import left_align
 
 def _check_log_probs(rank, world_size, tp, ep, etp, norm_topk_prob):
     hf_model = tiny_moe_hf_model(norm_topk_prob=norm_topk_prob)
-    batch = expert_parallel_rows(_batch(), rank, world_size, tp, ep)
+    batch = expert_parallel_rows(_batch(), rank, world_size, tp, ep, etp)
     chunks = build_loaded_chunks(hf_model, tp=tp, ep=ep, etp=etp, sequence_parallel=tp > 1)
     experts = chunks[0].decoder.layers[0].mlp.experts.local_experts
     assert len(experts) == 4 // ep, f"rank {rank} holds {len(experts)} experts, want {4 // ep}"
@@ -37,6 +37,14 @@ def _check_log_probs(rank, world_size, tp, ep, etp, norm_topk_prob):
 )
 def test_megatron_moe_log_probs_equal_hf(tp, ep, etp, norm_topk_prob):
     run_distributed(_check_log_probs, max(tp, ep), tp, ep, etp, norm_topk_prob)
+
+
+def test_megatron_moe_log_probs_equal_hf_with_experts_split_over_more_ranks_than_the_dense_layers():
+    """tp=1, etp=2 on 2 ranks: each rank holds the dense layers whole and half of every expert's MLP,
+    and routes its own rows; the expert-tensor group (both data-parallel ranks) gathers their uneven
+    token counts (gloo's padded form, `verl.utils.megatron.gloo_collectives`) and reduce-scatters
+    the expert outputs back."""
+    run_distributed(_check_log_probs, 2, 1, 1, 2, True)
 
 
 @pytest.mark.slow  # 4 CPU ranks

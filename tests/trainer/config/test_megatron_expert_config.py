@@ -14,6 +14,8 @@ from verl.trainer.config import validate_ppo_config
 def test_expert_layouts_that_fit_the_ranks_validate(megatron_defaults):  # noqa: F811
     # the demo runs on 2 ranks: ep=2 (etp defaults to tp=1), with the distributed optimizer
     validate_ppo_config(with_(megatron_defaults, actor_rollout_ref__actor__megatron__expert_model_parallel_size=2))
+    # each expert split over more ranks than the dense layers (tp=1, etp=2; issue #27, once refused)
+    validate_ppo_config(with_(megatron_defaults, actor_rollout_ref__actor__megatron__expert_tensor_parallel_size=2))
 
 
 @pytest.mark.parametrize(
@@ -24,7 +26,6 @@ def test_expert_layouts_that_fit_the_ranks_validate(megatron_defaults):  # noqa:
         (2, 2, "expert_tensor_parallel_size=2 x expert_model_parallel_size=2 x pipeline_model_parallel_size=1 = 4 "
          "does not divide the 2 ranks"),
         (0, None, "actor_rollout_ref.actor.megatron.expert_model_parallel_size=0 must be a positive integer"),
-        (1, 2, "expert_tensor_parallel_size=2 is larger than tensor_model_parallel_size=1"),
     ],
 )  # fmt: skip
 def test_an_expert_layout_that_does_not_fit_is_refused(megatron_defaults, ep, etp, message):  # noqa: F811

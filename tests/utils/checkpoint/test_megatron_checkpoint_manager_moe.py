@@ -49,9 +49,13 @@ def _trainer(
     return chunks, actor, scheduler, manager
 
 
-def _resume_at_another_ep(rank, world_size, ckpt_dir, tp, etp):
+def _resume_at_another_ep(rank, world_size, ckpt_dir, tp, etp, save_ep=2, shards=None):
+    """Trained and saved at ep=`save_ep` (tp, etp), resumed at ep=1 with etp=tp. `shards`: the number
+    of ranks the saving run's distributed optimizer must split the Adam state over (None: unchecked)."""
+    import torch.distributed as dist
     from megatron.core import parallel_state as mpu
 
+    from verl.models.mcore.moe import optimizer_state_shard_group
     from verl.utils.megatron.parallel_state import destroy_model_parallel
 
     dp = world_size // tp
@@ -60,8 +64,12 @@ def _resume_at_another_ep(rank, world_size, ckpt_dir, tp, etp):
     first, second = _data(1, torch.float64), _data(2, torch.float64)
     saved = f"{ckpt_dir}/saved"
 
-    chunks, actor, scheduler, manager = _trainer(copy.deepcopy(hf_model), ep=2, zero=True, rows=8 // dp, tp=tp, etp=etp)
-    assert len(chunks[0].decoder.layers[0].mlp.experts.local_experts) == 2
+    chunks, actor, scheduler, manager = _trainer(
+        copy.deepcopy(hf_model), ep=save_ep, zero=True, rows=8 // dp, tp=tp, etp=etp
+    )
+    assert len(chunks[0].decoder.layers[0].mlp.experts.local_experts) == 4 // save_ep
+    if shards is not None:  # the Adam state really is split, over this many ranks
+        assert dist.get_world_size(optimizer_state_shard_group()) == shards
     actor.update_policy(copy.deepcopy(_my_rows(first, mpu.get_data_parallel_rank(), dp)))
     scheduler.step()
     manager.save_checkpoint(saved, global_step=1)
@@ -117,6 +125,27 @@ def _assert_resumed_exactly(uninterrupted: dict, resumed: dict, weights_only: di
 )
 def test_moe_checkpoint_saved_at_ep2_resumes_training_exactly_at_ep1(tmp_path, world, tp, etp):
     run_distributed(_resume_at_another_ep, world, str(tmp_path / "actor"), tp, etp)
+
+
+@pytest.mark.slow  # about 10 s on 4 CPU ranks, 5 s on 2
+@pytest.mark.parametrize(
+    "world,shards",
+    [
+        # each dense weight on all 4 ranks, each expert half on 2 (etp ranks 0 and 1 alternate): the
+        # Adam state is split over the 2 ranks holding the same expert halves, the dense moments
+        # written by etp rank 0's pair; the next update after resuming at etp=1 equals the
+        # uninterrupted one (the distributed optimizer split over all 4 ranks instead stepped each
+        # expert moment for a half its owner does not hold: megatron's "Invalid access pattern")
+        (4, 2),
+        (2, 1),  # every rank its own replica group: the whole Adam state, each expert half written once
+    ],
+    ids=["dp4_zero_pairs", "dp2"],
+)
+def test_moe_checkpoint_saved_with_experts_split_over_more_ranks_than_the_dense_layers_resumes_at_etp1(
+    tmp_path, world, shards
+):
+    """Saved at tp=1, etp=2 (ep=1) with the distributed optimizer, resumed at etp=1 (issue #27)."""
+    run_distributed(_resume_at_another_ep, world, str(tmp_path / "actor"), 1, 2, 1, shards)
 
 
 def _resume_at_ep1_with_zero(rank, world_size, ckpt_dir, tp, etp):

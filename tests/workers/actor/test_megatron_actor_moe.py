@@ -39,9 +39,12 @@ def fsdp_reference_update(hf_model, data):
     return reference_model, reference.update_policy(copy.deepcopy(data))
 
 
-def _ep_against_fsdp_actor(rank, world_size, ep, aux, tp=1, pp=1, cp=1, vpp=None, stage_local=False):
+def _ep_against_fsdp_actor(
+    rank, world_size, ep, aux, tp=1, pp=1, cp=1, vpp=None, stage_local=False, etp=None, zero=False
+):
     """`stage_local`: the statistics are not summed over the pipeline x context ranks (each rank's loss
-    from its own layers and tokens), which the comparison must catch."""
+    from its own layers and tokens), which the comparison must catch. `zero`: SGD as the distributed
+    optimizer builds it (`build_optimizer` split over `optimizer_state_shard_group`)."""
     from megatron.core import parallel_state as mpu
 
     from verl.models.mcore import moe
@@ -52,15 +55,20 @@ def _ep_against_fsdp_actor(rank, world_size, ep, aux, tp=1, pp=1, cp=1, vpp=None
     hf_model.config.output_router_logits = aux
     reference_model, want_metrics = fsdp_reference_update(hf_model, data)
 
-    chunks = build_loaded_chunks(hf_model, ep=ep, tp=tp, pp=pp, cp=cp, vpp=vpp, sequence_parallel=tp > 1)
+    chunks = build_loaded_chunks(hf_model, ep=ep, etp=etp, tp=tp, pp=pp, cp=cp, vpp=vpp, sequence_parallel=tp > 1)
     dp = mpu.get_data_parallel_world_size()
     assert dp == world_size // (tp * pp * cp)
     assert mpu.get_expert_model_parallel_world_size() == ep
     assert len(chunks[0].decoder.layers[0].mlp.experts.local_experts) == 4 // ep
     params = [p for chunk in chunks for p in chunk.parameters()]
-    actor = MegatronPPOActor(
-        _actor_config(ppo_mini_batch_size=4 // dp), chunks, hf_model.config, torch.optim.SGD(params, lr=LR)
-    )
+    if zero:
+        from verl.utils.optim import build_optimizer
+
+        sgd = {"optimizer": "sgd", "lr": LR, "weight_decay": 0.0}
+        optimizer = build_optimizer(params, sgd, shard_state_over=moe.optimizer_state_shard_group())
+    else:
+        optimizer = torch.optim.SGD(params, lr=LR)
+    actor = MegatronPPOActor(_actor_config(ppo_mini_batch_size=4 // dp), chunks, hf_model.config, optimizer)
     if stage_local:
         exchange = moe._RouterStats.exchange
         moe._RouterStats.exchange = lambda stats, group: exchange(stats, None)
@@ -76,11 +84,14 @@ def _ep_against_fsdp_actor(rank, world_size, ep, aux, tp=1, pp=1, cp=1, vpp=None
 def _update_and_compare(actor, chunks, hf_model, data, want_metrics, reference_model, dp, aux):
     from megatron.core import parallel_state as mpu
 
-    # the reference's mini-batches are rows 0-3 and 4-7, its micro-batches pairs: each rank holds one
-    # pair of each mini-batch, so both compute the load-balancing loss over the same micro-batches
-    # (at dp=1, tp=2: both ranks train on the whole batch, as the reference does)
-    mine = torch.tensor([0, 1, 4, 5] if mpu.get_data_parallel_rank() == 0 else [2, 3, 6, 7])
-    got_metrics = actor.update_policy(data.select_idxs(mine) if dp == 2 else copy.deepcopy(data))
+    # the reference's mini-batches are rows 0-3 and 4-7, its micro-batches pairs: at dp=2 each rank
+    # holds one pair of each mini-batch, so both compute the load-balancing loss over the same
+    # micro-batches (at dp=1, tp=2: both ranks train on the whole batch, as the reference does; at
+    # dp=4 each rank one row of each, micro-batches the reference does not have: no load-balancing loss)
+    assert dp in (1, 2) or not aux
+    share, dp_rank = 4 // dp, mpu.get_data_parallel_rank()
+    mine = torch.tensor([first + dp_rank * share + i for first in (0, 4) for i in range(share)])
+    got_metrics = actor.update_policy(data.select_idxs(mine) if dp > 1 else copy.deepcopy(data))
     assert ("actor/load_balancing_loss" in got_metrics) == aux
     assert sorted(got_metrics) == sorted(want_metrics)
     assert_metrics_close(got_metrics, want_metrics, ["actor/grad_norm"])
@@ -176,3 +187,25 @@ def test_megatron_moe_update_at_ep2_etp2_tp2_on_four_ranks_equals_the_fsdp_updat
     expert-tensor ranks: the token dispatcher's uneven gather and reduce-scatter over the
     expert-tensor group run on gloo (forward and backward), and the update equals ep=1, etp=1."""
     run_distributed(_ep_against_fsdp_actor, 4, 2, True, 2)
+
+
+@pytest.mark.parametrize(
+    "world,ep,aux,zero",
+    [
+        # tp=1, etp=2 on 2 ranks (about 1.5 s): the dense layers whole on both data-parallel ranks, each expert's MLP
+        # split over them (the expert-tensor group spans the data-parallel ranks, each with its own rows)
+        (2, 1, True, False),
+        # ... with the distributed optimizer: split over the data-parallel group, it broadcast the owner's
+        # expert half over the other rank's after the step (issue #27)
+        (2, 1, True, True),
+        # ... and the experts over 2 expert-parallel ranks too (4 data-parallel ranks, one row of each
+        # mini-batch each: micro-batches the reference does not have, so no load-balancing loss)
+        pytest.param(4, 2, False, False, marks=pytest.mark.slow),  # 4 CPU ranks, about 3 s
+    ],
+    ids=["etp2", "etp2_zero", "etp2_ep2"],
+)
+def test_megatron_moe_update_with_experts_split_over_more_ranks_than_the_dense_layers_equals_the_fsdp_update(
+    world, ep, aux, zero
+):
+    """tp=1 with expert_tensor_parallel_size=2 (issue #27): the update equals the single-process FSDP update."""
+    run_distributed(_ep_against_fsdp_actor, world, ep, aux, 1, 1, 1, None, False, 2, zero)

@@ -43,9 +43,10 @@ Design decisions:
   backward, after the statistics were exchanged (and the first, no-grad forward records nothing).
   Recomputing `core_attn` only is fine.
 - The distributed optimizer (`use_distributed_optimizer`: the Adam state split by whole parameters
-  over ranks that hold the same parameters) splits at ep > 1 over the ranks with this rank's tensor,
-  pipeline, expert and expert-tensor ranks: data-parallel ranks hold different experts, and
-  expert-data-parallel ranks different dense shards when etp != tp. Each moment is then written to
+  over ranks that hold the same parameters) splits at ep > 1, and at ep=1 with etp > tp, over the
+  ranks with this rank's tensor, pipeline, expert and expert-tensor ranks: data-parallel ranks hold
+  different experts (or, at etp > tp, different shards of each expert), and expert-data-parallel
+  ranks different dense shards when etp != tp. Each moment is then written to
   a checkpoint by its owner in one chosen group (`writes_optimizer_state`).
 """
 

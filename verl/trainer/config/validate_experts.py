@@ -24,15 +24,10 @@ def check_megatron_experts(name: str, m: dict, world: int, errors: list[str]) ->
             f"pipeline_model_parallel_size={pp} = {etp * ep * pp} does not divide the {world} ranks (megatron "
             f"carves its expert groups out of the same ranks); choose sizes whose product divides {world}"
         )
-    elif etp > tp:
-        # megatron-core builds such groups and the forward runs (verl.utils.megatron.gloo_collectives on gloo),
-        # but saving a checkpoint with the distributed optimizer fails in megatron ("Invalid access pattern"
-        # for the dense weights' Adam moments, measured at tp=1, etp=2)
-        errors.append(
-            f"{name}.megatron.expert_tensor_parallel_size={etp} is larger than tensor_model_parallel_size={tp}: "
-            f"splitting an expert over more ranks than the dense layers is not supported here; set "
-            f"expert_tensor_parallel_size to {tp} or less (a divisor of moe_intermediate_size), or null for {tp}"
-        )
+    # etp > tp is allowed: megatron's expert-tensor groups then run across data-parallel ranks (their
+    # uneven token gather on gloo is `verl.utils.megatron.gloo_collectives`), and the distributed
+    # optimizer splits the Adam state over the ranks holding the same expert shards
+    # (`verl.utils.megatron.parallel_state.parameter_replica_group`)
 
 
 def check_rollout_experts(c: dict, errors: list[str]):

@@ -183,7 +183,9 @@ def _owner_replica_id(replica_id, owned: bool, expert: bool = False):
     (expert_tensor_parallel_size < tensor_model_parallel_size), several tensor ranks hold the same
     expert shard and, their data-parallel groups splitting identical parameter lists, the same
     share of its moments: only the first of them writes (issue #27: all of them did, and megatron
-    refused the checkpoint with "Invalid access pattern")."""
+    refused the checkpoint with "Invalid access pattern"). Split over more ranks
+    (expert_tensor_parallel_size > tensor_model_parallel_size), the state is split over the replica
+    groups as under expert parallelism, and one group writes the dense moments."""
     from megatron.core import parallel_state as mpu
 
     from verl.utils.megatron.parallel_state import writes_optimizer_state

@@ -181,11 +181,18 @@ def _replicas() -> dict:
 
 
 def parameter_replica_group():
-    """The group of ranks that hold the same parameters as this one (the data-parallel group without
-    expert parallelism), over which the distributed optimizer splits the Adam state."""
+    """The group of ranks that hold the same parameters as this one, over which the distributed
+    optimizer splits the Adam state: the data-parallel group when every data-parallel rank holds
+    the same experts too (ep=1 and etp <= tp), else the ranks with this rank's tensor, pipeline,
+    expert and expert-tensor ranks (`_replicas`). At ep=1 with etp > tp megatron's expert-tensor
+    ranks run across data-parallel ranks, which then hold different shards of each expert: split
+    over them, each expert moment would be stepped by one rank for a shard it does not hold, and
+    the other shards' moments would be written by nobody (megatron refused such a checkpoint with
+    "Invalid access pattern")."""
     from megatron.core import parallel_state as mpu
 
-    if mpu.get_expert_model_parallel_world_size() == 1:
+    ep, etp = mpu.get_expert_model_parallel_world_size(), mpu.get_expert_tensor_parallel_world_size()
+    if ep == 1 and etp <= mpu.get_tensor_model_parallel_world_size():
         return mpu.get_data_parallel_group()
     return _replicas()["group"]
 
