@@ -326,7 +326,7 @@ class MegatronPPOActor(PPOActor):
         speed_paths.report([self.shared_prompt_path])
         self._dp_group, self._dp_size = _dp_group_and_size()
         self.router_aux = MegatronRouterAuxLoss(self.model_chunks, hf_config, trains=actor_optimizer is not None)
-        replay_mode = (self._cfg.get("router_replay") or {}).get("mode", "disabled")
+        replay_mode = self._cfg.router_replay.mode
         self.router_replay = MegatronRouterReplay(self.model_chunks, replay_mode, trains=actor_optimizer is not None)
         self.flops = FlopsTally(FlopsCounter.for_model(hf_config))  # the chunks' config is megatron's, not HF's
         # multi-token prediction (model.mtp.enable_train): its loss joins the policy loss

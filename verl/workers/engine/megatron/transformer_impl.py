@@ -196,13 +196,14 @@ class MegatronEngine(BaseEngine):
 
             configure_mtp(self.chunks, mtp.enable_train, mtp.mtp_loss_scaling_factor, mtp.detach_encoder)
         # LoRA (model.lora.rank > 0) on the trained policy only: the base is frozen and is the reference
-        lora = plain_section(model_config.get("lora"))
-        self.lora = for_training and not value_head and int(lora.get("rank", 0) or 0) > 0
+        # a reward model's section (read as it is) may have no lora; the typed model configs always do
+        lora = plain_section(getattr(model_config, "lora", None))
+        self.lora = for_training and not value_head and bool(lora) and int(lora["rank"]) > 0
         self.lora_config = lora if self.lora else None
         if self.lora:
             from verl.models.mcore.lora import apply_lora
 
-            apply_lora(self.chunks, lora, seed=int(meg.get("seed", 42)))
+            apply_lora(self.chunks, lora, seed=meg.seed)
         for chunk in self.chunks:
             chunk.to(dev.get_device())
             if not for_training:
