@@ -235,7 +235,7 @@ def hf_to_mcore_config(
         from verl.models.mcore.deepseek import deepseek_config_fields
 
         config_cls = MLATransformerConfig
-        moe.update(deepseek_config_fields(hf_config, cp))
+        moe.update(deepseek_config_fields(hf_config))
         head_dim = hf_config.qk_nope_head_dim + hf_config.qk_rope_head_dim
     elif model_type == "glm4_moe":
         from verl.models.mcore.glm4_moe import glm4_moe_config_fields
