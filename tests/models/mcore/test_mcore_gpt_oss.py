@@ -135,7 +135,6 @@ def test_hf_to_megatron_gpt_oss_to_hf_round_trip_is_bit_exact(tp, pp, ep):
         ({"attention_bias": False}, {}, NotImplementedError, "attention_bias=false"),
         ({"swiglu_alpha": 1.5}, {}, NotImplementedError, "swiglu_alpha=1.5"),
         ({"rope_parameters": {"rope_type": "linear", "factor": 2.0}}, {}, NotImplementedError, "rope_type='linear'"),
-        ({"output_router_logits": True}, {}, NotImplementedError, "output_router_logits=true on gpt_oss"),
         ({}, {"context_parallel_size": 2}, NotImplementedError, "context_parallel_size > 1 on gpt_oss"),
         ({}, {"tensor_model_parallel_size": 2, "sequence_parallel": True}, ValueError, "expert_tensor_parallel_size=2"),
     ],

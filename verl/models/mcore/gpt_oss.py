@@ -31,7 +31,13 @@ Refused, naming the field: `expert_tensor_parallel_size` other than 1 (megatron-
 expert only without biases; `config._moe_fields`), `attention_bias=false` (megatron's one bias
 switch would drop the experts' biases too), another `swiglu_alpha`, rope types other than yarn and
 default, an explicit YaRN `attention_factor`, context parallelism (our context-parallel attention
-has neither sinks nor windows) and the router load-balancing loss (`output_router_logits`).
+has neither sinks nor windows).
+
+The router load-balancing loss (`output_router_logits`) is the shared one
+(`verl.models.mcore.moe.MegatronRouterAuxLoss`), unchanged: gpt-oss routes with a softmax over
+the top-k logits only, but transformers' gpt-oss aux loss (`load_balancing_loss_func` on the
+router's first output) is Switch Transformer's over the softmax of all E biased logits, which is
+what megatron's `gating` returns (weight and bias) and what the FSDP actor records.
 """
 
 from __future__ import annotations
@@ -91,11 +97,6 @@ def gpt_oss_config_fields(hf_config, megatron_cfg_get) -> dict:
         raise NotImplementedError(
             "actor.megatron.context_parallel_size > 1 on gpt_oss: the context-parallel attention has no attention "
             "sinks or sliding windows; set context_parallel_size=1"
-        )
-    if bool(getattr(hf_config, "output_router_logits", False)):
-        raise NotImplementedError(
-            "actor_rollout_ref.model.override_config.output_router_logits=true on gpt_oss: the megatron backend "
-            "does not add the router load-balancing loss for this family; leave output_router_logits=false"
         )
     layers = hf_config.num_hidden_layers
     layer_types = list(getattr(hf_config, "layer_types", None) or ["full_attention"] * layers)
