@@ -21,7 +21,7 @@ from verl.models.moe import METRIC, load_balancing_loss
 AUX_COEF = 0.1  # as the Qwen3-MoE test's: large enough to show in the routers' update
 
 
-def _against_fsdp_actor(rank, world_size, ep, tp, pp=1):
+def _against_fsdp_actor(rank, world_size, ep, tp, pp=1, etp=1):
     from megatron.core import parallel_state as mpu
 
     hf_model = tiny_gptoss_hf_model()
@@ -32,8 +32,9 @@ def _against_fsdp_actor(rank, world_size, ep, tp, pp=1):
     for name in ("model.layers.0.self_attn.sinks", "model.layers.1.mlp.experts.down_proj_bias"):
         assert (reference_model.state_dict()[name] - start[name]).abs().max() > 1e-4, f"{name} should train"
 
-    chunks = build_loaded_chunks(hf_model, ep=ep, tp=tp, pp=pp, etp=1, sequence_parallel=tp > 1)
+    chunks = build_loaded_chunks(hf_model, ep=ep, tp=tp, pp=pp, etp=etp, sequence_parallel=tp > 1)
     assert mpu.get_data_parallel_world_size() == world_size // (tp * pp)
+    assert mpu.get_expert_tensor_parallel_world_size() == etp
     assert len(chunks[0].decoder.layers[-1].mlp.experts.local_experts) == 4 // ep
     update_and_compare_with_fsdp(chunks, hf_model, data, reference_model, want_metrics)
 
@@ -42,6 +43,13 @@ def _against_fsdp_actor(rank, world_size, ep, tp, pp=1):
 def test_megatron_gpt_oss_update_on_two_ranks_equals_the_fsdp_update_on_the_whole_batch(ep, tp, pp):
     """pp=2: the sliding-window layer on the first stage, the full-attention layer on the second."""
     run_distributed(_against_fsdp_actor, 2, ep, tp, pp)
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_megatron_gpt_oss_update_with_each_expert_split_over_two_ranks_equals_the_fsdp_update(tp):
+    """expert_tensor_parallel_size=2: the fc2 bias, whole on both expert-tensor ranks, gets the whole
+    gradient on each and stays equal; at tp=1 the two expert-tensor ranks are data-parallel ranks."""
+    run_distributed(_against_fsdp_actor, 2, 1, tp, 1, 2)
 
 
 def _switch_loss_float64(router_logits: list[torch.Tensor], top_k: int) -> torch.Tensor:
