@@ -31,8 +31,9 @@ bias, which megatron marks sequence-parallel, is reduced with the other expert g
 
 Refused, naming the field: `attention_bias=false` (megatron's one bias
 switch would drop the experts' biases too), another `swiglu_alpha`, rope types other than yarn and
-default, an explicit YaRN `attention_factor`, context parallelism (our context-parallel attention
-has neither sinks nor windows).
+default, an explicit YaRN `attention_factor`, context parallelism (megatron-core's local
+`DotProductAttention`, which holds the sinks and the windows, asserts context_parallel_size == 1, and
+`context_parallel.ContextParallelAttention` has neither).
 
 The router load-balancing loss (`output_router_logits`) is the shared one
 (`verl.models.mcore.moe.MegatronRouterAuxLoss`), unchanged: gpt-oss routes with a softmax over
@@ -96,8 +97,10 @@ def gpt_oss_config_fields(hf_config, megatron_cfg_get) -> dict:
         )
     if int(megatron_cfg_get("context_parallel_size", 1)) > 1:
         raise NotImplementedError(
-            "actor.megatron.context_parallel_size > 1 on gpt_oss: the context-parallel attention has no attention "
-            "sinks or sliding windows; set context_parallel_size=1"
+            "actor.megatron.context_parallel_size > 1 on gpt_oss: megatron-core's local DotProductAttention, the "
+            "one that implements attention sinks (softmax_offset) and sliding windows, asserts "
+            "context_parallel_size == 1 (only TransformerEngine's attention splits sequences), and this backend's "
+            "context-parallel attention has neither; set context_parallel_size=1 (or actor.strategy=fsdp)"
         )
     layers = hf_config.num_hidden_layers
     layer_types = list(getattr(hf_config, "layer_types", None) or ["full_attention"] * layers)
