@@ -1,7 +1,7 @@
 """A DeepSeek-V3 model (`tiny-dsv3`: multi-head latent attention, a dense first layer, sigmoid
 group-limited routing with a correction bias and a scaling factor, a shared expert) on
-megatron-core's local spec: its log-probs equal transformers' at tp=1, tp=2 (sequence parallel)
-and ep=2 on 2 gloo ranks, HF -> megatron -> HF is bit-exact, and what the backend does not build
+megatron-core's local spec: its log-probs equal transformers' at tp=1, tp=2 (sequence parallel),
+ep=2 and cp=2 on 2 gloo ranks, HF -> megatron -> HF is bit-exact, and what the backend does not build
 is refused in one line."""
 
 from __future__ import annotations
