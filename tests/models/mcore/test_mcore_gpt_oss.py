@@ -1,7 +1,8 @@
 """A gpt-oss model (`tiny-gptoss`: attention sinks, a sliding-window layer then a full-attention one,
 YaRN RoPE, biases on q/k/v/o, the router and the experts, the clamped SwiGLU with gate/up
 interleaved) on megatron-core's local spec: its log-probs equal transformers' at tp=1, tp=2
-(sequence parallel), ep=2 and tp=2 x ep=2 on sequences longer than the 4-token window; HF ->
+(sequence parallel), ep=2, tp=2 x ep=2 and etp=2 (tp=1, tp=2) on sequences longer than the 4-token
+window; HF ->
 megatron -> HF is bit-exact; dropping the sinks or the window fails the comparison; and what
 megatron cannot build exactly is refused naming the field."""
 

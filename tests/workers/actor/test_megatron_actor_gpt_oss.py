@@ -1,10 +1,13 @@
 """The megatron actor trains a gpt-oss model (`tiny-gptoss`: attention sinks, a sliding-window then a
 full-attention layer, YaRN, biases on attention, router and experts, the clamped SwiGLU) as the FSDP
-actor does: at ep=1, with the experts split over 2 expert-parallel ranks and at tp=2 (sequence
-parallel, experts whole on each rank: expert_tensor_parallel_size=1) and on 2 pipeline stages, one
-PPO update on 2 ranks
-gives the single-process FSDP update on the whole batch (its packed, remove-padding forward):
-losses, gradient norms and every weight, the sinks and biases included."""
+actor does: at ep=1, with the experts split over 2 expert-parallel ranks, at tp=2 (sequence
+parallel, experts whole on each rank: expert_tensor_parallel_size=1), on 2 pipeline stages and with
+each expert split over 2 ranks (etp=2 at tp=1 and tp=2), one PPO update on 2 ranks gives the
+single-process FSDP update on the whole batch (its packed, remove-padding forward): losses,
+gradient norms and every weight, the sinks and biases included. The router load-balancing loss is
+transformers' gpt-oss aux loss (Switch Transformer's over the softmax of all biased logits, though
+gpt-oss routes with a softmax over the top-k only), and with it on the megatron actor's logged loss
+and update equal the FSDP actor's."""
 
 from __future__ import annotations
 
@@ -93,7 +96,7 @@ def test_gpt_oss_load_balancing_loss_is_transformers_over_the_full_softmax_of_th
     assert (after_top_k - want).abs() > 1e-4  # 6e-4 here, 600x the tolerance above
 
 
-def _aux_against_fsdp_actor(rank, world_size, ep, tp, pp=1):
+def _aux_against_fsdp_actor(rank, world_size, ep, tp, pp=1, etp=1):
     from megatron.core import parallel_state as mpu
 
     from verl.workers.actor.megatron_actor import MegatronPPOActor
@@ -109,7 +112,7 @@ def _aux_against_fsdp_actor(rank, world_size, ep, tp, pp=1):
         moved_by_aux = (reference_model.state_dict()[name] - without_aux.state_dict()[name]).abs().max()
         assert moved_by_aux > 1e-4, f"the load-balancing gradient should show in {name}"  # 10x the weight tolerance
 
-    chunks = build_loaded_chunks(hf_model, ep=ep, tp=tp, pp=pp, etp=1, sequence_parallel=tp > 1)
+    chunks = build_loaded_chunks(hf_model, ep=ep, tp=tp, pp=pp, etp=etp, sequence_parallel=tp > 1)
     dp = mpu.get_data_parallel_world_size()
     params = [p for chunk in chunks for p in chunk.parameters()]
     actor = MegatronPPOActor(
@@ -119,8 +122,10 @@ def _aux_against_fsdp_actor(rank, world_size, ep, tp, pp=1):
     _update_and_compare(actor, chunks, hf_model, data, want_metrics, reference_model, dp, True)
 
 
-@pytest.mark.parametrize("ep,tp,pp", [(1, 1, 1), (2, 1, 1), (1, 2, 1), (1, 1, 2)])
-def test_megatron_gpt_oss_load_balancing_loss_and_update_equal_the_fsdp_actor(ep, tp, pp):
+# tp and pp add nothing family-specific to the term (test_megatron_actor_moe.py covers them on tiny-moe)
+@pytest.mark.parametrize("ep,tp,pp,etp", [(1, 1, 1, 1), (2, 1, 1, 1), (1, 1, 1, 2)])
+def test_megatron_gpt_oss_load_balancing_loss_and_update_equal_the_fsdp_actor(ep, tp, pp, etp):
     """output_router_logits=true: the logged `actor/load_balancing_loss` of every micro-batch, the
-    grad norm and every weight (router weight and bias included) equal the FSDP actor's."""
-    run_distributed(_aux_against_fsdp_actor, 2, ep, tp, pp)
+    grad norm and every weight (router weight and bias included) equal the FSDP actor's, also with
+    each expert split over 2 ranks."""
+    run_distributed(_aux_against_fsdp_actor, 2, ep, tp, pp, etp)
