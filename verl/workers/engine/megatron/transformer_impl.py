@@ -129,7 +129,6 @@ class MegatronEngine(BaseEngine):
         read; the model keeps megatron's initialisation, drawn from `megatron.seed` (see
         `_build_chunks`)."""
         from verl.models.mcore import (
-            build_model_chunks,
             hf_to_mcore_config,
             load_hf_state_dict,
             megatron_dtypes,
@@ -170,18 +169,17 @@ class MegatronEngine(BaseEngine):
                     f"megatron.override_transformer_config.{key}: megatron's TransformerConfig has no field {key!r}"
                 )
             setattr(tf_config, key, value)
-        self.chunks = self._build_chunks(build_model_chunks, tf_config, meg.seed, random_init=not load_weight)
+        self.chunks = self._build_chunks(tf_config, meg.seed, random_init=not load_weight)
         set_compute_dtype(self.chunks, compute_dtype)
-        if not load_weight:
-            pass  # megatron's initialisation stays (upstream's load_weight=false)
-        elif meg.use_dist_checkpointing:
+        # load_weight=false (upstream's key): megatron's seeded initialisation stays, nothing is read
+        if load_weight and meg.use_dist_checkpointing:
             if sequence_classifier:
                 raise ValueError(
                     "reward_model.megatron.use_dist_checkpointing=true: a reward model's score head comes from its HF "
                     "checkpoint; set it to false"
                 )
             self._load_dist_checkpoint(meg)
-        else:
+        elif load_weight:
             if sequence_classifier:
                 loader = load_sequence_classifier
             else:
@@ -251,11 +249,13 @@ class MegatronEngine(BaseEngine):
             lora_config=self.lora_config,
         )
 
-    def _build_chunks(self, build_model_chunks, tf_config, seed: int, random_init: bool) -> list:
+    def _build_chunks(self, tf_config, seed: int, random_init: bool) -> list:
         """This rank's chunks. With `random_init` their initial weights are the model: megatron draws
         each full weight on the host (`use_cpu_initialization`) and keeps this rank's shard, so the
         build runs from `seed` on every rank (data-parallel replicas, and the reference next to the
         actor, start from the same weights), without disturbing the process's random stream."""
+        from verl.models.mcore import build_model_chunks
+
         if not random_init:
             return build_model_chunks(self.hf_config, tf_config, value_head=self.value_head)
         with torch.random.fork_rng(devices=[]):
