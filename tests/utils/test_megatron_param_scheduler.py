@@ -128,3 +128,10 @@ def test_the_flag_refuses_a_checkpoint_without_schedule_settings():
     scheduler.use_checkpoint_settings = True
     with pytest.raises(ValueError, match="holds no settings.*use_checkpoint_opt_param_scheduler=false"):
         scheduler.load_state_dict(lr_only.state_dict())
+
+
+def test_override_optimizer_configs_lr_and_weight_decay_are_the_schedules():
+    section = dict(lr=1.0, weight_decay=0.1, override_optimizer_config={"lr": 0.5, "weight_decay": 0.02})
+    optimizer = _optimizer()
+    MegatronParamScheduler(optimizer, section)
+    assert (optimizer.param_groups[0]["lr"], optimizer.param_groups[0]["weight_decay"]) == (0.5, 0.02)

@@ -465,6 +465,9 @@ class MegatronParamScheduler(LRScheduler):
 
     def __init__(self, optimizer: torch.optim.Optimizer, optim_config, use_checkpoint_settings: bool = False):
         self.settings = {k: _plain(_get(optim_config, k)) for k in SCHEDULE_KEYS if _has(optim_config, k)}
+        # the optimizer was built with override_optimizer_config's lr / weight_decay where it sets them
+        overrides = _get(optim_config, "override_optimizer_config") or {}
+        self.settings.update({k: float(overrides[k]) for k in ("lr", "weight_decay") if k in overrides})
         self.use_checkpoint_settings = bool(use_checkpoint_settings)
         self._use(self.settings)
         super().__init__(optimizer)
