@@ -269,22 +269,16 @@ class MegatronEngine(BaseEngine):
         return chunks
 
     def _freeze_routers(self, model_path) -> None:
-        """`override_mcore_model_config.moe_config.freeze_moe_router`: every mixture-of-experts router's
-        weight (and bias) gets no gradient, hence no optimizer state and no update, as upstream's
-        `freeze_moe_router` hook does (a sigmoid router's correction bias is a buffer, fixed anyway)."""
-        from megatron.core.transformer.moe.router import TopKRouter
+        """`override_mcore_model_config.moe_config.freeze_moe_router` (`verl.models.mcore.moe.freeze_routers`),
+        refused on a dense model, where it would change nothing."""
+        from verl.models.mcore.moe import freeze_routers
 
         if not self.chunks[0].config.num_moe_experts:
             raise ValueError(
                 "megatron.override_mcore_model_config.moe_config.freeze_moe_router=true, but the model at "
                 f"{model_path} is dense (no mixture-of-experts router to freeze); remove the option"
             )
-        routers = [m for chunk in self.chunks for m in chunk.modules() if isinstance(m, TopKRouter)]
-        for router in routers:  # a pipeline stage of dense layers only may hold none
-            for name in ("weight", "bias"):
-                param = getattr(router, name, None)
-                if isinstance(param, torch.nn.Parameter):
-                    param.requires_grad_(False)
+        freeze_routers(self.chunks)  # a pipeline stage of dense layers only holds none
 
     def _load_dist_checkpoint(self, meg: McoreEngineConfig) -> None:
         """Weights from `megatron.dist_checkpointing_path` instead of the HF checkpoint (each rank reads
