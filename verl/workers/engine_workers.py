@@ -304,6 +304,10 @@ class ActorRolloutRefWorker(Worker, DistProfilerExtension):
         """The reference policy's engine section."""
         raise NotImplementedError(f"{type(self).__name__} names no reference engine section")
 
+    def _engine_options(self, role: str) -> dict:
+        """Keyword arguments of this backend's engine for `role` (actor, ref) beyond the shared ones."""
+        return {}
+
     def _make_actor(self, engine: BaseEngine, trains: bool):
         """The actor logic (log-probs, entropy, policy update) around `engine`; without `trains`, a
         log-prob scorer (the reference policy) that cannot update the weights."""
@@ -331,6 +335,7 @@ class ActorRolloutRefWorker(Worker, DistProfilerExtension):
             self.actor_config.optim,
             self.actor_config.checkpoint,
             self.tokenizer,
+            **self._engine_options("actor"),
         )
         return engine, self._make_actor(engine, trains=True)
 
@@ -340,7 +345,13 @@ class ActorRolloutRefWorker(Worker, DistProfilerExtension):
             # the frozen base under the adapters is the initial policy: no second copy of the weights
             engine = self.actor_model
         else:
-            engine = EngineRegistry.new("language_model", self.strategy, self.model_config, self._ref_engine_config())
+            engine = EngineRegistry.new(
+                "language_model",
+                self.strategy,
+                self.model_config,
+                self._ref_engine_config(),
+                **self._engine_options("ref"),
+            )
         # Only compute_log_prob is used, which reads the actor's model-side keys (remove padding, ...).
         return engine, self._make_actor(engine, trains=False)
 
@@ -592,6 +603,10 @@ class CriticWorker(Worker, DistProfilerExtension):
     def _register_outputs(self) -> None:
         """As `ActorRolloutRefWorker._register_outputs`."""
 
+    def _engine_options(self) -> dict:
+        """Keyword arguments of this backend's value engine beyond the shared ones."""
+        return {}
+
     def _data_parallel_size(self) -> int:
         engine_cls = EngineRegistry.get_engine_cls("value_model", self.strategy)
         dp_size = engine_cls.init_parallel(self._engine_config())
@@ -603,7 +618,14 @@ class CriticWorker(Worker, DistProfilerExtension):
         """(engine, critic) of the value model."""
         cfg = self.critic_config
         engine = EngineRegistry.new(
-            "value_model", self.strategy, cfg.model, self._engine_config(), cfg.optim, cfg.checkpoint, self.tokenizer
+            "value_model",
+            self.strategy,
+            cfg.model,
+            self._engine_config(),
+            cfg.optim,
+            cfg.checkpoint,
+            self.tokenizer,
+            **self._engine_options(),
         )
         return engine, self._make_critic(engine)
 

@@ -668,3 +668,43 @@ def test_agent_loop_config_path_is_read_at_start_up_and_names_the_default_loop(d
         validate_ppo_config(with_(defaults, actor_rollout_ref__rollout__agent__default_agent_loop="math_expression"))
     # an import path is taken as given (imported when the worker builds the loop)
     validate_ppo_config(with_(defaults, actor_rollout_ref__rollout__agent__default_agent_loop="my_pkg.agents.MyLoop"))
+
+
+def test_megatron_load_weight_false_is_accepted_when_actor_and_reference_agree(megatron_defaults):
+    cfg = with_(
+        megatron_defaults,
+        actor_rollout_ref__actor__use_kl_loss=True,
+        actor_rollout_ref__actor__load_weight=False,
+        actor_rollout_ref__ref__load_weight=False,
+    )
+    validate_ppo_config(cfg)
+    msg = error_of(with_(cfg, actor_rollout_ref__ref__load_weight=True))
+    assert "actor_rollout_ref.ref.load_weight=True differs from actor_rollout_ref.actor.load_weight=False" in msg
+
+
+def test_load_weight_false_outside_the_megatron_engines_is_refused(defaults):
+    cfg = with_(defaults, actor_rollout_ref__actor__use_kl_loss=True)
+    cfg["actor_rollout_ref"]["ref"]["load_weight"] = False
+    assert "actor_rollout_ref.ref.load_weight=False is read by the megatron backend only" in error_of(cfg)
+    cfg = with_(defaults, reward_model__enable=True, reward_model__load_weight=False)
+    cfg["reward_model"]["model"]["path"] = cfg["actor_rollout_ref"]["model"]["path"]
+    assert "reward_model.load_weight=False is read with reward_model.strategy=megatron only" in error_of(cfg)
+
+
+@pytest.mark.parametrize(
+    "override, match",
+    [
+        ({"moe_config": {"freeze_moe_router": True}}, None),
+        ({"num_layers": 3}, "override_mcore_model_config has num_layers: the only option it holds is moe_config"),
+        ({"moe_config": {"freeze_router": True}}, "has moe_config.freeze_router"),
+        ({"moe_config": {"freeze_moe_router": "yes"}}, "freeze_moe_router='yes' must be true or false"),
+    ],
+)
+def test_override_mcore_model_config_holds_upstreams_one_option(override, match):
+    from verl.workers.config import McoreEngineConfig
+
+    if match is None:
+        assert McoreEngineConfig(override_mcore_model_config=override).override_mcore_model_config == override
+    else:
+        with pytest.raises(ValueError, match=match):
+            McoreEngineConfig(override_mcore_model_config=override)

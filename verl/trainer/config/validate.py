@@ -321,6 +321,31 @@ def _is_megatron(strategy: str) -> bool:
     return strategy == "megatron"
 
 
+def _check_load_weight(c: dict, actor_meg: bool, rm_meg: bool, errors: list[str]) -> None:
+    """`load_weight=false` (random initialisation) is read by the megatron engines only, and the
+    reference policy, being the initial policy, starts the way the actor does."""
+    arr = c["actor_rollout_ref"]
+    ref_loads = arr["ref"].get("load_weight", True)
+    if need_reference_policy(c):
+        if not actor_meg and ref_loads is not True:
+            errors.append(
+                f"actor_rollout_ref.ref.load_weight={ref_loads} is read by the megatron backend only (the FSDP "
+                "reference always loads model.path); remove it or use the megatron actor"
+            )
+        elif actor_meg and ref_loads != arr["actor"].get("load_weight", True):
+            errors.append(
+                f"actor_rollout_ref.ref.load_weight={ref_loads} differs from actor_rollout_ref.actor.load_weight="
+                f"{arr['actor'].get('load_weight', True)}: the reference policy is the initial policy, so it starts "
+                "as the actor does (with both false, from the same seeded random weights); set them equal"
+            )
+    rm = c["reward_model"]
+    if rm["enable"] and not rm_meg and rm.get("load_weight", True) is not True:
+        errors.append(
+            f"reward_model.load_weight={rm.get('load_weight')} is read with reward_model.strategy=megatron only (the "
+            f"{rm['strategy']} reward model always loads model.path); remove it or set reward_model.strategy=megatron"
+        )
+
+
 def _check_megatron(c: dict, errors: list[str]):
     """strategy=megatron: the package is there, the layout fits the ranks, actor and reference agree."""
     arr = c["actor_rollout_ref"]
@@ -333,6 +358,7 @@ def _check_megatron(c: dict, errors: list[str]):
             f"{arr['actor']['strategy']}: the reference policy lives in the actor's workers and uses its backend; "
             "leave ref.strategy at its default (the actor's)"
         )
+    _check_load_weight(c, actor_meg, rm_meg, errors)
     if not (actor_meg or critic_meg or rm_meg):
         return
     from importlib.util import find_spec

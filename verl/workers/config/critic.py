@@ -134,4 +134,8 @@ class McoreCriticConfig(CriticConfig):
         "Megatron-core parallelism (strategy megatron).", default_factory=McoreEngineConfig
     )
     nccl_timeout: int = doc("Megatron: seconds a collective may wait.", default=600)
-    load_weight: bool = doc("Megatron: load the HF weights.", status=UNSUPPORTED, neutral=True, default=True)
+    load_weight: bool = doc(
+        "Megatron: start from the weights at model.path (or megatron.dist_checkpointing_path); false: megatron's "
+        "random initialisation, seeded by megatron.seed, the value head normal with std init_method_std.",
+        default=True,
+    )

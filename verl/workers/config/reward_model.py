@@ -222,7 +222,10 @@ class RewardModelConfig(BaseConfig):
     )
     nccl_timeout: int = doc("Megatron: seconds a collective may wait.", optional=True, default=600)
     load_weight: bool = doc(
-        "Megatron: load the HF weights.", status=UNSUPPORTED, neutral=True, optional=True, default=True
+        "Megatron: start from the weights at model.path; false: megatron's random initialisation (seeded by "
+        "megatron.seed), no weights read. Read with strategy=megatron only.",
+        optional=True,
+        default=True,
     )
     use_reward_loop: bool = doc(
         "Upstream computes rewards in its reward loop (true) or in the driver (false); the rewards are the same. "
