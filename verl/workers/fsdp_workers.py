@@ -9,6 +9,7 @@ reward model is a plain HF sequence classifier replicated on each rank.
 
 LoRA (`model.lora_rank > 0` or `model.lora_adapter_path`, see `verl.utils.lora`) exists on this
 backend only: the reference policy is then the actor's own engine with its adapters switched off.
+The critic's (`critic.model.lora_rank > 0`) trains adapters and its value head.
 """
 
 from __future__ import annotations

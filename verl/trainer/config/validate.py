@@ -454,7 +454,29 @@ def _check_trainer(c: dict, errors: list[str], warns: list[str]):
         )
 
 
+def _check_critic_lora(c: dict, errors: list[str]):
+    """critic.model.lora_rank (the FSDP critic's peft LoRA): peft is installed and the critic is FSDP's."""
+    rank = (c["critic"]["model"] or {}).get("lora_rank", 0) or 0
+    if rank <= 0 or not need_critic(c):
+        return
+    if _is_megatron(c["critic"]["strategy"]):
+        errors.append(
+            f"critic.model.lora_rank={rank} is the FSDP critic's LoRA (peft), but critic.strategy=megatron, whose "
+            "critic has no adapters here (critic.model.lora.rank is refused too); set critic.model.lora_rank=0 or "
+            "critic.strategy=fsdp"
+        )
+        return
+    import importlib.util
+
+    if importlib.util.find_spec("peft") is None:
+        errors.append(
+            f"critic.model.lora_rank={rank} needs the peft package, which is not installed; run `pip install peft` "
+            "or set critic.model.lora_rank=0"
+        )
+
+
 def _check_lora(c: dict, errors: list[str], warns: list[str]):
+    _check_critic_lora(c, errors)
     model = c["actor_rollout_ref"]["model"]
     megatron_rank = (model.get("lora") or {}).get("rank", 0)
     if megatron_rank > 0 and not _is_megatron(c["actor_rollout_ref"]["actor"]["strategy"]):

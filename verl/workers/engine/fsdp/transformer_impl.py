@@ -116,11 +116,14 @@ class FSDPEngine(BaseEngine):
             enable_gradient_checkpointing(self.module)
         if not for_training:
             self.module.requires_grad_(False)
-        self.lora = for_training and not self.value_head and lora_enabled(model_config)
+        self.lora = for_training and lora_enabled(model_config)
         if self.lora:
             # with model.lora_adapter_path the adapters start from its weights (a meta-device rank
-            # checks their shapes only and receives them with rank 0's broadcast below)
-            self.module = apply_lora(self.module, model_config, read_adapter_weights=not on_meta)
+            # checks their shapes only and receives them with rank 0's broadcast below); a value
+            # model's head trains whole beside its adapters
+            self.module = apply_lora(
+                self.module, model_config, read_adapter_weights=not on_meta, value_head=self.value_head
+            )
         full_state = self.module.state_dict() if from_rank0 and not on_meta else None
         if trains_as_plain_replicas(fsdp, self.module):
             from verl.workers.dp_training import replicate_over_ranks
