@@ -615,7 +615,7 @@ def _model_heads(model: dict) -> tuple[int, int] | None:
     None when it is not a readable local directory (a hub id is checked when the model is built)."""
     import json
 
-    path = model.get("path")
+    path = model.get("hf_config_path") or model.get("path")  # the policy's hf_config_path replaces path's config
     file = os.path.join(os.path.expanduser(str(path)), "config.json") if path else None
     if not file or not os.path.isfile(file):
         return None
