@@ -116,3 +116,22 @@ def test_actor_reference_and_rollout_all_build_the_model_of_hf_config_path(one_p
     )
     ref = worker.compute_ref_log_prob(out).batch["ref_log_prob"]
     torch.testing.assert_close(ref.double()[mask], expected[mask], rtol=0, atol=1e-4, msg="ref")
+
+
+def _megatron_engine_builds_the_config_of_hf_config_path(rank, world_size, config_dir):
+    from tests.megatron_helpers import setup_megatron
+    from verl.workers.engine.megatron.transformer_impl import MegatronEngineWithLMHead
+
+    setup_megatron()
+    engine = MegatronEngineWithLMHead({"path": bundled_model_path(), "hf_config_path": config_dir}, {})
+    assert engine.hf_config.num_hidden_layers == 2 and engine.hf_config.rope_parameters["rope_theta"] == 500.0
+    (chunk,) = engine.chunks
+    assert len(chunk.decoder.layers) == 2
+    assert chunk.rotary_pos_emb.inv_freq[1].item() == pytest.approx(500.0 ** (-2 / 64))
+
+
+@pytest.mark.slow
+def test_the_megatron_engine_builds_the_model_of_hf_config_path(tmp_path):
+    from tests.distributed_helpers import run_distributed
+
+    run_distributed(_megatron_engine_builds_the_config_of_hf_config_path, 1, _config_dir(tmp_path / "config"))
