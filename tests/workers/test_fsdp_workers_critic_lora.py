@@ -106,9 +106,25 @@ def test_lora_critic_starts_as_the_base_critic_and_trains_only_adapters_and_valu
     torch.testing.assert_close(resumed.compute_values(data).batch["values"], updated_values, rtol=0, atol=0)
 
     # lora_adapter/ (adapters and the trained head) is what peft loads onto the base value model;
-    # huggingface/ holds the merged value model
+    # huggingface/ holds the merged value model, and so does the model merger's output
+    from verl.model_merger.__main__ import main as model_merger
+
+    merged_dir = tmp_path / "merged"
+    model_merger(
+        [
+            "merge",
+            "--backend",
+            "fsdp",
+            "--is-value-model",
+            "--local_dir",
+            str(tmp_path / "critic"),
+            "--target_dir",
+            str(merged_dir),
+        ]
+    )
     expected = updated_values.double()
     for kind, model in (
+        ("model_merger", lambda: load_valuehead_model(str(merged_dir), torch_dtype=torch.float64)),
         (
             "lora_adapter",
             lambda: PeftModel.from_pretrained(
