@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.distributed_helpers import make_ppo_batch, one_thread
+from tests.distributed_helpers import RANK_ENV, make_ppo_batch, one_thread
 from verl.models import bundled_model_path
 from verl.protocol import DataProto
 from verl.trainer.config import load_ppo_config
@@ -20,7 +20,7 @@ from verl.trainer.config import load_ppo_config
 pytestmark = pytest.mark.usefixtures(one_thread.__name__)
 
 
-def _critic_worker(lora_rank: int, seed: int = 0):
+def _critic_worker(lora_rank: int, seed: int = 0, remove_padding: bool = False):
     from verl.workers.fsdp_workers import CriticWorker
 
     cfg = load_ppo_config(
@@ -31,6 +31,7 @@ def _critic_worker(lora_rank: int, seed: int = 0):
             "critic.model.lora_alpha=8",
             "critic.model.target_modules=[q_proj,v_proj]",
             "critic.model.enable_gradient_checkpointing=false",
+            f"critic.model.use_remove_padding={remove_padding}",
             "critic.optim.lr=0.05",  # one step must move the adapters visibly
             "critic.optim.weight_decay=0.0",
             "critic.checkpoint.save_contents=[model,optimizer,extra,hf_model]",
@@ -59,57 +60,90 @@ def _state(worker) -> dict[str, torch.Tensor]:
     return {name: t.detach().clone() for name, t in worker.critic_model.module.state_dict().items()}
 
 
-def test_lora_critic_starts_as_the_base_critic_and_trains_only_adapters_and_value_head(one_process, tmp_path):
-    from peft import PeftModel
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    """A one-rank group for the module (as `one_process`), a LoRA critic after one update, its
+    checkpoint, and what the tests compare: the base critic's values, the states and values around
+    the update."""
+    import torch.distributed as dist
 
-    from verl.utils.model import load_valuehead_model
+    out = tmp_path_factory.mktemp("critic_lora")
+    with pytest.MonkeyPatch.context() as env:
+        for name in RANK_ENV:
+            env.delenv(name, raising=False)
+        env.setenv("VERL_DEVICE", "cpu")
+        try:
+            data = _batch()
+            base_values = _critic_worker(0).compute_values(data).batch["values"]
+            worker = _critic_worker(4)
+            values = worker.compute_values(data).batch["values"]
+            before = _state(worker)
+            train = _batch()
+            train.batch["values"] = values
+            g = torch.Generator().manual_seed(5)
+            train.batch["returns"] = (torch.randn(values.shape, generator=g) * train.batch["response_mask"]).float()
+            worker.update_critic(train)
+            worker.save_checkpoint(str(out / "critic"), global_step=1)
+            yield {
+                "dir": out / "critic",
+                "data": data,
+                "worker": worker,
+                "base_values": base_values,
+                "values": values,
+                "before": before,
+                "after": _state(worker),
+                "updated_values": worker.compute_values(data).batch["values"],
+            }
+        finally:
+            if dist.is_initialized():
+                dist.destroy_process_group()
 
-    data = _batch()
-    base_values = _critic_worker(0).compute_values(data).batch["values"]
-    worker = _critic_worker(4)
-    module = worker.critic_model.module
+
+def test_lora_critic_starts_as_the_base_critic_and_trains_only_adapters_and_value_head(trained):
+    module = trained["worker"].critic_model.module
     trainable = {n for n, p in module.named_parameters() if p.requires_grad}
     assert trainable and all(".lora_" in n or ".score.modules_to_save." in n for n in trainable), trainable
     assert any(".score.modules_to_save." in n for n in trainable), "the value head must train (upstream's TOKEN_CLS)"
     assert not any("score.lora_" in n for n in trainable), "the value head gets no adapter of its own"
     assert {n.split(".")[-4] for n in trainable if ".lora_" in n} == {"q_proj", "v_proj"}
 
-    values = worker.compute_values(data).batch["values"]
-    mask = data.batch["response_mask"].bool()
-    assert base_values[mask].abs().max() > 1e-3
-    torch.testing.assert_close(values, base_values, rtol=0, atol=1e-6, msg="B = 0: the LoRA critic is the base one")
-
-    before = _state(worker)
-    g = torch.Generator().manual_seed(5)
-    train = _batch()
-    train.batch["values"] = values
-    train.batch["returns"] = (torch.randn(values.shape, generator=g) * train.batch["response_mask"]).float()
-    worker.update_critic(train)
-    after = _state(worker)
+    mask = trained["data"].batch["response_mask"].bool()
+    assert trained["base_values"][mask].abs().max() > 1e-3
+    torch.testing.assert_close(
+        trained["values"], trained["base_values"], rtol=0, atol=1e-6, msg="B = 0: the LoRA critic is the base one"
+    )
+    before, after = trained["before"], trained["after"]
     changed = {n for n in before if not torch.equal(before[n], after[n])}
     assert changed, "one update must change the critic"
     assert all(".lora_" in n or ".modules_to_save." in n for n in changed), sorted(changed)
     assert any(".lora_B." in n for n in changed) and any(".modules_to_save." in n for n in changed)
-    updated_values = worker.compute_values(data).batch["values"]
-    assert (updated_values - values)[mask].abs().max() > 1e-4
+    assert (trained["updated_values"] - trained["values"])[mask].abs().max() > 1e-4
 
-    # the checkpoint restores the adapted critic exactly, in a fresh worker built from another seed
-    worker.save_checkpoint(str(tmp_path / "critic"), global_step=1)
-    resumed = _critic_worker(4, seed=1)
-    assert not torch.equal(
-        _state(resumed)["base_model.model.score.modules_to_save.default.weight"],
-        after["base_model.model.score.modules_to_save.default.weight"],
-    )
-    resumed.load_checkpoint(str(tmp_path / "critic"))
+
+def test_lora_critic_checkpoint_resumes_exactly_also_into_the_packed_forward(trained):
+    head = "base_model.model.score.modules_to_save.default.weight"
+    resumed = _critic_worker(4, seed=1)  # another fresh head, which the checkpoint replaces
+    assert not torch.equal(_state(resumed)[head], trained["after"][head])
+    resumed.load_checkpoint(str(trained["dir"]))
     for name, tensor in _state(resumed).items():
-        torch.testing.assert_close(tensor, after[name], rtol=0, atol=0, msg=name)
-    torch.testing.assert_close(resumed.compute_values(data).batch["values"], updated_values, rtol=0, atol=0)
+        torch.testing.assert_close(tensor, trained["after"][name], rtol=0, atol=0, msg=name)
+    data, updated = trained["data"], trained["updated_values"]
+    torch.testing.assert_close(resumed.compute_values(data).batch["values"], updated, rtol=0, atol=0)
+    # the packed (remove-padding) forward of the peft-wrapped critic gives the same values
+    packed = _critic_worker(4, remove_padding=True)
+    packed.load_checkpoint(str(trained["dir"]))
+    torch.testing.assert_close(packed.compute_values(data).batch["values"], updated, rtol=0, atol=1e-5)
 
-    # lora_adapter/ (adapters and the trained head) is what peft loads onto the base value model;
-    # huggingface/ holds the merged value model, and so does the model merger's output
+
+def test_lora_critic_adapter_hf_weights_and_model_merger_give_the_trained_values(trained, tmp_path):
+    """lora_adapter/ (adapters and the trained head) is what peft loads onto the base value model;
+    huggingface/ holds the merged value model, and so does the model merger's output."""
+    from peft import PeftModel
+
     from verl.model_merger.__main__ import main as model_merger
+    from verl.utils.model import load_valuehead_model
 
-    merged_dir = tmp_path / "merged"
+    ckpt = trained["dir"]
     model_merger(
         [
             "merge",
@@ -117,27 +151,23 @@ def test_lora_critic_starts_as_the_base_critic_and_trains_only_adapters_and_valu
             "fsdp",
             "--is-value-model",
             "--local_dir",
-            str(tmp_path / "critic"),
+            str(ckpt),
             "--target_dir",
-            str(merged_dir),
+            str(tmp_path / "merged"),
         ]
     )
-    expected = updated_values.double()
-    for kind, model in (
-        ("model_merger", lambda: load_valuehead_model(str(merged_dir), torch_dtype=torch.float64)),
-        (
-            "lora_adapter",
-            lambda: PeftModel.from_pretrained(
-                load_valuehead_model(bundled_model_path(), torch_dtype=torch.float64),
-                str(tmp_path / "critic" / "lora_adapter"),
-            ),
-        ),
-        (
-            "huggingface",
-            lambda: load_valuehead_model(str(tmp_path / "critic" / "huggingface"), torch_dtype=torch.float64),
-        ),
+    data, expected = trained["data"], trained["updated_values"].double()
+    mask = data.batch["response_mask"].bool()
+
+    def base():
+        return load_valuehead_model(bundled_model_path(), torch_dtype=torch.float64)
+
+    for kind, load in (
+        ("lora_adapter", lambda: PeftModel.from_pretrained(base(), str(ckpt / "lora_adapter"))),
+        ("huggingface", lambda: load_valuehead_model(str(ckpt / "huggingface"), torch_dtype=torch.float64)),
+        ("model_merger", lambda: load_valuehead_model(str(tmp_path / "merged"), torch_dtype=torch.float64)),
     ):
-        model = model().eval()
+        model = load().eval()
         with torch.no_grad():
             for i in range(len(data)):
                 ids = data.batch["input_ids"][i][data.batch["attention_mask"][i].bool()]
