@@ -682,7 +682,8 @@ def _check_ulysses(c: dict, errors: list[str]):
             if h % sp or (kv % sp and sp % kv):
                 ok = [d for d in range(1, h + 1) if h % d == 0 and (kv % d == 0 or d % kv == 0)]
                 errors.append(
-                    f"{prefix}.{_SP}={sp} cannot split the attention heads of {model.get('path')} "
+                    f"{prefix}.{_SP}={sp} cannot split the attention heads of "
+                    f"{model.get('hf_config_path') or model.get('path')} "
                     f"(num_attention_heads={h}, num_key_value_heads={kv}): each sequence-parallel rank takes an "
                     f"equal share, so the heads must be a multiple of {sp} and the key/value heads a multiple or a "
                     f"divisor of it; use one of {ok}"
