@@ -219,14 +219,10 @@ def apply_lora(
     adapters are fresh (the critic has no adapter path), and its value head trains whole beside
     them, as upstream's FSDP critic (peft's TOKEN_CLS task).
     """
-    from peft import get_peft_model
-
     if value_head:
         config = build_lora_config(model_cfg, value_head=True)
         try:
-            with warnings.catch_warnings():  # peft calls a transformers method deprecated in v5
-                warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing", category=FutureWarning)
-                peft_model = get_peft_model(model, config)
+            peft_model = _get_peft_model(model, config)
         except ValueError as e:
             raise ValueError(
                 f"cannot apply LoRA with target_modules={config.target_modules!r} to the value model "
@@ -244,9 +240,7 @@ def apply_lora(
     config = lora_config_from_adapter(adapter_path) if adapter_path else build_lora_config(model_cfg)
     model_name = model_cfg.get("path") or getattr(model.config, "_name_or_path", "") or type(model).__name__
     try:
-        with warnings.catch_warnings():  # peft calls a transformers method deprecated in v5
-            warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing", category=FutureWarning)
-            peft_model = get_peft_model(model, config)
+        peft_model = _get_peft_model(model, config)
     except ValueError as e:  # e.g. no module matched target_modules
         if adapter_path:
             raise ValueError(
@@ -264,6 +258,14 @@ def apply_lora(
     if adapter_path:
         load_adapter_weights(peft_model, adapter_path, model_name, read=read_adapter_weights)
     return peft_model
+
+
+def _get_peft_model(model: torch.nn.Module, config):
+    from peft import get_peft_model
+
+    with warnings.catch_warnings():  # peft calls a transformers method deprecated in v5
+        warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing", category=FutureWarning)
+        return get_peft_model(model, config)
 
 
 def load_adapter_weights(peft_model, path: str, model_name: str, read: bool = True) -> None:
