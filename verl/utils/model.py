@@ -85,7 +85,8 @@ def _default_attn_implementation(auto_cls, config) -> str:
     return choice if getattr(model_cls, flag, True) else "eager"
 
 
-# files of `hf_config_path` that replace `path`'s: the config, the generation config, remote code
+# files of `path` that `hf_config_path` always replaces (left out where it has none); its `*.py` replace
+# `path`'s of the same name
 _CONFIG_FILES = ("config.json", "generation_config.json")
 
 
