@@ -364,11 +364,14 @@ class ActorRolloutRefWorker(Worker, DistProfilerExtension):
         if "actor" in self.parts:
             self.actor_model, self.actor = self._build_actor()
         if "rollout" in self.parts and self.is_collect:
+            from verl.utils.model import model_dir_with_config
             from verl.workers.rollout import get_rollout_class
             from verl.workers.rollout.wrapper import wrap_rollout
 
             rollout_cls = get_rollout_class(cfg.rollout.name)
-            engine = rollout_cls(cfg.model.path, config=cfg.rollout, tokenizer=self.tokenizer)
+            # model.hf_config_path: the engine reads that config.json with the weights of model.path
+            model_dir = model_dir_with_config(self.model_config.path, self.model_config.hf_config_path)
+            engine = rollout_cls(model_dir, config=cfg.rollout, tokenizer=self.tokenizer)
             # agent loops (tool calls, or the loops a config file registers) over the same engine when the
             # config runs them; weight sync and sleep pass through
             self.rollout = wrap_rollout(

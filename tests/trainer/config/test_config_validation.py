@@ -154,9 +154,21 @@ def test_straight_through_kl_estimators_are_valid(defaults):
 
 
 def test_unimplemented_feature_is_refused_not_ignored(defaults):
-    msg = error_of(with_(defaults, critic__model__lora_rank=16))
-    assert "critic.model.lora_rank=16 is not implemented" in msg
-    assert "keep critic.model.lora_rank=0" in msg
+    msg = error_of(with_(defaults, critic__checkpoint__async_save=True))
+    assert "critic.checkpoint.async_save=true is not implemented" in msg
+    assert "keep critic.checkpoint.async_save=false" in msg
+
+
+def test_critic_lora_is_accepted_on_fsdp_and_refused_with_a_megatron_critic(defaults):
+    validate_ppo_config(with_(defaults, algorithm__adv_estimator="gae", critic__model__lora_rank=16))
+    msg = error_of(
+        with_(defaults, algorithm__adv_estimator="gae", critic__model__lora_rank=16, critic__strategy="megatron")
+    )
+    assert "critic.model.lora_rank=16 is the FSDP critic's LoRA (peft), but critic.strategy=megatron" in msg
+    msg = error_of(
+        with_(defaults, algorithm__adv_estimator="gae", critic__model__lora_rank=8, critic__model__lora_alpha=0)
+    )
+    assert "critic.model.lora_alpha=0 must be positive" in msg
 
 
 def test_actor_lora_is_accepted(defaults):

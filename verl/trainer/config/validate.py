@@ -480,7 +480,29 @@ def _check_trainer(c: dict, errors: list[str], warns: list[str]):
         )
 
 
+def _check_critic_lora(c: dict, errors: list[str]):
+    """critic.model.lora_rank (the FSDP critic's peft LoRA): peft is installed and the critic is FSDP's."""
+    rank = (c["critic"]["model"] or {}).get("lora_rank", 0) or 0
+    if rank <= 0 or not need_critic(c):
+        return
+    if _is_megatron(c["critic"]["strategy"]):
+        errors.append(
+            f"critic.model.lora_rank={rank} is the FSDP critic's LoRA (peft), but critic.strategy=megatron, whose "
+            "critic has no adapters here (critic.model.lora.rank is refused too); set critic.model.lora_rank=0 or "
+            "critic.strategy=fsdp"
+        )
+        return
+    import importlib.util
+
+    if importlib.util.find_spec("peft") is None:
+        errors.append(
+            f"critic.model.lora_rank={rank} needs the peft package, which is not installed; run `pip install peft` "
+            "or set critic.model.lora_rank=0"
+        )
+
+
 def _check_lora(c: dict, errors: list[str], warns: list[str]):
+    _check_critic_lora(c, errors)
     model = c["actor_rollout_ref"]["model"]
     megatron_rank = (model.get("lora") or {}).get("rank", 0)
     if megatron_rank > 0 and not _is_megatron(c["actor_rollout_ref"]["actor"]["strategy"]):
@@ -619,7 +641,7 @@ def _model_heads(model: dict) -> tuple[int, int] | None:
     None when it is not a readable local directory (a hub id is checked when the model is built)."""
     import json
 
-    path = model.get("path")
+    path = model.get("hf_config_path") or model.get("path")  # the policy's hf_config_path replaces path's config
     file = os.path.join(os.path.expanduser(str(path)), "config.json") if path else None
     if not file or not os.path.isfile(file):
         return None
@@ -686,7 +708,8 @@ def _check_ulysses(c: dict, errors: list[str]):
             if h % sp or (kv % sp and sp % kv):
                 ok = [d for d in range(1, h + 1) if h % d == 0 and (kv % d == 0 or d % kv == 0)]
                 errors.append(
-                    f"{prefix}.{_SP}={sp} cannot split the attention heads of {model.get('path')} "
+                    f"{prefix}.{_SP}={sp} cannot split the attention heads of "
+                    f"{model.get('hf_config_path') or model.get('path')} "
                     f"(num_attention_heads={h}, num_key_value_heads={kv}): each sequence-parallel rank takes an "
                     f"equal share, so the heads must be a multiple of {sp} and the key/value heads a multiple or a "
                     f"divisor of it; use one of {ok}"

@@ -139,6 +139,7 @@ class MegatronEngine(BaseEngine):
             load_model_config,
             load_sequence_classifier,
             load_valuehead_model,
+            model_dir_with_config,
         )
 
         for_training = optimizer_config is not None
@@ -150,7 +151,9 @@ class MegatronEngine(BaseEngine):
         overrides = plain_section(model_config.override_config)
         # a value model's saved config says one output, as the FSDP critic's does
         config_overrides = {"num_labels": 1, **(overrides or {})} if value_head else overrides
-        self.hf_config = load_model_config(model_config.path, trust, config_overrides)
+        # the policy's model.hf_config_path: its config.json over the weights of path
+        model_dir = model_dir_with_config(model_config.path, getattr(model_config, "hf_config_path", None))
+        self.hf_config = load_model_config(model_dir, trust, config_overrides)
         mtp = _mtp_section(model_config, self.hf_config, for_training and not value_head)
         # fp32 parameters, the forward autocast to a 16-bit dtype (see verl.models.mcore.config)
         param_dtype, compute_dtype = megatron_dtypes(meg.dtype, for_training)
@@ -184,7 +187,7 @@ class MegatronEngine(BaseEngine):
                 loader = load_sequence_classifier
             else:
                 loader = load_valuehead_model if value_head else load_causal_lm
-            hf_model = loader(model_config.path, trust_remote_code=trust, override_config=overrides)
+            hf_model = loader(model_dir, trust_remote_code=trust, override_config=overrides)
             state = {k: v for k, v in hf_model.state_dict().items()}
             if sequence_classifier and "score.bias" not in state:
                 state["score.bias"] = torch.zeros(1, dtype=state["score.weight"].dtype)
@@ -194,7 +197,7 @@ class MegatronEngine(BaseEngine):
             if mtp is not None:
                 from verl.models.mcore.mtp_weights import load_mtp_state_dict
 
-                load_mtp_state_dict(self.chunks, model_config.path, state, self.hf_config)
+                load_mtp_state_dict(self.chunks, model_dir, state, self.hf_config)
             del hf_model, state
         if for_training and freeze_moe_router(meg.override_mcore_model_config):
             self._freeze_routers(model_config.path)
