@@ -25,7 +25,6 @@ from verl.workers.config._fields import (
     LOSS_AGG_MODES,
     STRATEGIES,
     STRATEGIES_NOT_IN_THIS_BUILD,
-    UNSUPPORTED,
     doc,
 )
 from verl.workers.config.checkpoint import CheckpointConfig
