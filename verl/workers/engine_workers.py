@@ -52,6 +52,7 @@ from verl.utils.speed_paths import merge as merge_speed_paths
 from verl.utils.ulysses import SP_KEY
 from verl.workers.config import ActorConfig, CriticConfig, HFModelConfig, RefConfig, RewardModelConfig, RolloutConfig
 from verl.workers.engine import BaseEngine, EngineRegistry
+from verl.workers.rollout_weights import PendingWeights, rollout_dtype, sync_rollout_weights
 from verl.workers.ulysses_rows import UlyssesRows, scale_token_budgets
 
 if TYPE_CHECKING:
@@ -190,50 +191,6 @@ def policy_uses_fused_kernels(model: HFModelConfig, actor: ActorConfig) -> bool:
     if fused:
         check_fused_backend(model.fused_kernel_options)
     return fused
-
-
-def rollout_dtype(rollout_cfg) -> torch.dtype:
-    """The dtype the rollout engine holds its weights in (`rollout.dtype`; auto: bf16 on an
-    accelerator, fp32 on CPU): what weight sync casts to before gathering and sending."""
-    from verl.workers.rollout.native.engine import resolve_dtype
-
-    return resolve_dtype(omega_conf_to_dataclass(rollout_cfg, RolloutConfig).dtype, dev.get_device())
-
-
-def sync_rollout_weights(engine: BaseEngine, rollout, dtype: torch.dtype) -> None:
-    """The hybrid engine's weight sync: the trained model's full weights, cast to the rollout's
-    `dtype` shard by shard, streamed into `rollout` (woken up first). Every rank calls it (the
-    gathers are collectives); a rank without an engine (`rollout` None) only takes part in them.
-    `engine` is the actor's training engine (`verl.workers.engine.BaseEngine`)."""
-    with engine.on_device():
-        params = engine.get_per_tensor_param(dtype)
-        if rollout is None:
-            for _ in params:
-                pass
-        else:
-            rollout.wake_up()
-            rollout.update_weights(params)
-
-
-class _PendingWeights:
-    """A rollout-only worker's `WeightRefresh` for partial rollouts (see `HFRollout`): newer weights are
-    pending once the trainer has announced a version newer than the one this worker holds."""
-
-    def __init__(self, worker: ActorRolloutRefWorker):
-        self.worker = worker
-
-    @property
-    def version(self) -> int:
-        return self.worker.weight_version
-
-    def pending(self) -> bool:
-        latest = self.worker._weight_receiver.latest_version()
-        received = self.worker._received_version
-        return latest is not None and (received is None or latest > received)
-
-    def load(self) -> int:
-        self.worker._load_weight_version(self.worker._weight_receiver.latest_version())
-        return self.version
 
 
 class ActorRolloutRefWorker(Worker, DistProfilerExtension):
@@ -477,7 +434,7 @@ class ActorRolloutRefWorker(Worker, DistProfilerExtension):
         self._need("rollout", "init_weight_sync")
         store = connect_store(host, port, timeout_s)
         self._weight_receiver = WeightReceiver(store, self.rank + 1, world_size, timeout_s)
-        self.rollout.weight_refresh = _PendingWeights(self)  # engines without partial rollouts ignore it
+        self.rollout.weight_refresh = PendingWeights(self)  # engines without partial rollouts ignore it
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL, blocking=False)
     def send_weights(self, version: int) -> dict[str, float]:
