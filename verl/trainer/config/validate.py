@@ -53,6 +53,7 @@ from verl.trainer.config.validate_batches import (
 from verl.trainer.config.validate_experts import check_megatron_experts, check_rollout_experts
 from verl.trainer.config.validate_mtp import check_mtp
 from verl.trainer.config.validate_router_replay import _check_router_replay
+from verl.utils.checkpoint.checkpoint_manager import remote_checkpoint_dir_problem
 from verl.utils.config import omega_conf_to_dataclass
 
 # ------------------------------------------------------------------------------- cross-key rules
@@ -454,6 +455,24 @@ def _check_trainer(c: dict, errors: list[str], warns: list[str]):
         )
 
 
+def _check_checkpoints(c: dict, errors: list[str]):
+    """checkpoint.async_save on a backend that writes in the background; a default_hdfs_dir the
+    driver can copy to (a local path, file:// or hdfs:// with the `hdfs` command on PATH)."""
+    roles = [("actor_rollout_ref.actor", c["actor_rollout_ref"]["actor"])]
+    if need_critic(c):
+        roles.append(("critic", c["critic"]))
+    for prefix, section in roles:
+        if section["checkpoint"]["async_save"] and _is_megatron(section["strategy"]):
+            errors.append(
+                f"{prefix}.checkpoint.async_save=true: background checkpoint writes are implemented for "
+                f"strategy=fsdp only, and {prefix}.strategy=megatron; set {prefix}.checkpoint.async_save=false"
+            )
+    remote = c["trainer"]["default_hdfs_dir"]
+    problem = remote_checkpoint_dir_problem(str(remote)) if remote else None
+    if problem:
+        errors.append(f"trainer.default_hdfs_dir={remote}: {problem}")
+
+
 def _check_lora(c: dict, errors: list[str], warns: list[str]):
     model = c["actor_rollout_ref"]["model"]
     megatron_rank = (model.get("lora") or {}).get("rank", 0)
@@ -715,6 +734,7 @@ def validate_ppo_config(cfg: DictConfig | dict) -> None:
     _check_not_implemented(c, errors)
     _check_role_engine_batch_keys(c, errors)
     _check_trainer(c, errors, warns)
+    _check_checkpoints(c, errors)
     _check_lora(c, errors, warns)
     _check_async_training(c, errors)
     _check_ulysses(c, errors)
