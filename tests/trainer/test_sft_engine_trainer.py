@@ -245,7 +245,14 @@ def test_megatron_engine_at_tp1_trains_to_the_fsdp_engines_losses(assets):
         ("trainer.resume_mode=latest", r"^trainer.resume_mode='latest' is not one of"),
         ("data.balance_dp_token=true", r"^data.balance_dp_token=True: balancing tokens"),
         ("trainer.save_freq=often", r"^trainer.save_freq='often' must be an integer"),
-        ("trainer.default_hdfs_dir=hdfs://x", r"^trainer.default_hdfs_dir='hdfs://x': copying checkpoints to HDFS"),
+        (
+            "trainer.default_hdfs_dir=hdfs://x",
+            r"^trainer.default_hdfs_dir='hdfs://x': copying checkpoints to HDFS runs",
+        ),
+        (
+            "checkpoint.async_save=true",
+            r"^checkpoint.async_save=true: this SFT trainer writes checkpoints synchronously",
+        ),
         ("engine.ulysses_sequence_parallel_size=2", r"^engine.ulysses_sequence_parallel_size=2 is not implemented"),
         ("engine.max_token_len_per_gpu=99", r"^engine.max_token_len_per_gpu=99: .* set data.max_token_len_per_gpu$"),
         ("engine.fsdp_sise=2", r"^unknown config key 'engine.fsdp_sise'.* Did you mean engine.fsdp_size\?"),

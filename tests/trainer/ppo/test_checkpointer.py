@@ -123,7 +123,7 @@ def test_async_save_moves_the_tracker_only_once_every_group_has_finished_writing
     actor, critic = BackgroundWorkerGroup(), BackgroundWorkerGroup()
     ckpt = Checkpointer(_cfg(tmp_path, max_actor_ckpt_to_keep=1), actor, critic, async_save=True)
     ckpt.save(1, {"global_steps": 1})
-    assert _tracker(tmp_path) is None and (tmp_path / "global_step_1" / "data.pt").exists()
+    assert _tracker(tmp_path) is None and not (tmp_path / "global_step_1" / "data.pt").exists()
     assert not ckpt.finish_pending(wait=False)  # nothing written yet
     actor.complete()
     assert not ckpt.finish_pending(wait=False) and _tracker(tmp_path) is None  # the critic is still writing

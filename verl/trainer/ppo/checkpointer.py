@@ -6,8 +6,8 @@ worker groups whose state it writes. It never sees the trainer object, so it can
 any object that has `save_checkpoint(dir, step, max_to_keep)` / `load_checkpoint(dir)`.
 
 Layout (upstream's): `<default_local_dir>/global_step_N/{actor,critic,data.pt}` plus
-`latest_checkpointed_iteration.txt`. `data.pt` is written to a temporary name and renamed, and the
-tracker file is written last, so a crash during a save leaves the previous checkpoint the one
+`latest_checkpointed_iteration.txt`. `data.pt` is written to a temporary name and renamed once
+the workers' parts are on disk, and the tracker file is written last, so a crash during a save leaves the previous checkpoint the one
 resumed from. What goes into `data.pt` (dataloader position, RNG states, KL coefficient, queued
 async groups) is the caller's business: the checkpointer stores and returns that dict unchanged.
 
@@ -66,6 +66,7 @@ class Checkpointer:
         self.critic_wg = critic_wg
         self.async_save = async_save
         self.pending_step: int | None = None
+        self._pending_state: dict[str, Any] | None = None
 
     @property
     def root(self) -> str:
@@ -83,14 +84,10 @@ class Checkpointer:
         self.actor_wg.save_checkpoint(os.path.join(step_dir, "actor"), step, keep_actor)
         if self.critic_wg is not None:
             self.critic_wg.save_checkpoint(os.path.join(step_dir, "critic"), step, keep_critic)
-        os.makedirs(step_dir, exist_ok=True)
-        tmp = os.path.join(step_dir, "data.pt.tmp")
-        torch.save(driver_state, tmp)
-        os.replace(tmp, os.path.join(step_dir, "data.pt"))
         if self.async_save:
-            self.pending_step = step
+            self.pending_step, self._pending_state = step, driver_state
         else:
-            self._complete(step)
+            self._complete(step, driver_state)
         return step_dir
 
     def finish_pending(self, wait: bool = True) -> bool:
@@ -106,16 +103,23 @@ class Checkpointer:
             try:
                 done = wg.finish_checkpoint(wait)
             except BaseException:
-                self.pending_step = None  # never published; the previous step stays the latest
+                self.pending_step = self._pending_state = None  # never published; the previous step stays the latest
                 raise
             if not (all(done) if isinstance(done, (list, tuple)) else done):
                 return False
-        self.pending_step = None
-        self._complete(step)
+        state, self.pending_step, self._pending_state = self._pending_state, None, None
+        self._complete(step, state)
         return True
 
-    def _complete(self, step: int) -> None:
+    def _complete(self, step: int, driver_state: dict[str, Any]) -> None:
+        """The workers' parts are on disk: write data.pt (last in the step directory: its presence
+        marks a complete step), move the tracker, prune, copy."""
         root = self.root
+        step_dir = os.path.join(root, f"global_step_{step}")
+        os.makedirs(step_dir, exist_ok=True)
+        tmp = os.path.join(step_dir, "data.pt.tmp")
+        torch.save(driver_state, tmp)
+        os.replace(tmp, os.path.join(step_dir, "data.pt"))
         write_checkpoint_tracker(root, step)
         self._remove_old(root)
         if self.trainer_cfg.get("default_hdfs_dir"):
