@@ -16,6 +16,10 @@ next of those calls (and by `finish_pending_save(wait=False)`), naming the check
 only logged. The caller points the tracker file at a checkpoint only once `finish_pending_save`
 reports it done on every rank.
 
+`copy_checkpoint_step` copies a complete `global_step_<n>` directory to a second place
+(`trainer.default_hdfs_dir`: a local directory, `file://` or `hdfs://` through verl.utils.fs) with
+a tracker file beside it; `remote_checkpoint_dir_problem` says before training why it could not.
+
 `should_save_ckpt_esi` answers whether a cloud capacity reservation (an "elastic server instance"
 of Volcano Engine ML Platform or an AWS SageMaker capacity block) expires before another training
 step plus a checkpoint save could finish, from the expiry timestamp those platforms put in the
