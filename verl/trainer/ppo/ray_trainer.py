@@ -385,6 +385,7 @@ class RayPPOTrainer:
             if self._nonfinite.record(metrics):
                 tracker.log(metrics, step=self.global_steps)
                 progress.close()
+                self.checkpointer.finish_pending(wait=True)  # an earlier step still being written is published
                 raise self._nonfinite.error(self.global_steps)
             if trainer_cfg.rollout_data_dir:
                 dump_rollouts(self._last_batch, self.tokenizer, trainer_cfg.rollout_data_dir, self.global_steps)
