@@ -304,6 +304,10 @@ class ActorRolloutRefWorker(Worker, DistProfilerExtension):
         """The reference policy's engine section."""
         raise NotImplementedError(f"{type(self).__name__} names no reference engine section")
 
+    def _engine_options(self, role: str) -> dict:
+        """Keyword arguments of this backend's engine for `role` (actor, ref) beyond the shared ones."""
+        return {}
+
     def _make_actor(self, engine: BaseEngine, trains: bool):
         """The actor logic (log-probs, entropy, policy update) around `engine`; without `trains`, a
         log-prob scorer (the reference policy) that cannot update the weights."""
@@ -331,6 +335,7 @@ class ActorRolloutRefWorker(Worker, DistProfilerExtension):
             self.actor_config.optim,
             self.actor_config.checkpoint,
             self.tokenizer,
+            **self._engine_options("actor"),
         )
         return engine, self._make_actor(engine, trains=True)
 
@@ -340,7 +345,13 @@ class ActorRolloutRefWorker(Worker, DistProfilerExtension):
             # the frozen base under the adapters is the initial policy: no second copy of the weights
             engine = self.actor_model
         else:
-            engine = EngineRegistry.new("language_model", self.strategy, self.model_config, self._ref_engine_config())
+            engine = EngineRegistry.new(
+                "language_model",
+                self.strategy,
+                self.model_config,
+                self._ref_engine_config(),
+                **self._engine_options("ref"),
+            )
         # Only compute_log_prob is used, which reads the actor's model-side keys (remove padding, ...).
         return engine, self._make_actor(engine, trains=False)
 
@@ -353,11 +364,14 @@ class ActorRolloutRefWorker(Worker, DistProfilerExtension):
         if "actor" in self.parts:
             self.actor_model, self.actor = self._build_actor()
         if "rollout" in self.parts and self.is_collect:
+            from verl.utils.model import model_dir_with_config
             from verl.workers.rollout import get_rollout_class
             from verl.workers.rollout.wrapper import wrap_rollout
 
             rollout_cls = get_rollout_class(cfg.rollout.name)
-            engine = rollout_cls(cfg.model.path, config=cfg.rollout, tokenizer=self.tokenizer)
+            # model.hf_config_path: the engine reads that config.json with the weights of model.path
+            model_dir = model_dir_with_config(self.model_config.path, self.model_config.hf_config_path)
+            engine = rollout_cls(model_dir, config=cfg.rollout, tokenizer=self.tokenizer)
             # agent loops (tool calls, or the loops a config file registers) over the same engine when the
             # config runs them; weight sync and sleep pass through
             self.rollout = wrap_rollout(
@@ -554,8 +568,7 @@ class ActorRolloutRefWorker(Worker, DistProfilerExtension):
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def finish_checkpoint(self, wait: bool = True) -> bool:
-        """Whether this rank's background checkpoint write (`checkpoint.async_save`) is done; see
-        BaseEngine.finish_checkpoint."""
+        """Whether this rank's background checkpoint write is done (BaseEngine.finish_checkpoint)."""
         self._need("actor", "finish_checkpoint")
         return self.actor_model.finish_checkpoint(wait)
 
@@ -599,6 +612,10 @@ class CriticWorker(Worker, DistProfilerExtension):
     def _register_outputs(self) -> None:
         """As `ActorRolloutRefWorker._register_outputs`."""
 
+    def _engine_options(self) -> dict:
+        """Keyword arguments of this backend's value engine beyond the shared ones."""
+        return {}
+
     def _data_parallel_size(self) -> int:
         engine_cls = EngineRegistry.get_engine_cls("value_model", self.strategy)
         dp_size = engine_cls.init_parallel(self._engine_config())
@@ -610,7 +627,14 @@ class CriticWorker(Worker, DistProfilerExtension):
         """(engine, critic) of the value model."""
         cfg = self.critic_config
         engine = EngineRegistry.new(
-            "value_model", self.strategy, cfg.model, self._engine_config(), cfg.optim, cfg.checkpoint, self.tokenizer
+            "value_model",
+            self.strategy,
+            cfg.model,
+            self._engine_config(),
+            cfg.optim,
+            cfg.checkpoint,
+            self.tokenizer,
+            **self._engine_options(),
         )
         return engine, self._make_critic(engine)
 

@@ -50,10 +50,10 @@ from verl.trainer.config.validate_batches import (
     need_reference_policy,
     world_size,
 )
+from verl.trainer.config.validate_checkpoints import check_checkpoints
 from verl.trainer.config.validate_experts import check_megatron_experts, check_rollout_experts
 from verl.trainer.config.validate_mtp import check_mtp
 from verl.trainer.config.validate_router_replay import _check_router_replay
-from verl.utils.checkpoint.checkpoint_manager import remote_checkpoint_dir_problem
 from verl.utils.config import omega_conf_to_dataclass
 
 # ------------------------------------------------------------------------------- cross-key rules
@@ -322,6 +322,31 @@ def _is_megatron(strategy: str) -> bool:
     return strategy == "megatron"
 
 
+def _check_load_weight(c: dict, actor_meg: bool, rm_meg: bool, errors: list[str]) -> None:
+    """`load_weight=false` (random initialisation) is read by the megatron engines only, and the
+    reference policy, being the initial policy, starts the way the actor does."""
+    arr = c["actor_rollout_ref"]
+    ref_loads = arr["ref"].get("load_weight", True)
+    if need_reference_policy(c):
+        if not actor_meg and ref_loads is not True:
+            errors.append(
+                f"actor_rollout_ref.ref.load_weight={ref_loads} is read by the megatron backend only (the FSDP "
+                "reference always loads model.path); remove it or use the megatron actor"
+            )
+        elif actor_meg and ref_loads != arr["actor"].get("load_weight", True):
+            errors.append(
+                f"actor_rollout_ref.ref.load_weight={ref_loads} differs from actor_rollout_ref.actor.load_weight="
+                f"{arr['actor'].get('load_weight', True)}: the reference policy is the initial policy, so it starts "
+                "as the actor does (with both false, from the same seeded random weights); set them equal"
+            )
+    rm = c["reward_model"]
+    if rm["enable"] and not rm_meg and rm.get("load_weight", True) is not True:
+        errors.append(
+            f"reward_model.load_weight={rm.get('load_weight')} is read with reward_model.strategy=megatron only (the "
+            f"{rm['strategy']} reward model always loads model.path); remove it or set reward_model.strategy=megatron"
+        )
+
+
 def _check_megatron(c: dict, errors: list[str]):
     """strategy=megatron: the package is there, the layout fits the ranks, actor and reference agree."""
     arr = c["actor_rollout_ref"]
@@ -334,6 +359,7 @@ def _check_megatron(c: dict, errors: list[str]):
             f"{arr['actor']['strategy']}: the reference policy lives in the actor's workers and uses its backend; "
             "leave ref.strategy at its default (the actor's)"
         )
+    _check_load_weight(c, actor_meg, rm_meg, errors)
     if not (actor_meg or critic_meg or rm_meg):
         return
     from importlib.util import find_spec
@@ -455,25 +481,29 @@ def _check_trainer(c: dict, errors: list[str], warns: list[str]):
         )
 
 
-def _check_checkpoints(c: dict, errors: list[str]):
-    """checkpoint.async_save on a backend that writes in the background; a default_hdfs_dir the
-    driver can copy to (a local path, file:// or hdfs:// with the `hdfs` command on PATH)."""
-    roles = [("actor_rollout_ref.actor", c["actor_rollout_ref"]["actor"])]
-    if need_critic(c):
-        roles.append(("critic", c["critic"]))
-    for prefix, section in roles:
-        if section["checkpoint"]["async_save"] and _is_megatron(section["strategy"]):
-            errors.append(
-                f"{prefix}.checkpoint.async_save=true: background checkpoint writes are implemented for "
-                f"strategy=fsdp only, and {prefix}.strategy=megatron; set {prefix}.checkpoint.async_save=false"
-            )
-    remote = c["trainer"]["default_hdfs_dir"]
-    problem = remote_checkpoint_dir_problem(str(remote)) if remote else None
-    if problem:
-        errors.append(f"trainer.default_hdfs_dir={remote}: {problem}")
+def _check_critic_lora(c: dict, errors: list[str]):
+    """critic.model.lora_rank (the FSDP critic's peft LoRA): peft is installed and the critic is FSDP's."""
+    rank = (c["critic"]["model"] or {}).get("lora_rank", 0) or 0
+    if rank <= 0 or not need_critic(c):
+        return
+    if _is_megatron(c["critic"]["strategy"]):
+        errors.append(
+            f"critic.model.lora_rank={rank} is the FSDP critic's LoRA (peft), but critic.strategy=megatron, whose "
+            "critic has no adapters here (critic.model.lora.rank is refused too); set critic.model.lora_rank=0 or "
+            "critic.strategy=fsdp"
+        )
+        return
+    import importlib.util
+
+    if importlib.util.find_spec("peft") is None:
+        errors.append(
+            f"critic.model.lora_rank={rank} needs the peft package, which is not installed; run `pip install peft` "
+            "or set critic.model.lora_rank=0"
+        )
 
 
 def _check_lora(c: dict, errors: list[str], warns: list[str]):
+    _check_critic_lora(c, errors)
     model = c["actor_rollout_ref"]["model"]
     megatron_rank = (model.get("lora") or {}).get("rank", 0)
     if megatron_rank > 0 and not _is_megatron(c["actor_rollout_ref"]["actor"]["strategy"]):
@@ -612,7 +642,7 @@ def _model_heads(model: dict) -> tuple[int, int] | None:
     None when it is not a readable local directory (a hub id is checked when the model is built)."""
     import json
 
-    path = model.get("path")
+    path = model.get("hf_config_path") or model.get("path")  # the policy's hf_config_path replaces path's config
     file = os.path.join(os.path.expanduser(str(path)), "config.json") if path else None
     if not file or not os.path.isfile(file):
         return None
@@ -679,7 +709,8 @@ def _check_ulysses(c: dict, errors: list[str]):
             if h % sp or (kv % sp and sp % kv):
                 ok = [d for d in range(1, h + 1) if h % d == 0 and (kv % d == 0 or d % kv == 0)]
                 errors.append(
-                    f"{prefix}.{_SP}={sp} cannot split the attention heads of {model.get('path')} "
+                    f"{prefix}.{_SP}={sp} cannot split the attention heads of "
+                    f"{model.get('hf_config_path') or model.get('path')} "
                     f"(num_attention_heads={h}, num_key_value_heads={kv}): each sequence-parallel rank takes an "
                     f"equal share, so the heads must be a multiple of {sp} and the key/value heads a multiple or a "
                     f"divisor of it; use one of {ok}"
@@ -734,7 +765,7 @@ def validate_ppo_config(cfg: DictConfig | dict) -> None:
     _check_not_implemented(c, errors)
     _check_role_engine_batch_keys(c, errors)
     _check_trainer(c, errors, warns)
-    _check_checkpoints(c, errors)
+    check_checkpoints(c, errors)
     _check_lora(c, errors, warns)
     _check_async_training(c, errors)
     _check_ulysses(c, errors)
