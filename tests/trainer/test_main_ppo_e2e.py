@@ -70,7 +70,8 @@ def test_grpo_example_script_trains_two_steps_through_main_ppo(tmp_path, shared_
 def test_resume_after_kill_9_reproduces_the_uninterrupted_run(tmp_path, shared_ray_cluster):
     """4 steps straight == 2 steps, kill -9, resume, 2 more steps (same metrics on CPU). With 32
     training rows in batches of 16 the kill falls on an epoch boundary: the resumed run must start
-    the second epoch with the same shuffle as the uninterrupted one."""
+    the second epoch with the same shuffle as the uninterrupted one. The killed run writes its
+    checkpoints in the background (checkpoint.async_save) and copies them to trainer.default_hdfs_dir."""
     steps = 4
     base = [
         "bash",
@@ -86,7 +87,9 @@ def test_resume_after_kill_9_reproduces_the_uninterrupted_run(tmp_path, shared_r
 
     killed = tmp_path / "killed"
     killed.mkdir()
-    cmd = [*base, *common_overrides(killed, steps)]
+    remote = tmp_path / "remote"
+    background = ["actor_rollout_ref.actor.checkpoint.async_save=true", f"trainer.default_hdfs_dir={remote}"]
+    cmd = [*base, *common_overrides(killed, steps), *background]
     run_and_kill_9_after_checkpoint(cmd, killed, 2)
     run_main_ppo(cmd, killed, cluster=shared_ray_cluster)
 
@@ -97,3 +100,10 @@ def test_resume_after_kill_9_reproduces_the_uninterrupted_run(tmp_path, shared_r
         assert resumed[step]["training/epoch"] == expected[step]["training/epoch"]
         for key in ("critic/score/mean", "actor/pg_loss", "response_length/mean", "actor/entropy", "actor/grad_norm"):
             assert resumed[step][key] == pytest.approx(expected[step][key], rel=1e-4, abs=1e-6), (step, key)
+    # the run waited for its last background write, then copied the step (step 2's copy may have been cut by the kill)
+    assert (killed / "ckpt" / "latest_checkpointed_iteration.txt").read_text().strip() == "4"
+    assert (remote / "latest_checkpointed_iteration.txt").read_text().strip() == "4"
+    local, copy = killed / "ckpt" / "global_step_4", remote / "global_step_4"
+    files = sorted(p.relative_to(local) for p in local.rglob("*") if p.is_file())
+    assert files and files == sorted(p.relative_to(copy) for p in copy.rglob("*") if p.is_file())
+    assert all((local / f).read_bytes() == (copy / f).read_bytes() for f in files)

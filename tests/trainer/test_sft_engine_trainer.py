@@ -198,15 +198,32 @@ def test_two_rank_run_saved_and_resumed_matches_an_uninterrupted_run(assets):
             assets, assets["root"] / "whole", *dynamic, "trainer.total_training_steps=6", "trainer.resume_mode=disable"
         )
     )
-    cut = assets["root"] / "cut"
+    cut, remote = assets["root"] / "cut", assets["root"] / "remote"
     first = losses(
         _torchrun(
-            assets, cut, *dynamic, "trainer.total_training_steps=4", "trainer.save_freq=2", "trainer.max_ckpt_to_keep=1"
+            assets,
+            cut,
+            *dynamic,
+            "trainer.total_training_steps=4",
+            "trainer.save_freq=2",
+            "trainer.max_ckpt_to_keep=1",
+            f"trainer.default_hdfs_dir=file://{remote}",
         )
     )
     # saved at steps 2 and 4; max_ckpt_to_keep=1 removed step 2 once step 4 was complete
     assert sorted(p.name for p in cut.iterdir() if p.name.startswith("global_step_")) == ["global_step_4"]
     assert (cut / "latest_checkpointed_iteration.txt").read_text().strip() == "4"
+    # each saved step was copied to default_hdfs_dir, which keeps them all
+    assert sorted(p.name for p in remote.iterdir()) == [
+        "global_step_2",
+        "global_step_4",
+        "latest_checkpointed_iteration.txt",
+    ]
+    files = sorted(p.relative_to(cut / "global_step_4") for p in (cut / "global_step_4").rglob("*") if p.is_file())
+    assert files and files == sorted(
+        p.relative_to(remote / "global_step_4") for p in (remote / "global_step_4").rglob("*") if p.is_file()
+    )
+    assert all((cut / "global_step_4" / f).read_bytes() == (remote / "global_step_4" / f).read_bytes() for f in files)
     resumed = losses(_torchrun(assets, cut, *dynamic, "trainer.total_training_steps=6", "trainer.max_ckpt_to_keep=1"))
     # resume_mode=auto found step 4; the limit counts it too, so step 6 replaced it
     assert sorted(p.name for p in cut.iterdir() if p.name.startswith("global_step_")) == ["global_step_6"]
@@ -245,7 +262,14 @@ def test_megatron_engine_at_tp1_trains_to_the_fsdp_engines_losses(assets):
         ("trainer.resume_mode=latest", r"^trainer.resume_mode='latest' is not one of"),
         ("data.balance_dp_token=true", r"^data.balance_dp_token=True: balancing tokens"),
         ("trainer.save_freq=often", r"^trainer.save_freq='often' must be an integer"),
-        ("trainer.default_hdfs_dir=hdfs://x", r"^trainer.default_hdfs_dir='hdfs://x': copying checkpoints to HDFS"),
+        (
+            "trainer.default_hdfs_dir=hdfs://x",
+            r"^trainer.default_hdfs_dir='hdfs://x': copying checkpoints to HDFS runs",
+        ),
+        (
+            "checkpoint.async_save=true",
+            r"^checkpoint.async_save=true: this SFT trainer writes checkpoints synchronously",
+        ),
         ("engine.ulysses_sequence_parallel_size=2", r"^engine.ulysses_sequence_parallel_size=2 is not implemented"),
         ("engine.max_token_len_per_gpu=99", r"^engine.max_token_len_per_gpu=99: .* set data.max_token_len_per_gpu$"),
         ("engine.fsdp_sise=2", r"^unknown config key 'engine.fsdp_sise'.* Did you mean engine.fsdp_size\?"),

@@ -49,7 +49,12 @@ from verl.trainer.fsdp_sft_trainer import (
     sft_train_loader,
 )
 from verl.utils import device as device_utils
-from verl.utils.checkpoint.checkpoint_manager import find_latest_ckpt_path, write_checkpoint_tracker
+from verl.utils.checkpoint.checkpoint_manager import (
+    copy_checkpoint_step,
+    find_latest_ckpt_path,
+    remote_checkpoint_dir_problem,
+    write_checkpoint_tracker,
+)
 from verl.utils.logging_utils import get_logger
 
 logger = get_logger(__name__, level=os.environ.get("VERL_LOGGING_LEVEL", "INFO"))
@@ -132,10 +137,13 @@ def check_config(config: DictConfig) -> None:
         )
     if data.pad_mode not in PAD_MODES:
         raise ValueError(f"data.pad_mode={data.pad_mode!r} is not one of {list(PAD_MODES)}")
-    if trainer.default_hdfs_dir is not None:
+    problem = remote_checkpoint_dir_problem(str(trainer.default_hdfs_dir)) if trainer.default_hdfs_dir else None
+    if problem:
+        raise ValueError(f"trainer.default_hdfs_dir={trainer.default_hdfs_dir!r}: {problem}")
+    if config.checkpoint.get("async_save"):
         raise ValueError(
-            f"trainer.default_hdfs_dir={trainer.default_hdfs_dir!r}: copying checkpoints to HDFS is not implemented; "
-            "set it to null and copy default_local_dir yourself"
+            "checkpoint.async_save=true: this SFT trainer writes checkpoints synchronously (background writes are "
+            "implemented for main_ppo's actor and critic); set checkpoint.async_save=false"
         )
     if trainer.resume_mode not in RESUME_MODES:
         raise ValueError(f"trainer.resume_mode={trainer.resume_mode!r} is not one of {list(RESUME_MODES)}")
@@ -499,6 +507,8 @@ class SFTTrainer:
         dist.barrier()
         if self.rank == 0:
             write_checkpoint_tracker(self.checkpoint_dir, self.global_step)
+            if self.config.trainer.default_hdfs_dir:
+                copy_checkpoint_step(self.checkpoint_dir, self.global_step, self.config.trainer.default_hdfs_dir)
         dist.barrier()
         logger.info(f"saved checkpoint {path}")
         return path

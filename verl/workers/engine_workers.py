@@ -524,6 +524,12 @@ class ActorRolloutRefWorker(Worker, DistProfilerExtension):
         self.actor_model.save_checkpoint(local_path, global_step, max_ckpt_to_keep)
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def finish_checkpoint(self, wait: bool = True) -> bool:
+        """Whether this rank's background checkpoint write is done (BaseEngine.finish_checkpoint)."""
+        self._need("actor", "finish_checkpoint")
+        return self.actor_model.finish_checkpoint(wait)
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def load_checkpoint(self, local_path: str, del_local_after_load: bool = False) -> None:
         self._need("actor", "load_checkpoint")
         self.actor_model.load_checkpoint(local_path)
@@ -635,6 +641,11 @@ class CriticWorker(Worker, DistProfilerExtension):
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def save_checkpoint(self, local_path: str, global_step: int = 0, max_ckpt_to_keep: int | None = None) -> None:
         self.critic_model.save_checkpoint(local_path, global_step, max_ckpt_to_keep)
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def finish_checkpoint(self, wait: bool = True) -> bool:
+        """Whether this rank's background checkpoint write (`checkpoint.async_save`) is done."""
+        return self.critic_model.finish_checkpoint(wait)
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def load_checkpoint(self, local_path: str, del_local_after_load: bool = False) -> None:

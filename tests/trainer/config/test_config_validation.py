@@ -154,9 +154,9 @@ def test_straight_through_kl_estimators_are_valid(defaults):
 
 
 def test_unimplemented_feature_is_refused_not_ignored(defaults):
-    msg = error_of(with_(defaults, critic__checkpoint__async_save=True))
-    assert "critic.checkpoint.async_save=true is not implemented" in msg
-    assert "keep critic.checkpoint.async_save=false" in msg
+    msg = error_of(with_(defaults, transfer_queue__enable=True))
+    assert "transfer_queue.enable=true is not implemented" in msg
+    assert "keep transfer_queue.enable=false" in msg
 
 
 def test_critic_lora_is_accepted_on_fsdp_and_refused_with_a_megatron_critic(defaults):
@@ -680,6 +680,28 @@ def test_agent_loop_config_path_is_read_at_start_up_and_names_the_default_loop(d
         validate_ppo_config(with_(defaults, actor_rollout_ref__rollout__agent__default_agent_loop="math_expression"))
     # an import path is taken as given (imported when the worker builds the loop)
     validate_ppo_config(with_(defaults, actor_rollout_ref__rollout__agent__default_agent_loop="my_pkg.agents.MyLoop"))
+
+
+def test_async_save_is_accepted_with_fsdp_and_refused_with_megatron(defaults, megatron_defaults):
+    validate_ppo_config(with_(defaults, actor_rollout_ref__actor__checkpoint__async_save=True))
+    msg = error_of(with_(megatron_defaults, actor_rollout_ref__actor__checkpoint__async_save=True))
+    assert msg == (
+        "invalid config: actor_rollout_ref.actor.checkpoint.async_save=true: background checkpoint writes are implemented for "
+        "strategy=fsdp only, and actor_rollout_ref.actor.strategy=megatron; set "
+        "actor_rollout_ref.actor.checkpoint.async_save=false"
+    )
+
+
+def test_default_hdfs_dir_needs_the_hdfs_command_for_hdfs_paths(defaults, tmp_path, monkeypatch):
+    validate_ppo_config(with_(defaults, trainer__default_hdfs_dir=str(tmp_path)))
+    validate_ppo_config(with_(defaults, trainer__default_hdfs_dir=f"file://{tmp_path}"))
+    monkeypatch.setenv("PATH", str(tmp_path))  # no `hdfs` here
+    msg = error_of(with_(defaults, trainer__default_hdfs_dir="hdfs://nn/ckpt"))
+    assert msg.startswith(
+        "invalid config: trainer.default_hdfs_dir=hdfs://nn/ckpt: copying checkpoints to HDFS runs `hdfs dfs -put`"
+    )
+    assert "\n" not in msg
+    assert "only hdfs://, file:// and local" in error_of(with_(defaults, trainer__default_hdfs_dir="s3://b/ckpt"))
 
 
 def test_megatron_load_weight_false_is_accepted_when_actor_and_reference_agree(megatron_defaults):

@@ -8,6 +8,7 @@ from tokenizers import Tokenizer, models
 from transformers import PreTrainedTokenizerFast
 
 from tests.distributed_helpers import make_ppo_batch, make_tiny_causal_lm, one_thread, run_distributed
+from verl.utils.checkpoint.checkpoint_manager import BackgroundSaveError
 from verl.utils.checkpoint.fsdp_checkpoint_manager import FSDPCheckpointManager
 from verl.utils.fsdp_utils import apply_fsdp2, get_full_state_dict
 from verl.utils.optim import build_lr_scheduler
@@ -135,3 +136,87 @@ def test_loading_a_missing_checkpoint_says_how_to_fix_it(tmp_path):
     manager.load_checkpoint(None)  # nothing to resume from: a no-op
     with pytest.raises(ValueError, match="save_contents"):
         FSDPCheckpointManager(make_tiny_causal_lm(), checkpoint_config={"save_contents": ["weights"]})
+
+
+def _files(root):
+    """{relative path: bytes} of every file under `root`."""
+    out = {}
+    for current, _, names in os.walk(root):
+        for name in names:
+            path = os.path.join(current, name)
+            with open(path, "rb") as f:
+                out[os.path.relpath(path, root)] = f.read()
+    return out
+
+
+def _async_equals_sync(rank, world_size, root):
+    import torch.distributed.checkpoint as dcp
+
+    model = apply_fsdp2(make_tiny_causal_lm())
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    scheduler = build_lr_scheduler(optimizer, {"lr_warmup_steps": 5})
+    config = {"save_contents": ["model", "optimizer", "extra"]}
+    sync = FSDPCheckpointManager(model, optimizer, scheduler, tiny_tokenizer(), checkpoint_config=config)
+    background = FSDPCheckpointManager(
+        model, optimizer, scheduler, tiny_tokenizer(), checkpoint_config={**config, "async_save": True}
+    )
+    train_step(model, optimizer, scheduler, seed=0)
+    saved = local_state(model, optimizer)
+    sync.save_checkpoint(os.path.join(root, "sync", "actor"), global_step=1)
+    background.save_checkpoint(os.path.join(root, "async", "actor"), global_step=1)
+    # training goes on at once, changing the live tensors in place, while the copy is written
+    train_step(model, optimizer, scheduler, seed=1)
+    assert background.finish_pending_save(wait=True)
+    assert not os.path.exists(os.path.join(root, "async", "actor.tmp"))
+
+    if rank == 0:
+        a, b = _files(os.path.join(root, "sync", "actor")), _files(os.path.join(root, "async", "actor"))
+        assert a.keys() == b.keys() and len(a) > 5
+        # the shards are byte for byte the same; .metadata carries the writer's random save id, so compare its content
+        for name in a:
+            if not name.endswith(".metadata"):
+                assert a[name] == b[name], name
+        for part in ("model", "optim"):
+            meta_a = dcp.FileSystemReader(os.path.join(root, "sync", "actor", part)).read_metadata()
+            meta_b = dcp.FileSystemReader(os.path.join(root, "async", "actor", part)).read_metadata()
+            assert meta_a.state_dict_metadata == meta_b.state_dict_metadata
+    torch.distributed.barrier()
+
+    # resuming from either continues identically: the same state, then the same next update
+    after = {}
+    for name in ("sync", "async"):
+        background.load_checkpoint(os.path.join(root, name, "actor"))
+        assert_state(model, optimizer, saved)
+        assert scheduler.last_epoch == 1
+        train_step(model, optimizer, scheduler, seed=7)
+        after[name] = local_state(model, optimizer)
+    assert_state(model, optimizer, after["sync"])
+
+    # a background write that fails is raised by the next call, naming the checkpoint, and publishes nothing
+    bad = os.path.join(root, "bad", "actor")
+    if rank == 0:
+        os.makedirs(bad)  # an existing checkpoint whose ".old" slot is a file: the swap cannot rename into it
+        open(bad + ".old", "w").close()
+    torch.distributed.barrier()
+    background.save_checkpoint(bad, global_step=2)
+    # every rank reports it (rank 1 wrote its part; publishing failed on rank 0)
+    with pytest.raises(BackgroundSaveError, match=f"writing checkpoint {bad} in the background failed") as err:
+        background.finish_pending_save(wait=True)
+    assert isinstance(err.value.__cause__, OSError)
+    assert os.listdir(bad) == [] and os.path.isdir(os.path.join(bad + ".tmp", "model"))
+    assert background.finish_pending_save(wait=True)  # reported once
+    # the next save works
+    background.save_checkpoint(os.path.join(root, "next", "actor"), global_step=3)
+    background.finish_pending_save(wait=True)
+    assert os.path.isdir(os.path.join(root, "next", "actor", "optim"))
+
+
+def test_background_save_writes_the_same_files_as_a_synchronous_one_and_reports_failures(tmp_path):
+    run_distributed(_async_equals_sync, 2, str(tmp_path))
+
+
+def test_async_save_is_refused_by_a_manager_that_cannot_write_in_the_background():
+    from verl.utils.checkpoint.checkpoint_manager import BaseCheckpointManager
+
+    with pytest.raises(ValueError, match="set checkpoint.async_save=false"):
+        BaseCheckpointManager(make_tiny_causal_lm(), checkpoint_config={"async_save": True})

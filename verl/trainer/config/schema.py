@@ -255,7 +255,8 @@ class TrainerConfig:
     test_freq: int = doc("Validate every this many steps and at the end (-1: never).")
     critic_warmup: int = doc("Steps that train only the critic before the actor starts.")
     default_hdfs_dir: str | None = doc(
-        "Also copy checkpoints to this HDFS directory.", status=UNSUPPORTED, neutral=None
+        "Also copy each complete checkpoint step here (global_step_N/ and a tracker file): a local "
+        "directory, file:// or hdfs:// (needs the `hdfs` command); copies are never pruned."
     )
     del_local_ckpt_after_load: bool = doc("Delete the local checkpoint after resuming from it.")
     default_local_dir: str = doc("Checkpoint directory.")

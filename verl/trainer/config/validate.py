@@ -50,6 +50,7 @@ from verl.trainer.config.validate_batches import (
     need_reference_policy,
     world_size,
 )
+from verl.trainer.config.validate_checkpoints import check_checkpoints
 from verl.trainer.config.validate_experts import check_megatron_experts, check_rollout_experts
 from verl.trainer.config.validate_lora import check_lora
 from verl.trainer.config.validate_mtp import check_mtp
@@ -680,6 +681,7 @@ def validate_ppo_config(cfg: DictConfig | dict) -> None:
     _check_not_implemented(c, errors)
     _check_role_engine_batch_keys(c, errors)
     _check_trainer(c, errors, warns)
+    check_checkpoints(c, errors)
     check_lora(c, errors, warns)
     _check_async_training(c, errors)
     _check_ulysses(c, errors)

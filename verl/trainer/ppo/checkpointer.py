@@ -6,10 +6,29 @@ worker groups whose state it writes. It never sees the trainer object, so it can
 any object that has `save_checkpoint(dir, step, max_to_keep)` / `load_checkpoint(dir)`.
 
 Layout (upstream's): `<default_local_dir>/global_step_N/{actor,critic,data.pt}` plus
-`latest_checkpointed_iteration.txt`. `data.pt` is written to a temporary name and renamed, and the
-tracker file is written last, so a crash during a save leaves the previous checkpoint the one
+`latest_checkpointed_iteration.txt`. `data.pt` is written to a temporary name and renamed once
+the workers' parts are on disk, and the tracker file is written last, so a crash during a save leaves the previous checkpoint the one
 resumed from. What goes into `data.pt` (dataloader position, RNG states, KL coefficient, queued
 async groups) is the caller's business: the checkpointer stores and returns that dict unchanged.
+
+Background writes (`actor.checkpoint.async_save` / `critic.checkpoint.async_save`): the worker
+groups return as soon as their state is copied to host memory and write it on a thread. The step
+is then pending: `finish_pending(wait=False)`, which the loop calls after every step, asks the
+groups whether they are done, and only when every rank of every group is, the tracker file moves
+to the step, old steps are pruned and the step is copied to `trainer.default_hdfs_dir`. The next
+save and the end of training (`finish_pending(wait=True)`) wait for a pending step. So the tracker
+never names an incomplete checkpoint, and a crash mid-write resumes from the previous one. Upstream
+instead never writes the tracker under async_save (its Megatron writer moves it itself); the
+result on disk is the same once the write is complete. Retention is the driver's alone under
+async_save (the workers get no `max_to_keep`), so no step is deleted while the tracker still
+names it.
+
+`trainer.default_hdfs_dir`: after the tracker moves, `global_step_N/` is copied whole (actor,
+critic, data.pt) to `<default_hdfs_dir>/global_step_N/`, followed by a tracker file there, so
+the copy is itself a directory to resume from (copy it back and point default_local_dir at it).
+A local directory or `file://` path is copied with shutil (into a `.tmp` name, then renamed), an
+`hdfs://` one with `hdfs dfs -put` (verl.utils.fs). As upstream, copies are never deleted:
+`max_*_ckpt_to_keep` prunes the local directory only.
 """
 
 from __future__ import annotations
@@ -20,7 +39,11 @@ from typing import Any
 
 import torch
 
-from verl.utils.checkpoint.checkpoint_manager import find_latest_ckpt_path, write_checkpoint_tracker
+from verl.utils.checkpoint.checkpoint_manager import (
+    copy_checkpoint_step,
+    find_latest_ckpt_path,
+    write_checkpoint_tracker,
+)
 from verl.utils.checkpoint.safe_load import torch_load
 from verl.utils.logging_utils import get_logger
 
@@ -31,34 +54,77 @@ class Checkpointer:
     """Writes and reads the driver's checkpoints; see the module docstring for the layout.
 
     trainer_cfg: the `trainer` config section (default_local_dir, resume_mode, resume_from_path,
-        max_actor_ckpt_to_keep, max_critic_ckpt_to_keep).
+        max_actor_ckpt_to_keep, max_critic_ckpt_to_keep, default_hdfs_dir).
     actor_wg: the actor worker group; critic_wg: the critic worker group or None without a critic.
+    async_save: the groups write in the background (`checkpoint.async_save`); they then also need
+        `finish_checkpoint(wait) -> bool per rank`, which raises when a write failed.
     """
 
-    def __init__(self, trainer_cfg, actor_wg, critic_wg=None):
+    def __init__(self, trainer_cfg, actor_wg, critic_wg=None, async_save: bool = False):
         self.trainer_cfg = trainer_cfg
         self.actor_wg = actor_wg
         self.critic_wg = critic_wg
+        self.async_save = async_save
+        self.pending_step: int | None = None
+        self._pending_state: dict[str, Any] | None = None
 
     @property
     def root(self) -> str:
         return os.path.abspath(os.path.expanduser(self.trainer_cfg.default_local_dir))
 
     def save(self, step: int, driver_state: dict[str, Any]) -> str:
-        """Write global_step_<step>/{actor,critic,data.pt}, point the tracker file at it, prune."""
+        """Write global_step_<step>/{actor,critic,data.pt}, then (at once, or under async_save once the
+        groups report the write done) point the tracker file at it, prune and copy it."""
+        self.finish_pending(wait=True)
         root = self.root
         step_dir = os.path.join(root, f"global_step_{step}")
-        self.actor_wg.save_checkpoint(os.path.join(step_dir, "actor"), step, self.trainer_cfg.max_actor_ckpt_to_keep)
+        # under async_save the driver prunes, after the tracker has moved (see the module docstring)
+        keep_actor = None if self.async_save else self.trainer_cfg.max_actor_ckpt_to_keep
+        keep_critic = None if self.async_save else self.trainer_cfg.max_critic_ckpt_to_keep
+        self.actor_wg.save_checkpoint(os.path.join(step_dir, "actor"), step, keep_actor)
         if self.critic_wg is not None:
-            self.critic_wg.save_checkpoint(
-                os.path.join(step_dir, "critic"), step, self.trainer_cfg.max_critic_ckpt_to_keep
-            )
+            self.critic_wg.save_checkpoint(os.path.join(step_dir, "critic"), step, keep_critic)
+        if self.async_save:
+            self.pending_step, self._pending_state = step, driver_state
+        else:
+            self._complete(step, driver_state)
+        return step_dir
+
+    def finish_pending(self, wait: bool = True) -> bool:
+        """Whether no step is pending any more (waiting for it with `wait`); a step whose writes are
+        done on every rank is completed here (tracker, pruning, copy). A failed background write
+        raises (the worker group's error, naming the checkpoint) and the step stays unpublished."""
+        if self.pending_step is None:
+            return True
+        step = self.pending_step
+        for wg in (self.actor_wg, self.critic_wg):
+            if wg is None:
+                continue
+            try:
+                done = wg.finish_checkpoint(wait)
+            except BaseException:
+                self.pending_step = self._pending_state = None  # never published; the previous step stays the latest
+                raise
+            if not (all(done) if isinstance(done, (list, tuple)) else done):
+                return False
+        state, self.pending_step, self._pending_state = self._pending_state, None, None
+        self._complete(step, state)
+        return True
+
+    def _complete(self, step: int, driver_state: dict[str, Any]) -> None:
+        """The workers' parts are on disk: write data.pt (last in the step directory: its presence
+        marks a complete step), move the tracker, prune, copy."""
+        root = self.root
+        step_dir = os.path.join(root, f"global_step_{step}")
+        os.makedirs(step_dir, exist_ok=True)
         tmp = os.path.join(step_dir, "data.pt.tmp")
         torch.save(driver_state, tmp)
         os.replace(tmp, os.path.join(step_dir, "data.pt"))
         write_checkpoint_tracker(root, step)
         self._remove_old(root)
-        return step_dir
+        if self.trainer_cfg.get("default_hdfs_dir"):
+            copy = copy_checkpoint_step(root, step, self.trainer_cfg.default_hdfs_dir)
+            logger.info(f"copied global_step_{step} to {copy}")
 
     def _remove_old(self, root: str) -> None:
         keep = self.trainer_cfg.max_actor_ckpt_to_keep

@@ -385,6 +385,7 @@ class RayPPOTrainer:
             if self._nonfinite.record(metrics):
                 tracker.log(metrics, step=self.global_steps)
                 progress.close()
+                self.checkpointer.finish_pending(wait=True)  # an earlier step still being written is published
                 raise self._nonfinite.error(self.global_steps)
             if trainer_cfg.rollout_data_dir:
                 dump_rollouts(self._last_batch, self.tokenizer, trainer_cfg.rollout_data_dir, self.global_steps)
@@ -395,6 +396,7 @@ class RayPPOTrainer:
             if due(trainer_cfg.save_freq, self.global_steps, is_last):
                 with marked_timer("save_checkpoint", timing):
                     self._save_checkpoint()
+            self.checkpointer.finish_pending(wait=False)  # publishes a background-written step once it is complete
             self._step_profiler.end(self.global_steps)
             metrics.update({f"timing_s/{name}": seconds for name, seconds in timing.items()})
             metrics.update(speed_paths.metrics(self.current_speed_paths()))
@@ -404,6 +406,7 @@ class RayPPOTrainer:
             progress.update(1)
             last = metrics
         progress.close()
+        self.checkpointer.finish_pending(wait=True)  # the run ends with every checkpoint complete
         self.prompts.restart()  # stops the data loader's worker processes (data.dataloader_num_workers) now
         tracker.finish()
         return last
@@ -419,8 +422,19 @@ class RayPPOTrainer:
     # ------------------------------------------------------------------ checkpoints
     @property
     def checkpointer(self) -> Checkpointer:
-        """Built on first use: the worker groups it saves exist only after `init_workers()`."""
-        return Checkpointer(self.config.trainer, self.actor_rollout_wg, self.critic_wg if self.use_critic else None)
+        """Built on first use: the worker groups it saves exist only after `init_workers()`. Kept, as
+        it holds the step still being written in the background (`checkpoint.async_save`)."""
+        if getattr(self, "_checkpointer", None) is None:
+            async_save = self.config.actor_rollout_ref.actor.checkpoint.async_save or (
+                self.use_critic and self.config.critic.checkpoint.async_save
+            )
+            self._checkpointer = Checkpointer(
+                self.config.trainer,
+                self.actor_rollout_wg,
+                self.critic_wg if self.use_critic else None,
+                async_save=bool(async_save),
+            )
+        return self._checkpointer
 
     def _save_checkpoint(self) -> str:
         """Save the workers and the driver's own state (dataloader, RNGs, KL coefficient, queued groups)."""

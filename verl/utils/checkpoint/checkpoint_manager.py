@@ -8,6 +8,18 @@ completed, which deletes the oldest checkpoints beyond the limit; a crash mid-sa
 leaves fewer complete checkpoints than the limit. `ensure_checkpoint_capacity` is upstream's other
 order (make room *before* saving, keeping `max_ckpt_to_keep - 1`), for callers short of disk.
 
+Background writes (`checkpoint.async_save`): a manager that supports them copies the state to
+host memory in `save_checkpoint` (so training may change the live tensors at once), returns, and
+writes the copy from a writer thread. One write is in flight at a time: the next save, a load, and
+`finish_pending_save(wait=True)` wait for it first. A write that fails is kept and raised by the
+next of those calls (and by `finish_pending_save(wait=False)`), naming the checkpoint; it is never
+only logged. The caller points the tracker file at a checkpoint only once `finish_pending_save`
+reports it done on every rank.
+
+`copy_checkpoint_step` copies a complete `global_step_<n>` directory to a second place
+(`trainer.default_hdfs_dir`: a local directory, `file://` or `hdfs://` through verl.utils.fs) with
+a tracker file beside it; `remote_checkpoint_dir_problem` says before training why it could not.
+
 `should_save_ckpt_esi` answers whether a cloud capacity reservation (an "elastic server instance"
 of Volcano Engine ML Platform or an AWS SageMaker capacity block) expires before another training
 step plus a checkpoint save could finish, from the expiry timestamp those platforms put in the
@@ -16,19 +28,27 @@ environment.
 
 from __future__ import annotations
 
+import copy
 import os
 import random
 import shutil
+import tempfile
+import threading
 import time
 
 import torch
 
+from verl.utils import fs
 from verl.utils.checkpoint.safe_load import numpy_rng_state, set_numpy_rng_state
 from verl.utils.device import get_torch_device, is_cuda_available
 
 __all__ = [
+    "BackgroundSaveError",
     "BaseCheckpointManager",
+    "copy_checkpoint_step",
+    "remote_checkpoint_dir_problem",
     "find_latest_ckpt_path",
+    "snapshot_to_host",
     "get_checkpoint_tracker_filename",
     "should_save_ckpt_esi",
     "write_checkpoint_tracker",
@@ -54,6 +74,46 @@ def write_checkpoint_tracker(root_path: str, step: int) -> None:
     os.replace(tmp, path)
 
 
+def remote_checkpoint_dir_problem(remote_root: str) -> str | None:
+    """Why `copy_checkpoint_step` cannot copy to `remote_root` on this machine (one line, for a config
+    check before training), or None."""
+    if remote_root.startswith("hdfs://"):
+        if shutil.which("hdfs") is None:
+            return (
+                "copying checkpoints to HDFS runs `hdfs dfs -put`, and no `hdfs` command is on PATH; install the "
+                "Hadoop client (its bin/ on PATH), use a local or file:// directory, or set it to null"
+            )
+    elif "://" in remote_root and not remote_root.startswith("file://"):
+        return "only hdfs://, file:// and local directories are supported; mount the storage and give its path, or set it to null"
+    return None
+
+
+def copy_checkpoint_step(root: str, step: int, remote_root: str) -> str:
+    """Copy `<root>/global_step_<step>` to `<remote_root>/global_step_<step>` and point a tracker file
+    there at it (a local directory, `file://` or `hdfs://`); returns the copy's path."""
+    name = f"global_step_{step}"
+    src = os.path.join(root, name)
+    tracker_name = os.path.basename(get_checkpoint_tracker_filename(root))
+    if fs.is_non_local(remote_root):
+        fs.makedirs(remote_root, exist_ok=True)
+        dst = remote_root.rstrip("/") + "/" + name
+        fs.copy(src, remote_root)  # `hdfs dfs -put -f <src> <remote_root>` makes <remote_root>/global_step_N
+        with tempfile.TemporaryDirectory() as tmp_dir:
+            write_checkpoint_tracker(tmp_dir, step)
+            fs.copy(os.path.join(tmp_dir, tracker_name), remote_root.rstrip("/") + "/" + tracker_name)
+        return dst
+    remote = os.path.abspath(os.path.expanduser(remote_root.removeprefix("file://")))
+    dst = os.path.join(remote, name)
+    os.makedirs(remote, exist_ok=True)
+    tmp = dst + ".tmp"
+    shutil.rmtree(tmp, ignore_errors=True)
+    shutil.copytree(src, tmp)
+    shutil.rmtree(dst, ignore_errors=True)
+    os.rename(tmp, dst)
+    write_checkpoint_tracker(remote, step)
+    return dst
+
+
 def find_latest_ckpt_path(path: str | None, directory_format: str = "global_step_{}") -> str | None:
     """The newest `global_step_<n>` directory under `path` per the tracker file, or None."""
     if path is None:
@@ -67,12 +127,31 @@ def find_latest_ckpt_path(path: str | None, directory_format: str = "global_step
     return ckpt if os.path.exists(ckpt) else None
 
 
+def snapshot_to_host(obj):
+    """A copy of a (nested) state dict whose tensors are fresh host-memory copies (DTensors stay
+    DTensors, their local shards copied), so later in-place updates of the live state do not reach it."""
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().to("cpu", copy=True)
+    if isinstance(obj, dict):
+        return type(obj)((key, snapshot_to_host(value)) for key, value in obj.items())
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(snapshot_to_host(value) for value in obj)
+    return copy.deepcopy(obj)
+
+
+class BackgroundSaveError(RuntimeError):
+    """A checkpoint written in the background (`checkpoint.async_save`) failed."""
+
+
 class BaseCheckpointManager:
     """Holds model/optimizer/scheduler/processing class and the save/load content lists.
 
     `checkpoint_config` keys (upstream): `save_contents` and `load_contents`, lists drawn from
-    model, optimizer, extra (lr scheduler + RNG), hf_model (full HF weights in `huggingface/`).
+    model, optimizer, extra (lr scheduler + RNG), hf_model (full HF weights in `huggingface/`);
+    `async_save` (write in the background, see the module docstring) where the manager supports it.
     """
+
+    supports_async_save = False
 
     def __init__(self, model, optimizer=None, lr_scheduler=None, processing_class=None, checkpoint_config=None):
         self.model = model
@@ -87,6 +166,49 @@ class BaseCheckpointManager:
             if unknown:
                 raise ValueError(f"checkpoint.{key} has unknown entries {unknown}; valid: {list(_VALID_CONTENTS)}")
         self.previous_saved_paths: list[str] = []
+        self.async_save = bool(cfg.get("async_save", False))
+        if self.async_save and not self.supports_async_save:
+            raise ValueError(
+                f"checkpoint.async_save=true: {type(self).__name__} writes checkpoints synchronously only; "
+                "set checkpoint.async_save=false (background writes are implemented for strategy=fsdp)"
+            )
+        self._pending: threading.Thread | None = None
+        self._pending_path: str | None = None
+        self._pending_error: BaseException | None = None
+
+    def _start_background_save(self, path: str, write) -> None:
+        """Run `write()` (which finishes the checkpoint at `path`) on a writer thread. Not a daemon
+        thread: a process that exits normally still completes the write."""
+        assert self._pending is None, "a background save is already in flight"
+
+        def run():
+            try:
+                write()
+            except BaseException as e:  # kept for finish_pending_save, which raises it in the caller's thread
+                self._pending_error = e
+
+        self._pending_path, self._pending_error = path, None
+        self._pending = threading.Thread(target=run, name=f"checkpoint-writer:{os.path.basename(path)}")
+        self._pending.start()
+
+    def finish_pending_save(self, wait: bool = True) -> bool:
+        """Whether no background write is in flight any more (waiting for it with `wait`). Raises
+        `BackgroundSaveError` if the finished write failed; the checkpoint it wrote is then absent
+        (its files stay in `<path>.tmp`) and the previous ones are untouched."""
+        if self._pending is None:
+            return True
+        if not wait and self._pending.is_alive():
+            return False
+        self._pending.join()
+        path, error = self._pending_path, self._pending_error
+        self._pending = self._pending_path = self._pending_error = None
+        if error is not None:
+            raise BackgroundSaveError(
+                f"writing checkpoint {path} in the background failed ({type(error).__name__}: {error}); it was not "
+                "published, and the previous checkpoint remains the latest. Fix the cause (disk space, permissions) "
+                "or set checkpoint.async_save=false to see the failure where it happens"
+            ) from error
+        return True
 
     @staticmethod
     def remove_previous_save_local_path(path: str | list[str]) -> None:

@@ -27,6 +27,12 @@ A LoRA (peft) model is saved whole in `model/` (base and adapters, under peft's 
 resume restores it exactly; `lora_adapter/` is the adapter alone for `PeftModel.from_pretrained`,
 and `hf_model` writes the merged weights under plain HF names.
 
+Background writes (`checkpoint.async_save`, see verl.utils.checkpoint.checkpoint_manager): the
+model and optimizer state dicts are copied to host memory during `save_checkpoint`; extra state,
+`huggingface/` and the adapter (small, or collective) are written at once into the `.tmp` directory;
+a writer thread then writes the DCP shards and publishes the directory exactly as above. The files
+equal a synchronous save's.
+
 Loading never executes code from the checkpoint: DCP goes through `safe_load.dcp_load` and the
 extra state through `torch.load(weights_only=True)` (see verl.utils.checkpoint.safe_load).
 
@@ -42,8 +48,9 @@ import shutil
 import torch
 import torch.distributed as dist
 
-from verl.utils.checkpoint.checkpoint_manager import BaseCheckpointManager
+from verl.utils.checkpoint.checkpoint_manager import BaseCheckpointManager, snapshot_to_host
 from verl.utils.checkpoint.safe_load import dcp_load, torch_load
+from verl.utils.device import collective_device
 from verl.utils.logging_utils import get_logger
 from verl.utils.lora import ADAPTER_DIR, is_peft_model, lora_scalings, merge_lora_state, save_lora_adapter
 
@@ -58,9 +65,9 @@ def _rank_world() -> tuple[int, int]:
     return 0, 1
 
 
-def _barrier() -> None:
+def _barrier(group=None) -> None:
     if dist.is_available() and dist.is_initialized():
-        dist.barrier()
+        dist.barrier(group=group)
 
 
 def _unwrapped_class(model):
@@ -81,8 +88,10 @@ class FSDPCheckpointManager(BaseCheckpointManager):
         optimizer: its optimizer, or None (e.g. the reference policy).
         lr_scheduler: its lr scheduler, or None.
         processing_class: tokenizer or processor saved to `huggingface/` for export.
-        checkpoint_config: `save_contents` / `load_contents` lists (see BaseCheckpointManager).
+        checkpoint_config: `save_contents` / `load_contents` lists and `async_save` (see BaseCheckpointManager).
     """
+
+    supports_async_save = True
 
     def __init__(self, model, optimizer=None, lr_scheduler=None, processing_class=None, checkpoint_config=None):
         super().__init__(model, optimizer, lr_scheduler, processing_class, checkpoint_config)
@@ -96,13 +105,20 @@ class FSDPCheckpointManager(BaseCheckpointManager):
     ) -> None:
         """Write the checkpoint to `local_path` (collective: every rank calls it).
 
-        `hdfs_path` is accepted for upstream signature compatibility; remote copies are not implemented.
+        With `checkpoint.async_save` the model and optimizer state is copied to host memory here and
+        written by a background thread; this returns once the copy is taken, and `local_path`
+        appears when the write is complete (`finish_pending_save` tells when). Copying checkpoints to
+        `trainer.default_hdfs_dir` is the trainer's job (the whole step), so `hdfs_path`, kept for
+        upstream's signature, must be None.
         """
-        import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
 
         if hdfs_path is not None:
-            raise NotImplementedError("hdfs_path is not supported; copy local checkpoints with your own tooling")
+            raise NotImplementedError(
+                "FSDPCheckpointManager.save_checkpoint(hdfs_path=...) is not supported; the PPO trainer copies each "
+                "step to trainer.default_hdfs_dir after it is complete"
+            )
+        self.finish_pending_save()  # one write in flight at a time; an earlier failure is raised here
         rank, world_size = _rank_world()
         final = os.path.abspath(local_path)
         tmp = final + ".tmp"
@@ -111,29 +127,79 @@ class FSDPCheckpointManager(BaseCheckpointManager):
             os.makedirs(tmp)
         _barrier()
 
-        if "model" in self.save_contents:
-            dcp.save(get_model_state_dict(self.model), checkpoint_id=os.path.join(tmp, "model"))
+        model_state = get_model_state_dict(self.model) if "model" in self.save_contents else None
+        optim_state = None
         if "optimizer" in self.save_contents and self.optimizer is not None:
-            dcp.save(get_optimizer_state_dict(self.model, self.optimizer), checkpoint_id=os.path.join(tmp, "optim"))
+            optim_state = get_optimizer_state_dict(self.model, self.optimizer)
+        if not self.async_save:
+            self._write_shards(tmp, model_state, optim_state, group=None)
+            self._save_small_files(tmp, rank, world_size, global_step)
+            self._publish(tmp, final, rank, max_ckpt_to_keep, group=None)
+            return
+        model_state, optim_state = snapshot_to_host(model_state), snapshot_to_host(optim_state)
+        self._save_small_files(tmp, rank, world_size, global_step)
+        group = self._writer_group()
+
+        def write():
+            self._write_shards(tmp, model_state, optim_state, group)
+            self._publish(tmp, final, rank, max_ckpt_to_keep, group)
+
+        self._start_background_save(final, write)
+
+    def _writer_group(self):
+        """The process group the writer threads use: their collectives (DCP's plan exchange, the
+        barriers) run beside the training's on the default group, so they get a gloo group of their
+        own (the snapshot is in host memory). Created on the first background save, which every rank makes."""
+        if not (dist.is_available() and dist.is_initialized()):
+            return None
+        if getattr(self, "_async_group", None) is None:
+            self._async_group = dist.new_group(backend="gloo")
+        return self._async_group
+
+    @staticmethod
+    def _write_shards(tmp: str, model_state, optim_state, group) -> None:
+        import torch.distributed.checkpoint as dcp
+
+        if model_state is not None:
+            dcp.save(model_state, checkpoint_id=os.path.join(tmp, "model"), process_group=group)
+        if optim_state is not None:
+            dcp.save(optim_state, checkpoint_id=os.path.join(tmp, "optim"), process_group=group)
+
+    def _save_small_files(self, tmp: str, rank: int, world_size: int, global_step: int) -> None:
+        """Extra state (lr scheduler, RNG), `huggingface/` and the LoRA adapter (collective with hf_model)."""
         if "extra" in self.save_contents:
             self._save_extra_state(os.path.join(tmp, self._extra_state_name(world_size, rank)), global_step)
         self._save_huggingface(os.path.join(tmp, "huggingface"), rank)
         if is_peft_model(self.model):
             save_lora_adapter(self.model, os.path.join(tmp, ADAPTER_DIR))
-        _barrier()
 
+    def _publish(self, tmp: str, final: str, rank: int, max_ckpt_to_keep: int | None, group) -> None:
+        """Once every rank has written its part: rank 0 renames `tmp` to `final` and applies retention.
+        Every rank learns whether that worked, so a failure is raised on all of them (none waits forever)."""
+        _barrier(group)
+        error = None
         if rank == 0:
-            old = final + ".old"
-            if os.path.exists(final):
-                shutil.rmtree(old, ignore_errors=True)
-                os.rename(final, old)
-                os.rename(tmp, final)
-                shutil.rmtree(old)
-            else:
-                os.makedirs(os.path.dirname(final), exist_ok=True)
-                os.rename(tmp, final)
-            self.register_checkpoint(final, max_ckpt_to_keep)
-        _barrier()
+            try:
+                old = final + ".old"
+                if os.path.exists(final):
+                    shutil.rmtree(old, ignore_errors=True)
+                    os.rename(final, old)
+                    os.rename(tmp, final)
+                    shutil.rmtree(old)
+                else:
+                    os.makedirs(os.path.dirname(final), exist_ok=True)
+                    os.rename(tmp, final)
+                self.register_checkpoint(final, max_ckpt_to_keep)
+            except OSError as e:
+                error = e
+        if dist.is_available() and dist.is_initialized():
+            device = "cpu" if group is not None else collective_device()  # the writer group is gloo
+            ok = torch.tensor([0 if error is not None else 1], dtype=torch.int64, device=device)
+            dist.all_reduce(ok, op=dist.ReduceOp.MIN, group=group)
+            if error is None and not ok.item():
+                raise OSError(f"rank 0 could not publish checkpoint {final} (its log has the cause)")
+        if error is not None:
+            raise error
 
     def _save_extra_state(self, file: str, global_step: int) -> None:
         extra = {
@@ -182,6 +248,7 @@ class FSDPCheckpointManager(BaseCheckpointManager):
 
         if local_path is None:
             return
+        self.finish_pending_save()
         path = os.path.abspath(local_path)
         if not os.path.isdir(path) and os.path.isdir(path + ".old"):
             logger.warning(

@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from verl.base_config import BaseConfig
-from verl.workers.config._fields import CHECKPOINT_CONTENTS, UNSUPPORTED, doc
+from verl.workers.config._fields import CHECKPOINT_CONTENTS, doc
 
 __all__ = ["CheckpointConfig"]
 
@@ -32,7 +32,11 @@ class CheckpointConfig(BaseConfig):
     load_contents: list[str] = doc(
         "Parts read when resuming.", choices=CHECKPOINT_CONTENTS, default_factory=_default_contents
     )
-    async_save: bool = doc("Write checkpoints in the background.", status=UNSUPPORTED, neutral=False, default=False)
+    async_save: bool = doc(
+        "Write checkpoints in the background: the state is copied to host memory and training goes on; "
+        "the tracker file moves once every rank's write is complete (strategy=fsdp).",
+        default=False,
+    )
 
     def __post_init__(self):
         for key in ("save_contents", "load_contents"):

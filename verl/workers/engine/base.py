@@ -101,6 +101,13 @@ class BaseEngine(abc.ABC):
                 local_path, global_step=global_step, max_ckpt_to_keep=max_ckpt_to_keep
             )
 
+    def finish_checkpoint(self, wait: bool = True) -> bool:
+        """Whether no checkpoint is still being written in the background (`checkpoint.async_save`),
+        waiting for it with `wait`; raises if that write failed. True for an engine without a checkpoint manager."""
+        if self.checkpoint_manager is None:
+            return True
+        return self.checkpoint_manager.finish_pending_save(wait)
+
     def load_checkpoint(self, local_path: str) -> None:
         """Restore what `save_checkpoint` wrote."""
         self._require_optimizer("load_checkpoint")
