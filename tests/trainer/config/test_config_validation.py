@@ -668,3 +668,19 @@ def test_agent_loop_config_path_is_read_at_start_up_and_names_the_default_loop(d
         validate_ppo_config(with_(defaults, actor_rollout_ref__rollout__agent__default_agent_loop="math_expression"))
     # an import path is taken as given (imported when the worker builds the loop)
     validate_ppo_config(with_(defaults, actor_rollout_ref__rollout__agent__default_agent_loop="my_pkg.agents.MyLoop"))
+
+
+def test_logprobs_mode_is_accepted_for_hf_and_vllm_and_refused_for_sglang(defaults):
+    for name in ("hf", "vllm"):
+        validate_ppo_config(
+            with_(
+                defaults, actor_rollout_ref__rollout__name=name, actor_rollout_ref__rollout__logprobs_mode="raw_logits"
+            )
+        )
+    msg = error_of(
+        with_(
+            defaults, actor_rollout_ref__rollout__name="sglang", actor_rollout_ref__rollout__logprobs_mode="raw_logits"
+        )
+    )
+    assert "logprobs_mode=raw_logits with rollout.name=sglang" in msg and "rollout.name=hf or vllm" in msg
+    assert "not a valid choice" in error_of(with_(defaults, actor_rollout_ref__rollout__logprobs_mode="logits"))

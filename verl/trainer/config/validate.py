@@ -217,6 +217,12 @@ def _check_not_implemented(c: dict, errors: list[str]):
             "actor_rollout_ref.rollout.prometheus.enable=true needs actor_rollout_ref.rollout.disable_log_stats=false "
             "(as upstream: the engines' statistics are what Prometheus scrapes); set disable_log_stats=false"
         )
+    if arr["rollout"]["name"] == "sglang" and arr["rollout"]["logprobs_mode"] != "processed_logprobs":
+        errors.append(
+            f"actor_rollout_ref.rollout.logprobs_mode={arr['rollout']['logprobs_mode']} with rollout.name=sglang: "
+            "SGLang's engine has no such setting (upstream passes the key to vLLM only), so its log-probs would stay "
+            "processed_logprobs; use rollout.name=hf or vllm, or logprobs_mode=processed_logprobs"
+        )
     if (arr["rollout"]["engine_kwargs"] or {}).get("trtllm"):
         errors.append(
             "actor_rollout_ref.rollout.engine_kwargs.trtllm is for TensorRT-LLM, which this build of verl does not "

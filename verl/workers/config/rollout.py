@@ -292,11 +292,11 @@ class RolloutConfig(BaseConfig):
         f"vLLM/SGLang: reuse the KV cache of shared prefixes. {_SPEED}.", status=IGNORED, default=True
     )
     logprobs_mode: str = doc(
-        "Which log-probs calculate_log_probs returns: processed_logprobs (after temperature, top-k/top-p: the "
-        "sampling distribution).",
+        "What calculate_log_probs returns per sampled token (vLLM's meanings): processed_logprobs, the log-prob "
+        "under the sampling distribution (after temperature and top-k/top-p, renormalised); processed_logits, "
+        "the tempered logit; raw_logprobs / raw_logits, the same from the model's logits before temperature and "
+        "filtering. hf and vllm (passed to its engine); sglang: processed_logprobs only.",
         choices=LOGPROBS_MODES,
-        status=UNSUPPORTED,
-        neutral="processed_logprobs",
         default="processed_logprobs",
     )
     scheduling_policy: str = doc(f"vLLM request scheduling (fcfs, priority). {_SPEED}.", status=IGNORED, default="fcfs")
