@@ -223,10 +223,29 @@ def _check_not_implemented(c: dict, errors: list[str]):
             "SGLang's engine has no such setting (upstream passes the key to vLLM only), so its log-probs would stay "
             "processed_logprobs; use rollout.name=hf or vllm, or logprobs_mode=processed_logprobs"
         )
+    _check_skip_rollout(c, errors)
     if (arr["rollout"]["engine_kwargs"] or {}).get("trtllm"):
         errors.append(
             "actor_rollout_ref.rollout.engine_kwargs.trtllm is for TensorRT-LLM, which this build of verl does not "
             "support; remove it"
+        )
+
+
+def _check_skip_rollout(c: dict, errors: list[str]) -> None:
+    """rollout.skip_rollout replays one dumped batch (verl.trainer.ppo.rollout_skip): not with a source
+    that draws several batches a step or generates in a pool of its own."""
+    if not c["actor_rollout_ref"]["rollout"]["skip_rollout"]:
+        return
+    if c["algorithm"]["filter_groups"]["enable"]:
+        errors.append(
+            "actor_rollout_ref.rollout.skip_rollout=true with algorithm.filter_groups.enable=true: dynamic sampling "
+            "would replay the same dumped batch again and again (the same groups kept twice, or none ever kept); "
+            "turn one of them off"
+        )
+    if c["async_training"]["staleness_threshold"] > 0:
+        errors.append(
+            "actor_rollout_ref.rollout.skip_rollout=true with async_training.staleness_threshold > 0: the rollouts "
+            "come from the asynchronous rollout pool, which does not replay dumps; set staleness_threshold=0"
         )
 
 

@@ -339,9 +339,16 @@ class RolloutConfig(BaseConfig):
     )
     trace: TraceConfig = doc("Rollout tracing.", default_factory=TraceConfig)
     skip_rollout: bool = doc(
-        "Replay dumped rollouts instead of generating.", status=UNSUPPORTED, neutral=False, default=False
+        "Generate the first training rollout and dump it, then replay that dump at every later step and in "
+        "later runs instead of generating (upstream's RolloutSkip; validation still generates). Not with "
+        "algorithm.filter_groups or asynchronous training.",
+        default=False,
     )
-    skip_dump_dir: str = doc("Directory of those dumps (with skip_rollout).", default="/tmp/rollout_dump")
+    skip_dump_dir: str = doc(
+        "Directory of the dump (skip_rollout): one file per batch size and n, "
+        "`__GBS<data.gen_batch_size>__N<rollout.n>`.",
+        default="/tmp/rollout_dump",
+    )
     skip_tokenizer_init: bool = doc(
         f"vLLM/SGLang: start the engine without its tokenizer. {_SPEED}.", status=IGNORED, default=True
     )
