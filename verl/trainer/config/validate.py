@@ -51,6 +51,7 @@ from verl.trainer.config.validate_batches import (
     world_size,
 )
 from verl.trainer.config.validate_experts import check_megatron_experts, check_rollout_experts
+from verl.trainer.config.validate_features import check_feature_combinations
 from verl.trainer.config.validate_mtp import check_mtp
 from verl.trainer.config.validate_router_replay import _check_router_replay
 from verl.utils.config import omega_conf_to_dataclass
@@ -217,35 +218,11 @@ def _check_not_implemented(c: dict, errors: list[str]):
             "actor_rollout_ref.rollout.prometheus.enable=true needs actor_rollout_ref.rollout.disable_log_stats=false "
             "(as upstream: the engines' statistics are what Prometheus scrapes); set disable_log_stats=false"
         )
-    if arr["rollout"]["name"] == "sglang" and arr["rollout"]["logprobs_mode"] != "processed_logprobs":
-        errors.append(
-            f"actor_rollout_ref.rollout.logprobs_mode={arr['rollout']['logprobs_mode']} with rollout.name=sglang: "
-            "SGLang's engine has no such setting (upstream passes the key to vLLM only), so its log-probs would stay "
-            "processed_logprobs; use rollout.name=hf or vllm, or logprobs_mode=processed_logprobs"
-        )
-    _check_skip_rollout(c, errors)
+    check_feature_combinations(c, errors)
     if (arr["rollout"]["engine_kwargs"] or {}).get("trtllm"):
         errors.append(
             "actor_rollout_ref.rollout.engine_kwargs.trtllm is for TensorRT-LLM, which this build of verl does not "
             "support; remove it"
-        )
-
-
-def _check_skip_rollout(c: dict, errors: list[str]) -> None:
-    """rollout.skip_rollout replays one dumped batch (verl.trainer.ppo.rollout_skip): not with a source
-    that draws several batches a step or generates in a pool of its own."""
-    if not c["actor_rollout_ref"]["rollout"]["skip_rollout"]:
-        return
-    if c["algorithm"]["filter_groups"]["enable"]:
-        errors.append(
-            "actor_rollout_ref.rollout.skip_rollout=true with algorithm.filter_groups.enable=true: dynamic sampling "
-            "would replay the same dumped batch again and again (the same groups kept twice, or none ever kept); "
-            "turn one of them off"
-        )
-    if c["async_training"]["staleness_threshold"] > 0:
-        errors.append(
-            "actor_rollout_ref.rollout.skip_rollout=true with async_training.staleness_threshold > 0: the rollouts "
-            "come from the asynchronous rollout pool, which does not replay dumps; set staleness_threshold=0"
         )
 
 
