@@ -124,7 +124,14 @@ class MultiTurnConfig(BaseConfig):
 class CustomAsyncServerConfig(BaseConfig):
     """A user rollout-server class."""
 
-    path: str | None = doc("Python file holding the server class.", status=UNSUPPORTED, neutral=None, default=None)
+    path: str | None = doc(
+        "Python file holding the server class. Upstream declares the key but no code of its reads it since its "
+        "native HTTP servers replaced the async server classes (volcengine/verl#3456): refused rather than "
+        "ignored, and its async-server interface has no counterpart in this build's agent-loop engine.",
+        status=UNSUPPORTED,
+        neutral=None,
+        default=None,
+    )
     name: str | None = doc("Name of the class.", default=None)
 
 
