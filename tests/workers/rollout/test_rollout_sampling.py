@@ -110,6 +110,19 @@ def test_logprobs_mode_returns_vllms_value_on_a_hand_worked_example(mode):
     torch.testing.assert_close(values.double(), expected, atol=1e-6, rtol=0)
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("mode", sorted(_HAND_WORKED))
+def test_logprobs_mode_on_the_fused_cuda_path_returns_the_same_hand_worked_values(mode):
+    device = get_device()
+    logits = torch.tensor([2.0, 1.0, 0.0, -1.0], device=device).expand(64, 4)
+    params = SamplingParams(temperature=0.5, top_k=2, logprobs_mode=mode)
+    gen = torch.Generator(device=device).manual_seed(0)
+    tokens, values = select_tokens(logits, params, want_logprobs=True, generator=gen)
+    assert set(tokens.tolist()) == {0, 1}
+    expected = torch.tensor(_HAND_WORKED[mode], dtype=torch.float64)[tokens.cpu()]
+    torch.testing.assert_close(values.cpu().double(), expected, atol=1e-6, rtol=0)
+
+
 def test_raw_and_processed_agree_when_greedy():
     # greedy decoding applies neither temperature nor filters (vLLM's all-greedy path)
     logits = torch.randn(5, 12, generator=torch.Generator().manual_seed(4))
