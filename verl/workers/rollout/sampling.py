@@ -182,29 +182,35 @@ def select_tokens(
             threshold = filter_threshold(logits.float() * (1.0 / temperature), params.top_k, params.top_p)
         tokens, logprobs = fused_select(logits, temperature, params.do_sample, threshold, sampler_logprobs, generator)
         if want_logprobs and not sampler_logprobs:
-            logprobs = token_logprobs(logits, tokens, params)
+            logprobs = token_logprobs(logits, tokens, params, threshold)
         return tokens, logprobs
 
     scaled = _tempered(logits.float(), temperature)
+    threshold = None
     if params.do_sample:
-        tokens = sample_from_cdf(scaled, filter_threshold(scaled, params.top_k, params.top_p), generator)
+        threshold = filter_threshold(scaled, params.top_k, params.top_p)
+        tokens = sample_from_cdf(scaled, threshold, generator)
     else:
         tokens = scaled.argmax(dim=-1)
     if not want_logprobs:
         return tokens, None
     if sampler_logprobs:
         return tokens, scaled.log_softmax(dim=-1).gather(-1, tokens[:, None]).squeeze(-1)
-    return tokens, token_logprobs(logits, tokens, params)
+    return tokens, token_logprobs(logits, tokens, params, threshold)
 
 
-def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+def token_logprobs(
+    logits: torch.Tensor, tokens: torch.Tensor, params: SamplingParams, threshold: torch.Tensor | None = None
+) -> torch.Tensor:
     """The value `params.logprobs_mode` names for token `tokens[b]` of row b of `logits` [B, V]: [B]
-    float32 (vLLM's definitions, see the module docstring)."""
+    float32 (vLLM's definitions, see the module docstring). `threshold` [B]: the sampler's top-k/top-p
+    threshold of the tempered logits when it has one (computed here otherwise)."""
     mode = params.logprobs_mode
     values = logits.float()
     if mode.startswith("processed"):
         values = _tempered(values, params.logprob_temperature)
-        threshold = filter_threshold(values, params.top_k, params.top_p) if params.do_sample else None
+        if threshold is None and params.do_sample:
+            threshold = filter_threshold(values, params.top_k, params.top_p)
         if threshold is not None:
             # the chosen token survived the sampler's filter; keep it even if a rounding difference
             # (the fused kernel multiplies by 1/T) put it a hair under this threshold
