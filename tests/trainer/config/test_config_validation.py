@@ -684,3 +684,10 @@ def test_logprobs_mode_is_accepted_for_hf_and_vllm_and_refused_for_sglang(defaul
     )
     assert "logprobs_mode=raw_logits with rollout.name=sglang" in msg and "rollout.name=hf or vllm" in msg
     assert "not a valid choice" in error_of(with_(defaults, actor_rollout_ref__rollout__logprobs_mode="logits"))
+    logits = with_(
+        defaults,
+        actor_rollout_ref__rollout__calculate_log_probs=True,
+        actor_rollout_ref__rollout__logprobs_mode="raw_logits",
+    )
+    with pytest.warns(ConfigWarning, match="rollout_log_probs hold those values"):
+        validate_ppo_config(logits)

@@ -218,7 +218,6 @@ def _check_not_implemented(c: dict, errors: list[str]):
             "actor_rollout_ref.rollout.prometheus.enable=true needs actor_rollout_ref.rollout.disable_log_stats=false "
             "(as upstream: the engines' statistics are what Prometheus scrapes); set disable_log_stats=false"
         )
-    check_feature_combinations(c, errors)
     if (arr["rollout"]["engine_kwargs"] or {}).get("trtllm"):
         errors.append(
             "actor_rollout_ref.rollout.engine_kwargs.trtllm is for TensorRT-LLM, which this build of verl does not "
@@ -715,6 +714,7 @@ def validate_ppo_config(cfg: DictConfig | dict) -> None:
     _check_multi_turn(c, errors)
     check_rollout_experts(c, errors)
     _check_not_implemented(c, errors)
+    check_feature_combinations(c, errors, warns)
     _check_role_engine_batch_keys(c, errors)
     _check_trainer(c, errors, warns)
     _check_lora(c, errors, warns)

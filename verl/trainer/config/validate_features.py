@@ -7,16 +7,24 @@ combined with), kept apart from validate.py, which calls `check_feature_combinat
 from __future__ import annotations
 
 
-def check_feature_combinations(c: dict, errors: list[str]) -> None:
-    """Append to `errors` what the composed config `c` (a plain dict) combines that these features refuse."""
-    _check_logprobs_mode(c, errors)
+def check_feature_combinations(c: dict, errors: list[str], warns: list[str]) -> None:
+    """Append to `errors` what the composed config `c` (a plain dict) combines that these features
+    refuse, to `warns` what they change elsewhere."""
+    _check_logprobs_mode(c, errors, warns)
     _check_skip_rollout(c, errors)
     _check_reward_loop(c, errors)
 
 
-def _check_logprobs_mode(c: dict, errors: list[str]) -> None:
+def _check_logprobs_mode(c: dict, errors: list[str], warns: list[str]) -> None:
     """rollout.logprobs_mode reaches the built-in engine and vLLM; SGLang has no such setting."""
     rollout = c["actor_rollout_ref"]["rollout"]
+    if rollout["calculate_log_probs"] and rollout["logprobs_mode"] != "processed_logprobs":
+        warns.append(
+            f"actor_rollout_ref.rollout.logprobs_mode={rollout['logprobs_mode']}: rollout_log_probs hold those values, "
+            "and everything that reads them takes them for the sampling log-probs (the training/rollout_probs_diff "
+            "metrics, actor.tis_imp_ratio_cap, algorithm.rollout_correction), as upstream does; keep "
+            "processed_logprobs unless that is what you want"
+        )
     if rollout["name"] == "sglang" and rollout["logprobs_mode"] != "processed_logprobs":
         errors.append(
             f"actor_rollout_ref.rollout.logprobs_mode={rollout['logprobs_mode']} with rollout.name=sglang: "
