@@ -151,6 +151,23 @@ def test_model_path_that_is_not_a_model_directory(run, tmp_path):
     )
 
 
+def test_hf_config_path_is_checked_in_place_of_the_model_path_s_config(run, tmp_path):
+    # the config directory's config.json is the policy's: path's own is not read, its is
+    (tmp_path / "config_only").mkdir()
+    _expect(
+        run(f"actor_rollout_ref.model.hf_config_path={tmp_path / 'config_only'}"),
+        "actor_rollout_ref.model.hf_config_path=",
+        "a directory without a config.json (it holds nothing)",
+    )
+    _expect(
+        run(
+            f"actor_rollout_ref.model.path={tmp_path / 'no_weights'}",
+            f"actor_rollout_ref.model.hf_config_path={model_path()}",
+        ),
+        "no_weights is not a directory; point it at the directory that holds the weights",
+    )
+
+
 # ----------------------------------------------------------------------------------------- config
 
 

@@ -200,7 +200,7 @@ def test_megatron_schedules_equal_megatron_cores_scheduler(overrides):
         (dict(lr_decay_steps=2), "lr_decay_steps=2"),
         (dict(lr_decay_style="WSD"), "lr_wsd_decay_steps"),
         (dict(min_lr=2.0), "min_lr"),
-        (dict(weight_decay_incr_style="linear"), "weight_decay_incr_style"),
+        (dict(weight_decay_incr_style="exponential"), "weight_decay_incr_style"),
     ],
 )
 def test_megatron_schedule_errors_name_the_key(overrides, match):

@@ -62,7 +62,12 @@ def _worker_case(rank, world_size, sp, out_path, save_to=None, load_from=None):
         worker.save_checkpoint(save_to, global_step=1)
     if rank == 0 or sp == 1:
         torch.save(
-            {"log_probs": old.batch["old_log_probs"], "weights": weights, "grad_norm": metrics["actor/grad_norm"]},
+            {
+                "log_probs": old.batch["old_log_probs"],
+                "weights": weights,
+                "grad_norm": metrics["actor/grad_norm"],
+                "flops": worker.actor.flops.total(),  # what perf/mfu/actor counts for this rank
+            },
             f"{out_path}.{rank}",
         )
 
@@ -87,6 +92,13 @@ def test_actor_worker_with_sp2_equals_sp1_and_its_checkpoint_resumes_at_sp1(tmp_
         start = torch.load(f"{tmp_path / 'sp1'}.start")
         moved = max((ref["weights"][n] - start[n]).abs().max().item() for n in start)
         assert moved > 1e-4, f"the update moved the weights by at most {moved:.3g}; the comparison needs a real step"
+    # MFU at sp=2: each rank of the sequence-parallel group counts the rows of the whole group (the
+    # rows it runs a slice of), and mfu_over_ranks divides by the sp ranks (dp_size = world / sp), so
+    # the update's FLOPs are the two sp=1 data-parallel ranks' together, not twice them
+    sp1 = [torch.load(f"{tmp_path / 'sp1'}.{rank}")["flops"] for rank in (0, 1)]
+    sp2 = torch.load(f"{tmp_path / 'sp2'}.0")["flops"]
+    assert min(sp1) > 0
+    assert sp2 == pytest.approx(sum(sp1), rel=1e-12), (sp2, sp1)
 
     # a checkpoint saved at sp=2 resumes at sp=1 with the same weights
     run_distributed(_worker_case, 2, 1, str(tmp_path / "resumed"), None, str(tmp_path / "ckpt"))

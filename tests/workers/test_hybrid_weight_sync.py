@@ -1,4 +1,4 @@
-"""The hybrid engine's weight sync (`verl.workers.engine_workers.sync_rollout_weights`, what
+"""The hybrid engine's weight sync (`verl.workers.rollout_weights.sync_rollout_weights`, what
 `generate_sequences` runs before every generation): an FSDP2 actor's fp32 master weights reach the
 built-in engine exactly, i.e. bit-equal to the masters cast to the engine's dtype.
 
@@ -30,8 +30,8 @@ def _case_hybrid_sync(rollout_dtype_name: str) -> dict:
     from verl.utils import device as dev
     from verl.utils.fsdp_utils import iter_full_params
     from verl.workers.engine import FSDPEngineWithLMHead
-    from verl.workers.engine_workers import rollout_dtype, sync_rollout_weights
     from verl.workers.rollout.hf_rollout import HFRollout
+    from verl.workers.rollout_weights import rollout_dtype, sync_rollout_weights
 
     os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1")
     dev.set_device()

@@ -167,3 +167,80 @@ def test_reward_model_workers_score_like_the_hf_classifier(tmp_path):
     _make_reward_model(tmp_path / "rm")
     _make_reward_model(tmp_path / "rm_other_template", other_template=True)
     run_distributed(_score_everywhere, 2, str(tmp_path / "rm"), str(tmp_path / "rm_other_template"))
+
+
+@torch.no_grad()
+def test_reward_model_override_config_changes_the_model_the_worker_scores_with(tmp_path, one_process):
+    """reward_model.model.override_config edits the reward model's HF config before its weights load
+    (here: only its first decoder layer is built), so the scores are those of the edited model."""
+    from transformers import AutoModelForSequenceClassification
+
+    from verl.trainer.config import load_ppo_config
+    from verl.workers import fsdp_workers
+
+    path = tmp_path / "rm"
+    _make_reward_model(path)
+    cfg = load_ppo_config(
+        [
+            "reward_model.enable=true",
+            f"reward_model.model.path={path}",
+            "reward_model.model.input_tokenizer=null",
+            "+reward_model.model.override_config.num_hidden_layers=1",
+            "trainer.n_gpus_per_node=1",
+        ],
+        config_name="arith_demo",
+    ).reward_model
+    worker = fsdp_workers.RewardModelWorker(cfg)
+    worker.init_model()
+    assert worker.model.config.num_hidden_layers == 1 and len(worker.model.model.layers) == 1
+
+    data = _data()
+    one_layer = AutoModelForSequenceClassification.from_pretrained(path, num_hidden_layers=1).double().eval()
+    full = _reference(path, data, retokenize=False)
+    expected = []
+    for i in range(len(data)):
+        ids = data.batch["input_ids"][i][data.batch["attention_mask"][i].bool()]
+        expected.append(one_layer(input_ids=ids[None]).logits[0, 0])
+    expected = torch.stack(expected)
+    assert (expected - full).abs().max() > 0.1, "the override must change the scores for this test to mean anything"
+    _check(worker.compute_rm_score(data), data, expected, "override_config num_hidden_layers=1")
+
+
+def _megatron_scores_with_override(rank, world_size, path):
+    from transformers import AutoModelForSequenceClassification
+
+    from verl.trainer.config import load_ppo_config
+    from verl.utils.megatron.parallel_state import destroy_model_parallel
+    from verl.workers import megatron_workers
+
+    cfg = load_ppo_config(
+        [
+            "reward_model.enable=true",
+            "reward_model.strategy=megatron",
+            f"reward_model.model.path={path}",
+            "reward_model.model.input_tokenizer=null",
+            "+reward_model.model.override_config.num_hidden_layers=1",
+            "trainer.n_gpus_per_node=1",
+        ],
+        config_name="arith_demo_megatron",
+    ).reward_model
+    worker = megatron_workers.RewardModelWorker(cfg)
+    worker.init_model()
+    assert worker.reward_model.hf_config.num_hidden_layers == 1
+    data = _data()
+    one_layer = AutoModelForSequenceClassification.from_pretrained(path, num_hidden_layers=1).double().eval()
+    with torch.no_grad():
+        expected = torch.stack(
+            [
+                one_layer(input_ids=ids[mask.bool()][None]).logits[0, 0]
+                for ids, mask in zip(data.batch["input_ids"], data.batch["attention_mask"], strict=True)
+            ]
+        )
+    _check(worker.compute_rm_score(data), data, expected, "megatron override_config num_hidden_layers=1")
+    destroy_model_parallel()
+
+
+@pytest.mark.slow
+def test_megatron_reward_model_override_config_changes_the_model_it_scores_with(tmp_path):
+    _make_reward_model(tmp_path / "rm")
+    run_distributed(_megatron_scores_with_override, 1, str(tmp_path / "rm"))

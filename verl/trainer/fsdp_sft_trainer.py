@@ -605,19 +605,25 @@ def run_sft(config, should_stop: Callable[[FSDPSFTTrainer, int], bool] | None = 
     return trainer
 
 
-def main() -> None:
+def hydra_main(config_name: str, run) -> None:
+    """`python -m` entry of an SFT trainer: compose `config_name` from verl/trainer/config with the
+    command line's overrides, call `run(config)` and release the process group."""
     import hydra
 
     # An absolute path, so Hydra reads the YAML as a file whether this runs as a module or a script
     # and does not need verl/trainer/config to be a Python package.
     config_dir = os.path.join(os.path.dirname(os.path.abspath(__file__)), "config")
 
-    @hydra.main(config_path=config_dir, config_name="sft_trainer", version_base=None)
+    @hydra.main(config_path=config_dir, config_name=config_name, version_base=None)
     def _main(config) -> None:
-        run_sft(config)
+        run(config)
         dist.destroy_process_group()
 
     _main()
+
+
+def main() -> None:
+    hydra_main("sft_trainer", run_sft)
 
 
 if __name__ == "__main__":

@@ -224,9 +224,20 @@ def _check_models(config, problems: list[str]) -> None:
 
     model = config.actor_rollout_ref.model
     remote_code = bool(model.trust_remote_code) or bool(model.external_lib)
-    policy = _model_config("actor_rollout_ref.model.path", model.path, problems)
+    if model.get("hf_config_path"):
+        # the config of that directory replaces path's (which then needs no config.json of its own)
+        key, config_path = "actor_rollout_ref.model.hf_config_path", model.hf_config_path
+        full = os.path.expanduser(str(model.path))
+        if _looks_local(str(model.path)) and not os.path.isdir(full):
+            problems.append(
+                f"actor_rollout_ref.model.path={model.path} is not a directory; point it at the directory that holds "
+                "the weights (hf_config_path gives only the config)"
+            )
+    else:
+        key, config_path = "actor_rollout_ref.model.path", model.path
+    policy = _model_config(key, config_path, problems)
     if policy is not None and not remote_code:
-        _check_causal_lm("actor_rollout_ref.model.path", model.path, policy, problems)
+        _check_causal_lm(key, config_path, policy, problems)
     tokenizer_path = model.tokenizer_path
     tokenizer_missing = tokenizer_path and not os.path.exists(os.path.expanduser(str(tokenizer_path)))
     if tokenizer_missing and _looks_local(str(tokenizer_path)):

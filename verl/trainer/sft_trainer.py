@@ -43,6 +43,7 @@ from verl.trainer.fsdp_sft_trainer import (
     _per_rank_batch_size,
     _trim_padding,
     accumulate_sft_gradients,
+    hydra_main,
     init_distributed,
     sft_token_losses,
     sft_train_loader,
@@ -682,16 +683,7 @@ def run_sft(config: DictConfig) -> list[dict[str, float]]:
 
 
 def main() -> None:
-    import hydra
-
-    config_dir = os.path.join(os.path.dirname(os.path.abspath(__file__)), "config")
-
-    @hydra.main(config_path=config_dir, config_name="sft_trainer_engine", version_base=None)
-    def _main(config) -> None:
-        run_sft(config)
-        dist.destroy_process_group()
-
-    _main()
+    hydra_main("sft_trainer_engine", run_sft)
 
 
 if __name__ == "__main__":

@@ -22,6 +22,11 @@ Design decisions:
   linear layers creates); other adapted layer types (embeddings, convolutions) are refused with
   the name of the layer, rather than synced without their adapter.
 
+The critic (`critic.model.lora_rank > 0`, upstream's FSDP critic): the value model is wrapped with
+peft's TOKEN_CLS task, so its fresh value head (`score`) trains whole beside the adapters (peft's
+`modules_to_save`) and gets no adapter of its own; `lora_adapter/` then holds the head's trained
+copy too, and the merged weights name it `score.weight` again. It has no adapter path.
+
 Starting from a trained adapter (`model.lora_adapter_path`, upstream's key):
 - The adapter directory (`adapter_config.json` + `adapter_model.safetensors`, what peft's
   `save_pretrained` and our checkpoints' `lora_adapter/` hold) decides the LoRA layout: its `r`,
@@ -161,8 +166,16 @@ def lora_config_from_adapter(path: str):
     return config
 
 
-def build_lora_config(model_cfg):
-    """peft `LoraConfig` from the model section: `lora_rank`, `lora_alpha`, `target_modules`, `exclude_modules`."""
+# the one-output head of a value model (`*ForTokenClassification`): trained whole beside the adapters
+# (peft's TOKEN_CLS task puts it in `modules_to_save`), so it never gets an adapter of its own
+VALUE_HEAD_MODULES = ("score", "classifier")
+
+
+def build_lora_config(model_cfg, value_head: bool = False):
+    """peft `LoraConfig` from the model section: `lora_rank`, `lora_alpha`, `target_modules`, `exclude_modules`.
+
+    With `value_head` (the critic), peft's TOKEN_CLS task: the value head trains whole beside the
+    adapters and is excluded from `target_modules` (`all-linear` would otherwise adapt it too)."""
     from peft import LoraConfig
 
     rank = int(model_cfg.get("lora_rank", 0) or 0)
@@ -175,8 +188,15 @@ def build_lora_config(model_cfg):
         )
     target = _plain(model_cfg.get("target_modules", "all-linear")) or "all-linear"
     exclude = _plain(model_cfg.get("exclude_modules", None))
+    if value_head:
+        if isinstance(exclude, str):
+            raise ValueError(
+                f"exclude_modules={exclude!r}: a value model's LoRA takes a list of module names (its value head "
+                f"{list(VALUE_HEAD_MODULES)} is added to it)"
+            )
+        exclude = [*(exclude or []), *VALUE_HEAD_MODULES]
     return LoraConfig(
-        task_type="CAUSAL_LM",
+        task_type="TOKEN_CLS" if value_head else "CAUSAL_LM",
         r=rank,
         lora_alpha=alpha,
         target_modules=target,
@@ -186,14 +206,31 @@ def build_lora_config(model_cfg):
     )
 
 
-def apply_lora(model: torch.nn.Module, model_cfg, read_adapter_weights: bool = True) -> torch.nn.Module:
+def apply_lora(
+    model: torch.nn.Module, model_cfg, read_adapter_weights: bool = True, value_head: bool = False
+) -> torch.nn.Module:
     """Wrap an HF causal LM with LoRA adapters (peft `get_peft_model`); only the adapters train.
 
     With `model_cfg.lora_adapter_path` the layout comes from that adapter and, with
     `read_adapter_weights`, so do the adapters' weights (a meta-device model passes False: its
     shapes are still checked); otherwise the adapters are fresh (B = 0).
+
+    With `value_head`, `model` is a value model (the critic, `*ForTokenClassification`): its
+    adapters are fresh (the critic has no adapter path), and its value head trains whole beside
+    them, as upstream's FSDP critic (peft's TOKEN_CLS task).
     """
-    from peft import get_peft_model
+    if value_head:
+        config = build_lora_config(model_cfg, value_head=True)
+        try:
+            peft_model = _get_peft_model(model, config)
+        except ValueError as e:
+            raise ValueError(
+                f"cannot apply LoRA with target_modules={config.target_modules!r} to the value model "
+                f"{type(model).__name__}: {e}. Set critic.model.target_modules to all-linear or to a list of linear "
+                "layer names of this model (e.g. [q_proj,k_proj,v_proj,o_proj])"
+            ) from e
+        _check_mergeable(peft_model)
+        return peft_model
 
     adapter_path = model_cfg.get("lora_adapter_path")
     if adapter_path:
@@ -203,9 +240,7 @@ def apply_lora(model: torch.nn.Module, model_cfg, read_adapter_weights: bool = T
     config = lora_config_from_adapter(adapter_path) if adapter_path else build_lora_config(model_cfg)
     model_name = model_cfg.get("path") or getattr(model.config, "_name_or_path", "") or type(model).__name__
     try:
-        with warnings.catch_warnings():  # peft calls a transformers method deprecated in v5
-            warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing", category=FutureWarning)
-            peft_model = get_peft_model(model, config)
+        peft_model = _get_peft_model(model, config)
     except ValueError as e:  # e.g. no module matched target_modules
         if adapter_path:
             raise ValueError(
@@ -223,6 +258,14 @@ def apply_lora(model: torch.nn.Module, model_cfg, read_adapter_weights: bool = T
     if adapter_path:
         load_adapter_weights(peft_model, adapter_path, model_name, read=read_adapter_weights)
     return peft_model
+
+
+def _get_peft_model(model: torch.nn.Module, config):
+    from peft import get_peft_model
+
+    with warnings.catch_warnings():  # peft calls a transformers method deprecated in v5
+        warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing", category=FutureWarning)
+        return get_peft_model(model, config)
 
 
 def load_adapter_weights(peft_model, path: str, model_name: str, read: bool = True) -> None:
@@ -323,7 +366,9 @@ def merge_lora_state(
     `<module>.lora_A.default.weight`, `<module>.lora_B.default.weight`, and plain
     `base_model.model.<name>` for untouched tensors), in any order. Each adapted layer comes out
     once as `<module>.weight = W + scaling * B @ A` (transposed for fan-in-fan-out layers), as soon
-    as its three tensors have arrived; everything else passes through with the prefix removed.
+    as its three tensors have arrived; a module peft trains whole (`<module>.modules_to_save.default.*`,
+    a value head) comes out under its own name and its untrained `original_module` copy is dropped;
+    everything else passes through with the prefix removed.
     `scalings` maps module names to `(scaling, fan_in_fan_out)` (`lora_scalings`), or is one
     scaling for all layers (with `fan_in_fan_out`), as read from an adapter config.
     """
@@ -332,6 +377,15 @@ def merge_lora_state(
         if not name.startswith(PEFT_PREFIX):
             raise KeyError(f"{name!r} is not a peft state-dict name (expected the prefix {PEFT_PREFIX!r})")
         rest = name[len(PEFT_PREFIX) :]
+        if ".original_module." in rest:  # the untrained copy of a module peft trains whole (a value head)
+            continue
+        if ".modules_to_save." in rest:
+            module, _, leaf = rest.partition(".modules_to_save.")
+            adapter, _, leaf = leaf.partition(".")
+            if adapter != ADAPTER_NAME:
+                raise KeyError(f"{name!r}: only the {ADAPTER_NAME!r} adapter's weights are merged")
+            yield f"{module}.{leaf}", tensor
+            continue
         if ".base_layer." in rest:
             module, _, leaf = rest.partition(".base_layer.")
             if leaf != "weight":  # the bias is not adapted
@@ -381,7 +435,9 @@ def save_lora_adapter(peft_model, path: str) -> None:
 
     lora = {
         name: tensor.detach().cpu().contiguous()
-        for name, tensor in iter_full_params(peft_model, name_filter=lambda n: ".lora_" in n)
+        for name, tensor in iter_full_params(
+            peft_model, name_filter=lambda n: ".lora_" in n or ".modules_to_save." in n
+        )
     }
     if dist.is_initialized() and dist.get_rank() != 0:
         return

@@ -18,12 +18,24 @@ rank 0's loaded weights then reach its shards by broadcast
 
 Attention backend: flash-attention 2 when a CUDA device is in use and `flash_attn` is installed
 (its varlen kernel serves the packed remove-padding path), SDPA otherwise (CPU included).
+
+A config from another directory (`actor_rollout_ref.model.hf_config_path`, upstream's key):
+`model_dir_with_config` gives the one directory every loader of the policy reads (FSDP and Megatron
+engines, every rollout engine, vLLM and SGLang included): the weights and tokenizer files of `path`
+with `config.json` and `generation_config.json` of `hf_config_path` in their place (`path`'s are
+left out even where `hf_config_path` has none), and its remote-code `*.py` over `path`'s of the same
+name (symbolic links, in a directory named after a hash of both). One directory rather than a
+config object handed around, because vLLM, SGLang and the external engines take a path, not a config.
+As upstream, the generation config follows the config directory (absent there: derived from its
+config.json), and the tokenizer stays at `tokenizer_path` or `path`.
 """
 
 from __future__ import annotations
 
+import hashlib
 import importlib.util
 import os
+import tempfile
 
 import torch
 
@@ -39,6 +51,7 @@ __all__ = [
     "load_causal_lm",
     "load_model_config",
     "load_valuehead_model",
+    "model_dir_with_config",
     "register_token_classifier",
     "update_model_config",
 ]
@@ -70,6 +83,67 @@ def _default_attn_implementation(auto_cls, config) -> str:
     except KeyError:  # remote code: the model's own class decides
         return choice
     return choice if getattr(model_cls, flag, True) else "eager"
+
+
+# files of `path` that `hf_config_path` always replaces (left out where it has none); its `*.py` replace
+# `path`'s of the same name
+_CONFIG_FILES = ("config.json", "generation_config.json")
+
+
+def _local_model_dir(path: str, key: str) -> str:
+    """`path` as a local directory: itself, or a hub id's snapshot in the HF cache (downloaded if needed)."""
+    full = os.path.abspath(os.path.expanduser(str(path)))
+    if os.path.isdir(full):
+        return full
+    try:
+        from huggingface_hub import snapshot_download
+
+        return snapshot_download(repo_id=str(path))
+    except Exception as e:  # any hub failure: not a repository, offline, ...
+        raise FileNotFoundError(
+            f"{key}={path!r} is neither a local directory nor a Hugging Face hub model that could be fetched ({e}); "
+            "point it at a local model directory"
+        ) from e
+
+
+def model_dir_with_config(path: str, hf_config_path: str | None = None, key: str = "actor_rollout_ref.model") -> str:
+    """The directory to load the model at `path` from, with `hf_config_path`'s config (see the module
+    docstring): `path` itself when `hf_config_path` is None. Every process on a machine gets the same
+    directory; it is written once (atomically) and reused."""
+    if not hf_config_path:
+        return path
+    weights = _local_model_dir(path, f"{key}.path")
+    config_dir = _local_model_dir(hf_config_path, f"{key}.hf_config_path")
+    config_file = os.path.join(config_dir, "config.json")
+    if not os.path.isfile(config_file):
+        raise FileNotFoundError(
+            f"{key}.hf_config_path={hf_config_path!r} has no config.json; point it at the directory whose config.json "
+            f"should replace the one of {key}.path, or set it to null"
+        )
+    from_config = [n for n in os.listdir(config_dir) if n in _CONFIG_FILES or n.endswith(".py")]
+    digest = hashlib.sha256()
+    for part in (weights, config_dir, *sorted(os.listdir(weights)), "|", *sorted(from_config)):
+        digest.update(part.encode() + b"\0")
+    for name in sorted(from_config):
+        with open(os.path.join(config_dir, name), "rb") as f:
+            digest.update(f.read())
+    out = os.path.join(tempfile.gettempdir(), "verl-hf-config", digest.hexdigest()[:20])
+    if os.path.isdir(out):
+        return out
+    os.makedirs(os.path.dirname(out), exist_ok=True)
+    staging = tempfile.mkdtemp(prefix=".staging-", dir=os.path.dirname(out))
+    for name in os.listdir(weights):
+        if name not in _CONFIG_FILES and name not in from_config:
+            os.symlink(os.path.join(weights, name), os.path.join(staging, name))
+    for name in from_config:
+        os.symlink(os.path.join(config_dir, name), os.path.join(staging, name))
+    try:
+        os.rename(staging, out)
+    except OSError:  # another process of this machine wrote it first: the same files
+        import shutil
+
+        shutil.rmtree(staging, ignore_errors=True)
+    return out
 
 
 def load_model_config(path: str, trust_remote_code: bool = False, override_config: dict | None = None):

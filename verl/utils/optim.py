@@ -20,10 +20,18 @@ Schedule (`build_lr_scheduler`), stepped once per training step, two families:
   (else `lr_warmup_steps_ratio * lr_decay_steps`), then `constant`, `linear`, `cosine`,
   `inverse_square_root` (also spelt `inverse-square-root`) or `WSD` (hold, then anneal over
   `lr_wsd_decay_steps` by `lr_wsd_decay_style`) from `lr` to `min_lr` over `lr_decay_steps`
-  (default `total_training_steps`), `min_lr` after. Weight-decay increments
-  (`weight_decay_incr_style`) are not scheduled: only `constant` is accepted.
+  (default `total_training_steps`), `min_lr` after. `weight_decay_incr_style` (constant, linear,
+  cosine) is checked: upstream gives megatron's scheduler `optim.weight_decay` as both the start and
+  the end of the weight-decay ramp, so every style keeps it constant, which the optimizer's own
+  `weight_decay` already is.
 
 Both are `LambdaLR`s, so their whole state is a step counter that checkpoints restore exactly.
+
+The Megatron engine's schedule (`MegatronParamScheduler`) is the same lr curve (either family) plus
+megatron's weight-decay ramp (`megatron_weight_decay`), set on the optimizer every step. Its state
+also carries the settings it was built from, so that `optim.use_checkpoint_opt_param_scheduler=true`
+resumes with the checkpoint's schedule (megatron's `use_checkpoint_opt_param_scheduler`); without it
+the section's settings continue from the checkpoint's step.
 (Upstream exposes the two FSDP schedule functions from `verl.utils.torch_functional`.)
 
 Gradient clipping (`grad_clip`): upstream names the max gradient norm twice, the older
@@ -42,12 +50,14 @@ from collections.abc import Iterable
 from typing import Any
 
 import torch
-from torch.optim.lr_scheduler import LambdaLR
+from torch.optim.lr_scheduler import LambdaLR, LRScheduler
 
 __all__ = [
     "DEFAULT_CLIP_GRAD",
     "LR_DECAY_STYLES",
     "LR_SCHEDULER_TYPES",
+    "WEIGHT_DECAY_INCR_STYLES",
+    "MegatronParamScheduler",
     "build_lr_scheduler",
     "build_optimizer",
     "get_constant_schedule_with_warmup",
@@ -55,12 +65,14 @@ __all__ = [
     "get_megatron_schedule",
     "grad_clip",
     "local_optimizer",
+    "megatron_weight_decay",
     "optimizer_class",
 ]
 
 LR_SCHEDULER_TYPES = ("constant", "cosine")
 LR_DECAY_STYLES = ("constant", "linear", "cosine", "inverse_square_root", "WSD")
 WSD_DECAY_STYLES = ("linear", "cosine", "exponential", "minus_sqrt")
+WEIGHT_DECAY_INCR_STYLES = ("constant", "linear", "cosine")
 DEFAULT_CLIP_GRAD = 1.0
 # Megatron sections name the optimizer without a module; these are what Megatron-core builds.
 _MEGATRON_OPTIMIZERS = {"adam": "AdamW", "sgd": "SGD"}
@@ -211,13 +223,7 @@ def get_constant_schedule_with_warmup(
     optimizer: torch.optim.Optimizer, num_warmup_steps: int, last_epoch: int = -1
 ) -> LambdaLR:
     """Linear warm-up from 0 to the base lr over `num_warmup_steps`, then constant."""
-
-    def factor(step: int) -> float:
-        if step < num_warmup_steps:
-            return float(step) / float(max(1, num_warmup_steps))
-        return 1.0
-
-    return LambdaLR(optimizer, factor, last_epoch)
+    return LambdaLR(optimizer, _constant_factor(num_warmup_steps), last_epoch)
 
 
 def get_cosine_schedule_with_warmup(
@@ -232,17 +238,9 @@ def get_cosine_schedule_with_warmup(
 
     With the default half cycle the lr reaches `min_lr_ratio * lr` at `num_training_steps`.
     """
-    if not 0.0 <= min_lr_ratio <= 1.0:
-        raise ValueError(f"optim.min_lr_ratio must be in [0, 1], got {min_lr_ratio}")
-
-    def factor(step: int) -> float:
-        if step < num_warmup_steps:
-            return float(step) / float(max(1, num_warmup_steps))
-        progress = float(step - num_warmup_steps) / float(max(1, num_training_steps - num_warmup_steps))
-        cosine = 0.5 * (1.0 + math.cos(math.pi * float(num_cycles) * 2.0 * progress))
-        return min_lr_ratio + (1.0 - min_lr_ratio) * max(0.0, cosine)
-
-    return LambdaLR(optimizer, factor, last_epoch)
+    return LambdaLR(
+        optimizer, _cosine_factor(num_warmup_steps, num_training_steps, min_lr_ratio, num_cycles), last_epoch
+    )
 
 
 def _megatron_lr(
@@ -288,15 +286,16 @@ def _megatron_lr(
 def get_megatron_schedule(optimizer: torch.optim.Optimizer, optim_config, last_epoch: int = -1) -> LambdaLR:
     """Megatron's schedule (`lr_decay_style` and friends, see the module docstring) as a LambdaLR
     over the optimizer's base lr (`optim.lr`)."""
+    return LambdaLR(optimizer, _megatron_factor(optim_config), last_epoch)
+
+
+def _megatron_factor(optim_config):
+    """Megatron's lr at a step over `optim.lr` (see `get_megatron_schedule`)."""
     style = str(_get(optim_config, "lr_decay_style", "constant"))
     style = "inverse_square_root" if style == "inverse-square-root" else style
     if style not in LR_DECAY_STYLES:
         raise ValueError(f"optim.lr_decay_style={style!r} is not one of {list(LR_DECAY_STYLES)}")
-    if str(_get(optim_config, "weight_decay_incr_style", "constant")) != "constant":
-        raise ValueError(
-            f"optim.weight_decay_incr_style={_get(optim_config, 'weight_decay_incr_style')!r}: only `constant` "
-            "(a fixed optim.weight_decay) is implemented"
-        )
+    _weight_decay_incr_style(optim_config)
     max_lr = float(_get(optim_config, "lr", 1e-6))
     min_lr = float(_get(optim_config, "min_lr", 0.0))
     init_lr = float(_get(optim_config, "lr_warmup_init", 0.0))
@@ -334,7 +333,36 @@ def get_megatron_schedule(optimizer: torch.optim.Optimizer, optim_config, last_e
         lr = _megatron_lr(step, max_lr, min_lr, init_lr, warmup_steps, decay_steps, style, wsd_steps, wsd_style)
         return lr / max_lr if max_lr > 0 else 0.0
 
-    return LambdaLR(optimizer, factor, last_epoch)
+    return factor
+
+
+def _weight_decay_incr_style(optim_config) -> str:
+    style = str(_get(optim_config, "weight_decay_incr_style", "constant"))
+    if style not in WEIGHT_DECAY_INCR_STYLES:
+        raise ValueError(
+            f"optim.weight_decay_incr_style={style!r} is not one of megatron's {list(WEIGHT_DECAY_INCR_STYLES)}"
+        )
+    return style
+
+
+def megatron_weight_decay(step: int, start_wd: float, end_wd: float, incr_steps: int, style: str) -> float:
+    """Megatron-core's weight decay at `step` (its `OptimizerParamScheduler.get_wd`): from `start_wd`
+    to `end_wd` over `incr_steps` steps, linearly or along a half cosine (`constant`: they must be
+    equal), `end_wd` after. Upstream passes `optim.weight_decay` as both ends."""
+    if step > incr_steps or incr_steps <= 0:
+        return end_wd
+    if style == "constant":
+        if start_wd != end_wd:
+            raise ValueError(f"weight_decay_incr_style=constant needs start_wd == end_wd, got {start_wd}, {end_wd}")
+        return end_wd
+    ratio = step / incr_steps
+    if style == "linear":
+        coeff = ratio
+    elif style == "cosine":
+        coeff = 0.5 * (math.cos(math.pi * (1.0 - ratio)) + 1.0)
+    else:
+        raise ValueError(f"weight_decay_incr_style={style!r} is not one of {list(WEIGHT_DECAY_INCR_STYLES)}")
+    return start_wd + coeff * (end_wd - start_wd)
 
 
 def _scheduler_type(optim_config) -> str | None:
@@ -370,9 +398,14 @@ def _warmup_steps(optim_config, span: int, span_needed: str) -> int:
 def build_lr_scheduler(optimizer: torch.optim.Optimizer, optim_config) -> LambdaLR:
     """The configured lr schedule of `optimizer` (see the module docstring), stepped once per
     training step."""
+    return LambdaLR(optimizer, _lr_factor(optim_config))
+
+
+def _lr_factor(optim_config):
+    """The configured schedule's lr at a step over `optim.lr` (either family, see the module docstring)."""
     style = _scheduler_type(optim_config)
     if style is None:
-        return get_megatron_schedule(optimizer, optim_config)
+        return _megatron_factor(optim_config)
     total_steps = int(_get(optim_config, "total_training_steps", -1))
     warmup_steps = _warmup_steps(
         optim_config,
@@ -381,17 +414,132 @@ def build_lr_scheduler(optimizer: torch.optim.Optimizer, optim_config) -> Lambda
         "optim.lr_warmup_steps instead",
     )
     if style == "constant":
-        return get_constant_schedule_with_warmup(optimizer, num_warmup_steps=warmup_steps)
+        return _constant_factor(warmup_steps)
     if style == "cosine":
         if total_steps <= 0:
             raise ValueError(
                 "optim.lr_scheduler_type=cosine needs optim.total_training_steps > 0 to know where the decay ends"
             )
-        return get_cosine_schedule_with_warmup(
-            optimizer,
-            num_warmup_steps=warmup_steps,
-            num_training_steps=total_steps,
-            min_lr_ratio=float(_get(optim_config, "min_lr_ratio", 0.0)),
-            num_cycles=float(_get(optim_config, "num_cycles", 0.5)),
+        return _cosine_factor(
+            warmup_steps,
+            total_steps,
+            float(_get(optim_config, "min_lr_ratio", 0.0)),
+            float(_get(optim_config, "num_cycles", 0.5)),
         )
     raise ValueError(f"optim.lr_scheduler_type={style!r} is not one of {list(LR_SCHEDULER_TYPES)}")
+
+
+# the keys a schedule reads (either family, lr and weight decay): MegatronParamScheduler's settings
+SCHEDULE_KEYS = (
+    "lr",
+    "warmup_style",
+    "lr_scheduler_type",
+    "total_training_steps",
+    "lr_warmup_steps",
+    "lr_warmup_steps_ratio",
+    "min_lr_ratio",
+    "num_cycles",
+    "lr_decay_style",
+    "lr_decay_steps",
+    "lr_warmup_init",
+    "min_lr",
+    "lr_wsd_decay_style",
+    "lr_wsd_decay_steps",
+    "weight_decay",
+    "weight_decay_incr_style",
+)
+
+
+class MegatronParamScheduler(LRScheduler):
+    """The Megatron engine's lr and weight-decay schedule, stepped once per training step.
+
+    The lr is `build_lr_scheduler`'s curve; the weight decay of every parameter group is
+    `megatron_weight_decay(step, weight_decay, weight_decay, total_training_steps,
+    weight_decay_incr_style)`, upstream's arguments to megatron's scheduler. `settings` (the
+    section's SCHEDULE_KEYS) are part of the state dict. Loading one takes its step; its settings
+    too when built with `use_checkpoint_settings` (upstream's `use_checkpoint_opt_param_scheduler`),
+    else this section's stay (megatron's `override_opt_param_scheduler`). Either way the lr and
+    weight decay of the loaded step are then set on the optimizer, over the hyper-parameters its own
+    state dict restored.
+    """
+
+    def __init__(self, optimizer: torch.optim.Optimizer, optim_config, use_checkpoint_settings: bool = False):
+        self.settings = {k: _plain(_get(optim_config, k)) for k in SCHEDULE_KEYS if _has(optim_config, k)}
+        # the optimizer was built with override_optimizer_config's lr / weight_decay where it sets them
+        overrides = _get(optim_config, "override_optimizer_config") or {}
+        self.settings.update({k: float(overrides[k]) for k in ("lr", "weight_decay") if k in overrides})
+        self.use_checkpoint_settings = bool(use_checkpoint_settings)
+        self._use(self.settings)
+        super().__init__(optimizer)
+
+    def _use(self, settings: dict) -> None:
+        self._factor = _lr_factor(settings)  # checks them
+        _weight_decay_incr_style(settings)
+        self.settings = dict(settings)
+
+    def lr_at(self, step: int) -> float:
+        return float(self.settings.get("lr", 1e-6)) * self._factor(step)
+
+    def weight_decay_at(self, step: int) -> float:
+        wd = float(self.settings.get("weight_decay", 1e-2))
+        total = int(self.settings.get("total_training_steps", -1))
+        return megatron_weight_decay(step, wd, wd, total, str(self.settings.get("weight_decay_incr_style", "constant")))
+
+    def get_lr(self) -> list[float]:
+        return [self.lr_at(self.last_epoch)] * len(self.optimizer.param_groups)
+
+    def step(self, epoch=None) -> None:
+        super().step(epoch)
+        self._set_weight_decay()
+
+    def _set_weight_decay(self) -> None:
+        wd = self.weight_decay_at(self.last_epoch)
+        for group in self.optimizer.param_groups:
+            group["weight_decay"] = wd
+
+    def state_dict(self) -> dict:
+        return {"last_epoch": self.last_epoch, "_step_count": self._step_count, "settings": dict(self.settings)}
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        if self.use_checkpoint_settings:
+            if "settings" not in state_dict:
+                raise ValueError(
+                    "optim.use_checkpoint_opt_param_scheduler=true, but the checkpoint's schedule state holds no "
+                    "settings (it was written by an lr-only schedule); set use_checkpoint_opt_param_scheduler=false "
+                    "to continue its step with this section's settings"
+                )
+            self._use(state_dict["settings"])
+        self.last_epoch = int(state_dict["last_epoch"])
+        self._step_count = int(state_dict.get("_step_count", self.last_epoch + 1))
+        lr = self.lr_at(self.last_epoch)
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        self._last_lr = [lr] * len(self.optimizer.param_groups)
+        self._set_weight_decay()
+
+
+def _plain(value):
+    return list(value) if isinstance(value, tuple) else value
+
+
+def _constant_factor(num_warmup_steps: int):
+    def factor(step: int) -> float:
+        if step < num_warmup_steps:
+            return float(step) / float(max(1, num_warmup_steps))
+        return 1.0
+
+    return factor
+
+
+def _cosine_factor(num_warmup_steps: int, num_training_steps: int, min_lr_ratio: float, num_cycles: float):
+    if not 0.0 <= min_lr_ratio <= 1.0:
+        raise ValueError(f"optim.min_lr_ratio must be in [0, 1], got {min_lr_ratio}")
+
+    def factor(step: int) -> float:
+        if step < num_warmup_steps:
+            return float(step) / float(max(1, num_warmup_steps))
+        progress = float(step - num_warmup_steps) / float(max(1, num_training_steps - num_warmup_steps))
+        cosine = 0.5 * (1.0 + math.cos(math.pi * float(num_cycles) * 2.0 * progress))
+        return min_lr_ratio + (1.0 - min_lr_ratio) * max(0.0, cosine)
+
+    return factor

@@ -52,6 +52,7 @@ from verl.utils.speed_paths import merge as merge_speed_paths
 from verl.utils.ulysses import SP_KEY
 from verl.workers.config import ActorConfig, CriticConfig, HFModelConfig, RefConfig, RewardModelConfig, RolloutConfig
 from verl.workers.engine import BaseEngine, EngineRegistry
+from verl.workers.rollout_weights import PendingWeights, rollout_dtype, sync_rollout_weights
 from verl.workers.ulysses_rows import UlyssesRows, scale_token_budgets
 
 if TYPE_CHECKING:
@@ -192,50 +193,6 @@ def policy_uses_fused_kernels(model: HFModelConfig, actor: ActorConfig) -> bool:
     return fused
 
 
-def rollout_dtype(rollout_cfg) -> torch.dtype:
-    """The dtype the rollout engine holds its weights in (`rollout.dtype`; auto: bf16 on an
-    accelerator, fp32 on CPU): what weight sync casts to before gathering and sending."""
-    from verl.workers.rollout.native.engine import resolve_dtype
-
-    return resolve_dtype(omega_conf_to_dataclass(rollout_cfg, RolloutConfig).dtype, dev.get_device())
-
-
-def sync_rollout_weights(engine: BaseEngine, rollout, dtype: torch.dtype) -> None:
-    """The hybrid engine's weight sync: the trained model's full weights, cast to the rollout's
-    `dtype` shard by shard, streamed into `rollout` (woken up first). Every rank calls it (the
-    gathers are collectives); a rank without an engine (`rollout` None) only takes part in them.
-    `engine` is the actor's training engine (`verl.workers.engine.BaseEngine`)."""
-    with engine.on_device():
-        params = engine.get_per_tensor_param(dtype)
-        if rollout is None:
-            for _ in params:
-                pass
-        else:
-            rollout.wake_up()
-            rollout.update_weights(params)
-
-
-class _PendingWeights:
-    """A rollout-only worker's `WeightRefresh` for partial rollouts (see `HFRollout`): newer weights are
-    pending once the trainer has announced a version newer than the one this worker holds."""
-
-    def __init__(self, worker: ActorRolloutRefWorker):
-        self.worker = worker
-
-    @property
-    def version(self) -> int:
-        return self.worker.weight_version
-
-    def pending(self) -> bool:
-        latest = self.worker._weight_receiver.latest_version()
-        received = self.worker._received_version
-        return latest is not None and (received is None or latest > received)
-
-    def load(self) -> int:
-        self.worker._load_weight_version(self.worker._weight_receiver.latest_version())
-        return self.version
-
-
 class ActorRolloutRefWorker(Worker, DistProfilerExtension):
     """Actor (training engine), rollout (generation engine) and reference policy, in any combination.
 
@@ -304,6 +261,10 @@ class ActorRolloutRefWorker(Worker, DistProfilerExtension):
         """The reference policy's engine section."""
         raise NotImplementedError(f"{type(self).__name__} names no reference engine section")
 
+    def _engine_options(self, role: str) -> dict:
+        """Keyword arguments of this backend's engine for `role` (actor, ref) beyond the shared ones."""
+        return {}
+
     def _make_actor(self, engine: BaseEngine, trains: bool):
         """The actor logic (log-probs, entropy, policy update) around `engine`; without `trains`, a
         log-prob scorer (the reference policy) that cannot update the weights."""
@@ -331,6 +292,7 @@ class ActorRolloutRefWorker(Worker, DistProfilerExtension):
             self.actor_config.optim,
             self.actor_config.checkpoint,
             self.tokenizer,
+            **self._engine_options("actor"),
         )
         return engine, self._make_actor(engine, trains=True)
 
@@ -340,7 +302,13 @@ class ActorRolloutRefWorker(Worker, DistProfilerExtension):
             # the frozen base under the adapters is the initial policy: no second copy of the weights
             engine = self.actor_model
         else:
-            engine = EngineRegistry.new("language_model", self.strategy, self.model_config, self._ref_engine_config())
+            engine = EngineRegistry.new(
+                "language_model",
+                self.strategy,
+                self.model_config,
+                self._ref_engine_config(),
+                **self._engine_options("ref"),
+            )
         # Only compute_log_prob is used, which reads the actor's model-side keys (remove padding, ...).
         return engine, self._make_actor(engine, trains=False)
 
@@ -353,11 +321,14 @@ class ActorRolloutRefWorker(Worker, DistProfilerExtension):
         if "actor" in self.parts:
             self.actor_model, self.actor = self._build_actor()
         if "rollout" in self.parts and self.is_collect:
+            from verl.utils.model import model_dir_with_config
             from verl.workers.rollout import get_rollout_class
             from verl.workers.rollout.wrapper import wrap_rollout
 
             rollout_cls = get_rollout_class(cfg.rollout.name)
-            engine = rollout_cls(cfg.model.path, config=cfg.rollout, tokenizer=self.tokenizer)
+            # model.hf_config_path: the engine reads that config.json with the weights of model.path
+            model_dir = model_dir_with_config(self.model_config.path, self.model_config.hf_config_path)
+            engine = rollout_cls(model_dir, config=cfg.rollout, tokenizer=self.tokenizer)
             # agent loops (tool calls, or the loops a config file registers) over the same engine when the
             # config runs them; weight sync and sleep pass through
             self.rollout = wrap_rollout(
@@ -463,7 +434,7 @@ class ActorRolloutRefWorker(Worker, DistProfilerExtension):
         self._need("rollout", "init_weight_sync")
         store = connect_store(host, port, timeout_s)
         self._weight_receiver = WeightReceiver(store, self.rank + 1, world_size, timeout_s)
-        self.rollout.weight_refresh = _PendingWeights(self)  # engines without partial rollouts ignore it
+        self.rollout.weight_refresh = PendingWeights(self)  # engines without partial rollouts ignore it
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL, blocking=False)
     def send_weights(self, version: int) -> dict[str, float]:
@@ -592,6 +563,10 @@ class CriticWorker(Worker, DistProfilerExtension):
     def _register_outputs(self) -> None:
         """As `ActorRolloutRefWorker._register_outputs`."""
 
+    def _engine_options(self) -> dict:
+        """Keyword arguments of this backend's value engine beyond the shared ones."""
+        return {}
+
     def _data_parallel_size(self) -> int:
         engine_cls = EngineRegistry.get_engine_cls("value_model", self.strategy)
         dp_size = engine_cls.init_parallel(self._engine_config())
@@ -603,7 +578,14 @@ class CriticWorker(Worker, DistProfilerExtension):
         """(engine, critic) of the value model."""
         cfg = self.critic_config
         engine = EngineRegistry.new(
-            "value_model", self.strategy, cfg.model, self._engine_config(), cfg.optim, cfg.checkpoint, self.tokenizer
+            "value_model",
+            self.strategy,
+            cfg.model,
+            self._engine_config(),
+            cfg.optim,
+            cfg.checkpoint,
+            self.tokenizer,
+            **self._engine_options(),
         )
         return engine, self._make_critic(engine)
 

@@ -9,6 +9,7 @@ reward model is a plain HF sequence classifier replicated on each rank.
 
 LoRA (`model.lora_rank > 0` or `model.lora_adapter_path`, see `verl.utils.lora`) exists on this
 backend only: the reference policy is then the actor's own engine with its adapters switched off.
+The critic's (`critic.model.lora_rank > 0`) trains adapters and its value head.
 """
 
 from __future__ import annotations
@@ -69,16 +70,18 @@ class RewardModelWorker(engine_workers.RewardModelWorker):
     """The learned reward model: an HF `*ForSequenceClassification`, a full copy on each rank."""
 
     def _build_model(self) -> None:
-        from transformers import AutoModelForSequenceClassification
+        from verl.utils.model import load_sequence_classifier
+        from verl.workers.engine.utils import plain_section
 
         model_cfg = self.config.model
         # bf16 on GPU, as upstream loads its reward model (an fp32 forward runs at a fraction of the
-        # tensor cores' rate); fp32 on CPU
-        self.model = AutoModelForSequenceClassification.from_pretrained(
+        # tensor cores' rate); fp32 on CPU. `model.override_config` edits its HF config before the
+        # weights load, as the policy's does.
+        self.model = load_sequence_classifier(
             model_cfg.path,
-            num_labels=1,
+            torch_dtype=dev.default_compute_dtype(),
             trust_remote_code=model_cfg.trust_remote_code,
-            dtype=dev.default_compute_dtype(),
+            override_config=plain_section(model_cfg.override_config),
         )
         self.model.to(dev.get_device()).eval()
 

@@ -72,6 +72,11 @@ class ActorRolloutRefWorker(engine_workers.ActorRolloutRefWorker):
         # raw section says whether it holds one; the built one always has the defaults)
         return self.ref_config.megatron if "megatron" in self.config.ref else self.actor_config.megatron
 
+    def _engine_options(self, role: str) -> dict:
+        # upstream's ref section may leave load_weight out (then the actor's; the config check makes them equal)
+        section = self.actor_config if role == "actor" or "load_weight" not in self.config.ref else self.ref_config
+        return {"load_weight": section.load_weight}
+
     def _make_actor(self, engine: BaseEngine, trains: bool):
         from verl.workers.actor.megatron_actor import MegatronPPOActor
 
@@ -94,6 +99,9 @@ class CriticWorker(engine_workers.CriticWorker):
 
     def _engine_config(self):
         return self.critic_config.megatron
+
+    def _engine_options(self) -> dict:
+        return {"load_weight": self.critic_config.load_weight}
 
     def _make_critic(self, engine: BaseEngine):
         from verl.workers.critic.megatron_critic import MegatronPPOCritic
@@ -134,7 +142,10 @@ class RewardModelWorker(engine_workers.RewardModelWorker):
             "reward", MegatronEngine.data_parallel_rank(), MegatronEngine.is_mp_src_rank_with_outputs()
         )
         self.reward_model = MegatronEngineWithValueHead(
-            self.config.model, self.config.megatron, sequence_classifier=True
+            self.config.model,
+            self.config.megatron,
+            sequence_classifier=True,
+            load_weight=self.config.load_weight,
         )
 
     @torch.no_grad()

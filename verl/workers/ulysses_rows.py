@@ -33,6 +33,7 @@ import torch.distributed as dist
 
 from verl.protocol import DataProto
 from verl.utils.device import collective_device
+from verl.utils.process_groups import consecutive_rank_group
 from verl.utils.ulysses import SP_KEY
 
 __all__ = ["UlyssesRows"]
@@ -50,15 +51,7 @@ class UlyssesRows:
             )
         self.sp = sp
         self.dp_size = world // sp
-        self.group = None
-        if sp > 1:
-            rank = dist.get_rank()
-            # every rank must create every group, in the same order
-            for start in range(0, world, sp):
-                group = dist.new_group(list(range(start, start + sp)))
-                if start <= rank < start + sp:
-                    self.group = group
-            self.sp_rank = dist.get_rank(self.group)
+        self.group, self.sp_rank = consecutive_rank_group(sp, f"{role}.{SP_KEY}", "ranks of the worker group")
 
     def gather(self, data: DataProto) -> DataProto:
         """The sp group's chunks concatenated in sp-rank order (the same rows on every sp rank)."""

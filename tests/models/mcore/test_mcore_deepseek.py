@@ -1,7 +1,7 @@
 """A DeepSeek-V3 model (`tiny-dsv3`: multi-head latent attention, a dense first layer, sigmoid
 group-limited routing with a correction bias and a scaling factor, a shared expert) on
-megatron-core's local spec: its log-probs equal transformers' at tp=1, tp=2 (sequence parallel)
-and ep=2 on 2 gloo ranks, HF -> megatron -> HF is bit-exact, and what the backend does not build
+megatron-core's local spec: its log-probs equal transformers' at tp=1, tp=2 (sequence parallel),
+ep=2 and cp=2 on 2 gloo ranks, HF -> megatron -> HF is bit-exact, and what the backend does not build
 is refused in one line."""
 
 from __future__ import annotations
@@ -15,7 +15,12 @@ from tests.megatron_helpers import (
     build_loaded_chunks,
     tiny_dsv3_hf_model,
 )
-from tests.models.mcore.test_mcore_model import _batch, assert_log_probs_equal_hf, expert_parallel_rows
+from tests.models.mcore.test_mcore_model import (
+    _batch,
+    assert_context_parallel_log_probs_equal_hf,
+    assert_log_probs_equal_hf,
+    expert_parallel_rows,
+)
 
 
 def _check_log_probs(rank, world_size, tp, ep, q_lora_rank, rope_interleave):
@@ -147,11 +152,18 @@ def test_what_the_backend_does_not_build_is_refused(key, value, message):
         hf_to_mcore_config(config, None)
 
 
-def test_context_parallelism_is_refused_for_every_role():
-    from verl.models.mcore import hf_to_mcore_config
+def _check_context_parallel_log_probs(rank, world_size, q_lora_rank):
+    hf_model = tiny_dsv3_hf_model(q_lora_rank=q_lora_rank)
+    chunks = build_loaded_chunks(hf_model, cp=world_size)
+    assert_context_parallel_log_probs_equal_hf(chunks, hf_model, _batch(), atol=2e-5)
 
-    with pytest.raises(NotImplementedError, match="context_parallel_size=2 with multi-head latent .* or critic"):
-        hf_to_mcore_config(tiny_dsv3_hf_model().config, {"context_parallel_size": 2})
+
+@pytest.mark.parametrize("q_lora_rank", [96, None])
+def test_megatron_deepseek_v3_log_probs_equal_hf_under_context_parallelism(q_lora_rank):
+    """cp=2: each rank holds chunks 1 and 4 (or 2 and 3) of every row; the latent attention's rotary
+    part is applied at those chunks' positions and the queries attend to the gathered keys/values
+    (value heads narrower than query/key heads)."""
+    run_distributed(_check_context_parallel_log_probs, 2, q_lora_rank)
 
 
 def _check_lora_refused(rank, world_size):

@@ -17,9 +17,8 @@ from tests.megatron_helpers import (
     tiny_glm4moe_hf_model,
 )
 from tests.models.mcore.test_mcore_model import (
-    RESPONSE_LENGTH,
     _batch,
-    _hf_response_log_probs,
+    assert_context_parallel_log_probs_equal_hf,
     assert_log_probs_equal_hf,
     expert_parallel_rows,
 )
@@ -113,24 +112,9 @@ def test_the_checkpoint_mtp_layer_is_ignored_as_transformers_ignores_it():
 
 
 def _check_context_parallel_log_probs(rank, world_size):
-    from verl.models.mcore.context_parallel import context_parallel_group
-    from verl.models.mcore.forward import left_align, response_columns
-    from verl.utils.megatron.tensor_parallel import vocab_parallel_log_probs_and_entropy
-
     hf_model = tiny_glm4moe_hf_model(use_qk_norm=True)
-    batch = _batch()
     chunks = build_loaded_chunks(hf_model, cp=world_size)
-    group, size, cp_rank = context_parallel_group()
-    aligned = left_align(
-        batch["input_ids"], batch["attention_mask"], batch["position_ids"], RESPONSE_LENGTH, multiple_of=4
-    ).split_for_context_parallel(group, size, cp_rank)
-    with torch.no_grad():
-        logits = chunks[0](aligned.model_input_ids, aligned.model_position_ids, None)
-    log_probs, _ = vocab_parallel_log_probs_and_entropy(logits, aligned.model_labels, hf_model.config.vocab_size)
-    got = response_columns(log_probs, aligned)
-    want = _hf_response_log_probs(hf_model, batch)
-    mask = batch["response_mask"].bool()
-    torch.testing.assert_close(got[mask].double(), want[mask], atol=2e-5, rtol=0)
+    assert_context_parallel_log_probs_equal_hf(chunks, hf_model, _batch(), atol=2e-5)
 
 
 def test_megatron_glm4_moe_log_probs_equal_hf_under_context_parallelism():

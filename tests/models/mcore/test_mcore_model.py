@@ -63,6 +63,25 @@ def assert_log_probs_equal_hf(chunks, hf_model, batch, atol: float, multiple_of:
     torch.testing.assert_close(got[mask], want[mask], atol=atol, rtol=0)
 
 
+def assert_context_parallel_log_probs_equal_hf(chunks, hf_model, batch, atol: float) -> None:
+    """Like `assert_log_probs_equal_hf` for `chunks` built at context_parallel_size > 1: each rank
+    feeds its own chunks of every (left-aligned) row and the per-token log-probs are gathered back."""
+    from verl.models.mcore.context_parallel import context_parallel_group
+    from verl.utils.megatron.tensor_parallel import vocab_parallel_log_probs_and_entropy
+
+    group, size, cp_rank = context_parallel_group()
+    aligned = left_align(
+        batch["input_ids"], batch["attention_mask"], batch["position_ids"], RESPONSE_LENGTH, multiple_of=2 * size
+    ).split_for_context_parallel(group, size, cp_rank)
+    with torch.no_grad():
+        logits = chunks[0](aligned.model_input_ids, aligned.model_position_ids, None)
+    log_probs, _ = vocab_parallel_log_probs_and_entropy(logits, aligned.model_labels, hf_model.config.vocab_size)
+    got = response_columns(log_probs, aligned)
+    want = _hf_response_log_probs(hf_model, batch)
+    mask = batch["response_mask"].bool()
+    torch.testing.assert_close(got[mask].double(), want[mask], atol=atol, rtol=0)
+
+
 def _check_log_probs_match_hf(rank, world_size, architecture, tie):
     hf_model = tiny_hf_model(architecture, tie_word_embeddings=tie)
     batch = _batch()

@@ -154,9 +154,21 @@ def test_straight_through_kl_estimators_are_valid(defaults):
 
 
 def test_unimplemented_feature_is_refused_not_ignored(defaults):
-    msg = error_of(with_(defaults, critic__model__lora_rank=16))
-    assert "critic.model.lora_rank=16 is not implemented" in msg
-    assert "keep critic.model.lora_rank=0" in msg
+    msg = error_of(with_(defaults, critic__checkpoint__async_save=True))
+    assert "critic.checkpoint.async_save=true is not implemented" in msg
+    assert "keep critic.checkpoint.async_save=false" in msg
+
+
+def test_critic_lora_is_accepted_on_fsdp_and_refused_with_a_megatron_critic(defaults):
+    validate_ppo_config(with_(defaults, algorithm__adv_estimator="gae", critic__model__lora_rank=16))
+    msg = error_of(
+        with_(defaults, algorithm__adv_estimator="gae", critic__model__lora_rank=16, critic__strategy="megatron")
+    )
+    assert "critic.model.lora_rank=16 is the FSDP critic's LoRA (peft), but critic.strategy=megatron" in msg
+    msg = error_of(
+        with_(defaults, algorithm__adv_estimator="gae", critic__model__lora_rank=8, critic__model__lora_alpha=0)
+    )
+    assert "critic.model.lora_alpha=0 must be positive" in msg
 
 
 def test_actor_lora_is_accepted(defaults):
@@ -691,3 +703,43 @@ def test_logprobs_mode_is_accepted_for_hf_and_vllm_and_refused_for_sglang(defaul
     )
     with pytest.warns(ConfigWarning, match="rollout_log_probs hold those values"):
         validate_ppo_config(logits)
+
+
+def test_megatron_load_weight_false_is_accepted_when_actor_and_reference_agree(megatron_defaults):
+    cfg = with_(
+        megatron_defaults,
+        actor_rollout_ref__actor__use_kl_loss=True,
+        actor_rollout_ref__actor__load_weight=False,
+        actor_rollout_ref__ref__load_weight=False,
+    )
+    validate_ppo_config(cfg)
+    msg = error_of(with_(cfg, actor_rollout_ref__ref__load_weight=True))
+    assert "actor_rollout_ref.ref.load_weight=True differs from actor_rollout_ref.actor.load_weight=False" in msg
+
+
+def test_load_weight_false_outside_the_megatron_engines_is_refused(defaults):
+    cfg = with_(defaults, actor_rollout_ref__actor__use_kl_loss=True)
+    cfg["actor_rollout_ref"]["ref"]["load_weight"] = False
+    assert "actor_rollout_ref.ref.load_weight=False is read by the megatron backend only" in error_of(cfg)
+    cfg = with_(defaults, reward_model__enable=True, reward_model__load_weight=False)
+    cfg["reward_model"]["model"]["path"] = cfg["actor_rollout_ref"]["model"]["path"]
+    assert "reward_model.load_weight=False is read with reward_model.strategy=megatron only" in error_of(cfg)
+
+
+@pytest.mark.parametrize(
+    "override, match",
+    [
+        ({"moe_config": {"freeze_moe_router": True}}, None),
+        ({"num_layers": 3}, "override_mcore_model_config has num_layers: the only option it holds is moe_config"),
+        ({"moe_config": {"freeze_router": True}}, "has moe_config.freeze_router"),
+        ({"moe_config": {"freeze_moe_router": "yes"}}, "freeze_moe_router='yes' must be true or false"),
+    ],
+)
+def test_override_mcore_model_config_holds_upstreams_one_option(override, match):
+    from verl.workers.config import McoreEngineConfig
+
+    if match is None:
+        assert McoreEngineConfig(override_mcore_model_config=override).override_mcore_model_config == override
+    else:
+        with pytest.raises(ValueError, match=match):
+            McoreEngineConfig(override_mcore_model_config=override)

@@ -99,6 +99,16 @@ def test_attention_heads_must_split_evenly_across_sp_ranks(defaults, tmp_path, h
     assert f"num_attention_heads={heads}, num_key_value_heads={kv_heads}" in msg
 
 
+def test_the_heads_come_from_hf_config_path_when_it_replaces_the_model_config(defaults, tmp_path):
+    cfg = sp_config(defaults, 4, gpus=4, path=model_dir(tmp_path, 4, 2))
+    cfg["data"]["train_batch_size"] = cfg["actor_rollout_ref"]["actor"]["ppo_mini_batch_size"] = 32
+    validate_ppo_config(cfg)
+    config_dir = model_dir(tmp_path, 6, 2)
+    cfg["actor_rollout_ref"]["model"]["hf_config_path"] = config_dir
+    msg = error_of(cfg)
+    assert f"cannot split the attention heads of {config_dir} (num_attention_heads=6, num_key_value_heads=2)" in msg
+
+
 def test_a_model_path_that_is_not_a_local_directory_leaves_the_heads_to_the_worker(defaults):
     validate_ppo_config(sp_config(defaults, 2, path="Qwen/Qwen2.5-0.5B-Instruct"))
 

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from tests.distributed_helpers import run_distributed
-from tests.megatron_helpers import build_loaded_chunks, tiny_dsv3_hf_model, tiny_moe_hf_model
+from tests.megatron_helpers import build_loaded_chunks, tiny_dsv3_hf_model, tiny_gptoss_hf_model, tiny_moe_hf_model
 from tests.utils.checkpoint.test_megatron_checkpoint_manager import OPTIM, _actor_config, _data, _my_rows, _weights
 
 # float64 weights; the router computes its logits in float32 as HF's does (moe_router_dtype), so layouts
@@ -49,9 +49,10 @@ def _trainer(
     return chunks, actor, scheduler, manager
 
 
-def _resume_at_another_ep(rank, world_size, ckpt_dir, tp, etp, save_ep=2, shards=None):
+def _resume_at_another_ep(rank, world_size, ckpt_dir, tp, etp, save_ep=2, shards=None, family="qwen3_moe"):
     """Trained and saved at ep=`save_ep` (tp, etp), resumed at ep=1 with etp=tp. `shards`: the number
-    of ranks the saving run's distributed optimizer must split the Adam state over (None: unchecked)."""
+    of ranks the saving run's distributed optimizer must split the Adam state over (None: unchecked);
+    `family`: qwen3_moe (tiny-moe) or gpt_oss (tiny-gptoss, biased experts)."""
     import torch.distributed as dist
     from megatron.core import parallel_state as mpu
 
@@ -60,7 +61,7 @@ def _resume_at_another_ep(rank, world_size, ckpt_dir, tp, etp, save_ep=2, shards
 
     dp = world_size // tp
 
-    hf_model = tiny_moe_hf_model().double()
+    hf_model = (tiny_gptoss_hf_model() if family == "gpt_oss" else tiny_moe_hf_model()).double()
     first, second = _data(1, torch.float64), _data(2, torch.float64)
     saved = f"{ckpt_dir}/saved"
 
@@ -146,6 +147,14 @@ def test_moe_checkpoint_saved_with_experts_split_over_more_ranks_than_the_dense_
 ):
     """Saved at tp=1, etp=2 (ep=1) with the distributed optimizer, resumed at etp=1 (issue #27)."""
     run_distributed(_resume_at_another_ep, world, str(tmp_path / "actor"), 1, 2, 1, shards)
+
+
+@pytest.mark.slow  # 2 CPU ranks, three trainers
+def test_gpt_oss_checkpoint_saved_with_each_expert_split_over_two_ranks_resumes_at_etp1(tmp_path):
+    """gpt-oss at tp=1, etp=2 (the fc1 biases split, the fc2 bias replicated on both expert-tensor
+    ranks), saved with the distributed optimizer and resumed with whole experts: the next update
+    equals the uninterrupted one."""
+    run_distributed(_resume_at_another_ep, 2, str(tmp_path / "actor"), 1, 2, 1, 1, "gpt_oss")
 
 
 def _resume_at_ep1_with_zero(rank, world_size, ckpt_dir, tp, etp):

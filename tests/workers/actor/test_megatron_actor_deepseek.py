@@ -1,7 +1,7 @@
 """The megatron actor trains a DeepSeek-V3 model (`tiny-dsv3`: latent attention, a dense first
 layer, sigmoid group-limited routing with a fixed correction bias, a shared expert) as the FSDP
 actor does: at ep=1, with the experts split over 2 expert-parallel ranks, at tp=2 (sequence
-parallel) and on 2 pipeline stages, one PPO update gives the single-process FSDP update on the
+parallel), at cp=2 (context parallel) and on 2 pipeline stages, one PPO update gives the single-process FSDP update on the
 whole batch (losses, gradient norms, every weight, and the correction bias left where it was).
 
 The preset's 3 layers (dense, MoE, MoE) do not split evenly over 2 stages: the stages are sized
@@ -32,7 +32,7 @@ def _layer_kinds(chunk) -> list[str]:
     return ["moe" if hasattr(layer.mlp, "router") else "dense" for layer in chunk.decoder.layers]
 
 
-def _against_fsdp_actor(rank, world_size, ep, tp, pp=1, split=None):
+def _against_fsdp_actor(rank, world_size, ep, tp, pp=1, split=None, cp=1):
     from megatron.core import parallel_state as mpu
 
     hf_model = tiny_dsv3_hf_model()
@@ -40,9 +40,10 @@ def _against_fsdp_actor(rank, world_size, ep, tp, pp=1, split=None):
     reference_model, want_metrics = fsdp_reference_update(hf_model, data)
 
     overrides, kinds = _SPLITS[split] if split else (None, (["dense", "moe", "moe"],))
-    chunks = build_loaded_chunks(hf_model, ep=ep, tp=tp, pp=pp, sequence_parallel=tp > 1, tf_overrides=overrides)
+    chunks = build_loaded_chunks(hf_model, ep=ep, tp=tp, pp=pp, cp=cp, sequence_parallel=tp > 1, tf_overrides=overrides)
     dp = mpu.get_data_parallel_world_size()
-    assert dp == world_size // (tp * pp)
+    assert dp == world_size // (tp * pp * cp)
+    assert mpu.get_context_parallel_world_size() == cp
     assert _layer_kinds(chunks[0]) == kinds[mpu.get_pipeline_model_parallel_rank()]
     for layer in chunks[0].decoder.layers:
         if hasattr(layer.mlp, "router"):
@@ -93,3 +94,9 @@ def test_megatron_deepseek_v3_update_on_two_ranks_equals_the_fsdp_update_on_the_
 )
 def test_megatron_deepseek_v3_update_at_pp2_equals_the_fsdp_update(ep, split):
     run_distributed(_against_fsdp_actor, 2 * ep, ep, 1, 2, split)
+
+
+def test_megatron_deepseek_v3_update_at_cp2_equals_the_fsdp_update():
+    """Each rank holds half of every row; the latent attention's gathered keys/values carry the
+    other rank's share of the gradient back (one reduce-scatter per layer)."""
+    run_distributed(_against_fsdp_actor, 2, 1, 1, 1, None, 2)

@@ -209,3 +209,37 @@ def test_megatron_moe_update_with_experts_split_over_more_ranks_than_the_dense_l
 ):
     """tp=1 with expert_tensor_parallel_size=2 (issue #27): the update equals the single-process FSDP update."""
     run_distributed(_ep_against_fsdp_actor, world, ep, aux, 1, 1, 1, None, False, 2, zero)
+
+
+def _frozen_routers_against_fsdp(rank, world_size, ep):
+    """`freeze_moe_router` (upstream's override_mcore_model_config.moe_config option): with the
+    load-balancing loss on (whose gradient enters at the routers), the update equals the FSDP
+    update of the same model with every `mlp.gate` frozen, and the routers keep their weights."""
+    from megatron.core import parallel_state as mpu
+
+    from verl.models.mcore.moe import freeze_routers
+    from verl.workers.actor.megatron_actor import MegatronPPOActor
+
+    hf_model = _moe_model()
+    data = _training_data(hf_model)
+    hf_model.config.output_router_logits = True
+    start = {k: v.clone() for k, v in hf_model.state_dict().items()}
+    for layer in hf_model.model.layers:
+        layer.mlp.gate.weight.requires_grad_(False)
+    reference_model, want_metrics = fsdp_reference_update(hf_model, data)
+
+    chunks = build_loaded_chunks(hf_model, ep=ep)
+    assert freeze_routers(chunks) == 2
+    dp = mpu.get_data_parallel_world_size()
+    params = [p for chunk in chunks for p in chunk.parameters() if p.requires_grad]
+    actor = MegatronPPOActor(
+        _actor_config(ppo_mini_batch_size=4 // dp), chunks, hf_model.config, torch.optim.SGD(params, lr=LR)
+    )
+    _update_and_compare(actor, chunks, hf_model, data, want_metrics, reference_model, dp, True)
+    gates = {k: v for k, v in _gathered_weights(chunks, hf_model.config).items() if k.endswith("mlp.gate.weight")}
+    assert len(gates) == 2 and all(torch.equal(v, start[k]) for k, v in gates.items())
+
+
+@pytest.mark.slow  # one PPO update on 2 ranks plus the FSDP reference
+def test_frozen_moe_routers_keep_their_weights_and_the_update_equals_fsdp_with_frozen_gates():
+    run_distributed(_frozen_routers_against_fsdp, 2, 2)

@@ -2,7 +2,8 @@
 attention, grouped sigmoid routing with a correction bias, a dense first layer) and GLM-4.5 (q/k/v
 bias, half rotary, sigmoid routing) bodies. Their values and one value update on 2 ranks (at ep=1,
 with the experts split over 2 expert-parallel ranks, at tp=2 with sequence parallelism, on 2
-pipeline stages, and for GLM-4.5 with each sequence split over 2 context-parallel ranks) equal the
+pipeline stages, and for DeepSeek-V3 and GLM-4.5 with each sequence split over 2 context-parallel
+ranks) equal the
 single-process FSDP critic on the family's HF token classifier over the whole batch (values, losses,
 gradient norm, every weight, the routers' correction bias left where it was). GLM-4.5 has no
 token-classification class in transformers: the reference is the generic one
@@ -131,9 +132,9 @@ def test_megatron_moe_critic_at_tp2_with_sequence_parallelism_equals_the_fsdp_cr
     run_distributed(_moe_critic_against_fsdp, 2, family, 1, 1, None, 2)
 
 
-def test_megatron_glm4_moe_critic_at_cp2_equals_the_fsdp_critic():
-    """DeepSeek-V3 refuses context parallelism for every role (test_mcore_deepseek.py)."""
-    run_distributed(_moe_critic_against_fsdp, 2, "glm4_moe", 1, 1, None, 1, 2)
+@pytest.mark.parametrize("family", ["deepseek_v3", "glm4_moe"])
+def test_megatron_moe_critic_at_cp2_equals_the_fsdp_critic(family):
+    run_distributed(_moe_critic_against_fsdp, 2, family, 1, 1, None, 1, 2)
 
 
 def _deepseek_critic_ignores_mtp_layers(rank, world_size, path):

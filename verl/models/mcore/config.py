@@ -235,7 +235,7 @@ def hf_to_mcore_config(
         from verl.models.mcore.deepseek import deepseek_config_fields
 
         config_cls = MLATransformerConfig
-        moe.update(deepseek_config_fields(hf_config, cp))
+        moe.update(deepseek_config_fields(hf_config))
         head_dim = hf_config.qk_nope_head_dim + hf_config.qk_rope_head_dim
     elif model_type == "glm4_moe":
         from verl.models.mcore.glm4_moe import glm4_moe_config_fields
@@ -286,7 +286,12 @@ def hf_to_mcore_config(
         from verl.models.mcore.gpt_oss import gpt_oss_config_fields, set_yarn_fields
 
         fields.update(gpt_oss_config_fields(hf_config, lambda key, default: _get(megatron_cfg, key, default)))
-        tf_config = config_cls(**fields)
+        # megatron-core's config check refuses biased experts at etp > 1 (its fc2 bias would be added
+        # once per expert-tensor rank); gpt_oss.expert_fc2_class adds it once, so the check is
+        # passed at etp=1 and the size set after: the model reads the expert groups, not this field
+        etp = fields["expert_tensor_parallel_size"]
+        tf_config = config_cls(**dict(fields, expert_tensor_parallel_size=1))
+        tf_config.expert_tensor_parallel_size = etp
         set_yarn_fields(tf_config, hf_config)
         return tf_config
     return config_cls(**fields)
@@ -398,12 +403,6 @@ def _moe_fields(hf_config, megatron_cfg, tp: int, sequence_parallel: bool) -> di
         raise ValueError(
             f"actor.megatron.expert_model_parallel_size={ep} must divide the model's num_experts={experts} "
             "(each expert-parallel rank holds num_experts / ep whole experts)"
-        )
-    if hf_config.model_type == "gpt_oss" and etp != 1:
-        raise ValueError(
-            f"actor.megatron.expert_tensor_parallel_size={etp} on gpt_oss (it defaults to "
-            "tensor_model_parallel_size): megatron-core splits an expert only without biases, and gpt-oss's experts "
-            "have them; set actor.megatron.expert_tensor_parallel_size=1 (upstream's gpt-oss recipe does)"
         )
     if etp < 1 or expert_size % etp:
         raise ValueError(

@@ -37,7 +37,11 @@ What the family adds to the Qwen3-MoE path (`verl.models.mcore.config`, `weights
   never builds them, so the megatron engine builds a critic without them), rope scaling
   (DeepSeek-V3's released yarn config; `rope_theta_of`), attention biases, the router
   load-balancing loss (DeepSeek-V3 is aux-loss-free; its sigmoid router has no softmax
-  probabilities for HF's loss), context parallelism with MLA.
+  probabilities for HF's loss).
+- Context parallelism needs nothing of its own: megatron's MLA slices its rotary table to this
+  rank's chunks (`get_pos_emb_on_this_cp_rank`, the layout `ContextParallelAttention` assumes), and
+  that core attention gathers the per-head keys and values (query/key and value head sizes
+  differ) over the context group.
 """
 
 from __future__ import annotations
@@ -60,7 +64,7 @@ __all__ = [
 _MTP = "num_nextn_predict_layers"
 
 
-def deepseek_config_fields(hf_config, cp: int) -> dict:
+def deepseek_config_fields(hf_config) -> dict:
     """The MLA fields of `MLATransformerConfig` for a DeepSeek-V3 config (its MoE fields are
     `config._moe_fields`); refuses what the backend does not build."""
     if int(getattr(hf_config, _MTP, 0) or 0) > 0:
@@ -68,12 +72,6 @@ def deepseek_config_fields(hf_config, cp: int) -> dict:
             f"deepseek_v3 config has {_MTP}={getattr(hf_config, _MTP)} (multi-token prediction layers), which the "
             f"megatron backend does not build yet; set {_MTP}=0 in actor_rollout_ref.model.override_config "
             "(the MTP weights are then not trained) or use actor.strategy=fsdp"
-        )
-    if cp > 1:
-        raise NotImplementedError(
-            f"megatron.context_parallel_size={cp} with multi-head latent attention (deepseek_v3) is not "
-            "implemented for the actor, reference or critic; set context_parallel_size=1 in that role's megatron "
-            "section"
         )
     return {
         "multi_latent_attention": True,

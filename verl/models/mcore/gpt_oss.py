@@ -23,15 +23,23 @@ Every piece of the family is a megatron-core 0.16 config field, used where it co
 
 Around megatron-core 0.16.1: the sinks are a plain parameter there, marked tensor-parallel here
 (`mark_sinks_tensor_parallel`) so the gradient norm counts every rank's heads; the experts' fc2 output
-is copied before megatron adds the routed bias share in place (`expert_fc2_class`); and an expert's
+is copied before megatron adds the routed bias share in place, and at expert_tensor_parallel_size > 1
+each expert-tensor rank adds 1/etp of fc2's bias, which megatron-core would add once per rank (its
+config refuses biased experts at etp > 1; `expert_fc2_class`); and an expert's
 bias, which megatron marks sequence-parallel, is reduced with the other expert gradients only
 (`verl.workers.actor.megatron_actor.finalize_megatron_grads`).
 
-Refused, naming the field: `expert_tensor_parallel_size` other than 1 (megatron-core splits an
-expert only without biases; `config._moe_fields`), `attention_bias=false` (megatron's one bias
+Refused, naming the field: `attention_bias=false` (megatron's one bias
 switch would drop the experts' biases too), another `swiglu_alpha`, rope types other than yarn and
-default, an explicit YaRN `attention_factor`, context parallelism (our context-parallel attention
-has neither sinks nor windows) and the router load-balancing loss (`output_router_logits`).
+default, an explicit YaRN `attention_factor`, context parallelism (megatron-core's local
+`DotProductAttention`, which holds the sinks and the windows, asserts context_parallel_size == 1, and
+`context_parallel.ContextParallelAttention` has neither).
+
+The router load-balancing loss (`output_router_logits`) is the shared one
+(`verl.models.mcore.moe.MegatronRouterAuxLoss`), unchanged: gpt-oss routes with a softmax over
+the top-k logits only, but transformers' gpt-oss aux loss (`load_balancing_loss_func` on the
+router's first output) is Switch Transformer's over the softmax of all E biased logits, which is
+what megatron's `gating` returns (weight and bias) and what the FSDP actor records.
 """
 
 from __future__ import annotations
@@ -89,13 +97,10 @@ def gpt_oss_config_fields(hf_config, megatron_cfg_get) -> dict:
         )
     if int(megatron_cfg_get("context_parallel_size", 1)) > 1:
         raise NotImplementedError(
-            "actor.megatron.context_parallel_size > 1 on gpt_oss: the context-parallel attention has no attention "
-            "sinks or sliding windows; set context_parallel_size=1"
-        )
-    if bool(getattr(hf_config, "output_router_logits", False)):
-        raise NotImplementedError(
-            "actor_rollout_ref.model.override_config.output_router_logits=true on gpt_oss: the megatron backend "
-            "does not add the router load-balancing loss for this family; leave output_router_logits=false"
+            "actor.megatron.context_parallel_size > 1 on gpt_oss: megatron-core's local DotProductAttention, the "
+            "one that implements attention sinks (softmax_offset) and sliding windows, asserts "
+            "context_parallel_size == 1 (only TransformerEngine's attention splits sequences), and this backend's "
+            "context-parallel attention has neither; set context_parallel_size=1 (or actor.strategy=fsdp)"
         )
     layers = hf_config.num_hidden_layers
     layer_types = list(getattr(hf_config, "layer_types", None) or ["full_attention"] * layers)
@@ -222,21 +227,47 @@ def experts_to_hf(dst: str, local_param, emit, owner: int, hf_config, tf_config,
 _EXPERT_FC2 = None
 
 
+class _ShareOfBias(torch.autograd.Function):
+    """`bias / parts` forward, the whole gradient backward (see `expert_fc2_class`)."""
+
+    @staticmethod
+    def forward(ctx, bias, parts):
+        return bias / parts
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
+
+
 def expert_fc2_class():
-    """megatron's `RowParallelLinear` for the experts' second projection, returning a fresh tensor.
+    """megatron's `RowParallelLinear` for the experts' second projection, returning a fresh tensor
+    and, at expert_tensor_parallel_size > 1, a 1/etp share of its bias.
 
     With biased experts, megatron-core 0.16's expert MLP adds the routed share of fc2's bias to fc2's
     output in place; with whole experts (expert_tensor_parallel_size=1) that output is the input the
     reduction returned as-is, which autograd refuses to modify in place while training. A copy of it
     (the size of the expert's output, [tokens, hidden]) makes the in-place add legal and changes no value.
+
+    At etp > 1 each expert-tensor rank's fc2 output is a partial sum that the token dispatcher
+    reduce-scatters over the expert-tensor ranks, so a whole bias added on every rank would count etp
+    times (why megatron-core refuses biased experts there). Each rank adds bias / etp instead, which
+    the reduction sums to the bias once (exact for a power of two). The bias is replicated on the
+    expert-tensor ranks and the combine's backward hands each of them the same output gradient, so
+    each copy's gradient is the whole one (`_ShareOfBias`: identity backward) and the copies stay
+    equal with no reduction; the router probabilities' share of the term is summed back by the
+    dispatcher's gather.
     """
     global _EXPERT_FC2
     if _EXPERT_FC2 is None:
+        from megatron.core import parallel_state as mpu
         from megatron.core.tensor_parallel import RowParallelLinear
 
         class ExpertRowParallelLinear(RowParallelLinear):
             def forward(self, *args, **kwargs):
                 output, bias = super().forward(*args, **kwargs)
+                etp = mpu.get_expert_tensor_parallel_world_size()
+                if bias is not None and etp > 1:
+                    bias = _ShareOfBias.apply(bias, etp)
                 return (output.clone() if torch.is_grad_enabled() else output), bias
 
         _EXPERT_FC2 = ExpertRowParallelLinear

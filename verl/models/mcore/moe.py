@@ -58,6 +58,7 @@ import torch.distributed as dist
 __all__ = [
     "MegatronRouterAuxLoss",
     "expert_grad_sq_norm",
+    "freeze_routers",
     "is_expert_param",
     "optimizer_state_shard_group",
     "reduce_expert_grads",
@@ -87,6 +88,21 @@ def reduce_expert_grads(params: list[torch.nn.Parameter], average) -> None:
     group = mpu.get_expert_data_parallel_group()
     if dist.get_world_size(group) > 1 or size > 1:
         average(params, group, size)
+
+
+def freeze_routers(model_chunks) -> int:
+    """Upstream's `override_mcore_model_config.moe_config.freeze_moe_router`: every router's weight (and
+    bias) stops requiring a gradient, so it gets none, no optimizer state and no update (a sigmoid
+    router's correction bias is a buffer, fixed anyway). Returns how many routers this rank holds."""
+    from megatron.core.transformer.moe.router import TopKRouter
+
+    routers = [m for chunk in model_chunks for m in chunk.modules() if isinstance(m, TopKRouter)]
+    for router in routers:
+        for name in ("weight", "bias"):
+            param = getattr(router, name, None)
+            if isinstance(param, torch.nn.Parameter):
+                param.requires_grad_(False)
+    return len(routers)
 
 
 def optimizer_state_shard_group():

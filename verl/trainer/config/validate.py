@@ -52,6 +52,7 @@ from verl.trainer.config.validate_batches import (
 )
 from verl.trainer.config.validate_experts import check_megatron_experts, check_rollout_experts
 from verl.trainer.config.validate_features import check_feature_combinations
+from verl.trainer.config.validate_lora import check_lora
 from verl.trainer.config.validate_mtp import check_mtp
 from verl.trainer.config.validate_router_replay import _check_router_replay
 from verl.utils.config import omega_conf_to_dataclass
@@ -322,6 +323,31 @@ def _is_megatron(strategy: str) -> bool:
     return strategy == "megatron"
 
 
+def _check_load_weight(c: dict, actor_meg: bool, rm_meg: bool, errors: list[str]) -> None:
+    """`load_weight=false` (random initialisation) is read by the megatron engines only, and the
+    reference policy, being the initial policy, starts the way the actor does."""
+    arr = c["actor_rollout_ref"]
+    ref_loads = arr["ref"].get("load_weight", True)
+    if need_reference_policy(c):
+        if not actor_meg and ref_loads is not True:
+            errors.append(
+                f"actor_rollout_ref.ref.load_weight={ref_loads} is read by the megatron backend only (the FSDP "
+                "reference always loads model.path); remove it or use the megatron actor"
+            )
+        elif actor_meg and ref_loads != arr["actor"].get("load_weight", True):
+            errors.append(
+                f"actor_rollout_ref.ref.load_weight={ref_loads} differs from actor_rollout_ref.actor.load_weight="
+                f"{arr['actor'].get('load_weight', True)}: the reference policy is the initial policy, so it starts "
+                "as the actor does (with both false, from the same seeded random weights); set them equal"
+            )
+    rm = c["reward_model"]
+    if rm["enable"] and not rm_meg and rm.get("load_weight", True) is not True:
+        errors.append(
+            f"reward_model.load_weight={rm.get('load_weight')} is read with reward_model.strategy=megatron only (the "
+            f"{rm['strategy']} reward model always loads model.path); remove it or set reward_model.strategy=megatron"
+        )
+
+
 def _check_megatron(c: dict, errors: list[str]):
     """strategy=megatron: the package is there, the layout fits the ranks, actor and reference agree."""
     arr = c["actor_rollout_ref"]
@@ -334,6 +360,7 @@ def _check_megatron(c: dict, errors: list[str]):
             f"{arr['actor']['strategy']}: the reference policy lives in the actor's workers and uses its backend; "
             "leave ref.strategy at its default (the actor's)"
         )
+    _check_load_weight(c, actor_meg, rm_meg, errors)
     if not (actor_meg or critic_meg or rm_meg):
         return
     from importlib.util import find_spec
@@ -455,69 +482,6 @@ def _check_trainer(c: dict, errors: list[str], warns: list[str]):
         )
 
 
-def _check_lora(c: dict, errors: list[str], warns: list[str]):
-    model = c["actor_rollout_ref"]["model"]
-    megatron_rank = (model.get("lora") or {}).get("rank", 0)
-    if megatron_rank > 0 and not _is_megatron(c["actor_rollout_ref"]["actor"]["strategy"]):
-        errors.append(
-            f"actor_rollout_ref.model.lora.rank={megatron_rank} is the megatron backend's LoRA, but "
-            f"actor_rollout_ref.actor.strategy={c['actor_rollout_ref']['actor']['strategy']}; with FSDP set "
-            "actor_rollout_ref.model.lora_rank (and lora_alpha, target_modules) instead, or use strategy=megatron"
-        )
-    # lora_rank >= 0, lora_alpha > 0 and target_modules are HFModelConfig's own checks
-    rank = model["lora_rank"]
-    if model["lora_adapter_path"]:
-        _check_lora_adapter(model, errors, warns)
-        return
-    if rank <= 0:
-        return
-    import importlib.util
-
-    if importlib.util.find_spec("peft") is None:
-        errors.append(
-            f"actor_rollout_ref.model.lora_rank={rank} needs the peft package, which is not installed; run "
-            "`pip install peft` or set lora_rank=0"
-        )
-
-
-def _check_lora_adapter(model: dict, errors: list[str], warns: list[str]):
-    """model.lora_adapter_path: a usable adapter directory (a remote one is checked by the workers
-    once fetched); warn where a LoRA layout set beside it disagrees with the adapter's, which wins."""
-    import importlib.util
-
-    path = str(model["lora_adapter_path"])
-    key = f"actor_rollout_ref.model.lora_adapter_path={path}"
-    if importlib.util.find_spec("peft") is None:
-        errors.append(f"{key} needs the peft package, which is not installed; run `pip install peft`")
-        return
-    if "://" in path:
-        return
-    from verl.utils.lora import check_adapter_dir
-
-    try:
-        adapter = check_adapter_dir(os.path.expanduser(path))
-    except ValueError as e:
-        errors.append(f"{key}: {e}")
-        return
-    if model["lora_rank"] > 0 and (model["lora_rank"], model["lora_alpha"]) != (adapter["r"], adapter["lora_alpha"]):
-        warns.append(
-            f"actor_rollout_ref.model.lora_rank={model['lora_rank']}, lora_alpha={model['lora_alpha']} differ from the "
-            f"adapter's r={adapter['r']}, lora_alpha={adapter['lora_alpha']} in {path}: the adapter's are used (a "
-            "trained adapter only fits its own layout); set them to the adapter's, or lora_rank=0"
-        )
-    targets = model["target_modules"]
-    if isinstance(targets, list) and sorted(targets) != sorted(adapter.get("target_modules") or []):
-        warns.append(
-            f"actor_rollout_ref.model.target_modules={targets} differ from the adapter's "
-            f"{adapter.get('target_modules')} in {path}: the adapter's are used; drop the override"
-        )
-    if adapter.get("lora_dropout"):
-        warns.append(
-            f"the adapter in {path} was trained with lora_dropout={adapter['lora_dropout']}; it trains on here without "
-            "dropout (as fresh adapters do), so the trained function is the one the rollout samples from"
-        )
-
-
 # ---------------------------------------------------------------------------------------- entry
 
 
@@ -594,7 +558,7 @@ def _model_heads(model: dict) -> tuple[int, int] | None:
     None when it is not a readable local directory (a hub id is checked when the model is built)."""
     import json
 
-    path = model.get("path")
+    path = model.get("hf_config_path") or model.get("path")  # the policy's hf_config_path replaces path's config
     file = os.path.join(os.path.expanduser(str(path)), "config.json") if path else None
     if not file or not os.path.isfile(file):
         return None
@@ -661,7 +625,8 @@ def _check_ulysses(c: dict, errors: list[str]):
             if h % sp or (kv % sp and sp % kv):
                 ok = [d for d in range(1, h + 1) if h % d == 0 and (kv % d == 0 or d % kv == 0)]
                 errors.append(
-                    f"{prefix}.{_SP}={sp} cannot split the attention heads of {model.get('path')} "
+                    f"{prefix}.{_SP}={sp} cannot split the attention heads of "
+                    f"{model.get('hf_config_path') or model.get('path')} "
                     f"(num_attention_heads={h}, num_key_value_heads={kv}): each sequence-parallel rank takes an "
                     f"equal share, so the heads must be a multiple of {sp} and the key/value heads a multiple or a "
                     f"divisor of it; use one of {ok}"
@@ -717,7 +682,7 @@ def validate_ppo_config(cfg: DictConfig | dict) -> None:
     check_feature_combinations(c, errors, warns)
     _check_role_engine_batch_keys(c, errors)
     _check_trainer(c, errors, warns)
-    _check_lora(c, errors, warns)
+    check_lora(c, errors, warns)
     _check_async_training(c, errors)
     _check_ulysses(c, errors)
     _check_router_replay(c, errors)

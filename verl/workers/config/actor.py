@@ -277,9 +277,8 @@ class McoreActorConfig(ActorConfig):
         "Megatron-core parallelism (strategy megatron).", default_factory=McoreEngineConfig
     )
     load_weight: bool = doc(
-        "Megatron: load the HF weights (false: random initialisation).",
-        status=UNSUPPORTED,
-        neutral=True,
+        "Megatron: start from the weights at model.path (or megatron.dist_checkpointing_path); false: megatron's "
+        "random initialisation (normal, std init_method_std), seeded by megatron.seed, no weights read.",
         default=True,
     )
 
@@ -322,5 +321,8 @@ class RefConfig(BaseConfig):
         "Megatron-core parallelism (strategy megatron).", optional=True, default_factory=McoreEngineConfig
     )
     load_weight: bool = doc(
-        "Megatron: load the HF weights.", status=UNSUPPORTED, neutral=True, optional=True, default=True
+        "Megatron: start from the weights at model.path (false: random initialisation, seeded by megatron.seed); "
+        "must equal the actor's, since the reference is the initial policy.",
+        optional=True,
+        default=True,
     )

@@ -25,7 +25,6 @@ from verl.workers.config._fields import (
     LOSS_AGG_MODES,
     STRATEGIES,
     STRATEGIES_NOT_IN_THIS_BUILD,
-    UNSUPPORTED,
     doc,
 )
 from verl.workers.config.checkpoint import CheckpointConfig
@@ -52,10 +51,22 @@ class CriticModelConfig(BaseConfig):
     enable_activation_offload: bool = doc("Offload activations to CPU.", status=IGNORED, optional=True, default=False)
     use_remove_padding: bool = doc("Pack sequences without padding.", optional=True, default=False)
     lora_rank: int = doc(
-        "LoRA rank of the critic; 0 trains all weights.", status=UNSUPPORTED, neutral=0, optional=True, default=0
+        "LoRA rank r of the critic (peft): > 0 trains low-rank adapters on the target layers and the value "
+        "head whole (the base weights stay frozen); 0 trains all weights.",
+        optional=True,
+        default=0,
     )
-    lora_alpha: int = doc("LoRA alpha.", optional=True, default=16)
-    target_modules: str | list[str] = doc("Modules LoRA adapts.", optional=True, default="all-linear")
+    lora_alpha: int = doc(
+        "LoRA alpha: the adapters' update is scaled by lora_alpha / lora_rank (with lora_rank > 0).",
+        optional=True,
+        default=16,
+    )
+    target_modules: str | list[str] = doc(
+        "Layers that get adapters (with lora_rank > 0): `all-linear` (every linear layer but the value head) or a "
+        "list of module names, e.g. [q_proj,k_proj,v_proj,o_proj].",
+        optional=True,
+        default="all-linear",
+    )
     tiled_mlp: TiledMLPConfig = doc("Tiled MLP.", optional=True, default_factory=TiledMLPConfig)
     fsdp_config: FSDPEngineConfig = doc(
         "FSDP engine (strategy fsdp or fsdp2).", optional=True, default_factory=FSDPEngineConfig
@@ -63,6 +74,24 @@ class CriticModelConfig(BaseConfig):
     lora: MegatronCriticLoRAConfig = doc(
         "LoRA of a Megatron critic.", optional=True, default_factory=MegatronCriticLoRAConfig
     )
+
+    def __post_init__(self):
+        if self.lora_rank < 0:
+            raise ValueError(
+                f"critic.model.lora_rank={self.lora_rank} must be 0 (train all weights) or a positive LoRA rank"
+            )
+        if self.lora_rank == 0:
+            return
+        if self.lora_alpha <= 0:
+            raise ValueError(
+                f"critic.model.lora_alpha={self.lora_alpha} must be positive: the adapters' update is scaled by "
+                "lora_alpha / lora_rank (16 or 2 x lora_rank are usual)"
+            )
+        if not self.target_modules:
+            raise ValueError(
+                "critic.model.target_modules is empty, so LoRA would adapt nothing; use all-linear or a list of "
+                "linear layer names"
+            )
 
 
 @dataclass
@@ -134,4 +163,8 @@ class McoreCriticConfig(CriticConfig):
         "Megatron-core parallelism (strategy megatron).", default_factory=McoreEngineConfig
     )
     nccl_timeout: int = doc("Megatron: seconds a collective may wait.", default=600)
-    load_weight: bool = doc("Megatron: load the HF weights.", status=UNSUPPORTED, neutral=True, default=True)
+    load_weight: bool = doc(
+        "Megatron: start from the weights at model.path (or megatron.dist_checkpointing_path); false: megatron's "
+        "random initialisation, seeded by megatron.seed, the value head normal with std init_method_std.",
+        default=True,
+    )

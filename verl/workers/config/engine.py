@@ -205,6 +205,31 @@ class FSDPEngineConfig(EngineConfig):
     )
 
 
+def freeze_moe_router(override_mcore_model_config) -> bool:
+    """`megatron.override_mcore_model_config` read as upstream's `make_megatron_module` reads it: the one
+    option it holds is `moe_config.freeze_moe_router` (default false). Any other key is refused, since
+    upstream reads none (nothing set there is silently dropped)."""
+    section = dict(override_mcore_model_config or {})
+    unknown = sorted(set(section) - {"moe_config"})
+    moe = section.get("moe_config") or {}
+    if not unknown and hasattr(moe, "items"):
+        unknown = [f"moe_config.{k}" for k in sorted(set(moe) - {"freeze_moe_router"})]
+    elif not unknown:
+        unknown = [f"moe_config={moe!r}"]
+    if unknown:
+        raise ValueError(
+            f"megatron.override_mcore_model_config has {', '.join(map(str, unknown))}: the only option it holds is "
+            "moe_config.freeze_moe_router (true/false), as upstream; set TransformerConfig fields through "
+            "megatron.override_transformer_config and HF config values through model.override_config"
+        )
+    freeze = moe.get("freeze_moe_router", False)
+    if not isinstance(freeze, bool):
+        raise ValueError(
+            f"megatron.override_mcore_model_config.moe_config.freeze_moe_router={freeze!r} must be true or false"
+        )
+    return freeze
+
+
 @dataclass
 class McoreEngineConfig(EngineConfig):
     """Megatron-core parallelism of one model (read when its `strategy` is megatron; docs/megatron.md)."""
@@ -274,7 +299,11 @@ class McoreEngineConfig(EngineConfig):
         default_factory=_default_override_transformer_config,
     )
     override_mcore_model_config: dict = doc(
-        "GPTModel constructor overrides.", status=UNSUPPORTED, neutral={}, optional=True, default_factory=dict
+        "Model-building options, as upstream's make_megatron_module reads them: only "
+        "moe_config.freeze_moe_router (true: the mixture-of-experts routers' weights, and biases, get no gradient "
+        "and no optimizer state; refused on a dense model). Any other key is an error.",
+        optional=True,
+        default_factory=dict,
     )
     use_mbridge: bool = doc(
         "Convert HF weights with the mbridge package; here verl's own converter (verl.models.mcore) builds the same "
@@ -296,6 +325,7 @@ class McoreEngineConfig(EngineConfig):
     )
 
     def __post_init__(self):
+        freeze_moe_router(self.override_mcore_model_config)  # checks its keys
         for key in ("tensor_model_parallel_size", "pipeline_model_parallel_size", "context_parallel_size"):
             value = getattr(self, key)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:

@@ -127,9 +127,9 @@ class HFModelConfig(BaseConfig):
         default="~/models/deepseek-llm-7b-chat",
     )
     hf_config_path: str | None = doc(
-        "Directory whose config.json replaces the one beside `path`; null: `path`'s own.",
-        status=UNSUPPORTED,
-        neutral=None,
+        "Directory (or hub id) whose config.json (and generation_config.json, if any) replaces `path`'s for "
+        "every loader of the policy (actor, reference, rollout engines); the weights stay `path`'s, the tokenizer "
+        "`tokenizer_path`'s or `path`'s; null: `path`'s own.",
         default=None,
     )
     tokenizer_path: str | None = doc("Tokenizer directory when it differs from `path`; null uses `path`.", default=None)

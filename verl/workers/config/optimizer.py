@@ -28,11 +28,13 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 from verl.base_config import BaseConfig
-from verl.workers.config._fields import DEPRECATED, IGNORED, UNSUPPORTED, doc
+from verl.workers.config._fields import DEPRECATED, IGNORED, doc
 
 __all__ = ["FSDPOptimizerConfig", "McoreOptimizerConfig", "OptimizerConfig", "VeOmniOptimizerConfig", "build_optimizer"]
 
 LR_SCHEDULES = ("constant", "cosine")
+# megatron-core OptimizerParamScheduler's wd_incr_style values
+WEIGHT_DECAY_INCR_STYLES = ("constant", "linear", "cosine")
 
 
 @dataclass
@@ -111,7 +113,10 @@ class McoreOptimizerConfig(OptimizerConfig):
     )
     min_lr: float = doc("Absolute floor of the cosine decay (min_lr_ratio = min_lr / lr).", default=0.0)
     weight_decay_incr_style: str = doc(
-        "Schedule of the weight decay.", status=UNSUPPORTED, neutral="constant", default="constant"
+        "Megatron's weight-decay schedule from its start to its end value over total_training_steps. Upstream "
+        "starts and ends it at optim.weight_decay, so every style keeps the weight decay constant; so here.",
+        choices=WEIGHT_DECAY_INCR_STYLES,
+        default="constant",
     )
     lr_wsd_decay_style: str = doc(
         "Decay of the warmup-stable-decay schedule, read only with lr_decay_style=WSD (not available).",
@@ -122,12 +127,20 @@ class McoreOptimizerConfig(OptimizerConfig):
         "Decay steps of the WSD schedule (see lr_wsd_decay_style).", status=IGNORED, default=None
     )
     use_checkpoint_opt_param_scheduler: bool = doc(
-        "Take the schedule's settings from the checkpoint.", status=UNSUPPORTED, neutral=False, default=False
+        "On resume, take the lr and weight-decay schedule's settings (lr, warm-up, decay, total steps, weight "
+        "decay) from the checkpoint instead of this section; false: this section's settings, at the checkpoint's "
+        "step.",
+        default=False,
     )
     override_optimizer_config: dict | None = doc("Keyword arguments merged into the optimizer's.", default_factory=dict)
 
     def __post_init__(self):
         super().__post_init__()
+        if self.weight_decay_incr_style not in WEIGHT_DECAY_INCR_STYLES:
+            raise ValueError(
+                f"optim.weight_decay_incr_style={self.weight_decay_incr_style!r} is not megatron's; use one of: "
+                f"{', '.join(WEIGHT_DECAY_INCR_STYLES)}"
+            )
         if self.lr_decay_style not in LR_SCHEDULES:
             raise ValueError(
                 f"optim.lr_decay_style={self.lr_decay_style!r} is not a schedule here; use one of: "

@@ -92,7 +92,9 @@ class RewardModelModelConfig(BaseConfig):
     external_lib: str | None = doc("Python module imported before loading the model.", default=None)
     trust_remote_code: bool = doc("Allow the model repository's own Python code to run.", default=False)
     override_config: dict = doc(
-        "Values overriding the reward model's HF config.", status=UNSUPPORTED, neutral={}, default_factory=dict
+        "Values overriding the reward model's HF config before its weights load (as the policy's "
+        "model.override_config; e.g. {attention_dropout: 0.0}).",
+        default_factory=dict,
     )
     use_shm: bool = doc("Copy the model to shared memory before loading.", status=IGNORED, optional=True, default=False)
     use_remove_padding: bool = doc(
@@ -223,7 +225,10 @@ class RewardModelConfig(BaseConfig):
     )
     nccl_timeout: int = doc("Megatron: seconds a collective may wait.", optional=True, default=600)
     load_weight: bool = doc(
-        "Megatron: load the HF weights.", status=UNSUPPORTED, neutral=True, optional=True, default=True
+        "Megatron: start from the weights at model.path; false: megatron's random initialisation (seeded by "
+        "megatron.seed), no weights read. Read with strategy=megatron only.",
+        optional=True,
+        default=True,
     )
     use_reward_loop: bool = doc(
         "Upstream computes rewards in its reward loop (true) or in the driver (false); the rewards are the same. "

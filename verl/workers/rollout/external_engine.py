@@ -204,29 +204,8 @@ class PartialResponses:
 
 
 def _tensor_parallel_group(tp: int):
-    """(process group, rank in it, size) of this worker's engine tensor-parallel group.
+    """(process group, rank in it, size) of this worker's engine tensor-parallel group of consecutive ranks."""
+    from verl.utils.process_groups import consecutive_rank_group
 
-    Groups are consecutive ranks; every rank must create every group (torch.distributed requires it).
-    """
-    tp = int(tp)
-    if tp == 1:
-        return None, 0, 1
-    import torch.distributed as dist
-
-    if not dist.is_initialized():
-        raise RuntimeError(
-            f"rollout.tensor_model_parallel_size={tp} needs the workers' torch.distributed group, which is not "
-            "initialised; run the rollout inside the trainer's worker group or set tensor_model_parallel_size=1"
-        )
-    world, rank = dist.get_world_size(), dist.get_rank()
-    if world % tp:
-        raise ValueError(
-            f"rollout.tensor_model_parallel_size={tp} does not divide the {world} workers; use a divisor of {world}"
-        )
-    mine = None
-    for first in range(0, world, tp):
-        ranks = list(range(first, first + tp))
-        group = dist.new_group(ranks)
-        if rank in ranks:
-            mine = group
-    return mine, rank % tp, tp
+    group, rank = consecutive_rank_group(tp, "rollout.tensor_model_parallel_size")
+    return group, rank, int(tp)

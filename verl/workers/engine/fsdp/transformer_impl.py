@@ -94,7 +94,12 @@ class FSDPEngine(BaseEngine):
     def __init__(self, model_config, engine_config, optimizer_config=None, checkpoint_config=None, tokenizer=None):
         from verl.utils.fsdp_utils import apply_fsdp2, load_full_state_from_rank0
         from verl.utils.lora import apply_lora, lora_enabled
-        from verl.utils.model import enable_gradient_checkpointing, load_causal_lm, load_valuehead_model
+        from verl.utils.model import (
+            enable_gradient_checkpointing,
+            load_causal_lm,
+            load_valuehead_model,
+            model_dir_with_config,
+        )
 
         for_training = optimizer_config is not None
         fsdp = fsdp_engine_config(engine_config)
@@ -107,7 +112,8 @@ class FSDPEngine(BaseEngine):
         on_meta = from_rank0 and dist.get_rank() > 0
         loader = load_valuehead_model if self.value_head else load_causal_lm
         self.module = loader(
-            model_config.path,
+            # the policy's model.hf_config_path: its config.json over the weights of path
+            model_dir_with_config(model_config.path, getattr(model_config, "hf_config_path", None)),
             trust_remote_code=model_config.trust_remote_code,
             override_config=plain_section(model_config.override_config),
             meta_device=on_meta,
@@ -116,11 +122,14 @@ class FSDPEngine(BaseEngine):
             enable_gradient_checkpointing(self.module)
         if not for_training:
             self.module.requires_grad_(False)
-        self.lora = for_training and not self.value_head and lora_enabled(model_config)
+        self.lora = for_training and lora_enabled(model_config)
         if self.lora:
             # with model.lora_adapter_path the adapters start from its weights (a meta-device rank
-            # checks their shapes only and receives them with rank 0's broadcast below)
-            self.module = apply_lora(self.module, model_config, read_adapter_weights=not on_meta)
+            # checks their shapes only and receives them with rank 0's broadcast below); a value
+            # model's head trains whole beside its adapters
+            self.module = apply_lora(
+                self.module, model_config, read_adapter_weights=not on_meta, value_head=self.value_head
+            )
         full_state = self.module.state_dict() if from_rank0 and not on_meta else None
         if trains_as_plain_replicas(fsdp, self.module):
             from verl.workers.dp_training import replicate_over_ranks

@@ -10,8 +10,9 @@ Design decisions:
   with `python -m verl.models.mcore.converter`; the rollout engine and `hf_model` checkpoints get
   full HF-named tensors streamed one at a time (`get_per_tensor_param`, which the engine also
   hands the checkpoint manager, so the manager needs no model converter of its own).
-- Optimizer: torch AdamW over this rank's shards with the FSDP backend's lr schedules (why not
-  megatron's optimizer: see `verl.workers.actor.megatron_actor`); `use_distributed_optimizer`
+- Optimizer: torch AdamW over this rank's shards with the FSDP backend's lr schedules and
+  megatron's weight-decay ramp (`verl.utils.optim.MegatronParamScheduler`; why not megatron's
+  optimizer: see `verl.workers.actor.megatron_actor`); `use_distributed_optimizer`
   splits the Adam state over the data-parallel replicas (ZeRO-1). Checkpoints: dist_checkpointing
   for weights and Adam moments, reshardable across layouts
   (`verl.utils.checkpoint.megatron_checkpoint_manager`).
@@ -34,6 +35,7 @@ from verl.utils import device as dev
 from verl.utils.config import omega_conf_to_dataclass
 from verl.utils.optim import local_optimizer
 from verl.workers.config import CriticModelConfig, HFModelConfig, McoreEngineConfig, McoreOptimizerConfig
+from verl.workers.config.engine import freeze_moe_router
 from verl.workers.engine.base import BaseEngine, EngineRegistry
 from verl.workers.engine.utils import cast_floating, plain_section
 
@@ -119,12 +121,14 @@ class MegatronEngine(BaseEngine):
         checkpoint_config=None,
         tokenizer=None,
         sequence_classifier: bool = False,
+        load_weight: bool = True,
     ):
         """`sequence_classifier` (value head only): the head comes from a sequence-classification
         checkpoint (a reward model, whose head has no bias: it gets a zero one) instead of a
-        token-classification one."""
+        token-classification one. `load_weight=False` (the role's upstream key): no weights are
+        read; the model keeps megatron's initialisation, drawn from `megatron.seed` (see
+        `_build_chunks`)."""
         from verl.models.mcore import (
-            build_model_chunks,
             hf_to_mcore_config,
             load_hf_state_dict,
             megatron_dtypes,
@@ -135,6 +139,7 @@ class MegatronEngine(BaseEngine):
             load_model_config,
             load_sequence_classifier,
             load_valuehead_model,
+            model_dir_with_config,
         )
 
         for_training = optimizer_config is not None
@@ -146,7 +151,9 @@ class MegatronEngine(BaseEngine):
         overrides = plain_section(model_config.override_config)
         # a value model's saved config says one output, as the FSDP critic's does
         config_overrides = {"num_labels": 1, **(overrides or {})} if value_head else overrides
-        self.hf_config = load_model_config(model_config.path, trust, config_overrides)
+        # the policy's model.hf_config_path: its config.json over the weights of path
+        model_dir = model_dir_with_config(model_config.path, getattr(model_config, "hf_config_path", None))
+        self.hf_config = load_model_config(model_dir, trust, config_overrides)
         mtp = _mtp_section(model_config, self.hf_config, for_training and not value_head)
         # fp32 parameters, the forward autocast to a 16-bit dtype (see verl.models.mcore.config)
         param_dtype, compute_dtype = megatron_dtypes(meg.dtype, for_training)
@@ -165,21 +172,22 @@ class MegatronEngine(BaseEngine):
                     f"megatron.override_transformer_config.{key}: megatron's TransformerConfig has no field {key!r}"
                 )
             setattr(tf_config, key, value)
-        self.chunks = build_model_chunks(self.hf_config, tf_config, value_head=value_head)
+        self.chunks = self._build_chunks(tf_config, meg.seed, random_init=not load_weight)
         set_compute_dtype(self.chunks, compute_dtype)
-        if meg.use_dist_checkpointing:
+        # load_weight=false (upstream's key): megatron's seeded initialisation stays, nothing is read
+        if load_weight and meg.use_dist_checkpointing:
             if sequence_classifier:
                 raise ValueError(
                     "reward_model.megatron.use_dist_checkpointing=true: a reward model's score head comes from its HF "
                     "checkpoint; set it to false"
                 )
             self._load_dist_checkpoint(meg)
-        else:
+        elif load_weight:
             if sequence_classifier:
                 loader = load_sequence_classifier
             else:
                 loader = load_valuehead_model if value_head else load_causal_lm
-            hf_model = loader(model_config.path, trust_remote_code=trust, override_config=overrides)
+            hf_model = loader(model_dir, trust_remote_code=trust, override_config=overrides)
             state = {k: v for k, v in hf_model.state_dict().items()}
             if sequence_classifier and "score.bias" not in state:
                 state["score.bias"] = torch.zeros(1, dtype=state["score.weight"].dtype)
@@ -189,8 +197,10 @@ class MegatronEngine(BaseEngine):
             if mtp is not None:
                 from verl.models.mcore.mtp_weights import load_mtp_state_dict
 
-                load_mtp_state_dict(self.chunks, model_config.path, state, self.hf_config)
+                load_mtp_state_dict(self.chunks, model_dir, state, self.hf_config)
             del hf_model, state
+        if for_training and freeze_moe_router(meg.override_mcore_model_config):
+            self._freeze_routers(model_config.path)
         if mtp is not None:
             from verl.models.mcore.mtp import configure_mtp
 
@@ -218,7 +228,7 @@ class MegatronEngine(BaseEngine):
     def _build_optimizer(self, meg: McoreEngineConfig, optimizer_config, checkpoint_config, tokenizer) -> None:
         from verl.models.mcore.moe import optimizer_state_shard_group
         from verl.utils.checkpoint.megatron_checkpoint_manager import MegatronCheckpointManager
-        from verl.utils.optim import build_lr_scheduler, build_optimizer
+        from verl.utils.optim import MegatronParamScheduler, build_optimizer
 
         # use_distributed_optimizer: Adam state split over the replicas of this rank's parameters
         # (ZeRO-1; the data-parallel ranks, fewer under expert parallelism)
@@ -227,7 +237,10 @@ class MegatronEngine(BaseEngine):
         self.optimizer = build_optimizer(
             [p for p in self.parameters() if p.requires_grad], optim, shard_state_over=shard_over
         )
-        self.lr_scheduler = build_lr_scheduler(self.optimizer, optim)
+        # lr and weight-decay schedule; its settings travel in checkpoints (use_checkpoint_opt_param_scheduler)
+        self.lr_scheduler = MegatronParamScheduler(
+            self.optimizer, optim, use_checkpoint_settings=optim["use_checkpoint_opt_param_scheduler"]
+        )
         self.checkpoint_manager = MegatronCheckpointManager(
             self.chunks,
             self.optimizer,
@@ -238,6 +251,37 @@ class MegatronEngine(BaseEngine):
             hf_weights=self.get_per_tensor_param,
             lora_config=self.lora_config,
         )
+
+    def _build_chunks(self, tf_config, seed: int, random_init: bool) -> list:
+        """This rank's chunks. With `random_init` their initial weights are the model: megatron draws
+        each full weight on the host (`use_cpu_initialization`) and keeps this rank's shard, so the
+        build runs from `seed` on every rank (data-parallel replicas, and the reference next to the
+        actor, start from the same weights), without disturbing the process's random stream."""
+        from verl.models.mcore import build_model_chunks
+
+        if not random_init:
+            return build_model_chunks(self.hf_config, tf_config, value_head=self.value_head)
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed)
+            chunks = build_model_chunks(self.hf_config, tf_config, value_head=self.value_head)
+            head = chunks[-1].output_layer if self.value_head and hasattr(chunks[-1], "output_layer") else None
+            if head is not None:  # megatron's output-layer initialisation, which our [1, hidden] head skips
+                with torch.no_grad():
+                    head.weight.normal_(0.0, tf_config.init_method_std)
+                    head.bias.zero_()
+        return chunks
+
+    def _freeze_routers(self, model_path) -> None:
+        """`override_mcore_model_config.moe_config.freeze_moe_router` (`verl.models.mcore.moe.freeze_routers`),
+        refused on a dense model, where it would change nothing."""
+        from verl.models.mcore.moe import freeze_routers
+
+        if not self.chunks[0].config.num_moe_experts:
+            raise ValueError(
+                "megatron.override_mcore_model_config.moe_config.freeze_moe_router=true, but the model at "
+                f"{model_path} is dense (no mixture-of-experts router to freeze); remove the option"
+            )
+        freeze_routers(self.chunks)  # a pipeline stage of dense layers only holds none
 
     def _load_dist_checkpoint(self, meg: McoreEngineConfig) -> None:
         """Weights from `megatron.dist_checkpointing_path` instead of the HF checkpoint (each rank reads

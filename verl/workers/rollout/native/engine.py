@@ -140,17 +140,25 @@ def kv_cache_rows(
     return max(0, int(budget // row_bytes))
 
 
-def _iter_checkpoint_tensors(path: Path):
+def _iter_checkpoint_tensors(path: Path, num_layers: int | None = None):
     """Stream (name, tensor) pairs from a safetensors checkpoint, one tensor at a time; a model's
     multi-token-prediction layers (MiMo's `model.mtp_layers.*`) are left out: the engine has no MTP
-    heads (MTP speculative decoding is refused by the config, `model.mtp.enable_rollout`)."""
+    heads (MTP speculative decoding is refused by the config, `model.mtp.enable_rollout`). So are
+    decoder layers `model.layers.<i>` past the config's `num_layers`, which `from_pretrained` ignores
+    too: a config with fewer layers than the checkpoint (`model.hf_config_path`) builds the first ones."""
+    import re
+
     from safetensors import safe_open
 
     for file in sorted(path.glob("*.safetensors")):
         with safe_open(str(file), framework="pt") as f:
             for name in f.keys():  # noqa: SIM118 (safe_open is not a mapping)
-                if not name.startswith("model.mtp_layers."):
-                    yield name, f.get_tensor(name)
+                if name.startswith("model.mtp_layers."):
+                    continue
+                layer = re.match(r"model\.layers\.(\d+)\.", name)
+                if num_layers is not None and layer and int(layer.group(1)) >= num_layers:
+                    continue
+                yield name, f.get_tensor(name)
 
 
 class GenerationEngine:
@@ -241,7 +249,7 @@ class GenerationEngine:
             if not is_path:
                 source = model_path_or_module.state_dict().items()
             elif list(path.glob("*.safetensors")):
-                source = _iter_checkpoint_tensors(path)
+                source = _iter_checkpoint_tensors(path, getattr(config.get_text_config(), "num_hidden_layers", None))
             else:
                 source = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).state_dict().items()
             missing = set(decoder.parameter_names()) - decoder.load_weights(source)

@@ -29,6 +29,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from verl.utils.process_groups import consecutive_rank_group
+
 
 def is_fused_experts(module: nn.Module) -> bool:
     """Whether `module` is transformers' fused routed-experts module (see the module docstring)."""
@@ -45,26 +47,8 @@ def is_fused_experts(module: nn.Module) -> bool:
 
 def expert_parallel_group(ep: int):
     """(process group, rank in it) of this rank's expert-parallel group: consecutive blocks of `ep`
-    ranks of the default group. Every rank creates every group (torch.distributed requires it)."""
-    if not dist.is_initialized():
-        raise RuntimeError(
-            f"actor_rollout_ref.rollout.expert_parallel_size={ep} needs the rollout workers' torch.distributed "
-            "group, which is not initialised; run the rollout inside the trainer's worker group or set "
-            "expert_parallel_size=1"
-        )
-    world, rank = dist.get_world_size(), dist.get_rank()
-    if world % ep:
-        raise ValueError(
-            f"actor_rollout_ref.rollout.expert_parallel_size={ep} does not divide the {world} rollout workers; "
-            f"use a divisor of {world}"
-        )
-    mine = None
-    for first in range(0, world, ep):
-        ranks = list(range(first, first + ep))
-        group = dist.new_group(ranks)
-        if rank in ranks:
-            mine = group
-    return mine, rank % ep
+    ranks of the default group."""
+    return consecutive_rank_group(ep, "actor_rollout_ref.rollout.expert_parallel_size", "rollout workers")
 
 
 class ExpertParallelExperts(nn.Module):
