@@ -103,7 +103,9 @@ def test_custom_loop_scores_reach_the_batch_at_each_last_response_token(loop_fil
 
 def test_a_failing_or_malformed_run_single_follows_on_error(loop_file, char_tokenizer, make_batch):
     batch = make_batch(["!1", "?1", "1"], ["1", "1", "1"])
-    with pytest.raises(RewardFunctionError, match="LengthLoop.run_single raised ValueError: bang"):
+    with pytest.raises(
+        RewardFunctionError, match=r"reward loop LengthLoop .* sample 0 of 3: LengthLoop.run_single raised"
+    ):
         load_reward_manager(_config(loop_file), char_tokenizer, 0)(batch)
     result = load_reward_manager(_config(loop_file, on_error="zero"), char_tokenizer, 0)(batch, return_dict=True)
     assert result["reward_extra_info"]["reward_error"] == [1, 1, 0]

@@ -108,6 +108,17 @@ class RewardLoopManager(AbstractRewardManager):
     async def _build(self):
         return self.loop_cls(self.config, self.tokenizer, self.custom_compute_score, None, None)
 
+    def _describe_failure(self, sample: Sample, error: str, batch_size: int) -> str:
+        return (
+            f"reward loop {self.loop_cls.__name__} (reward_model.reward_loop_class_name) failed on sample "
+            f"{sample.index} of {batch_size}: {error}\n"
+            f"  data_source: {sample.data_source!r}\n"
+            f"  ground_truth: {sample.ground_truth!r}\n"
+            f"  response: {sample.solution_str[:500]!r}\n"
+            "Fix its run_single (reward_model.reward_loop_module_path), or set custom_reward_function.on_error=zero "
+            "to score such samples 0 and count them in reward/num_errors."
+        )
+
     async def _score(self, row) -> ScoreOutcome:
         try:
             result = await self._instance.run_single(row)
