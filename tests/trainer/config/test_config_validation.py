@@ -704,6 +704,29 @@ def test_default_hdfs_dir_needs_the_hdfs_command_for_hdfs_paths(defaults, tmp_pa
     assert "only hdfs://, file:// and local" in error_of(with_(defaults, trainer__default_hdfs_dir="s3://b/ckpt"))
 
 
+def test_logprobs_mode_is_accepted_for_hf_and_vllm_and_refused_for_sglang(defaults):
+    for name in ("hf", "vllm"):
+        validate_ppo_config(
+            with_(
+                defaults, actor_rollout_ref__rollout__name=name, actor_rollout_ref__rollout__logprobs_mode="raw_logits"
+            )
+        )
+    msg = error_of(
+        with_(
+            defaults, actor_rollout_ref__rollout__name="sglang", actor_rollout_ref__rollout__logprobs_mode="raw_logits"
+        )
+    )
+    assert "logprobs_mode=raw_logits with rollout.name=sglang" in msg and "rollout.name=hf or vllm" in msg
+    assert "not a valid choice" in error_of(with_(defaults, actor_rollout_ref__rollout__logprobs_mode="logits"))
+    logits = with_(
+        defaults,
+        actor_rollout_ref__rollout__calculate_log_probs=True,
+        actor_rollout_ref__rollout__logprobs_mode="raw_logits",
+    )
+    with pytest.warns(ConfigWarning, match="rollout_log_probs hold those values"):
+        validate_ppo_config(logits)
+
+
 def test_megatron_load_weight_false_is_accepted_when_actor_and_reference_agree(megatron_defaults):
     cfg = with_(
         megatron_defaults,

@@ -256,3 +256,99 @@ def test_the_config_chooses_the_source_and_hands_it_its_parts():
     source, scorer = _build("async_training.staleness_threshold=1", rollout_wg=pool)
     assert type(source) is AsyncRolloutSource and source.runs_ahead
     assert source.rollout_wg is pool and source.score is scorer
+
+
+def _skip_source(tmp_path, rollout, prompt_batches, *overrides):
+    from verl.trainer.config import load_ppo_config
+
+    config = load_ppo_config(
+        [
+            "data.train_batch_size=2",
+            "actor_rollout_ref.rollout.n=2",
+            "actor_rollout_ref.rollout.skip_rollout=true",
+            f"actor_rollout_ref.rollout.skip_dump_dir={tmp_path}",
+            *overrides,
+        ],
+        config_name="arith_demo",
+    )
+    step = iter(range(1, 100))
+    current = [0]
+
+    def current_step():
+        return current[0]
+
+    source = build_rollout_source(
+        config,
+        prompts=PromptStream(prompt_batches, current_step=current_step),
+        scorer=RewardScorer(exact_match),
+        actor_wg=rollout,
+        tokenizer=TOKENIZER,
+        current_step=current_step,
+        total_steps=lambda: 10,
+    )
+
+    def next_batch():
+        current[0] = next(step)
+        state = StepState()
+        return source.next_batch(state), state
+
+    return source, next_batch
+
+
+def _assert_same_batch(a: DataProto, b: DataProto):
+    keys = sorted(a.batch.keys())
+    assert keys == sorted(b.batch.keys())
+    for key in keys:
+        assert torch.equal(a.batch[key], b.batch[key]), key
+    assert sorted(a.non_tensor_batch) == sorted(b.non_tensor_batch)
+    for key in a.non_tensor_batch:
+        assert a.non_tensor_batch[key].tolist() == b.non_tensor_batch[key].tolist(), key
+
+
+def test_skip_rollout_dumps_the_first_rollout_and_replays_it_in_later_steps_and_runs(tmp_path):
+    # run 1: step 1 generates (the only scripted call) and writes upstream's file; step 2 replays it
+    rollout = ScriptedRollout([CORRECT, 0, 0, CORRECT])
+    batches = [_prompts(2, first=0), _prompts(2, first=2)]
+    _, next_batch = _skip_source(tmp_path, rollout, batches)
+    first, state = next_batch()
+    assert (tmp_path / "__GBS2__N2").is_file() and state.metrics["rollout/replayed"] == 0.0
+    second, state = next_batch()
+    assert len(rollout.inputs) == 1 and state.metrics["rollout/replayed"] == 1.0
+    _assert_same_batch(first, second)  # step 1's samples, scored against their own prompts
+    assert second.batch["token_level_scores"][:, 0].tolist() == [1.0, 0.0, 0.0, 1.0]
+    assert second.non_tensor_batch["uid"].tolist() == ["1_0", "1_0", "1_1", "1_1"]
+
+    # run 2 (a fresh source, an engine with nothing scripted): never calls the engine
+    engine = ScriptedRollout()
+    _, next_batch = _skip_source(tmp_path, engine, batches)
+    replayed, _ = next_batch()
+    assert engine.inputs == []
+    _assert_same_batch(first, replayed)
+
+    # another batch size or n: a file of its own, generated anew
+    other = ScriptedRollout([CORRECT] * 6)
+    _, next_batch = _skip_source(tmp_path, other, batches, "actor_rollout_ref.rollout.n=3")
+    next_batch()
+    assert len(other.inputs) == 1 and (tmp_path / "__GBS2__N3").is_file()
+
+
+def test_skip_rollout_regenerates_over_an_unreadable_dump_and_refuses_a_dump_of_the_wrong_size(tmp_path):
+    (tmp_path / "__GBS2__N2").write_bytes(b"not a torch file")
+    rollout = ScriptedRollout([CORRECT, 0, 0, CORRECT])
+    _, next_batch = _skip_source(tmp_path, rollout, [_prompts(2)])
+    next_batch()
+    assert len(rollout.inputs) == 1  # regenerated (upstream's rule) and overwritten with a readable dump
+    _, next_batch = _skip_source(tmp_path, ScriptedRollout(), [_prompts(1)])  # one prompt: 2 samples, dump has 4
+    with pytest.raises(ValueError, match=r"holds 4 samples, but this step needs 1 prompts x rollout.n=2 = 2"):
+        next_batch()
+
+
+def test_skip_rollout_is_refused_with_dynamic_sampling_and_async_training():
+    from verl.trainer.config import ConfigError, load_ppo_config
+
+    for extra, match in (
+        ("algorithm.filter_groups.enable=true", "filter_groups.enable=true: dynamic sampling"),
+        ("async_training.staleness_threshold=1", "staleness_threshold > 0: the rollouts"),
+    ):
+        with pytest.raises(ConfigError, match=match):  # loading validates
+            load_ppo_config(["actor_rollout_ref.rollout.skip_rollout=true", extra], config_name="arith_demo")

@@ -122,6 +122,7 @@ def test_vllm_engine_arguments_follow_the_rollout_config():
     assert kwargs["enforce_eager"] is True and kwargs["seed"] == 3
     assert kwargs["load_format"] == "dummy"  # the trainer's weights arrive before every generation
     assert kwargs["logprobs_mode"] == "processed_logprobs"
+    assert vllm_engine_kwargs(path, _config(logprobs_mode="raw_logits"))["logprobs_mode"] == "raw_logits"
     assert kwargs["swap_space"] == 0  # engine_kwargs.vllm passes through
     assert vllm_engine_kwargs(path, _config(load_format="safetensors"))["load_format"] == "safetensors"
     tp2 = vllm_engine_kwargs(path, _config(tensor_model_parallel_size=2, max_model_len=64, max_num_batched_tokens=16))

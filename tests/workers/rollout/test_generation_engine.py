@@ -128,11 +128,12 @@ def test_generation_stops_early_when_every_row_finished(qwen2_model):
 
 
 def test_logprobs_equal_log_softmax_of_scaled_logits_from_a_full_forward(qwen2_model):
-    """Sampled tokens' log-probs equal log_softmax(logits / T) of a teacher-forced HF forward."""
+    """Sampled tokens' log-probs equal log_softmax(logits / T) of a teacher-forced HF forward (without
+    top-k/top-p; with them they are renormalised over the kept tokens: test_hf_rollout, test_rollout_sampling)."""
     engine = GenerationEngine.from_model(qwen2_model, device="cpu")
     input_ids, attention_mask = left_padded_prompts(LENGTHS, seed=3)
     temperature = 0.7
-    params = SamplingParams(do_sample=True, temperature=temperature, top_k=20, top_p=0.9)
+    params = SamplingParams(do_sample=True, temperature=temperature)
     gen = torch.Generator().manual_seed(0)
     out = engine.generate(
         input_ids, attention_mask, 8, params, eos_token_id=2, pad_token_id=0, return_logprobs=True, generator=gen

@@ -70,7 +70,7 @@ def test_output_layout_masks_and_positions(qwen2_model):
 
 
 def test_rollout_log_probs_match_the_trainers_recomputation(qwen2_model):
-    rollout = _rollout(qwen2_model, calculate_log_probs=True, temperature=0.7, top_p=0.9)
+    rollout = _rollout(qwen2_model, calculate_log_probs=True, temperature=0.7)
     out = rollout.generate_sequences(_prompts(temperature=0.7))
     b = out.batch
     P = b["prompts"].shape[1]
@@ -78,6 +78,24 @@ def test_rollout_log_probs_match_the_trainers_recomputation(qwen2_model):
         logits = qwen2_model(b["input_ids"], attention_mask=b["attention_mask"], position_ids=b["position_ids"]).logits
     ref = (logits[:, P - 1 : -1].double() / 0.7).log_softmax(-1).gather(-1, b["responses"][..., None]).squeeze(-1)
     torch.testing.assert_close(b["rollout_log_probs"].double(), ref * b["response_mask"], atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize("mode", ["raw_logits", "raw_logprobs", "processed_logits", "processed_logprobs"])
+def test_logprobs_mode_chooses_what_reaches_rollout_log_probs(qwen2_model, mode):
+    rollout = _rollout(qwen2_model, calculate_log_probs=True, temperature=0.7, top_k=5, logprobs_mode=mode)
+    b = rollout.generate_sequences(_prompts()).batch
+    P = b["prompts"].shape[1]
+    with torch.no_grad():
+        logits = qwen2_model(b["input_ids"], attention_mask=b["attention_mask"], position_ids=b["position_ids"]).logits
+    values = logits[:, P - 1 : -1].double()  # the model's own (raw) logits at each response position
+    if mode.startswith("processed"):  # temperature, then top-k: the 5 largest stay, the rest -inf
+        values = values / 0.7
+        fifth = values.topk(5, dim=-1).values[..., -1:]
+        values = values.masked_fill(values < fifth, float("-inf"))
+    if mode.endswith("logprobs"):
+        values = values.log_softmax(-1)
+    ref = values.gather(-1, b["responses"][..., None]).squeeze(-1).masked_fill(b["response_mask"] == 0, 0.0)
+    torch.testing.assert_close(b["rollout_log_probs"].double(), ref, atol=1e-4, rtol=0)
 
 
 def test_unrepeated_batch_is_repeated_n_times_interleaved(qwen2_model):

@@ -1,6 +1,6 @@
 """Token selection: top-k/top-p follow transformers' warpers, sampling draws from the filtered
-distribution (down to tokens far below 1e-8), log-probs come from logits / temperature, and the
-fused CUDA kernel does the same."""
+distribution (down to tokens far below 1e-8), the returned log-probs follow rollout.logprobs_mode
+(vLLM's meanings), and the fused CUDA kernel does the same."""
 
 from __future__ import annotations
 
@@ -66,12 +66,76 @@ def test_samples_follow_the_tempered_filtered_distribution():
     assert ((freq - expected.double()).abs() <= 5 * sigma + 1e-12).all(), (freq, expected)
 
 
-def test_logprobs_are_log_softmax_of_tempered_unfiltered_logits():
+def test_logprobs_without_filters_are_log_softmax_of_tempered_logits():
     logits = torch.randn(6, 20, generator=torch.Generator().manual_seed(1))
-    params = SamplingParams(temperature=0.5, top_k=4, top_p=0.9)
+    params = SamplingParams(temperature=0.5)
     tokens, logprobs = select_tokens(logits, params, want_logprobs=True, generator=torch.Generator().manual_seed(2))
     ref = [math.log(torch.softmax(logits[i].double() / 0.5, -1)[t]) for i, t in enumerate(tokens.tolist())]
     torch.testing.assert_close(logprobs.double(), torch.tensor(ref, dtype=torch.float64), atol=1e-5, rtol=0)
+
+
+def test_logprobs_with_filters_are_renormalised_over_the_kept_tokens():
+    # vLLM's processed_logprobs: log_softmax of the tempered logits with the filtered tokens at -inf
+    logits = torch.randn(6, 20, generator=torch.Generator().manual_seed(1))
+    params = SamplingParams(temperature=0.5, top_k=4, top_p=0.9)
+    tokens, logprobs = select_tokens(logits, params, want_logprobs=True, generator=torch.Generator().manual_seed(2))
+    for row, token in enumerate(tokens.tolist()):
+        scaled = logits[row].double() / 0.5
+        kept = [v for v in sorted(scaled.tolist(), reverse=True)[:4]]
+        probs = [math.exp(v - kept[0]) for v in kept]
+        kept = kept[: next(i + 1 for i in range(4) if sum(probs[: i + 1]) / sum(probs) >= 0.9)]
+        ref = scaled[token].item() - math.log(sum(math.exp(v) for v in kept))
+        assert abs(logprobs[row].item() - ref) < 1e-5, (row, logprobs[row].item(), ref)
+
+
+# Hand-worked: logits (2, 1, 0, -1), temperature 0.5, top_k 2. Only tokens 0 and 1 can be drawn.
+# raw_logits: 2, 1; raw_logprobs: x - log(e^2 + e + 1 + 1/e); processed_logits: x / 0.5 = 4, 2;
+# processed_logprobs: over the two kept tokens, 4 - log(e^4 + e^2) = -log(1 + e^-2), 2 - log(e^4 + e^2).
+_RAW_NORM = math.log(math.e**2 + math.e + 1 + 1 / math.e)
+_HAND_WORKED = {
+    "raw_logits": (2.0, 1.0),
+    "raw_logprobs": (2.0 - _RAW_NORM, 1.0 - _RAW_NORM),
+    "processed_logits": (4.0, 2.0),
+    "processed_logprobs": (-math.log(1 + math.exp(-2)), -math.log(1 + math.exp(2))),
+}
+
+
+@pytest.mark.parametrize("mode", sorted(_HAND_WORKED))
+def test_logprobs_mode_returns_vllms_value_on_a_hand_worked_example(mode):
+    logits = torch.tensor([2.0, 1.0, 0.0, -1.0]).expand(64, 4)
+    params = SamplingParams(temperature=0.5, top_k=2, logprobs_mode=mode)
+    tokens, values = select_tokens(logits, params, want_logprobs=True, generator=torch.Generator().manual_seed(0))
+    assert set(tokens.tolist()) == {0, 1}  # both drawn (p = 0.88 / 0.12), so both values are checked
+    expected = torch.tensor(_HAND_WORKED[mode], dtype=torch.float64)[tokens]
+    torch.testing.assert_close(values.double(), expected, atol=1e-6, rtol=0)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mode", sorted(_HAND_WORKED))
+def test_logprobs_mode_on_the_fused_cuda_path_returns_the_same_hand_worked_values(mode):
+    device = get_device()
+    logits = torch.tensor([2.0, 1.0, 0.0, -1.0], device=device).expand(64, 4)
+    params = SamplingParams(temperature=0.5, top_k=2, logprobs_mode=mode)
+    gen = torch.Generator(device=device).manual_seed(0)
+    tokens, values = select_tokens(logits, params, want_logprobs=True, generator=gen)
+    assert set(tokens.tolist()) == {0, 1}
+    expected = torch.tensor(_HAND_WORKED[mode], dtype=torch.float64)[tokens.cpu()]
+    torch.testing.assert_close(values.cpu().double(), expected, atol=1e-6, rtol=0)
+
+
+def test_raw_and_processed_agree_when_greedy():
+    # greedy decoding applies neither temperature nor filters (vLLM's all-greedy path)
+    logits = torch.randn(5, 12, generator=torch.Generator().manual_seed(4))
+    greedy = dict(do_sample=False, temperature=0.0, top_k=3)
+    raw = select_tokens(logits, SamplingParams(**greedy, logprobs_mode="raw_logits"), want_logprobs=True)[1]
+    processed = select_tokens(logits, SamplingParams(**greedy, logprobs_mode="processed_logits"), want_logprobs=True)[1]
+    torch.testing.assert_close(raw, logits.max(-1).values)
+    torch.testing.assert_close(processed, raw)
+
+
+def test_unknown_logprobs_mode_is_refused():
+    with pytest.raises(ValueError, match="logprobs_mode='logits' is not one of processed_logprobs"):
+        SamplingParams(logprobs_mode="logits")
 
 
 def test_greedy_is_argmax_with_untempered_logprobs():

@@ -4,6 +4,8 @@
   (an engine started with random weights, as the hybrid engine starts it, then a perturbed model);
 - the log-probs vLLM reports for sampled tokens equal the trainer's recomputation (the actor's
   `compute_log_prob` at the sampling temperature) within float32 tolerance;
+- `rollout.logprobs_mode` reaches the engine: raw_logits are the model's logits of the sampled
+  tokens, whatever the temperature and top-k (an engine of its own);
 - an engine sharded over two workers (tensor_model_parallel_size=2) generates each worker's prompts.
 
 `python -m verl.trainer.main_ppo` with rollout.name=vllm: tests/trainer/test_main_ppo_rollout_backends.py.
@@ -127,6 +129,33 @@ def test_sampled_log_probs_match_the_trainers_recomputation(rollout):
     # sampling, not greedy: the four samples of some prompt differ
     groups = b["responses"].view(len(QUESTIONS), 4, R)
     assert any(len({tuple(s.tolist()) for s in g}) > 1 for g in groups)
+
+
+def test_logprobs_mode_raw_logits_reaches_the_engine():
+    from verl.workers.rollout.vllm_rollout import vLLMRollout
+
+    config = engine_config(
+        prompt_length=32,
+        response_length=R,
+        load_format="dummy_dtensor",
+        calculate_log_probs=True,
+        enforce_eager=True,
+        top_k=5,
+        logprobs_mode="raw_logits",
+    )
+    engine = vLLMRollout(_model_path(), config)
+    try:
+        model = _hf_model()
+        b = _sync_and_generate(engine, model, _prompts(QUESTIONS, temperature=0.8).repeat(2, interleave=True)).batch
+    finally:
+        engine.release()
+    P = b["prompts"].shape[1]
+    with torch.no_grad():
+        logits = model(b["input_ids"], attention_mask=b["attention_mask"], position_ids=b["position_ids"]).logits
+    raw = logits[:, P - 1 : -1].gather(-1, b["responses"][..., None]).squeeze(-1)
+    mask = b["response_mask"].bool()
+    assert (b["rollout_log_probs"] - raw).abs()[mask].max().item() < 1e-3
+    assert (b["rollout_log_probs"][mask] > 0).any()  # logits, not log-probs (which are all <= 0)
 
 
 def _tensor_parallel_rank(rank: int, world_size: int, port: int, results) -> None:

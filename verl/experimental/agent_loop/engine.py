@@ -45,7 +45,7 @@ class TokenOutput:
 
     token_ids: list[int]
     log_probs: list[float] | None = None
-    """Log-prob of each token (temperature-scaled, before top-k/top-p), when the engine computed them."""
+    """Log-prob of each token (what `rollout.logprobs_mode` names), when the engine computed them."""
     stopped: bool = True
     """True when it ended on a stop token; False when it ran out of `max_new_tokens`."""
     version_min: int | None = None

@@ -52,6 +52,7 @@ from verl.trainer.config.validate_batches import (
 )
 from verl.trainer.config.validate_checkpoints import check_checkpoints
 from verl.trainer.config.validate_experts import check_megatron_experts, check_rollout_experts
+from verl.trainer.config.validate_features import check_feature_combinations
 from verl.trainer.config.validate_lora import check_lora
 from verl.trainer.config.validate_mtp import check_mtp
 from verl.trainer.config.validate_router_replay import _check_router_replay
@@ -679,6 +680,7 @@ def validate_ppo_config(cfg: DictConfig | dict) -> None:
     _check_multi_turn(c, errors)
     check_rollout_experts(c, errors)
     _check_not_implemented(c, errors)
+    check_feature_combinations(c, errors, warns)
     _check_role_engine_batch_keys(c, errors)
     _check_trainer(c, errors, warns)
     check_checkpoints(c, errors)

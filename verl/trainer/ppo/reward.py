@@ -12,6 +12,9 @@
   ``default_compute_score``; manager options come from ``reward_model.reward_kwargs``, overridden by
   explicit keyword arguments. What a failing reward function does is ``custom_reward_function.on_error``
   (raise | zero); ``reward_model.reward_kwargs.on_error``, the older spelling, still works.
+- With ``reward_model.reward_loop_source=importlib``, ``load_reward_manager`` returns instead the
+  custom reward loop class ``reward_loop_class_name`` of the file ``reward_loop_module_path``
+  (upstream's reward-loop interface) run as the reward manager (verl.workers.reward_manager.reward_loop).
 - ``compute_reward(data, reward_fn)`` -> ``(reward_tensor, reward_extra_info)``; errors propagate
   (upstream's silent fallback to a second call is deliberately not reproduced).
 - ``compute_reward_async``: ``compute_reward`` as a Ray task (``compute_reward_async.remote(data,
@@ -117,6 +120,25 @@ def _default_scorer(sandbox: SandboxFusionConfig) -> Callable | None:
     )
 
 
+def load_reward_loop_class(reward_model: RewardModelConfig) -> type:
+    """The class ``reward_model.reward_loop_class_name`` of the file ``reward_loop_module_path``
+    (``reward_loop_source=importlib``), checked for upstream's reward-loop interface."""
+    from verl.utils.import_utils import _public_callables, load_module
+    from verl.workers.reward_manager.reward_loop import check_reward_loop_class
+
+    path, name = reward_model.reward_loop_module_path, reward_model.reward_loop_class_name
+    module = load_module(path, config_key="reward_model.reward_loop_module_path")
+    if not hasattr(module, name):
+        raise AttributeError(
+            f"reward_model.reward_loop_class_name={name!r} is not defined in reward_model.reward_loop_module_path="
+            f"{path!r}; the file defines: {_public_callables(module)}. Set reward_loop_class_name to the reward "
+            "loop class"
+        )
+    cls = getattr(module, name)
+    check_reward_loop_class(cls, f"reward_model.reward_loop_class_name={name!r} in {path!r}")
+    return cls
+
+
 def load_reward_manager(config, tokenizer, num_examine: int, **reward_kwargs):
     """The reward manager described by ``config`` (the full trainer config)."""
     reward_model = _section(config, "reward_model", RewardModelConfig)
@@ -124,6 +146,19 @@ def load_reward_manager(config, tokenizer, num_examine: int, **reward_kwargs):
     # the custom reward file is imported first, as upstream does: it may register the manager it names
     # (`@register("collabllm")` beside its function, then reward_model.reward_manager=collabllm)
     compute_score = get_custom_reward_fn(config)
+    if reward_model.reward_loop_source == "importlib":  # upstream's custom reward loop class
+        from verl.workers.reward_manager.reward_loop import RewardLoopManager
+
+        on_error = {"on_error": custom.on_error} if custom.on_error != "raise" else {}
+        return RewardLoopManager(
+            load_reward_loop_class(reward_model),
+            config,
+            tokenizer,
+            num_examine,
+            compute_score=compute_score,
+            reward_fn_key=data_value(config.get("data"), "reward_fn_key"),
+            **on_error,
+        )
     try:
         name, manager_cls = _reward_manager_class(config)
     except ValueError as e:

@@ -13,7 +13,9 @@ has `build_rollout_source` choose the source once, when its worker groups exist:
 Every source is built from explicit parts, never from the trainer object:
 - `PromptStream`: the training dataloader, one batch of prompts per call, epoch after epoch;
 - `RolloutGenerator`: the rollout worker group's `generate_sequences`, n samples per prompt
-  (and, for ReMax, the greedy response whose score is each prompt's baseline);
+  (and, for ReMax, the greedy response whose score is each prompt's baseline); with
+  `rollout.skip_rollout` wrapped in a `ReplayingGenerator` (rollout_skip.py) that replays the
+  first rollout it dumped;
 - `RewardScorer`: `token_level_scores` from the reward model worker group and/or the rule reward
   function.
 
@@ -45,6 +47,7 @@ from verl.trainer.ppo import core_algos
 from verl.trainer.ppo.async_rollout import AsyncRolloutSource
 from verl.trainer.ppo.generation import GEN_BATCH_KEYS, generation_input, with_generation
 from verl.trainer.ppo.metric_utils import reduce_metrics
+from verl.trainer.ppo.rollout_skip import ReplayingGenerator, RolloutDump, dump_path
 from verl.utils.logging_utils import get_logger
 from verl.utils.timer import marked_timer
 from verl.workers.rollout.base import runs_agent_loops
@@ -310,6 +313,8 @@ def build_rollout_source(
     generator = RolloutGenerator(
         actor_wg, tokenizer, rollout.n, runs_agent_loops(rollout), current_step, baseline_scorer
     )
+    if rollout.skip_rollout:  # the first rollout is dumped, every later one replays it (rollout_skip.py)
+        generator = ReplayingGenerator(generator, RolloutDump(dump_path(config)))
     if not algo.filter_groups.enable:
         return SyncRolloutSource(prompts, generator, scorer)
     return FilteringRolloutSource(

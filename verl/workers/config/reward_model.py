@@ -192,16 +192,17 @@ class RewardModelConfig(BaseConfig):
         default="naive",
     )
     reward_loop_source: str = doc(
-        "Where upstream's reward loop class comes from: register (built in).",
-        status=UNSUPPORTED,
-        neutral="register",
+        "Where the reward loop class comes from: register (the reward manager reward_manager names) or importlib "
+        "(reward_loop_class_name of the file reward_loop_module_path: upstream's reward-loop interface, an "
+        "`async run_single(data)` per sample, run as the driver's reward manager; not with reward_model.enable).",
+        choices=("register", "importlib"),
         default="register",
     )
     reward_loop_module_path: str | None = doc(
-        "File of a custom reward loop.", status=UNSUPPORTED, neutral=None, default=None
+        "Python file of the custom reward loop class (reward_loop_source=importlib).", default=None
     )
     reward_loop_class_name: str | None = doc(
-        "Class of a custom reward loop.", status=UNSUPPORTED, neutral=None, default=None
+        "Name of the custom reward loop class in that file (reward_loop_source=importlib).", default=None
     )
     launch_reward_fn_async: bool = doc(
         "Compute rule rewards in a background task during the log-prob pass.", default=False

@@ -124,7 +124,14 @@ class MultiTurnConfig(BaseConfig):
 class CustomAsyncServerConfig(BaseConfig):
     """A user rollout-server class."""
 
-    path: str | None = doc("Python file holding the server class.", status=UNSUPPORTED, neutral=None, default=None)
+    path: str | None = doc(
+        "Python file holding the server class. Upstream declares the key but no code of its reads it since its "
+        "native HTTP servers replaced the async server classes (volcengine/verl#3456): refused rather than "
+        "ignored, and its async-server interface has no counterpart in this build's agent-loop engine.",
+        status=UNSUPPORTED,
+        neutral=None,
+        default=None,
+    )
     name: str | None = doc("Name of the class.", default=None)
 
 
@@ -292,11 +299,11 @@ class RolloutConfig(BaseConfig):
         f"vLLM/SGLang: reuse the KV cache of shared prefixes. {_SPEED}.", status=IGNORED, default=True
     )
     logprobs_mode: str = doc(
-        "Which log-probs calculate_log_probs returns: processed_logprobs (after temperature, top-k/top-p: the "
-        "sampling distribution).",
+        "What calculate_log_probs returns per sampled token (vLLM's meanings): processed_logprobs, the log-prob "
+        "under the sampling distribution (after temperature and top-k/top-p, renormalised); processed_logits, "
+        "the tempered logit; raw_logprobs / raw_logits, the same from the model's logits before temperature and "
+        "filtering. hf and vllm (passed to its engine); sglang: processed_logprobs only.",
         choices=LOGPROBS_MODES,
-        status=UNSUPPORTED,
-        neutral="processed_logprobs",
         default="processed_logprobs",
     )
     scheduling_policy: str = doc(f"vLLM request scheduling (fcfs, priority). {_SPEED}.", status=IGNORED, default="fcfs")
@@ -339,9 +346,16 @@ class RolloutConfig(BaseConfig):
     )
     trace: TraceConfig = doc("Rollout tracing.", default_factory=TraceConfig)
     skip_rollout: bool = doc(
-        "Replay dumped rollouts instead of generating.", status=UNSUPPORTED, neutral=False, default=False
+        "Generate the first training rollout and dump it, then replay that dump at every later step and in "
+        "later runs instead of generating (upstream's RolloutSkip; validation still generates). Not with "
+        "algorithm.filter_groups or asynchronous training.",
+        default=False,
     )
-    skip_dump_dir: str = doc("Directory of those dumps (with skip_rollout).", default="/tmp/rollout_dump")
+    skip_dump_dir: str = doc(
+        "Directory of the dump (skip_rollout): one file per batch size and n, "
+        "`__GBS<data.gen_batch_size>__N<rollout.n>`.",
+        default="/tmp/rollout_dump",
+    )
     skip_tokenizer_init: bool = doc(
         f"vLLM/SGLang: start the engine without its tokenizer. {_SPEED}.", status=IGNORED, default=True
     )

@@ -19,6 +19,7 @@ for external engines reduce to "build requests, call the engine, read back token
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -54,8 +55,14 @@ def resolve_sampling(config, meta: Mapping, prompts) -> tuple[SamplingParams, in
     with do_sample, temperature, top_k, top_p, n). Precedence: `meta["do_sample"] is False` ->
     greedy; `meta["validate"]` -> val_kwargs; else the config, each key overridable by meta. Rows
     are repeated only when `meta["n"]` asks for it, or when n > 1 and the batch evidently was not
-    repeated by the driver (no `uid`, or every `uid` distinct).
+    repeated by the driver (no `uid`, or every `uid` distinct). The config's `logprobs_mode` says
+    what the returned log-probs are.
     """
+    params, n = _resolve_sampling(config, meta, prompts)
+    return dataclasses.replace(params, logprobs_mode=config.logprobs_mode), n
+
+
+def _resolve_sampling(config, meta: Mapping, prompts) -> tuple[SamplingParams, int]:
     if meta.get("do_sample", config.do_sample) is False:
         return SamplingParams(do_sample=False), int(meta.get("n", 1))
     if meta.get("validate", False):

@@ -30,8 +30,8 @@ ranks `[k*tp, (k+1)*tp)`) all-gather their prompts, generate the concatenation, 
 rows it was given. The driver sees the usual data-parallel output.
 
 Sampling parameters map one to one onto both engines: greedy is temperature 0; top_k -1 (or 0)
-is off; log-probs are of the temperature-scaled distribution before top-k/top-p filtering, which is
-what the trainer recomputes (vLLM: `logprobs_mode="processed_logprobs"`; see vllm_rollout).
+is off; log-probs follow `rollout.logprobs_mode` (vLLM: passed to its engine; SGLang: its only
+kind, processed_logprobs, the distribution after temperature and top-k/top-p; see vllm_rollout).
 """
 
 from __future__ import annotations

@@ -30,11 +30,15 @@ Pure tensor functions, no host synchronisation (so a CUDA decode loop never stal
     The race would need B*V random numbers where the CDF needs B, and CPU random fills are slow:
     the race measured 3-4x slower than the whole float64 CDF path at batch 64-256 and vocabularies
     of 263-4096 tokens.
-- The log-prob returned for a token is taken from the temperature-scaled distribution *before*
-  top-k/top-p filtering: that is the distribution the trainer evaluates, and using the filtered
-  one would make the importance ratio of the first PPO step differ from 1 for no reason. It is
-  computed from the logits alone (a log-softmax), never from the noise. Greedy decoding reports
-  log-probs of the unscaled logits (temperature 1).
+- The value returned per sampled token follows `rollout.logprobs_mode`, with vLLM's meanings
+  (vLLM 0.32 `Sampler`): `processed_logprobs` (the default) is the log-prob under the distribution
+  the token was drawn from, `log_softmax` of the tempered logits after top-k/top-p (the removed
+  tokens at -inf, so the survivors are renormalised); `processed_logits` the tempered logit itself;
+  `raw_logprobs` / `raw_logits` the same before temperature and filtering (the model's own
+  distribution). Without top-k/top-p, processed_logprobs is exactly what the trainer recomputes
+  (`log_softmax(logits / temperature)`); with them it is not (the trainer evaluates the unfiltered
+  distribution), as with vLLM. Greedy decoding has no temperature or filter: processed equals raw.
+  The values are computed from the logits alone (a log-softmax or a gather), never from the noise.
 """
 
 from __future__ import annotations
@@ -45,6 +49,8 @@ import logging
 from dataclasses import dataclass
 
 import torch
+
+from verl.workers.config._fields import LOGPROBS_MODES  # vLLM's names (LogprobsMode)
 
 logger = logging.getLogger(__name__)
 
@@ -57,14 +63,22 @@ class SamplingParams:
     temperature: logits are divided by it before filtering and sampling (> 0 when sampling).
     top_k: keep the k most likely tokens; -1 or 0 disables it.
     top_p: nucleus filtering; 1.0 disables it.
+    logprobs_mode: what `select_tokens` returns per token when asked (LOGPROBS_MODES, see the module
+        docstring).
     """
 
     do_sample: bool = True
     temperature: float = 1.0
     top_k: int = -1
     top_p: float = 1.0
+    logprobs_mode: str = "processed_logprobs"
 
     def __post_init__(self):
+        if self.logprobs_mode not in LOGPROBS_MODES:
+            raise ValueError(
+                f"logprobs_mode={self.logprobs_mode!r} is not one of {', '.join(LOGPROBS_MODES)} "
+                "(actor_rollout_ref.rollout.logprobs_mode)"
+            )
         if self.do_sample and not self.temperature > 0:
             raise ValueError(
                 f"temperature={self.temperature} with do_sample=True: sampling needs a temperature > 0; "
@@ -151,29 +165,60 @@ def select_tokens(
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Choose one token per row of `logits` [B, V].
 
-    Returns (tokens [B] int64, logprobs [B] float32 or None): the log-prob of each chosen token
-    under `log_softmax(logits / temperature)` (see the module docstring).
+    Returns (tokens [B] int64, logprobs [B] float32 or None): for each chosen token the value
+    `params.logprobs_mode` names (see the module docstring).
     """
     temperature = params.logprob_temperature
+    filtered = params.do_sample and params.filters
+    # the one case the sampler's own log-prob answers: the tempered, unfiltered distribution
+    sampler_logprobs = want_logprobs and params.logprobs_mode == "processed_logprobs" and not filtered
     if _use_fused_kernel(logits):
         from verl.workers.rollout.fused_sampling import fused_select
 
         threshold = None
-        if params.do_sample and params.filters:
+        if filtered:
             # the kernel tempers by multiplying with 1/T: the same product here, so the k-th token
             # sits exactly at the threshold and survives
             threshold = filter_threshold(logits.float() * (1.0 / temperature), params.top_k, params.top_p)
-        return fused_select(logits, temperature, params.do_sample, threshold, want_logprobs, generator)
+        tokens, logprobs = fused_select(logits, temperature, params.do_sample, threshold, sampler_logprobs, generator)
+        if want_logprobs and not sampler_logprobs:
+            logprobs = token_logprobs(logits, tokens, params, threshold)
+        return tokens, logprobs
 
     scaled = _tempered(logits.float(), temperature)
+    threshold = None
     if params.do_sample:
-        tokens = sample_from_cdf(scaled, filter_threshold(scaled, params.top_k, params.top_p), generator)
+        threshold = filter_threshold(scaled, params.top_k, params.top_p)
+        tokens = sample_from_cdf(scaled, threshold, generator)
     else:
         tokens = scaled.argmax(dim=-1)
     if not want_logprobs:
         return tokens, None
-    logprobs = scaled.log_softmax(dim=-1).gather(-1, tokens[:, None]).squeeze(-1)
-    return tokens, logprobs
+    if sampler_logprobs:
+        return tokens, scaled.log_softmax(dim=-1).gather(-1, tokens[:, None]).squeeze(-1)
+    return tokens, token_logprobs(logits, tokens, params, threshold)
+
+
+def token_logprobs(
+    logits: torch.Tensor, tokens: torch.Tensor, params: SamplingParams, threshold: torch.Tensor | None = None
+) -> torch.Tensor:
+    """The value `params.logprobs_mode` names for token `tokens[b]` of row b of `logits` [B, V]: [B]
+    float32 (vLLM's definitions, see the module docstring). `threshold` [B]: the sampler's top-k/top-p
+    threshold of the tempered logits when it has one (computed here otherwise)."""
+    mode = params.logprobs_mode
+    values = logits.float()
+    if mode.startswith("processed"):
+        values = _tempered(values, params.logprob_temperature)
+        if threshold is None and params.do_sample:
+            threshold = filter_threshold(values, params.top_k, params.top_p)
+        if threshold is not None:
+            # the chosen token survived the sampler's filter; keep it even if a rounding difference
+            # (the fused kernel multiplies by 1/T) put it a hair under this threshold
+            removed = (values < threshold[:, None]).scatter_(1, tokens[:, None], False)
+            values = values.masked_fill(removed, float("-inf"))
+    if mode.endswith("logprobs"):
+        values = values.log_softmax(dim=-1)
+    return values.gather(-1, tokens[:, None]).squeeze(-1)
 
 
 def _tempered(logits: torch.Tensor, temperature: float) -> torch.Tensor:

@@ -9,7 +9,7 @@ test_vllm_rollout.py, marker `vllm`; docs/rollout_backends.md).
 vLLM calls used (vLLM >= 0.10, V1 engine):
 - `LLM(model=..., skip_tokenizer_init=True, tensor_parallel_size=..., gpu_memory_utilization=...,
   max_num_batched_tokens=..., max_num_seqs=..., max_model_len=..., enforce_eager=...,
-  load_format=..., enable_sleep_mode=..., logprobs_mode="processed_logprobs", seed=...)`;
+  load_format=..., enable_sleep_mode=..., logprobs_mode=rollout.logprobs_mode, seed=...)`;
   token ids in and out, so the model's tokenizer is never loaded by vLLM;
 - `LLM.generate([TokensPrompt(prompt_token_ids=...)], SamplingParams(...))`;
 - `LLM.collective_rpc("reload_weights", kwargs={"weights_iterator": named_tensors,
@@ -33,10 +33,12 @@ Design decisions:
   Its size comes from `engine_kwargs.vllm.kv_cache_memory_bytes` or, by default, a budget
   derived from max_num_seqs x max_model_len (vLLM's CPU default of 4 GiB per worker is far too
   much next to a trainer on a 2-core, 24 GB machine).
-- Log-probs: `logprobs_mode="processed_logprobs"` returns the log-prob of each sampled token
-  under the distribution it was sampled from (temperature applied; after top-k/top-p when those are
-  on), the behaviour policy that truncated importance sampling needs; with top-k/top-p off it is
-  exactly the trainer's `log_softmax(logits / temperature)`.
+- Log-probs: `rollout.logprobs_mode` goes to vLLM's engine as it is (upstream does the same). The
+  default, `processed_logprobs`, returns the log-prob of each sampled token under the distribution
+  it was sampled from (temperature applied; after top-k/top-p when those are on), the behaviour
+  policy that truncated importance sampling needs; with top-k/top-p off it is exactly the
+  trainer's `log_softmax(logits / temperature)`. The `raw_*` modes are the model's own values
+  before temperature, the `*_logits` modes logits instead of log-probs (see rollout/sampling.py).
 - Tensor parallelism (> 1): vLLM's `external_launcher` executor forms the engine's groups from the
   workers' own torch.distributed ranks; every rank of a group submits the same requests
   (`ExternalEngineRollout` gathers them).
@@ -108,7 +110,7 @@ def vllm_engine_kwargs(model_path: str, config: RolloutConfig, seed: int = 0) ->
         enable_chunked_prefill=bool(config.enable_chunked_prefill),
         disable_log_stats=bool(config.disable_log_stats),
         load_format="dummy" if weights_from_trainer(config) else config.load_format,
-        logprobs_mode="processed_logprobs",
+        logprobs_mode=config.logprobs_mode,
         seed=int(seed),
     )
     if tp > 1:

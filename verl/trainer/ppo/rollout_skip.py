@@ -1,0 +1,110 @@
+"""`rollout.skip_rollout`: generate once, then replay that rollout instead of generating.
+
+Upstream's `RolloutSkip` (verl/utils/rollout_skip.py) patches the rollout worker group's
+`generate_sequences`: the first call of a run whose dump file is missing generates and writes the
+file; every later call, in this run and in the next ones, loads the file instead of generating.
+One file, not one per step: every training step after the first trains on the same rollout, a
+tool for debugging and timing the phases after generation. Its name and place are upstream's:
+`<rollout.skip_dump_dir>/{experiment}_{project}_GBS{gbs}__N{n}`, where gbs is `data.gen_batch_size`
+(else `data.train_batch_size`), n is `rollout.n`, and experiment and project are read from
+`data.experiment_name` / `data.project_name`, keys upstream's config does not have, so both are
+empty (`__GBS32__N8`); a run with another batch size or n gets a file of its own.
+
+Design decisions (where this differs from upstream, and why):
+- What is dumped is the rollout generator's output merged with its prompts' rows (responses,
+  masks, the prompts' data_source / ground truth / uid, ReMax's `reward_baselines`), before
+  scoring, not the worker group's raw output: replayed at a later step, upstream's raw output meets
+  that step's prompt rows, so the rewards compare step 1's responses with step k's ground truth
+  (and here the merge refuses rows whose prompt columns differ). Replaying the whole rows keeps
+  each sample scored against its own prompt; the dataloader still advances one batch per step, so
+  step counting, epochs and checkpoints behave as in a generating run.
+- The file is written with `torch.save` of plain tensors and containers and read with
+  `weights_only=True` (verl.utils.checkpoint.safe_load), not pickled: `/tmp/rollout_dump` is a
+  shared directory, and unpickling a file found there would run whatever it says. A file that does
+  not load (an upstream pickle, a truncated write) is reported and regenerated, as upstream does.
+- Only the training rollouts replay; validation generates (upstream's patch also caught the
+  periodic validation of its non-agent-loop path, which then scored the training dump).
+- Refused (by the config check) with DAPO's dynamic sampling, which would draw the same groups
+  again and again, and with asynchronous training, whose rollouts come from their own pool.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+from verl.protocol import DataProto
+from verl.utils.checkpoint.safe_load import from_plain, to_plain, torch_load
+from verl.utils.logging_utils import get_logger
+
+logger = get_logger(__name__, "INFO")
+
+
+def dump_path(config) -> Path:
+    """Upstream's file for this config's rollouts (see the module docstring)."""
+    data, rollout = config.data, config.actor_rollout_ref.rollout
+    experiment = data.get("experiment_name", "") or ""
+    project = data.get("project_name", "") or ""
+    gbs = data.get("gen_batch_size", None) or data.train_batch_size
+    return Path(rollout.skip_dump_dir).joinpath(f"{experiment}_{project}_GBS{int(gbs)}__N{int(rollout.n)}").absolute()
+
+
+class RolloutDump:
+    """One dumped rollout at `path`: `load()` returns it (None when there is none to read), `save()` writes it."""
+
+    def __init__(self, path: Path):
+        self.path = Path(path)
+
+    def load(self) -> DataProto | None:
+        if not self.path.exists():
+            return None
+        try:
+            return from_plain(torch_load(str(self.path), "the rollout dump"))
+        except Exception as err:  # upstream's rule: an unreadable dump is generated anew and overwritten
+            logger.warning(
+                f"rollout.skip_rollout: could not read the rollout dump {self.path} ({err}); generating and "
+                "overwriting it. Point rollout.skip_dump_dir elsewhere to keep that file"
+            )
+            return None
+
+    def save(self, batch: DataProto) -> None:
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        partial = self.path.with_name(self.path.name + f".{os.getpid()}.partial")
+        torch.save(to_plain(batch), partial)
+        os.replace(partial, self.path)  # a crash mid-write never leaves a truncated dump behind
+
+
+class ReplayingGenerator:
+    """Wraps a rollout generator (`RolloutGenerator`: `(prompts, state) -> samples`, with `.n`):
+    replays `dump` when it exists, else generates and writes it (see the module docstring)."""
+
+    def __init__(self, generator: Callable, dump: RolloutDump):
+        self.generator = generator
+        self.dump = dump
+        self.n = generator.n
+        if str(dump.path).startswith("/tmp/ray/session"):
+            logger.warning(
+                f"rollout.skip_dump_dir puts the rollout dump under Ray's session directory ({dump.path}), which "
+                "Ray deletes; choose a directory of your own"
+            )
+        logger.info(f"rollout.skip_rollout: rollouts are replayed from (or first written to) {dump.path}")
+
+    def __call__(self, batch: DataProto, state) -> DataProto:
+        replayed = self.dump.load()
+        if replayed is not None:
+            if len(replayed) != len(batch) * self.n:
+                raise ValueError(
+                    f"rollout.skip_rollout: the rollout dump {self.dump.path} holds {len(replayed)} samples, but this "
+                    f"step needs {len(batch)} prompts x rollout.n={self.n} = {len(batch) * self.n}; delete the file or "
+                    "point rollout.skip_dump_dir elsewhere"
+                )
+            state.metrics["rollout/replayed"] = 1.0
+            return replayed
+        samples = self.generator(batch, state)
+        self.dump.save(samples)
+        logger.info(f"rollout.skip_rollout: wrote the rollout dump {self.dump.path}")
+        state.metrics["rollout/replayed"] = 0.0
+        return samples

@@ -1,0 +1,132 @@
+"""A custom reward loop class (upstream's `reward_model.reward_loop_source=importlib`) as a reward manager.
+
+Upstream's reward loop scores each sample with a reward-loop manager: a class built as
+`cls(config, tokenizer, compute_score, reward_router_address, reward_model_tokenizer)` whose
+coroutine `run_single(data)` takes a one-row DataProto and returns
+`{"reward_score": float, "reward_extra_info": {name: value}}` (upstream's
+`verl.experimental.reward_loop.reward_manager.base.RewardManagerBase`, which this package provides
+under the same path). With `reward_loop_source=importlib` the class is
+`reward_loop_class_name` of the file `reward_loop_module_path`.
+
+Here rule rewards are computed by the driver's reward manager, so `RewardLoopManager` is that
+manager for a custom loop class: it runs `run_single` on every row of the batch concurrently, in an
+event loop of its own, and places each `reward_score` at the sample's last valid response token
+like every other manager (abstract.py), with the extra info reported per sample and a failing or
+malformed result handled by `custom_reward_function.on_error`.
+
+Design decisions:
+- The class and its interface are checked when the manager is built (a missing file or class, a
+  class without a coroutine `run_single`, a constructor that does not take upstream's five
+  arguments: one error each, naming the key to fix); the instance is built on first use, inside the
+  manager's event loop, because upstream's base class keeps the loop it was built in
+  (`self.loop`) to run blocking work in an executor, and the manager may be shipped to another
+  process (`launch_reward_fn_async`) before it scores anything.
+- `reward_router_address` is None and `reward_model_tokenizer` None: upstream's router serves a
+  reward model to the loop; here the reward model runs in the actor's workers, so the config check
+  refuses `reward_model.enable` with a custom loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+from collections.abc import Mapping
+
+from verl.workers.reward_manager.abstract import AbstractRewardManager, Sample, ScoreOutcome
+
+_KEYS = "reward_model.reward_loop_module_path / reward_loop_class_name"
+
+
+def check_reward_loop_class(cls, where: str) -> None:
+    """Raise a TypeError naming `where` when `cls` does not have upstream's reward-loop interface."""
+    if not isinstance(cls, type):
+        raise TypeError(f"{where} is a {type(cls).__name__}, not a class; point {_KEYS} at a reward-loop class")
+    run_single = getattr(cls, "run_single", None)
+    if run_single is None or not inspect.iscoroutinefunction(run_single):
+        raise TypeError(
+            f"{where} ({cls.__name__}) has no coroutine `async def run_single(self, data)`: a reward loop scores one "
+            "sample per call and returns {'reward_score': float, 'reward_extra_info': dict} (upstream's "
+            "verl.experimental.reward_loop.reward_manager.base.RewardManagerBase)"
+        )
+    if getattr(run_single, "__isabstractmethod__", False):
+        raise TypeError(f"{where} ({cls.__name__}) leaves run_single abstract; implement it")
+    try:
+        inspect.signature(cls).bind(None, None, None, None, None)
+    except TypeError as err:
+        raise TypeError(
+            f"{where} ({cls.__name__}) cannot be built as upstream builds a reward loop, "
+            "cls(config, tokenizer, compute_score, reward_router_address, reward_model_tokenizer): "
+            f"{err}"
+        ) from err
+
+
+class RewardLoopManager(AbstractRewardManager):
+    """Scores a batch with a custom reward loop class (see the module docstring).
+
+    loop_cls: the class (checked with `check_reward_loop_class`). config: the trainer config, handed
+    to the class as upstream does. compute_score: the custom reward function (None: the class's own
+    default), handed to the class.
+    """
+
+    def __init__(self, loop_cls, config, tokenizer, num_examine: int = 0, compute_score=None, **kwargs):
+        check_reward_loop_class(loop_cls, "the reward loop class")
+        super().__init__(tokenizer, num_examine, compute_score=None, **kwargs)
+        self.loop_cls = loop_cls
+        self.config = config
+        self.custom_compute_score = compute_score
+        self._event_loop = None
+        self._instance = None
+        self._data = None
+
+    def __getstate__(self):
+        state = dict(self.__dict__)
+        state.update(_event_loop=None, _instance=None, _data=None)  # rebuilt where it is used
+        return state
+
+    def __call__(self, data, return_dict: bool = False):
+        self._data = data
+        try:
+            return super().__call__(data, return_dict=return_dict)
+        finally:
+            self._data = None
+
+    def compute_scores(self, samples: list[Sample]) -> list[ScoreOutcome]:
+        loop = self._loop()
+        rows = [self._data[s.index : s.index + 1] for s in samples]
+        return loop.run_until_complete(self._score_all(rows))
+
+    async def _score_all(self, rows) -> list[ScoreOutcome]:
+        return list(await asyncio.gather(*(self._score(row) for row in rows)))  # gathered inside the loop
+
+    def _loop(self) -> asyncio.AbstractEventLoop:
+        if self._event_loop is None:
+            self._event_loop = asyncio.new_event_loop()
+            # built inside the loop: upstream's base class keeps the loop it is built in
+            self._instance = self._event_loop.run_until_complete(self._build())
+        return self._event_loop
+
+    async def _build(self):
+        return self.loop_cls(self.config, self.tokenizer, self.custom_compute_score, None, None)
+
+    def _describe_failure(self, sample: Sample, error: str, batch_size: int) -> str:
+        return (
+            f"reward loop {self.loop_cls.__name__} (reward_model.reward_loop_class_name) failed on sample "
+            f"{sample.index} of {batch_size}: {error}\n"
+            f"  data_source: {sample.data_source!r}\n"
+            f"  ground_truth: {sample.ground_truth!r}\n"
+            f"  response: {sample.solution_str[:500]!r}\n"
+            "Fix its run_single (reward_model.reward_loop_module_path), or set custom_reward_function.on_error=zero "
+            "to score such samples 0 and count them in reward/num_errors."
+        )
+
+    async def _score(self, row) -> ScoreOutcome:
+        try:
+            result = await self._instance.run_single(row)
+        except Exception as e:
+            return ScoreOutcome(error=f"{self.loop_cls.__name__}.run_single raised {type(e).__name__}: {e}", cause=e)
+        if not isinstance(result, Mapping) or "reward_score" not in result:
+            return ScoreOutcome(
+                error=f"{self.loop_cls.__name__}.run_single returned {result!r}, not a dict with a 'reward_score' key"
+            )
+        extra = result.get("reward_extra_info") or {}
+        return ScoreOutcome(result={**extra, "score": result["reward_score"]})
