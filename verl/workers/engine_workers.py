@@ -49,7 +49,7 @@ from verl.utils.logging_utils import get_logger
 from verl.utils.profiler import DistProfiler, DistProfilerExtension
 from verl.utils.speed_paths import SpeedPath, model_speed_paths
 from verl.utils.speed_paths import merge as merge_speed_paths
-from verl.utils.ulysses import SP_KEY
+from verl.utils.ulysses_keys import reference_sp, role_sp
 from verl.workers.config import ActorConfig, CriticConfig, HFModelConfig, RefConfig, RewardModelConfig, RolloutConfig
 from verl.workers.engine import BaseEngine, EngineRegistry
 from verl.workers.rollout_weights import PendingWeights, rollout_dtype, sync_rollout_weights
@@ -120,23 +120,12 @@ def _normalize_batch_sizes(actor_cfg: ActorConfig, rollout_n: int, dp_size: int)
 _CRITIC_TOKEN_BUDGETS = ("ppo_max_token_len_per_gpu", "forward_max_token_len_per_gpu")
 
 
-def _ulysses_size(section) -> int | None:
-    """A role section's Ulysses group size; None for a section without the key (a Megatron one, which
-    splits sequences with its own context parallelism instead)."""
-    return int(section[SP_KEY]) if SP_KEY in section else None
-
-
 def _actor_ulysses_rows(config: DictConfig) -> UlyssesRows:
-    """The actor's (and reference's) dp x sp layout; the reference runs with the actor's size. Scales the
-    raw sections' per-rank token budgets in place, before they are built into their classes."""
-    sp = _ulysses_size(config.actor) or 1
-    ref_sp = _ulysses_size(config.ref) if "ref" in config else None
-    if ref_sp is not None and ref_sp != sp:
-        raise ValueError(
-            f"actor_rollout_ref.ref.{SP_KEY}={ref_sp} differs from actor_rollout_ref.actor.{SP_KEY}={sp}: the "
-            "reference shares the actor's workers and their sequence-parallel groups; set both to the same value"
-        )
-    rows = UlyssesRows(sp, "actor_rollout_ref.actor")
+    """The actor's (and reference's) dp x sp layout; the reference runs with the actor's size
+    (`verl.utils.ulysses.reference_sp`, either spelling of the key). Scales the raw sections' per-rank
+    token budgets in place, before they are built into their classes."""
+    sp = reference_sp(config.actor, config.ref if "ref" in config else None)
+    rows = UlyssesRows(sp, role_sp(config.actor, "actor_rollout_ref.actor")[1])
     with open_dict(config):
         scale_token_budgets(config.actor, ("ppo_max_token_len_per_gpu",), rows.sp)
         for part in ("rollout", "ref"):
@@ -547,7 +536,7 @@ class CriticWorker(Worker, DistProfilerExtension):
         super().__init__()
         self.config = config
         os.environ["VERL_ROLE"] = "critic"
-        self.ulysses = UlyssesRows(_ulysses_size(config) or 1, "critic")
+        self.ulysses = UlyssesRows(*role_sp(config, "critic"))
         with open_dict(self.config):  # the raw section's token budgets, before it is built
             scale_token_budgets(self.config, _CRITIC_TOKEN_BUDGETS, self.ulysses.sp)
         cfg = omega_conf_to_dataclass(config, CriticConfig)
