@@ -669,7 +669,10 @@ class RewardModelWorker(Worker, DistProfilerExtension):
 
     A backend's subclass implements `_build_model` and `_sequence_scores` (and may re-register
     `compute_rm_score` with its dispatch); inputs, re-tokenisation and the placement of the score on
-    the last response token are written here once."""
+    the last response token are written here once. A backend whose forward splits sequences with Ulysses
+    sets `sequence_parallel` (the rows of an sp group are gathered and each rank returns its own)."""
+
+    sequence_parallel: bool = False
 
     def __init__(self, config: DictConfig | RewardModelConfig):
         super().__init__()
@@ -680,6 +683,14 @@ class RewardModelWorker(Worker, DistProfilerExtension):
         # an FSDP one joins with the default (VERL_DIST_TIMEOUT_S / 600 s)
         _join_group(self, cfg.nccl_timeout if cfg.strategy == "megatron" else None)
         self.init_profiler(self.rank, cfg.profiler, "reward_model")
+        sp, sp_key = role_sp(cfg, "reward_model")
+        if sp > 1 and not self.sequence_parallel:
+            raise ValueError(
+                f"{sp_key}={sp}: {type(self).__name__} has no Ulysses forward (reward_model.strategy={cfg.strategy}); "
+                f"set {sp_key}=1"
+            )
+        # with sp > 1 the ranks of a group score the group's rows together (`_sequence_scores` splits each sequence)
+        self.ulysses = UlyssesRows(sp, sp_key)
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def init_model(self) -> None:
@@ -692,9 +703,9 @@ class RewardModelWorker(Worker, DistProfilerExtension):
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def speed_paths(self) -> list[dict]:
-        """This rank's speed paths (`verl.utils.speed_paths`) as dicts: the reward model runs padded
-        rows, unfused (its `use_remove_padding` and `use_fused_kernels` are accepted for upstream configs, and
-        reported off)."""
+        """This rank's speed paths (`verl.utils.speed_paths`) as dicts: remove padding is on where the backend
+        packs rows (its `use_remove_padding`: the FSDP one), fused kernels are reported off (the reward model
+        computes no log-probs)."""
         model = self.config.model
         return [path.to_dict() for path in model_speed_paths(self, model.use_remove_padding, model.use_fused_kernels)]
 
@@ -750,10 +761,11 @@ class RewardModelWorker(Worker, DistProfilerExtension):
     @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO)
     @DistProfiler.annotate("compute_rm_score")
     def compute_rm_score(self, data: DataProto) -> DataProto:
+        data = self.ulysses.gather(data)
         seq_scores = self._sequence_scores(*self._rm_inputs(data))
         # The score sits on the last valid response token, like a rule reward.
         response_mask = data.batch["response_mask"]
         last = (response_mask.sum(-1) - 1).clamp(min=0)
         rm_scores = torch.zeros_like(response_mask, dtype=torch.float32)
         rm_scores[torch.arange(len(data)), last] = seq_scores
-        return DataProto.from_dict(tensors={"rm_scores": rm_scores})
+        return self.ulysses.own(DataProto.from_dict(tensors={"rm_scores": rm_scores}))
