@@ -79,10 +79,9 @@ class RewardModelWorker(engine_workers.RewardModelWorker):
     sequence_parallel = True
 
     def _build_model(self) -> None:
+        from verl.utils import ulysses
         from verl.utils.model import load_sequence_classifier
         from verl.workers.engine.utils import plain_section
-
-        from verl.utils import ulysses
 
         model_cfg = self.config.model
         # bf16 on GPU, as upstream loads its reward model (an fp32 forward runs at a fraction of the
