@@ -35,7 +35,6 @@ from verl.workers.config._fields import (
     REWARD_MANAGERS,
     STRATEGIES,
     STRATEGIES_NOT_IN_THIS_BUILD,
-    UNSUPPORTED,
     doc,
 )
 from verl.workers.config.engine import McoreEngineConfig
