@@ -552,9 +552,6 @@ def _check_async_training(c: dict, errors: list[str]):
             )
 
 
-_SP = "ulysses_sequence_parallel_size"
-
-
 def _model_heads(model: dict) -> tuple[int, int] | None:
     """(num_attention_heads, num_key_value_heads) from the HF config.json of a model section, or
     None when it is not a readable local directory (a hub id is checked when the model is built)."""
@@ -607,11 +604,11 @@ def _check_ulysses(c: dict, errors: list[str]):
     if rm.get("enable") and rm.get("strategy") in ("fsdp", "fsdp2"):
         rp = rm["model"].get("use_remove_padding", False)
         roles.append(("reward_model", rm, rp, "reward_model.model.use_remove_padding", rm["model"]))
-    elif rm.get("enable") and _SP in rm and (rm[_SP] or 1) > 1:
+    elif rm.get("enable") and role_sp(rm, "reward_model")[0] > 1:
+        sp, key = role_sp(rm, "reward_model")
         errors.append(
-            f"reward_model.{_SP}={rm[_SP]} with reward_model.strategy={rm.get('strategy')}: Ulysses is the FSDP "
-            "reward model's; a Megatron one splits sequences with reward_model.megatron.context_parallel_size; "
-            f"set reward_model.{_SP}=1"
+            f"{key}={sp} with reward_model.strategy={rm.get('strategy')}: Ulysses is the FSDP reward model's; a "
+            f"Megatron one splits sequences with reward_model.megatron.context_parallel_size; set {key}=1"
         )
     for prefix, section, remove_padding, rp_key, model in roles:
         try:
