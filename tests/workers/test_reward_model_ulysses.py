@@ -61,3 +61,12 @@ def _packed_and_split_scores(rank, world_size, path):
 def test_packed_and_ulysses_reward_scores_equal_the_padded_ones(tmp_path):
     _make_reward_model(tmp_path / "rm")
     run_distributed(_packed_and_split_scores, 2, str(tmp_path / "rm"))
+
+
+def test_a_backend_without_a_ulysses_forward_refuses_sp_before_joining_the_group(tmp_path):
+    from verl.workers import megatron_workers
+
+    # the megatron composition has no such key (upstream's neither): the section as a user could pass it directly
+    cfg = OmegaConf.merge(_config(tmp_path / "rm", "fsdp", False), {"strategy": "megatron", SP: 2})
+    with pytest.raises(ValueError, match=rf"^reward_model.{SP}=2: RewardModelWorker has no Ulysses forward"):
+        megatron_workers.RewardModelWorker(cfg)

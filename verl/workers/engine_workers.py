@@ -679,16 +679,16 @@ class RewardModelWorker(Worker, DistProfilerExtension):
         # the `reward_model` section, typed once (upstream's RewardModelConfig) and read by attribute
         self.config = cfg = omega_conf_to_dataclass(config, RewardModelConfig)
         os.environ["VERL_ROLE"] = "reward_model"
-        # only a Megatron reward model's section has its own nccl_timeout (upstream's megatron_reward_model.yaml);
-        # an FSDP one joins with the default (VERL_DIST_TIMEOUT_S / 600 s)
-        _join_group(self, cfg.nccl_timeout if cfg.strategy == "megatron" else None)
-        self.init_profiler(self.rank, cfg.profiler, "reward_model")
         sp, sp_key = role_sp(cfg, "reward_model")
-        if sp > 1 and not self.sequence_parallel:
+        if sp > 1 and not self.sequence_parallel:  # before joining the group: a config error needs no peers
             raise ValueError(
                 f"{sp_key}={sp}: {type(self).__name__} has no Ulysses forward (reward_model.strategy={cfg.strategy}); "
                 f"set {sp_key}=1"
             )
+        # only a Megatron reward model's section has its own nccl_timeout (upstream's megatron_reward_model.yaml);
+        # an FSDP one joins with the default (VERL_DIST_TIMEOUT_S / 600 s)
+        _join_group(self, cfg.nccl_timeout if cfg.strategy == "megatron" else None)
+        self.init_profiler(self.rank, cfg.profiler, "reward_model")
         # with sp > 1 the ranks of a group score the group's rows together (`_sequence_scores` splits each sequence)
         self.ulysses = UlyssesRows(sp, sp_key)
 
