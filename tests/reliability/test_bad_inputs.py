@@ -189,8 +189,8 @@ def test_batch_that_does_not_divide_over_the_workers_gives_a_valid_value(run):
 
 def test_upstream_choices_not_implemented_here_are_config_errors(run):
     _expect(
-        run("reward_model.ulysses_sequence_parallel_size=2"),
-        "reward_model.ulysses_sequence_parallel_size=2 is not implemented in this verl",
+        run("actor_rollout_ref.hybrid_engine=false"),
+        "actor_rollout_ref.hybrid_engine=false is not implemented in this verl",
         "would silently train something else",
     )
 

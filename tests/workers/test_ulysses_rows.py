@@ -30,7 +30,7 @@ def _chunk(rank: int, rows: int) -> DataProto:
 
 
 def _gather_equals_concat(rank, world_size, rows_per_rank):
-    rows = UlyssesRows(world_size, "actor_rollout_ref.actor")
+    rows = UlyssesRows(world_size, "actor_rollout_ref.actor.ulysses_sequence_parallel_size")
     mine = _chunk(rank, rows_per_rank[rank])
     merged = rows.gather(mine)
     expected = DataProto.concat([_chunk(r, n) for r, n in enumerate(rows_per_rank)])

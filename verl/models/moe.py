@@ -110,7 +110,8 @@ class RouterAuxLoss:
         if sp_size > 1:
             raise ValueError(
                 f"{_OVERRIDE}.output_router_logits=true (the MoE load-balancing loss) with "
-                f"actor_rollout_ref.actor.ulysses_sequence_parallel_size={sp_size}: each rank routes only a slice of "
+                f"actor_rollout_ref.actor.ulysses_sequence_parallel_size={sp_size} (or the same key in its fsdp_config): "
+                "each rank routes only a slice of "
                 "each sequence, so the loss would differ from sp=1; set one of them back (sp=1 or "
                 "output_router_logits=false)"
             )

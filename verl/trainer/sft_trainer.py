@@ -163,6 +163,13 @@ def check_config(config: DictConfig) -> None:
         raise ValueError(
             "engine=veomni selects upstream's VeOmni engine, which is not in this build; use engine=fsdp optim=fsdp"
         )
+    sp = engine.get("ulysses_sequence_parallel_size") or 1
+    if sp > 1:
+        # the PPO roles read this key (verl.utils.ulysses_keys.role_sp); this trainer's passes run unsplit
+        raise ValueError(
+            f"engine.ulysses_sequence_parallel_size={sp} is not implemented by the SFT engine trainer (its forward "
+            "runs whole sequences on each rank); set it to 1"
+        )
     if config.model.path is None:
         raise ValueError("model.path is not set; pass model.path=<HF model directory>")
 

@@ -78,7 +78,8 @@ def all_to_all(x: torch.Tensor, scatter_dim: int, gather_dim: int, group=None) -
     return _AllToAll.apply(x, scatter_dim, gather_dim, group)
 
 
-SP_KEY = "ulysses_sequence_parallel_size"
+# the config keys (torch-free, so the config validator can read them without importing torch)
+from verl.utils.ulysses_keys import SP_KEY, reference_sp, role_sp  # noqa: E402,F401
 
 
 def check_heads_divisible(config, sp_size: int) -> None:
@@ -220,30 +221,29 @@ def patch_sdpa_attention() -> None:
 
 
 def setup(role: str, cfg: dict, model_config, use_remove_padding: bool, group, remove_padding_key=None) -> int:
-    """Validate `<role>.ulysses_sequence_parallel_size` against the model and the group, install
-    the attention patch when sp > 1, and return sp. `remove_padding_key` names the config key of
+    """Validate the role's Ulysses size (`role_sp`: either spelling) against the model and the group,
+    install the attention patch when sp > 1, and return sp. `remove_padding_key` names the config key of
     `use_remove_padding` in errors (default `<role>.use_remove_padding`)."""
     remove_padding_key = remove_padding_key or f"{role}.use_remove_padding"
-    sp = int(cfg.get(SP_KEY, 1) or 1)
+    sp, key = role_sp(cfg, role)
     if sp == 1:
         return 1
     if not use_remove_padding:
         raise ValueError(
-            f"{role}.{SP_KEY}={sp} needs {remove_padding_key}=True: Ulysses splits the packed "
+            f"{key}={sp} needs {remove_padding_key}=True: Ulysses splits the packed "
             f"(padding-free) token sequence across ranks; set {remove_padding_key}=True or the size to 1"
         )
     if group is None or dist.get_world_size(group) != sp:
         found = None if group is None else dist.get_world_size(group)
         raise ValueError(
-            f"{role}.{SP_KEY}={sp} but the sequence-parallel group given has {found} ranks; the worker "
+            f"{key}={sp} but the sequence-parallel group given has {found} ranks; the worker "
             "builds it from its dp x sp device mesh (pass ulysses_group= when building the actor/critic directly)"
         )
     if model_config is not None:
         check_heads_divisible(model_config, sp)
     if getattr(model_config, "_attn_implementation", "sdpa") != "sdpa":
         raise ValueError(
-            f"{role}.{SP_KEY}={sp} supports attn_implementation='sdpa' only, the model uses "
-            f"{model_config._attn_implementation!r}"
+            f"{key}={sp} supports attn_implementation='sdpa' only, the model uses {model_config._attn_implementation!r}"
         )
     patch_sdpa_attention()
     return sp

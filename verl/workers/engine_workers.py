@@ -49,7 +49,7 @@ from verl.utils.logging_utils import get_logger
 from verl.utils.profiler import DistProfiler, DistProfilerExtension
 from verl.utils.speed_paths import SpeedPath, model_speed_paths
 from verl.utils.speed_paths import merge as merge_speed_paths
-from verl.utils.ulysses import SP_KEY
+from verl.utils.ulysses_keys import reference_sp, role_sp
 from verl.workers.config import ActorConfig, CriticConfig, HFModelConfig, RefConfig, RewardModelConfig, RolloutConfig
 from verl.workers.engine import BaseEngine, EngineRegistry
 from verl.workers.rollout_weights import PendingWeights, rollout_dtype, sync_rollout_weights
@@ -120,23 +120,12 @@ def _normalize_batch_sizes(actor_cfg: ActorConfig, rollout_n: int, dp_size: int)
 _CRITIC_TOKEN_BUDGETS = ("ppo_max_token_len_per_gpu", "forward_max_token_len_per_gpu")
 
 
-def _ulysses_size(section) -> int | None:
-    """A role section's Ulysses group size; None for a section without the key (a Megatron one, which
-    splits sequences with its own context parallelism instead)."""
-    return int(section[SP_KEY]) if SP_KEY in section else None
-
-
 def _actor_ulysses_rows(config: DictConfig) -> UlyssesRows:
-    """The actor's (and reference's) dp x sp layout; the reference runs with the actor's size. Scales the
-    raw sections' per-rank token budgets in place, before they are built into their classes."""
-    sp = _ulysses_size(config.actor) or 1
-    ref_sp = _ulysses_size(config.ref) if "ref" in config else None
-    if ref_sp is not None and ref_sp != sp:
-        raise ValueError(
-            f"actor_rollout_ref.ref.{SP_KEY}={ref_sp} differs from actor_rollout_ref.actor.{SP_KEY}={sp}: the "
-            "reference shares the actor's workers and their sequence-parallel groups; set both to the same value"
-        )
-    rows = UlyssesRows(sp, "actor_rollout_ref.actor")
+    """The actor's (and reference's) dp x sp layout; the reference runs with the actor's size
+    (`verl.utils.ulysses.reference_sp`, either spelling of the key). Scales the raw sections' per-rank
+    token budgets in place, before they are built into their classes."""
+    sp = reference_sp(config.actor, config.ref if "ref" in config else None)
+    rows = UlyssesRows(sp, role_sp(config.actor, "actor_rollout_ref.actor")[1])
     with open_dict(config):
         scale_token_budgets(config.actor, ("ppo_max_token_len_per_gpu",), rows.sp)
         for part in ("rollout", "ref"):
@@ -547,7 +536,7 @@ class CriticWorker(Worker, DistProfilerExtension):
         super().__init__()
         self.config = config
         os.environ["VERL_ROLE"] = "critic"
-        self.ulysses = UlyssesRows(_ulysses_size(config) or 1, "critic")
+        self.ulysses = UlyssesRows(*role_sp(config, "critic"))
         with open_dict(self.config):  # the raw section's token budgets, before it is built
             scale_token_budgets(self.config, _CRITIC_TOKEN_BUDGETS, self.ulysses.sp)
         cfg = omega_conf_to_dataclass(config, CriticConfig)
@@ -680,17 +669,28 @@ class RewardModelWorker(Worker, DistProfilerExtension):
 
     A backend's subclass implements `_build_model` and `_sequence_scores` (and may re-register
     `compute_rm_score` with its dispatch); inputs, re-tokenisation and the placement of the score on
-    the last response token are written here once."""
+    the last response token are written here once. A backend whose forward splits sequences with Ulysses
+    sets `sequence_parallel` (the rows of an sp group are gathered and each rank returns its own)."""
+
+    sequence_parallel: bool = False
 
     def __init__(self, config: DictConfig | RewardModelConfig):
         super().__init__()
         # the `reward_model` section, typed once (upstream's RewardModelConfig) and read by attribute
         self.config = cfg = omega_conf_to_dataclass(config, RewardModelConfig)
         os.environ["VERL_ROLE"] = "reward_model"
+        sp, sp_key = role_sp(cfg, "reward_model")
+        if sp > 1 and not self.sequence_parallel:  # before joining the group: a config error needs no peers
+            raise ValueError(
+                f"{sp_key}={sp}: {type(self).__name__} has no Ulysses forward (reward_model.strategy={cfg.strategy}); "
+                f"set {sp_key}=1"
+            )
         # only a Megatron reward model's section has its own nccl_timeout (upstream's megatron_reward_model.yaml);
         # an FSDP one joins with the default (VERL_DIST_TIMEOUT_S / 600 s)
         _join_group(self, cfg.nccl_timeout if cfg.strategy == "megatron" else None)
         self.init_profiler(self.rank, cfg.profiler, "reward_model")
+        # with sp > 1 the ranks of a group score the group's rows together (`_sequence_scores` splits each sequence)
+        self.ulysses = UlyssesRows(sp, sp_key)
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def init_model(self) -> None:
@@ -703,9 +703,9 @@ class RewardModelWorker(Worker, DistProfilerExtension):
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def speed_paths(self) -> list[dict]:
-        """This rank's speed paths (`verl.utils.speed_paths`) as dicts: the reward model runs padded
-        rows, unfused (its `use_remove_padding` and `use_fused_kernels` are accepted for upstream configs, and
-        reported off)."""
+        """This rank's speed paths (`verl.utils.speed_paths`) as dicts: remove padding is on where the backend
+        packs rows (its `use_remove_padding`: the FSDP one), fused kernels are reported off (the reward model
+        computes no log-probs)."""
         model = self.config.model
         return [path.to_dict() for path in model_speed_paths(self, model.use_remove_padding, model.use_fused_kernels)]
 
@@ -761,10 +761,11 @@ class RewardModelWorker(Worker, DistProfilerExtension):
     @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO)
     @DistProfiler.annotate("compute_rm_score")
     def compute_rm_score(self, data: DataProto) -> DataProto:
+        data = self.ulysses.gather(data)
         seq_scores = self._sequence_scores(*self._rm_inputs(data))
         # The score sits on the last valid response token, like a rule reward.
         response_mask = data.batch["response_mask"]
         last = (response_mask.sum(-1) - 1).clamp(min=0)
         rm_scores = torch.zeros_like(response_mask, dtype=torch.float32)
         rm_scores[torch.arange(len(data)), last] = seq_scores
-        return DataProto.from_dict(tensors={"rm_scores": rm_scores})
+        return self.ulysses.own(DataProto.from_dict(tensors={"rm_scores": rm_scores}))

@@ -5,7 +5,8 @@ interface; this module only says what is FSDP's: the engines come from
 `verl.workers.engine.fsdp` (`fsdp_config` sections), the role logic is `DataParallelPPOActor` /
 `DataParallelPPOCritic` (which own the Ulysses sequence-parallel forward), every rank is a
 data-parallel rank and returns its own chunk (the default `DP_COMPUTE_PROTO` dispatch), and the
-reward model is a plain HF sequence classifier replicated on each rank.
+reward model is a plain HF sequence classifier replicated on each rank (padded, packed, or packed and
+split by Ulysses).
 
 LoRA (`model.lora_rank > 0` or `model.lora_adapter_path`, see `verl.utils.lora`) exists on this
 backend only: the reference policy is then the actor's own engine with its adapters switched off.
@@ -67,9 +68,18 @@ class CriticWorker(engine_workers.CriticWorker):
 
 
 class RewardModelWorker(engine_workers.RewardModelWorker):
-    """The learned reward model: an HF `*ForSequenceClassification`, a full copy on each rank."""
+    """The learned reward model: an HF `*ForSequenceClassification`, a full copy on each rank.
+
+    Padded rows by default; with `reward_model.model.use_remove_padding` each micro-batch's rows are packed
+    into one sequence, the decoder body runs on it, and the score head is applied to each row's last token
+    (where the padded classifier pools). With `reward_model.ulysses_sequence_parallel_size` > 1 the packed
+    sequence is split across the sp ranks (`verl.utils.ulysses`), whose hidden states are gathered back
+    before the head; the ranks of a group score the group's rows together (`UlyssesRows`)."""
+
+    sequence_parallel = True
 
     def _build_model(self) -> None:
+        from verl.utils import ulysses
         from verl.utils.model import load_sequence_classifier
         from verl.workers.engine.utils import plain_section
 
@@ -84,17 +94,65 @@ class RewardModelWorker(engine_workers.RewardModelWorker):
             override_config=plain_section(model_cfg.override_config),
         )
         self.model.to(dev.get_device()).eval()
+        self.use_remove_padding = bool(model_cfg.use_remove_padding)
+        self.sp = ulysses.setup(
+            "reward_model",
+            self.config,
+            self.model.config,
+            self.use_remove_padding,
+            self.ulysses.group,
+            "reward_model.model.use_remove_padding",
+        )
+        if self.use_remove_padding:
+            self._body, self._head = _body_and_head(self.model)
 
     def _sequence_scores(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
         """One score per row [B] (float32, CPU): the classifier's output at its pooled token."""
         micro = self.config.micro_batch_size_per_gpu or len(input_ids)
+        forward = self._packed_scores if self.use_remove_padding else self._padded_scores
         scores = []
         with torch.no_grad():
             for start in range(0, len(input_ids), micro):
                 ids = input_ids[start : start + micro].to(dev.get_device())
                 mask = attention_mask[start : start + micro].to(dev.get_device())
-                position_ids = (mask.cumsum(-1) - 1).clamp(min=0)
-                logits = self.model(input_ids=ids, attention_mask=mask, position_ids=position_ids).logits
                 # [rows, num_labels]: the last (with one label, the only) output; a 1-row batch keeps its row
-                scores.append(logits.float().reshape(len(ids), -1)[:, -1].cpu())
+                scores.append(forward(ids, mask).float().reshape(len(ids), -1)[:, -1].cpu())
         return torch.cat(scores).reshape(-1)
+
+    def _padded_scores(self, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        position_ids = (mask.cumsum(-1) - 1).clamp(min=0)
+        return self.model(input_ids=ids, attention_mask=mask, position_ids=position_ids).logits
+
+    def _packed_scores(self, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        """[rows, num_labels]: the head at each row's last token of one packed (and, at sp > 1, split) forward."""
+        from verl.utils import ulysses
+        from verl.utils.remove_padding import packed_model_inputs, unpad_input, unpad_position_ids
+
+        lengths = mask.sum(-1)
+        if not bool((lengths > 0).all()):
+            raise ValueError(
+                "the reward model got a row with no tokens (all-zero attention_mask); it has nothing to score"
+            )
+        packed_ids, indices = unpad_input(ids, mask)
+        packed_pos = unpad_position_ids((mask.cumsum(-1) - 1).clamp(min=0), indices)
+        if self.sp > 1:
+            out, pad = ulysses.forward_slice(self._body, packed_ids, packed_pos, self.ulysses.group)
+            hidden = ulysses.gather_outputs_and_unpad(out.last_hidden_state[0], 0, pad, self.ulysses.group)
+        else:
+            inputs = packed_model_inputs(self._body, packed_ids, packed_pos)
+            hidden = self._body(**inputs, use_cache=False).last_hidden_state[0]
+        return self._head(hidden[lengths.cumsum(0) - 1])
+
+
+def _body_and_head(model) -> tuple[torch.nn.Module, torch.nn.Module]:
+    """The decoder body and the score head of an HF decoder `*ForSequenceClassification` (the head maps each
+    token's hidden state to the scores; the classifier pools it at the row's last token)."""
+    body = getattr(model, getattr(model, "base_model_prefix", ""), None)
+    head = getattr(model, "score", None)
+    if not isinstance(body, torch.nn.Module) or not isinstance(head, torch.nn.Module):
+        raise ValueError(
+            f"reward_model.model.use_remove_padding=true scores packed rows with the decoder body and the `score` "
+            f"head of a decoder *ForSequenceClassification; {type(model).__name__} has no such pair; set "
+            "reward_model.model.use_remove_padding=false"
+        )
+    return body, head

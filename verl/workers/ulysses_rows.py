@@ -34,7 +34,6 @@ import torch.distributed as dist
 from verl.protocol import DataProto
 from verl.utils.device import collective_device
 from verl.utils.process_groups import consecutive_rank_group
-from verl.utils.ulysses import SP_KEY
 
 __all__ = ["UlyssesRows"]
 
@@ -42,16 +41,17 @@ __all__ = ["UlyssesRows"]
 class UlyssesRows:
     """This rank's sequence-parallel group and the row exchange within it (sp=1: no-ops)."""
 
-    def __init__(self, sp: int, role: str):
+    def __init__(self, sp: int, key: str):
+        """`key`: the full config key that set `sp` (`verl.utils.ulysses.role_sp`), for errors."""
         world = dist.get_world_size() if dist.is_initialized() else 1
         if sp < 1 or world % sp:
             raise ValueError(
-                f"{role}.{SP_KEY}={sp} does not divide the {world} ranks of the worker group; choose a "
+                f"{key}={sp} does not divide the {world} ranks of the worker group; choose a "
                 f"divisor of {world} (trainer.n_gpus_per_node x trainer.nnodes)"
             )
         self.sp = sp
         self.dp_size = world // sp
-        self.group, self.sp_rank = consecutive_rank_group(sp, f"{role}.{SP_KEY}", "ranks of the worker group")
+        self.group, self.sp_rank = consecutive_rank_group(sp, key, "ranks of the worker group")
 
     def gather(self, data: DataProto) -> DataProto:
         """The sp group's chunks concatenated in sp-rank order (the same rows on every sp rank)."""

@@ -130,9 +130,75 @@ def test_critic_sp_is_not_checked_when_no_critic_runs(defaults):
     validate_ppo_config(cfg)
 
 
-def test_reward_model_sp_is_refused_with_the_reason(defaults):
-    cfg = copy.deepcopy(defaults)
-    cfg["reward_model"][SP] = 2
+# Upstream's newer spelling: the engine section's key (fsdp_config / model.fsdp_config). Either spelling
+# alone sets the size, and every message names the key the user set.
+ACTOR_NEW = f"actor_rollout_ref.actor.fsdp_config.{SP}"
+
+
+def new_key_config(base: dict, sp: int, **kwargs) -> dict:
+    """`sp_config` at size 1, then the actor's size set through its fsdp_config only."""
+    cfg = sp_config(base, 1, **kwargs)
+    cfg["actor_rollout_ref"]["actor"]["fsdp_config"][SP] = sp
+    return cfg
+
+
+def test_actor_sp_from_the_engine_key_alone_validates_and_the_reference_follows(defaults, tmp_path):
+    validate_ppo_config(new_key_config(defaults, 2, path=model_dir(tmp_path, 4, 2)))
+
+
+def test_errors_name_the_engine_key_when_that_is_the_one_set(defaults, tmp_path):
+    msg = error_of(new_key_config(defaults, 3, gpus=4, remove_padding=False, path=model_dir(tmp_path, 4, 2)))
+    assert f"{ACTOR_NEW}=3 does not divide the 4 workers" in msg
+    assert f"{ACTOR_NEW}=3 needs actor_rollout_ref.model.use_remove_padding=true" in msg
+    assert f"{ACTOR_NEW}=3 cannot split the attention heads" in msg
+    assert f"actor_rollout_ref.actor.{SP}=" not in msg
+
+
+def test_two_different_sizes_for_one_role_are_refused_naming_both_keys(defaults):
+    cfg = sp_config(defaults, 2, gpus=4)
+    cfg["actor_rollout_ref"]["actor"]["fsdp_config"][SP] = 4
     msg = error_of(cfg)
-    assert f"reward_model.{SP}=2 is not implemented" in msg
-    assert "padded rows" in msg
+    assert f"actor_rollout_ref.actor.{SP}=2 and {ACTOR_NEW}=4 set two different Ulysses sizes" in msg
+    cfg["actor_rollout_ref"]["actor"]["fsdp_config"][SP] = 2  # the same value twice is one size
+    validate_ppo_config(cfg)
+
+
+def test_reference_engine_key_must_equal_the_actor_s_naming_the_keys_set(defaults):
+    cfg = new_key_config(defaults, 2, gpus=4)
+    cfg["actor_rollout_ref"]["ref"]["fsdp_config"][SP] = 4
+    msg = error_of(cfg)
+    assert f"actor_rollout_ref.ref.fsdp_config.{SP}=4 differs from {ACTOR_NEW}=2" in msg
+    cfg["actor_rollout_ref"]["ref"]["fsdp_config"][SP] = 2
+    validate_ppo_config(cfg)
+
+
+def test_critic_engine_key_is_checked_naming_it(defaults):
+    cfg = copy.deepcopy(defaults)
+    cfg["algorithm"]["adv_estimator"] = "gae"
+    cfg["critic"]["model"]["fsdp_config"][SP] = 2
+    assert f"critic.model.fsdp_config.{SP}=2 needs critic.model.use_remove_padding=true" in error_of(cfg)
+    cfg["critic"][SP] = 4
+    assert f"critic.{SP}=4 and critic.model.fsdp_config.{SP}=2 set two different" in error_of(cfg)
+
+
+def rm_config(base: dict, sp: int, remove_padding: bool, strategy: str = "fsdp") -> dict:
+    cfg = copy.deepcopy(base)
+    rm = cfg["reward_model"]
+    rm.update(enable=True, strategy=strategy)
+    rm[SP] = sp
+    rm["model"]["use_remove_padding"] = remove_padding
+    cfg["trainer"]["n_gpus_per_node"] = 2
+    return cfg
+
+
+def test_reward_model_sp_needs_remove_padding_and_divides_the_workers(defaults):
+    validate_ppo_config(rm_config(defaults, 2, True))
+    assert f"reward_model.{SP}=2 needs reward_model.model.use_remove_padding=true" in error_of(
+        rm_config(defaults, 2, False)
+    )
+    assert f"reward_model.{SP}=4 does not divide the 2 workers" in error_of(rm_config(defaults, 4, True))
+
+
+def test_reward_model_sp_is_fsdp_only(defaults):
+    msg = error_of(rm_config(defaults, 2, True, strategy="megatron"))
+    assert f"reward_model.{SP}=2 with reward_model.strategy=megatron" in msg

@@ -16,6 +16,8 @@ from verl.workers.actor import DataParallelPPOActor
 
 pytestmark = pytest.mark.usefixtures(one_thread.__name__)
 
+SP = "ulysses_sequence_parallel_size"
+
 
 def _two_heads_lm():
     # the shared tiny Qwen2 has one attention head; sp=2 needs a multiple of 2
@@ -29,7 +31,12 @@ def _two_heads_lm():
     return AutoModelForCausalLM.from_config(config, attn_implementation="sdpa").to(torch.float64)
 
 
-def _sp_actor_case(rank, world_size, use_dynamic_bsz):
+def _sp2(spelling: str) -> dict:
+    """sp=2 in upstream's older spelling (the role's key) or its newer one (the engine section's)."""
+    return {"role": {SP: 2}, "engine": {"fsdp_config": {SP: 2}}}[spelling]
+
+
+def _sp_actor_case(rank, world_size, use_dynamic_bsz, spelling):
     from verl.utils.fsdp_utils import apply_fsdp2, iter_full_params
 
     data = training_batch(batch_size=8, seed=7)  # uneven prompt and response lengths
@@ -39,11 +46,12 @@ def _sp_actor_case(rank, world_size, use_dynamic_bsz):
 
     model = apply_fsdp2(_two_heads_lm(), {"fsdp_size": -1})
     actor = DataParallelPPOActor(
-        actor_config(ulysses_sequence_parallel_size=2, **overrides),
+        actor_config(**_sp2(spelling), **overrides),
         model,
         torch.optim.SGD(model.parameters(), lr=1.0),
         ulysses_group=torch.distributed.group.WORLD,
     )
+    assert actor.sp_size == 2, f"the {spelling} key must set the size"
     single = sgd_actor(actor_config(**overrides), _two_heads_lm())
 
     log_probs, entropy = actor.compute_log_prob(data, calculate_entropy=True)
@@ -65,9 +73,16 @@ def _sp_actor_case(rank, world_size, use_dynamic_bsz):
     assert metrics["actor/grad_norm"][0] == pytest.approx(single_metrics["actor/grad_norm"][0], rel=1e-9)
 
 
-@pytest.mark.parametrize("use_dynamic_bsz", [False, True])
-def test_actor_update_with_sp2_equals_sp1(use_dynamic_bsz):
-    run_distributed(_sp_actor_case, 2, use_dynamic_bsz)
+@pytest.mark.parametrize(("use_dynamic_bsz", "spelling"), [(False, "role"), (True, "role"), (False, "engine")])
+def test_actor_update_with_sp2_equals_sp1(use_dynamic_bsz, spelling):
+    run_distributed(_sp_actor_case, 2, use_dynamic_bsz, spelling)
+
+
+def test_two_different_sizes_in_the_two_spellings_are_refused_naming_both():
+    with pytest.raises(ValueError, match=rf"actor.{SP}=2 and actor.fsdp_config.{SP}=4 set two different"):
+        DataParallelPPOActor(
+            actor_config(use_remove_padding=True, fsdp_config={SP: 4}, **{SP: 2}), _two_heads_lm(), None
+        )
 
 
 def _indivisible_heads_case(rank, world_size):

@@ -12,6 +12,8 @@ from verl.workers.critic import DataParallelPPOCritic
 
 pytestmark = pytest.mark.usefixtures(one_thread.__name__)
 
+SP = "ulysses_sequence_parallel_size"
+
 
 def _four_heads_value_model():
     from transformers import AutoModelForTokenClassification
@@ -22,19 +24,22 @@ def _four_heads_value_model():
     return AutoModelForTokenClassification.from_config(config, attn_implementation="sdpa").to(torch.float64)
 
 
-def _sp_critic_case(rank, world_size):
+def _sp_critic_case(rank, world_size, spelling):
     from verl.utils.fsdp_utils import apply_fsdp2, iter_full_params
 
     data = value_batch(seed=3)  # uneven prompt and response lengths
     data.meta_info = {"micro_batch_size": 4}
     overrides = dict(ppo_micro_batch_size_per_gpu=4, model={"use_remove_padding": True})
+    # sp=2 in upstream's older spelling (the role's key) or its newer one (the engine section's)
+    sp2 = {"role": {SP: 2}, "engine": {"model": {"use_remove_padding": True, "fsdp_config": {SP: 2}}}}[spelling]
     model = apply_fsdp2(_four_heads_value_model(), {"fsdp_size": -1})
     critic = DataParallelPPOCritic(
-        critic_config(ulysses_sequence_parallel_size=2, **overrides),
+        critic_config(**{**overrides, **sp2}),
         model,
         torch.optim.SGD(model.parameters(), lr=1.0),
         ulysses_group=torch.distributed.group.WORLD,
     )
+    assert critic.sp_size == 2, f"the {spelling} key must set the size"
     single_model = _four_heads_value_model()
     single = DataParallelPPOCritic(
         critic_config(**overrides), single_model, torch.optim.SGD(single_model.parameters(), lr=1.0)
@@ -52,8 +57,9 @@ def _sp_critic_case(rank, world_size):
     assert moved > 1e-4, f"the update moved the weights by at most {moved:.3g}; the comparison needs a real step"
 
 
-def test_critic_values_and_update_with_sp2_equal_sp1():
-    run_distributed(_sp_critic_case, 2)
+@pytest.mark.parametrize("spelling", ["role", "engine"])
+def test_critic_values_and_update_with_sp2_equal_sp1(spelling):
+    run_distributed(_sp_critic_case, 2, spelling)
 
 
 def test_critic_sp_without_remove_padding_says_what_to_set():

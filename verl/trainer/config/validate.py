@@ -57,6 +57,7 @@ from verl.trainer.config.validate_lora import check_lora
 from verl.trainer.config.validate_mtp import check_mtp
 from verl.trainer.config.validate_router_replay import _check_router_replay
 from verl.utils.config import omega_conf_to_dataclass
+from verl.utils.ulysses_keys import reference_sp, role_sp
 
 # ------------------------------------------------------------------------------- cross-key rules
 
@@ -551,9 +552,6 @@ def _check_async_training(c: dict, errors: list[str]):
             )
 
 
-_SP = "ulysses_sequence_parallel_size"
-
-
 def _model_heads(model: dict) -> tuple[int, int] | None:
     """(num_attention_heads, num_key_value_heads) from the HF config.json of a model section, or
     None when it is not a readable local directory (a hub id is checked when the model is built)."""
@@ -585,7 +583,6 @@ def _check_ulysses(c: dict, errors: list[str]):
     share of the attention heads (read from the model's config.json when it is a local directory)."""
     arr = c["actor_rollout_ref"]
     world = world_size(c)
-    actor_sp = arr["actor"].get(_SP) or 1
     roles = []
     if arr["actor"]["strategy"] in ("fsdp", "fsdp2"):
         actor_rp = arr["actor"].get("use_remove_padding")
@@ -594,31 +591,51 @@ def _check_ulysses(c: dict, errors: list[str]):
         rp_key = "actor_rollout_ref.model.use_remove_padding"
         if arr["model"].get("use_remove_padding") and not actor_rp:
             rp_key = "actor_rollout_ref.actor.use_remove_padding"  # set apart from the model's: name that one
-        roles.append(("actor_rollout_ref.actor", actor_sp, actor_rp, rp_key, arr["model"]))
-        ref_sp = arr["ref"].get(_SP)
-        if ref_sp is not None and ref_sp != actor_sp:
-            errors.append(
-                f"actor_rollout_ref.ref.{_SP}={ref_sp} differs from actor_rollout_ref.actor.{_SP}={actor_sp}: the "
-                "reference runs in the actor's worker processes and uses their sequence-parallel groups; set both "
-                "to the same value (or leave the reference's unset)"
-            )
+        roles.append(("actor_rollout_ref.actor", arr["actor"], actor_rp, rp_key, arr["model"]))
+        try:  # the reference shares the actor's sp groups (either spelling of either key)
+            reference_sp(arr["actor"], arr["ref"])
+        except ValueError as e:
+            errors.append(str(e))
     critic = c["critic"]
     if need_critic(c) and critic["strategy"] in ("fsdp", "fsdp2"):
         rp = critic["model"].get("use_remove_padding", False)
-        roles.append(("critic", critic.get(_SP) or 1, rp, "critic.model.use_remove_padding", critic["model"]))
-    for prefix, sp, remove_padding, rp_key, model in roles:
+        roles.append(("critic", critic, rp, "critic.model.use_remove_padding", critic["model"]))
+    rm = c["reward_model"]
+    if rm.get("enable") and rm.get("strategy") in ("fsdp", "fsdp2"):
+        rp = rm["model"].get("use_remove_padding", False)
+        roles.append(("reward_model", rm, rp, "reward_model.model.use_remove_padding", rm["model"]))
+    elif rm.get("enable") and role_sp(rm, "reward_model")[0] > 1:
+        sp, key = role_sp(rm, "reward_model")
+        errors.append(
+            f"{key}={sp} with reward_model.strategy={rm.get('strategy')}: Ulysses is the FSDP reward model's; a "
+            f"Megatron one splits sequences with reward_model.megatron.context_parallel_size; set {key}=1"
+        )
+    for prefix, section, remove_padding, rp_key, model in roles:
+        try:
+            sp, key = role_sp(section, prefix)
+        except ValueError as e:
+            errors.append(str(e))
+            continue
         if sp <= 1:
             continue
-        if world >= 1 and world % sp:
-            divisors = [d for d in range(1, world + 1) if world % d == 0]
+        group = world
+        if prefix == "reward_model" and section.get("enable_resource_pool"):
+            group = (section.get("nnodes") or 0) * (section.get("n_gpus_per_node") or 0)
+        if group >= 1 and group % sp:
+            divisors = [d for d in range(1, group + 1) if group % d == 0]
+            where = (
+                "reward_model.nnodes x reward_model.n_gpus_per_node"
+                if group is not world
+                else "trainer.nnodes x trainer.n_gpus_per_node"
+            )
             errors.append(
-                f"{prefix}.{_SP}={sp} does not divide the {world} workers (trainer.nnodes x "
-                f"trainer.n_gpus_per_node): each sequence-parallel group takes {sp} of them; use one of {divisors}"
+                f"{key}={sp} does not divide the {group} workers ({where}): each sequence-parallel group takes "
+                f"{sp} of them; use one of {divisors}"
             )
         if not remove_padding:
             errors.append(
-                f"{prefix}.{_SP}={sp} needs {rp_key}=true: Ulysses splits the packed (padding-free) token "
-                f"sequence across ranks; set {rp_key}=true, or {prefix}.{_SP}=1"
+                f"{key}={sp} needs {rp_key}=true: Ulysses splits the packed (padding-free) token "
+                f"sequence across ranks; set {rp_key}=true, or {key}=1"
             )
         heads = _model_heads(model)
         if heads is not None:
@@ -626,7 +643,7 @@ def _check_ulysses(c: dict, errors: list[str]):
             if h % sp or (kv % sp and sp % kv):
                 ok = [d for d in range(1, h + 1) if h % d == 0 and (kv % d == 0 or d % kv == 0)]
                 errors.append(
-                    f"{prefix}.{_SP}={sp} cannot split the attention heads of "
+                    f"{key}={sp} cannot split the attention heads of "
                     f"{model.get('hf_config_path') or model.get('path')} "
                     f"(num_attention_heads={h}, num_key_value_heads={kv}): each sequence-parallel rank takes an "
                     f"equal share, so the heads must be a multiple of {sp} and the key/value heads a multiple or a "

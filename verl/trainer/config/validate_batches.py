@@ -10,6 +10,7 @@ message names the key, the numbers that do not divide, and a value that would.
 from __future__ import annotations
 
 from verl.trainer.config.interpolation import plain
+from verl.utils.ulysses_keys import role_sp
 
 
 def _get(c: dict, key: str):
@@ -117,7 +118,10 @@ def _check_train_batches(c: dict, errors: list[str], world: int, warns: list[str
     arr = c["actor_rollout_ref"]
     n = arr["rollout"]["n"]
     tbs = c["data"]["train_batch_size"]
-    sp = arr["actor"].get("ulysses_sequence_parallel_size") or 1
+    try:
+        sp = role_sp(arr["actor"], "actor_rollout_ref.actor")[0]
+    except ValueError:
+        sp = 1  # two different sizes: _check_ulysses reports it
     dp = world // sp if world % sp == 0 else world
     _check_megatron_batch(c, errors, world)
     if (tbs * n) % world:

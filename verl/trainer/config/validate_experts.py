@@ -4,8 +4,15 @@
 from __future__ import annotations
 
 from verl.trainer.config.validate_batches import world_size
+from verl.utils.ulysses_keys import role_sp
 
-_SP = "ulysses_sequence_parallel_size"
+
+def _actor_sp(actor: dict) -> tuple[int, str]:
+    """The actor's Ulysses size and the key that set it (two different sizes: validate._check_ulysses reports it)."""
+    try:
+        return role_sp(actor, "actor_rollout_ref.actor")
+    except ValueError:
+        return 1, ""
 
 
 def check_megatron_experts(name: str, m: dict, world: int, errors: list[str]) -> None:
@@ -46,9 +53,10 @@ def check_rollout_experts(c: dict, errors: list[str]):
         )
     if arr["rollout"]["name"] != "hf":
         return
+    sp, sp_key = _actor_sp(arr["actor"])
     clashes = {
         "actor_rollout_ref.actor.strategy=megatron": arr["actor"]["strategy"] == "megatron",
-        f"actor_rollout_ref.actor.{_SP} > 1": (arr["actor"].get(_SP) or 1) > 1,
+        f"{sp_key} > 1": sp > 1,
         "async_training.staleness_threshold > 0 (a rollout pool of its own)": c["async_training"]["staleness_threshold"]
         > 0,
     }

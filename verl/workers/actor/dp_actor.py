@@ -78,7 +78,8 @@ update even without an entropy bonus), policy_loss {loss_mode, clip_cov_*, kl_co
 ppo_kl_coef, rollout_correction}, loss_agg_mode (replaced by the loss's own for `sapo` and
 `geo_mean`, with a warning: `verl.algorithms.policy_losses.LOSS_AGG_MODE_OVERRIDES`), entropy_coeff, use_kl_loss,
 kl_loss_coef, kl_loss_type, use_remove_padding (needed by a MoE model's load-balancing loss, `verl.models.moe`),
-ulysses_sequence_parallel_size (must be 1), skip_zero_advantage_step, skip_zero_advantage_rows,
+ulysses_sequence_parallel_size or fsdp_config.ulysses_sequence_parallel_size (`verl.utils.ulysses_keys.role_sp`),
+skip_zero_advantage_step, skip_zero_advantage_rows,
 share_prompt_forward. `use_torch_compile` is
 accepted and has no effect: the log-prob and entropy kernels are chunked autograd functions that
 already bound memory, and compiling them gains little. compute_log_prob reads its micro-batching

@@ -169,9 +169,8 @@ class FSDPEngineConfig(EngineConfig):
         default=False,
     )
     ulysses_sequence_parallel_size: int = doc(
-        "Ulysses sequence-parallel group size (upstream's newer spelling of the role's key).",
-        status=UNSUPPORTED,
-        neutral=1,
+        "Ulysses sequence-parallel group size of the role (upstream's newer spelling of the role's own key: either "
+        "one alone sets it, both > 1 must agree; see docs/sequence_parallel.md). The SFT engine trainer refuses > 1.",
         default=1,
     )
     entropy_from_logits_with_chunking: bool = doc(f"Entropy in chunks. {_SPEED}.", status=IGNORED, default=False)

@@ -35,7 +35,6 @@ from verl.workers.config._fields import (
     REWARD_MANAGERS,
     STRATEGIES,
     STRATEGIES_NOT_IN_THIS_BUILD,
-    UNSUPPORTED,
     doc,
 )
 from verl.workers.config.engine import McoreEngineConfig
@@ -98,8 +97,8 @@ class RewardModelModelConfig(BaseConfig):
     )
     use_shm: bool = doc("Copy the model to shared memory before loading.", status=IGNORED, optional=True, default=False)
     use_remove_padding: bool = doc(
-        "Pack sequences without padding (a speed knob; the reward model runs padded rows).",
-        status=IGNORED,
+        "FSDP: score packed rows without padding (each row's score at its last token, as the padded forward "
+        "pools); needed by ulysses_sequence_parallel_size > 1.",
         optional=True,
         default=False,
     )
@@ -210,10 +209,8 @@ class RewardModelConfig(BaseConfig):
     sandbox_fusion: SandboxFusionConfig = doc("Code-execution sandbox.", default_factory=SandboxFusionConfig)
     profiler: ProfilerConfig = doc("Profiling of the reward model.", default_factory=ProfilerConfig)
     ulysses_sequence_parallel_size: int = doc(
-        "Sequence-parallel group size of the reward model: its forward scores padded rows, which Ulysses "
-        "(packed sequences only) cannot split.",
-        status=UNSUPPORTED,
-        neutral=1,
+        "Ulysses sequence-parallel group size of the FSDP reward model: > 1 splits each packed sequence across this "
+        "many ranks (needs model.use_remove_padding; see docs/sequence_parallel.md).",
         optional=True,
         default=1,
     )
