@@ -18,6 +18,7 @@ from __future__ import annotations
 import copy
 import json
 
+import pytest
 import torch
 from omegaconf import OmegaConf
 from safetensors.torch import load_file
@@ -168,6 +169,7 @@ def _engine_resume(rank, world_size, hf_dir, ckpt_dir):
         torch.save(exported_at_save, f"{ckpt_dir}/exported.pt")
 
 
+@pytest.mark.slow  # 18 s at load 6.6-8.7 on 2 cores (two engine builds on 2 ranks, a save, a load, the merger)
 def test_critic_lora_engine_trains_adapters_and_head_resumes_exactly_and_merges(tmp_path):
     hf_model = _hf_value_model(2)
     hf_model.save_pretrained(tmp_path / "hf")
