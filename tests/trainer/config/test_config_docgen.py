@@ -40,7 +40,9 @@ def test_reference_lists_every_key_with_type_default_and_status():
     assert documented_keys(text) == {key for key, _, _, _ in iter_schema_fields()}
     assert "| `train_batch_size` | int | `1024` | yes | Prompts per training step" in text
     assert "| `lora_rank` | int | `0` | yes | *fsdp* LoRA rank r of the critic" in text
-    assert "| `rank` | int | `0` | no (only `0`) | LoRA rank of the critic" in text  # the megatron critic's
+    assert (
+        "| `rank` | int | `0` | yes | LoRA rank of the critic; > 0 trains low-rank adapters" in text
+    )  # the megatron critic's
     assert "| `path` | str | `~/models/deepseek-llm-7b-chat` |" in text
     assert "| `device` | str | `cuda` | yes; `npu`: no (Ascend NPUs) |" in text
     assert "| `loss_scale_factor` | float \\| null | `null` | yes |" in text

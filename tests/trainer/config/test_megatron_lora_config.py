@@ -1,7 +1,7 @@
 """`actor_rollout_ref.model.lora.*` (LoRA on the Megatron actor) validates before Ray starts: rank > 0
 turns it on, a bad value names the key and the valid choices, and what is not implemented (another
-adapter type, a pretrained adapter, a Megatron critic's LoRA, the key on
-the other backend) is refused with what to do instead."""
+adapter type, a pretrained adapter, the key on the other backend) is refused with what to do
+instead; the Megatron critic's `critic.model.lora.*` follows the same rules under its own key."""
 
 from __future__ import annotations
 
@@ -89,7 +89,28 @@ def test_each_backend_s_lora_key_on_the_other_backend_is_refused(megatron_defaul
     assert "actor_rollout_ref.model.lora_rank=8 (LoRA adapters) is the FSDP backend's LoRA" in msg
 
 
-def test_a_megatron_critic_s_lora_is_refused(megatron_defaults):
-    cfg = with_(megatron_defaults, algorithm__adv_estimator="gae", critic__enable=True)
-    cfg["critic"]["model"]["lora"]["rank"] = 8
-    assert "critic.model.lora.rank=8 is not implemented" in error_of(cfg)
+def _gae(base) -> dict:
+    return with_(base, algorithm__adv_estimator="gae", critic__enable=True)
+
+
+def test_a_megatron_critic_s_lora_validates_and_names_its_own_key(megatron_defaults):
+    cfg = _gae(megatron_defaults)
+    cfg["critic"]["model"]["lora"].update(rank=8, alpha=16, target_modules=["linear_qkv", "linear_fc2"])
+    validate_ppo_config(cfg)
+    cfg["critic"]["model"]["lora"]["type"] = "dora"
+    assert "critic.model.lora.type='dora' is not implemented" in error_of(cfg)
+    cfg["critic"]["model"]["lora"].update(type="lora", rank=-2)
+    assert "critic.model.lora.rank=-2 must be 0" in error_of(cfg)
+    cfg["critic"]["model"]["lora"].update(rank=8, adapter_path="/ckpt/adapter")
+    assert "critic.model.lora.adapter_path=/ckpt/adapter is not implemented" in error_of(cfg)
+
+
+def test_each_backend_s_critic_lora_key_on_the_other_backend_is_refused(megatron_defaults, fsdp_defaults):
+    cfg = _gae(fsdp_defaults)
+    cfg["critic"]["model"]["lora"] = {**megatron_defaults["critic"]["model"]["lora"], "rank": 8}
+    msg = error_of(cfg)
+    assert "critic.model.lora.rank=8 is the megatron critic's LoRA, but critic.strategy=fsdp" in msg
+    assert "set critic.model.lora_rank" in msg
+    msg = error_of(with_(_gae(megatron_defaults), critic__model__lora_rank=8))
+    assert "critic.model.lora_rank=8 is the FSDP critic's LoRA (peft), but critic.strategy=megatron" in msg
+    assert "set critic.model.lora.rank" in msg

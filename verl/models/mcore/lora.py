@@ -24,6 +24,11 @@ Design decisions:
   shows each adapted weight as its merge `W + alpha / rank * B @ A`, computed on this rank's shard
   in float64 and rounded once to the weight's dtype; the base weights are never written to.
 - The reference policy is the base model: `adapters_disabled` switches every hook off.
+- A critic (`value_head=True`, `critic.model.lora`): the adapters go on the same layers and the value
+  head (the last stage's `output_layer`, HF's `score`) trains whole beside them, as upstream's
+  critic trains the head it adds after megatron-bridge's PEFT froze the base (and as peft's
+  `modules_to_save` does for the FSDP critic). The head is small and replicated, so it needs no
+  adapter of its own.
 - MoE experts (megatron's `SequentialMLP`, the local spec's): each expert's `linear_fc1` and
   `linear_fc2` gets its own A and B, as megatron-bridge gives every `local_experts.j` linear its own
   adapter. An expert linear does no communication of its own: the token dispatcher hands every
@@ -85,8 +90,9 @@ def partial_grad_group(param: torch.Tensor):
 class LoRASettings:
     """The adapter layout of `model.lora` (`MegatronLoRAConfig` or a plain mapping), checked."""
 
-    def __init__(self, lora_cfg, seed: int = 42):
+    def __init__(self, lora_cfg, seed: int = 42, key: str = "actor_rollout_ref.model.lora"):
         get = lora_cfg.get
+        self.key = key
         self.rank = int(get("rank", 0))
         self.alpha = float(get("alpha", 32))
         self.dropout = float(get("dropout", 0.0))
@@ -98,7 +104,7 @@ class LoRASettings:
         dtype = get("dtype", None)
         self.dtype = None if dtype is None else LORA_DTYPES.get(str(dtype).replace("torch.", ""))
         self.seed = seed
-        errors = lora_config_errors(lora_cfg)
+        errors = lora_config_errors(lora_cfg, key=key)
         if errors:
             raise ValueError("; ".join(errors))
 
@@ -264,31 +270,40 @@ def _check_expert_layer(full_name: str, module: nn.Module, settings: LoRASetting
     """Refuse the expert layouts the expert adapter does not implement (see the module docstring)."""
     if ".local_experts." not in full_name:
         raise NotImplementedError(
-            f"actor_rollout_ref.model.lora.target_modules={settings.target_modules} reaches {full_name} "
+            f"{settings.key}.target_modules={settings.target_modules} reaches {full_name} "
             f"({type(module).__name__}): adapters on grouped-GEMM experts are not implemented here, only on "
             "megatron's SequentialMLP experts (the local layer spec this backend builds); exclude the experts with "
             "exclude_modules=['*.experts.*']"
         )
     if settings.dropout > 0 and module.tp_group.size() > 1:
         raise NotImplementedError(
-            f"actor_rollout_ref.model.lora.dropout={settings.dropout} on the expert layer {full_name} split over "
+            f"{settings.key}.dropout={settings.dropout} on the expert layer {full_name} split over "
             f"{module.tp_group.size()} expert-tensor ranks: each rank would drop a different part of the same "
-            "tokens' partial sums; set lora.dropout=0, actor.megatron.expert_tensor_parallel_size=1, or exclude "
+            f"tokens' partial sums; set lora.dropout=0, {_role(settings.key)}.megatron.expert_tensor_parallel_size=1, "
+            "or exclude "
             "the experts with exclude_modules=['*.experts.*']"
         )
 
 
-def apply_lora(model_chunks, lora_cfg, seed: int = 42) -> list[nn.Parameter]:
+def _role(key: str) -> str:
+    """The section of `key`'s role, for the messages: `critic` or `actor_rollout_ref.actor`."""
+    return "critic" if key.startswith("critic.") else "actor_rollout_ref.actor"
+
+
+def apply_lora(
+    model_chunks, lora_cfg, seed: int = 42, value_head: bool = False, key: str = "actor_rollout_ref.model.lora"
+) -> list[nn.Parameter]:
     """Freeze every parameter of `model_chunks` and put adapters on the targeted layers; returns the
-    adapters' parameters (the only trainable ones)."""
+    trainable parameters: the adapters', and with `value_head` (a critic) the value head's too.
+    `key` names the config section in errors."""
     from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
 
-    settings = LoRASettings(lora_cfg, seed)
+    settings = LoRASettings(lora_cfg, seed, key=key)
     if getattr(model_chunks[0].config, "multi_latent_attention", False):
         raise NotImplementedError(
-            "actor_rollout_ref.model.lora.rank > 0 on a multi-head latent attention model (deepseek_v3): adapters "
+            f"{key}.rank > 0 on a multi-head latent attention model (deepseek_v3): adapters "
             "on its latent projections are not implemented here, and linear_qkv would match nothing; train the "
-            "full model (lora.rank=0) or use actor.strategy=fsdp for LoRA"
+            f"full model (lora.rank=0) or use {_role(key)}.strategy=fsdp for LoRA"
         )
     for chunk in model_chunks:
         chunk.requires_grad_(False)
@@ -322,10 +337,22 @@ def apply_lora(model_chunks, lora_cfg, seed: int = 42) -> list[nn.Parameter]:
         adapted = int(count.item())
     if not adapted:
         raise ValueError(
-            f"actor_rollout_ref.model.lora.target_modules={settings.target_modules} (exclude_modules="
+            f"{key}.target_modules={settings.target_modules} (exclude_modules="
             f"{settings.exclude_modules}) matches no layer of this model, so LoRA would adapt nothing"
         )
+    if value_head:
+        trained += _unfreeze_value_head(model_chunks)
     return trained
+
+
+def _unfreeze_value_head(model_chunks) -> list[nn.Parameter]:
+    """The value head's parameters, trainable again (only the last pipeline stage holds the head)."""
+    params = []
+    for chunk in model_chunks:
+        if getattr(chunk, "post_process", False):
+            chunk.output_layer.requires_grad_(True)
+            params += list(chunk.output_layer.parameters())
+    return params
 
 
 def _adapters(model_chunks):

@@ -1,6 +1,6 @@
 """Validation of LoRA: the FSDP actor's and critic's peft adapters (`model.lora_rank`,
-`model.lora_adapter_path`, `critic.model.lora_rank`) and the Megatron actor's (`model.lora.rank`), each
-on its own backend (the layouts' own rules are HFModelConfig's and CriticModelConfig's)."""
+`model.lora_adapter_path`, `critic.model.lora_rank`) and the Megatron actor's and critic's
+(`model.lora.rank`, `critic.model.lora.rank`), each on its own backend (the layouts' own rules are HFModelConfig's and CriticModelConfig's)."""
 
 from __future__ import annotations
 
@@ -14,14 +14,26 @@ def _is_megatron(strategy: str) -> bool:
 
 
 def _check_critic_lora(c: dict, errors: list[str]):
-    """critic.model.lora_rank (the FSDP critic's peft LoRA): peft is installed and the critic is FSDP's."""
-    rank = (c["critic"]["model"] or {}).get("lora_rank", 0) or 0
-    if rank <= 0 or not need_critic(c):
+    """critic.model.lora_rank (the FSDP critic's peft LoRA) on an FSDP critic, with peft installed;
+    critic.model.lora.rank (the Megatron critic's) on a Megatron critic."""
+    if not need_critic(c):
         return
-    if _is_megatron(c["critic"]["strategy"]):
+    model = c["critic"]["model"] or {}
+    strategy = c["critic"]["strategy"]
+    megatron_rank = (model.get("lora") or {}).get("rank", 0) or 0
+    if megatron_rank > 0 and not _is_megatron(strategy):
         errors.append(
-            f"critic.model.lora_rank={rank} is the FSDP critic's LoRA (peft), but critic.strategy=megatron, whose "
-            "critic has no adapters here (critic.model.lora.rank is refused too); set critic.model.lora_rank=0 or "
+            f"critic.model.lora.rank={megatron_rank} is the megatron critic's LoRA, but critic.strategy={strategy}; "
+            "with FSDP set critic.model.lora_rank (and lora_alpha, target_modules) instead, or use "
+            "critic.strategy=megatron"
+        )
+    rank = model.get("lora_rank", 0) or 0
+    if rank <= 0:
+        return
+    if _is_megatron(strategy):
+        errors.append(
+            f"critic.model.lora_rank={rank} is the FSDP critic's LoRA (peft), but critic.strategy=megatron; with "
+            "megatron set critic.model.lora.rank (and lora.alpha, lora.target_modules) instead, or use "
             "critic.strategy=fsdp"
         )
         return

@@ -9,7 +9,8 @@ Layout of one checkpoint directory (`local_path`, e.g. `.../global_step_10/actor
                                             (full HF weights) when save_contents has hf_model
     lora_config.json                        with LoRA: model.lora (rank, alpha, targets, ...); the
                                             adapters themselves are in dist_ckpt/ beside the frozen
-                                            base, and hf_model holds the merged weights
+                                            base (and a critic's trained value head), and hf_model
+                                            holds the merged weights
 
 Design decisions:
 - The optimizer is a plain torch AdamW over this rank's parameter shards (see

@@ -101,21 +101,37 @@ class MegatronLoRAConfig(BaseConfig):
     freeze_language_model: bool = doc("Vision-language models only.", status=IGNORED, default=True)
 
     def __post_init__(self):
+        self._check(key="model.lora")
+
+    def _check(self, key: str) -> None:
         if self.rank < 0:
-            raise ValueError(f"model.lora.rank={self.rank} must be 0 (train all weights) or a positive LoRA rank")
+            raise ValueError(f"{key}.rank={self.rank} must be 0 (train all weights) or a positive LoRA rank")
         if self.rank > 0:
             from verl.utils.megatron.lora_config import lora_config_errors
 
-            errors = lora_config_errors(self, key="model.lora")
+            errors = lora_config_errors(self, key=key)
             if errors:
                 raise ValueError("; ".join(errors))
 
 
 @dataclass
 class MegatronCriticLoRAConfig(MegatronLoRAConfig):
-    """`critic.model.lora`: the same keys; adapters on a Megatron critic are not implemented."""
+    """`critic.model.lora`: the same keys on a Megatron critic (the value head trains whole)."""
 
-    rank: int = doc("LoRA rank of the critic; 0 trains all weights.", status=UNSUPPORTED, neutral=0, default=0)
+    merge: bool = doc(
+        "No effect on a critic (nothing generates from it; its `hf_model` checkpoints hold the merged weights).",
+        status=IGNORED,
+        optional=True,
+        default=False,
+    )
+    rank: int = doc(
+        "LoRA rank of the critic; > 0 trains low-rank adapters on the target layers and the value head whole "
+        "(the base weights stay frozen); 0 trains all weights.",
+        default=0,
+    )
+
+    def __post_init__(self):
+        self._check(key="critic.model.lora")
 
 
 @dataclass

@@ -10,6 +10,10 @@ The model is built with `verl.models.mcore.build_model_chunks(..., value_head=Tr
 becomes HF's token-classification `score` layer ([1, hidden] weight and bias), replicated on the
 tensor-parallel ranks, so a critic converts to and from an HF `*ForTokenClassification`
 checkpoint with the same functions as the actor (`score.*` names).
+
+LoRA (`critic.model.lora.rank > 0`) needs nothing here: the engine puts the adapters on the chunks
+and leaves only them and the value head trainable (`verl.models.mcore.lora.apply_lora(...,
+value_head=True)`), and the optimizer it is given holds exactly those.
 """
 
 from __future__ import annotations

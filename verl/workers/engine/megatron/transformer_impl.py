@@ -18,9 +18,9 @@ Design decisions:
   (`verl.utils.checkpoint.megatron_checkpoint_manager`).
 - Offload (`megatron.param_offload` / `optimizer_offload`): parameters and Adam moments live on
   the host between uses; no-ops on a CPU device.
-- LoRA (`model.lora.rank > 0`, see `verl.models.mcore.lora`): adapters on the trained policy's
-  linear layers, the rest frozen; `disable_adapter` gives the base model (the reference policy) and
-  the rollout receives the merged weights.
+- LoRA (`model.lora.rank > 0`, see `verl.models.mcore.lora`): adapters on the trained model's
+  linear layers, the rest frozen but a critic's value head; `disable_adapter` gives the base model
+  (the reference policy) and the rollout receives the merged weights.
 """
 
 from __future__ import annotations
@@ -205,15 +205,17 @@ class MegatronEngine(BaseEngine):
             from verl.models.mcore.mtp import configure_mtp
 
             configure_mtp(self.chunks, mtp.enable_train, mtp.mtp_loss_scaling_factor, mtp.detach_encoder)
-        # LoRA (model.lora.rank > 0) on the trained policy only: the base is frozen and is the reference
-        # a reward model's section (read as it is) may have no lora; the typed model configs always do
+        # LoRA (model.lora.rank > 0) on a trained model: the policy's frozen base is the reference; a
+        # critic's value head trains whole beside the adapters. A reward model's section (read as it
+        # is) may have no lora; the typed model configs always do
         lora = plain_section(getattr(model_config, "lora", None))
-        self.lora = for_training and not value_head and bool(lora) and int(lora["rank"]) > 0
+        self.lora = for_training and bool(lora) and int(lora["rank"]) > 0
         self.lora_config = lora if self.lora else None
         if self.lora:
             from verl.models.mcore.lora import apply_lora
 
-            apply_lora(self.chunks, lora, seed=meg.seed)
+            key = "critic.model.lora" if value_head else "actor_rollout_ref.model.lora"
+            apply_lora(self.chunks, lora, seed=meg.seed, value_head=value_head, key=key)
         for chunk in self.chunks:
             chunk.to(dev.get_device())
             if not for_training:
