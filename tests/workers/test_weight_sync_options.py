@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import threading
 
+import pytest
 import torch
 
 from verl.workers import weight_sync
@@ -136,3 +137,40 @@ def test_bucket_layout_names_the_wire_dtype_for_the_receiver():
     (layout, flat), _ = sender.pack(_weights())
     assert flat.dtype == torch.float16 and layout["dtype"] == "float16"
     assert json.loads(json.dumps(layout))["names"] == ["embed.weight", "norm.weight"]
+
+
+def _case_nccl_rebuilt_groups_in_the_wire_dtype() -> dict:
+    """One-rank NCCL group (the trainer alone: two ranks on one GPU are not allowed), rebuilt per version."""
+    formed: list[str] = []
+    real = weight_sync._new_group
+
+    def spy(store, prefix, *args):
+        formed.append(prefix)
+        return real(store, prefix, *args)
+
+    weight_sync._new_group = spy
+    device = torch.device("cuda", 0)
+    torch.cuda.set_device(device)
+    store, _, _ = host_weight_sync_store(60.0)
+    sender = WeightSender(
+        store, 1, 60.0, bucket_bytes=1 << 20, backend="nccl", rebuild_group=True, wire_dtype=torch.bfloat16
+    )
+    weights = [(n, t.to(device)) for n, t in _weights()]
+    dtypes, intact = [], True
+    for version in (1, 2):
+        buckets = sender.pack(weights)
+        sender.send(version, buckets)
+        dtypes.append([layout["dtype"] for layout, _ in buckets])
+        intact &= torch.equal(buckets[0][1][:30].float().cpu(), weights[0][1].reshape(-1).bfloat16().float().cpu())
+    return {"formed": formed, "dtypes": dtypes, "released": sender.group is None, "intact": bool(intact)}
+
+
+@pytest.mark.gpu
+def test_nccl_groups_are_rebuilt_per_sync_and_carry_the_wire_dtype():
+    from tests.distributed_helpers import run_in_fresh_interpreter
+
+    r = run_in_fresh_interpreter(
+        "tests.workers.test_weight_sync_options", "_case_nccl_rebuilt_groups_in_the_wire_dtype", timeout_s=120
+    )
+    assert r["formed"] == ["verl_weight_sync/default/v1", "verl_weight_sync/default/v2"], r
+    assert r["dtypes"] == [["bfloat16", "int64"]] * 2 and r["released"] and r["intact"], r
