@@ -174,3 +174,17 @@ def test_nccl_groups_are_rebuilt_per_sync_and_carry_the_wire_dtype():
     )
     assert r["formed"] == ["verl_weight_sync/default/v1", "verl_weight_sync/default/v2"], r
     assert r["dtypes"] == [["bfloat16", "int64"]] * 2 and r["released"] and r["intact"], r
+
+
+def test_the_checkpoint_engine_config_chooses_the_groups_backend_and_options():
+    from verl.workers.config import CheckpointEngineConfig
+    from verl.workers.weight_sync import group_options, wire_dtype
+
+    naive = CheckpointEngineConfig()
+    assert group_options(naive) == {"backend": None, "group_name": "default", "rebuild_group": False}
+    assert wire_dtype(naive) is None
+    nccl = CheckpointEngineConfig(
+        backend="nccl", engine_kwargs={"nccl": {"group_name": "g", "rebuild_group": True, "rollout_dtype": "fp16"}}
+    )
+    assert group_options(nccl) == {"backend": "nccl", "group_name": "g", "rebuild_group": True}
+    assert wire_dtype(nccl) is torch.float16

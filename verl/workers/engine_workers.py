@@ -412,14 +412,9 @@ class ActorRolloutRefWorker(Worker, DistProfilerExtension):
     def init_weight_sync(self, host: str, port: int, world_size: int, timeout_s: float, bucket_megabytes: int) -> None:
         """Join the trainer->rollout weight-sync group: actor rank 0 as sender (group rank 0), rollout
         rank r as receiver r + 1. Both pools must call it concurrently (the rendezvous waits for all)."""
-        from verl.workers.weight_sync import WeightReceiver, WeightSender, connect_store
+        from verl.workers.weight_sync import WeightReceiver, WeightSender, connect_store, group_options
 
-        engine = self.rollout_config.checkpoint_engine  # naive: the device's backend; nccl: NCCL and its options
-        group = {
-            "backend": "nccl" if engine.backend == "nccl" else None,
-            "group_name": engine.nccl_option("group_name"),
-            "rebuild_group": engine.nccl_option("rebuild_group"),
-        }
+        group = group_options(self.rollout_config.checkpoint_engine)
         if self.actor is not None:
             if self.rank == 0:
                 self._weight_sender = WeightSender(
@@ -457,10 +452,9 @@ class ActorRolloutRefWorker(Worker, DistProfilerExtension):
     def _weight_wire_dtype(self) -> torch.dtype | None:
         """`checkpoint_engine.engine_kwargs.nccl.rollout_dtype`: the dtype the weights are gathered and
         sent in (the rollout engine copies them into its own); None: the rollout's dtype."""
-        from verl.workers.rollout.native.engine import resolve_dtype
+        from verl.workers.weight_sync import wire_dtype
 
-        name = self.rollout_config.checkpoint_engine.nccl_option("rollout_dtype")
-        return None if name is None else resolve_dtype(name, dev.get_device())
+        return wire_dtype(self.rollout_config.checkpoint_engine)
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL, blocking=False)
     def receive_weights(self, version: int) -> dict[str, float]:

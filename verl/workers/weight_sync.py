@@ -69,7 +69,15 @@ import torch.distributed as dist
 from verl.utils import device as dev
 from verl.utils.ray_utils import node_ip
 
-__all__ = ["WeightSender", "WeightReceiver", "WeightSyncError", "WeightSyncTimeoutError", "host_weight_sync_store"]
+__all__ = [
+    "WeightSender",
+    "WeightReceiver",
+    "WeightSyncError",
+    "WeightSyncTimeoutError",
+    "host_weight_sync_store",
+    "group_options",
+    "wire_dtype",
+]
 
 _PREFIX = "verl_weight_sync"
 _END = b"end"
@@ -95,6 +103,33 @@ def host_weight_sync_store(timeout_s: float) -> tuple[dist.TCPStore, str, int]:
     port = get_free_port()
     store = dist.TCPStore(host, port, None, True, datetime.timedelta(seconds=timeout_s), wait_for_workers=False)
     return store, host, port
+
+
+_WIRE_DTYPES = {
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+    "float32": torch.float32,
+    "fp32": torch.float32,
+}
+
+
+def group_options(checkpoint_engine) -> dict:
+    """The group's keyword arguments (both ends) from `rollout.checkpoint_engine` (a
+    `CheckpointEngineConfig`): naive broadcasts over the device's backend with upstream's defaults;
+    nccl over NCCL with `engine_kwargs.nccl`'s group_name and rebuild_group."""
+    return {
+        "backend": "nccl" if checkpoint_engine.backend == "nccl" else None,
+        "group_name": checkpoint_engine.nccl_option("group_name"),
+        "rebuild_group": checkpoint_engine.nccl_option("rebuild_group"),
+    }
+
+
+def wire_dtype(checkpoint_engine) -> torch.dtype | None:
+    """`engine_kwargs.nccl.rollout_dtype` as a torch dtype (the sender's `wire_dtype`); None: unset."""
+    name = checkpoint_engine.nccl_option("rollout_dtype")
+    return None if name is None else _WIRE_DTYPES[name]
 
 
 def _new_group(store, prefix: str, rank: int, world_size: int, timeout_s: float, backend: str):
