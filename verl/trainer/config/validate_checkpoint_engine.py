@@ -8,7 +8,8 @@ declaration (Ascend NPUs). Left here: what the backend needs from the rest of th
   workers). Here that is the separate rollout pool of asynchronous training; a colocated run
   (staleness_threshold 0) has no pool to broadcast to, and upstream's colocated path is naive, so
   nccl there is refused rather than silently meaning naive. NCCL exists only on NVIDIA GPUs: on CPU
-  the same broadcast runs over gloo, which is what naive does there.
+  the same broadcast runs over gloo, which is what naive does there (`trainer.device=auto` counts as
+  CPU on a machine where torch sees no CUDA GPU).
 - nixl: this build has no NIXL transport. Refused, naming the library when it is missing.
 """
 
