@@ -412,17 +412,23 @@ class ActorRolloutRefWorker(Worker, DistProfilerExtension):
     def init_weight_sync(self, host: str, port: int, world_size: int, timeout_s: float, bucket_megabytes: int) -> None:
         """Join the trainer->rollout weight-sync group: actor rank 0 as sender (group rank 0), rollout
         rank r as receiver r + 1. Both pools must call it concurrently (the rendezvous waits for all)."""
-        from verl.workers.weight_sync import WeightReceiver, WeightSender, connect_store
+        from verl.workers.weight_sync import WeightReceiver, WeightSender, connect_store, group_options
 
+        group = group_options(self.rollout_config.checkpoint_engine)
         if self.actor is not None:
             if self.rank == 0:
                 self._weight_sender = WeightSender(
-                    self._weight_sync_store, world_size, timeout_s, bucket_bytes=int(bucket_megabytes) << 20
+                    self._weight_sync_store,
+                    world_size,
+                    timeout_s,
+                    bucket_bytes=int(bucket_megabytes) << 20,
+                    wire_dtype=self._weight_wire_dtype(),
+                    **group,
                 )
             return
         self._need("rollout", "init_weight_sync")
         store = connect_store(host, port, timeout_s)
-        self._weight_receiver = WeightReceiver(store, self.rank + 1, world_size, timeout_s)
+        self._weight_receiver = WeightReceiver(store, self.rank + 1, world_size, timeout_s, **group)
         self.rollout.weight_refresh = PendingWeights(self)  # engines without partial rollouts ignore it
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL, blocking=False)
@@ -433,13 +439,22 @@ class ActorRolloutRefWorker(Worker, DistProfilerExtension):
         start = time.perf_counter()
         with self.actor_model.on_device():  # pack() copies the weights: the background send needs no params
             # cast to what the rollout engines hold before gathering: rank 0 keeps a bf16 copy, not fp32
-            params = self.actor_model.get_per_tensor_param(rollout_dtype(self.rollout_config))
+            params = self.actor_model.get_per_tensor_param(
+                self._weight_wire_dtype() or rollout_dtype(self.rollout_config)
+            )
             if self._weight_sender is None:
                 for _ in params:  # the gathers are collectives: every rank iterates to the end
                     pass
             else:
                 self._weight_sender.send_async(version, self._weight_sender.pack(params))
         return {"timing_s/gather_weights": time.perf_counter() - start}
+
+    def _weight_wire_dtype(self) -> torch.dtype | None:
+        """`checkpoint_engine.engine_kwargs.nccl.rollout_dtype`: the dtype the weights are gathered and
+        sent in (the rollout engine copies them into its own); None: the rollout's dtype."""
+        from verl.workers.weight_sync import wire_dtype
+
+        return wire_dtype(self.rollout_config.checkpoint_engine)
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL, blocking=False)
     def receive_weights(self, version: int) -> dict[str, float]:

@@ -46,6 +46,12 @@ Design decisions:
   can ask, without blocking, whether newer weights are on their way (`WeightReceiver.latest_version`)
   and take them mid-generation (partial rollouts); every receiver must still take every version
   sent, since each bucket is a collective.
+- Options (`checkpoint_engine.engine_kwargs.nccl`, upstream's nccl backend): `wire_dtype` casts
+  the floating-point tensors as they are packed (the receiver's engine copies them into its own
+  dtype); `group_name` names the group (its rendezvous keys in the store, and the errors);
+  `rebuild_group` forms a fresh group for each version, right after every receiver has asked for
+  it, and releases it once the version is through, so no communicator outlives a sync. Both ends
+  must be built with the same `group_name` and `rebuild_group`.
 """
 
 from __future__ import annotations
@@ -63,7 +69,15 @@ import torch.distributed as dist
 from verl.utils import device as dev
 from verl.utils.ray_utils import node_ip
 
-__all__ = ["WeightSender", "WeightReceiver", "WeightSyncError", "WeightSyncTimeoutError", "host_weight_sync_store"]
+__all__ = [
+    "WeightSender",
+    "WeightReceiver",
+    "WeightSyncError",
+    "WeightSyncTimeoutError",
+    "host_weight_sync_store",
+    "group_options",
+    "wire_dtype",
+]
 
 _PREFIX = "verl_weight_sync"
 _END = b"end"
@@ -91,8 +105,35 @@ def host_weight_sync_store(timeout_s: float) -> tuple[dist.TCPStore, str, int]:
     return store, host, port
 
 
-def _new_group(store, rank: int, world_size: int, timeout_s: float, backend: str):
-    prefixed = dist.PrefixStore(_PREFIX, store)
+_WIRE_DTYPES = {
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+    "float32": torch.float32,
+    "fp32": torch.float32,
+}
+
+
+def group_options(checkpoint_engine) -> dict:
+    """The group's keyword arguments (both ends) from `rollout.checkpoint_engine` (a
+    `CheckpointEngineConfig`): naive broadcasts over the device's backend with upstream's defaults;
+    nccl over NCCL with `engine_kwargs.nccl`'s group_name and rebuild_group."""
+    return {
+        "backend": "nccl" if checkpoint_engine.backend == "nccl" else None,
+        "group_name": checkpoint_engine.nccl_option("group_name"),
+        "rebuild_group": checkpoint_engine.nccl_option("rebuild_group"),
+    }
+
+
+def wire_dtype(checkpoint_engine) -> torch.dtype | None:
+    """`engine_kwargs.nccl.rollout_dtype` as a torch dtype (the sender's `wire_dtype`); None: unset."""
+    name = checkpoint_engine.nccl_option("rollout_dtype")
+    return None if name is None else _WIRE_DTYPES[name]
+
+
+def _new_group(store, prefix: str, rank: int, world_size: int, timeout_s: float, backend: str):
+    prefixed = dist.PrefixStore(prefix, store)
     if backend == "gloo":
         return dist.ProcessGroupGloo(prefixed, rank, world_size, datetime.timedelta(seconds=timeout_s))
     if backend == "nccl":
@@ -113,24 +154,50 @@ def _ready_key(version: int, rank: int) -> str:
 class _Endpoint:
     """What sender and receiver share: the store, the group, the deadline and its wording."""
 
-    def __init__(self, store, rank: int, world_size: int, timeout_s: float, backend: str | None):
+    def __init__(
+        self,
+        store,
+        rank: int,
+        world_size: int,
+        timeout_s: float,
+        backend: str | None,
+        group_name: str = "default",
+        rebuild_group: bool = False,
+    ):
         self.store = store
         self.rank = rank
         self.world_size = world_size
         self.timeout_s = timeout_s
         self.backend = backend or dev.get_dist_backend()
+        self.group_name = group_name
+        self.rebuild_group = rebuild_group
         # CPU buffers for gloo; NCCL needs them on this rank's device.
         self.device = torch.device("cpu") if self.backend == "gloo" else dev.get_device()
+        self.group = None
+        if not rebuild_group:
+            self._form_group(f"{_PREFIX}/{group_name}")
+
+    def _form_group(self, prefix: str) -> None:
         try:
-            self.group = _new_group(store, rank, world_size, timeout_s, self.backend)
+            self.group = _new_group(self.store, prefix, self.rank, self.world_size, self.timeout_s, self.backend)
         except Exception as exc:  # the rendezvous blocks until every member has connected
-            raise self._timeout_error("forming the weight-sync group", exc) from None
+            raise self._timeout_error(f"forming the weight-sync group {self.group_name!r}", exc) from None
         if self.backend == "nccl":
             # NCCL connects on a group's first collective, and connecting waits for the device (seen
             # on the H100: a first broadcast queued behind 4 s of held stream work blocked the host
             # for those 4 s, past the 1 s deadline). Connect now, while nothing is queued, so every
             # later broadcast only enqueues and is polled against its deadline.
             self._broadcast(torch.zeros(1, device=self.device), "connecting the weight-sync group")
+
+    def _open_version(self, version: int) -> None:
+        """With `rebuild_group`, form this version's own group (every member calls it for every version)."""
+        if self.rebuild_group:
+            self._form_group(f"{_PREFIX}/{self.group_name}/v{version}")
+
+    def _close_version(self) -> None:
+        """With `rebuild_group`, release this version's group: nothing of it outlives the sync."""
+        if self.rebuild_group:
+            self.group = None
 
     def _missing_side(self) -> str:
         if self.rank == 0:
@@ -190,11 +257,24 @@ class _Endpoint:
 class WeightSender(_Endpoint):
     """Rank 0 of the weight-sync group: packs HF-named tensors into buckets and broadcasts them."""
 
-    def __init__(self, store, world_size: int, timeout_s: float, bucket_bytes: int, backend: str | None = None):
-        super().__init__(store, 0, world_size, timeout_s, backend)
+    def __init__(
+        self,
+        store,
+        world_size: int,
+        timeout_s: float,
+        bucket_bytes: int,
+        backend: str | None = None,
+        group_name: str = "default",
+        rebuild_group: bool = False,
+        wire_dtype: torch.dtype | None = None,
+    ):
         if bucket_bytes <= 0:
             raise ValueError(f"weight sync bucket size must be positive, got {bucket_bytes} bytes")
+        if wire_dtype is not None and not wire_dtype.is_floating_point:
+            raise ValueError(f"weight sync wire dtype must be a floating-point dtype, got {wire_dtype}")
+        super().__init__(store, 0, world_size, timeout_s, backend, group_name, rebuild_group)
         self.bucket_bytes = int(bucket_bytes)
+        self.wire_dtype = wire_dtype
         # The broadcasts' own stream (None on CPU): the trainer's stream never waits for it.
         self.stream = dev.new_stream(self.device)
         self._thread: threading.Thread | None = None
@@ -202,8 +282,9 @@ class WeightSender(_Endpoint):
 
     def pack(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> list[tuple[dict, torch.Tensor]]:
         """[(layout, flat buffer)]: consecutive tensors of one dtype, at most ~bucket_bytes per buffer
-        (a single larger tensor gets a bucket of its own). Tensors keep their dtype: pass them in
-        the dtype the receivers load (see the module docstring)."""
+        (a single larger tensor gets a bucket of its own). Floating-point tensors are cast to
+        `wire_dtype` when one is set; otherwise tensors keep their dtype: pass them in the dtype the
+        receivers load (see the module docstring)."""
         buckets: list[tuple[dict, torch.Tensor]] = []
         names: list[str] = []
         parts: list[torch.Tensor] = []
@@ -224,6 +305,8 @@ class WeightSender(_Endpoint):
 
         for name, tensor in named_tensors:
             tensor = tensor.detach()
+            if self.wire_dtype is not None and tensor.is_floating_point():
+                tensor = tensor.to(self.wire_dtype)
             nbytes = tensor.numel() * tensor.element_size()
             if parts and (tensor.dtype != parts[0].dtype or size + nbytes > self.bucket_bytes):
                 flush()
@@ -244,6 +327,7 @@ class WeightSender(_Endpoint):
         self.announce(version)
         self._wait_for_receivers(version)
         with dev.on_stream(self.stream):
+            self._open_version(version)  # a rebuilt NCCL group connects on the broadcasts' stream
             for i, (layout, flat) in enumerate(buckets):
                 # JSON, not pickle: the store is a network port, and what it hands a receiver must not run code
                 self.store.set(f"v{version}/b{i}", json.dumps({**layout, "numel": flat.numel()}).encode())
@@ -251,6 +335,7 @@ class WeightSender(_Endpoint):
         if self.stream is not None:
             self.stream.synchronize()
         self.store.set(f"v{version}/b{len(buckets)}", _END)
+        self._close_version()
 
     def _wait_for_receivers(self, version: int) -> None:
         keys = [_ready_key(version, r) for r in range(1, self.world_size)]
@@ -296,10 +381,19 @@ class WeightSender(_Endpoint):
 class WeightReceiver(_Endpoint):
     """A rollout worker's end of the group: yields the HF-named tensors of one version as they arrive."""
 
-    def __init__(self, store, rank: int, world_size: int, timeout_s: float, backend: str | None = None):
+    def __init__(
+        self,
+        store,
+        rank: int,
+        world_size: int,
+        timeout_s: float,
+        backend: str | None = None,
+        group_name: str = "default",
+        rebuild_group: bool = False,
+    ):
         if rank < 1:
             raise ValueError(f"a receiver's weight-sync rank must be >= 1 (rank 0 sends), got {rank}")
-        super().__init__(store, rank, world_size, timeout_s, backend)
+        super().__init__(store, rank, world_size, timeout_s, backend, group_name, rebuild_group)
 
     def latest_version(self) -> int | None:
         """The newest version the sender has started to send (None before the first); does not block."""
@@ -317,6 +411,7 @@ class WeightReceiver(_Endpoint):
             self.store.set(_ready_key(version, self.rank), b"1")
         except Exception as exc:
             raise self._timeout_error(f"asking for weight version {version}", exc) from None
+        self._open_version(version)
         i = 0
         while True:
             key = f"v{version}/b{i}"
@@ -325,6 +420,7 @@ class WeightReceiver(_Endpoint):
             except Exception as exc:
                 raise self._timeout_error(f"waiting for bucket {i} of weight version {version}", exc) from None
             if raw == _END:
+                self._close_version()
                 return
             layout = json.loads(raw)
             flat = torch.empty(layout["numel"], dtype=getattr(torch, layout["dtype"]), device=self.device)

@@ -488,6 +488,7 @@ TYPED_SECTIONS: dict[str, type] = {
     # sections holding the ones above come after them (see validate._check_typed_sections)
     "reward_model": RewardModelConfig,
     "actor_rollout_ref.rollout.multi_turn": MultiTurnConfig,
+    "actor_rollout_ref.rollout.checkpoint_engine": CheckpointEngineConfig,
     "actor_rollout_ref.model": HFModelConfig,
     "actor_rollout_ref.actor": ActorConfig,
     "actor_rollout_ref.rollout": RolloutConfig,

@@ -50,6 +50,7 @@ from verl.trainer.config.validate_batches import (
     need_reference_policy,
     world_size,
 )
+from verl.trainer.config.validate_checkpoint_engine import check_checkpoint_engine
 from verl.trainer.config.validate_checkpoints import check_checkpoints
 from verl.trainer.config.validate_experts import check_megatron_experts, check_rollout_experts
 from verl.trainer.config.validate_features import check_feature_combinations
@@ -706,6 +707,7 @@ def validate_ppo_config(cfg: DictConfig | dict) -> None:
     _check_ulysses(c, errors)
     _check_router_replay(c, errors)
     check_mtp(c, errors)
+    check_checkpoint_engine(c, errors)
     if errors:
         _raise(errors)
     for w in warns:

@@ -19,6 +19,7 @@ reach. Deliberately left out: `sglang_engine_mode`, `limit_images`, `enable_slee
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 from verl.base_config import BaseConfig
@@ -28,6 +29,7 @@ from verl.workers.config._fields import (
     DEPRECATED,
     IGNORED,
     LOGPROBS_MODES,
+    NPU,
     ROLLOUT_DTYPES,
     ROLLOUT_MODES,
     ROLLOUT_NAMES,
@@ -164,20 +166,104 @@ class AgentLoopConfig(BaseConfig):
     )
 
 
+# Upstream's checkpoint-engine backends (verl/checkpoint_engine). naive: the hybrid engine's in-process
+# sync, or with a separate rollout pool the bucketed broadcast over the device's backend; nccl: that
+# broadcast over NCCL with `engine_kwargs.nccl`; hccl: Ascend's; nixl: NIXL's ring of p2p transfers.
+CHECKPOINT_ENGINE_BACKENDS = ("naive", "nccl", "hccl", "nixl")
+# `engine_kwargs.nccl` options honoured here (upstream's NCCLCheckpointEngine keyword arguments a user sets).
+NCCL_ENGINE_OPTIONS = ("group_name", "rebuild_group", "rollout_dtype")
+WIRE_DTYPES = ("bfloat16", "float16", "float32", "bf16", "fp16", "fp32")
+
+
 @dataclass
 class CheckpointEngineConfig(BaseConfig):
     """How weights travel from the trainer to the rollout engine."""
 
     backend: str = doc(
-        "Transport: naive (in-process resharding / bucketed broadcast).",
-        status=UNSUPPORTED,
-        neutral="naive",
+        "Transport. naive: the colocated (hybrid) engine loads the weights in process; with a separate "
+        "rollout pool (async_training.staleness_threshold > 0) they are broadcast in buckets over the "
+        "device's backend (gloo on CPU, NCCL on GPU). nccl: that broadcast over NCCL, with "
+        "engine_kwargs.nccl (needs GPUs and a separate rollout pool). hccl: Ascend NPUs; nixl: the NIXL "
+        "library's ring transfer, not in this build.",
+        choices=CHECKPOINT_ENGINE_BACKENDS,
+        hardware_values={"hccl": NPU},
         default="naive",
     )
     update_weights_bucket_megabytes: int = doc(
         "Size of the buckets weights are streamed to the engine in.", default=2048
     )
-    engine_kwargs: dict = doc("Options of another backend.", status=UNSUPPORTED, neutral={}, default_factory=lambda: {})
+    engine_kwargs: dict = doc(
+        "Options of the selected backend, under its name: engine_kwargs.nccl.{group_name (names the "
+        "weight-sync group: its rendezvous keys and error messages), rebuild_group (form a fresh group for "
+        "every sync and release it after), rollout_dtype (the dtype floating-point weights travel in: "
+        "bfloat16, float16 or float32; unset: the rollout's dtype)}. naive takes none; options of a backend "
+        "not selected are refused rather than ignored.",
+        default_factory=lambda: {},
+    )
+
+    def __post_init__(self):
+        kwargs = self.engine_kwargs
+        if not isinstance(kwargs, Mapping):
+            raise ValueError(
+                f"checkpoint_engine.engine_kwargs={kwargs!r} must be a mapping from a backend name to its options, "
+                "e.g. engine_kwargs.nccl.rebuild_group=true"
+            )
+        for name, options in kwargs.items():
+            if name not in CHECKPOINT_ENGINE_BACKENDS:
+                raise ValueError(
+                    f"checkpoint_engine.engine_kwargs.{name} names no backend; the options go under the backend's "
+                    f"name, one of {', '.join(CHECKPOINT_ENGINE_BACKENDS)}"
+                )
+            if options is None or (isinstance(options, Mapping) and not options):
+                continue
+            if not isinstance(options, Mapping):
+                raise ValueError(
+                    f"checkpoint_engine.engine_kwargs.{name}={options!r} must be a mapping of option names to values"
+                )
+            if name != self.backend:
+                raise ValueError(
+                    f"checkpoint_engine.engine_kwargs.{name} is set but checkpoint_engine.backend={self.backend}: "
+                    f"those options apply only with backend={name}; set checkpoint_engine.backend={name} or drop "
+                    f"engine_kwargs.{name}"
+                )
+            if name == "naive":
+                raise ValueError(
+                    f"checkpoint_engine.engine_kwargs.naive={dict(options)} but the naive backend takes no options; "
+                    "drop them (engine_kwargs.nccl holds the broadcast's options, with backend=nccl)"
+                )
+        self._check_nccl_options(kwargs.get("nccl") or {})
+
+    @staticmethod
+    def _check_nccl_options(options: Mapping) -> None:
+        key = "checkpoint_engine.engine_kwargs.nccl"
+        for option in options:
+            if option not in NCCL_ENGINE_OPTIONS:
+                raise ValueError(
+                    f"{key}.{option} is not an option of the nccl backend here; valid: {', '.join(NCCL_ENGINE_OPTIONS)} "
+                    "(the bucket size is checkpoint_engine.update_weights_bucket_megabytes, the sender is the actor's "
+                    "rank 0)"
+                )
+        name = options.get("group_name", "default")
+        if not isinstance(name, str) or not name or "/" in name:
+            raise ValueError(f"{key}.group_name={name!r} must be a non-empty name without '/'")
+        if not isinstance(options.get("rebuild_group", False), bool):
+            raise ValueError(f"{key}.rebuild_group={options['rebuild_group']!r} must be true or false")
+        dtype = options.get("rollout_dtype")
+        if dtype is not None and str(dtype).removeprefix("torch.") not in WIRE_DTYPES:
+            raise ValueError(
+                f"{key}.rollout_dtype={dtype!r} is not a floating-point dtype the weights can travel in; "
+                f"one of {', '.join(WIRE_DTYPES)}, or unset for the rollout's dtype"
+            )
+
+    def nccl_option(self, name: str):
+        """An `engine_kwargs.nccl` option with upstream's default (`group_name` "default", `rebuild_group`
+        false, `rollout_dtype` None: the rollout's own dtype); the naive backend uses the defaults."""
+        if name not in NCCL_ENGINE_OPTIONS:
+            raise KeyError(f"{name!r} is not one of {NCCL_ENGINE_OPTIONS}")
+        options = (self.engine_kwargs.get("nccl") or {}) if self.backend == "nccl" else {}
+        defaults = {"group_name": "default", "rebuild_group": False, "rollout_dtype": None}
+        value = options.get(name, defaults[name])
+        return str(value).removeprefix("torch.") if name == "rollout_dtype" and value is not None else value
 
 
 @dataclass
