@@ -80,16 +80,15 @@ def _check_fp8_holds(engine, model):
     decoder = engine.decoder
     for kind in ("qkv", "o", "gate_up", "down"):
         assert decoder.weights[kind].dtype == FP8_DTYPE
-    state = model.state_dict()
-    for name, value in state.items():
-        target = decoder._targets.get(name)
+    for name, value in model.state_dict().items():
+        target, value = decoder._targets.get(name), value.cpu()
         if target is None:
             continue
         if name.split(".")[-2] in LINEARS and name.endswith("weight"):
-            back = dequantize_blockwise(target.data, target.scale_inv, dtype=torch.float64)
+            back = dequantize_blockwise(target.data, target.scale_inv, dtype=torch.float64).cpu()
             assert bool(((back - value.double()).abs() <= _fp8_step_bound(value)).all()), name
         else:
-            torch.testing.assert_close(target, value.to(target.dtype), rtol=0, atol=0)
+            torch.testing.assert_close(target.cpu(), value.to(target.dtype), rtol=0, atol=0)
 
 
 def test_weight_sync_quantises_every_linear_weight_of_the_decoder_layers():
@@ -194,3 +193,38 @@ def test_config_refuses_what_is_not_implemented(overrides, match):
 
 def test_config_accepts_fp8_on_the_built_in_engine():
     assert RolloutConfig(name="hf", quantization="fp8").quantization == "fp8"
+
+
+@pytest.mark.gpu
+def test_fp8_decoding_in_cuda_graphs_equals_eager_fp8_decoding_and_survives_weight_sync():
+    from verl.utils.device import get_device
+
+    device = get_device()
+    model = build_model("llama").to(device)
+    graphed = GenerationEngine.from_model(model, device=device, dtype=torch.bfloat16, quantization="fp8")
+    eager = GenerationEngine.from_model(
+        model, device=device, dtype=torch.bfloat16, quantization="fp8", use_cuda_graph=False
+    )
+    assert graphed.graphs is not None
+    prompts = [t.to(device) for t in left_padded_prompts([6, 2, 4, 5, 3], seed=1)]
+    torch.testing.assert_close(
+        graphed.generate(*prompts, 10, GREEDY).responses, eager.generate(*prompts, 10, GREEDY).responses, rtol=0, atol=0
+    )
+    trained = copy.deepcopy(model)
+    with torch.no_grad():
+        for p in trained.parameters():
+            p.add_(torch.randn_like(p) * 0.05)
+    for engine in (graphed, eager):  # in place: the captured graphs read the re-quantised buffers
+        engine.update_weights(trained.named_parameters())
+    _check_fp8_holds(graphed, trained)
+    torch.testing.assert_close(
+        graphed.generate(*prompts, 10, GREEDY).responses, eager.generate(*prompts, 10, GREEDY).responses, rtol=0, atol=0
+    )
+
+
+def test_the_memory_budget_counts_one_layers_dequantisation_as_working_memory():
+    plain, fp8 = _engines(build_model("qwen2"))
+    spec = plain.decoder.spec
+    gate_up = 2 * spec.intermediate_size * spec.hidden_size  # the largest linear weight here
+    assert plain.decoder.dequantize_bytes() == 0
+    assert fp8.decoder.prefill_bytes(4, 16) - plain.decoder.prefill_bytes(4, 16) == gate_up * (4 + 4 + 4)

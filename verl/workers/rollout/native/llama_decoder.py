@@ -493,11 +493,22 @@ class LlamaDecoder:
     def prefill_bytes(self, rows: int, prompt_len: int) -> int:
         """Peak working memory of prefilling `rows` prompts of `prompt_len` tokens in one forward:
         per token the residual stream, qkv, K/V expanded to all heads, attention output and the
-        gate/up activations; per row the boolean mask and its additive copy, and the logits."""
+        gate/up activations; per row the boolean mask and its additive copy, and the logits; with fp8
+        weights also one layer's dequantisation (`dequantize_bytes`)."""
         s = self.spec
         per_token = 4 * s.hidden_size + s.qkv_size + 3 * s.num_heads * s.head_dim + 3 * s.intermediate_size
         mask = rows * prompt_len * prompt_len * (1 + self.dtype.itemsize)
-        return rows * prompt_len * per_token * self.dtype.itemsize + mask + rows * s.vocab_size * 4
+        activations = rows * prompt_len * per_token * self.dtype.itemsize + mask + rows * s.vocab_size * 4
+        return activations + self.dequantize_bytes()
+
+    def dequantize_bytes(self) -> int:
+        """fp8: the transient memory of dequantising the largest layer weight (its fp32 copy, the
+        expanded scales and the result in the compute dtype); 0 otherwise."""
+        if self.quantization != "fp8":
+            return 0
+        s = self.spec
+        largest = s.hidden_size * max(s.qkv_size, s.num_heads * s.head_dim, 2 * s.intermediate_size)
+        return largest * (4 + 4 + self.dtype.itemsize)
 
     def prefill_rows(self, prompt_len: int) -> int:
         """Prompts per prefill forward: `prefill_tokens // prompt_len`, at least one."""
