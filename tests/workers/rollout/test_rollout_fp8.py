@@ -110,6 +110,33 @@ def test_weight_sync_quantises_every_linear_weight_of_the_decoder_layers():
     _check_fp8_holds(engine, model)
 
 
+def test_sync_from_an_fsdp2_sharded_model_quantises_the_gathered_dtensors(tmp_path):
+    """A real FSDP2 module (1-rank gloo group): each DTensor is gathered, then quantised into place."""
+    import torch.distributed as dist
+    from torch.distributed.fsdp import fully_shard
+
+    if dist.is_initialized():
+        pytest.skip("this process already belongs to a process group; the test needs its own 1-rank group")
+    model = build_model("qwen2")
+    engine = GenerationEngine.from_model(model, device="cpu", quantization="fp8")
+    trained = copy.deepcopy(model)
+    with torch.no_grad():
+        for p in trained.parameters():
+            p.add_(torch.randn_like(p) * 0.05)
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/store", rank=0, world_size=1)
+    try:
+        sharded = copy.deepcopy(trained)
+        for layer in sharded.model.layers:
+            fully_shard(layer)
+        fully_shard(sharded)
+        state = sharded.state_dict()
+        assert any(hasattr(t, "full_tensor") for t in state.values())
+        engine.update_weights(state.items())
+    finally:
+        dist.destroy_process_group()
+    _check_fp8_holds(engine, trained)
+
+
 @pytest.mark.parametrize("dtype,ratio", [("bfloat16", 0.5), ("float32", 0.25)])
 def test_fp8_weights_take_one_byte_per_linear_weight(dtype, ratio):
     model = build_model("qwen2")
