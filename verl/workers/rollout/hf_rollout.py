@@ -161,6 +161,7 @@ class HFRollout(BaseRollout):
             gpu_memory_utilization=float(self.config.gpu_memory_utilization),
             prefill_tokens=int(self.config.max_num_batched_tokens),
             expert_parallel=expert_parallel,
+            quantization=self.config.quantization,
         )
         # Set by the rollout worker of asynchronous training; used when a request asks for partial rollouts.
         self.weight_refresh: WeightRefresh | None = None

@@ -41,6 +41,10 @@ Weight sync and memory (the hybrid engine's contract, shared with the vLLM/SGLan
 Generating while asleep, or after a level-2 wake-up before every weight was synced again, is an
 error that says which call is missing.
 
+Quantised weights (`quantization="fp8"`, upstream's `rollout.quantization`): the native decoder
+keeps its decoder layers' linear weights in fp8 with 128 x 128 block scales (`native.fp8`); every
+weight load and sync quantises as it copies, so the engine never holds a full-precision copy of them.
+
 Routing records (`record_routing=True`, for MoE router replay R3, `verl.models.mcore.router_replay`):
 forward hooks on the model's routers (`verl.models.moe.RoutingRecorder`) read each forward's top-k
 expert ids: the prefill's for the prompt columns (fanned out to the rows that repeat a prompt) and
@@ -216,6 +220,7 @@ class GenerationEngine:
         kv_cache_bytes: int | None = None,
         prefill_tokens: int | None = DEFAULT_PREFILL_TOKENS,
         expert_parallel: tuple | None = None,
+        quantization: str | None = None,
     ) -> GenerationEngine:
         """Build an engine with its own copy of the weights of an HF checkpoint directory or model.
 
@@ -223,6 +228,7 @@ class GenerationEngine:
         generic HF path. CUDA graphs default to on for the native decoder on an accelerator.
         `prefill_tokens`: prompt tokens per prefill forward (whole prompts, at least one; None: all).
         `expert_parallel`: (group, rank in it, size) to split the routed experts over (module docstring).
+        `quantization`: None or 'fp8' (block-wise fp8 linear weights, `native.fp8`; native decoder only).
         """
         from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -243,8 +249,16 @@ class GenerationEngine:
         if reason is None and expert_parallel is not None:
             reason = "expert parallelism runs on the generic path"
 
+        if quantization is not None and reason is not None:
+            raise ValueError(
+                f"actor_rollout_ref.rollout.quantization={quantization!r} needs the built-in engine's native decoder, "
+                f"which cannot run this model ({reason}); the generic HF path has no quantised weights: set "
+                "rollout.quantization=null"
+            )
         if reason is None:
-            decoder = LlamaDecoder(spec_from_hf_config(config), device, dtype, prefill_tokens=prefill_tokens)
+            decoder = LlamaDecoder(
+                spec_from_hf_config(config), device, dtype, prefill_tokens=prefill_tokens, quantization=quantization
+            )
             decoder.allocate_weights()
             if not is_path:
                 source = model_path_or_module.state_dict().items()

@@ -50,6 +50,10 @@ Design decisions:
   answer to per-op overhead.
 - RMSNorm, rotary embedding and softmax reproduce transformers' numerics (fp32 norm statistics,
   cos/sin computed in fp32 then cast, fp32 softmax), so greedy tokens equal the HF model's.
+- `quantization="fp8"` (rollout.quantization) stores the decoder layers' linear weights as
+  `float8_e4m3fn` with upstream's 128 x 128 block scales (`native.fp8`): a weight sync quantises
+  each incoming HF tensor into its slice of the fused buffer, and the forward dequantises one
+  layer's weight right before its matmul.
 - Anything not accepted by `unsupported_reason` (sliding windows, dynamic/long RoPE, partial
   rotary, MLP biases, non-SiLU activations) is refused here; the engine then uses the generic HF path.
 """
@@ -63,7 +67,10 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from verl.workers.rollout.native.fp8 import Fp8Linear
+
 NATIVE_MODEL_TYPES = ("llama", "qwen2", "mistral")
+QUANTIZATIONS = (None, "fp8")  # rollout.quantization values the native decoder runs (module `fp8`)
 STATIC_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 # Buffers that HF state dicts may carry but that the native forward recomputes itself.
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq", "rotary_emb.original_inv_freq")
@@ -221,10 +228,19 @@ class LlamaDecoder:
         device: torch.device,
         dtype: torch.dtype,
         prefill_tokens: int | None = DEFAULT_PREFILL_TOKENS,
+        quantization: str | None = None,
     ):
+        if quantization not in QUANTIZATIONS:
+            raise ValueError(
+                f"rollout quantization={quantization!r}: the built-in engine runs {QUANTIZATIONS} "
+                "(actor_rollout_ref.rollout.quantization)"
+            )
         self.spec = spec
         self.device = torch.device(device)
         self.dtype = dtype
+        # fp8: the decoder layers' linear weights are stored block-quantised (`fp8` module docstring)
+        self.quantization = quantization
+        self.fp8: dict[str, Fp8Linear] = {}
         # prompt tokens per prefill forward (whole rows, at least one); None: every row at once
         self.prefill_tokens = prefill_tokens
         self.weights: dict[str, torch.Tensor] = {}
@@ -273,9 +289,21 @@ class LlamaDecoder:
             w["o_b"] = empty(L, Hd)
         if not s.tie_word_embeddings:
             w["lm_head"] = empty(s.vocab_size, Hd)
+        if self.quantization == "fp8":
+            kv = s.num_kv_heads * s.head_dim
+            parts = {
+                "qkv": ([attn_out, kv, kv], Hd),
+                "o": ([Hd], attn_out),
+                "gate_up": ([I, I], Hd),
+                "down": ([Hd], I),
+            }
+            self.fp8 = {kind: Fp8Linear(L, rows, cols, dev) for kind, (rows, cols) in parts.items()}
+            for kind, linear in self.fp8.items():  # fp8 payloads and scales (counted by weight_bytes)
+                w[kind], w[kind + "_scale_inv"] = linear.data, linear.scale_inv
         self.weights = w
         self._targets = self._target_views(w)
-        self._layers = [self._layer_views(w, i) for i in range(L)]
+        # fp8: the decode step dequantises each layer's views as it goes (`_dequantized_layer_views`)
+        self._layers = [] if self.fp8 else [self._layer_views(w, i) for i in range(L)]
 
     @staticmethod
     def _layer_views(w: dict[str, torch.Tensor], i: int) -> tuple:
@@ -313,6 +341,18 @@ class LlamaDecoder:
             views[p + "mlp.gate_proj.weight"] = w["gate_up"][i, : s.intermediate_size]
             views[p + "mlp.up_proj.weight"] = w["gate_up"][i, s.intermediate_size :]
             views[p + "mlp.down_proj.weight"] = w["down"][i]
+            if self.fp8:  # the linear weights land quantised, each HF tensor on its own (its own scales)
+                linear_parts = {
+                    "self_attn.q_proj": ("qkv", 0),
+                    "self_attn.k_proj": ("qkv", 1),
+                    "self_attn.v_proj": ("qkv", 2),
+                    "self_attn.o_proj": ("o", 0),
+                    "mlp.gate_proj": ("gate_up", 0),
+                    "mlp.up_proj": ("gate_up", 1),
+                    "mlp.down_proj": ("down", 0),
+                }
+                for module, (kind, index) in linear_parts.items():
+                    views[p + module + ".weight"] = self.fp8[kind].part(i, index)
         return views
 
     def parameter_names(self) -> list[str]:
@@ -351,6 +391,7 @@ class LlamaDecoder:
 
     def release_weights(self) -> None:
         self.weights = {}
+        self.fp8 = {}
         self._targets = {}
         self._layers = []
 
@@ -452,11 +493,22 @@ class LlamaDecoder:
     def prefill_bytes(self, rows: int, prompt_len: int) -> int:
         """Peak working memory of prefilling `rows` prompts of `prompt_len` tokens in one forward:
         per token the residual stream, qkv, K/V expanded to all heads, attention output and the
-        gate/up activations; per row the boolean mask and its additive copy, and the logits."""
+        gate/up activations; per row the boolean mask and its additive copy, and the logits; with fp8
+        weights also one layer's dequantisation (`dequantize_bytes`)."""
         s = self.spec
         per_token = 4 * s.hidden_size + s.qkv_size + 3 * s.num_heads * s.head_dim + 3 * s.intermediate_size
         mask = rows * prompt_len * prompt_len * (1 + self.dtype.itemsize)
-        return rows * prompt_len * per_token * self.dtype.itemsize + mask + rows * s.vocab_size * 4
+        activations = rows * prompt_len * per_token * self.dtype.itemsize + mask + rows * s.vocab_size * 4
+        return activations + self.dequantize_bytes()
+
+    def dequantize_bytes(self) -> int:
+        """fp8: the transient memory of dequantising the largest layer weight (its fp32 copy, the
+        expanded scales and the result in the compute dtype); 0 otherwise."""
+        if self.quantization != "fp8":
+            return 0
+        s = self.spec
+        largest = s.hidden_size * max(s.qkv_size, s.num_heads * s.head_dim, 2 * s.intermediate_size)
+        return largest * (4 + 4 + self.dtype.itemsize)
 
     def prefill_rows(self, prompt_len: int) -> int:
         """Prompts per prefill forward: `prefill_tokens // prompt_len`, at least one."""
@@ -465,6 +517,28 @@ class LlamaDecoder:
         return max(1, self.prefill_tokens // max(prompt_len, 1))
 
     # ----------------------------------------------------------------------------------- forward
+    def _linear(self, kind: str, layer: int) -> torch.Tensor:
+        """Layer `layer`'s `kind` weight ('qkv', 'o', 'gate_up', 'down') in the compute dtype."""
+        if self.fp8:
+            return self.fp8[kind].dequantize(layer, self.dtype)
+        return self.weights[kind][layer]
+
+    def _dequantized_layer_views(self, i: int) -> tuple:
+        """`_layer_views` of layer `i` with its fp8 linear weights dequantised (one layer at a time)."""
+        w = self.weights
+        o = self._linear("o", i)
+        return (
+            w["ln1"][i],
+            self._linear("qkv", i).t(),
+            w["qkv_b"][i] if "qkv_b" in w else None,
+            o,
+            o.t(),
+            w["o_b"][i] if "o_b" in w else None,
+            w["ln2"][i],
+            self._linear("gate_up", i).t(),
+            self._linear("down", i).t(),
+        )
+
     def _norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         if x.dtype == torch.float32:
             return F.rms_norm(x, (x.shape[-1],), weight, self.spec.rms_norm_eps)
@@ -478,8 +552,8 @@ class LlamaDecoder:
     def _mlp(self, x: torch.Tensor, layer: int) -> torch.Tensor:
         w = self.weights
         h = self._norm(x, w["ln2"][layer])
-        gate, up = F.linear(h, w["gate_up"][layer]).chunk(2, dim=-1)
-        return x + F.linear(F.silu(gate) * up, w["down"][layer])
+        gate, up = F.linear(h, self._linear("gate_up", layer)).chunk(2, dim=-1)
+        return x + F.linear(F.silu(gate) * up, self._linear("down", layer))
 
     def _logits(self, x_last: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         w = self.weights
@@ -580,7 +654,7 @@ class LlamaDecoder:
         x = F.embedding(input_ids, w["embed"])
         for i in range(s.num_layers):
             h = self._norm(x, w["ln1"][i])
-            qkv = F.linear(h, w["qkv"][i], w["qkv_b"][i] if "qkv_b" in w else None)
+            qkv = F.linear(h, self._linear("qkv", i), w["qkv_b"][i] if "qkv_b" in w else None)
             qk = self._rotate(qkv[..., : (H + KV) * D].view(B, P, H + KV, D), cos, sin)
             q = qk[:, :, :H].transpose(1, 2)
             k = qk[:, :, H:].transpose(1, 2)
@@ -602,7 +676,7 @@ class LlamaDecoder:
                 causal_flag = False  # the last query sees every key (torch aligns is_causal top-left)
             o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal_flag, scale=D**-0.5)
             o = o.transpose(1, 2).reshape(B, q.shape[2], H * D)
-            x = x + F.linear(o, w["o"][i], w["o_b"][i] if "o_b" in w else None)
+            x = x + F.linear(o, self._linear("o", i), w["o_b"][i] if "o_b" in w else None)
             x = self._mlp(x, i)
         return self._logits(x[:, -1])
 
@@ -633,7 +707,8 @@ class LlamaDecoder:
         sin = self._sin[positions][:, None, :]
 
         x = F.embedding(tokens, self.weights["embed"])
-        for (ln1, qkv_t, qkv_b, o_w, o_t, o_b, ln2, gate_up_t, down_t), (k_cache, v_cache) in zip(self._layers, caches):
+        layers = self._layers if not self.fp8 else map(self._dequantized_layer_views, range(s.num_layers))
+        for (ln1, qkv_t, qkv_b, o_w, o_t, o_b, ln2, gate_up_t, down_t), (k_cache, v_cache) in zip(layers, caches):
             h = self._norm(x, ln1)
             qkv = torch.addmm(qkv_b, h, qkv_t) if qkv_b is not None else h @ qkv_t
             qk = self._rotate(qkv[:, :qk_size].view(B, H + KV, D), cos, sin)
