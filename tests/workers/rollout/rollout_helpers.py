@@ -148,3 +148,24 @@ def chat_prompts(model_path: str, questions, eos_token_id: int, pad_token_id: in
         non_tensors={"uid": [f"u{i}" for i in range(len(questions))]},
         meta_info={"eos_token_id": eos_token_id, "pad_token_id": pad_token_id, **meta},
     )
+
+
+def sync_from_fsdp2(engine, trained, tmp_path) -> None:
+    """Stream a real FSDP2 copy of `trained` (every layer and the root sharded, a 1-rank gloo group of
+    this process) into `engine`: its state dict holds DTensors, which the engine must gather."""
+    import copy
+
+    import torch.distributed as dist
+    from torch.distributed.fsdp import fully_shard
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/store", rank=0, world_size=1)
+    try:
+        sharded = copy.deepcopy(trained)
+        for layer in sharded.model.layers:
+            fully_shard(layer)
+        fully_shard(sharded)
+        state = sharded.state_dict()
+        assert any(hasattr(t, "full_tensor") for t in state.values())
+        engine.update_weights(state.items())
+    finally:
+        dist.destroy_process_group()

@@ -14,7 +14,13 @@ from transformers import AutoModelForCausalLM
 
 import verl
 from tests.config_helpers import engine_config
-from tests.workers.rollout.rollout_helpers import build_model, chat_prompts, left_padded_prompts, response_log_probs
+from tests.workers.rollout.rollout_helpers import (
+    build_model,
+    chat_prompts,
+    left_padded_prompts,
+    response_log_probs,
+    sync_from_fsdp2,
+)
 from verl.trainer.ppo.driver_math import rollout_mismatch_metrics
 from verl.workers.config import RolloutConfig
 from verl.workers.rollout.hf_rollout import HFRollout
@@ -113,7 +119,6 @@ def test_weight_sync_quantises_every_linear_weight_of_the_decoder_layers():
 def test_sync_from_an_fsdp2_sharded_model_quantises_the_gathered_dtensors(tmp_path):
     """A real FSDP2 module (1-rank gloo group): each DTensor is gathered, then quantised into place."""
     import torch.distributed as dist
-    from torch.distributed.fsdp import fully_shard
 
     if dist.is_initialized():
         pytest.skip("this process already belongs to a process group; the test needs its own 1-rank group")
@@ -123,17 +128,7 @@ def test_sync_from_an_fsdp2_sharded_model_quantises_the_gathered_dtensors(tmp_pa
     with torch.no_grad():
         for p in trained.parameters():
             p.add_(torch.randn_like(p) * 0.05)
-    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/store", rank=0, world_size=1)
-    try:
-        sharded = copy.deepcopy(trained)
-        for layer in sharded.model.layers:
-            fully_shard(layer)
-        fully_shard(sharded)
-        state = sharded.state_dict()
-        assert any(hasattr(t, "full_tensor") for t in state.values())
-        engine.update_weights(state.items())
-    finally:
-        dist.destroy_process_group()
+    sync_from_fsdp2(engine, trained, tmp_path)
     _check_fp8_holds(engine, trained)
 
 

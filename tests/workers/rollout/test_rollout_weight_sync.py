@@ -13,7 +13,7 @@ import pytest
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 
-from tests.workers.rollout.rollout_helpers import build_model, hf_greedy_loop, left_padded_prompts
+from tests.workers.rollout.rollout_helpers import build_model, hf_greedy_loop, left_padded_prompts, sync_from_fsdp2
 from verl.workers.rollout.native.engine import GenerationEngine
 from verl.workers.rollout.sampling import SamplingParams
 
@@ -172,7 +172,6 @@ def test_sleep_returns_the_memory_to_the_operating_system():
 def test_sync_from_an_fsdp2_sharded_model_gathers_dtensors(qwen2_model, tmp_path):
     """A real FSDP2 module (1-rank gloo group): its DTensor state dict streams into the engine."""
     import torch.distributed as dist
-    from torch.distributed.fsdp import fully_shard
 
     if dist.is_initialized():
         pytest.skip("this process already belongs to a process group; the test needs its own 1-rank group")
@@ -180,15 +179,5 @@ def test_sync_from_an_fsdp2_sharded_model_gathers_dtensors(qwen2_model, tmp_path
     trained = _trained_copy(qwen2_model)
     prompts = left_padded_prompts(LENGTHS)
     expected = hf_greedy_loop(trained, *prompts, NEW)
-    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/store", rank=0, world_size=1)
-    try:
-        sharded = copy.deepcopy(trained)
-        for layer in sharded.model.layers:
-            fully_shard(layer)
-        fully_shard(sharded)
-        state = sharded.state_dict()
-        assert any(hasattr(t, "full_tensor") for t in state.values())
-        engine.update_weights(state.items())
-    finally:
-        dist.destroy_process_group()
+    sync_from_fsdp2(engine, trained, tmp_path)
     torch.testing.assert_close(_greedy(engine, prompts), expected, rtol=0, atol=0)
