@@ -13,6 +13,16 @@ def _is_megatron(strategy: str) -> bool:
     return strategy == "megatron"
 
 
+def _peft_missing(setting: str, remedy: str, errors: list[str]) -> bool:
+    """Whether peft (the FSDP LoRA's library) is missing; then an error naming `setting` and `remedy`."""
+    import importlib.util
+
+    if importlib.util.find_spec("peft") is not None:
+        return False
+    errors.append(f"{setting} needs the peft package, which is not installed; run `pip install peft`{remedy}")
+    return True
+
+
 def _check_critic_lora(c: dict, errors: list[str]):
     """critic.model.lora_rank (the FSDP critic's peft LoRA) on an FSDP critic, with peft installed;
     critic.model.lora.rank (the Megatron critic's) on a Megatron critic."""
@@ -37,13 +47,7 @@ def _check_critic_lora(c: dict, errors: list[str]):
             "critic.strategy=fsdp"
         )
         return
-    import importlib.util
-
-    if importlib.util.find_spec("peft") is None:
-        errors.append(
-            f"critic.model.lora_rank={rank} needs the peft package, which is not installed; run `pip install peft` "
-            "or set critic.model.lora_rank=0"
-        )
+    _peft_missing(f"critic.model.lora_rank={rank}", " or set critic.model.lora_rank=0", errors)
 
 
 def check_lora(c: dict, errors: list[str], warns: list[str]):
@@ -64,24 +68,15 @@ def check_lora(c: dict, errors: list[str], warns: list[str]):
         return
     if rank <= 0:
         return
-    import importlib.util
-
-    if importlib.util.find_spec("peft") is None:
-        errors.append(
-            f"actor_rollout_ref.model.lora_rank={rank} needs the peft package, which is not installed; run "
-            "`pip install peft` or set lora_rank=0"
-        )
+    _peft_missing(f"actor_rollout_ref.model.lora_rank={rank}", " or set lora_rank=0", errors)
 
 
 def _check_lora_adapter(model: dict, errors: list[str], warns: list[str]):
     """model.lora_adapter_path: a usable adapter directory (a remote one is checked by the workers
     once fetched); warn where a LoRA layout set beside it disagrees with the adapter's, which wins."""
-    import importlib.util
-
     path = str(model["lora_adapter_path"])
     key = f"actor_rollout_ref.model.lora_adapter_path={path}"
-    if importlib.util.find_spec("peft") is None:
-        errors.append(f"{key} needs the peft package, which is not installed; run `pip install peft`")
+    if _peft_missing(key, "", errors):
         return
     if "://" in path:
         return
