@@ -103,9 +103,12 @@ ARCHITECTURES = {
     "deepseek_v3": "DeepseekV3Config",
     "glm4_moe": "Glm4MoeConfig",
     "gpt_oss": "GptOssConfig",
+    "qwen2_5_vl": "Qwen2_5_VLConfig",  # vision-language, built by verl.models.vision
 }
 # those whose MLPs are routed experts (see verl.models.moe)
 MOE_ARCHITECTURES = {"qwen3_moe", "deepseek_v3", "glm4_moe", "gpt_oss"}
+# vision-language architectures (a vision tower, a processor, M-RoPE positions; see verl.models.vision)
+VISION_ARCHITECTURES = {"qwen2_5_vl"}
 # those whose config names the routed experts n_routed_experts
 _N_ROUTED = {"deepseek_v3", "glm4_moe"}
 # those whose config names the routed experts num_local_experts and each expert's size intermediate_size
@@ -241,6 +244,25 @@ PRESETS: dict[str, ModelPreset] = {
         "attention, YaRN RoPE, q/k/v/o biases, 4 experts with biased router and expert biases, top-2, the clamped "
         "SwiGLU), for the MoE code paths",
     ),
+    "tiny-vl": ModelPreset(
+        architecture="qwen2_5_vl",
+        hidden_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        intermediate_size=256,
+        architecture_config=(
+            ("mrope_section", (8, 12, 12)),  # (time, height, width) rotary frequencies; sums to head_dim/2
+            ("vision_depth", 2),
+            ("vision_hidden_size", 64),
+            ("vision_intermediate_size", 128),
+            ("vision_num_heads", 2),
+            ("vision_window_size", 56),  # windowed attention in block 0, full attention in block 1
+            ("vision_fullatt_block_indexes", (1,)),
+        ),
+        description="~0.6M parameters, Qwen2.5-VL shape (a 2-block windowed vision tower with the 2x2 patch "
+        "merger, M-RoPE decoder) with its image processor, for the multi-modal code paths",
+    ),
     "qwen2.5-0.5b-shape": ModelPreset(
         architecture="qwen2",
         hidden_size=896,
@@ -268,7 +290,11 @@ def build_tokenizer(preset: ModelPreset | str = "tiny"):
     from verl.models.tokenizer import build_char_tokenizer
 
     preset = get_preset(preset) if isinstance(preset, str) else preset
-    return build_char_tokenizer(reserved_to=preset.vocab_size, model_max_length=preset.max_position_embeddings)
+    return build_char_tokenizer(
+        reserved_to=preset.vocab_size,
+        model_max_length=preset.max_position_embeddings,
+        vision=preset.architecture in VISION_ARCHITECTURES,
+    )
 
 
 def build_config(preset: ModelPreset | str, tokenizer=None):
@@ -280,16 +306,23 @@ def build_config(preset: ModelPreset | str, tokenizer=None):
     from verl.models import tokenizer as char_tokenizer
 
     preset = get_preset(preset) if isinstance(preset, str) else preset
+    vision = preset.architecture in VISION_ARCHITECTURES
     if tokenizer is None:
         ids = dict(zip(("pad", "bos", "eos"), (0, 2, 3)))
         assert [char_tokenizer.SPECIAL_TOKENS[i] for i in ids.values()] == ["<pad>", "<bos>", "<eos>"]
-        num_tokens = preset.vocab_size or char_tokenizer.base_vocab_size()
+        num_tokens = preset.vocab_size or (
+            char_tokenizer.base_vocab_size() + vision * len(char_tokenizer.VISION_TOKENS)
+        )
     else:
         ids = {"pad": tokenizer.pad_token_id, "bos": tokenizer.bos_token_id, "eos": tokenizer.eos_token_id}
         num_tokens = len(tokenizer)
     vocab_size = preset.vocab_size or num_tokens
     if vocab_size < num_tokens:
         raise ValueError(f"preset vocab_size={vocab_size} is smaller than the tokenizer's {num_tokens} tokens")
+    if vision:
+        from verl.models.vision import build_vl_config
+
+        return build_vl_config(preset, ids, vocab_size, tokenizer)
     config_cls = getattr(transformers, ARCHITECTURES[preset.architecture])
     moe = {}
     if preset.architecture in _N_ROUTED:  # their configs name the experts n_routed_experts
@@ -343,39 +376,49 @@ def _config_values(pairs) -> dict:
 def count_parameters(preset: ModelPreset | str) -> int:
     """Parameter count of `preset` (tied embeddings counted once), computed on the meta device."""
     import torch
-    from transformers import AutoModelForCausalLM
 
     config = build_config(preset)
     with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config)
+        model = _auto_model_class(config).from_config(config)
     return sum(p.numel() for p in model.parameters())
 
 
 def build_model(preset: ModelPreset | str = "tiny", seed: int = 0, dtype: str = "float32"):
     """A freshly initialised `(model, tokenizer)` pair for `preset`, seeded for reproducibility."""
     import torch
-    from transformers import AutoModelForCausalLM
 
     preset = get_preset(preset) if isinstance(preset, str) else preset
     tokenizer = build_tokenizer(preset)
     config = build_config(preset, tokenizer)
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(config, dtype=_torch_dtype(dtype))
+    model = _auto_model_class(config).from_config(config, dtype=_torch_dtype(dtype))
     model.generation_config.bos_token_id = tokenizer.bos_token_id
     model.generation_config.eos_token_id = tokenizer.eos_token_id
     model.generation_config.pad_token_id = tokenizer.pad_token_id
     return model, tokenizer
 
 
+def _auto_model_class(config):
+    """transformers' Auto class for `config`: image-text-to-text for the vision-language architectures
+    (AutoModelForCausalLM does not map them), causal LM otherwise."""
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
+
+    return AutoModelForImageTextToText if config.model_type in VISION_ARCHITECTURES else AutoModelForCausalLM
+
+
 def save_model(model, tokenizer, out_dir: str) -> str:
     """Write `model` and `tokenizer` as one HF directory (safetensors weights, portable tokenizer
-    files, generation_config.json)."""
+    files, generation_config.json; a vision-language model's processor files too)."""
     from verl.models.tokenizer import save_tokenizer
 
     os.makedirs(out_dir, exist_ok=True)
     model.save_pretrained(out_dir, safe_serialization=True)
     add_legacy_config_keys(os.path.join(out_dir, "config.json"))
     save_tokenizer(tokenizer, out_dir)
+    if model.config.model_type in VISION_ARCHITECTURES:
+        from verl.models.vision import save_processor
+
+        save_processor(tokenizer, out_dir)
     return out_dir
 
 

@@ -39,6 +39,14 @@ SYSTEM_TOKEN = "<|system|>"
 USER_TOKEN = "<|user|>"
 ASSISTANT_TOKEN = "<|assistant|>"
 SPECIAL_TOKENS = (PAD_TOKEN, UNK_TOKEN, BOS_TOKEN, EOS_TOKEN, SYSTEM_TOKEN, USER_TOKEN, ASSISTANT_TOKEN)
+# Qwen2-VL's vision markers, appended after the byte symbols for the vision-language preset only (so
+# every other id is the same as the text tokenizer's): an image is `<|vision_start|><|image_pad|>
+# <|vision_end|>` in the rendered prompt, and the processor repeats `<|image_pad|>` once per merged patch.
+VISION_START_TOKEN = "<|vision_start|>"
+VISION_END_TOKEN = "<|vision_end|>"
+IMAGE_PAD_TOKEN = "<|image_pad|>"
+VIDEO_PAD_TOKEN = "<|video_pad|>"
+VISION_TOKENS = (VISION_START_TOKEN, VISION_END_TOKEN, IMAGE_PAD_TOKEN, VIDEO_PAD_TOKEN)
 
 # Qwen2's pre-tokenisation regex: contractions, letter runs, single digits, punctuation runs, spaces.
 SPLIT_REGEX = r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"""
@@ -50,6 +58,31 @@ CHAT_TEMPLATE = (
     "{% elif message['role'] == 'user' %}{{ '<|user|>' + message['content'] }}"
     "{% elif message['role'] == 'assistant' %}{{ '<|assistant|>' + message['content'] + eos_token }}"
     "{% elif message['role'] == 'tool' %}{{ '<|user|><tool_response>' + message['content'] + '</tool_response>' }}"
+    "{% else %}{{ raise_exception('unknown chat role ' + message['role'] + '; use system, user, assistant or tool') }}"
+    "{% endif %}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|assistant|>' }}{% endif %}"
+)
+
+
+# The same template for messages whose content is a list of parts (`{"type": "text", "text": ...}`,
+# `{"type": "image"}`, `{"type": "video"}`), as a processor's chat template receives them; a plain
+# string content renders exactly as CHAT_TEMPLATE renders it.
+VISION_CHAT_TEMPLATE = (
+    "{% macro render(content) %}"
+    "{% if content is string %}{{ content }}"
+    "{% else %}{% for part in content %}"
+    "{% if part['type'] == 'image' or 'image' in part %}{{ '<|vision_start|><|image_pad|><|vision_end|>' }}"
+    "{% elif part['type'] == 'video' or 'video' in part %}{{ '<|vision_start|><|video_pad|><|vision_end|>' }}"
+    "{% else %}{{ part['text'] }}{% endif %}"
+    "{% endfor %}{% endif %}"
+    "{% endmacro %}"
+    "{{ bos_token }}"
+    "{% for message in messages %}"
+    "{% if message['role'] == 'system' %}{{ '<|system|>' + render(message['content']) }}"
+    "{% elif message['role'] == 'user' %}{{ '<|user|>' + render(message['content']) }}"
+    "{% elif message['role'] == 'assistant' %}{{ '<|assistant|>' + render(message['content']) + eos_token }}"
+    "{% elif message['role'] == 'tool' %}{{ '<|user|><tool_response>' + render(message['content']) + '</tool_response>' }}"
     "{% else %}{{ raise_exception('unknown chat role ' + message['role'] + '; use system, user, assistant or tool') }}"
     "{% endif %}"
     "{% endfor %}"
@@ -76,18 +109,21 @@ def base_vocab_size() -> int:
     return len(SPECIAL_TOKENS) + 256
 
 
-def build_char_tokenizer(reserved_to: int | None = None, model_max_length: int = 2048):
+def build_char_tokenizer(reserved_to: int | None = None, model_max_length: int = 2048, vision: bool = False):
     """The byte-level tokenizer as a `transformers.PreTrainedTokenizerFast`.
 
     Args:
         reserved_to: pad the vocabulary with reserved tokens up to exactly this many entries
             (at least `base_vocab_size()`); None keeps the base vocabulary.
         model_max_length: the longest sequence the model accepts (its max_position_embeddings).
+        vision: add Qwen2-VL's vision markers (`VISION_TOKENS`, after the byte symbols) and render
+            list-of-parts message contents (`VISION_CHAT_TEMPLATE`), for the vision-language preset.
     """
     from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
-    tokens = list(SPECIAL_TOKENS) + byte_symbols()
+    extra_special = list(VISION_TOKENS) if vision else []
+    tokens = list(SPECIAL_TOKENS) + byte_symbols() + extra_special
     if reserved_to is not None:
         if reserved_to < len(tokens):
             raise ValueError(
@@ -107,7 +143,7 @@ def build_char_tokenizer(reserved_to: int | None = None, model_max_length: int =
         ]
     )
     backend.decoder = decoders.ByteLevel()
-    backend.add_special_tokens(list(SPECIAL_TOKENS))
+    backend.add_special_tokens(list(SPECIAL_TOKENS) + extra_special)
 
     tokenizer = PreTrainedTokenizerFast(
         tokenizer_object=backend,
@@ -115,11 +151,11 @@ def build_char_tokenizer(reserved_to: int | None = None, model_max_length: int =
         unk_token=UNK_TOKEN,
         bos_token=BOS_TOKEN,
         eos_token=EOS_TOKEN,
-        additional_special_tokens=[SYSTEM_TOKEN, USER_TOKEN, ASSISTANT_TOKEN],
+        additional_special_tokens=[SYSTEM_TOKEN, USER_TOKEN, ASSISTANT_TOKEN, *extra_special],
         clean_up_tokenization_spaces=False,
         model_max_length=model_max_length,
     )
-    tokenizer.chat_template = CHAT_TEMPLATE
+    tokenizer.chat_template = VISION_CHAT_TEMPLATE if vision else CHAT_TEMPLATE
     return tokenizer
 
 

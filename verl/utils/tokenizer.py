@@ -75,13 +75,23 @@ def hf_processor(name_or_path: str, **kwargs):
 
     A text-only checkpoint has no processor: `AutoProcessor` then falls back to the tokenizer, which
     is not a processor, so None is returned (what callers test for to choose the text-only path).
-    A checkpoint whose processor files exist but cannot be loaded raises.
+    A checkpoint whose processor files exist but cannot be loaded raises. A Qwen2-VL family processor
+    whose video processor cannot be built for want of torchvision is loaded without it
+    (`verl.models.vision.ImageOnlyQwen2_5_VLProcessor`: images work, videos are refused).
     """
     from transformers import AutoProcessor
 
     path = os.path.expanduser(str(name_or_path))
     try:
         processor = AutoProcessor.from_pretrained(path, **kwargs)
+    except (ImportError, AttributeError) as e:
+        if not _is_qwen2_vl_family(path):
+            raise
+        from verl.models.vision import load_image_only_processor
+
+        reason = (str(e).strip().splitlines() or [type(e).__name__])[0]
+        logger.warning("processor of %s loaded without its video processor (%s): images only", name_or_path, reason)
+        return load_image_only_processor(path, **kwargs)
     except (OSError, ValueError, KeyError) as e:
         if os.path.exists(os.path.join(path, "preprocessor_config.json")) or os.path.exists(
             os.path.join(path, "processor_config.json")
@@ -91,6 +101,21 @@ def hf_processor(name_or_path: str, **kwargs):
     if "Processor" not in type(processor).__name__:
         return None
     return processor
+
+
+def _is_qwen2_vl_family(path: str) -> bool:
+    """Whether `path`'s processor_config.json or preprocessor_config.json names a Qwen2-VL family processor."""
+    import json
+
+    for name in ("processor_config.json", "preprocessor_config.json"):
+        try:
+            with open(os.path.join(path, name), encoding="utf-8") as f:
+                config = json.load(f)
+        except (OSError, ValueError):
+            continue
+        if "Qwen2" in str(config.get("processor_class", "")) and "VL" in str(config.get("processor_class", "")):
+            return True
+    return False
 
 
 __all__ = ["hf_processor", "hf_tokenizer"]

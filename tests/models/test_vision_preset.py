@@ -1,0 +1,71 @@
+"""The vision-language preset: an ordinary Qwen2.5-VL directory with its processor, loaded offline."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from verl.models import tokenizer as char_tokenizer
+from verl.models.factory import build_config, build_tokenizer, make_tiny
+
+
+@pytest.fixture(scope="module")
+def tiny_vl(tmp_path_factory):
+    return make_tiny("tiny-vl", str(tmp_path_factory.mktemp("tiny-vl")))
+
+
+def test_text_ids_are_the_text_tokenizers():
+    text, vision = build_tokenizer("tiny"), build_tokenizer("tiny-vl")
+    sample = "<bos><|user|>What is 37+48?<|assistant|>85<eos>"
+    assert vision(sample)["input_ids"] == text(sample)["input_ids"]
+    base = char_tokenizer.base_vocab_size()
+    assert vision.convert_tokens_to_ids(list(char_tokenizer.VISION_TOKENS)) == list(range(base, base + 4))
+    config = build_config("tiny-vl", vision)
+    assert config.image_token_id == vision.convert_tokens_to_ids("<|image_pad|>")
+    assert config.vision_start_token_id == base and config.text_config.vocab_size == len(vision)
+    assert config.vision_config.out_hidden_size == config.text_config.hidden_size
+    # the config built without a tokenizer names the same ids
+    assert build_config("tiny-vl").image_token_id == config.image_token_id
+
+
+def test_chat_template_renders_parts_and_plain_strings():
+    tok = build_tokenizer("tiny-vl")
+    parts = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "Which color?"}]}]
+    plain = [{"role": "user", "content": "Which color?"}]
+    assert (
+        tok.apply_chat_template(parts, add_generation_prompt=True, tokenize=False)
+        == "<bos><|user|><|vision_start|><|image_pad|><|vision_end|>Which color?<|assistant|>"
+    )
+    assert tok.apply_chat_template(plain, add_generation_prompt=True, tokenize=False) == (
+        build_tokenizer("tiny").apply_chat_template(plain, add_generation_prompt=True, tokenize=False)
+    )
+
+
+def test_directory_loads_processor_and_model_offline(tiny_vl):
+    from PIL import Image
+    from transformers import AutoModelForImageTextToText
+
+    from verl.utils.tokenizer import hf_processor
+
+    processor = hf_processor(tiny_vl)
+    assert processor is not None and processor.image_token == "<|image_pad|>"
+    model = AutoModelForImageTextToText.from_pretrained(tiny_vl)
+    assert type(model).__name__ == "Qwen2_5_VLForConditionalGeneration"
+    # a 40x70 image resizes to 28x56 pixels: a 2x4 grid of 14-pixel patches, merged 2x2 into 2 tokens
+    image = Image.new("RGB", (40, 70), (0, 200, 0))
+    messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "Color?"}]}]
+    text = processor.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    inputs = processor(text=[text], images=[image], return_tensors="pt")
+    assert inputs["image_grid_thw"].tolist() == [[1, 4, 2]]
+    assert inputs["pixel_values"].shape == (8, 3 * 2 * 14 * 14)
+    assert (inputs["input_ids"] == model.config.image_token_id).sum().item() == 2
+    with torch.no_grad():
+        logits = model(**inputs).logits
+    assert logits.shape == (1, inputs["input_ids"].shape[1], model.config.text_config.vocab_size)
+    # the image reaches the logits: another image changes them
+    other = processor(text=[text], images=[Image.new("RGB", (40, 70), (200, 0, 0))], return_tensors="pt")
+    with torch.no_grad():
+        assert not torch.allclose(model(**other).logits, logits)
+    if type(processor).__name__ == "ImageOnlyQwen2_5_VLProcessor":  # no torchvision here
+        with pytest.raises(ValueError, match="torchvision"):
+            processor(text=[text], videos=[[image]])

@@ -1,0 +1,175 @@
+"""The vision-language preset (`tiny-vl`): transformers' own Qwen2.5-VL at tiny sizes, with its processor.
+
+`make_tiny("tiny-vl", out_dir)` writes an ordinary Qwen2.5-VL directory: config.json
+(`Qwen2_5_VLForConditionalGeneration`), model.safetensors, the character tokenizer with Qwen2-VL's
+vision markers, generation_config.json and the processor files (preprocessor_config.json,
+processor_config.json), which `verl.utils.hf_processor` / `AutoProcessor` load offline.
+
+Design decisions:
+- The model is the real architecture at tiny sizes (a 2-block windowed vision tower with its 2x2 patch
+  merger, the M-RoPE language model), so every multi-modal path (the processor's image patches, the
+  3-D rotary positions, the vision tower's gradients, the rollout's prefill with images) runs with the
+  classes a released Qwen2.5-VL checkpoint loads into.
+- The decoder keeps the text presets' head_dim 64 (vLLM's attention backends); M-RoPE splits its 32
+  rotary frequencies 8/12/12 over (time, height, width), Qwen2.5-VL's 16/24/24 halved.
+- Images are small: the image processor's `min_pixels`/`max_pixels` keep every image between one and
+  sixteen merged 28x28 patches (4 to 64 vision patches), so a batch of image prompts stays cheap on CPU.
+- The vision markers are appended after the byte symbols, so the text ids are the text tokenizer's.
+- transformers 5's Qwen2.5-VL processor also holds a video processor, which needs torchvision; no CPU
+  torchvision build matching the pinned torch is installable here. `ImageOnlyQwen2_5_VLProcessor` is the
+  same processor without it (images and text handled by transformers' own code); `hf_processor` falls
+  back to it when the full processor cannot be built for want of torchvision, and videos are then
+  refused by whoever asks for them.
+"""
+
+from __future__ import annotations
+
+import os
+
+# the image processor's patch geometry (Qwen2-VL's): 14-pixel patches, 2x2 merged, 2 frames per temporal patch
+PATCH_SIZE = 14
+MERGE_SIZE = 2
+TEMPORAL_PATCH_SIZE = 2
+# pixel bounds of a resized image: one to sixteen merged patches
+MIN_PIXELS = (PATCH_SIZE * MERGE_SIZE) ** 2
+MAX_PIXELS = 16 * MIN_PIXELS
+
+
+def vision_config(preset, text_hidden_size: int) -> dict:
+    """The vision tower's config fields of `preset` (its `architecture_config` `vision_*` pairs)."""
+    extra = dict(preset.architecture_config)
+    return dict(
+        depth=extra.get("vision_depth", 2),
+        hidden_size=extra.get("vision_hidden_size", 64),
+        intermediate_size=extra.get("vision_intermediate_size", 128),
+        num_heads=extra.get("vision_num_heads", 2),
+        out_hidden_size=text_hidden_size,
+        patch_size=PATCH_SIZE,
+        spatial_merge_size=MERGE_SIZE,
+        temporal_patch_size=TEMPORAL_PATCH_SIZE,
+        window_size=extra.get("vision_window_size", 56),
+        fullatt_block_indexes=list(extra.get("vision_fullatt_block_indexes", (1,))),
+        in_channels=3,
+    )
+
+
+def build_vl_config(preset, ids: dict, vocab_size: int, tokenizer=None):
+    """A `Qwen2_5_VLConfig` for `preset`: the text model as the text presets build it (head_dim 64), the
+    vision tower from `vision_config`, and the vision marker ids from `tokenizer` (or the character
+    tokenizer's fixed ids)."""
+    from transformers import Qwen2_5_VLConfig
+
+    from verl.models import tokenizer as char_tokenizer
+
+    if preset.architecture != "qwen2_5_vl":
+        raise ValueError(f"architecture={preset.architecture!r} is not a vision-language architecture built here")
+    head_dim = 64
+    section = list(dict(preset.architecture_config).get("mrope_section", (8, 12, 12)))
+    if sum(section) != head_dim // 2:
+        raise ValueError(f"mrope_section={section} must sum to head_dim/2 = {head_dim // 2}")
+    if tokenizer is None:
+        base = char_tokenizer.base_vocab_size()
+        marker_ids = {tok: base + i for i, tok in enumerate(char_tokenizer.VISION_TOKENS)}
+    else:
+        marker_ids = {tok: tokenizer.convert_tokens_to_ids(tok) for tok in char_tokenizer.VISION_TOKENS}
+    text = dict(
+        vocab_size=vocab_size,
+        hidden_size=preset.hidden_size,
+        num_hidden_layers=preset.num_hidden_layers,
+        num_attention_heads=preset.num_attention_heads,
+        num_key_value_heads=preset.num_key_value_heads,
+        intermediate_size=preset.intermediate_size,
+        max_position_embeddings=preset.max_position_embeddings,
+        head_dim=head_dim,
+        rms_norm_eps=preset.rms_norm_eps,
+        rope_parameters=dict(rope_type="default", mrope_section=section, rope_theta=preset.rope_theta),
+        tie_word_embeddings=preset.tie_word_embeddings,
+        bos_token_id=ids["bos"],
+        eos_token_id=ids["eos"],
+        pad_token_id=ids["pad"],
+    )
+    return Qwen2_5_VLConfig(
+        text_config=text,
+        vision_config=vision_config(preset, preset.hidden_size),
+        image_token_id=marker_ids[char_tokenizer.IMAGE_PAD_TOKEN],
+        video_token_id=marker_ids[char_tokenizer.VIDEO_PAD_TOKEN],
+        vision_start_token_id=marker_ids[char_tokenizer.VISION_START_TOKEN],
+        vision_end_token_id=marker_ids[char_tokenizer.VISION_END_TOKEN],
+        tie_word_embeddings=preset.tie_word_embeddings,
+        bos_token_id=ids["bos"],
+        eos_token_id=ids["eos"],
+        pad_token_id=ids["pad"],
+    )
+
+
+def build_image_processor():
+    """Qwen2-VL's image processor (the PIL backend: no torchvision needed) at the preset's pixel bounds."""
+    from transformers import Qwen2VLImageProcessorPil
+
+    return Qwen2VLImageProcessorPil(
+        min_pixels=MIN_PIXELS,
+        max_pixels=MAX_PIXELS,
+        patch_size=PATCH_SIZE,
+        merge_size=MERGE_SIZE,
+        temporal_patch_size=TEMPORAL_PATCH_SIZE,
+    )
+
+
+def _image_only_processor_class():
+    from transformers import Qwen2_5_VLProcessor
+    from transformers.processing_utils import ProcessorMixin
+
+    class ImageOnlyQwen2_5_VLProcessor(Qwen2_5_VLProcessor):
+        """transformers' Qwen2.5-VL processor without its video processor (which needs torchvision).
+
+        Text, chat templates and images go through transformers' own code; asking it for videos raises."""
+
+        def __init__(self, image_processor=None, tokenizer=None, chat_template=None, **kwargs):
+            self.image_token = getattr(tokenizer, "image_token", None) or "<|image_pad|>"
+            self.video_token = getattr(tokenizer, "video_token", None) or "<|video_pad|>"
+            self.image_token_id = tokenizer.convert_tokens_to_ids(self.image_token)
+            self.video_token_id = tokenizer.convert_tokens_to_ids(self.video_token)
+            ProcessorMixin.__init__(self, image_processor, tokenizer, chat_template=chat_template)
+
+        def __call__(self, images=None, text=None, videos=None, **kwargs):
+            if videos is not None:
+                raise ValueError(
+                    "video inputs need transformers' Qwen2-VL video processor, which needs torchvision (not "
+                    "installed); install a torchvision build matching torch, or use image inputs only"
+                )
+            return super().__call__(images=images, text=text, **kwargs)
+
+    return ImageOnlyQwen2_5_VLProcessor
+
+
+def build_processor(tokenizer, image_processor=None):
+    """The tiny preset's processor: the image-only Qwen2.5-VL processor over `tokenizer`."""
+    cls = _image_only_processor_class()
+    return cls(
+        image_processor=image_processor or build_image_processor(),
+        tokenizer=tokenizer,
+        chat_template=tokenizer.chat_template,
+    )
+
+
+def load_image_only_processor(path: str, **kwargs):
+    """A Qwen2-VL family directory's processor without the video processor: its image processor and
+    tokenizer loaded by transformers' Auto classes, put together as `ImageOnlyQwen2_5_VLProcessor`."""
+    from transformers import AutoImageProcessor, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(path, **kwargs)
+    image_processor = AutoImageProcessor.from_pretrained(path, **kwargs)
+    return build_processor(tokenizer, image_processor)
+
+
+def save_processor(tokenizer, out_dir: str) -> None:
+    """Write the preset's processor files (preprocessor_config.json, processor_config.json) into `out_dir`,
+    next to the tokenizer files `save_tokenizer` wrote."""
+    processor = build_processor(tokenizer)
+    processor.image_processor.save_pretrained(out_dir)
+    os.makedirs(out_dir, exist_ok=True)
+    import json
+
+    with open(os.path.join(out_dir, "processor_config.json"), "w") as f:
+        json.dump({"processor_class": "Qwen2_5_VLProcessor"}, f, indent=2)
+        f.write("\n")
