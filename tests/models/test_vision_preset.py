@@ -69,3 +69,43 @@ def test_directory_loads_processor_and_model_offline(tiny_vl):
     if type(processor).__name__ == "ImageOnlyQwen2_5_VLProcessor":  # no torchvision here
         with pytest.raises(ValueError, match="torchvision"):
             processor(text=[text], videos=[[image]])
+
+
+def test_mrope_positions_equal_transformers_get_rope_index(tiny_vl):
+    """Two left-padded rows, one with two images of different grids and text between and after them,
+    one text-only, against the model's own `get_rope_index`."""
+    from PIL import Image
+    from transformers import AutoModelForImageTextToText
+
+    from verl.utils.tokenizer import hf_processor
+    from verl.utils.vision import vl_position_ids
+
+    processor = hf_processor(tiny_vl)
+    model = AutoModelForImageTextToText.from_pretrained(tiny_vl)
+    two = [{"type": "image"}, {"type": "text", "text": "and"}, {"type": "image"}, {"type": "text", "text": "same?"}]
+    texts = [
+        processor.apply_chat_template([{"role": "user", "content": two}], add_generation_prompt=True, tokenize=False),
+        processor.apply_chat_template([{"role": "user", "content": "hi"}], add_generation_prompt=True, tokenize=False),
+    ]
+    images = [Image.new("RGB", (56, 112), (9, 9, 9)), Image.new("RGB", (84, 28), (1, 2, 3))]
+    processor.tokenizer.padding_side = "left"
+    inputs = processor(text=texts, images=images, padding=True, return_tensors="pt")
+    assert inputs["image_grid_thw"].tolist() == [[1, 8, 4], [1, 2, 6]]
+    expected, _ = model.model.get_rope_index(
+        inputs["input_ids"],
+        inputs["mm_token_type_ids"],
+        image_grid_thw=inputs["image_grid_thw"],
+        attention_mask=inputs["attention_mask"],
+    )
+    ours = vl_position_ids(model.config, inputs["input_ids"], inputs["attention_mask"], inputs["image_grid_thw"])
+    mask = inputs["attention_mask"].bool()
+    assert ours.shape == (2, 4, inputs["input_ids"].shape[1])
+    for row in range(2):
+        assert torch.equal(ours[row, 1:][:, mask[row]], expected[:, row][:, mask[row]])
+        assert ours[row, 0][mask[row]].tolist() == list(range(int(mask[row].sum())))
+    # the text-only row's M-RoPE rows are its text positions
+    assert torch.equal(ours[1, 1][mask[1]], ours[1, 0][mask[1]])
+    # hand-worked: the first image (grid 1x8x4, merged 4x2) starts after `<bos><|user|><|vision_start|>`
+    start = 3
+    first = ours[0, 1:, mask[0]][:, start : start + 8]
+    assert first.tolist() == [[3] * 8, [3, 3, 4, 4, 5, 5, 6, 6], [3, 4, 3, 4, 3, 4, 3, 4]]

@@ -16,10 +16,8 @@ Design decisions:
   sixteen merged 28x28 patches (4 to 64 vision patches), so a batch of image prompts stays cheap on CPU.
 - The vision markers are appended after the byte symbols, so the text ids are the text tokenizer's.
 - transformers 5's Qwen2.5-VL processor also holds a video processor, which needs torchvision; no CPU
-  torchvision build matching the pinned torch is installable here. `ImageOnlyQwen2_5_VLProcessor` is the
-  same processor without it (images and text handled by transformers' own code); `hf_processor` falls
-  back to it when the full processor cannot be built for want of torchvision, and videos are then
-  refused by whoever asks for them.
+  torchvision build matching the pinned torch is installable here, so `hf_processor` loads the
+  directory as `verl.utils.vision.ImageOnlyQwen2_5_VLProcessor` (see there).
 """
 
 from __future__ import annotations
@@ -115,57 +113,12 @@ def build_image_processor():
     )
 
 
-def _image_only_processor_class():
-    from transformers import Qwen2_5_VLProcessor
-    from transformers.processing_utils import ProcessorMixin
-
-    class ImageOnlyQwen2_5_VLProcessor(Qwen2_5_VLProcessor):
-        """transformers' Qwen2.5-VL processor without its video processor (which needs torchvision).
-
-        Text, chat templates and images go through transformers' own code; asking it for videos raises."""
-
-        def __init__(self, image_processor=None, tokenizer=None, chat_template=None, **kwargs):
-            self.image_token = getattr(tokenizer, "image_token", None) or "<|image_pad|>"
-            self.video_token = getattr(tokenizer, "video_token", None) or "<|video_pad|>"
-            self.image_token_id = tokenizer.convert_tokens_to_ids(self.image_token)
-            self.video_token_id = tokenizer.convert_tokens_to_ids(self.video_token)
-            ProcessorMixin.__init__(self, image_processor, tokenizer, chat_template=chat_template)
-
-        def __call__(self, images=None, text=None, videos=None, **kwargs):
-            if videos is not None:
-                raise ValueError(
-                    "video inputs need transformers' Qwen2-VL video processor, which needs torchvision (not "
-                    "installed); install a torchvision build matching torch, or use image inputs only"
-                )
-            return super().__call__(images=images, text=text, **kwargs)
-
-    return ImageOnlyQwen2_5_VLProcessor
-
-
-def build_processor(tokenizer, image_processor=None):
-    """The tiny preset's processor: the image-only Qwen2.5-VL processor over `tokenizer`."""
-    cls = _image_only_processor_class()
-    return cls(
-        image_processor=image_processor or build_image_processor(),
-        tokenizer=tokenizer,
-        chat_template=tokenizer.chat_template,
-    )
-
-
-def load_image_only_processor(path: str, **kwargs):
-    """A Qwen2-VL family directory's processor without the video processor: its image processor and
-    tokenizer loaded by transformers' Auto classes, put together as `ImageOnlyQwen2_5_VLProcessor`."""
-    from transformers import AutoImageProcessor, AutoTokenizer
-
-    tokenizer = AutoTokenizer.from_pretrained(path, **kwargs)
-    image_processor = AutoImageProcessor.from_pretrained(path, **kwargs)
-    return build_processor(tokenizer, image_processor)
-
-
 def save_processor(tokenizer, out_dir: str) -> None:
     """Write the preset's processor files (preprocessor_config.json, processor_config.json) into `out_dir`,
     next to the tokenizer files `save_tokenizer` wrote."""
-    processor = build_processor(tokenizer)
+    from verl.utils.vision import build_processor
+
+    processor = build_processor(tokenizer, build_image_processor())
     processor.image_processor.save_pretrained(out_dir)
     os.makedirs(out_dir, exist_ok=True)
     import json

@@ -77,7 +77,7 @@ def hf_processor(name_or_path: str, **kwargs):
     is not a processor, so None is returned (what callers test for to choose the text-only path).
     A checkpoint whose processor files exist but cannot be loaded raises. A Qwen2-VL family processor
     whose video processor cannot be built for want of torchvision is loaded without it
-    (`verl.models.vision.ImageOnlyQwen2_5_VLProcessor`: images work, videos are refused).
+    (`verl.utils.vision.ImageOnlyQwen2_5_VLProcessor`: images work, videos are refused).
     """
     from transformers import AutoProcessor
 
@@ -87,7 +87,7 @@ def hf_processor(name_or_path: str, **kwargs):
     except (ImportError, AttributeError) as e:
         if not _is_qwen2_vl_family(path):
             raise
-        from verl.models.vision import load_image_only_processor
+        from verl.utils.vision import load_image_only_processor
 
         reason = (str(e).strip().splitlines() or [type(e).__name__])[0]
         logger.warning("processor of %s loaded without its video processor (%s): images only", name_or_path, reason)

@@ -1,0 +1,125 @@
+"""Vision-language helpers shared by the dataset, the actors and the rollout engines.
+
+- `ImageOnlyQwen2_5_VLProcessor`: transformers 5's Qwen2.5-VL processor also holds a video processor,
+  which needs torchvision, and no CPU torchvision build matching the pinned torch is installable here.
+  This is the same processor without it (text, chat template and images go through transformers' own
+  code; videos raise). `verl.utils.hf_processor` falls back to it when the full processor cannot be
+  built for want of torchvision.
+"""
+
+from __future__ import annotations
+
+
+def _image_only_processor_class():
+    from transformers import Qwen2_5_VLProcessor
+    from transformers.processing_utils import ProcessorMixin
+
+    class ImageOnlyQwen2_5_VLProcessor(Qwen2_5_VLProcessor):
+        """transformers' Qwen2.5-VL processor without its video processor (which needs torchvision).
+
+        Text, chat templates and images go through transformers' own code; asking it for videos raises."""
+
+        def __init__(self, image_processor=None, tokenizer=None, chat_template=None, **kwargs):
+            self.image_token = getattr(tokenizer, "image_token", None) or "<|image_pad|>"
+            self.video_token = getattr(tokenizer, "video_token", None) or "<|video_pad|>"
+            self.image_token_id = tokenizer.convert_tokens_to_ids(self.image_token)
+            self.video_token_id = tokenizer.convert_tokens_to_ids(self.video_token)
+            ProcessorMixin.__init__(self, image_processor, tokenizer, chat_template=chat_template)
+
+        def __call__(self, images=None, text=None, videos=None, **kwargs):
+            if videos is not None:
+                raise ValueError(
+                    "video inputs need transformers' Qwen2-VL video processor, which needs torchvision (not "
+                    "installed); install a torchvision build matching torch, or use image inputs only"
+                )
+            return super().__call__(images=images, text=text, **kwargs)
+
+    return ImageOnlyQwen2_5_VLProcessor
+
+
+def build_processor(tokenizer, image_processor):
+    """The image-only Qwen2.5-VL processor over `tokenizer` and `image_processor`."""
+    cls = _image_only_processor_class()
+    return cls(
+        image_processor=image_processor,
+        tokenizer=tokenizer,
+        chat_template=tokenizer.chat_template,
+    )
+
+
+def load_image_only_processor(path: str, **kwargs):
+    """A Qwen2-VL family directory's processor without the video processor: its image processor and
+    tokenizer loaded by transformers' Auto classes, put together as `ImageOnlyQwen2_5_VLProcessor`."""
+    from transformers import AutoImageProcessor, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(path, **kwargs)
+    image_processor = AutoImageProcessor.from_pretrained(path, **kwargs)
+    return build_processor(tokenizer, image_processor)
+
+
+def is_vision_language_config(config) -> bool:
+    """Whether an HF config is a vision-language model's (it has a vision tower and an image token)."""
+    return getattr(config, "vision_config", None) is not None and getattr(config, "image_token_id", None) is not None
+
+
+def mrope_position_ids(config, input_ids, attention_mask, image_grid_thw=None):
+    """Qwen2-VL's multimodal rotary positions (M-RoPE), shape (3, batch, length): (time, height, width).
+
+    Over each row's attended tokens: a text token takes the next position in all three rows; the
+    `<|image_pad|>` tokens of one image (a run of `t * h * w / merge**2` of them, in the order of
+    `image_grid_thw`'s rows over the batch) take `start + (t_idx, h_idx, w_idx)` over its merged patch
+    grid, and the text after it starts at `start + max(t, h/merge, w/merge)`. Padding positions are 0.
+    This is transformers' `get_rope_index` for images (checked against it in the tests), computed from
+    the config alone, so the dataset and the rollout need no model. Video tokens are refused.
+    """
+    import torch
+
+    image_token_id = config.image_token_id
+    video_token_id = getattr(config, "video_token_id", None)
+    merge = config.vision_config.spatial_merge_size
+    input_ids = torch.as_tensor(input_ids)
+    attention_mask = torch.as_tensor(attention_mask).bool()
+    if video_token_id is not None and bool(((input_ids == video_token_id) & attention_mask).any()):
+        raise ValueError("video tokens in a prompt: videos are not supported here (images only)")
+    grids = iter([] if image_grid_thw is None else torch.as_tensor(image_grid_thw).tolist())
+    positions = torch.zeros((3, *input_ids.shape), dtype=torch.long)
+    for row in range(input_ids.shape[0]):
+        ids = input_ids[row][attention_mask[row]].tolist()
+        out = torch.empty((3, len(ids)), dtype=torch.long)
+        pos, i = 0, 0
+        while i < len(ids):
+            if ids[i] != image_token_id:
+                out[:, i] = pos
+                pos, i = pos + 1, i + 1
+                continue
+            grid = next(grids, None)
+            if grid is None:
+                raise ValueError(f"row {row} has more images than image_grid_thw has rows")
+            t, h, w = grid[0], grid[1] // merge, grid[2] // merge
+            n = t * h * w
+            if ids[i : i + n] != [image_token_id] * n:
+                raise ValueError(
+                    f"row {row}: an image of grid {grid} needs {n} consecutive image tokens at position {i}; "
+                    "the prompt's image tokens do not match image_grid_thw (was it processed by the model's processor?)"
+                )
+            grid_t = torch.arange(t).view(t, 1, 1).expand(t, h, w).reshape(-1)
+            grid_h = torch.arange(h).view(1, h, 1).expand(t, h, w).reshape(-1)
+            grid_w = torch.arange(w).view(1, 1, w).expand(t, h, w).reshape(-1)
+            out[:, i : i + n] = torch.stack([grid_t, grid_h, grid_w]) + pos
+            pos, i = pos + max(t, h, w), i + n
+        positions[:, row, attention_mask[row]] = out
+    if next(grids, None) is not None:
+        raise ValueError("image_grid_thw has more rows than the prompts have images")
+    return positions
+
+
+def vl_position_ids(config, input_ids, attention_mask, image_grid_thw=None):
+    """Position ids of a vision-language batch, shape (batch, 4, length), upstream verl's layout: row 0
+    the text positions (as a text model's: attended tokens counted from 0, left padding 0), rows 1-3
+    `mrope_position_ids`'s (time, height, width)."""
+    import torch
+
+    attention_mask = torch.as_tensor(attention_mask)
+    text = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
+    mrope = mrope_position_ids(config, input_ids, attention_mask, image_grid_thw)
+    return torch.cat([text.unsqueeze(0), mrope], dim=0).transpose(0, 1).contiguous()
