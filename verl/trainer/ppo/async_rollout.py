@@ -435,7 +435,7 @@ def _prompt_rows(scored: DataProto) -> DataProto:
     tensors = {
         "input_ids": prompts,
         "attention_mask": scored.batch["attention_mask"][:, :prompt_len],
-        "position_ids": scored.batch["position_ids"][:, :prompt_len],
+        "position_ids": scored.batch["position_ids"][..., :prompt_len],  # (B, L) or a VL model's (B, 4, L)
     }
     generated = {"weight_version", "weight_version_max", "token_level_scores", "token_level_rewards"}
     non_tensors = {k: v for k, v in scored.non_tensor_batch.items() if k not in generated}

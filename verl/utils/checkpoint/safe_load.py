@@ -5,7 +5,8 @@ Python's pickle runs whatever a file tells it to. `torch.load(..., weights_only=
 tensors and plain containers; everything verl writes with `torch.save` is kept in that subset
 (RNG states included: numpy's generator state is stored as a tensor, see `numpy_rng_state`; batches
 held across a checkpoint, such as asynchronous rollouts waiting to be trained, go through
-`to_plain` / `from_plain`).
+`to_plain` / `from_plain`, which also store a vision-language row's PIL images as their mode, size
+and pixel bytes).
 
 `torch.distributed.checkpoint` (DCP), which holds the sharded model and optimizer, is the
 exception in torch itself: it reads its `.metadata` file with plain `pickle.load` and the
@@ -20,6 +21,7 @@ from __future__ import annotations
 import io
 import os
 import pickle
+import sys
 
 import numpy as np
 import torch
@@ -169,6 +171,10 @@ def to_plain(obj):
         return {k: to_plain(v) for k, v in obj.items()}
     if isinstance(obj, list | tuple):
         return type(obj)(to_plain(v) for v in obj)
+    pil = sys.modules.get("PIL.Image")  # an object can only be a PIL image once PIL is imported
+    if pil is not None and isinstance(obj, pil.Image):
+        pixels = torch.frombuffer(bytearray(obj.tobytes()), dtype=torch.uint8)
+        return {_TAG: "pil_image", "mode": obj.mode, "size": list(obj.size), "pixels": pixels}
     return obj
 
 
@@ -183,6 +189,10 @@ def from_plain(obj):
             array = np.empty(len(items), dtype=object)
             array[:] = items if items else array
             return array.reshape(obj["shape"])
+        if kind == "pil_image":
+            from PIL import Image
+
+            return Image.frombytes(obj["mode"], tuple(obj["size"]), obj["pixels"].numpy().tobytes())
         if kind == "DataProto":
             from tensordict import TensorDict
 
