@@ -301,11 +301,54 @@ def build_resource_pools(config, mapping) -> tuple[dict, dict]:
     return spec, roles
 
 
-def build_datasets(config, tokenizer) -> tuple:
+def load_processor(config):
+    """The policy's multi-modal processor (upstream's `hf_processor(model.path)`), or None for a
+    text-only policy.
+
+    Whether the policy is a vision-language model is read from its HF config. A hub id's config is
+    first read here (the driver's config check reads local directories only), so the rules for
+    vision-language policies (verl/trainer/config/validate_multimodal.py) are applied here too, before
+    any worker starts. A config that cannot be read is left to the workers, which report it with the
+    model's path."""
+    from omegaconf import OmegaConf
+
+    from verl.trainer.config import ConfigError
+    from verl.trainer.config.validate_multimodal import vision_language_problems
+    from verl.trainer.preflight import RunInputError
+    from verl.utils.tokenizer import hf_processor
+    from verl.utils.vision import is_vision_language_config
+
+    model = config.actor_rollout_ref.model
+    trust_remote_code = bool(model.get("trust_remote_code", False))
+    try:
+        from transformers import AutoConfig
+
+        hf_config = AutoConfig.from_pretrained(
+            model.get("hf_config_path") or model.path, trust_remote_code=trust_remote_code
+        )
+    except Exception:  # the workers load the model and report its error with the path
+        return None
+    if not is_vision_language_config(hf_config):
+        return None
+    problems = vision_language_problems(OmegaConf.to_container(config, resolve=True), str(model.path))
+    if problems:
+        raise ConfigError("\n".join(problems), problems)
+    processor = hf_processor(model.path, trust_remote_code=trust_remote_code)
+    if processor is None:
+        raise RunInputError(
+            f"cannot start: {model.path} is a vision-language model but holds no processor files "
+            "(preprocessor_config.json); copy them from the model it was trained from, so that images can be "
+            "turned into the model's inputs"
+        )
+    return processor
+
+
+def build_datasets(config, tokenizer, processor=None) -> tuple:
     """(train, validation or None) prompt datasets: `data.custom_cls` swaps in a user Dataset class
     (RLHFDataset's constructor), `data.train_max_samples` / `data.val_max_samples` cap the rows.
     Multi-turn rollouts and a learned reward model with `input_tokenizer` always get the prompt
-    messages (`data.return_raw_chat`)."""
+    messages (`data.return_raw_chat`). `processor`: a vision-language policy's (`load_processor`),
+    which turns each row's images into the model's inputs."""
     from omegaconf import OmegaConf
 
     from verl.utils.dataset.rl_dataset import create_rl_dataset
@@ -316,14 +359,14 @@ def build_datasets(config, tokenizer) -> tuple:
         # agent loops render the prompt messages with the tool schemas and check tokenization against
         # them; a reward model with its own tokenizer re-renders them with its chat template
         data = OmegaConf.merge(data, {"return_raw_chat": True})
-    train = create_rl_dataset(data.train_files, data, tokenizer, is_train=True)
+    train = create_rl_dataset(data.train_files, data, tokenizer, processor=processor, is_train=True)
     val_files = data.val_files
-    val = create_rl_dataset(val_files, data, tokenizer, is_train=False) if val_files else None
+    val = create_rl_dataset(val_files, data, tokenizer, processor=processor, is_train=False) if val_files else None
     return train, val
 
 
 class TaskRunner:
-    """Builds tokenizer, datasets, reward functions, worker roles and pools, then trains."""
+    """Builds tokenizer, processor (vision-language policies), datasets, reward functions, worker roles and pools, then trains."""
 
     def run(self, config) -> dict:
         import ray
@@ -338,10 +381,11 @@ class TaskRunner:
         ensure_default_data(config)
         model_path = config.actor_rollout_ref.model.path
         tokenizer = hf_tokenizer(config.actor_rollout_ref.model.tokenizer_path or model_path)
+        processor = load_processor(config)  # None for a text-only policy
         # The datasets first: their checks (malformed rows, over-long prompts with data.truncation=error)
         # are the most likely start-up failures left after the driver's pre-flight checks.
         try:
-            train_dataset, val_dataset = build_datasets(config, tokenizer)
+            train_dataset, val_dataset = build_datasets(config, tokenizer, processor)
         except (ValueError, TypeError, OSError) as e:  # the dataset's messages name the file, row and fix
             from verl.trainer.preflight import RunInputError
 
@@ -361,6 +405,7 @@ class TaskRunner:
             tokenizer=tokenizer,
             role_worker_mapping=mapping,
             resource_pool_manager=pool_manager,
+            processor=processor,
             reward_fn=reward_fn,
             val_reward_fn=val_reward_fn,
             train_dataset=train_dataset,

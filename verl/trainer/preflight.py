@@ -9,6 +9,9 @@ the TaskRunner and the workers have started (half a minute or more on a small ma
   set holds at least one batch;
 - model paths exist and hold a Hugging Face `config.json`; the policy's declared architecture is a
   causal language model (a reward-model or classifier checkpoint is a common mix-up);
+- images and videos (docs/multimodal.md): a vision-language policy's directory holds its processor
+  files, its data holds no videos (images only here); a text-only policy's data holds no images,
+  which it would never see;
 - the custom reward file defines the configured function (parsed, not executed);
 - the checkpoint, run and dump directories can be written (tried with a temporary file), so
   a run never trains for hours and then fails at its first save;
@@ -53,6 +56,7 @@ def check_run_inputs(config) -> None:
     problems: list[str] = []
     _check_data(config, problems)
     _check_models(config, problems)
+    _check_multimodal(config, problems)
     _check_reward_function(config, problems)
     _check_writable_dirs(config, problems)
     _check_resume(config, problems)
@@ -249,6 +253,74 @@ def _check_models(config, problems: list[str]) -> None:
         _model_config("critic.model.path", config.critic.model.path, problems)
     if config.reward_model.enable:
         _model_config("reward_model.model.path", config.reward_model.model.path, problems)
+
+
+# ---------------------------------------------------------------------------------- multi-modal
+
+
+def _check_multimodal(config, problems: list[str]) -> None:
+    """Images and videos against the policy (local directories and data files only; a hub id's
+    processor is checked by the TaskRunner when it loads it)."""
+    from verl.trainer.config.validate_multimodal import is_vision_language
+
+    model = config.actor_rollout_ref.model
+    path = model.get("hf_config_path") or model.path
+    if not path or not _looks_local(str(path)):
+        return
+    policy = _model_config("actor_rollout_ref.model.path", path, [])  # a missing one is reported already
+    if policy is None:
+        return
+    vision = is_vision_language(policy)
+    weights_dir = os.path.expanduser(str(model.path))
+    processor_files = ("preprocessor_config.json", "processor_config.json")
+    if (
+        vision
+        and os.path.isdir(weights_dir)
+        and not any(os.path.isfile(os.path.join(weights_dir, f)) for f in processor_files)
+    ):
+        problems.append(
+            f"actor_rollout_ref.model.path={model.path} is a vision-language model without processor files "
+            "(preprocessor_config.json); copy them from the model it was trained from, so that images can be turned "
+            "into the model's inputs"
+        )
+    data = config.data
+    if data.custom_cls.path:
+        return
+    image_key, video_key = data.get("image_key", "images"), data.get("video_key", "videos")
+    for key in ("train_files", "val_files"):
+        for file in _files(data[key]):
+            if vision and _column_has_values(file, video_key):
+                problems.append(
+                    f"data.{key}: {file!r} holds videos (column {video_key!r}, data.video_key); videos are not "
+                    "supported here (transformers' video processor needs torchvision, which this build does not "
+                    f"install): train on images only (drop the {video_key!r} column)"
+                )
+            elif not vision and _column_has_values(file, image_key):
+                problems.append(
+                    f"data.{key}: {file!r} holds images (column {image_key!r}, data.image_key) but "
+                    f"actor_rollout_ref.model.path={model.path} is a text-only model, which would never see them; "
+                    "train a vision-language model (e.g. Qwen2.5-VL) or drop the column"
+                )
+
+
+def _column_has_values(path: str, column: str) -> bool:
+    """Whether a parquet/JSON data file has `column` with at least one non-empty entry (False when it
+    cannot be read: the data check reports that)."""
+    full = os.path.abspath(os.path.expanduser(path))
+    try:
+        if full.endswith(".parquet"):
+            import pyarrow.parquet as pq
+
+            if column not in pq.read_schema(full).names:
+                return False
+            values = pq.read_table(full, columns=[column]).column(0).to_pylist()
+        else:
+            from verl.utils.dataset.files import read_rows
+
+            values = [row.get(column) for row in read_rows(full)]
+    except Exception:  # an unreadable file is the data check's problem to report
+        return False
+    return any(v is not None and (not hasattr(v, "__len__") or len(v) > 0) for v in values)
 
 
 # ------------------------------------------------------------------------------ reward function

@@ -56,6 +56,7 @@ from verl.trainer.config.validate_experts import check_megatron_experts, check_r
 from verl.trainer.config.validate_features import check_feature_combinations
 from verl.trainer.config.validate_lora import check_lora
 from verl.trainer.config.validate_mtp import check_mtp
+from verl.trainer.config.validate_multimodal import check_multimodal, local_hf_config
 from verl.trainer.config.validate_router_replay import _check_router_replay
 from verl.utils.config import omega_conf_to_dataclass
 from verl.utils.ulysses_keys import reference_sp, role_sp
@@ -556,17 +557,9 @@ def _check_async_training(c: dict, errors: list[str]):
 def _model_heads(model: dict) -> tuple[int, int] | None:
     """(num_attention_heads, num_key_value_heads) from the HF config.json of a model section, or
     None when it is not a readable local directory (a hub id is checked when the model is built)."""
-    import json
-
-    path = model.get("hf_config_path") or model.get("path")  # the policy's hf_config_path replaces path's config
-    file = os.path.join(os.path.expanduser(str(path)), "config.json") if path else None
-    if not file or not os.path.isfile(file):
+    hf = local_hf_config(model)
+    if hf is None:
         return None
-    try:
-        with open(file) as f:
-            hf = json.load(f)
-    except (OSError, ValueError):
-        return None  # an unreadable config is the model loader's error to report, with its path
     hf = hf.get("text_config", hf)  # a vision-language model's decoder holds the attention heads
     heads = hf.get("num_attention_heads")
     if not isinstance(heads, int):
@@ -708,6 +701,7 @@ def validate_ppo_config(cfg: DictConfig | dict) -> None:
     _check_router_replay(c, errors)
     check_mtp(c, errors)
     check_checkpoint_engine(c, errors)
+    check_multimodal(c, errors)
     if errors:
         _raise(errors)
     for w in warns:

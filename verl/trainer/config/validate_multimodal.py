@@ -1,0 +1,94 @@
+"""Rules for vision-language policies (docs/multimodal.md), checked before anything starts.
+
+Multi-modal training is built on one path: FSDP roles, the built-in (`hf`) or vLLM rollout engine,
+single-turn generation, a rule reward. Every other combination with a vision-language policy is
+refused here, naming the key and what to set instead, rather than run without the images.
+
+Design decisions:
+- Whether the policy is a vision-language model is read from its `config.json` (a `vision_config`
+  and an image token id; `verl.utils.vision.is_vision_language_config`'s rule). The config check
+  reads it when `model.path` (or `model.hf_config_path`) is a local directory; for a hub id the
+  `TaskRunner` applies the same rules (`vision_language_problems`) to the loaded HF config before
+  any worker starts, so a hub id fails a few seconds later, never after the workers have loaded.
+- Videos are a property of the data, not of the config: the pre-flight check refuses a data file
+  that holds a `data.video_key` column for a vision-language policy (verl/trainer/preflight.py).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+from verl.trainer.config.validate_batches import need_critic
+
+_ARR = "actor_rollout_ref"
+
+
+def local_hf_config(model: dict) -> dict | None:
+    """The HF config.json of a model section (`hf_config_path`, else `path`) when it is a readable
+    local directory; None otherwise (a hub id, or a file the model loader will report)."""
+    path = model.get("hf_config_path") or model.get("path")
+    file = os.path.join(os.path.expanduser(str(path)), "config.json") if path else None
+    if not file or not os.path.isfile(file):
+        return None
+    try:
+        with open(file) as f:
+            config = json.load(f)
+    except (OSError, ValueError):
+        return None
+    return config if isinstance(config, dict) else None
+
+
+def is_vision_language(hf_config: dict) -> bool:
+    """A vision tower and an image token: the same rule as `verl.utils.vision.is_vision_language_config`."""
+    return hf_config.get("vision_config") is not None and hf_config.get("image_token_id") is not None
+
+
+def vision_language_problems(c: dict, model_name: str) -> list[str]:
+    """One line per setting of the plain config `c` that cannot train the vision-language policy
+    `model_name` (its path, for the messages)."""
+    arr = c[_ARR]
+    what = f"with the vision-language model {model_name}"
+    problems = []
+    if arr["actor"]["strategy"] == "megatron":
+        problems.append(
+            f"{_ARR}.actor.strategy=megatron {what}: Megatron training of vision-language models is not built here "
+            f"(upstream's goes through mbridge); use the FSDP actor: {_ARR}.actor.strategy=fsdp2 (ppo_trainer.yaml)"
+        )
+    critic = c.get("critic") or {}
+    if need_critic(c) and critic.get("strategy") == "megatron":
+        problems.append(
+            f"critic.strategy=megatron {what}: Megatron training of vision-language models is not built here; "
+            "use critic.strategy=fsdp2"
+        )
+    rollout = arr["rollout"]
+    if rollout["name"] == "sglang":
+        problems.append(
+            f"{_ARR}.rollout.name=sglang {what}: generation with images runs on the built-in engine and vLLM only; "
+            f"set {_ARR}.rollout.name=hf or vllm"
+        )
+    multi_turn = (rollout.get("multi_turn") or {}).get("enable")
+    agent_file = (rollout.get("agent") or {}).get("agent_loop_config_path")
+    if multi_turn or agent_file:
+        key = "multi_turn.enable=true" if multi_turn else "agent.agent_loop_config_path"
+        problems.append(
+            f"{_ARR}.rollout.{key} {what}: agent loops do not pass images to the model here; generate single-turn "
+            f"(multi_turn.enable=false, no agent_loop_config_path)"
+        )
+    reward_model = c.get("reward_model") or {}
+    if reward_model.get("enable"):
+        problems.append(
+            f"reward_model.enable=true {what}: a reward model here scores the text only, without the prompt's "
+            "images; score with a rule (reward_model.enable=false and custom_reward_function.path, or a data_source "
+            "that verl.utils.reward_score knows)"
+        )
+    return problems
+
+
+def check_multimodal(c: dict, errors: list[str]) -> None:
+    """The rules above, when the policy's config.json is local and describes a vision-language model."""
+    model = c[_ARR]["model"]
+    hf_config = local_hf_config(model)
+    if hf_config is None or not is_vision_language(hf_config):
+        return
+    errors.extend(vision_language_problems(c, str(model.get("hf_config_path") or model.get("path"))))
