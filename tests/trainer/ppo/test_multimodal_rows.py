@@ -25,6 +25,7 @@ from verl.trainer.ppo.balance import balance_batch
 from verl.trainer.ppo.generation import generation_input, with_generation
 from verl.trainer.ppo.rollout_skip import ReplayingGenerator, RolloutDump
 from verl.trainer.ppo.rollout_source import PromptStream, RewardScorer, RolloutGenerator, StepState
+from verl.trainer.ppo.step_records import dump_rollouts
 from verl.utils.checkpoint.safe_load import from_plain, to_plain, torch_load
 from verl.utils.vision import vl_position_ids
 
@@ -261,3 +262,15 @@ def test_driver_state_with_image_rows_loads_weights_only(vl, tmp_path):
     prompt_side = _prompt_rows(loaded)
     assert prompt_side.batch["position_ids"].shape == (len(loaded), 4, PROMPT_LEN)
     assert_rows_aligned(vl, prompt_side)
+
+
+def test_rollout_data_dir_lines_count_each_samples_images(vl, tmp_path):
+    import json
+
+    batch, _ = _generate(vl)
+    balance_batch(batch, world_size=2)
+    dump_rollouts(batch, vl.processor.tokenizer, str(tmp_path), step=1)
+    lines = [json.loads(line) for line in (tmp_path / "1.jsonl").read_text().splitlines()]
+    by_uid = {line["uid"]: line["num_images"] for line in lines}
+    assert by_uid == {f"1_{i}": len(specs) for i, specs in enumerate(IMAGES)}
+    assert all(line["score"] == 1.0 for line in lines)

@@ -50,17 +50,21 @@ class NonFiniteStreak:
 
 
 def dump_rollouts(batch: DataProto, tokenizer, directory: str, step: int) -> None:
-    """`<directory>/<step>.jsonl`: one line per trained sample (uid, input, output, score, and when
-    generation runs ahead the oldest and newest weight versions that generated it)."""
+    """`<directory>/<step>.jsonl`: one line per trained sample (uid, input, output, score, the number
+    of images of a vision-language prompt, and when generation runs ahead the oldest and newest weight
+    versions that generated it)."""
     os.makedirs(directory, exist_ok=True)
     inputs = tokenizer.batch_decode(batch.batch["prompts"], skip_special_tokens=True)
     outputs = tokenizer.batch_decode(batch.batch["responses"], skip_special_tokens=True)
     scores = batch.batch["token_level_scores"].sum(-1).tolist()
     versions = batch.non_tensor_batch.get("weight_version")
     newest = batch.non_tensor_batch.get("weight_version_max")
+    media = batch.non_tensor_batch.get("multi_modal_data")
     with open(os.path.join(directory, f"{step}.jsonl"), "w") as f:
         for i, uid in enumerate(batch.non_tensor_batch["uid"]):
             row = {"step": step, "uid": str(uid), "input": inputs[i], "output": outputs[i], "score": scores[i]}
+            if media is not None:  # the decoded input drops the image tokens (special tokens)
+                row["num_images"] = len((media[i] or {}).get("images", []))
             if versions is not None:
                 row["weight_version"] = int(versions[i])
             if newest is not None:
