@@ -330,7 +330,8 @@ def load_processor(config):
         return None
     if not is_vision_language_config(hf_config):
         return None
-    problems = vision_language_problems(OmegaConf.to_container(config, resolve=True), str(model.path))
+    plain = OmegaConf.to_container(config, resolve=True)
+    problems = vision_language_problems(plain, str(model.path), getattr(hf_config, "model_type", None))
     if problems:
         raise ConfigError("\n".join(problems), problems)
     processor = hf_processor(model.path, trust_remote_code=trust_remote_code)

@@ -5,6 +5,7 @@ config.json): the FSDP + vLLM sets validate, every other path is refused in one 
 from __future__ import annotations
 
 import warnings
+from pathlib import Path
 
 import pytest
 from upstream_scripts import our_config, script_sets
@@ -116,3 +117,19 @@ def test_a_reward_model_and_agent_loop_files_are_refused_with_a_vision_language_
     ], info.value.errors
     # GRPO with the built-in engine on FSDP: nothing to refuse
     load_ppo_config([*base, "actor_rollout_ref.rollout.name=hf", "trainer.device=cpu"])
+
+
+def test_a_vision_language_family_other_than_qwen2_vl_is_refused(tiny_vl, tmp_path, tools):
+    """GLM-4.1V's config (here tiny-vl's with GLM-4.1V's model type): its positions are not Qwen2-VL's."""
+    import json
+
+    config = json.loads((Path(tiny_vl) / "config.json").read_text())
+    config["model_type"] = "glm4v"
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    error = _validate(f"{V}grpo_trainer/run_glm41v_9b.sh", str(tmp_path), tools)
+    assert error is not None
+    assert [e for e in error.errors if "vision-language" in e] == [
+        f"actor_rollout_ref.model.path={tmp_path} is a vision-language model of type 'glm4v': only the Qwen2-VL "
+        "family (qwen2_vl, qwen2_5_vl) is built here (its multimodal rotary positions and image inputs); train a "
+        "Qwen2-VL or Qwen2.5-VL model"
+    ]

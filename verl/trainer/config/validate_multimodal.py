@@ -23,6 +23,9 @@ from verl.trainer.config.validate_batches import need_critic
 
 _ARR = "actor_rollout_ref"
 
+SUPPORTED_MODEL_TYPES = ("qwen2_vl", "qwen2_5_vl")
+"""Vision-language families whose positions `verl.utils.vision.vl_position_ids` computes (Qwen2-VL's M-RoPE)."""
+
 
 def local_hf_config(model: dict) -> dict | None:
     """The HF config.json of a model section (`hf_config_path`, else `path`) when it is a readable
@@ -44,12 +47,18 @@ def is_vision_language(hf_config: dict) -> bool:
     return hf_config.get("vision_config") is not None and hf_config.get("image_token_id") is not None
 
 
-def vision_language_problems(c: dict, model_name: str) -> list[str]:
+def vision_language_problems(c: dict, model_name: str, model_type: str | None) -> list[str]:
     """One line per setting of the plain config `c` that cannot train the vision-language policy
-    `model_name` (its path, for the messages)."""
+    `model_name` (its path, for the messages) of HF `model_type`."""
     arr = c[_ARR]
     what = f"with the vision-language model {model_name}"
     problems = []
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        problems.append(
+            f"{_ARR}.model.path={model_name} is a vision-language model of type {model_type!r}: only the Qwen2-VL "
+            f"family ({', '.join(SUPPORTED_MODEL_TYPES)}) is built here (its multimodal rotary positions and image "
+            "inputs); train a Qwen2-VL or Qwen2.5-VL model"
+        )
     if arr["actor"]["strategy"] == "megatron":
         problems.append(
             f"{_ARR}.actor.strategy=megatron {what}: Megatron training of vision-language models is not built here "
@@ -91,4 +100,5 @@ def check_multimodal(c: dict, errors: list[str]) -> None:
     hf_config = local_hf_config(model)
     if hf_config is None or not is_vision_language(hf_config):
         return
-    errors.extend(vision_language_problems(c, str(model.get("hf_config_path") or model.get("path"))))
+    name = str(model.get("hf_config_path") or model.get("path"))
+    errors.extend(vision_language_problems(c, name, hf_config.get("model_type")))
