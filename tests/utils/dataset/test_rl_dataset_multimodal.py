@@ -19,12 +19,9 @@ from verl.utils.dataset.rl_dataset import RLHFDataset, collate_fn, create_rl_dat
 COLOR_Q = "<|vision_start|><|image_pad|><|vision_end|>What color?"
 
 
-@pytest.fixture(scope="module")
-def processor(tmp_path_factory):
-    from verl.models.factory import make_tiny
-    from verl.utils.tokenizer import hf_processor
-
-    return hf_processor(make_tiny("tiny-vl", str(tmp_path_factory.mktemp("tiny-vl"))))
+@pytest.fixture
+def processor(vl_processor):
+    return vl_processor
 
 
 def _png(size, color, mode="RGB") -> bytes:
