@@ -56,3 +56,14 @@ def _nearest_color_of_image(image) -> str:
     buffer = io.BytesIO()
     image.save(buffer, format="PNG")
     return _nearest_color(buffer.getvalue())
+
+
+def test_letter_answers():
+    rows = make_vl_colors_rows(8, "test", seed=0, answer_style="letter")
+    assert {r["prompt"][0]["content"] for r in rows} == {"<image>Which color: r, g, b or y?"}
+    for row in rows:
+        truth = row["reward_model"]["ground_truth"]
+        assert truth in "rgby" and len(truth) == 1 and _nearest_color(row["images"][0]["bytes"])[0] == truth
+        assert default_compute_score("vl_colors", truth, truth) == 1.0
+    with pytest.raises(ValueError, match="answer_style"):
+        make_vl_colors_rows(4, "train", answer_style="number")

@@ -17,6 +17,10 @@ Design decisions:
   pixel budget, so the processor does not resize them: 4 image tokens per prompt. Each image's shade
   is jittered per channel (``jitter``, seeded), so no two images are the same array and a model must
   generalise over shades, not memorise bytes.
+- ``answer_style="letter"`` asks for the colour's first letter instead ("Which color: r, g, b or
+  y?", ground truth "r"). With ``data.max_response_length=1`` the answer is then one token, which a
+  randomly initialised policy (the tiny-vl preset is one) samples by chance often enough for RL to
+  find it; a whole word is reachable only from a model that already writes words.
 - Colours are balanced within each split (row i has colour i mod k before a seeded shuffle); the
   test split uses its own seed stream, so it does not change with the number of training rows.
 """
@@ -36,11 +40,18 @@ COLORS: dict[str, tuple[int, int, int]] = {
 }
 DEFAULT_NUM_TRAIN = 512
 DEFAULT_NUM_TEST = 64
+ANSWER_STYLES = ("word", "letter")
 
 
-def question(colors: tuple[str, ...]) -> str:
-    """The prompt text after the image: "Which color: red, green, blue or yellow?"."""
-    options = ", ".join(colors[:-1]) + f" or {colors[-1]}" if len(colors) > 1 else colors[0]
+def answer(color: str, answer_style: str = "word") -> str:
+    """The expected answer for ``color``: the word, or its first letter."""
+    return color[0] if answer_style == "letter" else color
+
+
+def question(colors: tuple[str, ...], answer_style: str = "word") -> str:
+    """The prompt text after the image: "Which color: red, green, blue or yellow?" (or "r, g, b or y")."""
+    names = [answer(c, answer_style) for c in colors]
+    options = ", ".join(names[:-1]) + f" or {names[-1]}" if len(names) > 1 else names[0]
     return f"Which color: {options}?"
 
 
@@ -53,10 +64,12 @@ def color_png(rgb: tuple[int, int, int], size: int = 56) -> bytes:
     return buffer.getvalue()
 
 
-def _check(colors: tuple[str, ...], image_size: int, jitter: int) -> None:
+def _check(colors: tuple[str, ...], image_size: int, jitter: int, answer_style: str) -> None:
     unknown = [c for c in colors if c not in COLORS]
     if unknown or len(colors) < 2 or len(set(colors)) != len(colors):
         raise ValueError(f"colors={list(colors)} must be at least two distinct names out of {sorted(COLORS)}")
+    if answer_style not in ANSWER_STYLES:
+        raise ValueError(f"answer_style={answer_style!r} is not one of {list(ANSWER_STYLES)}")
     if image_size <= 0:
         raise ValueError(f"image_size={image_size} must be a positive number of pixels")
     if not 0 <= jitter <= 30:
@@ -70,14 +83,15 @@ def make_vl_colors_rows(
     colors: tuple[str, ...] = tuple(COLORS),
     image_size: int = 56,
     jitter: int = 20,
+    answer_style: str = "word",
 ) -> list[dict]:
     """``num`` rows of the colour task for ``split`` (module docstring), deterministic in ``seed``."""
     colors = tuple(colors)
-    _check(colors, image_size, jitter)
+    _check(colors, image_size, jitter, answer_style)
     rng = random.Random(f"vl_colors-{seed}-{split}")
     names = [colors[i % len(colors)] for i in range(num)]
     rng.shuffle(names)
-    text = question(colors)
+    text = question(colors, answer_style)
     rows = []
     for index, name in enumerate(names):
         rgb = tuple(min(255, max(0, c + rng.randint(-jitter, jitter))) for c in COLORS[name])
@@ -87,8 +101,8 @@ def make_vl_colors_rows(
                 "prompt": [{"role": "user", "content": f"<image>{text}"}],
                 "images": [{"bytes": color_png(rgb, image_size), "path": None}],
                 "ability": "vision",
-                "reward_model": {"style": "rule", "ground_truth": name},
-                "extra_info": {"split": split, "index": index, "answer": name, "question": text},
+                "reward_model": {"style": "rule", "ground_truth": answer(name, answer_style)},
+                "extra_info": {"split": split, "index": index, "answer": answer(name, answer_style), "question": text},
             }
         )
     return rows
@@ -102,6 +116,7 @@ def write_vl_colors_parquet(
     colors: tuple[str, ...] = tuple(COLORS),
     image_size: int = 56,
     jitter: int = 20,
+    answer_style: str = "word",
 ) -> tuple[str, str]:
     """Write ``train.parquet`` and ``test.parquet`` of the colour task into ``out_dir``; their paths."""
     from verl.utils.dataset.files import write_parquet
@@ -109,6 +124,6 @@ def write_vl_colors_parquet(
     out_dir = os.path.expanduser(str(out_dir))
     paths = []
     for split, num in (("train", num_train), ("test", num_test)):
-        rows = make_vl_colors_rows(num, split, seed, colors, image_size, jitter)
+        rows = make_vl_colors_rows(num, split, seed, colors, image_size, jitter, answer_style)
         paths.append(write_parquet(rows, os.path.join(out_dir, f"{split}.parquet")))
     return paths[0], paths[1]
