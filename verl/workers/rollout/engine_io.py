@@ -15,6 +15,11 @@ for external engines reduce to "build requests, call the engine, read back token
   engine that reports a few tokens past a stop cannot leak them into training.
 - `hf_weight_name(name)` strips the wrappers FSDP, activation checkpointing and torch.compile add
   to parameter names, so engines receive plain Hugging Face names.
+- `response_position_ids(position_ids, response_mask)`: the positions of prompt + response, for text
+  models' [B, P] positions and vision-language models' [B, 4, P] (text row + M-RoPE rows) alike.
+- `multi_modal_rows(prompts, image_processor)`: each row's images as the model's inputs
+  (`pixel_values`, `image_grid_thw`), from `multi_modal_inputs` or, without them, by running the image
+  processor on `multi_modal_data["images"]` (docs/multimodal_rollout.md).
 """
 
 from __future__ import annotations
@@ -35,6 +40,78 @@ _WRAPPER_PREFIXES = re.compile(r"(_fsdp_wrapped_module\.|_checkpoint_wrapped_mod
 def hf_weight_name(name: str) -> str:
     """`model.layers.0._checkpoint_wrapped_module.mlp.up_proj.weight` -> `model.layers.0.mlp.up_proj.weight`."""
     return _WRAPPER_PREFIXES.sub("", name)
+
+
+def response_position_ids(position_ids: torch.Tensor, response_mask: torch.Tensor) -> torch.Tensor:
+    """Positions of prompt + response: [B, P+R] from [B, P], or [B, 4, P+R] from [B, 4, P].
+
+    Text positions ([B, P]): every response column continues the prompt's last position by one
+    (masked columns too, as upstream does). Multimodal positions (upstream verl's layout, see
+    `verl.utils.vision.vl_position_ids`): the response is text, so each of the four rows goes on by
+    one per generated token; the columns after a response's end get what `vl_position_ids` gives
+    padding over the whole sequence (the text row repeats its last value, the M-RoPE rows are 0), so
+    the output equals `vl_position_ids` of prompt + response exactly.
+    """
+    R = response_mask.shape[-1]
+    delta = torch.arange(1, R + 1, device=position_ids.device, dtype=position_ids.dtype)
+    if position_ids.dim() == 2:
+        return torch.cat([position_ids, position_ids[:, -1:] + delta], dim=-1)
+    mask = response_mask.to(position_ids.device, position_ids.dtype)
+    last = position_ids[..., -1:]  # [B, 4, 1]
+    text = last[:, :1] + mask.cumsum(-1)[:, None]
+    mrope = (last[:, 1:] + delta) * mask[:, None]
+    return torch.cat([position_ids, torch.cat([text, mrope], dim=1)], dim=-1)
+
+
+def multi_modal_rows(prompts, image_processor=None) -> list[dict] | None:
+    """Each prompt row's image inputs for the model (`{"pixel_values", "image_grid_thw"}`, {} for a
+    text-only row), or None when no row has an image.
+
+    `non_tensor_batch["multi_modal_inputs"]` (what the dataset's processor made, and what the actor
+    trains on) is used when present. Without it, the images of `non_tensor_batch["multi_modal_data"]`
+    go through `image_processor` (a callable returning `pixel_values` and `image_grid_thw`, e.g. the
+    model's processor's `image_processor`); the prompt ids must then already hold the expanded
+    image tokens. Videos are refused.
+    """
+    inputs = prompts.non_tensor_batch.get("multi_modal_inputs")
+    if inputs is not None:
+        rows = [_unwrap(row) for row in inputs]
+        return rows if any(rows) else None
+    data = prompts.non_tensor_batch.get("multi_modal_data")
+    if data is None:
+        return None
+    rows, done = [], {}  # rows repeated for GRPO share their dict: process each one once
+    for item in data:
+        item = _unwrap(item)
+        if id(item) in done:
+            rows.append(done[id(item)])
+            continue
+        if item.get("videos") or item.get("video"):
+            raise ValueError(
+                "a prompt carries videos (multi_modal_data['videos']): the rollout generates with images only; "
+                "drop data.video_key or the video rows"
+            )
+        images = item.get("images", item.get("image"))
+        if not images:
+            rows.append({})
+            continue
+        if not isinstance(images, (list, tuple)):
+            images = [images]
+        if image_processor is None:
+            raise ValueError(
+                "the prompts carry images in multi_modal_data but no multi_modal_inputs, and the rollout has no image "
+                "processor to make them; load the model's processor (verl.utils.hf_processor) or let the dataset "
+                "produce multi_modal_inputs"
+            )
+        out = image_processor(images=list(images), return_tensors="pt")
+        rows.append({"pixel_values": out["pixel_values"], "image_grid_thw": out["image_grid_thw"]})
+        done[id(item)] = rows[-1]
+    return rows if any(rows) else None
+
+
+def _unwrap(row) -> dict:
+    row = getattr(row, "data", row) if type(row).__name__ == "NonTensorData" else row
+    return row if row else {}
 
 
 def _sampling(do_sample: bool, temperature: float, top_k: int, top_p: float) -> SamplingParams:
@@ -155,13 +232,12 @@ def assemble_output(
             out_logprobs[row, :length] = torch.tensor([float(x) for x in response.logprobs[:length]])
 
     out_ids, out_mask = out_ids.to(device), out_mask.to(device)
-    delta = torch.arange(1, response_length + 1, device=device, dtype=position_ids.dtype)
     tensors = {
         "prompts": input_ids,
         "responses": out_ids,
         "input_ids": torch.cat([input_ids, out_ids], dim=-1),
         "attention_mask": torch.cat([attention_mask, out_mask], dim=-1),
-        "position_ids": torch.cat([position_ids, position_ids[:, -1:] + delta], dim=-1),
+        "position_ids": response_position_ids(position_ids, out_mask),
         "response_mask": out_mask,
     }
     if with_logprobs:
