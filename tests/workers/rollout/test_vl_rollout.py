@@ -243,3 +243,63 @@ def test_weight_sync_takes_the_trainer_names_and_the_transformers_4_names(vl):
             rollout.generate_sequences(prompts)
         rollout.update_weights(iter(names.items()))
         assert rollout.generate_sequences(prompts).batch["responses"][0].tolist() == expected
+
+
+# ------------------------------------------------------------------------- external engines (no engine)
+def test_engine_requests_hold_one_image_token_per_image_and_the_images(vl):
+    from verl.workers.rollout.engine_io import image_requests
+
+    _, model, processor = vl
+    rows = _rows()
+    prompts, _ = vl_prompt_batch(processor, model.config, rows)
+    requests, images = image_requests(prompts, model.config.image_token_id)
+    # upstream's raw_prompt_ids: the chat template's ids before the processor expanded the image tokens
+    assert requests == [list(ids) for ids in prompts.non_tensor_batch["raw_prompt_ids"]]
+    assert [len(i or []) for i in images] == [len(r[1]) for r in rows]
+    assert images[5][1] is rows[5][1][1] or images[5][1] == rows[5][1][1]
+    prompts.non_tensor_batch["multi_modal_data"][0] = {}
+    with pytest.raises(ValueError, match="row 0 has 1 image"):
+        image_requests(prompts, model.config.image_token_id)
+
+
+def test_vllm_and_sglang_refuse_a_vision_language_model_they_cannot_run(vl, monkeypatch):
+    import importlib.util
+
+    from verl.workers.rollout import vllm_rollout
+    from verl.workers.rollout.sglang_rollout import SGLangRollout
+
+    path = vl[0]
+    if importlib.util.find_spec("torchvision") is None:  # this CPU machine: refused before vLLM is imported
+        with pytest.raises(ValueError, match="rollout.name=hf, which generates with images on CPU"):
+            vllm_rollout.vLLMRollout(path, engine_config())
+    with pytest.raises(NotImplementedError, match="SGLangRollout with the vision-language model"):
+        SGLangRollout(path, engine_config())
+    # vLLM's multimodal processor needs the tokenizer: not skipped for a vision-language model
+    assert vllm_rollout.vllm_engine_kwargs(path, engine_config())["skip_tokenizer_init"] is False
+
+
+def test_partial_rollout_resumes_rows_with_their_images_under_the_new_weights(vl):
+    """Newer weights arrive after 3 sampled columns: the unfinished rows are prefilled again, with
+    their images, under them. Each token's log-prob must be the one of the weights that sampled it,
+    scored by a float64 forward with the row's images (without them, the resumed rows' would not be)."""
+    import copy
+
+    from tests.workers.rollout.rollout_helpers import SwapTo
+
+    path, model, processor = vl
+    new = redraw(copy.deepcopy(model), seed=3)
+    rows = [_rows()[i] for i in (0, 1, 5)]  # an image, text only, two images
+    prompts, _ = vl_prompt_batch(
+        processor, model.config, rows, partial_rollout=True, partial_rollout_check_steps=3, eos_token_id=[]
+    )
+    rollout = _rollout(path, calculate_log_probs=True, temperature=1.0)
+    rollout.weight_refresh = SwapTo(rollout, new)
+    torch.manual_seed(0)
+    out = rollout.generate_sequences(prompts)
+    assert out.non_tensor_batch["weight_version_max"].tolist() == [1] * len(rows)  # every row was resumed
+    got = out.batch["rollout_log_probs"].double()
+    responses, mask = out.batch["responses"], out.batch["response_mask"]
+    before = teacher_forced_log_probs(model, prompts, responses, mask)[:, :3]
+    after = teacher_forced_log_probs(new, prompts, responses, mask)[:, 3:]
+    torch.testing.assert_close(got[:, :3], before, atol=2e-5, rtol=0)
+    torch.testing.assert_close(got[:, 3:], after, atol=2e-5, rtol=0)

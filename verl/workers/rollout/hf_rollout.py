@@ -79,6 +79,7 @@ from verl.workers.config import RolloutConfig
 from verl.workers.rollout.base import BaseRollout
 from verl.workers.rollout.engine_io import (
     multi_modal_rows,
+    prompt_position_ids,
     resolve_sampling,
     resolve_token_ids,
     response_position_ids,
@@ -182,11 +183,16 @@ class HFRollout(BaseRollout):
         self._model_path = model_path_or_module if isinstance(model_path_or_module, (str, os.PathLike)) else None
         self._image_processor = None  # loaded from the model directory when first needed
         hf_config = self._hf_config(model_path_or_module)
+        text_config = hf_config.get_text_config()  # a vision-language config keeps the ids in its text part
         self._default_eos = _first_set(
-            getattr(tokenizer, "eos_token_id", None), getattr(hf_config, "eos_token_id", None)
+            getattr(tokenizer, "eos_token_id", None),
+            getattr(hf_config, "eos_token_id", None),
+            getattr(text_config, "eos_token_id", None),
         )
         self._default_pad = _first_set(
-            getattr(tokenizer, "pad_token_id", None), getattr(hf_config, "pad_token_id", None)
+            getattr(tokenizer, "pad_token_id", None),
+            getattr(hf_config, "pad_token_id", None),
+            getattr(text_config, "pad_token_id", None),
         )
 
     @staticmethod
@@ -252,7 +258,7 @@ class HFRollout(BaseRollout):
         position_ids = prompts.batch.get("position_ids", None)
         processed_here = "multi_modal_inputs" not in prompts.non_tensor_batch
         images = multi_modal_rows(prompts, self._load_image_processor)
-        position_ids = self._prompt_positions(input_ids, attention_mask, position_ids, images)
+        position_ids = prompt_position_ids(self.engine.vision_config, input_ids, attention_mask, position_ids, images)
         out_device = input_ids.device
         refresh = self.weight_refresh if meta.get("partial_rollout") else None
         check_steps = int(meta.get("partial_rollout_check_steps", 1))
@@ -328,25 +334,6 @@ class HFRollout(BaseRollout):
 
             self._image_processor = AutoImageProcessor.from_pretrained(self._model_path)
         return self._image_processor(images=images, **kwargs)
-
-    def _prompt_positions(self, input_ids, attention_mask, position_ids, images):
-        """The prompt's position ids as the model needs them: [B, P] for a text model; [B, 4, P] for a
-        vision-language one (computed with `vl_position_ids` when the batch has none or text ones)."""
-        config = self.engine.vision_config
-        if config is not None and (position_ids is None or position_ids.dim() != 3):
-            from verl.utils.vision import vl_position_ids
-
-            grids = [row["image_grid_thw"] for row in images or [] if row.get("image_grid_thw") is not None]
-            grids = torch.cat([torch.as_tensor(g).reshape(-1, 3) for g in grids]) if grids else None
-            return vl_position_ids(config, input_ids.cpu(), attention_mask.cpu(), grids).to(input_ids.device)
-        if position_ids is None:
-            return (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
-        if position_ids.dim() != 2 and config is None:
-            raise ValueError(
-                f"position_ids of shape {tuple(position_ids.shape)} (multimodal M-RoPE) for a rollout model that is "
-                "not a vision-language model; text models take [batch, prompt_len] positions"
-            )
-        return position_ids
 
     def _group_chunks(self, chunks: int) -> int:
         """The most generation chunks any rank of the expert-parallel group runs (`chunks` without one)."""

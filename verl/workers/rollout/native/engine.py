@@ -91,6 +91,7 @@ import torch.nn.functional as F
 
 from verl.models.moe import RoutingRecorder
 from verl.utils.device import device_context, empty_cache, free_memory_bytes, get_device, synchronize
+from verl.workers.rollout.engine_io import image_grids
 from verl.workers.rollout.native.cuda_graph import BATCH_BUCKETS, DecodeGraphRunner
 from verl.workers.rollout.native.hf_decoder import HFModelDecoder
 from verl.workers.rollout.native.llama_decoder import (
@@ -525,7 +526,9 @@ class GenerationEngine:
         if position_ids is None and self.vision_config is not None:
             from verl.utils.vision import vl_position_ids
 
-            position_ids = vl_position_ids(self.vision_config, input_ids.cpu(), attention_mask.cpu(), _grids(images))
+            position_ids = vl_position_ids(
+                self.vision_config, input_ids.cpu(), attention_mask.cpu(), image_grids(images)
+            )
         if position_ids is None:
             position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
         position_ids = position_ids.to(dev)
@@ -772,12 +775,6 @@ def _unwrap(row):
     """A row's multi-modal dict ({} for a text-only row); tensordict's NonTensorData is unwrapped."""
     row = getattr(row, "data", row) if type(row).__name__ == "NonTensorData" else row
     return row if row else _NO_IMAGES  # the row's own object: `_image_keys` hashes each object once
-
-
-def _grids(images: list[Mapping] | None) -> torch.Tensor | None:
-    """The `image_grid_thw` rows of all images of the rows, in row order (None without images)."""
-    grids = [row["image_grid_thw"] for row in images or [] if row.get("image_grid_thw") is not None]
-    return torch.cat([torch.as_tensor(g).reshape(-1, 3) for g in grids]) if grids else None
 
 
 def _vision_kwargs(images: list[Mapping] | None, rows: list[int] | None) -> dict:
