@@ -15,6 +15,14 @@ for external engines reduce to "build requests, call the engine, read back token
   engine that reports a few tokens past a stop cannot leak them into training.
 - `hf_weight_name(name)` strips the wrappers FSDP, activation checkpointing and torch.compile add
   to parameter names, so engines receive plain Hugging Face names.
+- `response_position_ids(position_ids, response_mask)`: the positions of prompt + response, for text
+  models' [B, P] positions and vision-language models' [B, 4, P] (text row + M-RoPE rows) alike.
+- `multi_modal_rows(prompts, image_processor)`: each row's images as the model's inputs
+  (`pixel_values`, `image_grid_thw`), from `multi_modal_inputs` or, without them, by running the image
+  processor on `multi_modal_data["images"]` (docs/multimodal_rollout.md); `prompt_position_ids` the
+  prompt's positions in the layout the model needs.
+- `image_requests(prompts, image_token_id)`: the requests of engines that process images themselves
+  (vLLM): each row's ids with one image token per image, and the row's images.
 """
 
 from __future__ import annotations
@@ -35,6 +43,136 @@ _WRAPPER_PREFIXES = re.compile(r"(_fsdp_wrapped_module\.|_checkpoint_wrapped_mod
 def hf_weight_name(name: str) -> str:
     """`model.layers.0._checkpoint_wrapped_module.mlp.up_proj.weight` -> `model.layers.0.mlp.up_proj.weight`."""
     return _WRAPPER_PREFIXES.sub("", name)
+
+
+def response_position_ids(position_ids: torch.Tensor, response_mask: torch.Tensor) -> torch.Tensor:
+    """Positions of prompt + response: [B, P+R] from [B, P], or [B, 4, P+R] from [B, 4, P].
+
+    Text positions ([B, P]): every response column continues the prompt's last position by one
+    (masked columns too, as upstream does). Multimodal positions (upstream verl's layout, see
+    `verl.utils.vision.vl_position_ids`): the response is text, so each of the four rows goes on by
+    one per generated token; the columns after a response's end get what `vl_position_ids` gives
+    padding over the whole sequence (the text row repeats its last value, the M-RoPE rows are 0), so
+    the output equals `vl_position_ids` of prompt + response exactly.
+    """
+    R = response_mask.shape[-1]
+    delta = torch.arange(1, R + 1, device=position_ids.device, dtype=position_ids.dtype)
+    if position_ids.dim() == 2:
+        return torch.cat([position_ids, position_ids[:, -1:] + delta], dim=-1)
+    mask = response_mask.to(position_ids.device, position_ids.dtype)
+    last = position_ids[..., -1:]  # [B, 4, 1]
+    text = last[:, :1] + mask.cumsum(-1)[:, None]
+    mrope = (last[:, 1:] + delta) * mask[:, None]
+    return torch.cat([position_ids, torch.cat([text, mrope], dim=1)], dim=-1)
+
+
+def multi_modal_rows(prompts, image_processor=None) -> list[dict] | None:
+    """Each prompt row's image inputs for the model (`{"pixel_values", "image_grid_thw"}`, {} for a
+    text-only row), or None when no row has an image.
+
+    `non_tensor_batch["multi_modal_inputs"]` (what the dataset's processor made, and what the actor
+    trains on) is used when present. Without it, the images of `non_tensor_batch["multi_modal_data"]`
+    go through `image_processor` (a callable returning `pixel_values` and `image_grid_thw`, e.g. the
+    model's processor's `image_processor`); the prompt ids must then already hold the expanded
+    image tokens. Videos are refused.
+    """
+    inputs = prompts.non_tensor_batch.get("multi_modal_inputs")
+    if inputs is not None:
+        rows = [_unwrap(row) for row in inputs]
+        return rows if any(rows) else None
+    data = prompts.non_tensor_batch.get("multi_modal_data")
+    if data is None:
+        return None
+    rows, done = [], {}  # rows repeated for GRPO share their dict: process each one once
+    for item in data:
+        item = _unwrap(item)
+        if id(item) in done:
+            rows.append(done[id(item)])
+            continue
+        if item.get("videos") or item.get("video"):
+            raise ValueError(
+                "a prompt carries videos (multi_modal_data['videos']): the rollout generates with images only; "
+                "drop data.video_key or the video rows"
+            )
+        images = item.get("images", item.get("image"))
+        if not images:
+            rows.append({})
+            continue
+        if not isinstance(images, (list, tuple)):
+            images = [images]
+        if image_processor is None:
+            raise ValueError(
+                "the prompts carry images in multi_modal_data but no multi_modal_inputs, and the rollout has no image "
+                "processor to make them; load the model's processor (verl.utils.hf_processor) or let the dataset "
+                "produce multi_modal_inputs"
+            )
+        out = image_processor(images=list(images), return_tensors="pt")
+        rows.append({"pixel_values": out["pixel_values"], "image_grid_thw": out["image_grid_thw"]})
+        done[id(item)] = rows[-1]
+    return rows if any(rows) else None
+
+
+def image_grids(images: list[Mapping] | None) -> torch.Tensor | None:
+    """All rows' `image_grid_thw` rows, in row order (None when no row has an image)."""
+    grids = [row["image_grid_thw"] for row in images or [] if row.get("image_grid_thw") is not None]
+    return torch.cat([torch.as_tensor(g).reshape(-1, 3) for g in grids]) if grids else None
+
+
+def prompt_position_ids(vision_config, input_ids, attention_mask, position_ids, images):
+    """The prompt's positions as the model takes them: [B, P] for a text model (`vision_config`
+    None); [B, 4, P] for a vision-language one, computed with `vl_position_ids` when the batch has
+    none or only text positions."""
+    if vision_config is not None and (position_ids is None or position_ids.dim() != 3):
+        from verl.utils.vision import vl_position_ids
+
+        ids, mask = input_ids.cpu(), attention_mask.cpu()
+        return vl_position_ids(vision_config, ids, mask, image_grids(images)).to(input_ids.device)
+    if position_ids is None:
+        return (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
+    if position_ids.dim() != 2 and vision_config is None:
+        raise ValueError(
+            f"position_ids of shape {tuple(position_ids.shape)} (multimodal M-RoPE) for a rollout model that is "
+            "not a vision-language model; text models take [batch, prompt_len] positions"
+        )
+    return position_ids
+
+
+def image_requests(prompts, image_token_id: int) -> tuple[list[list[int]], list[list | None]]:
+    """(token ids, images) per row for an engine that runs the image processor itself (vLLM).
+
+    The ids are the row's unpadded prompt with each image's run of `<|image_pad|>` tokens collapsed
+    to one (upstream's `raw_prompt_ids`; the engine expands them again from the image's size). They
+    are derived from `input_ids`, so they always match the tokens the trainer sees. The images are
+    `multi_modal_data["images"]` (None for a text-only row); a row whose image count differs from
+    its image-token runs is refused.
+    """
+    ids = prompt_token_lists(prompts.batch["input_ids"], prompts.batch["attention_mask"])
+    data = prompts.non_tensor_batch.get("multi_modal_data")
+    requests, images = [], []
+    for row, tokens in enumerate(ids):
+        collapsed = [t for i, t in enumerate(tokens) if t != image_token_id or i == 0 or tokens[i - 1] != t]
+        item = _unwrap(data[row]) if data is not None else {}
+        if item.get("videos") or item.get("video"):
+            raise ValueError(
+                "a prompt carries videos (multi_modal_data['videos']): the rollout generates with images only"
+            )
+        row_images = item.get("images", item.get("image")) or []
+        row_images = list(row_images) if isinstance(row_images, (list, tuple)) else [row_images]
+        runs = collapsed.count(image_token_id)
+        if runs != len(row_images):
+            raise ValueError(
+                f"prompt row {row} has {runs} image(s) in its tokens but {len(row_images)} in "
+                "non_tensor_batch['multi_modal_data']['images']; the engine needs the images themselves (PIL), one per "
+                "image placeholder (data.image_key)"
+            )
+        requests.append(collapsed)
+        images.append(row_images or None)
+    return requests, images
+
+
+def _unwrap(row) -> dict:
+    row = getattr(row, "data", row) if type(row).__name__ == "NonTensorData" else row
+    return row if row else {}
 
 
 def _sampling(do_sample: bool, temperature: float, top_k: int, top_p: float) -> SamplingParams:
@@ -120,10 +258,12 @@ def assemble_output(
     eos_token_ids: Sequence[int],
     with_logprobs: bool,
     meta: dict,
+    position_ids: torch.Tensor | None = None,
 ):
     """The rollout's output DataProto from per-row engine responses (see the module docstring).
 
-    `prompts` is the (already repeated) input DataProto; `responses[i]` belongs to its row i.
+    `prompts` is the (already repeated) input DataProto; `responses[i]` belongs to its row i;
+    `position_ids` the prompt's positions when they are not (or not in that layout) in `prompts`.
     """
     from tensordict import TensorDict
 
@@ -131,7 +271,8 @@ def assemble_output(
 
     input_ids = prompts.batch["input_ids"]
     attention_mask = prompts.batch["attention_mask"]
-    position_ids = prompts.batch.get("position_ids", None)
+    if position_ids is None:
+        position_ids = prompts.batch.get("position_ids", None)
     if position_ids is None:
         position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
     if len(responses) != input_ids.shape[0]:
@@ -155,13 +296,12 @@ def assemble_output(
             out_logprobs[row, :length] = torch.tensor([float(x) for x in response.logprobs[:length]])
 
     out_ids, out_mask = out_ids.to(device), out_mask.to(device)
-    delta = torch.arange(1, response_length + 1, device=device, dtype=position_ids.dtype)
     tensors = {
         "prompts": input_ids,
         "responses": out_ids,
         "input_ids": torch.cat([input_ids, out_ids], dim=-1),
         "attention_mask": torch.cat([attention_mask, out_mask], dim=-1),
-        "position_ids": torch.cat([position_ids, position_ids[:, -1:] + delta], dim=-1),
+        "position_ids": response_position_ids(position_ids, out_mask),
         "response_mask": out_mask,
     }
     if with_logprobs:

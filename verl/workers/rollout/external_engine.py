@@ -29,6 +29,14 @@ would leak the backend into the trainer), the workers of one tensor-parallel gro
 ranks `[k*tp, (k+1)*tp)`) all-gather their prompts, generate the concatenation, and each keeps the
 rows it was given. The driver sees the usual data-parallel output.
 
+Vision-language models (docs/multimodal_rollout.md): an adapter whose engine runs a model's image
+processor itself (vLLM) sets `supports_images`; each request is then the row's ids with one
+`<|image_pad|>` per image (upstream's `raw_prompt_ids`, `engine_io.image_requests`) and the row's
+PIL images from `multi_modal_data`, passed to `_generate(..., images=...)`. The output's positions
+are [B, 4, P+R] (`vl_position_ids` over prompt + response), and `multi_modal_inputs` (made with
+the model's image processor when the batch has none) travel on to the actor. An adapter without
+image support refuses a vision-language model when it is built.
+
 Sampling parameters map one to one onto both engines: greedy is temperature 0; top_k -1 (or 0)
 is off; log-probs follow `rollout.logprobs_mode` (vLLM: passed to its engine; SGLang: its only
 kind, processed_logprobs, the distribution after temperature and top-k/top-p; see vllm_rollout).
@@ -49,6 +57,9 @@ from verl.workers.rollout.base import BaseRollout
 from verl.workers.rollout.engine_io import (
     EngineResponse,
     assemble_output,
+    image_requests,
+    multi_modal_rows,
+    prompt_position_ids,
     prompt_token_lists,
     resolve_sampling,
     resolve_token_ids,
@@ -79,6 +90,11 @@ def engine_specific_kwargs(config: RolloutConfig, engine: str) -> dict:
 class ExternalEngineRollout(BaseRollout):
     """Shared `generate_sequences` of the adapters for engines with their own runtime (module docstring)."""
 
+    # whether `_generate` takes `images=` (the engine processes a vision-language model's images itself)
+    supports_images = False
+    # why not, in the refusal of a vision-language model
+    images_unsupported_reason = "this adapter does not pass images to its engine"
+
     def __init__(self, model_path: str, config=None, tokenizer=None):
         if not isinstance(model_path, str):
             raise TypeError(
@@ -96,12 +112,22 @@ class ExternalEngineRollout(BaseRollout):
         self.tokenizer = tokenizer
         from transformers import AutoConfig
 
+        from verl.utils.vision import is_vision_language_config
+
         hf_config = AutoConfig.from_pretrained(model_path)
+        self.vision_config = hf_config if is_vision_language_config(hf_config) else None
+        if self.vision_config is not None and not self.supports_images:
+            raise NotImplementedError(
+                f"{type(self).__name__} with the vision-language model {model_path!r}: {self.images_unsupported_reason}; "
+                "use actor_rollout_ref.rollout.name=hf (or vllm), which generate with images"
+            )
+        self._image_processor = None
+        configs = (hf_config, hf_config.get_text_config())  # a vision-language config keeps the ids in its text part
         self._default_eos = next(
-            (v for v in (getattr(tokenizer, "eos_token_id", None), hf_config.eos_token_id) if v is not None), None
+            (v for v in (getattr(c, "eos_token_id", None) for c in (tokenizer, *configs)) if v is not None), None
         )
         self._default_pad = next(
-            (v for v in (getattr(tokenizer, "pad_token_id", None), hf_config.pad_token_id) if v is not None), None
+            (v for v in (getattr(c, "pad_token_id", None) for c in (tokenizer, *configs)) if v is not None), None
         )
         self._tp_group, self._tp_rank, self._tp_size = _tensor_parallel_group(self.config.tensor_model_parallel_size)
         # Set by the rollout worker of asynchronous training; used when a request asks for partial rollouts.
@@ -159,29 +185,56 @@ class ExternalEngineRollout(BaseRollout):
         if prompts.batch["input_ids"].dim() != 2:
             raise ValueError("the rollout expects input_ids of shape [batch, prompt_len]")
 
-        mine = prompt_token_lists(prompts.batch["input_ids"], prompts.batch["attention_mask"])
+        position_ids, images, inputs = prompts.batch.get("position_ids", None), None, None
+        if self.vision_config is not None:
+            mine, mine_images = image_requests(prompts, self.vision_config.image_token_id)
+            inputs = multi_modal_rows(prompts, self._run_image_processor)
+            position_ids = prompt_position_ids(
+                self.vision_config, prompts.batch["input_ids"], prompts.batch["attention_mask"], position_ids, inputs
+            )
+            if any(row is not None for row in mine_images):
+                everyone_images, _ = self._gather_group_requests(mine_images)
+                images = {"images": everyone_images}
+        else:
+            mine = prompt_token_lists(prompts.batch["input_ids"], prompts.batch["attention_mask"])
         everyone, lo = self._gather_group_requests(mine)
         with_logprobs = self.config.calculate_log_probs
         partial = None
         if meta.get("partial_rollout") and self.weight_refresh is not None:
             check_steps = int(meta.get("partial_rollout_check_steps", 1))
-            partial = self._generate_partial(everyone, sampling, response_length, eos_ids, with_logprobs, check_steps)
+            partial = self._generate_partial(
+                everyone, sampling, response_length, eos_ids, with_logprobs, check_steps, **(images or {})
+            )
             responses = partial.responses
         else:
-            responses = self._generate(everyone, sampling, response_length, eos_ids, with_logprobs=with_logprobs)
+            responses = self._generate(
+                everyone, sampling, response_length, eos_ids, with_logprobs=with_logprobs, **(images or {})
+            )
         mine_rows = slice(lo, lo + len(mine))
         responses = responses[mine_rows]
 
         timing = dict(meta.get("timing", {}))
         timing["generate_sequences"] = time.perf_counter() - start
         meta["timing"] = timing
-        out = assemble_output(prompts, responses, response_length, pad, eos_ids, with_logprobs, meta)
+        out = assemble_output(prompts, responses, response_length, pad, eos_ids, with_logprobs, meta, position_ids)
+        if inputs is not None and "multi_modal_inputs" not in out.non_tensor_batch:
+            out.non_tensor_batch["multi_modal_inputs"] = np.empty(len(inputs), dtype=object)
+            out.non_tensor_batch["multi_modal_inputs"][:] = inputs
         if partial is not None:
             out.non_tensor_batch["weight_version"] = np.asarray(partial.version_min[mine_rows], dtype=np.int64)
             out.non_tensor_batch["weight_version_max"] = np.asarray(partial.version_max[mine_rows], dtype=np.int64)
         return out
 
-    def _gather_group_requests(self, mine: list[list[int]]) -> tuple[list[list[int]], int]:
+    def _run_image_processor(self, images=None, **kwargs):
+        """The model's image processor (loaded from the model directory on first use), applied to `images`:
+        the `multi_modal_inputs` of a batch that has only `multi_modal_data` (module docstring)."""
+        if self._image_processor is None:
+            from transformers import AutoImageProcessor
+
+            self._image_processor = AutoImageProcessor.from_pretrained(self.model_path)
+        return self._image_processor(images=images, **kwargs)
+
+    def _gather_group_requests(self, mine: list) -> tuple[list, int]:
         """(the requests of the whole tensor-parallel group, offset of this rank's rows in them)."""
         if self._tp_size == 1:
             return mine, 0

@@ -44,6 +44,14 @@ layer (`native.expert_parallel`). Every rank of a group runs as many generation 
 busiest one (`max_num_seqs` rows each); the missing ones are a one-token dummy row whose output is
 dropped, so the group's forwards line up. Partial rollouts are refused with it.
 
+Vision-language models (Qwen2.5-VL; docs/multimodal_rollout.md): rows carry their images in
+`non_tensor_batch["multi_modal_inputs"]` (the processor's `pixel_values`/`image_grid_thw`, what the
+actor trains on; used as they are) or only `multi_modal_data["images"]` (then the model's image
+processor makes those inputs here, and the output carries them as `multi_modal_inputs` for the
+actor). Prompt positions are [B, 4, P] (`vl_position_ids`, computed here when the batch has none or
+text positions); the output's `position_ids` are [B, 4, P+R], equal to `vl_position_ids` over
+prompt + response. Chunks of rows and resumed partial rollouts carry their rows' images.
+
 Partial rollouts (asynchronous training, `meta_info["partial_rollout"]`): the rollout worker sets
 `weight_refresh`; every `partial_rollout_check_steps` decode steps the engine asks it whether newer
 weights wait, and if so pauses, loads them and resumes the unfinished rows from prompt + partial
@@ -56,6 +64,7 @@ newest version that sampled a token of the row).
 from __future__ import annotations
 
 import logging
+import os
 import time
 from collections.abc import Iterable
 from typing import NamedTuple, Protocol
@@ -68,7 +77,13 @@ from verl.utils.device import get_device, is_cuda_device
 from verl.utils.speed_paths import SpeedPath
 from verl.workers.config import RolloutConfig
 from verl.workers.rollout.base import BaseRollout
-from verl.workers.rollout.engine_io import resolve_sampling, resolve_token_ids
+from verl.workers.rollout.engine_io import (
+    multi_modal_rows,
+    prompt_position_ids,
+    resolve_sampling,
+    resolve_token_ids,
+    response_position_ids,
+)
 from verl.workers.rollout.sampling import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -165,12 +180,19 @@ class HFRollout(BaseRollout):
         )
         # Set by the rollout worker of asynchronous training; used when a request asks for partial rollouts.
         self.weight_refresh: WeightRefresh | None = None
+        self._model_path = model_path_or_module if isinstance(model_path_or_module, (str, os.PathLike)) else None
+        self._image_processor = None  # loaded from the model directory when first needed
         hf_config = self._hf_config(model_path_or_module)
+        text_config = hf_config.get_text_config()  # a vision-language config keeps the ids in its text part
         self._default_eos = _first_set(
-            getattr(tokenizer, "eos_token_id", None), getattr(hf_config, "eos_token_id", None)
+            getattr(tokenizer, "eos_token_id", None),
+            getattr(hf_config, "eos_token_id", None),
+            getattr(text_config, "eos_token_id", None),
         )
         self._default_pad = _first_set(
-            getattr(tokenizer, "pad_token_id", None), getattr(hf_config, "pad_token_id", None)
+            getattr(tokenizer, "pad_token_id", None),
+            getattr(hf_config, "pad_token_id", None),
+            getattr(text_config, "pad_token_id", None),
         )
 
     @staticmethod
@@ -234,13 +256,9 @@ class HFRollout(BaseRollout):
         input_ids = prompts.batch["input_ids"]
         attention_mask = prompts.batch["attention_mask"]
         position_ids = prompts.batch.get("position_ids", None)
-        if position_ids is None:
-            position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
-        if position_ids.dim() != 2:
-            raise ValueError(
-                f"position_ids of shape {tuple(position_ids.shape)}: the built-in rollout supports 1-D rotary "
-                "positions [batch, prompt_len] only (no multimodal rope)"
-            )
+        processed_here = "multi_modal_inputs" not in prompts.non_tensor_batch
+        images = multi_modal_rows(prompts, self._load_image_processor)
+        position_ids = prompt_position_ids(self.engine.vision_config, input_ids, attention_mask, position_ids, images)
         out_device = input_ids.device
         refresh = self.weight_refresh if meta.get("partial_rollout") else None
         check_steps = int(meta.get("partial_rollout_check_steps", 1))
@@ -262,17 +280,20 @@ class HFRollout(BaseRollout):
                 continue
             rows = slice(lo, lo + chunk)
             args = (input_ids[rows], attention_mask[rows], position_ids[rows], response_length, sampling, eos_ids, pad)
-            parts.append(self._generate_partial(*args, refresh, check_steps) if refresh else self._generate(*args))
+            chunk_images = None if images is None else images[rows]
+            if refresh:
+                parts.append(self._generate_partial(*args, refresh, check_steps, chunk_images))
+            else:
+                parts.append(self._generate(*args, chunk_images))
         responses = torch.cat([p.responses for p in parts]).to(out_device)
         response_mask = torch.cat([p.response_mask for p in parts]).to(out_device, attention_mask.dtype)
 
-        delta = torch.arange(1, response_length + 1, device=out_device, dtype=position_ids.dtype)
         tensors = {
             "prompts": input_ids,
             "responses": responses,
             "input_ids": torch.cat([input_ids, responses], dim=-1),
             "attention_mask": torch.cat([attention_mask, response_mask], dim=-1),
-            "position_ids": torch.cat([position_ids, position_ids[:, -1:] + delta], dim=-1),
+            "position_ids": response_position_ids(position_ids.to(out_device), response_mask),
             "response_mask": response_mask,
         }
         if self.config.calculate_log_probs:
@@ -291,10 +312,28 @@ class HFRollout(BaseRollout):
         meta["metrics"] = metrics
         batch = TensorDict(tensors, batch_size=[input_ids.shape[0]])
         non_tensors = dict(prompts.non_tensor_batch)
+        if images is not None and processed_here:  # the actor trains on the inputs the rollout generated with
+            import numpy as np
+
+            non_tensors["multi_modal_inputs"] = np.empty(len(images), dtype=object)
+            non_tensors["multi_modal_inputs"][:] = images
         if refresh is not None:
             non_tensors["weight_version"] = torch.cat([p.version_min for p in parts]).numpy()
             non_tensors["weight_version_max"] = torch.cat([p.version_max for p in parts]).numpy()
         return DataProto(batch=batch, non_tensor_batch=non_tensors, meta_info=meta)
+
+    def _load_image_processor(self, images=None, **kwargs):
+        """The model's image processor (loaded from the model directory on first use), applied to `images`."""
+        if self._image_processor is None:
+            if self._model_path is None:
+                raise ValueError(
+                    "the prompts carry images without multi_modal_inputs, and a rollout built from a model object has "
+                    "no directory to load the image processor from; pass multi_modal_inputs or build it from a path"
+                )
+            from transformers import AutoImageProcessor
+
+            self._image_processor = AutoImageProcessor.from_pretrained(self._model_path)
+        return self._image_processor(images=images, **kwargs)
 
     def _group_chunks(self, chunks: int) -> int:
         """The most generation chunks any rank of the expert-parallel group runs (`chunks` without one)."""
@@ -312,7 +351,7 @@ class HFRollout(BaseRollout):
         ones = torch.ones((1, 1), dtype=torch.long)
         self._generate(ones * pad, ones, ones * 0, response_length, sampling, eos_ids, pad)
 
-    def _generate(self, input_ids, attention_mask, position_ids, response_length, sampling, eos_ids, pad):
+    def _generate(self, input_ids, attention_mask, position_ids, response_length, sampling, eos_ids, pad, images=None):
         return self.engine.generate(
             input_ids,
             attention_mask,
@@ -323,10 +362,21 @@ class HFRollout(BaseRollout):
             position_ids=position_ids,
             return_logprobs=self.config.calculate_log_probs,
             record_routing=bool(self.config.enable_rollout_routing_replay),
+            multi_modal_inputs=images,
         )
 
     def _generate_partial(
-        self, input_ids, attention_mask, position_ids, response_length, sampling, eos_ids, pad, refresh, check_steps
+        self,
+        input_ids,
+        attention_mask,
+        position_ids,
+        response_length,
+        sampling,
+        eos_ids,
+        pad,
+        refresh,
+        check_steps,
+        images=None,
     ) -> _PartialOutput:
         """Generation that lets newer weights in mid-way (see `WeightRefresh`).
 
@@ -334,7 +384,8 @@ class HFRollout(BaseRollout):
         stops, they are loaded, and the rows without EOS yet go on from prompt + partial response,
         which is prefilled again with the new weights (an unfinished row has no padding inside its
         partial response, so the concatenation is a valid left-padded prompt). Each token's
-        log-prob is thus the one of the weights that sampled it.
+        log-prob is thus the one of the weights that sampled it. A resumed row is prefilled with its
+        images again; its response tokens are text, so their positions continue every position row.
         """
         B, R = input_ids.shape[0], response_length
         device = input_ids.device
@@ -358,6 +409,7 @@ class HFRollout(BaseRollout):
                 return_logprobs=logprobs is not None,
                 pause=refresh.pending,
                 pause_check_steps=check_steps,
+                multi_modal_inputs=images,
             )
             width = R - done if out.paused_at is None else out.paused_at
             columns = slice(done, done + width)
@@ -378,7 +430,9 @@ class HFRollout(BaseRollout):
             if not going.any():
                 break
             active, new_tokens = active[going], new_tokens[going]
-            last = position_ids[going, -1:]
+            if images is not None:
+                images = [images[i] for i in going.nonzero().squeeze(1).tolist()]
+            last = position_ids[going][..., -1:]
             input_ids = torch.cat([input_ids[going], new_tokens], dim=-1)
             attention_mask = torch.cat(
                 [attention_mask[going], torch.ones_like(new_tokens, dtype=attention_mask.dtype)], dim=-1

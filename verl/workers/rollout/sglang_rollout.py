@@ -27,6 +27,9 @@ Design decisions:
 - One engine per worker (tensor_model_parallel_size=1). SGLang's tensor parallelism spawns its own
   processes on several devices, which a one-device Ray worker cannot host; a larger size is refused
   with an explanation instead of failing deep inside SGLang.
+- A vision-language model (Qwen2.5-VL) is refused when the rollout is built: passing SGLang the
+  images is not written here, since it could not be tested; rollout.name=hf or vllm generate with
+  images (docs/multimodal_rollout.md).
 """
 
 from __future__ import annotations
@@ -130,6 +133,10 @@ def bucket_named_tensors(
 
 class SGLangRollout(ExternalEngineRollout):
     """SGLang offline engine behind `BaseRollout` (see the module docstring for what is tested)."""
+
+    images_unsupported_reason = (
+        "SGLang's image inputs are not wired into this adapter (there is no CPU build of SGLang to test them on)"
+    )
 
     def __init__(self, model_path: str, config=None, tokenizer=None):
         config = omega_conf_to_dataclass(config, RolloutConfig)

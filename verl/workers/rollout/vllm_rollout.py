@@ -22,6 +22,17 @@ vLLM calls used (vLLM >= 0.10, V1 engine):
   `LLM.reset_prefix_cache()` after every weight update (cached prefixes were computed with the old
   weights and would otherwise be reused).
 
+Vision-language models (Qwen2.5-VL): each request is upstream's
+`TokensPrompt(prompt_token_ids=<ids with one <|image_pad|> per image>, multi_modal_data={"image": [PIL, ...]})`;
+vLLM runs the model's processor on the images and expands the image tokens itself, so the engine is
+built with its tokenizer (`skip_tokenizer_init=False`). Weight sync sends the trainer's names
+(`model.visual.*`, `model.language_model.*`, `lm_head.weight`); vLLM's Qwen2.5-VL loader maps them
+(and the released checkpoints' `visual.*` / `model.*`) to its modules. vLLM's Qwen2-VL code imports
+transformers' torchvision-based image processor at import time, so without torchvision (the CPU
+machines here: no CPU torchvision build matches the pinned torch) a vision-language model is refused
+when the rollout is built, in one line that names the built-in engine, which generates with images
+on CPU. Verified on GPU only by a `gpu`+`vllm` test (tests/workers/rollout/test_vllm_vl_rollout.py).
+
 Design decisions:
 - Sleep is level 1 (weights offloaded to host memory, KV cache discarded). The weights are
   overwritten by every sync, so level 2 would do too, but level 1 keeps a sleeping engine usable
@@ -79,13 +90,43 @@ def _cpu_kv_cache_bytes(model_path: str, config: RolloutConfig, dtype: str) -> i
     """KV cache for max_num_seqs full-length sequences (at least 64 MiB, at most 4 GiB)."""
     from transformers import AutoConfig
 
-    hf = AutoConfig.from_pretrained(model_path)
+    hf = AutoConfig.from_pretrained(model_path).get_text_config()  # a vision-language model's language part
     head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
     kv_heads = getattr(hf, "num_key_value_heads", None) or hf.num_attention_heads
     itemsize = torch.empty((), dtype=getattr(torch, dtype)).element_size()
     per_token = 2 * hf.num_hidden_layers * kv_heads * head_dim * itemsize
     tokens = int(config.max_num_seqs) * max_model_len(config)
     return int(min(max(per_token * tokens * 1.25, 64 << 20), 4 * _GiB))
+
+
+def _is_vision_language(model_path: str) -> bool:
+    from transformers import AutoConfig
+
+    from verl.utils.vision import is_vision_language_config
+
+    return is_vision_language_config(AutoConfig.from_pretrained(model_path))
+
+
+def check_vision_language_support(model_path: str) -> None:
+    """Refuse a vision-language model where vLLM cannot import its image path (module docstring)."""
+    import importlib.util
+
+    if _is_vision_language(model_path) and importlib.util.find_spec("torchvision") is None:
+        raise ValueError(
+            f"actor_rollout_ref.rollout.name=vllm with the vision-language model {model_path!r} needs torchvision "
+            "(vLLM's Qwen2-VL code imports it), which is not installed (no CPU build matches torch here); use "
+            "actor_rollout_ref.rollout.name=hf, which generates with images on CPU, or install torchvision for this torch"
+        )
+
+
+def vllm_request(prompt_token_ids: list[int], images: list | None = None):
+    """One request in upstream's form: `TokensPrompt(prompt_token_ids=...)`, with
+    `multi_modal_data={"image": [...]}` when the row has images."""
+    from vllm.inputs import TokensPrompt
+
+    if images:
+        return TokensPrompt(prompt_token_ids=prompt_token_ids, multi_modal_data={"image": list(images)})
+    return TokensPrompt(prompt_token_ids=prompt_token_ids)
 
 
 def vllm_engine_kwargs(model_path: str, config: RolloutConfig, seed: int = 0) -> dict:
@@ -98,7 +139,8 @@ def vllm_engine_kwargs(model_path: str, config: RolloutConfig, seed: int = 0) ->
     max_len = max_model_len(config)
     kwargs = dict(
         model=model_path,
-        skip_tokenizer_init=True,
+        # a vision-language model's requests go through vLLM's multimodal processor, which needs the tokenizer
+        skip_tokenizer_init=not _is_vision_language(model_path),
         dtype=dtype,
         tensor_parallel_size=tp,
         gpu_memory_utilization=float(config.gpu_memory_utilization),
@@ -169,7 +211,11 @@ def parse_vllm_output(completion, with_logprobs: bool) -> EngineResponse:
 class vLLMRollout(ExternalEngineRollout):
     """vLLM's offline engine behind `BaseRollout`, in the worker's process (module docstring)."""
 
+    supports_images = True
+
     def __init__(self, model_path: str, config=None, tokenizer=None):
+        if isinstance(model_path, str):
+            check_vision_language_support(model_path)
         super().__init__(model_path, config, tokenizer)
         # in-process engine core: weights are loaded by a direct call (must be set before vllm reads it)
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
@@ -201,23 +247,27 @@ class vLLMRollout(ExternalEngineRollout):
             self.llm.wake_up(tags=["kv_cache"])
             self._kv_cache_asleep = False
 
-    def _generate(self, prompts, sampling, max_new_tokens, stop_token_ids, with_logprobs):
+    def _generate(self, prompts, sampling, max_new_tokens, stop_token_ids, with_logprobs, images=None):
         from vllm import SamplingParams as VllmSamplingParams
-        from vllm.inputs import TokensPrompt
 
         self._awake_for_generation()
         params = VllmSamplingParams(
             **vllm_sampling_kwargs(sampling, max_new_tokens, stop_token_ids, with_logprobs, self.config.ignore_eos)
         )
-        requests = [TokensPrompt(prompt_token_ids=ids) for ids in prompts]
+        images = images or [None] * len(prompts)
+        requests = [vllm_request(ids, row_images) for ids, row_images in zip(prompts, images)]
         outputs = self.llm.generate(requests, params, use_tqdm=False)
         return [parse_vllm_output(out.outputs[0], with_logprobs) for out in outputs]
 
-    def _generate_partial(self, prompts, sampling, max_new_tokens, stop_token_ids, with_logprobs, check_steps):
-        """`_generate` driving the engine step by step, letting newer weights in (module docstring)."""
+    def _generate_partial(
+        self, prompts, sampling, max_new_tokens, stop_token_ids, with_logprobs, check_steps, images=None
+    ):
+        """`_generate` driving the engine step by step, letting newer weights in (module docstring); a
+        resumed request carries its images again."""
         from vllm import SamplingParams as VllmSamplingParams
-        from vllm.inputs import TokensPrompt
         from vllm.sampling_params import RequestOutputKind
+
+        images = images or [None] * len(prompts)
 
         self._awake_for_generation()
         refresh, engine = self.weight_refresh, self.llm.llm_engine
@@ -238,7 +288,7 @@ class vLLMRollout(ExternalEngineRollout):
                 params = VllmSamplingParams(**{**kwargs, "max_tokens": max_new_tokens - len(tokens[row])})
                 params.output_kind = RequestOutputKind.CUMULATIVE
                 request_id = f"verl-partial-{self._partial_round}-{row}"
-                engine.add_request(request_id, TokensPrompt(prompt_token_ids=prompts[row] + tokens[row]), params)
+                engine.add_request(request_id, vllm_request(prompts[row] + tokens[row], images[row]), params)
                 request_row[request_id] = row
             latest, finished, steps, paused = {}, set(), 0, False
             while engine.has_unfinished_requests():

@@ -54,6 +54,20 @@ EOS is fed like any other and masked out) and runs one extra decode step for the
 column. Without the flag nothing is hooked and nothing changes. The generic HF path only: the
 native decoder runs dense models.
 
+Vision-language models (Qwen2.5-VL; the generic HF path, the native decoder refuses them):
+`generate(..., multi_modal_inputs=[...])` takes one dict per row (`pixel_values`, `image_grid_thw`,
+the processor's output for that row's images; None or {} for a text-only row) and position ids of
+shape [B, 4, P] (upstream verl's layout: the text positions, then M-RoPE's time/height/width rows;
+`verl.utils.vision.vl_position_ids`, computed here when none are given). The prefill runs the
+model's vision tower on the images of the rows it prefills; every decode step feeds one text token,
+whose four position rows each continue the row's last prompt position by one per token (the text
+rule of M-RoPE: transformers' generate adds the same `rope_deltas` to all three rows). The images
+matter only to the prefill, so every later transformation of the batch works on cache rows as for a
+text model: compaction of finished rows, the fan-out of repeated prompts (rows repeat a prompt only
+when their images are equal too: the prefill key carries a fingerprint of each row's pixels), chunks
+of rows (each chunk carries its rows' images), pausing (the caller re-prefills with the images).
+CUDA graphs and fp8 need the native decoder and are refused for these models with the reason.
+
 Expert parallelism (`expert_parallel=(group, rank, size)`, `rollout.expert_parallel_size`): the
 routed experts are split over the group (`native.expert_parallel`) and every MoE layer exchanges
 tokens over it, so the group's ranks must run the same forwards: the stop check asks the group how
@@ -66,8 +80,9 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
+from types import MappingProxyType
 from typing import NamedTuple
 
 import torch
@@ -76,6 +91,7 @@ import torch.nn.functional as F
 
 from verl.models.moe import RoutingRecorder
 from verl.utils.device import device_context, empty_cache, free_memory_bytes, get_device, synchronize
+from verl.workers.rollout.engine_io import image_grids
 from verl.workers.rollout.native.cuda_graph import BATCH_BUCKETS, DecodeGraphRunner
 from verl.workers.rollout.native.hf_decoder import HFModelDecoder
 from verl.workers.rollout.native.llama_decoder import (
@@ -206,6 +222,14 @@ class GenerationEngine:
     def is_native(self) -> bool:
         return isinstance(self.decoder, LlamaDecoder)
 
+    @property
+    def vision_config(self):
+        """The HF config of the model when it is a vision-language model (it takes images), else None."""
+        from verl.utils.vision import is_vision_language_config
+
+        config = getattr(getattr(self.decoder, "model", None), "config", None)
+        return config if config is not None and is_vision_language_config(config) else None
+
     # ------------------------------------------------------------------------------ construction
     @classmethod
     def from_model(
@@ -231,6 +255,8 @@ class GenerationEngine:
         `quantization`: None or 'fp8' (block-wise fp8 linear weights, `native.fp8`; native decoder only).
         """
         from transformers import AutoConfig, AutoModelForCausalLM
+
+        from verl.utils.vision import is_vision_language_config
 
         device = torch.device(device) if device is not None else get_device()
         dtype = resolve_dtype(dtype, device)
@@ -273,10 +299,13 @@ class GenerationEngine:
                 )
         else:
             logger.info("rollout uses the generic HF decoder: %s", reason)
+            auto_class = AutoModelForCausalLM
+            if is_vision_language_config(config):  # AutoModelForCausalLM does not map Qwen2.5-VL
+                from transformers import AutoModelForImageTextToText as auto_class
             if is_path:
-                model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
+                model = auto_class.from_pretrained(path, dtype=dtype)
             else:
-                model = AutoModelForCausalLM.from_config(config)
+                model = auto_class.from_config(config)
                 model.load_state_dict(
                     {
                         k: v.full_tensor() if hasattr(v, "full_tensor") else v
@@ -460,6 +489,7 @@ class GenerationEngine:
         pause: Callable[[], bool] | None = None,
         pause_check_steps: int = 1,
         record_routing: bool = False,
+        multi_modal_inputs: Sequence[Mapping | None] | None = None,
     ) -> GenerationOutput:
         """Generate up to `max_new_tokens` per left-padded prompt row of `input_ids` [B, P].
 
@@ -473,6 +503,10 @@ class GenerationEngine:
         since after a weight update it would hold the old weights' keys and values.
 
         `record_routing` returns each token's MoE routing as `routed_experts` (module docstring).
+
+        `multi_modal_inputs` (vision-language models): one dict per row with the row's `pixel_values`
+        and `image_grid_thw` (None or {} for a text-only row); `position_ids` are then [B, 4, P]
+        (module docstring; computed with `vl_position_ids` when None).
         """
         self._check_ready()
         if pause is not None and self.expert_parallel_group is not None:
@@ -488,6 +522,13 @@ class GenerationEngine:
         dev = self.device
         input_ids = input_ids.to(dev)
         attention_mask = attention_mask.to(dev)
+        images = self._check_images(input_ids, attention_mask, position_ids, multi_modal_inputs)
+        if position_ids is None and self.vision_config is not None:
+            from verl.utils.vision import vl_position_ids
+
+            position_ids = vl_position_ids(
+                self.vision_config, input_ids.cpu(), attention_mask.cpu(), image_grids(images)
+            )
         if position_ids is None:
             position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
         position_ids = position_ids.to(dev)
@@ -499,7 +540,7 @@ class GenerationEngine:
         if recorder is not None:
             with device_context(dev), recorder:
                 out = self._generate_rows(
-                    input_ids, attention_mask, position_ids, R, *args, pause, pause_check_steps, recorder
+                    input_ids, attention_mask, position_ids, R, *args, pause, pause_check_steps, recorder, images
                 )
             routing = F.pad(out.routed_experts, (0, 0, 0, 0, full_prompt_len - P, 0))  # the dropped columns
             return out._replace(routed_experts=routing)
@@ -508,7 +549,9 @@ class GenerationEngine:
         with device_context(dev):
             chunk = self._rows_per_chunk(B, P, R)
             if chunk >= B:
-                return self._generate_rows(input_ids, attention_mask, position_ids, R, *args, pause, pause_check_steps)
+                return self._generate_rows(
+                    input_ids, attention_mask, position_ids, R, *args, pause, pause_check_steps, None, images
+                )
             # Rows beyond the memory budget: chunk after chunk. A pause in one chunk ends the batch
             # at that column: later chunks generate only that far, earlier ones are cut there.
             parts, paused_at = [], None
@@ -522,6 +565,8 @@ class GenerationEngine:
                     *args,
                     pause if paused_at is None else None,
                     pause_check_steps,
+                    None,
+                    None if images is None else images[rows],
                 )
                 paused_at = paused_at if paused_at is not None else out.paused_at
                 parts.append(out)
@@ -541,9 +586,11 @@ class GenerationEngine:
         pause: Callable[[], bool] | None,
         pause_check_steps: int,
         recorder: RoutingRecorder | None = None,
+        images: list[Mapping | None] | None = None,
     ) -> GenerationOutput:
         """`generate` for rows whose KV cache fits at once (inputs already on the device); with a
-        `recorder` (inside its `with`) the routing of every fed token too."""
+        `recorder` (inside its `with`) the routing of every fed token too; `images`: the rows'
+        multi-modal inputs (see `generate`)."""
         dev = self.device
         B, P = input_ids.shape
         R = max_new_tokens
@@ -553,9 +600,10 @@ class GenerationEngine:
         eos = torch.tensor(eos_ids, dtype=torch.long, device=dev) if eos_ids else None
         responses = torch.full((B, R), pad_token_id, dtype=torch.long, device=dev)
         logprobs = torch.zeros((B, R), dtype=torch.float32, device=dev) if return_logprobs else None
-        positions = position_ids[:, -1:] + torch.arange(1, R + 1, device=dev)
+        # [B, R] or, M-RoPE, [B, 4, R]: every position row continues by one per generated token
+        positions = position_ids[..., -1:] + torch.arange(1, R + 1, device=dev)
 
-        logits, fan_out = self._prefill(input_ids, attention_mask, position_ids)
+        logits, fan_out = self._prefill(input_ids, attention_mask, position_ids, images)
         routing = None
         if recorder is not None:
             prompt_routing = recorder.take()
@@ -595,11 +643,11 @@ class GenerationEngine:
             if pause is not None and (i + 1) % pause_check_steps == 0 and pause():
                 paused_at = i + 1
                 break
-            logits = self._decode(tokens, positions[:, i], P + i)
+            logits = self._decode(tokens, positions[..., i], P + i)
             if routing is not None:
                 routing[:, P + i] = recorder.take()
         if routing is not None:  # the last sampled token has not been fed yet: one more step routes it
-            self._decode(tokens, positions[:, i], P + i)
+            self._decode(tokens, positions[..., i], P + i)
             routing[:, P + i] = recorder.take()
 
         # 1 up to and including each row's first EOS; unsampled columns (early stop) are pad already
@@ -618,21 +666,29 @@ class GenerationEngine:
         return GenerationOutput(responses, response_mask, logprobs, paused_at, routing)
 
     def _prefill(
-        self, input_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor,
+        position_ids: torch.Tensor,
+        images: list[Mapping | None] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Prefill each distinct prompt once; its keys/values are written to every row that repeats it.
         Returns the last position's logits of every row and the row -> prefilled prompt map (None when
         every row was prefilled as itself).
 
         GRPO-style batches repeat every prompt `n` times; their prefill is the same computation, and
-        writing `P` cache columns per row costs far less than recomputing them.
+        writing `P` cache columns per row costs far less than recomputing them. With images, rows
+        repeat a prompt only when their images are equal too (`_image_keys`).
         """
         B = input_ids.shape[0]
         mask = attention_mask.to(input_ids.dtype)
-        key = torch.cat((input_ids * mask, mask, position_ids.to(input_ids.dtype)), dim=1)
+        parts = [input_ids * mask, mask, position_ids.reshape(B, -1).to(input_ids.dtype)]
+        if images is not None:
+            parts.append(_image_keys(images).to(input_ids.device, input_ids.dtype)[:, None])
+        key = torch.cat(parts, dim=1)
         distinct, inverse = torch.unique(key, dim=0, return_inverse=True)
         if distinct.shape[0] == B:
-            return self.decoder.prefill(input_ids, attention_mask, position_ids), None
+            return self.decoder.prefill(input_ids, attention_mask, position_ids, **_vision_kwargs(images, None)), None
         # any row of each distinct prompt represents it: take the first
         first = torch.full((distinct.shape[0],), B, dtype=torch.long, device=input_ids.device)
         first.scatter_reduce_(0, inverse, torch.arange(B, device=input_ids.device), reduce="amin")
@@ -643,8 +699,51 @@ class GenerationEngine:
         renumber = torch.empty_like(by_appearance)
         renumber[by_appearance] = torch.arange(by_appearance.shape[0], device=input_ids.device)
         first, inverse = first[by_appearance], renumber[inverse]
-        logits = self.decoder.prefill(input_ids[first], attention_mask[first], position_ids[first], rows=inverse)
+        logits = self.decoder.prefill(
+            input_ids[first],
+            attention_mask[first],
+            position_ids[first],
+            rows=inverse,
+            **_vision_kwargs(images, first.tolist()),
+        )
         return logits[inverse], inverse
+
+    def _check_images(self, input_ids, attention_mask, position_ids, multi_modal_inputs) -> list | None:
+        """The rows' multi-modal inputs as a list (None when no row has any), after checking that the
+        model takes them and that the positions have the shape its rotary embedding needs."""
+        B = input_ids.shape[0]
+        config = self.vision_config
+        if position_ids is not None and position_ids.dim() == 3 and config is None:
+            raise ValueError(
+                f"position_ids of shape {tuple(position_ids.shape)} (multimodal M-RoPE) for a rollout model that is "
+                "not a vision-language model; text models take [batch, prompt_len] positions"
+            )
+        if multi_modal_inputs is None:
+            return None
+        images = [_unwrap(row) for row in multi_modal_inputs]
+        if len(images) != B:
+            raise ValueError(f"multi_modal_inputs has {len(images)} entries for {B} prompt rows; pass one per row")
+        if not any(images):
+            return None
+        for row in images:
+            unknown = set(row or {}) - {"pixel_values", "image_grid_thw"}
+            if unknown:
+                raise ValueError(
+                    f"multi_modal_inputs keys {sorted(unknown)} are not supported by the built-in rollout engine: it "
+                    "generates with images (pixel_values, image_grid_thw) only; videos are not supported"
+                )
+        if config is None:
+            raise ValueError(
+                "the prompts carry images (multi_modal_inputs) but the rollout model is not a vision-language model "
+                "(its config has no vision_config); use a vision-language checkpoint (e.g. Qwen2.5-VL) or text-only data"
+            )
+        if position_ids is not None and position_ids.dim() != 3:
+            raise ValueError(
+                f"position_ids of shape {tuple(position_ids.shape)} for prompts with images: a vision-language model "
+                "needs [batch, 4, prompt_len] positions (text row + M-RoPE rows, verl.utils.vision.vl_position_ids), "
+                "or none (then they are computed here)"
+            )
+        return images
 
     def _group_sum(self, count: int) -> int:
         """`count` summed over the expert-parallel group (itself without one)."""
@@ -669,6 +768,58 @@ class GenerationEngine:
         return self.decoder.decode_step(tokens, positions, self._step, column + 1)
 
 
+_NO_IMAGES: Mapping = MappingProxyType({})
+
+
+def _unwrap(row):
+    """A row's multi-modal dict ({} for a text-only row); tensordict's NonTensorData is unwrapped."""
+    row = getattr(row, "data", row) if type(row).__name__ == "NonTensorData" else row
+    return row if row else _NO_IMAGES  # the row's own object: `_image_keys` hashes each object once
+
+
+def _vision_kwargs(images: list[Mapping] | None, rows: list[int] | None) -> dict:
+    """The model's image arguments for prefilling `rows` (all rows when None): their `pixel_values`
+    and `image_grid_thw` concatenated in row order; {} when those rows have no image."""
+    if images is None:
+        return {}
+    selected = [images[i] for i in rows] if rows is not None else images
+    selected = [row for row in selected if row.get("pixel_values") is not None]
+    if not selected:
+        return {}
+    return {
+        "multi_modal": {
+            "pixel_values": torch.cat([torch.as_tensor(row["pixel_values"]) for row in selected]),
+            "image_grid_thw": torch.cat([torch.as_tensor(row["image_grid_thw"]).reshape(-1, 3) for row in selected]),
+        }
+    }
+
+
+def _image_keys(images: list[Mapping]) -> torch.Tensor:
+    """[B] int64: equal for rows whose images are equal (0: no image), so that only rows with the same
+    prompt *and* images share a prefill. A row's key is a hash of its pixel values and grids, computed
+    once per distinct dict object: rows repeated for GRPO (`DataProto.repeat`) share their dict, and so
+    hash one image once."""
+    import hashlib
+
+    by_object: dict[int, bytes] = {}
+    numbers: dict[bytes, int] = {}
+    keys = []
+    for row in images:
+        if row.get("pixel_values") is None:
+            keys.append(0)
+            continue
+        digest = by_object.get(id(row))
+        if digest is None:
+            h = hashlib.blake2b(digest_size=16)
+            for name in ("pixel_values", "image_grid_thw"):
+                t = torch.as_tensor(row[name]).detach().cpu().contiguous()
+                h.update(str((t.dtype, tuple(t.shape))).encode())
+                h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes())
+            digest = by_object[id(row)] = h.digest()
+        keys.append(numbers.setdefault(digest, len(numbers) + 1))
+    return torch.tensor(keys, dtype=torch.long)
+
+
 def drop_leading_padding(
     input_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -685,7 +836,7 @@ def drop_leading_padding(
     start = int(attention_mask.bool().any(0).int().argmax())
     if start == 0:
         return input_ids, attention_mask, position_ids
-    return input_ids[:, start:], attention_mask[:, start:], position_ids[:, start:]
+    return input_ids[:, start:], attention_mask[:, start:], position_ids[..., start:]
 
 
 def _concat_outputs(parts: list[GenerationOutput], width: int, pad_token_id: int, paused_at: int | None):

@@ -12,16 +12,35 @@ so sleeping frees the memory without rebuilding the module.
 With expert parallelism (`expert_parallel=(group, rank, size)`) the model's routed experts are
 split over the group (`expert_parallel.shard_experts`) and `load_weights` keeps this rank's rows of
 each full expert tensor it is sent.
+
+Vision-language models (Qwen2.5-VL) run here too: the prefill takes the prefilled rows' images
+(`multi_modal={"pixel_values", "image_grid_thw"}`) and, like every forward, position ids of shape
+[B, 4, length] (text row + M-RoPE rows; [B] or [B, 4] per decode step), which the model takes as
+[4, B, length]. Weights synced under the checkpoint names of transformers 4 (`visual.*`,
+`model.layers.*`, as the released Qwen2.5-VL checkpoints and older trainers name them) are mapped
+to the model's own (`model.visual.*`, `model.language_model.*`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import re
+from collections.abc import Iterable, Mapping
 
 import torch
 
 from verl.utils.hf_forward import model_forward
 from verl.workers.rollout.native.llama_decoder import canonical_name
+
+# transformers 4's Qwen2-VL family names -> transformers 5's (the released checkpoints use the former)
+_LEGACY_VL_NAMES = (
+    (re.compile(r"^visual\."), "model.visual."),
+    (re.compile(r"^model\.(?!visual\.|language_model\.)"), "model.language_model."),
+)
+
+
+def _model_positions(position_ids: torch.Tensor) -> torch.Tensor:
+    """[B, L] stays; [B, 4, L] (upstream verl's multimodal layout) -> [4, B, L], the model's."""
+    return position_ids.transpose(0, 1) if position_ids.dim() == 3 else position_ids
 
 
 class HFModelDecoder:
@@ -31,7 +50,7 @@ class HFModelDecoder:
         self.device = torch.device(device)
         self.dtype = dtype
         self.model = model.to(device=self.device, dtype=dtype).eval()
-        self.vocab_size = model.config.vocab_size
+        self.vocab_size = model.config.get_text_config().vocab_size
         # parameter name -> the expert-parallel module whose rows of the full tensor this rank keeps
         self._expert_shards = {}
         if expert_parallel is not None:
@@ -53,6 +72,7 @@ class HFModelDecoder:
                 "rollout engine (actor_rollout_ref.rollout.name)"
             )
         self._forward = forward
+        self._legacy_vl_names = getattr(model.config, "vision_config", None) is not None
 
     # ----------------------------------------------------------------------------------- weights
     def parameter_names(self) -> list[str]:
@@ -80,6 +100,9 @@ class HFModelDecoder:
         loaded = set()
         for raw_name, tensor in named_tensors:
             name = canonical_name(raw_name)
+            if self._legacy_vl_names and name not in self._params:
+                for pattern, prefix in _LEGACY_VL_NAMES:
+                    name = pattern.sub(prefix, name, count=1)
             param = self._params.get(name)
             if param is None:
                 if name in dict(self.model.named_buffers()):
@@ -127,6 +150,7 @@ class HFModelDecoder:
         attention_mask: torch.Tensor,
         position_ids: torch.Tensor,
         rows: torch.Tensor | None = None,
+        multi_modal: Mapping[str, torch.Tensor] | None = None,
     ) -> torch.Tensor:
         from transformers import DynamicCache
 
@@ -138,8 +162,9 @@ class HFModelDecoder:
         out = self.model(
             input_ids=input_ids,
             attention_mask=self._mask[:, :P],
-            position_ids=position_ids,
+            position_ids=_model_positions(position_ids),
             use_cache=True,
+            **{k: v.to(self.device) for k, v in (multi_modal or {}).items()},
             **self._forward.cache_kwargs(self._cache),
             # only the last position's logits are sampled from: skip the LM head elsewhere
             **({"logits_to_keep": 1} if self._forward.accepts_logits_to_keep else {}),
@@ -157,7 +182,7 @@ class HFModelDecoder:
         out = self.model(
             input_ids=tokens[:, None],
             attention_mask=self._mask[:, :kv_len],
-            position_ids=positions[:, None],
+            position_ids=_model_positions(positions[..., None]),
             use_cache=True,
             **self._forward.cache_kwargs(self._cache),
         )

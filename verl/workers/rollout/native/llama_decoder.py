@@ -128,6 +128,12 @@ def _rope_parameters(config) -> dict:
 def unsupported_reason(config) -> str | None:
     """Why the native forward cannot run this HF config, or None when it can."""
     model_type = getattr(config, "model_type", None)
+    if getattr(config, "vision_config", None) is not None:
+        # checked first: the text config inside a Qwen2.5-VL config would otherwise pass as a Qwen2
+        return (
+            f"{model_type!r} is a vision-language model (vision tower, multimodal M-RoPE positions), which the native "
+            "decoder does not run; the generic HF path generates with its images"
+        )
     if model_type not in NATIVE_MODEL_TYPES:
         return f"model_type {model_type!r} is not one of {NATIVE_MODEL_TYPES}"
     if getattr(config, "hidden_act", "silu") != "silu":
