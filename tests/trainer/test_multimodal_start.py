@@ -134,3 +134,32 @@ def test_task_runner_applies_the_vision_rules_to_the_loaded_config(tiny_vl, tmp_
     OmegaConf.update(config, "actor_rollout_ref.rollout.name", "sglang")  # past the driver's check, as a hub id is
     with pytest.raises(ConfigError, match=r"^actor_rollout_ref.rollout.name=sglang with the vision-language model"):
         load_processor(config)
+
+
+@pytest.mark.slow  # three Python start-ups in a subprocess: about 7 s
+def test_the_cpu_demo_script_passes_every_check(tiny_vl, tmp_path):
+    """examples/grpo_trainer/run_tiny_vl_cpu.sh with `--cfg job` (Hydra's flag: print the config and run
+    every check that needs no Ray), its model and data already in place (the script makes them with
+    `verl.models.make_tiny` and examples/data_preprocess/vl_colors.py when they are missing)."""
+    import os
+    import subprocess
+    import sys
+
+    from verl.utils.dataset.vl_colors import write_vl_colors_parquet
+
+    demo = tmp_path / "demo"
+    shutil.copytree(tiny_vl, demo / "model")
+    write_vl_colors_parquet(str(demo / "data"), num_train=32, num_test=8, answer_style="letter")
+    root = Path(__file__).resolve().parents[2]
+    env = dict(os.environ, PYTHONPATH=str(root), PYTHON=sys.executable, VL_DEMO_DIR=str(demo))
+    proc = subprocess.run(
+        ["bash", "examples/grpo_trainer/run_tiny_vl_cpu.sh", "--cfg", "job"],
+        cwd=root,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "the config passed every check" in proc.stderr
+    assert f"path: {demo / 'model'}" in proc.stdout
