@@ -133,3 +133,25 @@ def test_a_vision_language_family_other_than_qwen2_vl_is_refused(tiny_vl, tmp_pa
         "family (qwen2_vl, qwen2_5_vl) is built here (its multimodal rotary positions and image inputs); train a "
         "Qwen2-VL or Qwen2.5-VL model"
     ]
+
+
+def test_a_critic_and_ulysses_are_refused_with_a_vision_language_policy(tiny_vl):
+    base = [
+        f"actor_rollout_ref.model.path={tiny_vl}",
+        "actor_rollout_ref.rollout.name=hf",
+        "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=2",
+        "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=2",
+        "critic.ppo_micro_batch_size_per_gpu=2",
+        "actor_rollout_ref.model.use_remove_padding=true",
+        "trainer.n_gpus_per_node=2",
+    ]
+    with pytest.raises(ConfigError) as info:
+        load_ppo_config(
+            [*base, "algorithm.adv_estimator=gae", "actor_rollout_ref.actor.ulysses_sequence_parallel_size=2"]
+        )
+    lines = [e for e in info.value.errors if "vision-language" in e]
+    assert [e.split(" ", 1)[0] for e in lines] == [
+        "algorithm.adv_estimator=gae",
+        "actor_rollout_ref.actor.ulysses_sequence_parallel_size=2",
+    ], info.value.errors
+    assert "critic-free estimator" in lines[0] and "does not split image features" in lines[1]

@@ -1,7 +1,8 @@
 """Rules for vision-language policies (docs/multimodal.md), checked before anything starts.
 
-Multi-modal training is built on one path: FSDP roles, the built-in (`hf`) or vLLM rollout engine,
-single-turn generation, a rule reward. Every other combination with a vision-language policy is
+Multi-modal training is built on one path: the FSDP actor and reference without Ulysses sequence
+parallelism, a critic-free estimator, the built-in (`hf`) or vLLM rollout engine, single-turn
+generation, a rule reward; the model family is Qwen2-VL / Qwen2.5-VL. Every other combination with a vision-language policy is
 refused here, naming the key and what to set instead, rather than run without the images.
 
 Design decisions:
@@ -20,6 +21,7 @@ import json
 import os
 
 from verl.trainer.config.validate_batches import need_critic
+from verl.utils.ulysses_keys import role_sp
 
 _ARR = "actor_rollout_ref"
 
@@ -64,11 +66,22 @@ def vision_language_problems(c: dict, model_name: str, model_type: str | None) -
             f"{_ARR}.actor.strategy=megatron {what}: Megatron training of vision-language models is not built here "
             f"(upstream's goes through mbridge); use the FSDP actor: {_ARR}.actor.strategy=fsdp2 (ppo_trainer.yaml)"
         )
-    critic = c.get("critic") or {}
-    if need_critic(c) and critic.get("strategy") == "megatron":
+    if need_critic(c):
+        enabled = (c.get("critic") or {}).get("enable")
+        key = "critic.enable=true" if enabled else f"algorithm.adv_estimator={c['algorithm']['adv_estimator']}"
         problems.append(
-            f"critic.strategy=megatron {what}: Megatron training of vision-language models is not built here; "
-            "use critic.strategy=fsdp2"
+            f"{key} {what} trains a critic, and a value model over image batches is not built here; train with a "
+            "critic-free estimator (algorithm.adv_estimator=grpo, rloo, reinforce_plus_plus, remax, ...) without "
+            "critic.enable"
+        )
+    try:
+        sp, sp_key = role_sp(arr["actor"], f"{_ARR}.actor")
+    except ValueError:
+        sp = 1  # two different sizes: the Ulysses check reports it
+    if sp > 1:
+        problems.append(
+            f"{sp_key}={sp} {what}: the sequence-parallel forward does not split image features across ranks; set "
+            f"{sp_key}=1 (actor.use_dynamic_bsz bounds the memory instead)"
         )
     rollout = arr["rollout"]
     if rollout["name"] == "sglang":
