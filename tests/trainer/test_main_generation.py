@@ -181,3 +181,23 @@ def test_bundled_model_scores_the_same_through_generation_and_eval_as_through_hf
     expected = evaluate_greedy_accuracy(model, hf_tokenizer(model_dir), load_rows(test_path))
     assert 0.1 < expected < 0.5, "the bundled model answers some problems, not all"
     assert metrics["arith"]["pass@1"] == pytest.approx(expected, abs=1e-12)
+
+
+def test_a_file_with_images_is_refused_not_generated_without_them(setup, tmp_path):
+    import io
+
+    from PIL import Image
+
+    from verl.utils.dataset.files import read_rows, write_parquet
+
+    buffer = io.BytesIO()
+    Image.new("RGB", (28, 28), (200, 0, 0)).save(buffer, format="PNG")
+    rows = read_rows(setup[2])
+    for row in rows:
+        row["images"] = [{"bytes": buffer.getvalue(), "path": None}]
+    with_images = tmp_path / "with_images.parquet"
+    write_parquet(rows, str(with_images))
+    args = [a for a in overrides(setup, tmp_path / "out.parquet") if not a.startswith("data.path=")]
+    with pytest.raises(ValueError, match=r"holds images \(column 'images'\): main_generation generates from text"):
+        main([*args, f"data.path={with_images}", "data.n_samples=1"])
+    assert not (tmp_path / "out.parquet").exists()

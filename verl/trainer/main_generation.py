@@ -23,6 +23,8 @@ Design decisions:
   (Upstream keeps special tokens such as EOS in the text.)
 - No row is ever dropped: overlong prompts follow `data.truncation` (default `error`, which names
   the row) instead of being filtered out, so the output stays aligned with the input.
+- Text prompts only (as upstream's): a file whose `images` column holds images is refused, rather
+  than generating from prompts whose images the model would never see.
 - The input table is read and written with pyarrow, so every input column keeps its exact type;
   an existing `responses` column is replaced. The file is written to a temporary name and renamed,
   so a crash never leaves a truncated output.
@@ -176,6 +178,7 @@ def run_generation(config) -> str:
     from torch.utils.data import DataLoader
 
     from verl.protocol import DataProto
+    from verl.trainer.preflight import _column_has_values
     from verl.utils.dataset.rl_dataset import RLHFDataset, collate_fn
     from verl.utils.device import set_device_preference
     from verl.utils.tokenizer import hf_tokenizer
@@ -188,6 +191,12 @@ def run_generation(config) -> str:
     _ensure_default_data(input_path)
     if not os.path.isfile(input_path):
         raise FileNotFoundError(f"data.path={data.path!r} does not exist (cwd: {os.getcwd()})")
+    if _column_has_values(input_path, "images"):
+        raise ValueError(
+            f"data.path={data.path!r} holds images (column 'images'): main_generation generates from text prompts "
+            "only, and the images would never reach the model; drop the column, or score a vision-language model "
+            "with main_ppo's validation, which generates with the images (trainer.val_only=true)"
+        )
     _import_external_lib(model.external_lib)
 
     tokenizer = hf_tokenizer(model.path, trust_remote_code=bool(model.trust_remote_code))
