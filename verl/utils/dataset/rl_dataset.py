@@ -399,7 +399,8 @@ class RLHFDataset(Dataset):
             if len(too_long) == len(self.rows):
                 raise ValueError(
                     f"all {len(self.rows)} prompts are longer than data.max_prompt_length={self.max_prompt_length} "
-                    f"tokens (the shortest has {min(lengths)}); raise data.max_prompt_length"
+                    f"tokens (the shortest has {min(lengths)}{', image tokens included' if self.processor else ''}); "
+                    "raise data.max_prompt_length"
                 )
             drop = set(too_long)
             keep = [i for i in range(len(self.rows)) if i not in drop]
