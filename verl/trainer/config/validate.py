@@ -56,7 +56,7 @@ from verl.trainer.config.validate_experts import check_megatron_experts, check_r
 from verl.trainer.config.validate_features import check_feature_combinations
 from verl.trainer.config.validate_lora import check_lora
 from verl.trainer.config.validate_mtp import check_mtp
-from verl.trainer.config.validate_multimodal import check_multimodal, local_hf_config
+from verl.trainer.config.validate_multimodal import check_multimodal, is_vision_language, local_hf_config
 from verl.trainer.config.validate_router_replay import _check_router_replay
 from verl.utils.config import omega_conf_to_dataclass
 from verl.utils.ulysses_keys import reference_sp, role_sp
@@ -734,6 +734,14 @@ def check_machine(cfg) -> None:
         switches.append("actor_rollout_ref.rollout.name=hf")
     elif "trainer.device=cpu" in switches and engine != "hf":
         switches.append("actor_rollout_ref.rollout.name=hf")
+    elif engine == "vllm" and importlib.util.find_spec("torchvision") is None:
+        hf_config = local_hf_config(c["actor_rollout_ref"]["model"])
+        if hf_config is not None and is_vision_language(hf_config):
+            problems.append(
+                "actor_rollout_ref.rollout.name=vllm with a vision-language model, but vLLM's image path imports "
+                "torchvision, which is not installed here (no build of it matches this torch on CPU)"
+            )
+            switches.append("actor_rollout_ref.rollout.name=hf")
     if problems:
         raise ConfigError(
             f"{' and '.join(problems)}; to run here set {' '.join(switches)} (the built-in engine runs on CPU and GPU)"
