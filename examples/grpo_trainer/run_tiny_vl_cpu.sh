@@ -4,6 +4,8 @@
 # solid image (the synthetic vl_colors task, answered with one letter: r, g, b or y; the answer is only
 # in the pixels, so a policy that ignores the image stays at 25%). The keys are those of upstream's
 # examples/grpo_trainer/run_qwen2_5_vl-7b.sh, sized for a CPU. Measured curve: docs/multimodal.md.
+# Until the rollout engine stops sampling vision placeholder tokens, the random policy samples
+# <|image_pad|> within the first steps and the step fails (docs/multimodal.md, "Known issue").
 # Extra Hydra overrides are appended: bash run_tiny_vl_cpu.sh trainer.total_training_steps=20
 set -euo pipefail
 PYTHON=${PYTHON:-python3}
