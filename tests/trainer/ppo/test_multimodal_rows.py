@@ -24,7 +24,13 @@ from verl.trainer.ppo.async_rollout import _prompt_rows
 from verl.trainer.ppo.balance import balance_batch
 from verl.trainer.ppo.generation import generation_input, with_generation
 from verl.trainer.ppo.rollout_skip import ReplayingGenerator, RolloutDump
-from verl.trainer.ppo.rollout_source import PromptStream, RewardScorer, RolloutGenerator, StepState
+from verl.trainer.ppo.rollout_source import (
+    PromptStream,
+    RewardScorer,
+    RolloutGenerator,
+    StepState,
+    vision_placeholder_ids,
+)
 from verl.trainer.ppo.step_records import dump_rollouts
 from verl.utils.checkpoint.safe_load import from_plain, to_plain, torch_load
 from verl.utils.vision import vl_position_ids
@@ -274,3 +280,32 @@ def test_rollout_data_dir_lines_count_each_samples_images(vl, tmp_path):
     by_uid = {line["uid"]: line["num_images"] for line in lines}
     assert by_uid == {f"1_{i}": len(specs) for i, specs in enumerate(IMAGES)}
     assert all(line["score"] == 1.0 for line in lines)
+
+
+def test_a_sampled_vision_placeholder_token_stops_the_step_with_its_cause(vl):
+    """A policy far from a trained one can sample <|image_pad|>; the actor would then count an image
+    token without image features. The generator names it instead of the model's deep error."""
+    c = vl.config
+    ids = vision_placeholder_ids(vl.processor)
+    assert sorted(ids) == sorted([c.image_token_id, c.video_token_id, c.vision_start_token_id, c.vision_end_token_id])
+    assert vision_placeholder_ids(None) == ()
+
+    class SamplesAnImageToken(ImageReadingRollout):
+        def generate_sequences(self, gen):
+            out = super().generate_sequences(gen)
+            out.batch["responses"][3, 0] = c.image_token_id
+            return out
+
+    rollout = SamplesAnImageToken(c, vl.processor.tokenizer.eos_token_id)
+    generator = RolloutGenerator(
+        rollout, vl.processor.tokenizer, N, multi_turn=False, current_step=lambda: 7, vision_token_ids=ids
+    )
+    prompts = PromptStream([prompt_batch(vl)], current_step=lambda: 7)
+    with pytest.raises(
+        RuntimeError,
+        match=rf"^step 7: the rollout sampled a vision placeholder token \(ids \[{c.image_token_id}\]\) into 1 response\(s\) \(rows \[3\]\)",
+    ):
+        generator(prompts(), StepState())
+    # the same rollout for a text policy (no placeholder ids): nothing to check
+    text = RolloutGenerator(rollout, vl.processor.tokenizer, N, multi_turn=False, current_step=lambda: 7)
+    assert len(text(PromptStream([prompt_batch(vl)], current_step=lambda: 7)(), StepState())) == len(IMAGES) * N

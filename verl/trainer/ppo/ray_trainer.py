@@ -174,6 +174,7 @@ class RayPPOTrainer:
             current_step=lambda: self.global_steps,
             total_steps=lambda: self.total_training_steps,
             rollout_wg=groups.get("rollout_wg"),
+            processor=self.processor,
         )
         self._worker_speed_paths = worker_speed_paths(groups)
         # rollout.prometheus.enable: the engines' metrics endpoints, listed in Prometheus's scrape config

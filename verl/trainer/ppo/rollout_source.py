@@ -152,20 +152,26 @@ class RolloutGenerator:
     current_step: `() -> int`, stamped into the rollout's meta_info.
     baseline_scorer: for ReMax, the scorer of each prompt's greedy response, whose score becomes
         the prompt's `reward_baselines`; None otherwise.
+    vision_token_ids: a vision-language policy's image/video placeholder tokens, which a response
+        must not hold (`vision_placeholder_ids`); empty for a text policy.
     """
 
-    def __init__(self, worker_group, tokenizer, n: int, multi_turn: bool, current_step, baseline_scorer=None):
+    def __init__(
+        self, worker_group, tokenizer, n: int, multi_turn: bool, current_step, baseline_scorer=None, vision_token_ids=()
+    ):
         self.worker_group = worker_group
         self.tokenizer = tokenizer
         self.n = n
         self.multi_turn = multi_turn
         self.current_step = current_step
         self.baseline_scorer = baseline_scorer
+        self.vision_token_ids = tuple(vision_token_ids)
 
     def __call__(self, batch: DataProto, state: StepState) -> DataProto:
         with marked_timer("gen", state.timing):
             gen_batch = self._input(batch).repeat(repeat_times=self.n, interleave=True)
             gen_out = self.worker_group.generate_sequences(gen_batch)
+        check_no_vision_tokens(gen_out, self.vision_token_ids, self.current_step())
         state.metrics.update(meta_metrics(gen_out))
         if self.baseline_scorer is not None:
             with marked_timer("gen_max", state.timing):
@@ -182,6 +188,37 @@ class RolloutGenerator:
         """ReMax: the score of the greedy response to each prompt is that prompt's baseline [B]."""
         greedy = self.worker_group.generate_sequences(self._input(batch, do_sample=False))
         return self.baseline_scorer.scores(with_generation(batch, greedy)).sum(-1)
+
+
+def vision_placeholder_ids(processor) -> tuple[int, ...]:
+    """The token ids of a vision-language processor that stand for image or video features (the
+    `<|image_pad|>` / `<|video_pad|>` runs and the `<|vision_start|>` / `<|vision_end|>` marks);
+    () without a processor."""
+    if processor is None:
+        return ()
+    tokenizer = getattr(processor, "tokenizer", processor)
+    names = ("<|image_pad|>", "<|video_pad|>", "<|vision_start|>", "<|vision_end|>")
+    ids = tokenizer.convert_tokens_to_ids(list(names))
+    return tuple(i for i in ids if i is not None and i != tokenizer.unk_token_id)
+
+
+def check_no_vision_tokens(gen_out: DataProto, vision_token_ids: tuple[int, ...], step: int) -> None:
+    """Stop with the cause when the rollout sampled a vision placeholder token into a response: the
+    training forward would count an image token that has no image features and fail deep in the
+    model ("Image features and image tokens do not match"). docs/multimodal.md, "Known issue"."""
+    if not vision_token_ids:
+        return
+    responses = gen_out.batch["responses"]
+    hit = torch.isin(responses, torch.tensor(vision_token_ids)) & gen_out.batch["response_mask"].bool()
+    if bool(hit.any()):
+        rows = hit.any(-1).nonzero().flatten().tolist()
+        ids = sorted({int(t) for t in responses[hit].tolist()})
+        raise RuntimeError(
+            f"step {step}: the rollout sampled a vision placeholder token (ids {ids}) into {len(rows)} response(s) "
+            f"(rows {rows[:8]}); a response token cannot carry an image, so the actor could not score them. The "
+            'rollout engine must not sample these tokens for a vision-language model (docs/multimodal.md, "Known '
+            'issue"); a policy far from a trained checkpoint (a random one) samples them often'
+        )
 
 
 class RolloutSource(Protocol):
@@ -290,12 +327,13 @@ def group_filter_values(batch: DataProto, metric: str) -> np.ndarray:
 
 
 def build_rollout_source(
-    config, *, prompts, scorer, actor_wg, tokenizer, current_step, total_steps, rollout_wg=None
+    config, *, prompts, scorer, actor_wg, tokenizer, current_step, total_steps, rollout_wg=None, processor=None
 ) -> RolloutSource:
     """The source the config asks for: generation in a pool of its own (`rollout_wg`, async
     training) runs ahead; `algorithm.filter_groups.enable` filters groups (DAPO); else one batch a
     step. The parts: `prompts` (PromptStream), `scorer` (RewardScorer), the worker groups,
-    `current_step` / `total_steps` (`() -> int`, the trainer's counters)."""
+    `current_step` / `total_steps` (`() -> int`, the trainer's counters), a vision-language
+    policy's `processor` (its placeholder tokens must not appear in responses)."""
     if rollout_wg is not None:
         return AsyncRolloutSource(
             config,
@@ -311,7 +349,13 @@ def build_rollout_source(
     remax = algo.adv_estimator == "remax"
     baseline_scorer = scorer if remax else None
     generator = RolloutGenerator(
-        actor_wg, tokenizer, rollout.n, runs_agent_loops(rollout), current_step, baseline_scorer
+        actor_wg,
+        tokenizer,
+        rollout.n,
+        runs_agent_loops(rollout),
+        current_step,
+        baseline_scorer,
+        vision_token_ids=vision_placeholder_ids(processor),
     )
     if rollout.skip_rollout:  # the first rollout is dumped, every later one replays it (rollout_skip.py)
         generator = ReplayingGenerator(generator, RolloutDump(dump_path(config)))
