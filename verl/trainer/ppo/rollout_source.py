@@ -192,12 +192,13 @@ class RolloutGenerator:
 
 def vision_placeholder_ids(processor) -> tuple[int, ...]:
     """The token ids of a vision-language processor that stand for image or video features (the
-    `<|image_pad|>` / `<|video_pad|>` runs and the `<|vision_start|>` / `<|vision_end|>` marks);
-    () without a processor."""
+    `<|image_pad|>` / `<|video_pad|>` runs the model fills with features); () without a processor.
+    The `<|vision_start|>` / `<|vision_end|>` marks are left out: in a response they are meaningless
+    but harmless, the model replaces no embedding there."""
     if processor is None:
         return ()
     tokenizer = getattr(processor, "tokenizer", processor)
-    names = ("<|image_pad|>", "<|video_pad|>", "<|vision_start|>", "<|vision_end|>")
+    names = ("<|image_pad|>", "<|video_pad|>")
     ids = tokenizer.convert_tokens_to_ids(list(names))
     return tuple(i for i in ids if i is not None and i != tokenizer.unk_token_id)
 
