@@ -187,8 +187,9 @@ def test_rollout_output_follows_the_contract_in_chunks_and_repeats(vl):
 
     B, P = prompts.batch["input_ids"].shape
     assert out.batch["responses"].shape == (B, R) and out.batch["position_ids"].shape == (B, 4, P + R)
-    for row in range(B):
-        assert out.batch["responses"][row].tolist() == _greedy_alone(model, prompts, row)
+    for row in range(0, B, 2):  # rows 2k and 2k+1 are one prompt's two samples
+        expected = _greedy_alone(model, prompts, row)
+        assert out.batch["responses"][row].tolist() == expected == out.batch["responses"][row + 1].tolist()
     rows_images = list(out.non_tensor_batch["multi_modal_inputs"])
     assert all(a is b for a, b in zip(rows_images, prompts.non_tensor_batch["multi_modal_inputs"]))
     grids = torch.cat([r["image_grid_thw"] for r in rows_images if r])
@@ -199,11 +200,12 @@ def test_rollout_output_follows_the_contract_in_chunks_and_repeats(vl):
 def test_rollout_runs_the_image_processor_when_only_images_are_given(vl):
     path, model, processor = vl
     prompts, _ = vl_prompt_batch(processor, model.config, _rows()[:3], do_sample=False)
-    with_inputs = _rollout(path).generate_sequences(prompts)
+    rollout = _rollout(path)
+    with_inputs = rollout.generate_sequences(prompts)
     images_only = prompts.select_idxs(list(range(3))) if hasattr(prompts, "select_idxs") else prompts[:3]
     images_only.non_tensor_batch.pop("multi_modal_inputs")
     del images_only.batch["position_ids"]  # computed by the rollout too
-    out = _rollout(path).generate_sequences(images_only)
+    out = rollout.generate_sequences(images_only)
     assert torch.equal(out.batch["responses"], with_inputs.batch["responses"])
     assert torch.equal(out.batch["position_ids"], with_inputs.batch["position_ids"])
     for made, given in zip(out.non_tensor_batch["multi_modal_inputs"], prompts.non_tensor_batch["multi_modal_inputs"]):
@@ -212,7 +214,7 @@ def test_rollout_runs_the_image_processor_when_only_images_are_given(vl):
             torch.testing.assert_close(made[key], given[key])
     images_only.non_tensor_batch["multi_modal_data"][0] = {"videos": [object()]}
     with pytest.raises(ValueError, match="images only"):
-        _rollout(path).generate_sequences(images_only)
+        rollout.generate_sequences(images_only)
 
 
 def test_weight_sync_takes_the_trainer_names_and_the_transformers_4_names(vl):
