@@ -7,7 +7,8 @@ Design decisions:
 - The model class is found from the checkpoint's weight names, not from `config.architectures`. A
   critic is a `*ForTokenClassification` model built from a causal LM's config, so the config it
   saves may name the causal-LM class or no class at all. An empty (meta-device) instance of each
-  candidate (`AutoModelForCausalLM`, then `AutoModelForTokenClassification`) is built from the
+  candidate (`AutoModelForCausalLM`, `AutoModelForImageTextToText` for a vision-language model, then
+  `AutoModelForTokenClassification`) is built from the
   config, and the first whose state-dict names equal the checkpoint's is used;
   `--is-value-model` restricts the search to token classification.
 - Weights are written by that empty instance's `save_pretrained(state_dict=...)`, so tied weights
@@ -25,7 +26,9 @@ Design decisions:
   merged: each adapted layer becomes `W + scaling * B @ A` (scaling from the adapter's
   `adapter_config.json`) under its plain HF name, so the output is an ordinary HF model; the
   adapter directory is copied beside it (`<target_dir>/lora_adapter`) for use with peft.
-- Left out: multimodal processors.
+- A vision-language model's processor files (preprocessor_config.json, chat template, ...) are in
+  `huggingface/` (the FSDP engine saves the processor there) and copied like the tokenizer's, so the
+  merged directory loads with `AutoModelForImageTextToText` and `verl.utils.hf_processor`.
 """
 
 from __future__ import annotations
@@ -194,11 +197,12 @@ def require_checkpoint_dir(local_dir: str) -> None:
 
 
 def _auto_classes(is_value_model: bool) -> list:
-    from transformers import AutoModelForCausalLM, AutoModelForTokenClassification
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText, AutoModelForTokenClassification
 
-    return (
-        [AutoModelForTokenClassification] if is_value_model else [AutoModelForCausalLM, AutoModelForTokenClassification]
-    )
+    if is_value_model:
+        return [AutoModelForTokenClassification]
+    # vision-language models (Qwen2-VL, ...) have no causal-LM class: image-text-to-text holds them
+    return [AutoModelForCausalLM, AutoModelForImageTextToText, AutoModelForTokenClassification]
 
 
 def _sample(names, limit: int = 5) -> str:

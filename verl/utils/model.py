@@ -1,6 +1,9 @@
 """Loading HF models for the actor, reference and critic, and small model helpers.
 
-The actor and reference policies are `AutoModelForCausalLM`. The critic is the same backbone with
+The actor and reference policies are `AutoModelForCausalLM`, or, for a vision-language config
+(`verl.utils.vision.is_vision_language_config`: Qwen2-VL, Qwen2.5-VL, ...),
+`AutoModelForImageTextToText` (`AutoModelForCausalLM` does not map those families), whose state-dict
+names are the checkpoint's (`model.visual.*`, `model.language_model.*`, `lm_head.weight`). The critic is the same backbone with
 a one-output token-classification head (`AutoModelForTokenClassification`, `num_labels=1`), as
 upstream verl does: loading a causal-LM checkpoint that way keeps the backbone and initialises
 the `score` head fresh, so any decoder with a `*ForTokenClassification` class can be a critic.
@@ -198,14 +201,18 @@ def load_causal_lm(
     override_config: dict | None = None,
     meta_device: bool = False,
 ):
-    """`AutoModelForCausalLM` from `path` (weights in `torch_dtype`, on CPU); with `meta_device`, the
-    same model on the meta device, its weights not read (see the module docstring)."""
-    from transformers import AutoModelForCausalLM
+    """`AutoModelForCausalLM` from `path` (`AutoModelForImageTextToText` for a vision-language config;
+    weights in `torch_dtype`, on CPU); with `meta_device`, the same model on the meta device, its
+    weights not read (see the module docstring)."""
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
+
+    from verl.utils.vision import is_vision_language_config
 
     config = load_model_config(path, trust_remote_code, override_config)
+    vision = is_vision_language_config(config)
     return _auto_load(
-        AutoModelForCausalLM,
-        "causal-LM",
+        AutoModelForImageTextToText if vision else AutoModelForCausalLM,
+        "image-text-to-text" if vision else "causal-LM",
         path,
         config,
         torch_dtype,
@@ -255,8 +262,17 @@ def load_valuehead_model(
     """
     from transformers import AutoModelForTokenClassification
 
+    from verl.utils.vision import is_vision_language_config
+
     overrides = {"num_labels": 1, "classifier_dropout": 0.0, "hidden_dropout": 0.0, **(override_config or {})}
     config = load_model_config(path, trust_remote_code, overrides)
+    if is_vision_language_config(config):
+        raise ValueError(
+            f"the critic model at {path!r} is a vision-language model ({config.model_type}), and a value head over "
+            "a vision-language model is not supported here (transformers has no token-classification class for it); "
+            "train it with a critic-free estimator (algorithm.adv_estimator=grpo, rloo, reinforce_plus_plus, remax, "
+            "...: GRPO-family estimators need no critic)"
+        )
     register_token_classifier(config)
     return _auto_load(
         AutoModelForTokenClassification,

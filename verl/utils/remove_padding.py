@@ -50,7 +50,17 @@ def unpad_input(input_ids: torch.Tensor, attention_mask: torch.Tensor) -> tuple[
 
 
 def unpad_position_ids(position_ids: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
-    """Positions [B, L] -> packed positions [1, T] aligned with `unpad_input`."""
+    """Positions [B, L] -> packed positions [1, T] aligned with `unpad_input`.
+
+    A vision-language model's positions [B, C, L] (upstream's layout: C=4, row 0 the text positions,
+    rows 1-3 M-RoPE's, see `verl.utils.vision.vl_position_ids`) -> [C, 1, T], the layout the model's
+    forward takes. Qwen2-VL's language model detects the packing from row 0 (it restarts at 0 in each
+    sequence) exactly as a text model does from its positions, and rotates with rows 1-3.
+    """
+    if position_ids.dim() == 3:
+        channels = position_ids.shape[1]
+        flat = position_ids.transpose(0, 1).reshape(channels, -1)
+        return flat.index_select(1, indices).unsqueeze(1)
     return position_ids.reshape(-1).index_select(0, indices).unsqueeze(0)
 
 
@@ -63,7 +73,8 @@ def pad_input(packed: torch.Tensor, indices: torch.Tensor, batch_size: int, seql
 
 def packed_model_inputs(model, packed_ids: torch.Tensor, packed_pos: torch.Tensor) -> dict:
     """Keyword arguments of an HF causal LM's forward on one packed row [1, T] (with `use_cache=False`):
-    the ids and position ids, and for a model in `_MASKS_WITHOUT_POSITIONS` its block-diagonal masks."""
+    the ids and position ids ([1, T], or [C, 1, T] for a vision-language model), and for a model in
+    `_MASKS_WITHOUT_POSITIONS` its block-diagonal masks."""
     inputs = {"input_ids": packed_ids, "position_ids": packed_pos}
     config = getattr(model, "config", None)
     if getattr(config, "model_type", None) not in _MASKS_WITHOUT_POSITIONS:

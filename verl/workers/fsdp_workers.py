@@ -38,6 +38,12 @@ class ActorRolloutRefWorker(engine_workers.ActorRolloutRefWorker):
         # a reference without its own fsdp_config takes the defaults (no offload), as upstream's
         return self.ref_config.fsdp_config
 
+    def _engine_options(self, role: str) -> dict:
+        # upstream's actor.freeze_vision_tower: the trained policy's vision tower stays as loaded
+        if role == "actor":
+            return {"freeze_vision_tower": bool(self.actor_config.get("freeze_vision_tower", False))}
+        return {}
+
     def _make_actor(self, engine: BaseEngine, trains: bool):
         from verl.workers.actor.dp_actor import DataParallelPPOActor
 

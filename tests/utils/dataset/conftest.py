@@ -39,3 +39,18 @@ def char_tokenizer():
 @pytest.fixture(scope="session")
 def make_tokenizer():
     return make_char_tokenizer
+
+
+@pytest.fixture(scope="session")
+def vl_processor(tmp_path_factory):
+    """The tiny-vl preset's processor (transformers' Qwen2.5-VL processor, images only here), loaded
+    by `hf_processor` from a directory holding only the tokenizer and processor files."""
+    from verl.models.factory import build_tokenizer
+    from verl.models.vision import save_processor
+    from verl.utils.tokenizer import hf_processor
+
+    out = str(tmp_path_factory.mktemp("tiny-vl-processor"))
+    tokenizer = build_tokenizer("tiny-vl")
+    tokenizer.save_pretrained(out)
+    save_processor(tokenizer, out)
+    return hf_processor(out)

@@ -177,16 +177,24 @@ class DataConfig:
     shuffle: bool = doc("Shuffle the training set each epoch.")
     seed: int | None = doc("Seed of the training-set shuffle; null means 1.")
     dataloader_num_workers: int = doc("DataLoader worker processes (0 loads in the driver).")
-    image_patch_size: int = doc("Image patch size of a vision processor (multi-modal data only).", status=IGNORED)
+    image_patch_size: int = doc(
+        "Vision patch size in pixels: dict images are resized to multiples of twice it (one merged patch) "
+        "(multi-modal data only)."
+    )
     validation_shuffle: bool = doc("Shuffle the validation set.")
     filter_overlong_prompts: bool = doc("Drop prompts longer than `max_prompt_length` when loading.")
     filter_overlong_prompts_workers: int = doc("Processes used to filter overlong prompts.")
     truncation: str = doc("What to do with prompts over `max_prompt_length`.", choices=TRUNCATIONS)
-    image_key: str = doc("Column with images (multi-modal data only).", status=IGNORED)
-    video_key: str = doc("Column with videos (multi-modal data only).", status=IGNORED)
+    image_key: str = doc(
+        "Column with each row's list of images (PIL images or {bytes, path} dicts), one per `<image>` in the "
+        "prompt (multi-modal data only)."
+    )
+    video_key: str = doc("Column with videos; a row with videos is refused (no video support here).")
     trust_remote_code: bool = doc("Allow the tokenizer's own Python code to run.")
     custom_cls: ClassRefConfig = doc("Custom dataset class replacing the built-in RLHF dataset.")
-    return_multi_modal_inputs: bool = doc("Return multi-modal inputs with each sample.", status=IGNORED)
+    return_multi_modal_inputs: bool = doc(
+        "Return the processor's `pixel_values`/`image_grid_thw` with each sample (`multi_modal_inputs`)."
+    )
     sampler: SamplerConfig = doc("Custom sampler of the training set.")
     datagen: ClassRefConfig = doc("Dynamic data generator.", status=IGNORED)
     apply_chat_template_kwargs: dict = doc("Extra keyword arguments for `tokenizer.apply_chat_template`.")

@@ -42,13 +42,30 @@ Design decisions:
   with newlines instead, for base models prompted with plain text.
 - ``max_samples`` (upstream's ``data.train_max_samples``/``val_max_samples``, passed by
   ``create_rl_dataset``) keeps the first N rows, or a seeded random subset when ``data.shuffle`` is on.
-- Multi-modal processors are not supported: a ``processor`` argument other than None is an error.
+- Multi-modal rows (a ``processor`` is given, e.g. ``verl.utils.hf_processor`` of a Qwen2-VL family
+  model): the ``<image>`` placeholders of a message's text become ``{"type": "image"}`` parts (upstream's
+  rule), one per entry of the row's ``data.image_key`` column, in order; a count mismatch is an error
+  naming the row. Images go through ``vision_utils.process_image``, the text through the processor's
+  chat template, then the processor expands each image's pad token to its patch count. An item then
+  holds the expanded, left-padded ``input_ids``, ``position_ids`` of shape (4, max_prompt_length)
+  (``verl.utils.vision.vl_position_ids``: text positions, then M-RoPE's t/h/w), ``raw_prompt_ids``
+  with one pad token per image (what vLLM expands itself), ``multi_modal_data`` ``{"images": [...]}``
+  and, with ``data.return_multi_modal_inputs`` (default True), ``multi_modal_inputs``
+  ``{"pixel_values", "image_grid_thw"}``; a row without images gets empty dicts. The image and video
+  columns themselves are not passed on. Lengths (``filter_overlong_prompts``, ``truncation``) count the
+  expanded tokens, and a truncation that would remove any vision token is an error, never a prompt
+  with half an image. These rows bypass the token cache: pixel values are far larger than ids (a
+  cached dataset would hold every image decoded), and the image decoding dominates anyway.
+- Videos are refused (a row with a non-empty ``data.video_key`` value or a ``<video>`` placeholder):
+  reading frames needs torchvision, which this build does not have. Rows with images but no
+  processor (a text-only model) are an error too, rather than silently dropping the images.
 """
 
 from __future__ import annotations
 
 import copy
 import os
+import re
 from collections import defaultdict
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -58,6 +75,7 @@ import torch
 from torch.utils.data import Dataset
 
 from verl.utils.dataset.files import read_rows
+from verl.utils.dataset.vision_utils import process_image
 from verl.utils.logging_utils import get_logger
 
 logger = get_logger(__name__)
@@ -146,6 +164,56 @@ def _check_messages(messages, prompt_key: str, where: str) -> None:
             )
 
 
+_PLACEHOLDER_RE = re.compile("(<image>|<video>)")
+
+
+def _processor_token_layout(processor, tokenizer):
+    """(the M-RoPE config `vl_position_ids` needs, the ids of the vision tokens) of a Qwen2-VL family
+    processor; other processors are refused (their position ids follow other rules)."""
+    from types import SimpleNamespace
+
+    image_token_id = getattr(processor, "image_token_id", None)
+    merge_size = getattr(getattr(processor, "image_processor", None), "merge_size", None)
+    if image_token_id is None or merge_size is None:
+        raise NotImplementedError(
+            f"multi-modal prompts are supported for Qwen2-VL family processors (an image token and a merge "
+            f"size, for M-RoPE positions); {type(processor).__name__} is not one. Use a Qwen2-VL / Qwen2.5-VL "
+            "model, or pass processor=None for text prompts"
+        )
+    video_token_id = getattr(processor, "video_token_id", None)
+    config = SimpleNamespace(
+        image_token_id=image_token_id,
+        video_token_id=video_token_id,
+        vision_config=SimpleNamespace(spatial_merge_size=merge_size),
+    )
+    vision_ids = {image_token_id} | ({video_token_id} if video_token_id is not None else set())
+    for token in ("<|vision_start|>", "<|vision_end|>"):
+        token_id = tokenizer.convert_tokens_to_ids(token)
+        if token_id is not None and token_id != tokenizer.unk_token_id:
+            vision_ids.add(token_id)
+    return config, np.asarray(sorted(vision_ids), dtype=np.int64)
+
+
+def _count_placeholders(messages) -> tuple[int, int]:
+    text = "".join(m["content"] for m in messages if isinstance(m.get("content"), str))
+    return text.count("<image>"), text.count("<video>")
+
+
+def _build_messages(messages, num_images: int) -> list[dict]:
+    """Copies of the messages with each string content split on ``<image>``/``<video>`` into
+    ``{"type": "image"}`` and ``{"type": "text", "text": ...}`` parts (upstream's rule); a row without
+    images keeps its plain string contents."""
+    messages = [_copy_row(dict(m)) for m in messages]
+    if num_images == 0:
+        return messages
+    for message in messages:
+        parts = [piece for piece in _PLACEHOLDER_RE.split(message["content"]) if piece]
+        message["content"] = [
+            {"type": "image"} if piece == "<image>" else {"type": "text", "text": piece} for piece in parts
+        ]
+    return messages
+
+
 class RLHFDataset(Dataset):
     """Prompts for RL rollouts, read from one or many parquet/JSON files (upstream verl's interface).
 
@@ -156,18 +224,22 @@ class RLHFDataset(Dataset):
             ``max_prompt_length`` (1024), ``filter_overlong_prompts`` (True), ``truncation``
             ("error" | "left" | "right" | "middle"), ``return_raw_chat`` (False), ``return_full_prompt``
             (False), ``apply_chat_template_kwargs`` ({}), ``use_chat_template`` (True), ``shuffle`` and
-            ``seed`` (for the ``max_samples`` subset), ``max_samples`` (used when the argument is -1).
-        processor: multi-modal processor; not supported, must be None.
+            ``seed`` (for the ``max_samples`` subset), ``max_samples`` (used when the argument is -1);
+            with a processor also ``image_key`` ("images"), ``video_key`` ("videos"),
+            ``image_patch_size`` (14) and ``return_multi_modal_inputs`` (True).
+        processor: a Qwen2-VL family multi-modal processor (``verl.utils.hf_processor``) for rows with
+            images, or None for text prompts.
         max_samples: keep at most this many rows (-1: all).
     """
 
     def __init__(self, data_files, tokenizer, config, processor=None, max_samples: int = -1):
-        if processor is not None:
-            raise NotImplementedError(
-                "RLHFDataset handles text prompts only; multi-modal processors are not supported, pass processor=None"
-            )
         config = _to_plain_config(config)
         self.tokenizer = tokenizer
+        self.processor = processor
+        self.image_key = config.get("image_key", "images")
+        self.video_key = config.get("video_key", "videos")
+        self.image_patch_size = int(config.get("image_patch_size", 14))
+        self.return_multi_modal_inputs = bool(config.get("return_multi_modal_inputs", True))
         self.prompt_key = config.get("prompt_key", "prompt")
         self.max_prompt_length = int(config.get("max_prompt_length", 1024))
         self.filter_overlong_prompts = bool(config.get("filter_overlong_prompts", True))
@@ -199,6 +271,18 @@ class RLHFDataset(Dataset):
                 "or chat model), set tokenizer.chat_template, or set data.use_chat_template=False to join the "
                 "message contents with newlines"
             )
+        self._mrope_config = self._vision_token_ids = None
+        if processor is not None:
+            self._mrope_config, self._vision_token_ids = _processor_token_layout(processor, tokenizer)
+            if not self.use_chat_template:
+                raise ValueError(
+                    "data.use_chat_template=False joins text prompts with newlines; with a multi-modal processor the "
+                    "images are placed by the processor's chat template, so leave data.use_chat_template=True"
+                )
+            if self.image_patch_size <= 0:
+                raise ValueError(
+                    f"data.image_patch_size must be a positive number of pixels, got {self.image_patch_size}"
+                )
 
         if isinstance(data_files, str | os.PathLike):
             data_files = [data_files]
@@ -229,6 +313,7 @@ class RLHFDataset(Dataset):
                 )
             for i, row in enumerate(file_rows):
                 _check_messages(row.get(self.prompt_key), self.prompt_key, f"{path}, row {i}")
+                self._check_media(row, f"{path}, row {i}")
             rows.extend(file_rows)
             origins.extend((path, i) for i in range(len(file_rows)))
         # Files (or JSON rows) may differ in their extra columns; every item must carry the same keys so
@@ -239,6 +324,42 @@ class RLHFDataset(Dataset):
                 for column in all_columns.difference(row):
                     row[column] = None
         return rows, origins
+
+    def _check_media(self, row: dict, where: str) -> None:
+        """Refuse what would be silently dropped or fail mid-run: videos, images without a processor,
+        and a ``<image>`` placeholder count that differs from the row's number of images."""
+        images = row.get(self.image_key) if self.image_key else None
+        videos = row.get(self.video_key) if self.video_key else None
+        if videos is not None and len(videos) > 0:
+            raise NotImplementedError(
+                f"{where}: column {self.video_key!r} (data.video_key) holds videos, which are not supported here "
+                "(reading video frames needs torchvision, not installed); drop the videos from the data"
+            )
+        num_images = 0 if images is None else len(images)
+        if self.processor is None:
+            if num_images:
+                raise ValueError(
+                    f"{where}: column {self.image_key!r} (data.image_key) holds {num_images} image(s) but the "
+                    "dataset has no processor (the model is text-only); train a vision-language model "
+                    "(its processor is passed as processor=...), or remove the images from the data"
+                )
+            return
+        if isinstance(images, str | bytes | Mapping):
+            raise TypeError(
+                f"{where}: column {self.image_key!r} must hold a list of images (one per <image> placeholder), "
+                f"got a single {type(images).__name__}; wrap it in a list"
+            )
+        num_image_tags, num_video_tags = _count_placeholders(row[self.prompt_key])
+        if num_video_tags:
+            raise NotImplementedError(
+                f"{where}: the prompt has {num_video_tags} <video> placeholder(s); videos are not supported here "
+                "(reading video frames needs torchvision, not installed)"
+            )
+        if num_image_tags != num_images:
+            raise ValueError(
+                f"{where}: the prompt has {num_image_tags} <image> placeholder(s) but column {self.image_key!r} "
+                f"holds {num_images} image(s); each image needs exactly one <image> in the prompt text, in order"
+            )
 
     def _select_max_samples(self, shuffle: bool, seed) -> None:
         total = len(self.rows)
@@ -253,17 +374,24 @@ class RLHFDataset(Dataset):
         self._origins = [self._origins[i] for i in keep]
 
     def _check_lengths(self) -> None:
-        texts = [self._render(row[self.prompt_key]) for row in self.rows]
-        all_ids = self.tokenizer(texts, add_special_tokens=False)["input_ids"] if texts else []
-        self._prompt_cache = [
-            (
-                _messages_key(row[self.prompt_key]),
-                np.asarray(ids, dtype=np.int64),
-                text if self.return_full_prompt else None,
-            )
-            for row, ids, text in zip(self.rows, all_ids, texts, strict=True)
-        ]
-        lengths = [len(ids) for ids in all_ids]
+        if self.processor is not None:
+            # the expanded length (each image's patch tokens included) needs the images decoded and sized
+            lengths = [
+                len(self._encode_multi_modal(row, f"{path}, row {i}")[3])
+                for row, (path, i) in zip(self.rows, self._origins, strict=True)
+            ]
+        else:
+            texts = [self._render(row[self.prompt_key]) for row in self.rows]
+            all_ids = self.tokenizer(texts, add_special_tokens=False)["input_ids"] if texts else []
+            self._prompt_cache = [
+                (
+                    _messages_key(row[self.prompt_key]),
+                    np.asarray(ids, dtype=np.int64),
+                    text if self.return_full_prompt else None,
+                )
+                for row, ids, text in zip(self.rows, all_ids, texts, strict=True)
+            ]
+            lengths = [len(ids) for ids in all_ids]
         too_long = [i for i, n in enumerate(lengths) if n > self.max_prompt_length]
         if not too_long:
             return
@@ -287,7 +415,8 @@ class RLHFDataset(Dataset):
             return
         path, row = self._origins[too_long[0]]
         raise ValueError(
-            f"{len(too_long)} prompts are longer than data.max_prompt_length={self.max_prompt_length} tokens, e.g. "
+            f"{len(too_long)} prompts are longer than data.max_prompt_length={self.max_prompt_length} tokens"
+            f"{' (image tokens included)' if self.processor is not None else ''}, e.g. "
             f"{path}, row {row} with {lengths[too_long[0]]} tokens, and data.truncation='error'. Raise "
             "data.max_prompt_length, set data.filter_overlong_prompts=True to drop them, or set data.truncation "
             "to 'left', 'right' or 'middle'"
@@ -335,10 +464,93 @@ class RLHFDataset(Dataset):
             f"{where}: prompt has {len(ids)} tokens > data.max_prompt_length={limit} and data.truncation='error'"
         )
 
+    # ----------------------------------------------------------------------------------------------
+    # multi-modal items
+    def _encode_multi_modal(self, row: dict, where: str):
+        """(messages with image parts, rendered text, RGB images, expanded ids as int64 array, the
+        processor's other outputs) of one row, before truncation."""
+        images = (row.get(self.image_key) if self.image_key else None) or []
+        try:
+            images = [process_image(image, image_patch_size=self.image_patch_size) for image in images]
+        except (TypeError, ValueError, OSError) as e:
+            raise type(e)(f"{where}: column {self.image_key!r}: {e}") from e
+        messages = _build_messages(row[self.prompt_key], len(images))
+        text = self.processor.apply_chat_template(
+            messages, add_generation_prompt=True, tokenize=False, **self.apply_chat_template_kwargs
+        )
+        inputs = dict(self.processor(text=[text], images=images or None, return_tensors="pt"))
+        ids = inputs.pop("input_ids")[0].numpy().astype(np.int64)
+        for key in ("attention_mask", "mm_token_type_ids", "token_type_ids", "second_per_grid_ts"):
+            inputs.pop(key, None)
+        return messages, text, images, ids, inputs
+
+    def _truncate_multi_modal(self, ids: np.ndarray, raw_ids: np.ndarray, where: str):
+        """Truncate the expanded ids as ``data.truncation`` says and drop the same text tokens from the
+        unexpanded ``raw_ids``; removing any vision token is an error."""
+        if len(ids) <= self.max_prompt_length:
+            return ids, raw_ids
+        kept = self._truncate(np.arange(len(ids)), where)
+        removed = np.ones(len(ids), dtype=bool)
+        removed[kept] = False
+        if np.isin(ids[removed], self._vision_token_ids).any():
+            raise ValueError(
+                f"{where}: the prompt has {len(ids)} tokens with its images' tokens > data.max_prompt_length="
+                f"{self.max_prompt_length}, and data.truncation={self.truncation!r} would cut through an image. "
+                "Raise data.max_prompt_length, or set data.filter_overlong_prompts=True to drop such prompts"
+            )
+        # position of each expanded token in the unexpanded ids: a run of image pads is one raw token
+        is_pad = ids == self._mrope_config.image_token_id
+        continues_run = np.zeros(len(ids), dtype=bool)
+        continues_run[1:] = is_pad[1:] & is_pad[:-1]
+        raw_index = np.arange(len(ids)) - np.cumsum(continues_run)
+        if raw_index[-1] + 1 != len(raw_ids):
+            raise RuntimeError(
+                f"{where}: the processor's ids ({len(ids)}) do not collapse to the tokenizer's unexpanded ids "
+                f"({len(raw_ids)}) by merging runs of image tokens; cannot truncate this prompt consistently"
+            )
+        return ids[kept], raw_ids[np.unique(raw_index[kept])]
+
+    def _multi_modal_item(self, item: int) -> dict:
+        from verl.utils.vision import vl_position_ids
+
+        row = dict(self.rows[item])
+        path, file_row = self._origins[item]
+        where = f"{path}, row {file_row}"
+        messages, text, images, ids, inputs = self._encode_multi_modal(row, where)
+        for key in (self.prompt_key, self.image_key, self.video_key):
+            row.pop(key, None)
+        row = _copy_row(row)
+        raw_ids = np.asarray(self.tokenizer.encode(text, add_special_tokens=False), dtype=np.int64)
+        ids, raw_ids = self._truncate_multi_modal(ids, raw_ids, where)
+
+        num_pad = self.max_prompt_length - len(ids)
+        input_ids = torch.full((self.max_prompt_length,), self.pad_token_id, dtype=torch.long)
+        input_ids[num_pad:] = torch.from_numpy(ids)
+        attention_mask = torch.zeros(self.max_prompt_length, dtype=torch.long)
+        attention_mask[num_pad:] = 1
+        grid = inputs.get("image_grid_thw")
+        row["input_ids"] = input_ids
+        row["attention_mask"] = attention_mask
+        row["position_ids"] = vl_position_ids(self._mrope_config, input_ids[None], attention_mask[None], grid)[0]
+        row["raw_prompt_ids"] = raw_ids.tolist()
+        row["multi_modal_data"] = {"images": images} if images else {}
+        if self.return_multi_modal_inputs:
+            row["multi_modal_inputs"] = inputs if images else {}
+        if self.return_raw_chat:
+            row["raw_prompt"] = messages
+        if self.return_full_prompt:
+            row["full_prompts"] = text
+        extra_info = row.get("extra_info")
+        index = extra_info.get("index") if isinstance(extra_info, Mapping) else None
+        row["index"] = item if index is None else index
+        return row
+
     def __len__(self) -> int:
         return len(self.rows)
 
     def __getitem__(self, item: int) -> dict:
+        if self.processor is not None:
+            return self._multi_modal_item(item)
         row = dict(self.rows[item])
         messages = row.pop(self.prompt_key)
         row = _copy_row(row)

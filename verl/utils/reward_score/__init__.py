@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from verl.utils.reward_score import arith, countdown, gsm8k, math_reward
+from verl.utils.reward_score import arith, countdown, geo3k, gsm8k, math_reward, vl_colors
 
 
 def _prime_math_score(solution_str: str, ground_truth) -> float:
@@ -44,6 +44,8 @@ SCORE_FNS: dict[str, Callable[[str, object], float | dict]] = {
     "arith": arith.compute_score,
     "arith_tool": arith.compute_score_after_tools,
     "countdown": countdown.compute_score,
+    "hiyouga/geometry3k": geo3k.compute_score,
+    "vl_colors": vl_colors.compute_score,
     **{source: _prime_math_score for source in NUMINA_DATA_SOURCES},
 }
 

@@ -100,14 +100,17 @@ from verl.utils.experimental.torch_functional import fused_head_problem, fused_l
 from verl.utils.flops_counter import FlopsCounter, FlopsTally
 from verl.utils.hf_forward import model_forward
 from verl.utils.logging_utils import get_logger
+from verl.utils.model import extract_multi_modal_inputs
 from verl.utils.remove_padding import packed_model_inputs, pad_input, unpad_input, unpad_position_ids
 from verl.utils.shared_prompt import prompt_groups, shared_prompt_logits
+from verl.utils.speed_paths import SpeedPath
 from verl.utils.torch_functional import (
     entropy_from_logits_with_chunking,
     logprobs_from_logits,
     sum_pi_squared_from_logits,
 )
-from verl.workers.actor.ppo_actor import MODEL_INPUTS, PPOActor, require_temperature
+from verl.utils.vision import is_vision_language_config
+from verl.workers.actor.ppo_actor import MODEL_INPUTS, MULTI_MODAL_ROW, PPOActor, require_temperature
 from verl.workers.config import FSDPActorConfig
 from verl.workers.dp_training import (
     append_to_dict,
@@ -134,6 +137,7 @@ class DataParallelPPOActor(PPOActor):
     """PPO/GRPO actor over an HF causal LM (FSDP2-sharded or plain)."""
 
     config_class = FSDPActorConfig
+    supports_multi_modal = True
 
     def __init__(
         self,
@@ -157,6 +161,13 @@ class DataParallelPPOActor(PPOActor):
             "actor", cfg, getattr(hf_module, "config", None), self.use_remove_padding, ulysses_group
         )
         self._sp_group = ulysses_group
+        self.is_vision_language = is_vision_language_config(getattr(hf_module, "config", None))
+        if self.is_vision_language and self.sp_size > 1:
+            raise ValueError(
+                f"actor.ulysses_sequence_parallel_size={self.sp_size} with a vision-language model "
+                f"({hf_module.config.model_type}): the sequence-parallel forward does not split image features "
+                "across ranks; set ulysses_sequence_parallel_size=1 (use_dynamic_bsz bounds the memory instead)"
+            )
         forward = model_forward(hf_module)
         self._accepts_logits_to_keep = forward.accepts_logits_to_keep
         self._hf_module = hf_module
@@ -165,6 +176,14 @@ class DataParallelPPOActor(PPOActor):
         self.shared_prompt_path = shared_prompt.speed_path(
             cfg.share_prompt_forward, hf_module, self.use_remove_padding, self._attn_implementation
         )
+        if self.is_vision_language and self.shared_prompt_path.active:
+            self.shared_prompt_path = SpeedPath(
+                shared_prompt.SPEED_PATH,
+                requested=True,
+                active=False,
+                reason="a vision-language model runs every row in full (its prompt pass would need the images "
+                "and M-RoPE positions of each group's prompt)",
+            )
         # use_fused_kernels: log-probs and entropy from the last hidden states and the head's weight
         # (verl.utils.experimental.torch_functional), on the padded and remove-padding forwards
         if use_fused_kernels is None:
@@ -179,6 +198,7 @@ class DataParallelPPOActor(PPOActor):
         speed_paths.report([self.shared_prompt_path])
         # on even when the path is off for updates only (gradient checkpointing): log-probs still share
         self.share_prompt_forward = self.shared_prompt_path.requested and forward.cache_argument is not None
+        self.share_prompt_forward = self.share_prompt_forward and not self.is_vision_language
         # the shared-prompt forward has no sequence-parallel form: sp > 1 runs every row in full
         self.share_prompt_forward = self.share_prompt_forward and self.sp_size == 1
         # both on: a micro-batch that shares its prompts takes that path (it runs each prompt once and computes
@@ -253,7 +273,7 @@ class DataParallelPPOActor(PPOActor):
             if self.sp_size > 1:
                 return self._sp_packed_outputs(packed_ids, packed_pos, indices, micro_batch, temperature, stats)
             inputs = packed_model_inputs(self._hf_module, packed_ids, packed_pos)
-            logits = self.actor_module(**inputs, use_cache=False).logits[0]
+            logits = self.actor_module(**inputs, **self._multi_modal_kwargs(micro_batch), use_cache=False).logits[0]
             logits.div_(temperature)
             # label of each packed position = the next packed token; it is wrong only at a sequence's
             # last token, whose prediction is never a (valid) response token
@@ -267,6 +287,23 @@ class DataParallelPPOActor(PPOActor):
             return out, log_probs
         logits = self._padded_response_logits(micro_batch, start, end, kept)
         return self._response_outputs([logits], micro_batch["responses"], temperature, stats)
+
+    def _multi_modal_kwargs(self, micro_batch) -> dict:
+        """The model's image inputs (`pixel_values`, `image_grid_thw`) for the rows of `micro_batch`, in
+        its row order (`extract_multi_modal_inputs` of their `multi_modal_inputs`); {} for a text-only
+        micro-batch. A text-only row of a multi-modal batch adds nothing."""
+        if MULTI_MODAL_ROW not in micro_batch:
+            return {}
+        rows = micro_batch[MULTI_MODAL_ROW].tolist()
+        inputs = extract_multi_modal_inputs([self._multi_modal_inputs[i] for i in rows])
+        if inputs and micro_batch["position_ids"].dim() != 3:
+            raise ValueError(
+                "a batch with images has position_ids of shape "
+                f"{tuple(micro_batch['position_ids'].shape)}; a vision-language model needs (batch, 4, length) "
+                "(text and M-RoPE rows, verl.utils.vision.vl_position_ids), which the dataset and the rollout write"
+            )
+        device = micro_batch["input_ids"].device
+        return {key: value.to(device) for key, value in inputs.items()}
 
     @staticmethod
     def _packed_inputs(micro_batch):
@@ -283,9 +320,10 @@ class DataParallelPPOActor(PPOActor):
         output = self.actor_module(
             input_ids=micro_batch["input_ids"][:, start:end],
             attention_mask=micro_batch["attention_mask"][:, start:end],
-            position_ids=micro_batch["position_ids"][:, start:end],
+            position_ids=model_position_ids(micro_batch["position_ids"][..., start:end]),
             use_cache=False,
             **keep,
+            **self._multi_modal_kwargs(micro_batch),
         )
         return output.logits[:, -kept - 1 : -1]
 
@@ -304,7 +342,7 @@ class DataParallelPPOActor(PPOActor):
             labels = torch.roll(packed_ids, shifts=-1, dims=1)
             with fused_lm_head(self._hf_module, labels, temperature, entropy_grad):
                 inputs = packed_model_inputs(self._hf_module, packed_ids, packed_pos)
-                out = self.actor_module(**inputs, use_cache=False).logits[0]
+                out = self.actor_module(**inputs, **self._multi_modal_kwargs(micro_batch), use_cache=False).logits[0]
             values = pad_input(out, indices, batch_size, seqlen)[:, -response_length - 1 : -1]
             log_probs, entropy = values[..., 0], values[..., 1]
         else:
@@ -443,7 +481,7 @@ class DataParallelPPOActor(PPOActor):
         self.actor_module.eval()
         meta = data.meta_info
         temperature = require_temperature(meta)
-        batch = data.batch.select(*MODEL_INPUTS)
+        batch = self._with_multi_modal_rows(data, data.batch.select(*MODEL_INPUTS))
         micro_batches, reverse_idx = split_micro_batches(
             batch,
             micro_batch_size=meta.get("micro_batch_size"),
@@ -488,6 +526,13 @@ class DataParallelPPOActor(PPOActor):
         loss, out = self._micro_batch_loss(micro_batch, log_prob, entropy, normaliser, aux_loss, aux_coef)
         loss.backward()
         return out
+
+
+def model_position_ids(position_ids: torch.Tensor) -> torch.Tensor:
+    """Batch position ids in the layout the model's forward takes: [B, L] as they are; a
+    vision-language batch's [B, 4, L] (upstream's layout) as [4, B, L], Qwen2-VL's (row 0 the text
+    positions its mask is built from, rows 1-3 M-RoPE's)."""
+    return position_ids.transpose(0, 1) if position_ids.dim() == 3 else position_ids
 
 
 def _detached(value):

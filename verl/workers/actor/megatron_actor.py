@@ -379,7 +379,9 @@ class MegatronPPOActor(PPOActor):
         meta = data.meta_info
         temperature = require_temperature(meta)
         replay = self.router_replay
-        batch = data.batch.select(*MODEL_INPUTS, *self._rollout_routing_keys(data.batch))
+        batch = self._with_multi_modal_rows(
+            data, data.batch.select(*MODEL_INPUTS, *self._rollout_routing_keys(data.batch))
+        )
         micro_batches, reverse_idx = split_micro_batches(
             batch,
             micro_batch_size=meta.get("micro_batch_size"),

@@ -44,6 +44,7 @@ from verl.workers.dp_training import (
 
 __all__ = [
     "MODEL_INPUTS",
+    "MULTI_MODAL_ROW",
     "PPOActor",
     "ROW_SEPARABLE_LOSSES",
     "require_temperature",
@@ -78,6 +79,12 @@ def rows_with_advantage(advantages: torch.Tensor, response_mask: torch.Tensor) -
 
 MODEL_INPUTS = ["responses", "input_ids", "attention_mask", "position_ids"]
 
+MULTI_MODAL_ROW = "multi_modal_row"
+"""Batch key the actor adds for a multi-modal batch: each row's index [B] into the batch's
+`non_tensor_batch["multi_modal_inputs"]`. It travels with the rows through shuffling, mini- and
+micro-batching (fixed or dynamic) and the zero-advantage row filter, so every micro-batch finds
+the images of exactly its rows, in its row order."""
+
 
 def require_temperature(meta_info: dict) -> float:
     """The sampling temperature in `meta_info`, checked: log-probs must use the one the responses were sampled with."""
@@ -101,6 +108,9 @@ class PPOActor(BasePPOActor):
 
     config_class: type[ActorConfig] = ActorConfig
     """The class a section without `_target_` (a plain dict) is built into; the backend's subclass."""
+    supports_multi_modal: bool = False
+    """Whether the backend's forward passes a batch's `multi_modal_inputs` (images) to the model; a
+    backend that cannot refuses such a batch instead of training on its text alone."""
 
     def __init__(self, config, actor_optimizer: torch.optim.Optimizer | None = None):
         """`config`: the `actor_rollout_ref.actor` section (an `ActorConfig`, or a DictConfig or dict it
@@ -126,6 +136,8 @@ class PPOActor(BasePPOActor):
         self._shuffle_generator = torch.Generator().manual_seed(int(cfg.data_loader_seed or 0))
         # the data-parallel group the mini-batch's loss is normalised over; the backend sets it
         self._dp_group, self._dp_size = None, 1
+        # the `multi_modal_inputs` of the batch being processed, indexed by MULTI_MODAL_ROW (None: text only)
+        self._multi_modal_inputs = None
 
     # ------------------------------------------------------------------ the backend's part
 
@@ -185,6 +197,30 @@ class PPOActor(BasePPOActor):
         keys += [k for k in ("response_mask", "rollout_log_probs", "rollout_is_weights") if k in present]
         return keys
 
+    def _with_multi_modal_rows(self, data, batch):
+        """`batch` (selected from `data.batch`) with `MULTI_MODAL_ROW` added when `data` carries
+        `non_tensor_batch["multi_modal_inputs"]` (one dict per row: `pixel_values`, `image_grid_thw`;
+        empty for a text-only row), which the forward then reads; plain `batch` otherwise."""
+        non_tensor = getattr(data, "non_tensor_batch", None) or {}
+        inputs = non_tensor.get("multi_modal_inputs")
+        self._multi_modal_inputs = None
+        if inputs is None:
+            return batch
+        if not self.supports_multi_modal:
+            raise ValueError(
+                f"{type(self).__name__} got a batch with multi_modal_inputs (images), but its forward does not pass "
+                "images to the model; train vision-language models with the FSDP backend "
+                "(actor_rollout_ref.actor.strategy=fsdp)"
+            )
+        if len(inputs) != len(batch):
+            raise ValueError(
+                f"multi_modal_inputs has {len(inputs)} rows, the batch {len(batch)}: they must be row-aligned"
+            )
+        self._multi_modal_inputs = inputs
+        batch = batch.clone(recurse=False)
+        batch[MULTI_MODAL_ROW] = torch.arange(len(batch))
+        return batch
+
     def update_policy(self, data) -> dict[str, list[float]]:
         """PPO epochs x mini-batches x micro-batches on `data`; returns metric lists (the worker reduces).
 
@@ -197,7 +233,7 @@ class PPOActor(BasePPOActor):
             raise RuntimeError("this actor was built without an optimizer (a reference policy?); it cannot be updated")
         self._set_train_mode()
         temperature = require_temperature(data.meta_info)
-        batch = data.batch.select(*self._training_keys(data.batch))
+        batch = self._with_multi_modal_rows(data, data.batch.select(*self._training_keys(data.batch)))
         mini_batch_size = int(self._cfg.ppo_mini_batch_size)
         if mini_batch_size <= 0 or len(batch) % mini_batch_size != 0:
             raise ValueError(

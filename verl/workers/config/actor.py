@@ -148,7 +148,11 @@ class ActorConfig(BaseConfig):
     )
     tau_pos: float = doc("SAPO's smoothing temperature for positive advantages.", default=1.0)
     tau_neg: float = doc("SAPO's smoothing temperature for negative advantages.", default=1.05)
-    freeze_vision_tower: bool = doc("Freeze a vision-language model's vision tower.", status=IGNORED, default=False)
+    freeze_vision_tower: bool = doc(
+        "Freeze a vision-language model's vision tower (`model.visual`): no gradient, no optimizer state, its "
+        "weights stay as loaded (FSDP; an error for a model without one).",
+        default=False,
+    )
     policy_loss: PolicyLossConfig = doc("Policy loss variant.", default_factory=PolicyLossConfig)
     clip_ratio_c: float = doc("Dual-clip PPO bound for negative advantages (> 1).", default=3.0)
     loss_agg_mode: str = doc(

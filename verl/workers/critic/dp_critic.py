@@ -26,7 +26,7 @@ from verl.utils.device import get_device
 from verl.utils.flops_counter import FlopsCounter, FlopsTally
 from verl.utils.remove_padding import packed_model_inputs, pad_input, unpad_input, unpad_position_ids
 from verl.workers.config import FSDPCriticConfig
-from verl.workers.critic.ppo_critic import MODEL_INPUTS, PPOCritic
+from verl.workers.critic.ppo_critic import MODEL_INPUTS, PPOCritic, refuse_multi_modal
 from verl.workers.dp_training import (
     append_to_dict,
     clip_grad_norm,
@@ -104,6 +104,7 @@ class DataParallelPPOCritic(PPOCritic):
     @torch.no_grad()
     def compute_values(self, data) -> torch.Tensor:
         """Values [B, R], zero outside the response mask. Micro-batching from `data.meta_info`."""
+        refuse_multi_modal(data)
         self.critic_module.eval()
         meta = data.meta_info
         keys = MODEL_INPUTS + (["response_mask"] if "response_mask" in data.batch else [])

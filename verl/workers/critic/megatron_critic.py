@@ -33,7 +33,7 @@ from verl.workers.actor.megatron_actor import (
     run_megatron_schedule,
 )
 from verl.workers.config import McoreCriticConfig
-from verl.workers.critic.ppo_critic import MODEL_INPUTS, PPOCritic
+from verl.workers.critic.ppo_critic import MODEL_INPUTS, PPOCritic, refuse_multi_modal
 from verl.workers.dp_training import (
     append_to_dict,
     metrics_to_host,
@@ -73,6 +73,7 @@ class MegatronPPOCritic(PPOCritic):
     @torch.no_grad()
     def compute_values(self, data) -> torch.Tensor:
         """Values [B, R], zero outside the response mask, the same on every model-parallel rank."""
+        refuse_multi_modal(data)
         for chunk in self.model_chunks:
             chunk.eval()
         meta = data.meta_info

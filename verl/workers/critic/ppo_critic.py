@@ -40,6 +40,18 @@ __all__ = ["MODEL_INPUTS", "PPOCritic"]
 MODEL_INPUTS = ["responses", "input_ids", "attention_mask", "position_ids"]
 
 
+def refuse_multi_modal(data) -> None:
+    """Raise for a batch with images (`non_tensor_batch["multi_modal_inputs"]`): no critic here passes
+    them to its model, and a value of the text alone would silently be the wrong function."""
+    non_tensor = getattr(data, "non_tensor_batch", None) or {}
+    if "multi_modal_inputs" in non_tensor:
+        raise ValueError(
+            "the critic got a batch with images (multi_modal_inputs): a value model over a vision-language model is "
+            "not supported here; train with a critic-free estimator (algorithm.adv_estimator=grpo, rloo, "
+            "reinforce_plus_plus, remax, ...: GRPO-family estimators need no critic)"
+        )
+
+
 class PPOCritic(BasePPOCritic):
     """The value function's training loop and loss; a backend subclass supplies the model's part."""
 
@@ -86,6 +98,7 @@ class PPOCritic(BasePPOCritic):
         """
         if self.critic_optimizer is None:
             raise RuntimeError("this critic was built without an optimizer; it cannot be updated")
+        refuse_multi_modal(data)
         self._set_train_mode()
         keys = [*MODEL_INPUTS, "values", "returns"]
         present = set(data.batch.keys())

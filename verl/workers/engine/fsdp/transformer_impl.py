@@ -9,6 +9,11 @@ Design decisions:
 - LoRA (`model.lora_rank > 0` or `model.lora_adapter_path`, see `verl.utils.lora`): the trained
   model is wrapped with peft before sharding and only the adapters train; `disable_adapter` gives
   the base model (the reference policy), and the rollout receives the merged weights.
+- Vision-language models (`verl.utils.vision.is_vision_language_config`) load with
+  `AutoModelForImageTextToText` (`verl.utils.model.load_causal_lm`); FSDP2 wraps each vision block and
+  each decoder layer (the model's `_no_split_modules`). `freeze_vision_tower` (the actor's key, as
+  upstream) takes the vision tower (`model.visual`) out of training before sharding: it gets no
+  gradient and no optimizer state, and its weights stay bit-equal through updates.
 - Offload (`param_offload` / `optimizer_offload`): parameters and Adam moments live on the host
   between the RPCs that use them (`on_device`); no-ops on a CPU device.
 """
@@ -32,8 +37,10 @@ __all__ = [
     "FSDPEngine",
     "FSDPEngineWithLMHead",
     "FSDPEngineWithValueHead",
+    "freeze_vision",
     "fsdp_engine_config",
     "trains_as_plain_replicas",
+    "vision_tower",
 ]
 
 # Below this many parameters `fsdp_size=-1` replicates the model (fsdp_size=1) instead of sharding
@@ -91,7 +98,17 @@ class FSDPEngine(BaseEngine):
     value_head = False
     """Whether the model is a value model (an LM body with a one-output token head) instead of an LM."""
 
-    def __init__(self, model_config, engine_config, optimizer_config=None, checkpoint_config=None, tokenizer=None):
+    def __init__(
+        self,
+        model_config,
+        engine_config,
+        optimizer_config=None,
+        checkpoint_config=None,
+        tokenizer=None,
+        freeze_vision_tower: bool = False,
+    ):
+        """`freeze_vision_tower`: keep a vision-language model's vision tower out of training (see the
+        module docstring); an error for a model without one."""
         from verl.utils.fsdp_utils import apply_fsdp2, load_full_state_from_rank0
         from verl.utils.lora import apply_lora, lora_enabled
         from verl.utils.model import (
@@ -122,6 +139,8 @@ class FSDPEngine(BaseEngine):
             enable_gradient_checkpointing(self.module)
         if not for_training:
             self.module.requires_grad_(False)
+        elif freeze_vision_tower:
+            freeze_vision(self.module)
         self.lora = for_training and lora_enabled(model_config)
         if self.lora:
             # with model.lora_adapter_path the adapters start from its weights (a meta-device rank
@@ -149,7 +168,9 @@ class FSDPEngine(BaseEngine):
         self.optimizer_offload = fsdp.optimizer_offload and for_training
         self._offload(optimizer=False)
         if for_training:
-            self._build_optimizer(optimizer_config, checkpoint_config, tokenizer)
+            self._build_optimizer(
+                optimizer_config, checkpoint_config, _export_processing_class(model_config, tokenizer)
+            )
 
     def _build_optimizer(self, optimizer_config, checkpoint_config, tokenizer) -> None:
         from verl.utils.checkpoint.fsdp_checkpoint_manager import FSDPCheckpointManager
@@ -217,6 +238,74 @@ class FSDPEngine(BaseEngine):
 
     def disable_adapter(self):
         return self.module.disable_adapter() if self.lora else contextlib.nullcontext()
+
+
+# a processor's own files beside the tokenizer's (transformers 4 and 5 layouts)
+PROCESSOR_FILES = (
+    "preprocessor_config.json",
+    "processor_config.json",
+    "video_preprocessor_config.json",
+    "chat_template.json",
+    "chat_template.jinja",
+)
+
+
+class _TokenizerWithProcessorFiles:
+    """The `processing_class` a vision-language model's checkpoint saves to `huggingface/`: the tokenizer
+    (saved as for a text model), then the model directory's processor files copied byte for byte.
+    Copied, not re-saved through the processor class: the image-only processor this machine may load
+    (`verl.utils.vision`) would write its own class name, which other machines' transformers do not know."""
+
+    def __init__(self, tokenizer, source_dir: str):
+        self.tokenizer = tokenizer
+        self.source_dir = source_dir
+
+    def save_pretrained(self, directory: str) -> None:
+        import os
+        import shutil
+
+        if self.tokenizer is not None:
+            self.tokenizer.save_pretrained(directory)
+        for name in PROCESSOR_FILES:
+            source = os.path.join(self.source_dir, name)
+            if os.path.isfile(source):
+                shutil.copyfile(source, os.path.join(directory, name))
+
+
+def _export_processing_class(model_config, tokenizer):
+    """What a checkpoint's `huggingface/` folder saves beside the config: the tokenizer, and for a
+    vision-language model also its processor files (`_TokenizerWithProcessorFiles`), so the exported
+    directory loads with `verl.utils.hf_processor` as the original does."""
+    from verl.utils.model import load_model_config, model_dir_with_config
+    from verl.utils.vision import is_vision_language_config
+
+    path = getattr(model_config, "path", None)
+    if path is None:
+        return tokenizer
+    directory = model_dir_with_config(path, getattr(model_config, "hf_config_path", None))
+    if not is_vision_language_config(load_model_config(directory, model_config.trust_remote_code)):
+        return tokenizer
+    return _TokenizerWithProcessorFiles(tokenizer, getattr(model_config, "tokenizer_path", None) or directory)
+
+
+def vision_tower(model: torch.nn.Module) -> torch.nn.Module | None:
+    """The vision tower of an HF vision-language model (`model.visual` in transformers 5's Qwen2-VL family,
+    `visual` in older layouts), or None for a model without one."""
+    inner = getattr(model, "model", None)
+    tower = getattr(inner, "visual", None) if inner is not None else None
+    tower = tower if tower is not None else getattr(model, "visual", None)
+    return tower if isinstance(tower, torch.nn.Module) else None
+
+
+def freeze_vision(model: torch.nn.Module) -> None:
+    """Stop the vision tower of `model` from training (`requires_grad=False` on its parameters)."""
+    tower = vision_tower(model)
+    if tower is None:
+        raise ValueError(
+            f"actor.freeze_vision_tower=true, but {type(model).__name__} has no vision tower (`model.visual`): it is "
+            "not a vision-language model; set actor_rollout_ref.actor.freeze_vision_tower=false"
+        )
+    tower.requires_grad_(False)
 
 
 @EngineRegistry.register(model_type="language_model", backend=["fsdp", "fsdp2"])

@@ -1,0 +1,237 @@
+"""DataParallelPPOActor on a vision-language model (the tiny-vl preset: transformers' Qwen2.5-VL).
+
+The reference is the HF model run on each row alone, unpadded, with the processor's own inputs
+(its `pixel_values`, `image_grid_thw` and `mm_token_type_ids`), so the model computes its own
+M-RoPE positions: nothing of the actor's batch layout (left padding, (B, 4, L) position ids,
+`multi_modal_inputs` routed by row) is shared with it. Everything runs in float64.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import numpy as np
+import pytest
+import torch
+
+from tests.distributed_helpers import one_thread
+from verl.protocol import DataProto
+from verl.trainer.ppo.core_algos import get_policy_loss_fn
+from verl.workers.actor import DataParallelPPOActor
+
+TEMPERATURE = 0.7
+
+pytestmark = pytest.mark.usefixtures(one_thread.__name__)
+
+# (image sizes (width, height), question, response length): rows with one image, none, two images of
+# different grids, and one image again, so every micro-batch of 2 mixes rows with and without images
+ROWS = [
+    ([(56, 56)], "Color?", 5),
+    ([], "What is 2+3?", 3),
+    ([(28, 28), (56, 28)], "Same?", 6),
+    ([(56, 56)], "Shape?", 2),
+]
+
+
+@pytest.fixture(scope="module")
+def vl(tmp_path_factory):
+    """(model directory, processor, float64 model)."""
+    from verl.models.factory import make_tiny
+    from verl.utils.model import load_causal_lm
+    from verl.utils.tokenizer import hf_processor
+
+    path = make_tiny("tiny-vl", str(tmp_path_factory.mktemp("tiny-vl")))
+    model = load_causal_lm(path, torch_dtype=torch.float64)
+    return path, hf_processor(path), model
+
+
+def _row_inputs(processor, sizes, question, seed):
+    """The processor's outputs for one prompt with random images of `sizes`."""
+    from PIL import Image
+
+    rng = np.random.default_rng(seed)
+    images = [Image.fromarray(rng.integers(0, 256, (h, w, 3), dtype=np.uint8)) for w, h in sizes]
+    content = [{"type": "image"} for _ in images] + [{"type": "text", "text": question}]
+    text = processor.apply_chat_template(
+        [{"role": "user", "content": content}], add_generation_prompt=True, tokenize=False
+    )
+    return processor(text=[text], images=images or None, return_tensors="pt")
+
+
+def make_vl_batch(processor, config, rows=ROWS, seed=0):
+    """(DataProto in the contract's layout, per-row reference inputs). Prompts left-padded, responses
+    right-padded, position ids (B, 4, L) over prompt + response, advantages +-1 per row, old log-probs
+    filled in by the caller."""
+    from verl.utils.vision import vl_position_ids
+
+    gen = torch.Generator().manual_seed(seed)
+    per_row = []
+    for i, (sizes, question, response_length) in enumerate(rows):
+        out = _row_inputs(processor, sizes, question, seed * 100 + i)
+        response = torch.randint(5, 200, (response_length,), generator=gen)
+        per_row.append((out, response))
+    prompt_width = max(out["input_ids"].shape[1] for out, _ in per_row)
+    response_width = max(len(r) for _, r in per_row)
+    batch_size = len(rows)
+    input_ids = torch.zeros((batch_size, prompt_width + response_width), dtype=torch.long)
+    attention_mask = torch.zeros_like(input_ids)
+    responses = torch.zeros((batch_size, response_width), dtype=torch.long)
+    multi_modal_inputs, grids = [], []
+    for row, (out, response) in enumerate(per_row):
+        prompt = out["input_ids"][0]
+        input_ids[row, prompt_width - len(prompt) : prompt_width] = prompt
+        input_ids[row, prompt_width : prompt_width + len(response)] = response
+        attention_mask[row, prompt_width - len(prompt) : prompt_width + len(response)] = 1
+        responses[row, : len(response)] = response
+        if "pixel_values" in out:
+            multi_modal_inputs.append({"pixel_values": out["pixel_values"], "image_grid_thw": out["image_grid_thw"]})
+            grids.append(out["image_grid_thw"])
+        else:
+            multi_modal_inputs.append({})
+    position_ids = vl_position_ids(config, input_ids, attention_mask, torch.cat(grids))
+    response_mask = attention_mask[:, prompt_width:].to(torch.float64)
+    sign = torch.tensor([1.0 if i % 2 == 0 else -1.0 for i in range(batch_size)], dtype=torch.float64)
+    tensors = {
+        "input_ids": input_ids,
+        "attention_mask": attention_mask,
+        "position_ids": position_ids,
+        "responses": responses,
+        "response_mask": response_mask,
+        "advantages": sign[:, None] * response_mask,
+    }
+    non_tensors = {"multi_modal_inputs": np.array(multi_modal_inputs + [None], dtype=object)[:-1]}
+    data = DataProto.from_dict(tensors=tensors, non_tensors=non_tensors, meta_info={"temperature": TEMPERATURE})
+    return data, per_row
+
+
+def reference_log_probs(model, per_row, response_width):
+    """(log-probs, entropy) [B, R] (0 past each response), each row alone through the HF model."""
+    log_probs, entropies = [], []
+    for out, response in per_row:
+        prompt = out["input_ids"]
+        ids = torch.cat([prompt, response[None]], dim=1)
+        kwargs = {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
+        # the model computes its own M-RoPE positions from these (transformers' get_rope_index)
+        kwargs["mm_token_type_ids"] = torch.cat([out["mm_token_type_ids"], torch.zeros_like(response)[None]], dim=1)
+        if "pixel_values" in out:
+            kwargs["pixel_values"] = out["pixel_values"].to(torch.float64)
+            kwargs["image_grid_thw"] = out["image_grid_thw"]
+        logits = model(**kwargs, use_cache=False).logits[0, prompt.shape[1] - 1 : -1] / TEMPERATURE
+        logp = torch.log_softmax(logits, dim=-1)
+        pad = response_width - len(response)
+        log_probs.append(torch.nn.functional.pad(logp.gather(-1, response[:, None])[:, 0], (0, pad)))
+        entropies.append(torch.nn.functional.pad(-(logp.exp() * logp).sum(-1), (0, pad)))
+    return torch.stack(log_probs), torch.stack(entropies)
+
+
+def actor_config(**overrides):
+    config = {
+        "ppo_mini_batch_size": 4,
+        "ppo_micro_batch_size_per_gpu": 2,
+        "use_dynamic_bsz": False,
+        "ppo_max_token_len_per_gpu": 64,
+        "ppo_epochs": 1,
+        "grad_clip": 1e9,
+        "clip_ratio": 0.2,
+        "loss_agg_mode": "token-mean",
+        "entropy_coeff": 0.0,
+        "use_kl_loss": False,
+        "policy_loss": {"loss_mode": "vanilla"},
+        "use_remove_padding": False,
+        "ulysses_sequence_parallel_size": 1,
+        "skip_zero_advantage_rows": False,
+    }
+    config.update(overrides)
+    return config
+
+
+PATHS = {
+    "padded": ({}, {"micro_batch_size": 2}),
+    "remove_padding": ({"use_remove_padding": True}, {"micro_batch_size": 2}),
+    "dynamic_bsz": (
+        {"use_remove_padding": True, "use_dynamic_bsz": True, "ppo_max_token_len_per_gpu": 60},
+        {"use_dynamic_bsz": True, "max_token_len": 60},
+    ),
+    "padded_dynamic_bsz": (
+        {"use_dynamic_bsz": True, "ppo_max_token_len_per_gpu": 60},
+        {"use_dynamic_bsz": True, "max_token_len": 60},
+    ),
+}
+
+
+@pytest.mark.parametrize("path", sorted(PATHS))
+def test_log_probs_and_entropy_equal_each_row_alone_through_hf(vl, path):
+    _, processor, model = vl
+    data, per_row = make_vl_batch(processor, model.config)
+    expected_lp, expected_ent = reference_log_probs(model, per_row, data.batch["responses"].shape[1])
+    config, meta = PATHS[path]
+    actor = DataParallelPPOActor(actor_config(**config), model)
+    assert not actor.share_prompt_forward  # a vision-language model runs every row in full
+    data.meta_info.update(meta)
+    with torch.no_grad():
+        log_probs, entropy = actor.compute_log_prob(data, calculate_entropy=True)
+    mask = data.batch["response_mask"].bool()
+    torch.testing.assert_close(log_probs[mask], expected_lp[mask], atol=1e-10, rtol=0)
+    torch.testing.assert_close(entropy[mask], expected_ent[mask], atol=1e-10, rtol=0)
+    # the images matter: the same batch without them gives other log-probs
+    data.non_tensor_batch["multi_modal_inputs"] = np.array([{}] * len(data) + [None], dtype=object)[:-1]
+    with torch.no_grad():
+        blind, _ = actor.compute_log_prob(data)
+    assert (blind[mask] - expected_lp[mask]).abs().max() > 1e-4
+
+
+@pytest.mark.parametrize("use_remove_padding", [False, True])
+def test_fused_kernels_log_probs_equal_each_row_alone(vl, use_remove_padding):
+    _, processor, model = vl
+    data, per_row = make_vl_batch(processor, model.config, seed=1)
+    expected_lp, expected_ent = reference_log_probs(model, per_row, data.batch["responses"].shape[1])
+    actor = DataParallelPPOActor(actor_config(use_remove_padding=use_remove_padding), model, use_fused_kernels=True)
+    data.meta_info["micro_batch_size"] = 2
+    with torch.no_grad():
+        log_probs, entropy = actor.compute_log_prob(data, calculate_entropy=True)
+    mask = data.batch["response_mask"].bool()
+    # the fused head computes in float32
+    torch.testing.assert_close(log_probs[mask], expected_lp[mask].float().double(), atol=2e-5, rtol=0)
+    torch.testing.assert_close(entropy[mask], expected_ent[mask].float().double(), atol=2e-5, rtol=0)
+
+
+def reference_update_delta(model, data, per_row) -> dict[str, torch.Tensor]:
+    """-grad of the token-mean vanilla PPO loss over the batch (the SGD lr=1 update), from per-row forwards."""
+    model = copy.deepcopy(model)
+    log_probs, _ = reference_log_probs(model, per_row, data.batch["responses"].shape[1])
+    td = data.batch
+    loss, _ = get_policy_loss_fn("vanilla")(
+        td["old_log_probs"], log_probs, td["advantages"], td["response_mask"], "token-mean"
+    )
+    loss.backward()
+    return {n: -p.grad for n, p in model.named_parameters()}
+
+
+@pytest.mark.parametrize("path", ["padded", "remove_padding", "dynamic_bsz"])
+def test_update_equals_the_per_row_reference_gradient_vision_tower_included(vl, path):
+    _, processor, model = vl
+    data, per_row = make_vl_batch(processor, model.config, seed=2)
+    with torch.no_grad():
+        data.batch["old_log_probs"] = reference_log_probs(model, per_row, data.batch["responses"].shape[1])[0]
+    expected = reference_update_delta(model, data, per_row)
+    trained = copy.deepcopy(model)
+    config, _ = PATHS[path]
+    actor = DataParallelPPOActor(actor_config(**config), trained, torch.optim.SGD(trained.parameters(), lr=1.0))
+    metrics = actor.update_policy(data)
+    assert metrics["actor/skipped_nonfinite_grad"] == [0.0]
+    delta = {n: p.detach() - model.get_parameter(n).detach() for n, p in trained.named_parameters()}
+    assert delta.keys() == expected.keys()
+    for name in delta:
+        torch.testing.assert_close(delta[name], expected[name], atol=1e-10, rtol=1e-7, msg=name)
+    # the vision tower is trained (its gradient is nonzero)
+    assert expected["model.visual.patch_embed.proj.weight"].abs().max() > 1e-8
+
+
+def test_batch_with_images_and_text_position_ids_is_refused(vl):
+    _, processor, model = vl
+    data, _ = make_vl_batch(processor, model.config)
+    data.batch["position_ids"] = data.batch["position_ids"][:, 0]
+    data.meta_info["micro_batch_size"] = 4
+    actor = DataParallelPPOActor(actor_config(), model)
+    with pytest.raises(ValueError, match=r"\(batch, 4, length\)"):
+        actor.compute_log_prob(data)
