@@ -2,6 +2,7 @@
 the model's processor -> GRPO repeat -> `HFRollout` (sampling, rollout log-probs) -> the FSDP actor's
 `compute_log_prob` (`DataParallelPPOActor`) on the rollout's output.
 
+The rollout gets the batch through the driver's own glue (`generation_input` / `with_generation`).
 The actor recomputes each sampled token's log-prob from the batch alone (its (B, 4, P+R) positions
 and `multi_modal_inputs`); it must equal what the rollout sampled with, within float32 tolerance,
 and differ without the images: so the dataset, the rollout and the actor agree on every row's
@@ -57,6 +58,7 @@ def test_actor_log_probs_of_the_rollouts_samples_equal_the_rollouts(tmp_path):
 
     from tests.workers.actor.test_dp_actor_vision import actor_config
     from verl.protocol import DataProto
+    from verl.trainer.ppo.generation import generation_input, with_generation
     from verl.utils.dataset.rl_dataset import collate_fn, create_rl_dataset
     from verl.utils.tokenizer import hf_processor
     from verl.workers.actor import DataParallelPPOActor
@@ -69,11 +71,14 @@ def test_actor_log_probs_of_the_rollouts_samples_equal_the_rollouts(tmp_path):
     )
     prompts = DataProto.from_single_dict(collate_fn([dataset[i] for i in range(len(dataset))]))
     prompts = prompts.repeat(2, interleave=True)
-    prompts.meta_info.update(eos_token_id=[], pad_token_id=processor.tokenizer.pad_token_id)
+    # the driver's glue: what it sends to the rollout (no multi_modal_inputs today: the rollout makes them
+    # from multi_modal_data) and how it merges the answer (a union: they must equal the dataset's)
+    gen = generation_input(prompts, processor.tokenizer, global_steps=1, multi_turn=False)
+    gen.meta_info["eos_token_id"] = []  # every response runs to the end: more tokens compared
 
     rollout = HFRollout(path, engine_config(response_length=6, calculate_log_probs=True, temperature=TEMPERATURE))
     torch.manual_seed(0)
-    out = rollout.generate_sequences(prompts)
+    out = with_generation(prompts, rollout.generate_sequences(gen))
     assert out.batch["position_ids"].shape[1] == 4
 
     model = AutoModelForImageTextToText.from_pretrained(path).eval()
