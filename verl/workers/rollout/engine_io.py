@@ -35,6 +35,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from verl.utils.vision import vl_position_ids
 from verl.workers.rollout.sampling import SamplingParams
 
 _WRAPPER_PREFIXES = re.compile(r"(_fsdp_wrapped_module\.|_checkpoint_wrapped_module\.|_orig_mod\.)")
@@ -123,8 +124,6 @@ def prompt_position_ids(vision_config, input_ids, attention_mask, position_ids, 
     None); [B, 4, P] for a vision-language one, computed with `vl_position_ids` when the batch has
     none or only text positions."""
     if vision_config is not None and (position_ids is None or position_ids.dim() != 3):
-        from verl.utils.vision import vl_position_ids
-
         ids, mask = input_ids.cpu(), attention_mask.cpu()
         return vl_position_ids(vision_config, ids, mask, image_grids(images)).to(input_ids.device)
     if position_ids is None:

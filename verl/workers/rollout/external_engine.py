@@ -52,6 +52,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from verl.utils.config import omega_conf_to_dataclass
+from verl.utils.vision import is_vision_language_config
 from verl.workers.config import RolloutConfig
 from verl.workers.rollout.base import BaseRollout
 from verl.workers.rollout.engine_io import (
@@ -111,8 +112,6 @@ class ExternalEngineRollout(BaseRollout):
         self.model_path = model_path
         self.tokenizer = tokenizer
         from transformers import AutoConfig
-
-        from verl.utils.vision import is_vision_language_config
 
         hf_config = AutoConfig.from_pretrained(model_path)
         self.vision_config = hf_config if is_vision_language_config(hf_config) else None

@@ -91,6 +91,7 @@ import torch.nn.functional as F
 
 from verl.models.moe import RoutingRecorder
 from verl.utils.device import device_context, empty_cache, free_memory_bytes, get_device, synchronize
+from verl.utils.vision import is_vision_language_config, vl_position_ids
 from verl.workers.rollout.engine_io import image_grids
 from verl.workers.rollout.native.cuda_graph import BATCH_BUCKETS, DecodeGraphRunner
 from verl.workers.rollout.native.hf_decoder import HFModelDecoder
@@ -225,8 +226,6 @@ class GenerationEngine:
     @property
     def vision_config(self):
         """The HF config of the model when it is a vision-language model (it takes images), else None."""
-        from verl.utils.vision import is_vision_language_config
-
         config = getattr(getattr(self.decoder, "model", None), "config", None)
         return config if config is not None and is_vision_language_config(config) else None
 
@@ -255,8 +254,6 @@ class GenerationEngine:
         `quantization`: None or 'fp8' (block-wise fp8 linear weights, `native.fp8`; native decoder only).
         """
         from transformers import AutoConfig, AutoModelForCausalLM
-
-        from verl.utils.vision import is_vision_language_config
 
         device = torch.device(device) if device is not None else get_device()
         dtype = resolve_dtype(dtype, device)
@@ -524,8 +521,6 @@ class GenerationEngine:
         attention_mask = attention_mask.to(dev)
         images = self._check_images(input_ids, attention_mask, position_ids, multi_modal_inputs)
         if position_ids is None and self.vision_config is not None:
-            from verl.utils.vision import vl_position_ids
-
             position_ids = vl_position_ids(
                 self.vision_config, input_ids.cpu(), attention_mask.cpu(), image_grids(images)
             )
