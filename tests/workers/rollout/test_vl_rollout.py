@@ -50,10 +50,10 @@ def _rows():
     ]
 
 
-def _engine(model):
+def _engine(model, device: str = "cpu"):
     from verl.workers.rollout.native.engine import GenerationEngine
 
-    return GenerationEngine.from_model(model, device="cpu")
+    return GenerationEngine.from_model(model, device=device, dtype="float32")
 
 
 def _generate(engine, prompts, **kwargs):
@@ -69,12 +69,14 @@ def _generate(engine, prompts, **kwargs):
     )
 
 
-def test_greedy_generation_equals_transformers_generate_token_for_token(vl):
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_greedy_generation_equals_transformers_generate_token_for_token(vl, device):
+    """transformers' generate runs on CPU in both cases; the engine on `device` (float32 throughout)."""
     _, model, processor = vl
     prompts, mm_types = vl_prompt_batch(processor, model.config, _rows())
-    engine = _engine(model)
+    engine = _engine(model, device)
     expected = hf_greedy(model, prompts, mm_types, R)
-    assert torch.equal(_generate(engine, prompts).responses, expected)
+    assert torch.equal(_generate(engine, prompts).responses.cpu(), expected)
     # the images reach the tokens: the same text with another image answers otherwise
     assert not torch.equal(expected[0], expected[3]) and torch.equal(expected[0], expected[4])
 
@@ -82,8 +84,8 @@ def test_greedy_generation_equals_transformers_generate_token_for_token(vl):
     eos = int(expected[0, 2])
     stopped = hf_greedy(model, prompts, mm_types, R, eos=eos)
     out = _generate(engine, prompts, eos_token_id=eos)
-    assert torch.equal(out.responses, stopped)
-    lengths = out.response_mask.sum(-1)
+    assert torch.equal(out.responses.cpu(), stopped)
+    lengths = out.response_mask.cpu().sum(-1)
     assert lengths.min() < R and lengths.max() == R  # some rows stopped, some ran to the end
 
 
