@@ -135,6 +135,9 @@ def test_text_model_and_bad_inputs_are_refused(vl):
     text_engine = GenerationEngine.from_model(build_model("qwen2"), device="cpu")
     with pytest.raises(ValueError, match="not a vision-language model"):
         text_engine.generate(ids.clamp(max=40), mask, 2, multi_modal_inputs=images, pad_token_id=PAD)
+    text_rollout = _rollout(build_model("qwen2"))
+    with pytest.raises(ValueError, match="not a vision-language model"):  # images given as PIL only
+        text_rollout.generate_sequences(_without_inputs(prompts))
     with pytest.raises(ValueError, match="M-RoPE"):
         text_engine.generate(ids.clamp(max=40), mask, 2, position_ids=prompts.batch["position_ids"], pad_token_id=PAD)
     engine = _engine(model)
@@ -153,6 +156,14 @@ def test_text_model_and_bad_inputs_are_refused(vl):
 
 
 # ------------------------------------------------------------------------------------- HFRollout
+def _without_inputs(prompts):
+    """`prompts` with the images as PIL only (no `multi_modal_inputs`) and no position ids."""
+    out = prompts.select_idxs(list(range(len(prompts))))
+    out.non_tensor_batch.pop("multi_modal_inputs")
+    del out.batch["position_ids"]
+    return out
+
+
 def _rollout(path, **overrides):
     from verl.workers.rollout.hf_rollout import HFRollout
 
@@ -161,7 +172,7 @@ def _rollout(path, **overrides):
 
 def _greedy_alone(model, prompts, row: int) -> list[int]:
     """transformers' generate on one row alone (no padding), its tokens up to R."""
-    one = prompts.select_idxs([row]) if hasattr(prompts, "select_idxs") else prompts[row : row + 1]
+    one = prompts.select_idxs([row])
     keep = one.batch["attention_mask"][0].bool()
     from verl.utils.model import extract_multi_modal_inputs
 
@@ -204,9 +215,7 @@ def test_rollout_runs_the_image_processor_when_only_images_are_given(vl):
     prompts, _ = vl_prompt_batch(processor, model.config, _rows()[:3], do_sample=False)
     rollout = _rollout(path)
     with_inputs = rollout.generate_sequences(prompts)
-    images_only = prompts.select_idxs(list(range(3))) if hasattr(prompts, "select_idxs") else prompts[:3]
-    images_only.non_tensor_batch.pop("multi_modal_inputs")
-    del images_only.batch["position_ids"]  # computed by the rollout too
+    images_only = _without_inputs(prompts)  # the rollout computes the inputs and the positions
     out = rollout.generate_sequences(images_only)
     assert torch.equal(out.batch["responses"], with_inputs.batch["responses"])
     assert torch.equal(out.batch["position_ids"], with_inputs.batch["position_ids"])

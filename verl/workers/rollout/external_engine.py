@@ -58,6 +58,7 @@ from verl.workers.rollout.base import BaseRollout
 from verl.workers.rollout.engine_io import (
     EngineResponse,
     assemble_output,
+    has_images,
     image_requests,
     multi_modal_rows,
     prompt_position_ids,
@@ -195,6 +196,11 @@ class ExternalEngineRollout(BaseRollout):
                 everyone_images, _ = self._gather_group_requests(mine_images)
                 images = {"images": everyone_images}
         else:
+            if has_images(prompts):
+                raise ValueError(
+                    f"the prompts carry images but the rollout model {self.model_path!r} is not a vision-language model "
+                    "(its config has no vision_config); use a vision-language checkpoint or text-only data"
+                )
             mine = prompt_token_lists(prompts.batch["input_ids"], prompts.batch["attention_mask"])
         everyone, lo = self._gather_group_requests(mine)
         with_logprobs = self.config.calculate_log_probs
