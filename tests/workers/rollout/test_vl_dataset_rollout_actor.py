@@ -14,7 +14,6 @@ from __future__ import annotations
 import io
 
 import numpy as np
-import pytest
 import torch
 
 from tests.config_helpers import engine_config
@@ -52,7 +51,6 @@ def _parquet(tmp_path) -> str:
     return str(path)
 
 
-@pytest.mark.slow  # ~20 s on the loaded 2-core machine (two model loads, the dataset, a rollout, the actor)
 def test_actor_log_probs_of_the_rollouts_samples_equal_the_rollouts(tmp_path):
     from transformers import AutoModelForImageTextToText
 
