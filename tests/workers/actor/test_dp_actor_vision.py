@@ -235,3 +235,40 @@ def test_batch_with_images_and_text_position_ids_is_refused(vl):
     actor = DataParallelPPOActor(actor_config(), model)
     with pytest.raises(ValueError, match=r"\(batch, 4, length\)"):
         actor.compute_log_prob(data)
+
+
+def test_gradient_checkpointing_gives_the_same_update(vl):
+    from verl.utils.model import enable_gradient_checkpointing
+
+    _, processor, model = vl
+    data, per_row = make_vl_batch(processor, model.config, seed=3)
+    with torch.no_grad():
+        data.batch["old_log_probs"] = reference_log_probs(model, per_row, data.batch["responses"].shape[1])[0]
+    expected = reference_update_delta(model, data, per_row)
+    trained = copy.deepcopy(model)
+    enable_gradient_checkpointing(trained)
+    config = actor_config(use_remove_padding=True)
+    DataParallelPPOActor(config, trained, torch.optim.SGD(trained.parameters(), lr=1.0)).update_policy(data)
+    for name, param in trained.named_parameters():
+        delta = param.detach() - model.get_parameter(name).detach()
+        torch.testing.assert_close(delta, expected[name], atol=1e-10, rtol=1e-7, msg=name)
+
+
+def test_ulysses_sequence_parallelism_is_refused_for_a_vision_language_model(vl):
+    _, _, model = vl
+    config = actor_config(use_remove_padding=True, ulysses_sequence_parallel_size=2)
+    with pytest.raises(ValueError, match="ulysses_sequence_parallel_size=2 with a vision-language model.*set it to 1"):
+        DataParallelPPOActor(config, model)
+
+
+def test_an_actor_whose_forward_takes_no_images_refuses_an_image_batch(vl):
+    """A backend without `supports_multi_modal` (Megatron's) must not train on the text alone."""
+    _, processor, model = vl
+
+    class TextOnlyActor(DataParallelPPOActor):
+        supports_multi_modal = False
+
+    data, _ = make_vl_batch(processor, model.config)
+    data.meta_info["micro_batch_size"] = 4
+    with pytest.raises(ValueError, match="multi_modal_inputs.*strategy=fsdp"):
+        TextOnlyActor(actor_config(), model).compute_log_prob(data)

@@ -161,3 +161,15 @@ def _two_rank_frozen_update(rank, world_size, path):
 @pytest.mark.slow
 def test_fsdp2_shards_the_vision_blocks_and_freezes_the_tower_on_two_ranks(vl_path):
     run_distributed(_two_rank_frozen_update, 2, vl_path)
+
+
+def test_the_fsdp_worker_hands_freeze_vision_tower_to_the_actor_engine_only():
+    from types import SimpleNamespace
+
+    from verl.workers.fsdp_workers import ActorRolloutRefWorker
+
+    worker = SimpleNamespace(actor_config=OmegaConf.create({"freeze_vision_tower": True}))
+    assert ActorRolloutRefWorker._engine_options(worker, "actor") == {"freeze_vision_tower": True}
+    assert ActorRolloutRefWorker._engine_options(worker, "ref") == {}
+    worker.actor_config.freeze_vision_tower = False
+    assert ActorRolloutRefWorker._engine_options(worker, "actor") == {"freeze_vision_tower": False}

@@ -109,6 +109,7 @@ from verl.utils.torch_functional import (
     logprobs_from_logits,
     sum_pi_squared_from_logits,
 )
+from verl.utils.ulysses_keys import role_sp
 from verl.utils.vision import is_vision_language_config
 from verl.workers.actor.ppo_actor import MODEL_INPUTS, MULTI_MODAL_ROW, PPOActor, require_temperature
 from verl.workers.config import FSDPActorConfig
@@ -157,17 +158,18 @@ class DataParallelPPOActor(PPOActor):
         self.use_remove_padding = cfg.use_remove_padding
         # a peft model forwards its keyword arguments to the HF model it wraps: ask that one
         hf_module = actor_module.get_base_model() if hasattr(actor_module, "get_base_model") else actor_module
+        self.is_vision_language = is_vision_language_config(getattr(hf_module, "config", None))
+        sp_size, sp_key = role_sp(cfg, "actor")
+        if self.is_vision_language and sp_size > 1:
+            raise ValueError(
+                f"{sp_key}={sp_size} with a vision-language model ({hf_module.config.model_type}): the Ulysses "
+                "sequence-parallel forward does not split image features across ranks; set it to 1 "
+                "(use_dynamic_bsz bounds each micro-batch's tokens instead)"
+            )
         self.sp_size = ulysses.setup(
             "actor", cfg, getattr(hf_module, "config", None), self.use_remove_padding, ulysses_group
         )
         self._sp_group = ulysses_group
-        self.is_vision_language = is_vision_language_config(getattr(hf_module, "config", None))
-        if self.is_vision_language and self.sp_size > 1:
-            raise ValueError(
-                f"actor.ulysses_sequence_parallel_size={self.sp_size} with a vision-language model "
-                f"({hf_module.config.model_type}): the sequence-parallel forward does not split image features "
-                "across ranks; set ulysses_sequence_parallel_size=1 (use_dynamic_bsz bounds the memory instead)"
-            )
         forward = model_forward(hf_module)
         self._accepts_logits_to_keep = forward.accepts_logits_to_keep
         self._hf_module = hf_module
