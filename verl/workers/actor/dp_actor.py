@@ -34,6 +34,14 @@ shared-prompt forward (each prompt once, response logits only: no more memory th
 path) and the others are fused; the `fused_kernels` speed path says so. Ulysses sequence
 parallelism and statistics other than the entropy are refused with the reason.
 
+Vision-language models (Qwen2-VL family, `verl.utils.vision.is_vision_language_config`): a batch
+with `non_tensor_batch["multi_modal_inputs"]` (one dict per row: `pixel_values`, `image_grid_thw`)
+gets a row index (`MULTI_MODAL_ROW`) that follows its rows through shuffling and every micro-batch
+split, so each forward passes `extract_multi_modal_inputs` of exactly its rows, in order; the
+(B, 4, L) position ids (text row + M-RoPE rows) go to the model as (4, B, L), packed to (4, 1, T) on
+the remove-padding path. The shared-prompt forward is off for such models and Ulysses is refused
+(see docs/multimodal_training.md).
+
 Two guarded steps:
 * a non-finite gradient norm skips the optimizer step (gradients cleared), reported as
   `actor/skipped_nonfinite_grad` (1.0 per skipped step, 0.0 otherwise; its mean is the fraction);
