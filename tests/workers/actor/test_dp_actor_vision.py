@@ -272,3 +272,13 @@ def test_an_actor_whose_forward_takes_no_images_refuses_an_image_batch(vl):
     data.meta_info["micro_batch_size"] = 4
     with pytest.raises(ValueError, match="multi_modal_inputs.*strategy=fsdp"):
         TextOnlyActor(actor_config(), model).compute_log_prob(data)
+
+
+def test_images_for_a_text_model_say_what_to_change(vl):
+    from tests.distributed_helpers import make_tiny_causal_lm
+
+    _, processor, model = vl
+    data, _ = make_vl_batch(processor, model.config)
+    data.meta_info["micro_batch_size"] = 4
+    with pytest.raises(ValueError, match="has no vision tower; use a vision-language model"):
+        DataParallelPPOActor(actor_config(), make_tiny_causal_lm()).compute_log_prob(data)

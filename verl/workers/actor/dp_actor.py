@@ -306,6 +306,12 @@ class DataParallelPPOActor(PPOActor):
             return {}
         rows = micro_batch[MULTI_MODAL_ROW].tolist()
         inputs = extract_multi_modal_inputs([self._multi_modal_inputs[i] for i in rows])
+        if inputs and not self.is_vision_language:
+            raise ValueError(
+                f"a batch with images (multi_modal_inputs: {sorted(inputs)}) reached an actor whose model "
+                f"({type(self._hf_module).__name__}) has no vision tower; use a vision-language model "
+                "(actor_rollout_ref.model.path, e.g. Qwen2.5-VL) or a dataset without images"
+            )
         if inputs and micro_batch["position_ids"].dim() != 3:
             raise ValueError(
                 "a batch with images has position_ids of shape "
