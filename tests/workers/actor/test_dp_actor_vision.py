@@ -282,3 +282,21 @@ def test_images_for_a_text_model_say_what_to_change(vl):
     data.meta_info["micro_batch_size"] = 4
     with pytest.raises(ValueError, match="has no vision tower; use a vision-language model"):
         DataParallelPPOActor(actor_config(), make_tiny_causal_lm()).compute_log_prob(data)
+
+
+def test_zero_advantage_rows_left_out_keep_each_rows_images(vl):
+    """With rows 0 and 2 at zero advantage left out of the forward, rows 1 and 3 must still get their own images."""
+    _, processor, model = vl
+    data, per_row = make_vl_batch(processor, model.config, seed=4)
+    data.batch["advantages"][0] = 0.0
+    data.batch["advantages"][2] = 0.0
+    with torch.no_grad():
+        data.batch["old_log_probs"] = reference_log_probs(model, per_row, data.batch["responses"].shape[1])[0]
+    expected = reference_update_delta(model, data, per_row)
+    trained = copy.deepcopy(model)
+    config = actor_config(skip_zero_advantage_rows=True, ppo_micro_batch_size_per_gpu=1)
+    metrics = DataParallelPPOActor(config, trained, torch.optim.SGD(trained.parameters(), lr=1.0)).update_policy(data)
+    assert metrics["actor/zero_adv_rows_skipped"] == [0.5]
+    for name, param in trained.named_parameters():
+        delta = param.detach() - model.get_parameter(name).detach()
+        torch.testing.assert_close(delta, expected[name], atol=1e-10, rtol=1e-7, msg=name)
