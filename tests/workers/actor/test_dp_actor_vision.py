@@ -166,7 +166,9 @@ def test_log_probs_and_entropy_equal_each_row_alone_through_hf(vl, path):
     expected_lp, expected_ent = reference_log_probs(model, per_row, data.batch["responses"].shape[1])
     config, meta = PATHS[path]
     actor = DataParallelPPOActor(actor_config(**config), model)
-    assert not actor.share_prompt_forward  # a vision-language model runs every row in full
+    # a vision-language model runs every row in full, and the speed-path report says why
+    assert not actor.share_prompt_forward and not actor.shared_prompt_path.active
+    assert "vision-language" in actor.shared_prompt_path.reason
     data.meta_info.update(meta)
     with torch.no_grad():
         log_probs, entropy = actor.compute_log_prob(data, calculate_entropy=True)
