@@ -108,7 +108,6 @@ from verl.utils.experimental.torch_functional import fused_head_problem, fused_l
 from verl.utils.flops_counter import FlopsCounter, FlopsTally
 from verl.utils.hf_forward import model_forward
 from verl.utils.logging_utils import get_logger
-from verl.utils.model import extract_multi_modal_inputs
 from verl.utils.remove_padding import packed_model_inputs, pad_input, unpad_input, unpad_position_ids
 from verl.utils.shared_prompt import prompt_groups, shared_prompt_logits
 from verl.utils.speed_paths import SpeedPath
@@ -119,13 +118,15 @@ from verl.utils.torch_functional import (
 )
 from verl.utils.ulysses_keys import role_sp
 from verl.utils.vision import is_vision_language_config
-from verl.workers.actor.ppo_actor import MODEL_INPUTS, MULTI_MODAL_ROW, PPOActor, require_temperature
+from verl.workers.actor.ppo_actor import MODEL_INPUTS, PPOActor, require_temperature
 from verl.workers.config import FSDPActorConfig
 from verl.workers.dp_training import (
     append_to_dict,
     clip_grad_norm,
     dp_group_and_size,
     metrics_to_host,
+    model_position_ids,
+    multi_modal_kwargs,
     pad_response_columns,
     split_micro_batches,
     step_if_finite,
@@ -299,27 +300,8 @@ class DataParallelPPOActor(PPOActor):
         return self._response_outputs([logits], micro_batch["responses"], temperature, stats)
 
     def _multi_modal_kwargs(self, micro_batch) -> dict:
-        """The model's image inputs (`pixel_values`, `image_grid_thw`) for the rows of `micro_batch`, in
-        its row order (`extract_multi_modal_inputs` of their `multi_modal_inputs`); {} for a text-only
-        micro-batch. A text-only row of a multi-modal batch adds nothing."""
-        if MULTI_MODAL_ROW not in micro_batch:
-            return {}
-        rows = micro_batch[MULTI_MODAL_ROW].tolist()
-        inputs = extract_multi_modal_inputs([self._multi_modal_inputs[i] for i in rows])
-        if inputs and not self.is_vision_language:
-            raise ValueError(
-                f"a batch with images (multi_modal_inputs: {sorted(inputs)}) reached an actor whose model "
-                f"({type(self._hf_module).__name__}) has no vision tower; use a vision-language model "
-                "(actor_rollout_ref.model.path, e.g. Qwen2.5-VL) or a dataset without images"
-            )
-        if inputs and micro_batch["position_ids"].dim() != 3:
-            raise ValueError(
-                "a batch with images has position_ids of shape "
-                f"{tuple(micro_batch['position_ids'].shape)}; a vision-language model needs (batch, 4, length) "
-                "(text and M-RoPE rows, verl.utils.vision.vl_position_ids), which the dataset and the rollout write"
-            )
-        device = micro_batch["input_ids"].device
-        return {key: value.to(device) for key, value in inputs.items()}
+        """The model's image inputs for the rows of `micro_batch` ({} for text only; `multi_modal_kwargs`)."""
+        return multi_modal_kwargs(micro_batch, self._multi_modal_inputs, self._hf_module, self.is_vision_language)
 
     @staticmethod
     def _packed_inputs(micro_batch):
@@ -542,13 +524,6 @@ class DataParallelPPOActor(PPOActor):
         loss, out = self._micro_batch_loss(micro_batch, log_prob, entropy, normaliser, aux_loss, aux_coef)
         loss.backward()
         return out
-
-
-def model_position_ids(position_ids: torch.Tensor) -> torch.Tensor:
-    """Batch position ids in the layout the model's forward takes: [B, L] as they are; a
-    vision-language batch's [B, 4, L] (upstream's layout) as [4, B, L], Qwen2-VL's (row 0 the text
-    positions its mask is built from, rows 1-3 M-RoPE's)."""
-    return position_ids.transpose(0, 1) if position_ids.dim() == 3 else position_ids
 
 
 def _detached(value):
