@@ -100,9 +100,11 @@ def test_freeze_vision_tower_on_a_text_model_says_what_to_change(tmp_path):
         _engine(path, freeze_vision_tower=True)
 
 
-def test_a_vision_language_critic_is_refused_with_the_critic_free_estimators_named(vl_path):
-    with pytest.raises(ValueError, match="vision-language.*adv_estimator=grpo"):
-        FSDPEngineWithValueHead(OmegaConf.create({"path": vl_path}), {"fsdp_size": -1, "dtype": "auto"}, OPTIM)
+def test_the_value_engine_puts_a_one_output_head_over_the_image_text_backbone(vl_path):
+    engine = FSDPEngineWithValueHead(OmegaConf.create({"path": vl_path}), {"fsdp_size": -1, "dtype": "auto"}, OPTIM)
+    params = dict(engine.get_per_tensor_param())
+    assert params["score.weight"].shape == (1, engine.hf_config.text_config.hidden_size)
+    assert any(n.startswith("model.visual.blocks.") for n in params) and "lm_head.weight" not in params
 
 
 def test_checkpoint_resumes_bit_exact_and_exports_a_loadable_vl_directory(vl_path, tmp_path):
