@@ -107,6 +107,26 @@ def test_the_value_engine_puts_a_one_output_head_over_the_image_text_backbone(vl
     assert any(n.startswith("model.visual.blocks.") for n in params) and "lm_head.weight" not in params
 
 
+def test_a_vision_language_critic_checkpoint_merges_to_a_loadable_value_model(vl_path, tmp_path):
+    from verl.model_merger.__main__ import main as merger_main
+    from verl.utils.model import load_valuehead_model
+
+    checkpoint = {"save_contents": ["model", "optimizer", "extra", "hf_model"]}
+    engine = FSDPEngineWithValueHead(
+        OmegaConf.create({"path": vl_path}), {"fsdp_size": -1, "dtype": "auto"}, OPTIM, checkpoint
+    )
+    ckpt = str(tmp_path / "global_step_1" / "critic")
+    engine.save_checkpoint(ckpt, global_step=1)
+    assert engine.finish_checkpoint()
+    merged_dir = str(tmp_path / "merged")
+    merger_main(["merge", "--backend", "fsdp", "--local_dir", ckpt, "--target_dir", merged_dir])
+    merged = load_valuehead_model(merged_dir)
+    saved = engine.module.state_dict()
+    assert merged.state_dict().keys() == saved.keys()
+    for name, tensor in merged.state_dict().items():
+        assert torch.equal(tensor, saved[name]), name
+
+
 def test_checkpoint_resumes_bit_exact_and_exports_a_loadable_vl_directory(vl_path, tmp_path):
     from transformers import AutoModelForImageTextToText
 
