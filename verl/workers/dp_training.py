@@ -334,16 +334,34 @@ def with_multi_modal_rows(data, batch, role: str, supported: bool = True):
     return batch, inputs
 
 
-def multi_modal_kwargs(micro_batch, inputs, model: torch.nn.Module, is_vision_language: bool) -> dict:
+def multi_modal_kwargs(
+    micro_batch, inputs, model: torch.nn.Module, is_vision_language: bool, collective_group=False
+) -> dict:
     """The image inputs (`pixel_values`, `image_grid_thw`) of `model`'s forward for the rows of
     `micro_batch`, in its row order (`extract_multi_modal_inputs` of their entries of `inputs`, the
-    batch's `multi_modal_inputs`), on the micro-batch's device; {} for a text-only micro-batch."""
+    batch's `multi_modal_inputs`), on the micro-batch's device; {} for a text-only micro-batch.
+
+    `collective_group` (a process group, None for the default one; False: not collective): the ranks
+    of an FSDP2 model whose vision blocks are units of their own all-gather them only when their
+    micro-batch has images, so ranks that disagree would wait on each other forever. They agree first
+    (one all-reduce per micro-batch of a multi-modal batch) and, where some have images and others
+    none, all raise the same error instead of hanging."""
     from verl.utils.model import extract_multi_modal_inputs
 
     if MULTI_MODAL_ROW not in micro_batch:
         return {}
     rows = micro_batch[MULTI_MODAL_ROW].tolist()
     found = extract_multi_modal_inputs([inputs[i] for i in rows])
+    if collective_group is not False and is_vision_language:
+        has = torch.tensor([float(bool(found)), -float(bool(found))], device=micro_batch["input_ids"].device)
+        dist.all_reduce(has, op=dist.ReduceOp.MAX, group=collective_group)
+        if has[0] > 0 and has[1] > -1:  # some rank has images, some has none
+            raise ValueError(
+                "this micro-batch has images on some data-parallel ranks and none on others; under FSDP the "
+                "vision tower's collectives then cannot pair up (a text-only rank never runs it). Give every "
+                "row an image (the dataset's image column), or train on one rank / plain replicas (a model "
+                "small enough with fsdp_config.fsdp_size=-1)"
+            )
     if found and not is_vision_language:
         raise ValueError(
             f"a batch with images (multi_modal_inputs: {sorted(found)}) reached a model "

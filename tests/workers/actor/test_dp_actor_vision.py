@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import torch
 
-from tests.distributed_helpers import one_thread
+from tests.distributed_helpers import one_thread, run_distributed
 from verl.protocol import DataProto
 from verl.trainer.ppo.core_algos import get_policy_loss_fn
 from verl.workers.actor import DataParallelPPOActor
@@ -302,3 +302,47 @@ def test_zero_advantage_rows_left_out_keep_each_rows_images(vl):
     for name, param in trained.named_parameters():
         delta = param.detach() - model.get_parameter(name).detach()
         torch.testing.assert_close(delta, expected[name], atol=1e-10, rtol=1e-7, msg=name)
+
+
+IMAGE_ROWS = [
+    ([(56, 56)], "Color?", 4),
+    ([(28, 56)], "Shape?", 3),
+    ([(28, 28), (28, 28)], "Same?", 5),
+    ([(56, 28)], "Size?", 2),
+]
+
+
+def _two_rank_fsdp_vl(rank, world_size, path):
+    from verl.utils.fsdp_utils import apply_fsdp2, iter_full_params
+    from verl.utils.model import load_causal_lm
+    from verl.utils.tokenizer import hf_processor
+
+    processor = hf_processor(path)
+    reference = load_causal_lm(path, torch_dtype=torch.float64)
+    model = apply_fsdp2(load_causal_lm(path, torch_dtype=torch.float64), {"fsdp_size": 2})
+    assert type(model.model.visual.blocks[0]).__name__.startswith("FSDP")
+    data, per_row = make_vl_batch(processor, reference.config, rows=IMAGE_ROWS, seed=6)
+    with torch.no_grad():
+        data.batch["old_log_probs"] = reference_log_probs(reference, per_row, data.batch["responses"].shape[1])[0]
+    expected = reference_update_delta(reference, data, per_row)
+    # each rank holds 2 of the 4 rows (with their images); one update over both equals the full-batch one
+    local = data.select_idxs(torch.arange(rank * 2, rank * 2 + 2))
+    config = actor_config(ppo_mini_batch_size=2, ppo_micro_batch_size_per_gpu=1, use_remove_padding=True)
+    actor = DataParallelPPOActor(config, model, torch.optim.SGD(model.parameters(), lr=1.0))
+    actor.update_policy(local)
+    full = dict(iter_full_params(model))
+    for name, grad in expected.items():  # the parameters (the tied lm_head.weight is the embedding)
+        delta = full[name] - reference.state_dict()[name]
+        torch.testing.assert_close(delta, grad, atol=1e-10, rtol=1e-7, msg=name)
+    # images on one rank and none on the other: both ranks raise instead of waiting on each other
+    if rank == 1:
+        local.non_tensor_batch["multi_modal_inputs"] = np.array([{}, {}, None], dtype=object)[:-1]
+    local.meta_info["micro_batch_size"] = 2
+    with pytest.raises(ValueError, match="images on some data-parallel ranks and none on others"):
+        actor.compute_log_prob(local)
+
+
+@pytest.mark.slow
+def test_fsdp2_update_over_two_ranks_with_images_equals_the_full_batch_reference(vl):
+    path, _, _ = vl
+    run_distributed(_two_rank_fsdp_vl, 2, path)

@@ -301,7 +301,10 @@ class DataParallelPPOActor(PPOActor):
 
     def _multi_modal_kwargs(self, micro_batch) -> dict:
         """The model's image inputs for the rows of `micro_batch` ({} for text only; `multi_modal_kwargs`)."""
-        return multi_modal_kwargs(micro_batch, self._multi_modal_inputs, self._hf_module, self.is_vision_language)
+        group = self._dp_group if self._calls_are_collective else False
+        return multi_modal_kwargs(
+            micro_batch, self._multi_modal_inputs, self._hf_module, self.is_vision_language, group
+        )
 
     @staticmethod
     def _packed_inputs(micro_batch):

@@ -24,6 +24,7 @@ cliprange_value, loss_agg_mode, ulysses_sequence_parallel_size (> 1 needs remove
 from __future__ import annotations
 
 import torch
+from torch.distributed.fsdp import FSDPModule
 
 from verl.utils import ulysses
 from verl.utils.device import get_device
@@ -86,6 +87,8 @@ class DataParallelPPOCritic(PPOCritic):
         )
         self._sp_group = ulysses_group
         self._dp_group, self._dp_size = dp_group_and_size(critic_module)
+        # FSDP2 units gather and reduce per forward call: ranks must then agree on the calls they make
+        self._calls_are_collective = isinstance(critic_module, FSDPModule) and self._dp_size > 1
         # a value model's head has one output, not the vocabulary
         self.flops = FlopsTally(FlopsCounter.for_model(getattr(critic_module, "config", None), head_outputs=1))
 
@@ -119,7 +122,10 @@ class DataParallelPPOCritic(PPOCritic):
 
     def _multi_modal_kwargs(self, micro_batch) -> dict:
         """The model's image inputs for the rows of `micro_batch` ({} for text only; `multi_modal_kwargs`)."""
-        return multi_modal_kwargs(micro_batch, self._multi_modal_inputs, self.critic_module, self.is_vision_language)
+        group = self._dp_group if self._calls_are_collective else False
+        return multi_modal_kwargs(
+            micro_batch, self._multi_modal_inputs, self.critic_module, self.is_vision_language, group
+        )
 
     def _set_train_mode(self) -> None:
         self.critic_module.train()
