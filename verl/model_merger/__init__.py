@@ -6,7 +6,8 @@
 
 `merge` writes config.json, model.safetensors (sharded when large), the tokenizer files and
 generation_config.json, loadable with `AutoModelForCausalLM.from_pretrained` (or
-`AutoModelForTokenClassification` for a critic). `test` compares the checkpoint's weights with a
+`AutoModelForTokenClassification` for a critic; `AutoModelForImageTextToText`, with the processor
+files, for a vision-language model). `test` compares the checkpoint's weights with a
 reference HF directory instead of writing anything.
 
 Importing this package is cheap; torch and transformers are imported by the submodules.

@@ -7,8 +7,8 @@ names are the checkpoint's (`model.visual.*`, `model.language_model.*`, `lm_head
 a one-output token-classification head (`AutoModelForTokenClassification`, `num_labels=1`), as
 upstream verl does: loading a causal-LM checkpoint that way keeps the backbone and initialises
 the `score` head fresh, so any decoder with a `*ForTokenClassification` class can be a critic.
-A family whose transformers module has none (GLM-4.5's `glm4_moe`) gets transformers' own generic
-head over its base model (`GenericForTokenClassification`, what every other family's class is),
+A family whose transformers module has none (GLM-4.5's `glm4_moe`, the Qwen2-VL family's
+vision-language models) gets transformers' own generic head over its base model (`GenericForTokenClassification`, what every other family's class is),
 registered with `AutoModelForTokenClassification` on first use (`register_token_classifier`).
 
 Loading errors say which config key to fix: a path that does not exist, a checkpoint whose model
@@ -168,7 +168,15 @@ def load_model_config(path: str, trust_remote_code: bool = False, override_confi
 
 
 def _auto_load(
-    auto_cls, kind: str, path: str, config, torch_dtype, attn_implementation, trust_remote_code, meta_device=False
+    auto_cls,
+    kind: str,
+    path: str,
+    config,
+    torch_dtype,
+    attn_implementation,
+    trust_remote_code,
+    meta_device=False,
+    key_mapping=None,
 ):
     if type(config) not in auto_cls._model_mapping and not trust_remote_code:
         raise ValueError(
@@ -184,8 +192,10 @@ def _auto_load(
                 attn_implementation=attn_implementation or _default_attn_implementation(auto_cls, config),
                 trust_remote_code=trust_remote_code,
             )
+    extra = {"key_mapping": key_mapping} if key_mapping else {}
     return auto_cls.from_pretrained(
         path,
+        **extra,
         config=config,
         dtype=torch_dtype,
         attn_implementation=attn_implementation or _default_attn_implementation(auto_cls, config),
@@ -225,7 +235,14 @@ def load_causal_lm(
 # model_type -> (module, base class) of the families transformers gives no `*ForTokenClassification`
 _GENERIC_TOKEN_CLASSIFIERS = {
     "glm4_moe": ("transformers.models.glm4_moe.modeling_glm4_moe", "Glm4MoePreTrainedModel"),
+    # vision-language critics: the value head over the image-text base model (vision tower + language model)
+    "qwen2_vl": ("transformers.models.qwen2_vl.modeling_qwen2_vl", "Qwen2VLPreTrainedModel"),
+    "qwen2_5_vl": ("transformers.models.qwen2_5_vl.modeling_qwen2_5_vl", "Qwen2_5_VLPreTrainedModel"),
 }
+
+# Qwen2-VL family checkpoints written before transformers 5 name the vision tower `visual.*` and the language
+# model `model.*`; transformers converts them for its own classes only, so the generic value head maps them
+_VL_KEY_MAPPING = {r"^visual": "model.visual", r"^model(?!\.(language_model|visual))": "model.language_model"}
 
 
 def register_token_classifier(config) -> None:
@@ -266,13 +283,6 @@ def load_valuehead_model(
 
     overrides = {"num_labels": 1, "classifier_dropout": 0.0, "hidden_dropout": 0.0, **(override_config or {})}
     config = load_model_config(path, trust_remote_code, overrides)
-    if is_vision_language_config(config):
-        raise ValueError(
-            f"the critic model at {path!r} is a vision-language model ({config.model_type}), and a value head over "
-            "a vision-language model is not supported here (transformers has no token-classification class for it); "
-            "train it with a critic-free estimator (algorithm.adv_estimator=grpo, rloo, reinforce_plus_plus, remax, "
-            "...: GRPO-family estimators need no critic)"
-        )
     register_token_classifier(config)
     return _auto_load(
         AutoModelForTokenClassification,
@@ -283,6 +293,9 @@ def load_valuehead_model(
         attn_implementation,
         trust_remote_code,
         meta_device,
+        # the generic head's base model has the image-text model's names; the causal-LM checkpoint on disk
+        # may still hold the older ones (`visual.*`, `model.layers.*`), which only that class converts
+        key_mapping=_VL_KEY_MAPPING if is_vision_language_config(config) else None,
     )
 
 

@@ -31,6 +31,7 @@ from verl.algorithms.aggregation import LOSS_AGG_MODES
 from verl.utils.seqlen_balancing import get_reverse_idx, rearrange_micro_batches
 
 __all__ = [
+    "MULTI_MODAL_ROW",
     "append_to_dict",
     "average_gradients",
     "average_replica_gradients",
@@ -40,10 +41,13 @@ __all__ = [
     "loss_normaliser",
     "metrics_to_host",
     "micro_batch_weight",
+    "model_position_ids",
+    "multi_modal_kwargs",
     "replicate_over_ranks",
     "response_mask_of",
     "split_micro_batches",
     "step_if_finite",
+    "with_multi_modal_rows",
 ]
 
 
@@ -300,3 +304,82 @@ def metrics_to_host(metric_dicts: list[dict]) -> list[dict[str, float]]:
         {k: fetched[id(v)] if isinstance(v, torch.Tensor) else float(v) for k, v in metrics.items()}
         for metrics in metric_dicts
     ]
+
+
+MULTI_MODAL_ROW = "multi_modal_row"
+"""Batch key an actor or critic adds for a multi-modal batch: each row's index [B] into the batch's
+`non_tensor_batch["multi_modal_inputs"]`. It travels with the rows through shuffling, mini- and
+micro-batching (fixed or dynamic) and the zero-advantage row filter, so every micro-batch finds
+the images of exactly its rows, in its row order."""
+
+
+def with_multi_modal_rows(data, batch, role: str, supported: bool = True):
+    """(batch, multi_modal_inputs): `batch` (selected from `data.batch`) with `MULTI_MODAL_ROW` added and
+    the per-row dicts (`pixel_values`, `image_grid_thw`; empty for a text-only row) when `data` carries
+    `non_tensor_batch["multi_modal_inputs"]`; (`batch`, None) otherwise. A backend whose forward cannot
+    pass images (`supported=False`) refuses such a batch rather than train `role` on its text alone."""
+    non_tensor = getattr(data, "non_tensor_batch", None) or {}
+    inputs = non_tensor.get("multi_modal_inputs")
+    if inputs is None:
+        return batch, None
+    if not supported:
+        raise ValueError(
+            f"the {role} got a batch with multi_modal_inputs (images), but this backend's forward does not pass "
+            "images to the model; train vision-language models with the FSDP backend (strategy=fsdp)"
+        )
+    if len(inputs) != len(batch):
+        raise ValueError(f"multi_modal_inputs has {len(inputs)} rows, the batch {len(batch)}: they must be row-aligned")
+    batch = batch.clone(recurse=False)
+    batch[MULTI_MODAL_ROW] = torch.arange(len(batch))
+    return batch, inputs
+
+
+def multi_modal_kwargs(
+    micro_batch, inputs, model: torch.nn.Module, is_vision_language: bool, collective_group=False
+) -> dict:
+    """The image inputs (`pixel_values`, `image_grid_thw`) of `model`'s forward for the rows of
+    `micro_batch`, in its row order (`extract_multi_modal_inputs` of their entries of `inputs`, the
+    batch's `multi_modal_inputs`), on the micro-batch's device; {} for a text-only micro-batch.
+
+    `collective_group` (a process group, None for the default one; False: not collective): the ranks
+    of an FSDP2 model whose vision blocks are units of their own all-gather them only when their
+    micro-batch has images, so ranks that disagree would wait on each other forever. They agree first
+    (one all-reduce per micro-batch of a multi-modal batch) and, where some have images and others
+    none, all raise the same error instead of hanging."""
+    from verl.utils.model import extract_multi_modal_inputs
+
+    if MULTI_MODAL_ROW not in micro_batch:
+        return {}
+    rows = micro_batch[MULTI_MODAL_ROW].tolist()
+    found = extract_multi_modal_inputs([inputs[i] for i in rows])
+    if collective_group is not False and is_vision_language:
+        has = torch.tensor([float(bool(found)), -float(bool(found))], device=micro_batch["input_ids"].device)
+        dist.all_reduce(has, op=dist.ReduceOp.MAX, group=collective_group)
+        if has[0] > 0 and has[1] > -1:  # some rank has images, some has none
+            raise ValueError(
+                "this micro-batch has images on some data-parallel ranks and none on others; under FSDP the "
+                "vision tower's collectives then cannot pair up (a text-only rank never runs it). Give every "
+                "row an image (the dataset's image column), or train on one rank / plain replicas (a model "
+                "small enough with fsdp_config.fsdp_size=-1)"
+            )
+    if found and not is_vision_language:
+        raise ValueError(
+            f"a batch with images (multi_modal_inputs: {sorted(found)}) reached a model "
+            f"({type(model).__name__}) that has no vision tower; use a vision-language model "
+            "(e.g. Qwen2.5-VL) or a dataset without images"
+        )
+    if found and micro_batch["position_ids"].dim() != 3:
+        raise ValueError(
+            "a batch with images has position_ids of shape "
+            f"{tuple(micro_batch['position_ids'].shape)}; a vision-language model needs (batch, 4, length) "
+            "(text and M-RoPE rows, verl.utils.vision.vl_position_ids), which the dataset and the rollout write"
+        )
+    device = micro_batch["input_ids"].device
+    return {key: value.to(device) for key, value in found.items()}
+
+
+def model_position_ids(position_ids: torch.Tensor) -> torch.Tensor:
+    """Batch position ids in the layout the model's forward takes: [B, L] as they are; a
+    vision-language batch's [B, 4, L] (upstream's layout) as [4, B, L], Qwen2-VL's (row 0 the text
+    positions its mask is built from, rows 1-3 M-RoPE's)."""
+    return position_ids.transpose(0, 1) if position_ids.dim() == 3 else position_ids

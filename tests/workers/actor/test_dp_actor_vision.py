@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import torch
 
-from tests.distributed_helpers import one_thread
+from tests.distributed_helpers import one_thread, run_distributed
 from verl.protocol import DataProto
 from verl.trainer.ppo.core_algos import get_policy_loss_fn
 from verl.workers.actor import DataParallelPPOActor
@@ -166,7 +166,9 @@ def test_log_probs_and_entropy_equal_each_row_alone_through_hf(vl, path):
     expected_lp, expected_ent = reference_log_probs(model, per_row, data.batch["responses"].shape[1])
     config, meta = PATHS[path]
     actor = DataParallelPPOActor(actor_config(**config), model)
-    assert not actor.share_prompt_forward  # a vision-language model runs every row in full
+    # a vision-language model runs every row in full, and the speed-path report says why
+    assert not actor.share_prompt_forward and not actor.shared_prompt_path.active
+    assert "vision-language" in actor.shared_prompt_path.reason
     data.meta_info.update(meta)
     with torch.no_grad():
         log_probs, entropy = actor.compute_log_prob(data, calculate_entropy=True)
@@ -235,3 +237,112 @@ def test_batch_with_images_and_text_position_ids_is_refused(vl):
     actor = DataParallelPPOActor(actor_config(), model)
     with pytest.raises(ValueError, match=r"\(batch, 4, length\)"):
         actor.compute_log_prob(data)
+
+
+def test_gradient_checkpointing_gives_the_same_update(vl):
+    from verl.utils.model import enable_gradient_checkpointing
+
+    _, processor, model = vl
+    data, per_row = make_vl_batch(processor, model.config, seed=3)
+    with torch.no_grad():
+        data.batch["old_log_probs"] = reference_log_probs(model, per_row, data.batch["responses"].shape[1])[0]
+    expected = reference_update_delta(model, data, per_row)
+    trained = copy.deepcopy(model)
+    enable_gradient_checkpointing(trained)
+    config = actor_config(use_remove_padding=True)
+    DataParallelPPOActor(config, trained, torch.optim.SGD(trained.parameters(), lr=1.0)).update_policy(data)
+    for name, param in trained.named_parameters():
+        delta = param.detach() - model.get_parameter(name).detach()
+        torch.testing.assert_close(delta, expected[name], atol=1e-10, rtol=1e-7, msg=name)
+
+
+def test_ulysses_sequence_parallelism_is_refused_for_a_vision_language_model(vl):
+    _, _, model = vl
+    config = actor_config(use_remove_padding=True, ulysses_sequence_parallel_size=2)
+    with pytest.raises(ValueError, match="ulysses_sequence_parallel_size=2 with a vision-language model.*set it to 1"):
+        DataParallelPPOActor(config, model)
+
+
+def test_an_actor_whose_forward_takes_no_images_refuses_an_image_batch(vl):
+    """A backend without `supports_multi_modal` (Megatron's) must not train on the text alone."""
+    _, processor, model = vl
+
+    class TextOnlyActor(DataParallelPPOActor):
+        supports_multi_modal = False
+
+    data, _ = make_vl_batch(processor, model.config)
+    data.meta_info["micro_batch_size"] = 4
+    with pytest.raises(ValueError, match="multi_modal_inputs.*strategy=fsdp"):
+        TextOnlyActor(actor_config(), model).compute_log_prob(data)
+
+
+def test_images_for_a_text_model_say_what_to_change(vl):
+    from tests.distributed_helpers import make_tiny_causal_lm
+
+    _, processor, model = vl
+    data, _ = make_vl_batch(processor, model.config)
+    data.meta_info["micro_batch_size"] = 4
+    with pytest.raises(ValueError, match="has no vision tower; use a vision-language model"):
+        DataParallelPPOActor(actor_config(), make_tiny_causal_lm()).compute_log_prob(data)
+
+
+def test_zero_advantage_rows_left_out_keep_each_rows_images(vl):
+    """With rows 0 and 2 at zero advantage left out of the forward, rows 1 and 3 must still get their own images."""
+    _, processor, model = vl
+    data, per_row = make_vl_batch(processor, model.config, seed=4)
+    data.batch["advantages"][0] = 0.0
+    data.batch["advantages"][2] = 0.0
+    with torch.no_grad():
+        data.batch["old_log_probs"] = reference_log_probs(model, per_row, data.batch["responses"].shape[1])[0]
+    expected = reference_update_delta(model, data, per_row)
+    trained = copy.deepcopy(model)
+    config = actor_config(skip_zero_advantage_rows=True, ppo_micro_batch_size_per_gpu=1)
+    metrics = DataParallelPPOActor(config, trained, torch.optim.SGD(trained.parameters(), lr=1.0)).update_policy(data)
+    assert metrics["actor/zero_adv_rows_skipped"] == [0.5]
+    for name, param in trained.named_parameters():
+        delta = param.detach() - model.get_parameter(name).detach()
+        torch.testing.assert_close(delta, expected[name], atol=1e-10, rtol=1e-7, msg=name)
+
+
+IMAGE_ROWS = [
+    ([(56, 56)], "Color?", 4),
+    ([(28, 56)], "Shape?", 3),
+    ([(28, 28), (28, 28)], "Same?", 5),
+    ([(56, 28)], "Size?", 2),
+]
+
+
+def _two_rank_fsdp_vl(rank, world_size, path):
+    from verl.utils.fsdp_utils import apply_fsdp2, iter_full_params
+    from verl.utils.model import load_causal_lm
+    from verl.utils.tokenizer import hf_processor
+
+    processor = hf_processor(path)
+    reference = load_causal_lm(path, torch_dtype=torch.float64)
+    model = apply_fsdp2(load_causal_lm(path, torch_dtype=torch.float64), {"fsdp_size": 2})
+    assert type(model.model.visual.blocks[0]).__name__.startswith("FSDP")
+    data, per_row = make_vl_batch(processor, reference.config, rows=IMAGE_ROWS, seed=6)
+    with torch.no_grad():
+        data.batch["old_log_probs"] = reference_log_probs(reference, per_row, data.batch["responses"].shape[1])[0]
+    expected = reference_update_delta(reference, data, per_row)
+    # each rank holds 2 of the 4 rows (with their images); one update over both equals the full-batch one
+    local = data.select_idxs(torch.arange(rank * 2, rank * 2 + 2))
+    config = actor_config(ppo_mini_batch_size=2, ppo_micro_batch_size_per_gpu=1, use_remove_padding=True)
+    actor = DataParallelPPOActor(config, model, torch.optim.SGD(model.parameters(), lr=1.0))
+    actor.update_policy(local)
+    full = dict(iter_full_params(model))
+    for name, grad in expected.items():  # the parameters (the tied lm_head.weight is the embedding)
+        delta = full[name] - reference.state_dict()[name]
+        torch.testing.assert_close(delta, grad, atol=1e-10, rtol=1e-7, msg=name)
+    # images on one rank and none on the other: both ranks raise instead of waiting on each other
+    if rank == 1:
+        local.non_tensor_batch["multi_modal_inputs"] = np.array([{}, {}, None], dtype=object)[:-1]
+    local.meta_info["micro_batch_size"] = 2
+    with pytest.raises(ValueError, match="images on some data-parallel ranks and none on others"):
+        actor.compute_log_prob(local)
+
+
+@pytest.mark.slow
+def test_fsdp2_update_over_two_ranks_with_images_equals_the_full_batch_reference(vl):
+    path, _, _ = vl
+    run_distributed(_two_rank_fsdp_vl, 2, path)

@@ -100,9 +100,31 @@ def test_freeze_vision_tower_on_a_text_model_says_what_to_change(tmp_path):
         _engine(path, freeze_vision_tower=True)
 
 
-def test_a_vision_language_critic_is_refused_with_the_critic_free_estimators_named(vl_path):
-    with pytest.raises(ValueError, match="vision-language.*adv_estimator=grpo"):
-        FSDPEngineWithValueHead(OmegaConf.create({"path": vl_path}), {"fsdp_size": -1, "dtype": "auto"}, OPTIM)
+def test_the_value_engine_puts_a_one_output_head_over_the_image_text_backbone(vl_path):
+    engine = FSDPEngineWithValueHead(OmegaConf.create({"path": vl_path}), {"fsdp_size": -1, "dtype": "auto"}, OPTIM)
+    params = dict(engine.get_per_tensor_param())
+    assert params["score.weight"].shape == (1, engine.hf_config.text_config.hidden_size)
+    assert any(n.startswith("model.visual.blocks.") for n in params) and "lm_head.weight" not in params
+
+
+def test_a_vision_language_critic_checkpoint_merges_to_a_loadable_value_model(vl_path, tmp_path):
+    from verl.model_merger.__main__ import main as merger_main
+    from verl.utils.model import load_valuehead_model
+
+    checkpoint = {"save_contents": ["model", "optimizer", "extra", "hf_model"]}
+    engine = FSDPEngineWithValueHead(
+        OmegaConf.create({"path": vl_path}), {"fsdp_size": -1, "dtype": "auto"}, OPTIM, checkpoint
+    )
+    ckpt = str(tmp_path / "global_step_1" / "critic")
+    engine.save_checkpoint(ckpt, global_step=1)
+    assert engine.finish_checkpoint()
+    merged_dir = str(tmp_path / "merged")
+    merger_main(["merge", "--backend", "fsdp", "--local_dir", ckpt, "--target_dir", merged_dir])
+    merged = load_valuehead_model(merged_dir)
+    saved = engine.module.state_dict()
+    assert merged.state_dict().keys() == saved.keys()
+    for name, tensor in merged.state_dict().items():
+        assert torch.equal(tensor, saved[name]), name
 
 
 def test_checkpoint_resumes_bit_exact_and_exports_a_loadable_vl_directory(vl_path, tmp_path):
@@ -161,3 +183,15 @@ def _two_rank_frozen_update(rank, world_size, path):
 @pytest.mark.slow
 def test_fsdp2_shards_the_vision_blocks_and_freezes_the_tower_on_two_ranks(vl_path):
     run_distributed(_two_rank_frozen_update, 2, vl_path)
+
+
+def test_the_fsdp_worker_hands_freeze_vision_tower_to_the_actor_engine_only():
+    from types import SimpleNamespace
+
+    from verl.workers.fsdp_workers import ActorRolloutRefWorker
+
+    worker = SimpleNamespace(actor_config=OmegaConf.create({"freeze_vision_tower": True}))
+    assert ActorRolloutRefWorker._engine_options(worker, "actor") == {"freeze_vision_tower": True}
+    assert ActorRolloutRefWorker._engine_options(worker, "ref") == {}
+    worker.actor_config.freeze_vision_tower = False
+    assert ActorRolloutRefWorker._engine_options(worker, "actor") == {"freeze_vision_tower": False}

@@ -50,10 +50,10 @@ def _rows():
     ]
 
 
-def _engine(model):
+def _engine(model, device: str = "cpu"):
     from verl.workers.rollout.native.engine import GenerationEngine
 
-    return GenerationEngine.from_model(model, device="cpu")
+    return GenerationEngine.from_model(model, device=device, dtype="float32")
 
 
 def _generate(engine, prompts, **kwargs):
@@ -69,12 +69,14 @@ def _generate(engine, prompts, **kwargs):
     )
 
 
-def test_greedy_generation_equals_transformers_generate_token_for_token(vl):
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_greedy_generation_equals_transformers_generate_token_for_token(vl, device):
+    """transformers' generate runs on CPU in both cases; the engine on `device` (float32 throughout)."""
     _, model, processor = vl
     prompts, mm_types = vl_prompt_batch(processor, model.config, _rows())
-    engine = _engine(model)
+    engine = _engine(model, device)
     expected = hf_greedy(model, prompts, mm_types, R)
-    assert torch.equal(_generate(engine, prompts).responses, expected)
+    assert torch.equal(_generate(engine, prompts).responses.cpu(), expected)
     # the images reach the tokens: the same text with another image answers otherwise
     assert not torch.equal(expected[0], expected[3]) and torch.equal(expected[0], expected[4])
 
@@ -82,8 +84,8 @@ def test_greedy_generation_equals_transformers_generate_token_for_token(vl):
     eos = int(expected[0, 2])
     stopped = hf_greedy(model, prompts, mm_types, R, eos=eos)
     out = _generate(engine, prompts, eos_token_id=eos)
-    assert torch.equal(out.responses, stopped)
-    lengths = out.response_mask.sum(-1)
+    assert torch.equal(out.responses.cpu(), stopped)
+    lengths = out.response_mask.cpu().sum(-1)
     assert lengths.min() < R and lengths.max() == R  # some rows stopped, some ran to the end
 
 
@@ -133,6 +135,9 @@ def test_text_model_and_bad_inputs_are_refused(vl):
     text_engine = GenerationEngine.from_model(build_model("qwen2"), device="cpu")
     with pytest.raises(ValueError, match="not a vision-language model"):
         text_engine.generate(ids.clamp(max=40), mask, 2, multi_modal_inputs=images, pad_token_id=PAD)
+    text_rollout = _rollout(build_model("qwen2"))
+    with pytest.raises(ValueError, match="not a vision-language model"):  # images given as PIL only
+        text_rollout.generate_sequences(_without_inputs(prompts))
     with pytest.raises(ValueError, match="M-RoPE"):
         text_engine.generate(ids.clamp(max=40), mask, 2, position_ids=prompts.batch["position_ids"], pad_token_id=PAD)
     engine = _engine(model)
@@ -151,6 +156,14 @@ def test_text_model_and_bad_inputs_are_refused(vl):
 
 
 # ------------------------------------------------------------------------------------- HFRollout
+def _without_inputs(prompts):
+    """`prompts` with the images as PIL only (no `multi_modal_inputs`) and no position ids."""
+    out = prompts.select_idxs(list(range(len(prompts))))
+    out.non_tensor_batch.pop("multi_modal_inputs")
+    del out.batch["position_ids"]
+    return out
+
+
 def _rollout(path, **overrides):
     from verl.workers.rollout.hf_rollout import HFRollout
 
@@ -159,7 +172,7 @@ def _rollout(path, **overrides):
 
 def _greedy_alone(model, prompts, row: int) -> list[int]:
     """transformers' generate on one row alone (no padding), its tokens up to R."""
-    one = prompts.select_idxs([row]) if hasattr(prompts, "select_idxs") else prompts[row : row + 1]
+    one = prompts.select_idxs([row])
     keep = one.batch["attention_mask"][0].bool()
     from verl.utils.model import extract_multi_modal_inputs
 
@@ -187,8 +200,9 @@ def test_rollout_output_follows_the_contract_in_chunks_and_repeats(vl):
 
     B, P = prompts.batch["input_ids"].shape
     assert out.batch["responses"].shape == (B, R) and out.batch["position_ids"].shape == (B, 4, P + R)
-    for row in range(B):
-        assert out.batch["responses"][row].tolist() == _greedy_alone(model, prompts, row)
+    for row in range(0, B, 2):  # rows 2k and 2k+1 are one prompt's two samples
+        expected = _greedy_alone(model, prompts, row)
+        assert out.batch["responses"][row].tolist() == expected == out.batch["responses"][row + 1].tolist()
     rows_images = list(out.non_tensor_batch["multi_modal_inputs"])
     assert all(a is b for a, b in zip(rows_images, prompts.non_tensor_batch["multi_modal_inputs"]))
     grids = torch.cat([r["image_grid_thw"] for r in rows_images if r])
@@ -199,11 +213,10 @@ def test_rollout_output_follows_the_contract_in_chunks_and_repeats(vl):
 def test_rollout_runs_the_image_processor_when_only_images_are_given(vl):
     path, model, processor = vl
     prompts, _ = vl_prompt_batch(processor, model.config, _rows()[:3], do_sample=False)
-    with_inputs = _rollout(path).generate_sequences(prompts)
-    images_only = prompts.select_idxs(list(range(3))) if hasattr(prompts, "select_idxs") else prompts[:3]
-    images_only.non_tensor_batch.pop("multi_modal_inputs")
-    del images_only.batch["position_ids"]  # computed by the rollout too
-    out = _rollout(path).generate_sequences(images_only)
+    rollout = _rollout(path)
+    with_inputs = rollout.generate_sequences(prompts)
+    images_only = _without_inputs(prompts)  # the rollout computes the inputs and the positions
+    out = rollout.generate_sequences(images_only)
     assert torch.equal(out.batch["responses"], with_inputs.batch["responses"])
     assert torch.equal(out.batch["position_ids"], with_inputs.batch["position_ids"])
     for made, given in zip(out.non_tensor_batch["multi_modal_inputs"], prompts.non_tensor_batch["multi_modal_inputs"]):
@@ -212,7 +225,7 @@ def test_rollout_runs_the_image_processor_when_only_images_are_given(vl):
             torch.testing.assert_close(made[key], given[key])
     images_only.non_tensor_batch["multi_modal_data"][0] = {"videos": [object()]}
     with pytest.raises(ValueError, match="images only"):
-        _rollout(path).generate_sequences(images_only)
+        rollout.generate_sequences(images_only)
 
 
 def test_weight_sync_takes_the_trainer_names_and_the_transformers_4_names(vl):

@@ -42,7 +42,9 @@ def vl(tmp_path_factory):
 
 
 def _config(**overrides):
-    return engine_config(response_length=R, dtype="float32", enforce_eager=True, gpu_memory_utilization=0.3, **overrides)
+    return engine_config(
+        response_length=R, dtype="float32", enforce_eager=True, gpu_memory_utilization=0.3, **overrides
+    )
 
 
 def test_vllm_greedy_equals_the_built_in_engine_with_images_and_after_a_weight_sync(vl):

@@ -34,6 +34,14 @@ shared-prompt forward (each prompt once, response logits only: no more memory th
 path) and the others are fused; the `fused_kernels` speed path says so. Ulysses sequence
 parallelism and statistics other than the entropy are refused with the reason.
 
+Vision-language models (Qwen2-VL family, `verl.utils.vision.is_vision_language_config`): a batch
+with `non_tensor_batch["multi_modal_inputs"]` (one dict per row: `pixel_values`, `image_grid_thw`)
+gets a row index (`MULTI_MODAL_ROW`) that follows its rows through shuffling and every micro-batch
+split, so each forward passes `extract_multi_modal_inputs` of exactly its rows, in order; the
+(B, 4, L) position ids (text row + M-RoPE rows) go to the model as (4, B, L), packed to (4, 1, T) on
+the remove-padding path. The shared-prompt forward is off for such models and Ulysses is refused
+(see docs/multimodal_training.md).
+
 Two guarded steps:
 * a non-finite gradient norm skips the optimizer step (gradients cleared), reported as
   `actor/skipped_nonfinite_grad` (1.0 per skipped step, 0.0 otherwise; its mean is the fraction);
@@ -100,7 +108,6 @@ from verl.utils.experimental.torch_functional import fused_head_problem, fused_l
 from verl.utils.flops_counter import FlopsCounter, FlopsTally
 from verl.utils.hf_forward import model_forward
 from verl.utils.logging_utils import get_logger
-from verl.utils.model import extract_multi_modal_inputs
 from verl.utils.remove_padding import packed_model_inputs, pad_input, unpad_input, unpad_position_ids
 from verl.utils.shared_prompt import prompt_groups, shared_prompt_logits
 from verl.utils.speed_paths import SpeedPath
@@ -109,14 +116,17 @@ from verl.utils.torch_functional import (
     logprobs_from_logits,
     sum_pi_squared_from_logits,
 )
+from verl.utils.ulysses_keys import role_sp
 from verl.utils.vision import is_vision_language_config
-from verl.workers.actor.ppo_actor import MODEL_INPUTS, MULTI_MODAL_ROW, PPOActor, require_temperature
+from verl.workers.actor.ppo_actor import MODEL_INPUTS, PPOActor, require_temperature
 from verl.workers.config import FSDPActorConfig
 from verl.workers.dp_training import (
     append_to_dict,
     clip_grad_norm,
     dp_group_and_size,
     metrics_to_host,
+    model_position_ids,
+    multi_modal_kwargs,
     pad_response_columns,
     split_micro_batches,
     step_if_finite,
@@ -157,17 +167,18 @@ class DataParallelPPOActor(PPOActor):
         self.use_remove_padding = cfg.use_remove_padding
         # a peft model forwards its keyword arguments to the HF model it wraps: ask that one
         hf_module = actor_module.get_base_model() if hasattr(actor_module, "get_base_model") else actor_module
+        self.is_vision_language = is_vision_language_config(getattr(hf_module, "config", None))
+        sp_size, sp_key = role_sp(cfg, "actor")
+        if self.is_vision_language and sp_size > 1:
+            raise ValueError(
+                f"{sp_key}={sp_size} with a vision-language model ({hf_module.config.model_type}): the Ulysses "
+                "sequence-parallel forward does not split image features across ranks; set it to 1 "
+                "(use_dynamic_bsz bounds each micro-batch's tokens instead)"
+            )
         self.sp_size = ulysses.setup(
             "actor", cfg, getattr(hf_module, "config", None), self.use_remove_padding, ulysses_group
         )
         self._sp_group = ulysses_group
-        self.is_vision_language = is_vision_language_config(getattr(hf_module, "config", None))
-        if self.is_vision_language and self.sp_size > 1:
-            raise ValueError(
-                f"actor.ulysses_sequence_parallel_size={self.sp_size} with a vision-language model "
-                f"({hf_module.config.model_type}): the sequence-parallel forward does not split image features "
-                "across ranks; set ulysses_sequence_parallel_size=1 (use_dynamic_bsz bounds the memory instead)"
-            )
         forward = model_forward(hf_module)
         self._accepts_logits_to_keep = forward.accepts_logits_to_keep
         self._hf_module = hf_module
@@ -289,21 +300,11 @@ class DataParallelPPOActor(PPOActor):
         return self._response_outputs([logits], micro_batch["responses"], temperature, stats)
 
     def _multi_modal_kwargs(self, micro_batch) -> dict:
-        """The model's image inputs (`pixel_values`, `image_grid_thw`) for the rows of `micro_batch`, in
-        its row order (`extract_multi_modal_inputs` of their `multi_modal_inputs`); {} for a text-only
-        micro-batch. A text-only row of a multi-modal batch adds nothing."""
-        if MULTI_MODAL_ROW not in micro_batch:
-            return {}
-        rows = micro_batch[MULTI_MODAL_ROW].tolist()
-        inputs = extract_multi_modal_inputs([self._multi_modal_inputs[i] for i in rows])
-        if inputs and micro_batch["position_ids"].dim() != 3:
-            raise ValueError(
-                "a batch with images has position_ids of shape "
-                f"{tuple(micro_batch['position_ids'].shape)}; a vision-language model needs (batch, 4, length) "
-                "(text and M-RoPE rows, verl.utils.vision.vl_position_ids), which the dataset and the rollout write"
-            )
-        device = micro_batch["input_ids"].device
-        return {key: value.to(device) for key, value in inputs.items()}
+        """The model's image inputs for the rows of `micro_batch` ({} for text only; `multi_modal_kwargs`)."""
+        group = self._dp_group if self._calls_are_collective else False
+        return multi_modal_kwargs(
+            micro_batch, self._multi_modal_inputs, self._hf_module, self.is_vision_language, group
+        )
 
     @staticmethod
     def _packed_inputs(micro_batch):
@@ -526,13 +527,6 @@ class DataParallelPPOActor(PPOActor):
         loss, out = self._micro_batch_loss(micro_batch, log_prob, entropy, normaliser, aux_loss, aux_coef)
         loss.backward()
         return out
-
-
-def model_position_ids(position_ids: torch.Tensor) -> torch.Tensor:
-    """Batch position ids in the layout the model's forward takes: [B, L] as they are; a
-    vision-language batch's [B, 4, L] (upstream's layout) as [4, B, L], Qwen2-VL's (row 0 the text
-    positions its mask is built from, rows 1-3 M-RoPE's)."""
-    return position_ids.transpose(0, 1) if position_ids.dim() == 3 else position_ids
 
 
 def _detached(value):

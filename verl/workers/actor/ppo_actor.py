@@ -35,11 +35,13 @@ from verl.utils.seqlen_balancing import num_micro_batches_for_budget
 from verl.workers.actor.base import BasePPOActor
 from verl.workers.config import ActorConfig
 from verl.workers.dp_training import (
+    MULTI_MODAL_ROW,
     append_to_dict,
     loss_normaliser,
     micro_batch_weight,
     response_mask_of,
     split_micro_batches,
+    with_multi_modal_rows,
 )
 
 __all__ = [
@@ -78,12 +80,6 @@ def rows_with_advantage(advantages: torch.Tensor, response_mask: torch.Tensor) -
 
 
 MODEL_INPUTS = ["responses", "input_ids", "attention_mask", "position_ids"]
-
-MULTI_MODAL_ROW = "multi_modal_row"
-"""Batch key the actor adds for a multi-modal batch: each row's index [B] into the batch's
-`non_tensor_batch["multi_modal_inputs"]`. It travels with the rows through shuffling, mini- and
-micro-batching (fixed or dynamic) and the zero-advantage row filter, so every micro-batch finds
-the images of exactly its rows, in its row order."""
 
 
 def require_temperature(meta_info: dict) -> float:
@@ -198,27 +194,9 @@ class PPOActor(BasePPOActor):
         return keys
 
     def _with_multi_modal_rows(self, data, batch):
-        """`batch` (selected from `data.batch`) with `MULTI_MODAL_ROW` added when `data` carries
-        `non_tensor_batch["multi_modal_inputs"]` (one dict per row: `pixel_values`, `image_grid_thw`;
-        empty for a text-only row), which the forward then reads; plain `batch` otherwise."""
-        non_tensor = getattr(data, "non_tensor_batch", None) or {}
-        inputs = non_tensor.get("multi_modal_inputs")
-        self._multi_modal_inputs = None
-        if inputs is None:
-            return batch
-        if not self.supports_multi_modal:
-            raise ValueError(
-                f"{type(self).__name__} got a batch with multi_modal_inputs (images), but its forward does not pass "
-                "images to the model; train vision-language models with the FSDP backend "
-                "(actor_rollout_ref.actor.strategy=fsdp)"
-            )
-        if len(inputs) != len(batch):
-            raise ValueError(
-                f"multi_modal_inputs has {len(inputs)} rows, the batch {len(batch)}: they must be row-aligned"
-            )
-        self._multi_modal_inputs = inputs
-        batch = batch.clone(recurse=False)
-        batch[MULTI_MODAL_ROW] = torch.arange(len(batch))
+        """`batch` with `MULTI_MODAL_ROW` added when `data` carries `multi_modal_inputs` (kept for the
+        forward, see `verl.workers.dp_training.with_multi_modal_rows`)."""
+        batch, self._multi_modal_inputs = with_multi_modal_rows(data, batch, "actor", self.supports_multi_modal)
         return batch
 
     def update_policy(self, data) -> dict[str, list[float]]:

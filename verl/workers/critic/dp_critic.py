@@ -6,6 +6,10 @@ forward returns `.logits` of shape [B, L, 1] (an HF `*ForTokenClassification` wi
 before it (the state from which token t was chosen), so values align with `responses` exactly
 like log-probs do.
 
+A vision-language value model (the generic head over Qwen2-VL's image-text base model, see
+`verl.utils.model`) gets each micro-batch's images and (4, B, L) position ids as the actor's forward
+does (`verl.workers.dp_training.multi_modal_kwargs`); Ulysses is refused for it.
+
 The training loop, loss and its weighting are `verl.workers.critic.ppo_critic.PPOCritic`'s
 (written once, shared with the megatron critic); this class supplies the forward (padded,
 or remove-padding with optional Ulysses sequence parallelism) and the FSDP gradient step. Config
@@ -20,18 +24,23 @@ cliprange_value, loss_agg_mode, ulysses_sequence_parallel_size (> 1 needs remove
 from __future__ import annotations
 
 import torch
+from torch.distributed.fsdp import FSDPModule
 
 from verl.utils import ulysses
 from verl.utils.device import get_device
 from verl.utils.flops_counter import FlopsCounter, FlopsTally
 from verl.utils.remove_padding import packed_model_inputs, pad_input, unpad_input, unpad_position_ids
+from verl.utils.ulysses_keys import role_sp
+from verl.utils.vision import is_vision_language_config
 from verl.workers.config import FSDPCriticConfig
-from verl.workers.critic.ppo_critic import MODEL_INPUTS, PPOCritic, refuse_multi_modal
+from verl.workers.critic.ppo_critic import MODEL_INPUTS, PPOCritic
 from verl.workers.dp_training import (
     append_to_dict,
     clip_grad_norm,
     dp_group_and_size,
     metrics_to_host,
+    model_position_ids,
+    multi_modal_kwargs,
     pad_response_columns,
     response_mask_of,
     split_micro_batches,
@@ -46,6 +55,7 @@ class DataParallelPPOCritic(PPOCritic):
     """Value function over an HF token-classification model (FSDP2-sharded or plain)."""
 
     config_class = FSDPCriticConfig
+    supports_multi_modal = True
 
     def __init__(
         self,
@@ -59,6 +69,14 @@ class DataParallelPPOCritic(PPOCritic):
         self.critic_module = critic_module
         cfg = self._cfg
         self.use_remove_padding = cfg.model.use_remove_padding
+        self.is_vision_language = is_vision_language_config(getattr(critic_module, "config", None))
+        sp_size, sp_key = role_sp(cfg, "critic")
+        if self.is_vision_language and sp_size > 1:
+            raise ValueError(
+                f"{sp_key}={sp_size} with a vision-language critic ({critic_module.config.model_type}): the Ulysses "
+                "sequence-parallel forward does not split image features across ranks; set it to 1 "
+                "(use_dynamic_bsz bounds each micro-batch's tokens instead)"
+            )
         self.sp_size = ulysses.setup(
             "critic",
             cfg,
@@ -69,6 +87,8 @@ class DataParallelPPOCritic(PPOCritic):
         )
         self._sp_group = ulysses_group
         self._dp_group, self._dp_size = dp_group_and_size(critic_module)
+        # FSDP2 units gather and reduce per forward call: ranks must then agree on the calls they make
+        self._calls_are_collective = isinstance(critic_module, FSDPModule) and self._dp_size > 1
         # a value model's head has one output, not the vocabulary
         self.flops = FlopsTally(FlopsCounter.for_model(getattr(critic_module, "config", None), head_outputs=1))
 
@@ -85,7 +105,8 @@ class DataParallelPPOCritic(PPOCritic):
                 packed = ulysses.gather_outputs_and_unpad(out.logits[0, :, 0], 0, pad, self._sp_group, self.sp_size)
             else:
                 inputs = packed_model_inputs(self.critic_module, packed_ids, packed_pos)
-                packed = self.critic_module(**inputs, use_cache=False).logits[0, :, 0]
+                packed = self.critic_module(**inputs, **self._multi_modal_kwargs(micro_batch), use_cache=False)
+                packed = packed.logits[0, :, 0]
             values = pad_input(packed, indices, batch_size, seqlen)
             return values[:, -response_length - 1 : -1]
         # Columns that are padding in every row are left out (see `token_window`).
@@ -93,10 +114,18 @@ class DataParallelPPOCritic(PPOCritic):
         out = self.critic_module(
             input_ids=input_ids[:, start:end],
             attention_mask=micro_batch["attention_mask"][:, start:end],
-            position_ids=micro_batch["position_ids"][:, start:end],
+            position_ids=model_position_ids(micro_batch["position_ids"][..., start:end]),
             use_cache=False,
+            **self._multi_modal_kwargs(micro_batch),
         ).logits
         return pad_response_columns(out[:, -kept - 1 : -1, 0], response_length)
+
+    def _multi_modal_kwargs(self, micro_batch) -> dict:
+        """The model's image inputs for the rows of `micro_batch` ({} for text only; `multi_modal_kwargs`)."""
+        group = self._dp_group if self._calls_are_collective else False
+        return multi_modal_kwargs(
+            micro_batch, self._multi_modal_inputs, self.critic_module, self.is_vision_language, group
+        )
 
     def _set_train_mode(self) -> None:
         self.critic_module.train()
@@ -104,11 +133,10 @@ class DataParallelPPOCritic(PPOCritic):
     @torch.no_grad()
     def compute_values(self, data) -> torch.Tensor:
         """Values [B, R], zero outside the response mask. Micro-batching from `data.meta_info`."""
-        refuse_multi_modal(data)
         self.critic_module.eval()
         meta = data.meta_info
         keys = MODEL_INPUTS + (["response_mask"] if "response_mask" in data.batch else [])
-        batch = data.batch.select(*keys)
+        batch = self._with_multi_modal_rows(data, data.batch.select(*keys))
         micro_batches, reverse_idx = split_micro_batches(
             batch,
             micro_batch_size=meta.get("micro_batch_size"),

@@ -33,7 +33,7 @@ from verl.workers.actor.megatron_actor import (
     run_megatron_schedule,
 )
 from verl.workers.config import McoreCriticConfig
-from verl.workers.critic.ppo_critic import MODEL_INPUTS, PPOCritic, refuse_multi_modal
+from verl.workers.critic.ppo_critic import MODEL_INPUTS, PPOCritic
 from verl.workers.dp_training import (
     append_to_dict,
     metrics_to_host,
@@ -73,13 +73,12 @@ class MegatronPPOCritic(PPOCritic):
     @torch.no_grad()
     def compute_values(self, data) -> torch.Tensor:
         """Values [B, R], zero outside the response mask, the same on every model-parallel rank."""
-        refuse_multi_modal(data)
         for chunk in self.model_chunks:
             chunk.eval()
         meta = data.meta_info
         keys = MODEL_INPUTS + (["response_mask"] if "response_mask" in data.batch else [])
         micro_batches, reverse_idx = split_micro_batches(
-            data.batch.select(*keys),
+            self._with_multi_modal_rows(data, data.batch.select(*keys)),
             micro_batch_size=meta.get("micro_batch_size"),
             use_dynamic_bsz=bool(meta.get("use_dynamic_bsz", False)),
             max_token_len=per_rank_token_budget(meta.get("max_token_len")),

@@ -33,6 +33,7 @@ from verl.workers.dp_training import (
     micro_batch_weight,
     response_mask_of,
     split_micro_batches,
+    with_multi_modal_rows,
 )
 
 __all__ = ["MODEL_INPUTS", "PPOCritic"]
@@ -40,23 +41,14 @@ __all__ = ["MODEL_INPUTS", "PPOCritic"]
 MODEL_INPUTS = ["responses", "input_ids", "attention_mask", "position_ids"]
 
 
-def refuse_multi_modal(data) -> None:
-    """Raise for a batch with images (`non_tensor_batch["multi_modal_inputs"]`): no critic here passes
-    them to its model, and a value of the text alone would silently be the wrong function."""
-    non_tensor = getattr(data, "non_tensor_batch", None) or {}
-    if "multi_modal_inputs" in non_tensor:
-        raise ValueError(
-            "the critic got a batch with images (multi_modal_inputs): a value model over a vision-language model is "
-            "not supported here; train with a critic-free estimator (algorithm.adv_estimator=grpo, rloo, "
-            "reinforce_plus_plus, remax, ...: GRPO-family estimators need no critic)"
-        )
-
-
 class PPOCritic(BasePPOCritic):
     """The value function's training loop and loss; a backend subclass supplies the model's part."""
 
     config_class: type[CriticConfig] = CriticConfig
     """The class a section without `_target_` (a plain dict) is built into; the backend's subclass."""
+    supports_multi_modal: bool = False
+    """Whether the backend's forward passes a batch's `multi_modal_inputs` (images) to the model; a
+    backend that cannot refuses such a batch instead of valuing its text alone."""
 
     def __init__(self, config, critic_optimizer: torch.optim.Optimizer | None):
         """`config`: the `critic` section (a `CriticConfig`, or a DictConfig or dict it is built from)."""
@@ -70,6 +62,8 @@ class PPOCritic(BasePPOCritic):
         self._shuffle_generator = torch.Generator().manual_seed(int(cfg.data_loader_seed or 0))
         # the data-parallel group the mini-batch's loss is normalised over; the backend sets it
         self._dp_group, self._dp_size = None, 1
+        # the `multi_modal_inputs` of the batch being processed, indexed by MULTI_MODAL_ROW (None: text only)
+        self._multi_modal_inputs = None
 
     # ------------------------------------------------------------------ the backend's part
 
@@ -90,6 +84,12 @@ class PPOCritic(BasePPOCritic):
 
     # ------------------------------------------------------------------ the role logic, once
 
+    def _with_multi_modal_rows(self, data, batch):
+        """`batch` with `MULTI_MODAL_ROW` added when `data` carries `multi_modal_inputs` (kept for the
+        forward, see `verl.workers.dp_training.with_multi_modal_rows`)."""
+        batch, self._multi_modal_inputs = with_multi_modal_rows(data, batch, "critic", self.supports_multi_modal)
+        return batch
+
     def update_critic(self, data) -> dict[str, list[float]]:
         """PPO epochs of clipped value regression towards `returns`; metric lists for the worker to reduce.
 
@@ -98,7 +98,6 @@ class PPOCritic(BasePPOCritic):
         """
         if self.critic_optimizer is None:
             raise RuntimeError("this critic was built without an optimizer; it cannot be updated")
-        refuse_multi_modal(data)
         self._set_train_mode()
         keys = [*MODEL_INPUTS, "values", "returns"]
         present = set(data.batch.keys())
@@ -106,7 +105,7 @@ class PPOCritic(BasePPOCritic):
         if missing:
             raise KeyError(f"update_critic needs batch keys {missing}; the batch has {sorted(present)}")
         keys += ["response_mask"] if "response_mask" in present else []
-        batch = data.batch.select(*keys)
+        batch = self._with_multi_modal_rows(data, data.batch.select(*keys))
         mini_batch_size = int(self._cfg.ppo_mini_batch_size)
         if mini_batch_size <= 0 or len(batch) % mini_batch_size != 0:
             raise ValueError(

@@ -35,6 +35,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from verl.utils.vision import vl_position_ids
 from verl.workers.rollout.sampling import SamplingParams
 
 _WRAPPER_PREFIXES = re.compile(r"(_fsdp_wrapped_module\.|_checkpoint_wrapped_module\.|_orig_mod\.)")
@@ -73,8 +74,8 @@ def multi_modal_rows(prompts, image_processor=None) -> list[dict] | None:
     `non_tensor_batch["multi_modal_inputs"]` (what the dataset's processor made, and what the actor
     trains on) is used when present. Without it, the images of `non_tensor_batch["multi_modal_data"]`
     go through `image_processor` (a callable returning `pixel_values` and `image_grid_thw`, e.g. the
-    model's processor's `image_processor`); the prompt ids must then already hold the expanded
-    image tokens. Videos are refused.
+    model's processor's `image_processor`; None for a text model, whose rows with images are refused);
+    the prompt ids must then already hold the expanded image tokens. Videos are refused.
     """
     inputs = prompts.non_tensor_batch.get("multi_modal_inputs")
     if inputs is not None:
@@ -102,14 +103,22 @@ def multi_modal_rows(prompts, image_processor=None) -> list[dict] | None:
             images = [images]
         if image_processor is None:
             raise ValueError(
-                "the prompts carry images in multi_modal_data but no multi_modal_inputs, and the rollout has no image "
-                "processor to make them; load the model's processor (verl.utils.hf_processor) or let the dataset "
-                "produce multi_modal_inputs"
+                "the prompts carry images (multi_modal_data) but the rollout model is not a vision-language model "
+                "(its config has no vision_config); use a vision-language checkpoint (e.g. Qwen2.5-VL) or text-only data"
             )
         out = image_processor(images=list(images), return_tensors="pt")
         rows.append({"pixel_values": out["pixel_values"], "image_grid_thw": out["image_grid_thw"]})
         done[id(item)] = rows[-1]
     return rows if any(rows) else None
+
+
+def has_images(prompts) -> bool:
+    """Whether any prompt row carries an image (in `multi_modal_inputs` or `multi_modal_data`)."""
+    for key in ("multi_modal_inputs", "multi_modal_data"):
+        column = prompts.non_tensor_batch.get(key)
+        if column is not None and any(_unwrap(row) for row in column):
+            return True
+    return False
 
 
 def image_grids(images: list[Mapping] | None) -> torch.Tensor | None:
@@ -123,8 +132,6 @@ def prompt_position_ids(vision_config, input_ids, attention_mask, position_ids, 
     None); [B, 4, P] for a vision-language one, computed with `vl_position_ids` when the batch has
     none or only text positions."""
     if vision_config is not None and (position_ids is None or position_ids.dim() != 3):
-        from verl.utils.vision import vl_position_ids
-
         ids, mask = input_ids.cpu(), attention_mask.cpu()
         return vl_position_ids(vision_config, ids, mask, image_grids(images)).to(input_ids.device)
     if position_ids is None:

@@ -52,11 +52,13 @@ from dataclasses import dataclass
 import numpy as np
 
 from verl.utils.config import omega_conf_to_dataclass
+from verl.utils.vision import is_vision_language_config
 from verl.workers.config import RolloutConfig
 from verl.workers.rollout.base import BaseRollout
 from verl.workers.rollout.engine_io import (
     EngineResponse,
     assemble_output,
+    has_images,
     image_requests,
     multi_modal_rows,
     prompt_position_ids,
@@ -111,8 +113,6 @@ class ExternalEngineRollout(BaseRollout):
         self.model_path = model_path
         self.tokenizer = tokenizer
         from transformers import AutoConfig
-
-        from verl.utils.vision import is_vision_language_config
 
         hf_config = AutoConfig.from_pretrained(model_path)
         self.vision_config = hf_config if is_vision_language_config(hf_config) else None
@@ -196,6 +196,11 @@ class ExternalEngineRollout(BaseRollout):
                 everyone_images, _ = self._gather_group_requests(mine_images)
                 images = {"images": everyone_images}
         else:
+            if has_images(prompts):
+                raise ValueError(
+                    f"the prompts carry images but the rollout model {self.model_path!r} is not a vision-language model "
+                    "(its config has no vision_config); use a vision-language checkpoint or text-only data"
+                )
             mine = prompt_token_lists(prompts.batch["input_ids"], prompts.batch["attention_mask"])
         everyone, lo = self._gather_group_requests(mine)
         with_logprobs = self.config.calculate_log_probs

@@ -257,7 +257,8 @@ class HFRollout(BaseRollout):
         attention_mask = prompts.batch["attention_mask"]
         position_ids = prompts.batch.get("position_ids", None)
         processed_here = "multi_modal_inputs" not in prompts.non_tensor_batch
-        images = multi_modal_rows(prompts, self._load_image_processor)
+        vision = self.engine.vision_config is not None
+        images = multi_modal_rows(prompts, self._load_image_processor if vision else None)
         position_ids = prompt_position_ids(self.engine.vision_config, input_ids, attention_mask, position_ids, images)
         out_device = input_ids.device
         refresh = self.weight_refresh if meta.get("partial_rollout") else None

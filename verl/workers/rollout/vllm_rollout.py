@@ -72,6 +72,7 @@ from collections.abc import Iterable
 import torch
 
 from verl.utils.device import is_cuda_available
+from verl.utils.vision import is_vision_language_config
 from verl.workers.config import RolloutConfig
 from verl.workers.rollout.engine_io import EngineResponse, hf_weight_name
 from verl.workers.rollout.external_engine import (
@@ -101,8 +102,6 @@ def _cpu_kv_cache_bytes(model_path: str, config: RolloutConfig, dtype: str) -> i
 
 def _is_vision_language(model_path: str) -> bool:
     from transformers import AutoConfig
-
-    from verl.utils.vision import is_vision_language_config
 
     return is_vision_language_config(AutoConfig.from_pretrained(model_path))
 

@@ -82,7 +82,6 @@ import logging
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
-from types import MappingProxyType
 from typing import NamedTuple
 
 import torch
@@ -91,6 +90,7 @@ import torch.nn.functional as F
 
 from verl.models.moe import RoutingRecorder
 from verl.utils.device import device_context, empty_cache, free_memory_bytes, get_device, synchronize
+from verl.utils.vision import is_vision_language_config, vl_position_ids
 from verl.workers.rollout.engine_io import image_grids
 from verl.workers.rollout.native.cuda_graph import BATCH_BUCKETS, DecodeGraphRunner
 from verl.workers.rollout.native.hf_decoder import HFModelDecoder
@@ -100,6 +100,7 @@ from verl.workers.rollout.native.llama_decoder import (
     spec_from_hf_config,
     unsupported_reason,
 )
+from verl.workers.rollout.native.vision_inputs import check_images, image_keys, vision_kwargs
 from verl.workers.rollout.sampling import SamplingParams, select_tokens
 
 logger = logging.getLogger(__name__)
@@ -225,8 +226,6 @@ class GenerationEngine:
     @property
     def vision_config(self):
         """The HF config of the model when it is a vision-language model (it takes images), else None."""
-        from verl.utils.vision import is_vision_language_config
-
         config = getattr(getattr(self.decoder, "model", None), "config", None)
         return config if config is not None and is_vision_language_config(config) else None
 
@@ -255,8 +254,6 @@ class GenerationEngine:
         `quantization`: None or 'fp8' (block-wise fp8 linear weights, `native.fp8`; native decoder only).
         """
         from transformers import AutoConfig, AutoModelForCausalLM
-
-        from verl.utils.vision import is_vision_language_config
 
         device = torch.device(device) if device is not None else get_device()
         dtype = resolve_dtype(dtype, device)
@@ -522,10 +519,8 @@ class GenerationEngine:
         dev = self.device
         input_ids = input_ids.to(dev)
         attention_mask = attention_mask.to(dev)
-        images = self._check_images(input_ids, attention_mask, position_ids, multi_modal_inputs)
+        images = check_images(self.vision_config, input_ids.shape[0], position_ids, multi_modal_inputs)
         if position_ids is None and self.vision_config is not None:
-            from verl.utils.vision import vl_position_ids
-
             position_ids = vl_position_ids(
                 self.vision_config, input_ids.cpu(), attention_mask.cpu(), image_grids(images)
             )
@@ -678,17 +673,17 @@ class GenerationEngine:
 
         GRPO-style batches repeat every prompt `n` times; their prefill is the same computation, and
         writing `P` cache columns per row costs far less than recomputing them. With images, rows
-        repeat a prompt only when their images are equal too (`_image_keys`).
+        repeat a prompt only when their images are equal too (`vision_inputs.image_keys`).
         """
         B = input_ids.shape[0]
         mask = attention_mask.to(input_ids.dtype)
         parts = [input_ids * mask, mask, position_ids.reshape(B, -1).to(input_ids.dtype)]
         if images is not None:
-            parts.append(_image_keys(images).to(input_ids.device, input_ids.dtype)[:, None])
+            parts.append(image_keys(images).to(input_ids.device, input_ids.dtype)[:, None])
         key = torch.cat(parts, dim=1)
         distinct, inverse = torch.unique(key, dim=0, return_inverse=True)
         if distinct.shape[0] == B:
-            return self.decoder.prefill(input_ids, attention_mask, position_ids, **_vision_kwargs(images, None)), None
+            return self.decoder.prefill(input_ids, attention_mask, position_ids, **vision_kwargs(images, None)), None
         # any row of each distinct prompt represents it: take the first
         first = torch.full((distinct.shape[0],), B, dtype=torch.long, device=input_ids.device)
         first.scatter_reduce_(0, inverse, torch.arange(B, device=input_ids.device), reduce="amin")
@@ -704,46 +699,9 @@ class GenerationEngine:
             attention_mask[first],
             position_ids[first],
             rows=inverse,
-            **_vision_kwargs(images, first.tolist()),
+            **vision_kwargs(images, first.tolist()),
         )
         return logits[inverse], inverse
-
-    def _check_images(self, input_ids, attention_mask, position_ids, multi_modal_inputs) -> list | None:
-        """The rows' multi-modal inputs as a list (None when no row has any), after checking that the
-        model takes them and that the positions have the shape its rotary embedding needs."""
-        B = input_ids.shape[0]
-        config = self.vision_config
-        if position_ids is not None and position_ids.dim() == 3 and config is None:
-            raise ValueError(
-                f"position_ids of shape {tuple(position_ids.shape)} (multimodal M-RoPE) for a rollout model that is "
-                "not a vision-language model; text models take [batch, prompt_len] positions"
-            )
-        if multi_modal_inputs is None:
-            return None
-        images = [_unwrap(row) for row in multi_modal_inputs]
-        if len(images) != B:
-            raise ValueError(f"multi_modal_inputs has {len(images)} entries for {B} prompt rows; pass one per row")
-        if not any(images):
-            return None
-        for row in images:
-            unknown = set(row or {}) - {"pixel_values", "image_grid_thw"}
-            if unknown:
-                raise ValueError(
-                    f"multi_modal_inputs keys {sorted(unknown)} are not supported by the built-in rollout engine: it "
-                    "generates with images (pixel_values, image_grid_thw) only; videos are not supported"
-                )
-        if config is None:
-            raise ValueError(
-                "the prompts carry images (multi_modal_inputs) but the rollout model is not a vision-language model "
-                "(its config has no vision_config); use a vision-language checkpoint (e.g. Qwen2.5-VL) or text-only data"
-            )
-        if position_ids is not None and position_ids.dim() != 3:
-            raise ValueError(
-                f"position_ids of shape {tuple(position_ids.shape)} for prompts with images: a vision-language model "
-                "needs [batch, 4, prompt_len] positions (text row + M-RoPE rows, verl.utils.vision.vl_position_ids), "
-                "or none (then they are computed here)"
-            )
-        return images
 
     def _group_sum(self, count: int) -> int:
         """`count` summed over the expert-parallel group (itself without one)."""
@@ -766,58 +724,6 @@ class GenerationEngine:
             return self.graphs.run(tokens, positions, column, column + 1)
         self._step.fill_(column)
         return self.decoder.decode_step(tokens, positions, self._step, column + 1)
-
-
-_NO_IMAGES: Mapping = MappingProxyType({})
-
-
-def _unwrap(row):
-    """A row's multi-modal dict ({} for a text-only row); tensordict's NonTensorData is unwrapped."""
-    row = getattr(row, "data", row) if type(row).__name__ == "NonTensorData" else row
-    return row if row else _NO_IMAGES  # the row's own object: `_image_keys` hashes each object once
-
-
-def _vision_kwargs(images: list[Mapping] | None, rows: list[int] | None) -> dict:
-    """The model's image arguments for prefilling `rows` (all rows when None): their `pixel_values`
-    and `image_grid_thw` concatenated in row order; {} when those rows have no image."""
-    if images is None:
-        return {}
-    selected = [images[i] for i in rows] if rows is not None else images
-    selected = [row for row in selected if row.get("pixel_values") is not None]
-    if not selected:
-        return {}
-    return {
-        "multi_modal": {
-            "pixel_values": torch.cat([torch.as_tensor(row["pixel_values"]) for row in selected]),
-            "image_grid_thw": torch.cat([torch.as_tensor(row["image_grid_thw"]).reshape(-1, 3) for row in selected]),
-        }
-    }
-
-
-def _image_keys(images: list[Mapping]) -> torch.Tensor:
-    """[B] int64: equal for rows whose images are equal (0: no image), so that only rows with the same
-    prompt *and* images share a prefill. A row's key is a hash of its pixel values and grids, computed
-    once per distinct dict object: rows repeated for GRPO (`DataProto.repeat`) share their dict, and so
-    hash one image once."""
-    import hashlib
-
-    by_object: dict[int, bytes] = {}
-    numbers: dict[bytes, int] = {}
-    keys = []
-    for row in images:
-        if row.get("pixel_values") is None:
-            keys.append(0)
-            continue
-        digest = by_object.get(id(row))
-        if digest is None:
-            h = hashlib.blake2b(digest_size=16)
-            for name in ("pixel_values", "image_grid_thw"):
-                t = torch.as_tensor(row[name]).detach().cpu().contiguous()
-                h.update(str((t.dtype, tuple(t.shape))).encode())
-                h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes())
-            digest = by_object[id(row)] = h.digest()
-        keys.append(numbers.setdefault(digest, len(numbers) + 1))
-    return torch.tensor(keys, dtype=torch.long)
 
 
 def drop_leading_padding(
