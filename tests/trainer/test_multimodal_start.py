@@ -136,7 +136,7 @@ def test_task_runner_applies_the_vision_rules_to_the_loaded_config(tiny_vl, tmp_
         load_processor(config)
 
 
-@pytest.mark.slow  # three Python start-ups in a subprocess: about 7 s
+@pytest.mark.slow  # main_ppo --cfg job in a subprocess: 4-12 s on the shared 2-core machine
 def test_the_cpu_demo_script_passes_every_check(tiny_vl, tmp_path):
     """examples/grpo_trainer/run_tiny_vl_cpu.sh with `--cfg job` (Hydra's flag: print the config and run
     every check that needs no Ray), its model and data already in place (the script makes them with
