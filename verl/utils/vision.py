@@ -62,6 +62,25 @@ def is_vision_language_config(config) -> bool:
     return getattr(config, "vision_config", None) is not None and getattr(config, "image_token_id", None) is not None
 
 
+# config fields naming a vision-language model's input-only marker tokens
+_MARKER_FIELDS = ("image_token_id", "video_token_id", "vision_start_token_id", "vision_end_token_id")
+
+
+def input_only_token_ids(config) -> list[int]:
+    """The vision marker ids of a vision-language config (`<|image_pad|>`, `<|video_pad|>`,
+    `<|vision_start|>`, `<|vision_end|>`); [] for a text model.
+
+    They mark where the processor put images in a prompt; a response never contains them. A rollout
+    that sampled one would break every later forward of the row (transformers matches the image tokens
+    of a sequence against its image features and raises, as upstream's volcengine/verl#3469 reports), so
+    the rollout engines never sample them (their logits are -inf): a released Qwen2.5-VL gives them a
+    negligible probability, a randomly initialised one ~1.5% per token.
+    """
+    if not is_vision_language_config(config):
+        return []
+    return sorted({int(v) for v in (getattr(config, f, None) for f in _MARKER_FIELDS) if v is not None})
+
+
 def mrope_position_ids(config, input_ids, attention_mask, image_grid_thw=None):
     """Qwen2-VL's multimodal rotary positions (M-RoPE), shape (3, batch, length): (time, height, width).
 

@@ -135,7 +135,10 @@ def test_a_vision_language_family_other_than_qwen2_vl_is_refused(tiny_vl, tmp_pa
     ]
 
 
-def test_a_critic_and_ulysses_are_refused_with_a_vision_language_policy(tiny_vl):
+def test_a_text_only_critic_and_ulysses_are_refused_with_a_vision_language_policy(tiny_vl, tmp_path):
+    from verl.models.factory import make_tiny
+
+    text_model = make_tiny("tiny", str(tmp_path / "tiny"))
     base = [
         f"actor_rollout_ref.model.path={tiny_vl}",
         "actor_rollout_ref.rollout.name=hf",
@@ -144,14 +147,18 @@ def test_a_critic_and_ulysses_are_refused_with_a_vision_language_policy(tiny_vl)
         "critic.ppo_micro_batch_size_per_gpu=2",
         "actor_rollout_ref.model.use_remove_padding=true",
         "trainer.n_gpus_per_node=2",
+        "algorithm.adv_estimator=gae",
     ]
     with pytest.raises(ConfigError) as info:
         load_ppo_config(
-            [*base, "algorithm.adv_estimator=gae", "actor_rollout_ref.actor.ulysses_sequence_parallel_size=2"]
+            [*base, f"critic.model.path={text_model}", "actor_rollout_ref.actor.ulysses_sequence_parallel_size=2"]
         )
     lines = [e for e in info.value.errors if "vision-language" in e]
     assert [e.split(" ", 1)[0] for e in lines] == [
-        "algorithm.adv_estimator=gae",
+        f"critic.model.path={text_model}",
         "actor_rollout_ref.actor.ulysses_sequence_parallel_size=2",
     ], info.value.errors
-    assert "critic-free estimator" in lines[0] and "does not split image features" in lines[1]
+    assert "needs a vision tower" in lines[0] and "does not split image features" in lines[1]
+    # a vision-language critic (GAE) is accepted
+    config = load_ppo_config([*base, f"critic.model.path={tiny_vl}"])
+    assert config.algorithm.adv_estimator == "gae"

@@ -316,3 +316,40 @@ def test_partial_rollout_resumes_rows_with_their_images_under_the_new_weights(vl
     after = teacher_forced_log_probs(new, prompts, responses, mask)[:, 3:]
     torch.testing.assert_close(got[:, :3], before, atol=2e-5, rtol=0)
     torch.testing.assert_close(got[:, 3:], after, atol=2e-5, rtol=0)
+
+
+def test_the_input_only_vision_markers_are_never_sampled(vl):
+    """A model pushed to prefer `<|image_pad|>`, `<|video_pad|>`, `<|vision_start|>` and `<|vision_end|>`
+    (+30 on their logits) still never emits them, greedy or sampled; vLLM gets them as a -100 logit bias.
+    A sampled marker would break every later forward of the row (transformers matches image tokens
+    against image features)."""
+    from verl.utils.vision import input_only_token_ids
+    from verl.workers.rollout.vllm_rollout import vllm_sampling_kwargs
+
+    _, model, processor = vl
+    markers = input_only_token_ids(model.config)
+    assert len(markers) == 4 and model.config.image_token_id in markers
+    prompts, _ = vl_prompt_batch(processor, model.config, _rows())
+
+    def prefer_markers(module, args, output):
+        output = output.clone()
+        output[..., markers] += 30.0
+        return output
+
+    handle = model.lm_head.register_forward_hook(prefer_markers)
+    try:
+        engine = _engine(model)
+        for sampling in (SamplingParams(do_sample=False), SamplingParams(do_sample=True, temperature=1.0)):
+            out = _generate(engine, prompts, sampling=sampling, generator=torch.Generator().manual_seed(0))
+            sampled = out.responses[out.response_mask.bool()]
+            assert sampled.numel() == len(_rows()) * R
+            assert not torch.isin(sampled, torch.tensor(markers)).any()
+        # the hook is live: without the rollout's mask the markers would win every greedy step
+        with torch.no_grad():
+            logits = model(input_ids=prompts.batch["input_ids"][1:2]).logits[0, -1]
+        assert int(logits.argmax()) in markers
+    finally:
+        handle.remove()
+    kwargs = vllm_sampling_kwargs(SamplingParams(), 4, [], False, False, markers)
+    assert kwargs["logit_bias"] == {m: -100.0 for m in markers}
+    assert "logit_bias" not in vllm_sampling_kwargs(SamplingParams(), 4, [], False, False)

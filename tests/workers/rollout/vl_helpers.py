@@ -114,7 +114,7 @@ def hf_greedy(model, prompts, mm_token_type_ids, max_new_tokens: int, eos=None) 
 def teacher_forced_log_probs(model, prompts, responses, response_mask) -> torch.Tensor:
     """[B, R] float64: log p(response token) from a plain forward of each row alone (no padding, no
     cache) over its prompt + response with its images; 0 where masked."""
-    from verl.utils.vision import vl_position_ids
+    from verl.utils.vision import input_only_token_ids, vl_position_ids
 
     model = copy.deepcopy(model).double()
     B, R = responses.shape
@@ -131,6 +131,8 @@ def teacher_forced_log_probs(model, prompts, responses, response_mask) -> torch.
         with torch.no_grad():
             logits = model(input_ids=ids, attention_mask=mask, position_ids=positions, **kwargs).logits[0]
         P = int(keep.sum())
-        logp = torch.log_softmax(logits[P - 1 : P - 1 + n], dim=-1)
+        # the rollout never samples the input-only vision markers: the distribution is over the other tokens
+        unsampled = torch.tensor(input_only_token_ids(model.config))
+        logp = torch.log_softmax(logits[P - 1 : P - 1 + n].index_fill(-1, unsampled, float("-inf")), dim=-1)
         out[i, :n] = logp.gather(-1, responses[i, :n, None]).squeeze(-1)
     return out

@@ -1,7 +1,8 @@
 """Rules for vision-language policies (docs/multimodal.md), checked before anything starts.
 
 Multi-modal training is built on one path: the FSDP actor and reference without Ulysses sequence
-parallelism, a critic-free estimator, the built-in (`hf`) or vLLM rollout engine, single-turn
+parallelism, an FSDP critic over a vision-language model when the estimator needs one, the built-in
+(`hf`) or vLLM rollout engine, single-turn
 generation, a rule reward; the model family is Qwen2-VL / Qwen2.5-VL. Every other combination with a vision-language policy is
 refused here, naming the key and what to set instead, rather than run without the images.
 
@@ -67,13 +68,14 @@ def vision_language_problems(c: dict, model_name: str, model_type: str | None) -
             f"(upstream's goes through mbridge); use the FSDP actor: {_ARR}.actor.strategy=fsdp2 (ppo_trainer.yaml)"
         )
     if need_critic(c):
-        enabled = (c.get("critic") or {}).get("enable")
-        key = "critic.enable=true" if enabled else f"algorithm.adv_estimator={c['algorithm']['adv_estimator']}"
-        problems.append(
-            f"{key} {what} trains a critic, and a value model over image batches is not built here; train with a "
-            "critic-free estimator (algorithm.adv_estimator=grpo, rloo, reinforce_plus_plus, remax, ...) without "
-            "critic.enable"
-        )
+        critic_model = (c.get("critic") or {}).get("model") or {}
+        critic_config = local_hf_config(critic_model)
+        if critic_config is not None and not is_vision_language(critic_config):
+            problems.append(
+                f"critic.model.path={critic_model.get('path')} is a text-only model {what}: the critic reads "
+                "the same image batches as the actor and needs a vision tower; set critic.model.path to a "
+                "vision-language model (e.g. the actor's)"
+            )
     try:
         sp, sp_key = role_sp(arr["actor"], f"{_ARR}.actor")
     except ValueError:

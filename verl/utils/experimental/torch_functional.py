@@ -171,6 +171,13 @@ def fused_head_problem(hf_model: torch.nn.Module) -> str | None:
     if head.bias is not None:
         return f"{type(hf_model).__name__}'s LM head has a bias, which the fused log-prob does not add"
     config = getattr(hf_model, "config", None)
+    from verl.utils.vision import input_only_token_ids
+
+    if input_only_token_ids(config):
+        return (
+            f"{type(hf_model).__name__} is a vision-language model, whose policy masks its input-only vision "
+            "markers out of the logits, which the fused log-prob does not"
+        )
     for name in _LOGIT_TRANSFORMS:
         value = getattr(config, name, None)
         if value not in (None, 0, 0.0, 1, 1.0):

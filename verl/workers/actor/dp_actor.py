@@ -117,7 +117,7 @@ from verl.utils.torch_functional import (
     sum_pi_squared_from_logits,
 )
 from verl.utils.ulysses_keys import role_sp
-from verl.utils.vision import is_vision_language_config
+from verl.utils.vision import input_only_token_ids, is_vision_language_config
 from verl.workers.actor.ppo_actor import MODEL_INPUTS, PPOActor, require_temperature
 from verl.workers.config import FSDPActorConfig
 from verl.workers.dp_training import (
@@ -168,6 +168,10 @@ class DataParallelPPOActor(PPOActor):
         # a peft model forwards its keyword arguments to the HF model it wraps: ask that one
         hf_module = actor_module.get_base_model() if hasattr(actor_module, "get_base_model") else actor_module
         self.is_vision_language = is_vision_language_config(getattr(hf_module, "config", None))
+        # the policy of a vision-language model is over the tokens it can emit: its input-only vision
+        # markers are masked out of the logits, as the rollout engines never sample them
+        # (verl.utils.vision.input_only_token_ids), so the actor's log-probs are the rollout's distribution
+        self._unsampled = input_only_token_ids(hf_module.config) if self.is_vision_language else []
         sp_size, sp_key = role_sp(cfg, "actor")
         if self.is_vision_language and sp_size > 1:
             raise ValueError(
@@ -285,6 +289,7 @@ class DataParallelPPOActor(PPOActor):
                 return self._sp_packed_outputs(packed_ids, packed_pos, indices, micro_batch, temperature, stats)
             inputs = packed_model_inputs(self._hf_module, packed_ids, packed_pos)
             logits = self.actor_module(**inputs, **self._multi_modal_kwargs(micro_batch), use_cache=False).logits[0]
+            logits = self._policy_logits(logits, temperature)
             logits.div_(temperature)
             # label of each packed position = the next packed token; it is wrong only at a sequence's
             # last token, whose prediction is never a (valid) response token
@@ -296,8 +301,17 @@ class DataParallelPPOActor(PPOActor):
                 values = pad_input(TOKEN_STATS[name](logits), indices, batch_size, seqlen)
                 out[name] = values[:, -response_length - 1 : -1]
             return out, log_probs
-        logits = self._padded_response_logits(micro_batch, start, end, kept)
+        logits = self._policy_logits(self._padded_response_logits(micro_batch, start, end, kept), temperature)
         return self._response_outputs([logits], micro_batch["responses"], temperature, stats)
+
+    def _policy_logits(self, logits: torch.Tensor, temperature: float) -> torch.Tensor:
+        """`logits` with a vision-language model's input-only markers at a value that stays the dtype's
+        lowest after the division by `temperature` (a probability of exactly 0, and finite, so p * logit
+        stays 0 in the entropy); a text model's unchanged."""
+        if not self._unsampled:
+            return logits
+        ids = torch.tensor(self._unsampled, dtype=torch.long, device=logits.device)
+        return logits.index_fill(-1, ids, torch.finfo(logits.dtype).min * min(1.0, float(temperature)))
 
     def _multi_modal_kwargs(self, micro_batch) -> dict:
         """The model's image inputs for the rows of `micro_batch` ({} for text only; `multi_modal_kwargs`)."""

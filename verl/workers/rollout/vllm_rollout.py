@@ -72,7 +72,7 @@ from collections.abc import Iterable
 import torch
 
 from verl.utils.device import is_cuda_available
-from verl.utils.vision import is_vision_language_config
+from verl.utils.vision import input_only_token_ids, is_vision_language_config
 from verl.workers.config import RolloutConfig
 from verl.workers.rollout.engine_io import EngineResponse, hf_weight_name
 from verl.workers.rollout.external_engine import (
@@ -104,6 +104,12 @@ def _is_vision_language(model_path: str) -> bool:
     from transformers import AutoConfig
 
     return is_vision_language_config(AutoConfig.from_pretrained(model_path))
+
+
+def _input_only_ids(model_path: str) -> list[int]:
+    from transformers import AutoConfig
+
+    return input_only_token_ids(AutoConfig.from_pretrained(model_path))
 
 
 def check_vision_language_support(model_path: str) -> None:
@@ -174,9 +180,16 @@ def vllm_engine_kwargs(model_path: str, config: RolloutConfig, seed: int = 0) ->
 
 
 def vllm_sampling_kwargs(
-    sampling: SamplingParams, max_new_tokens: int, stop_token_ids: list[int], with_logprobs: bool, ignore_eos: bool
+    sampling: SamplingParams,
+    max_new_tokens: int,
+    stop_token_ids: list[int],
+    with_logprobs: bool,
+    ignore_eos: bool,
+    unsampled_token_ids=(),
 ) -> dict:
-    """Keyword arguments of `vllm.SamplingParams(...)` (greedy is temperature 0; top_k -1 is off)."""
+    """Keyword arguments of `vllm.SamplingParams(...)` (greedy is temperature 0; top_k -1 is off).
+    `unsampled_token_ids` (a vision-language model's input-only markers,
+    `verl.utils.vision.input_only_token_ids`) get a -100 logit bias: never sampled."""
     kwargs = dict(
         n=1,
         max_tokens=int(max_new_tokens),
@@ -185,6 +198,8 @@ def vllm_sampling_kwargs(
         detokenize=False,
         logprobs=0 if with_logprobs else None,
     )
+    if unsampled_token_ids:
+        kwargs["logit_bias"] = {int(t): -100.0 for t in unsampled_token_ids}
     if sampling.do_sample:
         kwargs.update(
             temperature=float(sampling.temperature),
@@ -237,6 +252,8 @@ class vLLMRollout(ExternalEngineRollout):
         self._weights_asleep = False
         self._kv_cache_asleep = False
         self._partial_round = 0  # request ids of partial rollouts: unique over the engine's life
+        # a vision-language model's image/video markers are never sampled (verl.utils.vision.input_only_token_ids)
+        self._unsampled = _input_only_ids(model_path) if isinstance(model_path, str) else []
 
     # ------------------------------------------------------------------------------- generation
     def _awake_for_generation(self) -> None:
@@ -251,7 +268,9 @@ class vLLMRollout(ExternalEngineRollout):
 
         self._awake_for_generation()
         params = VllmSamplingParams(
-            **vllm_sampling_kwargs(sampling, max_new_tokens, stop_token_ids, with_logprobs, self.config.ignore_eos)
+            **vllm_sampling_kwargs(
+                sampling, max_new_tokens, stop_token_ids, with_logprobs, self.config.ignore_eos, self._unsampled
+            )
         )
         images = images or [None] * len(prompts)
         requests = [vllm_request(ids, row_images) for ids, row_images in zip(prompts, images)]
@@ -272,7 +291,9 @@ class vLLMRollout(ExternalEngineRollout):
         refresh, engine = self.weight_refresh, self.llm.llm_engine
         if engine.has_unfinished_requests():
             raise RuntimeError("the vLLM engine still holds requests from an earlier call; they would be paused too")
-        kwargs = vllm_sampling_kwargs(sampling, max_new_tokens, stop_token_ids, with_logprobs, self.config.ignore_eos)
+        kwargs = vllm_sampling_kwargs(
+            sampling, max_new_tokens, stop_token_ids, with_logprobs, self.config.ignore_eos, self._unsampled
+        )
         rows = len(prompts)
         tokens: list[list[int]] = [[] for _ in range(rows)]
         logprobs: list[list[float]] | None = [[] for _ in range(rows)] if with_logprobs else None

@@ -29,6 +29,7 @@ from collections.abc import Iterable, Mapping
 import torch
 
 from verl.utils.hf_forward import model_forward
+from verl.utils.vision import input_only_token_ids
 from verl.workers.rollout.native.llama_decoder import canonical_name
 
 # transformers 4's Qwen2-VL family names -> transformers 5's (the released checkpoints use the former)
@@ -73,8 +74,16 @@ class HFModelDecoder:
             )
         self._forward = forward
         self._legacy_vl_names = getattr(model.config, "vision_config", None) is not None
+        # a vision-language model's image/video markers are never sampled (verl.utils.vision.input_only_token_ids)
+        self._unsampled = torch.tensor(input_only_token_ids(model.config), dtype=torch.long, device=self.device)
 
     # ----------------------------------------------------------------------------------- weights
+    def _never_sampled(self, logits: torch.Tensor) -> torch.Tensor:
+        """`logits` with the input-only vision markers at -inf (unchanged for a text model)."""
+        if self._unsampled.numel():
+            logits = logits.index_fill(-1, self._unsampled, float("-inf"))
+        return logits
+
     def parameter_names(self) -> list[str]:
         return list(self._shapes)
 
@@ -172,7 +181,7 @@ class HFModelDecoder:
         if rows is not None:  # fan the prompts out to the cache rows that repeat them
             self._cache.reorder_cache(rows)
             self._mask = self._mask[rows]
-        return out.logits[:, -1]
+        return self._never_sampled(out.logits[:, -1])
 
     @torch.no_grad()
     def decode_step(
@@ -186,4 +195,4 @@ class HFModelDecoder:
             use_cache=True,
             **self._forward.cache_kwargs(self._cache),
         )
-        return out.logits[:, -1]
+        return self._never_sampled(out.logits[:, -1])
