@@ -1,7 +1,8 @@
 """What the end-to-end `python -m verl.trainer.main_ppo` tests share: the per-run environment and
 overrides (every run writes its data, metrics, checkpoints and MLflow store under its own tmp_path),
 the CPU demo script on small batches (`demo_script_cmd`), a run to completion (optionally joining the
-session's shared Ray cluster) and a run killed with -9 right after a checkpoint.
+session's shared Ray cluster), a run killed with -9 right after a checkpoint, and a module's runs
+started side by side (`start_module_runs`).
 
 The runs stay subprocesses: each parses its command line, builds its config and exits on its own,
 so no run leaves state (env, trackers, Ray actors) in pytest's process for the next test.
@@ -177,6 +178,8 @@ def start_module_runs(request, runs: dict, test_runs: dict, tmp_path_factory, cl
     selected = {item.originalname for item in request.session.items if item.module is request.module}
     unknown = set(test_runs) - {name for name in dir(request.module) if name.startswith("test_")}
     assert not unknown, f"test_runs names tests that {request.module.__name__} does not define: {sorted(unknown)}"
+    missing = {name for names in test_runs.values() for name in names} - set(runs)
+    assert not missing, f"test_runs names runs that runs does not define: {sorted(missing)}"
     wanted = {name for test, names in test_runs.items() if test in selected for name in names}
     started: dict[str, Future] = {}
     with ThreadPoolExecutor(max_concurrent or MAX_CONCURRENT_RUNS) as pool:
