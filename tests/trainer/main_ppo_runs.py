@@ -174,7 +174,10 @@ def start_module_runs(request, runs: dict, test_runs: dict, tmp_path_factory, cl
     `runs` maps a name to a function (its own new directory, `cluster`, the started futures) -> what
     the tests read; `test_runs` maps a test function's name to the names of the runs it reads. A run
     may wait for an earlier one's future (to resume from its checkpoint): the pool starts runs in
-    `runs` order, so the one it waits for is already running or done."""
+    `runs` order, so the one it waits for is already running or done. A run function does its work in
+    the subprocess it starts, not in pytest's process: runs execute in threads, and transformers'
+    lazy imports are not thread-safe (two threads building models at once failed with an ImportError
+    of `PreTrainedTokenizerFast`), so models are built in the fixture, before the runs start."""
     selected = {item.originalname for item in request.session.items if item.module is request.module}
     unknown = set(test_runs) - {name for name in dir(request.module) if name.startswith("test_")}
     assert not unknown, f"test_runs names tests that {request.module.__name__} does not define: {sorted(unknown)}"

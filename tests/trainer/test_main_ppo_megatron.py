@@ -49,11 +49,7 @@ def _resumed_at_cp2(resumed: Path, cluster, started: dict):
     )
 
 
-def _reward_model(run: Path, cluster, started: dict) -> Path:
-    from tests.workers.test_reward_model_worker import _make_reward_model
-
-    rm = run / "rm"
-    _make_reward_model(rm, other_template=True)
+def _reward_model(rm: Path, run: Path, cluster, started: dict) -> Path:
     run_main_ppo(
         main_ppo_cmd(
             "arith_demo_megatron",
@@ -89,6 +85,7 @@ def _critic_at_tp1(run: Path, cluster, started: dict) -> Path:
 # Every run of the file, by name: a function of (its own directory, the shared cluster, the started
 # runs' futures) -> what its test reads; the cp=2 resume waits for the tp=2 run, so it comes last.
 RUNS = {"tp2": _tp2, "reward_model": _reward_model, "critic_at_tp1": _critic_at_tp1, "cp2": _resumed_at_cp2}
+# (the reward model's run gets the classifier that the fixture builds, see start_module_runs)
 # test -> the runs it reads (with the runs those wait for)
 TEST_RUNS = {
     "test_ppo_with_megatron_actor_and_critic_at_tp2_resumes_at_cp2": ("tp2", "cp2"),
@@ -99,9 +96,17 @@ TEST_RUNS = {
 
 @pytest.fixture(scope="module")
 def runs(request, tmp_path_factory, shared_ray_cluster):
-    """The runs of this module's selected tests, started at once: {name: future} (see start_module_runs)."""
+    """The runs of this module's selected tests, started at once: {name: future} (see start_module_runs).
+    The reward model (a classifier with its own chat template) is built here, before the runs start."""
+    from functools import partial
+
+    from tests.workers.test_reward_model_worker import _make_reward_model
+
+    rm = tmp_path_factory.mktemp("rm") / "rm"
+    _make_reward_model(rm, other_template=True)
+    runs_ = {**RUNS, "reward_model": partial(_reward_model, rm)}
     # two at a time: each holds 2-4 Megatron workers (about a GB each)
-    with start_module_runs(request, RUNS, TEST_RUNS, tmp_path_factory, shared_ray_cluster, 2) as started:
+    with start_module_runs(request, runs_, TEST_RUNS, tmp_path_factory, shared_ray_cluster, 2) as started:
         yield started
 
 
