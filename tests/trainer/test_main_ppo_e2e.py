@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import subprocess
 import sys
-from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
@@ -82,24 +81,17 @@ def test_resume_after_kill_9_reproduces_the_uninterrupted_run(tmp_path, shared_r
         "actor_rollout_ref.actor.ppo_mini_batch_size=16",
         "data.train_max_samples=32",
     ]
-    straight, killed, remote = tmp_path / "straight", tmp_path / "killed", tmp_path / "remote"
+    straight = tmp_path / "straight"
     straight.mkdir()
+    run_main_ppo([*base, *common_overrides(straight, steps)], straight, cluster=shared_ray_cluster)
+
+    killed = tmp_path / "killed"
     killed.mkdir()
+    remote = tmp_path / "remote"
     background = ["actor_rollout_ref.actor.checkpoint.async_save=true", f"trainer.default_hdfs_dir={remote}"]
     cmd = [*base, *common_overrides(killed, steps), *background]
-
-    def killed_and_resumed():
-        run_and_kill_9_after_checkpoint(cmd, killed, 2)
-        run_main_ppo(cmd, killed, cluster=shared_ray_cluster)
-
-    # the two runs share nothing: side by side (on 2 cores, much of a run's start-up is one thread or a wait)
-    with ThreadPoolExecutor(2) as pool:
-        uninterrupted = pool.submit(
-            run_main_ppo, [*base, *common_overrides(straight, steps)], straight, cluster=shared_ray_cluster
-        )
-        interrupted = pool.submit(killed_and_resumed)
-        uninterrupted.result()
-        interrupted.result()
+    run_and_kill_9_after_checkpoint(cmd, killed, 2)
+    run_main_ppo(cmd, killed, cluster=shared_ray_cluster)
 
     expected = {r["step"]: r["data"] for r in read_metrics(straight)}
     resumed = {r["step"]: r["data"] for r in read_metrics(killed)}  # later lines (the resumed run) win
