@@ -1,7 +1,8 @@
 """What the end-to-end `python -m verl.trainer.main_ppo` tests share: the per-run environment and
 overrides (every run writes its data, metrics, checkpoints and MLflow store under its own tmp_path),
 the CPU demo script on small batches (`demo_script_cmd`), a run to completion (optionally joining the
-session's shared Ray cluster) and a run killed with -9 right after a checkpoint.
+session's shared Ray cluster), a run killed with -9 right after a checkpoint, and a module's runs
+started side by side (`start_module_runs`).
 
 The runs stay subprocesses: each parses its command line, builds its config and exits on its own,
 so no run leaves state (env, trackers, Ray actors) in pytest's process for the next test.
@@ -9,11 +10,13 @@ so no run leaves state (env, trackers, Ray actors) in pytest's process for the n
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
 import sys
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -152,3 +155,38 @@ def run_and_kill_9_after_checkpoint(cmd: list[str], run_dir: Path, step: int) ->
     assert left == [], left
     tracker = (run_dir / "ckpt" / "latest_checkpointed_iteration.txt").read_text().strip()
     assert tracker == str(step), f"the run saved checkpoint {tracker} before the kill landed; the test needs {step}"
+
+
+# Runs at once in `start_module_runs`. A run is mostly start-up that uses one core or waits (imports,
+# the Ray job, its worker processes, the model load, messages between driver, TaskRunner and
+# workers), so on CI's 2 cores runs side by side take much less than their sum (docs/testing.md,
+# "CI time"); more at once only queue for the cores.
+MAX_CONCURRENT_RUNS = 3
+
+
+@contextlib.contextmanager
+def start_module_runs(request, runs: dict, test_runs: dict, tmp_path_factory, cluster, max_concurrent: int = 0):
+    """For a module fixture: start every run that the module's selected tests read, all at once (at
+    most `max_concurrent`, default MAX_CONCURRENT_RUNS, at a time, in `runs` order), and yield
+    {name: future}; a test's `.result()` waits for its run and re-raises the run's failure (with its
+    output) in that test.
+
+    `runs` maps a name to a function (its own new directory, `cluster`, the started futures) -> what
+    the tests read; `test_runs` maps a test function's name to the names of the runs it reads. A run
+    may wait for an earlier one's future (to resume from its checkpoint): the pool starts runs in
+    `runs` order, so the one it waits for is already running or done. A run function does its work in
+    the subprocess it starts, not in pytest's process: runs execute in threads, and transformers'
+    lazy imports are not thread-safe (two threads building models at once failed with an ImportError
+    of `PreTrainedTokenizerFast`), so models are built in the fixture, before the runs start."""
+    selected = {item.originalname for item in request.session.items if item.module is request.module}
+    unknown = set(test_runs) - {name for name in dir(request.module) if name.startswith("test_")}
+    assert not unknown, f"test_runs names tests that {request.module.__name__} does not define: {sorted(unknown)}"
+    missing = {name for names in test_runs.values() for name in names} - set(runs)
+    assert not missing, f"test_runs names runs that runs does not define: {sorted(missing)}"
+    wanted = {name for test, names in test_runs.items() if test in selected for name in names}
+    started: dict[str, Future] = {}
+    with ThreadPoolExecutor(max_concurrent or MAX_CONCURRENT_RUNS) as pool:
+        for name, run in runs.items():
+            if name in wanted:
+                started[name] = pool.submit(run, tmp_path_factory.mktemp(name), cluster, started)
+        yield started

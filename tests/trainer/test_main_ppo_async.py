@@ -11,7 +11,13 @@ from pathlib import Path
 
 import pytest
 
-from tests.trainer.main_ppo_runs import demo_script_cmd, read_metrics, run_and_kill_9_after_checkpoint, run_main_ppo
+from tests.trainer.main_ppo_runs import (
+    demo_script_cmd,
+    read_metrics,
+    run_and_kill_9_after_checkpoint,
+    run_main_ppo,
+    start_module_runs,
+)
 
 pytestmark = pytest.mark.slow  # the slow tier (make test-all, CI): see docs/testing.md
 
@@ -65,25 +71,96 @@ def assert_partial_rollout_tags(trained: dict[int, list[dict]], steps: int, ahea
             assert (step - 1) - r["weight_version"] <= ahead, (step, r)
 
 
-@pytest.fixture(scope="module")
-def one_step_off_run(tmp_path_factory, shared_ray_cluster) -> Path:
-    """k=1 for 4 steps with the default correction (decoupled): the run directory."""
-    run = tmp_path_factory.mktemp("one_step_off")
-    run_main_ppo(_cmd(run, 4, ahead=1), run, cluster=shared_ray_cluster)
+def _run(run: Path, cluster, steps: int, ahead: float, *extra: str) -> Path:
+    """`_cmd(run, ...)` to completion on `cluster`: the run directory."""
+    run_main_ppo(_cmd(run, steps, ahead, *extra), run, cluster=cluster)
     return run
 
 
-@pytest.fixture(scope="module")
-def two_ahead_run(tmp_path_factory, shared_ray_cluster) -> Path:
-    """k=2 for 5 steps, checkpoints every 2: the run directory."""
-    run = tmp_path_factory.mktemp("two_ahead")
-    run_main_ppo(_cmd(run, 5, 2, "trainer.save_freq=2"), run, cluster=shared_ray_cluster)
+def _resumed_from_two_ahead_with_k1(policy: str):
+    """The 4-step k=1 run resumed from the k=2 run's step-2 checkpoint with stale_sample_policy=`policy`."""
+
+    def run(tmp: Path, cluster, started: dict) -> Path:
+        first = started["two_ahead"].result()
+        return _run(
+            tmp,
+            cluster,
+            4,
+            1,
+            "trainer.resume_mode=resume_path",
+            f"trainer.resume_from_path={first / 'ckpt' / 'global_step_2'}",
+            f"async_training.stale_sample_policy={policy}",
+        )
+
     return run
 
 
-def test_one_step_off_trains_batch_t_on_samples_of_weight_version_t_minus_2(one_step_off_run):
+def _killed_between_two_syncs_and_resumed(tmp: Path, cluster, started: dict) -> Path:
+    """k=2, trigger_parameter_sync_step=2, 6 steps, checkpoints every 3: kill -9 right after the
+    step-3 checkpoint, then resumed to the end on `cluster`; the run directory."""
+    cmd = _cmd(tmp, 6, 2, "async_training.trigger_parameter_sync_step=2", "trainer.save_freq=3")
+    run_and_kill_9_after_checkpoint(cmd, tmp, 3)
+    for f in (tmp / "rollouts").glob("*.jsonl"):  # steps after the checkpoint are retrained on resume
+        if int(f.stem) > 3:
+            f.unlink()
+    run_main_ppo(cmd, tmp, cluster=cluster)
+    return tmp
+
+
+# Every run of the file but the Megatron one (which sizes a cluster of its own), by name: a function of
+# (its own directory, the shared cluster, the started runs' futures) -> what the tests read. They run
+# side by side (start_module_runs); a run that resumes from another's checkpoint comes after it.
+RUNS = {
+    "one_step_off": lambda tmp, cluster, started: _run(tmp, cluster, 4, 1),  # k=1, the default correction
+    "two_ahead": lambda tmp, cluster, started: _run(tmp, cluster, 5, 2, "trainer.save_freq=2"),
+    "two_ahead_resumed": lambda tmp, cluster, started: _killed_after_step_2_and_resumed(tmp, 5, 2, cluster),
+    "half_ahead": lambda tmp, cluster, started: _run(tmp, cluster, 4, 0.5, "trainer.save_freq=2"),
+    "half_ahead_resumed": lambda tmp, cluster, started: _killed_after_step_2_and_resumed(tmp, 4, 0.5, cluster),
+    "tis": lambda tmp, cluster, started: _run(tmp, cluster, 2, 1, "async_training.off_policy_correction=tis"),
+    "none": lambda tmp, cluster, started: _run(tmp, cluster, 2, 1, "async_training.off_policy_correction=none"),
+    "regenerate": _resumed_from_two_ahead_with_k1("regenerate"),
+    "drop": _resumed_from_two_ahead_with_k1("drop"),
+    "sync_every_2": lambda tmp, cluster, started: _run(
+        tmp, cluster, 5, 1, "async_training.trigger_parameter_sync_step=2"
+    ),
+    "resumed_between_syncs": _killed_between_two_syncs_and_resumed,
+    "partial": lambda tmp, cluster, started: _run(
+        tmp, cluster, 3, 1, "async_training.partial_rollout=true", "async_training.partial_rollout_check_steps=1"
+    ),
+}
+# test -> the runs it reads (with the runs those wait for)
+TEST_RUNS = {
+    "test_one_step_off_trains_batch_t_on_samples_of_weight_version_t_minus_2": ("one_step_off",),
+    "test_staleness_never_exceeds_the_bound_and_resume_mid_run_loses_or_repeats_no_sample": (
+        "two_ahead",
+        "two_ahead_resumed",
+    ),
+    "test_half_a_batch_ahead_trains_half_of_each_batch_one_version_old_and_resumes_identically": (
+        "half_ahead",
+        "half_ahead_resumed",
+    ),
+    "test_off_policy_corrections_decoupled_tis_and_none_differ_as_documented": ("one_step_off", "tis", "none"),
+    "test_groups_over_a_lowered_bound_are_regenerated_or_dropped_on_resume": ("two_ahead", "regenerate", "drop"),
+    "test_syncing_every_2_updates_pushes_weights_at_steps_1_3_5_and_keeps_staleness_within_the_bound": (
+        "sync_every_2",
+    ),
+    "test_resume_between_two_syncs_trains_every_group_once_with_the_tags_of_an_uninterrupted_run": (
+        "resumed_between_syncs",
+    ),
+    "test_partial_rollouts_tag_each_sample_with_its_oldest_and_newest_version_within_the_bound": ("partial",),
+}
+
+
+@pytest.fixture(scope="module")
+def runs(request, tmp_path_factory, shared_ray_cluster):
+    """The runs of this module's selected tests, started at once: {name: future} (see start_module_runs)."""
+    with start_module_runs(request, RUNS, TEST_RUNS, tmp_path_factory, shared_ray_cluster) as started:
+        yield started
+
+
+def test_one_step_off_trains_batch_t_on_samples_of_weight_version_t_minus_2(runs):
     """Step t trains with weights v(t-1); its samples were generated during step t-1, with v(t-2)."""
-    steps, tmp_path = 4, one_step_off_run
+    steps, tmp_path = 4, runs["one_step_off"].result()
     trained = _trained(tmp_path)
     assert sorted(trained) == list(range(1, steps + 1))
     for step, rows in trained.items():
@@ -98,14 +175,12 @@ def test_one_step_off_trains_batch_t_on_samples_of_weight_version_t_minus_2(one_
     assert last["off_policy/is_weight_min"] <= 1.0 <= last["off_policy/is_weight_max"]
 
 
-def test_staleness_never_exceeds_the_bound_and_resume_mid_run_loses_or_repeats_no_sample(
-    tmp_path, two_ahead_run, shared_ray_cluster
-):
+def test_staleness_never_exceeds_the_bound_and_resume_mid_run_loses_or_repeats_no_sample(runs):
     """k=2: versions are max(0, t-3), staleness <= 2 every step; killing the run right after the
     step-2 checkpoint (two generated batches still queued) and resuming trains every prompt group
     exactly once, the same groups at the same steps with the same versions as the straight run."""
     steps, ahead = 5, 2
-    straight = two_ahead_run
+    straight = runs["two_ahead"].result()
     trained = _trained(straight)
     for step, rows in trained.items():
         staleness = [(step - 1) - r["weight_version"] for r in rows]
@@ -113,7 +188,7 @@ def test_staleness_never_exceeds_the_bound_and_resume_mid_run_loses_or_repeats_n
         assert {r["weight_version"] for r in rows} == {max(0, step - 1 - ahead)}, step
     assert max(r["data"]["async/staleness_max"] for r in read_metrics(straight)) == ahead
 
-    resumed = _killed_after_step_2_and_resumed(tmp_path, steps, ahead, shared_ray_cluster)
+    resumed = runs["two_ahead_resumed"].result()
     assert sorted(resumed) == list(range(1, steps + 1))
     groups = Counter(r["uid"] for rows in resumed.values() for r in rows)
     assert set(groups.values()) == {N}  # each group's N samples trained once, none twice
@@ -123,19 +198,14 @@ def test_staleness_never_exceeds_the_bound_and_resume_mid_run_loses_or_repeats_n
         assert {r["weight_version"] for r in resumed[step]} == {r["weight_version"] for r in trained[step]}
 
 
-def test_half_a_batch_ahead_trains_half_of_each_batch_one_version_old_and_resumes_identically(
-    tmp_path, shared_ray_cluster
-):
+def test_half_a_batch_ahead_trains_half_of_each_batch_one_version_old_and_resumes_identically(runs):
     """staleness_threshold=0.5 (upstream's fractional meaning): per weight version the pool generates
     1.5 batches, so from step 2 on half of batch t's groups were generated with v(t-2) and half with
     v(t-1); no sample is more than ceil(0.5) = 1 version old. The checkpoint at step 2 falls with
     half of batch 3 submitted and half held back: the resumed run trains the same groups with the
     same versions."""
     steps = 4
-    straight = tmp_path / "straight"
-    straight.mkdir()
-    cmd = _cmd(straight, steps, 0.5, "trainer.save_freq=2")
-    run_main_ppo(cmd, straight, cluster=shared_ray_cluster)
+    straight = runs["half_ahead"].result()
     trained = _trained(straight)
     assert sorted(trained) == list(range(1, steps + 1))
     assert Counter(r["weight_version"] for r in trained[1]) == {0: BATCH * N}
@@ -150,7 +220,7 @@ def test_half_a_batch_ahead_trains_half_of_each_batch_one_version_old_and_resume
     assert [records[s]["async/staleness_max"] for s in range(1, steps + 1)] == [0, 1, 1, 1]
     assert records[steps]["async/staleness_threshold"] == 0.5
 
-    resumed = _killed_after_step_2_and_resumed(tmp_path, steps, 0.5, shared_ray_cluster)
+    resumed = runs["half_ahead_resumed"].result()
     assert sorted(resumed) == list(range(1, steps + 1))
     for step in range(1, steps + 1):
         assert sorted((r["uid"], r["weight_version"]) for r in resumed[step]) == sorted(
@@ -162,9 +232,7 @@ def _step_metrics(tmp_path: Path) -> dict[int, dict]:
     return {r["step"]: r["data"] for r in read_metrics(tmp_path)}
 
 
-def test_off_policy_corrections_decoupled_tis_and_none_differ_as_documented(
-    tmp_path, one_step_off_run, shared_ray_cluster
-):
+def test_off_policy_corrections_decoupled_tis_and_none_differ_as_documented(runs):
     """k=1, so at step 2 every sample is one version behind the trainer's weights.
 
     decoupled: old_log_probs are the trainer's current (proximal) log-probs, so the PPO ratio starts
@@ -173,25 +241,21 @@ def test_off_policy_corrections_decoupled_tis_and_none_differ_as_documented(
     (ppo_kl != 0 at step 2) and no proximal pass runs (no importance-weight metrics).
     none: proximal recompute, the behaviour policy ignored (ppo_kl 0, no importance weights).
     Steps 1 and 2 of a run do not depend on its length: decoupled is the default, so the 4-step
-    `one_step_off_run` serves as the decoupled run."""
-    runs = {"decoupled": _step_metrics(one_step_off_run)}
+    `one_step_off` run serves as the decoupled run; tis and none run 2 steps."""
+    metrics = {"decoupled": _step_metrics(runs["one_step_off"].result())}
     for correction in ("tis", "none"):
-        run = tmp_path / correction
-        run.mkdir()
-        cmd = _cmd(run, 2, 1, f"async_training.off_policy_correction={correction}")
-        run_main_ppo(cmd, run, cluster=shared_ray_cluster)
-        runs[correction] = _step_metrics(run)
-    decoupled, tis, none = (runs[c][2] for c in ("decoupled", "tis", "none"))
+        metrics[correction] = _step_metrics(runs[correction].result())
+    decoupled, tis, none = (metrics[c][2] for c in ("decoupled", "tis", "none"))
     # the proximal pass and the update's forward run the same model on the same rows
     assert abs(decoupled["actor/ppo_kl"]) < 1e-6 and abs(none["actor/ppo_kl"]) < 1e-6
     assert tis["actor/ppo_kl"] > 1e-4, tis["actor/ppo_kl"]  # measured ~6e-3
     assert decoupled["off_policy/is_weight_min"] < 1.0 < decoupled["off_policy/is_weight_max"]
     assert "off_policy/is_weight_mean" not in tis and "off_policy/is_weight_mean" not in none
     # step 1 trains on version-0 samples with version-0 weights: only engine-vs-trainer rounding
-    assert all(abs(runs[c][1]["actor/ppo_kl"]) < 1e-6 for c in runs)
+    assert all(abs(metrics[c][1]["actor/ppo_kl"]) < 1e-6 for c in metrics)
 
 
-def test_groups_over_a_lowered_bound_are_regenerated_or_dropped_on_resume(tmp_path, two_ahead_run, shared_ray_cluster):
+def test_groups_over_a_lowered_bound_are_regenerated_or_dropped_on_resume(runs):
     """k=2 run, then resumed from its step-2 checkpoint with k=1. The checkpoint holds batch 3
     (made with version 0) and batch 4 (version 1): at step 3 the trainer holds version 2, so batch 3
     is 2 versions stale, over the new bound, and batch 4 is 1 version stale, within it.
@@ -199,28 +263,14 @@ def test_groups_over_a_lowered_bound_are_regenerated_or_dropped_on_resume(tmp_pa
     regenerate: batch 3's prompts are generated again with the current weights and trained later,
     so every prompt of batches 1-4 is trained exactly once. drop: batch 3 is never trained and a
     fresh batch (5) takes its place. Either way no trained sample is staler than the new bound."""
-    steps = 4
-    first = two_ahead_run  # 5 steps; its first 4 are those of a 4-step run
+    first = runs["two_ahead"].result()  # 5 steps; its first 4 are those of a 4-step run
     trained_first = _trained(first)
     assert {r["weight_version"] for r in trained_first[3]} == {0}  # as generated before the checkpoint
     assert {r["weight_version"] for r in trained_first[4]} == {1}
 
     resumed = {}
-    for policy in ("regenerate", "drop"):
-        run = tmp_path / policy
-        run.mkdir()
-        run_main_ppo(
-            _cmd(
-                run,
-                steps,
-                1,
-                "trainer.resume_mode=resume_path",
-                f"trainer.resume_from_path={first / 'ckpt' / 'global_step_2'}",
-                f"async_training.stale_sample_policy={policy}",
-            ),
-            run,
-            cluster=shared_ray_cluster,
-        )
+    for policy in ("regenerate", "drop"):  # 4 steps each, resumed from `first`'s step-2 checkpoint
+        run = runs[policy].result()
         trained = _trained(run)
         assert sorted(trained) == [3, 4], policy
         for step, rows in trained.items():
@@ -244,15 +294,12 @@ def test_groups_over_a_lowered_bound_are_regenerated_or_dropped_on_resume(tmp_pa
     assert metrics[4]["async/regenerated_stale_groups"] == 0
 
 
-def test_syncing_every_2_updates_pushes_weights_at_steps_1_3_5_and_keeps_staleness_within_the_bound(
-    tmp_path, shared_ray_cluster
-):
+def test_syncing_every_2_updates_pushes_weights_at_steps_1_3_5_and_keeps_staleness_within_the_bound(runs):
     """k=1, trigger_parameter_sync_step=2 (the most lag k=1 allows): the pool gets v0 at step 1, v2 at
     step 3, v4 at step 5, and generates ahead only while the bound holds: batches 1-2 with v0, 3-4 with
     v2, 5 with v4 (staleness 0, 1, 0, 1, 0). Versions 1 and 3 never reach the rollout worker."""
     steps = 5
-    cmd = _cmd(tmp_path, steps, 1, "async_training.trigger_parameter_sync_step=2")
-    run_main_ppo(cmd, tmp_path, cluster=shared_ray_cluster)
+    tmp_path = runs["sync_every_2"].result()
     trained = _trained(tmp_path)
     expected = {1: 0, 2: 0, 3: 2, 4: 2, 5: 4}
     for step, rows in trained.items():
@@ -266,9 +313,7 @@ def test_syncing_every_2_updates_pushes_weights_at_steps_1_3_5_and_keeps_stalene
     assert [records[s]["async/rollout_weight_version"] for s in range(1, steps + 1)] == [0, 0, 2, 2, 4]
 
 
-def test_resume_between_two_syncs_trains_every_group_once_with_the_tags_of_an_uninterrupted_run(
-    tmp_path, shared_ray_cluster
-):
+def test_resume_between_two_syncs_trains_every_group_once_with_the_tags_of_an_uninterrupted_run(runs):
     """k=2, trigger_parameter_sync_step=2, killed after the step-3 checkpoint, between the syncs of
     steps 3 and 5. An uninterrupted run generates batches 1-3 with v0, 4-5 with v2 and 6 with v4
     (submitted at step 5, right after its sync): the resumed run must too, so it keeps the
@@ -276,13 +321,7 @@ def test_resume_between_two_syncs_trains_every_group_once_with_the_tags_of_an_un
     checkpoint's own weights (v3) to the restarted rollout pool."""
     steps, ahead = 6, 2
     expected = {1: 0, 2: 0, 3: 0, 4: 2, 5: 2, 6: 4}
-    cmd = _cmd(tmp_path, steps, ahead, "async_training.trigger_parameter_sync_step=2", "trainer.save_freq=3")
-    run_and_kill_9_after_checkpoint(cmd, tmp_path, 3)
-    for f in (tmp_path / "rollouts").glob("*.jsonl"):  # steps after the checkpoint are retrained on resume
-        if int(f.stem) > 3:
-            f.unlink()
-    run_main_ppo(cmd, tmp_path, cluster=shared_ray_cluster)
-    resumed = _trained(tmp_path)
+    resumed = _trained(runs["resumed_between_syncs"].result())
     assert sorted(resumed) == list(range(1, steps + 1))
     groups = Counter(r["uid"] for rows in resumed.values() for r in rows)
     assert set(groups.values()) == {N} and len(groups) == steps * BATCH  # each group trained once
@@ -292,17 +331,12 @@ def test_resume_between_two_syncs_trains_every_group_once_with_the_tags_of_an_un
         assert max((step - 1) - r["weight_version"] for r in rows) <= ahead
 
 
-def test_partial_rollouts_tag_each_sample_with_its_oldest_and_newest_version_within_the_bound(
-    tmp_path, shared_ray_cluster
-):
+def test_partial_rollouts_tag_each_sample_with_its_oldest_and_newest_version_within_the_bound(runs):
     """k=1 with partial rollouts checked every decode step. Whether a generation is in flight when the
     weights arrive depends on timing (the worker test pins it down); here every sample's versions
     must be ordered, the oldest within the bound, and the newest never ahead of the trainer."""
     steps = 3
-    cmd = _cmd(
-        tmp_path, steps, 1, "async_training.partial_rollout=true", "async_training.partial_rollout_check_steps=1"
-    )
-    run_main_ppo(cmd, tmp_path, cluster=shared_ray_cluster)
+    tmp_path = runs["partial"].result()
     assert_partial_rollout_tags(_trained(tmp_path), steps)
     records = {r["step"]: r["data"] for r in read_metrics(tmp_path)}
     assert all(0.0 <= records[s]["async/mixed_version_frac"] <= 1.0 for s in records)

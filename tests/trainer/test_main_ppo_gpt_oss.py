@@ -8,9 +8,18 @@ same model (its packed, remove-padding forward) and its checkpoint merges too.""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
-from tests.trainer.main_ppo_runs import common_overrides, demo_script_cmd, main_ppo_cmd, read_metrics, run_main_ppo
+from tests.trainer.main_ppo_runs import (
+    common_overrides,
+    demo_script_cmd,
+    main_ppo_cmd,
+    read_metrics,
+    run_main_ppo,
+    start_module_runs,
+)
 
 pytestmark = pytest.mark.slow  # the slow tier (make test-all, CI): see docs/testing.md
 
@@ -50,10 +59,7 @@ def _merged_and_moved(run, backend: str, model_path: str, tmp_path) -> None:
         assert not merged[name].equal(before[name]), f"two steps must have moved {name}"
 
 
-def test_grpo_trains_a_gpt_oss_model_at_ep2_and_merges(tmp_path, shared_ray_cluster):
-    from verl.models.factory import make_tiny
-
-    model_path = make_tiny("tiny-gptoss", str(tmp_path / "tiny-gptoss"))
+def _megatron_at_ep2(model_path: str, tmp_path: Path, cluster, started: dict) -> tuple[Path, str]:
     run = tmp_path / "run"
     run_main_ppo(
         main_ppo_cmd(
@@ -64,15 +70,12 @@ def test_grpo_trains_a_gpt_oss_model_at_ep2_and_merges(tmp_path, shared_ray_clus
             *common_overrides(run, 2, model=model_path),
         ),
         run,
-        cluster=shared_ray_cluster,
+        cluster=cluster,
     )
-    _merged_and_moved(run, "megatron", model_path, tmp_path)
+    return run, model_path
 
 
-def test_fsdp_grpo_trains_a_gpt_oss_model_with_remove_padding_and_merges(tmp_path, shared_ray_cluster):
-    from verl.models.factory import make_tiny
-
-    model_path = make_tiny("tiny-gptoss", str(tmp_path / "tiny-gptoss"))
+def _fsdp(model_path: str, tmp_path: Path, cluster, started: dict) -> tuple[Path, str]:
     run = tmp_path / "run"
     cmd = demo_script_cmd(
         run,
@@ -81,5 +84,39 @@ def test_fsdp_grpo_trains_a_gpt_oss_model_with_remove_padding_and_merges(tmp_pat
         "actor_rollout_ref.model.use_remove_padding=True",
         *GRADIENT,
     )
-    run_main_ppo(cmd, run, cluster=shared_ray_cluster)
+    run_main_ppo(cmd, run, cluster=cluster)
+    return run, model_path
+
+
+# Every run of the file, by name: a function of (the tiny gpt-oss model, its own directory, the shared
+# cluster, the started runs' futures) -> (the run's directory, the model it started from).
+RUNS = {"megatron_ep2": _megatron_at_ep2, "fsdp": _fsdp}
+# test -> the runs it reads
+TEST_RUNS = {
+    "test_grpo_trains_a_gpt_oss_model_at_ep2_and_merges": ("megatron_ep2",),
+    "test_fsdp_grpo_trains_a_gpt_oss_model_with_remove_padding_and_merges": ("fsdp",),
+}
+
+
+@pytest.fixture(scope="module")
+def runs(request, tmp_path_factory, shared_ray_cluster):
+    """The two runs, started at once: {name: future} (see start_module_runs), from one tiny gpt-oss
+    model (seed 0) built here, in pytest's thread, before they start."""
+    from functools import partial
+
+    from verl.models.factory import make_tiny
+
+    model_path = make_tiny("tiny-gptoss", str(tmp_path_factory.mktemp("tiny-gptoss")))
+    runs_ = {name: partial(run, model_path) for name, run in RUNS.items()}
+    with start_module_runs(request, runs_, TEST_RUNS, tmp_path_factory, shared_ray_cluster) as started:
+        yield started
+
+
+def test_grpo_trains_a_gpt_oss_model_at_ep2_and_merges(tmp_path, runs):
+    run, model_path = runs["megatron_ep2"].result()
+    _merged_and_moved(run, "megatron", model_path, tmp_path)
+
+
+def test_fsdp_grpo_trains_a_gpt_oss_model_with_remove_padding_and_merges(tmp_path, runs):
+    run, model_path = runs["fsdp"].result()
     _merged_and_moved(run, "fsdp", model_path, tmp_path)

@@ -8,10 +8,13 @@ first stage, the 2 MoE layers on the second), and the step-2 checkpoint merges b
 
 from __future__ import annotations
 
+from functools import partial
+from pathlib import Path
+
 import pytest
 
 from tests.megatron_helpers import randomize_correction_bias
-from tests.trainer.main_ppo_runs import common_overrides, main_ppo_cmd, read_metrics, run_main_ppo
+from tests.trainer.main_ppo_runs import common_overrides, main_ppo_cmd, read_metrics, run_main_ppo, start_module_runs
 
 pytestmark = pytest.mark.slow  # the slow tier (make test-all, CI): see docs/testing.md
 
@@ -30,14 +33,22 @@ def train_two_steps_and_merge(preset: str, layout: list[str], tmp_path, cluster,
     its trip shows) under the megatron `layout` overrides, then the step-2 checkpoint merged to HF:
     two updates with a gradient, the `moved` weights changed, the correction bias untouched. Returns
     the merged model."""
-    from transformers import AutoModelForCausalLM
+    return merge_and_check(train_two_steps(preset, layout, tmp_path, cluster), tmp_path, moved)
 
-    from verl.model_merger.__main__ import main as merger
+
+def biased_model(preset: str, out_dir: Path) -> str:
+    """`preset` with its correction bias made non-zero, saved under `out_dir`: its path."""
     from verl.models.factory import build_model, save_model
 
     model, tokenizer = build_model(preset)
     randomize_correction_bias(model, 7)
-    model_path = save_model(model, tokenizer, str(tmp_path / preset))
+    return save_model(model, tokenizer, str(out_dir / preset))
+
+
+def train_two_steps(preset: str, layout: list[str], tmp_path, cluster, model_path: str = "") -> tuple[Path, str]:
+    """The run of `train_two_steps_and_merge`: (its directory, the model it started from, by default
+    `biased_model(preset, tmp_path)`)."""
+    model_path = model_path or biased_model(preset, tmp_path)
     run = tmp_path / "run2"
     run_main_ppo(
         main_ppo_cmd(
@@ -54,6 +65,16 @@ def train_two_steps_and_merge(preset: str, layout: list[str], tmp_path, cluster,
         run,
         cluster=cluster,
     )
+    return run, model_path
+
+
+def merge_and_check(trained: tuple[Path, str], tmp_path, moved: tuple[str, ...]):
+    """The checks of `train_two_steps_and_merge` on a run of `train_two_steps`; the merged model."""
+    from transformers import AutoModelForCausalLM
+
+    from verl.model_merger.__main__ import main as merger
+
+    run, model_path = trained
     rows = [r["data"] for r in read_metrics(run) if "actor/pg_loss" in r["data"]]
     assert len(rows) == 2
     assert all(row["actor/grad_norm"] > 0 for row in rows), rows
@@ -71,21 +92,40 @@ def train_two_steps_and_merge(preset: str, layout: list[str], tmp_path, cluster,
     return loaded
 
 
+@pytest.fixture(scope="module")
+def runs(request, tmp_path_factory, shared_ray_cluster):
+    """The runs of this module's selected tests, started at once: {name: future} (see start_module_runs).
+    The models are built here, in pytest's thread, before the runs start (start_module_runs)."""
+    from verl.models.factory import make_tiny
+
+    models = {
+        "biased": biased_model("tiny-dsv3", tmp_path_factory.mktemp("biased")),
+        "plain": make_tiny("tiny-dsv3", str(tmp_path_factory.mktemp("plain") / "tiny-dsv3")),
+    }
+    runs_ = {name: partial(run, models) for name, run in RUNS.items()}
+    # two at a time: each holds 2 Megatron workers (about a GB each)
+    with start_module_runs(request, runs_, TEST_RUNS, tmp_path_factory, shared_ray_cluster, 2) as started:
+        yield started
+
+
 @pytest.mark.parametrize("layout", sorted(LAYOUTS))
-def test_grpo_trains_a_deepseek_v3_model_and_merges(tmp_path, shared_ray_cluster, layout):
+def test_grpo_trains_a_deepseek_v3_model_and_merges(tmp_path, runs, layout):
     moved = ("model.layers.1.mlp.gate.weight", "model.layers.2.self_attn.kv_b_proj.weight")
-    loaded = train_two_steps_and_merge("tiny-dsv3", LAYOUTS[layout], tmp_path, shared_ray_cluster, moved)
+    loaded = merge_and_check(runs[layout].result(), tmp_path, moved)
     assert type(loaded).__name__ == "DeepseekV3ForCausalLM"
 
 
-def test_grpo_with_router_replay_r2_on_deepseek_v3_at_pp2(tmp_path, shared_ray_cluster):
+def test_grpo_with_router_replay_r2_on_deepseek_v3_at_pp2(runs):
     """R2 over 2 pipeline stages, the first holding only the dense layer: the old-log-prob pass
     records both MoE layers' routing on the second stage, the driver carries it, and the second
     mini-batch replays it (the actor refuses an update with old log-probs and no recording)."""
     from tests.trainer.test_main_ppo_megatron_moe import _assert_two_updates_after_an_old_log_prob_pass
-    from verl.models.factory import make_tiny
 
-    model_path = make_tiny("tiny-dsv3", str(tmp_path / "tiny-dsv3"))
+    _assert_two_updates_after_an_old_log_prob_pass(runs["r2"].result())
+
+
+def _r2_at_pp2(models: dict, tmp_path: Path, cluster, started: dict) -> Path:
+    model_path = models["plain"]
     run = tmp_path / "r2"
     run_main_ppo(
         main_ppo_cmd(
@@ -102,6 +142,23 @@ def test_grpo_with_router_replay_r2_on_deepseek_v3_at_pp2(tmp_path, shared_ray_c
             *common_overrides(run, 2, model=model_path),
         ),
         run,
-        cluster=shared_ray_cluster,
+        cluster=cluster,
     )
-    _assert_two_updates_after_an_old_log_prob_pass(run)
+    return run
+
+
+def _dsv3_at(layout: str, models: dict, tmp_path: Path, cluster, started: dict) -> tuple[Path, str]:
+    return train_two_steps("tiny-dsv3", LAYOUTS[layout], tmp_path, cluster, models["biased"])
+
+
+# Every run of the file, by name: a function of (the models, its own directory, the shared cluster, the
+# started runs' futures) -> what its test reads.
+RUNS = {
+    **{layout: partial(_dsv3_at, layout) for layout in sorted(LAYOUTS)},
+    "r2": _r2_at_pp2,
+}
+# test -> the runs it reads
+TEST_RUNS = {
+    "test_grpo_trains_a_deepseek_v3_model_and_merges": tuple(sorted(LAYOUTS)),
+    "test_grpo_with_router_replay_r2_on_deepseek_v3_at_pp2": ("r2",),
+}

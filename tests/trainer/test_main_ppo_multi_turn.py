@@ -3,14 +3,24 @@ workers, the built-in engine behind the agent loops, the bundled tool-calling ti
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
-from tests.trainer.main_ppo_runs import common_overrides, read_metrics, run_main_ppo
+from tests.trainer.main_ppo_runs import common_overrides, read_metrics, run_main_ppo, start_module_runs
 
 pytestmark = pytest.mark.slow  # the slow tier (make test-all, CI): see docs/testing.md
 
 
-def test_calculator_example_validates_and_trains_two_steps_with_tool_calls(tmp_path, shared_ray_cluster):
+@pytest.fixture(scope="module")
+def runs(request, tmp_path_factory, shared_ray_cluster):
+    """The runs of this module's selected tests, started at once: {name: future} (see start_module_runs).
+    They are defined below, each before the test that reads it."""
+    with start_module_runs(request, RUNS, TEST_RUNS, tmp_path_factory, shared_ray_cluster) as started:
+        yield started
+
+
+def _two_steps_with_validation(tmp_path: Path, cluster, started: dict) -> Path:
     cmd = [
         "bash",
         "examples/multi_turn/run_arith_calculator_tiny_cpu.sh",
@@ -25,9 +35,12 @@ def test_calculator_example_validates_and_trains_two_steps_with_tool_calls(tmp_p
         "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=8",
     ]
     env = {"DATA_DIR": str(tmp_path / "data")}
-    run_main_ppo(cmd, tmp_path, timeout=600, cluster=shared_ray_cluster, env=env)
+    run_main_ppo(cmd, tmp_path, timeout=600, cluster=cluster, env=env)
+    return tmp_path
 
-    records = read_metrics(tmp_path)
+
+def test_calculator_example_validates_and_trains_two_steps_with_tool_calls(runs):
+    records = read_metrics(runs["two_steps_with_validation"].result())
     assert records[0]["step"] == 0 and "val-core/arith_tool/acc/mean@1" in records[0]["data"]
     train = [r for r in records if "num_turns/mean" in r["data"]]
     assert [r["step"] for r in train] == [1, 2]
@@ -41,15 +54,11 @@ def test_calculator_example_validates_and_trains_two_steps_with_tool_calls(tmp_p
     assert 0.0 <= last["critic/score/mean"] <= 1.0
 
 
-def test_one_step_off_multi_turn_with_partial_rollouts_tags_episodes_within_the_bound(tmp_path, shared_ray_cluster):
-    """The calculator example with generation one step ahead in its own rollout pool and partial
-    rollouts checked every decode step: each trained episode's versions (over all its model turns)
-    are ordered, the oldest within the bound, the newest never ahead of the trainer."""
-    import json
+ONE_STEP_OFF_STEPS = 3
 
-    from tests.trainer.test_main_ppo_async import assert_partial_rollout_tags
 
-    steps = 3
+def _one_step_off_partial(tmp_path: Path, cluster, started: dict) -> Path:
+    steps = ONE_STEP_OFF_STEPS
     cmd = [
         "bash",
         "examples/multi_turn/run_arith_calculator_tiny_cpu.sh",
@@ -71,8 +80,19 @@ def test_one_step_off_multi_turn_with_partial_rollouts_tags_episodes_within_the_
         f"trainer.rollout_data_dir={tmp_path / 'rollouts'}",
     ]
     env = {"DATA_DIR": str(tmp_path / "data")}
-    run_main_ppo(cmd, tmp_path, timeout=600, cluster=shared_ray_cluster, env=env)
+    run_main_ppo(cmd, tmp_path, timeout=600, cluster=cluster, env=env)
+    return tmp_path
 
+
+def test_one_step_off_multi_turn_with_partial_rollouts_tags_episodes_within_the_bound(runs):
+    """The calculator example with generation one step ahead in its own rollout pool and partial
+    rollouts checked every decode step: each trained episode's versions (over all its model turns)
+    are ordered, the oldest within the bound, the newest never ahead of the trainer."""
+    import json
+
+    from tests.trainer.test_main_ppo_async import assert_partial_rollout_tags
+
+    steps, tmp_path = ONE_STEP_OFF_STEPS, runs["one_step_off_partial"].result()
     trained = {
         int(f.stem): [json.loads(line) for line in f.read_text().splitlines()]
         for f in (tmp_path / "rollouts").glob("*.jsonl")
@@ -86,10 +106,8 @@ def test_one_step_off_multi_turn_with_partial_rollouts_tags_episodes_within_the_
     print({s: (records[s]["async/mixed_version_frac"], records[s]["num_turns/mean"]) for s in records})
 
 
-def test_calculator_example_traces_sampled_episodes_to_mlflow_and_cuts_the_tail(tmp_path, shared_ray_cluster):
-    """rollout.trace.* and rollout.over_sample_rate through main_ppo: the workers learn the run's names
-    from the trainer, and the sample index reaches the rollout."""
-    mlflow = pytest.importorskip("mlflow")
+def _traced(tmp_path: Path, cluster, started: dict) -> tuple[Path, str]:
+    pytest.importorskip("mlflow")  # the test that reads this run is skipped with the reason
     uri = f"sqlite:///{tmp_path}/mlflow.db"
     cmd = [
         "bash",
@@ -107,8 +125,15 @@ def test_calculator_example_traces_sampled_episodes_to_mlflow_and_cuts_the_tail(
         "trainer.experiment_name=calc1",
     ]
     env = {"DATA_DIR": str(tmp_path / "data"), "MLFLOW_TRACKING_URI": uri}
-    run_main_ppo(cmd, tmp_path, timeout=600, cluster=shared_ray_cluster, env=env)
+    run_main_ppo(cmd, tmp_path, timeout=600, cluster=cluster, env=env)
+    return tmp_path, uri
 
+
+def test_calculator_example_traces_sampled_episodes_to_mlflow_and_cuts_the_tail(runs):
+    """rollout.trace.* and rollout.over_sample_rate through main_ppo: the workers learn the run's names
+    from the trainer, and the sample index reaches the rollout."""
+    mlflow = pytest.importorskip("mlflow")
+    tmp_path, uri = runs["traced"].result()
     train = [r for r in read_metrics(tmp_path) if "num_turns/mean" in r["data"]]
     last = train[-1]["data"]
     # 2 workers x 8 episodes: at least int(8 * 0.75) = 6 of each worker's finish
@@ -124,3 +149,18 @@ def test_calculator_example_traces_sampled_episodes_to_mlflow_and_cuts_the_tail(
         assert trace.info.tags["experiment_name"] == "calc1" and trace.info.tags["validate"] == "False"
         by_index.setdefault(trace.info.tags["sample_index"], []).append(trace.info.tags["rollout_n"])
     assert sorted(map(sorted, by_index.values())) == [["0", "1", "2", "3"]] * 2
+
+
+# Every run of the file, by name: a function of (its own directory, the shared cluster, the started
+# runs' futures) -> what its test reads.
+RUNS = {
+    "two_steps_with_validation": _two_steps_with_validation,
+    "one_step_off_partial": _one_step_off_partial,
+    "traced": _traced,
+}
+# test -> the runs it reads
+TEST_RUNS = {
+    "test_calculator_example_validates_and_trains_two_steps_with_tool_calls": ("two_steps_with_validation",),
+    "test_one_step_off_multi_turn_with_partial_rollouts_tags_episodes_within_the_bound": ("one_step_off_partial",),
+    "test_calculator_example_traces_sampled_episodes_to_mlflow_and_cuts_the_tail": ("traced",),
+}
