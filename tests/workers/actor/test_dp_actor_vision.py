@@ -16,8 +16,8 @@ import torch
 
 from tests.distributed_helpers import one_thread, run_distributed
 from verl.protocol import DataProto
-from verl.utils.vision import input_only_token_ids
 from verl.trainer.ppo.core_algos import get_policy_loss_fn
+from verl.utils.vision import input_only_token_ids
 from verl.workers.actor import DataParallelPPOActor
 
 TEMPERATURE = 0.7
