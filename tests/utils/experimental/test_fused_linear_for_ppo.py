@@ -140,3 +140,30 @@ def test_fused_lm_head_refuses_a_head_with_a_bias():
     model.lm_head = torch.nn.Linear(model.config.hidden_size, model.config.vocab_size, bias=True)
     with pytest.raises(ValueError, match="has a bias"), fused_lm_head(model, torch.zeros(1, 1, dtype=torch.long), 1.0):
         pass
+
+
+def test_masked_ids_are_outside_the_policy_in_values_and_gradients():
+    """`masked_ids` (a vision-language model's input-only markers): the float64 reference with those
+    logits at -inf, values and gradients; the masked tokens' rows of the weight get no gradient."""
+    hidden, weight, labels, w_lp, w_ent = _inputs()
+    masked = [3, 17, 51]
+    labels = torch.where(torch.isin(labels, torch.tensor(masked)), labels + 1, labels)  # sampled tokens never masked
+
+    def reference(h, w, y, t):
+        logits = ((h.double() @ w.double().t()) / t).index_fill(-1, torch.tensor(masked), float("-inf"))
+        log_softmax = torch.log_softmax(logits, dim=-1)
+        probs = log_softmax.exp()
+        entropy = -(probs * log_softmax.clamp(min=-1e300)).sum(-1)
+        return log_softmax.gather(-1, y[..., None]).squeeze(-1), entropy
+
+    def fused(h, w, y, t):
+        return fused_linear_for_ppo(h, w, y, t, chunk_size=5, masked_ids=masked)
+
+    want = _grads(reference, hidden, weight, labels, 0.7, w_lp, w_ent, torch.float64)
+    got = _grads(fused, hidden, weight, labels, 0.7, w_lp, w_ent, torch.float64)
+    for name, g, r in zip(("log_probs", "entropy", "grad_hidden", "grad_weight"), got, want, strict=True):
+        torch.testing.assert_close(g, r, rtol=1e-12, atol=1e-12, msg=name)
+    assert torch.equal(got[3][masked], torch.zeros_like(got[3][masked]))
+    # and it differs from the unmasked policy
+    unmasked = _grads(_reference, hidden, weight, labels, 0.7, w_lp, w_ent, torch.float64)
+    assert (unmasked[0] - got[0]).abs().min() > 1e-6

@@ -185,11 +185,20 @@ def test_log_probs_and_entropy_equal_each_row_alone_through_hf(vl, path):
     assert (blind[mask] - expected_lp[mask]).abs().max() > 1e-4
 
 
-def test_fused_kernels_are_refused_for_a_vision_language_model(vl):
-    """The fused log-prob takes the head's weight whole; it cannot exclude the input-only vision markers."""
-    _, _, model = vl
-    with pytest.raises(ValueError, match="vision-language model.*use_fused_kernels=false"):
-        DataParallelPPOActor(actor_config(), model, use_fused_kernels=True)
+@pytest.mark.parametrize("use_remove_padding", [False, True])
+def test_fused_kernels_log_probs_equal_each_row_alone(vl, use_remove_padding):
+    """The fused head masks the input-only vision markers as the unfused one does (the reference masks them)."""
+    _, processor, model = vl
+    data, per_row = make_vl_batch(processor, model.config, seed=1)
+    expected_lp, expected_ent = reference_log_probs(model, per_row, data.batch["responses"].shape[1])
+    actor = DataParallelPPOActor(actor_config(use_remove_padding=use_remove_padding), model, use_fused_kernels=True)
+    data.meta_info["micro_batch_size"] = 2
+    with torch.no_grad():
+        log_probs, entropy = actor.compute_log_prob(data, calculate_entropy=True)
+    mask = data.batch["response_mask"].bool()
+    # the fused head computes in float32
+    torch.testing.assert_close(log_probs[mask], expected_lp[mask].float().double(), atol=2e-5, rtol=0)
+    torch.testing.assert_close(entropy[mask], expected_ent[mask].float().double(), atol=2e-5, rtol=0)
 
 
 def reference_update_delta(model, data, per_row) -> dict[str, torch.Tensor]:

@@ -61,15 +61,21 @@ def check_fused_backend(options: dict | None) -> str:
     return backend
 
 
-def _chunk_logits(hidden: torch.Tensor, weight: torch.Tensor, temperature: float) -> torch.Tensor:
+def _chunk_logits(
+    hidden: torch.Tensor, weight: torch.Tensor, temperature: float, masked_ids: torch.Tensor | None = None
+) -> torch.Tensor:
     # float64 stays float64 (exact references in tests); anything else is upcast to float32
     dtype = torch.float64 if hidden.dtype == torch.float64 else torch.float32
-    return (hidden @ weight.t()).to(dtype) / temperature
+    logits = (hidden @ weight.t()).to(dtype) / temperature
+    if masked_ids is not None:
+        # tokens outside the policy: probability exactly 0, a finite logit (p * z stays 0), no gradient
+        logits.index_fill_(-1, masked_ids, torch.finfo(dtype).min)
+    return logits
 
 
 class _FusedLinearForPPOFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden, weight, labels, temperature: float, chunk_size: int):
+    def forward(ctx, hidden, weight, labels, temperature: float, chunk_size: int, masked_ids=None):
         ctx.set_materialize_grads(False)
         num_tokens = hidden.shape[0]
         out_dtype = torch.float64 if hidden.dtype == torch.float64 else torch.float32
@@ -77,28 +83,29 @@ class _FusedLinearForPPOFunction(torch.autograd.Function):
         entropy = torch.empty(num_tokens, dtype=out_dtype, device=hidden.device)
         for start in range(0, num_tokens, chunk_size):
             end = min(start + chunk_size, num_tokens)
-            logits = _chunk_logits(hidden[start:end], weight, temperature)
+            logits = _chunk_logits(hidden[start:end], weight, temperature, masked_ids)
             lse = torch.logsumexp(logits, dim=-1)
             log_probs[start:end] = logits.gather(-1, labels[start:end, None]).squeeze(-1) - lse
             probs = torch.softmax(logits, dim=-1)
             entropy[start:end] = lse - (probs * logits).sum(-1)
         ctx.save_for_backward(hidden, weight, labels)
-        ctx.temperature, ctx.chunk_size = temperature, chunk_size
+        ctx.temperature, ctx.chunk_size, ctx.masked_ids = temperature, chunk_size, masked_ids
         return log_probs, entropy
 
     @staticmethod
     def backward(ctx, grad_log_probs, grad_entropy):
         hidden, weight, labels = ctx.saved_tensors
         if grad_log_probs is None and grad_entropy is None:
-            return None, None, None, None, None
+            return None, None, None, None, None, None
         need_hidden, need_weight = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         grad_hidden = torch.empty_like(hidden) if need_hidden else None
         acc_dtype = torch.float64 if weight.dtype == torch.float64 else torch.float32
         grad_weight = torch.zeros(weight.shape, dtype=acc_dtype, device=weight.device) if need_weight else None
         for start in range(0, hidden.shape[0], ctx.chunk_size):
             end = min(start + ctx.chunk_size, hidden.shape[0])
-            logits = _chunk_logits(hidden[start:end], weight, ctx.temperature)
+            logits = _chunk_logits(hidden[start:end], weight, ctx.temperature, ctx.masked_ids)
             probs = torch.softmax(logits, dim=-1)
+            # (a masked token has p = 0, so its gradient below is 0: its logit is a constant)
             # d/dz of g_lp * log_prob + g_ent * entropy, with z the temperature-scaled logits:
             #   log_prob: onehot(label) - p;   entropy: -p * (z - sum_v p_v z_v)
             grad_logits = torch.zeros_like(logits)
@@ -116,7 +123,7 @@ class _FusedLinearForPPOFunction(torch.autograd.Function):
                 grad_weight += (grad_logits.t() @ hidden[start:end]).to(acc_dtype)
         if grad_weight is not None:
             grad_weight = grad_weight.to(weight.dtype)
-        return grad_hidden, grad_weight, None, None, None
+        return grad_hidden, grad_weight, None, None, None, None
 
 
 def fused_linear_for_ppo(
@@ -125,10 +132,13 @@ def fused_linear_for_ppo(
     labels: torch.Tensor,
     temperature: float = 1.0,
     chunk_size: int = DEFAULT_CHUNK_SIZE,
+    masked_ids: list[int] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(log_probs [...], entropy [...]) of `labels` [...] under logits `hidden` [..., H] @ `weight`
     [V, H]^T divided by `temperature`; float32 (float64 for float64 inputs), differentiable with
-    respect to `hidden` and `weight`."""
+    respect to `hidden` and `weight`. `masked_ids`: vocabulary ids outside the policy (a
+    vision-language model's input-only markers, `verl.utils.vision.input_only_token_ids`), whose
+    probability is 0 in both the log-probs and the entropy."""
     if temperature <= 0:
         raise ValueError(f"temperature={temperature} must be positive: the logits are divided by it")
     if chunk_size <= 0:
@@ -143,7 +153,10 @@ def fused_linear_for_ppo(
     lead = labels.shape
     flat_hidden = hidden.reshape(-1, hidden.shape[-1])
     flat_labels = labels.reshape(-1).long()
-    log_probs, entropy = _FusedLinearForPPOFunction.apply(flat_hidden, weight, flat_labels, temperature, chunk_size)
+    masked = torch.tensor(list(masked_ids), dtype=torch.long, device=hidden.device) if masked_ids else None
+    log_probs, entropy = _FusedLinearForPPOFunction.apply(
+        flat_hidden, weight, flat_labels, temperature, chunk_size, masked
+    )
     return log_probs.view(lead), entropy.view(lead)
 
 
@@ -171,13 +184,6 @@ def fused_head_problem(hf_model: torch.nn.Module) -> str | None:
     if head.bias is not None:
         return f"{type(hf_model).__name__}'s LM head has a bias, which the fused log-prob does not add"
     config = getattr(hf_model, "config", None)
-    from verl.utils.vision import input_only_token_ids
-
-    if input_only_token_ids(config):
-        return (
-            f"{type(hf_model).__name__} is a vision-language model, whose policy masks its input-only vision "
-            "markers out of the logits, which the fused log-prob does not"
-        )
     for name in _LOGIT_TRANSFORMS:
         value = getattr(config, name, None)
         if value not in (None, 0, 0.0, 1, 1.0):
@@ -194,6 +200,7 @@ def fused_lm_head(
     temperature: float,
     with_entropy_grad: bool = True,
     chunk_size: int = DEFAULT_CHUNK_SIZE,
+    masked_ids: list[int] | None = None,
 ):
     """Within the block, one call of `hf_model` returns as `.logits` a float32 [..., 2] tensor:
     (log-prob of `labels`, entropy) at each position its LM head sees. `labels` must have the shape
@@ -207,7 +214,9 @@ def fused_lm_head(
 
     def forward(hidden_states):
         # inside the head's call: FSDP2 has gathered its weight (the root unit's parameters)
-        log_probs, entropy = fused_linear_for_ppo(hidden_states, head.weight, labels, temperature, chunk_size)
+        log_probs, entropy = fused_linear_for_ppo(
+            hidden_states, head.weight, labels, temperature, chunk_size, masked_ids
+        )
         return torch.stack([log_probs, entropy if with_entropy_grad else entropy.detach()], dim=-1)
 
     head.forward = forward

@@ -355,7 +355,7 @@ class DataParallelPPOActor(PPOActor):
             packed_ids, packed_pos, indices = self._packed_inputs(micro_batch)
             # as in the unfused path: a sequence's last label is wrong, and never a response token's
             labels = torch.roll(packed_ids, shifts=-1, dims=1)
-            with fused_lm_head(self._hf_module, labels, temperature, entropy_grad):
+            with fused_lm_head(self._hf_module, labels, temperature, entropy_grad, masked_ids=self._unsampled):
                 inputs = packed_model_inputs(self._hf_module, packed_ids, packed_pos)
                 out = self.actor_module(**inputs, **self._multi_modal_kwargs(micro_batch), use_cache=False).logits[0]
             values = pad_input(out, indices, batch_size, seqlen)[:, -response_length - 1 : -1]
@@ -366,7 +366,7 @@ class DataParallelPPOActor(PPOActor):
             labels[:, width - kept - 1 : width - 1] = responses[:, :kept]
             if self._accepts_logits_to_keep:  # the head sees only the last kept + 1 positions
                 labels = labels[:, -kept - 1 :]
-            with fused_lm_head(self._hf_module, labels, temperature, entropy_grad):
+            with fused_lm_head(self._hf_module, labels, temperature, entropy_grad, masked_ids=self._unsampled):
                 out = self._padded_response_logits(micro_batch, start, end, kept)
             log_probs = pad_response_columns(out[..., 0], response_length)
             entropy = pad_response_columns(out[..., 1], response_length)
