@@ -319,10 +319,11 @@ def build_config(preset: ModelPreset | str, tokenizer=None):
     vocab_size = preset.vocab_size or num_tokens
     if vocab_size < num_tokens:
         raise ValueError(f"preset vocab_size={vocab_size} is smaller than the tokenizer's {num_tokens} tokens")
+    fields = decoder_fields(preset, vocab_size, ids)
     if vision:
         from verl.models.vision import build_vl_config
 
-        return build_vl_config(preset, ids, vocab_size, tokenizer)
+        return build_vl_config(preset, fields, tokenizer)
     config_cls = getattr(transformers, ARCHITECTURES[preset.architecture])
     moe = {}
     if preset.architecture in _N_ROUTED:  # their configs name the experts n_routed_experts
@@ -343,8 +344,12 @@ def build_config(preset: ModelPreset | str, tokenizer=None):
     moe.update(_config_values(preset.architecture_config))
     if preset.architecture != "deepseek_v3":
         moe["head_dim"] = HEAD_DIM
-    return config_cls(
-        **moe,
+    return config_cls(**moe, **fields, rope_theta=preset.rope_theta)
+
+
+def decoder_fields(preset: ModelPreset, vocab_size: int, ids: dict) -> dict:
+    """The config fields every preset's decoder gets: its sizes, tied embeddings and special-token ids."""
+    return dict(
         vocab_size=vocab_size,
         hidden_size=preset.hidden_size,
         num_hidden_layers=preset.num_hidden_layers,
@@ -353,7 +358,6 @@ def build_config(preset: ModelPreset | str, tokenizer=None):
         intermediate_size=preset.intermediate_size,
         max_position_embeddings=preset.max_position_embeddings,
         tie_word_embeddings=preset.tie_word_embeddings,
-        rope_theta=preset.rope_theta,
         rms_norm_eps=preset.rms_norm_eps,
         bos_token_id=ids["bos"],
         eos_token_id=ids["eos"],

@@ -51,8 +51,9 @@ def vision_config(preset, text_hidden_size: int) -> dict:
     )
 
 
-def build_vl_config(preset, ids: dict, vocab_size: int, tokenizer=None):
-    """A `Qwen2_5_VLConfig` for `preset`: the text model as the text presets build it (head_dim 64), the
+def build_vl_config(preset, decoder_fields: dict, tokenizer=None):
+    """A `Qwen2_5_VLConfig` for `preset`: the text model from `decoder_fields` (the sizes and special ids
+    the text presets' configs get, `verl.models.factory.decoder_fields`) with head_dim 64 and M-RoPE, the
     vision tower from `vision_config`, and the vision marker ids from `tokenizer` (or the character
     tokenizer's fixed ids)."""
     from transformers import Qwen2_5_VLConfig
@@ -71,20 +72,9 @@ def build_vl_config(preset, ids: dict, vocab_size: int, tokenizer=None):
     else:
         marker_ids = {tok: tokenizer.convert_tokens_to_ids(tok) for tok in char_tokenizer.VISION_TOKENS}
     text = dict(
-        vocab_size=vocab_size,
-        hidden_size=preset.hidden_size,
-        num_hidden_layers=preset.num_hidden_layers,
-        num_attention_heads=preset.num_attention_heads,
-        num_key_value_heads=preset.num_key_value_heads,
-        intermediate_size=preset.intermediate_size,
-        max_position_embeddings=preset.max_position_embeddings,
+        decoder_fields,
         head_dim=head_dim,
-        rms_norm_eps=preset.rms_norm_eps,
         rope_parameters=dict(rope_type="default", mrope_section=section, rope_theta=preset.rope_theta),
-        tie_word_embeddings=preset.tie_word_embeddings,
-        bos_token_id=ids["bos"],
-        eos_token_id=ids["eos"],
-        pad_token_id=ids["pad"],
     )
     return Qwen2_5_VLConfig(
         text_config=text,
@@ -93,10 +83,7 @@ def build_vl_config(preset, ids: dict, vocab_size: int, tokenizer=None):
         video_token_id=marker_ids[char_tokenizer.VIDEO_PAD_TOKEN],
         vision_start_token_id=marker_ids[char_tokenizer.VISION_START_TOKEN],
         vision_end_token_id=marker_ids[char_tokenizer.VISION_END_TOKEN],
-        tie_word_embeddings=preset.tie_word_embeddings,
-        bos_token_id=ids["bos"],
-        eos_token_id=ids["eos"],
-        pad_token_id=ids["pad"],
+        **{k: decoder_fields[k] for k in ("tie_word_embeddings", "bos_token_id", "eos_token_id", "pad_token_id")},
     )
 
 

@@ -313,6 +313,17 @@ micro-batching (fixed or dynamic) and the zero-advantage row filter, so every mi
 the images of exactly its rows, in its row order."""
 
 
+def refuse_vision_language_ulysses(hf_config, sp_size: int, sp_key: str, what: str) -> None:
+    """A vision-language `what` (the actor, the critic) with Ulysses sequence parallelism: the
+    sequence-parallel forward does not split image features across ranks."""
+    if sp_size > 1:
+        raise ValueError(
+            f"{sp_key}={sp_size} with a vision-language {what} ({hf_config.model_type}): the Ulysses "
+            "sequence-parallel forward does not split image features across ranks; set it to 1 "
+            "(use_dynamic_bsz bounds each micro-batch's tokens instead)"
+        )
+
+
 def with_multi_modal_rows(data, batch, role: str, supported: bool = True):
     """(batch, multi_modal_inputs): `batch` (selected from `data.batch`) with `MULTI_MODAL_ROW` added and
     the per-row dicts (`pixel_values`, `image_grid_thw`; empty for a text-only row) when `data` carries

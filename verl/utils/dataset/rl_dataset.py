@@ -537,6 +537,11 @@ class RLHFDataset(Dataset):
         row["multi_modal_data"] = {"images": images} if images else {}
         if self.return_multi_modal_inputs:
             row["multi_modal_inputs"] = inputs if images else {}
+        return self._finish_row(row, item, messages, text)
+
+    def _finish_row(self, row: dict, item: int, messages, text) -> dict:
+        """The columns every item ends with: `raw_prompt` / `full_prompts` when asked for, and `index`
+        (the row's `extra_info.index`, else its position)."""
         if self.return_raw_chat:
             row["raw_prompt"] = messages
         if self.return_full_prompt:
@@ -568,14 +573,7 @@ class RLHFDataset(Dataset):
         row["attention_mask"] = attention_mask
         row["position_ids"] = torch.clamp(torch.cumsum(attention_mask, dim=0) - 1, min=0)
         row["raw_prompt_ids"] = ids.tolist()
-        if self.return_raw_chat:
-            row["raw_prompt"] = _copy_row(messages)
-        if self.return_full_prompt:
-            row["full_prompts"] = text
-        extra_info = row.get("extra_info")
-        index = extra_info.get("index") if isinstance(extra_info, Mapping) else None
-        row["index"] = item if index is None else index
-        return row
+        return self._finish_row(row, item, _copy_row(messages) if self.return_raw_chat else None, text)
 
 
 def create_rl_dataset(data_paths, data_config, tokenizer, processor=None, is_train: bool = True) -> Dataset:

@@ -128,6 +128,7 @@ from verl.workers.dp_training import (
     model_position_ids,
     multi_modal_kwargs,
     pad_response_columns,
+    refuse_vision_language_ulysses,
     split_micro_batches,
     step_if_finite,
     token_window,
@@ -173,12 +174,8 @@ class DataParallelPPOActor(PPOActor):
         # (verl.utils.vision.input_only_token_ids), so the actor's log-probs are the rollout's distribution
         self._unsampled = input_only_token_ids(hf_module.config) if self.is_vision_language else []
         sp_size, sp_key = role_sp(cfg, "actor")
-        if self.is_vision_language and sp_size > 1:
-            raise ValueError(
-                f"{sp_key}={sp_size} with a vision-language model ({hf_module.config.model_type}): the Ulysses "
-                "sequence-parallel forward does not split image features across ranks; set it to 1 "
-                "(use_dynamic_bsz bounds each micro-batch's tokens instead)"
-            )
+        if self.is_vision_language:
+            refuse_vision_language_ulysses(hf_module.config, sp_size, sp_key, "model")
         self.sp_size = ulysses.setup(
             "actor", cfg, getattr(hf_module, "config", None), self.use_remove_padding, ulysses_group
         )

@@ -42,6 +42,7 @@ from verl.workers.dp_training import (
     model_position_ids,
     multi_modal_kwargs,
     pad_response_columns,
+    refuse_vision_language_ulysses,
     response_mask_of,
     split_micro_batches,
     step_if_finite,
@@ -71,12 +72,8 @@ class DataParallelPPOCritic(PPOCritic):
         self.use_remove_padding = cfg.model.use_remove_padding
         self.is_vision_language = is_vision_language_config(getattr(critic_module, "config", None))
         sp_size, sp_key = role_sp(cfg, "critic")
-        if self.is_vision_language and sp_size > 1:
-            raise ValueError(
-                f"{sp_key}={sp_size} with a vision-language critic ({critic_module.config.model_type}): the Ulysses "
-                "sequence-parallel forward does not split image features across ranks; set it to 1 "
-                "(use_dynamic_bsz bounds each micro-batch's tokens instead)"
-            )
+        if self.is_vision_language:
+            refuse_vision_language_ulysses(critic_module.config, sp_size, sp_key, "critic")
         self.sp_size = ulysses.setup(
             "critic",
             cfg,
