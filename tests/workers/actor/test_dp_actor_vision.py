@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from tests.distributed_helpers import one_thread, run_distributed
+from tests.workers.actor.test_dp_actor import actor_config as base_actor_config
 from verl.protocol import DataProto
 from verl.trainer.ppo.core_algos import get_policy_loss_fn
 from verl.utils.vision import input_only_token_ids
@@ -128,24 +129,10 @@ def reference_log_probs(model, per_row, response_width):
 
 
 def actor_config(**overrides):
-    config = {
-        "ppo_mini_batch_size": 4,
-        "ppo_micro_batch_size_per_gpu": 2,
-        "use_dynamic_bsz": False,
-        "ppo_max_token_len_per_gpu": 64,
-        "ppo_epochs": 1,
-        "grad_clip": 1e9,
-        "clip_ratio": 0.2,
-        "loss_agg_mode": "token-mean",
-        "entropy_coeff": 0.0,
-        "use_kl_loss": False,
-        "policy_loss": {"loss_mode": "vanilla"},
-        "use_remove_padding": False,
-        "ulysses_sequence_parallel_size": 1,
-        "skip_zero_advantage_rows": False,
-    }
-    config.update(overrides)
-    return config
+    """test_dp_actor's actor section with this file's sizes and every row kept (zero-advantage ones too)."""
+    return base_actor_config(
+        **{"ppo_mini_batch_size": 4, "ppo_max_token_len_per_gpu": 64, "skip_zero_advantage_rows": False, **overrides}
+    )
 
 
 PATHS = {
