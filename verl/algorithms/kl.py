@@ -168,9 +168,16 @@ KL_CONTROLLERS = ("fixed", "adaptive")
 
 
 def get_kl_controller(
-    kl_ctrl_type: str, kl_coef: float, target_kl: float | None = None, horizon: int | None = None
+    kl_ctrl_type, kl_coef: float | None = None, target_kl: float | None = None, horizon: int | None = None
 ) -> FixedKLController | AdaptiveKLController:
-    """Build the controller named by `algorithm.kl_ctrl.type` from `kl_ctrl.{kl_coef,target_kl,horizon}`."""
+    """Build the controller named by `algorithm.kl_ctrl.type` from `kl_ctrl.{kl_coef,target_kl,horizon}`.
+
+    Also takes the `algorithm.kl_ctrl` section itself (`get_kl_controller(config.algorithm.kl_ctrl)`,
+    upstream's call)."""
+    if not isinstance(kl_ctrl_type, str):
+        section = kl_ctrl_type
+        kl_ctrl_type, kl_coef = section.type, section.kl_coef
+        target_kl, horizon = getattr(section, "target_kl", None), getattr(section, "horizon", None)
     if kl_ctrl_type == "fixed":
         return FixedKLController(kl_coef)
     if kl_ctrl_type == "adaptive":

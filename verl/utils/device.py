@@ -56,11 +56,26 @@ def preference_uses_accelerator(preference: str) -> bool:
     return preference == _CUDA or (preference == "auto" and torch.cuda.is_available())
 
 
-def is_cuda_available() -> bool:
-    pref = os.environ.get("VERL_DEVICE", "auto")
-    if pref == "cpu":
-        return False
-    return torch.cuda.is_available()
+class _CudaAvailable:
+    """Whether a CUDA device is usable (and not disabled with `VERL_DEVICE=cpu`), asked at each use.
+
+    Upstream's `is_cuda_available` is a module-level bool (`if is_cuda_available:`) and ours was a
+    function (`is_cuda_available()`); this object is both, so code written either way reads the same
+    answer, and it follows `trainer.device` / `VERL_DEVICE` instead of freezing it at import."""
+
+    def __call__(self) -> bool:
+        if os.environ.get("VERL_DEVICE", "auto") == "cpu":
+            return False
+        return torch.cuda.is_available()
+
+    def __bool__(self) -> bool:
+        return self()
+
+    def __repr__(self) -> str:
+        return repr(self())
+
+
+is_cuda_available = _CudaAvailable()
 
 
 def get_device_name() -> str:
@@ -301,6 +316,20 @@ def device_context(device: torch.device):
 # Ascend NPUs are not supported by this implementation: code written for upstream that branches on
 # this flag takes its CUDA/CPU path here.
 is_npu_available = False
+
+
+def auto_set_device(config) -> None:
+    """Settle `config.trainer.device` for this process and the workers it starts (upstream's hook,
+    called by recipes' drivers before `ray.init`).
+
+    Upstream switches the device to `npu` on Ascend machines; there are none here, so the configured
+    value is kept and checked (`auto`, `cpu` or `cuda`; `cuda` without a CUDA device is an error that
+    says so) and exported as `VERL_DEVICE`, which the workers inherit: `auto` then trains on the GPU
+    when there is one, else on the CPU, as `main_ppo` does."""
+    trainer = getattr(config, "trainer", None) if config is not None else None
+    if trainer is None or "device" not in trainer:
+        return
+    set_device_preference(trainer.device)
 
 
 def get_nccl_backend() -> str:

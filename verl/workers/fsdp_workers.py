@@ -162,3 +162,8 @@ def _body_and_head(model) -> tuple[torch.nn.Module, torch.nn.Module]:
             "reward_model.model.use_remove_padding=false"
         )
     return body, head
+
+
+# Upstream's name for the actor-rollout worker its agent-loop (server-mode) rollout needs; this worker
+# serves both modes (synchronous generation and agent loops), so recipes that ask for it get it.
+AsyncActorRolloutRefWorker = ActorRolloutRefWorker

@@ -179,3 +179,8 @@ class RewardModelWorker(engine_workers.RewardModelWorker):
         return torch.cat([r["scores"] for r in results]).float().cpu()
 
     compute_rm_score = _on_mesh(engine_workers.RewardModelWorker.compute_rm_score, _REWARD_MESH)
+
+
+# Upstream's name for the actor-rollout worker its agent-loop (server-mode) rollout needs; this worker
+# serves both modes (synchronous generation and agent loops), so recipes that ask for it get it.
+AsyncActorRolloutRefWorker = ActorRolloutRefWorker

@@ -52,7 +52,7 @@ def _trainer(rc: RolloutCorrectionConfig | None, adv_estimator: str = "grpo"):
 def test_decoupled_correction_writes_weights_and_the_rejected_mask_before_the_advantage():
     rc = RolloutCorrectionConfig(rollout_is="token", rollout_rs="token_k1", rollout_rs_threshold="0.5_2.0")
     state = StepState()
-    batch = RayPPOTrainer._correct_rollout(_trainer(rc), _batch(), state)
+    batch = RayPPOTrainer._step_correct_rollout(_trainer(rc), _batch(), state)
     # ratios pi_old / pi_rollout: [3, 1, 0.5] and [1.5, 1, -]; the ratio-3 token is rejected
     torch.testing.assert_close(batch.batch["response_mask"], torch.tensor([[0, 1, 1], [1, 1, 0]], dtype=D))
     torch.testing.assert_close(batch.batch["rollout_is_weights"], torch.tensor([[2, 1, 0.5], [1.5, 1, 0]], dtype=D))
@@ -64,7 +64,7 @@ def test_decoupled_correction_writes_weights_and_the_rejected_mask_before_the_ad
 def test_metrics_only_config_logs_the_gap_and_changes_nothing():
     state = StepState()
     before = _batch()
-    batch = RayPPOTrainer._correct_rollout(_trainer(RolloutCorrectionConfig()), _batch(), state)
+    batch = RayPPOTrainer._step_correct_rollout(_trainer(RolloutCorrectionConfig()), _batch(), state)
     assert torch.equal(batch.batch["response_mask"], before.batch["response_mask"])
     assert "rollout_is_weights" not in batch.batch
     assert "rollout_corr/chi2_token" in state.metrics
@@ -77,7 +77,7 @@ def test_without_rollout_log_probs_or_in_bypass_mode_the_phase_does_nothing():
         (_trainer(None), _batch()),
     ):
         state = StepState()
-        out = RayPPOTrainer._correct_rollout(trainer, batch, state)
+        out = RayPPOTrainer._step_correct_rollout(trainer, batch, state)
         assert "rollout_is_weights" not in out.batch and state.metrics == {}
 
 
@@ -87,14 +87,14 @@ def test_bypass_mode_takes_the_rollouts_log_probs_as_old_ones_without_a_forward_
     trainer = _trainer(RolloutCorrectionConfig.bypass_ppo_clip())
     trainer._reuses_current_log_probs = lambda: False
     # actor_rollout_wg is None: a compute_log_prob call would fail
-    out = RayPPOTrainer._compute_old_log_prob(trainer, batch, StepState())
+    out = RayPPOTrainer._step_old_log_prob(trainer, batch, StepState())
     assert torch.equal(out.batch["old_log_probs"], out.batch["rollout_log_probs"])
 
 
 def test_optimal_token_baseline_gets_old_log_probs_sum_pi_squared_and_the_weights():
     rc = RolloutCorrectionConfig(rollout_is="token")
     trainer = _trainer(rc, adv_estimator="optimal_token_baseline")
-    batch = RayPPOTrainer._correct_rollout(trainer, _batch(), StepState())
+    batch = RayPPOTrainer._step_correct_rollout(trainer, _batch(), StepState())
     out = compute_advantage(batch, trainer.config.algorithm, pf_ppo_seed=0)
     b = batch.batch
     expected, _ = compute_optimal_token_baseline_advantage(

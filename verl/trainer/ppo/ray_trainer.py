@@ -35,14 +35,15 @@ from typing import Any
 import torch
 
 from verl.protocol import DataProto
+from verl.trainer.ppo import driver_math
+from verl.trainer.config.validate_batches import need_critic
 from verl.trainer.ppo.async_rollout import configure_off_policy_correction, staleness_threshold
-from verl.trainer.ppo.balance import balance_batch, balance_trained_rows
+from verl.trainer.ppo.balance import balance_trained_rows
 from verl.trainer.ppo.checkpointer import Checkpointer
 from verl.trainer.ppo.dataloaders import create_dataloaders
 from verl.trainer.ppo.driver_math import (
     apply_kl_in_reward,
     check_estimator_inputs,
-    compute_advantage,
     kl_controller,
     old_log_prob_metrics,
 )
@@ -63,6 +64,13 @@ from verl.trainer.ppo.rollout_source import (
 )
 from verl.trainer.ppo.step_records import NonFiniteLossError as NonFiniteLossError  # main_ppo and tests import it here
 from verl.trainer.ppo.step_records import NonFiniteStreak, dump_rollouts
+from verl.trainer.ppo.upstream_driver import (  # upstream's names, imported from here by recipes' trainers
+    AdvantageEstimator as AdvantageEstimator,
+)
+from verl.trainer.ppo.upstream_driver import UpstreamTrainerAPI
+from verl.trainer.ppo.upstream_driver import apply_kl_penalty as apply_kl_penalty
+from verl.trainer.ppo.upstream_driver import compute_advantage as compute_advantage
+from verl.trainer.ppo.upstream_driver import compute_response_mask as compute_response_mask
 from verl.trainer.ppo.validator import Validator, due
 from verl.trainer.ppo.worker_groups import Role as Role  # upstream's import path for scripts' role mappings
 from verl.trainer.ppo.worker_groups import spawn_worker_groups, worker_speed_paths
@@ -76,8 +84,13 @@ from verl.utils.timer import marked_timer
 logger = get_logger(__name__, "INFO")
 
 
-class RayPPOTrainer:
-    """Driver of PPO-family training over Ray worker groups (upstream-compatible constructor)."""
+class RayPPOTrainer(UpstreamTrainerAPI):
+    """Driver of PPO-family training over Ray worker groups (upstream-compatible constructor).
+
+    Upstream's phase methods (`_compute_old_log_prob(batch)`, `_update_actor(batch)`, ...; see
+    upstream_driver.py) do the worker calls; `step()`'s own phases (`_step_*`) wrap them with the
+    timing, metrics and decisions of this project's loop, so a subclass's override of an upstream
+    phase takes effect here as in upstream's `fit()`."""
 
     def __init__(
         self,
@@ -108,7 +121,14 @@ class RayPPOTrainer:
         self.device_name = device_name
 
         algo = config.algorithm
-        self.use_critic = Role.Critic in role_worker_mapping
+        # upstream's rule: the config decides (critic.enable, else GAE); recipes' drivers map a critic always
+        self.use_critic = Role.Critic in role_worker_mapping and need_critic(config)
+        if need_critic(config) and Role.Critic not in role_worker_mapping:
+            raise ValueError(
+                f"algorithm.adv_estimator={algo.adv_estimator} (or critic.enable=true) trains a critic, but the role "
+                "mapping has no Role.Critic worker; add one (verl.workers.fsdp_workers.CriticWorker) or choose an "
+                "estimator without a critic (grpo, rloo, ...)"
+            )
         self.use_reference_policy = Role.RefPolicy in role_worker_mapping or Role.ActorRolloutRef in role_worker_mapping
         self.use_rm = Role.RewardModel in role_worker_mapping
         self.kl_ctrl_in_reward = kl_controller(algo) if algo.use_kl_in_reward else None
@@ -135,6 +155,16 @@ class RayPPOTrainer:
 
     # ------------------------------------------------------------------ setup
     def _create_dataloader(self, train_dataset, val_dataset, collate_fn, train_sampler) -> None:
+        """The training and validation loaders; a dataset not given is built from `data.train_files` /
+        `data.val_files` (upstream's rule: recipes' drivers pass none)."""
+        from verl.utils.dataset.rl_dataset import create_rl_dataset
+
+        data = self.config.data
+        if train_dataset is None:
+            train_dataset = create_rl_dataset(data.train_files, data, self.tokenizer, self.processor, is_train=True)
+        if val_dataset is None and data.get("val_files"):
+            val_dataset = create_rl_dataset(data.val_files, data, self.tokenizer, self.processor, is_train=False)
+        self.train_dataset, self.val_dataset = train_dataset, val_dataset
         self.train_dataloader, self.val_dataloader = create_dataloaders(
             self.config.data, train_dataset, val_dataset, collate_fn, train_sampler
         )
@@ -155,9 +185,11 @@ class RayPPOTrainer:
         groups of roles the mapping lacks are never called (their speed paths are still reported).
         """
         if groups is None:
+            # a critic the config does not train is not started (a recipe's driver maps one always)
+            mapping = {r: c for r, c in self.role_worker_mapping.items() if r != Role.Critic or self.use_critic}
             groups = spawn_worker_groups(
                 self.config,
-                self.role_worker_mapping,
+                mapping,
                 self.resource_pool_manager,
                 self.ray_worker_group_cls,
                 runtime_env=self.profiler_config.worker_runtime_env(),  # nsys: start each worker under nsys
@@ -199,20 +231,20 @@ class RayPPOTrainer:
         state = StepState()
         with marked_timer("step", state.timing):
             batch = self.rollout_source.next_batch(state)  # prompts, n samples each, their scores
-            self._balance_batch(batch, state)
+            self._step_balance(batch, state)
             if self.kl_ctrl_in_reward is None:
-                batch = self._compute_reward(batch, state)
-                batch = self._compute_old_log_prob(batch, state)
-                batch = self._compute_ref_log_prob(batch, state)
+                batch = self._step_reward(batch, state)
+                batch = self._step_old_log_prob(batch, state)
+                batch = self._step_ref_log_prob(batch, state)
             else:  # KL in the reward: the penalty needs the old and reference log-probs, so they come first
-                batch = self._compute_old_log_prob(batch, state)
-                batch = self._compute_ref_log_prob(batch, state)
-                batch = self._compute_reward(batch, state)
-            batch = self._compute_values(batch, state)
-            batch = self._correct_rollout(batch, state)
-            batch = self._compute_advantage(batch, state)
-            self._update_critic(batch, state)
-            self._update_actor(batch, state)
+                batch = self._step_old_log_prob(batch, state)
+                batch = self._step_ref_log_prob(batch, state)
+                batch = self._step_reward(batch, state)
+            batch = self._step_values(batch, state)
+            batch = self._step_correct_rollout(batch, state)
+            batch = self._step_advantage(batch, state)
+            self._step_update_critic(batch, state)
+            self._step_update_actor(batch, state)
         state.metrics.update(compute_data_metrics(batch, use_critic=self.use_critic))
         state.metrics.update(compute_timing_metrics(batch, state.timing))
         n_devices = self.config.trainer.nnodes * self.config.trainer.n_gpus_per_node
@@ -221,14 +253,14 @@ class RayPPOTrainer:
         return state.metrics
 
     # ------------------------------------------------------------------ phases
-    def _balance_batch(self, batch: DataProto, state: StepState) -> None:
+    def _step_balance(self, batch: DataProto, state: StepState) -> None:
         """Equal work per data-parallel rank, GRPO groups whole (balance.py); then the token counts
         the throughput metrics read."""
         if self.config.trainer.balance_batch:
-            state.metrics.update(balance_batch(batch, self.actor_rollout_wg.world_size))
+            self._balance_batch(batch, state.metrics)
         batch.meta_info["global_token_num"] = batch.batch["attention_mask"].sum(-1).tolist()
 
-    def _compute_reward(self, batch: DataProto, state: StepState) -> DataProto:
+    def _step_reward(self, batch: DataProto, state: StepState) -> DataProto:
         """token_level_rewards: the scores, less the KL penalty to the reference policy when
         `algorithm.use_kl_in_reward` (its coefficient from the KL controller, updated once a step)."""
         with marked_timer("reward", state.timing):
@@ -255,7 +287,7 @@ class RayPPOTrainer:
             and not (arc.actor.strategy != "megatron" and arc.actor.calculate_sum_pi_squared)
         )
 
-    def _compute_old_log_prob(self, batch: DataProto, state: StepState) -> DataProto:
+    def _step_old_log_prob(self, batch: DataProto, state: StepState) -> DataProto:
         """old_log_probs: the actor's forward pass, unless the rollout's log-probs stand for them
         (async `tis` correction sets them in the source; rollout correction's bypass mode) or
         training is strictly on-policy (`_reuses_current_log_probs`)."""
@@ -265,25 +297,25 @@ class RayPPOTrainer:
             if self.rollout_correction is not None and self.rollout_correction.bypass_mode:
                 apply_bypass_mode(batch)  # the rollout's log-probs are the old ones: no forward pass
                 return batch
-            out = self.actor_rollout_wg.compute_log_prob(batch)
+            out, _ = self._compute_old_log_prob(batch)
         state.metrics.update(meta_metrics(out))
         actor_cfg = self.config.actor_rollout_ref.actor
         state.metrics.update(old_log_prob_metrics(batch, out, actor_cfg, self.rollout_source.runs_ahead))
         return batch.union(out)
 
-    def _compute_ref_log_prob(self, batch: DataProto, state: StepState) -> DataProto:
+    def _step_ref_log_prob(self, batch: DataProto, state: StepState) -> DataProto:
         if not self.use_reference_policy:
             return batch
         with marked_timer("ref", state.timing):
-            return batch.union(self.ref_policy_wg.compute_ref_log_prob(batch))
+            return batch.union(self._compute_ref_log_prob(batch))
 
-    def _compute_values(self, batch: DataProto, state: StepState) -> DataProto:
+    def _step_values(self, batch: DataProto, state: StepState) -> DataProto:
         if not self.use_critic:
             return batch
         with marked_timer("values", state.timing):
-            return batch.union(self.critic_wg.compute_values(batch))
+            return batch.union(self._compute_values(batch))
 
-    def _correct_rollout(self, batch: DataProto, state: StepState) -> DataProto:
+    def _step_correct_rollout(self, batch: DataProto, state: StepState) -> DataProto:
         """Rollout correction, decoupled mode (`algorithm.rollout_correction`): importance weights of
         pi_old / pi_rollout and rejection of what leaves the trust region, written into the batch for
         the advantage and the actor, and the rollout_corr/* metrics; whenever the rollout returned
@@ -296,20 +328,20 @@ class RayPPOTrainer:
         state.metrics.update(metrics)
         return batch
 
-    def _compute_advantage(self, batch: DataProto, state: StepState) -> DataProto:
+    def _step_advantage(self, batch: DataProto, state: StepState) -> DataProto:
         """Driver-side advantage estimation (driver_math.compute_advantage)."""
         # PF-PPO's draw is seeded by the step, so a resumed run draws the same rows
         seed = int(self.config.data.seed or 0) * 100_003 + self.global_steps
         with marked_timer("adv", state.timing):
-            return compute_advantage(batch, self.config.algorithm, pf_ppo_seed=seed)
+            return driver_math.compute_advantage(batch, self.config.algorithm, pf_ppo_seed=seed)
 
-    def _update_critic(self, batch: DataProto, state: StepState) -> None:
+    def _step_update_critic(self, batch: DataProto, state: StepState) -> None:
         if not self.use_critic:
             return
         with marked_timer("update_critic", state.timing):
-            state.metrics.update(meta_metrics(self.critic_wg.update_critic(batch)))
+            state.metrics.update(meta_metrics(self._update_critic(batch)))
 
-    def _update_actor(self, batch: DataProto, state: StepState) -> None:
+    def _step_update_actor(self, batch: DataProto, state: StepState) -> None:
         """After the critic's warm-up steps (`trainer.critic_warmup`)."""
         if self.global_steps <= self.config.trainer.critic_warmup:
             return
@@ -317,8 +349,7 @@ class RayPPOTrainer:
         if self.config.trainer.balance_batch:
             balance_trained_rows(batch, self.actor_rollout_wg.world_size, arc.actor, arc.rollout.n)
         with marked_timer("update_actor", state.timing):
-            batch.meta_info["multi_turn"] = arc.rollout.multi_turn.enable
-            state.metrics.update(meta_metrics(self.actor_rollout_wg.update_actor(batch)))
+            state.metrics.update(meta_metrics(self._update_actor(batch)))
 
     # ------------------------------------------------------------------ validation
     @property

@@ -1,0 +1,182 @@
+"""Upstream's trainer surface for recipes' own drivers (verl/trainer/ppo/upstream_driver.py): the
+module functions against hand-worked values, the phase methods' contracts, and the device and
+runtime-env helpers those drivers call before Ray starts."""
+
+from __future__ import annotations
+
+import math
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+from omegaconf import OmegaConf
+
+from verl.protocol import DataProto
+from verl.trainer.ppo.ray_trainer import (
+    AdvantageEstimator,
+    RayPPOTrainer,
+    apply_kl_penalty,
+    compute_advantage,
+    compute_response_mask,
+)
+
+
+def _rows() -> DataProto:
+    """Two prompts x two samples; responses of 3 tokens, the second and fourth cut short."""
+    response_mask = torch.tensor([[1, 1, 1], [1, 1, 0], [1, 1, 1], [1, 0, 0]])
+    prompt = torch.ones(4, 2, dtype=torch.long)
+    scores = torch.zeros(4, 3)
+    for row, (last, value) in enumerate(zip((2, 1, 2, 0), (1.0, 0.0, 0.5, 0.25), strict=True)):
+        scores[row, last] = value
+    return DataProto.from_dict(
+        tensors={
+            "responses": torch.full((4, 3), 7),
+            "attention_mask": torch.cat([prompt, response_mask], dim=1),
+            "token_level_scores": scores,
+            "token_level_rewards": scores.clone(),
+            "old_log_probs": torch.tensor([[-1.0, -2.0, -0.5], [-0.1, -0.2, -9.0], [-1.5, -1.0, -1.0], [-3.0, 0, 0]]),
+            "ref_log_prob": torch.tensor([[-1.5, -1.0, -0.5], [-0.3, -0.2, -1.0], [-1.0, -1.0, -2.0], [-2.0, 0, 0]]),
+        },
+        non_tensors={"uid": np.array(["a", "a", "b", "b"], dtype=object)},
+    )
+
+
+def test_compute_response_mask_is_the_attention_mask_s_response_columns():
+    batch = _rows()
+    expected = [[1, 1, 1], [1, 1, 0], [1, 1, 1], [1, 0, 0]]
+    assert compute_response_mask(batch).tolist() == expected
+
+
+def test_apply_kl_penalty_subtracts_beta_times_the_kl_and_feeds_the_controller():
+    from verl.trainer.ppo.core_algos import get_kl_controller
+
+    batch = _rows()
+    ctrl = get_kl_controller(OmegaConf.create({"type": "adaptive", "kl_coef": 0.1, "target_kl": 0.1, "horizon": 100}))
+    out, metrics = apply_kl_penalty(batch, ctrl, kl_penalty="kl")
+    # kl estimate "kl": old - ref on valid tokens, by hand
+    kld = [[0.5, -1.0, 0.0], [0.2, 0.0, 0.0], [-0.5, 0.0, 1.0], [-1.0, 0.0, 0.0]]
+    scores = _rows().batch["token_level_scores"].tolist()
+    expected = [[s - 0.1 * k for s, k in zip(srow, krow, strict=True)] for srow, krow in zip(scores, kld, strict=True)]
+    torch.testing.assert_close(out.batch["token_level_rewards"], torch.tensor(expected))
+    row_means = [(0.5 - 1.0 + 0.0) / 3, 0.2 / 2, 0.5 / 3, -1.0]
+    current_kl = sum(row_means) / 4
+    assert metrics["actor/reward_kl_penalty"] == pytest.approx(current_kl)
+    assert metrics["actor/reward_kl_penalty_coeff"] == pytest.approx(0.1)
+    # the adaptive controller saw n_steps = 4 rows: beta *= 1 + clip(kl / 0.1 - 1, -0.2, 0.2) * 4 / 100
+    error = max(-0.2, min(0.2, current_kl / 0.1 - 1))
+    assert ctrl.value == pytest.approx(0.1 * (1 + error * 4 / 100))
+
+
+def test_compute_advantage_grpo_normalises_each_uid_group_in_float64():
+    batch = _rows()
+    out = compute_advantage(batch, AdvantageEstimator.GRPO, num_repeat=2, norm_adv_by_std_in_grpo=True)
+    mask = compute_response_mask(_rows()).double()
+    # group a: scores 1.0 and 0.0; group b: 0.5 and 0.25; unbiased std, eps 1e-6 (upstream's)
+    expected = []
+    for a, b in ((1.0, 0.0), (0.5, 0.25)):
+        mean, std = (a + b) / 2, math.sqrt(((a - b) ** 2) / 2)
+        expected += [(a - mean) / (std + 1e-6), (b - mean) / (std + 1e-6)]
+    want = torch.tensor(expected, dtype=torch.float64)[:, None] * mask
+    torch.testing.assert_close(out.batch["advantages"].double(), want, atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(out.batch["returns"], out.batch["advantages"])
+    assert "response_mask" in out.batch  # added when the caller had none, as upstream
+
+
+def test_compute_advantage_takes_a_name_and_gae_reads_values_with_gamma_and_lambda():
+    batch = _rows()
+    batch.batch["values"] = torch.tensor([[0.2, 0.1, 0.0], [0.5, 0.4, 0.3], [0.0, 0.0, 0.0], [0.3, 0.0, 0.0]])
+    out = compute_advantage(batch, "gae", gamma=0.9, lam=0.8)
+    # row 3 (one valid token): delta = r - V = 0.25 - 0.3; its advantage before whitening
+    rewards, values = _rows().batch["token_level_rewards"].double(), batch.batch["values"].double()
+    mask = compute_response_mask(_rows()).double()
+    raw = torch.zeros(4, 3, dtype=torch.float64)
+    for row in range(4):
+        last_gae, next_value = 0.0, 0.0
+        for t in reversed(range(3)):
+            if mask[row, t] == 0:
+                continue
+            delta = rewards[row, t] + 0.9 * next_value - values[row, t]
+            last_gae = delta + 0.9 * 0.8 * last_gae
+            raw[row, t], next_value = last_gae, values[row, t]
+    torch.testing.assert_close(out.batch["returns"].double(), (raw + values) * mask, atol=1e-6, rtol=1e-6)
+    valid = raw[mask.bool()]
+    whitened = (raw - valid.mean()) / (valid.var(unbiased=True).sqrt() + 1e-8) * mask
+    torch.testing.assert_close(out.batch["advantages"].double(), whitened, atol=1e-5, rtol=1e-5)
+
+
+def test_get_gen_batch_moves_prompt_columns_and_keeps_the_reward_s():
+    ids = torch.arange(8).view(2, 4)
+    batch = DataProto.from_dict(
+        tensors={"input_ids": ids, "attention_mask": torch.ones(2, 4), "position_ids": ids.clone()},
+        non_tensors={
+            "raw_prompt_ids": np.array([[1], [2]], dtype=object),
+            "data_source": np.array(["x", "y"], dtype=object),
+            "reward_model": np.array([{"ground_truth": "1"}, {"ground_truth": "2"}], dtype=object),
+            "extra_info": np.array([{}, {}], dtype=object),
+        },
+    )
+    gen = RayPPOTrainer._get_gen_batch(SimpleNamespace(), batch)
+    assert set(gen.batch.keys()) == {"input_ids", "attention_mask", "position_ids"}
+    assert set(batch.batch.keys()) == set()  # the rollout's output brings them back, prompt + response
+    assert set(gen.non_tensor_batch) == {"raw_prompt_ids", "data_source", "reward_model", "extra_info"}
+    assert set(batch.non_tensor_batch) == {"data_source", "reward_model", "extra_info"}
+
+
+def test_balance_batch_writes_its_statistics_under_the_prefix_and_refuses_keep_minibatch():
+    lengths = [9, 1, 8, 2, 7, 3, 6, 4]
+    mask = torch.tensor([[1] * n + [0] * (10 - n) for n in lengths])
+    batch = DataProto.from_dict(tensors={"attention_mask": mask})
+    trainer = SimpleNamespace(actor_rollout_wg=SimpleNamespace(world_size=2))
+    metrics: dict = {}
+    RayPPOTrainer._balance_batch(trainer, batch, metrics, logging_prefix="seqlen")
+    halves = batch.batch["attention_mask"].sum(-1).view(2, 4).sum(-1).tolist()
+    assert halves == [20, 20], halves  # each rank's tokens: 40 split evenly
+    assert metrics["seqlen/balanced_max"] == 20 and not any(k.startswith("global_seqlen") for k in metrics)
+    with pytest.raises(NotImplementedError, match="keep_minibatch"):
+        RayPPOTrainer._balance_batch(trainer, batch, {}, keep_minibatch=True)
+
+
+def test_rollout_skip_in_a_recipe_loop_is_refused_with_the_way_that_works():
+    from verl.utils.rollout_skip import RolloutSkip
+
+    with pytest.raises(NotImplementedError, match="main_ppo"):
+        RolloutSkip(OmegaConf.create({}), None).wrap_generate_sequences()
+
+
+def test_is_cuda_available_reads_as_a_bool_and_as_a_call(monkeypatch):
+    from verl.utils import device
+
+    monkeypatch.setenv("VERL_DEVICE", "cpu")
+    assert not device.is_cuda_available and device.is_cuda_available() is False
+    monkeypatch.setenv("VERL_DEVICE", "auto")
+    assert bool(device.is_cuda_available) == torch.cuda.is_available() == device.is_cuda_available()
+
+
+def test_auto_set_device_exports_the_configured_device_and_refuses_a_missing_gpu(monkeypatch):
+    import os
+
+    from verl.utils.device import auto_set_device
+
+    monkeypatch.setenv("VERL_DEVICE", "auto")
+    auto_set_device(OmegaConf.create({"trainer": {"device": "cpu"}}))
+    assert os.environ["VERL_DEVICE"] == "cpu"
+    auto_set_device(OmegaConf.create({"data": {}}))  # no trainer.device: nothing to settle
+    if not torch.cuda.is_available():
+        with pytest.raises(RuntimeError, match="trainer.device=cuda"):
+            auto_set_device(OmegaConf.create({"trainer": {"device": "cuda"}}))
+
+
+def test_ppo_runtime_env_leaves_out_variables_already_set(monkeypatch):
+    import json
+
+    from verl.trainer import constants_ppo
+
+    monkeypatch.setenv("NCCL_DEBUG", "INFO")
+    monkeypatch.delenv(constants_ppo.RAY_JOB_CONFIG_JSON_ENV_VAR, raising=False)
+    env = constants_ppo.get_ppo_ray_runtime_env()
+    assert "NCCL_DEBUG" not in env["env_vars"] and env["env_vars"]["NCCL_CUMEM_ENABLE"] == "0"
+    assert env["working_dir"] is None
+    job = {"runtime_env": {"working_dir": "/job"}}
+    monkeypatch.setenv(constants_ppo.RAY_JOB_CONFIG_JSON_ENV_VAR, json.dumps(job))
+    assert "working_dir" not in constants_ppo.get_ppo_ray_runtime_env()
