@@ -35,8 +35,8 @@ from typing import Any
 import torch
 
 from verl.protocol import DataProto
-from verl.trainer.ppo import driver_math
 from verl.trainer.config.validate_batches import need_critic
+from verl.trainer.ppo import driver_math
 from verl.trainer.ppo.async_rollout import configure_off_policy_correction, staleness_threshold
 from verl.trainer.ppo.balance import balance_trained_rows
 from verl.trainer.ppo.checkpointer import Checkpointer
