@@ -252,3 +252,49 @@ def test_example_script_algorithm_trains_two_steps_and_logs_its_metrics(
     assert recorded["shared_prompt_forward"] == {"requested": True, "active": True, "reason": ""}, recorded
     assert set(recorded) >= {"remove_padding", "fused_kernels", "cuda_graphs", "shm_transport"}, recorded
     assert (run_dir / "training_curves.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.mark.slow
+def test_a_recipe_style_driver_trains_through_upstream_s_trainer_surface(workers_of, arith_data, tmp_path, monkeypatch):
+    """A `RayPPOTrainer` subclass with its own `fit()` loop, written as verl-recipe's trainers are
+    (tests/trainer/recipe_style_trainer.py), trains two GRPO steps on the last family's workers (held
+    from the tests above): its advantages are GRPO's (float64, by hand), its update moves the policy,
+    it checkpoints and validates."""
+    import torch
+
+    from tests.trainer.recipe_style_trainer import RecipeStyleTrainer, grpo_reference
+    from verl.trainer.main_ppo import build_role_worker_mapping
+    from verl.trainer.ppo.reward import load_reward_manager
+    from verl.utils.tokenizer import hf_tokenizer
+
+    monkeypatch.setenv("VERL_FILE_LOGGER_PATH", str(tmp_path / "metrics.jsonl"))
+    config = script_config(GRPO, tmp_path, arith_data)
+    tokenizer = hf_tokenizer(model_path())
+    trainer = RecipeStyleTrainer(  # no datasets given: built from data.train_files / val_files, as upstream
+        config=config,
+        tokenizer=tokenizer,
+        role_worker_mapping=build_role_worker_mapping(config),
+        resource_pool_manager=None,
+        reward_fn=load_reward_manager(config, tokenizer, num_examine=0),
+        val_reward_fn=load_reward_manager(config, tokenizer, num_examine=1),
+    )
+    trainer.init_workers(groups=workers_of("reference_and_critic"))
+    final = trainer.fit()
+    assert [r["step"] for r in read_metrics(tmp_path)] == [1, 2]
+    n = config.actor_rollout_ref.rollout.n
+    moved = False
+    for seen in trainer.seen:
+        batch = seen["batch"]
+        assert len(batch) == config.data.train_batch_size * n  # every prompt of the draw, n samples each
+        mask = batch.batch["response_mask"]
+        assert torch.equal(batch.batch["input_ids"][:, -mask.shape[1] :], batch.batch["responses"])
+        uids = list(batch.non_tensor_batch["uid"])
+        want = grpo_reference(batch.batch["token_level_rewards"].sum(-1), uids)[:, None] * mask
+        torch.testing.assert_close(batch.batch["advantages"].double(), want, atol=1e-5, rtol=1e-5)
+        assert "actor/pg_loss" in seen["metrics"] and seen["metrics"]["actor/grad_norm"] > 0
+        if want.abs().max() > 0:  # a step with any advantage changes the policy's log-probs
+            diff = (seen["after"] - batch.batch["old_log_probs"]).abs() * mask
+            moved |= bool(diff.max() > 1e-4)
+    assert moved
+    assert (tmp_path / "ckpt" / "global_step_2" / "actor").is_dir()
+    assert any(k.startswith("val-core/") for k in final), sorted(final)
