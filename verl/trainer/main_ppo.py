@@ -411,6 +411,7 @@ class TaskRunner:
             val_reward_fn=val_reward_fn,
             train_dataset=train_dataset,
             val_dataset=val_dataset,
+            validate_config=False,  # run_ppo checked it before Ray started
         )
         try:
             trainer.init_workers()

@@ -180,3 +180,41 @@ def test_ppo_runtime_env_leaves_out_variables_already_set(monkeypatch):
     job = {"runtime_env": {"working_dir": "/job"}}
     monkeypatch.setenv(constants_ppo.RAY_JOB_CONFIG_JSON_ENV_VAR, json.dumps(job))
     assert "working_dir" not in constants_ppo.get_ppo_ray_runtime_env()
+
+
+def _demo_config(tmp_path, *overrides, validate=True):
+    from verl.trainer.config import load_ppo_config
+    from verl.utils.dataset.arith import ensure_arith_data
+
+    train, test = ensure_arith_data(str(tmp_path))
+    return load_ppo_config(
+        [f"data.train_files={train}", f"data.val_files={test}", *overrides],
+        config_name="arith_demo",
+        validate=validate,
+    )
+
+
+def test_a_driver_s_own_trainer_checks_the_config_as_main_ppo_does(tmp_path):
+    from verl.trainer.config import ConfigError
+
+    config = _demo_config(tmp_path, "actor_rollout_ref.hybrid_engine=false", validate=False)
+    with pytest.raises(ConfigError, match="hybrid_engine"):
+        RayPPOTrainer(config=config, tokenizer=None, role_worker_mapping={}, resource_pool_manager=None)
+
+
+def test_a_mapped_critic_is_used_only_when_the_config_trains_one(tmp_path):
+    from verl.trainer.ppo.ray_trainer import Role
+    from verl.utils.tokenizer import hf_tokenizer
+
+    config = _demo_config(tmp_path)  # GRPO: no critic
+    tokenizer = hf_tokenizer(config.actor_rollout_ref.model.path)
+    mapping = {Role.ActorRollout: object, Role.Critic: object}  # recipes' drivers map a critic always
+    trainer = RayPPOTrainer(config=config, tokenizer=tokenizer, role_worker_mapping=mapping, resource_pool_manager=None)
+    assert not trainer.use_critic
+    # datasets not given are built from data.train_files / val_files, as upstream's trainer does
+    assert len(trainer.train_dataset) > 0 and len(trainer.val_dataset) > 0
+    gae = _demo_config(tmp_path, "algorithm.adv_estimator=gae")
+    with pytest.raises(ValueError, match="Role.Critic"):
+        RayPPOTrainer(
+            config=gae, tokenizer=tokenizer, role_worker_mapping={Role.ActorRollout: object}, resource_pool_manager=None
+        )

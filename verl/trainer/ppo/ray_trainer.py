@@ -107,8 +107,18 @@ class RayPPOTrainer(UpstreamTrainerAPI):
         collate_fn=None,
         train_sampler=None,
         device_name: str | None = None,
+        *,
+        validate_config: bool = True,
     ):
+        """validate_config: check `config` as `main_ppo` does before Ray starts (unknown keys, types,
+        batch arithmetic, settings not implemented here), for drivers that build the trainer
+        themselves (recipes'); `main_ppo` passes False, having checked it already."""
         from verl.single_controller.ray import RayWorkerGroup
+
+        if validate_config:
+            from verl.trainer.config import validate_ppo_config
+
+            validate_ppo_config(config)
 
         self.config = config
         self.tokenizer = tokenizer
