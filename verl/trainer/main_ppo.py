@@ -189,11 +189,14 @@ def _sigterm_stops_the_run():
         signal.signal(signal.SIGTERM, previous)
 
 
-def run_ppo(config, task_runner_cls=None) -> dict:
+def run_ppo(config, task_runner_class=None) -> dict:
     """Start or join Ray and train in a TaskRunner actor; returns the final step's metrics.
 
-    The config and the run's inputs are checked first (`ConfigError`, before Ray starts). On
-    KeyboardInterrupt (Ctrl-C) the TaskRunner and its workers are stopped before it propagates.
+    task_runner_class: a recipe's TaskRunner (upstream's hook), a plain class or one already wrapped
+    with `ray.remote`; default `TaskRunner`. The config and the run's inputs are checked first
+    (`ConfigError`, before Ray starts). On KeyboardInterrupt (Ctrl-C) the TaskRunner and its workers
+    are stopped before it propagates. With `ray_kwargs.timeline_json_file` the Ray timeline of the
+    run (chrome://tracing JSON) is written there at the end.
     """
     import ray
 
@@ -212,19 +215,39 @@ def run_ppo(config, task_runner_cls=None) -> dict:
     started_cluster = not ray.is_initialized()
     if started_cluster:
         ray.init(**_ray_init_kwargs(config))
-    runner_cls = ray.remote(num_cpus=0)(task_runner_cls or TaskRunner)
+    runner_cls = task_runner_class or TaskRunner
+    if not hasattr(runner_cls, "remote"):  # a plain class; upstream's callers pass ray.remote(...)(cls)
+        runner_cls = ray.remote(num_cpus=0)(runner_cls)
     if profiling.controller_runtime_env():  # nsys: the driver's TaskRunner runs under nsys too
         runner_cls = runner_cls.options(runtime_env=profiling.controller_runtime_env())
     with _sigterm_stops_the_run():  # installed after ray.init, which sets its own handler
         runner = runner_cls.remote()
         try:
-            return ray.get(runner.run.remote(config))
+            result = ray.get(runner.run.remote(config))
+            write_ray_timeline(config)
+            return result
         except KeyboardInterrupt as e:
             terminated = _sigterm_received.is_set()  # set by the handler before it raises
             _stop_run(runner, shutdown=started_cluster, why="terminated" if terminated else "interrupted")
             if terminated and not isinstance(e, Terminated):
                 raise Terminated() from None
             raise
+
+
+def write_ray_timeline(config) -> str | None:
+    """`ray_kwargs.timeline_json_file` (or the legacy `ray_init.timeline_json_file`): write the Ray
+    timeline of the tasks and actor calls so far there (chrome://tracing JSON); returns the path,
+    or None when none is configured."""
+    import ray
+
+    from verl.trainer.config.loader import ray_timeline_file
+
+    path = ray_timeline_file(config)
+    if path:
+        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+        ray.timeline(filename=path)
+        print(f"verl: Ray timeline written to {path}")
+    return path
 
 
 def _stop_run(runner, shutdown: bool, timeout_s: float = 20.0, why: str = "interrupted") -> None:

@@ -218,3 +218,28 @@ def test_a_mapped_critic_is_used_only_when_the_config_trains_one(tmp_path):
         RayPPOTrainer(
             config=gae, tokenizer=tokenizer, role_worker_mapping={Role.ActorRollout: object}, resource_pool_manager=None
         )
+
+
+def test_ray_timeline_is_written_where_the_config_says(ray_session, tmp_path):
+    import json
+
+    from verl.trainer.main_ppo import write_ray_timeline
+
+    @ray_session.remote
+    def square(x):
+        return x * x
+
+    assert ray_session.get([square.remote(i) for i in range(3)]) == [0, 1, 4]
+    config = OmegaConf.create({"ray_kwargs": {"timeline_json_file": str(tmp_path / "a.json")}, "ray_init": {}})
+    assert write_ray_timeline(config) == str(tmp_path / "a.json")
+    events = json.loads((tmp_path / "a.json").read_text())
+    assert any("square" in str(event.get("name", "")) for event in events), events[:3]
+    # the legacy ray_init.timeline_json_file wins when set; none set writes nothing
+    legacy = OmegaConf.create(
+        {
+            "ray_kwargs": {"timeline_json_file": str(tmp_path / "a.json")},
+            "ray_init": {"timeline_json_file": str(tmp_path / "sub" / "b.json")},
+        }
+    )
+    assert write_ray_timeline(legacy) == str(tmp_path / "sub" / "b.json") and (tmp_path / "sub" / "b.json").exists()
+    assert write_ray_timeline(OmegaConf.create({"ray_kwargs": {"timeline_json_file": None}})) is None

@@ -450,6 +450,13 @@ def ray_init_kwargs(cfg: DictConfig) -> dict:
     return {k: v for k, v in kwargs.items() if v is not None}
 
 
+def ray_timeline_file(cfg: DictConfig) -> str | None:
+    """Where the run's Ray timeline goes (`ray_kwargs.timeline_json_file`, the legacy
+    `ray_init.timeline_json_file` winning when set), or None for none."""
+    legacy = (cfg.get("ray_init") or {}).get("timeline_json_file")
+    return legacy or cfg.ray_kwargs.get("timeline_json_file") or None
+
+
 @functools.lru_cache(maxsize=1)
 def _data_defaults():
     return OmegaConf.load(CONFIG_DIR / "data" / "legacy_data.yaml")
