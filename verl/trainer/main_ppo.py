@@ -279,29 +279,25 @@ def _stop_run(runner, shutdown: bool, timeout_s: float = 20.0, why: str = "inter
 
 
 def build_role_worker_mapping(config):
-    """Roles -> worker classes. The reference policy shares the actor's worker (the hybrid engine)."""
-    from verl.trainer.config import need_critic, need_reference_policy
-    from verl.trainer.ppo.async_rollout import staleness_threshold
-    from verl.trainer.ppo.ray_trainer import Role
+    """Roles -> worker classes, as `TaskRunner`'s `add_*_worker` methods choose them. The reference
+    policy shares the actor's worker (the hybrid engine)."""
+    runner = TaskRunner()
+    actor_cls, _ = runner.add_actor_rollout_worker(config)
+    runner.add_critic_worker(config)
+    runner.add_reward_model_worker(config)
+    runner.add_ref_policy_worker(config, actor_cls)
+    return runner.role_worker_mapping
+
+
+def _worker_backend(strategy: str):
+    """The worker module of a training strategy: megatron_workers or fsdp_workers."""
+    if strategy == "megatron":
+        from verl.workers import megatron_workers
+
+        return megatron_workers
     from verl.workers import fsdp_workers
-    from verl.workers.fsdp_workers import ActorRolloutRefWorker
 
-    def backend(strategy: str):
-        if strategy == "megatron":
-            from verl.workers import megatron_workers
-
-            return megatron_workers
-        return fsdp_workers
-
-    actor_role = Role.ActorRolloutRef if need_reference_policy(config) else Role.ActorRollout
-    mapping = {actor_role: backend(config.actor_rollout_ref.actor.strategy).ActorRolloutRefWorker}
-    if need_critic(config):
-        mapping[Role.Critic] = backend(config.critic.strategy).CriticWorker
-    if config.reward_model.enable:
-        mapping[Role.RewardModel] = backend(config.reward_model.strategy).RewardModelWorker
-    if staleness_threshold(config) > 0:  # generation runs ahead of training in its own pool
-        mapping[Role.Rollout] = ActorRolloutRefWorker
-    return mapping
+    return fsdp_workers
 
 
 def build_resource_pools(config, mapping) -> tuple[dict, dict]:
@@ -390,13 +386,77 @@ def build_datasets(config, tokenizer, processor=None) -> tuple:
 
 
 class TaskRunner:
-    """Builds tokenizer, processor (vision-language policies), datasets, reward functions, worker roles and pools, then trains."""
+    """Builds tokenizer, processor (vision-language policies), datasets, reward functions, worker roles and pools, then trains.
 
-    def run(self, config) -> dict:
+    Upstream's surface for recipes that subclass it: `role_worker_mapping` (role -> worker class) and
+    `mapping` (role -> pool name) filled by `add_actor_rollout_worker`, `add_critic_worker`,
+    `add_reward_model_worker` and `add_ref_policy_worker`, and `init_resource_pool_mgr`, all called
+    by `run`, so an override of one of them changes the run. Differences: the reference policy lives
+    in the actor's processes (`Role.ActorRolloutRef`), so `add_ref_policy_worker` adds nothing (as
+    upstream's new worker implementation); a critic is added only when the config trains one.
+    """
+
+    def __init__(self):
+        self.role_worker_mapping: dict = {}
+        self.mapping: dict = {}
+
+    def add_actor_rollout_worker(self, config):
+        """The actor-rollout worker (with the reference in its processes when a KL term needs one),
+        and generation's own worker group in `rollout_pool` for asynchronous training. Returns
+        (worker class, worker group class)."""
+        from verl.single_controller.ray import RayWorkerGroup
+        from verl.trainer.config import need_reference_policy
+        from verl.trainer.ppo.async_rollout import staleness_threshold
+        from verl.trainer.ppo.ray_trainer import Role
+        from verl.workers.fsdp_workers import ActorRolloutRefWorker
+
+        role = Role.ActorRolloutRef if need_reference_policy(config) else Role.ActorRollout
+        actor_cls = _worker_backend(config.actor_rollout_ref.actor.strategy).ActorRolloutRefWorker
+        self.role_worker_mapping[role] = actor_cls
+        self.mapping[role] = "global_pool"
+        if staleness_threshold(config) > 0:  # generation runs ahead of training in its own pool
+            self.role_worker_mapping[Role.Rollout] = ActorRolloutRefWorker
+            self.mapping[Role.Rollout] = "rollout_pool"
+        return actor_cls, RayWorkerGroup
+
+    def add_critic_worker(self, config):
+        from verl.trainer.config import need_critic
+        from verl.trainer.ppo.ray_trainer import Role
+
+        if need_critic(config):
+            self.role_worker_mapping[Role.Critic] = _worker_backend(config.critic.strategy).CriticWorker
+            self.mapping[Role.Critic] = "global_pool"
+
+    def add_reward_model_worker(self, config):
+        from verl.trainer.ppo.ray_trainer import Role
+
+        rm = config.reward_model
+        if rm.enable:
+            self.role_worker_mapping[Role.RewardModel] = _worker_backend(rm.strategy).RewardModelWorker
+            self.mapping[Role.RewardModel] = "reward_pool" if rm.enable_resource_pool else "global_pool"
+
+    def add_ref_policy_worker(self, config, ref_policy_cls):
+        """Nothing to add: the reference policy runs in the actor's processes (`Role.ActorRolloutRef`,
+        chosen by `add_actor_rollout_worker`)."""
+
+    def init_resource_pool_mgr(self, config):
+        """The resource pools of `self.mapping`'s pool names: `global_pool` (nnodes x n_gpus_per_node),
+        `rollout_pool` and `reward_pool` (their sections' sizes)."""
         import ray
 
         from verl.single_controller.ray import ResourcePoolManager
         from verl.single_controller.ray.resource_pool_manager import bundles_hold_gpus
+
+        spec, _ = build_resource_pools(config, self.role_worker_mapping)
+        missing = sorted({pool for pool in self.mapping.values() if pool not in spec})
+        if missing:
+            raise ValueError(f"TaskRunner.mapping names resource pools {missing} that the config does not size")
+        # GPU or CPU bundles as trainer.device asks (this actor may not see the driver's VERL_DEVICE)
+        use_gpu = bundles_hold_gpus(config.trainer.device, ray.cluster_resources().get("GPU", 0))
+        return ResourcePoolManager(resource_pool_spec=spec, mapping=dict(self.mapping), use_gpu=use_gpu)
+
+    def run(self, config) -> dict:
+
         from verl.trainer.default_data import ensure_default_data
         from verl.trainer.ppo.ray_trainer import RayPPOTrainer
         from verl.trainer.ppo.reward import load_reward_manager
@@ -415,11 +475,11 @@ class TaskRunner:
 
             raise RunInputError(f"cannot start: the data is not usable: {e}") from e
 
-        mapping = build_role_worker_mapping(config)
-        pool_spec, role_pools = build_resource_pools(config, mapping)
-        # GPU or CPU bundles as trainer.device asks (this actor may not see the driver's VERL_DEVICE)
-        use_gpu = bundles_hold_gpus(config.trainer.device, ray.cluster_resources().get("GPU", 0))
-        pool_manager = ResourcePoolManager(resource_pool_spec=pool_spec, mapping=role_pools, use_gpu=use_gpu)
+        actor_cls, worker_group_cls = self.add_actor_rollout_worker(config)
+        self.add_critic_worker(config)
+        self.add_reward_model_worker(config)
+        self.add_ref_policy_worker(config, actor_cls)
+        pool_manager = self.init_resource_pool_mgr(config)
 
         reward_fn = load_reward_manager(config, tokenizer, num_examine=0)
         val_reward_fn = load_reward_manager(config, tokenizer, num_examine=1)
@@ -427,8 +487,9 @@ class TaskRunner:
         trainer = RayPPOTrainer(
             config=config,
             tokenizer=tokenizer,
-            role_worker_mapping=mapping,
+            role_worker_mapping=self.role_worker_mapping,
             resource_pool_manager=pool_manager,
+            ray_worker_group_cls=worker_group_cls,
             processor=processor,
             reward_fn=reward_fn,
             val_reward_fn=val_reward_fn,
