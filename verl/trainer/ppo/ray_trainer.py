@@ -128,7 +128,7 @@ class RayPPOTrainer(UpstreamTrainerAPI):
         self.ray_worker_group_cls = ray_worker_group_cls or RayWorkerGroup
         self.reward_scorer = RewardScorer(reward_fn)  # the reward model joins it in init_workers
         self.val_reward_fn = val_reward_fn
-        self.device_name = device_name
+        self.device_name = device_name or config.trainer.device  # upstream: the config's device when not given
 
         algo = config.algorithm
         # upstream's rule: the config decides (critic.enable, else GAE); recipes' drivers map a critic always
