@@ -243,3 +243,16 @@ def test_ray_timeline_is_written_where_the_config_says(ray_session, tmp_path):
     )
     assert write_ray_timeline(legacy) == str(tmp_path / "sub" / "b.json") and (tmp_path / "sub" / "b.json").exists()
     assert write_ray_timeline(OmegaConf.create({"ray_kwargs": {"timeline_json_file": None}})) is None
+
+
+def test_dump_generations_writes_one_json_line_per_sample(tmp_path):
+    import json
+
+    trainer = SimpleNamespace(global_steps=7)
+    extra = {"acc": [np.float32(1.0), np.float32(0.0)], "not_per_sample": [1]}
+    RayPPOTrainer._dump_generations(trainer, ["q1", "q2"], ["a1", "a2"], ["1", "2"], [1.0, 0.0], extra, str(tmp_path))
+    rows = [json.loads(line) for line in (tmp_path / "7.jsonl").read_text().splitlines()]
+    assert rows == [
+        {"input": "q1", "output": "a1", "gts": "1", "score": 1.0, "step": 7, "acc": 1.0},
+        {"input": "q2", "output": "a2", "gts": "2", "score": 0.0, "step": 7, "acc": 0.0},
+    ]

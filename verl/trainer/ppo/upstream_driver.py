@@ -197,8 +197,28 @@ class UpstreamTrainerAPI:
         if do_profile:
             self._step_profiler.end(self.global_steps)
 
+    def _dump_generations(self, inputs, outputs, gts, scores, reward_extra_infos_dict: dict, dump_path: str) -> None:
+        """`<dump_path>/<step>.jsonl`: one JSON object per sample with its `input`, `output`, `gts`,
+        `score` and `step`, plus each `reward_extra_infos_dict` entry that has one value per sample."""
+        import json
+        import os
+
+        n = len(inputs)
+        columns = {"input": inputs, "output": outputs, "gts": gts, "score": scores, "step": [self.global_steps] * n}
+        columns.update({k: v for k, v in reward_extra_infos_dict.items() if len(v) == n})
+        os.makedirs(dump_path, exist_ok=True)
+        with open(os.path.join(dump_path, f"{self.global_steps}.jsonl"), "w") as f:
+            for i in range(n):
+                row = {k: _jsonable(v[i]) for k, v in columns.items()}
+                f.write(json.dumps(row, ensure_ascii=False) + "\n")
+
     def _log_rollout_data(self, batch: DataProto, reward_extra_infos_dict: dict, timing_raw: dict, rollout_data_dir):
         """`<rollout_data_dir>/<step>.jsonl`, one line per sample (`step_records.dump_rollouts`)."""
         del reward_extra_infos_dict  # the batch's own columns already hold the reward's extra info
         with marked_timer("dump_rollout_generations", timing_raw):
             dump_rollouts(batch, self.tokenizer, rollout_data_dir, self.global_steps)
+
+
+def _jsonable(value):
+    """A NumPy or torch scalar as its Python value; anything else as it is."""
+    return value.item() if hasattr(value, "item") and getattr(value, "ndim", 1) == 0 else value
