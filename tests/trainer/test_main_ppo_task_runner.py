@@ -60,3 +60,16 @@ def test_run_ppo_takes_a_ray_remote_task_runner_class_and_writes_the_timeline(ra
     assert result == {"runner": "FinishedTaskRunner", "steps": 3}
     assert timeline.read_text().startswith("[")
     assert run_ppo(config, task_runner_class=FinishedTaskRunner) == result  # a plain class is wrapped here
+
+
+def test_a_role_added_without_a_pool_gets_its_default_pool(ray_session, tmp_path):
+    from verl.workers.fsdp_workers import ActorRolloutRefWorker
+
+    runner = TaskRunner()
+    runner.role_worker_mapping[Role.ActorRollout] = ActorRolloutRefWorker  # an override that set no pool
+    manager = runner.init_resource_pool_mgr(_config(tmp_path, "trainer.n_gpus_per_node=2"))
+    assert manager.mapping == {Role.ActorRollout: "global_pool"}
+    assert manager.resource_pool_spec == {"global_pool": [2]}
+    runner.mapping[Role.ActorRollout] = "elsewhere"
+    with pytest.raises(ValueError, match="elsewhere"):
+        runner.init_resource_pool_mgr(_config(tmp_path, "trainer.n_gpus_per_node=2"))

@@ -447,13 +447,15 @@ class TaskRunner:
         from verl.single_controller.ray import ResourcePoolManager
         from verl.single_controller.ray.resource_pool_manager import bundles_hold_gpus
 
-        spec, _ = build_resource_pools(config, self.role_worker_mapping)
-        missing = sorted({pool for pool in self.mapping.values() if pool not in spec})
+        spec, default_pools = build_resource_pools(config, self.role_worker_mapping)
+        # a role an override added to role_worker_mapping alone gets its default pool
+        pools = {**default_pools, **self.mapping}
+        missing = sorted({pool for pool in pools.values() if pool not in spec})
         if missing:
             raise ValueError(f"TaskRunner.mapping names resource pools {missing} that the config does not size")
         # GPU or CPU bundles as trainer.device asks (this actor may not see the driver's VERL_DEVICE)
         use_gpu = bundles_hold_gpus(config.trainer.device, ray.cluster_resources().get("GPU", 0))
-        return ResourcePoolManager(resource_pool_spec=spec, mapping=dict(self.mapping), use_gpu=use_gpu)
+        return ResourcePoolManager(resource_pool_spec=spec, mapping=pools, use_gpu=use_gpu)
 
     def run(self, config) -> dict:
 
