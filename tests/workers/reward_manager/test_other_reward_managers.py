@@ -72,6 +72,21 @@ def test_dapo_overlong_penalty_is_linear_in_the_buffer(char_tokenizer, make_batc
     assert out["reward_extra_info"]["overlong"] == [False, True, True]
 
 
+def test_dapo_reports_a_bare_score_as_acc_before_the_penalty(char_tokenizer, make_batch):
+    # upstream's rule: a number returned by the function is the sample's `acc` (DAPO's filter metric);
+    # a dict reports its own keys
+    data = make_batch(["1<eos>", "1111111<eos>"], ["1", "2"])
+    cfg = {"enable": True, "len": 4, "penalty_factor": 0.5}
+    out = DAPORewardManager(char_tokenizer, 0, max_resp_len=8, overlong_buffer_cfg=cfg)(data, return_dict=True)
+    assert out["reward_extra_info"]["acc"] == [1.0, 0.0]  # scores before the -0.5 overlong penalty of row 1
+
+    def scored(data_source, solution_str, ground_truth, extra_info=None):
+        return {"score": 0.5, "pred": solution_str}
+
+    out = DAPORewardManager(char_tokenizer, 0, compute_score=scored)(data, return_dict=True)
+    assert "acc" not in out["reward_extra_info"] and out["reward_extra_info"]["score"] == [0.5, 0.5]
+
+
 def test_dapo_without_buffer_equals_naive(char_tokenizer, make_batch):
     data = make_batch(["1<eos>", "11111<eos>"], ["1", "2"])
     assert torch.equal(DAPORewardManager(char_tokenizer, 0)(data), NaiveRewardManager(char_tokenizer, 0)(data))

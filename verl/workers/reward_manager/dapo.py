@@ -59,6 +59,13 @@ class DAPORewardManager(AbstractRewardManager):
         return [self.call_one(sample) for sample in samples]
 
     def adjust_scores(self, samples: list[Sample], scores: list[float], extra_info: dict[str, list]) -> list[float]:
+        # upstream's rule: a function that returns a bare number has it reported as the sample's `acc`
+        # (what DAPO's group filter reads with filter_groups.metric=acc); a dict reports its own keys
+        from_dict = extra_info["score"] if "score" in extra_info else [None] * len(scores)
+        for sample in samples:
+            i = sample.index
+            if from_dict[i] is None and not extra_info["reward_error"][i]:
+                extra_info["acc"][i] = scores[i]
         if not self.overlong_enable:
             return scores
         expected_len = self.max_resp_len - self.overlong_len
