@@ -16,6 +16,7 @@ from verl.protocol import DataProto
 from verl.trainer.ppo.ray_trainer import (
     AdvantageEstimator,
     RayPPOTrainer,
+    Role,
     apply_kl_penalty,
     compute_advantage,
     compute_response_mask,
@@ -256,3 +257,30 @@ def test_dump_generations_writes_one_json_line_per_sample(tmp_path):
         {"input": "q1", "output": "a1", "gts": "1", "score": 1.0, "step": 7, "acc": 1.0},
         {"input": "q2", "output": "a2", "gts": "2", "score": 0.0, "step": 7, "acc": 0.0},
     ]
+
+
+def test_upstream_s_ppo_utils_names():
+    from verl.trainer.ppo import utils
+
+    assert utils.Role is Role and str(Role.ActorRolloutRef) == "actor_rollout_ref" and str(Role.RefPolicy) == "ref"
+    assert Role.from_string("RM") is Role.RewardModel and Role.Env.value == 7
+    with pytest.raises(ValueError, match="no Role is named"):
+        Role.from_string("judge")
+    assert utils.need_reward_model({Role.RewardModel: object}) and not utils.need_reward_model({})
+    cfg = OmegaConf.create(
+        {
+            "critic": {"enable": None},
+            "algorithm": {"adv_estimator": "grpo", "use_kl_in_reward": False},
+            "actor_rollout_ref": {"actor": {"use_kl_loss": True}},
+        }
+    )
+    assert not utils.need_critic(cfg) and utils.need_reference_policy(cfg)
+
+
+def test_utils_validate_config_runs_the_trainer_s_check(tmp_path):
+    from verl.trainer.config import ConfigError
+    from verl.utils.config import validate_config
+
+    validate_config(_demo_config(tmp_path), use_reference_policy=False, use_critic=False)
+    with pytest.raises(ConfigError, match="hybrid_engine"):
+        validate_config(_demo_config(tmp_path, "actor_rollout_ref.hybrid_engine=false", validate=False), True, True)

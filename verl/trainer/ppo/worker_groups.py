@@ -21,7 +21,10 @@ from verl.utils.speed_paths import SpeedPath
 
 
 class Role(Enum):
-    """The roles a worker process can play; several may share one process (colocation)."""
+    """The roles a worker process can play; several may share one process (colocation).
+
+    `str(role)` is its short name (`actor_rollout`, `ref`, `rm`, ...) and `Role.from_string` reads one
+    back, as upstream's; `Env` is upstream's member for environment workers, which no trainer here spawns."""
 
     Actor = 0
     Rollout = 1
@@ -30,6 +33,28 @@ class Role(Enum):
     RefPolicy = 4
     RewardModel = 5
     ActorRolloutRef = 6
+    Env = 7
+
+    def __str__(self) -> str:
+        return _ROLE_NAMES.get(self.name, self.name.lower())
+
+    @classmethod
+    def from_string(cls, name: str) -> Role:
+        for role in cls:
+            if str(role) == name.lower():
+                return role
+        raise ValueError(f"no Role is named {name!r}; the names are {[str(r) for r in cls]}")
+
+
+_ROLE_NAMES = {
+    "Actor": "actor",
+    "Rollout": "rollout",
+    "ActorRollout": "actor_rollout",
+    "Critic": "critic",
+    "RefPolicy": "ref",
+    "RewardModel": "rm",
+    "ActorRolloutRef": "actor_rollout_ref",
+}
 
 
 WORKER_GROUPS = ("actor_rollout_wg", "critic_wg", "ref_policy_wg", "rm_wg", "rollout_wg")

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from verl.utils.reward_score import arith, countdown, geo3k, gsm8k, math_reward, vl_colors
+from verl.utils.reward_score import arith, countdown, geo3k, gsm8k, math_dapo, math_reward, vl_colors
 
 
 def _prime_math_score(solution_str: str, ground_truth) -> float:
@@ -47,7 +47,11 @@ SCORE_FNS: dict[str, Callable[[str, object], float | dict]] = {
     "hiyouga/geometry3k": geo3k.compute_score,
     "vl_colors": vl_colors.compute_score,
     **{source: _prime_math_score for source in NUMINA_DATA_SOURCES},
+    # DAPO-Math-17k and its evaluation sets: +1 / -1 on the `Answer:` line (math_dapo)
+    **dict.fromkeys(("math_dapo", "math", "math_dapo_reasoning"), math_dapo.compute_score),
 }
+MATH_DAPO_PREFIX = "aime"
+"""Data sources starting with it (`aime24`, `aime_2025`, ...) are scored by math_dapo, as upstream."""
 
 
 def _code_score(solution_str, ground_truth, sandbox_fusion_url, concurrent_semaphore, memory_limit_mb) -> float:
@@ -97,10 +101,12 @@ def default_compute_score(
     if data_source in CODE_DATA_SOURCES:
         return _code_score(solution_str, ground_truth, sandbox_fusion_url, concurrent_semaphore, memory_limit_mb)
     fn = SCORE_FNS.get(data_source)
+    if fn is None and str(data_source).startswith(MATH_DAPO_PREFIX):
+        fn = math_dapo.compute_score
     if fn is None:
         raise NotImplementedError(
             f"no reward function for data_source={data_source!r}; the built-in ones are "
-            f"{sorted(SCORE_FNS) + sorted(CODE_DATA_SOURCES)}. "
+            f"{sorted(SCORE_FNS) + sorted(CODE_DATA_SOURCES)} and any starting with {MATH_DAPO_PREFIX!r}. "
             "Write a function compute_score(data_source, solution_str, ground_truth, extra_info) in a Python "
             "file and point custom_reward_function.path (and custom_reward_function.name) at it."
         )
