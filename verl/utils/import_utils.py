@@ -103,3 +103,11 @@ def load_extern_type(file_path: str | None, type_name: str, config_key: str = "c
     if not isinstance(obj, type):
         raise TypeError(f"{config_key}.name={type_name!r} in {file_path!r} is a {type(obj).__name__}, not a class")
     return obj
+
+
+def is_nvtx_available() -> bool:
+    """Whether the `nvtx` package (NVIDIA's range markers for Nsight Systems) is installed."""
+    try:
+        return importlib.util.find_spec("nvtx") is not None
+    except (ImportError, ValueError):
+        return False

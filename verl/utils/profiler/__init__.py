@@ -39,6 +39,10 @@ def __getattr__(name):
         from verl.utils.profiler import profile
 
         return getattr(profile, name)
+    if name in ("GPUMemoryLogger", "log_gpu_memory_usage"):  # upstream exports them here; they import torch
+        from verl.utils.profiler import performance
+
+        return getattr(performance, name)
     raise AttributeError(f"module 'verl.utils.profiler' has no attribute {name!r}")
 
 
@@ -59,6 +63,7 @@ def marked_timer(name: str, timing_raw: dict, color: str | None = None, **_):
 __all__ = [
     "DistProfiler",
     "DistProfilerExtension",
+    "GPUMemoryLogger",
     "GlobalProfilerConfig",
     "NPUToolConfig",
     "NsightToolConfig",
@@ -67,6 +72,7 @@ __all__ = [
     "TorchMemoryToolConfig",
     "TorchProfilerToolConfig",
     "check_tool_available",
+    "log_gpu_memory_usage",
     "mark_annotate",
     "mark_end_range",
     "mark_start_range",
