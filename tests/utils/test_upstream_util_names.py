@@ -44,3 +44,17 @@ def test_hdfs_io_handles_local_paths(tmp_path):
     assert hdfs_io.exists(str(target / "f.txt")) and not hdfs_io.exists(str(tmp_path / "missing"))
     hdfs_io.copy(str(target / "f.txt"), str(tmp_path / "g.txt"))
     assert (tmp_path / "g.txt").read_text() == "x"
+
+
+def test_dataset_package_exports_upstream_s_dataset_classes():
+    import subprocess
+    import sys
+
+    from verl.utils.dataset import RLHFDataset, SFTDataset
+    from verl.utils.dataset.rl_dataset import RLHFDataset as rl
+    from verl.utils.dataset.sft_dataset import SFTDataset as sft
+
+    assert RLHFDataset is rl and SFTDataset is sft
+    code = "import sys, verl.utils.dataset.arith; print('torch' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
+    assert out.stdout.strip() == "False"  # a task generator stays light
