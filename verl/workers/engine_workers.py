@@ -306,7 +306,10 @@ class ActorRolloutRefWorker(Worker, DistProfilerExtension):
         from verl.utils.tokenizer import hf_tokenizer
 
         cfg = self.config
-        self.tokenizer = hf_tokenizer(self.model_config.tokenizer_path or self.model_config.path)
+        self.tokenizer = hf_tokenizer(
+            self.model_config.tokenizer_path or self.model_config.path,
+            chat_template=self.model_config.custom_chat_template,
+        )
         if "actor" in self.parts:
             self.actor_model, self.actor = self._build_actor()
         if "rollout" in self.parts and self.is_collect:

@@ -151,7 +151,11 @@ class HFModelConfig(BaseConfig):
     tokenizer_path: str | None = doc("Tokenizer directory when it differs from `path`; null uses `path`.", default=None)
     use_shm: bool = doc("Copy the model to shared memory before loading.", status=IGNORED, default=False)
     trust_remote_code: bool = doc("Allow the model repository's own Python code to run.", default=False)
-    custom_chat_template: str | None = doc("Jinja chat template replacing the tokenizer's own.", default=None)
+    custom_chat_template: str | None = doc(
+        "Jinja chat template replacing the tokenizer's own in the policy's workers (rollout, agent loops, actor), "
+        "as upstream; the driver's dataset keeps the tokenizer's own, as upstream's.",
+        default=None,
+    )
     external_lib: str | None = doc(
         "Python module imported before loading the model (registers custom models).", default=None
     )
