@@ -286,7 +286,10 @@ class TrainerConfig:
     default_local_dir: str = doc("Checkpoint directory.")
     max_actor_ckpt_to_keep: int | None = doc("Keep only the newest N actor checkpoints (null: all).")
     max_critic_ckpt_to_keep: int | None = doc("Keep only the newest N critic checkpoints (null: all).")
-    ray_wait_register_center_timeout: int = doc("Seconds to wait for the worker group to register.")
+    ray_wait_register_center_timeout: int = doc(
+        "Seconds the workers of each worker group may take to start; past it the run fails naming the ranks that "
+        "did not."
+    )
     device: str = doc(
         "cuda (upstream's default) or cpu; auto (ours): CUDA when torch sees a GPU, else CPU. A device the machine "
         "does not have fails before Ray starts, saying how to switch.",
