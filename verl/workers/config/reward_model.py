@@ -35,6 +35,7 @@ from verl.workers.config._fields import (
     REWARD_MANAGERS,
     STRATEGIES,
     STRATEGIES_NOT_IN_THIS_BUILD,
+    UNSUPPORTED,
     doc,
 )
 from verl.workers.config.engine import McoreEngineConfig
@@ -60,16 +61,25 @@ class SandboxFusionConfig(BaseConfig):
                 raise ValueError(f"reward_model.sandbox_fusion.{key}={getattr(self, key)} must be a positive integer")
 
 
+_WHOLE = f"{_SPEED}: the FSDP reward-model worker holds the whole model on every rank (no sharding, no offload)."
+
+
 @dataclass
 class RewardModelFSDPConfig(BaseConfig):
-    """FSDP sharding of a reward model (forward only)."""
+    """FSDP sharding of a reward model (forward only). Upstream shards its reward model with FSDP; here
+    each rank of the FSDP reward-model worker holds the whole model, so the sharding and offload keys
+    would change nothing but memory; a compute dtype other than its own is refused."""
 
     wrap_policy: dict = doc(
-        "Auto-wrap policy, e.g. {min_num_params: 0}.", default_factory=lambda: {"min_num_params": 0}
+        f"Auto-wrap policy, e.g. {{min_num_params: 0}}. {_WHOLE}",
+        status=IGNORED,
+        default_factory=lambda: {"min_num_params": 0},
     )
-    param_offload: bool = doc("Keep parameters on CPU between uses.", default=False)
-    reshard_after_forward: bool | int = doc("Free gathered parameters after forward.", default=True)
-    fsdp_size: int = doc("Ranks per FSDP shard group (-1: all ranks).", default=-1)
+    param_offload: bool = doc(f"Keep parameters on CPU between uses. {_WHOLE}", status=IGNORED, default=False)
+    reshard_after_forward: bool | int = doc(
+        f"Free gathered parameters after forward. {_WHOLE}", status=IGNORED, default=True
+    )
+    fsdp_size: int = doc(f"Ranks per FSDP shard group (-1: all ranks). {_WHOLE}", status=IGNORED, default=-1)
     forward_prefetch: bool = doc(
         f"FSDP1's explicit forward prefetch (upstream passes it to FSDP1 only). {_SPEED}.",
         status=IGNORED,
@@ -84,9 +94,22 @@ class RewardModelFSDPConfig(BaseConfig):
         default=None,
     )
     dtype: str | None = doc(
-        "Compute dtype (as the actor's fsdp_config.dtype).", choices=ENGINE_DTYPES, optional=True, default=None
+        "Compute dtype (as the actor's fsdp_config.dtype). Not implemented: the FSDP reward model computes in "
+        "bfloat16 on GPU (upstream's default), float32 on CPU.",
+        choices=ENGINE_DTYPES,
+        status=UNSUPPORTED,
+        neutral=None,
+        optional=True,
+        default=None,
     )
-    mixed_precision: dict | None = doc("{param_dtype, reduce_dtype}.", optional=True, default=None)
+    mixed_precision: dict | None = doc(
+        "{param_dtype, reduce_dtype}. Not implemented: the FSDP reward model computes in bfloat16 on GPU "
+        "(upstream's default), float32 on CPU.",
+        status=UNSUPPORTED,
+        neutral=None,
+        optional=True,
+        default=None,
+    )
 
 
 @dataclass
