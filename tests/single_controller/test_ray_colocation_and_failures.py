@@ -224,3 +224,16 @@ def test_a_group_that_finds_no_room_on_its_pool_fails_naming_the_colocation_limi
         assert first.pid()  # the group already placed is untouched
     finally:
         first.shutdown()
+
+
+def test_ray_wait_register_center_timeout_is_the_deadline_for_the_workers_to_start(cpu_pool):
+    pool = cpu_pool([1])
+    first = RayWorkerGroup(pool, RayClassWithInitArgs(Actor, lr=0.0), role="actor")
+    try:
+        start = time.monotonic()
+        with pytest.raises(ResourceUnavailableError, match=r"did not start within 1 s") as info:
+            RayWorkerGroup(pool, RayClassWithInitArgs(Critic), role="critic", ray_wait_register_center_timeout=1)
+        assert time.monotonic() - start < 60  # not the 300 s default
+        assert "raise trainer.ray_wait_register_center_timeout" in str(info.value)
+    finally:
+        first.shutdown()

@@ -232,3 +232,26 @@ def test_the_driver_sends_the_agent_loop_columns_whenever_the_worker_runs_agent_
     rollout = {"multi_turn": {"enable": False}, "agent": {"agent_loop_config_path": "agents.yaml"}}
     gen = generation_input(batch, Tok(), 1, runs_agent_loops(rollout))
     assert list(gen.non_tensor_batch["agent_name"]) == ["a", "b"]
+
+
+def test_model_external_lib_is_imported_by_the_worker_before_the_model_loads(one_process, tmp_path, monkeypatch):
+    # upstream's hook for registering custom model classes with transformers
+    import sys
+
+    from verl.workers.fsdp_workers import ActorRolloutRefWorker
+
+    (tmp_path / "k15_registers_a_model.py").write_text("REGISTERED = True\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delitem(sys.modules, "k15_registers_a_model", raising=False)
+    cfg = load_ppo_config(
+        [
+            f"actor_rollout_ref.model.path={bundled_model_path()}",
+            "trainer.n_gpus_per_node=1",
+            "actor_rollout_ref.model.external_lib=k15_registers_a_model",
+        ],
+        config_name="arith_demo",
+    )
+    worker = ActorRolloutRefWorker(cfg.actor_rollout_ref, role="rollout")
+    assert "k15_registers_a_model" not in sys.modules
+    worker.init_model()
+    assert sys.modules["k15_registers_a_model"].REGISTERED

@@ -9,8 +9,15 @@ from verl.utils.logging_utils import get_logger
 logger = get_logger(__name__)
 
 
-def hf_tokenizer(name_or_path: str, trust_remote_code: bool = False, correct_pad_token: bool = True, **kwargs):
-    """`AutoTokenizer.from_pretrained` with a pad token guaranteed.
+def hf_tokenizer(
+    name_or_path: str,
+    trust_remote_code: bool = False,
+    correct_pad_token: bool = True,
+    chat_template: str | None = None,
+    **kwargs,
+):
+    """`AutoTokenizer.from_pretrained` with a pad token guaranteed; `chat_template` (a Jinja template,
+    `model.custom_chat_template`) replaces the tokenizer's own when given.
 
     A tokenizer without a pad token is handled, not an error: eos is used for padding (batches are
     masked, so the pad id never reaches a loss). A path that looks local but does not exist fails
@@ -53,6 +60,8 @@ def hf_tokenizer(name_or_path: str, trust_remote_code: bool = False, correct_pad
             logger.warning(
                 f"tokenizer at {name_or_path} has no pad token; using eos ({tokenizer.eos_token!r}) for padding"
             )
+    if chat_template is not None:
+        tokenizer.chat_template = chat_template
     return tokenizer
 
 

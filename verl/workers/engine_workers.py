@@ -303,10 +303,17 @@ class ActorRolloutRefWorker(Worker, DistProfilerExtension):
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def init_model(self) -> None:
+        from verl.utils.import_utils import import_external_libs
         from verl.utils.tokenizer import hf_tokenizer
 
         cfg = self.config
-        self.tokenizer = hf_tokenizer(self.model_config.tokenizer_path or self.model_config.path)
+        # model.external_lib: modules that register the model's classes with transformers, imported in
+        # this process before anything loads the model (as upstream's workers do)
+        import_external_libs(self.model_config.external_lib)
+        self.tokenizer = hf_tokenizer(
+            self.model_config.tokenizer_path or self.model_config.path,
+            chat_template=self.model_config.custom_chat_template,
+        )
         if "actor" in self.parts:
             self.actor_model, self.actor = self._build_actor()
         if "rollout" in self.parts and self.is_collect:
@@ -601,9 +608,11 @@ class CriticWorker(Worker, DistProfilerExtension):
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def init_model(self) -> None:
+        from verl.utils.import_utils import import_external_libs
         from verl.utils.tokenizer import hf_tokenizer
 
         model = self.critic_config.model
+        import_external_libs(model.external_lib)  # as the actor's (ActorRolloutRefWorker.init_model)
         self.tokenizer = hf_tokenizer(model.tokenizer_path or model.path)
         self.critic_model, self.critic = self._build_critic()
 
@@ -709,6 +718,9 @@ class RewardModelWorker(Worker, DistProfilerExtension):
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def init_model(self) -> None:
+        from verl.utils.import_utils import import_external_libs
+
+        import_external_libs(self.config.model.external_lib)  # as the actor's (ActorRolloutRefWorker.init_model)
         self._build_model()
         self._load_tokenizers()
 

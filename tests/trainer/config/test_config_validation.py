@@ -9,6 +9,7 @@ own defaults.
 from __future__ import annotations
 
 import copy
+import re
 import warnings
 
 import pytest
@@ -765,3 +766,14 @@ def test_override_mcore_model_config_holds_upstreams_one_option(override, match)
     else:
         with pytest.raises(ValueError, match=match):
             McoreEngineConfig(override_mcore_model_config=override)
+
+
+def test_a_reward_model_compute_dtype_is_refused_as_it_would_be_ignored():
+    # the FSDP reward model computes in its fixed dtype (bf16 on GPU, fp32 on CPU): another one is refused
+    for override in (
+        "+reward_model.model.fsdp_config.dtype=fp32",
+        "+reward_model.model.fsdp_config.mixed_precision={param_dtype: fp32}",
+    ):
+        key = override.lstrip("+").split("=")[0]
+        with pytest.raises(ConfigError, match=rf"{re.escape(key)}=.*keep {re.escape(key)}=null"):
+            load_ppo_config([override], config_name="arith_demo")

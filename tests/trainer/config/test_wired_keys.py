@@ -187,3 +187,20 @@ def test_pf_ppo_is_accepted_and_warns_where_it_has_no_effect():
     assert cfg.algorithm.use_pf_ppo is True
     with pytest.warns(ConfigWarning, match="use_pf_ppo=true has no effect with algorithm.adv_estimator=grpo"):
         load_ppo_config(["algorithm.use_pf_ppo=true"], config_name="arith_demo")
+
+
+def test_custom_chat_template_replaces_the_template_the_policy_workers_render_with():
+    from verl.utils.tokenizer import hf_tokenizer
+
+    content_only = "{% for message in messages %}{{ message['content'] }}{% endfor %}"  # upstream's geo3k set's
+    cfg = load_ppo_config(
+        ["actor_rollout_ref.model.custom_chat_template=" + repr(content_only)], config_name="arith_demo"
+    )
+    path = cfg.actor_rollout_ref.model.path
+    messages = [{"role": "system", "content": "Be brief. "}, {"role": "user", "content": "1+1="}]
+
+    # what ActorRolloutRefWorker.init_model loads
+    worker_tok = hf_tokenizer(path, chat_template=cfg.actor_rollout_ref.model.custom_chat_template)
+    assert worker_tok.apply_chat_template(messages, tokenize=False) == "Be brief. 1+1="
+    own = hf_tokenizer(path).apply_chat_template(messages, tokenize=False)
+    assert own != "Be brief. 1+1=" and "1+1=" in own  # the tokenizer's own template adds role markers

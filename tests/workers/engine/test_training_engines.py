@@ -88,6 +88,21 @@ def test_a_frozen_engine_refuses_the_training_methods(tiny_path):
             call()
 
 
+@pytest.mark.parametrize("model_dtype", ["bf16", "fp32"])
+def test_fsdp_config_model_dtype_is_the_dtype_the_weights_are_held_in(tiny_path, model_dtype):
+    """The checkpoint is float32; model_dtype decides what the engine (and its optimizer) holds."""
+    import os
+
+    cfg = {**_plain_replica_config(), "model_dtype": model_dtype}
+    engine = FSDPEngineWithLMHead(OmegaConf.create({"path": tiny_path}), cfg, {"lr": 1e-3})
+    expected = {"bf16": torch.bfloat16, "fp32": torch.float32}[model_dtype]
+    assert {p.dtype for p in engine.module.parameters()} == {expected}
+    stored = load_file(os.path.join(tiny_path, "model.safetensors"))
+    exported = dict(engine.get_per_tensor_param())
+    for name, tensor in stored.items():  # the checkpoint's values, rounded to model_dtype
+        assert torch.equal(exported[name], tensor.to(expected)), name
+
+
 def test_the_value_engine_has_a_one_output_head(tiny_path):
     engine = FSDPEngineWithValueHead(OmegaConf.create({"path": tiny_path}), _plain_replica_config())
     params = dict(engine.get_per_tensor_param())

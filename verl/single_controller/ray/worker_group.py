@@ -106,7 +106,9 @@ class RayWorkerGroup(WorkerGroup):
     (`worker_handles` or `worker_names`, with `ray_cls_with_init` naming their class).
     `role` names the group in errors (default: the worker class's name); `timeout_s` is the
     deadline of every blocking call (default: `VERL_RPC_TIMEOUT_S`, else 3600 s); `worker_env`
-    adds environment variables to every worker started (see the module docstring).
+    adds environment variables to every worker started (see the module docstring);
+    `ray_wait_register_center_timeout` (upstream's name, `trainer.ray_wait_register_center_timeout`)
+    is how many seconds the workers may take to start (default: `VERL_PLACEMENT_TIMEOUT_S`, else 300 s).
     """
 
     def __init__(
@@ -120,6 +122,7 @@ class RayWorkerGroup(WorkerGroup):
         role: str | None = None,
         timeout_s: float | None = None,
         worker_env: Mapping[str, str] | None = None,
+        ray_wait_register_center_timeout: float | None = None,
     ):
         if ray_cls_with_init is None:
             raise ValueError("RayWorkerGroup needs ray_cls_with_init=RayClassWithInitArgs(cls=YourWorker, ...)")
@@ -138,6 +141,7 @@ class RayWorkerGroup(WorkerGroup):
         self.ray_cls_with_init = ray_cls_with_init
         self.name_prefix = name_prefix or f"verl_{uuid.uuid4().hex[:8]}"
         self.detached = detached
+        self.start_timeout_s = ray_wait_register_center_timeout
         if worker_handles is None and worker_names is not None:
             worker_handles = [ray.get_actor(name) for name in worker_names]
         if worker_handles is not None:
@@ -212,7 +216,9 @@ class RayWorkerGroup(WorkerGroup):
         would wait for its whole RPC deadline with nothing said. A constructor that raises counts as
         started here: the group's first call reports it, naming the rank and its __init__ error.
         """
-        timeout = placement_timeout_s()
+        timeout, knob = placement_timeout_s(), "VERL_PLACEMENT_TIMEOUT_S"
+        if self.start_timeout_s is not None:
+            timeout, knob = float(self.start_timeout_s), "trainer.ray_wait_register_center_timeout"
         pending = {w.__ray_ready__.remote(): rank for rank, w in enumerate(workers)}
         _, not_ready = ray.wait(list(pending), num_returns=len(pending), timeout=timeout)
         if not_ready:
@@ -223,8 +229,8 @@ class RayWorkerGroup(WorkerGroup):
                 f"worker group {role!r} ({self.name_prefix}): ranks {ranks} of {len(workers)} did not start within "
                 f"{timeout:g} s. Each worker takes {pool.actor_resources()} of its bundle {pool.bundle()}, so at most "
                 f"max_colocate_count={pool.max_colocate_count} worker groups fit on one pool; check how many groups "
-                "this pool holds (ray status shows what is in use), or raise VERL_PLACEMENT_TIMEOUT_S if the "
-                "workers are only slow to start."
+                f"this pool holds (ray status shows what is in use), or raise {knob} if the workers are only slow "
+                "to start."
             )
 
     def _pick_master_address(self, node_id: str) -> tuple[str, int]:

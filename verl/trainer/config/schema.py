@@ -171,7 +171,11 @@ class DataConfig:
         "agent loop reads; both name the same file)."
     )
     gen_batch_size: int = doc("Prompts generated per round when `algorithm.filter_groups` refills a batch (DAPO).")
-    return_raw_input_ids: bool = doc("Also return prompt ids without the chat template (for a reward model).")
+    return_raw_input_ids: bool = doc(
+        "Also return prompt ids without the chat template (for a reward model). Upstream's dataset no longer reads "
+        "it either: a reward model with a tokenizer of its own re-renders the prompt messages (`raw_prompt`) instead.",
+        status=IGNORED,
+    )
     return_raw_chat: bool = doc("Also return the prompt messages before templating (`raw_prompt`).")
     return_full_prompt: bool = doc("Also return the templated prompt text.")
     shuffle: bool = doc("Shuffle the training set each epoch.")
@@ -183,7 +187,11 @@ class DataConfig:
     )
     validation_shuffle: bool = doc("Shuffle the validation set.")
     filter_overlong_prompts: bool = doc("Drop prompts longer than `max_prompt_length` when loading.")
-    filter_overlong_prompts_workers: int = doc("Processes used to filter overlong prompts.")
+    filter_overlong_prompts_workers: int = doc(
+        f"Processes used to filter overlong prompts. {_SPEED} (the filter here tokenises every prompt in one "
+        "batched call of the fast tokenizer, in one process).",
+        status=IGNORED,
+    )
     truncation: str = doc("What to do with prompts over `max_prompt_length`.", choices=TRUNCATIONS)
     image_key: str = doc(
         "Column with each row's list of images (PIL images or {bytes, path} dicts), one per `<image>` in the "
@@ -244,7 +252,11 @@ class TrainerConfig:
     project_name: str = doc("Tracker project (also names the run directory).")
     experiment_name: str = doc("Tracker run name (also names the run directory).")
     logger: list[str] | str = doc("Metric trackers.", choices=LOGGERS)
-    log_val_generations: int = doc("Validation samples (prompt, response, score) logged per validation.")
+    log_val_generations: int = doc(
+        "Validation samples (prompt, response, score) upstream logs to wandb/swanlab/mlflow tables per validation; "
+        "no tracker tables here: set `validation_data_dir` to keep every validation sample as JSONL.",
+        status=IGNORED,
+    )
     rollout_data_dir: str | None = doc("Dump each step's rollouts as JSONL here (null: no dump).")
     validation_data_dir: str | None = doc("Dump validation generations as JSONL here (null: no dump).")
     nnodes: int = doc(
@@ -266,11 +278,18 @@ class TrainerConfig:
         "Also copy each complete checkpoint step here (global_step_N/ and a tracker file): a local "
         "directory, file:// or hdfs:// (needs the `hdfs` command); copies are never pruned."
     )
-    del_local_ckpt_after_load: bool = doc("Delete the local checkpoint after resuming from it.")
+    del_local_ckpt_after_load: bool = doc(
+        "Upstream deletes the local copies of a checkpoint it downloaded from HDFS after loading them (never a "
+        "local checkpoint); checkpoints are resumed here from `default_local_dir` only, never downloaded.",
+        status=IGNORED,
+    )
     default_local_dir: str = doc("Checkpoint directory.")
     max_actor_ckpt_to_keep: int | None = doc("Keep only the newest N actor checkpoints (null: all).")
     max_critic_ckpt_to_keep: int | None = doc("Keep only the newest N critic checkpoints (null: all).")
-    ray_wait_register_center_timeout: int = doc("Seconds to wait for the worker group to register.")
+    ray_wait_register_center_timeout: int = doc(
+        "Seconds the workers of each worker group may take to start; past it the run fails naming the ranks that "
+        "did not."
+    )
     device: str = doc(
         "cuda (upstream's default) or cpu; auto (ours): CUDA when torch sees a GPU, else CPU. A device the machine "
         "does not have fails before Ray starts, saying how to switch.",

@@ -4,13 +4,20 @@ A component the training loop calls (`validator.should_validate(step, is_last)`,
 `validator.run(step)`), built from explicit parts: the validation dataloader, the validation
 reward function, the rollout worker group that generates, the tokenizer and the config sections
 it reads (`trainer.test_freq`, `trainer.val_before_train`, `trainer.val_only`,
-`actor_rollout_ref.rollout.val_kwargs`). It never sees the trainer object.
+`trainer.validation_data_dir`, `actor_rollout_ref.rollout.val_kwargs`). It never sees the trainer
+object.
 
 Every validation prompt is generated `val_kwargs.n` times (greedy unless `val_kwargs.do_sample`)
-and scored; the metrics are upstream's `val-core/...`/`val-aux/...` names per data source.
+and scored; the metrics are upstream's `val-core/...`/`val-aux/...` names per data source. With
+`trainer.validation_data_dir` set, each pass also writes `<dir>/<step>.jsonl`, one line per sample
+with upstream's fields (input, output, gts, score, step, and the reward function's per-sample
+extra values).
 """
 
 from __future__ import annotations
+
+import json
+import os
 
 import numpy as np
 
@@ -58,6 +65,9 @@ class Validator:
         sources, uids, infos = [], [], {"reward": [], "acc": []}
         extra_infos: dict[str, list] = {}
         dp = self.generator.world_size
+        dump_dir = self.trainer_cfg.get("validation_data_dir")
+        samples: dict[str, list] = {"input": [], "output": [], "gts": []}
+        reported_acc = False
         for batch_dict in self.dataloader:
             batch = DataProto.from_single_dict(batch_dict)
             batch.non_tensor_batch["uid"] = np.array([f"val_{len(uids)}_{i}" for i in range(len(batch))], dtype=object)
@@ -73,11 +83,45 @@ class Validator:
             extra = result.get("reward_extra_info", {})
             infos["reward"].extend(scores)
             infos["acc"].extend(extra.get("acc", scores))
+            reported_acc = reported_acc or "acc" in extra
             for key, values in extra.items():
                 if key != "acc" and len(values) == len(batch):
                     extra_infos.setdefault(key, []).extend(values)
             sources.extend(batch.non_tensor_batch.get("data_source", np.array(["unknown"] * len(batch))).tolist())
             uids.extend(batch.non_tensor_batch["uid"].tolist())
+            if dump_dir:
+                samples["input"].extend(self.tokenizer.batch_decode(batch.batch["prompts"], skip_special_tokens=True))
+                samples["output"].extend(
+                    self.tokenizer.batch_decode(batch.batch["responses"], skip_special_tokens=True)
+                )
+                rm = batch.non_tensor_batch.get("reward_model", [None] * len(batch))
+                samples["gts"].extend((r or {}).get("ground_truth") for r in rm)
+        if dump_dir:
+            columns = {**samples, "score": infos["reward"], **extra_infos}
+            if reported_acc:
+                columns["acc"] = infos["acc"]
+            dump_validation(dump_dir, step, columns)
         infos.update(extra_infos)
         nested = process_validation_metrics(np.array(sources, dtype=object), np.array(uids, dtype=object), infos)
         return flatten_validation_metrics(nested)
+
+
+def dump_validation(directory: str, step: int, columns: dict[str, list]) -> str:
+    """Write `<directory>/<step>.jsonl`: one line per sample, a field per column that holds one value per
+    sample (as upstream, a reward extra value some batches lacked is left out), plus `step`. Returns the
+    file's path."""
+    os.makedirs(directory, exist_ok=True)
+    path = os.path.join(directory, f"{step}.jsonl")
+    num_samples = len(columns["score"])
+    columns = {key: values for key, values in columns.items() if len(values) == num_samples}
+    with open(path, "w") as f:
+        for i in range(num_samples):
+            row = {key: _plain(values[i]) for key, values in columns.items()}
+            row["step"] = step
+            f.write(json.dumps(row, ensure_ascii=False) + "\n")
+    return path
+
+
+def _plain(value):
+    """A JSON-serialisable form of one value (numpy scalars and arrays become Python numbers and lists)."""
+    return value.tolist() if isinstance(value, np.ndarray | np.generic) else value

@@ -108,6 +108,8 @@ def spawn_worker_groups(
         for class_dict in megatron_process_sets(config, pool_roles):
             colocated = create_colocated_worker_cls(class_dict)
             kwargs = {"resource_pool": pool, "ray_cls_with_init": colocated}
+            if config.trainer.get("ray_wait_register_center_timeout") is not None:
+                kwargs["ray_wait_register_center_timeout"] = config.trainer.ray_wait_register_center_timeout
             if timeout:
                 kwargs["timeout_s"] = timeout
             wg = worker_group_cls(**kwargs)

@@ -155,7 +155,12 @@ class FSDPEngineConfig(EngineConfig):
         "not cast or offload it, else as with 1). 1 replicates the model on every rank under FSDP2 (HSDP).",
         default=-1,
     )
-    forward_prefetch: bool = doc("Prefetch the next layer's all-gather during forward.", default=False)
+    forward_prefetch: bool = doc(
+        "FSDP1's explicit forward prefetch (upstream passes it to FSDP1 only). FSDP2, the only FSDP here, already "
+        f"overlaps the next layer's all-gather with the current layer's forward. {_SPEED}.",
+        status=IGNORED,
+        default=False,
+    )
     model_dtype: str = doc("Dtype the trained (master) weights are kept in.", choices=MODEL_DTYPES, default="fp32")
     use_orig_params: bool = doc(
         "FSDP1's flat-parameter switch; FSDP2 (the only FSDP here) always keeps the original parameters.",

@@ -53,12 +53,36 @@ class MtpConfig(BaseConfig):
     mtp_loss_scaling_factor: float = doc(
         "Weight of the MTP loss (the mean over MTP layers of each one's mean cross-entropy).", default=0.1
     )
-    speculative_algorithm: str = doc("Speculative decoding algorithm (with enable_rollout).", default="EAGLE")
-    speculative_num_steps: int = doc("Speculative steps (with enable_rollout).", default=2)
-    speculative_eagle_topk: int = doc("EAGLE top-k (with enable_rollout).", default=2)
-    speculative_num_draft_tokens: int = doc("Draft tokens (with enable_rollout).", default=4)
-    method: str = doc("Speculative method name (with enable_rollout).", default="mtp")
-    num_speculative_tokens: int = doc("Tokens proposed per step (with enable_rollout).", default=1)
+    speculative_algorithm: str = doc(
+        "Speculative decoding algorithm; used only by enable_rollout, which is not implemented.",
+        status=IGNORED,
+        default="EAGLE",
+    )
+    speculative_num_steps: int = doc(
+        "Speculative steps; used only by enable_rollout, which is not implemented.",
+        status=IGNORED,
+        default=2,
+    )
+    speculative_eagle_topk: int = doc(
+        "EAGLE top-k; used only by enable_rollout, which is not implemented.",
+        status=IGNORED,
+        default=2,
+    )
+    speculative_num_draft_tokens: int = doc(
+        "Draft tokens; used only by enable_rollout, which is not implemented.",
+        status=IGNORED,
+        default=4,
+    )
+    method: str = doc(
+        "Speculative method name; used only by enable_rollout, which is not implemented.",
+        status=IGNORED,
+        default="mtp",
+    )
+    num_speculative_tokens: int = doc(
+        "Tokens proposed per step; used only by enable_rollout, which is not implemented.",
+        status=IGNORED,
+        default=1,
+    )
 
 
 @dataclass
@@ -151,7 +175,11 @@ class HFModelConfig(BaseConfig):
     tokenizer_path: str | None = doc("Tokenizer directory when it differs from `path`; null uses `path`.", default=None)
     use_shm: bool = doc("Copy the model to shared memory before loading.", status=IGNORED, default=False)
     trust_remote_code: bool = doc("Allow the model repository's own Python code to run.", default=False)
-    custom_chat_template: str | None = doc("Jinja chat template replacing the tokenizer's own.", default=None)
+    custom_chat_template: str | None = doc(
+        "Jinja chat template replacing the tokenizer's own in the policy's workers (rollout, agent loops, actor), "
+        "as upstream; the driver's dataset keeps the tokenizer's own, as upstream's.",
+        default=None,
+    )
     external_lib: str | None = doc(
         "Python module imported before loading the model (registers custom models).", default=None
     )

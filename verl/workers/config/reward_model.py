@@ -35,6 +35,7 @@ from verl.workers.config._fields import (
     REWARD_MANAGERS,
     STRATEGIES,
     STRATEGIES_NOT_IN_THIS_BUILD,
+    UNSUPPORTED,
     doc,
 )
 from verl.workers.config.engine import McoreEngineConfig
@@ -60,22 +61,55 @@ class SandboxFusionConfig(BaseConfig):
                 raise ValueError(f"reward_model.sandbox_fusion.{key}={getattr(self, key)} must be a positive integer")
 
 
+_WHOLE = f"{_SPEED}: the FSDP reward-model worker holds the whole model on every rank (no sharding, no offload)."
+
+
 @dataclass
 class RewardModelFSDPConfig(BaseConfig):
-    """FSDP sharding of a reward model (forward only)."""
+    """FSDP sharding of a reward model (forward only). Upstream shards its reward model with FSDP; here
+    each rank of the FSDP reward-model worker holds the whole model, so the sharding and offload keys
+    would change nothing but memory; a compute dtype other than its own is refused."""
 
     wrap_policy: dict = doc(
-        "Auto-wrap policy, e.g. {min_num_params: 0}.", default_factory=lambda: {"min_num_params": 0}
+        f"Auto-wrap policy, e.g. {{min_num_params: 0}}. {_WHOLE}",
+        status=IGNORED,
+        default_factory=lambda: {"min_num_params": 0},
     )
-    param_offload: bool = doc("Keep parameters on CPU between uses.", default=False)
-    reshard_after_forward: bool | int = doc("Free gathered parameters after forward.", default=True)
-    fsdp_size: int = doc("Ranks per FSDP shard group (-1: all ranks).", default=-1)
-    forward_prefetch: bool = doc("Prefetch the next layer's all-gather during forward.", default=False)
-    model_dtype: str | None = doc("Dtype the weights are loaded in.", choices=MODEL_DTYPES, optional=True, default=None)
+    param_offload: bool = doc(f"Keep parameters on CPU between uses. {_WHOLE}", status=IGNORED, default=False)
+    reshard_after_forward: bool | int = doc(
+        f"Free gathered parameters after forward. {_WHOLE}", status=IGNORED, default=True
+    )
+    fsdp_size: int = doc(f"Ranks per FSDP shard group (-1: all ranks). {_WHOLE}", status=IGNORED, default=-1)
+    forward_prefetch: bool = doc(
+        f"FSDP1's explicit forward prefetch (upstream passes it to FSDP1 only). {_SPEED}.",
+        status=IGNORED,
+        default=False,
+    )
+    model_dtype: str | None = doc(
+        "Dtype the weights are loaded in. Upstream's reward-model worker does not read it either: the reward model "
+        "is loaded in bfloat16 on GPU (float32 on CPU).",
+        choices=MODEL_DTYPES,
+        status=IGNORED,
+        optional=True,
+        default=None,
+    )
     dtype: str | None = doc(
-        "Compute dtype (as the actor's fsdp_config.dtype).", choices=ENGINE_DTYPES, optional=True, default=None
+        "Compute dtype (as the actor's fsdp_config.dtype). Not implemented: the FSDP reward model computes in "
+        "bfloat16 on GPU (upstream's default), float32 on CPU.",
+        choices=ENGINE_DTYPES,
+        status=UNSUPPORTED,
+        neutral=None,
+        optional=True,
+        default=None,
     )
-    mixed_precision: dict | None = doc("{param_dtype, reduce_dtype}.", optional=True, default=None)
+    mixed_precision: dict | None = doc(
+        "{param_dtype, reduce_dtype}. Not implemented: the FSDP reward model computes in bfloat16 on GPU "
+        "(upstream's default), float32 on CPU.",
+        status=UNSUPPORTED,
+        neutral=None,
+        optional=True,
+        default=None,
+    )
 
 
 @dataclass
@@ -119,26 +153,36 @@ class RewardModelRolloutConfig(BaseConfig):
         unset_ok=True,
         default=None,
     )
-    dtype: str = doc("Engine dtype.", default="bfloat16")
-    gpu_memory_utilization: float = doc("Device memory fraction of the engine.", default=0.5)
-    enforce_eager: bool = doc("No CUDA graphs.", default=True)
-    cudagraph_capture_sizes: list[int] | None = doc("CUDA-graph batch sizes.", default=None)
-    free_cache_engine: bool = doc("Free the KV cache between uses.", default=True)
-    data_parallel_size: int = doc("Data-parallel ranks of the engine.", default=1)
-    expert_parallel_size: int = doc("Expert-parallel ranks of the engine.", default=1)
-    tensor_model_parallel_size: int = doc("Tensor-parallel ranks of the engine.", default=2)
-    max_num_batched_tokens: int = doc("Scheduler token budget.", default=8192)
-    max_model_len: int | None = doc("Context length.", default=None)
-    max_num_seqs: int = doc("Concurrent sequences.", default=1024)
-    load_format: str = doc("Weight-loading format.", default="auto")
-    engine_kwargs: dict = doc("Extra engine arguments.", default_factory=dict)
-    limit_images: int | None = doc("Images per prompt (multi-modal).", default=None)
-    enable_chunked_prefill: bool = doc("Chunked prefill.", default=True)
-    enable_prefix_caching: bool = doc("Prefix caching.", default=True)
-    disable_log_stats: bool = doc("Silence engine statistics.", default=True)
-    skip_tokenizer_init: bool = doc("Start without the tokenizer.", default=False)
-    prompt_length: int = doc("Prompt tokens of a judge request.", default=2048)
-    response_length: int = doc("Tokens of a judge's answer.", default=2048)
+    dtype: str = doc("Engine dtype. Not read: see `name`.", status=IGNORED, default="bfloat16")
+    gpu_memory_utilization: float = doc(
+        "Device memory fraction of the engine. Not read: see `name`.", status=IGNORED, default=0.5
+    )
+    enforce_eager: bool = doc("No CUDA graphs. Not read: see `name`.", status=IGNORED, default=True)
+    cudagraph_capture_sizes: list[int] | None = doc(
+        "CUDA-graph batch sizes. Not read: see `name`.", status=IGNORED, default=None
+    )
+    free_cache_engine: bool = doc("Free the KV cache between uses. Not read: see `name`.", status=IGNORED, default=True)
+    data_parallel_size: int = doc("Data-parallel ranks of the engine. Not read: see `name`.", status=IGNORED, default=1)
+    expert_parallel_size: int = doc(
+        "Expert-parallel ranks of the engine. Not read: see `name`.", status=IGNORED, default=1
+    )
+    tensor_model_parallel_size: int = doc(
+        "Tensor-parallel ranks of the engine. Not read: see `name`.", status=IGNORED, default=2
+    )
+    max_num_batched_tokens: int = doc("Scheduler token budget. Not read: see `name`.", status=IGNORED, default=8192)
+    max_model_len: int | None = doc("Context length. Not read: see `name`.", status=IGNORED, default=None)
+    max_num_seqs: int = doc("Concurrent sequences. Not read: see `name`.", status=IGNORED, default=1024)
+    load_format: str = doc("Weight-loading format. Not read: see `name`.", status=IGNORED, default="auto")
+    engine_kwargs: dict = doc("Extra engine arguments. Not read: see `name`.", status=IGNORED, default_factory=dict)
+    limit_images: int | None = doc(
+        "Images per prompt (multi-modal). Not read: see `name`.", status=IGNORED, default=None
+    )
+    enable_chunked_prefill: bool = doc("Chunked prefill. Not read: see `name`.", status=IGNORED, default=True)
+    enable_prefix_caching: bool = doc("Prefix caching. Not read: see `name`.", status=IGNORED, default=True)
+    disable_log_stats: bool = doc("Silence engine statistics. Not read: see `name`.", status=IGNORED, default=True)
+    skip_tokenizer_init: bool = doc("Start without the tokenizer. Not read: see `name`.", status=IGNORED, default=False)
+    prompt_length: int = doc("Prompt tokens of a judge request. Not read: see `name`.", status=IGNORED, default=2048)
+    response_length: int = doc("Tokens of a judge's answer. Not read: see `name`.", status=IGNORED, default=2048)
 
 
 @dataclass
@@ -204,7 +248,10 @@ class RewardModelConfig(BaseConfig):
         "Name of the custom reward loop class in that file (reward_loop_source=importlib).", default=None
     )
     launch_reward_fn_async: bool = doc(
-        "Compute rule rewards in a background task during the log-prob pass.", default=False
+        "Upstream computes rule rewards in a background Ray task during the log-prob pass; here the driver computes "
+        f"them before it. {_SPEED}.",
+        status=IGNORED,
+        default=False,
     )
     sandbox_fusion: SandboxFusionConfig = doc("Code-execution sandbox.", default_factory=SandboxFusionConfig)
     profiler: ProfilerConfig = doc("Profiling of the reward model.", default_factory=ProfilerConfig)

@@ -109,7 +109,7 @@ class FSDPEngine(BaseEngine):
     ):
         """`freeze_vision_tower`: keep a vision-language model's vision tower out of training (see the
         module docstring); an error for a model without one."""
-        from verl.utils.fsdp_utils import apply_fsdp2, load_full_state_from_rank0
+        from verl.utils.fsdp_utils import apply_fsdp2, load_full_state_from_rank0, to_torch_dtype
         from verl.utils.lora import apply_lora, lora_enabled
         from verl.utils.model import (
             enable_gradient_checkpointing,
@@ -131,6 +131,9 @@ class FSDPEngine(BaseEngine):
         self.module = loader(
             # the policy's model.hf_config_path: its config.json over the weights of path
             model_dir_with_config(model_config.path, getattr(model_config, "hf_config_path", None)),
+            # fsdp_config.model_dtype: the dtype the weights (and so the optimizer's master copy) are held
+            # in; mixed_precision / dtype only set what the forward computes in
+            torch_dtype=to_torch_dtype(fsdp.model_dtype),
             trust_remote_code=model_config.trust_remote_code,
             override_config=plain_section(model_config.override_config),
             meta_device=on_meta,
