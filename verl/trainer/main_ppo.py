@@ -458,7 +458,6 @@ class TaskRunner:
         return ResourcePoolManager(resource_pool_spec=spec, mapping=pools, use_gpu=use_gpu)
 
     def run(self, config) -> dict:
-
         from verl.trainer.default_data import ensure_default_data
         from verl.trainer.ppo.ray_trainer import RayPPOTrainer
         from verl.trainer.ppo.reward import load_reward_manager

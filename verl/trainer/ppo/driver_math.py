@@ -46,22 +46,33 @@ def apply_kl_in_reward(batch: DataProto, kl_ctrl, kl_penalty: str, n_steps: int)
     return {"actor/reward_kl_penalty": current_kl, "actor/reward_kl_penalty_coeff": kl_coef}
 
 
+def estimate_advantages(batch: DataProto, estimator, **options) -> None:
+    """`advantages` and `returns` [B, R] of `batch` by the estimator `estimator` (a name), written into
+    the batch. The estimator gets what it takes of the batch's token_level_rewards, response_mask,
+    `uid` (as `index`) and `ESTIMATOR_OPTIONAL_INPUTS`, and of `options` (gamma, lam,
+    norm_adv_by_std_in_grpo, config, ...)."""
+    inputs = {
+        "token_level_rewards": batch.batch["token_level_rewards"],
+        "response_mask": batch.batch["response_mask"],
+        **options,
+    }
+    if "uid" in batch.non_tensor_batch:
+        inputs["index"] = batch.non_tensor_batch["uid"]
+    inputs.update({k: batch.batch[k] for k in ESTIMATOR_OPTIONAL_INPUTS if k in batch.batch})
+    batch.batch["advantages"], batch.batch["returns"] = core_algos.compute_advantage_from_tensors(estimator, **inputs)
+
+
 def compute_advantage(batch: DataProto, algo_cfg, pf_ppo_seed: int) -> DataProto:
     """`advantages` and `returns` [B, R] by `algorithm.adv_estimator`, then, for GAE with
     `algorithm.use_pf_ppo`, the batch redrawn by score weight (a generator seeded with
     `pf_ppo_seed`, so a resumed run draws the same rows). Returns the (possibly redrawn) batch."""
-    inputs = {
-        "token_level_rewards": batch.batch["token_level_rewards"],
-        "response_mask": batch.batch["response_mask"],
-        "index": batch.non_tensor_batch["uid"],
-        "gamma": algo_cfg.gamma,
-        "lam": algo_cfg.lam,
-        "norm_adv_by_std_in_grpo": algo_cfg.norm_adv_by_std_in_grpo,
-    }
-    inputs.update({k: batch.batch[k] for k in ESTIMATOR_OPTIONAL_INPUTS if k in batch.batch})
-    advantages, returns = core_algos.compute_advantage_from_tensors(algo_cfg.adv_estimator, **inputs)
-    batch.batch["advantages"] = advantages
-    batch.batch["returns"] = returns
+    estimate_advantages(
+        batch,
+        algo_cfg.adv_estimator,
+        gamma=algo_cfg.gamma,
+        lam=algo_cfg.lam,
+        norm_adv_by_std_in_grpo=algo_cfg.norm_adv_by_std_in_grpo,
+    )
     if algo_cfg.use_pf_ppo and algo_cfg.adv_estimator == "gae":  # upstream applies it to GAE only
         pf = algo_cfg.pf_ppo
         generator = torch.Generator().manual_seed(pf_ppo_seed)

@@ -132,8 +132,9 @@ class RayPPOTrainer(UpstreamTrainerAPI):
 
         algo = config.algorithm
         # upstream's rule: the config decides (critic.enable, else GAE); recipes' drivers map a critic always
-        self.use_critic = Role.Critic in role_worker_mapping and need_critic(config)
-        if need_critic(config) and Role.Critic not in role_worker_mapping:
+        trains_critic = need_critic(config)
+        self.use_critic = trains_critic and Role.Critic in role_worker_mapping
+        if trains_critic and Role.Critic not in role_worker_mapping:
             raise ValueError(
                 f"algorithm.adv_estimator={algo.adv_estimator} (or critic.enable=true) trains a critic, but the role "
                 "mapping has no Role.Critic worker; add one (verl.workers.fsdp_workers.CriticWorker) or choose an "

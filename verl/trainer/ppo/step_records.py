@@ -5,6 +5,8 @@
   `NonFiniteLossError` after `trainer.max_consecutive_nonfinite_steps` of them, before that step's
   checkpoint, so the last checkpoint holds weights the skipped updates never touched.
 - `dump_rollouts`: `<trainer.rollout_data_dir>/<step>.jsonl`, one line per trained sample.
+- `dump_generations`: upstream's sample dump, `<dir>/<step>.jsonl` with a field per column (the
+  validator's `trainer.validation_data_dir` and upstream's `_dump_generations` write it).
 """
 
 from __future__ import annotations
@@ -12,6 +14,8 @@ from __future__ import annotations
 import json
 import os
 from typing import Any
+
+import numpy as np
 
 from verl.protocol import DataProto
 
@@ -70,3 +74,24 @@ def dump_rollouts(batch: DataProto, tokenizer, directory: str, step: int) -> Non
             if newest is not None:
                 row["weight_version_max"] = int(newest[i])
             f.write(json.dumps(row) + "\n")
+
+
+def dump_generations(directory: str, step: int, columns: dict[str, list]) -> str:
+    """Write `<directory>/<step>.jsonl`: one line per sample, a field per column that holds one value per
+    sample (as upstream, a reward extra value some batches lacked is left out), plus `step`. The sample
+    count is that of `columns["score"]`. Returns the file's path."""
+    os.makedirs(directory, exist_ok=True)
+    path = os.path.join(directory, f"{step}.jsonl")
+    num_samples = len(columns["score"])
+    columns = {key: values for key, values in columns.items() if len(values) == num_samples}
+    with open(path, "w") as f:
+        for i in range(num_samples):
+            row = {key: _plain(values[i]) for key, values in columns.items()}
+            row["step"] = step
+            f.write(json.dumps(row, ensure_ascii=False) + "\n")
+    return path
+
+
+def _plain(value):
+    """A JSON-serialisable form of one value (numpy scalars and arrays become Python numbers and lists)."""
+    return value.tolist() if isinstance(value, np.ndarray | np.generic) else value

@@ -25,17 +25,16 @@ Design decisions (where this differs from upstream, and why):
 from __future__ import annotations
 
 import time
-from typing import Any
 
 import torch
 
 from verl.protocol import DataProto
 from verl.trainer.ppo import core_algos
 from verl.trainer.ppo.balance import balance_batch
-from verl.trainer.ppo.driver_math import ESTIMATOR_OPTIONAL_INPUTS, apply_kl_in_reward
+from verl.trainer.ppo.driver_math import apply_kl_in_reward, estimate_advantages
 from verl.trainer.ppo.generation import GEN_BATCH_KEYS, generation_input
 from verl.trainer.ppo.rollout_source import check_no_vision_tokens, meta_metrics, vision_placeholder_ids
-from verl.trainer.ppo.step_records import dump_rollouts
+from verl.trainer.ppo.step_records import dump_generations, dump_rollouts
 from verl.utils.timer import marked_timer
 
 AdvantageEstimator = core_algos.AdvantageEstimator
@@ -78,19 +77,10 @@ def compute_advantage(
     del num_repeat
     if "response_mask" not in data.batch:
         data.batch["response_mask"] = compute_response_mask(data)
-    inputs: dict[str, Any] = {
-        "token_level_rewards": data.batch["token_level_rewards"],
-        "response_mask": data.batch["response_mask"],
-        "gamma": gamma,
-        "lam": lam,
-        "norm_adv_by_std_in_grpo": norm_adv_by_std_in_grpo,
-        "config": config,
-    }
-    if "uid" in data.non_tensor_batch:
-        inputs["index"] = data.non_tensor_batch["uid"]
-    inputs.update({k: data.batch[k] for k in ESTIMATOR_OPTIONAL_INPUTS if k in data.batch})
     name = adv_estimator.value if isinstance(adv_estimator, AdvantageEstimator) else adv_estimator
-    data.batch["advantages"], data.batch["returns"] = core_algos.compute_advantage_from_tensors(name, **inputs)
+    estimate_advantages(
+        data, name, gamma=gamma, lam=lam, norm_adv_by_std_in_grpo=norm_adv_by_std_in_grpo, config=config
+    )
     if name == "gae" and config is not None and config.get("use_pf_ppo", False):
         pf = config.pf_ppo
         data = core_algos.compute_pf_ppo_reweight_data(data, pf.get("reweight_method"), pf.get("weight_pow"))
@@ -199,26 +189,13 @@ class UpstreamTrainerAPI:
 
     def _dump_generations(self, inputs, outputs, gts, scores, reward_extra_infos_dict: dict, dump_path: str) -> None:
         """`<dump_path>/<step>.jsonl`: one JSON object per sample with its `input`, `output`, `gts`,
-        `score` and `step`, plus each `reward_extra_infos_dict` entry that has one value per sample."""
-        import json
-        import os
-
-        n = len(inputs)
-        columns = {"input": inputs, "output": outputs, "gts": gts, "score": scores, "step": [self.global_steps] * n}
-        columns.update({k: v for k, v in reward_extra_infos_dict.items() if len(v) == n})
-        os.makedirs(dump_path, exist_ok=True)
-        with open(os.path.join(dump_path, f"{self.global_steps}.jsonl"), "w") as f:
-            for i in range(n):
-                row = {k: _jsonable(v[i]) for k, v in columns.items()}
-                f.write(json.dumps(row, ensure_ascii=False) + "\n")
+        `score` and `step`, plus each `reward_extra_infos_dict` entry that has one value per sample
+        (`step_records.dump_generations`, which `trainer.validation_data_dir` writes with too)."""
+        columns = {"input": inputs, "output": outputs, "gts": gts, "score": scores, **reward_extra_infos_dict}
+        dump_generations(dump_path, self.global_steps, columns)
 
     def _log_rollout_data(self, batch: DataProto, reward_extra_infos_dict: dict, timing_raw: dict, rollout_data_dir):
         """`<rollout_data_dir>/<step>.jsonl`, one line per sample (`step_records.dump_rollouts`)."""
         del reward_extra_infos_dict  # the batch's own columns already hold the reward's extra info
         with marked_timer("dump_rollout_generations", timing_raw):
             dump_rollouts(batch, self.tokenizer, rollout_data_dir, self.global_steps)
-
-
-def _jsonable(value):
-    """A NumPy or torch scalar as its Python value; anything else as it is."""
-    return value.item() if hasattr(value, "item") and getattr(value, "ndim", 1) == 0 else value

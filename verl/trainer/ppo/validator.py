@@ -16,14 +16,12 @@ extra values).
 
 from __future__ import annotations
 
-import json
-import os
-
 import numpy as np
 
 from verl.protocol import DataProto, pad_dataproto_to_divisor, unpad_dataproto
 from verl.trainer.ppo.generation import generation_input, with_generation
 from verl.trainer.ppo.metric_utils import flatten_validation_metrics, process_validation_metrics
+from verl.trainer.ppo.step_records import dump_generations
 from verl.workers.rollout.base import runs_agent_loops
 
 
@@ -100,28 +98,7 @@ class Validator:
             columns = {**samples, "score": infos["reward"], **extra_infos}
             if reported_acc:
                 columns["acc"] = infos["acc"]
-            dump_validation(dump_dir, step, columns)
+            dump_generations(dump_dir, step, columns)
         infos.update(extra_infos)
         nested = process_validation_metrics(np.array(sources, dtype=object), np.array(uids, dtype=object), infos)
         return flatten_validation_metrics(nested)
-
-
-def dump_validation(directory: str, step: int, columns: dict[str, list]) -> str:
-    """Write `<directory>/<step>.jsonl`: one line per sample, a field per column that holds one value per
-    sample (as upstream, a reward extra value some batches lacked is left out), plus `step`. Returns the
-    file's path."""
-    os.makedirs(directory, exist_ok=True)
-    path = os.path.join(directory, f"{step}.jsonl")
-    num_samples = len(columns["score"])
-    columns = {key: values for key, values in columns.items() if len(values) == num_samples}
-    with open(path, "w") as f:
-        for i in range(num_samples):
-            row = {key: _plain(values[i]) for key, values in columns.items()}
-            row["step"] = step
-            f.write(json.dumps(row, ensure_ascii=False) + "\n")
-    return path
-
-
-def _plain(value):
-    """A JSON-serialisable form of one value (numpy scalars and arrays become Python numbers and lists)."""
-    return value.tolist() if isinstance(value, np.ndarray | np.generic) else value

@@ -62,6 +62,9 @@ class SandboxFusionConfig(BaseConfig):
 
 
 _WHOLE = f"{_SPEED}: the FSDP reward-model worker holds the whole model on every rank (no sharding, no offload)."
+_COMPUTE_DTYPE = (
+    "Not implemented: the FSDP reward model computes in bfloat16 on GPU (upstream's default), float32 on CPU."
+)
 
 
 @dataclass
@@ -94,8 +97,7 @@ class RewardModelFSDPConfig(BaseConfig):
         default=None,
     )
     dtype: str | None = doc(
-        "Compute dtype (as the actor's fsdp_config.dtype). Not implemented: the FSDP reward model computes in "
-        "bfloat16 on GPU (upstream's default), float32 on CPU.",
+        f"Compute dtype (as the actor's fsdp_config.dtype). {_COMPUTE_DTYPE}",
         choices=ENGINE_DTYPES,
         status=UNSUPPORTED,
         neutral=None,
@@ -103,8 +105,7 @@ class RewardModelFSDPConfig(BaseConfig):
         default=None,
     )
     mixed_precision: dict | None = doc(
-        "{param_dtype, reduce_dtype}. Not implemented: the FSDP reward model computes in bfloat16 on GPU "
-        "(upstream's default), float32 on CPU.",
+        f"{{param_dtype, reduce_dtype}}. {_COMPUTE_DTYPE}",
         status=UNSUPPORTED,
         neutral=None,
         optional=True,
