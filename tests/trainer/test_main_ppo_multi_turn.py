@@ -3,6 +3,7 @@ workers, the built-in engine behind the agent loops, the bundled tool-calling ti
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -27,6 +28,7 @@ def _two_steps_with_validation(tmp_path: Path, cluster, started: dict) -> Path:
         # common_overrides's model.path is arith-tiny; the example keeps its own tool-calling model
         *[arg for arg in common_overrides(tmp_path, steps=2) if not arg.startswith("actor_rollout_ref.model.path=")],
         "trainer.val_before_train=True",
+        "trainer.log_val_generations=3",
         "data.val_max_samples=8",
         "data.train_batch_size=4",
         "actor_rollout_ref.rollout.n=4",
@@ -40,7 +42,8 @@ def _two_steps_with_validation(tmp_path: Path, cluster, started: dict) -> Path:
 
 
 def test_calculator_example_validates_and_trains_two_steps_with_tool_calls(runs):
-    records = read_metrics(runs["two_steps_with_validation"].result())
+    tmp = runs["two_steps_with_validation"].result()
+    records = read_metrics(tmp)
     assert records[0]["step"] == 0 and "val-core/arith_tool/acc/mean@1" in records[0]["data"]
     train = [r for r in records if "num_turns/mean" in r["data"]]
     assert [r["step"] for r in train] == [1, 2]
@@ -52,6 +55,12 @@ def test_calculator_example_validates_and_trains_two_steps_with_tool_calls(runs)
     # the ids are trained as sampled, and the check reports how often the template would disagree
     assert 0.0 <= last["agent_loop/tokenization_mismatch"] < 0.5
     assert 0.0 <= last["critic/score/mean"] <= 1.0
+    # trainer.log_val_generations=3: three of the 8 validation samples, (input, output, score), logged
+    # beside the metrics (the file tracker) at the validation before training
+    generations = [json.loads(line) for line in (tmp / "run" / "val_generations.jsonl").read_text().splitlines()]
+    assert [g["step"] for g in generations] == [0, 0, 0]
+    assert all(set(g) == {"step", "input", "output", "score"} for g in generations)
+    assert len({g["input"] for g in generations}) == 3
 
 
 ONE_STEP_OFF_STEPS = 3

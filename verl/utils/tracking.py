@@ -27,6 +27,13 @@ Backends (each imported only when chosen, so `import verl` stays light):
   or fails without network; `swanlab sync <dir>` uploads an offline run later). The config is sent
   with `FRAMEWORK: verl` added, as upstream does.
 
+Validation samples (`trainer.log_val_generations`): `log_generations(samples, step)` hands each
+(input, output, score) to the backends that keep them, in upstream's layouts: file appends
+`<run_dir>/val_generations.jsonl`, mlflow logs the artifact `val_step<step>.json`, tensorboard text
+under `val/generations`, wandb a `val/generations` table with one row per validation (logged whole each
+time), swanlab an echarts table; the console shows none. `select_val_generations` picks upstream's
+samples and `ValidationGenerationsLogger` is upstream's entry point (it writes into the running `Tracking`).
+
 `finish()` also draws reward, validation accuracy and response length against step into
 `<run_dir>/training_curves.png` (when any of those metrics was logged) and attaches the PNG to the
 mlflow and wandb runs. Only scalar values reach mlflow/swanlab/tensorboard/wandb; console and file keep
@@ -41,6 +48,7 @@ import math
 import numbers
 import os
 import re
+import weakref
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
@@ -57,6 +65,8 @@ _BACKEND_PACKAGES = {
     "wandb": ("wandb", "pip install wandb"),
 }
 CURVES_PNG = "training_curves.png"
+GENERATIONS_KEY = "val/generations"  # upstream's key of the validation samples in every tracker
+_LIVE: list[weakref.ref] = []  # the Tracking objects not finished yet, oldest first
 
 
 def missing_backend_packages(backends: Iterable[str]) -> list[tuple[str, str]]:
@@ -178,11 +188,17 @@ class FileLogger:
     def __init__(self, run_dir: Path):
         self.path = Path(os.environ.get("VERL_FILE_LOGGER_PATH") or run_dir / "metrics.jsonl")
         self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.generations_path = run_dir / "val_generations.jsonl"
         self._fp = open(self.path, "a", encoding="utf-8")  # noqa: SIM115 - kept open for the run
 
     def log(self, data: dict, step: int) -> None:
         self._fp.write(json.dumps({"step": step, "data": _jsonable(data)}) + "\n")
         self._fp.flush()
+
+    def log_generations(self, samples: list[tuple], step: int) -> None:
+        self.generations_path.parent.mkdir(parents=True, exist_ok=True)
+        with open(self.generations_path, "a", encoding="utf-8") as f:
+            f.writelines(json.dumps({"step": step, **_generation_record(s)}) + "\n" for s in samples)
 
     def finish(self) -> None:
         if not self._fp.closed:
@@ -235,6 +251,22 @@ class MlflowLogger:
     def log_text(self, text: str, artifact_file: str) -> None:
         self.client.log_text(self.run_id, text, artifact_file)
 
+    def log_generations(self, samples: list[tuple], step: int) -> None:
+        # upstream's artifact: val_step<step>.json at the run's artifact root, a list of {input, output, score}
+        self.log_text(json.dumps([_generation_record(s) for s in samples]), f"val_step{step}.json")
+
+    @classmethod
+    def attach(cls, run_id: str, tracking_uri: str | None = None) -> MlflowLogger:
+        """A logger writing to an MLflow run someone else started (`mlflow.start_run`)."""
+        import mlflow
+
+        self = cls.__new__(cls)
+        self.tracking_uri = tracking_uri or mlflow.get_tracking_uri()
+        self.client = mlflow.MlflowClient(tracking_uri=self.tracking_uri)
+        self.run_id = run_id
+        self._finished = True  # not ours to terminate
+        return self
+
     def finish(self) -> None:
         if not self._finished:
             self.client.set_terminated(self.run_id)
@@ -261,6 +293,15 @@ class TensorboardLogger:
     def log_text(self, tag: str, text: str, step: int) -> None:
         self.writer.add_text(tag, text, step)
         self.writer.flush()
+
+    def log_generations(self, samples: list[tuple], step: int) -> None:
+        parts = [f"**Validation generations, step {step}**"]
+        for i, sample in enumerate(samples, 1):
+            r = _generation_record(sample)
+            parts.append(
+                f"### Sample {i}\n**Input:** {r['input']}\n\n**Output:** {r['output']}\n\n**Score:** {r['score']}"
+            )
+        self.log_text(GENERATIONS_KEY, "\n\n---\n\n".join(parts), step)
 
     def finish(self) -> None:
         self.writer.close()
@@ -294,10 +335,33 @@ class WandbLogger:
             cfg = OmegaConf.to_container(config, resolve=True) if isinstance(config, DictConfig) else config
         self.mode = mode
         self.run = wandb.init(project=project_name, name=experiment_name, config=cfg, dir=str(directory), mode=mode)
+        self._generation_rows: list[list] = []
+
+    @classmethod
+    def attach(cls, run) -> WandbLogger:
+        """A logger writing to a wandb run someone else started (`wandb.init`)."""
+        self = cls.__new__(cls)
+        self.mode, self.run, self._generation_rows = getattr(run, "mode", None), run, []
+        return self
 
     def log(self, data: dict, step: int) -> None:
         scalars = {k: s for k, v in data.items() if (s := _scalar(v)) is not None}
         self.run.log(scalars, step=step)
+
+    def log_generations(self, samples: list[tuple], step: int) -> None:
+        """One table row per validation (upstream's layout: step, then input_i, output_i, score_i per
+        sample), logged whole each time since a wandb table cannot grow after it is logged."""
+        import wandb
+
+        row = [step]
+        for sample in samples:
+            r = _generation_record(sample)
+            row += [r["input"], r["output"], r["score"]]
+        self._generation_rows.append(row)
+        width = max(len(r) for r in self._generation_rows)  # a smaller validation set leaves cells empty
+        columns = ["step"] + [f"{k}_{i}" for i in range(1, (width - 1) // 3 + 1) for k in ("input", "output", "score")]
+        rows = [r + [None] * (width - len(r)) for r in self._generation_rows]
+        self.run.log({GENERATIONS_KEY: wandb.Table(columns=columns, data=rows)}, step=step)
 
     def log_artifact(self, path: str | Path) -> None:
         import wandb
@@ -334,9 +398,25 @@ class SwanlabLogger:
         )
         self._finished = False
 
+    @classmethod
+    def attach(cls, run) -> SwanlabLogger:
+        """A logger writing to a swanlab run someone else started (`swanlab.init`)."""
+        self = cls.__new__(cls)
+        self.run, self.mode, self._finished = run, None, True
+        return self
+
     def log(self, data: dict, step: int) -> None:
         scalars = {k: s for k, v in data.items() if (s := _scalar(v)) is not None}
         self.run.log(scalars, step=step)
+
+    def log_generations(self, samples: list[tuple], step: int) -> None:
+        """An echarts table (step, input, output, score), one row per sample (upstream's layout)."""
+        import swanlab
+
+        table = swanlab.echarts.Table()
+        rows = [[step, *(_generation_record(s)[k] for k in ("input", "output", "score"))] for s in samples]
+        table.add(headers=["step", "input", "output", "score"], rows=rows)
+        self.run.log({GENERATIONS_KEY: table}, step=step)
 
     def finish(self) -> None:
         if not self._finished:
@@ -415,6 +495,7 @@ class Tracking:
                 self.logger[b] = SwanlabLogger(project_name, experiment_name, config, self.run_dir)
         self._history: list[dict] = []
         self._finished = False
+        _LIVE.append(weakref.ref(self))
 
     def log(self, data: dict, step: int, backend: str | list[str] | None = None) -> None:
         """Send `data` (metric name -> value) for `step` to every backend (or only to `backend`)."""
@@ -431,23 +512,17 @@ class Tracking:
             if name in self.logger:
                 self.logger[name].log_artifact(path)
 
-    def log_generations(self, samples: list[tuple[str, str, float]], step: int) -> None:
-        """Record validation samples (prompt, response, score): JSONL in the run dir, mlflow artifact, tensorboard text."""
+    def log_generations(self, samples: list[tuple], step: int, backend: str | list[str] | None = None) -> None:
+        """Record validation samples, each (input, output, score), for `step` with every backend that keeps
+        them (or only with `backend`): file appends `<run_dir>/val_generations.jsonl`; mlflow the artifact
+        `val_step<step>.json`; tensorboard text under `val/generations`; wandb a table `val/generations`
+        with one row per call; swanlab an echarts table. The console shows none."""
         if not samples:
             return
-        rows = [{"step": step, "input": i, "output": o, "score": _jsonable(s)} for i, o, s in samples]
-        if "file" in self.logger:
-            path = self.run_dir / "val_generations.jsonl"
-            path.parent.mkdir(parents=True, exist_ok=True)
-            with open(path, "a", encoding="utf-8") as f:
-                f.writelines(json.dumps(r) + "\n" for r in rows)
-        if "mlflow" in self.logger:
-            self.logger["mlflow"].log_text(json.dumps(rows, indent=1), f"val_generations/step_{step}.json")
-        if "tensorboard" in self.logger:
-            text = "\n\n".join(
-                f"**input:** {r['input']}  \n**output:** {r['output']}  \n**score:** {r['score']}" for r in rows
-            )
-            self.logger["tensorboard"].log_text("val/generations", text, step)
+        wanted = None if backend is None else ([backend] if isinstance(backend, str) else list(backend))
+        for name, logger in self.logger.items():
+            if (wanted is None or name in wanted) and hasattr(logger, "log_generations"):
+                logger.log_generations(samples, step)
 
     def plot_curves(self) -> Path | None:
         """Draw the training curves logged so far into `<run_dir>/training_curves.png`; None if nothing to draw."""
@@ -462,6 +537,7 @@ class Tracking:
         if self._finished:
             return
         self._finished = True
+        _LIVE[:] = [r for r in _LIVE if r() not in (None, self)]
         png = self.plot_curves()
         if png is not None:
             self.log_artifact(png)
@@ -476,3 +552,103 @@ class Tracking:
                     logger.finish()
         except Exception:
             pass
+
+
+# ----------------------------------------------------------------------- validation samples
+
+
+def _generation_record(sample) -> dict:
+    """{input, output, score} of one (input, output, score) sample, the score made JSON-able."""
+    if len(sample) != 3:
+        raise ValueError(f"a validation sample is (input, output, score); got {len(sample)} values: {sample!r}")
+    text_in, text_out, score = sample
+    return {"input": text_in, "output": text_out, "score": _jsonable(score)}
+
+
+def select_val_generations(inputs, outputs, scores, n: int) -> list[tuple]:
+    """The `n` validation samples upstream logs (`trainer.log_val_generations`): the (input, output, score)
+    triples sorted by input, shuffled by a numpy RandomState seeded 42, the first `n`. The same validation
+    set therefore shows the same prompts at every validation, so their answers can be compared over steps."""
+    import numpy as np
+
+    if n <= 0:
+        return []
+    if not len(inputs) == len(outputs) == len(scores):
+        raise ValueError(f"inputs, outputs and scores differ in length: {len(inputs)}, {len(outputs)}, {len(scores)}")
+    samples = sorted(zip(inputs, outputs, scores), key=lambda s: s[0])
+    np.random.RandomState(42).shuffle(samples)
+    return samples[:n]
+
+
+def _active_tracking() -> Tracking | None:
+    for ref in reversed(_LIVE):
+        t = ref()
+        if t is not None and not t._finished:
+            return t
+    return None
+
+
+class ValidationGenerationsLogger:
+    """Upstream's name: `ValidationGenerationsLogger(project_name, experiment_name).log(loggers, samples, step)`
+    records validation samples, each (input, output, score), with the backends named in `loggers`
+    (`trainer.logger`), as `Tracking.log_generations` does.
+
+    The samples go to the newest `Tracking` not finished yet (the one a trainer's `fit` made), so they
+    land in the same runs as the metrics. Without one, they go where upstream sends them: the current
+    `wandb.run`, swanlab run and MLflow active run (a backend without a running run is skipped with a
+    warning), and tensorboard to `$TENSORBOARD_DIR`, else `tensorboard_log/<project>/<experiment>`.
+    """
+
+    def __init__(self, project_name: str | None = None, experiment_name: str | None = None):
+        self.project_name = project_name
+        self.experiment_name = experiment_name
+        self._fallback: dict[str, Any] = {}
+
+    def log(self, loggers, samples, step: int) -> None:
+        if not samples:
+            return
+        names = [loggers] if isinstance(loggers, str) else list(loggers)
+        tracking = _active_tracking()
+        if tracking is not None:
+            tracking.log_generations(samples, step, backend=names)
+            return
+        for name in names:
+            logger = self._fallback_logger(name)
+            if logger is not None:
+                logger.log_generations(samples, step)
+
+    def _fallback_logger(self, name: str):
+        if name in self._fallback:
+            return self._fallback[name]
+        import logging
+
+        logger = None
+        if name == "tensorboard":
+            if self.project_name and self.experiment_name:
+                default = Path("tensorboard_log") / self.project_name / self.experiment_name
+            else:
+                default = Path("tensorboard_log")
+            logger = TensorboardLogger(default, log_dir=os.environ.get("TENSORBOARD_DIR") or default)
+        elif name == "wandb" and importlib.util.find_spec("wandb") is not None:
+            import wandb
+
+            logger = WandbLogger.attach(wandb.run) if wandb.run is not None else None
+        elif name == "swanlab" and importlib.util.find_spec("swanlab") is not None:
+            import swanlab
+
+            run = swanlab.get_run()
+            logger = SwanlabLogger.attach(run) if run is not None else None
+        elif name == "mlflow" and importlib.util.find_spec("mlflow") is not None:
+            import mlflow
+
+            run = mlflow.active_run()
+            logger = MlflowLogger.attach(run.info.run_id) if run is not None else None
+        if logger is None and name != "console":
+            logging.getLogger(__name__).warning(
+                "validation generations are not logged to %r: no verl Tracking is running and no %s run was "
+                "started; create a verl.utils.tracking.Tracking first (a trainer's fit() does)",
+                name,
+                name,
+            )
+        self._fallback[name] = logger
+        return logger

@@ -112,3 +112,26 @@ def test_no_validation_dump_without_validation_data_dir(tmp_path):
     v = Validator(trainer, rollout, [batch], _exact_match_reward, _EchoGenerator(_TOKENIZER, "2"), _TOKENIZER)
     v.run(step=1)
     assert list(tmp_path.iterdir()) == []
+
+
+def test_log_val_generations_keeps_the_pass_texts_for_the_trackers(tmp_path):
+    prompts = ["1+1=", "2+3="]
+    ids = _TOKENIZER(prompts, add_special_tokens=False, padding=True, return_tensors="pt")
+    batch = {
+        "input_ids": ids["input_ids"],
+        "attention_mask": ids["attention_mask"],
+        "position_ids": torch.arange(ids["input_ids"].shape[1]).expand(2, -1),
+        "reward_model": np.array([{"ground_truth": "2"}, {"ground_truth": "5"}], dtype=object),
+    }
+    rollout = OmegaConf.create({"val_kwargs": {"n": 1, "do_sample": False}})
+    trainer = OmegaConf.create({"val_before_train": True, "test_freq": 1, "log_val_generations": 1})
+    v = Validator(trainer, rollout, [batch], _exact_match_reward, _EchoGenerator(_TOKENIZER, "2"), _TOKENIZER)
+    v.run(step=1)
+    inputs, outputs, scores = v.last_samples
+    assert [i.replace(" ", "") for i in inputs] == prompts
+    assert [o.strip() for o in outputs] == ["2", "2"] and scores == [1.0, 0.0]
+    assert list(tmp_path.iterdir()) == []  # nothing dumped: validation_data_dir is not set
+    quiet = OmegaConf.create({"val_before_train": True, "test_freq": 1, "log_val_generations": 0})
+    v = Validator(quiet, rollout, [batch], _exact_match_reward, _EchoGenerator(_TOKENIZER, "2"), _TOKENIZER)
+    v.run(step=1)
+    assert v.last_samples is None

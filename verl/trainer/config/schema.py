@@ -253,9 +253,10 @@ class TrainerConfig:
     experiment_name: str = doc("Tracker run name (also names the run directory).")
     logger: list[str] | str = doc("Metric trackers.", choices=LOGGERS)
     log_val_generations: int = doc(
-        "Validation samples (prompt, response, score) upstream logs to wandb/swanlab/mlflow tables per validation; "
-        "no tracker tables here: set `validation_data_dir` to keep every validation sample as JSONL.",
-        status=IGNORED,
+        "Validation samples (input, output, score) logged to the trackers at each validation: the same ones "
+        "every time (sorted by input, shuffled with seed 42, the first N). file: `<run_dir>/val_generations.jsonl`; "
+        "wandb: table `val/generations`, a row per validation; swanlab: table; mlflow: artifact "
+        "`val_step<step>.json`; tensorboard: text. 0: none (`validation_data_dir` keeps every sample)."
     )
     rollout_data_dir: str | None = doc("Dump each step's rollouts as JSONL here (null: no dump).")
     validation_data_dir: str | None = doc("Dump validation generations as JSONL here (null: no dump).")

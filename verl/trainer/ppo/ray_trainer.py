@@ -80,6 +80,7 @@ from verl.utils.logging_utils import get_logger
 from verl.utils.profiler import StepProfiler, resolve_role_profilers
 from verl.utils.speed_paths import SpeedPath
 from verl.utils.timer import marked_timer
+from verl.utils.tracking import ValidationGenerationsLogger
 
 logger = get_logger(__name__, "INFO")
 
@@ -152,6 +153,9 @@ class RayPPOTrainer(UpstreamTrainerAPI):
         self._step_profiler = StepProfiler(self.profiler_config)
         check_estimator_inputs(config)
         self.global_steps = 0
+        self.validation_generations_logger = ValidationGenerationsLogger(
+            config.trainer.project_name, config.trainer.experiment_name
+        )
         self._nonfinite = NonFiniteStreak(config.trainer.max_consecutive_nonfinite_steps)
         self._create_dataloader(train_dataset, val_dataset, collate_fn, train_sampler)
 
@@ -365,7 +369,8 @@ class RayPPOTrainer(UpstreamTrainerAPI):
     # ------------------------------------------------------------------ validation
     @property
     def validator(self) -> Validator:
-        """Built on first use: the rollout worker group it generates with exists after `init_workers()`."""
+        """Built on each use (the rollout worker group it generates with exists after `init_workers()`,
+        and a driver may reassign the parts it reads)."""
         return Validator(
             self.config.trainer,
             self.config.actor_rollout_ref.rollout,
@@ -376,7 +381,11 @@ class RayPPOTrainer(UpstreamTrainerAPI):
         )
 
     def _validate(self) -> dict[str, float]:
-        return self.validator.run(self.global_steps)
+        validator = self.validator
+        metrics = validator.run(self.global_steps)
+        if validator.last_samples is not None:
+            self._maybe_log_val_generations(*validator.last_samples)
+        return metrics
 
     # ------------------------------------------------------------------ the loop
     def fit(self) -> dict[str, float]:

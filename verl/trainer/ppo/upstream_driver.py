@@ -36,6 +36,7 @@ from verl.trainer.ppo.generation import GEN_BATCH_KEYS, generation_input
 from verl.trainer.ppo.rollout_source import check_no_vision_tokens, meta_metrics, vision_placeholder_ids
 from verl.trainer.ppo.step_records import dump_generations, dump_rollouts
 from verl.utils.timer import marked_timer
+from verl.utils.tracking import select_val_generations
 
 AdvantageEstimator = core_algos.AdvantageEstimator
 REWARD_COLUMNS = frozenset({"data_source", "reward_model", "extra_info", "uid"})
@@ -193,6 +194,14 @@ class UpstreamTrainerAPI:
         (`step_records.dump_generations`, which `trainer.validation_data_dir` writes with too)."""
         columns = {"input": inputs, "output": outputs, "gts": gts, "score": scores, **reward_extra_infos_dict}
         dump_generations(dump_path, self.global_steps, columns)
+
+    def _maybe_log_val_generations(self, inputs, outputs, scores) -> None:
+        """Log `trainer.log_val_generations` of the validation samples (`select_val_generations`) to
+        the trackers of `trainer.logger` through `self.validation_generations_logger`."""
+        n = self.config.trainer.get("log_val_generations", 0)
+        samples = select_val_generations(inputs, outputs, scores, n)
+        if samples:
+            self.validation_generations_logger.log(self.config.trainer.logger, samples, self.global_steps)
 
     def _log_rollout_data(self, batch: DataProto, reward_extra_infos_dict: dict, timing_raw: dict, rollout_data_dir):
         """`<rollout_data_dir>/<step>.jsonl`, one line per sample (`step_records.dump_rollouts`)."""

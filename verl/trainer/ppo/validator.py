@@ -11,7 +11,9 @@ Every validation prompt is generated `val_kwargs.n` times (greedy unless `val_kw
 and scored; the metrics are upstream's `val-core/...`/`val-aux/...` names per data source. With
 `trainer.validation_data_dir` set, each pass also writes `<dir>/<step>.jsonl`, one line per sample
 with upstream's fields (input, output, gts, score, step, and the reward function's per-sample
-extra values).
+extra values). With `trainer.log_val_generations` > 0 the pass keeps its (input, output, score) texts in
+`last_samples` for the trainer to log that many of them to the trackers (upstream's
+`_maybe_log_val_generations`).
 """
 
 from __future__ import annotations
@@ -44,6 +46,7 @@ class Validator:
         self.reward_fn = reward_fn
         self.generator = generator
         self.tokenizer = tokenizer
+        self.last_samples: tuple[list, list, list] | None = None  # (inputs, outputs, scores) of the last pass
 
     @property
     def enabled(self) -> bool:
@@ -64,6 +67,7 @@ class Validator:
         extra_infos: dict[str, list] = {}
         dp = self.generator.world_size
         dump_dir = self.trainer_cfg.get("validation_data_dir")
+        keep_texts = bool(dump_dir) or self.trainer_cfg.get("log_val_generations", 0) > 0
         samples: dict[str, list] = {"input": [], "output": [], "gts": []}
         reported_acc = False
         for batch_dict in self.dataloader:
@@ -87,7 +91,7 @@ class Validator:
                     extra_infos.setdefault(key, []).extend(values)
             sources.extend(batch.non_tensor_batch.get("data_source", np.array(["unknown"] * len(batch))).tolist())
             uids.extend(batch.non_tensor_batch["uid"].tolist())
-            if dump_dir:
+            if keep_texts:
                 samples["input"].extend(self.tokenizer.batch_decode(batch.batch["prompts"], skip_special_tokens=True))
                 samples["output"].extend(
                     self.tokenizer.batch_decode(batch.batch["responses"], skip_special_tokens=True)
@@ -99,6 +103,7 @@ class Validator:
             if reported_acc:
                 columns["acc"] = infos["acc"]
             dump_generations(dump_dir, step, columns)
+        self.last_samples = (samples["input"], samples["output"], list(infos["reward"])) if keep_texts else None
         infos.update(extra_infos)
         nested = process_validation_metrics(np.array(sources, dtype=object), np.array(uids, dtype=object), infos)
         return flatten_validation_metrics(nested)
