@@ -71,7 +71,14 @@ setup(
     long_description_content_type="text/markdown",
     python_requires=">=3.10",
     packages=find_packages(include=["verl", "verl.*"]),
-    package_data={"verl": ["trainer/config/*.yaml", "trainer/config/**/*.yaml", "assets/**/*"]},
+    package_data={
+        "verl": [
+            "trainer/config/*.yaml",
+            "trainer/config/**/*.yaml",
+            "experimental/*/config/*.yaml",
+            "assets/**/*",
+        ]
+    },
     include_package_data=True,
     install_requires=install_requires,
     extras_require=extras_require,

@@ -39,6 +39,22 @@ def _cmd(tmp_path: Path, steps: int, ahead: float, *extra: str) -> list[str]:
     )
 
 
+def _entry_cmd(script: str, tmp_path: Path, steps: int, *extra: str) -> list[str]:
+    """`_cmd`'s run through one of upstream's async entry points (examples/async/`script`, which calls it)."""
+    cmd = demo_script_cmd(
+        tmp_path,
+        steps,
+        "rollout.n_gpus_per_node=1",
+        f"trainer.rollout_data_dir={tmp_path / 'rollouts'}",
+        *extra,
+        batch=BATCH,
+        n=N,
+        ranks=1,
+    )
+    cmd[1] = f"examples/async/{script}"
+    return cmd
+
+
 def _trained(tmp_path: Path) -> dict[int, list[dict]]:
     """step -> the samples trained at that step (from trainer.rollout_data_dir)."""
     out = {}
@@ -73,7 +89,11 @@ def assert_partial_rollout_tags(trained: dict[int, list[dict]], steps: int, ahea
 
 def _run(run: Path, cluster, steps: int, ahead: float, *extra: str) -> Path:
     """`_cmd(run, ...)` to completion on `cluster`: the run directory."""
-    run_main_ppo(_cmd(run, steps, ahead, *extra), run, cluster=cluster)
+    return _run_cmd(run, cluster, _cmd(run, steps, ahead, *extra))
+
+
+def _run_cmd(run: Path, cluster, cmd: list[str]) -> Path:
+    run_main_ppo(cmd, run, cluster=cluster)
     return run
 
 
@@ -117,11 +137,30 @@ RUNS = {
     "half_ahead": lambda tmp, cluster, started: _run(tmp, cluster, 4, 0.5, "trainer.save_freq=2"),
     "half_ahead_resumed": lambda tmp, cluster, started: _killed_after_step_2_and_resumed(tmp, 4, 0.5, cluster),
     "tis": lambda tmp, cluster, started: _run(tmp, cluster, 2, 1, "async_training.off_policy_correction=tis"),
-    "none": lambda tmp, cluster, started: _run(tmp, cluster, 2, 1, "async_training.off_policy_correction=none"),
+    # upstream's one-step-off entry point with the trainer's recompute: k=1 with off_policy_correction=none
+    "none": lambda tmp, cluster, started: _run_cmd(
+        tmp,
+        cluster,
+        _entry_cmd("run_one_step_off_arith_tiny_cpu.sh", tmp, 2, "algorithm.rollout_correction.bypass_mode=False"),
+    ),
     "regenerate": _resumed_from_two_ahead_with_k1("regenerate"),
     "drop": _resumed_from_two_ahead_with_k1("drop"),
-    "sync_every_2": lambda tmp, cluster, started: _run(
-        tmp, cluster, 5, 1, "async_training.trigger_parameter_sync_step=2"
+    # upstream's fully-async entry point: staleness_threshold 0 with a sync every 2 steps is k = 0 x 2 + 2 - 1 = 1
+    "sync_every_2": lambda tmp, cluster, started: _run_cmd(
+        tmp,
+        cluster,
+        _entry_cmd(
+            "run_fully_async_arith_tiny_cpu.sh",
+            tmp,
+            5,
+            f"actor_rollout_ref.actor.ppo_mini_batch_size={BATCH}",
+            "async_training.require_batches=1",
+            "async_training.staleness_threshold=0",
+            "async_training.trigger_parameter_sync_step=2",
+            "async_training.partial_rollout=False",
+            f"rollout.total_rollout_steps={5 * BATCH}",
+            "rollout.test_freq=-1",
+        ),
     ),
     "resumed_between_syncs": _killed_between_two_syncs_and_resumed,
     "partial": lambda tmp, cluster, started: _run(
@@ -239,7 +278,8 @@ def test_off_policy_corrections_decoupled_tis_and_none_differ_as_documented(runs
     at exactly 1 (ppo_kl 0); the behaviour/proximal weights are reported and differ from 1.
     tis: old_log_probs are the rollout's own, so the ratio is against the stale behaviour policy
     (ppo_kl != 0 at step 2) and no proximal pass runs (no importance-weight metrics).
-    none: proximal recompute, the behaviour policy ignored (ppo_kl 0, no importance weights).
+    none: proximal recompute, the behaviour policy ignored (ppo_kl 0, no importance weights); that run
+    is upstream's one-step-off entry point with algorithm.rollout_correction.bypass_mode=False.
     Steps 1 and 2 of a run do not depend on its length: decoupled is the default, so the 4-step
     `one_step_off` run serves as the decoupled run; tis and none run 2 steps."""
     metrics = {"decoupled": _step_metrics(runs["one_step_off"].result())}
@@ -297,7 +337,9 @@ def test_groups_over_a_lowered_bound_are_regenerated_or_dropped_on_resume(runs):
 def test_syncing_every_2_updates_pushes_weights_at_steps_1_3_5_and_keeps_staleness_within_the_bound(runs):
     """k=1, trigger_parameter_sync_step=2 (the most lag k=1 allows): the pool gets v0 at step 1, v2 at
     step 3, v4 at step 5, and generates ahead only while the bound holds: batches 1-2 with v0, 3-4 with
-    v2, 5 with v4 (staleness 0, 1, 0, 1, 0). Versions 1 and 3 never reach the rollout worker."""
+    v2, 5 with v4 (staleness 0, 1, 0, 1, 0). Versions 1 and 3 never reach the rollout worker.
+    The run is upstream's fully-async entry point (staleness_threshold=0, trigger_parameter_sync_step=2,
+    a step of ppo_mini_batch_size x require_batches = 4 prompts, rollout.total_rollout_steps=20)."""
     steps = 5
     tmp_path = runs["sync_every_2"].result()
     trained = _trained(tmp_path)

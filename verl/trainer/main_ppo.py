@@ -27,22 +27,26 @@ import sys
 import threading
 
 
-def main(argv: list[str] | None = None) -> None:
+def main(argv: list[str] | None = None, *, entry=None) -> None:
     """Parse Hydra-style arguments (`key=value`, `+key=value`, `--config-path/--config-name`,
     `--cfg job`), validate, and train. A config or input mistake exits with status 2 and one message
     listing every problem; a failed run (a dead worker, a cluster too small for the run, ...) exits
     with status 1 and the message that says what went wrong; Ctrl-C stops the workers and exits with 130.
 
     `--cfg job` (Hydra's flag) prints the composed config and runs every check that needs no model,
-    data or Ray (the config's own rules, then this machine's devices and engines), exiting 0 or 2."""
+    data or Ray (the config's own rules, then this machine's devices and engines), exiting 0 or 2.
+
+    entry: another entry point's `EntryPoint` (its module directory, default config and the function that
+    turns its composed config into this trainer's, e.g. upstream's async entry points); default main_ppo's."""
     from verl.trainer.config import ConfigError, check_machine, load_ppo_config, parse_command_line
 
     try:
-        cmd = parse_command_line(sys.argv[1:] if argv is None else argv)
+        cmd = parse_command_line(sys.argv[1:] if argv is None else argv, **(entry.command_line() if entry else {}))
+        translate = entry.translate if entry else None
         if cmd.cfg is not None:
-            _print_config(cmd)
+            _print_config(cmd, translate)
             return
-        config = load_ppo_config(cmd.overrides, cmd.config_dir, config_name=cmd.config_name)
+        config = load_ppo_config(cmd.overrides, cmd.config_dir, config_name=cmd.config_name, translate=translate)
         check_machine(config)
     except ConfigError as e:
         print(f"verl: invalid configuration\n{e}", file=sys.stderr)
@@ -62,13 +66,16 @@ def main(argv: list[str] | None = None) -> None:
         raise SystemExit(_report_failure(e)) from None
 
 
-def _print_config(cmd) -> None:
-    """`--cfg job`: the composed config on stdout (as Hydra prints it), then the checks; a failed check raises."""
+def _print_config(cmd, translate=None) -> None:
+    """`--cfg job`: the composed config on stdout (as Hydra prints it; an entry point's as this trainer
+    reads it), then the checks; a failed check raises."""
     from omegaconf import OmegaConf
 
     from verl.trainer.config import check_machine, compose_config, validate_ppo_config
 
     config = compose_config(cmd.overrides, cmd.config_dir, config_name=cmd.config_name)
+    if translate is not None:
+        translate(config)
     print(OmegaConf.to_yaml(config, resolve=cmd.resolve), end="")
     sys.stdout.flush()
     validate_ppo_config(config)

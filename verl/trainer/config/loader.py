@@ -75,10 +75,13 @@ register_resolvers()
 # --------------------------------------------------------------------------------- composition
 
 
-def resolve_config_dir(config_path: str | os.PathLike | None) -> Path:
-    """The directory a `--config-path` names, as Hydra reads it for `python -m verl.trainer.main_ppo`."""
+def resolve_config_dir(
+    config_path: str | os.PathLike | None, entry_dir: Path = ENTRY_DIR, default_dir: Path = CONFIG_DIR
+) -> Path:
+    """The directory a `--config-path` names, as Hydra reads it for `python -m verl.trainer.main_ppo`
+    (or for the entry point whose module lives in `entry_dir` and whose own configs are `default_dir`)."""
     if config_path is None:
-        return CONFIG_DIR
+        return default_dir
     text = str(config_path)
     if text.startswith("pkg://"):
         package = text[len("pkg://") :].strip("/").replace("/", ".")
@@ -94,19 +97,19 @@ def resolve_config_dir(config_path: str | os.PathLike | None) -> Path:
     if path.is_absolute():
         candidates = [path]
     else:
-        candidates = [ENTRY_DIR / path, Path.cwd() / path]
+        candidates = [entry_dir / path, Path.cwd() / path]
     for candidate in candidates:
         if candidate.is_dir():
             return candidate.resolve()
     raise ConfigError(
         f"--config-path={config_path}: no such directory (looked in {', '.join(str(c) for c in candidates)}); "
-        "a relative --config-path is read against verl/trainer/, as Hydra reads it for "
-        "`python -m verl.trainer.main_ppo`, then against the working directory"
+        f"a relative --config-path is read against {entry_dir.relative_to(ENTRY_DIR.parent.parent)}/, as Hydra "
+        "reads it for the entry point's module, then against the working directory"
     )
 
 
-def _config_name(name: str | None) -> str:
-    name = name or DEFAULT_CONFIG_NAME
+def _config_name(name: str | None, default: str = DEFAULT_CONFIG_NAME) -> str:
+    name = name or default
     return name[: -len(".yaml")] if name.endswith(".yaml") else name
 
 
@@ -353,14 +356,18 @@ def load_ppo_config(
     *,
     config_name: str | None = None,
     validate: bool = True,
+    translate=None,
 ) -> DictConfig:
     """The PPO config: `config_name` (default ppo_trainer) composed from `config_path` + `overrides`.
 
     `config_path` is a directory (as `--config-path`; default verl's config directory) or a YAML
-    file (then `config_name` is its name). Returns a resolved DictConfig in struct mode, validated
-    with `validate_ppo_config` unless `validate=False`.
+    file (then `config_name` is its name). `translate(cfg)`, when given, rewrites the composed config in
+    place first (an entry point's config in this trainer's keys, `async_recipes`). Returns a resolved
+    DictConfig in struct mode, validated with `validate_ppo_config` unless `validate=False`.
     """
     cfg = compose_config(overrides, config_path, config_name=config_name)
+    if translate is not None:
+        translate(cfg)
     if validate:  # before resolving, so errors name the key a bad value was written to
         from verl.trainer.config.validate import validate_ppo_config
 
@@ -387,10 +394,16 @@ class CommandLine:
         return str(self.config_dir / f"{self.config_name}.yaml")
 
 
-def parse_command_line(argv: list[str]) -> CommandLine:
+def parse_command_line(
+    argv: list[str], *, entry_dir: Path = ENTRY_DIR, default_dir: Path = CONFIG_DIR, default_name: str | None = None
+) -> CommandLine:
     """Hydra's `--config-path/-cp DIR`, `--config-name/-cn NAME`, `--config-dir/-cd DIR` (a search
     directory: taken as the config directory here), `--cfg/-c job|all` and `--resolve`, both as
-    `--opt=value` and `--opt value`; everything else is an override."""
+    `--opt=value` and `--opt value`; everything else is an override.
+
+    entry_dir / default_dir / default_name: the entry point's `@hydra.main(config_path, config_name)`
+    (default main_ppo's: verl/trainer, its config/ and ppo_trainer); a relative `--config-path` is read
+    against entry_dir."""
     options = {
         "--config-path": "path", "-cp": "path", "--config-name": "name", "-cn": "name",
         "--config-dir": "dir", "-cd": "dir", "--cfg": "cfg", "-c": "cfg",
@@ -421,8 +434,9 @@ def parse_command_line(argv: list[str]) -> CommandLine:
             f"--cfg {cfg_mode}: only `--cfg job` (the composed config; `all` is the same here, there is no "
             "Hydra job config) is available"
         )
-    directory = resolve_config_dir(found.get("path") or found.get("dir"))
-    return CommandLine(directory, _config_name(found.get("name")), overrides, cfg_mode, resolve_flag)
+    directory = resolve_config_dir(found.get("path") or found.get("dir"), entry_dir, default_dir)
+    name = _config_name(found.get("name"), default_name or DEFAULT_CONFIG_NAME)
+    return CommandLine(directory, name, overrides, cfg_mode, resolve_flag)
 
 
 def parse_cli_args(argv: list[str]) -> tuple[str | None, list[str]]:
