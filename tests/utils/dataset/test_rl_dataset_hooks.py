@@ -4,13 +4,12 @@
 
 from __future__ import annotations
 
+import datasets  # a test dependency (setup.py's `test` extra), as recipes that build HF datasets need it
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
 from verl.utils.dataset.rl_dataset import RLHFDataset, create_rl_dataset
-
-datasets = pytest.importorskip("datasets", reason="datasets is a test dependency (setup.py extras 'test')")
 
 SUFFIX = "\nBox the answer."
 
