@@ -26,7 +26,8 @@ class AimeDataset(RLHFDataset):
     def _read_files_and_tokenize(self):
         frames = []
         for parquet_dir in self.data_files:
-            frame = datasets.load_dataset(parquet_dir, cache_dir=parquet_dir + "/.hf_cache")["train"]
+            cache_dir = parquet_dir.rsplit("/", 2)[0] + "/.hf_cache"  # beside the data, not in it
+            frame = datasets.load_dataset(parquet_dir, cache_dir=cache_dir)["train"]
             source = "/".join(parquet_dir.split("/")[-2:])
             if source == "Maxwell-Jia/AIME_2024":
                 frame = frame.map(self.map_aime, remove_columns=frame.column_names)
