@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
-# Run verl-recipe's own drivers (DAPO, entropy) unchanged against this checkout, two steps each, on
-# the bundled tiny model and arithmetic data (+demo=arith), then validate and save a checkpoint.
+# Run verl-recipe's own drivers (DAPO, entropy) and recipe files (ReTool) unchanged against this
+# checkout, two steps each, on a bundled tiny model and arithmetic data (+demo=arith), then validate
+# and save a checkpoint.
 #
-#   bash scripts/check_verl_recipes.sh /path/to/verl-recipe [dapo|entropy ...]
+#   bash scripts/check_verl_recipes.sh /path/to/verl-recipe [dapo|entropy|retool ...]
 #
 # The recipe checkout is put on PYTHONPATH as the package `recipe` (as upstream's README asks: clone it
 # into verl/recipe); the commands run from this repository's root, where the recipes' configs find
@@ -10,14 +11,24 @@
 # latex2sympy2_extended and pylatexenc (install them first); its math scorer does not know the
 # arithmetic task, so its runs score with verl's default_compute_score through custom_reward_function.
 # A recipe's TaskRunner asks Ray for one CPU, so Ray gets one more CPU than the two workers use.
+# ReTool runs verl.trainer.main_ppo with the recipe's own dataset class (CustomRLHFDataset, reading
+# parquet directories laid out as BytedTsinghua-SIA/DAPO-Math-17k and Maxwell-Jia/AIME_2024, written
+# here from arithmetic problems), its reward function (compute_score, reading extra_info["num_turns"])
+# and a copy of its tool config pointing at a local SandboxFusion-compatible service
+# (python -m verl.tools.sandbox_fusion_service) on a free port, with the bundled tool-calling model
+# arith-tool-tiny. That model was taught a calculator on bare questions; with ReTool's answer-format
+# suffix on every prompt it calls no tool (every episode has num_turns=2, which ReTool's reward reads),
+# so after training the recipe's tool is called directly, built from the same tool config, through its
+# Ray execution pool and the service. It needs `pip install datasets`.
 # See docs/upstream.md#recipes-own-drivers.
 set -euo pipefail
 RECIPES="${1:?usage: $0 VERL_RECIPE_DIR [dapo|entropy ...]}"
 shift
-CHECKS=("${@:-dapo entropy}")
+CHECKS=("${@:-dapo entropy retool}")
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 WORK="$(mktemp -d)"
-trap 'rm -rf "$WORK"' EXIT
+SERVICE_PID=
+trap '[ -z "$SERVICE_PID" ] || kill "$SERVICE_PID" 2>/dev/null; rm -rf "$WORK"' EXIT
 ln -s "$(cd "$RECIPES" && pwd)" "$WORK/recipe"
 cat > "$WORK/arith_reward.py" <<'EOF'
 from verl.utils.reward_score import default_compute_score
@@ -37,6 +48,77 @@ COMMON=(
     trainer.total_training_steps=2 trainer.test_freq=2 trainer.save_freq=2 "trainer.logger=[console]"
     trainer.val_before_train=True ray_kwargs.ray_init.num_cpus=3
 )
+retool_setup() {
+    # data in the layouts ReTool's CustomRLHFDataset reads, the local service, the tool config copy
+    ${PYTHON:-python3} - "$WORK/data" <<'EOF'
+import os
+import sys
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+root = sys.argv[1]
+problems = [(12, 34, 56), (7, 8, 9), (3, 41, 5), (25, 4, 6), (9, 9, 9), (60, 2, 7), (5, 5, 5), (18, 3, 2)]
+train = [
+    {
+        "data_source": "math_dapo",
+        "prompt": [{"role": "user", "content": f"What is {a}+{b}*{c}?"}],
+        "ability": "MATH",
+        "reward_model": {"ground_truth": str(a + b * c), "style": "rule-lighteval/MATH_v2"},
+        "extra_info": {"index": f"arith-{i}"},
+    }
+    for i, (a, b, c) in enumerate(problems)
+]
+aime = [{"ID": f"2024-I-{i}", "Problem": f"What is {a}*{b}+{c}?", "Answer": a * b + c} for i, (a, b, c) in enumerate(problems[:4])]
+for sub, rows, name in (
+    ("BytedTsinghua-SIA/DAPO-Math-17k", train, "train.parquet"),
+    ("Maxwell-Jia/AIME_2024", aime, "aime_2024_problems.parquet"),
+):
+    os.makedirs(f"{root}/{sub}", exist_ok=True)
+    pq.write_table(pa.Table.from_pylist(rows), f"{root}/{sub}/{name}")
+EOF
+    local port
+    port=$(${PYTHON:-python3} -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
+    ${PYTHON:-python3} -m verl.tools.sandbox_fusion_service --port "$port" > "$WORK/service.log" 2>&1 &
+    SERVICE_PID=$!
+    sed "s#http://localhost:8080/run_code#http://127.0.0.1:$port/run_code#" \
+        "$WORK/recipe/retool/sandbox_fusion_tool_config.yaml" > "$WORK/sandbox_fusion_tool_config.yaml"
+    grep -q "127.0.0.1:$port" "$WORK/sandbox_fusion_tool_config.yaml" \
+        || { echo "retool: the tool config's URL was not replaced" >&2; exit 1; }
+}
+
+retool_tool_call() {
+    # the recipe's CustomSandboxFusionTool, built from the tool config copy, runs code through its Ray pool
+    ${PYTHON:-python3} - "$WORK/sandbox_fusion_tool_config.yaml" <<'EOF'
+import asyncio
+import sys
+
+import ray
+
+from verl.tools.utils.tool_registry import initialize_tools_from_config
+
+ray.init(num_cpus=1, include_dashboard=False)
+(tool,) = initialize_tools_from_config(sys.argv[1])
+assert type(tool).__qualname__ == "CustomSandboxFusionTool", tool
+
+
+async def call(code):
+    instance_id, _ = await tool.create()
+    try:
+        return await tool.execute(instance_id, {"code": code})
+    finally:
+        await tool.release(instance_id)
+
+
+response, reward, metrics = asyncio.run(call("```python\nx = 6 * 7\nx\n```"))
+assert (response.text, reward, metrics) == ("42\n", None, None), (response, reward, metrics)
+response, _, _ = asyncio.run(call("1/0"))
+assert "ZeroDivisionError" in response.text, response
+print("== verl-recipe retool: CustomSandboxFusionTool ran the code on the local service through its Ray pool")
+ray.shutdown()
+EOF
+}
+
 for check in ${CHECKS[*]}; do
     echo "== verl-recipe $check"
     case "$check" in
@@ -53,7 +135,31 @@ for check in ${CHECKS[*]}; do
                 actor_rollout_ref.actor.policy_loss.ppo_kl_coef=1 \
                 custom_reward_function.path="$WORK/arith_reward.py" \
                 trainer.default_local_dir="$WORK/ckpt_entropy" ;;
-        *) echo "unknown check '$check' (dapo, entropy)" >&2; exit 2 ;;
+        retool)
+            retool_setup
+            ${PYTHON:-python3} -m verl.trainer.main_ppo +demo=arith trainer.device=auto \
+                algorithm.adv_estimator=grpo algorithm.use_kl_in_reward=False \
+                data.train_files="['$WORK/data/BytedTsinghua-SIA/DAPO-Math-17k']" \
+                data.val_files="['$WORK/data/Maxwell-Jia/AIME_2024']" \
+                data.return_raw_chat=True data.train_batch_size=4 data.max_prompt_length=128 \
+                data.max_response_length=96 data.filter_overlong_prompts=True data.truncation=error \
+                data.custom_cls.path="$WORK/recipe/retool/retool.py" data.custom_cls.name=CustomRLHFDataset \
+                custom_reward_function.path="$WORK/recipe/retool/retool.py" custom_reward_function.name=compute_score \
+                actor_rollout_ref.model.path='${verl_asset:arith-tool-tiny}' \
+                actor_rollout_ref.actor.use_kl_loss=False actor_rollout_ref.actor.ppo_mini_batch_size=4 \
+                actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=8 \
+                actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=8 \
+                actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu=8 \
+                actor_rollout_ref.rollout.n=4 actor_rollout_ref.rollout.multi_turn.enable=True \
+                actor_rollout_ref.rollout.multi_turn.max_user_turns=4 \
+                actor_rollout_ref.rollout.multi_turn.max_assistant_turns=4 \
+                actor_rollout_ref.rollout.multi_turn.tool_config_path="$WORK/sandbox_fusion_tool_config.yaml" \
+                actor_rollout_ref.rollout.multi_turn.format=hermes \
+                trainer.total_training_steps=2 trainer.test_freq=2 trainer.save_freq=2 "trainer.logger=[console]" \
+                trainer.val_before_train=True ray_kwargs.ray_init.num_cpus=3 \
+                trainer.default_local_dir="$WORK/ckpt_retool"
+            retool_tool_call ;;
+        *) echo "unknown check '$check' (dapo, entropy, retool)" >&2; exit 2 ;;
     esac
     test -d "$WORK/ckpt_$check/global_step_2/actor" || { echo "verl-recipe $check: no step-2 checkpoint" >&2; exit 1; }
     echo "== verl-recipe $check: trained 2 steps, validated, saved global_step_2"

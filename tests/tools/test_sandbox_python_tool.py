@@ -25,6 +25,13 @@ def test_prints_and_errors_come_back_as_text():
     assert 'File "<sandbox>", line 1' in failed.stderr and "<string>" not in failed.stderr  # no prelude frames
 
 
+def test_stdin_is_the_programs_input_and_not_part_of_the_code():
+    result = run("import sys\nname = input()\nprint(name.upper(), sys.stdin.read().split())", stdin="ada\n1 2\n3")
+    assert (result.stdout, result.exit_code) == ("ADA ['1', '2', '3']\n", 0)
+    assert run("print(repr(input()))", stdin="é ü\n").stdout == "'é ü'\n"  # counted in bytes, not characters
+    assert "EOFError" in run("input()").stderr
+
+
 def test_a_busy_loop_and_a_sleep_are_killed_at_the_timeout():
     for code in ("while True: pass", "import time; time.sleep(60)"):
         start = time.monotonic()

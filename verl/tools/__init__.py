@@ -4,5 +4,7 @@
 - `function_tool.FunctionTool`: a Python function or async callable as a tool.
 - `calculator_tool.CalculatorTool`: exact arithmetic on an expression (no code execution).
 - `sandbox_python_tool.PythonSandboxTool`: Python in a confined subprocess.
+- `sandbox_fusion_tools.SandboxFusionTool`: code run on a SandboxFusion service (upstream's tool and
+  execution-pool names); `sandbox_fusion_service`: a local, Python-only stand-in for that service.
 - `utils.tool_registry.initialize_tools_from_config`: tools from upstream's tool-config YAML.
 """

@@ -1,7 +1,9 @@
 """`PythonSandboxTool`: run model-written Python in a separate, limited process.
 
-`await run_python(code)` starts `python -I -B -c <prelude>` in a fresh temporary directory with the
-code on stdin; the prelude confines the process and then executes the code as `__main__`. What the
+`await run_python(code, stdin=...)` starts `python -I -B -c <prelude>` in a fresh temporary directory
+with the code, then the program's own input, on stdin (the prelude reads exactly the code's bytes, so
+`input()` and `sys.stdin` see only `stdin`); the prelude confines the process and then executes the
+code as `__main__`. What the
 model sees is stdout (and stderr, and a note when the run timed out, ran out of memory or was cut).
 
 What is isolated, and how:
@@ -47,10 +49,12 @@ from typing import Any
 from verl.tools.base_tool import BaseTool
 from verl.tools.schemas import OpenAIFunctionToolSchema, ToolResponse
 
-# Runs in the sandboxed interpreter before the user's code. argv: tmpdir memory_bytes cpu_seconds file_bytes
+# Runs in the sandboxed interpreter before the user's code.
+# argv: tmpdir memory_bytes cpu_seconds file_bytes code_bytes
 _PRELUDE = r"""
 import sys, os, resource, builtins
 _tmp, _mem, _cpu, _fsize = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
+_code = sys.stdin.buffer.read(int(sys.argv[5])).decode("utf-8", "surrogateescape")
 sys.argv = ["<sandbox>"]
 sys.dont_write_bytecode = True
 try:
@@ -65,7 +69,6 @@ resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
 resource.setrlimit(resource.RLIMIT_AS, (_mem, _mem))
 resource.setrlimit(resource.RLIMIT_CPU, (_cpu, _cpu + 1))
 resource.setrlimit(resource.RLIMIT_FSIZE, (_fsize, _fsize))
-_code = sys.stdin.read()
 
 def _make_hook(tmp, readable, pid):
     realpath, join, isdir, getcwd, fspath = os.path.realpath, os.path.join, os.path.isdir, os.getcwd, os.fspath
@@ -179,18 +182,22 @@ async def _read_capped(stream: asyncio.StreamReader, cap: int, on_overflow) -> t
 async def run_python(
     code: str,
     *,
+    stdin: str = "",
     timeout_s: float = 5.0,
     memory_mb: int = 512,
     max_output_bytes: int = 8192,
     max_file_bytes: int = 16 << 20,
     python: str | None = None,
 ) -> SandboxResult:
-    """Execute `code` in a confined subprocess (see the module docstring) and collect its output."""
+    """Execute `code` in a confined subprocess (see the module docstring) and collect its output;
+    `stdin` is the program's standard input."""
     if timeout_s <= 0 or memory_mb <= 0 or max_output_bytes <= 0 or max_file_bytes <= 0:
         raise ValueError("run_python: timeout_s, memory_mb, max_output_bytes and max_file_bytes must be positive")
     with tempfile.TemporaryDirectory(prefix="verl_sandbox_") as tmp:
         env = {"PATH": "/usr/bin:/bin", "HOME": tmp, "TMPDIR": tmp, "LANG": "C.UTF-8", "PYTHONIOENCODING": "utf-8"}
+        code_bytes = code.encode("utf-8", errors="surrogateescape")
         limits = [tmp, str(memory_mb << 20), str(max(1, int(timeout_s + 0.999))), str(max_file_bytes)]
+        limits.append(str(len(code_bytes)))
         proc = await asyncio.create_subprocess_exec(
             python or sys.executable,
             "-I",
@@ -208,7 +215,7 @@ async def run_python(
         kill = functools.partial(_kill_group, proc.pid)
         timed_out = False
         try:
-            proc.stdin.write(code.encode("utf-8", errors="surrogateescape"))
+            proc.stdin.write(code_bytes + stdin.encode("utf-8", errors="surrogateescape"))
             await proc.stdin.drain()
         except (BrokenPipeError, ConnectionResetError):
             pass  # the interpreter died before reading (e.g. out of memory at start-up)

@@ -1,28 +1,25 @@
-"""sandbox_fusion: the SandboxFusion HTTP client against a stand-in service on 127.0.0.1.
+"""sandbox_fusion: the SandboxFusion HTTP client against the local service on 127.0.0.1.
 
-The stand-in speaks SandboxFusion's `run_code` API: it executes Python with the local sandbox and
-answers with `status` / `compile_result` / `run_result` as the real service does. Special markers
-in the code make it answer a compile error or a sandbox error; `fail_next_504` makes it answer
-"504 Gateway Timeout" that many times first.
+The service is `verl.tools.sandbox_fusion_service` (the real `run_code` API, Python run in our
+sandbox); the test subclass records requests and injects failures: special markers in the code make it
+answer a compile error or a sandbox error, and `fail_next_504` makes it answer "504 Gateway Timeout"
+that many times first.
 """
 
 import json
 import threading
 import time
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
+from verl.tools.sandbox_fusion_service import LocalSandboxService
 from verl.utils.reward_score import default_compute_score, sandbox_fusion
-from verl.utils.reward_score.sandbox import run_python
 from verl.utils.reward_score.sandbox_fusion import utils as sf_utils
 
 
-class StandIn(ThreadingHTTPServer):
-    daemon_threads = True
-
+class RecordingService(LocalSandboxService):
     def __init__(self):
-        super().__init__(("127.0.0.1", 0), _Handler)
+        super().__init__()
         self.requests = []
         self.fail_next_504 = 0
         self.in_flight = 0
@@ -30,70 +27,32 @@ class StandIn(ThreadingHTTPServer):
         self.delay_s = 0.0
         self.lock = threading.Lock()
 
-    @property
-    def url(self):
-        return f"http://127.0.0.1:{self.server_address[1]}/run_code"
-
-
-class _Handler(BaseHTTPRequestHandler):
-    def log_message(self, *args):
-        pass
-
-    def _reply(self, status: int, body: dict | None = None):
-        data = json.dumps(body or {}).encode()
-        self.send_response(status)
-        self.send_header("Content-Type", "application/json")
-        self.send_header("Content-Length", str(len(data)))
-        self.end_headers()
-        self.wfile.write(data)
-
-    def do_POST(self):
-        server = self.server
-        payload = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
-        with server.lock:
-            server.requests.append(payload)
-            if server.fail_next_504 > 0:
-                server.fail_next_504 -= 1
-                self._reply(504, {"message": "gateway timeout"})
-                return
-            server.in_flight += 1
-            server.max_in_flight = max(server.max_in_flight, server.in_flight)
+    def run_code(self, request):
+        with self.lock:
+            self.requests.append(request)
+            if self.fail_next_504 > 0:
+                self.fail_next_504 -= 1
+                return 504, {"message": "gateway timeout"}
+            self.in_flight += 1
+            self.max_in_flight = max(self.max_in_flight, self.in_flight)
         try:
-            time.sleep(server.delay_s)
-            self._reply(200, self._run(payload))
+            time.sleep(self.delay_s)
+            if "SANDBOX_BROKEN" in request["code"]:
+                return 200, {"status": "SandboxError", "message": "worker crashed"}
+            if "COMPILE_ERROR" in request["code"]:
+                compile_result = {"status": "Finished", "return_code": 1, "stderr": "error: expected ';'"}
+                return 200, {"status": "Failed", "compile_result": compile_result, "run_result": None}
+            return super().run_code(request)
         finally:
-            with server.lock:
-                server.in_flight -= 1
-
-    @staticmethod
-    def _run(payload):
-        code = payload["code"]
-        if "SANDBOX_BROKEN" in code:
-            return {"status": "SandboxError", "message": "worker crashed"}
-        if "COMPILE_ERROR" in code:
-            compile_result = {"status": "Finished", "return_code": 1, "stderr": "error: expected ';'"}
-            return {"status": "Failed", "compile_result": compile_result, "run_result": None}
-        result = run_python(code, stdin=payload["stdin"] or "", timeout_s=payload["run_timeout"])
-        run_status = "TimeLimitExceeded" if result.timed_out else ("Finished" if result.returncode == 0 else "Error")
-        run_result = {
-            "status": run_status,
-            "return_code": result.returncode,
-            "stdout": result.stdout,
-            "stderr": result.stderr,
-            "execution_time": 0.01,
-        }
-        ok = run_status == "Finished"
-        return {"status": "Success" if ok else "Failed", "compile_result": None, "run_result": run_result}
+            with self.lock:
+                self.in_flight -= 1
 
 
 @pytest.fixture
 def service():
-    server = StandIn()
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
+    server = RecordingService().start()
     yield server
-    server.shutdown()
-    server.server_close()
+    server.stop()
 
 
 ADD = "```python\na, b = map(int, input().split())\nprint(a + b)\n```"

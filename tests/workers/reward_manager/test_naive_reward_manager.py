@@ -29,8 +29,55 @@ def test_decodes_valid_tokens_only_and_skips_special_tokens(char_tokenizer, make
         return 0.5
 
     reward = NaiveRewardManager(char_tokenizer, 0, compute_score=compute_score)(data)
-    assert seen == [("arith", "85", "85", {"index": 7})]
+    # upstream's naive manager adds the rollout's num_turns (None: not a multi-turn rollout) and reward scores
+    assert seen == [("arith", "85", "85", {"index": 7, "num_turns": None, "rollout_reward_scores": {}})]
     assert reward[0, 2] == 0.5 and reward.sum() == 0.5
+
+
+def test_multi_turn_num_turns_and_rollout_scores_reach_extra_info_per_manager(char_tokenizer, make_batch):
+    """ReTool's compute_score reads extra_info["num_turns"], also for rows without an extra_info column
+    (its AIME validation rows); upstream's rule: naive adds num_turns and rollout_reward_scores, batch and
+    dapo only rollout_reward_scores, prime nothing. The batch's own extra_info dicts stay unchanged."""
+    from verl.workers.reward_manager import BatchRewardManager, DAPORewardManager, PrimeRewardManager
+
+    data = make_batch(["1<eos>", "2<eos>"], ["1", "2"], extra_infos=[{"index": 0}, {"index": 1}])
+    data.non_tensor_batch["__num_turns__"] = np.array([2, 6], dtype=np.int64)
+    data.non_tensor_batch["reward_scores"] = np.array([{"tool": 0.5}, {}], dtype=object)
+    seen = []
+
+    def compute_score(data_source, solution_str, ground_truth, extra_info=None):
+        seen.append(extra_info)
+        return float(extra_info.get("num_turns") or 0) if isinstance(extra_info, dict) else 0.0
+
+    reward = NaiveRewardManager(char_tokenizer, 0, compute_score=compute_score)(data)
+    assert seen == [
+        {"index": 0, "num_turns": 2, "rollout_reward_scores": {"tool": 0.5}},
+        {"index": 1, "num_turns": 6, "rollout_reward_scores": {}},
+    ]
+    assert type(seen[0]["num_turns"]) is int and reward.sum().item() == 8.0
+    assert list(data.non_tensor_batch["extra_info"]) == [{"index": 0}, {"index": 1}]
+
+    seen.clear()
+    DAPORewardManager(char_tokenizer, 0, compute_score=compute_score)(data)
+    assert seen == [{"index": 0, "rollout_reward_scores": {"tool": 0.5}}, {"index": 1, "rollout_reward_scores": {}}]
+
+    def batch_score(data_sources, solution_strs, ground_truths, extra_infos):
+        seen.extend(extra_infos)
+        return [0.0] * len(extra_infos)
+
+    seen.clear()
+    BatchRewardManager(char_tokenizer, 0, compute_score=batch_score)(data)
+    assert seen == [{"index": 0, "rollout_reward_scores": {"tool": 0.5}}, {"index": 1, "rollout_reward_scores": {}}]
+
+    # rows without an extra_info column get a dict of the rollout's values (upstream's `.get("extra_info", {})`)
+    del data.non_tensor_batch["extra_info"]
+    seen.clear()
+    NaiveRewardManager(char_tokenizer, 0, compute_score=compute_score)(data)
+    assert seen == [
+        {"num_turns": 2, "rollout_reward_scores": {"tool": 0.5}},
+        {"num_turns": 6, "rollout_reward_scores": {}},
+    ]
+    assert PrimeRewardManager.ROLLOUT_EXTRA_INFO == ()
 
 
 def test_dict_results_fill_reward_extra_info(char_tokenizer, make_batch):

@@ -13,6 +13,18 @@ Design decisions:
   ``datasets`` dependency and no cache directory: prompt sets are small, and upstream also reads all
   files into memory. A column missing from some files is None in their rows, so every batch has the
   same keys.
+- Subclass hooks, upstream's: ``__init__`` sets ``self.data_files`` (and ``original_data_files``,
+  ``config``, ``shuffle``, ``seed``) and calls ``self._read_files_and_tokenize()``, which must set
+  ``self.dataframe``: the base sets a list of the files' row dicts; an override may read the files its
+  own way and set a ``datasets.Dataset`` (``load_dataset(...)["train"]``, ``.map``,
+  ``concatenate_datasets``: verl-recipe's ReTool) or a list of row dicts. Its rows are then what the
+  dataset serves, checked like the files' rows, and ``max_samples`` (seeded subset with ``shuffle``) and
+  the overlong-prompt check (``filter_overlong_prompts`` / ``truncation="error"``) apply to them
+  as to the files' rows. Upstream's base hook does those two inside itself, so there an override that
+  does not call them skips them; here the configured checks always hold (running them twice, when an
+  override also calls ``maybe_filter_out_long_prompts``, keeps the same rows). Afterwards
+  ``self.dataframe`` holds the rows kept (a ``Dataset`` through ``.select``), so ``self.dataframe[i]`` is
+  item i's row, as upstream's ``__getitem__`` reads it.
 - Mistakes surface when the dataset is built, not at step 500: a missing prompt column, an empty
   file, a prompt that is not a list of ``{"role", "content"}`` messages, and (with
   ``truncation="error"``) an overlong prompt all raise here, naming the file and row. Checking lengths
@@ -289,33 +301,75 @@ class RLHFDataset(Dataset):
         self.data_files = [os.path.expanduser(str(f)) for f in data_files]
         if not self.data_files:
             raise ValueError("RLHFDataset needs at least one data file; data.train_files / data.val_files is empty")
-        self.rows, self._origins = self._read_all()
-        self._select_max_samples(bool(config.get("shuffle", False)), config.get("seed"))
+        self.original_data_files = list(self.data_files)
+        self.config = config
+        self.shuffle = bool(config.get("shuffle", False))
+        self.seed = config.get("seed")
+        self.dataframe = None
+        self._file_rows: tuple[list[dict], list[tuple[str, int]]] | None = None
+        self._read_files_and_tokenize()
+        self.rows, self._origins = self._rows_of_dataframe()
+        self._select_max_samples(self.shuffle, self.seed)
         # Per row: (the messages, their token ids before truncation, the rendered text or None
         # without return_full_prompt); None until computed (module docstring: tokenised once).
         self._prompt_cache: list[tuple[list, np.ndarray, str | None] | None] = [None] * len(self.rows)
         if self.filter_overlong_prompts or self.truncation == "error":
             self._check_lengths()
+        self._sync_dataframe()
 
     # ----------------------------------------------------------------------------------------------
     # loading
-    def _read_all(self) -> tuple[list[dict], list[tuple[str, int]]]:
+    def _read_files_and_tokenize(self) -> None:
+        """Upstream's hook: read ``self.data_files`` into ``self.dataframe`` (module docstring, "subclass
+        hooks"). Here ``self.dataframe`` is a list of row dicts; an override may set a ``datasets.Dataset``."""
         rows, origins = [], []
         for path in self.data_files:
             file_rows = read_rows(path)
             if not file_rows:
                 raise ValueError(f"data file {path!r} has no rows; regenerate it or remove it from the file list")
-            columns = set().union(*(row.keys() for row in file_rows[:100]))
-            if self.prompt_key not in columns:
-                raise ValueError(
-                    f"data file {path!r} has no column {self.prompt_key!r} (data.prompt_key); its columns are "
-                    f"{sorted(columns)}. Set data.prompt_key to the column holding the chat messages"
-                )
-            for i, row in enumerate(file_rows):
-                _check_messages(row.get(self.prompt_key), self.prompt_key, f"{path}, row {i}")
-                self._check_media(row, f"{path}, row {i}")
+            self._check_prompt_column(file_rows, f"data file {path!r}")
             rows.extend(file_rows)
             origins.extend((path, i) for i in range(len(file_rows)))
+        self.dataframe = rows
+        self._file_rows = (rows, origins)
+
+    def _check_prompt_column(self, rows: Sequence[Mapping], where: str) -> None:
+        columns = set().union(*(row.keys() for row in rows[:100]))
+        if self.prompt_key not in columns:
+            raise ValueError(
+                f"{where} has no column {self.prompt_key!r} (data.prompt_key); its columns are "
+                f"{sorted(columns)}. Set data.prompt_key to the column holding the chat messages"
+            )
+
+    def _rows_of_dataframe(self) -> tuple[list[dict], list[tuple[str, int]]]:
+        """``self.dataframe`` (the files' rows, or what an override of ``_read_files_and_tokenize`` built)
+        as checked row dicts with their origins, every row with the same columns."""
+        frame = self.dataframe
+        if self._file_rows is not None and frame is self._file_rows[0]:
+            rows, origins = self._file_rows
+        else:
+            where = f"{type(self).__name__}.dataframe (set by _read_files_and_tokenize)"
+            if frame is None:
+                raise ValueError(
+                    f"{type(self).__name__}._read_files_and_tokenize() left self.dataframe unset; it must set it to "
+                    "a datasets.Dataset or a list of row dicts (upstream's hook contract)"
+                )
+            if hasattr(frame, "to_list") and hasattr(frame, "select"):  # a datasets.Dataset
+                rows = frame.to_list()
+            elif isinstance(frame, list | tuple) and all(isinstance(row, Mapping) for row in frame):
+                rows = [dict(row) for row in frame]
+            else:
+                raise TypeError(
+                    f"{where} is a {type(frame).__name__}; it must be a datasets.Dataset or a list of row dicts"
+                )
+            if not rows:
+                raise ValueError(f"{where} has no rows (data files {self.data_files})")
+            self._check_prompt_column(rows, where)
+            origins = [(where, i) for i in range(len(rows))]
+        for row, (path, i) in zip(rows, origins, strict=True):
+            _check_messages(row.get(self.prompt_key), self.prompt_key, f"{path}, row {i}")
+            self._check_media(row, f"{path}, row {i}")
+        self._file_rows = None
         # Files (or JSON rows) may differ in their extra columns; every item must carry the same keys so
         # that a collated batch has one value per row for each of them.
         all_columns = set().union(*(row.keys() for row in rows))
@@ -324,6 +378,33 @@ class RLHFDataset(Dataset):
                 for column in all_columns.difference(row):
                     row[column] = None
         return rows, origins
+
+    def _sync_dataframe(self) -> None:
+        """Leave ``self.dataframe`` holding the rows kept (after max_samples and the length filter)."""
+        if isinstance(self.dataframe, list):
+            self.dataframe = self.rows
+        elif hasattr(self.dataframe, "select") and len(self.dataframe) != len(self.rows):
+            self.dataframe = self.dataframe.select([i for _, i in self._origins])
+
+    def maybe_filter_out_long_prompts(self, dataframe=None):
+        """Upstream's hook: ``dataframe`` (a ``datasets.Dataset`` or a list of row dicts; default
+        ``self.dataframe``) without the rows whose rendered prompt is longer than ``data.max_prompt_length``
+        tokens, when ``data.filter_overlong_prompts`` is on; unchanged otherwise."""
+        dataframe = self.dataframe if dataframe is None else dataframe
+        if not self.filter_overlong_prompts:
+            return dataframe
+        rows = dataframe.to_list() if hasattr(dataframe, "to_list") else list(dataframe)
+        if self.processor is not None:
+            lengths = [len(self._encode_multi_modal(dict(row), f"row {i}")[3]) for i, row in enumerate(rows)]
+        else:
+            texts = [self._render(row[self.prompt_key]) for row in rows]
+            lengths = (
+                [len(ids) for ids in self.tokenizer(texts, add_special_tokens=False)["input_ids"]] if texts else []
+            )
+        keep = [i for i, n in enumerate(lengths) if n <= self.max_prompt_length]
+        if hasattr(dataframe, "select"):
+            return dataframe.select(keep)
+        return [rows[i] for i in keep]
 
     def _check_media(self, row: dict, where: str) -> None:
         """Refuse what would be silently dropped or fail mid-run: videos, images without a processor,

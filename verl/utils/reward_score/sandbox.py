@@ -16,7 +16,7 @@ the trainer: the code would run with the trainer's memory, files, credentials an
 What it is not: a security boundary against a determined attacker. It shares the kernel, the user
 id and the network with the trainer, and can read files the user can read. For untrusted code at
 scale, run it in a container or a remote sandbox service (upstream verl's SandboxFusion:
-`reward_model.sandbox_fusion.url`, which this implementation does not support).
+`reward_model.sandbox_fusion.url`, see `verl.utils.reward_score.sandbox_fusion`).
 """
 
 from __future__ import annotations

@@ -19,6 +19,11 @@ Design decisions:
   as ``reward/num_errors``.
 - A sample with no valid response token gets no reward (there is no token to carry it).
 - ``rm_scores`` already in the batch (a reward model ran) are returned unchanged, as upstream does.
+- What the rollout knows about a sample reaches the reward function in ``extra_info``, under upstream's
+  keys and per manager as upstream's: ``rollout_reward_scores`` (the batch's ``reward_scores`` column,
+  else ``{}``) for naive, batch and dapo (prime and rate_limited add nothing), and ``num_turns`` (``__num_turns__``, the multi-turn
+  rollout's messages per episode, else None) for naive (``ROLLOUT_EXTRA_INFO``). A sample whose row has
+  no ``extra_info`` gets a dict holding just those keys; the row's own dict is copied, not changed.
 """
 
 from __future__ import annotations
@@ -48,6 +53,20 @@ class Sample:
     ground_truth: Any
     extra_info: Any
     valid_response_length: int
+
+
+def _with_rollout_info(extra_info, keys: tuple[str, ...], non_tensor, i: int):
+    """The sample's ``extra_info`` with the rollout's ``keys`` added (module docstring)."""
+    if not keys or not (extra_info is None or isinstance(extra_info, Mapping)):
+        return extra_info
+    extended = dict(extra_info or {})
+    if "num_turns" in keys:
+        num_turns = non_tensor.get("__num_turns__")
+        extended["num_turns"] = None if num_turns is None else int(num_turns[i])
+    if "rollout_reward_scores" in keys:
+        scores = non_tensor.get("reward_scores")
+        extended["rollout_reward_scores"] = {} if scores is None else scores[i]
+    return extended
 
 
 @dataclass
@@ -83,6 +102,9 @@ class AbstractRewardManager:
         reward_fn_key: the non-tensor column naming each sample's data source.
         on_error: "raise" or "zero" (see the module docstring).
     """
+
+    ROLLOUT_EXTRA_INFO: tuple[str, ...] = ("rollout_reward_scores",)
+    """The rollout's per-sample values added to ``extra_info`` (module docstring)."""
 
     def __init__(
         self,
@@ -188,7 +210,9 @@ class AbstractRewardManager:
                     data_source=non_tensor[self.reward_fn_key][i],
                     solution_str=text,
                     ground_truth=reward_model["ground_truth"],
-                    extra_info=None if extra_infos is None else extra_infos[i],
+                    extra_info=_with_rollout_info(
+                        None if extra_infos is None else extra_infos[i], self.ROLLOUT_EXTRA_INFO, non_tensor, i
+                    ),
                     valid_response_length=int(lengths[i]),
                 )
             )

@@ -128,6 +128,7 @@ class RateLimitedRewardManager(AbstractRewardManager):
         max_concurrent, max_rpm, max_tpm, estimated_tokens_per_request, timeout: the limits.
     """
 
+    ROLLOUT_EXTRA_INFO = ()  # upstream's rate-limited manager adds no rollout values
     _shared: _SharedLimits | None = None
     _shared_lock = threading.Lock()
 

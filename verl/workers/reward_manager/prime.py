@@ -167,6 +167,8 @@ class PrimeRewardManager(AbstractRewardManager):
         timeout: seconds one sample may take (default 300, as upstream).
     """
 
+    ROLLOUT_EXTRA_INFO = ()  # upstream's prime manager passes the row's extra_info as it is
+
     def __init__(
         self,
         tokenizer,
