@@ -27,6 +27,7 @@ install_requires = [
     "tensordict>=0.8,<0.16",  # 0.x: minor releases change the API
     "pyarrow>=15",
     "pandas>=2.0",
+    "datasets>=2.18,<6",  # upstream's requirement: recipes' dataset classes build HF datasets (verl-recipe's ReTool)
     "numpy>=1.26",
     "transformers>=4.56,<6",  # the cache argument was renamed in 5.24: verl/utils/hf_forward.py
     "safetensors>=0.4",
@@ -51,7 +52,6 @@ extras_require = {
         "mlflow>=2.10",  # the tracker's tests
         "swanlab>=0.10.3,<0.11",  # the tracker's swanlab test (offline mode, read back from its run file)
         "prometheus_client>=0.17",  # the rollout's metrics endpoint test
-        "datasets>=2.18,<6",  # recipes' dataset classes build HF datasets (verl-recipe's ReTool); the hook's test
     ],
     "vllm": ["vllm>=0.10.2,<0.34"],  # docker/Dockerfile.cuda installs 0.33
     "sglang": ["sglang>=0.4"],

@@ -76,6 +76,16 @@ EXCEPTIONS = {
         "verl.trainer.config",
     ): "upstream's name `verl.utils.config.validate_config` (recipes' drivers call it): a call, inside the "
     "function, into the trainer's config check, which lives with the schema it checks",
+    (
+        "verl/experimental/one_step_off_policy/main_ppo.py",
+        "verl.trainer",
+    ): "upstream's entry point by its module name (`python -m verl.experimental.one_step_off_policy.main_ppo`): "
+    "an entry point ranks with the trainer, whose main_ppo it runs with its own config and key translation",
+    (
+        "verl/experimental/fully_async_policy/fully_async_main.py",
+        "verl.trainer",
+    ): "upstream's entry point by its module name (`python -m verl.experimental.fully_async_policy."
+    "fully_async_main`): an entry point, as the one-step-off one",
 }
 """(importing file, imported package prefix) -> why this arrow against the layers is allowed."""
 

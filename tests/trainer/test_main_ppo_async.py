@@ -278,7 +278,7 @@ def test_off_policy_corrections_decoupled_tis_and_none_differ_as_documented(runs
     at exactly 1 (ppo_kl 0); the behaviour/proximal weights are reported and differ from 1.
     tis: old_log_probs are the rollout's own, so the ratio is against the stale behaviour policy
     (ppo_kl != 0 at step 2) and no proximal pass runs (no importance-weight metrics).
-    none: proximal recompute, the behaviour policy ignored (ppo_kl 0, no importance weights); that run
+    none: proximal recompute, the behaviour policy ignored (ppo_kl 0, no importance weights in the loss); that run
     is upstream's one-step-off entry point with algorithm.rollout_correction.bypass_mode=False.
     Steps 1 and 2 of a run do not depend on its length: decoupled is the default, so the 4-step
     `one_step_off` run serves as the decoupled run; tis and none run 2 steps."""
@@ -290,7 +290,11 @@ def test_off_policy_corrections_decoupled_tis_and_none_differ_as_documented(runs
     assert abs(decoupled["actor/ppo_kl"]) < 1e-6 and abs(none["actor/ppo_kl"]) < 1e-6
     assert tis["actor/ppo_kl"] > 1e-4, tis["actor/ppo_kl"]  # measured ~6e-3
     assert decoupled["off_policy/is_weight_min"] < 1.0 < decoupled["off_policy/is_weight_max"]
-    assert "off_policy/is_weight_mean" not in tis and "off_policy/is_weight_mean" not in none
+    assert "off_policy/is_weight_mean" not in tis
+    # none ignores the behaviour policy in the loss; the entry point's config asks the rollout for its
+    # log-probs (upstream's calculate_log_probs=True), so pi_prox / pi_behav is reported as a diagnostic
+    assert none["off_policy/is_weight_min"] < 1.0 < none["off_policy/is_weight_max"]
+    assert "rollout_corr/rollout_is_mean" not in none  # no rollout_is asked for: nothing weights the loss
     # step 1 trains on version-0 samples with version-0 weights: only engine-vs-trainer rounding
     assert all(abs(metrics[c][1]["actor/ppo_kl"]) < 1e-6 for c in metrics)
 
