@@ -109,3 +109,81 @@ def test_mrope_positions_equal_transformers_get_rope_index(tiny_vl):
     start = 3
     first = ours[0, 1:, mask[0]][:, start : start + 8]
     assert first.tolist() == [[3] * 8, [3, 3, 4, 4, 5, 5, 6, 6], [3, 4, 3, 4, 3, 4, 3, 4]]
+
+
+@pytest.fixture(scope="module")
+def tiny_qwen3_vl(tmp_path_factory):
+    return make_tiny("tiny-qwen3-vl", str(tmp_path_factory.mktemp("tiny-qwen3-vl")))
+
+
+def test_qwen3_vl_directory_loads_processor_and_model_offline(tiny_qwen3_vl):
+    from PIL import Image
+    from transformers import AutoModelForImageTextToText
+
+    from verl.utils.tokenizer import hf_processor
+
+    processor = hf_processor(tiny_qwen3_vl)
+    model = AutoModelForImageTextToText.from_pretrained(tiny_qwen3_vl)
+    assert type(model).__name__ == "Qwen3VLForConditionalGeneration"
+    assert type(processor).__name__ in ("Qwen3VLProcessor", "ImageOnlyQwen3VLProcessor")
+    config = model.config
+    assert config.text_config.rope_parameters["mrope_interleaved"] is True
+    assert (
+        config.vision_config.deepstack_visual_indexes == [0, 1] and len(model.model.visual.deepstack_merger_list) == 2
+    )
+    # the same 40x70 image as tiny-vl's: with 16-pixel patches it resizes to 32x64, a 2x4 grid, merged into 2 tokens
+    image = Image.new("RGB", (40, 70), (0, 200, 0))
+    messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "Color?"}]}]
+    text = processor.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    inputs = processor(text=[text], images=[image], return_tensors="pt")
+    assert inputs["image_grid_thw"].tolist() == [[1, 4, 2]]
+    assert inputs["pixel_values"].shape == (8, 3 * 2 * 16 * 16)
+    # Qwen3-VL normalises to [-1, 1]: (200/255 - 0.5) / 0.5 on the green channel
+    assert inputs["pixel_values"].max().item() == pytest.approx(200 / 255 * 2 - 1, abs=1e-6)
+    with torch.no_grad():
+        logits = model(**inputs).logits
+        other = processor(text=[text], images=[Image.new("RGB", (40, 70), (200, 0, 0))], return_tensors="pt")
+        assert not torch.allclose(model(**other).logits, logits)
+    if type(processor).__name__ == "ImageOnlyQwen3VLProcessor":  # no torchvision here
+        with pytest.raises(ValueError, match="torchvision"):
+            processor(text=[text], videos=[[image]])
+
+
+def test_qwen3_vl_mrope_positions_equal_transformers_get_rope_index(tiny_qwen3_vl):
+    """Three left-padded rows (two images with text between them; none; one image at the very end of the
+    prompt's content) against Qwen3-VL's own `get_rope_index`; the images' grids all differ."""
+    from PIL import Image
+    from transformers import AutoModelForImageTextToText
+
+    from verl.utils.tokenizer import hf_processor
+    from verl.utils.vision import vl_position_ids
+
+    processor = hf_processor(tiny_qwen3_vl)
+    model = AutoModelForImageTextToText.from_pretrained(tiny_qwen3_vl)
+    two = [{"type": "image"}, {"type": "text", "text": "and"}, {"type": "image"}, {"type": "text", "text": "same?"}]
+    last = [{"type": "text", "text": "look:"}, {"type": "image"}]
+    texts = [
+        processor.apply_chat_template([{"role": "user", "content": c}], add_generation_prompt=True, tokenize=False)
+        for c in (two, "hi", last)
+    ]
+    sizes = [(64, 128), (96, 32), (128, 64)]  # (width, height)
+    images = [Image.new("RGB", size, (9 * i, 9, 9)) for i, size in enumerate(sizes)]
+    processor.tokenizer.padding_side = "left"
+    inputs = processor(text=texts, images=images, padding=True, return_tensors="pt")
+    assert inputs["image_grid_thw"].tolist() == [[1, 8, 4], [1, 2, 6], [1, 4, 8]]
+    expected, _ = model.model.get_rope_index(
+        inputs["input_ids"],
+        inputs["mm_token_type_ids"],
+        image_grid_thw=inputs["image_grid_thw"],
+        attention_mask=inputs["attention_mask"],
+    )
+    ours = vl_position_ids(model.config, inputs["input_ids"], inputs["attention_mask"], inputs["image_grid_thw"])
+    mask = inputs["attention_mask"].bool()
+    assert ours.shape == (3, 4, inputs["input_ids"].shape[1]) and not mask.all()
+    for row in range(3):
+        assert torch.equal(ours[row, 1:][:, mask[row]], expected[:, row][:, mask[row]])
+        assert ours[row, 0][mask[row]].tolist() == list(range(int(mask[row].sum())))
+    # hand-worked: row 0's second image (grid 1x2x6, merged 1x3) starts after the first (8 tokens at 3..,
+    # advancing max(4, 2) = 4 to 7), `<|vision_end|>and<|vision_start|>` (7..11): at 12
+    second = ours[0, 1:, mask[0]][:, 3 + 8 + 5 : 3 + 8 + 5 + 3]
+    assert second.tolist() == [[12, 12, 12], [12, 12, 12], [12, 13, 14]]

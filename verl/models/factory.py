@@ -1,9 +1,10 @@
 """Build small causal LMs from plain transformers configs, with the local character tokenizer.
 
-Every preset is an ordinary Qwen2, Llama, Qwen3-MoE or DeepSeek-V3 model, saved as an ordinary HF directory
+Every preset is an ordinary Qwen2, Llama, Qwen3-MoE, DeepSeek-V3, GLM-4.5, gpt-oss, Qwen2.5-VL or
+Qwen3-VL model, saved as an ordinary HF directory
 (config.json, model.safetensors, tokenizer files, generation_config.json) that
-`AutoModelForCausalLM.from_pretrained` / `AutoTokenizer.from_pretrained` load offline and that
-vLLM and SGLang serve: no custom modelling code, no `trust_remote_code`.
+`AutoModelForCausalLM.from_pretrained` (`AutoModelForImageTextToText` for the vision-language ones) /
+`AutoTokenizer.from_pretrained` load offline: no custom modelling code, no `trust_remote_code`.
 
 Design decisions:
 - head_dim is 64 in every preset (hidden_size = 64 * num_attention_heads) because vLLM's
@@ -47,8 +48,9 @@ class ModelPreset:
     """Dimensions of one preset. All sizes are counts; head_dim is always 64."""
 
     architecture: str
-    """`qwen2` (Qwen2ForCausalLM), `llama` (LlamaForCausalLM), `qwen3_moe` (Qwen3MoeForCausalLM),
-    `deepseek_v3` (DeepseekV3ForCausalLM) or `glm4_moe` (Glm4MoeForCausalLM)."""
+    """A key of `ARCHITECTURES`: `qwen2` (Qwen2ForCausalLM), `llama` (LlamaForCausalLM), `qwen3_moe`
+    (Qwen3MoeForCausalLM), `deepseek_v3`, `glm4_moe`, `gpt_oss`, or the vision-language `qwen2_5_vl`
+    (Qwen2_5_VLForConditionalGeneration) and `qwen3_vl` (Qwen3VLForConditionalGeneration)."""
     hidden_size: int
     num_hidden_layers: int
     num_attention_heads: int
@@ -104,11 +106,12 @@ ARCHITECTURES = {
     "glm4_moe": "Glm4MoeConfig",
     "gpt_oss": "GptOssConfig",
     "qwen2_5_vl": "Qwen2_5_VLConfig",  # vision-language, built by verl.models.vision
+    "qwen3_vl": "Qwen3VLConfig",  # vision-language, built by verl.models.vision
 }
 # those whose MLPs are routed experts (see verl.models.moe)
 MOE_ARCHITECTURES = {"qwen3_moe", "deepseek_v3", "glm4_moe", "gpt_oss"}
 # vision-language architectures (a vision tower, a processor, M-RoPE positions; see verl.models.vision)
-VISION_ARCHITECTURES = {"qwen2_5_vl"}
+VISION_ARCHITECTURES = {"qwen2_5_vl", "qwen3_vl"}
 # those whose config names the routed experts n_routed_experts
 _N_ROUTED = {"deepseek_v3", "glm4_moe"}
 # those whose config names the routed experts num_local_experts and each expert's size intermediate_size
@@ -262,6 +265,26 @@ PRESETS: dict[str, ModelPreset] = {
         ),
         description="~0.6M parameters, Qwen2.5-VL shape (a 2-block windowed vision tower with the 2x2 patch "
         "merger, M-RoPE decoder) with its image processor, for the multi-modal code paths",
+    ),
+    "tiny-qwen3-vl": ModelPreset(
+        architecture="qwen3_vl",
+        hidden_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        intermediate_size=256,
+        architecture_config=(
+            ("mrope_section", (12, 10, 10)),  # Qwen3-VL's 24/20/20 halved; interleaved inside the model
+            ("vision_depth", 2),
+            ("vision_hidden_size", 64),
+            ("vision_intermediate_size", 128),
+            ("vision_num_heads", 2),
+            ("vision_num_position_embeddings", 64),  # an 8x8 grid of learned positions, interpolated per image
+            ("vision_deepstack_visual_indexes", (0, 1)),  # both blocks feed DeepStack, into decoder layers 0-1
+        ),
+        description="~0.6M parameters, Qwen3-VL shape (16-pixel patches, learned vision positions, DeepStack "
+        "features from both vision blocks into both decoder layers, interleaved M-RoPE, q/k norms) with its image "
+        "processor, for the multi-modal code paths",
     ),
     "qwen2.5-0.5b-shape": ModelPreset(
         architecture="qwen2",
@@ -422,7 +445,7 @@ def save_model(model, tokenizer, out_dir: str) -> str:
     if model.config.model_type in VISION_ARCHITECTURES:
         from verl.models.vision import save_processor
 
-        save_processor(tokenizer, out_dir)
+        save_processor(tokenizer, out_dir, model.config.model_type)
     return out_dir
 
 

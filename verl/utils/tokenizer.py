@@ -86,7 +86,8 @@ def hf_processor(name_or_path: str, **kwargs):
     is not a processor, so None is returned (what callers test for to choose the text-only path).
     A checkpoint whose processor files exist but cannot be loaded raises. A Qwen2-VL family processor
     whose video processor cannot be built for want of torchvision is loaded without it
-    (`verl.utils.vision.ImageOnlyQwen2_5_VLProcessor`: images work, videos are refused).
+    (`verl.utils.vision.ImageOnlyQwen2_5_VLProcessor` / `ImageOnlyQwen3VLProcessor`: images work, videos
+    are refused).
     """
     from transformers import AutoProcessor
 
@@ -94,13 +95,14 @@ def hf_processor(name_or_path: str, **kwargs):
     try:
         processor = AutoProcessor.from_pretrained(path, **kwargs)
     except (ImportError, AttributeError) as e:
-        if not _is_qwen2_vl_family(path):
+        processor_class = _qwen_vl_processor_class(path)
+        if processor_class is None:
             raise
         from verl.utils.vision import load_image_only_processor
 
         reason = (str(e).strip().splitlines() or [type(e).__name__])[0]
         logger.warning("processor of %s loaded without its video processor (%s): images only", name_or_path, reason)
-        return load_image_only_processor(path, **kwargs)
+        return load_image_only_processor(path, processor_class, **kwargs)
     except (OSError, ValueError, KeyError) as e:
         if os.path.exists(os.path.join(path, "preprocessor_config.json")) or os.path.exists(
             os.path.join(path, "processor_config.json")
@@ -112,9 +114,13 @@ def hf_processor(name_or_path: str, **kwargs):
     return processor
 
 
-def _is_qwen2_vl_family(path: str) -> bool:
-    """Whether `path`'s processor_config.json or preprocessor_config.json names a Qwen2-VL family processor."""
+def _qwen_vl_processor_class(path: str) -> str | None:
+    """The Qwen-VL processor class (`Qwen2_5_VLProcessor`, `Qwen3VLProcessor`) that `path`'s
+    processor_config.json or preprocessor_config.json names, when it has an image-only variant here
+    (a Qwen2-VL directory loads as Qwen2.5-VL's, whose image path is the same); None otherwise."""
     import json
+
+    from verl.utils.vision import IMAGE_ONLY_PROCESSORS
 
     for name in ("processor_config.json", "preprocessor_config.json"):
         try:
@@ -122,9 +128,12 @@ def _is_qwen2_vl_family(path: str) -> bool:
                 config = json.load(f)
         except (OSError, ValueError):
             continue
-        if "Qwen2" in str(config.get("processor_class", "")) and "VL" in str(config.get("processor_class", "")):
-            return True
-    return False
+        named = str(config.get("processor_class", ""))
+        if named in IMAGE_ONLY_PROCESSORS:
+            return named
+        if "Qwen2" in named and "VL" in named:
+            return "Qwen2_5_VLProcessor"
+    return None
 
 
 __all__ = ["hf_processor", "hf_tokenizer"]

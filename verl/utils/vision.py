@@ -1,45 +1,80 @@
 """Vision-language helpers shared by the dataset, the actors and the rollout engines.
 
-- `ImageOnlyQwen2_5_VLProcessor`: transformers 5's Qwen2.5-VL processor also holds a video processor,
-  which needs torchvision, and no CPU torchvision build matching the pinned torch is installable here.
-  This is the same processor without it (text, chat template and images go through transformers' own
-  code; videos raise). `verl.utils.hf_processor` falls back to it when the full processor cannot be
-  built for want of torchvision.
+- `ImageOnlyQwen2_5_VLProcessor`, `ImageOnlyQwen3VLProcessor`: transformers 5's Qwen2.5-VL and Qwen3-VL
+  processors also hold a video processor, which needs torchvision, and no CPU torchvision build matching
+  the pinned torch is installable here. These are the same processors without it (text, chat template
+  and images go through transformers' own code; videos raise). `verl.utils.hf_processor` falls back to
+  them when the full processor cannot be built for want of torchvision.
+- Positions: Qwen2-VL, Qwen2.5-VL and Qwen3-VL place an image's tokens identically (`mrope_position_ids`);
+  they differ only in how the model lays the three rows out over the rotary frequencies (Qwen3-VL
+  interleaves them), which happens inside the model.
 """
 
 from __future__ import annotations
 
+# transformers' processor class -> the name of its image-only variant here
+IMAGE_ONLY_PROCESSORS = {
+    "Qwen2_5_VLProcessor": "ImageOnlyQwen2_5_VLProcessor",
+    "Qwen3VLProcessor": "ImageOnlyQwen3VLProcessor",
+}
 
-def _image_only_processor_class():
-    from transformers import Qwen2_5_VLProcessor
+_IMAGE_ONLY_CLASSES: dict[str, type] = {}
+
+
+def _image_only_processor_class(base_name: str = "Qwen2_5_VLProcessor"):
+    """transformers' `base_name` processor without its video processor (built once per name)."""
+    if base_name not in IMAGE_ONLY_PROCESSORS:
+        raise ValueError(
+            f"no image-only variant of the processor {base_name!r}; the vision-language processors built here are "
+            f"{sorted(IMAGE_ONLY_PROCESSORS)}"
+        )
+    if base_name in _IMAGE_ONLY_CLASSES:
+        return _IMAGE_ONLY_CLASSES[base_name]
+    import transformers
     from transformers.processing_utils import ProcessorMixin
 
-    class ImageOnlyQwen2_5_VLProcessor(Qwen2_5_VLProcessor):
-        """transformers' Qwen2.5-VL processor without its video processor (which needs torchvision).
+    base = getattr(transformers, base_name)
 
-        Text, chat templates and images go through transformers' own code; asking it for videos raises."""
+    def __init__(self, image_processor=None, tokenizer=None, chat_template=None, **kwargs):
+        self.image_token = getattr(tokenizer, "image_token", None) or "<|image_pad|>"
+        self.video_token = getattr(tokenizer, "video_token", None) or "<|video_pad|>"
+        self.image_token_id = tokenizer.convert_tokens_to_ids(self.image_token)
+        self.video_token_id = tokenizer.convert_tokens_to_ids(self.video_token)
+        # Qwen3-VL's processor also names the markers around each image
+        self.vision_start_token = getattr(tokenizer, "vision_start_token", None) or "<|vision_start|>"
+        self.vision_end_token = getattr(tokenizer, "vision_end_token", None) or "<|vision_end|>"
+        self.vision_start_token_id = tokenizer.convert_tokens_to_ids(self.vision_start_token)
+        self.vision_end_token_id = tokenizer.convert_tokens_to_ids(self.vision_end_token)
+        ProcessorMixin.__init__(self, image_processor, tokenizer, chat_template=chat_template)
 
-        def __init__(self, image_processor=None, tokenizer=None, chat_template=None, **kwargs):
-            self.image_token = getattr(tokenizer, "image_token", None) or "<|image_pad|>"
-            self.video_token = getattr(tokenizer, "video_token", None) or "<|video_pad|>"
-            self.image_token_id = tokenizer.convert_tokens_to_ids(self.image_token)
-            self.video_token_id = tokenizer.convert_tokens_to_ids(self.video_token)
-            ProcessorMixin.__init__(self, image_processor, tokenizer, chat_template=chat_template)
+    def __call__(self, images=None, text=None, videos=None, **kwargs):
+        if videos is not None:
+            raise ValueError(
+                "video inputs need transformers' Qwen2-VL video processor, which needs torchvision (not "
+                "installed); install a torchvision build matching torch, or use image inputs only"
+            )
+        return base.__call__(self, images=images, text=text, **kwargs)
 
-        def __call__(self, images=None, text=None, videos=None, **kwargs):
-            if videos is not None:
-                raise ValueError(
-                    "video inputs need transformers' Qwen2-VL video processor, which needs torchvision (not "
-                    "installed); install a torchvision build matching torch, or use image inputs only"
-                )
-            return super().__call__(images=images, text=text, **kwargs)
+    name = IMAGE_ONLY_PROCESSORS[base_name]
+    cls = type(
+        name,
+        (base,),
+        {
+            "__init__": __init__,
+            "__call__": __call__,
+            "__module__": __name__,
+            "__doc__": f"transformers' {base_name} without its video processor (which needs torchvision).\n\n"
+            "Text, chat templates and images go through transformers' own code; asking it for videos raises.",
+        },
+    )
+    globals()[name] = cls  # importable by name (pickling across Ray workers)
+    _IMAGE_ONLY_CLASSES[base_name] = cls
+    return cls
 
-    return ImageOnlyQwen2_5_VLProcessor
 
-
-def build_processor(tokenizer, image_processor):
-    """The image-only Qwen2.5-VL processor over `tokenizer` and `image_processor`."""
-    cls = _image_only_processor_class()
+def build_processor(tokenizer, image_processor, processor_class: str = "Qwen2_5_VLProcessor"):
+    """The image-only `processor_class` (Qwen2.5-VL's or Qwen3-VL's) over `tokenizer` and `image_processor`."""
+    cls = _image_only_processor_class(processor_class)
     return cls(
         image_processor=image_processor,
         tokenizer=tokenizer,
@@ -47,14 +82,23 @@ def build_processor(tokenizer, image_processor):
     )
 
 
-def load_image_only_processor(path: str, **kwargs):
+def load_image_only_processor(path: str, processor_class: str = "Qwen2_5_VLProcessor", **kwargs):
     """A Qwen2-VL family directory's processor without the video processor: its image processor and
-    tokenizer loaded by transformers' Auto classes, put together as `ImageOnlyQwen2_5_VLProcessor`."""
+    tokenizer loaded by transformers' Auto classes, put together as the image-only `processor_class`."""
     from transformers import AutoImageProcessor, AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(path, **kwargs)
     image_processor = AutoImageProcessor.from_pretrained(path, **kwargs)
-    return build_processor(tokenizer, image_processor)
+    return build_processor(tokenizer, image_processor, processor_class)
+
+
+def __getattr__(name: str):
+    # `ImageOnlyQwen2_5_VLProcessor` / `ImageOnlyQwen3VLProcessor` by name (built on first use: they
+    # import transformers' model code)
+    for base, image_only in IMAGE_ONLY_PROCESSORS.items():
+        if name == image_only:
+            return _image_only_processor_class(base)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def is_vision_language_config(config) -> bool:

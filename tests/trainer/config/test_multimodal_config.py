@@ -129,9 +129,9 @@ def test_a_vision_language_family_other_than_qwen2_vl_is_refused(tiny_vl, tmp_pa
     error = _validate(f"{V}grpo_trainer/run_glm41v_9b.sh", str(tmp_path), tools)
     assert error is not None
     assert [e for e in error.errors if "vision-language" in e] == [
-        f"actor_rollout_ref.model.path={tmp_path} is a vision-language model of type 'glm4v': only the Qwen2-VL "
-        "family (qwen2_vl, qwen2_5_vl) is built here (its multimodal rotary positions and image inputs); train a "
-        "Qwen2-VL or Qwen2.5-VL model"
+        f"actor_rollout_ref.model.path={tmp_path} is a vision-language model of type 'glm4v': only the Qwen-VL "
+        "families (qwen2_vl, qwen2_5_vl, qwen3_vl) are built here (their multimodal rotary positions and image "
+        "inputs); train a Qwen2-VL, Qwen2.5-VL or Qwen3-VL (dense) model"
     ]
 
 

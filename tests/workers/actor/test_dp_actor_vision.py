@@ -1,4 +1,5 @@
-"""DataParallelPPOActor on a vision-language model (the tiny-vl preset: transformers' Qwen2.5-VL).
+"""DataParallelPPOActor on a vision-language model (the tiny-vl preset, transformers' Qwen2.5-VL, and the
+tiny-qwen3-vl preset, transformers' Qwen3-VL with DeepStack and interleaved M-RoPE).
 
 The reference is the HF model run on each row alone, unpadded, with the processor's own inputs
 (its `pixel_values`, `image_grid_thw` and `mm_token_type_ids`), so the model computes its own
@@ -35,14 +36,14 @@ ROWS = [
 ]
 
 
-@pytest.fixture(scope="module")
-def vl(tmp_path_factory):
-    """(model directory, processor, float64 model)."""
+@pytest.fixture(scope="module", params=["tiny-vl", "tiny-qwen3-vl"])
+def vl(request, tmp_path_factory):
+    """(model directory, processor, float64 model), for each vision-language preset."""
     from verl.models.factory import make_tiny
     from verl.utils.model import load_causal_lm
     from verl.utils.tokenizer import hf_processor
 
-    path = make_tiny("tiny-vl", str(tmp_path_factory.mktemp("tiny-vl")))
+    path = make_tiny(request.param, str(tmp_path_factory.mktemp(request.param)))
     model = load_causal_lm(path, torch_dtype=torch.float64)
     return path, hf_processor(path), model
 
@@ -218,6 +219,32 @@ def test_update_equals_the_per_row_reference_gradient_vision_tower_included(vl, 
         torch.testing.assert_close(delta[name], expected[name], atol=1e-10, rtol=1e-7, msg=name)
     # the vision tower is trained (its gradient is nonzero)
     assert expected["model.visual.patch_embed.proj.weight"].abs().max() > 1e-8
+
+
+@pytest.mark.parametrize("vl", ["tiny-qwen3-vl"], indirect=True)
+@pytest.mark.parametrize("path", ["padded", "remove_padding"])
+def test_qwen3_vl_deepstack_features_reach_the_decoder_in_the_actors_forward(vl, path):
+    """The actor equals the HF forward (above); here that forward is shown to depend on DeepStack: with the
+    DeepStack mergers' outputs zeroed (the main merger untouched) the reference moves, and the actor
+    follows it exactly, so a forward that dropped DeepStack could not pass the comparison above."""
+    _, processor, model = vl
+    data, per_row = make_vl_batch(processor, model.config, seed=5)
+    response_width = data.batch["responses"].shape[1]
+    mask = data.batch["response_mask"].bool()
+    without = copy.deepcopy(model)
+    with torch.no_grad():
+        for merger in without.model.visual.deepstack_merger_list:
+            merger.linear_fc2.weight.zero_()
+            merger.linear_fc2.bias.zero_()
+        with_lp, _ = reference_log_probs(model, per_row, response_width)
+        without_lp, _ = reference_log_probs(without, per_row, response_width)
+        config, meta = PATHS[path]
+        data.meta_info.update(meta)
+        actor_lp, _ = DataParallelPPOActor(actor_config(**config), without).compute_log_prob(data)
+    image_rows = torch.tensor([bool(inputs) for inputs in data.non_tensor_batch["multi_modal_inputs"]])
+    moved = (with_lp - without_lp).abs().amax(-1)
+    assert (moved[image_rows] > 1e-4).all() and (moved[~image_rows] == 0).all()
+    torch.testing.assert_close(actor_lp[mask], without_lp[mask], atol=1e-10, rtol=0)
 
 
 def test_batch_with_images_and_text_position_ids_is_refused(vl):
