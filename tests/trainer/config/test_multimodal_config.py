@@ -81,6 +81,25 @@ def test_vision_language_paths_not_built_here_are_refused_naming_the_key(script,
     assert "/tiny-vl" in vision_lines[0]
 
 
+@pytest.fixture(scope="module")
+def tiny_qwen3_vl(tmp_path_factory) -> str:
+    from verl.models.factory import make_tiny
+
+    return make_tiny("tiny-qwen3-vl", str(tmp_path_factory.mktemp("tiny-qwen3-vl")))
+
+
+def test_a_qwen3_vl_policy_validates_on_the_fsdp_sets_and_its_megatron_sets_say_why_not(tiny_qwen3_vl, tools):
+    """Upstream runs Qwen3-VL on Megatron only; its FSDP Qwen2.5-VL sets with a Qwen3-VL model validate here,
+    and the Qwen3-VL Megatron sets are refused for the backend alone, not for the family."""
+    for script in (f"{V}grpo_trainer/run_qwen2_5_vl-7b.sh", f"{V}grpo_trainer/run_qwen2_5_vl-7b_seq_balance.sh"):
+        assert _validate(script, tiny_qwen3_vl, tools) is None
+    for script in (f"{V}grpo_trainer/run_qwen3_vl-8b-megatron.sh", f"{V}grpo_trainer/run_qwen3_vl-30b-megatron.sh"):
+        error = _validate(script, tiny_qwen3_vl, tools)
+        assert error is not None
+        vision_lines = [e for e in error.errors if "vision-language" in e]
+        assert len(vision_lines) == 1 and vision_lines[0].startswith(MEGATRON), error.errors
+
+
 def test_the_same_sets_with_a_text_model_meet_no_vision_rule(tmp_path, tools):
     """The rules read the model's config.json: a local text-only model is not a vision-language one."""
     from verl.models.factory import make_tiny

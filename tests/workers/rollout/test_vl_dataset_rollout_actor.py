@@ -14,6 +14,7 @@ from __future__ import annotations
 import io
 
 import numpy as np
+import pytest
 import torch
 
 from tests.config_helpers import engine_config
@@ -51,7 +52,8 @@ def _parquet(tmp_path) -> str:
     return str(path)
 
 
-def test_actor_log_probs_of_the_rollouts_samples_equal_the_rollouts(tmp_path):
+@pytest.mark.parametrize("preset", ["tiny-vl", "tiny-qwen3-vl"])
+def test_actor_log_probs_of_the_rollouts_samples_equal_the_rollouts(tmp_path, preset):
     from transformers import AutoModelForImageTextToText
 
     from tests.workers.actor.test_dp_actor_vision import actor_config
@@ -62,7 +64,7 @@ def test_actor_log_probs_of_the_rollouts_samples_equal_the_rollouts(tmp_path):
     from verl.workers.actor import DataParallelPPOActor
     from verl.workers.rollout.hf_rollout import HFRollout
 
-    path = tiny_vl_dir(str(tmp_path / "model"))
+    path = tiny_vl_dir(str(tmp_path / "model"), preset=preset)
     processor = hf_processor(path)
     dataset = create_rl_dataset(
         _parquet(tmp_path), {"max_prompt_length": 48, "filter_overlong_prompts": False}, processor.tokenizer, processor

@@ -27,13 +27,14 @@ from verl.workers.rollout.sampling import SamplingParams
 R = 8
 
 
-@pytest.fixture(scope="module")
-def vl(tmp_path_factory):
+@pytest.fixture(scope="module", params=["tiny-vl", "tiny-qwen3-vl"])
+def vl(request, tmp_path_factory):
+    """(model directory, float32 model, processor), for each vision-language preset."""
     from transformers import AutoModelForImageTextToText
 
     from verl.utils.tokenizer import hf_processor
 
-    path = tiny_vl_dir(str(tmp_path_factory.mktemp("tiny-vl")))
+    path = tiny_vl_dir(str(tmp_path_factory.mktemp(request.param)), preset=request.param)
     model = AutoModelForImageTextToText.from_pretrained(path).eval()
     return path, model, hf_processor(path)
 
@@ -171,7 +172,10 @@ def _rollout(path, **overrides):
 
 
 def _greedy_alone(model, prompts, row: int) -> list[int]:
-    """transformers' generate on one row alone (no padding), its tokens up to R."""
+    """transformers' generate on one row alone (no padding), its tokens up to R (the input-only vision markers
+    suppressed, as the rollout does)."""
+    from verl.utils.vision import input_only_token_ids
+
     one = prompts.select_idxs([row])
     keep = one.batch["attention_mask"][0].bool()
     from verl.utils.model import extract_multi_modal_inputs
@@ -183,6 +187,7 @@ def _greedy_alone(model, prompts, row: int) -> list[int]:
         out = model.generate(
             input_ids=ids, attention_mask=torch.ones_like(ids), mm_token_type_ids=types, **images,
             max_new_tokens=R, do_sample=False, pad_token_id=PAD, eos_token_id=None,
+            suppress_tokens=input_only_token_ids(model.config),
         )  # fmt: skip
     return out[0, ids.shape[1] :].tolist()
 

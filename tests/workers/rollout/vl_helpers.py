@@ -1,6 +1,6 @@
 """The tiny vision-language model and image prompts for the rollout tests with images.
 
-`tiny_vl_dir` writes the `tiny-vl` preset (transformers' own Qwen2.5-VL at tiny sizes) with its
+`tiny_vl_dir` writes the `tiny-vl` preset (transformers' own Qwen2.5-VL at tiny sizes; or `tiny-qwen3-vl`) with its
 matrices re-drawn at std 0.15 (seeded): at the preset's 0.02 every row greedily repeats one token
 whatever its image, and a comparison would prove nothing. With 0.15 the next-token margins are
 clear in float32 and two images of the same size lead to different responses.
@@ -16,12 +16,12 @@ import torch
 PAD = 0
 
 
-def tiny_vl_dir(out_dir: str, seed: int = 0) -> str:
+def tiny_vl_dir(out_dir: str, seed: int = 0, preset: str = "tiny-vl") -> str:
     from transformers import AutoModelForImageTextToText
 
     from verl.models.factory import make_tiny
 
-    path = make_tiny("tiny-vl", out_dir)
+    path = make_tiny(preset, out_dir)
     redraw(AutoModelForImageTextToText.from_pretrained(path), seed).save_pretrained(path)
     return path
 
@@ -92,8 +92,10 @@ def _objects(items) -> np.ndarray:
 
 
 def hf_greedy(model, prompts, mm_token_type_ids, max_new_tokens: int, eos=None) -> torch.Tensor:
-    """transformers' own `generate` (greedy) on the whole left-padded batch, [B, max_new_tokens]."""
+    """transformers' own `generate` (greedy) on the whole left-padded batch, [B, max_new_tokens], over the
+    tokens the policy can emit (the input-only vision markers suppressed, as the rollout engines do)."""
     from verl.utils.model import extract_multi_modal_inputs
+    from verl.utils.vision import input_only_token_ids
 
     images = extract_multi_modal_inputs(list(prompts.non_tensor_batch["multi_modal_inputs"]))
     P = prompts.batch["input_ids"].shape[1]
@@ -107,6 +109,7 @@ def hf_greedy(model, prompts, mm_token_type_ids, max_new_tokens: int, eos=None) 
             do_sample=False,
             pad_token_id=PAD,
             eos_token_id=eos,
+            suppress_tokens=input_only_token_ids(model.config),
         )[:, P:]
     return torch.nn.functional.pad(out, (0, max_new_tokens - out.shape[1]), value=PAD)
 
