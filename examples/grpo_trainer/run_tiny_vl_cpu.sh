@@ -7,11 +7,13 @@
 # Until the rollout engine stops sampling vision placeholder tokens, the random policy samples
 # <|image_pad|> within the first steps and the step fails (docs/multimodal.md, "Known issue").
 # Extra Hydra overrides are appended: bash run_tiny_vl_cpu.sh trainer.total_training_steps=20
+# VL_PRESET=tiny-qwen3-vl trains the Qwen3-VL preset instead (DeepStack, interleaved M-RoPE).
 set -euo pipefail
 PYTHON=${PYTHON:-python3}
-DEMO_DIR=${VL_DEMO_DIR:-$HOME/.cache/verl/tiny_vl_demo}
+PRESET=${VL_PRESET:-tiny-vl}
+DEMO_DIR=${VL_DEMO_DIR:-$HOME/.cache/verl/${PRESET//-/_}_demo}
 if [ ! -f "$DEMO_DIR/model/config.json" ]; then
-    $PYTHON -m verl.models.make_tiny --preset tiny-vl --out "$DEMO_DIR/model"
+    $PYTHON -m verl.models.make_tiny --preset "$PRESET" --out "$DEMO_DIR/model"
 fi
 if [ ! -f "$DEMO_DIR/data/train.parquet" ]; then
     $PYTHON examples/data_preprocess/vl_colors.py --local_save_dir "$DEMO_DIR/data" --answer_style letter
@@ -44,7 +46,7 @@ $PYTHON -m verl.trainer.main_ppo \
     trainer.critic_warmup=0 \
     trainer.logger='[console,file]' \
     trainer.project_name=verl_examples \
-    trainer.experiment_name=grpo_tiny_vl_colors \
+    trainer.experiment_name="grpo_${PRESET//-/_}_colors" \
     trainer.total_training_steps=60 \
     trainer.test_freq=10 \
     trainer.save_freq=-1 \
