@@ -238,6 +238,7 @@ _GENERIC_TOKEN_CLASSIFIERS = {
     # vision-language critics: the value head over the image-text base model (vision tower + language model)
     "qwen2_vl": ("transformers.models.qwen2_vl.modeling_qwen2_vl", "Qwen2VLPreTrainedModel"),
     "qwen2_5_vl": ("transformers.models.qwen2_5_vl.modeling_qwen2_5_vl", "Qwen2_5_VLPreTrainedModel"),
+    "qwen3_vl": ("transformers.models.qwen3_vl.modeling_qwen3_vl", "Qwen3VLPreTrainedModel"),
 }
 
 # Qwen2-VL family checkpoints written before transformers 5 name the vision tower `visual.*` and the language

@@ -1,4 +1,5 @@
-"""DataParallelPPOCritic over a vision-language model: the generic value head over Qwen2.5-VL (tiny-vl).
+"""DataParallelPPOCritic over a vision-language model: the generic value head over Qwen2.5-VL (tiny-vl) and
+Qwen3-VL (tiny-qwen3-vl).
 
 The reference runs the value model on each row alone, unpadded, with the processor's own inputs (the
 model computes its own M-RoPE positions). float64 throughout.
@@ -20,14 +21,14 @@ from verl.workers.critic import DataParallelPPOCritic
 pytestmark = pytest.mark.usefixtures(one_thread.__name__)
 
 
-@pytest.fixture(scope="module")
-def vl_critic(tmp_path_factory):
-    """(processor, float64 value model over tiny-vl, its causal LM)."""
+@pytest.fixture(scope="module", params=["tiny-vl", "tiny-qwen3-vl"])
+def vl_critic(request, tmp_path_factory):
+    """(processor, float64 value model over the preset, its causal LM)."""
     from verl.models.factory import make_tiny
     from verl.utils.model import load_causal_lm, load_valuehead_model
     from verl.utils.tokenizer import hf_processor
 
-    path = make_tiny("tiny-vl", str(tmp_path_factory.mktemp("tiny-vl")))
+    path = make_tiny(request.param, str(tmp_path_factory.mktemp(request.param)))
     return hf_processor(path), load_valuehead_model(path, torch_dtype=torch.float64), load_causal_lm(path)
 
 
@@ -64,7 +65,8 @@ def critic_config(**overrides):
 
 def test_the_value_head_loads_over_the_image_text_backbone(vl_critic):
     _, critic, lm = vl_critic
-    assert type(critic).__name__ == "Qwen2_5_VLForTokenClassification"
+    family = {"qwen2_5_vl": "Qwen2_5_VL", "qwen3_vl": "Qwen3VL"}[lm.config.model_type]
+    assert type(critic).__name__ == f"{family}ForTokenClassification"
     backbone = lm.state_dict()
     for name, tensor in critic.state_dict().items():
         if name.startswith("score."):

@@ -1,4 +1,4 @@
-"""The FSDP engine with a vision-language model (the tiny-vl preset): loading, freeze_vision_tower, checkpoints.
+"""The FSDP engine with a vision-language model (the tiny-vl and tiny-qwen3-vl presets): loading, freeze_vision_tower, checkpoints.
 
 One process (a small fp32 model is a plain replica, as in test_training_engines), plus one 2-rank
 gloo run that shards the vision blocks and decoder layers with FSDP2.
@@ -22,11 +22,11 @@ pytestmark = pytest.mark.usefixtures(one_thread.__name__)
 OPTIM = {"lr": 1e-2, "weight_decay": 0.0}
 
 
-@pytest.fixture(scope="module")
-def vl_path(tmp_path_factory):
+@pytest.fixture(scope="module", params=["tiny-vl", "tiny-qwen3-vl"])
+def vl_path(request, tmp_path_factory):
     from verl.models.factory import make_tiny
 
-    return make_tiny("tiny-vl", str(tmp_path_factory.mktemp("tiny-vl")))
+    return make_tiny(request.param, str(tmp_path_factory.mktemp(request.param)))
 
 
 def _engine(path, freeze_vision_tower=False, checkpoint=None, fsdp_size=-1):
@@ -59,7 +59,8 @@ def test_vl_model_loads_as_image_text_to_text_with_the_hf_state_dict_names(vl_pa
     from transformers import AutoModelForImageTextToText
 
     engine = _engine(vl_path)
-    assert type(engine.module).__name__ == "Qwen2_5_VLForConditionalGeneration"
+    family = {"qwen2_5_vl": "Qwen2_5_VL", "qwen3_vl": "Qwen3VL"}[engine.module.config.model_type]
+    assert type(engine.module).__name__ == f"{family}ForConditionalGeneration"
     # transformers 5 converts the on-disk names (`visual.*`, `model.layers.*`) to its own at load time: the
     # rollout receives the loaded model's state-dict names (`model.visual.*`, `model.language_model.*`)
     expected = AutoModelForImageTextToText.from_pretrained(vl_path).state_dict()
