@@ -107,11 +107,12 @@ ARCHITECTURES = {
     "gpt_oss": "GptOssConfig",
     "qwen2_5_vl": "Qwen2_5_VLConfig",  # vision-language, built by verl.models.vision
     "qwen3_vl": "Qwen3VLConfig",  # vision-language, built by verl.models.vision
+    "qwen3_vl_moe": "Qwen3VLMoeConfig",  # vision-language with routed experts, built by verl.models.vision
 }
 # those whose MLPs are routed experts (see verl.models.moe)
-MOE_ARCHITECTURES = {"qwen3_moe", "deepseek_v3", "glm4_moe", "gpt_oss"}
+MOE_ARCHITECTURES = {"qwen3_moe", "deepseek_v3", "glm4_moe", "gpt_oss", "qwen3_vl_moe"}
 # vision-language architectures (a vision tower, a processor, M-RoPE positions; see verl.models.vision)
-VISION_ARCHITECTURES = {"qwen2_5_vl", "qwen3_vl"}
+VISION_ARCHITECTURES = {"qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe"}
 # those whose config names the routed experts n_routed_experts
 _N_ROUTED = {"deepseek_v3", "glm4_moe"}
 # those whose config names the routed experts num_local_experts and each expert's size intermediate_size
@@ -285,6 +286,28 @@ PRESETS: dict[str, ModelPreset] = {
         description="~0.6M parameters, Qwen3-VL shape (16-pixel patches, learned vision positions, DeepStack "
         "features from both vision blocks into both decoder layers, interleaved M-RoPE, q/k norms) with its image "
         "processor, for the multi-modal code paths",
+    ),
+    "tiny-qwen3-vl-moe": ModelPreset(
+        architecture="qwen3_vl_moe",
+        hidden_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        intermediate_size=256,
+        num_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=64,
+        architecture_config=(
+            ("mrope_section", (12, 10, 10)),
+            ("vision_depth", 2),
+            ("vision_hidden_size", 64),
+            ("vision_intermediate_size", 128),
+            ("vision_num_heads", 2),
+            ("vision_num_position_embeddings", 64),
+            ("vision_deepstack_visual_indexes", (0, 1)),
+        ),
+        description="~0.6M parameters, Qwen3-VL-MoE shape (tiny-qwen3-vl with 4 routed experts, top-2, in every "
+        "decoder layer), for the multi-modal mixture-of-experts code paths",
     ),
     "qwen2.5-0.5b-shape": ModelPreset(
         architecture="qwen2",
@@ -476,20 +499,30 @@ def add_legacy_rope_theta(config_path: str) -> None:
 
 # keys transformers 5 writes under a new name that transformers 4.x (and the engines pinned to it)
 # read under the old one, falling back to a default when it is missing: (model_type, new, old)
-_RENAMED_KEYS = (("qwen3_moe", "num_local_experts", "num_experts"),)
+_RENAMED_KEYS = (
+    ("qwen3_moe", "num_local_experts", "num_experts"),
+    ("qwen3_vl_moe", "num_local_experts", "num_experts"),
+)
 
 
 def add_legacy_config_keys(config_path: str) -> None:
-    """`add_legacy_rope_theta`, and Qwen3-MoE's expert count under its transformers 4.x name too:
-    transformers 5 writes only `num_local_experts`, and a 4.x reader would build its default 128
-    experts and fail to load the checkpoint."""
+    """`add_legacy_rope_theta`, and Qwen3-MoE's expert count under its transformers 4.x name too
+    (Qwen3-VL-MoE's in its `text_config`): transformers 5 writes only `num_local_experts`, and a 4.x
+    reader would build its default 128 (60) experts and fail to load the checkpoint."""
     add_legacy_rope_theta(config_path)
     with open(config_path) as f:
         config = json.load(f)
     changed = False
     for model_type, new, old in _RENAMED_KEYS:
-        if config.get("model_type") == model_type and new in config and old not in config:
-            config[old] = config[new]
+        # a vision-language model's decoder keys are in its text_config
+        section = config.get("text_config") if model_type.endswith("_vl_moe") else config
+        if (
+            config.get("model_type") == model_type
+            and isinstance(section, dict)
+            and new in section
+            and old not in section
+        ):
+            section[old] = section[new]
             changed = True
     if changed:
         with open(config_path, "w") as f:

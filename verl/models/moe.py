@@ -40,9 +40,17 @@ METRIC = "actor/load_balancing_loss"
 _OVERRIDE = "actor_rollout_ref.model.override_config"
 
 
+def decoder_config(config):
+    """The config holding the decoder's fields: a vision-language model's `text_config` (Qwen3-VL-MoE keeps its
+    experts there), else `config` itself."""
+    text = getattr(config, "text_config", None)
+    return text if text is not None else config
+
+
 def num_experts(config) -> int:
     """Routed experts per MoE layer (0 for a dense model); Qwen3-MoE names it `num_experts`,
-    Mixtral `num_local_experts`."""
+    Mixtral `num_local_experts`; a vision-language model's are in its `text_config`."""
+    config = decoder_config(config)
     for key in ("num_experts", "num_local_experts"):
         value = getattr(config, key, None)
         if isinstance(value, int) and value > 0:
@@ -51,7 +59,7 @@ def num_experts(config) -> int:
 
 
 def is_moe(config) -> bool:
-    return num_experts(config) > 0 and bool(getattr(config, "num_experts_per_tok", 0))
+    return num_experts(config) > 0 and bool(getattr(decoder_config(config), "num_experts_per_tok", 0))
 
 
 def load_balancing_loss(router_logits: Sequence[torch.Tensor], top_k: int) -> torch.Tensor:
@@ -89,18 +97,26 @@ class RouterAuxLoss:
     def __init__(self, module: torch.nn.Module, use_remove_padding: bool, sp_size: int, trains: bool = True):
         """`trains=False` (a reference policy, which only computes log-probs) turns it off."""
         config = getattr(module, "config", None)
-        wanted = config is not None and is_moe(config) and bool(getattr(config, "output_router_logits", False))
+        # `override_config` sets the top-level key; a vision-language model reads its text config's
+        configs = [] if config is None else list({id(c): c for c in (config, decoder_config(config))}.values())
+        wanted = (
+            config is not None and is_moe(config) and any(getattr(c, "output_router_logits", False) for c in configs)
+        )
         if wanted:
             # The actor computes the loss from its hooks and owns the flag from here on: transformers'
             # own copy in every forward would be a second computation, and it fails on the 4-D masks
             # of the shared-prompt forward (it expects a [B, S] padding mask).
-            config.output_router_logits = False
+            for c in configs:
+                c.output_router_logits = False
         self.enabled = trains and wanted
         self.module = module
         if not self.enabled:
             return
-        self.coef = float(getattr(config, "router_aux_loss_coef", 0.0) or 0.0)
-        self.top_k = int(config.num_experts_per_tok)
+        coef = getattr(config, "router_aux_loss_coef", None)
+        self.coef = float(
+            (coef if coef is not None else getattr(decoder_config(config), "router_aux_loss_coef", 0.0)) or 0.0
+        )
+        self.top_k = int(decoder_config(config).num_experts_per_tok)
         if not use_remove_padding:
             raise ValueError(
                 f"{_OVERRIDE}.output_router_logits=true adds the MoE load-balancing loss, which counts every token "
@@ -191,7 +207,7 @@ class RoutingRecorder:
             )
         router_class = _router_class(module)
         self.routers = [m for m in module.modules() if isinstance(m, router_class)]
-        self.top_k = int(config.num_experts_per_tok)
+        self.top_k = int(decoder_config(config).num_experts_per_tok)
         self.num_experts = num_experts(config)
         self.dtype = routing_dtype(self.num_experts)
         self._layers: list[torch.Tensor] = []

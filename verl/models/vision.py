@@ -54,7 +54,12 @@ FAMILIES = {
     "qwen3_vl": VisionFamily(
         "Qwen3VLConfig", "Qwen3VLProcessor", patch_size=16, image_mean=(0.5, 0.5, 0.5), image_std=(0.5, 0.5, 0.5)
     ),
+    "qwen3_vl_moe": VisionFamily(
+        "Qwen3VLMoeConfig", "Qwen3VLProcessor", patch_size=16, image_mean=(0.5, 0.5, 0.5), image_std=(0.5, 0.5, 0.5)
+    ),
 }
+# the Qwen3-VL tower (learned positions, DeepStack) and decoder (interleaved M-RoPE)
+QWEN3_VL_ARCHITECTURES = ("qwen3_vl", "qwen3_vl_moe")
 
 # the image processor's patch geometry (Qwen2-VL's): 14-pixel patches, 2x2 merged, 2 frames per temporal patch
 PATCH_SIZE = FAMILIES["qwen2_5_vl"].patch_size
@@ -77,14 +82,14 @@ def _family(architecture: str) -> VisionFamily:
 def vision_config(preset, text_hidden_size: int) -> dict:
     """The vision tower's config fields of `preset` (its `architecture_config` `vision_*` pairs)."""
     extra = dict(preset.architecture_config)
-    if preset.architecture == "qwen3_vl":
+    if preset.architecture in QWEN3_VL_ARCHITECTURES:
         return dict(
             depth=extra.get("vision_depth", 2),
             hidden_size=extra.get("vision_hidden_size", 64),
             intermediate_size=extra.get("vision_intermediate_size", 128),
             num_heads=extra.get("vision_num_heads", 2),
             out_hidden_size=text_hidden_size,
-            patch_size=FAMILIES["qwen3_vl"].patch_size,
+            patch_size=FAMILIES[preset.architecture].patch_size,
             spatial_merge_size=MERGE_SIZE,
             temporal_patch_size=TEMPORAL_PATCH_SIZE,
             num_position_embeddings=extra.get("vision_num_position_embeddings", 64),
@@ -126,9 +131,15 @@ def build_vl_config(preset, decoder_fields: dict, tokenizer=None):
     else:
         marker_ids = {tok: tokenizer.convert_tokens_to_ids(tok) for tok in char_tokenizer.VISION_TOKENS}
     rope = dict(rope_type="default", mrope_section=section, rope_theta=preset.rope_theta)
-    if preset.architecture == "qwen3_vl":
+    if preset.architecture in QWEN3_VL_ARCHITECTURES:
         rope["mrope_interleaved"] = True
     text = dict(decoder_fields, head_dim=head_dim, rope_parameters=rope)
+    if preset.num_experts:  # Qwen3-VL-MoE: every decoder layer's MLP is routed experts, as Qwen3-MoE's
+        text.update(
+            num_experts=preset.num_experts,
+            num_experts_per_tok=preset.num_experts_per_tok,
+            moe_intermediate_size=preset.moe_intermediate_size,
+        )
     return getattr(transformers, family.config_class)(
         text_config=text,
         vision_config=vision_config(preset, preset.hidden_size),

@@ -239,6 +239,7 @@ _GENERIC_TOKEN_CLASSIFIERS = {
     "qwen2_vl": ("transformers.models.qwen2_vl.modeling_qwen2_vl", "Qwen2VLPreTrainedModel"),
     "qwen2_5_vl": ("transformers.models.qwen2_5_vl.modeling_qwen2_5_vl", "Qwen2_5_VLPreTrainedModel"),
     "qwen3_vl": ("transformers.models.qwen3_vl.modeling_qwen3_vl", "Qwen3VLPreTrainedModel"),
+    "qwen3_vl_moe": ("transformers.models.qwen3_vl_moe.modeling_qwen3_vl_moe", "Qwen3VLMoePreTrainedModel"),
 }
 
 # Qwen2-VL family checkpoints written before transformers 5 name the vision tower `visual.*` and the language
@@ -260,7 +261,13 @@ def register_token_classifier(config) -> None:
 
     base = getattr(importlib.import_module(entry[0]), entry[1])
     name = base.__name__.replace("PreTrainedModel", "ForTokenClassification")
-    cls = type(name, (GenericForTokenClassification, base), {"__module__": __name__})
+    # transformers decides whether a class's experts implementation (grouped_mm / eager) may be set by reading
+    # the source of the class's module for its decorator; this class's module is ours, so it takes the base's answer
+    can_set_experts = (
+        base._can_set_experts_implementation() if hasattr(base, "_can_set_experts_implementation") else False
+    )
+    attrs = {"__module__": __name__, "_can_set_experts_implementation_cached_value": can_set_experts}
+    cls = type(name, (GenericForTokenClassification, base), attrs)
     globals()[name] = cls  # importable by name, as pickling and `architectures` expect
     AutoModelForTokenClassification.register(type(config), cls, exist_ok=True)
 

@@ -149,8 +149,8 @@ def test_a_vision_language_family_other_than_qwen2_vl_is_refused(tiny_vl, tmp_pa
     assert error is not None
     assert [e for e in error.errors if "vision-language" in e] == [
         f"actor_rollout_ref.model.path={tmp_path} is a vision-language model of type 'glm4v': only the Qwen-VL "
-        "families (qwen2_vl, qwen2_5_vl, qwen3_vl) are built here (their multimodal rotary positions and image "
-        "inputs); train a Qwen2-VL, Qwen2.5-VL or Qwen3-VL (dense) model"
+        "families (qwen2_vl, qwen2_5_vl, qwen3_vl, qwen3_vl_moe) are built here (their multimodal rotary positions "
+        "and image inputs); train a Qwen2-VL, Qwen2.5-VL, Qwen3-VL or Qwen3-VL-MoE model"
     ]
 
 

@@ -36,16 +36,25 @@ ROWS = [
 ]
 
 
-@pytest.fixture(scope="module", params=["tiny-vl", "tiny-qwen3-vl"])
+@pytest.fixture(scope="module", params=["tiny-vl", "tiny-qwen3-vl", "tiny-qwen3-vl-moe"])
 def vl(request, tmp_path_factory):
     """(model directory, processor, float64 model), for each vision-language preset."""
     from verl.models.factory import make_tiny
-    from verl.utils.model import load_causal_lm
     from verl.utils.tokenizer import hf_processor
 
     path = make_tiny(request.param, str(tmp_path_factory.mktemp(request.param)))
+    return path, hf_processor(path), float64_model(path)
+
+
+def float64_model(path):
+    """The model at `path` in float64 (a mixture-of-experts one with the eager experts: transformers' grouped_mm
+    has no float64 kernel on CPU)."""
+    from verl.utils.model import load_causal_lm
+
     model = load_causal_lm(path, torch_dtype=torch.float64)
-    return path, hf_processor(path), model
+    if getattr(model.config.get_text_config(), "num_experts", 0):
+        model.set_experts_implementation("eager")
+    return model
 
 
 def _row_inputs(processor, sizes, question, seed):
@@ -332,12 +341,11 @@ IMAGE_ROWS = [
 
 def _two_rank_fsdp_vl(rank, world_size, path):
     from verl.utils.fsdp_utils import apply_fsdp2, iter_full_params
-    from verl.utils.model import load_causal_lm
     from verl.utils.tokenizer import hf_processor
 
     processor = hf_processor(path)
-    reference = load_causal_lm(path, torch_dtype=torch.float64)
-    model = apply_fsdp2(load_causal_lm(path, torch_dtype=torch.float64), {"fsdp_size": 2})
+    reference = float64_model(path)
+    model = apply_fsdp2(float64_model(path), {"fsdp_size": 2})
     assert type(model.model.visual.blocks[0]).__name__.startswith("FSDP")
     data, per_row = make_vl_batch(processor, reference.config, rows=IMAGE_ROWS, seed=6)
     with torch.no_grad():
@@ -364,3 +372,41 @@ def _two_rank_fsdp_vl(rank, world_size, path):
 def test_fsdp2_update_over_two_ranks_with_images_equals_the_full_batch_reference(vl):
     path, _, _ = vl
     run_distributed(_two_rank_fsdp_vl, 2, path)
+
+
+@pytest.mark.parametrize("vl", ["tiny-qwen3-vl-moe"], indirect=True)
+def test_qwen3_vl_moe_load_balancing_loss_with_images_equals_the_one_transformers_reports(vl):
+    """`override_config.output_router_logits=true` sets the top-level key; Qwen3-VL-MoE keeps its experts in the
+    text config. The actor's logged loss over the packed micro-batch (images included) equals transformers' own
+    `aux_loss` of the same packed forward, and the update differs from the one without it."""
+    from verl.models.moe import METRIC
+    from verl.utils.model import extract_multi_modal_inputs
+    from verl.utils.remove_padding import unpad_input, unpad_position_ids
+
+    _, processor, model = vl
+    data, per_row = make_vl_batch(processor, model.config, seed=7)
+    with torch.no_grad():
+        data.batch["old_log_probs"] = reference_log_probs(model, per_row, data.batch["responses"].shape[1])[0]
+    td = data.batch
+    ids, indices = unpad_input(td["input_ids"], td["attention_mask"])
+    images = extract_multi_modal_inputs(list(data.non_tensor_batch["multi_modal_inputs"]))
+    with torch.no_grad():
+        out = model(
+            input_ids=ids,
+            position_ids=unpad_position_ids(td["position_ids"], indices),
+            pixel_values=images["pixel_values"].double(),
+            image_grid_thw=images["image_grid_thw"],
+            output_router_logits=True,
+            use_cache=False,
+        )
+    config = actor_config(use_remove_padding=True, ppo_micro_batch_size_per_gpu=4)
+    with_aux, without = copy.deepcopy(model), copy.deepcopy(model)
+    with_aux.config.output_router_logits = True  # what override_config sets
+    with_aux.config.router_aux_loss_coef = 0.5
+    actor = DataParallelPPOActor(config, with_aux, torch.optim.SGD(with_aux.parameters(), lr=1.0))
+    assert actor.router_aux.enabled and actor.router_aux.top_k == 2 and actor.router_aux.coef == 0.5
+    metrics = actor.update_policy(data)
+    assert metrics[METRIC] == [pytest.approx(out.aux_loss.item(), rel=1e-6)]  # transformers sums in float32
+    DataParallelPPOActor(config, without, torch.optim.SGD(without.parameters(), lr=1.0)).update_policy(data)
+    router = "model.language_model.layers.0.mlp.gate.weight"
+    assert (with_aux.get_parameter(router) - without.get_parameter(router)).abs().max() > 1e-6

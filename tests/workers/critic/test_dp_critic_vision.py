@@ -21,7 +21,7 @@ from verl.workers.critic import DataParallelPPOCritic
 pytestmark = pytest.mark.usefixtures(one_thread.__name__)
 
 
-@pytest.fixture(scope="module", params=["tiny-vl", "tiny-qwen3-vl"])
+@pytest.fixture(scope="module", params=["tiny-vl", "tiny-qwen3-vl", "tiny-qwen3-vl-moe"])
 def vl_critic(request, tmp_path_factory):
     """(processor, float64 value model over the preset, its causal LM)."""
     from verl.models.factory import make_tiny
@@ -29,7 +29,10 @@ def vl_critic(request, tmp_path_factory):
     from verl.utils.tokenizer import hf_processor
 
     path = make_tiny(request.param, str(tmp_path_factory.mktemp(request.param)))
-    return hf_processor(path), load_valuehead_model(path, torch_dtype=torch.float64), load_causal_lm(path)
+    critic = load_valuehead_model(path, torch_dtype=torch.float64)
+    if getattr(critic.config.get_text_config(), "num_experts", 0):  # grouped_mm has no float64 kernel on CPU
+        critic.set_experts_implementation("eager")
+    return hf_processor(path), critic, load_causal_lm(path)
 
 
 def reference_values(model, per_row, response_width) -> torch.Tensor:
@@ -65,7 +68,7 @@ def critic_config(**overrides):
 
 def test_the_value_head_loads_over_the_image_text_backbone(vl_critic):
     _, critic, lm = vl_critic
-    family = {"qwen2_5_vl": "Qwen2_5_VL", "qwen3_vl": "Qwen3VL"}[lm.config.model_type]
+    family = {"qwen2_5_vl": "Qwen2_5_VL", "qwen3_vl": "Qwen3VL", "qwen3_vl_moe": "Qwen3VLMoe"}[lm.config.model_type]
     assert type(critic).__name__ == f"{family}ForTokenClassification"
     backbone = lm.state_dict()
     for name, tensor in critic.state_dict().items():

@@ -22,7 +22,7 @@ pytestmark = pytest.mark.usefixtures(one_thread.__name__)
 OPTIM = {"lr": 1e-2, "weight_decay": 0.0}
 
 
-@pytest.fixture(scope="module", params=["tiny-vl", "tiny-qwen3-vl"])
+@pytest.fixture(scope="module", params=["tiny-vl", "tiny-qwen3-vl", "tiny-qwen3-vl-moe"])
 def vl_path(request, tmp_path_factory):
     from verl.models.factory import make_tiny
 
@@ -59,7 +59,9 @@ def test_vl_model_loads_as_image_text_to_text_with_the_hf_state_dict_names(vl_pa
     from transformers import AutoModelForImageTextToText
 
     engine = _engine(vl_path)
-    family = {"qwen2_5_vl": "Qwen2_5_VL", "qwen3_vl": "Qwen3VL"}[engine.module.config.model_type]
+    family = {"qwen2_5_vl": "Qwen2_5_VL", "qwen3_vl": "Qwen3VL", "qwen3_vl_moe": "Qwen3VLMoe"}[
+        engine.module.config.model_type
+    ]
     assert type(engine.module).__name__ == f"{family}ForConditionalGeneration"
     # transformers 5 converts the on-disk names (`visual.*`, `model.layers.*`) to its own at load time: the
     # rollout receives the loaded model's state-dict names (`model.visual.*`, `model.language_model.*`)

@@ -27,7 +27,7 @@ from verl.workers.rollout.sampling import SamplingParams
 R = 8
 
 
-@pytest.fixture(scope="module", params=["tiny-vl", "tiny-qwen3-vl"])
+@pytest.fixture(scope="module", params=["tiny-vl", "tiny-qwen3-vl", "tiny-qwen3-vl-moe"])
 def vl(request, tmp_path_factory):
     """(model directory, float32 model, processor), for each vision-language preset."""
     from transformers import AutoModelForImageTextToText

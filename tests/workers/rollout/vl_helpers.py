@@ -120,6 +120,8 @@ def teacher_forced_log_probs(model, prompts, responses, response_mask) -> torch.
     from verl.utils.vision import input_only_token_ids, vl_position_ids
 
     model = copy.deepcopy(model).double()
+    if getattr(model.config.get_text_config(), "num_experts", 0):  # grouped_mm has no float64 kernel on CPU
+        model.set_experts_implementation("eager")
     B, R = responses.shape
     out = torch.zeros((B, R), dtype=torch.float64)
     for i in range(B):

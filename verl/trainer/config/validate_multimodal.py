@@ -3,7 +3,7 @@
 Multi-modal training is built on one path: the FSDP actor and reference without Ulysses sequence
 parallelism, an FSDP critic over a vision-language model when the estimator needs one, the built-in
 (`hf`) or vLLM rollout engine, single-turn
-generation, a rule reward; the model family is Qwen2-VL / Qwen2.5-VL / Qwen3-VL (dense). Every other combination with a
+generation, a rule reward; the model family is Qwen2-VL / Qwen2.5-VL / Qwen3-VL (dense or MoE). Every other combination with a
 vision-language policy is refused here, naming the key and what to set instead, rather than run without the images.
 
 Design decisions:
@@ -26,7 +26,7 @@ from verl.utils.ulysses_keys import role_sp
 
 _ARR = "actor_rollout_ref"
 
-SUPPORTED_MODEL_TYPES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl")
+SUPPORTED_MODEL_TYPES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe")
 """Vision-language families whose positions `verl.utils.vision.vl_position_ids` computes (Qwen2-VL's M-RoPE, which
 Qwen3-VL keeps for images) and whose image inputs the actor, reference and built-in engine pass through."""
 
@@ -61,7 +61,7 @@ def vision_language_problems(c: dict, model_name: str, model_type: str | None) -
         problems.append(
             f"{_ARR}.model.path={model_name} is a vision-language model of type {model_type!r}: only the Qwen-VL "
             f"families ({', '.join(SUPPORTED_MODEL_TYPES)}) are built here (their multimodal rotary positions and "
-            "image inputs); train a Qwen2-VL, Qwen2.5-VL or Qwen3-VL (dense) model"
+            "image inputs); train a Qwen2-VL, Qwen2.5-VL, Qwen3-VL or Qwen3-VL-MoE model"
         )
     if arr["actor"]["strategy"] == "megatron":
         problems.append(
