@@ -52,7 +52,7 @@ def _parquet(tmp_path) -> str:
     return str(path)
 
 
-@pytest.mark.parametrize("preset", ["tiny-vl", "tiny-qwen3-vl"])
+@pytest.mark.parametrize("preset", ["tiny-vl", "tiny-qwen3-vl", "tiny-qwen3-vl-moe"])
 def test_actor_log_probs_of_the_rollouts_samples_equal_the_rollouts(tmp_path, preset):
     from transformers import AutoModelForImageTextToText
 
