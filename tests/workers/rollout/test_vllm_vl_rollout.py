@@ -28,8 +28,9 @@ pytest.importorskip("torchvision")
 pytestmark = [pytest.mark.vllm, pytest.mark.gpu]
 
 
-@pytest.fixture(scope="module")
-def vl(tmp_path_factory):
+# Qwen3-VL's (DeepStack, interleaved M-RoPE) has not run on a GPU machine here yet, nor has Qwen2.5-VL's
+@pytest.fixture(scope="module", params=["tiny-vl", "tiny-qwen3-vl"])
+def vl(request, tmp_path_factory):
     from transformers import AutoModelForImageTextToText
 
     from verl.utils.tokenizer import hf_processor
@@ -37,7 +38,7 @@ def vl(tmp_path_factory):
     if not torch.cuda.is_available():
         pytest.skip("vLLM's vision-language path is exercised on a CUDA device only")
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-    path = tiny_vl_dir(str(tmp_path_factory.mktemp("tiny-vl")))
+    path = tiny_vl_dir(str(tmp_path_factory.mktemp(request.param)), preset=request.param)
     return path, AutoModelForImageTextToText.from_pretrained(path).eval(), hf_processor(path)
 
 
