@@ -187,3 +187,37 @@ def test_qwen3_vl_mrope_positions_equal_transformers_get_rope_index(tiny_qwen3_v
     # advancing max(4, 2) = 4 to 7), `<|vision_end|>and<|vision_start|>` (7..11): at 12
     second = ours[0, 1:, mask[0]][:, 3 + 8 + 5 : 3 + 8 + 5 + 3]
     assert second.tolist() == [[12, 12, 12], [12, 12, 12], [12, 13, 14]]
+
+
+def test_image_only_processors_pickle_by_name_and_equal_the_processor_they_stand_for(tiny_vl, tiny_qwen3_vl):
+    """Datasets holding a processor travel to dataloader workers and Ray actors by pickle; the image-only
+    classes are importable from verl.utils.vision, and give the ids and pixels of the directory's processor."""
+    import pickle
+
+    from PIL import Image
+
+    import verl.utils.vision as vision
+    from verl.utils.tokenizer import hf_processor
+
+    image = Image.new("RGB", (70, 40), (10, 120, 240))
+    checked = 0
+    for path, name in ((tiny_vl, "ImageOnlyQwen2_5_VLProcessor"), (tiny_qwen3_vl, "ImageOnlyQwen3VLProcessor")):
+        processor = hf_processor(path)
+        if type(processor).__name__ != name:
+            continue  # torchvision is installed: transformers' own processor loaded
+        assert getattr(vision, name) is type(processor)
+        copy = pickle.loads(pickle.dumps(processor))
+        assert type(copy) is type(processor)
+        messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "Color?"}]}]
+        text = processor.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        a, b = (
+            processor(text=[text], images=[image], return_tensors="pt"),
+            copy(text=[text], images=[image], return_tensors="pt"),
+        )
+        assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+        assert copy.vision_start_token_id == processor.tokenizer.convert_tokens_to_ids("<|vision_start|>")
+        checked += 1
+    if not checked:
+        pytest.skip("torchvision is installed: transformers' own processors loaded, no image-only class in use")
+    with pytest.raises(AttributeError):
+        vision.ImageOnlyGlm4vProcessor  # noqa: B018
