@@ -124,6 +124,38 @@ def test_sampled_log_probs_equal_a_float64_forward_of_each_row_with_its_images(v
     assert out.response_mask.sum() > 2 * len(_rows())  # enough sampled tokens compared
 
 
+@pytest.mark.parametrize("vl", ["tiny-qwen3-vl", "tiny-qwen3-vl-moe"], indirect=True)
+def test_qwen3_vl_deepstack_features_reach_the_engines_prefill_and_decode(vl):
+    """The engine's sampled log-probs equal the float64 forward (above) of the model with DeepStack, and not of
+    the same model with its DeepStack mergers' outputs zeroed: the image rows' prefill and the decode steps
+    after it (which attend to the prefilled image tokens) carry the DeepStack features."""
+    import copy
+
+    _, model, processor = vl
+    prompts, _ = vl_prompt_batch(processor, model.config, _rows())
+    out = _generate(
+        _engine(model),
+        prompts,
+        sampling=SamplingParams(do_sample=True, temperature=1.0),
+        return_logprobs=True,
+        generator=torch.Generator().manual_seed(1),
+        eos_token_id=[],
+    )
+    without = copy.deepcopy(model)
+    with torch.no_grad():
+        for merger in without.model.visual.deepstack_merger_list:
+            merger.linear_fc2.weight.zero_()
+            merger.linear_fc2.bias.zero_()
+    expected = teacher_forced_log_probs(model, prompts, out.responses, out.response_mask)
+    blind = teacher_forced_log_probs(without, prompts, out.responses, out.response_mask)
+    torch.testing.assert_close(out.logprobs.double(), expected, atol=2e-5, rtol=0)
+    image_rows = [i for i, inputs in enumerate(prompts.non_tensor_batch["multi_modal_inputs"]) if inputs]
+    gap = (out.logprobs.double() - blind).abs()
+    # every image row differs at its first token (prefill) and after it (decode); the text-only row does not
+    assert all(gap[i, 0] > 1e-3 and gap[i, 1:].max() > 1e-3 for i in image_rows)
+    assert gap[1].max() < 2e-5 and 1 not in image_rows
+
+
 def test_text_model_and_bad_inputs_are_refused(vl):
     from tests.workers.rollout.rollout_helpers import build_model
     from verl.workers.rollout.native.engine import GenerationEngine
