@@ -82,32 +82,28 @@ def _family(architecture: str) -> VisionFamily:
 def vision_config(preset, text_hidden_size: int) -> dict:
     """The vision tower's config fields of `preset` (its `architecture_config` `vision_*` pairs)."""
     extra = dict(preset.architecture_config)
-    if preset.architecture in QWEN3_VL_ARCHITECTURES:
-        return dict(
-            depth=extra.get("vision_depth", 2),
-            hidden_size=extra.get("vision_hidden_size", 64),
-            intermediate_size=extra.get("vision_intermediate_size", 128),
-            num_heads=extra.get("vision_num_heads", 2),
-            out_hidden_size=text_hidden_size,
-            patch_size=FAMILIES[preset.architecture].patch_size,
-            spatial_merge_size=MERGE_SIZE,
-            temporal_patch_size=TEMPORAL_PATCH_SIZE,
-            num_position_embeddings=extra.get("vision_num_position_embeddings", 64),
-            deepstack_visual_indexes=list(extra.get("vision_deepstack_visual_indexes", (0, 1))),
-            in_channels=3,
-        )
-    return dict(
+    common = dict(
         depth=extra.get("vision_depth", 2),
         hidden_size=extra.get("vision_hidden_size", 64),
         intermediate_size=extra.get("vision_intermediate_size", 128),
         num_heads=extra.get("vision_num_heads", 2),
         out_hidden_size=text_hidden_size,
-        patch_size=PATCH_SIZE,
         spatial_merge_size=MERGE_SIZE,
         temporal_patch_size=TEMPORAL_PATCH_SIZE,
+        in_channels=3,
+    )
+    if preset.architecture in QWEN3_VL_ARCHITECTURES:
+        return dict(
+            common,
+            patch_size=FAMILIES[preset.architecture].patch_size,
+            num_position_embeddings=extra.get("vision_num_position_embeddings", 64),
+            deepstack_visual_indexes=list(extra.get("vision_deepstack_visual_indexes", (0, 1))),
+        )
+    return dict(
+        common,
+        patch_size=PATCH_SIZE,
         window_size=extra.get("vision_window_size", 56),
         fullatt_block_indexes=list(extra.get("vision_fullatt_block_indexes", (1,))),
-        in_channels=3,
     )
 
 
