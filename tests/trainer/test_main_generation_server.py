@@ -91,6 +91,11 @@ def test_greedy_with_several_responses_is_refused_before_anything_is_loaded(inpu
     missing = tmp_path / "missing.parquet"
     with pytest.raises(FileNotFoundError, match=r"data.train_files=.*missing.parquet' does not exist"):
         main([*overrides(inputs, tmp_path / "o.parquet"), f"data.train_files={missing}"])
+    with pytest.raises(ValueError, match=r"train_files: '.*rows.jsonl' is not a .parquet file"):
+        main([*overrides(inputs, tmp_path / "o.parquet"), f"data.train_files={tmp_path / 'rows.jsonl'}"])
+    vllm_tp2 = ["actor_rollout_ref.rollout.name=vllm", "actor_rollout_ref.rollout.tensor_model_parallel_size=2"]
+    with pytest.raises(ValueError, match=r"= 3 devices do not split into engines of .*tensor_model_parallel_size=2"):
+        main([*overrides(inputs, tmp_path / "o.parquet"), "trainer.n_gpus_per_node=3", *vllm_tp2])
     assert not (tmp_path / "o.parquet").exists()
 
 

@@ -9,6 +9,10 @@ rollout engine (`rollout.name`, the built-in `HFRollout` by default), and the in
 written to `data.output_path` with a `responses` column added: a list of n strings per row, row i
 answering input row i. `python -m verl.trainer.main_eval` scores that file.
 
+The run itself is `generate_to_parquet(GenerationJob)`; `main_generation` fills the job from
+generation.yaml, `main_generation_server` (upstream's entry point on the PPO config) from
+ppo_trainer.yaml. Several input files are concatenated into one table (`read_input_table`).
+
 Design decisions:
 - Where the engine runs: with `trainer.nnodes * trainer.n_gpus_per_node == 1` it runs in this
   process (on CPU, or on the one GPU), with no Ray at all. With more, a Ray worker group of that
@@ -49,7 +53,7 @@ def main(argv: list[str] | None = None) -> None:
     run_generation(load_tool_config("generation", argv))
 
 
-def _plain(section) -> dict:
+def plain_section(section) -> dict:
     from omegaconf import OmegaConf
 
     return OmegaConf.to_container(section, resolve=True) if not isinstance(section, dict) else dict(section)
@@ -118,13 +122,13 @@ def _job_from_generation_config(config) -> GenerationJob:
         model_path=str(model.path),
         trust_remote_code=bool(model.trust_remote_code),
         external_lib=model.external_lib,
-        rollout=_plain(config.rollout),
+        rollout=plain_section(config.rollout),
         n_samples=data.n_samples,
         batch_size=data.batch_size,
         prompt_key=data.prompt_key,
         truncation=data.truncation,
         use_chat_template=bool(data.use_chat_template),
-        apply_chat_template_kwargs=_plain(data.apply_chat_template_kwargs),
+        apply_chat_template_kwargs=plain_section(data.apply_chat_template_kwargs),
         nnodes=trainer.nnodes,
         n_gpus_per_node=trainer.n_gpus_per_node,
         device=trainer.device,

@@ -36,7 +36,7 @@ from __future__ import annotations
 
 import sys
 
-from verl.trainer.main_generation import GenerationJob, _plain, generate_to_parquet
+from verl.trainer.main_generation import GenerationJob, generate_to_parquet, plain_section
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -97,7 +97,7 @@ def job_from_ppo_config(config) -> GenerationJob:
     input_paths = _train_files(data)
     nnodes = _positive_int("trainer.nnodes", trainer.nnodes)
     n_gpus_per_node = _positive_int("trainer.n_gpus_per_node", trainer.n_gpus_per_node)
-    rollout = _plain(rollout_section)
+    rollout = plain_section(rollout_section)
     n = _positive_int("actor_rollout_ref.rollout.n", rollout["n"])
     temperature = rollout["temperature"]
     if isinstance(temperature, bool) or not isinstance(temperature, int | float) or temperature < 0:
@@ -140,7 +140,7 @@ def job_from_ppo_config(config) -> GenerationJob:
         prompt_key=data.prompt_key,
         truncation=data.truncation,
         use_chat_template=True,
-        apply_chat_template_kwargs=_plain(data.get("apply_chat_template_kwargs") or {}),
+        apply_chat_template_kwargs=plain_section(data.get("apply_chat_template_kwargs") or {}),
         nnodes=nnodes,
         n_gpus_per_node=n_gpus_per_node,
         device=trainer.device,
