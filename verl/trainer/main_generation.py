@@ -54,6 +54,7 @@ def main(argv: list[str] | None = None) -> None:
 
 
 def plain_section(section) -> dict:
+    """A config section (DictConfig or dict) as a plain dict, interpolations resolved."""
     from omegaconf import OmegaConf
 
     return OmegaConf.to_container(section, resolve=True) if not isinstance(section, dict) else dict(section)
