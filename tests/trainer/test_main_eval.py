@@ -93,6 +93,14 @@ def partial_credit(data_source, solution_str, ground_truth, extra_info=None, ful
 
 def with_acc(data_source, solution_str, ground_truth, extra_info=None):
     return {"score": -1.0, "acc": solution_str == ground_truth}
+
+
+def three_arguments(data_source, response, ground_truth):  # verl-recipe open_math_reasoning's signature
+    return float(response == ground_truth)
+
+
+def wants_extra_info(data_source, solution_str, ground_truth, **kwargs):
+    return float(kwargs["extra_info"]["bonus"])
 """
 
 
@@ -109,6 +117,20 @@ def test_custom_reward_function_partial_credit_counts_in_the_mean_but_not_as_a_p
     main([*common, "custom_reward_function.name=with_acc"])
     metrics = json.loads(out.read_text())["my_task"]
     assert metrics["mean@4"] == -1.0 and metrics["pass@1"] == pytest.approx(1 / 4)
+
+
+def test_a_reward_function_without_extra_info_gets_upstreams_three_arguments(tmp_path):
+    (tmp_path / "reward.py").write_text(CUSTOM_REWARD)
+    path = write_responses(tmp_path / "gen.parquet", [row("my_task", "yes", ["yes", "no", "no", "no"])])
+    out = tmp_path / "m.json"
+    common = [f"data.path={path}", f"data.output_path={out}", f"custom_reward_function.path={tmp_path / 'reward.py'}"]
+    main([*common, "custom_reward_function.name=three_arguments"])
+    assert json.loads(out.read_text())["my_task"]["mean@4"] == pytest.approx(1 / 4)
+    with_bonus = row("my_task", "yes", ["yes", "no", "no", "no"])
+    with_bonus["extra_info"] = {"index": 0, "bonus": 0.25}
+    write_responses(path, [with_bonus])
+    main([*common, "custom_reward_function.name=wants_extra_info"])  # **kwargs: extra_info is passed
+    assert json.loads(out.read_text())["my_task"]["mean@4"] == pytest.approx(0.25)
 
 
 def test_unknown_data_source_and_missing_column_errors_say_what_to_set(tmp_path):

@@ -6,9 +6,10 @@
 
 Reads the parquet file `main_generation` writes (the input columns plus `responses`, a list of n
 strings per row), scores every response with `compute_score(data_source, solution_str,
-ground_truth, extra_info)` (the custom reward function when `custom_reward_function.path` is set,
-else `verl.utils.reward_score.default_compute_score`, exactly as training does), prints the metrics
-and writes them as JSON:
+ground_truth, extra_info=...)` (the custom reward function when `custom_reward_function.path` is set,
+else `verl.utils.reward_score.default_compute_score`, exactly as training does; a function without an
+`extra_info` parameter gets the first three arguments alone, as upstream's main_eval calls it), prints
+the metrics and writes them as JSON:
 
     {"arith": {"num_prompts": 500, "n": 4, "mean@4": 0.41, "pass@1": 0.41, "pass@2": 0.55, ...}, ...}
 
@@ -78,7 +79,26 @@ def _score_fn(config) -> Callable:
     from verl.trainer.ppo.reward import get_custom_reward_fn
     from verl.utils.reward_score import default_compute_score
 
-    return get_custom_reward_fn(config) or default_compute_score
+    return _passing_extra_info_if_taken(get_custom_reward_fn(config) or default_compute_score)
+
+
+def _passing_extra_info_if_taken(fn: Callable) -> Callable:
+    """`fn(data_source, response, ground_truth, extra_info)` as a call that passes `extra_info` (as a
+    keyword) only to a function that takes it. Upstream's main_eval calls reward functions with the
+    first three arguments alone, and recipes' functions are written for that (verl-recipe's
+    open_math_reasoning `compute_score_data_source(data_source, response, ground_truth)`)."""
+    import inspect
+
+    try:
+        params = inspect.signature(fn).parameters.values()
+    except (TypeError, ValueError):  # no readable signature: call it as upstream does
+        params = ()
+    takes_extra_info = any(p.name == "extra_info" or p.kind is p.VAR_KEYWORD for p in params)
+    if takes_extra_info:
+        return lambda data_source, response, ground_truth, extra_info: fn(
+            data_source, response, ground_truth, extra_info=extra_info
+        )
+    return lambda data_source, response, ground_truth, extra_info: fn(data_source, response, ground_truth)
 
 
 def _read_rows(path: str, columns: list[str]) -> list[dict]:

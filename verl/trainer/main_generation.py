@@ -9,6 +9,10 @@ rollout engine (`rollout.name`, the built-in `HFRollout` by default), and the in
 written to `data.output_path` with a `responses` column added: a list of n strings per row, row i
 answering input row i. `python -m verl.trainer.main_eval` scores that file.
 
+The run itself is `generate_to_parquet(GenerationJob)`; `main_generation` fills the job from
+generation.yaml, `main_generation_server` (upstream's entry point on the PPO config) from
+ppo_trainer.yaml. Several input files are concatenated into one table (`read_input_table`).
+
 Design decisions:
 - Where the engine runs: with `trainer.nnodes * trainer.n_gpus_per_node == 1` it runs in this
   process (on CPU, or on the one GPU), with no Ray at all. With more, a Ray worker group of that
@@ -32,6 +36,7 @@ Design decisions:
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import os
 import time
@@ -48,10 +53,41 @@ def main(argv: list[str] | None = None) -> None:
     run_generation(load_tool_config("generation", argv))
 
 
-def _plain(section) -> dict:
+def plain_section(section) -> dict:
+    """A config section (DictConfig or dict) as a plain dict, interpolations resolved."""
     from omegaconf import OmegaConf
 
     return OmegaConf.to_container(section, resolve=True) if not isinstance(section, dict) else dict(section)
+
+
+@dataclasses.dataclass
+class GenerationJob:
+    """Everything one generation run reads, whichever config it came from: `generation.yaml`
+    (`main_generation`) or `ppo_trainer.yaml` (`main_generation_server`). Built after the entry
+    point has checked its own keys; the names in messages are the config keys given here."""
+
+    input_paths: list[str]
+    """Parquet files, concatenated in order into one output table."""
+    input_key: str
+    """The config key naming the inputs (`data.path`, `data.train_files`), for error messages."""
+    output_path: str
+    model_path: str
+    trust_remote_code: bool
+    external_lib: str | None
+    rollout: dict
+    """A `RolloutConfig` section (engine, sampling, lengths, tensor parallelism)."""
+    n_samples: int
+    batch_size: int | None
+    """Prompts per generation call before the n_samples repeat; None: every prompt in one call."""
+    prompt_key: str
+    truncation: str
+    use_chat_template: bool
+    apply_chat_template_kwargs: dict
+    nnodes: int
+    n_gpus_per_node: int
+    device: str
+    ray_init: dict
+    """`ray.init` keyword arguments for the local cluster started when there is more than one engine."""
 
 
 def check_generation_config(config) -> None:
@@ -76,6 +112,29 @@ def check_generation_config(config) -> None:
         raise ValueError(f"data.path={data.path!r} must be a .parquet file (the output copies its columns)")
     if not data.output_path:
         raise ValueError("data.output_path is not set; name the parquet file to write")
+
+
+def _job_from_generation_config(config) -> GenerationJob:
+    data, model, trainer = config.data, config.model, config.trainer
+    return GenerationJob(
+        input_paths=[str(data.path)],
+        input_key="data.path",
+        output_path=str(data.output_path),
+        model_path=str(model.path),
+        trust_remote_code=bool(model.trust_remote_code),
+        external_lib=model.external_lib,
+        rollout=plain_section(config.rollout),
+        n_samples=data.n_samples,
+        batch_size=data.batch_size,
+        prompt_key=data.prompt_key,
+        truncation=data.truncation,
+        use_chat_template=bool(data.use_chat_template),
+        apply_chat_template_kwargs=plain_section(data.apply_chat_template_kwargs),
+        nnodes=trainer.nnodes,
+        n_gpus_per_node=trainer.n_gpus_per_node,
+        device=trainer.device,
+        ray_init={"num_cpus": config.ray_init.num_cpus},
+    )
 
 
 def _ensure_default_data(path: str) -> None:
@@ -125,7 +184,7 @@ class GenerationWorker(Worker):
         return self.rollout.generate_sequences(prompts)
 
 
-def _start_worker_group(config, rollout_config: dict):
+def _start_worker_group(job: GenerationJob):
     """A Ray worker group of `nnodes * n_gpus_per_node` GenerationWorkers, engines loaded."""
     import ray
 
@@ -140,17 +199,18 @@ def _start_worker_group(config, rollout_config: dict):
             "TOKENIZERS_PARALLELISM": "true",
             "VERL_DEVICE": os.environ.get("VERL_DEVICE", "auto"),
         }
-        ray.init(num_cpus=config.ray_init.num_cpus, include_dashboard=False, runtime_env={"env_vars": env_vars})
-    trainer = config.trainer
-    pool = RayResourcePool(
-        [trainer.n_gpus_per_node] * trainer.nnodes, use_gpu=is_cuda_available(), max_colocate_count=1
-    )
+        kwargs = {k: v for k, v in job.ray_init.items() if v is not None}
+        runtime_env = dict(kwargs.pop("runtime_env", None) or {})
+        runtime_env["env_vars"] = {**env_vars, **(runtime_env.get("env_vars") or {})}
+        kwargs.setdefault("include_dashboard", False)
+        ray.init(runtime_env=runtime_env, **kwargs)
+    pool = RayResourcePool([job.n_gpus_per_node] * job.nnodes, use_gpu=is_cuda_available(), max_colocate_count=1)
     worker = RayClassWithInitArgs(
         ray.remote(GenerationWorker),
-        model_path=config.model.path,
-        rollout_config=rollout_config,
-        trust_remote_code=bool(config.model.trust_remote_code),
-        external_lib=config.model.external_lib,
+        model_path=job.model_path,
+        rollout_config=job.rollout,
+        trust_remote_code=job.trust_remote_code,
+        external_lib=job.external_lib,
     )
     group = RayWorkerGroup(pool, worker, role="generation")
     group.init_model()
@@ -171,10 +231,43 @@ def _write_parquet_atomic(table, path: str) -> None:
     os.replace(tmp, path)
 
 
-def run_generation(config) -> str:
-    """Generate and write `data.output_path`; returns its path."""
+def read_input_table(paths: list[str], input_key: str = "data.path"):
+    """The parquet files' rows in order as one pyarrow table. Columns are the union of the files'
+    (in order of first appearance; rows of a file without a column get nulls); a column keeps its
+    exact type, or the common type pyarrow promotes to (int32 and int64 -> int64, a struct with
+    more fields) when files differ. Columns whose types cannot be unified are refused by name."""
     import pyarrow as pa
     import pyarrow.parquet as pq
+
+    tables = [pq.read_table(path) for path in paths]
+    if len(tables) == 1:
+        return tables[0]
+    try:
+        return pa.concat_tables(tables, promote_options="permissive")
+    except (pa.ArrowInvalid, pa.ArrowTypeError, pa.ArrowNotImplementedError) as e:
+        types: dict[str, dict[str, str]] = {}
+        for path, table in zip(paths, tables):
+            for field in table.schema:
+                types.setdefault(field.name, {})[path] = str(field.type)
+        clashes = {name: by_path for name, by_path in types.items() if len(set(by_path.values())) > 1}
+        raise ValueError(
+            f"the files of {input_key} cannot be concatenated into one table: column types differ "
+            f"({clashes or e}); convert the column to one type in every file, or generate for each file separately"
+        ) from e
+
+
+def run_generation(config) -> str:
+    """`main_generation`: check generation.yaml's keys, then generate and write `data.output_path`;
+    returns its path."""
+    check_generation_config(config)
+    _ensure_default_data(os.path.expanduser(config.data.path))
+    return generate_to_parquet(_job_from_generation_config(config))
+
+
+def generate_to_parquet(job: GenerationJob) -> str:
+    """Generate `job.n_samples` responses for every row of `job.input_paths` and write the input
+    table plus a `responses` column to `job.output_path`; returns its path."""
+    import pyarrow as pa
     from torch.utils.data import DataLoader
 
     from verl.protocol import DataProto
@@ -183,53 +276,51 @@ def run_generation(config) -> str:
     from verl.utils.device import set_device_preference
     from verl.utils.tokenizer import hf_tokenizer
 
-    check_generation_config(config)
-    set_device_preference(config.trainer.device)
-    data, model = config.data, config.model
-    input_path = os.path.expanduser(data.path)
-    output_path = os.path.expanduser(data.output_path)
-    _ensure_default_data(input_path)
-    if not os.path.isfile(input_path):
-        raise FileNotFoundError(f"data.path={data.path!r} does not exist (cwd: {os.getcwd()})")
-    if _column_has_values(input_path, "images"):
-        raise ValueError(
-            f"data.path={data.path!r} holds images (column 'images'): main_generation generates from text prompts "
-            "only, and the images would never reach the model; drop the column, or score a vision-language model "
-            "with main_ppo's validation, which generates with the images (trainer.val_only=true)"
-        )
-    _import_external_lib(model.external_lib)
+    set_device_preference(job.device)
+    input_paths = [os.path.expanduser(p) for p in job.input_paths]
+    output_path = os.path.expanduser(job.output_path)
+    for path in input_paths:
+        if not os.path.isfile(path):
+            raise FileNotFoundError(f"{job.input_key}={path!r} does not exist (cwd: {os.getcwd()})")
+        if _column_has_values(path, "images"):
+            raise ValueError(
+                f"{job.input_key}={path!r} holds images (column 'images'): main_generation generates from text "
+                "prompts only, and the images would never reach the model; drop the column, or score a vision-language "
+                "model with main_ppo's validation, which generates with the images (trainer.val_only=true)"
+            )
+    _import_external_lib(job.external_lib)
 
-    tokenizer = hf_tokenizer(model.path, trust_remote_code=bool(model.trust_remote_code))
-    rollout_config = _plain(config.rollout)
+    tokenizer = hf_tokenizer(job.model_path, trust_remote_code=job.trust_remote_code)
     dataset = RLHFDataset(
-        input_path,
+        input_paths,
         tokenizer,
         {
-            "prompt_key": data.prompt_key,
-            "max_prompt_length": rollout_config["prompt_length"],
+            "prompt_key": job.prompt_key,
+            "max_prompt_length": job.rollout["prompt_length"],
             "filter_overlong_prompts": False,
-            "truncation": data.truncation,
-            "use_chat_template": data.use_chat_template,
-            "apply_chat_template_kwargs": _plain(data.apply_chat_template_kwargs),
+            "truncation": job.truncation,
+            "use_chat_template": job.use_chat_template,
+            "apply_chat_template_kwargs": job.apply_chat_template_kwargs,
         },
     )
-    table = pq.read_table(input_path)
+    table = read_input_table(input_paths, job.input_key)
     assert len(dataset) == table.num_rows, "RLHFDataset must keep every row when filtering is off"
 
-    num_engines = config.trainer.nnodes * config.trainer.n_gpus_per_node
+    num_engines = job.nnodes * job.n_gpus_per_node
     group = pool = None
     if num_engines == 1:
-        generate = build_rollout(model.path, rollout_config, tokenizer).generate_sequences
+        generate = build_rollout(job.model_path, job.rollout, tokenizer).generate_sequences
     else:
-        group, pool = _start_worker_group(config, rollout_config)
+        group, pool = _start_worker_group(job)
         generate = group.generate_sequences
 
-    n = data.n_samples
+    n = job.n_samples
     meta_info = {"eos_token_id": tokenizer.eos_token_id, "pad_token_id": tokenizer.pad_token_id, "n": 1}
     responses: list[list[str]] = []
     num_tokens, start = 0, time.perf_counter()
     try:
-        loader = DataLoader(dataset, batch_size=data.batch_size, shuffle=False, collate_fn=collate_fn)
+        batch_size = job.batch_size or len(dataset)
+        loader = DataLoader(dataset, batch_size=batch_size, shuffle=False, collate_fn=collate_fn)
         for batch_dict in loader:
             prompts = DataProto.from_dict(
                 tensors={k: batch_dict[k] for k in ("input_ids", "attention_mask", "position_ids")},
@@ -247,7 +338,7 @@ def run_generation(config) -> str:
     elapsed = time.perf_counter() - start
 
     if RESPONSES_COLUMN in table.column_names:
-        print(f"replacing the existing {RESPONSES_COLUMN!r} column of {data.path}")
+        print(f"replacing the existing {RESPONSES_COLUMN!r} column of the input")
         table = table.drop_columns([RESPONSES_COLUMN])
     table = table.append_column(RESPONSES_COLUMN, pa.array(responses, type=pa.list_(pa.string())))
     _write_parquet_atomic(table, output_path)
