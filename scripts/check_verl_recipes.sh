@@ -3,7 +3,7 @@
 # checkout, two steps each, on a bundled tiny model and arithmetic data (+demo=arith), then validate
 # and save a checkpoint.
 #
-#   bash scripts/check_verl_recipes.sh /path/to/verl-recipe [dapo|entropy|retool ...]
+#   bash scripts/check_verl_recipes.sh /path/to/verl-recipe [dapo|entropy|retool|char_count|r1 ...]
 #
 # The recipe checkout is put on PYTHONPATH as the package `recipe` (as upstream's README asks: clone it
 # into verl/recipe); the commands run from this repository's root, where the recipes' configs find
@@ -20,11 +20,19 @@
 # suffix on every prompt it calls no tool (every episode has num_turns=2, which ReTool's reward reads),
 # so after training the recipe's tool is called directly, built from the same tool config, through its
 # Ray execution pool and the service. It needs `pip install datasets`.
+# char_count runs the recipe's own scripts from its folder with HOME in a scratch directory:
+# create_dataset.py (a small set of short words), train_sft.sh (torchrun verl.trainer.sft_trainer, one
+# step on arith-tiny), the README's `verl.model_merger merge` into the checkpoint's huggingface/, then
+# train_grpo.sh with its reward_function.py. The scripts take no arguments, so `torchrun` and `python3`
+# are bash functions (exported to the scripts) that append overrides: trainer.device, and for GRPO the
+# size (batch 8, n=4, two steps), the built-in hf rollout instead of vllm, and the merged SFT model
+# instead of the script's megatron global_step_140. The reward function is also checked on the
+# dataset's own worked answers (every one scores 1).
 # See docs/upstream.md#recipes-own-drivers.
 set -euo pipefail
 RECIPES="${1:?usage: $0 VERL_RECIPE_DIR [dapo|entropy ...]}"
 shift
-CHECKS=("${@:-dapo entropy retool}")
+CHECKS=("${@:-dapo entropy retool char_count r1}")
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 WORK="$(mktemp -d)"
 SERVICE_PID=
@@ -119,6 +127,46 @@ ray.shutdown()
 EOF
 }
 
+char_count_run() {
+    (
+        export HOME="$WORK/home_char_count"
+        mkdir -p "$HOME"
+        cd "$WORK/recipe/char_count"
+        ${PYTHON:-python3} create_dataset.py --total_number 80 --min_length 3 --max_length 5
+        # shellcheck disable=SC2317
+        torchrun() { command torchrun "$@" trainer.device=auto; }
+        export -f torchrun
+        MODEL_ID="$ROOT/verl/assets/arith-tiny" bash train_sft.sh
+        local sft="$HOME/experiments/char_count/models/sft/fsdp/global_step_1"
+        ${PYTHON:-python3} -m verl.model_merger merge --backend fsdp --local_dir "$sft" --target_dir "$sft/huggingface/"
+        test -f "$sft/huggingface/model.safetensors" || { echo "char_count: merge wrote no weights" >&2; exit 1; }
+        ${PYTHON:-python3} - "$HOME/data/char_count/rl/train.parquet" <<'EOF'
+import sys
+
+import pandas as pd
+from reward_function import char_count_reward_function as reward
+
+rows = pd.read_parquet(sys.argv[1]).to_dict("records")
+scores = [reward(r["data_source"], r["extra_info"]["response"], r["reward_model"]["ground_truth"]) for r in rows]
+assert scores == [1] * len(rows), scores
+assert reward("char_count", "\\boxed{99}", rows[0]["reward_model"]["ground_truth"]) == 0
+print(f"== verl-recipe char_count: reward_function scores the dataset's {len(rows)} worked answers 1")
+EOF
+        export SFT_HF="$sft/huggingface" CKPT="$WORK/ckpt_char_count"
+        # shellcheck disable=SC2317
+        python3() {
+            command "${PYTHON:-python3}" "$@" trainer.device=auto actor_rollout_ref.rollout.name=hf \
+                actor_rollout_ref.model.path="$SFT_HF" data.train_batch_size=8 actor_rollout_ref.rollout.n=4 \
+                actor_rollout_ref.actor.ppo_mini_batch_size=8 trainer.total_training_steps=2 trainer.test_freq=2 \
+                trainer.save_freq=2 "trainer.logger=[console]" ray_kwargs.ray_init.num_cpus=3 \
+                trainer.default_local_dir="$CKPT"
+        }
+        export -f python3
+        bash train_grpo.sh
+    )
+    test -d "$WORK/ckpt_char_count/global_step_2/actor" || { echo "char_count: no step-2 checkpoint" >&2; exit 1; }
+}
+
 for check in ${CHECKS[*]}; do
     echo "== verl-recipe $check"
     case "$check" in
@@ -159,7 +207,8 @@ for check in ${CHECKS[*]}; do
                 trainer.val_before_train=True ray_kwargs.ray_init.num_cpus=3 \
                 trainer.default_local_dir="$WORK/ckpt_retool"
             retool_tool_call ;;
-        *) echo "unknown check '$check' (dapo, entropy, retool)" >&2; exit 2 ;;
+        char_count) char_count_run; echo "== verl-recipe char_count: SFT, merge, GRPO 2 steps"; continue ;;
+        *) echo "unknown check '$check' (dapo, entropy, retool, char_count, r1)" >&2; exit 2 ;;
     esac
     test -d "$WORK/ckpt_$check/global_step_2/actor" || { echo "verl-recipe $check: no step-2 checkpoint" >&2; exit 1; }
     echo "== verl-recipe $check: trained 2 steps, validated, saved global_step_2"
