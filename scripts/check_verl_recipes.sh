@@ -28,6 +28,12 @@
 # size (batch 8, n=4, two steps), the built-in hf rollout instead of vllm, and the merged SFT model
 # instead of the script's megatron global_step_140. The reward function is also checked on the
 # dataset's own worked answers (every one scores 1).
+# r1 runs data_process.py on local stand-ins of its four hub datasets (HF_DATASETS_OFFLINE=1, folders
+# named as the hub ids in the working directory, configs declared in their README.md), then
+# run_r1_distill_qwen.sh's verl.trainer.main_generation (smaller) and main_eval.py with
+# reward_score.py, and main_eval again on hand-written responses whose scores are known (math-verify,
+# the GPQA letter, LiveCodeBench programs run through prime_code.testing_util). Needs `datasets` and
+# `math-verify`.
 # See docs/upstream.md#recipes-own-drivers.
 set -euo pipefail
 RECIPES="${1:?usage: $0 VERL_RECIPE_DIR [dapo|entropy ...]}"
@@ -167,6 +173,98 @@ EOF
     test -d "$WORK/ckpt_char_count/global_step_2/actor" || { echo "char_count: no step-2 checkpoint" >&2; exit 1; }
 }
 
+r1_run() {
+    # local stand-ins of data_process.py's hub datasets, in their columns, loaded by hub id from the cwd
+    mkdir -p "$WORK/r1/out"
+    cd "$WORK/r1"
+    ln -s "$WORK/recipe" recipe  # the launch script's relative custom_reward_function.path
+    ${PYTHON:-python3} - <<'EOF'
+import base64
+import json
+import os
+import pickle
+import zlib
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+
+def write(folder, name, rows, configs=None):
+    os.makedirs(folder, exist_ok=True)
+    pq.write_table(pa.Table.from_pylist(rows), os.path.join(folder, name))
+    if configs:
+        lines = ["---", "configs:"]
+        for config, split, file in configs:
+            lines += [f"- config_name: {config}", "  data_files:", f"  - split: {split}", f"    path: {file}"]
+        with open(os.path.join(folder, "README.md"), "w") as f:
+            f.write("\n".join(lines + ["---", ""]))
+
+
+write("Maxwell-Jia/AIME_2024", "train.parquet",
+      [{"ID": f"2024-I-{i}", "Problem": f"What is {a}*{b}?", "Answer": a * b} for i, (a, b) in enumerate([(12, 3), (7, 9)])])
+write("Idavidrein/gpqa", "gpqa_diamond.parquet",
+      [{"Question": "Which is a noble gas?", "Correct Answer": "Argon", "Incorrect Answer 1": "Iron",
+        "Incorrect Answer 2": "Sodium", "Incorrect Answer 3": "Carbon"}],
+      configs=[("gpqa_diamond", "train", "gpqa_diamond.parquet")])
+write("opencompass/LiveMathBench", "cnmo_en.parquet", [{"question": "What is 2+3?", "answer": "5"}],
+      configs=[("v202412_CNMO_en", "test", "cnmo_en.parquet"), ("v202412_CNMO_cn", "test", "cnmo_cn.parquet")])
+write("opencompass/LiveMathBench", "cnmo_cn.parquet", [{"question": "2+4 等于多少?", "answer": "6"}])
+private = base64.b64encode(zlib.compress(pickle.dumps(json.dumps([{"input": "10 20\n", "output": "30\n", "testtype": "stdin"}])))).decode()
+write("livecodebench/code_generation_lite", "test.parquet", [
+    {"question_content": "Read two integers and print their sum.", "starter_code": "",
+     "public_test_cases": json.dumps([{"input": "1 2\n", "output": "3\n", "testtype": "stdin"}]),
+     "private_test_cases": private, "metadata": json.dumps({}), "contest_date": "2024-09-01T00:00:00"},
+    {"question_content": "Outside R1's date window.", "starter_code": "",
+     "public_test_cases": "[]", "private_test_cases": "[]", "metadata": "{}", "contest_date": "2023-01-01T00:00:00"},
+])
+EOF
+    HF_DATASETS_OFFLINE=1 ${PYTHON:-python3} -m recipe.r1.data_process --local_dir out --tasks all
+    # run_r1_distill_qwen.sh's generation and evaluation commands, smaller
+    ${PYTHON:-python3} -m verl.trainer.main_generation trainer.nnodes=1 trainer.n_gpus_per_node=1 \
+        data.path=out/test.parquet data.prompt_key=prompt data.batch_size=8 data.n_samples=2 \
+        data.output_path=out/test-output-2.parquet model.path="$ROOT/verl/assets/arith-tiny" \
+        rollout.temperature=0.6 rollout.top_p=0.95 rollout.prompt_length=1024 rollout.response_length=16 \
+        rollout.tensor_model_parallel_size=1 rollout.gpu_memory_utilization=0.9 rollout.max_num_batched_tokens=65536
+    local eval_args=(data.prompt_key=prompt data.response_key=responses
+        custom_reward_function.path=recipe/r1/reward_score.py custom_reward_function.name=reward_func
+        ray_kwargs.ray_init.num_cpus=2)
+    ${PYTHON:-python3} -m recipe.r1.main_eval data.path=out/test-output-2.parquet "${eval_args[@]}"
+    # the same evaluation on hand-written responses, whose scores are known
+    ${PYTHON:-python3} - <<'EOF'
+import pandas as pd
+
+rows = pd.read_parquet("out/test.parquet").to_dict("records")
+program = "```python\na, b = map(int, input().split())\nprint(a + b)\n```"
+for row in rows:
+    source, truth = row["data_source"], row["reward_model"]["ground_truth"]
+    if source == "Maxwell-Jia/AIME_2024":
+        row["responses"] = [f"so \\boxed{{{truth}}}", "so \\boxed{1}"]
+    elif source == "Idavidrein/gpqa":
+        row["responses"] = [f"Answer: {truth}", f"Answer: {'B' if truth == 'A' else 'A'}"]
+    elif source == "opencompass/cnmo2024_en":
+        row["responses"] = [f"\\boxed{{{truth}}}", f"\\boxed{{{truth}}}"]
+    elif source == "opencompass/cnmo2024_zh":
+        row["responses"] = ["\\boxed{7}", "no answer"]
+    else:
+        row["responses"] = [program, "```python\nprint(0)\n```"]
+pd.DataFrame(rows).to_parquet("out/known.parquet")
+EOF
+    ${PYTHON:-python3} -m recipe.r1.main_eval data.path=out/known.parquet "${eval_args[@]}" | tee "$WORK/r1/known.log"
+    ${PYTHON:-python3} - "$WORK/r1/known.log" <<'EOF'
+import re
+import sys
+
+text = open(sys.argv[1]).read()
+scores = {k: float(v) for k, v in re.findall(r"'test_score/([^']+)': (?:np\.float64\()?([0-9.]+)", text)}
+expected = {"Maxwell-Jia/AIME_2024": 0.5, "Idavidrein/gpqa": 0.5, "opencompass/cnmo2024_en": 1.0,
+            "opencompass/cnmo2024_zh": 0.0, "livecodebench/code_generation_lite": 0.5}
+assert scores == expected, scores
+print("== verl-recipe r1: main_eval's scores on known responses are", scores)
+EOF
+    cd "$ROOT"
+}
+
+
 for check in ${CHECKS[*]}; do
     echo "== verl-recipe $check"
     case "$check" in
@@ -208,6 +306,7 @@ for check in ${CHECKS[*]}; do
                 trainer.default_local_dir="$WORK/ckpt_retool"
             retool_tool_call ;;
         char_count) char_count_run; echo "== verl-recipe char_count: SFT, merge, GRPO 2 steps"; continue ;;
+        r1) r1_run; echo "== verl-recipe r1: data_process, main_generation, main_eval"; continue ;;
         *) echo "unknown check '$check' (dapo, entropy, retool, char_count, r1)" >&2; exit 2 ;;
     esac
     test -d "$WORK/ckpt_$check/global_step_2/actor" || { echo "verl-recipe $check: no step-2 checkpoint" >&2; exit 1; }
