@@ -3,7 +3,7 @@
 # checkout, two steps each, on a bundled tiny model and arithmetic data (+demo=arith), then validate
 # and save a checkpoint.
 #
-#   bash scripts/check_verl_recipes.sh /path/to/verl-recipe [dapo|entropy|retool|char_count|r1 ...]
+#   bash scripts/check_verl_recipes.sh /path/to/verl-recipe [dapo|entropy|retool|char_count|r1|infigui-g1 ...]
 #
 # The recipe checkout is put on PYTHONPATH as the package `recipe` (as upstream's README asks: clone it
 # into verl/recipe); the commands run from this repository's root, where the recipes' configs find
@@ -34,11 +34,15 @@
 # reward_score.py, and main_eval again on hand-written responses whose scores are known (math-verify,
 # the GPQA letter, LiveCodeBench programs run through prime_code.testing_util). Needs `datasets` and
 # `math-verify`.
+# infigui-g1 runs run_3b.sh (python3 appends the size, the hf rollout and the tiny-vl preset, or
+# VL_PRESET) from a folder laid out as the verl root it expects (./data/omniact_grounding_filtered,
+# ./recipe), on rows in omniact's shape (data_source "point", one image, a box as ground truth), with
+# its reward_fn.py, whose AER scores are then checked on hand-written answers.
 # See docs/upstream.md#recipes-own-drivers.
 set -euo pipefail
 RECIPES="${1:?usage: $0 VERL_RECIPE_DIR [dapo|entropy ...]}"
 shift
-CHECKS=("${@:-dapo entropy retool char_count r1}")
+CHECKS=("${@:-dapo entropy retool char_count r1 infigui-g1}")
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 WORK="$(mktemp -d)"
 SERVICE_PID=
@@ -265,6 +269,82 @@ EOF
 }
 
 
+infigui_run() {
+    # run_3b.sh from a verl-root-like folder (its ./data and ./recipe paths), on omniact-shaped rows
+    mkdir -p "$WORK/infigui"
+    cd "$WORK/infigui"
+    ln -s "$WORK/recipe" recipe
+    ${PYTHON:-python3} - <<'EOF'
+import io
+import os
+import random
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+from PIL import Image, ImageDraw
+
+# rows as InfiX-ai/omniact_grounding_filtered's: data_source "point", an image, ground truth a box
+rng = random.Random(0)
+folder = "data/omniact_grounding_filtered"
+os.makedirs(folder, exist_ok=True)
+for split, num in (("train", 8), ("val", 4)):
+    rows = []
+    for index in range(num):
+        x1, y1 = rng.randint(0, 40), rng.randint(0, 40)
+        image = Image.new("RGB", (56, 56), (230, 230, 230))
+        ImageDraw.Draw(image).rectangle([x1, y1, x1 + 14, y1 + 14], fill=(200, 30, 30))
+        buffer = io.BytesIO()
+        image.save(buffer, format="PNG")
+        rows.append(
+            {
+                "data_source": "point",
+                "prompt": [{"role": "user", "content": "<image>Point to the red button."}],
+                "images": [{"bytes": buffer.getvalue(), "path": None}],
+                "ability": "gui_grounding",
+                "reward_model": {"style": "rule", "ground_truth": {"x1": x1, "y1": y1, "x2": x1 + 14, "y2": y1 + 14}},
+                "extra_info": {"split": split, "index": index, "no_think": False},
+            }
+        )
+    pq.write_table(pa.Table.from_pylist(rows), f"{folder}/omniact_filtered_{split}.parquet")
+EOF
+    ${PYTHON:-python3} -m verl.models.make_tiny --preset "${VL_PRESET:-tiny-vl}" --out "$WORK/infigui/model"
+    export VLM="$WORK/infigui/model" CKPT="$WORK/ckpt_infigui"
+    (
+        # shellcheck disable=SC2317
+        python3() {
+            command "${PYTHON:-python3}" "$@" trainer.device=auto actor_rollout_ref.rollout.name=hf \
+                actor_rollout_ref.model.path="$VLM" data.train_batch_size=4 actor_rollout_ref.rollout.n=4 \
+                actor_rollout_ref.actor.ppo_mini_batch_size=4 data.max_prompt_length=128 data.max_response_length=16 \
+                data.dataloader_num_workers=0 trainer.n_gpus_per_node=1 trainer.total_training_steps=2 \
+                trainer.test_freq=2 trainer.save_freq=2 "trainer.logger=[console]" ray_kwargs.ray_init.num_cpus=3 \
+                trainer.default_local_dir="$CKPT"
+        }
+        export -f python3
+        bash recipe/infigui-g1/run_3b.sh
+    )
+    # the AER reward on hand-written answers: format 1 plus 1/sqrt(num_pred * rank of the first hit),
+    # or -1/num_pred without a hit; -1 for a malformed answer
+    PYTHONPATH="$WORK/recipe/infigui-g1:$PYTHONPATH" ${PYTHON:-python3} - <<'EOF'
+from reward_fn import aer_gui_reward_function as reward
+
+box = {"x1": 10, "y1": 10, "x2": 20, "y2": 20}
+cases = {
+    '<think>it is there</think>[{"point_2d": [15, 15]}]': 2.0,
+    '<think>two guesses</think>[{"point_2d": [40, 40]}, {"point_2d": [12, 18]}]': 1.5,
+    '<think>miss</think>[{"point_2d": [40, 40]}, {"point_2d": [0, 50]}]': 0.5,
+    '<think>three on a line</think>[{"point_2d": [1, 1]}, {"point_2d": [2, 2]}, {"point_2d": [3, 3]}]': -1.0,
+    "[{\"point_2d\": [15, 15]}]": -1.0,
+}
+for answer, expected in cases.items():
+    got = reward("point", answer, box, extra_info={})["score"]
+    assert abs(got - expected) < 1e-12, (answer, got, expected)
+assert reward("point", '[{"point_2d": [15, 15]}]', box, extra_info={"no_think": True})["score"] == 2.0
+print("== verl-recipe infigui-g1: reward_fn's scores on known answers hold")
+EOF
+    cd "$ROOT"
+    test -d "$WORK/ckpt_infigui/global_step_2/actor" || { echo "infigui-g1: no step-2 checkpoint" >&2; exit 1; }
+}
+
 for check in ${CHECKS[*]}; do
     echo "== verl-recipe $check"
     case "$check" in
@@ -307,7 +387,8 @@ for check in ${CHECKS[*]}; do
             retool_tool_call ;;
         char_count) char_count_run; echo "== verl-recipe char_count: SFT, merge, GRPO 2 steps"; continue ;;
         r1) r1_run; echo "== verl-recipe r1: data_process, main_generation, main_eval"; continue ;;
-        *) echo "unknown check '$check' (dapo, entropy, retool, char_count, r1)" >&2; exit 2 ;;
+        infigui-g1) infigui_run; echo "== verl-recipe infigui-g1: run_3b.sh 2 steps on tiny-vl"; continue ;;
+        *) echo "unknown check '$check' (dapo, entropy, retool, char_count, r1, infigui-g1)" >&2; exit 2 ;;
     esac
     test -d "$WORK/ckpt_$check/global_step_2/actor" || { echo "verl-recipe $check: no step-2 checkpoint" >&2; exit 1; }
     echo "== verl-recipe $check: trained 2 steps, validated, saved global_step_2"
