@@ -3,7 +3,7 @@
 # checkout, two steps each, on a bundled tiny model and arithmetic data (+demo=arith), then validate
 # and save a checkpoint.
 #
-#   bash scripts/check_verl_recipes.sh /path/to/verl-recipe [dapo|entropy|retool|char_count|r1|infigui-g1 ...]
+#   bash scripts/check_verl_recipes.sh /path/to/verl-recipe [dapo|entropy|retool|char_count|r1|infigui-g1|fapo ...]
 #
 # The recipe checkout is put on PYTHONPATH as the package `recipe` (as upstream's README asks: clone it
 # into verl/recipe); the commands run from this repository's root, where the recipes' configs find
@@ -38,11 +38,17 @@
 # VL_PRESET) from a folder laid out as the verl root it expects (./data/omniact_grounding_filtered,
 # ./recipe), on rows in omniact's shape (data_source "point", one image, a box as ground truth), with
 # its reward_fn.py, whose AER scores are then checked on hand-written answers.
+# fapo runs prepare_fapo_data.py on local stand-ins of its hub datasets, then main_ppo with the reward
+# keys of run_baseline_7b.sh (the dapo manager, overlong buffer, the recipe's async
+# compute_score_baseline; the script itself submits to a Ray cluster with `ray job submit`), and checks
+# the recipe's scorers on known answers. compute_score_fapo's flawed-positive check asks a generative
+# reward model through an SGLang-style router (`POST /generate` with input_ids); none runs here, so only
+# its paths that do not call it are checked.
 # See docs/upstream.md#recipes-own-drivers.
 set -euo pipefail
 RECIPES="${1:?usage: $0 VERL_RECIPE_DIR [dapo|entropy ...]}"
 shift
-CHECKS=("${@:-dapo entropy retool char_count r1 infigui-g1}")
+CHECKS=("${@:-dapo entropy retool char_count r1 infigui-g1 fapo}")
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 WORK="$(mktemp -d)"
 SERVICE_PID=
@@ -345,6 +351,76 @@ EOF
     test -d "$WORK/ckpt_infigui/global_step_2/actor" || { echo "infigui-g1: no step-2 checkpoint" >&2; exit 1; }
 }
 
+fapo_run() {
+    # prepare_fapo_data.py on local stand-ins of its hub datasets, then main_ppo with the reward keys
+    # of run_baseline_7b.sh (dapo manager, overlong buffer, the async compute_score_baseline)
+    mkdir -p "$WORK/fapo/out"
+    cd "$WORK/fapo"
+    ln -s "$WORK/recipe" recipe
+    ${PYTHON:-python3} - <<'EOF'
+import os
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+
+def write(folder, name, rows, config=None, split="train"):
+    os.makedirs(folder, exist_ok=True)
+    pq.write_table(pa.Table.from_pylist(rows), os.path.join(folder, name))
+    if config:
+        with open(os.path.join(folder, "README.md"), "w") as f:
+            f.write(f"---\nconfigs:\n- config_name: {config}\n  data_files:\n  - split: {split}\n    path: {name}\n---\n")
+
+
+problems = [(12, 34), (7, 8), (3, 41), (25, 4)]
+write("open-r1/DAPO-Math-17k-Processed", "all.parquet",
+      [{"prompt": f"What is {a}+{b}?", "solution": str(a + b)} for a, b in problems], config="all")
+write("Maxwell-Jia/AIME_2024", "train.parquet", [{"ID": "2024-I-1", "Problem": "What is 6*7?", "Answer": 42}])
+write("yentinglin/aime_2025", "train.parquet", [{"problem": "What is 9+9?", "solution": "18"}])
+write("Idavidrein/gpqa", "gpqa_diamond.parquet",
+      [{"Question": "Which is a noble gas?", "Correct Answer": "Argon", "Incorrect Answer 1": "Iron",
+        "Incorrect Answer 2": "Sodium", "Incorrect Answer 3": "Carbon"}], config="gpqa_diamond")
+EOF
+    HF_DATASETS_OFFLINE=1 ${PYTHON:-python3} -m recipe.fapo.prepare_fapo_data --local_dir out
+    ${PYTHON:-python3} -m verl.trainer.main_ppo +demo=arith trainer.device=auto algorithm.adv_estimator=grpo \
+        data.train_files=out/fapo-train-boxed.parquet data.val_files=out/fapo-test-full-boxed.parquet \
+        data.prompt_key=prompt data.max_prompt_length=128 data.max_response_length=32 data.train_batch_size=4 \
+        data.return_raw_chat=True data.filter_overlong_prompts=True data.truncation=error \
+        actor_rollout_ref.rollout.n=4 actor_rollout_ref.actor.ppo_mini_batch_size=4 \
+        actor_rollout_ref.actor.clip_ratio_low=0.2 actor_rollout_ref.actor.clip_ratio_high=0.28 \
+        actor_rollout_ref.actor.loss_agg_mode=token-mean algorithm.use_kl_in_reward=False \
+        actor_rollout_ref.actor.use_kl_loss=False reward_model.reward_manager=dapo \
+        +reward_model.reward_kwargs.overlong_buffer_cfg.enable=True +reward_model.reward_kwargs.overlong_buffer_cfg.len=8 \
+        +reward_model.reward_kwargs.overlong_buffer_cfg.penalty_factor=1.0 +reward_model.reward_kwargs.overlong_buffer_cfg.log=True \
+        +reward_model.reward_kwargs.max_resp_len=32 \
+        custom_reward_function.path=recipe/fapo/reward_fn_reasoning.py custom_reward_function.name=compute_score_baseline \
+        trainer.total_training_steps=2 trainer.test_freq=2 trainer.save_freq=2 "trainer.logger=[console]" \
+        trainer.val_before_train=True ray_kwargs.ray_init.num_cpus=3 trainer.default_local_dir="$WORK/ckpt_fapo"
+    # the rule-based scorers on known answers; compute_score_fapo only on the paths that do not call
+    # the generative reward model's router (test split, wrong answer)
+    ${PYTHON:-python3} - <<'EOF'
+import asyncio
+
+from recipe.fapo.reward_fn_genrm import compute_score_fapo_genrm
+from recipe.fapo.reward_fn_reasoning import compute_score_baseline, compute_score_fapo
+
+assert asyncio.run(compute_score_baseline("so \\boxed{46}", "46"))["score"] == 1.0
+assert asyncio.run(compute_score_baseline("so \\boxed{45}", "46"))["score"] == -1.0
+no_router = {"reward_router_address": None, "reward_model_tokenizer": None}
+for split, answer, expected in (("test", "\\boxed{46}", 1.0), ("train", "\\boxed{45}", -1.0)):
+    info = {"question": "What is 12+34?", "split": split}
+    out = asyncio.run(compute_score_fapo("math-dapo", answer, "46", info, **no_router))
+    assert out["score"] == expected and out["is_flawed_positive"] is False, out
+steps = {"total_steps": 4}
+assert compute_score_fapo_genrm("\\boxed{-1}", -1, steps)["score"] == 1.0
+assert compute_score_fapo_genrm("\\boxed{1}", 3, steps)["score"] == 0.5  # 1 - |1 - 3| / 4
+assert compute_score_fapo_genrm("\\boxed{-1}", 2, steps)["score"] == -1.0
+assert compute_score_fapo_genrm("\\boxed{9}", 2, steps)["score"] == -1.0  # out of range: invalid
+print("== verl-recipe fapo: baseline, FAPO (no-router paths) and GenRM scores on known answers hold")
+EOF
+    cd "$ROOT"
+}
+
 for check in ${CHECKS[*]}; do
     echo "== verl-recipe $check"
     case "$check" in
@@ -388,7 +464,8 @@ for check in ${CHECKS[*]}; do
         char_count) char_count_run; echo "== verl-recipe char_count: SFT, merge, GRPO 2 steps"; continue ;;
         r1) r1_run; echo "== verl-recipe r1: data_process, main_generation, main_eval"; continue ;;
         infigui-g1) infigui_run; echo "== verl-recipe infigui-g1: run_3b.sh 2 steps on tiny-vl"; continue ;;
-        *) echo "unknown check '$check' (dapo, entropy, retool, char_count, r1, infigui-g1)" >&2; exit 2 ;;
+        fapo) fapo_run ;;
+        *) echo "unknown check '$check' (dapo, entropy, retool, char_count, r1, infigui-g1, fapo)" >&2; exit 2 ;;
     esac
     test -d "$WORK/ckpt_$check/global_step_2/actor" || { echo "verl-recipe $check: no step-2 checkpoint" >&2; exit 1; }
     echo "== verl-recipe $check: trained 2 steps, validated, saved global_step_2"
