@@ -463,7 +463,7 @@ for check in ${CHECKS[*]}; do
             retool_tool_call ;;
         char_count) char_count_run; echo "== verl-recipe char_count: SFT, merge, GRPO 2 steps"; continue ;;
         r1) r1_run; echo "== verl-recipe r1: data_process, main_generation, main_eval"; continue ;;
-        infigui-g1) infigui_run; echo "== verl-recipe infigui-g1: run_3b.sh 2 steps on tiny-vl"; continue ;;
+        infigui-g1) infigui_run; echo "== verl-recipe infigui-g1: run_3b.sh 2 steps on ${VL_PRESET:-tiny-vl}"; continue ;;
         fapo) fapo_run ;;
         *) echo "unknown check '$check' (dapo, entropy, retool, char_count, r1, infigui-g1, fapo)" >&2; exit 2 ;;
     esac
