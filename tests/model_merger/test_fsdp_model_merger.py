@@ -97,6 +97,20 @@ def test_two_rank_checkpoint_merges_in_one_process_into_an_hf_dir_equal_to_the_t
     assert tokenizer.decode(tokenizer("What is 37+48?")["input_ids"]) == "What is 37+48?"
 
 
+def test_merging_into_the_checkpoints_own_huggingface_dir_keeps_its_tokenizer_and_adds_the_weights(ckpt, tmp_path):
+    # verl-recipe char_count's README: merge --local_dir $CKPT_PATH --target_dir $CKPT_PATH/huggingface/
+    local = tmp_path / "global_step_1"
+    shutil.copytree(ckpt / "global_step_1" / "actor", local)
+    tokenizer_before = (local / "huggingface" / "tokenizer.json").read_bytes()
+    main(["merge", "--backend", "fsdp", "--local_dir", str(local), "--target_dir", f"{local}/huggingface/"])
+
+    assert (local / "huggingface" / "tokenizer.json").read_bytes() == tokenizer_before
+    model = AutoModelForCausalLM.from_pretrained(local / "huggingface")
+    expected = full_state(ckpt, "actor")
+    for name, tensor in model.state_dict().items():
+        assert torch.equal(tensor, expected[name]), name
+
+
 def test_untied_head_is_kept_and_bf16_is_written_on_request(ckpt, tmp_path):
     merge(ckpt, "untied", tmp_path / "fp", "--dtype", "auto")
     merge(ckpt, "untied", tmp_path / "bf16", "--dtype", "bf16")

@@ -399,6 +399,10 @@ class BaseModelMerger(ABC):
 
     def _copy_tokenizer_and_generation_config(self, target: str) -> None:
         source = self.hf_model_config_path
+        if os.path.realpath(source) == os.path.realpath(target):
+            # merging into the checkpoint's own huggingface/ (verl-recipe's char_count README does):
+            # its tokenizer and generation config are already there
+            return
         for name in sorted(os.listdir(source)):
             path = os.path.join(source, name)
             if not os.path.isfile(path) or name in _NOT_COPIED or name.endswith(_WEIGHT_SUFFIXES):

@@ -54,3 +54,25 @@ def test_code_sources_without_sandbox_url_run_locally():
         assert default_compute_score(source, ADD, json.dumps(STDIN_CASES)) == 1.0
     half = {"inputs": ["1 1", "2 2"], "outputs": ["2", "5"]}
     assert default_compute_score("apps", ADD, half) == 0.5
+
+
+def test_testing_util_run_test_reports_upstreams_codes_and_stops_at_the_first_failure():
+    # the entry point verl-recipe r1's LiveCodeBench scorer imports
+    from verl.utils.reward_score.prime_code.testing_util import run_test
+
+    cases = {"inputs": ["1 2\n", "3 4\n", "5 6\n"], "outputs": ["3\n", "7\n", "11\n"]}
+    adder = "a, b = map(int, input().split())\nprint(a + b)"
+    assert run_test(cases, test=adder, timeout=10) == ([True, True, True], {})
+
+    wrong_second = "a, b = map(int, input().split())\nprint(a + b if a == 1 else 0)"
+    results, meta = run_test(json.dumps(cases), test=wrong_second, timeout=10)
+    assert results == [True, False] and meta["error_code"] is False and meta["case_index"] == 1
+
+    results, meta = run_test(cases, test="raise SystemExit(3)", timeout=10)
+    assert results == [-1] and meta["status"] == "runtime_error"
+    assert run_test(cases, test="def broken(:\n")[0] == [-2]
+
+    call_based = {"inputs": ["[1, 2]"], "outputs": [[2, 1]], "fn_name": "flip"}
+    assert run_test(call_based, test="def flip(xs):\n    return xs[::-1]")[0] == [True]
+    with pytest.raises(ValueError, match="needs the program"):
+        run_test(cases)

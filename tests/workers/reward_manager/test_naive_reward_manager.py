@@ -226,3 +226,37 @@ def test_dataset_to_reward_end_to_end(tmp_path, char_tokenizer):
     reward = NaiveRewardManager(char_tokenizer, 0)(full)
     assert reward.sum(dim=1).tolist() == [1.0, 1.0, 0.0]
     assert reward[1, len("so #### 72")] == 1.0  # the <eos> position
+
+
+def test_async_reward_functions_are_awaited_together_and_their_errors_are_per_sample(char_tokenizer, make_batch):
+    # verl-recipe FAPO's compute_score_baseline is `async def` and returns a dict; DAPO's manager runs it
+    import asyncio
+
+    from verl.workers.reward_manager import DAPORewardManager
+
+    started = []
+
+    async def compute_score(data_source, solution_str, ground_truth, extra_info=None):
+        started.append(solution_str)
+        for _ in range(100):  # every sample starts before any finishes: the coroutines run concurrently
+            if len(started) == 3:
+                break
+            await asyncio.sleep(0.001)
+        if solution_str == "boom":
+            raise ZeroDivisionError("division by zero")
+        return {"score": 1.0 if solution_str == ground_truth else -1.0, "concurrent": len(started) == 3}
+
+    data = make_batch(["1<eos>", "2<eos>", "boom<eos>"], ["1", "1", "1"])
+    manager = DAPORewardManager(char_tokenizer, 0, compute_score=compute_score, on_error="zero")
+    result = manager(data, return_dict=True)
+    assert result["reward_tensor"].sum(dim=1).tolist() == [1.0, -1.0, 0.0]
+    assert result["reward_extra_info"]["concurrent"] == [True, True, None]
+    assert result["reward_extra_info"]["reward_error"] == [0, 0, 1]
+
+    async def called_from_a_running_loop():
+        started.clear()
+        return manager(data, return_dict=True)
+
+    assert asyncio.run(called_from_a_running_loop())["reward_tensor"].sum(dim=1).tolist() == [1.0, -1.0, 0.0]
+    with pytest.raises(RewardFunctionError, match="ZeroDivisionError"):
+        DAPORewardManager(char_tokenizer, 0, compute_score=compute_score)(data)

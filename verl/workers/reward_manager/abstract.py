@@ -12,6 +12,10 @@ Design decisions:
   special tokens skipped, in one ``batch_decode`` call.
 - ``compute_score`` may return a float or a dict with a ``"score"`` key; the dict's values are reported
   per sample in ``reward_extra_info`` (``None`` where a sample has no such key).
+- ``compute_score`` may be ``async def`` (verl-recipe FAPO's ``compute_score_baseline``, which upstream's
+  reward loop awaits): the batch's coroutines are awaited together on one event loop (on a helper
+  thread when the calling thread already runs one), so their I/O overlaps; an exception raised inside
+  one is that sample's error, as for a plain function.
 - A reward function that raises, or returns NaN, infinity or a non-number, is handled by ``on_error``:
   ``"raise"`` (default) stops with the data source, ground truth and response of the failing sample, so
   the bug is fixed rather than trained on; ``"zero"`` scores the sample 0 and flags it in
@@ -28,6 +32,9 @@ Design decisions:
 
 from __future__ import annotations
 
+import asyncio
+import concurrent.futures
+import inspect
 import math
 import numbers
 from collections import defaultdict
@@ -77,6 +84,31 @@ class ScoreOutcome:
     error: str | None = None
     cause: BaseException | None = None
     timed_out: bool = False
+
+
+def _await_coroutines(outcomes: list[ScoreOutcome]) -> list[ScoreOutcome]:
+    """Outcomes whose result is a coroutine (an ``async def`` reward function) replaced by what it returns."""
+    pending = [i for i, outcome in enumerate(outcomes) if inspect.iscoroutine(outcome.result)]
+    if not pending:
+        return outcomes
+
+    async def gather():
+        return await asyncio.gather(*(outcomes[i].result for i in pending), return_exceptions=True)
+
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        results = asyncio.run(gather())
+    else:  # called from a coroutine: this thread's loop is busy, so run the batch on a fresh one
+        with concurrent.futures.ThreadPoolExecutor(max_workers=1) as pool:
+            results = pool.submit(asyncio.run, gather()).result()
+    outcomes = list(outcomes)
+    for i, result in zip(pending, results):
+        if isinstance(result, Exception):
+            outcomes[i] = ScoreOutcome(error=f"{type(result).__name__}: {result}", cause=result)
+        else:
+            outcomes[i] = ScoreOutcome(result=result)
+    return outcomes
 
 
 class RewardFunctionError(RuntimeError):
@@ -157,6 +189,7 @@ class AbstractRewardManager:
         outcomes = self.compute_scores(samples)
         if len(outcomes) != len(samples):
             raise RuntimeError(f"{type(self).__name__} produced {len(outcomes)} scores for {len(samples)} samples")
+        outcomes = _await_coroutines(outcomes)
         scores, extra_info = self._collect(samples, outcomes)
         scores = self.adjust_scores(samples, scores, extra_info)
 
