@@ -3,7 +3,7 @@
 # checkout, two steps each, on a bundled tiny model and arithmetic data (+demo=arith), then validate
 # and save a checkpoint.
 #
-#   bash scripts/check_verl_recipes.sh /path/to/verl-recipe [dapo|entropy|retool|char_count|r1|infigui-g1|fapo ...]
+#   bash scripts/check_verl_recipes.sh /path/to/verl-recipe [dapo|entropy|retool|char_count|r1|infigui-g1|fapo|open_math_reasoning ...]
 #
 # The recipe checkout is put on PYTHONPATH as the package `recipe` (as upstream's README asks: clone it
 # into verl/recipe); the commands run from this repository's root, where the recipes' configs find
@@ -44,11 +44,14 @@
 # the recipe's scorers on known answers. compute_score_fapo's flawed-positive check asks a generative
 # reward model through an SGLang-style router (`POST /generate` with input_ids); none runs here, so only
 # its paths that do not call it are checked.
+# open_math_reasoning runs prepare_eval_dataset.py on local stand-ins of math-ai/aime24 and aime25, its
+# run_generation.sh (verl.trainer.main_generation_server; python3 appends the hf engine, n=2 and a short
+# response), then its run_eval.sh (verl.trainer.main_eval with compute_score.py) on known responses.
 # See docs/upstream.md#recipes-own-drivers.
 set -euo pipefail
 RECIPES="${1:?usage: $0 VERL_RECIPE_DIR [dapo|entropy ...]}"
 shift
-CHECKS=("${@:-dapo entropy retool char_count r1 infigui-g1 fapo}")
+CHECKS=("${@:-dapo entropy retool char_count r1 infigui-g1 fapo open_math_reasoning}")
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 WORK="$(mktemp -d)"
 SERVICE_PID=
@@ -421,6 +424,64 @@ EOF
     cd "$ROOT"
 }
 
+open_math_reasoning_run() {
+    (
+        export HOME="$WORK/home_omr"
+        mkdir -p "$HOME"
+        # local stand-ins of math-ai/aime24 (problem, solution) and math-ai/aime25 (problem, answer)
+        ${PYTHON:-python3} - "$WORK/omr_raw" <<'EOF'
+import os
+import sys
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+root = sys.argv[1]
+for name, rows in {
+    "aime24": [{"problem": "What is 6*6?", "solution": "\\boxed{36}"}, {"problem": "What is 7+8?", "solution": "\\boxed{15}"}],
+    "aime25": [{"problem": "What is 9-4?", "answer": "5"}],
+}.items():
+    os.makedirs(f"{root}/math-ai/{name}", exist_ok=True)
+    pq.write_table(pa.Table.from_pylist(rows), f"{root}/math-ai/{name}/test.parquet")
+EOF
+        cd "$WORK"  # the verl root the scripts expect (recipe/ beside it)
+        ${PYTHON:-python3} recipe/open_math_reasoning/prepare_eval_dataset.py --local_dataset_path "$WORK/omr_raw"
+        # run_generation.sh as written, with the engine, size and device appended
+        # shellcheck disable=SC2317
+        python3() {
+            command "${PYTHON:-python3}" "$@" actor_rollout_ref.rollout.name=hf trainer.device=auto \
+                actor_rollout_ref.rollout.n=2 actor_rollout_ref.rollout.response_length=16
+        }
+        export -f python3
+        MODEL_PATH="$ROOT/verl/assets/arith-tiny" NGPUS_PER_NODE=1 bash recipe/open_math_reasoning/run_generation.sh
+        # shellcheck disable=SC2317
+        python3() { command "${PYTHON:-python3}" "$@"; }  # run_eval.sh as written
+        ${PYTHON:-python3} - "$HOME/data/gen/qwen_8b_gen_test.parquet" <<'EOF'
+import sys
+
+import pandas as pd
+
+frame = pd.read_parquet(sys.argv[1])
+assert list(frame["data_source"]) == ["aime24", "aime24", "aime25"], frame["data_source"]
+assert all(len(r) == 2 for r in frame["responses"]), frame["responses"]
+# known responses for run_eval.sh: 1 of 4 right for aime24, 2 of 2 for aime25
+frame["responses"] = [["\\boxed{36}", "\\boxed{1}"], ["\\boxed{2}", "\\boxed{3}"], ["\\boxed{5}", "\\boxed{5}"]]
+frame.to_parquet(sys.argv[1])
+print("== verl-recipe open_math_reasoning: main_generation_server wrote 3 rows x 2 responses")
+EOF
+        bash recipe/open_math_reasoning/run_eval.sh | tee "$WORK/omr_eval.log"
+        ${PYTHON:-python3} - "$WORK/omr_eval.log" <<'EOF'
+import re
+import sys
+
+text = open(sys.argv[1]).read()
+scores = {k: float(v) for k, v in re.findall(r"^(\S+) \(\d+ prompts x 2\): mean@2=([0-9.]+)", text, re.M)}
+assert scores == {"aime24": 0.25, "aime25": 1.0}, scores
+print("== verl-recipe open_math_reasoning: main_eval's scores on known responses are", scores)
+EOF
+    )
+}
+
 for check in ${CHECKS[*]}; do
     echo "== verl-recipe $check"
     case "$check" in
@@ -465,7 +526,8 @@ for check in ${CHECKS[*]}; do
         r1) r1_run; echo "== verl-recipe r1: data_process, main_generation, main_eval"; continue ;;
         infigui-g1) infigui_run; echo "== verl-recipe infigui-g1: run_3b.sh 2 steps on ${VL_PRESET:-tiny-vl}"; continue ;;
         fapo) fapo_run ;;
-        *) echo "unknown check '$check' (dapo, entropy, retool, char_count, r1, infigui-g1, fapo)" >&2; exit 2 ;;
+        open_math_reasoning) open_math_reasoning_run; echo "== verl-recipe open_math_reasoning: prepare, generate, eval"; continue ;;
+        *) echo "unknown check '$check' (dapo, entropy, retool, char_count, r1, infigui-g1, fapo, open_math_reasoning)" >&2; exit 2 ;;
     esac
     test -d "$WORK/ckpt_$check/global_step_2/actor" || { echo "verl-recipe $check: no step-2 checkpoint" >&2; exit 1; }
     echo "== verl-recipe $check: trained 2 steps, validated, saved global_step_2"
