@@ -93,6 +93,17 @@ def get_event_loop() -> asyncio.AbstractEventLoop:
     return loop
 
 
+def run_sync(coro):
+    """Run a coroutine to completion from synchronous code and return its result, also when this thread
+    already runs an event loop (a notebook, a caller inside a coroutine): then on a fresh loop in a helper thread."""
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return asyncio.run(coro)
+    with concurrent.futures.ThreadPoolExecutor(max_workers=1) as pool:
+        return pool.submit(asyncio.run, coro).result()
+
+
 def auto_await(func):
     """Decorator for a coroutine function: outside a running event loop the call runs the coroutine to
     completion and returns its result; inside one it returns the coroutine for the caller to await.

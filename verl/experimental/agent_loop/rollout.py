@@ -91,6 +91,7 @@ from verl.experimental.agent_loop.agent_loop import (
 from verl.experimental.agent_loop.engine import AsyncRolloutEngine, MicroBatchEngine, rollout_batch_generator
 from verl.utils.config import omega_conf_to_dataclass
 from verl.utils.device import set_device
+from verl.utils.ray_utils import run_sync
 from verl.utils.rollout_trace import RolloutTraceConfig, rollout_trace_attr, rollout_trace_op
 from verl.workers.config import MultiTurnConfig, RolloutConfig, TraceConfig
 from verl.workers.rollout.base import BaseRollout
@@ -104,16 +105,6 @@ def settings_from_config(rollout_config, apply_chat_template_kwargs: dict | None
     """`AgentLoopSettings` from the rollout config (a `RolloutConfig`, or a section it is built from)
     and its `multi_turn` section."""
     return AgentLoopSettings.from_rollout_config(rollout_config, apply_chat_template_kwargs)
-
-
-def _run_sync(coro):
-    """Run a coroutine to completion from synchronous code, even if this thread already runs a loop."""
-    try:
-        asyncio.get_running_loop()
-    except RuntimeError:
-        return asyncio.run(coro)
-    with ThreadPoolExecutor(max_workers=1) as pool:  # e.g. called from a notebook's event loop
-        return pool.submit(asyncio.run, coro).result()
 
 
 class AgentLoopRollout(BaseRollout):
@@ -395,7 +386,7 @@ class AgentLoopRollout(BaseRollout):
         num_to_finish = None
         if self.over_sample_rate > 0 and not meta.get("validate", False):  # upstream never cuts validation
             num_to_finish = max(1, int(len(samples) * (1 - self.over_sample_rate)))
-        trajectories, stats = _run_sync(
+        trajectories, stats = run_sync(
             self.run_episodes(
                 samples,
                 names or [self.default_agent] * len(samples),

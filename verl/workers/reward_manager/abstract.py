@@ -33,7 +33,6 @@ Design decisions:
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 import inspect
 import math
 import numbers
@@ -44,6 +43,7 @@ from typing import Any
 
 import torch
 
+from verl.utils.ray_utils import run_sync
 from verl.utils.reward_score import default_compute_score
 
 ON_ERROR_CHOICES = ("raise", "zero")
@@ -95,13 +95,7 @@ def _await_coroutines(outcomes: list[ScoreOutcome]) -> list[ScoreOutcome]:
     async def gather():
         return await asyncio.gather(*(outcomes[i].result for i in pending), return_exceptions=True)
 
-    try:
-        asyncio.get_running_loop()
-    except RuntimeError:
-        results = asyncio.run(gather())
-    else:  # called from a coroutine: this thread's loop is busy, so run the batch on a fresh one
-        with concurrent.futures.ThreadPoolExecutor(max_workers=1) as pool:
-            results = pool.submit(asyncio.run, gather()).result()
+    results = run_sync(gather())
     outcomes = list(outcomes)
     for i, result in zip(pending, results):
         if isinstance(result, Exception):
