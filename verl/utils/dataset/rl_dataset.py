@@ -394,13 +394,7 @@ class RLHFDataset(Dataset):
         if not self.filter_overlong_prompts:
             return dataframe
         rows = dataframe.to_list() if hasattr(dataframe, "to_list") else list(dataframe)
-        if self.processor is not None:
-            lengths = [len(self._encode_multi_modal(dict(row), f"row {i}")[3]) for i, row in enumerate(rows)]
-        else:
-            texts = [self._render(row[self.prompt_key]) for row in rows]
-            lengths = (
-                [len(ids) for ids in self.tokenizer(texts, add_special_tokens=False)["input_ids"]] if texts else []
-            )
+        lengths, _, _ = self._prompt_lengths([dict(row) for row in rows], [f"row {i}" for i in range(len(rows))])
         keep = [i for i, n in enumerate(lengths) if n <= self.max_prompt_length]
         if hasattr(dataframe, "select"):
             return dataframe.select(keep)
@@ -454,16 +448,21 @@ class RLHFDataset(Dataset):
         self.rows = [self.rows[i] for i in keep]
         self._origins = [self._origins[i] for i in keep]
 
-    def _check_lengths(self) -> None:
+    def _prompt_lengths(self, rows: list[dict], wheres: list[str]) -> tuple[list[int], list, list[str]]:
+        """Each row's prompt length in tokens, and (text models; empty with a processor) the token ids and
+        the rendered text they come from. With a processor the length is the expanded one (each image's
+        patch tokens included), which needs the images decoded and sized."""
         if self.processor is not None:
-            # the expanded length (each image's patch tokens included) needs the images decoded and sized
-            lengths = [
-                len(self._encode_multi_modal(row, f"{path}, row {i}")[3])
-                for row, (path, i) in zip(self.rows, self._origins, strict=True)
-            ]
-        else:
-            texts = [self._render(row[self.prompt_key]) for row in self.rows]
-            all_ids = self.tokenizer(texts, add_special_tokens=False)["input_ids"] if texts else []
+            lengths = [len(self._encode_multi_modal(row, where)[3]) for row, where in zip(rows, wheres, strict=True)]
+            return lengths, [], []
+        texts = [self._render(row[self.prompt_key]) for row in rows]
+        all_ids = self.tokenizer(texts, add_special_tokens=False)["input_ids"] if texts else []
+        return [len(ids) for ids in all_ids], all_ids, texts
+
+    def _check_lengths(self) -> None:
+        wheres = [f"{path}, row {i}" for path, i in self._origins]
+        lengths, all_ids, texts = self._prompt_lengths(self.rows, wheres)
+        if self.processor is None:
             self._prompt_cache = [
                 (
                     _messages_key(row[self.prompt_key]),
@@ -472,7 +471,6 @@ class RLHFDataset(Dataset):
                 )
                 for row, ids, text in zip(self.rows, all_ids, texts, strict=True)
             ]
-            lengths = [len(ids) for ids in all_ids]
         too_long = [i for i, n in enumerate(lengths) if n > self.max_prompt_length]
         if not too_long:
             return
