@@ -499,9 +499,8 @@ class Tracking:
 
     def log(self, data: dict, step: int, backend: str | list[str] | None = None) -> None:
         """Send `data` (metric name -> value) for `step` to every backend (or only to `backend`)."""
-        for name, logger in self.logger.items():
-            if backend is None or name in ([backend] if isinstance(backend, str) else backend):
-                logger.log(data=data, step=step)
+        for logger in self._loggers(backend):
+            logger.log(data=data, step=step)
         kept = {k: s for k, v in data.items() if is_plotted_metric(k) and (s := _scalar(v)) is not None}
         if kept:
             self._history.append({"step": step, "data": kept})
@@ -519,10 +518,16 @@ class Tracking:
         with one row per call; swanlab an echarts table. The console shows none."""
         if not samples:
             return
-        wanted = None if backend is None else ([backend] if isinstance(backend, str) else list(backend))
-        for name, logger in self.logger.items():
-            if (wanted is None or name in wanted) and hasattr(logger, "log_generations"):
+        for logger in self._loggers(backend):
+            if hasattr(logger, "log_generations"):
                 logger.log_generations(samples, step)
+
+    def _loggers(self, backend: str | list[str] | None) -> list:
+        """The backends' loggers, or only those named by `backend` (a name or a list of names)."""
+        if backend is None:
+            return list(self.logger.values())
+        names = [backend] if isinstance(backend, str) else list(backend)
+        return [logger for name, logger in self.logger.items() if name in names]
 
     def plot_curves(self) -> Path | None:
         """Draw the training curves logged so far into `<run_dir>/training_curves.png`; None if nothing to draw."""
