@@ -395,7 +395,11 @@ class CommandLine:
 
 
 def parse_command_line(
-    argv: list[str], *, entry_dir: Path = ENTRY_DIR, default_dir: Path = CONFIG_DIR, default_name: str | None = None
+    argv: list[str],
+    *,
+    entry_dir: Path = ENTRY_DIR,
+    default_dir: Path = CONFIG_DIR,
+    default_name: str = DEFAULT_CONFIG_NAME,
 ) -> CommandLine:
     """Hydra's `--config-path/-cp DIR`, `--config-name/-cn NAME`, `--config-dir/-cd DIR` (a search
     directory: taken as the config directory here), `--cfg/-c job|all` and `--resolve`, both as
@@ -435,8 +439,7 @@ def parse_command_line(
             "Hydra job config) is available"
         )
     directory = resolve_config_dir(found.get("path") or found.get("dir"), entry_dir, default_dir)
-    name = _config_name(found.get("name"), default_name or DEFAULT_CONFIG_NAME)
-    return CommandLine(directory, name, overrides, cfg_mode, resolve_flag)
+    return CommandLine(directory, _config_name(found.get("name"), default_name), overrides, cfg_mode, resolve_flag)
 
 
 def parse_cli_args(argv: list[str]) -> tuple[str | None, list[str]]:
