@@ -40,7 +40,7 @@ from __future__ import annotations
 
 import logging
 
-from omegaconf import DictConfig, open_dict
+from omegaconf import DictConfig, OmegaConf, open_dict
 
 from verl.trainer.config.errors import ConfigError
 
@@ -56,6 +56,8 @@ _FULLY_ASYNC_ONLY = {
         "checkpoint_engine",
     ),
     "rollout": ("n", "total_rollout_steps", "total_epochs", "test_freq"),
+    "actor_rollout_ref": ("checkpoint_engine",),
+    "actor_rollout_ref.actor": ("use_rollout_log_probs",),
 }
 
 
@@ -143,10 +145,8 @@ def translate_fully_async(cfg: DictConfig) -> None:
         trainer.test_freq = test_freq * n_sync if test_freq and test_freq > 0 else -1
         if trainer.save_freq > 0:
             trainer.save_freq = trainer.save_freq * n_sync
-        _drop(arc, ("checkpoint_engine",))
-        _drop(arc.actor, ("use_rollout_log_probs",))
         for section, keys in _FULLY_ASYNC_ONLY.items():
-            _drop(cfg[section], keys)
+            _drop(OmegaConf.select(cfg, section), keys)
     _colocated_trainer(cfg)
     logger.warning(
         "fully-async config as verl's asynchronous training: %s prompts per step (ppo_mini_batch_size %s x "
