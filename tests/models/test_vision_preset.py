@@ -14,6 +14,20 @@ def tiny_vl(tmp_path_factory):
     return make_tiny("tiny-vl", str(tmp_path_factory.mktemp("tiny-vl")))
 
 
+def _positions(model, inputs):
+    """(our M-RoPE positions, transformers' own get_rope_index, the attention mask) of a processed batch."""
+    from verl.utils.vision import vl_position_ids
+
+    expected, _ = model.model.get_rope_index(
+        inputs["input_ids"],
+        inputs["mm_token_type_ids"],
+        image_grid_thw=inputs["image_grid_thw"],
+        attention_mask=inputs["attention_mask"],
+    )
+    ours = vl_position_ids(model.config, inputs["input_ids"], inputs["attention_mask"], inputs["image_grid_thw"])
+    return ours, expected, inputs["attention_mask"].bool()
+
+
 def test_text_ids_are_the_text_tokenizers():
     text, vision = build_tokenizer("tiny"), build_tokenizer("tiny-vl")
     sample = "<bos><|user|>What is 37+48?<|assistant|>85<eos>"
@@ -78,7 +92,6 @@ def test_mrope_positions_equal_transformers_get_rope_index(tiny_vl):
     from transformers import AutoModelForImageTextToText
 
     from verl.utils.tokenizer import hf_processor
-    from verl.utils.vision import vl_position_ids
 
     processor = hf_processor(tiny_vl)
     model = AutoModelForImageTextToText.from_pretrained(tiny_vl)
@@ -91,14 +104,7 @@ def test_mrope_positions_equal_transformers_get_rope_index(tiny_vl):
     processor.tokenizer.padding_side = "left"
     inputs = processor(text=texts, images=images, padding=True, return_tensors="pt")
     assert inputs["image_grid_thw"].tolist() == [[1, 8, 4], [1, 2, 6]]
-    expected, _ = model.model.get_rope_index(
-        inputs["input_ids"],
-        inputs["mm_token_type_ids"],
-        image_grid_thw=inputs["image_grid_thw"],
-        attention_mask=inputs["attention_mask"],
-    )
-    ours = vl_position_ids(model.config, inputs["input_ids"], inputs["attention_mask"], inputs["image_grid_thw"])
-    mask = inputs["attention_mask"].bool()
+    ours, expected, mask = _positions(model, inputs)
     assert ours.shape == (2, 4, inputs["input_ids"].shape[1])
     for row in range(2):
         assert torch.equal(ours[row, 1:][:, mask[row]], expected[:, row][:, mask[row]])
@@ -156,7 +162,6 @@ def test_qwen3_vl_mrope_positions_equal_transformers_get_rope_index(tiny_qwen3_v
     from transformers import AutoModelForImageTextToText
 
     from verl.utils.tokenizer import hf_processor
-    from verl.utils.vision import vl_position_ids
 
     processor = hf_processor(tiny_qwen3_vl)
     model = AutoModelForImageTextToText.from_pretrained(tiny_qwen3_vl)
@@ -171,14 +176,7 @@ def test_qwen3_vl_mrope_positions_equal_transformers_get_rope_index(tiny_qwen3_v
     processor.tokenizer.padding_side = "left"
     inputs = processor(text=texts, images=images, padding=True, return_tensors="pt")
     assert inputs["image_grid_thw"].tolist() == [[1, 8, 4], [1, 2, 6], [1, 4, 8]]
-    expected, _ = model.model.get_rope_index(
-        inputs["input_ids"],
-        inputs["mm_token_type_ids"],
-        image_grid_thw=inputs["image_grid_thw"],
-        attention_mask=inputs["attention_mask"],
-    )
-    ours = vl_position_ids(model.config, inputs["input_ids"], inputs["attention_mask"], inputs["image_grid_thw"])
-    mask = inputs["attention_mask"].bool()
+    ours, expected, mask = _positions(model, inputs)
     assert ours.shape == (3, 4, inputs["input_ids"].shape[1]) and not mask.all()
     for row in range(3):
         assert torch.equal(ours[row, 1:][:, mask[row]], expected[:, row][:, mask[row]])
