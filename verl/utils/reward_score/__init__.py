@@ -17,7 +17,16 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from verl.utils.reward_score import arith, countdown, geo3k, gsm8k, math_dapo, math_reward, vl_colors
+from verl.utils.reward_score import (
+    arith,
+    countdown,
+    geo3k,
+    gsm8k,
+    math_dapo,
+    math_reward,
+    search_r1_like_qa_em,
+    vl_colors,
+)
 
 
 def _prime_math_score(solution_str: str, ground_truth) -> float:
@@ -35,6 +44,15 @@ NUMINA_DATA_SOURCES = (
     "numina_olympiads",
 )
 CODE_DATA_SOURCES = ("codecontests", "apps", "codeforces", "taco")
+SEARCH_R1_DATA_SOURCES = (
+    "searchR1_nq",
+    "searchR1_triviaqa",
+    "searchR1_popqa",
+    "searchR1_hotpotqa",
+    "searchR1_2wikimultihopqa",
+    "searchR1_musique",
+    "searchR1_bamboogle",
+)
 
 SCORE_FNS: dict[str, Callable[[str, object], float | dict]] = {
     "openai/gsm8k": gsm8k.compute_score,
@@ -47,6 +65,8 @@ SCORE_FNS: dict[str, Callable[[str, object], float | dict]] = {
     "hiyouga/geometry3k": geo3k.compute_score,
     "vl_colors": vl_colors.compute_score,
     **{source: _prime_math_score for source in NUMINA_DATA_SOURCES},
+    # question answering with a search tool: exact match of the last <answer> (search_r1_like_qa_em)
+    **dict.fromkeys(SEARCH_R1_DATA_SOURCES, search_r1_like_qa_em.compute_score),
     # DAPO-Math-17k and its evaluation sets: +1 / -1 on the `Answer:` line (math_dapo)
     **dict.fromkeys(("math_dapo", "math", "math_dapo_reasoning"), math_dapo.compute_score),
 }
@@ -114,4 +134,4 @@ def default_compute_score(
     return result if isinstance(result, dict) else float(result)
 
 
-__all__ = ["CODE_DATA_SOURCES", "NUMINA_DATA_SOURCES", "SCORE_FNS", "default_compute_score"]
+__all__ = ["CODE_DATA_SOURCES", "NUMINA_DATA_SOURCES", "SCORE_FNS", "SEARCH_R1_DATA_SOURCES", "default_compute_score"]
