@@ -421,6 +421,77 @@ assert compute_score_fapo_genrm("\\boxed{-1}", 2, steps)["score"] == -1.0
 assert compute_score_fapo_genrm("\\boxed{9}", 2, steps)["score"] == -1.0  # out of range: invalid
 print("== verl-recipe fapo: baseline, FAPO (no-router paths) and GenRM scores on known answers hold")
 EOF
+    # FAPO itself (run_fapo_7b.sh's reward keys): reward_model.enable with compute_score_fapo, the judge served
+    # to it behind reward_router_address. The stand-in judge is the bundled model with a 32k context (FAPO asks
+    # for 16384 new tokens; the model stops long before), so it gives no boxed step index (no flawed positive).
+    ${PYTHON:-python3} - "$WORK/fapo/judge" <<'EOF'
+import json
+import shutil
+import sys
+
+from verl.models import bundled_model_path
+
+shutil.copytree(bundled_model_path(), sys.argv[1])
+with open(f"{sys.argv[1]}/config.json") as f:
+    config = json.load(f)
+config["max_position_embeddings"] = 32768
+with open(f"{sys.argv[1]}/config.json", "w") as f:
+    json.dump(config, f)
+EOF
+    ${PYTHON:-python3} -m verl.trainer.main_ppo +demo=arith trainer.device=auto algorithm.adv_estimator=grpo \
+        data.train_files=out/fapo-train-boxed.parquet data.val_files=out/fapo-test-full-boxed.parquet \
+        data.prompt_key=prompt data.max_prompt_length=128 data.max_response_length=32 data.train_batch_size=4 \
+        data.return_raw_chat=True data.filter_overlong_prompts=True data.truncation=error \
+        actor_rollout_ref.rollout.n=4 actor_rollout_ref.actor.ppo_mini_batch_size=4 \
+        algorithm.use_kl_in_reward=False actor_rollout_ref.actor.use_kl_loss=False \
+        reward_model.enable=True reward_model.model.path="$WORK/fapo/judge" reward_model.rollout.name=hf \
+        reward_model.rollout.gpu_memory_utilization=0.95 reward_model.rollout.tensor_model_parallel_size=1 \
+        reward_model.rollout.free_cache_engine=False reward_model.reward_manager=dapo \
+        +reward_model.reward_kwargs.overlong_buffer_cfg.enable=True +reward_model.reward_kwargs.overlong_buffer_cfg.len=8 \
+        +reward_model.reward_kwargs.overlong_buffer_cfg.penalty_factor=1.0 +reward_model.reward_kwargs.overlong_buffer_cfg.log=True \
+        +reward_model.reward_kwargs.max_resp_len=32 \
+        custom_reward_function.path=recipe/fapo/reward_fn_reasoning.py custom_reward_function.name=compute_score_fapo \
+        trainer.total_training_steps=2 trainer.test_freq=2 trainer.save_freq=2 "trainer.logger=[console]" \
+        trainer.val_before_train=True ray_kwargs.ray_init.num_cpus=3 trainer.default_local_dir="$WORK/ckpt_fapo_genrm"
+    test -d "$WORK/ckpt_fapo_genrm/global_step_2/actor" || { echo "verl-recipe fapo (GenRM): no step-2 checkpoint" >&2; exit 1; }
+    # compute_score_fapo on a correct training answer asks the judge: here the command-line server serves it
+    local port
+    port=$(${PYTHON:-python3} -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
+    ${PYTHON:-python3} -m verl.experimental.reward_loop.generation_server --model "$WORK/fapo/judge" --port "$port" \
+        > "$WORK/genrm_server.log" 2>&1 &
+    SERVICE_PID=$!
+    ${PYTHON:-python3} - "$WORK/fapo/judge" "127.0.0.1:$port" <<'EOF'
+import asyncio
+import json
+import sys
+import time
+import urllib.request
+
+from recipe.fapo.reward_fn_reasoning import compute_score_fapo
+from verl.experimental.reward_loop.reward_model import ChatTemplateListIds
+from verl.utils.tokenizer import hf_tokenizer
+
+judge, address = sys.argv[1:]
+deadline = time.time() + 120
+while True:
+    try:
+        health = json.loads(urllib.request.urlopen(f"http://{address}/health", timeout=5).read())
+        break
+    except OSError:
+        if time.time() > deadline:
+            raise
+        time.sleep(1)
+before = health["num_requests"]
+info = {"question": "What is 12+34?", "split": "train"}
+out = asyncio.run(compute_score_fapo("math-dapo", "so \\boxed{46}", "46", info, address, ChatTemplateListIds(hf_tokenizer(judge))))
+after = json.loads(urllib.request.urlopen(f"http://{address}/health", timeout=5).read())["num_requests"]
+assert after == before + 1, (before, after)  # the judge was asked once
+assert out["score"] == 1.0 and out["is_flawed_positive"] is False, out  # no boxed step index: not flawed
+print("== verl-recipe fapo: trained 2 steps with compute_score_fapo and its judge served; a correct answer asks it once")
+EOF
+    kill "$SERVICE_PID" 2>/dev/null
+    wait "$SERVICE_PID" 2>/dev/null || true
+    SERVICE_PID=
     cd "$ROOT"
 }
 

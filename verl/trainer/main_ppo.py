@@ -435,10 +435,12 @@ class TaskRunner:
             self.mapping[Role.Critic] = "global_pool"
 
     def add_reward_model_worker(self, config):
+        from verl.experimental.reward_loop.reward_model import uses_generative_reward_model
         from verl.trainer.ppo.ray_trainer import Role
 
         rm = config.reward_model
-        if rm.enable:
+        # a reward model served to the custom reward function runs in servers of its own, not in workers
+        if rm.enable and not uses_generative_reward_model(config):
             self.role_worker_mapping[Role.RewardModel] = _worker_backend(rm.strategy).RewardModelWorker
             self.mapping[Role.RewardModel] = "reward_pool" if rm.enable_resource_pool else "global_pool"
 

@@ -121,13 +121,17 @@ def test_sync_source_hands_out_scored_samples_with_the_reward_functions_extra_in
     assert source.runs_ahead is False and source.state_dict() == {}
 
 
-def test_scorer_adds_the_reward_models_score_to_the_rule_score_and_needs_one_of_them():
+def test_with_a_reward_model_its_scores_are_the_reward_and_one_of_the_two_is_needed():
     rm = SimpleNamespace(
         compute_rm_score=lambda b: DataProto.from_dict(tensors={"rm_scores": torch.full((len(b), 1), 0.25)})
     )
-    batch = DataProto.from_dict(tensors={"responses": torch.tensor([[CORRECT], [0]])})
-    assert RewardScorer(exact_match, rm).scores(batch)[:, 0].tolist() == [1.25, 0.25]
+    batch = DataProto.from_dict(tensors={"responses": torch.tensor([[CORRECT], [9]])})
+    state = StepState()
+    # upstream's reward managers return rm_scores unchanged: no rule reward is added, the rule fn never runs
+    assert RewardScorer(exact_match, rm).scores(batch, state)[:, 0].tolist() == [0.25, 0.25]
+    assert "reward/num_errors" not in state.metrics
     assert RewardScorer(None, rm).scores(batch)[:, 0].tolist() == [0.25, 0.25]
+    assert RewardScorer(exact_match).scores(batch)[:, 0].tolist() == [1.0, 0.0]
     with pytest.raises(RuntimeError, match="custom_reward_function.path"):
         RewardScorer().scores(batch)
 

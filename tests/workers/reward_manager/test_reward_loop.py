@@ -150,3 +150,24 @@ def test_the_config_check_refuses_an_incomplete_or_ignored_custom_loop():
         with pytest.raises(ConfigError, match=match):
             load_ppo_config(overrides, config_name="arith_demo")
     load_ppo_config([importlib, *named], config_name="arith_demo")  # complete: accepted (the file is read later)
+
+
+def test_a_reward_model_with_a_custom_reward_function_is_served_to_it_or_refused_without_the_loop(tmp_path):
+    from verl.trainer.config import ConfigError, load_ppo_config
+
+    fn = tmp_path / "score.py"
+    fn.write_text(
+        "def compute_score(data_source, solution_str, ground_truth, extra_info=None, **kw):\n    return 0.0\n"
+    )
+    both = ["reward_model.enable=true", "reward_model.model.path=x", f"custom_reward_function.path={fn}"]
+    # upstream's reward loop serves the model to the function: its engine must be named
+    with pytest.raises(ConfigError, match="reward_model.rollout.name must name its engine"):
+        load_ppo_config(both, config_name="arith_demo")
+    load_ppo_config([*both, "reward_model.rollout.name=hf"], config_name="arith_demo")
+    # without the loop, upstream's managers return the model's scores and never call the function
+    with pytest.raises(ConfigError, match="so the function would never be called"):
+        load_ppo_config(
+            [*both, "reward_model.rollout.name=hf", "reward_model.use_reward_loop=false"], config_name="arith_demo"
+        )
+    load_ppo_config(both[:2], config_name="arith_demo")  # the model alone
+    load_ppo_config(both[2:], config_name="arith_demo")  # the function alone

@@ -13,6 +13,7 @@ def check_feature_combinations(c: dict, errors: list[str], warns: list[str]) -> 
     _check_logprobs_mode(c, errors, warns)
     _check_skip_rollout(c, errors)
     _check_reward_loop(c, errors)
+    _check_reward_model_with_custom_function(c, errors)
 
 
 def _check_logprobs_mode(c: dict, errors: list[str], warns: list[str]) -> None:
@@ -48,6 +49,28 @@ def _check_skip_rollout(c: dict, errors: list[str]) -> None:
         errors.append(
             "actor_rollout_ref.rollout.skip_rollout=true with async_training.staleness_threshold > 0: the rollouts "
             "come from the asynchronous rollout pool, which does not replay dumps; set staleness_threshold=0"
+        )
+
+
+def _check_reward_model_with_custom_function(c: dict, errors: list[str]) -> None:
+    """A reward model together with custom_reward_function: upstream's reward loop serves the model to the
+    function (verl/experimental/reward_loop/reward_model.py); without the loop it never calls the function."""
+    rm, custom = c["reward_model"], c["custom_reward_function"]
+    if not rm["enable"] or not custom.get("path"):
+        return
+    if not rm.get("use_reward_loop", True):
+        errors.append(
+            f"reward_model.enable=true with reward_model.use_reward_loop=false and custom_reward_function.path="
+            f"{custom['path']!r}: the reward model's scores are the reward (upstream's reward managers return them "
+            "as they are), so the function would never be called; drop one of the two"
+        )
+        return
+    name = (rm.get("rollout") or {}).get("name")
+    if not name or name == "???":
+        errors.append(
+            f"reward_model.enable=true with custom_reward_function.path={custom['path']!r} serves the reward model "
+            "to the function (a generative reward model, reached through reward_router_address), so "
+            "reward_model.rollout.name must name its engine: hf (built in), vllm or sglang"
         )
 
 

@@ -34,6 +34,7 @@ from typing import Any
 
 import torch
 
+from verl.experimental.reward_loop.reward_model import uses_generative_reward_model
 from verl.protocol import DataProto
 from verl.trainer.config.validate_batches import need_critic
 from verl.trainer.ppo import driver_math
@@ -142,7 +143,9 @@ class RayPPOTrainer(UpstreamTrainerAPI):
                 "estimator without a critic (grpo, rloo, ...)"
             )
         self.use_reference_policy = Role.RefPolicy in role_worker_mapping or Role.ActorRolloutRef in role_worker_mapping
-        self.use_rm = Role.RewardModel in role_worker_mapping
+        # a generative reward model is served to the reward function, not run by reward-model workers
+        self.use_rm = Role.RewardModel in role_worker_mapping and not uses_generative_reward_model(config)
+        self.reward_model_manager = None  # the generative reward model's servers (init_workers), if any
         self.kl_ctrl_in_reward = kl_controller(algo) if algo.use_kl_in_reward else None
         self.rollout_source: RolloutSource | None = None  # chosen in init_workers, once its worker groups exist
         if staleness_threshold(config) > 0:
@@ -202,6 +205,10 @@ class RayPPOTrainer(UpstreamTrainerAPI):
         if groups is None:
             # a critic the config does not train is not started (a recipe's driver maps one always)
             mapping = {r: c for r, c in self.role_worker_mapping.items() if r != Role.Critic or self.use_critic}
+            if uses_generative_reward_model(self.config):
+                # upstream's reward loop: the reward model is served to the reward function (which starts
+                # its servers), so no reward-model workers, whatever the driver mapped
+                mapping.pop(Role.RewardModel, None)
             groups = spawn_worker_groups(
                 self.config,
                 mapping,
@@ -211,6 +218,11 @@ class RayPPOTrainer(UpstreamTrainerAPI):
             )
         for name, group in groups.items():
             setattr(self, name, group)
+        if uses_generative_reward_model(self.config):  # its servers, before the first reward asks them
+            from verl.experimental.reward_loop.reward_model import RewardModelManager
+
+            self.reward_model_manager = RewardModelManager(self.config)
+            logger.info("generative reward model served at %s", self.reward_model_manager.get_router_address())
         self.reward_scorer.reward_model = groups.get("rm_wg") if self.use_rm else None
         self.rollout_source = build_rollout_source(
             self.config,

@@ -26,6 +26,7 @@ from __future__ import annotations
 import functools
 from collections.abc import Callable
 
+from verl.experimental.reward_loop.reward_model import uses_generative_reward_model, with_reward_model
 from verl.trainer.config.config import CustomRewardFunctionConfig, RewardManagerConfig
 from verl.trainer.config.loader import data_value
 from verl.utils.config import omega_conf_to_dataclass
@@ -146,6 +147,9 @@ def load_reward_manager(config, tokenizer, num_examine: int, **reward_kwargs):
     # the custom reward file is imported first, as upstream does: it may register the manager it names
     # (`@register("collabllm")` beside its function, then reward_model.reward_manager=collabllm)
     compute_score = get_custom_reward_fn(config)
+    if compute_score is not None and uses_generative_reward_model(config):
+        # upstream's reward loop: the function is handed the reward model (reward_router_address, ...)
+        compute_score = with_reward_model(compute_score, config)
     if reward_model.reward_loop_source == "importlib":  # upstream's custom reward loop class
         from verl.workers.reward_manager.reward_loop import RewardLoopManager
 

@@ -106,7 +106,11 @@ class PromptStream:
 
 class RewardScorer:
     """`token_level_scores` [B, R] of generated samples: the reward model's (`reward_model`, its
-    worker group, if any) plus the rule reward function's (`reward_fn`, if any); one must exist.
+    worker group) when there is one, else the reward function's (`reward_fn`); one must exist.
+
+    With a reward model its scores are the reward and the reward function is not called, as upstream's
+    reward managers return `rm_scores` unchanged (a reward model with custom_reward_function.path is
+    refused by the config check: upstream then hands the model to the function through a router).
 
     The rule function's per-sample extra info (`reward_extra_info`, e.g. DAPO's `acc`) is written
     into the batch's non-tensor columns, where the group filter and the rollout dump read it, and
@@ -124,13 +128,12 @@ class RewardScorer:
 
     def scores(self, batch: DataProto, state: StepState | None = None) -> torch.Tensor:
         """The scores alone; with `state` None nothing is recorded (ReMax's greedy baseline)."""
-        scores = None
         if self.reward_model is not None:
-            scores = self.reward_model.compute_rm_score(batch).batch["rm_scores"]
+            return self.reward_model.compute_rm_score(batch).batch["rm_scores"]
+        scores = None
         if self.reward_fn is not None:
             result = self.reward_fn(batch, return_dict=True)
-            rule = result["reward_tensor"]
-            scores = rule if scores is None else scores + rule
+            scores = result["reward_tensor"]
             extra = result.get("reward_extra_info", {})
             if state is not None:
                 if "reward_error" in extra:

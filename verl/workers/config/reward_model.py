@@ -8,10 +8,10 @@ and read it by attribute.
 
 Where this differs from upstream's classes, deliberately:
 - upstream's `RewardModelConfig` types `model` as `HFModelConfig` and `rollout` as `RolloutConfig` (its
-  reward loop serves a generative reward model through a rollout engine). Here the reward model is a
+  reward loop serves every reward model through a rollout engine). Here a discriminative reward model is a
   sequence classifier whose forward runs in FSDP/Megatron workers, so `model` is `RewardModelModelConfig`
-  (path, tokenizer handling, sharding) and `rollout` (`RewardModelRolloutConfig`) only declares the
-  keys of upstream's YAML, read by nothing;
+  (path, tokenizer handling, sharding), and `rollout` (`RewardModelRolloutConfig`) is read only for a
+  generative reward model served to the custom reward function (verl/experimental/reward_loop/reward_model.py);
 - the section also holds the keys of upstream's reward_model.yaml that its class leaves to the YAML
   (strategy, micro-batch sizes, max_length, ...) and two of ours: `reward_kwargs` (options of the reward
   manager) and `overlong_buffer` (DAPO's overlong penalty);
@@ -145,45 +145,61 @@ class RewardModelModelConfig(BaseConfig):
 
 @dataclass
 class RewardModelRolloutConfig(BaseConfig):
-    """The rollout engine serving the reward model in upstream's reward loop (not read here: see `name`)."""
+    """The engine serving a generative reward model to the reward function (upstream's reward loop:
+    `reward_model.enable` with `custom_reward_function.path`, verl/experimental/reward_loop/reward_model.py).
+    A discriminative reward model (no custom function) runs in reward-model workers and reads none of it."""
 
     name: str | None = doc(
-        "Engine that serves the reward model in upstream's reward loop; here the reward model's forward runs in "
-        "the actor's workers (the same scores), so this section is read by nothing.",
-        status=IGNORED,
+        "Engine serving the generative reward model: hf (built in), vllm or sglang. Required when "
+        "reward_model.enable is set together with custom_reward_function.path.",
         unset_ok=True,
         default=None,
     )
-    dtype: str = doc("Engine dtype. Not read: see `name`.", status=IGNORED, default="bfloat16")
-    gpu_memory_utilization: float = doc(
-        "Device memory fraction of the engine. Not read: see `name`.", status=IGNORED, default=0.5
+    dtype: str = doc("Engine dtype.", default="bfloat16")
+    gpu_memory_utilization: float = doc("Device memory fraction of each replica's engine.", default=0.5)
+    enforce_eager: bool = doc("No CUDA graphs (vLLM; the built-in engine's switch is engine_kwargs.hf).", default=True)
+    cudagraph_capture_sizes: list[int] | None = doc("CUDA-graph batch sizes (vLLM).", default=None)
+    free_cache_engine: bool = doc(
+        "Free the KV cache between uses. Not read: the reward model's engines stay loaded for the run.",
+        status=IGNORED,
+        default=True,
     )
-    enforce_eager: bool = doc("No CUDA graphs. Not read: see `name`.", status=IGNORED, default=True)
-    cudagraph_capture_sizes: list[int] | None = doc(
-        "CUDA-graph batch sizes. Not read: see `name`.", status=IGNORED, default=None
+    data_parallel_size: int = doc(
+        "Data-parallel ranks inside one engine; must be 1 (more replicas come from the workers / tp).", default=1
     )
-    free_cache_engine: bool = doc("Free the KV cache between uses. Not read: see `name`.", status=IGNORED, default=True)
-    data_parallel_size: int = doc("Data-parallel ranks of the engine. Not read: see `name`.", status=IGNORED, default=1)
-    expert_parallel_size: int = doc(
-        "Expert-parallel ranks of the engine. Not read: see `name`.", status=IGNORED, default=1
-    )
+    expert_parallel_size: int = doc("Expert-parallel ranks inside one engine; must be 1.", default=1)
     tensor_model_parallel_size: int = doc(
-        "Tensor-parallel ranks of the engine. Not read: see `name`.", status=IGNORED, default=2
+        "Devices per replica; replicas = the workers the model is served on (reward_model.n_gpus_per_node x "
+        "nnodes with enable_resource_pool, else the trainer's) / this. The built-in engine needs 1.",
+        default=2,
     )
-    max_num_batched_tokens: int = doc("Scheduler token budget. Not read: see `name`.", status=IGNORED, default=8192)
-    max_model_len: int | None = doc("Context length. Not read: see `name`.", status=IGNORED, default=None)
-    max_num_seqs: int = doc("Concurrent sequences. Not read: see `name`.", status=IGNORED, default=1024)
-    load_format: str = doc("Weight-loading format. Not read: see `name`.", status=IGNORED, default="auto")
-    engine_kwargs: dict = doc("Extra engine arguments. Not read: see `name`.", status=IGNORED, default_factory=dict)
+    max_num_batched_tokens: int = doc("Prompt tokens of one prefill forward.", default=8192)
+    max_model_len: int | None = doc("Context length (vLLM).", default=None)
+    max_num_seqs: int = doc("Sequences generated at once.", default=1024)
+    load_format: str = doc("Weight-loading format (vLLM).", default="auto")
+    engine_kwargs: dict = doc("Extra engine arguments (engine_kwargs.hf / .vllm / .sglang).", default_factory=dict)
     limit_images: int | None = doc(
-        "Images per prompt (multi-modal). Not read: see `name`.", status=IGNORED, default=None
+        "Images per prompt. Not read: the servers take text and token ids only.", status=IGNORED, default=None
     )
-    enable_chunked_prefill: bool = doc("Chunked prefill. Not read: see `name`.", status=IGNORED, default=True)
-    enable_prefix_caching: bool = doc("Prefix caching. Not read: see `name`.", status=IGNORED, default=True)
-    disable_log_stats: bool = doc("Silence engine statistics. Not read: see `name`.", status=IGNORED, default=True)
-    skip_tokenizer_init: bool = doc("Start without the tokenizer. Not read: see `name`.", status=IGNORED, default=False)
-    prompt_length: int = doc("Prompt tokens of a judge request. Not read: see `name`.", status=IGNORED, default=2048)
-    response_length: int = doc("Tokens of a judge's answer. Not read: see `name`.", status=IGNORED, default=2048)
+    enable_chunked_prefill: bool = doc("Chunked prefill (vLLM).", default=True)
+    enable_prefix_caching: bool = doc("Prefix caching (vLLM).", default=True)
+    disable_log_stats: bool = doc("Silence engine statistics (vLLM).", default=True)
+    skip_tokenizer_init: bool = doc(
+        "Start without the tokenizer. Not read: the servers always load it (they decode text).",
+        status=IGNORED,
+        default=False,
+    )
+    prompt_length: int = doc(
+        "Prompt tokens of a judge request. Not read: a request may span the model's context "
+        "(max_position_embeddings) and names its own max_new_tokens.",
+        status=IGNORED,
+        default=2048,
+    )
+    response_length: int = doc(
+        "Tokens of a judge's answer. Not read: each request names its own max_new_tokens.",
+        status=IGNORED,
+        default=2048,
+    )
 
 
 @dataclass

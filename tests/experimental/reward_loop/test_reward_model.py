@@ -1,0 +1,130 @@
+"""A generative reward model served to the reward function (upstream's reward loop with reward_model.enable and
+custom_reward_function): the function gets reward_router_address / reward_model_tokenizer and asks the model."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.trainer.main_ppo_runs import common_overrides, main_ppo_cmd, read_metrics, run_main_ppo
+from verl.experimental.reward_loop.reward_model import serving_spec, with_reward_model
+from verl.models import bundled_model_path
+
+# A judge in the shape of verl-recipe FAPO's compute_score_fapo: async, the judge prompt's ids POSTed to
+# http://{reward_router_address}/generate, the verdict decoded with the reward model's tokenizer. Here the judge
+# (the bundled arithmetic model) answers the question itself and the response scores 1 when it agrees.
+JUDGE = """
+import json
+from pathlib import Path
+
+import aiohttp
+
+
+async def compute_score(data_source, solution_str, ground_truth, extra_info, reward_router_address, reward_model_tokenizer):
+    question = extra_info["question"]
+    ids = reward_model_tokenizer.apply_chat_template(
+        [{"role": "user", "content": question}], tokenize=True, add_generation_prompt=True
+    )
+    ids = list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+    async with aiohttp.ClientSession() as session:
+        async with session.post(
+            f"http://{reward_router_address}/generate",
+            json={"input_ids": ids, "sampling_params": {"max_new_tokens": 8, "temperature": 0}},
+        ) as resp:
+            out = await resp.json()
+    judge = reward_model_tokenizer.decode(out["output_ids"], skip_special_tokens=True).strip()
+    score = float(solution_str.strip() == judge)
+    with open(Path(__file__).with_suffix(".jsonl"), "a") as f:
+        f.write(json.dumps({"prompt_ids": ids, "output_ids": out["output_ids"], "response": solution_str, "score": score}) + "\\n")
+    return {"score": score, "judge_agrees": score}
+"""
+
+
+def _config(*overrides: str):
+    from verl.trainer.config import load_ppo_config
+
+    return load_ppo_config(
+        ["reward_model.enable=true", f"reward_model.model.path={bundled_model_path()}", "reward_model.rollout.name=hf",
+         "reward_model.rollout.tensor_model_parallel_size=1", *overrides],
+        config_name="arith_demo",
+    )  # fmt: skip
+
+
+def test_replicas_follow_upstreams_rule_and_the_function_must_take_the_model():
+    assert serving_spec(_config("trainer.n_gpus_per_node=2"))["num_replicas"] == 2  # trainer's workers / tp
+    own = _config("reward_model.enable_resource_pool=true", "reward_model.n_gpus_per_node=3", "reward_model.nnodes=1")
+    assert serving_spec(own)["num_replicas"] == 3 and serving_spec(own)["own_pool"]
+    with pytest.raises(ValueError, match="tensor_model_parallel_size=2 does not divide the 1 workers"):
+        serving_spec(_config("trainer.n_gpus_per_node=1", "reward_model.rollout.tensor_model_parallel_size=2"))
+
+    def plain(data_source, solution_str, ground_truth, extra_info=None):
+        return 0.0
+
+    with pytest.raises(TypeError, match=r"does not take \['reward_router_address', 'reward_model_tokenizer'\]"):
+        with_reward_model(plain, _config())
+
+    async def judge(data_source, solution_str, ground_truth, extra_info, **kwargs):
+        return 0.0
+
+    import inspect
+
+    assert inspect.iscoroutinefunction(with_reward_model(judge, _config()))  # async stays async for the managers
+
+
+def _hf_greedy(prompt: list[int], max_new_tokens: int) -> list[int]:
+    from transformers import AutoModelForCausalLM
+
+    from verl.utils.model import get_generation_config
+
+    stops = get_generation_config(bundled_model_path()).eos_token_id
+    stops = stops if isinstance(stops, list) else [stops]
+    model = AutoModelForCausalLM.from_pretrained(bundled_model_path(), dtype=torch.float64).eval()
+    out = model.generate(
+        torch.tensor([prompt]),
+        max_new_tokens=max_new_tokens,
+        do_sample=False,
+        eos_token_id=stops,
+        pad_token_id=stops[0],
+    )[0, len(prompt) :].tolist()
+    for i, t in enumerate(out):
+        if t in stops:
+            return out[: i + 1]
+    return out
+
+
+@pytest.mark.slow
+def test_grpo_scores_with_a_generative_judge_behind_the_router(tmp_path, shared_ray_cluster):
+    """Two trainer workers, tp=1: two judge replicas behind the round-robin router. Every judge answer is
+    transformers' greedy answer, and each step's score is the judge's agreement with the response."""
+    judge = tmp_path / "judge_reward.py"
+    judge.write_text(JUDGE)
+    run_main_ppo(
+        main_ppo_cmd(
+            "arith_demo",
+            *common_overrides(tmp_path, steps=2),
+            "trainer.n_gpus_per_node=2",
+            "data.train_batch_size=4",
+            "actor_rollout_ref.rollout.n=2",
+            "actor_rollout_ref.actor.ppo_mini_batch_size=4",
+            "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=4",
+            "reward_model.enable=true",
+            f"reward_model.model.path={bundled_model_path()}",
+            "reward_model.rollout.name=hf",
+            "reward_model.rollout.tensor_model_parallel_size=1",
+            f"custom_reward_function.path={judge}",
+        ),
+        tmp_path,
+        cluster=shared_ray_cluster,
+    )
+    calls = [json.loads(line) for line in Path(judge.with_suffix(".jsonl")).read_text().splitlines()]
+    assert len(calls) == 2 * 4 * 2  # steps x prompts x samples: one judge call per sample
+    for prompt in {tuple(c["prompt_ids"]) for c in calls}:
+        expected = _hf_greedy(list(prompt), 8)
+        assert all(c["output_ids"] == expected for c in calls if tuple(c["prompt_ids"]) == prompt)
+    steps = [r["data"] for r in read_metrics(tmp_path) if "critic/score/mean" in r["data"]]
+    assert len(steps) == 2
+    for step, rows in zip(steps, (calls[:8], calls[8:]), strict=True):
+        assert step["critic/score/mean"] == pytest.approx(sum(c["score"] for c in rows) / 8)
