@@ -468,7 +468,6 @@ import time
 import urllib.request
 
 from recipe.fapo.reward_fn_reasoning import compute_score_fapo
-from verl.experimental.reward_loop.reward_model import ChatTemplateListIds
 from verl.utils.tokenizer import hf_tokenizer
 
 judge, address = sys.argv[1:]
@@ -483,7 +482,7 @@ while True:
         time.sleep(1)
 before = health["num_requests"]
 info = {"question": "What is 12+34?", "split": "train"}
-out = asyncio.run(compute_score_fapo("math-dapo", "so \\boxed{46}", "46", info, address, ChatTemplateListIds(hf_tokenizer(judge))))
+out = asyncio.run(compute_score_fapo("math-dapo", "so \\boxed{46}", "46", info, address, hf_tokenizer(judge)))
 after = json.loads(urllib.request.urlopen(f"http://{address}/health", timeout=5).read())["num_requests"]
 assert after == before + 1, (before, after)  # the judge was asked once
 assert out["score"] == 1.0 and out["is_flawed_positive"] is False, out  # no boxed step index: not flawed

@@ -62,7 +62,70 @@ def hf_tokenizer(
             )
     if chat_template is not None:
         tokenizer.chat_template = chat_template
+    return with_list_chat_ids(tokenizer)
+
+
+# ------------------------------------------------------------------------------------------------------------
+# `apply_chat_template(..., tokenize=True)`: transformers 4 returned the list of ids unless `return_dict=True`;
+# transformers 5 returns a `BatchEncoding` unless `return_dict=False`. Upstream verl's code, its recipes and
+# its users' reward functions, datasets and agent loops were written for the list (`ids[-1]`, `len(ids)`,
+# `json={"input_ids": ids}`), so the tokenizers this module loads keep transformers 4's default; a caller that
+# passes `return_dict` gets what it asks for. verl's own code accepts either (`verl.utils.chat_template`).
+_LIST_IDS_PREFIX = "ListChatIds_"
+
+
+def _apply_chat_template_list_ids(self, *args, **kwargs):
+    kwargs.setdefault("return_dict", False)
+    return super(type(self), self).apply_chat_template(*args, **kwargs)
+
+
+def _list_ids_class(cls: type) -> type:
+    """`cls` with transformers 4's `apply_chat_template` default, made once per class and reachable as this
+    module's attribute `ListChatIds_<name>` (so pickled tokenizers load in another process)."""
+    name = _LIST_IDS_PREFIX + cls.__name__
+    sub = globals().get(name)
+    if sub is None or sub.__mro__[1] is not cls:
+        attrs = {
+            "apply_chat_template": _apply_chat_template_list_ids,
+            "__module__": __name__,
+            "_verl_list_chat_ids": True,
+        }
+        # __name__ stays the base class's (save_pretrained writes it as tokenizer_class); pickle finds the
+        # class by its __qualname__, this module's attribute
+        sub = type(cls.__name__, (cls,), attrs)
+        sub.__qualname__ = name
+        globals()[name] = sub
+    return sub
+
+
+def with_list_chat_ids(tokenizer):
+    """The same tokenizer object, its `apply_chat_template(tokenize=True)` returning a list by default (above).
+    A tokenizer class transformers does not export by name (remote code) is left as it is."""
+    import inspect
+
+    import transformers
+
+    cls = type(tokenizer)
+    if getattr(cls, "_verl_list_chat_ids", False) or not hasattr(cls, "apply_chat_template"):
+        return tokenizer
+    if getattr(transformers, cls.__name__, None) is not cls:
+        return tokenizer
+    default = inspect.signature(cls.apply_chat_template).parameters.get("return_dict")
+    if default is None or default.default is not True:  # transformers 4: already a list
+        return tokenizer
+    tokenizer.__class__ = _list_ids_class(cls)
     return tokenizer
+
+
+def __getattr__(name: str):
+    """`ListChatIds_<transformers tokenizer class>` on first use in a process that unpickles one."""
+    if name.startswith(_LIST_IDS_PREFIX):
+        import transformers
+
+        base = getattr(transformers, name[len(_LIST_IDS_PREFIX) :], None)
+        if isinstance(base, type):
+            return _list_ids_class(base)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def _model_vocab_size(path: str) -> int | None:

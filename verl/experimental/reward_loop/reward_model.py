@@ -263,31 +263,6 @@ class RewardModelManager:
         """Upstream's; the engines here stay loaded for the run (module docstring)."""
 
 
-class ChatTemplateListIds:
-    """The reward model's tokenizer as reward functions written for upstream use it: `apply_chat_template(...,
-    tokenize=True)` returns the list of ids (transformers 4's default, `return_dict=False`) unless the caller
-    asks for a dict; transformers 5 returns a `BatchEncoding` by default, which FAPO's `compute_score_fapo`
-    cannot send as JSON. Everything else is the tokenizer's own (attribute access, calling, pickling)."""
-
-    def __init__(self, tokenizer):
-        self.tokenizer = tokenizer
-
-    def apply_chat_template(self, *args, **kwargs):
-        kwargs.setdefault("return_dict", False)
-        return self.tokenizer.apply_chat_template(*args, **kwargs)
-
-    def __call__(self, *args, **kwargs):
-        return self.tokenizer(*args, **kwargs)
-
-    def __getattr__(self, name):
-        if name == "tokenizer":  # not set yet (unpickling): no recursion
-            raise AttributeError(name)
-        return getattr(self.tokenizer, name)
-
-    def __len__(self) -> int:
-        return len(self.tokenizer)
-
-
 class _RewardModelArgs:
     """`reward_router_address` and `reward_model_tokenizer`, made on first use and dropped when pickled."""
 
@@ -311,7 +286,7 @@ class _RewardModelArgs:
                 tokenizer = hf_tokenizer(self.spec["model_path"], trust_remote_code=self.spec["trust_remote_code"])
                 self._kwargs = {
                     "reward_router_address": address,
-                    "reward_model_tokenizer": ChatTemplateListIds(tokenizer),
+                    "reward_model_tokenizer": tokenizer,
                 }
             return self._kwargs
 
@@ -350,7 +325,6 @@ def with_reward_model(compute_score: Callable, config) -> Callable:
 
 
 __all__ = [
-    "ChatTemplateListIds",
     "RewardModelManager",
     "serving_spec",
     "uses_generative_reward_model",
