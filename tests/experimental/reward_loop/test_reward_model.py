@@ -128,3 +128,66 @@ def test_grpo_scores_with_a_generative_judge_behind_the_router(tmp_path, shared_
     assert len(steps) == 2
     for step, rows in zip(steps, (calls[:8], calls[8:]), strict=True):
         assert step["critic/score/mean"] == pytest.approx(sum(c["score"] for c in rows) / 8)
+
+
+# upstream's custom reward loop class (reward_loop_source=importlib), built with the router and the tokenizer
+JUDGE_LOOP = """
+import aiohttp
+
+from verl.experimental.reward_loop.reward_manager.base import RewardManagerBase
+
+
+class JudgeLoop(RewardManagerBase):
+    def __init__(self, config, tokenizer, compute_score=None, reward_router_address=None, reward_model_tokenizer=None):
+        super().__init__(config, tokenizer)
+        assert reward_router_address and reward_model_tokenizer is not None
+        self.router, self.rm_tokenizer = reward_router_address, reward_model_tokenizer
+
+    async def run_single(self, data):
+        item = data[0]
+        ids = self.rm_tokenizer.apply_chat_template(
+            [{"role": "user", "content": item.non_tensor_batch["extra_info"]["question"]}],
+            tokenize=True, add_generation_prompt=True,
+        )
+        async with aiohttp.ClientSession() as session:
+            async with session.post(f"http://{self.router}/generate",
+                                    json={"input_ids": ids, "sampling_params": {"max_new_tokens": 8, "temperature": 0}}) as r:
+                out = await r.json()
+        return {"reward_score": float(len(out["output_ids"])), "reward_extra_info": {"judge_ids": out["output_ids"]}}
+"""
+
+
+@pytest.mark.slow
+def test_a_custom_reward_loop_class_gets_the_router_of_two_replicas(tmp_path, ray_session):
+    import numpy as np
+
+    from verl.protocol import DataProto
+    from verl.trainer.ppo.reward import load_reward_manager
+    from verl.utils.tokenizer import hf_tokenizer
+
+    (tmp_path / "judge_loop.py").write_text(JUDGE_LOOP)
+    (tmp_path / "fn.py").write_text("def compute_score(*a, **k):\n    return 0.0\n")
+    config = _config(
+        "trainer.n_gpus_per_node=2",  # two replicas (tp=1) behind the router
+        "reward_model.reward_loop_source=importlib",
+        f"reward_model.reward_loop_module_path={tmp_path / 'judge_loop.py'}",
+        "reward_model.reward_loop_class_name=JudgeLoop",
+        f"custom_reward_function.path={tmp_path / 'fn.py'}",
+    )
+    tok = hf_tokenizer(bundled_model_path())
+    manager = load_reward_manager(config, tok, num_examine=0)
+    questions = ["What is 12+34?", "What is 7+58?", "What is 90+9?", "What is 3+4?"]
+    responses = torch.tensor([[tok.eos_token_id, tok.pad_token_id]] * len(questions))
+    data = DataProto.from_dict(
+        tensors={"responses": responses, "attention_mask": torch.ones(len(questions), 4, dtype=torch.long),
+                 "prompts": torch.ones(len(questions), 2, dtype=torch.long)},
+        non_tensors={"extra_info": np.array([{"question": q} for q in questions], dtype=object),
+                     "reward_model": np.array([{"ground_truth": "0"}] * len(questions), dtype=object),
+                     "data_source": np.array(["judge"] * len(questions), dtype=object)},
+    )  # fmt: skip
+    result = manager(data, return_dict=True)
+    for i, q in enumerate(questions):
+        ids = tok.apply_chat_template([{"role": "user", "content": q}], tokenize=True, add_generation_prompt=True)
+        expected = _hf_greedy(ids, 8)
+        assert result["reward_extra_info"]["judge_ids"][i] == expected
+        assert result["reward_tensor"][i].sum().item() == len(expected)

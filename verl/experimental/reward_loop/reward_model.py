@@ -40,10 +40,18 @@ import threading
 from collections.abc import Callable
 
 ACTOR_NAME = "verl_reward_model_servers"
-"""The named actor (one per Ray job) holding the replicas and the router."""
+"""The named actor (one per Ray job and served model, `actor_name`) holding the replicas and the router."""
 _HANDLES: list = []
 """The handles this process got: Ray ends an actor once its creator drops every handle to it, so they are
 kept for the life of the process (the trainer's, which starts the servers in `init_workers`)."""
+
+
+def actor_name(spec: dict) -> str:
+    """`ACTOR_NAME` and a digest of what is served (another model or layout in the same job: other servers)."""
+    import hashlib
+    import json
+
+    return f"{ACTOR_NAME}_{hashlib.sha1(json.dumps(spec, sort_keys=True, default=str).encode()).hexdigest()[:12]}"
 
 
 def uses_generative_reward_model(config) -> bool:
@@ -239,7 +247,7 @@ class RewardModelManager:
                     "a generative reward model is served from the Ray cluster: call ray.init() first (main_ppo does)"
                 )
             servers = ray.remote(_Servers).options(
-                name=ACTOR_NAME, get_if_exists=True, num_cpus=0, lifetime=None, max_concurrency=4
+                name=actor_name(self.spec), get_if_exists=True, num_cpus=0, lifetime=None, max_concurrency=4
             )
             self._actor = servers.remote(self.spec)
             _HANDLES.append(self._actor)
@@ -291,6 +299,12 @@ class _RewardModelArgs:
             return self._kwargs
 
 
+def reward_model_args(config) -> _RewardModelArgs:
+    """What a custom reward loop class is built with: `.get()` -> the two keyword arguments (servers found or
+    started on first use)."""
+    return _RewardModelArgs(serving_spec(config))
+
+
 def with_reward_model(compute_score: Callable, config) -> Callable:
     """`compute_score` called with `reward_router_address` and `reward_model_tokenizer` as well (module
     docstring); refuses a function that cannot take them, naming it."""
@@ -326,6 +340,7 @@ def with_reward_model(compute_score: Callable, config) -> Callable:
 
 __all__ = [
     "RewardModelManager",
+    "reward_model_args",
     "serving_spec",
     "uses_generative_reward_model",
     "with_reward_model",

@@ -91,11 +91,12 @@ def _check_reward_loop(c: dict, errors: list[str]) -> None:
             "only runs in the reward loop (as upstream), so it would be ignored; set use_reward_loop=true or drop "
             "the reward_loop_* keys"
         )
-    if rm["enable"]:
+    if rm["enable"] and not c["custom_reward_function"].get("path"):
         errors.append(
-            "reward_model.reward_loop_source=importlib with reward_model.enable=true: upstream's loop reaches the "
-            "reward model through its router, which this build does not run (the reward model scores in the "
-            "actor's workers); turn one of them off"
+            "reward_model.reward_loop_source=importlib with reward_model.enable=true and no "
+            "custom_reward_function.path: upstream then scores with the reward model alone and never calls the "
+            "loop; give the loop a reward function (the reward model is then served to both, as upstream's loop "
+            "does), or turn one of them off"
         )
     if c["reward_manager"]["source"] == "importlib":
         errors.append(

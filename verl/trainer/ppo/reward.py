@@ -147,10 +147,9 @@ def load_reward_manager(config, tokenizer, num_examine: int, **reward_kwargs):
     # the custom reward file is imported first, as upstream does: it may register the manager it names
     # (`@register("collabllm")` beside its function, then reward_model.reward_manager=collabllm)
     compute_score = get_custom_reward_fn(config)
-    if compute_score is not None and uses_generative_reward_model(config):
-        # upstream's reward loop: the function is handed the reward model (reward_router_address, ...)
-        compute_score = with_reward_model(compute_score, config)
+    generative = compute_score is not None and uses_generative_reward_model(config)
     if reward_model.reward_loop_source == "importlib":  # upstream's custom reward loop class
+        from verl.experimental.reward_loop.reward_model import reward_model_args
         from verl.workers.reward_manager.reward_loop import RewardLoopManager
 
         on_error = {"on_error": custom.on_error} if custom.on_error != "raise" else {}
@@ -159,10 +158,13 @@ def load_reward_manager(config, tokenizer, num_examine: int, **reward_kwargs):
             config,
             tokenizer,
             num_examine,
-            compute_score=compute_score,
+            compute_score=compute_score,  # the class passes the reward model to it, as upstream's loops do
+            reward_model=reward_model_args(config) if generative else None,
             reward_fn_key=data_value(config.get("data"), "reward_fn_key"),
             **on_error,
         )
+    if generative:  # upstream's reward loop: the function is handed the reward model (reward_router_address, ...)
+        compute_score = with_reward_model(compute_score, config)
     try:
         name, manager_cls = _reward_manager_class(config)
     except ValueError as e:

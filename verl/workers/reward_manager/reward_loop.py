@@ -21,9 +21,11 @@ Design decisions:
   manager's event loop, because upstream's base class keeps the loop it was built in
   (`self.loop`) to run blocking work in an executor, and the manager may be shipped to another
   process (`launch_reward_fn_async`) before it scores anything.
-- `reward_router_address` is None and `reward_model_tokenizer` None: upstream's router serves a
-  reward model to the loop; here the reward model runs in the actor's workers, so the config check
-  refuses `reward_model.enable` with a custom loop.
+- `reward_router_address` and `reward_model_tokenizer` are None, except with `reward_model.enable` and a
+  custom reward function: the generative reward model's servers (verl/experimental/reward_loop/reward_model.py)
+  are then handed to the class, as upstream's reward loop does. `reward_model.enable` without a custom
+  function is refused with a custom loop (upstream then scores with the discriminative model and never
+  calls the loop).
 """
 
 from __future__ import annotations
@@ -65,15 +67,20 @@ class RewardLoopManager(AbstractRewardManager):
 
     loop_cls: the class (checked with `check_reward_loop_class`). config: the trainer config, handed
     to the class as upstream does. compute_score: the custom reward function (None: the class's own
-    default), handed to the class.
+    default), handed to the class. reward_model: with a generative reward model served to the custom
+    function, an object whose `get()` returns `{"reward_router_address", "reward_model_tokenizer"}`
+    (verl.experimental.reward_loop.reward_model), handed to the class too; None: both None.
     """
 
-    def __init__(self, loop_cls, config, tokenizer, num_examine: int = 0, compute_score=None, **kwargs):
+    def __init__(
+        self, loop_cls, config, tokenizer, num_examine: int = 0, compute_score=None, reward_model=None, **kwargs
+    ):
         check_reward_loop_class(loop_cls, "the reward loop class")
         super().__init__(tokenizer, num_examine, compute_score=None, **kwargs)
         self.loop_cls = loop_cls
         self.config = config
         self.custom_compute_score = compute_score
+        self.reward_model = reward_model
         self._event_loop = None
         self._instance = None
         self._data = None
@@ -106,7 +113,14 @@ class RewardLoopManager(AbstractRewardManager):
         return self._event_loop
 
     async def _build(self):
-        return self.loop_cls(self.config, self.tokenizer, self.custom_compute_score, None, None)
+        served = self.reward_model.get() if self.reward_model is not None else {}
+        return self.loop_cls(
+            self.config,
+            self.tokenizer,
+            self.custom_compute_score,
+            served.get("reward_router_address"),
+            served.get("reward_model_tokenizer"),
+        )
 
     def _describe_failure(self, sample: Sample, error: str, batch_size: int) -> str:
         return (
