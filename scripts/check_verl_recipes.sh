@@ -3,7 +3,7 @@
 # checkout, two steps each, on a bundled tiny model and arithmetic data (+demo=arith), then validate
 # and save a checkpoint.
 #
-#   bash scripts/check_verl_recipes.sh /path/to/verl-recipe [dapo|entropy|retool|char_count|r1|infigui-g1|fapo|open_math_reasoning ...]
+#   bash scripts/check_verl_recipes.sh /path/to/verl-recipe [dapo|entropy|retool|char_count|r1|infigui-g1|fapo|genrm_remote|open_math_reasoning ...]
 #
 # The recipe checkout is put on PYTHONPATH as the package `recipe` (as upstream's README asks: clone it
 # into verl/recipe); the commands run from this repository's root, where the recipes' configs find
@@ -51,7 +51,7 @@
 set -euo pipefail
 RECIPES="${1:?usage: $0 VERL_RECIPE_DIR [dapo|entropy ...]}"
 shift
-CHECKS=("${@:-dapo entropy retool char_count r1 infigui-g1 fapo open_math_reasoning}")
+CHECKS=("${@:-dapo entropy retool char_count r1 infigui-g1 fapo genrm_remote open_math_reasoning}")
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 WORK="$(mktemp -d)"
 SERVICE_PID=
@@ -494,6 +494,44 @@ EOF
     cd "$ROOT"
 }
 
+genrm_remote_run() {
+    # the recipe's reward_function.py posts each training answer's critique request to an OpenAI server at
+    # localhost:30000 (model genrm-demo), as its README starts with `vllm serve`; here the command-line
+    # generation server on the bundled model (it answers no \boxed{True}, so the judge scores 0)
+    ${PYTHON:-python3} -m verl.experimental.reward_loop.generation_server --model "$(${PYTHON:-python3} -c \
+        'from verl.models import bundled_model_path; print(bundled_model_path())')" --port 30000 \
+        --served-model-name genrm-demo > "$WORK/genrm_remote_server.log" 2>&1 &
+    SERVICE_PID=$!
+    ${PYTHON:-python3} - <<'EOF'
+import time
+import urllib.request
+
+deadline = time.time() + 120
+while True:
+    try:
+        urllib.request.urlopen("http://localhost:30000/health", timeout=5)
+        break
+    except OSError:
+        if time.time() > deadline:
+            raise
+        time.sleep(1)
+EOF
+    ${PYTHON:-python3} -m verl.trainer.main_ppo "${COMMON[@]}" algorithm.filter_groups.enable=False \
+        reward_model.reward_manager=naive custom_reward_function.path="$WORK/recipe/genrm_remote/reward_function.py" \
+        custom_reward_function.name=compute_score trainer.default_local_dir="$WORK/ckpt_genrm_remote"
+    ${PYTHON:-python3} - <<'EOF'
+import json
+import urllib.request
+
+served = json.loads(urllib.request.urlopen("http://localhost:30000/health", timeout=5).read())["num_requests"]
+assert served == 2 * 16 * 4, served  # two steps of data.gen_batch_size=16 prompts x 4 samples, each judged once
+print(f"== verl-recipe genrm_remote: the remote judge served {served} critiques")
+EOF
+    kill "$SERVICE_PID" 2>/dev/null
+    wait "$SERVICE_PID" 2>/dev/null || true
+    SERVICE_PID=
+}
+
 open_math_reasoning_run() {
     (
         export HOME="$WORK/home_omr"
@@ -596,8 +634,9 @@ for check in ${CHECKS[*]}; do
         r1) r1_run; echo "== verl-recipe r1: data_process, main_generation, main_eval"; continue ;;
         infigui-g1) infigui_run; echo "== verl-recipe infigui-g1: run_3b.sh 2 steps on ${VL_PRESET:-tiny-vl}"; continue ;;
         fapo) fapo_run ;;
+        genrm_remote) genrm_remote_run ;;
         open_math_reasoning) open_math_reasoning_run; echo "== verl-recipe open_math_reasoning: prepare, generate, eval"; continue ;;
-        *) echo "unknown check '$check' (dapo, entropy, retool, char_count, r1, infigui-g1, fapo, open_math_reasoning)" >&2; exit 2 ;;
+        *) echo "unknown check '$check' (dapo, entropy, retool, char_count, r1, infigui-g1, fapo, genrm_remote, open_math_reasoning)" >&2; exit 2 ;;
     esac
     test -d "$WORK/ckpt_$check/global_step_2/actor" || { echo "verl-recipe $check: no step-2 checkpoint" >&2; exit 1; }
     echo "== verl-recipe $check: trained 2 steps, validated, saved global_step_2"

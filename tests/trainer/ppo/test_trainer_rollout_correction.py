@@ -85,7 +85,7 @@ def test_bypass_mode_takes_the_rollouts_log_probs_as_old_ones_without_a_forward_
     batch = _batch()
     batch.batch.pop("old_log_probs")
     trainer = _trainer(RolloutCorrectionConfig.bypass_ppo_clip())
-    trainer._reuses_current_log_probs = lambda: False
+    trainer._reuses_current_log_probs = lambda batch=None: False
     # actor_rollout_wg is None: a compute_log_prob call would fail
     out = RayPPOTrainer._step_old_log_prob(trainer, batch, StepState())
     assert torch.equal(out.batch["old_log_probs"], out.batch["rollout_log_probs"])

@@ -299,15 +299,19 @@ class RayPPOTrainer(UpstreamTrainerAPI):
             state.metrics.update(apply_kl_in_reward(batch, self.kl_ctrl_in_reward, algo.kl_penalty, n_steps))
         return batch
 
-    def _reuses_current_log_probs(self) -> bool:
+    def _reuses_current_log_probs(self, batch: DataProto | None = None) -> bool:
         """Strictly on-policy training (one PPO epoch over one mini-batch, nothing else reading the
         old log-probs) needs no separate old-log-prob pass: they equal the current policy's, so the
-        actor uses its own detached log-probs (ratio exactly 1), saving a forward over the batch."""
+        actor uses its own detached log-probs (ratio exactly 1), saving a forward over the batch.
+        One mini-batch: the step's batch (`batch`, its prompts x rollout.n rows; else train_batch_size
+        prompts) is `ppo_mini_batch_size` prompts; a `data.gen_batch_size` larger than train_batch_size
+        without group filtering trains every generated prompt, so more than one."""
         arc = self.config.actor_rollout_ref
+        rows = len(batch) if batch is not None else self.config.data.train_batch_size * arc.rollout.n
         return (
             not arc.actor.recompute_log_prob
             and arc.actor.ppo_epochs == 1
-            and arc.actor.ppo_mini_batch_size == self.config.data.train_batch_size
+            and arc.actor.ppo_mini_batch_size * arc.rollout.n == rows
             and not self.config.algorithm.use_kl_in_reward
             and not arc.rollout.calculate_log_probs
             # an FSDP-actor key (FSDPActorConfig): the megatron actor's section has none (as upstream's)
@@ -319,7 +323,7 @@ class RayPPOTrainer(UpstreamTrainerAPI):
         (async `tis` correction sets them in the source; rollout correction's bypass mode) or
         training is strictly on-policy (`_reuses_current_log_probs`)."""
         with marked_timer("old_log_prob", state.timing):
-            if "old_log_probs" in batch.batch or self._reuses_current_log_probs():
+            if "old_log_probs" in batch.batch or self._reuses_current_log_probs(batch):
                 return batch
             if self.rollout_correction is not None and self.rollout_correction.bypass_mode:
                 apply_bypass_mode(batch)  # the rollout's log-probs are the old ones: no forward pass
