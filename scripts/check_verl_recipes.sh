@@ -44,6 +44,11 @@
 # the recipe's scorers on known answers. compute_score_fapo's flawed-positive check asks a generative
 # reward model through an SGLang-style router (`POST /generate` with input_ids); none runs here, so only
 # its paths that do not call it are checked.
+# fapo then runs FAPO itself (run_fapo_7b.sh's reward keys: reward_model.enable with compute_score_fapo, the
+# judge, a copy of the bundled model with a 32k context, served to it behind reward_router_address) and asks the
+# command-line generation server's judge once through compute_score_fapo.
+# genrm_remote runs main_ppo with its reward_function.py, whose judge is an OpenAI server at localhost:30000
+# (here python -m verl.experimental.reward_loop.generation_server on the bundled model), and counts the critiques.
 # open_math_reasoning runs prepare_eval_dataset.py on local stand-ins of math-ai/aime24 and aime25, its
 # run_generation.sh (verl.trainer.main_generation_server; python3 appends the hf engine, n=2 and a short
 # response), then its run_eval.sh (verl.trainer.main_eval with compute_score.py) on known responses.
