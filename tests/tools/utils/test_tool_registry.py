@@ -114,6 +114,11 @@ def test_builtin_tools_need_no_schema(tmp_path):
             "MCP tools .* are not supported",
         ),
         (
+            "tools:\n  - class_name: verl.tools.image_zoom_in_tool.ImageZoomInTool\n",
+            NotImplementedError,
+            r"ImageZoomInTool answers with images \(ToolResponse.image\)",
+        ),
+        (
             "tools:\n  - class_name: verl.tools.calculator_tool.CalculatorTool\n    config: {type: nativ}\n",
             ValueError,
             "config.type='nativ' is not a tool type",

@@ -37,11 +37,27 @@ import os
 from verl.tools.base_tool import BaseTool
 from verl.tools.function_tool import FunctionTool
 
+_MCP_REASON = (
+    "upstream's MCP tools fetch their schemas from MCP servers through the fastmcp client, which is not "
+    "implemented here; wrap the service in a native tool (a BaseTool subclass or a plain function) instead"
+)
+NOT_IMPLEMENTED_UPSTREAM_TOOLS = {
+    "verl.tools.image_zoom_in_tool": "upstream's ImageZoomInTool answers with images (ToolResponse.image), and this "
+    "verl's agent loop takes text-only tool answers",
+    "verl.tools.mcp_base_tool": _MCP_REASON,
+    "verl.tools.mcp_search_tool": _MCP_REASON,
+}
+"""Upstream tool modules this verl does not have, with the reason (docs/multi_turn.md#upstreams-tools)."""
+
 
 def _import(path: str, where: str):
     module_name, _, attr = path.rpartition(".")
     if not module_name:
         raise ValueError(f"{where}: class_name={path!r} must be an import path like my_pkg.tools.MyTool")
+    if module_name in NOT_IMPLEMENTED_UPSTREAM_TOOLS:
+        raise NotImplementedError(
+            f"{where}: class_name={path!r} is not implemented: {NOT_IMPLEMENTED_UPSTREAM_TOOLS[module_name]}"
+        )
     try:
         module = importlib.import_module(module_name)
     except ImportError as e:
