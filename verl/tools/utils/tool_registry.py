@@ -21,6 +21,11 @@ of a plain function or async callable, wrapped in a `FunctionTool` (its schema d
 signature when `tool_schema` is omitted). `config` and `tool_schema` are optional for classes that
 supply their own schema (the built-in calculator and Python sandbox do). `config.timeout` bounds
 each call (seconds). Tool names must be unique.
+
+`config.type` is upstream's tool type: `native` (the default) or `mcp`. MCP tools (upstream's
+`MCPBaseTool`, `MCPSearchTool`: schemas fetched from MCP servers through the `fastmcp` client, an
+entry's `mcp: {mcp_servers_config_path: ...}`) are not implemented here; such an entry is refused
+with a message saying so, rather than failing on the unknown `mcp` key.
 """
 
 from __future__ import annotations
@@ -32,11 +37,27 @@ import os
 from verl.tools.base_tool import BaseTool
 from verl.tools.function_tool import FunctionTool
 
+_MCP_REASON = (
+    "upstream's MCP tools fetch their schemas from MCP servers through the fastmcp client, which is not "
+    "implemented here; wrap the service in a native tool (a BaseTool subclass or a plain function) instead"
+)
+NOT_IMPLEMENTED_UPSTREAM_TOOLS = {
+    "verl.tools.image_zoom_in_tool": "upstream's ImageZoomInTool answers with images (ToolResponse.image), and this "
+    "verl's agent loop takes text-only tool answers",
+    "verl.tools.mcp_base_tool": _MCP_REASON,
+    "verl.tools.mcp_search_tool": _MCP_REASON,
+}
+"""Upstream tool modules this verl does not have, with the reason (docs/multi_turn.md#upstreams-tools)."""
+
 
 def _import(path: str, where: str):
     module_name, _, attr = path.rpartition(".")
     if not module_name:
         raise ValueError(f"{where}: class_name={path!r} must be an import path like my_pkg.tools.MyTool")
+    if module_name in NOT_IMPLEMENTED_UPSTREAM_TOOLS:
+        raise NotImplementedError(
+            f"{where}: class_name={path!r} is not implemented: {NOT_IMPLEMENTED_UPSTREAM_TOOLS[module_name]}"
+        )
     try:
         module = importlib.import_module(module_name)
     except ImportError as e:
@@ -50,6 +71,16 @@ def build_tool(entry: dict, where: str = "tool") -> BaseTool:
     """One tool from one `tools:` entry."""
     if not isinstance(entry, dict) or "class_name" not in entry:
         raise ValueError(f"{where}: each entry of `tools:` needs a class_name, got {entry!r}")
+    tool_type = (entry.get("config") or {}).get("type", "native")
+    if tool_type == "mcp" or "mcp" in entry:
+        raise NotImplementedError(
+            f"{where}: MCP tools (config.type: mcp, class_name={entry['class_name']!r}) are not supported by this "
+            "verl: upstream's MCPBaseTool/MCPSearchTool fetch their schemas from MCP servers through the fastmcp "
+            "client, which is not implemented here. Wrap the service in a native tool (a BaseTool subclass or a "
+            "plain function, config.type: native) instead"
+        )
+    if tool_type != "native":
+        raise ValueError(f"{where}: config.type={tool_type!r} is not a tool type; use native (or omit it)")
     unknown = set(entry) - {"class_name", "config", "tool_schema"}
     if unknown:
         raise ValueError(f"{where}: unknown keys {sorted(unknown)}; an entry has class_name, config and tool_schema")

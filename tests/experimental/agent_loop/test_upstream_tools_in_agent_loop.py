@@ -1,0 +1,51 @@
+"""Upstream's Gsm8kTool inside the tool agent loop: the sample's `tools_kwargs.create_kwargs.ground_truth`
+reaches the tool and the model reads upstream's response text (the step rewards are tested on the tool
+itself in tests/tools/test_answer_reward_tools.py)."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import numpy as np
+import pytest
+
+from tests.experimental.agent_loop.conftest import ForcedRollout, encode
+from tests.experimental.agent_loop.test_tool_agent_loop import assistant_turns, question_batch, rollout_config
+from verl.experimental.agent_loop import AgentLoopRollout
+from verl.tools.gsm8k_tool import Gsm8kTool
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+def submit(answer: str) -> str:
+    return "<tool_call>" + json.dumps({"name": "calc_gsm8k_reward", "arguments": {"answer": answer}}) + "</tool_call>"
+
+
+def test_gsm8k_tool_scores_each_samples_answer_against_its_own_ground_truth(tokenizer, tiny_model):
+    eos = tokenizer.eos_token_id
+
+    def script(context):
+        text = tokenizer.decode(context)
+        if assistant_turns(tokenizer, context) == 1:
+            return encode(tokenizer, submit("72")) + [eos]
+        return encode(tokenizer, re.findall(r"<tool_response>(.*?)</tool_response>", text, re.DOTALL)[-1]) + [eos]
+
+    rollout = AgentLoopRollout(
+        ForcedRollout(tiny_model, script), rollout_config(response_length=768), tokenizer, tools=[Gsm8kTool({}, None)]
+    )
+    batch = question_batch(tokenizer, ["What is 8*9?", "What is 2+3?", "What is 1+1?"])
+    tools_kwargs = np.empty(3, dtype=object)
+    tools_kwargs[:] = [
+        {"calc_gsm8k_reward": {"create_kwargs": {"ground_truth": "72"}}},
+        {"calc_gsm8k_reward": {"create_kwargs": {"ground_truth": "5"}}},
+        {},  # no ground truth in the data: the model is told what is missing
+    ]
+    batch.non_tensor_batch["tools_kwargs"] = tools_kwargs
+    out = rollout.generate_sequences(batch)
+
+    responses = [tokenizer.decode(row) for row in out.batch["responses"]]
+    assert "<tool_response>Current parsed answer='72' reward=1.0</tool_response>" in responses[0]
+    assert "<tool_response>Current parsed answer='72' reward=0.0</tool_response>" in responses[1]
+    assert "extra_info.tools_kwargs.calc_gsm8k_reward.create_kwargs.ground_truth" in responses[2]
+    assert out.meta_info["metrics"]["agent_loop/tool_errors"] == pytest.approx(1 / 3)
