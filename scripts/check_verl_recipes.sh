@@ -390,20 +390,24 @@ write("Idavidrein/gpqa", "gpqa_diamond.parquet",
         "Incorrect Answer 2": "Sodium", "Incorrect Answer 3": "Carbon"}], config="gpqa_diamond")
 EOF
     HF_DATASETS_OFFLINE=1 ${PYTHON:-python3} -m recipe.fapo.prepare_fapo_data --local_dir out
-    ${PYTHON:-python3} -m verl.trainer.main_ppo +demo=arith trainer.device=auto algorithm.adv_estimator=grpo \
-        data.train_files=out/fapo-train-boxed.parquet data.val_files=out/fapo-test-full-boxed.parquet \
-        data.prompt_key=prompt data.max_prompt_length=128 data.max_response_length=32 data.train_batch_size=4 \
-        data.return_raw_chat=True data.filter_overlong_prompts=True data.truncation=error \
-        actor_rollout_ref.rollout.n=4 actor_rollout_ref.actor.ppo_mini_batch_size=4 \
+    # run_baseline_7b.sh's data and DAPO reward keys, scaled down; both runs below share them
+    local fapo_common=(
+        +demo=arith trainer.device=auto algorithm.adv_estimator=grpo
+        data.train_files=out/fapo-train-boxed.parquet data.val_files=out/fapo-test-full-boxed.parquet
+        data.prompt_key=prompt data.max_prompt_length=128 data.max_response_length=32 data.train_batch_size=4
+        data.return_raw_chat=True data.filter_overlong_prompts=True data.truncation=error
+        actor_rollout_ref.rollout.n=4 actor_rollout_ref.actor.ppo_mini_batch_size=4
+        algorithm.use_kl_in_reward=False actor_rollout_ref.actor.use_kl_loss=False reward_model.reward_manager=dapo
+        +reward_model.reward_kwargs.overlong_buffer_cfg.enable=True +reward_model.reward_kwargs.overlong_buffer_cfg.len=8
+        +reward_model.reward_kwargs.overlong_buffer_cfg.penalty_factor=1.0 +reward_model.reward_kwargs.overlong_buffer_cfg.log=True
+        +reward_model.reward_kwargs.max_resp_len=32 custom_reward_function.path=recipe/fapo/reward_fn_reasoning.py
+        trainer.total_training_steps=2 trainer.test_freq=2 trainer.save_freq=2 "trainer.logger=[console]"
+        trainer.val_before_train=True ray_kwargs.ray_init.num_cpus=3
+    )
+    ${PYTHON:-python3} -m verl.trainer.main_ppo "${fapo_common[@]}" \
         actor_rollout_ref.actor.clip_ratio_low=0.2 actor_rollout_ref.actor.clip_ratio_high=0.28 \
-        actor_rollout_ref.actor.loss_agg_mode=token-mean algorithm.use_kl_in_reward=False \
-        actor_rollout_ref.actor.use_kl_loss=False reward_model.reward_manager=dapo \
-        +reward_model.reward_kwargs.overlong_buffer_cfg.enable=True +reward_model.reward_kwargs.overlong_buffer_cfg.len=8 \
-        +reward_model.reward_kwargs.overlong_buffer_cfg.penalty_factor=1.0 +reward_model.reward_kwargs.overlong_buffer_cfg.log=True \
-        +reward_model.reward_kwargs.max_resp_len=32 \
-        custom_reward_function.path=recipe/fapo/reward_fn_reasoning.py custom_reward_function.name=compute_score_baseline \
-        trainer.total_training_steps=2 trainer.test_freq=2 trainer.save_freq=2 "trainer.logger=[console]" \
-        trainer.val_before_train=True ray_kwargs.ray_init.num_cpus=3 trainer.default_local_dir="$WORK/ckpt_fapo"
+        actor_rollout_ref.actor.loss_agg_mode=token-mean custom_reward_function.name=compute_score_baseline \
+        trainer.default_local_dir="$WORK/ckpt_fapo"
     # the rule-based scorers on known answers; compute_score_fapo only on the paths that do not call
     # the generative reward model's router (test split, wrong answer)
     ${PYTHON:-python3} - <<'EOF'
@@ -443,21 +447,11 @@ config["max_position_embeddings"] = 32768
 with open(f"{sys.argv[1]}/config.json", "w") as f:
     json.dump(config, f)
 EOF
-    ${PYTHON:-python3} -m verl.trainer.main_ppo +demo=arith trainer.device=auto algorithm.adv_estimator=grpo \
-        data.train_files=out/fapo-train-boxed.parquet data.val_files=out/fapo-test-full-boxed.parquet \
-        data.prompt_key=prompt data.max_prompt_length=128 data.max_response_length=32 data.train_batch_size=4 \
-        data.return_raw_chat=True data.filter_overlong_prompts=True data.truncation=error \
-        actor_rollout_ref.rollout.n=4 actor_rollout_ref.actor.ppo_mini_batch_size=4 \
-        algorithm.use_kl_in_reward=False actor_rollout_ref.actor.use_kl_loss=False \
+    ${PYTHON:-python3} -m verl.trainer.main_ppo "${fapo_common[@]}" \
         reward_model.enable=True reward_model.model.path="$WORK/fapo/judge" reward_model.rollout.name=hf \
         reward_model.rollout.gpu_memory_utilization=0.95 reward_model.rollout.tensor_model_parallel_size=1 \
-        reward_model.rollout.free_cache_engine=False reward_model.reward_manager=dapo \
-        +reward_model.reward_kwargs.overlong_buffer_cfg.enable=True +reward_model.reward_kwargs.overlong_buffer_cfg.len=8 \
-        +reward_model.reward_kwargs.overlong_buffer_cfg.penalty_factor=1.0 +reward_model.reward_kwargs.overlong_buffer_cfg.log=True \
-        +reward_model.reward_kwargs.max_resp_len=32 \
-        custom_reward_function.path=recipe/fapo/reward_fn_reasoning.py custom_reward_function.name=compute_score_fapo \
-        trainer.total_training_steps=2 trainer.test_freq=2 trainer.save_freq=2 "trainer.logger=[console]" \
-        trainer.val_before_train=True ray_kwargs.ray_init.num_cpus=3 trainer.default_local_dir="$WORK/ckpt_fapo_genrm"
+        reward_model.rollout.free_cache_engine=False custom_reward_function.name=compute_score_fapo \
+        trainer.default_local_dir="$WORK/ckpt_fapo_genrm"
     test -d "$WORK/ckpt_fapo_genrm/global_step_2/actor" || { echo "verl-recipe fapo (GenRM): no step-2 checkpoint" >&2; exit 1; }
     # compute_score_fapo on a correct training answer asks the judge: here the command-line server serves it
     local port

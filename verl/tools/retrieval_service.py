@@ -26,10 +26,10 @@ import heapq
 import json
 import math
 import re
-import threading
 from collections import Counter
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
+
+from verl.tools.utils.json_service import JsonPostService
 
 _TOKEN_RE = re.compile(r"[0-9a-z]+")
 
@@ -89,29 +89,17 @@ def load_corpus(path: str) -> list[dict[str, Any]]:
     return documents
 
 
-class RetrievalService(ThreadingHTTPServer):
+class RetrievalService(JsonPostService):
     """The service (module docstring); `start()` serves from a daemon thread, `url` is its `/retrieve` URL."""
 
-    daemon_threads = True
+    ENDPOINT = "/retrieve"
 
     def __init__(self, index: BM25Index, host: str = "127.0.0.1", port: int = 0, default_topk: int = 3):
-        super().__init__((host, port), _Handler)
+        super().__init__(host, port)
         self.index, self.default_topk = index, int(default_topk)
-        self._thread: threading.Thread | None = None
 
-    @property
-    def url(self) -> str:
-        host, port = self.server_address[:2]
-        return f"http://{host}:{port}/retrieve"
-
-    def start(self) -> RetrievalService:
-        self._thread = threading.Thread(target=self.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True)
-        self._thread.start()
-        return self
-
-    def stop(self) -> None:
-        self.shutdown()
-        self.server_close()
+    def handle(self, request: dict[str, Any]) -> tuple[int, dict[str, Any]]:
+        return self.retrieve(request)
 
     def retrieve(self, request: dict[str, Any]) -> tuple[int, dict[str, Any]]:
         """(HTTP status, reply JSON) for one request (module docstring)."""
@@ -128,35 +116,6 @@ class RetrievalService(ThreadingHTTPServer):
         return 200, {"result": [[doc for doc, _ in q] for q in hits]}
 
 
-class _Handler(BaseHTTPRequestHandler):
-    server: RetrievalService
-
-    def log_message(self, *args) -> None:  # one line per request would drown a training log
-        pass
-
-    def _reply(self, status: int, body: dict) -> None:
-        data = json.dumps(body, ensure_ascii=False).encode()
-        self.send_response(status)
-        self.send_header("Content-Type", "application/json")
-        self.send_header("Content-Length", str(len(data)))
-        self.end_headers()
-        self.wfile.write(data)
-
-    def do_POST(self) -> None:
-        if self.path.rstrip("/") != "/retrieve":
-            self._reply(404, {"detail": f"unknown endpoint {self.path!r}; this service answers POST /retrieve"})
-            return
-        try:
-            request = json.loads(self.rfile.read(int(self.headers.get("Content-Length") or 0)) or b"null")
-        except (ValueError, UnicodeDecodeError) as e:
-            self._reply(400, {"detail": f"the request body is not JSON: {e}"})
-            return
-        if not isinstance(request, dict):
-            self._reply(400, {"detail": "the request body must be a JSON object"})
-            return
-        self._reply(*self.server.retrieve(request))
-
-
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--corpus", required=True, help="JSONL file, one {'contents': ...} object a line")
@@ -166,12 +125,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     service = RetrievalService(BM25Index(load_corpus(args.corpus)), args.host, args.port, args.topk)
     print(f"BM25 retrieval service over {len(service.index.documents)} documents at {service.url}", flush=True)
-    try:
-        service.serve_forever()
-    except KeyboardInterrupt:
-        pass
-    finally:
-        service.server_close()
+    service.serve_until_interrupted()
 
 
 if __name__ == "__main__":

@@ -30,13 +30,11 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
-import threading
 import time
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
 from verl.tools.sandbox_python_tool import run_python
+from verl.tools.utils.json_service import JsonPostService
 
 DEFAULT_RUN_TIMEOUT_S = 10
 DEFAULT_MEMORY_LIMIT_MB = 1024
@@ -44,31 +42,17 @@ MAX_OUTPUT_BYTES = 1 << 20
 """stdout and stderr are each cut at this many bytes (the program is stopped when it writes more)."""
 
 
-class LocalSandboxService(ThreadingHTTPServer):
+class LocalSandboxService(JsonPostService):
     """The service (module docstring); `start()` serves from a daemon thread, `url` is its `run_code` URL."""
 
-    daemon_threads = True
+    ENDPOINT = "/run_code"
 
     def __init__(self, host: str = "127.0.0.1", port: int = 0, max_output_bytes: int = MAX_OUTPUT_BYTES):
-        super().__init__((host, port), _Handler)
+        super().__init__(host, port)
         self.max_output_bytes = int(max_output_bytes)
-        self._thread: threading.Thread | None = None
 
-    @property
-    def url(self) -> str:
-        host, port = self.server_address[:2]
-        return f"http://{host}:{port}/run_code"
-
-    def start(self) -> LocalSandboxService:
-        self._thread = threading.Thread(
-            target=self.serve_forever, kwargs={"poll_interval": 0.05}, name="sandbox-fusion-service", daemon=True
-        )
-        self._thread.start()
-        return self
-
-    def stop(self) -> None:
-        self.shutdown()
-        self.server_close()
+    def handle(self, request: dict[str, Any]) -> tuple[int, dict[str, Any]]:
+        return self.run_code(request)
 
     def run_code(self, request: dict[str, Any]) -> tuple[int, dict[str, Any]]:
         """(HTTP status, reply JSON) for one `run_code` request (module docstring)."""
@@ -108,36 +92,6 @@ class LocalSandboxService(ThreadingHTTPServer):
         return 200, {**reply, "run_result": run_result, "files": {}}
 
 
-class _Handler(BaseHTTPRequestHandler):
-    server: LocalSandboxService
-
-    def log_message(self, *args) -> None:  # one line per request would drown a training log
-        pass
-
-    def _reply(self, status: int, body: dict) -> None:
-        data = json.dumps(body).encode()
-        self.send_response(status)
-        self.send_header("Content-Type", "application/json")
-        self.send_header("Content-Length", str(len(data)))
-        self.end_headers()
-        self.wfile.write(data)
-
-    def do_POST(self) -> None:
-        if self.path.rstrip("/") != "/run_code":
-            self._reply(404, {"detail": f"unknown endpoint {self.path!r}; this service answers POST /run_code"})
-            return
-        try:
-            request = json.loads(self.rfile.read(int(self.headers.get("Content-Length") or 0)) or b"null")
-        except (ValueError, UnicodeDecodeError) as e:
-            self._reply(400, {"detail": f"the request body is not JSON: {e}"})
-            return
-        if not isinstance(request, dict):
-            self._reply(400, {"detail": "the request body must be a JSON object"})
-            return
-        status, body = self.server.run_code(request)
-        self._reply(status, body)
-
-
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--host", default="127.0.0.1", help="address to listen on (default: loopback only)")
@@ -145,12 +99,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     service = LocalSandboxService(args.host, args.port)
     print(f"SandboxFusion-compatible service (python only) at {service.url}", flush=True)
-    try:
-        service.serve_forever()
-    except KeyboardInterrupt:
-        pass
-    finally:
-        service.server_close()
+    service.serve_until_interrupted()
 
 
 if __name__ == "__main__":

@@ -157,7 +157,38 @@ def init_execution_pool(
     )
 
 
-class SandboxFusionTool(BaseTool):
+def check_positive(where: str, owner, keys) -> None:
+    """Each of `owner`'s attributes `keys` must be a positive number (a pooled tool's limits)."""
+    for key in keys:
+        value = getattr(owner, key)
+        if isinstance(value, bool) or not isinstance(value, int | float) or value <= 0:
+            raise ValueError(f"{where}: {key}={value!r} must be a positive number")
+
+
+class LazyExecutionPool:
+    """A pooled tool's `execution_pool`: the `ExecutionWorker` actor, started on first use from the tool's
+    `num_workers`, `enable_global_rate_limit` and `rate_limit` (a test or a subclass may assign one)."""
+
+    _execution_pool = None
+
+    @property
+    def execution_pool(self):
+        """The `ExecutionWorker` actor, started on first use (module docstring)."""
+        if self._execution_pool is None:
+            self._execution_pool = init_execution_pool(
+                num_workers=self.num_workers,
+                enable_global_rate_limit=self.enable_global_rate_limit,
+                rate_limit=self.rate_limit,
+                mode=PoolMode.ThreadMode,
+            )
+        return self._execution_pool
+
+    @execution_pool.setter
+    def execution_pool(self, pool) -> None:
+        self._execution_pool = pool
+
+
+class SandboxFusionTool(LazyExecutionPool, BaseTool):
     """Executes the `code` argument on a SandboxFusion service (module docstring)."""
 
     def __init__(self, config: dict, tool_schema: OpenAIFunctionToolSchema | dict | None):
@@ -177,10 +208,7 @@ class SandboxFusionTool(BaseTool):
                 "SandboxFusion run_code endpoint such as http://localhost:8080/run_code (`python -m "
                 "verl.tools.sandbox_fusion_service --port 8080` serves a local, Python-only one)"
             )
-        for key in ("num_workers", "rate_limit", "default_timeout", "memory_limit_mb"):
-            value = getattr(self, key)
-            if isinstance(value, bool) or not isinstance(value, int | float) or value <= 0:
-                raise ValueError(f"{where}: {key}={value!r} must be a positive number")
+        check_positive(where, self, ("num_workers", "rate_limit", "default_timeout", "memory_limit_mb"))
         if self.default_language not in SUPPORTED_LANGUAGES:
             raise ValueError(
                 f"{where}: default_language={self.default_language!r} is not a SandboxFusion language; "
@@ -189,23 +217,6 @@ class SandboxFusionTool(BaseTool):
         config.setdefault("timeout", MAX_RETRIES * (2 * self.default_timeout + API_TIMEOUT))
         super().__init__(config, tool_schema)
         self._instance_dict: dict[str, dict] = {}
-        self._execution_pool = None
-
-    @property
-    def execution_pool(self):
-        """The `ExecutionWorker` actor, started on first use (module docstring)."""
-        if self._execution_pool is None:
-            self._execution_pool = init_execution_pool(
-                num_workers=self.num_workers,
-                enable_global_rate_limit=self.enable_global_rate_limit,
-                rate_limit=self.rate_limit,
-                mode=PoolMode.ThreadMode,
-            )
-        return self._execution_pool
-
-    @execution_pool.setter
-    def execution_pool(self, pool) -> None:
-        self._execution_pool = pool
 
     def get_openai_tool_schema(self) -> OpenAIFunctionToolSchema:
         return self.tool_schema

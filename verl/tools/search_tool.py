@@ -44,8 +44,10 @@ from verl.tools.base_tool import BaseTool
 from verl.tools.sandbox_fusion_tools import (
     RATE_LIMITER_NAME,
     ExecutionWorker,
+    LazyExecutionPool,
     PoolMode,
     TokenBucketWorker,
+    check_positive,
     init_execution_pool,
 )
 from verl.tools.schemas import OpenAIFunctionToolSchema, ToolResponse
@@ -68,7 +70,7 @@ SearchExecutionWorker = ExecutionWorker
 init_search_execution_pool = init_execution_pool
 
 
-class SearchTool(BaseTool):
+class SearchTool(LazyExecutionPool, BaseTool):
     """Searches a retrieval service for each query of `query_list` (module docstring)."""
 
     def __init__(self, config: dict | None, tool_schema: OpenAIFunctionToolSchema | dict | None):
@@ -87,32 +89,12 @@ class SearchTool(BaseTool):
                 "retrieval service's /retrieve endpoint such as http://127.0.0.1:8000/retrieve (`python -m "
                 "verl.tools.retrieval_service --corpus corpus.jsonl --port 8000` serves a local BM25 one)"
             )
-        for key in ("num_workers", "rate_limit", "timeout", "topk"):
-            value = getattr(self, key)
-            if isinstance(value, bool) or not isinstance(value, int | float) or value <= 0:
-                raise ValueError(f"{where}: {key}={value!r} must be a positive number")
+        check_positive(where, self, ("num_workers", "rate_limit", "timeout", "topk"))
         super().__init__(config, tool_schema)
         retries = search_r1_like_utils.MAX_RETRIES
         delays = search_r1_like_utils.INITIAL_RETRY_DELAY * retries * (retries - 1) / 2
         self.timeout_s = float(retries * self.timeout + delays)
         self._instance_dict: dict[str, dict[str, Any]] = {}
-        self._execution_pool = None
-
-    @property
-    def execution_pool(self):
-        """The `ExecutionWorker` actor, started on first use (module docstring)."""
-        if self._execution_pool is None:
-            self._execution_pool = init_search_execution_pool(
-                num_workers=self.num_workers,
-                enable_global_rate_limit=self.enable_global_rate_limit,
-                rate_limit=self.rate_limit,
-                mode=PoolMode.ThreadMode,
-            )
-        return self._execution_pool
-
-    @execution_pool.setter
-    def execution_pool(self, pool) -> None:
-        self._execution_pool = pool
 
     def get_openai_tool_schema(self) -> OpenAIFunctionToolSchema:
         return self.tool_schema

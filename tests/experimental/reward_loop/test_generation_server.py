@@ -8,8 +8,8 @@ import urllib.error
 import urllib.request
 
 import pytest
-import torch
 
+from tests.experimental.reward_loop.greedy_reference import hf_greedy
 from verl.experimental.reward_loop.generation_server import ServerThread, build_engine_server, serving_rollout_config
 from verl.models import bundled_model_path
 
@@ -41,30 +41,12 @@ def _prompt_ids(tokenizer, question: str) -> list[int]:
     return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
 
 
-def _hf_greedy(prompt: list[int], max_new_tokens: int, stops) -> list[int]:
-    """transformers' own greedy continuation, up to and including the first stop token."""
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(bundled_model_path(), dtype=torch.float64).eval()
-    out = model.generate(
-        torch.tensor([prompt]),
-        max_new_tokens=max_new_tokens,
-        do_sample=False,
-        eos_token_id=list(stops),
-        pad_token_id=stops[0],
-    )[0, len(prompt) :].tolist()
-    for i, t in enumerate(out):
-        if t in stops:
-            return out[: i + 1]
-    return out
-
-
 def test_generate_and_chat_answer_what_transformers_generates_greedily(served):
     server, address, stops = served
     tok = server.tokenizer
     questions = ["What is 12+34?", "What is 7+58?", "What is 90+9?"]
     prompts = [_prompt_ids(tok, q) for q in questions]
-    expected = [_hf_greedy(p, 8, stops) for p in prompts]
+    expected = [hf_greedy(p, 8) for p in prompts]
 
     status, one = _post(
         address, "/generate", {"input_ids": prompts[0], "sampling_params": {"max_new_tokens": 8, "temperature": 0}}

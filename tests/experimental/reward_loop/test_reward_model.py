@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.experimental.reward_loop.greedy_reference import hf_greedy
 from tests.trainer.main_ppo_runs import common_overrides, main_ppo_cmd, read_metrics, run_main_ppo
 from verl.experimental.reward_loop.reward_model import serving_spec, with_reward_model
 from verl.models import bundled_model_path
@@ -74,27 +75,6 @@ def test_replicas_follow_upstreams_rule_and_the_function_must_take_the_model():
     assert inspect.iscoroutinefunction(with_reward_model(judge, _config()))  # async stays async for the managers
 
 
-def _hf_greedy(prompt: list[int], max_new_tokens: int) -> list[int]:
-    from transformers import AutoModelForCausalLM
-
-    from verl.utils.model import get_generation_config
-
-    stops = get_generation_config(bundled_model_path()).eos_token_id
-    stops = stops if isinstance(stops, list) else [stops]
-    model = AutoModelForCausalLM.from_pretrained(bundled_model_path(), dtype=torch.float64).eval()
-    out = model.generate(
-        torch.tensor([prompt]),
-        max_new_tokens=max_new_tokens,
-        do_sample=False,
-        eos_token_id=stops,
-        pad_token_id=stops[0],
-    )[0, len(prompt) :].tolist()
-    for i, t in enumerate(out):
-        if t in stops:
-            return out[: i + 1]
-    return out
-
-
 @pytest.mark.slow
 def test_grpo_scores_with_a_generative_judge_behind_the_router(tmp_path, shared_ray_cluster):
     """Two trainer workers, tp=1: two judge replicas behind the round-robin router. Every judge answer is
@@ -122,7 +102,7 @@ def test_grpo_scores_with_a_generative_judge_behind_the_router(tmp_path, shared_
     calls = [json.loads(line) for line in Path(judge.with_suffix(".jsonl")).read_text().splitlines()]
     assert len(calls) == 2 * 4 * 2  # steps x prompts x samples: one judge call per sample
     for prompt in {tuple(c["prompt_ids"]) for c in calls}:
-        expected = _hf_greedy(list(prompt), 8)
+        expected = hf_greedy(list(prompt), 8)
         assert all(c["output_ids"] == expected for c in calls if tuple(c["prompt_ids"]) == prompt)
     steps = [r["data"] for r in read_metrics(tmp_path) if "critic/score/mean" in r["data"]]
     assert len(steps) == 2
@@ -188,6 +168,6 @@ def test_a_custom_reward_loop_class_gets_the_router_of_two_replicas(tmp_path, ra
     result = manager(data, return_dict=True)
     for i, q in enumerate(questions):
         ids = tok.apply_chat_template([{"role": "user", "content": q}], tokenize=True, add_generation_prompt=True)
-        expected = _hf_greedy(ids, 8)
+        expected = hf_greedy(ids, 8)
         assert result["reward_extra_info"]["judge_ids"][i] == expected
         assert result["reward_tensor"][i].sum().item() == len(expected)
