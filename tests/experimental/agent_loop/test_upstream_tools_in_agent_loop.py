@@ -1,6 +1,7 @@
 """Upstream's Gsm8kTool inside the tool agent loop: the sample's `tools_kwargs.create_kwargs.ground_truth`
-reaches the tool and the model reads upstream's response text (the step rewards are tested on the tool
-itself in tests/tools/test_answer_reward_tools.py)."""
+reaches the tool, the model reads upstream's response text, and each episode's step rewards reach the reward
+function's extra_info as upstream's `tool_extra_fields` do (the reward rules are tested on the tool itself in
+tests/tools/test_answer_reward_tools.py)."""
 
 from __future__ import annotations
 
@@ -49,3 +50,21 @@ def test_gsm8k_tool_scores_each_samples_answer_against_its_own_ground_truth(toke
     assert "<tool_response>Current parsed answer='72' reward=0.0</tool_response>" in responses[1]
     assert "extra_info.tools_kwargs.calc_gsm8k_reward.create_kwargs.ground_truth" in responses[2]
     assert out.meta_info["metrics"]["agent_loop/tool_errors"] == pytest.approx(1 / 3)
+    # upstream's tool_extra_fields: the first sample improved on its best score (step reward 0.0), the second
+    # did not (-0.05), the third's call failed (no step reward); the naive manager hands them to the function
+    fields = out.non_tensor_batch["tool_extra_fields"]
+    assert [f["tool_rewards"] for f in fields] == [[0.0], [-0.05], []]
+    assert all(f["turn_scores"] == [] for f in fields)
+    from verl.workers.reward_manager.naive import NaiveRewardManager
+
+    seen = []
+
+    def compute_score(data_source, solution_str, ground_truth, extra_info=None):
+        seen.append(extra_info)
+        return 0.0
+
+    out.non_tensor_batch["reward_model"] = np.array([{"ground_truth": "72"}] * 3, dtype=object)
+    out.non_tensor_batch["data_source"] = np.array(["openai/gsm8k"] * 3, dtype=object)
+    NaiveRewardManager(tokenizer, 0, compute_score=compute_score)(out)
+    assert [info["tool_rewards"] for info in seen] == [[0.0], [-0.05], []]
+    assert all(info["num_turns"] == 4 for info in seen)

@@ -234,6 +234,8 @@ class Trajectory:
     metrics: dict[str, float] = field(default_factory=dict)
     turn_scores: list[float] = field(default_factory=list)
     """The simulated user's score of each model turn it answered (upstream's `turn_scores`)."""
+    tool_rewards: list[float] = field(default_factory=list)
+    """The step reward of each tool call that gave one (upstream's `tool_rewards`)."""
     versions: tuple[int, int] | None = None
     """(oldest, newest) weight version that sampled its tokens, set by the rollout when the engine
     reports versions (partial rollouts); None otherwise."""

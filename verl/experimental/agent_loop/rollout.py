@@ -16,6 +16,8 @@ rollout's own `async_engine`, see `make_engine`), and returns the usual rollout 
 - `non_tensor_batch["__num_turns__"]`: messages per episode (the trainer reports `num_turns/*`);
 - `non_tensor_batch["turn_scores"]`: with simulated users (`multi_turn.interaction_config_path`,
   verl/interactions/), each episode's list of the interaction's turn scores, as upstream;
+- `non_tensor_batch["tool_extra_fields"]`: upstream's per-episode dict (`turn_scores`, `tool_rewards`, a loop's
+  own `extra_fields`), which the naive and rate-limited reward managers merge into `extra_info`;
 - a loop's `Trajectory.extra_fields` as non-tensor columns (None where an episode lacks a key), and,
   when every episode carries a `reward_score`, `rm_scores` [B, R] holding it at the last response
   token (the reward manager then returns them unchanged), as upstream's agent loops;
@@ -652,6 +654,16 @@ def trajectories_to_proto(prompts, trajectories: list[Trajectory], response_leng
         turn_scores = np.empty(B, dtype=object)
         turn_scores[:] = [[] if t is None else list(t.turn_scores) for t in trajectories]
         non_tensor["turn_scores"] = turn_scores
+    # upstream's `tool_extra_fields`: each episode's fields as one dict, which the naive and rate-limited reward
+    # managers merge into the reward function's extra_info (tool_rewards, turn_scores, a loop's own fields)
+    tool_extra_fields = np.empty(B, dtype=object)
+    tool_extra_fields[:] = [
+        None
+        if t is None
+        else {"turn_scores": list(t.turn_scores), "tool_rewards": list(t.tool_rewards), **t.extra_fields}
+        for t in trajectories
+    ]
+    non_tensor["tool_extra_fields"] = tool_extra_fields
     for key in sorted({key for t in trajectories if t is not None for key in t.extra_fields}):
         column = np.empty(B, dtype=object)  # upstream's rule: None where an episode did not set the key
         column[:] = [None if t is None else t.extra_fields.get(key) for t in trajectories]

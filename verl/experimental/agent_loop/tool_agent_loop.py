@@ -547,6 +547,7 @@ class ToolAgentLoop(AgentLoopBase):
             messages=messages,
             metrics=metrics,
             turn_scores=list(agent_data.turn_scores),
+            tool_rewards=list(agent_data.tool_rewards),
         )
 
     def _matches_template(self, messages: list[dict], ids: list[int], end_of_turn: int) -> bool:

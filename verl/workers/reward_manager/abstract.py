@@ -25,8 +25,10 @@ Design decisions:
 - ``rm_scores`` already in the batch (a reward model ran) are returned unchanged, as upstream does.
 - What the rollout knows about a sample reaches the reward function in ``extra_info``, under upstream's
   keys and per manager as upstream's: ``rollout_reward_scores`` (the batch's ``reward_scores`` column,
-  else ``{}``) for naive, batch and dapo (prime and rate_limited add nothing), and ``num_turns`` (``__num_turns__``, the multi-turn
-  rollout's messages per episode, else None) for naive (``ROLLOUT_EXTRA_INFO``). A sample whose row has
+  else ``{}``) for naive, batch and dapo (prime and rate_limited add nothing), ``num_turns`` (``__num_turns__``, the multi-turn
+  rollout's messages per episode, else None) for naive, and the agent loop's per-episode fields
+  (``tool_extra_fields``: ``tool_rewards``, ``turn_scores`` and a loop's own ``extra_fields``) for naive and
+  rate_limited (``ROLLOUT_EXTRA_INFO``). A sample whose row has
   no ``extra_info`` gets a dict holding just those keys; the row's own dict is copied, not changed.
 """
 
@@ -67,6 +69,10 @@ def _with_rollout_info(extra_info, keys: tuple[str, ...], non_tensor, i: int):
     if not keys or not (extra_info is None or isinstance(extra_info, Mapping)):
         return extra_info
     extended = dict(extra_info or {})
+    if "tool_extra_fields" in keys:  # the agent loop's per-episode fields (tool_rewards, turn_scores, ...)
+        fields = non_tensor.get("tool_extra_fields")
+        if fields is not None and isinstance(fields[i], Mapping):
+            extended.update(fields[i])
     if "num_turns" in keys:
         num_turns = non_tensor.get("__num_turns__")
         extended["num_turns"] = None if num_turns is None else int(num_turns[i])

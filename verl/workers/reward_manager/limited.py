@@ -128,7 +128,7 @@ class RateLimitedRewardManager(AbstractRewardManager):
         max_concurrent, max_rpm, max_tpm, estimated_tokens_per_request, timeout: the limits.
     """
 
-    ROLLOUT_EXTRA_INFO = ()  # upstream's rate-limited manager adds no rollout values
+    ROLLOUT_EXTRA_INFO = ("tool_extra_fields",)  # upstream's rate-limited manager adds only the loop's fields
     _shared: _SharedLimits | None = None
     _shared_lock = threading.Lock()
 

@@ -10,7 +10,7 @@ from verl.workers.reward_manager.registry import register
 class NaiveRewardManager(AbstractRewardManager):
     """Scores samples one by one with ``compute_score(data_source, solution_str, ground_truth, extra_info)``."""
 
-    ROLLOUT_EXTRA_INFO = ("num_turns", "rollout_reward_scores")
+    ROLLOUT_EXTRA_INFO = ("tool_extra_fields", "num_turns", "rollout_reward_scores")
 
     def compute_scores(self, samples: list[Sample]) -> list[ScoreOutcome]:
         return [self.call_one(sample) for sample in samples]
