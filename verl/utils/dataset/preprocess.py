@@ -18,14 +18,23 @@ from __future__ import annotations
 import argparse
 import glob
 import os
+import re
 import shutil
 from collections.abc import Iterable, Mapping
 
 from verl.utils.dataset.files import find_split_files, read_rows, write_parquet
 
 
-def add_io_args(parser: argparse.ArgumentParser, default_save_dir: str, local_dataset: bool = True) -> None:
-    """Upstream's flags: --local_save_dir (alias --local_dir), --local_dataset_path, --hdfs_dir."""
+def add_io_args(
+    parser: argparse.ArgumentParser,
+    default_save_dir: str,
+    local_dataset: bool = True,
+    local_dir_deprecated: bool = True,
+) -> None:
+    """Upstream's flags: --local_save_dir (alias --local_dir), --local_dataset_path, --hdfs_dir.
+
+    ``local_dir_deprecated=False`` for the scripts whose upstream flag is --local_dir itself (no warning)."""
+    parser.set_defaults(local_dir_deprecated=local_dir_deprecated)
     parser.add_argument(
         "--local_save_dir", default=default_save_dir, help="folder the preprocessed parquet files are written to"
     )
@@ -43,7 +52,8 @@ def add_io_args(parser: argparse.ArgumentParser, default_save_dir: str, local_da
 def save_dir(args: argparse.Namespace) -> str:
     """The output folder: --local_dir if given (with a deprecation warning, as upstream), else --local_save_dir."""
     if args.local_dir is not None:
-        print("Warning: --local_dir is deprecated; use --local_save_dir")
+        if getattr(args, "local_dir_deprecated", True):
+            print("Warning: --local_dir is deprecated; use --local_save_dir")
         return os.path.expanduser(args.local_dir)
     return os.path.expanduser(args.local_save_dir)
 
@@ -59,13 +69,39 @@ def _read_arrow(path: str) -> list[dict]:
             return pa.ipc.open_file(f).read_all().to_pylist()
 
 
+KNOWN_SPLITS = ("train", "validation", "valid", "dev", "test", "eval")
+
+
+def _split_of(name: str) -> str | None:
+    """The split a data file's name names, as the hub reads it: "train-0000.parquet", "hellaswag_val.jsonl"."""
+    tokens = re.split(r"[-_.]", name.lower())
+    aliases = {"val": "validation", "valid": "validation", "dev": "validation"}
+    for token in tokens:
+        if token in KNOWN_SPLITS or token in aliases:
+            return aliases.get(token, token)
+    return None
+
+
+def _local_split_files(root: str, split: str) -> list[str]:
+    """Data files of ``split`` under ``root``: named after it (by the hub's conventions); when no file
+    names any split (a single-file dataset such as ``data/dapo-math-17k.parquet``), all files are "train"."""
+    files = find_split_files(root, split)
+    if files:
+        return files
+    all_files = find_split_files(root, "")
+    named = [path for path in all_files if _split_of(os.path.basename(path))]
+    if named:
+        return [path for path in named if _split_of(os.path.basename(path)) == _split_of(split)]
+    return all_files if split == "train" else []
+
+
 def load_split(
     split: str, local_dataset_path: str | None, hub_name: str, hub_config: str | None = None, **hub_kwargs
 ) -> list[dict]:
     """The rows of one split: from the local copy when given, else from the Hugging Face hub."""
     if local_dataset_path:
         root = os.path.expanduser(local_dataset_path)
-        files = find_split_files(root, split)
+        files = _local_split_files(root, split)
         if files:
             return [row for path in files for row in read_rows(path)]
         arrow = sorted(glob.glob(os.path.join(root, split, "*.arrow")))
@@ -97,17 +133,34 @@ def require_columns(example: Mapping, columns: Iterable[str], where: str) -> Non
     missing = [c for c in columns if c not in example]
     if missing:
         raise KeyError(
-            f"{where} has no column(s) {missing} (it has {sorted(example)}); is --local_dataset_path the "
-            "right dataset?"
+            f"{where} has no column(s) {missing} (it has {sorted(example)}); is --local_dataset_path the right dataset?"
         )
 
 
-def write_splits(rows_by_split: Mapping[str, list[dict]], local_save_dir: str, hdfs_dir: str | None = None) -> None:
-    """Write ``<split>.parquet`` per split into ``local_save_dir``; then copy that folder to ``hdfs_dir``."""
+def write_splits(
+    rows_by_split: Mapping[str, list[dict]], local_save_dir: str, hdfs_dir: str | None = None, allow_empty: bool = False
+) -> None:
+    """Write ``<split>.parquet`` per split into ``local_save_dir``; then copy that folder to ``hdfs_dir``.
+
+    An empty split is an error unless ``allow_empty``; then its file has no rows and another split's columns."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    schema = None
     for split, rows in rows_by_split.items():
-        if not rows:
+        if rows:
+            schema = schema or pa.Table.from_pylist(rows).schema
+        elif not allow_empty:
             raise ValueError(f"the {split} split produced no rows; nothing to write")
-        path = write_parquet(rows, os.path.join(local_save_dir, f"{split}.parquet"))
+    for split, rows in rows_by_split.items():
+        if rows:
+            path = write_parquet(rows, os.path.join(local_save_dir, f"{split}.parquet"))
+        else:
+            if schema is None:
+                raise ValueError(f"every split ({', '.join(rows_by_split)}) produced no rows; nothing to write")
+            path = os.path.join(local_save_dir, f"{split}.parquet")
+            os.makedirs(local_save_dir, exist_ok=True)
+            pq.write_table(schema.empty_table(), path)
         print(f"wrote {len(rows)} {split} rows to {path}")
     if hdfs_dir is not None:
         from verl.utils import fs
