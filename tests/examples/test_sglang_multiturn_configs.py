@@ -19,7 +19,7 @@ REPO = Path(__file__).resolve().parents[2]
 CONFIG_DIR = REPO / "examples" / "sglang_multiturn" / "config"
 UPSTREAM = REPO / "tests" / "trainer" / "config" / "upstream"
 TRAINER_CONFIGS = sorted(p.stem for p in CONFIG_DIR.glob("*.yaml"))
-# Where ours deliberately differ from upstream's recorded values (docs/multi_turn.md, "Upstream's example configs").
+# Where ours deliberately differ from upstream's recorded values (docs/multi_turn.md, "Upstream's preprocessing scripts and example configs").
 DIFFERENCES = {
     "actor_rollout_ref.model.custom_chat_template",  # our own template (upstream's copy is a stand-in)
     "actor_rollout_ref.rollout.multi_turn.format",  # hermes: no parser named 'qwen' here or upstream

@@ -22,6 +22,7 @@ import re
 import shutil
 from collections.abc import Iterable, Mapping
 
+from verl.utils import fs
 from verl.utils.dataset.files import find_split_files, read_rows, write_parquet
 
 
@@ -163,8 +164,6 @@ def write_splits(
             pq.write_table(schema.empty_table(), path)
         print(f"wrote {len(rows)} {split} rows to {path}")
     if hdfs_dir is not None:
-        from verl.utils import fs
-
         if fs.is_non_local(hdfs_dir):
             fs.makedirs(hdfs_dir, exist_ok=True)
             fs.copy(src=local_save_dir, dst=hdfs_dir)
