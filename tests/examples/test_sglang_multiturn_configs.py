@@ -5,7 +5,8 @@ interaction configs name what the preprocessing scripts write into the data."""
 
 from __future__ import annotations
 
-import importlib.util
+import asyncio
+import importlib
 import sys
 import warnings
 from pathlib import Path
@@ -152,13 +153,38 @@ def test_interaction_config_builds_the_gsm8k_interaction():
     assert isinstance(interactions["gsm8k"], Gsm8kInteraction)
 
 
-def test_gsm8k_tool_config_builds_when_the_tool_is_installed():
-    if importlib.util.find_spec("verl.tools.gsm8k_tool") is None:
-        pytest.skip("verl.tools.gsm8k_tool is not in this tree yet")
+@pytest.mark.parametrize(
+    "config,script,example,right,wrong",
+    [
+        ("gsm8k_tool_config.yaml", "gsm8k_multiturn_w_tool", {"question": "2 cars at 12,000?", "answer": "x\n#### 24,000"}, "24000", "24"),
+        ("geo3k_tool_config.yaml", "geo3k_multiturn_w_tool", {"problem": "Find x.", "answer": "60", "images": []}, "60", "30"),
+    ],
+)  # fmt: skip
+def test_tool_built_from_the_config_scores_a_preprocessed_row(config, script, example, right, wrong):
     from verl.tools.utils.tool_registry import initialize_tools_from_config
 
-    (tool,) = initialize_tools_from_config(str(CONFIG_DIR / "tool_config" / "gsm8k_tool_config.yaml"))
-    assert tool.name == "calc_gsm8k_reward"
+    row = _script_constant(script, "make_row")(example, "train", 0)
+    (tool,) = initialize_tools_from_config(str(CONFIG_DIR / "tool_config" / config))
+    (name,) = row["extra_info"]["tools_kwargs"]
+    assert tool.name == name
+
+    async def answer(text):  # as the tool agent loop creates and calls a tool for a row
+        instance, _ = await tool.create(create_kwargs=row["extra_info"]["tools_kwargs"][name]["create_kwargs"])
+        await tool.execute(instance, {"answer": text})
+        return await tool.calc_reward(instance)
+
+    assert asyncio.run(answer(right)) == 1.0 and asyncio.run(answer(wrong)) == 0.0
+
+
+def test_search_and_sandbox_tool_configs_build():
+    from verl.tools.utils.tool_registry import initialize_tools_from_config
+
+    for config, name in (
+        ("search_tool_config.yaml", "search"),
+        ("sandbox_fusion_tool_config.yaml", "code_interpreter"),
+    ):
+        (tool,) = initialize_tools_from_config(str(CONFIG_DIR / "tool_config" / config))
+        assert tool.name == name
 
 
 def test_geo3k_chat_template_renders_images_in_tool_answers():
