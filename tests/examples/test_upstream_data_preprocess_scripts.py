@@ -44,10 +44,14 @@ MULTI_TURN_INSTRUCTION = " Let's think step by step and output the final answer 
 
 
 def _gsm8k_snapshot(tmp_path):
-    """openai/gsm8k as the hub stores it: main/train-*.parquet, main/test-*.parquet."""
+    """openai/gsm8k as the hub stores it: a folder per configuration, main/train-*.parquet, main/test-*.parquet
+    (the scripts read "main"; the "socratic" rows must not leak in)."""
     root = tmp_path / "gsm8k"
     _parquet(GSM8K_TRAIN, root / "main" / "train-00000-of-00001.parquet")
     _parquet(GSM8K_TEST, root / "main" / "test-00000-of-00001.parquet")
+    socratic = [{"question": "How many? ** Count them.", "answer": "#### 1"}]
+    _parquet(socratic, root / "socratic" / "train-00000-of-00001.parquet")
+    _parquet(socratic, root / "socratic" / "test-00000-of-00001.parquet")
     return root
 
 

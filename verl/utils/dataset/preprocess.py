@@ -102,6 +102,8 @@ def load_split(
     """The rows of one split: from the local copy when given, else from the Hugging Face hub."""
     if local_dataset_path:
         root = os.path.expanduser(local_dataset_path)
+        if hub_config and os.path.isdir(os.path.join(root, hub_config)):
+            root = os.path.join(root, hub_config)  # a snapshot with a folder per configuration (gsm8k: main, socratic)
         files = _local_split_files(root, split)
         if files:
             return [row for path in files for row in read_rows(path)]
