@@ -445,3 +445,20 @@ def test_pokemon_conversations_become_messages_and_split_reproducibly(tmp_path):
     _parquet([{"conversations": [{"from": "robot", "value": "hi"}]}] * 2, bad / "train.parquet")
     result = _run("pokemon.py", "--local_dataset_path", bad, "--local_save_dir", tmp_path / "o")
     assert result.returncode != 0 and "a turn from 'robot'" in result.stderr
+
+
+def test_sft_outputs_load_in_the_sft_dataset(tmp_path):
+    from verl.models.factory import build_tokenizer
+    from verl.utils.dataset.sft_dataset import SFTDataset
+
+    result = _run("multiturn.py", "--local_dir", tmp_path / "multiturn")
+    assert result.returncode == 0, result.stderr
+    tokenizer = build_tokenizer("tiny")
+    config = {"multiturn": {"enable": True}, "max_length": 512, "truncation": "error"}
+    dataset = SFTDataset(str(tmp_path / "multiturn" / "train.parquet"), tokenizer, config)
+    assert len(dataset) == 2
+    item = dataset[0]
+    learned = tokenizer.decode(item["input_ids"][item["loss_mask"].bool()])
+    # the loss covers the assistant replies, not the system or user turns
+    assert "Mercury is the planet closest to the Sun." in learned and "Jupiter" in learned
+    assert "Which planet" not in learned and "helpful assistant" not in learned
