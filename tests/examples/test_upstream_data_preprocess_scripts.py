@@ -462,3 +462,19 @@ def test_sft_outputs_load_in_the_sft_dataset(tmp_path):
     # the loss covers the assistant replies, not the system or user turns
     assert "Mercury is the planet closest to the Sun." in learned and "Jupiter" in learned
     assert "Which planet" not in learned and "helpful assistant" not in learned
+
+
+def test_hdfs_dir_is_created_and_the_folder_uploaded_with_the_hadoop_cli(tmp_path):
+    bin_dir, log = tmp_path / "bin", tmp_path / "hdfs.log"
+    bin_dir.mkdir()
+    fake = bin_dir / "hdfs"  # stands in for the Hadoop client: records its arguments
+    fake.write_text(f'#!/bin/sh\necho "$@" >> {log}\n')
+    fake.chmod(0o755)
+    out = tmp_path / "out"
+    env = {**os.environ, "PYTHONPATH": str(REPO), "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}"}
+    result = subprocess.run(
+        [sys.executable, str(SCRIPTS / "multiturn.py"), "--local_dir", str(out), "--hdfs_dir", "hdfs://nn/data/mt"],
+        capture_output=True, text=True, env=env, timeout=120,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    assert log.read_text().splitlines() == ["dfs -mkdir -p hdfs://nn/data/mt", f"dfs -put -f {out} hdfs://nn/data/mt"]
