@@ -19,11 +19,10 @@ answer}, extra_info {split, index, answer, question}. Scored by ``verl.utils.rew
 from __future__ import annotations
 
 import argparse
-import glob
 import io
-import os
 
-from verl.utils.dataset.files import find_split_files, read_rows, write_parquet
+from verl.utils.dataset import preprocess
+from verl.utils.dataset.preprocess import require_columns
 
 DATA_SOURCE = "hiyouga/geometry3k"
 INSTRUCTION = (
@@ -46,6 +45,7 @@ def _image_record(image) -> dict:
 
 
 def make_row(example: dict, split: str, index: int) -> dict:
+    require_columns(example, ("problem", "answer"), f"{split} example {index} of {DATA_SOURCE}")
     problem, answer = example["problem"], example["answer"]
     images = [_image_record(image) for image in example.get("images") or []]
     if problem.count("<image>") != len(images):
@@ -63,61 +63,20 @@ def make_row(example: dict, split: str, index: int) -> dict:
     }
 
 
-def _read_arrow(path: str) -> list[dict]:
-    import pyarrow as pa
-
-    with open(path, "rb") as f:
-        try:
-            return pa.ipc.open_stream(f).read_all().to_pylist()  # what datasets' save_to_disk writes
-        except pa.ArrowInvalid:
-            f.seek(0)
-            return pa.ipc.open_file(f).read_all().to_pylist()
-
-
 def load_split(split: str, local_dataset_path: str | None) -> list[dict]:
-    if local_dataset_path:
-        root = os.path.expanduser(local_dataset_path)
-        files = find_split_files(root, split)
-        if files:
-            return [row for path in files for row in read_rows(path)]
-        arrow = sorted(glob.glob(os.path.join(root, split, "*.arrow")))
-        if not arrow:
-            raise FileNotFoundError(
-                f"no {split}* parquet/JSON file and no {split}/*.arrow under --local_dataset_path {root!r}"
-            )
-        return [row for path in arrow for row in _read_arrow(path)]
-    try:
-        import datasets
-    except ImportError:
-        raise SystemExit(
-            f"downloading {DATA_SOURCE} needs the `datasets` package (pip install datasets) and the Hugging Face "
-            "hub; or pass --local_dataset_path with a local copy of the dataset"
-        ) from None
-    try:
-        return list(datasets.load_dataset(DATA_SOURCE, split=split))
-    except Exception as e:  # no network, no hub access, ...: say what to do instead
-        raise SystemExit(
-            f"could not load {DATA_SOURCE} from the Hugging Face hub ({type(e).__name__}: {e}); download it "
-            "elsewhere and pass --local_dataset_path"
-        ) from None
+    """One split of Geometry3K (a local snapshot or save_to_disk folder, or the hub)."""
+    return preprocess.load_split(split, local_dataset_path, DATA_SOURCE)
 
 
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--local_dataset_path", default=None, help="local copy of the raw dataset")
-    parser.add_argument("--local_save_dir", default="~/data/geo3k", help="where train/test.parquet are written")
-    parser.add_argument("--local_dir", default=None, help="deprecated name of --local_save_dir")
+    preprocess.add_io_args(parser, default_save_dir="~/data/geo3k")
     args = parser.parse_args(argv)
-
-    local_save_dir = args.local_save_dir
-    if args.local_dir is not None:
-        print("Warning: --local_dir is deprecated; use --local_save_dir")
-        local_save_dir = args.local_dir
-    local_save_dir = os.path.expanduser(local_save_dir)
-    for split in SPLITS:
-        rows = [make_row(ex, split, i) for i, ex in enumerate(load_split(split, args.local_dataset_path))]
-        path = write_parquet(rows, os.path.join(local_save_dir, f"{split}.parquet"))
-        print(f"wrote {len(rows)} {split} rows to {path}")
+    rows = {
+        split: [make_row(ex, split, i) for i, ex in enumerate(load_split(split, args.local_dataset_path))]
+        for split in SPLITS
+    }
+    preprocess.write_splits(rows, preprocess.save_dir(args), args.hdfs_dir)
 
 
 if __name__ == "__main__":

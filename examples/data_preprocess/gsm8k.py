@@ -1,7 +1,7 @@
 """Preprocess GSM8K (openai/gsm8k, config "main") into verl's RL parquet schema.
 
-    python examples/data_preprocess/gsm8k.py --local_dir ~/data/gsm8k
-    python examples/data_preprocess/gsm8k.py --local_dataset_path /path/to/gsm8k_snapshot --local_dir ~/data/gsm8k
+    python examples/data_preprocess/gsm8k.py --local_save_dir ~/data/gsm8k
+    python examples/data_preprocess/gsm8k.py --local_dataset_path /path/to/gsm8k_snapshot --local_save_dir ~/data/gsm8k
 
 Without ``--local_dataset_path`` the dataset is downloaded with ``datasets.load_dataset`` (needs the
 ``datasets`` package and network). With it, the folder must hold the original files of each split,
@@ -17,10 +17,10 @@ answer, question}.
 from __future__ import annotations
 
 import argparse
-import os
 import re
 
-from verl.utils.dataset.files import find_split_files, read_rows, write_parquet
+from verl.utils.dataset import preprocess
+from verl.utils.dataset.preprocess import require_columns
 
 DATA_SOURCE = "openai/gsm8k"
 INSTRUCTION = 'Let\'s think step by step and output the final answer after "####".'
@@ -35,12 +35,18 @@ def extract_solution(answer: str) -> str:
     return match.group(1).replace(",", "")
 
 
-def make_row(example: dict, split: str, index: int) -> dict:
+def read_example(example: dict, split: str, index: int) -> tuple[str, str, str]:
+    """(question, answer, ground truth) of one raw GSM8K example, with clear errors for bad rows."""
+    require_columns(example, ("question", "answer"), f"{split} example {index} of {DATA_SOURCE}")
     question, answer = example["question"], example["answer"]
     try:
-        ground_truth = extract_solution(answer)
+        return question, answer, extract_solution(answer)
     except ValueError as e:
         raise ValueError(f"{split} example {index}: {e}") from None
+
+
+def make_row(example: dict, split: str, index: int) -> dict:
+    question, answer, ground_truth = read_example(example, split, index)
     return {
         "data_source": DATA_SOURCE,
         "prompt": [{"role": "user", "content": f"{question} {INSTRUCTION}"}],
@@ -51,31 +57,19 @@ def make_row(example: dict, split: str, index: int) -> dict:
 
 
 def load_split(split: str, local_dataset_path: str | None) -> list[dict]:
-    if local_dataset_path:
-        files = find_split_files(local_dataset_path, split)
-        if not files:
-            raise FileNotFoundError(f"no {split}* parquet/JSON file under --local_dataset_path {local_dataset_path!r}")
-        return [row for path in files for row in read_rows(path)]
-    try:
-        import datasets
-    except ImportError:
-        raise SystemExit(
-            "downloading GSM8K needs the `datasets` package (pip install datasets); or pass --local_dataset_path"
-        ) from None
-    return list(datasets.load_dataset(DATA_SOURCE, "main", split=split))
+    """One split of GSM8K's "main" configuration (a local snapshot, or the hub)."""
+    return preprocess.load_split(split, local_dataset_path, DATA_SOURCE, "main")
 
 
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--local_dir", "--local_save_dir", dest="local_dir", default="~/data/gsm8k")
-    parser.add_argument("--local_dataset_path", default=None, help="folder with the original train*/test* files")
+    preprocess.add_io_args(parser, default_save_dir="~/data/gsm8k")
     args = parser.parse_args(argv)
-
-    local_dir = os.path.expanduser(args.local_dir)
-    for split in SPLITS:
-        rows = [make_row(ex, split, i) for i, ex in enumerate(load_split(split, args.local_dataset_path))]
-        path = write_parquet(rows, os.path.join(local_dir, f"{split}.parquet"))
-        print(f"wrote {len(rows)} {split} rows to {path}")
+    rows = {
+        split: [make_row(ex, split, i) for i, ex in enumerate(load_split(split, args.local_dataset_path))]
+        for split in SPLITS
+    }
+    preprocess.write_splits(rows, preprocess.save_dir(args), args.hdfs_dir)
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # GRPO on Qwen2.5-0.5B-Instruct with GSM8K on one 8-GPU node, vLLM rollout (the upstream-style command).
-# Prepare data first: python examples/data_preprocess/gsm8k.py --local_dir ~/data/gsm8k
+# Prepare data first: python examples/data_preprocess/gsm8k.py --local_save_dir ~/data/gsm8k
 set -euo pipefail
 ${PYTHON:-python3} -m verl.trainer.main_ppo \
     algorithm.adv_estimator=grpo \
