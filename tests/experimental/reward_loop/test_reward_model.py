@@ -58,6 +58,9 @@ def test_replicas_follow_upstreams_rule_and_the_function_must_take_the_model():
     assert serving_spec(_config("trainer.n_gpus_per_node=2"))["num_replicas"] == 2  # trainer's workers / tp
     own = _config("reward_model.enable_resource_pool=true", "reward_model.n_gpus_per_node=3", "reward_model.nnodes=1")
     assert serving_spec(own)["num_replicas"] == 3 and serving_spec(own)["own_pool"]
+    # upstream's RewardModelManager(config.reward_model): the section alone, served on its own workers
+    section = serving_spec(own.reward_model)
+    assert section["num_replicas"] == 3 and section["base_rollout"] is None and section["own_pool"]
     with pytest.raises(ValueError, match="tensor_model_parallel_size=2 does not divide the 1 workers"):
         serving_spec(_config("trainer.n_gpus_per_node=1", "reward_model.rollout.tensor_model_parallel_size=2"))
 

@@ -62,16 +62,22 @@ def uses_generative_reward_model(config) -> bool:
 
 
 def serving_spec(config) -> dict:
-    """Everything the servers need from the trainer config, as plain data (picklable, no OmegaConf)."""
+    """Everything the servers need from the trainer config, as plain data (picklable, no OmegaConf).
+
+    `config` is the trainer config, or (upstream's `RewardModelManager(config.reward_model)`) the
+    `reward_model` section alone: then the model is served on its own `n_gpus_per_node x nnodes` (upstream's
+    standalone layout) with the packaged rollout defaults under `reward_model.rollout`."""
     from omegaconf import OmegaConf
 
     def plain(node):
         return OmegaConf.to_container(node, resolve=True) if OmegaConf.is_config(node) else dict(node or {})
 
-    rm, trainer = config.reward_model, config.trainer
+    section_only = "reward_model" not in config
+    rm = config if section_only else config.reward_model
+    trainer = {} if section_only else config.trainer
     rollout = plain(rm.get("rollout"))
     tp = int(rollout.get("tensor_model_parallel_size") or 1)
-    if rm.get("enable_resource_pool"):
+    if section_only or rm.get("enable_resource_pool"):
         world = int(rm.n_gpus_per_node) * int(rm.nnodes)
     else:
         world = int(trainer.n_gpus_per_node) * int(trainer.nnodes)
@@ -85,10 +91,10 @@ def serving_spec(config) -> dict:
         "model_path": str(model.path),
         "trust_remote_code": bool(model.get("trust_remote_code", False)),
         "rollout": rollout,
-        "base_rollout": plain(config.actor_rollout_ref.rollout),
+        "base_rollout": None if section_only else plain(config.actor_rollout_ref.rollout),
         "num_replicas": world // tp,
         "tp": tp,
-        "own_pool": bool(rm.get("enable_resource_pool")),
+        "own_pool": section_only or bool(rm.get("enable_resource_pool")),
         "device": str(trainer.get("device", "auto")),
     }
 
@@ -225,8 +231,8 @@ class RewardModelManager:
     """Upstream's name: the reward model's servers for this job (started on first use, then shared).
 
     `RewardModelManager(config)` takes the trainer config (the `reward_model`, `trainer` and
-    `actor_rollout_ref.rollout` sections are read); `get_router_address()` is what the reward function
-    receives as `reward_router_address`.
+    `actor_rollout_ref.rollout` sections are read) or, as upstream's, the `reward_model` section alone
+    (`serving_spec`); `get_router_address()` is what the reward function receives as `reward_router_address`.
     """
 
     def __init__(self, config, resource_pool=None):
