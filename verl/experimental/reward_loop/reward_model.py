@@ -180,10 +180,12 @@ class _Servers:
 
 
 def _on_gpu(device: str) -> bool:
-    if device in ("cuda", "gpu"):
-        return True
-    if device == "cpu":
-        return False
+    """Whether the replicas take GPUs: trainer.device, or with `auto` whether the Ray cluster has any (the
+    driver that starts them may run on a node without one)."""
+    if device != "auto":
+        from verl.utils.device import preference_uses_accelerator
+
+        return preference_uses_accelerator(device)
     import ray
 
     return ray.cluster_resources().get("GPU", 0) > 0
