@@ -98,9 +98,14 @@ def _allgather(rank: int, world_size: int) -> None:
     gathered = F.allgather_dict_tensors(td, size=world_size, group=None)
     assert isinstance(gathered, TensorDict) and gathered.batch_size[0] == 4
     assert gathered["x"].tolist() == [0, 0, 1, 1]
+    shared = {"w": torch.full((2,), float(rank + 5)), "v": torch.tensor([rank])}
+    F.broadcast_dict_tensor(shared, src=1, group=None)
+    assert shared["w"].tolist() == [6.0, 6.0] and shared["v"].tolist() == [1]
+    own = {"loss": 0.5 * rank, f"only_{rank}": rank}
+    assert F.allgather_dict_into_dict(own) == {"loss": [0.0, 0.5], "only_0": [0], "only_1": [1]}
 
 
-def test_allgather_dict_tensors_concatenates_ranks_in_order_over_two_gloo_ranks():
+def test_dict_collectives_over_two_gloo_ranks():
     run_distributed(_allgather, 2)
 
 
@@ -250,3 +255,11 @@ def test_wsd_schedule_warms_up_holds_then_decays_by_a_cosine_to_min_lr():
     assert lrs == pytest.approx([0.0, 0.5, 1.0, 1.0, 1.0, 1.0, *decay, 0.1, 0.1])
     with pytest.raises(ValueError, match="stable_ratio must be in"):
         _lrs(lambda o: F.get_wsd_schedule_with_warmup(o, 2, 10, stable_ratio=1.5), 1)
+
+
+def test_use_original_torch_compile_runs_its_body_with_torch_compile_untouched():
+    compile_before = torch.compile
+    with F.use_original_torch_compile():
+        assert torch.compile is compile_before
+        ran = True
+    assert ran

@@ -33,6 +33,8 @@ from __future__ import annotations
 import contextlib
 
 import torch
+import torch.distributed as dist
+from tensordict import TensorDict
 
 from verl.utils.device import get_device_name, is_cuda_available
 from verl.utils.optim import (
@@ -44,7 +46,9 @@ from verl.utils.remove_padding import pad_input, unpad_input
 
 __all__ = [
     "TRUNCATIONS",
+    "allgather_dict_into_dict",
     "allgather_dict_tensors",
+    "broadcast_dict_tensor",
     "calculate_sum_pi_squared_from_logits",
     "check_device_is_available",
     "clip_by_value",
@@ -68,6 +72,7 @@ __all__ = [
     "remove_pad_token",
     "split_dict_tensor_into_batches",
     "tokenize_and_postprocess_data",
+    "use_original_torch_compile",
     "distributed_masked_mean",
     "distributed_mean_max_min_std",
     "entropy_from_logits",
@@ -321,8 +326,6 @@ def expand_as_nested(tensor: torch.Tensor, nested_tensor: torch.Tensor) -> torch
 def distributed_masked_mean(local_tensor: torch.Tensor, local_mask: torch.Tensor) -> torch.Tensor:
     """Mean of the entries where `local_mask` is 1, over every rank of the default process group
     (sum and count are all-reduced, so ranks with more valid entries weigh more)."""
-    import torch.distributed as dist
-
     local_sum = torch.where(local_mask.bool(), local_tensor, 0).sum()
     local_count = local_mask.sum().to(local_sum.dtype)
     dist.all_reduce(local_sum, op=dist.ReduceOp.SUM)
@@ -335,8 +338,6 @@ def distributed_mean_max_min_std(
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
     """(mean, max, min, std) of all entries on every rank of the default process group; a statistic
     not asked for is None. The std is the unbiased one (divides by the total count - 1)."""
-    import torch.distributed as dist
-
     total = local_tensor.sum()
     count = torch.tensor(float(local_tensor.numel()), dtype=total.dtype, device=total.device)
     dist.all_reduce(total, op=dist.ReduceOp.SUM)
@@ -436,9 +437,6 @@ def compute_grad_norm(model: torch.nn.Module) -> float:
 def allgather_dict_tensors(tensors, size: int, group, dim: int = 0):
     """All-gather every tensor of a dict (or TensorDict) over `group` (of `size` ranks) and concatenate
     the ranks' tensors along `dim`, rank order; returns the same kind of container."""
-    import torch.distributed as dist
-    from tensordict import TensorDict
-
     is_tensordict = isinstance(tensors, TensorDict)
     source = tensors.to_dict() if is_tensordict else tensors
     output = {}
@@ -449,6 +447,27 @@ def allgather_dict_tensors(tensors, size: int, group, dim: int = 0):
     if is_tensordict:
         return TensorDict(source=output, batch_size=tensors.batch_size[0] * size)
     return output
+
+
+def broadcast_dict_tensor(tensors, src: int, group) -> None:
+    """Broadcast every tensor of a dict (or TensorDict) from rank `src` over `group`, in place, in
+    sorted key order (every rank must hold the same keys and shapes)."""
+    for key in sorted(tensors.keys()):
+        dist.broadcast(tensors[key], src=src, group=group)
+
+
+def allgather_dict_into_dict(data: dict, group=None) -> dict[str, list]:
+    """All-gather a dict of picklable values from every rank of `group`: {key: [rank 0's value, rank 1's,
+    ...]} (a key only some ranks have lists only theirs, in rank order)."""
+    if not isinstance(data, dict):
+        raise TypeError(f"allgather_dict_into_dict takes a dict, got {type(data).__name__}")
+    gathered = [None] * dist.get_world_size(group=group)
+    dist.all_gather_object(gathered, data, group=group)
+    out: dict[str, list] = {}
+    for rank_data in gathered:
+        for key, value in rank_data.items():
+            out.setdefault(key, []).append(value)
+    return out
 
 
 def split_dict_tensor_into_batches(tensors, batch_size: int) -> list:
@@ -639,4 +658,12 @@ def check_device_is_available():
             f"this code needs an initialised accelerator, but the device is {get_device_name()!r} (no CUDA device "
             "visible, or trainer.device=cpu / VERL_DEVICE=cpu); run it on a GPU machine"
         )
+    yield
+
+
+@contextlib.contextmanager
+def use_original_torch_compile():
+    """Upstream's guard that undoes MindSpeed's (Ascend NPU) patch of `torch.compile` for its body;
+    without MindSpeed, which this build never installs, `torch.compile` is the original and the
+    body simply runs."""
     yield
