@@ -362,3 +362,28 @@ def enable_full_determinism(seed: int) -> None:
     random.seed(seed)
     np.random.seed(seed)
     torch.manual_seed(seed)
+
+
+def is_torch_npu_available(check_device: bool = True) -> bool:
+    """Upstream's Ascend NPU check: always False, this build has no NPU support."""
+    return False
+
+
+def get_resource_name() -> str:
+    """The Ray resource a worker's bundle asks for: "GPU" when a CUDA device is usable, else "CPU"
+    (upstream answers "NPU" there; CPU workers here take CPU bundles)."""
+    return "GPU" if is_cuda_available() else "CPU"
+
+
+def set_expandable_segments(enable: bool) -> None:
+    """Turn the CUDA caching allocator's expandable segments on or off (fewer fragmentation OOMs
+    when on); a no-op without CUDA, as upstream."""
+    if is_cuda_available():
+        torch.cuda.memory._set_allocator_settings(f"expandable_segments:{bool(enable)}")
+
+
+def get_device_capability(device_id: int = 0) -> tuple[int | None, int | None]:
+    """(major, minor) compute capability of CUDA device `device_id`; (None, None) without CUDA."""
+    if not is_cuda_available():
+        return None, None
+    return torch.cuda.get_device_capability(device_id)

@@ -13,15 +13,21 @@ an installed module, `file://path/to/file.py` is a file path. No path at all (No
 `load_extern_object` raises AttributeError naming the object it could not find.
 `import_external_libs` imports modules by name for their side effects (registering reward
 managers, workers, ...).
+
+Also upstream's availability checks (`is_vllm_available`, `is_sglang_available`,
+`is_megatron_core_available`, `is_trl_available`, `is_nvtx_available`: looked up, never imported),
+its `deprecated` decorator and `load_class_from_fqn`.
 """
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import importlib
 import importlib.util
 import os
 import sys
+import warnings
 from types import ModuleType
 
 _PKG_PREFIX = "pkg://"
@@ -111,3 +117,86 @@ def is_nvtx_available() -> bool:
         return importlib.util.find_spec("nvtx") is not None
     except (ImportError, ValueError):
         return False
+
+
+def _has_module(name: str) -> bool:
+    try:
+        return importlib.util.find_spec(name) is not None
+    except (ImportError, ValueError):  # a parent package that is missing or broken
+        return False
+
+
+@functools.cache
+def is_megatron_core_available() -> bool:
+    """Whether `megatron.core` is installed (looked up once, not imported)."""
+    return _has_module("megatron.core")
+
+
+@functools.cache
+def is_vllm_available() -> bool:
+    """Whether `vllm` is installed (looked up once, not imported)."""
+    return _has_module("vllm")
+
+
+@functools.cache
+def is_sglang_available() -> bool:
+    """Whether `sglang` is installed (looked up once, not imported)."""
+    return _has_module("sglang")
+
+
+@functools.cache
+def is_trl_available() -> bool:
+    """Whether `trl` is installed (looked up once, not imported)."""
+    return _has_module("trl")
+
+
+def deprecated(replacement: str = ""):
+    """Mark a function or class deprecated: calling it (or constructing the class) warns with a
+    FutureWarning naming it by module and qualified name, and `replacement` when given."""
+
+    def decorator(obj):
+        qualified = f"{obj.__module__}.{obj.__qualname__}"
+        kind = "Class" if isinstance(obj, type) else "Function"
+        message = f"Warning: {kind} '{qualified}' is deprecated."
+        if replacement:
+            message += f" Please use '{replacement}' instead."
+        if isinstance(obj, type):
+            original_init = obj.__init__
+
+            @functools.wraps(original_init)
+            def init(self, *args, **kwargs):
+                warnings.warn(message, category=FutureWarning, stacklevel=2)
+                original_init(self, *args, **kwargs)
+
+            obj.__init__ = init
+            return obj
+
+        @functools.wraps(obj)
+        def wrapped(*args, **kwargs):
+            warnings.warn(message, category=FutureWarning, stacklevel=2)
+            return obj(*args, **kwargs)
+
+        return wrapped
+
+    return decorator
+
+
+def load_class_from_fqn(fqn: str, description: str = "class") -> type:
+    """The class `package.module.ClassName` names (`description` names it in errors): ValueError
+    without a dot, ImportError when the module cannot be imported, AttributeError when it lacks
+    the class."""
+    if "." not in fqn:
+        raise ValueError(
+            f"Invalid {description} '{fqn}'. Expected fully qualified class name (e.g., 'mypackage.module.ClassName')."
+        )
+    module_path, class_name = fqn.rsplit(".", 1)
+    try:
+        module = importlib.import_module(module_path)
+    except ImportError as e:
+        raise ImportError(f"Failed to import module '{module_path}' for {description}: {e}") from e
+    if not hasattr(module, class_name):
+        raise AttributeError(
+            f"Class '{class_name}' not found in module '{module_path}' (for {description}); it defines "
+            f"{_public_callables(module)}"
+        )
+    return getattr(module, class_name)

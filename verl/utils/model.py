@@ -45,6 +45,19 @@ import torch
 from verl.utils.device import is_cuda_available
 
 __all__ = [
+    "LambdaLayer",
+    "check_exclude_modules",
+    "check_target_modules",
+    "convert_weight_keys",
+    "create_huggingface_actor",
+    "create_huggingface_critic",
+    "get_hf_auto_model_class",
+    "get_huggingface_actor_config",
+    "get_lora_rank_from_adapter",
+    "get_model_size",
+    "normalize_model_name",
+    "print_model_size",
+    "squeeze",
     "compute_position_id_with_mask",
     "create_random_mask",
     "enable_gradient_checkpointing",
@@ -421,3 +434,250 @@ def extract_multi_modal_inputs(batch_data: list, indices: list[int] | None = Non
     if per_sample_lists:
         return collected
     return {key: torch.cat(values, dim=0) for key, values in collected.items()}
+
+
+# ----------------------------------------------------------------------------------------------
+# Upstream's smaller model helpers (size, key conversion, LoRA module matching, model from config)
+# ----------------------------------------------------------------------------------------------
+
+_SIZE_SCALES = {"B": 1e9, "M": 1e6, "K": 1e3, "": 1.0}
+
+
+def get_model_size(model: torch.nn.Module, scale: str = "auto") -> tuple[float, str]:
+    """(number of parameters divided by the scale, scale): `scale` is "B", "M", "K", "" or "auto"
+    (the largest unit the count exceeds)."""
+    n_params = sum(p.numel() for p in model.parameters())
+    if scale == "auto":
+        scale = next((unit for unit, size in _SIZE_SCALES.items() if size > 1 and n_params > size), "")
+    if scale not in _SIZE_SCALES:
+        raise NotImplementedError(f"scale={scale!r} is not one of 'auto', {list(_SIZE_SCALES)}")
+    return n_params / _SIZE_SCALES[scale], scale
+
+
+def print_model_size(model: torch.nn.Module, name: str | None = None) -> None:
+    """Print "<name> contains <n><scale> parameters" (name: the model's class name by default)."""
+    n_params, scale = get_model_size(model, scale="auto")
+    print(f"{name or type(model).__name__} contains {n_params:.2f}{scale} parameters")
+
+
+def convert_weight_keys(state_dict: dict[str, torch.Tensor], model) -> dict[str, torch.Tensor]:
+    """Rename a state dict of a transformers model that renames checkpoint keys on load
+    (`model._checkpoint_conversion_mapping`, e.g. Qwen2-VL's `model.language_model.*`) back to the
+    checkpoint's names; returned unchanged for a model without such a mapping. The first reverse
+    pattern that matches a key renames it."""
+    import re
+
+    mapping = getattr(model, "_checkpoint_conversion_mapping", None)
+    if not mapping:
+        return state_dict
+    reverse = [(saved_as, re.sub(r"\(.*\)", "", original.lstrip("^"))) for original, saved_as in mapping.items()]
+    converted = {}
+    for key, value in state_dict.items():
+        for pattern, replacement in reverse:
+            key, n = re.subn(pattern, replacement, key)
+            if n:
+                break
+        converted[key] = value
+    return converted
+
+
+def check_exclude_modules(config, key: str) -> bool:
+    """Whether module `key` is excluded by a LoRA-style config's `exclude_modules` (PEFT's rule: a
+    string is a full-match regex; a list matches the exact key or a `.<name>` suffix)."""
+    import re
+
+    exclude = getattr(config, "exclude_modules", None)
+    if not exclude:
+        return False
+    if isinstance(exclude, str):
+        return re.fullmatch(exclude, key) is not None
+    return key in exclude or any(key.endswith(f".{name}") for name in exclude)
+
+
+def _layer_index(key: str, layers_pattern) -> int | None:
+    """The layer number in a module key (`model.layers.3.mlp` -> 3), after one of `layers_pattern`
+    when given, else after any second-to-last dotted name."""
+    import re
+
+    if not layers_pattern:
+        found = re.match(r".*\.[^.]*\.(\d+)\.", key)
+        return int(found.group(1)) if found else None
+    for pattern in [layers_pattern] if isinstance(layers_pattern, str) else layers_pattern:
+        found = re.match(rf".*\.{pattern}\.(\d+)\.", key)
+        if found:
+            return int(found.group(1))
+    return None
+
+
+def check_target_modules(config, key: str) -> bool:
+    """Whether module `key` is a LoRA target of `config` (PEFT's rule): `target_modules` a full-match
+    regex string, or a list matching the exact key or a `.<name>` suffix; a suffix match is further
+    restricted to `layers_to_transform` (an int or a list of layer numbers, found after
+    `layers_pattern`) when that is set."""
+    import re
+
+    targets = config.target_modules
+    if isinstance(targets, str):
+        return re.fullmatch(targets, key) is not None
+    if key in targets:
+        return True
+    if not any(key.endswith(f".{name}") for name in targets):
+        return False
+    layers = getattr(config, "layers_to_transform", None)
+    if layers is None or (isinstance(layers, list) and not layers):
+        return True
+    index = _layer_index(key, getattr(config, "layers_pattern", None))
+    if index is None:
+        return False
+    return index == layers if isinstance(layers, int) else index in layers
+
+
+def normalize_model_name(name: str, pp_rank: int, vpp_rank: int | None, transformer_config, layer_name: str = "layers"):
+    """A parameter name of one Megatron pipeline chunk (layer numbers local to the chunk) with its
+    layer number made global: the number after `layer_name` plus the chunk's first layer (megatron's
+    `get_transformer_layer_offset` for `pp_rank`, `vpp_rank`). Names outside the layers unchanged."""
+    from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
+
+    parts = name.split(".")
+    if layer_name not in parts:
+        return name
+    at = parts.index(layer_name) + 1
+    if at >= len(parts) or not parts[at].isdigit():
+        raise ValueError(f"parameter name {name!r} has no layer number after {layer_name!r}")
+    offset = get_transformer_layer_offset(transformer_config, vp_stage=vpp_rank, pp_rank=pp_rank)
+    parts[at] = str(int(parts[at]) + offset)
+    return ".".join(parts)
+
+
+def get_hf_auto_model_class(hf_config):
+    """The transformers Auto class to build a model of `hf_config` with: for remote code, the Auto
+    class its `auto_map` names for its architecture (AutoModel for an unknown one); else
+    AutoModelForImageTextToText for a vision-language config, or the Auto class of the
+    architecture's suffix (ForCausalLM, ForVision2Seq, ForTokenClassification,
+    ForSequenceClassification), AutoModel otherwise. (`AutoModelForVision2Seq`, gone from transformers
+    5, is AutoModelForImageTextToText here.)"""
+    import transformers
+
+    image_text = transformers.AutoModelForImageTextToText
+    by_name = {
+        "AutoModelForVision2Seq": image_text,
+        "AutoModelForImageTextToText": image_text,
+        "AutoModelForCausalLM": transformers.AutoModelForCausalLM,
+    }
+    architecture = (getattr(hf_config, "architectures", None) or [""])[0]
+    auto_map = getattr(hf_config, "auto_map", None) or {}
+    if architecture:
+        for auto_name, target in auto_map.items():
+            if architecture in str(target):
+                return by_name.get(auto_name, transformers.AutoModel)
+    if type(hf_config) in image_text._model_mapping:
+        return image_text
+    by_suffix = {
+        "ForCausalLM": transformers.AutoModelForCausalLM,
+        "ForVision2Seq": image_text,
+        "ForTokenClassification": transformers.AutoModelForTokenClassification,
+        "ForSequenceClassification": transformers.AutoModelForSequenceClassification,
+    }
+    return next((cls for suffix, cls in by_suffix.items() if suffix in architecture), transformers.AutoModel)
+
+
+def get_lora_rank_from_adapter(adapter_path: str | os.PathLike) -> int:
+    """The LoRA rank `r` of the PEFT adapter saved in the directory `adapter_path`
+    (`adapter_config.json`); FileNotFoundError or ValueError saying what is missing."""
+    import json
+
+    path = os.path.abspath(os.path.expanduser(str(adapter_path)))
+    if not os.path.exists(path):
+        raise FileNotFoundError(f"LoRA adapter path not found: {path}")
+    config_path = os.path.join(path, "adapter_config.json")
+    if not os.path.exists(config_path):
+        raise FileNotFoundError(f"adapter_config.json not found in {path}; is it a PEFT adapter directory?")
+    try:
+        with open(config_path, encoding="utf-8") as f:
+            config = json.load(f)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"Invalid JSON in {config_path}: {e}") from e
+    if "r" not in config:
+        raise ValueError(f"LoRA rank 'r' not found in {config_path}")
+    try:
+        return int(config["r"])
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"Cannot parse LoRA rank from {config_path}: r={config['r']!r}") from e
+
+
+class LambdaLayer(torch.nn.Module):
+    """A module whose forward is the function it wraps (to put a function in an `nn.Sequential`)."""
+
+    def __init__(self, fn):
+        super().__init__()
+        self.fn = fn
+
+    def forward(self, *args, **kwargs):
+        return self.fn(*args, **kwargs)
+
+
+def squeeze(x: torch.Tensor) -> torch.Tensor:
+    """Drop the last dimension (of size 1): a value head's [..., 1] -> [...]."""
+    return torch.squeeze(x, dim=-1)
+
+
+def get_huggingface_actor_config(model_name: str, override_config_kwargs: dict | None = None, trust_remote_code=False):
+    """The HF config of `model_name` (a directory or hub id) with `override_config_kwargs` set on it
+    (nested dicts update sub-configs, `update_model_config`)."""
+    from transformers import AutoConfig
+
+    if override_config_kwargs is not None and not isinstance(override_config_kwargs, dict):
+        raise TypeError(f"override_config_kwargs must be a dict, got {type(override_config_kwargs).__name__}")
+    config = AutoConfig.from_pretrained(model_name, trust_remote_code=trust_remote_code)
+    update_model_config(config, override_config_kwargs or {})
+    return config
+
+
+def create_huggingface_actor(model_name: str, override_config_kwargs=None, automodel_kwargs=None) -> torch.nn.Module:
+    """A causal LM with `model_name`'s (overridden) config and *freshly initialised* weights
+    (`AutoModelForCausalLM.from_config(config, **automodel_kwargs)`); `load_causal_lm` loads weights."""
+    from transformers import AutoModelForCausalLM
+
+    automodel_kwargs = dict(automodel_kwargs or {})
+    config = get_huggingface_actor_config(
+        model_name, override_config_kwargs, trust_remote_code=automodel_kwargs.get("trust_remote_code", False)
+    )
+    return AutoModelForCausalLM.from_config(config, **automodel_kwargs)
+
+
+def create_huggingface_critic(model_name: str, override_config_kwargs=None, automodel_kwargs=None) -> torch.nn.Module:
+    """`create_huggingface_actor` with its LM head replaced by a value head: Linear(hidden, 1) then
+    a squeeze, so the model's `logits` are values [B, L] (upstream's legacy critic; the critic
+    workers use `load_valuehead_model`)."""
+    critic = create_huggingface_actor(model_name, override_config_kwargs, automodel_kwargs)
+    dtype = (automodel_kwargs or {}).get("torch_dtype", torch.float32)
+    critic.lm_head = torch.nn.Sequential(
+        torch.nn.Linear(critic.config.hidden_size, 1, dtype=dtype), LambdaLayer(fn=squeeze)
+    )
+    return critic
+
+
+def _causal_lm_output_for_ppo():
+    from dataclasses import dataclass
+
+    from transformers.modeling_outputs import CausalLMOutputWithPast
+
+    @dataclass
+    class CausalLMOutputForPPO(CausalLMOutputWithPast):
+        """A causal LM's output with the per-token `log_probs` and `entropy` a fused PPO head computes."""
+
+        log_probs: torch.FloatTensor | None = None
+        entropy: torch.FloatTensor | None = None
+
+    CausalLMOutputForPPO.__module__ = __name__
+    CausalLMOutputForPPO.__qualname__ = "CausalLMOutputForPPO"
+    return CausalLMOutputForPPO
+
+
+def __getattr__(name: str):
+    # transformers is imported on first use of the output class, not when this module is imported
+    if name == "CausalLMOutputForPPO":
+        cls = _causal_lm_output_for_ppo()
+        globals()[name] = cls
+        return cls
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

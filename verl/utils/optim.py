@@ -32,7 +32,8 @@ megatron's weight-decay ramp (`megatron_weight_decay`), set on the optimizer eve
 also carries the settings it was built from, so that `optim.use_checkpoint_opt_param_scheduler=true`
 resumes with the checkpoint's schedule (megatron's `use_checkpoint_opt_param_scheduler`); without it
 the section's settings continue from the checkpoint's step.
-(Upstream exposes the two FSDP schedule functions from `verl.utils.torch_functional`.)
+(Upstream exposes these schedule functions, and `get_wsd_schedule_with_warmup`, from
+`verl.utils.torch_functional`, which re-exports them.)
 
 Gradient clipping (`grad_clip`): upstream names the max gradient norm twice, the older
 `actor.grad_clip` / `critic.grad_clip` and the newer `optim.clip_grad`. They are one setting: when
@@ -63,6 +64,7 @@ __all__ = [
     "get_constant_schedule_with_warmup",
     "get_cosine_schedule_with_warmup",
     "get_megatron_schedule",
+    "get_wsd_schedule_with_warmup",
     "grad_clip",
     "local_optimizer",
     "megatron_weight_decay",
@@ -233,14 +235,50 @@ def get_cosine_schedule_with_warmup(
     min_lr_ratio: float = 0.0,
     num_cycles: float = 0.5,
     last_epoch: int = -1,
+    init_lr_ratio: float | None = None,
 ) -> LambdaLR:
-    """Linear warm-up, then cosine decay from the base lr to `min_lr_ratio * lr`.
+    """Linear warm-up from `init_lr_ratio * lr` (None: 0), then cosine decay from the base lr to
+    `min_lr_ratio * lr` (None: 0).
 
     With the default half cycle the lr reaches `min_lr_ratio * lr` at `num_training_steps`.
     """
-    return LambdaLR(
-        optimizer, _cosine_factor(num_warmup_steps, num_training_steps, min_lr_ratio, num_cycles), last_epoch
+    factor = _cosine_factor(
+        num_warmup_steps, num_training_steps, 0.0 if min_lr_ratio is None else min_lr_ratio, num_cycles, init_lr_ratio
     )
+    return LambdaLR(optimizer, factor, last_epoch)
+
+
+def get_wsd_schedule_with_warmup(
+    optimizer: torch.optim.Optimizer,
+    num_warmup_steps: int,
+    num_training_steps: int,
+    min_lr_ratio: float = 0.0,
+    num_cycles: float = 0.5,
+    last_epoch: int = -1,
+    stable_ratio: float = 0.9,
+) -> LambdaLR:
+    """Warmup-stable-decay: linear warm-up from 0 over `num_warmup_steps`, the base lr held for
+    `int(stable_ratio * (num_training_steps - num_warmup_steps))` steps, then a cosine decay to
+    `min_lr_ratio * lr` over the remaining steps, `min_lr_ratio * lr` from `num_training_steps` on.
+    `stable_ratio=0` is the cosine schedule."""
+    if not 0.0 <= min_lr_ratio <= 1.0:
+        raise ValueError(f"optim.min_lr_ratio must be in [0, 1], got {min_lr_ratio}")
+    if not 0.0 <= stable_ratio <= 1.0:
+        raise ValueError(f"stable_ratio must be in [0, 1] (the share of post-warm-up steps held), got {stable_ratio}")
+    remaining = max(0, num_training_steps - num_warmup_steps)
+    num_stable = int(remaining * stable_ratio)
+    decay = _cosine_factor(0, remaining - num_stable, min_lr_ratio, num_cycles)
+
+    def factor(step: int) -> float:
+        if step < num_warmup_steps:
+            return float(step) / float(max(1, num_warmup_steps))
+        if step < num_warmup_steps + num_stable:
+            return 1.0
+        if step < num_training_steps:
+            return decay(step - num_warmup_steps - num_stable)
+        return min_lr_ratio
+
+    return LambdaLR(optimizer, factor, last_epoch)
 
 
 def _megatron_lr(
@@ -531,13 +569,22 @@ def _constant_factor(num_warmup_steps: int):
     return factor
 
 
-def _cosine_factor(num_warmup_steps: int, num_training_steps: int, min_lr_ratio: float, num_cycles: float):
+def _cosine_factor(
+    num_warmup_steps: int,
+    num_training_steps: int,
+    min_lr_ratio: float,
+    num_cycles: float,
+    init_lr_ratio: float | None = None,
+):
     if not 0.0 <= min_lr_ratio <= 1.0:
         raise ValueError(f"optim.min_lr_ratio must be in [0, 1], got {min_lr_ratio}")
+    init = 0.0 if init_lr_ratio is None else init_lr_ratio
+    if not 0.0 <= init <= 1.0:
+        raise ValueError(f"init_lr_ratio (the warm-up's starting share of the lr) must be in [0, 1], got {init}")
 
     def factor(step: int) -> float:
         if step < num_warmup_steps:
-            return float(step) / float(max(1, num_warmup_steps))
+            return init + (1.0 - init) * float(step) / float(max(1, num_warmup_steps))
         progress = float(step - num_warmup_steps) / float(max(1, num_training_steps - num_warmup_steps))
         cosine = 0.5 * (1.0 + math.cos(math.pi * float(num_cycles) * 2.0 * progress))
         return min_lr_ratio + (1.0 - min_lr_ratio) * max(0.0, cosine)

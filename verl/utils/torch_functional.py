@@ -19,13 +19,60 @@ Public names follow upstream verl (`verl.utils.torch_functional as verl_F`): `ma
 `entropy_from_logits_with_chunking`, `logprobs_from_logits`, and the collective statistics
 `distributed_masked_mean` / `distributed_mean_max_min_std` (all-reduces over the default group,
 the only functions here that synchronise) and `expand_as_nested` for jagged batches.
+
+Upstream's smaller helpers live at the end under its names: the log-prob variants
+(`logprobs_from_logits_naive`, `logprobs_from_logits_v2`, the response and packed-batch forms),
+`get_response_mask`, the padding and truncation of tokenizer output (`pad_sequence_to_length`,
+`postprocess_data`, ...), `allgather_dict_tensors`, the decoder attention mask, and the lr schedules
+re-exported from `verl.utils.optim` (one implementation). Upstream's NPU and flash-attn log-prob
+kernels are not here: `logprobs_from_logits` is the chunked torch one on every device.
 """
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
+import torch.distributed as dist
+from tensordict import TensorDict
+
+from verl.utils.device import get_device_name, is_cuda_available
+from verl.utils.optim import (
+    get_constant_schedule_with_warmup,
+    get_cosine_schedule_with_warmup,
+    get_wsd_schedule_with_warmup,
+)
+from verl.utils.remove_padding import pad_input, unpad_input
 
 __all__ = [
+    "TRUNCATIONS",
+    "allgather_dict_into_dict",
+    "allgather_dict_tensors",
+    "broadcast_dict_tensor",
+    "calculate_sum_pi_squared_from_logits",
+    "check_device_is_available",
+    "clip_by_value",
+    "compute_grad_norm",
+    "gather_from_labels",
+    "get_constant_schedule_with_warmup",
+    "get_cosine_schedule_with_warmup",
+    "get_response_mask",
+    "get_unpad_data",
+    "get_wsd_schedule_with_warmup",
+    "log_probs_from_logits_all_rmpad",
+    "log_probs_from_logits_response",
+    "log_probs_from_logits_response_rmpad",
+    "logprobs_from_logits_naive",
+    "logprobs_from_logits_v2",
+    "pad_2d_list_to_length",
+    "pad_sequence_to_length",
+    "post_process_logits",
+    "postprocess_data",
+    "prepare_decoder_attention_mask",
+    "remove_pad_token",
+    "split_dict_tensor_into_batches",
+    "tokenize_and_postprocess_data",
+    "use_original_torch_compile",
     "distributed_masked_mean",
     "distributed_mean_max_min_std",
     "entropy_from_logits",
@@ -279,8 +326,6 @@ def expand_as_nested(tensor: torch.Tensor, nested_tensor: torch.Tensor) -> torch
 def distributed_masked_mean(local_tensor: torch.Tensor, local_mask: torch.Tensor) -> torch.Tensor:
     """Mean of the entries where `local_mask` is 1, over every rank of the default process group
     (sum and count are all-reduced, so ranks with more valid entries weigh more)."""
-    import torch.distributed as dist
-
     local_sum = torch.where(local_mask.bool(), local_tensor, 0).sum()
     local_count = local_mask.sum().to(local_sum.dtype)
     dist.all_reduce(local_sum, op=dist.ReduceOp.SUM)
@@ -293,8 +338,6 @@ def distributed_mean_max_min_std(
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
     """(mean, max, min, std) of all entries on every rank of the default process group; a statistic
     not asked for is None. The std is the unbiased one (divides by the total count - 1)."""
-    import torch.distributed as dist
-
     total = local_tensor.sum()
     count = torch.tensor(float(local_tensor.numel()), dtype=total.dtype, device=total.device)
     dist.all_reduce(total, op=dist.ReduceOp.SUM)
@@ -332,3 +375,295 @@ def sum_pi_squared_from_logits(logits: torch.Tensor, chunk_size: int | None = No
         z = blocks[idx].to(cdtype)
         out[idx] = torch.exp(torch.logsumexp(2.0 * z, dim=-1) - 2.0 * torch.logsumexp(z, dim=-1))
     return out.reshape(logits.shape[:-1])
+
+
+# ----------------------------------------------------------------------------------------------
+# Upstream's smaller helpers (log-prob variants, masks, padding, collectives over dicts)
+# ----------------------------------------------------------------------------------------------
+
+
+def gather_from_labels(data: torch.Tensor, label: torch.Tensor) -> torch.Tensor:
+    """`data[..., label]` per position: data [..., V], label [...] integer ids -> [...]."""
+    return torch.gather(data, -1, label.long().unsqueeze(-1)).squeeze(-1)
+
+
+def logprobs_from_logits_naive(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """`log_softmax(logits)[labels]` in one piece, in the logits' own dtype (no upcast, no chunking):
+    the plain reference; `logprobs_from_logits` is the memory-bounded one."""
+    return gather_from_labels(torch.log_softmax(logits, dim=-1), labels)
+
+
+def logprobs_from_logits_v2(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    r"""Log-probabilities of `labels` computed one row of the first dimension at a time.
+
+    logits [B, ..., V], labels [B, ...] -> [B, ...] in the logits' dtype. float32/float64 use
+    $z_y - \mathrm{lse}(z)$; lower precisions use a per-row `log_softmax` (the subtraction of two
+    large bf16 numbers loses the small difference), as upstream.
+    """
+    if logits.dtype in (torch.float32, torch.float64):
+        lse = torch.stack([torch.logsumexp(row, dim=-1) for row in logits])
+        return gather_from_labels(logits, labels) - lse
+    rows = [
+        gather_from_labels(torch.log_softmax(row, dim=-1), row_labels)
+        for row, row_labels in zip(logits, labels, strict=True)
+    ]
+    return torch.stack(rows)
+
+
+def clip_by_value(x: torch.Tensor, tensor_min: torch.Tensor, tensor_max: torch.Tensor) -> torch.Tensor:
+    """Clamp `x` elementwise between tensor bounds (broadcastable to `x`): max(min(x, hi), lo)."""
+    return torch.max(torch.min(x, tensor_max), tensor_min)
+
+
+def get_response_mask(response_id: torch.Tensor, eos_token: int | list[int] = 2, dtype=torch.int64) -> torch.Tensor:
+    """Mask [B, R] of each response up to and including its first EOS token (`eos_token`: one id or a
+    list of ids); everything after the first EOS is 0. A row without EOS is all 1."""
+    eos = torch.as_tensor(eos_token, device=response_id.device).reshape(-1)
+    is_eos = torch.isin(response_id, eos).to(torch.int64)
+    eos_before = is_eos.cumsum(dim=-1) - is_eos  # EOS tokens strictly before each position
+    return (eos_before == 0).to(dtype)
+
+
+def compute_grad_norm(model: torch.nn.Module) -> float:
+    """The *squared* L2 norm of the model's gradients, a Python float (upstream's name and value: take
+    the square root for the norm). Parameters without a gradient are skipped."""
+    total = 0.0
+    for param in model.parameters():
+        if param.grad is not None:
+            total += torch.sum(torch.square(param.grad.detach().double())).item()
+    return total
+
+
+def allgather_dict_tensors(tensors, size: int, group, dim: int = 0):
+    """All-gather every tensor of a dict (or TensorDict) over `group` (of `size` ranks) and concatenate
+    the ranks' tensors along `dim`, rank order; returns the same kind of container."""
+    is_tensordict = isinstance(tensors, TensorDict)
+    source = tensors.to_dict() if is_tensordict else tensors
+    output = {}
+    for key in sorted(source):
+        parts = [torch.empty_like(source[key]) for _ in range(size)]
+        dist.all_gather(parts, source[key].contiguous(), group=group)
+        output[key] = torch.cat(parts, dim=dim)
+    if is_tensordict:
+        return TensorDict(source=output, batch_size=tensors.batch_size[0] * size)
+    return output
+
+
+def broadcast_dict_tensor(tensors, src: int, group) -> None:
+    """Broadcast every tensor of a dict (or TensorDict) from rank `src` over `group`, in place, in
+    sorted key order (every rank must hold the same keys and shapes)."""
+    for key in sorted(tensors.keys()):
+        dist.broadcast(tensors[key], src=src, group=group)
+
+
+def allgather_dict_into_dict(data: dict, group=None) -> dict[str, list]:
+    """All-gather a dict of picklable values from every rank of `group`: {key: [rank 0's value, rank 1's,
+    ...]} (a key only some ranks have lists only theirs, in rank order)."""
+    if not isinstance(data, dict):
+        raise TypeError(f"allgather_dict_into_dict takes a dict, got {type(data).__name__}")
+    gathered = [None] * dist.get_world_size(group=group)
+    dist.all_gather_object(gathered, data, group=group)
+    out: dict[str, list] = {}
+    for rank_data in gathered:
+        for key, value in rank_data.items():
+            out.setdefault(key, []).append(value)
+    return out
+
+
+def split_dict_tensor_into_batches(tensors, batch_size: int) -> list:
+    """Split a TensorDict into consecutive pieces of `batch_size` rows (the row count must divide)."""
+    rows = tensors.batch_size[0]
+    if batch_size < 1 or rows % batch_size != 0:
+        raise ValueError(
+            f"cannot split {rows} rows into batches of {batch_size}: the batch size must be a positive divisor "
+            f"of the number of rows"
+        )
+    return list(tensors.split(batch_size))
+
+
+def pad_2d_list_to_length(response, pad_token_id, max_length: int | None = None) -> torch.Tensor:
+    """A list of lists (token ids, log-probs) -> a [N, L] tensor, each row right-padded with
+    `pad_token_id` to L = the longest row, or `max_length` when that is longer."""
+    longest = max(len(row) for row in response)
+    length = max_length if max_length is not None and max_length > longest else longest
+    return torch.tensor([list(row) + [pad_token_id] * (length - len(row)) for row in response])
+
+
+def pad_sequence_to_length(
+    tensors: torch.Tensor, max_seq_len: int, pad_token_id, left_pad: bool = False
+) -> torch.Tensor:
+    """Pad [..., L] to [..., max_seq_len] with `pad_token_id` on the right (left when `left_pad`);
+    returned unchanged when already at least that long."""
+    missing = max_seq_len - tensors.shape[-1]
+    if missing <= 0:
+        return tensors
+    return torch.nn.functional.pad(tensors, (missing, 0) if left_pad else (0, missing), "constant", pad_token_id)
+
+
+TRUNCATIONS = ("left", "right", "middle", "error")
+
+
+def postprocess_data(
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    max_length: int,
+    pad_token_id: int,
+    left_pad: bool = True,
+    truncation: str = "error",
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Bring tokenizer output [B, L] to [B, max_length]: pad (ids with `pad_token_id`, mask with 0;
+    on the left when `left_pad`), or truncate by `truncation`: "left" keeps the last tokens, "right"
+    the first, "middle" the first max_length//2 and the rest from the end; "error" raises."""
+    if truncation not in TRUNCATIONS:
+        raise ValueError(f"truncation={truncation!r} is not one of {list(TRUNCATIONS)}")
+    if input_ids.ndim != 2:
+        raise ValueError(f"input_ids must be [batch, length], got shape {tuple(input_ids.shape)}")
+    length = input_ids.shape[-1]
+    if length < max_length:
+        input_ids = pad_sequence_to_length(input_ids, max_length, pad_token_id, left_pad=left_pad)
+        attention_mask = pad_sequence_to_length(attention_mask, max_length, 0, left_pad=left_pad)
+    elif length > max_length:
+        if truncation == "error":
+            raise NotImplementedError(
+                f"the sequence has {length} tokens, more than max_length={max_length}; raise max_length or choose "
+                "a truncation ('left', 'right', 'middle')"
+            )
+        if truncation == "left":
+            keep = slice(length - max_length, length)
+            return input_ids[:, keep], attention_mask[:, keep]
+        if truncation == "right":
+            return input_ids[:, :max_length], attention_mask[:, :max_length]
+        head = max_length // 2
+        tail = max_length - head
+
+        def cut(t):
+            return torch.cat([t[:, :head], t[:, length - tail :]], dim=-1)
+
+        return cut(input_ids), cut(attention_mask)
+    return input_ids, attention_mask
+
+
+def tokenize_and_postprocess_data(
+    prompt: str, tokenizer, max_length: int, pad_token_id: int, left_pad: bool = True, truncation: str = "error"
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Tokenize `prompt` (no special tokens added) and `postprocess_data` it to [1, max_length]."""
+    encoded = tokenizer(prompt, return_tensors="pt", add_special_tokens=False)
+    return postprocess_data(
+        encoded["input_ids"], encoded["attention_mask"], max_length, pad_token_id, left_pad, truncation
+    )
+
+
+def remove_pad_token(input_ids: torch.Tensor, attention_mask: torch.Tensor) -> list[list[int]]:
+    """Each row's real tokens (where `attention_mask` is 1) as a list of ints."""
+    return [ids[mask.bool()].tolist() for ids, mask in zip(input_ids, attention_mask, strict=True)]
+
+
+def log_probs_from_logits_response(input_ids: torch.Tensor, logits: torch.Tensor, response_length: int) -> torch.Tensor:
+    """Log-probs [B, response_length] of the last `response_length` tokens of `input_ids` [B, L], from
+    the logits [B, L, V] of `model(input_ids)` (the logits at position t predict token t + 1)."""
+    return logprobs_from_logits(logits[:, -response_length - 1 : -1], input_ids[:, -response_length:])
+
+
+def log_probs_from_logits_all_rmpad(
+    input_ids_rmpad: torch.Tensor,
+    logits_rmpad: torch.Tensor,
+    indices: torch.Tensor,
+    batch_size: int,
+    seqlen: int,
+    response_length: int,
+) -> torch.Tensor:
+    """Response log-probs [B, response_length] from a packed forward: `input_ids_rmpad` [1, T] and
+    `logits_rmpad` [T, V] of the real tokens, `indices` [T] their places in the flattened [B*L] batch.
+    The label of packed position t is token t + 1 (the last packed token's is a wrap-around, which
+    lands on a position the response slice never reads)."""
+    labels = torch.roll(input_ids_rmpad.reshape(-1), shifts=-1, dims=0)
+    packed = logprobs_from_logits(logits_rmpad, labels)
+    full = pad_input(packed.unsqueeze(-1), indices, batch_size, seqlen).squeeze(-1)
+    return full[:, -response_length - 1 : -1]
+
+
+def log_probs_from_logits_response_rmpad(
+    input_ids: torch.Tensor, attention_mask: torch.Tensor, logits_rmpad: torch.Tensor, response_length: int
+) -> torch.Tensor:
+    """`log_probs_from_logits_all_rmpad` for a padded batch: `input_ids` / `attention_mask` [B, L] and
+    the packed logits [T, V] of `model(unpad(input_ids))`."""
+    batch_size, seqlen = input_ids.shape
+    packed_ids, indices = unpad_input(input_ids, attention_mask)
+    return log_probs_from_logits_all_rmpad(packed_ids, logits_rmpad, indices, batch_size, seqlen, response_length)
+
+
+def post_process_logits(input_ids, logits: torch.Tensor, temperature: float, top_k: int | None, top_p: float | None):
+    """Divide `logits` [..., V] by `temperature` *in place* (as upstream, to save memory), then keep the
+    `top_k` largest (when > 0) and the smallest set reaching probability `top_p` (when in (0, 1)),
+    setting the rest to -inf. `input_ids` is unused (upstream's signature)."""
+    if temperature != 1.0:
+        logits = logits.div_(temperature)
+    if top_k is not None and 0 < top_k < logits.shape[-1]:
+        kth = torch.topk(logits, top_k, dim=-1).values[..., -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if top_p is not None and 0.0 < top_p < 1.0:
+        sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
+        probs = torch.softmax(sorted_logits.float(), dim=-1)
+        # drop a token when the tokens ranked above it already reach top_p
+        drop_sorted = (probs.cumsum(dim=-1) - probs) >= top_p
+        drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
+        logits = logits.masked_fill(drop, float("-inf"))
+    return logits
+
+
+def calculate_sum_pi_squared_from_logits(logits: torch.Tensor) -> torch.Tensor:
+    r"""Upstream's name for `sum_pi_squared_from_logits`: $\sum_v p_v^2$ per row of `logits` [..., V]."""
+    return sum_pi_squared_from_logits(logits)
+
+
+def _expand_padding_mask(mask: torch.Tensor, dtype: torch.dtype, tgt_len: int) -> torch.Tensor:
+    """[B, S] padding mask (1 = attend) -> additive [B, 1, tgt_len, S]: 0 to attend, dtype's min not."""
+    blocked = (mask[:, None, None, :] == 0).expand(mask.shape[0], 1, tgt_len, mask.shape[1])
+    return torch.zeros(blocked.shape, dtype=dtype, device=mask.device).masked_fill(blocked, torch.finfo(dtype).min)
+
+
+def prepare_decoder_attention_mask(attention_mask, input_shape, inputs_embeds: torch.Tensor):
+    """The additive 4-D attention mask [B, 1, T, T] of a causal decoder: 0 where query t may attend
+    key s (s <= t and s not padding), the dtype's minimum elsewhere (twice the minimum, -inf in
+    float terms, where both causal and padding block, as the two masks are summed). None when T is 1
+    and there is no padding mask. dtype and device from `inputs_embeds`."""
+    bsz, tgt_len = input_shape[0], input_shape[-1]
+    dtype, device = inputs_embeds.dtype, inputs_embeds.device
+    combined = None
+    if tgt_len > 1:
+        future = torch.ones(tgt_len, tgt_len, dtype=torch.bool, device=device).triu(1)
+        causal = torch.zeros(tgt_len, tgt_len, dtype=dtype, device=device).masked_fill(future, torch.finfo(dtype).min)
+        combined = causal[None, None].expand(bsz, 1, tgt_len, tgt_len)
+    if attention_mask is not None:
+        padding = _expand_padding_mask(attention_mask.to(device), dtype, tgt_len)
+        combined = padding if combined is None else padding + combined
+    return combined
+
+
+def get_unpad_data(attention_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """(indices [T] of the real tokens in the flattened [B*L] batch, cu_seqlens [B+1] int32 with a
+    leading 0, the longest row's length as an int): the varlen-attention inputs of a padded batch."""
+    seqlens = attention_mask.sum(dim=-1, dtype=torch.int32)
+    indices = torch.nonzero(attention_mask.flatten(), as_tuple=False).flatten()
+    cu_seqlens = torch.nn.functional.pad(torch.cumsum(seqlens, dim=0, dtype=torch.int32), (1, 0))
+    return indices, cu_seqlens, int(seqlens.max().item())
+
+
+@contextlib.contextmanager
+def check_device_is_available():
+    """Raise unless an accelerator is usable: a guard for code that must run after the device is
+    initialised (upstream wraps SGLang imports in it)."""
+    if not is_cuda_available():
+        raise RuntimeError(
+            f"this code needs an initialised accelerator, but the device is {get_device_name()!r} (no CUDA device "
+            "visible, or trainer.device=cpu / VERL_DEVICE=cpu); run it on a GPU machine"
+        )
+    yield
+
+
+@contextlib.contextmanager
+def use_original_torch_compile():
+    """Upstream's guard that undoes MindSpeed's (Ascend NPU) patch of `torch.compile` for its body;
+    without MindSpeed, which this build never installs, `torch.compile` is the original and the
+    body simply runs."""
+    yield

@@ -6,9 +6,11 @@ import torch
 
 from verl.protocol import DataProto
 from verl.trainer.ppo.metric_utils import (
+    _compute_response_info,
     compute_data_metrics,
     compute_throughput_metrics,
     compute_timing_metrics,
+    compute_variance_proxy_metrics,
     flatten_validation_metrics,
     process_validation_metrics,
 )
@@ -164,3 +166,45 @@ def test_a_batch_with_only_empty_responses_keeps_every_row_in_the_score_statisti
     m = compute_data_metrics(batch)
     assert m["response/aborted_ratio"] == 1.0 and m["critic/score/mean"] == pytest.approx(0.75)
     assert m["response_length_non_aborted/mean"] == 0.0
+
+
+def test_response_info_splits_the_attention_mask_at_the_response():
+    info = _compute_response_info(_batch())
+    assert info["prompt_length"].tolist() == [2.0, 3.0] and info["response_length"].tolist() == [3.0, 4.0]
+    assert info["response_mask"].tolist() == [[1, 1, 1, 0], [1, 1, 1, 1]]
+
+
+def _variance_batch(with_is_weights: bool) -> DataProto:
+    # sequence 0: pi = .5, .25 (third token padding); sequence 1: pi = 1, .5, .5
+    pi = torch.tensor([[0.5, 0.25, 0.9], [1.0, 0.5, 0.5]], dtype=torch.float64)
+    tensors = {
+        "old_log_probs": pi.log(),
+        "sum_pi_squared": torch.tensor([[0.5, 0.25, 0.3], [1.0, 0.5, 0.25]], dtype=torch.float64),
+        "advantages": torch.tensor([[2.0, 2.0, 99.0], [-1.0, -1.0, -1.0]], dtype=torch.float64),
+        "response_mask": torch.tensor([[1, 1, 0], [1, 1, 1]]),
+    }
+    if with_is_weights:
+        tensors["rollout_is_weights"] = torch.tensor([[2.0, 1.0, 5.0], [1.0, 1.0, 1.0]], dtype=torch.float64)
+    return DataProto.from_dict(tensors=tensors)
+
+
+def test_variance_proxies_match_hand_worked_values():
+    # W = sum_t (1 - 2 pi_t + sum pi^2): 0.5 + 0.75 = 1.25 and 0 + 0.5 + 0.25 = 0.75; A = 2 and -1
+    m = compute_variance_proxy_metrics(_variance_batch(False), gradient_norm=0.5)
+    assert m["variance_proxy/proxy1_signal_strength"] == pytest.approx(0.25)
+    assert m["variance_proxy/proxy2_total_power"] == pytest.approx((4 * 1.25 + 1 * 0.75) / 2)  # 2.875
+    assert m["variance_proxy/proxy3_pure_noise"] == pytest.approx(2.875 - 0.25)  # / (N - 1) = 1
+    assert m["variance_proxy/expected_a_squared"] == pytest.approx(2.5)
+    assert m["variance_proxy/expected_w"] == pytest.approx(1.0)
+
+
+def test_variance_proxies_with_importance_weights_and_without_a_gradient_norm():
+    # token terms scaled by rho^2: W = 0.5 * 4 + 0.75 = 2.75 and 0.75; mean rho = 1.5 and 1
+    m = compute_variance_proxy_metrics(_variance_batch(True))
+    assert m["variance_proxy/proxy2_total_power"] == pytest.approx((2.25 * 4 * 1.25 + 1 * 1 * 0.75) / 2)  # 6.0
+    assert m["variance_proxy/expected_w"] == pytest.approx((2.75 + 0.75) / 2)
+    assert m["variance_proxy/proxy1_signal_strength"] == 0.0 and m["variance_proxy/proxy3_pure_noise"] == 0.0
+
+
+def test_variance_proxies_need_sum_pi_squared():
+    assert compute_variance_proxy_metrics(_batch(), gradient_norm=1.0) == {}

@@ -8,6 +8,8 @@ list of phases and these stay testable on hand-built batches.
   empty response is an aborted one (cut by `rollout.over_sample_rate`): score and reward statistics
   leave such rows out, `response/aborted_ratio` is their share and `response_length_non_aborted/*`
   the length statistics without them.
+- `compute_variance_proxy_metrics`: variance_proxy/* (upstream's gradient-variance proxies from the
+  actor's `sum_pi_squared`), for a trainer that logs them; the driver does not call it.
 - `compute_timing_metrics`: timing_s/<phase> and timing_per_token_ms/<phase>.
 - `compute_throughput_metrics`: perf/total_num_tokens, perf/time_per_step, perf/throughput
   (`compute_throughout_metrics` is upstream's spelling).
@@ -26,6 +28,8 @@ from typing import Any
 
 import numpy as np
 import torch
+
+import verl.utils.torch_functional as verl_F
 
 
 def _masked_stats(values: torch.Tensor, mask: torch.Tensor) -> tuple[float, float, float]:
@@ -100,6 +104,65 @@ def compute_data_metrics(batch, use_critic: bool = True) -> dict[str, float]:
         metrics["num_turns/max"] = float(num_turns.max())
         metrics["num_turns/mean"] = float(num_turns.mean())
     return metrics
+
+
+def _compute_response_info(batch) -> dict[str, torch.Tensor]:
+    """Upstream's helper: `response_mask` (the response part of `attention_mask`, [B, R]) and the
+    float `prompt_length` / `response_length` [B] of each row."""
+    response_length = batch.batch["responses"].shape[-1]
+    attention_mask = batch.batch["attention_mask"]
+    response_mask = attention_mask[:, -response_length:]
+    return {
+        "response_mask": response_mask,
+        "prompt_length": attention_mask[:, :-response_length].sum(-1).float(),
+        "response_length": response_mask.sum(-1).float(),
+    }
+
+
+def compute_variance_proxy_metrics(batch, gradient_norm: float | None = None) -> dict[str, float]:
+    r"""Cheap proxies of the policy gradient's variance, upstream's `variance_proxy/*` metrics.
+
+    Needs `sum_pi_squared` ($\sum_v \pi_v^2$ per token), `old_log_probs`, `advantages` and
+    `response_mask` in the batch; returns {} when one of the first three is missing. With
+    $W(\tau) = \sum_t [1 - 2\pi_t(y_t) + \sum_v \pi_{t,v}^2]$ (the squared norm of the score
+    w.r.t. the logits, summed over the response) and $A$ the sequence's mean advantage:
+
+    - proxy1_signal_strength: $\|\bar g\|^2$ = `gradient_norm`**2 (0 when not given);
+    - proxy2_total_power: $E[A^2 \max(W, 0)]$, or with `rollout_is_weights` $\rho$ in the batch
+      $E[\bar\rho^2 A^2 \max(W, 0)]$ ($\bar\rho$ the sequence's mean weight);
+    - proxy3_pure_noise: $\max(0, (\text{proxy2} - \text{proxy1}) / (N - 1))$ for N > 1 sequences
+      and a given gradient norm, else 0;
+    - expected_a_squared $E[A^2]$, expected_w $E[W]$ (each token's term scaled by $\rho_t^2$ when
+      IS weights are present).
+    """
+    data = batch.batch
+    if any(key not in data for key in ("sum_pi_squared", "old_log_probs", "advantages")):
+        return {}
+    mask = data["response_mask"]
+    w_tokens = 1 - 2 * torch.exp(data["old_log_probs"]) + data["sum_pi_squared"]
+    weights = data["rollout_is_weights"].detach() if "rollout_is_weights" in data else None
+    if weights is not None:
+        w_tokens = w_tokens * weights**2
+    advantage = verl_F.masked_mean(data["advantages"], mask, axis=-1)
+    w_values = verl_F.masked_sum(w_tokens, mask, axis=-1)
+    if weights is None:
+        total_power = (advantage**2 * w_values.clamp(min=0.0)).mean()
+    else:
+        mean_weight = verl_F.masked_mean(weights, mask, axis=-1)
+        w_unweighted = verl_F.masked_sum(w_tokens / (weights**2).clamp(min=1e-10), mask, axis=-1)
+        total_power = (mean_weight**2 * advantage**2 * w_unweighted.clamp(min=0.0)).mean()
+    signal = gradient_norm**2 if gradient_norm is not None else None
+    num_sequences = advantage.shape[0]
+    noise = 0.0
+    if signal is not None and num_sequences > 1:
+        noise = max(0.0, (total_power.item() - signal) / (num_sequences - 1))
+    return {
+        "variance_proxy/proxy1_signal_strength": signal if signal is not None else 0.0,
+        "variance_proxy/proxy2_total_power": total_power.item(),
+        "variance_proxy/proxy3_pure_noise": noise,
+        "variance_proxy/expected_a_squared": (advantage**2).mean().item(),
+        "variance_proxy/expected_w": w_values.mean().item(),
+    }
 
 
 # Phases whose cost scales with response tokens only; every other timed phase scales with all tokens.

@@ -48,7 +48,12 @@ from verl.trainer.ppo.driver_math import (
     kl_controller,
     old_log_prob_metrics,
 )
-from verl.trainer.ppo.metric_utils import compute_data_metrics, compute_throughput_metrics, compute_timing_metrics
+from verl.trainer.ppo.metric_utils import (
+    compute_data_metrics,
+    compute_throughput_metrics,
+    compute_timing_metrics,
+    compute_variance_proxy_metrics,
+)
 from verl.trainer.ppo.prometheus import publish_rollout_metrics
 from verl.trainer.ppo.rollout_corr_helper import (
     apply_bypass_mode,
@@ -274,6 +279,9 @@ class RayPPOTrainer(UpstreamTrainerAPI):
             self._step_update_actor(batch, state)
         state.metrics.update(compute_data_metrics(batch, use_critic=self.use_critic))
         state.metrics.update(compute_timing_metrics(batch, state.timing))
+        # variance_proxy/*: only when the actor's log-prob pass gave sum_pi_squared (as upstream)
+        grad_norm = state.metrics.get("actor/grad_norm")
+        state.metrics.update(compute_variance_proxy_metrics(batch, gradient_norm=grad_norm))
         n_devices = self.config.trainer.nnodes * self.config.trainer.n_gpus_per_node
         state.metrics.update(compute_throughput_metrics(batch, state.timing, n_devices))
         self._last_batch = batch
