@@ -8,8 +8,6 @@ reads: ``tools_kwargs`` (the ``calc_gsm8k_reward`` tool's ``create_kwargs``), ``
 
 from __future__ import annotations
 
-import argparse
-
 from gsm8k import DATA_SOURCE, SPLITS, load_split, read_example
 
 from verl.utils.dataset import preprocess
@@ -44,11 +42,4 @@ def tool_extra_info(query: str, ground_truth: str) -> dict:
 
 def run(make_row, description: str, argv=None) -> None:
     """Parse upstream's flags, convert both splits with ``make_row(example, split, index)`` and write them."""
-    parser = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
-    preprocess.add_io_args(parser, default_save_dir="~/data/gsm8k")
-    args = parser.parse_args(argv)
-    rows = {
-        split: [make_row(ex, split, i) for i, ex in enumerate(load_split(split, args.local_dataset_path))]
-        for split in SPLITS
-    }
-    preprocess.write_splits(rows, preprocess.save_dir(args), args.hdfs_dir)
+    preprocess.convert_splits(description, "~/data/gsm8k", make_row, load_split, SPLITS, argv)

@@ -18,7 +18,6 @@ answer}, extra_info {split, index, answer, question}. Scored by ``verl.utils.rew
 
 from __future__ import annotations
 
-import argparse
 import io
 
 from verl.utils.dataset import preprocess
@@ -69,14 +68,7 @@ def load_split(split: str, local_dataset_path: str | None) -> list[dict]:
 
 
 def main(argv=None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    preprocess.add_io_args(parser, default_save_dir="~/data/geo3k")
-    args = parser.parse_args(argv)
-    rows = {
-        split: [make_row(ex, split, i) for i, ex in enumerate(load_split(split, args.local_dataset_path))]
-        for split in SPLITS
-    }
-    preprocess.write_splits(rows, preprocess.save_dir(args), args.hdfs_dir)
+    preprocess.convert_splits(__doc__, "~/data/geo3k", make_row, load_split, SPLITS, argv)
 
 
 if __name__ == "__main__":

@@ -13,8 +13,6 @@ extra_info {split, index, answer, question, need_tools_kwargs: True, tools_kwarg
 
 from __future__ import annotations
 
-import argparse
-
 from geo3k import SPLITS, load_split
 from geo3k import make_row as single_turn_row
 
@@ -38,14 +36,7 @@ def make_row(example: dict, split: str, index: int) -> dict:
 
 
 def main(argv=None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    preprocess.add_io_args(parser, default_save_dir="~/data/geo3k_multiturn_w_tool")
-    args = parser.parse_args(argv)
-    rows = {
-        split: [make_row(ex, split, i) for i, ex in enumerate(load_split(split, args.local_dataset_path))]
-        for split in SPLITS
-    }
-    preprocess.write_splits(rows, preprocess.save_dir(args), args.hdfs_dir)
+    preprocess.convert_splits(__doc__, "~/data/geo3k_multiturn_w_tool", make_row, load_split, SPLITS, argv)
 
 
 if __name__ == "__main__":

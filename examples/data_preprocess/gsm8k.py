@@ -16,7 +16,6 @@ answer, question}.
 
 from __future__ import annotations
 
-import argparse
 import re
 
 from verl.utils.dataset import preprocess
@@ -62,14 +61,7 @@ def load_split(split: str, local_dataset_path: str | None) -> list[dict]:
 
 
 def main(argv=None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    preprocess.add_io_args(parser, default_save_dir="~/data/gsm8k")
-    args = parser.parse_args(argv)
-    rows = {
-        split: [make_row(ex, split, i) for i, ex in enumerate(load_split(split, args.local_dataset_path))]
-        for split in SPLITS
-    }
-    preprocess.write_splits(rows, preprocess.save_dir(args), args.hdfs_dir)
+    preprocess.convert_splits(__doc__, "~/data/gsm8k", make_row, load_split, SPLITS, argv)
 
 
 if __name__ == "__main__":

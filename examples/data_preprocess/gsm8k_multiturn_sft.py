@@ -10,8 +10,6 @@ reference solution, ending in "#### <number>"].
 
 from __future__ import annotations
 
-import argparse
-
 from gsm8k import INSTRUCTION, SPLITS, load_split, read_example
 
 from verl.utils.dataset import preprocess
@@ -28,14 +26,7 @@ def make_row(example: dict, split: str, index: int) -> dict:
 
 
 def main(argv=None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    preprocess.add_io_args(parser, default_save_dir="~/data/gsm8k_sft")
-    args = parser.parse_args(argv)
-    rows = {
-        split: [make_row(ex, split, i) for i, ex in enumerate(load_split(split, args.local_dataset_path))]
-        for split in SPLITS
-    }
-    preprocess.write_splits(rows, preprocess.save_dir(args), args.hdfs_dir)
+    preprocess.convert_splits(__doc__, "~/data/gsm8k_sft", make_row, load_split, SPLITS, argv)
 
 
 if __name__ == "__main__":

@@ -172,3 +172,17 @@ def write_splits(
         else:
             shutil.copytree(local_save_dir, os.path.expanduser(hdfs_dir), dirs_exist_ok=True)
         print(f"copied {local_save_dir} to {hdfs_dir}")
+
+
+def convert_splits(description: str, default_save_dir: str, make_row, load_split, splits, argv=None) -> None:
+    """A preprocessing script's whole command line: upstream's flags (`add_io_args`), each split loaded with
+    `load_split(split, local_dataset_path)` and converted row by row with `make_row(example, split, index)`,
+    then written (`write_splits`)."""
+    parser = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_io_args(parser, default_save_dir=default_save_dir)
+    args = parser.parse_args(argv)
+    rows = {
+        split: [make_row(ex, split, i) for i, ex in enumerate(load_split(split, args.local_dataset_path))]
+        for split in splits
+    }
+    write_splits(rows, save_dir(args), args.hdfs_dir)
