@@ -157,6 +157,13 @@ def init_execution_pool(
     )
 
 
+def check_http_url(where: str, key: str, value, example: str) -> None:
+    """`value` must be an http(s) URL; the error names the key and what to point it at (`example`)."""
+    url = urlparse(str(value or ""))
+    if url.scheme not in ("http", "https") or not url.netloc:
+        raise ValueError(f"{where}: {key}={value!r} is not an http(s) URL; set it to {example}")
+
+
 def check_positive(where: str, owner, keys) -> None:
     """Each of `owner`'s attributes `keys` must be a positive number (a pooled tool's limits)."""
     for key in keys:
@@ -201,13 +208,13 @@ class SandboxFusionTool(LazyExecutionPool, BaseTool):
         self.sandbox_fusion_url = config.get("sandbox_fusion_url", "")
         self.memory_limit_mb = config.get("memory_limit_mb", 1024)
         where = f"{type(self).__name__} config"
-        url = urlparse(str(self.sandbox_fusion_url or ""))
-        if url.scheme not in ("http", "https") or not url.netloc:
-            raise ValueError(
-                f"{where}: sandbox_fusion_url={self.sandbox_fusion_url!r} is not an http(s) URL; set it to a "
-                "SandboxFusion run_code endpoint such as http://localhost:8080/run_code (`python -m "
-                "verl.tools.sandbox_fusion_service --port 8080` serves a local, Python-only one)"
-            )
+        check_http_url(
+            where,
+            "sandbox_fusion_url",
+            self.sandbox_fusion_url,
+            "a SandboxFusion run_code endpoint such as http://localhost:8080/run_code (`python -m "
+            "verl.tools.sandbox_fusion_service --port 8080` serves a local, Python-only one)",
+        )
         check_positive(where, self, ("num_workers", "rate_limit", "default_timeout", "memory_limit_mb"))
         if self.default_language not in SUPPORTED_LANGUAGES:
             raise ValueError(

@@ -37,7 +37,6 @@ from __future__ import annotations
 import json
 import logging
 from typing import Any
-from urllib.parse import urlparse
 from uuid import uuid4
 
 from verl.tools.base_tool import BaseTool
@@ -47,6 +46,7 @@ from verl.tools.sandbox_fusion_tools import (
     LazyExecutionPool,
     PoolMode,
     TokenBucketWorker,
+    check_http_url,
     check_positive,
     init_execution_pool,
 )
@@ -82,13 +82,13 @@ class SearchTool(LazyExecutionPool, BaseTool):
         self.retrieval_service_url = config.get("retrieval_service_url")
         self.topk = config.get("topk", 3)
         where = f"{type(self).__name__} config"
-        url = urlparse(str(self.retrieval_service_url or ""))
-        if url.scheme not in ("http", "https") or not url.netloc:
-            raise ValueError(
-                f"{where}: retrieval_service_url={self.retrieval_service_url!r} is not an http(s) URL; set it to a "
-                "retrieval service's /retrieve endpoint such as http://127.0.0.1:8000/retrieve (`python -m "
-                "verl.tools.retrieval_service --corpus corpus.jsonl --port 8000` serves a local BM25 one)"
-            )
+        check_http_url(
+            where,
+            "retrieval_service_url",
+            self.retrieval_service_url,
+            "a retrieval service's /retrieve endpoint such as http://127.0.0.1:8000/retrieve (`python -m "
+            "verl.tools.retrieval_service --corpus corpus.jsonl --port 8000` serves a local BM25 one)",
+        )
         check_positive(where, self, ("num_workers", "rate_limit", "timeout", "topk"))
         super().__init__(config, tool_schema)
         retries = search_r1_like_utils.MAX_RETRIES
