@@ -9,16 +9,16 @@ import urllib.request
 
 import pytest
 
-from tests.experimental.reward_loop.greedy_reference import hf_greedy
+from tests.experimental.reward_loop.greedy_reference import hf_greedy, stop_ids
 from verl.experimental.reward_loop.generation_server import ServerThread, build_engine_server, serving_rollout_config
 from verl.models import bundled_model_path
 
 
 @pytest.fixture(scope="module")
 def served():
-    server, stops = build_engine_server(bundled_model_path(), serving_rollout_config({"name": "hf"}), "judge")
-    thread = ServerThread(server, stops).start()
-    yield server, thread.address, stops
+    server = build_engine_server(bundled_model_path(), serving_rollout_config({"name": "hf"}), "judge")
+    thread = ServerThread(server).start()
+    yield server, thread.address, stop_ids()  # the model's generation config's, as transformers reads them
     thread.stop()
 
 

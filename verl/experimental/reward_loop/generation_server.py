@@ -90,13 +90,17 @@ class GenerationServer:
     """The endpoints over `engine` (an `AsyncRolloutEngine`) and the model's `tokenizer`.
 
     context_length: prompt + new tokens of one request at most (the model's `max_position_embeddings`).
+    stop_ids: the tokens that end a generation (the engine's); the OpenAI replies' text leaves them out.
     """
 
-    def __init__(self, engine: AsyncRolloutEngine, tokenizer, model_name: str, context_length: int):
+    def __init__(
+        self, engine: AsyncRolloutEngine, tokenizer, model_name: str, context_length: int, stop_ids: Sequence[int]
+    ):
         self.engine = engine
         self.tokenizer = tokenizer
         self.model_name = model_name
         self.context_length = int(context_length)
+        self.stop_ids = frozenset(int(t) for t in stop_ids)
         self.num_requests = 0
 
     # ------------------------------------------------------------------------------ generation
@@ -134,10 +138,10 @@ class GenerationServer:
     def _decode(self, ids: Sequence[int]) -> str:
         return self.tokenizer.decode(list(ids), skip_special_tokens=True)
 
-    @staticmethod
-    def _strip_stop(out: TokenOutput, stop_ids: set[int]) -> list[int]:
+    def _text(self, out: TokenOutput) -> str:
+        """An OpenAI reply's text: the continuation without the stop token that ended it."""
         ids = list(out.token_ids)
-        return ids[:-1] if out.stopped and ids and ids[-1] in stop_ids else ids
+        return self._decode(ids[:-1] if out.stopped and ids and ids[-1] in self.stop_ids else ids)
 
     # ------------------------------------------------------------------------------ endpoints
     async def generate(self, body: Mapping) -> dict | list[dict]:
@@ -193,11 +197,23 @@ class GenerationServer:
             raise RequestError(f"n={n!r} must be a positive integer")
         return _sampling(body.get("temperature"), body.get("top_p"), body.get("top_k")), n
 
-    def _usage(self, prompt: list[int], outs: list[TokenOutput]) -> dict:
+    def _openai_reply(self, kind: str, id_prefix: str, choices: list[dict], prompt: list[int], outs) -> dict:
+        """OpenAI's reply envelope (`kind`: chat.completion or text_completion) around `choices`."""
         completion = sum(len(o.token_ids) for o in outs)
-        return {"prompt_tokens": len(prompt), "completion_tokens": completion, "total_tokens": len(prompt) + completion}
+        return {
+            "id": f"{id_prefix}-{uuid.uuid4().hex}",
+            "object": kind,
+            "created": int(time.time()),
+            "model": self.model_name,
+            "choices": choices,
+            "usage": {
+                "prompt_tokens": len(prompt),
+                "completion_tokens": completion,
+                "total_tokens": len(prompt) + completion,
+            },
+        }
 
-    async def chat_completions(self, body: Mapping, stop_ids: set[int]) -> dict:
+    async def chat_completions(self, body: Mapping) -> dict:
         """OpenAI's `/v1/chat/completions`."""
         messages = body.get("messages")
         if not isinstance(messages, list) or not messages or not all(isinstance(m, dict) for m in messages):
@@ -210,23 +226,13 @@ class GenerationServer:
         prompt = list(prompt["input_ids"] if isinstance(prompt, Mapping) else prompt)
         budget = self._budget(prompt, body.get("max_completion_tokens", body.get("max_tokens")), None)
         outs = await self._generate([prompt] * n, sampling, [budget] * n)
-        return {
-            "id": f"chatcmpl-{uuid.uuid4().hex}",
-            "object": "chat.completion",
-            "created": int(time.time()),
-            "model": self.model_name,
-            "choices": [
-                {
-                    "index": i,
-                    "message": {"role": "assistant", "content": self._decode(self._strip_stop(out, stop_ids))},
-                    "finish_reason": out.stop_reason,
-                }
-                for i, out in enumerate(outs)
-            ],
-            "usage": self._usage(prompt, outs),
-        }
+        choices = [
+            {"index": i, "message": {"role": "assistant", "content": self._text(out)}, "finish_reason": out.stop_reason}
+            for i, out in enumerate(outs)
+        ]
+        return self._openai_reply("chat.completion", "chatcmpl", choices, prompt, outs)
 
-    async def completions(self, body: Mapping, stop_ids: set[int]) -> dict:
+    async def completions(self, body: Mapping) -> dict:
         """OpenAI's `/v1/completions`."""
         raw = body.get("prompt")
         if isinstance(raw, str) and raw:
@@ -236,23 +242,14 @@ class GenerationServer:
         sampling, n = self._openai_common(body)
         budget = self._budget(prompt, body.get("max_tokens"), OPENAI_COMPLETIONS_DEFAULT_MAX_TOKENS)
         outs = await self._generate([prompt] * n, sampling, [budget] * n)
-        return {
-            "id": f"cmpl-{uuid.uuid4().hex}",
-            "object": "text_completion",
-            "created": int(time.time()),
-            "model": self.model_name,
-            "choices": [
-                {"index": i, "text": self._decode(self._strip_stop(out, stop_ids)), "finish_reason": out.stop_reason}
-                for i, out in enumerate(outs)
-            ],
-            "usage": self._usage(prompt, outs),
-        }
+        choices = [
+            {"index": i, "text": self._text(out), "finish_reason": out.stop_reason} for i, out in enumerate(outs)
+        ]
+        return self._openai_reply("text_completion", "cmpl", choices, prompt, outs)
 
     # ------------------------------------------------------------------------------ aiohttp
-    def app(self, stop_ids: Sequence[int]):
+    def app(self):
         from aiohttp import web
-
-        stops = {int(t) for t in stop_ids}
 
         def handler(fn):
             async def handle(request):
@@ -279,21 +276,19 @@ class GenerationServer:
 
         app = web.Application(client_max_size=64 << 20)
         app.router.add_post("/generate", handler(self.generate))
-        app.router.add_post("/v1/chat/completions", handler(lambda b: self.chat_completions(b, stops)))
-        app.router.add_post("/v1/completions", handler(lambda b: self.completions(b, stops)))
+        app.router.add_post("/v1/chat/completions", handler(self.chat_completions))
+        app.router.add_post("/v1/completions", handler(self.completions))
         app.router.add_get("/health", health)
         app.router.add_get("/v1/models", models)
         return app
 
 
 class ServerThread:
-    """A `GenerationServer`'s aiohttp app (any object with `app(stop_ids)`) running in a thread of its own
-    (its own event loop), so a synchronous caller (a Ray actor, a test, the command line) can start it and
-    go on."""
+    """A `GenerationServer`'s aiohttp app (any object with `app()`) running in a thread of its own (its own
+    event loop), so a synchronous caller (a Ray actor, a test, the command line) can start it and go on."""
 
-    def __init__(self, server: GenerationServer, stop_ids: Sequence[int], host: str = "127.0.0.1", port: int = 0):
-        self.server, self.host = server, host
-        self._stop_ids, self._port = list(stop_ids), int(port)
+    def __init__(self, server, host: str = "127.0.0.1", port: int = 0):
+        self.server, self.host, self._port = server, host, int(port)
         self._loop = asyncio.new_event_loop()
         self._ready = threading.Event()
         self._error: BaseException | None = None
@@ -321,7 +316,7 @@ class ServerThread:
         asyncio.set_event_loop(self._loop)
 
         async def start():
-            self._runner = web.AppRunner(self.server.app(self._stop_ids))
+            self._runner = web.AppRunner(self.server.app())
             await self._runner.setup()
             site = web.TCPSite(self._runner, self.host, self._port)
             await site.start()
@@ -367,8 +362,8 @@ def build_engine_server(
     model_name: str | None = None,
     trust_remote_code: bool = False,
     max_batch_size: int | None = None,
-) -> tuple[GenerationServer, list[int]]:
-    """(server, stop ids) for the model at `model_path` in the rollout engine `rollout_config.name`.
+) -> GenerationServer:
+    """The server of the model at `model_path` in the rollout engine `rollout_config.name`.
 
     rollout_config: a full rollout section (DictConfig of `RolloutConfig`'s keys); its sampling keys are
     the defaults every request overrides.
@@ -391,9 +386,9 @@ def build_engine_server(
     engine = MicroBatchEngine(
         rollout_batch_generator(rollout, stop_ids, int(pad), with_logprobs=False), max_batch_size=max_batch_size
     )
-    server = GenerationServer(engine, tokenizer, model_name or model_path, context_length(hf_config))
+    server = GenerationServer(engine, tokenizer, model_name or model_path, context_length(hf_config), stop_ids)
     server.rollout = rollout  # kept alive (and reachable for sleep / wake_up)
-    return server, stop_ids
+    return server
 
 
 def serving_rollout_config(overrides: Mapping[str, Any] | None = None, base=None):
@@ -427,10 +422,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--trust-remote-code", action="store_true")
     args = parser.parse_args(argv)
     overrides = {"name": args.engine, "dtype": args.dtype}
-    server, stops = build_engine_server(
+    server = build_engine_server(
         args.model, serving_rollout_config(overrides), args.served_model_name, args.trust_remote_code
     )
-    thread = ServerThread(server, stops, args.host, args.port).start()
+    thread = ServerThread(server, args.host, args.port).start()
     print(f"serving {server.model_name} ({args.engine}) on http://{thread.address}", flush=True)
     try:
         thread._thread.join()

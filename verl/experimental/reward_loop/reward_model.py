@@ -132,17 +132,11 @@ class _Replica:
         )
 
         rollout = serving_rollout_config(spec["rollout"], base=spec["base_rollout"])
-        self.server, stops = build_engine_server(
-            spec["model_path"], rollout, spec["model_path"], spec["trust_remote_code"]
-        )
-        host = ray.util.get_node_ip_address()
-        self.thread = ServerThread(self.server, stops, host=host).start()
+        server = build_engine_server(spec["model_path"], rollout, spec["model_path"], spec["trust_remote_code"])
+        self.thread = ServerThread(server, host=ray.util.get_node_ip_address()).start()
 
     def address(self) -> str:
         return self.thread.address
-
-    def num_requests(self) -> int:
-        return self.server.num_requests
 
 
 class _Servers:
@@ -170,14 +164,6 @@ class _Servers:
     def router_address(self) -> str:
         return self.router.address if self.router is not None else self.addresses[0]
 
-    def replica_addresses(self) -> list[str]:
-        return list(self.addresses)
-
-    def num_requests(self) -> list[int]:
-        import ray
-
-        return ray.get([r.num_requests.remote() for r in self.replicas])
-
 
 def _on_gpu(device: str) -> bool:
     """Whether the replicas take GPUs: trainer.device, or with `auto` whether the Ray cluster has any (the
@@ -198,7 +184,7 @@ class _RouterThread:
         from verl.experimental.reward_loop.generation_server import ServerThread
 
         self._next = itertools.cycle(addresses)
-        self._server_thread = ServerThread(self, stop_ids=(), host=host)  # serves self.app() in its thread
+        self._server_thread = ServerThread(self, host=host)  # serves self.app() in its thread
 
     def start(self) -> _RouterThread:
         self._server_thread.start()
@@ -208,23 +194,25 @@ class _RouterThread:
     def address(self) -> str:
         return self._server_thread.address
 
-    def app(self, _stop_ids):
+    def app(self):
         import aiohttp
         from aiohttp import web
 
-        session: dict[str, aiohttp.ClientSession] = {}
+        async def client_session(_app):  # made in the server's loop, closed with it
+            self._session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None))
+            yield
+            await self._session.close()
 
         async def forward(request):
-            if "s" not in session:
-                session["s"] = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None))
             url = f"http://{next(self._next)}{request.path_qs}"
             body = await request.read()
-            async with session["s"].request(
+            async with self._session.request(
                 request.method, url, data=body, headers={"Content-Type": "application/json"}
             ) as resp:
                 return web.Response(body=await resp.read(), status=resp.status, content_type="application/json")
 
         app = web.Application(client_max_size=64 << 20)
+        app.cleanup_ctx.append(client_session)
         app.router.add_route("*", "/{tail:.*}", forward)
         return app
 
@@ -265,12 +253,6 @@ class RewardModelManager:
         import ray
 
         return ray.get(self.actor.router_address.remote())
-
-    def num_requests(self) -> list[int]:
-        """Requests each replica served so far (for tests and metrics)."""
-        import ray
-
-        return ray.get(self.actor.num_requests.remote())
 
     def wake_up(self) -> None:
         """Upstream's; the engines here stay loaded for the run (module docstring)."""
@@ -329,7 +311,7 @@ def with_reward_model(compute_score: Callable, config) -> Callable:
             "reward_model.enable=true the reward function is given the reward model (upstream's reward loop); "
             "add those keyword arguments (or **kwargs), or drop reward_model.enable"
         )
-    args = _RewardModelArgs(serving_spec(config))
+    args = reward_model_args(config)
 
     if inspect.iscoroutinefunction(compute_score):
 
@@ -342,7 +324,6 @@ def with_reward_model(compute_score: Callable, config) -> Callable:
             return compute_score(*a, **kw, **args.get())
 
     score.__name__ = getattr(compute_score, "__name__", "compute_score")
-    score.__wrapped_reward_fn__ = compute_score
     return score
 
 
