@@ -7,27 +7,13 @@ import json
 import os
 import subprocess
 import sys
-from pathlib import Path
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 from PIL import Image
 
+from tests.examples.test_data_preprocess_scripts import REPO, SCRIPTS, _read, _run
 from verl.utils.reward_score import default_compute_score
-
-REPO = Path(__file__).resolve().parents[2]
-SCRIPTS = REPO / "examples" / "data_preprocess"
-
-
-def _run(script, *args):
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
-    return subprocess.run(
-        [sys.executable, str(SCRIPTS / script), *map(str, args)], capture_output=True, text=True, env=env, timeout=120
-    )
-
-
-def _read(path):
-    return pq.read_table(path).to_pylist()
 
 
 def _parquet(rows, path):

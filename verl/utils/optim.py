@@ -260,9 +260,7 @@ def get_wsd_schedule_with_warmup(
     """Warmup-stable-decay: linear warm-up from 0 over `num_warmup_steps`, the base lr held for
     `int(stable_ratio * (num_training_steps - num_warmup_steps))` steps, then a cosine decay to
     `min_lr_ratio * lr` over the remaining steps, `min_lr_ratio * lr` from `num_training_steps` on.
-    `stable_ratio=0` is the cosine schedule."""
-    if not 0.0 <= min_lr_ratio <= 1.0:
-        raise ValueError(f"optim.min_lr_ratio must be in [0, 1], got {min_lr_ratio}")
+    `stable_ratio=0` is the cosine schedule. (`_cosine_factor` checks `min_lr_ratio`.)"""
     if not 0.0 <= stable_ratio <= 1.0:
         raise ValueError(f"stable_ratio must be in [0, 1] (the share of post-warm-up steps held), got {stable_ratio}")
     remaining = max(0, num_training_steps - num_warmup_steps)

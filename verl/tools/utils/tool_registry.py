@@ -75,9 +75,7 @@ def build_tool(entry: dict, where: str = "tool") -> BaseTool:
     if tool_type == "mcp" or "mcp" in entry:
         raise NotImplementedError(
             f"{where}: MCP tools (config.type: mcp, class_name={entry['class_name']!r}) are not supported by this "
-            "verl: upstream's MCPBaseTool/MCPSearchTool fetch their schemas from MCP servers through the fastmcp "
-            "client, which is not implemented here. Wrap the service in a native tool (a BaseTool subclass or a "
-            "plain function, config.type: native) instead"
+            f"verl: {_MCP_REASON} (config.type: native)"
         )
     if tool_type != "native":
         raise ValueError(f"{where}: config.type={tool_type!r} is not a tool type; use native (or omit it)")

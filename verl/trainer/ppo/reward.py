@@ -26,7 +26,11 @@ from __future__ import annotations
 import functools
 from collections.abc import Callable
 
-from verl.experimental.reward_loop.reward_model import uses_generative_reward_model, with_reward_model
+from verl.experimental.reward_loop.reward_model import (
+    reward_model_args,
+    uses_generative_reward_model,
+    with_reward_model,
+)
 from verl.trainer.config.config import CustomRewardFunctionConfig, RewardManagerConfig
 from verl.trainer.config.loader import data_value
 from verl.utils.config import omega_conf_to_dataclass
@@ -149,7 +153,6 @@ def load_reward_manager(config, tokenizer, num_examine: int, **reward_kwargs):
     compute_score = get_custom_reward_fn(config)
     generative = compute_score is not None and uses_generative_reward_model(config)
     if reward_model.reward_loop_source == "importlib":  # upstream's custom reward loop class
-        from verl.experimental.reward_loop.reward_model import reward_model_args
         from verl.workers.reward_manager.reward_loop import RewardLoopManager
 
         on_error = {"on_error": custom.on_error} if custom.on_error != "raise" else {}
