@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
-# Run verl-recipe's own drivers (DAPO, entropy) and recipe files (ReTool) unchanged against this
+# Run verl-recipe's own drivers (DAPO, entropy, SPPO with its own worker and actor) and recipe files (ReTool) unchanged against this
 # checkout, two steps each, on a bundled tiny model and arithmetic data (+demo=arith), then validate
 # and save a checkpoint.
 #
-#   bash scripts/check_verl_recipes.sh /path/to/verl-recipe [dapo|entropy|retool|char_count|r1|infigui-g1|fapo|genrm_remote|open_math_reasoning ...]
+#   bash scripts/check_verl_recipes.sh /path/to/verl-recipe [dapo|entropy|sppo|retool|char_count|r1|infigui-g1|fapo|genrm_remote|open_math_reasoning ...]
 #
 # The recipe checkout is put on PYTHONPATH as the package `recipe` (as upstream's README asks: clone it
 # into verl/recipe); the commands run from this repository's root, where the recipes' configs find
@@ -56,7 +56,7 @@
 set -euo pipefail
 RECIPES="${1:?usage: $0 VERL_RECIPE_DIR [dapo|entropy ...]}"
 shift
-CHECKS=("${@:-dapo entropy retool char_count r1 infigui-g1 fapo genrm_remote open_math_reasoning}")
+CHECKS=("${@:-dapo entropy sppo retool char_count r1 infigui-g1 fapo genrm_remote open_math_reasoning}")
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 WORK="$(mktemp -d)"
 SERVICE_PID=
@@ -605,6 +605,24 @@ for check in ${CHECKS[*]}; do
                 actor_rollout_ref.actor.policy_loss.ppo_kl_coef=1 \
                 custom_reward_function.path="$WORK/arith_reward.py" \
                 trainer.default_local_dir="$WORK/ckpt_entropy" ;;
+        sppo)
+            # SPPO's own driver, trainer, worker (upstream's legacy init_model over _build_model_optimizer) and
+            # actor (its update_policy over _forward_micro_batch / _optimizer_step); its config's sglang with
+            # tp=2 replaced by the built-in engine. Its fit() logs, checks for the last step and counts steps once
+            # per epoch, not per batch (its loop's indentation; the same on upstream), validating after every batch
+            # of an epoch: a 16-prompt training set keeps that to two batches.
+            ${PYTHON:-python3} -m recipe.sppo.main_sppo +demo=arith trainer.device=auto \
+                actor_rollout_ref.rollout.name=hf actor_rollout_ref.rollout.tensor_model_parallel_size=1 \
+                data.train_batch_size=8 data.train_max_samples=16 data.val_max_samples=64 actor_rollout_ref.rollout.n=1 \
+                actor_rollout_ref.actor.ppo_mini_batch_size=8 actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=4 \
+                trainer.total_training_steps=2 trainer.test_freq=2 trainer.save_freq=2 "trainer.logger=[console]" \
+                trainer.val_before_train=True ray_kwargs.ray_init.num_cpus=3 \
+                trainer.default_local_dir="$WORK/ckpt_sppo" 2>&1 | tee "$WORK/sppo.log"
+            grep -q 'actor/preference_mean' "$WORK/sppo.log" \
+                || { echo "sppo: no actor/preference_mean metric (the recipe's update_policy did not run)" >&2; exit 1; }
+            if grep -E 'actor/grad_norm=(nan|inf)' "$WORK/sppo.log"; then
+                echo "sppo: a non-finite gradient norm" >&2; exit 1
+            fi ;;
         retool)
             retool_setup
             ${PYTHON:-python3} -m verl.trainer.main_ppo +demo=arith trainer.device=auto \
@@ -635,7 +653,7 @@ for check in ${CHECKS[*]}; do
         fapo) fapo_run ;;
         genrm_remote) genrm_remote_run ;;
         open_math_reasoning) open_math_reasoning_run; echo "== verl-recipe open_math_reasoning: prepare, generate, eval"; continue ;;
-        *) echo "unknown check '$check' (dapo, entropy, retool, char_count, r1, infigui-g1, fapo, genrm_remote, open_math_reasoning)" >&2; exit 2 ;;
+        *) echo "unknown check '$check' (dapo, entropy, sppo, retool, char_count, r1, infigui-g1, fapo, genrm_remote, open_math_reasoning)" >&2; exit 2 ;;
     esac
     test -d "$WORK/ckpt_$check/global_step_2/actor" || { echo "verl-recipe $check: no step-2 checkpoint" >&2; exit 1; }
     echo "== verl-recipe $check: trained 2 steps, validated, saved global_step_2"

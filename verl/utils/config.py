@@ -226,9 +226,15 @@ def validate_config(config, use_reference_policy: bool = True, use_critic: bool 
     """Upstream's config check for drivers that compose their own config (recipes' `TaskRunner`s):
     here the whole check `main_ppo` runs before Ray starts (`verl.trainer.config.validate_ppo_config`:
     unknown keys, types, batch arithmetic, settings not implemented here), which covers every
-    section whatever the two flags say; they are accepted for upstream's signature. Raises the
-    trainer's `ConfigError` listing every problem."""
+    section whatever the two flags say; they are accepted for upstream's signature. Keys the
+    calling driver's own `config/*.yaml` declares beyond the schema are the recipe's and accepted
+    (`verl.trainer.config.driver_keys`). Raises the trainer's `ConfigError` listing every problem."""
     del use_reference_policy, use_critic  # every section is checked
-    from verl.trainer.config import validate_ppo_config  # the check lives with the schema it checks
+    import sys
 
-    validate_ppo_config(config)
+    # the check lives with the schema it checks
+    from verl.trainer.config import validate_ppo_config
+    from verl.trainer.config.driver_keys import driver_keys_near
+
+    # the calling driver's own config files declare the recipe's keys (verl.trainer.config.driver_keys)
+    validate_ppo_config(config, driver_keys=driver_keys_near(sys._getframe(1).f_code.co_filename))

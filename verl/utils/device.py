@@ -124,10 +124,11 @@ def local_device_index(
     return int(gpu)
 
 
-def get_device_id() -> int:
-    """Local device index on CUDA (see `local_device_index`); 0 on CPU."""
+def get_device_id() -> int | str:
+    """Local device index on CUDA (see `local_device_index`); "cpu" on CPU, as upstream's
+    (`torch.cpu.current_device()`), so `tensor.to(get_device_id())` stays on the host there."""
     if not is_cuda_available():
-        return 0
+        return "cpu"
     gpu_ids = None
     if _ray_sets_no_visible_devices():
         import ray

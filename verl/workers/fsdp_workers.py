@@ -15,10 +15,12 @@ The critic's (`critic.model.lora_rank > 0`) trains adapters and its value head.
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from verl.utils import device as dev
-from verl.workers import engine_workers
+from verl.workers import engine_workers, reward_model_worker
 from verl.workers.engine import BaseEngine
 
 __all__ = ["ActorRolloutRefWorker", "CriticWorker", "RewardModelWorker"]
@@ -43,6 +45,86 @@ class ActorRolloutRefWorker(engine_workers.ActorRolloutRefWorker):
         if role == "actor":
             return {"freeze_vision_tower": bool(self.actor_config.get("freeze_vision_tower", False))}
         return {}
+
+    # ------------------------------------------------------------ upstream's worker internals
+    # verl-recipe's workers (SPPO's `SPPOActorRolloutRefWorker`) override init_model with upstream's
+    # legacy body: `_build_model_optimizer` for the actor and the reference, `_build_rollout`, then their own
+    # `DataParallelPPOActor` subclass. The models are this backend's engines, so the RPCs (update_actor,
+    # generate_sequences with its weight sync, compute_log_prob, checkpoints) run as for init_model's.
+    @property
+    def _is_offload_param(self) -> bool:
+        section = self.config.actor.fsdp_config if self._is_actor else self.config.ref.get("fsdp_config", {})
+        return bool(section.get("param_offload", False))
+
+    @property
+    def _is_offload_optimizer(self) -> bool:
+        return self._is_actor and bool(self.config.actor.fsdp_config.get("optimizer_offload", False))
+
+    def _build_model_optimizer(
+        self,
+        model_path: str,
+        fsdp_config,
+        optim_config,
+        override_model_config,
+        use_remove_padding: bool = False,
+        use_fused_kernels: bool = False,
+        enable_gradient_checkpointing: bool = False,
+        trust_remote_code: bool = False,
+        use_liger: bool = False,
+        role: str = "actor",
+        enable_activation_offload: bool = False,
+        use_prefix_grouper: bool = False,
+        use_tiled_mlp: bool = False,
+        tiled_mlp_shards: int = 4,
+    ):
+        """Upstream's: (module, optimizer, lr scheduler, HF config) of the model at `model_path`, FSDP2-sharded
+        as `fsdp_config` says, trained with `optim_config` (None: frozen, as the reference). Also loads
+        `self.tokenizer` and `self.processor` when not yet loaded. The engine behind it is the worker's
+        actor (`role="actor"`) or reference engine (`role="ref"`), which the RPCs use. `use_liger`,
+        `enable_activation_offload`, `use_prefix_grouper` and the tiled MLP select upstream's kernels for
+        the same computation (ignored here, as the config keys are)."""
+        del use_liger, enable_activation_offload, use_prefix_grouper, use_tiled_mlp, tiled_mlp_shards
+        from verl.utils.config import omega_conf_to_dataclass
+        from verl.utils.tokenizer import hf_processor, hf_tokenizer
+        from verl.workers.engine import EngineRegistry
+        from verl.workers.engine.fsdp.transformer_impl import fsdp_engine_config
+
+        if role not in ("actor", "ref"):
+            raise ValueError(f"_build_model_optimizer(role={role!r}): the role is 'actor' or 'ref'")
+        model_config = dataclasses.replace(
+            self.model_config,
+            path=model_path,
+            override_config=dict(override_model_config or {}),
+            use_remove_padding=bool(use_remove_padding),
+            use_fused_kernels=bool(use_fused_kernels),
+            enable_gradient_checkpointing=bool(enable_gradient_checkpointing),
+            trust_remote_code=bool(trust_remote_code),
+        )
+        if self.__dict__.get("tokenizer") is None:
+            self.tokenizer = hf_tokenizer(
+                model_config.tokenizer_path or model_path, chat_template=model_config.custom_chat_template
+            )
+            self.processor = hf_processor(model_path, trust_remote_code=bool(trust_remote_code))
+        trains = optim_config is not None
+        engine = EngineRegistry.new(
+            "language_model",
+            self.strategy,
+            model_config,
+            fsdp_engine_config(fsdp_config),
+            omega_conf_to_dataclass(optim_config, type(self.actor_config.optim)) if trains else None,
+            self.actor_config.checkpoint if trains else None,
+            self.tokenizer,
+            **self._engine_options(role),
+        )
+        if role == "actor":
+            self.actor_model = engine
+        else:
+            self.ref_model = engine
+        module = engine.module
+        # upstream's recipes take `_fsdp_wrapped_module` (FSDP1's inner module); an FSDP2 module is itself
+        # the HF model, so the attribute names it (a plain attribute: no submodule cycle in state_dict)
+        object.__setattr__(module, "_fsdp_wrapped_module", module)
+        return module, engine.optimizer, getattr(engine, "lr_scheduler", None) if trains else None, engine.hf_config
 
     def _make_actor(self, engine: BaseEngine, trains: bool):
         from verl.workers.actor.dp_actor import DataParallelPPOActor
@@ -73,7 +155,7 @@ class CriticWorker(engine_workers.CriticWorker):
         )
 
 
-class RewardModelWorker(engine_workers.RewardModelWorker):
+class RewardModelWorker(reward_model_worker.RewardModelWorker):
     """The learned reward model: an HF `*ForSequenceClassification`, a full copy on each rank.
 
     Padded rows by default; with `reward_model.model.use_remove_padding` each micro-batch's rows are packed

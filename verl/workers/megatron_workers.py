@@ -28,7 +28,7 @@ from __future__ import annotations
 import torch
 
 from verl.single_controller.base.decorator import make_nd_compute_dataproto_dispatch_fn, register
-from verl.workers import engine_workers
+from verl.workers import engine_workers, reward_model_worker
 from verl.workers.engine import BaseEngine, MegatronEngine, MegatronEngineWithValueHead
 from verl.workers.engine.megatron.transformer_impl import megatron_optim_settings
 
@@ -129,7 +129,7 @@ def _pooled_columns(input_ids: torch.Tensor, attention_mask: torch.Tensor, pad_t
     return (last - first).clamp(min=0)
 
 
-class RewardModelWorker(engine_workers.RewardModelWorker):
+class RewardModelWorker(reward_model_worker.RewardModelWorker):
     """The learned reward model on megatron (`reward_model.strategy=megatron`), tensor/pipeline parallel.
 
     An HF `*ForSequenceClassification` checkpoint becomes a GPTModel whose output layer is its
@@ -178,7 +178,7 @@ class RewardModelWorker(engine_workers.RewardModelWorker):
         results = broadcast_from_last_stage(results)
         return torch.cat([r["scores"] for r in results]).float().cpu()
 
-    compute_rm_score = _on_mesh(engine_workers.RewardModelWorker.compute_rm_score, _REWARD_MESH)
+    compute_rm_score = _on_mesh(reward_model_worker.RewardModelWorker.compute_rm_score, _REWARD_MESH)
 
 
 # Upstream's name for the actor-rollout worker its agent-loop (server-mode) rollout needs; this worker

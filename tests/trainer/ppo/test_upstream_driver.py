@@ -284,3 +284,38 @@ def test_utils_validate_config_runs_the_trainer_s_check(tmp_path):
     validate_config(_demo_config(tmp_path), use_reference_policy=False, use_critic=False)
     with pytest.raises(ConfigError, match="hybrid_engine"):
         validate_config(_demo_config(tmp_path, "actor_rollout_ref.hybrid_engine=false", validate=False), True, True)
+
+
+def test_a_recipe_trainer_that_skips_our_init_gets_the_driver_state(tmp_path):
+    """verl-recipe's SPPO trainer sets upstream's attributes in its own __init__ (reward_fn, hybrid_engine,
+    use_* flags, kl_ctrl_in_reward) and calls `_create_dataloader`, never RayPPOTrainer.__init__."""
+    from verl.trainer.ppo.rollout_source import RewardScorer
+    from verl.utils.tokenizer import hf_tokenizer
+
+    config = _demo_config(tmp_path, "data.train_batch_size=8")
+
+    def reward(data, return_dict=False):
+        raise AssertionError("not called here")
+
+    class RecipeTrainer(RayPPOTrainer):
+        def __init__(self, config, tokenizer, reward_fn):
+            self.tokenizer = tokenizer
+            self.processor = None
+            self.config = config
+            self.reward_fn = reward_fn
+            self.val_reward_fn = reward_fn
+            self.hybrid_engine = config.actor_rollout_ref.hybrid_engine
+            self.role_worker_mapping = {Role.ActorRollout: object}
+            self.use_reference_policy = False
+            self.use_rm = self.use_critic = False
+            self.kl_ctrl_in_reward = "the recipe's"
+            self._create_dataloader(None, None, None, None)
+
+    trainer = RecipeTrainer(config, hf_tokenizer(config.actor_rollout_ref.model.path), reward)
+    assert isinstance(trainer.reward_scorer, RewardScorer) and trainer.reward_fn is reward
+    assert trainer.hybrid_engine is True and trainer.kl_ctrl_in_reward == "the recipe's"
+    assert trainer.global_steps == 0 and trainer.rollout_source is None and trainer.reward_model_manager is None
+    assert trainer.profiler_config is not None and trainer._step_profiler is not None
+    assert trainer.total_training_steps == config.trainer.total_training_steps and len(trainer.train_dataloader) > 0
+    trainer._init_driver_state()  # init_workers calls it again: nothing the recipe set is replaced
+    assert trainer.kl_ctrl_in_reward == "the recipe's" and trainer.reward_fn is reward

@@ -442,7 +442,14 @@ class PPOConfig:
 
 
 def field_meta(f: dataclasses.Field) -> dict:
-    """The `doc(...)` metadata of a schema field, with `choices` evaluated to a tuple (or None)."""
+    """The `doc(...)` metadata of a schema field, with `choices` evaluated to a tuple (or None).
+
+    A field declared without `doc` (a user's subclass named by a section's `_target_`, as verl-recipe's
+    `SPPOActorConfig(FSDPActorConfig)` adds `sppo_eta`) is a supported key of any value, optional when
+    the dataclass gives it a default."""
+    if "status" not in f.metadata:
+        has_default = f.default is not dataclasses.MISSING or f.default_factory is not dataclasses.MISSING
+        return dict(doc("declared by the section's own class", optional=has_default).metadata)
     meta = dict(f.metadata)
     if callable(meta["choices"]):
         meta["choices"] = meta["choices"]()

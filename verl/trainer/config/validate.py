@@ -21,6 +21,7 @@ Design decisions:
 
 from __future__ import annotations
 
+import logging
 import math
 import os
 import re
@@ -29,6 +30,7 @@ import warnings
 from omegaconf import DictConfig
 
 from verl.trainer.config import schema as S
+from verl.trainer.config.driver_keys import DriverKeys
 from verl.trainer.config.errors import ConfigError, ConfigWarning
 from verl.trainer.config.interpolation import interpolation_sources, plain
 from verl.trainer.config.schema_walk import (  # noqa: F401  (re-exported: the validator's public helpers)
@@ -60,6 +62,8 @@ from verl.trainer.config.validate_multimodal import check_multimodal, is_vision_
 from verl.trainer.config.validate_router_replay import _check_router_replay
 from verl.utils.config import omega_conf_to_dataclass
 from verl.utils.ulysses_keys import reference_sp, role_sp
+
+logger = logging.getLogger(__name__)
 
 # ------------------------------------------------------------------------------- cross-key rules
 
@@ -645,6 +649,19 @@ def _check_ulysses(c: dict, errors: list[str]):
                 )
 
 
+def _declared_by_driver(c: dict, key: str, msg: str, driver_keys: DriverKeys) -> bool:
+    """Whether the error on `key` is about a setting the recipe driver's own config makes (logged)."""
+    own_advantages = key == "algorithm.adv_estimator" and c["algorithm"].get("adv_estimator") is None
+    if own_advantages and driver_keys.get(key, "") is None:
+        what = "algorithm.adv_estimator: null (the driver computes its advantages itself)"
+    elif msg.startswith("unknown config key") and driver_keys.declares(key):
+        what = f"{key} (read by the recipe's own code)"
+    else:
+        return False
+    logger.info(f"accepted {what}: declared by the recipe driver's config {driver_keys.source[key]}")
+    return True
+
+
 def _raise(errors: list[str]):
     if len(errors) == 1:
         raise ConfigError(f"invalid config: {errors[0]}", errors)
@@ -652,17 +669,22 @@ def _raise(errors: list[str]):
     raise ConfigError(f"invalid config ({len(errors)} problems):\n{lines}", errors)
 
 
-def validate_ppo_config(cfg: DictConfig | dict) -> None:
+def validate_ppo_config(cfg: DictConfig | dict, driver_keys: DriverKeys | None = None) -> None:
     """Fail fast on a config that cannot run as asked; warn (ConfigWarning) on one that probably should not.
 
     Raises ConfigError listing every problem found. Accepts a resolved or unresolved DictConfig
-    (e.g. straight from Hydra) or a plain dict; `cfg` is not modified.
+    (e.g. straight from Hydra) or a plain dict; `cfg` is not modified. `driver_keys`: what a recipe
+    driver's own config files declare (`verl.trainer.config.driver_keys`): unknown keys among them are
+    the recipe's and accepted, and so is `algorithm.adv_estimator: null` there (the driver computes its
+    advantages itself, as verl-recipe's SPPO).
     """
     c = plain(cfg)
     keyed: list[tuple[str, str]] = []
     warns: list[str] = []
     _check_section(c, S.PPOConfig, "", keyed, warns, schema_keys())
     keyed = [(k, msg) for k, msg in keyed if not _named_manager_of_reward_file(c, k, msg)]
+    if driver_keys:
+        keyed = [(k, msg) for k, msg in keyed if not _declared_by_driver(c, k, msg, driver_keys)]
     if keyed:
         # A key copied by interpolation (`gen_batch_size: ${data.train_batch_size}`) inherits its
         # source's bad value; report the source only.

@@ -63,7 +63,6 @@ from verl.trainer.ppo.rollout_corr_helper import (
 from verl.trainer.ppo.rollout_source import (
     PromptStream,
     RewardScorer,
-    RolloutSource,
     StepState,
     build_rollout_source,
     meta_metrics,
@@ -150,22 +149,39 @@ class RayPPOTrainer(UpstreamTrainerAPI):
         self.use_reference_policy = Role.RefPolicy in role_worker_mapping or Role.ActorRolloutRef in role_worker_mapping
         # a generative reward model is served to the reward function, not run by reward-model workers
         self.use_rm = Role.RewardModel in role_worker_mapping and not uses_generative_reward_model(config)
-        self.reward_model_manager = None  # the generative reward model's servers (init_workers), if any
-        self.kl_ctrl_in_reward = kl_controller(algo) if algo.use_kl_in_reward else None
-        self.rollout_source: RolloutSource | None = None  # chosen in init_workers, once its worker groups exist
+        check_estimator_inputs(config)
+        self.validation_generations_logger = ValidationGenerationsLogger(
+            config.trainer.project_name, config.trainer.experiment_name
+        )
+        self._init_driver_state()
+        self._create_dataloader(train_dataset, val_dataset, collate_fn, train_sampler)
+
+    def _init_driver_state(self) -> None:
+        """The driver's own state, derived from the config. A recipe's trainer whose `__init__` sets
+        upstream's attributes itself and never calls this class's (verl-recipe's SPPO) gets it from
+        `init_workers` and `_create_dataloader`: what the subclass set is kept."""
+        if self.__dict__.get("_driver_state_ready"):
+            return
+        config = self.config
+        defaults = {
+            "reward_model_manager": None,  # the generative reward model's servers (init_workers), if any
+            "rollout_source": None,  # chosen in init_workers, once its worker groups exist
+            "global_steps": 0,
+            "_nonfinite": lambda: NonFiniteStreak(config.trainer.max_consecutive_nonfinite_steps),
+            "kl_ctrl_in_reward": lambda: kl_controller(config.algorithm) if config.algorithm.use_kl_in_reward else None,
+        }
+        for name, value in defaults.items():
+            if name not in self.__dict__:
+                setattr(self, name, value() if callable(value) else value)
+        if "reward_scorer" not in self.__dict__:
+            self.reward_scorer = RewardScorer(None)
         if staleness_threshold(config) > 0:
             configure_off_policy_correction(config)
         # both may hand settings to the workers' configs, so they run before the workers are built
         self.rollout_correction = configure_rollout_correction(config)
         self.profiler_config = resolve_role_profilers(config)
         self._step_profiler = StepProfiler(self.profiler_config)
-        check_estimator_inputs(config)
-        self.global_steps = 0
-        self.validation_generations_logger = ValidationGenerationsLogger(
-            config.trainer.project_name, config.trainer.experiment_name
-        )
-        self._nonfinite = NonFiniteStreak(config.trainer.max_consecutive_nonfinite_steps)
-        self._create_dataloader(train_dataset, val_dataset, collate_fn, train_sampler)
+        self._driver_state_ready = True
 
     @property
     def reward_fn(self):
@@ -174,6 +190,8 @@ class RayPPOTrainer(UpstreamTrainerAPI):
 
     @reward_fn.setter
     def reward_fn(self, fn) -> None:
+        if "reward_scorer" not in self.__dict__:  # a recipe's __init__ that sets it before ours ran
+            self.reward_scorer = RewardScorer(fn)
         self.reward_scorer.reward_fn = fn
 
     # ------------------------------------------------------------------ setup
@@ -182,7 +200,12 @@ class RayPPOTrainer(UpstreamTrainerAPI):
         `data.val_files` (upstream's rule: recipes' drivers pass none)."""
         from verl.utils.dataset.rl_dataset import create_rl_dataset
 
+        self._init_driver_state()  # a recipe's __init__ that skipped ours calls this one (see _init_driver_state)
         data = self.config.data
+        if train_dataset is None or (val_dataset is None and data.get("val_files")):
+            from verl.trainer.default_data import ensure_default_data
+
+            ensure_default_data(self.config)  # the demo's files, for a recipe's driver given `+demo=arith`
         if train_dataset is None:
             train_dataset = create_rl_dataset(data.train_files, data, self.tokenizer, self.processor, is_train=True)
         if val_dataset is None and data.get("val_files"):
@@ -207,6 +230,7 @@ class RayPPOTrainer(UpstreamTrainerAPI):
         algorithm tests) pays the workers' start once. They must hold every role of the mapping;
         groups of roles the mapping lacks are never called (their speed paths are still reported).
         """
+        self._init_driver_state()
         if groups is None:
             # a critic the config does not train is not started (a recipe's driver maps one always)
             mapping = {r: c for r, c in self.role_worker_mapping.items() if r != Role.Critic or self.use_critic}

@@ -24,6 +24,7 @@ Design decisions (where this differs from upstream, and why):
 
 from __future__ import annotations
 
+import functools
 import time
 
 import torch
@@ -124,11 +125,13 @@ class UpstreamTrainerAPI:
     def async_rollout_manager(self) -> RolloutManager:
         return RolloutManager(self)
 
-    @property
+    # upstream's __init__ sets these two from the config; a recipe's __init__ that does the same instead
+    # of calling ours assigns them (a cached_property: the assignment is the attribute's value)
+    @functools.cached_property
     def hybrid_engine(self) -> bool:
         return bool(self.config.actor_rollout_ref.hybrid_engine)
 
-    @property
+    @functools.cached_property
     def ref_in_actor(self) -> bool:
         """The reference policy is the actor without its LoRA adapter (upstream's rule)."""
         model = self.config.actor_rollout_ref.model

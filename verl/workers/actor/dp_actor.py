@@ -514,6 +514,20 @@ class DataParallelPPOActor(PPOActor):
             out = {name: values[reverse_idx.to(values.device)] for name, values in out.items()}
         return log_probs, out
 
+    # ------------------------------------------------------------------ upstream's internals
+    # for recipes whose `update_policy` is upstream's loop over `_forward_micro_batch` (SPPO's)
+
+    @property
+    def ulysses_sequence_parallel_size(self) -> int:
+        return self.sp_size
+
+    def _optimizer_step(self) -> torch.Tensor:
+        """Clip the gradients to `grad_clip` and step, or skip the step (clearing the gradients) when
+        their norm is not finite; returns the norm before clipping (a 0-d tensor), as upstream's."""
+        grad_norm = clip_grad_norm(self.actor_module, self.grad_clip)
+        step_if_finite(self.actor_optimizer, float(grad_norm))
+        return grad_norm
+
     def _train_and_step(self, micro_batches: list, temperature: float, normaliser: float, metrics: dict):
         """Forward and backward every micro-batch, then clip and step (see `PPOActor._train_and_step`).
 

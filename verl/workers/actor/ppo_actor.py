@@ -112,6 +112,8 @@ class PPOActor(BasePPOActor):
         """`config`: the `actor_rollout_ref.actor` section (an `ActorConfig`, or a DictConfig or dict it
         is built from). `actor_optimizer`: None for a log-prob scorer (the reference policy), which
         cannot update."""
+        if actor_optimizer is None:
+            config = _scorer_section(config, self.config_class)
         cfg = omega_conf_to_dataclass(config, self.config_class)
         super().__init__(cfg)
         self.actor_optimizer = actor_optimizer
@@ -390,6 +392,27 @@ class PPOActor(BasePPOActor):
             loss = loss + aux_coef * aux_loss
             out[LOAD_BALANCING_METRIC] = aux_loss.detach()
         return loss * micro_batch_weight(response_mask, self.loss_agg_mode, normaliser, self._dp_size, loss), out
+
+
+def _scorer_section(config, config_class: type):
+    """The section a log-prob scorer is built from. Upstream's workers (and recipes written the same way)
+    build the reference policy's scorer from the `ref` section (`DataParallelPPOActor(config=self.config.ref,
+    ...)`); its `log_prob_*` keys are the worker's (`compute_ref_log_prob` batches with them), so the scorer
+    takes the keys the actor's class declares (sequence parallelism, remove padding, ...) and its defaults
+    for the rest. Any other section is returned as it is."""
+    import dataclasses
+    from collections.abc import Mapping
+
+    if dataclasses.is_dataclass(config) or not isinstance(config, Mapping):
+        return config
+    if "log_prob_micro_batch_size_per_gpu" not in config or "ppo_mini_batch_size" in config:
+        return config
+    from omegaconf import DictConfig, OmegaConf
+
+    if isinstance(config, DictConfig):
+        config = OmegaConf.to_container(config, resolve=True)
+    declared = {f.name for f in dataclasses.fields(config_class)}
+    return {key: value for key, value in config.items() if key in declared and key != "_target_"}
 
 
 def _detached(value):

@@ -3,7 +3,7 @@
 
 Each field carries its runtime default (the YAML holds the same value) and the `doc(...)` metadata the
 validator and docgen read; the driver (`verl.trainer.ppo.reward`) and the reward-model workers
-(`verl.workers.engine_workers.RewardModelWorker`) each build the section once (`omega_conf_to_dataclass`)
+(`verl.workers.reward_model_worker.RewardModelWorker`) each build the section once (`omega_conf_to_dataclass`)
 and read it by attribute.
 
 Where this differs from upstream's classes, deliberately:
