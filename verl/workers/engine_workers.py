@@ -340,15 +340,11 @@ class ActorRolloutRefWorker(Worker, DistProfilerExtension):
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def init_model(self) -> None:
         from verl.utils.import_utils import import_external_libs
-        from verl.utils.tokenizer import hf_tokenizer
 
         # model.external_lib: modules that register the model's classes with transformers, imported in
         # this process before anything loads the model (as upstream's workers do)
         import_external_libs(self.model_config.external_lib)
-        self.tokenizer = hf_tokenizer(
-            self.model_config.tokenizer_path or self.model_config.path,
-            chat_template=self.model_config.custom_chat_template,
-        )
+        self._load_tokenizer()
         if "actor" in self.parts:
             self.actor_model, self.actor = self._build_actor()
         if "rollout" in self.parts:
@@ -356,6 +352,16 @@ class ActorRolloutRefWorker(Worker, DistProfilerExtension):
         if "ref" in self.parts:
             self.ref_model, self.ref = self._build_ref()
         _seed_sampling()
+
+    def _load_tokenizer(self, model_path: str | None = None) -> None:
+        """`self.tokenizer`: `model.tokenizer_path`, else `model_path` (default: `model.path`), with the
+        model section's `custom_chat_template`."""
+        from verl.utils.tokenizer import hf_tokenizer
+
+        self.tokenizer = hf_tokenizer(
+            self.model_config.tokenizer_path or model_path or self.model_config.path,
+            chat_template=self.model_config.custom_chat_template,
+        )
 
     def _build_rollout(self, trust_remote_code: bool = False) -> None:
         """The generation engine (`self.rollout`) on the ranks that run one (upstream's name; its

@@ -85,7 +85,7 @@ class ActorRolloutRefWorker(engine_workers.ActorRolloutRefWorker):
         the same computation (ignored here, as the config keys are)."""
         del use_liger, enable_activation_offload, use_prefix_grouper, use_tiled_mlp, tiled_mlp_shards
         from verl.utils.config import omega_conf_to_dataclass
-        from verl.utils.tokenizer import hf_processor, hf_tokenizer
+        from verl.utils.tokenizer import hf_processor
         from verl.workers.engine import EngineRegistry
         from verl.workers.engine.fsdp.transformer_impl import fsdp_engine_config
 
@@ -101,9 +101,7 @@ class ActorRolloutRefWorker(engine_workers.ActorRolloutRefWorker):
             trust_remote_code=bool(trust_remote_code),
         )
         if self.__dict__.get("tokenizer") is None:
-            self.tokenizer = hf_tokenizer(
-                model_config.tokenizer_path or model_path, chat_template=model_config.custom_chat_template
-            )
+            self._load_tokenizer(model_path)
             self.processor = hf_processor(model_path, trust_remote_code=bool(trust_remote_code))
         trains = optim_config is not None
         engine = EngineRegistry.new(

@@ -19,8 +19,12 @@ defaults live in one place, the dataclass, and a key the class lacks is an error
 
 from __future__ import annotations
 
+import dataclasses
+from collections.abc import Mapping
+
 import torch
 import torch.distributed as dist
+from omegaconf import DictConfig, OmegaConf
 
 from verl.algorithms.aggregation import agg_loss
 from verl.algorithms.kl import kl_penalty
@@ -400,15 +404,10 @@ def _scorer_section(config, config_class: type):
     ...)`); its `log_prob_*` keys are the worker's (`compute_ref_log_prob` batches with them), so the scorer
     takes the keys the actor's class declares (sequence parallelism, remove padding, ...) and its defaults
     for the rest. Any other section is returned as it is."""
-    import dataclasses
-    from collections.abc import Mapping
-
     if dataclasses.is_dataclass(config) or not isinstance(config, Mapping):
         return config
     if "log_prob_micro_batch_size_per_gpu" not in config or "ppo_mini_batch_size" in config:
         return config
-    from omegaconf import DictConfig, OmegaConf
-
     if isinstance(config, DictConfig):
         config = OmegaConf.to_container(config, resolve=True)
     declared = {f.name for f in dataclasses.fields(config_class)}
