@@ -4,6 +4,7 @@ workers, the built-in engine behind the agent loops, the bundled tool-calling ti
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -160,16 +161,64 @@ def test_calculator_example_traces_sampled_episodes_to_mlflow_and_cuts_the_tail(
     assert sorted(map(sorted, by_index.values())) == [["0", "1", "2", "3"]] * 2
 
 
+def _mcp_calculator(tmp_path: Path, cluster, started: dict) -> Path:
+    """The calculator example with the calculator served by an MCP server (stdio, tests/tools/mcp) through
+    upstream's MCP tool config: the servers file sits next to the tool config, named relatively."""
+    import sys
+
+    server = Path(__file__).parents[1] / "tools" / "mcp" / "fixture_server.py"
+    config_dir = tmp_path / "tool_config"
+    config_dir.mkdir()
+    (config_dir / "mcp_server.json").write_text(
+        json.dumps({"mcpServers": {"fixture": {"command": sys.executable, "args": [str(server)]}}})
+    )
+    (config_dir / "mcp_tool_config.yaml").write_text(
+        "tools:\n"
+        "  - class_name: verl.tools.mcp_base_tool.MCPBaseTool\n"
+        "    config: {type: mcp, rate_limit: 200, timeout: 30}\n"
+        "    mcp: {mcp_servers_config_path: ./mcp_server.json, tool_selected_list: [calculator]}\n"
+    )
+    cmd = [
+        "bash",
+        "examples/multi_turn/run_arith_calculator_tiny_cpu.sh",
+        *[arg for arg in common_overrides(tmp_path, steps=1) if not arg.startswith("actor_rollout_ref.model.path=")],
+        "data.train_batch_size=4",
+        "actor_rollout_ref.rollout.n=4",
+        "actor_rollout_ref.actor.ppo_mini_batch_size=4",
+        "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=8",
+        "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=8",
+        f"actor_rollout_ref.rollout.multi_turn.tool_config_path={config_dir / 'mcp_tool_config.yaml'}",
+        f"trainer.rollout_data_dir={tmp_path / 'rollouts'}",
+    ]
+    env = {"DATA_DIR": str(tmp_path / "data")}
+    run_main_ppo(cmd, tmp_path, timeout=600, cluster=cluster, env=env)
+    return tmp_path
+
+
+def test_calculator_example_trains_with_the_calculator_served_over_mcp(runs):
+    tmp_path = runs["mcp_calculator"].result()
+    (step,) = [r["data"] for r in read_metrics(tmp_path) if "num_turns/mean" in r["data"]]
+    assert step["agent_loop/tool_calls"] > 0
+    rows = [json.loads(line) for line in (tmp_path / "rollouts" / "1.jsonl").read_text().splitlines()]
+    answers = [m for row in rows for m in re.findall(r"<tool_response>(.*?)</tool_response>", row["output"], re.S)]
+    # every call reached the MCP server: its answers are the calculator's values (or its error for a bad
+    # expression), never a failed connection
+    assert answers and not [a for a in answers if "failed" in a or "unexpected error" in a], answers
+    assert sum(a.strip().lstrip("-").isdigit() for a in answers) >= len(answers) // 2, answers
+
+
 # Every run of the file, by name: a function of (its own directory, the shared cluster, the started
 # runs' futures) -> what its test reads.
 RUNS = {
     "two_steps_with_validation": _two_steps_with_validation,
     "one_step_off_partial": _one_step_off_partial,
     "traced": _traced,
+    "mcp_calculator": _mcp_calculator,
 }
 # test -> the runs it reads
 TEST_RUNS = {
     "test_calculator_example_validates_and_trains_two_steps_with_tool_calls": ("two_steps_with_validation",),
     "test_one_step_off_multi_turn_with_partial_rollouts_tags_episodes_within_the_bound": ("one_step_off_partial",),
     "test_calculator_example_traces_sampled_episodes_to_mlflow_and_cuts_the_tail": ("traced",),
+    "test_calculator_example_trains_with_the_calculator_served_over_mcp": ("mcp_calculator",),
 }

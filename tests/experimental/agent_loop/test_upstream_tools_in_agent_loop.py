@@ -68,3 +68,47 @@ def test_gsm8k_tool_scores_each_samples_answer_against_its_own_ground_truth(toke
     NaiveRewardManager(tokenizer, 0, compute_score=compute_score)(out)
     assert [info["tool_rewards"] for info in seen] == [[0.0], [-0.05], []]
     assert all(info["num_turns"] == 4 for info in seen)
+
+
+def test_an_mcp_search_tool_answers_from_a_real_mcp_server(tmp_path, tokenizer, tiny_model, monkeypatch):
+    """Upstream's MCP tool config (`config.type: mcp`, a servers file) loaded by the rollout itself: the model's
+    call reaches the stdio MCP server of tests/tools/mcp, and the next turn reads its result list."""
+    pytest.importorskip("fastmcp")
+    import sys
+    from pathlib import Path
+
+    from verl.tools.utils.mcp_clients import McpClientManager
+
+    monkeypatch.setattr(McpClientManager, "ClientManager", McpClientManager.MCPClientManager())
+    server = Path(__file__).parents[2] / "tools" / "mcp" / "fixture_server.py"
+    (tmp_path / "mcp_server.json").write_text(
+        json.dumps({"mcpServers": {"fixture": {"command": sys.executable, "args": [str(server)]}}})
+    )
+    (tmp_path / "mcp_tool_config.yaml").write_text(
+        "tools:\n"
+        "  - class_name: verl.tools.mcp_search_tool.MCPSearchTool\n"
+        "    config: {rate_limit: 120, timeout: 120, type: mcp}\n"
+        "    mcp: {mcp_servers_config_path: ./mcp_server.json, tool_selected_list: [search]}\n"
+    )
+    eos = tokenizer.eos_token_id
+
+    def script(context):
+        text = tokenizer.decode(context)
+        if assistant_turns(tokenizer, context) == 1:
+            topic = re.findall(r"Tell me about (\w+)", text)[-1]
+            call = {"name": "search", "arguments": {"query": topic, "top_k": 1}}
+            return encode(tokenizer, "<tool_call>" + json.dumps(call) + "</tool_call>") + [eos]
+        return encode(tokenizer, re.findall(r"<tool_response>(.*?)</tool_response>", text, re.DOTALL)[-1]) + [eos]
+
+    monkeypatch.chdir(tmp_path)  # upstream's example names the servers file relative to the working directory
+    config = rollout_config(response_length=512, tool_config_path=str(tmp_path / "mcp_tool_config.yaml"))
+    rollout = AgentLoopRollout(ForcedRollout(tiny_model, script), config, tokenizer)
+    assert [tool.name for tool in rollout.tools] == ["search"]
+    out = rollout.generate_sequences(question_batch(tokenizer, ["Tell me about cats", "Tell me about owls"]))
+
+    for topic, row in zip(["cats", "owls"], out.batch["responses"], strict=True):
+        hit = {"title": f"{topic} #0", "url": "https://example.org/0", "tags": [topic, "0"]}
+        response = tokenizer.decode(row)
+        # the search tool keeps the server's result list; the model's last turn repeats it
+        assert response.count(json.dumps([hit])) == 2, response
+    assert out.meta_info["metrics"]["agent_loop/tool_errors"] == 0

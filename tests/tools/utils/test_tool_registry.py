@@ -108,12 +108,6 @@ def test_builtin_tools_need_no_schema(tmp_path):
             "config.timeout=0 must be a positive",
         ),
         (
-            "tools:\n  - class_name: verl.tools.mcp_search_tool.MCPSearchTool\n    config: {type: mcp}\n"
-            "    mcp: {mcp_servers_config_path: servers.json}\n",
-            NotImplementedError,
-            "MCP tools .* are not supported",
-        ),
-        (
             "tools:\n  - class_name: verl.tools.image_zoom_in_tool.ImageZoomInTool\n",
             NotImplementedError,
             r"ImageZoomInTool answers with images \(ToolResponse.image\)",

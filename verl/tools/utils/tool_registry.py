@@ -22,30 +22,43 @@ signature when `tool_schema` is omitted). `config` and `tool_schema` are optiona
 supply their own schema (the built-in calculator and Python sandbox do). `config.timeout` bounds
 each call (seconds). Tool names must be unique.
 
-`config.type` is upstream's tool type: `native` (the default) or `mcp`. MCP tools (upstream's
-`MCPBaseTool`, `MCPSearchTool`: schemas fetched from MCP servers through the `fastmcp` client, an
-entry's `mcp: {mcp_servers_config_path: ...}`) are not implemented here; such an entry is refused
-with a message saying so, rather than failing on the unknown `mcp` key.
+`config.type` is upstream's tool type: `native` (the default) or `mcp`. An `mcp` entry (upstream's
+`MCPBaseTool` / `MCPSearchTool` or a subclass) names a servers file instead of a schema:
+
+    - class_name: verl.tools.mcp_search_tool.MCPSearchTool
+      config: {type: mcp, rate_limit: 120, timeout: 120}
+      mcp: {mcp_servers_config_path: ./mcp_server.json, tool_selected_list: [tavily_search_tool]}
+
+and becomes one tool per MCP tool its servers offer (those of `tool_selected_list` when given), each built as
+`cls(config, schema)` with the schema the server publishes (`verl.tools.utils.mcp_clients`). The schemas are
+fetched on an event loop of their own (in a thread), so this works inside a running loop too; servers that are
+still starting are retried (`MCP_CONNECT_ATTEMPTS` x `MCP_RETRY_INTERVAL_S`). A relative
+`mcp_servers_config_path` is read from the working directory, else next to the tool config file. Differs from
+upstream: a selected tool no server offers is an error naming the tools they do offer (upstream drops it),
+`config.rate_limit` defaults to 10 calls a second (upstream's client manager default; its registry needs the
+key), and a `tool_schema` on an MCP entry is refused (the server's schema is the one used).
 """
 
 from __future__ import annotations
 
+import asyncio
 import importlib
 import inspect
+import logging
 import os
+from concurrent.futures import ThreadPoolExecutor
+from enum import Enum
 
 from verl.tools.base_tool import BaseTool
 from verl.tools.function_tool import FunctionTool
 
-_MCP_REASON = (
-    "upstream's MCP tools fetch their schemas from MCP servers through the fastmcp client, which is not "
-    "implemented here; wrap the service in a native tool (a BaseTool subclass or a plain function) instead"
-)
+logger = logging.getLogger(__name__)
+
+MCP_CONNECT_ATTEMPTS = 10
+MCP_RETRY_INTERVAL_S = 2.0
 NOT_IMPLEMENTED_UPSTREAM_TOOLS = {
     "verl.tools.image_zoom_in_tool": "upstream's ImageZoomInTool answers with images (ToolResponse.image), and this "
     "verl's agent loop takes text-only tool answers",
-    "verl.tools.mcp_base_tool": _MCP_REASON,
-    "verl.tools.mcp_search_tool": _MCP_REASON,
 }
 """Upstream tool modules this verl does not have, with the reason (docs/multi_turn.md#upstreams-tools)."""
 
@@ -67,18 +80,33 @@ def _import(path: str, where: str):
     return getattr(module, attr)
 
 
-def build_tool(entry: dict, where: str = "tool") -> BaseTool:
-    """One tool from one `tools:` entry."""
+class ToolType(Enum):
+    """Upstream's `config.type` values."""
+
+    NATIVE = "native"
+    MCP = "mcp"
+
+
+def get_tool_class(cls_name: str):
+    """Upstream's: the class (or function) at import path `cls_name`."""
+    return _import(cls_name, "tool")
+
+
+def _tool_type(entry, where: str) -> str:
     if not isinstance(entry, dict) or "class_name" not in entry:
         raise ValueError(f"{where}: each entry of `tools:` needs a class_name, got {entry!r}")
     tool_type = (entry.get("config") or {}).get("type", "native")
-    if tool_type == "mcp" or "mcp" in entry:
-        raise NotImplementedError(
-            f"{where}: MCP tools (config.type: mcp, class_name={entry['class_name']!r}) are not supported by this "
-            f"verl: {_MCP_REASON} (config.type: native)"
-        )
-    if tool_type != "native":
-        raise ValueError(f"{where}: config.type={tool_type!r} is not a tool type; use native (or omit it)")
+    if tool_type not in {t.value for t in ToolType}:
+        raise ValueError(f"{where}: config.type={tool_type!r} is not a tool type; use native (or omit it) or mcp")
+    if tool_type == "native" and "mcp" in entry:
+        raise ValueError(f"{where}: an entry with an `mcp:` section is an MCP tool; set config.type: mcp")
+    return tool_type
+
+
+def build_tool(entry: dict, where: str = "tool") -> BaseTool:
+    """One tool from one native `tools:` entry."""
+    if _tool_type(entry, where) == "mcp":
+        raise ValueError(f"{where}: an MCP entry (config.type: mcp) becomes several tools; use build_tools")
     unknown = set(entry) - {"class_name", "config", "tool_schema"}
     if unknown:
         raise ValueError(f"{where}: unknown keys {sorted(unknown)}; an entry has class_name, config and tool_schema")
@@ -89,6 +117,92 @@ def build_tool(entry: dict, where: str = "tool") -> BaseTool:
     if callable(target) and not inspect.isclass(target):
         return FunctionTool(target, config=config, tool_schema=schema)
     raise TypeError(f"{where}: class_name={entry['class_name']!r} is neither a BaseTool subclass nor a function")
+
+
+def build_tools(entry: dict, where: str = "tool", config_dir: str | None = None) -> list[BaseTool]:
+    """The tools of one `tools:` entry: one for a native entry, one per selected server tool for an MCP entry
+    (`config_dir`: the tool config file's directory, where a relative servers file is also looked for)."""
+    if _tool_type(entry, where) == "native":
+        return [build_tool(entry, where)]
+    tool_cls = _import(str(entry["class_name"]), where)
+    if not (inspect.isclass(tool_cls) and issubclass(tool_cls, BaseTool)):
+        raise TypeError(f"{where}: class_name={entry['class_name']!r} of an MCP entry must be a BaseTool subclass")
+    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="mcp tool list fetcher") as pool:
+        return pool.submit(asyncio.run, initialize_mcp_tool(tool_cls, entry, where, config_dir)).result()
+
+
+async def initialize_mcp_tool(tool_cls, tool_config, where: str = "tool", config_dir: str | None = None) -> list:
+    """Upstream's: the tools of one MCP entry (`tool_config`: the entry, a dict or OmegaConf node), built as
+    `tool_cls(config, schema)` for each selected tool its servers offer. Runs on the caller's event loop (the
+    clients then belong to it until their calls end)."""
+    if not isinstance(tool_config, dict):
+        from omegaconf import OmegaConf
+
+        tool_config = OmegaConf.to_container(tool_config, resolve=True)
+    unknown = set(tool_config) - {"class_name", "config", "mcp"}
+    if unknown:
+        raise ValueError(
+            f"{where}: unknown keys {sorted(unknown)}; an MCP entry has class_name, config and mcp (its schemas "
+            "come from the servers)"
+        )
+    mcp = tool_config.get("mcp") or {}
+    if set(mcp) - {"mcp_servers_config_path", "tool_selected_list"} or "mcp_servers_config_path" not in mcp:
+        raise ValueError(
+            f"{where}: the mcp section has mcp_servers_config_path (required) and tool_selected_list; got {sorted(mcp)}"
+        )
+    servers_file = _servers_file(str(mcp["mcp_servers_config_path"]), config_dir, where)
+    config = dict(tool_config.get("config") or {})
+    schemas = await _fetch_mcp_schemas(servers_file, config, list(mcp.get("tool_selected_list") or []), where)
+    return [tool_cls(dict(config), schema) for schema in schemas]
+
+
+def _servers_file(path: str, config_dir: str | None, where: str) -> str:
+    path = os.path.expanduser(path)
+    candidates = [path] if os.path.isabs(path) or not config_dir else [path, os.path.join(config_dir, path)]
+    for candidate in candidates:
+        if os.path.isfile(candidate):
+            return candidate
+    raise FileNotFoundError(
+        f"{where}: mcp.mcp_servers_config_path={path!r} is not a file (looked for {candidates}, working directory "
+        f'{os.getcwd()!r}); it is a JSON file of MCP servers: {{"mcpServers": {{...}}}}'
+    )
+
+
+async def _fetch_mcp_schemas(servers_file: str, config: dict, selected: list[str], where: str) -> list[dict]:
+    """The selected tools' schemas from the servers of `servers_file`, retrying while they start."""
+    from verl.tools.utils.mcp_clients.McpClientManager import ClientManager
+
+    await ClientManager.initialize(servers_file, config.get("rate_limit", 10.0))
+    clients = ClientManager.clients_of(servers_file)
+    last_error = None
+    for attempt in range(MCP_CONNECT_ATTEMPTS):
+        try:
+            schemas = await ClientManager.fetch_tool_schemas(None, clients)
+        except ValueError:  # two servers offer one name: no retry helps
+            raise
+        except Exception as e:  # a server still starting (connection refused), or down
+            last_error = e
+            logger.info("MCP servers of %s not ready (attempt %d): %s", servers_file, attempt + 1, e)
+        else:
+            if schemas:
+                break
+            last_error = None
+        if attempt + 1 < MCP_CONNECT_ATTEMPTS:
+            await asyncio.sleep(MCP_RETRY_INTERVAL_S)
+    else:
+        reason = f"the last attempt failed: {last_error!r}" if last_error else "they offer no tools"
+        raise RuntimeError(
+            f"{where}: no tools from the MCP servers of {servers_file!r} after {MCP_CONNECT_ATTEMPTS} attempts "
+            f"{MCP_RETRY_INTERVAL_S:g} s apart; {reason}"
+        )
+    offered = [schema["function"]["name"] for schema in schemas]
+    missing = [name for name in selected if name not in offered]
+    if missing:
+        raise ValueError(
+            f"{where}: mcp.tool_selected_list names tools the servers of {servers_file!r} do not offer: {missing}; "
+            f"they offer {offered}"
+        )
+    return [schema for schema in schemas if not selected or schema["function"]["name"] in selected]
 
 
 def initialize_tools_from_config(tools_config_file: str) -> list[BaseTool]:
@@ -105,7 +219,12 @@ def initialize_tools_from_config(tools_config_file: str) -> list[BaseTool]:
     entries = raw.get("tools") if isinstance(raw, dict) else None
     if not isinstance(entries, list):
         raise ValueError(f"tool config {path!r} must have a top-level `tools:` list")
-    tools = [build_tool(entry, where=f"{path}, tools[{i}]") for i, entry in enumerate(entries)]
+    config_dir = os.path.dirname(os.path.abspath(path))
+    tools = [
+        tool
+        for i, entry in enumerate(entries)
+        for tool in build_tools(entry, where=f"{path}, tools[{i}]", config_dir=config_dir)
+    ]
     names = [tool.name for tool in tools]
     duplicates = sorted({n for n in names if names.count(n) > 1})
     if duplicates:
