@@ -53,6 +53,7 @@ extras_require = {
         "swanlab>=0.10.3,<0.11",  # the tracker's swanlab test (offline mode, read back from its run file)
         "prometheus_client>=0.17",  # the rollout's metrics endpoint test
         "math-verify>=0.7",  # verl.utils.reward_score.math_verify's test
+        "clearml>=1.16",  # the tracker's clearml test (offline session, read back from its files)
         "fastmcp>=2.10,<5",  # the MCP tools' tests (real MCP servers over stdio and SSE)
     ],
     "vllm": ["vllm>=0.10.2,<0.34"],  # docker/Dockerfile.cuda installs 0.33
@@ -62,10 +63,11 @@ extras_require = {
     "gpu": ["flash-attn>=2.5", "liger-kernel>=0.5"],
     "mlflow": ["mlflow>=2.10"],  # trainer.logger=[...,mlflow]; imported only then
     "swanlab": ["swanlab>=0.10.3,<0.11"],  # trainer.logger=[...,swanlab]; imported only then
+    "clearml": ["clearml>=1.16"],  # trainer.logger=[...,clearml]; imported only then
     "prometheus": ["prometheus_client>=0.17"],  # rollout.prometheus.enable; imported only then
     "math": ["math-verify>=0.7"],  # verl.utils.reward_score.math_verify (symbolic answer checking)
     "mcp": ["fastmcp>=2.10,<5"],  # tool configs with `config.type: mcp` (verl.tools.mcp_base_tool)
-    "trackers": ["mlflow>=2.10", "swanlab>=0.10.3,<0.11", "tensorboard>=2.15", "wandb>=0.17"],
+    "trackers": ["clearml>=1.16", "mlflow>=2.10", "swanlab>=0.10.3,<0.11", "tensorboard>=2.15", "wandb>=0.17"],
 }
 
 setup(

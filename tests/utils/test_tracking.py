@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import re
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -242,8 +243,76 @@ def test_swanlab_honours_log_dir_and_mode_from_the_environment(tmp_path, monkeyp
 
 
 def test_unknown_backend_lists_valid_ones():
-    with pytest.raises(ValueError, match="console, file, mlflow, swanlab, tensorboard, wandb"):
+    with pytest.raises(ValueError, match="clearml, console, file, mlflow, swanlab, tensorboard, tracking, wandb"):
         Tracking("p", "e", ["console", "comet"])
+
+
+@pytest.mark.parametrize(("backend", "reason"), [("vemlp_wandb", "volcengine_ml_platform"), ("trackio", "pillow<13")])
+def test_upstream_backends_not_here_are_refused_with_the_reason(backend, reason):
+    with pytest.raises(ValueError, match=f"does not have: '{backend}': .*{re.escape(reason)}"):
+        Tracking("p", "e", ["console", backend])
+
+
+def test_tracking_is_upstreams_name_of_wandb(tmp_path, monkeypatch):
+    pytest.importorskip("wandb")
+    for var in ("WANDB_API_KEY", "WANDB_MODE"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv("NETRC", str(tmp_path / "no_netrc"))
+    t = Tracking("proj", "exp", ["tracking", "wandb"], run_dir=tmp_path / "run")
+    assert list(t.logger) == ["wandb"] and t.logger["wandb"].mode == "offline"
+    t.finish()
+
+
+_CLEARML_RUN = """
+import sys, numpy as np, torch
+from verl.utils.tracking import Tracking
+t = Tracking("proj", "exp", ["clearml"], config={"trainer": {"run_dir": sys.argv[1]}, "actor": {"lr": 0.5}})
+assert t.logger["clearml"].offline
+t.log({"critic/score/mean": 0.25, "timing_s/gen": np.float32(1.5), "loss": torch.tensor(2.0), "note": "text"}, step=1)
+t.log({"critic/score/mean": 0.75}, step=2)
+t.log_generations([("1+1=", "2", 1.0), ("2+2=", "5", 0.0)], step=2)
+print("FOLDER", t.logger["clearml"].offline_folder)
+t.finish()
+"""
+
+
+def test_clearml_goes_offline_without_a_server_and_its_session_reads_back(tmp_path, monkeypatch):
+    """In a process of its own: ClearML hooks the process it runs in (streams, frameworks, exit handlers)."""
+    pytest.importorskip("clearml")
+    import subprocess
+    import sys
+
+    for var in ("CLEARML_API_ACCESS_KEY", "CLEARML_API_HOST", "CLEARML_CONFIG_FILE", "CLEARML_OFFLINE_MODE"):
+        monkeypatch.delenv(var, raising=False)
+    env = {**__import__("os").environ, "HOME": str(tmp_path / "home"), "CLEARML_CACHE_DIR": str(tmp_path / "cache")}
+    out = subprocess.run(
+        [sys.executable, "-c", _CLEARML_RUN, str(tmp_path / "run")],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    (folder,) = re.findall(r"^FOLDER (.*)$", out.stdout, re.M)
+    assert folder.startswith(str(tmp_path / "cache" / "offline"))
+    events = [e for line in Path(folder, "metrics.jsonl").read_text().splitlines() for e in json.loads(line)]
+    scalars = {
+        (e["metric"], e["variant"], e["iter"]): e["value"] for e in events if e["type"] == "training_stats_scalar"
+    }
+    # graph = the name's first part, series = the rest; numpy and tensor scalars arrive as numbers, text never
+    assert scalars == {
+        ("critic", "score/mean", 1): 0.25,
+        ("timing_s", "gen", 1): 1.5,
+        ("loss", "loss", 1): 2.0,
+        ("critic", "score/mean", 2): 0.75,
+    }
+    (table,) = [e for e in events if e["type"] == "plot"]
+    assert (table["metric"], table["variant"], table["iter"]) == ("Validation", "Validation generations", 2)
+    cells = json.loads(table["plot_str"])["data"][0]["cells"]["values"]
+    assert cells == [[2, 2], ["1+1=", "2+2="], ["2", "5"], [1.0, 0.0]]
+    task = json.loads(Path(folder, "task.json").read_text())
+    assert task["name"] == "exp"
+    assert "lr = 0.5" in task["configuration"]["Hyperparameters"]["value"]
 
 
 def test_missing_package_says_what_to_install(monkeypatch):

@@ -27,11 +27,21 @@ Backends (each imported only when chosen, so `import verl` stays light):
   or fails without network; `swanlab sync <dir>` uploads an offline run later). The config is sent
   with `FRAMEWORK: verl` added, as upstream does.
 
+- clearml (the optional extra `verl[clearml]`): upstream's task (`Task.init(project, experiment,
+  continue_last_task=True, output_uri=False)`, the config as the `Hyperparameters` configuration), each
+  metric `a/b/c` as series `b/c` of graph `a` (upstream splits at the first `/` too; a name without one,
+  which upstream's split fails on, is its own graph and series). Offline when ClearML has no server
+  configured (no `CLEARML_API_ACCESS_KEY`/`CLEARML_API_HOST` and no `clearml.conf`) and
+  `CLEARML_OFFLINE_MODE` is not set: the session is kept under `$CLEARML_CACHE_DIR/offline/` (default
+  `~/.clearml/cache/offline/`) for `Task.import_offline_session` to upload later.
+- `tracking` is upstream's older name of wandb. `vemlp_wandb` (the Volcano Engine ML platform) and
+  `trackio` are refused with the reason.
+
 Validation samples (`trainer.log_val_generations`): `log_generations(samples, step)` hands each
 (input, output, score) to the backends that keep them, in upstream's layouts: file appends
 `<run_dir>/val_generations.jsonl`, mlflow logs the artifact `val_step<step>.json`, tensorboard text
 under `val/generations`, wandb a `val/generations` table with one row per validation (logged whole each
-time), swanlab an echarts table; the console shows none. `select_val_generations` picks upstream's
+time), swanlab an echarts table, clearml a `Validation` table; the console shows none. `select_val_generations` picks upstream's
 samples and `ValidationGenerationsLogger` is upstream's entry point (it writes into the running `Tracking`).
 
 `finish()` also draws reward, validation accuracy and response length against step into
@@ -55,9 +65,20 @@ from typing import Any
 
 from verl.utils.plotting import is_plotted_metric
 
-BACKENDS = ("console", "file", "mlflow", "swanlab", "tensorboard", "wandb")
+BACKENDS = ("clearml", "console", "file", "mlflow", "swanlab", "tensorboard", "tracking", "wandb")
+_ALIASES = {"tracking": "wandb"}  # upstream's older name of the wandb backend
+# upstream's backends not in this build -> what they are (trainer.logger refuses them by name, with this)
+BACKENDS_NOT_IN_THIS_BUILD = {
+    "vemlp_wandb": "the Volcano Engine ML platform's wandb (volcengine_ml_platform)",
+    "trackio": "trackio (its releases need pillow<13, this build's lock holds pillow 13)",
+}
+_NOT_HERE = {
+    b: f"{why} is not in this build; use another tracker (wandb, mlflow, tensorboard, ...)"
+    for b, why in BACKENDS_NOT_IN_THIS_BUILD.items()
+}
 # backend -> (module that must import, install command)
 _BACKEND_PACKAGES = {
+    "clearml": ("clearml", "pip install clearml"),
     # an optional extra (`verl[mlflow]`): mlflow pulls in a web server, SQLAlchemy, ... that no other path needs
     "mlflow": ("mlflow", "pip install mlflow"),
     "swanlab": ("swanlab", "pip install swanlab"),
@@ -72,7 +93,7 @@ _LIVE: list[weakref.ref] = []  # the Tracking objects not finished yet, oldest f
 def missing_backend_packages(backends: Iterable[str]) -> list[tuple[str, str]]:
     """(backend, install command) for each chosen backend whose package is not importable."""
     missing = []
-    for b in dict.fromkeys(backends):
+    for b in dict.fromkeys(_ALIASES.get(b, b) for b in backends):
         if b in _BACKEND_PACKAGES and importlib.util.find_spec(_BACKEND_PACKAGES[b][0]) is None:
             missing.append((b, _BACKEND_PACKAGES[b][1]))
     return missing
@@ -424,6 +445,66 @@ class SwanlabLogger:
             self.run.finish()
 
 
+def _clearml_has_server() -> bool:
+    """Whether ClearML is configured for a server: API credentials in the environment, or a config file."""
+    if os.environ.get("CLEARML_API_ACCESS_KEY") or os.environ.get("CLEARML_API_HOST"):
+        return True
+    config_file = os.environ.get("CLEARML_CONFIG_FILE") or os.path.expanduser("~/clearml.conf")
+    return os.path.isfile(config_file)
+
+
+class ClearMLLogger:
+    """A ClearML task (upstream's: `Task.init(project, experiment, continue_last_task=True, output_uri=False)`,
+    the config as the `Hyperparameters` configuration). Offline (`Task.set_offline`) when ClearML has no server
+    configured (no `CLEARML_API_ACCESS_KEY` / `CLEARML_API_HOST`, no `clearml.conf`) and `CLEARML_OFFLINE_MODE`
+    is not set: the session is kept under ClearML's cache (`$CLEARML_CACHE_DIR/offline/`, a zip that
+    `Task.import_offline_session` uploads later) instead of failing without a server."""
+
+    def __init__(self, project_name: str, experiment_name: str, config: Any):
+        from clearml import Task
+
+        explicit = os.environ.get("CLEARML_OFFLINE_MODE")
+        self.offline = explicit.lower() in ("1", "true", "yes") if explicit else not _clearml_has_server()
+        if self.offline:
+            Task.set_offline(True)
+        self.task = Task.init(
+            project_name=project_name, task_name=experiment_name, continue_last_task=True, output_uri=False
+        )
+        if config is not None:
+            from omegaconf import DictConfig, OmegaConf
+
+            cfg = OmegaConf.to_container(config, resolve=True) if isinstance(config, DictConfig) else dict(config)
+            self.task.connect_configuration(cfg, name="Hyperparameters")
+        self.offline_folder = self.task.get_offline_mode_folder() if self.offline else None
+        self._finished = False
+
+    def log(self, data: dict, step: int) -> None:
+        """Each scalar as series `<rest>` of graph `<first part>` of its name (`critic/score/mean`: graph
+        `critic`, series `score/mean`); a name without `/` is its own graph and series."""
+        logger = self.task.get_logger()
+        for key, value in data.items():
+            if (scalar := _scalar(value)) is None:
+                continue
+            title, _, series = key.partition("/")
+            logger.report_scalar(title=title, series=series or title, value=scalar, iteration=step)
+
+    def log_generations(self, samples: list[tuple], step: int) -> None:
+        """A table (step, input, output, score), one row per sample (upstream's: graph `Validation`, series
+        `Validation generations`)."""
+        import pandas as pd
+
+        rows = [{"step": step, **_generation_record(s)} for s in samples]
+        table = pd.DataFrame.from_records(rows, columns=["step", "input", "output", "score"])
+        self.task.get_logger().report_table(
+            title="Validation", series="Validation generations", table_plot=table, iteration=step
+        )
+
+    def finish(self) -> None:
+        if not self._finished:
+            self._finished = True
+            self.task.close()
+
+
 # ------------------------------------------------------------------------------------- facade
 
 
@@ -463,6 +544,9 @@ class Tracking:
         run_dir: str | os.PathLike | None = None,
     ):
         backends = [default_backend] if isinstance(default_backend, str) else list(default_backend)
+        not_here = [f"{b!r}: {_NOT_HERE[b]}" for b in backends if b in _NOT_HERE]
+        if not_here:
+            raise ValueError(f"trainer.logger names backends this verl does not have: {'; '.join(not_here)}")
         unknown = [b for b in backends if b not in BACKENDS]
         if unknown:
             raise ValueError(
@@ -480,7 +564,7 @@ class Tracking:
         self.experiment_name = experiment_name
         self.run_dir = Path(run_dir) if run_dir is not None else _default_run_dir(project_name, experiment_name, config)
         self.logger: dict[str, Any] = {}
-        for b in dict.fromkeys(backends):
+        for b in dict.fromkeys(_ALIASES.get(b, b) for b in backends):
             if b == "console":
                 self.logger[b] = ConsoleLogger()
             elif b == "file":
@@ -493,6 +577,8 @@ class Tracking:
                 self.logger[b] = WandbLogger(project_name, experiment_name, config, self.run_dir)
             elif b == "swanlab":
                 self.logger[b] = SwanlabLogger(project_name, experiment_name, config, self.run_dir)
+            elif b == "clearml":
+                self.logger[b] = ClearMLLogger(project_name, experiment_name, config)
         self._history: list[dict] = []
         self._finished = False
         _LIVE.append(weakref.ref(self))
@@ -515,7 +601,7 @@ class Tracking:
         """Record validation samples, each (input, output, score), for `step` with every backend that keeps
         them (or only with `backend`): file appends `<run_dir>/val_generations.jsonl`; mlflow the artifact
         `val_step<step>.json`; tensorboard text under `val/generations`; wandb a table `val/generations`
-        with one row per call; swanlab an echarts table. The console shows none."""
+        with one row per call; swanlab an echarts table; clearml a table. The console shows none."""
         if not samples:
             return
         for logger in self._loggers(backend):

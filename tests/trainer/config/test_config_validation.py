@@ -147,7 +147,13 @@ def test_invalid_choices_list_the_valid_values(defaults, key, bad, valid):
 def test_each_logger_name_is_checked(defaults):
     msg = error_of(with_(defaults, trainer__logger=["console", "wandbb"]))
     assert "trainer.logger='wandbb'" in msg and "Did you mean wandb?" in msg
-    assert "console, file, mlflow, swanlab, tensorboard, wandb" in msg
+    assert "clearml, console, file, mlflow, swanlab, tensorboard, tracking, wandb" in msg
+
+
+@pytest.mark.parametrize(("backend", "what"), [("trackio", "pillow<13"), ("vemlp_wandb", "volcengine_ml_platform")])
+def test_upstream_loggers_not_in_this_build_are_refused_with_the_reason(defaults, backend, what):
+    msg = error_of(with_(defaults, trainer__logger=["console", backend]))
+    assert f"trainer.logger={backend} is for " in msg and what in msg and "does not support" in msg, msg
 
 
 def test_straight_through_kl_estimators_are_valid(defaults):

@@ -94,6 +94,7 @@ from verl.workers.config._fields import (  # noqa: F401  (re-exported: the schem
     KL_CTRL_TYPES,
     KL_PENALTIES,
     LOGGERS,
+    LOGGERS_NOT_IN_THIS_BUILD,
     LOGPROBS_MODES,
     LOSS_AGG_MODES,
     LR_SCHEDULES,
@@ -251,12 +252,16 @@ class TrainerConfig:
     total_training_steps: int | None = doc("Stop after this many steps; null: total_epochs x batches per epoch.")
     project_name: str = doc("Tracker project (also names the run directory).")
     experiment_name: str = doc("Tracker run name (also names the run directory).")
-    logger: list[str] | str = doc("Metric trackers.", choices=LOGGERS)
+    logger: list[str] | str = doc(
+        "Metric trackers (`tracking` is upstream's older name of wandb).",
+        choices=LOGGERS,
+        hardware_values=LOGGERS_NOT_IN_THIS_BUILD,
+    )
     log_val_generations: int = doc(
         "Validation samples (input, output, score) logged to the trackers at each validation: the same ones "
         "every time (sorted by input, shuffled with seed 42, the first N). file: `<run_dir>/val_generations.jsonl`; "
-        "wandb: table `val/generations`, a row per validation; swanlab: table; mlflow: artifact "
-        "`val_step<step>.json`; tensorboard: text. 0: none (`validation_data_dir` keeps every sample)."
+        "wandb: table `val/generations`, a row per validation; swanlab: table; clearml: table `Validation`; mlflow: "
+        "artifact `val_step<step>.json`; tensorboard: text. 0: none (`validation_data_dir` keeps every sample)."
     )
     rollout_data_dir: str | None = doc("Dump each step's rollouts as JSONL here (null: no dump).")
     validation_data_dir: str | None = doc("Dump validation generations as JSONL here (null: no dump).")

@@ -27,6 +27,7 @@ from verl.base_config import (  # noqa: F401  (re-exported: the field helpers ev
     UNSUPPORTED,
     doc,
 )
+from verl.utils.tracking import BACKENDS_NOT_IN_THIS_BUILD
 
 
 # Option tables. Each is the one place a reader finds every valid name for a config choice.
@@ -65,7 +66,9 @@ ROLLOUT_MODES = ("sync", "async")
 STRATEGIES = ("fsdp", "fsdp2", "megatron")
 # upstream's strategies whose engines are not in this build: refused by name (`doc(hardware_values=...)`)
 STRATEGIES_NOT_IN_THIS_BUILD = {"veomni": "upstream's VeOmni engine"}
-LOGGERS = ("console", "file", "mlflow", "swanlab", "tensorboard", "wandb")
+LOGGERS = ("clearml", "console", "file", "mlflow", "swanlab", "tensorboard", "tracking", "wandb")
+# upstream's trackers not in this build: refused by name (`doc(hardware_values=...)`), owned by the tracker
+LOGGERS_NOT_IN_THIS_BUILD = BACKENDS_NOT_IN_THIS_BUILD
 RESUME_MODES = ("auto", "disable", "resume_path")
 
 
