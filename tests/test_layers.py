@@ -86,6 +86,15 @@ EXCEPTIONS = {
         "verl.trainer",
     ): "upstream's entry point by its module name (`python -m verl.experimental.fully_async_policy."
     "fully_async_main`): an entry point, as the one-step-off one",
+    (
+        "verl/experimental/agent_loop/__init__.py",
+        "verl.trainer",
+    ): "upstream's public name `verl.experimental.agent_loop.AgentLoopManager`: a module __getattr__ hands out "
+    "the trainer's manager (it drives the trainer's worker groups), imported only when asked for",
+    (
+        "verl/experimental/agent_loop/agent_loop.py",
+        "verl.trainer",
+    ): "the same name at upstream's module path `verl.experimental.agent_loop.agent_loop.AgentLoopManager`",
 }
 """(importing file, imported package prefix) -> why this arrow against the layers is allowed."""
 

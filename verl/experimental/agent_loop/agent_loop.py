@@ -449,3 +449,13 @@ __all__ = [
     "trajectory_from_output",
     "uses_upstream_api",
 ]
+
+
+def __getattr__(name: str):
+    # upstream's `AgentLoopManager` is public here; it drives the trainer's worker groups, so it lives with the
+    # trainer (verl.trainer.ppo.agent_loop_manager) and is imported only when asked for (no Ray at import)
+    if name == "AgentLoopManager":
+        from verl.trainer.ppo.agent_loop_manager import AgentLoopManager
+
+        return AgentLoopManager
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

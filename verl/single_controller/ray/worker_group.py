@@ -99,6 +99,25 @@ def _estimated_nbytes(value) -> int:
     return 0
 
 
+def _check_device_name(device_name: str | None, pool) -> str:
+    """Upstream's `device_name` of a worker group, checked against what its pool's bundles hold."""
+    holds_gpus = pool.use_gpu if pool is not None else None
+    if device_name is None or device_name == "auto":  # trainer.device=auto: what the pool holds
+        return "cuda" if holds_gpus or holds_gpus is None else "cpu"
+    if device_name not in ("cuda", "cpu"):
+        raise ValueError(
+            f"RayWorkerGroup(device_name={device_name!r}): this build runs workers on cuda or cpu ({device_name!r} "
+            "is hardware it does not support); pass the trainer's device_name (trainer.device)"
+        )
+    if holds_gpus is not None and holds_gpus != (device_name == "cuda"):
+        raise ValueError(
+            f"RayWorkerGroup(device_name={device_name!r}) on a resource pool whose bundles "
+            f"{'hold GPUs' if holds_gpus else 'hold no GPUs'}: pass the trainer's device_name (trainer.device) so the "
+            "group and its pool agree"
+        )
+    return device_name
+
+
 class RayWorkerGroup(WorkerGroup):
     """One Ray actor per bundle of a resource pool, driven as one object.
 
@@ -109,6 +128,11 @@ class RayWorkerGroup(WorkerGroup):
     adds environment variables to every worker started (see the module docstring);
     `ray_wait_register_center_timeout` (upstream's name, `trainer.ray_wait_register_center_timeout`)
     is how many seconds the workers may take to start (default: `VERL_PLACEMENT_TIMEOUT_S`, else 300 s).
+
+    Upstream's trainer also passes `device_name` (`cuda` or `cpu`: checked against the pool, whose bundles
+    hold GPUs or not; `auto` is the pool's; `npu` is refused), `profile_steps` and `worker_nsight_options` (with both, each
+    worker starts under `nsys profile` with those options, capture ending after 6 ranges per profiled
+    step unless they say otherwise, as upstream's).
     """
 
     def __init__(
@@ -123,9 +147,21 @@ class RayWorkerGroup(WorkerGroup):
         timeout_s: float | None = None,
         worker_env: Mapping[str, str] | None = None,
         ray_wait_register_center_timeout: float | None = None,
+        device_name: str | None = None,
+        profile_steps: Sequence[int] | None = None,
+        worker_nsight_options: Mapping[str, Any] | None = None,
     ):
         if ray_cls_with_init is None:
             raise ValueError("RayWorkerGroup needs ray_cls_with_init=RayClassWithInitArgs(cls=YourWorker, ...)")
+        self.device_name = _check_device_name(device_name, resource_pool)
+        self.profile_steps = list(profile_steps) if profile_steps is not None else None
+        self.worker_nsight_options = dict(worker_nsight_options) if worker_nsight_options is not None else None
+        if self.profile_steps and self.worker_nsight_options is not None and worker_handles is None:
+            options = dict(self.worker_nsight_options)
+            if options.get("capture-range-end") is None:
+                options["capture-range-end"] = f"repeat-shutdown:{6 * len(self.profile_steps)}"
+            self.worker_nsight_options = options
+            ray_cls_with_init.update_options({"runtime_env": {"nsight": options}})
         self.customized_worker_env = dict(worker_env or {})
         bad = {k: v for k, v in self.customized_worker_env.items() if not (isinstance(k, str) and isinstance(v, str))}
         if bad:

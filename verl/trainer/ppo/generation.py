@@ -29,12 +29,17 @@ def generation_input(batch: DataProto, tokenizer, global_steps: int, multi_turn:
         keys = tuple(batch.non_tensor_batch)
     non_tensor_keys = [k for k in keys if k in batch.non_tensor_batch]
     gen = batch.select(batch_keys=list(GEN_BATCH_KEYS), non_tensor_batch_keys=non_tensor_keys)
+    # `meta` (the caller's, e.g. a recipe's `gen_batch.meta_info` with its own `global_steps` or token ids)
+    # wins over the defaults, except `n`: the driver repeats each prompt itself (rows sharing a uid), so
+    # the rollout draws one sample per row
     gen.meta_info.update(
-        eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id,
-        global_steps=global_steps,
-        n=1,  # the driver repeats each prompt itself (rows sharing a uid); one sample per row
-        **meta,
+        {
+            "eos_token_id": tokenizer.eos_token_id,
+            "pad_token_id": tokenizer.pad_token_id,
+            "global_steps": global_steps,
+            **meta,
+            "n": 1,
+        }
     )
     return gen
 

@@ -77,8 +77,8 @@ from verl.trainer.ppo.upstream_driver import apply_kl_penalty as apply_kl_penalt
 from verl.trainer.ppo.upstream_driver import compute_advantage as compute_advantage
 from verl.trainer.ppo.upstream_driver import compute_response_mask as compute_response_mask
 from verl.trainer.ppo.validator import Validator, due
+from verl.trainer.ppo.worker_groups import WORKER_GROUPS, spawn_worker_groups, worker_speed_paths
 from verl.trainer.ppo.worker_groups import Role as Role  # upstream's import path for scripts' role mappings
-from verl.trainer.ppo.worker_groups import spawn_worker_groups, worker_speed_paths
 from verl.utils import speed_paths
 from verl.utils.checkpoint.safe_load import from_plain, numpy_rng_state, set_numpy_rng_state, to_plain
 from verl.utils.logging_utils import get_logger
@@ -247,6 +247,13 @@ class RayPPOTrainer(UpstreamTrainerAPI):
             )
         for name, group in groups.items():
             setattr(self, name, group)
+        self._adopt_worker_groups(groups)
+
+    def _adopt_worker_groups(self, groups: dict[str, Any]) -> None:
+        """The driver state built on the worker groups: the generative reward model's servers, the reward
+        model group, the rollout source, speed paths, Prometheus addresses, the step profiler. `init_workers`
+        calls it; `fit` calls it with the groups a trainer's own `init_workers` assigned (upstream's names:
+        `actor_rollout_wg`, `critic_wg`, `ref_policy_wg`, `rm_wg`) when that one never called ours."""
         if uses_generative_reward_model(self.config):  # its servers, before the first reward asks them
             from verl.experimental.reward_loop.reward_model import RewardModelManager
 
@@ -446,6 +453,16 @@ class RayPPOTrainer(UpstreamTrainerAPI):
         from verl.trainer.config import save_resolved_config
         from verl.utils.tracking import Tracking
 
+        self._init_driver_state()
+        if self.rollout_source is None:  # a trainer whose own init_workers assigned the worker groups
+            groups = {name: getattr(self, name, None) for name in WORKER_GROUPS}
+            groups = {name: group for name, group in groups.items() if group is not None}
+            if "actor_rollout_wg" not in groups:
+                raise RuntimeError(
+                    "fit() needs the worker groups: call init_workers() first (or, in an init_workers of your own, "
+                    "assign self.actor_rollout_wg and the other groups, upstream's names)"
+                )
+            self._adopt_worker_groups(groups)
         trainer_cfg = self.config.trainer
         tracker = Tracking(
             project_name=trainer_cfg.project_name,

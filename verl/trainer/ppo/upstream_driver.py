@@ -25,16 +25,15 @@ Design decisions (where this differs from upstream, and why):
 from __future__ import annotations
 
 import functools
-import time
 
 import torch
 
 from verl.protocol import DataProto
 from verl.trainer.ppo import core_algos
+from verl.trainer.ppo.agent_loop_manager import generate_with_group
 from verl.trainer.ppo.balance import balance_batch
 from verl.trainer.ppo.driver_math import apply_kl_in_reward, estimate_advantages
-from verl.trainer.ppo.generation import GEN_BATCH_KEYS, generation_input
-from verl.trainer.ppo.rollout_source import check_no_vision_tokens, meta_metrics, vision_placeholder_ids
+from verl.trainer.ppo.generation import GEN_BATCH_KEYS
 from verl.trainer.ppo.step_records import dump_generations, dump_rollouts
 from verl.utils.timer import marked_timer
 from verl.utils.tracking import select_val_generations
@@ -90,28 +89,21 @@ def compute_advantage(
 
 
 class RolloutManager:
-    """`trainer.async_rollout_manager`: `generate_sequences(prompts)` turns prompt rows into sample
-    rows (one response per row: a driver repeats its prompts `rollout.n` times itself), through the
-    actor-rollout worker group, and reports `meta_info["timing"]` (seconds per phase) as upstream's
-    manager does. The prompts' meta_info (`do_sample`, `validate`, ...) reaches the rollout."""
+    """`trainer.async_rollout_manager` when the trainer built its own worker groups: `generate_sequences(prompts)`
+    turns prompt rows into sample rows (one response per row: a driver repeats its prompts `rollout.n` times
+    itself), through the actor-rollout worker group, and reports `meta_info["timing"]` (seconds per phase) as
+    upstream's manager does (`verl.trainer.ppo.agent_loop_manager`, the same with the trainer's tokenizer,
+    processor and step). The prompts' meta_info (`do_sample`, `validate`, ...) reaches the rollout."""
 
     def __init__(self, trainer):
         self._trainer = trainer
 
     def generate_sequences(self, prompts: DataProto) -> DataProto:
         trainer = self._trainer
-        rollout = trainer.config.actor_rollout_ref.rollout
-        gen = generation_input(
-            prompts, trainer.tokenizer, trainer.global_steps, rollout.multi_turn.enable, **prompts.meta_info
+        multi_turn = bool(trainer.config.actor_rollout_ref.rollout.multi_turn.enable)
+        return generate_with_group(
+            trainer.actor_rollout_wg, prompts, trainer.tokenizer, trainer.processor, trainer.global_steps, multi_turn
         )
-        start = time.perf_counter()
-        output = trainer.actor_rollout_wg.generate_sequences(gen)
-        seconds = time.perf_counter() - start
-        check_no_vision_tokens(output, vision_placeholder_ids(trainer.processor), trainer.global_steps)
-        timing = {"generate_sequences": seconds}
-        timing.update({k.removeprefix("timing_s/"): v for k, v in meta_metrics(output).items() if "timing_s/" in k})
-        output.meta_info["timing"] = timing
-        return output
 
 
 class UpstreamTrainerAPI:
@@ -122,8 +114,15 @@ class UpstreamTrainerAPI:
     async_rollout_mode = True  # upstream's trainer always generates through its rollout manager now
 
     @property
-    def async_rollout_manager(self) -> RolloutManager:
-        return RolloutManager(self)
+    def async_rollout_manager(self):
+        """The trainer's generation handle; a trainer whose own `init_workers` assigns upstream's
+        `AgentLoopManager` (or a subclass of it) gets that one."""
+        manager = self.__dict__.get("_async_rollout_manager")
+        return RolloutManager(self) if manager is None else manager
+
+    @async_rollout_manager.setter
+    def async_rollout_manager(self, manager) -> None:
+        self.__dict__["_async_rollout_manager"] = manager
 
     # upstream's __init__ sets these two from the config; a recipe's __init__ that does the same instead
     # of calling ours assigns them (a cached_property: the assignment is the attribute's value)
