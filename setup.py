@@ -38,6 +38,7 @@ install_requires = [
     "pydantic>=2",  # agent-loop outputs and tool schemas (upstream's models), read when main_ppo imports them
     "matplotlib>=3.7",
     "peft>=0.21",  # actor LoRA (imported only when lora_rank > 0)
+    "einops>=0.7",  # verl.utils.attention_utils.rearrange (upstream's, from flash-attn's bert_padding there)
 ]
 
 extras_require = {

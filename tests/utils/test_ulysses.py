@@ -9,7 +9,7 @@ from tests.distributed_helpers import VOCAB, run_distributed
 from verl.utils.ulysses import (
     all_to_all,
     check_heads_divisible,
-    gather_outputs_and_unpad,
+    gather_and_unpad,
     pad_and_slice_packed,
     patch_sdpa_attention,
     ulysses_forward_kwargs,
@@ -87,7 +87,7 @@ def _gather_case(rank, world_size):
     full = torch.arange(15, dtype=torch.float64).reshape(1, 15) * 0.5
     padded = torch.cat([full, torch.full((1, 1), 99.0, dtype=torch.float64)], 1)
     local = padded.chunk(world_size, dim=1)[rank].clone().requires_grad_(True)
-    out = gather_outputs_and_unpad(local, dim=1, pad=1, grad_scale=3.0)
+    out = gather_and_unpad(local, dim=1, pad=1, grad_scale=3.0)
     torch.testing.assert_close(out, full, rtol=0, atol=0)
     weight = torch.linspace(1, 2, 15, dtype=torch.float64).reshape(1, 15)
     (out * weight).sum().backward()
@@ -96,7 +96,7 @@ def _gather_case(rank, world_size):
     torch.testing.assert_close(local.grad, expected, rtol=0, atol=0)
 
 
-def test_gather_outputs_and_unpad_restores_the_full_sequence_and_slices_the_gradient():
+def test_gather_and_unpad_restores_the_full_sequence_and_slices_the_gradient():
     run_distributed(_gather_case, 2)
 
 
@@ -114,7 +114,7 @@ def _model_case(rank, world_size, heads, kv_heads):
     local_logits = model(
         input_ids=local_ids, position_ids=local_pos, use_cache=False, **ulysses_forward_kwargs(full_pos)
     ).logits
-    logits = gather_outputs_and_unpad(local_logits, dim=1, pad=pad)
+    logits = gather_and_unpad(local_logits, dim=1, pad=pad)
     torch.testing.assert_close(logits, ref_logits, rtol=1e-10, atol=1e-10)
     (logits * weight).sum().backward()
     for name, param in model.named_parameters():
@@ -140,3 +140,57 @@ def test_heads_not_divisible_by_sp_is_refused_naming_the_key_and_counts():
         check_heads_divisible(Qwen2Config(num_attention_heads=3, num_key_value_heads=3, hidden_size=48), 2)
     with pytest.raises(ValueError, match=r"num_key_value_heads=3"):
         check_heads_divisible(Qwen2Config(num_attention_heads=12, num_key_value_heads=3, hidden_size=48), 4)
+
+
+def _upstream_api_case(rank, world_size):
+    from verl.utils import ulysses as U
+
+    # no global group: upstream's functions leave everything whole
+    assert U.get_ulysses_sequence_parallel_world_size() == 1 and U.get_ulysses_sequence_parallel_rank() == 0
+    x = torch.arange(6.0).reshape(1, 6)
+    assert U.gather_outputs_and_unpad(x, gather_dim=1, unpad_dim=1, padding_size=1) is x
+    U.set_ulysses_sequence_parallel_group(dist.group.WORLD)
+    try:
+        assert U.get_ulysses_sequence_parallel_world_size() == 2 and U.get_ulysses_sequence_parallel_rank() == rank
+        ids = torch.tensor([[11, 12, 13, 14, 15]])
+        pos = torch.tensor([[0, 1, 2, 0, 1]])
+        padded, padded_pos, pad = U.ulysses_pad(ids, pos, sp_size=2)
+        assert pad == 1 and padded.tolist() == [[11, 12, 13, 14, 15, 0]] and padded_pos.tolist() == [[0, 1, 2, 0, 1, 0]]
+        mrope = torch.stack([pos, pos + 10, pos + 20])  # [3, 1, 5]
+        assert U.ulysses_pad(ids, mrope, sp_size=2)[1][:, 0, -1].tolist() == [0, 0, 0]
+        local, local_pos, pad = U.ulysses_pad_and_slice_inputs(ids, pos, sp_size=2)
+        assert pad == 1 and local.tolist() == [[[11, 12, 13], [14, 15, 0]][rank]]
+        assert local_pos.tolist() == [[[0, 1, 2], [0, 1, 0]][rank]]
+        # the padded length's slices gathered back and cut to the 5 real entries; the backward keeps this
+        # rank's slice of the gradient, times the group size with grad_scaler (upstream's default), else 1
+        for scaler, factor in ((True, 2.0), (False, 1.0)):
+            values = (local.double() * 0.5).requires_grad_(True)
+            full = U.gather_outputs_and_unpad(values, gather_dim=1, unpad_dim=1, padding_size=pad, grad_scaler=scaler)
+            assert full.tolist() == [[5.5, 6.0, 6.5, 7.0, 7.5]]
+            weight = torch.tensor([[1.0, 2.0, 3.0, 4.0, 5.0]], dtype=torch.float64)
+            (full * weight).sum().backward()
+            expected = [[1.0, 2.0, 3.0], [4.0, 5.0, 0.0]][rank]
+            assert values.grad.tolist() == [[g * factor for g in expected]]
+        # [1, S/sp, H, D] -> [1, S, H/sp, D] is this rank's heads of the whole sequence, and back again
+        whole = torch.arange(1 * 4 * 2 * 3, dtype=torch.float64).reshape(1, 4, 2, 3)
+        mine = whole[:, 2 * rank : 2 * rank + 2]
+        heads = U.gather_seq_scatter_heads(mine, seq_dim=1, head_dim=2)
+        torch.testing.assert_close(heads, whole[:, :, rank : rank + 1], rtol=0, atol=0)
+        torch.testing.assert_close(U.gather_heads_scatter_seq(heads, head_dim=2, seq_dim=1), mine, rtol=0, atol=0)
+    finally:
+        U.set_ulysses_sequence_parallel_group(None)
+
+
+def test_upstreams_ulysses_functions_on_the_global_group_against_hand_worked_values():
+    run_distributed(_upstream_api_case, 2)
+
+
+def test_upstreams_misspelt_gather_is_refused_and_bad_position_ids_are_explained():
+    from verl.utils import ulysses as U
+
+    with pytest.raises(RuntimeError, match="gather_outputs_and_unpad"):
+        U.gather_outpus_and_unpad(torch.zeros(1))
+    with pytest.raises(ValueError, match="do not match the packed ids"):
+        U.ulysses_pad(torch.zeros(1, 5, dtype=torch.long), torch.zeros(1, 4, dtype=torch.long), sp_size=2)
+    with pytest.raises(ValueError, match="must be divisible"):
+        U.validate_ulysses_config(num_heads=6, ulysses_sequence_size=4)

@@ -12,7 +12,7 @@ Inputs and outputs (the remove-padding layout only, see `verl.utils.remove_paddi
 [1, T] tokens are padded to a multiple of sp and each rank keeps one contiguous slice
 (`pad_and_slice_packed`); the pad positions get ids 0, 1, ... so they form one extra sequence of
 their own that no real token attends to. Per-token outputs are gathered back to [T]
-(`gather_outputs_and_unpad`); every sp rank then holds the same full outputs and computes the
+(`gather_and_unpad`); every sp rank then holds the same full outputs and computes the
 same loss. Its backward keeps only this rank's slice of the gradient, times `grad_scale`: summed
 over the sp ranks this is the gradient of one copy of the loss, so a gradient reduction that
 averages over dp x sp ranks (FSDP over the flattened mesh) needs `grad_scale=sp`.
@@ -146,10 +146,10 @@ class _GatherUnpad(torch.autograd.Function):
         return mine * ctx.grad_scale, None, None, None, None
 
 
-def gather_outputs_and_unpad(x: torch.Tensor, dim: int, pad: int, group=None, grad_scale: float = 1.0) -> torch.Tensor:
+def gather_and_unpad(x: torch.Tensor, dim: int, pad: int, group=None, grad_scale: float = 1.0) -> torch.Tensor:
     """All-gather per-token outputs sliced by `pad_and_slice_packed` along `dim` and drop the
     `pad` tail: [.., T'/sp, ..] -> [.., T, ..] (autograd-aware; see the module docstring for
-    `grad_scale`)."""
+    `grad_scale`). `group` None: the default process group."""
     return _GatherUnpad.apply(x, dim, pad, group, grad_scale)
 
 
@@ -266,6 +266,199 @@ def packed_forward(module, packed_ids, packed_pos, group, temperature: float, st
     local_labels = pad_and_slice_packed(labels, packed_pos, dist.get_world_size(group), dist.get_rank(group))[0][0]
     output, pad = forward_slice(module, packed_ids, packed_pos, group)
     logits = output.logits[0] / temperature
-    log_probs = gather_outputs_and_unpad(logprobs_from_logits(logits, local_labels), 0, pad, group, grad_scale)
-    stats = {name: gather_outputs_and_unpad(fn(logits), 0, pad, group, grad_scale) for name, fn in stat_fns.items()}
+    log_probs = gather_and_unpad(logprobs_from_logits(logits, local_labels), 0, pad, group, grad_scale)
+    stats = {name: gather_and_unpad(fn(logits), 0, pad, group, grad_scale) for name, fn in stat_fns.items()}
     return log_probs, stats
+
+
+# ---------------------------------------------------------------------------------- upstream's API
+# Upstream's module-level Ulysses functions, for actors and workers written against them (verl-recipe's
+# FlowRL/GVPO/PRIME actors call `ulysses_pad_and_slice_inputs` and `gather_outputs_and_unpad` with the
+# global sequence-parallel group that `set_ulysses_sequence_parallel_group` sets; the FSDP actor worker
+# sets it to its own sp group when sp > 1). Same names, signatures and results as upstream's.
+
+_ULYSSES_SEQUENCE_PARALLEL_GROUP = None
+
+
+def set_ulysses_sequence_parallel_group(group) -> None:
+    """Make `group` the process group the functions below use when they are given none."""
+    global _ULYSSES_SEQUENCE_PARALLEL_GROUP
+    _ULYSSES_SEQUENCE_PARALLEL_GROUP = group
+
+
+def get_ulysses_sequence_parallel_group():
+    return _ULYSSES_SEQUENCE_PARALLEL_GROUP
+
+
+def get_ulysses_sequence_parallel_world_size(group=None) -> int:
+    group = get_ulysses_sequence_parallel_group() if group is None else group
+    return dist.get_world_size(group) if group else 1
+
+
+def get_ulysses_sequence_parallel_rank(group=None) -> int:
+    group = get_ulysses_sequence_parallel_group() if group is None else group
+    return dist.get_rank(group) if group else 0
+
+
+def validate_ulysses_config(num_heads: int, ulysses_sequence_size: int) -> None:
+    if ulysses_sequence_size > 1 and num_heads % ulysses_sequence_size:
+        raise ValueError(
+            f"num_heads ({num_heads}) must be divisible by the Ulysses sequence-parallel size ({ulysses_sequence_size})"
+        )
+
+
+def _pad_dim(x: torch.Tensor, dim: int, size: int) -> torch.Tensor:
+    shape = list(x.shape)
+    shape[dim] = size
+    return torch.cat([x, x.new_zeros(shape)], dim=dim)
+
+
+def slice_input_tensor(x: torch.Tensor, dim: int, padding: bool = True, group=None) -> torch.Tensor:
+    """This rank's contiguous 1/sp of `x` along `dim` (zero-padded first to a multiple of sp when `padding`)."""
+    group = get_ulysses_sequence_parallel_group() if group is None else group
+    world, rank = dist.get_world_size(group), dist.get_rank(group)
+    if padding and x.size(dim) % world:
+        x = _pad_dim(x, dim, world - x.size(dim) % world)
+    part = x.size(dim) // world
+    return x.narrow(dim, rank * part, part).contiguous()
+
+
+def ulysses_pad(input_ids_rmpad: torch.Tensor, position_ids_rmpad=None, sp_size: int = 1, pad_value=0):
+    """`input_ids_rmpad` [1, T] (and `position_ids_rmpad` [1, T], or [C, 1, T] for mrope) padded to a multiple
+    of `sp_size` with `pad_value` tokens at positions 0, 1, ...; returns (ids, position ids, pad)."""
+    if position_ids_rmpad is not None and (
+        position_ids_rmpad.size(-2) != 1 or position_ids_rmpad.size(-1) != input_ids_rmpad.size(-1)
+    ):
+        raise ValueError(
+            f"ulysses_pad: position ids {tuple(position_ids_rmpad.shape)} do not match the packed ids "
+            f"{tuple(input_ids_rmpad.shape)} (expected [..., 1, T])"
+        )
+    if sp_size <= 1:
+        return input_ids_rmpad, position_ids_rmpad, 0
+    pad = -input_ids_rmpad.size(1) % sp_size
+    if pad:
+        input_ids_rmpad = torch.nn.functional.pad(input_ids_rmpad, (0, pad), value=pad_value)
+        if position_ids_rmpad is not None:
+            fill = torch.arange(pad, device=position_ids_rmpad.device, dtype=position_ids_rmpad.dtype)
+            fill = fill.expand(*position_ids_rmpad.shape[:-1], pad)
+            position_ids_rmpad = torch.cat([position_ids_rmpad, fill], dim=-1)
+    return input_ids_rmpad, position_ids_rmpad, pad
+
+
+def ulysses_pad_and_slice_inputs(
+    input_ids_rmpad: torch.Tensor,
+    position_ids_rmpad=None,
+    sp_size: int = 1,
+    skip_position_ids_rmpad: bool = False,
+    pad_value=0,
+):
+    """`ulysses_pad`, then this rank's slice (of the global sp group) of the ids and, unless
+    `skip_position_ids_rmpad`, of the position ids; returns (ids, position ids, pad)."""
+    input_ids_rmpad, position_ids_rmpad, pad = ulysses_pad(input_ids_rmpad, position_ids_rmpad, sp_size, pad_value)
+    if sp_size <= 1:
+        return input_ids_rmpad, position_ids_rmpad, pad
+    input_ids_rmpad = slice_input_tensor(input_ids_rmpad, dim=1, padding=False)
+    if position_ids_rmpad is not None and not skip_position_ids_rmpad:
+        position_ids_rmpad = slice_input_tensor(position_ids_rmpad, dim=-1, padding=False)
+    return input_ids_rmpad, position_ids_rmpad, pad
+
+
+def all_to_all_tensor(local_input: torch.Tensor, scatter_dim: int, gather_dim: int, group=None, async_op=False):
+    """`local_input` split along `scatter_dim` over the group's ranks, what each receives joined along
+    `gather_dim` (no autograd: `SeqAllToAll` is the differentiable one). `async_op` is computed eagerly."""
+    group = get_ulysses_sequence_parallel_group() if group is None else group
+    out = _all_to_all(local_input.contiguous(), scatter_dim, gather_dim, group)
+    return (lambda: out) if async_op else out
+
+
+def all_gather_tensor(local_tensor: torch.Tensor, group=None, async_op: bool = False) -> torch.Tensor:
+    """The group's tensors concatenated along dim 0, in rank order."""
+    group = get_ulysses_sequence_parallel_group() if group is None else group
+    parts = [torch.empty_like(local_tensor) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(parts, local_tensor.contiguous(), group=group)
+    return torch.cat(parts, dim=0)
+
+
+class SeqAllToAll(torch.autograd.Function):
+    """Upstream's differentiable all-to-all: `SeqAllToAll.apply(group, x, scatter_dim, gather_dim[, async_op])`."""
+
+    @staticmethod
+    def forward(ctx, group, local_input, scatter_dim, gather_dim, async_op=False):
+        ctx.group, ctx.dims = group, (scatter_dim, gather_dim)
+        return _all_to_all(local_input.contiguous(), scatter_dim, gather_dim, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        scatter_dim, gather_dim = ctx.dims
+        return None, _all_to_all(grad.contiguous(), gather_dim, scatter_dim, ctx.group), None, None, None
+
+
+def gather_seq_scatter_heads(x: torch.Tensor, seq_dim: int, head_dim: int, unpadded_dim_size: int = 0, group=None):
+    """[.., S/sp, H, ..] -> [.., S, H/sp, ..]; the sequence cut back to `unpadded_dim_size` when given."""
+    group = get_ulysses_sequence_parallel_group() if group is None else group
+    if not group:
+        return x
+    x = SeqAllToAll.apply(group, x, head_dim, seq_dim)
+    if unpadded_dim_size and unpadded_dim_size % dist.get_world_size(group):
+        x = x.narrow(seq_dim, 0, unpadded_dim_size)
+    return x
+
+
+def gather_heads_scatter_seq(x: torch.Tensor, head_dim: int, seq_dim: int, group=None) -> torch.Tensor:
+    """[.., S, H/sp, ..] -> [.., S/sp, H, ..] (the sequence zero-padded to a multiple of sp first)."""
+    group = get_ulysses_sequence_parallel_group() if group is None else group
+    if not group:
+        return x
+    world = dist.get_world_size(group)
+    if x.size(seq_dim) % world:
+        x = _pad_dim(x, seq_dim, world - x.size(seq_dim) % world)
+    return SeqAllToAll.apply(group, x, seq_dim, head_dim, False)
+
+
+class Gather(torch.autograd.Function):
+    """Upstream's differentiable all-gather: `Gather.apply(group, x, gather_dim[, grad_scaler])`; the backward
+    keeps this rank's slice of the gradient, times the group size when `grad_scaler`."""
+
+    @staticmethod
+    def forward(ctx, group, local_tensor, gather_dim, grad_scaler=True, async_op=False):
+        world = dist.get_world_size(group)
+        ctx.group, ctx.dim, ctx.local = group, gather_dim, local_tensor.size(gather_dim)
+        ctx.rank, ctx.scale = dist.get_rank(group), world if grad_scaler else 1
+        parts = [torch.empty_like(local_tensor) for _ in range(world)]
+        dist.all_gather(parts, local_tensor.contiguous(), group=group)
+        return torch.cat(parts, dim=gather_dim)
+
+    @staticmethod
+    def backward(ctx, grad):
+        mine = grad.narrow(ctx.dim, ctx.rank * ctx.local, ctx.local).contiguous()
+        return None, mine * ctx.scale, None, None, None
+
+
+def gather_outputs_and_unpad(
+    x: torch.Tensor,
+    gather_dim: int,
+    unpad_dim: int | None = None,
+    padding_size: int = 0,
+    grad_scaler: bool = True,
+    group=None,
+) -> torch.Tensor:
+    """Upstream's: `x` gathered over the group (default: the global sp group; none set: `x` unchanged) along
+    `gather_dim`, then `padding_size` trailing entries of `unpad_dim` dropped; the backward keeps this rank's
+    slice of the gradient, times the group size when `grad_scaler`."""
+    group = get_ulysses_sequence_parallel_group() if group is None else group
+    if group is None:
+        return x
+    x = Gather.apply(group, x, gather_dim, grad_scaler)
+    if unpad_dim is not None:
+        if not isinstance(padding_size, int):
+            raise TypeError(f"gather_outputs_and_unpad: padding_size must be an int, got {padding_size!r}")
+        if padding_size:
+            x = x.narrow(unpad_dim, 0, x.size(unpad_dim) - padding_size)
+    return x
+
+
+def gather_outpus_and_unpad(*args, **kwargs):
+    """Upstream's misspelt old name, refused as upstream refuses it."""
+    raise RuntimeError(
+        "use verl.utils.ulysses.gather_outputs_and_unpad (gather_outpus_and_unpad is its old misspelling)"
+    )

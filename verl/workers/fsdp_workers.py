@@ -223,7 +223,7 @@ class RewardModelWorker(reward_model_worker.RewardModelWorker):
         packed_pos = unpad_position_ids((mask.cumsum(-1) - 1).clamp(min=0), indices)
         if self.sp > 1:
             out, pad = ulysses.forward_slice(self._body, packed_ids, packed_pos, self.ulysses.group)
-            hidden = ulysses.gather_outputs_and_unpad(out.last_hidden_state[0], 0, pad, self.ulysses.group)
+            hidden = ulysses.gather_and_unpad(out.last_hidden_state[0], 0, pad, self.ulysses.group)
         else:
             inputs = packed_model_inputs(self._body, packed_ids, packed_pos)
             hidden = self._body(**inputs, use_cache=False).last_hidden_state[0]

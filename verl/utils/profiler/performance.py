@@ -12,7 +12,14 @@ import logging
 
 from verl.utils.timer import marked_timer as simple_timer
 
-__all__ = ["GPUMemoryLogger", "log_gpu_memory_usage", "simple_timer"]  # and marked_timer, resolved on use
+__all__ = [
+    "GPUMemoryLogger",
+    "gather_timing",
+    "log_gpu_memory_usage",
+    "reduce_timing",
+    "simple_timer",
+    "topk_reduce_ratio_min_max",
+]  # and marked_timer, resolved on use
 
 
 def _rank() -> int:
@@ -62,6 +69,68 @@ class GPUMemoryLogger:
             return result
 
         return logged
+
+
+# ------------------------------------------------------------------ timings across ranks (upstream's)
+
+
+def _dist():
+    import torch.distributed as dist
+
+    return dist if dist.is_available() and dist.is_initialized() else None
+
+
+def _timing_device():
+    from verl.utils.device import get_device
+
+    dist = _dist()
+    return "cpu" if dist is not None and dist.get_backend() == "gloo" else get_device()
+
+
+def reduce_timing(timing_raw: dict[str, float], reduce_op=None) -> dict[str, float]:
+    """Each timing reduced over the default group's ranks (`reduce_op`, default the average; gloo has no
+    AVG, so it is a sum divided by the world size there); unchanged without a process group."""
+    import torch
+
+    dist = _dist()
+    if dist is None:
+        return timing_raw
+    reduce_op = dist.ReduceOp.AVG if reduce_op is None else reduce_op
+    keys = sorted(timing_raw)
+    values = torch.tensor([timing_raw[k] for k in keys], dtype=torch.float32, device=_timing_device())
+    if reduce_op == dist.ReduceOp.AVG and dist.get_backend() == "gloo":
+        dist.all_reduce(values, op=dist.ReduceOp.SUM)
+        values /= dist.get_world_size()
+    else:
+        dist.all_reduce(values, op=reduce_op)
+    return dict(zip(keys, values.cpu().tolist(), strict=True))
+
+
+def topk_reduce_ratio_min_max(timing: float, k: int = 10) -> tuple[float, float, float]:
+    """(share of ranks whose `timing` is above the (100 - k)th percentile over the ranks, min, max);
+    (-1, -1, -1) without a process group."""
+    import torch
+
+    dist = _dist()
+    if dist is None:
+        return -1.0, -1.0, -1.0
+    mine = torch.tensor([float(timing)], dtype=torch.float32, device=_timing_device())
+    parts = [torch.zeros_like(mine) for _ in range(dist.get_world_size())]
+    dist.all_gather(parts, mine)
+    every = torch.cat(parts).cpu()
+    threshold = torch.quantile(every, 1 - k / 100)
+    return float((every > threshold).float().mean()), float(every.min()), float(every.max())
+
+
+def gather_timing(timing_raw: dict[str, float]) -> dict[str, list[float]]:
+    """{key: [each rank's value, in rank order]} (keys sorted); [own value] without a process group."""
+    dist = _dist()
+    if dist is None:
+        return {k: [v] for k, v in timing_raw.items()}
+    keys = sorted(timing_raw)
+    gathered: list = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, [timing_raw[k] for k in keys])
+    return {key: [rank_values[i] for rank_values in gathered] for i, key in enumerate(keys)}
 
 
 def __getattr__(name):

@@ -99,7 +99,7 @@ class DataParallelPPOCritic(PPOCritic):
             packed_pos = unpad_position_ids(micro_batch["position_ids"], indices)
             if self.sp_size > 1:  # gradients scaled by sp for FSDP's average over dp x sp ranks
                 out, pad = ulysses.forward_slice(self.critic_module, packed_ids, packed_pos, self._sp_group)
-                packed = ulysses.gather_outputs_and_unpad(out.logits[0, :, 0], 0, pad, self._sp_group, self.sp_size)
+                packed = ulysses.gather_and_unpad(out.logits[0, :, 0], 0, pad, self._sp_group, self.sp_size)
             else:
                 inputs = packed_model_inputs(self.critic_module, packed_ids, packed_pos)
                 packed = self.critic_module(**inputs, **self._multi_modal_kwargs(micro_batch), use_cache=False)
