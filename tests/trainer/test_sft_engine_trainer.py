@@ -1,6 +1,7 @@
 """Upstream's engine SFT trainer (`verl.trainer.sft_trainer`): its per-step losses equal main_sft's on the
 same data and seed, its loss on one batch equals a float64 hand computation, a 2-rank torchrun run resumes
-to the same losses as an uninterrupted one, and what it cannot do is refused in one line."""
+to the same losses as an uninterrupted one, upstream's Ray launcher (`verl.trainer.sft_trainer_ray`) trains to
+torchrun's losses, and what it cannot do is refused in one line."""
 
 from __future__ import annotations
 
@@ -167,6 +168,39 @@ def _torchrun(assets, run_dir, *overrides, nproc: int = 2) -> list[dict]:
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
     with open(os.path.join(run_dir, "metrics.jsonl")) as f:
         return [json.loads(line) for line in f]
+
+
+def _ray_launcher(assets, run_dir, *overrides) -> list[dict]:
+    cmd = [
+        sys.executable, "-m", "verl.trainer.sft_trainer_ray", *_engine_overrides(assets, run_dir),
+        "data.val_files=null", f"hydra.run.dir={run_dir}/hydra", "hydra.output_subdir=null", *overrides,
+    ]  # fmt: skip
+    env = {**os.environ, "PYTHONPATH": REPO_ROOT, "RAY_ADDRESS": ""}
+    result = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
+    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
+        return [json.loads(line) for line in f]
+
+
+@pytest.mark.slow
+def test_upstreams_ray_launcher_trains_to_torchruns_losses_on_two_ranks(assets):
+    """`python -m verl.trainer.sft_trainer_ray trainer.nnodes=1 trainer.n_gpus_per_node=2 ...` (upstream's
+    run_sft_engine.sh with mode=ray) against `torchrun --nproc_per_node=2 -m verl.trainer.sft_trainer`."""
+    common = ("engine.fsdp_size=2", "trainer.total_training_steps=4", "trainer.resume_mode=disable")
+    spmd = _torchrun(assets, assets["root"] / "spmd", *common)
+    ray_run = _ray_launcher(assets, assets["root"] / "ray", *common, "trainer.nnodes=1", "trainer.n_gpus_per_node=2")
+    spmd_losses = [r["data"]["train/loss"] for r in spmd if "train/loss" in r["data"]]
+    ray_losses = [r["data"]["train/loss"] for r in ray_run if "train/loss" in r["data"]]
+    assert len(ray_losses) == len(spmd_losses) == 4
+    assert ray_losses == spmd_losses  # the same ranks, data, seed and single-threaded kernels: the same floats
+    assert (assets["root"] / "ray" / "global_step_4").is_dir()
+
+
+def test_the_ray_launcher_refuses_a_layout_without_ranks(assets, tmp_path):
+    from verl.trainer.sft_trainer_ray import run_sft
+
+    with pytest.raises(ValueError, match="at least one rank"):
+        run_sft(_engine_config(assets, tmp_path, "trainer.n_gpus_per_node=0"))
 
 
 @pytest.mark.parametrize("max_samples, expected", [(5, 5), (-1, 128), (0, 128), (1000, 128)])
