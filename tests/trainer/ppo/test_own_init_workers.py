@@ -117,7 +117,10 @@ def test_the_assigned_manager_generates_for_prompts_stamped_as_upstreams_trainer
 
 
 def test_fit_trains_on_the_groups_the_trainer_assigned(trainer):
+    seen = []  # upstream's hook of a dataset that changes itself: each step's batch but the last one's
+    trainer.train_dataset.on_batch_end = lambda batch: seen.append((trainer.global_steps, len(batch)))
     last = trainer.fit()
+    assert seen == [(1, 8)]  # 4 prompts x rollout.n=2
     assert trainer.global_steps == 2 and "actor/pg_loss" in last
     run_dir = Path(trainer.config.trainer.run_dir)
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]

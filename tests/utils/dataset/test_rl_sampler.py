@@ -151,3 +151,19 @@ def test_batch_larger_than_the_dataset_is_a_clear_error():
 def test_stateful_loader_rejects_nonpositive_batch_size():
     with pytest.raises(ValueError, match="batch_size"):
         StatefulDataLoader(Range(3), 0, StatefulRandomSampler(3))
+
+
+def test_a_dataset_that_grows_is_drawn_whole_from_the_next_epoch_on():
+    """Upstream's `on_batch_end` datasets add rows during training: the epoch in progress keeps its order,
+    the next one covers every row."""
+    from verl.utils.dataset.sampler import StatefulRandomSampler
+
+    rows = list(range(4))
+    sampler = StatefulRandomSampler(len(rows), seed=3, data_source=rows)
+    first = iter(sampler)
+    drawn = [next(first), next(first)]
+    rows.extend([4, 5])  # the dataset grows mid-epoch
+    drawn += list(first)
+    assert sorted(drawn) == [0, 1, 2, 3]
+    second = list(sampler)
+    assert sorted(second) == [0, 1, 2, 3, 4, 5] and len(sampler) == 6

@@ -522,11 +522,22 @@ class RayPPOTrainer(UpstreamTrainerAPI):
             tracker.log(metrics, step=self.global_steps)
             progress.update(1)
             last = metrics
+            if not is_last:
+                self._dataset_batch_end()
         progress.close()
         self.checkpointer.finish_pending(wait=True)  # the run ends with every checkpoint complete
         self.prompts.restart()  # stops the data loader's worker processes (data.dataloader_num_workers) now
         tracker.finish()
         return last
+
+    def _dataset_batch_end(self) -> None:
+        """Upstream's hook: a training dataset with `on_batch_end(batch=...)` (a `data.custom_cls` that grows or
+        changes itself from what was trained) gets each step's batch, except the last step's. Rows it adds
+        are drawn from the next epoch on (the sampler reads the dataset's length when an epoch begins, as
+        upstream's random sampler does)."""
+        hook = getattr(self.train_dataset, "on_batch_end", None)
+        if callable(hook):
+            hook(batch=self._last_batch)
 
     def _update_curriculum(self) -> None:
         """Hand the step's batch to a curriculum sampler (`data.sampler.class_path`), which may reorder

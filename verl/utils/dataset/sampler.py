@@ -43,10 +43,13 @@ class StatefulRandomSampler(Sampler[int]):
     ``StatefulDataLoader`` the loader sets epoch and start before every pass.
     """
 
-    def __init__(self, data_len: int, seed: int = 1, shuffle: bool = True):
+    def __init__(self, data_len: int, seed: int = 1, shuffle: bool = True, data_source=None):
         if data_len < 0:
             raise ValueError(f"data_len must be >= 0, got {data_len}")
         self.data_len = int(data_len)
+        # the dataset, when given: its length is read again when an epoch begins, so rows a dataset adds to
+        # itself (upstream's `on_batch_end` hook) are drawn from the next epoch on
+        self.data_source = data_source
         self.seed = int(seed)
         self.shuffle = bool(shuffle)
         self.epoch = 0
@@ -65,6 +68,8 @@ class StatefulRandomSampler(Sampler[int]):
 
     def __iter__(self) -> Iterator[int]:
         epoch, start = self.epoch, self.start
+        if start == 0 and self.data_source is not None:
+            self.data_len = len(self.data_source)
         yield from self.epoch_order(epoch)[start:]
         self.epoch, self.start = epoch + 1, 0
 
@@ -178,7 +183,7 @@ def create_rl_sampler(data_config, dataset: Dataset) -> StatefulRandomSampler:
     """The training sampler: shuffled with ``data.seed`` when ``data.shuffle`` (default True)."""
     seed = data_config.get("seed")
     return StatefulRandomSampler(
-        len(dataset), seed=1 if seed is None else seed, shuffle=data_config.get("shuffle", True)
+        len(dataset), seed=1 if seed is None else seed, shuffle=data_config.get("shuffle", True), data_source=dataset
     )
 
 
