@@ -301,3 +301,26 @@ def test_the_rollout_worker_runs_an_upstream_loop_from_a_config_file_with_every_
     for row in range(2):
         assert out.batch["rm_scores"][row].sum() == 0.25
         assert out.batch["rm_scores"][row, lengths[row] - 1] == 0.25
+
+
+def test_upstreams_agent_loop_module_paths_and_gpt_oss_helpers():
+    from verl.experimental.agent_loop import SingleTurnAgentLoop
+    from verl.experimental.agent_loop.single_turn_agent_loop import SingleTurnAgentLoop as ByPath
+    from verl.experimental.agent_loop.utils import (
+        add_generation_prompt_for_gpt_oss,
+        build_gpt_oss_tool_response_text,
+        format_gpt_oss_tool_response_manually,
+    )
+
+    assert ByPath is SingleTurnAgentLoop
+    assert format_gpt_oss_tool_response_manually("42", "calculator") == (
+        "<|start|>functions.calculator to=assistant<|channel|>commentary<|message|>42<|end|>"
+    )
+    assert add_generation_prompt_for_gpt_oss("x") == "x<|start|>assistant"
+    text = build_gpt_oss_tool_response_text(
+        [{"role": "tool", "content": "1"}, {"role": "tool", "content": "2"}], ["a", "b"]
+    )
+    assert text == (
+        "<|start|>functions.a to=assistant<|channel|>commentary<|message|>1<|end|>"
+        "<|start|>functions.b to=assistant<|channel|>commentary<|message|>2<|end|><|start|>assistant"
+    )
