@@ -230,11 +230,10 @@ def validate_config(config, use_reference_policy: bool = True, use_critic: bool 
     calling driver's own `config/*.yaml` declares beyond the schema are the recipe's and accepted
     (`verl.trainer.config.driver_keys`). Raises the trainer's `ConfigError` listing every problem."""
     del use_reference_policy, use_critic  # every section is checked
-    import sys
 
     # the check lives with the schema it checks
     from verl.trainer.config import validate_ppo_config
-    from verl.trainer.config.driver_keys import driver_keys_near
+    from verl.trainer.config.driver_keys import calling_driver_file, driver_keys_near
 
     # the calling driver's own config files declare the recipe's keys (verl.trainer.config.driver_keys)
-    validate_ppo_config(config, driver_keys=driver_keys_near(sys._getframe(1).f_code.co_filename))
+    validate_ppo_config(config, driver_keys=driver_keys_near(calling_driver_file()))

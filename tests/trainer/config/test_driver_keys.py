@@ -108,3 +108,43 @@ def test_a_section_class_of_the_recipe_s_own_is_checked_with_its_fields():
     validate_config(_config(*own, "+actor_rollout_ref.actor.recipe_eta=2.0", recipe_keys=False))
     with pytest.raises(ConfigError, match="recipe_eta"):
         validate_config(_config(*own, "+actor_rollout_ref.actor.recipe_eta=fast", recipe_keys=False))
+
+
+TRAINER_DRIVER = """\
+from verl.trainer.ppo.ray_trainer import RayPPOTrainer
+from verl.trainer.ppo.utils import Role
+
+
+def build(config, tokenizer):
+    return RayPPOTrainer(config=config, tokenizer=tokenizer, role_worker_mapping={Role.ActorRollout: object},
+                         resource_pool_manager=None)
+"""
+
+
+def test_a_driver_that_builds_the_trainer_from_its_own_config_file_keeps_that_files_keys(tmp_path):
+    """Upstream's examples/split_placement: its ppo_trainer_split.yaml sets keys its release no longer reads
+    (`reward_model.model.fsdp_config.min_num_params`); upstream accepts them, so does the trainer's check when
+    the file sits in the driver's config/ folder. The same key from elsewhere, and a typo, stay errors."""
+    from verl.utils.tokenizer import hf_tokenizer
+
+    (tmp_path / "config").mkdir()
+    (tmp_path / "config" / "ppo_trainer_split.yaml").write_text(
+        "defaults:\n  - ppo_trainer\n  - _self_\nreward_model:\n  model:\n    fsdp_config:\n      min_num_params: 0\n"
+    )
+    (tmp_path / "main_split.py").write_text(TRAINER_DRIVER)
+    build = runpy.run_path(str(tmp_path / "main_split.py"))["build"]
+    cfg = _config(recipe_keys=False)
+    OmegaConf.set_struct(cfg, False)
+    cfg = OmegaConf.merge(cfg, {"reward_model": {"model": {"fsdp_config": {"min_num_params": 0}}}})
+    tokenizer = hf_tokenizer(cfg.actor_rollout_ref.model.path)
+    build(cfg, tokenizer)  # accepted: the driver's own file declares it
+    from verl.trainer.ppo.ray_trainer import RayPPOTrainer
+    from verl.trainer.ppo.utils import Role
+
+    with pytest.raises(ConfigError, match="reward_model.model.fsdp_config.min_num_params"):
+        RayPPOTrainer(
+            config=cfg, tokenizer=tokenizer, role_worker_mapping={Role.ActorRollout: object}, resource_pool_manager=None
+        )
+    cfg.reward_model.model.fsdp_config.min_num_param = 1
+    with pytest.raises(ConfigError, match="min_num_param'"):
+        build(cfg, tokenizer)

@@ -7,6 +7,11 @@ unknown keys, so those run there; here every unknown key is refused (a typo woul
 something else), except the ones the driver's own config files declare: those are the recipe's
 settings, read by the recipe's code.
 
+The same holds for upstream's examples and users' drivers that build `RayPPOTrainer` themselves from a
+config file of their own (upstream's `examples/split_placement/config/ppo_trainer_split.yaml` sets keys its
+release no longer reads): the trainer's check looks beside the first caller outside verl
+(`calling_driver_file`).
+
 Design decision: the declared keys are read from the YAML files next to the calling driver
 (`<driver's directory>/config/*.yaml`, Hydra's `config_path="config"`), not from the composed config,
 which keeps no record of where a key came from. A key the user adds on the command line (`+algorithm.x=1`)
@@ -21,7 +26,7 @@ from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
 
-__all__ = ["DriverKeys", "driver_keys_near"]
+__all__ = ["DriverKeys", "calling_driver_file", "driver_keys_near"]
 
 logger = logging.getLogger(__name__)
 
@@ -69,3 +74,20 @@ def driver_keys_near(driver_file: str | None) -> DriverKeys:
         for path in sorted(config_dir.glob("*.yaml")):
             keys.add_file(path)
     return keys
+
+
+def calling_driver_file() -> str | None:
+    """The file of the innermost caller outside the verl package: the driver (or its trainer subclass) that
+    builds a `RayPPOTrainer` or calls `validate_config`; None when verl itself is the caller."""
+    import sys
+
+    package = Path(__file__).resolve().parents[2]  # .../verl
+    frame = sys._getframe(1)
+    while frame is not None:
+        path = Path(frame.f_code.co_filename)
+        if path.suffix == ".py" and path.is_file():
+            resolved = path.resolve()
+            if package not in resolved.parents:
+                return str(resolved)
+        frame = frame.f_back
+    return None

@@ -123,8 +123,10 @@ class RayPPOTrainer(UpstreamTrainerAPI):
 
         if validate_config:
             from verl.trainer.config import validate_ppo_config
+            from verl.trainer.config.driver_keys import calling_driver_file, driver_keys_near
 
-            validate_ppo_config(config)
+            # keys the calling driver's own config files declare are its own (verl.trainer.config.driver_keys)
+            validate_ppo_config(config, driver_keys=driver_keys_near(calling_driver_file()))
 
         self.config = config
         self.tokenizer = tokenizer
