@@ -163,8 +163,14 @@ def _torchrun(assets, run_dir, *overrides, nproc: int = 2) -> list[dict]:
         "-m", "verl.trainer.sft_trainer", *_engine_overrides(assets, run_dir), "data.val_files=null",
         f"hydra.run.dir={run_dir}/hydra", "hydra.output_subdir=null", *overrides,
     ]  # fmt: skip
-    env = {**os.environ, "PYTHONPATH": REPO_ROOT, "OMP_NUM_THREADS": "1"}
-    result = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    return _run_for_metrics(cmd, run_dir, {"OMP_NUM_THREADS": "1"}, timeout=300)
+
+
+def _run_for_metrics(cmd: list[str], run_dir, env: dict, timeout: int) -> list[dict]:
+    """Run a trainer's command line; its `metrics.jsonl` records."""
+    result = subprocess.run(
+        cmd, env={**os.environ, "PYTHONPATH": REPO_ROOT, **env}, capture_output=True, text=True, timeout=timeout
+    )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
     with open(os.path.join(run_dir, "metrics.jsonl")) as f:
         return [json.loads(line) for line in f]
@@ -175,11 +181,7 @@ def _ray_launcher(assets, run_dir, *overrides) -> list[dict]:
         sys.executable, "-m", "verl.trainer.sft_trainer_ray", *_engine_overrides(assets, run_dir),
         "data.val_files=null", f"hydra.run.dir={run_dir}/hydra", "hydra.output_subdir=null", *overrides,
     ]  # fmt: skip
-    env = {**os.environ, "PYTHONPATH": REPO_ROOT, "RAY_ADDRESS": ""}
-    result = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
-    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
-        return [json.loads(line) for line in f]
+    return _run_for_metrics(cmd, run_dir, {"RAY_ADDRESS": ""}, timeout=600)
 
 
 @pytest.mark.slow

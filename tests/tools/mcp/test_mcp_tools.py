@@ -49,6 +49,16 @@ def tool_config(tmp_path, text: str) -> str:
     return str(path)
 
 
+def one_mcp_entry(tmp_path, servers, config: str, selected: str | None = None) -> str:
+    """A tool config of one `MCPBaseTool` entry: `config` (YAML flow), the servers file, the selection."""
+    selection = f", tool_selected_list: {selected}" if selected else ""
+    return tool_config(
+        tmp_path,
+        "tools:\n  - class_name: verl.tools.mcp_base_tool.MCPBaseTool\n"
+        f"    config: {config}\n    mcp: {{mcp_servers_config_path: {servers}{selection}}}\n",
+    )
+
+
 def run(coro):
     return asyncio.run(coro)
 
@@ -185,15 +195,7 @@ def test_mcp_search_parser_on_hand_written_answers():
 
 def test_calls_wait_for_the_rate_limit(tmp_path):
     servers = stdio_servers(tmp_path)
-    path = tool_config(
-        tmp_path,
-        f"""
-        tools:
-          - class_name: verl.tools.mcp_base_tool.MCPBaseTool
-            config: {{type: mcp, rate_limit: 2}}
-            mcp: {{mcp_servers_config_path: {servers}, tool_selected_list: [count]}}
-        """,
-    )
+    path = one_mcp_entry(tmp_path, servers, "{type: mcp, rate_limit: 2}", "[count]")
     (count,) = initialize_tools_from_config(path)
 
     async def five_calls():
@@ -225,15 +227,7 @@ def test_an_sse_server_with_auth_token_gets_the_bearer_header(tmp_path, sse_serv
     servers.write_text(
         json.dumps({"mcpServers": {"remote": {"url": f"http://127.0.0.1:{port}/sse", "auth_token": "s3cret"}}})
     )
-    path = tool_config(
-        tmp_path,
-        f"""
-        tools:
-          - class_name: verl.tools.mcp_base_tool.MCPBaseTool
-            config: {{type: mcp, rate_limit: 10}}
-            mcp: {{mcp_servers_config_path: {servers}, tool_selected_list: [whoami, search]}}
-        """,
-    )
+    path = one_mcp_entry(tmp_path, servers, "{type: mcp, rate_limit: 10}", "[whoami, search]")
     search, whoami = initialize_tools_from_config(path)  # retried while the server starts; the server's order
     assert (search.name, whoami.name) == ("search", "whoami")
     response, _, metrics = run(whoami.execute("i", {}))
@@ -325,15 +319,7 @@ def test_an_unreachable_server_fails_after_the_retries(tmp_path, monkeypatch):
     servers.write_text(
         json.dumps({"mcpServers": {"down": {"url": f"http://127.0.0.1:{free_port()}/sse", "auth_token": "t"}}})
     )
-    path = tool_config(
-        tmp_path,
-        f"""
-        tools:
-          - class_name: verl.tools.mcp_base_tool.MCPBaseTool
-            config: {{type: mcp}}
-            mcp: {{mcp_servers_config_path: {servers}}}
-        """,
-    )
+    path = one_mcp_entry(tmp_path, servers, "{type: mcp}")
     with pytest.raises(RuntimeError, match="no tools from the MCP servers of .*down.json.* after 2 attempts"):
         initialize_tools_from_config(path)
 
