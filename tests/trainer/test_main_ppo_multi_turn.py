@@ -116,10 +116,9 @@ def test_one_step_off_multi_turn_with_partial_rollouts_tags_episodes_within_the_
     print({s: (records[s]["async/mixed_version_frac"], records[s]["num_turns/mean"]) for s in records})
 
 
-def _traced(tmp_path: Path, cluster, started: dict) -> tuple[Path, str]:
-    pytest.importorskip("mlflow")  # the test that reads this run is skipped with the reason
-    uri = f"sqlite:///{tmp_path}/mlflow.db"
-    cmd = [
+def _one_small_step(tmp_path: Path) -> list[str]:
+    """The calculator example for one step of 4 prompts x 4 samples (its own tool-calling model)."""
+    return [
         "bash",
         "examples/multi_turn/run_arith_calculator_tiny_cpu.sh",
         *[arg for arg in common_overrides(tmp_path, steps=1) if not arg.startswith("actor_rollout_ref.model.path=")],
@@ -128,6 +127,14 @@ def _traced(tmp_path: Path, cluster, started: dict) -> tuple[Path, str]:
         "actor_rollout_ref.actor.ppo_mini_batch_size=4",
         "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=8",
         "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=8",
+    ]
+
+
+def _traced(tmp_path: Path, cluster, started: dict) -> tuple[Path, str]:
+    pytest.importorskip("mlflow")  # the test that reads this run is skipped with the reason
+    uri = f"sqlite:///{tmp_path}/mlflow.db"
+    cmd = [
+        *_one_small_step(tmp_path),
         "actor_rollout_ref.rollout.trace.backend=mlflow",
         "actor_rollout_ref.rollout.trace.max_samples_per_step_per_worker=1",
         "actor_rollout_ref.rollout.over_sample_rate=0.25",
@@ -179,14 +186,7 @@ def _mcp_calculator(tmp_path: Path, cluster, started: dict) -> Path:
         "    mcp: {mcp_servers_config_path: ./mcp_server.json, tool_selected_list: [calculator]}\n"
     )
     cmd = [
-        "bash",
-        "examples/multi_turn/run_arith_calculator_tiny_cpu.sh",
-        *[arg for arg in common_overrides(tmp_path, steps=1) if not arg.startswith("actor_rollout_ref.model.path=")],
-        "data.train_batch_size=4",
-        "actor_rollout_ref.rollout.n=4",
-        "actor_rollout_ref.actor.ppo_mini_batch_size=4",
-        "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=8",
-        "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=8",
+        *_one_small_step(tmp_path),
         f"actor_rollout_ref.rollout.multi_turn.tool_config_path={config_dir / 'mcp_tool_config.yaml'}",
         f"trainer.rollout_data_dir={tmp_path / 'rollouts'}",
     ]
