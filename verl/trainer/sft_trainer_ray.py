@@ -61,7 +61,10 @@ def run_sft(config: DictConfig) -> list[dict[str, float]]:
     import ray
 
     from verl.single_controller.ray import RayClassWithInitArgs, RayWorkerGroup, ResourcePoolManager
+    from verl.single_controller.ray.resource_pool_manager import bundles_hold_gpus
     from verl.trainer.sft_trainer import check_config
+    from verl.utils.device import _VALID as _VALID_DEVICES
+    from verl.utils.device import ACCELERATOR_NAME
 
     check_config(config)  # before any worker starts: a bad key fails here, in one line
     trainer = config.trainer
@@ -72,20 +75,20 @@ def run_sft(config: DictConfig) -> list[dict[str, float]]:
             "rank on at least one node"
         )
     device = str(trainer.device)
-    if device not in ("cuda", "cpu", "auto"):
-        raise ValueError(f"trainer.device={device!r}: the Ray launcher places ranks on cuda or cpu")
+    if device not in _VALID_DEVICES:
+        raise ValueError(f"trainer.device={device!r}: the Ray launcher places ranks on one of {list(_VALID_DEVICES)}")
     started = not ray.is_initialized()
     if started:
         ray.init(**_ray_init_kwargs())
     pools = None
     try:
-        use_gpu = device == "cuda" or (device == "auto" and ray.cluster_resources().get("GPU", 0) > 0)
+        use_gpu = bundles_hold_gpus(device, ray.cluster_resources().get("GPU", 0))
         pools = ResourcePoolManager(resource_pool_spec={"sft_pool": [per_node] * nnodes}, mapping={}, use_gpu=use_gpu)
         pools.create_resource_pool()
         group = RayWorkerGroup(
             resource_pool=pools.resource_pool_dict["sft_pool"],
             ray_cls_with_init=RayClassWithInitArgs(SFTRankWorker, config=config),
-            device_name="cuda" if use_gpu else "cpu",
+            device_name=ACCELERATOR_NAME if use_gpu else "cpu",
         )
         return group.fit()[0]
     finally:

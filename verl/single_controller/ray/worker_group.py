@@ -101,15 +101,17 @@ def _estimated_nbytes(value) -> int:
 
 def _check_device_name(device_name: str | None, pool) -> str:
     """Upstream's `device_name` of a worker group, checked against what its pool's bundles hold."""
+    from verl.utils.device import ACCELERATOR_NAME
+
     holds_gpus = pool.use_gpu if pool is not None else None
     if device_name is None or device_name == "auto":  # trainer.device=auto: what the pool holds
-        return "cuda" if holds_gpus or holds_gpus is None else "cpu"
-    if device_name not in ("cuda", "cpu"):
+        return ACCELERATOR_NAME if holds_gpus or holds_gpus is None else "cpu"
+    if device_name not in (ACCELERATOR_NAME, "cpu"):
         raise ValueError(
-            f"RayWorkerGroup(device_name={device_name!r}): this build runs workers on cuda or cpu ({device_name!r} "
-            "is hardware it does not support); pass the trainer's device_name (trainer.device)"
+            f"RayWorkerGroup(device_name={device_name!r}): this build runs workers on {ACCELERATOR_NAME} or cpu "
+            f"({device_name!r} is hardware it does not support); pass the trainer's device_name (trainer.device)"
         )
-    if holds_gpus is not None and holds_gpus != (device_name == "cuda"):
+    if holds_gpus is not None and holds_gpus != (device_name == ACCELERATOR_NAME):
         raise ValueError(
             f"RayWorkerGroup(device_name={device_name!r}) on a resource pool whose bundles "
             f"{'hold GPUs' if holds_gpus else 'hold no GPUs'}: pass the trainer's device_name (trainer.device) so the "
