@@ -79,17 +79,16 @@ def _engine_config(assets, run_dir, *overrides):
 
 @pytest.mark.slow
 def test_per_step_losses_equal_main_sfts_on_the_same_data_and_seed(assets, one_rank_group):
-    from omegaconf import OmegaConf
-
+    from tests.trainer.test_sft_trainer import read_metrics
     from verl.trainer import fsdp_sft_trainer, sft_trainer
+    from verl.trainer.fsdp_sft_config import sft_config
 
     engine_history = sft_trainer.run_sft(
         _engine_config(assets, assets["root"] / "engine", "trainer.total_training_steps=4", "trainer.save_freq=-1")
     )
 
-    main_config = OmegaConf.load(os.path.join(REPO_ROOT, "verl", "trainer", "config", "sft_trainer.yaml"))
     main_dir = assets["root"] / "main_sft"
-    main_config.merge_with_dotlist(
+    main_config = sft_config(
         [
             f"data.train_files={assets['train']}",
             f"data.val_files={assets['test']}",
@@ -102,17 +101,17 @@ def test_per_step_losses_equal_main_sfts_on_the_same_data_and_seed(assets, one_r
             "optim.lr=3e-3",
             "optim.betas=[0.9,0.95]",
             "optim.weight_decay=0.01",
-            "optim.warmup_steps_ratio=0.0",
+            "optim.lr_warmup_steps_ratio=0.0",
             "optim.lr_scheduler=constant",
             f"trainer.default_local_dir={main_dir}",
             "trainer.total_training_steps=4",
             "trainer.logger=[file]",
             "trainer.device=cpu",
-        ]
+        ],
+        demo=True,
     )
     fsdp_sft_trainer.run_sft(main_config)
-    with open(main_dir / "metrics.jsonl") as f:
-        main_losses = [json.loads(line)["train/loss"] for line in f]
+    main_losses = [m["train/loss"] for m in read_metrics(main_dir / "metrics.jsonl")]
     engine_losses = [m["train/loss"] for m in engine_history]
     assert len(engine_losses) == len(main_losses) == 4
     assert engine_losses[-1] < engine_losses[0]  # it trains

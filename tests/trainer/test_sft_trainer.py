@@ -28,10 +28,9 @@ def assets(tmp_path_factory):
 
 
 def _config(assets, *overrides):
-    from omegaconf import OmegaConf
+    from verl.trainer.fsdp_sft_config import sft_config
 
-    config = OmegaConf.load(CONFIG)
-    config.merge_with_dotlist(
+    return sft_config(
         [
             f"data.train_files={assets['train']}",
             f"data.val_files={assets['test']}",
@@ -39,9 +38,9 @@ def _config(assets, *overrides):
             f"trainer.default_local_dir={assets['root'] / 'inproc'}",
             "trainer.device=cpu",
             *overrides,
-        ]
+        ],
+        demo=True,
     )
-    return config
 
 
 def test_accumulated_gradient_equals_the_float64_global_token_mean_gradient(assets, one_rank_group):
@@ -93,29 +92,45 @@ def test_batch_size_not_divisible_by_micro_batch_is_explained(assets, one_rank_g
         FSDPSFTTrainer(config, init_device_mesh("cpu", (1,)), tokenizer, dataset)
 
 
-def test_lr_schedule_warms_up_linearly_then_follows_a_cosine():
-    import math
+def test_lr_schedules_are_upstreams_warm_up_from_zero_then_cosine_wsd_or_constant():
+    """Upstream's SFT schedule: the first step's factor is 0 with a warm-up (step / warmup_steps), then the
+    named decay; `lr_warmup_steps` > 0 overrides the ratio. Values worked by hand."""
+    from omegaconf import OmegaConf
 
-    from verl.trainer.fsdp_sft_trainer import _lr_lambda
+    from verl.trainer.fsdp_sft_config import sft_lr_factor
 
-    factor = _lr_lambda(total_steps=20, warmup_ratio=0.2, schedule="cosine", min_lr_ratio=0.1)
-    assert [factor(s) for s in range(4)] == [0.25, 0.5, 0.75, 1.0]
-    assert factor(4) == pytest.approx(1.0)
-    assert factor(12) == pytest.approx(0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * 8 / 16)))
-    assert _lr_lambda(10, 0.0, "constant", 0.0)(7) == 1.0
+    def optim(**keys):
+        base = {"lr_scheduler": "cosine", "lr_warmup_steps_ratio": 0.2, "lr_warmup_steps": -1}
+        return OmegaConf.create({**base, "min_lr_ratio": 0.1, "num_cycles": 0.5, **keys})
+
+    cosine = sft_lr_factor(optim(), total_steps=20)  # 4 warm-up steps, then 16 of half a cosine
+    assert [cosine(s) for s in range(5)] == [0.0, 0.25, 0.5, 0.75, 1.0]
+    assert cosine(12) == pytest.approx(0.1 + 0.9 * 0.5)  # half-way down: cos(pi/2) = 0
+    assert cosine(20) == pytest.approx(0.1)
+    assert sft_lr_factor(optim(lr_warmup_steps=2), 20)(1) == 0.5  # steps win over the ratio
+    # wsd: 18 of the 20 steps held (upstream's stable ratio 0.9), then a cosine over the last 2
+    wsd = sft_lr_factor(optim(lr_scheduler="wsd", lr_warmup_steps_ratio=0.0, min_lr_ratio=0.0), 20)
+    assert [wsd(s) for s in (0, 17, 18, 19, 20)] == pytest.approx([1.0, 1.0, 1.0, 0.5, 0.0])
+    assert sft_lr_factor(optim(lr_scheduler="constant", lr_warmup_steps_ratio=0.5), 10)(7) == 1.0
     with pytest.raises(ValueError, match="cosine"):
-        _lr_lambda(10, 0.0, "linear", 0.0)
+        sft_lr_factor(optim(lr_scheduler="linear"), 10)
+
+
+def read_metrics(path) -> list[dict]:
+    """The metrics the `file` tracker wrote, one flat dict (`step` and the metrics) per step."""
+    with open(path) as f:
+        return [{"step": record["step"], **record["data"]} for record in map(json.loads, f)]
 
 
 def _torchrun(assets, run_dir, total_steps: int) -> subprocess.CompletedProcess:
     port = free_port()
     cmd = [
         sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={port}",
-        "-m", "verl.trainer.main_sft",
+        "-m", "verl.trainer.main_sft", "+demo=arith_sft",
         f"data.train_files={assets['train']}", f"data.val_files={assets['test']}",
         "data.train_batch_size=32", "data.micro_batch_size_per_gpu=8", "data.max_length=32",
         f"model.partial_pretrain={assets['model']}",
-        "optim.lr=3e-3", "optim.warmup_steps_ratio=0.0", "optim.lr_scheduler=constant",
+        "optim.lr=3e-3", "optim.lr_warmup_steps_ratio=0.0", "optim.lr_scheduler=constant",
         f"trainer.default_local_dir={run_dir}", f"trainer.total_training_steps={total_steps}",
         "trainer.save_freq=3", "trainer.test_freq=3", "trainer.logger=[console,file]", "trainer.device=cpu",
         f"hydra.run.dir={run_dir}/hydra", "hydra.output_subdir=null",
@@ -132,8 +147,7 @@ def test_two_process_cpu_run_learns_checkpoints_and_resumes(assets):
 
     run_dir = assets["root"] / "torchrun"
     _torchrun(assets, run_dir, total_steps=6)
-    with open(run_dir / "metrics.jsonl") as f:
-        metrics = [json.loads(line) for line in f]
+    metrics = read_metrics(run_dir / "metrics.jsonl")
     assert [m["step"] for m in metrics] == [1, 2, 3, 4, 5, 6]
     assert metrics[-1]["train/loss"] < 0.75 * metrics[0]["train/loss"]
     assert metrics[5]["val/loss"] < metrics[2]["val/loss"]
@@ -148,8 +162,7 @@ def test_two_process_cpu_run_learns_checkpoints_and_resumes(assets):
 
     result = _torchrun(assets, run_dir, total_steps=8)
     assert "resumed from" in result.stderr and "global_step_6 at global step 6" in result.stderr
-    with open(run_dir / "metrics.jsonl") as f:
-        resumed = [json.loads(line) for line in f][6:]
+    resumed = read_metrics(run_dir / "metrics.jsonl")[6:]
     assert [m["step"] for m in resumed] == [7, 8]
     # Restored weights, not a fresh start: the loss continues from where step 6 left it.
     assert resumed[0]["train/loss"] < 0.8 * metrics[0]["train/loss"]

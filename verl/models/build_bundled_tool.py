@@ -134,10 +134,10 @@ def build(
     import torch
     import torch.distributed as dist
     import transformers
-    from omegaconf import OmegaConf
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from verl.models import bundled_model_path
+    from verl.trainer.fsdp_sft_config import sft_config
     from verl.trainer.fsdp_sft_trainer import run_sft
     from verl.utils.dataset.arith import _write_parquet_atomic, load_rows
     from verl.utils.dataset.arith_tool import DEFAULT_NUM_TRAIN, TASK, write_arith_tool_parquet
@@ -153,8 +153,7 @@ def build(
     val_path = os.path.join(work, "data", "val.parquet")
     _write_parquet_atomic(eval_rows[:TRAIN_BATCH_SIZE], val_path)
 
-    config = OmegaConf.load(os.path.join(os.path.dirname(__file__), "..", "trainer", "config", "sft_trainer.yaml"))
-    config.merge_with_dotlist(
+    config = sft_config(
         [
             f"data.train_files={train_path}",
             f"data.val_files={val_path}",
@@ -167,7 +166,7 @@ def build(
             f"optim.lr={LEARNING_RATE}",
             "optim.betas=[0.9,0.999]",
             "optim.weight_decay=0.0",
-            "optim.warmup_steps_ratio=0.0",
+            "optim.lr_warmup_steps_ratio=0.0",
             "optim.lr_scheduler=constant",
             f"trainer.default_local_dir={os.path.join(work, 'checkpoints')}",
             f"trainer.total_training_steps={max_steps}",
@@ -175,7 +174,8 @@ def build(
             "trainer.resume_mode=disable",
             f"trainer.seed={seed}",
             "trainer.device=cpu",
-        ]
+        ],
+        demo=True,
     )
     history: list[dict] = []
 

@@ -32,7 +32,6 @@ Design decisions:
 
 from __future__ import annotations
 
-import json
 import math
 import os
 import shutil
@@ -43,15 +42,20 @@ import torch
 import torch.distributed as dist
 from torch.utils.data import DataLoader, DistributedSampler
 
+from verl.trainer.fsdp_sft_config import check_sft_config, resolve_micro_batch_size, sft_lr_factor
 from verl.utils import device as device_utils
-from verl.utils.checkpoint.checkpoint_manager import find_latest_ckpt_path, write_checkpoint_tracker
+from verl.utils.checkpoint.checkpoint_manager import (
+    copy_checkpoint_step,
+    find_latest_ckpt_path,
+    write_checkpoint_tracker,
+)
 from verl.utils.logging_utils import get_logger
+from verl.utils.lora import lora_enabled
+from verl.utils.optim import build_optimizer
 
 logger = get_logger(__name__, level=os.environ.get("VERL_LOGGING_LEVEL", "INFO"))
 
 RESUME_MODES = ("auto", "disable", "resume_path")
-LR_SCHEDULERS = ("cosine", "constant")
-LOGGERS = ("console", "file")
 _DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16, "bfloat16": torch.bfloat16}
 
 
@@ -99,36 +103,52 @@ class FSDPSFTTrainer:
         self.checkpoint_dir = os.path.expanduser(trainer.default_local_dir)
         self.global_step = 0
 
+        self.lora = lora_enabled(config.model)
         self.model = self._build_model()
-        self.optimizer = torch.optim.AdamW(
-            self.model.parameters(),
-            lr=float(config.optim.lr),
-            betas=tuple(float(b) for b in config.optim.betas),
-            weight_decay=float(config.optim.weight_decay),
-        )
+        # `optim.optimizer` of `optim.optimizer_impl` (AdamW), over the trainable parameters (the adapters with LoRA)
+        self.optimizer = build_optimizer([p for p in self.model.parameters() if p.requires_grad], config.optim)
         # The learning rate is a pure function of the step (no scheduler state to checkpoint), so a
         # resumed run, even one with a longer schedule, uses the rate its current config prescribes.
-        self.lr_factor = _lr_lambda(
-            self.total_steps,
-            float(config.optim.warmup_steps_ratio),
-            config.optim.lr_scheduler,
-            float(config.optim.min_lr_ratio),
-        )
-        self.metrics = _MetricsLogger(list(trainer.logger), self.checkpoint_dir, enabled=self.rank == 0)
+        self.lr_factor = sft_lr_factor(config.optim, self.total_steps)
+        self.tracking = None
+        if self.rank == 0:
+            from omegaconf import OmegaConf
+
+            from verl.utils.tracking import Tracking
+
+            self.tracking = Tracking(
+                project_name=trainer.project_name,
+                experiment_name=trainer.experiment_name,
+                default_backend=list(trainer.logger),
+                config=OmegaConf.to_container(config, resolve=True),
+                run_dir=self.checkpoint_dir,
+            )
 
     # ----------------------------------------------------------------------------- model
     def _build_model(self):
         from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
         from transformers import AutoModelForCausalLM
 
+        from verl.utils.fs import copy_to_local
+
         model_cfg = self.config.model
+        if model_cfg.external_lib:
+            import importlib
+
+            importlib.import_module(model_cfg.external_lib)  # registers custom models with transformers
         model = AutoModelForCausalLM.from_pretrained(
-            os.path.expanduser(model_cfg.partial_pretrain),
-            dtype=torch.float32,  # master weights stay fp32; mixed precision applies to compute only
+            copy_to_local(os.path.expanduser(model_cfg.partial_pretrain), use_shm=bool(model_cfg.use_shm)),
+            # master weights (fp32 by default); mixed precision applies to compute only
+            dtype=_dtype(str(model_cfg.fsdp_config.model_dtype), "model_dtype", "model.fsdp_config"),
             trust_remote_code=bool(model_cfg.trust_remote_code),
         )
+        if self.lora:
+            from verl.utils.lora import apply_lora
+
+            model.enable_input_require_grads()  # the frozen embeddings' output must carry gradients to the adapters
+            model = apply_lora(model, model_cfg)
         if model_cfg.enable_gradient_checkpointing:
-            model.gradient_checkpointing_enable()
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         fsdp_cfg = model_cfg.fsdp_config
         kwargs = {
             "mesh": self.device_mesh,
@@ -142,7 +162,7 @@ class FSDPSFTTrainer:
             kwargs["offload_policy"] = CPUOffloadPolicy(pin_memory=device_utils.is_cuda_available())
         else:
             model.to(self.device)
-        layers = _decoder_layers(model)
+        layers = _decoder_layers(model.get_base_model() if self.lora else model)
         for layer in layers:
             fully_shard(layer, **kwargs)
         fully_shard(model, **kwargs)
@@ -182,7 +202,8 @@ class FSDPSFTTrainer:
         start = time.perf_counter()
         batch = _trim_padding(batch)
         loss_sum, num_tokens = self.accumulate_gradients(batch)
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), float(self.config.optim.clip_grad))
+        trainable = [p for p in self.model.parameters() if p.requires_grad]
+        grad_norm = torch.nn.utils.clip_grad_norm_(trainable, float(self.config.optim.clip_grad))
         grad_norm = float(grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm)
         lr = float(self.config.optim.lr) * self.lr_factor(self.global_step)
         for group in self.optimizer.param_groups:
@@ -197,6 +218,8 @@ class FSDPSFTTrainer:
         return {
             "train/loss": (loss_sum / num_tokens).item(),
             "train/lr": lr,
+            "train/lr(1e-3)": lr * 1e3,  # upstream's name
+            "train/time(s)": elapsed,  # upstream's name
             "train/grad_norm": grad_norm,
             "train/response_tokens": num_tokens.item(),
             "perf/step_time_s": elapsed,
@@ -244,12 +267,15 @@ class FSDPSFTTrainer:
                 if self.val_dataset is not None and (last or (test_freq > 0 and self.global_step % test_freq == 0)):
                     metrics.update(self.validation_step())
                     stop = should_stop is not None and _broadcast_bool(should_stop(self, self.global_step))
-                self.metrics.log(metrics, self.global_step, progress)
+                if self.tracking is not None:
+                    self.tracking.log(data=metrics, step=self.global_step)
                 if last or stop or (save_freq > 0 and self.global_step % save_freq == 0):
                     self.save_checkpoint()
                 if last or stop:
                     break
         progress.close()
+        if self.tracking is not None:
+            self.tracking.finish()
         return self.global_step
 
     # ----------------------------------------------------------------------------- checkpoints
@@ -263,7 +289,10 @@ class FSDPSFTTrainer:
 
         path = os.path.join(self.checkpoint_dir, f"global_step_{self.global_step}")
         model_state, optim_state = get_state_dict(self.model, self.optimizer)
-        dcp.save({"model": model_state, "optimizer": optim_state}, checkpoint_id=os.path.join(path, "dcp"))
+        state = {"model": model_state}
+        if "optimizer" in self.config.trainer.checkpoint.save_contents:
+            state["optimizer"] = optim_state
+        dcp.save(state, checkpoint_id=os.path.join(path, "dcp"))
 
         full_state = get_model_state_dict(
             self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
@@ -274,12 +303,21 @@ class FSDPSFTTrainer:
                 os.path.join(path, "extra_state.pt"),
             )
             hf_dir = os.path.join(path, "huggingface")
-            self.model.save_pretrained(hf_dir, state_dict=full_state, safe_serialization=True)
+            model = self.model
+            if self.lora:  # the adapter alone (peft's format), and the base model with it merged in
+                from verl.utils.lora import merge_lora_state, save_lora_adapter
+
+                save_lora_adapter(self.model, os.path.join(path, "lora_adapter"))
+                full_state = dict(merge_lora_state(full_state.items(), self.model))
+                model = self.model.get_base_model()
+            model.save_pretrained(hf_dir, state_dict=full_state, safe_serialization=True)
             add_legacy_rope_theta(os.path.join(hf_dir, "config.json"))
             save_tokenizer(self.tokenizer, hf_dir)
         dist.barrier()
         if self.rank == 0:
             write_checkpoint_tracker(self.checkpoint_dir, self.global_step)
+            if self.config.trainer.default_hdfs_dir:
+                copy_checkpoint_step(self.checkpoint_dir, self.global_step, self.config.trainer.default_hdfs_dir)
             self._remove_old_checkpoints()
         dist.barrier()
         logger.info(f"saved checkpoint {path}")
@@ -295,8 +333,12 @@ class FSDPSFTTrainer:
         if path is None:
             return
         state = dict(zip(("model", "optimizer"), get_state_dict(self.model, self.optimizer)))
+        if "optimizer" not in self.config.trainer.checkpoint.load_contents:
+            del state["optimizer"]  # weights only: the optimizer starts fresh
         dcp_load(state, os.path.join(path, "dcp"))
-        set_state_dict(self.model, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
+        set_state_dict(
+            self.model, self.optimizer, model_state_dict=state["model"], optim_state_dict=state.get("optimizer", {})
+        )
         extra = torch.load(os.path.join(path, "extra_state.pt"), weights_only=True)
         self.global_step = int(extra["global_step"])
         logger.info(f"resumed from {path} at global step {self.global_step}")
@@ -403,24 +445,6 @@ def _per_rank_batch_size(train_batch_size: int, micro_batch_size: int, world_siz
     return per_rank
 
 
-def _lr_lambda(total_steps: int, warmup_ratio: float, schedule: str, min_lr_ratio: float):
-    if schedule not in LR_SCHEDULERS:
-        raise ValueError(f"optim.lr_scheduler={schedule!r} is not one of {list(LR_SCHEDULERS)}")
-    if not 0.0 <= warmup_ratio < 1.0:
-        raise ValueError(f"optim.warmup_steps_ratio={warmup_ratio} must be in [0, 1)")
-    warmup = int(total_steps * warmup_ratio)
-
-    def factor(step: int) -> float:
-        if step < warmup:
-            return (step + 1) / warmup
-        if schedule == "constant":
-            return 1.0
-        progress = (step - warmup) / max(1, total_steps - warmup)
-        return min_lr_ratio + (1.0 - min_lr_ratio) * 0.5 * (1.0 + math.cos(math.pi * min(progress, 1.0)))
-
-    return factor
-
-
 def _decoder_layers(model) -> list[torch.nn.Module]:
     """The repeated transformer blocks, each its own FSDP unit (all-gathered one at a time)."""
     layers = getattr(getattr(model, "model", None), "layers", None)
@@ -432,16 +456,13 @@ def _decoder_layers(model) -> list[torch.nn.Module]:
     return list(layers)
 
 
-def _dtype(name: str | None, key: str) -> torch.dtype:
-    """The dtype a `mixed_precision` key names; null: bf16 on CUDA (upstream's SFT compute dtype, with
-    fp32 master weights), fp32 on CPU."""
+def _dtype(name: str | None, key: str, section: str = "model.fsdp_config.mixed_precision") -> torch.dtype:
+    """The dtype a `mixed_precision` key (or `model_dtype`) names; null: bf16 on CUDA (upstream's SFT
+    compute dtype, with fp32 master weights), fp32 on CPU."""
     if name is None:
         return device_utils.default_compute_dtype()
     if name not in _DTYPES:
-        raise ValueError(
-            f"model.fsdp_config.mixed_precision.{key}={name!r} is not one of {sorted(_DTYPES)} (or null for the "
-            "device's default)"
-        )
+        raise ValueError(f"{section}.{key}={name!r} is not one of {sorted(_DTYPES)} (or null for the device's default)")
     return _DTYPES[name]
 
 
@@ -468,31 +489,6 @@ def _broadcast_bool(flag: bool) -> bool:
     return bool(value.item())
 
 
-class _MetricsLogger:
-    """Console lines (through tqdm so the progress bar stays intact) and an optional metrics.jsonl."""
-
-    def __init__(self, backends: list[str], directory: str, enabled: bool):
-        unknown = [b for b in backends if b not in LOGGERS]
-        if unknown:
-            raise ValueError(
-                f"trainer.logger={backends}: {unknown} not available in the SFT trainer; use any of {list(LOGGERS)}"
-            )
-        self.console = enabled and "console" in backends
-        self.file = os.path.join(directory, "metrics.jsonl") if enabled and "file" in backends else None
-
-    def log(self, metrics: dict[str, float], step: int, progress) -> None:
-        if self.console:
-            progress.write(f"step {step}: " + " ".join(f"{k}={_fmt(v)}" for k, v in metrics.items()))
-        if self.file:
-            os.makedirs(os.path.dirname(self.file), exist_ok=True)
-            with open(self.file, "a") as f:
-                f.write(json.dumps({"step": step, **metrics}) + "\n")
-
-
-def _fmt(value: float) -> str:
-    return f"{value:.4g}" if isinstance(value, float) else str(value)
-
-
 # --------------------------------------------------------------------------------- entry point
 def init_distributed() -> None:
     """Join the torchrun process group, or form a one-process group when started without torchrun.
@@ -511,10 +507,19 @@ def init_distributed() -> None:
 
 
 def resolve_defaults(config) -> None:
-    """Fill the embedded defaults: the bundled arith-tiny model and the generated arithmetic task."""
+    """Fill the demo's nulls (`+demo=arith_sft`): the bundled arith-tiny model and the generated arithmetic
+    task; with `data.use_shm`, read the data files from copies in /dev/shm."""
     from omegaconf import open_dict
 
+    from verl.utils.fs import copy_to_local
+
     with open_dict(config):
+        if config.data.use_shm:
+            for key in ("train_files", "val_files"):
+                files = config.data[key]
+                if files is not None:
+                    files = [files] if isinstance(files, str) else list(files)
+                    config.data[key] = [copy_to_local(os.path.expanduser(f), use_shm=True) for f in files]
         if config.model.partial_pretrain is None:
             from verl.models import bundled_model_path
 
@@ -552,30 +557,6 @@ def refuse_engine_section(config) -> None:
     )
 
 
-def refuse_unknown_keys(config) -> None:
-    """Refuse a key sft_trainer.yaml does not hold (`+data.prompt_keys=...`, a merged dotlist), naming the
-    closest valid one: this trainer reads only its own keys, so an unknown one would be silently ignored."""
-    from omegaconf import OmegaConf
-
-    from verl.trainer.config.errors import did_you_mean
-
-    known = OmegaConf.load(os.path.join(os.path.dirname(os.path.abspath(__file__)), "config", "sft_trainer.yaml"))
-
-    def walk(section, reference, prefix: str) -> None:
-        for key in section:
-            full = f"{prefix}{key}"
-            if key not in reference:
-                hint = did_you_mean(str(key), [str(k) for k in reference], prefix=prefix)
-                raise ValueError(
-                    f"{full} is not a key of the SFT trainer (sft_trainer.yaml).{hint} Remove it; the keys are listed "
-                    "in docs/sft.md"
-                )
-            if OmegaConf.is_dict(reference[key]) and OmegaConf.is_dict(section[key]):
-                walk(section[key], reference[key], f"{full}.")
-
-    walk(config, known, "")
-
-
 def run_sft(config, should_stop: Callable[[FSDPSFTTrainer, int], bool] | None = None) -> FSDPSFTTrainer:
     """Build everything from `config` in this (already distributed) process and train."""
     from omegaconf import OmegaConf
@@ -585,15 +566,17 @@ def run_sft(config, should_stop: Callable[[FSDPSFTTrainer, int], bool] | None = 
     from verl.utils.dataset.sft_dataset import SFTDataset
 
     refuse_engine_section(config)
-    refuse_unknown_keys(config)
+    check_sft_config(config)
+    resolve_micro_batch_size(config)
     device_utils.set_device_preference(config.trainer.device)
     init_distributed()
     resolve_defaults(config)
     torch.manual_seed(int(config.trainer.seed))
     mesh = init_device_mesh(device_utils.get_device_name(), (dist.get_world_size(),), mesh_dim_names=("fsdp",))
-    tokenizer = AutoTokenizer.from_pretrained(
-        os.path.expanduser(config.model.partial_pretrain), trust_remote_code=bool(config.model.trust_remote_code)
-    )
+    from verl.utils.fs import copy_to_local
+
+    model_path = copy_to_local(os.path.expanduser(config.model.partial_pretrain), use_shm=bool(config.model.use_shm))
+    tokenizer = AutoTokenizer.from_pretrained(model_path, trust_remote_code=bool(config.model.trust_remote_code))
     data_config = OmegaConf.to_container(config.data, resolve=True)
     train_dataset = SFTDataset(config.data.train_files, tokenizer, data_config)
     val_dataset = SFTDataset(config.data.val_files, tokenizer, data_config) if config.data.val_files else None

@@ -261,6 +261,14 @@ def get_wsd_schedule_with_warmup(
     `int(stable_ratio * (num_training_steps - num_warmup_steps))` steps, then a cosine decay to
     `min_lr_ratio * lr` over the remaining steps, `min_lr_ratio * lr` from `num_training_steps` on.
     `stable_ratio=0` is the cosine schedule. (`_cosine_factor` checks `min_lr_ratio`.)"""
+    return LambdaLR(
+        optimizer, _wsd_factor(num_warmup_steps, num_training_steps, min_lr_ratio, num_cycles, stable_ratio), last_epoch
+    )
+
+
+def _wsd_factor(
+    num_warmup_steps: int, num_training_steps: int, min_lr_ratio: float, num_cycles: float, stable_ratio: float
+):
     if not 0.0 <= stable_ratio <= 1.0:
         raise ValueError(f"stable_ratio must be in [0, 1] (the share of post-warm-up steps held), got {stable_ratio}")
     remaining = max(0, num_training_steps - num_warmup_steps)
@@ -276,7 +284,7 @@ def get_wsd_schedule_with_warmup(
             return decay(step - num_warmup_steps - num_stable)
         return min_lr_ratio
 
-    return LambdaLR(optimizer, factor, last_epoch)
+    return factor
 
 
 def _megatron_lr(
