@@ -30,6 +30,7 @@ import warnings
 
 from omegaconf import OmegaConf, open_dict
 
+from verl.base_config import NPU
 from verl.trainer.config.errors import did_you_mean
 
 CONFIG_PATH = os.path.join(os.path.dirname(os.path.abspath(__file__)), "config", "sft_trainer.yaml")
@@ -54,7 +55,8 @@ def refuse_unknown_keys(config) -> None:
             if full in UNDECLARED_UPSTREAM_KEYS:
                 continue
             if key not in reference:
-                hint = did_you_mean(str(key), [str(k) for k in reference], prefix=prefix)
+                undeclared = [k.removeprefix(prefix) for k in UNDECLARED_UPSTREAM_KEYS if k.startswith(prefix)]
+                hint = did_you_mean(str(key), [str(k) for k in reference] + undeclared, prefix=prefix)
                 raise ValueError(
                     f"{full} is not a key of the SFT trainer (sft_trainer.yaml).{hint} Remove it; the keys are listed "
                     "in docs/sft.md"
@@ -119,6 +121,13 @@ def check_sft_config(config) -> None:
             "runs the model's own layers (the same loss, without Liger's memory savings)",
             stacklevel=2,
         )
+    from verl.utils.device import _VALID as DEVICES
+
+    device = trainer.device
+    if device == "npu":
+        raise ValueError(f"trainer.device=npu: {NPU} are not supported by this build; set trainer.device=cuda (or cpu)")
+    if device not in DEVICES:
+        raise ValueError(f"trainer.device={device!r} is not one of {list(DEVICES)}")
     if model.strategy not in STRATEGIES:
         raise ValueError(f"model.strategy={model.strategy!r} is not one of {list(STRATEGIES)} (both train with FSDP2)")
     if str(fsdp.model_dtype) not in MODEL_DTYPES:

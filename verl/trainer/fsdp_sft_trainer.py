@@ -119,7 +119,7 @@ class FSDPSFTTrainer:
             self.tracking = Tracking(
                 project_name=trainer.project_name,
                 experiment_name=trainer.experiment_name,
-                default_backend=list(trainer.logger),
+                default_backend=trainer.logger if isinstance(trainer.logger, str) else list(trainer.logger),
                 config=OmegaConf.to_container(config, resolve=True),
                 run_dir=self.checkpoint_dir,
             )
@@ -297,6 +297,10 @@ class FSDPSFTTrainer:
         full_state = get_model_state_dict(
             self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
         )  # a collective: every rank takes part, rank 0 receives the full tensors
+        if self.lora:  # the adapter alone, in peft's format (a collective too; rank 0 writes)
+            from verl.utils.lora import save_lora_adapter
+
+            save_lora_adapter(self.model, os.path.join(path, "lora_adapter"))
         if self.rank == 0:
             torch.save(
                 {"global_step": self.global_step, "world_size": self.world_size},
@@ -304,11 +308,10 @@ class FSDPSFTTrainer:
             )
             hf_dir = os.path.join(path, "huggingface")
             model = self.model
-            if self.lora:  # the adapter alone (peft's format), and the base model with it merged in
-                from verl.utils.lora import merge_lora_state, save_lora_adapter
+            if self.lora:  # the export is the base model with the adapter merged in (W + scaling * B A)
+                from verl.utils.lora import lora_scalings, merge_lora_state
 
-                save_lora_adapter(self.model, os.path.join(path, "lora_adapter"))
-                full_state = dict(merge_lora_state(full_state.items(), self.model))
+                full_state = dict(merge_lora_state(full_state.items(), lora_scalings(self.model)))
                 model = self.model.get_base_model()
             model.save_pretrained(hf_dir, state_dict=full_state, safe_serialization=True)
             add_legacy_rope_theta(os.path.join(hf_dir, "config.json"))
