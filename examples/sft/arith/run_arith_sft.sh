@@ -21,7 +21,7 @@ torchrun --standalone --nnodes=1 --nproc_per_node="$nproc" -m verl.trainer.main_
     data.max_length=64 \
     model.partial_pretrain="$model_dir" \
     optim.lr=1e-3 \
-    optim.warmup_steps_ratio=0.0 \
+    optim.lr_warmup_steps_ratio=0.0 \
     optim.lr_scheduler=constant \
     trainer.default_local_dir="$save_dir" \
     trainer.total_epochs=3 \
