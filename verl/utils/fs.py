@@ -252,3 +252,12 @@ def local_mkdir_safe(path: str) -> str:
     with FileLock(lock_path, timeout=60):
         os.makedirs(path, exist_ok=True)
     return path
+
+
+def find_relative_file(path: str, folders) -> tuple[str | None, list[str]]:
+    """Look a file up: `path` itself when absolute, else under each of `folders` in order (a None
+    folder is skipped). Returns the first existing file (or None) and the candidates looked at, for an
+    error message that says where it looked."""
+    path = os.path.expanduser(str(path))
+    candidates = [path] if os.path.isabs(path) else [os.path.join(f, path) for f in folders if f is not None]
+    return next((c for c in candidates if os.path.isfile(c)), None), candidates

@@ -49,12 +49,18 @@ def tool_config(tmp_path, text: str) -> str:
     return str(path)
 
 
-def one_mcp_entry(tmp_path, servers, config: str, selected: str | None = None) -> str:
-    """A tool config of one `MCPBaseTool` entry: `config` (YAML flow), the servers file, the selection."""
+def one_mcp_entry(
+    tmp_path,
+    servers,
+    config: str,
+    selected: str | None = None,
+    class_name: str = "verl.tools.mcp_base_tool.MCPBaseTool",
+) -> str:
+    """A tool config of one MCP entry: the class, `config` (YAML flow), the servers file, the selection."""
     selection = f", tool_selected_list: {selected}" if selected else ""
     return tool_config(
         tmp_path,
-        "tools:\n  - class_name: verl.tools.mcp_base_tool.MCPBaseTool\n"
+        f"tools:\n  - class_name: {class_name}\n"
         f"    config: {config}\n    mcp: {{mcp_servers_config_path: {servers}{selection}}}\n",
     )
 
@@ -153,17 +159,8 @@ def test_an_mcp_entry_becomes_one_tool_per_server_tool_with_the_servers_schema(t
 
 def test_mcp_search_tool_keeps_the_result_lists_and_counts_queries_and_results(tmp_path):
     servers = stdio_servers(tmp_path)
-    path = tool_config(
-        tmp_path,
-        f"""
-        tools:
-          - class_name: verl.tools.mcp_search_tool.MCPSearchTool
-            config: {{type: mcp, rate_limit: 50, timeout: 20}}
-            mcp:
-              mcp_servers_config_path: {servers}
-              tool_selected_list: [search]
-        """,
-    )
+    config = "{type: mcp, rate_limit: 50, timeout: 20}"
+    path = one_mcp_entry(tmp_path, servers, config, "[search]", class_name="verl.tools.mcp_search_tool.MCPSearchTool")
     (search,) = initialize_tools_from_config(path)
     assert isinstance(search, MCPSearchTool) and search.name == "search"
 
@@ -281,15 +278,7 @@ def test_mistakes_in_an_mcp_entry_are_explained(tmp_path, entry, error, match):
 )
 def test_a_bad_servers_file_is_explained(tmp_path, content, match):
     (tmp_path / "servers.json").write_text(content)
-    path = tool_config(
-        tmp_path,
-        """
-        tools:
-          - class_name: verl.tools.mcp_base_tool.MCPBaseTool
-            config: {type: mcp}
-            mcp: {mcp_servers_config_path: servers.json}
-        """,
-    )
+    path = one_mcp_entry(tmp_path, "servers.json", "{type: mcp}")
     with pytest.raises(ValueError, match=match):
         initialize_tools_from_config(path)
 

@@ -76,15 +76,11 @@ def resolve_config_path(path: str) -> str:
     import os
 
     import verl
+    from verl.utils.fs import find_relative_file
 
-    path = os.path.expanduser(str(path))
-    if os.path.isabs(path):
-        candidates = [path]
-    else:
-        candidates = [os.path.abspath(path), os.path.join(os.path.dirname(os.path.dirname(verl.__file__)), path)]
-    for candidate in candidates:
-        if os.path.isfile(candidate):
-            return candidate
+    found, candidates = find_relative_file(path, [os.getcwd(), os.path.dirname(os.path.dirname(verl.__file__))])
+    if found is not None:
+        return found
     raise FileNotFoundError(
         f"actor_rollout_ref.rollout.agent.agent_loop_config_path={path!r}: no such file (looked at "
         f"{', '.join(candidates)}); give an absolute path, or one relative to the working directory"

@@ -157,11 +157,11 @@ async def initialize_mcp_tool(tool_cls, tool_config, where: str = "tool", config
 
 
 def _servers_file(path: str, config_dir: str | None, where: str) -> str:
-    path = os.path.expanduser(path)
-    candidates = [path] if os.path.isabs(path) or not config_dir else [path, os.path.join(config_dir, path)]
-    for candidate in candidates:
-        if os.path.isfile(candidate):
-            return candidate
+    from verl.utils.fs import find_relative_file
+
+    found, candidates = find_relative_file(path, ["", config_dir])  # "": the working directory
+    if found is not None:
+        return found
     raise FileNotFoundError(
         f"{where}: mcp.mcp_servers_config_path={path!r} is not a file (looked for {candidates}, working directory "
         f'{os.getcwd()!r}); it is a JSON file of MCP servers: {{"mcpServers": {{...}}}}'
