@@ -279,6 +279,9 @@ def test_a_recipe_style_driver_trains_through_upstream_s_trainer_surface(workers
         val_reward_fn=load_reward_manager(config, tokenizer, num_examine=1),
     )
     trainer.init_workers(groups=workers_of("reference_and_critic"))
+    from verl.experimental.agent_loop import AgentLoopManager
+
+    assert isinstance(trainer.async_rollout_manager, AgentLoopManager)  # upstream's class, as recipes expect
     final = trainer.fit()
     assert [r["step"] for r in read_metrics(tmp_path)] == [1, 2]
     n = config.actor_rollout_ref.rollout.n

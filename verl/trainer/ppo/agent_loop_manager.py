@@ -76,13 +76,29 @@ class AgentLoopManager:
         trust = bool(model.get("trust_remote_code", False))
         self.tokenizer = hf_tokenizer(model.get("tokenizer_path") or model.path, trust_remote_code=trust)
         self.processor = hf_processor(model.path, trust_remote_code=trust)
+        self._trainer = None
+
+    @classmethod
+    def of_trainer(cls, trainer) -> AgentLoopManager:
+        """The manager of a trainer that built its own worker groups (`trainer.async_rollout_manager` when
+        its `init_workers` assigned none): the trainer's actor-rollout group, tokenizer and processor, and
+        its current step stamping the samples."""
+        manager = cls.__new__(cls)
+        manager.config = trainer.config
+        manager.worker_group = trainer.actor_rollout_wg
+        manager.rollout_resource_pool = None
+        manager.reward_model_manager = None
+        manager.tokenizer, manager.processor = trainer.tokenizer, trainer.processor
+        manager._trainer = trainer
+        return manager
 
     def generate_sequences(self, prompts: DataProto) -> DataProto:
         """One sample row per prompt row (repeat the prompts `rollout.n` times first, as upstream's driver
         does), `meta_info["timing"]` with the call's seconds; `prompts.meta_info["global_steps"]` (upstream's
-        trainer sets it) stamps the samples."""
+        trainer sets it), else the trainer's step, stamps the samples."""
         multi_turn = bool(self.config.actor_rollout_ref.rollout.multi_turn.enable)
-        return generate_with_group(self.worker_group, prompts, self.tokenizer, self.processor, 0, multi_turn)
+        step = self._trainer.global_steps if self._trainer is not None else 0
+        return generate_with_group(self.worker_group, prompts, self.tokenizer, self.processor, step, multi_turn)
 
     def start_profile(self, **kwargs) -> None:
         """Start the profiler on the worker group's processes (where generation runs)."""

@@ -30,7 +30,6 @@ import torch
 
 from verl.protocol import DataProto
 from verl.trainer.ppo import core_algos
-from verl.trainer.ppo.agent_loop_manager import generate_with_group
 from verl.trainer.ppo.balance import balance_batch
 from verl.trainer.ppo.driver_math import apply_kl_in_reward, estimate_advantages
 from verl.trainer.ppo.generation import GEN_BATCH_KEYS
@@ -88,24 +87,6 @@ def compute_advantage(
     return data
 
 
-class RolloutManager:
-    """`trainer.async_rollout_manager` when the trainer built its own worker groups: `generate_sequences(prompts)`
-    turns prompt rows into sample rows (one response per row: a driver repeats its prompts `rollout.n` times
-    itself), through the actor-rollout worker group, and reports `meta_info["timing"]` (seconds per phase) as
-    upstream's manager does (`verl.trainer.ppo.agent_loop_manager`, the same with the trainer's tokenizer,
-    processor and step). The prompts' meta_info (`do_sample`, `validate`, ...) reaches the rollout."""
-
-    def __init__(self, trainer):
-        self._trainer = trainer
-
-    def generate_sequences(self, prompts: DataProto) -> DataProto:
-        trainer = self._trainer
-        multi_turn = bool(trainer.config.actor_rollout_ref.rollout.multi_turn.enable)
-        return generate_with_group(
-            trainer.actor_rollout_wg, prompts, trainer.tokenizer, trainer.processor, trainer.global_steps, multi_turn
-        )
-
-
 class UpstreamTrainerAPI:
     """The attributes and phase methods upstream's `RayPPOTrainer` gives its subclasses (see the
     module docstring). Mixed into `RayPPOTrainer`, which provides `config`, the worker groups,
@@ -115,10 +96,14 @@ class UpstreamTrainerAPI:
 
     @property
     def async_rollout_manager(self):
-        """The trainer's generation handle; a trainer whose own `init_workers` assigns upstream's
-        `AgentLoopManager` (or a subclass of it) gets that one."""
+        """The trainer's generation handle: upstream's `AgentLoopManager` over the trainer's actor-rollout group;
+        a trainer whose own `init_workers` assigns one (or a subclass of it) gets that one."""
         manager = self.__dict__.get("_async_rollout_manager")
-        return RolloutManager(self) if manager is None else manager
+        if manager is None:
+            from verl.trainer.ppo.agent_loop_manager import AgentLoopManager
+
+            return AgentLoopManager.of_trainer(self)  # not kept: it follows the trainer's current groups
+        return manager
 
     @async_rollout_manager.setter
     def async_rollout_manager(self, manager) -> None:
