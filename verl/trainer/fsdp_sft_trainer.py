@@ -16,6 +16,9 @@ Design decisions:
   therefore do not change the result.
 - Each rank's batch is cut to its longest sequence before the forward pass (the dataset pads to
   `data.max_length`), so a short task costs what its tokens cost.
+- `use_remove_padding` packs each micro-batch into one row; `ulysses_sequence_parallel_size` splits
+  that row across groups of ranks (data sharded over the dp = world / sp groups only). Both live in
+  `verl.trainer.sft_ulysses`; FSDP still shards over all ranks, so checkpoints do not depend on sp.
 - Checkpoints: `default_local_dir/global_step_N/` holds the sharded model and optimizer state
   written with torch.distributed.checkpoint (`dcp/`), the scheduler and step counters
   (`extra_state.pt`) and a plain HF export (`huggingface/`: config, safetensors weights,
@@ -43,6 +46,7 @@ import torch.distributed as dist
 from torch.utils.data import DataLoader, DistributedSampler
 
 from verl.trainer.fsdp_sft_config import check_sft_config, resolve_micro_batch_size, sft_lr_factor
+from verl.trainer.sft_ulysses import SFTParallel, packed_sft_token_losses
 from verl.utils import device as device_utils
 from verl.utils.checkpoint.checkpoint_manager import (
     copy_checkpoint_step,
@@ -79,11 +83,13 @@ class FSDPSFTTrainer:
         self.rank = dist.get_rank()
         self.world_size = dist.get_world_size()
         self.device = device_utils.get_device()
+        # use_remove_padding / ulysses_sequence_parallel_size: checked, and the dp x sp grid built, before the model
+        self.parallel = SFTParallel.from_config(config, device_utils.get_device_name())
 
         data = config.data
         self.micro_batch_size = int(data.micro_batch_size_per_gpu)
         self.batch_size_per_rank = _per_rank_batch_size(
-            int(data.train_batch_size), self.micro_batch_size, self.world_size
+            int(data.train_batch_size), self.micro_batch_size, self.parallel.dp_size
         )
         self.steps_per_epoch = len(train_dataset) // int(data.train_batch_size)
         if self.steps_per_epoch == 0:
@@ -105,6 +111,7 @@ class FSDPSFTTrainer:
 
         self.lora = lora_enabled(config.model)
         self.model = self._build_model()
+        self.parallel.check_model(self.model)
         # `optim.optimizer` of `optim.optimizer_impl` (AdamW), over the trainable parameters (the adapters with LoRA)
         self.optimizer = build_optimizer([p for p in self.model.parameters() if p.requires_grad], config.optim)
         # The learning rate is a pure function of the step (no scheduler state to checkpoint), so a
@@ -175,17 +182,21 @@ class FSDPSFTTrainer:
             epoch,
             skip_batches,
             self.batch_size_per_rank,
-            self.rank,
-            self.world_size,
+            self.parallel.dp_rank,
+            self.parallel.dp_size,
             int(self.config.trainer.seed),
         )
 
     def _val_loader(self) -> DataLoader:
-        sampler = DistributedSampler(self.val_dataset, num_replicas=self.world_size, rank=self.rank, shuffle=False)
+        sampler = DistributedSampler(
+            self.val_dataset, num_replicas=self.parallel.dp_size, rank=self.parallel.dp_rank, shuffle=False
+        )
         return DataLoader(self.val_dataset, batch_size=self.micro_batch_size, sampler=sampler)
 
     # ----------------------------------------------------------------------------- steps
     def _token_losses(self, micro_batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.parallel.use_remove_padding:  # with sp > 1: this rank's slice of the packed row
+            return packed_sft_token_losses(self.model, micro_batch, self.device, self.parallel.sp_group)
         return sft_token_losses(self.model, micro_batch, self.device)
 
     def accumulate_gradients(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -193,7 +204,13 @@ class FSDPSFTTrainer:
         gradient of the global-batch mean token loss. Returns (summed token loss, token count), both
         summed over all ranks."""
         return accumulate_sft_gradients(
-            self.model, batch, _split(batch, self.micro_batch_size), self.device, self.global_step + 1
+            self.model,
+            batch,
+            _split(batch, self.micro_batch_size),
+            self.device,
+            self.global_step + 1,
+            token_losses=self._token_losses,
+            sp_size=self.parallel.sp_size,
         )
 
     def training_step(self, batch: dict[str, torch.Tensor]) -> dict[str, float]:
@@ -213,7 +230,10 @@ class FSDPSFTTrainer:
         else:
             logger.warning(f"step {self.global_step + 1}: gradient norm is {grad_norm}; skipping the update")
         self.optimizer.zero_grad(set_to_none=True)
-        tokens_total = _all_reduce_sum(batch["attention_mask"].sum().to(self.device, torch.float32))
+        # the ranks of an sp group hold the same rows
+        tokens_total = (
+            _all_reduce_sum(batch["attention_mask"].sum().to(self.device, torch.float32)) / self.parallel.sp_size
+        )
         elapsed = time.perf_counter() - start
         return {
             "train/loss": (loss_sum / num_tokens).item(),
@@ -384,19 +404,38 @@ def sft_token_losses(model, micro_batch: dict[str, torch.Tensor], device) -> tup
         use_cache=False,
     ).logits
     losses = torch.nn.functional.cross_entropy(
-        logits[:, :-1].float().transpose(1, 2), input_ids[:, 1:], reduction="none"
+        logits[:, :-1].to(torch.promote_types(logits.dtype, torch.float32)).transpose(1, 2),
+        input_ids[:, 1:],
+        reduction="none",
     )
     return (losses * loss_mask).sum(), loss_mask.sum()
 
 
 def accumulate_sft_gradients(
-    model, batch: dict[str, torch.Tensor], micro_batches: list, device, step: int
+    model,
+    batch: dict[str, torch.Tensor],
+    micro_batches: list,
+    device,
+    step: int,
+    token_losses: Callable[[dict[str, torch.Tensor]], tuple[torch.Tensor, torch.Tensor]] | None = None,
+    sp_size: int = 1,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Forward/backward over this rank's `micro_batches` (a split of `batch`) so that the accumulated
     gradient, once averaged over the ranks (FSDP, or the replicas' all-reduce), is the gradient of the
-    global-batch mean token loss. Returns (summed token loss, token count), both summed over all ranks."""
+    global-batch mean token loss. Returns (summed token loss, token count), both summed over all ranks.
+
+    `token_losses(micro_batch)` -> (summed token loss, count): default `sft_token_losses` of `model`.
+    `sp_size`: ranks per Ulysses group; they hold the same rows and `token_losses` gives each the loss
+    of its slice of them (`verl.trainer.sft_ulysses`), so the batch's token count, summed over all
+    ranks, counts each token sp times. The slices' gradients sum to the rows' gradient, so the world
+    factor (dp x sp) stays what FSDP's average over all ranks needs."""
     world_size = dist.get_world_size()
-    num_tokens = _all_reduce_sum(batch["loss_mask"][:, 1:].sum().to(device, torch.float32))
+    if token_losses is None:
+
+        def token_losses(micro_batch):
+            return sft_token_losses(model, micro_batch, device)
+
+    num_tokens = _all_reduce_sum(batch["loss_mask"][:, 1:].sum().to(device, torch.float32)) / sp_size
     if num_tokens.item() == 0:
         raise ValueError(
             f"step {step}: the global batch has no response tokens to learn from (every loss_mask is zero, e.g. "
@@ -404,7 +443,7 @@ def accumulate_sft_gradients(
         )
     loss_sum = torch.zeros((), device=device)
     for micro_batch in micro_batches:
-        token_loss_sum, _ = sft_token_losses(model, micro_batch, device)
+        token_loss_sum, _ = token_losses(micro_batch)
         (token_loss_sum / num_tokens * world_size).backward()
         loss_sum += token_loss_sum.detach()
     return _all_reduce_sum(loss_sum), num_tokens
