@@ -55,7 +55,7 @@ def test_accumulated_gradient_equals_the_float64_global_token_mean_gradient(asse
     config = _config(assets, "data.train_batch_size=8", "data.micro_batch_size_per_gpu=2", "data.max_length=32")
     tokenizer = AutoTokenizer.from_pretrained(assets["model"])
     dataset = SFTDataset(assets["train"], tokenizer, config.data)
-    trainer = FSDPSFTTrainer(config, init_device_mesh("cpu", (1,)), tokenizer, dataset)
+    trainer = FSDPSFTTrainer(config, init_device_mesh("cpu", (1,)), tokenizer=tokenizer, train_dataset=dataset)
     # Variable-length answers (2 or 3 digits) make per-micro-batch token counts differ.
     batch = _trim_padding(torch.utils.data.default_collate([dataset[i] for i in range(8)]))
     loss_sum, num_tokens = trainer.accumulate_gradients(batch)
@@ -89,7 +89,7 @@ def test_batch_size_not_divisible_by_micro_batch_is_explained(assets, one_rank_g
     tokenizer = AutoTokenizer.from_pretrained(assets["model"])
     dataset = SFTDataset(assets["train"], tokenizer, config.data)
     with pytest.raises(ValueError, match="micro_batch_size_per_gpu=3 does not divide"):
-        FSDPSFTTrainer(config, init_device_mesh("cpu", (1,)), tokenizer, dataset)
+        FSDPSFTTrainer(config, init_device_mesh("cpu", (1,)), tokenizer=tokenizer, train_dataset=dataset)
 
 
 def test_lr_schedules_are_upstreams_warm_up_from_zero_then_cosine_wsd_or_constant():

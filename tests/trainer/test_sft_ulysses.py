@@ -215,8 +215,19 @@ def _trainer(assets, run: str, *overrides):
     )
     tokenizer = AutoTokenizer.from_pretrained(assets["model"])
     train, val = (SFTDataset(config.data[key], tokenizer, config.data) for key in ("train_files", "val_files"))
-    mesh = init_device_mesh("cpu", (dist.get_world_size(),), mesh_dim_names=("fsdp",))
-    return FSDPSFTTrainer(config, mesh, tokenizer, train, val)
+    world, sp = dist.get_world_size(), config.ulysses_sequence_parallel_size
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("fsdp",))
+    # upstream's constructor: its test scripts build the ("dp", "sp") mesh themselves
+    layout = sp > 1 and world % sp == 0  # (the refusal tests ask for layouts no mesh can have)
+    ulysses_mesh = init_device_mesh("cpu", (world // sp, sp), mesh_dim_names=("dp", "sp")) if layout else None
+    return FSDPSFTTrainer(
+        config=config,
+        device_mesh=mesh,
+        ulysses_device_mesh=ulysses_mesh,
+        tokenizer=tokenizer,
+        train_dataset=train,
+        val_dataset=val,
+    )
 
 
 def _metrics(assets, run: str) -> list[dict]:

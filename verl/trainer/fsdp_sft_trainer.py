@@ -69,12 +69,16 @@ class FSDPSFTTrainer:
     Args:
         config: the resolved `sft_trainer.yaml` config (an OmegaConf DictConfig).
         device_mesh: 1-D mesh over all ranks.
+        ulysses_device_mesh: upstream's ("dp", "sp") mesh for `ulysses_sequence_parallel_size` > 1;
+            None: the trainer builds it (the same consecutive groups).
         tokenizer: saved with every HF export.
         train_dataset, val_dataset: map-style datasets yielding `SFTDataset` items; `val_dataset`
             may be None (no validation).
     """
 
-    def __init__(self, config, device_mesh, tokenizer, train_dataset, val_dataset=None):
+    def __init__(
+        self, config, device_mesh, ulysses_device_mesh=None, tokenizer=None, train_dataset=None, val_dataset=None
+    ):
         self.config = config
         self.device_mesh = device_mesh
         self.tokenizer = tokenizer
@@ -84,7 +88,7 @@ class FSDPSFTTrainer:
         self.world_size = dist.get_world_size()
         self.device = device_utils.get_device()
         # use_remove_padding / ulysses_sequence_parallel_size: checked, and the dp x sp grid built, before the model
-        self.parallel = SFTParallel.from_config(config, device_utils.get_device_name())
+        self.parallel = SFTParallel.from_config(config, device_utils.get_device_name(), mesh=ulysses_device_mesh)
 
         data = config.data
         self.micro_batch_size = int(data.micro_batch_size_per_gpu)
@@ -622,7 +626,7 @@ def run_sft(config, should_stop: Callable[[FSDPSFTTrainer, int], bool] | None = 
     data_config = OmegaConf.to_container(config.data, resolve=True)
     train_dataset = SFTDataset(config.data.train_files, tokenizer, data_config)
     val_dataset = SFTDataset(config.data.val_files, tokenizer, data_config) if config.data.val_files else None
-    trainer = FSDPSFTTrainer(config, mesh, tokenizer, train_dataset, val_dataset)
+    trainer = FSDPSFTTrainer(config, mesh, tokenizer=tokenizer, train_dataset=train_dataset, val_dataset=val_dataset)
     if dist.get_rank() == 0:
         os.makedirs(trainer.checkpoint_dir, exist_ok=True)
         OmegaConf.save(config, os.path.join(trainer.checkpoint_dir, "sft_config.yaml"), resolve=True)

@@ -80,9 +80,10 @@ class SFTParallel:
     use_remove_padding: bool = False
 
     @classmethod
-    def from_config(cls, config, device_name: str) -> SFTParallel:
+    def from_config(cls, config, device_name: str, mesh=None) -> SFTParallel:
         """Check the keys (the head counts from the model's config.json) and build the dp x sp mesh;
-        call on every rank (building the mesh is a collective) before the model is built."""
+        call on every rank (building the mesh is a collective) before the model is built. `mesh`: a
+        ("dp", "sp") mesh the caller built already (upstream's `ulysses_device_mesh`), used as it is."""
         sp_size = int(config.get(SP_KEY, 1) or 1)
         use_remove_padding = bool(config.get(REMOVE_PADDING_KEY, False))
         world, rank = dist.get_world_size(), dist.get_rank()
@@ -92,13 +93,21 @@ class SFTParallel:
         from torch.distributed.device_mesh import init_device_mesh
         from transformers import AutoConfig
 
+        from verl.utils.fs import copy_to_local
+
         model_config = AutoConfig.from_pretrained(
-            os.path.expanduser(config.model.partial_pretrain),
+            copy_to_local(os.path.expanduser(config.model.partial_pretrain)),
             trust_remote_code=bool(config.model.get("trust_remote_code", False)),
         )
         check_sft_parallel(sp_size, use_remove_padding, world, model_config)
 
-        mesh = init_device_mesh(device_name, (world // sp_size, sp_size), mesh_dim_names=("dp", "sp"))
+        if mesh is None:
+            mesh = init_device_mesh(device_name, (world // sp_size, sp_size), mesh_dim_names=("dp", "sp"))
+        elif tuple(mesh.mesh_dim_names or ()) != ("dp", "sp") or mesh.size(1) != sp_size:
+            raise ValueError(
+                f"ulysses_device_mesh {tuple(mesh.shape)} {mesh.mesh_dim_names} does not match {SP_KEY}={sp_size}: "
+                f'build it as init_device_mesh(device, ({world // sp_size}, {sp_size}), mesh_dim_names=("dp", "sp"))'
+            )
         ulysses.patch_sdpa_attention()
         return cls(sp_size, world // sp_size, mesh.get_local_rank("dp"), mesh.get_group("sp"), use_remove_padding)
 
