@@ -220,6 +220,22 @@ def test_max_samples_keeps_the_first_rows_as_upstreams_does(assets, max_samples,
 
 
 @pytest.mark.slow
+def test_ulysses_groups_of_two_train_to_the_two_data_parallel_ranks_losses(assets):
+    """`engine.ulysses_sequence_parallel_size=2` on 2 ranks (one group splitting every packed row) against 2
+    data-parallel ranks without sp: the same global batches, so the same losses and gradient norms (fp32)."""
+    common = ("engine.fsdp_size=2", "trainer.total_training_steps=3", "data.use_dynamic_bsz=true")
+    budget = "data.max_token_len_per_gpu=96"  # per rank: an sp rank holds half of each row, so twice the rows
+    dp = _torchrun(assets, assets["root"] / "dp2", *common, budget)
+    sp = _torchrun(assets, assets["root"] / "sp2", *common, budget, "engine.ulysses_sequence_parallel_size=2")
+    for key in ("train/loss", "train/grad_norm", "train/global_tokens"):
+        want = [r["data"][key] for r in dp if key in r["data"]]
+        got = [r["data"][key] for r in sp if key in r["data"]]
+        assert len(want) == len(got) == 3, key
+        assert got == pytest.approx(want, rel=2e-5), key
+    assert dp[-1]["data"]["train/loss"] < dp[0]["data"]["train/loss"]
+
+
+@pytest.mark.slow
 def test_two_rank_run_saved_and_resumed_matches_an_uninterrupted_run(assets):
     def losses(records):
         return {r["step"]: r["data"]["train/loss"] for r in records}
@@ -305,7 +321,14 @@ def test_megatron_engine_at_tp1_trains_to_the_fsdp_engines_losses(assets):
             "checkpoint.async_save=true",
             r"^checkpoint.async_save=true: this SFT trainer writes checkpoints synchronously",
         ),
-        ("engine.ulysses_sequence_parallel_size=2", r"^engine.ulysses_sequence_parallel_size=2 is not implemented"),
+        (
+            "engine.ulysses_sequence_parallel_size=2 model.use_remove_padding=false",
+            r"^engine.ulysses_sequence_parallel_size=2 needs model.use_remove_padding=true",
+        ),
+        (
+            "engine.ulysses_sequence_parallel_size=2 trainer.device=cpu",  # one rank here
+            r"^engine.ulysses_sequence_parallel_size=2 does not divide the 1 ranks",
+        ),
         ("engine.max_token_len_per_gpu=99", r"^engine.max_token_len_per_gpu=99: .* set data.max_token_len_per_gpu$"),
         ("engine.fsdp_sise=2", r"^unknown config key 'engine.fsdp_sise'.* Did you mean engine.fsdp_size\?"),
         ("optim.lr_scheduler_type=linear", r"^optim.lr_scheduler_type='linear' is not"),
@@ -318,7 +341,7 @@ def test_bad_keys_and_values_are_refused_in_one_line(assets, override, message, 
     from omegaconf import OmegaConf
 
     OmegaConf.set_struct(config, False)
-    config.merge_with_dotlist([override])
+    config.merge_with_dotlist(override.split())
     with pytest.raises(ValueError, match=message) as raised:
         run_sft(config)
     assert "\n" not in str(raised.value)
@@ -373,6 +396,13 @@ _UPSTREAM_SCRIPT = {
         "engine.context_parallel_size=1", "engine.use_mbridge=True",
     ],
 }  # fmt: skip
+# upstream's tests/special_e2e/sft/test_sft_engine_all.sh runs the fsdp line at sp 2 on 8 GPUs (FSDP groups of 2)
+_UPSTREAM_SCRIPT["fsdp-sp2"] = [
+    *_UPSTREAM_SCRIPT["fsdp"][:-3],
+    "engine.ulysses_sequence_parallel_size=2",
+    "engine.strategy=fsdp2",
+    "engine.fsdp_size=2",
+]
 # upstream's tests/special_e2e/sft/test_sft_engine_all.sh runs the megatron line at tp 2, pp 2, vpp 2, cp 2 on 8 GPUs
 _UPSTREAM_SCRIPT["megatron-tp2-pp2-vpp2-cp2"] = [
     *_UPSTREAM_SCRIPT["megatron"][:-5],

@@ -48,6 +48,7 @@ from verl.trainer.fsdp_sft_trainer import (
     sft_token_losses,
     sft_train_loader,
 )
+from verl.trainer.sft_ulysses import SFTParallel, check_sft_parallel, packed_sft_token_losses
 from verl.utils import device as device_utils
 from verl.utils.checkpoint.checkpoint_manager import (
     copy_checkpoint_step,
@@ -59,6 +60,7 @@ from verl.utils.logging_utils import get_logger
 
 logger = get_logger(__name__, level=os.environ.get("VERL_LOGGING_LEVEL", "INFO"))
 
+SP_KEY, RP_KEY = "engine.ulysses_sequence_parallel_size", "model.use_remove_padding"
 SECTIONS = ("data", "model", "engine", "optim", "checkpoint", "profiler", "trainer")
 PAD_MODES = ("no_padding", "right")
 AFTER_EACH_EPOCH = "after_each_epoch"
@@ -163,13 +165,14 @@ def check_config(config: DictConfig) -> None:
         raise ValueError(
             "engine=veomni selects upstream's VeOmni engine, which is not in this build; use engine=fsdp optim=fsdp"
         )
-    sp = engine.get("ulysses_sequence_parallel_size") or 1
-    if sp > 1:
-        # the PPO roles read this key (verl.utils.ulysses_keys.role_sp); this trainer's passes run unsplit
+    sp = int(engine.get("ulysses_sequence_parallel_size") or 1)
+    if sp > 1 and target.endswith("McoreEngineConfig"):
         raise ValueError(
-            f"engine.ulysses_sequence_parallel_size={sp} is not implemented by the SFT engine trainer (its forward "
-            "runs whole sequences on each rank); set it to 1"
+            f"engine.ulysses_sequence_parallel_size={sp} is the FSDP engine's key; the Megatron engine splits "
+            "sequences with engine.context_parallel_size"
         )
+    # sp x remove padding here; the ranks and the model's heads when the engine's passes are built
+    check_sft_parallel(sp, bool(config.model.use_remove_padding), sp, sp_key=SP_KEY, remove_padding_key=RP_KEY)
     if config.model.path is None:
         raise ValueError("model.path is not set; pass model.path=<HF model directory>")
 
@@ -248,18 +251,46 @@ def _sum_over(value: torch.Tensor, group) -> torch.Tensor:
 
 
 class _FSDPPasses:
-    """main_sft's forward/backward on the FSDP engine's HF module (`engine.module`)."""
+    """main_sft's forward/backward on the FSDP engine's HF module (`engine.module`), with main_sft's
+    remove padding (`model.use_remove_padding`) and Ulysses groups (`engine.ulysses_sequence_parallel_size`,
+    `verl.trainer.sft_ulysses`): rows are sharded over the dp = world / sp groups, each rank's loss is that
+    of its slice of the group's packed rows, and the sums (`dp_group` None: every rank) add the slices up."""
 
-    def __init__(self, engine, device):
+    def __init__(self, engine, device, config):
         self.engine, self.device = engine, device
-        # every rank is a data-parallel rank: (group, this rank, number of ranks holding different rows)
-        self.dp_group, self.dp_rank, self.dp_size = None, dist.get_rank(), dist.get_world_size()
+        model = config.model
+        self.parallel = SFTParallel.build(
+            int(config.engine.get("ulysses_sequence_parallel_size") or 1),
+            bool(model.use_remove_padding),
+            model.path,
+            bool(model.trust_remote_code),
+            device_utils.get_device_name(),
+            sp_key=SP_KEY,
+            remove_padding_key=RP_KEY,
+        )
+        self.parallel.check_model(engine.module)
+        self.sp_size = self.parallel.sp_size
+        # (group summing over every rank, this rank's data-parallel index, number of groups holding different rows)
+        self.dp_group, self.dp_rank, self.dp_size = None, self.parallel.dp_rank, self.parallel.dp_size
 
     def token_budget(self, max_token_len: int) -> int:
-        return max_token_len
+        return max_token_len * self.sp_size  # a rank holds 1/sp of each row's tokens, as in the PPO roles
+
+    def _token_losses(self, micro_batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.parallel.use_remove_padding:
+            return packed_sft_token_losses(self.engine.module, micro_batch, self.device, self.parallel.sp_group)
+        return sft_token_losses(self.engine.module, micro_batch, self.device)
 
     def backward(self, batch: dict, micro_batches: list, step: int) -> tuple[torch.Tensor, torch.Tensor]:
-        return accumulate_sft_gradients(self.engine.module, batch, micro_batches, self.device, step)
+        return accumulate_sft_gradients(
+            self.engine.module,
+            batch,
+            micro_batches,
+            self.device,
+            step,
+            token_losses=self._token_losses,
+            sp_size=self.sp_size,
+        )
 
     def clip(self, grad_clip: float) -> torch.Tensor:
         from verl.workers.dp_training import clip_grad_norm
@@ -267,7 +298,7 @@ class _FSDPPasses:
         return clip_grad_norm(self.engine.module, grad_clip)
 
     def loss_sum(self, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
-        return sft_token_losses(self.engine.module, batch, self.device)
+        return self._token_losses(batch)
 
 
 class _MegatronPasses:
@@ -279,7 +310,9 @@ class _MegatronPasses:
     rows on every context-parallel rank: `response_columns` gathers them). The loss exists on the last
     pipeline stage; its sums go to the other stages (`_from_last_stage`) and over the data-parallel group."""
 
-    def __init__(self, engine, device):
+    sp_size = 1  # sequences split by context parallelism instead (counted in dp_group)
+
+    def __init__(self, engine, device, config=None):
         from megatron.core import parallel_state as mpu
 
         self.engine, self.device = engine, device
@@ -372,7 +405,7 @@ class SFTTrainer:
         from verl.workers.engine import MegatronEngine
 
         passes = _MegatronPasses if isinstance(engine, MegatronEngine) else _FSDPPasses
-        self.passes = passes(engine, device_utils.get_device())
+        self.passes = passes(engine, device_utils.get_device(), config)
         self.tokenizer = tokenizer
         self.train_dataset = train_dataset
         self.val_dataset = val_dataset
@@ -440,11 +473,13 @@ class SFTTrainer:
             self.engine.optimizer.zero_grad(set_to_none=True)
         lr = self.engine.lr_scheduler_step()
         seqlens = batch["attention_mask"].sum(dim=1)
-        global_tokens = _sum_over(seqlens.sum().to(self.device, torch.float32), self.dp_group).item()
+        # the ranks of an sp group hold the same rows
+        sp = self.passes.sp_size
+        global_tokens = _sum_over(seqlens.sum().to(self.device, torch.float32), self.dp_group).item() / sp
         self.total_tokens += global_tokens
         # each data-parallel replica's FLOPs (the whole model's, on its rows) over every rank's peak
         achieved, peak = self.flops_counter.estimate_flops(seqlens.tolist(), time.perf_counter() - start)
-        mfu = _sum_over(torch.tensor(achieved / peak, device=self.device), self.dp_group).item() / self.world_size
+        mfu = _sum_over(torch.tensor(achieved / peak, device=self.device), self.dp_group).item() / self.world_size / sp
         return {
             "train/loss": (loss_sum / num_tokens).item(),
             "train/grad_norm": grad_norm,

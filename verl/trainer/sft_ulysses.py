@@ -42,20 +42,28 @@ SP_KEY = "ulysses_sequence_parallel_size"
 REMOVE_PADDING_KEY = "use_remove_padding"
 
 
-def check_sft_parallel(sp_size: int, use_remove_padding: bool, world_size: int, model_config=None) -> None:
-    """Refuse a Ulysses size the run cannot use, naming the key (one line each)."""
+def check_sft_parallel(
+    sp_size: int,
+    use_remove_padding: bool,
+    world_size: int,
+    model_config=None,
+    sp_key: str = SP_KEY,
+    remove_padding_key: str = REMOVE_PADDING_KEY,
+) -> None:
+    """Refuse a Ulysses size the run cannot use, naming the keys (`sp_key`, `remove_padding_key`: how the
+    trainer's config spells them), one line each."""
     if sp_size < 1:
-        raise ValueError(f"{SP_KEY}={sp_size} must be >= 1 (1: no sequence parallelism)")
+        raise ValueError(f"{sp_key}={sp_size} must be >= 1 (1: no sequence parallelism)")
     if sp_size == 1:
         return
     if not use_remove_padding:
         raise ValueError(
-            f"{SP_KEY}={sp_size} needs {REMOVE_PADDING_KEY}=true: Ulysses splits the packed (padding-free) "
-            f"token sequence across ranks; set {REMOVE_PADDING_KEY}=true or {SP_KEY}=1"
+            f"{sp_key}={sp_size} needs {remove_padding_key}=true: Ulysses splits the packed (padding-free) "
+            f"token sequence across ranks; set {remove_padding_key}=true or {sp_key}=1"
         )
     if world_size % sp_size:
         raise ValueError(
-            f"{SP_KEY}={sp_size} does not divide the {world_size} ranks: each sequence-parallel group takes "
+            f"{sp_key}={sp_size} does not divide the {world_size} ranks: each sequence-parallel group takes "
             f"{sp_size} consecutive ranks; set it to a divisor of {world_size} or change --nproc_per_node"
         )
     if model_config is not None:
@@ -79,45 +87,69 @@ class SFTParallel:
     sp_group: object = None
     use_remove_padding: bool = False
 
+    sp_key: str = SP_KEY
+
     @classmethod
     def from_config(cls, config, device_name: str, mesh=None) -> SFTParallel:
+        """`main_sft`'s keys (top-level `ulysses_sequence_parallel_size`, `use_remove_padding`; the model at
+        `model.partial_pretrain`): see `build`. `mesh`: upstream's `ulysses_device_mesh`, when given."""
+        return cls.build(
+            int(config.get(SP_KEY, 1) or 1),
+            bool(config.get(REMOVE_PADDING_KEY, False)),
+            config.model.partial_pretrain,
+            bool(config.model.get("trust_remote_code", False)),
+            device_name,
+            mesh=mesh,
+        )
+
+    @classmethod
+    def build(
+        cls,
+        sp_size: int,
+        use_remove_padding: bool,
+        model_path: str,
+        trust_remote_code: bool,
+        device_name: str,
+        mesh=None,
+        sp_key: str = SP_KEY,
+        remove_padding_key: str = REMOVE_PADDING_KEY,
+    ) -> SFTParallel:
         """Check the keys (the head counts from the model's config.json) and build the dp x sp mesh;
         call on every rank (building the mesh is a collective) before the model is built. `mesh`: a
-        ("dp", "sp") mesh the caller built already (upstream's `ulysses_device_mesh`), used as it is."""
-        sp_size = int(config.get(SP_KEY, 1) or 1)
-        use_remove_padding = bool(config.get(REMOVE_PADDING_KEY, False))
+        ("dp", "sp") mesh the caller built already, used as it is."""
         world, rank = dist.get_world_size(), dist.get_rank()
-        check_sft_parallel(sp_size, use_remove_padding, world)
+        keys = {"sp_key": sp_key, "remove_padding_key": remove_padding_key}
+        check_sft_parallel(sp_size, use_remove_padding, world, **keys)
         if sp_size == 1:
-            return cls(1, world, rank, None, use_remove_padding)
+            return cls(1, world, rank, None, use_remove_padding, sp_key)
         from torch.distributed.device_mesh import init_device_mesh
         from transformers import AutoConfig
 
         from verl.utils.fs import copy_to_local
 
         model_config = AutoConfig.from_pretrained(
-            copy_to_local(os.path.expanduser(config.model.partial_pretrain)),
-            trust_remote_code=bool(config.model.get("trust_remote_code", False)),
+            copy_to_local(os.path.expanduser(model_path)), trust_remote_code=trust_remote_code
         )
-        check_sft_parallel(sp_size, use_remove_padding, world, model_config)
+        check_sft_parallel(sp_size, use_remove_padding, world, model_config, **keys)
 
         if mesh is None:
             mesh = init_device_mesh(device_name, (world // sp_size, sp_size), mesh_dim_names=("dp", "sp"))
         elif tuple(mesh.mesh_dim_names or ()) != ("dp", "sp") or mesh.size(1) != sp_size:
             raise ValueError(
-                f"ulysses_device_mesh {tuple(mesh.shape)} {mesh.mesh_dim_names} does not match {SP_KEY}={sp_size}: "
+                f"ulysses_device_mesh {tuple(mesh.shape)} {mesh.mesh_dim_names} does not match {sp_key}={sp_size}: "
                 f'build it as init_device_mesh(device, ({world // sp_size}, {sp_size}), mesh_dim_names=("dp", "sp"))'
             )
         ulysses.patch_sdpa_attention()
-        return cls(sp_size, world // sp_size, mesh.get_local_rank("dp"), mesh.get_group("sp"), use_remove_padding)
+        dp_rank, sp_group = mesh.get_local_rank("dp"), mesh.get_group("sp")
+        return cls(sp_size, world // sp_size, dp_rank, sp_group, use_remove_padding, sp_key)
 
     def check_model(self, model) -> None:
         """The sp forward goes through the patched sdpa attention; refuse any other implementation."""
         impl = getattr(model.config, "_attn_implementation", "sdpa")
         if self.sp_size > 1 and impl != "sdpa":
             raise ValueError(
-                f"{SP_KEY}={self.sp_size} supports attn_implementation='sdpa' only, the model uses {impl!r}; "
-                f"set {SP_KEY}=1"
+                f"{self.sp_key}={self.sp_size} supports attn_implementation='sdpa' only, the model uses {impl!r}; "
+                f"set {self.sp_key}=1"
             )
 
 
