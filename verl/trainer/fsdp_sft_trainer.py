@@ -1,8 +1,9 @@
 """Supervised fine-tuning of a causal LM with FSDP2, under torchrun (or as one plain process).
 
     torchrun --nproc_per_node=2 -m verl.trainer.fsdp_sft_trainer \\
-        data.train_files=~/data/arith/train.parquet data.val_files=~/data/arith/test.parquet \\
-        data.prompt_key=prompt data.response_key=extra_info.answer \\
+        data.train_files=~/data/gsm8k/train.parquet data.val_files=~/data/gsm8k/test.parquet \\
+        data.prompt_key=extra_info data.response_key=extra_info \\
+        data.prompt_dict_keys=['question'] data.response_dict_keys=['answer'] \\
         model.partial_pretrain=/path/to/hf_model trainer.default_local_dir=/tmp/sft trainer.total_epochs=2
 
 Design decisions:
@@ -26,9 +27,9 @@ Design decisions:
   newest complete checkpoint; it is written only after every rank finished, so a crash mid-save
   resumes from the previous one. Resuming restores the data order too: the sampler is seeded by
   epoch and the already-seen batches of the current epoch are skipped.
-- Metrics go to the console (through tqdm, on rank 0) and optionally to `metrics.jsonl`
-  (`trainer.logger=['console','file']`). Other tracking back-ends are the job of
-  `verl.utils.tracking` and are not wired in here.
+- Metrics go to `trainer.logger`'s backends through `verl.utils.tracking.Tracking` (console, `file` =
+  `default_local_dir/metrics.jsonl`, wandb, mlflow, ...), on rank 0. The config is upstream's
+  sft_trainer.yaml; its checks and schedule live in `verl.trainer.fsdp_sft_config`.
 - `fit(should_stop=...)` accepts a callback consulted after each validation, which is how the
   bundled model's build script stops at a target held-out accuracy without a special trainer.
 """
