@@ -174,7 +174,9 @@ def test_truncation_error_left_and_right(tmp_path, tokenizer):
 def test_turns_that_render_differently_alone_are_an_error_unless_ignored(tmp_path, tokenizer):
     tokenizer.chat_template = LAST_REPLY_TEMPLATE
     path = _write(tmp_path, [{"messages": TWO_TURNS}])
-    with pytest.raises(ValueError, match=r"renders the conversation's messages one at a time differently.*ignore_input"):
+    with pytest.raises(
+        ValueError, match=r"renders the conversation's messages one at a time differently.*ignore_input"
+    ):
         MultiTurnSFTDataset(path, tokenizer, {"max_length": 32})[0]
     item = MultiTurnSFTDataset(path, tokenizer, {"max_length": 32, "ignore_input_ids_mismatch": True})[0]
     # the per-turn tokens: the first reply keeps its content although the whole rendering drops it
@@ -183,7 +185,9 @@ def test_turns_that_render_differently_alone_are_an_error_unless_ignored(tmp_pat
 
 @pytest.mark.parametrize("shuffle", [False, True])
 def test_max_samples_picks_upstreams_rows(tmp_path, tokenizer, shuffle):
-    rows = [{"messages": [{"role": "user", "content": str(i)}, {"role": "assistant", "content": "x"}]} for i in range(10)]
+    rows = [
+        {"messages": [{"role": "user", "content": str(i)}, {"role": "assistant", "content": "x"}]} for i in range(10)
+    ]
     dataset = MultiTurnSFTDataset(_write(tmp_path, rows), tokenizer, {"shuffle": shuffle, "seed": 7}, max_samples=3)
     expected = np.random.default_rng(7).choice(10, size=3, replace=False).tolist() if shuffle else [0, 1, 2]
     assert [int(m[0]["content"]) for m in dataset.messages] == expected
@@ -194,7 +198,9 @@ def test_images_are_refused_with_what_to_do_but_empty_lists_are_fine(tmp_path, t
     empty = _write(tmp_path, [{"messages": TWO_TURNS, "images": []}], "empty.parquet")
     assert len(MultiTurnSFTDataset(empty, tokenizer, {})) == 1
     path = _write(tmp_path, [{"messages": TWO_TURNS, "images": [{"bytes": b"png", "path": None}]}])
-    with pytest.raises(ValueError, match=r"row 0 .*'images' holds 1 image\(s\); vision-language SFT is not implemented"):
+    with pytest.raises(
+        ValueError, match=r"row 0 .*'images' holds 1 image\(s\); vision-language SFT is not implemented"
+    ):
         MultiTurnSFTDataset(path, tokenizer, {})
 
 
@@ -232,14 +238,14 @@ def test_collator_stacks_padded_items_and_nests_unpadded_ones(tmp_path, tokenize
         SFTTensorCollator("middle")
 
 
-CUSTOM_DATASET = '''
+CUSTOM_DATASET = """
 class RecordingDataset:
     def __init__(self, parquet_files, tokenizer, config, max_samples=-1, processor="not passed"):
         self.kwargs = dict(parquet_files=parquet_files, config=config, max_samples=max_samples, processor=processor)
 
     def __len__(self):
         return 1
-'''
+"""
 
 
 def test_create_sft_dataset_loads_a_custom_class_or_picks_the_layout(tmp_path, tokenizer):
@@ -261,7 +267,9 @@ def test_create_sft_dataset_loads_a_custom_class_or_picks_the_layout(tmp_path, t
     assert isinstance(fsdp_sft_trainer.create_sft_dataset(path, multiturn, tokenizer), MultiTurnSFTDataset)
     assert isinstance(sft_trainer.create_sft_dataset(path, no_custom, tokenizer, None), MultiTurnSFTDataset)
     with pytest.raises(AttributeError, match=r"data.custom_cls.name='Missing' is not defined.*RecordingDataset"):
-        fsdp_sft_trainer.create_sft_dataset(path, {"custom_cls": {**custom["custom_cls"], "name": "Missing"}}, tokenizer)
+        fsdp_sft_trainer.create_sft_dataset(
+            path, {"custom_cls": {**custom["custom_cls"], "name": "Missing"}}, tokenizer
+        )
 
 
 def test_sft_dataset_multiturn_layout_gives_multiturn_sft_dataset_items(tmp_path, tokenizer):
