@@ -24,8 +24,9 @@ Design decisions:
   `latest_checkpointed_iteration.txt` names the newest complete one. Resuming restores model, optimizer,
   lr schedule and RNG, and the data position (the step's epoch and batch, from the directory's step).
 - Deliberately refused, each in one line when the config is checked (before any model loads): VeOmni
-  (no such engine here), shared-memory loading, token balancing across ranks, HDFS copies and profiling; and, once the
-  ranks are known, a Megatron split (tp x pp x cp) that does not divide their number.
+  (no such engine here), shared-memory loading, token balancing across ranks and profiling; once the
+  ranks are known, a Megatron split (tp x pp x cp) that does not divide their number; and, by the
+  dataset, rows with images or videos (no vision-language SFT).
 """
 
 from __future__ import annotations
