@@ -6,6 +6,7 @@ torchrun's losses, and what it cannot do is refused in one line."""
 from __future__ import annotations
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -366,18 +367,45 @@ def test_engines_it_does_not_drive_are_refused_before_anything_loads(assets, gro
         run_sft(config)
 
 
-def test_a_tools_column_is_refused_rather_than_dropped(assets, tmp_path):
+def test_multi_turn_data_with_tools_and_thinking_flags_trains_with_the_tools_in_the_prompt(assets, tmp_path):
+    """A tools column (JSON text) and per-row enable_thinking flags reach the model's chat template (here
+    one that renders tool names and an empty think marker) and a short run trains on them."""
     import pandas as pd
+    from transformers import AutoTokenizer
 
-    from verl.trainer.sft_trainer import run_sft
+    from verl.trainer import sft_trainer
+
+    model_dir = str(tmp_path / "model")
+    make_tiny("tiny", model_dir, seed=0)
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    tokenizer.chat_template = (
+        "{{ bos_token }}"
+        "{% if tools %}<|system|>tools:{% for t in tools %}{{ t['function']['name'] }} {% endfor %}{% endif %}"
+        "{% for m in messages %}{% if m['role'] == 'assistant' %}<|assistant|>"
+        "{% if enable_thinking is defined and not enable_thinking %}no-think {% endif %}{{ m['content'] + eos_token }}"
+        "{% else %}<|{{ m['role'] }}|>{{ m['content'] }}{% endif %}{% endfor %}"
+        "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+    )
+    tokenizer.save_pretrained(model_dir)
 
     df = pd.read_parquet(assets["train"])
-    df["tools"] = "[]"
+    tool = {"type": "function", "function": {"name": "calculator", "parameters": {"type": "object"}}}
+    df["tools"] = json.dumps([tool])
+    df["enable_thinking"] = [i % 2 == 0 for i in range(len(df))]
     path = str(tmp_path / "with_tools.parquet")
     df.to_parquet(path)
-    config = _engine_config(assets, tmp_path, f"data.train_files={path}")
-    with pytest.raises(ValueError, match=r"has a 'tools' column of tool schemas"):
-        run_sft(config)
+    config = _engine_config(
+        assets, tmp_path / "run", f"data.train_files={path}", "data.val_files=null", f"model.path={model_dir}",
+        "data.max_length=64", "trainer.total_training_steps=3", "trainer.save_freq=-1", "trainer.logger=[console]",
+    )  # fmt: skip
+    trainer = sft_trainer.build_trainer(config)
+    first, second = trainer.train_dataset[0], trainer.train_dataset[1]
+    prompt = tokenizer.decode(first["input_ids"][first["attention_mask"].bool()])
+    assert prompt.startswith("<bos><|system|>tools:calculator <|user|>") and "no-think" not in prompt
+    assert "no-think" in tokenizer.decode(second["input_ids"])  # rows alternate enable_thinking True/False
+    assert "calculator" not in tokenizer.decode(first["input_ids"][first["loss_mask"].bool()])
+    losses = [m["train/loss"] for m in trainer.fit()]
+    assert len(losses) == 3 and all(math.isfinite(loss) for loss in losses)
 
 
 # upstream's tests/special_e2e/sft/run_sft_engine.sh, with its default sizes (1 GPU, sp 1, tp/pp/cp 1) and the

@@ -604,13 +604,24 @@ def refuse_engine_section(config) -> None:
     )
 
 
+def create_sft_dataset(data_paths, data_config, tokenizer, max_samples: int = -1):
+    """Upstream's dataset choice for main_sft: the class `data.custom_cls.path`/`.name` names, else
+    `MultiTurnSFTDataset` with `data.multiturn.enable`, else the single-turn `SFTDataset`; built with
+    upstream's keyword arguments (`parquet_files`, `tokenizer`, `config`, `max_samples`)."""
+    from verl.utils.dataset.dataset_utils import sft_dataset_class
+    from verl.utils.dataset.multiturn_sft_dataset import MultiTurnSFTDataset
+    from verl.utils.dataset.sft_dataset import SFTDataset
+
+    multiturn = (data_config.get("multiturn") or {}).get("enable", False)
+    dataset_cls = sft_dataset_class(data_config, MultiTurnSFTDataset if multiturn else SFTDataset)
+    return dataset_cls(parquet_files=data_paths, tokenizer=tokenizer, config=data_config, max_samples=max_samples)
+
+
 def run_sft(config, should_stop: Callable[[FSDPSFTTrainer, int], bool] | None = None) -> FSDPSFTTrainer:
     """Build everything from `config` in this (already distributed) process and train."""
     from omegaconf import OmegaConf
     from torch.distributed.device_mesh import init_device_mesh
     from transformers import AutoTokenizer
-
-    from verl.utils.dataset.sft_dataset import SFTDataset
 
     refuse_engine_section(config)
     check_sft_config(config)
@@ -625,8 +636,14 @@ def run_sft(config, should_stop: Callable[[FSDPSFTTrainer, int], bool] | None = 
     model_path = copy_to_local(os.path.expanduser(config.model.partial_pretrain), use_shm=bool(config.model.use_shm))
     tokenizer = AutoTokenizer.from_pretrained(model_path, trust_remote_code=bool(config.model.trust_remote_code))
     data_config = OmegaConf.to_container(config.data, resolve=True)
-    train_dataset = SFTDataset(config.data.train_files, tokenizer, data_config)
-    val_dataset = SFTDataset(config.data.val_files, tokenizer, data_config) if config.data.val_files else None
+    train_dataset = create_sft_dataset(
+        config.data.train_files, data_config, tokenizer, max_samples=data_config.get("train_max_samples", -1)
+    )
+    val_dataset = (
+        create_sft_dataset(config.data.val_files, data_config, tokenizer, data_config.get("val_max_samples", -1))
+        if config.data.val_files
+        else None
+    )
     trainer = FSDPSFTTrainer(config, mesh, tokenizer=tokenizer, train_dataset=train_dataset, val_dataset=val_dataset)
     if dist.get_rank() == 0:
         os.makedirs(trainer.checkpoint_dir, exist_ok=True)

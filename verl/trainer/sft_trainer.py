@@ -16,15 +16,17 @@ Design decisions:
   `sft_token_losses`, `accumulate_sft_gradients`), not copies: the mean cross-entropy over every
   loss-masked token of the global batch, so micro-batching (fixed or by token budget) and the number of
   ranks do not change the result, and the per-step losses equal `main_sft`'s on the same data and seed.
-- Data: upstream's multi-turn layout (a `messages_key` column of {role, content} messages, loss on
-  the assistant turns), read by main_sft's `SFTDataset`.
+- Data: `create_sft_dataset`, upstream's choice: a `data.custom_cls` class, else `MultiTurnSFTDataset`
+  (a `messages_key` column of chat messages, loss on the assistant turns, per-row `tools_key` schemas and
+  `enable_thinking_key` flags passed to the chat template). Items are built right-padded whatever
+  `data.pad_mode` says: the forward cuts each batch to its longest sequence, so both modes train alike.
 - Checkpoints: `default_local_dir/global_step_N/` is the engine's checkpoint (`checkpoint.save_contents`);
   `latest_checkpointed_iteration.txt` names the newest complete one. Resuming restores model, optimizer,
   lr schedule and RNG, and the data position (the step's epoch and batch, from the directory's step).
 - Deliberately refused, each in one line when the config is checked (before any model loads): VeOmni
-  (no such engine here), image/video data, tool schemas and per-row thinking flags, custom dataset
-  classes, shared-memory loading, token balancing across ranks, HDFS copies and profiling; and, once the
-  ranks are known, a Megatron split (tp x pp x cp) that does not divide their number.
+  (no such engine here), shared-memory loading, token balancing across ranks and profiling; once the
+  ranks are known, a Megatron split (tp x pp x cp) that does not divide their number; and, by the
+  dataset, rows with images or videos (no vision-language SFT).
 """
 
 from __future__ import annotations
@@ -56,6 +58,8 @@ from verl.utils.checkpoint.checkpoint_manager import (
     remote_checkpoint_dir_problem,
     write_checkpoint_tracker,
 )
+from verl.utils.dataset.dataset_utils import sft_dataset_class
+from verl.utils.dataset.multiturn_sft_dataset import MultiTurnSFTDataset
 from verl.utils.logging_utils import get_logger
 
 logger = get_logger(__name__, level=os.environ.get("VERL_LOGGING_LEVEL", "INFO"))
@@ -93,7 +97,6 @@ _DATA_OFF = {
         "balancing tokens across data-parallel ranks is not implemented (upstream's is a TODO)",
     ),
     "use_shm": (False, "files are read from their path; shared-memory copies are not implemented"),
-    "apply_chat_template_kwargs": ({}, "extra chat-template arguments are not passed to the template"),
 }
 _MEGATRON_MODEL_SPLITS = ("tensor_model_parallel_size", "pipeline_model_parallel_size", "context_parallel_size")
 _TRAINER_KEYS = (
@@ -132,11 +135,6 @@ def check_config(config: DictConfig) -> None:
     for key, (off, why) in _DATA_OFF.items():
         if data[key] != off and not (off == {} and not data[key]):
             raise ValueError(f"data.{key}={data[key]!r}: {why}; remove the override (keep data.{key}={off!r})")
-    if data.custom_cls.path is not None:
-        raise ValueError(
-            f"data.custom_cls.path={data.custom_cls.path!r}: custom dataset classes are not loaded by this trainer "
-            "(it reads the messages_key layout); remove data.custom_cls"
-        )
     if data.pad_mode not in PAD_MODES:
         raise ValueError(f"data.pad_mode={data.pad_mode!r} is not one of {list(PAD_MODES)}")
     problem = remote_checkpoint_dir_problem(str(trainer.default_hdfs_dir)) if trainer.default_hdfs_dir else None
@@ -220,27 +218,6 @@ def _check_keys(section, valid: tuple[str, ...], name: str) -> None:
                 f"{name}.{key} is not a key of the SFT engine trainer's {name} section.{did_you_mean(str(key), list(valid), prefix=name + '.')}"
                 f" Valid keys: {', '.join(valid)}"
             )
-
-
-def _refuse_unread_columns(files, data) -> None:
-    """Refuse data holding a column this trainer would not read (tools, thinking flags, images, video)."""
-    import pyarrow.parquet as pq
-
-    unread = {
-        data.tools_key: "tool schemas (tool-calling SFT is not implemented)",
-        data.enable_thinking_key: "per-row enable_thinking flags (not passed to the chat template)",
-        "images": "images (vision-language SFT is not implemented)",
-        "videos": "videos (vision-language SFT is not implemented)",
-    }
-    for path in [files] if isinstance(files, str) else list(files):
-        path = os.path.expanduser(path)
-        columns = set(pq.read_schema(path).names)
-        for column, what in unread.items():
-            if column in columns:
-                raise ValueError(
-                    f"{path} has a {column!r} column of {what}; training without it would learn something else, "
-                    "so drop the column (or point the matching data.*_key at a column that does not exist)"
-                )
 
 
 # --------------------------------------------------------------------------------- the engines' passes
@@ -631,20 +608,31 @@ def resume_path(trainer_config, checkpoint_dir: str) -> str | None:
     return find_latest_ckpt_path(checkpoint_dir)
 
 
+def create_sft_dataset(data_paths, data_config, tokenizer, processor, max_samples: int = -1):
+    """Upstream's dataset choice for this trainer: the class `data.custom_cls.path`/`.name` names, else
+    `MultiTurnSFTDataset`; built with upstream's keyword arguments (`parquet_files`, `tokenizer`,
+    `config`, `processor`, `max_samples`)."""
+    dataset_cls = sft_dataset_class(data_config, MultiTurnSFTDataset)
+    return dataset_cls(
+        parquet_files=data_paths, tokenizer=tokenizer, config=data_config, processor=processor, max_samples=max_samples
+    )
+
+
 def _dataset(files, tokenizer, data, max_samples: int):
-    from torch.utils.data import Subset
-
-    from verl.utils.dataset.sft_dataset import SFTDataset
-
-    config = {
-        "multiturn": {"enable": True, "messages_key": data.messages_key},
-        "max_length": int(data.max_length),
-        "truncation": data.truncation,
-    }
-    dataset = SFTDataset(files, tokenizer, config)
-    # upstream's rule: a positive count keeps the first rows; -1 (or 0) keeps every row
-    if max_samples is not None and 0 < int(max_samples) < len(dataset):
-        dataset = Subset(dataset, range(int(max_samples)))
+    """The trainer's dataset: right-padded items whatever `data.pad_mode` says (the forward cuts each batch
+    to its longest sequence, so the two modes train alike), checked on its first item."""
+    config = OmegaConf.to_container(data, resolve=True) if OmegaConf.is_config(data) else dict(data)
+    config["pad_mode"] = "right"
+    dataset = create_sft_dataset(files, config, tokenizer, processor=None, max_samples=max_samples)
+    item = dataset[0]
+    expected = {"input_ids", "attention_mask", "position_ids", "loss_mask"}
+    shapes = {key: tuple(item[key].shape) for key in expected & set(item) if isinstance(item[key], torch.Tensor)}
+    if set(shapes) != expected or set(shapes.values()) != {(int(config.get("max_length", 1024)),)}:
+        raise ValueError(
+            f"the SFT dataset {type(dataset).__name__} returns items with {shapes or sorted(item)}; this trainer needs "
+            f"{sorted(expected)}, each a 1-D tensor of data.max_length={config.get('max_length', 1024)} tokens, right-padded "
+            "(what MultiTurnSFTDataset returns with pad_mode=right, which this trainer passes in the config)"
+        )
     return dataset
 
 
@@ -703,9 +691,6 @@ def build_trainer(config: DictConfig) -> SFTTrainer:
 
     check_config(config)
     check_typed_sections(config)
-    _refuse_unread_columns(config.data.train_files, config.data)
-    if config.data.val_files:
-        _refuse_unread_columns(config.data.val_files, config.data)
     device_utils.set_device_preference(config.trainer.device)
     init_distributed()
     if str(config.engine.get("_target_", "")).endswith("McoreEngineConfig"):

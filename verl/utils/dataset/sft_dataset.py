@@ -15,10 +15,17 @@ Design decisions:
     assistant reply plus the tokenizer's eos token.
   * multi-turn (`multiturn.enable=true`): `multiturn.messages_key` holds a list of
     `{"role", "content"}` messages; the loss covers every assistant message and nothing else.
-- Assistant spans are found by rendering each conversation prefix with the tokenizer's own chat
-  template and checking that it is a token-prefix of the next, so any template that renders
-  prefixes stably works (no per-model role markers hard-coded here); a template that does not is
-  reported, not silently mis-masked.
+    Upstream's trainers build `MultiTurnSFTDataset` (multiturn_sft_dataset.py) for this layout; both
+    tokenise conversations with `ConversationTokenizer`, so their items are the same.
+- `ConversationTokenizer` tokenises a conversation as upstream's `MultiTurnSFTDataset` does: each
+  message rendered on its own with the tokenizer's chat template (the template's default system
+  prompt cut from every message after the first), the assistant messages' tokens after the
+  generation prompt (the assistant header) loss-masked, so the mask covers each reply, its
+  end-of-turn token and whatever the template renders after it up to the next message (Qwen's
+  `<|im_end|>\n`). The concatenation is then checked against the whole conversation rendered at
+  once: a template whose turns do not render independently (one that strips earlier turns'
+  reasoning, or merges consecutive tool results) is reported instead of silently mis-masked, or with
+  `ignore_input_ids_mismatch` logged once and the per-turn tokens used, as upstream does.
 - Every row is validated when the dataset is built (columns exist, types are right, each
   conversation has an assistant turn), so bad data fails before training starts with the row
   number and what to change. Tokenisation happens lazily per item.
@@ -34,6 +41,13 @@ from collections.abc import Mapping, Sequence
 import torch
 from torch.utils.data import Dataset
 
+from verl.utils.chat_template import extract_system_prompt_and_generation
+from verl.utils.dataset.dataset_utils import select_max_samples
+from verl.utils.logging_utils import get_logger
+from verl.utils.tokenizer import hf_tokenizer
+
+logger = get_logger(__name__)
+
 TRUNCATION_MODES = ("error", "left", "right")
 ROLES = ("system", "user", "assistant", "tool")  # tool: a tool call's result (multi-turn agents)
 
@@ -43,48 +57,35 @@ class SFTDataset(Dataset):
 
     Args:
         parquet_files: a path or a list of paths.
-        tokenizer: a transformers tokenizer with a chat template and an eos token.
+        tokenizer: a transformers tokenizer with a chat template and an eos token, or its path.
         config: mapping with upstream's `data.*` keys: `prompt_key` (default `prompt`),
             `response_key` (default `response`), `prompt_dict_keys`, `response_dict_keys`,
             `multiturn.enable`, `multiturn.messages_key` (default `messages`), `max_length`
-            (default 1024) and `truncation` (`error`, `left` or `right`).
+            (default 1024), `truncation` (`error`, `left` or `right`), `apply_chat_template_kwargs`,
+            `ignore_input_ids_mismatch` (multi-turn), and `shuffle` / `seed` for the `max_samples` choice.
+        max_samples: keep at most this many rows (-1: all; upstream's `data.train_max_samples`).
     """
 
-    def __init__(self, parquet_files: str | Sequence[str], tokenizer, config: Mapping | None = None):
+    def __init__(
+        self, parquet_files: str | Sequence[str], tokenizer, config: Mapping | None = None, max_samples: int = -1
+    ):
         config = config or {}
-        self.tokenizer = tokenizer
-        self.max_length = int(config.get("max_length", 1024))
-        self.truncation = config.get("truncation", "error")
-        if self.truncation not in TRUNCATION_MODES:
-            raise ValueError(f"data.truncation={self.truncation!r} is not one of {list(TRUNCATION_MODES)}")
-        if self.max_length < 2:
-            raise ValueError(f"data.max_length={self.max_length} must be at least 2 tokens")
-        if not getattr(tokenizer, "chat_template", None):
-            raise ValueError(
-                "the tokenizer has no chat template, which SFTDataset uses to render prompts and replies; "
-                "use an instruct/chat tokenizer or set tokenizer.chat_template before building the dataset"
-            )
-        if tokenizer.eos_token is None or tokenizer.pad_token_id is None:
-            raise ValueError(
-                "the tokenizer needs an eos token and a pad token for SFT; set tokenizer.eos_token/pad_token"
-            )
-
+        self.tokenizer = tokenizer = load_sft_tokenizer(tokenizer)
+        self.max_length, self.truncation = check_length_config(config)
+        self.apply_chat_template_kwargs = dict(config.get("apply_chat_template_kwargs") or {})
         multiturn = config.get("multiturn") or {}
         self.multiturn = bool(multiturn.get("enable", False))
         self.files = [parquet_files] if isinstance(parquet_files, str) else list(parquet_files)
-        rows, columns = _read_parquet_rows(self.files)
+        rows, columns = read_sft_rows(self.files, max_samples, config)
         if self.multiturn:
             key = multiturn.get("messages_key", "messages")
             self.conversations = [
-                _check_messages(_lookup(row, [key], i, columns, "data.multiturn.messages_key"), i, key)
+                check_conversation(_lookup(row, [key], i, columns, "data.multiturn.messages_key"), i, key, self.files)
                 for i, row in enumerate(rows)
             ]
-            for i, messages in enumerate(self.conversations):
-                if not any(m["role"] == "assistant" for m in messages):
-                    raise ValueError(
-                        f"row {i} of {self.files}: the conversation in {key!r} has no assistant message, so there "
-                        "is nothing to learn; drop the row or add the assistant reply"
-                    )
+            self.conversation_tokenizer = ConversationTokenizer(
+                tokenizer, self.apply_chat_template_kwargs, bool(config.get("ignore_input_ids_mismatch", False))
+            )
         else:
             prompt_path = _key_path(config.get("prompt_key", "prompt"), config.get("prompt_dict_keys"))
             response_path = _key_path(config.get("response_key", "response"), config.get("response_dict_keys"))
@@ -107,18 +108,11 @@ class SFTDataset(Dataset):
 
     def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
         if self.multiturn:
-            ids, mask = self._tokenize_conversation(self.conversations[index], index)
+            ids, mask = self.conversation_tokenizer(self.conversations[index], where=f"row {index} of {self.files}")
         else:
             ids, mask = self._tokenize_pair(self.prompts[index], self.responses[index])
-        if len(ids) > self.max_length:
-            if self.truncation == "error":
-                raise ValueError(
-                    f"row {index} of {self.files} has {len(ids)} tokens, more than data.max_length="
-                    f"{self.max_length}; raise data.max_length, or set data.truncation=left (keep the end) "
-                    "or right (keep the start)"
-                )
-            keep = slice(-self.max_length, None) if self.truncation == "left" else slice(0, self.max_length)
-            ids, mask = ids[keep], mask[keep]
+        keep = truncation_slice(len(ids), self.max_length, self.truncation, f"row {index} of {self.files}")
+        ids, mask = ids[keep], mask[keep]
         pad = self.max_length - len(ids)
         input_ids = torch.tensor(ids + [self.tokenizer.pad_token_id] * pad, dtype=torch.long)
         attention_mask = torch.tensor([1] * len(ids) + [0] * pad, dtype=torch.long)
@@ -134,37 +128,14 @@ class SFTDataset(Dataset):
     def _encode(self, text: str) -> list[int]:
         return self.tokenizer(text, add_special_tokens=False)["input_ids"]
 
-    def _render(self, messages: list[dict], add_generation_prompt: bool) -> list[int]:
-        text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tokenize=False)
-        return self._encode(text)
-
     def _tokenize_pair(self, prompt: str | list[dict], response: str) -> tuple[list[int], list[int]]:
         messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
-        prompt_ids = self._render(messages, add_generation_prompt=True)
+        text = self.tokenizer.apply_chat_template(
+            messages, add_generation_prompt=True, tokenize=False, **self.apply_chat_template_kwargs
+        )
+        prompt_ids = self._encode(text)
         response_ids = self._encode(response + self.tokenizer.eos_token)
         return prompt_ids + response_ids, [0] * len(prompt_ids) + [1] * len(response_ids)
-
-    def _tokenize_conversation(self, messages: list[dict], index: int) -> tuple[list[int], list[int]]:
-        ids: list[int] = []
-        mask: list[int] = []
-
-        def extend_to(target: list[int], value: int) -> None:
-            if target[: len(ids)] != ids:
-                raise ValueError(
-                    f"row {index}: the chat template does not render conversation prefixes as token prefixes "
-                    "of the full conversation, so assistant tokens cannot be located for the loss mask; use a "
-                    "template whose rendering only appends as messages are added"
-                )
-            mask.extend([value] * (len(target) - len(ids)))
-            ids.extend(target[len(ids) :])
-
-        for turn, message in enumerate(messages):
-            if message["role"] == "assistant":
-                extend_to(self._render(messages[:turn], add_generation_prompt=True), 0)
-                extend_to(self._render(messages[: turn + 1], add_generation_prompt=False), 1)
-            else:
-                extend_to(self._render(messages[: turn + 1], add_generation_prompt=False), 0)
-        return ids, mask
 
 
 def _key_path(key: str, dict_keys: Sequence[str] | None) -> list[str]:
@@ -226,17 +197,151 @@ def _check_messages(messages, index: int, key: str) -> list[dict]:
             f"row {index}: {key!r} holds {_short(messages)}; expected a non-empty list of "
             "{'role': 'user'|'assistant'|'system'|'tool', 'content': str} messages"
         )
+    checked = []
     for turn, message in enumerate(messages):
-        if (
-            not isinstance(message, dict)
-            or message.get("role") not in ROLES
-            or not isinstance(message.get("content"), str)
-        ):
+        if not isinstance(message, dict) or message.get("role") not in ROLES:
             raise TypeError(
                 f"row {index}: message {turn} of {key!r} is {_short(message)}; each message must be a dict with "
                 f"'role' in {list(ROLES)} and a string 'content'"
             )
-    return [{"role": m["role"], "content": m["content"]} for m in messages]
+        content = message.get("content")
+        if isinstance(content, list):
+            raise TypeError(
+                f"row {index}: message {turn} of {key!r} has a list of content parts ({_short(content)}); "
+                "multi-modal messages are not supported (vision-language SFT is not implemented), give the "
+                "content as a string"
+            )
+        if not isinstance(content, str) and not (content is None and message.get("tool_calls")):
+            raise TypeError(
+                f"row {index}: message {turn} of {key!r} is {_short(message)}; its 'content' must be a string "
+                "(or null in an assistant message with 'tool_calls')"
+            )
+        # parquet gives every message every key its column holds (tool_calls=None on a user message);
+        # templates test for a key's presence, so unset keys are dropped
+        checked.append({k: v for k, v in message.items() if v is not None})
+    return checked
+
+
+def check_conversation(messages, index: int, key: str, files: list[str]) -> list[dict]:
+    """The row's messages, checked (roles, string contents, at least one assistant message)."""
+    messages = _check_messages(messages, index, key)
+    if not any(m["role"] == "assistant" for m in messages):
+        raise ValueError(
+            f"row {index} of {files}: the conversation in {key!r} has no assistant message, so there "
+            "is nothing to learn; drop the row or add the assistant reply"
+        )
+    return messages
+
+
+class ConversationTokenizer:
+    """A conversation -> (token ids, loss mask), turn by turn as upstream's `MultiTurnSFTDataset` does
+    (module docstring); `__call__` checks the result against the whole conversation rendered at once.
+
+    Args:
+        tokenizer: a transformers tokenizer with a chat template.
+        chat_template_kwargs: extra arguments for every `apply_chat_template` call
+            (upstream's `data.apply_chat_template_kwargs`).
+        ignore_mismatch: on a mismatch with the whole rendering, log it once and keep the per-turn
+            tokens instead of raising (upstream's `data.ignore_input_ids_mismatch`).
+    """
+
+    def __init__(self, tokenizer, chat_template_kwargs: Mapping | None = None, ignore_mismatch: bool = False):
+        self.tokenizer = tokenizer
+        self.chat_template_kwargs = dict(chat_template_kwargs or {})
+        self.ignore_mismatch = bool(ignore_mismatch)
+        self.system_prompt, self.generation_prompt = extract_system_prompt_and_generation(tokenizer)
+        self._warned = False
+
+    def render(self, messages: list[dict], tools: list[dict] | None = None, enable_thinking=None) -> list[int]:
+        kwargs = dict(self.chat_template_kwargs)
+        if enable_thinking is not None:
+            kwargs["enable_thinking"] = enable_thinking
+        text = self.tokenizer.apply_chat_template(
+            messages, tools=tools, add_generation_prompt=False, tokenize=False, **kwargs
+        )
+        return self.tokenizer(text, add_special_tokens=False)["input_ids"]
+
+    def __call__(
+        self, messages: list[dict], tools: list[dict] | None = None, enable_thinking=None, where: str = "a row"
+    ) -> tuple[list[int], list[int]]:
+        ids: list[int] = []
+        mask: list[int] = []
+        for turn, message in enumerate(messages):
+            # the tool schemas render once, with the first message (in the system block for most templates)
+            turn_ids = self.render([message], tools if turn == 0 else None, enable_thinking)
+            if turn > 0 and message["role"] != "system":
+                turn_ids = turn_ids[len(self.system_prompt) :]
+            header = len(self.generation_prompt) if message["role"] == "assistant" else len(turn_ids)
+            header = min(header, len(turn_ids))
+            ids += turn_ids
+            mask += [0] * header + [1] * (len(turn_ids) - header)
+        whole = self.render(messages, tools, enable_thinking)
+        if whole != ids:
+            self._mismatch(ids, whole, where)
+        return ids, mask
+
+    def _mismatch(self, per_turn: list[int], whole: list[int], where: str) -> None:
+        at = next((i for i, (a, b) in enumerate(zip(per_turn, whole)) if a != b), min(len(per_turn), len(whole)))
+        show = self.tokenizer.decode
+        message = (
+            f"{where}: the chat template renders the conversation's messages one at a time differently from the "
+            f"whole conversation at once (from token {at}: per turn {show(per_turn[at : at + 12])!r}, whole "
+            f"{show(whole[at : at + 12])!r}). The dataset tokenises turn by turn to find the assistant tokens, "
+            "so its tokens would not be what the model sees at inference; templates that rewrite earlier turns "
+            "(Qwen3 thinking models drop earlier <think> blocks) or merge consecutive messages do this. Use a "
+            "template that renders each message on its own, or set data.ignore_input_ids_mismatch=true to "
+            "train on the per-turn tokens"
+        )
+        if not self.ignore_mismatch:
+            raise ValueError(message)
+        if not self._warned:
+            logger.warning("%s (data.ignore_input_ids_mismatch=true: using the per-turn tokens)", message)
+            self._warned = True
+
+
+def load_sft_tokenizer(tokenizer):
+    """`tokenizer`, loaded with `hf_tokenizer` when it is a path, checked for a chat template and a pad token."""
+    if isinstance(tokenizer, str):
+        tokenizer = hf_tokenizer(tokenizer)
+    if not getattr(tokenizer, "chat_template", None):
+        raise ValueError(
+            "the tokenizer has no chat template, which the SFT datasets use to render prompts and replies; "
+            "use an instruct/chat tokenizer or set tokenizer.chat_template before building the dataset"
+        )
+    if tokenizer.eos_token is None or tokenizer.pad_token_id is None:
+        raise ValueError("the tokenizer needs an eos token and a pad token for SFT; set tokenizer.eos_token/pad_token")
+    return tokenizer
+
+
+def check_length_config(config: Mapping) -> tuple[int, str]:
+    """(`data.max_length`, `data.truncation`), checked."""
+    max_length = int(config.get("max_length", 1024))
+    truncation = config.get("truncation", "error")
+    if truncation not in TRUNCATION_MODES:
+        raise ValueError(f"data.truncation={truncation!r} is not one of {list(TRUNCATION_MODES)}")
+    if max_length < 2:
+        raise ValueError(f"data.max_length={max_length} must be at least 2 tokens")
+    return max_length, truncation
+
+
+def truncation_slice(length: int, max_length: int, truncation: str, where: str) -> slice:
+    """The part of a `length`-token sequence to keep under `data.truncation` (raises for `error`)."""
+    if length <= max_length:
+        return slice(0, length)
+    if truncation == "error":
+        raise ValueError(
+            f"{where} has {length} tokens, more than data.max_length={max_length}; raise data.max_length, or "
+            "set data.truncation=left (keep the end) or right (keep the start)"
+        )
+    return slice(length - max_length, length) if truncation == "left" else slice(0, max_length)
+
+
+def read_sft_rows(files: list[str], max_samples: int | None, config: Mapping) -> tuple[list[dict], set[str]]:
+    """The rows of the parquet `files` (as Python values), cut to `max_samples` as upstream does
+    (`config.shuffle` / `config.seed`), and the columns every file has."""
+    rows, columns = _read_parquet_rows(files)
+    keep = select_max_samples(len(rows), max_samples, bool(config.get("shuffle", False)), config.get("seed"))
+    return (rows if keep is None else [rows[i] for i in keep]), columns
 
 
 def _short(value, limit: int = 80) -> str:
