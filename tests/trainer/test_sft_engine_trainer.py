@@ -21,7 +21,7 @@ from verl.trainer.config.loader import compose
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
-def _messages_parquet(src: str, dst: str) -> str:
+def messages_parquet(src: str, dst: str) -> str:
     """The arithmetic task in upstream's multi-turn layout: a `messages` column, the answer as the assistant turn."""
     import pandas as pd
 
@@ -44,8 +44,8 @@ def assets(tmp_path_factory):
     return {
         "root": root,
         "model": model_dir,
-        "train": _messages_parquet(train, str(root / "train.parquet")),
-        "test": _messages_parquet(test, str(root / "test.parquet")),
+        "train": messages_parquet(train, str(root / "train.parquet")),
+        "test": messages_parquet(test, str(root / "test.parquet")),
     }
 
 
@@ -367,13 +367,12 @@ def test_engines_it_does_not_drive_are_refused_before_anything_loads(assets, gro
         run_sft(config)
 
 
-def test_multi_turn_data_with_tools_and_thinking_flags_trains_with_the_tools_in_the_prompt(assets, tmp_path):
-    """A tools column (JSON text) and per-row enable_thinking flags reach the model's chat template (here
-    one that renders tool names and an empty think marker) and a short run trains on them."""
+def tools_model_and_data(messages_parquet: str, tmp_path):
+    """A tiny model whose chat template renders the tool names and an empty think marker, and the multi-turn
+    training rows with a tools column (JSON text) and alternating enable_thinking flags: (model dir,
+    tokenizer, parquet path)."""
     import pandas as pd
     from transformers import AutoTokenizer
-
-    from verl.trainer import sft_trainer
 
     model_dir = str(tmp_path / "model")
     make_tiny("tiny", model_dir, seed=0)
@@ -388,22 +387,37 @@ def test_multi_turn_data_with_tools_and_thinking_flags_trains_with_the_tools_in_
     )
     tokenizer.save_pretrained(model_dir)
 
-    df = pd.read_parquet(assets["train"])
+    df = pd.read_parquet(messages_parquet)
     tool = {"type": "function", "function": {"name": "calculator", "parameters": {"type": "object"}}}
     df["tools"] = json.dumps([tool])
     df["enable_thinking"] = [i % 2 == 0 for i in range(len(df))]
     path = str(tmp_path / "with_tools.parquet")
     df.to_parquet(path)
+    return model_dir, tokenizer, path
+
+
+def check_tools_rows(dataset, tokenizer) -> None:
+    """The first rows of a dataset built from `tools_model_and_data`'s rows: the tools in the prompt (not
+    learned), the think marker where the row's flag is off."""
+    first, second = dataset[0], dataset[1]
+    prompt = tokenizer.decode(first["input_ids"][first["attention_mask"].bool()])
+    assert prompt.startswith("<bos><|system|>tools:calculator <|user|>") and "no-think" not in prompt
+    assert "no-think" in tokenizer.decode(second["input_ids"])  # rows alternate enable_thinking True/False
+    assert "calculator" not in tokenizer.decode(first["input_ids"][first["loss_mask"].bool()])
+
+
+def test_multi_turn_data_with_tools_and_thinking_flags_trains_with_the_tools_in_the_prompt(assets, tmp_path):
+    """A tools column (JSON text) and per-row enable_thinking flags reach the model's chat template (here
+    one that renders tool names and an empty think marker) and a short run trains on them."""
+    from verl.trainer import sft_trainer
+
+    model_dir, tokenizer, path = tools_model_and_data(assets["train"], tmp_path)
     config = _engine_config(
         assets, tmp_path / "run", f"data.train_files={path}", "data.val_files=null", f"model.path={model_dir}",
         "data.max_length=64", "trainer.total_training_steps=3", "trainer.save_freq=-1", "trainer.logger=[console]",
     )  # fmt: skip
     trainer = sft_trainer.build_trainer(config)
-    first, second = trainer.train_dataset[0], trainer.train_dataset[1]
-    prompt = tokenizer.decode(first["input_ids"][first["attention_mask"].bool()])
-    assert prompt.startswith("<bos><|system|>tools:calculator <|user|>") and "no-think" not in prompt
-    assert "no-think" in tokenizer.decode(second["input_ids"])  # rows alternate enable_thinking True/False
-    assert "calculator" not in tokenizer.decode(first["input_ids"][first["loss_mask"].bool()])
+    check_tools_rows(trainer.train_dataset, tokenizer)
     losses = [m["train/loss"] for m in trainer.fit()]
     assert len(losses) == 3 and all(math.isfinite(loss) for loss in losses)
 

@@ -216,3 +216,30 @@ def test_weights_only_checkpoints_external_lib_and_shm_copies(assets, one_rank_g
     assert os.path.isfile(model_copy) and os.path.isfile(os.path.join(shm_dirs[1], os.path.basename(assets["train"])))
     for path in shm_dirs:
         shutil.rmtree(path, ignore_errors=True)
+
+
+def test_retool_style_multi_turn_tools_run_packed(assets, one_rank_group, tmp_path):
+    """verl-recipe's retool SFT keys (`data.multiturn.enable`, `messages_key`, `tools_key`, `model.strategy=fsdp`,
+    `use_remove_padding=true`) on rows with a tools column: the tools reach the prompt, not the loss, and the
+    packed forward trains."""
+    from tests.trainer.test_sft_engine_trainer import check_tools_rows, messages_parquet, tools_model_and_data
+
+    rows = messages_parquet(assets["train"], str(tmp_path / "messages.parquet"))
+    model_dir, tokenizer, path = tools_model_and_data(rows, tmp_path)
+    trainer = _run(
+        assets,
+        "retool",
+        f"data.train_files={path}",
+        "data.val_files=null",
+        f"model.partial_pretrain={model_dir}",
+        "data.max_length=64",
+        "data.multiturn.enable=true",
+        "data.multiturn.messages_key=messages",
+        "data.multiturn.tools_key=tools",
+        "model.strategy=fsdp",
+        "use_remove_padding=true",
+        "trainer.total_training_steps=3",
+    )
+    check_tools_rows(trainer.train_dataset, tokenizer)
+    losses = [m["train/loss"] for m in read_metrics(assets["root"] / "retool" / "metrics.jsonl")]
+    assert len(losses) == 3 and losses[-1] < losses[0]
