@@ -110,6 +110,13 @@ def test_the_deprecated_micro_batch_size_is_used_unless_it_disagrees():
         resolve_micro_batch_size(_compose(["data.micro_batch_size=8", "data.micro_batch_size_per_gpu=2"]))
 
 
+def test_extract_step_reads_the_step_of_a_checkpoint_path():
+    from verl.trainer.fsdp_sft_trainer import extract_step
+
+    assert extract_step("/ckpt/run/global_step_120/huggingface") == 120
+    assert extract_step("/ckpt/run/latest") is None
+
+
 def test_liger_is_accepted_with_a_warning_saying_it_is_not_used():
     from verl.trainer.fsdp_sft_config import check_sft_config
 

@@ -455,6 +455,14 @@ def accumulate_sft_gradients(
 
 
 # --------------------------------------------------------------------------------- helpers
+def extract_step(path: str) -> int | None:
+    """The N of a `global_step_N` path (upstream's helper), or None."""
+    import re
+
+    match = re.search(r"global_step_(\d+)", str(path))
+    return int(match.group(1)) if match else None
+
+
 def resolve_resume_path(trainer_config, checkpoint_dir: str) -> str | None:
     """The `global_step_N` directory to resume from, or None to start from scratch."""
     mode = trainer_config.resume_mode
