@@ -250,3 +250,18 @@ def test_retool_style_multi_turn_tools_run_packed(assets, one_rank_group, tmp_pa
     check_tools_rows(trainer.train_dataset, tokenizer)
     losses = [m["train/loss"] for m in read_metrics(assets["root"] / "retool" / "metrics.jsonl")]
     assert len(losses) == 3 and losses[-1] < losses[0]
+
+
+def test_upstreams_defaults_on_a_fresh_machine_name_every_missing_input(one_rank_group, tmp_path, monkeypatch):
+    """Without overrides the yaml points at upstream's ~/models and ~/data, absent here: one error naming the
+    model and both data files, and the demo switch, before anything loads."""
+    from verl.trainer.fsdp_sft_trainer import run_sft
+
+    monkeypatch.setenv("HOME", str(tmp_path))
+    with pytest.raises(ValueError) as raised:
+        run_sft(_compose(["trainer.device=cpu"]))
+    message = str(raised.value)
+    assert message.startswith("model.partial_pretrain=~/models/gemma-1.1-7b-it does not exist")
+    assert "data.train_files: '~/data/gsm8k/train.parquet' is not a file" in message
+    assert "data.val_files: '~/data/gsm8k/test.parquet'" in message
+    assert message.endswith("add +demo=arith_sft)") and "\n" not in message

@@ -186,3 +186,27 @@ def sft_config(overrides=(), demo: bool = False):
         config = OmegaConf.merge(config, OmegaConf.load(DEMO_PATH))
     config.merge_with_dotlist(list(overrides))
     return config
+
+
+DEMO_HINT = "for the bundled CPU demo (generated data, bundled tiny model) add +demo=arith_sft"
+
+
+def check_sft_inputs(config) -> None:
+    """The model directory and the data files exist (local paths; hub ids and hdfs:// are fetched later):
+    one ValueError naming every missing one, before anything loads. Upstream's defaults point at
+    `~/models/gemma-1.1-7b-it` and `~/data/gsm8k/*.parquet`, which a fresh machine does not have."""
+    from verl.trainer.preflight import _model_config
+    from verl.utils.fs import is_non_local
+
+    problems: list[str] = []
+    _model_config("model.partial_pretrain", str(config.model.partial_pretrain), problems)
+    for key in ("train_files", "val_files"):
+        files = config.data[key]
+        for path in [files] if isinstance(files, str) else list(files or []):
+            if not is_non_local(str(path)) and not os.path.isfile(os.path.expanduser(str(path))):
+                problems.append(
+                    f"data.{key}: {path!r} is not a file (working directory {os.getcwd()!r}); point it at your "
+                    "parquet files (upstream's gsm8k ones come from examples/data_preprocess/gsm8k.py)"
+                )
+    if problems:
+        raise ValueError("; ".join(problems) + f" ({DEMO_HINT})")

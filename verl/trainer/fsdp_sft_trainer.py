@@ -46,7 +46,7 @@ import torch
 import torch.distributed as dist
 from torch.utils.data import DataLoader, DistributedSampler
 
-from verl.trainer.fsdp_sft_config import check_sft_config, resolve_micro_batch_size, sft_lr_factor
+from verl.trainer.fsdp_sft_config import check_sft_config, check_sft_inputs, resolve_micro_batch_size, sft_lr_factor
 from verl.trainer.sft_ulysses import SFTParallel, packed_sft_token_losses
 from verl.utils import device as device_utils
 from verl.utils.checkpoint.checkpoint_manager import (
@@ -637,6 +637,7 @@ def run_sft(config, should_stop: Callable[[FSDPSFTTrainer, int], bool] | None = 
     device_utils.set_device_preference(config.trainer.device)
     init_distributed()
     resolve_defaults(config)
+    check_sft_inputs(config)
     torch.manual_seed(int(config.trainer.seed))
     mesh = init_device_mesh(device_utils.get_device_name(), (dist.get_world_size(),), mesh_dim_names=("fsdp",))
     from verl.utils.fs import copy_to_local
