@@ -551,14 +551,11 @@ def init_distributed() -> None:
     The group is the workers' (`verl.single_controller.base.worker.init_process_group`): gloo on
     CPU, `cpu:gloo,cuda:nccl` bound to this rank's device on GPU, so host-side collectives on CPU
     tensors work next to NCCL, with the `VERL_DIST_TIMEOUT_S` deadline."""
-    from verl.single_controller.base.worker import init_process_group
+    from verl.utils.distributed import join_process_group
 
     if dist.is_initialized():
         return
-    if "RANK" not in os.environ:
-        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
-    init_process_group()
-    device_utils.set_device()
+    join_process_group()
 
 
 def resolve_defaults(config) -> None:

@@ -15,23 +15,30 @@ __all__ = [
     "destroy_global_process_group",
     "initialize_global_process_group",
     "initialize_global_process_group_ray",
+    "join_process_group",
     "set_numa_affinity",
 ]
 
 
-def initialize_global_process_group(timeout_second: float = 36000) -> tuple[int, int, int]:
-    """Join torchrun's process group (`RANK`, `WORLD_SIZE`, `LOCAL_RANK`, `MASTER_ADDR/PORT`) and bind
-    this rank's device; returns `(local_rank, rank, world_size)`. `DIST_INIT_METHOD` is not read: the
-    rendezvous is torchrun's environment."""
-    import torch.distributed as dist
-
+def join_process_group(timeout_s: float | None = None) -> None:
+    """Join torchrun's process group (`RANK`, `WORLD_SIZE`, `LOCAL_RANK`, `MASTER_ADDR/PORT`), or form a
+    one-process group without torchrun's environment, and bind this rank's device. `timeout_s`: the
+    group's deadline (None: `VERL_DIST_TIMEOUT_S`'s)."""
     from verl.single_controller.base.worker import init_process_group
     from verl.utils import device as device_utils
 
     if "RANK" not in os.environ:
         os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
-    init_process_group(timeout_s=timeout_second)
+    init_process_group(timeout_s=timeout_s)
     device_utils.set_device()
+
+
+def initialize_global_process_group(timeout_second: float = 36000) -> tuple[int, int, int]:
+    """Upstream's name: `join_process_group`, returning `(local_rank, rank, world_size)`. `DIST_INIT_METHOD`
+    is not read: the rendezvous is torchrun's environment."""
+    import torch.distributed as dist
+
+    join_process_group(timeout_second)
     return int(os.environ.get("LOCAL_RANK", "0")), dist.get_rank(), dist.get_world_size()
 
 
