@@ -47,7 +47,7 @@ import torch.distributed as dist
 from torch.utils.data import DataLoader, DistributedSampler
 
 from verl.trainer.fsdp_sft_config import check_sft_config, check_sft_inputs, resolve_micro_batch_size, sft_lr_factor
-from verl.trainer.sft_ulysses import SFTParallel, packed_sft_token_losses
+from verl.trainer.sft_ulysses import SFTParallel, sft_token_losses
 from verl.utils import device as device_utils
 from verl.utils.checkpoint.checkpoint_manager import (
     copy_checkpoint_step,
@@ -200,9 +200,7 @@ class FSDPSFTTrainer:
 
     # ----------------------------------------------------------------------------- steps
     def _token_losses(self, micro_batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-        if self.parallel.use_remove_padding:  # with sp > 1: this rank's slice of the packed row
-            return packed_sft_token_losses(self.model, micro_batch, self.device, self.parallel.sp_group)
-        return sft_token_losses(self.model, micro_batch, self.device)
+        return self.parallel.token_losses(self.model, micro_batch, self.device)
 
     def accumulate_gradients(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
         """Forward/backward over this rank's micro-batches so that the accumulated gradient is the
@@ -395,25 +393,6 @@ def sft_train_loader(
     # A list of indices is a valid sampler; slicing it resumes mid-epoch without re-reading data.
     indices = list(sampler)[skip_batches * batch_size_per_rank :]
     return DataLoader(dataset, batch_size=batch_size_per_rank, sampler=indices, drop_last=True)
-
-
-def sft_token_losses(model, micro_batch: dict[str, torch.Tensor], device) -> tuple[torch.Tensor, torch.Tensor]:
-    """Summed next-token cross-entropy of `model` over the loss-masked tokens of `micro_batch`
-    (`input_ids`, `attention_mask`, `position_ids`, `loss_mask`, all [B, L]), and their count."""
-    input_ids = micro_batch["input_ids"].to(device)
-    loss_mask = micro_batch["loss_mask"][:, 1:].to(device)
-    logits = model(
-        input_ids=input_ids,
-        attention_mask=micro_batch["attention_mask"].to(device),
-        position_ids=micro_batch["position_ids"].to(device),
-        use_cache=False,
-    ).logits
-    losses = torch.nn.functional.cross_entropy(
-        logits[:, :-1].to(torch.promote_types(logits.dtype, torch.float32)).transpose(1, 2),
-        input_ids[:, 1:],
-        reduction="none",
-    )
-    return (losses * loss_mask).sum(), loss_mask.sum()
 
 
 def accumulate_sft_gradients(

@@ -47,10 +47,9 @@ from verl.trainer.fsdp_sft_trainer import (
     accumulate_sft_gradients,
     hydra_main,
     init_distributed,
-    sft_token_losses,
     sft_train_loader,
 )
-from verl.trainer.sft_ulysses import SFTParallel, check_sft_parallel, packed_sft_token_losses
+from verl.trainer.sft_ulysses import SFTParallel, check_sft_parallel
 from verl.utils import device as device_utils
 from verl.utils.checkpoint.checkpoint_manager import (
     copy_checkpoint_step,
@@ -170,7 +169,7 @@ def check_config(config: DictConfig) -> None:
             "sequences with engine.context_parallel_size"
         )
     # sp x remove padding here; the ranks and the model's heads when the engine's passes are built
-    check_sft_parallel(sp, bool(config.model.use_remove_padding), sp, sp_key=SP_KEY, remove_padding_key=RP_KEY)
+    check_sft_parallel(sp, bool(config.model.use_remove_padding), None, sp_key=SP_KEY, remove_padding_key=RP_KEY)
     if config.model.path is None:
         raise ValueError("model.path is not set; pass model.path=<HF model directory>")
 
@@ -254,9 +253,7 @@ class _FSDPPasses:
         return max_token_len * self.sp_size  # a rank holds 1/sp of each row's tokens, as in the PPO roles
 
     def _token_losses(self, micro_batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
-        if self.parallel.use_remove_padding:
-            return packed_sft_token_losses(self.engine.module, micro_batch, self.device, self.parallel.sp_group)
-        return sft_token_losses(self.engine.module, micro_batch, self.device)
+        return self.parallel.token_losses(self.engine.module, micro_batch, self.device)
 
     def backward(self, batch: dict, micro_batches: list, step: int) -> tuple[torch.Tensor, torch.Tensor]:
         return accumulate_sft_gradients(

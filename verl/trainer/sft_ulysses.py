@@ -1,4 +1,5 @@
-"""Remove padding and Ulysses sequence parallelism for the FSDP SFT trainer (`main_sft`).
+"""Remove padding and Ulysses sequence parallelism for the SFT trainers (`main_sft`, the engine trainer's
+FSDP passes), beside the padded loss (`sft_token_losses`): `SFTParallel.token_losses` picks the layout.
 
 Upstream's two top-level keys of sft_trainer.yaml:
 
@@ -45,13 +46,13 @@ REMOVE_PADDING_KEY = "use_remove_padding"
 def check_sft_parallel(
     sp_size: int,
     use_remove_padding: bool,
-    world_size: int,
+    world_size: int | None,
     model_config=None,
     sp_key: str = SP_KEY,
     remove_padding_key: str = REMOVE_PADDING_KEY,
 ) -> None:
     """Refuse a Ulysses size the run cannot use, naming the keys (`sp_key`, `remove_padding_key`: how the
-    trainer's config spells them), one line each."""
+    trainer's config spells them), one line each. `world_size` None: the ranks are not known yet."""
     if sp_size < 1:
         raise ValueError(f"{sp_key}={sp_size} must be >= 1 (1: no sequence parallelism)")
     if sp_size == 1:
@@ -61,7 +62,7 @@ def check_sft_parallel(
             f"{sp_key}={sp_size} needs {remove_padding_key}=true: Ulysses splits the packed (padding-free) "
             f"token sequence across ranks; set {remove_padding_key}=true or {sp_key}=1"
         )
-    if world_size % sp_size:
+    if world_size is not None and world_size % sp_size:
         raise ValueError(
             f"{sp_key}={sp_size} does not divide the {world_size} ranks: each sequence-parallel group takes "
             f"{sp_size} consecutive ranks; set it to a divisor of {world_size} or change --nproc_per_node"
@@ -143,6 +144,13 @@ class SFTParallel:
         dp_rank, sp_group = mesh.get_local_rank("dp"), mesh.get_group("sp")
         return cls(sp_size, world // sp_size, dp_rank, sp_group, use_remove_padding, sp_key)
 
+    def token_losses(self, model, micro_batch: dict[str, torch.Tensor], device) -> tuple[torch.Tensor, torch.Tensor]:
+        """(summed token loss, count) of `micro_batch`: the packed forward with `use_remove_padding` (at sp > 1
+        this rank's slice of it), else the padded one."""
+        if self.use_remove_padding:
+            return packed_sft_token_losses(model, micro_batch, device, self.sp_group)
+        return sft_token_losses(model, micro_batch, device)
+
     def check_model(self, model) -> None:
         """The sp forward goes through the patched sdpa attention; refuse any other implementation."""
         impl = getattr(model.config, "_attn_implementation", "sdpa")
@@ -151,6 +159,25 @@ class SFTParallel:
                 f"{self.sp_key}={self.sp_size} supports attn_implementation='sdpa' only, the model uses {impl!r}; "
                 f"set {self.sp_key}=1"
             )
+
+
+def sft_token_losses(model, micro_batch: dict[str, torch.Tensor], device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Summed next-token cross-entropy of `model` over the loss-masked tokens of `micro_batch`
+    (`input_ids`, `attention_mask`, `position_ids`, `loss_mask`, all [B, L]), and their count."""
+    input_ids = micro_batch["input_ids"].to(device)
+    loss_mask = micro_batch["loss_mask"][:, 1:].to(device)
+    logits = model(
+        input_ids=input_ids,
+        attention_mask=micro_batch["attention_mask"].to(device),
+        position_ids=micro_batch["position_ids"].to(device),
+        use_cache=False,
+    ).logits
+    losses = torch.nn.functional.cross_entropy(
+        logits[:, :-1].to(torch.promote_types(logits.dtype, torch.float32)).transpose(1, 2),
+        input_ids[:, 1:],
+        reduction="none",
+    )
+    return (losses * loss_mask).sum(), loss_mask.sum()
 
 
 def masked_token_loss_sum(logits: torch.Tensor, labels: torch.Tensor, loss_mask: torch.Tensor) -> torch.Tensor:
