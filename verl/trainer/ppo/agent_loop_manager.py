@@ -66,30 +66,29 @@ class AgentLoopManager:
                 "reward step (compute_reward, with the reward model's worker group when reward_model.enable), not "
                 "inside the rollout; pass neither"
             )
-        self.config = config
-        self.worker_group = worker_group
-        self.rollout_resource_pool = rollout_resource_pool
-        self.reward_model_manager = None  # upstream's attribute: no reward model runs inside the rollout here
         model = config.actor_rollout_ref.model
         from verl.utils.tokenizer import hf_processor, hf_tokenizer
 
         trust = bool(model.get("trust_remote_code", False))
-        self.tokenizer = hf_tokenizer(model.get("tokenizer_path") or model.path, trust_remote_code=trust)
-        self.processor = hf_processor(model.path, trust_remote_code=trust)
-        self._trainer = None
+        tokenizer = hf_tokenizer(model.get("tokenizer_path") or model.path, trust_remote_code=trust)
+        self._bind(config, worker_group, tokenizer, hf_processor(model.path, trust_remote_code=trust))
+        self.rollout_resource_pool = rollout_resource_pool
+
+    def _bind(self, config, worker_group, tokenizer, processor, trainer=None) -> None:
+        self.config = config
+        self.worker_group = worker_group
+        self.rollout_resource_pool = None
+        self.reward_model_manager = None  # upstream's attribute: no reward model runs inside the rollout here
+        self.tokenizer, self.processor = tokenizer, processor
+        self._trainer = trainer
 
     @classmethod
     def of_trainer(cls, trainer) -> AgentLoopManager:
         """The manager of a trainer that built its own worker groups (`trainer.async_rollout_manager` when
         its `init_workers` assigned none): the trainer's actor-rollout group, tokenizer and processor, and
         its current step stamping the samples."""
-        manager = cls.__new__(cls)
-        manager.config = trainer.config
-        manager.worker_group = trainer.actor_rollout_wg
-        manager.rollout_resource_pool = None
-        manager.reward_model_manager = None
-        manager.tokenizer, manager.processor = trainer.tokenizer, trainer.processor
-        manager._trainer = trainer
+        manager = cls.__new__(cls)  # upstream's constructor loads the tokenizer the trainer already has
+        manager._bind(trainer.config, trainer.actor_rollout_wg, trainer.tokenizer, trainer.processor, trainer)
         return manager
 
     def generate_sequences(self, prompts: DataProto) -> DataProto:
