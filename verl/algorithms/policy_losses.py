@@ -2,7 +2,11 @@
 
 Design decisions:
 
-- Every loss shares one signature (see `POLICY_LOSSES`) and one ending, `finish_policy_loss`:
+- Every loss shares one signature, upstream's: `(old_log_prob, log_prob, advantages, response_mask,
+  loss_agg_mode, config, rollout_is_weights)` where `config` is the actor's config (or a
+  `PolicyLossParams`), plus this build's `rollout_log_probs` and keyword-only `params`. The actor
+  calls a user's registered loss written to upstream's signature the way upstream's actor does.
+- Every loss shares one ending, `finish_policy_loss`:
   weight the per-token loss by the rollout-correction / truncated-IS weights, aggregate it with
   `agg_loss`, and report `pg_clipfrac`, `pg_clipfrac_lower` and `ppo_kl` as masked means. A loss
   therefore only writes its own formula and says which tokens it clipped.
@@ -159,6 +163,19 @@ _POLICY_LOSS_KEYS = (
 _DEFAULT_PARAMS = PolicyLossParams()
 
 
+def policy_loss_params(config: Any = None, params: PolicyLossParams | None = None) -> PolicyLossParams:
+    """The numbers a loss uses: `params` when given, else read from `config` (upstream's argument: the
+    actor's config, an `ActorConfig` or a mapping, or already a `PolicyLossParams`), else upstream's
+    defaults."""
+    if params is not None:
+        return params
+    if config is None:
+        return _DEFAULT_PARAMS
+    if isinstance(config, PolicyLossParams):
+        return config
+    return PolicyLossParams.from_actor_config(config)
+
+
 def _log_ratio(old_log_prob: torch.Tensor, log_prob: torch.Tensor) -> torch.Tensor:
     return torch.clamp(log_prob - old_log_prob, -_LOG_RATIO_CLAMP, _LOG_RATIO_CLAMP)
 
@@ -240,9 +257,11 @@ def compute_policy_loss_vanilla(
     advantages: torch.Tensor,
     response_mask: torch.Tensor,
     loss_agg_mode: str = "token-mean",
-    params: PolicyLossParams | None = None,
-    rollout_log_probs: torch.Tensor | None = None,
+    config: Any = None,
     rollout_is_weights: torch.Tensor | None = None,
+    rollout_log_probs: torch.Tensor | None = None,
+    *,
+    params: PolicyLossParams | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     r"""PPO's clipped surrogate (Schulman et al., arXiv:1707.06347) with clip-higher and dual clip; `vanilla`.
 
@@ -257,7 +276,7 @@ def compute_policy_loss_vanilla(
     the clipped term), `pg_clipfrac_lower` (fraction where the dual clip applied) and `ppo_kl`
     (mean of $\log\pi_{old} - \log\pi$).
     """
-    params = params or _DEFAULT_PARAMS
+    params = policy_loss_params(config, params)
     _check_shapes(old_log_prob=old_log_prob, log_prob=log_prob, advantages=advantages, response_mask=response_mask)
     log_ratio = _log_ratio(old_log_prob, log_prob)
     ratio = torch.exp(log_ratio)
@@ -286,9 +305,11 @@ def compute_policy_loss_gspo(
     advantages: torch.Tensor,
     response_mask: torch.Tensor,
     loss_agg_mode: str = "token-mean",
-    params: PolicyLossParams | None = None,
-    rollout_log_probs: torch.Tensor | None = None,
+    config: Any = None,
     rollout_is_weights: torch.Tensor | None = None,
+    rollout_log_probs: torch.Tensor | None = None,
+    *,
+    params: PolicyLossParams | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     r"""Group Sequence Policy Optimization (Zheng et al., arXiv:2507.18071); `gspo`.
 
@@ -300,7 +321,7 @@ def compute_policy_loss_gspo(
     `seq-mean-token-mean`; the `loss_agg_mode` passed is honoured. Metrics as `vanilla`
     (`pg_clipfrac_lower` is 0: no dual clip).
     """
-    params = params or _DEFAULT_PARAMS
+    params = policy_loss_params(config, params)
     _check_shapes(old_log_prob=old_log_prob, log_prob=log_prob, advantages=advantages, response_mask=response_mask)
     log_ratio = log_prob - old_log_prob
     seq_log_ratio = masked_mean(log_ratio, response_mask, axis=-1)
@@ -327,16 +348,18 @@ def compute_policy_loss_gpg(
     advantages: torch.Tensor,
     response_mask: torch.Tensor,
     loss_agg_mode: str = "token-mean",
-    params: PolicyLossParams | None = None,
-    rollout_log_probs: torch.Tensor | None = None,
+    config: Any = None,
     rollout_is_weights: torch.Tensor | None = None,
+    rollout_log_probs: torch.Tensor | None = None,
+    *,
+    params: PolicyLossParams | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     r"""Group Policy Gradient's plain REINFORCE loss (Chu et al., arXiv:2504.02546); `gpg`.
 
     $\ell_{i,t} = -A_{i,t}\log\pi_{i,t}$: no ratio, no clipping (pair with the `gpg` advantage
     estimator). `pg_clipfrac`/`pg_clipfrac_lower` are 0; `ppo_kl` is still reported.
     """
-    params = params or _DEFAULT_PARAMS
+    params = policy_loss_params(config, params)
     _check_shapes(old_log_prob=old_log_prob, log_prob=log_prob, advantages=advantages, response_mask=response_mask)
     return finish_policy_loss(
         -advantages * log_prob,
@@ -372,9 +395,11 @@ def compute_policy_loss_clip_cov(
     advantages: torch.Tensor,
     response_mask: torch.Tensor,
     loss_agg_mode: str = "token-mean",
-    params: PolicyLossParams | None = None,
-    rollout_log_probs: torch.Tensor | None = None,
+    config: Any = None,
     rollout_is_weights: torch.Tensor | None = None,
+    rollout_log_probs: torch.Tensor | None = None,
+    *,
+    params: PolicyLossParams | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     r"""Clip-Cov (Cui et al., "The Entropy Mechanism of RL for Reasoning LMs", arXiv:2505.22617); `clip_cov`.
 
@@ -387,7 +412,7 @@ def compute_policy_loss_clip_cov(
     `pg_clipfrac` is the fraction of valid tokens cut; `pg_clipfrac_lower` is 0. Config:
     `policy_loss.clip_cov_ratio` ($r$), `clip_cov_lb`, `clip_cov_ub`. Uses torch's global RNG.
     """
-    params = params or _DEFAULT_PARAMS
+    params = policy_loss_params(config, params)
     _check_shapes(old_log_prob=old_log_prob, log_prob=log_prob, advantages=advantages, response_mask=response_mask)
     valid = response_mask != 0
     log_ratio = _log_ratio(old_log_prob, log_prob)
@@ -419,9 +444,11 @@ def compute_policy_loss_kl_cov(
     advantages: torch.Tensor,
     response_mask: torch.Tensor,
     loss_agg_mode: str = "token-mean",
-    params: PolicyLossParams | None = None,
-    rollout_log_probs: torch.Tensor | None = None,
+    config: Any = None,
     rollout_is_weights: torch.Tensor | None = None,
+    rollout_log_probs: torch.Tensor | None = None,
+    *,
+    params: PolicyLossParams | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     r"""KL-Cov (Cui et al., arXiv:2505.22617); `kl_cov`.
 
@@ -431,7 +458,7 @@ def compute_policy_loss_kl_cov(
     `policy_loss.ppo_kl_coef` ($\beta$). Metrics: `ppo_kl` is the mean $|\log\rho|$ (as upstream),
     `pg_clipfrac` the fraction of valid tokens that got the KL term, `pg_clipfrac_lower` 0.
     """
-    params = params or _DEFAULT_PARAMS
+    params = policy_loss_params(config, params)
     _check_shapes(old_log_prob=old_log_prob, log_prob=log_prob, advantages=advantages, response_mask=response_mask)
     valid = response_mask != 0
     log_ratio = _log_ratio(old_log_prob, log_prob)
@@ -460,9 +487,11 @@ def compute_policy_loss_geo_mean(
     advantages: torch.Tensor,
     response_mask: torch.Tensor,
     loss_agg_mode: str = "token-mean",
-    params: PolicyLossParams | None = None,
-    rollout_log_probs: torch.Tensor | None = None,
+    config: Any = None,
     rollout_is_weights: torch.Tensor | None = None,
+    rollout_log_probs: torch.Tensor | None = None,
+    *,
+    params: PolicyLossParams | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     r"""Geometric-Mean Policy Optimization (Zhao et al., arXiv:2507.20673); `geo_mean`.
 
@@ -477,7 +506,7 @@ def compute_policy_loss_geo_mean(
     for it and raises; rollout-correction weights (`rollout_is_weights`) scale each response's term
     by the geometric mean of its token weights (as upstream).
     """
-    params = params or _DEFAULT_PARAMS
+    params = policy_loss_params(config, params)
     _check_shapes(old_log_prob=old_log_prob, log_prob=log_prob, advantages=advantages, response_mask=response_mask)
     if rollout_log_probs is not None and params.tis_enabled:
         raise ValueError(
@@ -511,9 +540,11 @@ def compute_policy_loss_cispo(
     advantages: torch.Tensor,
     response_mask: torch.Tensor,
     loss_agg_mode: str = "token-mean",
-    params: PolicyLossParams | None = None,
-    rollout_log_probs: torch.Tensor | None = None,
+    config: Any = None,
     rollout_is_weights: torch.Tensor | None = None,
+    rollout_log_probs: torch.Tensor | None = None,
+    *,
+    params: PolicyLossParams | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     r"""Clipped IS-weight Policy Optimization (MiniMax-M1, arXiv:2506.13585); `cispo`.
 
@@ -525,7 +556,7 @@ def compute_policy_loss_cispo(
     `clip_ratio_low`, e.g. 1.0, leaves the lower side open). Metrics: `pg_clipfrac` = fraction of
     tokens whose ratio was clipped; `pg_clipfrac_lower` 0; `ppo_kl` as `vanilla`.
     """
-    params = params or _DEFAULT_PARAMS
+    params = policy_loss_params(config, params)
     _check_shapes(old_log_prob=old_log_prob, log_prob=log_prob, advantages=advantages, response_mask=response_mask)
     log_ratio = _log_ratio(old_log_prob, log_prob)
     ratio = torch.exp(log_ratio)
@@ -552,9 +583,11 @@ def compute_policy_loss_sapo(
     advantages: torch.Tensor,
     response_mask: torch.Tensor,
     loss_agg_mode: str = SAPO_LOSS_AGG_MODE,
-    params: PolicyLossParams | None = None,
-    rollout_log_probs: torch.Tensor | None = None,
+    config: Any = None,
     rollout_is_weights: torch.Tensor | None = None,
+    rollout_log_probs: torch.Tensor | None = None,
+    *,
+    params: PolicyLossParams | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     r"""Soft Adaptive Policy Optimization (Gao et al., arXiv:2511.20347); `sapo`.
 
@@ -567,7 +600,7 @@ def compute_policy_loss_sapo(
     `ppo_kl` as `vanilla`.
     """
     del loss_agg_mode  # fixed by the method (see the docstring)
-    params = params or _DEFAULT_PARAMS
+    params = policy_loss_params(config, params)
     _check_shapes(old_log_prob=old_log_prob, log_prob=log_prob, advantages=advantages, response_mask=response_mask)
     log_ratio = _log_ratio(old_log_prob, log_prob)
     ratio = torch.exp(log_ratio)
@@ -592,9 +625,11 @@ def compute_policy_loss_bypass_mode(
     advantages: torch.Tensor,
     response_mask: torch.Tensor,
     loss_agg_mode: str = "token-mean",
-    params: PolicyLossParams | None = None,
-    rollout_log_probs: torch.Tensor | None = None,
+    config: Any = None,
     rollout_is_weights: torch.Tensor | None = None,
+    rollout_log_probs: torch.Tensor | None = None,
+    *,
+    params: PolicyLossParams | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     r"""Rollout correction's bypass mode (`algorithm.rollout_correction.bypass_mode=true`); `bypass_mode`.
 
@@ -610,7 +645,7 @@ def compute_policy_loss_bypass_mode(
     Metrics: the chosen loss's, plus `rollout_corr/*` (weights, rejection, off-policy gap of the
     current policy). `rollout_is_weights` from the batch are not used (they would weight twice).
     """
-    params = params or _DEFAULT_PARAMS
+    params = policy_loss_params(config, params)
     _check_shapes(old_log_prob=old_log_prob, log_prob=log_prob, advantages=advantages, response_mask=response_mask)
     rc = params.rollout_correction or RolloutCorrectionConfig(bypass_mode=True)
     with torch.no_grad():

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from verl.algorithms.rollout_corr import RolloutCorrectionPresets
 from verl.base_config import BaseConfig
 from verl.workers.config._fields import KL_CTRL_TYPES, KL_PENALTIES, PF_PPO_METHODS, adv_estimator_choices, doc
 
@@ -90,9 +91,10 @@ class FilterGroupsConfig(BaseConfig):
 
 
 @dataclass
-class RolloutCorrectionConfig(BaseConfig):
+class RolloutCorrectionConfig(RolloutCorrectionPresets, BaseConfig):
     """Importance weights and rejection of samples by the ratio of the training policy's probabilities to the
-    rollout engine's (upstream's rollout_corr_helper)."""
+    rollout engine's (upstream's rollout_corr_helper). Upstream's presets (`decoupled_token_is()`, ...)
+    build one."""
 
     rollout_is: str | None = doc("Importance-weight level: null (off), token or sequence.", default=None)
     rollout_is_threshold: float | None = doc(

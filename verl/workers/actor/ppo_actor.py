@@ -20,6 +20,7 @@ defaults live in one place, the dataclass, and a key the class lacks is an error
 from __future__ import annotations
 
 import dataclasses
+import inspect
 from collections.abc import Mapping
 
 import torch
@@ -125,6 +126,8 @@ class PPOActor(BasePPOActor):
         self.loss_mode = cfg.policy_loss.loss_mode
         self.loss_agg_mode = self._effective_loss_agg_mode(cfg.loss_agg_mode)
         self.policy_loss_fn = get_policy_loss_fn(self.loss_mode)
+        # a user's loss written to upstream's signature takes (..., config, rollout_is_weights) only
+        self._loss_takes_params = "params" in inspect.signature(self.policy_loss_fn).parameters
         self.policy_loss_params = PolicyLossParams.from_actor_config(cfg)
         self.loss_scale_factor = self.policy_loss_params.loss_scale_factor
         self.entropy_coeff = float(cfg.entropy_coeff)
@@ -363,14 +366,16 @@ class PPOActor(BasePPOActor):
         # passed only when present, so a user's loss written without the argument keeps working
         weights = micro_batch.get("rollout_is_weights", None)
         extra = {} if weights is None else {"rollout_is_weights": weights}
+        if self._loss_takes_params:
+            extra.update(params=self.policy_loss_params, rollout_log_probs=rollout_log_probs)
+        else:  # upstream's call, as upstream's actor makes it
+            extra = {"config": self.config, "rollout_is_weights": weights}
         pg_loss, pg_metrics = self.policy_loss_fn(
-            log_prob.detach() if on_policy else micro_batch["old_log_probs"],
-            log_prob,
-            micro_batch["advantages"],
-            response_mask,
-            self.loss_agg_mode,
-            params=self.policy_loss_params,
-            rollout_log_probs=rollout_log_probs,
+            old_log_prob=log_prob.detach() if on_policy else micro_batch["old_log_probs"],
+            log_prob=log_prob,
+            advantages=micro_batch["advantages"],
+            response_mask=response_mask,
+            loss_agg_mode=self.loss_agg_mode,
             **extra,
         )
         loss = pg_loss
