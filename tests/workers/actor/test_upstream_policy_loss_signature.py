@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.workers.actor.test_dp_actor import actor_config, param_delta, sgd_actor, training_batch
+from tests.workers.actor.test_dp_actor import actor_config, sgd_actor, training_batch
 from verl.algorithms.policy_losses import POLICY_LOSSES, PolicyLossParams
 from verl.trainer.ppo.core_algos import compute_policy_loss_vanilla, register_policy_loss
 from verl.trainer.ppo.core_algos import get_policy_loss_fn as upstream_get_policy_loss_fn
