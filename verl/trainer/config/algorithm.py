@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from verl.algorithms.rollout_corr import RolloutCorrectionPresets
+from verl.algorithms.rollout_corr_presets import RolloutCorrectionPresets
 from verl.base_config import BaseConfig
 from verl.workers.config._fields import KL_CTRL_TYPES, KL_PENALTIES, PF_PPO_METHODS, adv_estimator_choices, doc
 
