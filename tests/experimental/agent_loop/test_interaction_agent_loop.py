@@ -92,7 +92,7 @@ def test_turn_limit_ends_an_episode_the_user_never_accepts(tokenizer, tiny_model
     assert out.non_tensor_batch["__num_turns__"].tolist() == [1 + 3 + 2]
     # every episode's state was released
     (interaction,) = rollout.interactions.values()
-    assert interaction._episodes == {}
+    assert interaction._instance_dict == {}
 
 
 def test_unknown_interaction_name_is_an_error_naming_the_configured_ones(tokenizer, tiny_model, interaction_config):
@@ -110,5 +110,13 @@ def test_registry_names_default_from_the_class_and_duplicates_fail(tmp_path):
     ((name, interaction),) = initialize_interactions_from_config(str(path)).items()
     assert name == "gsm8k" and isinstance(interaction, Gsm8kInteraction) and interaction.name == "gsm8k"
     path.write_text(YAML + YAML.removeprefix("interaction:\n"))
-    with pytest.raises(ValueError, match="twice"):
+    with pytest.raises(ValueError, match="Duplicate interaction name 'gsm8k'"):
+        initialize_interactions_from_config(str(path))
+    path.write_text("interaction: []\n")  # upstream: an empty list configures none
+    assert initialize_interactions_from_config(str(path)) == {}
+    path.write_text("other: 1\n")
+    with pytest.raises(ValueError, match="has no `interaction:` list"):
+        initialize_interactions_from_config(str(path))
+    path.write_text("interaction:\n  - class_name: no_such_pkg.Thing\n")
+    with pytest.raises(ModuleNotFoundError, match="full import path"):  # upstream's exception type
         initialize_interactions_from_config(str(path))
