@@ -53,6 +53,7 @@ The public API follows upstream verl so its users' code works unchanged. Design 
 
 from verl.protocol._columns import (
     DataProtoConfig,
+    DataProtoError,
     DataProtoKeyError,
     list_of_dict_to_dict_of_list,
     union_numpy_dict,
@@ -80,6 +81,7 @@ from verl.protocol._wire import (
 __all__ = [
     "DataProto",
     "DataProtoConfig",
+    "DataProtoError",
     "DataProtoFuture",
     "DataProtoItem",
     "collate_fn",
@@ -97,6 +99,14 @@ __all__ = [
 ]
 
 # Pickle records a class or function by module and name: the stable public path, not the private module.
-for _obj in (DataProto, DataProtoItem, DataProtoConfig, DataProtoFuture, DataProtoKeyError, _rebuild_data_proto):
+for _obj in (
+    DataProto,
+    DataProtoItem,
+    DataProtoConfig,
+    DataProtoError,
+    DataProtoFuture,
+    DataProtoKeyError,
+    _rebuild_data_proto,
+):
     _obj.__module__ = __name__
 del _obj
