@@ -9,12 +9,14 @@ from tensordict import TensorDict
 from verl.protocol import (
     DataProto,
     DataProtoConfig,
+    DataProtoError,
     deserialize_single_tensor,
     deserialize_tensordict,
     fold_batch_dim,
     serialize_single_tensor,
     serialize_tensordict,
     unfold_batch_dim,
+    union_numpy_dict,
 )
 
 
@@ -98,6 +100,85 @@ def test_unfold_column_chunks():
     assert out.non_tensor_batch["uid"].tolist() == ["u0", "u0", "u1", "u1"] and out.meta_info == {"name": "abc"}
     with pytest.raises(ValueError, match="must divide into 3 chunks"):
         data.unfold_column_chunks(3, split_keys=["obs1"])
+
+
+def test_unfold_column_chunks_of_equal_length_lists_gives_upstreams_2d_column():
+    # upstream's from_dict turns [[a1, a2], ...] into a [B, 2] object array, so its unfolded column is
+    # [B * 2, 1]; ours keeps one list per row but unfolds to the same 2-D result.
+    data = DataProto.from_dict(
+        tensors={"obs": torch.arange(3)},
+        non_tensors={"labels": [["a1", "a2", "a3", "a4"], ["b1", "b2", "b3", "b4"], ["c1", "c2", "c3", "c4"]]},
+    )
+    assert data.non_tensor_batch["labels"].shape == (3,)
+    labels = data.unfold_column_chunks(2, split_keys=["labels"]).non_tensor_batch["labels"]
+    assert labels.shape == (6, 2) and labels.dtype == object
+    assert labels.tolist() == [["a1", "a2"], ["a3", "a4"], ["b1", "b2"], ["b3", "b4"], ["c1", "c2"], ["c3", "c4"]]
+    assert bool((labels == [["a1", "a2"], ["a3", "a4"], ["b1", "b2"], ["b3", "b4"], ["c1", "c2"], ["c3", "c4"]]).all())
+
+
+def test_unfold_column_chunks_keeps_list_elements_and_ragged_rows_as_lists():
+    nested = DataProto.from_dict(non_tensors={"turns": [[[1], [2, 3]], [[4], []]]})
+    turns = nested.unfold_column_chunks(2, split_keys=["turns"]).non_tensor_batch["turns"]
+    assert turns.shape == (4, 1) and turns[:, 0].tolist() == [[1], [2, 3], [4], []]
+    ragged = DataProto.from_dict(non_tensors={"turns": [["a", "b", "c", "d"], ["e", "f"]]})
+    out = ragged.unfold_column_chunks(2, split_keys=["turns"]).non_tensor_batch["turns"]
+    assert out.shape == (4,) and out.tolist() == [["a", "b"], ["c", "d"], ["e"], ["f"]]
+    with pytest.raises(ValueError, match=r"'abcd'\) is not a sequence that splits into 2"):
+        DataProto.from_dict(non_tensors={"s": ["abcd", "efgh"]}).unfold_column_chunks(2, split_keys=["s"])
+    with pytest.raises(ValueError, match="splits into 2 chunks"):
+        DataProto.from_dict(non_tensors={"t": [[1, 2, 3], [4]]}).unfold_column_chunks(2, split_keys=["t"])
+
+
+def test_refusals_are_value_errors_and_upstreams_assertion_errors():
+    assert issubclass(DataProtoError, ValueError) and issubclass(DataProtoError, AssertionError)
+    data = _proto(6)
+    refusals = [
+        lambda: data.chunk(5),
+        lambda: DataProto.from_dict(tensors={"obs": torch.zeros(4, 2)}, num_batch_dims=2),
+        lambda: _proto(3).union(DataProto.from_dict(tensors={"obs": torch.ones(3, 2, dtype=torch.long)})),
+        lambda: _proto(3).union(DataProto.from_dict(non_tensors={"labels": ["x", "y", "z"]})),
+        lambda: DataProto.concat([_proto(2), DataProto.from_dict(tensors={"obs": torch.zeros(1, 2)}, meta_info={})]),
+        lambda: data.make_iterator(mini_batch_size=4, epochs=1),
+        lambda: fold_batch_dim(data, 4),
+    ]
+    for refuse in refusals:
+        with pytest.raises(AssertionError):
+            refuse()
+        with pytest.raises(DataProtoError):
+            refuse()
+
+
+def test_concat_with_conflicting_meta_info_names_upstreams_phrase():
+    left = DataProto.from_dict(tensors={"obs": torch.tensor([1, 2])}, meta_info={"config": "A", "metrics": {"m": 1}})
+    right = DataProto.from_dict(tensors={"obs": torch.tensor([3])}, meta_info={"config": "B", "metrics": {"m": 2}})
+    with pytest.raises(AssertionError, match="Conflicting values for meta_info key 'config'"):
+        DataProto.concat([left, right])
+    right.meta_info["config"] = "A"
+    assert DataProto.concat([left, right]).meta_info == {"config": "A", "metrics": {"m": [1, 2]}}
+
+
+def test_union_numpy_dict_takes_upstreams_argument_names_and_compares_cycles():
+    first = {"a": np.array([1.0, np.nan])}
+    out = union_numpy_dict(tensor_dict1=first, tensor_dict2={"a": np.array([1.0, np.nan]), "b": np.array([2])})
+    assert out is first and sorted(out) == ["a", "b"]
+    with pytest.raises(AssertionError, match="`a` in tensor_dict1 and tensor_dict2 are not the same object"):
+        union_numpy_dict({"a": np.array([1.0, 2.0])}, {"a": np.array([1.0, 3.0])})
+
+    def cycle():
+        arr = np.empty(1, dtype=object)
+        arr[0] = arr
+        return arr
+
+    union_numpy_dict({"c": cycle()}, {"c": cycle()})  # two identical cycles are equal (no RecursionError)
+    with pytest.raises(DataProtoError, match="'c'"):
+        union_numpy_dict({"c": cycle()}, {"c": np.array([None], dtype=object)})
+    looped = [1]
+    looped.append(looped)  # [1, [1, [1, ...]]]
+    unrolled = [1, [1, [2]]]  # equal to looped for two levels, then not
+    left, right = np.empty(1, dtype=object), np.empty(1, dtype=object)
+    left[0], right[0] = looped, unrolled
+    with pytest.raises(DataProtoError, match="'d'"):
+        union_numpy_dict({"d": left}, {"d": right})
 
 
 def test_to_and_from_tensordict_round_trip():

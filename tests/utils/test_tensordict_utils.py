@@ -86,6 +86,35 @@ def test_union_pop_keys_and_equality():
         tu.get_keys(td, ["nope"])
 
 
+def test_refusals_are_value_errors_and_upstreams_assertion_errors():
+    assert issubclass(tu.TensorDictError, ValueError) and issubclass(tu.TensorDictError, AssertionError)
+    td = _sample()
+    with pytest.raises(AssertionError, match="obs in tensor_dict1 and tensor_dict2 are not the same object"):
+        tu.union_tensor_dict(td, tu.get_tensordict({"obs": torch.zeros(4, 2, dtype=torch.long)}))
+    with pytest.raises(AssertionError, match="do not split into 3"):
+        tu.chunk_tensordict(td, 3)
+    with pytest.raises(tu.TensorDictError, match="'b' has 3 rows"):
+        tu.get_tensordict({"a": torch.zeros(2), "b": torch.zeros(3)})
+
+
+def test_concat_keeps_the_first_parts_batch_wide_value_and_leaves_the_parts_unchanged():
+    parts = [
+        tu.get_tensordict({"x": torch.tensor([1, 2]), "s": ["a", "b"]}, {"temp": 1.0, "name": "run"}),
+        tu.get_tensordict({"x": torch.tensor([3]), "s": ["c"]}, {"temp": 2.0, "name": "run"}),
+        tu.get_tensordict({"x": torch.tensor([4]), "s": ["d"]}, {"temp": 3.0, "name": "run"}),
+    ]
+    out = tu.concat_tensordict(parts)
+    assert out["x"].tolist() == [1, 2, 3, 4] and tu.get(out, "s") == ["a", "b", "c", "d"]
+    assert isinstance(out.get("temp"), NonTensorData) and out["temp"] == 1.0 and out["name"] == "run"
+    assert [p["temp"] for p in parts] == [1.0, 2.0, 3.0] and [len(p) for p in parts] == [2, 1, 1]
+    jagged = [
+        tu.get_tensordict({"seq": _jagged([[1], [2, 3]])}, {"temp": 0.5}),
+        tu.get_tensordict({"seq": _jagged([[4, 5, 6]])}, {"temp": 0.7}),
+    ]
+    out = tu.concat_tensordict(jagged)
+    assert [r.tolist() for r in out["seq"].unbind()] == [[1.0], [2.0, 3.0], [4.0, 5.0, 6.0]] and out["temp"] == 0.5
+
+
 def test_pad_to_divisor_cycles_first_rows_and_unpad_restores():
     td = tu.get_tensordict({"x": torch.arange(3), "s": ["a", "b", "c"]})
     padded, pad = tu.pad_to_divisor(td, 4)

@@ -39,6 +39,9 @@ The public API follows upstream verl so its users' code works unchanged. Design 
   only changes a direct `chunk` call.
 - A proto has exactly one batch dimension; `fold_batch_dim` / `unfold_batch_dim` reshape the rows
   (e.g. [n * k, ...] <-> [n, k, ...]) while keeping that invariant.
+- Refused input raises `DataProtoError` with a message saying what, why and how to fix it. It is a
+  `ValueError` and also an `AssertionError`, because upstream checks the same preconditions with
+  `assert` and its users' code (and tests) catch AssertionError.
 - Layout. `verl.protocol` is a package whose `__init__` is the whole public surface (every name
   importable from it is listed in `__all__`, plus `_borrow_buffers` for the worker group); the
   code lives in private modules, one concern each, so none passes ~800 lines: `_columns`
@@ -53,6 +56,7 @@ The public API follows upstream verl so its users' code works unchanged. Design 
 
 from verl.protocol._columns import (
     DataProtoConfig,
+    DataProtoError,
     DataProtoKeyError,
     list_of_dict_to_dict_of_list,
     union_numpy_dict,
@@ -80,6 +84,7 @@ from verl.protocol._wire import (
 __all__ = [
     "DataProto",
     "DataProtoConfig",
+    "DataProtoError",
     "DataProtoFuture",
     "DataProtoItem",
     "collate_fn",
@@ -97,6 +102,14 @@ __all__ = [
 ]
 
 # Pickle records a class or function by module and name: the stable public path, not the private module.
-for _obj in (DataProto, DataProtoItem, DataProtoConfig, DataProtoFuture, DataProtoKeyError, _rebuild_data_proto):
+for _obj in (
+    DataProto,
+    DataProtoItem,
+    DataProtoConfig,
+    DataProtoError,
+    DataProtoFuture,
+    DataProtoKeyError,
+    _rebuild_data_proto,
+):
     _obj.__module__ = __name__
 del _obj

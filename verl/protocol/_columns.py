@@ -35,6 +35,14 @@ class DataProtoConfig(metaclass=_DataProtoConfigMeta):
     """Process-wide DataProto settings: `DataProtoConfig.auto_padding = True` (see the module docstring)."""
 
 
+class DataProtoError(ValueError, AssertionError):
+    """A DataProto operation refused for its input (uneven chunks, conflicting values, mismatched rows).
+
+    A ValueError, and also an AssertionError: upstream verl checks these preconditions with
+    `assert`, so code written against it catches AssertionError; ours may catch either.
+    """
+
+
 class DataProtoKeyError(KeyError):
     """A missing key; subclasses KeyError but prints its message without KeyError's quoting."""
 
@@ -57,8 +65,12 @@ def _to_object_array(values) -> np.ndarray:
     return arr
 
 
-def _values_equal(a, b) -> bool:
-    """Equality for meta_info and non-tensor values: tensors, arrays, containers; NaN equals NaN."""
+def _values_equal(a, b, _path: frozenset = frozenset()) -> bool:
+    """Equality for meta_info and non-tensor values: tensors, arrays, containers; NaN equals NaN.
+
+    A container that contains itself (an object array holding itself, say) is compared without
+    endless recursion: a pair of containers met again on the same path counts as equal there, so
+    two structurally identical cycles are equal and a cycle never equals an acyclic value."""
     if a is b:
         return True
     if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
@@ -70,28 +82,33 @@ def _values_equal(a, b) -> bool:
         if torch.equal(a, b):
             return True
         return a.is_floating_point() and bool(torch.allclose(a, b, rtol=0.0, atol=0.0, equal_nan=True))
-    if isinstance(a, np.ndarray) or isinstance(b, np.ndarray):
-        return _numpy_equal(np.asarray(a), np.asarray(b))
-    if isinstance(a, dict) and isinstance(b, dict):
-        return a.keys() == b.keys() and all(_values_equal(a[k], b[k]) for k in a)
-    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
-        return type(a) is type(b) and len(a) == len(b) and all(_values_equal(x, y) for x, y in zip(a, b))
     if isinstance(a, float) and isinstance(b, float) and math.isnan(a) and math.isnan(b):
         return True
+    if isinstance(a, (np.ndarray, dict, list, tuple)) or isinstance(b, (np.ndarray, dict, list, tuple)):
+        pair = (id(a), id(b))
+        if pair in _path:
+            return True
+        path = _path | {pair}
+        if isinstance(a, np.ndarray) or isinstance(b, np.ndarray):
+            return _numpy_equal(np.asarray(a), np.asarray(b), path)
+        if isinstance(a, dict) and isinstance(b, dict):
+            return a.keys() == b.keys() and all(_values_equal(a[k], b[k], path) for k in a)
+        if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
+            return type(a) is type(b) and len(a) == len(b) and all(_values_equal(x, y, path) for x, y in zip(a, b))
     try:
         return bool(a == b)
     except (TypeError, ValueError):
         return False
 
 
-def _numpy_equal(a: np.ndarray, b: np.ndarray) -> bool:
+def _numpy_equal(a: np.ndarray, b: np.ndarray, _path: frozenset = frozenset()) -> bool:
     if a is b:
         return True
     if a.shape != b.shape:
         return False
     if a.dtype != object and b.dtype != object:
         return bool(np.array_equal(a, b, equal_nan=a.dtype.kind in "fc" and b.dtype.kind in "fc"))
-    return all(_values_equal(x, y) for x, y in zip(a.reshape(-1), b.reshape(-1)))
+    return all(_values_equal(x, y, _path) for x, y in zip(a.reshape(-1), b.reshape(-1)))
 
 
 def union_tensor_dict(tensor_dict1: TensorDict, tensor_dict2: TensorDict) -> TensorDict:
@@ -100,7 +117,7 @@ def union_tensor_dict(tensor_dict1: TensorDict, tensor_dict2: TensorDict) -> Ten
     Keys present in both must hold equal tensors; a conflict is an error naming the key.
     """
     if tensor_dict1.batch_size != tensor_dict2.batch_size:
-        raise ValueError(
+        raise DataProtoError(
             f"cannot union TensorDicts with batch sizes {tuple(tensor_dict1.batch_size)} and "
             f"{tuple(tensor_dict2.batch_size)}; both must describe the same rows"
         )
@@ -110,31 +127,34 @@ def union_tensor_dict(tensor_dict1: TensorDict, tensor_dict2: TensorDict) -> Ten
         if key not in existing:
             new_leaves[key] = value
         elif not _values_equal(tensor_dict1.get(key), value):
-            raise ValueError(
-                f"union: batch key {key!r} exists on both sides with different values; rename or pop "
-                "one of them before union (union only adds keys, it never overwrites)"
+            raise DataProtoError(
+                f"union: batch key {key!r} exists on both sides with different values ({key} in tensor_dict1 and "
+                "tensor_dict2 are not the same object); rename or pop one of them before union (union only adds "
+                "keys, it never overwrites)"
             )
     for key, value in new_leaves.items():  # only after every key checked: a conflict changes nothing
         tensor_dict1.set(key, value)
     return tensor_dict1
 
 
-def union_numpy_dict(dict1: dict[str, np.ndarray], dict2: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-    """Add the arrays of `dict2` to `dict1` (in place) and return it; shared keys must be equal."""
-    for key, value in dict2.items():
-        if key in dict1 and not _numpy_equal(dict1[key], value):
-            raise ValueError(
-                f"union: non_tensor_batch key {key!r} exists on both sides with different values; rename or "
-                "pop one of them before union (union only adds keys, it never overwrites)"
+def union_numpy_dict(tensor_dict1: dict[str, np.ndarray], tensor_dict2: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """Add the arrays of `tensor_dict2` to `tensor_dict1` (in place) and return it; shared keys must
+    be equal (NaN equals NaN, object arrays compared element by element)."""
+    for key, value in tensor_dict2.items():
+        if key in tensor_dict1 and not _numpy_equal(tensor_dict1[key], value):
+            raise DataProtoError(
+                f"union: non_tensor_batch key {key!r} exists on both sides with different values (`{key}` in "
+                "tensor_dict1 and tensor_dict2 are not the same object.); rename or pop one of them before union "
+                "(union only adds keys, it never overwrites)"
             )
-    dict1.update(dict2)
-    return dict1
+    tensor_dict1.update(tensor_dict2)
+    return tensor_dict1
 
 
 def _union_meta_info(meta1: dict, meta2: dict) -> dict:
     for key, value in meta2.items():
         if key in meta1 and not _values_equal(meta1[key], value):
-            raise ValueError(
+            raise DataProtoError(
                 f"union: meta_info[{key!r}] differs between the two protos ({meta1[key]!r} vs {value!r}); "
                 "make them equal or pop the key from one side before union"
             )
@@ -185,8 +205,9 @@ def _merge_meta_info(metas: list[dict]) -> dict:
             elif key not in merged:
                 merged[key] = value
             elif not _values_equal(merged[key], value):
-                raise ValueError(
-                    f"DataProto.concat: meta_info[{key!r}] differs between the parts ({merged[key]!r} vs {value!r}) "
+                raise DataProtoError(
+                    f"DataProto.concat: Conflicting values for meta_info key {key!r}: meta_info[{key!r}] differs "
+                    f"between the parts ({merged[key]!r} vs {value!r}) "
                     "and one value cannot represent them all; make it equal on every part, or report per-part "
                     "values under meta_info['metrics'] (lists there are concatenated)"
                 )
@@ -290,7 +311,7 @@ def _check_same_keys(key_sets: list[set], part: str) -> None:
     first = key_sets[0]
     for i, keys in enumerate(key_sets[1:], start=1):
         if keys != first:
-            raise ValueError(
+            raise DataProtoError(
                 f"DataProto.concat: part {i} has {part} keys {sorted(map(str, keys))} but part 0 has "
                 f"{sorted(map(str, first))}; all parts must carry the same keys (missing in part {i}: "
                 f"{sorted(map(str, first - keys))}, extra: {sorted(map(str, keys - first))})"

@@ -15,6 +15,7 @@ from tensordict import TensorDict, TensorDictBase
 
 from verl.protocol._columns import (
     DataProtoConfig,
+    DataProtoError,
     _as_index,
     _cat_rows,
     _check_same_keys,
@@ -52,10 +53,31 @@ class DataProtoItem:
 def collate_fn(data: list[DataProtoItem]) -> DataProto:
     """Stack DataProtoItems back into a DataProto (for `torch.utils.data.DataLoader(proto, ...)`)."""
     if not data:
-        raise ValueError("collate_fn needs at least one DataProtoItem")
+        raise DataProtoError("collate_fn needs at least one DataProtoItem")
     batch = torch.stack([d.batch for d in data]) if data[0].batch is not None else None
     non_tensor = {key: _to_object_array([d.non_tensor_batch[key] for d in data]) for key in data[0].non_tensor_batch}
     return DataProto(batch=batch, non_tensor_batch=non_tensor, meta_info=data[0].meta_info)
+
+
+def _column_of_sequences(key: str, column: np.ndarray, n_split: int) -> np.ndarray:
+    """A 1-D object column of per-row sequences (what from_dict makes of a list of lists), to split
+    into `n_split` chunks per row. Rows of one common length come back as the 2-D [B, L] object array
+    that upstream's from_dict builds from such a list, so they unfold exactly as upstream's do; ragged
+    rows come back unchanged (1-D)."""
+    for item in column:
+        if isinstance(item, (str, bytes)) or not hasattr(item, "__len__") or len(item) % n_split:
+            raise DataProtoError(
+                f"unfold_column_chunks: an entry of {key!r} ({item!r}) is not a sequence that splits into "
+                f"{n_split} chunks; each row of a split key needs a list (or array) whose length divides by {n_split}"
+            )
+    lengths = {len(item) for item in column}
+    if len(lengths) != 1:
+        return column
+    table = np.empty((len(column), lengths.pop()), dtype=object)
+    for i, item in enumerate(column):
+        for j, element in enumerate(item):  # one by one: an element may itself be a list
+            table[i, j] = element
+    return table
 
 
 @dataclass(eq=False)
@@ -97,7 +119,7 @@ class DataProto:
         marks this proto as unevenly chunkable (see the module docstring).
         """
         if num_batch_dims != 1:
-            raise ValueError(
+            raise DataProtoError(
                 f"DataProto.from_dict(num_batch_dims={num_batch_dims}): a DataProto has exactly one batch dimension; "
                 "build it with num_batch_dims=1 and group rows with fold_batch_dim(data, new_batch_size) if needed"
             )
@@ -113,12 +135,12 @@ class DataProto:
                         "Python objects through non_tensors instead"
                     )
                 if value.dim() == 0:
-                    raise ValueError(
+                    raise DataProtoError(
                         f"tensors[{key!r}] is a 0-dim tensor; every tensor needs a leading batch dimension"
                     )
                 sizes[key] = value.shape[0]
             if len(set(sizes.values())) != 1:
-                raise ValueError(
+                raise DataProtoError(
                     f"tensors disagree on the batch size (leading dimension): {sizes}; every tensor must have one "
                     "row per sample"
                 )
@@ -160,7 +182,7 @@ class DataProto:
         from tensordict.tensorclass import NonTensorData, NonTensorStack
 
         if num_batch_dims != 1:
-            raise ValueError(f"DataProto.from_tensordict(num_batch_dims={num_batch_dims}): only 1 is supported")
+            raise DataProtoError(f"DataProto.from_tensordict(num_batch_dims={num_batch_dims}): only 1 is supported")
         meta_info = dict(meta_info or {})
         tensors, non_tensors = {}, {}
         for key in list(tensor_dict.keys()):
@@ -181,7 +203,7 @@ class DataProto:
         tensors = {} if self.batch is None else dict(self.batch.items())
         clash = sorted(set(tensors) & set(self.non_tensor_batch))
         if clash:
-            raise ValueError(f"to_tensordict: keys {clash} are both in batch and non_tensor_batch")
+            raise DataProtoError(f"to_tensordict: keys {clash} are both in batch and non_tensor_batch")
         per_row: dict[str, Any] = {**tensors, **{k: list(v) for k, v in self.non_tensor_batch.items()}}
         return tu.get_tensordict(per_row, dict(self.meta_info))
 
@@ -194,7 +216,7 @@ class DataProto:
                     "build protos with DataProto.from_dict(tensors=...)"
                 )
             if self.batch.batch_dims != 1:
-                raise ValueError(
+                raise DataProtoError(
                     f"DataProto.batch must have exactly one batch dimension, got batch_size="
                     f"{list(self.batch.batch_size)}"
                 )
@@ -210,18 +232,18 @@ class DataProto:
                     "np.array(values, dtype=object) or build the proto with DataProto.from_dict, which converts lists"
                 )
             if value.ndim == 0:
-                raise ValueError(f"non_tensor_batch[{key!r}] is a 0-dim array; it needs one entry per row")
+                raise DataProtoError(f"non_tensor_batch[{key!r}] is a 0-dim array; it needs one entry per row")
             lengths[key] = len(value)
         if self.batch is not None:
             expected = int(self.batch.batch_size[0])
             wrong = {k: n for k, n in lengths.items() if n != expected}
             if wrong:
-                raise ValueError(
+                raise DataProtoError(
                     f"non_tensor_batch lengths {wrong} differ from the batch size {expected} of the tensors "
                     f"{sorted(self.batch.keys())}; every entry needs exactly one row per sample"
                 )
         elif len(set(lengths.values())) > 1:
-            raise ValueError(f"non_tensor_batch entries have different lengths {lengths}; they must all be equal")
+            raise DataProtoError(f"non_tensor_batch entries have different lengths {lengths}; they must all be equal")
 
     # ------------------------------------------------------------------ basics
 
@@ -371,7 +393,9 @@ class DataProto:
         old_keys = [old_keys] if isinstance(old_keys, str) else list(old_keys or [])
         new_keys = [new_keys] if isinstance(new_keys, str) else list(new_keys or [])
         if len(old_keys) != len(new_keys):
-            raise ValueError(f"rename got {len(old_keys)} old keys {old_keys} but {len(new_keys)} new keys {new_keys}")
+            raise DataProtoError(
+                f"rename got {len(old_keys)} old keys {old_keys} but {len(new_keys)} new keys {new_keys}"
+            )
         batch_keys = [] if self.batch is None else list(self.batch.keys())
         for old, new in zip(old_keys, new_keys):
             if old in batch_keys:
@@ -388,7 +412,7 @@ class DataProto:
     def union(self, other: DataProto) -> DataProto:
         """Add `other`'s keys to this proto (in place) and return self; shared keys must be equal."""
         if len(self) != len(other) and (self.batch is not None or self.non_tensor_batch):
-            raise ValueError(f"union needs protos of the same length, got {len(self)} and {len(other)}")
+            raise DataProtoError(f"union needs protos of the same length, got {len(self)} and {len(other)}")
         # Merge into shallow copies and assign at the end, so a conflict leaves self unchanged.
         batch = self.batch
         if other.batch is not None:
@@ -412,11 +436,11 @@ class DataProto:
         """Append `padding_size` copies of the first row (`padding_candidate="first"`) or of the last
         row (anything else, upstream's default), in place."""
         if padding_size < 0:
-            raise ValueError(f"padding_size must be >= 0, got {padding_size}")
+            raise DataProtoError(f"padding_size must be >= 0, got {padding_size}")
         if padding_size == 0:
             return
         if len(self) == 0:
-            raise ValueError("cannot pad an empty DataProto: there is no row to repeat")
+            raise DataProtoError("cannot pad an empty DataProto: there is no row to repeat")
         row = 0 if padding_candidate == "first" else len(self) - 1
         idx = torch.cat([torch.arange(len(self)), torch.full((padding_size,), row, dtype=torch.int64)])
         padded = self._take(idx, idx.numpy())
@@ -429,18 +453,22 @@ class DataProto:
             repeat_times = repeat_times.detach().cpu().numpy()
         counts = np.asarray(repeat_times)
         if counts.ndim != 1 or counts.shape[0] != len(self):
-            raise ValueError(
+            raise DataProtoError(
                 f"sample_level_repeat needs one count per row ({len(self)}), got shape {tuple(counts.shape)}"
             )
         if counts.size and (not np.issubdtype(counts.dtype, np.integer) or counts.min() < 0):
-            raise ValueError(f"sample_level_repeat counts must be non-negative integers, got {counts.tolist()}")
+            raise DataProtoError(f"sample_level_repeat counts must be non-negative integers, got {counts.tolist()}")
         idx_np = np.repeat(np.arange(len(self), dtype=np.int64), counts.astype(np.int64))
         return self._take(torch.from_numpy(idx_np), idx_np)
 
     def unfold_column_chunks(self, n_split: int, split_keys: Sequence[str] | None = None) -> DataProto:
         """Cut the second dimension of each key in `split_keys` into `n_split` chunks that become rows
         ([B, C, ...] -> [B * n_split, C / n_split, ...], row i's chunks adjacent); every other key is
-        repeated `n_split` times per row (interleaved) to stay aligned."""
+        repeated `n_split` times per row (interleaved) to stay aligned.
+
+        A non-tensor split key may also be a column of per-row lists: lists of one common length L
+        unfold like upstream's 2-D object column ([B * n_split, L / n_split] object array), ragged
+        lists into one list per chunk."""
         split_keys = set(split_keys or ())
         n = len(self)
         missing = split_keys - set(self.batch.keys() if self.batch is not None else ()) - set(self.non_tensor_batch)
@@ -453,18 +481,15 @@ class DataProto:
 
         def unfold(key, value):
             if isinstance(value, np.ndarray) and value.ndim == 1 and value.dtype == object:
-                # a column of per-row sequences (what from_dict makes of a list of lists)
-                pieces = []
-                for item in value:
-                    if not hasattr(item, "__len__") or len(item) % n_split:
-                        raise ValueError(
-                            f"unfold_column_chunks: an entry of {key!r} ({item!r}) does not split into {n_split} chunks"
-                        )
-                    size = len(item) // n_split
-                    pieces.extend(list(item[i * size : (i + 1) * size]) for i in range(n_split))
-                return _to_object_array(pieces)
+                value = _column_of_sequences(key, value, n_split)
+                if value.ndim == 1:  # ragged rows: each row's chunks stay lists
+                    pieces = []
+                    for item in value:
+                        size = len(item) // n_split
+                        pieces.extend(list(item[i * size : (i + 1) * size]) for i in range(n_split))
+                    return _to_object_array(pieces)
             if value.ndim < 2 or value.shape[1] % n_split:
-                raise ValueError(
+                raise DataProtoError(
                     f"unfold_column_chunks: {key!r} has shape {tuple(value.shape)}; its second dimension must divide "
                     f"into {n_split} chunks"
                 )
@@ -487,13 +512,13 @@ class DataProto:
         """Split into `chunks` parts (views). The length must divide evenly unless auto-padding is
         enabled: then parts hold ceil(n / chunks) rows, the last ones fewer."""
         if not isinstance(chunks, (int, np.integer)) or chunks < 1:
-            raise ValueError(f"chunk needs a positive number of chunks, got {chunks!r}")
+            raise DataProtoError(f"chunk needs a positive number of chunks, got {chunks!r}")
         n = len(self)
         if n % chunks and self.is_padding_enabled():
             size = -(-n // chunks)
             return [self.slice(min(i * size, n), min((i + 1) * size, n)) for i in range(chunks)]
         if n % chunks:
-            raise ValueError(
+            raise DataProtoError(
                 f"DataProto.chunk({chunks}): {n} rows do not split evenly into {chunks} chunks. Pad first with "
                 f"`padded, pad_size = pad_dataproto_to_divisor(data, {chunks})` and drop the padding from the "
                 f"concatenated result with `unpad_dataproto(output, pad_size)`, or use a batch size divisible by {chunks}"
@@ -504,7 +529,7 @@ class DataProto:
     def split(self, split_size: int) -> list[DataProto]:
         """Consecutive parts of `split_size` rows (views); the last part may be shorter."""
         if not isinstance(split_size, (int, np.integer)) or split_size < 1:
-            raise ValueError(f"split needs a positive split_size, got {split_size!r}")
+            raise DataProtoError(f"split needs a positive split_size, got {split_size!r}")
         return [self.slice(i, i + split_size) for i in range(0, len(self), split_size)]
 
     @staticmethod
@@ -512,10 +537,10 @@ class DataProto:
         """Concatenate protos along the batch dimension; meta_info is merged (see module docstring)."""
         data = list(data)
         if not data:
-            raise ValueError("DataProto.concat needs at least one DataProto")
+            raise DataProtoError("DataProto.concat needs at least one DataProto")
         has_batch = [d.batch is not None for d in data]
         if any(has_batch) and not all(has_batch):
-            raise ValueError(
+            raise DataProtoError(
                 f"DataProto.concat: parts {[i for i, h in enumerate(has_batch) if not h]} have no tensors (batch=None) "
                 "while others do; all parts must carry the same keys"
             )
@@ -538,7 +563,7 @@ class DataProto:
         interleave=False: [a, b] -> [a, b, a, b]
         """
         if not isinstance(repeat_times, (int, np.integer)) or repeat_times < 1:
-            raise ValueError(f"repeat_times must be a positive integer, got {repeat_times!r}")
+            raise DataProtoError(f"repeat_times must be a positive integer, got {repeat_times!r}")
         n = len(self)
         rows = torch.arange(n * repeat_times)
         idx = rows // repeat_times if interleave else rows % max(n, 1)
@@ -563,16 +588,16 @@ class DataProto:
         dataloader_kwargs = dict(dataloader_kwargs or {})
         unknown = sorted(set(dataloader_kwargs) - set(_SUPPORTED_DATALOADER_KWARGS))
         if unknown:
-            raise ValueError(
+            raise DataProtoError(
                 f"make_iterator: unsupported dataloader_kwargs {unknown}; supported: {list(_SUPPORTED_DATALOADER_KWARGS)} "
                 "(mini-batches are gathered directly, without a DataLoader)"
             )
         n = len(self)
         if not isinstance(mini_batch_size, (int, np.integer)) or mini_batch_size < 1:
-            raise ValueError(f"mini_batch_size must be a positive integer, got {mini_batch_size!r}")
+            raise DataProtoError(f"mini_batch_size must be a positive integer, got {mini_batch_size!r}")
         drop_last = bool(dataloader_kwargs.get("drop_last", False))
         if n % mini_batch_size and not drop_last:
-            raise ValueError(
+            raise DataProtoError(
                 f"make_iterator: {n} rows are not divisible by mini_batch_size={mini_batch_size}; choose a mini-batch "
                 f"size that divides the batch, pad with pad_dataproto_to_divisor(data, {mini_batch_size}), or pass "
                 "dataloader_kwargs={'drop_last': True} to skip the incomplete last mini-batch"

@@ -10,7 +10,7 @@ from functools import partial
 import numpy as np
 import torch
 
-from verl.protocol._columns import _new_td
+from verl.protocol._columns import DataProtoError, _new_td
 from verl.protocol._data_proto import DataProto
 
 
@@ -19,7 +19,7 @@ def fold_batch_dim(data: DataProto, new_batch_size: int) -> DataProto:
     and non-tensor column (e.g. the n samples of each prompt after `repeat(n)` become one row)."""
     n = len(data)
     if new_batch_size < 1 or n % new_batch_size:
-        raise ValueError(f"fold_batch_dim: {n} rows do not fold into {new_batch_size} rows of equal size")
+        raise DataProtoError(f"fold_batch_dim: {n} rows do not fold into {new_batch_size} rows of equal size")
     group = n // new_batch_size
     batch = None
     if data.batch is not None:
@@ -35,7 +35,7 @@ def unfold_batch_dim(data: DataProto, batch_dims: int = 2) -> DataProto:
     shapes = {k: tuple(v.shape[:batch_dims]) for k, v in ([] if data.batch is None else data.batch.items())}
     shapes.update({k: tuple(v.shape[:batch_dims]) for k, v in data.non_tensor_batch.items()})
     if len(set(shapes.values())) > 1 or any(len(s) < batch_dims for s in shapes.values()):
-        raise ValueError(f"unfold_batch_dim: the columns do not share {batch_dims} leading dimensions: {shapes}")
+        raise DataProtoError(f"unfold_batch_dim: the columns do not share {batch_dims} leading dimensions: {shapes}")
     lead = next(iter(shapes.values()), (0,))
     n = int(np.prod(lead))
     batch = None
@@ -54,7 +54,7 @@ def pad_dataproto_to_divisor(data: DataProto, size_divisor: int) -> tuple[DataPr
     are valid samples for any worker; their outputs are simply discarded.
     """
     if not isinstance(size_divisor, (int, np.integer)) or size_divisor < 1:
-        raise ValueError(f"size_divisor must be a positive integer, got {size_divisor!r}")
+        raise DataProtoError(f"size_divisor must be a positive integer, got {size_divisor!r}")
     n = len(data)
     pad_size = -n % size_divisor
     if pad_size == 0:  # an empty proto divides by anything, so n > 0 below
@@ -66,7 +66,7 @@ def pad_dataproto_to_divisor(data: DataProto, size_divisor: int) -> tuple[DataPr
 def unpad_dataproto(data: DataProto, pad_size: int) -> DataProto:
     """Drop the last `pad_size` rows added by `pad_dataproto_to_divisor`."""
     if pad_size < 0 or pad_size > len(data):
-        raise ValueError(f"pad_size={pad_size} is outside [0, {len(data)}] for a DataProto of length {len(data)}")
+        raise DataProtoError(f"pad_size={pad_size} is outside [0, {len(data)}] for a DataProto of length {len(data)}")
     return data[: len(data) - pad_size] if pad_size else data
 
 
@@ -108,7 +108,7 @@ class DataProtoFuture:
     def chunk(self, chunks: int) -> list[DataProtoFuture]:
         """`chunks` futures; the i-th yields chunk i of this future's result after `get()`."""
         if not isinstance(chunks, (int, np.integer)) or chunks < 1:
-            raise ValueError(f"chunk needs a positive number of chunks, got {chunks!r}")
+            raise DataProtoError(f"chunk needs a positive number of chunks, got {chunks!r}")
         return [
             DataProtoFuture(
                 collect_fn=self.collect_fn,

@@ -14,8 +14,14 @@ indexing and chunking do not support every jagged layout (3-D jagged tensors, fo
 accessors `get` / `pop` (and `get_keys` / `pop_keys`) return Python values: a tensor as is, a
 `NonTensorStack` as a list, a `NonTensorData` as its object.
 
-Inconsistent inputs (different batch sizes, mixed nested and regular keys across parts) raise
-`ValueError` naming the key.
+Inconsistent inputs (different batch sizes, mixed nested and regular keys across parts, a key
+with different values on the two sides of a union) raise `TensorDictError` naming the key: a
+`ValueError` that is also an `AssertionError`, because upstream checks these with `assert`.
+
+`concat_tensordict` keeps the first part's value of a batch-wide `NonTensorData` key, as upstream
+does: tensordict up to 0.10 keeps the first value when `torch.cat` joins NonTensorData, later
+releases turn differing values into a per-row `NonTensorStack`; this function gives upstream's
+result with either.
 """
 
 from __future__ import annotations
@@ -28,6 +34,7 @@ from tensordict import TensorDict
 from tensordict.tensorclass import NonTensorData, NonTensorStack
 
 __all__ = [
+    "TensorDictError",
     "assert_tensordict_eq",
     "assign_non_tensor",
     "assign_non_tensor_data",
@@ -51,6 +58,11 @@ __all__ = [
     "unpad",
     "unwrap_non_tensor_data",
 ]
+
+
+class TensorDictError(ValueError, AssertionError):
+    """Inputs these helpers refuse (see the module docstring): a ValueError, and an AssertionError
+    for code written against upstream, which asserts these preconditions."""
 
 
 def _require_td(value, what: str = "tensor_dict") -> None:
@@ -107,9 +119,9 @@ def concat_nested_tensors(tensors: list[torch.Tensor]) -> torch.Tensor:
     rows = []
     for i, tensor in enumerate(tensors):
         if not (tensor.is_nested and tensor.is_contiguous()):
-            raise ValueError(f"concat_nested_tensors: part {i} is not a contiguous nested tensor")
+            raise TensorDictError(f"concat_nested_tensors: part {i} is not a contiguous nested tensor")
         if tensor.dim() < 2:
-            raise ValueError(f"concat_nested_tensors: part {i} has shape {tuple(tensor.shape)}; it needs 2+ dims")
+            raise TensorDictError(f"concat_nested_tensors: part {i} has shape {tuple(tensor.shape)}; it needs 2+ dims")
         rows.extend(tensor.unbind(0))
     return torch.nested.as_nested_tensor(rows, layout=torch.jagged)
 
@@ -118,34 +130,41 @@ def concat_tensordict_with_none_bsz(data: list[TensorDict]) -> TensorDict:
     """Concatenation of TensorDicts without a batch dimension (metadata only): the first one."""
     for i, td in enumerate(data):
         if len(td.batch_size) != 0:
-            raise ValueError(f"part {i} has batch size {list(td.batch_size)}; only batch-less TensorDicts qualify")
+            raise TensorDictError(f"part {i} has batch size {list(td.batch_size)}; only batch-less TensorDicts qualify")
     return data[0]
 
 
 def concat_tensordict(data: list[TensorDict]) -> TensorDict:
-    """Concatenate TensorDicts along the batch dimension; jagged tensors are re-nested row by row."""
+    """Concatenate TensorDicts along the batch dimension (the inputs are left unchanged).
+
+    Jagged tensors are re-nested row by row; a key that holds batch-wide `NonTensorData` in every
+    part keeps the first part's value (upstream's result, see the module docstring)."""
     if not data:
-        raise ValueError("concat_tensordict needs at least one TensorDict")
+        raise TensorDictError("concat_tensordict needs at least one TensorDict")
+    if len(data[0].batch_size) == 0 and not any(_is_nested(value) for value in data[0].values()):
+        return concat_tensordict_with_none_bsz(data)
     nested_keys = {key for key, value in data[0].items() if _is_nested(value)}
-    if not nested_keys:
-        if len(data[0].batch_size) == 0:
-            return concat_tensordict_with_none_bsz(data)
-        return torch.cat(data, dim=0)
+    batch_wide_keys = {
+        key
+        for key, value in data[0].items()
+        if isinstance(value, NonTensorData) and all(isinstance(td.get(key, None), NonTensorData) for td in data)
+    }
     regular = []
     for i, td in enumerate(data):
         keys = {key for key, value in td.items() if _is_nested(value)}
         if keys != nested_keys:
-            raise ValueError(
+            raise TensorDictError(
                 f"concat_tensordict: part {i} has nested keys {sorted(keys)} but part 0 has {sorted(nested_keys)}"
             )
+        skip = nested_keys | batch_wide_keys
         regular.append(
-            TensorDict(
-                {k: v for k, v in td.items() if k not in nested_keys}, batch_size=td.batch_size, device=td.device
-            )
+            TensorDict({k: v for k, v in td.items() if k not in skip}, batch_size=td.batch_size, device=td.device)
         )
     output = torch.cat(regular, dim=0)
     for key in nested_keys:
         output[key] = concat_nested_tensors([td[key] for td in data])
+    for key in batch_wide_keys:
+        output[key] = NonTensorData(data[0].get(key).data)
     return output
 
 
@@ -154,7 +173,7 @@ def chunk_tensordict(td: TensorDict, chunks: int) -> list[TensorDict]:
     `torch.chunk` cannot split, are split row by row."""
     _require_td(td, "td")
     if chunks < 1 or len(td) % chunks:
-        raise ValueError(f"chunk_tensordict: {len(td)} rows do not split into {chunks} equal chunks")
+        raise TensorDictError(f"chunk_tensordict: {len(td)} rows do not split into {chunks} equal chunks")
     size = len(td) // chunks
     special = {k for k, v in td.items() if _is_nested(v) and v.dim() >= 3}
     base = TensorDict({k: v for k, v in td.items() if k not in special}, batch_size=td.batch_size, device=td.device)
@@ -177,7 +196,7 @@ def get_tensordict(tensor_dict: dict[str, Any], non_tensor_dict: dict | None = N
     batch_size = None
     for key, val in tensor_dict.items():
         if _is_nested(val) and (val.layout != torch.jagged or not val.is_contiguous()):
-            raise ValueError(f"get_tensordict: nested tensor {key!r} must be contiguous with layout=torch.jagged")
+            raise TensorDictError(f"get_tensordict: nested tensor {key!r} must be contiguous with layout=torch.jagged")
         if isinstance(val, NonTensorStack):
             length = len(val)
         elif isinstance(val, list):
@@ -195,10 +214,10 @@ def get_tensordict(tensor_dict: dict[str, Any], non_tensor_dict: dict | None = N
         if batch_size is None:
             batch_size = length
         elif length != batch_size:
-            raise ValueError(f"get_tensordict: {key!r} has {length} rows but earlier values have {batch_size}")
+            raise TensorDictError(f"get_tensordict: {key!r} has {length} rows but earlier values have {batch_size}")
     for key, val in (non_tensor_dict or {}).items():
         if key in source:
-            raise ValueError(f"get_tensordict: {key!r} is given both per row and as batch metadata")
+            raise TensorDictError(f"get_tensordict: {key!r} is given both per row and as batch metadata")
         source[key] = NonTensorData(val)
     return TensorDict(source=source, batch_size=[] if batch_size is None else [batch_size])
 
@@ -210,7 +229,7 @@ def index_select_tensor_dict(batch: TensorDict | None, indices: torch.Tensor | l
         return None
     indices = torch.as_tensor(indices, dtype=torch.long)
     if indices.dim() != 1:
-        raise ValueError(f"indices must be 1-D, got shape {tuple(indices.shape)}")
+        raise TensorDictError(f"indices must be 1-D, got shape {tuple(indices.shape)}")
     out = {}
     for key, value in batch.items():
         if _is_nested(value):
@@ -226,7 +245,7 @@ def index_select_tensor_dict(batch: TensorDict | None, indices: torch.Tensor | l
 def union_tensor_dict(tensor_dict1: TensorDict, tensor_dict2: TensorDict) -> TensorDict:
     """Add the keys of `tensor_dict2` to `tensor_dict1` (in place); shared keys must hold equal values."""
     if tensor_dict1.batch_size != tensor_dict2.batch_size:
-        raise ValueError(
+        raise TensorDictError(
             f"union_tensor_dict: batch sizes differ ({list(tensor_dict1.batch_size)} vs {list(tensor_dict2.batch_size)})"
         )
     existing = tensor_dict1.keys()  # `in` on a TensorDict itself is not supported by every tensordict version
@@ -240,7 +259,10 @@ def union_tensor_dict(tensor_dict1: TensorDict, tensor_dict2: TensorDict) -> Ten
             mine.equal(value) if isinstance(value, torch.Tensor) else get(tensor_dict1, key) == get(tensor_dict2, key)
         )
         if not same:
-            raise ValueError(f"union_tensor_dict: {key!r} exists in both TensorDicts with different values")
+            raise TensorDictError(
+                f"union_tensor_dict: {key!r} exists in both TensorDicts with different values ({key} in tensor_dict1 "
+                "and tensor_dict2 are not the same object); rename or pop it on one side first"
+            )
     return tensor_dict1
 
 
@@ -253,7 +275,7 @@ def make_iterator(
     from torch.utils.data import DataLoader
 
     if tensordict.batch_size[0] % mini_batch_size:
-        raise ValueError(f"make_iterator: {tensordict.batch_size[0]} rows are not divisible by {mini_batch_size}")
+        raise TensorDictError(f"make_iterator: {tensordict.batch_size[0]} rows are not divisible by {mini_batch_size}")
     generator = torch.Generator().manual_seed(seed) if seed is not None else None
     loader = DataLoader(
         dataset=torch.arange(tensordict.shape[0]),
