@@ -121,62 +121,104 @@ def _broadcast(world_size: int, args: tuple, kwargs: dict) -> list[PerWorkerCall
     return [(args, kwargs)] * world_size
 
 
+def _batch_types():
+    """(DataProto, TensorDict, DataProtoFuture): the arguments the DataProto modes split."""
+    from tensordict import TensorDict
+
+    protocol = _protocol()
+    return protocol.DataProto, TensorDict, protocol.DataProtoFuture
+
+
+def _chunk(value, num_chunks: int) -> list:
+    from tensordict import TensorDict
+
+    from verl.utils import tensordict_utils as tu
+
+    if not isinstance(value, TensorDict):
+        return value.chunk(num_chunks)
+    # A chunk is a view: pickled for Ray it would carry the whole batch's storage to every rank.
+    # Consolidating copies each chunk into one buffer of its own (upstream ships chunks the same way).
+    return [tu.contiguous(part).consolidate() for part in tu.chunk_tensordict(value, num_chunks)]
+
+
+def _pad(value, num_chunks: int):
+    from tensordict import TensorDict
+
+    from verl.utils import tensordict_utils as tu
+
+    if isinstance(value, TensorDict):
+        return tu.pad_to_divisor(value, num_chunks)[0]
+    return _protocol().pad_dataproto_to_divisor(value, num_chunks)[0]
+
+
 def _split_data_protos(
     method_desc: str, num_chunks: int, args: tuple, kwargs: dict
 ) -> tuple[list[list], dict[str, list], int]:
-    """Pad every DataProto argument to a multiple of `num_chunks` and chunk it.
+    """Pad every DataProto / TensorDict argument to a multiple of `num_chunks` and chunk it.
 
     Returns per-argument chunk lists and the number of padding rows added. DataProtoFutures
     cannot be padded (their length is unknown until they resolve): they must divide evenly.
     """
-    protocol = _protocol()
+    data_proto, tensor_dict, future = _batch_types()
     values = list(args) + list(kwargs.values())
     for pos, value in enumerate(values):
-        if not isinstance(value, protocol.DataProto | protocol.DataProtoFuture):
-            name = f"argument {pos}" if pos < len(args) else f"keyword argument {list(kwargs)[pos - len(args)]!r}"
+        name = f"argument {pos}" if pos < len(args) else f"keyword argument {list(kwargs)[pos - len(args)]!r}"
+        if not isinstance(value, data_proto | tensor_dict | future):
             raise TypeError(
-                f"{method_desc} dispatches DataProto chunks to the data-parallel ranks, but its {name} is a "
-                f"{type(value).__name__}; pass DataProto objects only (put scalars in data.meta_info) or register "
-                "the method with another dispatch mode"
+                f"{method_desc} dispatches DataProto / TensorDict chunks to the data-parallel ranks, but its {name} "
+                f"is a {type(value).__name__}; pass DataProto or TensorDict objects only (put scalars in "
+                "data.meta_info) or register the method with another dispatch mode"
             )
-    lengths = {len(v) for v in values if isinstance(v, protocol.DataProto)}
+        if isinstance(value, tensor_dict) and not value.batch_size:
+            raise ValueError(
+                f"{method_desc}: its {name} is a TensorDict without a batch dimension, so it has no rows to split "
+                "across ranks; build it with batch_size=[number of rows]"
+            )
+    lengths = {len(v) for v in values if isinstance(v, data_proto | tensor_dict)}
     if len(lengths) > 1:
         raise ValueError(
-            f"{method_desc} got DataProto arguments of different lengths {sorted(lengths)}; they are chunked "
-            "together across ranks, so every DataProto argument must have the same number of rows"
+            f"{method_desc} got DataProto / TensorDict arguments of different lengths {sorted(lengths)}; they are "
+            "chunked together across ranks, so every one of them must have the same number of rows"
         )
     pad_size = 0
     if lengths:
         length = lengths.pop()
         if length == 0:
-            raise ValueError(f"{method_desc} got an empty DataProto; there is nothing to split across ranks")
+            raise ValueError(f"{method_desc} got an empty batch; there is nothing to split across ranks")
         pad_size = -length % num_chunks
-    if pad_size and any(isinstance(v, protocol.DataProtoFuture) for v in values):
+    if pad_size and any(isinstance(v, future) for v in values):
         raise ValueError(
             f"{method_desc}: {length} rows need {pad_size} padding rows to split across {num_chunks} ranks, but a "
             "DataProtoFuture argument cannot be padded alongside them; materialize it with .get() first or use a "
             f"batch size divisible by {num_chunks}"
         )
     if pad_size:
-        values = [
-            protocol.pad_dataproto_to_divisor(v, num_chunks)[0] if isinstance(v, protocol.DataProto) else v
-            for v in values
-        ]
-    chunks = [v.chunk(num_chunks) for v in values]
+        values = [_pad(v, num_chunks) if isinstance(v, data_proto | tensor_dict) else v for v in values]
+    chunks = [_chunk(v, num_chunks) for v in values]
     return chunks[: len(args)], dict(zip(kwargs, chunks[len(args) :])), pad_size
 
 
 def _concat_outputs(outputs: list, pad_size: int):
-    protocol = _protocol()
+    from verl.utils import tensordict_utils as tu
+
+    data_proto, tensor_dict, _ = _batch_types()
     for dp_rank, out in enumerate(outputs):
-        if not isinstance(out, protocol.DataProto):
+        if not isinstance(out, data_proto | tensor_dict):
             raise TypeError(
-                f"a DataProto-dispatched method must return a DataProto from every rank so the results can be "
-                f"concatenated, but data-parallel rank {dp_rank} returned {type(out).__name__}; return a DataProto "
-                "or register the method with DP_COMPUTE_METRIC / DP_COMPUTE to get a list"
+                f"a DataProto-dispatched method must return a DataProto (or a TensorDict) from every rank so the "
+                f"results can be concatenated, but data-parallel rank {dp_rank} returned {type(out).__name__}; "
+                "return one of those or register the method with DP_COMPUTE_METRIC / DP_COMPUTE to get a list"
             )
-    merged = protocol.DataProto.concat(outputs)
-    return protocol.unpad_dataproto(merged, pad_size) if pad_size else merged
+    if all(isinstance(out, tensor_dict) for out in outputs):
+        merged = tu.concat_tensordict(outputs)
+        return tu.unpad(merged, pad_size)
+    if not all(isinstance(out, data_proto) for out in outputs):
+        raise TypeError(
+            "a DataProto-dispatched method must return the same kind of batch from every rank; got "
+            f"{[type(out).__name__ for out in outputs]} (all DataProtos or all TensorDicts)"
+        )
+    merged = data_proto.concat(outputs)
+    return _protocol().unpad_dataproto(merged, pad_size) if pad_size else merged
 
 
 def _future_of_concat(refs: list, pad_size: int):
