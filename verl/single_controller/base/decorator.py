@@ -16,7 +16,9 @@ Built-in modes (the dispatch table in docs/single_controller.md):
 
 | mode                       | each worker receives                       | the driver gets back            |
 |----------------------------|--------------------------------------------|---------------------------------|
-| ONE_TO_ALL, ALL_TO_ALL     | the same arguments                         | list of results, rank order     |
+| ONE_TO_ALL                 | the same arguments                         | list of results, rank order     |
+| ALL_TO_ALL (the default)   | entry i of each argument when every one is | list of results, rank order     |
+|                            | a list of world_size entries; else the same|                                 |
 | DP_COMPUTE                 | entry i of each list argument              | list of results                 |
 | DP_COMPUTE_PROTO           | chunk i of each DataProto (auto-padded)    | one DataProto, padding removed  |
 | DP_COMPUTE_PROTO_WITH_FUNC | the first argument (a function) + chunk i  | one DataProto, padding removed  |
@@ -28,9 +30,14 @@ The mesh-aware mode serves tensor/pipeline parallelism: several ranks hold the s
 shard. Each worker registers `(dp_rank, is_collect)` per mesh name with
 `Worker._register_dispatch_collect_info`; the group asks the workers once and caches the answer.
 
-ONE_TO_ALL and ALL_TO_ALL are the same here (upstream's ALL_TO_ALL guessed from argument types
-whether to split lists; we don't guess: use DP_COMPUTE to split). Padding duplicates the first rows
-of the batch so every rank gets an equal chunk; the extra rows are cut from the result.
+ALL_TO_ALL follows upstream's rule (its worker group's `execute_all` applies it, and so does
+ours): when every positional and keyword argument is a `list` with one entry per worker, worker i
+gets entry i of each, so the list one ONE_TO_ALL call returns can feed the next call rank by rank;
+any other arguments go to every worker unchanged. DP_COMPUTE always splits and says so when an
+argument is not such a list. The DataProto modes also take TensorDicts (chunked with
+`verl.utils.tensordict_utils`, results concatenated back into one TensorDict), as upstream does.
+Padding duplicates the first rows of the batch so every rank gets an equal chunk; the extra rows
+are cut from the result.
 
 `register_dispatch_mode(name, dispatch_fn, collect_fn)` adds a mode written in upstream's style:
 `dispatch_fn(worker_group, *args, **kwargs)` returns `(args, kwargs)` whose every entry is a list
@@ -151,6 +158,15 @@ def _pad(value, num_chunks: int):
     return _protocol().pad_dataproto_to_divisor(value, num_chunks)[0]
 
 
+def _split_or_broadcast(world_size: int, args: tuple, kwargs: dict) -> list[PerWorkerCall]:
+    """Upstream's ALL_TO_ALL / `execute_all` rule: entry i of each argument to worker i when every
+    argument is a list of `world_size` entries, else the same arguments to every worker."""
+    values = list(args) + list(kwargs.values())
+    if values and all(isinstance(v, list) and len(v) == world_size for v in values):
+        return [(tuple(a[rank] for a in args), {k: v[rank] for k, v in kwargs.items()}) for rank in range(world_size)]
+    return _broadcast(world_size, args, kwargs)
+
+
 def _split_data_protos(
     method_desc: str, num_chunks: int, args: tuple, kwargs: dict
 ) -> tuple[list[list], dict[str, list], int]:
@@ -233,11 +249,20 @@ def _future_of_concat(refs: list, pad_size: int):
 
 
 class _OneToAll(DispatchMode):
-    def __init__(self, name: str):
-        self.name = name
+    name = "ONE_TO_ALL"
 
     def dispatch(self, worker_group, args, kwargs):
         return _broadcast(worker_group.world_size, args, kwargs), None
+
+    def collect(self, worker_group, outputs, state, futures):
+        return list(outputs)
+
+
+class _AllToAll(DispatchMode):
+    name = "ALL_TO_ALL"
+
+    def dispatch(self, worker_group, args, kwargs):
+        return _split_or_broadcast(worker_group.world_size, args, kwargs), None
 
     def collect(self, worker_group, outputs, state, futures):
         return list(outputs)
@@ -404,8 +429,8 @@ class Dispatch(metaclass=_DispatchRegistry):
 
     _modes: dict[str, DispatchMode] = {}
 
-    ONE_TO_ALL = _OneToAll("ONE_TO_ALL")
-    ALL_TO_ALL = _OneToAll("ALL_TO_ALL")
+    ONE_TO_ALL = _OneToAll()
+    ALL_TO_ALL = _AllToAll()
     RANK_ZERO = _RankZero()
     DP_COMPUTE = _DPCompute()
     DP_COMPUTE_PROTO = _DPComputeProto("DP_COMPUTE_PROTO", with_func=False, concat=True)
@@ -479,7 +504,8 @@ def dispatch_one_to_all(worker_group, *args, **kwargs):
 
 
 def dispatch_all_to_all(worker_group, *args, **kwargs):
-    """The same as `dispatch_one_to_all` here (see the module docstring)."""
+    """Entry i of each argument to worker i when every argument is a list with one entry per
+    worker; otherwise the same arguments to every worker (see the module docstring)."""
     return _transpose(Dispatch.ALL_TO_ALL, worker_group, args, kwargs)
 
 
