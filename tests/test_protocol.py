@@ -708,6 +708,9 @@ class _Rank:
     def consume(self, future: DataProtoFuture) -> list[int]:
         return rows(future.get())  # materialised on the worker, not on the driver
 
+    def produce_tensordict(self, start: int) -> TensorDict:
+        return TensorDict({"row": torch.arange(start, start + 2)}, batch_size=[2])
+
 
 def test_data_proto_future_concat_and_chunk_over_real_refs(ray_cluster):
     ray = ray_cluster
@@ -726,6 +729,17 @@ def test_data_proto_future_concat_and_chunk_over_real_refs(ray_cluster):
 
     # chunking a chunk composes: chunk 1 of 3 -> rows [3, 4, 5] -> its 3 single-row pieces
     assert [rows(c.get()) for c in chunks[1].chunk(3)] == [[3], [4], [5]]
+
+
+def test_data_proto_future_over_tensordict_results_concatenates_and_chunks_them(ray_cluster):
+    worker = ray_cluster.remote(_Rank).remote()
+    future = DataProtoFuture.concat([worker.produce_tensordict.remote(s) for s in (0, 2, 4)])
+    whole = future.get()
+    assert isinstance(whole, TensorDict) and whole["row"].tolist() == [0, 1, 2, 3, 4, 5]
+    assert [c.get()["row"].tolist() for c in future.chunk(3)] == [[0, 1], [2, 3], [4, 5]]
+    mixed = DataProtoFuture.concat([worker.produce.remote(0), worker.produce_tensordict.remote(2)])
+    with pytest.raises(TypeError, match="all DataProtos or all TensorDicts"):
+        mixed.get()
 
 
 def test_data_proto_future_concat_rejects_values_that_are_not_refs(ray_cluster):

@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from enum import Enum
 
+import pytest
 import torch
 
 import verl.trainer.ppo.core_algos as core_algos
@@ -37,6 +39,39 @@ def test_registering_through_the_old_path_reaches_the_workers_registry():
     finally:
         del policy_losses.POLICY_LOSSES["test_only_negated_vanilla"]
         del advantages.ADV_ESTIMATORS["test_only_zero"]
+
+
+def test_assigning_a_table_through_the_old_path_replaces_the_one_every_look_up_reads(monkeypatch):
+    original = advantages.ADV_ESTIMATORS
+    replacement = {"double": lambda x: 2 * x}
+    monkeypatch.setattr(core_algos, "ADV_ESTIMATOR_REGISTRY", replacement)
+    assert advantages.ADV_ESTIMATORS is replacement is advantages.ADV_ESTIMATOR_REGISTRY
+    assert core_algos.ADV_ESTIMATORS is replacement
+    assert advantages.get_adv_estimator_fn("double")(4) == 8
+    with pytest.raises(ValueError, match=r"^Unknown advantage estimator simply: grpo .*valid names are: double$"):
+        core_algos.get_adv_estimator_fn("grpo")  # the built-ins went with the old table
+
+    class Names(Enum):
+        HALF = "half"
+
+    @core_algos.register_adv_est(Names.HALF)
+    def half(x):
+        return x / 2
+
+    assert replacement == {"double": replacement["double"], "half": half}
+    assert "half" not in original
+    core_algos.register_adv_est("half")(half)  # the same function again is not a conflict
+    with pytest.raises(ValueError, match="'half' is already registered"):
+        core_algos.register_adv_est("half")(lambda x: x)
+
+    losses = {"only": policy_losses.compute_policy_loss_vanilla}
+    monkeypatch.setattr(core_algos, "POLICY_LOSSES", losses)
+    assert policy_losses.POLICY_LOSS_REGISTRY is losses is core_algos.POLICY_LOSS_REGISTRY
+    assert policy_losses.get_policy_loss_fn("only") is policy_losses.compute_policy_loss_vanilla
+
+    monkeypatch.undo()
+    assert advantages.ADV_ESTIMATORS is original is core_algos.ADV_ESTIMATOR_REGISTRY
+    assert advantages.get_adv_estimator_fn("grpo") is advantages.compute_grpo_outcome_advantage
 
 
 def test_the_algorithms_layer_imports_without_the_trainer_or_workers():

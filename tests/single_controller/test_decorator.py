@@ -5,6 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from tensordict import TensorDict
 
 from verl.protocol import DataProto
 from verl.single_controller.base import Worker
@@ -60,7 +61,7 @@ def test_dp_compute_proto_chunks_keyword_arguments_too():
 
 
 def test_dp_compute_proto_rejects_non_dataproto_arguments_and_mismatched_lengths():
-    with pytest.raises(TypeError, match="its argument 1 is a int"):
+    with pytest.raises(TypeError, match="its argument 1 is a int; pass DataProto or TensorDict objects only"):
         Dispatch.DP_COMPUTE_PROTO.dispatch(_Shape(2), (_proto(2), 5), {})
     with pytest.raises(ValueError, match=r"different lengths \[2, 3\]"):
         Dispatch.DP_COMPUTE_PROTO.dispatch(_Shape(2), (_proto(2), _proto(3)), {})
@@ -69,6 +70,60 @@ def test_dp_compute_proto_rejects_non_dataproto_arguments_and_mismatched_lengths
 def test_collect_explains_a_rank_that_did_not_return_a_dataproto():
     with pytest.raises(TypeError, match="data-parallel rank 1 returned dict"):
         Dispatch.DP_COMPUTE_PROTO.collect(_Shape(2), [_proto(1), {"loss": 1.0}], 0, futures=False)
+
+
+def _jagged_td(lengths):
+    """Row i: x = i and ids = [0, 1, ..., lengths[i] - 1] (a jagged tensor)."""
+    ids = torch.nested.as_nested_tensor([torch.arange(n) for n in lengths], layout=torch.jagged)
+    return TensorDict({"x": torch.arange(len(lengths), dtype=torch.float32), "ids": ids}, batch_size=[len(lengths)])
+
+
+def test_dp_compute_proto_pads_and_chunks_tensordicts_jagged_tensors_included():
+    calls, pad = Dispatch.DP_COMPUTE_PROTO.dispatch(_Shape(2), (_jagged_td([1, 2, 3]),), {})
+    assert pad == 1
+    chunks = [args[0] for args, _ in calls]
+    assert [c["x"].tolist() for c in chunks] == [[0.0, 1.0], [2.0, 0.0]]  # the padding repeats row 0
+    assert [[row.tolist() for row in c["ids"].unbind(0)] for c in chunks] == [[[0], [0, 1]], [[0, 1, 2], [0]]]
+    # each chunk owns its memory, so pickling it for a worker does not carry the whole batch
+    assert all(c.is_consolidated() for c in chunks)
+    merged = Dispatch.DP_COMPUTE_PROTO.collect(_Shape(2), chunks, pad, futures=False)
+    assert isinstance(merged, TensorDict) and merged["x"].tolist() == [0.0, 1.0, 2.0]
+    assert [row.tolist() for row in merged["ids"].unbind(0)] == [[0], [0, 1], [0, 1, 2]]
+
+
+def test_mesh_mode_chunks_a_dataproto_and_a_tensordict_of_the_same_length_together():
+    shape = _Shape(2, dp_ranks=[0, 1], collect=[True, True])
+    calls, pad = make_nd_compute_dataproto_dispatch_fn("actor").dispatch(
+        shape, (_proto(4),), {"extra": _jagged_td([1, 2, 3, 4])}
+    )
+    assert pad == 0
+    assert [(args[0].batch["x"].tolist(), kwargs["extra"]["x"].tolist()) for args, kwargs in calls] == [
+        ([0.0, 1.0], [0.0, 1.0]),
+        ([2.0, 3.0], [2.0, 3.0]),
+    ]
+    with pytest.raises(ValueError, match=r"different lengths \[3, 4\]"):
+        Dispatch.DP_COMPUTE_PROTO.dispatch(_Shape(2), (_proto(4), _jagged_td([1, 2, 3])), {})
+
+
+def test_a_tensordict_without_rows_or_a_mixed_result_is_refused():
+    with pytest.raises(ValueError, match="TensorDict without a batch dimension"):
+        Dispatch.DP_COMPUTE_PROTO.dispatch(_Shape(2), (TensorDict({"x": torch.zeros(2)}, batch_size=[]),), {})
+    with pytest.raises(TypeError, match=r"all DataProtos or all TensorDicts"):
+        Dispatch.DP_COMPUTE_PROTO.collect(_Shape(2), [_proto(1), _jagged_td([1])], 0, futures=False)
+
+
+def test_all_to_all_splits_only_when_every_argument_is_a_list_of_one_entry_per_worker():
+    calls, _ = Dispatch.ALL_TO_ALL.dispatch(_Shape(2), ([1, 2],), {"k": ["a", "b"]})
+    assert calls == [((1,), {"k": "a"}), ((2,), {"k": "b"})]
+    for args, kwargs in [(([1, 2],), {"k": 0}), (([1, 2, 3],), {}), (((1, 2),), {}), ((), {})]:
+        calls, _ = Dispatch.ALL_TO_ALL.dispatch(_Shape(2), args, kwargs)
+        assert calls == [(args, kwargs)] * 2
+    # upstream's function pair: per-argument lists of one value per worker
+    from verl.single_controller.base.decorator import get_predefined_dispatch_fn
+
+    dispatch = get_predefined_dispatch_fn(Dispatch.ALL_TO_ALL)["dispatch_fn"]
+    assert dispatch(_Shape(2), [1, 2], [3, 4]) == (([1, 2], [3, 4]), {})
+    assert dispatch(_Shape(2), [1, 2], 7) == (([[1, 2], [1, 2]], [7, 7]), {})
 
 
 def test_one_to_all_hands_every_worker_the_same_objects():

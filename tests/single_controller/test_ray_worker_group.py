@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 import torch
 from ray import cloudpickle
+from tensordict import TensorDict
 
 from verl.protocol import DataProto, DataProtoFuture
 from verl.single_controller.base import Worker, WorkerMethodError, WorkerTimeoutError
@@ -130,6 +131,19 @@ class EchoWorker(Worker):
     @register(dispatch_mode=make_nd_compute_dataproto_dispatch_fn("dp"))
     def dp_forward(self, data):
         return _rows_out(data, self.rank, data.batch["x"] + 1)
+
+    @register(dispatch_mode=make_nd_compute_dataproto_dispatch_fn("dp"), blocking=False)
+    def dp_row_lengths(self, data: TensorDict) -> TensorDict:
+        """TensorDict in, TensorDict out: each row's jagged length, x * scale and the rank."""
+        lengths = torch.tensor([len(row) for row in data["ids"].unbind(0)], dtype=torch.float32)
+        return TensorDict(
+            {"y": data["x"] * self.scale + lengths, "rank": torch.full((len(data),), self.rank)},
+            batch_size=[len(data)],
+        )
+
+    @register()  # the default mode, ALL_TO_ALL
+    def received(self, value, offset=None):
+        return self.rank, value, offset
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def all_reduce_ranks(self):
@@ -258,6 +272,17 @@ def test_execute_rank_zero_returns_rank_zeros_result(group):
     assert [i["rank"] for i in group.execute_all("whoami")] == [0, 1]
 
 
+def test_all_to_all_splits_lists_of_one_entry_per_worker_and_broadcasts_anything_else(group):
+    assert group.received([1, 2], offset=["a", "b"]) == [(0, 1, "a"), (1, 2, "b")]  # rank i gets entry i
+    assert group.received(7) == [(0, 7, None), (1, 7, None)]
+    # unless every argument is a list of world_size entries, everyone gets the same arguments
+    assert group.received([1, 2], offset=3) == [(0, [1, 2], 3), (1, [1, 2], 3)]
+    assert group.received([1, 2, 3]) == [(0, [1, 2, 3], None), (1, [1, 2, 3], None)]
+    assert group.received((1, 2)) == [(0, (1, 2), None), (1, (1, 2), None)]  # a tuple is not split
+    assert group.execute_all("received", [1, 2]) == [(0, 1, None), (1, 2, None)]  # execute_all: same rule
+    assert group.execute_all("received", 5) == [(0, 5, None), (1, 5, None)]
+
+
 def test_worker_base_helpers_run_functions_on_the_workers(group):
     ranks = group.execute_with_func_generator(
         lambda worker, data: DataProto.from_dict(tensors={"r": torch.full((len(data),), worker.rank)}), _batch(4)
@@ -289,6 +314,18 @@ def test_non_blocking_call_returns_a_future_that_chains_into_the_next_call(group
     torch.testing.assert_close(future.get().batch["x"], torch.arange(4, dtype=torch.float32) * 3.0)
     # padding also applies to non-blocking calls: 3 rows on 2 ranks come back as 3
     assert len(group.scale_rows_async(_batch(3)).get()) == 3
+
+
+def test_mesh_dispatch_splits_tensordicts_and_concatenates_the_tensordicts_returned(group):
+    # 3 rows (jagged ids of lengths 1, 2, 3) padded to 4 for the 2 dp ranks; the padding is dropped again
+    ids = torch.nested.as_nested_tensor([torch.arange(n) for n in (1, 2, 3)], layout=torch.jagged)
+    data = TensorDict({"x": torch.tensor([10.0, 20.0, 30.0]), "ids": ids}, batch_size=[3])
+    future = group.dp_row_lengths(data)
+    assert isinstance(future, DataProtoFuture)
+    out = future.get()
+    assert isinstance(out, TensorDict)
+    assert out["y"].tolist() == [31.0, 62.0, 93.0]  # x * 3 + length
+    assert out["rank"].tolist() == [0, 0, 1]
 
 
 def test_two_rank_group_does_a_real_gloo_all_reduce(group):

@@ -22,7 +22,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from verl.algorithms._common import _check_shapes, _unknown_name_error
+from verl.algorithms._common import _check_shapes
 from verl.utils.torch_functional import masked_whiten
 
 
@@ -586,7 +586,10 @@ def get_adv_estimator_fn(name_or_enum: str | AdvantageEstimator) -> Callable[...
     """The estimator for an `algorithm.adv_estimator` name (or `AdvantageEstimator` member)."""
     name = _name(name_or_enum)
     if name not in ADV_ESTIMATORS:
-        raise _unknown_name_error("algorithm.adv_estimator", name, ADV_ESTIMATORS)
+        raise ValueError(
+            f"Unknown advantage estimator simply: {name} (algorithm.adv_estimator); valid names are: "
+            f"{', '.join(sorted(ADV_ESTIMATORS))}"
+        )
     return ADV_ESTIMATORS[name]
 
 

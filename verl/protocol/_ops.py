@@ -9,9 +9,11 @@ from functools import partial
 
 import numpy as np
 import torch
+from tensordict import TensorDict
 
 from verl.protocol._columns import DataProtoError, _new_td
 from verl.protocol._data_proto import DataProto
+from verl.utils import tensordict_utils as tu
 
 
 def fold_batch_dim(data: DataProto, new_batch_size: int) -> DataProto:
@@ -74,9 +76,22 @@ def unpad_dataproto(data: DataProto, pad_size: int) -> DataProto:
 # Lazy chunk/concat over Ray object refs.
 
 
-def _pick_chunk(data: DataProto, index: int, chunks: int, inner: Callable | None) -> DataProto:
+def _concat_parts(parts: list[DataProto | TensorDict]) -> DataProto | TensorDict:
+    """The concatenation of several workers' results: DataProtos or TensorDicts, not a mix."""
+    if all(isinstance(p, DataProto) for p in parts):
+        return DataProto.concat(parts)
+    if all(isinstance(p, TensorDict) for p in parts):
+        return tu.concat_tensordict(parts)
+    raise TypeError(
+        f"cannot concatenate {[type(p).__name__ for p in parts]}: the parts must be all DataProtos or all TensorDicts"
+    )
+
+
+def _pick_chunk(data: DataProto | TensorDict, index: int, chunks: int, inner: Callable | None):
     if inner is not None:
         data = inner(data)
+    if isinstance(data, TensorDict):
+        return tu.chunk_tensordict(data, chunks)[index]
     return data.chunk(chunks)[index]
 
 
@@ -84,8 +99,9 @@ def _pick_chunk(data: DataProto, index: int, chunks: int, inner: Callable | None
 class DataProtoFuture:
     """A DataProto not yet materialised: the outputs of several workers, still in Ray's object store.
 
-    `get()` fetches `futures` (ray.ObjectRefs to DataProtos), merges them with `collect_fn`
-    (normally `DataProto.concat`) and, when set, applies `dispatch_fn` (e.g. "take chunk i of n").
+    `get()` fetches `futures` (ray.ObjectRefs to DataProtos, or to TensorDicts, as upstream allows),
+    merges them with `collect_fn` (normally their concatenation) and, when set, applies
+    `dispatch_fn` (e.g. "take chunk i of n").
     This lets the driver pass one worker group's output straight to the next group without
     pulling the data through the driver: each worker calls `get()` for its own chunk.
     """
@@ -96,14 +112,15 @@ class DataProtoFuture:
 
     @staticmethod
     def concat(data: list) -> DataProtoFuture:
-        """A future for the concatenation of the DataProtos behind `data` (a list of ray.ObjectRefs)."""
+        """A future for the concatenation of the DataProtos (or TensorDicts) behind `data`, a list of
+        ray.ObjectRefs."""
         import ray
 
         data = list(data)
         bad = [type(x).__name__ for x in data if not isinstance(x, ray.ObjectRef)]
         if bad:
             raise TypeError(f"DataProtoFuture.concat expects ray.ObjectRefs, got {bad}")
-        return DataProtoFuture(collect_fn=DataProto.concat, futures=data)
+        return DataProtoFuture(collect_fn=_concat_parts, futures=data)
 
     def chunk(self, chunks: int) -> list[DataProtoFuture]:
         """`chunks` futures; the i-th yields chunk i of this future's result after `get()`."""
@@ -118,13 +135,13 @@ class DataProtoFuture:
             for i in range(chunks)
         ]
 
-    def get(self) -> DataProto:
+    def get(self) -> DataProto | TensorDict:
         import ray
 
         outputs = ray.get(self.futures)
-        bad = [type(o).__name__ for o in outputs if not isinstance(o, DataProto)]
+        bad = [type(o).__name__ for o in outputs if not isinstance(o, DataProto | TensorDict)]
         if bad:
-            raise TypeError(f"DataProtoFuture.get: the futures resolved to {bad}, expected DataProtos")
+            raise TypeError(f"DataProtoFuture.get: the futures resolved to {bad}, expected DataProtos or TensorDicts")
         output = self.collect_fn(outputs)
         if self.dispatch_fn is not None:
             output = self.dispatch_fn(output)

@@ -65,11 +65,14 @@ def ray_noset_visible_devices(env_vars: Mapping[str, str] = os.environ) -> bool:
 
 
 def parallel_put(data_list: list[Any], max_workers: int | None = None) -> list:
-    """`[ray.put(x) for x in data_list]`, from up to `max_workers` threads (default min(len, 16))."""
+    """`[ray.put(x) for x in data_list]`, from up to `max_workers` threads (default min(len, 16)).
+
+    An empty `data_list` raises AssertionError, the error upstream's assert gives callers.
+    """
     import ray
 
     if not data_list:
-        raise ValueError("parallel_put needs at least one object to put")
+        raise AssertionError("parallel_put needs at least one object to put; data_list is empty")
     workers = max_workers if max_workers is not None else min(len(data_list), 16)
     with concurrent.futures.ThreadPoolExecutor(max_workers=workers) as executor:
         return list(executor.map(ray.put, data_list))

@@ -11,6 +11,7 @@ from torch.utils.data import Dataset
 
 from verl.experimental.dataset.sampler import AbstractCurriculumSampler, AbstractSampler
 from verl.trainer.main_ppo import create_rl_sampler
+from verl.trainer.ppo.dataloaders import SamplerConfigError
 from verl.utils.dataset.sampler import StatefulDataLoader, StatefulRandomSampler
 
 SAMPLER_SOURCE = textwrap.dedent(
@@ -96,14 +97,18 @@ def test_custom_class_is_built_from_the_dataset_and_data_config(sampler_file):
 def test_custom_class_errors(sampler_file):
     with pytest.raises(ValueError, match="dataloader_num_workers=0"):
         create_rl_sampler(_data_config(sampler_file, "HardestFirst", dataloader_num_workers=2), Range(6))
-    with pytest.raises(TypeError, match="must subclass"):
+    with pytest.raises(SamplerConfigError, match="must subclass"):
         create_rl_sampler(_data_config(sampler_file, "NotASampler"), Range(6))
+    # the class is checked before the loader, as upstream does; both errors are also AssertionErrors
+    with pytest.raises(AssertionError, match="must subclass"):
+        create_rl_sampler(_data_config(sampler_file, "NotASampler", dataloader_num_workers=2), Range(6))
     with pytest.raises(AttributeError, match="'Missing' is not a class"):
         create_rl_sampler(_data_config(sampler_file, "Missing"), Range(6))
     # a partial `data` mapping without dataloader_num_workers has the YAML's 8 workers (upstream's default too)
     partial = OmegaConf.create({"sampler": {"class_path": sampler_file, "class_name": "HardestFirst"}})
-    with pytest.raises(ValueError, match=r"dataloader_num_workers=0 \(got 8\)"):
+    with pytest.raises(SamplerConfigError, match=r"dataloader_num_workers=0 \(got 8\)") as err:
         create_rl_sampler(partial, Range(6))
+    assert isinstance(err.value, ValueError) and isinstance(err.value, AssertionError)
 
 
 def test_loader_over_a_curriculum_sampler_follows_updates_and_resumes(sampler_file):

@@ -57,7 +57,7 @@ def test_load_reward_manager_passes_explicit_kwargs(char_tokenizer):
 def test_load_reward_manager_rejects_options_the_manager_does_not_take(char_tokenizer):
     with pytest.raises(TypeError, match=r"'naive' \(NaiveRewardManager\) does not take the options \['timeout'\]"):
         load_reward_manager(_config(manager_kwargs={"timeout": 3}), char_tokenizer, 0)
-    with pytest.raises(ValueError, match="unknown reward manager 'nope'"):
+    with pytest.raises(ValueError, match="Unknown reward manager: nope "):
         load_reward_manager(_config(manager="nope"), char_tokenizer, 0)
 
 
@@ -130,5 +130,5 @@ def test_a_manager_registered_by_the_custom_reward_file_is_found(registering_fil
 
 
 def test_a_name_the_custom_reward_file_does_not_register_says_the_file_was_imported(reward_file, char_tokenizer):
-    with pytest.raises(ValueError, match=r"unknown reward manager 'elsewhere'.*length_reward.py' was imported"):
+    with pytest.raises(ValueError, match=r"Unknown reward manager: elsewhere .*length_reward.py' was imported"):
         load_reward_manager(_config(reward_file, "length_score", manager="elsewhere"), char_tokenizer, 0)

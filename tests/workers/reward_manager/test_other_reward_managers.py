@@ -207,7 +207,7 @@ def test_registry_has_upstream_names():
 
 
 def test_unknown_manager_lists_the_registered_names():
-    with pytest.raises(ValueError, match=r"unknown reward manager 'navie'.*'batch', 'dapo', 'naive', 'prime'"):
+    with pytest.raises(ValueError, match=r"^Unknown reward manager: navie .*'batch', 'dapo', 'naive', 'prime'"):
         get_reward_manager_cls("navie")
 
 

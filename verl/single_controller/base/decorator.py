@@ -16,7 +16,9 @@ Built-in modes (the dispatch table in docs/single_controller.md):
 
 | mode                       | each worker receives                       | the driver gets back            |
 |----------------------------|--------------------------------------------|---------------------------------|
-| ONE_TO_ALL, ALL_TO_ALL     | the same arguments                         | list of results, rank order     |
+| ONE_TO_ALL                 | the same arguments                         | list of results, rank order     |
+| ALL_TO_ALL (the default)   | entry i of each argument when every one is | list of results, rank order     |
+|                            | a list of world_size entries; else the same|                                 |
 | DP_COMPUTE                 | entry i of each list argument              | list of results                 |
 | DP_COMPUTE_PROTO           | chunk i of each DataProto (auto-padded)    | one DataProto, padding removed  |
 | DP_COMPUTE_PROTO_WITH_FUNC | the first argument (a function) + chunk i  | one DataProto, padding removed  |
@@ -28,9 +30,14 @@ The mesh-aware mode serves tensor/pipeline parallelism: several ranks hold the s
 shard. Each worker registers `(dp_rank, is_collect)` per mesh name with
 `Worker._register_dispatch_collect_info`; the group asks the workers once and caches the answer.
 
-ONE_TO_ALL and ALL_TO_ALL are the same here (upstream's ALL_TO_ALL guessed from argument types
-whether to split lists; we don't guess: use DP_COMPUTE to split). Padding duplicates the first rows
-of the batch so every rank gets an equal chunk; the extra rows are cut from the result.
+ALL_TO_ALL follows upstream's rule (its worker group's `execute_all` applies it, and so does
+ours): when every positional and keyword argument is a `list` with one entry per worker, worker i
+gets entry i of each, so the list one ONE_TO_ALL call returns can feed the next call rank by rank;
+any other arguments go to every worker unchanged. DP_COMPUTE always splits and says so when an
+argument is not such a list. The DataProto modes also take TensorDicts (chunked with
+`verl.utils.tensordict_utils`, results concatenated back into one TensorDict), as upstream does.
+Padding duplicates the first rows of the batch so every rank gets an equal chunk; the extra rows
+are cut from the result.
 
 `register_dispatch_mode(name, dispatch_fn, collect_fn)` adds a mode written in upstream's style:
 `dispatch_fn(worker_group, *args, **kwargs)` returns `(args, kwargs)` whose every entry is a list
@@ -121,62 +128,113 @@ def _broadcast(world_size: int, args: tuple, kwargs: dict) -> list[PerWorkerCall
     return [(args, kwargs)] * world_size
 
 
+def _batch_types():
+    """(DataProto, TensorDict, DataProtoFuture): the arguments the DataProto modes split."""
+    from tensordict import TensorDict
+
+    protocol = _protocol()
+    return protocol.DataProto, TensorDict, protocol.DataProtoFuture
+
+
+def _chunk(value, num_chunks: int) -> list:
+    from tensordict import TensorDict
+
+    from verl.utils import tensordict_utils as tu
+
+    if not isinstance(value, TensorDict):
+        return value.chunk(num_chunks)
+    # A chunk is a view: pickled for Ray it would carry the whole batch's storage to every rank.
+    # Consolidating copies each chunk into one buffer of its own (upstream ships chunks the same way).
+    return [tu.contiguous(part).consolidate() for part in tu.chunk_tensordict(value, num_chunks)]
+
+
+def _pad(value, num_chunks: int):
+    from tensordict import TensorDict
+
+    from verl.utils import tensordict_utils as tu
+
+    if isinstance(value, TensorDict):
+        return tu.pad_to_divisor(value, num_chunks)[0]
+    return _protocol().pad_dataproto_to_divisor(value, num_chunks)[0]
+
+
+def _split_or_broadcast(world_size: int, args: tuple, kwargs: dict) -> list[PerWorkerCall]:
+    """Upstream's ALL_TO_ALL / `execute_all` rule: entry i of each argument to worker i when every
+    argument is a list of `world_size` entries, else the same arguments to every worker."""
+    values = list(args) + list(kwargs.values())
+    if values and all(isinstance(v, list) and len(v) == world_size for v in values):
+        return [(tuple(a[rank] for a in args), {k: v[rank] for k, v in kwargs.items()}) for rank in range(world_size)]
+    return _broadcast(world_size, args, kwargs)
+
+
 def _split_data_protos(
     method_desc: str, num_chunks: int, args: tuple, kwargs: dict
 ) -> tuple[list[list], dict[str, list], int]:
-    """Pad every DataProto argument to a multiple of `num_chunks` and chunk it.
+    """Pad every DataProto / TensorDict argument to a multiple of `num_chunks` and chunk it.
 
     Returns per-argument chunk lists and the number of padding rows added. DataProtoFutures
     cannot be padded (their length is unknown until they resolve): they must divide evenly.
     """
-    protocol = _protocol()
+    data_proto, tensor_dict, future = _batch_types()
     values = list(args) + list(kwargs.values())
     for pos, value in enumerate(values):
-        if not isinstance(value, protocol.DataProto | protocol.DataProtoFuture):
-            name = f"argument {pos}" if pos < len(args) else f"keyword argument {list(kwargs)[pos - len(args)]!r}"
+        name = f"argument {pos}" if pos < len(args) else f"keyword argument {list(kwargs)[pos - len(args)]!r}"
+        if not isinstance(value, data_proto | tensor_dict | future):
             raise TypeError(
-                f"{method_desc} dispatches DataProto chunks to the data-parallel ranks, but its {name} is a "
-                f"{type(value).__name__}; pass DataProto objects only (put scalars in data.meta_info) or register "
-                "the method with another dispatch mode"
+                f"{method_desc} dispatches DataProto / TensorDict chunks to the data-parallel ranks, but its {name} "
+                f"is a {type(value).__name__}; pass DataProto or TensorDict objects only (put scalars in "
+                "data.meta_info) or register the method with another dispatch mode"
             )
-    lengths = {len(v) for v in values if isinstance(v, protocol.DataProto)}
+        if isinstance(value, tensor_dict) and not value.batch_size:
+            raise ValueError(
+                f"{method_desc}: its {name} is a TensorDict without a batch dimension, so it has no rows to split "
+                "across ranks; build it with batch_size=[number of rows]"
+            )
+    lengths = {len(v) for v in values if isinstance(v, data_proto | tensor_dict)}
     if len(lengths) > 1:
         raise ValueError(
-            f"{method_desc} got DataProto arguments of different lengths {sorted(lengths)}; they are chunked "
-            "together across ranks, so every DataProto argument must have the same number of rows"
+            f"{method_desc} got DataProto / TensorDict arguments of different lengths {sorted(lengths)}; they are "
+            "chunked together across ranks, so every one of them must have the same number of rows"
         )
     pad_size = 0
     if lengths:
         length = lengths.pop()
         if length == 0:
-            raise ValueError(f"{method_desc} got an empty DataProto; there is nothing to split across ranks")
+            raise ValueError(f"{method_desc} got an empty batch; there is nothing to split across ranks")
         pad_size = -length % num_chunks
-    if pad_size and any(isinstance(v, protocol.DataProtoFuture) for v in values):
+    if pad_size and any(isinstance(v, future) for v in values):
         raise ValueError(
             f"{method_desc}: {length} rows need {pad_size} padding rows to split across {num_chunks} ranks, but a "
             "DataProtoFuture argument cannot be padded alongside them; materialize it with .get() first or use a "
             f"batch size divisible by {num_chunks}"
         )
     if pad_size:
-        values = [
-            protocol.pad_dataproto_to_divisor(v, num_chunks)[0] if isinstance(v, protocol.DataProto) else v
-            for v in values
-        ]
-    chunks = [v.chunk(num_chunks) for v in values]
+        values = [_pad(v, num_chunks) if isinstance(v, data_proto | tensor_dict) else v for v in values]
+    chunks = [_chunk(v, num_chunks) for v in values]
     return chunks[: len(args)], dict(zip(kwargs, chunks[len(args) :])), pad_size
 
 
 def _concat_outputs(outputs: list, pad_size: int):
-    protocol = _protocol()
+    from verl.utils import tensordict_utils as tu
+
+    data_proto, tensor_dict, _ = _batch_types()
     for dp_rank, out in enumerate(outputs):
-        if not isinstance(out, protocol.DataProto):
+        if not isinstance(out, data_proto | tensor_dict):
             raise TypeError(
-                f"a DataProto-dispatched method must return a DataProto from every rank so the results can be "
-                f"concatenated, but data-parallel rank {dp_rank} returned {type(out).__name__}; return a DataProto "
-                "or register the method with DP_COMPUTE_METRIC / DP_COMPUTE to get a list"
+                f"a DataProto-dispatched method must return a DataProto (or a TensorDict) from every rank so the "
+                f"results can be concatenated, but data-parallel rank {dp_rank} returned {type(out).__name__}; "
+                "return one of those or register the method with DP_COMPUTE_METRIC / DP_COMPUTE to get a list"
             )
-    merged = protocol.DataProto.concat(outputs)
-    return protocol.unpad_dataproto(merged, pad_size) if pad_size else merged
+    if all(isinstance(out, tensor_dict) for out in outputs):
+        merged = tu.concat_tensordict(outputs)
+        return tu.unpad(merged, pad_size)
+    if not all(isinstance(out, data_proto) for out in outputs):
+        raise TypeError(
+            "a DataProto-dispatched method must return the same kind of batch from every rank; got "
+            f"{[type(out).__name__ for out in outputs]} (all DataProtos or all TensorDicts)"
+        )
+    merged = data_proto.concat(outputs)
+    return _protocol().unpad_dataproto(merged, pad_size) if pad_size else merged
 
 
 def _future_of_concat(refs: list, pad_size: int):
@@ -191,11 +249,20 @@ def _future_of_concat(refs: list, pad_size: int):
 
 
 class _OneToAll(DispatchMode):
-    def __init__(self, name: str):
-        self.name = name
+    name = "ONE_TO_ALL"
 
     def dispatch(self, worker_group, args, kwargs):
         return _broadcast(worker_group.world_size, args, kwargs), None
+
+    def collect(self, worker_group, outputs, state, futures):
+        return list(outputs)
+
+
+class _AllToAll(DispatchMode):
+    name = "ALL_TO_ALL"
+
+    def dispatch(self, worker_group, args, kwargs):
+        return _split_or_broadcast(worker_group.world_size, args, kwargs), None
 
     def collect(self, worker_group, outputs, state, futures):
         return list(outputs)
@@ -362,8 +429,8 @@ class Dispatch(metaclass=_DispatchRegistry):
 
     _modes: dict[str, DispatchMode] = {}
 
-    ONE_TO_ALL = _OneToAll("ONE_TO_ALL")
-    ALL_TO_ALL = _OneToAll("ALL_TO_ALL")
+    ONE_TO_ALL = _OneToAll()
+    ALL_TO_ALL = _AllToAll()
     RANK_ZERO = _RankZero()
     DP_COMPUTE = _DPCompute()
     DP_COMPUTE_PROTO = _DPComputeProto("DP_COMPUTE_PROTO", with_func=False, concat=True)
@@ -437,7 +504,8 @@ def dispatch_one_to_all(worker_group, *args, **kwargs):
 
 
 def dispatch_all_to_all(worker_group, *args, **kwargs):
-    """The same as `dispatch_one_to_all` here (see the module docstring)."""
+    """Entry i of each argument to worker i when every argument is a list with one entry per
+    worker; otherwise the same arguments to every worker (see the module docstring)."""
     return _transpose(Dispatch.ALL_TO_ALL, worker_group, args, kwargs)
 
 

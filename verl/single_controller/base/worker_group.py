@@ -17,7 +17,7 @@ import os
 from collections.abc import Sequence
 from typing import Any
 
-from verl.single_controller.base.decorator import Execute, RegisteredMethod, get_registered_methods
+from verl.single_controller.base.decorator import Execute, RegisteredMethod, _split_or_broadcast, get_registered_methods
 
 DEFAULT_RPC_TIMEOUT_S = 3600.0
 
@@ -161,16 +161,18 @@ class WorkerGroup:
         return info.dispatch_mode.collect(self, outputs, state, futures=not info.blocking)
 
     def execute_all(self, method_name: str, *args, **kwargs) -> list:
-        """Call `method_name` with the same arguments on every worker; wait; results in rank order."""
+        """Call `method_name` on every worker; wait; results in rank order. As upstream, when every
+        argument is a list with one entry per worker, worker i gets entry i of each; otherwise every
+        worker gets the same arguments."""
         lease: list = []
-        refs = self._submit(method_name, [(args, kwargs)] * self._world_size, lease=lease)
+        refs = self._submit(method_name, _split_or_broadcast(self._world_size, args, kwargs), lease=lease)
         return self._wait(refs, ranks=list(range(self._world_size)), role=self.role, method=method_name, lease=lease)
 
     execute_all_sync = execute_all
 
     def execute_all_async(self, method_name: str, *args, **kwargs) -> list:
         """Like `execute_all`, returning one future per worker without waiting."""
-        return self._submit(method_name, [(args, kwargs)] * self._world_size)
+        return self._submit(method_name, _split_or_broadcast(self._world_size, args, kwargs))
 
     def execute_rank_zero(self, method_name: str, *args, **kwargs) -> Any:
         """Call `method_name` on rank 0 only; wait; return its result."""

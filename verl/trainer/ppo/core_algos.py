@@ -6,12 +6,20 @@ loss without importing the trainer. This module re-exports every public name it 
 same objects: `ADV_ESTIMATORS` / `ADV_ESTIMATOR_REGISTRY` and `POLICY_LOSSES` /
 `POLICY_LOSS_REGISTRY` are the tables in `verl.algorithms`, so `register_adv_est` and
 `register_policy_loss` called through this path register where the workers and the trainer look.
+
+Upstream keeps those tables as globals of this module, and code written for it (its own tests
+among them) replaces one by assignment: `core_algos.ADV_ESTIMATOR_REGISTRY = {...}`. The four
+table names are therefore properties of this module that read, and on assignment rebind, the
+table in `verl.algorithms.advantages` / `policy_losses`; the look-ups there read their module's
+table at call time, so the replacement is what `register_*` and `get_*` use from then on.
 New code inside `verl/` imports from `verl.algorithms.*` directly.
 """
 
+import sys
+import types
+
+from verl.algorithms import advantages, policy_losses
 from verl.algorithms.advantages import (
-    ADV_ESTIMATOR_REGISTRY,
-    ADV_ESTIMATORS,
     PF_PPO_REWEIGHT_METHODS,
     AdvantageEstimator,
     compute_advantage_from_tensors,
@@ -49,8 +57,6 @@ from verl.algorithms.kl import (
 )
 from verl.algorithms.policy_losses import (
     LOSS_AGG_MODE_OVERRIDES,
-    POLICY_LOSS_REGISTRY,
-    POLICY_LOSSES,
     SAPO_LOSS_AGG_MODE,
     PolicyLossFn,
     PolicyLossParams,
@@ -80,16 +86,17 @@ from verl.utils.torch_functional import (
     masked_whiten,
 )
 
+# The four table names are properties of this module's class (`_CoreAlgosModule`, at the end).
 __all__ = [
-    "ADV_ESTIMATORS",
-    "ADV_ESTIMATOR_REGISTRY",
+    "ADV_ESTIMATORS",  # noqa: F822
+    "ADV_ESTIMATOR_REGISTRY",  # noqa: F822
     "KL_CONTROLLERS",
     "KL_ESTIMATORS",
     "LOSS_AGG_MODES",
     "LOSS_AGG_MODE_OVERRIDES",
     "PF_PPO_REWEIGHT_METHODS",
-    "POLICY_LOSSES",
-    "POLICY_LOSS_REGISTRY",
+    "POLICY_LOSSES",  # noqa: F822
+    "POLICY_LOSS_REGISTRY",  # noqa: F822
     "SAPO_LOSS_AGG_MODE",
     "AdaptiveKLController",
     "AdvantageEstimator",
@@ -149,3 +156,24 @@ __all__ = [
     "register_policy_loss",
     "rollout_correction_tensors",
 ]
+
+
+def _table_property(module: types.ModuleType, name: str, alias: str) -> property:
+    """`module.<name>`; assigning rebinds both `module.<name>` and its upstream alias `module.<alias>`."""
+
+    def read(_self):
+        return getattr(module, name)
+
+    def replace(_self, table):
+        setattr(module, name, table)
+        setattr(module, alias, table)
+
+    return property(read, replace, doc=f"`{module.__name__}.{name}` (the same dict as `{alias}`).")
+
+
+class _CoreAlgosModule(types.ModuleType):
+    ADV_ESTIMATORS = ADV_ESTIMATOR_REGISTRY = _table_property(advantages, "ADV_ESTIMATORS", "ADV_ESTIMATOR_REGISTRY")
+    POLICY_LOSSES = POLICY_LOSS_REGISTRY = _table_property(policy_losses, "POLICY_LOSSES", "POLICY_LOSS_REGISTRY")
+
+
+sys.modules[__name__].__class__ = _CoreAlgosModule

@@ -20,6 +20,11 @@ from verl.utils.dataset.sampler import create_rl_sampler as default_sampler
 from verl.utils.import_utils import load_module
 
 
+class SamplerConfigError(ValueError, AssertionError):
+    """A `data.sampler` setting the trainer cannot use. It is also an AssertionError because upstream
+    checks the same two conditions with `assert`, so code that catches that keeps working."""
+
+
 def create_dataloaders(data_cfg, train_dataset, val_dataset=None, collate_fn=None, train_sampler=None):
     """(training loader, validation loader or None when there is no validation set)."""
     collate_fn = collate_fn or default_collate_fn
@@ -49,8 +54,10 @@ def create_rl_sampler(data_config, dataset):
     `verl.experimental.dataset.sampler.AbstractSampler`), else the seeded, resumable shuffle
     (`data.shuffle`, `data.seed`).
 
-    A custom sampler needs `data.dataloader_num_workers=0`: loader workers would prefetch batches
+    The class is built first and checked (it must be an `AbstractSampler`), then the loader: a
+    custom sampler needs `data.dataloader_num_workers=0`, as loader workers would prefetch batches
     before a curriculum sampler could react to the last step (`AbstractCurriculumSampler.update`).
+    Both failures raise `SamplerConfigError` (a ValueError and, as upstream's asserts, an AssertionError).
     Callers (and tests) pass a partial `data` mapping as well as the composed config (`data_value`).
     """
     class_path = data_value(data_config, "sampler.class_path")
@@ -64,16 +71,16 @@ def create_rl_sampler(data_config, dataset):
         raise AttributeError(
             f"data.sampler.class_name={class_name!r} is not a class defined in data.sampler.class_path={class_path!r}"
         )
+    sampler = sampler_cls(data_source=dataset, data_config=data_config)
+    if not isinstance(sampler, AbstractSampler):
+        raise SamplerConfigError(
+            f"data.sampler.class_name={class_name!r} must subclass verl.experimental.dataset.sampler.AbstractSampler"
+        )
     num_workers = data_value(data_config, "dataloader_num_workers")
     if num_workers:
-        raise ValueError(
+        raise SamplerConfigError(
             f"data.sampler.class_path={class_path!r} sets a custom sampler, which needs "
             f"data.dataloader_num_workers=0 (got {num_workers}): loader workers "
             "prefetch batches before the sampler sees the previous step's results"
-        )
-    sampler = sampler_cls(data_source=dataset, data_config=data_config)
-    if not isinstance(sampler, AbstractSampler):
-        raise TypeError(
-            f"data.sampler.class_name={class_name!r} must subclass verl.experimental.dataset.sampler.AbstractSampler"
         )
     return sampler

@@ -38,7 +38,7 @@ def get_reward_manager_cls(name: str) -> type:
     """The reward manager class registered as ``name``."""
     if name not in REWARD_MANAGER_REGISTRY:
         raise ValueError(
-            f"unknown reward manager {name!r} (reward_model.reward_manager); registered ones are "
+            f"Unknown reward manager: {name} (reward_model.reward_manager); registered ones are "
             f"{sorted(REWARD_MANAGER_REGISTRY)}. A custom manager must be imported and decorated with "
             "verl.workers.reward_manager.register(name) before the trainer starts"
         )
