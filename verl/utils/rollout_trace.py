@@ -24,8 +24,8 @@ from __future__ import annotations
 import contextlib
 import functools
 import inspect
-import os
 import logging
+import os
 import tempfile
 from contextvars import ContextVar
 
