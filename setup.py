@@ -39,12 +39,14 @@ install_requires = [
     "matplotlib>=3.7",
     "peft>=0.21",  # actor LoRA (imported only when lora_rank > 0)
     "einops>=0.7",  # verl.utils.attention_utils.rearrange (upstream's, from flash-attn's bert_padding there)
+    "torchdata>=0.8",  # upstream's requirement: users' code imports torchdata.stateful_dataloader.StatefulDataLoader
 ]
 
 extras_require = {
     "test": [
         "pytest>=8",
         "pytest-timeout>=2.3",
+        "pytest-asyncio>=0.23",  # upstream's async tests (`@pytest.mark.asyncio`; upstream's CI runs --asyncio-mode=auto)
         "ruff>=0.6",
         "pre-commit>=3",
         "tensorboard>=2.15",

@@ -1,6 +1,8 @@
-"""verl.utils.rollout_trace: pass-through without a backend, spans and tags with MLflow."""
+"""verl.utils.rollout_trace: pass-through without a recording backend, spans and tags with MLflow."""
 
 import asyncio
+import logging
+import sys
 
 import pytest
 
@@ -39,9 +41,35 @@ def test_without_backend_calls_pass_through(fresh_config):
     assert RolloutTraceConfig.get_backend() is None
 
 
-def test_unknown_backend_is_an_error(fresh_config):
-    with pytest.raises(ValueError, match="unknown rollout trace backend 'wandb'"):
+@pytest.mark.parametrize("backend", ["dummy", "wandb"])
+def test_a_non_recording_backend_is_kept_and_calls_pass_through_without_importing_a_tracer(
+    fresh_config, backend, monkeypatch
+):
+    # a weave module whose every use fails: nothing may reach for a tracer under these backends
+    monkeypatch.setitem(sys.modules, "weave", None)
+    monkeypatch.setitem(sys.modules, "mlflow", None)
+    RolloutTraceConfig.init("p", "e", backend)
+    agent = Agent()
+
+    async def run():
+        with rollout_trace_attr(sample_index=0, step=1):
+            first = await agent.generate("a", n=3)
+        with rollout_trace_attr(step=2, trace=False):
+            second = await agent.generate("b")
+        return first, second
+
+    assert asyncio.run(run()) == ({"out": "aaa"}, {"out": "bb"}) and agent.score(4) == 5
+    assert RolloutTraceConfig.get_backend() == backend and RolloutTraceConfig.recording_backend() is None
+
+
+def test_only_a_misspelt_backend_name_is_warned_about(fresh_config, caplog):
+    with caplog.at_level(logging.WARNING, logger="verl.utils.rollout_trace"):
+        RolloutTraceConfig.init("p", "e", "dummy")
+    assert caplog.records == []
+    RolloutTraceConfig.reset()
+    with caplog.at_level(logging.WARNING, logger="verl.utils.rollout_trace"):
         RolloutTraceConfig.init("p", "e", "wandb")
+    assert "'wandb' records nothing" in caplog.text and "['weave', 'mlflow']" in caplog.text
 
 
 def test_mlflow_backend_records_spans_inputs_outputs_and_tags(fresh_config, tmp_path, monkeypatch, request):

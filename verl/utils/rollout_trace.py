@@ -1,7 +1,7 @@
 """Tracing of agent-loop rollouts to Weave or MLflow (upstream's `verl.utils.rollout_trace`).
 
 `RolloutTraceConfig.init(project_name, experiment_name, backend, token2text=False, ...)` chooses a
-backend once per process: "weave", "mlflow" or None (tracing off). Then
+backend once per process: "weave", "mlflow", or None / "dummy" (tracing off). Then
 
 - `rollout_trace_op` decorates a method (sync or async) of a rollout component; each call becomes
   a span with the call's arguments as inputs and its return value as output. With `token2text`,
@@ -13,8 +13,9 @@ backend once per process: "weave", "mlflow" or None (tracing off). Then
   are unaffected).
 
 Without a backend both are pass-throughs that cost one context-variable read, so they can stay on
-hot paths. The backends are imported only when chosen (weave and mlflow are optional). An unknown
-backend name is an error rather than silently tracing nothing. `max_samples_per_step_per_worker`
+hot paths. The backends are imported only when chosen (weave and mlflow are optional). Another
+backend name is accepted as upstream accepts it and records nothing, with a warning naming the
+recording backends, since a misspelt name would otherwise go unnoticed. `max_samples_per_step_per_worker`
 is recorded for callers that sample which rollouts to trace (upstream's agent loop reads it).
 """
 
@@ -23,13 +24,16 @@ from __future__ import annotations
 import contextlib
 import functools
 import inspect
+import logging
 import os
 import tempfile
 from contextvars import ContextVar
 
 __all__ = ["RolloutTraceConfig", "rollout_trace_attr", "rollout_trace_op"]
 
-BACKENDS = ("weave", "mlflow")
+BACKENDS = ("weave", "mlflow")  # the backends that record spans
+NO_OP_BACKEND = "dummy"  # upstream's name for a configured backend that records nothing
+logger = logging.getLogger(__name__)
 _trace_enabled: ContextVar[bool] = ContextVar("_trace_enabled", default=True)
 
 
@@ -67,8 +71,14 @@ class RolloutTraceConfig:
         config = cls.get_instance()
         if config._initialized:
             return
-        if backend is not None and backend not in BACKENDS:
-            raise ValueError(f"unknown rollout trace backend {backend!r}; use one of {list(BACKENDS)} or None")
+        if backend is not None and backend not in BACKENDS and backend != NO_OP_BACKEND:
+            logger.warning(
+                "rollout trace backend %r records nothing: the recording backends are %s (None or %r turns "
+                "tracing off)",
+                backend,
+                list(BACKENDS),
+                NO_OP_BACKEND,
+            )
         if backend == "weave":
             import weave
 
@@ -97,6 +107,12 @@ class RolloutTraceConfig:
         return cls.get_instance().backend
 
     @classmethod
+    def recording_backend(cls) -> str | None:
+        """The backend spans go to: "weave", "mlflow", or None when tracing records nothing."""
+        backend = cls.get_instance().backend
+        return backend if backend in BACKENDS else None
+
+    @classmethod
     def get_client(cls):
         return cls.get_instance().client
 
@@ -112,7 +128,7 @@ class RolloutTraceConfig:
 @contextlib.contextmanager
 def rollout_trace_attr(sample_index=None, step=None, rollout_n=None, name="rollout_trace", validate=False, trace=True):
     """Tag the spans opened inside the block (see the module docstring)."""
-    backend = RolloutTraceConfig.get_backend()
+    backend = RolloutTraceConfig.recording_backend()
     if backend is None:
         yield
         return
@@ -179,7 +195,7 @@ def rollout_trace_op(func):
 
         @functools.wraps(func)
         async def async_wrapper(self, *args, **kwargs):
-            backend = RolloutTraceConfig.get_backend()
+            backend = RolloutTraceConfig.recording_backend()
             if backend is None or not _trace_enabled.get():
                 return await func(self, *args, **kwargs)
             inputs = _call_inputs(func, self, args, kwargs)
@@ -210,7 +226,7 @@ def rollout_trace_op(func):
 
     @functools.wraps(func)
     def wrapper(self, *args, **kwargs):
-        backend = RolloutTraceConfig.get_backend()
+        backend = RolloutTraceConfig.recording_backend()
         if backend is None or not _trace_enabled.get():
             return func(self, *args, **kwargs)
         inputs = _call_inputs(func, self, args, kwargs)

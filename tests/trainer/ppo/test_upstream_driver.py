@@ -138,13 +138,6 @@ def test_balance_batch_writes_its_statistics_under_the_prefix_and_refuses_keep_m
         RayPPOTrainer._balance_batch(trainer, batch, {}, keep_minibatch=True)
 
 
-def test_rollout_skip_in_a_recipe_loop_is_refused_with_the_way_that_works():
-    from verl.utils.rollout_skip import RolloutSkip
-
-    with pytest.raises(NotImplementedError, match="main_ppo"):
-        RolloutSkip(OmegaConf.create({}), None).wrap_generate_sequences()
-
-
 def test_is_cuda_available_reads_as_a_bool_and_as_a_call(monkeypatch):
     from verl.utils import device
 

@@ -280,3 +280,62 @@ def test_sft_dataset_multiturn_layout_gives_multiturn_sft_dataset_items(tmp_path
     new = MultiTurnSFTDataset(path, tokenizer, {"max_length": 32})[0]
     for key in ("input_ids", "attention_mask", "loss_mask"):
         assert torch.equal(old[key], new[key]), key
+
+
+# Qwen2.5's ChatML layout (default system prompt, each turn closed by "<|im_end|>\n")
+CHATML_TEMPLATE = (
+    "{% if messages[0]['role'] != 'system' %}<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n{% endif %}"
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def test_chatml_loss_mask_holds_each_reply_with_its_im_end_and_newline(tmp_path, make_tokenizer):
+    # upstream's expectation for Qwen models: the masked text is exactly each reply, its <|im_end|> and the "\n"
+    tokenizer = make_tokenizer()
+    tokenizer.add_special_tokens({"additional_special_tokens": ["<|im_start|>", "<|im_end|>"]})
+    tokenizer.chat_template = CHATML_TEMPLATE
+    rows = {
+        "messages": [
+            [
+                {"role": "user", "content": "What is 2+2?"},
+                {"role": "assistant", "content": "2+2 equals 4."},
+                {"role": "user", "content": "And what is 4+4?"},
+                {"role": "assistant", "content": "4+4 equals 8."},
+            ]
+        ]
+    }
+    path = _write(tmp_path, rows)
+    for pad_mode in ("no_padding", "right"):
+        config = {"max_length": 256, "multiturn": {"messages_key": "messages"}, "pad_mode": pad_mode}
+        item = MultiTurnSFTDataset(path, tokenizer, config)[0]
+        assert tokenizer.decode(item["input_ids"][item["loss_mask"] == 1]) == (
+            "2+2 equals 4.<|im_end|>\n4+4 equals 8.<|im_end|>\n"
+        )
+        unmasked = tokenizer.decode(item["input_ids"][(item["loss_mask"] == 0) & (item["input_ids"] != 0)])
+        assert unmasked == (
+            "<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n<|im_start|>user\nWhat is 2+2?<|im_end|>\n"
+            "<|im_start|>assistant\n<|im_start|>user\nAnd what is 4+4?<|im_end|>\n<|im_start|>assistant\n"
+        )
+
+
+def test_torchdata_stateful_dataloader_batches_and_resumes_the_dataset(tmp_path, tokenizer):
+    # upstream's users load SFT data with torchdata's loader (a base requirement, as upstream's)
+    from torchdata.stateful_dataloader import StatefulDataLoader
+
+    rows = {
+        "messages": [[{"role": "user", "content": str(i)}, {"role": "assistant", "content": "ok"}] for i in range(6)]
+    }
+    dataset = MultiTurnSFTDataset(_write(tmp_path, rows), tokenizer, {"max_length": 16})
+    loader = StatefulDataLoader(dataset, batch_size=2, shuffle=False)
+    it = iter(loader)
+    first = next(it)
+    assert first["input_ids"].shape == (2, 16) and torch.equal(first["input_ids"][1], dataset[1]["input_ids"])
+    state = loader.state_dict()
+    rest = [batch["input_ids"] for batch in it]
+    resumed = StatefulDataLoader(dataset, batch_size=2, shuffle=False)
+    resumed.load_state_dict(state)
+    assert [torch.equal(a, b) for a, b in zip(rest, (batch["input_ids"] for batch in resumed), strict=True)] == [
+        True,
+        True,
+    ]

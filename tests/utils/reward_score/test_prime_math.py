@@ -41,6 +41,22 @@ def test_match_answer(response, expected):
         ("3.0001", "3", False),  # an integer answer needs an exact integer
         ("5", "6", False),
         (None, "6", False),
+        # the same matrix in other brackets (upstream's pylatexenc renders both as [a b; c d])
+        (
+            "\\begin{bmatrix} -7 & 6 \\\\ 11 & -9 \\end{bmatrix}",
+            "\\begin{pmatrix}\n -7 & 6\\\\ 11 & -9\n\\end{pmatrix}",
+            True,
+        ),
+        (
+            "\\begin{bmatrix} -7 & 6 \\\\ 11 & -8 \\end{bmatrix}",
+            "\\begin{pmatrix} -7 & 6 \\\\ 11 & -9 \\end{pmatrix}",
+            False,
+        ),
+        (
+            "\\begin{bmatrix} 1 & 2 \\end{bmatrix}",
+            "\\begin{pmatrix} 1 \\\\ 2 \\end{pmatrix}",
+            False,
+        ),  # a row is no column
     ],
 )
 def test_grade_answer(given, truth, correct):
@@ -99,6 +115,8 @@ def test_latex_to_text():
         _expr.latex_to_text("\\frac{a+b}{2}+\\sqrt[3]{x}\\cdot\\left(y\\right)^{2n}") == "(a+b)/2+(x)^(1/(3))*(y)^(2n)"
     )
     assert _expr.latex_to_text("\\dfrac12") == "1/2"
+    assert _expr.latex_to_text("\\begin{pmatrix} \\frac{1}{2} & x \\\\ 3 & 4 \\end{pmatrix}+y") == "[1/2 x; 3 4]+y"
+    assert _expr.latex_to_text("\\begin{smallmatrix} 1 \\\\ 2 \\end{smallmatrix}") == "[1; 2]"
 
 
 def test_within_deadline_interrupts_and_rearms_an_outer_timer():

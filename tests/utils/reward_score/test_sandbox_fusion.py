@@ -185,3 +185,37 @@ def test_sandbox_fusion_url_must_be_http():
 
     with pytest.raises(ConfigError, match="is not an http\\(s\\) URL"):
         load_ppo_config(["reward_model.sandbox_fusion.url=localhost:8080"], config_name="arith_demo")
+
+
+@pytest.mark.parametrize("in_outs", [None, {}, {"inputs": ["1"]}, {"outputs": ["1"]}])
+def test_test_cases_without_inputs_and_outputs_score_minus_one_with_upstreams_error_text(in_outs):
+    assert sf_utils.check_correctness("http://unused", in_outs, "print(1)") == (
+        [-1],
+        [{"error": "Invalid input/output data", "reason": "'inputs' and 'outputs' are required"}],
+    )
+
+
+def test_the_client_is_called_by_keyword_through_the_module_and_its_exceptions_score_that_case(monkeypatch):
+    seen = []
+
+    def fake_call(**kwargs):  # keywords only: a positional call would fail here
+        seen.append(kwargs)
+        if kwargs["stdin"] == "boom":
+            raise ConnectionResetError("peer went away")
+        return {"status": "Success", "run_result": {"status": "Finished", "stdout": kwargs["stdin"]}}, None
+
+    monkeypatch.setattr(sf_utils, "call_sandbox_api", fake_call)
+    cases = {"inputs": ["a", "boom", "c"], "outputs": ["a", "b", "x"]}
+    results, meta = sf_utils.check_correctness("http://svc", cases, "prog", timeout=7, memory_limit_mb=64)
+    assert results == [True, -1, False]
+    assert [m["status"] for m in meta] == ["success", "api_error", "wrong_answer"]
+    assert "ConnectionResetError('peer went away')" in meta[1]["api_request_error"]
+    assert sorted(seen, key=lambda k: k["stdin"])[0] == {
+        "sandbox_fusion_url": "http://svc",
+        "code": "prog\n\n",
+        "stdin": "a",
+        "compile_timeout": 7,
+        "run_timeout": 7,
+        "memory_limit_mb": 64,
+        "language": "python",
+    }

@@ -30,15 +30,14 @@ Design decisions (where this differs from upstream, and why):
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable
 from pathlib import Path
 
-import torch
-
 from verl.protocol import DataProto
-from verl.utils.checkpoint.safe_load import from_plain, to_plain, torch_load
 from verl.utils.logging_utils import get_logger
+from verl.utils.rollout_skip import RolloutDump, dump_file_name
+
+__all__ = ["ReplayingGenerator", "RolloutDump", "dump_path"]
 
 logger = get_logger(__name__, "INFO")
 
@@ -46,35 +45,9 @@ logger = get_logger(__name__, "INFO")
 def dump_path(config) -> Path:
     """Upstream's file for this config's rollouts (see the module docstring)."""
     data, rollout = config.data, config.actor_rollout_ref.rollout
-    experiment = data.get("experiment_name", "") or ""
-    project = data.get("project_name", "") or ""
     gbs = data.get("gen_batch_size", None) or data.train_batch_size
-    return Path(rollout.skip_dump_dir).joinpath(f"{experiment}_{project}_GBS{int(gbs)}__N{int(rollout.n)}").absolute()
-
-
-class RolloutDump:
-    """One dumped rollout at `path`: `load()` returns it (None when there is none to read), `save()` writes it."""
-
-    def __init__(self, path: Path):
-        self.path = Path(path)
-
-    def load(self) -> DataProto | None:
-        if not self.path.exists():
-            return None
-        try:
-            return from_plain(torch_load(str(self.path), "the rollout dump"))
-        except Exception as err:  # upstream's rule: an unreadable dump is generated anew and overwritten
-            logger.warning(
-                f"rollout.skip_rollout: could not read the rollout dump {self.path} ({err}); generating and "
-                "overwriting it. Point rollout.skip_dump_dir elsewhere to keep that file"
-            )
-            return None
-
-    def save(self, batch: DataProto) -> None:
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        partial = self.path.with_name(self.path.name + f".{os.getpid()}.partial")
-        torch.save(to_plain(batch), partial)
-        os.replace(partial, self.path)  # a crash mid-write never leaves a truncated dump behind
+    name = dump_file_name(data.get("experiment_name", ""), data.get("project_name", ""), int(gbs), int(rollout.n))
+    return Path(rollout.skip_dump_dir).joinpath(name).absolute()
 
 
 class ReplayingGenerator:

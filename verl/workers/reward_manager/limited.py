@@ -44,7 +44,7 @@ from verl.workers.config.reward_model import RewardModelConfig
 from verl.workers.reward_manager.abstract import AbstractRewardManager, Sample, ScoreOutcome
 from verl.workers.reward_manager.registry import register
 
-__all__ = ["AsyncTokenBucket", "RateLimitedRewardManager"]
+__all__ = ["AsyncTokenBucket", "RateLimitedRewardManager", "resolve_rate_limits"]
 
 # the rate limits: fields of RewardModelConfig (upstream reads them from the reward_model section)
 _LIMIT_KEYS = ("max_concurrent", "max_rpm", "max_tpm", "estimated_tokens_per_request", "timeout")
@@ -90,6 +90,14 @@ class AsyncTokenBucket:
                     return
                 wait = (num_tokens - self.tokens) / self.rate_limit
             await asyncio.sleep(wait)
+
+
+def resolve_rate_limits(config, limits: dict) -> dict:
+    """The five limits: `config.reward_model`'s (typed: RewardModelConfig, the YAML's defaults for keys it
+    leaves out), replaced by the keyword arguments in `limits`, each checked by RewardModelConfig."""
+    section = config.get("reward_model") if config is not None else None
+    typed = dataclasses.replace(omega_conf_to_dataclass(section, RewardModelConfig), **limits)
+    return {key: getattr(typed, key) for key in _LIMIT_KEYS}
 
 
 class _SharedLimits:
@@ -158,18 +166,10 @@ class RateLimitedRewardManager(AbstractRewardManager):
                 f"RateLimitedRewardManager got unexpected keyword arguments {unknown}; limits are {list(_LIMIT_KEYS)}"
             )
         super().__init__(tokenizer, num_examine, compute_score, reward_fn_key, on_error)
-        self.limits = self._resolve_limits(config, limits)
+        self.limits = resolve_rate_limits(config, limits)
         self.timeout = self.limits["timeout"]
         self.is_async_reward_score = inspect.iscoroutinefunction(self.compute_score)
         self._shared_state = self._acquire_shared(self.limits)
-
-    @staticmethod
-    def _resolve_limits(config, limits: dict) -> dict:
-        """The five limits: `config.reward_model`'s (typed: RewardModelConfig, the YAML's defaults for keys
-        it leaves out), replaced by the keyword arguments given, each checked by RewardModelConfig."""
-        section = config.get("reward_model") if config is not None else None
-        typed = dataclasses.replace(omega_conf_to_dataclass(section, RewardModelConfig), **limits)
-        return {key: getattr(typed, key) for key in _LIMIT_KEYS}
 
     @classmethod
     def _acquire_shared(cls, limits: dict) -> _SharedLimits:

@@ -3,7 +3,8 @@
 - `latex_to_text`: `\\frac{a+b}{c}` -> `(a+b)/c`, `\\sqrt{x}` -> `sqrt(x)`, `\\sqrt[3]{x}` ->
   `(x)^(1/(3))`, `\\pi` -> `pi`, `\\infty` -> `inf`, `\\cdot`/`\\times` -> `*`, `x^{a+b}` ->
   `x^(a+b)`, text macros unwrapped, spacing and `\\left`/`\\right` dropped, other macros lose
-  their backslash. It replaces the pylatexenc conversion upstream uses (not a dependency here).
+  their backslash. A `pmatrix`, `bmatrix` or `smallmatrix` becomes `[a b; c d]` whatever its
+  delimiters, as pylatexenc renders them, so `\\begin{bmatrix}...` answers a `pmatrix` ground truth. It replaces the pylatexenc conversion upstream uses (not a dependency here).
 - `parse`: a sympy expression from such text. sympy's `parse_expr` evaluates the text as Python,
   so model output is never handed to it unchecked: only digits, lower-case letters, operators,
   parentheses, dots, commas and spaces pass, and every name must be a known math name or one
@@ -28,6 +29,7 @@ _SAFE_TEXT = re.compile(r"[0-9a-z+\-*/^()., ]*")
 _NAME = re.compile(r"[a-z]+")
 _KNOWN_NAMES = frozenset({"sqrt", "pi", "oo", "inf", "sin", "cos", "tan", "log", "ln", "exp", "e", "i"})
 _TEXT_MACROS = frozenset({"text", "textbf", "textit", "textrm", "mathrm", "mathbf", "mathit", "mbox", "operatorname"})
+_BRACKET_MATRICES = frozenset({"pmatrix", "bmatrix", "smallmatrix"})
 _DROPPED_MACROS = frozenset({"left", "right", "displaystyle", "limits", "big", "Big", "bigl", "bigr", "Bigl", "Bigr"})
 _SYMBOLS = {
     "pi": "pi",
@@ -88,6 +90,20 @@ def _skip_spaces(text: str, pos: int) -> int:
     return pos
 
 
+def _matrix_text(expr: str, pos: int) -> tuple[str, int] | None:
+    """`[a b; c d]` for the bracket matrix environment whose `\\begin` ends at `pos`, and the index
+    after its `\\end`; None when no such environment starts there."""
+    name, body_start = _group(expr, _skip_spaces(expr, pos))
+    if name not in _BRACKET_MATRICES:
+        return None
+    end_tag = "\\end{" + name + "}"
+    body_end = expr.find(end_tag, body_start)
+    body_end = len(expr) if body_end < 0 else body_end
+    rows = [row for row in expr[body_start:body_end].split("\\\\") if row.strip()]
+    cells = [" ".join(latex_to_text(cell) for cell in row.split("&")) for row in rows]
+    return "[" + "; ".join(cells) + "]", min(len(expr), body_end + len(end_tag))
+
+
 def latex_to_text(expr: str) -> str:
     """Plain math text of a LaTeX expression (see the module docstring)."""
     out: list[str] = []
@@ -112,6 +128,9 @@ def latex_to_text(expr: str) -> str:
                 radicand, pos = _group(expr, _skip_spaces(expr, pos))
                 radicand = latex_to_text(radicand)
                 out.append(f"sqrt({radicand})" if index is None else f"({radicand})^(1/({latex_to_text(index)}))")
+            elif name == "begin" and (matrix := _matrix_text(expr, pos)) is not None:
+                text, pos = matrix
+                out.append(text)
             elif name in _TEXT_MACROS:
                 content, pos = _group(expr, _skip_spaces(expr, pos))
                 out.append(latex_to_text(content))

@@ -12,7 +12,8 @@ unreachable service or a reply that is not JSON ends the call with an error mess
 bounds how many requests are in flight across callers) and classifies each case, in upstream's
 codes: True (output matches), False (wrong answer), -1 (the service or the request failed), -2
 (runtime error), -3 (time limit), -4 (compile error; every later case is then marked -4 as
-well). For Python with `fn_name`, the program is wrapped so that the function (or `Solution`
+well). `call_sandbox_api` is looked up at call time, by keyword, so tests and wrappers can patch
+it; an exception it raises scores that case -1 (`api_error`). For Python with `fn_name`, the program is wrapped so that the function (or `Solution`
 method) is called with the case's JSON-lines arguments and its result printed.
 
 Only the standard library is used (`urllib`), so the client adds no dependency.
@@ -21,6 +22,7 @@ Only the standard library is used (`urllib`), so the client adds no dependency.
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import json
 import logging
 import threading
@@ -166,15 +168,21 @@ def _run_case(
     concurrent_semaphore: threading.Semaphore | None,
 ) -> tuple[Any, dict]:
     stdin = None if stdin_data is None else str(stdin_data)
-    if concurrent_semaphore is not None:
-        with concurrent_semaphore:
-            api_response, error = call_sandbox_api(
-                sandbox_fusion_url, code, stdin, timeout, timeout, memory_limit_mb, language
-            )
-    else:
-        api_response, error = call_sandbox_api(
-            sandbox_fusion_url, code, stdin, timeout, timeout, memory_limit_mb, language
-        )
+    request = dict(
+        sandbox_fusion_url=sandbox_fusion_url,
+        code=code,
+        stdin=stdin,
+        compile_timeout=timeout,
+        run_timeout=timeout,
+        memory_limit_mb=memory_limit_mb,
+        language=language,
+    )
+    try:
+        with concurrent_semaphore if concurrent_semaphore is not None else contextlib.nullcontext():
+            api_response, error = call_sandbox_api(**request)
+    except Exception as e:  # a failing client scores this case -1 (api_error) instead of the whole batch
+        logger.exception("SandboxFusion request for case %d failed", case_index)
+        api_response, error = None, f"API request exception for case {case_index}: {e!r}"
     run_result = (api_response or {}).get("run_result") or {}
     compile_result = (api_response or {}).get("compile_result") or {}
     metadata = {
@@ -215,7 +223,8 @@ def check_correctness(
     appended to the program for each case, e.g. `assert f(2) == 4`).
     """
     if not in_outs or "inputs" not in in_outs or "outputs" not in in_outs:
-        return [-1], [{"error": "invalid test cases: 'inputs' and 'outputs' are required"}]
+        # upstream's error text, which callers match on; the reason beside it
+        return [-1], [{"error": "Invalid input/output data", "reason": "'inputs' and 'outputs' are required"}]
     inputs, outputs = in_outs["inputs"], in_outs["outputs"]
     num_cases = len(inputs)
     if num_cases == 0:
