@@ -21,6 +21,8 @@
 #   - tokenizers that upstream's tests load from ~/models/<hub id> (deepseek-coder, Qwen2-VL): no model
 #     hub here; the same dataset code is tested in tests/utils/dataset on the bundled tokenizers.
 #   - tests that call a live SandboxFusion service (they skip themselves when SANDBOX_FUSION_URL is unset).
+#   - two TensorDict tests that check tensordict's own `torch.cat` / `consolidate()` behaviour, which
+#     changed after 0.10 (upstream pins tensordict<=0.10.0; this project runs 0.15): they pass with 0.10.
 set -euo pipefail
 UPSTREAM="${1:?usage: $0 UPSTREAM_VERL_CHECKOUT [tests/..._on_cpu.py ...]}"
 shift
@@ -44,6 +46,15 @@ DESELECT=(
   tests/utils/dataset/test_sft_dataset_on_cpu.py::test_sft_cot_dataset
   tests/utils/dataset/test_sft_dataset_on_cpu.py::test_sft_dataset
   tests/utils/dataset/test_sft_dataset_on_cpu.py::test_sft_dataset_with_max_samples
+  # ~/models/Qwen/Qwen2.5-0.5B-Instruct (its fixture's tokenizer, every test of the file)
+  tests/experimental/reward_loop/test_rate_limited_reward_manager_on_cpu.py
+  # ~/models/Qwen/{Qwen2.5-0.5B, Qwen2.5-Coder-7B-Instruct, Qwen3-30B-A3B-Instruct-2507, Qwen2-VL-2B-Instruct}
+  tests/utils/dataset/test_multiturn_sft_dataset_on_cpu.py::test_multiturn_sft_dataset
+  tests/utils/dataset/test_multiturn_sft_dataset_on_cpu.py::test_multiturn_sft_vlm_dataset_on_cpu
+  tests/utils/dataset/test_multiturn_sft_dataset_on_cpu.py::test_multiturn_sft_vlm_dataloader_on_cpu
+  # tensordict's own behaviour after 0.10 (see above)
+  tests/test_protocol_v2_on_cpu.py::test_chunk_concat
+  tests/test_protocol_v2_on_cpu.py::test_contiguous
 )
 PYTEST_ARGS=()
 if "$PY" -c "import pytest_asyncio" 2>/dev/null; then
@@ -67,5 +78,5 @@ for f in "${FILES[@]}"; do
     grep -E "^(FAILED|ERROR) " "$WORK/log" | sed 's/^/    /' || true
   fi
 done
-echo "upstream CPU tests: ${#FILES[@]} files, $failed with failures (${#DESELECT[@]} tests deselected, environment only)"
+echo "upstream CPU tests: ${#FILES[@]} files, $failed with failures (${#DESELECT[@]} deselected: environment or dependency version)"
 [[ $failed -eq 0 ]]
