@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from verl.utils import tracking
-from verl.utils.tracking import Tracking, restore_mlflow_key, sanitize_mlflow_key
+from verl.utils.tracking import Tracking, sanitize_mlflow_key
 
 STEPS = {
     1: {"critic/score/mean": 0.25, "response_length/mean": 4.0, "val-core/arith/acc/mean@1": 0.3},
@@ -116,13 +116,22 @@ def test_mlflow_respects_tracking_uri(tmp_path, monkeypatch):
     assert not (tmp_path / "mlruns").exists()
 
 
-def test_mlflow_key_mapping_is_reversible():
-    names = ["val-core/arith/acc/mean@1", "a#b", "x,y@z", "plain/name-1.0 ok:yes", "best@8/std"]
-    for name in names:
-        safe = sanitize_mlflow_key(name)
-        assert "@" not in safe and "#" not in safe and "," not in safe
-        assert restore_mlflow_key(safe) == name
-    assert sanitize_mlflow_key("val-core/arith/acc/mean@1") == "val-core/arith/acc/mean_at_1"  # upstream's mapping
+def test_mlflow_keys_follow_upstreams_mapping_and_each_renamed_key_is_warned_once(caplog, monkeypatch):
+    import verl.utils.tracking as tracking
+
+    monkeypatch.setattr(tracking, "_warned_mlflow_keys", set())  # other tests of this process logged some
+    expected = {
+        "val-core/arith/acc/mean@1": "val-core/arith/acc/mean_at_1",
+        "train/lr(1e-3)": "train/lr_1e-3_",
+        "val-aux//reward/mean@2": "val-aux/reward/mean_at_2",
+        "a#b,c": "a_b_c",
+        "plain/name-1.0 ok:yes": "plain/name-1.0 ok:yes",
+    }
+    with caplog.at_level("WARNING", logger="verl.utils.tracking"):
+        assert {k: sanitize_mlflow_key(k) for k in expected} == expected
+        sanitize_mlflow_key("a#b,c")
+    warned = [r.getMessage() for r in caplog.records if "[MLflow]" in r.getMessage()]
+    assert len(warned) == 4 and sum("'a#b,c'" in m for m in warned) == 1  # renamed keys only, each once
 
 
 def test_tensorboard_event_files_read_back(tmp_path):

@@ -74,7 +74,7 @@ def _call_in_child(func: Callable, seconds: float, args: tuple, kwargs: dict):
         except queue.Empty:
             if process.is_alive():
                 raise TimeoutError(
-                    f"{func.__name__} did not finish within {seconds} s (its process was killed)"
+                    f"{func.__name__} timed out after {seconds} seconds (its process was killed)"
                 ) from None
             raise RuntimeError(
                 f"{func.__name__} ended its process (exit code {process.exitcode}) without returning a result"
@@ -108,7 +108,7 @@ def _call_under_alarm(func: Callable, seconds: float, args: tuple, kwargs: dict)
     try:
         return func(*args, **kwargs)
     except _SignalTimeout:
-        raise TimeoutError(f"{func.__name__} did not finish within {seconds} s (interrupted by SIGALRM)") from None
+        raise TimeoutError(f"{func.__name__} timed out after {seconds} seconds (interrupted by SIGALRM)") from None
     finally:
         signal.setitimer(signal.ITIMER_REAL, 0)
         signal.signal(signal.SIGALRM, previous)

@@ -12,9 +12,8 @@ Backends (each imported only when chosen, so `import verl` stays light):
 - mlflow (the optional extra `verl[mlflow]`, not installed by default): `$MLFLOW_TRACKING_URI`, else a local file store `./mlruns` (MLflow 3 refuses file stores
   unless `MLFLOW_ALLOW_FILE_STORE=true`, which is set for that default only). Experiment =
   project, run = experiment name, the flattened config as params. MLflow forbids some characters
-  in metric names: `@` becomes `_at_` (as upstream does, so dashboards match) and any other
-  forbidden character c becomes `_u%04x_`; `restore_mlflow_key` inverts this (names that
-  already contain those escapes are the one ambiguity).
+  in metric names; as upstream (so dashboards match) `@` becomes `_at_`, runs of slashes one slash,
+  any other forbidden character `_` (`train/lr(1e-3)` is `train/lr_1e-3_`), warned once per key.
 - tensorboard: `trainer.tensorboard_dir`, else `$TENSORBOARD_DIR`, else `<run_dir>/tensorboard`.
 - wandb: `$WANDB_DIR`, else `<run_dir>`. Without credentials (no `WANDB_API_KEY`, no netrc
   entry) and no explicit `WANDB_MODE`, the run is written offline (`wandb sync` uploads it later)
@@ -54,6 +53,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import logging
 import math
 import numbers
 import os
@@ -138,26 +138,21 @@ def _fmt(v: Any) -> str:
 
 # ------------------------------------------------------------------------------------ mlflow keys
 
-_MLFLOW_OK = re.compile(r"[\w\-. /:]")
+_MLFLOW_FORBIDDEN = re.compile(r"[^/\w.\- :]")
+_warned_mlflow_keys: set[str] = set()
 
 
 def sanitize_mlflow_key(name: str) -> str:
-    """An MLflow-legal metric name: `@` -> `_at_`, other forbidden characters -> `_uXXXX_`."""
-    out = []
-    for ch in name:
-        if ch == "@":
-            out.append("_at_")
-        elif _MLFLOW_OK.fullmatch(ch):
-            out.append(ch)
-        else:
-            out.append(f"_u{ord(ch):04x}_")
-    return "".join(out)
-
-
-def restore_mlflow_key(name: str) -> str:
-    """Inverse of `sanitize_mlflow_key`."""
-    name = re.sub(r"_u([0-9a-f]{4})_", lambda m: chr(int(m.group(1), 16)), name)
-    return name.replace("_at_", "@")
+    """An MLflow-legal metric name, upstream's mapping (so dashboards match): `@` -> `_at_`, runs of
+    slashes -> one slash, any other character MLflow forbids -> `_`. Each renamed key is warned about
+    once per process."""
+    safe = _MLFLOW_FORBIDDEN.sub("_", re.sub(r"/+", "/", name.replace("@", "_at_")))
+    if safe != name and name not in _warned_mlflow_keys:
+        _warned_mlflow_keys.add(name)
+        logging.getLogger(__name__).warning(
+            "[MLflow] metric key %r logged as %r (MLflow forbids some characters)", name, safe
+        )
+    return safe
 
 
 def flatten_config(config: Any, sep: str = ".") -> dict[str, str]:
