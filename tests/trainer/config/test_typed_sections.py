@@ -189,7 +189,9 @@ def test_megatron_sections_build_mcore_engine_config_with_upstreams_defaults(sec
     assert (engine.tensor_model_parallel_size, engine.pipeline_model_parallel_size) == (1, 1)
     assert (engine.context_parallel_size, engine.expert_model_parallel_size) == (1, 1)
     assert engine.virtual_pipeline_model_parallel_size is None and engine.expert_tensor_parallel_size is None
-    assert (engine.sequence_parallel, engine.use_distributed_optimizer, engine.seed) == (True, True, 42)
+    # the YAML's sequence_parallel is true; with tensor parallel size 1 the built section holds false (as upstream's)
+    assert OmegaConf.select(compose("ppo_megatron_trainer"), section + ".sequence_parallel") is True
+    assert (engine.sequence_parallel, engine.use_distributed_optimizer, engine.seed) == (False, True, 42)
     assert engine.override_transformer_config["recompute_modules"] == ["core_attn"]
 
 

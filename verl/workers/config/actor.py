@@ -115,12 +115,10 @@ class RouterReplayConfig(BaseConfig):
 
 @dataclass
 class ActorConfig(BaseConfig):
-    """Policy training: PPO mini-batches, clipping, KL loss, optimizer, engine.
+    """Policy training: PPO mini-batches, clipping, KL loss, optimizer, engine."""
 
-    The batch sizes stay assignable after construction, as upstream's (`_mutable_fields`): upstream's
-    workers rescale them per rank in place. `engine` and `model_config` are upstream's late-set
-    attributes (not keys of this section)."""
-
+    # Assignable after construction, as upstream's: its workers rescale the batch sizes per rank in
+    # place, and set `engine` / `model_config` (attributes, not keys of this section) late.
     _mutable_fields = BaseConfig._mutable_fields | {
         "ppo_mini_batch_size",
         "ppo_micro_batch_size",
