@@ -47,8 +47,11 @@ def test_each_trainer_builds_its_engines_optimizer_class_with_the_yaml_defaults(
     for section in (cfg.actor_rollout_ref.actor.optim, cfg.critic.optim):
         built = omega_conf_to_dataclass(section)
         assert type(built) is cls
-        # the YAML sets the roles' own learning rates; everything else is the class default
-        assert _without_target(built) == _without_target(cls(lr=built.lr))
+        # the YAML sets the roles' own learning rates (and optim/fsdp.yaml min_lr_ratio 0.0 where upstream's
+        # dataclass default is null; both read as 0); everything else is the class default
+        yaml_only = {"min_lr_ratio": built.min_lr_ratio} if cls is FSDPOptimizerConfig else {}
+        assert yaml_only in ({}, {"min_lr_ratio": 0.0})
+        assert _without_target(built) == _without_target(cls(lr=built.lr, **yaml_only))
     assert omega_conf_to_dataclass(cfg.actor_rollout_ref.actor.optim).lr == pytest.approx(1e-6)
     assert omega_conf_to_dataclass(cfg.critic.optim).lr == pytest.approx(1e-5)
 
@@ -59,8 +62,9 @@ def test_optimizer_defaults_are_upstreams():
     assert (fsdp.lr, fsdp.weight_decay, fsdp.betas, fsdp.clip_grad) == (1e-3, 0.01, [0.9, 0.999], 1.0)
     assert (fsdp.lr_warmup_steps, fsdp.lr_warmup_steps_ratio, fsdp.total_training_steps) == (-1, 0.0, -1)
     assert (fsdp.optimizer, fsdp.optimizer_impl, fsdp.lr_scheduler_type) == ("AdamW", "torch.optim", "constant")
+    # min_lr_ratio: upstream's dataclass default (null, read as 0); its YAML writes 0.0
     assert (fsdp.min_lr_ratio, fsdp.num_cycles, fsdp.warmup_style, fsdp.override_optimizer_config) == (
-        0.0,
+        None,
         0.5,
         None,
         None,
@@ -172,15 +176,16 @@ def _leaves(config, prefix: str = "") -> dict:
 @pytest.mark.parametrize(
     "name, path, cls, set_by_yaml",
     [
-        # the YAML gives each role its own learning rate; the FSDP actor's use_remove_padding follows the model's
+        # the YAML gives each role its own learning rate; the FSDP actor's use_remove_padding follows the model's;
+        # optim/fsdp.yaml writes min_lr_ratio 0.0 where upstream's dataclass default is null (both read as 0)
         (
             "ppo_trainer",
             "actor_rollout_ref.actor",
             FSDPActorConfig,
-            {"optim.lr": 1e-6, "use_remove_padding": True},
+            {"optim.lr": 1e-6, "optim.min_lr_ratio": 0.0, "use_remove_padding": True},
         ),
         ("ppo_megatron_trainer", "actor_rollout_ref.actor", McoreActorConfig, {"optim.lr": 1e-6}),
-        ("ppo_trainer", "critic", FSDPCriticConfig, {"optim.lr": 1e-5}),
+        ("ppo_trainer", "critic", FSDPCriticConfig, {"optim.lr": 1e-5, "optim.min_lr_ratio": 0.0}),
         ("ppo_trainer", "actor_rollout_ref.rollout", RolloutConfig, {"name": "???"}),  # every run must choose
         ("ppo_trainer", "actor_rollout_ref.model", HFModelConfig, {}),
     ],
