@@ -87,3 +87,22 @@ def test_fsdp_validate_needs_remove_padding_with_ulysses(sp_where, model_rp, act
     else:
         cfg.validate(n_gpus=8, train_batch_size=256, model_config={"use_remove_padding": model_rp})
     cfg.validate(n_gpus=8, train_batch_size=256)  # without the model section there is nothing to check
+
+
+@pytest.mark.parametrize(
+    "ref_keys, per_gpu, dynamic",
+    [
+        ({"log_prob_micro_batch_size_per_gpu": 8, "log_prob_use_dynamic_bsz": False}, 8, False),
+        ({"log_prob_micro_batch_size_per_gpu": None, "log_prob_use_dynamic_bsz": True}, None, True),
+        # nothing set (a forward-only pass the worker batches itself): token packing, never a refusal
+        ({"log_prob_micro_batch_size_per_gpu": None, "log_prob_use_dynamic_bsz": False}, None, True),
+    ],
+)
+def test_a_reference_scorer_built_from_the_ref_section_takes_its_forward_micro_batching(ref_keys, per_gpu, dynamic):
+    from verl.workers.actor.ppo_actor import _scorer_section
+
+    ref = {"strategy": "fsdp", "ulysses_sequence_parallel_size": 2, "log_prob_max_token_len_per_gpu": 99, **ref_keys}
+    section = _scorer_section(ref, FSDPActorConfig)
+    built = FSDPActorConfig(**section)  # the actor class's micro-batch rule holds
+    assert (built.ppo_micro_batch_size_per_gpu, built.use_dynamic_bsz) == (per_gpu, dynamic)
+    assert built.ulysses_sequence_parallel_size == 2 and "log_prob_max_token_len_per_gpu" not in section

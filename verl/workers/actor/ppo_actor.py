@@ -411,7 +411,13 @@ def _scorer_section(config, config_class: type):
     if isinstance(config, DictConfig):
         config = OmegaConf.to_container(config, resolve=True)
     declared = {f.name for f in dataclasses.fields(config_class)}
-    return {key: value for key, value in config.items() if key in declared and key != "_target_"}
+    section = {key: value for key, value in config.items() if key in declared and key != "_target_"}
+    # A scorer never trains: its forward passes are batched by the batch's meta_info (which the worker fills
+    # from these log_prob_* keys). The actor's class still requires a training micro-batching (upstream's
+    # rule), so it gets the forward one, or token packing when the section sets none.
+    per_gpu = config.get("log_prob_micro_batch_size_per_gpu")
+    dynamic = bool(config.get("log_prob_use_dynamic_bsz")) or per_gpu is None
+    return {**section, "ppo_micro_batch_size_per_gpu": per_gpu, "use_dynamic_bsz": dynamic}
 
 
 def _detached(value):
