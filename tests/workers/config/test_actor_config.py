@@ -106,3 +106,12 @@ def test_a_reference_scorer_built_from_the_ref_section_takes_its_forward_micro_b
     built = FSDPActorConfig(**section)  # the actor class's micro-batch rule holds
     assert (built.ppo_micro_batch_size_per_gpu, built.use_dynamic_bsz) == (per_gpu, dynamic)
     assert built.ulysses_sequence_parallel_size == 2 and "log_prob_max_token_len_per_gpu" not in section
+
+
+def test_a_scorer_built_from_an_actor_like_section_without_micro_batching_is_not_refused():
+    from verl.workers.actor.ppo_actor import _scorer_section
+
+    # upstream builds scorers without the class's checks; a scorer never trains, so token packing stands in
+    assert FSDPActorConfig(**_scorer_section({"ppo_mini_batch_size": 1}, FSDPActorConfig)).use_dynamic_bsz
+    given = {"ppo_mini_batch_size": 1, "ppo_micro_batch_size_per_gpu": 2}
+    assert _scorer_section(given, FSDPActorConfig) is given  # a section that sets its micro-batching is kept
