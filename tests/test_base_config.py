@@ -96,3 +96,17 @@ def test_pickles_round_trip_and_stays_frozen():
     assert cfg == _Actor(clip_ratio=0.25)
     with pytest.raises(dataclasses.FrozenInstanceError):
         cfg.clip_ratio = 0.1
+
+
+def test_attribute_set_after_construction_reads_by_key_but_is_not_a_field():
+    cfg = _Actor()
+    cfg.extra_note = "hello"  # not a declared field: allowed once, as upstream
+    assert cfg["extra_note"] == "hello" and cfg.get("extra_note") == "hello" and "extra_note" in cfg
+    assert "extra_note" not in list(cfg) and len(cfg) == 4
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        cfg.extra_note = "again"
+    # methods and class attributes are not keys
+    for name in ("get", "_mutable_fields"):
+        assert name not in cfg
+        with pytest.raises(KeyError):
+            cfg[name]

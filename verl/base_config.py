@@ -16,6 +16,9 @@ Design decisions:
   iteration over field names, `len`), so code written against a DictConfig section keeps working
   when handed the dataclass. A missing key raises `ConfigKeyError`, which is both a `KeyError`
   (what a mapping raises, and what `in` relies on) and an `AttributeError` (what upstream raises).
+  As upstream, an attribute set on an instance after construction (`cfg.extra = 1`, not a field)
+  is readable by key too (`cfg["extra"]`, `"extra" in cfg`) and frozen once set; iteration and
+  `len` still cover the declared fields only.
 - `_target_` is a keyword-only field so subclasses may declare fields without defaults after it;
   it holds the dotted class path the YAML names, "" when built directly.
 - `doc(...)` declares one field with the metadata the validator and the docs generator read; it is
@@ -78,6 +81,11 @@ class BaseConfig(collections.abc.Mapping):
     def _field_names(self) -> tuple[str, ...]:
         return tuple(f.name for f in dataclasses.fields(self))
 
+    def _has_key(self, key: str) -> bool:
+        # A declared field, or an attribute set on this instance after construction (upstream
+        # reads any attribute by key); methods and class attributes are not keys.
+        return key in self._field_names() or key in self.__dict__
+
     def get(self, key: str, default: Any = None) -> Any:
         """The field `key`, or `default` when this section has no such field."""
         try:
@@ -88,14 +96,14 @@ class BaseConfig(collections.abc.Mapping):
     def __getitem__(self, key: str) -> Any:
         if not isinstance(key, str):
             raise TypeError(f"{type(self).__name__} keys are field names (str), got {type(key).__name__} {key!r}")
-        if key not in self._field_names():
+        if not self._has_key(key):
             raise ConfigKeyError(
                 f"{type(self).__name__} has no field {key!r}; its fields are: {', '.join(self._field_names())}"
             )
         return getattr(self, key)
 
     def __contains__(self, key: object) -> bool:
-        return isinstance(key, str) and key in self._field_names()
+        return isinstance(key, str) and self._has_key(key)
 
     def __iter__(self):
         return iter(self._field_names())

@@ -62,7 +62,8 @@ def test_rows_are_balanced_one_by_one_when_groups_differ_in_size():
 
 def _balance_trained_rows(batch: DataProto, world_size: int = 2, **actor) -> None:
     """8 prompts per mini-batch, 4 samples each (`rollout.n`)."""
-    actor_cfg = OmegaConf.create({"ppo_mini_batch_size": 8, "policy_loss": {"loss_mode": "vanilla"}, **actor})
+    section = {"ppo_mini_batch_size": 8, "ppo_micro_batch_size_per_gpu": 4, "policy_loss": {"loss_mode": "vanilla"}}
+    actor_cfg = OmegaConf.create({**section, **actor})
     balance_trained_rows(batch, world_size, actor_cfg, rollout_n=4)
 
 

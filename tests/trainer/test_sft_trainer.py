@@ -107,6 +107,7 @@ def test_lr_schedules_are_upstreams_warm_up_from_zero_then_cosine_wsd_or_constan
     assert [cosine(s) for s in range(5)] == [0.0, 0.25, 0.5, 0.75, 1.0]
     assert cosine(12) == pytest.approx(0.1 + 0.9 * 0.5)  # half-way down: cos(pi/2) = 0
     assert cosine(20) == pytest.approx(0.1)
+    assert sft_lr_factor(optim(min_lr_ratio=None), 20)(20) == pytest.approx(0.0)  # null: decay to 0
     assert sft_lr_factor(optim(lr_warmup_steps=2), 20)(1) == 0.5  # steps win over the ratio
     # wsd: 18 of the 20 steps held (upstream's stable ratio 0.9), then a cosine over the last 2
     wsd = sft_lr_factor(optim(lr_scheduler="wsd", lr_warmup_steps_ratio=0.0, min_lr_ratio=0.0), 20)

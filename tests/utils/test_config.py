@@ -139,6 +139,34 @@ def test_target_errors_are_clear():
         omega_conf_to_dataclass({"a": 1}, dict)
 
 
+def test_target_naming_the_declared_class_imported_under_another_module_name_builds_it(tmp_path, monkeypatch):
+    """A test module pytest imported by its file name, or a script run as __main__, whose YAML names the
+    class by its package path: importing that path makes a second class object of the same name."""
+    import importlib.util
+
+    (tmp_path / "twice_cfg.py").write_text(
+        "import dataclasses\n"
+        "from verl.base_config import BaseConfig\n\n"
+        "@dataclasses.dataclass\n"
+        "class Inner(BaseConfig):\n    width: int = 0\n\n"
+        "@dataclasses.dataclass\n"
+        "class Outer(BaseConfig):\n"
+        "    size: int = 0\n"
+        "    inner: Inner = dataclasses.field(default_factory=Inner)\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    spec = importlib.util.spec_from_file_location("__copy_of_twice_cfg__", tmp_path / "twice_cfg.py")
+    copy = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(copy)
+    config = {"_target_": "twice_cfg.Outer", "size": 3, "inner": {"_target_": "twice_cfg.Inner", "width": 7}}
+    built = omega_conf_to_dataclass(config, copy.Outer)
+    assert type(built) is copy.Outer and type(built.inner) is copy.Inner
+    assert (built.size, built.inner.width, built._target_) == (3, 7, "twice_cfg.Outer")
+    # a class of another name is still no stand-in for the declared one
+    with pytest.raises(ConfigError, match=r"inner._target_='twice_cfg.Outer' names Outer, which is not a Inner"):
+        omega_conf_to_dataclass({"inner": {"_target_": "twice_cfg.Outer"}}, copy.Outer)
+
+
 def test_non_dataclass_target_is_called_with_its_keys():
     built = omega_conf_to_dataclass({"_target_": "fractions.Fraction", "numerator": 3, "denominator": 6})
     assert built == 0.5

@@ -40,6 +40,17 @@ def test_cosine_schedule_decays_to_the_min_ratio():
     assert values[4] == pytest.approx(0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * 0.25)))
 
 
+def test_cosine_schedule_of_an_fsdp_optimizer_section_with_its_null_min_ratio_decays_to_zero():
+    from verl.workers.config import FSDPOptimizerConfig
+
+    # upstream's dataclass default min_lr_ratio is null, read as 0
+    config = FSDPOptimizerConfig(lr=1.0, lr_warmup_steps=2, total_training_steps=10, lr_scheduler_type="cosine")
+    assert config.min_lr_ratio is None
+    values = lrs(build_lr_scheduler(optimizer(), config), 11)
+    # step 6: progress (6-2)/8 = 0.5 -> 0.5 * (1 + cos(pi/2)) = 0.5; step 10: the floor, 0
+    assert values[:3] == [0.0, 0.5, 1.0] and values[6] == pytest.approx(0.5) and values[10] == pytest.approx(0.0)
+
+
 def test_schedule_errors_name_the_key():
     with pytest.raises(ValueError, match="total_training_steps"):
         build_lr_scheduler(optimizer(), {"lr_scheduler_type": "cosine"})

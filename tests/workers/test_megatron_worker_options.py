@@ -13,7 +13,7 @@ from verl.workers.config import McoreActorConfig, McoreCriticConfig, RefConfig
 
 def _actor_worker(actor_loads: bool, ref_section: dict):
     return SimpleNamespace(
-        actor_config=McoreActorConfig(load_weight=actor_loads),
+        actor_config=McoreActorConfig(load_weight=actor_loads, ppo_micro_batch_size_per_gpu=1),
         ref_config=RefConfig(**ref_section),
         config=OmegaConf.create({"ref": ref_section}),
     )

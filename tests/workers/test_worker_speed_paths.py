@@ -57,13 +57,17 @@ def test_fused_kernels_are_on_where_the_trainer_takes_them_and_say_why_not_elsew
     assert not critic.active and critic.reason == "_Packs does not implement it: it computes full logits", critic
 
 
+def _actor(**kw) -> FSDPActorConfig:
+    return FSDPActorConfig(ppo_micro_batch_size_per_gpu=1, **kw)  # a micro-batch size is required (upstream's rule)
+
+
 def test_the_policy_uses_fused_kernels_from_the_model_or_actor_section_and_refuses_triton():
-    assert policy_uses_fused_kernels(HFModelConfig(use_fused_kernels=True), FSDPActorConfig())
-    assert policy_uses_fused_kernels(HFModelConfig(), FSDPActorConfig(use_fused_kernels=True))
-    assert not policy_uses_fused_kernels(HFModelConfig(use_liger=True), FSDPActorConfig())
+    assert policy_uses_fused_kernels(HFModelConfig(use_fused_kernels=True), _actor())
+    assert policy_uses_fused_kernels(HFModelConfig(), _actor(use_fused_kernels=True))
+    assert not policy_uses_fused_kernels(HFModelConfig(use_liger=True), _actor())
     triton = HFModelConfig(use_fused_kernels=True, fused_kernel_options={"impl_backend": "triton"})
     with pytest.raises(ValueError, match="impl_backend='triton' is not implemented"):
-        policy_uses_fused_kernels(triton, FSDPActorConfig())
+        policy_uses_fused_kernels(triton, _actor())
 
 
 @pytest.mark.parametrize(
@@ -77,4 +81,4 @@ def test_the_policy_uses_fused_kernels_from_the_model_or_actor_section_and_refus
     ],
 )
 def test_the_policys_model_or_actor_section_asks_for_fused_kernels(model, actor, asked):
-    assert _policy_asks_for_fused_kernels(HFModelConfig(**model), FSDPActorConfig(**actor)) is asked
+    assert _policy_asks_for_fused_kernels(HFModelConfig(**model), _actor(**actor)) is asked

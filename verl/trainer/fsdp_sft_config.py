@@ -167,7 +167,7 @@ def sft_lr_factor(optim, total_steps: int):
     if optim.lr_scheduler not in LR_SCHEDULERS:
         raise ValueError(f"optim.lr_scheduler={optim.lr_scheduler!r} is not one of {list(LR_SCHEDULERS)}")
     warmup = _warmup_steps(optim, total_steps, "a positive number of training steps")
-    min_lr_ratio, num_cycles = float(optim.get("min_lr_ratio", 0.0)), float(optim.get("num_cycles", 0.5))
+    min_lr_ratio, num_cycles = float(optim.get("min_lr_ratio") or 0.0), float(optim.get("num_cycles", 0.5))
     if optim.lr_scheduler == "constant":
         return _constant_factor(warmup)
     if optim.lr_scheduler == "cosine":

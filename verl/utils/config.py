@@ -119,13 +119,19 @@ def target_class(declared: type, config: Any, path: str = "") -> type:
 
     The one place a section's class is chosen; the config schema uses it too, so the validator and
     `omega_conf_to_dataclass` agree on which keys a section has. Raises ConfigError when `_target_`
-    names nothing importable or no subclass of `declared`. A class may list in `TARGET_ALIASES` other
+    names nothing importable or no subclass of `declared`; a class of `declared`'s own name is `declared` (the
+    same definition imported under another module name, e.g. `__main__`). A class may list in `TARGET_ALIASES` other
     dotted names upstream's YAML gives its section (`global_profiler`'s `verl.utils.profiler.ProfilerConfig`).
     """
     target = config.get(_TARGET) if isinstance(config, Mapping) else None
     if not target or target in getattr(declared, "TARGET_ALIASES", ()):
         return declared
     named = _locate(target, path)
+    if named is not declared and getattr(named, "__qualname__", None) == declared.__qualname__:
+        # The declared class under another module name: the same file imported twice (a test module
+        # pytest imported by its file name, a script run as __main__). Upstream ignores `_target_` when
+        # the type is given; here it may only narrow the type, and this is the type itself.
+        return declared
     if not (isinstance(named, type) and dataclasses.is_dataclass(named) and issubclass(named, declared)):
         raise ConfigError(
             f"{_where(path, _TARGET)}={target!r} names {getattr(named, '__name__', named)}, "

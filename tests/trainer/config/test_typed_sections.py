@@ -20,6 +20,7 @@ from verl.trainer.config import (
     validate_ppo_config,
 )
 from verl.trainer.config import schema as S
+from verl.trainer.config.algorithm import PFPPOConfig
 from verl.trainer.config.loader import compose
 from verl.trainer.config.validate import iter_schema_fields
 from verl.utils.config import omega_conf_to_dataclass
@@ -53,9 +54,28 @@ def test_algorithm_section_builds_algo_config_with_upstreams_defaults(name):
 
 
 def test_dataclass_defaults_equal_the_yaml_defaults():
-    """One definition: building with no config gives what the YAML gives (only `_target_` differs)."""
-    from_yaml = omega_conf_to_dataclass(compose("ppo_trainer").algorithm)
-    assert _without_targets(dataclasses.asdict(AlgoConfig())) == _without_targets(dataclasses.asdict(from_yaml))
+    """One definition: building with no config gives what the YAML gives (only `_target_` differs), except
+    `pf_ppo`, which is upstream's empty dict ("not set") until PF-PPO is switched on."""
+    from_yaml = _without_targets(dataclasses.asdict(omega_conf_to_dataclass(compose("ppo_trainer").algorithm)))
+    built = _without_targets(dataclasses.asdict(AlgoConfig()))
+    assert built.pop("pf_ppo") == {} and from_yaml.pop("pf_ppo") == {"reweight_method": "pow", "weight_pow": 2.0}
+    assert built == from_yaml
+    assert _without_targets(dataclasses.asdict(AlgoConfig(use_pf_ppo=True).pf_ppo)) == {
+        "reweight_method": "pow",
+        "weight_pow": 2.0,
+    }
+
+
+def test_pf_ppo_is_an_empty_dict_until_set_and_a_checked_section_once_set():
+    assert AlgoConfig(gamma=0.9).pf_ppo == {} and not AlgoConfig().pf_ppo  # upstream's "not set"
+    given = AlgoConfig(pf_ppo={"reweight_method": "max_min"}).pf_ppo
+    assert isinstance(given, PFPPOConfig) and (given.reweight_method, given.weight_pow) == ("max_min", 2.0)
+    on = AlgoConfig(use_pf_ppo=True).pf_ppo  # PF-PPO on with nothing set: the YAML's defaults
+    assert isinstance(on, PFPPOConfig) and (on.reweight_method, on.weight_pow) == ("pow", 2.0)
+    with pytest.raises(ValueError, match=r"algorithm.pf_ppo has unknown key\(s\) \['weight'\]"):
+        AlgoConfig(pf_ppo={"weight": 3.0})
+    with pytest.raises(ValueError, match=r"reweight_method='sqrt' is not a valid choice"):
+        AlgoConfig(pf_ppo={"reweight_method": "sqrt"})
 
 
 def test_algo_config_is_frozen_and_reads_like_a_mapping():
@@ -169,7 +189,9 @@ def test_megatron_sections_build_mcore_engine_config_with_upstreams_defaults(sec
     assert (engine.tensor_model_parallel_size, engine.pipeline_model_parallel_size) == (1, 1)
     assert (engine.context_parallel_size, engine.expert_model_parallel_size) == (1, 1)
     assert engine.virtual_pipeline_model_parallel_size is None and engine.expert_tensor_parallel_size is None
-    assert (engine.sequence_parallel, engine.use_distributed_optimizer, engine.seed) == (True, True, 42)
+    # the YAML's sequence_parallel is true; with tensor parallel size 1 the built section holds false (as upstream's)
+    assert OmegaConf.select(compose("ppo_megatron_trainer"), section + ".sequence_parallel") is True
+    assert (engine.sequence_parallel, engine.use_distributed_optimizer, engine.seed) == (False, True, 42)
     assert engine.override_transformer_config["recompute_modules"] == ["core_attn"]
 
 

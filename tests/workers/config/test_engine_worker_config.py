@@ -149,6 +149,22 @@ def test_the_batch_keys_are_mutable_as_upstreams_and_the_rest_stays_frozen():
         engine.fsdp_size = 2
 
 
+def test_the_ulysses_size_and_megatron_sequence_parallel_are_mutable_as_upstreams():
+    fsdp = FSDPEngineConfig()
+    fsdp.ulysses_sequence_parallel_size = 2
+    assert fsdp.ulysses_sequence_parallel_size == 2
+    mcore = McoreEngineConfig(tensor_model_parallel_size=2)
+    mcore.sequence_parallel = False
+    assert mcore.sequence_parallel is False
+    with pytest.raises(AttributeError, match="tensor_model_parallel_size is frozen"):
+        mcore.tensor_model_parallel_size = 4
+
+
+@pytest.mark.parametrize("tp, asked, held", [(1, True, False), (1, False, False), (2, True, True), (2, False, False)])
+def test_megatron_sequence_parallel_is_off_without_tensor_parallelism(tp, asked, held):
+    assert McoreEngineConfig(tensor_model_parallel_size=tp, sequence_parallel=asked).sequence_parallel is held
+
+
 @pytest.mark.parametrize(
     "name, key",
     [

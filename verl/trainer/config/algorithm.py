@@ -9,9 +9,12 @@ Design decisions:
   metadata the validator and the reference-docs generator read (`doc(...)`); `schema.py` composes
   these classes into the whole tree instead of declaring the section again.
 - Section-valued fields hold a section instance by default rather than upstream's `None`
-  (`filter_groups`, `rollout_correction`) or `{}` (`pf_ppo`): the YAML always provides them, so a
-  reader never has to test for None, and each reads like a mapping for code written against
-  upstream's dict.
+  (`filter_groups`, `rollout_correction`): the YAML always provides them, so a reader never has to
+  test for None, and each reads like a mapping for code written against upstream's dict.
+- `pf_ppo` keeps upstream's default, an empty dict ("not set", falsy: upstream's tests and users
+  check `if not algo.pf_ppo`). A dict given directly is built into a checked `PFPPOConfig`, and
+  with `use_pf_ppo` on an unset `pf_ppo` becomes `PFPPOConfig()` (the YAML's `pow`/2.0, where
+  upstream would fail mid-run on a None method), so PF-PPO always reads a `PFPPOConfig`.
 - `RolloutCorrectionConfig` here is the config section (keys, docs, defaults of the YAML). The
   algorithm layer's `verl.algorithms.rollout_corr.RolloutCorrectionConfig` is the checked value
   the loss reads; `from_config` builds it from this section.
@@ -19,6 +22,7 @@ Design decisions:
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 from verl.algorithms.rollout_corr_presets import RolloutCorrectionPresets
@@ -127,7 +131,8 @@ class AlgoConfig(BaseConfig):
         "response's score (adv_estimator=gae only, as upstream).",
         default=False,
     )
-    pf_ppo: PFPPOConfig = _section(PFPPOConfig, "PF-PPO parameters.")
+    # The YAML's `pf_ppo` is a section (PFPPOConfig); built without one it is upstream's empty dict.
+    pf_ppo: PFPPOConfig = doc("PF-PPO parameters.", default_factory=dict)
     filter_groups: FilterGroupsConfig = _section(FilterGroupsConfig, "Ours. DAPO dynamic sampling.")
     rollout_correction: RolloutCorrectionConfig = _section(
         RolloutCorrectionConfig, "Correction of the rollout-vs-training probability gap."
@@ -142,3 +147,11 @@ class AlgoConfig(BaseConfig):
                     "future TD errors (lam); set a value between 0 and 1 (upstream default 1.0)"
                 )
         _check_choice("algorithm", "kl_penalty", self.kl_penalty, KL_PENALTIES)
+        if isinstance(self.pf_ppo, dict) and (self.pf_ppo or self.use_pf_ppo):
+            keys = {f.name for f in dataclasses.fields(PFPPOConfig)}
+            unknown = sorted(set(self.pf_ppo) - keys)
+            if unknown:
+                raise ValueError(
+                    f"algorithm.pf_ppo has unknown key(s) {unknown}; its keys are reweight_method and weight_pow"
+                )
+            object.__setattr__(self, "pf_ppo", PFPPOConfig(**self.pf_ppo))

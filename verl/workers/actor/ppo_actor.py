@@ -404,19 +404,33 @@ class PPOActor(BasePPOActor):
 
 
 def _scorer_section(config, config_class: type):
-    """The section a log-prob scorer is built from. Upstream's workers (and recipes written the same way)
-    build the reference policy's scorer from the `ref` section (`DataParallelPPOActor(config=self.config.ref,
-    ...)`); its `log_prob_*` keys are the worker's (`compute_ref_log_prob` batches with them), so the scorer
-    takes the keys the actor's class declares (sequence parallelism, remove padding, ...) and its defaults
-    for the rest. Any other section is returned as it is."""
+    """The section a log-prob scorer (an actor built without an optimizer) is built from.
+
+    Upstream's workers (and recipes written the same way) build the reference policy's scorer from the
+    `ref` section (`DataParallelPPOActor(config=self.config.ref, ...)`); its `log_prob_*` keys are the
+    worker's (`compute_ref_log_prob` batches with them), so the scorer takes the keys the actor's class
+    declares (sequence parallelism, remove padding, ...) and its defaults for the rest.
+
+    A scorer never trains: its forward passes are batched by the batch's meta_info. The actor's class still
+    requires a training micro-batching (upstream's rule, which upstream's scorers skip by never building the
+    class), so a section that sets none gets the forward one (`log_prob_micro_batch_size_per_gpu`), or token
+    packing. A built section is returned as it is."""
     if dataclasses.is_dataclass(config) or not isinstance(config, Mapping):
-        return config
-    if "log_prob_micro_batch_size_per_gpu" not in config or "ppo_mini_batch_size" in config:
         return config
     if isinstance(config, DictConfig):
         config = OmegaConf.to_container(config, resolve=True)
-    declared = {f.name for f in dataclasses.fields(config_class)}
-    return {key: value for key, value in config.items() if key in declared and key != "_target_"}
+    if "log_prob_micro_batch_size_per_gpu" in config and "ppo_mini_batch_size" not in config:  # the ref section
+        declared = {f.name for f in dataclasses.fields(config_class)}
+        section = {key: value for key, value in config.items() if key in declared and key != "_target_"}
+        per_gpu = config.get("log_prob_micro_batch_size_per_gpu")
+        dynamic = bool(config.get("log_prob_use_dynamic_bsz")) or per_gpu is None
+        return {**section, "ppo_micro_batch_size_per_gpu": per_gpu, "use_dynamic_bsz": dynamic}
+    if config.get("use_dynamic_bsz") or any(config.get(k) is not None for k in _TRAIN_MICRO_KEYS):
+        return config
+    return {**config, "use_dynamic_bsz": True}
+
+
+_TRAIN_MICRO_KEYS = ("ppo_micro_batch_size_per_gpu", "ppo_micro_batch_size")
 
 
 def _detached(value):

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 
 from verl.base_config import BaseConfig
 from verl.utils.profiler.config import ProfilerConfig
+from verl.utils.ulysses_keys import role_sp
 from verl.workers.config._fields import (
     _SPEED,
     DEPRECATED,
@@ -115,6 +116,17 @@ class RouterReplayConfig(BaseConfig):
 @dataclass
 class ActorConfig(BaseConfig):
     """Policy training: PPO mini-batches, clipping, KL loss, optimizer, engine."""
+
+    # Assignable after construction, as upstream's: its workers rescale the batch sizes per rank in
+    # place, and set `engine` / `model_config` (attributes, not keys of this section) late.
+    _mutable_fields = BaseConfig._mutable_fields | {
+        "ppo_mini_batch_size",
+        "ppo_micro_batch_size",
+        "ppo_micro_batch_size_per_gpu",
+        "ppo_infer_micro_batch_size_per_gpu",
+        "engine",
+        "model_config",
+    }
 
     rollout_n: int = doc("Responses per prompt (follows actor_rollout_ref.rollout.n, which it must equal).", default=1)
     strategy: str = doc(
@@ -233,6 +245,63 @@ class ActorConfig(BaseConfig):
                 raise ValueError(f"actor.{key}={value} must be at least 1")
         if self.clip_ratio_c <= 1:
             raise ValueError(f"actor.clip_ratio_c={self.clip_ratio_c} must be > 1 (dual-clip bound; 3.0 is typical)")
+        if self.loss_agg_mode not in LOSS_AGG_MODES:
+            raise ValueError(
+                f"Invalid loss_agg_mode: actor.loss_agg_mode={self.loss_agg_mode!r}; use one of: "
+                f"{', '.join(LOSS_AGG_MODES)}"
+            )
+        # Last, and not starting with "actor.": the validator reports these with the batch arithmetic
+        # (validate_batches._check_micro, which names the full keys), so they are not reported twice.
+        self._check_micro_batch()
+
+    def _check_micro_batch(self) -> None:
+        """Exactly one micro-batch spelling unless micro-batches are packed by tokens (upstream's rule)."""
+        if self.use_dynamic_bsz:
+            return
+        mbs, per_gpu = self.ppo_micro_batch_size, self.ppo_micro_batch_size_per_gpu
+        if mbs is not None and per_gpu is not None:
+            raise ValueError(
+                f"You have set both actor.ppo_micro_batch_size={mbs} and actor.ppo_micro_batch_size_per_gpu="
+                f"{per_gpu}, which say the same thing two ways; keep only ppo_micro_batch_size_per_gpu "
+                "(ppo_micro_batch_size is deprecated)"
+            )
+        if mbs is None and per_gpu is None:
+            raise ValueError(
+                "Please set at least one of actor.ppo_micro_batch_size_per_gpu (sequences per forward/backward "
+                "on one rank) or the deprecated actor.ppo_micro_batch_size, or set actor.use_dynamic_bsz=true "
+                "to pack micro-batches by token count"
+            )
+
+    def validate(self, n_gpus: int, train_batch_size: int, model_config: dict | None = None) -> None:
+        """Upstream's check of this section against the run: `n_gpus` ranks and `train_batch_size`
+        prompts per step (`model_config`, the model section, is read by the FSDP subclass).
+
+        The trainer runs the full check before Ray starts (`verl.trainer.config.validate_ppo_config`);
+        this is the part upstream's workers call with the run's numbers. Raises ValueError."""
+        del model_config  # the FSDP actor's check reads it
+        if self.use_dynamic_bsz:
+            return
+        if train_batch_size < self.ppo_mini_batch_size:
+            raise ValueError(
+                f"train_batch_size ({train_batch_size}) must be >= actor.ppo_mini_batch_size "
+                f"({self.ppo_mini_batch_size}): a mini-batch is a slice of the step's batch (both count prompts); "
+                f"lower actor.ppo_mini_batch_size or raise data.train_batch_size"
+            )
+        mbs = self.ppo_micro_batch_size
+        if mbs is None:
+            return
+        if self.ppo_mini_batch_size % mbs:
+            raise ValueError(
+                f"actor.ppo_mini_batch_size ({self.ppo_mini_batch_size}) must be divisible by "
+                f"actor.ppo_micro_batch_size ({mbs}), or gradient accumulation would drop or double-count sequences"
+            )
+        sp = self.get("ulysses_sequence_parallel_size", 1) or 1
+        if mbs * sp < n_gpus:
+            raise ValueError(
+                f"actor.ppo_micro_batch_size ({mbs}) * ulysses_sequence_parallel_size ({sp}) must be >= n_gpus "
+                f"({n_gpus}): the global micro-batch is split over the ranks, so each needs at least one sequence; "
+                "set actor.ppo_micro_batch_size_per_gpu instead"
+            )
 
 
 @dataclass
@@ -263,6 +332,19 @@ class FSDPActorConfig(ActorConfig):
         f"Recompute that sum in backward. {_SPEED}.", status=IGNORED, default=False
     )
     fsdp_config: FSDPEngineConfig = doc("FSDP engine (strategy fsdp or fsdp2).", default_factory=FSDPEngineConfig)
+
+    def validate(self, n_gpus: int, train_batch_size: int, model_config: dict | None = None) -> None:
+        """`ActorConfig.validate`, and upstream's FSDP rule: Ulysses sequence parallelism needs the packed
+        layout, i.e. `use_remove_padding` on in `model_config` (the model section) or in this section."""
+        super().validate(n_gpus, train_batch_size, model_config)
+        if self.strategy not in ("fsdp", "fsdp2") or model_config is None:
+            return
+        sp, key = role_sp(self, "actor")
+        if sp > 1 and not (model_config.get("use_remove_padding", False) or self.use_remove_padding):
+            raise ValueError(
+                f"{key}={sp}: when using sequence parallelism for actor/ref policy, you must enable "
+                "`use_remove_padding` (model.use_remove_padding=true): the sequences are split in their packed layout"
+            )
 
 
 @dataclass

@@ -128,6 +128,9 @@ class EngineConfig(BaseConfig):
 class FSDPEngineConfig(EngineConfig):
     """FSDP engine of one model (optimizer keys have no effect for forward-only models)."""
 
+    # as upstream's: a role's older spelling of the Ulysses size may be copied in after construction
+    _mutable_fields = EngineConfig._mutable_fields | {"ulysses_sequence_parallel_size"}
+
     wrap_policy: dict = doc(
         "Auto-wrap policy, e.g. {min_num_params: 0} or {transformer_layer_cls_to_wrap: [...]}.",
         default_factory=_default_wrap_policy,
@@ -238,6 +241,9 @@ def freeze_moe_router(override_mcore_model_config) -> bool:
 class McoreEngineConfig(EngineConfig):
     """Megatron-core parallelism of one model (read when its `strategy` is megatron; docs/megatron.md)."""
 
+    # as upstream's: corrected after construction (off without tensor parallelism)
+    _mutable_fields = EngineConfig._mutable_fields | {"sequence_parallel"}
+
     param_offload: bool = doc(
         "Keep parameters on the host between uses (saves device memory; no-op on CPU).", default=False
     )
@@ -272,8 +278,8 @@ class McoreEngineConfig(EngineConfig):
     )
     sequence_parallel: bool = doc(
         "Split activations outside attention/MLP along the sequence over the tensor-parallel ranks (memory only, "
-        "same results); needs tensor_model_parallel_size > 1 (ignored otherwise). Runs without TransformerEngine or "
-        "apex.",
+        "same results); needs tensor_model_parallel_size > 1 (with 1 the built section holds false, as upstream's). "
+        "Runs without TransformerEngine or apex.",
         default=True,
     )
     use_distributed_optimizer: bool = doc(
@@ -344,6 +350,9 @@ class McoreEngineConfig(EngineConfig):
                 f"{self.pipeline_model_parallel_size}): interleaving splits each pipeline stage further; set "
                 "virtual_pipeline_model_parallel_size=null or use a pipeline"
             )
+        if self.tensor_model_parallel_size == 1:
+            # nothing to split activations over; upstream's section says so too (its readers and ours gate on tp > 1)
+            self.sequence_parallel = False
 
 
 @dataclass

@@ -79,7 +79,7 @@ class FSDPOptimizerConfig(OptimizerConfig):
         "Optimizer class, looked up in optimizer_impl (a Megatron section names adam or sgd).", default="AdamW"
     )
     optimizer_impl: str = doc("Module the optimizer class is taken from.", default="torch.optim")
-    min_lr_ratio: float | None = doc("Cosine schedule floor as a fraction of `lr` (null: 0).", default=0.0)
+    min_lr_ratio: float | None = doc("Cosine schedule floor as a fraction of `lr` (null: 0).", default=None)
     num_cycles: float = doc("Number of cosine half-waves over training (0.5: one decay to the floor).", default=0.5)
     lr_scheduler_type: str = doc("Schedule after warm-up.", choices=LR_SCHEDULES, default="constant")
     warmup_style: str | None = doc(
