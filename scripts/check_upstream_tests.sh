@@ -13,9 +13,8 @@
 # is this checkout's package. One line per file, then the totals; the exit status is non-zero when a
 # test fails that is not listed below as needing what this machine cannot have.
 #
-# Upstream's CPU job runs pytest with --asyncio-mode=auto (pytest-asyncio is in upstream's
-# requirements-test.txt, not in this project's test extra): its async tests need it on the path, e.g.
-# `pip install --target /tmp/asyncio_plugin pytest-asyncio` and PYTHONPATH=/tmp/asyncio_plugin.
+# Upstream's CPU job runs pytest with --asyncio-mode=auto; so does this script when pytest-asyncio
+# (upstream's requirements-test.txt; this project's test extra) is importable.
 #
 # Deselected, with the reason (environment only, not API):
 #   - tokenizers that upstream's tests load from ~/models/<hub id> (deepseek-coder, Qwen2-VL): no model
