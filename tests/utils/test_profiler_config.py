@@ -50,6 +50,7 @@ def test_every_role_profiler_builds_into_upstreams_classes(config_name):
     cfg = load_ppo_config(
         [
             "actor_rollout_ref.rollout.name=hf",
+            "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=2",  # an actor section needs one, as upstream's
             "global_profiler.global_tool_config.nsys.discrete=true",
             "global_profiler.global_tool_config.torch_memory.stack_depth=7",
         ],
