@@ -232,3 +232,32 @@ def test_fold_and_unfold_batch_dim():
     }
     with pytest.raises(ValueError, match="do not fold into 4 rows"):
         fold_batch_dim(data, new_batch_size=4)
+
+
+def _gather_uneven_rows(rank: int, world_size: int) -> None:
+    from verl.protocol import all_gather_data_proto
+
+    rows = 3 if rank == 0 else 2
+    data = DataProto.from_dict(
+        tensors={
+            "x": torch.tensor([[rank * 10.0 + i, -1.0] for i in range(rows)]),
+            "ids": torch.arange(rows, dtype=torch.int64) + 100 * rank,
+        },
+        non_tensors={"uid": np.array([f"r{rank}-{i}" for i in range(rows)], dtype=object)},
+        meta_info={"mine": rank},
+    )
+    assert all_gather_data_proto(data, None) is None  # in place, as upstream
+    assert len(data) == 5 and data.meta_info == {"mine": rank}
+    assert data.batch["x"].tolist() == [[0.0, -1.0], [1.0, -1.0], [2.0, -1.0], [10.0, -1.0], [11.0, -1.0]]
+    assert data.batch["ids"].tolist() == [0, 1, 2, 100, 101] and data.batch["ids"].dtype == torch.int64
+    assert list(data.non_tensor_batch["uid"]) == ["r0-0", "r0-1", "r0-2", "r1-0", "r1-1"]
+
+    odd = DataProto.from_dict(tensors={"x": torch.zeros(1, 2)} if rank == 0 else {"y": torch.zeros(1, 2)})
+    with pytest.raises(DataProtoError, match="every rank must hold the same columns"):
+        all_gather_data_proto(odd, None)
+
+
+def test_all_gather_data_proto_joins_every_ranks_rows_in_rank_order_in_place():
+    from tests.distributed_helpers import run_distributed
+
+    run_distributed(_gather_uneven_rows, 2)

@@ -159,3 +159,31 @@ def _two_rank_cast_before_gather(rank, world_size):
 
 def test_weight_sync_gathers_shards_already_cast_to_the_rollout_dtype():
     run_distributed(_two_rank_cast_before_gather, 2)
+
+
+def test_upstreams_fsdp1_wrap_policy_picks_decoder_layers_sizes_or_trainable_leaves():
+    model = make_tiny_causal_lm()
+    layer_cls = type(model.model.layers[0])
+
+    def wraps(policy, module):  # torch's FSDP1 policy protocol: asked per module, recurse=False means "wrap it?"
+        return policy(module=module, recurse=False, nonwrapped_numel=sum(p.numel() for p in module.parameters()))
+
+    by_class = fsdp_utils.get_fsdp_wrap_policy(model)  # `_no_split_modules` of Qwen2: the decoder layer
+    wrapped = [m for m in model.modules() if wraps(by_class, m)]
+    assert wrapped == list(model.model.layers) and all(type(m) is layer_cls for m in wrapped)
+
+    layer_numel = sum(p.numel() for p in model.model.layers[0].parameters())
+    by_size = fsdp_utils.get_fsdp_wrap_policy(model, {"min_num_params": layer_numel})
+    assert wraps(by_size, model.model.layers[0]) and not wraps(by_size, model.model.layers[0].mlp.up_proj)
+
+    for p in model.parameters():
+        p.requires_grad_(False)
+    model.model.layers[1].mlp.up_proj.weight.requires_grad_(True)
+    lora = fsdp_utils.get_fsdp_wrap_policy(model, {"transformer_layer_cls_to_wrap": [layer_cls.__name__]}, is_lora=True)
+    assert wraps(lora, model.model.layers[1].mlp.up_proj) and not wraps(lora, model.model.layers[0].mlp.up_proj)
+    assert wraps(lora, model.model.layers[0])  # the layer policy still applies
+
+    assert fsdp_utils.get_fsdp_wrap_policy(model, {"disable": True}) is None
+    with pytest.raises(ValueError, match="NoSuchLayer"):
+        fsdp_utils.get_fsdp_wrap_policy(model, {"transformer_layer_cls_to_wrap": ["NoSuchLayer"]})
+    assert fsdp_utils.MixedPrecisionPolicy is torch.distributed.fsdp.MixedPrecisionPolicy

@@ -65,6 +65,7 @@ from verl.protocol._columns import (
 from verl.protocol._data_proto import DataProto, DataProtoItem, _rebuild_data_proto, collate_fn
 from verl.protocol._ops import (
     DataProtoFuture,
+    all_gather_data_proto,
     fold_batch_dim,
     pad_dataproto_to_divisor,
     unfold_batch_dim,
@@ -87,6 +88,7 @@ __all__ = [
     "DataProtoError",
     "DataProtoFuture",
     "DataProtoItem",
+    "all_gather_data_proto",
     "collate_fn",
     "deserialize_single_tensor",
     "deserialize_tensordict",

@@ -146,3 +146,48 @@ class DataProtoFuture:
         if self.dispatch_fn is not None:
             output = self.dispatch_fn(output)
         return output
+
+
+def all_gather_data_proto(data: DataProto, process_group=None) -> None:
+    """Upstream's in-place all-gather: afterwards `data` holds every rank's rows of `process_group`, in
+    rank order (tensor columns and non-tensor columns; `meta_info` is left as it is). Every rank must
+    hold the same columns; row counts may differ. Tensors travel on the group's collective device and
+    come back to where they were."""
+    import torch.distributed as dist
+
+    from verl.utils.device import collective_device
+
+    if not isinstance(data, DataProto):
+        raise DataProtoError(f"all_gather_data_proto gathers a DataProto, got a {type(data).__name__}")
+    batch = data.batch
+    mine = {
+        "rows": len(data),
+        "tensors": None if batch is None else {k: (tuple(v.shape[1:]), str(v.dtype)) for k, v in batch.items()},
+        "non_tensors": sorted(data.non_tensor_batch),
+    }
+    size = dist.get_world_size(group=process_group)
+    layouts: list = [None] * size
+    dist.all_gather_object(layouts, mine, group=process_group)
+    for rank, layout in enumerate(layouts):
+        if {k: v for k, v in layout.items() if k != "rows"} != {k: v for k, v in mine.items() if k != "rows"}:
+            raise DataProtoError(
+                "all_gather_data_proto: every rank must hold the same columns (names, trailing shapes, dtypes); "
+                f"this rank has tensors {mine['tensors']} and non-tensors {mine['non_tensors']}, rank {rank} has "
+                f"{layout['tensors']} and {layout['non_tensors']}"
+            )
+    rows = [layout["rows"] for layout in layouts]
+    if batch is not None:
+        device = collective_device(process_group)
+        gathered = {}
+        for key, value in batch.items():
+            padded = value.to(device)
+            if len(value) < max(rows):  # all_gather needs equal shapes: pad to the longest, cut after
+                fill = padded.new_zeros((max(rows) - len(value), *value.shape[1:]))
+                padded = torch.cat([padded, fill])
+            parts = [torch.empty_like(padded) for _ in range(size)]
+            dist.all_gather(parts, padded.contiguous(), group=process_group)
+            gathered[key] = torch.cat([part[:n] for part, n in zip(parts, rows, strict=True)]).to(value.device)
+        data.batch = TensorDict(gathered, batch_size=[sum(rows)], device=batch.device)
+    columns: list = [None] * size
+    dist.all_gather_object(columns, data.non_tensor_batch, group=process_group)
+    data.non_tensor_batch = {key: np.concatenate([part[key] for part in columns]) for key in data.non_tensor_batch}

@@ -36,14 +36,17 @@ from collections.abc import Callable, Iterator
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.fsdp import MixedPrecisionPolicy
 
 from verl.utils.device import empty_cache, get_device, get_device_name, is_cuda_available
 
 __all__ = [
+    "MixedPrecisionPolicy",
     "apply_fsdp2",
     "create_device_mesh",
     "fsdp2_clip_grad_norm_",
     "get_fsdp_wrap_modules",
+    "get_fsdp_wrap_policy",
     "get_full_state_dict",
     "get_mixed_precision_policy",
     "get_offload_policy",
@@ -112,8 +115,6 @@ def get_mixed_precision_policy(mixed_precision_config=None, dtype="auto"):
     upstream's workers do; `auto` (ours) is bf16 on CUDA and no casting at all on CPU (the
     model's own dtype).
     """
-    from torch.distributed.fsdp import MixedPrecisionPolicy
-
     cuda = is_cuda_available()
     if mixed_precision_config is None and dtype not in (None, "auto"):
         return MixedPrecisionPolicy(
@@ -163,6 +164,48 @@ def get_fsdp_wrap_modules(model: nn.Module, wrap_policy=None) -> list[nn.Module]
             "Fix fsdp_config.wrap_policy.transformer_layer_cls_to_wrap"
         )
     return modules
+
+
+def get_fsdp_wrap_policy(module: nn.Module, config=None, is_lora: bool = False):
+    """Upstream's FSDP1 auto-wrap policy for `module` (for code that wraps with FSDP1 itself; this build's
+    workers shard with FSDP2 through `get_fsdp_wrap_modules`). None when `config.disable`; otherwise the
+    union of: with `is_lora`, every leaf module with a trainable weight; with `config.min_num_params` > 0,
+    torch's size-based policy, else the decoder-layer classes (`config.transformer_layer_cls_to_wrap`,
+    else `module._no_split_modules`)."""
+    import functools
+
+    from torch.distributed.fsdp.wrap import (
+        _or_policy,
+        lambda_auto_wrap_policy,
+        size_based_auto_wrap_policy,
+        transformer_auto_wrap_policy,
+    )
+
+    if _cfg_get(config, "disable", False):
+        return None
+    policies = []
+    if is_lora:
+
+        def trainable_leaf(m: nn.Module) -> bool:
+            weight = getattr(m, "weight", None)
+            return next(m.children(), None) is None and weight is not None and weight.requires_grad
+
+        policies.append(functools.partial(lambda_auto_wrap_policy, lambda_fn=trainable_leaf))
+    min_num_params = _cfg_get(config, "min_num_params", 0) or 0
+    names = _cfg_get(config, "transformer_layer_cls_to_wrap", None) or getattr(module, "_no_split_modules", None)
+    if min_num_params > 0:
+        policies.append(functools.partial(size_based_auto_wrap_policy, min_num_params=min_num_params))
+    elif names:
+        names = {names} if isinstance(names, str) else set(names)
+        classes = {type(m) for m in module.modules() if type(m).__name__ in names}
+        if len({c.__name__ for c in classes}) != len(names):
+            present = sorted({type(m).__name__ for m in module.modules()})
+            raise ValueError(
+                f"wrap_policy.transformer_layer_cls_to_wrap={sorted(names)}: not every class is in "
+                f"{type(module).__name__} (classes present: {present})"
+            )
+        policies.append(functools.partial(transformer_auto_wrap_policy, transformer_layer_cls=classes))
+    return functools.partial(_or_policy, policies=policies) if policies else None
 
 
 def apply_fsdp2(model: nn.Module, fsdp_config=None, device_mesh=None) -> nn.Module:

@@ -324,3 +324,21 @@ def test_upstreams_agent_loop_module_paths_and_gpt_oss_helpers():
         "<|start|>functions.a to=assistant<|channel|>commentary<|message|>1<|end|>"
         "<|start|>functions.b to=assistant<|channel|>commentary<|message|>2<|end|><|start|>assistant"
     )
+
+
+def test_get_trajectory_info_numbers_the_repeats_of_each_prompt():
+    import asyncio
+
+    from verl.experimental.agent_loop.agent_loop import get_trajectory_info
+
+    info = asyncio.run(get_trajectory_info(7, [4, 4, 4, 9, 4, 9, 9], True))
+    assert [(i["sample_index"], i["rollout_n"]) for i in info] == [
+        (4, 0),
+        (4, 1),
+        (4, 2),
+        (9, 0),
+        (4, 0),
+        (9, 0),
+        (9, 1),
+    ]
+    assert {(i["step"], i["validate"]) for i in info} == {(7, True)}

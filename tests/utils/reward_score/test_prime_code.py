@@ -76,3 +76,15 @@ def test_testing_util_run_test_reports_upstreams_codes_and_stops_at_the_first_fa
     assert run_test(call_based, test="def flip(xs):\n    return xs[::-1]")[0] == [True]
     with pytest.raises(ValueError, match="needs the program"):
         run_test(cases)
+
+
+def test_upstreams_apps_check_correctness_reports_each_case_and_the_failure():
+    from verl.utils.reward_score.prime_code import apps_check_correctness
+
+    doubling = "n = int(input())\nprint(2 * n)\n"
+    ok, meta = apps_check_correctness({"inputs": ["3\n", "5\n"], "outputs": ["6\n", "10\n"]}, doubling, timeout=10)
+    assert (ok, meta) == ([True, True], [{}])
+    wrong, meta = apps_check_correctness({"inputs": ["3\n", "5\n"], "outputs": ["6\n", "11\n"]}, doubling, debug=False)
+    assert wrong == [True, False] and meta[0]["case_index"] == 1 and meta[0]["error_code"] is False
+    broken, meta = apps_check_correctness({"inputs": ["1\n"], "outputs": ["2\n"]}, "def f(:\n", debug=False)
+    assert broken == [-2] and meta[0]["status"] == "compile_error"

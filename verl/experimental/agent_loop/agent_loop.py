@@ -424,6 +424,21 @@ class SingleTurnAgentLoop(AgentLoopBase):
         )
 
 
+def trajectory_info(step: int, index: list, validate: bool) -> list[dict[str, Any]]:
+    """One `{step, sample_index, rollout_n, validate}` per row: `rollout_n` counts the row among the
+    consecutive rows of the same `index` (the driver repeats each prompt n times in a row)."""
+    info, rollout_n = [], 0
+    for row, sample_index in enumerate(index):
+        rollout_n = rollout_n + 1 if row > 0 and index[row - 1] == sample_index else 0
+        info.append({"step": step, "sample_index": sample_index, "rollout_n": rollout_n, "validate": validate})
+    return info
+
+
+async def get_trajectory_info(step: int, index: list, validate: bool) -> list[dict[str, Any]]:
+    """Upstream's coroutine name for `trajectory_info` (its agent loop workers await it)."""
+    return trajectory_info(step, index, validate)
+
+
 __all__ = [
     "AGENT_LOOPS",
     "AGENT_LOOP_KWARGS",
@@ -438,11 +453,13 @@ __all__ = [
     "Trajectory",
     "UpstreamLoopRunner",
     "get_agent_loop_class",
+    "get_trajectory_info",
     "read_agent_loop_config",
     "register",
     "register_agent_loops_from_file",
     "resolve_config_path",
     "trajectory_from_output",
+    "trajectory_info",
     "uses_upstream_api",
 ]
 

@@ -88,6 +88,7 @@ from verl.experimental.agent_loop.agent_loop import (
     UpstreamLoopRunner,
     get_agent_loop_class,
     register_agent_loops_from_file,
+    trajectory_info,
     uses_upstream_api,
 )
 from verl.experimental.agent_loop.engine import AsyncRolloutEngine, MicroBatchEngine, rollout_batch_generator
@@ -462,20 +463,10 @@ def trace_attributes(prompts, meta: dict) -> list[dict]:
     else:
         traced = set(unique)
     step, validate = int(meta.get("global_steps", -1)), bool(meta.get("validate", False))
-    attributes, rollout_n = [], 0
-    for row, sample_index in enumerate(index):
-        rollout_n = rollout_n + 1 if row > 0 and index[row - 1] == sample_index else 0
-        attributes.append(
-            dict(
-                sample_index=sample_index,
-                step=step,
-                rollout_n=rollout_n,
-                validate=validate,
-                name="agent_loop",
-                trace=sample_index in traced,
-            )
-        )
-    return attributes
+    return [
+        {**info, "name": "agent_loop", "trace": info["sample_index"] in traced}
+        for info in trajectory_info(step, index, validate)
+    ]
 
 
 async def _wait_for_finished(tasks: list[asyncio.Task], count: int) -> None:

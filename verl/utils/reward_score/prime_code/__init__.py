@@ -29,7 +29,7 @@ import json
 import math
 from typing import Any
 
-__all__ = ["compute_score", "run_test_case"]
+__all__ = ["apps_check_correctness", "compute_score", "run_test_case"]
 
 _CASE_TIMEOUT_S = 10.0
 _CONTINUOUS_CASES = 10
@@ -166,3 +166,13 @@ def compute_score(completion: str, test_cases, continuous: bool = False) -> tupl
     if continuous:
         return (sum(m["passed"] for m in metadata) / len(metadata) if metadata else 0.0), metadata
     return True, metadata
+
+
+def apps_check_correctness(in_outs, generation: str, timeout: float = 10, debug: bool = True) -> tuple[list, list]:
+    """Upstream's `apps_check_correctness`: `testing_util.run_test(in_outs, generation)` as
+    (results, [metadata]). Each case runs in its own interpreter with `timeout` seconds, so no global
+    timeout is needed around it (upstream's wraps the whole run in one process with one)."""
+    from verl.utils.reward_score.prime_code.testing_util import run_test
+
+    results, metadata = run_test(in_outs, test=generation, debug=debug, timeout=timeout)
+    return results, [metadata]
