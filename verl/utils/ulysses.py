@@ -200,7 +200,9 @@ def ulysses_attention(module, query, key, value, attention_mask, *, ulysses_grou
 
 def patch_sdpa_attention() -> None:
     """Route transformers' "sdpa" attention through `ulysses_attention` when a forward carries
-    `ulysses_forward_kwargs` (idempotent; the plain sdpa path is unchanged otherwise)."""
+    `ulysses_forward_kwargs`, or (upstream's `apply_monkey_patch` convention) when the global
+    sequence-parallel group has more than one rank and the layer gets `position_ids` (idempotent; the
+    plain sdpa path is unchanged otherwise)."""
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
     original = ALL_ATTENTION_FUNCTIONS["sdpa"]
@@ -210,6 +212,18 @@ def patch_sdpa_attention() -> None:
     def sdpa_or_ulysses(module, query, key, value, attention_mask, **kwargs):
         group = kwargs.pop("ulysses_group", None)
         bounds = kwargs.pop("ulysses_bounds", None)
+        if bounds is None and kwargs.get("position_ids") is not None:
+            # upstream's `apply_monkey_patch` convention: the global group, boundaries from the gathered positions
+            global_group = get_ulysses_sequence_parallel_group()
+            if global_group is not None and dist.get_world_size(global_group) > 1:
+                group, positions = global_group, kwargs["position_ids"]
+                if positions.dim() != 2 or positions.size(0) != 1:
+                    raise NotImplementedError(
+                        f"Ulysses attention over the global group takes packed position ids [1, S/sp], got shape "
+                        f"{tuple(positions.shape)} (multimodal rotary positions are not supported here)"
+                    )
+                full = all_gather_tensor(positions[0], group=group).unsqueeze(0)
+                bounds = ulysses_forward_kwargs(full, group)["ulysses_bounds"]
         if bounds is None:
             return original(module, query, key, value, attention_mask, **kwargs)
         return ulysses_attention(
