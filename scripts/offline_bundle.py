@@ -28,7 +28,8 @@ What goes in, and why:
   for a run from a source checkout (`scripts/gpu_acceptance.sh` does that).
 - Optional dependencies that a run imports only when configured (mlflow, wandb, vllm,
   megatron-core) are left out unless named with `--extra` (our setup.py's extras: mcore, mlflow,
-  trackers, vllm, ...).
+  trackers, vllm, ...); so is `datasets`, a base requirement that only data preprocessing and
+  custom dataset classes import, unless `--with datasets`.
 
 `install.sh` runs one `pip install --no-index --find-links DIR` over the third-party wheels (pip
 then checks the whole closure against what the target has) and then installs our wheel.
@@ -66,6 +67,12 @@ DEFAULT_LOCK = REPO / "requirements" / "constraints-py311.txt"
 NEVER_BUNDLE = re.compile(r"^(torch|torchvision|torchaudio|triton|nvidia-.*|pytorch-triton.*)$")
 # Parts of Ray's wheel that `import ray`, `ray.init()`, actors, placement groups and `ray start`
 # never load.
+RUN_OPTIONAL = {
+    "datasets": "imported only by data preprocessing and by dataset classes that build Hugging Face datasets "
+    "(verl-recipe's); `--with datasets` bundles it",
+}
+"""Our own requirements that a training run imports only when configured to, left out unless `--with NAME`."""
+
 RAY_DROP = re.compile(r"^ray/(jars/|(rllib|tune|train|serve|data|llm|air)/)|\.js\.map$")
 
 
@@ -379,6 +386,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--without", action="append", default=[], help="leave out one of our own requirements (repeatable)"
     )
+    parser.add_argument(
+        "--with",
+        dest="with_",
+        action="append",
+        default=[],
+        help=f"bundle one of the requirements left out by default ({', '.join(sorted(RUN_OPTIONAL))})",
+    )
     parser.add_argument("--lock", type=Path, default=DEFAULT_LOCK, help="preferred exact versions")
     parser.add_argument("--no-verl", action="store_true", help="leave our own wheel out (run from a checkout)")
     parser.add_argument("--full-ray", action="store_true", help="keep Ray's wheel whole")
@@ -389,7 +403,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-mb", type=float, default=None, help="fail when the bundle is larger")
     args = parser.parse_args(argv)
     args.platform = args.platform or ["manylinux2014_x86_64"]
-    args.without = {canonicalize_name(n) for n in args.without}
+    wanted = {canonicalize_name(n) for n in args.with_}
+    if wanted - set(RUN_OPTIONAL):
+        parser.error(
+            f"--with {sorted(wanted - set(RUN_OPTIONAL))}: only {sorted(RUN_OPTIONAL)} are left out by default"
+        )
+    args.without = {canonicalize_name(n) for n in args.without} | (set(RUN_OPTIONAL) - wanted)
 
     cache = args.cache or Path(tempfile.mkdtemp(prefix="verl-bundle-"))
     cache.mkdir(parents=True, exist_ok=True)
@@ -432,6 +451,7 @@ def main(argv: list[str] | None = None) -> int:
             {"name": "verl", "version": str(own_version), "file": own.name, "mb": round(own.stat().st_size / 1e6, 2)}
         )
     manifest["present_on_target"] = dict(sorted(resolver.skipped.items()))
+    manifest["left_out"] = {name: RUN_OPTIONAL.get(name, "--without") for name in sorted(args.without)}
     script = INSTALL_SH.replace("__OWN_FLAGS__", "" if ray_default else "--no-deps")
     (args.out / "install.sh").write_text(script)
     os.chmod(args.out / "install.sh", 0o755)

@@ -247,6 +247,15 @@ def test_gpu_image_bundle_fits_its_budget(tmp_path):
     manifest = json.loads((out / "manifest.json").read_text())
     names = {w["name"] for w in manifest["wheels"]}
     assert {"ray", "hydra-core", "omegaconf", "antlr4-python3-runtime", "tensordict", "codetiming", "verl"} <= names
-    assert not names & {"torch", "transformers", "mlflow", "wandb", "vllm", "megatron-core"}
+    assert not names & {"torch", "transformers", "mlflow", "wandb", "vllm", "megatron-core", "datasets"}
+    assert "datasets" in manifest["left_out"]  # only preprocessing and custom dataset classes import it
     assert manifest["total_mb"] <= 55
     assert (out / "install.sh").exists()
+
+
+def test_with_names_only_a_requirement_left_out_by_default(tmp_path, capsys):
+    assert set(ob.RUN_OPTIONAL) == {"datasets"}
+    with pytest.raises(SystemExit) as exit_info:
+        ob.main(["--out", str(tmp_path / "b"), "--with", "ray"])
+    assert exit_info.value.code == 2
+    assert "only ['datasets'] are left out by default" in capsys.readouterr().err
