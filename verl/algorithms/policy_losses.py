@@ -71,6 +71,12 @@ class PolicyLossParams:
     loss_scale_factor: float | None = None
     """`seq-mean-token-sum-norm`'s constant length L (`actor.loss_scale_factor`); None: the padded
     response length."""
+    dp_size: int = 1
+    batch_num_tokens: Any = None
+    global_batch_size: Any = None
+    """Global normalisation (`agg_loss`'s keywords of the same names): the actor config's
+    `global_batch_info`, which upstream's engine loss (`verl.workers.utils.losses.ppo_loss`) fills per
+    micro-batch; defaults: this micro-batch alone."""
     rollout_correction: RolloutCorrectionConfig | None = None
     """Bypass mode's settings (`algorithm.rollout_correction`, handed to the actor as
     `policy_loss.rollout_correction`); None: PPO-clip on pi/pi_rollout, no weights, no rejection."""
@@ -120,11 +126,14 @@ class PolicyLossParams:
         def read(node: Any, key: str) -> Any:
             if node is None:
                 return None
-            return node.get(key) if hasattr(node, "get") else getattr(node, key, None)
+            value = node.get(key) if hasattr(node, "get") else None
+            # an attribute that is not a key (ActorConfig.global_batch_info)
+            return value if value is not None else getattr(node, key, None)
 
         policy_loss = read(actor_config, "policy_loss")
         found = {key: read(actor_config, key) for key in _ACTOR_KEYS}
         found.update({key: read(policy_loss, key) for key in _POLICY_LOSS_KEYS})
+        found.update({key: read(read(actor_config, "global_batch_info"), key) for key in _GLOBAL_BATCH_KEYS})
         return cls(**{key: value for key, value in found.items() if value is not None})
 
     @property
@@ -136,6 +145,15 @@ class PolicyLossParams:
     def high(self) -> float:
         """The effective upper clip range."""
         return self.clip_ratio if self.clip_ratio_high is None else self.clip_ratio_high
+
+    def agg_kwargs(self) -> dict[str, Any]:
+        """`agg_loss`'s keyword arguments beyond the mode: the length constant and the global batch's counts."""
+        return {
+            "loss_scale_factor": self.loss_scale_factor,
+            "dp_size": self.dp_size,
+            "batch_num_tokens": self.batch_num_tokens,
+            "global_batch_size": self.global_batch_size,
+        }
 
     @property
     def tis_enabled(self) -> bool:
@@ -152,6 +170,8 @@ _ACTOR_KEYS = (
     "tau_neg",
     "loss_scale_factor",
 )
+# the keys of the actor config's `global_batch_info` dict (upstream's) a loss's aggregation reads
+_GLOBAL_BATCH_KEYS = ("dp_size", "batch_num_tokens", "global_batch_size")
 _POLICY_LOSS_KEYS = (
     "clip_cov_ratio",
     "clip_cov_lb",
@@ -243,12 +263,12 @@ def finish_policy_loss(
 
     Weights each token's loss `pg_losses` [B, R] by the rollout correction's `rollout_is_weights`
     and the truncated-IS weight min(pi_old / pi_rollout, `params.tis_imp_ratio_cap`) (no gradient
-    through either), aggregates it with `agg_loss(loss_agg_mode, params.loss_scale_factor)` and
+    through either), aggregates it with `agg_loss(loss_agg_mode, **params.agg_kwargs())` and
     returns (scalar loss, `policy_loss_metrics(...)`).
     """
     pg_losses = _apply_tis(pg_losses, old_log_prob, rollout_log_probs, params, rollout_is_weights)
     metrics = policy_loss_metrics(response_mask, kl_per_token, clipped, clipped_lower)
-    return agg_loss(pg_losses, response_mask, loss_agg_mode, params.loss_scale_factor), metrics
+    return agg_loss(pg_losses, response_mask, loss_agg_mode, **params.agg_kwargs()), metrics
 
 
 def compute_policy_loss_vanilla(
@@ -657,7 +677,7 @@ def compute_policy_loss_bypass_mode(
     if rc.loss_type == "reinforce":
         token_weights = keep if weights is None else keep * weights
         pg_losses = -advantages * log_prob * token_weights.detach()
-        pg_loss = agg_loss(pg_losses, response_mask, loss_agg_mode, params.loss_scale_factor)
+        pg_loss = agg_loss(pg_losses, response_mask, loss_agg_mode, **params.agg_kwargs())
         # ppo_kl over the kept tokens only: rejected ones are the far-off-policy outliers
         metrics = policy_loss_metrics(kept, old_log_prob - log_prob)
     else:

@@ -16,8 +16,10 @@ def compute_value_loss(
     response_mask: torch.Tensor,
     cliprange_value: float,
     loss_agg_mode: str = "token-mean",
+    **global_batch: int | float | torch.Tensor | None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    r"""PPO's clipped value loss; `critic.cliprange_value`, `critic.loss_agg_mode`.
+    r"""PPO's clipped value loss; `critic.cliprange_value`, `critic.loss_agg_mode`; `global_batch`:
+    `agg_loss`'s global counts (`dp_size`, `batch_num_tokens`, `global_batch_size`), if any.
 
     $\hat V^{clip} = \mathrm{clip}(\hat V, V_{old} - c, V_{old} + c)$,
     $\ell = \max((\hat V - G)^2, (\hat V^{clip} - G)^2)$, loss $= \frac12\,\mathrm{agg}(\ell)$.
@@ -28,7 +30,7 @@ def compute_value_loss(
     vpred_clipped = torch.clamp(vpreds, values - cliprange_value, values + cliprange_value)
     loss_unclipped = (vpreds - returns) ** 2
     loss_clipped = (vpred_clipped - returns) ** 2
-    vf_loss = 0.5 * agg_loss(torch.maximum(loss_unclipped, loss_clipped), response_mask, loss_agg_mode)
+    vf_loss = 0.5 * agg_loss(torch.maximum(loss_unclipped, loss_clipped), response_mask, loss_agg_mode, **global_batch)
     vf_clipfrac = masked_mean((loss_clipped > loss_unclipped).to(vpreds.dtype), response_mask).detach()
     return vf_loss, vf_clipfrac
 

@@ -187,7 +187,8 @@ def rearrange_micro_batches(
     """Cut `batch` (a TensorDict with `attention_mask`) into token-budget micro-batches.
 
     Args:
-        batch: TensorDict with leading batch dimension and an `attention_mask` [B, L].
+        batch: TensorDict with leading batch dimension and an `attention_mask` [B, L], or
+            `input_ids` as a jagged nested tensor [B, j] (a packed batch; each row's length counts).
         max_token_len: budget of non-pad tokens per micro-batch on this rank.
         dp_group: process group whose ranks must use the same number of micro-batches (default:
             the world group when torch.distributed is initialised).
@@ -200,7 +201,10 @@ def rearrange_micro_batches(
         (micro_batches, partitions): the list of TensorDicts and, for each, the indices into
         `batch` it holds. `get_reverse_idx` of the concatenated indices restores the input order.
     """
-    seqlens = batch["attention_mask"].sum(dim=-1).tolist()
+    ids = batch.get("input_ids", None)
+    jagged = ids is not None and ids.is_nested
+    # a packed (no-padding) batch: each row's own length; a padded one: its real tokens
+    seqlens = ids.offsets().diff().tolist() if jagged else batch["attention_mask"].sum(dim=-1).tolist()
     longest = max(seqlens)
     if longest > max_token_len:
         raise ValueError(
@@ -228,7 +232,12 @@ def rearrange_micro_batches(
     partitions = get_seqlen_balanced_partitions(seqlens, num_micro, equal_size=False)
     # longest micro-batches first: peak memory shows up on the first step, not the last
     partitions.sort(key=lambda p: (-sum(seqlens[i] for i in p), p[0]))
-    micro_batches = [batch[torch.tensor(p, dtype=torch.long)] for p in partitions]
+    if jagged:
+        from verl.utils.tensordict_utils import index_select_tensor_dict
+
+        micro_batches = [index_select_tensor_dict(batch, p) for p in partitions]
+    else:
+        micro_batches = [batch[torch.tensor(p, dtype=torch.long)] for p in partitions]
     return micro_batches, partitions
 
 

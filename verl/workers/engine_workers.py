@@ -37,7 +37,6 @@ import time
 from typing import TYPE_CHECKING
 
 import torch
-import torch.distributed as dist
 from omegaconf import DictConfig, open_dict
 
 from verl.protocol import DataProto
@@ -50,9 +49,11 @@ from verl.utils.profiler import DistProfiler, DistProfilerExtension
 from verl.utils.speed_paths import SpeedPath, model_speed_paths
 from verl.utils.speed_paths import merge as merge_speed_paths
 from verl.utils.ulysses_keys import reference_sp, role_sp
-from verl.workers.config import ActorConfig, CriticConfig, HFModelConfig, RefConfig, RolloutConfig
+from verl.workers.config import ActorConfig, CriticConfig, HFModelConfig, RefConfig, RolloutConfig, TrainingWorkerConfig  # noqa: F401
 from verl.workers.engine import BaseEngine, EngineRegistry
+from verl.workers.group_setup import _join_group, _seed_sampling
 from verl.workers.rollout_weights import PendingWeights, rollout_dtype, sync_rollout_weights
+from verl.workers.training_worker import TrainingWorker  # noqa: F401  (upstream's import path)
 from verl.workers.ulysses_rows import UlyssesRows, scale_token_budgets
 
 if TYPE_CHECKING:
@@ -67,33 +68,6 @@ _ROLES = {
     "actor_rollout": ("actor", "rollout"),
     "actor_rollout_ref": ("actor", "rollout", "ref"),
 }
-
-
-def _join_group(worker: Worker, timeout_s=None) -> None:
-    """Join the group's torch.distributed group once per process (colocated roles share it: the
-    first role built, the actor in main_ppo's pools, sets the backend and the timeout).
-
-    `timeout_s` is the role's `nccl_timeout` (`actor_rollout_ref.nccl_timeout`; None: the
-    `VERL_DIST_TIMEOUT_S` / 600 s default). The backend is gloo on CPU and `cpu:gloo,cuda:nccl` on
-    GPU (see `verl.single_controller.base.worker`). Seeds torch identically on every rank, so
-    freshly initialised weights (a critic's value head) agree across ranks; `_seed_sampling` later
-    gives each rank its own sampling stream.
-    """
-    if not dist.is_initialized():
-        worker.init_process_group(timeout_s=None if timeout_s is None else float(timeout_s))
-    dev.set_device()
-    torch.manual_seed(_SEED)
-    # One CPU bundle per worker: use the threads Ray granted, not every core of the machine.
-    if not dev.is_cuda_available():
-        torch.set_num_threads(max(1, int(os.environ.get("OMP_NUM_THREADS", 1))))
-
-
-_SEED = 0
-
-
-def _seed_sampling() -> None:
-    """A per-rank random stream for sampling, so a fixed-seed run is reproducible (checkpoints save it)."""
-    torch.manual_seed(_SEED + dist.get_rank())
 
 
 def _normalize_batch_sizes(actor_cfg: ActorConfig, rollout_n: int, dp_size: int) -> ActorConfig:

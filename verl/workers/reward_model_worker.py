@@ -18,7 +18,7 @@ from verl.utils.profiler import DistProfiler, DistProfilerExtension
 from verl.utils.speed_paths import model_speed_paths
 from verl.utils.ulysses_keys import role_sp
 from verl.workers.config import RewardModelConfig
-from verl.workers.engine_workers import _join_group
+from verl.workers.group_setup import _join_group
 from verl.workers.ulysses_rows import UlyssesRows
 
 __all__ = ["RewardModelWorker"]

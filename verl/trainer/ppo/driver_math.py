@@ -89,7 +89,10 @@ def old_log_prob_metrics(batch: DataProto, out: DataProto, actor_cfg, runs_ahead
     if "entropys" in out.batch:
         entropys = out.batch.pop("entropys")
         metrics["actor/entropy"] = core_algos.agg_loss(
-            entropys, batch.batch["response_mask"], actor_cfg.loss_agg_mode, actor_cfg.loss_scale_factor
+            entropys,
+            batch.batch["response_mask"],
+            actor_cfg.loss_agg_mode,
+            loss_scale_factor=actor_cfg.loss_scale_factor,
         ).item()
     if "rollout_log_probs" in batch.batch:
         old, rollout, mask = out.batch["old_log_probs"], batch.batch["rollout_log_probs"], batch.batch["response_mask"]

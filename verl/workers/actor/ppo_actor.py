@@ -386,14 +386,18 @@ class PPOActor(BasePPOActor):
             # the current policy's gap to the rollout, as upstream logs it (bypass mode's loss reports its own)
             out.update(compute_rollout_corr_metrics_from_logprobs(log_prob, rollout_log_probs, response_mask))
         if self.entropy_coeff != 0:
-            entropy_loss = agg_loss(entropy, response_mask, self.loss_agg_mode, self.loss_scale_factor)
+            entropy_loss = agg_loss(
+                entropy, response_mask, self.loss_agg_mode, loss_scale_factor=self.loss_scale_factor
+            )
             loss = loss - self.entropy_coeff * entropy_loss
             out["actor/entropy"] = entropy_loss.detach()
         elif on_policy or self.calculate_entropy:  # reported; on-policy runs skip compute_log_prob, which reports it
-            out["actor/entropy"] = agg_loss(entropy.detach(), response_mask, self.loss_agg_mode, self.loss_scale_factor)
+            out["actor/entropy"] = agg_loss(
+                entropy.detach(), response_mask, self.loss_agg_mode, loss_scale_factor=self.loss_scale_factor
+            )
         if self.use_kl_loss:
             kld = kl_penalty(log_prob, micro_batch["ref_log_prob"], self.kl_loss_type)
-            kl_loss = agg_loss(kld, response_mask, self.loss_agg_mode, self.loss_scale_factor)
+            kl_loss = agg_loss(kld, response_mask, self.loss_agg_mode, loss_scale_factor=self.loss_scale_factor)
             loss = loss + self.kl_loss_coef * kl_loss
             out["actor/kl_loss"] = kl_loss.detach()
             out["actor/kl_coef"] = self.kl_loss_coef

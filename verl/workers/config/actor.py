@@ -128,6 +128,18 @@ class ActorConfig(BaseConfig):
         "model_config",
     }
 
+    @property
+    def global_batch_info(self) -> dict:
+        """Upstream's per-micro-batch counts of the whole batch (`dp_size`, `batch_num_tokens`,
+        `global_batch_size`), filled in place by its engine loss (`verl.workers.utils.losses.ppo_loss`)
+        and handed by the policy losses to `agg_loss`; empty: each micro-batch aggregates on its own.
+        An attribute of this object, not a key of the section."""
+        info = self.__dict__.get("_global_batch_info")
+        if info is None:
+            info = {}
+            object.__setattr__(self, "_global_batch_info", info)
+        return info
+
     rollout_n: int = doc("Responses per prompt (follows actor_rollout_ref.rollout.n, which it must equal).", default=1)
     strategy: str = doc(
         "Training backend: fsdp and fsdp2 both mean FSDP2; megatron is Megatron-core (tensor/pipeline parallel; "

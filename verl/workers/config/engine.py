@@ -244,6 +244,13 @@ class McoreEngineConfig(EngineConfig):
     # as upstream's: corrected after construction (off without tensor parallelism)
     _mutable_fields = EngineConfig._mutable_fields | {"sequence_parallel"}
 
+    strategy: str = doc(
+        "The engine's backend (upstream's dataclass field; the YAML leaves it out).",
+        choices=("megatron",),
+        optional=True,
+        default="megatron",
+    )
+
     param_offload: bool = doc(
         "Keep parameters on the host between uses (saves device memory; no-op on CPU).", default=False
     )
@@ -431,8 +438,8 @@ class TrainingWorkerConfig(BaseConfig):
     checkpoint_config: Any = doc("The role's checkpoint section (CheckpointConfig).", default=None)
     profiler_config: Any = doc("The role's profiler section.", default=None)
     auto_select_engine_optim_fn: Callable | None = doc(
-        "Upstream's hook choosing the engine and optimizer sections from (model config, device name); called by "
-        "nobody here (the YAML names both), so it must stay None.",
+        "Upstream's hook choosing the engine and optimizer sections from (model config, device name) when "
+        "engine_config is None; `TrainingWorker` calls it.",
         default=None,
     )
 
@@ -446,9 +453,4 @@ class TrainingWorkerConfig(BaseConfig):
             raise TypeError(
                 f"TrainingWorkerConfig.engine_config is a {type(self.engine_config).__name__}; pass an EngineConfig "
                 "(FSDPEngineConfig or McoreEngineConfig), e.g. omega_conf_to_dataclass(actor.fsdp_config)"
-            )
-        if self.auto_select_engine_optim_fn is not None:
-            raise ValueError(
-                "TrainingWorkerConfig.auto_select_engine_optim_fn is not supported: the engine and optimizer come "
-                "from the role's sections; pass engine_config and optimizer_config instead"
             )

@@ -11,10 +11,12 @@ subclasses the other, and helpers they share live in `verl.workers.engine.utils`
 registry for `(model_type, backend)` (`"language_model"` / `"value_model"`, and the role's
 `strategy`), as upstream verl's `EngineRegistry` does.
 
-Deliberately left out (compared with upstream's interface): `forward_backward_batch` /
-`train_batch` / `infer_batch`. The micro-batch loop and its loss weighting are the actor's and
-critic's (`verl.workers.actor.ppo_actor`, `verl.workers.critic.ppo_critic`), written once; each
-backend's actor supplies only the forward pass and the gradient step.
+The role workers' micro-batch loops and their loss weighting are the actor's and critic's
+(`verl.workers.actor.ppo_actor`, `verl.workers.critic.ppo_critic`), written once; each backend's
+actor supplies only the forward pass and the gradient step. Upstream's batch-level interface
+(`train_batch` / `infer_batch` / `forward_backward_batch` with a caller's loss function, what
+`verl.workers.engine_workers.TrainingWorker` runs) is `verl.workers.engine.batch_api.EngineBatchAPI`,
+which every engine inherits; a backend adds its packed forward to it.
 """
 
 from __future__ import annotations
@@ -24,10 +26,12 @@ import contextlib
 
 import torch
 
+from verl.workers.engine.batch_api import EngineBatchAPI
+
 __all__ = ["BaseEngine", "EngineRegistry"]
 
 
-class BaseEngine(abc.ABC):
+class BaseEngine(EngineBatchAPI, abc.ABC):
     """One model on this rank, with (when trained) its optimizer, lr schedule and checkpoints.
 
     Built as `Engine(model_config, engine_config, optimizer_config=None, checkpoint_config=None,
@@ -59,13 +63,10 @@ class BaseEngine(abc.ABC):
         return True
 
     # ------------------------------------------------------------ modes and offload
+    # `train_mode()` / `eval_mode()` (EngineBatchAPI) switch the mode and return a context manager
     @abc.abstractmethod
-    def train_mode(self) -> None:
-        """Put the model in training mode (dropout etc. on)."""
-
-    @abc.abstractmethod
-    def eval_mode(self) -> None:
-        """Put the model in evaluation mode."""
+    def _switch_mode(self, training: bool) -> None:
+        """Put the model in training (dropout etc. on) or evaluation mode."""
 
     @abc.abstractmethod
     def on_device(self, optimizer: bool = False) -> contextlib.AbstractContextManager:

@@ -179,6 +179,7 @@ class FSDPEngine(BaseEngine):
         from verl.utils.checkpoint.fsdp_checkpoint_manager import FSDPCheckpointManager
         from verl.utils.optim import build_lr_scheduler, build_optimizer
 
+        self.optimizer_config = optimizer_config
         # with LoRA only the adapters require gradients: AdamW state for them alone
         self.optimizer = build_optimizer([p for p in self.module.parameters() if p.requires_grad], optimizer_config)
         self.lr_scheduler = build_lr_scheduler(self.optimizer, optimizer_config)
@@ -195,11 +196,8 @@ class FSDPEngine(BaseEngine):
         """Every rank is a data-parallel rank (FSDP shards the model over them)."""
         return dist.get_world_size()
 
-    def train_mode(self) -> None:
-        self.module.train()
-
-    def eval_mode(self) -> None:
-        self.module.eval()
+    def _switch_mode(self, training: bool) -> None:
+        self.module.train(training)
 
     def _offload(self, optimizer: bool) -> None:
         from verl.utils.fsdp_utils import offload_fsdp_model_to_cpu, offload_fsdp_optimizer
@@ -221,6 +219,51 @@ class FSDPEngine(BaseEngine):
             yield
         finally:
             self._offload(optimizer)
+
+    def to(self, device: str, model: bool = True, optimizer: bool = True, grad: bool = True) -> None:
+        from verl.utils.fsdp_utils import (
+            load_fsdp_model_to_device,
+            load_fsdp_optimizer,
+            offload_fsdp_model_to_cpu,
+            offload_fsdp_optimizer,
+        )
+
+        device = dev.get_device_name() if device == "device" else device
+        if device not in ("cpu", dev.get_device_name()):
+            raise ValueError(f"engine.to({device!r}): use 'cpu' or this machine's device ({dev.get_device_name()!r})")
+        to_host = device == "cpu"
+        if model:  # gradients live with their parameters
+            (offload_fsdp_model_to_cpu if to_host else load_fsdp_model_to_device)(self.module)
+        if optimizer and self.optimizer is not None:
+            (offload_fsdp_optimizer if to_host else load_fsdp_optimizer)(self.optimizer)
+
+    def _packed_forward(
+        self, input_ids, position_ids, temperature: float, calculate_entropy: bool, use_fused_kernels: bool
+    ) -> dict[str, torch.Tensor]:
+        from verl.utils.remove_padding import packed_model_inputs
+        from verl.utils.torch_functional import entropy_from_logits_with_chunking, logprobs_from_logits
+
+        inputs = packed_model_inputs(self.module, input_ids, position_ids)
+        if self.value_head:
+            return {"values": self.module(**inputs, use_cache=False).logits[0, :, 0]}
+        labels = torch.roll(input_ids, shifts=-1, dims=-1)  # position t predicts token t + 1
+        if use_fused_kernels:
+            from verl.utils.experimental.torch_functional import fused_lm_head
+
+            hf_model = self.module.get_base_model() if hasattr(self.module, "get_base_model") else self.module
+            with fused_lm_head(hf_model, labels, temperature, with_entropy_grad=calculate_entropy):
+                fused = self.module(**inputs, use_cache=False).logits[0]
+            out = {"log_probs": fused[:, 0]}
+            if calculate_entropy:
+                out["entropy"] = fused[:, 1]
+            return out
+        logits = self.module(**inputs, use_cache=False).logits[0]
+        if temperature != 1.0:
+            logits = logits / temperature
+        out = {"log_probs": logprobs_from_logits(logits, labels[0])}
+        if calculate_entropy:
+            out["entropy"] = entropy_from_logits_with_chunking(logits)
+        return out
 
     @property
     def hf_config(self):

@@ -334,13 +334,9 @@ class MegatronEngine(BaseEngine):
     def parameters(self):
         return [p for chunk in self.chunks for p in chunk.parameters()]
 
-    def train_mode(self) -> None:
+    def _switch_mode(self, training: bool) -> None:
         for chunk in self.chunks:
-            chunk.train()
-
-    def eval_mode(self) -> None:
-        for chunk in self.chunks:
-            chunk.eval()
+            chunk.train(training)
 
     def _offload(self, optimizer: bool) -> None:
         from verl.utils.fsdp_utils import offload_fsdp_model_to_cpu, offload_fsdp_optimizer

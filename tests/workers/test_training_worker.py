@@ -1,0 +1,183 @@
+"""Upstream's `TrainingWorker` (verl.workers.engine_workers) as upstream's own engine test drives it: a Ray
+worker group of 2 data-parallel ranks on a real local cluster, a loss function set from the driver,
+packed batches split over the ranks. Checked against independent references: each row's log-probs
+from the HF model alone, and the gradient norm and loss of the same batch on one rank."""
+
+from __future__ import annotations
+
+import functools
+import sys
+
+import pytest
+import ray
+import torch
+from omegaconf import OmegaConf
+from ray import cloudpickle
+
+from tests.distributed_helpers import make_ppo_batch, reference_response_log_probs
+from verl.single_controller.ray import RayClassWithInitArgs, RayResourcePool, RayWorkerGroup
+from verl.utils import tensordict_utils as tu
+from verl.workers.config import (
+    ActorConfig,
+    FSDPEngineConfig,
+    FSDPOptimizerConfig,
+    HFModelConfig,
+    TrainingWorkerConfig,
+)
+from verl.workers.engine_workers import TrainingWorker
+from verl.workers.utils.losses import ppo_loss, sft_loss
+from verl.workers.utils.padding import left_right_2_no_padding, no_padding_2_padding
+
+cloudpickle.register_pickle_by_value(sys.modules[__name__])
+
+
+@pytest.fixture(scope="module")
+def tiny_path(tmp_path_factory):
+    from verl.models.factory import make_tiny
+
+    return make_tiny("tiny", str(tmp_path_factory.mktemp("tiny") / "model"), seed=0, dtype="float32")
+
+
+def _config(path) -> TrainingWorkerConfig:
+    return TrainingWorkerConfig(
+        model_type="language_model",
+        model_config=HFModelConfig(path=path, use_remove_padding=True),
+        # a small fp32 model: plain replicas whose gradients are averaged over the 2 ranks
+        engine_config=FSDPEngineConfig(
+            fsdp_size=-1, dtype="auto", use_dynamic_bsz=True, max_token_len_per_gpu=24, infer_max_token_len_per_gpu=64
+        ),
+        optimizer_config=FSDPOptimizerConfig(lr=1e-3),
+    )
+
+
+@pytest.fixture(scope="module")
+def worker_group(ray_session, tiny_path):
+    config = _config(tiny_path)
+    wg = RayWorkerGroup(
+        resource_pool=RayResourcePool(process_on_nodes=[2], use_gpu=False),
+        ray_cls_with_init=RayClassWithInitArgs(cls=ray.remote(TrainingWorker), config=config),
+    )
+    wg.reset()
+    return wg, config
+
+
+def _rl_batch(seed: int):
+    batch = make_ppo_batch(batch_size=8, prompt_length=4, response_length=5, seed=seed)
+    g = torch.Generator().manual_seed(seed)
+    batch["old_log_probs"] = -torch.rand(8, 5, generator=g) - 3.0
+    batch["advantages"] = torch.rand(8, 5, generator=g)
+    return batch
+
+
+def _infer(wg, batch):
+    data = left_right_2_no_padding(batch.clone())
+    tu.assign_non_tensor(data, temperature=1.0, compute_loss=False)
+    out = wg.infer_batch(data).get()
+    return no_padding_2_padding(tu.get(out, "log_probs"), data)
+
+
+def test_infer_batch_over_two_ranks_gives_each_rows_log_probs(worker_group, tiny_path):
+    from transformers import AutoModelForCausalLM
+
+    wg, config = worker_group
+    wg.reset()
+    wg.set_loss_fn(functools.partial(sft_loss, config=config))
+    batch = _rl_batch(seed=1)
+    log_probs = _infer(wg, batch)
+    reference, _ = reference_response_log_probs(AutoModelForCausalLM.from_pretrained(tiny_path), batch)
+    mask = batch["response_mask"].bool()
+    torch.testing.assert_close(log_probs[mask].double(), reference[mask], atol=2e-5, rtol=0)
+
+
+def test_train_batch_on_two_ranks_equals_one_rank(worker_group, tiny_path):
+    from verl.workers.engine import EngineRegistry
+
+    wg, config = worker_group
+    wg.reset()
+    actor = ActorConfig(strategy="fsdp", rollout_n=1, ppo_micro_batch_size_per_gpu=1)
+    wg.set_loss_fn(functools.partial(ppo_loss, config=actor))
+    batch = _rl_batch(seed=2)
+    before = _infer(wg, batch)
+    data = left_right_2_no_padding(batch.clone())
+    metrics = tu.get(wg.train_batch(data).get(), "metrics")
+
+    single = EngineRegistry.new(
+        "language_model", "fsdp", OmegaConf.create({"path": tiny_path}), config.engine_config, config.optimizer_config
+    )
+    local = left_right_2_no_padding(batch.clone())
+    tu.assign_non_tensor(local, use_dynamic_bsz=False, micro_batch_size_per_gpu=8)
+    expected = single.train_batch(local, functools.partial(ppo_loss, config=actor))
+    assert metrics["grad_norm"] == pytest.approx(expected["metrics"]["grad_norm"], rel=1e-4)
+    # each rank's loss is its share of the batch's times dp_size; their mean is the batch's loss
+    assert metrics["loss"] == pytest.approx(sum(expected["loss"]), rel=1e-4)
+    assert metrics["actor/pg_loss"].aggregate() == pytest.approx(sum(expected["loss"]), rel=1e-4)
+    assert "lr" not in metrics  # the schedule steps only when the batch asks
+    # the update moved the policy: the log-probs changed
+    assert not torch.allclose(_infer(wg, batch), before)
+
+
+def test_train_mini_batch_steps_once_per_mini_batch_and_the_schedule_once(worker_group):
+    wg, _ = worker_group
+    wg.reset()
+    actor = ActorConfig(strategy="fsdp", rollout_n=1, ppo_micro_batch_size_per_gpu=1)
+    wg.set_loss_fn(functools.partial(ppo_loss, config=actor))
+    data = left_right_2_no_padding(_rl_batch(seed=3))
+    tu.assign_non_tensor(data, mini_batch_size=4, epochs=2, seed=7, dataloader_kwargs={"shuffle": True})
+    metrics = tu.get(wg.train_mini_batch(data).get(), "metrics")
+    # 8 rows, 4 per mini-batch over 2 ranks: 2 steps per epoch, 2 epochs
+    assert len(metrics["grad_norm"]) == 4 and len(metrics["loss"]) == 4
+    assert len(metrics["lr"]) == 1
+
+
+def test_checkpoint_round_trip_and_manual_placement(worker_group, tmp_path):
+    wg, _ = worker_group
+    wg.reset()
+    actor = ActorConfig(strategy="fsdp", rollout_n=1, ppo_micro_batch_size_per_gpu=1)
+    wg.set_loss_fn(functools.partial(ppo_loss, config=actor))
+    batch = _rl_batch(seed=4)
+    before = _infer(wg, batch)
+    wg.save_checkpoint(str(tmp_path / "ckpt"), global_step=1)
+    wg.to("device")
+    data = left_right_2_no_padding(batch.clone())
+    tu.assign_non_tensor(data, disable_auto_offload=True)
+    wg.train_batch(data).get()
+    wg.to("cpu")
+    assert not torch.allclose(_infer(wg, batch), before)
+    wg.load_checkpoint(str(tmp_path / "ckpt"))
+    torch.testing.assert_close(_infer(wg, batch), before, atol=0, rtol=0)
+
+
+def test_in_process_worker_refuses_what_the_batch_api_does_not_run(one_process, tiny_path):
+    from verl.workers.config import McoreEngineConfig
+
+    chosen = []
+
+    def choose(model_config, device_name):
+        chosen.append(device_name)
+        return FSDPEngineConfig(fsdp_size=-1, dtype="auto", max_token_len_per_gpu=64), FSDPOptimizerConfig(lr=1e-3)
+
+    worker = TrainingWorker(
+        TrainingWorkerConfig(model_config=HFModelConfig(path=tiny_path), auto_select_engine_optim_fn=choose)
+    )
+    assert chosen == ["cpu"]
+    with pytest.raises(RuntimeError, match=r"call reset\(\) first"):
+        worker.to("cpu")
+    worker.reset()
+    worker.set_loss_fn(functools.partial(sft_loss, config=None))
+    data = left_right_2_no_padding(make_ppo_batch(batch_size=2, prompt_length=3, response_length=3, seed=5))
+    out = worker.infer_batch(data)
+    assert tu.get(out, "log_probs").is_nested and tu.get(out, "metrics")["loss"] > 0  # the SFT loss: -log p > 0
+
+    def built(engine_config):
+        return TrainingWorker(
+            TrainingWorkerConfig(
+                model_config=HFModelConfig(path=tiny_path),
+                engine_config=engine_config,
+                optimizer_config=FSDPOptimizerConfig(lr=1e-3),
+            )
+        )
+
+    with pytest.raises(NotImplementedError, match="ulysses_sequence_parallel_size=2"):
+        built(FSDPEngineConfig(ulysses_sequence_parallel_size=2)).reset()
+    with pytest.raises(NotImplementedError, match="'megatron' backend"):
+        built(McoreEngineConfig()).reset()
