@@ -99,7 +99,6 @@ def test_training_worker_config_bundles_a_roles_sections():
     [
         ({"model_type": "reward_model"}, ValueError, "model_type='reward_model'.*language_model, value_model"),
         ({"engine_config": {"param_offload": True}}, TypeError, "engine_config is a dict.*omega_conf_to_dataclass"),
-        ({"auto_select_engine_optim_fn": lambda model, device: None}, ValueError, "not supported"),
     ],
 )
 def test_training_worker_config_refuses_what_it_cannot_honour(kwargs, error, match):

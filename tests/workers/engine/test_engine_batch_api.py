@@ -138,3 +138,31 @@ def test_batch_api_refusals_say_what_to_do(tiny_path):
     )
     with pytest.raises(RuntimeError, match="without an optimizer_config"):
         frozen.train_batch(_packed(batch, use_dynamic_bsz=False, micro_batch_size_per_gpu=1), lambda **kw: None)
+
+
+@pytest.mark.gpu
+def test_batch_api_on_the_gpu_equals_the_cpu(tiny_path, monkeypatch):
+    """The packed forward, the loss on the device and the step: an fp32 engine on CUDA gives the CPU engine's
+    log-probs and gradient norm (TF32 off, so only summation order differs)."""
+    from tests.distributed_helpers import device_preference, disable_tf32
+
+    disable_tf32(monkeypatch)
+    batch = make_ppo_batch(batch_size=6, prompt_length=4, response_length=5, seed=6)
+    g = torch.Generator().manual_seed(7)
+    batch["old_log_probs"] = -torch.rand(6, 5, generator=g) - 3.0
+    batch["advantages"] = torch.rand(6, 5, generator=g)
+    loss_fn = functools.partial(
+        ppo_loss, config=ActorConfig(strategy="fsdp", rollout_n=1, ppo_micro_batch_size_per_gpu=1)
+    )
+    results = {}
+    for device in ("cpu", "cuda"):
+        with device_preference(device):
+            engine = _engine(tiny_path)
+            data = _packed(batch, use_dynamic_bsz=True, max_token_len_per_gpu=16, calculate_entropy=True)
+            log_probs = engine.infer_batch(data)["model_output"]["log_probs"]
+            assert log_probs.device.type == device
+            out = engine.train_batch(_packed(batch, use_dynamic_bsz=True, max_token_len_per_gpu=16), loss_fn)
+            results[device] = (no_padding_2_padding(log_probs.cpu(), data), out["metrics"]["grad_norm"])
+    mask = batch["response_mask"].bool()
+    torch.testing.assert_close(results["cuda"][0][mask], results["cpu"][0][mask], atol=1e-4, rtol=0)
+    assert results["cuda"][1] == pytest.approx(results["cpu"][1], rel=1e-3)

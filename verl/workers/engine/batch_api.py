@@ -172,7 +172,10 @@ class EngineBatchAPI:
             micro_batches = [tu.index_select_tensor_dict(data, p) for p in partitions]
 
         outputs, losses, metrics = {}, [], {}
+        device = dev.get_device()
         for micro_batch in micro_batches:
+            if device.type != "cpu":  # the loss function meets the model's outputs on the device
+                micro_batch = micro_batch.to(device)
             model_output = self._micro_batch_outputs(micro_batch)
             if loss_function is None:
                 loss, micro_metrics = None, {}
