@@ -441,9 +441,7 @@ class DataParallelPPOActor(PPOActor):
         """
         if not self.share_prompt_forward:
             return None
-        if self.actor_module.training and any(
-            getattr(m, "gradient_checkpointing", False) for m in self._hf_module.modules()
-        ):
+        if self.actor_module.training and shared_prompt.recomputes_layers(self._hf_module):
             return None
         input_ids = micro_batch["input_ids"]
         attention_mask = micro_batch["attention_mask"]
