@@ -201,6 +201,10 @@ def enable_activation_offloading(
         return None
     if enable_ckpt:
         for module in model.modules():
-            if hasattr(module, "gradient_checkpointing_disable"):
-                module.gradient_checkpointing_disable()
+            # transformers >= 5 names it activation_checkpointing_disable (the old name warns)
+            disable = getattr(module, "activation_checkpointing_disable", None) or getattr(
+                module, "gradient_checkpointing_disable", None
+            )
+            if disable is not None:
+                disable()
     return ActivationOffload(layers, enable_ckpt, copy_host_tensors)
