@@ -83,7 +83,7 @@ def test_remove_padding_alone_needs_no_patch_and_unbuilt_options_are_refused():
         alone = model(input_ids=ids[:, start : start + n], use_cache=False).logits[0]
         torch.testing.assert_close(packed[start : start + n], alone, atol=1e-10, rtol=0)
         start += n
-    for option in ("use_fused_kernels", "use_tiled_mlp", "use_prefix_grouper"):
+    for option in ("use_fused_kernels", "use_prefix_grouper"):  # use_tiled_mlp: tests/models/test_tiled_mlp.py
         with pytest.raises(NotImplementedError, match=option):
             apply_monkey_patch(model, **{option: True})
     with pytest.raises(ValueError, match="cannot split this model.s attention heads"):

@@ -38,7 +38,14 @@ import torch
 from verl.utils.hf_forward import ModelForward, model_forward
 from verl.utils.speed_paths import SpeedPath
 
-__all__ = ["PackedResponses", "packed_response_layout", "prompt_groups", "shared_prompt_logits", "speed_path"]
+__all__ = [
+    "PackedResponses",
+    "packed_response_layout",
+    "prompt_groups",
+    "recomputes_layers",
+    "shared_prompt_logits",
+    "speed_path",
+]
 
 SPEED_PATH = "shared_prompt_forward"
 
@@ -73,7 +80,7 @@ def speed_path(
             f"(the model uses {attn_implementation!r}); set use_remove_padding=false to share prompts",
         )
     hf_module = module.get_base_model() if hasattr(module, "get_base_model") else module
-    if any(getattr(m, "gradient_checkpointing", False) for m in hf_module.modules()):
+    if recomputes_layers(hf_module):
         return SpeedPath(
             SPEED_PATH,
             True,
@@ -82,6 +89,16 @@ def speed_path(
             "(log-prob passes still share prompts); set model.enable_gradient_checkpointing=false to share in updates",
         )
     return SpeedPath(SPEED_PATH, True, True)
+
+
+def recomputes_layers(hf_module: torch.nn.Module) -> bool:
+    """Whether `hf_module`'s layers recompute their forward in the backward (transformers' gradient
+    checkpointing, or the activation offload's own, `verl.utils.activation_offload`): such layers drop a KV
+    cache in training."""
+    return any(
+        getattr(m, "gradient_checkpointing", False) or getattr(m, "checkpoints_activations", False)
+        for m in hf_module.modules()
+    )
 
 
 def prompt_groups(

@@ -14,8 +14,10 @@ it on packed ("remove padding") inputs, sliced across a Ulysses sequence-paralle
   `ulysses_pad_and_slice_inputs`, outputs are joined with `gather_outputs_and_unpad`. As upstream's,
   each layer all-gathers the position ids (a small collective and one host sync per layer).
   Only "sdpa" attention (the CPU and default path here); heads must divide by the group size.
+- `use_tiled_mlp`: the model type's MLP class computes in `tiled_mlp_shards` token chunks
+  (`verl.models.transformers.tiled_mlp`); a model type without a tiled MLP is a ValueError.
 - Refused, with the reason: `use_fused_kernels` (this build's fused log-probs live in the actor,
-  `model.use_fused_kernels`, not in a patched model forward), `use_prefix_grouper`, `use_tiled_mlp`.
+  `model.use_fused_kernels`, not in a patched model forward), `use_prefix_grouper`.
 """
 
 from __future__ import annotations
@@ -33,21 +35,24 @@ def apply_monkey_patch(
     use_tiled_mlp: bool = False,
     tiled_mlp_shards: int = 4,
 ) -> None:
-    """Prepare `model` (an HF `PreTrainedModel`) for packed inputs and, with `ulysses_sp_size` > 1, for
-    Ulysses sequence parallelism over the global group (module docstring)."""
+    """Prepare `model` (an HF `PreTrainedModel`) for packed inputs, with `ulysses_sp_size` > 1 for Ulysses
+    sequence parallelism over the global group, with `use_tiled_mlp` for a tiled MLP (module docstring)."""
     from verl.utils import ulysses
 
     refused = {
         "use_fused_kernels": (use_fused_kernels, "set the actor's model.use_fused_kernels instead"),
         "use_prefix_grouper": (use_prefix_grouper, "not built"),
-        "use_tiled_mlp": (use_tiled_mlp, "not built; use gradient checkpointing to save activation memory"),
     }
     for key, (on, why) in refused.items():
         if on:
             raise NotImplementedError(f"apply_monkey_patch({key}=True) is not supported in this build: {why}")
+    config = getattr(model, "config", None)
+    if use_tiled_mlp:
+        from verl.models.transformers.tiled_mlp import apply_tiled_mlp_monkey_patch
+
+        apply_tiled_mlp_monkey_patch(num_shards=tiled_mlp_shards, model_type=getattr(config, "model_type", None))
     if ulysses_sp_size <= 1:
         return
-    config = getattr(model, "config", None)
     text_config = getattr(config, "text_config", None) or config
     ulysses.check_heads_divisible(text_config, ulysses_sp_size)
     impl = getattr(config, "_attn_implementation", None)

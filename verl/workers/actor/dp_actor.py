@@ -133,6 +133,7 @@ from verl.workers.dp_training import (
     step_if_finite,
     token_window,
 )
+from verl.workers.model_memory import apply_model_memory_options
 
 __all__ = ["TOKEN_STATS", "DataParallelPPOActor"]
 
@@ -157,14 +158,21 @@ class DataParallelPPOActor(PPOActor):
         actor_optimizer: torch.optim.Optimizer | None = None,
         ulysses_group=None,
         use_fused_kernels: bool | None = None,
+        model_config=None,
     ):
         """`ulysses_group`: the process group of this rank's sequence-parallel peers, needed when
         `ulysses_sequence_parallel_size` > 1 (see `verl.utils.ulysses`). `use_fused_kernels`: take
         log-probs and entropy from the hidden states (None: the config's `use_fused_kernels`; the
-        worker passes the model section's too)."""
+        worker passes the model section's too). `model_config`: the model section (None: the config's
+        `model_config` attribute, as upstream's workers set it), whose `tiled_mlp` and
+        `enable_activation_offload` apply to `actor_module` (`verl.workers.model_memory`)."""
         super().__init__(config, actor_optimizer)
         self.actor_module = actor_module
         cfg = self._cfg
+        model_config = model_config if model_config is not None else getattr(cfg, "model_config", None)
+        self.activation_offload = apply_model_memory_options(
+            actor_module, model_config, cfg.strategy, trains=actor_optimizer is not None
+        )
         self.use_remove_padding = cfg.use_remove_padding
         # a peft model forwards its keyword arguments to the HF model it wraps: ask that one
         hf_module = actor_module.get_base_model() if hasattr(actor_module, "get_base_model") else actor_module
@@ -441,9 +449,7 @@ class DataParallelPPOActor(PPOActor):
         """
         if not self.share_prompt_forward:
             return None
-        if self.actor_module.training and any(
-            getattr(m, "gradient_checkpointing", False) for m in self._hf_module.modules()
-        ):
+        if self.actor_module.training and shared_prompt.recomputes_layers(self._hf_module):
             return None
         input_ids = micro_batch["input_ids"]
         attention_mask = micro_batch["attention_mask"]

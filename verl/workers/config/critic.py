@@ -48,7 +48,12 @@ class CriticModelConfig(BaseConfig):
     trust_remote_code: bool = doc("Allow the model repository's own Python code to run.", default=False)
     use_shm: bool = doc("Copy the model to shared memory before loading.", status=IGNORED, optional=True, default=False)
     enable_gradient_checkpointing: bool = doc("Recompute activations in backward.", optional=True, default=True)
-    enable_activation_offload: bool = doc("Offload activations to CPU.", status=IGNORED, optional=True, default=False)
+    enable_activation_offload: bool = doc(
+        "Keep the activations each layer saves for the backward in host memory (FSDP critic; as the actor's "
+        "model.enable_activation_offload).",
+        optional=True,
+        default=False,
+    )
     use_remove_padding: bool = doc("Pack sequences without padding.", optional=True, default=False)
     lora_rank: int = doc(
         "LoRA rank r of the critic (peft): > 0 trains low-rank adapters on the target layers and the value "

@@ -25,8 +25,13 @@ __all__ = ["HFModelConfig", "MegatronCriticLoRAConfig", "MegatronLoRAConfig", "M
 class TiledMLPConfig(BaseConfig):
     """Tiled MLP (the MLP's activations computed in sequence shards to save memory)."""
 
-    enabled: bool = doc(f"Compute the MLP in shards. {_SPEED}.", status=IGNORED, default=False)
-    num_shards: int = doc("Number of shards.", status=IGNORED, default=4)
+    enabled: bool = doc(
+        "Compute the decoder MLPs in token chunks, recomputed chunk by chunk in the backward, so one chunk's "
+        "intermediate activations exist at a time (FSDP actor and critic; Llama, Qwen2/2.5, Qwen3 MLPs; "
+        f"verl.models.transformers.tiled_mlp). {_SPEED}.",
+        default=False,
+    )
+    num_shards: int = doc("Number of token chunks (more: less memory, more kernel launches).", default=4)
 
 
 @dataclass
@@ -189,7 +194,12 @@ class HFModelConfig(BaseConfig):
     enable_gradient_checkpointing: bool = doc(
         "Recompute activations in backward (saves memory, costs ~30% time).", default=True
     )
-    enable_activation_offload: bool = doc("Offload activations to CPU during training.", status=IGNORED, default=False)
+    enable_activation_offload: bool = doc(
+        "Keep the activations each layer saves for the backward in host memory until the backward needs them "
+        "(FSDP actor; verl.utils.activation_offload). Saves accelerator memory only: on a CPU device the hooks run "
+        "and keep tensors in place.",
+        default=False,
+    )
     use_remove_padding: bool = doc("Pack sequences without padding (varlen attention); a speed knob.", default=True)
     lora_rank: int = doc(
         "LoRA rank r of the actor (peft): > 0 trains only low-rank adapters (the reference policy is the "

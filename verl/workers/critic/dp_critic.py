@@ -48,6 +48,7 @@ from verl.workers.dp_training import (
     step_if_finite,
     token_window,
 )
+from verl.workers.model_memory import apply_model_memory_options
 
 __all__ = ["DataParallelPPOCritic"]
 
@@ -69,6 +70,10 @@ class DataParallelPPOCritic(PPOCritic):
         super().__init__(config, critic_optimizer)
         self.critic_module = critic_module
         cfg = self._cfg
+        # critic.model.tiled_mlp and enable_activation_offload (verl.workers.model_memory)
+        self.activation_offload = apply_model_memory_options(
+            critic_module, cfg.model, cfg.strategy, trains=critic_optimizer is not None
+        )
         self.use_remove_padding = cfg.model.use_remove_padding
         self.is_vision_language = is_vision_language_config(getattr(critic_module, "config", None))
         sp_size, sp_key = role_sp(cfg, "critic")
