@@ -22,7 +22,7 @@ from collections.abc import Callable
 
 import torch
 
-from verl.utils.device import is_cuda_available
+from verl.utils.device import ACCELERATOR_NAME, is_cuda_available
 from verl.utils.profiler.config import ProfilerConfig
 
 __all__ = ["Profiler", "get_torch_profiler"]
@@ -41,7 +41,7 @@ def get_torch_profiler(contents, save_path: str, role: str | None = None, save_f
     activities = []
     if not contents or "cpu" in contents:
         activities.append(torch.profiler.ProfilerActivity.CPU)
-    if (not contents or "cuda" in contents) and is_cuda_available():
+    if (not contents or ACCELERATOR_NAME in contents) and is_cuda_available():
         activities.append(torch.profiler.ProfilerActivity.CUDA)
     if not activities:
         raise RuntimeError(
