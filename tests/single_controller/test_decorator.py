@@ -165,8 +165,55 @@ def test_user_dispatch_mode_is_registered_by_name_and_can_be_updated():
     assert mode.collect(_Shape(2), [2, 4], None, futures=False) == 6
     with pytest.raises(ValueError, match="already exists"):
         register_dispatch_mode(name, None, None)
+    with pytest.raises(TypeError, match="must be callable"):
+        update_dispatch_mode(mode, None, None)
+
+
+def test_builtin_mode_takes_other_functions_and_gets_its_own_back():
+    """Upstream lets update_dispatch_mode replace a built-in mode's functions; a replacement may wrap
+    the mode's own function (no recursion), and putting the own ones back restores the mode."""
+    from verl.single_controller.base.decorator import get_predefined_dispatch_fn
+
+    mode = Dispatch.ONE_TO_ALL
+    own = get_predefined_dispatch_fn(mode)
+
+    def times_ten(worker_group, x):
+        (xs,), kwargs = own["dispatch_fn"](worker_group, x * 10)
+        return (xs,), kwargs
+
+    try:
+        update_dispatch_mode(mode, times_ten, lambda wg, outs: outs[0])
+        calls, _ = mode.dispatch(_Shape(2), (1,), {})
+        assert [args for args, _ in calls] == [(10,), (10,)]
+        assert mode.collect(_Shape(2), ["a", "b"], None, futures=False) == "a"
+        assert get_predefined_dispatch_fn(mode)["dispatch_fn"] is times_ten
+    finally:
+        update_dispatch_mode(mode, own["dispatch_fn"], own["collect_fn"])
+    calls, _ = mode.dispatch(_Shape(2), (1,), {})
+    assert [args for args, _ in calls] == [(1,), (1,)] and "dispatch" not in vars(mode)
+    assert get_predefined_dispatch_fn(mode) == own
+
+
+def test_registry_copy_clear_update_round_trip_restores_every_mode():
+    from verl.single_controller.base.decorator import (
+        DISPATCH_MODE_FN_REGISTRY,
+        _check_dispatch_mode,
+        get_predefined_dispatch_fn,
+    )
+
+    saved = DISPATCH_MODE_FN_REGISTRY.copy()
+    assert isinstance(saved, dict) and saved[Dispatch.RANK_ZERO] == get_predefined_dispatch_fn(Dispatch.RANK_ZERO)
+    register_dispatch_mode("TEST_ROUND_TRIP", lambda wg, x: (([x] * wg.world_size,), {}), lambda wg, outs: outs)
+    _check_dispatch_mode(Dispatch.TEST_ROUND_TRIP)
+    update_dispatch_mode(Dispatch.DP_COMPUTE, lambda wg, x: (([x] * wg.world_size,), {}), lambda wg, outs: outs)
+    DISPATCH_MODE_FN_REGISTRY.clear()
+    DISPATCH_MODE_FN_REGISTRY.update(saved)
+    assert "TEST_ROUND_TRIP" not in Dispatch and DISPATCH_MODE_FN_REGISTRY.copy() == saved
+    assert all("dispatch" not in vars(mode) for mode in Dispatch)  # built-ins run their own code again
     with pytest.raises(ValueError, match="built in"):
-        update_dispatch_mode(Dispatch.ONE_TO_ALL, None, None)
+        Dispatch.remove("ONE_TO_ALL")
+    with pytest.raises(TypeError, match="not a dispatch mode"):
+        _check_dispatch_mode(42)
 
 
 def test_user_dispatch_fn_must_return_one_value_per_worker():

@@ -21,18 +21,24 @@ Design decisions:
 - Weights, optimizer, checkpoints and offload: see `verl.workers.engine.megatron`.
 - `megatron.sequence_parallel` changes memory, not results (tested); it runs on CPU and GPU
   without TransformerEngine or apex (`verl.models.mcore.config.RMSNorm`).
+
+`MegatronWorker` is upstream's base of hand-built megatron workers (recipes such as GKD): a
+`Worker` whose `_init_hf_config_and_tf_config` sets the tokenizer, the HF config and this
+backend's megatron `TransformerConfig`, for models the recipe then builds with
+`verl.utils.megatron_utils.get_model`.
 """
 
 from __future__ import annotations
 
 import torch
 
+from verl.single_controller.base import Worker
 from verl.single_controller.base.decorator import make_nd_compute_dataproto_dispatch_fn, register
 from verl.workers import engine_workers, reward_model_worker
 from verl.workers.engine import BaseEngine, MegatronEngine, MegatronEngineWithValueHead
 from verl.workers.engine.megatron.transformer_impl import megatron_optim_settings
 
-__all__ = ["ActorRolloutRefWorker", "CriticWorker", "RewardModelWorker", "megatron_optim_settings"]
+__all__ = ["ActorRolloutRefWorker", "CriticWorker", "MegatronWorker", "RewardModelWorker", "megatron_optim_settings"]
 
 _ACTOR_MESH = make_nd_compute_dataproto_dispatch_fn("actor")
 _CRITIC_MESH = make_nd_compute_dataproto_dispatch_fn("critic")
@@ -184,3 +190,84 @@ class RewardModelWorker(reward_model_worker.RewardModelWorker):
 # Upstream's name for the actor-rollout worker its agent-loop (server-mode) rollout needs; this worker
 # serves both modes (synchronous generation and agent loops), so recipes that ask for it get it.
 AsyncActorRolloutRefWorker = ActorRolloutRefWorker
+
+
+class MegatronWorker(Worker):
+    """Upstream's base class of hand-built megatron workers; `self.config` holds the role's section
+    (its `model` subsection is read) before `_init_hf_config_and_tf_config` is called."""
+
+    def _init_hf_config_and_tf_config(
+        self,
+        model_path,
+        tokenizer_or_path,
+        dtype,
+        override_model_config,
+        override_transformer_config,
+        trust_remote_code=False,
+        megatron_config=None,
+        enable_mtp=False,
+    ):
+        """Set `local_path`, `tokenizer` and `processor` (from `tokenizer_or_path`: None reads the
+        model's, a path another's, an object is used as both), the HF config (`hf_config`: the
+        tokenizer's bos/eos/pad ids and `override_model_config["model_config"]` applied;
+        multi-token-prediction layers dropped unless `enable_mtp`), `architectures`,
+        `share_embeddings_and_output_weights` and the megatron config `tf_config` with parameters in
+        `dtype`, the `megatron_config` layout and `override_transformer_config` on top. This backend
+        converts weights itself, so `bridge` and `provider` are None whatever `use_mbridge` says,
+        and `peft_cls` is None (LoRA: use the engine workers, `model.lora`)."""
+        from verl.models.mcore import hf_to_mcore_config
+        from verl.utils import hf_processor, hf_tokenizer
+        from verl.utils.fs import copy_to_local
+        from verl.utils.model import load_model_config, update_model_config
+
+        model = self.config.model
+        self.local_path = copy_to_local(model_path)
+        if tokenizer_or_path is None or isinstance(tokenizer_or_path, str):
+            source = self.local_path if tokenizer_or_path is None else copy_to_local(tokenizer_or_path)
+            self.tokenizer = hf_tokenizer(source, trust_remote_code=trust_remote_code)
+            self.processor = hf_processor(source, trust_remote_code=trust_remote_code)
+        else:
+            self.tokenizer = self.processor = tokenizer_or_path
+        template = model.get("custom_chat_template", None)
+        if template is not None:
+            (self.processor if self.processor is not None else self.tokenizer).chat_template = template
+
+        hf_config = load_model_config(self.local_path, trust_remote_code)
+        overrides = {
+            "bos_token_id": self.tokenizer.bos_token_id,
+            "eos_token_id": self.tokenizer.eos_token_id,
+            "pad_token_id": self.tokenizer.pad_token_id,
+            **dict((override_model_config or {}).get("model_config", {}) or {}),
+        }
+        self.share_embeddings_and_output_weights = getattr(hf_config, "tie_word_embeddings", False)
+        if enable_mtp and not getattr(hf_config, "num_nextn_predict_layers", 0):
+            raise ValueError(
+                f"enable_mtp=True, but the model at {model_path} has no multi-token-prediction layers "
+                "(num_nextn_predict_layers is 0 or missing); set model.mtp.enable=false"
+            )
+        if not enable_mtp and hasattr(hf_config, "num_nextn_predict_layers"):
+            hf_config.num_nextn_predict_layers = 0
+        self.enable_mtp = enable_mtp
+        update_model_config(hf_config, overrides)
+        self.architectures = getattr(hf_config, "architectures", None)
+
+        lora = model.get("lora", None) or {}
+        if int(lora.get("rank", 0) or 0) > 0:
+            raise NotImplementedError(
+                "model.lora.rank > 0 on a hand-built megatron worker: LoRA on megatron is built by verl's engine "
+                "workers (verl.workers.megatron_workers.ActorRolloutRefWorker); set lora.rank=0 here"
+            )
+        tf_config = hf_to_mcore_config(hf_config, megatron_config, dtype)
+        if enable_mtp:
+            tf_config.mtp_num_layers = hf_config.num_nextn_predict_layers
+            tf_config.mtp_loss_scaling_factor = model.mtp.mtp_loss_scaling_factor
+        for key, value in dict(override_transformer_config or {}).items():
+            if not hasattr(tf_config, key):
+                raise ValueError(
+                    f"override_transformer_config.{key}: megatron's TransformerConfig has no field {key!r}"
+                )
+            setattr(tf_config, key, value)
+        self.hf_config, self.tf_config = hf_config, tf_config
+        self.bridge = self.provider = None
+        self.vanilla_bridge = True if megatron_config is None else megatron_config.get("vanilla_mbridge", True)
+        self.peft_cls = None

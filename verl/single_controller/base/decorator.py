@@ -60,7 +60,7 @@ from __future__ import annotations
 import functools
 import inspect
 import sys
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, MutableMapping
 from dataclasses import dataclass
 from enum import Enum
 from typing import Any
@@ -423,6 +423,17 @@ class _DispatchRegistry(type):
     def __contains__(cls, name: str) -> bool:
         return name in cls._modes
 
+    def remove(cls, name: str) -> None:
+        """Drop a mode added with `register_dispatch_mode` (built-in modes stay: workers rely on them)."""
+        mode = cls._modes.get(name)
+        if not isinstance(mode, _FunctionMode):
+            raise ValueError(
+                f"only modes added with register_dispatch_mode can be removed; {name!r} is "
+                + ("built in" if mode is not None else "unknown")
+            )
+        del cls._modes[name]
+        delattr(cls, name)
+
 
 class Dispatch(metaclass=_DispatchRegistry):
     """The dispatch modes; `register_dispatch_mode` adds attributes to this class."""
@@ -461,16 +472,56 @@ def register_dispatch_mode(name: str, dispatch_fn: Callable, collect_fn: Callabl
 
 
 def update_dispatch_mode(dispatch_mode: DispatchMode | str, dispatch_fn: Callable, collect_fn: Callable) -> None:
-    """Replace the functions of a mode added with `register_dispatch_mode`."""
+    """Replace the functions of a mode, as upstream allows: a mode added with `register_dispatch_mode`,
+    or a built-in one, which then dispatches through the function pair (it can no longer pad an
+    uneven batch) until its own functions (`get_predefined_dispatch_fn` before the update) are put back."""
+    _check_dispatch_mode(dispatch_mode)
+    if not (callable(dispatch_fn) and callable(collect_fn)):
+        raise TypeError(f"dispatch_fn and collect_fn must be callable, got {dispatch_fn!r} and {collect_fn!r}")
     name = dispatch_mode if isinstance(dispatch_mode, str) else dispatch_mode.name
     mode = Dispatch._modes.get(name)
-    if not isinstance(mode, _FunctionMode):
-        raise ValueError(
-            f"only modes added with register_dispatch_mode can be updated; {name!r} is "
-            + ("built in" if mode is not None else "unknown")
-        )
-    mode.dispatch_fn = dispatch_fn
-    mode.collect_fn = collect_fn
+    if mode is None:
+        raise ValueError(f"dispatch mode {name!r} is not registered; add it with register_dispatch_mode")
+    if isinstance(mode, _FunctionMode):
+        mode.dispatch_fn = dispatch_fn
+        mode.collect_fn = collect_fn
+        return
+    _restore_builtin(mode)
+    if _own_functions(mode) == (dispatch_fn, collect_fn):
+        return
+    pair = _FunctionMode(name, dispatch_fn, collect_fn)
+    mode.dispatch, mode.collect, mode.copies_outputs = pair.dispatch, pair.collect, False
+    mode._function_pair = (dispatch_fn, collect_fn)
+
+
+def _restore_builtin(mode: DispatchMode) -> None:
+    for attribute in ("dispatch", "collect", "copies_outputs", "_function_pair"):
+        mode.__dict__.pop(attribute, None)  # back to the class's own behaviour
+
+
+_OWN_PAIRS: dict[str, tuple[Callable, Callable]] = {}
+
+
+def _own_functions(mode: DispatchMode) -> tuple[Callable, Callable]:
+    """A built-in mode's own (dispatch_fn, collect_fn), the same objects every time."""
+    if mode.name in _BUILTIN_FUNCTIONS:
+        return _BUILTIN_FUNCTIONS[mode.name]
+    if mode.name not in _OWN_PAIRS:
+
+        def dispatch_fn(worker_group, *args, **kwargs):
+            return _transpose(mode, worker_group, args, kwargs)
+
+        def collect_fn(worker_group, output):
+            return type(mode).collect(mode, worker_group, output, 0, False)
+
+        _OWN_PAIRS[mode.name] = (dispatch_fn, collect_fn)
+    return _OWN_PAIRS[mode.name]
+
+
+def _check_dispatch_mode(dispatch_mode) -> None:
+    """Raise unless `dispatch_mode` is a dispatch mode (a `Dispatch` member, a registered mode's name,
+    or a dict with `dispatch_fn` and `collect_fn`)."""
+    _resolve_mode(dispatch_mode)
 
 
 @functools.cache
@@ -485,7 +536,9 @@ def make_nd_compute_dataproto_dispatch_fn(mesh_name: str) -> DispatchMode:
 
 
 def _transpose(mode: DispatchMode, worker_group, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-    calls, state = mode.dispatch(worker_group, args, kwargs)
+    # the mode's own dispatch, even while update_dispatch_mode has given it other functions (which may
+    # wrap these very ones)
+    calls, state = type(mode).dispatch(mode, worker_group, args, kwargs)
     if state:  # a DataProto mode padded the batch; a function pair has no way to tell collect_fn
         raise ValueError(
             f"{mode!r}.dispatch_fn: the batch needs {state} padding rows to split across {worker_group.world_size} "
@@ -554,10 +607,12 @@ _BUILTIN_FUNCTIONS = {
 }
 
 
-class _FunctionRegistry(Mapping):
+class _FunctionRegistry(MutableMapping):
     """`{mode: {"dispatch_fn": f, "collect_fn": g}}` for every registered mode, read live from `Dispatch`
     (so `register_dispatch_mode` / `update_dispatch_mode` show up); keys are the `Dispatch` members
-    (their names work too). Read-only: add modes with `register_dispatch_mode`."""
+    (their names work too). Writable as upstream's dict is: setting an entry updates (or registers)
+    the mode, deleting one removes a registered mode or restores a built-in one's own functions, so
+    `saved = registry.copy(); ...; registry.clear(); registry.update(saved)` restores the modes."""
 
     def __getitem__(self, mode) -> dict[str, Callable]:
         name = mode if isinstance(mode, str) else getattr(mode, "name", None)
@@ -566,19 +621,48 @@ class _FunctionRegistry(Mapping):
             raise KeyError(f"{mode!r} is not a registered dispatch mode; known modes: {sorted(Dispatch._modes)}")
         if isinstance(found, _FunctionMode):
             return {"dispatch_fn": found.dispatch_fn, "collect_fn": found.collect_fn}
-        if name in _BUILTIN_FUNCTIONS:
-            dispatch_fn, collect_fn = _BUILTIN_FUNCTIONS[name]
+        if "_function_pair" in found.__dict__:  # a built-in mode given other functions
+            dispatch_fn, collect_fn = found._function_pair
             return {"dispatch_fn": dispatch_fn, "collect_fn": collect_fn}
-        return {
-            "dispatch_fn": functools.partial(_transpose, found),
-            "collect_fn": lambda worker_group, output: found.collect(worker_group, output, 0, False),
-        }
+        dispatch_fn, collect_fn = _own_functions(found)
+        return {"dispatch_fn": dispatch_fn, "collect_fn": collect_fn}
 
     def __iter__(self) -> Iterator[DispatchMode]:
         return iter(list(Dispatch._modes.values()))
 
     def __len__(self) -> int:
         return len(Dispatch._modes)
+
+    def __setitem__(self, mode, functions: dict) -> None:
+        if not isinstance(functions, dict) or not {"dispatch_fn", "collect_fn"} <= set(functions):
+            raise TypeError(f"a registry entry is a dict with 'dispatch_fn' and 'collect_fn', got {functions!r}")
+        name = mode if isinstance(mode, str) else getattr(mode, "name", None)
+        if name in Dispatch._modes:
+            update_dispatch_mode(name, functions["dispatch_fn"], functions["collect_fn"])
+        elif isinstance(mode, _FunctionMode):  # a removed user mode put back: the same object again
+            mode.dispatch_fn, mode.collect_fn = functions["dispatch_fn"], functions["collect_fn"]
+            Dispatch._modes[name] = mode
+            setattr(Dispatch, name, mode)
+        else:
+            register_dispatch_mode(name, functions["dispatch_fn"], functions["collect_fn"])
+
+    def __delitem__(self, mode) -> None:
+        name = mode if isinstance(mode, str) else getattr(mode, "name", None)
+        found = Dispatch._modes.get(name)
+        if found is None:
+            raise KeyError(mode)
+        if isinstance(found, _FunctionMode):
+            Dispatch.remove(name)
+        else:
+            _restore_builtin(found)
+
+    def clear(self) -> None:
+        for mode in list(self):
+            del self[mode]
+
+    def copy(self) -> dict:
+        """A plain dict snapshot `{mode: {"dispatch_fn": ..., "collect_fn": ...}}`."""
+        return {mode: dict(self[mode]) for mode in self}
 
 
 DISPATCH_MODE_FN_REGISTRY = _FunctionRegistry()
@@ -601,7 +685,7 @@ def _resolve_mode(dispatch_mode) -> DispatchMode:
         return dispatch_mode
     if isinstance(dispatch_mode, str):
         return Dispatch[dispatch_mode]
-    if isinstance(dispatch_mode, dict) and set(dispatch_mode) == {"dispatch_fn", "collect_fn"}:
+    if isinstance(dispatch_mode, dict) and {"dispatch_fn", "collect_fn"} <= set(dispatch_mode):
         fn = dispatch_mode["dispatch_fn"]
         return _FunctionMode(getattr(fn, "__name__", "CUSTOM"), fn, dispatch_mode["collect_fn"])
     raise TypeError(

@@ -31,6 +31,9 @@ Design decisions:
   forward's autocast state for the accelerator only, so on CPU its backward would multiply bf16
   gradients with fp32 weights. `_cpu_autocast_in_linear_backward` re-enters the CPU autocast state
   the forward ran under.
+- megatron's own optimizer (`verl.utils.megatron.optimizer`, for upstream's recipes): its fp32
+  path clips gradients through `clip_grad_by_total_norm_fp32`, which asserts CUDA float tensors;
+  `_device_neutral_grad_clipping` scales them the same way on any device.
 - Sequence parallelism needs no shim: its collectives (all-gather and reduce-scatter into flat
   tensors) run on gloo, and its norm is ours (`verl.models.mcore.config.RMSNorm`).
 """
@@ -176,6 +179,7 @@ def enable_cpu_compat() -> None:
     _slice_rotary_positions_on_cpu()
     _no_accelerator_rng_state()
     _cpu_autocast_in_linear_backward()
+    _device_neutral_grad_clipping()
     _enabled = True
 
 
@@ -277,6 +281,27 @@ def _cpu_autocast_in_linear_backward() -> None:
 
     Linear.forward = staticmethod(forward_recording_autocast)
     Linear.backward = staticmethod(backward_under_autocast)
+
+
+def _device_neutral_grad_clipping() -> None:
+    from megatron.core.optimizer import clip_grads, optimizer
+    from megatron.core.utils import to_local_if_dtensor
+
+    def clip_grad_by_total_norm_fp32(parameters, max_norm, total_norm, use_decoupled_grad=False):
+        """megatron's: scale the fp32 gradients of `parameters` in place by max_norm / (total_norm + 1e-6)
+        when that is below 1; without its CUDA-tensor assertion."""
+        if isinstance(parameters, torch.Tensor):
+            parameters = [parameters]
+        attr = "decoupled_grad" if use_decoupled_grad else "grad"
+        grads = [
+            to_local_if_dtensor(getattr(p, attr)).detach() for p in parameters if getattr(p, attr, None) is not None
+        ]
+        clip_coeff = max_norm / (total_norm + 1.0e-6)
+        if clip_coeff < 1.0 and grads:
+            torch._foreach_mul_(grads, clip_coeff)
+
+    clip_grads.clip_grad_by_total_norm_fp32 = clip_grad_by_total_norm_fp32
+    optimizer.clip_grad_by_total_norm_fp32 = clip_grad_by_total_norm_fp32  # imported there by name
 
 
 def seed_model_parallel_rng(seed: int) -> None:

@@ -33,10 +33,12 @@ from typing import Any
 
 from verl.utils.device import ACCELERATOR_NAME, is_cuda_available
 from verl.utils.profiler.config import GlobalProfilerConfig, ProfilerConfig
+from verl.utils.profiler.torch_profile import Profiler
 
 __all__ = [
     "DistProfiler",
     "DistProfilerExtension",
+    "Profiler",
     "StepProfiler",
     "mark_annotate",
     "mark_end_range",
