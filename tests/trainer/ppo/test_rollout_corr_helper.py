@@ -259,5 +259,5 @@ def test_apply_bypass_mode_uses_the_rollout_log_probs_as_old_ones():
     data = DataProto.from_dict(tensors={"rollout_log_probs": rollout, "response_mask": mask})
     apply_bypass_mode(data)
     assert torch.equal(data.batch["old_log_probs"], rollout)
-    with pytest.raises(KeyError, match="calculate_log_probs=true"):
+    with pytest.raises(ValueError, match="requires rollout_log_probs.*calculate_log_probs=true"):
         apply_bypass_mode(DataProto.from_dict(tensors={"response_mask": mask}))
