@@ -185,14 +185,19 @@ _LAYER_PREFIXES = (
 )
 
 
+_ADAPTER_ENTRY = re.compile(r"(.*\.lora_[A-Za-z_]+)\.default(\..*|)$")
+"""A state-dict entry of the `default` adapter (`...q_proj.lora_A.default.weight`), split around the adapter name."""
+
+
 def layered_summon_lora_params(fsdp_module) -> OrderedDict:
     """The adapters of a sharded PEFT model, gathered one FSDP unit at a time (each decoder layer,
     then the other direct children of the PEFT model's levels), as peft names them
-    (`base_model.model.<...>.lora_A.weight`, no adapter name), on the host. Only sharded units are
-    read, so peak memory is one unit's full parameters."""
-    from peft.utils.save_and_load import get_peft_model_state_dict
+    (`base_model.model.<...>.lora_A.weight`, adapter name `default` dropped), on the host. Only sharded
+    units are read, so peak memory is one unit's full parameters.
 
-    peft_model = getattr(fsdp_module, "_fsdp_wrapped_module", fsdp_module)
+    A unit's entries are picked by name (`lora_*.default.*`) rather than through peft's
+    `get_peft_model_state_dict`: peft >= 0.18 selects entries by matching them against the whole
+    model's module names, which a unit's own (relative, FSDP1-renamed) state dict never matches."""
     params = OrderedDict()
     for prefix in _LAYER_PREFIXES:
         for name, submodule in fsdp_module.named_modules():
@@ -202,8 +207,10 @@ def layered_summon_lora_params(fsdp_module) -> OrderedDict:
                 continue
             public = name.replace("_fsdp_wrapped_module.base_model.model.", "base_model.model.")
             with _summon(submodule):
-                adapters = get_peft_model_state_dict(peft_model, state_dict=submodule.state_dict())
-                params.update({f"{public}.{key}": _full_cpu(value) for key, value in adapters.items()})
+                for key, value in submodule.state_dict().items():
+                    match = _ADAPTER_ENTRY.match(key.replace("_fsdp_wrapped_module.", ""))
+                    if match is not None:
+                        params[f"{public}.{match.group(1)}{match.group(2)}"] = _full_cpu(value)
                 if fsdp_version(submodule) == 1:
                     submodule._is_root = False  # summoning made the unit a root; the model's root is the outer one
             dev.empty_cache()

@@ -280,10 +280,24 @@ def apply_fsdp2(model: nn.Module, fsdp_config=None, device_mesh=None) -> nn.Modu
         wrap_policy = _cfg_get(fsdp_config, "wrap_policy", None)
     if kwargs.get("offload_policy", ...) is None:
         kwargs.pop("offload_policy")  # upstream passes None for "no offload": fully_shard's default
+    _tie_declared_embeddings(model)
     for module in get_fsdp_wrap_modules(model, wrap_policy):
         fully_shard(module, **kwargs)
     fully_shard(model, **kwargs)
     return model
+
+
+def _tie_declared_embeddings(model: nn.Module) -> None:
+    """Tie the output embedding to the input one where the config declares them tied but they are
+    not: transformers 5 leaves a model built on the meta device (accelerate's `init_empty_weights`,
+    upstream's ranks > 0) untied, and sharding a tied model on one rank and an untied one on another
+    gives FSDP units of different sizes, whose all-gathers then mismatch."""
+    config = getattr(model, "config", None)
+    if not getattr(config, "tie_word_embeddings", False) or not hasattr(model, "get_output_embeddings"):
+        return
+    output, inputs = model.get_output_embeddings(), model.get_input_embeddings()
+    if output is not None and inputs is not None and output.weight is not inputs.weight:
+        model.tie_weights()
 
 
 @torch.no_grad()
