@@ -707,9 +707,9 @@ def apply_bypass_mode(
     workers are built instead (`configure_rollout_correction`), since workers hold their own copy.
     """
     if "rollout_log_probs" not in batch.batch:
-        raise KeyError(
-            "algorithm.rollout_correction.bypass_mode=true uses the rollout's log-probs as the old log-probs, but the "
-            "batch has no rollout_log_probs; set actor_rollout_ref.rollout.calculate_log_probs=true"
+        raise ValueError(
+            "bypass_mode=True requires rollout_log_probs in batch: algorithm.rollout_correction.bypass_mode=true uses "
+            "the rollout's log-probs as the old log-probs; set actor_rollout_ref.rollout.calculate_log_probs=true"
         )
     batch.batch["old_log_probs"] = batch.batch["rollout_log_probs"]
     if policy_loss_config is not None:

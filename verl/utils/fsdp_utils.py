@@ -38,24 +38,50 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.fsdp import MixedPrecisionPolicy
 
-from verl.utils.device import empty_cache, get_device, get_device_name, is_cuda_available
+from verl.utils import device as dev
+from verl.utils.device import get_device, get_device_name, is_cuda_available
+from verl.utils.fsdp_legacy import (
+    CPUOffloadPolicy,
+    FSDPModule,
+    collect_lora_params,
+    fsdp2_load_full_state_dict,
+    fsdp_version,
+    get_init_weight_context_manager,
+    get_shard_placement_fn,
+    init_fn,
+    layered_summon_lora_params,
+    load_fsdp1_model_to_device,
+    offload_fsdp1_model_to_cpu,
+    replace_lora_wrapper,
+)
 
 __all__ = [
+    "CPUOffloadPolicy",
+    "FSDPModule",
     "MixedPrecisionPolicy",
     "apply_fsdp2",
+    "collect_lora_params",
     "create_device_mesh",
+    "fsdp2_load_full_state_dict",
+    "fsdp_version",
     "fsdp2_clip_grad_norm_",
     "get_fsdp_wrap_modules",
     "get_fsdp_wrap_policy",
     "get_full_state_dict",
+    "get_init_weight_context_manager",
     "get_mixed_precision_policy",
     "get_offload_policy",
+    "get_shard_placement_fn",
+    "init_fn",
     "iter_full_params",
+    "layered_summon_lora_params",
     "load_fsdp_model_to_device",
+    "load_fsdp_model_to_gpu",
     "load_full_state_from_rank0",
     "load_fsdp_optimizer",
     "offload_fsdp_model_to_cpu",
     "offload_fsdp_optimizer",
+    "replace_lora_wrapper",
     "to_torch_dtype",
 ]
 
@@ -208,6 +234,19 @@ def get_fsdp_wrap_policy(module: nn.Module, config=None, is_lora: bool = False):
     return functools.partial(_or_policy, policies=policies) if policies else None
 
 
+_FULLY_SHARD_KWARGS = frozenset({"mesh", "mp_policy", "shard_placement_fn"})
+
+
+def _is_upstream_call(fsdp_config, third) -> bool:
+    """Whether `apply_fsdp2` was called as upstream's `apply_fsdp2(model, fsdp_kwargs, config)`:
+    `fully_shard`'s own keyword arguments (a dict with `mesh`, `mp_policy`, ...) then an `fsdp_config`."""
+    from torch.distributed.device_mesh import DeviceMesh
+
+    if third is not None and not isinstance(third, DeviceMesh):
+        return True
+    return isinstance(fsdp_config, dict) and bool(_FULLY_SHARD_KWARGS & fsdp_config.keys())
+
+
 def apply_fsdp2(model: nn.Module, fsdp_config=None, device_mesh=None) -> nn.Module:
     """Shard `model` in place with `fully_shard`: each decoder layer, then the root.
 
@@ -216,24 +255,49 @@ def apply_fsdp2(model: nn.Module, fsdp_config=None, device_mesh=None) -> nn.Modu
     `wrap_policy` {transformer_layer_cls_to_wrap}, `fsdp_size` (HSDP group size, -1 = all ranks).
     `fully_shard` moves each unit's parameters and buffers to the mesh's device as it shards them
     (parameters stay on the host under CPU offload).
+
+    Upstream's form, `apply_fsdp2(model, fsdp_kwargs, config)` (what code written against its legacy
+    workers calls), is accepted too: `fsdp_kwargs` are passed to every `fully_shard` as they are
+    (`mesh`, `mp_policy`, `offload_policy`, `reshard_after_forward`, `shard_placement_fn`) and only
+    `config.wrap_policy` is read from the config.
     """
     from torch.distributed.fsdp import fully_shard
 
-    if device_mesh is None:
-        device_mesh = create_device_mesh(fsdp_size=int(_cfg_get(fsdp_config, "fsdp_size", -1)))
-    offload = bool(_cfg_get(fsdp_config, "offload_policy", False))
-    kwargs = {
-        "mesh": device_mesh,
-        "mp_policy": get_mixed_precision_policy(
-            _cfg_get(fsdp_config, "mixed_precision", None), _cfg_get(fsdp_config, "dtype", "auto")
-        ),
-        "offload_policy": get_offload_policy(offload),
-        "reshard_after_forward": bool(_cfg_get(fsdp_config, "reshard_after_forward", True)),
-    }
-    for module in get_fsdp_wrap_modules(model, _cfg_get(fsdp_config, "wrap_policy", None)):
+    if _is_upstream_call(fsdp_config, device_mesh):
+        kwargs, wrap_policy = dict(fsdp_config or {}), _cfg_get(device_mesh, "wrap_policy", None)
+    else:
+        if device_mesh is None:
+            device_mesh = create_device_mesh(fsdp_size=int(_cfg_get(fsdp_config, "fsdp_size", -1)))
+        offload = bool(_cfg_get(fsdp_config, "offload_policy", False))
+        kwargs = {
+            "mesh": device_mesh,
+            "mp_policy": get_mixed_precision_policy(
+                _cfg_get(fsdp_config, "mixed_precision", None), _cfg_get(fsdp_config, "dtype", "auto")
+            ),
+            "offload_policy": get_offload_policy(offload),
+            "reshard_after_forward": bool(_cfg_get(fsdp_config, "reshard_after_forward", True)),
+        }
+        wrap_policy = _cfg_get(fsdp_config, "wrap_policy", None)
+    if kwargs.get("offload_policy", ...) is None:
+        kwargs.pop("offload_policy")  # upstream passes None for "no offload": fully_shard's default
+    _tie_declared_embeddings(model)
+    for module in get_fsdp_wrap_modules(model, wrap_policy):
         fully_shard(module, **kwargs)
     fully_shard(model, **kwargs)
     return model
+
+
+def _tie_declared_embeddings(model: nn.Module) -> None:
+    """Tie the output embedding to the input one where the config declares them tied but they are
+    not: transformers 5 leaves a model built on the meta device (accelerate's `init_empty_weights`,
+    upstream's ranks > 0) untied, and sharding a tied model on one rank and an untied one on another
+    gives FSDP units of different sizes, whose all-gathers then mismatch."""
+    config = getattr(model, "config", None)
+    if not getattr(config, "tie_word_embeddings", False) or not hasattr(model, "get_output_embeddings"):
+        return
+    output, inputs = model.get_output_embeddings(), model.get_input_embeddings()
+    if output is not None and inputs is not None and output.weight is not inputs.weight:
+        model.tie_weights()
 
 
 @torch.no_grad()
@@ -362,16 +426,27 @@ def _materialize_meta(module: nn.Module, device) -> None:
                 setattr(module.get_submodule(owner), attr, first)
 
 
-def offload_fsdp_model_to_cpu(model: nn.Module, empty_device_cache: bool = True) -> None:
-    """Move the sharded parameters (and gradients) to the host; a no-op on a CPU device."""
+def offload_fsdp_model_to_cpu(model: nn.Module, empty_cache: bool = True) -> None:
+    """Move the sharded parameters (and gradients) to the host; a no-op on a CPU device. An FSDP1
+    model (upstream's legacy workers) moves its flat parameter shards."""
+    if fsdp_version(model) == 1:
+        offload_fsdp1_model_to_cpu(model, empty_cache)
+        return
     model.to("cpu")
-    if empty_device_cache:
-        empty_cache()
+    if empty_cache:
+        dev.empty_cache()
 
 
 def load_fsdp_model_to_device(model: nn.Module) -> None:
     """Bring the sharded parameters back to this rank's device after `offload_fsdp_model_to_cpu`."""
+    if fsdp_version(model) == 1:
+        load_fsdp1_model_to_device(model)
+        return
     model.to(get_device())
+
+
+load_fsdp_model_to_gpu = load_fsdp_model_to_device
+"""Upstream's name for `load_fsdp_model_to_device` (the device is this rank's accelerator, or the CPU)."""
 
 
 def _move_optimizer_state(optimizer: torch.optim.Optimizer, device) -> None:
@@ -388,9 +463,13 @@ def _move_optimizer_state(optimizer: torch.optim.Optimizer, device) -> None:
 def offload_fsdp_optimizer(optimizer: torch.optim.Optimizer) -> None:
     """Move the optimizer state (Adam moments) to the host."""
     _move_optimizer_state(optimizer, "cpu")
-    empty_cache()
+    dev.empty_cache()
 
 
-def load_fsdp_optimizer(optimizer: torch.optim.Optimizer, device=None) -> None:
-    """Move the optimizer state back to `device` (default: this rank's device)."""
-    _move_optimizer_state(optimizer, device or get_device())
+def load_fsdp_optimizer(optimizer: torch.optim.Optimizer, device=None, *, device_id=None) -> None:
+    """Move the optimizer state back to `device` (default: this rank's device); `device_id` is
+    upstream's keyword for it."""
+    if device is not None and device_id is not None:
+        raise TypeError("load_fsdp_optimizer takes `device` or upstream's `device_id`, not both")
+    target = device if device is not None else device_id
+    _move_optimizer_state(optimizer, get_device() if target is None else target)

@@ -20,10 +20,47 @@ import dataclasses
 import torch
 
 from verl.utils import device as dev
+from verl.utils.fsdp_utils import create_device_mesh
 from verl.workers import engine_workers, reward_model_worker
 from verl.workers.engine import BaseEngine
 
-__all__ = ["ActorRolloutRefWorker", "CriticWorker", "RewardModelWorker"]
+__all__ = [
+    "ActorRolloutRefWorker",
+    "CriticWorker",
+    "RewardModelWorker",
+    "create_device_mesh",
+    "get_sharding_strategy",
+    "get_vl_model_vision_tower",
+]
+
+
+# ---------------------------------------------------------- upstream's module-level helpers
+# verl-recipe's workers that wrap their models themselves (PRIME, FlowRL, rep_exp) import these.
+def get_sharding_strategy(device_mesh, zero3_enable: bool = True):
+    """FSDP1's sharding strategy for `device_mesh`: a 1-D mesh shards over all its ranks
+    (FULL_SHARD, or SHARD_GRAD_OP without `zero3_enable`), a 2-D ('ddp', 'fsdp') mesh shards within
+    each group and replicates across them (HYBRID_SHARD, or _HYBRID_SHARD_ZERO2)."""
+    from torch.distributed.fsdp import ShardingStrategy
+
+    strategies = {
+        1: ShardingStrategy.FULL_SHARD if zero3_enable else ShardingStrategy.SHARD_GRAD_OP,
+        2: ShardingStrategy.HYBRID_SHARD if zero3_enable else ShardingStrategy._HYBRID_SHARD_ZERO2,
+    }
+    if device_mesh.ndim not in strategies:
+        raise NotImplementedError(
+            f"Get device mesh ndim={device_mesh.ndim}, but only support 1 or 2 (a 1-D 'fsdp' mesh or a 2-D "
+            "('ddp', 'fsdp') mesh from create_device_mesh)"
+        )
+    return strategies[device_mesh.ndim]
+
+
+def get_vl_model_vision_tower(vl_model_instance):
+    """The vision tower of a vision-language model: `model.visual` (transformers >= 4.52 layout),
+    else `visual` (older), else None."""
+    inner = getattr(vl_model_instance, "model", None)
+    if inner is not None and hasattr(inner, "visual"):
+        return inner.visual
+    return getattr(vl_model_instance, "visual", None)
 
 
 class ActorRolloutRefWorker(engine_workers.ActorRolloutRefWorker):

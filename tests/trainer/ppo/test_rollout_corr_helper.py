@@ -259,5 +259,38 @@ def test_apply_bypass_mode_uses_the_rollout_log_probs_as_old_ones():
     data = DataProto.from_dict(tensors={"rollout_log_probs": rollout, "response_mask": mask})
     apply_bypass_mode(data)
     assert torch.equal(data.batch["old_log_probs"], rollout)
-    with pytest.raises(KeyError, match="calculate_log_probs=true"):
+    with pytest.raises(ValueError, match="requires rollout_log_probs.*calculate_log_probs=true"):
         apply_bypass_mode(DataProto.from_dict(tensors={"response_mask": mask}))
+
+
+def test_apply_rollout_correction_maps_the_earlier_schema_onto_bypass_mode():
+    from verl.trainer.ppo.rollout_corr_helper import apply_rollout_correction
+
+    old, rollout, mask = batch()
+    earlier = {  # rep_exp's algorithm.rollout_correction (upstream's schema of late 2025)
+        "rollout_is": "token",
+        "rollout_is_threshold": 2.0,
+        "rollout_rs": None,
+        "rollout_rs_threshold": None,
+        "rollout_rs_threshold_lower": None,
+        "rollout_token_veto_threshold": None,
+        "bypass_mode": True,
+        "rollout_is_batch_normalize": False,
+    }
+    for use_policy_gradient, loss_type in ((True, "reinforce"), (False, "ppo_clip")):
+        data = DataProto.from_dict(tensors={"rollout_log_probs": rollout, "response_mask": mask})
+        policy_loss = OmegaConf.create({"loss_mode": "vanilla"})
+        node = OmegaConf.create(earlier | {"use_policy_gradient": use_policy_gradient})
+        apply_rollout_correction(batch=data, rollout_corr_config=node, policy_loss_config=policy_loss)
+        assert torch.equal(data.batch["old_log_probs"], rollout)
+        assert policy_loss.loss_mode == "bypass_mode"
+        assert policy_loss.rollout_correction.loss_type == loss_type
+        assert policy_loss.rollout_correction.rollout_is == "token"
+    with pytest.raises(ValueError, match="rollout_token_veto_threshold.*no counterpart"):
+        apply_rollout_correction(
+            DataProto.from_dict(tensors={"rollout_log_probs": rollout}),
+            earlier | {"rollout_token_veto_threshold": 1e-4},
+            OmegaConf.create({}),
+        )
+    with pytest.raises(ValueError, match="requires rollout_log_probs"):
+        apply_rollout_correction(DataProto.from_dict(tensors={"response_mask": mask}), earlier, OmegaConf.create({}))

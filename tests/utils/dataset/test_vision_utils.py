@@ -77,3 +77,27 @@ def test_bad_images_say_what_is_wrong(tmp_path):
         process_image({"bytes": b"x", "image": "a.png"})
     with pytest.raises(NotImplementedError, match="torchvision"):
         process_video({"video": "file:///a.mp4"})
+
+
+def test_minicpmo_inputs_shift_image_bounds_into_the_packed_sequence():
+    import torch
+
+    from verl.utils.dataset.vision_utils import process_multi_modal_inputs_for_minicpmo
+
+    attention_mask = torch.tensor([[0, 1, 1, 1], [0, 0, 1, 1]])  # left padding 1 and 2; packed lengths 3 and 2
+    cu_seqlens = torch.tensor([0, 3, 5])
+    images = [torch.full((1,), float(i)) for i in range(3)]
+    inputs = {
+        "image_bound": [torch.tensor([[1, 2], [2, 3]]), torch.tensor([[2, 3]])],
+        "pixel_values": [[images[0], images[1]], [images[2]]],
+        "tgt_sizes": [torch.tensor([[2, 2], [1, 1]]), torch.tensor([[3, 3]])],
+        "other": "kept",
+    }
+    ids, pos = torch.arange(5)[None], torch.tensor([[0, 1, 2, 0, 1]])
+    out = process_multi_modal_inputs_for_minicpmo(ids, attention_mask, pos, cu_seqlens, inputs)["data"]
+    # row 0: bound - 1 + 0; row 1: bound - 2 + 3
+    assert out["image_bound"][0].tolist() == [[0, 1], [1, 2], [3, 4]]
+    assert out["pixel_values"] == [images]
+    assert out["tgt_sizes"][0].tolist() == [[2, 2], [1, 1], [3, 3]]
+    assert out["input_ids"] is ids and out["position_ids"] is pos and out["attention_mask"] is attention_mask
+    assert out["other"] == "kept"

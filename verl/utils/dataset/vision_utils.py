@@ -129,3 +129,31 @@ def process_video(video, image_patch_size: int = 14, **kwargs):
         "video inputs are not supported: reading video frames needs torchvision, which is not installed. "
         "Use image data (data.image_key), or drop the data.video_key column"
     )
+
+
+def process_multi_modal_inputs_for_minicpmo(input_ids, attention_mask, position_ids, cu_seqlens, multi_modal_inputs):
+    """MiniCPM-o's multi-modal inputs for a packed (padding-removed) micro-batch, as upstream's actors
+    pass them: `{"data": {...}}`.
+
+    `multi_modal_inputs` holds one entry per row: `image_bound` [n_i, 2] (token spans of each image in
+    the left-padded row), `pixel_values` (a list of image tensors) and `tgt_sizes` [n_i, 2]. Packing
+    drops row i's left padding and starts it at `cu_seqlens[i]`, so each bound moves by
+    `cu_seqlens[i] - left_padding_i` (left padding = the index of the row's first attended token).
+    The rows' images become one list, their bounds and target sizes one stacked tensor each (a batch
+    of one packed sequence), and the packed `input_ids`, `attention_mask`, `position_ids` are added.
+    Other keys pass through. The input dict is updated in place, as upstream's is.
+    """
+    import torch
+
+    left_padding = torch.argmax(attention_mask, dim=1)
+    bounds = [
+        bound.to(left_padding.device) - left_padding[i] + cu_seqlens[i]
+        for i, bound in enumerate(multi_modal_inputs["image_bound"])
+    ]
+    multi_modal_inputs["pixel_values"] = [[image for row in multi_modal_inputs["pixel_values"] for image in row]]
+    multi_modal_inputs["image_bound"] = [torch.vstack(bounds)]
+    multi_modal_inputs["tgt_sizes"] = [torch.vstack(multi_modal_inputs["tgt_sizes"])]
+    multi_modal_inputs["input_ids"] = input_ids
+    multi_modal_inputs["attention_mask"] = attention_mask
+    multi_modal_inputs["position_ids"] = position_ids
+    return {"data": multi_modal_inputs}
