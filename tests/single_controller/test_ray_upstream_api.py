@@ -205,3 +205,29 @@ def test_fused_colocated_class_spawn_fuse_and_fuw_execute(ray_session):
         pool.remove_placement_groups()
     with pytest.raises(ValueError, match="taken by a Worker attribute"):
         create_colocated_worker_raw_cls({"rank": Critic})
+
+
+class Server(Worker):
+    @register(dispatch_mode=Dispatch.DIRECT_ROLLOUT_METHOD)
+    async def wake_up(self):
+        return f"awake@{self.rank}"
+
+
+def test_direct_rollout_methods_are_called_on_the_handles_and_bound_unprefixed(ray_session):
+    """Upstream's DIRECT_ROLLOUT_METHOD: a worker group refuses to dispatch it; a colocated class binds a
+    rollout role's such method without the role prefix, for callers that hold the actor handles."""
+    raw = create_colocated_worker_raw_cls({"actor": Actor, "rollout": Server})
+    assert hasattr(raw, "wake_up") and hasattr(raw, "rollout_wake_up")
+    local = raw()
+    assert asyncio.run(local.wake_up()) == "awake@0"
+    pool = RayResourcePool([1], use_gpu=False)
+    wg = RayWorkerGroup(pool, RayClassWithInitArgs(Server))
+    try:
+        with pytest.raises(NotImplementedError, match="actor handle"):
+            wg.wake_up()
+        import ray
+
+        assert ray.get(wg.workers[0].wake_up.remote()) == "awake@0"
+    finally:
+        wg.shutdown()
+        pool.remove_placement_groups()

@@ -255,3 +255,29 @@ def test_model_external_lib_is_imported_by_the_worker_before_the_model_loads(one
     assert "k15_registers_a_model" not in sys.modules
     worker.init_model()
     assert sys.modules["k15_registers_a_model"].REGISTERED
+
+
+def test_actor_worker_applies_the_model_sections_memory_options(one_process):
+    """`actor_rollout_ref.model.enable_activation_offload` and `tiled_mlp` reach the FSDP actor the worker
+    builds (they were accepted and ignored before)."""
+    from verl.models.transformers.tiled_mlp import remove_tiled_mlp_monkey_patch
+    from verl.workers.fsdp_workers import ActorRolloutRefWorker
+
+    cfg = load_ppo_config(
+        [
+            f"actor_rollout_ref.model.path={bundled_model_path()}",
+            "actor_rollout_ref.model.enable_activation_offload=true",
+            "actor_rollout_ref.model.tiled_mlp.enabled=true",
+            "actor_rollout_ref.model.tiled_mlp.num_shards=2",
+            "trainer.n_gpus_per_node=1",
+        ],
+        config_name="arith_demo",
+    )
+    worker = ActorRolloutRefWorker(cfg.actor_rollout_ref, role="actor")
+    try:
+        worker.init_model()
+        assert worker.actor.activation_offload is not None
+        mlp = next(m for m in worker.actor.actor_module.modules() if type(m).__name__.endswith("MLP"))
+        assert "_verl_untiled_forward" in type(mlp).__dict__  # the tiled forward replaced the MLP class's
+    finally:
+        remove_tiled_mlp_monkey_patch()

@@ -171,6 +171,7 @@ class ActorRolloutRefWorker(engine_workers.ActorRolloutRefWorker):
             optimizer,
             ulysses_group=self.ulysses.group,
             use_fused_kernels=engine_workers.policy_uses_fused_kernels(self.model_config, self.actor_config),
+            model_config=self.model_config,  # its tiled_mlp and enable_activation_offload
         )
 
 

@@ -278,6 +278,20 @@ class _RankZero(DispatchMode):
         return outputs[0]
 
 
+def dummy_direct_rollout_call(worker_group, *args, **kwargs):
+    raise NotImplementedError(
+        "a Dispatch.DIRECT_ROLLOUT_METHOD method is not dispatched by a worker group: call it on a worker's "
+        "actor handle (worker_group.workers[i].<method>.remote(...)); a colocated class binds it unprefixed"
+    )
+
+
+class _DirectRollout(DispatchMode):  # upstream's: servers call such methods on each worker's handle
+    name = "DIRECT_ROLLOUT_METHOD"
+
+    def dispatch(self, worker_group, args, kwargs):
+        dummy_direct_rollout_call(worker_group)
+
+
 class _DPCompute(DispatchMode):
     name = "DP_COMPUTE"
 
@@ -447,6 +461,7 @@ class Dispatch(metaclass=_DispatchRegistry):
     DP_COMPUTE_PROTO = _DPComputeProto("DP_COMPUTE_PROTO", with_func=False, concat=True)
     DP_COMPUTE_PROTO_WITH_FUNC = _DPComputeProto("DP_COMPUTE_PROTO_WITH_FUNC", with_func=True, concat=True)
     DP_COMPUTE_METRIC = _DPComputeProto("DP_COMPUTE_METRIC", with_func=False, concat=False)
+    DIRECT_ROLLOUT_METHOD = _DirectRollout()
 
 
 Dispatch._modes.update({m.name: m for m in vars(Dispatch).values() if isinstance(m, DispatchMode)})
@@ -604,6 +619,7 @@ _BUILTIN_FUNCTIONS = {
     "DP_COMPUTE_PROTO": (dispatch_dp_compute_data_proto, collect_dp_compute_data_proto),
     "DP_COMPUTE_PROTO_WITH_FUNC": (dispatch_dp_compute_data_proto_with_func, collect_dp_compute_data_proto),
     "DP_COMPUTE_METRIC": (dispatch_dp_compute_data_proto, collect_dp_compute),
+    "DIRECT_ROLLOUT_METHOD": (dummy_direct_rollout_call, dummy_direct_rollout_call),
 }
 
 

@@ -19,7 +19,7 @@ from typing import Any
 
 import ray
 
-from verl.single_controller.base.decorator import _REGISTER_ATTR, RegisteredMethod, get_registered_methods
+from verl.single_controller.base.decorator import _REGISTER_ATTR, Dispatch, RegisteredMethod, get_registered_methods
 from verl.single_controller.base.worker import Worker, enable_async_rpc
 from verl.single_controller.base.worker_group import ClassWithInitArgs
 
@@ -177,6 +177,11 @@ def _build_colocated_class(class_dict: Mapping[str, RayClassWithInitArgs | type]
                 )
             setattr(WorkerDict, fused_name, _forwarder(role, method_name, info))
             role_methods[fused_name] = (role, method_name)
+            if info.dispatch_mode is Dispatch.DIRECT_ROLLOUT_METHOD and "rollout" in role:
+                # upstream binds a rollout role's direct methods without the prefix (servers call them by name)
+                if hasattr(WorkerDict, method_name):
+                    raise ValueError(f"direct rollout method {method_name!r} of role {role!r} clashes with another")
+                setattr(WorkerDict, method_name, _forwarder(role, method_name, info))
     WorkerDict._verl_roles = tuple(specs)
     WorkerDict._verl_role_methods = role_methods
     WorkerDict.raw_cls_dict = {role: user_cls for role, (user_cls, _, _) in specs.items()}
