@@ -181,3 +181,17 @@ def test_in_process_worker_refuses_what_the_batch_api_does_not_run(one_process, 
         built(FSDPEngineConfig(ulysses_sequence_parallel_size=2)).reset()
     with pytest.raises(NotImplementedError, match="'megatron' backend"):
         built(McoreEngineConfig()).reset()
+
+
+def test_mfu_is_the_steps_flops_over_what_the_devices_could_do(one_process, tiny_path, monkeypatch):
+    from verl.utils.flops_counter import FlopsCounter
+
+    monkeypatch.setenv("VERL_PEAK_FLOPS", "2e12")
+    worker = TrainingWorker(_config(tiny_path))
+    worker.reset()
+    flops = FlopsCounter.for_model(worker.engine.hf_config).training_flops([4, 6, 9])
+    assert worker._mfu([4, 6, 9], 0.5, forward_only=False) == pytest.approx(flops / 0.5 / 2e12, rel=1e-12)
+    assert worker._mfu([4, 6, 9], 0.5, forward_only=True) == pytest.approx(flops / 0.5 / 2e12 / 3, rel=1e-12)
+    assert worker._mfu(None, 0.5, forward_only=False) is None
+    monkeypatch.delenv("VERL_PEAK_FLOPS")
+    assert worker._mfu([4, 6, 9], 0.5, forward_only=False) is None  # no GPU here: the peak is unknown

@@ -190,15 +190,17 @@ class TrainingWorker(Worker, DistProfilerExtension):
         )
 
     def _mfu(self, global_token_num, seconds: float, forward_only: bool) -> float | None:
-        from verl.utils.flops_counter import peak_flops
-
-        peak = peak_flops()
-        if global_token_num is None or self.flops_counter is None or peak is None or seconds <= 0:
+        """Model FLOPs utilisation of a step over `global_token_num` (every rank's sequence lengths) that took
+        `seconds`: the FLOPs the step needed over what every rank's device could do in that time; None when
+        the device's peak is unknown (`VERL_PEAK_FLOPS` sets it)."""
+        if global_token_num is None or self.flops_counter is None or seconds <= 0:
             return None
-        flops, _ = self.flops_counter.estimate_flops(list(global_token_num), seconds)
+        achieved, peak = self.flops_counter.estimate_flops(list(global_token_num), seconds)  # TFLOP/s
+        if peak == float("inf"):
+            return None
         world = dist.get_world_size() if dist.is_initialized() else 1
         # estimate_flops counts forward + backward (3 passes); a forward-only pass did a third of it
-        return flops / peak / world / (3.0 if forward_only else 1.0)
+        return achieved / peak / world / (3.0 if forward_only else 1.0)
 
     def _train_batch(self, data: TensorDict) -> TensorDict | None:
         engine = self._require_engine("train_batch")
