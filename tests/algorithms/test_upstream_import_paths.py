@@ -21,7 +21,8 @@ def test_core_algos_re_exports_the_same_objects_it_lists():
     assert core_algos.ADV_ESTIMATORS is advantages.ADV_ESTIMATORS is core_algos.ADV_ESTIMATOR_REGISTRY
     assert core_algos.POLICY_LOSSES is policy_losses.POLICY_LOSSES is core_algos.POLICY_LOSS_REGISTRY
     assert rollout_corr_helper.RolloutCorrectionConfig is rollout_corr.RolloutCorrectionConfig
-    assert set(rollout_corr_helper.__all__) == set(rollout_corr.__all__)
+    # plus upstream's earlier name for the bypass mode, which verl-recipe's rep_exp and specRL import
+    assert set(rollout_corr_helper.__all__) == set(rollout_corr.__all__) | {"apply_rollout_correction"}
 
 
 def test_registering_through_the_old_path_reaches_the_workers_registry():
