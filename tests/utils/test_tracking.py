@@ -134,6 +134,30 @@ def test_mlflow_keys_follow_upstreams_mapping_and_each_renamed_key_is_warned_onc
     assert len(warned) == 4 and sum("'a#b,c'" in m for m in warned) == 1  # renamed keys only, each once
 
 
+def test_mlflow_adapter_logs_mapped_keys_to_the_active_run_and_warns_each_renamed_key_once(
+    tmp_path, monkeypatch, caplog
+):
+    mlflow = pytest.importorskip("mlflow")
+    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")
+    uri = "file:" + str(tmp_path / "store")
+    mlflow.set_tracking_uri(uri)
+    adapter = tracking._MlflowLoggingAdapter()
+    with caplog.at_level("WARNING", logger="verl.utils.tracking"), mlflow.start_run() as run:
+        adapter.log({"val-core///acc/best@5": 0.5, "x y:z": 1, "t": torch.tensor(2.5), "txt": "no"}, step=3)
+        adapter.log({"val-core///acc/best@5": 0.75}, step=4)
+    mlflow.set_tracking_uri(None)
+    client = mlflow.MlflowClient(tracking_uri=uri)
+    data = client.get_run(run.info.run_id).data
+    assert data.metrics == {"val-core/acc/best_at_5": 0.75, "x y:z": 1.0, "t": 2.5}  # the text left out
+    history = client.get_metric_history(run.info.run_id, "val-core/acc/best_at_5")
+    assert [(m.step, m.value) for m in history] == [(3, 0.5), (4, 0.75)]
+    warned = [r.getMessage() for r in caplog.records if "[MLflow]" in r.getMessage()]
+    assert warned == [
+        "[MLflow] metric key 'val-core///acc/best@5' logged as 'val-core/acc/best_at_5' "
+        "(MLflow forbids some characters)"
+    ]
+
+
 def test_tensorboard_event_files_read_back(tmp_path):
     pytest.importorskip("tensorboard")
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator

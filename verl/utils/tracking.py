@@ -142,14 +142,15 @@ _MLFLOW_FORBIDDEN = re.compile(r"[^/\w.\- :]")
 _warned_mlflow_keys: set[str] = set()
 
 
-def sanitize_mlflow_key(name: str) -> str:
+def sanitize_mlflow_key(name: str, *, logger: logging.Logger | None = None, warned: set[str] | None = None) -> str:
     """An MLflow-legal metric name, upstream's mapping (so dashboards match): `@` -> `_at_`, runs of
     slashes -> one slash, any other character MLflow forbids -> `_`. Each renamed key is warned about
-    once per process."""
+    once: on `logger` (default: this module's) and once per `warned` set (default: per process)."""
     safe = _MLFLOW_FORBIDDEN.sub("_", re.sub(r"/+", "/", name.replace("@", "_at_")))
-    if safe != name and name not in _warned_mlflow_keys:
-        _warned_mlflow_keys.add(name)
-        logging.getLogger(__name__).warning(
+    warned = _warned_mlflow_keys if warned is None else warned
+    if safe != name and name not in warned:
+        warned.add(name)
+        (logger or logging.getLogger(__name__)).warning(
             "[MLflow] metric key %r logged as %r (MLflow forbids some characters)", name, safe
         )
     return safe
@@ -287,6 +288,29 @@ class MlflowLogger:
         if not self._finished:
             self.client.set_terminated(self.run_id)
             self._finished = True
+
+
+class _MlflowLoggingAdapter:
+    """Upstream's mlflow backend object (its tests import it): `log(data, step)` sends the metrics to the
+    ACTIVE MLflow run (`mlflow.log_metrics`, which starts one when none is), keys mapped by
+    `sanitize_mlflow_key` and each renamed key warned about once per adapter on `self.logger`.
+    `Tracking` uses `MlflowLogger` (its own run through `MlflowClient`, config as params); this one is
+    for code that drives the run itself with `mlflow.start_run`. Values that are not numbers are left
+    out (upstream hands them to MLflow, which refuses them)."""
+
+    def __init__(self):
+        self.logger = logging.getLogger(__name__)
+        self._warned: set[str] = set()
+
+    def log(self, data: dict, step: int) -> None:
+        import mlflow
+
+        metrics = {}
+        for k, v in data.items():
+            s = _scalar(v)
+            if s is not None:
+                metrics[sanitize_mlflow_key(k, logger=self.logger, warned=self._warned)] = s
+        mlflow.log_metrics(metrics=metrics, step=step)
 
 
 class TensorboardLogger:

@@ -5,7 +5,8 @@
   the pinned torch is installable here. These are the same processors without it (text, chat template
   and images go through transformers' own code; videos raise). `verl.utils.hf_processor` falls back to
   them when the full processor cannot be built for want of torchvision.
-- Positions: Qwen2-VL, Qwen2.5-VL and Qwen3-VL place an image's tokens identically (`mrope_position_ids`);
+- Positions: Qwen2-VL, Qwen2.5-VL and Qwen3-VL place an image's tokens identically (`mrope_position_ids`;
+  `mrope_positions` also places videos, for upstream's `verl.models.transformers.qwen2_vl.get_rope_index`);
   they differ only in how the model lays the three rows out over the rotary frequencies (Qwen3-VL
   interleaves them), which happens inside the model.
 """
@@ -135,44 +136,102 @@ def mrope_position_ids(config, input_ids, attention_mask, image_grid_thw=None):
     This is transformers' `get_rope_index` for images (checked against it in the tests), computed from
     the config alone, so the dataset and the rollout need no model. Video tokens are refused.
     """
+    return mrope_positions(
+        input_ids,
+        attention_mask,
+        image_token_id=config.image_token_id,
+        video_token_id=getattr(config, "video_token_id", None),
+        spatial_merge_size=config.vision_config.spatial_merge_size,
+        image_grid_thw=image_grid_thw,
+    )
+
+
+def _grid_rows(grid_thw) -> list[list[int]]:
     import torch
 
-    image_token_id = config.image_token_id
-    video_token_id = getattr(config, "video_token_id", None)
-    merge = config.vision_config.spatial_merge_size
+    return [] if grid_thw is None else torch.as_tensor(grid_thw).reshape(-1, 3).tolist()
+
+
+def mrope_positions(
+    input_ids,
+    attention_mask,
+    *,
+    image_token_id: int,
+    video_token_id: int | None,
+    spatial_merge_size: int,
+    image_grid_thw=None,
+    video_grid_thw=None,
+    second_per_grid_ts=None,
+    tokens_per_second: float = 2,
+):
+    """`mrope_position_ids` from the token ids and merge size themselves, videos included (upstream
+    verl's `get_rope_index` rule, from transformers 4.52's Qwen2.5-VL): a video's `<|video_pad|>` run
+    takes the next `video_grid_thw` row and its temporal index `k` becomes
+    `int(k * second_per_grid_ts[v] * tokens_per_second)` (seconds per grid 1.0 when not given); the text
+    after any image or video starts one past the largest position it took. Video tokens without
+    `video_grid_thw` are refused, as are image or video runs that do not match their grids.
+    """
+    import torch
+
+    merge = spatial_merge_size
     input_ids = torch.as_tensor(input_ids)
     attention_mask = torch.as_tensor(attention_mask).bool()
-    if video_token_id is not None and bool(((input_ids == video_token_id) & attention_mask).any()):
+    if (
+        video_token_id is not None
+        and video_grid_thw is None
+        and bool(((input_ids == video_token_id) & attention_mask).any())
+    ):
         raise ValueError("video tokens in a prompt: videos are not supported here (images only)")
-    grids = iter([] if image_grid_thw is None else torch.as_tensor(image_grid_thw).tolist())
+    images = iter(_grid_rows(image_grid_thw))
+    video_grids = _grid_rows(video_grid_thw)
+    seconds = (
+        [1.0] * len(video_grids)
+        if second_per_grid_ts is None
+        else list(torch.as_tensor(second_per_grid_ts).reshape(-1).cpu())
+    )
+    if len(seconds) != len(video_grids):
+        raise ValueError(
+            f"second_per_grid_ts has {len(seconds)} values for {len(video_grids)} videos (video_grid_thw rows)"
+        )
+    videos = iter(zip(video_grids, seconds, strict=True))
     positions = torch.zeros((3, *input_ids.shape), dtype=torch.long)
     for row in range(input_ids.shape[0]):
         ids = input_ids[row][attention_mask[row]].tolist()
         out = torch.empty((3, len(ids)), dtype=torch.long)
         pos, i = 0, 0
         while i < len(ids):
-            if ids[i] != image_token_id:
+            token = ids[i]
+            if token == image_token_id:
+                kind, grid, second = "image", next(images, None), None
+            elif video_token_id is not None and token == video_token_id:
+                kind, (grid, second) = "video", next(videos, (None, None))
+            else:
                 out[:, i] = pos
                 pos, i = pos + 1, i + 1
                 continue
-            grid = next(grids, None)
             if grid is None:
-                raise ValueError(f"row {row} has more images than image_grid_thw has rows")
+                raise ValueError(f"row {row} has more {kind}s than {kind}_grid_thw has rows")
             t, h, w = grid[0], grid[1] // merge, grid[2] // merge
             n = t * h * w
-            if ids[i : i + n] != [image_token_id] * n:
+            if ids[i : i + n] != [token] * n:
                 raise ValueError(
-                    f"row {row}: an image of grid {grid} needs {n} consecutive image tokens at position {i}; "
-                    "the prompt's image tokens do not match image_grid_thw (was it processed by the model's processor?)"
+                    f"row {row}: an {kind} of grid {grid} needs {n} consecutive {kind} tokens at position {i}; "
+                    f"the prompt's {kind} tokens do not match {kind}_grid_thw "
+                    "(was it processed by the model's processor?)"
                 )
-            grid_t = torch.arange(t).view(t, 1, 1).expand(t, h, w).reshape(-1)
+            steps = torch.arange(t)
+            if second is not None:  # upstream's order of the products (float32), so the truncation agrees
+                steps = (steps * second * tokens_per_second).long()
+            grid_t = steps.view(t, 1, 1).expand(t, h, w).reshape(-1)
             grid_h = torch.arange(h).view(1, h, 1).expand(t, h, w).reshape(-1)
             grid_w = torch.arange(w).view(1, 1, w).expand(t, h, w).reshape(-1)
             out[:, i : i + n] = torch.stack([grid_t, grid_h, grid_w]) + pos
-            pos, i = pos + max(t, h, w), i + n
+            pos, i = pos + max(int(steps[-1]), h - 1, w - 1) + 1, i + n
         positions[:, row, attention_mask[row]] = out
-    if next(grids, None) is not None:
+    if next(images, None) is not None:
         raise ValueError("image_grid_thw has more rows than the prompts have images")
+    if next(videos, None) is not None:
+        raise ValueError("video_grid_thw has more rows than the prompts have videos")
     return positions
 
 
