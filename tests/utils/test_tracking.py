@@ -141,8 +141,10 @@ def test_mlflow_adapter_logs_mapped_keys_to_the_active_run_and_warns_each_rename
     monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")
     uri = "file:" + str(tmp_path / "store")
     mlflow.set_tracking_uri(uri)
+    # an experiment of this store: an earlier test may have left another store's experiment active
+    experiment_id = mlflow.MlflowClient(tracking_uri=uri).create_experiment("adapter")
     adapter = tracking._MlflowLoggingAdapter()
-    with caplog.at_level("WARNING", logger="verl.utils.tracking"), mlflow.start_run() as run:
+    with caplog.at_level("WARNING", logger="verl.utils.tracking"), mlflow.start_run(experiment_id=experiment_id) as run:
         adapter.log({"val-core///acc/best@5": 0.5, "x y:z": 1, "t": torch.tensor(2.5), "txt": "no"}, step=3)
         adapter.log({"val-core///acc/best@5": 0.75}, step=4)
     mlflow.set_tracking_uri(None)
