@@ -47,44 +47,25 @@ def agg_loss(
     over the ranks (what data-parallel gradient averaging does), it is the whole batch's value
     above. Left None, each falls back to this micro-batch's own count (and `dp_size` still scales).
     """
-    if loss_agg_mode not in LOSS_AGG_MODES:
-        raise _unknown_name_error("loss_agg_mode", loss_agg_mode, LOSS_AGG_MODES)
-    if batch_num_tokens is None and global_batch_size is None and dp_size == 1:
-        return _local_agg_loss(loss_mat, loss_mask, loss_agg_mode, loss_scale_factor)
     if loss_agg_mode == "token-mean":
-        count = loss_mask.sum() if batch_num_tokens is None else batch_num_tokens
-        return masked_sum(loss_mat, loss_mask) / _at_least_one(count) * dp_size
-    non_empty = (loss_mask != 0).any(dim=-1)
+        if batch_num_tokens is None:
+            return masked_mean(loss_mat, loss_mask) * dp_size
+        return masked_sum(loss_mat, loss_mask) / _nonzero(batch_num_tokens) * dp_size
     if loss_agg_mode == "seq-mean-token-sum-norm":
         norm = loss_mask.shape[-1] if loss_scale_factor is None else loss_scale_factor
-        sequences = loss_mat.shape[0] if global_batch_size is None else global_batch_size
-        return masked_sum(loss_mat, loss_mask) / (_at_least_one(sequences) * norm) * dp_size
-    if loss_agg_mode == "seq-mean-token-sum":
-        seq_losses = masked_sum(loss_mat, loss_mask, axis=-1)
-    else:
-        seq_losses = masked_mean(loss_mat, loss_mask, axis=-1)
-    sequences = non_empty.sum() if global_batch_size is None else global_batch_size
-    return (seq_losses * non_empty).sum() / _at_least_one(sequences) * dp_size
-
-
-def _at_least_one(count):
-    # an empty batch sums to 0: divide it by 1 (giving 0, as the local modes do) instead of 0
-    return count.clamp(min=1) if isinstance(count, torch.Tensor) else max(count, 1)
-
-
-def _local_agg_loss(
-    loss_mat: torch.Tensor, loss_mask: torch.Tensor, loss_agg_mode: str, loss_scale_factor: float | None
-) -> torch.Tensor:
-    """`agg_loss` over this [B, R] alone."""
-    if loss_agg_mode == "token-mean":
-        return masked_mean(loss_mat, loss_mask)
-    if loss_agg_mode == "seq-mean-token-sum-norm":
-        norm = loss_mask.shape[-1] if loss_scale_factor is None else loss_scale_factor
-        return masked_sum(loss_mat, loss_mask) / (max(loss_mat.shape[0], 1) * norm)
+        sequences = max(loss_mat.shape[0], 1) if global_batch_size is None else _nonzero(global_batch_size)
+        return masked_sum(loss_mat, loss_mask) / (sequences * norm) * dp_size
     if loss_agg_mode in ("seq-mean-token-sum", "seq-mean-token-mean"):
         seq_losses = masked_sum(loss_mat, loss_mask, axis=-1)
         if loss_agg_mode == "seq-mean-token-mean":
             seq_losses = masked_mean(loss_mat, loss_mask, axis=-1)
         non_empty = (loss_mask != 0).any(dim=-1)
-        return masked_mean(seq_losses, non_empty)
+        if global_batch_size is None:
+            return masked_mean(seq_losses, non_empty) * dp_size
+        return masked_sum(seq_losses, non_empty) / _nonzero(global_batch_size) * dp_size
     raise _unknown_name_error("loss_agg_mode", loss_agg_mode, LOSS_AGG_MODES)
+
+
+def _nonzero(count):
+    # an empty batch sums to 0: divide it by 1 (giving 0, as the local modes do) instead of 0
+    return torch.where(count != 0, count, 1) if isinstance(count, torch.Tensor) else (count or 1)

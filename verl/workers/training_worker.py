@@ -162,20 +162,21 @@ class TrainingWorker(Worker, DistProfilerExtension):
         tu.assign_non_tensor(data, **{k: v for k, v in defaults.items() if k not in present})
 
     def _postprocess(self, output: dict, seconds: float, global_token_num, forward_only: bool) -> TensorDict:
+        from verl.utils.torch_functional import allgather_dict_into_dict
+
         group = self.engine.get_data_parallel_group()
+        dp_size = self.engine.get_data_parallel_size()  # 1 without a process group
         metrics = dict(output["metrics"])
         loss = torch.tensor(float(sum(output["loss"])), dtype=torch.float64, device=dev.collective_device(group))
-        if dist.is_initialized() and self.engine.get_data_parallel_size() > 1:
-            dist.all_reduce(loss, group=group)
-            loss /= self.engine.get_data_parallel_size()
         grad_norm = metrics.pop("grad_norm", None)
         lr = metrics.pop("lr", None)
-        if dist.is_initialized() and self.engine.get_data_parallel_size() > 1:
-            gathered = [None] * self.engine.get_data_parallel_size()
-            dist.all_gather_object(gathered, metrics, group=group)
+        if dp_size > 1:
+            dist.all_reduce(loss, group=group)
+            loss /= dp_size
+            per_rank = allgather_dict_into_dict(metrics, group=group)
         else:
-            gathered = [metrics]
-        final = {key: _flatten([rank[key] for rank in gathered if key in rank]) for key in gathered[0]}
+            per_rank = {key: [value] for key, value in metrics.items()}
+        final = {key: _flatten(values) for key, values in per_rank.items()}
         final["loss"] = float(loss)
         if grad_norm is not None:
             final["grad_norm"] = grad_norm
@@ -260,7 +261,7 @@ class TrainingWorker(Worker, DistProfilerExtension):
         with engine.train_mode(disable_auto_offload=disable_auto_offload):
             for step, mini_batch in enumerate(batches):
                 lengths = mini_batch["input_ids"].offsets().diff().tolist()
-                if dist.is_initialized() and dp_size > 1:
+                if dp_size > 1:
                     gathered = [None] * dp_size
                     dist.all_gather_object(gathered, lengths, group=engine.get_data_parallel_group())
                     lengths = list(itertools.chain.from_iterable(gathered))

@@ -28,6 +28,7 @@ import logging
 import torch
 
 from verl.utils.device import is_cuda_available
+from verl.utils.optim import _get  # a section key (DictConfig, dataclass or mapping), None -> default
 
 __all__ = [
     "get_megatron_last_lr",
@@ -37,11 +38,6 @@ __all__ = [
 ]
 
 logger = logging.getLogger(__name__)
-
-
-def _get(cfg, key: str, default=None):
-    value = cfg.get(key, default) if hasattr(cfg, "get") else getattr(cfg, key, default)
-    return default if value is None else value
 
 
 def init_megatron_optim_config(optim_config, use_distributed_optimizer: bool = True, fp16: bool = False):
