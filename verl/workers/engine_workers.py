@@ -470,9 +470,7 @@ class ActorRolloutRefWorker(Worker, DistProfilerExtension):
         start = time.perf_counter()
         with self.actor_model.on_device():  # pack() copies the weights: the background send needs no params
             # cast to what the rollout engines hold before gathering: rank 0 keeps a bf16 copy, not fp32
-            params = self.actor_model.get_per_tensor_param(
-                self._weight_wire_dtype() or rollout_dtype(self.rollout_config)
-            )
+            params = self.actor_model.iter_hf_params(self._weight_wire_dtype() or rollout_dtype(self.rollout_config))
             if self._weight_sender is None:
                 for _ in params:  # the gathers are collectives: every rank iterates to the end
                     pass

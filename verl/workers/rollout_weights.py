@@ -36,7 +36,7 @@ def sync_rollout_weights(engine: BaseEngine, rollout, dtype: torch.dtype) -> Non
     gathers are collectives); a rank without an engine (`rollout` None) only takes part in them.
     `engine` is the actor's training engine (`verl.workers.engine.BaseEngine`)."""
     with engine.on_device():
-        params = engine.get_per_tensor_param(dtype)
+        params = engine.iter_hf_params(dtype)
         if rollout is None:
             for _ in params:
                 pass

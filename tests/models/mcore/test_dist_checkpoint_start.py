@@ -64,7 +64,7 @@ def _start_from_dist_checkpoint(rank, world_size, hf_dir, ckpt, prefixed, wrong,
         }
 
     actor = _trained_engine(model_cfg, megatron(ckpt))
-    got = dict(actor.get_per_tensor_param())
+    got = dict(actor.iter_hf_params())
     assert sorted(got) == sorted(want)
     for name, tensor in got.items():
         assert torch.equal(tensor, want[name]), name
@@ -80,12 +80,12 @@ def _start_from_dist_checkpoint(rank, world_size, hf_dir, ckpt, prefixed, wrong,
     )
     destroy_model_parallel()
     restarted = _trained_engine(model_cfg, megatron(verl_ckpt))
-    assert torch.equal(dict(restarted.get_per_tensor_param())["model.norm.weight"], want["model.norm.weight"] + 1.0)
+    assert torch.equal(dict(restarted.iter_hf_params())["model.norm.weight"], want["model.norm.weight"] + 1.0)
     destroy_model_parallel()
 
     # the prefixed checkpoint loads with its prefix, and names the likely cause without it
     actor = _trained_engine(model_cfg, megatron(prefixed, prefix="model."))
-    assert torch.equal(dict(actor.get_per_tensor_param())["model.norm.weight"], want["model.norm.weight"])
+    assert torch.equal(dict(actor.iter_hf_params())["model.norm.weight"], want["model.norm.weight"])
     destroy_model_parallel()
     with pytest.raises(RuntimeError, match="dist_checkpointing_prefix"):
         _trained_engine(model_cfg, megatron(prefixed))
@@ -96,7 +96,7 @@ def _start_from_dist_checkpoint(rank, world_size, hf_dir, ckpt, prefixed, wrong,
 
     # critic: the body from the LM checkpoint, a fresh head as HF initialises one (same on both ranks)
     critic = _trained_engine(model_cfg, megatron(ckpt), value_head=True)
-    got = dict(critic.get_per_tensor_param())
+    got = dict(critic.iter_hf_params())
     for name, tensor in got.items():
         if name.startswith("model."):
             assert torch.equal(tensor, want[name]), name

@@ -151,7 +151,7 @@ def _engine_resume(rank, world_size, hf_dir, ckpt_dir):
     critic.update_critic(copy.deepcopy(_critic_data(1)))
     engine.lr_scheduler.step()
     engine.checkpoint_manager.save_checkpoint(saved, global_step=1)
-    exported_at_save = dict(engine.get_per_tensor_param())
+    exported_at_save = dict(engine.iter_hf_params())
     critic.update_critic(copy.deepcopy(_critic_data(2)))
     uninterrupted = state(engine)
 

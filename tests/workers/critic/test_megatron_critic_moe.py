@@ -151,7 +151,7 @@ def _deepseek_critic_ignores_mtp_layers(rank, world_size, path):
     with pytest.raises(NotImplementedError, match="num_nextn_predict_layers=1 .multi-token prediction"):
         MegatronEngineWithLMHead(model_config, {})  # the policy would need the MTP layers
     critic = MegatronEngineWithValueHead(model_config, {}, optimizer_config={"lr": 1e-3})
-    got = dict(critic.get_per_tensor_param())
+    got = dict(critic.iter_hf_params())
     want = hf_state_dict(causal)
     assert sorted(got) == sorted([n for n in want if not n.startswith("lm_head.")] + ["score.bias", "score.weight"])
     for name, tensor in got.items():

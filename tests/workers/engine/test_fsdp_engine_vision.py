@@ -66,7 +66,7 @@ def test_vl_model_loads_as_image_text_to_text_with_the_hf_state_dict_names(vl_pa
     # transformers 5 converts the on-disk names (`visual.*`, `model.layers.*`) to its own at load time: the
     # rollout receives the loaded model's state-dict names (`model.visual.*`, `model.language_model.*`)
     expected = AutoModelForImageTextToText.from_pretrained(vl_path).state_dict()
-    exported = dict(engine.get_per_tensor_param())
+    exported = dict(engine.iter_hf_params())
     assert exported.keys() == expected.keys()
     for name, tensor in expected.items():
         assert torch.equal(exported[name], tensor), name
@@ -105,7 +105,7 @@ def test_freeze_vision_tower_on_a_text_model_says_what_to_change(tmp_path):
 
 def test_the_value_engine_puts_a_one_output_head_over_the_image_text_backbone(vl_path):
     engine = FSDPEngineWithValueHead(OmegaConf.create({"path": vl_path}), {"fsdp_size": -1, "dtype": "auto"}, OPTIM)
-    params = dict(engine.get_per_tensor_param())
+    params = dict(engine.iter_hf_params())
     assert params["score.weight"].shape == (1, engine.hf_config.text_config.hidden_size)
     assert any(n.startswith("model.visual.blocks.") for n in params) and "lm_head.weight" not in params
 
@@ -175,9 +175,9 @@ def _two_rank_frozen_update(rank, world_size, path):
     assert isinstance(engine.module, FSDPModule)
     assert isinstance(engine.module.model.visual.blocks[0], FSDPModule)
     assert isinstance(engine.module.model.language_model.layers[0], FSDPModule)
-    before = dict(engine.get_per_tensor_param())
+    before = dict(engine.iter_hf_params())
     _update_once(engine)
-    after = dict(engine.get_per_tensor_param())
+    after = dict(engine.iter_hf_params())
     assert not any(engine.optimizer.state.get(p) for p in engine.module.model.visual.parameters())
     for name, tensor in after.items():
         assert torch.equal(tensor, before[name]) == name.startswith("model.visual."), name

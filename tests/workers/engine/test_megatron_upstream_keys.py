@@ -33,13 +33,13 @@ def _same_on_every_rank(tensor: torch.Tensor) -> bool:
 def _load_weight(model_cfg, want: dict) -> None:
     from verl.workers.engine import MegatronEngineWithLMHead, MegatronEngineWithValueHead
 
-    loaded = dict(MegatronEngineWithLMHead(model_cfg, MEGATRON, OPTIM).get_per_tensor_param())
+    loaded = dict(MegatronEngineWithLMHead(model_cfg, MEGATRON, OPTIM).iter_hf_params())
     assert all(torch.equal(loaded[name], want[name]) for name in want)
 
     stream = torch.get_rng_state()
-    actor = dict(MegatronEngineWithLMHead(model_cfg, MEGATRON, OPTIM, load_weight=False).get_per_tensor_param())
+    actor = dict(MegatronEngineWithLMHead(model_cfg, MEGATRON, OPTIM, load_weight=False).iter_hf_params())
     assert torch.equal(torch.get_rng_state(), stream)  # the process's random stream is left alone
-    ref = dict(MegatronEngineWithLMHead(model_cfg, MEGATRON, load_weight=False).get_per_tensor_param())
+    ref = dict(MegatronEngineWithLMHead(model_cfg, MEGATRON, load_weight=False).iter_hf_params())
     assert sorted(actor) == sorted(want)
     for name, tensor in actor.items():
         assert torch.equal(tensor, ref[name]), f"{name}: the reference starts elsewhere than the actor"
@@ -53,7 +53,7 @@ def _load_weight(model_cfg, want: dict) -> None:
     assert 0.0095 < float(actor["model.layers.0.self_attn.o_proj.weight"].std()) < 0.0105
     assert torch.equal(actor["model.norm.weight"], torch.ones_like(actor["model.norm.weight"]))
 
-    critic = dict(MegatronEngineWithValueHead(model_cfg, MEGATRON, OPTIM, load_weight=False).get_per_tensor_param())
+    critic = dict(MegatronEngineWithValueHead(model_cfg, MEGATRON, OPTIM, load_weight=False).iter_hf_params())
     assert 0.01 < float(critic["score.weight"].std()) < 0.03 and torch.equal(critic["score.bias"], torch.zeros(1))
     assert _same_on_every_rank(critic["score.weight"])
 

@@ -64,11 +64,17 @@ def test_fsdp_engine_exports_the_checkpoint_weights_and_steps_its_schedule(tiny_
         "language_model", "fsdp", OmegaConf.create({"path": tiny_path}), _plain_replica_config(), optim
     )
     stored = load_file(os.path.join(tiny_path, "model.safetensors"))
-    exported = dict(engine.get_per_tensor_param())
+    exported = dict(engine.iter_hf_params())
     for name, tensor in stored.items():
         assert torch.equal(exported[name], tensor), name
-    halves = dict(engine.get_per_tensor_param(torch.bfloat16))
+    halves = dict(engine.iter_hf_params(torch.bfloat16))
     assert all(t.dtype == torch.bfloat16 for t in halves.values() if t.is_floating_point())
+    # upstream's form: (generator, peft_config), the peft config None (no LoRA here; merged weights with it)
+    per_tensor, peft_config = engine.get_per_tensor_param()
+    assert peft_config is None
+    assert [name for name, _ in per_tensor] == list(exported)
+    per_tensor, _ = engine.get_per_tensor_param(layered_summon=True, base_sync_done=True, dtype=torch.bfloat16)
+    assert all(torch.equal(t, halves[name]) for name, t in per_tensor)
     assert all(p.requires_grad for p in engine.module.parameters())
     # linear warmup over 2 steps: the lr each step used, then the step advances it
     assert [engine.lr_scheduler_step() for _ in range(3)] == pytest.approx([0.0, 5e-4, 1e-3])
@@ -98,13 +104,13 @@ def test_fsdp_config_model_dtype_is_the_dtype_the_weights_are_held_in(tiny_path,
     expected = {"bf16": torch.bfloat16, "fp32": torch.float32}[model_dtype]
     assert {p.dtype for p in engine.module.parameters()} == {expected}
     stored = load_file(os.path.join(tiny_path, "model.safetensors"))
-    exported = dict(engine.get_per_tensor_param())
+    exported = dict(engine.iter_hf_params())
     for name, tensor in stored.items():  # the checkpoint's values, rounded to model_dtype
         assert torch.equal(exported[name], tensor.to(expected)), name
 
 
 def test_the_value_engine_has_a_one_output_head(tiny_path):
     engine = FSDPEngineWithValueHead(OmegaConf.create({"path": tiny_path}), _plain_replica_config())
-    params = dict(engine.get_per_tensor_param())
+    params = dict(engine.iter_hf_params())
     assert params["score.weight"].shape == (1, engine.hf_config.hidden_size)
     assert not any(name.startswith("lm_head") for name in params)

@@ -234,7 +234,7 @@ class MegatronCheckpointManager(BaseCheckpointManager):
     `model` is the list of this rank's model chunks (several with virtual pipeline); `hf_config` is
     the HF config the model was built from (written to `huggingface/`). `hf_weights`, needed for
     `hf_model` in `save_contents`, streams the model's full HF-named tensors (a collective): the
-    engine that built the model hands over its converter (`MegatronEngine.get_per_tensor_param`),
+    engine that built the model hands over its converter (`MegatronEngine.iter_hf_params`),
     so this module, below the models layer, converts nothing itself.
     """
 
@@ -331,7 +331,7 @@ class MegatronCheckpointManager(BaseCheckpointManager):
         if self.hf_weights is None:
             raise ValueError(
                 "checkpoint.save_contents asks for hf_model, but this MegatronCheckpointManager was built without "
-                "hf_weights (the model's HF-named tensors); pass the engine's get_per_tensor_param, or drop hf_model"
+                "hf_weights (the model's HF-named tensors); pass the engine's iter_hf_params, or drop hf_model"
             )
         tensors = {name: tensor.detach().cpu().contiguous() for name, tensor in self.hf_weights()}
         if rank == 0:

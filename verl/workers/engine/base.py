@@ -117,10 +117,21 @@ class BaseEngine(EngineBatchAPI, abc.ABC):
 
     # ------------------------------------------------------------ weights for the rollout
     @abc.abstractmethod
-    def get_per_tensor_param(self, dtype: torch.dtype | None = None):
+    def iter_hf_params(self, dtype: torch.dtype | None = None):
         """`(hf_name, full_tensor)` pairs, streamed one at a time; a collective over the ranks that
         hold parts of a tensor, so every such rank must iterate to the end. `dtype` casts the
         floating-point tensors (before the gather where the backend can)."""
+
+    def get_per_tensor_param(self, layered_summon: bool = False, base_sync_done: bool = False, dtype=None, **kwargs):
+        """Upstream's form of `iter_hf_params`: `(generator of (hf_name, full_tensor), peft_config)`.
+
+        The peft config is always None here: with LoRA the generator yields the merged weights
+        `W + scaling * B @ A` under the base model's names, so a rollout needs no adapter to load
+        (upstream sends the adapter apart once the base weights are synced, `base_sync_done`; the
+        merged weights give the engine the same model). `layered_summon` (upstream's layer-by-layer
+        gather of LoRA weights) changes nothing here: the tensors are already gathered one at a time.
+        `kwargs` takes upstream's other backends' keywords, none of which changes what is sent."""
+        return self.iter_hf_params(dtype), None
 
 
 # upstream's backends whose config classes exist here (verl.workers.config) but whose engines do not

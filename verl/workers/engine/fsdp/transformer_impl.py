@@ -269,7 +269,7 @@ class FSDPEngine(BaseEngine):
     def hf_config(self):
         return getattr(self.module, "config", None)
 
-    def get_per_tensor_param(self, dtype: torch.dtype | None = None):
+    def iter_hf_params(self, dtype: torch.dtype | None = None):
         """With LoRA, the merged weights `W + scaling * B @ A` under plain HF names. `dtype` casts
         each shard before its all-gather, or, with LoRA, each merged weight (the merge itself runs
         in at least float32)."""

@@ -8,7 +8,7 @@ Design decisions:
 - Weights: every rank reads the HF checkpoint and keeps its shard (`verl.models.mcore.load_hf_state_dict`),
   or, with `megatron.use_dist_checkpointing`, reads only its shards of a dist checkpoint made once
   with `python -m verl.models.mcore.converter`; the rollout engine and `hf_model` checkpoints get
-  full HF-named tensors streamed one at a time (`get_per_tensor_param`, which the engine also
+  full HF-named tensors streamed one at a time (`iter_hf_params`, which the engine also
   hands the checkpoint manager, so the manager needs no model converter of its own).
 - Optimizer: torch AdamW over this rank's shards with the FSDP backend's lr schedules and
   megatron's weight-decay ramp (`verl.utils.optim.MegatronParamScheduler`; why not megatron's
@@ -250,7 +250,7 @@ class MegatronEngine(BaseEngine):
             tokenizer,
             checkpoint_config,
             hf_config=self.hf_config,
-            hf_weights=self.get_per_tensor_param,
+            hf_weights=self.iter_hf_params,
             lora_config=self.lora_config,
         )
 
@@ -368,7 +368,7 @@ class MegatronEngine(BaseEngine):
 
         return adapters_disabled(self.chunks)
 
-    def get_per_tensor_param(self, dtype: torch.dtype | None = None):
+    def iter_hf_params(self, dtype: torch.dtype | None = None):
         """A collective over the tensor and pipeline groups; `dtype` casts each tensor once gathered."""
         from verl.models.mcore import mcore_to_hf_named_tensors
 
