@@ -6,6 +6,7 @@ or a lower rank; docs/architecture.md draws them):
     rank 5  trainer/, model_merger/   the driver and the entry points
     rank 4  experimental/             the agent loop and other pipelines that compose the layers below
     rank 3  workers/                  role workers, actors, critics, rollout engines
+            checkpoint_engine/        upstream's weight-transfer API between worker groups
     rank 2  algorithms/, tools/, interactions/   the loss/advantage math; tools; simulated users
     rank 1  models/                   model factory, bundled models, megatron model pieces
     rank 0  protocol, single_controller/, utils/, verl/__init__   the base: imports nothing above it
@@ -44,6 +45,7 @@ LAYERS = {
     "tools": 2,
     "interactions": 2,
     "workers": 3,
+    "checkpoint_engine": 3,
     "experimental": 4,
     "trainer": 5,
     "model_merger": 5,
