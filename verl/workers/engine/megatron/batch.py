@@ -111,7 +111,8 @@ def forward_backward_micro_batches(engine, micro_batches: list, loss_function, f
         data = source if rows == list(range(source.batch_size[0])) else tu.index_select_tensor_dict(source, rows)
         lengths = micro_batch["attention_mask"].sum(-1)
         model_output = {
-            key: _jagged(value, lengths) for key, value in _per_token(engine, micro_batch, output, settings[index]).items()
+            key: _jagged(value, lengths)
+            for key, value in _per_token(engine, micro_batch, output, settings[index]).items()
         }
         if loss_function is None:
             loss, metrics = output.new_zeros(()), {}
