@@ -18,6 +18,10 @@ Design decisions:
   (`verl.utils.checkpoint.megatron_checkpoint_manager`).
 - Offload (`megatron.param_offload` / `optimizer_offload`): parameters and Adam moments live on
   the host between uses; no-ops on a CPU device.
+- Batch API (`train_batch` / `infer_batch` / `forward_backward_batch`, what upstream's `TrainingWorker`
+  runs): the micro-batches go through megatron's schedule (`verl.workers.engine.megatron.batch`);
+  `optimizer_step` reduces the gradients as the PPO actor does (`finalize_megatron_grads`) and clips
+  them by the full model's norm.
 - LoRA (`model.lora.rank > 0`, see `verl.models.mcore.lora`): adapters on the trained model's
   linear layers, the rest frozen but a critic's value head; `disable_adapter` gives the base model
   (the reference policy) and the rollout receives the merged weights.
