@@ -144,3 +144,21 @@ def test_megatron_batch_api_equals_the_references_in_every_layout(tiny_path):
     )
     expected["fsdp_grad_norm"], expected["fsdp_loss"] = fsdp["metrics"]["grad_norm"], sum(fsdp["loss"])
     run_distributed(_ranks, 2, tiny_path, batch, expected)
+
+
+def test_padded_rows_lay_each_sequence_from_column_zero_and_refuse_shifted_positions():
+    from verl.utils import tensordict_utils as tu
+    from verl.workers.engine.megatron.batch import padded_rows
+
+    rows = [torch.tensor([5, 6, 7]), torch.tensor([8]), torch.tensor([9, 10])]
+    ids = torch.nested.as_nested_tensor(rows, layout=torch.jagged)
+    positions = torch.nested.as_nested_tensor([torch.arange(len(r)) for r in rows], layout=torch.jagged)
+    data = tu.get_tensordict({"input_ids": ids, "position_ids": positions})
+    padded = padded_rows(data, index=4)
+    assert padded["input_ids"].tolist() == [[5, 6, 7], [8, 0, 0], [9, 10, 0]]
+    assert padded["attention_mask"].tolist() == [[1, 1, 1], [1, 0, 0], [1, 1, 0]]
+    assert padded["responses"].tolist() == [[6, 7], [0, 0], [10, 0]]  # a one-token prompt, the rest predicted
+    assert padded["_micro_batch"].tolist() == [4, 4, 4] and padded["_row"].tolist() == [0, 1, 2]
+    shifted = torch.nested.as_nested_tensor([torch.arange(len(r)) + 2 for r in rows], layout=torch.jagged)
+    with pytest.raises(ValueError, match="position_ids to count 0, 1, 2"):
+        padded_rows(tu.get_tensordict({"input_ids": ids, "position_ids": shifted}), index=0)

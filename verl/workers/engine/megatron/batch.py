@@ -41,18 +41,23 @@ def padded_rows(micro_batch: TensorDict, index: int) -> TensorDict:
             f"position_ids has {positions.dim()} dims; the batch API takes text position ids [B, j] (M-RoPE "
             "position ids of vision-language models are not supported by it here)"
         )
-    lengths = ids.offsets().diff()
+    lengths = ids.offsets().diff().cpu()
     rows, width = len(lengths), max(int(lengths.max()), 2)
-    mask = torch.arange(width)[None] < lengths[:, None]
+    columns = torch.arange(width).expand(rows, width)
+    mask = columns < lengths[:, None]
+    if not torch.equal(positions.values().cpu(), columns[mask].to(positions.dtype)):
+        raise tu.TensorDictError(
+            "the Megatron engine's batch API needs each sequence's position_ids to count 0, 1, 2, ... (megatron's "
+            "rotary positions are the token's column; its local attention takes no packed or shifted positions); "
+            "give each sequence its own positions from 0"
+        )
     padded_ids = torch.zeros(rows, width, dtype=ids.dtype)
-    padded_pos = torch.zeros(rows, width, dtype=positions.dtype)
     padded_ids[mask] = ids.values().cpu()
-    padded_pos[mask] = positions.values().cpu()
     return TensorDict(
         {
             "input_ids": padded_ids,
             "attention_mask": mask.long(),
-            "position_ids": padded_pos,
+            "position_ids": columns.clone(),
             "responses": padded_ids[:, 1:],
             "_micro_batch": torch.full((rows,), index, dtype=torch.long),
             "_row": torch.arange(rows),
@@ -93,6 +98,7 @@ def forward_backward_micro_batches(engine, micro_batches: list, loss_function, f
     from verl.workers.actor.megatron_actor import run_megatron_schedule
 
     group = engine.get_data_parallel_group()
+    padded = [padded_rows(m, i) for i, m in enumerate(micro_batches)]
     device = dev.get_device()
     if device.type != "cpu":  # the loss function meets the model's outputs on the device
         micro_batches = [m.to(device) for m in micro_batches]
@@ -123,7 +129,6 @@ def forward_backward_micro_batches(engine, micro_batches: list, loss_function, f
             result["loss"] = float(loss.detach())
         return loss, result
 
-    padded = [padded_rows(m, i) for i, m in enumerate(micro_batches)]
     results = run_megatron_schedule(engine.chunks, padded, loss_fn, forward_only)
     outputs, losses, metrics = {}, [], {}
     for result in results:  # the last stage's, in the micro-batches' order; none elsewhere
