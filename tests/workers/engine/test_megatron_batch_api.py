@@ -1,12 +1,14 @@
 """Upstream's batch-level engine interface (`verl.workers.engine.batch_api`) on the Megatron engine, on 2
 gloo ranks, fp32, in each layout the ranks allow: tensor parallel 2, two data-parallel replicas (tp=1),
-pipeline parallel 2 (also with two virtual stages), context parallel 2.
+pipeline parallel 2 (also with two virtual stages), context parallel 2; tp=2 runs sequence parallel
+(the config's default).
 
 Checked in every layout against references computed apart from megatron: `infer_batch`'s log-probs and
 entropy (temperature 0.7) equal each row run alone through the HF model; `train_batch`'s gradient norm
 and loss equal a float64 autograd reference of the whole batch's PPO loss and the FSDP engine's on the
 same batch (so every layout equals every other); the value engine's values equal the HF token classifier
-holding the engine's own exported weights, row by row."""
+holding the engine's own exported weights, row by row, and its gradient norm under a loss on the values
+that classifier's."""
 
 from __future__ import annotations
 
@@ -114,6 +116,22 @@ def _value_model(path, batch) -> None:
                 alone = hf(input_ids=batch["input_ids"][i][keep][None]).logits[0, :, 0]
                 n = int(batch["response_mask"][i].sum())
                 torch.testing.assert_close(values[i, :n], alone[-n - 1 : -1], atol=1e-5, rtol=0)
+
+    def squares(model_output, data, dp_group=None):  # a loss on every token's value
+        loss = model_output["values"].values().pow(2).sum() * 0.01
+        return loss, {}
+
+    out = engine.train_batch(data, loss_function=squares)
+    if engine.is_mp_src_rank_with_outputs():
+        hf.zero_grad()
+        total = sum(
+            hf(input_ids=batch["input_ids"][i][batch["attention_mask"][i].bool()][None]).logits.pow(2).sum() * 0.01
+            for i in range(len(batch))
+        )
+        total.backward()
+        expected = float(torch.sqrt(sum((p.grad.double() ** 2).sum() for p in hf.parameters() if p.grad is not None)))
+        assert out["metrics"]["grad_norm"] == pytest.approx(expected, rel=1e-4)
+        assert sum(out["loss"]) == pytest.approx(float(total), rel=1e-5)
     destroy_model_parallel()
 
 
