@@ -6,8 +6,8 @@ Design decisions:
   stages included), context and sequence parallelism run as they do for the actor.
 - Megatron's local attention takes no packed sequences: each micro-batch's jagged rows are laid
   out as a right-padded [B, L] batch whose row i holds sequence i from column 0, i.e. the actor's
-  layout with a one-token prompt and the rest as the "response" (`left_align` then checks that
-  each row's position ids count 0, 1, ...: the model's rotary positions are its columns). The
+  layout with a one-token prompt and the rest as the "response"; each row's position ids must
+  count 0, 1, ... (the model's rotary positions are its columns), anything else is refused. The
   per-token outputs over every column of a row come back as the jagged [B, j] the batch API returns.
 - Log-probs and entropy come from the tensor-parallel vocabulary shards without gathering the
   logits (`vocab_parallel_log_probs_and_entropy`), whatever `use_fused_kernels` says (the same
