@@ -148,8 +148,6 @@ def test_checkpoint_round_trip_and_manual_placement(worker_group, tmp_path):
 
 
 def test_in_process_worker_refuses_what_the_batch_api_does_not_run(one_process, tiny_path):
-    from verl.workers.config import McoreEngineConfig
-
     chosen = []
 
     def choose(model_config, device_name):
@@ -179,8 +177,70 @@ def test_in_process_worker_refuses_what_the_batch_api_does_not_run(one_process, 
 
     with pytest.raises(NotImplementedError, match="ulysses_sequence_parallel_size=2"):
         built(FSDPEngineConfig(ulysses_sequence_parallel_size=2)).reset()
-    with pytest.raises(NotImplementedError, match="'megatron' backend"):
-        built(McoreEngineConfig()).reset()
+
+
+def test_megatron_worker_at_tensor_parallel_2_equals_the_fsdp_engine(ray_session, tiny_path, tmp_path):
+    """The Megatron engine behind the worker: both ranks of the tp=2 group get the whole batch, one returns
+    the results; the log-probs are each row's alone through the HF model, the update the FSDP engine's,
+    and a checkpoint taken before it restores the policy."""
+    from transformers import AutoModelForCausalLM
+
+    from verl.workers.config import McoreEngineConfig, McoreOptimizerConfig
+    from verl.workers.engine import EngineRegistry
+
+    fsdp = _config(tiny_path)
+    config = TrainingWorkerConfig(
+        model_type="language_model",
+        model_config=HFModelConfig(path=tiny_path),
+        engine_config=McoreEngineConfig(
+            tensor_model_parallel_size=2,
+            dtype="float32",
+            use_dynamic_bsz=True,
+            max_token_len_per_gpu=24,
+            infer_max_token_len_per_gpu=64,
+        ),
+        optimizer_config=McoreOptimizerConfig(lr=1e-3),
+    )
+    wg = RayWorkerGroup(
+        resource_pool=RayResourcePool(process_on_nodes=[2], use_gpu=False),
+        ray_cls_with_init=RayClassWithInitArgs(cls=ray.remote(TrainingWorker), config=config),
+    )
+    wg.reset()
+    actor = ActorConfig(strategy="megatron", rollout_n=1, ppo_micro_batch_size_per_gpu=1)
+    wg.set_loss_fn(functools.partial(ppo_loss, config=actor))
+    batch = _rl_batch(seed=2)
+    before = _infer(wg, batch)
+    reference, _ = reference_response_log_probs(AutoModelForCausalLM.from_pretrained(tiny_path), batch)
+    mask = batch["response_mask"].bool()
+    torch.testing.assert_close(before[mask].double(), reference[mask], atol=2e-5, rtol=0)
+    wg.save_checkpoint(str(tmp_path / "ckpt"), global_step=1)
+
+    metrics = tu.get(wg.train_batch(left_right_2_no_padding(batch.clone())).get(), "metrics")
+    single = EngineRegistry.new(
+        "language_model", "fsdp", OmegaConf.create({"path": tiny_path}), fsdp.engine_config, fsdp.optimizer_config
+    )
+    local = left_right_2_no_padding(batch.clone())
+    tu.assign_non_tensor(local, use_dynamic_bsz=False, micro_batch_size_per_gpu=8)
+    expected = single.train_batch(local, functools.partial(ppo_loss, config=actor))
+    assert metrics["grad_norm"] == pytest.approx(expected["metrics"]["grad_norm"], rel=1e-4)
+    assert metrics["loss"] == pytest.approx(sum(expected["loss"]), rel=1e-4)
+    # the same step on both: the updated policies agree
+    with torch.no_grad():
+        stepped = _infer(wg, batch)
+        single_out = single.infer_batch(_infer_data(batch))["model_output"]["log_probs"]
+    torch.testing.assert_close(
+        stepped[mask], no_padding_2_padding(single_out, _infer_data(batch))[mask], atol=1e-5, rtol=0
+    )
+    assert not torch.allclose(stepped[mask], before[mask])
+    wg.to("cpu")
+    wg.load_checkpoint(str(tmp_path / "ckpt"))
+    torch.testing.assert_close(_infer(wg, batch), before, atol=0, rtol=0)
+
+
+def _infer_data(batch):
+    data = left_right_2_no_padding(batch.clone())
+    tu.assign_non_tensor(data, use_dynamic_bsz=False, micro_batch_size_per_gpu=8, temperature=1.0)
+    return data
 
 
 def test_mfu_is_the_steps_flops_over_what_the_devices_could_do(one_process, tiny_path, monkeypatch):

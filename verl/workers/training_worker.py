@@ -80,8 +80,18 @@ class TrainingWorker(Worker, DistProfilerExtension):
                 self.model_config, self.device_name
             )
         self.init_profiler(self.rank, config.profiler_config, "train")
-        # every rank of an FSDP engine is a data-parallel rank and returns its own rows
-        self._register_dispatch_collect_info(_TRAIN_MESH, dp_rank=self.rank, is_collect=True)
+        from verl.workers.engine import EngineRegistry
+
+        # the backend's process groups (megatron's tensor/pipeline/context/data groups; every rank a
+        # data-parallel rank under FSDP): the ranks of one model replica get the same rows, and one
+        # of them (the last pipeline stage's first tensor/context rank) returns the results
+        self.engine_cls = EngineRegistry.get_engine_cls(config.model_type, self.engine_config.strategy)
+        self.engine_cls.init_parallel(self.engine_config)
+        self._register_dispatch_collect_info(
+            _TRAIN_MESH,
+            dp_rank=self.engine_cls.data_parallel_rank(),
+            is_collect=self.engine_cls.is_mp_src_rank_with_outputs(),
+        )
         self.engine = None
         self.loss_fn = None
 
@@ -95,9 +105,6 @@ class TrainingWorker(Worker, DistProfilerExtension):
     def reset(self) -> None:
         """Build the engine from the model path (again, dropping the trained state and optimizer, when
         built before): the model, its sharding, optimizer and lr schedule."""
-        from verl.workers.engine import EngineRegistry
-        from verl.workers.engine.batch_api import EngineBatchAPI
-
         self.engine = None
         trains = not self.engine_config.forward_only
         if trains and self.optimizer_config is None:
@@ -105,11 +112,11 @@ class TrainingWorker(Worker, DistProfilerExtension):
                 "TrainingWorker: engine_config.forward_only is false but there is no optimizer_config; pass one "
                 "(e.g. FSDPOptimizerConfig()) or set forward_only=True for an inference-only engine"
             )
-        engine_cls = EngineRegistry.get_engine_cls(self.config.model_type, self.engine_config.strategy)
-        if engine_cls._packed_forward is EngineBatchAPI._packed_forward:
+        engine_cls = self.engine_cls
+        if not engine_cls.has_batch_forward():
             raise NotImplementedError(
                 f"TrainingWorker on the {self.engine_config.strategy!r} backend: its engine "
-                f"({engine_cls.__name__}) has no batch forward here; use strategy=fsdp (or fsdp2)"
+                f"({engine_cls.__name__}) has no batch forward here; use strategy=fsdp (or fsdp2) or megatron"
             )
         sp = int(getattr(self.engine_config, "ulysses_sequence_parallel_size", 1) or 1)
         if sp > 1:

@@ -57,6 +57,13 @@ class BaseEngine(EngineBatchAPI, abc.ABC):
         of data-parallel replicas (ranks holding different data). Called once per role, before the build."""
 
     @staticmethod
+    def data_parallel_rank() -> int:
+        """This rank's data-parallel index once `init_parallel` ran (every rank its own, without model parallelism)."""
+        import torch.distributed as dist
+
+        return dist.get_rank() if dist.is_initialized() else 0
+
+    @staticmethod
     def is_mp_src_rank_with_outputs() -> bool:
         """Whether this rank returns its replica's results (the others of a model-parallel group
         compute the same, or only part of it). Every rank, without model parallelism."""

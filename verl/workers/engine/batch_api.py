@@ -5,7 +5,8 @@ This is the interface upstream's `TrainingWorker` (`verl.workers.engine_workers`
 trainer and users' own training loops program against. The role workers here keep their own
 micro-batch loops (`verl.workers.actor`, `verl.workers.critic`); this mixin gives the same engines
 the loss-function interface as well, written once for every backend: a backend supplies only
-`_packed_forward` (one packed row of tokens -> per-token log-probs, entropy or values).
+`_packed_forward` (one packed row of tokens -> per-token log-probs, entropy or values), or, when its
+forward needs a schedule of its own (megatron's pipeline), `_forward_backward_micro_batches`.
 
 The batch (see `verl.workers.utils.padding`):
 - `input_ids`, `position_ids`: jagged tensors [B, j] of each sequence's tokens;
@@ -88,6 +89,15 @@ class EngineBatchAPI:
     def get_data_parallel_rank(self) -> int:
         return dist.get_rank(self.get_data_parallel_group()) if dist.is_initialized() else 0
 
+    @classmethod
+    def has_batch_forward(cls) -> bool:
+        """Whether this backend implements the batch forward (`_packed_forward` or its own
+        `_forward_backward_micro_batches`)."""
+        return (
+            cls._packed_forward is not EngineBatchAPI._packed_forward
+            or cls._forward_backward_micro_batches is not EngineBatchAPI._forward_backward_micro_batches
+        )
+
     # ------------------------------------------------------------ modes
     def train_mode(self, **kwargs) -> EngineModeContext:
         """Training mode (dropout on); as a context, the model and optimizer state on the device."""
@@ -160,7 +170,9 @@ class EngineBatchAPI:
                     "max_token_len_per_gpu (infer_max_token_len_per_gpu for inference) or use_dynamic_bsz=False with "
                     "micro_batch_size_per_gpu"
                 )
-            micro_batches, partitions = rearrange_micro_batches(data, max_token_len=int(max_tokens), dp_group=group)
+            micro_batches, partitions = rearrange_micro_batches(
+                data, max_token_len=self._token_budget(int(max_tokens)), dp_group=group
+            )
         else:
             size = tu.get(data, "micro_batch_size_per_gpu", None)
             if not size or size < 1:
@@ -171,6 +183,25 @@ class EngineBatchAPI:
             partitions = [list(range(i, min(i + size, len(seqlens)))) for i in range(0, len(seqlens), size)]
             micro_batches = [tu.index_select_tensor_dict(data, p) for p in partitions]
 
+        outputs, losses, metrics = self._forward_backward_micro_batches(micro_batches, loss_function, forward_only)
+        order = [i for p in partitions for i in p]
+        model_output = {}
+        for key, rows in outputs.items():
+            nested = torch.nested.as_nested_tensor(rows, layout=torch.jagged)
+            model_output[key] = restore_dynamic_batch(nested, [order]) if order != sorted(order) else nested
+        return {"model_output": model_output, "loss": losses, "metrics": metrics}
+
+    def _token_budget(self, max_tokens: int) -> int:
+        """The tokens one micro-batch may hold on this rank for a `max_token_len_per_gpu` of `max_tokens`."""
+        return max_tokens
+
+    def _forward_backward_micro_batches(self, micro_batches: list, loss_function, forward_only: bool):
+        """Run the micro-batches (in order) and, with `loss_function`, their losses (backpropagated
+        unless `forward_only`). Returns `(outputs, losses, metrics)`: {name: [per-row tensor, in the
+        micro-batches' row order]}, [loss per micro-batch], {name: [value per micro-batch]}. This
+        default runs each micro-batch through `_packed_forward` and calls `loss.backward()` on it;
+        a backend whose forward needs its own schedule (megatron's pipeline) overrides it."""
+        group = self.get_data_parallel_group()
         outputs, losses, metrics = {}, [], {}
         device = dev.get_device()
         for micro_batch in micro_batches:
@@ -187,12 +218,7 @@ class EngineBatchAPI:
             append_to_dict(metrics, micro_metrics)
             for key, value in model_output.items():
                 outputs.setdefault(key, []).extend(value.detach().unbind())
-        order = [i for p in partitions for i in p]
-        model_output = {}
-        for key, rows in outputs.items():
-            nested = torch.nested.as_nested_tensor(rows, layout=torch.jagged)
-            model_output[key] = restore_dynamic_batch(nested, [order]) if order != sorted(order) else nested
-        return {"model_output": model_output, "loss": losses, "metrics": metrics}
+        return outputs, losses, metrics
 
     def _micro_batch_outputs(self, micro_batch: TensorDict) -> dict[str, torch.Tensor]:
         ids = micro_batch["input_ids"]

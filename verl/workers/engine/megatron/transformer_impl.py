@@ -18,6 +18,10 @@ Design decisions:
   (`verl.utils.checkpoint.megatron_checkpoint_manager`).
 - Offload (`megatron.param_offload` / `optimizer_offload`): parameters and Adam moments live on
   the host between uses; no-ops on a CPU device.
+- Batch API (`train_batch` / `infer_batch` / `forward_backward_batch`, what upstream's `TrainingWorker`
+  runs): the micro-batches go through megatron's schedule (`verl.workers.engine.megatron.batch`);
+  `optimizer_step` reduces the gradients as the PPO actor does (`finalize_megatron_grads`) and clips
+  them by the full model's norm.
 - LoRA (`model.lora.rank > 0`, see `verl.models.mcore.lora`): adapters on the trained model's
   linear layers, the rest frozen but a critic's value head; `disable_adapter` gives the base model
   (the reference policy) and the rollout receives the merged weights.
@@ -236,6 +240,11 @@ class MegatronEngine(BaseEngine):
         # (ZeRO-1; the data-parallel ranks, fewer under expert parallelism)
         shard_over = optimizer_state_shard_group() if meg.use_distributed_optimizer else None
         optim = megatron_optim_settings(optimizer_config)
+        self.optimizer_config = (
+            optimizer_config
+            if isinstance(optimizer_config, McoreOptimizerConfig)
+            else omega_conf_to_dataclass(optimizer_config, McoreOptimizerConfig)
+        )
         self.optimizer = build_optimizer(
             [p for p in self.parameters() if p.requires_grad], optim, shard_state_over=shard_over
         )
@@ -360,6 +369,53 @@ class MegatronEngine(BaseEngine):
             yield
         finally:
             self._offload(optimizer)
+
+    def to(self, device: str, model: bool = True, optimizer: bool = True, grad: bool = True) -> None:
+        from verl.utils.fsdp_utils import (
+            load_fsdp_model_to_device,
+            load_fsdp_optimizer,
+            offload_fsdp_model_to_cpu,
+            offload_fsdp_optimizer,
+        )
+
+        device = dev.get_device_name() if device == "device" else device
+        if device not in ("cpu", dev.get_device_name()):
+            raise ValueError(f"engine.to({device!r}): use 'cpu' or this machine's device ({dev.get_device_name()!r})")
+        to_host = device == "cpu"
+        if model:  # gradients live with their parameters
+            for chunk in self.chunks:
+                (offload_fsdp_model_to_cpu if to_host else load_fsdp_model_to_device)(chunk)
+        if optimizer and self.optimizer is not None:
+            (offload_fsdp_optimizer if to_host else load_fsdp_optimizer)(local_optimizer(self.optimizer))
+
+    # ------------------------------------------------------------ the batch API (EngineBatchAPI)
+    def get_data_parallel_group(self):
+        from megatron.core import parallel_state as mpu
+
+        return mpu.get_data_parallel_group()
+
+    def _token_budget(self, max_tokens: int) -> int:
+        from verl.workers.actor.megatron_actor import per_rank_token_budget
+
+        return per_rank_token_budget(max_tokens)  # a context-parallel rank holds 1/cp of each row
+
+    def _forward_backward_micro_batches(self, micro_batches: list, loss_function, forward_only: bool):
+        """The micro-batches through megatron's schedule (`verl.workers.engine.megatron.batch`)."""
+        from verl.workers.engine.megatron.batch import forward_backward_micro_batches
+
+        return forward_backward_micro_batches(self, micro_batches, loss_function, forward_only)
+
+    def optimizer_step(self) -> float:
+        """Reduce the gradients over the replicas (and tied / sequence-parallel copies), clip them to
+        `clip_grad` by the full model's norm and step (skipped when the norm is not finite)."""
+        from verl.workers.actor.megatron_actor import clip_grads_megatron, finalize_megatron_grads
+        from verl.workers.dp_training import step_if_finite
+
+        self._require_optimizer("optimizer_step")
+        finalize_megatron_grads(self.chunks)
+        grad_norm = float(clip_grads_megatron(self.chunks, self.optimizer_config.clip_grad))
+        step_if_finite(self.optimizer, grad_norm)
+        return grad_norm
 
     def disable_adapter(self):
         if not self.lora:
