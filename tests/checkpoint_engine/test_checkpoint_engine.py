@@ -294,3 +294,18 @@ def test_a_group_of_one_sends_in_buckets_and_refuses_a_tensor_larger_than_a_buck
         asyncio.run(anext(engine.receive_weights()))
     with pytest.raises(ValueError, match="floating-point"):
         NCCLCheckpointEngine(bucket_size=8, rollout_dtype="int8")
+
+
+@pytest.mark.gpu
+def test_on_a_gpu_the_buckets_live_on_the_device_and_an_nccl_group_of_one_sends():
+    from verl.utils import device as dev
+
+    engine = NCCLCheckpointEngine(bucket_size=1 << 16, is_master=True, timeout_s=60)
+    metadata = engine.prepare()
+    assert all(buffer.device.type == dev.get_device().type for buffer in engine._buffers)
+    engine.init_process_group(rank=0, world_size=1, master_metadata=metadata)
+    weights = [(f"w{i}", torch.randn(4096, device=dev.get_device())) for i in range(6)]  # 8 KiB each in bf16
+    asyncio.run(engine.send_weights(iter(weights)))
+    assert engine._sent_buckets == 1
+    assert torch.equal(engine._buffers[0][:8192].view(torch.bfloat16), weights[0][1].to(torch.bfloat16))
+    engine.finalize()
