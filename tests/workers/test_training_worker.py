@@ -175,8 +175,8 @@ def test_in_process_worker_refuses_what_the_batch_api_does_not_run(one_process, 
             )
         )
 
-    with pytest.raises(NotImplementedError, match="ulysses_sequence_parallel_size=2"):
-        built(FSDPEngineConfig(ulysses_sequence_parallel_size=2)).reset()
+    with pytest.raises(ValueError, match="ulysses_sequence_parallel_size=2 does not divide the 1 workers"):
+        built(FSDPEngineConfig(ulysses_sequence_parallel_size=2))
 
 
 def test_megatron_worker_at_tensor_parallel_2_equals_the_fsdp_engine(ray_session, tiny_path, tmp_path):
@@ -235,6 +235,72 @@ def test_megatron_worker_at_tensor_parallel_2_equals_the_fsdp_engine(ray_session
     wg.to("cpu")
     wg.load_checkpoint(str(tmp_path / "ckpt"))
     torch.testing.assert_close(_infer(wg, batch), before, atol=0, rtol=0)
+
+
+def test_ulysses_worker_at_sequence_parallel_2_equals_one_rank(ray_session, tiny_path):
+    """Ulysses sp=2 over 2 ranks (dp=1): each packed micro-batch is split between the ranks (odd token
+    counts padded), both get the whole batch and one returns it; log-probs and entropy equal each row
+    alone through the HF model, the step's gradient norm and loss the one-rank engine's."""
+    from transformers import AutoModelForCausalLM
+
+    from verl.workers.engine import EngineRegistry
+
+    one_rank = _config(tiny_path)
+    config = TrainingWorkerConfig(
+        model_type="language_model",
+        model_config=HFModelConfig(path=tiny_path, use_remove_padding=True),
+        engine_config=FSDPEngineConfig(
+            ulysses_sequence_parallel_size=2,
+            fsdp_size=-1,
+            dtype="auto",
+            use_dynamic_bsz=True,
+            max_token_len_per_gpu=24,
+            infer_max_token_len_per_gpu=64,
+        ),
+        optimizer_config=FSDPOptimizerConfig(lr=1e-3),
+    )
+    pool = RayResourcePool(process_on_nodes=[2], use_gpu=False)
+    wg = RayWorkerGroup(
+        resource_pool=pool, ray_cls_with_init=RayClassWithInitArgs(cls=ray.remote(TrainingWorker), config=config)
+    )
+    try:
+        wg.reset()
+        actor = ActorConfig(strategy="fsdp", rollout_n=1, ppo_micro_batch_size_per_gpu=1)
+        wg.set_loss_fn(functools.partial(ppo_loss, config=actor))
+        batch = _rl_batch(seed=2)
+        assert int(batch["attention_mask"].sum()) % 2 == 1  # the packed tokens do not split evenly
+        data = left_right_2_no_padding(batch.clone())
+        tu.assign_non_tensor(data, temperature=1.0, compute_loss=False, calculate_entropy=True)
+        out = wg.infer_batch(data).get()
+        log_probs = no_padding_2_padding(tu.get(out, "log_probs"), data)
+        hf = AutoModelForCausalLM.from_pretrained(tiny_path)
+        reference, _ = reference_response_log_probs(hf, batch)
+        mask = batch["response_mask"].bool()
+        torch.testing.assert_close(log_probs[mask].double(), reference[mask], atol=2e-5, rtol=0)
+        assert tu.get(out, "entropy").is_nested
+
+        metrics = tu.get(wg.train_batch(left_right_2_no_padding(batch.clone())).get(), "metrics")
+        single = EngineRegistry.new(
+            "language_model",
+            "fsdp",
+            OmegaConf.create({"path": tiny_path}),
+            one_rank.engine_config,
+            one_rank.optimizer_config,
+        )
+        local = left_right_2_no_padding(batch.clone())
+        tu.assign_non_tensor(local, use_dynamic_bsz=False, micro_batch_size_per_gpu=8)
+        expected = single.train_batch(local, functools.partial(ppo_loss, config=actor))
+        assert metrics["grad_norm"] == pytest.approx(expected["metrics"]["grad_norm"], rel=1e-4)
+        assert metrics["loss"] == pytest.approx(sum(expected["loss"]), rel=1e-4)
+        with torch.no_grad():  # the same step: the updated policies agree
+            stepped = _infer(wg, batch)
+            single_out = single.infer_batch(_infer_data(batch))["model_output"]["log_probs"]
+        torch.testing.assert_close(
+            stepped[mask], no_padding_2_padding(single_out, _infer_data(batch))[mask], atol=1e-5, rtol=0
+        )
+    finally:
+        wg.shutdown()
+        pool.remove_placement_groups()
 
 
 def _infer_data(batch):

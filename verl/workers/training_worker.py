@@ -118,12 +118,6 @@ class TrainingWorker(Worker, DistProfilerExtension):
                 f"TrainingWorker on the {self.engine_config.strategy!r} backend: its engine "
                 f"({engine_cls.__name__}) has no batch forward here; use strategy=fsdp (or fsdp2) or megatron"
             )
-        sp = int(getattr(self.engine_config, "ulysses_sequence_parallel_size", 1) or 1)
-        if sp > 1:
-            raise NotImplementedError(
-                f"TrainingWorker: engine_config.ulysses_sequence_parallel_size={sp}: the batch API has no Ulysses "
-                "sequence parallelism here (the PPO role workers and the SFT trainers do); use 1"
-            )
         self.engine = engine_cls(
             self.model_config,
             self.engine_config,

@@ -50,6 +50,28 @@ __all__ = [
 REPLICATE_BELOW_PARAMS = 16_000_000
 
 
+# Ulysses sequence parallelism of the engines' batch forward, set once per process by `init_parallel`
+# (like megatron's parallel state): sp, this rank's group of sp consecutive ranks, and its
+# data-parallel group (the ranks at the same place in every sequence-parallel group).
+_ULYSSES: dict = {"sp": 1, "sp_group": None, "dp_group": None}
+
+
+def _ulysses_groups(sp: int) -> dict:
+    if sp == 1:
+        return {"sp_group": None, "dp_group": None}
+    from verl.utils.process_groups import consecutive_rank_group
+
+    key = "engine_config.ulysses_sequence_parallel_size"
+    sp_group, sp_rank = consecutive_rank_group(sp, key)
+    world = dist.get_world_size()
+    dp_group = None
+    for place in range(sp):  # every rank creates every group, in the same order
+        group = dist.new_group(list(range(place, world, sp)))
+        if place == sp_rank:
+            dp_group = group
+    return {"sp_group": sp_group, "dp_group": dp_group}
+
+
 def fsdp_engine_config(section) -> FSDPEngineConfig:
     """A role's `fsdp_config` section as the typed `FSDPEngineConfig`, built once where the model is.
 
@@ -95,6 +117,8 @@ class FSDPEngine(BaseEngine):
     model in its own dtype: plain replicas instead), with AdamW, the lr schedule and the checkpoint
     manager when built with an `optimizer_config`. `module` is the wrapped model."""
 
+    sp = 1  # Ulysses sequence-parallel size of the batch forward (`_setup_ulysses`)
+
     value_head = False
     """Whether the model is a value model (an LM body with a one-output token head) instead of an LM."""
 
@@ -138,6 +162,7 @@ class FSDPEngine(BaseEngine):
             override_config=plain_section(model_config.override_config),
             meta_device=on_meta,
         )
+        self.sp = self._setup_ulysses(fsdp)
         if for_training and model_config.enable_gradient_checkpointing:
             enable_gradient_checkpointing(self.module)
         if not for_training:
@@ -175,6 +200,33 @@ class FSDPEngine(BaseEngine):
                 optimizer_config, checkpoint_config, _export_processing_class(model_config, tokenizer)
             )
 
+    def _setup_ulysses(self, fsdp) -> int:
+        """sp from `ulysses_sequence_parallel_size`: its groups (`init_parallel`, when the caller has not
+        formed them), the model checked for it (sdpa attention, heads divisible by sp, text only) and
+        the attention patch installed. The PPO role workers split sequences in their actors instead."""
+        sp = int(fsdp.ulysses_sequence_parallel_size or 1)
+        if sp == 1:
+            return 1
+        from verl.utils import ulysses
+        from verl.utils.vision import is_vision_language_config
+
+        key = "engine_config.ulysses_sequence_parallel_size"
+        config = self.module.config
+        if is_vision_language_config(config):
+            raise NotImplementedError(
+                f"{key}={sp} with a vision-language model: the engine's batch forward splits text-only packed "
+                "rows; use 1"
+            )
+        if getattr(config, "_attn_implementation", "sdpa") != "sdpa":
+            raise ValueError(
+                f"{key}={sp} supports attn_implementation='sdpa' only, the model uses {config._attn_implementation!r}"
+            )
+        ulysses.check_heads_divisible(config, sp)
+        if _ULYSSES["sp"] != sp:
+            type(self).init_parallel(fsdp)
+        ulysses.patch_sdpa_attention()
+        return sp
+
     def _build_optimizer(self, optimizer_config, checkpoint_config, tokenizer) -> None:
         from verl.utils.checkpoint.fsdp_checkpoint_manager import FSDPCheckpointManager
         from verl.utils.optim import build_lr_scheduler, build_optimizer
@@ -193,8 +245,30 @@ class FSDPEngine(BaseEngine):
 
     @classmethod
     def init_parallel(cls, engine_config) -> int:
-        """Every rank is a data-parallel rank (FSDP shards the model over them)."""
-        return dist.get_world_size()
+        """FSDP shards the model over every rank; with `ulysses_sequence_parallel_size` sp > 1 each
+        block of sp consecutive ranks is one sequence-parallel group holding the same rows (see
+        `_ULYSSES`), so world / sp ranks hold different data. Returns that number."""
+        sp = int(fsdp_engine_config(engine_config).ulysses_sequence_parallel_size or 1)
+        world = dist.get_world_size() if dist.is_initialized() else 1
+        if sp != _ULYSSES["sp"]:
+            _ULYSSES.update(sp=sp, **_ulysses_groups(sp))
+        return world // sp
+
+    @staticmethod
+    def data_parallel_rank() -> int:
+        return (dist.get_rank() if dist.is_initialized() else 0) // _ULYSSES["sp"]
+
+    @staticmethod
+    def is_mp_src_rank_with_outputs() -> bool:
+        """The first rank of each sequence-parallel group reports its rows (every rank without one)."""
+        return (dist.get_rank() if dist.is_initialized() else 0) % _ULYSSES["sp"] == 0
+
+    def get_data_parallel_group(self):
+        """The ranks holding different rows: with Ulysses, those at the same place in their groups."""
+        return _ULYSSES["dp_group"] if self.sp > 1 else None
+
+    def _token_budget(self, max_tokens: int) -> int:
+        return max_tokens * self.sp  # a sequence-parallel rank holds 1/sp of each micro-batch's tokens
 
     def _switch_mode(self, training: bool) -> None:
         self.module.train(training)
@@ -243,6 +317,8 @@ class FSDPEngine(BaseEngine):
         from verl.utils.remove_padding import packed_model_inputs
         from verl.utils.torch_functional import entropy_from_logits_with_chunking, logprobs_from_logits
 
+        if self.sp > 1:
+            return self._ulysses_packed_forward(input_ids, position_ids, temperature, calculate_entropy)
         inputs = packed_model_inputs(self.module, input_ids, position_ids)
         if self.value_head:
             return {"values": self.module(**inputs, use_cache=False).logits[0, :, 0]}
@@ -264,6 +340,25 @@ class FSDPEngine(BaseEngine):
         if calculate_entropy:
             out["entropy"] = entropy_from_logits_with_chunking(logits)
         return out
+
+    def _ulysses_packed_forward(self, input_ids, position_ids, temperature: float, calculate_entropy: bool):
+        """`_packed_forward` with the packed row split over the sequence-parallel group (attention
+        trades the split for a head split, `verl.utils.ulysses`): each rank runs T/sp tokens and the
+        per-token outputs are gathered whole. The gradients are scaled by sp, as the PPO actor's,
+        since FSDP averages them over all dp x sp ranks. The log-probs come from the logits (the
+        fused head's values are the same), so `use_fused_kernels` changes nothing here."""
+        from verl.utils import ulysses
+        from verl.utils.torch_functional import entropy_from_logits_with_chunking
+
+        group = _ULYSSES["sp_group"]
+        if self.value_head:
+            output, pad = ulysses.forward_slice(self.module, input_ids, position_ids, group)
+            return {"values": ulysses.gather_and_unpad(output.logits[0, :, 0], 0, pad, group, self.sp)}
+        stats = {"entropy": entropy_from_logits_with_chunking} if calculate_entropy else {}
+        log_probs, values = ulysses.packed_forward(
+            self.module, input_ids, position_ids, group, temperature, stats, grad_scale=self.sp
+        )
+        return {"log_probs": log_probs, **values}
 
     @property
     def hf_config(self):
