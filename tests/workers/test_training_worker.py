@@ -303,6 +303,59 @@ def test_ulysses_worker_at_sequence_parallel_2_equals_one_rank(ray_session, tiny
         pool.remove_placement_groups()
 
 
+def _values_loss(model_output, data, dp_group=None):
+    """A loss on every token's value (sum of squares over the batch's tokens, a mean over them)."""
+    values = model_output["values"].values()
+    return (values.double() ** 2).mean().float(), {}
+
+
+def test_ulysses_value_model_at_sequence_parallel_2_equals_one_rank(ray_session, tiny_path, tmp_path):
+    """The value head's path under Ulysses: values gathered whole, and a step's gradient norm, equal the
+    one-rank engine's on a value model saved with its head (both load the same weights)."""
+    from verl.utils.model import load_valuehead_model
+    from verl.utils.tokenizer import hf_tokenizer
+    from verl.workers.engine import EngineRegistry
+
+    critic_path = str(tmp_path / "critic")
+    load_valuehead_model(tiny_path).save_pretrained(critic_path)
+    hf_tokenizer(tiny_path).save_pretrained(critic_path)
+    engine_config = dict(fsdp_size=-1, dtype="auto", use_dynamic_bsz=False, micro_batch_size_per_gpu=3)
+    config = TrainingWorkerConfig(
+        model_type="value_model",
+        model_config=HFModelConfig(path=critic_path, use_remove_padding=True),
+        engine_config=FSDPEngineConfig(ulysses_sequence_parallel_size=2, **engine_config),
+        optimizer_config=FSDPOptimizerConfig(lr=1e-3),
+    )
+    pool = RayResourcePool(process_on_nodes=[2], use_gpu=False)
+    wg = RayWorkerGroup(
+        resource_pool=pool, ray_cls_with_init=RayClassWithInitArgs(cls=ray.remote(TrainingWorker), config=config)
+    )
+    try:
+        wg.reset()
+        wg.set_loss_fn(_values_loss)
+        batch = _rl_batch(seed=5)
+        single = EngineRegistry.new(
+            "value_model",
+            "fsdp",
+            OmegaConf.create({"path": critic_path}),
+            FSDPEngineConfig(**engine_config),
+            FSDPOptimizerConfig(lr=1e-3),
+        )
+        data = left_right_2_no_padding(batch.clone())
+        local = data.clone()
+        tu.assign_non_tensor(local, use_dynamic_bsz=False, micro_batch_size_per_gpu=3)
+        got = no_padding_2_padding(tu.get(wg.infer_batch(data.clone()).get(), "values"), data)
+        want = no_padding_2_padding(single.infer_batch(local.clone())["model_output"]["values"], data)
+        mask = batch["response_mask"].bool()
+        torch.testing.assert_close(got[mask], want[mask], atol=1e-5, rtol=0)
+        metrics = tu.get(wg.train_batch(data.clone()).get(), "metrics")
+        expected = single.train_batch(local.clone(), _values_loss)
+        assert metrics["grad_norm"] == pytest.approx(expected["metrics"]["grad_norm"], rel=1e-4)
+    finally:
+        wg.shutdown()
+        pool.remove_placement_groups()
+
+
 def _infer_data(batch):
     data = left_right_2_no_padding(batch.clone())
     tu.assign_non_tensor(data, use_dynamic_bsz=False, micro_batch_size_per_gpu=8, temperature=1.0)
