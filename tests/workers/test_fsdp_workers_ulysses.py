@@ -108,7 +108,7 @@ def test_actor_worker_with_sp2_equals_sp1_and_its_checkpoint_resumes_at_sp1(tmp_
         torch.testing.assert_close(resumed[name], saved[name], rtol=0, atol=0, msg=name)
 
 
-def _critic_case(rank, world_size, sp, out_path):
+def _critic_case(rank, world_size, sp, out_path, key="critic.ulysses_sequence_parallel_size"):
     from verl.workers.fsdp_workers import CriticWorker
 
     cfg = load_ppo_config(
@@ -123,7 +123,7 @@ def _critic_case(rank, world_size, sp, out_path):
             "critic.ppo_mini_batch_size=8",
             "critic.ppo_micro_batch_size_per_gpu=4",
             "critic.model.use_remove_padding=true",
-            f"critic.ulysses_sequence_parallel_size={sp}",
+            f"{key}={sp}",
         ],
         config_name="arith_demo",
     )
@@ -135,9 +135,14 @@ def _critic_case(rank, world_size, sp, out_path):
 
 
 @pytest.mark.slow
-def test_critic_worker_values_with_sp2_equal_sp1(tmp_path):
+@pytest.mark.parametrize(
+    # upstream's newer spelling too: the worker's critic splits the sequences, the engine's own split stays off
+    "key",
+    ["critic.ulysses_sequence_parallel_size", "critic.model.fsdp_config.ulysses_sequence_parallel_size"],
+)
+def test_critic_worker_values_with_sp2_equal_sp1(tmp_path, key):
     run_distributed(_critic_case, 2, 1, str(tmp_path / "sp1"))
-    run_distributed(_critic_case, 2, 2, str(tmp_path / "sp2"))
+    run_distributed(_critic_case, 2, 2, str(tmp_path / "sp2"), key)
     for rank in (0, 1):
         mask = _batch().chunk(2)[rank].batch["response_mask"].bool()
         ref, got = torch.load(f"{tmp_path / 'sp1'}.{rank}"), torch.load(f"{tmp_path / 'sp2'}.{rank}")

@@ -651,6 +651,10 @@ def build_engine(config: DictConfig, total: int, tokenizer):
     engine_config.use_remove_padding = bool(model.use_remove_padding)
     engine_config.use_fused_kernels = bool(model.use_fused_kernels)
     backend = "megatron" if isinstance(engine_config, McoreEngineConfig) else engine_config.strategy
+    if backend != "megatron":  # the trainer splits sequences itself (verl.trainer.sft_ulysses)
+        from verl.workers.engine.fsdp.transformer_impl import without_engine_ulysses
+
+        engine_config = without_engine_ulysses(engine_config)
     engine_cls = EngineRegistry.get_engine_cls("language_model", backend)
     engine_cls.init_parallel(engine_config)  # megatron's process groups; FSDP: every rank a data-parallel rank
     return engine_cls(

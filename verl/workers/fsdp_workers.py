@@ -63,6 +63,14 @@ def get_vl_model_vision_tower(vl_model_instance):
     return getattr(vl_model_instance, "visual", None)
 
 
+def _role_engine_section(section):
+    """A role's `fsdp_config` for its engine: the role's actor or critic splits sequences itself
+    (`verl.workers.ulysses_rows`, sp read from the role's keys), so the engine's own split is off."""
+    from verl.workers.engine.fsdp.transformer_impl import without_engine_ulysses
+
+    return without_engine_ulysses(section)
+
+
 class ActorRolloutRefWorker(engine_workers.ActorRolloutRefWorker):
     """Actor (FSDP2 training), rollout (generation engine) and reference policy, in any combination;
     also the rollout-only worker of a separate generation pool, whatever the actor's backend."""
@@ -71,11 +79,11 @@ class ActorRolloutRefWorker(engine_workers.ActorRolloutRefWorker):
 
     def _actor_engine_config(self):
         # a rollout-only pool serving a Megatron actor has no FSDP section: the defaults
-        return self.actor_config.fsdp_config if "fsdp_config" in self.actor_config else None
+        return _role_engine_section(self.actor_config.fsdp_config if "fsdp_config" in self.actor_config else None)
 
     def _ref_engine_config(self):
         # a reference without its own fsdp_config takes the defaults (no offload), as upstream's
-        return self.ref_config.fsdp_config
+        return _role_engine_section(self.ref_config.fsdp_config)
 
     def _engine_options(self, role: str) -> dict:
         # upstream's actor.freeze_vision_tower: the trained policy's vision tower stays as loaded
@@ -124,7 +132,6 @@ class ActorRolloutRefWorker(engine_workers.ActorRolloutRefWorker):
         from verl.utils.config import omega_conf_to_dataclass
         from verl.utils.tokenizer import hf_processor
         from verl.workers.engine import EngineRegistry
-        from verl.workers.engine.fsdp.transformer_impl import fsdp_engine_config
 
         if role not in ("actor", "ref"):
             raise ValueError(f"_build_model_optimizer(role={role!r}): the role is 'actor' or 'ref'")
@@ -145,7 +152,7 @@ class ActorRolloutRefWorker(engine_workers.ActorRolloutRefWorker):
             "language_model",
             self.strategy,
             model_config,
-            fsdp_engine_config(fsdp_config),
+            _role_engine_section(fsdp_config),
             omega_conf_to_dataclass(optim_config, type(self.actor_config.optim)) if trains else None,
             self.actor_config.checkpoint if trains else None,
             self.tokenizer,
@@ -181,7 +188,7 @@ class CriticWorker(engine_workers.CriticWorker):
     strategy = "fsdp"
 
     def _engine_config(self):
-        return self.critic_config.model.fsdp_config
+        return _role_engine_section(self.critic_config.model.fsdp_config)
 
     def _make_critic(self, engine: BaseEngine):
         from verl.workers.critic.dp_critic import DataParallelPPOCritic

@@ -41,6 +41,7 @@ __all__ = [
     "fsdp_engine_config",
     "trains_as_plain_replicas",
     "vision_tower",
+    "without_engine_ulysses",
 ]
 
 # Below this many parameters `fsdp_size=-1` replicates the model (fsdp_size=1) instead of sharding
@@ -70,6 +71,16 @@ def _ulysses_groups(sp: int) -> dict:
         if place == sp_rank:
             dp_group = group
     return {"sp_group": sp_group, "dp_group": dp_group}
+
+
+def without_engine_ulysses(section) -> FSDPEngineConfig:
+    """`section` as an `FSDPEngineConfig` with `ulysses_sequence_parallel_size` 1, for callers that
+    split sequences themselves (the PPO role workers' actors and critics, the SFT trainers): the
+    engine's own split (its batch API's, `FSDPEngine._setup_ulysses`) must not run as well."""
+    config = fsdp_engine_config(section)
+    if config.ulysses_sequence_parallel_size == 1:
+        return config
+    return dataclasses.replace(config, ulysses_sequence_parallel_size=1)
 
 
 def fsdp_engine_config(section) -> FSDPEngineConfig:
