@@ -40,7 +40,7 @@ RewardComputeWorker = ray.remote(num_cpus=1)(_ComputeWorker)
 
 def _ship_by_value(fn) -> None:
     """Let Ray pickle a function from a file loaded by path (verl.utils.import_utils) by value."""
-    import cloudpickle
+    from ray import cloudpickle  # the pickler Ray ships arguments with
 
     target = getattr(fn, "func", fn)  # functools.partial (custom_reward_function.reward_kwargs)
     module = sys.modules.get(getattr(target, "__module__", "") or "")
