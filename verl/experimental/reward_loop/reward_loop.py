@@ -45,9 +45,10 @@ import torch
 from verl.experimental.reward_loop.reward_manager import get_reward_manager_cls
 from verl.experimental.reward_loop.reward_model import RewardModelManager
 from verl.protocol import DataProto
-from verl.trainer.ppo.reward import get_custom_reward_fn, load_reward_loop_class
+from verl.trainer.ppo.reward import get_custom_reward_fn
 from verl.utils.config import omega_conf_to_dataclass
 from verl.workers.config import RewardModelConfig
+from verl.workers.reward_manager.reward_loop import load_reward_loop_class
 
 __all__ = ["RewardLoopManager", "RewardLoopWorker"]
 

@@ -39,6 +39,7 @@ from verl.trainer.config.config import CustomRewardFunctionConfig, RewardManager
 from verl.trainer.config.loader import data_value
 from verl.utils.config import omega_conf_to_dataclass
 from verl.workers.config import RewardModelConfig, SandboxFusionConfig
+from verl.workers.reward_manager.reward_loop import load_reward_loop_class
 
 
 def _section(config, key: str, cls: type):
@@ -127,25 +128,6 @@ def _default_scorer(sandbox: SandboxFusionConfig) -> Callable | None:
         concurrent_semaphore=_ProcessSemaphore(sandbox.max_concurrent),
         memory_limit_mb=sandbox.memory_limit_mb,
     )
-
-
-def load_reward_loop_class(reward_model: RewardModelConfig) -> type:
-    """The class ``reward_model.reward_loop_class_name`` of the file ``reward_loop_module_path``
-    (``reward_loop_source=importlib``), checked for upstream's reward-loop interface."""
-    from verl.utils.import_utils import _public_callables, load_module
-    from verl.workers.reward_manager.reward_loop import check_reward_loop_class
-
-    path, name = reward_model.reward_loop_module_path, reward_model.reward_loop_class_name
-    module = load_module(path, config_key="reward_model.reward_loop_module_path")
-    if not hasattr(module, name):
-        raise AttributeError(
-            f"reward_model.reward_loop_class_name={name!r} is not defined in reward_model.reward_loop_module_path="
-            f"{path!r}; the file defines: {_public_callables(module)}. Set reward_loop_class_name to the reward "
-            "loop class"
-        )
-    cls = getattr(module, name)
-    check_reward_loop_class(cls, f"reward_model.reward_loop_class_name={name!r} in {path!r}")
-    return cls
 
 
 def _registered_reward_loop_class(config) -> type | None:
