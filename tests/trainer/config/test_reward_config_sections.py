@@ -116,7 +116,7 @@ def test_the_overlong_buffer_section_reaches_dapo():
         config_name="arith_demo",
     )
     manager = load_reward_manager(cfg, tokenizer=None, num_examine=0)
-    assert (manager.overlong_enable, manager.overlong_len, manager.overlong_penalty_factor) == (True, 16, 0.5)
+    assert (manager.overlong.enable, manager.overlong.len, manager.overlong.penalty_factor) == (True, 16, 0.5)
     assert manager.max_resp_len == 64
 
 

@@ -15,6 +15,10 @@
 - With ``reward_model.reward_loop_source=importlib``, ``load_reward_manager`` returns instead the
   custom reward loop class ``reward_loop_class_name`` of the file ``reward_loop_module_path``
   (upstream's reward-loop interface) run as the reward manager (verl.workers.reward_manager.reward_loop).
+- A ``reward_manager`` name the driver's registry lacks but the reward loop's has
+  (verl.experimental.reward_loop.reward_manager: ``remote``, or a class the custom reward file registers
+  with that package's ``@register(name)``, as upstream's reward-loop doc tells users) runs that class the
+  same way.
 - ``compute_reward(data, reward_fn)`` -> ``(reward_tensor, reward_extra_info)``; errors propagate
   (upstream's silent fallback to a second call is deliberately not reproduced).
 - ``compute_reward_async``: ``compute_reward`` as a Ray task (``compute_reward_async.remote(data,
@@ -35,6 +39,7 @@ from verl.trainer.config.config import CustomRewardFunctionConfig, RewardManager
 from verl.trainer.config.loader import data_value
 from verl.utils.config import omega_conf_to_dataclass
 from verl.workers.config import RewardModelConfig, SandboxFusionConfig
+from verl.workers.reward_manager.reward_loop import load_reward_loop_class
 
 
 def _section(config, key: str, cls: type):
@@ -125,22 +130,23 @@ def _default_scorer(sandbox: SandboxFusionConfig) -> Callable | None:
     )
 
 
-def load_reward_loop_class(reward_model: RewardModelConfig) -> type:
-    """The class ``reward_model.reward_loop_class_name`` of the file ``reward_loop_module_path``
-    (``reward_loop_source=importlib``), checked for upstream's reward-loop interface."""
-    from verl.utils.import_utils import _public_callables, load_module
+def _registered_reward_loop_class(config) -> type | None:
+    """The reward-loop class (verl.experimental.reward_loop.reward_manager's registry) registered under the
+    manager name the config gives, or None; only for `source=register` (the reward-loop classes score one
+    sample per call and run through verl.workers.reward_manager.reward_loop)."""
+    if "reward_manager" in config:
+        section = _section(config, "reward_manager", RewardManagerConfig)
+        if section.source != "register":
+            return None
+        name = section.name
+    else:
+        name = _section(config, "reward_model", RewardModelConfig).reward_manager
+    from verl.experimental.reward_loop.reward_manager.registry import REWARD_LOOP_MANAGER_REGISTRY
     from verl.workers.reward_manager.reward_loop import check_reward_loop_class
 
-    path, name = reward_model.reward_loop_module_path, reward_model.reward_loop_class_name
-    module = load_module(path, config_key="reward_model.reward_loop_module_path")
-    if not hasattr(module, name):
-        raise AttributeError(
-            f"reward_model.reward_loop_class_name={name!r} is not defined in reward_model.reward_loop_module_path="
-            f"{path!r}; the file defines: {_public_callables(module)}. Set reward_loop_class_name to the reward "
-            "loop class"
-        )
-    cls = getattr(module, name)
-    check_reward_loop_class(cls, f"reward_model.reward_loop_class_name={name!r} in {path!r}")
+    cls = REWARD_LOOP_MANAGER_REGISTRY.get(name)
+    if cls is not None:
+        check_reward_loop_class(cls, f"the reward loop class registered as {name!r}")
     return cls
 
 
@@ -152,30 +158,39 @@ def load_reward_manager(config, tokenizer, num_examine: int, **reward_kwargs):
     # (`@register("collabllm")` beside its function, then reward_model.reward_manager=collabllm)
     compute_score = get_custom_reward_fn(config)
     generative = compute_score is not None and uses_generative_reward_model(config)
-    if reward_model.reward_loop_source == "importlib":  # upstream's custom reward loop class
+    plain_score = compute_score  # a reward-loop class passes the reward model to the function itself
+
+    def as_reward_loop(loop_cls):  # a reward-loop class (one sample per run_single) run as the manager
         from verl.workers.reward_manager.reward_loop import RewardLoopManager
 
         on_error = {"on_error": custom.on_error} if custom.on_error != "raise" else {}
         return RewardLoopManager(
-            load_reward_loop_class(reward_model),
+            loop_cls,
             config,
             tokenizer,
             num_examine,
-            compute_score=compute_score,  # the class passes the reward model to it, as upstream's loops do
+            compute_score=plain_score,
             reward_model=reward_model_args(config) if generative else None,
             reward_fn_key=data_value(config.get("data"), "reward_fn_key"),
             **on_error,
         )
+
+    if reward_model.reward_loop_source == "importlib":  # upstream's custom reward loop class
+        return as_reward_loop(load_reward_loop_class(reward_model))
     if generative:  # upstream's reward loop: the function is handed the reward model (reward_router_address, ...)
         compute_score = with_reward_model(compute_score, config)
     try:
         name, manager_cls = _reward_manager_class(config)
     except ValueError as e:
+        loop_cls = _registered_reward_loop_class(config)
+        if loop_cls is not None:
+            return as_reward_loop(loop_cls)
         if not custom.path:
             raise
         raise ValueError(
             f"{e}. custom_reward_function.path={custom.path!r} was imported before the look-up and registers no "
-            "manager under that name"
+            "manager under that name (neither with verl.workers.reward_manager.register nor with the reward loop's "
+            "verl.experimental.reward_loop.reward_manager.register)"
         ) from e
     kwargs = {**reward_model.reward_kwargs, **reward_kwargs}
     if custom.on_error != "raise":  # "raise" is every manager's default; leave the older spelling in charge

@@ -82,7 +82,9 @@ def device_choices() -> tuple[str, ...]:
 TRUNCATIONS = ("error", "left", "right", "middle")
 LR_SCHEDULES = ("constant", "cosine")
 KL_CTRL_TYPES = ("fixed", "adaptive")
-REWARD_MANAGERS = ("naive", "batch", "dapo", "prime")
+# rate_limited is the driver's too; remote is the reward loop's (verl.experimental.reward_loop.reward_manager),
+# which the trainer runs one sample per call (verl.trainer.ppo.reward)
+REWARD_MANAGERS = ("naive", "batch", "dapo", "prime", "rate_limited", "remote")
 REWARD_MANAGER_SOURCES = ("register", "importlib")
 CHECKPOINT_CONTENTS = ("model", "optimizer", "extra", "hf_model")
 ROLLOUT_DTYPES = ("auto", "bfloat16", "float16", "float32", "bf16", "fp16", "fp32")

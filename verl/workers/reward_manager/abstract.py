@@ -111,6 +111,78 @@ def _await_coroutines(outcomes: list[ScoreOutcome]) -> list[ScoreOutcome]:
     return outcomes
 
 
+def decode_samples(
+    tokenizer, data, reward_fn_key: str = "data_source", rollout_keys: tuple[str, ...] = ()
+) -> list[Sample]:
+    """The rows of `data` as `Sample`s: each response decoded from its valid tokens (special tokens
+    skipped), with its data source (the non-tensor column `reward_fn_key`), ground truth and
+    `extra_info` (plus the rollout's `rollout_keys`, module docstring). Shared by the batch managers
+    and the reward-loop classes (verl.experimental.reward_loop.reward_manager)."""
+    batch, non_tensor, tensor_keys = data.batch, data.non_tensor_batch, _batch_keys(data)
+    if "responses" not in tensor_keys:
+        raise KeyError(f"the reward manager needs batch['responses']; the batch has {sorted(tensor_keys)}")
+    for key in (reward_fn_key, "reward_model"):
+        if key not in non_tensor:
+            raise KeyError(
+                f"the reward manager needs non_tensor_batch[{key!r}] but the batch only has {sorted(non_tensor)}; "
+                f"make sure the dataset has a {key!r} column (see examples/data_preprocess) "
+                + ("or set data.reward_fn_key" if key == reward_fn_key else "")
+            )
+    responses = batch["responses"]
+    response_len = responses.shape[-1]
+    if "attention_mask" in tensor_keys:
+        response_mask = batch["attention_mask"][:, -response_len:]
+    elif "response_mask" in tensor_keys:
+        response_mask = batch["response_mask"]
+    else:
+        raise KeyError("the reward manager needs batch['attention_mask'] or batch['response_mask']")
+    lengths = response_mask.sum(dim=-1).tolist()
+    texts = tokenizer.batch_decode(
+        [responses[i, : int(n)].tolist() for i, n in enumerate(lengths)], skip_special_tokens=True
+    )
+    extra_infos = non_tensor.get("extra_info")
+    samples = []
+    for i, text in enumerate(texts):
+        reward_model = non_tensor["reward_model"][i]
+        if not isinstance(reward_model, Mapping) or "ground_truth" not in reward_model:
+            raise ValueError(
+                f"sample {i}: reward_model must be a dict with a 'ground_truth' key, got {reward_model!r}; "
+                "see examples/data_preprocess for the expected schema"
+            )
+        samples.append(
+            Sample(
+                index=i,
+                data_source=non_tensor[reward_fn_key][i],
+                solution_str=text,
+                ground_truth=reward_model["ground_truth"],
+                extra_info=_with_rollout_info(
+                    None if extra_infos is None else extra_infos[i], rollout_keys, non_tensor, i
+                ),
+                valid_response_length=int(lengths[i]),
+            )
+        )
+    return samples
+
+
+def score_and_details(result) -> tuple[float, dict]:
+    """A reward function's result as (score, its per-sample details): a finite number, or a dict with a
+    finite number under "score" (the dict is the details). A TypeError / ValueError says what is wrong."""
+    details = {}
+    if isinstance(result, Mapping):
+        if "score" not in result:
+            raise ValueError(f"the reward function returned a dict without a 'score' key: {dict(result)!r}")
+        details = dict(result)
+        result = result["score"]
+    if isinstance(result, torch.Tensor) and result.numel() == 1:
+        result = result.item()
+    if isinstance(result, bool) or not isinstance(result, numbers.Real):
+        raise TypeError(f"the reward function returned {result!r} ({type(result).__name__}), not a number")
+    score = float(result)
+    if not math.isfinite(score):
+        raise ValueError(f"the reward function returned a non-finite score {score}")
+    return score, details
+
+
 class RewardFunctionError(RuntimeError):
     """A reward function failed on a sample and ``on_error="raise"``."""
 
@@ -206,50 +278,7 @@ class AbstractRewardManager:
     # ----------------------------------------------------------------------------------------------
     def decode(self, data) -> list[Sample]:
         """The batch's responses (valid tokens, special tokens skipped) with their scoring inputs."""
-        batch, non_tensor, tensor_keys = data.batch, data.non_tensor_batch, _batch_keys(data)
-        if "responses" not in tensor_keys:
-            raise KeyError(f"the reward manager needs batch['responses']; the batch has {sorted(tensor_keys)}")
-        for key in (self.reward_fn_key, "reward_model"):
-            if key not in non_tensor:
-                raise KeyError(
-                    f"the reward manager needs non_tensor_batch[{key!r}] but the batch only has {sorted(non_tensor)}; "
-                    f"make sure the dataset has a {key!r} column (see examples/data_preprocess) "
-                    + ("or set data.reward_fn_key" if key == self.reward_fn_key else "")
-                )
-        responses = batch["responses"]
-        response_len = responses.shape[-1]
-        if "attention_mask" in tensor_keys:
-            response_mask = batch["attention_mask"][:, -response_len:]
-        elif "response_mask" in tensor_keys:
-            response_mask = batch["response_mask"]
-        else:
-            raise KeyError("the reward manager needs batch['attention_mask'] or batch['response_mask']")
-        lengths = response_mask.sum(dim=-1).tolist()
-        texts = self.tokenizer.batch_decode(
-            [responses[i, : int(n)].tolist() for i, n in enumerate(lengths)], skip_special_tokens=True
-        )
-        extra_infos = non_tensor.get("extra_info")
-        samples = []
-        for i, text in enumerate(texts):
-            reward_model = non_tensor["reward_model"][i]
-            if not isinstance(reward_model, Mapping) or "ground_truth" not in reward_model:
-                raise ValueError(
-                    f"sample {i}: reward_model must be a dict with a 'ground_truth' key, got {reward_model!r}; "
-                    "see examples/data_preprocess for the expected schema"
-                )
-            samples.append(
-                Sample(
-                    index=i,
-                    data_source=non_tensor[self.reward_fn_key][i],
-                    solution_str=text,
-                    ground_truth=reward_model["ground_truth"],
-                    extra_info=_with_rollout_info(
-                        None if extra_infos is None else extra_infos[i], self.ROLLOUT_EXTRA_INFO, non_tensor, i
-                    ),
-                    valid_response_length=int(lengths[i]),
-                )
-            )
-        return samples
+        return decode_samples(self.tokenizer, data, self.reward_fn_key, self.ROLLOUT_EXTRA_INFO)
 
     def _collect(self, samples: list[Sample], outcomes: list[ScoreOutcome]) -> tuple[list[float], dict[str, list]]:
         n = len(samples)
@@ -280,20 +309,7 @@ class AbstractRewardManager:
 
     @staticmethod
     def _validate(result) -> tuple[float, dict]:
-        details = {}
-        if isinstance(result, Mapping):
-            if "score" not in result:
-                raise ValueError(f"the reward function returned a dict without a 'score' key: {dict(result)!r}")
-            details = dict(result)
-            result = result["score"]
-        if isinstance(result, torch.Tensor) and result.numel() == 1:
-            result = result.item()
-        if isinstance(result, bool) or not isinstance(result, numbers.Real):
-            raise TypeError(f"the reward function returned {result!r} ({type(result).__name__}), not a number")
-        score = float(result)
-        if not math.isfinite(score):
-            raise ValueError(f"the reward function returned a non-finite score {score}")
-        return score, details
+        return score_and_details(result)
 
     def _describe_failure(self, sample: Sample, error: str, batch_size: int) -> str:
         response = sample.solution_str

@@ -62,6 +62,25 @@ def check_reward_loop_class(cls, where: str) -> None:
         ) from err
 
 
+def load_reward_loop_class(reward_model) -> type:
+    """The class ``reward_model.reward_loop_class_name`` of the file ``reward_loop_module_path``
+    (``reward_loop_source=importlib``; `reward_model` the typed RewardModelConfig), checked for upstream's
+    reward-loop interface."""
+    from verl.utils.import_utils import _public_callables, load_module
+
+    path, name = reward_model.reward_loop_module_path, reward_model.reward_loop_class_name
+    module = load_module(path, config_key="reward_model.reward_loop_module_path")
+    if not hasattr(module, name):
+        raise AttributeError(
+            f"reward_model.reward_loop_class_name={name!r} is not defined in reward_model.reward_loop_module_path="
+            f"{path!r}; the file defines: {_public_callables(module)}. Set reward_loop_class_name to the reward "
+            "loop class"
+        )
+    cls = getattr(module, name)
+    check_reward_loop_class(cls, f"reward_model.reward_loop_class_name={name!r} in {path!r}")
+    return cls
+
+
 class RewardLoopManager(AbstractRewardManager):
     """Scores a batch with a custom reward loop class (see the module docstring).
 

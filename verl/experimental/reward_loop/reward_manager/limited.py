@@ -34,6 +34,7 @@ import logging
 from omegaconf import DictConfig
 
 from verl.experimental.reward_loop.reward_manager.base import RewardManagerBase
+from verl.experimental.reward_loop.reward_manager.registry import register
 from verl.utils.reward_score import default_compute_score
 from verl.workers.reward_manager.limited import AsyncTokenBucket, resolve_rate_limits
 
@@ -42,6 +43,7 @@ __all__ = ["AsyncTokenBucket", "RateLimitedRewardManager"]
 logger = logging.getLogger(__name__)
 
 
+@register("rate_limited")
 class RateLimitedRewardManager(RewardManagerBase):
     """Rate-limited scoring of one sample per call (see the module docstring).
 
