@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["CACHE_ARGUMENT_NAMES", "ModelForward", "model_forward"]
+__all__ = ["CACHE_ARGUMENT_NAMES", "ModelForward", "hf_model", "model_forward"]
 
 # newest name first: a forward that lists both (a wrapper forwarding either) gets the new one
 CACHE_ARGUMENT_NAMES = ("cache", "past_key_values")
@@ -54,9 +54,10 @@ class ModelForward:
         return getattr(output, self.cache_argument, None)
 
 
-def _hf_model(module: torch.nn.Module) -> torch.nn.Module:
-    # a peft model forwards its keyword arguments to the HF model it wraps: ask that one. FSDP2
-    # keeps the module's class (it only adds a mixin), so its forward's signature is the model's.
+def hf_model(module: torch.nn.Module) -> torch.nn.Module:
+    """The HF model under a peft wrapper (`module` itself otherwise): a peft model forwards its keyword
+    arguments to the model it wraps, whose config and forward signature are the ones to ask. FSDP2
+    keeps the module's class (it only adds a mixin), so an FSDP2 module needs no unwrapping."""
     return module.get_base_model() if hasattr(module, "get_base_model") else module
 
 
@@ -66,6 +67,6 @@ def model_forward(module: torch.nn.Module) -> ModelForward:
     Read from the instance's bound forward each time (microseconds): a hook or patch that replaces
     the forward after the model was built is seen as it is now.
     """
-    params = inspect.signature(_hf_model(module).forward).parameters
+    params = inspect.signature(hf_model(module).forward).parameters
     cache_argument = next((name for name in CACHE_ARGUMENT_NAMES if name in params), None)
     return ModelForward(cache_argument=cache_argument, accepts_logits_to_keep="logits_to_keep" in params)

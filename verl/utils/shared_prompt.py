@@ -35,7 +35,7 @@ from dataclasses import dataclass
 
 import torch
 
-from verl.utils.hf_forward import ModelForward, model_forward
+from verl.utils.hf_forward import ModelForward, hf_model, model_forward
 from verl.utils.speed_paths import SpeedPath
 
 __all__ = [
@@ -79,7 +79,7 @@ def speed_path(
             f"use_remove_padding runs it only in the packed layout, whose 4D mask needs sdpa or eager attention "
             f"(the model uses {attn_implementation!r}); set use_remove_padding=false to share prompts",
         )
-    hf_module = module.get_base_model() if hasattr(module, "get_base_model") else module
+    hf_module = hf_model(module)
     if recomputes_layers(hf_module):
         return SpeedPath(
             SPEED_PATH,

@@ -13,6 +13,7 @@ import torch
 
 from verl.models.transformers.tiled_mlp import apply_tiled_mlp_monkey_patch
 from verl.utils.activation_offload import ActivationOffload, enable_activation_offloading
+from verl.utils.hf_forward import hf_model
 
 __all__ = ["apply_model_memory_options"]
 
@@ -34,7 +35,7 @@ def apply_model_memory_options(
     (dataclass, DictConfig or dict; None: nothing to apply). Returns the offload handler, if any."""
     tiled = _get(model_config, "tiled_mlp", None)
     if _get(tiled, "enabled", False):
-        hf_module = module.get_base_model() if hasattr(module, "get_base_model") else module
+        hf_module = hf_model(module)
         config = getattr(hf_module, "config", None)
         apply_tiled_mlp_monkey_patch(
             num_shards=int(_get(tiled, "num_shards", 4)), model_type=getattr(config, "model_type", None)
