@@ -53,12 +53,15 @@ def _config(path) -> TrainingWorkerConfig:
 @pytest.fixture(scope="module")
 def worker_group(ray_session, tiny_path):
     config = _config(tiny_path)
+    pool = RayResourcePool(process_on_nodes=[2], use_gpu=False)
     wg = RayWorkerGroup(
-        resource_pool=RayResourcePool(process_on_nodes=[2], use_gpu=False),
-        ray_cls_with_init=RayClassWithInitArgs(cls=ray.remote(TrainingWorker), config=config),
+        resource_pool=pool, ray_cls_with_init=RayClassWithInitArgs(cls=ray.remote(TrainingWorker), config=config)
     )
     wg.reset()
-    return wg, config
+    yield wg, config
+    # the shared cluster's CPUs go back for the next tests' pools
+    wg.shutdown()
+    pool.remove_placement_groups()
 
 
 def _rl_batch(seed: int):
@@ -183,10 +186,8 @@ def test_megatron_worker_at_tensor_parallel_2_equals_the_fsdp_engine(ray_session
     """The Megatron engine behind the worker: both ranks of the tp=2 group get the whole batch, one returns
     the results; the log-probs are each row's alone through the HF model, the update the FSDP engine's,
     and a checkpoint taken before it restores the policy."""
-    from transformers import AutoModelForCausalLM
 
     from verl.workers.config import McoreEngineConfig, McoreOptimizerConfig
-    from verl.workers.engine import EngineRegistry
 
     fsdp = _config(tiny_path)
     config = TrainingWorkerConfig(
@@ -201,10 +202,22 @@ def test_megatron_worker_at_tensor_parallel_2_equals_the_fsdp_engine(ray_session
         ),
         optimizer_config=McoreOptimizerConfig(lr=1e-3),
     )
+    pool = RayResourcePool(process_on_nodes=[2], use_gpu=False)
     wg = RayWorkerGroup(
-        resource_pool=RayResourcePool(process_on_nodes=[2], use_gpu=False),
-        ray_cls_with_init=RayClassWithInitArgs(cls=ray.remote(TrainingWorker), config=config),
+        resource_pool=pool, ray_cls_with_init=RayClassWithInitArgs(cls=ray.remote(TrainingWorker), config=config)
     )
+    try:
+        _megatron_worker_checks(wg, fsdp, tiny_path, tmp_path)
+    finally:
+        wg.shutdown()
+        pool.remove_placement_groups()
+
+
+def _megatron_worker_checks(wg, fsdp, tiny_path, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    from verl.workers.engine import EngineRegistry
+
     wg.reset()
     actor = ActorConfig(strategy="megatron", rollout_n=1, ppo_micro_batch_size_per_gpu=1)
     wg.set_loss_fn(functools.partial(ppo_loss, config=actor))

@@ -4,7 +4,7 @@ Upstream's engine of this name broadcasts over NCCL (cupy and Ray's collective l
 each bucket's layout over ZeroMQ. This one forms a private torch.distributed group with the
 machinery of `verl.workers.weight_sync` (the group, its deadline and its error messages): NCCL on
 GPUs, gloo on a CPU machine, so the same code and tests run on both. A bucket's layout (names,
-shapes, dtypes, offsets) travels through the group's TCP store, hosted by the master (the trainer's
+shapes, dtypes, offsets; JSON) travels through the group's TCP store, hosted by the master (the trainer's
 rank 0) and written before the bucket's broadcast, so receivers need no prior knowledge of the model.
 
 Two buffers of `bucket_size` bytes each side: the sender fills one while the other is on the wire,
@@ -20,8 +20,8 @@ added or removed).
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
-import pickle
 import time
 from collections.abc import AsyncIterator, Iterable
 
@@ -47,6 +47,26 @@ def _dtype(value) -> torch.dtype:
     if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
         raise ValueError(f"rollout_dtype={value!r} is not a floating-point torch dtype (bfloat16, float16, float32)")
     return dtype
+
+
+def _encode_layout(layout: dict[str, TensorMeta], is_last: bool, nbytes: int) -> str:
+    """A bucket's layout as JSON for the store (plain data: nothing a receiver unpickles)."""
+    tensors = [
+        [m["name"], list(m["shape"]), str(m["dtype"]).removeprefix("torch."), m["offset"]] for m in layout.values()
+    ]
+    return json.dumps({"tensors": tensors, "is_last": is_last, "nbytes": nbytes})
+
+
+def _decode_layout(raw: bytes) -> dict:
+    """`_encode_layout`'s JSON back as {"bucket_meta": {name: TensorMeta}, "is_last", "nbytes"}."""
+    data = json.loads(raw)
+    meta = {}
+    for name, shape, dtype, offset in data["tensors"]:
+        dtype = getattr(torch, dtype, None)
+        if not isinstance(dtype, torch.dtype):
+            raise ValueError(f"checkpoint engine: bucket layout names an unknown dtype for {name!r}")
+        meta[name] = TensorMeta(name=name, shape=torch.Size(shape), dtype=dtype, offset=int(offset))
+    return {"bucket_meta": meta, "is_last": bool(data["is_last"]), "nbytes": int(data["nbytes"])}
 
 
 @CheckpointEngineRegistry.register("nccl")
@@ -185,9 +205,7 @@ class NCCLCheckpointEngine(CheckpointEngine):
             nonlocal pending, bucket, offset, layout
             if pending is not None:
                 await pending  # the other buffer is free again once its broadcast is through
-            self._store.set(
-                self._key(sync, bucket), pickle.dumps({"bucket_meta": layout, "is_last": is_last, "nbytes": offset})
-            )
+            self._store.set(self._key(sync, bucket), _encode_layout(layout, is_last, offset))
             flat = self._buffers[bucket % 2][:offset]
             pending = loop.run_in_executor(None, self._broadcast, flat, f"broadcasting bucket {bucket} of sync {sync}")
             bucket, offset, layout = bucket + 1, 0, {}
@@ -224,7 +242,7 @@ class NCCLCheckpointEngine(CheckpointEngine):
     # ------------------------------------------------------------ receiving
     def _receive_bucket(self, sync: int, bucket: int) -> tuple[dict, torch.Tensor]:
         try:
-            layout = pickle.loads(self._store.get(self._key(sync, bucket)))
+            layout = _decode_layout(self._store.get(self._key(sync, bucket)))
         except Exception as exc:  # the store's own timeout: the trainer never wrote the bucket
             raise self._endpoint._timeout_error(f"waiting for bucket {bucket} of sync {sync}", exc) from None
         flat = self._buffers[bucket % 2][: layout["nbytes"]]
