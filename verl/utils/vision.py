@@ -15,6 +15,11 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
+
 # transformers' processor class -> the name of its image-only variant here
 IMAGE_ONLY_PROCESSORS = {
     "Qwen2_5_VLProcessor": "ImageOnlyQwen2_5_VLProcessor",

@@ -334,10 +334,9 @@ class FSDPEngine(BaseEngine):
         checks); a vision-language model's FSDP2 ranks first agree whether they have any."""
         from torch.distributed.fsdp import FSDPModule
 
+        from verl.utils.vision import is_vision_language_config
         from verl.workers.dp_training import rows_multi_modal_kwargs
         from verl.workers.engine.batch_api import multi_modal_rows
-
-        from verl.utils.vision import is_vision_language_config
 
         rows = multi_modal_rows(micro_batch)
         positions = micro_batch["position_ids"]
