@@ -75,16 +75,23 @@ def multi_modal_rows(micro_batch: TensorDict) -> list | None:
     """The per-row `multi_modal_inputs` dicts of a batch (None or {} for a text row), or None without
     the column (upstream's layout: a per-row column of the TensorDict, `DataProto.to_tensordict`'s
     NonTensorStack of the RL batch's `non_tensor_batch["multi_modal_inputs"]`)."""
+    from tensordict import NonTensorStack
+
     if "multi_modal_inputs" not in set(micro_batch.keys()):
         return None
-    rows = micro_batch.get("multi_modal_inputs")
-    rows = rows.tolist() if hasattr(rows, "tolist") else list(rows)
-    if len(rows) != micro_batch.batch_size[0]:
+    column = micro_batch.get("multi_modal_inputs")
+    rows = column.tolist() if isinstance(column, NonTensorStack) else None
+    if rows is None or len(rows) != micro_batch.batch_size[0] or not all(_is_row_dict(r) for r in rows):
         raise tu.TensorDictError(
-            f"multi_modal_inputs has {len(rows)} entries for {micro_batch.batch_size[0]} rows: it must hold one "
-            "dict per row (empty for a text-only row)"
+            "multi_modal_inputs must be a per-row column holding one dict per row (pixel_values, image_grid_thw, "
+            f"...; empty for a text-only row), got {type(column).__name__}; DataProto.to_tensordict makes it from "
+            "non_tensor_batch['multi_modal_inputs'] (tu.get_tensordict from a list of dicts too)"
         )
     return rows
+
+
+def _is_row_dict(row) -> bool:
+    return row is None or isinstance(getattr(row, "data", row) if type(row).__name__ == "NonTensorData" else row, dict)
 
 
 def has_images(micro_batch: TensorDict) -> bool:
@@ -176,7 +183,9 @@ class EngineBatchAPI:
             self._require_optimizer("train_batch")
         group = self.get_data_parallel_group()
         dp_size = self.get_data_parallel_size()
+        tu.maybe_fix_3d_position_ids(data)  # M-RoPE positions sent between processes (see there)
         seqlens = _seqlens(data)
+        multi_modal_rows(data)  # a malformed image column is refused before any forward
         if "loss_mask" not in set(data.keys()):
             raise tu.TensorDictError("the batch has no loss_mask: the tokens the loss counts (1) and skips (0)")
         counts = torch.tensor([float(_count(data["loss_mask"])), float(len(seqlens))], dtype=torch.float64)
