@@ -241,3 +241,50 @@ def test_a_text_only_batch_on_a_vision_language_model_needs_no_images(vl):
     with torch.no_grad():
         expected = _row_alone(float64_model(path), out, response, TEMPERATURE).gather(-1, response[:, None])[:, 0]
     torch.testing.assert_close(log_probs[0, : len(response)].double(), expected, atol=3e-5, rtol=0)
+
+
+def test_the_training_worker_runs_image_batches_as_its_engine(vl, one_process):
+    """In process: `infer_batch` gives the engine's log-probs, `train_batch` its gradient norm, and
+    `train_mini_batch` (rows shuffled into mini-batches with their images) steps once per mini-batch."""
+    from verl.workers.config import FSDPOptimizerConfig, HFModelConfig, TrainingWorkerConfig
+    from verl.workers.engine_workers import TrainingWorker
+
+    path, processor = vl
+    worker = TrainingWorker(
+        TrainingWorkerConfig(
+            model_config=HFModelConfig(path=path),
+            engine_config=FSDPEngineConfig(fsdp_size=-1, dtype="auto", max_token_len_per_gpu=40),
+            optimizer_config=FSDPOptimizerConfig(lr=1e-3, clip_grad=1e9),
+        )
+    )
+    worker.reset()
+    config = ActorConfig(strategy="fsdp", rollout_n=1, ppo_micro_batch_size_per_gpu=1)
+    worker.set_loss_fn(functools.partial(ppo_loss, config=config))
+    data, _ = make_vl_batch(processor, worker.engine.hf_config, seed=4)
+    g = torch.Generator().manual_seed(4)
+    data.batch["old_log_probs"] = -torch.rand(data.batch["responses"].shape, generator=g) - 3.0
+    # positive advantages: with old log-probs far above the model's, negative ones would be clipped (no gradient)
+    data.batch["advantages"] = data.batch["advantages"].float().abs()
+    data.batch["response_mask"] = data.batch["response_mask"].float()
+    data.meta_info.pop("temperature")
+    mask = data.batch["response_mask"].bool()
+
+    engine = _engine(path)
+    expected = no_padding_2_padding(
+        engine.infer_batch(_packed(data, use_dynamic_bsz=False, micro_batch_size_per_gpu=4))["model_output"][
+            "log_probs"
+        ],
+        _packed(data),
+    )
+    packed = _packed(data, compute_loss=False)
+    log_probs = no_padding_2_padding(tu.get(worker.infer_batch(packed), "log_probs"), packed)
+    torch.testing.assert_close(log_probs[mask], expected[mask], atol=1e-6, rtol=0)
+
+    loss_fn = functools.partial(ppo_loss, config=config)
+    engine_norm = engine.train_batch(_packed(data, use_dynamic_bsz=False, micro_batch_size_per_gpu=1), loss_fn)
+    metrics = tu.get(worker.train_batch(_packed(data)), "metrics")
+    assert metrics["grad_norm"] == pytest.approx(engine_norm["metrics"]["grad_norm"], rel=1e-5)
+
+    mini = _packed(data, mini_batch_size=2, dataloader_kwargs={"shuffle": True})
+    metrics = tu.get(worker.train_mini_batch(mini), "metrics")
+    assert len(metrics["grad_norm"]) == 2 and all(n > 0 for n in metrics["grad_norm"])
