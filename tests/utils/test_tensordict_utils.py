@@ -68,6 +68,25 @@ def test_chunk_splits_3d_jagged_tensors_row_by_row():
     assert all(torch.equal(a, b) for a, b in zip(got, rows))
 
 
+def test_row_selections_keep_m_rope_positions_ragged_in_their_last_dimension():
+    """[B, 3, j] rows, the selected ones of equal length: still [b, 3, j], each row as it was."""
+    from verl.utils.seqlen_balancing import restore_dynamic_batch
+
+    rows = [torch.arange(3 * n).reshape(3, n) + 100 * i for i, n in enumerate((2, 4, 2, 2))]
+    pos = tu.jagged_from_rows(rows, ragged_idx=2)
+    td = TensorDict({"position_ids": pos, "x": torch.arange(4)}, batch_size=[4])
+    for picked in ([0, 2], [3], [0, 2, 3]):
+        got = tu.index_select_tensor_dict(td, picked)["position_ids"]
+        assert got.shape[1] == 3 and [r.tolist() for r in got.unbind()] == [rows[i].tolist() for i in picked]
+    parts = tu.chunk_tensordict(TensorDict({"p": tu.jagged_from_rows([rows[0], rows[2]], 2)}, batch_size=[2]), 2)
+    assert [p["p"].shape[1] for p in parts] == [3, 3]
+    assert torch.equal(parts[1]["p"].unbind()[0], rows[2])
+    joined = tu.concat_nested_tensors([parts[0]["p"], parts[1]["p"]])
+    assert joined.shape[1] == 3 and [r.tolist() for r in joined.unbind()] == [rows[0].tolist(), rows[2].tolist()]
+    back = restore_dynamic_batch(tu.jagged_from_rows([rows[2], rows[0]], 2), [[1, 0]])
+    assert back.shape[1] == 3 and [r.tolist() for r in back.unbind()] == [rows[0].tolist(), rows[2].tolist()]
+
+
 def test_union_pop_keys_and_equality():
     td = _sample()
     tu.union_tensor_dict(td, tu.get_tensordict({"obs": torch.arange(8).reshape(4, 2), "new": torch.ones(4)}))

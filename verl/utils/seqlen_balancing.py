@@ -343,5 +343,7 @@ def restore_dynamic_batch(data: torch.Tensor, batch_idx_list: list[list[int]]) -
     reverse = torch.tensor(get_reverse_idx(indices), dtype=torch.long)
     if data.is_nested:
         rows = data.unbind()
-        return torch.nested.as_nested_tensor([rows[i] for i in reverse.tolist()], layout=torch.jagged)
+        from verl.utils.tensordict_utils import jagged_from_rows
+
+        return jagged_from_rows([rows[i] for i in reverse.tolist()], getattr(data, "_ragged_idx", 1))
     return data[reverse.to(data.device)]

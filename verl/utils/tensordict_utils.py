@@ -49,6 +49,7 @@ __all__ = [
     "get_non_tensor_data",
     "get_tensordict",
     "index_select_tensor_dict",
+    "jagged_from_rows",
     "make_iterator",
     "maybe_fix_3d_position_ids",
     "pad_to_divisor",
@@ -114,6 +115,24 @@ def get_non_tensor_data(data: TensorDict, key: str, default):
     return unwrap_non_tensor_data(data.get(key, default))
 
 
+def jagged_from_rows(rows: list[torch.Tensor], ragged_idx: int = 1) -> torch.Tensor:
+    """A jagged nested tensor [B, ...] of `rows` whose ragged dimension is `ragged_idx` (1: each row's
+    first dimension, as `torch.nested.as_nested_tensor` makes it; 2 for M-RoPE position ids [B, C, j],
+    each row [C, j_i]). Given explicitly because torch infers it from the rows' shapes: rows of equal
+    length (or a single row) would otherwise be ragged in their first dimension."""
+    if ragged_idx == 1 or not rows:
+        return torch.nested.as_nested_tensor(list(rows), layout=torch.jagged)
+    dim = ragged_idx - 1
+    lengths = torch.tensor([row.shape[dim] for row in rows], dtype=torch.long)
+    offsets = torch.cat([lengths.new_zeros(1), lengths.cumsum(0)])
+    values = torch.cat(list(rows), dim=dim)
+    return torch.nested.nested_tensor_from_jagged(values, offsets=offsets.to(values.device), jagged_dim=ragged_idx)
+
+
+def _jagged_like(value: torch.Tensor, rows) -> torch.Tensor:
+    return jagged_from_rows(list(rows), getattr(value, "_ragged_idx", 1))
+
+
 def concat_nested_tensors(tensors: list[torch.Tensor]) -> torch.Tensor:
     """Concatenate jagged nested tensors (each contiguous, 2-D or more) along the batch dimension."""
     rows = []
@@ -123,7 +142,7 @@ def concat_nested_tensors(tensors: list[torch.Tensor]) -> torch.Tensor:
         if tensor.dim() < 2:
             raise TensorDictError(f"concat_nested_tensors: part {i} has shape {tuple(tensor.shape)}; it needs 2+ dims")
         rows.extend(tensor.unbind(0))
-    return torch.nested.as_nested_tensor(rows, layout=torch.jagged)
+    return _jagged_like(tensors[0], rows)
 
 
 def concat_tensordict_with_none_bsz(data: list[TensorDict]) -> TensorDict:
@@ -181,7 +200,7 @@ def chunk_tensordict(td: TensorDict, chunks: int) -> list[TensorDict]:
     for key in special:
         rows = td[key].unbind(0)
         for i, part in enumerate(parts):
-            part[key] = torch.nested.as_nested_tensor(list(rows[i * size : (i + 1) * size]), layout=torch.jagged)
+            part[key] = _jagged_like(td[key], rows[i * size : (i + 1) * size])
     return parts
 
 
@@ -234,7 +253,7 @@ def index_select_tensor_dict(batch: TensorDict | None, indices: torch.Tensor | l
     for key, value in batch.items():
         if _is_nested(value):
             rows = value.unbind()
-            out[key] = torch.nested.as_nested_tensor([rows[i] for i in indices.tolist()], layout=torch.jagged)
+            out[key] = _jagged_like(value, [rows[i] for i in indices.tolist()])
         elif isinstance(value, torch.Tensor) or value.shape:
             out[key] = value[indices]
         else:

@@ -9,9 +9,16 @@
   `mrope_positions` also places videos, for upstream's `verl.models.transformers.qwen2_vl.get_rope_index`);
   they differ only in how the model lays the three rows out over the rotary frequencies (Qwen3-VL
   interleaves them), which happens inside the model.
+- `input_only_token_ids` / `mask_input_only_logits`: the vision markers a response never contains, kept out
+  of the policy's distribution (the PPO actor's and the engines' batch API's log-probs alike).
 """
 
 from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
 
 # transformers' processor class -> the name of its image-only variant here
 IMAGE_ONLY_PROCESSORS = {
@@ -124,6 +131,19 @@ def input_only_token_ids(config) -> list[int]:
     if not is_vision_language_config(config):
         return []
     return sorted({int(v) for v in (getattr(config, f, None) for f in _MARKER_FIELDS) if v is not None})
+
+
+def mask_input_only_logits(logits: torch.Tensor, token_ids: list[int], temperature: float = 1.0) -> torch.Tensor:
+    """`logits` [..., V] with the columns `token_ids` (`input_only_token_ids`) at a value that stays the
+    dtype's lowest after a division by `temperature`: a probability of exactly 0, and finite, so
+    p * logit stays 0 in the entropy. The policy of a vision-language model is then over the tokens
+    its rollout can emit. Unchanged (the same tensor) for no ids."""
+    import torch
+
+    if not token_ids:
+        return logits
+    ids = torch.tensor(token_ids, dtype=torch.long, device=logits.device)
+    return logits.index_fill(-1, ids, torch.finfo(logits.dtype).min * min(1.0, float(temperature)))
 
 
 def mrope_position_ids(config, input_ids, attention_mask, image_grid_thw=None):

@@ -45,6 +45,7 @@ __all__ = [
     "multi_modal_kwargs",
     "replicate_over_ranks",
     "response_mask_of",
+    "rows_multi_modal_kwargs",
     "split_micro_batches",
     "step_if_finite",
     "with_multi_modal_rows",
@@ -349,8 +350,34 @@ def multi_modal_kwargs(
     micro_batch, inputs, model: torch.nn.Module, is_vision_language: bool, collective_group=False
 ) -> dict:
     """The image inputs (`pixel_values`, `image_grid_thw`) of `model`'s forward for the rows of
-    `micro_batch`, in its row order (`extract_multi_modal_inputs` of their entries of `inputs`, the
-    batch's `multi_modal_inputs`), on the micro-batch's device; {} for a text-only micro-batch.
+    `micro_batch`, in its row order (their entries of `inputs`, the batch's `multi_modal_inputs`,
+    found by `MULTI_MODAL_ROW`), on the micro-batch's device; {} for a text-only micro-batch. See
+    `rows_multi_modal_kwargs` for the checks and `collective_group`."""
+    if MULTI_MODAL_ROW not in micro_batch:
+        return {}
+    rows = micro_batch[MULTI_MODAL_ROW].tolist()
+    return rows_multi_modal_kwargs(
+        [inputs[i] for i in rows],
+        micro_batch["position_ids"],
+        micro_batch["input_ids"].device,
+        model,
+        is_vision_language,
+        collective_group,
+    )
+
+
+def rows_multi_modal_kwargs(
+    row_inputs: list,
+    position_ids: torch.Tensor,
+    device,
+    model: torch.nn.Module,
+    is_vision_language: bool,
+    collective_group=False,
+) -> dict:
+    """The image inputs of `model`'s forward for a micro-batch whose rows' `multi_modal_inputs` are
+    `row_inputs` (one dict, empty or None for a text-only row, in the micro-batch's row order):
+    `extract_multi_modal_inputs` of them, on `device`; {} when no row has images. `position_ids`:
+    the micro-batch's (3 dims, M-RoPE, wherever there are images).
 
     `collective_group` (a process group, None for the default one; False: not collective): the ranks
     of an FSDP2 model whose vision blocks are units of their own all-gather them only when their
@@ -359,12 +386,9 @@ def multi_modal_kwargs(
     none, all raise the same error instead of hanging."""
     from verl.utils.model import extract_multi_modal_inputs
 
-    if MULTI_MODAL_ROW not in micro_batch:
-        return {}
-    rows = micro_batch[MULTI_MODAL_ROW].tolist()
-    found = extract_multi_modal_inputs([inputs[i] for i in rows])
+    found = extract_multi_modal_inputs(list(row_inputs))
     if collective_group is not False and is_vision_language:
-        has = torch.tensor([float(bool(found)), -float(bool(found))], device=micro_batch["input_ids"].device)
+        has = torch.tensor([float(bool(found)), -float(bool(found))], device=device)
         dist.all_reduce(has, op=dist.ReduceOp.MAX, group=collective_group)
         if has[0] > 0 and has[1] > -1:  # some rank has images, some has none
             raise ValueError(
@@ -379,13 +403,12 @@ def multi_modal_kwargs(
             f"({type(model).__name__}) that has no vision tower; use a vision-language model "
             "(e.g. Qwen2.5-VL) or a dataset without images"
         )
-    if found and micro_batch["position_ids"].dim() != 3:
+    if found and position_ids.dim() != 3:
         raise ValueError(
-            "a batch with images has position_ids of shape "
-            f"{tuple(micro_batch['position_ids'].shape)}; a vision-language model needs (batch, 4, length) "
-            "(text and M-RoPE rows, verl.utils.vision.vl_position_ids), which the dataset and the rollout write"
+            f"a batch with images has position_ids of {position_ids.dim()} dims; a vision-language model needs "
+            "(batch, 4, length) (text and M-RoPE rows, verl.utils.vision.vl_position_ids), which the dataset and "
+            "the rollout write"
         )
-    device = micro_batch["input_ids"].device
     return {key: value.to(device) for key, value in found.items()}
 
 

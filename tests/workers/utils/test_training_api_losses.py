@@ -59,6 +59,17 @@ def test_m_rope_position_ids_stay_per_row_with_their_channels():
     assert rows[0].shape == (4, 4) and rows[0][2].tolist() == [20, 21, 22, 23]
 
 
+def test_m_rope_position_ids_of_equal_length_rows_stay_ragged_in_their_last_dimension():
+    """torch would make rows of one length (or a single row) ragged in their channel dimension."""
+    data = _two_rows()
+    data["attention_mask"] = torch.ones_like(data["attention_mask"])
+    data["position_ids"] = torch.stack([data["position_ids"] + 10 * c for c in range(4)], dim=1)
+    for batch in (data, data[:1].clone()):
+        positions = left_right_2_no_padding(batch.clone())["position_ids"]
+        assert positions.shape[1] == 4 and positions.values().shape == (4, 6 * len(batch))
+        assert [row.tolist() for row in positions.unbind()] == batch["position_ids"].tolist()
+
+
 def test_padding_helpers_name_what_is_missing():
     data = _two_rows()
     del data["response_mask"]

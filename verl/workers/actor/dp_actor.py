@@ -117,7 +117,7 @@ from verl.utils.torch_functional import (
     sum_pi_squared_from_logits,
 )
 from verl.utils.ulysses_keys import role_sp
-from verl.utils.vision import input_only_token_ids, is_vision_language_config
+from verl.utils.vision import input_only_token_ids, is_vision_language_config, mask_input_only_logits
 from verl.workers.actor.ppo_actor import MODEL_INPUTS, PPOActor, require_temperature
 from verl.workers.config import FSDPActorConfig
 from verl.workers.dp_training import (
@@ -313,10 +313,7 @@ class DataParallelPPOActor(PPOActor):
         """`logits` with a vision-language model's input-only markers at a value that stays the dtype's
         lowest after the division by `temperature` (a probability of exactly 0, and finite, so p * logit
         stays 0 in the entropy); a text model's unchanged."""
-        if not self._unsampled:
-            return logits
-        ids = torch.tensor(self._unsampled, dtype=torch.long, device=logits.device)
-        return logits.index_fill(-1, ids, torch.finfo(logits.dtype).min * min(1.0, float(temperature)))
+        return mask_input_only_logits(logits, self._unsampled, temperature)
 
     def _multi_modal_kwargs(self, micro_batch) -> dict:
         """The model's image inputs for the rows of `micro_batch` ({} for text only; `multi_modal_kwargs`)."""

@@ -9,7 +9,11 @@ the loss-function interface as well, written once for every backend: a backend s
 forward needs a schedule of its own (megatron's pipeline), `_forward_backward_micro_batches`.
 
 The batch (see `verl.workers.utils.padding`):
-- `input_ids`, `position_ids`: jagged tensors [B, j] of each sequence's tokens;
+- `input_ids`, `position_ids`: jagged tensors [B, j] of each sequence's tokens (a vision-language
+  model's M-RoPE position ids: [B, C, j], ragged in the last dimension);
+- `multi_modal_inputs` (vision-language models, optional): one dict per row (`pixel_values`,
+  `image_grid_thw`, ...; empty for a text row), a per-row column that follows its rows into every
+  micro-batch, so each forward gets exactly its rows' images, in order;
 - `loss_mask`: what the loss counts (jagged like `input_ids`, or a padded [B, R] response mask);
 - batch-wide settings (`tu.assign_non_tensor`): `use_dynamic_bsz` with `max_token_len_per_gpu`,
   else `micro_batch_size_per_gpu`; `temperature` (1.0), `calculate_entropy` (False),
@@ -37,7 +41,7 @@ from verl.utils import device as dev
 from verl.utils import tensordict_utils as tu
 from verl.utils.py_functional import append_to_dict
 
-__all__ = ["EngineBatchAPI", "EngineModeContext"]
+__all__ = ["EngineBatchAPI", "EngineModeContext", "has_images", "multi_modal_rows"]
 
 
 class EngineModeContext(contextlib.AbstractContextManager):
@@ -65,6 +69,34 @@ def _seqlens(data: TensorDict) -> list[int]:
             "padded RL batch with verl.workers.utils.padding.left_right_2_no_padding"
         )
     return ids.offsets().diff().tolist()
+
+
+def multi_modal_rows(micro_batch: TensorDict) -> list | None:
+    """The per-row `multi_modal_inputs` dicts of a batch (None or {} for a text row), or None without
+    the column (upstream's layout: a per-row column of the TensorDict, `DataProto.to_tensordict`'s
+    NonTensorStack of the RL batch's `non_tensor_batch["multi_modal_inputs"]`)."""
+    from tensordict import NonTensorStack
+
+    if "multi_modal_inputs" not in set(micro_batch.keys()):
+        return None
+    column = micro_batch.get("multi_modal_inputs")
+    rows = column.tolist() if isinstance(column, NonTensorStack) else None
+    if rows is None or len(rows) != micro_batch.batch_size[0] or not all(_is_row_dict(r) for r in rows):
+        raise tu.TensorDictError(
+            "multi_modal_inputs must be a per-row column holding one dict per row (pixel_values, image_grid_thw, "
+            f"...; empty for a text-only row), got {type(column).__name__}; DataProto.to_tensordict makes it from "
+            "non_tensor_batch['multi_modal_inputs'] (tu.get_tensordict from a list of dicts too)"
+        )
+    return rows
+
+
+def _is_row_dict(row) -> bool:
+    return row is None or isinstance(getattr(row, "data", row) if type(row).__name__ == "NonTensorData" else row, dict)
+
+
+def has_images(micro_batch: TensorDict) -> bool:
+    """Whether any row of `micro_batch` has a non-empty `multi_modal_inputs` dict."""
+    return any(bool(row) for row in multi_modal_rows(micro_batch) or [])
 
 
 def _count(value: torch.Tensor) -> torch.Tensor:
@@ -151,7 +183,9 @@ class EngineBatchAPI:
             self._require_optimizer("train_batch")
         group = self.get_data_parallel_group()
         dp_size = self.get_data_parallel_size()
+        tu.maybe_fix_3d_position_ids(data)  # M-RoPE positions sent between processes (see there)
         seqlens = _seqlens(data)
+        multi_modal_rows(data)  # a malformed image column is refused before any forward
         if "loss_mask" not in set(data.keys()):
             raise tu.TensorDictError("the batch has no loss_mask: the tokens the loss counts (1) and skips (0)")
         counts = torch.tensor([float(_count(data["loss_mask"])), float(len(seqlens))], dtype=torch.float64)
@@ -223,29 +257,51 @@ class EngineBatchAPI:
     def _micro_batch_outputs(self, micro_batch: TensorDict) -> dict[str, torch.Tensor]:
         ids = micro_batch["input_ids"]
         positions = micro_batch["position_ids"]
-        if positions.dim() != 2:
+        if positions.dim() not in (2, 3):
             raise tu.TensorDictError(
-                f"position_ids has {positions.dim()} dims; the batch API takes text position ids [B, j] (M-RoPE "
-                "position ids of vision-language models are not supported by it here)"
+                f"position_ids has {positions.dim()} dims; the batch API takes jagged position ids [B, j], or a "
+                "vision-language model's M-RoPE position ids [B, C, j] (left_right_2_no_padding makes either)"
             )
+        images = self._micro_batch_images(micro_batch)
         device = dev.get_device()
         packed_ids = ids.values().to(device).unsqueeze(0)
-        packed_pos = positions.values().to(device).unsqueeze(0)
+        # [1, T], or M-RoPE's [C, 1, T] (the jagged [B, C, j]'s values are [C, T]), the model's packed layout
+        packed_pos = positions.values().to(device)
+        packed_pos = packed_pos.unsqueeze(1) if positions.dim() == 3 else packed_pos.unsqueeze(0)
         per_token = self._packed_forward(
             packed_ids,
             packed_pos,
             temperature=float(tu.get(micro_batch, "temperature", 1.0)),
             calculate_entropy=bool(tu.get(micro_batch, "calculate_entropy", False)),
             use_fused_kernels=bool(tu.get(micro_batch, "use_fused_kernels", False)),
+            multi_modal_inputs=images,
         )
         offsets = ids.offsets().to(device)
         return {key: torch.nested.nested_tensor_from_jagged(value, offsets=offsets) for key, value in per_token.items()}
 
+    def _micro_batch_images(self, micro_batch: TensorDict) -> dict[str, torch.Tensor]:
+        """The model's image inputs (`pixel_values`, `image_grid_thw`, ...) for the rows of `micro_batch`, in
+        its row order, from its `multi_modal_inputs` column ({} for text). This default is a backend whose
+        forward passes no images: it refuses M-RoPE positions and images rather than train on the text alone."""
+        if micro_batch["position_ids"].dim() == 3 or has_images(micro_batch):
+            raise NotImplementedError(
+                f"{type(self).__name__}'s batch forward passes no images to the model (M-RoPE position ids or "
+                "multi_modal_inputs with images); run vision-language batches on the FSDP engine (strategy=fsdp)"
+            )
+        return {}
+
     def _packed_forward(
-        self, input_ids, position_ids, temperature: float, calculate_entropy: bool, use_fused_kernels: bool
+        self,
+        input_ids,
+        position_ids,
+        temperature: float,
+        calculate_entropy: bool,
+        use_fused_kernels: bool,
+        multi_modal_inputs: dict | None = None,
     ) -> dict[str, torch.Tensor]:
-        """Per-token outputs [T] of one packed row [1, T]: `log_probs` (and `entropy`) of an LM, where
-        position t is the log-prob of token t + 1, or `values` of a value model."""
+        """Per-token outputs [T] of one packed row [1, T] (position ids [1, T], or M-RoPE's [C, 1, T]) with
+        the rows' images `multi_modal_inputs`: `log_probs` (and `entropy`) of an LM, where position t is the
+        log-prob of token t + 1, or `values` of a value model."""
         raise NotImplementedError(f"{type(self).__name__} has no batch forward (train_batch / infer_batch)")
 
     # ------------------------------------------------------------ placement

@@ -32,7 +32,9 @@ def left_right_2_no_padding(data: TensorDict) -> TensorDict:
     [B, C, j]) are jagged tensors of the real tokens, `loss_mask` is the `response_mask`, and the
     batch-wide `max_seq_len` (L), `max_response_len` (R) and `indices` (the real tokens' positions
     in the flattened [B * L] batch) let `no_padding_2_padding` put per-token outputs back.
-    `attention_mask` and `response_mask` stay as they are.
+    `attention_mask` and `response_mask` stay as they are, and so does every other per-row column:
+    a vision-language batch's `multi_modal_inputs` (one dict per row, `DataProto.to_tensordict`'s
+    NonTensorStack), which the engines' batch API hands to each micro-batch's forward.
     """
     present = set(data.keys())
     missing = [key for key in _REQUIRED if key not in present]
@@ -53,7 +55,8 @@ def left_right_2_no_padding(data: TensorDict) -> TensorDict:
     data["input_ids"] = torch.nested.nested_tensor_from_jagged(packed.squeeze(-1), offsets=cu_seqlens.long())
     keep = attention_mask.bool()
     rows = [position_ids[i][..., keep[i]] for i in range(keep.shape[0])]
-    data["position_ids"] = torch.nested.as_nested_tensor(rows, layout=torch.jagged)
+    # M-RoPE's [B, C, j] is ragged in its last dimension, whatever the rows' lengths
+    data["position_ids"] = tu.jagged_from_rows(rows, ragged_idx=position_ids.dim() - 1)
     data["loss_mask"] = data["response_mask"]
     return data
 

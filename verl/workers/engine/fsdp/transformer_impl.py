@@ -14,6 +14,11 @@ Design decisions:
   each decoder layer (the model's `_no_split_modules`). `freeze_vision_tower` (the actor's key, as
   upstream) takes the vision tower (`model.visual`) out of training before sharding: it gets no
   gradient and no optimizer state, and its weights stay bit-equal through updates.
+- The batch API (`verl.workers.engine.batch_api`) on a vision-language model: each micro-batch's packed
+  row gets its rows' images (the batch's per-row `multi_modal_inputs`, in row order) and M-RoPE positions
+  [C, 1, T]; the input-only vision markers are kept out of the log-probs as the PPO actor keeps them
+  (`verl.utils.vision.mask_input_only_logits`), so both give the same log-probs. Ulysses (sp > 1) is
+  refused for such a model, as the PPO actor refuses it.
 - Offload (`param_offload` / `optimizer_offload`): parameters and Adam moments live on the host
   between the RPCs that use them (`on_device`); no-ops on a CPU device.
 """
@@ -22,6 +27,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 
 import torch
 import torch.distributed as dist
@@ -225,8 +231,9 @@ class FSDPEngine(BaseEngine):
         config = self.module.config
         if is_vision_language_config(config):
             raise NotImplementedError(
-                f"{key}={sp} with a vision-language model: the engine's batch forward splits text-only packed "
-                "rows; use 1"
+                f"{key}={sp} with a vision-language model: the Ulysses sequence-parallel forward does not split "
+                "image features across ranks (the PPO actor refuses it too); use 1 (use_dynamic_bsz bounds each "
+                "micro-batch's tokens instead)"
             )
         if getattr(config, "_attn_implementation", "sdpa") != "sdpa":
             raise ValueError(
@@ -322,15 +329,53 @@ class FSDPEngine(BaseEngine):
         if optimizer and self.optimizer is not None:
             (offload_fsdp_optimizer if to_host else load_fsdp_optimizer)(self.optimizer)
 
+    def _micro_batch_images(self, micro_batch) -> dict[str, torch.Tensor]:
+        """The images of the micro-batch's rows, in order (`rows_multi_modal_kwargs`, the PPO actor's
+        checks); a vision-language model's FSDP2 ranks first agree whether they have any."""
+        from torch.distributed.fsdp import FSDPModule
+
+        from verl.utils.vision import is_vision_language_config
+        from verl.workers.dp_training import rows_multi_modal_kwargs
+        from verl.workers.engine.batch_api import multi_modal_rows
+
+        rows = multi_modal_rows(micro_batch)
+        positions = micro_batch["position_ids"]
+        vision_language = is_vision_language_config(self.hf_config)
+        if positions.dim() == 3 and not vision_language:
+            raise ValueError(
+                f"position_ids of {positions.dim()} dims (M-RoPE) for {type(self.module).__name__}, which is not "
+                "a vision-language model; give a text model position ids [B, j]"
+            )
+        if rows is None:
+            return {}
+        world = dist.get_world_size() if dist.is_initialized() else 1
+        collective = self.get_data_parallel_group() if isinstance(self.module, FSDPModule) and world > 1 else False
+        return rows_multi_modal_kwargs(rows, positions, dev.get_device(), self.module, vision_language, collective)
+
+    @functools.cached_property
+    def _unsampled_ids(self) -> list[int]:
+        """A vision-language model's input-only vision markers (`verl.utils.vision.input_only_token_ids`,
+        kept out of its log-probs as the PPO actor keeps them); [] for a text model."""
+        from verl.utils.vision import input_only_token_ids
+
+        return input_only_token_ids(self.hf_config)
+
     def _packed_forward(
-        self, input_ids, position_ids, temperature: float, calculate_entropy: bool, use_fused_kernels: bool
+        self,
+        input_ids,
+        position_ids,
+        temperature: float,
+        calculate_entropy: bool,
+        use_fused_kernels: bool,
+        multi_modal_inputs: dict | None = None,
     ) -> dict[str, torch.Tensor]:
         from verl.utils.remove_padding import packed_model_inputs
         from verl.utils.torch_functional import entropy_from_logits_with_chunking, logprobs_from_logits
+        from verl.utils.vision import mask_input_only_logits
 
-        if self.sp > 1:
+        if self.sp > 1:  # a vision-language model is refused with sp > 1 (`_setup_ulysses`)
             return self._ulysses_packed_forward(input_ids, position_ids, temperature, calculate_entropy)
-        inputs = packed_model_inputs(self.module, input_ids, position_ids)
+        inputs = {**packed_model_inputs(self.module, input_ids, position_ids), **(multi_modal_inputs or {})}
         if self.value_head:
             return {"values": self.module(**inputs, use_cache=False).logits[0, :, 0]}
         labels = torch.roll(input_ids, shifts=-1, dims=-1)  # position t predicts token t + 1
@@ -338,13 +383,15 @@ class FSDPEngine(BaseEngine):
             from verl.utils.experimental.torch_functional import fused_lm_head
 
             hf_model = self.module.get_base_model() if hasattr(self.module, "get_base_model") else self.module
-            with fused_lm_head(hf_model, labels, temperature, with_entropy_grad=calculate_entropy):
+            masked = self._unsampled_ids or None
+            with fused_lm_head(hf_model, labels, temperature, with_entropy_grad=calculate_entropy, masked_ids=masked):
                 fused = self.module(**inputs, use_cache=False).logits[0]
             out = {"log_probs": fused[:, 0]}
             if calculate_entropy:
                 out["entropy"] = fused[:, 1]
             return out
         logits = self.module(**inputs, use_cache=False).logits[0]
+        logits = mask_input_only_logits(logits, self._unsampled_ids, temperature)
         if temperature != 1.0:
             logits = logits / temperature
         out = {"log_probs": logprobs_from_logits(logits, labels[0])}

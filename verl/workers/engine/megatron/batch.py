@@ -28,6 +28,7 @@ from tensordict import TensorDict
 from verl.utils import device as dev
 from verl.utils import tensordict_utils as tu
 from verl.utils.py_functional import append_to_dict
+from verl.workers.engine.batch_api import has_images
 
 __all__ = ["forward_backward_micro_batches", "padded_rows"]
 
@@ -36,10 +37,11 @@ def padded_rows(micro_batch: TensorDict, index: int) -> TensorDict:
     """The jagged rows of `micro_batch` as the schedule's right-padded [B, L] batch (a one-token
     prompt, the rest "responses"), with `_micro_batch` (= `index`) and `_row` to find them again."""
     ids, positions = micro_batch["input_ids"], micro_batch["position_ids"]
-    if positions.dim() != 2:
-        raise tu.TensorDictError(
-            f"position_ids has {positions.dim()} dims; the batch API takes text position ids [B, j] (M-RoPE "
-            "position ids of vision-language models are not supported by it here)"
+    if positions.dim() != 2 or has_images(micro_batch):
+        raise NotImplementedError(
+            "the Megatron engine's batch API takes text batches only (M-RoPE position ids or multi_modal_inputs "
+            "with images here): its models get no images, as the Megatron PPO actor's do not; run vision-language "
+            "batches on the FSDP engine (strategy=fsdp)"
         )
     lengths = ids.offsets().diff().cpu()
     rows, width = len(lengths), max(int(lengths.max()), 2)
