@@ -106,7 +106,7 @@ from verl.utils import shared_prompt, speed_paths, ulysses
 from verl.utils.device import get_device
 from verl.utils.experimental.torch_functional import fused_head_problem, fused_lm_head
 from verl.utils.flops_counter import FlopsCounter, FlopsTally
-from verl.utils.hf_forward import model_forward
+from verl.utils.hf_forward import hf_model, model_forward
 from verl.utils.logging_utils import get_logger
 from verl.utils.remove_padding import packed_model_inputs, pad_input, unpad_input, unpad_position_ids
 from verl.utils.shared_prompt import prompt_groups, shared_prompt_logits
@@ -175,7 +175,7 @@ class DataParallelPPOActor(PPOActor):
         )
         self.use_remove_padding = cfg.use_remove_padding
         # a peft model forwards its keyword arguments to the HF model it wraps: ask that one
-        hf_module = actor_module.get_base_model() if hasattr(actor_module, "get_base_model") else actor_module
+        hf_module = hf_model(actor_module)
         self.is_vision_language = is_vision_language_config(getattr(hf_module, "config", None))
         # the policy of a vision-language model is over the tokens it can emit: its input-only vision
         # markers are masked out of the logits, as the rollout engines never sample them

@@ -381,10 +381,12 @@ class FSDPEngine(BaseEngine):
         labels = torch.roll(input_ids, shifts=-1, dims=-1)  # position t predicts token t + 1
         if use_fused_kernels:
             from verl.utils.experimental.torch_functional import fused_lm_head
+            from verl.utils.hf_forward import hf_model
 
-            hf_model = self.module.get_base_model() if hasattr(self.module, "get_base_model") else self.module
             masked = self._unsampled_ids or None
-            with fused_lm_head(hf_model, labels, temperature, with_entropy_grad=calculate_entropy, masked_ids=masked):
+            with fused_lm_head(
+                hf_model(self.module), labels, temperature, with_entropy_grad=calculate_entropy, masked_ids=masked
+            ):
                 fused = self.module(**inputs, use_cache=False).logits[0]
             out = {"log_probs": fused[:, 0]}
             if calculate_entropy:
