@@ -10,6 +10,7 @@ exactly what the actor pool generates (greedy), and stamp its samples with the v
 
 from __future__ import annotations
 
+import pytest
 import torch
 from transformers import AutoTokenizer
 
@@ -66,9 +67,23 @@ def _prompts(tokenizer, do_sample: bool, **meta) -> DataProto:
     )
 
 
+_STARTED: list = []
+"""(worker group, pool) of each group a test starts, ended after the test (`_end_groups`)."""
+
+
+@pytest.fixture(autouse=True)
+def _end_groups():
+    yield
+    while _STARTED:  # the shared cluster's CPUs go back for later tests' pools
+        wg, pool = _STARTED.pop()
+        wg.shutdown()
+        pool.remove_placement_groups()
+
+
 def _group(cfg, role: str) -> RayWorkerGroup:
     pool = RayResourcePool(process_on_nodes=[1], use_gpu=False, max_colocate_count=1)
     wg = RayWorkerGroup(pool, RayClassWithInitArgs(ActorRolloutRefWorker, config=cfg.actor_rollout_ref, role=role))
+    _STARTED.append((wg, pool))
     wg.init_model()
     return wg
 

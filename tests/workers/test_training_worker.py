@@ -51,17 +51,23 @@ def _config(path) -> TrainingWorkerConfig:
 
 
 @pytest.fixture(scope="module")
-def worker_group(ray_session, tiny_path):
-    config = _config(tiny_path)
+def pool(ray_session):
+    """One pool of 2 CPU bundles for the module's worker groups (colocated: a test's group shares the
+    bundles with the module's, so no test waits for CPUs another module's pools hold)."""
     pool = RayResourcePool(process_on_nodes=[2], use_gpu=False)
+    yield pool
+    pool.remove_placement_groups()
+
+
+@pytest.fixture(scope="module")
+def worker_group(pool, tiny_path):
+    config = _config(tiny_path)
     wg = RayWorkerGroup(
         resource_pool=pool, ray_cls_with_init=RayClassWithInitArgs(cls=ray.remote(TrainingWorker), config=config)
     )
     wg.reset()
     yield wg, config
-    # the shared cluster's CPUs go back for the next tests' pools
     wg.shutdown()
-    pool.remove_placement_groups()
 
 
 def _rl_batch(seed: int):
@@ -182,7 +188,7 @@ def test_in_process_worker_refuses_what_the_batch_api_does_not_run(one_process, 
         built(FSDPEngineConfig(ulysses_sequence_parallel_size=2))
 
 
-def test_megatron_worker_at_tensor_parallel_2_equals_the_fsdp_engine(ray_session, tiny_path, tmp_path):
+def test_megatron_worker_at_tensor_parallel_2_equals_the_fsdp_engine(pool, tiny_path, tmp_path):
     """The Megatron engine behind the worker: both ranks of the tp=2 group get the whole batch, one returns
     the results; the log-probs are each row's alone through the HF model, the update the FSDP engine's,
     and a checkpoint taken before it restores the policy."""
@@ -202,7 +208,6 @@ def test_megatron_worker_at_tensor_parallel_2_equals_the_fsdp_engine(ray_session
         ),
         optimizer_config=McoreOptimizerConfig(lr=1e-3),
     )
-    pool = RayResourcePool(process_on_nodes=[2], use_gpu=False)
     wg = RayWorkerGroup(
         resource_pool=pool, ray_cls_with_init=RayClassWithInitArgs(cls=ray.remote(TrainingWorker), config=config)
     )
@@ -210,7 +215,6 @@ def test_megatron_worker_at_tensor_parallel_2_equals_the_fsdp_engine(ray_session
         _megatron_worker_checks(wg, fsdp, tiny_path, tmp_path)
     finally:
         wg.shutdown()
-        pool.remove_placement_groups()
 
 
 def _megatron_worker_checks(wg, fsdp, tiny_path, tmp_path):
@@ -250,7 +254,7 @@ def _megatron_worker_checks(wg, fsdp, tiny_path, tmp_path):
     torch.testing.assert_close(_infer(wg, batch), before, atol=0, rtol=0)
 
 
-def test_ulysses_worker_at_sequence_parallel_2_equals_one_rank(ray_session, tiny_path):
+def test_ulysses_worker_at_sequence_parallel_2_equals_one_rank(pool, tiny_path):
     """Ulysses sp=2 over 2 ranks (dp=1): each packed micro-batch is split between the ranks (odd token
     counts padded), both get the whole batch and one returns it; log-probs and entropy equal each row
     alone through the HF model, the step's gradient norm and loss the one-rank engine's."""
@@ -272,7 +276,6 @@ def test_ulysses_worker_at_sequence_parallel_2_equals_one_rank(ray_session, tiny
         ),
         optimizer_config=FSDPOptimizerConfig(lr=1e-3),
     )
-    pool = RayResourcePool(process_on_nodes=[2], use_gpu=False)
     wg = RayWorkerGroup(
         resource_pool=pool, ray_cls_with_init=RayClassWithInitArgs(cls=ray.remote(TrainingWorker), config=config)
     )
@@ -313,7 +316,6 @@ def test_ulysses_worker_at_sequence_parallel_2_equals_one_rank(ray_session, tiny
         )
     finally:
         wg.shutdown()
-        pool.remove_placement_groups()
 
 
 def _values_loss(model_output, data, dp_group=None):
@@ -322,7 +324,7 @@ def _values_loss(model_output, data, dp_group=None):
     return (values.double() ** 2).mean().float(), {}
 
 
-def test_ulysses_value_model_at_sequence_parallel_2_equals_one_rank(ray_session, tiny_path, tmp_path):
+def test_ulysses_value_model_at_sequence_parallel_2_equals_one_rank(pool, tiny_path, tmp_path):
     """The value head's path under Ulysses: values gathered whole, and a step's gradient norm, equal the
     one-rank engine's on a value model saved with its head (both load the same weights)."""
     from verl.utils.model import load_valuehead_model
@@ -339,7 +341,6 @@ def test_ulysses_value_model_at_sequence_parallel_2_equals_one_rank(ray_session,
         engine_config=FSDPEngineConfig(ulysses_sequence_parallel_size=2, **engine_config),
         optimizer_config=FSDPOptimizerConfig(lr=1e-3),
     )
-    pool = RayResourcePool(process_on_nodes=[2], use_gpu=False)
     wg = RayWorkerGroup(
         resource_pool=pool, ray_cls_with_init=RayClassWithInitArgs(cls=ray.remote(TrainingWorker), config=config)
     )
@@ -366,7 +367,6 @@ def test_ulysses_value_model_at_sequence_parallel_2_equals_one_rank(ray_session,
         assert metrics["grad_norm"] == pytest.approx(expected["metrics"]["grad_norm"], rel=1e-4)
     finally:
         wg.shutdown()
-        pool.remove_placement_groups()
 
 
 def _infer_data(batch):

@@ -81,7 +81,15 @@ def _rollout_group(cfg, **init_args):
 
     pool = RayResourcePool(process_on_nodes=[1], use_gpu=False, max_colocate_count=1)
     worker = RayClassWithInitArgs(ActorRolloutRefWorker, config=cfg.actor_rollout_ref, role="rollout", **init_args)
-    return RayWorkerGroup(pool, worker)
+    wg = RayWorkerGroup(pool, worker)
+    shutdown = wg.shutdown
+
+    def shutdown_and_free() -> None:  # the shared cluster's CPU goes back for later tests' pools
+        shutdown()
+        pool.remove_placement_groups()
+
+    wg.shutdown = shutdown_and_free
+    return wg
 
 
 def test_a_ray_worker_gets_the_wrapper_with_its_arguments_and_runs_agent_loops(ray_session):

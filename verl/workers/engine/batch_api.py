@@ -306,6 +306,27 @@ class EngineBatchAPI:
 
     # ------------------------------------------------------------ placement
     def to(self, device: str, model: bool = True, optimizer: bool = True, grad: bool = True) -> None:
-        """Move the parameters (`model`) and optimizer state (`optimizer`) to `device` (the device name, or
-        "cpu"), whatever the offload settings: the manual counterpart of `train_mode`'s placement."""
+        """Move the parameters (`model`; their gradients live with them) and optimizer state (`optimizer`)
+        to `device` (the device name, "device" for it, or "cpu"), whatever the offload settings: the
+        manual counterpart of `train_mode`'s placement. Backends name what moves (`_placed_state`)."""
+        from verl.utils.fsdp_utils import (
+            load_fsdp_model_to_device,
+            load_fsdp_optimizer,
+            offload_fsdp_model_to_cpu,
+            offload_fsdp_optimizer,
+        )
+
+        modules, optim = self._placed_state()
+        device = dev.get_device_name() if device == "device" else device
+        if device not in ("cpu", dev.get_device_name()):
+            raise ValueError(f"engine.to({device!r}): use 'cpu' or this machine's device ({dev.get_device_name()!r})")
+        to_host = device == "cpu"
+        if model:
+            for module in modules:
+                (offload_fsdp_model_to_cpu if to_host else load_fsdp_model_to_device)(module)
+        if optimizer and optim is not None:
+            (offload_fsdp_optimizer if to_host else load_fsdp_optimizer)(optim)
+
+    def _placed_state(self) -> tuple[list, object]:
+        """(the modules, the torch optimizer or None) that `to` moves."""
         raise NotImplementedError(f"{type(self).__name__} does not move its state by hand")

@@ -312,22 +312,8 @@ class FSDPEngine(BaseEngine):
         finally:
             self._offload(optimizer)
 
-    def to(self, device: str, model: bool = True, optimizer: bool = True, grad: bool = True) -> None:
-        from verl.utils.fsdp_utils import (
-            load_fsdp_model_to_device,
-            load_fsdp_optimizer,
-            offload_fsdp_model_to_cpu,
-            offload_fsdp_optimizer,
-        )
-
-        device = dev.get_device_name() if device == "device" else device
-        if device not in ("cpu", dev.get_device_name()):
-            raise ValueError(f"engine.to({device!r}): use 'cpu' or this machine's device ({dev.get_device_name()!r})")
-        to_host = device == "cpu"
-        if model:  # gradients live with their parameters
-            (offload_fsdp_model_to_cpu if to_host else load_fsdp_model_to_device)(self.module)
-        if optimizer and self.optimizer is not None:
-            (offload_fsdp_optimizer if to_host else load_fsdp_optimizer)(self.optimizer)
+    def _placed_state(self) -> tuple[list, object]:
+        return [self.module], self.optimizer
 
     def _micro_batch_images(self, micro_batch) -> dict[str, torch.Tensor]:
         """The images of the micro-batch's rows, in order (`rows_multi_modal_kwargs`, the PPO actor's

@@ -370,23 +370,8 @@ class MegatronEngine(BaseEngine):
         finally:
             self._offload(optimizer)
 
-    def to(self, device: str, model: bool = True, optimizer: bool = True, grad: bool = True) -> None:
-        from verl.utils.fsdp_utils import (
-            load_fsdp_model_to_device,
-            load_fsdp_optimizer,
-            offload_fsdp_model_to_cpu,
-            offload_fsdp_optimizer,
-        )
-
-        device = dev.get_device_name() if device == "device" else device
-        if device not in ("cpu", dev.get_device_name()):
-            raise ValueError(f"engine.to({device!r}): use 'cpu' or this machine's device ({dev.get_device_name()!r})")
-        to_host = device == "cpu"
-        if model:  # gradients live with their parameters
-            for chunk in self.chunks:
-                (offload_fsdp_model_to_cpu if to_host else load_fsdp_model_to_device)(chunk)
-        if optimizer and self.optimizer is not None:
-            (offload_fsdp_optimizer if to_host else load_fsdp_optimizer)(local_optimizer(self.optimizer))
+    def _placed_state(self) -> tuple[list, object]:
+        return list(self.chunks), None if self.optimizer is None else local_optimizer(self.optimizer)
 
     # ------------------------------------------------------------ the batch API (EngineBatchAPI)
     def get_data_parallel_group(self):
