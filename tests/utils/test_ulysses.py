@@ -142,6 +142,18 @@ def test_heads_not_divisible_by_sp_is_refused_naming_the_key_and_counts():
         check_heads_divisible(Qwen2Config(num_attention_heads=12, num_key_value_heads=3, hidden_size=48), 4)
 
 
+def test_attention_other_than_sdpa_is_refused_naming_the_key():
+    from verl.utils.ulysses import check_attention
+
+    config = Qwen2Config(num_attention_heads=4, num_key_value_heads=2)
+    config._attn_implementation = "eager"
+    check_attention(config, 1, "engine.ulysses_sequence_parallel_size")  # sp=1 runs any attention
+    with pytest.raises(ValueError, match=r"^engine.ulysses_sequence_parallel_size=2 supports .*'eager'; set engine"):
+        check_attention(config, 2, "engine.ulysses_sequence_parallel_size")
+    config._attn_implementation = "sdpa"
+    check_attention(config, 2)
+
+
 def _upstream_api_case(rank, world_size):
     from verl.utils import ulysses as U
 

@@ -153,12 +153,7 @@ class SFTParallel:
 
     def check_model(self, model) -> None:
         """The sp forward goes through the patched sdpa attention; refuse any other implementation."""
-        impl = getattr(model.config, "_attn_implementation", "sdpa")
-        if self.sp_size > 1 and impl != "sdpa":
-            raise ValueError(
-                f"{self.sp_key}={self.sp_size} supports attn_implementation='sdpa' only, the model uses {impl!r}; "
-                f"set {self.sp_key}=1"
-            )
+        ulysses.check_attention(model.config, self.sp_size, self.sp_key)
 
 
 def sft_token_losses(model, micro_batch: dict[str, torch.Tensor], device) -> tuple[torch.Tensor, torch.Tensor]:

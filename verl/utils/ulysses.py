@@ -97,6 +97,17 @@ def check_heads_divisible(config, sp_size: int) -> None:
         )
 
 
+def check_attention(config, sp_size: int, key: str = SP_KEY) -> None:
+    """Refuse a model whose attention the sequence-parallel forward cannot run: only the patched sdpa
+    attention (`patch_sdpa_attention`) trades the sequence split for a head split. `key` names the
+    setting in the error."""
+    impl = getattr(config, "_attn_implementation", "sdpa")
+    if sp_size > 1 and impl != "sdpa":
+        raise ValueError(
+            f"{key}={sp_size} supports attn_implementation='sdpa' only, the model uses {impl!r}; set {key}=1"
+        )
+
+
 def pad_and_slice_packed(
     input_ids: torch.Tensor, position_ids: torch.Tensor, sp_size: int, sp_rank: int
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
@@ -255,10 +266,7 @@ def setup(role: str, cfg: dict, model_config, use_remove_padding: bool, group, r
         )
     if model_config is not None:
         check_heads_divisible(model_config, sp)
-    if getattr(model_config, "_attn_implementation", "sdpa") != "sdpa":
-        raise ValueError(
-            f"{key}={sp} supports attn_implementation='sdpa' only, the model uses {model_config._attn_implementation!r}"
-        )
+    check_attention(model_config, sp, key)
     patch_sdpa_attention()
     return sp
 

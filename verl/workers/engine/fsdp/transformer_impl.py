@@ -235,10 +235,7 @@ class FSDPEngine(BaseEngine):
                 "image features across ranks (the PPO actor refuses it too); use 1 (use_dynamic_bsz bounds each "
                 "micro-batch's tokens instead)"
             )
-        if getattr(config, "_attn_implementation", "sdpa") != "sdpa":
-            raise ValueError(
-                f"{key}={sp} supports attn_implementation='sdpa' only, the model uses {config._attn_implementation!r}"
-            )
+        ulysses.check_attention(config, sp, key)
         ulysses.check_heads_divisible(config, sp)
         if _ULYSSES["sp"] != sp:
             type(self).init_parallel(fsdp)
