@@ -91,7 +91,9 @@ def multi_modal_rows(micro_batch: TensorDict) -> list | None:
 
 
 def _is_row_dict(row) -> bool:
-    return row is None or isinstance(getattr(row, "data", row) if type(row).__name__ == "NonTensorData" else row, dict)
+    from tensordict import NonTensorData
+
+    return row is None or isinstance(row.data if isinstance(row, NonTensorData) else row, dict)
 
 
 def has_images(micro_batch: TensorDict) -> bool:

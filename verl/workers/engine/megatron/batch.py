@@ -89,10 +89,7 @@ def _per_token(engine, micro_batch: dict, output: torch.Tensor, settings: dict) 
 
 def _jagged(per_token: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
     """[B, L] -> the jagged [B, j] of each row's first `lengths[i]` columns."""
-    keep = torch.arange(per_token.shape[1], device=per_token.device)[None] < lengths.to(per_token.device)[:, None]
-    offsets = torch.zeros(len(lengths) + 1, dtype=torch.long, device=per_token.device)
-    offsets[1:] = lengths.to(per_token.device).cumsum(0)
-    return torch.nested.nested_tensor_from_jagged(per_token[keep], offsets=offsets)
+    return tu.jagged_from_rows([row[:n] for row, n in zip(per_token, lengths.tolist())])
 
 
 def forward_backward_micro_batches(engine, micro_batches: list, loss_function, forward_only: bool):
