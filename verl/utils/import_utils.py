@@ -32,6 +32,9 @@ from types import ModuleType
 
 _PKG_PREFIX = "pkg://"
 _FILE_PREFIX = "file://"
+EXTERN_MODULE_PREFIX = "verl_extern_"
+"""The module-name prefix of files `load_module` imports by path: no other process can import such a module
+by its name, so what it defines travels pickled by value (`ray.cloudpickle.register_pickle_by_value`)."""
 
 
 def import_external_libs(external_libs: str | list[str] | None = None) -> None:
@@ -59,7 +62,7 @@ def load_module(file_path: str | None, config_key: str = "path") -> ModuleType |
             f"the working directory {os.getcwd()!r}); set {config_key} to an existing .py file"
         )
     stem = os.path.splitext(os.path.basename(path))[0]
-    module_name = f"verl_extern_{hashlib.sha1(path.encode()).hexdigest()[:10]}_{stem}"
+    module_name = f"{EXTERN_MODULE_PREFIX}{hashlib.sha1(path.encode()).hexdigest()[:10]}_{stem}"
     spec = importlib.util.spec_from_file_location(module_name, path)
     if spec is None or spec.loader is None:
         raise ImportError(f"{config_key}={file_path!r} cannot be imported as Python source; give a .py file")

@@ -42,9 +42,11 @@ def _ship_by_value(fn) -> None:
     """Let Ray pickle a function from a file loaded by path (verl.utils.import_utils) by value."""
     from ray import cloudpickle  # the pickler Ray ships arguments with
 
+    from verl.utils.import_utils import EXTERN_MODULE_PREFIX
+
     target = getattr(fn, "func", fn)  # functools.partial (custom_reward_function.reward_kwargs)
     module = sys.modules.get(getattr(target, "__module__", "") or "")
-    if module is not None and module.__name__.startswith("verl_extern_"):
+    if module is not None and module.__name__.startswith(EXTERN_MODULE_PREFIX):
         cloudpickle.register_pickle_by_value(module)
 
 
