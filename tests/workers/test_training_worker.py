@@ -217,10 +217,33 @@ def test_megatron_worker_at_tensor_parallel_2_equals_the_fsdp_engine(pool, tiny_
         wg.shutdown()
 
 
+def _step_equals_the_one_rank_fsdp_engines(wg, batch, fsdp, tiny_path, actor) -> torch.Tensor:
+    """Train `wg` and a one-rank FSDP engine (`fsdp`'s engine and optimizer sections) on `batch` with the
+    same PPO loss: the step's gradient norm and loss agree, and so do the updated policies' log-probs,
+    which it returns (the worker's, padded)."""
+    from verl.workers.engine import EngineRegistry
+
+    metrics = tu.get(wg.train_batch(left_right_2_no_padding(batch.clone())).get(), "metrics")
+    single = EngineRegistry.new(
+        "language_model", "fsdp", OmegaConf.create({"path": tiny_path}), fsdp.engine_config, fsdp.optimizer_config
+    )
+    local = left_right_2_no_padding(batch.clone())
+    tu.assign_non_tensor(local, use_dynamic_bsz=False, micro_batch_size_per_gpu=8)
+    expected = single.train_batch(local, functools.partial(ppo_loss, config=actor))
+    assert metrics["grad_norm"] == pytest.approx(expected["metrics"]["grad_norm"], rel=1e-4)
+    assert metrics["loss"] == pytest.approx(sum(expected["loss"]), rel=1e-4)
+    mask = batch["response_mask"].bool()
+    with torch.no_grad():  # the same step on both: the updated policies agree
+        stepped = _infer(wg, batch)
+        single_out = single.infer_batch(_infer_data(batch))["model_output"]["log_probs"]
+    torch.testing.assert_close(
+        stepped[mask], no_padding_2_padding(single_out, _infer_data(batch))[mask], atol=1e-5, rtol=0
+    )
+    return stepped
+
+
 def _megatron_worker_checks(wg, fsdp, tiny_path, tmp_path):
     from transformers import AutoModelForCausalLM
-
-    from verl.workers.engine import EngineRegistry
 
     wg.reset()
     actor = ActorConfig(strategy="megatron", rollout_n=1, ppo_micro_batch_size_per_gpu=1)
@@ -232,22 +255,7 @@ def _megatron_worker_checks(wg, fsdp, tiny_path, tmp_path):
     torch.testing.assert_close(before[mask].double(), reference[mask], atol=2e-5, rtol=0)
     wg.save_checkpoint(str(tmp_path / "ckpt"), global_step=1)
 
-    metrics = tu.get(wg.train_batch(left_right_2_no_padding(batch.clone())).get(), "metrics")
-    single = EngineRegistry.new(
-        "language_model", "fsdp", OmegaConf.create({"path": tiny_path}), fsdp.engine_config, fsdp.optimizer_config
-    )
-    local = left_right_2_no_padding(batch.clone())
-    tu.assign_non_tensor(local, use_dynamic_bsz=False, micro_batch_size_per_gpu=8)
-    expected = single.train_batch(local, functools.partial(ppo_loss, config=actor))
-    assert metrics["grad_norm"] == pytest.approx(expected["metrics"]["grad_norm"], rel=1e-4)
-    assert metrics["loss"] == pytest.approx(sum(expected["loss"]), rel=1e-4)
-    # the same step on both: the updated policies agree
-    with torch.no_grad():
-        stepped = _infer(wg, batch)
-        single_out = single.infer_batch(_infer_data(batch))["model_output"]["log_probs"]
-    torch.testing.assert_close(
-        stepped[mask], no_padding_2_padding(single_out, _infer_data(batch))[mask], atol=1e-5, rtol=0
-    )
+    stepped = _step_equals_the_one_rank_fsdp_engines(wg, batch, fsdp, tiny_path, actor)
     assert not torch.allclose(stepped[mask], before[mask])
     wg.to("cpu")
     wg.load_checkpoint(str(tmp_path / "ckpt"))
@@ -259,8 +267,6 @@ def test_ulysses_worker_at_sequence_parallel_2_equals_one_rank(pool, tiny_path):
     counts padded), both get the whole batch and one returns it; log-probs and entropy equal each row
     alone through the HF model, the step's gradient norm and loss the one-rank engine's."""
     from transformers import AutoModelForCausalLM
-
-    from verl.workers.engine import EngineRegistry
 
     one_rank = _config(tiny_path)
     config = TrainingWorkerConfig(
@@ -295,25 +301,7 @@ def test_ulysses_worker_at_sequence_parallel_2_equals_one_rank(pool, tiny_path):
         torch.testing.assert_close(log_probs[mask].double(), reference[mask], atol=2e-5, rtol=0)
         assert tu.get(out, "entropy").is_nested
 
-        metrics = tu.get(wg.train_batch(left_right_2_no_padding(batch.clone())).get(), "metrics")
-        single = EngineRegistry.new(
-            "language_model",
-            "fsdp",
-            OmegaConf.create({"path": tiny_path}),
-            one_rank.engine_config,
-            one_rank.optimizer_config,
-        )
-        local = left_right_2_no_padding(batch.clone())
-        tu.assign_non_tensor(local, use_dynamic_bsz=False, micro_batch_size_per_gpu=8)
-        expected = single.train_batch(local, functools.partial(ppo_loss, config=actor))
-        assert metrics["grad_norm"] == pytest.approx(expected["metrics"]["grad_norm"], rel=1e-4)
-        assert metrics["loss"] == pytest.approx(sum(expected["loss"]), rel=1e-4)
-        with torch.no_grad():  # the same step: the updated policies agree
-            stepped = _infer(wg, batch)
-            single_out = single.infer_batch(_infer_data(batch))["model_output"]["log_probs"]
-        torch.testing.assert_close(
-            stepped[mask], no_padding_2_padding(single_out, _infer_data(batch))[mask], atol=1e-5, rtol=0
-        )
+        _step_equals_the_one_rank_fsdp_engines(wg, batch, one_rank, tiny_path, actor)
     finally:
         wg.shutdown()
 
