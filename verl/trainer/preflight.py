@@ -287,8 +287,14 @@ def _check_multimodal(config, problems: list[str]) -> None:
     if data.custom_cls.path:
         return
     image_key, video_key = data.get("image_key", "images"), data.get("video_key", "videos")
+    audio_key = data.get("audio_key", "audios")
     for key in ("train_files", "val_files"):
         for file in _files(data[key]):
+            if _column_has_values(file, audio_key):
+                problems.append(
+                    f"data.{key}: {file!r} holds audio (column {audio_key!r}, data.audio_key); audio is not "
+                    f"supported here (no audio model or processor path): drop the {audio_key!r} column"
+                )
             if vision and _column_has_values(file, video_key):
                 problems.append(
                     f"data.{key}: {file!r} holds videos (column {video_key!r}, data.video_key); videos are not "

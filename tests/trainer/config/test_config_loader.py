@@ -119,7 +119,7 @@ def test_overrides_use_hydra_value_grammar_and_interpolations_follow():
         config_name="arith_demo",
     )
     assert cfg.data.train_batch_size == 64
-    assert cfg.data.gen_batch_size == 64  # ${data.train_batch_size}
+    assert cfg.data.gen_batch_size is None  # upstream's default: the dataloader draws train_batch_size prompts
     assert cfg.actor_rollout_ref.rollout.prompt_length == 48  # ${data.max_prompt_length}
     assert list(cfg.trainer.logger) == ["console", "file", "mlflow"]
     assert cfg.actor_rollout_ref.actor.optim.lr == pytest.approx(3e-5)
@@ -256,7 +256,7 @@ def test_hydra_compose_reads_the_yaml_and_the_result_validates():
     assert cfg.data.train_batch_size == 64 and cfg.algorithm.adv_estimator == "rloo"
     assert cfg.actor_rollout_ref.model.path.endswith("arith-tiny")  # the demo's resolver works under Hydra
     validate_ppo_config(cfg)
-    assert OmegaConf.is_interpolation(cfg.data, "gen_batch_size")  # validation did not modify it
+    assert OmegaConf.is_interpolation(cfg.actor_rollout_ref.rollout, "prompt_length")  # validation did not modify it
 
 
 def test_save_resolved_config_round_trips(tmp_path):
@@ -274,7 +274,7 @@ def test_save_resolved_config_resolves_a_hydra_config(tmp_path):
     with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base=None):
         cfg = compose(config_name="arith_demo")
     saved = yaml.safe_load(save_resolved_config(cfg, tmp_path).read_text())
-    assert saved["data"]["gen_batch_size"] == 32 and saved["actor_rollout_ref"]["model"]["path"].endswith("arith-tiny")
+    assert saved["actor_rollout_ref"]["rollout"]["prompt_length"] == saved["data"]["max_prompt_length"] and saved["actor_rollout_ref"]["model"]["path"].endswith("arith-tiny")
 
 
 def test_role_helpers_follow_upstream_rules():

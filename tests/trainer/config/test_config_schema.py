@@ -145,6 +145,7 @@ def test_doc_helper_insists_on_what_status_needs():
 
 def test_root_schema_sections():
     assert [f.name for f in dataclasses.fields(PPOConfig)] == [
+        "model_engine",
         "data",
         "actor_rollout_ref",
         "critic",
@@ -155,6 +156,8 @@ def test_root_schema_sections():
         "trainer",
         "global_profiler",
         "transfer_queue",
+        "distillation",
+        "skip",
         "ray_kwargs",
         "ray_init",
         "async_training",

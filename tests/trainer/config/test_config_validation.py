@@ -264,9 +264,9 @@ def test_all_problems_are_reported_at_once(defaults):
 
 def test_a_bad_value_copied_by_interpolation_is_reported_once():
     with pytest.raises(ConfigError) as e:
-        load_ppo_config(["data.train_batch_size=abc"], config_name="arith_demo")
-    assert len(e.value.errors) == 1  # not again for data.gen_batch_size / ppo_mini_batch_size
-    assert "data.train_batch_size='abc'" in e.value.errors[0]
+        load_ppo_config(["data.max_prompt_length=abc"], config_name="arith_demo")
+    assert len(e.value.errors) == 1  # not again for rollout.prompt_length, which follows it
+    assert "data.max_prompt_length='abc'" in e.value.errors[0]
 
 
 # ----------------------------------------------------------------------------- batch arithmetic

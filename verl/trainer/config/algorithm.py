@@ -27,7 +27,14 @@ from dataclasses import dataclass
 
 from verl.algorithms.rollout_corr_presets import RolloutCorrectionPresets
 from verl.base_config import BaseConfig
-from verl.workers.config._fields import KL_CTRL_TYPES, KL_PENALTIES, PF_PPO_METHODS, adv_estimator_choices, doc
+from verl.workers.config._fields import (
+    KL_CTRL_TYPES,
+    KL_PENALTIES,
+    PF_PPO_METHODS,
+    UNSUPPORTED,
+    adv_estimator_choices,
+    doc,
+)
 
 __all__ = ["AlgoConfig", "FilterGroupsConfig", "KLControlConfig", "PFPPOConfig", "RolloutCorrectionConfig"]
 
@@ -85,6 +92,14 @@ class FilterGroupsConfig(BaseConfig):
     enable: bool = doc("Drop zero-variance groups and refill the batch.", default=False)
     metric: str | None = doc("Per-sample metric whose spread decides (e.g. acc, score, seq_reward).", default=None)
     max_num_gen_batches: int = doc("Generation rounds per step before giving up (<= 0: unlimited).", default=0)
+    max_inflight_gen_batches: int = doc(
+        "Prompt batches upstream's v1 trainer keeps generating at once while it fills a batch (its replay buffer "
+        "carries finished groups over to the next step). Here the rounds run one after another and the surplus of "
+        "the last one is dropped, which is upstream's behaviour at 1.",
+        status=UNSUPPORTED,
+        neutral=1,
+        default=1,
+    )
 
     def __post_init__(self):
         if self.enable and not self.metric:

@@ -180,7 +180,24 @@ def render() -> str:
     meg = OmegaConf.to_container(compose("ppo_megatron_trainer"), resolve=False)
     out = [_HEADER]
     hints = typing.get_type_hints(S.PPOConfig)
+    top = [f for f in dataclasses.fields(S.PPOConfig) if not is_section_type(hints[f.name])]
+    if top:
+        out.append("## Top-level keys\n")
+        out.append("| key | type | default | status | description |")
+        out.append("|---|---|---|---|---|")
+        for f in top:
+            meta = S.field_meta(f)
+            desc = meta["doc"] + (
+                " One of: " + ", ".join(f"`{c}`" for c in meta["choices"]) + "." if meta["choices"] else ""
+            )
+            out.append(
+                f"| `{f.name}` | {_cell(type_name(hints[f.name]))} | `{_cell(_render(raw.get(f.name)))}` | "
+                f"{_cell(_status(meta))} | {_cell(desc)} |"
+            )
+        out.append("")
     for f in dataclasses.fields(S.PPOConfig):
+        if f in top:
+            continue
         _section(hints[f.name], f.name, S.field_meta(f)["doc"], raw.get(f.name) or {}, out, 2, meg.get(f.name) or {})
     return "\n".join(out).rstrip() + "\n"
 

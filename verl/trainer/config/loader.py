@@ -311,7 +311,7 @@ def apply_overrides(cfg: DictConfig, overrides: list[str]) -> None:
 def _appendable(cfg: DictConfig, key: str, value) -> bool:
     """Whether `+key=value` may set a key that exists: Hydra allows it when the key holds null or the
     value is a dict or list (merged in); here also when the key holds an interpolation, i.e. a
-    default that follows another key (`data.gen_batch_size`, a key of ours that upstream's scripts add)."""
+    default that follows another key (`rollout.prompt_length`, which follows `data.max_prompt_length`)."""
     if isinstance(value, dict | list):
         return True
     parent, _, leaf = key.rpartition(".")

@@ -148,6 +148,24 @@ class SamplerConfig:
 
 
 @dataclass
+class ContinuousTokenConfig:
+    """Upstream's Continuous Token: multi-turn rollouts keep the generated token stream instead of re-rendering
+    earlier assistant turns from their text."""
+
+    enable: bool = doc(
+        "Keep the runtime token stream across turns. Not implemented here (the agent loop re-tokenizes each turn "
+        "as upstream does by default).",
+        status=UNSUPPORTED,
+        neutral=False,
+    )
+    model_family: str = doc(
+        "Chat-template family of the token stream (auto, qwen, qwen3, glm47, ...); only read with enable=true, "
+        "which is refused.",
+        status=IGNORED,
+    )
+
+
+@dataclass
 class DataConfig:
     """Datasets (parquet files with upstream's schema) and batch sizes counted in prompts."""
 
@@ -171,7 +189,28 @@ class DataConfig:
         "Tool config the dataset reads tool schemas from (follows rollout.multi_turn.tool_config_path, which the "
         "agent loop reads; both name the same file)."
     )
-    gen_batch_size: int = doc("Prompts generated per round when `algorithm.filter_groups` refills a batch (DAPO).")
+    gen_batch_size: int | None = doc(
+        "Prompts drawn from the dataloader at a time, e.g. per round when `algorithm.filter_groups` refills a batch "
+        "(DAPO); null: train_batch_size."
+    )
+    function_tool_path: str | None = doc(
+        "Python file of upstream's `@function_tool` functions, offered to the agent loop as tools (follows "
+        "rollout.multi_turn.function_tool_path). Not implemented here: declare tools in "
+        "rollout.multi_turn.tool_config_path.",
+        status=UNSUPPORTED,
+        neutral=None,
+    )
+    audio_key: str = doc(
+        "Column with each row's audio clips; a row with audio is refused (no audio support here), before the run "
+        "starts for the data files."
+    )
+    continuous_token: ContinuousTokenConfig = doc("Upstream's Continuous Token multi-turn token stream.")
+    mm_processor_kwargs: dict = doc(
+        "Extra keyword arguments of the multi-modal processor (upstream passes them to the processor and the "
+        "rollout backends). Not implemented here: the dataset and the rollout would have to agree on them.",
+        status=UNSUPPORTED,
+        neutral={},
+    )
     return_raw_input_ids: bool = doc(
         "Also return prompt ids without the chat template (for a reward model). Upstream's dataset no longer reads "
         "it either: a reward model with a tokenizer of its own re-renders the prompt messages (`raw_prompt`) instead.",
@@ -242,6 +281,87 @@ class ActorRolloutRefConfig:
 
 # ------------------------------------------------------------------------------------- trainer
 
+MODEL_ENGINES = ("dp", "megatron")
+# upstream's `model_engine` options whose engines are not in this build: refused by name
+MODEL_ENGINES_NOT_IN_THIS_BUILD = {
+    "veomni": "upstream's VeOmni engine",
+    "torchtitan": "upstream's TorchTitan engine",
+    "mindspeed": "upstream's MindSpeed engine (Ascend NPUs)",
+}
+
+
+TRAINER_MODES = ("sync", "colocate_async", "separate_async")
+MAX_OFF_POLICY_STRATEGIES = ("drop", "wait")
+_ASYNC_MODE_ONLY = (
+    "Only read by trainer.v1.trainer_mode colocate_async / separate_async, which are refused here (sync trainer "
+    "steps are on-policy)."
+)
+
+
+@dataclass
+class WarmupConfig:
+    """Settings of one of upstream's asynchronous v1 trainer modes."""
+
+    OPEN_KEYS = True
+
+    num_warmup_batches: int = doc(f"Batches generated before the first step. {_ASYNC_MODE_ONLY}", status=IGNORED)
+
+
+@dataclass
+class SeparateAsyncConfig(WarmupConfig):
+    """Upstream's separate_async mode: trainer and rollout on separate devices."""
+
+    parameter_sync_step: int = doc(f"Updates between two weight syncs. {_ASYNC_MODE_ONLY}", status=IGNORED)
+
+
+@dataclass
+class CustomSamplerConfig:
+    """Upstream's custom replay-buffer sampler: not implemented here (no replay buffer: a step trains on the
+    groups it generated)."""
+
+    path: str | None = doc("Python file holding the sampler class.", status=UNSUPPORTED, neutral=None)
+    name: str | None = doc("Name of the sampler class.", status=UNSUPPORTED, neutral=None)
+
+
+@dataclass
+class ReplaySamplerConfig:
+    """Upstream's v1 replay-buffer sampler."""
+
+    max_off_policy_threshold: int = doc(
+        f"Most model versions one trajectory may span. {_ASYNC_MODE_ONLY}", status=IGNORED
+    )
+    max_off_policy_strategy: str = doc(
+        f"drop or wait for trajectories past the threshold. {_ASYNC_MODE_ONLY}",
+        status=IGNORED,
+        choices=MAX_OFF_POLICY_STRATEGIES,
+    )
+    sync_refill_failed_groups: bool = doc(
+        "Replace a prompt group that produced no trajectory (every sample failed) with a new prompt. Not "
+        "implemented here: a step trains the groups its own prompts produced.",
+        status=UNSUPPORTED,
+        neutral=False,
+    )
+    custom_sampler: CustomSamplerConfig = doc("A user class choosing which buffered trajectories a step trains on.")
+    sampler_kwargs: dict = doc("Keyword arguments of the custom sampler.", status=UNSUPPORTED, neutral={})
+
+
+@dataclass
+class TrainerV1Config:
+    """Upstream's v1 trainer: its mode and replay-buffer sampler."""
+
+    trainer_mode: str = doc(
+        "sync: the colocated synchronous step (this build's trainer). colocate_async and separate_async (upstream's "
+        "asynchronous v1 modes with partial rollouts) are refused: use async_training.* here, or upstream's "
+        "fully_async / one_step_off entry points (docs/async.md).",
+        choices=TRAINER_MODES,
+        status=UNSUPPORTED,
+        neutral="sync",
+    )
+    sync: dict = doc("Settings of the sync mode (upstream defines none).")
+    colocate_async: WarmupConfig = doc("Upstream's colocate_async mode.")
+    separate_async: SeparateAsyncConfig = doc("Upstream's separate_async mode.")
+    sampler: ReplaySamplerConfig = doc("Upstream's replay-buffer sampler.")
+
 
 @dataclass
 class TrainerConfig:
@@ -302,6 +422,11 @@ class TrainerConfig:
         choices=device_choices,
         hardware_values={"npu": NPU},
     )
+    use_v1: bool = doc(
+        "Upstream's choice between its v1 trainer (true, its default) and its legacy one (false); both run the same "
+        "synchronous PPO step, which is this build's one trainer either way."
+    )
+    v1: TrainerV1Config = doc("Upstream's v1 trainer modes.")
     use_legacy_worker_impl: str = doc(
         "Upstream's switch between its two worker implementations (auto, enable, disable); one implementation here.",
         status=IGNORED,
@@ -331,6 +456,97 @@ class TransferQueueConfig:
     """Upstream's TransferQueue data plane between driver and workers."""
 
     enable: bool = doc("Move batches through TransferQueue.", status=UNSUPPORTED, neutral=False)
+    metrics: dict = doc(
+        "TransferQueue's metrics endpoint; only read with enable=true, which is refused.", status=IGNORED
+    )
+    backend: dict = doc(
+        "TransferQueue's storage backend; only read with enable=true, which is refused.", status=IGNORED
+    )
+
+
+_DISTILLATION_ONLY = "Only read with distillation.enabled=true, which is refused."
+
+
+@dataclass
+class DistillationLossConfig:
+    """Upstream's distillation loss (student against teacher log-probs)."""
+
+    loss_mode: str = doc(f"KL estimator or top-k loss. {_DISTILLATION_ONLY}", status=IGNORED)
+    topk: int = doc(f"Teacher top-k tokens of the top-k losses. {_DISTILLATION_ONLY}", status=IGNORED)
+    use_task_rewards: bool = doc(
+        f"Keep the task reward beside the distillation loss. {_DISTILLATION_ONLY}", status=IGNORED
+    )
+    distillation_loss_coef: float = doc(f"Weight of the distillation loss. {_DISTILLATION_ONLY}", status=IGNORED)
+    loss_max_clamp: float | None = doc(f"Upper clamp of the per-token loss. {_DISTILLATION_ONLY}", status=IGNORED)
+    log_prob_min_clamp: float | None = doc(f"Lower clamp of the log-probs. {_DISTILLATION_ONLY}", status=IGNORED)
+    use_policy_gradient: bool = doc(f"Distil through the policy-gradient loss. {_DISTILLATION_ONLY}", status=IGNORED)
+    policy_loss_mode: str = doc(f"Policy loss of the policy-gradient form. {_DISTILLATION_ONLY}", status=IGNORED)
+    clip_ratio: float = doc(f"PPO clip of the policy-gradient form. {_DISTILLATION_ONLY}", status=IGNORED)
+    clip_ratio_low: float = doc(f"Lower PPO clip. {_DISTILLATION_ONLY}", status=IGNORED)
+    clip_ratio_high: float = doc(f"Upper PPO clip. {_DISTILLATION_ONLY}", status=IGNORED)
+
+
+@dataclass
+class DistillationConfig:
+    """Upstream's on-policy distillation: the student's rollouts scored token by token by teacher models."""
+
+    enabled: bool = doc(
+        "Train the actor toward teacher models' log-probs on its own rollouts. Not implemented here.",
+        status=UNSUPPORTED,
+        neutral=False,
+    )
+    distillation_loss: DistillationLossConfig = doc("The distillation loss.")
+    n_gpus_per_node: int = doc(f"GPUs per node of the teachers' pool. {_DISTILLATION_ONLY}", status=IGNORED)
+    nnodes: int = doc(f"Nodes of the teachers' pool. {_DISTILLATION_ONLY}", status=IGNORED)
+    teacher_models: dict = doc(
+        f"Teacher models by name (model_path, key, num_replicas, inference engine settings). {_DISTILLATION_ONLY}",
+        status=IGNORED,
+    )
+    teacher_key: str = doc(f"Column that picks a row's teacher by its `key`. {_DISTILLATION_ONLY}", status=IGNORED)
+
+
+SKIP_ACTIONS = ("cache", "repeat")
+
+
+@dataclass
+class RolloutSkipConfig:
+    """Replay dumped training rollouts at chosen steps instead of generating (validation always generates)."""
+
+    enable: bool = doc("Turn the skip on.")
+    dump_dir: str = doc(
+        "Dump directory; a run's dumps are `<dump_dir>/<experiment>_<project>/GBS<gbs>_N<n>_in<prompt "
+        "length>_out<response length>/<step>/` (gbs: data.gen_batch_size, else train_batch_size)."
+    )
+    steps: list[int] = doc("The training steps (global_steps, from 1) that replay; other steps generate.")
+    action: str = doc(
+        "cache: a listed step replays its own dump, or generates and dumps it when missing; repeat: it replays its "
+        "own dump, else the newest earlier one, else the oldest later one, else generates and dumps.",
+        choices=SKIP_ACTIONS,
+    )
+
+
+@dataclass
+class RefusedSkipConfig:
+    """A skip of one of upstream's trainers this build does not have."""
+
+    enable: bool = doc(
+        "Replay dumps in upstream's TransferQueue (rollout_tq) or asynchronous (async_rollout) trainer; not here: "
+        "use skip.rollout.",
+        status=UNSUPPORTED,
+        neutral=False,
+    )
+    dump_dir: str = doc("Dump directory; only read with enable=true, which is refused.", status=IGNORED)
+    steps: list[int] = doc("Steps that replay; only read with enable=true, which is refused.", status=IGNORED)
+    action: str = doc("cache or repeat; only read with enable=true, which is refused.", status=IGNORED)
+
+
+@dataclass
+class SkipConfig:
+    """Upstream's `skip` section."""
+
+    rollout: RolloutSkipConfig = doc("Replay dumped rollouts (the synchronous trainer).")
+    rollout_tq: RefusedSkipConfig = doc("Upstream's TransferQueue trainer's skip.")
+    async_rollout: RefusedSkipConfig = doc("Upstream's asynchronous trainer's skip.")
 
 
 # --------------------------------------------------------------------------------------- ray
@@ -428,6 +644,13 @@ class RolloutPoolConfig:
 class PPOConfig:
     """The whole PPO/GRPO run (`python -m verl.trainer.main_ppo key=value ...`)."""
 
+    model_engine: str = doc(
+        "Training backend of the actor, reference, critic and reward model: dp (FSDP) or megatron. A config-group "
+        "choice (`model_engine=megatron` on the command line selects the megatron_* options of the actor, ref, "
+        "critic and reward_model groups, the same composition as --config-name=ppo_megatron_trainer).",
+        choices=MODEL_ENGINES,
+        hardware_values=MODEL_ENGINES_NOT_IN_THIS_BUILD,
+    )
     data: DataConfig = doc("Datasets and batch sizes.")
     actor_rollout_ref: ActorRolloutRefConfig = doc("Policy: model, training, generation, reference.")
     critic: CriticConfig = doc("Value function (PPO with GAE).")
@@ -438,6 +661,8 @@ class PPOConfig:
     trainer: TrainerConfig = doc("Driver loop.")
     global_profiler: GlobalProfilerConfig = doc("Profiling.")
     transfer_queue: TransferQueueConfig = doc("Upstream's TransferQueue.")
+    distillation: DistillationConfig = doc("Upstream's on-policy distillation.")
+    skip: SkipConfig = doc("Replay dumped rollouts instead of generating.")
     ray_kwargs: RayKwargsConfig = doc("Ray start-up.")
     ray_init: LegacyRayInitConfig = doc("Legacy spelling of ray_kwargs.ray_init.")
     async_training: AsyncTrainingConfig = doc("Ours. Generation running ahead of training.")

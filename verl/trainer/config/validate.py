@@ -258,8 +258,8 @@ def _check_engines(c: dict, errors: list[str]) -> bool:
                 ok = False
                 errors.append(
                     f"{role}.strategy=megatron needs the {prefix}.megatron section, which the FSDP composition "
-                    "(ppo_trainer) does not hold; start from --config-name=ppo_megatron_trainer (upstream's rule) "
-                    f"instead of overriding {role}.strategy"
+                    "(ppo_trainer) does not hold; add model_engine=megatron (or start from --config-name=ppo_megatron_trainer, "
+                    f"upstream's rule) instead of overriding {role}.strategy"
                 )
         else:
             holder = section["model"] if role in ("critic", "reward_model") else section
@@ -268,7 +268,7 @@ def _check_engines(c: dict, errors: list[str]) -> bool:
                 ok = False
                 errors.append(
                     f"{role}.strategy={strategy} needs the {where} section, which the Megatron composition "
-                    "(ppo_megatron_trainer) does not hold; start from --config-name=ppo_trainer for FSDP"
+                    "(ppo_megatron_trainer) does not hold; use model_engine=dp (or --config-name=ppo_trainer) for FSDP"
                 )
     return ok
 
@@ -686,7 +686,7 @@ def validate_ppo_config(cfg: DictConfig | dict, driver_keys: DriverKeys | None =
     if driver_keys:
         keyed = [(k, msg) for k, msg in keyed if not _declared_by_driver(c, k, msg, driver_keys)]
     if keyed:
-        # A key copied by interpolation (`gen_batch_size: ${data.train_batch_size}`) inherits its
+        # A key copied by interpolation (`rollout.prompt_length: ${data.max_prompt_length}`) inherits its
         # source's bad value; report the source only.
         bad = {k for k, _ in keyed}
         follows = interpolation_sources(cfg) if isinstance(cfg, DictConfig) else {}

@@ -250,6 +250,7 @@ class RLHFDataset(Dataset):
         self.processor = processor
         self.image_key = config.get("image_key", "images")
         self.video_key = config.get("video_key", "videos")
+        self.audio_key = config.get("audio_key", "audios")
         self.image_patch_size = int(config.get("image_patch_size", 14))
         self.return_multi_modal_inputs = bool(config.get("return_multi_modal_inputs", True))
         self.prompt_key = config.get("prompt_key", "prompt")
@@ -401,8 +402,14 @@ class RLHFDataset(Dataset):
         return [rows[i] for i in keep]
 
     def _check_media(self, row: dict, where: str) -> None:
-        """Refuse what would be silently dropped or fail mid-run: videos, images without a processor,
+        """Refuse what would be silently dropped or fail mid-run: videos, audio, images without a processor,
         and a ``<image>`` placeholder count that differs from the row's number of images."""
+        audios = row.get(self.audio_key) if self.audio_key else None
+        if audios is not None and len(audios) > 0:
+            raise NotImplementedError(
+                f"{where}: column {self.audio_key!r} (data.audio_key) holds audio, which is not supported here "
+                "(no audio model or processor path); drop the audio from the data"
+            )
         images = row.get(self.image_key) if self.image_key else None
         videos = row.get(self.video_key) if self.video_key else None
         if videos is not None and len(videos) > 0:
