@@ -29,9 +29,11 @@ def documented_keys(text: str) -> set[str]:
         if m:
             section = m.group(1)
             keys.add(section)
+        if line.startswith("## Top-level keys"):
+            section = None  # the rows of this table are root keys (`model_engine`)
         m = re.match(r"^\| `(\w+)` \|", line)
         if m:
-            keys.add(f"{section}.{m.group(1)}")
+            keys.add(f"{section}.{m.group(1)}" if section else m.group(1))
     return keys
 
 
