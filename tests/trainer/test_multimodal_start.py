@@ -104,6 +104,14 @@ def test_images_are_refused_for_a_text_only_policy(tmp_path):
     assert _problems(_config(tmp_path, bundled_model_path(), write_rows(tmp_path / "text.parquet", _rows(False)))) == []
 
 
+def test_audio_is_refused_before_the_run_starts(tmp_path):
+    rows = _rows(False)
+    for row in rows:
+        row["audios"] = [{"path": "clip.wav"}]
+    problems = _problems(_config(tmp_path, bundled_model_path(), write_rows(tmp_path / "audio.parquet", rows)))
+    assert len(problems) == 2 and "holds audio (column 'audios', data.audio_key)" in problems[0], problems
+
+
 def test_a_vision_language_model_without_processor_files_is_refused(tiny_vl, tmp_path):
     bare = tmp_path / "bare-vl"
     shutil.copytree(tiny_vl, bare)

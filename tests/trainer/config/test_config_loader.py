@@ -274,7 +274,9 @@ def test_save_resolved_config_resolves_a_hydra_config(tmp_path):
     with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base=None):
         cfg = compose(config_name="arith_demo")
     saved = yaml.safe_load(save_resolved_config(cfg, tmp_path).read_text())
-    assert saved["actor_rollout_ref"]["rollout"]["prompt_length"] == saved["data"]["max_prompt_length"] and saved["actor_rollout_ref"]["model"]["path"].endswith("arith-tiny")
+    assert saved["actor_rollout_ref"]["rollout"]["prompt_length"] == saved["data"]["max_prompt_length"] and saved[
+        "actor_rollout_ref"
+    ]["model"]["path"].endswith("arith-tiny")
 
 
 def test_role_helpers_follow_upstream_rules():

@@ -176,6 +176,18 @@ def test_videos_and_images_without_a_processor_are_refused(tmp_path, processor):
         RLHFDataset(path, processor.tokenizer, {"max_prompt_length": 32})
 
 
+def test_audio_is_refused_naming_the_column_and_an_empty_audio_column_is_not(tmp_path, processor):
+    row = _row("What do you hear?", None)
+    row["audios"] = [{"path": "clip.wav"}]
+    with pytest.raises(NotImplementedError, match=r"row 0: column 'audios' \(data.audio_key\) holds audio"):
+        _dataset(_write(tmp_path, [row]), processor)
+    row["sound"] = row.pop("audios")  # another column, named by data.audio_key
+    with pytest.raises(NotImplementedError, match="column 'sound'"):
+        _dataset(_write(tmp_path, [row], name="s.parquet"), processor, audio_key="sound")
+    row["sound"] = []
+    assert len(_dataset(_write(tmp_path, [row], name="e.parquet"), processor, audio_key="sound")) == 1
+
+
 def test_lengths_count_image_tokens_and_truncation_never_cuts_an_image(tmp_path, processor):
     red = {"bytes": _png((56, 56), (255, 0, 0))}
     # 20 expanded tokens (17 unexpanded) and a 19-token text row

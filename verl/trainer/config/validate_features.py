@@ -35,21 +35,28 @@ def _check_logprobs_mode(c: dict, errors: list[str], warns: list[str]) -> None:
 
 
 def _check_skip_rollout(c: dict, errors: list[str]) -> None:
-    """rollout.skip_rollout replays one dumped batch (verl.trainer.ppo.rollout_skip): not with a source
-    that draws several batches a step or generates in a pool of its own."""
-    if not c["actor_rollout_ref"]["rollout"]["skip_rollout"]:
-        return
-    if c["algorithm"]["filter_groups"]["enable"]:
+    """rollout.skip_rollout and skip.rollout replay dumped batches (verl.trainer.ppo.rollout_skip): not with
+    a source that draws several batches a step or generates in a pool of its own, and not both at once."""
+    legacy = bool(c["actor_rollout_ref"]["rollout"]["skip_rollout"])
+    per_step = bool((c.get("skip") or {}).get("rollout", {}).get("enable"))
+    if legacy and per_step:
         errors.append(
-            "actor_rollout_ref.rollout.skip_rollout=true with algorithm.filter_groups.enable=true: dynamic sampling "
-            "would replay the same dumped batch again and again (the same groups kept twice, or none ever kept); "
-            "turn one of them off"
+            "actor_rollout_ref.rollout.skip_rollout=true with skip.rollout.enable=true: both replay dumped rollouts "
+            "(one file for every step vs the steps skip.rollout.steps lists); keep one of them"
         )
-    if c["async_training"]["staleness_threshold"] > 0:
-        errors.append(
-            "actor_rollout_ref.rollout.skip_rollout=true with async_training.staleness_threshold > 0: the rollouts "
-            "come from the asynchronous rollout pool, which does not replay dumps; set staleness_threshold=0"
-        )
+    for key, on in (("actor_rollout_ref.rollout.skip_rollout", legacy), ("skip.rollout.enable", per_step)):
+        if not on:
+            continue
+        if c["algorithm"]["filter_groups"]["enable"]:
+            errors.append(
+                f"{key}=true with algorithm.filter_groups.enable=true: dynamic sampling would replay the same "
+                "dumped batch again and again (the same groups kept twice, or none ever kept); turn one of them off"
+            )
+        if c["async_training"]["staleness_threshold"] > 0:
+            errors.append(
+                f"{key}=true with async_training.staleness_threshold > 0: the rollouts come from the asynchronous "
+                "rollout pool, which does not replay dumps; set staleness_threshold=0"
+            )
 
 
 def _check_reward_model_with_custom_function(c: dict, errors: list[str]) -> None:

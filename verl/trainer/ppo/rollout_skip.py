@@ -30,6 +30,7 @@ Design decisions (where this differs from upstream, and why):
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable
 from pathlib import Path
 
@@ -37,7 +38,7 @@ from verl.protocol import DataProto
 from verl.utils.logging_utils import get_logger
 from verl.utils.rollout_skip import RolloutDump, dump_file_name
 
-__all__ = ["ReplayingGenerator", "RolloutDump", "dump_path"]
+__all__ = ["ReplayingGenerator", "RolloutDump", "StepReplayingGenerator", "dump_path", "step_dump_root"]
 
 logger = get_logger(__name__, "INFO")
 
@@ -79,5 +80,85 @@ class ReplayingGenerator:
         samples = self.generator(batch, state)
         self.dump.save(samples)
         logger.info(f"rollout.skip_rollout: wrote the rollout dump {self.dump.path}")
+        state.metrics["rollout/replayed"] = 0.0
+        return samples
+
+
+# ------------------------------------------------------------------------- skip.rollout (per step)
+
+GEN_BATCH_FILE = "gen_batch.dp"
+META_FILE = "meta.json"
+
+
+def step_dump_root(config) -> Path:
+    """Upstream v0.9's directory of a run's per-step dumps (`skip.rollout`):
+    `<dump_dir>/<experiment>_<project>/GBS<gbs>_N<n>_in<prompt length>_out<response length>`."""
+    data, trainer = config.data, config.trainer
+    gbs = data.get("gen_batch_size", None) or data.train_batch_size
+    run = f"{trainer.get('experiment_name', '')}_{trainer.get('project_name', '')}"
+    shape = f"GBS{int(gbs)}_N{int(config.actor_rollout_ref.rollout.n)}"
+    shape += f"_in{data.max_prompt_length}_out{data.max_response_length}"
+    return Path(config.skip.rollout.dump_dir).expanduser().resolve() / run / shape
+
+
+class StepReplayingGenerator:
+    """`skip.rollout`: at the steps listed in `steps`, replay a dumped rollout instead of generating.
+
+    Each listed step's rollout lives in `<root>/<step>/` (`gen_batch.dp` and a `meta.json` naming the
+    step, upstream's layout; the rows are written as `RolloutDump` writes them, never pickled).
+    `action=cache`: a step replays its own dump, or generates and dumps it when there is none (the
+    first run writes, later runs replay the same steps). `action=repeat`: a step replays its own dump,
+    else the newest dump of an earlier step, else the oldest of a later one, else generates and
+    dumps. Steps not listed generate as usual; validation never comes here. As with
+    `rollout.skip_rollout`, whole rows are replayed, each scored against its own prompt.
+    """
+
+    def __init__(self, generator: Callable, root: Path, steps, action: str, current_step: Callable[[], int]):
+        self.generator = generator
+        self.n = generator.n
+        self.root = Path(root)
+        self.steps = {int(s) for s in steps}
+        self.action = action
+        self.current_step = current_step
+        logger.info(f"skip.rollout: steps {sorted(self.steps)} replay ({action}) the dumps under {self.root}")
+
+    def _ready(self, step: int) -> bool:
+        d = self.root / str(step)
+        return (d / GEN_BATCH_FILE).is_file() and (d / META_FILE).is_file()
+
+    def _source_step(self, step: int) -> int | None:
+        if self._ready(step):
+            return step
+        if self.action != "repeat":
+            return None
+        ready = sorted(int(p.name) for p in self.root.glob("*") if p.name.isdigit() and self._ready(int(p.name)))
+        earlier = [s for s in ready if s < step]
+        later = [s for s in ready if s > step]
+        return earlier[-1] if earlier else (later[0] if later else None)
+
+    def __call__(self, batch: DataProto, state) -> DataProto:
+        step = int(self.current_step())
+        if step not in self.steps:
+            return self.generator(batch, state)
+        source = self._source_step(step)
+        if source is not None:
+            path = self.root / str(source) / GEN_BATCH_FILE
+            replayed = RolloutDump(path).load()
+            if replayed is not None:
+                if len(replayed) != len(batch) * self.n:
+                    raise ValueError(
+                        f"skip.rollout: the dump {path} holds {len(replayed)} samples, but step {step} needs "
+                        f"{len(batch)} prompts x rollout.n={self.n} = {len(batch) * self.n}; delete it or point "
+                        "skip.rollout.dump_dir elsewhere"
+                    )
+                logger.info(f"skip.rollout: step {step} replays {path}")
+                state.metrics["rollout/replayed"] = 1.0
+                return replayed
+        samples = self.generator(batch, state)
+        out = self.root / str(step)
+        out.mkdir(parents=True, exist_ok=True)
+        RolloutDump(out / GEN_BATCH_FILE).save(samples)
+        (out / META_FILE).write_text(json.dumps({"global_steps": step}))
+        logger.info(f"skip.rollout: step {step} generated and wrote {out}")
         state.metrics["rollout/replayed"] = 0.0
         return samples

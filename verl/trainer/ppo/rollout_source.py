@@ -47,7 +47,13 @@ from verl.trainer.ppo import core_algos
 from verl.trainer.ppo.async_rollout import AsyncRolloutSource
 from verl.trainer.ppo.generation import GEN_BATCH_KEYS, generation_input, with_generation
 from verl.trainer.ppo.metric_utils import reduce_metrics
-from verl.trainer.ppo.rollout_skip import ReplayingGenerator, RolloutDump, dump_path
+from verl.trainer.ppo.rollout_skip import (
+    ReplayingGenerator,
+    RolloutDump,
+    StepReplayingGenerator,
+    dump_path,
+    step_dump_root,
+)
 from verl.utils.logging_utils import get_logger
 from verl.utils.timer import marked_timer
 from verl.workers.rollout.base import runs_agent_loops
@@ -363,6 +369,11 @@ def build_rollout_source(
     )
     if rollout.skip_rollout:  # the first rollout is dumped, every later one replays it (rollout_skip.py)
         generator = ReplayingGenerator(generator, RolloutDump(dump_path(config)))
+    skip = config.get("skip", None)
+    if skip is not None and skip.rollout.enable:  # listed steps replay their dumps (rollout_skip.py)
+        skip_cfg = skip.rollout
+        root = step_dump_root(config)
+        generator = StepReplayingGenerator(generator, root, skip_cfg.steps, skip_cfg.action, current_step)
     if not algo.filter_groups.enable:
         return SyncRolloutSource(prompts, generator, scorer)
     return FilteringRolloutSource(
