@@ -27,6 +27,8 @@ PRESETS = {
     "decoupled_k3_rs_seq_tis": ("sequence", 2.0, "seq_mean_k3", 0.01, False, "ppo_clip"),
     "decoupled_k3_rs_token_tis": ("token", 2.0, "seq_mean_k3", 0.01, False, "ppo_clip"),
     "disabled": (None, None, None, None, False, "ppo_clip"),
+    "decoupled_token_icepop": ("token", "0.5_5.0", None, None, False, "ppo_clip"),
+    "bypass_pg_token_icepop": ("token", "0.5_5.0", None, None, True, "reinforce"),
 }
 FIELDS = ("rollout_is", "rollout_is_threshold", "rollout_rs", "rollout_rs_threshold", "bypass_mode", "loss_type")
 

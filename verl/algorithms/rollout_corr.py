@@ -191,8 +191,10 @@ class RolloutCorrectionConfig(RolloutCorrectionPresets):
     rollout_is: str | None = None
     """Importance-weight level: null (no weights), `token` (per token, biased, low variance) or
     `sequence` (one weight per response, the product of its token ratios: unbiased, high variance)."""
-    rollout_is_threshold: float = 2.0
-    """Upper truncation C of the weights (typical: 1.5-5 per token, 2-10 per sequence)."""
+    rollout_is_threshold: float | str = 2.0
+    """Upper truncation C of the weights (typical: 1.5-5 per token, 2-10 per sequence); a string
+    `lower_upper` (e.g. "0.5_4.0") is IcePop instead: weights outside [lower, upper] become 0, the
+    others are kept as they are."""
     rollout_is_batch_normalize: bool = False
     """Rescale the truncated weights to mean 1 over the batch (over tokens, or over responses for
     `sequence`)."""
@@ -215,11 +217,14 @@ class RolloutCorrectionConfig(RolloutCorrectionPresets):
         if self.rollout_is is not None and self.rollout_is not in ROLLOUT_IS_LEVELS:
             raise ValueError(f"{key}.rollout_is={self.rollout_is!r} must be null or one of {list(ROLLOUT_IS_LEVELS)}")
         threshold = self.rollout_is_threshold
-        if self.rollout_is is not None and (threshold is None or not float(threshold) > 0):
-            raise ValueError(
-                f"{key}.rollout_is_threshold={threshold!r} must be a positive number (the weights' truncation, "
-                "typically 2.0) when rollout_is is set"
-            )
+        if self.rollout_is is not None:
+            try:
+                parse_rollout_is_threshold(threshold)
+            except (TypeError, ValueError) as e:
+                raise ValueError(
+                    f"{key}.rollout_is_threshold={threshold!r}: {e} (a positive number, the weights' truncation, "
+                    "typically 2.0, or 'lower_upper' for IcePop) when rollout_is is set"
+                ) from None
         if self.loss_type not in LOSS_TYPES:
             raise ValueError(f"{key}.loss_type={self.loss_type!r} must be one of {list(LOSS_TYPES)}")
         if self.rollout_rs is not None:
@@ -401,18 +406,49 @@ def _seq_stats(prefix: str, seq_values: torch.Tensor, rows: torch.Tensor, ideal:
     return out
 
 
+def parse_rollout_is_threshold(spec: float | str) -> tuple[float, float | None]:
+    """(upper, lower) of a `rollout_is_threshold`: a number (or a numeric string) is the truncation
+    (lower None); `"lower_upper"` is IcePop's band. Both bounds positive, lower <= upper."""
+    if isinstance(spec, bool) or not isinstance(spec, int | float | str):
+        raise TypeError(f"rollout_is_threshold={spec!r} must be a number or a 'lower_upper' string")
+    lower = None
+    if isinstance(spec, str):
+        text = spec.strip()
+        try:
+            if "_" in text:
+                low_text, high_text = text.split("_", 1)
+                lower, upper = float(low_text), float(high_text)
+            else:
+                upper = float(text)
+        except ValueError:
+            raise ValueError(f"rollout_is_threshold={spec!r} is neither a number nor 'lower_upper'") from None
+    else:
+        upper = float(spec)
+    if not upper > 0:
+        raise ValueError(f"rollout_is_threshold={spec!r}: the upper bound must be positive")
+    if lower is not None and not 0 < lower <= upper:
+        raise ValueError(f"rollout_is_threshold={spec!r}: the lower bound must be positive and at most the upper one")
+    return upper, lower
+
+
 def _importance_weights(
-    log_ratio: torch.Tensor, mask: torch.Tensor, level: str, threshold: float, batch_normalize: bool
+    log_ratio: torch.Tensor, mask: torch.Tensor, level: str, threshold: float | str, batch_normalize: bool
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """(truncated weights [B, R], 0 at padding, no gradient; metrics without prefix)."""
+    """(truncated weights [B, R], 0 at padding, no gradient; metrics without prefix). A
+    `lower_upper` threshold (IcePop) zeroes the weights outside the band instead of truncating."""
     if level not in ROLLOUT_IS_LEVELS:
         raise ValueError(f"rollout_is={level!r} must be one of {list(ROLLOUT_IS_LEVELS)}")
-    if not threshold > 0:
-        raise ValueError(f"rollout_is_threshold={threshold} must be positive")
+    threshold, icepop_low = parse_rollout_is_threshold(threshold)
     log_ratio = log_ratio.detach()
     valid = (mask != 0).to(log_ratio.dtype)
     rows = _valid_rows(mask)
-    low = 1.0 / threshold
+    low = 1.0 / threshold if icepop_low is None else icepop_low
+
+    def band(w: torch.Tensor) -> torch.Tensor:
+        if icepop_low is None:
+            return w.clamp(max=threshold)
+        return torch.where((w >= icepop_low) & (w <= threshold), w, torch.zeros_like(w))
+
     if level == "token":
         raw = torch.exp(log_ratio.clamp(-SAFETY_BOUND, SAFETY_BOUND)) * valid
         per_unit, unit_mask = raw, valid
@@ -435,13 +471,15 @@ def _importance_weights(
     second_moment = masked_mean(normalised.square(), valid)
     metrics["rollout_is_eff_sample_size"] = torch.where(second_moment > 0, 1.0 / second_moment, 0.0)
     metrics.update(_seq_stats("rollout_is", masked_mean(raw, valid, axis=-1), rows, ideal=1.0, high=threshold, low=low))
-    weights = raw.clamp(max=threshold)
+    weights = band(raw)
+    if icepop_low is not None:
+        metrics["rollout_is_oob_ratio"] = _fraction((raw < icepop_low) | (raw > threshold), valid)
     if batch_normalize:
         # the mean over what the level weights: tokens, or responses (one weight each)
         if level == "token":
             mean = masked_mean(weights, valid)
         else:
-            mean = masked_mean(per_unit.clamp(max=threshold), rows)
+            mean = masked_mean(band(per_unit), rows)
         factor = torch.where(mean > 1e-8, mean, torch.ones_like(mean))
         weights = weights / factor
         metrics["rollout_is_batch_norm_factor"] = factor
@@ -561,7 +599,7 @@ def rollout_correction_tensors(
     weights = None
     if rc.rollout_is is not None:
         weights, is_metrics = _importance_weights(
-            log_ratio, response_mask, rc.rollout_is, float(rc.rollout_is_threshold), rc.rollout_is_batch_normalize
+            log_ratio, response_mask, rc.rollout_is, rc.rollout_is_threshold, rc.rollout_is_batch_normalize
         )
         metrics.update(is_metrics)
     mask = response_mask
@@ -589,11 +627,12 @@ def compute_rollout_correction_weights(
     log_ratio: torch.Tensor,
     response_mask: torch.Tensor,
     rollout_is: str = "token",
-    rollout_is_threshold: float = 2.0,
+    rollout_is_threshold: float | str = 2.0,
     rollout_is_batch_normalize: bool = False,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """Truncated importance weights from log(pi_train / pi_rollout) [B, R] -> (weights [B, R],
-    0 at padding and without gradient; `rollout_is_*` metrics as floats)."""
+    0 at padding and without gradient; `rollout_is_*` metrics as floats). A `"lower_upper"`
+    threshold is IcePop: weights outside [lower, upper] are 0 (`rollout_is_oob_ratio` counts them)."""
     weights, metrics = _importance_weights(
         log_ratio, response_mask, rollout_is, rollout_is_threshold, rollout_is_batch_normalize
     )

@@ -19,6 +19,11 @@ class RolloutCorrectionPresets:
         return cls(rollout_is="sequence", rollout_is_threshold=threshold)
 
     @classmethod
+    def decoupled_token_icepop(cls, threshold: float = 5.0, threshold_lower: float = 0.5):
+        """Token-level IcePop: token weights outside [threshold_lower, threshold] become 0, the mask is kept."""
+        return cls(rollout_is="token", rollout_is_threshold=f"{threshold_lower}_{threshold}")
+
+    @classmethod
     def decoupled_seq_is_rs(cls, is_threshold: float = 2.0, rs_threshold: str | float = "0.5_2.0"):
         """Sequence TIS plus rejection of responses whose whole-sequence ratio leaves the bounds."""
         return cls(
@@ -32,6 +37,16 @@ class RolloutCorrectionPresets:
     def decoupled_geo_rs(cls, rs_threshold: str | float = "0.999_1.001"):
         """Rejection by the per-token geometric mean of the ratio (length-normalised), no weights."""
         return cls(rollout_rs="seq_mean_k1", rollout_rs_threshold=rs_threshold)
+
+    @classmethod
+    def bypass_pg_token_icepop(cls, threshold: float = 5.0, threshold_lower: float = 0.5):
+        """Bypass mode with REINFORCE weighted by token-level IcePop weights (0 outside the band)."""
+        return cls(
+            rollout_is="token",
+            rollout_is_threshold=f"{threshold_lower}_{threshold}",
+            bypass_mode=True,
+            loss_type="reinforce",
+        )
 
     @classmethod
     def bypass_ppo_clip(cls):

@@ -52,6 +52,22 @@ def test_token_level_weights_are_the_truncated_ratios_and_zero_on_padding():
     assert m["rollout_is_seq_mean"] == pytest.approx(((3 + 1 + 0.5) / 3 + 1.5) / 2)
 
 
+def test_icepop_zeroes_the_weights_outside_its_band_and_keeps_the_others_untruncated():
+    old, rollout, mask = batch()  # valid ratios [3, 1, 0.5] and [1.5]
+    w, m = compute_rollout_correction_weights(old - rollout, mask, "token", "0.6_2.5")
+    torch.testing.assert_close(w, torch.tensor([[0.0, 1.0, 0.0], [1.5, 0, 0]], dtype=D))
+    assert m["rollout_is_oob_ratio"] == pytest.approx(2 / 4)  # 3 above, 0.5 below
+    assert m["rollout_is_ratio_fraction_low"] == pytest.approx(1 / 4)  # below the band's lower bound 0.6
+    # the sequence level keeps a response's weight only inside the band: products 1.5 and 1.5
+    w, _ = compute_rollout_correction_weights(old - rollout, mask, "sequence", "1.6_4")
+    assert w.sum() == 0
+    w, _ = compute_rollout_correction_weights(old - rollout, mask, "sequence", "1_1.5")
+    torch.testing.assert_close(w, torch.tensor([[1.5, 1.5, 1.5], [1.5, 0, 0]], dtype=D))
+    # a numeric string is the truncation, as a number is
+    w, _ = compute_rollout_correction_weights(old - rollout, mask, "token", "2.0")
+    torch.testing.assert_close(w, torch.tensor([[2.0, 1.0, 0.5], [1.5, 0, 0]], dtype=D))
+
+
 def test_sequence_level_weight_is_the_truncated_product_of_the_token_ratios():
     old, rollout, mask = batch()
     w, m = compute_rollout_correction_weights(old - rollout, mask, "sequence", 1.4)
@@ -168,6 +184,9 @@ def test_an_all_padding_batch_gives_zero_metrics_not_nan():
     [
         (dict(rollout_is="tokens"), "rollout_is='tokens'"),
         (dict(rollout_is="token", rollout_is_threshold=0), "rollout_is_threshold"),
+        (dict(rollout_is="token", rollout_is_threshold="4_0.5"), "lower bound must be positive and at most"),
+        (dict(rollout_is="token", rollout_is_threshold="a_b"), "neither a number nor 'lower_upper'"),
+        (dict(rollout_is="token", rollout_is_threshold=True), "must be a number"),
         (dict(rollout_rs="token_k4", rollout_rs_threshold=1), "token_k4"),
         (dict(rollout_rs="token_k2"), "rollout_rs_threshold is unset"),
         (dict(rollout_rs="token_k2", rollout_rs_threshold="0.1_0.2"), "only an upper bound"),

@@ -116,8 +116,10 @@ class RolloutCorrectionConfig(RolloutCorrectionPresets, BaseConfig):
     build one."""
 
     rollout_is: str | None = doc("Importance-weight level: null (off), token or sequence.", default=None)
-    rollout_is_threshold: float | None = doc(
-        "Upper truncation of the importance weights (with rollout_is).", default=2.0
+    rollout_is_threshold: float | str | None = doc(
+        "Upper truncation of the importance weights (with rollout_is); a 'lower_upper' string (e.g. '0.5_4.0') "
+        "is IcePop: weights outside [lower, upper] become 0 (rollout_corr/rollout_is_oob_ratio counts them).",
+        default=2.0,
     )
     rollout_rs: str | None = doc("Rejection-sampling mode: null (off) or a level.", default=None)
     rollout_rs_threshold: float | str | None = doc("Rejection threshold(s) (with rollout_rs).", default=None)
