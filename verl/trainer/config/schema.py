@@ -48,12 +48,6 @@ from verl.trainer.config.config import (  # noqa: F401  (re-exported: the schema
     RewardManagerConfig,
     reward_manager_choices,
 )
-from verl.trainer.config.reward_section import (  # noqa: F401  (re-exported: the schema's section classes)
-    RewardConfig,
-    RewardModelSectionConfig,
-    RewardRolloutConfig,
-    RewardSectionManagerConfig,
-)
 from verl.utils.config import target_class
 from verl.utils.profiler.config import (  # noqa: F401  (re-exported: the schema's section classes)
     GlobalProfilerConfig,
@@ -124,6 +118,11 @@ from verl.workers.config._fields import (  # noqa: F401  (re-exported: the schem
     device_choices,
     doc,
     policy_loss_choices,
+)
+from verl.workers.config.reward import (  # noqa: F401  (re-exported: the schema's section classes)
+    RewardConfig,
+    RewardModelSectionConfig,
+    RewardRolloutConfig,
 )
 from verl.workers.config.reward_model import (  # noqa: F401  (re-exported: the schema's section classes)
     OverlongBufferConfig,

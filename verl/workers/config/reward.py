@@ -1,9 +1,9 @@
-"""Typed `reward` section (upstream v0.9's reward/reward.yaml): `RewardConfig` and its parts.
+"""`verl.workers.config.reward`: the typed `reward` section (upstream v0.9's reward/reward.yaml): `RewardConfig` and its parts.
 
 Upstream builds the section as `verl.workers.config.RewardConfig`, its manager as
 `verl.workers.config.reward.RewardManagerConfig`, its model as (v0.9's) `verl.workers.config.RewardModelConfig`
 and the model's engine as `verl.workers.config.RolloutConfig`; those names are the YAML's `_target_`s and
-are accepted here as aliases (`TARGET_ALIASES`) of the classes below: in this code base
+are this module's classes, the last two accepted as aliases (`TARGET_ALIASES`): in this code base
 `verl.workers.config.RewardModelConfig` is the older `reward_model` section (which still holds this
 project's own reward-model keys), and the section is read by the driver, after the older spellings were
 merged into it (verl/trainer/config/reward_migration.py), through those older sections' classes.
@@ -15,18 +15,35 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 from verl.base_config import BaseConfig
-from verl.trainer.config.config import ModuleConfig, reward_manager_choices
 from verl.workers.config._fields import _SPEED, IGNORED, REWARD_MANAGER_SOURCES, UNSUPPORTED, doc
 from verl.workers.config.reward_model import SandboxFusionConfig
 
 __all__ = [
+    "ModuleConfig",
     "RewardConfig",
+    "RewardManagerConfig",
     "RewardCustomFunctionConfig",
     "RewardDisaggregationConfig",
     "RewardModelSectionConfig",
     "RewardRolloutConfig",
-    "RewardSectionManagerConfig",
+    "RewardManagerConfig",
 ]
+
+
+def reward_manager_choices() -> tuple[str, ...]:
+    """Registered reward managers (user registrations included)."""
+    from verl.workers.reward_manager import REWARD_MANAGER_REGISTRY
+
+    return tuple(REWARD_MANAGER_REGISTRY)
+
+
+@dataclass
+class ModuleConfig(BaseConfig):
+    """A reward-manager class in a Python file (with source=importlib)."""
+
+    path: str | None = doc("Python file defining the class.", default=None)
+    name: str = doc("Class name inside `path`.", default="custom_reward_manager")
+
 
 _ENGINE = "Passed to the engine serving a generative reward model, as actor_rollout_ref.rollout's key of that name."
 _NOT_SERVED = "Not implemented for the reward model's serving engine"
@@ -45,11 +62,9 @@ class RewardCustomFunctionConfig(BaseConfig):
 
 
 @dataclass
-class RewardSectionManagerConfig(BaseConfig):
+class RewardManagerConfig(BaseConfig):
     """Which reward manager turns scores into token-level rewards (older spellings: reward_model.reward_manager,
     reward_manager.*, reward_model.reward_loop_*)."""
-
-    TARGET_ALIASES: ClassVar[tuple[str, ...]] = ("verl.workers.config.reward.RewardManagerConfig",)
 
     source: str = doc(
         "register: the registered manager `name`; importlib: the class module.name of the file module.path.",
@@ -149,17 +164,13 @@ class RewardModelSectionConfig(BaseConfig):
 class RewardConfig(BaseConfig):
     """Where rewards come from (upstream v0.9's `reward` section)."""
 
-    TARGET_ALIASES: ClassVar[tuple[str, ...]] = ("verl.workers.config.RewardConfig",)
-
     num_workers: int = doc(
         "Reward-loop worker processes scoring a batch (reward_manager remote: its Ray actors).", default=8
     )
     custom_reward_function: RewardCustomFunctionConfig = doc(
         "User reward function.", default_factory=RewardCustomFunctionConfig
     )
-    reward_manager: RewardSectionManagerConfig = doc(
-        "Rule-based reward manager.", default_factory=RewardSectionManagerConfig
-    )
+    reward_manager: RewardManagerConfig = doc("Rule-based reward manager.", default_factory=RewardManagerConfig)
     reward_model: RewardModelSectionConfig = doc("Learned reward model.", default_factory=RewardModelSectionConfig)
     sandbox_fusion: SandboxFusionConfig = doc("Code-execution sandbox.", default_factory=SandboxFusionConfig)
     reward_kwargs: dict = doc(
