@@ -325,7 +325,7 @@ def _named_manager_of_reward_file(c: dict, key: str, message: str) -> bool:
     that file registers its managers (`@register(name)`) when it is imported, which happens when the
     manager is built (verl.trainer.ppo.reward.load_reward_manager, in upstream's order), and the name
     is checked there; the check here would need to run the user's file."""
-    names = ("reward_model.reward_manager", "reward_manager.name")
+    names = ("reward_model.reward_manager", "reward_manager.name", "reward.reward_manager.name")
     return key in names and bool(c["custom_reward_function"]["path"]) and "is not a valid choice" in message
 
 
