@@ -152,6 +152,8 @@ def test_root_schema_sections():
         "reward_manager",
         "reward_model",
         "custom_reward_function",
+        "sandbox_fusion",
+        "reward",
         "algorithm",
         "trainer",
         "global_profiler",

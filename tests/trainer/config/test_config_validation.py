@@ -370,9 +370,11 @@ def test_bigger_cluster_arithmetic_passes(defaults):
 def test_reward_model_needs_a_path_and_micro_batch(defaults):
     msg = error_of(with_(defaults, reward_model__enable=True, reward_model__model__path=None))
     assert "reward_model.model.path is null" in msg
+    # upstream v0.9's default model path is null (v0.7's was a placeholder directory): these cases name one
+    rm = {"reward_model__enable": True, "reward_model__model__path": "~/models/rm"}
     # upstream's reward loop (use_reward_loop, its default) batches the reward model's requests itself
-    validate_ppo_config(with_(defaults, reward_model__enable=True))
-    msg = error_of(with_(defaults, reward_model__enable=True, reward_model__use_reward_loop=False))
+    validate_ppo_config(with_(defaults, **rm))
+    msg = error_of(with_(defaults, **rm, reward_model__use_reward_loop=False))
     assert "reward model needs a micro-batch size" in msg
 
 

@@ -187,6 +187,7 @@ def rm_config(base: dict, sp: int, remove_padding: bool, strategy: str = "fsdp")
     rm.update(enable=True, strategy=strategy)
     rm[SP] = sp
     rm["model"]["use_remove_padding"] = remove_padding
+    rm["model"]["path"] = "~/models/rm"  # upstream v0.9's default model path is null
     cfg["trainer"]["n_gpus_per_node"] = 2
     return cfg
 

@@ -142,8 +142,9 @@ def test_the_config_check_refuses_an_incomplete_or_ignored_custom_loop():
         ([importlib, *named, "reward_model.use_reward_loop=false"], "use_reward_loop=false: the custom reward loop"),
         ([importlib, *named, "reward_model.enable=true", "reward_model.model.path=x"], "with reward_model.enable=true"),
         (
+            # both spell upstream v0.9's reward.reward_manager.module.path, with different files
             [importlib, *named, "reward_manager.source=importlib", "reward_manager.module.path=m.py"],
-            "each name a custom class",
+            "reward_model.reward_loop_module_path='loop.py', reward_manager.module.path='m.py' set one setting",
         ),
     ]
     for overrides, match in cases:

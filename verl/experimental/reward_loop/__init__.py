@@ -7,6 +7,7 @@
   as the driver's reward manager (verl.workers.reward_manager.reward_loop).
 - `RewardModelManager` (reward_model.py): a generative reward model served to the custom reward function
   (`reward_model.enable` with `custom_reward_function.path`), reached through `reward_router_address`.
+- `migrate_legacy_reward_impl(config)`: upstream v0.9's copy of the older reward keys onto `reward.*`.
 - `generation_server`: the HTTP server each of its replicas runs (SGLang's `/generate`, OpenAI's chat and
   completions APIs), also a command: `python -m verl.experimental.reward_loop.generation_server --model DIR`.
 
@@ -16,12 +17,14 @@ which itself imports `reward_model.py` from this package.
 
 import importlib
 
-__all__ = ["RewardLoopManager", "RewardLoopWorker", "RewardModelManager"]
+__all__ = ["RewardLoopManager", "RewardLoopWorker", "RewardModelManager", "migrate_legacy_reward_impl"]
 
 _HOMES = {
     "RewardLoopManager": "verl.experimental.reward_loop.reward_loop",
     "RewardLoopWorker": "verl.experimental.reward_loop.reward_loop",
     "RewardModelManager": "verl.experimental.reward_loop.reward_model",
+    # upstream v0.9's migration of the older reward keys onto `reward.*` (defined with the config loader's)
+    "migrate_legacy_reward_impl": "verl.trainer.config.reward_migration",
 }
 
 

@@ -45,6 +45,7 @@ import torch
 from verl.experimental.reward_loop.reward_manager import get_reward_manager_cls
 from verl.experimental.reward_loop.reward_model import RewardModelManager
 from verl.protocol import DataProto
+from verl.trainer.config.reward_migration import migrate_legacy_reward_impl  # noqa: F401  (upstream's home)
 from verl.trainer.ppo.reward import get_custom_reward_fn
 from verl.utils.config import omega_conf_to_dataclass
 from verl.workers.config import RewardModelConfig

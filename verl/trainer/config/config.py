@@ -17,23 +17,9 @@ from dataclasses import dataclass
 from verl.base_config import BaseConfig
 from verl.workers.config._fields import REWARD_MANAGER_SOURCES, REWARD_ON_ERROR, doc
 from verl.workers.config.checkpoint import CheckpointConfig
+from verl.workers.config.reward import ModuleConfig, reward_manager_choices
 
 __all__ = ["CheckpointConfig", "CustomRewardFunctionConfig", "ModuleConfig", "RewardManagerConfig"]
-
-
-def reward_manager_choices() -> tuple[str, ...]:
-    """Registered reward managers (user registrations included)."""
-    from verl.workers.reward_manager import REWARD_MANAGER_REGISTRY
-
-    return tuple(REWARD_MANAGER_REGISTRY)
-
-
-@dataclass
-class ModuleConfig(BaseConfig):
-    """A reward-manager class in a Python file (with source=importlib)."""
-
-    path: str | None = doc("Python file defining the class.", default=None)
-    name: str = doc("Class name inside `path`.", default="custom_reward_manager")
 
 
 @dataclass

@@ -368,6 +368,10 @@ def load_ppo_config(
     cfg = compose_config(overrides, config_path, config_name=config_name)
     if translate is not None:
         translate(cfg)
+    # one effective reward config under both spellings (reward.* and v0.7's), before the checks read it
+    from verl.trainer.config.reward_migration import resolve_reward_spellings
+
+    resolve_reward_spellings(cfg)
     if validate:  # before resolving, so errors name the key a bad value was written to
         from verl.trainer.config.validate import validate_ppo_config
 

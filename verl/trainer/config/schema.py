@@ -119,6 +119,11 @@ from verl.workers.config._fields import (  # noqa: F401  (re-exported: the schem
     doc,
     policy_loss_choices,
 )
+from verl.workers.config.reward import (  # noqa: F401  (re-exported: the schema's section classes)
+    RewardConfig,
+    RewardModelSectionConfig,
+    RewardRolloutConfig,
+)
 from verl.workers.config.reward_model import (  # noqa: F401  (re-exported: the schema's section classes)
     OverlongBufferConfig,
     RewardModelConfig,
@@ -657,6 +662,10 @@ class PPOConfig:
     reward_manager: RewardManagerConfig = doc("Rule-based reward manager.")
     reward_model: RewardModelConfig = doc("Rewards.")
     custom_reward_function: CustomRewardFunctionConfig = doc("User reward function.")
+    sandbox_fusion: SandboxFusionConfig = doc(
+        "Upstream v0.9's legacy spelling of reward.sandbox_fusion (null: not given; migrated onto it)."
+    )
+    reward: RewardConfig = doc("Where rewards come from (upstream v0.9; the older reward keys are migrated onto it).")
     algorithm: AlgoConfig = doc("Advantage estimation and KL.")
     trainer: TrainerConfig = doc("Driver loop.")
     global_profiler: GlobalProfilerConfig = doc("Profiling.")
@@ -748,6 +757,8 @@ TYPED_SECTIONS: dict[str, type] = {
     "actor_rollout_ref.actor.optim": OptimizerConfig,
     "critic.optim": OptimizerConfig,
     "reward_model.sandbox_fusion": SandboxFusionConfig,
+    "sandbox_fusion": SandboxFusionConfig,
+    "reward": RewardConfig,
     "reward_manager": RewardManagerConfig,
     "custom_reward_function": CustomRewardFunctionConfig,
     # sections holding the ones above come after them (see validate._check_typed_sections)

@@ -21,6 +21,7 @@ Design decisions:
 
 from __future__ import annotations
 
+import copy
 import logging
 import math
 import os
@@ -33,6 +34,7 @@ from verl.trainer.config import schema as S
 from verl.trainer.config.driver_keys import DriverKeys
 from verl.trainer.config.errors import ConfigError, ConfigWarning
 from verl.trainer.config.interpolation import interpolation_sources, plain
+from verl.trainer.config.reward_migration import resolve_reward_spellings
 from verl.trainer.config.schema_walk import (  # noqa: F401  (re-exported: the validator's public helpers)
     _check_section,
     is_neutral,
@@ -323,7 +325,7 @@ def _named_manager_of_reward_file(c: dict, key: str, message: str) -> bool:
     that file registers its managers (`@register(name)`) when it is imported, which happens when the
     manager is built (verl.trainer.ppo.reward.load_reward_manager, in upstream's order), and the name
     is checked there; the check here would need to run the user's file."""
-    names = ("reward_model.reward_manager", "reward_manager.name")
+    names = ("reward_model.reward_manager", "reward_manager.name", "reward.reward_manager.name")
     return key in names and bool(c["custom_reward_function"]["path"]) and "is not a valid choice" in message
 
 
@@ -678,7 +680,11 @@ def validate_ppo_config(cfg: DictConfig | dict, driver_keys: DriverKeys | None =
     the recipe's and accepted, and so is `algorithm.adv_estimator: null` there (the driver computes its
     advantages itself, as verl-recipe's SPPO).
     """
-    c = plain(cfg)
+    c = copy.deepcopy(plain(cfg))
+    try:  # the checks read the effective reward config (a no-op after loading)
+        resolve_reward_spellings(c)
+    except ConfigError as e:
+        _raise([str(e)])
     keyed: list[tuple[str, str]] = []
     warns: list[str] = []
     _check_section(c, S.PPOConfig, "", keyed, warns, schema_keys())

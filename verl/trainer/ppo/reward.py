@@ -27,6 +27,7 @@
 
 from __future__ import annotations
 
+import copy
 import functools
 from collections.abc import Callable
 
@@ -42,6 +43,16 @@ from verl.workers.config import RewardModelConfig, SandboxFusionConfig
 from verl.workers.reward_manager.reward_loop import load_reward_loop_class
 
 
+def _effective(config):
+    """`config` with its reward spellings resolved (verl.trainer.config.reward_migration): a config that did
+    not come through the loader (composed by a caller) still holds the older keys' null defaults."""
+    if "reward" not in config:
+        return config
+    from verl.trainer.config.reward_migration import resolve_reward_spellings
+
+    return resolve_reward_spellings(copy.deepcopy(config))
+
+
 def _section(config, key: str, cls: type):
     """The typed `cls` of the trainer config's section `key`, built once here; a config without the
     section (a partial one a caller composes) gets the class's defaults, which are the YAML's."""
@@ -52,7 +63,7 @@ def get_custom_reward_fn(config) -> Callable | None:
     """The custom reward function of ``config.custom_reward_function``, or None if no path is set."""
     from verl.utils.import_utils import load_extern_object
 
-    section = _section(config, "custom_reward_function", CustomRewardFunctionConfig)
+    section = _section(_effective(config), "custom_reward_function", CustomRewardFunctionConfig)
     if not section.path:
         return None
     fn = load_extern_object(section.path, section.name, config_key="custom_reward_function")
@@ -152,6 +163,7 @@ def _registered_reward_loop_class(config) -> type | None:
 
 def load_reward_manager(config, tokenizer, num_examine: int, **reward_kwargs):
     """The reward manager described by ``config`` (the full trainer config)."""
+    config = _effective(config)
     reward_model = _section(config, "reward_model", RewardModelConfig)
     custom = _section(config, "custom_reward_function", CustomRewardFunctionConfig)
     # the custom reward file is imported first, as upstream does: it may register the manager it names

@@ -40,6 +40,7 @@ from verl.workers.config.optimizer import (
     VeOmniOptimizerConfig,
     build_optimizer,
 )
+from verl.workers.config.reward import RewardConfig
 from verl.workers.config.reward_model import RewardModelConfig, SandboxFusionConfig
 from verl.workers.config.rollout import (
     AgentLoopConfig,
@@ -79,6 +80,7 @@ __all__ = [
     "PolicyLossConfig",
     "PrometheusConfig",
     "RefConfig",
+    "RewardConfig",
     "RewardModelConfig",
     "RolloutConfig",
     "RouterReplayConfig",
