@@ -62,7 +62,9 @@ class CriticMtpConfig(MtpConfig):
     enable_train: bool = doc(
         "Train multi-token-prediction layers of the value model.", status=UNSUPPORTED, neutral=False, default=False
     )
-    detach_encoder: bool = doc("Read only with mtp.enable_train, which a critic refuses.", status=IGNORED, default=False)
+    detach_encoder: bool = doc(
+        "Read only with mtp.enable_train, which a critic refuses.", status=IGNORED, default=False
+    )
     mtp_loss_scaling_factor: float = doc(
         "Read only with mtp.enable_train, which a critic refuses.", status=IGNORED, default=0.1
     )
@@ -131,7 +133,9 @@ class CriticModelConfig(BaseConfig):
     use_liger: bool = doc("Use Liger kernels (GPU only; a speed knob).", status=IGNORED, default=False)
     use_fused_kernels: bool = doc(f"Fused log-prob/entropy kernels: {_NO_LOGITS}.", status=IGNORED, default=False)
     fused_kernel_options: dict = doc(
-        f"Options of the fused kernels: {_NO_LOGITS}.", status=IGNORED, default_factory=lambda: {"impl_backend": "torch"}
+        f"Options of the fused kernels: {_NO_LOGITS}.",
+        status=IGNORED,
+        default_factory=lambda: {"impl_backend": "torch"},
     )
     tiled_mlp: TiledMLPConfig = doc("Tiled MLP.", default_factory=TiledMLPConfig)
     mtp: CriticMtpConfig = doc("Multi-token prediction (none on a value model).", default_factory=CriticMtpConfig)
