@@ -291,7 +291,7 @@ def merge_legacy_fsdp_config(legacy, current, default=None) -> dict:
             continue  # an unknown key is the schema check's to report
         value, base = _plain(legacy[key]), _plain(default[key])
         new = _plain(current[key]) if key in current else base
-        if value == base or value == new:
+        if value in (base, new):
             continue
         if new == base:
             adopt[key] = legacy[key]
