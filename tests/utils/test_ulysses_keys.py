@@ -39,6 +39,10 @@ def test_two_different_sizes_name_both_keys():
 def test_the_critic_s_engine_key_is_under_its_model():
     critic = {SP: 1, "model": {"fsdp_config": {SP: 2}}}
     assert role_sp(critic, "critic") == (2, f"critic.model.fsdp_config.{SP}")
+    # upstream v0.9's critic.fsdp, alone or beside the older spelling at 1
+    assert role_sp({SP: 1, "fsdp": {SP: 2}, "model": {"fsdp_config": {SP: 1}}}, "critic") == (2, f"critic.fsdp.{SP}")
+    with pytest.raises(ValueError, match=rf"critic.fsdp.{SP}=2 and critic.model.fsdp_config.{SP}=4 set two different"):
+        role_sp({"fsdp": {SP: 2}, "model": {"fsdp_config": {SP: 4}}}, "critic")
 
 
 def test_sections_without_an_fsdp_engine_read_the_role_key_only():

@@ -138,7 +138,11 @@ def _critic_case(rank, world_size, sp, out_path, key="critic.ulysses_sequence_pa
 @pytest.mark.parametrize(
     # upstream's newer spelling too: the worker's critic splits the sequences, the engine's own split stays off
     "key",
-    ["critic.ulysses_sequence_parallel_size", "critic.model.fsdp_config.ulysses_sequence_parallel_size"],
+    [
+        "critic.ulysses_sequence_parallel_size",
+        "critic.fsdp.ulysses_sequence_parallel_size",
+        "critic.model.fsdp_config.ulysses_sequence_parallel_size",  # upstream's spelling before v0.9
+    ],
 )
 def test_critic_worker_values_with_sp2_equal_sp1(tmp_path, key):
     run_distributed(_critic_case, 2, 1, str(tmp_path / "sp1"))

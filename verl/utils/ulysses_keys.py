@@ -15,15 +15,35 @@ def _size(value) -> int:
     return int(value or 1)  # null (and upstream's 0) mean no split
 
 
-def _engine_section(section):
-    """(the role's FSDP engine section or None, its dotted path inside the role): `fsdp_config` for the
-    actor and the reference, `model.fsdp_config` for the critic; a Megatron or reward-model section has none."""
-    if "fsdp_config" in section and section["fsdp_config"] is not None:
-        return section["fsdp_config"], "fsdp_config"
+def _engine_sections(section) -> list:
+    """[(the role's FSDP engine section, its dotted path inside the role)]: `fsdp_config` for the actor and
+    the reference; `fsdp` for the critic (upstream v0.9's) and `model.fsdp_config`, its older spelling, which
+    the critic's config merges into `fsdp`; none for a Megatron or reward-model section."""
+    out = []
+    for where in ("fsdp_config", "fsdp"):
+        if where in section and section[where] is not None:
+            out.append((section[where], where))
     model = section.get("model", None)
     if model is not None and "fsdp_config" in model and model["fsdp_config"] is not None:
-        return model["fsdp_config"], "model.fsdp_config"
-    return None, ""
+        out.append((model["fsdp_config"], "model.fsdp_config"))
+    return out
+
+
+def _engine_sp(section, role: str) -> tuple[int, str | None]:
+    """The Ulysses size the role's engine sections set (1, None when none sets one above 1)."""
+    found = [
+        (_size(engine[SP_KEY]), f"{role}.{where}.{SP_KEY}")
+        for engine, where in _engine_sections(section)
+        if SP_KEY in engine and _size(engine[SP_KEY]) > 1
+    ]
+    for size, key in found[1:]:
+        if size != found[0][0]:
+            raise ValueError(
+                f"{found[0][1]}={found[0][0]} and {key}={size} set two different Ulysses sizes for one role; they "
+                "are two spellings of the same setting (upstream's older and newer), so set only one of them "
+                "(or both to the same value)"
+            )
+    return found[0] if found else (1, None)
 
 
 def role_sp(section, role: str) -> tuple[int, str]:
@@ -31,26 +51,24 @@ def role_sp(section, role: str) -> tuple[int, str]:
 
     Upstream spells the size twice: the role's own `ulysses_sequence_parallel_size` (its legacy workers
     read it; its dp_actor.yaml marks it deprecated) and its FSDP engine section's (`fsdp_config.` for the
-    actor and the reference, `model.fsdp_config.` for the critic: what its engine workers read, and where
-    its `FSDPActorConfig` copies the role's when that is > 1). Either one alone sets the size here; both
+    actor and the reference, `fsdp.` for the critic, or its older `model.fsdp_config.`: what its engine
+    workers read, and where its `FSDPActorConfig` copies the role's when that is > 1). Either one alone sets the size here; both
     above 1 and different is a ValueError naming both. `section` is the role's mapping (a dict, a
     DictConfig or its typed config), `role` its dotted path (`actor_rollout_ref.actor`, `critic`, ...).
     Returns (1, the role's own key) when neither is above 1.
     """
     own_key = f"{role}.{SP_KEY}"
     own = _size(section.get(SP_KEY, None))
-    engine, where = _engine_section(section)
-    if engine is None or SP_KEY not in engine:
+    from_engine, engine_key = _engine_sp(section, role)
+    if engine_key is None:
         return own, own_key
-    engine_key = f"{role}.{where}.{SP_KEY}"
-    from_engine = _size(engine[SP_KEY])
-    if own > 1 and from_engine > 1 and own != from_engine:
+    if own > 1 and own != from_engine:
         raise ValueError(
             f"{own_key}={own} and {engine_key}={from_engine} set two different Ulysses sizes for one role; "
             f"they are two spellings of the same setting (upstream's older and newer), so set only one of them "
             f"(or both to the same value)"
         )
-    if from_engine > 1 and own <= 1:
+    if own <= 1:
         return from_engine, engine_key
     return own, own_key
 

@@ -640,6 +640,8 @@ class CriticWorker(Worker, DistProfilerExtension):
         model = self.critic_config.model
         import_external_libs(model.external_lib)  # as the actor's (ActorRolloutRefWorker.init_model)
         self.tokenizer = hf_tokenizer(model.tokenizer_path or model.path)
+        if model.get("custom_chat_template"):  # upstream's model section sets it on the tokenizer
+            self.tokenizer.chat_template = model.custom_chat_template
         self.critic_model, self.critic = self._build_critic()
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)

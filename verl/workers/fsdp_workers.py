@@ -188,7 +188,7 @@ class CriticWorker(engine_workers.CriticWorker):
     strategy = "fsdp"
 
     def _engine_config(self):
-        return _role_engine_section(self.critic_config.model.fsdp_config)
+        return _role_engine_section(self.critic_config.fsdp)  # the older model.fsdp_config merged in
 
     def _make_critic(self, engine: BaseEngine):
         from verl.workers.critic.dp_critic import DataParallelPPOCritic

@@ -41,7 +41,7 @@ def test_reference_lists_every_key_with_type_default_and_status():
     text = docgen.render()
     assert documented_keys(text) == {key for key, _, _, _ in iter_schema_fields()}
     assert "| `train_batch_size` | int | `1024` | yes | Prompts per training step" in text
-    assert "| `lora_rank` | int | `0` | yes | *fsdp* LoRA rank r of the critic" in text
+    assert "| `lora_rank` | int | `0` | yes | LoRA rank r of the critic" in text
     assert (
         "| `rank` | int | `0` | yes | LoRA rank of the critic; > 0 trains low-rank adapters" in text
     )  # the megatron critic's

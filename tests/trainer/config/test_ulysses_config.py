@@ -175,10 +175,24 @@ def test_reference_engine_key_must_equal_the_actor_s_naming_the_keys_set(default
 def test_critic_engine_key_is_checked_naming_it(defaults):
     cfg = copy.deepcopy(defaults)
     cfg["algorithm"]["adv_estimator"] = "gae"
-    cfg["critic"]["model"]["fsdp_config"][SP] = 2
-    assert f"critic.model.fsdp_config.{SP}=2 needs critic.model.use_remove_padding=true" in error_of(cfg)
-    cfg["critic"][SP] = 4
-    assert f"critic.{SP}=4 and critic.model.fsdp_config.{SP}=2 set two different" in error_of(cfg)
+    cfg["critic"]["model"]["use_remove_padding"] = False  # upstream v0.9's default is true
+    for where in ("fsdp", "model.fsdp_config"):  # v0.9's spelling and the older one
+        cfg = copy.deepcopy(defaults)
+        cfg["algorithm"]["adv_estimator"] = "gae"
+        cfg["critic"]["model"]["use_remove_padding"] = False
+        section = cfg["critic"]["fsdp"] if where == "fsdp" else cfg["critic"]["model"]["fsdp_config"]
+        section[SP] = 2
+        assert f"critic.{where}.{SP}=2 needs critic.model.use_remove_padding=true" in error_of(cfg)
+        cfg["critic"][SP] = 4
+        assert f"critic.{SP}=4 and critic.{where}.{SP}=2 set two different" in error_of(cfg)
+
+
+def test_critic_engine_sizes_in_both_spellings_must_agree(defaults):
+    cfg = copy.deepcopy(defaults)
+    cfg["algorithm"]["adv_estimator"] = "gae"
+    cfg["critic"]["fsdp"][SP] = 2
+    cfg["critic"]["model"]["fsdp_config"][SP] = 4
+    assert f"critic.fsdp.{SP}=2 and critic.model.fsdp_config.{SP}=4 set two different" in error_of(cfg)
 
 
 def rm_config(base: dict, sp: int, remove_padding: bool, strategy: str = "fsdp") -> dict:

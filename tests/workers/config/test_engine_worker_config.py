@@ -60,7 +60,8 @@ def test_an_upstream_critic_model_target_builds_the_fsdp_critic_model_class():
 
 def test_fsdp_critic_model_defaults_are_upstreams():
     model = FSDPCriticModelCfg()
-    assert (model.use_shm, model.enable_activation_offload, model.use_remove_padding) == (False, False, False)
+    # upstream v0.9 composes the critic's model from model/hf_model.yaml: remove padding on
+    assert (model.use_shm, model.enable_activation_offload, model.use_remove_padding) == (False, False, True)
     assert (model.enable_gradient_checkpointing, model.lora_rank, model.lora_alpha) == (True, 0, 16)
     assert model.target_modules == "all-linear"
 

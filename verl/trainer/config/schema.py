@@ -66,6 +66,7 @@ from verl.workers.config import (  # noqa: F401  (re-exported: the schema's sect
     FSDPOptimizerConfig,
     HFModelConfig,
     McoreActorConfig,
+    McoreCheckpointConfig,
     McoreCriticConfig,
     McoreEngineConfig,
     McoreOptimizerConfig,
@@ -721,6 +722,7 @@ SECTION_SUBCLASSES: dict[type, tuple[type, ...]] = {
     OptimizerConfig: (FSDPOptimizerConfig, McoreOptimizerConfig),
     ActorConfig: (FSDPActorConfig, McoreActorConfig),
     CriticConfig: (FSDPCriticConfig, McoreCriticConfig),
+    CheckpointConfig: (CheckpointConfig, McoreCheckpointConfig),
 }
 """Declared section class -> the subclasses a YAML `_target_` may name. Only for the docs and for
 did-you-mean hints: their own keys are listed under the declared section (`section_fields`); which

@@ -56,6 +56,7 @@ from verl.trainer.config.validate_batches import (
 )
 from verl.trainer.config.validate_checkpoint_engine import check_checkpoint_engine
 from verl.trainer.config.validate_checkpoints import check_checkpoints
+from verl.trainer.config.validate_critic import check_critic_fsdp_spelling
 from verl.trainer.config.validate_experts import check_megatron_experts, check_rollout_experts
 from verl.trainer.config.validate_features import check_feature_combinations
 from verl.trainer.config.validate_lora import check_lora
@@ -264,9 +265,13 @@ def _check_engines(c: dict, errors: list[str]) -> bool:
                     f"upstream's rule) instead of overriding {role}.strategy"
                 )
         else:
-            holder = section["model"] if role in ("critic", "reward_model") else section
-            where = f"{prefix}.model.fsdp_config" if role in ("critic", "reward_model") else f"{prefix}.fsdp_config"
-            if "fsdp_config" not in holder:
+            holder, name = section, "fsdp_config"
+            if role == "critic":
+                name = "fsdp"
+            elif role == "reward_model":
+                holder = section["model"]
+            where = f"{prefix}.model.{name}" if role == "reward_model" else f"{prefix}.{name}"
+            if name not in holder:
                 ok = False
                 errors.append(
                     f"{role}.strategy={strategy} needs the {where} section, which the Megatron composition "
@@ -286,10 +291,15 @@ def _check_role_engine_batch_keys(c: dict, errors: list[str]) -> None:
             holder, where = section.get("model", {}).get("fsdp_config"), f"{prefix}.model.fsdp_config"
         else:
             holder, where = section.get("fsdp_config"), f"{prefix}.fsdp_config"
+        holders = [(holder, where)]
+        if role == "critic" and strategy != "megatron":
+            holders.append((section.get("fsdp"), f"{prefix}.fsdp"))
         for key in ROLE_BATCH_KEYS:
             if strategy == "megatron" and key == "use_remove_padding":
                 continue  # upstream's engine/megatron.yaml holds it (a speed knob here)
-            if isinstance(holder, dict) and key in holder:
+            for holder, where in holders:
+                if not (isinstance(holder, dict) and key in holder):
+                    continue
                 errors.append(
                     f"{where}.{key}={holder[key]!r} is upstream's engine batch key, which a PPO role does not read: the "
                     f"role's own keys hold it ({prefix}.use_dynamic_bsz, its *_micro_batch_size_per_gpu and "
@@ -721,6 +731,7 @@ def validate_ppo_config(cfg: DictConfig | dict, driver_keys: DriverKeys | None =
     _check_not_implemented(c, errors)
     check_feature_combinations(c, errors, warns)
     _check_role_engine_batch_keys(c, errors)
+    check_critic_fsdp_spelling(c, warns)
     _check_trainer(c, errors, warns)
     check_checkpoints(c, errors)
     check_lora(c, errors, warns)

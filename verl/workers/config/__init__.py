@@ -17,10 +17,11 @@ from verl.workers.config.actor import (
     RefConfig,
     RouterReplayConfig,
 )
-from verl.workers.config.checkpoint import CheckpointConfig
+from verl.workers.config.checkpoint import CheckpointConfig, McoreCheckpointConfig
 from verl.workers.config.critic import (
     CriticConfig,
     CriticModelConfig,
+    CriticMtpConfig,
     FSDPCriticConfig,
     FSDPCriticModelCfg,
     McoreCriticConfig,
@@ -61,6 +62,7 @@ __all__ = [
     "CheckpointEngineConfig",
     "CriticConfig",
     "CriticModelConfig",
+    "CriticMtpConfig",
     "CustomAsyncServerConfig",
     "EngineConfig",
     "FSDPActorConfig",
@@ -70,6 +72,7 @@ __all__ = [
     "FSDPOptimizerConfig",
     "HFModelConfig",
     "McoreActorConfig",
+    "McoreCheckpointConfig",
     "McoreCriticConfig",
     "McoreEngineConfig",
     "McoreOptimizerConfig",

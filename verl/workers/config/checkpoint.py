@@ -13,9 +13,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from verl.base_config import BaseConfig
-from verl.workers.config._fields import CHECKPOINT_CONTENTS, doc
+from verl.workers.config._fields import CHECKPOINT_CONTENTS, IGNORED, doc
 
-__all__ = ["CheckpointConfig"]
+__all__ = ["CheckpointConfig", "McoreCheckpointConfig"]
 
 
 def _default_contents() -> list[str]:
@@ -46,3 +46,15 @@ class CheckpointConfig(BaseConfig):
                     f"checkpoint.{key} has unknown part(s) {unknown}: a checkpoint holds only "
                     f"{', '.join(CHECKPOINT_CONTENTS)}; list those"
                 )
+
+
+@dataclass
+class McoreCheckpointConfig(CheckpointConfig):
+    """A Megatron role's checkpoint section (upstream v0.9's `_target_` of megatron_critic.yaml's)."""
+
+    mbridge_config: dict = doc(
+        "Keyword arguments of mbridge's `save_weights` (its memory-efficient and distributed-filesystem writing "
+        "of the HF weights); here verl's own converter writes them, so nothing reads them.",
+        status=IGNORED,
+        default_factory=dict,
+    )

@@ -158,6 +158,7 @@ class PPOCritic(BasePPOCritic):
             response_mask,
             cliprange_value=self.cliprange_value,
             loss_agg_mode=self.loss_agg_mode,
+            loss_scale_factor=self._cfg.loss_scale_factor,
         )
         out = {  # device tensors: read once per mini-batch (`metrics_to_host`)
             "critic/vf_loss": vf_loss.detach(),
