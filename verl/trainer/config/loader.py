@@ -337,6 +337,23 @@ class _unlocked:
 # --------------------------------------------------------------------------------------- public
 
 
+def _refuse_engines_not_in_this_build(overrides: list[str]) -> None:
+    """`model_engine=veomni` (or torchtitan, mindspeed, ...) selects an engine this build does not have:
+    one line saying so, before that engine's own keys (`actor.veomni.*`) fail one by one as unknown."""
+    from verl.trainer.config.schema import MODEL_ENGINES, MODEL_ENGINES_NOT_IN_THIS_BUILD
+
+    for text in overrides:
+        key, sep, value = str(text).lstrip("+~").partition("=")
+        if key != "model_engine" or not sep or value in MODEL_ENGINES:
+            continue
+        what = MODEL_ENGINES_NOT_IN_THIS_BUILD.get(value, f"an engine named {value!r}")
+        raise ConfigError(
+            f"invalid config: model_engine={value} is for {what}, which this build of verl does not have; use "
+            f"model_engine={' or model_engine='.join(MODEL_ENGINES)} (FSDP or Megatron-core)",
+            [f"model_engine={value} is for {what}, which this build of verl does not have"],
+        )
+
+
 def compose_config(
     overrides: list[str] | None = None,
     config_path: str | os.PathLike | None = None,
@@ -344,6 +361,7 @@ def compose_config(
     config_name: str | None = None,
 ) -> DictConfig:
     """The composed config with `overrides` applied, unresolved and unvalidated (what `--cfg job` prints)."""
+    _refuse_engines_not_in_this_build(overrides or [])
     groups, values = split_overrides(list(overrides or []))
     cfg = _base_config(config_path, config_name, groups)
     apply_overrides(cfg, values)

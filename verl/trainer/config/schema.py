@@ -293,6 +293,7 @@ MODEL_ENGINES_NOT_IN_THIS_BUILD = {
     "veomni": "upstream's VeOmni engine",
     "torchtitan": "upstream's TorchTitan engine",
     "mindspeed": "upstream's MindSpeed engine (Ascend NPUs)",
+    "mlite": "upstream's Megatron-lite engine (an out-of-tree plugin)",
 }
 
 
