@@ -27,6 +27,7 @@ import torch
 
 from verl.algorithms._common import _LOG_RATIO_CLAMP, _check_shapes, _unknown_name_error
 from verl.algorithms.aggregation import agg_loss
+from verl.algorithms.policy_loss_dro import compute_policy_loss_dro
 from verl.algorithms.rollout_corr import RolloutCorrectionConfig, rollout_correction_tensors
 from verl.utils.torch_functional import masked_mean
 
@@ -58,6 +59,8 @@ class PolicyLossParams:
     """KL-Cov: fraction of valid tokens (largest covariance) that get the KL term (`policy_loss.kl_cov_ratio`)."""
     ppo_kl_coef: float = 0.1
     """KL-Cov: coefficient of |log ratio| on the selected tokens (`policy_loss.ppo_kl_coef`)."""
+    dro_beta: float | None = None
+    """DRO: weight of the squared log-ratio penalty (`policy_loss.dro_beta`; must be > 0 for `dro`)."""
     tis_imp_ratio_cap: float | None = None
     """Truncated importance sampling against the rollout engine's log-probs
     (`actor.tis_imp_ratio_cap`): each token's loss is weighted by min(pi_old/pi_rollout, cap).
@@ -178,6 +181,7 @@ _POLICY_LOSS_KEYS = (
     "clip_cov_ub",
     "kl_cov_ratio",
     "ppo_kl_coef",
+    "dro_beta",
     "rollout_correction",
 )
 _DEFAULT_PARAMS = PolicyLossParams()
@@ -701,6 +705,7 @@ POLICY_LOSSES: dict[str, PolicyLossFn] = {
     "cispo": compute_policy_loss_cispo,
     "sapo": compute_policy_loss_sapo,
     "bypass_mode": compute_policy_loss_bypass_mode,
+    "dro": compute_policy_loss_dro,
 }
 """`actor.policy_loss.loss_mode` name -> loss. Every loss has the signature
 `fn(old_log_prob, log_prob, advantages, response_mask, loss_agg_mode="token-mean", params=None,
