@@ -347,8 +347,9 @@ class FSDPActorConfig(ActorConfig):
         f"Compute entropy in chunks. {_SPEED}.", status=IGNORED, default=False
     )
     entropy_from_logits_chunk_size: int = doc(
-        "Rows per chunk of the entropy computed from the logits (the engine's section follows it). Memory only: "
-        "the entropy is the same for any chunk size.",
+        f"Rows per chunk of the entropy computed from the logits (the engine's section follows it). {_SPEED}: "
+        "the entropy here is chunked by memory size (about 256 MiB of float32 logits per chunk).",
+        status=IGNORED,
         default=2048,
     )
     entropy_checkpointing: bool = doc(f"Recompute entropy in backward. {_SPEED}.", status=IGNORED, default=False)
@@ -410,8 +411,9 @@ class McoreActorConfig(ActorConfig):
         f"Compute entropy in chunks (here always). {_SPEED}.", status=IGNORED, default=False
     )
     entropy_from_logits_chunk_size: int = doc(
-        "Rows per chunk of the entropy computed from the logits (the engine's section follows it). Memory only: "
-        "the entropy is the same for any chunk size.",
+        f"Rows per chunk of the entropy computed from the logits (the engine's section follows it). {_SPEED}: "
+        "the entropy here is chunked by memory size (about 256 MiB of float32 logits per chunk).",
+        status=IGNORED,
         default=2048,
     )
     calculate_sum_pi_squared: bool = doc(

@@ -246,7 +246,9 @@ class FSDPEngineConfig(EngineConfig):
     )
     entropy_from_logits_with_chunking: bool = doc(f"Entropy in chunks. {_SPEED}.", status=IGNORED, default=False)
     entropy_from_logits_chunk_size: int = doc(
-        "Rows per chunk of the chunked entropy (follows the role's key of the same name, which the workers read).",
+        f"Rows per chunk of the chunked entropy (follows the role's key). {_SPEED}: the entropy here is chunked "
+        "by memory size (about 256 MiB of float32 logits per chunk).",
+        status=IGNORED,
         default=2048,
     )
     pad_to_length: bool = doc(f"{_PAD_DOC}. {_SPEED}.", status=IGNORED, default=False)
@@ -405,7 +407,9 @@ class McoreEngineConfig(EngineConfig):
         f"Entropy in chunks (follows the role's key). {_SPEED}.", status=IGNORED, optional=True, default=False
     )
     entropy_from_logits_chunk_size: int = doc(
-        "Rows per chunk of the chunked entropy (follows the role's key of the same name, which the workers read).",
+        f"Rows per chunk of the chunked entropy (follows the role's key). {_SPEED}: the entropy here is chunked "
+        "by memory size (about 256 MiB of float32 logits per chunk).",
+        status=IGNORED,
         optional=True,
         default=2048,
     )
