@@ -27,7 +27,6 @@ import torch
 
 from verl.algorithms._common import _LOG_RATIO_CLAMP, _check_shapes, _unknown_name_error
 from verl.algorithms.aggregation import agg_loss
-from verl.algorithms.policy_loss_dro import compute_policy_loss_dro
 from verl.algorithms.rollout_corr import RolloutCorrectionConfig, rollout_correction_tensors
 from verl.utils.torch_functional import masked_mean
 
@@ -321,6 +320,25 @@ def compute_policy_loss_vanilla(
         clipped=clipped > unclipped,
         clipped_lower=(clip_loss > dual_cap) & (advantages < 0),
     )
+
+
+def compute_policy_loss_dro(
+    old_log_prob, log_prob, advantages, response_mask, loss_agg_mode="token-mean", config=None,
+    rollout_is_weights=None, rollout_log_probs=None, *, params: PolicyLossParams | None = None,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:  # fmt: skip
+    r"""Direct Reward Optimization, `dro`: $\ell = -(A\log\pi - \frac{\beta}{2}(\log\pi - \log\pi_{old})^2)$,
+    $\beta$ = `policy_loss.dro_beta` > 0: the plain policy gradient (no ratio, nothing clipped) plus a quadratic
+    pull towards the policy that produced the batch. Shapes [B, R]; `ppo_kl` as the other losses'."""
+    params = policy_loss_params(config, params)
+    if params.dro_beta is None or not params.dro_beta > 0:
+        raise ValueError(f"actor.policy_loss.dro_beta={params.dro_beta}: loss_mode=dro needs it > 0, e.g. 0.1")
+    _check_shapes(old_log_prob=old_log_prob, log_prob=log_prob, advantages=advantages, response_mask=response_mask)
+    log_ratio = log_prob - old_log_prob
+    pg_losses = -(log_prob * advantages - 0.5 * params.dro_beta * log_ratio.square())
+    return finish_policy_loss(
+        pg_losses, response_mask, loss_agg_mode, params, old_log_prob=old_log_prob,
+        rollout_log_probs=rollout_log_probs, rollout_is_weights=rollout_is_weights, kl_per_token=-log_ratio,
+    )  # fmt: skip
 
 
 def compute_policy_loss_gspo(
