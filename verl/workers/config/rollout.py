@@ -552,7 +552,14 @@ class RolloutConfig(BaseConfig):
         "Quantization-aware training settings (follow the actor engine's qat section; read with its enable, which "
         "is refused here).",
         optional=True,
-        default=None,
+        default_factory=lambda: {
+            "enable": False,
+            "mode": "w4a16",
+            "group_size": 16,
+            "ignore_patterns": ["lm_head", "embed_tokens", "re:.*mlp.gate$"],
+            "activation_observer": "static_minmax",
+            "quantization_config_path": None,
+        },
     )
     disaggregation: DisaggregationConfig = doc(
         "Prefill/decode disaggregation (SGLang; not in this build).", default_factory=lambda: DisaggregationConfig()
