@@ -21,6 +21,7 @@ from verl.utils.profiler import (
     TorchProfilerToolConfig,
     resolve_role_profilers,
 )
+from verl.utils.profiler.config import PrecisionDebuggerToolConfig
 from verl.workers.config import RefConfig, RewardModelConfig
 
 TOOL_CLASSES = {
@@ -28,6 +29,7 @@ TOOL_CLASSES = {
     "npu": NPUToolConfig,
     "torch": TorchProfilerToolConfig,
     "torch_memory": TorchMemoryToolConfig,
+    "precision_debugger": PrecisionDebuggerToolConfig,
 }
 ROLE_SECTIONS = {
     "actor_rollout_ref.actor": None,  # the YAML's _target_ names the class

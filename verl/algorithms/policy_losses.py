@@ -58,6 +58,8 @@ class PolicyLossParams:
     """KL-Cov: fraction of valid tokens (largest covariance) that get the KL term (`policy_loss.kl_cov_ratio`)."""
     ppo_kl_coef: float = 0.1
     """KL-Cov: coefficient of |log ratio| on the selected tokens (`policy_loss.ppo_kl_coef`)."""
+    dro_beta: float | None = None
+    """DRO: weight of the squared log-ratio penalty (`policy_loss.dro_beta`; must be > 0 for `dro`)."""
     tis_imp_ratio_cap: float | None = None
     """Truncated importance sampling against the rollout engine's log-probs
     (`actor.tis_imp_ratio_cap`): each token's loss is weighted by min(pi_old/pi_rollout, cap).
@@ -178,6 +180,7 @@ _POLICY_LOSS_KEYS = (
     "clip_cov_ub",
     "kl_cov_ratio",
     "ppo_kl_coef",
+    "dro_beta",
     "rollout_correction",
 )
 _DEFAULT_PARAMS = PolicyLossParams()
@@ -317,6 +320,25 @@ def compute_policy_loss_vanilla(
         clipped=clipped > unclipped,
         clipped_lower=(clip_loss > dual_cap) & (advantages < 0),
     )
+
+
+def compute_policy_loss_dro(
+    old_log_prob, log_prob, advantages, response_mask, loss_agg_mode="token-mean", config=None,
+    rollout_is_weights=None, rollout_log_probs=None, *, params: PolicyLossParams | None = None,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:  # fmt: skip
+    r"""Direct Reward Optimization, `dro`: $\ell = -(A\log\pi - \frac{\beta}{2}(\log\pi - \log\pi_{old})^2)$,
+    $\beta$ = `policy_loss.dro_beta` > 0: the plain policy gradient (no ratio, nothing clipped) plus a quadratic
+    pull towards the policy that produced the batch. Shapes [B, R]; `ppo_kl` as the other losses'."""
+    params = policy_loss_params(config, params)
+    if params.dro_beta is None or not params.dro_beta > 0:
+        raise ValueError(f"actor.policy_loss.dro_beta={params.dro_beta}: loss_mode=dro needs it > 0, e.g. 0.1")
+    _check_shapes(old_log_prob=old_log_prob, log_prob=log_prob, advantages=advantages, response_mask=response_mask)
+    log_ratio = log_prob - old_log_prob
+    pg_losses = -(log_prob * advantages - 0.5 * params.dro_beta * log_ratio.square())
+    return finish_policy_loss(
+        pg_losses, response_mask, loss_agg_mode, params, old_log_prob=old_log_prob,
+        rollout_log_probs=rollout_log_probs, rollout_is_weights=rollout_is_weights, kl_per_token=-log_ratio,
+    )  # fmt: skip
 
 
 def compute_policy_loss_gspo(
@@ -701,6 +723,7 @@ POLICY_LOSSES: dict[str, PolicyLossFn] = {
     "cispo": compute_policy_loss_cispo,
     "sapo": compute_policy_loss_sapo,
     "bypass_mode": compute_policy_loss_bypass_mode,
+    "dro": compute_policy_loss_dro,
 }
 """`actor.policy_loss.loss_mode` name -> loss. Every loss has the signature
 `fn(old_log_prob, log_prob, advantages, response_mask, loss_agg_mode="token-mean", params=None,

@@ -236,14 +236,22 @@ def get_cosine_schedule_with_warmup(
     num_cycles: float = 0.5,
     last_epoch: int = -1,
     init_lr_ratio: float | None = None,
+    zero_indexed_step: bool = True,
 ) -> LambdaLR:
     """Linear warm-up from `init_lr_ratio * lr` (None: 0), then cosine decay from the base lr to
     `min_lr_ratio * lr` (None: 0).
 
     With the default half cycle the lr reaches `min_lr_ratio * lr` at `num_training_steps`.
+    `zero_indexed_step=False` counts the scheduler's steps from 1 (`optim.zero_indexed_step`): the
+    lr at scheduler step s is the 0-indexed curve's at s + 1.
     """
     factor = _cosine_factor(
-        num_warmup_steps, num_training_steps, 0.0 if min_lr_ratio is None else min_lr_ratio, num_cycles, init_lr_ratio
+        num_warmup_steps,
+        num_training_steps,
+        0.0 if min_lr_ratio is None else min_lr_ratio,
+        num_cycles,
+        init_lr_ratio,
+        zero_indexed_step,
     )
     return LambdaLR(optimizer, factor, last_epoch)
 
@@ -469,6 +477,7 @@ def _lr_factor(optim_config):
             total_steps,
             float(_get(optim_config, "min_lr_ratio", 0.0)),
             float(_get(optim_config, "num_cycles", 0.5)),
+            zero_indexed_step=bool(_get(optim_config, "zero_indexed_step", True)),
         )
     raise ValueError(f"optim.lr_scheduler_type={style!r} is not one of {list(LR_SCHEDULER_TYPES)}")
 
@@ -483,6 +492,7 @@ SCHEDULE_KEYS = (
     "lr_warmup_steps_ratio",
     "min_lr_ratio",
     "num_cycles",
+    "zero_indexed_step",
     "lr_decay_style",
     "lr_decay_steps",
     "lr_warmup_init",
@@ -581,6 +591,7 @@ def _cosine_factor(
     min_lr_ratio: float,
     num_cycles: float,
     init_lr_ratio: float | None = None,
+    zero_indexed_step: bool = True,
 ):
     if not 0.0 <= min_lr_ratio <= 1.0:
         raise ValueError(f"optim.min_lr_ratio must be in [0, 1], got {min_lr_ratio}")
@@ -588,7 +599,10 @@ def _cosine_factor(
     if not 0.0 <= init <= 1.0:
         raise ValueError(f"init_lr_ratio (the warm-up's starting share of the lr) must be in [0, 1], got {init}")
 
+    offset = 0 if zero_indexed_step else 1
+
     def factor(step: int) -> float:
+        step += offset
         if step < num_warmup_steps:
             return init + (1.0 - init) * float(step) / float(max(1, num_warmup_steps))
         progress = float(step - num_warmup_steps) / float(max(1, num_training_steps - num_warmup_steps))

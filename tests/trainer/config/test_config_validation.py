@@ -486,7 +486,14 @@ def test_model_length_budget(defaults):
 
 
 def test_truncated_importance_sampling_needs_rollout_log_probs(defaults):
-    msg = error_of(with_(defaults, actor_rollout_ref__actor__tis_imp_ratio_cap=2.0))
+    # rollout.calculate_log_probs is on by default (upstream v0.9.0): switched off here to see the refusal
+    msg = error_of(
+        with_(
+            defaults,
+            actor_rollout_ref__actor__tis_imp_ratio_cap=2.0,
+            actor_rollout_ref__rollout__calculate_log_probs=False,
+        )
+    )
     assert "tis_imp_ratio_cap=2.0" in msg and "actor_rollout_ref.rollout.calculate_log_probs=true" in msg
     validate_ppo_config(
         with_(

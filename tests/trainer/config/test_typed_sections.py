@@ -157,7 +157,8 @@ def test_policy_loss_accepts_every_registered_mode_and_upstreams_hyphenated_spel
     from verl.algorithms.policy_losses import POLICY_LOSSES
 
     for mode in POLICY_LOSSES:
-        assert PolicyLossConfig(loss_mode=mode).loss_mode == mode
+        extra = {"dro_beta": 0.1} if mode == "dro" else {}  # dro needs its penalty weight
+        assert PolicyLossConfig(loss_mode=mode, **extra).loss_mode == mode
     assert PolicyLossConfig(loss_mode="clip-cov").loss_mode == "clip-cov"
 
 

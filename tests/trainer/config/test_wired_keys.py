@@ -142,8 +142,8 @@ def test_full_determinism_turns_on_deterministic_kernels_and_seeds():
 
 def test_rollout_correction_is_checked_before_the_run_starts():
     base = ["algorithm.rollout_correction.rollout_is=token"]
-    with pytest.raises(ConfigError, match="calculate_log_probs=true"):
-        load_ppo_config(base, config_name="arith_demo")
+    with pytest.raises(ConfigError, match="calculate_log_probs=true"):  # on by default (upstream v0.9.0)
+        load_ppo_config([*base, "actor_rollout_ref.rollout.calculate_log_probs=false"], config_name="arith_demo")
     cfg = load_ppo_config([*base, "actor_rollout_ref.rollout.calculate_log_probs=true"], config_name="arith_demo")
     assert cfg.algorithm.rollout_correction.rollout_is == "token"
     with pytest.raises(ConfigError, match="rollout_is='word' must be null or one of"):

@@ -186,7 +186,13 @@ def _leaves(config, prefix: str = "") -> dict:
         ),
         ("ppo_megatron_trainer", "actor_rollout_ref.actor", McoreActorConfig, {"optim.lr": 1e-6}),
         ("ppo_trainer", "critic", FSDPCriticConfig, {"optim.lr": 1e-5, "optim.min_lr_ratio": 0.0}),
-        ("ppo_trainer", "actor_rollout_ref.rollout", RolloutConfig, {"name": "???"}),  # every run must choose
+        (
+            "ppo_trainer",
+            "actor_rollout_ref.rollout",
+            RolloutConfig,
+            # name: every run must choose; trace.*: follow trainer.project_name / experiment_name (upstream v0.9.0)
+            {"name": "???", "trace.project_name": "verl_examples", "trace.experiment_name": "gsm8k"},
+        ),
         ("ppo_trainer", "actor_rollout_ref.model", HFModelConfig, {}),
     ],
 )

@@ -91,7 +91,13 @@ def upstream_config(entry: ScriptSet) -> DictConfig:
     from hydra.core.override_parser.overrides_parser import OverridesParser
     from hydra.errors import HydraException
 
-    base = yaml.safe_load((DATA / f"{entry.base}_leaves.yaml").read_text())
+    base_name = entry.base
+    engine = [o.split("=", 1)[1] for o in entry.overrides if o.split("=", 1)[0] == "model_engine"]
+    if engine:  # upstream v0.9's config-group choice: its generated megatron config is ppo_trainer + this
+        if engine[-1] not in ("dp", "megatron"):
+            raise UpstreamRefuses(f"model_engine={engine[-1]}: not recorded here")
+        base_name = "ppo_megatron_trainer" if engine[-1] == "megatron" else "ppo_trainer"
+    base = yaml.safe_load((DATA / f"{base_name}_leaves.yaml").read_text())
     cfg = OmegaConf.create(unflatten(base))
     if entry.config.startswith("configs/"):
         own = {k: v for k, v in entry.user_config().items() if k not in ("defaults", "hydra")}
@@ -99,6 +105,8 @@ def upstream_config(entry: ScriptSet) -> DictConfig:
     OmegaConf.set_struct(cfg, True)
     parser = OverridesParser.create()
     for text in entry.overrides:
+        if text.split("=", 1)[0] == "model_engine":
+            continue  # chose the base above
         try:
             (ov,) = parser.parse_overrides([text])
         except HydraException as e:

@@ -274,6 +274,13 @@ def split_overrides(overrides: list[str]) -> tuple[list[str], list[str]]:
     return groups, values
 
 
+# keys older upstream configs declared and v0.9.0 dropped to an empty `{}`: old scripts set them without `+`
+_LEGACY_OPEN_KEYS = (
+    "actor_rollout_ref.model.override_config.model_config",
+    "actor_rollout_ref.model.override_config.moe_config",
+)
+
+
 def apply_overrides(cfg: DictConfig, overrides: list[str]) -> None:
     """Apply Hydra-grammar value overrides to `cfg` in place."""
     for text in overrides or []:
@@ -302,7 +309,7 @@ def apply_overrides(cfg: DictConfig, overrides: list[str]) -> None:
             raise ConfigError(
                 f"override {text!r}: {key} already exists, so it cannot be added; write {key}=... (or ++{key}=...)"
             )
-        if not (ov.is_add() or ov.is_force_add()) and not exists:
+        if not (ov.is_add() or ov.is_force_add() or exists or key.startswith(_LEGACY_OPEN_KEYS)):
             raise _missing_key_error(cfg, key, text)
         with _unlocked(cfg):
             OmegaConf.update(cfg, key, value, merge=True, force_add=True)

@@ -354,7 +354,16 @@ class RayPPOTrainer(UpstreamTrainerAPI):
             and arc.actor.ppo_epochs == 1
             and arc.actor.ppo_mini_batch_size * arc.rollout.n == rows
             and not self.config.algorithm.use_kl_in_reward
-            and not arc.rollout.calculate_log_probs
+            # the rollout's log-probs need a separate old-log-prob pass only where something compares them with it
+            # before the update (the update reports their mismatch itself)
+            and not (
+                arc.rollout.calculate_log_probs
+                and (
+                    getattr(self, "rollout_correction", None) is not None
+                    or getattr(getattr(self, "rollout_source", None), "runs_ahead", False)
+                    or _tis_on(arc.actor)
+                )
+            )
             # an FSDP-actor key (FSDPActorConfig): the megatron actor's section has none (as upstream's)
             and not (arc.actor.strategy != "megatron" and arc.actor.calculate_sum_pi_squared)
         )
@@ -604,3 +613,9 @@ def __getattr__(name: str):
 
         return ResourcePoolManager
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def _tis_on(actor) -> bool:
+    """actor.tis_imp_ratio_cap > 0: truncated importance sampling against the rollout's log-probs."""
+    cap = actor.get("tis_imp_ratio_cap", -1)
+    return cap is not None and cap > 0

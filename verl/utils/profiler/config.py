@@ -42,7 +42,9 @@ __all__ = [
     "GlobalProfilerConfig",
     "NPUToolConfig",
     "NsightToolConfig",
+    "PrecisionDebuggerToolConfig",
     "ProfilerConfig",
+    "TorchProfilerScheduleConfig",
     "TorchMemoryToolConfig",
     "TorchProfilerToolConfig",
     "check_tool_available",
@@ -101,6 +103,30 @@ class NsightToolConfig(BaseConfig):
             object.__setattr__(self, "discrete", False)
 
 
+_SCHEDULE_KEYS = ("skip_first", "wait", "warmup", "active", "repeat")
+
+
+@dataclass
+class TorchProfilerScheduleConfig(BaseConfig):
+    """`tool_config.torch.schedule`: upstream's torch.profiler.schedule arguments (all 0: none; the only
+    value accepted here, see TorchProfilerToolConfig.schedule)."""
+
+    skip_first: int = 0
+    wait: int = 0
+    warmup: int = 0
+    active: int = 0
+    repeat: int = 0
+
+
+def _no_token_window(tool: BaseConfig, name: str) -> None:
+    for key in ("profile_token_start", "profile_token_end"):
+        if getattr(tool, key) is not None:
+            raise ValueError(
+                f"profiler tool_config.{name}.{key}={getattr(tool, key)!r} selects tokens of upstream's rollout-server "
+                "profiler, not implemented here; leave it null"
+            )
+
+
 @dataclass
 class TorchProfilerToolConfig(BaseConfig):
     """`tool_config.torch`: what torch.profiler records."""
@@ -116,8 +142,29 @@ class TorchProfilerToolConfig(BaseConfig):
     """True: one trace per profiled worker call (update_actor, compute_log_prob, ...) instead of one
     per profiled step."""
     name: str = "torch"
+    profile_token_start: int | None = None
+    """Upstream's rollout-server option (profile from this generated token); only null is accepted."""
+    profile_token_end: int | None = None
+    """Upstream's rollout-server option (profile up to this token); only null is accepted."""
+    schedule: dict = field(default_factory=dict)
+    """Upstream's torch.profiler.schedule (skip_first, wait, warmup, active, repeat; all 0: no
+    schedule, the whole profiled call is recorded). Only the all-zero schedule is accepted here."""
 
     def __post_init__(self) -> None:
+        sched = {k: v for k, v in dict(self.schedule or {}).items() if k != "_target_"}
+        unknown_sched = sorted(set(sched) - set(_SCHEDULE_KEYS))
+        if unknown_sched:
+            raise ValueError(
+                f"profiler tool_config.torch.schedule has unknown keys {unknown_sched}; valid: {_SCHEDULE_KEYS}"
+            )
+        if any(sched.get(k, 0) for k in _SCHEDULE_KEYS):
+            raise ValueError(
+                f"profiler tool_config.torch.schedule={sched}: torch.profiler schedules are not implemented here (each "
+                "profiled call is recorded whole); leave every schedule value at 0 and choose the steps with "
+                "global_profiler.steps"
+            )
+        object.__setattr__(self, "schedule", {k: int(sched.get(k, 0)) for k in _SCHEDULE_KEYS})
+        _no_token_window(self, "torch")
         if not isinstance(self.contents, list | tuple):
             raise ValueError(f"profiler tool_config.torch.contents={self.contents!r} must be a list")
         object.__setattr__(self, "contents", list(self.contents))
@@ -172,9 +219,14 @@ class NPUToolConfig(NsightToolConfig):
     analysis: bool = False
     """Parse the collected data automatically."""
     name: str = "npu"
+    profile_token_start: int | None = None
+    """Upstream's rollout-server option; only null is accepted."""
+    profile_token_end: int | None = None
+    """Upstream's rollout-server option; only null is accepted."""
 
     def __post_init__(self) -> None:
         super().__post_init__()
+        _no_token_window(self, "npu")
         if not isinstance(self.contents, list | tuple):
             raise ValueError(f"profiler tool_config.npu.contents={self.contents!r} must be a list")
         object.__setattr__(self, "contents", list(self.contents))
@@ -185,11 +237,29 @@ class NPUToolConfig(NsightToolConfig):
             raise ValueError(f"profiler tool_config.npu.level={self.level!r} is unknown; valid: {list(_NPU_LEVELS)}")
 
 
+@dataclass
+class PrecisionDebuggerToolConfig(BaseConfig):
+    """`tool_config.precision_debugger` / `global_tool_config.precision_debugger`: upstream's msprobe
+    precision debugger (Ascend tooling). Its settings are checked; selecting the tool is refused (it is
+    not one of `profiler.tool`'s choices here)."""
+
+    config_path: str | None = None
+    """msprobe's JSON config."""
+    steps: list[int] | None = None
+    """Deprecated upstream (global_profiler.steps chooses the steps)."""
+    stages: list[str] | None = None
+    """Stages to record (actor_update, actor_compute_log_prob, ...)."""
+    strict: bool = False
+    """Fail on an unknown stage or a missing msprobe."""
+    name: str = "precision_debugger"
+
+
 TOOL_CONFIGS: dict[str, type[BaseConfig]] = {
     "nsys": NsightToolConfig,
     "npu": NPUToolConfig,
     "torch": TorchProfilerToolConfig,
     "torch_memory": TorchMemoryToolConfig,
+    "precision_debugger": PrecisionDebuggerToolConfig,
 }
 """`tool_config` key -> the class its entry builds into (the YAML's `_target_`s name the same)."""
 
@@ -356,7 +426,7 @@ class GlobalProfilerConfig(BaseConfig):
                 raise ValueError(f"global_profiler.steps={steps}: training steps count from 1")
         object.__setattr__(self, "steps", steps)
         tools = dict(self.global_tool_config or {})
-        for name in ("nsys", "torch_memory"):
+        for name in ("nsys", "torch_memory", "precision_debugger"):
             if name in tools:
                 tools[name] = _build(TOOL_CONFIGS[name], tools[name], f"global_profiler.global_tool_config.{name}")
         object.__setattr__(self, "global_tool_config", tools)

@@ -35,7 +35,7 @@ from verl.workers.config._fields import (
     policy_loss_choices,
 )
 from verl.workers.config.checkpoint import CheckpointConfig
-from verl.workers.config.engine import FSDPEngineConfig, McoreEngineConfig
+from verl.workers.config.engine import FSDPEngineConfig, McoreEngineConfig, QATEngineConfig
 from verl.workers.config.optimizer import FSDPOptimizerConfig, McoreOptimizerConfig, OptimizerConfig
 
 __all__ = [
@@ -58,6 +58,11 @@ class PolicyLossConfig(BaseConfig):
     clip_cov_ub: float = doc("clip-cov: upper bound of the covariance window.", default=5.0)
     kl_cov_ratio: float = doc("kl-cov: fraction of tokens given a KL penalty.", default=0.0002)
     ppo_kl_coef: float = doc("kl-cov: coefficient of that KL penalty.", default=0.1)
+    dro_beta: float | None = doc(
+        "dro: weight beta of the squared log-ratio penalty, loss = -(A log pi - beta/2 (log pi - log pi_old)^2); "
+        "must be > 0 with loss_mode=dro, unread otherwise.",
+        default=None,
+    )
     rollout_correction: dict | None = doc(
         "Bypass mode's settings, written here by the trainer from algorithm.rollout_correction when its "
         "bypass_mode is on (set that section, not this key); read only with loss_mode bypass_mode.",
@@ -84,6 +89,11 @@ class PolicyLossConfig(BaseConfig):
                 f"policy_loss.rollout_correction is set but policy_loss.loss_mode={self.loss_mode!r}: only the "
                 "bypass_mode loss reads it; set algorithm.rollout_correction.bypass_mode=true instead (the trainer "
                 "then fills both keys)"
+            )
+        if self.loss_mode == "dro" and not (self.dro_beta is not None and self.dro_beta > 0):
+            raise ValueError(
+                f"policy_loss.dro_beta={self.dro_beta}: loss_mode=dro needs a positive dro_beta (the weight of its "
+                "squared log-ratio penalty), e.g. policy_loss.dro_beta=0.1"
             )
         if self.clip_cov_lb > self.clip_cov_ub:
             raise ValueError(
@@ -217,6 +227,11 @@ class ActorConfig(BaseConfig):
     )
     profiler: ProfilerConfig = doc("Profiling of the updates.", default_factory=ProfilerConfig)
     router_replay: RouterReplayConfig = doc("Mixture-of-experts routing replay.", default_factory=RouterReplayConfig)
+    qat: QATEngineConfig = doc(
+        "Quantization-aware training of the policy (not in this build; see fsdp_config.qat).",
+        optional=True,
+        default_factory=QATEngineConfig,
+    )
     tis_imp_ratio_cap: float = doc(
         "Ours. Truncated importance sampling against the rollout engine's log-probs: each token's loss is weighted "
         "by min(pi_old / pi_rollout, cap). -1 (or any value <= 0) turns it off; needs rollout.calculate_log_probs=true.",
@@ -331,7 +346,18 @@ class FSDPActorConfig(ActorConfig):
     entropy_from_logits_with_chunking: bool = doc(
         f"Compute entropy in chunks. {_SPEED}.", status=IGNORED, default=False
     )
+    entropy_from_logits_chunk_size: int = doc(
+        f"Rows per chunk of the entropy computed from the logits (the engine's section follows it). {_SPEED}: "
+        "the entropy here is chunked by memory size (about 256 MiB of float32 logits per chunk).",
+        status=IGNORED,
+        default=2048,
+    )
     entropy_checkpointing: bool = doc(f"Recompute entropy in backward. {_SPEED}.", status=IGNORED, default=False)
+    pad_to_length: bool = doc(
+        f"Pad packed micro-batches to a multiple of fsdp_config.pad_to_length_bucket. {_SPEED}.",
+        status=IGNORED,
+        default=False,
+    )
     use_remove_padding: bool = doc(
         "FSDP: pack sequences without padding in the actor's forward passes (follows the model's).",
         default=False,
@@ -376,8 +402,23 @@ class McoreActorConfig(ActorConfig):
     )
     load_weight: bool = doc(
         "Megatron: start from the weights at model.path (or megatron.dist_checkpointing_path); false: megatron's "
-        "random initialisation (normal, std init_method_std), seeded by megatron.seed, no weights read.",
+        "random initialisation (normal, std init_method_std), seeded by megatron.seed, no weights read. Upstream "
+        "v0.9.0 dropped the key; kept so that older scripts run.",
+        optional=True,
         default=True,
+    )
+    entropy_from_logits_with_chunking: bool = doc(
+        f"Compute entropy in chunks (here always). {_SPEED}.", status=IGNORED, default=False
+    )
+    entropy_from_logits_chunk_size: int = doc(
+        f"Rows per chunk of the entropy computed from the logits (the engine's section follows it). {_SPEED}: "
+        "the entropy here is chunked by memory size (about 256 MiB of float32 logits per chunk).",
+        status=IGNORED,
+        default=2048,
+    )
+    calculate_sum_pi_squared: bool = doc(
+        "Compute the sum of squared token probabilities (for adv_estimator=optimal_token_baseline).",
+        default=False,
     )
 
 
@@ -415,12 +456,22 @@ class RefConfig(BaseConfig):
         "Compute entropy in chunks.", status=IGNORED, optional=True, default=False
     )
     entropy_checkpointing: bool = doc("Recompute entropy in backward.", status=IGNORED, optional=True, default=False)
+    entropy_from_logits_chunk_size: int = doc(
+        "Rows per chunk of the reference's entropy (memory only; the reference computes no entropy here).",
+        status=IGNORED,
+        optional=True,
+        default=2048,
+    )
+    pad_to_length: bool = doc(
+        f"Pad packed micro-batches (follows the actor's). {_SPEED}.", status=IGNORED, optional=True, default=False
+    )
     megatron: McoreEngineConfig = doc(
         "Megatron-core parallelism (strategy megatron).", optional=True, default_factory=McoreEngineConfig
     )
     load_weight: bool = doc(
         "Megatron: start from the weights at model.path (false: random initialisation, seeded by megatron.seed); "
-        "must equal the actor's, since the reference is the initial policy.",
+        "must equal the actor's, since the reference is the initial policy. Upstream v0.9.0 dropped the key; kept "
+        "so that older scripts run.",
         optional=True,
         default=True,
     )

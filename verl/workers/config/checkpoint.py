@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from verl.base_config import BaseConfig
-from verl.workers.config._fields import CHECKPOINT_CONTENTS, IGNORED, doc
+from verl.workers.config._fields import CHECKPOINT_CONTENTS, IGNORED, UNSUPPORTED, doc
 
 __all__ = ["CheckpointConfig", "McoreCheckpointConfig"]
 
@@ -36,6 +36,21 @@ class CheckpointConfig(BaseConfig):
         "Write checkpoints in the background: the state is copied to host memory and training goes on; "
         "the tracker file moves once every rank's write is complete (strategy=fsdp).",
         default=False,
+    )
+    strict: bool = doc(
+        "Strict checking of the exported HF weights (every expected tensor present, none left over); the "
+        "converter here always checks them so: false is not implemented.",
+        status=UNSUPPORTED,
+        neutral=True,
+        optional=True,
+        default=True,
+    )
+    mbridge_config: dict = doc(
+        "Keyword arguments of mbridge's `save_weights` (Megatron: its memory-efficient and distributed-filesystem "
+        "writing of the HF weights); here verl's own converter writes them, so nothing reads them.",
+        status=IGNORED,
+        optional=True,
+        default_factory=dict,
     )
 
     def __post_init__(self):

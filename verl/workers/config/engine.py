@@ -30,7 +30,16 @@ from typing import Any
 from verl.base_config import BaseConfig
 from verl.workers.config._fields import _SPEED, ENGINE_DTYPES, IGNORED, MODEL_DTYPES, UNSUPPORTED, doc
 
-__all__ = ["EngineConfig", "FSDPEngineConfig", "McoreEngineConfig", "TrainingWorkerConfig", "VeOmniEngineConfig"]
+__all__ = [
+    "EngineConfig",
+    "EngineRouterReplayConfig",
+    "FSDPEngineConfig",
+    "McoreEngineConfig",
+    "McoreQATEngineConfig",
+    "QATEngineConfig",
+    "TrainingWorkerConfig",
+    "VeOmniEngineConfig",
+]
 
 # Upstream's base-class batch keys: filled by whoever drives the engine (see the module docstring);
 # mutable, as upstream's, so the driver sets them on a built section.
@@ -61,6 +70,60 @@ def _default_override_transformer_config() -> dict:
         "recompute_num_layers": None,
         "attention_backend": "flash",
     }
+
+
+@dataclass
+class QATEngineConfig(BaseConfig):
+    """Upstream's quantization-aware training of an engine (`fsdp_config.qat` / `megatron.qat`): fake-quantised
+    weights (and activations) in training so that a quantised rollout sees what was trained. Not in this build:
+    `enable` must stay false; the other keys are read only when it is on."""
+
+    enable: bool = doc("Train with fake-quantised weights.", status=UNSUPPORTED, neutral=False, default=False)
+    mode: str = doc(
+        "Quantisation scheme (w4a16: 4-bit weights, 16-bit activations); read only with enable.", default="w4a16"
+    )
+    group_size: int = doc("Weights per quantisation group; read only with enable.", default=16)
+    ignore_patterns: list[str] = doc(
+        "Modules left unquantised; read only with enable.",
+        default_factory=lambda: ["lm_head", "embed_tokens", "re:.*mlp.gate$"],
+    )
+    activation_observer: str | None = doc("Activation range observer; read only with enable.", default="static_minmax")
+    quantization_config_path: str | None = doc("A quantisation config file; read only with enable.", default=None)
+
+
+@dataclass
+class McoreQATEngineConfig(QATEngineConfig):
+    """`megatron.qat`: the same keys, with upstream's Megatron defaults."""
+
+    ignore_patterns: list[str] = doc(
+        "Modules left unquantised; read only with enable.", default_factory=lambda: ["lm_head", "*mlp.gate"]
+    )
+    activation_observer: str | None = doc("Activation range observer; read only with enable.", default=None)
+
+
+@dataclass
+class EngineRouterReplayConfig(BaseConfig):
+    """`megatron.router_replay`: upstream's engine-level copy of the role's `router_replay` (which drives it here)."""
+
+    mode: str = doc(
+        "Routing replay mode of the engine; the role's router_replay.mode is the switch here, so this must stay "
+        "disabled.",
+        status=UNSUPPORTED,
+        neutral="disabled",
+        default="disabled",
+    )
+    record_file: str | None = doc(
+        "Write recorded routing decisions to a file.", status=UNSUPPORTED, neutral=None, default=None
+    )
+    replay_file: str | None = doc(
+        "Replay routing decisions from a file.", status=UNSUPPORTED, neutral=None, default=None
+    )
+
+
+_PAD_DOC = (
+    "Pad each micro-batch's packed tokens to a multiple of pad_to_length_bucket (fewer distinct shapes for "
+    "compiled kernels). Padding tokens do not change the results"
+)
 
 
 def _default_wrap_policy() -> dict:
@@ -182,6 +245,15 @@ class FSDPEngineConfig(EngineConfig):
         default=1,
     )
     entropy_from_logits_with_chunking: bool = doc(f"Entropy in chunks. {_SPEED}.", status=IGNORED, default=False)
+    entropy_from_logits_chunk_size: int = doc(
+        f"Rows per chunk of the chunked entropy (follows the role's key). {_SPEED}: the entropy here is chunked "
+        "by memory size (about 256 MiB of float32 logits per chunk).",
+        status=IGNORED,
+        default=2048,
+    )
+    pad_to_length: bool = doc(f"{_PAD_DOC}. {_SPEED}.", status=IGNORED, default=False)
+    pad_to_length_bucket: int = doc(f"Bucket of pad_to_length. {_SPEED}.", status=IGNORED, default=1024)
+    qat: QATEngineConfig = doc("Quantization-aware training (not in this build).", default_factory=QATEngineConfig)
     use_torch_compile: bool = doc(
         "torch.compile inside upstream's newer engine workers; here the role's use_torch_compile is the switch "
         f"(upstream's default workers read that one too). {_SPEED}.",
@@ -302,6 +374,45 @@ class McoreEngineConfig(EngineConfig):
         "That checkpoint's directory (or a verl megatron checkpoint's actor/critic directory).", default=None
     )
     dist_checkpointing_prefix: str = doc("Key prefix inside that checkpoint.", default="")
+    dynamic_context_parallel: bool = doc(
+        "Megatron's dynamic context parallelism (per-batch context-parallel sizes). Not in this build.",
+        status=UNSUPPORTED,
+        neutral=False,
+        optional=True,
+        default=False,
+    )
+    max_seqlen_per_dp_cp_rank: int | None = doc(
+        "Token budget per rank of dynamic context parallelism (read only with it).",
+        status=UNSUPPORTED,
+        neutral=None,
+        optional=True,
+        default=None,
+    )
+    dist_ckpt_optim_fully_reshardable: bool = doc(
+        "Save the distributed optimizer's state resharding-ready in dist checkpoints. verl's Megatron checkpoints "
+        "here are per-rank files, not Megatron dist checkpoints.",
+        status=UNSUPPORTED,
+        neutral=False,
+        optional=True,
+        default=False,
+    )
+    distrib_optim_fully_reshardable_mem_efficient: bool = doc(
+        "Memory-saving variant of dist_ckpt_optim_fully_reshardable.",
+        status=UNSUPPORTED,
+        neutral=False,
+        optional=True,
+        default=False,
+    )
+    entropy_from_logits_with_chunking: bool = doc(
+        f"Entropy in chunks (follows the role's key). {_SPEED}.", status=IGNORED, optional=True, default=False
+    )
+    entropy_from_logits_chunk_size: int = doc(
+        f"Rows per chunk of the chunked entropy (follows the role's key). {_SPEED}: the entropy here is chunked "
+        "by memory size (about 256 MiB of float32 logits per chunk).",
+        status=IGNORED,
+        optional=True,
+        default=2048,
+    )
     seed: int = doc("Seed of Megatron's model-parallel random streams.", default=42)
     override_ddp_config: dict = doc(
         "Megatron DistributedDataParallelConfig fields (bucket sizes, overlap). "
@@ -328,9 +439,32 @@ class McoreEngineConfig(EngineConfig):
         status=IGNORED,
         default=True,
     )
-    vanilla_mbridge: bool = doc("mbridge's implementation switch (see use_mbridge).", status=IGNORED, default=True)
+    vanilla_mbridge: bool = doc("mbridge's implementation switch (see use_mbridge).", status=IGNORED, default=False)
     use_remove_padding: bool = doc(
         f"Pack sequences without padding (upstream's engine YAML holds it). {_SPEED}.", status=IGNORED, default=True
+    )
+    pad_bshd_to_minibatch_max: bool = doc(
+        f"Pad unpacked (bshd) micro-batches to the mini-batch's longest sequence. {_SPEED}.",
+        status=IGNORED,
+        optional=True,
+        default=True,
+    )
+    pad_to_length: bool = doc(f"{_PAD_DOC}. {_SPEED}.", status=IGNORED, optional=True, default=False)
+    pad_to_length_bucket: int = doc(f"Bucket of pad_to_length. {_SPEED}.", status=IGNORED, optional=True, default=512)
+    use_megatron_fsdp: bool = doc(
+        "Megatron-FSDP instead of Megatron's data-parallel wrapper. Not in this build.",
+        status=UNSUPPORTED,
+        neutral=False,
+        optional=True,
+        default=False,
+    )
+    router_replay: EngineRouterReplayConfig = doc(
+        "Engine-level routing replay (the role's router_replay is the switch here).",
+        optional=True,
+        default_factory=EngineRouterReplayConfig,
+    )
+    qat: McoreQATEngineConfig = doc(
+        "Quantization-aware training (not in this build).", optional=True, default_factory=McoreQATEngineConfig
     )
     forward_only: bool = doc("Build the model for inference only.", status=IGNORED, optional=True, default=False)
     dtype: str = doc(

@@ -66,12 +66,12 @@ class MtpConfig(BaseConfig):
     speculative_num_steps: int = doc(
         "Speculative steps; used only by enable_rollout, which is not implemented.",
         status=IGNORED,
-        default=2,
+        default=3,
     )
     speculative_eagle_topk: int = doc(
         "EAGLE top-k; used only by enable_rollout, which is not implemented.",
         status=IGNORED,
-        default=2,
+        default=1,
     )
     speculative_num_draft_tokens: int = doc(
         "Draft tokens; used only by enable_rollout, which is not implemented.",
@@ -239,7 +239,10 @@ class HFModelConfig(BaseConfig):
     tiled_mlp: TiledMLPConfig = doc("Tiled MLP.", default_factory=TiledMLPConfig)
     mtp: MtpConfig = doc("Multi-token prediction.", default_factory=MtpConfig)
     lora: MegatronLoRAConfig = doc(
-        "LoRA of a Megatron model (ppo_megatron_trainer).", optional=True, default_factory=MegatronLoRAConfig
+        "LoRA of a Megatron model (strategy megatron; an FSDP actor's LoRA is lora_rank / lora_alpha / "
+        "target_modules).",
+        optional=True,
+        default_factory=MegatronLoRAConfig,
     )
 
     def __post_init__(self):

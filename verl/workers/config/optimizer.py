@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 from verl.base_config import BaseConfig
-from verl.workers.config._fields import DEPRECATED, IGNORED, doc
+from verl.workers.config._fields import DEPRECATED, IGNORED, UNSUPPORTED, doc
 
 __all__ = ["FSDPOptimizerConfig", "McoreOptimizerConfig", "OptimizerConfig", "VeOmniOptimizerConfig", "build_optimizer"]
 
@@ -90,6 +90,12 @@ class FSDPOptimizerConfig(OptimizerConfig):
         default=None,
     )
     override_optimizer_config: dict | None = doc("Keyword arguments merged into the optimizer's.", default=None)
+    zero_indexed_step: bool = doc(
+        "Step counting of the cosine schedule: true counts the first step as 0 (its lr is the warm-up's start); "
+        "false as 1, so every step's lr is the next step's of the 0-indexed curve. The constant schedule ignores it, "
+        "as upstream's.",
+        default=True,
+    )
 
     def __post_init__(self):
         super().__post_init__()
@@ -130,6 +136,119 @@ class McoreOptimizerConfig(OptimizerConfig):
         "On resume, take the lr and weight-decay schedule's settings (lr, warm-up, decay, total steps, weight "
         "decay) from the checkpoint instead of this section; false: this section's settings, at the checkpoint's "
         "step.",
+        default=False,
+    )
+    use_precision_aware_optimizer: bool = doc(
+        "Megatron's precision-aware optimizer (gradients and Adam moments in the dtypes below); not in this build: "
+        "the Adam state is fp32.",
+        status=UNSUPPORTED,
+        neutral=False,
+        optional=True,
+        default=False,
+    )
+    main_grads_dtype: str = doc(
+        "Dtype of the main gradients (precision-aware optimizer only).",
+        status=UNSUPPORTED,
+        neutral="fp32",
+        optional=True,
+        default="fp32",
+    )
+    exp_avg_dtype: str = doc(
+        "Dtype of Adam's first moment (precision-aware optimizer only).",
+        status=UNSUPPORTED,
+        neutral="fp32",
+        optional=True,
+        default="fp32",
+    )
+    exp_avg_sq_dtype: str = doc(
+        "Dtype of Adam's second moment (precision-aware optimizer only).",
+        status=UNSUPPORTED,
+        neutral="fp32",
+        optional=True,
+        default="fp32",
+    )
+    use_layer_wise_distributed_optimizer: bool = doc(
+        "Megatron's layer-wise sharding of the optimizer state (for Muon). Not in this build.",
+        status=UNSUPPORTED,
+        neutral=False,
+        optional=True,
+        default=False,
+    )
+    muon_momentum: float = doc(
+        "Muon (optimizer=muon, not in this build): Momentum.",
+        status=UNSUPPORTED,
+        neutral=0.95,
+        optional=True,
+        default=0.95,
+    )
+    muon_nesterov: bool = doc(
+        "Muon (optimizer=muon, not in this build): Nesterov momentum.",
+        status=UNSUPPORTED,
+        neutral=False,
+        optional=True,
+        default=False,
+    )
+    muon_split_qkv: bool = doc(
+        "Muon (optimizer=muon, not in this build): Orthogonalise q, k and v separately.",
+        status=UNSUPPORTED,
+        neutral=True,
+        optional=True,
+        default=True,
+    )
+    muon_scale_mode: str = doc(
+        "Muon (optimizer=muon, not in this build): Update scaling.",
+        status=UNSUPPORTED,
+        neutral="spectral",
+        optional=True,
+        default="spectral",
+    )
+    muon_coefficient_type: str = doc(
+        "Muon (optimizer=muon, not in this build): Newton-Schulz coefficients.",
+        status=UNSUPPORTED,
+        neutral="quintic",
+        optional=True,
+        default="quintic",
+    )
+    muon_num_ns_steps: int = doc(
+        "Muon (optimizer=muon, not in this build): Newton-Schulz iterations.",
+        status=UNSUPPORTED,
+        neutral=5,
+        optional=True,
+        default=5,
+    )
+    muon_tp_mode: str = doc(
+        "Muon (optimizer=muon, not in this build): Tensor-parallel mode.",
+        status=UNSUPPORTED,
+        neutral="blockwise",
+        optional=True,
+        default="blockwise",
+    )
+    muon_fp32_matmul_prec: str = doc(
+        "Muon (optimizer=muon, not in this build): fp32 matmul precision.",
+        status=UNSUPPORTED,
+        neutral="medium",
+        optional=True,
+        default="medium",
+    )
+    muon_extra_scale_factor: float = doc(
+        "Muon (optimizer=muon, not in this build): Extra update scale.",
+        status=UNSUPPORTED,
+        neutral=1.0,
+        optional=True,
+        default=1.0,
+    )
+    muon_scalar_optimizer: str = doc(
+        "Muon (optimizer=muon, not in this build): Optimizer of the non-matrix parameters.",
+        status=UNSUPPORTED,
+        neutral="adam",
+        optional=True,
+        default="adam",
+    )
+    muon_match_adamw_update_rms: bool = doc(
+        "Muon (optimizer=muon, not in this build): Match AdamW's update RMS.",
+        status=UNSUPPORTED,
+        neutral=False,
+        optional=True,
         default=False,
     )
     override_optimizer_config: dict | None = doc("Keyword arguments merged into the optimizer's.", default_factory=dict)

@@ -44,6 +44,7 @@ __all__ = [
     "AgentLoopConfig",
     "CheckpointEngineConfig",
     "CustomAsyncServerConfig",
+    "DisaggregationConfig",
     "MultiTurnConfig",
     "PrometheusConfig",
     "RolloutConfig",
@@ -106,6 +107,13 @@ class MultiTurnConfig(BaseConfig):
         "How many interaction rollouts a loop that repeats them plays per episode (read by user loops, e.g. "
         "upstream's collabllm recipe, as self.config.actor_rollout_ref.rollout.multi_turn.num_repeat_rollouts; "
         "the built-in loops do not read it, as upstream's).",
+        default=None,
+    )
+    function_tool_path: str | None = doc(
+        "Python functions exposed as tools (upstream's function tools; data.function_tool_path follows it). Not in "
+        "this build: use tool_config_path.",
+        status=UNSUPPORTED,
+        neutral=None,
         default=None,
     )
 
@@ -191,6 +199,13 @@ class CheckpointEngineConfig(BaseConfig):
     )
     update_weights_bucket_megabytes: int = doc(
         "Size of the buckets weights are streamed to the engine in.", default=2048
+    )
+    custom_backend_module: str | None = doc(
+        "Module imported in every worker before the backend is built, to register a custom backend. Not in this "
+        "build (the backends are the listed ones).",
+        status=UNSUPPORTED,
+        neutral=None,
+        default=None,
     )
     engine_kwargs: dict = doc(
         "Options of the selected backend, under its name: engine_kwargs.nccl.{group_name (names the "
@@ -284,6 +299,12 @@ class TraceConfig(BaseConfig):
         "rollout.n episodes of each; null: trace every episode (with a backend).",
         default=None,
     )
+    project_name: str | None = doc(
+        "Project of the traces (follows trainer.project_name, which the tracing backends read).", default=None
+    )
+    experiment_name: str | None = doc(
+        "Experiment of the traces (follows trainer.experiment_name, which the tracing backends read).", default=None
+    )
 
 
 @dataclass
@@ -317,6 +338,22 @@ class PrometheusConfig(BaseConfig):
 
 
 @dataclass
+class DisaggregationConfig(BaseConfig):
+    """Upstream's prefill/decode disaggregation of SGLang servers: not in this build (`enabled` must stay false;
+    the rest is read only with it)."""
+
+    enabled: bool = doc("Separate prefill and decode servers.", status=UNSUPPORTED, neutral=False, default=False)
+    prefill_replicas: int = doc("Prefill servers (read only with enabled).", default=1)
+    decode_replicas: int = doc("Decode servers (read only with enabled).", default=1)
+    decode_tensor_model_parallel_size: int | None = doc(
+        "Tensor parallelism of a decode server (read only with enabled).", default=None
+    )
+    transfer_backend: str = doc("KV-cache transfer library (read only with enabled).", default="nixl")
+    bootstrap_port: int | None = doc("Bootstrap port (read only with enabled).", default=None)
+    ib_device: str | None = doc("InfiniBand device (read only with enabled).", default=None)
+
+
+@dataclass
 class RolloutConfig(BaseConfig):
     """Response generation: engine, sampling, batch sizes of the old-log-prob pass."""
 
@@ -332,6 +369,24 @@ class RolloutConfig(BaseConfig):
         "Generation running ahead of training is async_training.*.",
         choices=ROLLOUT_MODES,
         default="async",
+    )
+    nnodes: int = doc(
+        "Nodes of a standalone rollout server (upstream's one-step-off / fully async recipes); 0: the rollout shares "
+        "the trainer's GPUs (here: a separate pool is sized by async_training.* instead).",
+        status=UNSUPPORTED,
+        neutral=0,
+        default=0,
+    )
+    n_gpus_per_node: int = doc("GPUs per node of that standalone server (read only with nnodes > 0).", default=8)
+    full_determinism: bool = doc(
+        "Deterministic kernels and RNGs seeded with `seed` in the rollout's process (slower; same prompts, seed "
+        "and weights give the same responses).",
+        default=False,
+    )
+    seed: int = doc(
+        "Seed of the rollout's sampling: the engine draws its samples from a random stream seeded with it once, "
+        "when it is built (as vLLM's engine seed), so a run's responses repeat with the same seed.",
+        default=42,
     )
     temperature: float = doc("Sampling temperature of training rollouts.", default=1.0)
     top_k: int = doc("Keep the k most likely tokens (-1 or 0: off).", default=-1)
@@ -422,9 +477,10 @@ class RolloutConfig(BaseConfig):
     val_kwargs: SamplingConfig = doc("Sampling for validation.", default_factory=SamplingConfig)
     multi_turn: MultiTurnConfig = doc("Multi-turn tool-calling rollouts.", default_factory=MultiTurnConfig)
     calculate_log_probs: bool = doc(
-        "Return the engine's log-probs as `rollout_log_probs`; the trainer then reports the train/rollout "
+        "Return the engine's log-probs as `rollout_log_probs` (the sampler has them at no extra cost); the trainer "
+        "then reports the train/rollout "
         "mismatch each step (training/rollout_probs_diff_mean, _max) and actor.tis_imp_ratio_cap can correct it.",
-        default=False,
+        default=True,
     )
     agent: AgentLoopConfig = doc("Agent loops.", default_factory=AgentLoopConfig)
     checkpoint_engine: CheckpointEngineConfig = doc(
@@ -449,6 +505,12 @@ class RolloutConfig(BaseConfig):
         "Record each token's mixture-of-experts routing while generating and return it as `routed_experts` "
         "(for actor.router_replay.mode=R3); the built-in engine (name=hf) only.",
         default=False,
+    )
+    moe_load_balance_metrics_interval: int = doc(
+        "Every this many steps, log the experts' load balance from the routing replay data; 0: off. Not in this build.",
+        status=UNSUPPORTED,
+        neutral=0,
+        default=0,
     )
     profiler: ProfilerConfig = doc("Profiling of generation (follows the actor's).", default_factory=ProfilerConfig)
     prometheus: PrometheusConfig = doc("Metrics endpoint.", default_factory=PrometheusConfig)
@@ -476,8 +538,8 @@ class RolloutConfig(BaseConfig):
             "detach_encoder": False,
             "mtp_loss_scaling_factor": 0.1,
             "speculative_algorithm": "EAGLE",
-            "speculative_num_steps": 2,
-            "speculative_eagle_topk": 2,
+            "speculative_num_steps": 3,
+            "speculative_eagle_topk": 1,
             "speculative_num_draft_tokens": 4,
             "method": "mtp",
             "num_speculative_tokens": 1,
@@ -485,6 +547,22 @@ class RolloutConfig(BaseConfig):
     )
     layered_summon: bool = doc(
         f"Gather FSDP weights layer by layer when syncing to the engine. {_SPEED}.", status=IGNORED, default=False
+    )
+    qat: dict | None = doc(
+        "Quantization-aware training settings (follow the actor engine's qat section; read with its enable, which "
+        "is refused here).",
+        optional=True,
+        default_factory=lambda: {
+            "enable": False,
+            "mode": "w4a16",
+            "group_size": 16,
+            "ignore_patterns": ["lm_head", "embed_tokens", "re:.*mlp.gate$"],
+            "activation_observer": "static_minmax",
+            "quantization_config_path": None,
+        },
+    )
+    disaggregation: DisaggregationConfig = doc(
+        "Prefill/decode disaggregation (SGLang; not in this build).", default_factory=lambda: DisaggregationConfig()
     )
     layer_name_map: dict = doc(
         "Megatron -> engine layer names for weight sync (ppo_megatron_trainer); verl's converter knows them.",

@@ -178,6 +178,12 @@ class HFRollout(BaseRollout):
             expert_parallel=expert_parallel,
             quantization=self.config.quantization,
         )
+        if self.config.full_determinism:  # rollout.full_determinism: deterministic kernels, seeded streams
+            from verl.utils.device import enable_full_determinism
+
+            enable_full_determinism(int(self.config.seed))
+        # rollout.seed: the sampler's own random stream, seeded once per engine (as vLLM's engine seed)
+        self.generator = torch.Generator(device=self.engine.device).manual_seed(int(self.config.seed))
         # Set by the rollout worker of asynchronous training; used when a request asks for partial rollouts.
         self.weight_refresh: WeightRefresh | None = None
         self._model_path = model_path_or_module if isinstance(model_path_or_module, (str, os.PathLike)) else None
@@ -362,6 +368,7 @@ class HFRollout(BaseRollout):
             pad_token_id=pad,
             position_ids=position_ids,
             return_logprobs=self.config.calculate_log_probs,
+            generator=self.generator,
             record_routing=bool(self.config.enable_rollout_routing_replay),
             multi_modal_inputs=images,
         )
@@ -408,6 +415,7 @@ class HFRollout(BaseRollout):
                 pad_token_id=pad,
                 position_ids=position_ids,
                 return_logprobs=logprobs is not None,
+                generator=self.generator,
                 pause=refresh.pending,
                 pause_check_steps=check_steps,
                 multi_modal_inputs=images,
