@@ -51,7 +51,7 @@ def test_composed_config_holds_every_upstream_key_with_upstreams_default(name):
     assert not missing, f"{len(missing)} of upstream's {len(theirs)} keys are missing: {missing[:20]}"
     different = {k: (theirs[k], ours[k]) for k in theirs if ours[k] != theirs[k]}
     assert not different, f"defaults that differ from upstream's (upstream, ours): {different}"
-    assert len(theirs) == {"ppo_trainer": 507, "ppo_megatron_trainer": 560, "sft_trainer_engine": 121}[name]
+    assert len(theirs) == {"ppo_trainer": 767, "ppo_megatron_trainer": 847, "sft_trainer_engine": 163}[name]
 
 
 def test_a_changed_default_would_be_caught():

@@ -158,6 +158,26 @@ def test_per_row_enable_thinking_reaches_the_template(tmp_path, tokenizer):
     assert [int((dataset[i]["input_ids"] == tokenizer.convert_tokens_to_ids("~")).sum()) for i in range(3)] == [2, 0, 2]
 
 
+def test_enable_thinking_default_applies_to_data_without_the_column(tmp_path, tokenizer):
+    path = _write(tmp_path, [{"messages": TWO_TURNS}])
+    reply = {}
+    for default in ("none", None, False, "false", True):
+        item = MultiTurnSFTDataset(path, tokenizer, {"max_length": 32, "enable_thinking_default": default})[0]
+        reply[default] = tokenizer.decode(item["input_ids"][item["loss_mask"].bool()])
+    assert reply["none"] == reply[None] == reply[True] == "yo<eos>2<eos>"  # no flag, or thinking on
+    assert reply[False] == reply["false"] == "~yo<eos>~2<eos>"
+    # with the column, the rows' own flags win (a row without one stays unset, as upstream)
+    rows = [{"messages": TWO_TURNS, "enable_thinking": flag} for flag in (True, None)]
+    config = {"max_length": 32, "enable_thinking_default": False}
+    dataset = MultiTurnSFTDataset(_write(tmp_path, rows, "c.parquet"), tokenizer, config)
+    assert [tokenizer.decode(dataset[i]["input_ids"][dataset[i]["loss_mask"].bool()]) for i in range(2)] == [
+        "yo<eos>2<eos>",
+        "yo<eos>2<eos>",
+    ]
+    with pytest.raises(ValueError, match="enable_thinking_default='maybe' must be none, true or false"):
+        MultiTurnSFTDataset(path, tokenizer, {"enable_thinking_default": "maybe"})
+
+
 def test_truncation_error_left_and_right(tmp_path, tokenizer):
     path = _write(tmp_path, [{"messages": TWO_TURNS}])  # 15 tokens
     with pytest.raises(ValueError, match=r"has 15 tokens, more than data.max_length=6"):

@@ -89,6 +89,7 @@ class MultiTurnSFTDataset(Dataset):
         self.messages_key, messages_option = _multiturn_key(config, "messages_key", "messages")
         self.tools_key, _ = _multiturn_key(config, "tools_key", "tools")
         self.enable_thinking_key, _ = _multiturn_key(config, "enable_thinking_key", "enable_thinking")
+        self.enable_thinking_default = _thinking_default(config.get("enable_thinking_default"))
         self.image_key = config.get("image_key", "images")
         self.video_key = config.get("video_key", "videos")
         self.apply_chat_template_kwargs = _plain(config.get("apply_chat_template_kwargs")) or {}
@@ -132,7 +133,9 @@ class MultiTurnSFTDataset(Dataset):
         ids, mask = self.conversation_tokenizer(
             self.messages[item],
             tools=self.tools[item] if self.tools is not None else None,
-            enable_thinking=self.enable_thinking[item] if self.enable_thinking is not None else None,
+            enable_thinking=self.enable_thinking[item]
+            if self.enable_thinking is not None
+            else self.enable_thinking_default,
             where=where,
         )
         # positions count from the conversation's start, so a left-truncated item keeps its tokens' positions
@@ -195,3 +198,17 @@ def _refuse_media(row: dict, kinds: dict[str, str], where: str) -> None:
                 f"replies about {kind}s the model never sees. Remove the {kind}s from the data (or train with a "
                 "text-only conversation set)"
             )
+
+
+def _thinking_default(value) -> bool | None:
+    """`data.enable_thinking_default`: the flag of rows when the data has no `enable_thinking_key` column.
+    None or "none" (upstream's YAML default, a string) pass no flag to the template; true/false pass it.
+    (Upstream's `bool("none")` would turn thinking on for such rows: the string means "no flag" here.)"""
+    if value is None or isinstance(value, bool):
+        return value
+    text = str(value).strip().lower()
+    if text in ("none", "null", ""):
+        return None
+    if text in ("true", "false"):
+        return text == "true"
+    raise ValueError(f"data.enable_thinking_default={value!r} must be none, true or false")
