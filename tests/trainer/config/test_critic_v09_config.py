@@ -40,6 +40,13 @@ def test_older_spelling_is_merged_into_fsdp_with_a_warning():
     )
 
 
+def test_the_loaded_config_holds_the_effective_value_under_both_spellings():
+    cfg = load_ppo_config([*GAE, "critic.model.fsdp_config.param_offload=true"], config_name="arith_demo")
+    assert cfg.critic.fsdp.param_offload is True and cfg.critic.model.fsdp_config.param_offload is True
+    cfg = load_ppo_config([*GAE, "critic.fsdp.optimizer_offload=true"], config_name="arith_demo")
+    assert cfg.critic.model.fsdp_config.optimizer_offload is True  # the saved config.yaml says what runs
+
+
 def test_both_spellings_agreeing_is_accepted():
     section, _ = critic(["critic.model.fsdp_config.optimizer_offload=true", "critic.fsdp.optimizer_offload=true"])
     assert section.fsdp.optimizer_offload is True

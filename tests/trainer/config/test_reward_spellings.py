@@ -83,6 +83,21 @@ def test_two_spellings_with_different_values_are_refused():
     assert _load(["reward_model.num_workers=2", "reward.num_workers=2"]).reward.num_workers == 2
 
 
+def test_reward_kwargs_of_both_spellings_merge_key_by_key():
+    cfg = _load(
+        [
+            "+reward.reward_kwargs.overlong_buffer_cfg.enable=true",
+            "+reward.reward_kwargs.max_resp_len=null",  # null: unset, as in verl-recipe's nemo_gym config
+            "+reward_model.reward_kwargs.max_resp_len=64",
+        ]
+    )
+    expected = {"overlong_buffer_cfg": {"enable": True}, "max_resp_len": 64}
+    assert OmegaConf.to_container(cfg.reward.reward_kwargs) == expected
+    assert OmegaConf.to_container(cfg.reward_model.reward_kwargs) == expected
+    with pytest.raises(ConfigError, match=r"reward.reward_kwargs.max_resp_len=64 .* and 32"):
+        _load(["+reward.reward_kwargs.max_resp_len=32", "+reward_model.reward_kwargs.max_resp_len=64"])
+
+
 def test_resolution_is_idempotent_on_a_plain_dict():
     cfg = OmegaConf.to_container(compose_config(["reward_model.enable=true"]))
     once = resolve_reward_spellings(cfg)

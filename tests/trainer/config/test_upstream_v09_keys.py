@@ -67,3 +67,21 @@ def test_upstreams_neutral_values_and_settings_of_refused_features_are_accepted(
     )
     assert cfg.trainer.use_v1 is False and cfg.data.audio_key == "sound"
     assert cfg.data.gen_batch_size is None  # upstream's default: draw train_batch_size prompts at a time
+
+
+def test_sapo_temperatures_under_policy_loss_are_read_as_the_actors():
+    with pytest.warns(Warning, match=r"policy_loss.tau_neg=1.2 is read as actor_rollout_ref.actor.tau_neg"):
+        cfg = load_ppo_config(["+actor_rollout_ref.actor.policy_loss.tau_neg=1.2"], config_name="arith_demo")
+    assert cfg.actor_rollout_ref.actor.tau_neg == 1.2 and "tau_neg" not in cfg.actor_rollout_ref.actor.policy_loss
+    with pytest.raises(ConfigError, match="policy_loss.tau_pos=1.5 and actor_rollout_ref.actor.tau_pos=2.0 disagree"):
+        load_ppo_config(
+            ["+actor_rollout_ref.actor.policy_loss.tau_pos=1.5", "actor_rollout_ref.actor.tau_pos=2.0"],
+            config_name="arith_demo",
+        )
+
+
+def test_trtllms_expert_tensor_parallelism_is_accepted_at_one_only():
+    cfg = load_ppo_config(["+actor_rollout_ref.rollout.moe_tensor_parallel_size=1"], config_name="arith_demo")
+    assert cfg.actor_rollout_ref.rollout.moe_tensor_parallel_size == 1
+    with pytest.raises(ConfigError, match="moe_tensor_parallel_size=2 is for TensorRT-LLM"):
+        load_ppo_config(["+actor_rollout_ref.rollout.moe_tensor_parallel_size=2"], config_name="arith_demo")

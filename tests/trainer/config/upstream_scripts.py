@@ -25,6 +25,9 @@ DATA = Path(__file__).parent / "upstream"
 EXCLUDED = {
     "npu": re.compile(r"(^trainer\.device=npu$|^global_profiler\.tool=npu$|_npu\.sh|ascend)"),
     "trtllm": re.compile(r"(rollout\.name=trtllm|_trtllm\.sh)"),
+    "engine": re.compile(
+        r"(^model_engine=(veomni|torchtitan|mindspeed|mlite)$|_veomni\.sh|_mindspeed\.sh|megatron_lite\.sh)"
+    ),
 }
 
 
@@ -81,6 +84,10 @@ def unflatten(leaves: dict) -> dict:
     return out
 
 
+# v0.7 keys v0.9 moved, which this build reads as aliases of the new ones (docs/upstream.md)
+RENAMED = {"critic.model.fsdp_config.": "critic.fsdp."}
+
+
 class UpstreamRefuses(Exception):
     """Upstream's Hydra composition fails on this set (a stale key, a `+` on an existing value, ...)."""
 
@@ -114,6 +121,12 @@ def upstream_config(entry: ScriptSet) -> DictConfig:
         key = ov.key_or_group
         if ov.package is not None or "/" in key:
             raise UpstreamRefuses(f"{text!r}: a config-group override (not recorded here)")
+        for old, new in RENAMED.items():  # v0.7's spelling of a key v0.9 moved, read here as an alias
+            if key.startswith(old) and not _has_key(cfg, key):
+                key = new + key[len(old) :]
+                (ov,) = parser.parse_overrides(
+                    [f"{text.split('=', 1)[0].replace(old, new, 1)}={text.split('=', 1)[1]}"]
+                )
         present = _has_key(cfg, key)
         if ov.is_delete():
             if not present:
@@ -133,7 +146,47 @@ def upstream_config(entry: ScriptSet) -> DictConfig:
             OmegaConf.update(cfg, key, value, merge=True, force_add=True)
     if OmegaConf.is_missing(cfg.actor_rollout_ref.rollout, "name"):  # upstream's RolloutConfig requires it
         raise UpstreamRefuses("actor_rollout_ref.rollout.name is not set")
+    _move_legacy_reward_keys(cfg)
     return cfg
+
+
+# upstream v0.9's legacy reward spellings -> the `reward` section (its migrate_legacy_reward_impl's map)
+_LEGACY_REWARD = {
+    "reward_model.num_workers": "reward.num_workers",
+    "reward_model.reward_manager": "reward.reward_manager.name",
+    "reward_model.reward_loop_source": "reward.reward_manager.source",
+    "reward_model.reward_loop_module_path": "reward.reward_manager.module.path",
+    "reward_model.reward_loop_class_name": "reward.reward_manager.module.name",
+    "reward_model.enable": "reward.reward_model.enable",
+    "reward_model.enable_resource_pool": "reward.reward_model.enable_resource_pool",
+    "reward_model.n_gpus_per_node": "reward.reward_model.n_gpus_per_node",
+    "reward_model.nnodes": "reward.reward_model.nnodes",
+    "reward_model.model.path": "reward.reward_model.model_path",
+    "reward_model.reward_kwargs": "reward.reward_kwargs",
+}
+
+
+def _move_legacy_reward_keys(cfg: DictConfig) -> None:
+    """The reward config a v0.7-style set means: each legacy key the set gave a value moves to its
+    `reward.*` key (a null one means unset), then the legacy sections go, as upstream's migration does."""
+    if "reward" not in cfg:
+        return
+    moves = dict(_LEGACY_REWARD)
+    for section, target in (
+        ("custom_reward_function", "reward.custom_reward_function"),
+        ("sandbox_fusion", "reward.sandbox_fusion"),
+        ("reward_model.rollout", "reward.reward_model.rollout"),
+    ):
+        node = OmegaConf.select(cfg, section)
+        for key in node or {}:
+            moves[f"{section}.{key}"] = f"{target}.{key}"
+    with _open(cfg):
+        for old, new in moves.items():
+            value = OmegaConf.select(cfg, old, throw_on_missing=False)
+            if value is not None:
+                OmegaConf.update(cfg, new, value, merge=True, force_add=True)
+        for section in ("reward_model", "custom_reward_function", "sandbox_fusion"):
+            cfg.pop(section, None)
 
 
 class _open:

@@ -31,11 +31,12 @@ import dataclasses
 import functools
 import os
 import pickle
+import warnings
 from pathlib import Path
 
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
-from verl.trainer.config.errors import ConfigError, did_you_mean
+from verl.trainer.config.errors import ConfigError, ConfigWarning, did_you_mean
 from verl.trainer.config.interpolation import resolve
 
 CONFIG_DIR = Path(__file__).resolve().parent
@@ -344,6 +345,67 @@ class _unlocked:
 # --------------------------------------------------------------------------------------- public
 
 
+def _resolve_critic_fsdp_spelling(cfg: DictConfig) -> None:
+    """The FSDP critic's engine keys under both spellings, `critic.fsdp` (upstream v0.9) and v0.7's
+    `critic.model.fsdp_config`, hold the effective values (the rule of
+    `verl.workers.config.critic.merge_legacy_fsdp_config`), so the saved and printed config says what runs."""
+    from verl.workers.config.critic import merge_legacy_fsdp_config
+
+    critic = cfg.get("critic")
+    model = critic.get("model") if critic is not None else None
+    if critic is None or critic.get("fsdp") is None or model is None or model.get("fsdp_config") is None:
+        return
+    try:
+        adopt = merge_legacy_fsdp_config(model.fsdp_config, critic.fsdp)
+    except ValueError as e:
+        raise ConfigError(f"invalid config: {e}", [str(e)]) from None
+    for key in adopt:
+        warnings.warn(
+            f"critic.model.fsdp_config.{key} is upstream's spelling before v0.9; it is read as critic.fsdp.{key} "
+            f"(write critic.fsdp.{key})",
+            ConfigWarning,
+            stacklevel=3,
+        )
+    with _unlocked(cfg):
+        for key, value in adopt.items():
+            critic.fsdp[key] = value
+        for key in critic.fsdp:
+            if key != "_target_" and key in model.fsdp_config:
+                model.fsdp_config[key] = critic.fsdp[key]
+
+
+_SAPO_TAU_DEFAULTS = {"tau_pos": 1.0, "tau_neg": 1.05}
+
+
+def _move_policy_loss_taus(cfg: DictConfig) -> None:
+    """`+actor_rollout_ref.actor.policy_loss.tau_pos/tau_neg` (upstream v0.9's SAPO example scripts) are read
+    as the actor's `tau_pos/tau_neg`, SAPO's temperatures (upstream's loss reads only the actor's and ignores
+    these); the actor's own key set to another value is refused."""
+    actor = OmegaConf.select(cfg, "actor_rollout_ref.actor")
+    loss = actor.get("policy_loss") if actor is not None else None
+    if loss is None or not any(key in loss for key in _SAPO_TAU_DEFAULTS):
+        return
+    with _unlocked(cfg):
+        for key, default in _SAPO_TAU_DEFAULTS.items():
+            if key not in loss:
+                continue
+            value, own = loss[key], actor.get(key, default)
+            if own not in (default, value):
+                raise ConfigError(
+                    f"invalid config: actor_rollout_ref.actor.policy_loss.{key}={value} and "
+                    f"actor_rollout_ref.actor.{key}={own} disagree; set only actor_rollout_ref.actor.{key}"
+                )
+            warnings.warn(
+                f"actor_rollout_ref.actor.policy_loss.{key}={value} is read as actor_rollout_ref.actor.{key} (SAPO's "
+                f"temperature; upstream's loss reads only that one and would ignore this key): write "
+                f"actor_rollout_ref.actor.{key}",
+                ConfigWarning,
+                stacklevel=3,
+            )
+            actor[key] = value
+            del loss[key]
+
+
 def _refuse_engines_not_in_this_build(overrides: list[str]) -> None:
     """`model_engine=veomni` (or torchtitan, mindspeed, ...) selects an engine this build does not have:
     one line saying so, before that engine's own keys (`actor.veomni.*`) fail one by one as unknown."""
@@ -397,6 +459,8 @@ def load_ppo_config(
     from verl.trainer.config.reward_migration import resolve_reward_spellings
 
     resolve_reward_spellings(cfg)
+    _resolve_critic_fsdp_spelling(cfg)
+    _move_policy_loss_taus(cfg)
     if validate:  # before resolving, so errors name the key a bad value was written to
         from verl.trainer.config.validate import validate_ppo_config
 

@@ -153,6 +153,10 @@ def _given(cfg) -> tuple[dict, dict]:
             value = _get(cfg, old)
             if not _unset(value) and value != default:
                 given[old] = value
+        if new == "reward_kwargs" and len(given) > 1:
+            # keyword arguments merge key by key (a null one is unset): upstream's recipes set some under one
+            # spelling and the rest under the other (nemo_gym's config and its scripts)
+            given = {" + ".join(given): _merge_kwargs(given)}
         distinct = []
         for value in given.values():
             if value not in distinct:
@@ -166,6 +170,33 @@ def _given(cfg) -> tuple[dict, dict]:
         effective[new] = distinct[0] if distinct else (None if default is _ABSENT else default)
         sources[new] = given
     return effective, sources
+
+
+def _merge_kwargs(given: dict) -> dict:
+    """The keyword-argument dicts of several spellings merged leaf by leaf; two different non-null values
+    for one leaf are refused, naming it."""
+
+    def merge(into: dict, value: Mapping, path: str, source: str) -> None:
+        for key, item in value.items():
+            where = f"{path}.{key}"
+            if isinstance(item, Mapping):
+                if not isinstance(into.get(key), dict):
+                    into[key] = {} if into.get(key) is None else into[key]
+                if not isinstance(into[key], dict):
+                    raise ConfigError(f"{where} is a value in one spelling and a section in {source}; set only one")
+                merge(into[key], item, where, source)
+            elif item is not None and into.get(key) is not None and into[key] != item:
+                raise ConfigError(
+                    f"{where}={item!r} ({source}) and {into[key]!r}: one reward keyword argument set to two values "
+                    "under reward.reward_kwargs and reward_model.reward_kwargs; set it once, under reward.reward_kwargs"
+                )
+            elif item is not None or key not in into:
+                into[key] = copy.deepcopy(item)
+
+    merged: dict = {}
+    for source, value in given.items():
+        merge(merged, value, "reward.reward_kwargs", source)
+    return merged
 
 
 _MANAGER_DEFAULTS = {"source": "register", "module.path": None, "module.name": "custom_reward_manager"}

@@ -27,6 +27,7 @@ from verl.utils.profiler.config import ProfilerConfig
 from verl.workers.config._fields import (
     _SPEED,
     DEPRECATED,
+    HARDWARE,
     IGNORED,
     LOGPROBS_MODES,
     NPU,
@@ -428,6 +429,15 @@ class RolloutConfig(BaseConfig):
     )
     pipeline_model_parallel_size: int = doc(
         "Pipeline parallelism of the engine.", status=UNSUPPORTED, neutral=1, default=1
+    )
+    moe_tensor_parallel_size: int = doc(
+        "Tensor parallelism of the experts inside TensorRT-LLM's engine (upstream's RolloutConfig field, set with "
+        "`+`; upstream asserts it is 1 for every other engine).",
+        status=HARDWARE,
+        neutral=1,
+        hardware=TRTLLM,
+        optional=True,
+        default=1,
     )
     max_num_batched_tokens: int = doc(
         "vLLM/SGLang scheduler token budget; hf: prompt tokens per prefill forward (whole prompts, at least one).",
