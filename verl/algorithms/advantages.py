@@ -42,6 +42,7 @@ class AdvantageEstimator(str, Enum):
     RLOO_VECTORIZED = "rloo_vectorized"
     OPTIMAL_TOKEN_BASELINE = "optimal_token_baseline"
     TIR_OPTIMAL_TOKEN_BASELINE = "tir_optimal_token_baseline"
+    GDPO = "gdpo"
 
 
 def _group_ids(index: Any, batch_size: int, device: torch.device) -> tuple[torch.Tensor, int]:
@@ -143,6 +144,56 @@ def compute_grpo_outcome_advantage(
     std = torch.where(single, 1.0, std)
     adv = (scores - mean) / (std + epsilon) if norm_adv_by_std_in_grpo else scores - mean
     adv = _broadcast(adv, response_mask)
+    return adv, adv
+
+
+@torch.no_grad()
+def compute_gdpo_outcome_advantage(
+    token_level_rewards: torch.Tensor,
+    response_mask: torch.Tensor,
+    index: np.ndarray,
+    epsilon: float = 1e-6,
+    norm_adv_by_std_in_grpo: bool = True,
+    reward_components: list | None = None,
+    reward_weights: list | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    r"""GDPO, group reward-decoupled normalisation (arXiv:2601.05242); `gdpo`.
+
+    Each reward component $k$ (a per-response score, e.g. format and accuracy) is normalised within its
+    group as GRPO normalises the total score, $A_k = \mathrm{grpo}(r_k)$; the weighted sum
+    $\sum_k w_k A_k$ ($w_k$ = `reward_weights`, default 1) is then whitened over the batch's valid tokens
+    (`masked_whiten`: zero mean, unit unbiased variance). Normalising each component apart keeps one with a
+    larger spread from drowning the others. Without components the total score is the only one.
+
+    Shapes: token_level_rewards, response_mask [B, R]; index [B]; reward_components: K sequences of [B]
+    per-response scores (`algorithm.gdpo_reward_keys` columns) -> (advantages, returns) [B, R], equal.
+    """
+    if reward_components:
+        scores = [
+            torch.as_tensor(np.asarray(c, dtype=np.float64), dtype=torch.float32, device=response_mask.device)
+            for c in reward_components
+        ]
+        for k, s in enumerate(scores):
+            if s.shape != response_mask.shape[:1]:
+                raise ValueError(
+                    f"reward component {k} has {tuple(s.shape)} scores for a batch of {response_mask.shape[0]} responses"
+                )
+        # one score per response at its first valid token: GRPO's outcome score of that row is that score
+        per_token = [torch.zeros_like(response_mask, dtype=torch.float32) for _ in scores]
+        for target, s in zip(per_token, scores, strict=True):
+            target[:, 0] = s
+    else:
+        per_token = [token_level_rewards]
+    weights = reward_weights if reward_weights is not None else [1.0] * len(per_token)
+    if len(weights) != len(per_token):
+        raise ValueError(
+            f"algorithm.gdpo_reward_weights has {len(weights)} weights for {len(per_token)} reward components"
+        )
+    total = torch.zeros_like(response_mask, dtype=torch.float32)
+    for weight, rewards in zip(weights, per_token, strict=True):
+        adv, _ = compute_grpo_outcome_advantage(rewards, response_mask, index, epsilon, norm_adv_by_std_in_grpo)
+        total = total + float(weight) * adv
+    adv = masked_whiten(total, response_mask) * response_mask
     return adv, adv
 
 
@@ -555,6 +606,7 @@ ADV_ESTIMATORS: dict[str, Callable[..., tuple[torch.Tensor, torch.Tensor]]] = {
     AdvantageEstimator.RLOO_VECTORIZED.value: compute_rloo_vectorized_outcome_advantage,
     AdvantageEstimator.OPTIMAL_TOKEN_BASELINE.value: compute_optimal_token_baseline_advantage,
     AdvantageEstimator.TIR_OPTIMAL_TOKEN_BASELINE.value: compute_multi_turn_optimal_token_baseline_advantage,
+    AdvantageEstimator.GDPO.value: compute_gdpo_outcome_advantage,
 }
 """`algorithm.adv_estimator` name -> estimator. Every estimator returns (advantages, returns) [B, R]."""
 

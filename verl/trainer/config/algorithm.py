@@ -154,6 +154,18 @@ class AlgoConfig(BaseConfig):
     rollout_correction: RolloutCorrectionConfig = _section(
         RolloutCorrectionConfig, "Correction of the rollout-vs-training probability gap."
     )
+    gdpo_reward_keys: list[str] | None = doc(
+        "GDPO's reward components (adv_estimator=gdpo): the reward function's extra-info keys (its returned "
+        "dict's) normalised apart within each group, e.g. [format_reward, accuracy_reward]. Upstream's dataclass "
+        "field, set with `+`.",
+        optional=True,
+        default=None,
+    )
+    gdpo_reward_weights: list[float] | None = doc(
+        "GDPO's weight of each component, in gdpo_reward_keys' order; null weighs them equally.",
+        optional=True,
+        default=None,
+    )
 
     def __post_init__(self):
         for key in ("gamma", "lam"):
@@ -164,6 +176,17 @@ class AlgoConfig(BaseConfig):
                     "future TD errors (lam); set a value between 0 and 1 (upstream default 1.0)"
                 )
         _check_choice("algorithm", "kl_penalty", self.kl_penalty, KL_PENALTIES)
+        if getattr(self.adv_estimator, "value", self.adv_estimator) == "gdpo" and not self.gdpo_reward_keys:
+            raise ValueError(
+                "algorithm.adv_estimator=gdpo normalises each reward component apart and needs their names: set "
+                "+algorithm.gdpo_reward_keys=[...] to keys of the dict your reward function returns"
+            )
+        weights = self.gdpo_reward_weights
+        if weights is not None and len(weights) != len(self.gdpo_reward_keys or []):
+            raise ValueError(
+                f"algorithm.gdpo_reward_weights has {len(weights)} weights for "
+                f"{len(self.gdpo_reward_keys or [])} gdpo_reward_keys; give one per key"
+            )
         if isinstance(self.pf_ppo, dict) and (self.pf_ppo or self.use_pf_ppo):
             keys = {f.name for f in dataclasses.fields(PFPPOConfig)}
             unknown = sorted(set(self.pf_ppo) - keys)

@@ -8,6 +8,7 @@ redraw), and the metrics of the old-log-prob pass. The tensor math itself is `co
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from verl.protocol import DataProto
@@ -62,16 +63,49 @@ def estimate_advantages(batch: DataProto, estimator, **options) -> None:
     batch.batch["advantages"], batch.batch["returns"] = core_algos.compute_advantage_from_tensors(estimator, **inputs)
 
 
+def gdpo_inputs(batch: DataProto, algo_cfg) -> dict:
+    """GDPO's reward components: the `algorithm.gdpo_reward_keys` columns the reward function's extra info
+    put in the batch, and their weights."""
+    keys = list(algo_cfg.get("gdpo_reward_keys") or [])
+    missing = [k for k in keys if k not in batch.non_tensor_batch]
+    if missing:
+        raise KeyError(
+            f"algorithm.gdpo_reward_keys {missing} are not in the batch: the reward function must return a dict "
+            f"holding them (available columns: {sorted(batch.non_tensor_batch)})"
+        )
+    weights = algo_cfg.get("gdpo_reward_weights")
+    return {
+        "reward_components": [batch.non_tensor_batch[k] for k in keys],
+        "reward_weights": list(weights) if weights is not None else None,
+    }
+
+
+def gdpo_metrics(batch: DataProto, algo_cfg) -> dict[str, float]:
+    """gdpo/<key>/{mean,std,max,min} of each GDPO reward component (upstream's metric names)."""
+    if getattr(algo_cfg.adv_estimator, "value", algo_cfg.adv_estimator) != "gdpo":
+        return {}
+    out = {}
+    for key in algo_cfg.get("gdpo_reward_keys") or []:
+        if key in batch.non_tensor_batch:
+            values = np.asarray(batch.non_tensor_batch[key], dtype=np.float64)
+            out.update({f"gdpo/{key}/{s}": float(getattr(np, s)(values)) for s in ("mean", "std", "max", "min")})
+    return out
+
+
 def compute_advantage(batch: DataProto, algo_cfg, pf_ppo_seed: int) -> DataProto:
     """`advantages` and `returns` [B, R] by `algorithm.adv_estimator`, then, for GAE with
     `algorithm.use_pf_ppo`, the batch redrawn by score weight (a generator seeded with
     `pf_ppo_seed`, so a resumed run draws the same rows). Returns the (possibly redrawn) batch."""
+    options = {}
+    if getattr(algo_cfg.adv_estimator, "value", algo_cfg.adv_estimator) == "gdpo":
+        options = gdpo_inputs(batch, algo_cfg)
     estimate_advantages(
         batch,
         algo_cfg.adv_estimator,
         gamma=algo_cfg.gamma,
         lam=algo_cfg.lam,
         norm_adv_by_std_in_grpo=algo_cfg.norm_adv_by_std_in_grpo,
+        **options,
     )
     if algo_cfg.use_pf_ppo and algo_cfg.adv_estimator == "gae":  # upstream applies it to GAE only
         pf = algo_cfg.pf_ppo

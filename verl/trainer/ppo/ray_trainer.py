@@ -413,6 +413,7 @@ class RayPPOTrainer(UpstreamTrainerAPI):
         """Driver-side advantage estimation (driver_math.compute_advantage)."""
         # PF-PPO's draw is seeded by the step, so a resumed run draws the same rows
         seed = int(self.config.data.seed or 0) * 100_003 + self.global_steps
+        state.metrics.update(driver_math.gdpo_metrics(batch, self.config.algorithm))
         with marked_timer("adv", state.timing):
             return driver_math.compute_advantage(batch, self.config.algorithm, pf_ppo_seed=seed)
 

@@ -57,6 +57,7 @@ GROUP_ADV_ESTIMATORS = (
     "reinforce_plus_plus_baseline",
     "grpo_vectorized",
     "rloo_vectorized",
+    "gdpo",
 )
 LOSS_AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
 # "+" suffix: straight-through variant (value from the named estimator, gradient of k2).
