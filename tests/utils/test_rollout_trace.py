@@ -105,3 +105,16 @@ def test_mlflow_backend_records_spans_inputs_outputs_and_tags(fresh_config, tmp_
     assert generate.inputs == {"prompt": "ab", "n": 2} and generate.outputs == {"out": "abab"}
     score = spans[("Agent.score",)].data.spans[0]
     assert score.inputs == {"x": 1} and score.outputs == 2
+
+
+def test_the_trace_sections_own_names_win_over_the_trainers(fresh_config):
+    from verl.experimental.agent_loop.rollout import _init_tracing
+    from verl.workers.config.rollout import TraceConfig
+
+    _init_tracing(TraceConfig(backend="dummy", project_name="traces", experiment_name="run7"), "proj", "exp")
+    config = RolloutTraceConfig.get_instance()
+    assert (config.project_name, config.experiment_name) == ("traces", "run7")
+    RolloutTraceConfig.reset()
+    _init_tracing(TraceConfig(backend="dummy"), "proj", "exp")  # unset: the trainer's (upstream's default)
+    config = RolloutTraceConfig.get_instance()
+    assert (config.project_name, config.experiment_name) == ("proj", "exp")

@@ -300,11 +300,9 @@ class TraceConfig(BaseConfig):
         "rollout.n episodes of each; null: trace every episode (with a backend).",
         default=None,
     )
-    project_name: str | None = doc(
-        "Project of the traces (follows trainer.project_name, which the tracing backends read).", default=None
-    )
+    project_name: str | None = doc("Project the traces are filed under (follows trainer.project_name).", default=None)
     experiment_name: str | None = doc(
-        "Experiment of the traces (follows trainer.experiment_name, which the tracing backends read).", default=None
+        "Experiment the traces are filed under (follows trainer.experiment_name).", default=None
     )
 
 
