@@ -159,7 +159,8 @@ def test_a_multi_turn_upstream_loop_is_token_exact_scored_and_keeps_its_extra_fi
         assert out.batch["response_mask"][row].tolist() == mask + [0] * (32 - n)
         assert out.batch["rm_scores"][row].tolist() == [0.0] * (n - 1) + [[3.5, 7.5][row]] + [0.0] * (32 - n)
     seen = out.non_tensor_batch["seen"][0]
-    assert seen == {"temperature": 0.7, "top_p": 0.9, "top_k": 5, "repetition_penalty": 1.0, "logprobs": False}
+    # logprobs: rollout.calculate_log_probs, true by default since upstream v0.9
+    assert seen == {"temperature": 0.7, "top_p": 0.9, "top_k": 5, "repetition_penalty": 1.0, "logprobs": True}
     assert out.non_tensor_batch["turn_scores"].tolist() == [[0.25], [0.25]]
     assert out.non_tensor_batch["stop"].tolist() == ["stop", "stop"]
     assert out.non_tensor_batch["__num_turns__"].tolist() == [4, 4]
