@@ -69,12 +69,9 @@ class ReplayingGenerator:
     def __call__(self, batch: DataProto, state) -> DataProto:
         replayed = self.dump.load()
         if replayed is not None:
-            if len(replayed) != len(batch) * self.n:
-                raise ValueError(
-                    f"rollout.skip_rollout: the rollout dump {self.dump.path} holds {len(replayed)} samples, but this "
-                    f"step needs {len(batch)} prompts x rollout.n={self.n} = {len(batch) * self.n}; delete the file or "
-                    "point rollout.skip_dump_dir elsewhere"
-                )
+            _check_size(
+                replayed, batch, self.n, f"rollout.skip_rollout: the rollout dump {self.dump.path}", "this step"
+            )
             state.metrics["rollout/replayed"] = 1.0
             return replayed
         samples = self.generator(batch, state)
@@ -82,6 +79,15 @@ class ReplayingGenerator:
         logger.info(f"rollout.skip_rollout: wrote the rollout dump {self.dump.path}")
         state.metrics["rollout/replayed"] = 0.0
         return samples
+
+
+def _check_size(replayed: DataProto, batch: DataProto, n: int, dump: str, step: str) -> None:
+    """A replayed rollout must hold this step's prompts x rollout.n samples."""
+    if len(replayed) != len(batch) * n:
+        raise ValueError(
+            f"{dump} holds {len(replayed)} samples, but {step} needs {len(batch)} prompts x rollout.n={n} = "
+            f"{len(batch) * n}; delete it or point the dump directory elsewhere"
+        )
 
 
 # ------------------------------------------------------------------------- skip.rollout (per step)
@@ -145,12 +151,7 @@ class StepReplayingGenerator:
             path = self.root / str(source) / GEN_BATCH_FILE
             replayed = RolloutDump(path).load()
             if replayed is not None:
-                if len(replayed) != len(batch) * self.n:
-                    raise ValueError(
-                        f"skip.rollout: the dump {path} holds {len(replayed)} samples, but step {step} needs "
-                        f"{len(batch)} prompts x rollout.n={self.n} = {len(batch) * self.n}; delete it or point "
-                        "skip.rollout.dump_dir elsewhere"
-                    )
+                _check_size(replayed, batch, self.n, f"skip.rollout: the dump {path}", f"step {step}")
                 logger.info(f"skip.rollout: step {step} replays {path}")
                 state.metrics["rollout/replayed"] = 1.0
                 return replayed
