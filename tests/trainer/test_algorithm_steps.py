@@ -60,6 +60,8 @@ FAMILIES = {
 # worker-side keys a script may differ in from its family's script: the group size and the
 # mini-batch in prompts, whose product (the rows a worker trains on, ROWS) is the same for all
 ROWS_EQUIVALENT = (".rollout.n", ".rollout_n", ".ppo_mini_batch_size")
+# the names the rollout's traces are filed under follow each script's trainer.project/experiment_name
+NAMES_ONLY = (".trace.project_name", ".trace.experiment_name")
 
 
 def script_cli_args(script: str) -> list[str]:
@@ -218,7 +220,7 @@ def test_each_script_s_worker_settings_are_its_family_s(script, tmp_path):
     family_config = script_config(FAMILIES[EXAMPLES[script][1]][0], tmp_path, data)
     ours, theirs = _worker_settings(config), _worker_settings(family_config)
     differ = {k: (ours[k], theirs.get(k)) for k in ours if ours[k] != theirs.get(k)}
-    assert {k for k in differ if not k.endswith(ROWS_EQUIVALENT)} == set(), differ
+    assert {k for k in differ if not k.endswith(ROWS_EQUIVALENT + NAMES_ONLY)} == set(), differ
     for section in ("actor_rollout_ref.actor", *(["critic"] if "critic.ppo_mini_batch_size" in ours else [])):
         rows = ours[f"{section}.ppo_mini_batch_size"] * ours["actor_rollout_ref.rollout.n"]
         family_rows = theirs[f"{section}.ppo_mini_batch_size"] * theirs["actor_rollout_ref.rollout.n"]

@@ -291,7 +291,13 @@ def test_geo_mean_refuses_truncated_importance_sampling():
 @pytest.mark.parametrize("name", sorted(POLICY_LOSSES))
 def test_every_loss_returns_scalar_and_the_three_metrics_and_is_finite_on_an_all_padding_batch(name):
     old, new, adv, mask = make_batch()
-    fn = get_policy_loss_fn(name)
+    loss_fn = get_policy_loss_fn(name)
+    # dro has no default strength (upstream's dro_beta is null and refused for it)
+    params = PolicyLossParams(dro_beta=0.1) if name == "dro" else None
+
+    def fn(*args):
+        return loss_fn(*args, params=params) if params is not None else loss_fn(*args)
+
     loss, metrics = fn(old, new, adv, mask)
     assert loss.dim() == 0 and torch.isfinite(loss)
     assert {"pg_clipfrac", "pg_clipfrac_lower", "ppo_kl"} <= set(metrics)
