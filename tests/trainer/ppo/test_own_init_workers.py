@@ -121,10 +121,12 @@ def test_fit_trains_on_the_groups_the_trainer_assigned(trainer):
     trainer.train_dataset.on_batch_end = lambda batch: seen.append((trainer.global_steps, len(batch)))
     last = trainer.fit()
     assert seen == [(1, 8)]  # 4 prompts x rollout.n=2
-    assert trainer.global_steps == 2 and "actor/pg_loss" in last
+    # each step reached the actor update: it trained, or skipped a batch whose groups all scored alike
+    updated = ("actor/pg_loss", "actor/skipped_zero_adv")
+    assert trainer.global_steps == 2 and any(k in last for k in updated)
     run_dir = Path(trainer.config.trainer.run_dir)
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in records if "actor/pg_loss" in r["data"]] == [1, 2]
+    assert [r["step"] for r in records if any(k in r["data"] for k in updated)] == [1, 2]
 
 
 def test_manager_modes_this_build_does_not_have_are_refused():

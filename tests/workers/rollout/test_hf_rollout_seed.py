@@ -39,3 +39,21 @@ def test_rollout_log_probs_are_returned_by_default(qwen2_model):
     """calculate_log_probs is on by default (upstream v0.9.0): the sampler returns them with the tokens."""
     rollout = HFRollout(qwen2_model, engine_config(response_length=4), device="cpu")
     assert rollout.config.calculate_log_probs is True
+
+
+def _replica_responses(rank, world_size, out_dir):
+    from tests.workers.rollout.rollout_helpers import build_model
+
+    model = build_model("qwen2")
+    responses = _sample(model, seed=42, global_seed=0)  # same prompts, same model, same config on each rank
+    torch.save(responses, f"{out_dir}/rank{rank}.pt")
+
+
+def test_replicas_draw_apart_with_the_same_seed(tmp_path):
+    """Each engine's stream is seeded with rollout.seed + its rank (upstream's vLLM replicas: replica_rank +
+    seed): copies of one prompt given to two ranks are sampled independently, not identically."""
+    from tests.distributed_helpers import run_distributed
+
+    run_distributed(_replica_responses, 2, str(tmp_path))
+    zero, one = (torch.load(tmp_path / f"rank{r}.pt") for r in range(2))
+    assert not torch.equal(zero, one)

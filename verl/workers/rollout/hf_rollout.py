@@ -182,8 +182,9 @@ class HFRollout(BaseRollout):
             from verl.utils.device import enable_full_determinism
 
             enable_full_determinism(int(self.config.seed))
-        # rollout.seed: the sampler's own random stream, seeded once per engine (as vLLM's engine seed)
-        self.generator = torch.Generator(device=self.engine.device).manual_seed(int(self.config.seed))
+        # rollout.seed: the sampler's own random stream, seeded once per engine with seed + the replica's rank
+        # (upstream's vLLM engines: replica_rank + seed), so replicas given copies of one prompt draw apart
+        self.generator = torch.Generator(device=self.engine.device).manual_seed(int(self.config.seed) + _replica_rank())
         # Set by the rollout worker of asynchronous training; used when a request asks for partial rollouts.
         self.weight_refresh: WeightRefresh | None = None
         self._model_path = model_path_or_module if isinstance(model_path_or_module, (str, os.PathLike)) else None
@@ -449,3 +450,10 @@ class HFRollout(BaseRollout):
             position_ids = torch.cat([position_ids[going], last + torch.arange(1, width + 1, device=device)], dim=-1)
             done += width
         return _PartialOutput(responses, response_mask, logprobs, version_min, version_max)
+
+
+def _replica_rank() -> int:
+    """This engine's rank among the rollout's engines: the worker's rank in its process group (0 alone)."""
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        return int(torch.distributed.get_rank())
+    return 0
