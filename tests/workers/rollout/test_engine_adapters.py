@@ -348,7 +348,9 @@ class _RecordingEngineRollout(ExternalEngineRollout):
 def _tp_rank(rank: int, world_size: int) -> None:
     import torch.distributed as dist
 
-    rollout = _RecordingEngineRollout(_model_path(), engine_config(tensor_model_parallel_size=2, response_length=4))
+    # the trivial engine computes no log-probs, so it is not asked for them (on by default since upstream v0.9)
+    config = engine_config(tensor_model_parallel_size=2, response_length=4, calculate_log_probs=False)
+    rollout = _RecordingEngineRollout(_model_path(), config)
     # rank 0 holds two prompts, rank 1 one: the engine group must run all three on both ranks
     mine = [[10, 11, 12], [13, 14]] if rank == 0 else [[20, 21, 22, 23]]
     width = 4

@@ -156,7 +156,7 @@ def value_loss(config, model_output, data: TensorDict, dp_group=None):
         dp_size=dp_size,
         batch_num_tokens=batch_num_tokens,
         global_batch_size=global_batch_size,
-        loss_scale_factor=config.get("loss_scale_factor", None),
+        loss_scale_factor=getattr(config, "loss_scale_factor", None),
     )
     globally_normalised = dp_size > 1 or batch_num_tokens is not None or global_batch_size is not None
     metrics = {
