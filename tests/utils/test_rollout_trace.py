@@ -107,14 +107,12 @@ def test_mlflow_backend_records_spans_inputs_outputs_and_tags(fresh_config, tmp_
     assert score.inputs == {"x": 1} and score.outputs == 2
 
 
-def test_the_trace_sections_own_names_win_over_the_trainers(fresh_config):
-    from verl.experimental.agent_loop.rollout import _init_tracing
-    from verl.workers.config.rollout import TraceConfig
+def test_the_trace_sections_own_names_win_over_the_trainers():
+    from omegaconf import OmegaConf
 
-    _init_tracing(TraceConfig(backend="dummy", project_name="traces", experiment_name="run7"), "proj", "exp")
-    config = RolloutTraceConfig.get_instance()
-    assert (config.project_name, config.experiment_name) == ("traces", "run7")
-    RolloutTraceConfig.reset()
-    _init_tracing(TraceConfig(backend="dummy"), "proj", "exp")  # unset: the trainer's (upstream's default)
-    config = RolloutTraceConfig.get_instance()
-    assert (config.project_name, config.experiment_name) == ("proj", "exp")
+    from verl.workers.engine_workers import trace_run_names
+
+    own = OmegaConf.create({"rollout": {"trace": {"project_name": "traces", "experiment_name": "run7"}}})
+    assert trace_run_names(own, "proj", "exp") == {"project_name": "traces", "experiment_name": "run7"}
+    unset = OmegaConf.create({"rollout": {"trace": {"project_name": None, "experiment_name": None}}})
+    assert trace_run_names(unset, "proj", "exp") == {"project_name": "proj", "experiment_name": "exp"}

@@ -177,7 +177,7 @@ class ActorRolloutRefWorker(Worker, DistProfilerExtension):
     ):
         super().__init__()
         # the trainer's names, for the agent-loop rollout's traces (this config is actor_rollout_ref only)
-        self.trace_names = {"project_name": project_name, "experiment_name": experiment_name}
+        self.trace_names = trace_run_names(config, project_name, experiment_name)
         # what runs agent loops over the rollout engine, passed in from above (verl.workers.rollout.wrapper)
         self.rollout_wrapper = rollout_wrapper
         if role not in _ROLES:
@@ -691,3 +691,14 @@ class CriticWorker(Worker, DistProfilerExtension):
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def load_checkpoint(self, local_path: str, del_local_after_load: bool = False) -> None:
         self.critic_model.load_checkpoint(local_path)
+
+
+def trace_run_names(config, project_name: str | None, experiment_name: str | None) -> dict:
+    """The names the agent loops' traces are filed under: `rollout.trace.project_name` / `experiment_name`
+    (upstream v0.9's keys, which follow the trainer's by default) when set, else the trainer's names."""
+    rollout = config.get("rollout") if hasattr(config, "get") else None
+    trace = (rollout.get("trace") if rollout is not None else None) or {}
+    return {
+        "project_name": trace.get("project_name") or project_name,
+        "experiment_name": trace.get("experiment_name") or experiment_name,
+    }

@@ -393,6 +393,8 @@ def test_group_estimators_with_one_sample_per_prompt_warn(defaults, estimator):
         actor_rollout_ref__ref__rollout_n=1,
         critic__rollout_n=1,
         actor_rollout_ref__actor__ppo_micro_batch_size_per_gpu=16,
+        # GDPO needs the names of its reward components
+        **({"algorithm__gdpo_reward_keys": ["acc"]} if estimator == "gdpo" else {}),
     )
     with pytest.warns(ConfigWarning, match=f"adv_estimator={estimator} .* no group baseline") as record:
         validate_ppo_config(cfg)

@@ -423,12 +423,9 @@ class AgentLoopRollout(BaseRollout):
 
 def _init_tracing(trace: TraceConfig, project_name: str | None, experiment_name: str | None) -> None:
     """Configure this process's rollout tracer from the rollout config's `trace` section (once per process:
-    `RolloutTraceConfig.init` keeps the first choice). The section's own `project_name` / `experiment_name`
-    (upstream v0.9's keys, which follow the trainer's by default) win over the trainer's names passed in."""
+    `RolloutTraceConfig.init` keeps the first choice)."""
     if trace.backend is None:
         return
-    project_name = getattr(trace, "project_name", None) or project_name
-    experiment_name = getattr(trace, "experiment_name", None) or experiment_name
     if project_name is None or experiment_name is None:
         raise ValueError(
             f"actor_rollout_ref.rollout.trace.backend={trace.backend} names traces after the trainer's project and "
