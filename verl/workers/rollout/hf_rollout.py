@@ -185,6 +185,10 @@ class HFRollout(BaseRollout):
         # rollout.seed: the sampler's own random stream, seeded once per engine with seed + the replica's rank
         # (upstream's vLLM engines: replica_rank + seed), so replicas given copies of one prompt draw apart
         self.generator = torch.Generator(device=self.engine.device).manual_seed(int(self.config.seed) + _replica_rank())
+        # the stream's state travels with this process's checkpoints, so a resumed run samples as the uninterrupted one
+        from verl.utils.checkpoint.checkpoint_manager import register_rng_generator
+
+        register_rng_generator("rollout_sampler", self.generator)
         # Set by the rollout worker of asynchronous training; used when a request asks for partial rollouts.
         self.weight_refresh: WeightRefresh | None = None
         self._model_path = model_path_or_module if isinstance(model_path_or_module, (str, os.PathLike)) else None
