@@ -383,8 +383,12 @@ class RolloutConfig(BaseConfig):
         default=False,
     )
     seed: int = doc(
-        "Seed of the rollout's sampling: the engine draws its samples from a random stream seeded with it once, "
-        "when it is built (as vLLM's engine seed), so a run's responses repeat with the same seed.",
+        "Seed of the rollout engine's sampling. The built-in engine samples from its worker's per-rank random "
+        "stream (seeded per rank at start-up and saved with checkpoints, so a resumed run samples as the "
+        "uninterrupted one); with full_determinism=true that stream is reseeded with seed + rank. Another seed "
+        "is not implemented.",
+        status=UNSUPPORTED,
+        neutral=42,
         default=42,
     )
     temperature: float = doc("Sampling temperature of training rollouts.", default=1.0)

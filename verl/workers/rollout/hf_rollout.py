@@ -181,14 +181,11 @@ class HFRollout(BaseRollout):
         if self.config.full_determinism:  # rollout.full_determinism: deterministic kernels, seeded streams
             from verl.utils.device import enable_full_determinism
 
-            enable_full_determinism(int(self.config.seed))
-        # rollout.seed: the sampler's own random stream, seeded once per engine with seed + the replica's rank
-        # (upstream's vLLM engines: replica_rank + seed), so replicas given copies of one prompt draw apart
-        self.generator = torch.Generator(device=self.engine.device).manual_seed(int(self.config.seed) + _replica_rank())
-        # the stream's state travels with this process's checkpoints, so a resumed run samples as the uninterrupted one
-        from verl.utils.checkpoint.checkpoint_manager import register_rng_generator
-
-        register_rng_generator("rollout_sampler", self.generator)
+            # seed + rank, as upstream seeds each vLLM replica (replica_rank + seed): replicas given copies of one
+            # prompt must not draw alike
+            enable_full_determinism(int(self.config.seed) + _replica_rank())
+        # sampling draws from the worker's per-rank stream, which checkpoints save (verl.workers.group_setup)
+        self.generator = None
         # Set by the rollout worker of asynchronous training; used when a request asks for partial rollouts.
         self.weight_refresh: WeightRefresh | None = None
         self._model_path = model_path_or_module if isinstance(model_path_or_module, (str, os.PathLike)) else None
