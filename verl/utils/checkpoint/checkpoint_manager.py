@@ -246,8 +246,6 @@ class BaseCheckpointManager:
         state = {"cpu": torch.get_rng_state(), "numpy": numpy_rng_state(), "random": random.getstate()}
         if is_cuda_available():
             state["device"] = get_torch_device().get_rng_state()
-        if RNG_GENERATORS:
-            state["generators"] = {name: g.get_state() for name, g in RNG_GENERATORS.items()}
         return state
 
     @staticmethod
@@ -257,20 +255,6 @@ class BaseCheckpointManager:
         random.setstate(state["random"])
         if is_cuda_available() and "device" in state:
             get_torch_device().set_rng_state(state["device"])
-        for name, saved in (state.get("generators") or {}).items():
-            if name in RNG_GENERATORS:
-                RNG_GENERATORS[name].set_state(saved)
-
-
-RNG_GENERATORS: dict[str, torch.Generator] = {}
-"""This process's own random streams besides the global ones (name -> generator), saved and restored with
-the checkpoint's RNG state so a resumed run draws what the uninterrupted one would (the built-in rollout
-engine's sampler registers its stream here)."""
-
-
-def register_rng_generator(name: str, generator: torch.Generator) -> None:
-    """Save and restore `generator`'s state with this process's checkpoints (see `RNG_GENERATORS`)."""
-    RNG_GENERATORS[name] = generator
 
 
 # Expiry timestamps (seconds since the epoch) that cloud platforms set for a capacity reservation.

@@ -185,7 +185,6 @@ class HFRollout(BaseRollout):
             # prompt must not draw alike
             enable_full_determinism(int(self.config.seed) + _replica_rank())
         # sampling draws from the worker's per-rank stream, which checkpoints save (verl.workers.group_setup)
-        self.generator = None
         # Set by the rollout worker of asynchronous training; used when a request asks for partial rollouts.
         self.weight_refresh: WeightRefresh | None = None
         self._model_path = model_path_or_module if isinstance(model_path_or_module, (str, os.PathLike)) else None
@@ -370,7 +369,6 @@ class HFRollout(BaseRollout):
             pad_token_id=pad,
             position_ids=position_ids,
             return_logprobs=self.config.calculate_log_probs,
-            generator=self.generator,
             record_routing=bool(self.config.enable_rollout_routing_replay),
             multi_modal_inputs=images,
         )
@@ -417,7 +415,6 @@ class HFRollout(BaseRollout):
                 pad_token_id=pad,
                 position_ids=position_ids,
                 return_logprobs=logprobs is not None,
-                generator=self.generator,
                 pause=refresh.pending,
                 pause_check_steps=check_steps,
                 multi_modal_inputs=images,
